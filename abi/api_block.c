@@ -1,0 +1,321 @@
+/* Exported block, migration, fence, prefix and pool calls. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "abi/api_common.h"
+#include "core/ext_pool.h"
+
+kvh_status kvh_block_info_get(kvh_engine *e, kvh_block block, kvh_block_info *info)
+{
+    KVHI_REQUIRE(info, "info is NULL");
+    if (info->struct_size != sizeof(kvh_block_info))
+        return kvhi_fail(KVH_ERR_STRUCT_SIZE, "kvh_block_info struct_size %u, expected %zu", info->struct_size,
+                         sizeof(kvh_block_info));
+    kvh_status st = kvhi_api_enter(e);
+    if (st != KVH_OK)
+        return st;
+    uint32_t b;
+    if ((st = kvhi_block_resolve(e, block, &b)) == KVH_OK) {
+        kvhi_block *blk = &e->blocks[b];
+        *info = (kvh_block_info){.struct_size = sizeof(kvh_block_info),
+                                 .tier = blk->tier,
+                                 .slot = blk->slot,
+                                 .refs = blk->refs,
+                                 .pins = blk->pins,
+                                 .holds = blk->holds,
+                                 .tokens = blk->n_tokens,
+                                 .agent = blk->agent,
+                                 .published = (blk->flags & KVHI_BF_PUBLISHED) != 0,
+                                 .in_flight = (blk->flags & KVHI_BF_IN_FLIGHT) != 0,
+                                 .hash = (blk->flags & KVHI_BF_HASHED) ? blk->hash : 0};
+    }
+    kvhi_leave(e);
+    return st;
+}
+
+kvh_status kvh_block_alloc(kvh_engine *e, uint32_t agent, kvh_block *block)
+{
+    KVHI_REQUIRE(block, "block out-parameter is NULL");
+    kvh_status st = kvhi_api_enter(e);
+    if (st != KVH_OK)
+        return st;
+    uint32_t b;
+    if ((st = kvhi_block_new(e, agent, KVH_TIER_DEVICE, &b)) == KVH_OK)
+        block->id = kvh_block_handle(e, b);
+    kvhi_leave(e);
+    return st;
+}
+
+kvh_status kvh_block_retain(kvh_engine *e, kvh_block block)
+{
+    kvh_status st = kvhi_api_enter(e);
+    if (st != KVH_OK)
+        return st;
+    uint32_t b;
+    if ((st = kvhi_block_resolve(e, block, &b)) == KVH_OK) {
+        if (e->blocks[b].refs == UINT32_MAX)
+            st = kvhi_fail(KVH_ERR_RANGE, "reference count overflow");
+        else if (e->blocks[b].refs++ == 0)
+            kvhi_block_update_evictable(e, b);
+    }
+    kvhi_leave(e);
+    return st;
+}
+
+kvh_status kvh_block_release(kvh_engine *e, kvh_block block)
+{
+    if (block.id == 0 && e)
+        return KVH_OK;
+    kvh_status st = kvhi_api_enter(e);
+    if (st != KVH_OK)
+        return st;
+    uint32_t b;
+    if ((st = kvhi_block_resolve(e, block, &b)) == KVH_OK) {
+        if (e->blocks[b].refs == 0)
+            st = kvhi_fail(KVH_ERR_INVALID_ARG, "block has no reference left to release");
+        else
+            kvhi_block_unref(e, b);
+    }
+    kvhi_leave(e);
+    return st;
+}
+
+kvh_status kvh_block_pin(kvh_engine *e, kvh_block block, int32_t pinned)
+{
+    kvh_status st = kvhi_api_enter(e);
+    if (st != KVH_OK)
+        return st;
+    uint32_t b;
+    if ((st = kvhi_block_resolve(e, block, &b)) == KVH_OK) {
+        if (!pinned && e->blocks[b].pins == 0)
+            st = kvhi_fail(KVH_ERR_INVALID_ARG, "block is not pinned");
+        else
+            kvhi_block_pin(e, b, pinned != 0);
+    }
+    kvhi_leave(e);
+    return st;
+}
+
+kvh_status kvh_migrate(kvh_engine *e, const kvh_block *blocks, size_t n, uint32_t tier, kvh_fence *fence)
+{
+    KVHI_REQUIRE(blocks || n == 0, "blocks is NULL");
+    kvh_status st = kvhi_api_enter(e);
+    if (st != KVH_OK)
+        return st;
+    uint32_t *idx = malloc(sizeof(uint32_t) * (n ? n : 1));
+    if (!idx) {
+        kvhi_leave(e);
+        return kvhi_fail(KVH_ERR_NOMEM, "out of memory");
+    }
+    for (size_t i = 0; i < n && st == KVH_OK; i++)
+        st = kvhi_block_resolve(e, blocks[i], &idx[i]);
+    kvh_fence f;
+    if (st == KVH_OK)
+        st = kvhi_migrate_blocks(e, idx, n, tier, fence ? &f : NULL);
+    kvhi_leave(e);
+    free(idx);
+    if (st == KVH_OK && fence)
+        *fence = f;
+    return st;
+}
+
+static kvh_status fence_resolve(kvh_engine *e, kvh_fence fence, uint32_t *idx)
+{
+    kvhi_fence *f = kvhi_handles_get(&e->fences, fence.id, idx);
+    if (!f || f->user_freed)
+        return kvhi_fail(KVH_ERR_BAD_HANDLE, "stale or unknown fence 0x%llx", (unsigned long long)fence.id);
+    return KVH_OK;
+}
+
+kvh_status kvh_fence_wait(kvh_engine *e, kvh_fence fence, uint64_t timeout_ns)
+{
+    kvh_status st = kvhi_api_enter(e);
+    if (st != KVH_OK)
+        return st;
+    uint32_t idx;
+    if ((st = fence_resolve(e, fence, &idx)) == KVH_OK)
+        st = kvhi_fence_wait_idx(e, idx, timeout_ns);
+    kvhi_leave(e);
+    return st;
+}
+
+kvh_status kvh_fence_poll(kvh_engine *e, kvh_fence fence, int32_t *done)
+{
+    KVHI_REQUIRE(done, "done is NULL");
+    kvh_status st = kvhi_api_enter(e);
+    if (st != KVH_OK)
+        return st;
+    uint32_t idx;
+    if ((st = fence_resolve(e, fence, &idx)) == KVH_OK) {
+        kvhi_fence *f = kvhi_handles_at(&e->fences, idx);
+        *done = f->pending == 0;
+        if (f->pending == 0 && f->status != KVH_OK)
+            st = kvhi_fail(f->status, "%s", f->msg);
+    }
+    kvhi_leave(e);
+    return st;
+}
+
+kvh_status kvh_fence_free(kvh_engine *e, kvh_fence fence)
+{
+    if (fence.id == 0 && e)
+        return KVH_OK;
+    kvh_status st = kvhi_api_enter(e);
+    if (st != KVH_OK)
+        return st;
+    uint32_t idx;
+    if ((st = fence_resolve(e, fence, &idx)) == KVH_OK)
+        kvhi_fence_drop(e, idx);
+    kvhi_leave(e);
+    return st;
+}
+
+kvh_status kvh_prefix_hash(kvh_engine *e, uint64_t parent, const int32_t *tokens, size_t n, uint64_t *hash)
+{
+    kvhi_clear_error();
+    KVHI_REQUIRE(e && tokens && hash, "engine, tokens and hash must not be NULL");
+    if (n != e->cfg.block_tokens)
+        return kvhi_fail(KVH_ERR_INVALID_ARG, "a block hash covers block_tokens=%u tokens, got %zu",
+                         e->cfg.block_tokens, n);
+    *hash = kvhi_prefix_hash(parent, tokens, n, e->cfg.model_salt);
+    return KVH_OK;
+}
+
+kvh_status kvh_prefix_lookup(kvh_engine *e, const int32_t *tokens, size_t n, kvh_block *out, size_t cap,
+                             size_t *n_blocks)
+{
+    KVHI_REQUIRE(tokens || n == 0, "tokens is NULL");
+    KVHI_REQUIRE((out || cap == 0) && n_blocks, "out and n_blocks must not be NULL");
+    kvh_status st = kvhi_api_enter(e);
+    if (st != KVH_OK)
+        return st;
+    uint32_t bt = e->cfg.block_tokens;
+    uint64_t parent = 0;
+    size_t i = 0;
+    e->stats.prefix_queries++;
+    for (; i < n / bt && i < cap; i++) {
+        uint64_t h = kvhi_prefix_hash(parent, tokens + i * bt, bt, e->cfg.model_salt);
+        uint32_t b = kvhi_prefix_find(&e->prefix, h);
+        if (b == KVHI_PREFIX_MISS || e->blocks[b].parent_hash != parent ||
+            memcmp(kvhi_block_tokens(e, b), tokens + i * bt, bt * sizeof(int32_t)) != 0)
+            break;
+        if (e->blocks[b].refs++ == 0)
+            kvhi_block_update_evictable(e, b);
+        kvhi_block_touch(e, b);
+        out[i].id = kvh_block_handle(e, b);
+        parent = h;
+    }
+    e->stats.prefix_hit_blocks += i;
+    e->stats.prefix_hit_tokens += (uint64_t)i * bt;
+    kvhi_leave(e);
+    *n_blocks = i;
+    return KVH_OK;
+}
+
+kvh_status kvh_pool_register(kvh_engine *e, const kvh_pool_layout *layout, kvh_pool *pool)
+{
+    KVHI_REQUIRE(layout && pool, "layout and pool must not be NULL");
+    if (layout->struct_size != sizeof(kvh_pool_layout))
+        return kvhi_fail(KVH_ERR_STRUCT_SIZE, "kvh_pool_layout struct_size %u, expected %zu", layout->struct_size,
+                         sizeof(kvh_pool_layout));
+    KVHI_REQUIRE(layout->k_base && layout->v_base, "k_base and v_base must not be NULL");
+    KVHI_REQUIRE(layout->num_slots > 0, "num_slots is 0");
+    KVHI_REQUIRE(layout->memory <= KVH_MEMORY_CUDA, "unknown memory kind %u", layout->memory);
+    kvh_status st = kvhi_api_enter(e);
+    if (st != KVH_OK)
+        return st;
+    size_t row = (size_t)e->cfg.head_dim * e->elem_bytes;
+    if (layout->memory == KVH_MEMORY_CUDA && e->backend->device_is_host_memory)
+        st = kvhi_fail(KVH_ERR_UNSUPPORTED, "CUDA pool memory needs the CUDA backend (engine uses %s)",
+                       e->backend->name);
+    else if (layout->token_stride < row || layout->head_stride < row)
+        st = kvhi_fail(KVH_ERR_INVALID_ARG, "token_stride and head_stride must be >= head_dim * element size (%zu)",
+                       row);
+    else {
+        for (uint32_t l = 0; l < e->cfg.num_layers && st == KVH_OK; l++)
+            if (!layout->k_base[l] || !layout->v_base[l])
+                st = kvhi_fail(KVH_ERR_INVALID_ARG, "layer %u has a NULL base pointer", l);
+    }
+    kvh_pool p;
+    if (st == KVH_OK && (st = kvhi_pool_register(e, layout, &p)) == KVH_OK)
+        *pool = p;
+    kvhi_leave(e);
+    return st;
+}
+
+kvh_status kvh_pool_unregister(kvh_engine *e, kvh_pool pool)
+{
+    if (pool.id == 0 && e)
+        return KVH_OK;
+    kvh_status st = kvhi_api_enter(e);
+    if (st != KVH_OK)
+        return st;
+    uint32_t idx;
+    kvhi_ext_pool *p = kvhi_handles_get(&e->pools, pool.id, &idx);
+    if (!p)
+        st = kvhi_fail(KVH_ERR_BAD_HANDLE, "stale or unknown pool 0x%llx", (unsigned long long)pool.id);
+    else {
+        /* Pool copies run under the lock, so none is in flight here. */
+        kvhi_handles_remove(&e->pools, idx);
+        free(p->k_base);
+        free(p->v_base);
+        free(p);
+    }
+    kvhi_leave(e);
+    return st;
+}
+
+static kvh_status enter_pool(kvh_engine *e, kvh_pool pool, uint32_t slot, kvhi_ext_pool **out)
+{
+    kvh_status st = kvhi_api_enter(e);
+    if (st != KVH_OK)
+        return st;
+    kvhi_ext_pool *p = kvhi_handles_get(&e->pools, pool.id, NULL);
+    if (!p)
+        st = kvhi_fail(KVH_ERR_BAD_HANDLE, "stale or unknown pool 0x%llx", (unsigned long long)pool.id);
+    else if (slot >= p->layout.num_slots)
+        st = kvhi_fail(KVH_ERR_RANGE, "slot %u >= num_slots %u", slot, p->layout.num_slots);
+    if (st != KVH_OK) {
+        kvhi_leave(e);
+        return st;
+    }
+    *out = p;
+    return KVH_OK;
+}
+
+kvh_status kvh_pool_offload(kvh_engine *e, kvh_pool pool, uint32_t slot, uint64_t parent_hash, const int32_t *tokens,
+                            size_t n, uint32_t agent, kvh_block *block)
+{
+    KVHI_REQUIRE(tokens && block, "tokens and block must not be NULL");
+    kvhi_ext_pool *p;
+    kvh_status st = enter_pool(e, pool, slot, &p);
+    if (st != KVH_OK)
+        return st;
+    uint32_t b;
+    if (n != e->cfg.block_tokens)
+        st = kvhi_fail(KVH_ERR_INVALID_ARG, "offload takes a full block of %u tokens, got %zu", e->cfg.block_tokens,
+                       n);
+    else if ((st = kvhi_pool_offload(e, p, slot, parent_hash, tokens, agent, &b)) == KVH_OK)
+        block->id = kvh_block_handle(e, b);
+    kvhi_leave(e);
+    return st;
+}
+
+kvh_status kvh_pool_restore(kvh_engine *e, kvh_pool pool, kvh_block block, uint32_t slot)
+{
+    kvhi_ext_pool *p;
+    kvh_status st = enter_pool(e, pool, slot, &p);
+    if (st != KVH_OK)
+        return st;
+    uint32_t b;
+    if ((st = kvhi_block_resolve(e, block, &b)) == KVH_OK) {
+        if (!kvhi_block_kv_complete(e, b))
+            st = kvhi_fail(KVH_ERR_INVALID_ARG, "block KV is not fully written");
+        else
+            st = kvhi_pool_copy(e, p, slot, b, false);
+        if (st == KVH_OK)
+            kvhi_block_touch(e, b);
+    }
+    kvhi_leave(e);
+    return st;
+}

@@ -1,0 +1,35 @@
+/* Helpers shared by the exported wrappers: NULL checks, entering the
+ * engine and resolving a sequence handle in one step. */
+#ifndef KVH_ABI_API_COMMON_H
+#define KVH_ABI_API_COMMON_H
+
+#include "core/engine.h"
+
+#define KVHI_REQUIRE(cond, ...)                                                                                  \
+    do {                                                                                                         \
+        if (!(cond))                                                                                             \
+            return kvhi_fail(KVH_ERR_INVALID_ARG, __VA_ARGS__);                                                  \
+    } while (0)
+
+/* Enters e (lock held on success). */
+static inline kvh_status kvhi_api_enter(kvh_engine *e)
+{
+    kvhi_clear_error();
+    if (!e)
+        return kvhi_fail(KVH_ERR_INVALID_ARG, "engine is NULL");
+    return kvhi_enter(e);
+}
+
+/* Enters e and resolves seq; on failure the engine is left again. */
+static inline kvh_status kvhi_api_enter_seq(kvh_engine *e, kvh_seq h, kvhi_seq **s)
+{
+    kvh_status st = kvhi_api_enter(e);
+    if (st != KVH_OK)
+        return st;
+    st = kvhi_seq_get(e, h, s);
+    if (st != KVH_OK)
+        kvhi_leave(e);
+    return st;
+}
+
+#endif

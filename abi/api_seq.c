@@ -1,0 +1,264 @@
+/* Exported sequence calls: argument checks, then the core under the lock. */
+#include "abi/api_common.h"
+
+kvh_status kvh_seq_create(kvh_engine *e, uint32_t agent, kvh_seq *seq)
+{
+    kvh_status st = kvhi_api_enter(e);
+    if (st != KVH_OK)
+        return st;
+    if (!seq) {
+        kvhi_leave(e);
+        return kvhi_fail(KVH_ERR_INVALID_ARG, "seq out-parameter is NULL");
+    }
+    kvh_seq h;
+    st = kvhi_seq_create(e, agent, &h);
+    kvhi_leave(e);
+    if (st == KVH_OK)
+        *seq = h;
+    return st;
+}
+
+kvh_status kvh_seq_free(kvh_engine *e, kvh_seq seq)
+{
+    if (seq.id == 0 && e)
+        return KVH_OK;
+    kvhi_seq *s;
+    kvh_status st = kvhi_api_enter_seq(e, seq, &s);
+    if (st != KVH_OK)
+        return st;
+    kvhi_handles_remove(&e->seqs, kvhi_handle_index(seq.id));
+    kvhi_seq_destroy(e, s);
+    kvhi_leave(e);
+    return KVH_OK;
+}
+
+kvh_status kvh_seq_fork(kvh_engine *e, kvh_seq seq, uint32_t agent, kvh_seq *child)
+{
+    KVHI_REQUIRE(child, "child out-parameter is NULL");
+    kvhi_seq *s;
+    kvh_status st = kvhi_api_enter_seq(e, seq, &s);
+    if (st != KVH_OK)
+        return st;
+    kvh_seq h;
+    st = kvhi_seq_fork(e, s, agent, &h);
+    kvhi_leave(e);
+    if (st == KVH_OK)
+        *child = h;
+    return st;
+}
+
+kvh_status kvh_seq_append(kvh_engine *e, kvh_seq seq, const int32_t *tokens, size_t n)
+{
+    KVHI_REQUIRE(tokens || n == 0, "tokens is NULL");
+    kvhi_seq *s;
+    kvh_status st = kvhi_api_enter_seq(e, seq, &s);
+    if (st != KVH_OK)
+        return st;
+    st = kvhi_seq_append(e, s, tokens, n);
+    kvhi_leave(e);
+    return st;
+}
+
+kvh_status kvh_seq_length(kvh_engine *e, kvh_seq seq, uint64_t *n_tokens)
+{
+    KVHI_REQUIRE(n_tokens, "n_tokens is NULL");
+    kvhi_seq *s;
+    kvh_status st = kvhi_api_enter_seq(e, seq, &s);
+    if (st != KVH_OK)
+        return st;
+    *n_tokens = s->n_tokens;
+    kvhi_leave(e);
+    return KVH_OK;
+}
+
+kvh_status kvh_seq_tokens(kvh_engine *e, kvh_seq seq, uint64_t first, size_t n, int32_t *out)
+{
+    KVHI_REQUIRE(out || n == 0, "out is NULL");
+    kvhi_seq *s;
+    kvh_status st = kvhi_api_enter_seq(e, seq, &s);
+    if (st != KVH_OK)
+        return st;
+    st = kvhi_seq_tokens(e, s, first, n, out);
+    kvhi_leave(e);
+    return st;
+}
+
+kvh_status kvh_seq_write_kv(kvh_engine *e, kvh_seq seq, uint32_t layer, uint64_t pos, size_t n, const void *k,
+                            const void *v)
+{
+    KVHI_REQUIRE((k && v) || n == 0, "k and v must not be NULL");
+    kvhi_seq *s;
+    kvh_status st = kvhi_api_enter_seq(e, seq, &s);
+    if (st != KVH_OK)
+        return st;
+    st = kvhi_seq_write_kv(e, s, layer, pos, n, k, v);
+    kvhi_leave(e);
+    return st;
+}
+
+kvh_status kvh_seq_read_kv(kvh_engine *e, kvh_seq seq, uint32_t layer, uint64_t pos, size_t n, void *k, void *v)
+{
+    kvhi_seq *s;
+    kvh_status st = kvhi_api_enter_seq(e, seq, &s);
+    if (st != KVH_OK)
+        return st;
+    st = kvhi_seq_read_kv(e, s, layer, pos, n, k, v);
+    kvhi_leave(e);
+    return st;
+}
+
+kvh_status kvh_seq_truncate(kvh_engine *e, kvh_seq seq, uint64_t n_tokens)
+{
+    kvhi_seq *s;
+    kvh_status st = kvhi_api_enter_seq(e, seq, &s);
+    if (st != KVH_OK)
+        return st;
+    st = kvhi_seq_truncate(e, s, n_tokens);
+    kvhi_leave(e);
+    return st;
+}
+
+kvh_status kvh_seq_match_prefix(kvh_engine *e, kvh_seq seq, const int32_t *tokens, size_t n, size_t *matched_tokens)
+{
+    KVHI_REQUIRE(tokens || n == 0, "tokens is NULL");
+    KVHI_REQUIRE(matched_tokens, "matched_tokens is NULL");
+    kvhi_seq *s;
+    kvh_status st = kvhi_api_enter_seq(e, seq, &s);
+    if (st != KVH_OK)
+        return st;
+    size_t m = 0;
+    st = kvhi_seq_match_prefix(e, s, tokens, n, &m);
+    kvhi_leave(e);
+    if (st == KVH_OK)
+        *matched_tokens = m;
+    return st;
+}
+
+kvh_status kvh_seq_acquire(kvh_engine *e, kvh_seq seq, uint64_t first, uint64_t n, kvh_fence *fence)
+{
+    kvhi_seq *s;
+    kvh_status st = kvhi_api_enter_seq(e, seq, &s);
+    if (st != KVH_OK)
+        return st;
+    kvh_fence f;
+    st = kvhi_seq_acquire(e, s, first, n, fence ? &f : NULL);
+    kvhi_leave(e);
+    if (st == KVH_OK && fence)
+        *fence = f;
+    return st;
+}
+
+kvh_status kvh_seq_release(kvh_engine *e, kvh_seq seq, uint64_t first, uint64_t n)
+{
+    kvhi_seq *s;
+    kvh_status st = kvhi_api_enter_seq(e, seq, &s);
+    if (st != KVH_OK)
+        return st;
+    st = kvhi_seq_release(e, s, first, n);
+    kvhi_leave(e);
+    return st;
+}
+
+kvh_status kvh_seq_pin(kvh_engine *e, kvh_seq seq, uint64_t first, uint64_t n, int32_t pinned)
+{
+    kvhi_seq *s;
+    kvh_status st = kvhi_api_enter_seq(e, seq, &s);
+    if (st != KVH_OK)
+        return st;
+    uint32_t b0 = 0, b1 = 0;
+    st = kvhi_seq_block_range(e, s, first, n, &b0, &b1);
+    if (st == KVH_OK && !pinned)
+        for (uint32_t i = b0; i < b1; i++)
+            if (e->blocks[s->blocks[i]].pins == 0) {
+                st = kvhi_fail(KVH_ERR_INVALID_ARG, "block %u of the sequence is not pinned", i);
+                break;
+            }
+    if (st == KVH_OK)
+        for (uint32_t i = b0; i < b1; i++)
+            kvhi_block_pin(e, s->blocks[i], pinned != 0);
+    kvhi_leave(e);
+    return st;
+}
+
+kvh_status kvh_seq_blocks(kvh_engine *e, kvh_seq seq, uint64_t first_block, size_t n, kvh_block *out)
+{
+    KVHI_REQUIRE(out || n == 0, "out is NULL");
+    kvhi_seq *s;
+    kvh_status st = kvhi_api_enter_seq(e, seq, &s);
+    if (st != KVH_OK)
+        return st;
+    if (first_block > s->n_blocks || n > s->n_blocks - first_block)
+        st = kvhi_fail(KVH_ERR_RANGE, "blocks [%llu, +%zu) pass the %u blocks of the sequence",
+                       (unsigned long long)first_block, n, s->n_blocks);
+    else
+        for (size_t i = 0; i < n; i++)
+            out[i].id = kvh_block_handle(e, s->blocks[first_block + i]);
+    kvhi_leave(e);
+    return st;
+}
+
+kvh_status kvh_block_table(kvh_engine *e, const kvh_seq *seqs, size_t n_seqs, int32_t *indptr, int32_t *indices,
+                           size_t indices_cap, int32_t *last_page_len)
+{
+    KVHI_REQUIRE(seqs || n_seqs == 0, "seqs is NULL");
+    KVHI_REQUIRE(indptr && last_page_len, "indptr and last_page_len must not be NULL");
+    KVHI_REQUIRE(indices || indices_cap == 0, "indices is NULL");
+    kvh_status st = kvhi_api_enter(e);
+    if (st != KVH_OK)
+        return st;
+    size_t used = 0;
+    indptr[0] = 0;
+    for (size_t i = 0; i < n_seqs && st == KVH_OK; i++) {
+        kvhi_seq *s;
+        if ((st = kvhi_seq_get(e, seqs[i], &s)) != KVH_OK)
+            break;
+        if (used + s->n_blocks > indices_cap || used + s->n_blocks > INT32_MAX) {
+            st = kvhi_fail(KVH_ERR_RANGE, "indices_cap %zu is too small", indices_cap);
+            break;
+        }
+        for (uint32_t j = 0; j < s->n_blocks; j++) {
+            kvhi_block *blk = &e->blocks[s->blocks[j]];
+            if (blk->tier != KVH_TIER_DEVICE || (blk->flags & KVHI_BF_IN_FLIGHT)) {
+                st = kvhi_fail(KVH_ERR_NOT_RESIDENT, "sequence %zu block %u is not in the device tier", i, j);
+                break;
+            }
+            indices[used++] = (int32_t)blk->slot;
+        }
+        indptr[i + 1] = (int32_t)used;
+        last_page_len[i] = s->n_blocks ? e->blocks[s->blocks[s->n_blocks - 1]].n_tokens : 0;
+    }
+    kvhi_leave(e);
+    return st;
+}
+
+kvh_status kvh_seq_migrate(kvh_engine *e, kvh_seq seq, uint64_t first, uint64_t n, uint32_t tier, kvh_fence *fence)
+{
+    kvhi_seq *s;
+    kvh_status st = kvhi_api_enter_seq(e, seq, &s);
+    if (st != KVH_OK)
+        return st;
+    uint32_t b0 = 0, b1 = 0;
+    st = kvhi_seq_block_range(e, s, first, n, &b0, &b1);
+    if (st == KVH_OK) {
+        kvh_fence f;
+        st = kvhi_migrate_blocks(e, s->blocks + b0, b1 - b0, tier, fence ? &f : NULL);
+        if (st == KVH_OK && fence)
+            *fence = f;
+    }
+    kvhi_leave(e);
+    return st;
+}
+
+kvh_status kvh_prefetch(kvh_engine *e, kvh_seq seq, uint64_t first, uint64_t n, int32_t priority, kvh_fence *fence)
+{
+    kvhi_seq *s;
+    kvh_status st = kvhi_api_enter_seq(e, seq, &s);
+    if (st != KVH_OK)
+        return st;
+    kvh_fence f;
+    st = kvhi_prefetch(e, s, first, n, priority, fence ? &f : NULL);
+    kvhi_leave(e);
+    if (st == KVH_OK && fence)
+        *fence = f;
+    return st;
+}

@@ -1,0 +1,506 @@
+/*
+ * kvh.h: the public C ABI of kvh, a hierarchical KV-cache manager.
+ *
+ * This header is the specification. Anything not declared here is not API.
+ *
+ * Conventions used on every prototype below:
+ *   - Every fallible call returns a kvh_status: KVH_OK (0) or a negative
+ *     code from KVH_STATUS_LIST. Out-parameters are written only on success.
+ *     kvh_last_error() then holds a thread-local message with detail.
+ *   - Ownership tags: [borrowed] the pointer is read (or written) during the
+ *     call only; [out] written on success; [owned by engine] valid until the
+ *     named release call.
+ *   - @threads any:    may be called from any thread at any time.
+ *     @threads handle: calls naming the same handle must not overlap
+ *                      (different handles may be used concurrently).
+ *   - Handles (kvh_seq, kvh_block, kvh_fence, kvh_pool) are 64-bit values
+ *     carrying a type tag and a generation: a stale, freed or forged handle
+ *     is reported as KVH_ERR_BAD_HANDLE, never a crash. The zero handle is
+ *     the null handle.
+ *   - Params structs start with struct_size; fields are only appended;
+ *     the *_init() function fills defaults for the size the caller passes.
+ */
+#ifndef KVH_KVH_H
+#define KVH_KVH_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define KVH_VERSION_MAJOR 0
+#define KVH_VERSION_MINOR 1
+#define KVH_VERSION_PATCH 0
+/* MAJOR * 10000 + MINOR * 100 + PATCH; compare with kvh_version(). */
+#define KVH_VERSION_NUMBER 100
+
+#if defined(__GNUC__) || defined(__clang__)
+#define KVH_API __attribute__((visibility("default")))
+#else
+#define KVH_API
+#endif
+
+/* ------------------------------------------------------------------ */
+/* Status codes                                                        */
+/* ------------------------------------------------------------------ */
+
+/* X(name, value, description). Values never change once released. */
+#define KVH_STATUS_LIST(X)                                                     \
+    X(KVH_OK, 0, "success")                                                    \
+    X(KVH_ERR_INVALID_ARG, -1, "invalid argument")                             \
+    X(KVH_ERR_BAD_HANDLE, -2, "stale, freed or forged handle")                 \
+    X(KVH_ERR_NOMEM, -3, "out of host memory")                                 \
+    X(KVH_ERR_NOSPACE, -4, "no room in any tier for the request")              \
+    X(KVH_ERR_IO, -5, "I/O error")                                             \
+    X(KVH_ERR_CORRUPT, -6, "stored data failed its checksum")                  \
+    X(KVH_ERR_BUSY, -7, "resource is busy or locked by another user")          \
+    X(KVH_ERR_TIMEOUT, -8, "deadline passed before the work completed")        \
+    X(KVH_ERR_UNSUPPORTED, -9, "not supported by this build or machine")       \
+    X(KVH_ERR_RANGE, -10, "position or range out of bounds")                   \
+    X(KVH_ERR_STRUCT_SIZE, -11, "struct_size is not one this library knows")   \
+    X(KVH_ERR_NOT_RESIDENT, -12, "block is not resident in the needed tier")   \
+    X(KVH_ERR_CLOSED, -13, "engine is closing")                                \
+    X(KVH_ERR_MISMATCH, -14, "store geometry, model or version mismatch")      \
+    X(KVH_ERR_INTERNAL, -15, "internal error")
+
+#define KVH_STATUS_ENUM_ENTRY_(name, value, text) name = value,
+enum kvh_status_code { KVH_STATUS_LIST(KVH_STATUS_ENUM_ENTRY_) };
+#undef KVH_STATUS_ENUM_ENTRY_
+
+/* A plain integer, so a code added by a newer library is still a value. */
+typedef int32_t kvh_status;
+
+/* ------------------------------------------------------------------ */
+/* Enumerations (stored in uint32_t fields)                            */
+/* ------------------------------------------------------------------ */
+
+enum kvh_tier {
+    KVH_TIER_DEVICE = 0, /* CUDA memory, or the CPU backend's compute arena */
+    KVH_TIER_HOST = 1,   /* host RAM (page-locked when CUDA is active) */
+    KVH_TIER_DISK = 2    /* files under kvh_config.disk_path */
+};
+#define KVH_TIER_COUNT 3
+
+enum kvh_dtype { KVH_DTYPE_F32 = 0, KVH_DTYPE_F16 = 1, KVH_DTYPE_BF16 = 2 };
+
+enum kvh_backend {
+    KVH_BACKEND_AUTO = 0, /* CUDA when a device answers, else CPU */
+    KVH_BACKEND_CPU = 1,
+    KVH_BACKEND_CUDA = 2
+};
+
+enum kvh_memory { KVH_MEMORY_HOST = 0, KVH_MEMORY_CUDA = 1 };
+
+enum kvh_log_level {
+    KVH_LOG_ERROR = 0,
+    KVH_LOG_WARN = 1,
+    KVH_LOG_INFO = 2,
+    KVH_LOG_DEBUG = 3
+};
+
+/* ------------------------------------------------------------------ */
+/* Handles                                                             */
+/* ------------------------------------------------------------------ */
+
+typedef struct kvh_engine kvh_engine; /* opaque; one per process is typical */
+typedef struct kvh_seq { uint64_t id; } kvh_seq;
+typedef struct kvh_block { uint64_t id; } kvh_block;
+typedef struct kvh_fence { uint64_t id; } kvh_fence;
+typedef struct kvh_pool { uint64_t id; } kvh_pool;
+
+/* ------------------------------------------------------------------ */
+/* Version and errors                                                  */
+/* ------------------------------------------------------------------ */
+
+/* KVH_VERSION_NUMBER of the loaded library. @threads any */
+KVH_API uint32_t kvh_version(void);
+
+/* "MAJOR.MINOR.PATCH" of the loaded library; static text. @threads any */
+KVH_API const char *kvh_version_string(void);
+
+/* Static description of a status; unknown codes get a generic text.
+ * @threads any */
+KVH_API const char *kvh_strerror(kvh_status status);
+
+/* Static name of a status ("KVH_ERR_NOSPACE"); unknown codes get
+ * "KVH_ERR_UNKNOWN". @threads any */
+KVH_API const char *kvh_status_name(kvh_status status);
+
+/* Detail of the last failed call on this thread, or "" if none.
+ * [owned by library] valid until the next kvh_* call on this thread.
+ * @threads any */
+KVH_API const char *kvh_last_error(void);
+
+/* ------------------------------------------------------------------ */
+/* Configuration                                                       */
+/* ------------------------------------------------------------------ */
+
+/* Log sink: level is a kvh_log_level, message is [borrowed] for the call.
+ * Called from any kvh thread, never with an engine lock held. */
+typedef void (*kvh_log_fn)(void *user, int32_t level, const char *message);
+
+typedef struct kvh_config {
+    uint32_t struct_size;
+    /* Model geometry. A block holds K and V of block_tokens consecutive
+     * tokens for all layers, laid out [layer][K,V][kv_head][token][dim]. */
+    uint32_t num_layers;   /* default 1 */
+    uint32_t num_kv_heads; /* default 1 */
+    uint32_t head_dim;     /* default 64 */
+    uint32_t block_tokens; /* power of two, 1..256; default 16 */
+    uint32_t dtype;        /* kvh_dtype; default KVH_DTYPE_F16 */
+    uint32_t backend;      /* kvh_backend; default KVH_BACKEND_AUTO */
+    int32_t cuda_device;   /* default 0 */
+    /* Tier budgets in bytes; rounded down to whole blocks. */
+    uint64_t device_bytes; /* default 256 MiB */
+    uint64_t host_bytes;   /* default 1 GiB */
+    uint64_t disk_bytes;   /* default 0: no disk tier */
+    const char *disk_path; /* [borrowed] during open; NULL: no disk tier */
+    uint64_t model_salt;   /* namespace of prefix hashes (model identity) */
+    int32_t numa_node;     /* host tier + workers bound here; -1: none */
+    uint32_t migration_threads; /* default 2; 0 = migrate in caller */
+    uint64_t migration_cpu_mask; /* bit i = CPU i for workers; 0 = any */
+    uint32_t lru_k;              /* LRU-K history depth, 1..4; default 2 */
+    uint32_t promote_min_hits;   /* hysteresis for prefetch; default 1 */
+    uint32_t log_level;          /* highest kvh_log_level sent; default WARN */
+    uint32_t reserved0;
+    kvh_log_fn log_fn; /* NULL: messages go nowhere */
+    void *log_user;    /* passed to log_fn as is */
+} kvh_config;
+
+/* Fills *config with defaults for a struct of struct_size bytes (pass
+ * sizeof(kvh_config)); the caller then changes what it needs.
+ * [borrowed] config. Returns KVH_ERR_INVALID_ARG for NULL,
+ * KVH_ERR_STRUCT_SIZE for a size this library does not know.
+ * @threads any */
+KVH_API kvh_status kvh_config_init(kvh_config *config, size_t struct_size);
+
+/* ------------------------------------------------------------------ */
+/* Engine                                                              */
+/* ------------------------------------------------------------------ */
+
+/* Creates an engine. [borrowed] config; [out] *engine, owned by the caller
+ * until kvh_engine_close. Returns KVH_ERR_INVALID_ARG (bad geometry or
+ * budgets), KVH_ERR_STRUCT_SIZE, KVH_ERR_NOMEM, KVH_ERR_UNSUPPORTED (an
+ * explicit CUDA backend that is not available). @threads any */
+KVH_API kvh_status kvh_engine_open(const kvh_config *config,
+                                   kvh_engine **engine);
+
+/* Waits for migrations in flight, stops the workers and frees everything.
+ * Every handle of the engine becomes invalid. NULL is accepted (KVH_OK).
+ * Calls racing with close on other threads get KVH_ERR_CLOSED.
+ * @threads handle (one close per engine) */
+KVH_API kvh_status kvh_engine_close(kvh_engine *engine);
+
+/* Bytes of one block for this engine's geometry. [out] *bytes.
+ * @threads any */
+KVH_API kvh_status kvh_engine_block_bytes(const kvh_engine *engine,
+                                          uint64_t *bytes);
+
+/* Name of the backend in use ("cpu" or "cuda"): static text, or NULL for a
+ * NULL engine. @threads any */
+KVH_API const char *kvh_engine_backend(const kvh_engine *engine);
+
+typedef struct kvh_tier_info {
+    uint32_t struct_size;
+    uint32_t tier;            /* kvh_tier */
+    uint64_t capacity_blocks; /* 0 when the tier is absent */
+    uint64_t used_blocks;     /* slots holding a block or in flight */
+    uint64_t used_bytes;      /* == used_blocks * block_bytes, always */
+    uint64_t block_bytes;
+    uint64_t pinned_blocks;
+    void *base; /* memory tiers: address of slot 0 (device pointer on
+                   CUDA); slot i is at base + i * block_bytes. NULL for
+                   disk. [owned by engine] until close. */
+} kvh_tier_info;
+
+/* Occupancy of one tier. [out] *info (set info->struct_size first).
+ * Returns KVH_ERR_INVALID_ARG for an unknown tier. @threads any */
+KVH_API kvh_status kvh_tier_info_get(kvh_engine *engine, uint32_t tier,
+                                     kvh_tier_info *info);
+
+/* Monotonic counters. Lookups count block accesses by acquire/read/write;
+ * a hit is counted in the tier where the block was found. */
+typedef struct kvh_stats {
+    uint32_t struct_size;
+    uint32_t reserved0;
+    uint64_t lookups;
+    uint64_t hits_device;
+    uint64_t hits_host;
+    uint64_t hits_disk;
+    uint64_t prefix_queries;     /* match_prefix / prefix_lookup calls */
+    uint64_t prefix_hit_blocks;  /* blocks attached from the index */
+    uint64_t prefix_hit_tokens;
+    uint64_t blocks_device_to_host;
+    uint64_t blocks_host_to_device;
+    uint64_t blocks_host_to_disk;
+    uint64_t blocks_disk_to_host;
+    uint64_t bytes_device_to_host;
+    uint64_t bytes_host_to_device;
+    uint64_t bytes_host_to_disk;
+    uint64_t bytes_disk_to_host;
+    uint64_t prefetch_issued;  /* promotions started by a hint */
+    uint64_t prefetch_useful;  /* prefetched, then used before eviction */
+    uint64_t prefetch_late;    /* acquire had to wait for a prefetch */
+    uint64_t prefetch_wasted;  /* prefetched, evicted unused */
+    uint64_t prefetch_skipped; /* hints below promote_min_hits */
+    uint64_t cow_copies;
+    uint64_t evictions;        /* blocks demoted to make room */
+    uint64_t drops;            /* unreferenced cached blocks discarded */
+    uint64_t corrupt_blocks;
+    uint64_t acquire_stall_ns; /* time acquire spent waiting for copies */
+    uint64_t blocks_allocated;
+    uint64_t blocks_freed;
+} kvh_stats;
+
+/* Copies the counters. [out] *stats (set stats->struct_size first; a
+ * smaller, older struct is filled up to its size). @threads any */
+KVH_API kvh_status kvh_engine_stats(kvh_engine *engine, kvh_stats *stats);
+
+/* Per-agent device-tier quota in bytes (0 = unlimited, the default).
+ * Blocks are charged to the agent of the sequence that allocated them;
+ * an agent over its quota evicts its own blocks first. @threads any */
+KVH_API kvh_status kvh_agent_set_quota(kvh_engine *engine, uint32_t agent,
+                                       uint64_t device_bytes);
+
+/* ------------------------------------------------------------------ */
+/* Sequences                                                           */
+/* ------------------------------------------------------------------ */
+
+/* New empty sequence owned by agent (any id; 0 is fine). [out] *seq, valid
+ * until kvh_seq_free. Returns KVH_ERR_NOMEM. @threads any */
+KVH_API kvh_status kvh_seq_create(kvh_engine *engine, uint32_t agent,
+                                  kvh_seq *seq);
+
+/* Releases the sequence's blocks (cached full blocks stay in the prefix
+ * index until evicted). The null handle is accepted; a freed one is
+ * KVH_ERR_BAD_HANDLE. @threads handle */
+KVH_API kvh_status kvh_seq_free(kvh_engine *engine, kvh_seq seq);
+
+/* Copy-on-write fork: the new sequence shares every block of seq; the
+ * first write into a shared block copies it. agent owns new blocks of the
+ * child. [out] *child. @threads handle (seq) */
+KVH_API kvh_status kvh_seq_fork(kvh_engine *engine, kvh_seq seq,
+                                uint32_t agent, kvh_seq *child);
+
+/* Appends n token ids, allocating blocks in the fastest tier with room.
+ * [borrowed] tokens. Returns KVH_ERR_NOSPACE when no tier has room (the
+ * sequence is unchanged). @threads handle */
+KVH_API kvh_status kvh_seq_append(kvh_engine *engine, kvh_seq seq,
+                                  const int32_t *tokens, size_t n);
+
+/* Current length in tokens. [out] *n_tokens. @threads any */
+KVH_API kvh_status kvh_seq_length(kvh_engine *engine, kvh_seq seq,
+                                  uint64_t *n_tokens);
+
+/* Copies token ids [first, first + n) into out. [borrowed] out.
+ * KVH_ERR_RANGE when the range passes the end. @threads handle */
+KVH_API kvh_status kvh_seq_tokens(kvh_engine *engine, kvh_seq seq,
+                                  uint64_t first, size_t n, int32_t *out);
+
+/* Writes K and V of tokens [pos, pos + n) for one layer. k and v are
+ * [borrowed] arrays shaped [n][num_kv_heads][head_dim] of the engine's
+ * dtype. Shared blocks are copied first (CoW). Tokens must have been
+ * appended (KVH_ERR_RANGE otherwise). @threads handle */
+KVH_API kvh_status kvh_seq_write_kv(kvh_engine *engine, kvh_seq seq,
+                                    uint32_t layer, uint64_t pos, size_t n,
+                                    const void *k, const void *v);
+
+/* Reads K and V of tokens [pos, pos + n) for one layer into [borrowed] k
+ * and v, shaped as in kvh_seq_write_kv. Either may be NULL to skip it.
+ * KVH_ERR_RANGE for tokens whose KV was never written. @threads handle */
+KVH_API kvh_status kvh_seq_read_kv(kvh_engine *engine, kvh_seq seq,
+                                   uint32_t layer, uint64_t pos, size_t n,
+                                   void *k, void *v);
+
+/* Shortens the sequence to n_tokens (<= its length). @threads handle */
+KVH_API kvh_status kvh_seq_truncate(kvh_engine *engine, kvh_seq seq,
+                                    uint64_t n_tokens);
+
+/* For an empty sequence: attaches every cached block of the longest cached
+ * prefix of tokens (any tier) and appends those tokens. [borrowed] tokens;
+ * [out] *matched_tokens (a multiple of block_tokens, possibly 0).
+ * KVH_ERR_INVALID_ARG when the sequence is not empty. @threads handle */
+KVH_API kvh_status kvh_seq_match_prefix(kvh_engine *engine, kvh_seq seq,
+                                        const int32_t *tokens, size_t n,
+                                        size_t *matched_tokens);
+
+/* Makes the blocks holding tokens [first, first + n) resident in the device
+ * tier and holds them there until kvh_seq_release. With fence NULL the call
+ * waits; otherwise [out] *fence completes when they are resident and must
+ * be freed with kvh_fence_free. Returns KVH_ERR_NOSPACE (nothing held).
+ * @threads handle */
+KVH_API kvh_status kvh_seq_acquire(kvh_engine *engine, kvh_seq seq,
+                                   uint64_t first, uint64_t n,
+                                   kvh_fence *fence);
+
+/* Ends one hold taken by kvh_seq_acquire on the same range.
+ * @threads handle */
+KVH_API kvh_status kvh_seq_release(kvh_engine *engine, kvh_seq seq,
+                                   uint64_t first, uint64_t n);
+
+/* Pins (pinned != 0) or unpins the blocks holding tokens [first, first+n)
+ * in the tier where they are: pinned blocks never leave their tier. Pins
+ * nest. @threads handle */
+KVH_API kvh_status kvh_seq_pin(kvh_engine *engine, kvh_seq seq,
+                               uint64_t first, uint64_t n, int32_t pinned);
+
+/* Block handles of logical blocks [first_block, first_block + n) of seq.
+ * [borrowed] out (n entries). Handles are not retained. @threads handle */
+KVH_API kvh_status kvh_seq_blocks(kvh_engine *engine, kvh_seq seq,
+                                  uint64_t first_block, size_t n,
+                                  kvh_block *out);
+
+/* Block table of a batch in FlashInfer's CSR form, with device-tier slot
+ * indices: sequence i uses indices[indptr[i] .. indptr[i+1]) and its last
+ * block holds last_page_len[i] tokens. [borrowed] seqs (n_seqs), indptr
+ * (n_seqs + 1), indices (indices_cap), last_page_len (n_seqs).
+ * KVH_ERR_NOT_RESIDENT if a block is not in the device tier (acquire the
+ * range first); KVH_ERR_RANGE if indices_cap is too small. @threads any */
+KVH_API kvh_status kvh_block_table(kvh_engine *engine, const kvh_seq *seqs,
+                                   size_t n_seqs, int32_t *indptr,
+                                   int32_t *indices, size_t indices_cap,
+                                   int32_t *last_page_len);
+
+/* ------------------------------------------------------------------ */
+/* Blocks                                                              */
+/* ------------------------------------------------------------------ */
+
+typedef struct kvh_block_info {
+    uint32_t struct_size;
+    uint32_t tier;      /* kvh_tier where the data is */
+    uint32_t slot;      /* slot index in that tier */
+    uint32_t refs;      /* sequences and retained handles using it */
+    uint32_t pins;
+    uint32_t holds;     /* acquire holds */
+    uint32_t tokens;    /* tokens filled, <= block_tokens */
+    uint32_t agent;     /* agent charged for it */
+    uint32_t published; /* 1 when it is in the prefix index */
+    uint32_t in_flight; /* 1 while a migration copies it */
+    uint64_t hash;      /* chained prefix hash; 0 until the block is full */
+} kvh_block_info;
+
+/* [out] *info (set info->struct_size first). @threads any */
+KVH_API kvh_status kvh_block_info_get(kvh_engine *engine, kvh_block block,
+                                      kvh_block_info *info);
+
+/* A standalone empty block in the fastest tier with room, with one
+ * reference held by the caller. [out] *block. @threads any */
+KVH_API kvh_status kvh_block_alloc(kvh_engine *engine, uint32_t agent,
+                                   kvh_block *block);
+
+/* Adds or drops one caller reference. A block with no references that is
+ * in the prefix index stays cached; otherwise it is freed. The null handle
+ * is accepted by release. @threads any */
+KVH_API kvh_status kvh_block_retain(kvh_engine *engine, kvh_block block);
+KVH_API kvh_status kvh_block_release(kvh_engine *engine, kvh_block block);
+
+/* Pins or unpins one block in its current tier. @threads any */
+KVH_API kvh_status kvh_block_pin(kvh_engine *engine, kvh_block block,
+                                 int32_t pinned);
+
+/* ------------------------------------------------------------------ */
+/* Migration, prefetch and fences                                      */
+/* ------------------------------------------------------------------ */
+
+/* Moves blocks to tier asynchronously (evicting by policy to make room).
+ * [borrowed] blocks (n). fence as in kvh_seq_acquire. Pinned blocks are
+ * skipped. @threads any */
+KVH_API kvh_status kvh_migrate(kvh_engine *engine, const kvh_block *blocks,
+                               size_t n, uint32_t tier, kvh_fence *fence);
+
+/* Same for the blocks holding tokens [first, first + n) of seq.
+ * @threads any */
+KVH_API kvh_status kvh_seq_migrate(kvh_engine *engine, kvh_seq seq,
+                                   uint64_t first, uint64_t n, uint32_t tier,
+                                   kvh_fence *fence);
+
+/* Hint: tokens [first, first + n) of seq will be needed soon. Blocks with
+ * at least promote_min_hits recent accesses (this hint counts as one) are
+ * promoted toward the device tier in priority order (higher first). Never
+ * holds anything. fence may be NULL. @threads any */
+KVH_API kvh_status kvh_prefetch(kvh_engine *engine, kvh_seq seq,
+                                uint64_t first, uint64_t n, int32_t priority,
+                                kvh_fence *fence);
+
+/* Waits until the fence completes or timeout_ns passes (UINT64_MAX: no
+ * limit). Returns KVH_OK, KVH_ERR_TIMEOUT, or the first error of the work
+ * the fence tracks. @threads any */
+KVH_API kvh_status kvh_fence_wait(kvh_engine *engine, kvh_fence fence,
+                                  uint64_t timeout_ns);
+
+/* Non-blocking: [out] *done = 1 when complete. Returns the work's first
+ * error once done. @threads any */
+KVH_API kvh_status kvh_fence_poll(kvh_engine *engine, kvh_fence fence,
+                                  int32_t *done);
+
+/* Frees a fence (pending work continues). Null handle accepted.
+ * @threads any */
+KVH_API kvh_status kvh_fence_free(kvh_engine *engine, kvh_fence fence);
+
+/* ------------------------------------------------------------------ */
+/* Prefix index and external pools                                     */
+/* ------------------------------------------------------------------ */
+
+/* Chained block hash of a full block: H(parent, tokens, model_salt).
+ * parent is 0 for the first block. n must equal block_tokens.
+ * [borrowed] tokens; [out] *hash. @threads any */
+KVH_API kvh_status kvh_prefix_hash(kvh_engine *engine, uint64_t parent,
+                                   const int32_t *tokens, size_t n,
+                                   uint64_t *hash);
+
+/* Longest cached prefix of tokens as retained block handles (release each
+ * with kvh_block_release). [borrowed] tokens, out (cap entries);
+ * [out] *n_blocks. @threads any */
+KVH_API kvh_status kvh_prefix_lookup(kvh_engine *engine,
+                                     const int32_t *tokens, size_t n,
+                                     kvh_block *out, size_t cap,
+                                     size_t *n_blocks);
+
+/* Layout of KV memory owned by an inference engine: for layer l, K of
+ * (slot s, token t, head h) starts at
+ *   k_base[l] + s * slot_stride + t * token_stride + h * head_stride
+ * and holds head_dim elements of the engine dtype (V alike with v_base). */
+typedef struct kvh_pool_layout {
+    uint32_t struct_size;
+    uint32_t memory;    /* kvh_memory of the pointers */
+    uint32_t num_slots;
+    uint32_t reserved0;
+    void *const *k_base; /* [borrowed] num_layers pointers, copied */
+    void *const *v_base; /* [borrowed] num_layers pointers, copied */
+    uint64_t slot_stride;
+    uint64_t token_stride;
+    uint64_t head_stride;
+} kvh_pool_layout;
+
+/* Registers external KV memory. The memory stays the caller's and must
+ * outlive the pool. [out] *pool. Returns KVH_ERR_UNSUPPORTED for CUDA
+ * memory without the CUDA backend. @threads any */
+KVH_API kvh_status kvh_pool_register(kvh_engine *engine,
+                                     const kvh_pool_layout *layout,
+                                     kvh_pool *pool);
+
+/* Unregisters (waits for copies touching it). Null accepted. */
+KVH_API kvh_status kvh_pool_unregister(kvh_engine *engine, kvh_pool pool);
+
+/* Offloads a full block the inference engine produced in slot: kvh copies
+ * it into its own tiers and publishes it under H(parent_hash, tokens).
+ * If that hash is already cached no copy is made. [borrowed] tokens
+ * (block_tokens entries); [out] *block, retained for the caller.
+ * @threads any */
+KVH_API kvh_status kvh_pool_offload(kvh_engine *engine, kvh_pool pool,
+                                    uint32_t slot, uint64_t parent_hash,
+                                    const int32_t *tokens, size_t n,
+                                    uint32_t agent, kvh_block *block);
+
+/* Restores a block's KV into slot of the pool (from any tier).
+ * @threads any */
+KVH_API kvh_status kvh_pool_restore(kvh_engine *engine, kvh_pool pool,
+                                    kvh_block block, uint32_t slot);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KVH_KVH_H */

@@ -1,0 +1,64 @@
+/* Backend interface: memory and copies of the device tier.
+ *
+ * libkvh never links CUDA. The CPU backend is built in; the CUDA backend is
+ * libkvh_cuda.so, loaded with dlopen, which exports one symbol,
+ * kvh_backend_cuda_entry, returning a table of this shape. The table's
+ * abi_version must equal KVHI_BACKEND_ABI or the backend is refused. */
+#ifndef KVH_CORE_BACKEND_H
+#define KVH_CORE_BACKEND_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define KVHI_BACKEND_ABI 1u
+#define KVHI_BACKEND_ENTRY "kvh_backend_cuda_entry"
+
+enum kvhi_copy_kind {
+    KVHI_COPY_HOST_TO_HOST = 0,
+    KVHI_COPY_HOST_TO_DEVICE = 1,
+    KVHI_COPY_DEVICE_TO_HOST = 2,
+    KVHI_COPY_DEVICE_TO_DEVICE = 3
+};
+
+typedef struct kvhi_backend_ops {
+    uint32_t abi_version;
+    const char *name; /* "cpu" or "cuda" */
+    /* 1 when device memory is addressable by the CPU (no copy needed). */
+    int device_is_host_memory;
+
+    /* Probe device `device`; 0 when usable, else fills msg (the driver's
+     * words, e.g. "CUDA driver version is insufficient") and returns -1. */
+    int (*probe)(int device, char *msg, size_t msg_len);
+    /* Per-engine context (a CUDA device selection, streams); may be NULL. */
+    void *(*context_create)(int device, char *msg, size_t msg_len);
+    void (*context_destroy)(void *ctx);
+
+    /* Device-tier arena; NULL on failure. */
+    void *(*device_alloc)(void *ctx, size_t bytes);
+    void (*device_free)(void *ctx, void *ptr, size_t bytes);
+    /* Host-tier memory, page-locked when the backend can DMA from it. */
+    void *(*host_alloc)(void *ctx, size_t bytes);
+    void (*host_free)(void *ctx, void *ptr, size_t bytes);
+
+    /* Synchronous copy of n bytes; returns 0 or -1 with msg filled. Safe to
+     * call from several threads at once (each uses its own stream). */
+    int (*copy)(void *ctx, void *dst, const void *src, size_t n,
+                enum kvhi_copy_kind kind, char *msg, size_t msg_len);
+    /* Strided 2-D copy: rows of width bytes, `height` rows. */
+    int (*copy_2d)(void *ctx, void *dst, size_t dst_pitch, const void *src,
+                   size_t src_pitch, size_t width, size_t height,
+                   enum kvhi_copy_kind kind, char *msg, size_t msg_len);
+} kvhi_backend_ops;
+
+typedef const kvhi_backend_ops *(*kvhi_backend_entry_fn)(void);
+
+/* The built-in CPU backend. */
+const kvhi_backend_ops *kvhi_backend_cpu(void);
+
+/* Loads the CUDA backend (dlopen). Returns NULL with msg filled when it is
+ * missing, refuses, or no device answers. */
+const kvhi_backend_ops *kvhi_backend_cuda_load(int device, char *msg,
+                                               size_t msg_len, void **dl);
+void kvhi_backend_cuda_unload(void *dl);
+
+#endif

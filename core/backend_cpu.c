@@ -1,0 +1,64 @@
+/* The built-in CPU backend: the device tier is an ordinary memory arena. */
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+
+#include "core/backend.h"
+
+static int cpu_probe(int device, char *msg, size_t len) { return 0; }
+static void *cpu_context_create(int device, char *msg, size_t len) { return NULL; }
+static void cpu_context_destroy(void *ctx) {}
+
+/* Anonymous mappings: page-aligned, lazily backed, and eligible for
+ * transparent huge pages, which keeps TLB misses down on big arenas. */
+static void *cpu_alloc(void *ctx, size_t bytes)
+{
+    if (bytes == 0)
+        return NULL;
+    void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED)
+        return NULL;
+#ifdef MADV_HUGEPAGE
+    madvise(p, bytes, MADV_HUGEPAGE);
+#endif
+    return p;
+}
+
+static void cpu_free(void *ctx, void *p, size_t bytes)
+{
+    if (p)
+        munmap(p, bytes);
+}
+
+static int cpu_copy(void *ctx, void *dst, const void *src, size_t n,
+                    enum kvhi_copy_kind kind, char *msg, size_t len)
+{
+    memcpy(dst, src, n);
+    return 0;
+}
+
+static int cpu_copy_2d(void *ctx, void *dst, size_t dpitch, const void *src,
+                       size_t spitch, size_t width, size_t height,
+                       enum kvhi_copy_kind kind, char *msg, size_t len)
+{
+    for (size_t r = 0; r < height; r++)
+        memcpy((char *)dst + r * dpitch, (const char *)src + r * spitch, width);
+    return 0;
+}
+
+static const kvhi_backend_ops cpu_ops = {
+    .abi_version = KVHI_BACKEND_ABI,
+    .name = "cpu",
+    .device_is_host_memory = 1,
+    .probe = cpu_probe,
+    .context_create = cpu_context_create,
+    .context_destroy = cpu_context_destroy,
+    .device_alloc = cpu_alloc,
+    .device_free = cpu_free,
+    .host_alloc = cpu_alloc,
+    .host_free = cpu_free,
+    .copy = cpu_copy,
+    .copy_2d = cpu_copy_2d,
+};
+
+const kvhi_backend_ops *kvhi_backend_cpu(void) { return &cpu_ops; }

@@ -1,0 +1,372 @@
+/* Block metadata: lifetime, references, recency, publication. All
+ * functions here run with the engine lock held. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/engine.h"
+
+uint8_t *kvhi_slot_addr(kvh_engine *e, uint32_t tier, uint32_t slot)
+{
+    return e->tiers[tier].base + (uint64_t)slot * e->block_bytes;
+}
+
+uint8_t *kvhi_block_data(kvh_engine *e, uint32_t b)
+{
+    kvhi_block *blk = kvhi_blk(e, b);
+    return kvhi_slot_addr(e, blk->tier, blk->slot);
+}
+
+uint64_t kvh_block_handle(kvh_engine *e, uint32_t b)
+{
+    return kvhi_handle_make(KVHI_TAG_BLOCK, e->blocks[b].gen, b);
+}
+
+kvh_status kvhi_block_resolve(kvh_engine *e, kvh_block h, uint32_t *out)
+{
+    uint32_t i = kvhi_handle_index(h.id);
+    if (kvhi_handle_tag(h.id) != KVHI_TAG_BLOCK || i >= e->block_cap)
+        return kvhi_fail(KVH_ERR_BAD_HANDLE, "not a block handle: 0x%llx", (unsigned long long)h.id);
+    kvhi_block *blk = kvhi_blk(e, i);
+    if (!(blk->flags & KVHI_BF_LIVE) || (blk->flags & KVHI_BF_DEAD) ||
+        (blk->gen & KVHI_GEN_MASK) != kvhi_handle_gen(h.id))
+        return kvhi_fail(KVH_ERR_BAD_HANDLE, "stale block handle: 0x%llx", (unsigned long long)h.id);
+    *out = i;
+    return KVH_OK;
+}
+
+kvhi_agent *kvhi_agent_get(kvh_engine *e, uint32_t id, bool create)
+{
+    for (uint32_t i = 0; i < e->n_agents; i++)
+        if (e->agents[i].id == id)
+            return &e->agents[i];
+    if (!create)
+        return NULL;
+    if (e->n_agents == e->cap_agents) {
+        /* Agents hold heaps whose entries point into e->blocks, not into
+         * this array, so moving the array is safe. */
+        uint32_t ncap = e->cap_agents ? e->cap_agents * 2 : 8;
+        kvhi_agent *a = realloc(e->agents, sizeof(*a) * ncap);
+        if (!a)
+            return NULL;
+        e->agents = a;
+        e->cap_agents = ncap;
+    }
+    kvhi_agent *a = &e->agents[e->n_agents];
+    memset(a, 0, sizeof(*a));
+    a->id = id;
+    if (kvhi_lruk_init(&a->heap, e->tiers[KVH_TIER_DEVICE].slots.capacity, &e->blocks[0].quota_heap_pos,
+                       sizeof(kvhi_block)) != 0)
+        return NULL;
+    e->n_agents++;
+    return a;
+}
+
+static void heaps_remove(kvh_engine *e, uint32_t b)
+{
+    kvhi_block *blk = kvhi_blk(e, b);
+    if (blk->heap_pos != KVHI_HEAP_NONE)
+        kvhi_lruk_remove(&e->tiers[blk->tier].heap, b);
+    if (blk->quota_heap_pos != KVHI_HEAP_NONE) {
+        kvhi_agent *a = kvhi_agent_get(e, blk->agent, false);
+        if (a)
+            kvhi_lruk_remove(&a->heap, b);
+    }
+}
+
+void kvhi_block_update_evictable(kvh_engine *e, uint32_t b)
+{
+    kvhi_block *blk = kvhi_blk(e, b);
+    bool evictable = (blk->flags & KVHI_BF_LIVE) && !(blk->flags & (KVHI_BF_IN_FLIGHT | KVHI_BF_DEAD)) &&
+                     blk->pins == 0 && blk->holds == 0;
+    if (!evictable) {
+        heaps_remove(e, b);
+        return;
+    }
+    kvhi_lruk_key key = kvhi_lruk_key_of(blk->hist, e->cfg.lru_k, blk->refs > 0);
+    kvhi_lruk_upsert(&e->tiers[blk->tier].heap, b, key);
+    if (blk->tier == KVH_TIER_DEVICE && e->n_agents) {
+        kvhi_agent *a = kvhi_agent_get(e, blk->agent, false);
+        if (a && a->quota_blocks)
+            kvhi_lruk_upsert(&a->heap, b, key);
+    }
+}
+
+void kvhi_block_touch(kvh_engine *e, uint32_t b)
+{
+    kvhi_block *blk = kvhi_blk(e, b);
+    kvhi_lruk_record(blk->hist, e->cfg.lru_k, ++e->clock);
+    blk->hits++;
+    if (blk->heap_pos != KVHI_HEAP_NONE || blk->quota_heap_pos != KVHI_HEAP_NONE)
+        kvhi_block_update_evictable(e, b);
+}
+
+void kvhi_block_wait_idle(kvh_engine *e, uint32_t b)
+{
+    while (e->blocks[b].flags & KVHI_BF_IN_FLIGHT)
+        pthread_cond_wait(&e->changed, &e->lock);
+}
+
+static void agent_count(kvh_engine *e, uint32_t agent, int delta)
+{
+    if (!e->n_agents)
+        return;
+    kvhi_agent *a = kvhi_agent_get(e, agent, false);
+    if (a)
+        a->device_blocks += (uint64_t)(int64_t)delta;
+}
+
+/* Records that b now occupies (tier, slot). */
+void kvhi_block_place(kvh_engine *e, uint32_t b, uint32_t tier, uint32_t slot)
+{
+    kvhi_block *blk = kvhi_blk(e, b);
+    if (blk->tier == KVH_TIER_DEVICE)
+        agent_count(e, blk->agent, -1);
+    blk->tier = (uint8_t)tier;
+    blk->slot = slot;
+    blk->hits = 0;
+    if (tier == KVH_TIER_DEVICE)
+        agent_count(e, blk->agent, +1);
+}
+
+kvh_status kvhi_block_new(kvh_engine *e, uint32_t agent, uint32_t min_tier, uint32_t *out)
+{
+    if (e->block_free_top == 0)
+        return kvhi_fail(KVH_ERR_NOSPACE, "no free block metadata");
+    uint32_t slot = 0, tier = KVH_TIER_COUNT;
+    kvh_status st = KVH_ERR_NOSPACE;
+    /* Fastest tier first; a tier that cannot make room passes to the next. */
+    for (uint32_t t = min_tier; t < KVH_TIER_DISK; t++) {
+        if (!e->tiers[t].present)
+            continue;
+        st = kvhi_reserve_slot(e, t, agent, &slot);
+        if (st == KVH_OK) {
+            tier = t;
+            break;
+        }
+        if (st != KVH_ERR_NOSPACE)
+            return st;
+    }
+    if (st != KVH_OK)
+        return kvhi_fail(KVH_ERR_NOSPACE, "no memory tier can make room for a new block (all pinned, held or referenced)");
+    if (e->block_free_top == 0) { /* taken while the lock was dropped */
+        kvhi_release_slot(e, tier, slot);
+        return kvhi_fail(KVH_ERR_NOSPACE, "no free block metadata");
+    }
+    uint32_t b = e->block_free[--e->block_free_top];
+    kvhi_block *blk = kvhi_blk(e, b);
+    uint32_t gen = blk->gen;
+    memset(blk, 0, sizeof(*blk));
+    blk->gen = gen;
+    blk->refs = 1;
+    blk->agent = agent;
+    blk->flags = KVHI_BF_LIVE;
+    blk->heap_pos = KVHI_HEAP_NONE;
+    blk->quota_heap_pos = KVHI_HEAP_NONE;
+    blk->tier = KVHI_NO_TIER;
+    kvhi_block_place(e, b, tier, slot);
+    kvhi_lruk_record(blk->hist, e->cfg.lru_k, ++e->clock);
+    kvhi_block_update_evictable(e, b);
+    e->stats.blocks_allocated++;
+    *out = b;
+    return KVH_OK;
+}
+
+/* Frees b's metadata, and its slot unless keep_slot. Not in flight. */
+static void block_destroy(kvh_engine *e, uint32_t b, bool keep_slot)
+{
+    kvhi_block *blk = kvhi_blk(e, b);
+    heaps_remove(e, b);
+    if (blk->flags & KVHI_BF_PUBLISHED)
+        kvhi_prefix_erase(&e->prefix, blk->hash);
+    if (blk->pins)
+        e->tiers[blk->tier].pinned--;
+    if (blk->tier == KVH_TIER_DEVICE)
+        agent_count(e, blk->agent, -1);
+    if (!keep_slot)
+        kvhi_release_slot(e, blk->tier, blk->slot);
+    free(blk->written);
+    blk->written = NULL;
+    blk->flags = 0;
+    blk->tier = KVHI_NO_TIER;
+    blk->gen = kvhi_gen_next(blk->gen);
+    e->block_free[e->block_free_top++] = b;
+    e->stats.blocks_freed++;
+}
+
+void kvhi_block_free_now(kvh_engine *e, uint32_t b)
+{
+    kvhi_block *blk = kvhi_blk(e, b);
+    if (blk->flags & KVHI_BF_IN_FLIGHT) {
+        /* The mover owns it until its copy ends; it reaps DEAD blocks. */
+        blk->flags |= KVHI_BF_DEAD;
+        heaps_remove(e, b);
+        if (blk->flags & KVHI_BF_PUBLISHED) {
+            kvhi_prefix_erase(&e->prefix, blk->hash);
+            blk->flags &= (uint8_t)~KVHI_BF_PUBLISHED;
+        }
+        return;
+    }
+    block_destroy(e, b, false);
+}
+
+uint32_t kvhi_block_drop(kvh_engine *e, uint32_t b)
+{
+    uint32_t slot = e->blocks[b].slot;
+    block_destroy(e, b, true);
+    return slot;
+}
+
+void kvhi_block_unref(kvh_engine *e, uint32_t b)
+{
+    kvhi_block *blk = kvhi_blk(e, b);
+    if (--blk->refs > 0)
+        return;
+    if (blk->flags & KVHI_BF_PUBLISHED)
+        kvhi_block_update_evictable(e, b); /* stays cached, now cheaper to drop */
+    else
+        kvhi_block_free_now(e, b);
+}
+
+void kvhi_block_hold(kvh_engine *e, uint32_t b)
+{
+    if (e->blocks[b].holds++ == 0)
+        kvhi_block_update_evictable(e, b);
+}
+
+void kvhi_block_unhold(kvh_engine *e, uint32_t b)
+{
+    if (--e->blocks[b].holds == 0)
+        kvhi_block_update_evictable(e, b);
+}
+
+void kvhi_block_pin(kvh_engine *e, uint32_t b, bool pin)
+{
+    kvhi_block *blk = kvhi_blk(e, b);
+    if (pin) {
+        if (blk->pins++ == 0) {
+            e->tiers[blk->tier].pinned++;
+            kvhi_block_update_evictable(e, b);
+        }
+    } else if (blk->pins > 0 && --blk->pins == 0) {
+        e->tiers[blk->tier].pinned--;
+        kvhi_block_update_evictable(e, b);
+    }
+}
+
+static uint64_t bitmap_words(kvh_engine *e)
+{
+    return ((uint64_t)e->cfg.num_layers * e->cfg.block_tokens + 63) / 64;
+}
+
+bool kvhi_block_kv_complete(kvh_engine *e, uint32_t b)
+{
+    return (e->blocks[b].flags & KVHI_BF_KV_COMPLETE) != 0;
+}
+
+/* Marks cells [t0, t1) of layer written; sets KV_COMPLETE when all are. */
+kvh_status kvhi_block_mark_written(kvh_engine *e, uint32_t b, uint32_t layer, uint32_t t0, uint32_t t1)
+{
+    kvhi_block *blk = kvhi_blk(e, b);
+    if (blk->flags & KVHI_BF_KV_COMPLETE)
+        return KVH_OK;
+    uint64_t words = bitmap_words(e);
+    if (!blk->written) {
+        blk->written = calloc(words, sizeof(uint64_t));
+        if (!blk->written)
+            return kvhi_fail(KVH_ERR_NOMEM, "out of memory for a block bitmap");
+    }
+    uint64_t base = (uint64_t)layer * e->cfg.block_tokens;
+    for (uint32_t t = t0; t < t1; t++)
+        blk->written[(base + t) / 64] |= 1ull << ((base + t) % 64);
+    uint64_t cells = (uint64_t)e->cfg.num_layers * e->cfg.block_tokens;
+    for (uint64_t w = 0; w < words; w++) {
+        uint64_t want = (w + 1) * 64 <= cells ? ~0ull : ((1ull << (cells % 64)) - 1);
+        if (blk->written[w] != want)
+            return KVH_OK;
+    }
+    free(blk->written);
+    blk->written = NULL;
+    blk->flags |= KVHI_BF_KV_COMPLETE;
+    kvhi_block_try_publish(e, b);
+    return KVH_OK;
+}
+
+bool kvhi_block_cell_written(kvh_engine *e, uint32_t b, uint32_t layer, uint32_t t)
+{
+    kvhi_block *blk = kvhi_blk(e, b);
+    if (blk->flags & KVHI_BF_KV_COMPLETE)
+        return true;
+    if (!blk->written)
+        return false;
+    uint64_t bit = (uint64_t)layer * e->cfg.block_tokens + t;
+    return (blk->written[bit / 64] >> (bit % 64)) & 1;
+}
+
+/* Forgets cells of tokens >= keep (all layers); used by truncate. */
+kvh_status kvhi_block_forget_tokens(kvh_engine *e, uint32_t b, uint32_t keep)
+{
+    kvhi_block *blk = kvhi_blk(e, b);
+    uint64_t words = bitmap_words(e);
+    if (blk->flags & KVHI_BF_KV_COMPLETE) {
+        blk->written = malloc(words * sizeof(uint64_t));
+        if (!blk->written)
+            return kvhi_fail(KVH_ERR_NOMEM, "out of memory for a block bitmap");
+        memset(blk->written, 0xFF, words * sizeof(uint64_t));
+        blk->flags &= (uint8_t)~KVHI_BF_KV_COMPLETE;
+    }
+    if (blk->written)
+        for (uint32_t l = 0; l < e->cfg.num_layers; l++)
+            for (uint32_t t = keep; t < e->cfg.block_tokens; t++) {
+                uint64_t bit = (uint64_t)l * e->cfg.block_tokens + t;
+                blk->written[bit / 64] &= ~(1ull << (bit % 64));
+            }
+    blk->n_tokens = (uint16_t)keep;
+    blk->flags &= (uint8_t)~KVHI_BF_HASHED;
+    blk->hash = 0;
+    return KVH_OK;
+}
+
+void kvhi_block_try_publish(kvh_engine *e, uint32_t b)
+{
+    kvhi_block *blk = kvhi_blk(e, b);
+    uint8_t need = KVHI_BF_HASHED | KVHI_BF_KV_COMPLETE;
+    if ((blk->flags & need) != need || (blk->flags & (KVHI_BF_PUBLISHED | KVHI_BF_DEAD)))
+        return;
+    /* A block with the same prefix may be cached already: keep that one. */
+    if (kvhi_prefix_insert(&e->prefix, blk->hash, b) == 0)
+        blk->flags |= KVHI_BF_PUBLISHED;
+}
+
+kvh_status kvhi_block_cow(kvh_engine *e, uint32_t b, uint32_t agent, uint32_t *out)
+{
+    uint32_t nb;
+    kvh_status st = kvhi_block_new(e, agent, KVH_TIER_DEVICE, &nb);
+    if (st != KVH_OK)
+        return st;
+    /* The lock may have been dropped: re-read b's location now. Reading a
+     * block in flight is safe: its source stays intact until the mover
+     * retakes the lock. */
+    kvhi_block *src = kvhi_blk(e, b), *dst = kvhi_blk(e, nb);
+    if (kvhi_copy_bytes(e, dst->tier, kvhi_block_data(e, nb), src->tier, kvhi_block_data(e, b), e->block_bytes) != 0) {
+        kvhi_block_unref(e, nb);
+        return kvhi_fail(KVH_ERR_IO, "copy-on-write copy failed");
+    }
+    memcpy(kvhi_block_tokens(e, nb), kvhi_block_tokens(e, b), sizeof(int32_t) * e->cfg.block_tokens);
+    dst->n_tokens = src->n_tokens;
+    dst->hash = src->hash;
+    dst->parent_hash = src->parent_hash;
+    dst->flags |= src->flags & (KVHI_BF_HASHED | KVHI_BF_KV_COMPLETE);
+    if (src->written) {
+        size_t bytes = bitmap_words(e) * sizeof(uint64_t);
+        dst->written = malloc(bytes);
+        if (!dst->written) {
+            kvhi_block_unref(e, nb);
+            return kvhi_fail(KVH_ERR_NOMEM, "out of memory for a block bitmap");
+        }
+        memcpy(dst->written, src->written, bytes);
+    }
+    kvhi_block_unref(e, b);
+    e->stats.cow_copies++;
+    *out = nb;
+    return KVH_OK;
+}

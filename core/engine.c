@@ -1,0 +1,389 @@
+/* Engine lifetime: configuration, tier memory, open and close. */
+#include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#ifdef KVH_HAVE_NUMA
+#include <numa.h>
+#endif
+
+#include "core/engine.h"
+
+uint64_t kvhi_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+kvh_status kvhi_enter(kvh_engine *e)
+{
+    kvhi_clear_error();
+    pthread_mutex_lock(&e->lock);
+    if (e->closing) {
+        pthread_mutex_unlock(&e->lock);
+        return kvhi_fail(KVH_ERR_CLOSED, "engine is closing");
+    }
+    e->active_calls++;
+    return KVH_OK;
+}
+
+void kvhi_leave(kvh_engine *e)
+{
+    if (--e->active_calls == 0 && e->closing)
+        pthread_cond_broadcast(&e->changed);
+    pthread_mutex_unlock(&e->lock);
+}
+
+static void config_defaults(kvh_config *c)
+{
+    memset(c, 0, sizeof(*c));
+    c->struct_size = sizeof(*c);
+    c->num_layers = 1;
+    c->num_kv_heads = 1;
+    c->head_dim = 64;
+    c->block_tokens = 16;
+    c->dtype = KVH_DTYPE_F16;
+    c->backend = KVH_BACKEND_AUTO;
+    c->device_bytes = 256ull << 20;
+    c->host_bytes = 1ull << 30;
+    c->numa_node = -1;
+    c->migration_threads = 2;
+    c->lru_k = 2;
+    c->promote_min_hits = 1;
+    c->log_level = KVH_LOG_WARN;
+}
+
+kvh_status kvh_config_init(kvh_config *config, size_t struct_size)
+{
+    kvhi_clear_error();
+    if (!config)
+        return kvhi_fail(KVH_ERR_INVALID_ARG, "config is NULL");
+    if (struct_size != sizeof(kvh_config))
+        return kvhi_fail(KVH_ERR_STRUCT_SIZE, "kvh_config struct_size %zu, this library knows %zu", struct_size,
+                         sizeof(kvh_config));
+    config_defaults(config);
+    return KVH_OK;
+}
+
+uint32_t kvhi_dtype_bytes(uint32_t dtype)
+{
+    switch (dtype) {
+    case KVH_DTYPE_F32:
+        return 4;
+    case KVH_DTYPE_F16:
+    case KVH_DTYPE_BF16:
+        return 2;
+    default:
+        return 0;
+    }
+}
+
+static kvh_status validate(const kvh_config *c)
+{
+#define CHECK(cond, ...)                                                                                     \
+    do {                                                                                                     \
+        if (!(cond))                                                                                         \
+            return kvhi_fail(KVH_ERR_INVALID_ARG, __VA_ARGS__);                                              \
+    } while (0)
+    CHECK(c->num_layers >= 1 && c->num_layers <= 4096, "num_layers %u not in 1..4096", c->num_layers);
+    CHECK(c->num_kv_heads >= 1 && c->num_kv_heads <= 1024, "num_kv_heads %u not in 1..1024", c->num_kv_heads);
+    CHECK(c->head_dim >= 1 && c->head_dim <= 1024, "head_dim %u not in 1..1024", c->head_dim);
+    CHECK(c->block_tokens >= 1 && c->block_tokens <= 256 && (c->block_tokens & (c->block_tokens - 1)) == 0,
+          "block_tokens %u is not a power of two in 1..256", c->block_tokens);
+    CHECK(kvhi_dtype_bytes(c->dtype) != 0, "unknown dtype %u", c->dtype);
+    CHECK(c->backend <= KVH_BACKEND_CUDA, "unknown backend %u", c->backend);
+    CHECK(c->lru_k >= 1 && c->lru_k <= KVHI_MAX_K, "lru_k %u not in 1..%d", c->lru_k, KVHI_MAX_K);
+    CHECK(c->migration_threads <= 64, "migration_threads %u > 64", c->migration_threads);
+    CHECK(c->numa_node >= -1, "numa_node %d invalid", c->numa_node);
+    CHECK(c->log_level <= KVH_LOG_DEBUG, "log_level %u invalid", c->log_level);
+#undef CHECK
+    if (c->disk_path && c->disk_bytes)
+        return kvhi_fail(KVH_ERR_UNSUPPORTED, "the disk tier is not available in this build");
+    return KVH_OK;
+}
+
+static void bind_to_node(kvh_engine *e, void *p, size_t bytes)
+{
+#ifdef KVH_HAVE_NUMA
+    if (e->cfg.numa_node >= 0 && numa_available() >= 0 && numa_max_node() > 0 && e->cfg.numa_node <= numa_max_node())
+        numa_tonode_memory(p, bytes, e->cfg.numa_node);
+#else
+    (void)e, (void)p, (void)bytes;
+#endif
+}
+
+static kvh_status tier_init(kvh_engine *e, uint32_t t, uint64_t budget)
+{
+    kvhi_tier *tier = &e->tiers[t];
+    uint64_t slots = budget / e->block_bytes;
+    if (slots > UINT32_MAX - 1)
+        slots = UINT32_MAX - 1;
+    if (slots == 0)
+        return KVH_OK;
+    tier->bytes_mapped = slots * e->block_bytes;
+    tier->base = t == KVH_TIER_DEVICE ? e->backend->device_alloc(e->backend_ctx, tier->bytes_mapped)
+                                      : e->backend->host_alloc(e->backend_ctx, tier->bytes_mapped);
+    if (!tier->base)
+        return kvhi_fail(KVH_ERR_NOMEM, "cannot allocate %llu bytes for the %s tier",
+                         (unsigned long long)tier->bytes_mapped, t == KVH_TIER_DEVICE ? "device" : "host");
+    if (t == KVH_TIER_HOST)
+        bind_to_node(e, tier->base, tier->bytes_mapped);
+    if (kvhi_slot_pool_init(&tier->slots, (uint32_t)slots) != 0)
+        return kvhi_fail(KVH_ERR_NOMEM, "out of memory for slot lists");
+    tier->present = true;
+    return KVH_OK;
+}
+
+static kvh_status select_backend(kvh_engine *e)
+{
+    char msg[256] = "";
+    if (e->cfg.backend == KVH_BACKEND_CPU) {
+        e->backend = kvhi_backend_cpu();
+        return KVH_OK;
+    }
+    e->backend = kvhi_backend_cuda_load(e->cfg.cuda_device, msg, sizeof(msg), &e->backend_dl);
+    if (e->backend) {
+        e->backend_ctx = e->backend->context_create(e->cfg.cuda_device, msg, sizeof(msg));
+        if (e->backend_ctx)
+            return KVH_OK;
+        kvhi_backend_cuda_unload(e->backend_dl);
+        e->backend_dl = NULL;
+    }
+    if (e->cfg.backend == KVH_BACKEND_CUDA)
+        return kvhi_fail(KVH_ERR_UNSUPPORTED, "CUDA backend unavailable: %s", msg);
+    kvhi_log(e, KVH_LOG_INFO, "using the CPU backend: %s", msg);
+    e->backend = kvhi_backend_cpu();
+    e->backend_ctx = NULL;
+    return KVH_OK;
+}
+
+static void engine_free(kvh_engine *e)
+{
+    if (e->seqs.ptrs)
+        for (uint32_t i = 0; i < e->seqs.cap; i++) {
+            kvhi_seq *s = e->seqs.ptrs[i];
+            if (s) {
+                free(s->blocks);
+                free(s->held);
+                free(s);
+            }
+        }
+    kvhi_handles_destroy(&e->seqs);
+    if (e->fences.ptrs)
+        for (uint32_t i = 0; i < e->fences.cap; i++)
+            free(e->fences.ptrs[i]);
+    kvhi_handles_destroy(&e->fences);
+    kvhi_pools_destroy(e);
+    kvhi_handles_destroy(&e->pools);
+    for (uint32_t i = 0; i < e->n_agents; i++)
+        kvhi_lruk_destroy(&e->agents[i].heap);
+    free(e->agents);
+    for (uint32_t t = 0; t < KVH_TIER_COUNT; t++) {
+        kvhi_tier *tier = &e->tiers[t];
+        if (tier->base)
+            (t == KVH_TIER_DEVICE ? e->backend->device_free : e->backend->host_free)(e->backend_ctx, tier->base,
+                                                                                    tier->bytes_mapped);
+        kvhi_slot_pool_destroy(&tier->slots);
+        kvhi_lruk_destroy(&tier->heap);
+    }
+    if (e->blocks)
+        for (uint32_t i = 0; i < e->block_cap; i++)
+            free(e->blocks[i].written);
+    free(e->blocks);
+    free(e->block_free);
+    free(e->tokens);
+    kvhi_prefix_destroy(&e->prefix);
+    if (e->backend && e->backend_ctx)
+        e->backend->context_destroy(e->backend_ctx);
+    kvhi_backend_cuda_unload(e->backend_dl);
+    pthread_cond_destroy(&e->changed);
+    pthread_mutex_destroy(&e->lock);
+    free(e);
+}
+
+kvh_status kvh_engine_open(const kvh_config *config, kvh_engine **out)
+{
+    kvhi_clear_error();
+    if (!config || !out)
+        return kvhi_fail(KVH_ERR_INVALID_ARG, "config and engine must not be NULL");
+    if (config->struct_size != sizeof(kvh_config))
+        return kvhi_fail(KVH_ERR_STRUCT_SIZE, "kvh_config struct_size %u, this library knows %zu",
+                         config->struct_size, sizeof(kvh_config));
+    kvh_status st = validate(config);
+    if (st != KVH_OK)
+        return st;
+    kvh_engine *e = calloc(1, sizeof(*e));
+    if (!e)
+        return kvhi_fail(KVH_ERR_NOMEM, "out of memory for the engine");
+    e->cfg = *config;
+    e->cfg.disk_path = NULL; /* borrowed: never kept */
+    pthread_mutex_init(&e->lock, NULL);
+    pthread_cond_init(&e->changed, NULL);
+    kvhi_handles_init(&e->seqs, KVHI_TAG_SEQ);
+    kvhi_handles_init(&e->fences, KVHI_TAG_FENCE);
+    kvhi_handles_init(&e->pools, KVHI_TAG_POOL);
+    e->elem_bytes = kvhi_dtype_bytes(e->cfg.dtype);
+    e->layer_bytes = 2ull * e->cfg.num_kv_heads * e->cfg.block_tokens * e->cfg.head_dim * e->elem_bytes;
+    e->block_bytes = e->layer_bytes * e->cfg.num_layers;
+
+    st = select_backend(e);
+    if (st == KVH_OK)
+        st = tier_init(e, KVH_TIER_DEVICE, e->cfg.device_bytes);
+    if (st == KVH_OK && !e->tiers[KVH_TIER_DEVICE].present)
+        st = kvhi_fail(KVH_ERR_INVALID_ARG, "device_bytes %llu holds no block of %llu bytes",
+                       (unsigned long long)e->cfg.device_bytes, (unsigned long long)e->block_bytes);
+    if (st == KVH_OK)
+        st = tier_init(e, KVH_TIER_HOST, e->cfg.host_bytes);
+    if (st != KVH_OK) {
+        engine_free(e);
+        return st;
+    }
+    uint64_t cap = 0;
+    for (uint32_t t = 0; t < KVH_TIER_COUNT; t++)
+        cap += e->tiers[t].slots.capacity;
+    if (cap > UINT32_MAX - 1) {
+        engine_free(e);
+        return kvhi_fail(KVH_ERR_INVALID_ARG, "tier budgets hold more than 2^32 blocks");
+    }
+    e->block_cap = (uint32_t)cap;
+    e->blocks = calloc(cap, sizeof(kvhi_block));
+    e->block_free = malloc(cap * sizeof(uint32_t));
+    e->tokens = malloc(cap * e->cfg.block_tokens * sizeof(int32_t));
+    if (!e->blocks || !e->block_free || !e->tokens || kvhi_prefix_init(&e->prefix, cap) != 0) {
+        engine_free(e);
+        return kvhi_fail(KVH_ERR_NOMEM, "out of memory for %llu block records", (unsigned long long)cap);
+    }
+    for (uint32_t i = 0; i < cap; i++) {
+        e->blocks[i].gen = 1;
+        e->blocks[i].heap_pos = KVHI_HEAP_NONE;
+        e->blocks[i].quota_heap_pos = KVHI_HEAP_NONE;
+        e->blocks[i].tier = KVHI_NO_TIER;
+        e->block_free[i] = (uint32_t)(cap - 1 - i);
+    }
+    e->block_free_top = (uint32_t)cap;
+    for (uint32_t t = 0; t < KVH_TIER_COUNT; t++)
+        if (e->tiers[t].present &&
+            kvhi_lruk_init(&e->tiers[t].heap, e->tiers[t].slots.capacity, &e->blocks[0].heap_pos,
+                           sizeof(kvhi_block)) != 0) {
+            engine_free(e);
+            return kvhi_fail(KVH_ERR_NOMEM, "out of memory for eviction heaps");
+        }
+    st = kvhi_workers_start(e);
+    if (st != KVH_OK) {
+        engine_free(e);
+        return st;
+    }
+    *out = e;
+    return KVH_OK;
+}
+
+kvh_status kvh_engine_close(kvh_engine *e)
+{
+    kvhi_clear_error();
+    if (!e)
+        return KVH_OK;
+    pthread_mutex_lock(&e->lock);
+    if (e->closing) {
+        pthread_mutex_unlock(&e->lock);
+        return kvhi_fail(KVH_ERR_CLOSED, "engine is already closing");
+    }
+    e->closing = true;
+    pthread_cond_broadcast(&e->changed);
+    while (e->active_calls)
+        pthread_cond_wait(&e->changed, &e->lock);
+    pthread_mutex_unlock(&e->lock);
+    kvhi_workers_stop(e);
+    engine_free(e);
+    return KVH_OK;
+}
+
+kvh_status kvh_engine_block_bytes(const kvh_engine *e, uint64_t *bytes)
+{
+    kvhi_clear_error();
+    if (!e || !bytes)
+        return kvhi_fail(KVH_ERR_INVALID_ARG, "engine and bytes must not be NULL");
+    *bytes = e->block_bytes;
+    return KVH_OK;
+}
+
+const char *kvh_engine_backend(const kvh_engine *e) { return e ? e->backend->name : NULL; }
+
+kvh_status kvh_tier_info_get(kvh_engine *e, uint32_t tier, kvh_tier_info *info)
+{
+    kvhi_clear_error();
+    if (!e || !info)
+        return kvhi_fail(KVH_ERR_INVALID_ARG, "engine and info must not be NULL");
+    if (info->struct_size != sizeof(kvh_tier_info))
+        return kvhi_fail(KVH_ERR_STRUCT_SIZE, "kvh_tier_info struct_size %u, expected %zu", info->struct_size,
+                         sizeof(kvh_tier_info));
+    if (tier >= KVH_TIER_COUNT)
+        return kvhi_fail(KVH_ERR_INVALID_ARG, "unknown tier %u", tier);
+    kvh_status st = kvhi_enter(e);
+    if (st != KVH_OK)
+        return st;
+    kvhi_tier *t = &e->tiers[tier];
+    kvh_tier_info r = {.struct_size = sizeof(r), .tier = tier, .block_bytes = e->block_bytes};
+    if (t->present) {
+        r.capacity_blocks = t->slots.capacity;
+        r.used_blocks = kvhi_slot_pool_used(&t->slots);
+        r.used_bytes = r.used_blocks * e->block_bytes;
+        r.pinned_blocks = t->pinned;
+        r.base = t->base;
+    }
+    kvhi_leave(e);
+    *info = r;
+    return KVH_OK;
+}
+
+kvh_status kvh_engine_stats(kvh_engine *e, kvh_stats *stats)
+{
+    kvhi_clear_error();
+    if (!e || !stats)
+        return kvhi_fail(KVH_ERR_INVALID_ARG, "engine and stats must not be NULL");
+    uint32_t size = stats->struct_size;
+    if (size < offsetof(kvh_stats, lookups) || size > sizeof(kvh_stats))
+        return kvhi_fail(KVH_ERR_STRUCT_SIZE, "kvh_stats struct_size %u not in %zu..%zu", size,
+                         offsetof(kvh_stats, lookups), sizeof(kvh_stats));
+    kvh_status st = kvhi_enter(e);
+    if (st != KVH_OK)
+        return st;
+    kvh_stats copy = e->stats;
+    kvhi_leave(e);
+    copy.struct_size = size;
+    memcpy(stats, &copy, size);
+    return KVH_OK;
+}
+
+kvh_status kvh_agent_set_quota(kvh_engine *e, uint32_t agent, uint64_t device_bytes)
+{
+    kvhi_clear_error();
+    if (!e)
+        return kvhi_fail(KVH_ERR_INVALID_ARG, "engine is NULL");
+    kvh_status st = kvhi_enter(e);
+    if (st != KVH_OK)
+        return st;
+    kvhi_agent *a = kvhi_agent_get(e, agent, true);
+    if (!a) {
+        kvhi_leave(e);
+        return kvhi_fail(KVH_ERR_NOMEM, "out of memory for agent %u", agent);
+    }
+    a->quota_blocks = device_bytes / e->block_bytes;
+    if (device_bytes && a->quota_blocks == 0)
+        a->quota_blocks = 1;
+    /* Recount and re-index its device blocks: the heap tracks only
+     * agents with a quota. */
+    a->device_blocks = 0;
+    for (uint32_t b = 0; b < e->block_cap; b++) {
+        kvhi_block *blk = &e->blocks[b];
+        if ((blk->flags & KVHI_BF_LIVE) && blk->agent == agent && blk->tier == KVH_TIER_DEVICE) {
+            a->device_blocks++;
+            if (a->quota_blocks)
+                kvhi_block_update_evictable(e, b);
+            else if (blk->quota_heap_pos != KVHI_HEAP_NONE)
+                kvhi_lruk_remove(&a->heap, b);
+        }
+    }
+    kvhi_leave(e);
+    return KVH_OK;
+}

@@ -1,0 +1,260 @@
+/* The engine's internal state, shared by the core modules.
+ *
+ * Concurrency: one engine mutex guards all metadata (blocks, sequences,
+ * tiers, prefix index, fences). Bulk copies of migrations run with the
+ * mutex released while the block is marked in flight; anything that would
+ * modify or free such a block waits on `changed` until the copy is done. */
+#ifndef KVH_CORE_ENGINE_H
+#define KVH_CORE_ENGINE_H
+
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "kvh/kvh.h"
+#include "core/backend.h"
+#include "core/handles.h"
+#include "core/lruk.h"
+#include "core/prefix_index.h"
+#include "core/slot_pool.h"
+
+#define KVHI_MAX_K 4
+#define KVHI_NO_BLOCK UINT32_MAX
+#define KVHI_NO_TIER 0xFFu
+
+/* Block flags. */
+#define KVHI_BF_LIVE 0x01u       /* meta entry in use */
+#define KVHI_BF_PUBLISHED 0x02u  /* in the prefix index (immutable) */
+#define KVHI_BF_IN_FLIGHT 0x04u  /* a copy is reading or writing its data */
+#define KVHI_BF_PREFETCHED 0x08u /* promoted by a hint, not yet used */
+#define KVHI_BF_DEAD 0x10u       /* freed while in flight; reap on finish */
+#define KVHI_BF_HASHED 0x20u     /* tokens full: hash is valid */
+#define KVHI_BF_KV_COMPLETE 0x40u /* every (layer, token) cell written */
+#define KVHI_BF_PREFETCHING 0x80u /* a hint's promotion is queued */
+
+typedef struct kvhi_block {
+    uint32_t gen;
+    uint32_t refs;
+    uint32_t holds;
+    uint32_t pins;
+    uint32_t slot;
+    uint32_t agent;
+    uint32_t hits; /* accesses since it last entered its tier */
+    uint16_t n_tokens;
+    uint8_t tier;
+    uint8_t flags;
+    uint32_t heap_pos;       /* position in its tier's eviction heap */
+    uint32_t quota_heap_pos; /* position in its agent's device heap */
+    uint64_t hash;           /* chained hash, valid with KVHI_BF_HASHED */
+    uint64_t parent_hash;
+    uint64_t hist[KVHI_MAX_K]; /* access clock values, most recent first */
+    /* Bitmap [layer][token] of written KV cells. NULL means none written,
+     * unless KVHI_BF_KV_COMPLETE says all are. */
+    uint64_t *written;
+} kvhi_block;
+
+typedef struct kvhi_tier {
+    bool present;
+    uint8_t *base; /* memory tiers */
+    uint64_t bytes_mapped;
+    kvhi_slot_pool slots;
+    kvhi_lruk_heap heap; /* evictable blocks resident here */
+    uint64_t pinned;
+} kvhi_tier;
+
+typedef struct kvhi_agent {
+    uint32_t id;
+    uint64_t quota_blocks; /* 0 = unlimited */
+    uint64_t device_blocks;
+    kvhi_lruk_heap heap; /* its evictable device blocks (quota agents) */
+} kvhi_agent;
+
+typedef struct kvhi_seq {
+    uint32_t agent;
+    uint32_t n_blocks;
+    uint32_t cap_blocks;
+    uint32_t *blocks; /* logical block -> block index */
+    uint32_t *held;   /* acquire holds this sequence has on each block */
+    uint64_t n_tokens;
+} kvhi_seq;
+
+typedef struct kvhi_fence {
+    uint32_t pending;
+    kvh_status status;
+    bool user_freed;
+    char msg[192]; /* detail of the first failure, from the failing thread */
+} kvhi_fence;
+
+typedef struct kvhi_job {
+    uint32_t block;
+    uint32_t block_gen;
+    uint32_t fence; /* fence handle index, or KVHI_NO_BLOCK */
+    uint32_t fence_gen;
+    uint8_t target_tier;
+    uint8_t is_prefetch;
+    int32_t priority;
+    uint64_t order; /* FIFO among equal priorities */
+} kvhi_job;
+
+struct kvh_engine {
+    kvh_config cfg;
+    uint64_t block_bytes;
+    uint64_t layer_bytes; /* K+V of one layer in a block */
+    uint32_t elem_bytes;
+    uint32_t tier_count; /* tiers present, device first */
+    uint64_t clock;      /* logical access clock */
+
+    const kvhi_backend_ops *backend;
+    void *backend_ctx;
+    void *backend_dl;
+
+    pthread_mutex_t lock;
+    pthread_cond_t changed; /* in-flight flags cleared, fences completed */
+    bool closing;
+    uint32_t active_calls;
+
+    kvhi_block *blocks;
+    uint32_t block_cap;
+    uint32_t *block_free; /* stack of free meta indices */
+    uint32_t block_free_top;
+    int32_t *tokens; /* block_cap * block_tokens token ids */
+
+    kvhi_tier tiers[KVH_TIER_COUNT];
+    kvhi_prefix_index prefix;
+
+    kvhi_handle_table seqs;   /* -> kvhi_seq * */
+    kvhi_handle_table fences; /* -> kvhi_fence * */
+    kvhi_handle_table pools;  /* -> kvhi_ext_pool * */
+
+    kvhi_agent *agents;
+    uint32_t n_agents, cap_agents;
+
+    /* migration workers */
+    pthread_t *workers;
+    uint32_t n_workers;
+    pthread_cond_t work_ready;
+    kvhi_job *jobs; /* binary heap by (priority desc, order asc) */
+    uint32_t n_jobs, cap_jobs;
+    uint64_t job_order;
+    uint32_t jobs_running;
+    bool stop_workers;
+
+    kvh_stats stats;
+};
+
+/* ---- errors and logging (status.c) ---- */
+kvh_status kvhi_fail(kvh_status status, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+void kvhi_clear_error(void);
+void kvhi_log(kvh_engine *e, int level, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+/* ---- engine lock and call accounting (engine.c) ---- */
+uint32_t kvhi_dtype_bytes(uint32_t dtype);
+/* Takes the lock and registers an in-flight API call; fails with
+ * KVH_ERR_CLOSED when the engine is closing. */
+kvh_status kvhi_enter(kvh_engine *e);
+void kvhi_leave(kvh_engine *e);
+uint64_t kvhi_now_ns(void);
+
+/* ---- blocks (block.c) ---- */
+static inline kvhi_block *kvhi_blk(kvh_engine *e, uint32_t i) { return &e->blocks[i]; }
+static inline int32_t *kvhi_block_tokens(kvh_engine *e, uint32_t i)
+{
+    return e->tokens + (uint64_t)i * e->cfg.block_tokens;
+}
+uint8_t *kvhi_block_data(kvh_engine *e, uint32_t i);
+/* New empty block with refs=1, in the fastest tier at or below min_tier
+ * that can make room (may evict; may drop the lock). */
+kvh_status kvhi_block_new(kvh_engine *e, uint32_t agent, uint32_t min_tier,
+                          uint32_t *out);
+void kvhi_block_place(kvh_engine *e, uint32_t b, uint32_t tier, uint32_t slot);
+/* Frees now, or marks DEAD for the mover to reap when in flight. */
+void kvhi_block_free_now(kvh_engine *e, uint32_t b);
+/* Destroys an idle block but hands its slot to the caller. */
+uint32_t kvhi_block_drop(kvh_engine *e, uint32_t b);
+kvh_status kvhi_block_mark_written(kvh_engine *e, uint32_t b, uint32_t layer,
+                                   uint32_t t0, uint32_t t1);
+bool kvhi_block_cell_written(kvh_engine *e, uint32_t b, uint32_t layer,
+                             uint32_t t);
+kvh_status kvhi_block_forget_tokens(kvh_engine *e, uint32_t b, uint32_t keep);
+/* Drops one reference; frees or leaves cached. */
+void kvhi_block_unref(kvh_engine *e, uint32_t b);
+/* Copy-on-write: returns a private copy of b (refs=1) replacing one ref. */
+kvh_status kvhi_block_cow(kvh_engine *e, uint32_t b, uint32_t agent,
+                          uint32_t *out);
+void kvhi_block_touch(kvh_engine *e, uint32_t b);
+/* Blocks until b is not in flight (drops and retakes the lock). */
+void kvhi_block_wait_idle(kvh_engine *e, uint32_t b);
+void kvhi_block_try_publish(kvh_engine *e, uint32_t b);
+bool kvhi_block_kv_complete(kvh_engine *e, uint32_t b);
+uint64_t kvh_block_handle(kvh_engine *e, uint32_t b);
+kvh_status kvhi_block_resolve(kvh_engine *e, kvh_block h, uint32_t *out);
+void kvhi_block_hold(kvh_engine *e, uint32_t b);
+void kvhi_block_unhold(kvh_engine *e, uint32_t b);
+void kvhi_block_pin(kvh_engine *e, uint32_t b, bool pin);
+/* Recompute whether b belongs in an eviction heap. */
+void kvhi_block_update_evictable(kvh_engine *e, uint32_t b);
+kvhi_agent *kvhi_agent_get(kvh_engine *e, uint32_t id, bool create);
+
+/* ---- tiers and eviction (evict.c) ---- */
+/* Gets a free slot in tier t, evicting by policy. The lock may be dropped
+ * and retaken. `for_agent` applies that agent's device quota. */
+kvh_status kvhi_reserve_slot(kvh_engine *e, uint32_t tier, uint32_t for_agent,
+                             uint32_t *slot);
+/* Moves block b to tier t synchronously (lock dropped during the copy). */
+kvh_status kvhi_move_block(kvh_engine *e, uint32_t b, uint32_t tier,
+                           uint32_t for_agent);
+void kvhi_release_slot(kvh_engine *e, uint32_t tier, uint32_t slot);
+int kvhi_copy_bytes(kvh_engine *e, uint32_t dst_tier, void *dst,
+                    uint32_t src_tier, const void *src, size_t n);
+uint8_t *kvhi_slot_addr(kvh_engine *e, uint32_t tier, uint32_t slot);
+
+/* ---- migration (migrate.c) ---- */
+kvh_status kvhi_workers_start(kvh_engine *e);
+void kvhi_workers_stop(kvh_engine *e);
+/* Queues b -> tier; fence_idx may be KVHI_NO_BLOCK. */
+kvh_status kvhi_enqueue(kvh_engine *e, uint32_t b, uint32_t tier,
+                        int32_t priority, bool prefetch, uint32_t fence_idx);
+kvh_status kvhi_fence_new(kvh_engine *e, uint32_t *idx, kvh_fence *handle);
+void kvhi_fence_done(kvh_engine *e, uint32_t fence_idx, kvh_status st);
+kvh_status kvhi_fence_wait_idx(kvh_engine *e, uint32_t idx,
+                               uint64_t timeout_ns);
+void kvhi_fence_drop(kvh_engine *e, uint32_t idx);
+
+/* ---- sequences (seq.c) ---- */
+kvh_status kvhi_seq_get(kvh_engine *e, kvh_seq h, kvhi_seq **out);
+/* Block range covering tokens [first, first + n). */
+kvh_status kvhi_seq_block_range(kvh_engine *e, kvhi_seq *s, uint64_t first,
+                                uint64_t n, uint32_t *b0, uint32_t *b1);
+void kvhi_seq_destroy(kvh_engine *e, kvhi_seq *s);
+kvh_status kvhi_seq_create(kvh_engine *e, uint32_t agent, kvh_seq *out);
+kvh_status kvhi_seq_fork(kvh_engine *e, kvhi_seq *s, uint32_t agent,
+                         kvh_seq *out);
+kvh_status kvhi_seq_append(kvh_engine *e, kvhi_seq *s, const int32_t *tokens,
+                           size_t n);
+kvh_status kvhi_seq_tokens(kvh_engine *e, kvhi_seq *s, uint64_t first,
+                           size_t n, int32_t *out);
+kvh_status kvhi_seq_write_kv(kvh_engine *e, kvhi_seq *s, uint32_t layer,
+                             uint64_t pos, size_t n, const void *k,
+                             const void *v);
+kvh_status kvhi_seq_read_kv(kvh_engine *e, kvhi_seq *s, uint32_t layer,
+                            uint64_t pos, size_t n, void *k, void *v);
+kvh_status kvhi_seq_truncate(kvh_engine *e, kvhi_seq *s, uint64_t n_tokens);
+kvh_status kvhi_seq_match_prefix(kvh_engine *e, kvhi_seq *s,
+                                 const int32_t *tokens, size_t n,
+                                 size_t *matched);
+kvh_status kvhi_seq_acquire(kvh_engine *e, kvhi_seq *s, uint64_t first,
+                            uint64_t n, kvh_fence *fence);
+kvh_status kvhi_seq_release(kvh_engine *e, kvhi_seq *s, uint64_t first,
+                            uint64_t n);
+kvh_status kvhi_prefetch(kvh_engine *e, kvhi_seq *s, uint64_t first,
+                         uint64_t n, int32_t priority, kvh_fence *fence);
+kvh_status kvhi_migrate_blocks(kvh_engine *e, const uint32_t *blocks,
+                               size_t n, uint32_t tier, kvh_fence *fence);
+
+/* ---- external pools (ext_pool.c) ---- */
+void kvhi_pools_destroy(kvh_engine *e);
+
+#endif

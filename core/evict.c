@@ -1,0 +1,251 @@
+/* Making room: slot reservation, victim choice, demotion and drops.
+ * Runs with the engine lock held; copies drop it while the moving block is
+ * marked in flight. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/engine.h"
+
+static int tier_below(kvh_engine *e, uint32_t t)
+{
+    for (uint32_t u = t + 1; u < KVH_TIER_COUNT; u++)
+        if (e->tiers[u].present)
+            return (int)u;
+    return -1;
+}
+
+static enum kvhi_copy_kind copy_kind(kvh_engine *e, uint32_t dst_tier, uint32_t src_tier)
+{
+    bool dst_dev = dst_tier == KVH_TIER_DEVICE && !e->backend->device_is_host_memory;
+    bool src_dev = src_tier == KVH_TIER_DEVICE && !e->backend->device_is_host_memory;
+    if (dst_dev && src_dev)
+        return KVHI_COPY_DEVICE_TO_DEVICE;
+    if (dst_dev)
+        return KVHI_COPY_HOST_TO_DEVICE;
+    if (src_dev)
+        return KVHI_COPY_DEVICE_TO_HOST;
+    return KVHI_COPY_HOST_TO_HOST;
+}
+
+int kvhi_copy_bytes(kvh_engine *e, uint32_t dst_tier, void *dst, uint32_t src_tier, const void *src, size_t n)
+{
+    enum kvhi_copy_kind kind = copy_kind(e, dst_tier, src_tier);
+    if (kind == KVHI_COPY_HOST_TO_HOST) {
+        memcpy(dst, src, n);
+        return 0;
+    }
+    char msg[256];
+    return e->backend->copy(e->backend_ctx, dst, src, n, kind, msg, sizeof(msg));
+}
+
+void kvhi_release_slot(kvh_engine *e, uint32_t tier, uint32_t slot)
+{
+    kvhi_slot_pool_free(&e->tiers[tier].slots, slot);
+}
+
+static kvh_status move_block(kvh_engine *e, uint32_t b, uint32_t tier, uint32_t *src_slot_out);
+
+static void count_move(kvh_engine *e, uint32_t from, uint32_t to)
+{
+    uint64_t bytes = e->block_bytes;
+    if (from == KVH_TIER_DEVICE && to == KVH_TIER_HOST) {
+        e->stats.blocks_device_to_host++;
+        e->stats.bytes_device_to_host += bytes;
+    } else if (from == KVH_TIER_HOST && to == KVH_TIER_DEVICE) {
+        e->stats.blocks_host_to_device++;
+        e->stats.bytes_host_to_device += bytes;
+    } else if (from == KVH_TIER_HOST && to == KVH_TIER_DISK) {
+        e->stats.blocks_host_to_disk++;
+        e->stats.bytes_host_to_disk += bytes;
+    } else if (from == KVH_TIER_DISK && to == KVH_TIER_HOST) {
+        e->stats.blocks_disk_to_host++;
+        e->stats.bytes_disk_to_host += bytes;
+    }
+}
+
+/* Promotion when both tiers are full of referenced blocks: b (in a lower
+ * memory tier) trades places with the upper tier's least valuable block,
+ * through a bounce buffer. Without this, a full hierarchy could not bring
+ * a block up even though it only needs to exchange two slots. */
+static kvh_status swap_up(kvh_engine *e, uint32_t b, uint32_t tier)
+{
+    uint32_t v = kvhi_lruk_top(&e->tiers[tier].heap);
+    kvhi_block *bb = &e->blocks[b];
+    if (v == KVHI_HEAP_NONE || v == b || bb->tier == KVH_TIER_DISK)
+        return kvhi_fail(KVH_ERR_NOSPACE, "no block in the target tier can make room");
+    kvhi_block *vb = &e->blocks[v];
+    uint8_t *bounce = malloc(e->block_bytes);
+    if (!bounce)
+        return kvhi_fail(KVH_ERR_NOMEM, "out of memory for a bounce buffer");
+    uint32_t lo_tier = bb->tier, lo_slot = bb->slot, hi_slot = vb->slot;
+    vb->flags |= KVHI_BF_IN_FLIGHT;
+    kvhi_block_update_evictable(e, v);
+    uint8_t *hi = kvhi_slot_addr(e, tier, hi_slot), *lo = kvhi_slot_addr(e, lo_tier, lo_slot);
+    pthread_mutex_unlock(&e->lock);
+    int rc = kvhi_copy_bytes(e, KVH_TIER_HOST, bounce, tier, hi, e->block_bytes);
+    if (rc == 0)
+        rc = kvhi_copy_bytes(e, tier, hi, lo_tier, lo, e->block_bytes);
+    if (rc == 0)
+        rc = kvhi_copy_bytes(e, lo_tier, lo, KVH_TIER_HOST, bounce, e->block_bytes);
+    pthread_mutex_lock(&e->lock);
+    free(bounce);
+    vb->flags &= (uint8_t)~KVHI_BF_IN_FLIGHT;
+    pthread_cond_broadcast(&e->changed);
+    if (rc != 0) {
+        /* The two slots may hold mixed data now: neither block is valid. */
+        kvhi_block_update_evictable(e, v);
+        return kvhi_fail(KVH_ERR_IO, "copy during a tier swap failed");
+    }
+    if (vb->flags & KVHI_BF_PREFETCHED) {
+        e->stats.prefetch_wasted++;
+        vb->flags &= (uint8_t)~KVHI_BF_PREFETCHED;
+    }
+    kvhi_block_place(e, v, lo_tier, lo_slot);
+    kvhi_block_place(e, b, tier, hi_slot);
+    count_move(e, tier, lo_tier);
+    count_move(e, lo_tier, tier);
+    e->stats.evictions++;
+    if (vb->flags & KVHI_BF_DEAD)
+        kvhi_block_free_now(e, v);
+    else
+        kvhi_block_update_evictable(e, v);
+    return KVH_OK;
+}
+
+/* Choose what leaves tier t. The last tier can only drop unreferenced
+ * blocks, which sort first in the heap (class bit clear). */
+static uint32_t pick_victim(kvh_engine *e, uint32_t t, kvhi_agent *quota_agent)
+{
+    kvhi_lruk_heap *h = quota_agent ? &quota_agent->heap : &e->tiers[t].heap;
+    uint32_t v = kvhi_lruk_top(h);
+    if (v == KVHI_HEAP_NONE)
+        return v;
+    if (tier_below(e, t) < 0 && e->blocks[v].refs > 0)
+        return KVHI_HEAP_NONE;
+    return v;
+}
+
+/* Frees b's slot in its tier, by demotion or (unreferenced) by dropping;
+ * the freed slot is handed to the caller. */
+static kvh_status evict_one(kvh_engine *e, uint32_t v, uint32_t *freed)
+{
+    kvhi_block *blk = &e->blocks[v];
+    int below = tier_below(e, blk->tier);
+    if (below >= 0) {
+        kvh_status st = move_block(e, v, (uint32_t)below, freed);
+        if (st == KVH_OK) {
+            e->stats.evictions++;
+            return KVH_OK;
+        }
+        if (st != KVH_ERR_NOSPACE)
+            return st;
+        /* move_block may have dropped the lock: v can have changed. */
+        if (!(blk->flags & KVHI_BF_LIVE) || (blk->flags & (KVHI_BF_IN_FLIGHT | KVHI_BF_DEAD)) || blk->pins ||
+            blk->holds)
+            return KVH_ERR_NOSPACE;
+    }
+    if (blk->refs > 0)
+        return kvhi_fail(KVH_ERR_NOSPACE, "no tier below can take a referenced block");
+    if (blk->flags & KVHI_BF_PREFETCHED)
+        e->stats.prefetch_wasted++;
+    *freed = kvhi_block_drop(e, v);
+    e->stats.drops++;
+    return KVH_OK;
+}
+
+kvh_status kvhi_reserve_slot(kvh_engine *e, uint32_t tier, uint32_t for_agent, uint32_t *slot)
+{
+    kvhi_tier *t = &e->tiers[tier];
+    if (!t->present)
+        return kvhi_fail(KVH_ERR_NOSPACE, "tier %u is not configured", tier);
+    for (int attempt = 0; attempt < 1000000; attempt++) {
+        kvhi_agent *qa = NULL;
+        if (tier == KVH_TIER_DEVICE && e->n_agents) {
+            kvhi_agent *a = kvhi_agent_get(e, for_agent, false);
+            if (a && a->quota_blocks && a->device_blocks >= a->quota_blocks)
+                qa = a;
+        }
+        if (!qa && kvhi_slot_pool_alloc(&t->slots, slot) == 0)
+            return KVH_OK;
+        uint32_t v = pick_victim(e, tier, qa);
+        if (v == KVHI_HEAP_NONE) {
+            if (qa)
+                return kvhi_fail(KVH_ERR_NOSPACE, "agent %u is at its device quota and none of its blocks can leave",
+                                 for_agent);
+            return kvhi_fail(KVH_ERR_NOSPACE, "%s tier full: every block is pinned, held or in flight%s",
+                             tier == KVH_TIER_DEVICE ? "device" : tier == KVH_TIER_HOST ? "host" : "disk",
+                             tier_below(e, tier) < 0 ? ", or still referenced with no tier below" : "");
+        }
+        kvh_status st = evict_one(e, v, slot);
+        if (st == KVH_OK)
+            return KVH_OK;
+        if (st != KVH_ERR_NOSPACE)
+            return st;
+        /* The victim could not leave (everything below is referenced and
+         * full): nothing else in this tier can either. */
+        return kvhi_fail(KVH_ERR_NOSPACE, "no room below the %s tier for its least valuable block",
+                         tier == KVH_TIER_DEVICE ? "device" : "host");
+    }
+    return kvhi_fail(KVH_ERR_NOSPACE, "could not make room");
+}
+
+/* Moves b to `tier`. When src_slot_out is set, b's old slot is handed to
+ * the caller instead of being freed. */
+static kvh_status move_block(kvh_engine *e, uint32_t b, uint32_t tier, uint32_t *src_slot_out)
+{
+    kvhi_block *blk = &e->blocks[b];
+    if (blk->tier == tier)
+        return KVH_OK;
+    uint32_t src_tier = blk->tier, src_slot = blk->slot;
+    blk->flags |= KVHI_BF_IN_FLIGHT;
+    kvhi_block_update_evictable(e, b);
+    uint32_t dslot;
+    kvh_status st = kvhi_reserve_slot(e, tier, blk->agent, &dslot);
+    int rc = 0;
+    if (st == KVH_OK) {
+        uint8_t *dst = kvhi_slot_addr(e, tier, dslot);
+        const uint8_t *src = kvhi_slot_addr(e, src_tier, src_slot);
+        pthread_mutex_unlock(&e->lock);
+        rc = kvhi_copy_bytes(e, tier, dst, src_tier, src, e->block_bytes);
+        pthread_mutex_lock(&e->lock);
+    }
+    blk->flags &= (uint8_t)~KVHI_BF_IN_FLIGHT;
+    pthread_cond_broadcast(&e->changed);
+    if (st == KVH_OK && rc != 0) {
+        kvhi_release_slot(e, tier, dslot);
+        st = kvhi_fail(KVH_ERR_IO, "copy between tiers failed");
+    }
+    if (st == KVH_ERR_NOSPACE && tier < src_tier && !src_slot_out && !(blk->flags & KVHI_BF_DEAD)) {
+        blk->flags |= KVHI_BF_IN_FLIGHT;
+        st = swap_up(e, b, tier);
+        blk->flags &= (uint8_t)~KVHI_BF_IN_FLIGHT;
+        pthread_cond_broadcast(&e->changed);
+    }
+    if (st != KVH_OK || blk->tier == tier) {
+        if (blk->flags & KVHI_BF_DEAD)
+            kvhi_block_free_now(e, b);
+        else
+            kvhi_block_update_evictable(e, b);
+        return st;
+    }
+    if (src_tier == KVH_TIER_DEVICE && (blk->flags & KVHI_BF_PREFETCHED)) {
+        e->stats.prefetch_wasted++;
+        blk->flags &= (uint8_t)~KVHI_BF_PREFETCHED;
+    }
+    kvhi_block_place(e, b, tier, dslot);
+    count_move(e, src_tier, tier);
+    if (src_slot_out)
+        *src_slot_out = src_slot;
+    else
+        kvhi_release_slot(e, src_tier, src_slot);
+    if (blk->flags & KVHI_BF_DEAD)
+        kvhi_block_free_now(e, b);
+    else
+        kvhi_block_update_evictable(e, b);
+    return KVH_OK;
+}
+
+kvh_status kvhi_move_block(kvh_engine *e, uint32_t b, uint32_t tier, uint32_t for_agent)
+{
+    return move_block(e, b, tier, NULL);
+}

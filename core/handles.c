@@ -1,0 +1,89 @@
+#include "core/handles.h"
+
+#include <stdlib.h>
+
+int kvhi_handles_init(kvhi_handle_table *t, uint8_t tag)
+{
+    *t = (kvhi_handle_table){.tag = tag};
+    return 0;
+}
+
+void kvhi_handles_destroy(kvhi_handle_table *t)
+{
+    free(t->ptrs);
+    free(t->gens);
+    free(t->free_list);
+    *t = (kvhi_handle_table){.tag = t->tag};
+}
+
+static int grow(kvhi_handle_table *t)
+{
+    uint32_t ncap = t->cap ? t->cap * 2 : 64;
+    if (ncap <= t->cap)
+        return -1;
+    void **p = realloc(t->ptrs, sizeof(*p) * ncap);
+    if (!p)
+        return -1;
+    t->ptrs = p;
+    uint32_t *g = realloc(t->gens, sizeof(*g) * ncap);
+    if (!g)
+        return -1;
+    t->gens = g;
+    uint32_t *f = realloc(t->free_list, sizeof(*f) * ncap);
+    if (!f)
+        return -1;
+    t->free_list = f;
+    /* Push new indices so the lowest is handed out first. */
+    for (uint32_t i = ncap; i > t->cap; i--) {
+        t->ptrs[i - 1] = NULL;
+        t->gens[i - 1] = 1;
+        t->free_list[t->free_top++] = i - 1;
+    }
+    t->cap = ncap;
+    return 0;
+}
+
+int kvhi_handles_add(kvhi_handle_table *t, void *ptr, uint64_t *handle,
+                     uint32_t *index)
+{
+    if (t->free_top == 0 && grow(t) != 0)
+        return -1;
+    uint32_t i = t->free_list[--t->free_top];
+    t->ptrs[i] = ptr;
+    t->used++;
+    *handle = kvhi_handle_make(t->tag, t->gens[i], i);
+    if (index)
+        *index = i;
+    return 0;
+}
+
+void *kvhi_handles_get(const kvhi_handle_table *t, uint64_t handle,
+                       uint32_t *index)
+{
+    if (kvhi_handle_tag(handle) != t->tag)
+        return NULL;
+    uint32_t i = kvhi_handle_index(handle);
+    if (i >= t->cap || !t->ptrs[i] || t->gens[i] != kvhi_handle_gen(handle))
+        return NULL;
+    if (index)
+        *index = i;
+    return t->ptrs[i];
+}
+
+void *kvhi_handles_at(const kvhi_handle_table *t, uint32_t index)
+{
+    return index < t->cap ? t->ptrs[index] : NULL;
+}
+
+uint64_t kvhi_handles_handle_of(const kvhi_handle_table *t, uint32_t index)
+{
+    return kvhi_handle_make(t->tag, t->gens[index], index);
+}
+
+void kvhi_handles_remove(kvhi_handle_table *t, uint32_t index)
+{
+    t->ptrs[index] = NULL;
+    t->gens[index] = kvhi_gen_next(t->gens[index]);
+    t->free_list[t->free_top++] = index;
+    t->used--;
+}

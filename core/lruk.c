@@ -1,0 +1,113 @@
+#include "core/lruk.h"
+
+#include <stdlib.h>
+
+static inline uint32_t *pos_of(kvhi_lruk_heap *h, uint32_t item)
+{
+    return (uint32_t *)(h->pos_base + (size_t)item * h->pos_stride);
+}
+
+int kvhi_lruk_init(kvhi_lruk_heap *h, uint32_t cap, void *pos_base,
+                   size_t pos_stride)
+{
+    h->size = 0;
+    h->cap = cap;
+    h->pos_base = pos_base;
+    h->pos_stride = pos_stride;
+    h->entries = cap ? malloc(sizeof(*h->entries) * cap) : NULL;
+    return (cap && !h->entries) ? -1 : 0;
+}
+
+void kvhi_lruk_destroy(kvhi_lruk_heap *h)
+{
+    free(h->entries);
+    h->entries = NULL;
+    h->size = h->cap = 0;
+}
+
+static void place(kvhi_lruk_heap *h, uint32_t i, kvhi_lruk_entry e)
+{
+    h->entries[i] = e;
+    *pos_of(h, e.item) = i;
+}
+
+static void sift_up(kvhi_lruk_heap *h, uint32_t i)
+{
+    kvhi_lruk_entry e = h->entries[i];
+    while (i > 0) {
+        uint32_t parent = (i - 1) / 2;
+        if (!kvhi_lruk_less(&e.key, &h->entries[parent].key))
+            break;
+        place(h, i, h->entries[parent]);
+        i = parent;
+    }
+    place(h, i, e);
+}
+
+static void sift_down(kvhi_lruk_heap *h, uint32_t i)
+{
+    kvhi_lruk_entry e = h->entries[i];
+    for (;;) {
+        uint32_t l = 2 * i + 1;
+        if (l >= h->size)
+            break;
+        uint32_t c = l;
+        if (l + 1 < h->size && kvhi_lruk_less(&h->entries[l + 1].key, &h->entries[l].key))
+            c = l + 1;
+        if (!kvhi_lruk_less(&h->entries[c].key, &e.key))
+            break;
+        place(h, i, h->entries[c]);
+        i = c;
+    }
+    place(h, i, e);
+}
+
+void kvhi_lruk_upsert(kvhi_lruk_heap *h, uint32_t item, kvhi_lruk_key key)
+{
+    uint32_t p = *pos_of(h, item);
+    if (p != KVHI_HEAP_NONE) {
+        kvhi_lruk_key old = h->entries[p].key;
+        h->entries[p].key = key;
+        if (kvhi_lruk_less(&key, &old))
+            sift_up(h, p);
+        else
+            sift_down(h, p);
+        return;
+    }
+    /* Capacity is sized for every item at construction: never grows. */
+    h->entries[h->size] = (kvhi_lruk_entry){key, item};
+    sift_up(h, h->size++);
+}
+
+void kvhi_lruk_remove(kvhi_lruk_heap *h, uint32_t item)
+{
+    uint32_t p = *pos_of(h, item);
+    if (p == KVHI_HEAP_NONE)
+        return;
+    *pos_of(h, item) = KVHI_HEAP_NONE;
+    h->size--;
+    if (p == h->size)
+        return;
+    kvhi_lruk_entry last = h->entries[h->size];
+    kvhi_lruk_key removed = h->entries[p].key;
+    place(h, p, last);
+    if (kvhi_lruk_less(&last.key, &removed))
+        sift_up(h, p);
+    else
+        sift_down(h, p);
+}
+
+kvhi_lruk_key kvhi_lruk_key_of(const uint64_t *hist, uint32_t k, int referenced)
+{
+    kvhi_lruk_key key;
+    key.primary = hist[k - 1] | ((uint64_t)(referenced ? 1 : 0) << 63);
+    key.secondary = hist[0];
+    return key;
+}
+
+void kvhi_lruk_record(uint64_t *hist, uint32_t k, uint64_t now)
+{
+    for (uint32_t i = k - 1; i > 0; i--)
+        hist[i] = hist[i - 1];
+    hist[0] = now;
+}

@@ -1,0 +1,62 @@
+/* Indexed binary min-heap of eviction candidates.
+ *
+ * Each entry carries its key, so comparisons never chase the block table.
+ * The key orders victims: unreferenced (cached-only) blocks first, then by
+ * the time of the K-th most recent access (blocks with fewer than K
+ * accesses have time 0: infinite backward K-distance), then by the most
+ * recent access. Each block stores its own heap position, so update and
+ * removal are O(log n). */
+#ifndef KVH_CORE_LRUK_H
+#define KVH_CORE_LRUK_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define KVHI_HEAP_NONE UINT32_MAX
+
+typedef struct kvhi_lruk_key {
+    uint64_t primary;   /* class bit 63 | K-th access time */
+    uint64_t secondary; /* most recent access time */
+} kvhi_lruk_key;
+
+typedef struct kvhi_lruk_entry {
+    kvhi_lruk_key key;
+    uint32_t item;
+} kvhi_lruk_entry;
+
+typedef struct kvhi_lruk_heap {
+    kvhi_lruk_entry *entries;
+    uint32_t size;
+    uint32_t cap;
+    /* Where each item keeps its position: base + item * stride + offset. */
+    uint8_t *pos_base;
+    size_t pos_stride;
+} kvhi_lruk_heap;
+
+int kvhi_lruk_init(kvhi_lruk_heap *h, uint32_t cap, void *pos_base,
+                   size_t pos_stride);
+void kvhi_lruk_destroy(kvhi_lruk_heap *h);
+/* Inserts, or updates the key of an item already present. */
+void kvhi_lruk_upsert(kvhi_lruk_heap *h, uint32_t item, kvhi_lruk_key key);
+void kvhi_lruk_remove(kvhi_lruk_heap *h, uint32_t item);
+/* Lowest item, or KVHI_HEAP_NONE. */
+static inline uint32_t kvhi_lruk_top(const kvhi_lruk_heap *h)
+{
+    return h->size ? h->entries[0].item : KVHI_HEAP_NONE;
+}
+static inline const kvhi_lruk_key *kvhi_lruk_top_key(const kvhi_lruk_heap *h)
+{
+    return h->size ? &h->entries[0].key : NULL;
+}
+static inline int kvhi_lruk_less(const kvhi_lruk_key *a, const kvhi_lruk_key *b)
+{
+    return a->primary != b->primary ? a->primary < b->primary
+                                    : a->secondary < b->secondary;
+}
+/* Key of an access history (most recent first, k entries). */
+kvhi_lruk_key kvhi_lruk_key_of(const uint64_t *hist, uint32_t k,
+                               int referenced);
+/* Records an access at time now into hist (k entries). */
+void kvhi_lruk_record(uint64_t *hist, uint32_t k, uint64_t now);
+
+#endif

@@ -1,0 +1,272 @@
+/* Asynchronous migration: a priority queue of block moves served by worker
+ * threads (or run in the caller when there are none), and fences that
+ * count the moves a request is waiting for. */
+#include <errno.h>
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#ifdef KVH_HAVE_NUMA
+#include <numa.h>
+#endif
+
+#include "core/engine.h"
+
+/* ---- fences ---- */
+
+kvh_status kvhi_fence_new(kvh_engine *e, uint32_t *idx, kvh_fence *handle)
+{
+    kvhi_fence *f = calloc(1, sizeof(*f));
+    if (!f)
+        return kvhi_fail(KVH_ERR_NOMEM, "out of memory for a fence");
+    uint64_t h;
+    if (kvhi_handles_add(&e->fences, f, &h, idx) != 0) {
+        free(f);
+        return kvhi_fail(KVH_ERR_NOMEM, "out of memory for a fence");
+    }
+    if (handle)
+        handle->id = h;
+    return KVH_OK;
+}
+
+void kvhi_fence_drop(kvh_engine *e, uint32_t idx)
+{
+    kvhi_fence *f = kvhi_handles_at(&e->fences, idx);
+    if (!f)
+        return;
+    if (f->pending) {
+        f->user_freed = true; /* reaped by the last kvhi_fence_done */
+        return;
+    }
+    free(f);
+    kvhi_handles_remove(&e->fences, idx);
+}
+
+void kvhi_fence_done(kvh_engine *e, uint32_t idx, kvh_status st)
+{
+    if (idx == KVHI_NO_BLOCK)
+        return;
+    kvhi_fence *f = kvhi_handles_at(&e->fences, idx);
+    if (!f)
+        return;
+    if (st != KVH_OK && f->status == KVH_OK) {
+        f->status = st;
+        snprintf(f->msg, sizeof(f->msg), "%s", kvh_last_error());
+    }
+    if (--f->pending == 0) {
+        if (f->user_freed) {
+            free(f);
+            kvhi_handles_remove(&e->fences, idx);
+        }
+        pthread_cond_broadcast(&e->changed);
+    }
+}
+
+kvh_status kvhi_fence_wait_idx(kvh_engine *e, uint32_t idx, uint64_t timeout_ns)
+{
+    kvhi_fence *f = kvhi_handles_at(&e->fences, idx);
+    struct timespec deadline;
+    if (timeout_ns != UINT64_MAX) {
+        clock_gettime(CLOCK_REALTIME, &deadline);
+        uint64_t ns = (uint64_t)deadline.tv_nsec + timeout_ns % 1000000000ull;
+        deadline.tv_sec += (time_t)(timeout_ns / 1000000000ull + ns / 1000000000ull);
+        deadline.tv_nsec = (long)(ns % 1000000000ull);
+    }
+    while (f->pending) {
+        if (timeout_ns == UINT64_MAX) {
+            pthread_cond_wait(&e->changed, &e->lock);
+        } else if (pthread_cond_timedwait(&e->changed, &e->lock, &deadline) == ETIMEDOUT && f->pending) {
+            return kvhi_fail(KVH_ERR_TIMEOUT, "fence not complete after %llu ns", (unsigned long long)timeout_ns);
+        }
+    }
+    if (f->status != KVH_OK)
+        return kvhi_fail(f->status, "%s", f->msg[0] ? f->msg : kvh_strerror(f->status));
+    return KVH_OK;
+}
+
+/* ---- job queue: a binary heap, highest priority first, FIFO within ---- */
+
+static bool job_before(const kvhi_job *a, const kvhi_job *b)
+{
+    return a->priority != b->priority ? a->priority > b->priority : a->order < b->order;
+}
+
+static kvh_status job_push(kvh_engine *e, kvhi_job j)
+{
+    if (e->n_jobs == e->cap_jobs) {
+        uint32_t ncap = e->cap_jobs ? e->cap_jobs * 2 : 256;
+        kvhi_job *n = realloc(e->jobs, sizeof(*n) * ncap);
+        if (!n)
+            return kvhi_fail(KVH_ERR_NOMEM, "out of memory for the migration queue");
+        e->jobs = n;
+        e->cap_jobs = ncap;
+    }
+    j.order = e->job_order++;
+    uint32_t i = e->n_jobs++;
+    while (i > 0) {
+        uint32_t p = (i - 1) / 2;
+        if (!job_before(&j, &e->jobs[p]))
+            break;
+        e->jobs[i] = e->jobs[p];
+        i = p;
+    }
+    e->jobs[i] = j;
+    return KVH_OK;
+}
+
+static kvhi_job job_pop(kvh_engine *e)
+{
+    kvhi_job top = e->jobs[0];
+    kvhi_job last = e->jobs[--e->n_jobs];
+    uint32_t i = 0;
+    for (;;) {
+        uint32_t l = 2 * i + 1;
+        if (l >= e->n_jobs)
+            break;
+        uint32_t c = (l + 1 < e->n_jobs && job_before(&e->jobs[l + 1], &e->jobs[l])) ? l + 1 : l;
+        if (!job_before(&e->jobs[c], &last))
+            break;
+        e->jobs[i] = e->jobs[c];
+        i = c;
+    }
+    if (e->n_jobs)
+        e->jobs[i] = last;
+    return top;
+}
+
+/* Runs one move with the lock held (dropped during the copy). */
+static kvh_status run_job(kvh_engine *e, const kvhi_job *j)
+{
+    kvhi_block *blk = &e->blocks[j->block];
+    kvh_status st = KVH_OK;
+    for (;;) {
+        if (!(blk->flags & KVHI_BF_LIVE) || (blk->flags & KVHI_BF_DEAD) || blk->gen != j->block_gen)
+            return KVH_OK; /* freed meanwhile: nothing left to move */
+        if (!(blk->flags & KVHI_BF_IN_FLIGHT))
+            break;
+        kvhi_block_wait_idle(e, j->block);
+    }
+    bool moved = false;
+    if (blk->tier != j->target_tier) {
+        if (blk->holds && j->target_tier != KVH_TIER_DEVICE)
+            st = KVH_OK; /* an acquire holds it in the device tier: stays */
+        else if (blk->pins)
+            st = j->is_prefetch ? KVH_OK : kvhi_fail(KVH_ERR_BUSY, "block is pinned in another tier");
+        else {
+            st = kvhi_move_block(e, j->block, j->target_tier, blk->agent);
+            moved = st == KVH_OK && blk->gen == j->block_gen && (blk->flags & KVHI_BF_LIVE);
+        }
+    }
+    if (j->is_prefetch) {
+        /* Only a promotion this hint made, and that no acquire has claimed
+         * yet (acquire clears PREFETCHING), counts as prefetched. */
+        if (moved && (blk->flags & KVHI_BF_PREFETCHING) && blk->tier == KVH_TIER_DEVICE)
+            blk->flags |= KVHI_BF_PREFETCHED;
+        if (blk->gen == j->block_gen)
+            blk->flags &= (uint8_t)~KVHI_BF_PREFETCHING;
+        st = KVH_OK; /* a hint that cannot be honoured is not an error */
+    }
+    return st;
+}
+
+kvh_status kvhi_enqueue(kvh_engine *e, uint32_t b, uint32_t tier, int32_t priority, bool prefetch,
+                        uint32_t fence_idx)
+{
+    kvhi_job j = {.block = b,
+                  .block_gen = e->blocks[b].gen,
+                  .fence = fence_idx,
+                  .target_tier = (uint8_t)tier,
+                  .is_prefetch = prefetch,
+                  .priority = priority};
+    if (fence_idx != KVHI_NO_BLOCK)
+        ((kvhi_fence *)kvhi_handles_at(&e->fences, fence_idx))->pending++;
+    if (e->n_workers == 0) {
+        kvhi_fence_done(e, fence_idx, run_job(e, &j));
+        return KVH_OK;
+    }
+    kvh_status st = job_push(e, j);
+    if (st != KVH_OK) {
+        kvhi_fence_done(e, fence_idx, st);
+        return st;
+    }
+    pthread_cond_signal(&e->work_ready);
+    return KVH_OK;
+}
+
+/* ---- workers ---- */
+
+static void *worker_main(void *arg)
+{
+    kvh_engine *e = arg;
+#ifdef KVH_HAVE_NUMA
+    if (e->cfg.numa_node >= 0 && numa_available() >= 0)
+        numa_run_on_node(e->cfg.numa_node);
+#endif
+    if (e->cfg.migration_cpu_mask) {
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        for (int c = 0; c < 64; c++)
+            if (e->cfg.migration_cpu_mask >> c & 1)
+                CPU_SET(c, &set);
+        pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+    }
+    pthread_mutex_lock(&e->lock);
+    while (!e->stop_workers) {
+        if (e->n_jobs == 0) {
+            pthread_cond_wait(&e->work_ready, &e->lock);
+            continue;
+        }
+        kvhi_job j = job_pop(e);
+        e->jobs_running++;
+        kvh_status st = run_job(e, &j);
+        e->jobs_running--;
+        kvhi_fence_done(e, j.fence, st);
+    }
+    pthread_mutex_unlock(&e->lock);
+    return NULL;
+}
+
+kvh_status kvhi_workers_start(kvh_engine *e)
+{
+    if (pthread_cond_init(&e->work_ready, NULL) != 0)
+        return kvhi_fail(KVH_ERR_NOMEM, "cannot create a condition variable");
+    e->n_workers = 0;
+    if (e->cfg.migration_threads == 0)
+        return KVH_OK;
+    e->workers = calloc(e->cfg.migration_threads, sizeof(pthread_t));
+    if (!e->workers)
+        return kvhi_fail(KVH_ERR_NOMEM, "out of memory for workers");
+    for (uint32_t i = 0; i < e->cfg.migration_threads; i++) {
+        if (pthread_create(&e->workers[i], NULL, worker_main, e) != 0) {
+            kvhi_workers_stop(e);
+            return kvhi_fail(KVH_ERR_NOMEM, "cannot start migration worker %u", i);
+        }
+        e->n_workers++;
+    }
+    return KVH_OK;
+}
+
+/* Called without the lock. Pending jobs are cancelled with KVH_ERR_CLOSED. */
+void kvhi_workers_stop(kvh_engine *e)
+{
+    pthread_mutex_lock(&e->lock);
+    e->stop_workers = true;
+    while (e->n_jobs) {
+        kvhi_job j = job_pop(e);
+        if (j.is_prefetch && (e->blocks[j.block].flags & KVHI_BF_LIVE))
+            e->blocks[j.block].flags &= (uint8_t)~KVHI_BF_PREFETCHING;
+        kvhi_fence_done(e, j.fence, KVH_ERR_CLOSED);
+    }
+    pthread_cond_broadcast(&e->work_ready);
+    pthread_mutex_unlock(&e->lock);
+    for (uint32_t i = 0; i < e->n_workers; i++)
+        pthread_join(e->workers[i], NULL);
+    free(e->workers);
+    e->workers = NULL;
+    e->n_workers = 0;
+    free(e->jobs);
+    e->jobs = NULL;
+    e->n_jobs = e->cap_jobs = 0;
+    pthread_cond_destroy(&e->work_ready);
+}

@@ -1,0 +1,491 @@
+/* Sequences: block tables, tokens, K/V writes with copy-on-write, prefix
+ * attachment, acquire/release and prefetch. Engine lock held throughout. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/engine.h"
+
+kvh_status kvhi_seq_get(kvh_engine *e, kvh_seq h, kvhi_seq **out)
+{
+    kvhi_seq *s = kvhi_handles_get(&e->seqs, h.id, NULL);
+    if (!s)
+        return kvhi_fail(KVH_ERR_BAD_HANDLE, "stale or unknown sequence handle 0x%llx", (unsigned long long)h.id);
+    *out = s;
+    return KVH_OK;
+}
+
+kvh_status kvhi_seq_block_range(kvh_engine *e, kvhi_seq *s, uint64_t first, uint64_t n, uint32_t *b0, uint32_t *b1)
+{
+    if (first > s->n_tokens || n > s->n_tokens - first)
+        return kvhi_fail(KVH_ERR_RANGE, "tokens [%llu, +%llu) pass the sequence length %llu",
+                         (unsigned long long)first, (unsigned long long)n, (unsigned long long)s->n_tokens);
+    uint32_t bt = e->cfg.block_tokens;
+    *b0 = (uint32_t)(first / bt);
+    *b1 = n ? (uint32_t)((first + n + bt - 1) / bt) : *b0;
+    return KVH_OK;
+}
+
+static kvh_status ensure_cap(kvhi_seq *s, uint64_t want)
+{
+    if (want <= s->cap_blocks)
+        return KVH_OK;
+    if (want > UINT32_MAX / 2)
+        return kvhi_fail(KVH_ERR_RANGE, "sequence too long");
+    uint32_t ncap = s->cap_blocks ? s->cap_blocks : 8;
+    while (ncap < want)
+        ncap *= 2;
+    uint32_t *b = realloc(s->blocks, sizeof(uint32_t) * ncap);
+    if (!b)
+        return kvhi_fail(KVH_ERR_NOMEM, "out of memory for a block table");
+    s->blocks = b;
+    uint32_t *h = realloc(s->held, sizeof(uint32_t) * ncap);
+    if (!h)
+        return kvhi_fail(KVH_ERR_NOMEM, "out of memory for a block table");
+    s->held = h;
+    s->cap_blocks = ncap;
+    return KVH_OK;
+}
+
+kvh_status kvhi_seq_create(kvh_engine *e, uint32_t agent, kvh_seq *out)
+{
+    kvhi_seq *s = calloc(1, sizeof(*s));
+    if (!s)
+        return kvhi_fail(KVH_ERR_NOMEM, "out of memory for a sequence");
+    s->agent = agent;
+    if (kvhi_handles_add(&e->seqs, s, &out->id, NULL) != 0) {
+        free(s);
+        return kvhi_fail(KVH_ERR_NOMEM, "out of memory for a sequence");
+    }
+    return KVH_OK;
+}
+
+void kvhi_seq_destroy(kvh_engine *e, kvhi_seq *s)
+{
+    for (uint32_t i = 0; i < s->n_blocks; i++) {
+        for (; s->held[i]; s->held[i]--)
+            kvhi_block_unhold(e, s->blocks[i]);
+        kvhi_block_unref(e, s->blocks[i]);
+    }
+    free(s->blocks);
+    free(s->held);
+    free(s);
+}
+
+kvh_status kvhi_seq_fork(kvh_engine *e, kvhi_seq *s, uint32_t agent, kvh_seq *out)
+{
+    kvh_seq h;
+    kvh_status st = kvhi_seq_create(e, agent, &h);
+    if (st != KVH_OK)
+        return st;
+    kvhi_seq *c = kvhi_handles_get(&e->seqs, h.id, NULL);
+    st = ensure_cap(c, s->n_blocks);
+    if (st != KVH_OK) {
+        kvhi_handles_remove(&e->seqs, kvhi_handle_index(h.id));
+        kvhi_seq_destroy(e, c);
+        return st;
+    }
+    for (uint32_t i = 0; i < s->n_blocks; i++) {
+        c->blocks[i] = s->blocks[i];
+        c->held[i] = 0;
+        e->blocks[s->blocks[i]].refs++;
+    }
+    c->n_blocks = s->n_blocks;
+    c->n_tokens = s->n_tokens;
+    *out = h;
+    return KVH_OK;
+}
+
+/* Replaces logical block i of s by a private copy if it is shared or
+ * published (immutable); moves this sequence's holds to the copy. */
+static kvh_status make_private(kvh_engine *e, kvhi_seq *s, uint32_t i)
+{
+    for (;;) {
+        uint32_t b = s->blocks[i];
+        kvhi_block *blk = &e->blocks[b];
+        if (blk->refs == 1 && !(blk->flags & KVHI_BF_PUBLISHED)) {
+            if (!(blk->flags & KVHI_BF_IN_FLIGHT))
+                return KVH_OK;
+            kvhi_block_wait_idle(e, b); /* then check again */
+            continue;
+        }
+        /* Keep b alive and unmovable while the copy is made. */
+        blk->refs++;
+        kvhi_block_hold(e, b);
+        uint32_t nb;
+        kvh_status st = kvhi_block_cow(e, b, s->agent, &nb); /* drops our extra ref on success */
+        kvhi_block_unhold(e, b);
+        if (st != KVH_OK) {
+            kvhi_block_unref(e, b);
+            return st;
+        }
+        for (uint32_t h = 0; h < s->held[i]; h++) {
+            kvhi_block_unhold(e, b);
+            kvhi_block_hold(e, nb);
+        }
+        s->blocks[i] = nb;
+        kvhi_block_unref(e, b); /* the sequence's own reference */
+    }
+}
+
+kvh_status kvhi_seq_append(kvh_engine *e, kvhi_seq *s, const int32_t *tokens, size_t n)
+{
+    if (n == 0)
+        return KVH_OK;
+    uint32_t bt = e->cfg.block_tokens;
+    uint32_t last_fill = s->n_blocks ? e->blocks[s->blocks[s->n_blocks - 1]].n_tokens : bt;
+    uint64_t room = bt - last_fill;
+    uint64_t need = n > room ? (n - room + bt - 1) / bt : 0;
+    kvh_status st = ensure_cap(s, (uint64_t)s->n_blocks + need);
+    if (st != KVH_OK)
+        return st;
+    if (room && (st = make_private(e, s, s->n_blocks - 1)) != KVH_OK)
+        return st;
+    /* Allocate everything first so a failure leaves the sequence as it was. */
+    uint32_t first_new = s->n_blocks;
+    for (uint64_t i = 0; i < need; i++) {
+        uint32_t b;
+        st = kvhi_block_new(e, s->agent, KVH_TIER_DEVICE, &b);
+        if (st != KVH_OK) {
+            for (uint32_t j = first_new; j < first_new + i; j++)
+                kvhi_block_unref(e, s->blocks[j]);
+            return st;
+        }
+        s->blocks[first_new + i] = b;
+        s->held[first_new + i] = 0;
+    }
+    uint32_t li = room ? s->n_blocks - 1 : s->n_blocks;
+    s->n_blocks += (uint32_t)need;
+    for (size_t t = 0; t < n;) {
+        uint32_t b = s->blocks[li];
+        kvhi_block *blk = &e->blocks[b];
+        if (blk->n_tokens == 0)
+            blk->parent_hash = li ? e->blocks[s->blocks[li - 1]].hash : 0;
+        uint32_t take = bt - blk->n_tokens;
+        if (take > n - t)
+            take = (uint32_t)(n - t);
+        memcpy(kvhi_block_tokens(e, b) + blk->n_tokens, tokens + t, take * sizeof(int32_t));
+        blk->n_tokens = (uint16_t)(blk->n_tokens + take);
+        t += take;
+        if (blk->n_tokens == bt) {
+            blk->hash = kvhi_prefix_hash(blk->parent_hash, kvhi_block_tokens(e, b), bt, e->cfg.model_salt);
+            blk->flags |= KVHI_BF_HASHED;
+            kvhi_block_try_publish(e, b);
+            li++;
+        }
+    }
+    s->n_tokens += n;
+    return KVH_OK;
+}
+
+kvh_status kvhi_seq_tokens(kvh_engine *e, kvhi_seq *s, uint64_t first, size_t n, int32_t *out)
+{
+    uint32_t b0 = 0, b1 = 0;
+    kvh_status st = kvhi_seq_block_range(e, s, first, n, &b0, &b1);
+    if (st != KVH_OK)
+        return st;
+    uint32_t bt = e->cfg.block_tokens;
+    for (uint64_t t = first; t < first + n; t++)
+        out[t - first] = kvhi_block_tokens(e, s->blocks[t / bt])[t % bt];
+    return KVH_OK;
+}
+
+/* Counts an access of b for stats, recency and prefetch accounting. */
+static void note_access(kvh_engine *e, uint32_t b)
+{
+    kvhi_block *blk = &e->blocks[b];
+    e->stats.lookups++;
+    if (blk->tier == KVH_TIER_DEVICE)
+        e->stats.hits_device++;
+    else if (blk->tier == KVH_TIER_HOST)
+        e->stats.hits_host++;
+    else
+        e->stats.hits_disk++;
+    if (blk->flags & KVHI_BF_PREFETCHED) {
+        e->stats.prefetch_useful++;
+        blk->flags &= (uint8_t)~KVHI_BF_PREFETCHED;
+    }
+    kvhi_block_touch(e, b);
+}
+
+/* Copies cnt tokens at offset off of one layer between b and user arrays
+ * shaped [token][kv_head][head_dim]. to_block selects the direction. */
+static int kv_copy(kvh_engine *e, uint32_t b, uint32_t layer, uint32_t off, uint32_t cnt, void *uk, void *uv,
+                   bool to_block)
+{
+    kvhi_block *blk = &e->blocks[b];
+    uint32_t H = e->cfg.num_kv_heads, bt = e->cfg.block_tokens;
+    size_t row = (size_t)e->cfg.head_dim * e->elem_bytes;
+    uint8_t *base = kvhi_block_data(e, b) + (uint64_t)layer * e->layer_bytes;
+    bool device = blk->tier == KVH_TIER_DEVICE && !e->backend->device_is_host_memory;
+    for (uint32_t kv = 0; kv < 2; kv++) {
+        uint8_t *user = kv ? uv : uk;
+        if (!user)
+            continue;
+        for (uint32_t h = 0; h < H; h++) {
+            uint8_t *blk_rows = base + ((size_t)(kv * H + h) * bt + off) * row;
+            uint8_t *user_rows = user + (size_t)h * row;
+            if (device) {
+                char msg[256];
+                int rc = to_block ? e->backend->copy_2d(e->backend_ctx, blk_rows, row, user_rows, H * row, row, cnt,
+                                                        KVHI_COPY_HOST_TO_DEVICE, msg, sizeof(msg))
+                                  : e->backend->copy_2d(e->backend_ctx, user_rows, H * row, blk_rows, row, row, cnt,
+                                                        KVHI_COPY_DEVICE_TO_HOST, msg, sizeof(msg));
+                if (rc != 0)
+                    return -1;
+                continue;
+            }
+            for (uint32_t t = 0; t < cnt; t++) {
+                if (to_block)
+                    memcpy(blk_rows + t * row, user_rows + (size_t)t * H * row, row);
+                else
+                    memcpy(user_rows + (size_t)t * H * row, blk_rows + t * row, row);
+            }
+        }
+    }
+    return 0;
+}
+
+static kvh_status check_layer(kvh_engine *e, uint32_t layer)
+{
+    if (layer >= e->cfg.num_layers)
+        return kvhi_fail(KVH_ERR_RANGE, "layer %u >= num_layers %u", layer, e->cfg.num_layers);
+    return KVH_OK;
+}
+
+kvh_status kvhi_seq_write_kv(kvh_engine *e, kvhi_seq *s, uint32_t layer, uint64_t pos, size_t n, const void *k,
+                             const void *v)
+{
+    uint32_t b0 = 0, b1 = 0;
+    kvh_status st = check_layer(e, layer);
+    if (st == KVH_OK)
+        st = kvhi_seq_block_range(e, s, pos, n, &b0, &b1);
+    if (st != KVH_OK)
+        return st;
+    uint32_t bt = e->cfg.block_tokens;
+    size_t tok_bytes = (size_t)e->cfg.num_kv_heads * e->cfg.head_dim * e->elem_bytes;
+    for (uint64_t t = pos; t < pos + n;) {
+        uint32_t li = (uint32_t)(t / bt), off = (uint32_t)(t % bt);
+        uint32_t cnt = bt - off;
+        if (cnt > pos + n - t)
+            cnt = (uint32_t)(pos + n - t);
+        if ((st = make_private(e, s, li)) != KVH_OK)
+            return st;
+        uint32_t b = s->blocks[li];
+        size_t skip = (size_t)(t - pos) * tok_bytes;
+        if (kv_copy(e, b, layer, off, cnt, (uint8_t *)k + skip, (uint8_t *)v + skip, true) != 0)
+            return kvhi_fail(KVH_ERR_IO, "copy into the device tier failed");
+        if ((st = kvhi_block_mark_written(e, b, layer, off, off + cnt)) != KVH_OK)
+            return st;
+        note_access(e, b);
+        t += cnt;
+    }
+    return KVH_OK;
+}
+
+kvh_status kvhi_seq_read_kv(kvh_engine *e, kvhi_seq *s, uint32_t layer, uint64_t pos, size_t n, void *k, void *v)
+{
+    uint32_t b0 = 0, b1 = 0;
+    kvh_status st = check_layer(e, layer);
+    if (st == KVH_OK)
+        st = kvhi_seq_block_range(e, s, pos, n, &b0, &b1);
+    if (st != KVH_OK)
+        return st;
+    uint32_t bt = e->cfg.block_tokens;
+    for (uint64_t t = pos; t < pos + n; t++)
+        if (!kvhi_block_cell_written(e, s->blocks[t / bt], layer, (uint32_t)(t % bt)))
+            return kvhi_fail(KVH_ERR_RANGE, "KV of token %llu in layer %u was never written",
+                             (unsigned long long)t, layer);
+    size_t tok_bytes = (size_t)e->cfg.num_kv_heads * e->cfg.head_dim * e->elem_bytes;
+    for (uint64_t t = pos; t < pos + n;) {
+        uint32_t li = (uint32_t)(t / bt), off = (uint32_t)(t % bt);
+        uint32_t cnt = bt - off;
+        if (cnt > pos + n - t)
+            cnt = (uint32_t)(pos + n - t);
+        uint32_t b = s->blocks[li];
+        size_t skip = (size_t)(t - pos) * tok_bytes;
+        if (kv_copy(e, b, layer, off, cnt, k ? (uint8_t *)k + skip : NULL, v ? (uint8_t *)v + skip : NULL, false) !=
+            0)
+            return kvhi_fail(KVH_ERR_IO, "copy from the device tier failed");
+        note_access(e, b);
+        t += cnt;
+    }
+    return KVH_OK;
+}
+
+kvh_status kvhi_seq_truncate(kvh_engine *e, kvhi_seq *s, uint64_t n_tokens)
+{
+    if (n_tokens > s->n_tokens)
+        return kvhi_fail(KVH_ERR_RANGE, "truncate to %llu > length %llu", (unsigned long long)n_tokens,
+                         (unsigned long long)s->n_tokens);
+    uint32_t bt = e->cfg.block_tokens;
+    uint32_t keep_blocks = (uint32_t)((n_tokens + bt - 1) / bt);
+    uint32_t tail = (uint32_t)(n_tokens % bt);
+    kvh_status st;
+    /* The only fallible step (a copy of a shared partial block) goes first. */
+    if (tail && e->blocks[s->blocks[keep_blocks - 1]].n_tokens > tail) {
+        if ((st = make_private(e, s, keep_blocks - 1)) != KVH_OK)
+            return st;
+        if ((st = kvhi_block_forget_tokens(e, s->blocks[keep_blocks - 1], tail)) != KVH_OK)
+            return st;
+    }
+    for (uint32_t i = keep_blocks; i < s->n_blocks; i++) {
+        for (; s->held[i]; s->held[i]--)
+            kvhi_block_unhold(e, s->blocks[i]);
+        kvhi_block_unref(e, s->blocks[i]);
+    }
+    s->n_blocks = keep_blocks;
+    s->n_tokens = n_tokens;
+    return KVH_OK;
+}
+
+kvh_status kvhi_seq_match_prefix(kvh_engine *e, kvhi_seq *s, const int32_t *tokens, size_t n, size_t *matched)
+{
+    if (s->n_tokens != 0)
+        return kvhi_fail(KVH_ERR_INVALID_ARG, "match_prefix needs an empty sequence (length %llu)",
+                         (unsigned long long)s->n_tokens);
+    uint32_t bt = e->cfg.block_tokens;
+    size_t nb = n / bt;
+    kvh_status st = ensure_cap(s, nb);
+    if (st != KVH_OK)
+        return st;
+    e->stats.prefix_queries++;
+    uint64_t parent = 0;
+    size_t i = 0;
+    for (; i < nb; i++) {
+        const int32_t *tk = tokens + i * bt;
+        uint64_t h = kvhi_prefix_hash(parent, tk, bt, e->cfg.model_salt);
+        uint32_t b = kvhi_prefix_find(&e->prefix, h);
+        if (b == KVHI_PREFIX_MISS)
+            break;
+        kvhi_block *blk = &e->blocks[b];
+        /* Guard against hash collisions: the parent and the tokens must agree. */
+        if (blk->parent_hash != parent || memcmp(kvhi_block_tokens(e, b), tk, bt * sizeof(int32_t)) != 0)
+            break;
+        if (blk->refs++ == 0)
+            kvhi_block_update_evictable(e, b);
+        kvhi_block_touch(e, b);
+        s->blocks[i] = b;
+        s->held[i] = 0;
+        parent = h;
+    }
+    s->n_blocks = (uint32_t)i;
+    s->n_tokens = (uint64_t)i * bt;
+    e->stats.prefix_hit_blocks += i;
+    e->stats.prefix_hit_tokens += (uint64_t)i * bt;
+    *matched = i * bt;
+    return KVH_OK;
+}
+
+kvh_status kvhi_seq_acquire(kvh_engine *e, kvhi_seq *s, uint64_t first, uint64_t n, kvh_fence *fence)
+{
+    uint32_t b0 = 0, b1 = 0;
+    kvh_status st = kvhi_seq_block_range(e, s, first, n, &b0, &b1);
+    if (st != KVH_OK)
+        return st;
+    uint32_t fidx;
+    kvh_fence fh;
+    if ((st = kvhi_fence_new(e, &fidx, &fh)) != KVH_OK)
+        return st;
+    uint64_t t0 = kvhi_now_ns();
+    /* Hold first so nothing in the range is chosen as a victim while the
+     * missing blocks are promoted. */
+    for (uint32_t i = b0; i < b1; i++) {
+        s->held[i]++;
+        kvhi_block_hold(e, s->blocks[i]);
+    }
+    bool waited = false;
+    for (uint32_t i = b0; i < b1; i++) {
+        uint32_t b = s->blocks[i];
+        kvhi_block *blk = &e->blocks[b];
+        bool resident = blk->tier == KVH_TIER_DEVICE && !(blk->flags & KVHI_BF_IN_FLIGHT);
+        if (!resident && (blk->flags & KVHI_BF_PREFETCHING)) {
+            e->stats.prefetch_late++;
+            blk->flags &= (uint8_t)~KVHI_BF_PREFETCHING; /* its arrival is not "prefetched, unused" */
+        }
+        note_access(e, b);
+        if (!resident) {
+            waited = true;
+            kvhi_enqueue(e, b, KVH_TIER_DEVICE, INT32_MAX, false, fidx);
+        }
+    }
+    if (fence) {
+        *fence = fh;
+        return KVH_OK;
+    }
+    st = kvhi_fence_wait_idx(e, fidx, UINT64_MAX);
+    kvhi_fence_drop(e, fidx);
+    if (waited)
+        e->stats.acquire_stall_ns += kvhi_now_ns() - t0;
+    if (st != KVH_OK) {
+        for (uint32_t i = b0; i < b1; i++) {
+            s->held[i]--;
+            kvhi_block_unhold(e, s->blocks[i]);
+        }
+    }
+    return st;
+}
+
+kvh_status kvhi_seq_release(kvh_engine *e, kvhi_seq *s, uint64_t first, uint64_t n)
+{
+    uint32_t b0 = 0, b1 = 0;
+    kvh_status st = kvhi_seq_block_range(e, s, first, n, &b0, &b1);
+    if (st != KVH_OK)
+        return st;
+    for (uint32_t i = b0; i < b1; i++)
+        if (s->held[i] == 0)
+            return kvhi_fail(KVH_ERR_INVALID_ARG, "block %u of the sequence is not acquired", i);
+    for (uint32_t i = b0; i < b1; i++) {
+        s->held[i]--;
+        kvhi_block_unhold(e, s->blocks[i]);
+    }
+    return KVH_OK;
+}
+
+kvh_status kvhi_prefetch(kvh_engine *e, kvhi_seq *s, uint64_t first, uint64_t n, int32_t priority, kvh_fence *fence)
+{
+    uint32_t b0 = 0, b1 = 0;
+    kvh_status st = kvhi_seq_block_range(e, s, first, n, &b0, &b1);
+    if (st != KVH_OK)
+        return st;
+    uint32_t fidx = KVHI_NO_BLOCK;
+    if (fence && (st = kvhi_fence_new(e, &fidx, fence)) != KVH_OK)
+        return st;
+    uint32_t min_hits = e->cfg.promote_min_hits;
+    for (uint32_t i = b0; i < b1; i++) {
+        uint32_t b = s->blocks[i];
+        kvhi_block *blk = &e->blocks[b];
+        if (blk->tier == KVH_TIER_DEVICE && !(blk->flags & KVHI_BF_IN_FLIGHT))
+            continue;
+        if (blk->flags & KVHI_BF_PREFETCHING)
+            continue;
+        if (++blk->hits < min_hits || blk->pins) {
+            e->stats.prefetch_skipped++;
+            continue;
+        }
+        blk->flags |= KVHI_BF_PREFETCHING;
+        e->stats.prefetch_issued++;
+        kvhi_enqueue(e, b, KVH_TIER_DEVICE, priority, true, fidx);
+    }
+    return KVH_OK;
+}
+
+kvh_status kvhi_migrate_blocks(kvh_engine *e, const uint32_t *blocks, size_t n, uint32_t tier, kvh_fence *fence)
+{
+    if (tier >= KVH_TIER_COUNT || !e->tiers[tier].present)
+        return kvhi_fail(KVH_ERR_INVALID_ARG, "tier %u is not configured", tier);
+    uint32_t fidx;
+    kvh_fence fh;
+    kvh_status st = kvhi_fence_new(e, &fidx, &fh);
+    if (st != KVH_OK)
+        return st;
+    for (size_t i = 0; i < n; i++)
+        if (!e->blocks[blocks[i]].pins)
+            kvhi_enqueue(e, blocks[i], tier, 0, false, fidx);
+    if (fence) {
+        *fence = fh;
+        return KVH_OK;
+    }
+    st = kvhi_fence_wait_idx(e, fidx, UINT64_MAX);
+    kvhi_fence_drop(e, fidx);
+    return st;
+}

@@ -1,0 +1,63 @@
+/* Status text, thread-local error detail and the log sink. */
+#include <stdio.h>
+#include <string.h>
+
+#include "core/engine.h"
+
+static _Thread_local char last_error[512];
+
+kvh_status kvhi_fail(kvh_status status, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(last_error, sizeof(last_error), fmt, ap);
+    va_end(ap);
+    return status;
+}
+
+void kvhi_clear_error(void) { last_error[0] = '\0'; }
+
+const char *kvh_last_error(void) { return last_error; }
+
+#define KVHI_TEXT_CASE(name, value, text) case value: return text;
+#define KVHI_NAME_CASE(name, value, text) case value: return #name;
+
+const char *kvh_strerror(kvh_status status)
+{
+    switch (status) {
+        KVH_STATUS_LIST(KVHI_TEXT_CASE)
+    default:
+        return "unknown status code";
+    }
+}
+
+const char *kvh_status_name(kvh_status status)
+{
+    switch (status) {
+        KVH_STATUS_LIST(KVHI_NAME_CASE)
+    default:
+        return "KVH_ERR_UNKNOWN";
+    }
+}
+
+uint32_t kvh_version(void) { return KVH_VERSION_NUMBER; }
+
+const char *kvh_version_string(void)
+{
+#define KVHI_STR2(x) #x
+#define KVHI_STR(x) KVHI_STR2(x)
+    return KVHI_STR(KVH_VERSION_MAJOR) "." KVHI_STR(KVH_VERSION_MINOR) "." KVHI_STR(KVH_VERSION_PATCH);
+}
+
+/* Must be called without the engine lock: the sink is user code. */
+void kvhi_log(kvh_engine *e, int level, const char *fmt, ...)
+{
+    if (!e || !e->cfg.log_fn || (uint32_t)level > e->cfg.log_level)
+        return;
+    char msg[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof(msg), fmt, ap);
+    va_end(ap);
+    e->cfg.log_fn(e->cfg.log_user, level, msg);
+}
