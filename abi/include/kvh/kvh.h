@@ -167,7 +167,17 @@ typedef struct kvh_config {
     uint32_t reserved0;
     kvh_log_fn log_fn; /* NULL: messages go nowhere */
     void *log_user;    /* passed to log_fn as is */
+    uint32_t disk_queue_depth; /* io_uring depth; default 32 */
+    uint32_t disk_flags;       /* kvh_disk_flags; default 0 */
 } kvh_config;
+
+enum kvh_disk_flags {
+    /* A store made with another geometry or model_salt is emptied and
+     * reused instead of failing with KVH_ERR_MISMATCH. */
+    KVH_DISK_RESET_ON_MISMATCH = 1,
+    /* Use buffered pread/pwrite even where O_DIRECT works. */
+    KVH_DISK_BUFFERED = 2
+};
 
 /* Fills *config with defaults for a struct of struct_size bytes (pass
  * sizeof(kvh_config)); the caller then changes what it needs.
@@ -313,6 +323,14 @@ KVH_API kvh_status kvh_seq_write_kv(kvh_engine *engine, kvh_seq seq,
 KVH_API kvh_status kvh_seq_read_kv(kvh_engine *engine, kvh_seq seq,
                                    uint32_t layer, uint64_t pos, size_t n,
                                    void *k, void *v);
+
+/* Makes every full block of the sequence durable in the disk tier (a copy
+ * is written if the block lives above it) and returns when they and the
+ * index entries naming them are on stable storage: a later process that
+ * opens the same disk_path finds them with kvh_seq_match_prefix.
+ * KVH_ERR_UNSUPPORTED without a disk tier; KVH_ERR_IO, KVH_ERR_NOSPACE.
+ * @threads handle */
+KVH_API kvh_status kvh_seq_persist(kvh_engine *engine, kvh_seq seq);
 
 /* Shortens the sequence to n_tokens (<= its length). @threads handle */
 KVH_API kvh_status kvh_seq_truncate(kvh_engine *engine, kvh_seq seq,

@@ -1,0 +1,200 @@
+# kvh: top-level targets. CMake builds; this file installs what is missing
+# and runs the suites in order, stopping at the first failure.
+#
+#   make demo     install deps, build build/, run the demo
+#   make build    install deps, build build/
+#   make test     build/ + ctest, ASan+UBSan build + ctest, TSan build +
+#                 concurrency tests, then pytest, cargo test and the bindings
+#                 drift check where those parts exist (what CI runs)
+#   make stress   long tests (label `stress`) in build/
+#   make bench    kvh-bench scenarios, if kvh-bench is built
+#   make clean    remove the build trees
+#
+# Single suites: test-c, test-asan, test-tsan, test-python, test-rust,
+# test-drift. Useful overrides: SKIP_DEPS=1 (no root, or offline),
+# JOBS=N, CTEST_ARGS='-R prefix', CMAKE_ARGS='-DKVH_WITH_CUDA=OFF'.
+
+SHELL := /bin/bash
+.SHELLFLAGS := -euo pipefail -c
+.DEFAULT_GOAL := build
+# Targets run one after another, in the order listed, even under `make -j`.
+.NOTPARALLEL:
+# Quieter logs from the make that `cmake --build` starts.
+MAKEFLAGS += --no-print-directory
+
+JOBS        ?= 2
+PYTHON      ?= python3
+CMAKE       ?= cmake
+CTEST       ?= ctest
+CARGO       ?= $(or $(shell command -v cargo 2>/dev/null),$(wildcard $(HOME)/.cargo/bin/cargo),cargo)
+
+BUILD_DIR   ?= build
+ASAN_DIR    ?= build-asan
+TSAN_DIR    ?= build-tsan
+BUILD_TYPE  ?= RelWithDebInfo
+SKIP_DEPS   ?=
+CMAKE_ARGS  ?=
+CTEST_ARGS  ?=
+
+# Sanitizer builds: asserts on (Debug) but optimised enough (-O1) to keep the
+# suites quick.
+SAN_CMAKE_ARGS ?= -DCMAKE_BUILD_TYPE=Debug '-DCMAKE_C_FLAGS_DEBUG=-g -O1' '-DCMAKE_CXX_FLAGS_DEBUG=-g -O1'
+
+ASAN_OPTIONS_VALUE  ?= detect_leaks=1:abort_on_error=1
+UBSAN_OPTIONS_VALUE ?= print_stacktrace=1:halt_on_error=1
+TSAN_OPTIONS_VALUE  ?= halt_on_error=1:second_deadlock_stack=1
+ASAN_ENV := ASAN_OPTIONS=$(ASAN_OPTIONS_VALUE) UBSAN_OPTIONS=$(UBSAN_OPTIONS_VALUE)
+TSAN_ENV := TSAN_OPTIONS=$(TSAN_OPTIONS_VALUE)
+# Prefix for the TSan test run, e.g. `setarch -R` on a kernel whose ASLR
+# layout this TSan runtime rejects ("unexpected memory mapping").
+TSAN_WRAP   ?=
+
+CTEST_FLAGS := --output-on-failure --no-tests=error -j$(JOBS)
+
+# Demo hook: the C demo now. When the Python package (python/kvh) is ready,
+# switch to its CLI, e.g.
+#   DEMO_PREP ?= $(PYTHON) -m pip install --quiet ./python
+#   DEMO_CMD  ?= kvh demo
+DEMO_PREP   ?=
+DEMO_CMD    ?= $(BUILD_DIR)/examples/kvh-demo-c
+
+# How pytest and cargo find the freshly built library (hooks for python/, rust/).
+LIB_ENV     := KVH_BUILD_DIR=$(abspath $(BUILD_DIR)) LD_LIBRARY_PATH=$(abspath $(BUILD_DIR))$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH}
+PYTEST_ENV  ?= $(LIB_ENV) PYTHONPATH=$(CURDIR)/python$${PYTHONPATH:+:$$PYTHONPATH}
+PYTEST_ARGS ?= -ra
+CARGO_ENV   ?= $(LIB_ENV) KVH_LIB_DIR=$(abspath $(BUILD_DIR))
+CARGO_ARGS  ?=
+
+BENCH           := $(BUILD_DIR)/benchmarks/kvh-bench
+BENCH_SCENARIOS ?= all
+BENCH_ARGS      ?= --json
+
+# Optional parts join the suite as soon as their files exist.
+PY_TESTS  := $(shell find tests/python -type f \( -name 'test_*.py' -o -name '*_test.py' \) 2>/dev/null)
+MT_TESTS  := $(wildcard tests/c/test_*_mt.c tests/c/test_concurrency*.c)
+HAVE_RUST := $(wildcard rust/Cargo.toml)
+HAVE_DRIFT:= $(wildcard bindings/check-drift.sh)
+
+# nvcc lives in /usr/local/cuda/bin, which is not always on PATH.
+ifeq ($(shell command -v nvcc 2>/dev/null),)
+ifneq ($(wildcard /usr/local/cuda/bin/nvcc),)
+export CUDACXX ?= /usr/local/cuda/bin/nvcc
+endif
+endif
+
+step = @printf '\n==> %s\n' "$(1)"
+
+.PHONY: all deps build demo test test-c test-asan test-tsan test-python test-rust \
+        test-drift build-asan build-tsan stress bench clean help
+
+all: build
+
+help:
+	@sed -n '1,/^$$/p' $(firstword $(MAKEFILE_LIST)) | sed 's/^# \{0,1\}//'
+
+# ---- dependencies -----------------------------------------------------------
+deps:
+ifeq ($(SKIP_DEPS),)
+	$(call step,install dependencies)
+	PYTHON=$(PYTHON) bash scripts/install-deps.sh
+else
+	@echo "deps: skipped (SKIP_DEPS=$(SKIP_DEPS))"
+endif
+
+# ---- builds -------------------------------------------------------------------
+# Configure every time (well under a second once the tree exists) so the
+# options below always hold; CMake rebuilds only what changed.
+build: deps
+	$(call step,build $(BUILD_DIR)/ ($(BUILD_TYPE)))
+	$(CMAKE) -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) -DKVH_STRESS=OFF $(CMAKE_ARGS)
+	$(CMAKE) --build $(BUILD_DIR) -j$(JOBS)
+
+build-asan: deps
+	$(call step,build $(ASAN_DIR)/ (ASan+UBSan))
+	$(CMAKE) -S . -B $(ASAN_DIR) -DKVH_SANITIZE=address $(SAN_CMAKE_ARGS) $(CMAKE_ARGS)
+	$(CMAKE) --build $(ASAN_DIR) -j$(JOBS)
+
+build-tsan: deps
+	$(call step,build $(TSAN_DIR)/ (TSan))
+	$(CMAKE) -S . -B $(TSAN_DIR) -DKVH_SANITIZE=thread $(SAN_CMAKE_ARGS) $(CMAKE_ARGS)
+	$(CMAKE) --build $(TSAN_DIR) -j$(JOBS)
+
+# ---- demo ----------------------------------------------------------------------
+demo: build
+	$(call step,demo)
+ifneq ($(strip $(DEMO_PREP)),)
+	$(DEMO_PREP)
+endif
+	@command -v $(firstword $(DEMO_CMD)) >/dev/null || \
+	  { echo "demo: '$(firstword $(DEMO_CMD))' not found (build examples/, or set DEMO_CMD)" >&2; exit 1; }
+	$(DEMO_CMD)
+
+# ---- test suites, in the order `make test` runs them ---------------------------
+test: test-c test-asan test-tsan test-python test-rust test-drift
+	@printf '\n==> make test: all suites passed\n'
+
+test-c: build
+	$(call step,[1/6] C tests in $(BUILD_DIR)/)
+	$(CTEST) --test-dir $(BUILD_DIR) $(CTEST_FLAGS) -LE stress $(CTEST_ARGS)
+
+test-asan: build-asan
+	$(call step,[2/6] C tests under ASan+UBSan in $(ASAN_DIR)/)
+	env $(ASAN_ENV) $(CTEST) --test-dir $(ASAN_DIR) $(CTEST_FLAGS) -LE stress $(CTEST_ARGS)
+
+ifneq ($(MT_TESTS),)
+test-tsan: build-tsan
+	$(call step,[3/6] concurrency tests under TSan in $(TSAN_DIR)/)
+	env $(TSAN_ENV) $(TSAN_WRAP) $(CTEST) --test-dir $(TSAN_DIR) $(CTEST_FLAGS) -L concurrency -LE stress $(CTEST_ARGS)
+else
+test-tsan:
+	$(call step,[3/6] TSan: skipped: no tests/c/test_*_mt.c or test_concurrency*.c yet)
+endif
+
+ifneq ($(PY_TESTS),)
+test-python: build
+	$(call step,[4/6] pytest tests/python)
+	env $(PYTEST_ENV) $(PYTHON) -m pytest $(PYTEST_ARGS) tests/python
+else
+test-python:
+	$(call step,[4/6] pytest: skipped: no test files in tests/python)
+endif
+
+ifneq ($(HAVE_RUST),)
+test-rust: build
+	$(call step,[5/6] cargo test --offline in rust/)
+	cd rust && env $(CARGO_ENV) $(CARGO) test --offline $(CARGO_ARGS)
+else
+test-rust:
+	$(call step,[5/6] cargo: skipped: no rust/Cargo.toml)
+endif
+
+ifneq ($(HAVE_DRIFT),)
+test-drift: deps
+	$(call step,[6/6] bindings drift check)
+	bash bindings/check-drift.sh
+else
+test-drift:
+	$(call step,[6/6] bindings drift: skipped: no bindings/check-drift.sh)
+endif
+
+# ---- long runs -------------------------------------------------------------------
+stress: deps
+	$(call step,stress tests in $(BUILD_DIR)/)
+	$(CMAKE) -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) -DKVH_STRESS=ON $(CMAKE_ARGS)
+	$(CMAKE) --build $(BUILD_DIR) -j$(JOBS)
+	$(CTEST) --test-dir $(BUILD_DIR) --output-on-failure --no-tests=ignore -L stress $(CTEST_ARGS)
+
+bench: build
+	$(call step,benchmarks)
+	@if [[ ! -x $(BENCH) ]]; then echo "bench: $(BENCH) is not built yet; nothing to run"; exit 0; fi; \
+	for s in $(BENCH_SCENARIOS); do \
+	  echo "+ $(BENCH) $$s $(BENCH_ARGS)"; \
+	  $(BENCH) "$$s" $(BENCH_ARGS) | tee -a $(BUILD_DIR)/bench.jsonl; \
+	done; \
+	echo "bench: results appended to $(BUILD_DIR)/bench.jsonl"
+
+clean:
+	rm -rf $(BUILD_DIR) $(ASAN_DIR) $(TSAN_DIR)
+ifneq ($(HAVE_RUST),)
+	rm -rf rust/target
+endif

@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# Install what kvh needs to build and test, by package name, from Debian's
+# archive (apt) and PyPI (pip). Idempotent: when everything is present it only
+# checks (about a second) and changes nothing.
+#
+#   bash scripts/install-deps.sh          # as root (or with sudo available)
+#   PYTHON=python3.11 bash scripts/install-deps.sh
+#
+# Exits non-zero if anything cannot be installed.
+set -euo pipefail
+
+APT_PACKAGES=(
+    build-essential    # gcc, g++, make, libc headers
+    cmake
+    pkg-config
+    libcmocka-dev      # C unit tests
+    liburing-dev       # disk tier: io_uring
+    libnuma-dev        # host tier: NUMA binding
+    bindgen            # Rust bindings generator (bindings/ drift check)
+    clang              # libclang for bindgen; second compiler
+    libclang-rt-14-dev # LeakSanitizer / TSan runtimes for clang
+    llvm               # llvm-symbolizer for sanitizer stack traces
+)
+
+# PyPI distribution names (as `pip install` takes them).
+PIP_PACKAGES=(numpy cffi pytest build wheel setuptools)
+
+PYTHON="${PYTHON:-python3}"
+
+SUDO=()
+if [[ "$(id -u)" -ne 0 ]] && command -v sudo >/dev/null 2>&1; then
+    SUDO=(sudo)
+fi
+
+say() { printf 'install-deps: %s\n' "$*"; }
+die() { printf 'install-deps: error: %s\n' "$*" >&2; exit 1; }
+
+# ---- apt -------------------------------------------------------------------
+missing_apt=()
+for pkg in "${APT_PACKAGES[@]}"; do
+    # "ii " = desired install, currently installed, no errors.
+    status="$(dpkg-query -W -f='${db:Status-Abbrev}' "$pkg" 2>/dev/null || true)"
+    if [[ "$status" != "ii "* ]]; then
+        missing_apt+=("$pkg")
+    fi
+done
+
+if ((${#missing_apt[@]} == 0)); then
+    say "apt: all ${#APT_PACKAGES[@]} packages already installed"
+else
+    if [[ "$(id -u)" -ne 0 ]] && ((${#SUDO[@]} == 0)); then
+        die "not root and no sudo; install: ${missing_apt[*]}"
+    fi
+    export DEBIAN_FRONTEND=noninteractive
+    APT_OPTS=(-o DPkg::Lock::Timeout=300 -o Dpkg::Use-Pty=0)
+    say "apt: missing ${missing_apt[*]}"
+    say "apt: apt-get update"
+    "${SUDO[@]}" apt-get "${APT_OPTS[@]}" update -qq || die "apt-get update failed"
+    say "apt: apt-get install ${missing_apt[*]}"
+    "${SUDO[@]}" apt-get "${APT_OPTS[@]}" install -y -qq --no-install-recommends "${missing_apt[@]}" \
+        || die "apt-get install failed"
+    for pkg in "${missing_apt[@]}"; do
+        status="$(dpkg-query -W -f='${db:Status-Abbrev}' "$pkg" 2>/dev/null || true)"
+        [[ "$status" == "ii "* ]] || die "apt: $pkg still not installed"
+    done
+    say "apt: installed ${#missing_apt[@]} package(s)"
+fi
+
+# ---- pip -------------------------------------------------------------------
+command -v "$PYTHON" >/dev/null 2>&1 || die "$PYTHON not found"
+say "python: $(command -v "$PYTHON") ($("$PYTHON" -c 'import sys; print(sys.version.split()[0])'))"
+
+# Which distributions are missing? (importlib.metadata: no imports, fast)
+pip_missing_out="$("$PYTHON" - "${PIP_PACKAGES[@]}" <<'PY'
+import sys
+from importlib import metadata
+for name in sys.argv[1:]:
+    try:
+        metadata.version(name)
+    except metadata.PackageNotFoundError:
+        print(name)
+PY
+)" || die "$PYTHON could not list its installed packages"
+missing_pip=()
+if [[ -n "$pip_missing_out" ]]; then
+    mapfile -t missing_pip <<<"$pip_missing_out"
+fi
+
+if ((${#missing_pip[@]} == 0)); then
+    say "pip: all ${#PIP_PACKAGES[@]} packages already installed"
+else
+    if ! "$PYTHON" -m pip --version >/dev/null 2>&1; then
+        say "pip: $PYTHON has no pip; trying ensurepip"
+        if ! "$PYTHON" -m ensurepip --upgrade >/dev/null 2>&1; then
+            # Debian's own interpreter leaves pip (and ensurepip) to apt.
+            say "pip: apt-get install python3-pip"
+            "${SUDO[@]}" apt-get -o DPkg::Lock::Timeout=300 install -y -qq --no-install-recommends python3-pip \
+                || die "$PYTHON has no pip and python3-pip could not be installed"
+        fi
+    fi
+    PIP_OPTS=(--disable-pip-version-check --no-input --quiet)
+    if [[ "$(id -u)" -eq 0 ]]; then
+        PIP_OPTS+=(--root-user-action=ignore)
+    fi
+    # A Debian-managed interpreter (PEP 668) refuses plain installs.
+    if "$PYTHON" -c 'import os, sys, sysconfig; sys.exit(0 if sys.prefix == sys.base_prefix and os.path.exists(os.path.join(sysconfig.get_path("stdlib"), "EXTERNALLY-MANAGED")) else 1)'; then
+        PIP_OPTS+=(--break-system-packages)
+    fi
+    say "pip: $PYTHON -m pip install ${missing_pip[*]}"
+    "$PYTHON" -m pip install "${PIP_OPTS[@]}" "${missing_pip[@]}" || die "pip install failed"
+    say "pip: installed ${#missing_pip[@]} package(s)"
+fi
+
+say "done"
