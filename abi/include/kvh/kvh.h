@@ -517,6 +517,53 @@ KVH_API kvh_status kvh_pool_offload(kvh_engine *engine, kvh_pool pool,
 KVH_API kvh_status kvh_pool_restore(kvh_engine *engine, kvh_pool pool,
                                     kvh_block block, uint32_t slot);
 
+/* ------------------------------------------------------------------ */
+/* Paged attention                                                     */
+/* ------------------------------------------------------------------ */
+
+typedef struct kvh_attention_params {
+    uint32_t struct_size;
+    uint32_t num_q_heads; /* a multiple of num_kv_heads (GQA); default =
+                             num_kv_heads when 0 */
+    float scale;          /* softmax scale; 0 = 1/sqrt(head_dim) */
+    uint32_t io_dtype;    /* kvh_dtype of q and out; default KVH_DTYPE_F32 */
+    uint32_t threads;     /* CPU backend worker threads; 0 = all cores */
+    uint32_t reserved0;
+    void *stream; /* CUDA backend: the cudaStream_t to launch on (NULL =
+                     the default stream); ignored on the CPU backend */
+} kvh_attention_params;
+
+/* Defaults for a struct of struct_size bytes. @threads any */
+KVH_API kvh_status kvh_attention_params_init(kvh_attention_params *params,
+                                             size_t struct_size);
+
+/* Decode step for a batch: sequence i attends with one query token
+ * q[i][num_q_heads][head_dim] over all of its tokens (the newest token's
+ * K/V must already be written) and writes out[i][num_q_heads][head_dim].
+ * q and out are [borrowed] host memory on the CPU backend and device
+ * memory on the CUDA backend. Every block must be resident in the device
+ * tier (kvh_seq_acquire first; KVH_ERR_NOT_RESIDENT otherwise); the call
+ * holds them while it runs. On CUDA the kernels are queued on
+ * params->stream and the call returns before they finish.
+ * [borrowed] seqs (n_seqs), params (NULL = defaults). @threads any */
+KVH_API kvh_status kvh_attention_decode(kvh_engine *engine, uint32_t layer,
+                                        const kvh_seq *seqs, size_t n_seqs,
+                                        const void *q, void *out,
+                                        const kvh_attention_params *params);
+
+/* Chunked causal prefill: for sequence i the query tokens are its last
+ * q_lens[i] tokens (appended, K/V written); query token j of that chunk
+ * attends to every token up to and including itself. q and out are the
+ * chunks concatenated: [sum(q_lens)][num_q_heads][head_dim]. Residency,
+ * memory and stream rules as kvh_attention_decode. [borrowed] q_lens.
+ * @threads any */
+KVH_API kvh_status kvh_attention_prefill(kvh_engine *engine, uint32_t layer,
+                                         const kvh_seq *seqs,
+                                         const uint32_t *q_lens,
+                                         size_t n_seqs, const void *q,
+                                         void *out,
+                                         const kvh_attention_params *params);
+
 #ifdef __cplusplus
 }
 #endif
