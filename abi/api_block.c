@@ -311,8 +311,15 @@ kvh_status kvh_pool_restore(kvh_engine *e, kvh_pool pool, kvh_block block, uint3
     if ((st = kvhi_block_resolve(e, block, &b)) == KVH_OK) {
         if (!kvhi_block_kv_complete(e, b))
             st = kvhi_fail(KVH_ERR_INVALID_ARG, "block KV is not fully written");
-        else
-            st = kvhi_pool_copy(e, p, slot, b, false);
+        else {
+            e->blocks[b].refs++; /* keep it while a disk read drops the lock */
+            kvhi_block_hold(e, b);
+            st = kvhi_block_ensure_memory(e, b);
+            if (st == KVH_OK)
+                st = kvhi_pool_copy(e, p, slot, b, false);
+            kvhi_block_unhold(e, b);
+            kvhi_block_unref(e, b);
+        }
         if (st == KVH_OK)
             kvhi_block_touch(e, b);
     }

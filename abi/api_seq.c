@@ -107,6 +107,17 @@ kvh_status kvh_seq_read_kv(kvh_engine *e, kvh_seq seq, uint32_t layer, uint64_t 
     return st;
 }
 
+kvh_status kvh_seq_persist(kvh_engine *e, kvh_seq seq)
+{
+    kvhi_seq *s;
+    kvh_status st = kvhi_api_enter_seq(e, seq, &s);
+    if (st != KVH_OK)
+        return st;
+    st = kvhi_disk_persist(e, s);
+    kvhi_leave(e);
+    return st;
+}
+
 kvh_status kvh_seq_truncate(kvh_engine *e, kvh_seq seq, uint64_t n_tokens)
 {
     kvhi_seq *s;

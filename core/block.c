@@ -76,7 +76,7 @@ static void heaps_remove(kvh_engine *e, uint32_t b)
 void kvhi_block_update_evictable(kvh_engine *e, uint32_t b)
 {
     kvhi_block *blk = kvhi_blk(e, b);
-    bool evictable = (blk->flags & KVHI_BF_LIVE) && !(blk->flags & (KVHI_BF_IN_FLIGHT | KVHI_BF_DEAD)) &&
+    bool evictable = (blk->flags & KVHI_BF_LIVE) && !(blk->flags & (KVHI_BF_BUSY | KVHI_BF_DEAD)) &&
                      blk->pins == 0 && blk->holds == 0;
     if (!evictable) {
         heaps_remove(e, b);
@@ -102,7 +102,7 @@ void kvhi_block_touch(kvh_engine *e, uint32_t b)
 
 void kvhi_block_wait_idle(kvh_engine *e, uint32_t b)
 {
-    while (e->blocks[b].flags & KVHI_BF_IN_FLIGHT)
+    while (e->blocks[b].flags & KVHI_BF_BUSY)
         pthread_cond_wait(&e->changed, &e->lock);
 }
 
@@ -163,6 +163,7 @@ kvh_status kvhi_block_new(kvh_engine *e, uint32_t agent, uint32_t min_tier, uint
     blk->heap_pos = KVHI_HEAP_NONE;
     blk->quota_heap_pos = KVHI_HEAP_NONE;
     blk->tier = KVHI_NO_TIER;
+    blk->disk_copy = KVHI_NO_BLOCK;
     kvhi_block_place(e, b, tier, slot);
     kvhi_lruk_record(blk->hist, e->cfg.lru_k, ++e->clock);
     kvhi_block_update_evictable(e, b);
@@ -178,6 +179,7 @@ static void block_destroy(kvh_engine *e, uint32_t b, bool keep_slot)
     heaps_remove(e, b);
     if (blk->flags & KVHI_BF_PUBLISHED)
         kvhi_prefix_erase(&e->prefix, blk->hash);
+    kvhi_disk_forget(e, b);
     if (blk->pins)
         e->tiers[blk->tier].pinned--;
     if (blk->tier == KVH_TIER_DEVICE)
@@ -196,13 +198,13 @@ static void block_destroy(kvh_engine *e, uint32_t b, bool keep_slot)
 void kvhi_block_free_now(kvh_engine *e, uint32_t b)
 {
     kvhi_block *blk = kvhi_blk(e, b);
-    if (blk->flags & KVHI_BF_IN_FLIGHT) {
+    if (blk->flags & KVHI_BF_BUSY) {
         /* The mover owns it until its copy ends; it reaps DEAD blocks. */
         blk->flags |= KVHI_BF_DEAD;
         heaps_remove(e, b);
         if (blk->flags & KVHI_BF_PUBLISHED) {
             kvhi_prefix_erase(&e->prefix, blk->hash);
-            blk->flags &= (uint8_t)~KVHI_BF_PUBLISHED;
+            blk->flags &= (uint16_t)~KVHI_BF_PUBLISHED;
         }
         return;
     }
@@ -312,7 +314,7 @@ kvh_status kvhi_block_forget_tokens(kvh_engine *e, uint32_t b, uint32_t keep)
         if (!blk->written)
             return kvhi_fail(KVH_ERR_NOMEM, "out of memory for a block bitmap");
         memset(blk->written, 0xFF, words * sizeof(uint64_t));
-        blk->flags &= (uint8_t)~KVHI_BF_KV_COMPLETE;
+        blk->flags &= (uint16_t)~KVHI_BF_KV_COMPLETE;
     }
     if (blk->written)
         for (uint32_t l = 0; l < e->cfg.num_layers; l++)
@@ -321,7 +323,7 @@ kvh_status kvhi_block_forget_tokens(kvh_engine *e, uint32_t b, uint32_t keep)
                 blk->written[bit / 64] &= ~(1ull << (bit % 64));
             }
     blk->n_tokens = (uint16_t)keep;
-    blk->flags &= (uint8_t)~KVHI_BF_HASHED;
+    blk->flags &= (uint16_t)~KVHI_BF_HASHED;
     blk->hash = 0;
     return KVH_OK;
 }

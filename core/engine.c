@@ -28,11 +28,27 @@ kvh_status kvhi_enter(kvh_engine *e)
     return KVH_OK;
 }
 
+/* Copies queued log lines out (lock held), unlocks, then emits them. */
+void kvhi_unlock_and_log(kvh_engine *e)
+{
+    uint32_t n = e->n_pending_log;
+    char lines[4][256];
+    int levels[4];
+    for (uint32_t i = 0; i < n; i++) {
+        memcpy(lines[i], e->pending_log[i], sizeof(lines[i]));
+        levels[i] = e->pending_log_level[i];
+    }
+    e->n_pending_log = 0;
+    pthread_mutex_unlock(&e->lock);
+    for (uint32_t i = 0; i < n; i++)
+        e->cfg.log_fn(e->cfg.log_user, levels[i], lines[i]);
+}
+
 void kvhi_leave(kvh_engine *e)
 {
     if (--e->active_calls == 0 && e->closing)
         pthread_cond_broadcast(&e->changed);
-    pthread_mutex_unlock(&e->lock);
+    kvhi_unlock_and_log(e);
 }
 
 static void config_defaults(kvh_config *c)
@@ -52,6 +68,7 @@ static void config_defaults(kvh_config *c)
     c->lru_k = 2;
     c->promote_min_hits = 1;
     c->log_level = KVH_LOG_WARN;
+    c->disk_queue_depth = 32;
 }
 
 kvh_status kvh_config_init(kvh_config *config, size_t struct_size)
@@ -97,9 +114,12 @@ static kvh_status validate(const kvh_config *c)
     CHECK(c->migration_threads <= 64, "migration_threads %u > 64", c->migration_threads);
     CHECK(c->numa_node >= -1, "numa_node %d invalid", c->numa_node);
     CHECK(c->log_level <= KVH_LOG_DEBUG, "log_level %u invalid", c->log_level);
+    CHECK(c->disk_queue_depth >= 1 && c->disk_queue_depth <= 4096, "disk_queue_depth %u not in 1..4096",
+          c->disk_queue_depth);
+    CHECK((c->disk_flags & ~(uint32_t)(KVH_DISK_RESET_ON_MISMATCH | KVH_DISK_BUFFERED)) == 0,
+          "unknown disk_flags 0x%x", c->disk_flags);
+    CHECK(!c->disk_bytes || (c->disk_path && c->disk_path[0]), "disk_bytes is set but disk_path is empty");
 #undef CHECK
-    if (c->disk_path && c->disk_bytes)
-        return kvhi_fail(KVH_ERR_UNSUPPORTED, "the disk tier is not available in this build");
     return KVH_OK;
 }
 
@@ -194,6 +214,7 @@ static void engine_free(kvh_engine *e)
     free(e->block_free);
     free(e->tokens);
     kvhi_prefix_destroy(&e->prefix);
+    kvhi_disk_tier_close(e, false);
     if (e->backend && e->backend_ctx)
         e->backend->context_destroy(e->backend_ctx);
     kvhi_backend_cuda_unload(e->backend_dl);
@@ -235,6 +256,8 @@ kvh_status kvh_engine_open(const kvh_config *config, kvh_engine **out)
                        (unsigned long long)e->cfg.device_bytes, (unsigned long long)e->block_bytes);
     if (st == KVH_OK)
         st = tier_init(e, KVH_TIER_HOST, e->cfg.host_bytes);
+    if (st == KVH_OK && config->disk_path && config->disk_bytes)
+        st = kvhi_disk_tier_open(e, &e->cfg, config->disk_path);
     if (st != KVH_OK) {
         engine_free(e);
         return st;
@@ -256,6 +279,7 @@ kvh_status kvh_engine_open(const kvh_config *config, kvh_engine **out)
     }
     for (uint32_t i = 0; i < cap; i++) {
         e->blocks[i].gen = 1;
+        e->blocks[i].disk_copy = KVHI_NO_BLOCK;
         e->blocks[i].heap_pos = KVHI_HEAP_NONE;
         e->blocks[i].quota_heap_pos = KVHI_HEAP_NONE;
         e->blocks[i].tier = KVHI_NO_TIER;
@@ -269,6 +293,10 @@ kvh_status kvh_engine_open(const kvh_config *config, kvh_engine **out)
             engine_free(e);
             return kvhi_fail(KVH_ERR_NOMEM, "out of memory for eviction heaps");
         }
+    if (e->disk && (st = kvhi_disk_tier_recover(e)) != KVH_OK) {
+        engine_free(e);
+        return st;
+    }
     st = kvhi_workers_start(e);
     if (st != KVH_OK) {
         engine_free(e);
@@ -294,8 +322,9 @@ kvh_status kvh_engine_close(kvh_engine *e)
         pthread_cond_wait(&e->changed, &e->lock);
     pthread_mutex_unlock(&e->lock);
     kvhi_workers_stop(e);
+    kvh_status st = kvhi_disk_tier_close(e, true);
     engine_free(e);
-    return KVH_OK;
+    return st;
 }
 
 kvh_status kvh_engine_block_bytes(const kvh_engine *e, uint64_t *bytes)

@@ -14,6 +14,7 @@
 
 #include "kvh/kvh.h"
 #include "core/backend.h"
+#include "core/disk_index.h"
 #include "core/handles.h"
 #include "core/lruk.h"
 #include "core/prefix_index.h"
@@ -32,6 +33,14 @@
 #define KVHI_BF_HASHED 0x20u     /* tokens full: hash is valid */
 #define KVHI_BF_KV_COMPLETE 0x40u /* every (layer, token) cell written */
 #define KVHI_BF_PREFETCHING 0x80u /* a hint's promotion is queued */
+#define KVHI_BF_JOURNALED 0x100u  /* an index record names its disk slot */
+#define KVHI_BF_DISK_COPY 0x200u  /* disk_copy holds a clean copy */
+#define KVHI_BF_WRITING 0x400u    /* a disk copy is being written from its
+                                     (stable) memory slot */
+#define KVHI_BF_CORRUPT 0x800u    /* its disk data failed verification */
+#define KVHI_BF_DISK_HASHED 0x1000u /* its disk header carries its hash */
+/* Busy blocks are not evicted, freed or written until they go idle. */
+#define KVHI_BF_BUSY (KVHI_BF_IN_FLIGHT | KVHI_BF_WRITING)
 
 typedef struct kvhi_block {
     uint32_t gen;
@@ -42,12 +51,14 @@ typedef struct kvhi_block {
     uint32_t agent;
     uint32_t hits; /* accesses since it last entered its tier */
     uint16_t n_tokens;
+    uint16_t flags;
     uint8_t tier;
-    uint8_t flags;
     uint32_t heap_pos;       /* position in its tier's eviction heap */
     uint32_t quota_heap_pos; /* position in its agent's device heap */
     uint64_t hash;           /* chained hash, valid with KVHI_BF_HASHED */
     uint64_t parent_hash;
+    uint32_t disk_copy; /* disk slot of a clean copy (KVHI_BF_DISK_COPY) */
+    uint32_t data_crc;  /* CRC32C of the data on disk */
     uint64_t hist[KVHI_MAX_K]; /* access clock values, most recent first */
     /* Bitmap [layer][token] of written KV cells. NULL means none written,
      * unless KVHI_BF_KV_COMPLETE says all are. */
@@ -141,6 +152,13 @@ struct kvh_engine {
     bool stop_workers;
 
     kvh_stats stats;
+
+    struct kvhi_disk *disk; /* NULL without a disk tier */
+    kvhi_index_list disk_recovery; /* index entries found at open */
+    /* Log lines produced under the lock, emitted by kvhi_leave. */
+    char pending_log[4][256];
+    int pending_log_level[4];
+    uint32_t n_pending_log;
 };
 
 /* ---- errors and logging (status.c) ---- */
@@ -149,6 +167,10 @@ kvh_status kvhi_fail(kvh_status status, const char *fmt, ...)
 void kvhi_clear_error(void);
 void kvhi_log(kvh_engine *e, int level, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
+/* Queues a log line while the lock is held (emitted after unlocking). */
+void kvhi_log_later(kvh_engine *e, int level, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
 
 /* ---- engine lock and call accounting (engine.c) ---- */
 uint32_t kvhi_dtype_bytes(uint32_t dtype);
@@ -156,6 +178,7 @@ uint32_t kvhi_dtype_bytes(uint32_t dtype);
  * KVH_ERR_CLOSED when the engine is closing. */
 kvh_status kvhi_enter(kvh_engine *e);
 void kvhi_leave(kvh_engine *e);
+void kvhi_unlock_and_log(kvh_engine *e);
 uint64_t kvhi_now_ns(void);
 
 /* ---- blocks (block.c) ---- */
@@ -253,6 +276,44 @@ kvh_status kvhi_prefetch(kvh_engine *e, kvhi_seq *s, uint64_t first,
                          uint64_t n, int32_t priority, kvh_fence *fence);
 kvh_status kvhi_migrate_blocks(kvh_engine *e, const uint32_t *blocks,
                                size_t n, uint32_t tier, kvh_fence *fence);
+
+/* ---- disk tier (disk_tier.c) ---- */
+kvh_status kvhi_disk_tier_open(kvh_engine *e, const kvh_config *cfg,
+                               const char *path);
+kvh_status kvhi_disk_tier_recover(kvh_engine *e);
+/* Writes a snapshot of the index (flush) and closes the store. */
+kvh_status kvhi_disk_tier_close(kvh_engine *e, bool flush);
+/* Block data transfer between any two tiers, run without the lock; the
+ * descriptor is filled under the lock by kvhi_xfer_prepare. */
+typedef struct kvhi_xfer {
+    uint32_t block;
+    uint32_t src_tier, src_slot, dst_tier, dst_slot;
+    uint64_t hash, parent;
+    uint32_t n_tokens;
+    uint32_t data_crc; /* out for writes, expected for reads */
+    int32_t tokens[256];
+    int err; /* 0, -errno, or 1 for failed verification */
+    const char *why;
+} kvhi_xfer;
+void kvhi_xfer_prepare(kvh_engine *e, uint32_t b, uint32_t dst_tier,
+                       uint32_t dst_slot, kvhi_xfer *x);
+void kvhi_xfer_run(kvh_engine *e, kvhi_xfer *x);
+/* Runs transfers that all go to, or all come from, the disk tier as
+ * batches of neighbouring slots. */
+void kvhi_xfer_batch(kvh_engine *e, kvhi_xfer *xs, uint32_t n);
+/* Bookkeeping after a block reached or left the disk tier (lock held). */
+void kvhi_disk_after_move(kvh_engine *e, uint32_t b, const kvhi_xfer *x,
+                          bool *keep_src_slot);
+/* Forgets b's disk record (DEL record) and clean copy, if any. */
+void kvhi_disk_forget(kvh_engine *e, uint32_t b);
+/* Brings a block on disk into a memory tier (lock may drop). */
+kvh_status kvhi_block_ensure_memory(kvh_engine *e, uint32_t b);
+kvh_status kvhi_disk_persist(kvh_engine *e, kvhi_seq *s);
+/* Reads and checks blocks on disk without moving them (lock may drop);
+ * failures are marked corrupt. */
+void kvhi_disk_verify(kvh_engine *e, const uint32_t *blocks, size_t n);
+/* Records that b's disk data failed verification: never served again. */
+kvh_status kvhi_mark_corrupt(kvh_engine *e, uint32_t b, const char *why);
 
 /* ---- external pools (ext_pool.c) ---- */
 void kvhi_pools_destroy(kvh_engine *e);

@@ -1,6 +1,7 @@
 /* Making room: slot reservation, victim choice, demotion and drops.
  * Runs with the engine lock held; copies drop it while the moving block is
  * marked in flight. */
+#include <errno.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -89,7 +90,7 @@ static kvh_status swap_up(kvh_engine *e, uint32_t b, uint32_t tier)
         rc = kvhi_copy_bytes(e, lo_tier, lo, KVH_TIER_HOST, bounce, e->block_bytes);
     pthread_mutex_lock(&e->lock);
     free(bounce);
-    vb->flags &= (uint8_t)~KVHI_BF_IN_FLIGHT;
+    vb->flags &= (uint16_t)~KVHI_BF_IN_FLIGHT;
     pthread_cond_broadcast(&e->changed);
     if (rc != 0) {
         /* The two slots may hold mixed data now: neither block is valid. */
@@ -98,7 +99,7 @@ static kvh_status swap_up(kvh_engine *e, uint32_t b, uint32_t tier)
     }
     if (vb->flags & KVHI_BF_PREFETCHED) {
         e->stats.prefetch_wasted++;
-        vb->flags &= (uint8_t)~KVHI_BF_PREFETCHED;
+        vb->flags &= (uint16_t)~KVHI_BF_PREFETCHED;
     }
     kvhi_block_place(e, v, lo_tier, lo_slot);
     kvhi_block_place(e, b, tier, hi_slot);
@@ -137,10 +138,11 @@ static kvh_status evict_one(kvh_engine *e, uint32_t v, uint32_t *freed)
             e->stats.evictions++;
             return KVH_OK;
         }
-        if (st != KVH_ERR_NOSPACE)
+        /* A disk that fails writes is treated like a full one. */
+        if (st != KVH_ERR_NOSPACE && st != KVH_ERR_IO)
             return st;
         /* move_block may have dropped the lock: v can have changed. */
-        if (!(blk->flags & KVHI_BF_LIVE) || (blk->flags & (KVHI_BF_IN_FLIGHT | KVHI_BF_DEAD)) || blk->pins ||
+        if (!(blk->flags & KVHI_BF_LIVE) || (blk->flags & (KVHI_BF_BUSY | KVHI_BF_DEAD)) || blk->pins ||
             blk->holds)
             return KVH_ERR_NOSPACE;
     }
@@ -189,6 +191,45 @@ kvh_status kvhi_reserve_slot(kvh_engine *e, uint32_t tier, uint32_t for_agent, u
     return kvhi_fail(KVH_ERR_NOSPACE, "could not make room");
 }
 
+/* A block with a clean disk copy leaves memory without any I/O. */
+static kvh_status demote_to_copy(kvh_engine *e, uint32_t b, uint32_t *src_slot_out)
+{
+    kvhi_block *blk = &e->blocks[b];
+    uint32_t src_tier = blk->tier, src_slot = blk->slot;
+    if (blk->flags & KVHI_BF_PREFETCHED) {
+        e->stats.prefetch_wasted++;
+        blk->flags &= (uint16_t)~KVHI_BF_PREFETCHED;
+    }
+    blk->flags |= KVHI_BF_IN_FLIGHT;
+    kvhi_block_update_evictable(e, b); /* out of the old tier's heaps */
+    kvhi_block_place(e, b, KVH_TIER_DISK, blk->disk_copy);
+    blk->disk_copy = KVHI_NO_BLOCK;
+    blk->flags &= (uint16_t)~(KVHI_BF_DISK_COPY | KVHI_BF_IN_FLIGHT);
+    if (src_slot_out)
+        *src_slot_out = src_slot;
+    else
+        kvhi_release_slot(e, src_tier, src_slot);
+    kvhi_block_update_evictable(e, b);
+    return KVH_OK;
+}
+
+/* Records that b's disk data failed verification: it is never served. */
+kvh_status kvhi_mark_corrupt(kvh_engine *e, uint32_t b, const char *why)
+{
+    kvhi_block *blk = &e->blocks[b];
+    e->stats.corrupt_blocks++;
+    blk->flags |= KVHI_BF_CORRUPT;
+    if (blk->flags & KVHI_BF_PUBLISHED) {
+        kvhi_prefix_erase(&e->prefix, blk->hash);
+        blk->flags &= (uint16_t)~KVHI_BF_PUBLISHED;
+    }
+    if (blk->flags & KVHI_BF_JOURNALED) {
+        kvhi_disk_forget(e, b);
+    }
+    kvhi_log_later(e, KVH_LOG_WARN, "disk tier: dropped block in slot %u: %s", blk->slot, why ? why : "unreadable");
+    return kvhi_fail(KVH_ERR_CORRUPT, "block data on disk failed verification: %s", why ? why : "unreadable");
+}
+
 /* Moves b to `tier`. When src_slot_out is set, b's old slot is handed to
  * the caller instead of being freed. */
 static kvh_status move_block(kvh_engine *e, uint32_t b, uint32_t tier, uint32_t *src_slot_out)
@@ -196,33 +237,40 @@ static kvh_status move_block(kvh_engine *e, uint32_t b, uint32_t tier, uint32_t 
     kvhi_block *blk = &e->blocks[b];
     if (blk->tier == tier)
         return KVH_OK;
+    if (blk->flags & KVHI_BF_CORRUPT)
+        return kvhi_fail(KVH_ERR_CORRUPT, "block data on disk failed verification");
+    if (tier == KVH_TIER_DISK && (blk->flags & KVHI_BF_DISK_COPY))
+        return demote_to_copy(e, b, src_slot_out);
     uint32_t src_tier = blk->tier, src_slot = blk->slot;
     blk->flags |= KVHI_BF_IN_FLIGHT;
     kvhi_block_update_evictable(e, b);
     uint32_t dslot;
     kvh_status st = kvhi_reserve_slot(e, tier, blk->agent, &dslot);
-    int rc = 0;
+    kvhi_xfer x;
     if (st == KVH_OK) {
-        uint8_t *dst = kvhi_slot_addr(e, tier, dslot);
-        const uint8_t *src = kvhi_slot_addr(e, src_tier, src_slot);
+        kvhi_xfer_prepare(e, b, tier, dslot, &x);
         pthread_mutex_unlock(&e->lock);
-        rc = kvhi_copy_bytes(e, tier, dst, src_tier, src, e->block_bytes);
+        kvhi_xfer_run(e, &x);
         pthread_mutex_lock(&e->lock);
     }
-    blk->flags &= (uint8_t)~KVHI_BF_IN_FLIGHT;
+    blk->flags &= (uint16_t)~KVHI_BF_IN_FLIGHT;
     pthread_cond_broadcast(&e->changed);
-    if (st == KVH_OK && rc != 0) {
+    if (st == KVH_OK && x.err != 0) {
         kvhi_release_slot(e, tier, dslot);
-        st = kvhi_fail(KVH_ERR_IO, "copy between tiers failed");
+        if (x.err == 1)
+            st = kvhi_mark_corrupt(e, b, x.why);
+        else
+            st = kvhi_fail(x.err == -ENOSPC ? KVH_ERR_NOSPACE : KVH_ERR_IO, "moving a block between tiers: %s",
+                           strerror(-x.err));
     }
     if (st == KVH_ERR_NOSPACE && tier < src_tier && !src_slot_out && !(blk->flags & KVHI_BF_DEAD)) {
         blk->flags |= KVHI_BF_IN_FLIGHT;
         st = swap_up(e, b, tier);
-        blk->flags &= (uint8_t)~KVHI_BF_IN_FLIGHT;
+        blk->flags &= (uint16_t)~KVHI_BF_IN_FLIGHT;
         pthread_cond_broadcast(&e->changed);
     }
     if (st != KVH_OK || blk->tier == tier) {
-        if (blk->flags & KVHI_BF_DEAD)
+        if ((blk->flags & KVHI_BF_DEAD) || ((blk->flags & KVHI_BF_CORRUPT) && blk->refs == 0))
             kvhi_block_free_now(e, b);
         else
             kvhi_block_update_evictable(e, b);
@@ -230,11 +278,16 @@ static kvh_status move_block(kvh_engine *e, uint32_t b, uint32_t tier, uint32_t 
     }
     if (src_tier == KVH_TIER_DEVICE && (blk->flags & KVHI_BF_PREFETCHED)) {
         e->stats.prefetch_wasted++;
-        blk->flags &= (uint8_t)~KVHI_BF_PREFETCHED;
+        blk->flags &= (uint16_t)~KVHI_BF_PREFETCHED;
     }
     kvhi_block_place(e, b, tier, dslot);
     count_move(e, src_tier, tier);
-    if (src_slot_out)
+    bool keep_src = false;
+    if (e->disk && (tier == KVH_TIER_DISK || src_tier == KVH_TIER_DISK))
+        kvhi_disk_after_move(e, b, &x, &keep_src);
+    if (keep_src)
+        ; /* the old disk slot is now b's clean copy */
+    else if (src_slot_out)
         *src_slot_out = src_slot;
     else
         kvhi_release_slot(e, src_tier, src_slot);

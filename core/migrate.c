@@ -143,14 +143,14 @@ static kvh_status run_job(kvh_engine *e, const kvhi_job *j)
     for (;;) {
         if (!(blk->flags & KVHI_BF_LIVE) || (blk->flags & KVHI_BF_DEAD) || blk->gen != j->block_gen)
             return KVH_OK; /* freed meanwhile: nothing left to move */
-        if (!(blk->flags & KVHI_BF_IN_FLIGHT))
+        if (!(blk->flags & KVHI_BF_BUSY))
             break;
         kvhi_block_wait_idle(e, j->block);
     }
     bool moved = false;
     if (blk->tier != j->target_tier) {
-        if (blk->holds && j->target_tier != KVH_TIER_DEVICE)
-            st = KVH_OK; /* an acquire holds it in the device tier: stays */
+        if (blk->holds && j->target_tier > blk->tier)
+            st = KVH_OK; /* held blocks never move down */
         else if (blk->pins)
             st = j->is_prefetch ? KVH_OK : kvhi_fail(KVH_ERR_BUSY, "block is pinned in another tier");
         else {
@@ -164,7 +164,7 @@ static kvh_status run_job(kvh_engine *e, const kvhi_job *j)
         if (moved && (blk->flags & KVHI_BF_PREFETCHING) && blk->tier == KVH_TIER_DEVICE)
             blk->flags |= KVHI_BF_PREFETCHED;
         if (blk->gen == j->block_gen)
-            blk->flags &= (uint8_t)~KVHI_BF_PREFETCHING;
+            blk->flags &= (uint16_t)~KVHI_BF_PREFETCHING;
         st = KVH_OK; /* a hint that cannot be honoured is not an error */
     }
     return st;
@@ -222,6 +222,10 @@ static void *worker_main(void *arg)
         kvh_status st = run_job(e, &j);
         e->jobs_running--;
         kvhi_fence_done(e, j.fence, st);
+        if (e->n_pending_log) {
+            kvhi_unlock_and_log(e);
+            pthread_mutex_lock(&e->lock);
+        }
     }
     pthread_mutex_unlock(&e->lock);
     return NULL;
@@ -255,7 +259,7 @@ void kvhi_workers_stop(kvh_engine *e)
     while (e->n_jobs) {
         kvhi_job j = job_pop(e);
         if (j.is_prefetch && (e->blocks[j.block].flags & KVHI_BF_LIVE))
-            e->blocks[j.block].flags &= (uint8_t)~KVHI_BF_PREFETCHING;
+            e->blocks[j.block].flags &= (uint16_t)~KVHI_BF_PREFETCHING;
         kvhi_fence_done(e, j.fence, KVH_ERR_CLOSED);
     }
     pthread_cond_broadcast(&e->work_ready);

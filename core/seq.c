@@ -103,8 +103,10 @@ static kvh_status make_private(kvh_engine *e, kvhi_seq *s, uint32_t i)
         uint32_t b = s->blocks[i];
         kvhi_block *blk = &e->blocks[b];
         if (blk->refs == 1 && !(blk->flags & KVHI_BF_PUBLISHED)) {
-            if (!(blk->flags & KVHI_BF_IN_FLIGHT))
-                return KVH_OK;
+            if (!(blk->flags & KVHI_BF_BUSY)) {
+                kvhi_disk_forget(e, b); /* its disk copy is about to go stale */
+                return kvhi_block_ensure_memory(e, b);
+            }
             kvhi_block_wait_idle(e, b); /* then check again */
             continue;
         }
@@ -112,7 +114,9 @@ static kvh_status make_private(kvh_engine *e, kvhi_seq *s, uint32_t i)
         blk->refs++;
         kvhi_block_hold(e, b);
         uint32_t nb;
-        kvh_status st = kvhi_block_cow(e, b, s->agent, &nb); /* drops our extra ref on success */
+        kvh_status st = kvhi_block_ensure_memory(e, b);
+        if (st == KVH_OK)
+            st = kvhi_block_cow(e, b, s->agent, &nb); /* drops our extra ref on success */
         kvhi_block_unhold(e, b);
         if (st != KVH_OK) {
             kvhi_block_unref(e, b);
@@ -202,7 +206,7 @@ static void note_access(kvh_engine *e, uint32_t b)
         e->stats.hits_disk++;
     if (blk->flags & KVHI_BF_PREFETCHED) {
         e->stats.prefetch_useful++;
-        blk->flags &= (uint8_t)~KVHI_BF_PREFETCHED;
+        blk->flags &= (uint16_t)~KVHI_BF_PREFETCHED;
     }
     kvhi_block_touch(e, b);
 }
@@ -303,10 +307,12 @@ kvh_status kvhi_seq_read_kv(kvh_engine *e, kvhi_seq *s, uint32_t layer, uint64_t
             cnt = (uint32_t)(pos + n - t);
         uint32_t b = s->blocks[li];
         size_t skip = (size_t)(t - pos) * tok_bytes;
+        note_access(e, b);
+        if ((st = kvhi_block_ensure_memory(e, b)) != KVH_OK)
+            return st;
         if (kv_copy(e, b, layer, off, cnt, k ? (uint8_t *)k + skip : NULL, v ? (uint8_t *)v + skip : NULL, false) !=
             0)
             return kvhi_fail(KVH_ERR_IO, "copy from the device tier failed");
-        note_access(e, b);
         t += cnt;
     }
     return KVH_OK;
@@ -363,10 +369,40 @@ kvh_status kvhi_seq_match_prefix(kvh_engine *e, kvhi_seq *s, const int32_t *toke
             break;
         if (blk->refs++ == 0)
             kvhi_block_update_evictable(e, b);
+        kvhi_block_hold(e, b);
         kvhi_block_touch(e, b);
         s->blocks[i] = b;
         s->held[i] = 0;
         parent = h;
+    }
+    size_t found = i;
+    /* Blocks found on disk are read and verified now, in parallel: a block
+     * that fails its checksum ends the match there (a miss, never served). */
+    bool on_disk = false;
+    for (size_t j = 0; j < found; j++)
+        on_disk |= e->blocks[s->blocks[j]].tier == KVH_TIER_DISK;
+    if (on_disk) {
+        uint32_t fidx;
+        if ((st = kvhi_fence_new(e, &fidx, NULL)) == KVH_OK) {
+            uint32_t to = e->tiers[KVH_TIER_HOST].present ? KVH_TIER_HOST : KVH_TIER_DEVICE;
+            for (size_t j = 0; j < found; j++)
+                if (e->blocks[s->blocks[j]].tier == KVH_TIER_DISK)
+                    kvhi_enqueue(e, s->blocks[j], to, INT32_MAX - 1, false, fidx);
+            kvhi_fence_wait_idx(e, fidx, UINT64_MAX);
+            kvhi_fence_drop(e, fidx);
+        }
+        /* What did not fit in memory is checked where it lies. */
+        kvhi_disk_verify(e, s->blocks, found);
+        for (i = 0; i < found; i++)
+            if (e->blocks[s->blocks[i]].flags & KVHI_BF_CORRUPT)
+                break;
+        kvhi_clear_error();
+        st = KVH_OK;
+    }
+    for (size_t j = 0; j < found; j++) {
+        kvhi_block_unhold(e, s->blocks[j]);
+        if (j >= i)
+            kvhi_block_unref(e, s->blocks[j]);
     }
     s->n_blocks = (uint32_t)i;
     s->n_tokens = (uint64_t)i * bt;
@@ -400,7 +436,7 @@ kvh_status kvhi_seq_acquire(kvh_engine *e, kvhi_seq *s, uint64_t first, uint64_t
         bool resident = blk->tier == KVH_TIER_DEVICE && !(blk->flags & KVHI_BF_IN_FLIGHT);
         if (!resident && (blk->flags & KVHI_BF_PREFETCHING)) {
             e->stats.prefetch_late++;
-            blk->flags &= (uint8_t)~KVHI_BF_PREFETCHING; /* its arrival is not "prefetched, unused" */
+            blk->flags &= (uint16_t)~KVHI_BF_PREFETCHING; /* its arrival is not "prefetched, unused" */
         }
         note_access(e, b);
         if (!resident) {

@@ -49,6 +49,17 @@ const char *kvh_version_string(void)
     return KVHI_STR(KVH_VERSION_MAJOR) "." KVHI_STR(KVH_VERSION_MINOR) "." KVHI_STR(KVH_VERSION_PATCH);
 }
 
+void kvhi_log_later(kvh_engine *e, int level, const char *fmt, ...)
+{
+    if (!e->cfg.log_fn || (uint32_t)level > e->cfg.log_level || e->n_pending_log >= 4)
+        return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(e->pending_log[e->n_pending_log], sizeof(e->pending_log[0]), fmt, ap);
+    va_end(ap);
+    e->pending_log_level[e->n_pending_log++] = level;
+}
+
 /* Must be called without the engine lock: the sink is user code. */
 void kvhi_log(kvh_engine *e, int level, const char *fmt, ...)
 {

@@ -1,0 +1,13 @@
+/* CRC32C (Castagnoli), the checksum of everything kvh writes to disk.
+ * Uses the SSE4.2 crc32 instruction when the CPU has it, a table
+ * otherwise. */
+#ifndef KVH_CORE_CRC32C_H
+#define KVH_CORE_CRC32C_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* Continues crc over n bytes; start with crc = 0. */
+uint32_t kvhi_crc32c(uint32_t crc, const void *data, size_t n);
+
+#endif

@@ -1,0 +1,87 @@
+/* On-disk formats of the disk tier. Pure encode/verify functions: no I/O,
+ * so they can be tested and fuzzed on byte buffers.
+ *
+ * Slot: [4096-byte header][block data, padded to 4096]. The header's CRC32C
+ * covers the store id, the slot number and its file offset, the block's
+ * prefix hash, parent hash, tokens and the CRC32C of the data, so torn,
+ * flipped, truncated, misplaced (swapped) or foreign blocks all fail.
+ *
+ * Index: a snapshot file `index` (replaced atomically: temp, fsync, rename,
+ * fsync dir) plus an append-only `journal` of fixed-size records, each
+ * with its own CRC; replay stops at the first bad record (a torn tail). */
+#ifndef KVH_CORE_DISK_FORMAT_H
+#define KVH_CORE_DISK_FORMAT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define KVHI_DISK_ALIGN 4096u
+#define KVHI_SLOT_HEADER_BYTES 4096u
+#define KVHI_DISK_VERSION 1u
+
+/* Geometry and identity that a store must match to be reused. */
+typedef struct kvhi_disk_geometry {
+    uint32_t num_layers, num_kv_heads, head_dim, block_tokens, dtype;
+    uint64_t model_salt;
+    uint64_t block_bytes;
+} kvhi_disk_geometry;
+
+/* What a slot header says about its block. */
+typedef struct kvhi_slot_meta {
+    uint64_t store_id;
+    uint64_t slot;
+    uint64_t offset;
+    uint64_t hash;   /* 0 for a block without a prefix hash */
+    uint64_t parent; /* parent prefix hash */
+    uint32_t n_tokens;
+    uint32_t data_crc;
+    const int32_t *tokens; /* n_tokens entries (encode); decode fills `token_buf` */
+} kvhi_slot_meta;
+
+static inline uint64_t kvhi_round_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
+
+/* Writes a header into buf (KVHI_SLOT_HEADER_BYTES, zero-filled first). */
+void kvhi_slot_header_encode(void *buf, const kvhi_slot_meta *m, uint64_t block_bytes);
+
+/* Checks a header read from `slot` at `offset` of store `store_id` against
+ * what the index expects (hash) and the data that followed it. Returns 0
+ * when everything matches, or a negative reason code (see .c) and a short
+ * reason text. tokens_out (block_tokens entries) receives the tokens. */
+int kvhi_slot_verify(const void *header, const void *data, uint64_t block_bytes, uint64_t store_id, uint64_t slot,
+                     uint64_t offset, uint64_t expect_hash, uint32_t max_tokens, int32_t *tokens_out,
+                     const char **why);
+
+/* ---- index records ---- */
+enum { KVHI_REC_ADD = 1, KVHI_REC_DEL = 2 };
+
+typedef struct kvhi_index_rec {
+    uint32_t kind;
+    uint64_t seq;
+    uint64_t slot;
+    uint64_t hash;
+    uint64_t parent;
+    uint32_t n_tokens;
+    uint32_t data_crc;
+    int32_t *tokens; /* block_tokens entries */
+} kvhi_index_rec;
+
+/* Fixed size of one record for a store with block_tokens tokens a block. */
+size_t kvhi_index_rec_bytes(uint32_t block_tokens);
+void kvhi_index_rec_encode(void *buf, const kvhi_index_rec *r, uint32_t block_tokens);
+/* 0 when the record's magic and CRC are good; rec->tokens must point at
+ * block_tokens entries. */
+int kvhi_index_rec_decode(const void *buf, kvhi_index_rec *r, uint32_t block_tokens);
+
+/* Snapshot / journal file header (one 4096-byte page). */
+typedef struct kvhi_index_header {
+    uint32_t kind; /* 1 = snapshot, 2 = journal */
+    uint64_t store_id;
+    uint64_t seq; /* snapshot: last record seq it includes; journal: first seq */
+    uint64_t n_records;
+    kvhi_disk_geometry geo;
+} kvhi_index_header;
+
+void kvhi_index_header_encode(void *buf, const kvhi_index_header *h);
+int kvhi_index_header_decode(const void *buf, size_t len, kvhi_index_header *h);
+
+#endif

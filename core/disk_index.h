@@ -1,0 +1,48 @@
+/* The durable index of the disk tier: which slot holds which prefix
+ * block. A snapshot (`index`) replaced atomically plus an append-only
+ * `journal`; see disk_format.h for the record format. */
+#ifndef KVH_CORE_DISK_INDEX_H
+#define KVH_CORE_DISK_INDEX_H
+
+#include "core/disk_io.h"
+
+/* Live entries found by kvhi_index_load: one per slot. */
+typedef struct kvhi_index_entry {
+    uint32_t slot;
+    uint64_t hash, parent;
+    uint32_t n_tokens;
+    uint32_t data_crc;
+    int32_t *tokens; /* block_tokens entries, owned by the list */
+} kvhi_index_entry;
+
+typedef struct kvhi_index_list {
+    kvhi_index_entry *items;
+    size_t n;
+    int32_t *token_store;
+    uint64_t bad_records; /* records that failed their checksum */
+} kvhi_index_list;
+
+enum kvhi_index_result {
+    KVHI_INDEX_OK = 0,
+    KVHI_INDEX_MISMATCH = -1, /* geometry or model differs; see msg */
+    KVHI_INDEX_CORRUPT = -2,  /* snapshot header unreadable */
+    KVHI_INDEX_IO = -3
+};
+
+/* Loads (or, when absent or reset, creates) the index of the store in
+ * d->dir_fd for geometry d->geo. Sets d->store_id. On success the caller
+ * owns *out (kvhi_index_list_free). */
+int kvhi_index_load(kvhi_disk *d, bool reset, kvhi_index_list *out, char *msg, size_t msg_len);
+void kvhi_index_list_free(kvhi_index_list *l);
+
+/* Appends one record (not yet durable). 0 or -errno. */
+int kvhi_index_append(kvhi_disk *d, uint32_t kind, uint32_t slot, uint64_t hash, uint64_t parent, uint32_t n_tokens,
+                      uint32_t data_crc, const int32_t *tokens);
+/* Makes every appended record durable. 0 or -errno (then fatal). */
+int kvhi_index_sync(kvhi_disk *d);
+/* Writes a new snapshot holding exactly `entries` and empties the journal,
+ * each step atomic. 0 or -errno. */
+int kvhi_index_compact(kvhi_disk *d, const kvhi_index_entry *entries, size_t n);
+void kvhi_index_close(kvhi_disk *d);
+
+#endif

@@ -1,0 +1,357 @@
+#include "core/disk_io.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <liburing.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#define LANE_ARENA_MAX (8u << 20) /* staging bytes per lane */
+
+struct kvhi_disk_lane {
+    bool busy;
+    uint64_t slot_bytes;
+    bool has_ring;
+    struct io_uring ring;
+    uint8_t *arena;
+    uint64_t arena_bytes;
+};
+
+static kvhi_disk_fault_fn fault_fn;
+static void *fault_user;
+
+void kvhi_disk_set_fault_hook(kvhi_disk_fault_fn fn, void *user)
+{
+    fault_user = user;
+    fault_fn = fn;
+}
+
+int kvhi_disk_fault(enum kvhi_disk_op op) { return fault_fn ? fault_fn(op, fault_user) : 0; }
+
+uint64_t kvhi_disk_slot_offset(const kvhi_disk *d, uint32_t slot)
+{
+    return (uint64_t)(slot % d->slots_per_slab) * d->slot_bytes;
+}
+
+static int slab_fd(const kvhi_disk *d, uint32_t slot) { return d->slab_fds[slot / d->slots_per_slab]; }
+
+int kvhi_disk_open_slabs(kvhi_disk *d, bool allow_direct)
+{
+    d->slot_bytes = KVHI_SLOT_HEADER_BYTES + kvhi_round_up(d->block_bytes, KVHI_DISK_ALIGN);
+    uint64_t per = (1ull << 30) / d->slot_bytes;
+    d->slots_per_slab = per ? (uint32_t)(per > d->n_slots ? d->n_slots : per) : 1;
+    if (d->slots_per_slab == 0)
+        d->slots_per_slab = 1;
+    d->n_slabs = (d->n_slots + d->slots_per_slab - 1) / d->slots_per_slab;
+    d->slab_fds = calloc(d->n_slabs ? d->n_slabs : 1, sizeof(int));
+    if (!d->slab_fds)
+        return -ENOMEM;
+    for (uint32_t i = 0; i < d->n_slabs; i++)
+        d->slab_fds[i] = -1;
+    d->direct = allow_direct;
+    for (uint32_t i = 0; i < d->n_slabs; i++) {
+        char name[64];
+        snprintf(name, sizeof(name), "slab-%04u.kvh", i);
+        int flags = O_RDWR | O_CREAT | O_CLOEXEC;
+        int fd = d->direct ? openat(d->dir_fd, name, flags | O_DIRECT, 0644) : -1;
+        if (fd < 0 && d->direct) {
+            /* tmpfs and some overlays refuse O_DIRECT: buffered I/O instead. */
+            d->direct = false;
+            snprintf(d->warning, sizeof(d->warning),
+                     "disk tier: the filesystem of %s refuses O_DIRECT (%s); using buffered I/O", d->path,
+                     strerror(errno));
+        }
+        if (fd < 0)
+            fd = openat(d->dir_fd, name, flags, 0644);
+        if (fd < 0)
+            return -errno;
+        d->slab_fds[i] = fd;
+        uint32_t slots = i + 1 < d->n_slabs ? d->slots_per_slab : d->n_slots - i * d->slots_per_slab;
+        off_t want = (off_t)slots * (off_t)d->slot_bytes;
+        struct stat st;
+        if (fstat(fd, &st) == 0 && st.st_size < want) {
+            /* Preallocate so a later write does not find the disk full;
+             * where that is refused, the file grows on demand. */
+            if (posix_fallocate(fd, 0, want) != 0 && ftruncate(fd, want) != 0)
+                return -errno;
+        }
+    }
+    if (d->direct) {
+        /* Some filesystems accept the flag but fail aligned I/O later. */
+        uint8_t *probe;
+        if (posix_memalign((void **)&probe, KVHI_DISK_ALIGN, KVHI_DISK_ALIGN) == 0) {
+            ssize_t r = pread(d->slab_fds[0], probe, KVHI_DISK_ALIGN, 0);
+            free(probe);
+            if (r < 0 && errno == EINVAL) {
+                for (uint32_t i = 0; i < d->n_slabs; i++) {
+                    int fl = fcntl(d->slab_fds[i], F_GETFL);
+                    fcntl(d->slab_fds[i], F_SETFL, fl & ~O_DIRECT);
+                }
+                d->direct = false;
+                snprintf(d->warning, sizeof(d->warning),
+                         "disk tier: O_DIRECT reads fail on %s; using buffered I/O", d->path);
+            }
+        }
+    }
+    uint64_t lb = LANE_ARENA_MAX / d->slot_bytes;
+    if (lb < 1)
+        lb = 1;
+    if (lb > d->queue_depth)
+        lb = d->queue_depth;
+    d->lane_blocks = (uint32_t)lb;
+    pthread_mutex_init(&d->lane_lock, NULL);
+    pthread_cond_init(&d->lane_free, NULL);
+    d->lanes = calloc(d->max_lanes, sizeof(*d->lanes));
+    return d->lanes ? 0 : -ENOMEM;
+}
+
+static void lane_destroy(kvhi_disk_lane *l)
+{
+    if (!l)
+        return;
+    if (l->has_ring)
+        io_uring_queue_exit(&l->ring);
+    free(l->arena);
+    free(l);
+}
+
+void kvhi_disk_close(kvhi_disk *d)
+{
+    if (d->lanes) {
+        for (uint32_t i = 0; i < d->n_lanes; i++)
+            lane_destroy(d->lanes[i]);
+        free(d->lanes);
+        pthread_mutex_destroy(&d->lane_lock);
+        pthread_cond_destroy(&d->lane_free);
+    }
+    d->lanes = NULL;
+    for (uint32_t i = 0; d->slab_fds && i < d->n_slabs; i++)
+        if (d->slab_fds[i] >= 0)
+            close(d->slab_fds[i]);
+    free(d->slab_fds);
+    d->slab_fds = NULL;
+}
+
+static kvhi_disk_lane *lane_create(kvhi_disk *d)
+{
+    kvhi_disk_lane *l = calloc(1, sizeof(*l));
+    if (!l)
+        return NULL;
+    l->slot_bytes = d->slot_bytes;
+    l->arena_bytes = (uint64_t)d->lane_blocks * d->slot_bytes;
+    if (posix_memalign((void **)&l->arena, KVHI_DISK_ALIGN, l->arena_bytes) != 0) {
+        free(l);
+        return NULL;
+    }
+    memset(l->arena, 0, l->arena_bytes);
+    if (io_uring_queue_init(d->queue_depth, &l->ring, 0) == 0) {
+        struct iovec iov = {.iov_base = l->arena, .iov_len = l->arena_bytes};
+        if (io_uring_register_buffers(&l->ring, &iov, 1) == 0)
+            l->has_ring = true;
+        else
+            io_uring_queue_exit(&l->ring);
+    }
+    if (!l->has_ring && !d->warning[0])
+        snprintf(d->warning, sizeof(d->warning), "disk tier: io_uring unavailable; using pread/pwrite");
+    return l;
+}
+
+kvhi_disk_lane *kvhi_disk_lane_get(kvhi_disk *d)
+{
+    pthread_mutex_lock(&d->lane_lock);
+    for (;;) {
+        for (uint32_t i = 0; i < d->n_lanes; i++)
+            if (!d->lanes[i]->busy) {
+                d->lanes[i]->busy = true;
+                pthread_mutex_unlock(&d->lane_lock);
+                return d->lanes[i];
+            }
+        if (d->n_lanes < d->max_lanes) {
+            kvhi_disk_lane *l = lane_create(d);
+            if (l) {
+                l->busy = true;
+                d->lanes[d->n_lanes++] = l;
+                pthread_mutex_unlock(&d->lane_lock);
+                return l;
+            }
+            if (d->n_lanes == 0) {
+                pthread_mutex_unlock(&d->lane_lock);
+                return NULL;
+            }
+        }
+        pthread_cond_wait(&d->lane_free, &d->lane_lock);
+    }
+}
+
+void kvhi_disk_lane_put(kvhi_disk *d, kvhi_disk_lane *lane)
+{
+    pthread_mutex_lock(&d->lane_lock);
+    lane->busy = false;
+    pthread_cond_signal(&d->lane_free);
+    pthread_mutex_unlock(&d->lane_lock);
+}
+
+uint8_t *kvhi_disk_lane_slot(kvhi_disk_lane *lane, uint32_t i) { return lane->arena + (uint64_t)i * lane->slot_bytes; }
+
+/* One contiguous run: n_slots neighbouring slots of one slab file, staged
+ * at neighbouring arena positions, moved by one system call. */
+typedef struct io_run {
+    uint32_t first; /* batch index of the run's first block */
+    uint32_t count;
+    int fd;
+    uint64_t offset;
+    uint64_t done; /* bytes transferred so far */
+} io_run;
+
+static uint32_t make_runs(const kvhi_disk *d, uint32_t n, const uint32_t *slots, io_run *runs)
+{
+    uint32_t nr = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        if (nr && slots[i] == slots[i - 1] + 1 && slots[i] / d->slots_per_slab == slots[i - 1] / d->slots_per_slab) {
+            runs[nr - 1].count++;
+            continue;
+        }
+        runs[nr++] = (io_run){.first = i, .count = 1, .fd = slab_fd(d, slots[i]),
+                              .offset = kvhi_disk_slot_offset(d, slots[i])};
+    }
+    return nr;
+}
+
+/* Moves every run; a run's error lands in results[] of its blocks. */
+static void do_runs(kvhi_disk *d, kvhi_disk_lane *l, io_run *runs, uint32_t nr, bool write, int *results)
+{
+    uint64_t sb = d->slot_bytes;
+    int *run_err = calloc(nr ? nr : 1, sizeof(int));
+    if (!run_err) {
+        for (uint32_t r = 0; r < nr; r++)
+            for (uint32_t k = 0; k < runs[r].count; k++)
+                results[runs[r].first + k] = -ENOMEM;
+        return;
+    }
+    uint32_t pending = 0;
+    for (uint32_t r = 0; r < nr; r++) {
+        int inj = kvhi_disk_fault(write ? KVHI_OP_WRITE : KVHI_OP_READ);
+        if (inj) {
+            run_err[r] = inj < 0 ? inj : -EIO;
+            runs[r].done = (uint64_t)runs[r].count * sb;
+        }
+    }
+    if (l->has_ring) {
+        /* Submit every unfinished run, reap, resubmit short transfers. */
+        for (;;) {
+            pending = 0;
+            for (uint32_t r = 0; r < nr; r++) {
+                uint64_t total = (uint64_t)runs[r].count * sb;
+                if (run_err[r] || runs[r].done >= total)
+                    continue;
+                struct io_uring_sqe *sqe = io_uring_get_sqe(&l->ring);
+                if (!sqe) {
+                    io_uring_submit(&l->ring);
+                    sqe = io_uring_get_sqe(&l->ring);
+                    if (!sqe)
+                        break;
+                }
+                uint8_t *buf = kvhi_disk_lane_slot(l, runs[r].first) + runs[r].done;
+                unsigned len = (unsigned)(total - runs[r].done);
+                if (write)
+                    io_uring_prep_write_fixed(sqe, runs[r].fd, buf, len, runs[r].offset + runs[r].done, 0);
+                else
+                    io_uring_prep_read_fixed(sqe, runs[r].fd, buf, len, runs[r].offset + runs[r].done, 0);
+                io_uring_sqe_set_data64(sqe, r);
+                pending++;
+            }
+            if (!pending)
+                break;
+            io_uring_submit(&l->ring);
+            for (uint32_t k = 0; k < pending; k++) {
+                struct io_uring_cqe *cqe;
+                int rc = io_uring_wait_cqe(&l->ring, &cqe);
+                if (rc < 0) {
+                    for (uint32_t r = 0; r < nr; r++)
+                        if (!run_err[r])
+                            run_err[r] = rc;
+                    break;
+                }
+                uint32_t r = (uint32_t)io_uring_cqe_get_data64(cqe);
+                if (cqe->res < 0)
+                    run_err[r] = cqe->res;
+                else if (cqe->res == 0)
+                    run_err[r] = write ? -ENOSPC : -ENODATA; /* end of file: truncated slab */
+                else
+                    runs[r].done += (uint64_t)cqe->res;
+                io_uring_cqe_seen(&l->ring, cqe);
+            }
+        }
+    } else {
+        for (uint32_t r = 0; r < nr; r++) {
+            uint64_t total = (uint64_t)runs[r].count * sb;
+            while (!run_err[r] && runs[r].done < total) {
+                uint8_t *buf = kvhi_disk_lane_slot(l, runs[r].first) + runs[r].done;
+                ssize_t n = write ? pwrite(runs[r].fd, buf, total - runs[r].done, (off_t)(runs[r].offset + runs[r].done))
+                                  : pread(runs[r].fd, buf, total - runs[r].done, (off_t)(runs[r].offset + runs[r].done));
+                if (n < 0 && errno == EINTR)
+                    continue;
+                if (n < 0)
+                    run_err[r] = -errno;
+                else if (n == 0)
+                    run_err[r] = write ? -ENOSPC : -ENODATA;
+                else
+                    runs[r].done += (uint64_t)n;
+            }
+        }
+    }
+    for (uint32_t r = 0; r < nr; r++)
+        for (uint32_t k = 0; k < runs[r].count; k++)
+            results[runs[r].first + k] = run_err[r];
+    free(run_err);
+}
+
+static void transfer(kvhi_disk *d, kvhi_disk_lane *l, uint32_t n, const uint32_t *slots, int *results, bool write)
+{
+    io_run stack_runs[64];
+    io_run *runs = n <= 64 ? stack_runs : malloc(sizeof(io_run) * n);
+    if (!runs) {
+        for (uint32_t i = 0; i < n; i++)
+            results[i] = -ENOMEM;
+        return;
+    }
+    if (write && d->fatal) {
+        for (uint32_t i = 0; i < n; i++)
+            results[i] = -EIO;
+    } else {
+        uint32_t nr = make_runs(d, n, slots, runs);
+        do_runs(d, l, runs, nr, write, results);
+    }
+    if (runs != stack_runs)
+        free(runs);
+}
+
+void kvhi_disk_write_staged(kvhi_disk *d, kvhi_disk_lane *lane, uint32_t n, const uint32_t *slots, int *results)
+{
+    transfer(d, lane, n, slots, results, true);
+}
+
+void kvhi_disk_read_staged(kvhi_disk *d, kvhi_disk_lane *lane, uint32_t n, const uint32_t *slots, int *results)
+{
+    transfer(d, lane, n, slots, results, false);
+}
+
+int kvhi_disk_sync_slabs(kvhi_disk *d)
+{
+    if (d->fatal)
+        return -EIO;
+    for (uint32_t i = 0; i < d->n_slabs; i++) {
+        int inj = kvhi_disk_fault(KVHI_OP_FSYNC);
+        if (inj || fdatasync(d->slab_fds[i]) != 0) {
+            /* After a failed fsync the page cache state is unknown: never
+             * retry and trust it. */
+            d->fatal = true;
+            return inj ? (inj < 0 ? inj : -EIO) : -errno;
+        }
+    }
+    return 0;
+}

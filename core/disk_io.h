@@ -1,0 +1,82 @@
+/* Disk tier files and block I/O.
+ *
+ * Slots live in preallocated slab files (slab-NNNN.kvh) under one
+ * directory. I/O goes through "lanes": each lane owns an io_uring ring and
+ * a staging arena registered with it as a fixed buffer, so a batch of
+ * neighbouring slots becomes one large O_DIRECT write or read. Where
+ * io_uring is refused the lane uses pread/pwrite, and where the filesystem
+ * refuses O_DIRECT the files are opened buffered (with a warning). */
+#ifndef KVH_CORE_DISK_IO_H
+#define KVH_CORE_DISK_IO_H
+
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "core/disk_format.h"
+
+typedef struct kvhi_disk_lane kvhi_disk_lane;
+
+/* Test-only fault hooks (see tests): called before each kind of system
+ * call; a non-zero return is used as a negative errno instead of calling. */
+enum kvhi_disk_op { KVHI_OP_WRITE, KVHI_OP_READ, KVHI_OP_FSYNC, KVHI_OP_RENAME, KVHI_OP_DIRSYNC, KVHI_OP_COUNT };
+typedef int (*kvhi_disk_fault_fn)(enum kvhi_disk_op op, void *user);
+
+typedef struct kvhi_disk {
+    char *path;
+    int dir_fd;
+    int lock_fd;
+    uint64_t store_id;
+    kvhi_disk_geometry geo;
+    uint64_t block_bytes;
+    uint64_t slot_bytes; /* header + data padded to the alignment */
+    uint32_t n_slots;
+    uint32_t slots_per_slab;
+    uint32_t n_slabs;
+    int *slab_fds;
+    bool direct;
+    bool fatal; /* an fsync failed: nothing written since is trusted */
+    uint32_t queue_depth;
+    uint32_t lane_blocks; /* blocks one lane can stage at once */
+
+    pthread_mutex_t lane_lock;
+    pthread_cond_t lane_free;
+    kvhi_disk_lane **lanes;
+    uint32_t n_lanes, max_lanes;
+
+    char warning[256]; /* set at open when O_DIRECT or io_uring is missing */
+
+    /* index: snapshot + journal (disk_index.c) */
+    pthread_mutex_t journal_lock;
+    int journal_fd;
+    uint64_t next_seq;
+    uint64_t journal_records;
+    uint32_t rec_bytes;
+} kvhi_disk;
+
+/* Opens (creating) the slab files of a store with n_slots slots under an
+ * already locked directory. Returns 0 or -errno. */
+int kvhi_disk_open_slabs(kvhi_disk *d, bool allow_direct);
+void kvhi_disk_close(kvhi_disk *d);
+
+/* Takes a lane for exclusive use (waits when all are busy). */
+kvhi_disk_lane *kvhi_disk_lane_get(kvhi_disk *d);
+void kvhi_disk_lane_put(kvhi_disk *d, kvhi_disk_lane *lane);
+/* Staging memory for block i of a batch: header then data. */
+uint8_t *kvhi_disk_lane_slot(kvhi_disk_lane *lane, uint32_t i);
+
+/* Writes the n staged slots (lane_slot(lane, i) already holds header and
+ * data) to slots[i]. results[i] = 0 or -errno. */
+void kvhi_disk_write_staged(kvhi_disk *d, kvhi_disk_lane *lane, uint32_t n, const uint32_t *slots, int *results);
+/* Reads slots[i] into the lane's staging; results[i] = 0 or -errno. */
+void kvhi_disk_read_staged(kvhi_disk *d, kvhi_disk_lane *lane, uint32_t n, const uint32_t *slots, int *results);
+
+uint64_t kvhi_disk_slot_offset(const kvhi_disk *d, uint32_t slot);
+/* fdatasync every slab file; -errno on failure (the store turns fatal). */
+int kvhi_disk_sync_slabs(kvhi_disk *d);
+
+/* Fault injection for tests; NULL disables. Process-wide. */
+void kvhi_disk_set_fault_hook(kvhi_disk_fault_fn fn, void *user);
+int kvhi_disk_fault(enum kvhi_disk_op op);
+
+#endif

@@ -1,0 +1,521 @@
+/* The disk tier inside the engine: opening and locking a store, recovery
+ * of its index into cached blocks, transfers to and from disk with
+ * verification, clean copies and persistence. */
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "core/crc32c.h"
+#include "core/disk_index.h"
+#include "core/engine.h"
+
+static kvh_status lock_store(kvhi_disk *d)
+{
+    d->lock_fd = openat(d->dir_fd, "LOCK", O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (d->lock_fd < 0)
+        return kvhi_fail(KVH_ERR_IO, "cannot create %s/LOCK: %s", d->path, strerror(errno));
+    if (flock(d->lock_fd, LOCK_EX | LOCK_NB) != 0) {
+        char pid[32] = "";
+        ssize_t n = pread(d->lock_fd, pid, sizeof(pid) - 1, 0);
+        pid[n > 0 ? n : 0] = '\0';
+        pid[strcspn(pid, "\n")] = '\0';
+        close(d->lock_fd);
+        d->lock_fd = -1;
+        return kvhi_fail(KVH_ERR_BUSY, "store %s is open in process %s", d->path, pid[0] ? pid : "(unknown)");
+    }
+    char pid[32];
+    int len = snprintf(pid, sizeof(pid), "%ld\n", (long)getpid());
+    if (ftruncate(d->lock_fd, 0) != 0 || pwrite(d->lock_fd, pid, (size_t)len, 0) != len)
+        return kvhi_fail(KVH_ERR_IO, "cannot write %s/LOCK: %s", d->path, strerror(errno));
+    return KVH_OK;
+}
+
+static void disk_free(kvhi_disk *d)
+{
+    if (!d)
+        return;
+    kvhi_disk_close(d);
+    if (d->rec_bytes)
+        kvhi_index_close(d);
+    if (d->lock_fd >= 0)
+        close(d->lock_fd); /* releases the flock */
+    if (d->dir_fd >= 0)
+        close(d->dir_fd);
+    free(d->path);
+    free(d);
+}
+
+kvh_status kvhi_disk_tier_open(kvh_engine *e, const kvh_config *cfg, const char *path)
+{
+    kvhi_disk *d = calloc(1, sizeof(*d));
+    if (!d)
+        return kvhi_fail(KVH_ERR_NOMEM, "out of memory for the disk tier");
+    d->dir_fd = d->lock_fd = d->journal_fd = -1;
+    d->path = strdup(path);
+    e->disk = d;
+    if (!d->path)
+        return kvhi_fail(KVH_ERR_NOMEM, "out of memory for the disk tier");
+    if (mkdir(path, 0755) != 0 && errno != EEXIST)
+        return kvhi_fail(KVH_ERR_IO, "cannot create %s: %s", path, strerror(errno));
+    d->dir_fd = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (d->dir_fd < 0)
+        return kvhi_fail(KVH_ERR_IO, "cannot open %s: %s", path, strerror(errno));
+    kvh_status st = lock_store(d);
+    if (st != KVH_OK)
+        return st;
+    d->geo = (kvhi_disk_geometry){cfg->num_layers, cfg->num_kv_heads, cfg->head_dim, cfg->block_tokens,
+                                  cfg->dtype,      cfg->model_salt,   e->block_bytes};
+    d->block_bytes = e->block_bytes;
+    d->queue_depth = cfg->disk_queue_depth;
+    d->max_lanes = cfg->migration_threads + 4;
+    uint64_t slot_bytes = KVHI_SLOT_HEADER_BYTES + kvhi_round_up(e->block_bytes, KVHI_DISK_ALIGN);
+    uint64_t slots = cfg->disk_bytes / slot_bytes;
+    if (slots == 0)
+        return kvhi_fail(KVH_ERR_INVALID_ARG, "disk_bytes %llu holds no block slot of %llu bytes",
+                         (unsigned long long)cfg->disk_bytes, (unsigned long long)slot_bytes);
+    if (slots > UINT32_MAX / 2)
+        slots = UINT32_MAX / 2;
+    d->n_slots = (uint32_t)slots;
+    int rc = kvhi_disk_open_slabs(d, !(cfg->disk_flags & KVH_DISK_BUFFERED));
+    if (rc != 0)
+        return kvhi_fail(rc == -ENOSPC ? KVH_ERR_NOSPACE : KVH_ERR_IO, "cannot open slab files in %s: %s", path,
+                         strerror(-rc));
+    char msg[256];
+    int ir = kvhi_index_load(d, false, &e->disk_recovery, msg, sizeof(msg));
+    if (ir == KVHI_INDEX_MISMATCH || ir == KVHI_INDEX_CORRUPT) {
+        if (!(cfg->disk_flags & KVH_DISK_RESET_ON_MISMATCH))
+            return kvhi_fail(ir == KVHI_INDEX_MISMATCH ? KVH_ERR_MISMATCH : KVH_ERR_CORRUPT,
+                             "%s (set KVH_DISK_RESET_ON_MISMATCH to start it empty)", msg);
+        kvhi_log(e, KVH_LOG_WARN, "%s: starting an empty store", msg);
+        kvhi_index_close(d);
+        ir = kvhi_index_load(d, true, &e->disk_recovery, msg, sizeof(msg));
+    }
+    if (ir != KVHI_INDEX_OK)
+        return kvhi_fail(KVH_ERR_IO, "%s", msg);
+    if (d->warning[0])
+        kvhi_log(e, KVH_LOG_WARN, "%s", d->warning);
+    kvhi_tier *t = &e->tiers[KVH_TIER_DISK];
+    if (kvhi_slot_pool_init(&t->slots, d->n_slots) != 0)
+        return kvhi_fail(KVH_ERR_NOMEM, "out of memory for disk slot lists");
+    t->present = true;
+    return KVH_OK;
+}
+
+/* Turns the recovered index entries into cached, unreferenced blocks on
+ * disk (called once the block table exists). */
+kvh_status kvhi_disk_tier_recover(kvh_engine *e)
+{
+    kvhi_index_list *l = &e->disk_recovery;
+    kvhi_tier *t = &e->tiers[KVH_TIER_DISK];
+    uint32_t bt = e->cfg.block_tokens;
+    uint8_t *used = calloc(t->slots.capacity ? t->slots.capacity : 1, 1);
+    if (!used)
+        return kvhi_fail(KVH_ERR_NOMEM, "out of memory recovering the disk index");
+    e->stats.corrupt_blocks += l->bad_records;
+    for (size_t i = 0; i < l->n; i++) {
+        kvhi_index_entry *ent = &l->items[i];
+        if (ent->slot >= t->slots.capacity || used[ent->slot] || ent->n_tokens != bt ||
+            kvhi_prefix_find(&e->prefix, ent->hash) != KVHI_PREFIX_MISS || e->block_free_top == 0) {
+            /* A duplicate or unusable record: forget it. */
+            kvhi_index_append(e->disk, KVHI_REC_DEL, ent->slot, ent->hash, ent->parent, ent->n_tokens,
+                              ent->data_crc, ent->tokens);
+            continue;
+        }
+        used[ent->slot] = 1;
+        uint32_t b = e->block_free[--e->block_free_top];
+        kvhi_block *blk = &e->blocks[b];
+        uint32_t gen = blk->gen;
+        memset(blk, 0, sizeof(*blk));
+        blk->gen = gen;
+        blk->flags = KVHI_BF_LIVE | KVHI_BF_HASHED | KVHI_BF_KV_COMPLETE | KVHI_BF_JOURNALED | KVHI_BF_DISK_HASHED;
+        blk->heap_pos = blk->quota_heap_pos = KVHI_HEAP_NONE;
+        blk->tier = KVH_TIER_DISK;
+        blk->slot = ent->slot;
+        blk->disk_copy = KVHI_NO_BLOCK;
+        blk->n_tokens = (uint16_t)bt;
+        blk->hash = ent->hash;
+        blk->parent_hash = ent->parent;
+        blk->data_crc = ent->data_crc;
+        memcpy(kvhi_block_tokens(e, b), ent->tokens, sizeof(int32_t) * bt);
+        kvhi_block_try_publish(e, b);
+        kvhi_block_update_evictable(e, b);
+        e->stats.blocks_allocated++;
+    }
+    /* Rebuild the free list without the recovered slots, lowest first. */
+    kvhi_slot_pool *p = &t->slots;
+    p->free_count = 0;
+    for (uint32_t s = p->capacity; s-- > 0;)
+        if (!used[s])
+            p->free_stack[p->free_count++] = s;
+    free(used);
+    kvhi_index_list_free(l);
+    return KVH_OK;
+}
+
+/* Every block whose index record names a disk slot, for a snapshot. */
+static kvh_status snapshot(kvh_engine *e)
+{
+    uint32_t bt = e->cfg.block_tokens;
+    size_t n = 0;
+    for (uint32_t b = 0; b < e->block_cap; b++)
+        n += (e->blocks[b].flags & (KVHI_BF_LIVE | KVHI_BF_JOURNALED)) == (KVHI_BF_LIVE | KVHI_BF_JOURNALED);
+    kvhi_index_entry *ents = calloc(n ? n : 1, sizeof(*ents));
+    if (!ents)
+        return kvhi_fail(KVH_ERR_NOMEM, "out of memory writing the disk index");
+    size_t k = 0;
+    for (uint32_t b = 0; b < e->block_cap; b++) {
+        kvhi_block *blk = &e->blocks[b];
+        if ((blk->flags & (KVHI_BF_LIVE | KVHI_BF_JOURNALED)) != (KVHI_BF_LIVE | KVHI_BF_JOURNALED))
+            continue;
+        ents[k++] = (kvhi_index_entry){.slot = blk->tier == KVH_TIER_DISK ? blk->slot : blk->disk_copy,
+                                       .hash = blk->hash,
+                                       .parent = blk->parent_hash,
+                                       .n_tokens = bt,
+                                       .data_crc = blk->data_crc,
+                                       .tokens = kvhi_block_tokens(e, b)};
+    }
+    int rc = kvhi_disk_sync_slabs(e->disk);
+    if (rc == 0)
+        rc = kvhi_index_compact(e->disk, ents, k);
+    free(ents);
+    return rc == 0 ? KVH_OK : kvhi_fail(KVH_ERR_IO, "cannot write the disk index: %s", strerror(-rc));
+}
+
+kvh_status kvhi_disk_tier_close(kvh_engine *e, bool flush)
+{
+    if (!e->disk)
+        return KVH_OK;
+    kvh_status st = KVH_OK;
+    if (flush && e->disk->rec_bytes && e->tiers[KVH_TIER_DISK].present && !e->disk->fatal)
+        st = snapshot(e);
+    kvhi_index_list_free(&e->disk_recovery);
+    disk_free(e->disk);
+    e->disk = NULL;
+    return st;
+}
+
+/* ---- transfers ---- */
+
+void kvhi_xfer_prepare(kvh_engine *e, uint32_t b, uint32_t dst_tier, uint32_t dst_slot, kvhi_xfer *x)
+{
+    kvhi_block *blk = &e->blocks[b];
+    x->block = b;
+    x->src_tier = blk->tier;
+    x->src_slot = blk->slot;
+    x->dst_tier = dst_tier;
+    x->dst_slot = dst_slot;
+    /* Writes carry the hash when the block has one; reads expect what the
+     * disk copy was written with. */
+    bool hashed = dst_tier == KVH_TIER_DISK ? (blk->flags & KVHI_BF_HASHED) != 0
+                                            : (blk->flags & KVHI_BF_DISK_HASHED) != 0;
+    x->hash = hashed ? blk->hash : 0;
+    x->parent = hashed ? blk->parent_hash : 0;
+    x->n_tokens = blk->n_tokens;
+    x->data_crc = blk->data_crc;
+    memcpy(x->tokens, kvhi_block_tokens(e, b), sizeof(int32_t) * blk->n_tokens);
+    x->err = 0;
+    x->why = NULL;
+}
+
+static void stage_write(kvh_engine *e, kvhi_xfer *x, uint8_t *staged)
+{
+    kvhi_disk *d = e->disk;
+    uint8_t *data = staged + KVHI_SLOT_HEADER_BYTES;
+    kvhi_copy_bytes(e, KVH_TIER_HOST, data, x->src_tier, kvhi_slot_addr(e, x->src_tier, x->src_slot),
+                    e->block_bytes);
+    x->data_crc = kvhi_crc32c(0, data, e->block_bytes);
+    kvhi_slot_meta m = {.store_id = d->store_id, .slot = x->dst_slot, .offset = kvhi_disk_slot_offset(d, x->dst_slot),
+                        .hash = x->hash, .parent = x->parent, .n_tokens = x->n_tokens, .data_crc = x->data_crc,
+                        .tokens = x->tokens};
+    kvhi_slot_header_encode(staged, &m, e->block_bytes);
+}
+
+static void finish_read(kvh_engine *e, kvhi_xfer *x, const uint8_t *staged)
+{
+    kvhi_disk *d = e->disk;
+    if (kvhi_slot_verify(staged, staged + KVHI_SLOT_HEADER_BYTES, e->block_bytes, d->store_id, x->src_slot,
+                         kvhi_disk_slot_offset(d, x->src_slot), x->hash, e->cfg.block_tokens, NULL, &x->why) != 0) {
+        x->err = 1;
+        return;
+    }
+    if (x->dst_tier == KVHI_NO_TIER)
+        return; /* verification only */
+    if (kvhi_copy_bytes(e, x->dst_tier, kvhi_slot_addr(e, x->dst_tier, x->dst_slot), KVH_TIER_HOST,
+                        staged + KVHI_SLOT_HEADER_BYTES, e->block_bytes) != 0)
+        x->err = -EIO;
+}
+
+void kvhi_xfer_batch(kvh_engine *e, kvhi_xfer *xs, uint32_t n)
+{
+    kvhi_disk *d = e->disk;
+    for (uint32_t done = 0; done < n;) {
+        kvhi_disk_lane *lane = kvhi_disk_lane_get(d);
+        if (!lane) {
+            for (; done < n; done++)
+                xs[done].err = -ENOMEM;
+            return;
+        }
+        uint32_t k = n - done < d->lane_blocks ? n - done : d->lane_blocks;
+        uint32_t slots[64];
+        int res[64];
+        if (k > 64)
+            k = 64;
+        bool write = xs[done].dst_tier == KVH_TIER_DISK; /* else a read (or a verify) */
+        for (uint32_t i = 0; i < k; i++) {
+            kvhi_xfer *x = &xs[done + i];
+            slots[i] = write ? x->dst_slot : x->src_slot;
+            if (write)
+                stage_write(e, x, kvhi_disk_lane_slot(lane, i));
+        }
+        if (write)
+            kvhi_disk_write_staged(d, lane, k, slots, res);
+        else
+            kvhi_disk_read_staged(d, lane, k, slots, res);
+        for (uint32_t i = 0; i < k; i++) {
+            kvhi_xfer *x = &xs[done + i];
+            x->err = res[i];
+            if (!write && res[i] == 0)
+                finish_read(e, x, kvhi_disk_lane_slot(lane, i));
+        }
+        kvhi_disk_lane_put(d, lane);
+        done += k;
+    }
+}
+
+void kvhi_xfer_run(kvh_engine *e, kvhi_xfer *x)
+{
+    if (x->src_tier != KVH_TIER_DISK && x->dst_tier != KVH_TIER_DISK) {
+        x->err = kvhi_copy_bytes(e, x->dst_tier, kvhi_slot_addr(e, x->dst_tier, x->dst_slot), x->src_tier,
+                                 kvhi_slot_addr(e, x->src_tier, x->src_slot), e->block_bytes) == 0
+                     ? 0
+                     : -EIO;
+        return;
+    }
+    kvhi_xfer_batch(e, x, 1);
+}
+
+static bool immutable(const kvhi_block *blk)
+{
+    return (blk->flags & (KVHI_BF_HASHED | KVHI_BF_KV_COMPLETE)) == (KVHI_BF_HASHED | KVHI_BF_KV_COMPLETE);
+}
+
+static void journal_add(kvh_engine *e, uint32_t b, uint32_t slot)
+{
+    kvhi_block *blk = &e->blocks[b];
+    if (kvhi_index_append(e->disk, KVHI_REC_ADD, slot, blk->hash, blk->parent_hash, blk->n_tokens, blk->data_crc,
+                          kvhi_block_tokens(e, b)) == 0)
+        blk->flags |= KVHI_BF_JOURNALED;
+}
+
+void kvhi_disk_after_move(kvh_engine *e, uint32_t b, const kvhi_xfer *x, bool *keep_src_slot)
+{
+    kvhi_block *blk = &e->blocks[b];
+    *keep_src_slot = false;
+    if (x->dst_tier == KVH_TIER_DISK) {
+        blk->data_crc = x->data_crc;
+        if (x->hash)
+            blk->flags |= KVHI_BF_DISK_HASHED;
+        else
+            blk->flags &= (uint16_t)~KVHI_BF_DISK_HASHED;
+        if (immutable(blk) && (blk->flags & KVHI_BF_PUBLISHED))
+            journal_add(e, b, x->dst_slot);
+    } else if (x->src_tier == KVH_TIER_DISK) {
+        if (immutable(blk) && (blk->flags & KVHI_BF_JOURNALED)) {
+            /* The disk data stays valid: keep it as a clean copy so the
+             * next demotion costs no write and the record stays true. */
+            blk->disk_copy = x->src_slot;
+            blk->flags |= KVHI_BF_DISK_COPY;
+            *keep_src_slot = true;
+        } else if (blk->flags & KVHI_BF_JOURNALED) {
+            kvhi_index_append(e->disk, KVHI_REC_DEL, x->src_slot, blk->hash, blk->parent_hash, blk->n_tokens,
+                              blk->data_crc, kvhi_block_tokens(e, b));
+            blk->flags &= (uint16_t)~KVHI_BF_JOURNALED;
+        }
+    }
+}
+
+void kvhi_disk_forget(kvh_engine *e, uint32_t b)
+{
+    kvhi_block *blk = &e->blocks[b];
+    if (!e->disk)
+        return;
+    uint32_t slot = blk->tier == KVH_TIER_DISK ? blk->slot : blk->disk_copy;
+    if (blk->flags & KVHI_BF_JOURNALED) {
+        kvhi_index_append(e->disk, KVHI_REC_DEL, slot, blk->hash, blk->parent_hash, blk->n_tokens, blk->data_crc,
+                          kvhi_block_tokens(e, b));
+        blk->flags &= (uint16_t)~KVHI_BF_JOURNALED;
+    }
+    if (blk->flags & KVHI_BF_DISK_COPY) {
+        kvhi_release_slot(e, KVH_TIER_DISK, blk->disk_copy);
+        blk->flags &= (uint16_t)~KVHI_BF_DISK_COPY;
+        blk->disk_copy = KVHI_NO_BLOCK;
+    }
+}
+
+void kvhi_disk_verify(kvh_engine *e, const uint32_t *blocks, size_t n)
+{
+    kvhi_xfer *xs = malloc(sizeof(kvhi_xfer) * 64);
+    if (!xs)
+        return;
+    for (size_t i = 0; i < n;) {
+        uint32_t k = 0;
+        for (; i < n && k < 64; i++) {
+            kvhi_block *blk = &e->blocks[blocks[i]];
+            if (blk->tier != KVH_TIER_DISK || (blk->flags & (KVHI_BF_BUSY | KVHI_BF_CORRUPT)))
+                continue;
+            blk->flags |= KVHI_BF_WRITING; /* stable: nothing moves or frees it */
+            kvhi_block_update_evictable(e, blocks[i]);
+            kvhi_xfer_prepare(e, blocks[i], KVHI_NO_TIER, 0, &xs[k]);
+            xs[k].src_tier = KVH_TIER_DISK;
+            k++;
+        }
+        if (!k)
+            continue;
+        pthread_mutex_unlock(&e->lock);
+        kvhi_xfer_batch(e, xs, k);
+        pthread_mutex_lock(&e->lock);
+        for (uint32_t j = 0; j < k; j++) {
+            uint32_t b = xs[j].block;
+            kvhi_block *blk = &e->blocks[b];
+            blk->flags &= (uint16_t)~KVHI_BF_WRITING;
+            if (xs[j].err == 1)
+                kvhi_mark_corrupt(e, b, xs[j].why);
+            else if (xs[j].err != 0)
+                blk->flags |= KVHI_BF_CORRUPT; /* unreadable: a miss as well */
+            if (blk->flags & KVHI_BF_DEAD)
+                kvhi_block_free_now(e, b);
+            else
+                kvhi_block_update_evictable(e, b);
+        }
+        pthread_cond_broadcast(&e->changed);
+    }
+    free(xs);
+}
+
+kvh_status kvhi_block_ensure_memory(kvh_engine *e, uint32_t b)
+{
+    kvhi_block *blk = &e->blocks[b];
+    while (blk->tier == KVH_TIER_DISK) {
+        if (blk->flags & KVHI_BF_CORRUPT)
+            return kvhi_fail(KVH_ERR_CORRUPT, "block data on disk failed verification");
+        if (blk->flags & KVHI_BF_BUSY) {
+            kvhi_block_wait_idle(e, b);
+            continue;
+        }
+        uint32_t to = e->tiers[KVH_TIER_HOST].present ? KVH_TIER_HOST : KVH_TIER_DEVICE;
+        kvh_status st = kvhi_move_block(e, b, to, blk->agent);
+        if (st != KVH_OK)
+            return st;
+    }
+    return KVH_OK;
+}
+
+/* ---- persistence ---- */
+
+kvh_status kvhi_disk_persist(kvh_engine *e, kvhi_seq *s)
+{
+    if (!e->disk)
+        return kvhi_fail(KVH_ERR_UNSUPPORTED, "the engine has no disk tier (set disk_path and disk_bytes)");
+    uint32_t bt = e->cfg.block_tokens;
+    uint32_t n_full = (uint32_t)(s->n_tokens / bt);
+    uint32_t *todo = malloc(sizeof(uint32_t) * (n_full ? n_full : 1));
+    kvhi_xfer *xs = malloc(sizeof(kvhi_xfer) * 64);
+    if (!todo || !xs) {
+        free(todo);
+        free(xs);
+        return kvhi_fail(KVH_ERR_NOMEM, "out of memory for persist");
+    }
+    kvh_status st = KVH_OK;
+    uint32_t n_todo = 0;
+    /* Choose, for each full block, the published block of that prefix and
+     * keep it from moving or vanishing while its copy is written. */
+    for (uint32_t i = 0; i < n_full && st == KVH_OK; i++) {
+        uint32_t b = s->blocks[i];
+        kvhi_block *blk = &e->blocks[b];
+        if (!(blk->flags & KVHI_BF_KV_COMPLETE)) {
+            st = kvhi_fail(KVH_ERR_INVALID_ARG, "block %u of the sequence has KV that was never written", i);
+            break;
+        }
+        kvhi_block_try_publish(e, b);
+        if (!(blk->flags & KVHI_BF_PUBLISHED)) {
+            uint32_t twin = kvhi_prefix_find(&e->prefix, blk->hash);
+            if (twin != KVHI_PREFIX_MISS)
+                b = twin;
+        }
+        e->blocks[b].refs++;
+        kvhi_block_hold(e, b);
+        todo[n_todo++] = b;
+    }
+    for (uint32_t i = 0; i < n_todo && st == KVH_OK;) {
+        uint32_t n = 0;
+        while (i < n_todo && n < 64) {
+            uint32_t b = todo[i++];
+            kvhi_block *blk = &e->blocks[b];
+            kvhi_block_wait_idle(e, b);
+            if (blk->flags & KVHI_BF_JOURNALED)
+                continue;
+            if (blk->tier == KVH_TIER_DISK && (blk->flags & KVHI_BF_DISK_HASHED)) {
+                journal_add(e, b, blk->slot);
+                continue;
+            }
+            /* Spilled before it had its hash: rewrite it with one. */
+            if ((st = kvhi_block_ensure_memory(e, b)) != KVH_OK)
+                break;
+            uint32_t slot;
+            if ((st = kvhi_reserve_slot(e, KVH_TIER_DISK, blk->agent, &slot)) != KVH_OK)
+                break;
+            blk->flags |= KVHI_BF_WRITING;
+            kvhi_block_update_evictable(e, b);
+            kvhi_xfer_prepare(e, b, KVH_TIER_DISK, slot, &xs[n++]);
+        }
+        if (n) {
+            pthread_mutex_unlock(&e->lock);
+            kvhi_xfer_batch(e, xs, n);
+            pthread_mutex_lock(&e->lock);
+        }
+        for (uint32_t k = 0; k < n; k++) {
+            kvhi_xfer *x = &xs[k];
+            kvhi_block *blk = &e->blocks[x->block];
+            blk->flags &= (uint16_t)~KVHI_BF_WRITING;
+            if (x->err != 0) {
+                kvhi_release_slot(e, KVH_TIER_DISK, x->dst_slot);
+                if (st == KVH_OK)
+                    st = kvhi_fail(x->err == -ENOSPC ? KVH_ERR_NOSPACE : KVH_ERR_IO, "writing a block to disk: %s",
+                                   strerror(-x->err));
+            } else {
+                blk->data_crc = x->data_crc;
+                blk->disk_copy = x->dst_slot;
+                blk->flags |= KVHI_BF_DISK_COPY | KVHI_BF_DISK_HASHED;
+                journal_add(e, x->block, x->dst_slot);
+            }
+            if (blk->flags & KVHI_BF_DEAD)
+                kvhi_block_free_now(e, x->block);
+            else
+                kvhi_block_update_evictable(e, x->block);
+        }
+        pthread_cond_broadcast(&e->changed);
+    }
+    if (st == KVH_OK) {
+        /* Data first, then the records that point at it. */
+        pthread_mutex_unlock(&e->lock);
+        int rc = kvhi_disk_sync_slabs(e->disk);
+        if (rc == 0)
+            rc = kvhi_index_sync(e->disk);
+        pthread_mutex_lock(&e->lock);
+        if (rc != 0)
+            st = kvhi_fail(KVH_ERR_IO, "fsync of the disk tier failed (%s); the store accepts no more writes",
+                           strerror(-rc));
+    }
+    for (uint32_t i = 0; i < n_todo; i++) {
+        kvhi_block_unhold(e, todo[i]);
+        kvhi_block_unref(e, todo[i]);
+    }
+    free(todo);
+    free(xs);
+    return st;
+}
