@@ -20,6 +20,9 @@ enum kvhi_copy_kind {
     KVHI_COPY_DEVICE_TO_DEVICE = 3
 };
 
+struct kvhi_attn_plan;
+struct kvhi_attn_plan_opts;
+
 typedef struct kvhi_backend_ops {
     uint32_t abi_version;
     const char *name; /* "cpu" or "cuda" */
@@ -48,6 +51,41 @@ typedef struct kvhi_backend_ops {
     int (*copy_2d)(void *ctx, void *dst, size_t dst_pitch, const void *src,
                    size_t src_pitch, size_t width, size_t height,
                    enum kvhi_copy_kind kind, char *msg, size_t msg_len);
+
+    /* ---- paged attention (kernels/attention_plan.h) ----
+     * Appended; a backend without kernels leaves them NULL and the
+     * attention calls answer KVH_ERR_UNSUPPORTED.
+     *
+     * attention_plan_opts: the work split this backend wants (queries per
+     * work unit, how many units to aim for, smallest split-K chunk);
+     * `threads` is kvh_attention_params.threads. Called under the engine
+     * lock: must not block.
+     *
+     * attention_run: runs a plan built on the CPU (libkvh owns *plan; the
+     * backend copies what it needs before returning). q and out are host
+     * memory on the CPU backend, device memory on CUDA; stream is the
+     * caller's cudaStream_t (NULL = legacy default stream). Returns 0 when
+     * the work is done or queued: done(done_arg) is then called exactly
+     * once, after every kernel of the call has finished (the CPU backend
+     * calls it before returning; CUDA from a host callback queued on the
+     * stream after the kernels). Returns a negative kvh_status with msg
+     * filled when nothing of the call is pending; done is then never
+     * called. Called without the engine lock; done takes it.
+     *
+     * Consequence for every backend call: never call a device-wide
+     * synchronizing CUDA function (cudaFree, cudaFreeHost,
+     * cudaDeviceSynchronize, ...) while holding an engine lock, since a
+     * pending done callback may be waiting for that lock.
+     *
+     * stream_sync: waits for everything queued on stream (tests and
+     * benchmarks; 0 or -1 with msg). */
+    void (*attention_plan_opts)(void *ctx, uint32_t threads,
+                                struct kvhi_attn_plan_opts *opts);
+    int (*attention_run)(void *ctx, const struct kvhi_attn_plan *plan,
+                         const void *q, void *out, void *stream,
+                         void (*done)(void *done_arg), void *done_arg,
+                         char *msg, size_t msg_len);
+    int (*stream_sync)(void *ctx, void *stream, char *msg, size_t msg_len);
 } kvhi_backend_ops;
 
 typedef const kvhi_backend_ops *(*kvhi_backend_entry_fn)(void);

@@ -214,6 +214,8 @@ static void engine_free(kvh_engine *e)
     free(e->block_free);
     free(e->tokens);
     kvhi_prefix_destroy(&e->prefix);
+    if (e->attn_state_free)
+        e->attn_state_free(e->attn_state);
     kvhi_disk_tier_close(e, false);
     if (e->backend && e->backend_ctx)
         e->backend->context_destroy(e->backend_ctx);

@@ -159,6 +159,12 @@ struct kvh_engine {
     char pending_log[4][256];
     int pending_log_level[4];
     uint32_t n_pending_log;
+
+    /* Attention state (kernels/: the CPU thread pool and scratch), made
+     * lazily under the lock; engine_free calls attn_state_free(attn_state)
+     * once no call is active. */
+    void *attn_state;
+    void (*attn_state_free)(void *state);
 };
 
 /* ---- errors and logging (status.c) ---- */
@@ -306,6 +312,9 @@ void kvhi_disk_after_move(kvh_engine *e, uint32_t b, const kvhi_xfer *x,
                           bool *keep_src_slot);
 /* Forgets b's disk record (DEL record) and clean copy, if any. */
 void kvhi_disk_forget(kvh_engine *e, uint32_t b);
+int kvhi_move_begin(kvh_engine *e, uint32_t b, uint32_t tier, kvhi_xfer *x,
+                    bool keep_src_for_caller);
+kvh_status kvhi_move_end(kvh_engine *e, kvhi_xfer *x, uint32_t *src_slot_out);
 /* Brings a block on disk into a memory tier (lock may drop). */
 kvh_status kvhi_block_ensure_memory(kvh_engine *e, uint32_t b);
 kvh_status kvhi_disk_persist(kvh_engine *e, kvhi_seq *s);

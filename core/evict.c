@@ -230,46 +230,61 @@ kvh_status kvhi_mark_corrupt(kvh_engine *e, uint32_t b, const char *why)
     return kvhi_fail(KVH_ERR_CORRUPT, "block data on disk failed verification: %s", why ? why : "unreadable");
 }
 
-/* Moves b to `tier`. When src_slot_out is set, b's old slot is handed to
- * the caller instead of being freed. */
-static kvh_status move_block(kvh_engine *e, uint32_t b, uint32_t tier, uint32_t *src_slot_out)
+/* First half of a move: reserves the destination and marks b in flight.
+ * Returns 0 with x prepared (run the transfer without the lock, then call
+ * kvhi_move_end), 1 when nothing is left to transfer, or a negative
+ * status with b unchanged. */
+int kvhi_move_begin(kvh_engine *e, uint32_t b, uint32_t tier, kvhi_xfer *x, bool keep_src_for_caller)
 {
     kvhi_block *blk = &e->blocks[b];
     if (blk->tier == tier)
-        return KVH_OK;
+        return 1;
     if (blk->flags & KVHI_BF_CORRUPT)
         return kvhi_fail(KVH_ERR_CORRUPT, "block data on disk failed verification");
-    if (tier == KVH_TIER_DISK && (blk->flags & KVHI_BF_DISK_COPY))
-        return demote_to_copy(e, b, src_slot_out);
-    uint32_t src_tier = blk->tier, src_slot = blk->slot;
+    if (tier == KVH_TIER_DISK && (blk->flags & KVHI_BF_DISK_COPY)) {
+        demote_to_copy(e, b, NULL);
+        return 1;
+    }
+    uint32_t src_tier = blk->tier;
     blk->flags |= KVHI_BF_IN_FLIGHT;
     kvhi_block_update_evictable(e, b);
     uint32_t dslot;
     kvh_status st = kvhi_reserve_slot(e, tier, blk->agent, &dslot);
-    kvhi_xfer x;
     if (st == KVH_OK) {
-        kvhi_xfer_prepare(e, b, tier, dslot, &x);
-        pthread_mutex_unlock(&e->lock);
-        kvhi_xfer_run(e, &x);
-        pthread_mutex_lock(&e->lock);
+        kvhi_xfer_prepare(e, b, tier, dslot, x);
+        return 0;
     }
     blk->flags &= (uint16_t)~KVHI_BF_IN_FLIGHT;
     pthread_cond_broadcast(&e->changed);
-    if (st == KVH_OK && x.err != 0) {
-        kvhi_release_slot(e, tier, dslot);
-        if (x.err == 1)
-            st = kvhi_mark_corrupt(e, b, x.why);
-        else
-            st = kvhi_fail(x.err == -ENOSPC ? KVH_ERR_NOSPACE : KVH_ERR_IO, "moving a block between tiers: %s",
-                           strerror(-x.err));
-    }
-    if (st == KVH_ERR_NOSPACE && tier < src_tier && !src_slot_out && !(blk->flags & KVHI_BF_DEAD)) {
+    if (st == KVH_ERR_NOSPACE && tier < src_tier && !keep_src_for_caller && !(blk->flags & KVHI_BF_DEAD)) {
         blk->flags |= KVHI_BF_IN_FLIGHT;
         st = swap_up(e, b, tier);
         blk->flags &= (uint16_t)~KVHI_BF_IN_FLIGHT;
         pthread_cond_broadcast(&e->changed);
     }
-    if (st != KVH_OK || blk->tier == tier) {
+    if ((blk->flags & KVHI_BF_DEAD) || ((blk->flags & KVHI_BF_CORRUPT) && blk->refs == 0))
+        kvhi_block_free_now(e, b);
+    else
+        kvhi_block_update_evictable(e, b);
+    return st == KVH_OK ? 1 : st;
+}
+
+/* Second half: commits a finished transfer (or undoes a failed one). */
+kvh_status kvhi_move_end(kvh_engine *e, kvhi_xfer *x, uint32_t *src_slot_out)
+{
+    uint32_t b = x->block;
+    kvhi_block *blk = &e->blocks[b];
+    uint32_t src_tier = x->src_tier, src_slot = x->src_slot, tier = x->dst_tier;
+    blk->flags &= (uint16_t)~KVHI_BF_IN_FLIGHT;
+    pthread_cond_broadcast(&e->changed);
+    if (x->err != 0) {
+        kvh_status st;
+        kvhi_release_slot(e, tier, x->dst_slot);
+        if (x->err == 1)
+            st = kvhi_mark_corrupt(e, b, x->why);
+        else
+            st = kvhi_fail(x->err == -ENOSPC ? KVH_ERR_NOSPACE : KVH_ERR_IO, "moving a block between tiers: %s",
+                           strerror(-x->err));
         if ((blk->flags & KVHI_BF_DEAD) || ((blk->flags & KVHI_BF_CORRUPT) && blk->refs == 0))
             kvhi_block_free_now(e, b);
         else
@@ -280,11 +295,11 @@ static kvh_status move_block(kvh_engine *e, uint32_t b, uint32_t tier, uint32_t 
         e->stats.prefetch_wasted++;
         blk->flags &= (uint16_t)~KVHI_BF_PREFETCHED;
     }
-    kvhi_block_place(e, b, tier, dslot);
+    kvhi_block_place(e, b, tier, x->dst_slot);
     count_move(e, src_tier, tier);
     bool keep_src = false;
     if (e->disk && (tier == KVH_TIER_DISK || src_tier == KVH_TIER_DISK))
-        kvhi_disk_after_move(e, b, &x, &keep_src);
+        kvhi_disk_after_move(e, b, x, &keep_src);
     if (keep_src)
         ; /* the old disk slot is now b's clean copy */
     else if (src_slot_out)
@@ -296,6 +311,23 @@ static kvh_status move_block(kvh_engine *e, uint32_t b, uint32_t tier, uint32_t 
     else
         kvhi_block_update_evictable(e, b);
     return KVH_OK;
+}
+
+/* Moves b to `tier`. When src_slot_out is set, b's old slot is handed to
+ * the caller instead of being freed. */
+static kvh_status move_block(kvh_engine *e, uint32_t b, uint32_t tier, uint32_t *src_slot_out)
+{
+    kvhi_block *blk = &e->blocks[b];
+    if (src_slot_out && tier == KVH_TIER_DISK && (blk->flags & KVHI_BF_DISK_COPY))
+        return demote_to_copy(e, b, src_slot_out);
+    kvhi_xfer x;
+    int rc = kvhi_move_begin(e, b, tier, &x, src_slot_out != NULL);
+    if (rc != 0)
+        return rc == 1 ? KVH_OK : rc;
+    pthread_mutex_unlock(&e->lock);
+    kvhi_xfer_run(e, &x);
+    pthread_mutex_lock(&e->lock);
+    return kvhi_move_end(e, &x, src_slot_out);
 }
 
 kvh_status kvhi_move_block(kvh_engine *e, uint32_t b, uint32_t tier, uint32_t for_agent)

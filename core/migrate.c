@@ -170,6 +170,78 @@ static kvh_status run_job(kvh_engine *e, const kvhi_job *j)
     return st;
 }
 
+/* A job that moves data to or from the disk tier right now, and so can
+ * share a batch of neighbouring writes or reads with others like it. */
+static bool batchable(kvh_engine *e, const kvhi_job *j)
+{
+    kvhi_block *blk = &e->blocks[j->block];
+    if (!e->disk || !(blk->flags & KVHI_BF_LIVE) || blk->gen != j->block_gen ||
+        (blk->flags & (KVHI_BF_BUSY | KVHI_BF_DEAD | KVHI_BF_CORRUPT)) || blk->tier == j->target_tier ||
+        blk->pins || (blk->holds && j->target_tier > blk->tier))
+        return false;
+    if (j->target_tier == KVH_TIER_DISK)
+        return !(blk->flags & KVHI_BF_DISK_COPY);
+    return blk->tier == KVH_TIER_DISK;
+}
+
+/* Runs `first` and the compatible jobs queued behind it as one batch:
+ * slots are reserved and marked under the lock, the I/O runs without it
+ * as a few large transfers, then each move is committed. */
+static void run_batch(kvh_engine *e, kvhi_job first)
+{
+    enum { MAX = 64 };
+    kvhi_job jobs[MAX];
+    kvhi_xfer *xs = malloc(sizeof(kvhi_xfer) * MAX);
+    uint32_t n = 0, limit = e->disk->lane_blocks < MAX ? e->disk->lane_blocks : MAX;
+    bool to_disk = first.target_tier == KVH_TIER_DISK;
+    jobs[n++] = first;
+    while (xs && n < limit && e->n_jobs && e->jobs[0].target_tier == first.target_tier &&
+           batchable(e, &e->jobs[0]) && ((e->jobs[0].target_tier == KVH_TIER_DISK) == to_disk)) {
+        bool dup = false;
+        for (uint32_t i = 0; i < n; i++)
+            dup |= jobs[i].block == e->jobs[0].block;
+        if (dup)
+            break;
+        jobs[n++] = job_pop(e);
+    }
+    if (!xs) {
+        for (uint32_t i = 0; i < n; i++)
+            kvhi_fence_done(e, jobs[i].fence, kvhi_fail(KVH_ERR_NOMEM, "out of memory for a batch"));
+        return;
+    }
+    uint32_t k = 0, idx[MAX];
+    for (uint32_t i = 0; i < n; i++) {
+        int rc = kvhi_move_begin(e, jobs[i].block, jobs[i].target_tier, &xs[k], false);
+        if (rc == 0) {
+            idx[k++] = i;
+            continue;
+        }
+        if (jobs[i].is_prefetch)
+            e->blocks[jobs[i].block].flags &= (uint16_t)~KVHI_BF_PREFETCHING;
+        kvhi_fence_done(e, jobs[i].fence, rc == 1 || jobs[i].is_prefetch ? KVH_OK : rc);
+    }
+    e->jobs_running += k;
+    pthread_mutex_unlock(&e->lock);
+    kvhi_xfer_batch(e, xs, k);
+    pthread_mutex_lock(&e->lock);
+    e->jobs_running -= k;
+    for (uint32_t i = 0; i < k; i++) {
+        kvhi_job *j = &jobs[idx[i]];
+        kvh_status st = kvhi_move_end(e, &xs[i], NULL);
+        if (j->is_prefetch) {
+            kvhi_block *blk = &e->blocks[j->block];
+            if (st == KVH_OK && blk->gen == j->block_gen && (blk->flags & KVHI_BF_PREFETCHING) &&
+                blk->tier == KVH_TIER_DEVICE)
+                blk->flags |= KVHI_BF_PREFETCHED;
+            if (blk->gen == j->block_gen)
+                blk->flags &= (uint16_t)~KVHI_BF_PREFETCHING;
+            st = KVH_OK;
+        }
+        kvhi_fence_done(e, j->fence, st);
+    }
+    free(xs);
+}
+
 kvh_status kvhi_enqueue(kvh_engine *e, uint32_t b, uint32_t tier, int32_t priority, bool prefetch,
                         uint32_t fence_idx)
 {
@@ -218,10 +290,14 @@ static void *worker_main(void *arg)
             continue;
         }
         kvhi_job j = job_pop(e);
-        e->jobs_running++;
-        kvh_status st = run_job(e, &j);
-        e->jobs_running--;
-        kvhi_fence_done(e, j.fence, st);
+        if (batchable(e, &j)) {
+            run_batch(e, j);
+        } else {
+            e->jobs_running++;
+            kvh_status st = run_job(e, &j);
+            e->jobs_running--;
+            kvhi_fence_done(e, j.fence, st);
+        }
         if (e->n_pending_log) {
             kvhi_unlock_and_log(e);
             pthread_mutex_lock(&e->lock);
