@@ -206,6 +206,10 @@ int kvhi_index_load(kvhi_disk *d, bool reset, kvhi_index_list *out, char *msg, s
     size_t snap_len = 0, jr_len = 0;
     int rc = reset ? -ENOENT : read_file(d->dir_fd, "index", &snap, &snap_len);
     kvhi_index_header sh;
+    if (rc == -ENOENT && d->read_only) {
+        snprintf(msg, msg_len, "%s holds no kvh store (no index file)", d->path);
+        return KVHI_INDEX_IO;
+    }
     if (rc == -ENOENT) {
         /* New (or reset) store: random id, empty snapshot, empty journal. */
         if (getrandom(&d->store_id, sizeof(d->store_id), 0) != sizeof(d->store_id))
@@ -290,10 +294,10 @@ int kvhi_index_load(kvhi_disk *d, bool reset, kvhi_index_list *out, char *msg, s
             d->journal_records++;
         }
         free(jr);
-        rc = open_journal(d, true, (off_t)good);
+        rc = d->read_only ? 0 : open_journal(d, true, (off_t)good);
     } else {
         free(jr);
-        rc = fresh_journal(d);
+        rc = d->read_only ? 0 : fresh_journal(d);
     }
     free(tk);
     free(m.at);

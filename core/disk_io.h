@@ -36,6 +36,7 @@ typedef struct kvhi_disk {
     int *slab_fds;
     bool direct;
     bool fatal; /* an fsync failed: nothing written since is trusted */
+    bool read_only; /* inspection: never create, truncate or write */
     uint32_t queue_depth;
     uint32_t lane_blocks; /* blocks one lane can stage at once */
 
