@@ -4,6 +4,7 @@
 #include <sys/mman.h>
 
 #include "core/backend.h"
+#include "kernels/cpu/attn_cpu.h"
 
 static int cpu_probe(int device, char *msg, size_t len) { return 0; }
 static void *cpu_context_create(int device, char *msg, size_t len) { return NULL; }
@@ -46,6 +47,9 @@ static int cpu_copy_2d(void *ctx, void *dst, size_t dpitch, const void *src,
     return 0;
 }
 
+/* CPU attention runs synchronously: nothing is ever left on a "stream". */
+static int cpu_stream_sync(void *ctx, void *stream, char *msg, size_t len) { return 0; }
+
 static const kvhi_backend_ops cpu_ops = {
     .abi_version = KVHI_BACKEND_ABI,
     .name = "cpu",
@@ -59,6 +63,9 @@ static const kvhi_backend_ops cpu_ops = {
     .host_free = cpu_free,
     .copy = cpu_copy,
     .copy_2d = cpu_copy_2d,
+    .attention_plan_opts = kvhi_attn_cpu_plan_opts,
+    .attention_run = kvhi_attn_cpu_run,
+    .stream_sync = cpu_stream_sync,
 };
 
 const kvhi_backend_ops *kvhi_backend_cpu(void) { return &cpu_ops; }

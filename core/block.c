@@ -126,6 +126,13 @@ void kvhi_block_place(kvh_engine *e, uint32_t b, uint32_t tier, uint32_t slot)
     blk->hits = 0;
     if (tier == KVH_TIER_DEVICE)
         agent_count(e, blk->agent, +1);
+    else if (tier == KVH_TIER_HOST) {
+        e->host_arrivals++;
+        kvhi_tier *h = &e->tiers[KVH_TIER_HOST];
+        /* Wake a worker to clean ahead when the host tier runs low. */
+        if (e->disk && e->n_workers && h->slots.free_count * 8 < h->slots.capacity)
+            pthread_cond_signal(&e->work_ready);
+    }
 }
 
 kvh_status kvhi_block_new(kvh_engine *e, uint32_t agent, uint32_t min_tier, uint32_t *out)

@@ -415,6 +415,97 @@ kvh_status kvhi_block_ensure_memory(kvh_engine *e, uint32_t b)
     return KVH_OK;
 }
 
+/* ---- clean copies ---- */
+
+/* Writes clean disk copies of idle, immutable blocks that are in memory:
+ * marks them WRITING (they stay readable and resident), writes them as one
+ * batch without the lock, then records each copy in the journal. With
+ * may_evict false only free disk slots are used. */
+static kvh_status write_copies(kvh_engine *e, const uint32_t *blocks, uint32_t n, kvhi_xfer *xs, bool may_evict)
+{
+    kvh_status st = KVH_OK;
+    uint32_t k = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        uint32_t b = blocks[i], slot;
+        kvhi_block *blk = &e->blocks[b];
+        if ((blk->flags & (KVHI_BF_BUSY | KVHI_BF_DISK_COPY | KVHI_BF_DEAD)) || blk->tier == KVH_TIER_DISK)
+            continue;
+        if (may_evict) {
+            if ((st = kvhi_reserve_slot(e, KVH_TIER_DISK, blk->agent, &slot)) != KVH_OK)
+                break;
+        } else if (kvhi_slot_pool_alloc(&e->tiers[KVH_TIER_DISK].slots, &slot) != 0) {
+            break;
+        }
+        blk->flags |= KVHI_BF_WRITING;
+        kvhi_block_update_evictable(e, b);
+        kvhi_xfer_prepare(e, b, KVH_TIER_DISK, slot, &xs[k++]);
+    }
+    if (k) {
+        pthread_mutex_unlock(&e->lock);
+        kvhi_xfer_batch(e, xs, k);
+        pthread_mutex_lock(&e->lock);
+    }
+    for (uint32_t j = 0; j < k; j++) {
+        kvhi_xfer *x = &xs[j];
+        kvhi_block *blk = &e->blocks[x->block];
+        blk->flags &= (uint16_t)~KVHI_BF_WRITING;
+        if (x->err != 0) {
+            kvhi_release_slot(e, KVH_TIER_DISK, x->dst_slot);
+            if (st == KVH_OK)
+                st = kvhi_fail(x->err == -ENOSPC ? KVH_ERR_NOSPACE : KVH_ERR_IO, "writing a block to disk: %s",
+                               strerror(-x->err));
+        } else {
+            blk->data_crc = x->data_crc;
+            blk->disk_copy = x->dst_slot;
+            blk->flags |= KVHI_BF_DISK_COPY | KVHI_BF_DISK_HASHED;
+            journal_add(e, x->block, x->dst_slot);
+        }
+        if (blk->flags & KVHI_BF_DEAD)
+            kvhi_block_free_now(e, x->block);
+        else
+            kvhi_block_update_evictable(e, x->block);
+    }
+    if (k)
+        pthread_cond_broadcast(&e->changed);
+    return st;
+}
+
+/* Background cleaning: when the host tier runs low on free slots, the
+ * coldest published blocks there get clean disk copies ahead of time, so
+ * the eviction that follows costs no write and never makes an acquire wait
+ * for one. A clock hand walks the block table; returns true if it wrote. */
+bool kvhi_disk_clean_step(kvh_engine *e)
+{
+    kvhi_tier *host = &e->tiers[KVH_TIER_HOST];
+    if (!e->disk || e->disk->fatal || !host->present || e->tiers[KVH_TIER_DISK].slots.free_count == 0)
+        return false;
+    if (host->slots.free_count * 8 >= host->slots.capacity)
+        return false;
+    if (e->clean_epoch_seen == e->host_arrivals)
+        return false; /* nothing new arrived since the last empty sweep */
+    uint32_t want = e->disk->lane_blocks < 64 ? e->disk->lane_blocks : 64, n = 0, cand[64];
+    for (uint32_t scanned = 0; scanned < e->block_cap && n < want; scanned++) {
+        uint32_t b = e->clean_hand;
+        e->clean_hand = (e->clean_hand + 1) % e->block_cap;
+        kvhi_block *blk = &e->blocks[b];
+        uint16_t need = KVHI_BF_LIVE | KVHI_BF_PUBLISHED | KVHI_BF_HASHED | KVHI_BF_KV_COMPLETE;
+        if ((blk->flags & need) == need && blk->tier == KVH_TIER_HOST &&
+            !(blk->flags & (KVHI_BF_BUSY | KVHI_BF_DISK_COPY | KVHI_BF_DEAD)) && !blk->pins)
+            cand[n++] = b;
+    }
+    if (n == 0) {
+        e->clean_epoch_seen = e->host_arrivals;
+        return false;
+    }
+    kvhi_xfer *xs = malloc(sizeof(kvhi_xfer) * n);
+    if (!xs)
+        return false;
+    write_copies(e, cand, n, xs, false);
+    free(xs);
+    kvhi_clear_error();
+    return true;
+}
+
 /* ---- persistence ---- */
 
 kvh_status kvhi_disk_persist(kvh_engine *e, kvhi_seq *s)
@@ -451,6 +542,7 @@ kvh_status kvhi_disk_persist(kvh_engine *e, kvhi_seq *s)
         kvhi_block_hold(e, b);
         todo[n_todo++] = b;
     }
+    uint32_t batch[64];
     for (uint32_t i = 0; i < n_todo && st == KVH_OK;) {
         uint32_t n = 0;
         while (i < n_todo && n < 64) {
@@ -466,39 +558,12 @@ kvh_status kvhi_disk_persist(kvh_engine *e, kvhi_seq *s)
             /* Spilled before it had its hash: rewrite it with one. */
             if ((st = kvhi_block_ensure_memory(e, b)) != KVH_OK)
                 break;
-            uint32_t slot;
-            if ((st = kvhi_reserve_slot(e, KVH_TIER_DISK, blk->agent, &slot)) != KVH_OK)
-                break;
-            blk->flags |= KVHI_BF_WRITING;
-            kvhi_block_update_evictable(e, b);
-            kvhi_xfer_prepare(e, b, KVH_TIER_DISK, slot, &xs[n++]);
+            kvhi_block_wait_idle(e, b);
+            batch[n++] = b;
         }
-        if (n) {
-            pthread_mutex_unlock(&e->lock);
-            kvhi_xfer_batch(e, xs, n);
-            pthread_mutex_lock(&e->lock);
-        }
-        for (uint32_t k = 0; k < n; k++) {
-            kvhi_xfer *x = &xs[k];
-            kvhi_block *blk = &e->blocks[x->block];
-            blk->flags &= (uint16_t)~KVHI_BF_WRITING;
-            if (x->err != 0) {
-                kvhi_release_slot(e, KVH_TIER_DISK, x->dst_slot);
-                if (st == KVH_OK)
-                    st = kvhi_fail(x->err == -ENOSPC ? KVH_ERR_NOSPACE : KVH_ERR_IO, "writing a block to disk: %s",
-                                   strerror(-x->err));
-            } else {
-                blk->data_crc = x->data_crc;
-                blk->disk_copy = x->dst_slot;
-                blk->flags |= KVHI_BF_DISK_COPY | KVHI_BF_DISK_HASHED;
-                journal_add(e, x->block, x->dst_slot);
-            }
-            if (blk->flags & KVHI_BF_DEAD)
-                kvhi_block_free_now(e, x->block);
-            else
-                kvhi_block_update_evictable(e, x->block);
-        }
-        pthread_cond_broadcast(&e->changed);
+        kvh_status wst = write_copies(e, batch, n, xs, true);
+        if (st == KVH_OK)
+            st = wst;
     }
     if (st == KVH_OK) {
         /* Data first, then the records that point at it. */

@@ -154,6 +154,9 @@ struct kvh_engine {
     kvh_stats stats;
 
     struct kvhi_disk *disk; /* NULL without a disk tier */
+    uint32_t clean_hand;       /* background cleaner's clock hand */
+    uint64_t host_arrivals;    /* blocks placed in the host tier so far */
+    uint64_t clean_epoch_seen; /* host_arrivals at the last empty sweep */
     kvhi_index_list disk_recovery; /* index entries found at open */
     /* Log lines produced under the lock, emitted by kvhi_leave. */
     char pending_log[4][256];
@@ -318,6 +321,9 @@ kvh_status kvhi_move_end(kvh_engine *e, kvhi_xfer *x, uint32_t *src_slot_out);
 /* Brings a block on disk into a memory tier (lock may drop). */
 kvh_status kvhi_block_ensure_memory(kvh_engine *e, uint32_t b);
 kvh_status kvhi_disk_persist(kvh_engine *e, kvhi_seq *s);
+/* One round of background cleaning (lock held, may drop); true if work
+ * was done. */
+bool kvhi_disk_clean_step(kvh_engine *e);
 /* Reads and checks blocks on disk without moving them (lock may drop);
  * failures are marked corrupt. */
 void kvhi_disk_verify(kvh_engine *e, const uint32_t *blocks, size_t n);

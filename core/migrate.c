@@ -286,6 +286,8 @@ static void *worker_main(void *arg)
     pthread_mutex_lock(&e->lock);
     while (!e->stop_workers) {
         if (e->n_jobs == 0) {
+            if (e->disk && kvhi_disk_clean_step(e))
+                continue;
             pthread_cond_wait(&e->work_ready, &e->lock);
             continue;
         }

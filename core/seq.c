@@ -367,10 +367,8 @@ kvh_status kvhi_seq_match_prefix(kvh_engine *e, kvhi_seq *s, const int32_t *toke
         /* Guard against hash collisions: the parent and the tokens must agree. */
         if (blk->parent_hash != parent || memcmp(kvhi_block_tokens(e, b), tk, bt * sizeof(int32_t)) != 0)
             break;
-        if (blk->refs++ == 0)
-            kvhi_block_update_evictable(e, b);
-        kvhi_block_hold(e, b);
-        kvhi_block_touch(e, b);
+        blk->refs++;
+        kvhi_block_touch(e, b); /* also re-keys it: referenced now */
         s->blocks[i] = b;
         s->held[i] = 0;
         parent = h;
@@ -382,6 +380,9 @@ kvh_status kvhi_seq_match_prefix(kvh_engine *e, kvhi_seq *s, const int32_t *toke
     for (size_t j = 0; j < found; j++)
         on_disk |= e->blocks[s->blocks[j]].tier == KVH_TIER_DISK;
     if (on_disk) {
+        /* Held so that nothing of the chain is pushed down meanwhile. */
+        for (size_t j = 0; j < found; j++)
+            kvhi_block_hold(e, s->blocks[j]);
         uint32_t fidx;
         if ((st = kvhi_fence_new(e, &fidx, NULL)) == KVH_OK) {
             uint32_t to = e->tiers[KVH_TIER_HOST].present ? KVH_TIER_HOST : KVH_TIER_DEVICE;
@@ -398,12 +399,11 @@ kvh_status kvhi_seq_match_prefix(kvh_engine *e, kvhi_seq *s, const int32_t *toke
                 break;
         kvhi_clear_error();
         st = KVH_OK;
+        for (size_t j = 0; j < found; j++)
+            kvhi_block_unhold(e, s->blocks[j]);
     }
-    for (size_t j = 0; j < found; j++) {
-        kvhi_block_unhold(e, s->blocks[j]);
-        if (j >= i)
-            kvhi_block_unref(e, s->blocks[j]);
-    }
+    for (size_t j = i; j < found; j++)
+        kvhi_block_unref(e, s->blocks[j]);
     s->n_blocks = (uint32_t)i;
     s->n_tokens = (uint64_t)i * bt;
     e->stats.prefix_hit_blocks += i;
