@@ -1,0 +1,181 @@
+//! Paged attention over a batch of sequences (`kvh_attention_*`).
+
+use std::ptr;
+
+use kvh_sys as sys;
+
+use crate::element::{check_dtype, Element};
+use crate::engine::Engine;
+use crate::error::{check, invalid, Error, Result, Status};
+use crate::seq::Sequence;
+use crate::types::DType;
+
+/// Parameters of an attention call (`kvh_attention_params`); `Default` is
+/// the library's defaults.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AttentionParams {
+    /// Query heads, a multiple of `num_kv_heads` (GQA); 0 = `num_kv_heads`.
+    pub num_q_heads: u32,
+    /// Softmax scale; 0 = `1/sqrt(head_dim)`.
+    pub scale: f32,
+    /// Element type of `q` and `out` (default F32).
+    pub io_dtype: DType,
+    /// CPU worker threads; 0 = all cores.
+    pub threads: u32,
+}
+
+impl Default for AttentionParams {
+    fn default() -> Self {
+        AttentionParams {
+            num_q_heads: 0,
+            scale: 0.0,
+            io_dtype: DType::F32,
+            threads: 0,
+        }
+    }
+}
+
+impl AttentionParams {
+    fn to_raw(self) -> Result<sys::kvh_attention_params> {
+        let mut raw = sys::kvh_attention_params::default();
+        // SAFETY: raw is a valid struct of the size passed.
+        check(unsafe {
+            sys::kvh_attention_params_init(
+                &mut raw,
+                std::mem::size_of::<sys::kvh_attention_params>(),
+            )
+        })?;
+        raw.num_q_heads = self.num_q_heads;
+        raw.scale = self.scale;
+        raw.io_dtype = self.io_dtype.raw();
+        raw.threads = self.threads;
+        raw.stream = ptr::null_mut();
+        Ok(raw)
+    }
+}
+
+impl Engine {
+    /// Elements of one query token (checks GQA and the element type).
+    fn q_token_elems<T: Element>(&self, params: Option<&AttentionParams>) -> Result<usize> {
+        if self.backend() != "cpu" {
+            // q and out are device memory on the CUDA backend: host slices
+            // would be read by a kernel. Use kvh-sys with device pointers.
+            return Err(Error::new(
+                Status::Unsupported,
+                format!(
+                    "the safe attention API takes host slices, which only the CPU backend reads \
+                     (this engine uses {}); call kvh_sys::kvh_attention_* with device memory",
+                    self.backend()
+                ),
+            ));
+        }
+        let p = params.copied().unwrap_or_default();
+        check_dtype::<T>(p.io_dtype)?;
+        let g = self.geometry();
+        let q_heads = if p.num_q_heads == 0 {
+            g.num_kv_heads
+        } else {
+            p.num_q_heads
+        };
+        if q_heads % g.num_kv_heads != 0 {
+            return Err(invalid(format!(
+                "num_q_heads {q_heads} is not a multiple of num_kv_heads {}",
+                g.num_kv_heads
+            )));
+        }
+        Ok(q_heads as usize * g.head_dim as usize)
+    }
+
+    /// Decode step for a batch on the CPU backend: sequence `i` attends
+    /// with one query token `q[i][num_q_heads][head_dim]` over all of its
+    /// tokens (whose K/V must be written) and writes `out` alike. Every
+    /// block must be in the device tier (acquire first;
+    /// [`Status::NotResident`] otherwise). `q`/`out` are of
+    /// `params.io_dtype` (F32 by default), lengths checked before the call.
+    ///
+    /// May return [`Status::Unsupported`] on builds without the kernels.
+    pub fn attention_decode<T: Element>(
+        &self,
+        layer: u32,
+        seqs: &[&Sequence<'_>],
+        q: &[T],
+        out: &mut [T],
+        params: Option<&AttentionParams>,
+    ) -> Result<()> {
+        let raw = self.check_owner(seqs)?;
+        let per = self.q_token_elems::<T>(params)?;
+        let want = raw.len() * per;
+        if q.len() != want || out.len() != want {
+            return Err(invalid(format!(
+                "q and out need n_seqs * num_q_heads * head_dim = {want} elements, got {} and {}",
+                q.len(),
+                out.len()
+            )));
+        }
+        let p = params.map(|p| p.to_raw()).transpose()?;
+        let pp = p.as_ref().map_or(ptr::null(), |p| p as *const _);
+        // SAFETY: seqs, q and out are valid for the lengths checked above;
+        // CPU backend, so host memory is what the call reads and writes.
+        check(unsafe {
+            sys::kvh_attention_decode(
+                self.as_ptr(),
+                layer,
+                raw.as_ptr(),
+                raw.len(),
+                q.as_ptr().cast(),
+                out.as_mut_ptr().cast(),
+                pp,
+            )
+        })
+    }
+
+    /// Chunked causal prefill on the CPU backend: for sequence `i` the
+    /// queries are its last `q_lens[i]` tokens; `q` and `out` are the chunks
+    /// concatenated, `[sum(q_lens)][num_q_heads][head_dim]`. Residency and
+    /// element rules as [`attention_decode`](Self::attention_decode).
+    pub fn attention_prefill<T: Element>(
+        &self,
+        layer: u32,
+        seqs: &[&Sequence<'_>],
+        q_lens: &[u32],
+        q: &[T],
+        out: &mut [T],
+        params: Option<&AttentionParams>,
+    ) -> Result<()> {
+        let raw = self.check_owner(seqs)?;
+        if q_lens.len() != raw.len() {
+            return Err(invalid(format!(
+                "{} sequences but {} q_lens",
+                raw.len(),
+                q_lens.len()
+            )));
+        }
+        let per = self.q_token_elems::<T>(params)?;
+        let tokens: usize = q_lens.iter().map(|&n| n as usize).sum();
+        let want = tokens
+            .checked_mul(per)
+            .ok_or_else(|| invalid("q_lens too large"))?;
+        if q.len() != want || out.len() != want {
+            return Err(invalid(format!(
+                "q and out need sum(q_lens) * num_q_heads * head_dim = {want} elements, got {} and {}",
+                q.len(),
+                out.len()
+            )));
+        }
+        let p = params.map(|p| p.to_raw()).transpose()?;
+        let pp = p.as_ref().map_or(ptr::null(), |p| p as *const _);
+        // SAFETY: as in attention_decode; q_lens has n_seqs entries.
+        check(unsafe {
+            sys::kvh_attention_prefill(
+                self.as_ptr(),
+                layer,
+                raw.as_ptr(),
+                q_lens.as_ptr(),
+                raw.len(),
+                q.as_ptr().cast(),
+                out.as_mut_ptr().cast(),
+                pp,
+            )
+        })
+    }
+}

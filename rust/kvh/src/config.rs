@@ -1,0 +1,325 @@
+//! Engine configuration: a builder over `kvh_config`.
+
+use std::ffi::CString;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use kvh_sys as sys;
+
+use crate::error::{check, invalid, Error, Result};
+use crate::types::{Backend, DType, Geometry, LogLevel};
+
+/// A log sink: called from any kvh thread, never with an engine lock held.
+pub type LogFn = dyn Fn(LogLevel, &str) + Send + Sync + 'static;
+
+/// Engine configuration: `kvh_config` with the library's defaults
+/// (`kvh_config_init`), changed through builder methods.
+///
+/// ```
+/// use kvh::{Backend, Config, DType};
+/// let config = Config::new()
+///     .num_layers(2)
+///     .num_kv_heads(4)
+///     .head_dim(64)
+///     .block_tokens(16)
+///     .dtype(DType::F32)
+///     .backend(Backend::Cpu)
+///     .device_bytes(8 << 20)
+///     .host_bytes(32 << 20);
+/// assert_eq!(config.geometry().num_kv_heads, 4);
+/// let engine = kvh::Engine::open(config)?;
+/// assert_eq!(engine.block_bytes(), 2 * 2 * 4 * 16 * 64 * 4);
+/// # Ok::<(), kvh::Error>(())
+/// ```
+#[derive(Clone)]
+pub struct Config {
+    pub(crate) raw: sys::kvh_config,
+    pub(crate) disk_path: Option<CString>,
+    pub(crate) log: Option<Arc<LogFn>>,
+    /// An error found while building (reported by `Engine::open`).
+    pub(crate) error: Option<Error>,
+}
+
+// SAFETY: the raw pointers in `raw` (disk_path, log_fn, log_user) are
+// always NULL in a Config: the disk path and the log sink are kept as owned
+// Rust values and only written into a copy of `raw` by `Engine::open`.
+unsafe impl Send for Config {}
+unsafe impl Sync for Config {}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config::new()
+    }
+}
+
+impl std::fmt::Debug for Config {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let c = &self.raw;
+        f.debug_struct("Config")
+            .field("num_layers", &c.num_layers)
+            .field("num_kv_heads", &c.num_kv_heads)
+            .field("head_dim", &c.head_dim)
+            .field("block_tokens", &c.block_tokens)
+            .field("dtype", &c.dtype)
+            .field("backend", &c.backend)
+            .field("device_bytes", &c.device_bytes)
+            .field("host_bytes", &c.host_bytes)
+            .field("disk_bytes", &c.disk_bytes)
+            .field("disk_path", &self.disk_path)
+            .field("model_salt", &c.model_salt)
+            .field("log", &self.log.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Config {
+    /// The library's defaults (`kvh_config_init`).
+    pub fn new() -> Config {
+        let mut raw = sys::kvh_config::default();
+        // SAFETY: raw is a valid kvh_config of the size passed.
+        let st = unsafe { sys::kvh_config_init(&mut raw, std::mem::size_of::<sys::kvh_config>()) };
+        let error = check(st).err();
+        Config {
+            raw,
+            disk_path: None,
+            log: None,
+            error,
+        }
+    }
+
+    /// The raw struct (pointer fields are NULL here; `Engine::open` fills
+    /// them).
+    pub fn as_raw(&self) -> &sys::kvh_config {
+        &self.raw
+    }
+
+    /// Model geometry as configured.
+    pub fn geometry(&self) -> Geometry {
+        Geometry {
+            num_layers: self.raw.num_layers,
+            num_kv_heads: self.raw.num_kv_heads,
+            head_dim: self.raw.head_dim,
+            block_tokens: self.raw.block_tokens,
+            dtype: DType::from_raw(self.raw.dtype).unwrap_or(DType::F16),
+        }
+    }
+
+    /// Transformer layers (default 1).
+    pub fn num_layers(mut self, n: u32) -> Self {
+        self.raw.num_layers = n;
+        self
+    }
+
+    /// KV heads per layer (default 1).
+    pub fn num_kv_heads(mut self, n: u32) -> Self {
+        self.raw.num_kv_heads = n;
+        self
+    }
+
+    /// Elements per head (default 64).
+    pub fn head_dim(mut self, n: u32) -> Self {
+        self.raw.head_dim = n;
+        self
+    }
+
+    /// Tokens per block: a power of two in 1..=256 (default 16).
+    pub fn block_tokens(mut self, n: u32) -> Self {
+        self.raw.block_tokens = n;
+        self
+    }
+
+    /// Element type of K and V (default F16).
+    pub fn dtype(mut self, dtype: DType) -> Self {
+        self.raw.dtype = dtype.raw();
+        self
+    }
+
+    /// Compute backend (default Auto).
+    pub fn backend(mut self, backend: Backend) -> Self {
+        self.raw.backend = backend.raw();
+        self
+    }
+
+    /// CUDA device ordinal (default 0).
+    pub fn cuda_device(mut self, device: i32) -> Self {
+        self.raw.cuda_device = device;
+        self
+    }
+
+    /// Device-tier budget in bytes, rounded down to whole blocks
+    /// (default 256 MiB; must hold at least one block).
+    pub fn device_bytes(mut self, bytes: u64) -> Self {
+        self.raw.device_bytes = bytes;
+        self
+    }
+
+    /// Host-tier budget in bytes (default 1 GiB; 0: no host tier).
+    pub fn host_bytes(mut self, bytes: u64) -> Self {
+        self.raw.host_bytes = bytes;
+        self
+    }
+
+    /// Disk tier: files under `path`, at most `bytes` (0 or no path: no
+    /// disk tier, the default).
+    pub fn disk(mut self, path: impl AsRef<Path>, bytes: u64) -> Self {
+        match path_to_cstring(path.as_ref()) {
+            Ok(c) => self.disk_path = Some(c),
+            Err(e) => self.error = Some(e),
+        }
+        self.raw.disk_bytes = bytes;
+        self
+    }
+
+    /// The disk directory, if one is set.
+    pub fn disk_path(&self) -> Option<PathBuf> {
+        self.disk_path.as_ref().map(|c| {
+            use std::os::unix::ffi::OsStrExt;
+            PathBuf::from(std::ffi::OsStr::from_bytes(c.as_bytes()))
+        })
+    }
+
+    /// `KVH_DISK_RESET_ON_MISMATCH`: a store made with another geometry or
+    /// model salt is emptied and reused instead of failing with
+    /// [`Status::Mismatch`](crate::Status::Mismatch).
+    pub fn disk_reset_on_mismatch(mut self, on: bool) -> Self {
+        self.set_disk_flag(sys::KVH_DISK_RESET_ON_MISMATCH, on);
+        self
+    }
+
+    /// `KVH_DISK_BUFFERED`: buffered pread/pwrite even where O_DIRECT works.
+    pub fn disk_buffered(mut self, on: bool) -> Self {
+        self.set_disk_flag(sys::KVH_DISK_BUFFERED, on);
+        self
+    }
+
+    fn set_disk_flag(&mut self, flag: u32, on: bool) {
+        if on {
+            self.raw.disk_flags |= flag;
+        } else {
+            self.raw.disk_flags &= !flag;
+        }
+    }
+
+    /// io_uring queue depth of the disk tier (default 32).
+    pub fn disk_queue_depth(mut self, depth: u32) -> Self {
+        self.raw.disk_queue_depth = depth;
+        self
+    }
+
+    /// Namespace of prefix hashes: the model identity (default 0).
+    pub fn model_salt(mut self, salt: u64) -> Self {
+        self.raw.model_salt = salt;
+        self
+    }
+
+    /// NUMA node for the host tier and workers (`None`: no binding).
+    pub fn numa_node(mut self, node: Option<u32>) -> Self {
+        self.raw.numa_node = match node {
+            Some(n) => i32::try_from(n).unwrap_or(i32::MAX),
+            None => -1,
+        };
+        self
+    }
+
+    /// Migration worker threads (default 2; 0: migrate in the caller).
+    pub fn migration_threads(mut self, n: u32) -> Self {
+        self.raw.migration_threads = n;
+        self
+    }
+
+    /// CPUs for the migration workers, bit i = CPU i (0: any, the default).
+    pub fn migration_cpu_mask(mut self, mask: u64) -> Self {
+        self.raw.migration_cpu_mask = mask;
+        self
+    }
+
+    /// LRU-K history depth, 1..=4 (default 2).
+    pub fn lru_k(mut self, k: u32) -> Self {
+        self.raw.lru_k = k;
+        self
+    }
+
+    /// Hysteresis: recent accesses a block needs before a prefetch hint
+    /// promotes it (default 1).
+    pub fn promote_min_hits(mut self, n: u32) -> Self {
+        self.raw.promote_min_hits = n;
+        self
+    }
+
+    /// Sends library messages up to `level` to `sink`. The sink is called
+    /// from any kvh thread; a panic in it is caught and dropped.
+    pub fn log<F>(mut self, level: LogLevel, sink: F) -> Self
+    where
+        F: Fn(LogLevel, &str) + Send + Sync + 'static,
+    {
+        self.raw.log_level = level.raw();
+        self.log = Some(Arc::new(sink));
+        self
+    }
+}
+
+fn path_to_cstring(path: &Path) -> Result<CString> {
+    use std::os::unix::ffi::OsStrExt;
+    CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| invalid(format!("disk path {} contains a NUL byte", path.display())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_come_from_the_library() {
+        let c = Config::new();
+        assert!(c.error.is_none());
+        assert_eq!(
+            c.raw.struct_size as usize,
+            std::mem::size_of::<sys::kvh_config>()
+        );
+        let g = c.geometry();
+        assert_eq!(
+            (
+                g.num_layers,
+                g.num_kv_heads,
+                g.head_dim,
+                g.block_tokens,
+                g.dtype
+            ),
+            (1, 1, 64, 16, DType::F16)
+        );
+        assert_eq!(c.raw.numa_node, -1);
+        assert!(c.raw.disk_path.is_null() && c.raw.log_fn.is_none());
+    }
+
+    #[test]
+    fn builder_sets_fields() {
+        let c = Config::new()
+            .num_layers(3)
+            .dtype(DType::Bf16)
+            .backend(Backend::Cpu)
+            .disk("/tmp/kvh-x", 1 << 30)
+            .disk_buffered(true)
+            .disk_reset_on_mismatch(true)
+            .disk_buffered(false)
+            .numa_node(Some(1))
+            .log(LogLevel::Debug, |_, _| {});
+        assert_eq!(c.raw.num_layers, 3);
+        assert_eq!(c.raw.dtype, sys::KVH_DTYPE_BF16);
+        assert_eq!(c.raw.backend, sys::KVH_BACKEND_CPU);
+        assert_eq!(c.raw.disk_bytes, 1 << 30);
+        assert_eq!(c.raw.disk_flags, sys::KVH_DISK_RESET_ON_MISMATCH);
+        assert_eq!(c.raw.numa_node, 1);
+        assert_eq!(c.raw.log_level, sys::KVH_LOG_DEBUG);
+        assert_eq!(c.disk_path().unwrap(), PathBuf::from("/tmp/kvh-x"));
+        assert!(
+            c.raw.disk_path.is_null(),
+            "pointers are filled by open only"
+        );
+    }
+
+    #[test]
+    fn nul_in_disk_path_is_an_error() {
+        let c = Config::new().disk("a\0b", 1);
+        assert_eq!(c.error.unwrap().status(), crate::Status::InvalidArg);
+    }
+}
