@@ -1,22 +1,312 @@
-/* Paged attention entry points (kernels in kernels/). */
+/* Paged attention entry points: argument checks, then, under the engine
+ * lock, the plan (CSR block table of device-tier slots and the work split,
+ * kernels/attention_plan.c) and a hold on every block read, so nothing
+ * migrates or is evicted while the kernels run. The lock is then released
+ * and the backend runs the plan (kernels/cpu/ or libkvh_cuda.so); its
+ * completion callback retakes the lock and drops the holds.
+ *
+ * Holds and the call's registration (active_calls) last until the kernels
+ * have finished: on the CPU that is before the call returns; on CUDA the
+ * call returns once the work is queued, and a host callback queued on the
+ * caller's stream after the kernels (cudaLaunchHostFunc) releases them, so
+ * kvh_engine_close waits for queued attention to finish. No stream
+ * synchronisation happens in the launch path.
+ *
+ * The holds keep blocks in place, but do not keep them alive: freeing or
+ * truncating a sequence while attention over it is running is the
+ * caller's error (its output is then undefined, nothing else breaks: the
+ * release skips blocks whose generation changed). Blocks are not
+ * referenced either, so a write_kv racing with queued kernels does not
+ * force a copy-on-write of the last block. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+
 #include "abi/api_common.h"
+#include "kernels/attention_plan.h"
+#include "kernels/cpu/attn_cpu.h"
+
+typedef struct attn_call {
+    kvh_engine *e;
+    uint32_t n_held;
+    uint32_t *held;     /* block indices held by this call */
+    uint32_t *held_gen; /* their generations when held */
+    kvhi_attn_plan plan;
+} attn_call;
+
+static void call_free(attn_call *c)
+{
+    if (!c)
+        return;
+    kvhi_attn_plan_free(&c->plan);
+    free(c->held);
+    free(c->held_gen);
+    free(c);
+}
+
+/* Drops the call's holds; lock held. */
+static void release_holds(kvh_engine *e, attn_call *c)
+{
+    for (uint32_t i = 0; i < c->n_held; i++) {
+        uint32_t b = c->held[i];
+        kvhi_block *blk = &e->blocks[b];
+        if (blk->gen == c->held_gen[i] && (blk->flags & KVHI_BF_LIVE) && blk->holds > 0)
+            kvhi_block_unhold(e, b);
+    }
+    c->n_held = 0;
+}
+
+/* Completion (the backend's done callback): the kernels have finished. On
+ * CUDA this runs on a CUDA host-callback thread: no CUDA calls here. */
+static void attn_done(void *arg)
+{
+    attn_call *c = arg;
+    kvh_engine *e = c->e;
+    pthread_mutex_lock(&e->lock);
+    release_holds(e, c);
+    call_free(c);
+    kvhi_leave(e); /* ends the call's registration; close may proceed */
+}
 
 kvh_status kvh_attention_params_init(kvh_attention_params *p, size_t struct_size)
 {
     kvhi_clear_error();
-    return kvhi_fail(KVH_ERR_UNSUPPORTED, "attention kernels are not built yet");
+    if (!p)
+        return kvhi_fail(KVH_ERR_INVALID_ARG, "params is NULL");
+    if (struct_size != sizeof(kvh_attention_params))
+        return kvhi_fail(KVH_ERR_STRUCT_SIZE, "kvh_attention_params struct_size %zu, this library knows %zu",
+                         struct_size, sizeof(kvh_attention_params));
+    memset(p, 0, sizeof(*p));
+    p->struct_size = sizeof(*p);
+    p->io_dtype = KVH_DTYPE_F32;
+    return KVH_OK;
+}
+
+/* The CPU backend's state (thread pool, scratch), made on first use; lock
+ * held. */
+static kvhi_attn_cpu *cpu_state(kvh_engine *e)
+{
+    if (!e->attn_state) {
+        e->attn_state = kvhi_attn_cpu_create();
+        if (e->attn_state)
+            e->attn_state_free = kvhi_attn_cpu_destroy;
+    }
+    return e->attn_state;
+}
+
+kvh_status kvhi_attention_set_impl(kvh_engine *e, int impl)
+{
+    kvh_status st = kvhi_api_enter(e);
+    if (st != KVH_OK)
+        return st;
+    if (!e->backend->device_is_host_memory)
+        st = kvhi_fail(KVH_ERR_UNSUPPORTED, "only the CPU backend has kernel variants");
+    else if (impl < KVHI_ATTN_AUTO || impl > KVHI_ATTN_AVX512 || !kvhi_attn_cpu_supported(impl))
+        st = kvhi_fail(KVH_ERR_UNSUPPORTED, "attention implementation %d is not available on this CPU", impl);
+    else if (!cpu_state(e))
+        st = kvhi_fail(KVH_ERR_NOMEM, "out of memory for the attention state");
+    else {
+        kvhi_attn_cpu *cs = e->attn_state;
+        pthread_mutex_lock(&cs->run_lock);
+        cs->impl = impl;
+        pthread_mutex_unlock(&cs->run_lock);
+    }
+    kvhi_leave(e);
+    return st;
+}
+
+/* Checks the arguments that need no lock; fills *pr and *total_rows. */
+static kvh_status check_args(kvh_engine *e, uint32_t layer, const kvh_seq *seqs, const uint32_t *q_lens,
+                             size_t n_seqs, bool prefill, const void *q, const void *out,
+                             const kvh_attention_params *params, kvh_attention_params *pr, uint64_t *total_rows)
+{
+    KVHI_REQUIRE(e, "engine is NULL");
+    kvh_attention_params_init(pr, sizeof(*pr));
+    if (params) {
+        if (params->struct_size != sizeof(kvh_attention_params))
+            return kvhi_fail(KVH_ERR_STRUCT_SIZE, "kvh_attention_params struct_size %u, this library knows %zu",
+                             params->struct_size, sizeof(kvh_attention_params));
+        *pr = *params;
+    }
+    const kvh_config *c = &e->cfg;
+    KVHI_REQUIRE(pr->io_dtype <= KVH_DTYPE_BF16, "unknown io_dtype %u", pr->io_dtype);
+    if (pr->num_q_heads == 0)
+        pr->num_q_heads = c->num_kv_heads;
+    KVHI_REQUIRE(pr->num_q_heads % c->num_kv_heads == 0, "num_q_heads %u is not a multiple of num_kv_heads %u",
+                 pr->num_q_heads, c->num_kv_heads);
+    KVHI_REQUIRE(pr->num_q_heads <= KVHI_ATTN_MAX_Q_HEADS, "num_q_heads %u > %u", pr->num_q_heads,
+                 KVHI_ATTN_MAX_Q_HEADS);
+    KVHI_REQUIRE(isfinite(pr->scale), "scale is not finite");
+    if (pr->scale == 0.0f)
+        pr->scale = 1.0f / sqrtf((float)c->head_dim);
+    KVHI_REQUIRE(seqs || n_seqs == 0, "seqs is NULL");
+    KVHI_REQUIRE(!prefill || q_lens || n_seqs == 0, "q_lens is NULL");
+    KVHI_REQUIRE(n_seqs <= UINT32_MAX, "too many sequences");
+    if (layer >= c->num_layers)
+        return kvhi_fail(KVH_ERR_RANGE, "layer %u >= num_layers %u", layer, c->num_layers);
+    uint64_t rows = prefill ? 0 : n_seqs;
+    if (prefill)
+        for (size_t i = 0; i < n_seqs; i++)
+            rows += q_lens[i];
+    KVHI_REQUIRE(rows <= UINT32_MAX, "%llu query rows are too many", (unsigned long long)rows);
+    KVHI_REQUIRE(rows == 0 || (q && out), "q and out must not be NULL");
+    *total_rows = rows;
+    return KVH_OK;
+}
+
+static kvh_status attention(kvh_engine *e, uint32_t layer, const kvh_seq *seqs, const uint32_t *q_lens,
+                            size_t n_seqs, bool prefill, const void *q, void *out, const kvh_attention_params *params)
+{
+    kvhi_clear_error();
+    kvh_attention_params pr;
+    uint64_t total_rows = 0;
+    kvh_status st = check_args(e, layer, seqs, q_lens, n_seqs, prefill, q, out, params, &pr, &total_rows);
+    if (st != KVH_OK)
+        return st;
+    if (!e->backend->attention_run || !e->backend->attention_plan_opts)
+        return kvhi_fail(KVH_ERR_UNSUPPORTED, "the %s backend has no attention kernels", e->backend->name);
+
+    attn_call *c = calloc(1, sizeof(*c));
+    uint32_t *kv_len = malloc(sizeof(uint32_t) * (n_seqs ? n_seqs : 1));
+    uint32_t *q_len = malloc(sizeof(uint32_t) * (n_seqs ? n_seqs : 1));
+    if (!c || !kv_len || !q_len) {
+        free(c);
+        free(kv_len);
+        free(q_len);
+        return kvhi_fail(KVH_ERR_NOMEM, "out of memory for an attention call");
+    }
+    c->e = e;
+    if ((st = kvhi_enter(e)) != KVH_OK) {
+        free(c);
+        free(kv_len);
+        free(q_len);
+        return st;
+    }
+
+    /* Resolve the sequences and their lengths. */
+    uint64_t n_blocks = 0;
+    for (size_t i = 0; i < n_seqs && st == KVH_OK; i++) {
+        kvhi_seq *s;
+        if ((st = kvhi_seq_get(e, seqs[i], &s)) != KVH_OK)
+            break;
+        uint32_t ql = prefill ? q_lens[i] : 1;
+        if (s->n_tokens >= (1ull << 31))
+            st = kvhi_fail(KVH_ERR_RANGE, "sequence %zu has %llu tokens; attention takes fewer than 2^31", i,
+                           (unsigned long long)s->n_tokens);
+        else if (ql > s->n_tokens)
+            st = kvhi_fail(KVH_ERR_RANGE, "sequence %zu: %u query tokens but only %llu tokens", i, ql,
+                           (unsigned long long)s->n_tokens);
+        else if (s->n_blocks != (s->n_tokens + e->cfg.block_tokens - 1) / e->cfg.block_tokens)
+            st = kvhi_fail(KVH_ERR_INTERNAL, "sequence %zu: %u blocks for %llu tokens", i, s->n_blocks,
+                           (unsigned long long)s->n_tokens);
+        kv_len[i] = (uint32_t)s->n_tokens;
+        q_len[i] = ql;
+        n_blocks += s->n_blocks;
+    }
+    if (st != KVH_OK || total_rows == 0)
+        goto fail;
+    if (e->backend->device_is_host_memory && !cpu_state(e)) {
+        st = kvhi_fail(KVH_ERR_NOMEM, "out of memory for the attention state");
+        goto fail;
+    }
+
+    /* The plan. */
+    kvhi_attn_plan *p = &c->plan;
+    p->num_q_heads = pr.num_q_heads;
+    p->num_kv_heads = e->cfg.num_kv_heads;
+    p->head_dim = e->cfg.head_dim;
+    p->block_tokens = e->cfg.block_tokens;
+    for (p->block_shift = 0; (1u << p->block_shift) < p->block_tokens; p->block_shift++)
+        ;
+    p->kv_dtype = e->cfg.dtype;
+    p->io_dtype = pr.io_dtype;
+    p->scale = pr.scale;
+    p->block_bytes = e->block_bytes;
+    p->layer_offset = (uint64_t)layer * e->layer_bytes;
+    p->kv_base = e->tiers[KVH_TIER_DEVICE].base;
+    p->cpu_state = e->attn_state;
+    p->threads = pr.threads;
+    kvhi_attn_plan_opts opts;
+    e->backend->attention_plan_opts(e->backend_ctx, pr.threads, &opts);
+    c->held = malloc(sizeof(uint32_t) * (n_blocks ? n_blocks : 1));
+    c->held_gen = malloc(sizeof(uint32_t) * (n_blocks ? n_blocks : 1));
+    if (!c->held || !c->held_gen || kvhi_attn_plan_build(p, &opts, kv_len, q_len, (uint32_t)n_seqs) != 0) {
+        st = kvhi_fail(KVH_ERR_NOMEM, "out of memory for an attention plan (%llu blocks)",
+                       (unsigned long long)n_blocks);
+        goto fail;
+    }
+
+    /* Hold every block the kernels read (each block once, but a block
+     * shared by forks may be held once per use: holds nest). */
+    for (size_t i = 0; i < n_seqs; i++) {
+        kvhi_seq *s;
+        kvhi_seq_get(e, seqs[i], &s); /* resolved above, lock held since */
+        for (uint32_t j = 0; j < s->n_blocks; j++) {
+            uint32_t b = s->blocks[j];
+            kvhi_block_hold(e, b);
+            c->held[c->n_held] = b;
+            c->held_gen[c->n_held++] = e->blocks[b].gen;
+        }
+    }
+    /* A block being moved finishes its move first (the lock is dropped
+     * meanwhile; the holds keep anything new from starting). */
+    for (uint32_t k = 0; k < c->n_held; k++) {
+        uint32_t b = c->held[k];
+        if (!(e->blocks[b].flags & KVHI_BF_IN_FLIGHT))
+            continue;
+        kvhi_block_wait_idle(e, b);
+        k = UINT32_MAX; /* rescan from the start: others may have moved */
+    }
+    for (uint32_t k = 0; k < c->n_held; k++) {
+        kvhi_block *blk = &e->blocks[c->held[k]];
+        if (blk->gen != c->held_gen[k] || !(blk->flags & KVHI_BF_LIVE)) {
+            st = kvhi_fail(KVH_ERR_BAD_HANDLE, "a block of the batch was freed during the call");
+            goto fail;
+        }
+        if (blk->tier != KVH_TIER_DEVICE) {
+            uint32_t i = 0;
+            while (i + 1 < n_seqs && p->seqs[i + 1].blk0 <= k)
+                i++;
+            st = kvhi_fail(KVH_ERR_NOT_RESIDENT,
+                           "sequence %u block %u is in the %s tier, not the device tier (kvh_seq_acquire first)", i,
+                           k - p->seqs[i].blk0, blk->tier == KVH_TIER_HOST ? "host" : "disk");
+            goto fail;
+        }
+        p->slots[k] = (int32_t)blk->slot;
+    }
+    free(kv_len);
+    free(q_len);
+
+    /* Run with the lock released; the call stays registered (active_calls)
+     * until attn_done. */
+    pthread_mutex_unlock(&e->lock);
+    char msg[256] = "";
+    int rc = e->backend->attention_run(e->backend_ctx, p, q, out, pr.stream, attn_done, c, msg, sizeof(msg));
+    if (rc == 0)
+        return KVH_OK; /* c now belongs to attn_done */
+    pthread_mutex_lock(&e->lock);
+    release_holds(e, c);
+    call_free(c);
+    kvhi_leave(e);
+    return kvhi_fail(rc < 0 ? rc : KVH_ERR_INTERNAL, "attention kernels: %s", msg);
+
+fail:
+    release_holds(e, c);
+    call_free(c);
+    free(kv_len);
+    free(q_len);
+    kvhi_leave(e);
+    return st;
 }
 
 kvh_status kvh_attention_decode(kvh_engine *e, uint32_t layer, const kvh_seq *seqs, size_t n_seqs, const void *q,
                                 void *out, const kvh_attention_params *params)
 {
-    kvhi_clear_error();
-    return kvhi_fail(KVH_ERR_UNSUPPORTED, "attention kernels are not built yet");
+    return attention(e, layer, seqs, NULL, n_seqs, false, q, out, params);
 }
 
 kvh_status kvh_attention_prefill(kvh_engine *e, uint32_t layer, const kvh_seq *seqs, const uint32_t *q_lens,
                                  size_t n_seqs, const void *q, void *out, const kvh_attention_params *params)
 {
-    kvhi_clear_error();
-    return kvhi_fail(KVH_ERR_UNSUPPORTED, "attention kernels are not built yet");
+    return attention(e, layer, seqs, q_lens, n_seqs, true, q, out, params);
 }

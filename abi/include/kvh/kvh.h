@@ -12,7 +12,8 @@
  *     named release call.
  *   - @threads any:    may be called from any thread at any time.
  *     @threads handle: calls naming the same handle must not overlap
- *                      (different handles may be used concurrently).
+ *                      (different handles may be used concurrently); an
+ *                      @threads any call naming it may overlap them.
  *   - Handles (kvh_seq, kvh_block, kvh_fence, kvh_pool) are 64-bit values
  *     carrying a type tag and a generation: a stale, freed or forged handle
  *     is reported as KVH_ERR_BAD_HANDLE, never a crash. The zero handle is
