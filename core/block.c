@@ -121,6 +121,11 @@ void kvhi_block_place(kvh_engine *e, uint32_t b, uint32_t tier, uint32_t slot)
     kvhi_block *blk = kvhi_blk(e, b);
     if (blk->tier == KVH_TIER_DEVICE)
         agent_count(e, blk->agent, -1);
+    if (blk->pins && blk->tier < KVH_TIER_COUNT) {
+        /* Pinned while its move was already in flight: the pin follows. */
+        e->tiers[blk->tier].pinned--;
+        e->tiers[tier].pinned++;
+    }
     blk->tier = (uint8_t)tier;
     blk->slot = slot;
     blk->hits = 0;
@@ -137,13 +142,19 @@ void kvhi_block_place(kvh_engine *e, uint32_t b, uint32_t tier, uint32_t slot)
 
 kvh_status kvhi_block_new(kvh_engine *e, uint32_t agent, uint32_t min_tier, uint32_t *out)
 {
-    if (e->block_free_top == 0)
-        return kvhi_fail(KVH_ERR_NOSPACE, "no free block metadata");
     uint32_t slot = 0, tier = KVH_TIER_COUNT;
     kvh_status st = KVH_ERR_NOSPACE;
-    /* Fastest tier first; a tier that cannot make room passes to the next. */
-    for (uint32_t t = min_tier; t < KVH_TIER_DISK; t++) {
-        if (!e->tiers[t].present)
+    /* The preferred tier first, then the other memory tiers fastest first.
+     * Block records are never short before a slot is: every live record
+     * holds at least one slot, and there are as many records as slots. */
+    uint32_t order[KVH_TIER_DISK + 1], n_order = 0;
+    order[n_order++] = min_tier;
+    for (uint32_t t = 0; t < KVH_TIER_DISK; t++)
+        if (t != min_tier)
+            order[n_order++] = t;
+    for (uint32_t i = 0; i < n_order; i++) {
+        uint32_t t = order[i];
+        if (t >= KVH_TIER_DISK || !e->tiers[t].present)
             continue;
         st = kvhi_reserve_slot(e, t, agent, &slot);
         if (st == KVH_OK) {
@@ -317,18 +328,24 @@ kvh_status kvhi_block_forget_tokens(kvh_engine *e, uint32_t b, uint32_t keep)
     kvhi_block *blk = kvhi_blk(e, b);
     uint64_t words = bitmap_words(e);
     if (blk->flags & KVHI_BF_KV_COMPLETE) {
-        blk->written = malloc(words * sizeof(uint64_t));
+        /* Every cell was written: mark exactly the kept ones (no bits past
+         * the last cell, so completeness checks stay exact). */
+        blk->written = calloc(words, sizeof(uint64_t));
         if (!blk->written)
             return kvhi_fail(KVH_ERR_NOMEM, "out of memory for a block bitmap");
-        memset(blk->written, 0xFF, words * sizeof(uint64_t));
+        for (uint32_t l = 0; l < e->cfg.num_layers; l++)
+            for (uint32_t t = 0; t < keep; t++) {
+                uint64_t bit = (uint64_t)l * e->cfg.block_tokens + t;
+                blk->written[bit / 64] |= 1ull << (bit % 64);
+            }
         blk->flags &= (uint16_t)~KVHI_BF_KV_COMPLETE;
-    }
-    if (blk->written)
+    } else if (blk->written) {
         for (uint32_t l = 0; l < e->cfg.num_layers; l++)
             for (uint32_t t = keep; t < e->cfg.block_tokens; t++) {
                 uint64_t bit = (uint64_t)l * e->cfg.block_tokens + t;
                 blk->written[bit / 64] &= ~(1ull << (bit % 64));
             }
+    }
     blk->n_tokens = (uint16_t)keep;
     blk->flags &= (uint16_t)~KVHI_BF_HASHED;
     blk->hash = 0;
@@ -352,10 +369,19 @@ kvh_status kvhi_block_cow(kvh_engine *e, uint32_t b, uint32_t agent, uint32_t *o
     kvh_status st = kvhi_block_new(e, agent, KVH_TIER_DEVICE, &nb);
     if (st != KVH_OK)
         return st;
-    /* The lock may have been dropped: re-read b's location now. Reading a
-     * block in flight is safe: its source stays intact until the mover
-     * retakes the lock. */
+    /* The lock may have been dropped: let b settle (a block in flight can
+     * be half of a tier swap), keeping the new block in memory meanwhile,
+     * then read both locations afresh. */
     kvhi_block *src = kvhi_blk(e, b), *dst = kvhi_blk(e, nb);
+    kvhi_block_hold(e, nb);
+    st = kvhi_block_ensure_memory(e, b);
+    if (st == KVH_OK)
+        st = kvhi_block_ensure_memory(e, nb);
+    kvhi_block_unhold(e, nb);
+    if (st != KVH_OK) {
+        kvhi_block_unref(e, nb);
+        return st;
+    }
     if (kvhi_copy_bytes(e, dst->tier, kvhi_block_data(e, nb), src->tier, kvhi_block_data(e, b), e->block_bytes) != 0) {
         kvhi_block_unref(e, nb);
         return kvhi_fail(KVH_ERR_IO, "copy-on-write copy failed");

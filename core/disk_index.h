@@ -20,6 +20,8 @@ typedef struct kvhi_index_list {
     size_t n;
     int32_t *token_store;
     uint64_t bad_records; /* records that failed their checksum */
+    bool journal_header_bad; /* records were replayed past a damaged
+                                journal header: compact right away */
 } kvhi_index_list;
 
 enum kvhi_index_result {

@@ -106,6 +106,8 @@ kvh_status kvhi_disk_tier_open(kvh_engine *e, const kvh_config *cfg, const char 
     return KVH_OK;
 }
 
+static kvh_status snapshot(kvh_engine *e);
+
 /* Turns the recovered index entries into cached, unreferenced blocks on
  * disk (called once the block table exists). */
 kvh_status kvhi_disk_tier_recover(kvh_engine *e)
@@ -153,7 +155,14 @@ kvh_status kvhi_disk_tier_recover(kvh_engine *e)
         if (!used[s])
             p->free_stack[p->free_count++] = s;
     free(used);
+    bool rewrite = l->journal_header_bad;
     kvhi_index_list_free(l);
+    if (rewrite) {
+        kvhi_log(e, KVH_LOG_WARN, "disk tier: the journal header in %s was damaged; its records were replayed and "
+                                  "the index rewritten",
+                 e->disk->path);
+        return snapshot(e);
+    }
     return KVH_OK;
 }
 
@@ -376,9 +385,11 @@ void kvhi_disk_verify(kvh_engine *e, const uint32_t *blocks, size_t n)
         }
         if (!k)
             continue;
+        e->copies_in_progress++;
         pthread_mutex_unlock(&e->lock);
         kvhi_xfer_batch(e, xs, k);
         pthread_mutex_lock(&e->lock);
+        e->copies_in_progress--;
         for (uint32_t j = 0; j < k; j++) {
             uint32_t b = xs[j].block;
             kvhi_block *blk = &e->blocks[b];
@@ -400,6 +411,10 @@ void kvhi_disk_verify(kvh_engine *e, const uint32_t *blocks, size_t n)
 kvh_status kvhi_block_ensure_memory(kvh_engine *e, uint32_t b)
 {
     kvhi_block *blk = &e->blocks[b];
+    /* A block in flight may be half of a tier swap: its slot is being
+     * overwritten, so wait until it settles. */
+    while (blk->flags & KVHI_BF_IN_FLIGHT)
+        kvhi_block_wait_idle(e, b);
     while (blk->tier == KVH_TIER_DISK) {
         if (blk->flags & KVHI_BF_CORRUPT)
             return kvhi_fail(KVH_ERR_CORRUPT, "block data on disk failed verification");
@@ -411,6 +426,8 @@ kvh_status kvhi_block_ensure_memory(kvh_engine *e, uint32_t b)
         kvh_status st = kvhi_move_block(e, b, to, blk->agent);
         if (st != KVH_OK)
             return st;
+        while (blk->flags & KVHI_BF_IN_FLIGHT)
+            kvhi_block_wait_idle(e, b);
     }
     return KVH_OK;
 }
@@ -441,9 +458,11 @@ static kvh_status write_copies(kvh_engine *e, const uint32_t *blocks, uint32_t n
         kvhi_xfer_prepare(e, b, KVH_TIER_DISK, slot, &xs[k++]);
     }
     if (k) {
+        e->copies_in_progress++;
         pthread_mutex_unlock(&e->lock);
         kvhi_xfer_batch(e, xs, k);
         pthread_mutex_lock(&e->lock);
+        e->copies_in_progress--;
     }
     for (uint32_t j = 0; j < k; j++) {
         kvhi_xfer *x = &xs[j];

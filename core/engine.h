@@ -92,6 +92,7 @@ typedef struct kvhi_seq {
 
 typedef struct kvhi_fence {
     uint32_t pending;
+    uint32_t waiters; /* threads inside kvhi_fence_wait_idx */
     kvh_status status;
     bool user_freed;
     char msg[192]; /* detail of the first failure, from the failing thread */
@@ -149,6 +150,9 @@ struct kvh_engine {
     uint32_t n_jobs, cap_jobs;
     uint64_t job_order;
     uint32_t jobs_running;
+    /* Copies running with the lock dropped; a tier that finds no victim
+     * while some are under way waits for them instead of failing. */
+    uint32_t copies_in_progress;
     bool stop_workers;
 
     kvh_stats stats;

@@ -70,8 +70,15 @@ static void count_move(kvh_engine *e, uint32_t from, uint32_t to)
  * a block up even though it only needs to exchange two slots. */
 static kvh_status swap_up(kvh_engine *e, uint32_t b, uint32_t tier)
 {
-    uint32_t v = kvhi_lruk_top(&e->tiers[tier].heap);
     kvhi_block *bb = &e->blocks[b];
+    kvhi_lruk_heap *heap = &e->tiers[tier].heap;
+    if (tier == KVH_TIER_DEVICE && e->n_agents) {
+        /* An agent at its quota trades places with one of its own blocks. */
+        kvhi_agent *a = kvhi_agent_get(e, bb->agent, false);
+        if (a && a->quota_blocks && a->device_blocks >= a->quota_blocks)
+            heap = &a->heap;
+    }
+    uint32_t v = kvhi_lruk_top(heap);
     if (v == KVHI_HEAP_NONE || v == b || bb->tier == KVH_TIER_DISK)
         return kvhi_fail(KVH_ERR_NOSPACE, "no block in the target tier can make room");
     kvhi_block *vb = &e->blocks[v];
@@ -82,6 +89,7 @@ static kvh_status swap_up(kvh_engine *e, uint32_t b, uint32_t tier)
     vb->flags |= KVHI_BF_IN_FLIGHT;
     kvhi_block_update_evictable(e, v);
     uint8_t *hi = kvhi_slot_addr(e, tier, hi_slot), *lo = kvhi_slot_addr(e, lo_tier, lo_slot);
+    e->copies_in_progress++;
     pthread_mutex_unlock(&e->lock);
     int rc = kvhi_copy_bytes(e, KVH_TIER_HOST, bounce, tier, hi, e->block_bytes);
     if (rc == 0)
@@ -89,6 +97,7 @@ static kvh_status swap_up(kvh_engine *e, uint32_t b, uint32_t tier)
     if (rc == 0)
         rc = kvhi_copy_bytes(e, lo_tier, lo, KVH_TIER_HOST, bounce, e->block_bytes);
     pthread_mutex_lock(&e->lock);
+    e->copies_in_progress--;
     free(bounce);
     vb->flags &= (uint16_t)~KVHI_BF_IN_FLIGHT;
     pthread_cond_broadcast(&e->changed);
@@ -170,6 +179,12 @@ kvh_status kvhi_reserve_slot(kvh_engine *e, uint32_t tier, uint32_t for_agent, u
         if (!qa && kvhi_slot_pool_alloc(&t->slots, slot) == 0)
             return KVH_OK;
         uint32_t v = pick_victim(e, tier, qa);
+        if (v == KVHI_HEAP_NONE && e->copies_in_progress) {
+            /* Blocks of this tier may be busy in a copy: room can appear
+             * when it ends, so this is not yet "no space". */
+            pthread_cond_wait(&e->changed, &e->lock);
+            continue;
+        }
         if (v == KVHI_HEAP_NONE) {
             if (qa)
                 return kvhi_fail(KVH_ERR_NOSPACE, "agent %u is at its device quota and none of its blocks can leave",
@@ -324,9 +339,11 @@ static kvh_status move_block(kvh_engine *e, uint32_t b, uint32_t tier, uint32_t 
     int rc = kvhi_move_begin(e, b, tier, &x, src_slot_out != NULL);
     if (rc != 0)
         return rc == 1 ? KVH_OK : rc;
+    e->copies_in_progress++;
     pthread_mutex_unlock(&e->lock);
     kvhi_xfer_run(e, &x);
     pthread_mutex_lock(&e->lock);
+    e->copies_in_progress--;
     return kvhi_move_end(e, &x, src_slot_out);
 }
 

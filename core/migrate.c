@@ -35,7 +35,7 @@ void kvhi_fence_drop(kvh_engine *e, uint32_t idx)
     kvhi_fence *f = kvhi_handles_at(&e->fences, idx);
     if (!f)
         return;
-    if (f->pending) {
+    if (f->pending || f->waiters) {
         f->user_freed = true; /* reaped by the last kvhi_fence_done */
         return;
     }
@@ -55,7 +55,7 @@ void kvhi_fence_done(kvh_engine *e, uint32_t idx, kvh_status st)
         snprintf(f->msg, sizeof(f->msg), "%s", kvh_last_error());
     }
     if (--f->pending == 0) {
-        if (f->user_freed) {
+        if (f->user_freed && !f->waiters) {
             free(f);
             kvhi_handles_remove(&e->fences, idx);
         }
@@ -73,16 +73,24 @@ kvh_status kvhi_fence_wait_idx(kvh_engine *e, uint32_t idx, uint64_t timeout_ns)
         deadline.tv_sec += (time_t)(timeout_ns / 1000000000ull + ns / 1000000000ull);
         deadline.tv_nsec = (long)(ns % 1000000000ull);
     }
+    kvh_status st = KVH_OK;
+    f->waiters++;
     while (f->pending) {
         if (timeout_ns == UINT64_MAX) {
             pthread_cond_wait(&e->changed, &e->lock);
         } else if (pthread_cond_timedwait(&e->changed, &e->lock, &deadline) == ETIMEDOUT && f->pending) {
-            return kvhi_fail(KVH_ERR_TIMEOUT, "fence not complete after %llu ns", (unsigned long long)timeout_ns);
+            st = kvhi_fail(KVH_ERR_TIMEOUT, "fence not complete after %llu ns", (unsigned long long)timeout_ns);
+            break;
         }
     }
-    if (f->status != KVH_OK)
-        return kvhi_fail(f->status, "%s", f->msg[0] ? f->msg : kvh_strerror(f->status));
-    return KVH_OK;
+    if (st == KVH_OK && f->status != KVH_OK)
+        st = kvhi_fail(f->status, "%s", f->msg[0] ? f->msg : kvh_strerror(f->status));
+    /* The last waiter of a fence freed meanwhile reaps it. */
+    if (--f->waiters == 0 && f->user_freed && f->pending == 0) {
+        free(f);
+        kvhi_handles_remove(&e->fences, idx);
+    }
+    return st;
 }
 
 /* ---- job queue: a binary heap, highest priority first, FIFO within ---- */
@@ -221,9 +229,11 @@ static void run_batch(kvh_engine *e, kvhi_job first)
         kvhi_fence_done(e, jobs[i].fence, rc == 1 || jobs[i].is_prefetch ? KVH_OK : rc);
     }
     e->jobs_running += k;
+    e->copies_in_progress++;
     pthread_mutex_unlock(&e->lock);
     kvhi_xfer_batch(e, xs, k);
     pthread_mutex_lock(&e->lock);
+    e->copies_in_progress--;
     e->jobs_running -= k;
     for (uint32_t i = 0; i < k; i++) {
         kvhi_job *j = &jobs[idx[i]];

@@ -104,8 +104,9 @@ static kvh_status make_private(kvh_engine *e, kvhi_seq *s, uint32_t i)
         kvhi_block *blk = &e->blocks[b];
         if (blk->refs == 1 && !(blk->flags & KVHI_BF_PUBLISHED)) {
             if (!(blk->flags & KVHI_BF_BUSY)) {
-                kvhi_disk_forget(e, b); /* its disk copy is about to go stale */
-                return kvhi_block_ensure_memory(e, b);
+                if (blk->flags & KVHI_BF_DISK_COPY)
+                    kvhi_disk_forget(e, b); /* its disk copy is about to go stale */
+                return KVH_OK;
             }
             kvhi_block_wait_idle(e, b); /* then check again */
             continue;
@@ -267,23 +268,30 @@ kvh_status kvhi_seq_write_kv(kvh_engine *e, kvhi_seq *s, uint32_t layer, uint64_
         return st;
     uint32_t bt = e->cfg.block_tokens;
     size_t tok_bytes = (size_t)e->cfg.num_kv_heads * e->cfg.head_dim * e->elem_bytes;
-    for (uint64_t t = pos; t < pos + n;) {
-        uint32_t li = (uint32_t)(t / bt), off = (uint32_t)(t % bt);
+    /* Make every block of the range private first: the copies are the only
+     * step that can run out of room, and a failure then leaves the content
+     * of the sequence exactly as it was. */
+    for (uint32_t li = b0; li < b1; li++)
+        if ((st = make_private(e, s, li)) != KVH_OK)
+            return st;
+    for (uint64_t t = pos; t < pos + n && st == KVH_OK;) {
+        uint32_t bi = (uint32_t)(t / bt), off = (uint32_t)(t % bt);
         uint32_t cnt = bt - off;
         if (cnt > pos + n - t)
             cnt = (uint32_t)(pos + n - t);
-        if ((st = make_private(e, s, li)) != KVH_OK)
-            return st;
-        uint32_t b = s->blocks[li];
+        uint32_t b = s->blocks[bi];
         size_t skip = (size_t)(t - pos) * tok_bytes;
+        /* Bring it in (and let a move of it finish); no unlock follows. */
+        if ((st = kvhi_block_ensure_memory(e, b)) != KVH_OK)
+            break;
         if (kv_copy(e, b, layer, off, cnt, (uint8_t *)k + skip, (uint8_t *)v + skip, true) != 0)
-            return kvhi_fail(KVH_ERR_IO, "copy into the device tier failed");
-        if ((st = kvhi_block_mark_written(e, b, layer, off, off + cnt)) != KVH_OK)
-            return st;
+            st = kvhi_fail(KVH_ERR_IO, "copy into the device tier failed");
+        if (st == KVH_OK)
+            st = kvhi_block_mark_written(e, b, layer, off, off + cnt);
         note_access(e, b);
         t += cnt;
     }
-    return KVH_OK;
+    return st;
 }
 
 kvh_status kvhi_seq_read_kv(kvh_engine *e, kvhi_seq *s, uint32_t layer, uint64_t pos, size_t n, void *k, void *v)

@@ -71,9 +71,32 @@ static int open_store(const char *path, kvhi_disk *d)
             break;
         total += (uint64_t)st.st_size / d->slot_bytes;
         d->n_slabs = i + 1;
-        if (i == 0)
-            d->slots_per_slab = (uint32_t)((uint64_t)st.st_size / d->slot_bytes);
     }
+    /* Slabs may be truncated or missing: size the slot space from the
+     * index records as well, so every indexed block is checked. */
+    uint64_t max_slot = 0;
+    const char *files[2] = {"index", "journal"};
+    size_t rb = kvhi_index_rec_bytes(h.geo.block_tokens);
+    int32_t *tk = malloc(sizeof(int32_t) * h.geo.block_tokens);
+    for (int f = 0; f < 2 && tk; f++) {
+        int rfd = openat(d->dir_fd, files[f], O_RDONLY | O_CLOEXEC);
+        uint8_t *rec = malloc(rb);
+        if (rfd >= 0 && rec && lseek(rfd, KVHI_DISK_ALIGN, SEEK_SET) == KVHI_DISK_ALIGN)
+            while (read(rfd, rec, rb) == (ssize_t)rb) {
+                kvhi_index_rec r = {.tokens = tk};
+                if (kvhi_index_rec_decode(rec, &r, h.geo.block_tokens) == 0 && r.slot + 1 > max_slot &&
+                    r.slot < (1u << 30))
+                    max_slot = r.slot + 1;
+            }
+        free(rec);
+        if (rfd >= 0)
+            close(rfd);
+    }
+    free(tk);
+    if (max_slot > total)
+        total = max_slot;
+    uint64_t per = (1ull << 30) / d->slot_bytes;
+    d->slots_per_slab = d->n_slabs > 1 && per ? (uint32_t)per : (uint32_t)(total ? total : 1);
     d->n_slots = (uint32_t)total;
     d->queue_depth = 8;
     d->max_lanes = 1;
@@ -171,7 +194,8 @@ int main(int argc, char **argv)
     uint64_t bad = list.bad_records;
     for (size_t i = 0; i < list.n; i++) {
         kvhi_index_entry *ent = &list.items[i];
-        int fd = d.slab_fds[ent->slot / d.slots_per_slab];
+        uint32_t slab = ent->slot / d.slots_per_slab;
+        int fd = slab < d.n_slabs ? d.slab_fds[slab] : -1;
         off_t off = (off_t)kvhi_disk_slot_offset(&d, ent->slot);
         ssize_t n = pread(fd, buf, d.slot_bytes, off);
         const char *why = "short read (truncated slab)";
