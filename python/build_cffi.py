@@ -1,0 +1,127 @@
+#!/usr/bin/env python3
+"""CFFI builder of `kvh._kvh_cffi` (out-of-line API mode).
+
+The cdef is `kvh/_cdef.h`, generated from `abi/include/kvh/kvh.h` by
+`bindings/gen-cffi.py`. Two users:
+
+* `setup.py` (wheels): `make_ffibuilder(include_dir, lib_dir, rpaths=["$ORIGIN"])`
+  and its own build of libkvh; libkvh.so.0 sits beside the extension.
+* the development tree: `python3 python/build_cffi.py` compiles the extension
+  in place (python/kvh/_kvh_cffi.*.so) against an existing CMake build of
+  libkvh (`$KVH_BUILD_DIR`, default `<repo>/build`), with that directory in
+  the extension's run path, so `PYTHONPATH=python` is all that is needed.
+  It does nothing when the extension is newer than its inputs (`--force`
+  rebuilds).
+"""
+from __future__ import annotations
+
+import argparse
+import fcntl
+import os
+import shutil
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+PACKAGE = HERE / "kvh"
+CDEF = PACKAGE / "_cdef.h"
+
+# Declared here, not in the header: the Python side of the log sink.
+EXTRA_CDEF = 'extern "Python" void _kvh_py_log(void *user, int32_t level, const char *message);\n'
+
+
+def repo_root() -> Path:
+    return Path(os.environ.get("KVH_SOURCE_DIR") or HERE.parent).resolve()
+
+
+def default_include_dir() -> Path:
+    return repo_root() / "abi" / "include"
+
+
+def make_ffibuilder(include_dir: Path | str, lib_dir: Path | str, rpaths: list[str] | None = None):
+    import cffi
+
+    ffibuilder = cffi.FFI()
+    ffibuilder.cdef(CDEF.read_text() + EXTRA_CDEF)
+    rpaths = list(rpaths or [])
+    ffibuilder.set_source(
+        "kvh._kvh_cffi",
+        "#include <kvh/kvh.h>\n",
+        include_dirs=[str(include_dir)],
+        library_dirs=[str(lib_dir)],
+        libraries=["kvh"],
+        extra_compile_args=["-O2"],
+        extra_link_args=[f"-Wl,-rpath,{r}" for r in rpaths],
+    )
+    return ffibuilder
+
+
+def extension_filename() -> str:
+    return "_kvh_cffi" + sysconfig.get_config_var("EXT_SUFFIX")
+
+
+def build_dir() -> Path:
+    return Path(os.environ.get("KVH_BUILD_DIR") or repo_root() / "build").resolve()
+
+
+def inputs() -> list[Path]:
+    # libkvh itself is linked dynamically: a rebuilt library needs no new
+    # extension unless the header (and so the cdef) changed.
+    return [CDEF, Path(__file__).resolve(), default_include_dir() / "kvh" / "kvh.h"]
+
+
+def up_to_date(target: Path) -> bool:
+    if not target.exists():
+        return False
+    t = target.stat().st_mtime
+    return all(not p.exists() or p.stat().st_mtime <= t for p in inputs())
+
+
+def build_inplace(force: bool = False, quiet: bool = False) -> Path:
+    """Compiles kvh/_kvh_cffi*.so in the source tree against $KVH_BUILD_DIR."""
+    lib_dir = build_dir()
+    if not (lib_dir / "libkvh.so").exists():
+        raise SystemExit(
+            f"build_cffi: {lib_dir}/libkvh.so not found: build the C library first "
+            "(cmake -S . -B build && cmake --build build) or set KVH_BUILD_DIR"
+        )
+    target = PACKAGE / extension_filename()
+    if not force and up_to_date(target):
+        if not quiet:
+            print(f"build_cffi: {target} is up to date")
+        return target
+    tmp_root = lib_dir / "python-cffi"
+    tmp_root.mkdir(parents=True, exist_ok=True)
+    with open(tmp_root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one builder at a time (parallel test runs)
+        if not force and up_to_date(target):
+            return target
+        return _compile(target, lib_dir, tmp_root, quiet)
+
+
+def _compile(target: Path, lib_dir: Path, tmp_root: Path, quiet: bool) -> Path:
+    ffibuilder = make_ffibuilder(default_include_dir(), lib_dir, ["$ORIGIN", str(lib_dir)])
+    with tempfile.TemporaryDirectory(dir=tmp_root) as tmp:
+        built = Path(ffibuilder.compile(tmpdir=tmp, verbose=not quiet))
+        # Atomic replace: a concurrent importer sees the old or the new file.
+        staged = target.with_name(target.name + f".{os.getpid()}.tmp")
+        shutil.copy2(built, staged)
+        os.replace(staged, target)
+    if not quiet:
+        print(f"build_cffi: built {target} (libkvh from {lib_dir})")
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Build kvh._kvh_cffi in place for the development tree.")
+    ap.add_argument("--force", action="store_true", help="rebuild even when up to date")
+    ap.add_argument("--quiet", action="store_true")
+    args = ap.parse_args(argv)
+    build_inplace(force=args.force, quiet=args.quiet)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""Tiny terminal helpers for the CLI: a progress bar (drawn only on a TTY),
+summary tables, and human-readable sizes. No dependencies."""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from typing import IO, Any, List, Optional, Sequence
+
+__all__ = ["Progress", "table", "human_bytes", "human_rate"]
+
+
+class Progress:
+    """``with Progress(total, "label") as bar: bar.update(1)``. Draws on
+    ``stream`` (stderr) only when it is a TTY, or never with enabled=False."""
+
+    def __init__(self, total: Optional[int], label: str = "", *, stream: Optional[IO[str]] = None,
+                 enabled: Optional[bool] = None, unit: str = "it") -> None:
+        self.total = total
+        self.label = label
+        self.stream = stream if stream is not None else sys.stderr
+        if enabled is None:
+            enabled = _isatty(self.stream) and os.environ.get("TERM") != "dumb"
+        self.enabled = enabled
+        self.unit = unit
+        self.count = 0
+        self.note = ""
+        self.start = time.monotonic()
+        self._last_draw = 0.0
+        self._drawn = False
+        self._drawn_count = -1
+
+    def update(self, n: int = 1, note: Optional[str] = None) -> None:
+        self.count += n
+        if note is not None:
+            self.note = note
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        if now - self._last_draw >= 0.1 or (self.total is not None and self.count >= self.total):
+            self._last_draw = now
+            self._draw(now)
+
+    def _draw(self, now: float) -> None:
+        width = shutil.get_terminal_size((80, 20)).columns
+        elapsed = max(now - self.start, 1e-9)
+        rate = self.count / elapsed
+        if self.total:
+            frac = min(1.0, self.count / self.total)
+            tail = f" {self.count}/{self.total} {rate:,.0f} {self.unit}/s {self.note}"
+            bar_w = max(10, min(40, width - len(self.label) - len(tail) - 4))
+            fill = int(frac * bar_w)
+            line = f"{self.label} [{'#' * fill}{'.' * (bar_w - fill)}]{tail}"
+        else:
+            line = f"{self.label} {self.count} {self.unit} {rate:,.0f}/s {self.note}"
+        self.stream.write("\r" + line[: width - 1].ljust(width - 1))
+        self.stream.flush()
+        self._drawn = True
+        self._drawn_count = self.count
+
+    def close(self) -> None:
+        if self.enabled and self._drawn:
+            if self._drawn_count != self.count:
+                self._draw(time.monotonic())
+            self.stream.write("\n")
+            self.stream.flush()
+        self._drawn = False
+
+    def __enter__(self) -> "Progress":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _isatty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except Exception:
+        return False
+
+
+def table(rows: Sequence[Sequence[Any]], headers: Sequence[str], *, title: Optional[str] = None,
+          align: Optional[str] = None) -> str:
+    """A plain-text table. ``align``: one of 'l'/'r' per column (default:
+    numbers right, text left)."""
+    cells: List[List[str]] = [[_fmt(c) for c in row] for row in rows]
+    ncol = len(headers)
+    widths = [len(h) for h in headers]
+    for row in cells:
+        for i, c in enumerate(row[:ncol]):
+            widths[i] = max(widths[i], len(c))
+    if align is None:
+        align = "".join(
+            "r" if rows and all(isinstance(r[i], (int, float)) for r in rows if i < len(r)) else "l"
+            for i in range(ncol)
+        )
+
+    def line(vals: Sequence[str]) -> str:
+        out = []
+        for i in range(ncol):
+            v = vals[i] if i < len(vals) else ""
+            out.append(v.rjust(widths[i]) if align[i] == "r" else v.ljust(widths[i]))
+        return "  ".join(out).rstrip()
+
+    parts = []
+    if title:
+        parts.append(title)
+    parts.append(line(list(headers)))
+    parts.append("  ".join("-" * w for w in widths))
+    parts.extend(line(r) for r in cells)
+    return "\n".join(parts)
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        if v != v:
+            return "-"
+        if abs(v) >= 100:
+            return f"{v:,.0f}"
+        return f"{v:.3g}" if abs(v) < 1 else f"{v:.2f}"
+    if isinstance(v, int):
+        return f"{v:,}"
+    if v is None:
+        return "-"
+    return str(v)
+
+
+def human_bytes(n: float) -> str:
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def human_rate(nbytes: float, seconds: float) -> str:
+    return human_bytes(nbytes / seconds) + "/s" if seconds > 0 else "-"

@@ -1,0 +1,356 @@
+"""The ``kvh`` command line.
+
+    kvh demo                multi-agent workload through the retriever and every tier
+    kvh stats DIR           open a disk store with an engine and print its tiers and counters
+    kvh store info DIR      geometry, blocks and prefix chains of a store (kvh-store)
+    kvh store verify DIR    re-check every stored block's checksums (kvh-store)
+    kvh bench [SCENARIO]    run kvh-bench scenarios and summarise them
+    kvh doctor              check the machine (huge pages, memlock, sysctls, O_DIRECT, NUMA, CUDA)
+
+Every command takes --help; the long ones show a progress bar on a TTY and
+take --json. Exit status: 0 ok, 1 failed (a check, a verification or the
+wrapped tool), 2 usage, 3 not available in this build or machine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
+
+
+def _err(msg: str) -> None:
+    print(f"kvh: {msg}", file=sys.stderr)
+
+
+def _version() -> str:
+    try:
+        from . import _ffi
+        return f"kvh {_ffi.LOADED_VERSION_STRING} (binding built for {_ffi.BUILT_VERSION_STRING})"
+    except ImportError as exc:
+        return f"kvh (library not loadable: {exc})"
+
+
+# ---------------------------------------------------------------------------------
+# demo
+# ---------------------------------------------------------------------------------
+def cmd_demo(args: argparse.Namespace) -> int:
+    from . import demo
+
+    return demo.run(args)
+
+
+# ---------------------------------------------------------------------------------
+# store (kvh-store) and stats
+# ---------------------------------------------------------------------------------
+def _store_tool() -> Optional[str]:
+    from .tools import find_tool
+
+    return find_tool("kvh-store")
+
+
+def _missing_tool(name: str) -> int:
+    from .tools import tool_search_path
+
+    env = {"kvh-store": "KVH_STORE", "kvh-bench": "KVH_BENCH"}[name]
+    _err(f"{name} not found. Build it (cmake --build build --target {name}), install the kvh wheel that "
+         f"ships it, put it on PATH, or set ${env}. Searched: "
+         + ", ".join(str(p) for p in tool_search_path()) + ", PATH")
+    return EXIT_UNAVAILABLE
+
+
+def cmd_store(args: argparse.Namespace) -> int:
+    tool = _store_tool()
+    if not tool:
+        return _missing_tool("kvh-store")
+    if not Path(args.dir).is_dir():
+        _err(f"{args.dir}: no such directory")
+        return EXIT_FAIL
+    cmd = [tool, args.action, str(args.dir)] + (["--json"] if args.json else [])
+    return subprocess.call(cmd)
+
+
+def _store_info(directory: Path) -> Optional[Dict[str, Any]]:
+    tool = _store_tool()
+    if not tool:
+        return None
+    res = subprocess.run([tool, "info", str(directory), "--json"], capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(res.stderr.strip() or f"kvh-store info exited with {res.returncode}")
+    for line in res.stdout.splitlines():
+        line = line.strip()
+        if line.startswith("{"):
+            return json.loads(line)
+    raise RuntimeError("kvh-store info printed no JSON")
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    from . import Engine, Tier, errors
+    from ._progress import human_bytes, table
+
+    d = Path(args.dir)
+    if not d.is_dir():
+        _err(f"{d}: no such directory")
+        return EXIT_FAIL
+    if not (d / "index").exists():
+        _err(f"{d} is not a kvh store (no index file)")
+        return EXIT_FAIL
+    geometry = {k: getattr(args, k) for k in ("layers", "kv_heads", "head_dim", "block_tokens", "dtype", "model_salt")}
+    info = None
+    if any(v is None for v in geometry.values()):
+        try:
+            info = _store_info(d)
+        except (RuntimeError, ValueError) as exc:
+            _err(f"cannot read the store's geometry: {exc}")
+            return EXIT_FAIL
+        if info is None:
+            _err("kvh-store (which reads the store's geometry) was not found; pass --layers --kv-heads --head-dim "
+                 "--block-tokens --dtype --model-salt, or build kvh-store")
+            return EXIT_UNAVAILABLE
+        for ours, theirs in (("layers", "layers"), ("kv_heads", "kv_heads"), ("head_dim", "head_dim"),
+                             ("block_tokens", "block_tokens"), ("dtype", "dtype"), ("model_salt", "model_salt")):
+            if geometry[ours] is None:
+                geometry[ours] = info[theirs]
+    slabs = sorted(d.glob("slab-*.kvh"))
+    disk_bytes = args.disk_bytes or sum(p.stat().st_size for p in slabs) or (1 << 30)
+    try:
+        eng = Engine(num_layers=int(geometry["layers"]), num_kv_heads=int(geometry["kv_heads"]),
+                     head_dim=int(geometry["head_dim"]), block_tokens=int(geometry["block_tokens"]),
+                     dtype=str(geometry["dtype"]), model_salt=int(geometry["model_salt"]), backend="cpu",
+                     device_bytes=1 << 20, host_bytes=4 << 20, disk_path=str(d), disk_bytes=disk_bytes,
+                     log_level="error")
+    except errors.UnsupportedError as exc:
+        _err(f"this build cannot open a disk store: {exc.message}")
+        return EXIT_UNAVAILABLE
+    except errors.BusyError as exc:
+        _err(f"the store is in use by another process: {exc.message}")
+        return EXIT_FAIL
+    except errors.Error as exc:
+        _err(f"cannot open {d}: {exc}")
+        return EXIT_FAIL
+    with eng:
+        tiers = eng.tiers()
+        st = eng.stats()
+    disk = tiers[Tier.DISK]
+    result = {
+        "path": str(d), "store": info, "geometry": geometry, "block_bytes": eng.block_bytes,
+        "disk": {"capacity_blocks": disk.capacity_blocks, "used_blocks": disk.used_blocks,
+                 "used_bytes": disk.used_bytes, "pinned_blocks": disk.pinned_blocks},
+        "stats": st.to_dict(),
+    }
+    if args.json:
+        json.dump(result, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return EXIT_OK
+    g = geometry
+    rows = [
+        ["store", str(d)],
+        ["geometry", f"{g['layers']} layers x {g['kv_heads']} kv heads x {g['head_dim']} dim, "
+                     f"{g['block_tokens']} tokens/block, {g['dtype']}"],
+        ["model salt", f"0x{int(g['model_salt']):016x}"],
+        ["block bytes", human_bytes(eng.block_bytes)],
+        ["disk slots", f"{disk.capacity_blocks:,} ({disk.used_blocks:,} used, {human_bytes(disk.used_bytes)})"],
+        ["cached tokens", f"{disk.used_blocks * int(g['block_tokens']):,}"],
+        ["corrupt blocks at open", f"{st.corrupt_blocks}"],
+    ]
+    if info:
+        rows.append(["prefix chains", f"{info.get('prefix_chains', '?')} (longest "
+                                      f"{info.get('longest_chain_blocks', '?')} blocks)"])
+    print(table(rows, ["item", "value"], title="kvh store (opened by an engine)", align="ll"))
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------------------
+# bench (kvh-bench)
+# ---------------------------------------------------------------------------------
+def cmd_bench(args: argparse.Namespace) -> int:
+    from ._progress import Progress, table
+    from .tools import find_tool
+
+    tool = find_tool("kvh-bench")
+    if not tool:
+        return _missing_tool("kvh-bench")
+    extra = list(getattr(args, "extra", []))
+    if args.list:
+        return subprocess.call([tool, "list"])
+    scenarios = list(args.scenarios)
+    if not scenarios or scenarios == ["all"]:
+        res = subprocess.run([tool, "list"], capture_output=True, text=True)
+        if res.returncode != 0:
+            _err(f"kvh-bench list failed: {res.stderr.strip()}")
+            return EXIT_FAIL
+        scenarios = [s.strip() for s in res.stdout.split() if s.strip()]
+    common = ["--json"]
+    if args.quick:
+        common.append("--quick")
+    if args.reps is not None:
+        common += ["--reps", str(args.reps)]
+    if args.seed is not None:
+        common += ["--seed", str(args.seed)]
+    if args.strict:
+        common.append("--strict")
+    rows: List[Dict[str, Any]] = []
+    rc = EXIT_OK
+    with Progress(len(scenarios), "kvh bench", enabled=None if not args.json else False, unit="scenario") as bar:
+        for name in scenarios:
+            bar.update(0, name)
+            cmd = [tool, name] + common + extra
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                line = line.strip()
+                if not line:
+                    continue
+                if args.json:
+                    print(line, flush=True)
+                try:
+                    obj = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(obj, dict):
+                    rows.append(obj)
+                    bar.update(0, f"{name}: {obj.get('metric', '')}")
+            err = proc.stderr.read() if proc.stderr else ""
+            code = proc.wait()
+            if code != 0:
+                rc = code if rc == EXIT_OK else rc
+                _err(f"kvh-bench {name} exited with {code}" + (f":\n{err.strip()}" if err.strip() else ""))
+            bar.update(1, name)
+    if not args.json:
+        if rows:
+            print(table([[r.get("scenario", ""), r.get("metric", ""), r.get("value"), r.get("unit", ""),
+                          r.get("baseline"), r.get("ratio"),
+                          ", ".join(f"{k}={v}" for k, v in r.items()
+                                    if k not in ("scenario", "metric", "value", "unit", "baseline", "ratio"))]
+                         for r in rows],
+                        ["scenario", "metric", "value", "unit", "baseline", "ratio", "parameters"],
+                        title="kvh bench", align="llrlrrl"))
+        else:
+            print("kvh bench: no results")
+    return rc
+
+
+# ---------------------------------------------------------------------------------
+# doctor
+# ---------------------------------------------------------------------------------
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from .doctor import main_doctor
+
+    return main_doctor(args)
+
+
+# ---------------------------------------------------------------------------------
+# parser
+# ---------------------------------------------------------------------------------
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    pass
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import demo, doctor
+
+    p = argparse.ArgumentParser(prog="kvh", description=__doc__.split("\n\n")[0] + "\n\n" + __doc__.split("\n\n")[1],
+                                formatter_class=_Formatter)
+    p.add_argument("--version", action="version", version=_version())
+    p.add_argument("-v", "--verbose", action="count", default=0, help="log kvh messages (-v info, -vv debug)")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    sp = sub.add_parser("demo", help="multi-agent workload with synthetic KV through the retriever and all tiers",
+                        description=demo.__doc__, formatter_class=_Formatter)
+    demo.add_arguments(sp)
+    sp.set_defaults(func=cmd_demo)
+
+    sp = sub.add_parser("stats", help="open a disk store with an engine and print its tiers and counters",
+                        description="Opens the disk store DIR with an engine (geometry from kvh-store info, or "
+                                    "the flags) and prints the disk tier's occupancy and the engine counters. "
+                                    "The store must not be open in another process.")
+    sp.add_argument("dir", metavar="DIR", help="the disk tier directory (kvh_config.disk_path)")
+    sp.add_argument("--json", action="store_true", help="print JSON")
+    for flag, typ in (("--layers", int), ("--kv-heads", int), ("--head-dim", int), ("--block-tokens", int),
+                      ("--model-salt", lambda s: int(s, 0))):
+        sp.add_argument(flag, type=typ, default=None, help="store geometry (default: read with kvh-store)")
+    sp.add_argument("--dtype", choices=["f32", "f16", "bf16"], default=None, help="store dtype")
+    sp.add_argument("--disk-bytes", type=int, default=None, help="disk tier bytes (default: the slab files' size)")
+    sp.set_defaults(func=cmd_stats)
+
+    sp = sub.add_parser("store", help="inspect a disk store (wraps kvh-store)",
+                        description="Inspect a kvh disk store with kvh-store, read-only.")
+    ssub = sp.add_subparsers(dest="action", metavar="ACTION")
+    ssub.required = True
+    for action, text in (("info", "geometry, block count, bytes, prefix chains"),
+                         ("verify", "re-read every stored block and check its checksums (exit 1 if any is bad)")):
+        ap = ssub.add_parser(action, help=text, description=text)
+        ap.add_argument("dir", metavar="DIR", help="the disk tier directory")
+        ap.add_argument("--json", action="store_true", help="JSON output")
+        ap.set_defaults(func=cmd_store)
+
+    sp = sub.add_parser("bench", help="run kvh-bench scenarios and summarise them",
+                        description="Runs kvh-bench SCENARIO --json for each scenario (default: all), shows "
+                                    "progress on a TTY and prints a summary table (or the JSON lines with "
+                                    "--json). Arguments after -- go to kvh-bench.")
+    sp.add_argument("scenarios", nargs="*", metavar="SCENARIO", help="scenarios (default: all; see --list)")
+    sp.add_argument("--list", action="store_true", help="list the scenarios")
+    sp.add_argument("--quick", action="store_true", help="a few seconds per scenario")
+    sp.add_argument("--reps", type=int, default=None, help="rounds per measurement")
+    sp.add_argument("--seed", type=int, default=None, help="RNG seed")
+    sp.add_argument("--strict", action="store_true", help="fail when a target is missed")
+    sp.add_argument("--json", action="store_true", help="print kvh-bench's JSON lines")
+    sp.set_defaults(func=cmd_bench)
+
+    sp = sub.add_parser("doctor", help="check huge pages, memlock, sysctls, O_DIRECT, NUMA, CUDA (read-only)",
+                        description=doctor.__doc__, formatter_class=_Formatter)
+    doctor.add_arguments(sp)
+    sp.set_defaults(func=cmd_doctor)
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: List[str] = []
+    if "--" in argv:  # everything after -- goes to the wrapped tool (kvh bench)
+        cut = argv.index("--")
+        argv, extra = argv[:cut], argv[cut + 1:]
+    args = parser.parse_args(argv)
+    if extra and getattr(args, "command", None) != "bench":
+        parser.error("arguments after -- are only for `kvh bench`")
+    args.extra = extra
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return EXIT_USAGE
+    if args.verbose:
+        logging.basicConfig(level=logging.DEBUG if args.verbose > 1 else logging.INFO,
+                            format="%(name)s %(levelname)s: %(message)s")
+    else:
+        logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s: %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        _err("interrupted")
+        return 130
+    except BrokenPipeError:
+        try:
+            sys.stdout = open(os.devnull, "w")
+        except OSError:
+            pass
+        return EXIT_FAIL
+    except ImportError as exc:
+        _err(str(exc))
+        return EXIT_UNAVAILABLE
+    except Exception as exc:
+        from . import errors
+
+        if not isinstance(exc, errors.Error):
+            raise
+        _err(f"{type(exc).__name__}: {exc}")
+        return EXIT_UNAVAILABLE if isinstance(exc, errors.UnsupportedError) else EXIT_FAIL
+
+
+if __name__ == "__main__":
+    sys.exit(main())

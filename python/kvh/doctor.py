@@ -1,0 +1,392 @@
+"""``kvh doctor``: read-only checks of what the first seed tunes by hand —
+huge pages, the memlock limit for pinned memory, ``vm.max_map_count`` (and
+the other sysctls of the seed), O_DIRECT support and free space on the data
+directory, io_uring, NUMA layout, the CUDA device and driver — and what to
+change, printed as commands and sysctl lines. It never changes anything."""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import json
+import mmap
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
+
+from ._progress import human_bytes, table
+
+__all__ = ["Check", "run_checks", "main_doctor", "add_arguments"]
+
+OK, WARN, FAIL, INFO = "ok", "warn", "fail", "info"
+SYSCTL_FILE = "/etc/sysctl.d/99-kvh.conf"
+
+
+@dataclass
+class Check:
+    name: str
+    status: str
+    summary: str
+    fix: List[str] = field(default_factory=list)
+    data: Dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"name": self.name, "status": self.status, "summary": self.summary, "fix": self.fix,
+                "data": self.data}
+
+
+def add_arguments(p) -> None:
+    from .demo import parse_size
+
+    p.add_argument("--data-dir", type=Path, default=Path(os.environ.get("KVH_DATA_DIR", "kvh-data")),
+                   help="the disk tier directory to check (default $KVH_DATA_DIR or ./kvh-data)")
+    p.add_argument("--host-budget", type=parse_size, default=parse_size("1GiB"),
+                   help="host tier bytes you plan (sizes the huge page and memlock advice; default 1GiB)")
+    p.add_argument("--disk-budget", type=parse_size, default=parse_size("16GiB"),
+                   help="disk tier bytes you plan (default 16GiB)")
+    p.add_argument("--json", action="store_true", help="print the checks as JSON")
+    p.add_argument("--strict", action="store_true", help="exit 1 when a check warns or fails")
+
+
+def _read(path: str) -> Optional[str]:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _meminfo() -> Dict[str, int]:
+    out: Dict[str, int] = {}
+    text = _read("/proc/meminfo") or ""
+    for line in text.splitlines():
+        key, _, rest = line.partition(":")
+        parts = rest.split()
+        if parts and parts[0].isdigit():
+            out[key] = int(parts[0]) * (1024 if len(parts) > 1 and parts[1] == "kB" else 1)
+    return out
+
+
+def check_hugepages(host_budget: int) -> Check:
+    mi = _meminfo()
+    size = mi.get("Hugepagesize", 2 << 20)
+    total, free = mi.get("HugePages_Total", 0), mi.get("HugePages_Free", 0)
+    thp = _read("/sys/kernel/mm/transparent_hugepage/enabled") or "unknown"
+    thp_mode = thp[thp.find("[") + 1: thp.find("]")] if "[" in thp else thp
+    want = -(-host_budget // size)
+    data = {"hugepage_bytes": size, "total": total, "free": free, "thp": thp_mode, "wanted_for_host_budget": want}
+    summary = f"{total} x {human_bytes(size)} reserved ({free} free); transparent huge pages: {thp_mode}"
+    fix = []
+    status = OK
+    if free < want:
+        status = WARN if thp_mode == "never" else INFO
+        fix += [f"# reserve {want} huge pages ({human_bytes(want * size)}) for the host tier:",
+                f"echo {want} | sudo tee /proc/sys/vm/nr_hugepages",
+                f"echo 'vm.nr_hugepages = {want}' | sudo tee -a {SYSCTL_FILE}"]
+    if thp_mode == "never":
+        status = WARN
+        fix += ["echo madvise | sudo tee /sys/kernel/mm/transparent_hugepage/enabled"]
+    return Check("huge pages", status, summary, fix, data)
+
+
+def check_memlock(host_budget: int) -> Check:
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    inf = resource.RLIM_INFINITY
+
+    def show(v: int) -> str:
+        return "unlimited" if v == inf else human_bytes(v)
+
+    data = {"soft": None if soft == inf else soft, "hard": None if hard == inf else hard, "euid": os.geteuid()}
+    summary = f"RLIMIT_MEMLOCK soft {show(soft)}, hard {show(hard)}"
+    if soft == inf or soft >= host_budget:
+        return Check("memlock limit", OK, summary + " (enough to pin the host tier)", [], data)
+    if os.geteuid() == 0:
+        return Check("memlock limit", INFO, summary + " (root: CAP_IPC_LOCK lifts the limit)", [], data)
+    fix = ["# pinned (page-locked) host memory for CUDA copies needs a memlock limit >= the host tier:",
+           "ulimit -l unlimited            # this shell (needs a hard limit that allows it)",
+           "echo '* soft memlock unlimited' | sudo tee -a /etc/security/limits.d/99-kvh.conf",
+           "echo '* hard memlock unlimited' | sudo tee -a /etc/security/limits.d/99-kvh.conf",
+           "# systemd services: LimitMEMLOCK=infinity; docker: --ulimit memlock=-1:-1"]
+    return Check("memlock limit", WARN, summary + f" < host budget {human_bytes(host_budget)}", fix, data)
+
+
+SEED_SYSCTLS = [
+    # name, wanted, comparison ("min" = at least, "max" = at most), why
+    ("vm.max_map_count", 1048576, "min", "many mappings for slabs, huge pages and CUDA"),
+    ("vm.swappiness", 10, "max", "keep the host tier in RAM"),
+    ("vm.dirty_background_ratio", 5, "max", "start writeback early"),
+    ("vm.dirty_ratio", 10, "max", "bound dirty page cache (buffered disk tier)"),
+]
+
+
+def check_sysctls() -> Check:
+    values: Dict[str, Optional[int]] = {}
+    bad = []
+    for name, want, cmp, why in SEED_SYSCTLS:
+        raw = _read("/proc/sys/" + name.replace(".", "/"))
+        v = int(raw.split()[0]) if raw and raw.split()[0].lstrip("-").isdigit() else None
+        values[name] = v
+        if v is None:
+            continue
+        if (cmp == "min" and v < want) or (cmp == "max" and v > want):
+            bad.append((name, want, v, why))
+    summary = ", ".join(f"{k.split('.', 1)[1]}={v}" for k, v in values.items())
+    if not bad:
+        return Check("sysctl", OK, summary, [], {"values": values})
+    fix = [f"# {why} (now {v})" for name, want, v, why in bad]
+    fix += [f"sudo sysctl -w {name}={want}" for name, want, v, why in bad]
+    fix += [f"printf '%s\\n' {' '.join(repr(f'{n} = {w}') for n, w, _, _ in bad)} | sudo tee {SYSCTL_FILE}",
+            "sudo sysctl --system"]
+    status = WARN if any(n == "vm.max_map_count" for n, *_ in bad) else INFO
+    return Check("sysctl", status, summary, fix, {"values": values})
+
+
+def _mount_of(path: Path) -> Dict[str, str]:
+    best = {"mount": "/", "fstype": "unknown", "device": "?"}
+    text = _read("/proc/self/mounts") or ""
+    p = str(path)
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        mnt = parts[1].replace("\\040", " ")
+        if (p == mnt or p.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best["mount"]):
+            best = {"mount": mnt, "fstype": parts[2], "device": parts[0]}
+    return best
+
+
+def _existing(path: Path) -> Path:
+    p = path.resolve()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def check_data_dir(data_dir: Path, disk_budget: int) -> List[Check]:
+    where = _existing(data_dir)
+    mnt = _mount_of(where)
+    checks = []
+    # O_DIRECT: write and read one aligned block in a temporary file.
+    o_direct = getattr(os, "O_DIRECT", 0)
+    data: Dict[str, Any] = {"path": str(data_dir), "checked_at": str(where), **mnt}
+    if not os.access(where, os.W_OK):
+        checks.append(Check("O_DIRECT", FAIL, f"{where} is not writable", [f"sudo mkdir -p {data_dir}",
+                                                                            f"sudo chown $USER {data_dir}"], data))
+    elif not o_direct:
+        checks.append(Check("O_DIRECT", WARN, "this platform has no O_DIRECT", [], data))
+    else:
+        fd = -1
+        name = None
+        try:
+            fdt, name = tempfile.mkstemp(prefix=".kvh-doctor-", dir=where)
+            os.close(fdt)
+            fd = os.open(name, os.O_RDWR | o_direct)
+            buf = mmap.mmap(-1, 4096)
+            buf.write(b"k" * 4096)
+            os.pwrite(fd, buf, 0)
+            os.preadv(fd, [buf], 0)
+            checks.append(Check("O_DIRECT", OK, f"works on {mnt['fstype']} ({mnt['mount']})", [], data))
+        except OSError as exc:
+            fix = ["# kvh falls back to buffered pread/pwrite (or set disk_buffered=True / KVH_DISK_BUFFERED);",
+                   "# for direct I/O put the data directory on ext4/xfs on an NVMe drive, e.g.:",
+                   "kvh demo --data-dir /mnt/nvme/kvh-data"]
+            reason = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+            checks.append(Check("O_DIRECT", WARN, f"refused on {mnt['fstype']} ({mnt['mount']}): {reason}", fix,
+                                data))
+        finally:
+            if fd >= 0:
+                os.close(fd)
+            if name:
+                try:
+                    os.unlink(name)
+                except OSError:
+                    pass
+    try:
+        du = shutil.disk_usage(where)
+        d2 = dict(data, free=du.free, total=du.total, disk_budget=disk_budget)
+        summary = f"{human_bytes(du.free)} free of {human_bytes(du.total)} at {where}"
+        if du.free < disk_budget:
+            checks.append(Check("free space", WARN, summary + f" < disk budget {human_bytes(disk_budget)}",
+                                [f"# free space, or lower disk_bytes to at most {human_bytes(du.free * 0.9)}"], d2))
+        else:
+            checks.append(Check("free space", OK, summary, [], d2))
+    except OSError as exc:
+        checks.append(Check("free space", FAIL, f"cannot stat {where}: {exc}", [], data))
+    return checks
+
+
+def check_io_uring() -> Check:
+    disabled = _read("/proc/sys/kernel/io_uring_disabled")
+    data = {"io_uring_disabled": disabled}
+    if disabled is None or disabled == "0":
+        uring = ctypes.util.find_library("uring")
+        return Check("io_uring", OK, "enabled" + ("" if disabled is not None else " (no io_uring_disabled knob)")
+                     + (f"; liburing {uring}" if uring else ""), [], data)
+    return Check("io_uring", WARN, f"kernel.io_uring_disabled = {disabled}: the disk tier uses pread/pwrite",
+                 ["sudo sysctl -w kernel.io_uring_disabled=0",
+                  f"echo 'kernel.io_uring_disabled = 0' | sudo tee -a {SYSCTL_FILE}"], data)
+
+
+def check_numa() -> Check:
+    base = Path("/sys/devices/system/node")
+    nodes = sorted((p for p in base.glob("node[0-9]*")), key=lambda p: int(p.name[4:])) if base.exists() else []
+    layout = []
+    for n in nodes:
+        cpus = _read(str(n / "cpulist")) or "?"
+        mem = 0
+        for line in (_read(str(n / "meminfo")) or "").splitlines():
+            if "MemTotal" in line:
+                parts = line.split()
+                mem = int(parts[-2]) * 1024
+        layout.append({"node": int(n.name[4:]), "cpus": cpus, "memory": mem})
+    gpus = []
+    for dev in Path("/sys/bus/pci/devices").glob("*") if Path("/sys/bus/pci/devices").exists() else []:
+        if (_read(str(dev / "vendor")) or "") == "0x10de" and (_read(str(dev / "class")) or "").startswith("0x03"):
+            gpus.append({"pci": dev.name, "numa_node": int(_read(str(dev / "numa_node")) or -1)})
+    libnuma = ctypes.util.find_library("numa")
+    data = {"nodes": layout, "gpus": gpus, "libnuma": libnuma}
+    if len(layout) <= 1:
+        return Check("NUMA", OK, f"{max(1, len(layout))} node; nothing to bind", [], data)
+    summary = "; ".join(f"node {n['node']}: cpus {n['cpus']}, {human_bytes(n['memory'])}" for n in layout)
+    fix = []
+    for g in gpus:
+        if g["numa_node"] >= 0:
+            fix.append(f"# GPU {g['pci']} is on node {g['numa_node']}: Engine(numa_node={g['numa_node']}) binds "
+                       "the host tier and the migration workers there")
+    if not libnuma:
+        fix.append("sudo apt-get install libnuma1   # kvh binds memory with libnuma when present")
+    return Check("NUMA", INFO if fix else OK, summary, fix, data)
+
+
+def check_cuda() -> Check:
+    data: Dict[str, Any] = {}
+    smi = shutil.which("nvidia-smi")
+    gpus = []
+    if smi:
+        try:
+            res = subprocess.run([smi, "--query-gpu=name,driver_version,memory.total,pci.bus_id",
+                                  "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
+            for line in res.stdout.strip().splitlines():
+                parts = [p.strip() for p in line.split(",")]
+                if len(parts) >= 3:
+                    gpus.append({"name": parts[0], "driver": parts[1], "memory": parts[2],
+                                 "pci": parts[3] if len(parts) > 3 else ""})
+        except (OSError, subprocess.SubprocessError):
+            pass
+    data["gpus"] = gpus
+    driver = None
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+        v = ctypes.c_int(0)
+        if cuda.cuDriverGetVersion(ctypes.byref(v)) == 0:
+            driver = v.value
+        init = cuda.cuInit(0)
+        count = ctypes.c_int(0)
+        if init == 0 and cuda.cuDeviceGetCount(ctypes.byref(count)) == 0:
+            data["cuda_devices"] = count.value
+        else:
+            data["cuInit"] = init
+    except OSError:
+        pass
+    data["driver_cuda_version"] = f"{driver // 1000}.{driver % 1000 // 10}" if driver else None
+    # What kvh itself sees.
+    try:
+        from . import Engine, errors  # noqa: F401
+        try:
+            with Engine(backend="cuda", device_bytes=1 << 20, host_bytes=1 << 20, log_level="error") as e:
+                data["kvh_backend"] = e.backend
+        except errors.Error as exc:
+            data["kvh_backend"] = "cpu"
+            data["kvh_cuda_error"] = exc.message
+    except ImportError as exc:
+        data["kvh_backend"] = None
+        data["kvh_cuda_error"] = str(exc)
+    if data.get("kvh_backend") == "cuda":
+        desc = ", ".join(f"{g['name']} ({g['memory']}, driver {g['driver']})" for g in gpus) or "a CUDA device"
+        return Check("CUDA", OK, f"kvh uses {desc}", [], data)
+    if not gpus and driver is None:
+        return Check("CUDA", INFO, "no NVIDIA GPU or driver: kvh runs on the CPU backend",
+                     [], data)
+    fix = []
+    msg = data.get("kvh_cuda_error") or "the CUDA backend did not start"
+    if "insufficient" in msg.lower() or "driver" in msg.lower():
+        fix.append("# the NVIDIA driver is older than the CUDA runtime kvh was built with: update the driver")
+        fix.append("sudo apt-get install --only-upgrade nvidia-driver   # or your distribution's driver package")
+    if "not found" in msg.lower():
+        fix.append("# libkvh_cuda.so was not built or installed: build with nvcc on PATH "
+                   "(cmake -DKVH_WITH_CUDA=ON), or set KVH_CUDA_BACKEND=/path/to/libkvh_cuda.so")
+    return Check("CUDA", WARN, f"GPU present but kvh falls back to the CPU: {msg}", fix, data)
+
+
+def check_kvh() -> Check:
+    try:
+        from . import _ffi
+        from .tools import find_tool, loaded_library_path
+    except ImportError as exc:
+        return Check("kvh library", FAIL, str(exc), ["pip install ./python   # from the kvh repository"])
+    lib = loaded_library_path()
+    tools = {t: find_tool(t) for t in ("kvh-store", "kvh-bench")}
+    data = {"library": str(lib) if lib else None, "version": _ffi.LOADED_VERSION_STRING,
+            "binding_built_for": _ffi.BUILT_VERSION_STRING, "tools": tools}
+    missing = [t for t, p in tools.items() if not p]
+    summary = f"libkvh {_ffi.LOADED_VERSION_STRING} at {lib or '?'} (binding built for {_ffi.BUILT_VERSION_STRING})"
+    if missing:
+        summary += f"; not found: {', '.join(missing)}"
+    return Check("kvh library", OK, summary, [], data)
+
+
+def run_checks(data_dir: Path, host_budget: int, disk_budget: int,
+               progress: Optional[Callable[[str], None]] = None) -> List[Check]:
+    steps: List[Callable[[], Any]] = [
+        check_kvh,
+        lambda: check_hugepages(host_budget),
+        lambda: check_memlock(host_budget),
+        check_sysctls,
+        lambda: check_data_dir(data_dir, disk_budget),
+        check_io_uring,
+        check_numa,
+        check_cuda,
+    ]
+    out: List[Check] = []
+    for step in steps:
+        try:
+            res = step()
+        except Exception as exc:  # a check must never take the others down
+            res = Check(getattr(step, "__name__", "check"), WARN, f"check failed: {exc!r}")
+        out.extend(res if isinstance(res, list) else [res])
+        if progress:
+            progress(out[-1].name)
+    return out
+
+
+def main_doctor(args) -> int:
+    from ._progress import Progress
+
+    with Progress(8, "kvh doctor", enabled=None if not args.json else False, unit="check") as bar:
+        checks = run_checks(args.data_dir, args.host_budget, args.disk_budget,
+                            progress=lambda name: bar.update(1, name))
+    if args.json:
+        json.dump({"checks": [c.to_json() for c in checks],
+                   "ok": all(c.status in (OK, INFO) for c in checks)}, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        marks = {OK: "ok", WARN: "WARN", FAIL: "FAIL", INFO: "info"}
+        print(table([[c.name, marks[c.status], c.summary] for c in checks], ["check", "status", "detail"],
+                    title="kvh doctor (read-only: nothing was changed)", align="lll"))
+        fixes = [c for c in checks if c.fix]
+        if fixes:
+            print("\nWhat to change:")
+            for c in fixes:
+                print(f"\n[{c.name}]")
+                for line in c.fix:
+                    print(f"  {line}")
+        else:
+            print("\nNothing to change.")
+    bad = any(c.status in (WARN, FAIL) for c in checks)
+    return 1 if args.strict and bad else 0

@@ -1,0 +1,46 @@
+"""Helpers shared by the Python tests."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def kv_data(n: int, heads: int, dim: int, dtype, seed: int = 0):
+    """Random K and V shaped (n, heads, dim); dtype uint16 means bf16 bits."""
+    import kvh
+
+    rng = np.random.default_rng(seed)
+    k = rng.standard_normal((n, heads, dim)).astype(np.float32)
+    v = rng.standard_normal((n, heads, dim)).astype(np.float32)
+    if np.dtype(dtype) == np.uint16:
+        return kvh.f32_to_bf16(k), kvh.f32_to_bf16(v)
+    return k.astype(dtype), v.astype(dtype)
+
+
+def filled_seq(eng, n_tokens: int, *, seed: int = 0, agent: int = 0, first_token: int = 0):
+    """A sequence of n_tokens with K/V written for every layer; returns
+    (seq, {layer: (k, v)})."""
+    seq = eng.sequence(agent=agent, tokens=np.arange(first_token, first_token + n_tokens))
+    data = {}
+    for layer in range(eng.num_layers):
+        k, v = kv_data(n_tokens, eng.num_kv_heads, eng.head_dim, eng.np_dtype, seed=seed * 100 + layer)
+        seq.write_kv(layer, 0, k, v)
+        data[layer] = (k, v)
+    return seq, data
+
+
+def reference_attention(k: np.ndarray, v: np.ndarray, q: np.ndarray, scale: float = 0.0) -> np.ndarray:
+    """Decode attention of one query (Hq, D) over k, v (n, H, D), GQA."""
+    n, H, D = k.shape
+    Hq = q.shape[0]
+    group = Hq // H
+    s = scale or 1.0 / math.sqrt(D)
+    out = np.empty((Hq, D), np.float64)
+    for h in range(Hq):
+        kh = k[:, h // group, :].astype(np.float64)
+        vh = v[:, h // group, :].astype(np.float64)
+        logits = kh @ q[h].astype(np.float64) * s
+        w = np.exp(logits - logits.max())
+        out[h] = (w / w.sum()) @ vh
+    return out

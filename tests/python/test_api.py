@@ -1,0 +1,438 @@
+"""API round trips against NumPy references, CoW through the API, zero-copy
+views, lifetimes, stats and logging."""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+
+import numpy as np
+import pytest
+
+import kvh
+from kvh._ffi import ffi
+from kvh_testutil import filled_seq, kv_data
+
+
+def make_engine(**kw):
+    base = dict(num_layers=2, num_kv_heads=2, head_dim=8, block_tokens=16, dtype="f32", backend="cpu",
+                device_bytes=64 * 4096, host_bytes=256 * 4096)
+    base.update(kw)
+    return kvh.Engine(**base)
+
+
+# ---- configuration ---------------------------------------------------------------
+
+def test_engine_config_and_properties():
+    with make_engine(num_layers=3, num_kv_heads=4, head_dim=16, block_tokens=32, dtype="f16") as eng:
+        assert eng.backend == "cpu"
+        assert (eng.num_layers, eng.num_kv_heads, eng.head_dim, eng.block_tokens) == (3, 4, 16, 32)
+        assert eng.dtype == kvh.DType.F16 and eng.np_dtype == np.float16
+        assert eng.block_bytes == 3 * 2 * 4 * 32 * 16 * 2
+        assert eng.layer_bytes * 3 == eng.block_bytes
+        cfg = eng.config
+        assert isinstance(cfg, kvh.Config) and cfg.lru_k == 2 and cfg.num_layers == 3  # library defaults filled in
+        assert "backend=cpu" in repr(eng)
+    assert eng.closed and "closed" in repr(eng)
+
+
+def test_config_object_and_overrides():
+    cfg = kvh.Config(num_kv_heads=2, head_dim=8, dtype=np.float32, backend="cpu")
+    with kvh.Engine(cfg, block_tokens=8) as eng:
+        assert eng.block_tokens == 8 and eng.dtype == kvh.DType.F32
+    assert cfg.to_dict()["backend"] == "cpu"
+
+
+def test_dtype_mapping():
+    assert kvh.numpy_dtype("f32") == np.float32
+    assert kvh.numpy_dtype("f16") == np.float16
+    assert kvh.numpy_dtype("bf16") == np.uint16  # raw bits
+    x = np.array([1.0, -2.5, 3.140625, 0.0], np.float32)
+    assert np.array_equal(kvh.bf16_to_f32(kvh.f32_to_bf16(x)), x)  # exactly representable
+
+
+# ---- K/V round trips -------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
+@pytest.mark.parametrize("geom", [(1, 1, 4, 1), (2, 2, 8, 16), (3, 4, 64, 32)], ids=["tiny", "small", "wide"])
+def test_write_read_round_trip(dtype, geom):
+    layers, heads, dim, bt = geom
+    with make_engine(num_layers=layers, num_kv_heads=heads, head_dim=dim, block_tokens=bt, dtype=dtype,
+                     device_bytes=1 << 22, host_bytes=1 << 22) as eng:
+        n = 3 * bt + 5  # partial last block
+        with eng.sequence(tokens=np.arange(n)) as seq:
+            ref = {}
+            for layer in range(layers):
+                k, v = kv_data(n, heads, dim, eng.np_dtype, seed=layer)
+                seq.write_kv(layer, 0, k, v)
+                ref[layer] = (k, v)
+            for layer in range(layers):
+                k, v = seq.read_kv(layer)
+                assert k.dtype == eng.np_dtype and k.shape == (n, heads, dim)
+                np.testing.assert_array_equal(k, ref[layer][0])
+                np.testing.assert_array_equal(v, ref[layer][1])
+                # sub-ranges across block boundaries, as (pos, n) and as range()
+                a = max(0, bt - 3)
+                k2, v2 = seq.read_kv(layer, a, bt + 6)
+                np.testing.assert_array_equal(k2, ref[layer][0][a: a + bt + 6])
+                np.testing.assert_array_equal(v2, ref[layer][1][a: a + bt + 6])
+                k3, _ = seq.read_kv(layer, range(1, n - 1))
+                np.testing.assert_array_equal(k3, ref[layer][0][1: n - 1])
+
+
+def test_partial_writes_and_out_arrays(engine):
+    with engine.sequence(tokens=range(40)) as seq:
+        k, v = kv_data(40, 2, 8, np.float32)
+        for pos in range(0, 40, 7):  # odd-sized pieces
+            m = min(7, 40 - pos)
+            seq.write_kv(0, pos, k[pos:pos + m], v[pos:pos + m])
+        ok = np.empty_like(k)
+        ov = np.empty_like(v)
+        rk, rv = seq.read_kv(0, out=(ok, ov))
+        assert rk is ok and rv is ov
+        np.testing.assert_array_equal(ok, k)
+        np.testing.assert_array_equal(ov, v)
+
+
+def test_tokens_truncate_and_length(engine):
+    with engine.sequence() as seq:
+        seq.append([5, 6, 7])
+        seq.append(np.arange(100, 140, dtype=np.int64))
+        assert len(seq) == 43 and seq.num_blocks == 3
+        toks = seq.tokens()
+        assert toks.dtype == np.int32 and list(toks[:4]) == [5, 6, 7, 100]
+        assert list(seq.tokens(range(3, 6))) == [100, 101, 102]
+        seq.truncate(20)
+        assert len(seq) == 20 and seq.num_blocks == 2
+        assert list(seq.tokens()) == [5, 6, 7] + list(range(100, 117))
+
+
+# ---- copy-on-write ----------------------------------------------------------------
+
+def test_fork_shares_until_write(engine):
+    parent, ref = filled_seq(engine, 40, seed=1)
+    with parent:
+        b_parent = parent.blocks()
+        child = parent.fork(agent=7)
+        with child:
+            assert child.agent == 7 and len(child) == 40
+            assert child.blocks() == b_parent  # the same blocks
+            assert all(b.info().refs == 2 for b in b_parent)
+            before = engine.stats().cow_copies
+            # a write into the child's second block copies only that block
+            k, v = kv_data(3, 2, 8, np.float32, seed=99)
+            child.write_kv(1, 17, k, v)
+            assert engine.stats().cow_copies == before + 1
+            cb = child.blocks()
+            assert cb[0] == b_parent[0] and cb[2] == b_parent[2] and cb[1] != b_parent[1]
+            assert b_parent[1].info().refs == 1 and cb[1].info().refs == 1
+            # the parent still reads its own data, the child its new data
+            pk, pv = parent.read_kv(1)
+            np.testing.assert_array_equal(pk, ref[1][0])
+            np.testing.assert_array_equal(pv, ref[1][1])
+            ck, cv = child.read_kv(1)
+            np.testing.assert_array_equal(ck[17:20], k)
+            np.testing.assert_array_equal(ck[:17], ref[1][0][:17])
+            np.testing.assert_array_equal(ck[20:], ref[1][0][20:])
+            # the other layer of the copied block came along
+            np.testing.assert_array_equal(child.read_kv(0)[0], ref[0][0])
+            # and a parent write after the fork does not reach the child
+            parent.write_kv(0, 0, k, v)
+            np.testing.assert_array_equal(child.read_kv(0, 0, 3)[0], ref[0][0][:3])
+        # freeing the child drops its references
+        assert all(b.info().refs == 1 for b in parent.blocks())
+
+
+def test_append_to_shared_partial_block_copies(engine):
+    parent, ref = filled_seq(engine, 20, seed=2)
+    with parent, parent.fork() as child:
+        child.append([1, 2, 3])
+        assert len(child) == 23 and len(parent) == 20
+        assert child.blocks()[1] != parent.blocks()[1]
+        np.testing.assert_array_equal(child.read_kv(0, 0, 20)[0], ref[0][0])
+
+
+def test_match_prefix_attaches_cached_blocks(engine):
+    toks = np.arange(1000, 1040)
+    owner, ref = filled_seq(engine, 40, seed=3, first_token=1000)
+    with owner:
+        full = owner.blocks()[:2]
+        assert all(b.info().published for b in full)  # full + every layer written
+        with engine.sequence(agent=2) as s:
+            matched = s.match_prefix(toks)
+            assert matched == 32 and len(s) == 32
+            assert s.blocks() == full
+            np.testing.assert_array_equal(s.read_kv(1)[0], ref[1][0][:32])
+            st = engine.stats()
+            assert st.prefix_queries >= 1 and st.prefix_hit_tokens >= 32
+        with pytest.raises(kvh.InvalidArgumentError):
+            owner.match_prefix(toks)  # not empty
+        # the index agrees with prefix_hash / prefix_lookup
+        h0 = engine.prefix_hash(toks[:16])
+        h1 = engine.prefix_hash(toks[16:32], parent=h0)
+        assert full[0].info().hash == h0 and full[1].info().hash == h1
+        found = engine.prefix_lookup(toks)
+        assert found == full and all(b.owned for b in found)
+        refs = full[0].info().refs
+        for b in found:
+            b.release()
+        assert full[0].info().refs == refs - 1
+
+
+# ---- residency, pins, migration -----------------------------------------------------
+
+def test_acquire_hold_and_release(engine):
+    seq, _ = filled_seq(engine, 40)
+    with seq:
+        seq.migrate(kvh.Tier.HOST)
+        assert all(b.info().tier == kvh.Tier.HOST for b in seq.blocks())
+        with seq.acquire(range(0, 20)) as hold:
+            assert hold.range == range(0, 20)
+            infos = [b.info() for b in seq.blocks()]
+            assert [i.holds for i in infos] == [1, 1, 0]
+            assert infos[0].tier == kvh.Tier.DEVICE and infos[1].tier == kvh.Tier.DEVICE
+        assert [b.info().holds for b in seq.blocks()] == [0, 0, 0]
+        hold.release()  # idempotent
+        h2 = seq.acquire(wait=False)
+        h2.wait(5)
+        assert all(b.info().tier == kvh.Tier.DEVICE for b in seq.blocks())
+        h2.release()
+
+
+def test_pin_and_unpin(engine):
+    seq, _ = filled_seq(engine, 16)
+    with seq:
+        seq.pin()
+        assert seq.block_info(0).pins == 1
+        assert engine.tier_info("device").pinned_blocks >= 1
+        seq.unpin()
+        assert seq.block_info(0).pins == 0
+        with pytest.raises(kvh.InvalidArgumentError):
+            seq.unpin()
+
+
+def test_migrate_fence_and_block_api(engine):
+    seq, ref = filled_seq(engine, 32)
+    with seq:
+        f = seq.migrate("host", wait=False)
+        f.result(5)
+        assert f.done()
+        assert {b.info().tier for b in seq.blocks()} == {kvh.Tier.HOST}
+        engine.migrate(seq.blocks(), "device")
+        assert {b.info().tier for b in seq.blocks()} == {kvh.Tier.DEVICE}
+        np.testing.assert_array_equal(seq.read_kv(0)[0], ref[0][0])
+        with engine.block_alloc(agent=3) as b:
+            assert b.owned and b.info().agent == 3 and b.info().refs == 1
+            b2 = b.retain()
+            assert b.info().refs == 2
+            b2.release()
+        assert engine.stats().blocks_freed >= 1
+
+
+def test_tier_info_and_spill():
+    with make_engine(device_bytes=4 * 4096, host_bytes=64 * 4096) as eng:
+        tiers = eng.tiers()
+        assert tiers[kvh.Tier.DEVICE].capacity_blocks == 4
+        assert tiers[kvh.Tier.HOST].capacity_blocks == 64
+        assert not tiers[kvh.Tier.DISK].present
+        seqs = [filled_seq(eng, 32, seed=i)[0] for i in range(6)]  # 12 blocks > 4 device slots
+        t = eng.tiers()
+        assert t[kvh.Tier.DEVICE].used_blocks == 4
+        assert t[kvh.Tier.HOST].used_blocks >= 8
+        assert t[kvh.Tier.DEVICE].used_bytes == 4 * eng.block_bytes
+        st = eng.stats()
+        assert st.evictions >= 8 and st.bytes_device_to_host >= 8 * eng.block_bytes
+        for s in seqs:
+            s.free()
+
+
+# ---- stats --------------------------------------------------------------------------
+
+def test_stats_dataclass_covers_the_c_struct(engine):
+    names = [n for n, _ in ffi.typeof("kvh_stats").fields if n != "struct_size" and not n.startswith("reserved")]
+    fields = [f.name for f in dataclasses.fields(kvh.Stats) if f.name != "extra"]
+    assert names == fields, "kvh.Stats is out of date with kvh_stats"
+    st = engine.stats()
+    assert st.extra == {}
+    with engine.sequence(tokens=range(16)) as s:
+        s.write_kv(0, 0, *kv_data(16, 2, 8, np.float32))
+        delta = engine.stats() - st
+    assert delta.lookups >= 1 and delta.blocks_allocated == 1
+    assert 0.0 <= delta.device_hit_rate <= 1.0
+    assert set(st.to_dict()) == set(names)
+
+
+# ---- lifetimes ---------------------------------------------------------------------
+
+def test_gc_frees_sequences_and_blocks(engine):
+    used0 = engine.tier_info("device").used_blocks
+    seq = engine.sequence(tokens=range(40))  # 3 blocks, not full -> not cached
+    assert engine.tier_info("device").used_blocks == used0 + 3
+    freed0 = engine.stats().blocks_freed
+    del seq
+    gc.collect()
+    assert engine.stats().blocks_freed == freed0 + 3
+    b = engine.block_alloc()
+    del b
+    gc.collect()
+    assert engine.stats().blocks_freed == freed0 + 4
+
+
+def test_engine_gc_closes():
+    eng = make_engine()
+    seq = eng.sequence(tokens=range(8))
+    native = eng._native
+    del eng, seq
+    gc.collect()
+    assert native.closed and native.released
+
+
+def test_double_free_and_context_managers(engine):
+    with engine.sequence() as s:
+        pass
+    assert s.freed
+    s.free()  # no-op
+    assert "freed" in repr(s)
+    engine.close()
+    engine.close()  # idempotent
+
+
+# ---- zero-copy views --------------------------------------------------------------------
+
+def test_block_view_shares_memory_both_ways(engine):
+    seq, ref = filled_seq(engine, 20)
+    with seq:
+        # block 1 holds tokens 16..19: private and not full, so writable
+        view = seq.block_view(1, 1)
+        H, bt, D = engine.num_kv_heads, engine.block_tokens, engine.head_dim
+        assert view.shape == (2, H, bt, D) and view.dtype == np.float32
+        assert view.flags.writeable and not view.flags.owndata
+        # layout [K,V][head][token][dim] holds what write_kv wrote
+        np.testing.assert_array_equal(view[0][:, :4].transpose(1, 0, 2), ref[1][0][16:20])
+        np.testing.assert_array_equal(view[1][:, :4].transpose(1, 0, 2), ref[1][1][16:20])
+        # a write through the view is seen by C
+        view[0, 1, 2, :] = 42.0
+        k, _ = seq.read_kv(1, 18, 1)
+        assert np.all(k[0, 1] == 42.0)
+        # and a write through C is seen by the view
+        nk, nv = kv_data(1, H, D, np.float32, seed=7)
+        seq.write_kv(1, 17, nk, nv)
+        np.testing.assert_array_equal(view[0][:, 1, :], nk[0])
+        np.testing.assert_array_equal(view[1][:, 1, :], nv[0])
+        # the view holds its block resident, at the address the tier reports
+        info = seq.block_info(1)
+        assert info.holds == 1 and not info.shared
+        addr = view.__array_interface__["data"][0]
+        base = engine.tier_info(info.tier).base
+        assert addr == base + info.slot * engine.block_bytes + engine.layer_bytes
+        del view
+        gc.collect()
+        assert seq.block_info(1).holds == 0
+
+
+def test_block_view_read_only_for_shared_blocks(engine):
+    seq, ref = filled_seq(engine, 20)
+    with seq:
+        w = seq.block_view(1, 0)  # partial private block
+        assert w.flags.writeable
+        child = seq.fork()
+        # forked: the block is shared now, the existing writable view is downgraded
+        assert not w.flags.writeable
+        r = child.block_view(1, 0)
+        assert not r.flags.writeable
+        with pytest.raises(ValueError):
+            r[0, 0, 0, 0] = 1.0
+        full = seq.block_view(0, 0)  # full and published: immutable
+        assert not full.flags.writeable and seq.block_info(0).published
+        child.free()
+        del w, r, full
+
+
+def test_block_view_with_explicit_hold(engine):
+    seq, _ = filled_seq(engine, 40)
+    with seq, seq.acquire() as hold:
+        v = seq.block_view(2, 0, hold=hold)
+        assert seq.block_info(2).holds == 1  # no second hold taken
+        with pytest.raises(ValueError):
+            seq.block_view(2, 0, hold=seq.acquire(0, 16))
+        del v
+
+
+def test_block_view_keeps_memory_after_close():
+    eng = make_engine()
+    seq, ref = filled_seq(eng, 20)
+    view = seq.block_view(0, 0)
+    eng.close()
+    assert eng.closed
+    with pytest.raises(kvh.ClosedError):
+        seq.read_kv(0)
+    # the C engine is kept until the view goes: reading it is safe
+    np.testing.assert_array_equal(view[0].transpose(1, 0, 2), ref[0][0][:16])
+    native = eng._native
+    assert not native.released
+    del view
+    gc.collect()
+    assert native.released
+
+
+def test_block_view_errors(engine):
+    with engine.sequence(tokens=range(16)) as seq:
+        with pytest.raises(kvh.RangeError):
+            seq.block_view(1, 0)
+        with pytest.raises(kvh.RangeError):
+            seq.block_view(0, engine.num_layers)
+        with pytest.raises(TypeError):
+            seq.block_view(0, 0, hold="nope")
+
+
+# ---- persistence ----------------------------------------------------------------------
+
+def test_persist_and_reopen(tmp_path):
+    store = tmp_path / "store"
+    toks = np.arange(500, 548)
+    kw = dict(disk_path=str(store), disk_bytes=1 << 22)
+    try:
+        eng = make_engine(**kw)
+    except kvh.UnsupportedError:
+        pytest.skip("no disk tier in this build")
+    with eng:
+        seq, ref = filled_seq(eng, 48, first_token=500)
+        try:
+            seq.persist()
+        except kvh.UnsupportedError:
+            pytest.skip("persist is not implemented in this build")
+        seq.free()
+    with make_engine(**kw) as eng2:
+        assert eng2.tier_info("disk").used_blocks >= 3
+        with eng2.sequence() as s:
+            assert s.match_prefix(toks) == 48
+            for layer in range(2):
+                k, v = s.read_kv(layer)
+                np.testing.assert_array_equal(k, ref[layer][0])
+                np.testing.assert_array_equal(v, ref[layer][1])
+
+
+# ---- logging ------------------------------------------------------------------------------
+
+def test_log_callback_routes_to_logging(caplog):
+    caplog.set_level(logging.DEBUG, logger="kvh")
+    with kvh.Engine(backend="auto", log_level="debug", device_bytes=1 << 20, host_bytes=1 << 20) as eng:
+        backend = eng.backend
+    records = [r for r in caplog.records if r.name == "kvh"]
+    if backend == "cpu":
+        assert any("CPU backend" in r.getMessage() for r in records), records
+        assert all(r.levelno in (logging.DEBUG, logging.INFO, logging.WARNING, logging.ERROR) for r in records)
+
+
+def test_log_level_follows_logger():
+    logger = logging.getLogger("kvh")
+    old = logger.level
+    try:
+        logger.setLevel(logging.ERROR)
+        with make_engine() as eng:
+            assert eng.config.log_level == 0
+        logger.setLevel(logging.DEBUG)
+        with make_engine() as eng:
+            assert eng.config.log_level == 3
+    finally:
+        logger.setLevel(old)

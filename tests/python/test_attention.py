@@ -1,0 +1,68 @@
+"""Paged attention through the API: UnsupportedError until the kernels land,
+then the result must match a NumPy reference."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvh
+from kvh_testutil import filled_seq, reference_attention
+
+
+def _engine(dtype="f32"):
+    return kvh.Engine(num_layers=2, num_kv_heads=2, head_dim=16, block_tokens=16, dtype=dtype, backend="cpu",
+                      device_bytes=1 << 20, host_bytes=1 << 20)
+
+
+@pytest.mark.parametrize("q_heads", [2, 4])
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+def test_decode_matches_reference(q_heads, dtype):
+    with _engine(dtype) as eng:
+        seqs = [filled_seq(eng, n, seed=i, first_token=100 * i) for i, n in enumerate((5, 16, 37))]
+        holds = [s.acquire() for s, _ in seqs]
+        q = np.random.default_rng(0).standard_normal((3, q_heads, 16)).astype(np.float32)
+        try:
+            out = eng.attention_decode(1, [s for s, _ in seqs], q)
+        except kvh.UnsupportedError:
+            pytest.skip("attention kernels are not in this build")
+        assert out.shape == q.shape and out.dtype == np.float32
+        tol = 1e-4 if dtype == "f32" else 2e-3
+        for i, (s, ref) in enumerate(seqs):
+            k, v = ref[1]
+            want = reference_attention(k.astype(np.float32), v.astype(np.float32), q[i])
+            np.testing.assert_allclose(out[i], want, atol=tol, rtol=tol)
+        # explicit out= and scale
+        out2 = np.empty_like(q)
+        assert eng.attention_decode(1, [s for s, _ in seqs], q, out=out2, scale=0.5) is out2
+        want = reference_attention(seqs[0][1][1][0].astype(np.float32), seqs[0][1][1][1].astype(np.float32), q[0],
+                                   scale=0.5)
+        np.testing.assert_allclose(out2[0], want, atol=tol, rtol=tol)
+        for h in holds:
+            h.release()
+
+
+def test_decode_needs_residency():
+    with kvh.Engine(num_layers=1, num_kv_heads=2, head_dim=16, dtype="f32", backend="cpu",
+                    device_bytes=1 << 20, host_bytes=1 << 20) as eng:
+        s, _ = filled_seq(eng, 20)
+        s.migrate("host")
+        q = np.zeros((1, 2, 16), np.float32)
+        with pytest.raises((kvh.NotResidentError, kvh.UnsupportedError)):
+            eng.attention_decode(0, [s], q)
+
+
+def test_prefill_matches_reference():
+    with _engine() as eng:
+        s, ref = filled_seq(eng, 40, seed=3)
+        q_len = 6
+        q = np.random.default_rng(1).standard_normal((q_len, 4, 16)).astype(np.float32)
+        with s.acquire():
+            try:
+                out = eng.attention_prefill(0, [s], [q_len], q)
+            except kvh.UnsupportedError:
+                pytest.skip("attention kernels are not in this build")
+        k, v = ref[0]
+        for j in range(q_len):
+            upto = 40 - q_len + j + 1  # causal: up to and including itself
+            want = reference_attention(k[:upto], v[:upto], q[j])
+            np.testing.assert_allclose(out[j], want, atol=1e-4, rtol=1e-4)

@@ -1,0 +1,212 @@
+"""The kvh command line: every command runs, exits 0 (or 3 with a clear
+message where a tool is not built) and prints sane output."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvh import _progress, cli
+from kvh.tools import find_tool
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_kvh(*args, timeout=120, env_extra=None):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO / "python") + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-m", "kvh", *args], capture_output=True, text=True, timeout=timeout,
+                          env=env, cwd=str(REPO))
+
+
+SMALL_DEMO = ["--agents", "2", "--steps", "6", "--chunks", "8", "--device-budget", "2MiB", "--host-budget",
+              "1MiB", "--seed", "3"]
+
+
+@pytest.mark.parametrize("cmd", [[], ["demo"], ["stats"], ["store"], ["store", "info"], ["store", "verify"],
+                                 ["bench"], ["doctor"]], ids=lambda c: "-".join(c) or "top")
+def test_help_everywhere(cmd):
+    res = run_kvh(*cmd, "--help")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("usage: kvh")
+    assert "--help" in res.stdout
+
+
+def test_version_and_no_command():
+    res = run_kvh("--version")
+    assert res.returncode == 0 and res.stdout.startswith("kvh ")
+    res = run_kvh()
+    assert res.returncode == 2 and "COMMAND" in res.stdout
+
+
+def test_demo_table():
+    res = run_kvh("demo", *SMALL_DEMO)
+    assert res.returncode == 0, res.stdout + res.stderr
+    out = res.stdout
+    for word in ("Agents", "Tiers", "Engine", "hit rate", "prefetch issued", "OK:"):
+        assert word in out, out
+    assert "\r" not in out  # no progress bar when not on a TTY
+
+
+def test_demo_json(tmp_path):
+    res = run_kvh("demo", *SMALL_DEMO, "--json", "--data-dir", str(tmp_path / "store"))
+    assert res.returncode == 0, res.stdout + res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["ok"] is True
+    assert len(doc["agents"]) == 2
+    for a in doc["agents"]:
+        assert a["kv_ok"] and a["cow_ok"] and a["chunk_reads"] == 6 and a["prefix_matched"] == 128
+    assert doc["stats"]["lookups"] > 0 and doc["stats"]["prefix_hit_tokens"] >= 256
+    assert set(doc["tiers"]) == {"device", "host", "disk"}
+    assert doc["tiers"]["device"]["used_blocks"] <= doc["tiers"]["device"]["capacity_blocks"]
+    assert doc["stats"]["evictions"] > 0  # the budget is small: blocks spilled
+    if doc["tiers"]["disk"]["capacity_blocks"]:
+        assert doc["restart"] is None or doc["restart"]["ok"]
+        if doc["restart"] is not None:
+            # a second run finds the persisted chunks in the store (and verifies them)
+            res = run_kvh("demo", *SMALL_DEMO, "--json", "--data-dir", str(tmp_path / "store"))
+            assert res.returncode == 0, res.stdout + res.stderr
+            again = json.loads(res.stdout)
+            assert again["ok"] and again["derived"]["chunk_tokens_reused"] == 8 * 64
+
+
+def test_demo_bad_args():
+    res = run_kvh("demo", "--agents", "0")
+    assert res.returncode == 2
+    res = run_kvh("demo", "--device-budget", "lots")
+    assert res.returncode == 2 and "size" in res.stderr
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    d = tmp_path_factory.mktemp("kvh-store") / "store"
+    res = run_kvh("demo", *SMALL_DEMO, "--json", "--data-dir", str(d))
+    assert res.returncode == 0, res.stderr
+    if not (d / "index").exists():
+        pytest.skip("this build has no disk tier")
+    return d
+
+
+def _tool_or_unavailable(res, tool):
+    if find_tool(tool) is None:
+        assert res.returncode == 3
+        assert f"{tool} not found" in res.stderr
+        return False
+    return True
+
+
+def test_store_info_and_verify(store):
+    res = run_kvh("store", "info", str(store))
+    if _tool_or_unavailable(res, "kvh-store"):
+        assert res.returncode == 0, res.stderr
+        assert "geometry" in res.stdout and "blocks" in res.stdout
+        res = run_kvh("store", "info", str(store), "--json")
+        assert json.loads(res.stdout.strip().splitlines()[-1])["blocks"] > 0
+        res = run_kvh("store", "verify", str(store))
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert "0 bad" in res.stdout
+
+
+def test_store_missing_dir(tmp_path):
+    res = run_kvh("store", "info", str(tmp_path / "nope"))
+    assert res.returncode in (1, 3) and res.stderr.strip()
+
+
+def test_stats(store):
+    res = run_kvh("stats", str(store))
+    if find_tool("kvh-store") is None:
+        assert res.returncode == 3 and "kvh-store" in res.stderr
+        res = run_kvh("stats", str(store), "--layers", "4", "--kv-heads", "4", "--head-dim", "64",
+                      "--block-tokens", "16", "--dtype", "f16", "--model-salt", str(0x6B7668 + 3))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "disk slots" in res.stdout and "geometry" in res.stdout
+    res = run_kvh("stats", str(store), "--json", "--layers", "4", "--kv-heads", "4", "--head-dim", "64",
+                  "--block-tokens", "16", "--dtype", "f16", "--model-salt", str(0x6B7668 + 3))
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["disk"]["used_blocks"] > 0 and doc["stats"]["corrupt_blocks"] == 0
+
+
+def test_stats_not_a_store(tmp_path):
+    res = run_kvh("stats", str(tmp_path))
+    assert res.returncode == 1 and "not a kvh store" in res.stderr
+
+
+def test_bench():
+    res = run_kvh("bench", "--list")
+    if not _tool_or_unavailable(res, "kvh-bench"):
+        return
+    assert res.returncode == 0
+    scenarios = res.stdout.split()
+    assert scenarios
+    res = run_kvh("bench", scenarios[0], "--quick", "--json", timeout=300)
+    assert res.returncode == 0, res.stderr
+    lines = [json.loads(l) for l in res.stdout.splitlines() if l.strip()]
+    assert lines and all({"scenario", "metric", "value", "unit"} <= set(l) for l in lines)
+    res = run_kvh("bench", scenarios[0], "--quick", "--", "--reps", "1", timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "kvh bench" in res.stdout and "metric" in res.stdout
+    res = run_kvh("demo", "--", "--reps", "1")
+    assert res.returncode == 2  # extra arguments are for bench only
+
+
+def test_tool_missing_message(tmp_path):
+    res = run_kvh("bench", "--list", env_extra={"KVH_BENCH": str(tmp_path / "missing-bench"), "PATH": "/usr/bin:/bin"})
+    # an explicit $KVH_BENCH that does not exist fails in the tool call, not silently
+    assert res.returncode != 0
+
+
+def test_doctor():
+    res = run_kvh("doctor", "--data-dir", str(REPO / "build"))
+    assert res.returncode == 0, res.stderr
+    for name in ("huge pages", "memlock", "sysctl", "O_DIRECT", "free space", "NUMA", "CUDA", "nothing was changed"):
+        assert name in res.stdout, res.stdout
+    res = run_kvh("doctor", "--json", "--data-dir", "/tmp/kvh-doctor-does-not-exist/x")
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout)
+    names = {c["name"] for c in doc["checks"]}
+    assert {"huge pages", "memlock limit", "sysctl", "O_DIRECT", "free space", "NUMA", "CUDA"} <= names
+    assert all(c["status"] in ("ok", "warn", "fail", "info") for c in doc["checks"])
+    sysctl = next(c for c in doc["checks"] if c["name"] == "sysctl")
+    for line in sysctl["fix"]:
+        assert line.startswith(("#", "sudo", "printf"))
+
+
+def test_doctor_changes_nothing(tmp_path):
+    before = {p: Path(p).read_text() for p in ("/proc/sys/vm/max_map_count", "/proc/sys/vm/nr_hugepages")
+              if Path(p).exists()}
+    assert cli.main(["doctor", "--json", "--data-dir", str(tmp_path)]) == 0
+    after = {p: Path(p).read_text() for p in before}
+    assert before == after
+    assert list(tmp_path.iterdir()) == []  # the O_DIRECT probe cleaned up
+
+
+class _FakeTTY(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_bar_only_on_tty():
+    tty = _FakeTTY()
+    with _progress.Progress(10, "work", stream=tty) as bar:
+        for _ in range(10):
+            bar.update(1)
+    assert "work [" in tty.getvalue() and "10/10" in tty.getvalue() and tty.getvalue().endswith("\n")
+    plain = io.StringIO()
+    with _progress.Progress(10, "work", stream=plain) as bar:
+        bar.update(10)
+    assert plain.getvalue() == ""
+
+
+def test_table_and_sizes():
+    t = _progress.table([["a", 1, 2.5], ["bb", 1000, 0.25]], ["name", "n", "x"], title="T")
+    lines = t.splitlines()
+    assert lines[0] == "T" and lines[1].split() == ["name", "n", "x"]
+    assert lines[3].startswith("a ") and lines[4].rstrip().endswith("0.25")
+    assert _progress.human_bytes(3 << 20) == "3.0 MiB"
