@@ -143,6 +143,19 @@ static kvhi_job job_pop(kvh_engine *e)
     return top;
 }
 
+/* A block a hint brought up counts as just used: predicted, it must not be
+ * the next victim (which would make every prefetch a waste). */
+static void mark_prefetched(kvh_engine *e, uint32_t b)
+{
+    kvhi_block *blk = &e->blocks[b];
+    blk->flags |= KVHI_BF_PREFETCHED;
+    /* As if used K times just now: the newest backward K-distance. */
+    uint64_t now = ++e->clock;
+    for (uint32_t i = 0; i < e->cfg.lru_k; i++)
+        blk->hist[i] = now;
+    kvhi_block_update_evictable(e, b);
+}
+
 /* Runs one move with the lock held (dropped during the copy). */
 static kvh_status run_job(kvh_engine *e, const kvhi_job *j)
 {
@@ -170,7 +183,7 @@ static kvh_status run_job(kvh_engine *e, const kvhi_job *j)
         /* Only a promotion this hint made, and that no acquire has claimed
          * yet (acquire clears PREFETCHING), counts as prefetched. */
         if (moved && (blk->flags & KVHI_BF_PREFETCHING) && blk->tier == KVH_TIER_DEVICE)
-            blk->flags |= KVHI_BF_PREFETCHED;
+            mark_prefetched(e, j->block);
         if (blk->gen == j->block_gen)
             blk->flags &= (uint16_t)~KVHI_BF_PREFETCHING;
         st = KVH_OK; /* a hint that cannot be honoured is not an error */
@@ -242,7 +255,7 @@ static void run_batch(kvh_engine *e, kvhi_job first)
             kvhi_block *blk = &e->blocks[j->block];
             if (st == KVH_OK && blk->gen == j->block_gen && (blk->flags & KVHI_BF_PREFETCHING) &&
                 blk->tier == KVH_TIER_DEVICE)
-                blk->flags |= KVHI_BF_PREFETCHED;
+                mark_prefetched(e, j->block);
             if (blk->gen == j->block_gen)
                 blk->flags &= (uint16_t)~KVHI_BF_PREFETCHING;
             st = KVH_OK;
