@@ -55,8 +55,8 @@ CTEST_FLAGS := --output-on-failure --no-tests=error -j$(JOBS)
 # switch to its CLI, e.g.
 #   DEMO_PREP ?= $(PYTHON) -m pip install --quiet ./python
 #   DEMO_CMD  ?= kvh demo
-DEMO_PREP   ?=
-DEMO_CMD    ?= $(BUILD_DIR)/examples/kvh-demo-c
+DEMO_PREP   ?= env KVH_BUILD_DIR=$(abspath $(BUILD_DIR)) $(PYTHON) python/build_cffi.py --quiet
+DEMO_CMD    ?= env $(PYTEST_ENV) $(PYTHON) -m kvh demo
 
 # How pytest and cargo find the freshly built library (hooks for python/, rust/).
 LIB_ENV     := KVH_BUILD_DIR=$(abspath $(BUILD_DIR)) LD_LIBRARY_PATH=$(abspath $(BUILD_DIR))$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH}
