@@ -348,8 +348,9 @@ KVH_API kvh_status kvh_seq_match_prefix(kvh_engine *engine, kvh_seq seq,
 /* Makes the blocks holding tokens [first, first + n) resident in the device
  * tier and holds them there until kvh_seq_release. With fence NULL the call
  * waits; otherwise [out] *fence completes when they are resident and must
- * be freed with kvh_fence_free. Returns KVH_ERR_NOSPACE (nothing held).
- * @threads handle */
+ * be freed with kvh_fence_free. Without a fence a failure (e.g.
+ * KVH_ERR_NOSPACE) leaves nothing held; with one, the fence reports it and
+ * the holds stay until kvh_seq_release. @threads handle */
 KVH_API kvh_status kvh_seq_acquire(kvh_engine *engine, kvh_seq seq,
                                    uint64_t first, uint64_t n,
                                    kvh_fence *fence);

@@ -1,0 +1,256 @@
+/* core/handles.h: generation-checked handle tables. */
+#include "test_util.h"
+
+#include "core/handles.h"
+
+static int dummy[1024];
+
+static void test_make_and_split(void **state)
+{
+    (void)state;
+    uint64_t h = kvhi_handle_make(KVHI_TAG_SEQ, 0x123456, 0xdeadbeef);
+    assert_int_equal(kvhi_handle_tag(h), KVHI_TAG_SEQ);
+    assert_int_equal(kvhi_handle_gen(h), 0x123456);
+    assert_int_equal(kvhi_handle_index(h), 0xdeadbeefu);
+    /* The generation is masked to 24 bits and cannot spill into the tag. */
+    h = kvhi_handle_make(KVHI_TAG_BLOCK, 0xFF000001u, 7);
+    assert_int_equal(kvhi_handle_tag(h), KVHI_TAG_BLOCK);
+    assert_int_equal(kvhi_handle_gen(h), 1);
+    assert_int_equal(kvhi_handle_index(h), 7);
+    /* Every tag is non-zero, so no handle equals the null handle. */
+    assert_true(KVHI_TAG_SEQ && KVHI_TAG_BLOCK && KVHI_TAG_FENCE && KVHI_TAG_POOL);
+}
+
+static void test_gen_next_skips_zero(void **state)
+{
+    (void)state;
+    assert_int_equal(kvhi_gen_next(1), 2);
+    assert_int_equal(kvhi_gen_next(KVHI_GEN_MASK - 1), KVHI_GEN_MASK);
+    assert_int_equal(kvhi_gen_next(KVHI_GEN_MASK), 1); /* wraps past 0 */
+    uint32_t g = 1;
+    for (uint32_t i = 0; i < KVHI_GEN_MASK + 5; i++) {
+        g = kvhi_gen_next(g);
+        assert_true(g != 0 && g <= KVHI_GEN_MASK);
+    }
+}
+
+static void test_add_get_remove(void **state)
+{
+    (void)state;
+    kvhi_handle_table t;
+    assert_int_equal(kvhi_handles_init(&t, KVHI_TAG_SEQ), 0);
+    /* Empty table: nothing resolves, including the null handle. */
+    assert_null(kvhi_handles_get(&t, 0, NULL));
+    assert_null(kvhi_handles_get(&t, kvhi_handle_make(KVHI_TAG_SEQ, 1, 0), NULL));
+    assert_null(kvhi_handles_at(&t, 0));
+
+    uint64_t h[3];
+    uint32_t idx[3];
+    for (int i = 0; i < 3; i++) {
+        assert_int_equal(kvhi_handles_add(&t, &dummy[i], &h[i], &idx[i]), 0);
+        assert_int_equal(idx[i], (uint32_t)i); /* lowest index first */
+        assert_int_equal(kvhi_handle_tag(h[i]), KVHI_TAG_SEQ);
+        assert_true(kvhi_handle_gen(h[i]) != 0);
+        assert_int_equal(kvhi_handle_index(h[i]), (uint32_t)i);
+    }
+    assert_int_equal(t.used, 3);
+    for (int i = 0; i < 3; i++) {
+        uint32_t got = 999;
+        assert_ptr_equal(kvhi_handles_get(&t, h[i], &got), &dummy[i]);
+        assert_int_equal(got, idx[i]);
+        assert_ptr_equal(kvhi_handles_at(&t, idx[i]), &dummy[i]);
+        assert_int_equal(kvhi_handles_handle_of(&t, idx[i]), h[i]);
+    }
+    /* Index out-param is optional. */
+    assert_ptr_equal(kvhi_handles_get(&t, h[1], NULL), &dummy[1]);
+
+    kvhi_handles_remove(&t, idx[1]);
+    assert_int_equal(t.used, 2);
+    assert_null(kvhi_handles_get(&t, h[1], NULL));
+    assert_null(kvhi_handles_at(&t, idx[1]));
+    assert_ptr_equal(kvhi_handles_get(&t, h[0], NULL), &dummy[0]);
+    assert_ptr_equal(kvhi_handles_get(&t, h[2], NULL), &dummy[2]);
+    kvhi_handles_destroy(&t);
+    /* A destroyed table resolves nothing and keeps its tag. */
+    assert_null(kvhi_handles_get(&t, h[0], NULL));
+    assert_int_equal(t.tag, KVHI_TAG_SEQ);
+}
+
+static void test_stale_generation_rejected(void **state)
+{
+    (void)state;
+    kvhi_handle_table t;
+    kvhi_handles_init(&t, KVHI_TAG_FENCE);
+    uint64_t old, fresh;
+    uint32_t i_old, i_new;
+    assert_int_equal(kvhi_handles_add(&t, &dummy[0], &old, &i_old), 0);
+    kvhi_handles_remove(&t, i_old);
+    assert_int_equal(kvhi_handles_add(&t, &dummy[1], &fresh, &i_new), 0);
+    assert_int_equal(i_new, i_old); /* the index is reused ... */
+    assert_true(fresh != old);      /* ... under a new generation */
+    assert_null(kvhi_handles_get(&t, old, NULL));
+    assert_ptr_equal(kvhi_handles_get(&t, fresh, NULL), &dummy[1]);
+
+    /* Many reuse cycles of one index: only the newest handle resolves. */
+    uint64_t prev[64];
+    for (int c = 0; c < 64; c++) {
+        prev[c] = fresh;
+        kvhi_handles_remove(&t, i_new);
+        assert_int_equal(kvhi_handles_add(&t, &dummy[2], &fresh, &i_new), 0);
+        assert_int_equal(i_new, i_old);
+        for (int p = 0; p <= c; p++)
+            assert_null(kvhi_handles_get(&t, prev[p], NULL));
+        assert_ptr_equal(kvhi_handles_get(&t, fresh, NULL), &dummy[2]);
+    }
+    /* Any other generation at a live index is rejected. */
+    for (uint32_t g = 0; g < 300; g++) {
+        uint64_t forged = kvhi_handle_make(KVHI_TAG_FENCE, g, i_new);
+        if (forged == fresh)
+            continue;
+        assert_null(kvhi_handles_get(&t, forged, NULL));
+    }
+    kvhi_handles_destroy(&t);
+}
+
+static void test_wrong_tag_rejected(void **state)
+{
+    (void)state;
+    kvhi_handle_table t;
+    kvhi_handles_init(&t, KVHI_TAG_BLOCK);
+    uint64_t h;
+    uint32_t i;
+    assert_int_equal(kvhi_handles_add(&t, &dummy[0], &h, &i), 0);
+    for (uint32_t tag = 0; tag < 256; tag++) {
+        uint64_t forged = kvhi_handle_make((uint8_t)tag, kvhi_handle_gen(h), kvhi_handle_index(h));
+        if (tag == KVHI_TAG_BLOCK)
+            assert_ptr_equal(kvhi_handles_get(&t, forged, NULL), &dummy[0]);
+        else
+            assert_null(kvhi_handles_get(&t, forged, NULL));
+    }
+    kvhi_handles_destroy(&t);
+}
+
+static void test_forged_index_out_of_range(void **state)
+{
+    (void)state;
+    kvhi_handle_table t;
+    kvhi_handles_init(&t, KVHI_TAG_POOL);
+    uint64_t h;
+    uint32_t i;
+    assert_int_equal(kvhi_handles_add(&t, &dummy[0], &h, &i), 0);
+    uint32_t idxs[] = {t.cap, t.cap + 1, 1000, 65535, 0x7FFFFFFFu, 0xFFFFFFFEu, 0xFFFFFFFFu};
+    for (size_t k = 0; k < sizeof(idxs) / sizeof(idxs[0]); k++)
+        for (uint32_t g = 0; g < 4; g++)
+            assert_null(kvhi_handles_get(&t, kvhi_handle_make(KVHI_TAG_POOL, g, idxs[k]), NULL));
+    /* Free slots inside the capacity (never used) do not resolve either. */
+    for (uint32_t k = 1; k < t.cap; k++)
+        for (uint32_t g = 0; g < 3; g++)
+            assert_null(kvhi_handles_get(&t, kvhi_handle_make(KVHI_TAG_POOL, g, k), NULL));
+    assert_null(kvhi_handles_at(&t, t.cap));
+    assert_null(kvhi_handles_at(&t, 0xFFFFFFFFu));
+    kvhi_handles_destroy(&t);
+}
+
+static void test_growth_beyond_64(void **state)
+{
+    (void)state;
+    kvhi_handle_table t;
+    kvhi_handles_init(&t, KVHI_TAG_SEQ);
+    enum { N = 1000 };
+    uint64_t *h = tu_alloc(sizeof(uint64_t) * N);
+    uint32_t *idx = tu_alloc(sizeof(uint32_t) * N);
+    for (uint32_t i = 0; i < N; i++) {
+        assert_int_equal(kvhi_handles_add(&t, &dummy[i], &h[i], &idx[i]), 0);
+        assert_int_equal(idx[i], i);
+    }
+    assert_true(t.cap >= N);
+    assert_int_equal(t.used, N);
+    /* Handles taken before each growth still resolve after it. */
+    for (uint32_t i = 0; i < N; i++)
+        assert_ptr_equal(kvhi_handles_get(&t, h[i], NULL), &dummy[i]);
+    /* Handles are unique. */
+    for (uint32_t i = 1; i < N; i++)
+        assert_true(h[i] != h[i - 1]);
+
+    /* Remove the odd ones, re-add: indices reused, old handles dead. */
+    for (uint32_t i = 1; i < N; i += 2)
+        kvhi_handles_remove(&t, idx[i]);
+    assert_int_equal(t.used, N / 2);
+    for (uint32_t i = 1; i < N; i += 2) {
+        uint64_t nh;
+        uint32_t ni;
+        assert_int_equal(kvhi_handles_add(&t, &dummy[1000], &nh, &ni), 0);
+        assert_true(ni < N && (ni % 2) == 1);
+        assert_true(kvhi_handle_gen(nh) != kvhi_handle_gen(h[ni]));
+    }
+    assert_int_equal(t.used, N);
+    assert_int_equal(t.cap, 1024); /* no growth needed for the re-adds */
+    for (uint32_t i = 1; i < N; i += 2)
+        assert_null(kvhi_handles_get(&t, h[i], NULL));
+    for (uint32_t i = 0; i < N; i += 2)
+        assert_ptr_equal(kvhi_handles_get(&t, h[i], NULL), &dummy[i]);
+    kvhi_handles_destroy(&t);
+}
+
+/* A random workload against a reference map index -> (ptr, handle). */
+static void test_random_against_reference(void **state)
+{
+    (void)state;
+    uint64_t seed = tu_seed(0x4a11d1e5);
+    tu_rng r = {seed};
+    kvhi_handle_table t;
+    kvhi_handles_init(&t, KVHI_TAG_SEQ);
+    enum { MAXI = 600 };
+    uint64_t *live = tu_alloc(sizeof(uint64_t) * 4096); /* by index, 0 = free */
+    uint64_t *dead = tu_alloc(sizeof(uint64_t) * 20000);
+    size_t n_dead = 0;
+    uint32_t used = 0;
+    for (int op = 0; op < 20000; op++) {
+        if (used < MAXI && (used == 0 || tu_below(&r, 100) < 55)) {
+            uint64_t h;
+            uint32_t i;
+            assert_int_equal(kvhi_handles_add(&t, &dummy[op % 1024], &h, &i), 0);
+            assert_true(i < 4096);
+            assert_int_equal(live[i], 0);
+            live[i] = h;
+            used++;
+        } else {
+            uint32_t i;
+            do
+                i = (uint32_t)tu_below(&r, t.cap);
+            while (!live[i]);
+            kvhi_handles_remove(&t, i);
+            if (n_dead < 20000)
+                dead[n_dead++] = live[i];
+            live[i] = 0;
+            used--;
+        }
+        assert_int_equal(t.used, used);
+        if (op % 97 == 0) {
+            for (uint32_t i = 0; i < t.cap; i++)
+                if (live[i])
+                    assert_non_null(kvhi_handles_get(&t, live[i], NULL));
+            for (size_t d = 0; d < n_dead; d++) {
+                uint32_t i = kvhi_handle_index(dead[d]);
+                if (live[i] != dead[d])
+                    assert_null(kvhi_handles_get(&t, dead[d], NULL));
+            }
+        }
+    }
+    kvhi_handles_destroy(&t);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_teardown(test_make_and_split, tu_teardown),
+        cmocka_unit_test_teardown(test_gen_next_skips_zero, tu_teardown),
+        cmocka_unit_test_teardown(test_add_get_remove, tu_teardown),
+        cmocka_unit_test_teardown(test_stale_generation_rejected, tu_teardown),
+        cmocka_unit_test_teardown(test_wrong_tag_rejected, tu_teardown),
+        cmocka_unit_test_teardown(test_forged_index_out_of_range, tu_teardown),
+        cmocka_unit_test_teardown(test_growth_beyond_64, tu_teardown),
+        cmocka_unit_test_teardown(test_random_against_reference, tu_teardown),
+    };
+    return cmocka_run_group_tests_name("handles", tests, NULL, NULL);
+}

@@ -1,0 +1,306 @@
+/* core/lruk.h: indexed LRU-K eviction heap. */
+#include "test_util.h"
+
+#include "core/lruk.h"
+
+/* Items keep their heap position inside a larger record, as blocks do. */
+typedef struct item {
+    uint64_t before;
+    uint32_t pos;
+    uint32_t after;
+    uint64_t hist[4];
+} item;
+
+static int key_eq(const kvhi_lruk_key *a, const kvhi_lruk_key *b)
+{
+    return a->primary == b->primary && a->secondary == b->secondary;
+}
+
+/* Full structural check against the reference (present[], keys[]). */
+static void check_heap(const kvhi_lruk_heap *h, const item *items, const uint8_t *present,
+                       const kvhi_lruk_key *keys, uint32_t n_items)
+{
+    uint32_t count = 0;
+    for (uint32_t i = 0; i < n_items; i++) {
+        if (present[i]) {
+            count++;
+            assert_true(items[i].pos < h->size);
+            assert_int_equal(h->entries[items[i].pos].item, i);
+            assert_true(key_eq(&h->entries[items[i].pos].key, &keys[i]));
+        } else {
+            assert_int_equal(items[i].pos, KVHI_HEAP_NONE);
+        }
+        /* Neighbouring fields are never touched. */
+        assert_int_equal(items[i].before, 0x1111111111111111ull);
+        assert_int_equal(items[i].after, 0x22222222u);
+    }
+    assert_int_equal(h->size, count);
+    for (uint32_t i = 1; i < h->size; i++)
+        assert_false(kvhi_lruk_less(&h->entries[i].key, &h->entries[(i - 1) / 2].key));
+    /* The top is a minimum of the reference. */
+    if (count == 0) {
+        assert_int_equal(kvhi_lruk_top(h), KVHI_HEAP_NONE);
+        assert_null(kvhi_lruk_top_key(h));
+        return;
+    }
+    const kvhi_lruk_key *min = NULL;
+    for (uint32_t i = 0; i < n_items; i++)
+        if (present[i] && (!min || kvhi_lruk_less(&keys[i], min)))
+            min = &keys[i];
+    uint32_t top = kvhi_lruk_top(h);
+    assert_true(top < n_items && present[top]);
+    assert_true(key_eq(&keys[top], min));
+    assert_true(key_eq(kvhi_lruk_top_key(h), min));
+}
+
+static void init_items(item *items, uint32_t n)
+{
+    for (uint32_t i = 0; i < n; i++) {
+        memset(&items[i], 0, sizeof(items[i]));
+        items[i].before = 0x1111111111111111ull;
+        items[i].after = 0x22222222u;
+        items[i].pos = KVHI_HEAP_NONE;
+    }
+}
+
+static void test_random_against_brute_force(void **state)
+{
+    (void)state;
+    enum { N = 300 };
+    uint64_t seed = tu_seed(0x1c0ffee);
+    tu_rng r = {seed};
+    item *items = tu_alloc(sizeof(item) * N);
+    uint8_t *present = tu_alloc(N);
+    kvhi_lruk_key *keys = tu_alloc(sizeof(kvhi_lruk_key) * N);
+    init_items(items, N);
+    kvhi_lruk_heap h;
+    assert_int_equal(kvhi_lruk_init(&h, N, &items[0].pos, sizeof(item)), 0);
+    check_heap(&h, items, present, keys, N);
+    for (int op = 0; op < 20000; op++) {
+        uint32_t it = (uint32_t)tu_below(&r, N);
+        uint32_t what = (uint32_t)tu_below(&r, 10);
+        if (what < 6) {
+            /* Small key ranges make ties (equal primaries / equal keys) common. */
+            kvhi_lruk_key k = {tu_below(&r, 40) | (tu_below(&r, 2) << 63), tu_below(&r, 40)};
+            kvhi_lruk_upsert(&h, it, k);
+            keys[it] = k;
+            present[it] = 1;
+        } else if (what < 9) {
+            kvhi_lruk_remove(&h, it);
+            present[it] = 0;
+        } else {
+            /* Remove the top, as eviction does. */
+            uint32_t top = kvhi_lruk_top(&h);
+            if (top != KVHI_HEAP_NONE) {
+                kvhi_lruk_remove(&h, top);
+                present[top] = 0;
+            }
+        }
+        check_heap(&h, items, present, keys, N);
+    }
+    /* Draining yields keys in non-decreasing order. */
+    kvhi_lruk_key prev = {0, 0};
+    int first = 1;
+    while (kvhi_lruk_top(&h) != KVHI_HEAP_NONE) {
+        uint32_t top = kvhi_lruk_top(&h);
+        if (!first)
+            assert_false(kvhi_lruk_less(&keys[top], &prev));
+        prev = keys[top];
+        first = 0;
+        kvhi_lruk_remove(&h, top);
+        present[top] = 0;
+    }
+    check_heap(&h, items, present, keys, N);
+    kvhi_lruk_destroy(&h);
+}
+
+/* Upsert of a present item to a larger and to a smaller key (sift down/up). */
+static void test_update_moves_both_ways(void **state)
+{
+    (void)state;
+    enum { N = 64 };
+    item *items = tu_alloc(sizeof(item) * N);
+    uint8_t *present = tu_alloc(N);
+    kvhi_lruk_key *keys = tu_alloc(sizeof(kvhi_lruk_key) * N);
+    init_items(items, N);
+    kvhi_lruk_heap h;
+    assert_int_equal(kvhi_lruk_init(&h, N, &items[0].pos, sizeof(item)), 0);
+    for (uint32_t i = 0; i < N; i++) {
+        keys[i] = (kvhi_lruk_key){100 + i, 0};
+        present[i] = 1;
+        kvhi_lruk_upsert(&h, i, keys[i]);
+    }
+    check_heap(&h, items, present, keys, N);
+    assert_int_equal(kvhi_lruk_top(&h), 0);
+    keys[0] = (kvhi_lruk_key){1000, 0}; /* top becomes the largest */
+    kvhi_lruk_upsert(&h, 0, keys[0]);
+    check_heap(&h, items, present, keys, N);
+    assert_int_equal(kvhi_lruk_top(&h), 1);
+    keys[N - 1] = (kvhi_lruk_key){5, 0}; /* a leaf becomes the smallest */
+    kvhi_lruk_upsert(&h, N - 1, keys[N - 1]);
+    check_heap(&h, items, present, keys, N);
+    assert_int_equal(kvhi_lruk_top(&h), N - 1);
+    /* Same primary: the secondary decides. */
+    keys[7] = (kvhi_lruk_key){5, 0};
+    keys[N - 1] = (kvhi_lruk_key){5, 1};
+    kvhi_lruk_upsert(&h, 7, keys[7]);
+    kvhi_lruk_upsert(&h, N - 1, keys[N - 1]);
+    check_heap(&h, items, present, keys, N);
+    assert_int_equal(kvhi_lruk_top(&h), 7);
+    /* Removing an absent item is a no-op. */
+    kvhi_lruk_remove(&h, 7);
+    present[7] = 0;
+    kvhi_lruk_remove(&h, 7);
+    check_heap(&h, items, present, keys, N);
+    kvhi_lruk_destroy(&h);
+}
+
+#define KVHI_MAX_K_TEST 4
+
+static kvhi_lruk_key key_after(const uint64_t *times, int n, uint32_t k, int referenced)
+{
+    uint64_t hist[KVHI_MAX_K_TEST] = {0};
+    for (int i = 0; i < n; i++)
+        kvhi_lruk_record(hist, k, times[i]);
+    return kvhi_lruk_key_of(hist, k, referenced);
+}
+static void test_record_history(void **state)
+{
+    (void)state;
+    uint64_t hist[4] = {0};
+    kvhi_lruk_record(hist, 3, 5);
+    assert_int_equal(hist[0], 5);
+    assert_int_equal(hist[1], 0);
+    kvhi_lruk_record(hist, 3, 9);
+    kvhi_lruk_record(hist, 3, 12);
+    kvhi_lruk_record(hist, 3, 20);
+    assert_int_equal(hist[0], 20); /* most recent first */
+    assert_int_equal(hist[1], 12);
+    assert_int_equal(hist[2], 9);
+    assert_int_equal(hist[3], 0); /* beyond k: untouched */
+    kvhi_lruk_key key = kvhi_lruk_key_of(hist, 3, 0);
+    assert_int_equal(key.primary, 9);    /* K-th most recent */
+    assert_int_equal(key.secondary, 20); /* most recent */
+    key = kvhi_lruk_key_of(hist, 3, 1);
+    assert_int_equal(key.primary, 9 | (1ull << 63));
+}
+
+static void test_lru_k_semantics(void **state)
+{
+    (void)state;
+    const uint32_t K = 2;
+    /* A: one access, very recent. B: two old accesses. */
+    uint64_t ta[] = {100};
+    uint64_t tb[] = {1, 2};
+    kvhi_lruk_key a = key_after(ta, 1, K, 0), b = key_after(tb, 2, K, 0);
+    /* Fewer than K accesses: infinite backward K-distance, evicted first
+     * even though it is the most recently used. */
+    assert_true(kvhi_lruk_less(&a, &b));
+    /* Two blocks with < K accesses: the less recent goes first. */
+    uint64_t tc[] = {50};
+    kvhi_lruk_key c = key_after(tc, 1, K, 0);
+    assert_true(kvhi_lruk_less(&c, &a));
+    /* Two blocks with K accesses: ordered by the K-th most recent access,
+     * not the last one. D = {10, 200}, E = {20, 30}: D's 2nd most recent is
+     * older, so D goes first though it was used last. */
+    uint64_t td[] = {10, 200}, te[] = {20, 30};
+    kvhi_lruk_key d = key_after(td, 2, K, 0), e = key_after(te, 2, K, 0);
+    assert_true(kvhi_lruk_less(&d, &e));
+    /* Unreferenced before referenced, whatever the history. */
+    kvhi_lruk_key hot_unref = key_after((uint64_t[]){1000, 1001, 1002}, 3, K, 0);
+    kvhi_lruk_key cold_ref = key_after((uint64_t[]){1}, 1, K, 1);
+    assert_true(kvhi_lruk_less(&hot_unref, &cold_ref));
+    kvhi_lruk_key a_ref = key_after(ta, 1, K, 1), b_ref = key_after(tb, 2, K, 1);
+    assert_true(kvhi_lruk_less(&a_ref, &b_ref)); /* same rules within the class */
+    /* K = 1 is plain LRU. */
+    kvhi_lruk_key a1 = key_after(ta, 1, 1, 0), b1 = key_after(tb, 2, 1, 0);
+    assert_true(kvhi_lruk_less(&b1, &a1));
+    /* K = 4 needs four accesses to leave the "infinite" group. */
+    uint64_t t3[] = {1, 2, 3}, t4[] = {10, 11, 12, 13};
+    kvhi_lruk_key k3 = key_after(t3, 3, 4, 0), k4 = key_after(t4, 4, 4, 0);
+    assert_true(kvhi_lruk_less(&k3, &k4));
+}
+
+/* Victim order of a simulated cache: draining the heap gives exactly the
+ * brute-force order (class, K-th access, last access). */
+static void test_victim_order_simulation(void **state)
+{
+    (void)state;
+    enum { N = 200 };
+    const uint32_t K = 2;
+    tu_rng r = {tu_seed(77)};
+    item *items = tu_alloc(sizeof(item) * N);
+    uint8_t *ref = tu_alloc(N);
+    init_items(items, N);
+    kvhi_lruk_heap h;
+    assert_int_equal(kvhi_lruk_init(&h, N, &items[0].pos, sizeof(item)), 0);
+    uint64_t clock = 0;
+    for (uint32_t i = 0; i < N; i++) {
+        kvhi_lruk_record(items[i].hist, K, ++clock);
+        kvhi_lruk_upsert(&h, i, kvhi_lruk_key_of(items[i].hist, K, 0));
+    }
+    for (int a = 0; a < 3000; a++) {
+        uint32_t i = (uint32_t)tu_below(&r, N / 2) * (tu_below(&r, 3) ? 1 : 2) % N; /* skewed */
+        kvhi_lruk_record(items[i].hist, K, ++clock);
+        if (tu_below(&r, 20) == 0)
+            ref[i] ^= 1;
+        kvhi_lruk_upsert(&h, i, kvhi_lruk_key_of(items[i].hist, K, ref[i]));
+    }
+    uint8_t *done = tu_alloc(N);
+    for (uint32_t n = 0; n < N; n++) {
+        /* brute-force victim */
+        int best = -1;
+        for (uint32_t i = 0; i < N; i++) {
+            if (done[i])
+                continue;
+            if (best < 0) {
+                best = (int)i;
+                continue;
+            }
+            const item *x = &items[i], *y = &items[best];
+            int cx = ref[i], cy = ref[best];
+            if (cx != cy) {
+                if (cx < cy)
+                    best = (int)i;
+                continue;
+            }
+            if (x->hist[K - 1] != y->hist[K - 1]) {
+                if (x->hist[K - 1] < y->hist[K - 1])
+                    best = (int)i;
+                continue;
+            }
+            if (x->hist[0] < y->hist[0])
+                best = (int)i;
+        }
+        uint32_t top = kvhi_lruk_top(&h);
+        assert_int_equal(top, (uint32_t)best);
+        kvhi_lruk_remove(&h, top);
+        done[top] = 1;
+    }
+    assert_int_equal(kvhi_lruk_top(&h), KVHI_HEAP_NONE);
+    kvhi_lruk_destroy(&h);
+}
+
+static void test_empty_heap(void **state)
+{
+    (void)state;
+    kvhi_lruk_heap h;
+    uint32_t pos = KVHI_HEAP_NONE;
+    assert_int_equal(kvhi_lruk_init(&h, 0, &pos, sizeof(pos)), 0);
+    assert_int_equal(kvhi_lruk_top(&h), KVHI_HEAP_NONE);
+    assert_null(kvhi_lruk_top_key(&h));
+    kvhi_lruk_destroy(&h);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_teardown(test_random_against_brute_force, tu_teardown),
+        cmocka_unit_test_teardown(test_update_moves_both_ways, tu_teardown),
+        cmocka_unit_test_teardown(test_record_history, tu_teardown),
+        cmocka_unit_test_teardown(test_lru_k_semantics, tu_teardown),
+        cmocka_unit_test_teardown(test_victim_order_simulation, tu_teardown),
+        cmocka_unit_test_teardown(test_empty_heap, tu_teardown),
+    };
+    return cmocka_run_group_tests_name("lruk", tests, NULL, NULL);
+}
