@@ -49,6 +49,14 @@ static kvh_status move_block(kvh_engine *e, uint32_t b, uint32_t tier, uint32_t 
 static void count_move(kvh_engine *e, uint32_t from, uint32_t to)
 {
     uint64_t bytes = e->block_bytes;
+    /* Device <-> disk passes through host staging: count both legs. */
+    if (from == KVH_TIER_DEVICE && to == KVH_TIER_DISK) {
+        count_move(e, KVH_TIER_DEVICE, KVH_TIER_HOST);
+        from = KVH_TIER_HOST;
+    } else if (from == KVH_TIER_DISK && to == KVH_TIER_DEVICE) {
+        count_move(e, KVH_TIER_DISK, KVH_TIER_HOST);
+        from = KVH_TIER_HOST;
+    }
     if (from == KVH_TIER_DEVICE && to == KVH_TIER_HOST) {
         e->stats.blocks_device_to_host++;
         e->stats.bytes_device_to_host += bytes;

