@@ -226,7 +226,7 @@ static kvh_status attention(kvh_engine *e, uint32_t layer, const kvh_seq *seqs, 
     p->kv_base = e->tiers[KVH_TIER_DEVICE].base;
     p->cpu_state = e->attn_state;
     p->threads = pr.threads;
-    kvhi_attn_plan_opts opts;
+    kvhi_attn_plan_opts opts = {0};
     e->backend->attention_plan_opts(e->backend_ctx, pr.threads, &opts);
     c->held = malloc(sizeof(uint32_t) * (n_blocks ? n_blocks : 1));
     c->held_gen = malloc(sizeof(uint32_t) * (n_blocks ? n_blocks : 1));

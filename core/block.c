@@ -216,7 +216,9 @@ static void block_destroy(kvh_engine *e, uint32_t b, bool keep_slot)
 void kvhi_block_free_now(kvh_engine *e, uint32_t b)
 {
     kvhi_block *blk = kvhi_blk(e, b);
-    if (blk->flags & KVHI_BF_BUSY) {
+    /* Busy (a copy runs) or held (e.g. attention kernels still queued on a
+     * stream): its slot must outlive that use, so it is reaped later. */
+    if ((blk->flags & KVHI_BF_BUSY) || blk->holds) {
         /* The mover owns it until its copy ends; it reaps DEAD blocks. */
         blk->flags |= KVHI_BF_DEAD;
         heaps_remove(e, b);
@@ -255,7 +257,12 @@ void kvhi_block_hold(kvh_engine *e, uint32_t b)
 
 void kvhi_block_unhold(kvh_engine *e, uint32_t b)
 {
-    if (--e->blocks[b].holds == 0)
+    kvhi_block *blk = kvhi_blk(e, b);
+    if (--blk->holds)
+        return;
+    if ((blk->flags & KVHI_BF_DEAD) && !(blk->flags & KVHI_BF_BUSY))
+        block_destroy(e, b, false);
+    else
         kvhi_block_update_evictable(e, b);
 }
 

@@ -25,6 +25,8 @@
 extern "C" {
 #include "core/backend.h"
 }
+#include "kvh/kvh.h"
+#include "kernels/cuda/attention_cuda.h"
 
 namespace {
 
@@ -44,6 +46,7 @@ struct cuda_ctx {
      * ever copied at once. */
     pthread_mutex_t lock; /* guards idle */
     stream_node *idle;
+    kvhc_attn *attn; /* paged attention: workspaces (attention.cu) */
 };
 
 int fail(char *msg, size_t len, const char *what, cudaError_t err)
@@ -139,6 +142,11 @@ void *cuda_context_create(int device, char *msg, size_t len)
         return NULL;
     }
     ctx->device = device;
+    ctx->attn = kvhc_attn_create(device, msg, len);
+    if (!ctx->attn) {
+        free(ctx);
+        return NULL;
+    }
     pthread_mutex_init(&ctx->lock, NULL);
     return ctx;
 }
@@ -150,6 +158,7 @@ void cuda_context_destroy(void *vctx)
     if (!ctx)
         return;
     device_scope scope(ctx->device);
+    kvhc_attn_destroy(ctx->attn);
     for (stream_node *s = ctx->idle, *next; s; s = next) {
         next = s->next;
         (void)cudaStreamDestroy(s->stream);
@@ -318,6 +327,42 @@ int cuda_copy_2d(void *vctx, void *dst, size_t dpitch, const void *src, size_t s
     return do_copy((cuda_ctx *)vctx, dst, dpitch, src, spitch, width, height, kind, msg, len);
 }
 
+/* Paged attention (attention.cu): the work split wanted, and the run on
+ * the caller's stream. Holds are released by a host callback queued after
+ * the kernels (see core/backend.h), so nothing here waits for the GPU. */
+void cuda_attention_plan_opts(void *vctx, uint32_t threads, kvhi_attn_plan_opts *opts)
+{
+    kvhc_attn_plan_opts(((cuda_ctx *)vctx)->attn, threads, opts);
+}
+
+int cuda_attention_run(void *vctx, const kvhi_attn_plan *plan, const void *q, void *out, void *stream,
+                       void (*done)(void *), void *done_arg, char *msg, size_t len)
+{
+    cuda_ctx *ctx = (cuda_ctx *)vctx;
+    if (!ctx) {
+        fail_text(msg, len, "CUDA backend: attention without a context");
+        return KVH_ERR_INTERNAL;
+    }
+    device_scope scope(ctx->device);
+    if (scope.error() != cudaSuccess) {
+        fail(msg, len, "cudaSetDevice", scope.error());
+        return KVH_ERR_INTERNAL;
+    }
+    return kvhc_attn_run(ctx->attn, plan, q, out, stream, done, done_arg, msg, len);
+}
+
+int cuda_stream_sync(void *vctx, void *stream, char *msg, size_t len)
+{
+    cuda_ctx *ctx = (cuda_ctx *)vctx;
+    if (!ctx)
+        return fail_text(msg, len, "CUDA backend: stream_sync without a context");
+    device_scope scope(ctx->device);
+    if (scope.error() != cudaSuccess)
+        return fail(msg, len, "cudaSetDevice", scope.error());
+    cudaError_t err = cudaStreamSynchronize((cudaStream_t)stream);
+    return err == cudaSuccess ? 0 : fail(msg, len, "cudaStreamSynchronize", err);
+}
+
 /* Positional, in the order of kvhi_backend_ops (C++17 has no designated
  * initializers); that order is part of the backend ABI anyway. */
 const kvhi_backend_ops cuda_ops = {
@@ -333,6 +378,9 @@ const kvhi_backend_ops cuda_ops = {
     cuda_host_free,       /* host_free */
     cuda_copy,            /* copy */
     cuda_copy_2d,         /* copy_2d */
+    cuda_attention_plan_opts, /* attention_plan_opts */
+    cuda_attention_run,       /* attention_run */
+    cuda_stream_sync,         /* stream_sync */
 };
 
 } // namespace

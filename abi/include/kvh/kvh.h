@@ -547,7 +547,17 @@ KVH_API kvh_status kvh_attention_params_init(kvh_attention_params *params,
  * tier (kvh_seq_acquire first; KVH_ERR_NOT_RESIDENT otherwise); the call
  * holds them while it runs. On CUDA the kernels are queued on
  * params->stream and the call returns before they finish.
- * [borrowed] seqs (n_seqs), params (NULL = defaults). @threads any */
+ * [borrowed] seqs (n_seqs), params (NULL = defaults).
+ * Returns KVH_ERR_INVALID_ARG (NULL pointers, unknown io_dtype, a
+ * non-finite scale, num_q_heads not a multiple of num_kv_heads),
+ * KVH_ERR_STRUCT_SIZE, KVH_ERR_RANGE (layer out of range, an empty
+ * sequence), KVH_ERR_BAD_HANDLE, KVH_ERR_NOT_RESIDENT, KVH_ERR_NOMEM,
+ * KVH_ERR_UNSUPPORTED (CUDA with head_dim > 256, or a stream that is being
+ * captured into a graph: the call takes holds that a replay would not).
+ * On CUDA the holds last until the kernels finish, and kvh_engine_close
+ * waits for queued attention. Whether K/V cells were written is not
+ * checked (a GPU engine may fill slots directly). threads above the CPU
+ * count is capped. @threads any */
 KVH_API kvh_status kvh_attention_decode(kvh_engine *engine, uint32_t layer,
                                         const kvh_seq *seqs, size_t n_seqs,
                                         const void *q, void *out,
@@ -557,7 +567,8 @@ KVH_API kvh_status kvh_attention_decode(kvh_engine *engine, uint32_t layer,
  * q_lens[i] tokens (appended, K/V written); query token j of that chunk
  * attends to every token up to and including itself. q and out are the
  * chunks concatenated: [sum(q_lens)][num_q_heads][head_dim]. Residency,
- * memory and stream rules as kvh_attention_decode. [borrowed] q_lens.
+ * memory, stream and status rules as kvh_attention_decode (KVH_ERR_RANGE
+ * also when q_lens[i] exceeds the length of sequence i). [borrowed] q_lens.
  * @threads any */
 KVH_API kvh_status kvh_attention_prefill(kvh_engine *engine, uint32_t layer,
                                          const kvh_seq *seqs,

@@ -1,0 +1,277 @@
+/* CPU paged attention: runs a plan on the engine's thread pool with the
+ * best kernel variant this CPU supports, then merges split-K partials.
+ *
+ * The kernel variant is chosen per run: AVX-512 (head_dim % 16 == 0) or
+ * AVX2 (head_dim % 8 == 0) where __builtin_cpu_supports says the CPU and
+ * OS run them, else the portable 4-lane one (head_dim % 4 == 0), else the
+ * one-lane one. KVH_ATTN_ISA=generic|avx2|avx512|
+ * reference (read when the engine's state is made) or
+ * kvhi_attention_set_impl() force one, for tests and benchmarks. */
+#include <errno.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "kvh/kvh.h"
+#include "kernels/cpu/attn_cpu.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <cpuid.h>
+#endif
+
+static int x86_has_f16c(void)
+{
+#if defined(__x86_64__) && defined(__GNUC__)
+    unsigned a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d))
+        return 0;
+    return (c & bit_F16C) != 0;
+#else
+    return 0;
+#endif
+}
+
+int kvhi_attn_cpu_supported(int impl)
+{
+    switch (impl) {
+    case KVHI_ATTN_AUTO:
+    case KVHI_ATTN_REFERENCE:
+    case KVHI_ATTN_GENERIC:
+        return 1;
+#if defined(__x86_64__) && defined(__GNUC__)
+    case KVHI_ATTN_AVX2:
+        __builtin_cpu_init();
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && x86_has_f16c();
+    case KVHI_ATTN_AVX512:
+        __builtin_cpu_init();
+        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+               __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && x86_has_f16c();
+#endif
+    default:
+        return 0;
+    }
+}
+
+int kvhi_attn_cpu_best(void)
+{
+    if (kvhi_attn_cpu_supported(KVHI_ATTN_AVX512))
+        return KVHI_ATTN_AVX512;
+    if (kvhi_attn_cpu_supported(KVHI_ATTN_AVX2))
+        return KVHI_ATTN_AVX2;
+    return KVHI_ATTN_GENERIC;
+}
+
+kvhi_attn_cpu *kvhi_attn_cpu_create(void)
+{
+    kvhi_attn_cpu *st = calloc(1, sizeof(*st));
+    if (!st)
+        return NULL;
+    pthread_mutex_init(&st->run_lock, NULL);
+    st->ncpu = kvhi_cpu_count();
+    st->impl = KVHI_ATTN_AUTO;
+    const char *env = getenv("KVH_ATTN_ISA");
+    if (env) {
+        static const struct {
+            const char *name;
+            int impl;
+        } names[] = {{"reference", KVHI_ATTN_REFERENCE},
+                     {"generic", KVHI_ATTN_GENERIC},
+                     {"avx2", KVHI_ATTN_AVX2},
+                     {"avx512", KVHI_ATTN_AVX512}};
+        for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
+            if (strcmp(env, names[i].name) == 0 && kvhi_attn_cpu_supported(names[i].impl))
+                st->impl = names[i].impl;
+    }
+    return st;
+}
+
+void kvhi_attn_cpu_destroy(void *state)
+{
+    kvhi_attn_cpu *st = state;
+    if (!st)
+        return;
+    kvhi_pool_destroy(st->pool);
+    free(st->partial);
+    free(st->scratch);
+    pthread_mutex_destroy(&st->run_lock);
+    free(st);
+}
+
+/* Work split for the CPU: a few units per thread so the atomic counter
+ * can balance uneven ones; chunks of at least 256 tokens so a split unit
+ * still streams tens of KB per head; up to 32 query vectors per unit (GQA
+ * groups and prefill rows share each K/V block while it is in L1). */
+void kvhi_attn_cpu_plan_opts(void *ctx, uint32_t threads, kvhi_attn_plan_opts *o)
+{
+    /* Planned for the threads asked for (the run caps them at the CPUs),
+     * so a given `threads` always gives the same split. */
+    uint32_t n = threads ? threads : kvhi_cpu_count();
+    o->max_queries = 32;
+    o->target_units = n > 1 ? 4 * n : 1;
+    o->min_chunk_tokens = 256;
+    o->chunk_quantum = 0;
+}
+
+static size_t scratch_floats(const kvhi_attn_plan *p)
+{
+    /* q and acc (max_queries x head_dim each), m and l, the scores of a
+     * query group (4 x (tile + 32)), the causal limits */
+    size_t f = 2 * (size_t)p->max_queries * p->head_dim + 3 * (size_t)p->max_queries + 4 * (KVHI_ATTN_TILE + 32) + 64;
+    return (f + 15) & ~(size_t)15; /* 64-byte multiples between participants */
+}
+
+typedef struct run_job {
+    const kvhi_attn_plan *p;
+    const void *q;
+    void *out;
+    kvhi_attn_unit_fn fn;
+    float *po, *plse, *scratch;
+    size_t scratch_stride;
+    _Atomic uint32_t next;
+} run_job;
+
+static void run_units(void *arg, uint32_t who)
+{
+    run_job *j = arg;
+    float *ws = j->scratch + (size_t)who * j->scratch_stride;
+    for (;;) {
+        uint32_t i = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
+        if (i >= j->p->n_units)
+            break;
+        j->fn(j->p, &j->p->units[i], j->q, j->out, j->po, j->plse, ws);
+    }
+}
+
+/* out row = sum_c w_c o_c / sum_c w_c, w_c = e^(lse_c - max lse), over the
+ * chunks that hold tokens the row sees. */
+static void merge_row(const kvhi_attn_plan *p, const kvhi_attn_merge *mg, const float *po, const float *plse,
+                      void *out, float *tmp)
+{
+    const kvhi_attn_seq *s = &p->seqs[mg->seq];
+    const uint32_t D = p->head_dim, Hq = p->num_q_heads;
+    uint32_t visible = s->kv_len - s->q_len + mg->row + 1;
+    uint32_t nc = (visible + s->chunk_tokens - 1) / s->chunk_tokens;
+    for (uint32_t qh = 0; qh < Hq; qh++) {
+        uint64_t idx0 = s->partial0 + (uint64_t)mg->row * Hq + qh, step = (uint64_t)s->q_len * Hq;
+        float mx = -INFINITY;
+        for (uint32_t c = 0; c < nc; c++)
+            if (plse[idx0 + c * step] > mx)
+                mx = plse[idx0 + c * step];
+        for (uint32_t d = 0; d < D; d++)
+            tmp[d] = 0;
+        float wsum = 0;
+        for (uint32_t c = 0; c < nc; c++) {
+            float lse = plse[idx0 + c * step];
+            if (lse == -INFINITY)
+                continue;
+            float w = expf(lse - mx);
+            const float *o = po + (idx0 + c * step) * D;
+            wsum += w;
+            for (uint32_t d = 0; d < D; d++)
+                tmp[d] += w * o[d];
+        }
+        kvhi_attn_store_out(p->io_dtype, out, ((uint64_t)(s->q_row0 + mg->row) * Hq + qh) * D, D, tmp,
+                            wsum > 0 ? 1.0f / wsum : 0.0f);
+    }
+}
+
+static void run_merges(void *arg, uint32_t who)
+{
+    run_job *j = arg;
+    float *tmp = j->scratch + (size_t)who * j->scratch_stride;
+    for (;;) {
+        uint32_t i = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
+        if (i >= j->p->n_merges)
+            break;
+        merge_row(j->p, &j->p->merges[i], j->po, j->plse, j->out, tmp);
+    }
+}
+
+static int grow(float **buf, size_t *cap, size_t want)
+{
+    if (want <= *cap)
+        return 0;
+    size_t n = *cap ? *cap : 4096;
+    while (n < want)
+        n *= 2;
+    float *b = aligned_alloc(64, n * sizeof(float));
+    if (!b)
+        return -1;
+    free(*buf);
+    *buf = b;
+    *cap = n;
+    return 0;
+}
+
+static kvhi_attn_unit_fn pick(const kvhi_attn_cpu *st, const kvhi_attn_plan *p)
+{
+    int impl = st->impl == KVHI_ATTN_AUTO ? kvhi_attn_cpu_best() : st->impl;
+    uint32_t D = p->head_dim, dt = p->kv_dtype;
+    if (impl == KVHI_ATTN_AVX512 && D % 16 == 0 && kvhi_attn_units_avx512[dt])
+        return kvhi_attn_units_avx512[dt];
+    if (impl == KVHI_ATTN_AVX512 && st->impl == KVHI_ATTN_AUTO)
+        impl = KVHI_ATTN_AVX2; /* head_dim not a multiple of 16: next best */
+    if (impl == KVHI_ATTN_AVX2 && D % 8 == 0 && kvhi_attn_units_avx2[dt])
+        return kvhi_attn_units_avx2[dt];
+    return D % 4 == 0 ? kvhi_attn_units_generic[dt] : kvhi_attn_units_scalar[dt];
+}
+
+int kvhi_attn_cpu_run(void *ctx, const kvhi_attn_plan *p, const void *q, void *out, void *stream,
+                      void (*done)(void *), void *done_arg, char *msg, size_t msg_len)
+{
+    kvhi_attn_cpu *st = p->cpu_state;
+    if (!st) {
+        snprintf(msg, msg_len, "CPU attention state missing");
+        return KVH_ERR_INTERNAL;
+    }
+    pthread_mutex_lock(&st->run_lock);
+    if (st->impl == KVHI_ATTN_REFERENCE) {
+        int rc = kvhi_attn_reference(p, q, out);
+        pthread_mutex_unlock(&st->run_lock);
+        if (rc != 0) {
+            snprintf(msg, msg_len, "out of memory for the reference kernel");
+            return KVH_ERR_NOMEM;
+        }
+        done(done_arg);
+        return 0;
+    }
+    uint32_t want = p->threads && p->threads < st->ncpu ? p->threads : st->ncpu;
+    if (want > p->n_units)
+        want = p->n_units;
+    if (want < 1)
+        want = 1;
+    if (want > 1 && !st->pool)
+        st->pool = kvhi_pool_create(st->ncpu - 1);
+    uint32_t parts = want;
+    if (parts > kvhi_pool_workers(st->pool) + 1)
+        parts = kvhi_pool_workers(st->pool) + 1;
+
+    size_t stride = scratch_floats(p);
+    if (stride < p->head_dim + 16)
+        stride = p->head_dim + 16;
+    if (grow(&st->scratch, &st->scratch_cap, stride * parts) != 0 ||
+        grow(&st->partial, &st->partial_cap, (size_t)p->n_partial_rows * (p->head_dim + 1)) != 0) {
+        pthread_mutex_unlock(&st->run_lock);
+        snprintf(msg, msg_len, "out of memory for attention scratch");
+        return KVH_ERR_NOMEM;
+    }
+    run_job j = {.p = p,
+                 .q = q,
+                 .out = out,
+                 .fn = pick(st, p),
+                 .po = st->partial,
+                 .plse = st->partial + (size_t)p->n_partial_rows * p->head_dim,
+                 .scratch = st->scratch,
+                 .scratch_stride = stride};
+    atomic_init(&j.next, 0);
+    kvhi_pool_run(st->pool, parts, run_units, &j);
+    if (p->n_merges) {
+        uint32_t mparts = parts < p->n_merges ? parts : p->n_merges;
+        atomic_store(&j.next, 0);
+        kvhi_pool_run(st->pool, mparts, run_merges, &j);
+    }
+    pthread_mutex_unlock(&st->run_lock);
+    done(done_arg);
+    return 0;
+}
