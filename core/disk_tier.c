@@ -595,6 +595,10 @@ kvh_status kvhi_disk_persist(kvh_engine *e, kvhi_seq *s)
             st = kvhi_fail(KVH_ERR_IO, "fsync of the disk tier failed (%s); the store accepts no more writes",
                            strerror(-rc));
     }
+    /* Keep replay time bounded: fold a long journal into a new snapshot. */
+    if (st == KVH_OK && e->disk->journal_records > 4096 &&
+        e->disk->journal_records > 2 * (uint64_t)kvhi_slot_pool_used(&e->tiers[KVH_TIER_DISK].slots))
+        st = snapshot(e);
     for (uint32_t i = 0; i < n_todo; i++) {
         kvhi_block_unhold(e, todo[i]);
         kvhi_block_unref(e, todo[i]);

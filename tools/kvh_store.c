@@ -162,6 +162,8 @@ int main(int argc, char **argv)
         kvhi_prefix_destroy(&ix);
         free(depth);
         free(stack);
+        kvhi_index_list_free(&list);
+        kvhi_disk_close(&d);
         uint64_t bytes = (uint64_t)list.n * d.block_bytes;
         if (json)
             printf("{\"path\": \"%s\", \"layers\": %u, \"kv_heads\": %u, \"head_dim\": %u, \"block_tokens\": %u, "
@@ -219,5 +221,7 @@ int main(int argc, char **argv)
     else
         printf("%zu blocks checked, %llu bad\n", list.n, (unsigned long long)bad);
     free(buf);
+    kvhi_index_list_free(&list);
+    kvhi_disk_close(&d);
     return bad ? 1 : 0;
 }

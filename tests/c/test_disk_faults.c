@@ -1,0 +1,585 @@
+/* Disk tier: running out of space and failing I/O.
+ *
+ *   - a small disk_bytes with every block referenced: KVH_ERR_NOSPACE only
+ *     once all 8 slots of the hierarchy are used (also with migration
+ *     workers and the background cleaner running), the sequence unchanged,
+ *     everything in the memory tiers intact, room again after a free;
+ *   - a full filesystem (a 1 MiB tmpfs mounted for the test; where mount
+ *     is refused, only that sub-case is skipped, with the reason) and ENOSPC
+ *     injected through kvhi_disk_set_fault_hook: persist fails with
+ *     KVH_ERR_NOSPACE, data in memory stays intact and readable, ENOSPC is
+ *     not fatal (once there is room, persist works again), what was
+ *     persisted before is found after a reopen;
+ *   - an fsync failure (KVHI_OP_FSYNC, on the slab or on the journal) makes
+ *     persist fail with KVH_ERR_IO and every later persist fail too: fsync
+ *     failure is fatal, never retried and trusted;
+ *   - a sweep that fails the n-th write / fsync / rename / directory fsync /
+ *     read once, at every n in a range, during persist, spill and close:
+ *     a persist that returned KVH_OK is always found after a reopen, and
+ *     nothing wrong is ever served;
+ *   - a transient read error does not cost a durable block its record.
+ */
+#include "disk_test_util.h"
+
+#include <stdatomic.h>
+
+#include "core/disk_io.h"
+
+static const dt_geo G = {1, 1, 64, 16, KVH_DTYPE_F16}; /* block = 4096 bytes, slot = 8192 */
+
+/* ---- fault hook: fails the nth call (or every call from the nth on, when
+ * sticky) of one kind of operation with err ---- */
+
+static struct {
+    atomic_int armed;
+    int op, nth, err;
+    bool sticky;
+    atomic_int count, fired;
+} H;
+
+static int fault_hook(enum kvhi_disk_op op, void *user)
+{
+    (void)user;
+    if (!atomic_load(&H.armed) || (int)op != H.op)
+        return 0;
+    int c = atomic_fetch_add(&H.count, 1) + 1;
+    if (c == H.nth || (H.sticky && c > H.nth)) {
+        atomic_fetch_add(&H.fired, 1);
+        return H.err;
+    }
+    return 0;
+}
+
+static void arm(int op, int nth, int err, bool sticky)
+{
+    atomic_store(&H.armed, 0);
+    H.op = op, H.nth = nth, H.err = err, H.sticky = sticky;
+    atomic_store(&H.count, 0);
+    atomic_store(&H.fired, 0);
+    atomic_store(&H.armed, 1);
+}
+
+static void disarm(void) { atomic_store(&H.armed, 0); }
+
+static int setup(void **state)
+{
+    (void)state;
+    kvhi_disk_set_fault_hook(fault_hook, NULL);
+    return 0;
+}
+
+static int teardown(void **state)
+{
+    disarm();
+    dt_teardown(state);
+    return 0;
+}
+
+static int group_teardown(void **state)
+{
+    (void)state;
+    kvhi_disk_set_fault_hook(NULL, NULL);
+    return 0;
+}
+
+static void assert_seq_ok(kvh_engine *e, kvh_seq s, dt_content c, size_t n, const char *what)
+{
+    char msg[256] = "";
+    kvh_status st = dt_verify(e, s, G, c, 0, n, msg, sizeof(msg));
+    if (st != KVH_OK)
+        fail_msg("%s: %s", what, msg);
+}
+
+static size_t match_len(kvh_engine *e, dt_content c, size_t n, const char *what)
+{
+    size_t m = 0;
+    char msg[256] = "";
+    if (dt_match_verify(e, G, c, n, &m, msg, sizeof(msg)) != KVH_OK)
+        fail_msg("%s: %s", what, msg);
+    return m;
+}
+
+/* ------------------------------------------------------------------ */
+/* A small disk_bytes, everything referenced                           */
+/* ------------------------------------------------------------------ */
+
+static void test_nospace_small_disk_all_referenced(void **state)
+{
+    (void)state;
+    char dir[512];
+    dt_scratch("nospace-small", dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 2, 2, 4); /* 8 blocks in all */
+    /* Moves run in the caller and there is no background cleaner, so the
+     * capacity is exact (test_nospace_is_not_spurious covers workers). */
+    c.migration_threads = 0;
+    kvh_engine *e = dt_open_a(&c);
+    dt_content ct = dt_plain(31);
+    kvh_seq s;
+    dt_assert_ok(kvh_seq_create(e, 0, &s));
+    size_t len = 0;
+    kvh_status st = KVH_OK;
+    for (int i = 0; i < 32 && st == KVH_OK; i++) {
+        st = dt_extend(e, s, G, ct, len, G.bt);
+        if (st == KVH_OK)
+            len += G.bt;
+    }
+    dt_assert_kvh(KVH_ERR_NOSPACE, st);
+    assert_int_equal(len / G.bt, 8); /* every slot of every tier is used */
+    /* the failed append left the sequence as it was */
+    uint64_t n = 0;
+    dt_assert_ok(kvh_seq_length(e, s, &n));
+    assert_int_equal(n, len);
+    /* a partial append fails the same way, and also changes nothing */
+    int32_t tk[3];
+    dt_tokens(ct, len, 3, tk);
+    dt_assert_kvh(KVH_ERR_NOSPACE, kvh_seq_append(e, s, tk, 3));
+    dt_assert_ok(kvh_seq_length(e, s, &n));
+    assert_int_equal(n, len);
+
+    /* Every block in a memory tier is intact and readable; a block on
+     * disk may not come up while everything is referenced, but it never
+     * reads wrong. */
+    size_t tb = dt_tok_bytes(G);
+    uint8_t *k = malloc(tb * G.bt), *v = malloc(tb * G.bt), *want = malloc(tb);
+    int in_memory = 0;
+    for (uint64_t b = 0; b < len / G.bt; b++) {
+        kvh_block_info bi = dt_binfo(e, s, b);
+        st = kvh_seq_read_kv(e, s, 0, b * G.bt, G.bt, k, v);
+        if (bi.tier != KVH_TIER_DISK) {
+            in_memory++;
+            if (st != KVH_OK) {
+                free(k), free(v), free(want);
+                fail_msg("block %" PRIu64 " in tier %u: read_kv %s (%s)", b, bi.tier, kvh_status_name(st),
+                         kvh_last_error());
+            }
+        } else if (st != KVH_OK && st != KVH_ERR_NOSPACE) {
+            free(k), free(v), free(want);
+            fail_msg("block %" PRIu64 " on disk: read_kv %s (%s)", b, kvh_status_name(st), kvh_last_error());
+        }
+        for (uint32_t t = 0; st == KVH_OK && t < G.bt; t++)
+            for (int kv = 0; kv < 2; kv++) {
+                dt_kv_token(ct, 0, b * G.bt + t, kv, want, tb);
+                if (memcmp((kv ? v : k) + t * tb, want, tb) != 0) {
+                    free(k), free(v), free(want);
+                    fail_msg("block %" PRIu64 " token %u reads wrong", b, t);
+                }
+            }
+    }
+    free(k), free(v), free(want);
+    assert_true(in_memory >= 2);
+
+    /* Nothing can make a disk copy of the blocks in memory either. */
+    st = kvh_seq_persist(e, s);
+    if (st != KVH_ERR_NOSPACE && st != KVH_OK)
+        fail_msg("persist with a full disk returned %s (%s)", kvh_status_name(st), kvh_last_error());
+    /* A second sequence gets no room. */
+    kvh_seq s2;
+    dt_assert_ok(kvh_seq_create(e, 0, &s2));
+    dt_assert_kvh(KVH_ERR_NOSPACE, dt_extend(e, s2, G, dt_plain(32), 0, G.bt));
+
+    /* Releasing the big sequence makes room again (its cached blocks are
+     * dropped or stay as clean copies). */
+    dt_assert_ok(kvh_seq_free(e, s));
+    dt_assert_ok(dt_extend(e, s2, G, dt_plain(32), 0, 4 * G.bt));
+    assert_seq_ok(e, s2, dt_plain(32), 4 * G.bt, "after freeing");
+    dt_assert_ok(kvh_seq_persist(e, s2));
+    dt_assert_ok(dt_close(e));
+    e = dt_open_a(&c);
+    assert_int_equal(match_len(e, dt_plain(32), 4 * G.bt, "reopen"), 4 * G.bt);
+    dt_assert_ok(dt_close(e));
+}
+
+/* With migration workers (and so the background cleaner that writes
+ * clean copies of cold host blocks) the same hierarchy must hold the same
+ * 8 blocks: KVH_ERR_NOSPACE means no tier has room, not "the blocks that
+ * could make room are being written right now". */
+static void test_nospace_is_not_spurious(void **state)
+{
+    (void)state;
+    char dir[512];
+    int short_runs = 0, retry_ok = 0, min_fit = 99;
+    char first[300] = "";
+    for (int round = 0; round < 20; round++) {
+        dt_scratch("nospace-spurious", dir, sizeof(dir));
+        kvh_config c = dt_cfg(G, dir, 2, 2, 4);
+        c.migration_threads = 2;
+        kvh_engine *e = dt_open_a(&c);
+        kvh_seq s;
+        dt_assert_ok(kvh_seq_create(e, 0, &s));
+        size_t len = 0;
+        kvh_status st = KVH_OK;
+        while (st == KVH_OK && len < 32 * G.bt)
+            if ((st = dt_extend(e, s, G, dt_plain(1), len, G.bt)) == KVH_OK)
+                len += G.bt;
+        dt_assert_kvh(KVH_ERR_NOSPACE, st);
+        int fit = (int)(len / G.bt);
+        if (fit < min_fit)
+            min_fit = fit;
+        if (fit < 8 && short_runs++ == 0)
+            snprintf(first, sizeof(first), "round %d: NOSPACE after %d blocks: \"%.200s\"", round, fit, dt_err);
+        usleep(20000);
+        if (fit < 8 && dt_extend(e, s, G, dt_plain(1), len, G.bt) == KVH_OK)
+            retry_ok++;
+        dt_assert_ok(dt_close(e));
+    }
+    if (short_runs)
+        fail_msg("2 device + 2 host + 4 disk slots, one referenced sequence, 2 migration threads: %d of 20 runs "
+                 "got KVH_ERR_NOSPACE before 8 blocks (as few as %d), and the same append succeeded 20 ms later "
+                 "in %d of them; first: %s",
+                 short_runs, min_fit, retry_ok, first);
+}
+
+/* ------------------------------------------------------------------ */
+/* ENOSPC from the filesystem                                          */
+/* ------------------------------------------------------------------ */
+
+/* Persists 2-block sequences until persist fails; checks the failure and
+ * what it leaves. `free_space` (may be NULL) is called once after the
+ * first failure to make room; then a persist must work again unless the
+ * store turned fatal (reported). */
+static void fill_until_nospace(const char *dir, uint64_t disk_slots, void (*free_space)(void *), void *arg)
+{
+    kvh_config c = dt_cfg(G, dir, 4, 4, disk_slots);
+    c.migration_threads = 0; /* see test_nospace_is_not_spurious */
+    kvh_engine *e = dt_open_a(&c);
+    int acked = 0;
+    kvh_status st = KVH_OK;
+    kvh_seq s = {0};
+    for (int i = 0; i < 400; i++) {
+        dt_assert_ok(dt_build(e, G, dt_plain(9000 + (uint64_t)i), 2 * G.bt, &s));
+        st = kvh_seq_persist(e, s);
+        if (st != KVH_OK)
+            break;
+        acked++;
+        dt_assert_ok(kvh_seq_free(e, s));
+    }
+    if (st != KVH_ERR_NOSPACE)
+        fail_msg("after %d persists: %s (%s), expected KVH_ERR_NOSPACE", acked, kvh_status_name(st),
+                 kvh_last_error());
+    print_message("the filesystem filled after %d persisted sequences: %s\n", acked, kvh_last_error());
+    /* the sequence whose persist failed is intact in memory */
+    assert_seq_ok(e, s, dt_plain(9000 + (uint64_t)acked), 2 * G.bt, "after ENOSPC");
+    /* so is an older one, brought back from disk */
+    if (acked > 0) {
+        kvh_seq o;
+        size_t m = 0;
+        dt_assert_ok(dt_match(e, dt_plain(9000), 2 * G.bt, &o, &m));
+        assert_int_equal(m, 2 * G.bt);
+        assert_seq_ok(e, o, dt_plain(9000), 2 * G.bt, "an older persisted sequence");
+        dt_assert_ok(kvh_seq_free(e, o));
+    }
+    if (free_space) {
+        free_space(arg);
+        st = kvh_seq_persist(e, s);
+        if (st != KVH_OK)
+            fail_msg("persist after the filesystem got room again: %s (%s); ENOSPC must not make the store "
+                     "unusable",
+                     kvh_status_name(st), kvh_last_error());
+        acked++;
+    }
+    dt_assert_ok(kvh_seq_free(e, s));
+    kvh_status cst = dt_close(e);
+    (void)cst; /* the snapshot may not fit */
+    e = dt_open_a(&c);
+    for (int i = 0; i < acked; i++) {
+        char what[64];
+        snprintf(what, sizeof(what), "persisted sequence %d after reopen", i);
+        assert_int_equal(match_len(e, dt_plain(9000 + (uint64_t)i), 2 * G.bt, what), 2 * G.bt);
+    }
+    dt_assert_ok(dt_close(e));
+}
+
+static char filler_path[600];
+static void remove_filler(void *arg)
+{
+    (void)arg;
+    assert_int_equal(unlink(filler_path), 0);
+}
+
+static char tmpfs_mnt[512];
+
+static int teardown_tmpfs(void **state)
+{
+    teardown(state);
+    if (tmpfs_mnt[0]) {
+        umount(tmpfs_mnt);
+        tmpfs_mnt[0] = '\0';
+    }
+    return 0;
+}
+
+static void test_nospace_full_filesystem(void **state)
+{
+    (void)state;
+    dt_scratch_mountpoint("tmpfs-full", tmpfs_mnt, sizeof(tmpfs_mnt));
+    if (mount("tmpfs", tmpfs_mnt, "tmpfs", 0, "size=1m") != 0) {
+        int err = errno;
+        tmpfs_mnt[0] = '\0';
+        print_message("SKIP: mount -t tmpfs -o size=1m refused (%s); the full-filesystem case is covered only "
+                      "by test_nospace_injected_write_error\n",
+                      strerror(err));
+        skip();
+    }
+    char dir[600];
+    snprintf(dir, sizeof(dir), "%s/store", tmpfs_mnt);
+    mkdir(dir, 0755);
+    /* 256 slots (2 MiB) on a 1 MiB filesystem: the slab cannot be
+     * preallocated and grows until writes fail with ENOSPC. A filler file
+     * takes 256 KiB that is given back after the first failure. */
+    snprintf(filler_path, sizeof(filler_path), "%s/filler", tmpfs_mnt);
+    uint8_t *junk = calloc(1, 256 << 10);
+    assert_int_equal(dt_write_file(filler_path, junk, 256 << 10), 0);
+    free(junk);
+    fill_until_nospace(dir, 256, remove_filler, NULL);
+    umount(tmpfs_mnt);
+    tmpfs_mnt[0] = '\0';
+}
+
+static void test_nospace_injected_write_error(void **state)
+{
+    (void)state;
+    char dir[512];
+    dt_scratch("nospace-injected", dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 4, 4, 64);
+    c.migration_threads = 0; /* no background cleaner: the next write is persist's */
+    kvh_engine *e = dt_open_a(&c);
+    kvh_seq a, b;
+    dt_assert_ok(dt_build(e, G, dt_plain(1), 3 * G.bt, &a));
+    dt_assert_ok(kvh_seq_persist(e, a));
+    dt_assert_ok(dt_build(e, G, dt_plain(2), 3 * G.bt, &b));
+    arm(KVHI_OP_WRITE, 1, -ENOSPC, true);
+    dt_assert_kvh(KVH_ERR_NOSPACE, kvh_seq_persist(e, b));
+    assert_true(atomic_load(&H.fired) > 0);
+    assert_seq_ok(e, b, dt_plain(2), 3 * G.bt, "after the failed persist");
+    assert_seq_ok(e, a, dt_plain(1), 3 * G.bt, "the persisted one");
+    /* spilling to a disk that refuses writes fails too, leaving data in
+     * memory */
+    kvh_status st = kvh_seq_migrate(e, b, 0, 3 * G.bt, KVH_TIER_DISK, NULL);
+    assert_true(st == KVH_ERR_NOSPACE || st == KVH_ERR_IO);
+    assert_seq_ok(e, b, dt_plain(2), 3 * G.bt, "after the failed spill");
+    disarm();
+    /* ENOSPC is not fatal: with room again, persist works */
+    dt_assert_ok(kvh_seq_persist(e, b));
+    dt_assert_ok(dt_close(e));
+    e = dt_open_a(&c);
+    assert_int_equal(match_len(e, dt_plain(1), 3 * G.bt, "a"), 3 * G.bt);
+    assert_int_equal(match_len(e, dt_plain(2), 3 * G.bt, "b"), 3 * G.bt);
+    dt_assert_ok(dt_close(e));
+}
+
+/* The full-filesystem walk again with ENOSPC injected once the store
+ * holds 20 sequences, for machines where tmpfs cannot be mounted. */
+static void make_room(void *arg)
+{
+    (void)arg;
+    disarm();
+}
+
+static int persists_seen;
+static void test_nospace_injected_filesystem_full(void **state)
+{
+    (void)state;
+    char dir[512];
+    dt_scratch("nospace-injected-fs", dir, sizeof(dir));
+    /* every write from the 60th on fails: the "filesystem" is full */
+    arm(KVHI_OP_WRITE, 60, -ENOSPC, true);
+    persists_seen = 0;
+    fill_until_nospace(dir, 512, make_room, NULL);
+    disarm();
+}
+
+/* ------------------------------------------------------------------ */
+/* fsync failure is fatal                                              */
+/* ------------------------------------------------------------------ */
+
+static void fsync_fatal(int nth, const char *which)
+{
+    char dir[512];
+    dt_scratch(which, dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 4, 8, 64);
+    kvh_engine *e = dt_open_a(&c);
+    kvh_seq a, b, d;
+    dt_assert_ok(dt_build(e, G, dt_plain(11), 3 * G.bt, &a));
+    dt_assert_ok(kvh_seq_persist(e, a));
+    dt_assert_ok(dt_build(e, G, dt_plain(12), 3 * G.bt, &b));
+    arm(KVHI_OP_FSYNC, nth, -EIO, false); /* one failure only */
+    dt_assert_kvh(KVH_ERR_IO, kvh_seq_persist(e, b));
+    assert_int_equal(atomic_load(&H.fired), 1);
+    disarm();
+    /* never retried and trusted: this and every later persist fail */
+    dt_assert_kvh(KVH_ERR_IO, kvh_seq_persist(e, b));
+    dt_assert_ok(dt_build(e, G, dt_plain(13), 2 * G.bt, &d));
+    dt_assert_kvh(KVH_ERR_IO, kvh_seq_persist(e, d));
+    dt_assert_kvh(KVH_ERR_IO, kvh_seq_persist(e, a));
+    /* memory tiers are unaffected; blocks on disk still read */
+    assert_seq_ok(e, b, dt_plain(12), 3 * G.bt, "b");
+    assert_seq_ok(e, d, dt_plain(13), 2 * G.bt, "d");
+    dt_assert_ok(kvh_seq_migrate(e, a, 0, 3 * G.bt, KVH_TIER_DISK, NULL)); /* clean copies: no write */
+    assert_seq_ok(e, a, dt_plain(11), 3 * G.bt, "a");
+    /* a spill that needs a write does not succeed either */
+    kvh_status st = kvh_seq_migrate(e, d, 0, 2 * G.bt, KVH_TIER_DISK, NULL);
+    if (st == KVH_OK) {
+        for (int i = 0; i < 2; i++)
+            if (dt_binfo(e, d, (uint64_t)i).tier == KVH_TIER_DISK)
+                fail_msg("%s: a block was written to disk after a failed fsync", which);
+    }
+    assert_seq_ok(e, d, dt_plain(13), 2 * G.bt, "d after the refused spill");
+    dt_assert_ok(kvh_seq_free(e, a));
+    dt_assert_ok(kvh_seq_free(e, b));
+    dt_assert_ok(kvh_seq_free(e, d));
+    kvh_status cst = dt_close(e);
+    (void)cst;
+    /* A new engine: what was persisted before the failure is there; what
+     * came after may or may not be, but is never wrong. */
+    e = dt_open_a(&c);
+    assert_int_equal(match_len(e, dt_plain(11), 3 * G.bt, "a after reopen"), 3 * G.bt);
+    match_len(e, dt_plain(12), 3 * G.bt, "b after reopen");
+    match_len(e, dt_plain(13), 2 * G.bt, "d after reopen");
+    /* and the new engine may persist again */
+    dt_assert_ok(dt_build(e, G, dt_plain(14), 2 * G.bt, &d));
+    dt_assert_ok(kvh_seq_persist(e, d));
+    dt_assert_ok(kvh_seq_free(e, d));
+    dt_assert_ok(dt_close(e));
+}
+
+static void test_fsync_failure_is_fatal(void **state)
+{
+    (void)state;
+    fsync_fatal(1, "fsync-slab");    /* persist syncs the slab first ... */
+    fsync_fatal(2, "fsync-journal"); /* ... then the journal */
+}
+
+/* ------------------------------------------------------------------ */
+/* Fault sweep                                                         */
+/* ------------------------------------------------------------------ */
+
+static const char *op_name(int op)
+{
+    static const char *n[] = {"write", "read", "fsync", "rename", "dirsync"};
+    return op >= 0 && op < KVHI_OP_COUNT ? n[op] : "?";
+}
+
+static void test_fault_sweep(void **state)
+{
+    (void)state;
+    struct {
+        int op, err, max_nth;
+    } plan[] = {
+        {KVHI_OP_WRITE, -EIO, 12},   {KVHI_OP_WRITE, -ENOSPC, 12}, {KVHI_OP_FSYNC, -EIO, 8},
+        {KVHI_OP_RENAME, -EIO, 3},   {KVHI_OP_DIRSYNC, -EIO, 3},   {KVHI_OP_READ, -EIO, 8},
+    };
+    char dir[512];
+    int runs = 0, fired_runs = 0;
+    for (size_t p = 0; p < sizeof(plan) / sizeof(plan[0]); p++)
+        for (int nth = 1; nth <= plan[p].max_nth; nth++) {
+            dt_scratch("sweep", dir, sizeof(dir));
+            /* everything fits in memory (the cleaner stays idle; see
+             * test_nospace_is_not_spurious): disk traffic is persist,
+             * the explicit spills and close */
+            kvh_config c = dt_cfg(G, dir, 16, 8, 64);
+            kvh_engine *e = dt_open_a(&c);
+            dt_content ct[5];
+            kvh_seq s[5];
+            char what[96];
+            snprintf(what, sizeof(what), "%s fails (%s) at call %d", op_name(plan[p].op),
+                     strerror(-plan[p].err), nth);
+            for (int i = 0; i < 5; i++) {
+                ct[i] = dt_plain(700 + (uint64_t)i);
+                kvh_status bst = dt_build(e, G, ct[i], 3 * G.bt, &s[i]);
+                if (bst != KVH_OK)
+                    fail_msg("%s: before arming, building sequence %d: %s (%s)", what, i, kvh_status_name(bst),
+                             dt_err);
+            }
+            dt_assert_ok(kvh_seq_persist(e, s[0]));
+            dt_assert_ok(kvh_seq_migrate(e, s[0], 0, 3 * G.bt, KVH_TIER_DISK, NULL));
+            arm(plan[p].op, nth, plan[p].err, false);
+            kvh_status st1 = kvh_seq_persist(e, s[1]);
+            kvh_status st2 = kvh_seq_persist(e, s[2]);
+            kvh_seq_migrate(e, s[3], 0, 3 * G.bt, KVH_TIER_DISK, NULL); /* spill, may fail */
+            kvh_status st4 = kvh_seq_persist(e, s[4]);
+            /* reading back never serves wrong data */
+            for (int i = 0; i < 5; i++) {
+                char msg[256] = "";
+                kvh_status st = dt_verify(e, s[i], G, ct[i], 0, 3 * G.bt, msg, sizeof(msg));
+                if (st == KVH_ERR_CORRUPT && strstr(msg, "differs"))
+                    fail_msg("%s: sequence %d: %s", what, i, msg);
+            }
+            for (int i = 0; i < 5; i++)
+                kvh_seq_free(e, s[i]);
+            kvh_status cst = dt_close(e);
+            bool fired = atomic_load(&H.fired) > 0;
+            disarm();
+            runs++;
+            fired_runs += fired;
+            /* a new engine without faults */
+            e = dt_open_a(&c);
+            kvh_status pst[5] = {KVH_OK, st1, st2, -100, st4};
+            for (int i = 0; i < 5; i++) {
+                size_t m = match_len(e, ct[i], 3 * G.bt, what);
+                if (pst[i] == KVH_OK && m != 3 * G.bt)
+                    fail_msg("%s: sequence %d was persisted (KVH_OK) but only %zu of %u tokens are found "
+                             "(close: %s)",
+                             what, i, m, 3 * G.bt, kvh_status_name(cst));
+            }
+            dt_assert_ok(dt_close(e));
+            /* once an fsync failed, no later persist of that engine may
+             * claim success */
+            if (plan[p].op == KVHI_OP_FSYNC && fired && st1 != KVH_OK)
+                assert_true(st2 != KVH_OK && st4 != KVH_OK);
+        }
+    print_message("%d fault runs, %d with the fault hit\n", runs, fired_runs);
+}
+
+/* ------------------------------------------------------------------ */
+/* A transient read error                                              */
+/* ------------------------------------------------------------------ */
+
+static void test_transient_read_error_keeps_durable_blocks(void **state)
+{
+    (void)state;
+    char dir[512];
+    dt_scratch("read-error", dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 2, 8, 64);
+    kvh_engine *e = dt_open_a(&c);
+    dt_content ct = dt_plain(55);
+    kvh_seq s;
+    dt_assert_ok(dt_build(e, G, ct, 4 * G.bt, &s));
+    dt_assert_ok(kvh_seq_persist(e, s));
+    dt_assert_ok(kvh_seq_free(e, s));
+    dt_assert_ok(dt_close(e));
+
+    for (int nth = 1; nth <= 4; nth++) {
+        /* a read fails once (sticky for a whole match: both the promotion
+         * and the verification of some block fail) */
+        e = dt_open_a(&c);
+        arm(KVHI_OP_READ, nth, -EIO, true);
+        size_t m = match_len(e, ct, 4 * G.bt, "match with failing reads");
+        disarm();
+        (void)m;
+        /* the error is gone; the same engine and a new one find it all */
+        size_t m2 = match_len(e, ct, 4 * G.bt, "match after the error");
+        dt_assert_ok(dt_close(e));
+        e = dt_open_a(&c);
+        size_t m3 = match_len(e, ct, 4 * G.bt, "match in a new engine");
+        dt_assert_ok(dt_close(e));
+        if (m3 != 4 * G.bt)
+            fail_msg("read errors from call %d on: a new engine finds %zu of %u durable tokens (the failing "
+                     "engine found %zu, then %zu): a transient read error deleted durable blocks",
+                     nth, m3, 4 * G.bt, m, m2);
+    }
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_setup_teardown(test_nospace_small_disk_all_referenced, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_nospace_is_not_spurious, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_nospace_full_filesystem, setup, teardown_tmpfs),
+        cmocka_unit_test_setup_teardown(test_nospace_injected_write_error, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_nospace_injected_filesystem_full, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_fsync_failure_is_fatal, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_fault_sweep, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_transient_read_error_keeps_durable_blocks, setup, teardown),
+    };
+    return cmocka_run_group_tests_name("disk_faults", tests, NULL, group_teardown);
+}
