@@ -498,8 +498,15 @@ kvh_status kvhi_prefetch(kvh_engine *e, kvhi_seq *s, uint64_t first, uint64_t n,
     for (uint32_t i = b0; i < b1; i++) {
         uint32_t b = s->blocks[i];
         kvhi_block *blk = &e->blocks[b];
-        if (blk->tier == KVH_TIER_DEVICE && !(blk->flags & KVHI_BF_IN_FLIGHT))
+        if (blk->tier == KVH_TIER_DEVICE && !(blk->flags & KVHI_BF_IN_FLIGHT)) {
+            /* Already there: predicted all the same, so keep it from being
+             * the next victim (as a promoted block would be kept). */
+            uint64_t now = ++e->clock;
+            for (uint32_t k = 0; k < e->cfg.lru_k; k++)
+                blk->hist[k] = now;
+            kvhi_block_update_evictable(e, b);
             continue;
+        }
         if (blk->flags & KVHI_BF_PREFETCHING)
             continue;
         if (++blk->hits < min_hits || blk->pins) {

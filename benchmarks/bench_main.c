@@ -1,0 +1,135 @@
+/* kvh-bench: one program, one scenario per source file.
+ *
+ *   kvh-bench SCENARIO [--json] [--quick] [--reps N] [--strict] [flags]
+ *   kvh-bench all [--json] [--quick]
+ *   kvh-bench --help | SCENARIO --help
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bench_scenarios.h"
+#include "bench_util.h"
+
+static const struct {
+    const char *name;
+    const char *summary;
+    bench_scenario_fn run;
+} scenarios[] = {
+    {"alloc", "block alloc/free vs a mutex free list, fork, prefix match, LRU-K touches", bench_alloc},
+    {"migrate", "device<->host block copies (kvh_migrate, kvh_seq_migrate) vs memcpy", bench_migrate},
+};
+#define N_SCENARIOS (sizeof(scenarios) / sizeof(scenarios[0]))
+
+static void usage(FILE *f)
+{
+    fprintf(f,
+            "usage: kvh-bench SCENARIO [--json] [--quick] [--reps N] [--strict] [--seed N] [scenario flags]\n"
+            "       kvh-bench all [--json] [--quick]     run every scenario with its defaults\n"
+            "       kvh-bench SCENARIO --help            the scenario's flags\n"
+            "\n"
+            "scenarios:\n");
+    for (size_t i = 0; i < N_SCENARIOS; i++)
+        fprintf(f, "  %-10s %s\n", scenarios[i].name, scenarios[i].summary);
+    fprintf(f,
+            "\n"
+            "common flags:\n"
+            "  --json      one JSON object per line: scenario, metric, value, unit, the\n"
+            "              varying parameters, and baseline + ratio (ours/baseline, higher\n"
+            "              is better) where a baseline runs in the same process\n"
+            "  --quick     a few seconds per scenario (CI smoke)\n"
+            "  --reps N    rounds per measurement (median is reported)\n"
+            "  --strict    exit with status 3 when a target is missed\n"
+            "  --seed N    RNG seed (default 1)\n"
+            "  --verbose   progress on stderr even with --json\n"
+            "\n"
+            "Without --json a table is printed. Progress goes to stderr.\n"
+            "Exit status: 0 ok, 1 a kvh call failed or data did not verify, 2 usage,\n"
+            "3 a target was missed (--strict only).\n");
+}
+
+int main(int argc, char **argv)
+{
+    if (argc < 2) {
+        usage(stderr);
+        return 2;
+    }
+    if (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h") || !strcmp(argv[1], "help")) {
+        usage(stdout);
+        return 0;
+    }
+    if (!strcmp(argv[1], "list")) {
+        for (size_t i = 0; i < N_SCENARIOS; i++)
+            printf("%s\n", scenarios[i].name);
+        return 0;
+    }
+    bench_ctx ctx = {.seed = 1};
+    /* Strip the common flags; the rest goes to the scenario. */
+    char **rest = calloc((size_t)argc, sizeof(char *));
+    int nrest = 0;
+    for (int i = 2; i < argc; i++) {
+        if (!strcmp(argv[i], "--json"))
+            ctx.json = 1;
+        else if (!strcmp(argv[i], "--quick"))
+            ctx.quick = 1;
+        else if (!strcmp(argv[i], "--strict"))
+            ctx.strict = 1;
+        else if (!strcmp(argv[i], "--verbose"))
+            ctx.verbose = 1;
+        else if ((!strcmp(argv[i], "--reps") || !strcmp(argv[i], "--seed")) && i + 1 < argc) {
+            char *end;
+            unsigned long long v = strtoull(argv[i + 1], &end, 0);
+            if (*end || (!strcmp(argv[i], "--reps") && (v < 1 || v > 1000))) {
+                fprintf(stderr, "kvh-bench: bad value '%s' for %s\n", argv[i + 1], argv[i]);
+                return 2;
+            }
+            if (!strcmp(argv[i], "--reps"))
+                ctx.reps = (int)v;
+            else
+                ctx.seed = v;
+            i++;
+        } else
+            rest[nrest++] = argv[i];
+    }
+
+    int rc = 0;
+    if (!strcmp(argv[1], "all")) {
+        for (int i = 0; i < nrest; i++)
+            if (!strcmp(rest[i], "--help") || !strcmp(rest[i], "-h")) {
+                usage(stdout);
+                return 0;
+            }
+        if (nrest) {
+            fprintf(stderr, "kvh-bench all: scenario flags are not accepted with 'all': '%s'\n", rest[0]);
+            return 2;
+        }
+        for (size_t i = 0; i < N_SCENARIOS && rc == 0; i++) {
+            int r = scenarios[i].run(0, rest, &ctx);
+            bench_flush_table(&ctx, scenarios[i].name);
+            if (r)
+                rc = r;
+        }
+    } else {
+        size_t i = 0;
+        while (i < N_SCENARIOS && strcmp(scenarios[i].name, argv[1]))
+            i++;
+        if (i == N_SCENARIOS) {
+            fprintf(stderr, "kvh-bench: unknown scenario '%s'\n\n", argv[1]);
+            usage(stderr);
+            return 2;
+        }
+        rc = scenarios[i].run(nrest, rest, &ctx);
+        bench_flush_table(&ctx, scenarios[i].name);
+    }
+    free(rest);
+    if (rc == BENCH_HELP)
+        return 0;
+    if (rc)
+        return rc;
+    if (bench_missed_targets()) {
+        fprintf(stderr, "kvh-bench: %d target(s) missed\n", bench_missed_targets());
+        if (ctx.strict)
+            return 3;
+    }
+    return 0;
+}

@@ -1,0 +1,476 @@
+#include "bench_util.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+/* ------------------------------------------------------------------ */
+/* time and statistics                                                 */
+/* ------------------------------------------------------------------ */
+
+uint64_t bench_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+double bench_sec(void) { return (double)bench_ns() * 1e-9; }
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+double bench_median(const double *v, size_t n)
+{
+    if (n == 0)
+        return NAN;
+    double *c = malloc(n * sizeof(double));
+    if (!c)
+        abort();
+    memcpy(c, v, n * sizeof(double));
+    qsort(c, n, sizeof(double), cmp_double);
+    double m = n % 2 ? c[n / 2] : 0.5 * (c[n / 2 - 1] + c[n / 2]);
+    free(c);
+    return m;
+}
+
+double bench_min(const double *v, size_t n)
+{
+    double m = INFINITY;
+    for (size_t i = 0; i < n; i++)
+        if (v[i] < m)
+            m = v[i];
+    return m;
+}
+
+/* ------------------------------------------------------------------ */
+/* RNG                                                                  */
+/* ------------------------------------------------------------------ */
+
+static uint64_t splitmix(uint64_t *x)
+{
+    uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+void bench_rng_seed(bench_rng *r, uint64_t seed)
+{
+    for (int i = 0; i < 4; i++)
+        r->s[i] = splitmix(&seed);
+}
+
+static inline uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
+
+uint64_t bench_rng_next(bench_rng *r)
+{
+    uint64_t *s = r->s;
+    uint64_t result = rotl(s[1] * 5, 7) * 9, t = s[1] << 17;
+    s[2] ^= s[0];
+    s[3] ^= s[1];
+    s[1] ^= s[2];
+    s[0] ^= s[3];
+    s[2] ^= t;
+    s[3] = rotl(s[3], 45);
+    return result;
+}
+
+uint64_t bench_rng_below(bench_rng *r, uint64_t n)
+{
+    /* Multiply-shift; the bias is irrelevant at benchmark sizes. */
+    return (uint64_t)(((unsigned __int128)bench_rng_next(r) * n) >> 64);
+}
+
+void bench_shuffle_u32(bench_rng *r, uint32_t *v, size_t n)
+{
+    for (size_t i = n; i > 1; i--) {
+        size_t j = bench_rng_below(r, i);
+        uint32_t t = v[i - 1];
+        v[i - 1] = v[j];
+        v[j] = t;
+    }
+}
+
+void bench_shuffle_u64(bench_rng *r, uint64_t *v, size_t n)
+{
+    for (size_t i = n; i > 1; i--) {
+        size_t j = bench_rng_below(r, i);
+        uint64_t t = v[i - 1];
+        v[i - 1] = v[j];
+        v[j] = t;
+    }
+}
+
+/* ------------------------------------------------------------------ */
+/* result rows                                                          */
+/* ------------------------------------------------------------------ */
+
+#define ROW_MAX_PARAMS 12
+
+struct bench_row {
+    char scenario[32];
+    char metric[64];
+    double value;
+    char unit[16];
+    int n_params;
+    struct {
+        char key[32];
+        char json[64];  /* JSON literal */
+        char text[64];  /* table text */
+    } params[ROW_MAX_PARAMS];
+    int has_baseline;
+    double baseline, ratio;
+    int has_target, target_on_ratio, target_higher, met;
+    double target;
+    char note[160];
+    struct bench_row *next;
+};
+
+static bench_row *table_head, *table_tail;
+static int missed_targets;
+
+int bench_missed_targets(void) { return missed_targets; }
+
+static void copy_str(char *dst, size_t cap, const char *src)
+{
+    snprintf(dst, cap, "%s", src ? src : "");
+}
+
+bench_row *bench_row_new(const char *scenario, const char *metric, double value, const char *unit)
+{
+    bench_row *r = calloc(1, sizeof(*r));
+    if (!r)
+        abort();
+    copy_str(r->scenario, sizeof(r->scenario), scenario);
+    copy_str(r->metric, sizeof(r->metric), metric);
+    copy_str(r->unit, sizeof(r->unit), unit);
+    r->value = value;
+    return r;
+}
+
+static void add_param(bench_row *r, const char *key, const char *json, const char *text)
+{
+    if (r->n_params == ROW_MAX_PARAMS)
+        return;
+    copy_str(r->params[r->n_params].key, sizeof(r->params[0].key), key);
+    copy_str(r->params[r->n_params].json, sizeof(r->params[0].json), json);
+    copy_str(r->params[r->n_params].text, sizeof(r->params[0].text), text);
+    r->n_params++;
+}
+
+void bench_row_int(bench_row *r, const char *key, int64_t v)
+{
+    char b[32];
+    snprintf(b, sizeof(b), "%lld", (long long)v);
+    add_param(r, key, b, b);
+}
+
+static void fmt_num(char *b, size_t cap, double v, int digits)
+{
+    if (!isfinite(v))
+        snprintf(b, cap, "null");
+    else
+        snprintf(b, cap, "%.*g", digits, v);
+}
+
+void bench_row_num(bench_row *r, const char *key, double v)
+{
+    char j[32], t[32];
+    fmt_num(j, sizeof(j), v, 6);
+    fmt_num(t, sizeof(t), v, 4);
+    add_param(r, key, j, t);
+}
+
+void bench_row_str(bench_row *r, const char *key, const char *v)
+{
+    char j[64];
+    snprintf(j, sizeof(j), "\"%s\"", v); /* keys/values are plain ASCII here */
+    add_param(r, key, j, v);
+}
+
+void bench_row_baseline(bench_row *r, double baseline, double ratio)
+{
+    r->has_baseline = 1;
+    r->baseline = baseline;
+    r->ratio = ratio;
+}
+
+void bench_row_target(bench_row *r, int on_ratio, int higher, double bound)
+{
+    r->has_target = 1;
+    r->target_on_ratio = on_ratio;
+    r->target_higher = higher;
+    r->target = bound;
+}
+
+void bench_row_note(bench_row *r, const char *note) { copy_str(r->note, sizeof(r->note), note); }
+
+static void target_text(const bench_row *r, char *b, size_t cap)
+{
+    snprintf(b, cap, "%s %s %g", r->target_on_ratio ? "ratio" : "value", r->target_higher ? ">=" : "<=", r->target);
+}
+
+void bench_emit(const bench_ctx *ctx, bench_row *r)
+{
+    if (r->has_target) {
+        double x = r->target_on_ratio ? r->ratio : r->value;
+        r->met = isfinite(x) && (r->target_higher ? x >= r->target : x <= r->target);
+        if (!r->met)
+            missed_targets++;
+    }
+    if (!ctx->json) {
+        if (table_tail)
+            table_tail->next = r;
+        else
+            table_head = r;
+        table_tail = r;
+        return;
+    }
+    char num[32];
+    fmt_num(num, sizeof(num), r->value, 6);
+    printf("{\"scenario\": \"%s\", \"metric\": \"%s\", \"value\": %s, \"unit\": \"%s\"", r->scenario, r->metric,
+           num, r->unit);
+    for (int i = 0; i < r->n_params; i++)
+        printf(", \"%s\": %s", r->params[i].key, r->params[i].json);
+    if (r->has_baseline) {
+        fmt_num(num, sizeof(num), r->baseline, 6);
+        printf(", \"baseline\": %s", num);
+        fmt_num(num, sizeof(num), r->ratio, 4);
+        printf(", \"ratio\": %s", num);
+    }
+    if (r->has_target) {
+        char t[64];
+        target_text(r, t, sizeof(t));
+        printf(", \"target\": \"%s\", \"met\": %s", t, r->met ? "true" : "false");
+    }
+    if (r->note[0])
+        printf(", \"note\": \"%s\"", r->note);
+    printf("}\n");
+    fflush(stdout);
+    free(r);
+}
+
+void bench_flush_table(const bench_ctx *ctx, const char *title)
+{
+    if (ctx->json || !table_head)
+        return;
+    /* Columns: metric | parameters | value unit | baseline | ratio | target */
+    enum { NC = 6 };
+    const char *hdr[NC] = {"metric", "parameters", "value", "baseline", "ratio", "target"};
+    size_t w[NC];
+    for (int c = 0; c < NC; c++)
+        w[c] = strlen(hdr[c]);
+    int n = 0;
+    for (bench_row *r = table_head; r; r = r->next)
+        n++;
+    char(*cells)[NC][200] = calloc((size_t)n, sizeof(*cells));
+    if (!cells)
+        abort();
+    int i = 0;
+    for (bench_row *r = table_head; r; r = r->next, i++) {
+        snprintf(cells[i][0], 200, "%s", r->metric);
+        size_t off = 0;
+        cells[i][1][0] = 0;
+        for (int p = 0; p < r->n_params && off < 190; p++)
+            off += (size_t)snprintf(cells[i][1] + off, 200 - off, "%s%s=%s", p ? " " : "", r->params[p].key,
+                                    r->params[p].text);
+        char v[32];
+        fmt_num(v, sizeof(v), r->value, 4);
+        snprintf(cells[i][2], 200, "%s %s", v, r->unit);
+        if (r->has_baseline) {
+            fmt_num(v, sizeof(v), r->baseline, 4);
+            snprintf(cells[i][3], 200, "%s %s", v, r->unit);
+            fmt_num(v, sizeof(v), r->ratio, 3);
+            snprintf(cells[i][4], 200, "%s", v);
+        }
+        if (r->has_target) {
+            char t[64];
+            target_text(r, t, sizeof(t));
+            snprintf(cells[i][5], 200, "%s %s", t, r->met ? "(met)" : "(MISSED)");
+        }
+        for (int c = 0; c < NC; c++)
+            if (strlen(cells[i][c]) > w[c])
+                w[c] = strlen(cells[i][c]);
+    }
+    if (title)
+        printf("\n== %s ==\n", title);
+    for (int c = 0; c < NC; c++)
+        printf("%-*s%s", (int)w[c], hdr[c], c + 1 < NC ? "  " : "\n");
+    for (int c = 0; c < NC; c++) {
+        for (size_t k = 0; k < w[c]; k++)
+            putchar('-');
+        printf("%s", c + 1 < NC ? "  " : "\n");
+    }
+    i = 0;
+    for (bench_row *r = table_head; r; i++) {
+        for (int c = 0; c < NC; c++) {
+            /* Right-align numbers, left-align text. */
+            if (c >= 2 && c <= 4)
+                printf("%*s%s", (int)w[c], cells[i][c], c + 1 < NC ? "  " : "\n");
+            else
+                printf("%-*s%s", (int)w[c], cells[i][c], c + 1 < NC ? "  " : "\n");
+        }
+        if (r->note[0])
+            printf("    note: %s\n", r->note);
+        bench_row *next = r->next;
+        free(r);
+        r = next;
+    }
+    free(cells);
+    table_head = table_tail = NULL;
+    fflush(stdout);
+}
+
+void bench_info(const bench_ctx *ctx, const char *fmt, ...)
+{
+    if (ctx->json && !ctx->verbose)
+        return;
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "  ");
+    vfprintf(stderr, fmt, ap);
+    fprintf(stderr, "\n");
+    va_end(ap);
+}
+
+/* ------------------------------------------------------------------ */
+/* options                                                              */
+/* ------------------------------------------------------------------ */
+
+static int parse_u64(const char *s, uint64_t *out)
+{
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, 0);
+    if (errno || end == s || *s == '-')
+        return -1;
+    switch (*end) {
+    case 'k':
+    case 'K':
+        v <<= 10, end++;
+        break;
+    case 'm':
+    case 'M':
+        v <<= 20, end++;
+        break;
+    case 'g':
+    case 'G':
+        v <<= 30, end++;
+        break;
+    default:
+        break;
+    }
+    if (*end == 'i' || *end == 'B') /* "64KiB", "1MB" */
+        end++;
+    if (*end == 'B')
+        end++;
+    if (*end)
+        return -1;
+    *out = v;
+    return 0;
+}
+
+static int parse_list(const char *s, bench_list *l)
+{
+    l->n = 0;
+    char buf[256];
+    snprintf(buf, sizeof(buf), "%s", s);
+    for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
+        if (l->n == BENCH_LIST_MAX || parse_u64(tok, &l->v[l->n]) != 0)
+            return -1;
+        l->n++;
+    }
+    return l->n ? 0 : -1;
+}
+
+void bench_print_opts(const bench_opt *opts)
+{
+    for (const bench_opt *o = opts; o && o->name; o++) {
+        char lhs[64];
+        snprintf(lhs, sizeof(lhs), "%s %s", o->name,
+                 o->type == BENCH_OPT_LIST ? "A,B,.." : o->type == BENCH_OPT_STR ? "S" : "N");
+        printf("  %-24s %s", lhs, o->help);
+        if (o->type == BENCH_OPT_STR)
+            printf(" (default %s)", *(const char **)o->dst);
+        else if (o->type == BENCH_OPT_U64)
+            printf(" (default %llu)", (unsigned long long)*(uint64_t *)o->dst);
+        else {
+            const bench_list *l = o->dst;
+            printf(" (default ");
+            for (size_t i = 0; i < l->n; i++)
+                printf("%s%llu", i ? "," : "", (unsigned long long)l->v[i]);
+            printf(")");
+        }
+        printf("\n");
+    }
+}
+
+int bench_parse(int argc, char **argv, const bench_opt *opts, const char *scenario, const char *usage)
+{
+    for (int i = 0; i < argc; i++) {
+        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
+            printf("usage: kvh-bench %s [--json] [--quick] [--reps N] [--strict] [options]\n\n%s\n", scenario, usage);
+            printf("options (defaults shown for this mode; --quick picks smaller ones):\n");
+            bench_print_opts(opts);
+            return 1;
+        }
+        const bench_opt *o = opts;
+        for (; o && o->name; o++)
+            if (!strcmp(argv[i], o->name))
+                break;
+        if (!o || !o->name) {
+            fprintf(stderr, "kvh-bench %s: unknown option '%s' (try --help)\n", scenario, argv[i]);
+            return -1;
+        }
+        if (i + 1 >= argc) {
+            fprintf(stderr, "kvh-bench %s: %s needs a value\n", scenario, argv[i]);
+            return -1;
+        }
+        const char *val = argv[++i];
+        int rc = 0;
+        if (o->type == BENCH_OPT_STR)
+            *(const char **)o->dst = val;
+        else
+            rc = o->type == BENCH_OPT_U64 ? parse_u64(val, o->dst) : parse_list(val, o->dst);
+        if (rc != 0) {
+            fprintf(stderr, "kvh-bench %s: bad value '%s' for %s\n", scenario, val, o->name);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------ */
+/* misc                                                                 */
+/* ------------------------------------------------------------------ */
+
+int bench_kvh_fail(const char *what, kvh_status st)
+{
+    fprintf(stderr, "kvh-bench: %s failed: %s (%s): %s\n", what, kvh_status_name(st), kvh_strerror(st),
+            kvh_last_error());
+    return 1;
+}
+
+const char *bench_fmt_bytes(uint64_t n, char *buf, size_t len)
+{
+    if (n >= (1ull << 30) && n % (1ull << 30) == 0)
+        snprintf(buf, len, "%lluG", (unsigned long long)(n >> 30));
+    else if (n >= (1ull << 20) && n % (1ull << 20) == 0)
+        snprintf(buf, len, "%lluM", (unsigned long long)(n >> 20));
+    else if (n >= 1024 && n % 1024 == 0)
+        snprintf(buf, len, "%lluK", (unsigned long long)(n >> 10));
+    else
+        snprintf(buf, len, "%llu", (unsigned long long)n);
+    return buf;
+}
+
+static volatile uint64_t sink_value;
+void bench_sink(uint64_t v) { sink_value += v; }

@@ -1,0 +1,572 @@
+"""The speculative retriever (kvh.retriever, kvh.embed, kvh.bench_retriever):
+chunks stored in kvh under their content hash, embeddings in Qdrant (embedded
+local mode) or NumPy, predictions turned into prefetch hints, and the
+accounting (precision / recall, kvh's prefetch counters)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kvh
+from kvh import bench_retriever, embed, retrieval, retriever
+from kvh.retriever import SpeculativeRetriever, SyntheticKV
+from kvh.types import Tier
+
+REPO = Path(__file__).resolve().parents[2]
+
+needs_qdrant = pytest.mark.skipif(not retriever.qdrant_available(),
+                                  reason="qdrant-client is not installed (pip install qdrant-client)")
+
+CHUNK_TOKENS = 64  # 4 blocks of 16
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    """3 topics x 2 documents x 2 sections of topic-coherent synthetic text."""
+    return bench_retriever.make_corpus(3, 2, 2, CHUNK_TOKENS, seed=5)
+
+
+def _engine(tmp_path=None, **kw):
+    """4 KiB blocks; a device tier of 8 chunks, host 16 chunks, disk when tmp_path."""
+    base = dict(num_layers=2, num_kv_heads=2, head_dim=16, block_tokens=16, dtype="f16", backend="cpu",
+                device_bytes=32 * 4096, host_bytes=64 * 4096, model_salt=0x5E7, log_level="error")
+    if tmp_path is not None:
+        base.update(disk_path=str(tmp_path / "store"), disk_bytes=16 << 20)
+    base.update(kw)
+    return kvh.Engine(**base)
+
+
+def _items(corpus):
+    return [{"tokens": corpus.tokens(i), "text": c.text, "doc": f"t{c.topic}d{c.doc}", "index": c.section}
+            for i, c in enumerate(corpus.chunks)]
+
+
+def _tiers(r, cid):
+    return [b.info().tier for b in r.blocks(cid)]
+
+
+# ---------------------------------------------------------------------------------
+# embeddings
+# ---------------------------------------------------------------------------------
+def test_hashed_embedder_properties():
+    e = embed.HashedNgramEmbedder(256)
+    a, b, c, z = e.embed(["The quick brown fox jumps over the lazy dog",
+                          "the quick brown fox jumped over a lazy dog",
+                          "Compilers lower SSA form into machine code", ""])
+    assert e.dim == 256 and a.dtype == np.float32 and a.shape == (256,)
+    assert abs(float(np.linalg.norm(a)) - 1.0) < 1e-5
+    assert float(a @ b) > 0.6 > 0.2 > float(a @ c)
+    assert not z.any()  # no features: a zero vector, not NaN
+    # deterministic across instances (no salted hash) and independent of batching
+    again = embed.HashedNgramEmbedder(256).embed(["the quick brown fox jumped over a lazy dog"])[0]
+    assert np.array_equal(again, b)
+    assert np.array_equal(e.embed_one("Compilers lower SSA form into machine code"), c)
+    assert e.embed([]).shape == (0, 256)
+    assert not np.array_equal(embed.HashedNgramEmbedder(256, seed=1).embed(["fox"])[0], e.embed(["fox"])[0])
+    with pytest.raises(TypeError):
+        e.embed("a bare string")
+    with pytest.raises(ValueError):
+        embed.HashedNgramEmbedder(0)
+    with pytest.raises(ValueError):
+        embed.HashedNgramEmbedder(64, ngrams=())
+
+
+def test_open_embedder_specs(monkeypatch):
+    assert embed.open_embedder("hash").dim == embed.DEFAULT_DIM
+    assert embed.open_embedder("hash:128").dim == 128
+    monkeypatch.setenv("KVH_EMBEDDER", "hash:96")
+    assert embed.open_embedder("auto").dim == 96
+    custom = embed.CallableEmbedder(lambda texts: np.ones((len(texts), 3)), 3, name="ones")
+    assert embed.open_embedder(custom) is custom
+    assert np.allclose(custom.embed(["x"])[0], 1 / np.sqrt(3))
+    with pytest.raises(ValueError, match="unknown embedder"):
+        embed.open_embedder("word2vec")
+
+
+def test_word_tokenizer_is_stable():
+    t = embed.WordTokenizer()
+    assert t.encode("Hello, world!") == t.encode("Hello ,  world !")
+    assert len(t.encode("Hello, world!")) == 4
+    assert embed.WordTokenizer().encode("kvh") == t.encode("kvh")
+
+
+class _FakeSentenceTransformer:
+    """Stands in for sentence_transformers.SentenceTransformer: embeds with
+    the hashed embedder, so the plumbing can be tested without the package."""
+
+    loaded = []
+
+    def __init__(self, name, device=None, **kw):
+        self.inner = embed.HashedNgramEmbedder(48)
+        _FakeSentenceTransformer.loaded.append(name)
+
+    def get_sentence_embedding_dimension(self):
+        return 48
+
+    def encode(self, texts, batch_size=32, convert_to_numpy=True, normalize_embeddings=True, show_progress_bar=False):
+        return self.inner.embed(list(texts))
+
+
+def test_sentence_transformer_embedder_plumbing(monkeypatch, corpus):
+    fake = types.ModuleType("sentence_transformers")
+    fake.SentenceTransformer = _FakeSentenceTransformer
+    monkeypatch.setitem(sys.modules, "sentence_transformers", fake)
+    e = embed.open_embedder("st:my-local-model")
+    assert isinstance(e, embed.SentenceTransformerEmbedder) and e.dim == 48 and e.name == "st:my-local-model"
+    assert _FakeSentenceTransformer.loaded[-1] == "my-local-model"
+    with _engine() as eng, SpeculativeRetriever(eng, index="numpy", embedder=e, top_k=2) as r:
+        r.add_chunks(_items(corpus))
+        target = r.chunk_ids[5]
+        preds = r.predict(corpus.chunks[5].text)
+        assert preds and preds[0].chunk_id == target
+
+
+def test_sentence_transformer_missing(monkeypatch):
+    monkeypatch.setitem(sys.modules, "sentence_transformers", None)
+    with pytest.raises(ImportError, match="pip install sentence-transformers"):
+        embed.open_embedder("st:all-MiniLM-L6-v2")
+
+
+def test_sentence_transformer_real_model():
+    pytest.importorskip("sentence_transformers")
+    model = os.environ.get("KVH_ST_MODEL", "all-MiniLM-L6-v2")
+    try:
+        e = embed.SentenceTransformerEmbedder(model)
+    except RuntimeError as exc:  # not in the local cache (no network here)
+        pytest.skip(f"no sentence-transformers model available: {exc}")
+    a, b, c = e.embed(["a cat sat on the mat", "a kitten sits on a rug", "quarterly tax filing deadlines"])
+    assert abs(float(np.linalg.norm(a)) - 1) < 1e-4 and float(a @ b) > float(a @ c)
+
+
+# ---------------------------------------------------------------------------------
+# content ids and storage
+# ---------------------------------------------------------------------------------
+def test_content_id_is_the_kvh_prefix_chain(corpus):
+    with _engine() as eng, SpeculativeRetriever(eng, index="numpy") as r:
+        toks = corpus.tokens(0)
+        h = 0
+        for b in range(len(toks) // 16):
+            h = eng.prefix_hash(toks[b * 16:(b + 1) * 16], h)
+        assert r.content_id(toks) == h
+        rec = r.add_chunk(toks, corpus.chunks[0].text)
+        assert rec.chunk_id == h and rec.n_tokens == 64
+        assert rec.block_hashes == [b.info().hash for b in r.blocks(h)] and rec.block_hashes[-1] == h
+        # a partial tail block continues the chain; a different model salt changes every id
+        assert r.content_id(toks[:40]) not in (0, h)
+        assert r.content_id(toks[:40]) == r.content_id(toks[:40].copy())
+        with _engine(model_salt=0x999) as other, SpeculativeRetriever(other, index="numpy") as r2:
+            assert r2.content_id(toks) != h
+        # adding the same tokens again is a no-op that returns the same record
+        assert r.add_chunk(toks, "other text") is rec and len(r) == 1
+
+
+def test_model_kv_fn_with_the_real_model():
+    """Chunks whose K/V the model computes (kvh.model's runner): what kvh
+    holds equals a plain prefill of the chunk's tokens."""
+    try:
+        from kvh.model import runner as model_runner
+
+        run = model_runner.load()
+    except (ImportError, FileNotFoundError) as exc:
+        pytest.skip(f"no model runner here: {exc}")
+    with run.engine(device_bytes=8 << 20, host_bytes=8 << 20) as eng:
+        with SpeculativeRetriever(eng, index="numpy", kv_fn=retriever.model_kv_fn(run), tokenizer=run.tokenizer,
+                                  top_k=1) as r:
+            recs = r.add_document("paris", "The capital of France is Paris, known for the Eiffel Tower. " * 2,
+                                  chunk_tokens=16)
+            recs += r.add_document("plants", "Photosynthesis turns light into chemical energy with chlorophyll.",
+                                   chunk_tokens=32)
+            assert r.record(r.predict("how do plants use chlorophyll")[0].chunk_id).doc == "plants"
+            c = recs[0]
+            k, v = r.sequence(c.chunk_id).read_kv(1)
+            ref = run.reference_kv()
+            run.prefill(ref, [int(t) for t in c.tokens])
+            rk, rv = ref.read(1)
+            assert np.allclose(k, rk[:len(k)], atol=1e-5) and np.allclose(v, rv[:len(v)], atol=1e-5)
+
+
+def test_kv_fn_must_append_its_tokens(corpus):
+    with _engine() as eng, SpeculativeRetriever(eng, index="numpy", kv_fn=lambda seq, toks: None) as r:
+        with pytest.raises(RuntimeError, match="kv_fn must append"):
+            r.add_chunk(corpus.tokens(0), "x")
+        assert len(r) == 0
+
+
+# ---------------------------------------------------------------------------------
+# end to end with the embedded Qdrant
+# ---------------------------------------------------------------------------------
+def _demote_all(r, tier):
+    for cid in r.chunk_ids:
+        r.sequence(cid).migrate(tier)
+    for cid in r.chunk_ids:
+        assert all(t == tier for t in _tiers(r, cid)), (cid, _tiers(r, cid))
+
+
+@needs_qdrant
+def test_end_to_end_embedded_qdrant(tmp_path, corpus):
+    with _engine(tmp_path) as eng:
+        with SpeculativeRetriever(eng, qdrant_path=str(tmp_path / "qdrant"), top_k=3) as r:
+            assert isinstance(r.index, retriever.QdrantChunkIndex) and r.index.mode == "local"
+            recs = r.add_chunks(_items(corpus))
+            assert len(r) == 12 and r.index.count() == 12
+            kv = r.kv_fn
+            assert isinstance(kv, SyntheticKV)
+            # the point payload is the chunk record
+            payload = r.index.get([recs[3].chunk_id])[recs[3].chunk_id]
+            assert payload["tokens"] == [int(t) for t in corpus.tokens(3)] and payload["n_tokens"] == 64
+            assert payload["doc"] == "t0d1" and payload["index"] == 1
+            assert payload["block_hashes"] == [f"{h:016x}" for h in recs[3].block_hashes]
+            # everything starts on disk: nothing of the corpus is in the device tier
+            _demote_all(r, Tier.DISK)
+            before = eng.stats()
+            # agent 1 reads topic 2, document 0, section 0 and talks about section 1 next
+            nxt = corpus.index(2, 0, 1)
+            context = corpus.chunks[corpus.index(2, 0, 0)].text + " next: " + " ".join(corpus.chunks[nxt].keys)
+            res = r.prefetch(context, agent=1)
+            assert recs[nxt].chunk_id in res.chunk_ids
+            assert res.hinted == res.chunk_ids and not res.resident  # nothing was resident
+            assert [p.rank for p in res.predictions] == [0, 1, 2]
+            assert res.wait(timeout=30)
+            # the predicted chunks' blocks are in the device tier before the agent asks
+            for cid in res.chunk_ids:
+                assert all(t == Tier.DEVICE for t in _tiers(r, cid)), _tiers(r, cid)
+            mid = eng.stats() - before
+            assert mid.prefetch_issued == 3 * 4 and mid.prefetch_skipped == 0
+            # acquire: no stall, the prefetched blocks count as useful
+            with r.acquire(recs[nxt].chunk_id, agent=1):
+                assert kv.check(r.sequence(recs[nxt].chunk_id), corpus.tokens(nxt), layer=1)
+            after = eng.stats() - before
+            assert after.acquire_stall_ns == 0
+            assert after.prefetch_useful == 4 and after.prefetch_late == 0
+            # demote the two predicted chunks that were not used: they were prefetched for nothing
+            unused = [c for c in res.chunk_ids if c != recs[nxt].chunk_id]
+            for cid in unused:
+                r.sequence(cid).migrate(Tier.HOST)
+            end = eng.stats() - before
+            assert end.prefetch_wasted == 2 * 4
+            # the counters add up: every issued block was used, or evicted unused (none late, none left)
+            assert end.prefetch_issued == end.prefetch_useful + end.prefetch_wasted + end.prefetch_late
+            # a second prediction closes agent 1's window: precision 1/3, recall 1/1
+            r.prefetch(corpus.chunks[nxt].text, agent=1)
+            m = r.metrics()
+            assert (m.windows, m.predicted, m.used, m.hits) == (1, 3, 1, 1)
+            assert m.precision == pytest.approx(1 / 3) and m.recall == 1.0
+            assert m.kvh["prefetch_issued"] >= 12 and m.predictions == 2
+            r.end_windows()
+            assert r.metrics().windows == 2
+
+
+@needs_qdrant
+def test_resident_chunks_get_no_hint(tmp_path, corpus):
+    with _engine(tmp_path) as eng, SpeculativeRetriever(eng, qdrant_path=str(tmp_path / "q"), top_k=2) as r:
+        recs = r.add_chunks(_items(corpus))
+        _demote_all(r, Tier.HOST)
+        target = recs[7].chunk_id
+        with r.acquire(target):
+            pass
+        assert r.resident(target)
+        st0 = eng.stats()
+        res = r.prefetch(corpus.chunks[7].text)
+        assert res.chunk_ids[0] == target and target in res.resident and target not in res.hinted
+        res.wait(30)
+        assert (eng.stats() - st0).prefetch_issued == 4 * len(res.hinted)
+
+
+@needs_qdrant
+def test_async_prefetch_and_accounting(tmp_path, corpus):
+    with _engine(tmp_path) as eng, SpeculativeRetriever(eng, qdrant_path=str(tmp_path / "q"), top_k=2) as r:
+        recs = r.add_chunks(_items(corpus))
+        a, b = recs[0].chunk_id, recs[6].chunk_id
+        fut = r.prefetch_async(corpus.chunks[0].text, agent=7)
+        # the window is open at once: this use counts against the prediction even if it is still running
+        with r.acquire(a, agent=7):
+            pass
+        res = fut.result(30)
+        assert a in res.chunk_ids
+        r.note_use(b, agent=7)       # used, not predicted
+        r.note_use(a, agent=8)       # agent 8 has no window yet
+        r.end_windows()
+        m = r.metrics()
+        assert (m.predicted, m.used, m.hits, m.unwindowed_uses) == (2, 2, 1, 1)
+        assert m.precision == 0.5 and m.recall == 0.5
+        assert m.predict_seconds_p50 > 0
+        r.reset_metrics()
+        assert r.metrics().predicted == 0
+
+
+@needs_qdrant
+def test_draft_continuation_steers_the_prediction(tmp_path, corpus):
+    target = corpus.index(1, 1, 1)
+    seen = []
+
+    def draft(text):
+        seen.append(text)
+        return " ".join(corpus.chunks[target].keys * 3)
+
+    with _engine(tmp_path) as eng, SpeculativeRetriever(eng, qdrant_path=str(tmp_path / "q"), top_k=1,
+                                                         draft=draft) as r:
+        recs = r.add_chunks(_items(corpus))
+        generic = "and then we will read about the other one as well"
+        assert r.predict(generic)[0].chunk_id == recs[target].chunk_id
+        assert seen == [generic]
+        r.draft = None
+        here = corpus.chunks[corpus.index(0, 0, 0)].text
+        assert r.predict(here)[0].chunk_id == recs[corpus.index(0, 0, 0)].chunk_id
+        # a continuation the caller already has
+        res = r.prefetch(generic, draft_text=" ".join(corpus.chunks[target].keys * 3))
+        assert res.chunk_ids == [recs[target].chunk_id]
+
+
+@needs_qdrant
+def test_restart_finds_chunks_on_disk(tmp_path, corpus):
+    qpath = str(tmp_path / "qdrant")
+    with _engine(tmp_path) as eng, SpeculativeRetriever(eng, qdrant_path=qpath) as r:
+        recs = r.add_chunks(_items(corpus))
+        assert r.persist() == 12
+        ids = [x.chunk_id for x in recs]
+    # a new process: same store, same Qdrant directory
+    with _engine(tmp_path) as eng, SpeculativeRetriever(eng, qdrant_path=qpath, top_k=2) as r:
+        assert r.load() == 12 and sorted(r.chunk_ids) == sorted(ids)
+        assert r.reused_tokens == 0  # attached lazily
+        res = r.prefetch(corpus.chunks[9].text)
+        assert res.chunk_ids[0] == ids[9]
+        assert r.computed_tokens == 0 and r.reused_tokens == 2 * 64  # found in kvh, not recomputed
+        res.wait(30)
+        with r.acquire(ids[9]):
+            assert SyntheticKV(eng).check(r.sequence(ids[9]), corpus.tokens(9), layer=0)
+        # records the index only knows (not loaded) are fetched on demand
+        r2 = SpeculativeRetriever(eng, index=r.index, top_k=1)
+        assert r2.predict(corpus.chunks[4].text)[0].chunk_id == ids[4]
+        r2.close()
+
+
+# ---------------------------------------------------------------------------------
+# the Qdrant index itself
+# ---------------------------------------------------------------------------------
+@needs_qdrant
+def test_qdrant_index_basics(tmp_path):
+    path = str(tmp_path / "q")
+    with retriever.QdrantChunkIndex(4, path=path, collection="t") as idx:
+        assert isinstance(idx, retrieval.ChunkIndex)
+        big = (1 << 64) - 3
+        idx.add([1, 2, big], np.eye(4, dtype=np.float32)[:3], [{"agent": 1}, {}, {"doc": "x"}])
+        assert idx.count() == 3 and idx.has([1, 5, big]) == {1, big}
+        assert idx.search(np.array([1, 0.1, 0, 0]), 2)[0][0] == 1
+        assert idx.search(np.array([0, 0, 1, 0]), 1)[0][0] == big
+        # agent filter: that agent's points and shared ones (no agent in the payload)
+        assert {i for i, _ in idx.search(np.array([1, 1, 1, 0]), 3, agent=2)} == {2, big}
+        assert idx.get([big])[big]["doc"] == "x" and dict(idx.scroll())[2] == {}
+        assert idx.search(np.zeros(4), 3) == []
+        with pytest.raises(RuntimeError, match="already accessed"):
+            retriever.QdrantChunkIndex(4, path=path, collection="t")
+        with pytest.raises(ValueError):
+            idx.add([1], np.zeros((1, 3)))
+        with pytest.raises(ValueError):
+            idx.add([-1], np.ones((1, 4)))
+        idx.delete([2])
+        assert idx.count() == 2
+    with retriever.QdrantChunkIndex(4, path=path, collection="t") as idx:
+        assert idx.count() == 2  # persistent
+    with pytest.raises(RuntimeError, match="4-dim vectors"):
+        retriever.QdrantChunkIndex(8, path=path, collection="t")
+    with retriever.QdrantChunkIndex(8, path=path, collection="t", recreate=True) as idx:
+        assert idx.count() == 0
+    tmp = retriever.QdrantChunkIndex(4)
+    where = tmp.location
+    assert Path(where).is_dir()
+    tmp.close()
+    assert not Path(where).exists()  # a temporary store is removed
+
+
+@needs_qdrant
+def test_qdrant_server_url_errors_clearly():
+    with pytest.raises(RuntimeError, match="cannot reach the Qdrant server at http://127.0.0.1:1"):
+        retriever.QdrantChunkIndex(4, url="http://127.0.0.1:1", timeout=2)
+    with pytest.raises(RuntimeError, match="cannot reach"):
+        retriever.demo_chunk_index("auto", 8, "http://127.0.0.1:1")
+    with pytest.raises(ValueError, match="--qdrant-url"):
+        retriever.demo_chunk_index("numpy", 8, "http://127.0.0.1:1")
+
+
+@needs_qdrant
+def test_qdrant_server_code_path(monkeypatch, corpus, caplog):
+    """With a URL the index takes the server branch (QdrantClient(url=...)); a
+    stand-in client that serves it from qdrant-client's in-memory mode checks
+    that everything else is the same code path."""
+    from qdrant_client import QdrantClient, models
+
+    made = []
+
+    class ServerStandIn(QdrantClient):
+        def __init__(self, url=None, api_key=None, prefer_grpc=False, timeout=None, check_compatibility=True):
+            made.append({"url": url, "api_key": api_key, "check_compatibility": check_compatibility})
+            super().__init__(location=":memory:")
+
+        def info(self):
+            return types.SimpleNamespace(version="0.1.0")  # far from the client's: a logged warning
+
+    monkeypatch.setattr(retriever, "_qdrant", lambda: (ServerStandIn, models))
+    monkeypatch.setenv("KVH_QDRANT_API_KEY", "secret")
+    with caplog.at_level("WARNING", logger="kvh.retriever"):
+        with _engine() as eng, SpeculativeRetriever(eng, qdrant_url="http://qdrant.example:6333", top_k=2,
+                                                     collection="kvh_test") as r:
+            assert r.index.mode == "server" and r.index.location == "http://qdrant.example:6333"
+            assert made == [{"url": "http://qdrant.example:6333", "api_key": "secret", "check_compatibility": False}]
+            recs = r.add_chunks(_items(corpus))
+            assert r.index.count() == 12
+            assert r.predict(corpus.chunks[3].text)[0].chunk_id == recs[3].chunk_id
+    assert "may not work with Qdrant server 0.1.0" in caplog.text
+    # $KVH_QDRANT_URL is the default location when neither url nor path is given
+    monkeypatch.setenv("KVH_QDRANT_URL", "http://from-env:6333")
+    idx = retriever.open_chunk_index("auto", 4)
+    assert idx.mode == "server" and idx.location == "http://from-env:6333"
+    idx.close()
+
+
+@needs_qdrant
+def test_retrieval_plugin_picks_qdrant():
+    assert "qdrant" in retrieval.available_kinds()
+    idx = retrieval.open_chunk_index("auto", dim=8)
+    try:
+        assert isinstance(idx, retriever.QdrantChunkIndex)
+    finally:
+        idx.close()
+
+
+# ---------------------------------------------------------------------------------
+# fallbacks
+# ---------------------------------------------------------------------------------
+def test_numpy_fallback_end_to_end(corpus):
+    with _engine() as eng, SpeculativeRetriever(eng, index="numpy", top_k=2) as r:
+        assert isinstance(r.index, retrieval.NumpyChunkIndex)
+        recs = r.add_chunks(_items(corpus))
+        _demote_all(r, Tier.HOST)
+        st0 = eng.stats()
+        res = r.prefetch(corpus.chunks[2].text, agent=0)
+        assert res.chunk_ids[0] == recs[2].chunk_id
+        assert res.wait(30)
+        assert all(t == Tier.DEVICE for c in res.chunk_ids for t in _tiers(r, c))
+        with r.acquire(recs[2].chunk_id, agent=0):
+            pass
+        d = eng.stats() - st0
+        assert d.acquire_stall_ns == 0 and d.prefetch_useful == 4 and d.prefetch_issued == 8
+        with pytest.raises(TypeError, match="cannot list"):
+            r.load()
+
+
+def test_missing_qdrant_client(monkeypatch):
+    monkeypatch.setitem(sys.modules, "qdrant_client", None)  # import qdrant_client -> ImportError
+    assert not retriever.qdrant_available()
+    with pytest.raises(ImportError, match="pip install qdrant-client"):
+        retriever.open_chunk_index("qdrant", 8)
+    with _engine() as eng:
+        with pytest.raises(ImportError, match="pip install qdrant-client"):
+            SpeculativeRetriever(eng)  # the default index is Qdrant: a clear error
+        with SpeculativeRetriever(eng, index="auto") as r:
+            assert isinstance(r.index, retrieval.NumpyChunkIndex)
+    assert isinstance(retrieval.open_chunk_index("auto", dim=8), retrieval.NumpyChunkIndex)
+    assert isinstance(retriever.demo_chunk_index("auto", 8), retrieval.NumpyChunkIndex)
+    rc = bench_retriever.main(["--quick", "--json", "--modes", "speculative"], out=open(os.devnull, "w"))
+    assert rc == 3
+
+
+def test_argument_checks(corpus):
+    with _engine() as eng:
+        with pytest.raises(TypeError):
+            SpeculativeRetriever("not an engine", index="numpy")
+        with pytest.raises(ValueError):
+            SpeculativeRetriever(eng, index="numpy", top_k=0)
+        with pytest.raises(ValueError, match="unknown chunk index"):
+            SpeculativeRetriever(eng, index="faiss")
+        with pytest.raises(ValueError, match="index dim"):
+            SpeculativeRetriever(eng, index=retrieval.NumpyChunkIndex(7))
+        with SpeculativeRetriever(eng, index="numpy") as r:
+            with pytest.raises(KeyError):
+                r.sequence(12345)
+            with pytest.raises(TypeError):
+                r.prefetch(b"bytes")
+            assert r.prefetch("").predictions == []
+
+
+def test_add_document_chunks_text(corpus):
+    text = " ".join(corpus.chunks[0].words + corpus.chunks[1].words)
+    with _engine() as eng, SpeculativeRetriever(eng, index="numpy") as r:
+        recs = r.add_document("doc-a", text, chunk_tokens=48)
+        assert [x.n_tokens for x in recs] == [48, 48, 32] and [x.index for x in recs] == [0, 1, 2]
+        assert all(x.doc == "doc-a" for x in recs)
+        assert recs[0].text.split() == corpus.chunks[0].words[:48]
+
+        class Tok:  # a model tokenizer: encode / decode
+            def encode(self, s):
+                return [ord(ch) for ch in s]
+
+            def decode(self, ids):
+                return "".join(map(chr, ids))
+
+        recs = r.add_document("doc-b", "abcdefghij" * 5, chunk_tokens=32, tokenizer=Tok())
+        assert [x.n_tokens for x in recs] == [32, 18] and recs[1].text == ("abcdefghij" * 5)[32:]
+
+
+# ---------------------------------------------------------------------------------
+# the benchmark
+# ---------------------------------------------------------------------------------
+def test_bench_trace_is_deterministic():
+    c = bench_retriever.make_corpus(4, 2, 3, 32, seed=2)
+    assert len(c.chunks) == 24 and all(len(x.words) == 32 for x in c.chunks)
+    assert bench_retriever.make_corpus(4, 2, 3, 32, seed=2).chunks[5].words == c.chunks[5].words
+    t1 = bench_retriever.make_trace(c, 3, 10, seed=2)
+    t2 = bench_retriever.make_trace(c, 3, 10, seed=2)
+    assert [[s.needs for s in a] for a in t1] == [[s.needs for s in a] for a in t2]
+    assert all(1 <= len(s.needs) <= 2 for a in t1 for s in a)
+    topics = {c.chunks[s.needs[0]].topic for a in t1 for s in a}
+    assert len(topics) > 1  # agents move between topics
+
+
+def test_bench_quick_numpy_in_process():
+    args = bench_retriever.build_parser().parse_args(["--quick", "--index", "numpy", "--modes",
+                                                      "speculative,no_prefetch"])
+    rows, ok, notes = bench_retriever.run_bench(args)
+    assert ok, notes
+    by = {(r["metric"], r["mode"], r.get("baseline_mode")): r for r in rows}
+    stall = by[("acquire_stall", "speculative", "no_prefetch")]
+    assert stall["index"] == "numpy" and stall["unit"] == "ms" and "ratio" in stall and "met" in stall
+    assert 0 <= by[("prefetch_recall", "speculative", None)]["value"] <= 1
+
+
+def test_bench_help_and_usage():
+    env = dict(os.environ, PYTHONPATH=str(REPO / "python"))
+    res = subprocess.run([sys.executable, "-m", "kvh.bench_retriever", "--help"], capture_output=True, text=True,
+                         env=env, timeout=60)
+    assert res.returncode == 0 and "--quick" in res.stdout and "naive_sync" in res.stdout
+    assert bench_retriever.main(["--agents", "0"], out=open(os.devnull, "w")) == 2
+    assert bench_retriever.main(["--modes", "fast"], out=open(os.devnull, "w")) == 2
+
+
+@needs_qdrant
+def test_bench_quick_json_subprocess():
+    env = dict(os.environ, PYTHONPATH=str(REPO / "python"))
+    res = subprocess.run([sys.executable, "-m", "kvh.bench_retriever", "--quick", "--json"], capture_output=True,
+                         text=True, env=env, timeout=120)
+    assert res.returncode == 0, res.stderr
+    rows = [json.loads(line) for line in res.stdout.splitlines() if line.strip()]
+    assert rows and all({"scenario", "metric", "value", "unit"} <= set(r) for r in rows)
+    assert {r["scenario"] for r in rows} == {"retriever"}
+    assert {r["mode"] for r in rows} == set(bench_retriever.MODES)
+    assert rows[0]["index"] == "qdrant-local"
+    stall = [r for r in rows if r["metric"] == "acquire_stall" and r["mode"] == "speculative"]
+    assert {r["baseline_mode"] for r in stall} == {"no_prefetch", "naive_sync"}
+    for r in stall:
+        assert r["baseline"] > 0 and r["ratio"] == pytest.approx(r["baseline"] / r["value"], rel=1e-3)
+    frac = [r for r in rows if r["metric"] == "stall_fraction" and r["mode"] == "speculative"][0]
+    assert frac["target"] == "value <= 0.25" and isinstance(frac["met"], bool)
+    counters = {r["metric"]: r["value"] for r in rows if r["mode"] == "speculative" and r["unit"] == "blocks"}
+    assert counters["prefetch_issued"] > 0
+    assert counters["prefetch_useful"] + counters["prefetch_wasted"] + counters["prefetch_late"] \
+        <= counters["prefetch_issued"]
