@@ -172,10 +172,19 @@ kvh_status kvhi_block_new(kvh_engine *e, uint32_t agent, uint32_t min_tier, uint
     }
     uint32_t b = e->block_free[--e->block_free_top];
     kvhi_block *blk = kvhi_blk(e, b);
-    uint32_t gen = blk->gen;
-    memset(blk, 0, sizeof(*blk));
-    blk->gen = gen;
+    /* Field by field: a memset of the whole record is measurably slower on
+     * the allocation path. gen survives; the rest is set here. */
     blk->refs = 1;
+    blk->holds = 0;
+    blk->pins = 0;
+    blk->n_tokens = 0;
+    blk->hits = 0;
+    blk->hash = 0;
+    blk->parent_hash = 0;
+    blk->data_crc = 0;
+    blk->written = NULL;
+    for (uint32_t i = 0; i < KVHI_MAX_K; i++)
+        blk->hist[i] = 0;
     blk->agent = agent;
     blk->flags = KVHI_BF_LIVE;
     blk->heap_pos = KVHI_HEAP_NONE;
@@ -197,7 +206,8 @@ static void block_destroy(kvh_engine *e, uint32_t b, bool keep_slot)
     heaps_remove(e, b);
     if (blk->flags & KVHI_BF_PUBLISHED)
         kvhi_prefix_erase(&e->prefix, blk->hash);
-    kvhi_disk_forget(e, b);
+    if (e->disk)
+        kvhi_disk_forget(e, b);
     if (blk->pins)
         e->tiers[blk->tier].pinned--;
     if (blk->tier == KVH_TIER_DEVICE)

@@ -48,7 +48,10 @@ void kvhi_leave(kvh_engine *e)
 {
     if (--e->active_calls == 0 && e->closing)
         pthread_cond_broadcast(&e->changed);
-    kvhi_unlock_and_log(e);
+    if (e->n_pending_log)
+        kvhi_unlock_and_log(e);
+    else
+        pthread_mutex_unlock(&e->lock);
 }
 
 static void config_defaults(kvh_config *c)
@@ -221,6 +224,7 @@ static void engine_free(kvh_engine *e)
         e->backend->context_destroy(e->backend_ctx);
     kvhi_backend_cuda_unload(e->backend_dl);
     pthread_cond_destroy(&e->changed);
+    pthread_cond_destroy(&e->fence_cv);
     pthread_mutex_destroy(&e->lock);
     free(e);
 }
@@ -243,6 +247,7 @@ kvh_status kvh_engine_open(const kvh_config *config, kvh_engine **out)
     e->cfg.disk_path = NULL; /* borrowed: never kept */
     pthread_mutex_init(&e->lock, NULL);
     pthread_cond_init(&e->changed, NULL);
+    pthread_cond_init(&e->fence_cv, NULL);
     kvhi_handles_init(&e->seqs, KVHI_TAG_SEQ);
     kvhi_handles_init(&e->fences, KVHI_TAG_FENCE);
     kvhi_handles_init(&e->pools, KVHI_TAG_POOL);

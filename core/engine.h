@@ -122,7 +122,9 @@ struct kvh_engine {
     void *backend_dl;
 
     pthread_mutex_t lock;
-    pthread_cond_t changed; /* in-flight flags cleared, fences completed */
+    pthread_cond_t changed;     /* in-flight flags cleared, room appeared */
+    pthread_cond_t fence_cv;    /* a fence completed (waiters sleep here, so
+                                   per-block wake-ups do not reach them) */
     bool closing;
     uint32_t active_calls;
 

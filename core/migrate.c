@@ -59,7 +59,7 @@ void kvhi_fence_done(kvh_engine *e, uint32_t idx, kvh_status st)
             free(f);
             kvhi_handles_remove(&e->fences, idx);
         }
-        pthread_cond_broadcast(&e->changed);
+        pthread_cond_broadcast(&e->fence_cv);
     }
 }
 
@@ -77,8 +77,8 @@ kvh_status kvhi_fence_wait_idx(kvh_engine *e, uint32_t idx, uint64_t timeout_ns)
     f->waiters++;
     while (f->pending) {
         if (timeout_ns == UINT64_MAX) {
-            pthread_cond_wait(&e->changed, &e->lock);
-        } else if (pthread_cond_timedwait(&e->changed, &e->lock, &deadline) == ETIMEDOUT && f->pending) {
+            pthread_cond_wait(&e->fence_cv, &e->lock);
+        } else if (pthread_cond_timedwait(&e->fence_cv, &e->lock, &deadline) == ETIMEDOUT && f->pending) {
             st = kvhi_fail(KVH_ERR_TIMEOUT, "fence not complete after %llu ns", (unsigned long long)timeout_ns);
             break;
         }
