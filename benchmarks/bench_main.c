@@ -18,6 +18,8 @@ static const struct {
 } scenarios[] = {
     {"alloc", "block alloc/free vs a mutex free list, fork, prefix match, LRU-K touches", bench_alloc},
     {"migrate", "device<->host block copies (kvh_migrate, kvh_seq_migrate) vs memcpy", bench_migrate},
+    {"disk", "spill/restore through the disk tier vs raw io_uring O_DIRECT; store recovery time", bench_disk},
+    {"attention", "CPU paged decode vs contiguous and vs memory read bandwidth", bench_attention},
 };
 #define N_SCENARIOS (sizeof(scenarios) / sizeof(scenarios[0]))
 

@@ -64,6 +64,39 @@ __attribute__((target("sse4.2"))) static uint32_t crc_hw(uint32_t crc, const uin
 }
 #endif
 
+#if defined(__x86_64__)
+__attribute__((target("sse4.2"))) static uint32_t crc_copy_hw(uint32_t crc, uint8_t *d, const uint8_t *p, size_t n)
+{
+    uint64_t c = crc;
+    while (n >= 8) {
+        uint64_t w;
+        memcpy(&w, p, 8);
+        memcpy(d, &w, 8);
+        c = __builtin_ia32_crc32di(c, w);
+        p += 8;
+        d += 8;
+        n -= 8;
+    }
+    crc = (uint32_t)c;
+    while (n--) {
+        *d++ = *p;
+        crc = __builtin_ia32_crc32qi(crc, *p++);
+    }
+    return crc;
+}
+#endif
+
+uint32_t kvhi_crc32c_copy(uint32_t crc, void *dst, const void *src, size_t n)
+{
+    pthread_once(&init_once, init);
+#if defined(__x86_64__)
+    if (have_sse42)
+        return ~crc_copy_hw(~crc, dst, src, n);
+#endif
+    memcpy(dst, src, n);
+    return kvhi_crc32c(crc, dst, n);
+}
+
 uint32_t kvhi_crc32c(uint32_t crc, const void *data, size_t n)
 {
     pthread_once(&init_once, init);

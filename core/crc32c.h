@@ -9,5 +9,8 @@
 
 /* Continues crc over n bytes; start with crc = 0. */
 uint32_t kvhi_crc32c(uint32_t crc, const void *data, size_t n);
+/* Copies n bytes from src to dst and returns their CRC32C, in one pass
+ * (the checksum is what bounds the speed, so the copy comes almost free). */
+uint32_t kvhi_crc32c_copy(uint32_t crc, void *dst, const void *src, size_t n);
 
 #endif

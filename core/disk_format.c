@@ -59,9 +59,9 @@ void kvhi_slot_header_encode(void *buf, const kvhi_slot_meta *m, uint64_t block_
     put32(p + SH_CRC, kvhi_crc32c(0, p, SH_CRC));
 }
 
-int kvhi_slot_verify(const void *header, const void *data, uint64_t block_bytes, uint64_t store_id, uint64_t slot,
-                     uint64_t offset, uint64_t expect_hash, uint32_t max_tokens, int32_t *tokens_out,
-                     const char **why)
+int kvhi_slot_verify_crc(const void *header, uint32_t data_crc, uint64_t block_bytes, uint64_t store_id,
+                         uint64_t slot, uint64_t offset, uint64_t expect_hash, uint32_t max_tokens,
+                         int32_t *tokens_out, const char **why)
 {
     const uint8_t *p = header;
 #define FAIL(code, text)                                                                                     \
@@ -87,13 +87,21 @@ int kvhi_slot_verify(const void *header, const void *data, uint64_t block_bytes,
     uint32_t n = get32(p + 12);
     if (n > max_tokens || SH_TOKENS + 4ull * n > SH_CRC)
         FAIL(-8, "token count out of range");
-    if (kvhi_crc32c(0, data, block_bytes) != get32(p + 64))
+    if (data_crc != get32(p + 64))
         FAIL(-9, "block data checksum mismatch");
     if (tokens_out)
         for (uint32_t i = 0; i < n; i++)
             tokens_out[i] = (int32_t)get32(p + SH_TOKENS + 4 * i);
 #undef FAIL
     return 0;
+}
+
+int kvhi_slot_verify(const void *header, const void *data, uint64_t block_bytes, uint64_t store_id, uint64_t slot,
+                     uint64_t offset, uint64_t expect_hash, uint32_t max_tokens, int32_t *tokens_out,
+                     const char **why)
+{
+    return kvhi_slot_verify_crc(header, kvhi_crc32c(0, data, block_bytes), block_bytes, store_id, slot, offset,
+                                expect_hash, max_tokens, tokens_out, why);
 }
 
 /* Record layout: 0 magic, 4 kind, 8 seq, 16 slot, 24 hash, 32 parent,

@@ -51,6 +51,12 @@ int kvhi_slot_verify(const void *header, const void *data, uint64_t block_bytes,
                      uint64_t offset, uint64_t expect_hash, uint32_t max_tokens, int32_t *tokens_out,
                      const char **why);
 
+/* The same, with the CRC32C of the data already computed (e.g. while it
+ * was copied out of the staging buffer). */
+int kvhi_slot_verify_crc(const void *header, uint32_t data_crc, uint64_t block_bytes, uint64_t store_id,
+                         uint64_t slot, uint64_t offset, uint64_t expect_hash, uint32_t max_tokens,
+                         int32_t *tokens_out, const char **why);
+
 /* ---- index records ---- */
 enum { KVHI_REC_ADD = 1, KVHI_REC_DEL = 2 };
 

@@ -235,9 +235,13 @@ static void stage_write(kvh_engine *e, kvhi_xfer *x, uint8_t *staged)
 {
     kvhi_disk *d = e->disk;
     uint8_t *data = staged + KVHI_SLOT_HEADER_BYTES;
-    kvhi_copy_bytes(e, KVH_TIER_HOST, data, x->src_tier, kvhi_slot_addr(e, x->src_tier, x->src_slot),
-                    e->block_bytes);
-    x->data_crc = kvhi_crc32c(0, data, e->block_bytes);
+    const uint8_t *src = kvhi_slot_addr(e, x->src_tier, x->src_slot);
+    if (x->src_tier == KVH_TIER_HOST || e->backend->device_is_host_memory) {
+        x->data_crc = kvhi_crc32c_copy(0, data, src, e->block_bytes);
+    } else {
+        kvhi_copy_bytes(e, KVH_TIER_HOST, data, x->src_tier, src, e->block_bytes);
+        x->data_crc = kvhi_crc32c(0, data, e->block_bytes);
+    }
     kvhi_slot_meta m = {.store_id = d->store_id, .slot = x->dst_slot, .offset = kvhi_disk_slot_offset(d, x->dst_slot),
                         .hash = x->hash, .parent = x->parent, .n_tokens = x->n_tokens, .data_crc = x->data_crc,
                         .tokens = x->tokens};
@@ -247,15 +251,22 @@ static void stage_write(kvh_engine *e, kvhi_xfer *x, uint8_t *staged)
 static void finish_read(kvh_engine *e, kvhi_xfer *x, const uint8_t *staged)
 {
     kvhi_disk *d = e->disk;
-    if (kvhi_slot_verify(staged, staged + KVHI_SLOT_HEADER_BYTES, e->block_bytes, d->store_id, x->src_slot,
-                         kvhi_disk_slot_offset(d, x->src_slot), x->hash, e->cfg.block_tokens, NULL, &x->why) != 0) {
+    const uint8_t *data = staged + KVHI_SLOT_HEADER_BYTES;
+    bool host_dst = x->dst_tier == KVH_TIER_HOST || (x->dst_tier == KVH_TIER_DEVICE && e->backend->device_is_host_memory);
+    /* Into host memory the copy and the checksum share one pass; the slot
+     * is the mover's own until it commits, so a failed check costs nothing. */
+    uint32_t crc = host_dst ? kvhi_crc32c_copy(0, kvhi_slot_addr(e, x->dst_tier, x->dst_slot), data, e->block_bytes)
+                            : kvhi_crc32c(0, data, e->block_bytes);
+    if (kvhi_slot_verify_crc(staged, crc, e->block_bytes, d->store_id, x->src_slot,
+                             kvhi_disk_slot_offset(d, x->src_slot), x->hash, e->cfg.block_tokens, NULL,
+                             &x->why) != 0) {
         x->err = 1;
         return;
     }
-    if (x->dst_tier == KVHI_NO_TIER)
-        return; /* verification only */
-    if (kvhi_copy_bytes(e, x->dst_tier, kvhi_slot_addr(e, x->dst_tier, x->dst_slot), KVH_TIER_HOST,
-                        staged + KVHI_SLOT_HEADER_BYTES, e->block_bytes) != 0)
+    if (host_dst || x->dst_tier == KVHI_NO_TIER)
+        return;
+    if (kvhi_copy_bytes(e, x->dst_tier, kvhi_slot_addr(e, x->dst_tier, x->dst_slot), KVH_TIER_HOST, data,
+                        e->block_bytes) != 0)
         x->err = -EIO;
 }
 

@@ -524,6 +524,19 @@ kvh_status kvhi_migrate_blocks(kvh_engine *e, const uint32_t *blocks, size_t n, 
 {
     if (tier >= KVH_TIER_COUNT || !e->tiers[tier].present)
         return kvhi_fail(KVH_ERR_INVALID_ARG, "tier %u is not configured", tier);
+    if (n == 1 && !fence) {
+        /* One block, and the caller waits anyway: move it here rather than
+         * pay two thread hand-offs for it. */
+        kvhi_block *blk = &e->blocks[blocks[0]];
+        if (blk->pins)
+            return KVH_OK;
+        uint32_t gen = blk->gen;
+        kvhi_block_wait_idle(e, blocks[0]);
+        if (blk->gen != gen || !(blk->flags & KVHI_BF_LIVE) || (blk->flags & KVHI_BF_DEAD) || blk->tier == tier ||
+            (blk->holds && tier > blk->tier))
+            return KVH_OK; /* freed meanwhile, already there, or held above */
+        return kvhi_move_block(e, blocks[0], tier, blk->agent);
+    }
     uint32_t fidx;
     kvh_fence fh;
     kvh_status st = kvhi_fence_new(e, &fidx, &fh);

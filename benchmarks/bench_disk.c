@@ -1,0 +1,341 @@
+/* kvh-bench disk: spill (host -> disk) and restore (disk -> host) through
+ * kvh's disk tier, next to raw io_uring O_DIRECT I/O of the same bytes and
+ * block size on a file in the same directory, in the same run; plus the
+ * recovery time of a store holding a long context. */
+#include <errno.h>
+#include <fcntl.h>
+#include <liburing.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "bench_scenarios.h"
+
+/* Raw baseline: n transfers of `bs` bytes at queue depth qd, sequential or
+ * in a shuffled order. Returns seconds, or -1. */
+static double raw_io(const char *path, uint64_t bs, uint32_t n, int write, int random, uint32_t qd, uint64_t seed)
+{
+    int fd = open(path, O_RDWR | O_CREAT | O_DIRECT, 0644);
+    if (fd < 0)
+        return -1;
+    if (posix_fallocate(fd, 0, (off_t)(bs * n)) != 0) {
+        close(fd);
+        return -1;
+    }
+    struct io_uring ring;
+    if (io_uring_queue_init(qd, &ring, 0) != 0) {
+        close(fd);
+        return -1;
+    }
+    uint8_t *buf;
+    if (posix_memalign((void **)&buf, 4096, bs * qd) != 0) {
+        io_uring_queue_exit(&ring);
+        close(fd);
+        return -1;
+    }
+    memset(buf, 0x5a, bs * qd);
+    uint32_t *order = malloc(sizeof(uint32_t) * n);
+    for (uint32_t i = 0; i < n; i++)
+        order[i] = i;
+    if (random) {
+        bench_rng r;
+        bench_rng_seed(&r, seed);
+        bench_shuffle_u32(&r, order, n);
+    }
+    double t0 = bench_sec();
+    uint32_t next = 0, done = 0, inflight = 0;
+    int err = 0;
+    while (done < n && !err) {
+        while (inflight < qd && next < n) {
+            struct io_uring_sqe *sqe = io_uring_get_sqe(&ring);
+            uint8_t *b = buf + (uint64_t)(next % qd) * bs;
+            if (write)
+                io_uring_prep_write(sqe, fd, b, (unsigned)bs, (uint64_t)order[next] * bs);
+            else
+                io_uring_prep_read(sqe, fd, b, (unsigned)bs, (uint64_t)order[next] * bs);
+            next++;
+            inflight++;
+        }
+        io_uring_submit(&ring);
+        struct io_uring_cqe *cqe;
+        if (io_uring_wait_cqe(&ring, &cqe) != 0 || cqe->res != (int)bs)
+            err = 1;
+        io_uring_cqe_seen(&ring, cqe);
+        inflight--;
+        done++;
+    }
+    if (write)
+        fdatasync(fd);
+    double t = bench_sec() - t0;
+    free(order);
+    free(buf);
+    io_uring_queue_exit(&ring);
+    close(fd);
+    return err ? -1 : t;
+}
+
+/* Geometry giving exactly `bytes` per f16 block of 16 tokens x 64 dims. */
+static void geometry(uint64_t bytes, kvh_config *c)
+{
+    uint64_t per_layer_head = 2ull * 16 * 64 * 2; /* K+V, 16 tokens, 64 dims, f16 */
+    uint64_t units = bytes / per_layer_head;      /* layers x heads */
+    c->num_kv_heads = units >= 8 ? 8 : (uint32_t)units;
+    c->num_layers = (uint32_t)(units / c->num_kv_heads);
+    c->head_dim = 64;
+    c->block_tokens = 16;
+    c->dtype = KVH_DTYPE_F16;
+}
+
+typedef struct disk_result {
+    double spill, restore, random, latency; /* seconds (latency: per block) */
+} disk_result;
+
+static int run_kvh(const char *dir, uint64_t bs, uint32_t n, uint32_t qd, uint64_t seed, disk_result *out)
+{
+    kvh_config c;
+    BENCH_CHECK(kvh_config_init(&c, sizeof c));
+    geometry(bs, &c);
+    c.backend = KVH_BACKEND_CPU;
+    c.device_bytes = 4 * bs;
+    c.host_bytes = (uint64_t)(n + 4) * bs;
+    c.disk_path = dir;
+    c.disk_bytes = (uint64_t)(n + 8) * (bs + 8192);
+    c.disk_queue_depth = qd;
+    c.disk_flags = KVH_DISK_RESET_ON_MISMATCH;
+    c.migration_threads = 2;
+    kvh_engine *e;
+    BENCH_CHECK(kvh_engine_open(&c, &e));
+    kvh_seq s;
+    BENCH_CHECK(kvh_seq_create(e, 0, &s));
+    uint64_t tokens = (uint64_t)n * 16;
+    int32_t *t = malloc(sizeof(int32_t) * tokens);
+    for (uint64_t i = 0; i < tokens; i++)
+        t[i] = (int32_t)(i * 7 + seed);
+    BENCH_CHECK(kvh_seq_append(e, s, t, tokens));
+    free(t);
+    BENCH_CHECK(kvh_seq_migrate(e, s, 0, tokens, KVH_TIER_HOST, NULL));
+    /* First touch of the slab files and host pages happens here, untimed. */
+    BENCH_CHECK(kvh_seq_migrate(e, s, 0, tokens, KVH_TIER_DISK, NULL));
+    BENCH_CHECK(kvh_seq_migrate(e, s, 0, tokens, KVH_TIER_HOST, NULL));
+
+    double t0 = bench_sec();
+    BENCH_CHECK(kvh_seq_migrate(e, s, 0, tokens, KVH_TIER_DISK, NULL));
+    out->spill = bench_sec() - t0;
+    t0 = bench_sec();
+    BENCH_CHECK(kvh_seq_migrate(e, s, 0, tokens, KVH_TIER_HOST, NULL));
+    out->restore = bench_sec() - t0;
+
+    /* Random cold blocks: all on disk again, then restored in shuffled
+     * order with one call (the workers keep qd of them in flight). */
+    BENCH_CHECK(kvh_seq_migrate(e, s, 0, tokens, KVH_TIER_DISK, NULL));
+    kvh_block *blocks = malloc(sizeof(kvh_block) * n);
+    BENCH_CHECK(kvh_seq_blocks(e, s, 0, n, blocks));
+    bench_rng r;
+    bench_rng_seed(&r, seed);
+    for (uint32_t i = n; i > 1; i--) {
+        uint32_t j = (uint32_t)bench_rng_below(&r, i);
+        kvh_block tmp = blocks[i - 1];
+        blocks[i - 1] = blocks[j];
+        blocks[j] = tmp;
+    }
+    t0 = bench_sec();
+    BENCH_CHECK(kvh_migrate(e, blocks, n, KVH_TIER_HOST, NULL));
+    out->random = bench_sec() - t0;
+
+    /* One block at a time (queue depth 1). */
+    BENCH_CHECK(kvh_seq_migrate(e, s, 0, tokens, KVH_TIER_DISK, NULL));
+    uint32_t lat_n = n < 64 ? n : 64;
+    double *lat = malloc(sizeof(double) * lat_n);
+    for (uint32_t i = 0; i < lat_n; i++) {
+        t0 = bench_sec();
+        BENCH_CHECK(kvh_migrate(e, &blocks[i], 1, KVH_TIER_HOST, NULL));
+        lat[i] = bench_sec() - t0;
+    }
+    out->latency = bench_median(lat, lat_n);
+    free(lat);
+    free(blocks);
+    BENCH_CHECK(kvh_seq_free(e, s));
+    BENCH_CHECK(kvh_engine_close(e));
+    return 0;
+}
+
+/* Raw depth-1 latency: one O_DIRECT read of one block, ring and file set
+ * up once, the median of up to 64 reads at scattered offsets. */
+static double raw_latency(const char *path, uint64_t bs, uint32_t n, uint64_t seed)
+{
+    int fd = open(path, O_RDONLY | O_DIRECT);
+    struct io_uring ring;
+    uint8_t *buf = NULL;
+    if (fd < 0 || io_uring_queue_init(1, &ring, 0) != 0 || posix_memalign((void **)&buf, 4096, bs) != 0) {
+        if (fd >= 0)
+            close(fd);
+        return -1;
+    }
+    uint32_t lat_n = n < 64 ? n : 64;
+    double lat[64];
+    bench_rng r;
+    bench_rng_seed(&r, seed);
+    for (uint32_t i = 0; i < lat_n; i++) {
+        uint64_t off = bench_rng_below(&r, n) * bs;
+        double t0 = bench_sec();
+        struct io_uring_sqe *sqe = io_uring_get_sqe(&ring);
+        io_uring_prep_read(sqe, fd, buf, (unsigned)bs, off);
+        io_uring_submit(&ring);
+        struct io_uring_cqe *cqe;
+        io_uring_wait_cqe(&ring, &cqe);
+        io_uring_cqe_seen(&ring, cqe);
+        lat[i] = bench_sec() - t0;
+    }
+    free(buf);
+    io_uring_queue_exit(&ring);
+    close(fd);
+    return bench_median(lat, lat_n);
+}
+
+static void emit(const bench_ctx *ctx, const char *metric, double ours, double base, uint64_t bs, int higher_is_time,
+                 double target, const char *unit_note)
+{
+    double v = higher_is_time ? ours * 1e6 : ours;
+    double b = higher_is_time ? base * 1e6 : base;
+    double ratio = higher_is_time ? base / ours : ours / base;
+    bench_row *r = bench_row_new("disk", metric, v, higher_is_time ? "us" : "GB/s");
+    bench_row_int(r, "block_bytes", (int64_t)bs);
+    bench_row_baseline(r, b, ratio);
+    bench_row_target(r, 1, 1, target);
+    if (unit_note)
+        bench_row_note(r, unit_note);
+    bench_emit(ctx, r);
+}
+
+static int recovery(const bench_ctx *ctx, const char *dir, uint64_t context)
+{
+    kvh_config c;
+    BENCH_CHECK(kvh_config_init(&c, sizeof c));
+    c.num_layers = 1;
+    c.num_kv_heads = 1;
+    c.head_dim = 8;
+    c.block_tokens = 16;
+    c.dtype = KVH_DTYPE_F16;
+    c.backend = KVH_BACKEND_CPU;
+    c.device_bytes = 64ull << 20;
+    c.host_bytes = 64ull << 20;
+    c.disk_path = dir;
+    c.disk_bytes = (context / 16 + 64) * 8192;
+    c.disk_flags = KVH_DISK_RESET_ON_MISMATCH;
+    kvh_engine *e;
+    BENCH_CHECK(kvh_engine_open(&c, &e));
+    kvh_seq s;
+    BENCH_CHECK(kvh_seq_create(e, 0, &s));
+    uint64_t chunk = 1 << 16;
+    int32_t *t = malloc(sizeof(int32_t) * chunk);
+    uint16_t *kv = calloc(chunk * 8, sizeof(uint16_t));
+    for (uint64_t done = 0; done < context; done += chunk) {
+        for (uint64_t i = 0; i < chunk; i++)
+            t[i] = (int32_t)(done + i);
+        BENCH_CHECK(kvh_seq_append(e, s, t, chunk));
+        BENCH_CHECK(kvh_seq_write_kv(e, s, 0, done, chunk, kv, kv));
+        BENCH_CHECK(kvh_seq_persist(e, s));
+        BENCH_CHECK(kvh_seq_migrate(e, s, done, chunk, KVH_TIER_DISK, NULL));
+    }
+    free(kv);
+    BENCH_CHECK(kvh_seq_free(e, s));
+    BENCH_CHECK(kvh_engine_close(e));
+    c.disk_flags = 0;
+    double t0 = bench_sec();
+    BENCH_CHECK(kvh_engine_open(&c, &e));
+    double open_s = bench_sec() - t0;
+    BENCH_CHECK(kvh_seq_create(e, 0, &s));
+    size_t matched = 0;
+    for (uint64_t i = 0; i < chunk; i++)
+        t[i] = (int32_t)i;
+    t0 = bench_sec();
+    BENCH_CHECK(kvh_seq_match_prefix(e, s, t, chunk, &matched));
+    double match_s = bench_sec() - t0;
+    free(t);
+    BENCH_CHECK(kvh_engine_close(e));
+    bench_row *r = bench_row_new("disk", "recovery_open", open_s * 1e3, "ms");
+    bench_row_int(r, "context", (int64_t)context);
+    bench_row_note(r, "kvh_engine_open of a store holding the whole context (index replay)");
+    bench_emit(ctx, r);
+    r = bench_row_new("disk", "recovered_prefix_match", match_s * 1e3, "ms");
+    bench_row_int(r, "context", (int64_t)chunk);
+    bench_row_int(r, "matched_tokens", (int64_t)matched);
+    bench_row_note(r, "match_prefix right after reopening: reads and verifies the blocks from disk");
+    bench_emit(ctx, r);
+    return matched == chunk ? 0 : 1;
+}
+
+int bench_disk(int argc, char **argv, const bench_ctx *ctx)
+{
+    const char *dir = NULL;
+    uint64_t total_mb = ctx->quick ? 32 : 256, qd = 32, context = ctx->quick ? 131072 : 1048576;
+    bench_list sizes = {3, {64 << 10, 256 << 10, 1 << 20}};
+    const bench_opt opts[] = {
+        {"--dir", BENCH_OPT_STR, &dir, "directory on the drive to measure (default /var/tmp/kvh-bench-disk)"},
+        {"--total-mb", BENCH_OPT_U64, &total_mb, "bytes moved per measurement, MiB"},
+        {"--block-bytes", BENCH_OPT_LIST, &sizes, "block sizes (default 64K,256K,1M)"},
+        {"--qd", BENCH_OPT_U64, &qd, "queue depth of kvh's disk tier and of the raw baseline"},
+        {"--context", BENCH_OPT_U64, &context, "tokens in the store whose recovery is timed"},
+        {NULL}};
+    int rc = bench_parse(argc, argv, opts, "disk", "kvh-bench disk [--dir DIR] [--total-mb N] [--block-bytes LIST]");
+    if (rc)
+        return bench_parse_rc(rc);
+    if (!dir)
+        dir = "/var/tmp/kvh-bench-disk";
+    mkdir(dir, 0755);
+    char store[4096], raw[4096];
+    snprintf(store, sizeof(store), "%s/store", dir);
+    snprintf(raw, sizeof(raw), "%s/raw.bin", dir);
+    int reps = ctx->reps ? ctx->reps : (ctx->quick ? 1 : 3);
+    for (size_t i = 0; i < sizes.n; i++) {
+        uint64_t bs = sizes.v[i];
+        uint32_t n = (uint32_t)((total_mb << 20) / bs);
+        char b[32];
+        bench_info(ctx, "disk: %s blocks x %u, queue depth %llu, %s", bench_fmt_bytes(bs, b, sizeof(b)), n,
+                   (unsigned long long)qd, dir);
+        double sp[8], re[8], ra[8], la[8], wsp[8], wre[8], wra[8], wla[8];
+        for (int k = 0; k < reps && k < 8; k++) {
+            disk_result d = {0};
+            if (run_kvh(store, bs, n, (uint32_t)qd, ctx->seed + k, &d) != 0)
+                return 1;
+            double bytes = (double)bs * n;
+            sp[k] = bytes / d.spill / 1e9;
+            re[k] = bytes / d.restore / 1e9;
+            ra[k] = bytes / d.random / 1e9;
+            la[k] = d.latency;
+            double w = raw_io(raw, bs, n, 1, 0, (uint32_t)qd, ctx->seed);
+            double r = raw_io(raw, bs, n, 0, 0, (uint32_t)qd, ctx->seed);
+            double rr = raw_io(raw, bs, n, 0, 1, (uint32_t)qd, ctx->seed + k);
+            if (w < 0 || r < 0 || rr < 0) {
+                fprintf(stderr, "kvh-bench disk: raw O_DIRECT io_uring I/O failed in %s (%s)\n", dir,
+                        strerror(errno));
+                return 1;
+            }
+            wsp[k] = bytes / w / 1e9;
+            wre[k] = bytes / r / 1e9;
+            wra[k] = bytes / rr / 1e9;
+            wla[k] = raw_latency(raw, bs, n, ctx->seed);
+        }
+        int m = reps < 8 ? reps : 8;
+        double t64 = bs <= (64u << 10) ? 0.8 : 0.85;
+        emit(ctx, "spill_throughput", bench_median(sp, m), bench_median(wsp, m), bs, 0, t64,
+             "host->disk via kvh_seq_migrate vs raw sequential O_DIRECT writes");
+        emit(ctx, "restore_throughput", bench_median(re, m), bench_median(wre, m), bs, 0, t64,
+             "disk->host via kvh_seq_migrate vs raw sequential O_DIRECT reads");
+        emit(ctx, "random_restore_throughput", bench_median(ra, m), bench_median(wra, m), bs, 0, 0.8,
+             "shuffled cold blocks in one kvh_migrate vs raw random reads at the same depth");
+        emit(ctx, "single_restore_latency", bench_median(la, m), bench_median(wla, m), bs, 1, 0.8,
+             "one block at depth 1 (ratio = raw/ours; 0.8 = within 1.25x)");
+        unlink(raw);
+    }
+    bench_flush_table(ctx, "disk");
+    char rec[4096];
+    snprintf(rec, sizeof(rec), "%s/recovery", dir);
+    bench_info(ctx, "disk: recovery of a %llu-token store", (unsigned long long)context);
+    if (recovery(ctx, rec, context) != 0)
+        return 1;
+    bench_flush_table(ctx, "disk recovery");
+    return 0;
+}
