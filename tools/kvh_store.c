@@ -162,8 +162,6 @@ int main(int argc, char **argv)
         kvhi_prefix_destroy(&ix);
         free(depth);
         free(stack);
-        kvhi_index_list_free(&list);
-        kvhi_disk_close(&d);
         uint64_t bytes = (uint64_t)list.n * d.block_bytes;
         if (json)
             printf("{\"path\": \"%s\", \"layers\": %u, \"kv_heads\": %u, \"head_dim\": %u, \"block_tokens\": %u, "
@@ -187,6 +185,8 @@ int main(int argc, char **argv)
                    dtype_name(d.geo.dtype), (unsigned long long)d.geo.model_salt, (unsigned long long)d.block_bytes,
                    d.n_slots, list.n, list.n, (unsigned long long)list.n * d.geo.block_tokens, bytes / 1048576.0,
                    (unsigned long long)roots, (unsigned long long)longest, (unsigned long long)list.bad_records);
+        kvhi_index_list_free(&list);
+        kvhi_disk_close(&d);
         return 0;
     }
     /* verify */
