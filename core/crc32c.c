@@ -7,6 +7,12 @@
 
 static uint32_t table[8][256];
 static int have_sse42;
+
+/* Three independent crc32 chains hide the instruction's 3-cycle latency.
+ * Chains over neighbouring STRIDE-byte lanes are merged by "shifting" a
+ * CRC over STRIDE zero bytes, a linear map applied with 4 byte tables. */
+#define STRIDE 4096u
+static uint32_t shift_tab[4][256];
 static pthread_once_t init_once = PTHREAD_ONCE_INIT;
 
 static void init(void)
@@ -24,6 +30,32 @@ static void init(void)
     __builtin_cpu_init();
     have_sse42 = __builtin_cpu_supports("sse4.2");
 #endif
+    /* shift(c) = state after feeding STRIDE zero bytes from raw state c;
+     * linear in c, so tabulate it per byte of c. */
+    static const uint8_t zeros[STRIDE];
+    uint32_t basis[32];
+    for (int bit = 0; bit < 32; bit++) {
+        uint32_t c = 1u << bit;
+        const uint8_t *p = zeros;
+        size_t n = STRIDE;
+        while (n--)
+            c = (c >> 8) ^ table[0][(c ^ *p++) & 0xff];
+        basis[bit] = c;
+    }
+    for (int k = 0; k < 4; k++)
+        for (int v = 0; v < 256; v++) {
+            uint32_t r = 0;
+            for (int b = 0; b < 8; b++)
+                if (v >> b & 1)
+                    r ^= basis[8 * k + b];
+            shift_tab[k][v] = r;
+        }
+}
+
+static inline uint32_t shift_stride(uint32_t c)
+{
+    return shift_tab[0][c & 0xff] ^ shift_tab[1][(c >> 8) & 0xff] ^ shift_tab[2][(c >> 16) & 0xff] ^
+           shift_tab[3][c >> 24];
 }
 
 /* Slicing-by-8 software fallback. */
@@ -45,10 +77,24 @@ static uint32_t crc_sw(uint32_t crc, const uint8_t *p, size_t n)
 }
 
 #if defined(__x86_64__)
-/* One dependency chain of the crc32 instruction: about 8 bytes per three
- * cycles, several times faster than the disks this guards. */
+/* The crc32 instruction, three chains at a time over large inputs. */
 __attribute__((target("sse4.2"))) static uint32_t crc_hw(uint32_t crc, const uint8_t *p, size_t n)
 {
+    while (n >= 3 * STRIDE) {
+        uint64_t c0 = crc, c1 = 0, c2 = 0;
+        for (size_t i = 0; i < STRIDE; i += 8) {
+            uint64_t a, b, c;
+            memcpy(&a, p + i, 8);
+            memcpy(&b, p + STRIDE + i, 8);
+            memcpy(&c, p + 2 * STRIDE + i, 8);
+            c0 = __builtin_ia32_crc32di(c0, a);
+            c1 = __builtin_ia32_crc32di(c1, b);
+            c2 = __builtin_ia32_crc32di(c2, c);
+        }
+        crc = shift_stride(shift_stride((uint32_t)c0) ^ (uint32_t)c1) ^ (uint32_t)c2;
+        p += 3 * STRIDE;
+        n -= 3 * STRIDE;
+    }
     uint64_t c = crc;
     while (n >= 8) {
         uint64_t w;
@@ -67,6 +113,25 @@ __attribute__((target("sse4.2"))) static uint32_t crc_hw(uint32_t crc, const uin
 #if defined(__x86_64__)
 __attribute__((target("sse4.2"))) static uint32_t crc_copy_hw(uint32_t crc, uint8_t *d, const uint8_t *p, size_t n)
 {
+    while (n >= 3 * STRIDE) {
+        uint64_t c0 = crc, c1 = 0, c2 = 0;
+        for (size_t i = 0; i < STRIDE; i += 8) {
+            uint64_t a, b, c;
+            memcpy(&a, p + i, 8);
+            memcpy(&b, p + STRIDE + i, 8);
+            memcpy(&c, p + 2 * STRIDE + i, 8);
+            memcpy(d + i, &a, 8);
+            memcpy(d + STRIDE + i, &b, 8);
+            memcpy(d + 2 * STRIDE + i, &c, 8);
+            c0 = __builtin_ia32_crc32di(c0, a);
+            c1 = __builtin_ia32_crc32di(c1, b);
+            c2 = __builtin_ia32_crc32di(c2, c);
+        }
+        crc = shift_stride(shift_stride((uint32_t)c0) ^ (uint32_t)c1) ^ (uint32_t)c2;
+        p += 3 * STRIDE;
+        d += 3 * STRIDE;
+        n -= 3 * STRIDE;
+    }
     uint64_t c = crc;
     while (n >= 8) {
         uint64_t w;
