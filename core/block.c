@@ -183,6 +183,7 @@ kvh_status kvhi_block_new(kvh_engine *e, uint32_t agent, uint32_t min_tier, uint
     blk->parent_hash = 0;
     blk->data_crc = 0;
     blk->written = NULL;
+    blk->deferred_slot = KVHI_NO_BLOCK;
     for (uint32_t i = 0; i < KVHI_MAX_K; i++)
         blk->hist[i] = 0;
     blk->agent = agent;
@@ -257,6 +258,16 @@ void kvhi_block_unref(kvh_engine *e, uint32_t b)
         kvhi_block_update_evictable(e, b); /* stays cached, now cheaper to drop */
     else
         kvhi_block_free_now(e, b);
+}
+
+void kvhi_block_writing_done(kvh_engine *e, uint32_t b)
+{
+    kvhi_block *blk = kvhi_blk(e, b);
+    blk->flags &= (uint16_t)~KVHI_BF_WRITING;
+    if (blk->deferred_slot != KVHI_NO_BLOCK) {
+        kvhi_release_slot(e, blk->deferred_tier, blk->deferred_slot);
+        blk->deferred_slot = KVHI_NO_BLOCK;
+    }
 }
 
 void kvhi_block_hold(kvh_engine *e, uint32_t b)

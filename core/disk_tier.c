@@ -135,6 +135,7 @@ kvh_status kvhi_disk_tier_recover(kvh_engine *e)
         memset(blk, 0, sizeof(*blk));
         blk->gen = gen;
         blk->flags = KVHI_BF_LIVE | KVHI_BF_HASHED | KVHI_BF_KV_COMPLETE | KVHI_BF_JOURNALED | KVHI_BF_DISK_HASHED;
+        blk->deferred_slot = KVHI_NO_BLOCK;
         blk->heap_pos = blk->quota_heap_pos = KVHI_HEAP_NONE;
         blk->tier = KVH_TIER_DISK;
         blk->slot = ent->slot;
@@ -404,7 +405,7 @@ void kvhi_disk_verify(kvh_engine *e, const uint32_t *blocks, size_t n)
         for (uint32_t j = 0; j < k; j++) {
             uint32_t b = xs[j].block;
             kvhi_block *blk = &e->blocks[b];
-            blk->flags &= (uint16_t)~KVHI_BF_WRITING;
+            kvhi_block_writing_done(e, b);
             if (xs[j].err == 1)
                 kvhi_mark_corrupt(e, b, xs[j].why);
             else if (xs[j].err != 0)
@@ -478,7 +479,7 @@ static kvh_status write_copies(kvh_engine *e, const uint32_t *blocks, uint32_t n
     for (uint32_t j = 0; j < k; j++) {
         kvhi_xfer *x = &xs[j];
         kvhi_block *blk = &e->blocks[x->block];
-        blk->flags &= (uint16_t)~KVHI_BF_WRITING;
+        kvhi_block_writing_done(e, x->block);
         if (x->err != 0) {
             kvhi_release_slot(e, KVH_TIER_DISK, x->dst_slot);
             if (st == KVH_OK)

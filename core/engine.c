@@ -287,6 +287,7 @@ kvh_status kvh_engine_open(const kvh_config *config, kvh_engine **out)
     for (uint32_t i = 0; i < cap; i++) {
         e->blocks[i].gen = 1;
         e->blocks[i].disk_copy = KVHI_NO_BLOCK;
+        e->blocks[i].deferred_slot = KVHI_NO_BLOCK;
         e->blocks[i].heap_pos = KVHI_HEAP_NONE;
         e->blocks[i].quota_heap_pos = KVHI_HEAP_NONE;
         e->blocks[i].tier = KVHI_NO_TIER;

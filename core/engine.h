@@ -58,6 +58,10 @@ typedef struct kvhi_block {
     uint64_t hash;           /* chained hash, valid with KVHI_BF_HASHED */
     uint64_t parent_hash;
     uint32_t disk_copy; /* disk slot of a clean copy (KVHI_BF_DISK_COPY) */
+    /* A slot the block left while a disk copy was still being read from
+     * it: freed when the copy ends (KVHI_NO_BLOCK: none). */
+    uint32_t deferred_slot;
+    uint8_t deferred_tier;
     uint32_t data_crc;  /* CRC32C of the data on disk */
     uint64_t hist[KVHI_MAX_K]; /* access clock values, most recent first */
     /* Bitmap [layer][token] of written KV cells. NULL means none written,
@@ -217,6 +221,8 @@ kvh_status kvhi_block_mark_written(kvh_engine *e, uint32_t b, uint32_t layer,
 bool kvhi_block_cell_written(kvh_engine *e, uint32_t b, uint32_t layer,
                              uint32_t t);
 kvh_status kvhi_block_forget_tokens(kvh_engine *e, uint32_t b, uint32_t keep);
+/* Clears KVHI_BF_WRITING and frees a slot the block left meanwhile. */
+void kvhi_block_writing_done(kvh_engine *e, uint32_t b);
 /* Drops one reference; frees or leaves cached. */
 void kvhi_block_unref(kvh_engine *e, uint32_t b);
 /* Copy-on-write: returns a private copy of b (refs=1) replacing one ref. */

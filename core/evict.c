@@ -327,7 +327,11 @@ kvh_status kvhi_move_end(kvh_engine *e, kvhi_xfer *x, uint32_t *src_slot_out)
         ; /* the old disk slot is now b's clean copy */
     else if (src_slot_out)
         *src_slot_out = src_slot;
-    else
+    else if (blk->flags & KVHI_BF_WRITING) {
+        /* A disk copy is still being read from the old slot. */
+        blk->deferred_slot = src_slot;
+        blk->deferred_tier = (uint8_t)src_tier;
+    } else
         kvhi_release_slot(e, src_tier, src_slot);
     if (blk->flags & KVHI_BF_DEAD)
         kvhi_block_free_now(e, b);

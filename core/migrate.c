@@ -164,7 +164,11 @@ static kvh_status run_job(kvh_engine *e, const kvhi_job *j)
     for (;;) {
         if (!(blk->flags & KVHI_BF_LIVE) || (blk->flags & KVHI_BF_DEAD) || blk->gen != j->block_gen)
             return KVH_OK; /* freed meanwhile: nothing left to move */
-        if (!(blk->flags & KVHI_BF_BUSY))
+        /* A promotion need not wait for a disk copy being written from the
+         * block's slot (the slot stays valid until that copy ends). */
+        bool writing_only = (blk->flags & KVHI_BF_BUSY) == KVHI_BF_WRITING;
+        if (!(blk->flags & KVHI_BF_BUSY) || (writing_only && j->target_tier < blk->tier &&
+                                             blk->deferred_slot == KVHI_NO_BLOCK))
             break;
         kvhi_block_wait_idle(e, j->block);
     }
