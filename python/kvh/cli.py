@@ -182,6 +182,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from ._progress import Progress, table
     from .tools import find_tool
 
+    if list(args.scenarios) == ["retriever"]:
+        # The retriever scenario is Python (it drives Qdrant), not kvh-bench.
+        from . import bench_retriever
+        argv = ["--json"] if args.json else []
+        argv += ["--quick"] if args.quick else []
+        argv += ["--reps", str(args.reps)] if args.reps else []
+        argv += ["--seed", str(args.seed)] if args.seed is not None else []
+        argv += ["--strict"] if args.strict else []
+        return bench_retriever.main(argv + list(getattr(args, "extra", [])))
+
     tool = find_tool("kvh-bench")
     if not tool:
         return _missing_tool("kvh-bench")
@@ -305,7 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Runs kvh-bench SCENARIO --json for each scenario (default: all), shows "
                                     "progress on a TTY and prints a summary table (or the JSON lines with "
                                     "--json). Arguments after -- go to kvh-bench.")
-    sp.add_argument("scenarios", nargs="*", metavar="SCENARIO", help="scenarios (default: all; see --list)")
+    sp.add_argument("scenarios", nargs="*", metavar="SCENARIO",
+                    help="scenarios (default: all; see --list); `retriever` runs the speculative-prefetch benchmark")
     sp.add_argument("--list", action="store_true", help="list the scenarios")
     sp.add_argument("--quick", action="store_true", help="a few seconds per scenario")
     sp.add_argument("--reps", type=int, default=None, help="rounds per measurement")
