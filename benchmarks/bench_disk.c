@@ -209,8 +209,26 @@ static void emit(const bench_ctx *ctx, const char *metric, double ours, double b
     bench_emit(ctx, r);
 }
 
+/* Removes a store directory kvh created (its files are all known). */
+static void remove_store(const char *dir)
+{
+    char p[4200];
+    const char *names[] = {"LOCK", "index", "journal", "index.tmp", "journal.tmp"};
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
+        snprintf(p, sizeof(p), "%s/%s", dir, names[i]);
+        unlink(p);
+    }
+    for (int i = 0;; i++) {
+        snprintf(p, sizeof(p), "%s/slab-%04d.kvh", dir, i);
+        if (unlink(p) != 0)
+            break;
+    }
+    rmdir(dir);
+}
+
 static int recovery(const bench_ctx *ctx, const char *dir, uint64_t context)
 {
+    remove_store(dir); /* a store left by an earlier run would hold duplicates */
     kvh_config c;
     BENCH_CHECK(kvh_config_init(&c, sizeof c));
     c.num_layers = 1;
@@ -334,7 +352,9 @@ int bench_disk(int argc, char **argv, const bench_ctx *ctx)
     char rec[4096];
     snprintf(rec, sizeof(rec), "%s/recovery", dir);
     bench_info(ctx, "disk: recovery of a %llu-token store", (unsigned long long)context);
-    if (recovery(ctx, rec, context) != 0)
+    int rrc = recovery(ctx, rec, context);
+    remove_store(rec);
+    if (rrc != 0)
         return 1;
     bench_flush_table(ctx, "disk recovery");
     return 0;
