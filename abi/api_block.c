@@ -40,8 +40,10 @@ kvh_status kvh_block_alloc(kvh_engine *e, uint32_t agent, kvh_block *block)
     if (st != KVH_OK)
         return st;
     uint32_t b;
-    if ((st = kvhi_block_new(e, agent, KVH_TIER_DEVICE, &b)) == KVH_OK)
+    if ((st = kvhi_block_new(e, agent, KVH_TIER_DEVICE, &b)) == KVH_OK) {
+        e->blocks[b].ext_refs = 1;
         block->id = kvh_block_handle(e, b);
+    }
     kvhi_leave(e);
     return st;
 }
@@ -55,8 +57,11 @@ kvh_status kvh_block_retain(kvh_engine *e, kvh_block block)
     if ((st = kvhi_block_resolve(e, block, &b)) == KVH_OK) {
         if (e->blocks[b].refs == UINT32_MAX)
             st = kvhi_fail(KVH_ERR_RANGE, "reference count overflow");
-        else if (e->blocks[b].refs++ == 0)
-            kvhi_block_update_evictable(e, b);
+        else {
+            e->blocks[b].ext_refs++;
+            if (e->blocks[b].refs++ == 0)
+                kvhi_block_update_evictable(e, b);
+        }
     }
     kvhi_leave(e);
     return st;
@@ -71,10 +76,14 @@ kvh_status kvh_block_release(kvh_engine *e, kvh_block block)
         return st;
     uint32_t b;
     if ((st = kvhi_block_resolve(e, block, &b)) == KVH_OK) {
-        if (e->blocks[b].refs == 0)
-            st = kvhi_fail(KVH_ERR_INVALID_ARG, "block has no reference left to release");
-        else
+        /* Only references taken through handles can be released here; the
+         * ones sequences hold are theirs. */
+        if (e->blocks[b].ext_refs == 0)
+            st = kvhi_fail(KVH_ERR_INVALID_ARG, "no reference taken through a block handle is left to release");
+        else {
+            e->blocks[b].ext_refs--;
             kvhi_block_unref(e, b);
+        }
     }
     kvhi_leave(e);
     return st;
@@ -199,6 +208,7 @@ kvh_status kvh_prefix_lookup(kvh_engine *e, const int32_t *tokens, size_t n, kvh
         if (b == KVHI_PREFIX_MISS || e->blocks[b].parent_hash != parent ||
             memcmp(kvhi_block_tokens(e, b), tokens + i * bt, bt * sizeof(int32_t)) != 0)
             break;
+        e->blocks[b].ext_refs++;
         if (e->blocks[b].refs++ == 0)
             kvhi_block_update_evictable(e, b);
         kvhi_block_touch(e, b);
@@ -295,8 +305,10 @@ kvh_status kvh_pool_offload(kvh_engine *e, kvh_pool pool, uint32_t slot, uint64_
     if (n != e->cfg.block_tokens)
         st = kvhi_fail(KVH_ERR_INVALID_ARG, "offload takes a full block of %u tokens, got %zu", e->cfg.block_tokens,
                        n);
-    else if ((st = kvhi_pool_offload(e, p, slot, parent_hash, tokens, agent, &b)) == KVH_OK)
+    else if ((st = kvhi_pool_offload(e, p, slot, parent_hash, tokens, agent, &b)) == KVH_OK) {
+        e->blocks[b].ext_refs++;
         block->id = kvh_block_handle(e, b);
+    }
     kvhi_leave(e);
     return st;
 }

@@ -175,6 +175,7 @@ kvh_status kvhi_block_new(kvh_engine *e, uint32_t agent, uint32_t min_tier, uint
     /* Field by field: a memset of the whole record is measurably slower on
      * the allocation path. gen survives; the rest is set here. */
     blk->refs = 1;
+    blk->ext_refs = 0;
     blk->holds = 0;
     blk->pins = 0;
     blk->n_tokens = 0;

@@ -136,6 +136,7 @@ kvh_status kvhi_disk_tier_recover(kvh_engine *e)
         blk->gen = gen;
         blk->flags = KVHI_BF_LIVE | KVHI_BF_HASHED | KVHI_BF_KV_COMPLETE | KVHI_BF_JOURNALED | KVHI_BF_DISK_HASHED;
         blk->deferred_slot = KVHI_NO_BLOCK;
+        blk->ext_refs = 0;
         blk->heap_pos = blk->quota_heap_pos = KVHI_HEAP_NONE;
         blk->tier = KVH_TIER_DISK;
         blk->slot = ent->slot;

@@ -2,6 +2,7 @@
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
 #include <time.h>
 #ifdef KVH_HAVE_NUMA
 #include <numa.h>
@@ -251,6 +252,15 @@ kvh_status kvh_engine_open(const kvh_config *config, kvh_engine **out)
     kvhi_handles_init(&e->seqs, KVHI_TAG_SEQ);
     kvhi_handles_init(&e->fences, KVHI_TAG_FENCE);
     kvhi_handles_init(&e->pools, KVHI_TAG_POOL);
+    /* Each engine starts its generations at a random point. */
+    uint32_t gen0 = 0;
+    if (getrandom(&gen0, sizeof(gen0), 0) != sizeof(gen0))
+        gen0 = (uint32_t)kvhi_now_ns() ^ (uint32_t)(uintptr_t)e;
+    gen0 = (gen0 & KVHI_GEN_MASK) ? (gen0 & KVHI_GEN_MASK) : 1;
+    kvhi_handles_set_gen_start(&e->seqs, gen0);
+    kvhi_handles_set_gen_start(&e->fences, gen0 + 1);
+    kvhi_handles_set_gen_start(&e->pools, gen0 + 2);
+    e->gen_start = gen0;
     e->elem_bytes = kvhi_dtype_bytes(e->cfg.dtype);
     e->layer_bytes = 2ull * e->cfg.num_kv_heads * e->cfg.block_tokens * e->cfg.head_dim * e->elem_bytes;
     e->block_bytes = e->layer_bytes * e->cfg.num_layers;
@@ -285,7 +295,7 @@ kvh_status kvh_engine_open(const kvh_config *config, kvh_engine **out)
         return kvhi_fail(KVH_ERR_NOMEM, "out of memory for %llu block records", (unsigned long long)cap);
     }
     for (uint32_t i = 0; i < cap; i++) {
-        e->blocks[i].gen = 1;
+        e->blocks[i].gen = e->gen_start;
         e->blocks[i].disk_copy = KVHI_NO_BLOCK;
         e->blocks[i].deferred_slot = KVHI_NO_BLOCK;
         e->blocks[i].heap_pos = KVHI_HEAP_NONE;

@@ -45,6 +45,7 @@
 typedef struct kvhi_block {
     uint32_t gen;
     uint32_t refs;
+    uint32_t ext_refs; /* the part of refs held through block handles */
     uint32_t holds;
     uint32_t pins;
     uint32_t slot;
@@ -120,6 +121,7 @@ struct kvh_engine {
     uint32_t elem_bytes;
     uint32_t tier_count; /* tiers present, device first */
     uint64_t clock;      /* logical access clock */
+    uint32_t gen_start;  /* random first generation of this engine's handles */
 
     const kvhi_backend_ops *backend;
     void *backend_ctx;

@@ -4,8 +4,14 @@
 
 int kvhi_handles_init(kvhi_handle_table *t, uint8_t tag)
 {
-    *t = (kvhi_handle_table){.tag = tag};
+    *t = (kvhi_handle_table){.tag = tag, .gen_start = 1};
     return 0;
+}
+
+void kvhi_handles_set_gen_start(kvhi_handle_table *t, uint32_t gen)
+{
+    gen &= KVHI_GEN_MASK;
+    t->gen_start = gen ? gen : 1;
 }
 
 void kvhi_handles_destroy(kvhi_handle_table *t)
@@ -13,7 +19,7 @@ void kvhi_handles_destroy(kvhi_handle_table *t)
     free(t->ptrs);
     free(t->gens);
     free(t->free_list);
-    *t = (kvhi_handle_table){.tag = t->tag};
+    *t = (kvhi_handle_table){.tag = t->tag, .gen_start = t->gen_start};
 }
 
 static int grow(kvhi_handle_table *t)
@@ -36,7 +42,7 @@ static int grow(kvhi_handle_table *t)
     /* Push new indices so the lowest is handed out first. */
     for (uint32_t i = ncap; i > t->cap; i--) {
         t->ptrs[i - 1] = NULL;
-        t->gens[i - 1] = 1;
+        t->gens[i - 1] = t->gen_start;
         t->free_list[t->free_top++] = i - 1;
     }
     t->cap = ncap;

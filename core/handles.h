@@ -34,6 +34,7 @@ static inline uint32_t kvhi_gen_next(uint32_t gen)
 /* A growable table of pointers addressed by handles of one tag. */
 typedef struct kvhi_handle_table {
     uint8_t tag;
+    uint32_t gen_start; /* first generation of new entries (per engine) */
     uint32_t cap;
     uint32_t used;
     void **ptrs;
@@ -44,6 +45,9 @@ typedef struct kvhi_handle_table {
 
 int kvhi_handles_init(kvhi_handle_table *t, uint8_t tag);
 void kvhi_handles_destroy(kvhi_handle_table *t);
+/* Generations start at `gen` (engines pick it at random, so a handle of a
+ * closed engine is rejected by a new one with near certainty). */
+void kvhi_handles_set_gen_start(kvhi_handle_table *t, uint32_t gen);
 /* Returns 0, or -1 when memory runs out. */
 int kvhi_handles_add(kvhi_handle_table *t, void *ptr, uint64_t *handle,
                      uint32_t *index);

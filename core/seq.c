@@ -136,6 +136,11 @@ kvh_status kvhi_seq_append(kvh_engine *e, kvhi_seq *s, const int32_t *tokens, si
 {
     if (n == 0)
         return KVH_OK;
+    /* More blocks than the engine has, or a length that would overflow:
+     * refused before any arithmetic on it. */
+    if (n > (uint64_t)e->block_cap * e->cfg.block_tokens || s->n_tokens + n < s->n_tokens)
+        return kvhi_fail(KVH_ERR_NOSPACE, "appending %zu tokens needs more blocks than the engine has (%u)", n,
+                         e->block_cap);
     uint32_t bt = e->cfg.block_tokens;
     uint32_t last_fill = s->n_blocks ? e->blocks[s->blocks[s->n_blocks - 1]].n_tokens : bt;
     uint64_t room = bt - last_fill;
