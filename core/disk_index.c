@@ -38,6 +38,7 @@ static int read_file(int dir_fd, const char *name, uint8_t **buf, size_t *len)
         if (n <= 0) {
             int e = n < 0 ? (inj ? inj : -errno) : -EIO;
             free(*buf);
+            *buf = NULL; /* callers free it again on their own paths */
             close(fd);
             return e;
         }
@@ -271,6 +272,13 @@ int kvhi_index_load(kvhi_disk *d, bool reset, kvhi_index_list *out, char *msg, s
     /* Journal: replay records newer than the snapshot up to the first bad
      * one (a torn tail), then cut the file there. */
     rc = read_file(d->dir_fd, "journal", &jr, &jr_len);
+    if (rc != 0 && rc != -ENOENT) {
+        /* An unreadable journal may hold acknowledged records: never
+         * replace it; the open fails and can be retried. */
+        free(tk), free(m.at), free(m.items), free(m.tokens);
+        snprintf(msg, msg_len, "cannot read %s/journal: %s", d->path, strerror(-rc));
+        return KVHI_INDEX_IO;
+    }
     kvhi_index_header jh;
     size_t good = KVHI_DISK_ALIGN;
     bool header_ok = rc == 0 && kvhi_index_header_decode(jr, jr_len, &jh) == 0 && jh.kind == KIND_JOURNAL;
