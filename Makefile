@@ -6,12 +6,15 @@
 #   make test     build/ + ctest, ASan+UBSan build + ctest, TSan build +
 #                 concurrency tests, then pytest, cargo test and the bindings
 #                 drift check where those parts exist (what CI runs)
-#   make stress   long tests (label `stress`) in build/
+#   make stress   long tests (label `stress`) in build/, then each fuzz
+#                 target for STRESS_FUZZ_SECONDS
+#   make fuzz     build build-fuzz/ (clang, libFuzzer + ASan/UBSan) and run
+#                 each fuzz target for FUZZ_SECONDS (see tests/RELIABILITY.md)
 #   make bench    kvh-bench scenarios, if kvh-bench is built
 #   make clean    remove the build trees
 #
 # Single suites: test-c, test-asan, test-tsan, test-python, test-rust,
-# test-drift. Useful overrides: SKIP_DEPS=1 (no root, or offline),
+# test-drift, test-fuzz. Useful overrides: SKIP_DEPS=1 (no root, or offline),
 # JOBS=N, CTEST_ARGS='-R prefix', CMAKE_ARGS='-DKVH_WITH_CUDA=OFF'.
 
 SHELL := /bin/bash
@@ -51,6 +54,15 @@ TSAN_WRAP   ?=
 
 CTEST_FLAGS := --output-on-failure --no-tests=error -j$(JOBS)
 
+# libFuzzer targets of fuzz/ (clang from Debian): FUZZ_SECONDS each in
+# `make test`, STRESS_FUZZ_SECONDS each in `make stress`.
+FUZZ_DIR            ?= build-fuzz
+FUZZ_CC             ?= clang
+FUZZ_CXX            ?= clang++
+FUZZ_SECONDS        ?= 20
+STRESS_FUZZ_SECONDS ?= 600
+HAVE_FUZZ := $(and $(wildcard fuzz/CMakeLists.txt),$(shell command -v $(FUZZ_CC) 2>/dev/null))
+
 # Demo hook: the C demo now. When the Python package (python/kvh) is ready,
 # switch to its CLI, e.g.
 #   DEMO_PREP ?= $(PYTHON) -m pip install --quiet ./python
@@ -85,7 +97,7 @@ endif
 step = @printf '\n==> %s\n' "$(1)"
 
 .PHONY: all deps build demo test test-c test-asan test-tsan test-python test-rust \
-        test-drift build-asan build-tsan stress bench clean help
+        test-drift build-asan build-tsan stress bench clean help build-fuzz fuzz test-fuzz
 
 all: build
 
@@ -130,7 +142,7 @@ endif
 	$(DEMO_CMD)
 
 # ---- test suites, in the order `make test` runs them ---------------------------
-test: test-c test-asan test-tsan test-python test-rust test-drift
+test: test-c test-asan test-tsan test-python test-rust test-drift test-fuzz
 	@printf '\n==> make test: all suites passed\n'
 
 test-c: build
@@ -177,12 +189,31 @@ test-drift:
 	$(call step,[6/6] bindings drift: skipped: no bindings/check-drift.sh)
 endif
 
+# ---- fuzzing ----------------------------------------------------------------------
+ifneq ($(HAVE_FUZZ),)
+build-fuzz: deps
+	$(call step,build $(FUZZ_DIR)/ (libFuzzer targets: $(FUZZ_CC) + ASan/UBSan))
+	CC=$(FUZZ_CC) CXX=$(FUZZ_CXX) $(CMAKE) -S . -B $(FUZZ_DIR) -DKVH_FUZZ=ON -DKVH_SANITIZE=address \
+	  $(SAN_CMAKE_ARGS) -DKVH_BUILD_TESTS=OFF -DKVH_BUILD_BENCH=OFF -DKVH_WITH_CUDA=OFF
+	$(CMAKE) --build $(FUZZ_DIR) -j$(JOBS) --target kvh_fuzzers
+
+fuzz: build-fuzz
+	$(call step,fuzz: each target for $(FUZZ_SECONDS) s ($(JOBS) at a time))
+	bash fuzz/run-fuzzers.sh $(FUZZ_DIR) $(FUZZ_SECONDS) $(JOBS)
+
+test-fuzz: fuzz
+else
+build-fuzz fuzz test-fuzz:
+	$(call step,fuzz: skipped: needs $(FUZZ_CC) (libFuzzer) and fuzz/CMakeLists.txt)
+endif
+
 # ---- long runs -------------------------------------------------------------------
 stress: deps
 	$(call step,stress tests in $(BUILD_DIR)/)
 	$(CMAKE) -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) -DKVH_STRESS=ON $(CMAKE_ARGS)
 	$(CMAKE) --build $(BUILD_DIR) -j$(JOBS)
 	$(CTEST) --test-dir $(BUILD_DIR) --output-on-failure --no-tests=ignore -L stress $(CTEST_ARGS)
+	$(MAKE) fuzz FUZZ_SECONDS=$(STRESS_FUZZ_SECONDS)
 
 bench: build
 	$(call step,benchmarks)

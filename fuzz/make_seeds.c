@@ -1,0 +1,270 @@
+/* Writes the seed corpora of fuzz/corpus/ (committed; re-run only when an
+ * input format changes):
+ *
+ *   cc -O1 -I. -Iabi/include fuzz/make_seeds.c build/libkvh.a \
+ *      -luring -lnuma -lpthread -lm -ldl -o /tmp/kvh-make-seeds
+ *   /tmp/kvh-make-seeds fuzz/corpus
+ *
+ * fuzz_index and fuzz_slot_header get real metadata and slots of a store
+ * written by the engine (the geometry of fuzz_index.c), in the targets'
+ * input formats; fuzz_config and fuzz_api get hand-made call plans and a
+ * few pseudo-random inputs. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "kvh/kvh.h"
+
+static char out_root[512];
+
+static void put(const char *target, const char *name, const void *data, size_t len)
+{
+    char dir[700], path[900];
+    snprintf(dir, sizeof(dir), "%s/%s", out_root, target);
+    mkdir(dir, 0755);
+    snprintf(path, sizeof(path), "%s/%s", dir, name);
+    FILE *f = fopen(path, "wb");
+    if (!f || fwrite(data, 1, len, f) != len) {
+        perror(path);
+        exit(1);
+    }
+    fclose(f);
+}
+
+static uint8_t *slurp(const char *path, size_t *len)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f)
+        return NULL;
+    fseek(f, 0, SEEK_END);
+    *len = (size_t)ftell(f);
+    fseek(f, 0, SEEK_SET);
+    uint8_t *b = malloc(*len + 1);
+    if (fread(b, 1, *len, f) != *len)
+        *len = 0;
+    fclose(f);
+    return b;
+}
+
+static kvh_config index_cfg(const char *dir)
+{
+    kvh_config c;
+    kvh_config_init(&c, sizeof(c));
+    c.num_layers = 1;
+    c.num_kv_heads = 1;
+    c.head_dim = 8;
+    c.block_tokens = 4;
+    c.dtype = KVH_DTYPE_F16;
+    c.backend = KVH_BACKEND_CPU;
+    c.device_bytes = 4 * 128;
+    c.host_bytes = 4 * 128;
+    c.disk_bytes = 8 * 8192;
+    c.disk_path = dir;
+    c.model_salt = 0xf00d;
+    c.migration_threads = 0;
+    c.disk_flags = KVH_DISK_BUFFERED;
+    return c;
+}
+
+static void persist_chain(kvh_engine *e, int32_t base, int blocks)
+{
+    kvh_seq s;
+    kvh_seq_create(e, 0, &s);
+    int32_t tk[16];
+    uint8_t k[16 * 16], v[16 * 16];
+    for (int i = 0; i < 4 * blocks; i++)
+        tk[i] = base + i;
+    for (size_t i = 0; i < sizeof(k); i++)
+        k[i] = (uint8_t)(i * 7 + (size_t)base), v[i] = (uint8_t)(i * 13 + (size_t)base);
+    kvh_seq_append(e, s, tk, (size_t)(4 * blocks));
+    kvh_seq_write_kv(e, s, 0, 0, (size_t)(4 * blocks), k, v);
+    if (kvh_seq_persist(e, s) != KVH_OK) {
+        fprintf(stderr, "persist: %s\n", kvh_last_error());
+        exit(1);
+    }
+    kvh_seq_free(e, s);
+}
+
+/* The fuzz_index input for files index + journal: flags, u16 length of the
+ * index part, index part (84 header bytes + records), journal part. */
+static void index_seed(const char *name, uint8_t flags, const uint8_t *ix, size_t ixl, const uint8_t *jr, size_t jrl)
+{
+    size_t ip = ixl >= 4096 ? 84 + (ixl - 4096) : ixl, jp = jrl >= 4096 ? 84 + (jrl - 4096) : jrl;
+    uint8_t *b = malloc(3 + ip + jp);
+    b[0] = flags;
+    b[1] = (uint8_t)ip, b[2] = (uint8_t)(ip >> 8);
+    memcpy(b + 3, ix, ixl < 84 ? ixl : 84);
+    if (ixl >= 4096)
+        memcpy(b + 3 + 84, ix + 4096, ixl - 4096);
+    memcpy(b + 3 + ip, jr, jrl < 84 ? jrl : 84);
+    if (jrl >= 4096)
+        memcpy(b + 3 + ip + 84, jr + 4096, jrl - 4096);
+    put("fuzz_index", name, b, 3 + ip + jp);
+    free(b);
+}
+
+static uint64_t get64(const uint8_t *p)
+{
+    uint64_t v = 0;
+    for (int i = 0; i < 8; i++)
+        v |= (uint64_t)p[i] << (8 * i);
+    return v;
+}
+
+static void store_seeds(void)
+{
+    char dir[] = "/tmp/kvh-seeds-XXXXXX";
+    if (!mkdtemp(dir))
+        exit(1);
+    kvh_config c = index_cfg(dir);
+    kvh_engine *e;
+    if (kvh_engine_open(&c, &e) != KVH_OK)
+        exit(1);
+    persist_chain(e, 100, 2);
+    kvh_engine_close(e);
+    pid_t pid = fork();
+    if (pid == 0) {
+        kvh_engine *e2;
+        if (kvh_engine_open(&c, &e2) != KVH_OK)
+            _exit(1);
+        persist_chain(e2, 200, 3);
+        _exit(0); /* no close: these stay in the journal */
+    }
+    int ws;
+    waitpid(pid, &ws, 0);
+    char p[600];
+    size_t ixl = 0, jrl = 0, sl = 0;
+    snprintf(p, sizeof(p), "%s/index", dir);
+    uint8_t *ix = slurp(p, &ixl);
+    snprintf(p, sizeof(p), "%s/journal", dir);
+    uint8_t *jr = slurp(p, &jrl);
+    snprintf(p, sizeof(p), "%s/slab-0000.kvh", dir);
+    uint8_t *slab = slurp(p, &sl);
+    if (!ix || !jr || !slab)
+        exit(1);
+    index_seed("snapshot-and-journal", 0, ix, ixl, jr, jrl);
+    index_seed("snapshot-and-journal-fixcrc", 3, ix, ixl, jr, jrl);
+    index_seed("no-journal", 4, ix, ixl, jr, jrl);
+    index_seed("reset-on-mismatch", 8, ix, ixl, jr, jrl);
+    index_seed("geometry-header", 16 | 3, ix, ixl, jr, jrl);
+    index_seed("empty-journal", 0, ix, ixl, jr, 4096);
+    index_seed("short-header", 0, ix, 40, jr, jrl);
+    uint8_t *torn = malloc(jrl);
+    memcpy(torn, jr, jrl);
+    index_seed("torn-tail", 0, ix, ixl, torn, jrl - 30);
+    torn[4096 + 70] ^= 0x10;
+    index_seed("bit-rot-record", 0, ix, ixl, torn, jrl);
+    torn[20] ^= 1;
+    index_seed("bad-journal-header", 0, ix, ixl, torn, jrl);
+    free(torn);
+
+    /* slot headers: the first slots of the slab, as verified by the engine */
+    uint64_t store_id = get64(ix + 16);
+    for (int s = 0; s < 5 && (size_t)(s + 1) * 8192 <= sl; s++) {
+        const uint8_t *h = slab + (size_t)s * 8192;
+        uint8_t b[1 + 8 * 3 + 2 + 4096 + 128];
+        size_t n = 0;
+        b[n++] = (uint8_t)(s == 4 ? 7 : 0);
+        for (int i = 0; i < 8; i++)
+            b[n++] = (uint8_t)(store_id >> (8 * i));
+        for (int i = 0; i < 8; i++)
+            b[n++] = (uint8_t)((uint64_t)s >> (8 * i));
+        memcpy(b + n, h + 40, 8); /* the hash it holds */
+        n += 8;
+        b[n++] = 3; /* max_tokens 4 */
+        b[n++] = 1; /* block size 128 */
+        memcpy(b + n, h, 4096);
+        n += 4096;
+        memcpy(b + n, h + 4096, 128);
+        n += 128;
+        char name[32];
+        snprintf(name, sizeof(name), "slot-%d", s);
+        put("fuzz_slot_header", name, b, n);
+    }
+    uint8_t tiny[] = {6, 1, 2, 3};
+    put("fuzz_slot_header", "tiny", tiny, sizeof(tiny));
+    free(ix), free(jr), free(slab);
+    char cmd[700];
+    snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
+    if (system(cmd) != 0)
+        fprintf(stderr, "could not remove %s\n", dir);
+}
+
+static uint64_t rng = 0x5eed5eed;
+static uint8_t rnd(void)
+{
+    rng = rng * 6364136223846793005ull + 1442695040888963407ull;
+    return (uint8_t)(rng >> 56);
+}
+
+static void random_seeds(const char *target, int count, size_t min, size_t max)
+{
+    for (int i = 0; i < count; i++) {
+        size_t n = min + rnd() % (max - min + 1);
+        uint8_t *b = malloc(n);
+        for (size_t j = 0; j < n; j++)
+            b[j] = rnd();
+        char name[32];
+        snprintf(name, sizeof(name), "random-%d", i);
+        put(target, name, b, n);
+        free(b);
+    }
+}
+
+static void config_seeds(void)
+{
+    /* flags, [sizes], geometry selector, then fields (see fuzz_config.c) */
+    uint8_t valid[] = {0, 0, 2, 2, 16, 4, 1, 1, 0, 0, 0, 0, 2, 1, 0, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                       0, 0, 0, 0, 0, 0, 0, 0, 32, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 16, 0, 0, 0, 16, 0, 0, 0};
+    put("fuzz_config", "valid-cpu", valid, sizeof(valid));
+    valid[0] = 32 | 16;
+    put("fuzz_config", "valid-disk-log", valid, sizeof(valid));
+    valid[0] = 128;
+    put("fuzz_config", "bad-struct-size", valid, sizeof(valid));
+    valid[0] = 1 | 2;
+    put("fuzz_config", "bad-init-sizes", valid, sizeof(valid));
+    random_seeds("fuzz_config", 6, 8, 96);
+}
+
+static void api_seeds(void)
+{
+    /* mode, then steps: opcode + arguments (fuzz_api.c) */
+    uint8_t basic[] = {
+        4 | (2 << 3) | 3, /* disk tier, host 2 blocks, device 5 */
+        0, 0, 0, 0, 0, 1,        /* create */
+        4, 0, 0, 0, 0, 0, 0, 12, 0, 0, 0, /* append 12 prompt tokens */
+        11, 0, 0, 0, 0, 0,       /* persist */
+        13, 1, 0, 0, 0, 0, 12, 0, /* match on another seq */
+        14, 0, 0, 0, 0, 1, 0, 8, 1, /* acquire */
+        3, 0, 0, 0, 0, 0, 0, 2, /* fork */
+        26, 0, 0, 0, 0, 0, 0, 12, 2, /* migrate to disk */
+        7, 0, 0, 0, 0, 0, 0, 0, 12, /* read */
+        39, 0, 0, 0, 0, 0,       /* close + reopen */
+        13, 2, 0, 0, 0, 0, 12, 0, 7, 0, 0, 0, 0, 0, 0, 0, 12,
+    };
+    put("fuzz_api", "basic-disk", basic, sizeof(basic));
+    basic[0] = 3 | (1 << 6);
+    put("fuzz_api", "basic-memory-worker", basic, sizeof(basic));
+    random_seeds("fuzz_api", 8, 32, 400);
+}
+
+int main(int argc, char **argv)
+{
+    if (argc != 2) {
+        fprintf(stderr, "usage: %s OUTDIR\n", argv[0]);
+        return 2;
+    }
+    snprintf(out_root, sizeof(out_root), "%s", argv[1]);
+    mkdir(out_root, 0755);
+    store_seeds();
+    config_seeds();
+    api_seeds();
+    return 0;
+}

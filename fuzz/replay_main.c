@@ -1,0 +1,92 @@
+/* Replays fuzz inputs without libFuzzer: every file named on the command
+ * line, or found in a directory named there (sorted), is passed once to
+ * LLVMFuzzerTestOneInput. Builds with any C compiler; ctest runs one such
+ * program per target over fuzz/corpus/<target>/ (tests/c/CMakeLists.txt). */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include <dirent.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
+int LLVMFuzzerInitialize(int *argc, char ***argv) __attribute__((weak));
+
+static int run_file(const char *path)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        fprintf(stderr, "replay: cannot open %s\n", path);
+        return 1;
+    }
+    fseek(f, 0, SEEK_END);
+    long len = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    uint8_t *buf = malloc(len > 0 ? (size_t)len : 1);
+    size_t got = buf ? fread(buf, 1, (size_t)len, f) : 0;
+    fclose(f);
+    if (!buf || got != (size_t)len) {
+        free(buf);
+        fprintf(stderr, "replay: cannot read %s\n", path);
+        return 1;
+    }
+    LLVMFuzzerTestOneInput(buf, got);
+    free(buf);
+    return 0;
+}
+
+static int cmp(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
+
+int main(int argc, char **argv)
+{
+    if (LLVMFuzzerInitialize)
+        LLVMFuzzerInitialize(&argc, &argv);
+    long files = 0;
+    int bad = 0;
+    for (int i = 1; i < argc; i++) {
+        struct stat st;
+        if (stat(argv[i], &st) != 0) {
+            fprintf(stderr, "replay: %s: not found\n", argv[i]);
+            return 2;
+        }
+        if (!S_ISDIR(st.st_mode)) {
+            bad |= run_file(argv[i]);
+            files++;
+            continue;
+        }
+        DIR *d = opendir(argv[i]);
+        if (!d)
+            return 2;
+        char **names = NULL;
+        size_t n = 0, cap = 0;
+        struct dirent *de;
+        while ((de = readdir(d)) != NULL) {
+            if (de->d_name[0] == '.')
+                continue;
+            if (n == cap) {
+                cap = cap ? cap * 2 : 64;
+                names = realloc(names, cap * sizeof(*names));
+            }
+            size_t len = strlen(argv[i]) + strlen(de->d_name) + 2;
+            names[n] = malloc(len);
+            snprintf(names[n++], len, "%s/%s", argv[i], de->d_name);
+        }
+        closedir(d);
+        qsort(names, n, sizeof(*names), cmp);
+        for (size_t k = 0; k < n; k++) {
+            bad |= run_file(names[k]);
+            files++;
+            free(names[k]);
+        }
+        free(names);
+    }
+    printf("replay: %ld input(s) run without a failure\n", files);
+    if (files == 0) {
+        fprintf(stderr, "replay: no inputs\n");
+        return 2;
+    }
+    return bad;
+}

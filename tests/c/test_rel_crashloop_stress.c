@@ -1,0 +1,3 @@
+/* Full-size run of test_rel_crashloop.c (make stress). */
+#define REL_STRESS 1
+#include "test_rel_crashloop.c"
