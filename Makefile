@@ -142,7 +142,9 @@ endif
 	$(DEMO_CMD)
 
 # ---- test suites, in the order `make test` runs them ---------------------------
-test: test-c test-asan test-tsan test-python test-rust test-drift test-fuzz
+# Fuzzing (random inputs) runs in `make fuzz` and `make stress`; `make test`
+# replays the committed corpora as ordinary ctest tests, deterministically.
+test: test-c test-asan test-tsan test-python test-rust test-drift
 	@printf '\n==> make test: all suites passed\n'
 
 test-c: build

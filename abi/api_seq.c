@@ -252,7 +252,8 @@ kvh_status kvh_seq_migrate(kvh_engine *e, kvh_seq seq, uint64_t first, uint64_t 
     st = kvhi_seq_block_range(e, s, first, n, &b0, &b1);
     if (st == KVH_OK) {
         kvh_fence f;
-        st = kvhi_migrate_blocks(e, s->blocks + b0, b1 - b0, tier, fence ? &f : NULL);
+        /* An empty sequence has no block table yet (NULL + 0 is undefined). */
+        st = kvhi_migrate_blocks(e, s->blocks ? s->blocks + b0 : NULL, b1 - b0, tier, fence ? &f : NULL);
         if (st == KVH_OK && fence)
             *fence = f;
     }

@@ -261,7 +261,8 @@ int kvhi_attn_cpu_run(void *ctx, const kvhi_attn_plan *p, const void *q, void *o
                  .out = out,
                  .fn = pick(st, p),
                  .po = st->partial,
-                 .plse = st->partial + (size_t)p->n_partial_rows * p->head_dim,
+                 /* no split-K partials: no buffer (NULL + 0 is undefined) */
+                 .plse = st->partial ? st->partial + (size_t)p->n_partial_rows * p->head_dim : NULL,
                  .scratch = st->scratch,
                  .scratch_stride = stride};
     atomic_init(&j.next, 0);
