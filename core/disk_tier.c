@@ -437,6 +437,12 @@ kvh_status kvhi_block_ensure_memory(kvh_engine *e, uint32_t b)
         }
         uint32_t to = e->tiers[KVH_TIER_HOST].present ? KVH_TIER_HOST : KVH_TIER_DEVICE;
         kvh_status st = kvhi_move_block(e, b, to, blk->agent);
+        if (st == KVH_ERR_NOSPACE && e->copies_in_progress) {
+            /* Every candidate is busy in another thread's copy: room comes
+             * back when those end, so wait rather than fail. */
+            pthread_cond_wait(&e->changed, &e->lock);
+            continue;
+        }
         if (st != KVH_OK)
             return st;
         while (blk->flags & KVHI_BF_IN_FLIGHT)
