@@ -403,6 +403,7 @@ void kvhi_disk_verify(kvh_engine *e, const uint32_t *blocks, size_t n)
         kvhi_xfer_batch(e, xs, k);
         pthread_mutex_lock(&e->lock);
         e->copies_in_progress--;
+        pthread_cond_broadcast(&e->changed);
         for (uint32_t j = 0; j < k; j++) {
             uint32_t b = xs[j].block;
             kvhi_block *blk = &e->blocks[b];
@@ -482,6 +483,7 @@ static kvh_status write_copies(kvh_engine *e, const uint32_t *blocks, uint32_t n
         kvhi_xfer_batch(e, xs, k);
         pthread_mutex_lock(&e->lock);
         e->copies_in_progress--;
+        pthread_cond_broadcast(&e->changed);
     }
     for (uint32_t j = 0; j < k; j++) {
         kvhi_xfer *x = &xs[j];

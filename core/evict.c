@@ -106,6 +106,7 @@ static kvh_status swap_up(kvh_engine *e, uint32_t b, uint32_t tier)
         rc = kvhi_copy_bytes(e, lo_tier, lo, KVH_TIER_HOST, bounce, e->block_bytes);
     pthread_mutex_lock(&e->lock);
     e->copies_in_progress--;
+        pthread_cond_broadcast(&e->changed);
     free(bounce);
     vb->flags &= (uint16_t)~KVHI_BF_IN_FLIGHT;
     pthread_cond_broadcast(&e->changed);
@@ -356,6 +357,7 @@ static kvh_status move_block(kvh_engine *e, uint32_t b, uint32_t tier, uint32_t 
     kvhi_xfer_run(e, &x);
     pthread_mutex_lock(&e->lock);
     e->copies_in_progress--;
+        pthread_cond_broadcast(&e->changed);
     return kvhi_move_end(e, &x, src_slot_out);
 }
 

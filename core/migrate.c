@@ -236,6 +236,13 @@ static void run_batch(kvh_engine *e, kvhi_job first)
     }
     uint32_t k = 0, idx[MAX];
     for (uint32_t i = 0; i < n; i++) {
+        /* Earlier moves of this batch may have dropped the lock: a job no
+         * longer batchable (its block started moving elsewhere) goes back. */
+        if (i > 0 && !batchable(e, &jobs[i])) {
+            if (job_push(e, jobs[i]) != KVH_OK)
+                kvhi_fence_done(e, jobs[i].fence, KVH_ERR_NOMEM);
+            continue;
+        }
         int rc = kvhi_move_begin(e, jobs[i].block, jobs[i].target_tier, &xs[k], false);
         if (rc == 0) {
             idx[k++] = i;
@@ -251,6 +258,7 @@ static void run_batch(kvh_engine *e, kvhi_job first)
     kvhi_xfer_batch(e, xs, k);
     pthread_mutex_lock(&e->lock);
     e->copies_in_progress--;
+    pthread_cond_broadcast(&e->changed); /* reserve_slot waiters recheck */
     e->jobs_running -= k;
     for (uint32_t i = 0; i < k; i++) {
         kvhi_job *j = &jobs[idx[i]];
