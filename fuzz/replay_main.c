@@ -10,13 +10,32 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <signal.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 int LLVMFuzzerInitialize(int *argc, char ***argv) __attribute__((weak));
 
+/* A watchdog: an input that runs longer than this is a hang (the
+ * libFuzzer runs use -timeout=25 the same way). KVH_FUZZ_REPLAY_TIMEOUT
+ * overrides (seconds). */
+static const char *current;
+static unsigned limit_s = 30;
+
+static void on_alarm(int sig)
+{
+    (void)sig;
+    static const char head[] = "\nreplay: HANG: this input did not finish in time: ";
+    if (write(2, head, sizeof(head) - 1) < 0 || write(2, current, strlen(current)) < 0 || write(2, "\n", 1) < 0)
+        _exit(3);
+    signal(SIGABRT, SIG_DFL);
+    abort();
+}
+
 static int run_file(const char *path)
 {
+    current = path;
     FILE *f = fopen(path, "rb");
     if (!f) {
         fprintf(stderr, "replay: cannot open %s\n", path);
@@ -33,7 +52,9 @@ static int run_file(const char *path)
         fprintf(stderr, "replay: cannot read %s\n", path);
         return 1;
     }
+    alarm(limit_s);
     LLVMFuzzerTestOneInput(buf, got);
+    alarm(0);
     free(buf);
     return 0;
 }
@@ -44,6 +65,10 @@ int main(int argc, char **argv)
 {
     if (LLVMFuzzerInitialize)
         LLVMFuzzerInitialize(&argc, &argv);
+    const char *t = getenv("KVH_FUZZ_REPLAY_TIMEOUT");
+    if (t && atoi(t) > 0)
+        limit_s = (unsigned)atoi(t);
+    signal(SIGALRM, on_alarm);
     long files = 0;
     int bad = 0;
     for (int i = 1; i < argc; i++) {

@@ -139,7 +139,7 @@ static void fresh_seqs(kvh_engine *e, kvh_seq *out, int n, uint64_t stream)
         rl_assert_ok(rl_build(e, G, rl_plain(stream + (uint64_t)i), 4 * G.bt - 1, 0, &out[i]));
 }
 
-static void test_slow_disk_deadlines(void **state)
+RL_UNUSED static void test_slow_disk_deadlines(void **state)
 {
     (void)state;
     kvhi_disk_set_fault_hook(slow_hook, NULL);
@@ -262,7 +262,7 @@ static void test_stuck_disk_and_close(void **state)
 
 /* Close with many moves queued on a slow disk: the queued ones are
  * cancelled; what runs must finish in a bounded number of disk calls. */
-static void test_close_with_queued_work(void **state)
+RL_UNUSED static void test_close_with_queued_work(void **state)
 {
     (void)state;
     kvhi_disk_set_fault_hook(slow_hook, NULL);
@@ -321,12 +321,22 @@ static int teardown(void **state)
     return 0;
 }
 
+/* tests/c/test_rel_hang_stuck_mt.c runs the stuck-disk case alone (it
+ * passes today; the other two fail, see known_failing/README.md). */
+#ifndef REL_HANG_STUCK_ONLY
+#define REL_HANG_STUCK_ONLY 0
+#endif
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
+#if !REL_HANG_STUCK_ONLY
         cmocka_unit_test_teardown(test_slow_disk_deadlines, teardown),
+#endif
         cmocka_unit_test_teardown(test_stuck_disk_and_close, teardown),
+#if !REL_HANG_STUCK_ONLY
         cmocka_unit_test_teardown(test_close_with_queued_work, teardown),
+#endif
     };
     return cmocka_run_group_tests_name("rel_hang", tests, NULL, NULL);
 }
