@@ -303,12 +303,21 @@ kvh_status kvhi_enqueue(kvh_engine *e, uint32_t b, uint32_t tier, int32_t priori
 
 /* ---- workers ---- */
 
+#ifdef KVH_HAVE_NUMA
+/* libnuma fills a per-node CPU-mask cache without a lock; workers starting
+ * together would race on it (and leak the loser's mask), so they take turns. */
+static pthread_mutex_t numa_cache_lock = PTHREAD_MUTEX_INITIALIZER;
+#endif
+
 static void *worker_main(void *arg)
 {
     kvh_engine *e = arg;
 #ifdef KVH_HAVE_NUMA
-    if (e->cfg.numa_node >= 0 && numa_available() >= 0)
+    if (e->cfg.numa_node >= 0 && numa_available() >= 0) {
+        pthread_mutex_lock(&numa_cache_lock);
         numa_run_on_node(e->cfg.numa_node);
+        pthread_mutex_unlock(&numa_cache_lock);
+    }
 #endif
     if (e->cfg.migration_cpu_mask) {
         cpu_set_t set;
