@@ -4,8 +4,9 @@
 #   make demo     install deps, build build/, run the demo
 #   make build    install deps, build build/
 #   make test     build/ + ctest, ASan+UBSan build + ctest, TSan build +
-#                 concurrency tests, then pytest, cargo test and the bindings
-#                 drift check where those parts exist (what CI runs)
+#                 concurrency tests, then pytest, cargo test, the bindings
+#                 drift check, and each fuzz target for CI_FUZZ_SECONDS
+#                 with a fixed seed (what CI runs)
 #   make stress   long tests (label `stress`) in build/, then each fuzz
 #                 target for STRESS_FUZZ_SECONDS
 #   make fuzz     build build-fuzz/ (clang, libFuzzer + ASan/UBSan) and run
@@ -54,12 +55,15 @@ TSAN_WRAP   ?=
 
 CTEST_FLAGS := --output-on-failure --no-tests=error -j$(JOBS)
 
-# libFuzzer targets of fuzz/ (clang from Debian): FUZZ_SECONDS each in
-# `make test`, STRESS_FUZZ_SECONDS each in `make stress`.
+# libFuzzer targets of fuzz/ (clang from Debian): CI_FUZZ_SECONDS each in
+# `make test` (seeded with CI_FUZZ_SEED, so a rerun explores the same
+# inputs), FUZZ_SECONDS in `make fuzz`, STRESS_FUZZ_SECONDS in `make stress`.
 FUZZ_DIR            ?= build-fuzz
 FUZZ_CC             ?= clang
 FUZZ_CXX            ?= clang++
 FUZZ_SECONDS        ?= 20
+CI_FUZZ_SECONDS     ?= 15
+CI_FUZZ_SEED        ?= 1
 STRESS_FUZZ_SECONDS ?= 600
 HAVE_FUZZ := $(and $(wildcard fuzz/CMakeLists.txt),$(shell command -v $(FUZZ_CC) 2>/dev/null))
 
@@ -142,53 +146,53 @@ endif
 	$(DEMO_CMD)
 
 # ---- test suites, in the order `make test` runs them ---------------------------
-# Fuzzing (random inputs) runs in `make fuzz` and `make stress`; `make test`
-# replays the committed corpora as ordinary ctest tests, deterministically.
-test: test-c test-asan test-tsan test-python test-rust test-drift
+# The committed fuzz corpora are replayed by ctest in every C suite; the
+# last step fuzzes each target briefly from a fixed seed.
+test: test-c test-asan test-tsan test-python test-rust test-drift test-fuzz
 	@printf '\n==> make test: all suites passed\n'
 
 test-c: build
-	$(call step,[1/6] C tests in $(BUILD_DIR)/)
+	$(call step,[1/7] C tests in $(BUILD_DIR)/)
 	$(CTEST) --test-dir $(BUILD_DIR) $(CTEST_FLAGS) -LE stress $(CTEST_ARGS)
 
 test-asan: build-asan
-	$(call step,[2/6] C tests under ASan+UBSan in $(ASAN_DIR)/)
+	$(call step,[2/7] C tests under ASan+UBSan in $(ASAN_DIR)/)
 	env $(ASAN_ENV) $(CTEST) --test-dir $(ASAN_DIR) $(CTEST_FLAGS) -LE stress $(CTEST_ARGS)
 
 ifneq ($(MT_TESTS),)
 test-tsan: build-tsan
-	$(call step,[3/6] concurrency tests under TSan in $(TSAN_DIR)/)
+	$(call step,[3/7] concurrency tests under TSan in $(TSAN_DIR)/)
 	env $(TSAN_ENV) $(TSAN_WRAP) $(CTEST) --test-dir $(TSAN_DIR) $(CTEST_FLAGS) -L concurrency -LE stress $(CTEST_ARGS)
 else
 test-tsan:
-	$(call step,[3/6] TSan: skipped: no tests/c/test_*_mt.c or test_concurrency*.c yet)
+	$(call step,[3/7] TSan: skipped: no tests/c/test_*_mt.c or test_concurrency*.c yet)
 endif
 
 ifneq ($(PY_TESTS),)
 test-python: build
-	$(call step,[4/6] pytest tests/python)
+	$(call step,[4/7] pytest tests/python)
 	env $(PYTEST_ENV) $(PYTHON) -m pytest $(PYTEST_ARGS) tests/python
 else
 test-python:
-	$(call step,[4/6] pytest: skipped: no test files in tests/python)
+	$(call step,[4/7] pytest: skipped: no test files in tests/python)
 endif
 
 ifneq ($(HAVE_RUST),)
 test-rust: build
-	$(call step,[5/6] cargo test --offline in rust/)
+	$(call step,[5/7] cargo test --offline in rust/)
 	cd rust && env $(CARGO_ENV) $(CARGO) test --offline $(CARGO_ARGS)
 else
 test-rust:
-	$(call step,[5/6] cargo: skipped: no rust/Cargo.toml)
+	$(call step,[5/7] cargo: skipped: no rust/Cargo.toml)
 endif
 
 ifneq ($(HAVE_DRIFT),)
 test-drift: deps
-	$(call step,[6/6] bindings drift check)
+	$(call step,[6/7] bindings drift check)
 	bash bindings/check-drift.sh
 else
 test-drift:
-	$(call step,[6/6] bindings drift: skipped: no bindings/check-drift.sh)
+	$(call step,[6/7] bindings drift: skipped: no bindings/check-drift.sh)
 endif
 
 # ---- fuzzing ----------------------------------------------------------------------
@@ -203,7 +207,9 @@ fuzz: build-fuzz
 	$(call step,fuzz: each target for $(FUZZ_SECONDS) s ($(JOBS) at a time))
 	bash fuzz/run-fuzzers.sh $(FUZZ_DIR) $(FUZZ_SECONDS) $(JOBS)
 
-test-fuzz: fuzz
+test-fuzz: build-fuzz
+	$(call step,[7/7] fuzz: each target for $(CI_FUZZ_SECONDS) s from seed $(CI_FUZZ_SEED))
+	FUZZ_SEED=$(CI_FUZZ_SEED) bash fuzz/run-fuzzers.sh $(FUZZ_DIR) $(CI_FUZZ_SECONDS) $(JOBS)
 else
 build-fuzz fuzz test-fuzz:
 	$(call step,fuzz: skipped: needs $(FUZZ_CC) (libFuzzer) and fuzz/CMakeLists.txt)

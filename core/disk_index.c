@@ -202,6 +202,9 @@ int kvhi_index_load(kvhi_disk *d, bool reset, kvhi_index_list *out, char *msg, s
     d->rec_bytes = (uint32_t)kvhi_index_rec_bytes(bt);
     d->journal_fd = -1;
     pthread_mutex_init(&d->journal_lock, NULL);
+    pthread_mutex_init(&d->pending_lock, NULL);
+    d->pending = d->flushing = NULL;
+    d->pending_len = d->pending_cap = d->flushing_cap = 0;
     memset(out, 0, sizeof(*out));
     uint8_t *snap = NULL, *jr = NULL;
     size_t snap_len = 0, jr_len = 0;
@@ -341,19 +344,87 @@ void kvhi_index_list_free(kvhi_index_list *l)
 int kvhi_index_append(kvhi_disk *d, uint32_t kind, uint32_t slot, uint64_t hash, uint64_t parent, uint32_t n_tokens,
                       uint32_t data_crc, const int32_t *tokens)
 {
-    uint8_t buf[48 + 4 * 256 + 4];
-    pthread_mutex_lock(&d->journal_lock);
-    kvhi_index_rec r = {.kind = kind, .seq = d->next_seq, .slot = slot, .hash = hash, .parent = parent,
-                        .n_tokens = n_tokens, .data_crc = data_crc, .tokens = (int32_t *)tokens};
-    kvhi_index_rec_encode(buf, &r, d->geo.block_tokens);
-    int rc = d->fatal ? -EIO : write_all(d->journal_fd, buf, d->rec_bytes);
+    pthread_mutex_lock(&d->pending_lock);
+    int rc = d->fatal ? -EIO : 0;
+    if (rc == 0 && d->pending_len + d->rec_bytes > d->pending_cap) {
+        size_t cap = d->pending_cap ? 2 * d->pending_cap : 64 * (size_t)d->rec_bytes;
+        uint8_t *p = realloc(d->pending, cap);
+        if (p) {
+            d->pending = p;
+            d->pending_cap = cap;
+        } else {
+            rc = -ENOMEM; /* the record is not taken; the caller sees it */
+        }
+    }
     if (rc == 0) {
+        kvhi_index_rec r = {.kind = kind, .seq = d->next_seq, .slot = slot, .hash = hash, .parent = parent,
+                            .n_tokens = n_tokens, .data_crc = data_crc, .tokens = (int32_t *)tokens};
+        kvhi_index_rec_encode(d->pending + d->pending_len, &r, d->geo.block_tokens);
+        d->pending_len += d->rec_bytes;
         d->next_seq++;
         d->journal_records++;
-    } else {
-        /* A partial record is a torn tail: replay stops before it. */
-        d->fatal = true;
     }
+    pthread_mutex_unlock(&d->pending_lock);
+    return rc;
+}
+
+/* Puts records that could not be written back in front of the pending
+ * ones (appended meanwhile), so they go out first next time. */
+static bool requeue(kvhi_disk *d, const uint8_t *buf, size_t len)
+{
+    pthread_mutex_lock(&d->pending_lock);
+    bool ok = true;
+    if (d->pending_len + len > d->pending_cap) {
+        uint8_t *p = realloc(d->pending, d->pending_len + len);
+        if (p) {
+            d->pending = p;
+            d->pending_cap = d->pending_len + len;
+        } else {
+            ok = false;
+        }
+    }
+    if (ok) {
+        memmove(d->pending + len, d->pending, d->pending_len);
+        memcpy(d->pending, buf, len);
+        d->pending_len += len;
+    }
+    pthread_mutex_unlock(&d->pending_lock);
+    return ok;
+}
+
+/* Writes the pending records; the caller holds journal_lock. A full disk
+ * is not fatal: the file is cut back to its last whole record and the
+ * records stay pending. Any other failure is (the file's state is
+ * unknown). */
+static int flush_locked(kvhi_disk *d)
+{
+    pthread_mutex_lock(&d->pending_lock);
+    uint8_t *buf = d->pending;
+    size_t len = d->pending_len, cap = d->pending_cap;
+    d->pending = d->flushing;
+    d->pending_cap = d->flushing_cap;
+    d->pending_len = 0;
+    d->flushing = buf;
+    d->flushing_cap = cap;
+    pthread_mutex_unlock(&d->pending_lock);
+    if (len == 0)
+        return d->fatal ? -EIO : 0;
+    if (d->fatal)
+        return -EIO;
+    off_t end = lseek(d->journal_fd, 0, SEEK_CUR);
+    int rc = end < 0 ? -errno : write_all(d->journal_fd, buf, len);
+    if (rc == -ENOSPC && end >= 0 && ftruncate(d->journal_fd, end) == 0 &&
+        lseek(d->journal_fd, end, SEEK_SET) == end && requeue(d, buf, len))
+        return rc;
+    if (rc != 0)
+        d->fatal = true; /* a partial record is a torn tail: replay stops before it */
+    return rc;
+}
+
+int kvhi_index_flush(kvhi_disk *d)
+{
+    pthread_mutex_lock(&d->journal_lock);
+    int rc = flush_locked(d);
     pthread_mutex_unlock(&d->journal_lock);
     return rc;
 }
@@ -361,7 +432,7 @@ int kvhi_index_append(kvhi_disk *d, uint32_t kind, uint32_t slot, uint64_t hash,
 int kvhi_index_sync(kvhi_disk *d)
 {
     pthread_mutex_lock(&d->journal_lock);
-    int rc = d->fatal ? -EIO : 0;
+    int rc = flush_locked(d);
     if (rc == 0) {
         int inj = kvhi_disk_fault(KVHI_OP_FSYNC);
         rc = inj ? inj : (fdatasync(d->journal_fd) == 0 ? 0 : -errno);
@@ -376,6 +447,11 @@ int kvhi_index_compact(kvhi_disk *d, const kvhi_index_entry *entries, size_t n)
 {
     uint32_t bt = d->geo.block_tokens;
     pthread_mutex_lock(&d->journal_lock);
+    /* The snapshot is taken from the engine's state, which already holds
+     * the effect of every pending record: they are superseded. */
+    pthread_mutex_lock(&d->pending_lock);
+    d->pending_len = 0;
+    pthread_mutex_unlock(&d->pending_lock);
     int rc = d->fatal ? -EIO : 0;
     uint8_t *body = rc == 0 ? malloc(n * d->rec_bytes + 1) : NULL;
     if (rc == 0 && !body)
@@ -410,5 +486,10 @@ void kvhi_index_close(kvhi_disk *d)
     if (d->journal_fd >= 0)
         close(d->journal_fd);
     d->journal_fd = -1;
+    free(d->pending);
+    free(d->flushing);
+    d->pending = d->flushing = NULL;
+    d->pending_len = d->pending_cap = d->flushing_cap = 0;
+    pthread_mutex_destroy(&d->pending_lock);
     pthread_mutex_destroy(&d->journal_lock);
 }

@@ -37,9 +37,15 @@ enum kvhi_index_result {
 int kvhi_index_load(kvhi_disk *d, bool reset, kvhi_index_list *out, char *msg, size_t msg_len);
 void kvhi_index_list_free(kvhi_index_list *l);
 
-/* Appends one record (not yet durable). 0 or -errno. */
+/* Appends one record to memory (not yet in the file, not durable): cheap,
+ * so it may be called under the engine lock. 0 or -errno. */
 int kvhi_index_append(kvhi_disk *d, uint32_t kind, uint32_t slot, uint64_t hash, uint64_t parent, uint32_t n_tokens,
                       uint32_t data_crc, const int32_t *tokens);
+/* Writes the appended records to the journal file, in order (not yet
+ * durable). Call without the engine lock: it does disk I/O. Call before
+ * writing block data, so a slot's DEL record reaches the file before the
+ * slot's new contents do. 0 or -errno (then fatal). */
+int kvhi_index_flush(kvhi_disk *d);
 /* Makes every appended record durable. 0 or -errno (then fatal). */
 int kvhi_index_sync(kvhi_disk *d);
 /* Writes a new snapshot holding exactly `entries` and empties the journal,

@@ -1,5 +1,7 @@
 #include "core/disk_io.h"
 
+#include "core/crc32c.h"
+
 #include <errno.h>
 #include <fcntl.h>
 #include <liburing.h>
@@ -221,8 +223,15 @@ static uint32_t make_runs(const kvhi_disk *d, uint32_t n, const uint32_t *slots,
     return nr;
 }
 
-/* Moves every run; a run's error lands in results[] of its blocks. */
-static void do_runs(kvhi_disk *d, kvhi_disk_lane *l, io_run *runs, uint32_t nr, bool write, int *results)
+typedef struct run_sink {
+    kvhi_disk_run_done_fn fn;
+    void *ctx;
+} run_sink;
+
+/* Moves every run; a run's error lands in results[] of its blocks. Each
+ * finished run is also handed to sink (when set) as soon as it is in. */
+static void do_runs(kvhi_disk *d, kvhi_disk_lane *l, io_run *runs, uint32_t nr, bool write, int *results,
+                    const run_sink *sink)
 {
     uint64_t sb = d->slot_bytes;
     int *run_err = calloc(nr ? nr : 1, sizeof(int));
@@ -284,6 +293,11 @@ static void do_runs(kvhi_disk *d, kvhi_disk_lane *l, io_run *runs, uint32_t nr, 
                 else
                     runs[r].done += (uint64_t)cqe->res;
                 io_uring_cqe_seen(&l->ring, cqe);
+                if (sink && !run_err[r] && runs[r].done == (uint64_t)runs[r].count * sb) {
+                    for (uint32_t k = 0; k < runs[r].count; k++)
+                        results[runs[r].first + k] = 0;
+                    sink->fn(sink->ctx, runs[r].first, runs[r].count);
+                }
             }
         }
     } else {
@@ -310,7 +324,8 @@ static void do_runs(kvhi_disk *d, kvhi_disk_lane *l, io_run *runs, uint32_t nr, 
     free(run_err);
 }
 
-static void transfer(kvhi_disk *d, kvhi_disk_lane *l, uint32_t n, const uint32_t *slots, int *results, bool write)
+static void transfer(kvhi_disk *d, kvhi_disk_lane *l, uint32_t n, const uint32_t *slots, int *results, bool write,
+                     const run_sink *sink)
 {
     io_run stack_runs[64];
     io_run *runs = n <= 64 ? stack_runs : malloc(sizeof(io_run) * n);
@@ -324,7 +339,7 @@ static void transfer(kvhi_disk *d, kvhi_disk_lane *l, uint32_t n, const uint32_t
             results[i] = -EIO;
     } else {
         uint32_t nr = make_runs(d, n, slots, runs);
-        do_runs(d, l, runs, nr, write, results);
+        do_runs(d, l, runs, nr, write, results, sink);
     }
     if (runs != stack_runs)
         free(runs);
@@ -332,12 +347,14 @@ static void transfer(kvhi_disk *d, kvhi_disk_lane *l, uint32_t n, const uint32_t
 
 void kvhi_disk_write_staged(kvhi_disk *d, kvhi_disk_lane *lane, uint32_t n, const uint32_t *slots, int *results)
 {
-    transfer(d, lane, n, slots, results, true);
+    transfer(d, lane, n, slots, results, true, NULL);
 }
 
-void kvhi_disk_read_staged(kvhi_disk *d, kvhi_disk_lane *lane, uint32_t n, const uint32_t *slots, int *results)
+void kvhi_disk_read_staged(kvhi_disk *d, kvhi_disk_lane *lane, uint32_t n, const uint32_t *slots, int *results,
+                           kvhi_disk_run_done_fn on_run, void *ctx)
 {
-    transfer(d, lane, n, slots, results, false);
+    run_sink sink = {on_run, ctx};
+    transfer(d, lane, n, slots, results, false, on_run ? &sink : NULL);
 }
 
 int kvhi_disk_sync_slabs(kvhi_disk *d)
@@ -353,5 +370,102 @@ int kvhi_disk_sync_slabs(kvhi_disk *d)
             return inj ? (inj < 0 ? inj : -EIO) : -errno;
         }
     }
+    return 0;
+}
+
+/* ---- one block straight into memory ---- */
+
+enum { READ_INTO_MAX_CHUNKS = 8, READ_INTO_MIN_CHUNK = 64u << 10 };
+
+typedef struct read_piece {
+    uint8_t *buf;
+    uint64_t len, offset, done;
+    bool fixed; /* in the lane's registered arena */
+} read_piece;
+
+static bool prep_piece(kvhi_disk_lane *l, int fd, read_piece *p, uint32_t id)
+{
+    struct io_uring_sqe *sqe = io_uring_get_sqe(&l->ring);
+    if (!sqe)
+        return false;
+    if (p->fixed)
+        io_uring_prep_read_fixed(sqe, fd, p->buf + p->done, (unsigned)(p->len - p->done), p->offset + p->done, 0);
+    else
+        io_uring_prep_read(sqe, fd, p->buf + p->done, (unsigned)(p->len - p->done), p->offset + p->done);
+    io_uring_sqe_set_data64(sqe, id);
+    return true;
+}
+
+int kvhi_disk_read_into(kvhi_disk *d, kvhi_disk_lane *l, uint32_t slot, uint8_t *dst, uint32_t *crc_out,
+                        const uint8_t **header_out)
+{
+    uint64_t bb = d->block_bytes;
+    if (!l->has_ring || bb % KVHI_DISK_ALIGN || (uintptr_t)dst % KVHI_DISK_ALIGN || d->queue_depth < 2)
+        return 1;
+    uint64_t chunk = kvhi_round_up(bb / READ_INTO_MAX_CHUNKS, KVHI_DISK_ALIGN);
+    if (chunk < READ_INTO_MIN_CHUNK)
+        chunk = READ_INTO_MIN_CHUNK;
+    uint32_t n = (uint32_t)((bb + chunk - 1) / chunk);
+    if (n + 1 > d->queue_depth) {
+        n = d->queue_depth - 1;
+        chunk = kvhi_round_up((bb + n - 1) / n, KVHI_DISK_ALIGN);
+        n = (uint32_t)((bb + chunk - 1) / chunk);
+    }
+    int inj = kvhi_disk_fault(KVHI_OP_READ);
+    if (inj)
+        return inj < 0 ? inj : -EIO;
+    int fd = slab_fd(d, slot);
+    uint64_t base = kvhi_disk_slot_offset(d, slot);
+    /* Piece 0 is the header (into the registered arena); 1..n the data. */
+    read_piece p[READ_INTO_MAX_CHUNKS + 1];
+    p[0] = (read_piece){.buf = l->arena, .len = KVHI_SLOT_HEADER_BYTES, .offset = base, .fixed = true};
+    for (uint32_t i = 0; i < n; i++) {
+        uint64_t at = (uint64_t)i * chunk, len = bb - at < chunk ? bb - at : chunk;
+        p[i + 1] = (read_piece){.buf = dst + at, .len = len, .offset = base + KVHI_SLOT_HEADER_BYTES + at};
+    }
+    uint32_t outstanding = 0, next = 1;
+    for (uint32_t i = 0; i <= n; i++)
+        outstanding += prep_piece(l, fd, &p[i], i);
+    int err = outstanding == n + 1 ? 0 : -EAGAIN;
+    io_uring_submit(&l->ring);
+    uint32_t crc = 0;
+    /* Checksum each data piece as soon as it and all before it are in:
+     * the CPU pass overlaps the pieces still on their way. */
+    while (outstanding) {
+        struct io_uring_cqe *cqe;
+        int rc = io_uring_wait_cqe(&l->ring, &cqe);
+        if (rc == -EINTR)
+            continue;
+        if (rc < 0) {
+            err = rc; /* the ring is unusable: nothing more will arrive */
+            break;
+        }
+        uint32_t id = (uint32_t)io_uring_cqe_get_data64(cqe);
+        int res = cqe->res;
+        io_uring_cqe_seen(&l->ring, cqe);
+        outstanding--;
+        if (res < 0 || res == 0) {
+            if (!err)
+                err = res < 0 ? res : -ENODATA; /* end of file: truncated slab */
+            continue;
+        }
+        p[id].done += (uint64_t)res;
+        if (p[id].done < p[id].len && !err) {
+            if (prep_piece(l, fd, &p[id], id)) {
+                io_uring_submit(&l->ring);
+                outstanding++;
+            } else {
+                err = -EAGAIN;
+            }
+        }
+        while (!err && next <= n && p[next].done == p[next].len) {
+            crc = kvhi_crc32c(crc, p[next].buf, p[next].len);
+            next++;
+        }
+    }
+    if (err)
+        return err;
+    *crc_out = crc;
+    *header_out = l->arena;
     return 0;
 }

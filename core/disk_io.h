@@ -35,7 +35,9 @@ typedef struct kvhi_disk {
     uint32_t n_slabs;
     int *slab_fds;
     bool direct;
-    bool fatal; /* an fsync failed: nothing written since is trusted */
+    /* An fsync or journal write failed: nothing written since is trusted.
+     * Atomic: set by writers outside the engine lock, read under it. */
+    _Atomic bool fatal;
     bool read_only; /* inspection: never create, truncate or write */
     uint32_t queue_depth;
     uint32_t lane_blocks; /* blocks one lane can stage at once */
@@ -48,7 +50,14 @@ typedef struct kvhi_disk {
     char warning[256]; /* set at open when O_DIRECT or io_uring is missing */
 
     /* index: snapshot + journal (disk_index.c) */
+    /* Records are appended to `pending` under the engine lock (a memcpy)
+     * and written to the journal file by kvhi_index_flush without it, so
+     * a slow disk never stalls callers holding the engine lock. Flushes
+     * are serialised by journal_lock, so records reach the file in order. */
     pthread_mutex_t journal_lock;
+    pthread_mutex_t pending_lock;
+    uint8_t *pending, *flushing;
+    size_t pending_len, pending_cap, flushing_cap;
     int journal_fd;
     uint64_t next_seq;
     uint64_t journal_records;
@@ -69,8 +78,24 @@ uint8_t *kvhi_disk_lane_slot(kvhi_disk_lane *lane, uint32_t i);
 /* Writes the n staged slots (lane_slot(lane, i) already holds header and
  * data) to slots[i]. results[i] = 0 or -errno. */
 void kvhi_disk_write_staged(kvhi_disk *d, kvhi_disk_lane *lane, uint32_t n, const uint32_t *slots, int *results);
-/* Reads slots[i] into the lane's staging; results[i] = 0 or -errno. */
-void kvhi_disk_read_staged(kvhi_disk *d, kvhi_disk_lane *lane, uint32_t n, const uint32_t *slots, int *results);
+/* Called with the batch indexes [first, first + count) of slots that have
+ * arrived in the staging, while other reads of the batch are still on
+ * their way (io_uring only), so their processing overlaps that I/O. */
+typedef void (*kvhi_disk_run_done_fn)(void *ctx, uint32_t first, uint32_t count);
+/* Reads slots[i] into the lane's staging; results[i] = 0 or -errno. When
+ * on_run is set it sees every slot that arrives early (results[i] is 0
+ * for those by then); the caller handles the rest after the return. */
+void kvhi_disk_read_staged(kvhi_disk *d, kvhi_disk_lane *lane, uint32_t n, const uint32_t *slots, int *results,
+                           kvhi_disk_run_done_fn on_run, void *ctx);
+
+/* Reads one slot: its header into the lane's staging (*header_out) and
+ * its data straight into dst, in pieces submitted together, returning the
+ * data's CRC32C (computed while later pieces are still arriving). dst is
+ * the caller's until it trusts the checksum. 1 when this path does not
+ * apply (no io_uring, unaligned dst or block size): use read_staged. 0 or
+ * -errno otherwise. */
+int kvhi_disk_read_into(kvhi_disk *d, kvhi_disk_lane *lane, uint32_t slot, uint8_t *dst, uint32_t *crc_out,
+                        const uint8_t **header_out);
 
 uint64_t kvhi_disk_slot_offset(const kvhi_disk *d, uint32_t slot);
 /* fdatasync every slab file; -errno on failure (the store turns fatal). */

@@ -204,6 +204,8 @@ kvh_status kvhi_disk_tier_close(kvh_engine *e, bool flush)
     kvh_status st = KVH_OK;
     if (flush && e->disk->rec_bytes && e->tiers[KVH_TIER_DISK].present && !e->disk->fatal)
         st = snapshot(e);
+    else if (e->disk->rec_bytes)
+        kvhi_index_flush(e->disk); /* best effort: what was recorded so far */
     kvhi_index_list_free(&e->disk_recovery);
     disk_free(e->disk);
     e->disk = NULL;
@@ -250,31 +252,93 @@ static void stage_write(kvh_engine *e, kvhi_xfer *x, uint8_t *staged)
     kvhi_slot_header_encode(staged, &m, e->block_bytes);
 }
 
-static void finish_read(kvh_engine *e, kvhi_xfer *x, const uint8_t *staged)
+static bool reads_into_host(const kvh_engine *e, const kvhi_xfer *x)
+{
+    return x->dst_tier == KVH_TIER_HOST || (x->dst_tier == KVH_TIER_DEVICE && e->backend->device_is_host_memory);
+}
+
+/* Checks a block read from disk: its header against what x expects and
+ * the CRC32C of its data. Sets x->err = 1 (and x->why) on a mismatch. */
+static void verify_read(kvh_engine *e, kvhi_xfer *x, const uint8_t *header, uint32_t crc)
 {
     kvhi_disk *d = e->disk;
+    if (kvhi_slot_verify_crc(header, crc, e->block_bytes, d->store_id, x->src_slot,
+                             kvhi_disk_slot_offset(d, x->src_slot), x->hash, e->cfg.block_tokens, NULL,
+                             &x->why) != 0)
+        x->err = 1;
+}
+
+static void finish_read(kvh_engine *e, kvhi_xfer *x, const uint8_t *staged)
+{
     const uint8_t *data = staged + KVHI_SLOT_HEADER_BYTES;
-    bool host_dst = x->dst_tier == KVH_TIER_HOST || (x->dst_tier == KVH_TIER_DEVICE && e->backend->device_is_host_memory);
+    bool host_dst = reads_into_host(e, x);
     /* Into host memory the copy and the checksum share one pass; the slot
      * is the mover's own until it commits, so a failed check costs nothing. */
     uint32_t crc = host_dst ? kvhi_crc32c_copy(0, kvhi_slot_addr(e, x->dst_tier, x->dst_slot), data, e->block_bytes)
                             : kvhi_crc32c(0, data, e->block_bytes);
-    if (kvhi_slot_verify_crc(staged, crc, e->block_bytes, d->store_id, x->src_slot,
-                             kvhi_disk_slot_offset(d, x->src_slot), x->hash, e->cfg.block_tokens, NULL,
-                             &x->why) != 0) {
-        x->err = 1;
-        return;
-    }
-    if (host_dst || x->dst_tier == KVHI_NO_TIER)
+    verify_read(e, x, staged, crc);
+    if (x->err || host_dst || x->dst_tier == KVHI_NO_TIER)
         return;
     if (kvhi_copy_bytes(e, x->dst_tier, kvhi_slot_addr(e, x->dst_tier, x->dst_slot), KVH_TIER_HOST, data,
                         e->block_bytes) != 0)
         x->err = -EIO;
 }
 
+/* A single block read into host memory skips the staging copy: the data
+ * lands in its destination slot. False when that path does not apply. */
+static bool read_one_direct(kvh_engine *e, kvhi_xfer *x)
+{
+    if (x->src_tier != KVH_TIER_DISK || x->dst_tier == KVHI_NO_TIER || !reads_into_host(e, x))
+        return false;
+    kvhi_disk_lane *lane = kvhi_disk_lane_get(e->disk);
+    if (!lane)
+        return false;
+    uint32_t crc = 0;
+    const uint8_t *header = NULL;
+    int rc = kvhi_disk_read_into(e->disk, lane, x->src_slot, kvhi_slot_addr(e, x->dst_tier, x->dst_slot), &crc,
+                                 &header);
+    if (rc == 0)
+        verify_read(e, x, header, crc);
+    else if (rc < 0)
+        x->err = rc;
+    kvhi_disk_lane_put(e->disk, lane);
+    return rc != 1;
+}
+
+typedef struct read_batch {
+    kvh_engine *e;
+    kvhi_xfer *xs;
+    kvhi_disk_lane *lane;
+    bool finished[64];
+} read_batch;
+
+/* Checks and places blocks of a batch that arrived while the rest of it
+ * is still being read. */
+static void read_arrived(void *ctx, uint32_t first, uint32_t count)
+{
+    read_batch *rb = ctx;
+    for (uint32_t i = first; i < first + count; i++) {
+        rb->xs[i].err = 0;
+        finish_read(rb->e, &rb->xs[i], kvhi_disk_lane_slot(rb->lane, i));
+        rb->finished[i] = true;
+    }
+}
+
 void kvhi_xfer_batch(kvh_engine *e, kvhi_xfer *xs, uint32_t n)
 {
     kvhi_disk *d = e->disk;
+    if (n == 1 && read_one_direct(e, &xs[0]))
+        return;
+    /* A slot being rewritten may have been freed by a DEL record that is
+     * still in memory: the record goes to the file before the new data. */
+    if (n && xs[0].dst_tier == KVH_TIER_DISK) {
+        int rc = kvhi_index_flush(d);
+        if (rc != 0) {
+            for (uint32_t i = 0; i < n; i++)
+                xs[i].err = rc;
+            return;
+        }
+    }
     for (uint32_t done = 0; done < n;) {
         kvhi_disk_lane *lane = kvhi_disk_lane_get(d);
         if (!lane) {
@@ -294,11 +358,14 @@ void kvhi_xfer_batch(kvh_engine *e, kvhi_xfer *xs, uint32_t n)
             if (write)
                 stage_write(e, x, kvhi_disk_lane_slot(lane, i));
         }
+        read_batch rb = {e, xs + done, lane, {0}};
         if (write)
             kvhi_disk_write_staged(d, lane, k, slots, res);
         else
-            kvhi_disk_read_staged(d, lane, k, slots, res);
+            kvhi_disk_read_staged(d, lane, k, slots, res, read_arrived, &rb);
         for (uint32_t i = 0; i < k; i++) {
+            if (rb.finished[i])
+                continue;
             kvhi_xfer *x = &xs[done + i];
             x->err = res[i];
             if (!write && res[i] == 0)
@@ -326,12 +393,16 @@ static bool immutable(const kvhi_block *blk)
     return (blk->flags & (KVHI_BF_HASHED | KVHI_BF_KV_COMPLETE)) == (KVHI_BF_HASHED | KVHI_BF_KV_COMPLETE);
 }
 
-static void journal_add(kvh_engine *e, uint32_t b, uint32_t slot)
+/* Records that slot holds b. False when the record could not be taken:
+ * then b is not durable, and a persist must say so. */
+static bool journal_add(kvh_engine *e, uint32_t b, uint32_t slot)
 {
     kvhi_block *blk = &e->blocks[b];
     if (kvhi_index_append(e->disk, KVHI_REC_ADD, slot, blk->hash, blk->parent_hash, blk->n_tokens, blk->data_crc,
-                          kvhi_block_tokens(e, b)) == 0)
-        blk->flags |= KVHI_BF_JOURNALED;
+                          kvhi_block_tokens(e, b)) != 0)
+        return false;
+    blk->flags |= KVHI_BF_JOURNALED;
+    return true;
 }
 
 void kvhi_disk_after_move(kvh_engine *e, uint32_t b, const kvhi_xfer *x, bool *keep_src_slot)
@@ -498,7 +569,8 @@ static kvh_status write_copies(kvh_engine *e, const uint32_t *blocks, uint32_t n
             blk->data_crc = x->data_crc;
             blk->disk_copy = x->dst_slot;
             blk->flags |= KVHI_BF_DISK_COPY | KVHI_BF_DISK_HASHED;
-            journal_add(e, x->block, x->dst_slot);
+            if (!journal_add(e, x->block, x->dst_slot) && st == KVH_OK)
+                st = kvhi_fail(KVH_ERR_NOMEM, "out of memory recording a block in the disk index");
         }
         if (blk->flags & KVHI_BF_DEAD)
             kvhi_block_free_now(e, x->block);
@@ -585,14 +657,16 @@ kvh_status kvhi_disk_persist(kvh_engine *e, kvhi_seq *s)
     uint32_t batch[64];
     for (uint32_t i = 0; i < n_todo && st == KVH_OK;) {
         uint32_t n = 0;
-        while (i < n_todo && n < 64) {
+        while (i < n_todo && n < 64 && st == KVH_OK) {
             uint32_t b = todo[i++];
             kvhi_block *blk = &e->blocks[b];
             kvhi_block_wait_idle(e, b);
             if (blk->flags & KVHI_BF_JOURNALED)
                 continue;
-            if (blk->tier == KVH_TIER_DISK && (blk->flags & KVHI_BF_DISK_HASHED)) {
-                journal_add(e, b, blk->slot);
+            bool on_disk = blk->tier == KVH_TIER_DISK || (blk->flags & KVHI_BF_DISK_COPY);
+            if (on_disk && (blk->flags & KVHI_BF_DISK_HASHED)) {
+                if (!journal_add(e, b, blk->tier == KVH_TIER_DISK ? blk->slot : blk->disk_copy))
+                    st = kvhi_fail(KVH_ERR_NOMEM, "out of memory recording a block in the disk index");
                 continue;
             }
             /* Spilled before it had its hash: rewrite it with one. */
@@ -612,7 +686,10 @@ kvh_status kvhi_disk_persist(kvh_engine *e, kvhi_seq *s)
         if (rc == 0)
             rc = kvhi_index_sync(e->disk);
         pthread_mutex_lock(&e->lock);
-        if (rc != 0)
+        if (rc == -ENOSPC && !e->disk->fatal)
+            st = kvhi_fail(KVH_ERR_NOSPACE, "the disk is full: the index records of the persisted blocks could "
+                                            "not be written (they stay pending)");
+        else if (rc != 0)
             st = kvhi_fail(KVH_ERR_IO, "fsync of the disk tier failed (%s); the store accepts no more writes",
                            strerror(-rc));
     }

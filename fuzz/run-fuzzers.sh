@@ -8,6 +8,8 @@
 # inputs go there). Crashes, leaks, timeouts and out-of-memory inputs are
 # written to BUILD_DIR/artifacts/ and make the script fail. Up to JOBS
 # targets run at once. A summary line per target gives the executions.
+# FUZZ_SEED=N seeds libFuzzer's generator (a fixed seed makes CI runs explore
+# the same inputs; unset, each run differs).
 set -euo pipefail
 
 build=${1:?build dir}
@@ -34,7 +36,9 @@ run_one() {
   fi
   mkdir -p "$build/corpus/$t"
   local rc=0
-  "$bin" -max_total_time="$seconds" -timeout=25 -rss_limit_mb=2048 -print_final_stats=1 \
+  local seed=()
+  [[ -n ${FUZZ_SEED:-} ]] && seed=(-seed="$FUZZ_SEED")
+  "$bin" "${seed[@]}" -max_total_time="$seconds" -timeout=25 -rss_limit_mb=2048 -print_final_stats=1 \
     -artifact_prefix="$build/artifacts/$t-" "$build/corpus/$t" "$src/corpus/$t" >"$log" 2>&1 || rc=$?
   local execs
   execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -1)

@@ -125,6 +125,52 @@ static void test_roundtrip_every_dtype_every_tier(void **state)
         }
 }
 
+/* One block at a time, large blocks: the data is read straight into its
+ * slot in several pieces checksummed as they arrive. Every byte must come
+ * back, and a bit flipped in the last piece of one block must be caught
+ * (that block is a miss, the others are served). */
+static void single_block_restores(dt_geo g, const char *tag)
+{
+    char dir[512];
+    dt_scratch(tag, dir, sizeof(dir));
+    kvh_config c = dt_cfg(g, dir, 8, 8, 16);
+    kvh_engine *e = open_a(&c);
+    const size_t n = 4 * (size_t)g.bt;
+    dt_content ct = dt_plain(4242);
+    kvh_seq s;
+    dt_assert_ok(dt_build(e, g, ct, n, &s));
+    dt_assert_ok(kvh_seq_migrate(e, s, 0, n, KVH_TIER_DISK, NULL));
+    assert_tiers(e, s, 4, KVH_TIER_DISK);
+    kvh_block b[4];
+    dt_assert_ok(kvh_seq_blocks(e, s, 0, 4, b));
+    for (int i = 0; i < 4; i++)
+        dt_assert_ok(kvh_migrate(e, &b[i], 1, i % 2 ? KVH_TIER_DEVICE : KVH_TIER_HOST, NULL));
+    assert_verified(e, s, g, ct, 0, n);
+
+    dt_assert_ok(kvh_seq_migrate(e, s, 0, n, KVH_TIER_DISK, NULL));
+    uint32_t slot = dt_binfo(e, s, 2).slot;
+    char path[600];
+    uint64_t last_byte = (uint64_t)slot * dt_slot_bytes(g) + 4096 + dt_block_bytes(g) - 1;
+    assert_int_equal(dt_flip_bit(dt_path(path, sizeof(path), dir, "slab-0000.kvh"), last_byte, 3), 0);
+    for (int i = 0; i < 4; i++) {
+        kvh_status st = kvh_migrate(e, &b[i], 1, KVH_TIER_HOST, NULL);
+        assert_int_equal(st, i == 2 ? KVH_ERR_CORRUPT : KVH_OK);
+    }
+    assert_int_equal(dt_stats(e).corrupt_blocks, 1);
+    assert_verified(e, s, g, ct, 0, 2 * (size_t)g.bt);
+    assert_verified(e, s, g, ct, 3 * (size_t)g.bt, g.bt);
+    dt_assert_ok(kvh_seq_free(e, s));
+    dt_assert_ok(dt_close(e));
+}
+
+static void test_single_block_restores_in_pieces(void **state)
+{
+    (void)state;
+    single_block_restores((dt_geo){4, 8, 64, 32, KVH_DTYPE_F16}, "rt-pieces-256k"); /* 256 KiB blocks */
+    single_block_restores((dt_geo){8, 8, 128, 32, KVH_DTYPE_F16}, "rt-pieces-1m");  /* 1 MiB blocks */
+    single_block_restores((dt_geo){2, 3, 20, 32, KVH_DTYPE_F32}, "rt-pieces-padded"); /* staged path */
+}
+
 /* ------------------------------------------------------------------ */
 /* Recovery in a new process                                           */
 /* ------------------------------------------------------------------ */
@@ -664,6 +710,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_roundtrip_every_dtype_every_tier, dt_teardown),
+        cmocka_unit_test_teardown(test_single_block_restores_in_pieces, dt_teardown),
         cmocka_unit_test_teardown(test_recovery_new_process_after_close, dt_teardown),
         cmocka_unit_test_teardown(test_recovery_new_process_without_close, dt_teardown),
         cmocka_unit_test_teardown(test_direct_and_buffered_paths, dt_teardown),

@@ -15,8 +15,10 @@
  *   - calls already inside the engine when close starts complete (close
  *     waits for them); calls that start later get KVH_ERR_CLOSED;
  *   - close returns KVH_OK within CLOSE_BOUND seconds;
- *   - the store reopens, every sequence whose persist returned KVH_OK is
- *     found byte for byte, and the counters add up.
+ *   - the store reopens, every sequence whose persist returned KVH_OK and
+ *     that was still alive at close is found byte for byte (one freed
+ *     before close may have lost blocks to a full disk, never bytes), and
+ *     the counters add up.
  *
  * The engine pointer is freed by close, so a thread must not make another
  * call after close returns (documented: like FILE *). To make the race
@@ -45,7 +47,9 @@ static struct {
     pthread_mutex_t mu;
     rl_content acked[MAX_ACKS];
     size_t acked_len[MAX_ACKS];
+    bool acked_freed[MAX_ACKS]; /* its sequence was freed before close */
     int n_acked;
+    long freed_acks_short; /* freed, then partly dropped for room */
     atomic_long calls, closed_calls, completed_while_closing;
     char error[512];
 } R = {.mu = PTHREAD_MUTEX_INITIALIZER};
@@ -172,6 +176,7 @@ static void *worker_main(void *arg)
                 pthread_mutex_lock(&R.mu);
                 if (R.n_acked < MAX_ACKS) {
                     R.acked[R.n_acked] = c[i];
+                    R.acked_freed[R.n_acked] = false;
                     R.acked_len[R.n_acked++] = len[i] / G.bt * G.bt;
                 }
                 pthread_mutex_unlock(&R.mu);
@@ -212,6 +217,11 @@ static void *worker_main(void *arg)
             break;
         case 9:
             CALL("free", kvh_seq_free(e, mine[i]));
+            pthread_mutex_lock(&R.mu);
+            for (int a = 0; a < R.n_acked; a++)
+                if (!memcmp(&R.acked[a], &c[i], sizeof(c[i])))
+                    R.acked_freed[a] = true;
+            pthread_mutex_unlock(&R.mu);
             mine[i] = mine[n - 1], c[i] = c[n - 1], len[i] = len[n - 1];
             n--;
             break;
@@ -282,6 +292,13 @@ static void test_close_races_calls(void **state)
             char msg[256] = "";
             if (rl_match_verify(e, G, R.acked[i], R.acked_len[i], &m, msg, sizeof(msg)) != KVH_OK)
                 fail_msg("round %ld: after the reopen: %s", round, msg);
+            /* The disk tier is a bounded cache: once no sequence refers to a
+             * persisted block, a full disk may drop it (stats.drops). A
+             * sequence still alive at close keeps every persisted block. */
+            if (m != R.acked_len[i] && R.acked_freed[i]) {
+                R.freed_acks_short++;
+                continue;
+            }
             if (m != R.acked_len[i])
                 fail_msg("round %ld: a persisted sequence has %zu of %zu tokens after close + reopen", round, m,
                          R.acked_len[i]);
@@ -296,9 +313,10 @@ static void test_close_races_calls(void **state)
     rl_fast_cleanup();
     print_message("close race: %ld rounds x %d threads in %.1f s (%s): %ld calls, %ld answered KVH_ERR_CLOSED, %ld "
                   "completed after close had begun; slowest close %.3f s (bound %.0f s); %ld persisted sequences "
-                  "found after reopening\n",
+                  "checked after reopening (%ld of them freed before close and partly dropped for room)\n",
                   rounds, THREADS, rl_now() - t_all, fast ? "tmpfs" : "disk", atomic_load(&R.calls),
-                  atomic_load(&R.closed_calls), waited_calls, worst_close, CLOSE_BOUND, checked_acks);
+                  atomic_load(&R.closed_calls), waited_calls, worst_close, CLOSE_BOUND, checked_acks,
+                  R.freed_acks_short);
 }
 
 int main(void)

@@ -92,9 +92,10 @@ static void disk_release(void)
 static double worst_ratio;
 static int waits;
 
-/* fence_wait(f, deadline) on work the slow disk keeps busy for longer:
- * it must return KVH_ERR_TIMEOUT within 2x the deadline. */
-static void expect_timeout(kvh_engine *e, kvh_fence f, double deadline_ms, const char *what)
+/* fence_wait(f, deadline) must return within 2x the deadline: with
+ * KVH_ERR_TIMEOUT if the slow disk keeps the work busy for longer (always,
+ * unless done_ok), or KVH_OK if the work is done by then. */
+static void expect_bounded(kvh_engine *e, kvh_fence f, double deadline_ms, const char *what, bool done_ok)
 {
     double t0 = rl_now();
     kvh_status st = kvh_fence_wait(e, f, (uint64_t)(deadline_ms * 1e6));
@@ -103,11 +104,16 @@ static void expect_timeout(kvh_engine *e, kvh_fence f, double deadline_ms, const
     if (took > 2 * deadline_ms)
         fail_msg("%s: fence_wait with a %.0f ms deadline returned %s after %.0f ms (more than 2x the deadline)", what,
                  deadline_ms, kvh_status_name(st), took);
-    if (st != KVH_ERR_TIMEOUT)
+    if (st != KVH_ERR_TIMEOUT && !(done_ok && st == KVH_OK))
         fail_msg("%s: fence_wait(%.0f ms) returned %s after %.0f ms, expected KVH_ERR_TIMEOUT", what, deadline_ms,
                  kvh_status_name(st), took);
     if (took / deadline_ms > worst_ratio)
         worst_ratio = took / deadline_ms;
+}
+
+static void expect_timeout(kvh_engine *e, kvh_fence f, double deadline_ms, const char *what)
+{
+    expect_bounded(e, f, deadline_ms, what, false);
 }
 
 typedef struct store {
@@ -188,14 +194,15 @@ RL_UNUSED static void test_slow_disk_deadlines(void **state)
         kvh_fence_free(e, busy1);
         kvh_fence_free(e, busy2);
         /* 5. a deadline wait that starts while a worker is past the slab
-         *    write of a spill of published blocks, appending their journal
-         *    records (one disk call each) */
+         *    write of a spill of published blocks and records them in the
+         *    journal: the records are buffered, so the read it waits for is
+         *    not held up by them (done or timed out, within 2x) */
         kvh_seq m[1];
         fresh_seqs(e, m, 1, 0x7180 + (uint64_t)d * 16);
         rl_assert_ok(kvh_seq_acquire(e, S.s[7], 0, 4 * G.bt, &f)); /* read: pending for a while */
         rl_assert_ok(kvh_seq_migrate(e, m[0], 0, 4 * G.bt - 1, KVH_TIER_DISK, &busy2));
         rl_sleep_ms(DISK_DELAY_MS + 60);
-        expect_timeout(e, f, dl, "acquire, waited for while a spill appends journal records");
+        expect_bounded(e, f, dl, "acquire, waited for while a spill appends journal records", true);
         rl_assert_ok(kvh_fence_wait(e, f, UINT64_MAX));
         rl_assert_ok(kvh_fence_free(e, f));
         rl_assert_ok(kvh_seq_release(e, S.s[7], 0, 4 * G.bt));
@@ -321,22 +328,12 @@ static int teardown(void **state)
     return 0;
 }
 
-/* tests/c/test_rel_hang_stuck_mt.c runs the stuck-disk case alone (it
- * passes today; the other two fail, see known_failing/README.md). */
-#ifndef REL_HANG_STUCK_ONLY
-#define REL_HANG_STUCK_ONLY 0
-#endif
-
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-#if !REL_HANG_STUCK_ONLY
         cmocka_unit_test_teardown(test_slow_disk_deadlines, teardown),
-#endif
         cmocka_unit_test_teardown(test_stuck_disk_and_close, teardown),
-#if !REL_HANG_STUCK_ONLY
         cmocka_unit_test_teardown(test_close_with_queued_work, teardown),
-#endif
     };
     return cmocka_run_group_tests_name("rel_hang", tests, NULL, NULL);
 }

@@ -31,11 +31,6 @@
 #ifndef REL_SOAK
 #define REL_SOAK 0
 #endif
-/* tests/c/test_rel_agents_mem_mt.c: the memory-only engine alone (no disk
- * tier: none of the disk-batch defects of known_failing/README.md apply). */
-#ifndef REL_AGENTS_MEMORY_ONLY
-#define REL_AGENTS_MEMORY_ONLY 0
-#endif
 
 static const rl_geo G = {2, 2, 16, 8, KVH_DTYPE_F16}; /* block = 2048 bytes */
 #define AGENTS 16
@@ -470,9 +465,7 @@ static void test_agents(void **state)
     (void)state;
     double scale = (double)rl_env_long("KVH_REL_AGENT_SECONDS", 0);
     double s_disk = REL_SOAK ? (double)rl_env_long("KVH_REL_SOAK_SECONDS", 300) / 2 : scale > 0 ? scale : 3.0;
-    double s_mem = REL_SOAK ? s_disk : scale > 0 ? scale : REL_AGENTS_MEMORY_ONLY ? 4.0 : 2.0;
-    if (REL_AGENTS_MEMORY_ONLY)
-        s_disk = 0;
+    double s_mem = REL_SOAK ? s_disk : scale > 0 ? scale : 2.0;
     uint64_t seed = rl_seed(0xa6e475ull);
     double t0 = rl_now();
     run_stats rd = {0}, rm = {0};
