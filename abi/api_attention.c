@@ -252,8 +252,8 @@ static kvh_status attention(kvh_engine *e, uint32_t layer, const kvh_seq *seqs, 
      * meanwhile; the holds keep anything new from starting). */
     for (uint32_t k = 0; k < c->n_held; k++) {
         uint32_t b = c->held[k];
-        if (!(e->blocks[b].flags & KVHI_BF_IN_FLIGHT))
-            continue;
+        if (!(e->blocks[b].flags & KVHI_BF_IN_FLIGHT) || kvhi_block_in_device(e, b))
+            continue; /* settled, or recalled: its device data stays put */
         kvhi_block_wait_idle(e, b);
         k = UINT32_MAX; /* rescan from the start: others may have moved */
     }

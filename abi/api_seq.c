@@ -229,7 +229,7 @@ kvh_status kvh_block_table(kvh_engine *e, const kvh_seq *seqs, size_t n_seqs, in
         }
         for (uint32_t j = 0; j < s->n_blocks; j++) {
             kvhi_block *blk = &e->blocks[s->blocks[j]];
-            if (blk->tier != KVH_TIER_DEVICE || (blk->flags & KVHI_BF_IN_FLIGHT)) {
+            if (!kvhi_block_in_device(e, s->blocks[j])) {
                 st = kvhi_fail(KVH_ERR_NOT_RESIDENT, "sequence %zu block %u is not in the device tier", i, j);
                 break;
             }

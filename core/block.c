@@ -250,6 +250,22 @@ uint32_t kvhi_block_drop(kvh_engine *e, uint32_t b)
     return slot;
 }
 
+bool kvhi_block_in_device(const kvh_engine *e, uint32_t b)
+{
+    const kvhi_block *blk = &e->blocks[b];
+    return blk->tier == KVH_TIER_DEVICE &&
+           (!(blk->flags & KVHI_BF_IN_FLIGHT) || (blk->flags & KVHI_BF_RECALLED));
+}
+
+bool kvhi_block_recall(kvh_engine *e, uint32_t b)
+{
+    kvhi_block *blk = kvhi_blk(e, b);
+    if ((blk->flags & (KVHI_BF_IN_FLIGHT | KVHI_BF_RECALLABLE)) != (KVHI_BF_IN_FLIGHT | KVHI_BF_RECALLABLE))
+        return false;
+    blk->flags |= KVHI_BF_RECALLED;
+    return true;
+}
+
 void kvhi_block_unref(kvh_engine *e, uint32_t b)
 {
     kvhi_block *blk = kvhi_blk(e, b);

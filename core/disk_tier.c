@@ -432,6 +432,20 @@ void kvhi_disk_after_move(kvh_engine *e, uint32_t b, const kvhi_xfer *x, bool *k
     }
 }
 
+void kvhi_disk_keep_as_copy(kvh_engine *e, uint32_t b, const kvhi_xfer *x)
+{
+    kvhi_block *blk = &e->blocks[b];
+    if (!x->hash || !immutable(blk) || (blk->flags & (KVHI_BF_DISK_COPY | KVHI_BF_DEAD))) {
+        kvhi_release_slot(e, KVH_TIER_DISK, x->dst_slot);
+        return;
+    }
+    blk->data_crc = x->data_crc;
+    blk->disk_copy = x->dst_slot;
+    blk->flags |= KVHI_BF_DISK_COPY | KVHI_BF_DISK_HASHED;
+    if (blk->flags & KVHI_BF_PUBLISHED)
+        journal_add(e, b, x->dst_slot);
+}
+
 void kvhi_disk_forget(kvh_engine *e, uint32_t b)
 {
     kvhi_block *blk = &e->blocks[b];
@@ -498,6 +512,7 @@ kvh_status kvhi_block_ensure_memory(kvh_engine *e, uint32_t b)
     kvhi_block *blk = &e->blocks[b];
     /* A block in flight may be half of a tier swap: its slot is being
      * overwritten, so wait until it settles. */
+    kvhi_block_recall(e, b); /* no write-then-read-back of a block still in memory */
     while (blk->flags & KVHI_BF_IN_FLIGHT)
         kvhi_block_wait_idle(e, b);
     while (blk->tier == KVH_TIER_DISK) {

@@ -39,6 +39,10 @@
                                      (stable) memory slot */
 #define KVHI_BF_CORRUPT 0x800u    /* its disk data failed verification */
 #define KVHI_BF_DISK_HASHED 0x1000u /* its disk header carries its hash */
+#define KVHI_BF_RECALLABLE 0x2000u /* in flight to disk, its memory slot its
+                                      own until the move commits */
+#define KVHI_BF_RECALLED 0x4000u   /* wanted again during that move: it stays
+                                      in memory, the write becomes a copy */
 /* Busy blocks are not evicted, freed or written until they go idle. */
 #define KVHI_BF_BUSY (KVHI_BF_IN_FLIGHT | KVHI_BF_WRITING)
 
@@ -225,6 +229,13 @@ bool kvhi_block_cell_written(kvh_engine *e, uint32_t b, uint32_t layer,
 kvh_status kvhi_block_forget_tokens(kvh_engine *e, uint32_t b, uint32_t keep);
 /* Clears KVHI_BF_WRITING and frees a slot the block left meanwhile. */
 void kvhi_block_writing_done(kvh_engine *e, uint32_t b);
+/* True when b's data in the device tier is usable now: resident and not
+ * moving, or moving to disk but recalled (kvhi_block_recall). */
+bool kvhi_block_in_device(const kvh_engine *e, uint32_t b);
+/* Asks a block whose demotion to disk is in flight to stay where it is:
+ * the move then commits as a clean disk copy (or nothing). False when b
+ * is not in such a move. */
+bool kvhi_block_recall(kvh_engine *e, uint32_t b);
 /* Drops one reference; frees or leaves cached. */
 void kvhi_block_unref(kvh_engine *e, uint32_t b);
 /* Copy-on-write: returns a private copy of b (refs=1) replacing one ref. */
@@ -329,6 +340,10 @@ void kvhi_disk_after_move(kvh_engine *e, uint32_t b, const kvhi_xfer *x,
                           bool *keep_src_slot);
 /* Forgets b's disk record (DEL record) and clean copy, if any. */
 void kvhi_disk_forget(kvh_engine *e, uint32_t b);
+/* A recalled demotion finished writing: b stays in memory and the slot it
+ * was written to becomes its clean copy when it may be one (immutable,
+ * written with its hash), else the slot is freed. */
+void kvhi_disk_keep_as_copy(kvh_engine *e, uint32_t b, const kvhi_xfer *x);
 int kvhi_move_begin(kvh_engine *e, uint32_t b, uint32_t tier, kvhi_xfer *x,
                     bool keep_src_for_caller);
 kvh_status kvhi_move_end(kvh_engine *e, kvhi_xfer *x, uint32_t *src_slot_out);

@@ -276,6 +276,10 @@ int kvhi_move_begin(kvh_engine *e, uint32_t b, uint32_t tier, kvhi_xfer *x, bool
     kvh_status st = kvhi_reserve_slot(e, tier, blk->agent, &dslot);
     if (st == KVH_OK) {
         kvhi_xfer_prepare(e, b, tier, dslot, x);
+        /* A demotion whose source slot nobody else is promised can still
+         * be called off by an acquire while its write runs. */
+        if (tier == KVH_TIER_DISK && !keep_src_for_caller)
+            blk->flags |= KVHI_BF_RECALLABLE;
         return 0;
     }
     blk->flags &= (uint16_t)~KVHI_BF_IN_FLIGHT;
@@ -299,8 +303,17 @@ kvh_status kvhi_move_end(kvh_engine *e, kvhi_xfer *x, uint32_t *src_slot_out)
     uint32_t b = x->block;
     kvhi_block *blk = &e->blocks[b];
     uint32_t src_tier = x->src_tier, src_slot = x->src_slot, tier = x->dst_tier;
-    blk->flags &= (uint16_t)~KVHI_BF_IN_FLIGHT;
+    bool recalled = (blk->flags & KVHI_BF_RECALLED) != 0;
+    blk->flags &= (uint16_t)~(KVHI_BF_IN_FLIGHT | KVHI_BF_RECALLABLE | KVHI_BF_RECALLED);
     pthread_cond_broadcast(&e->changed);
+    if (recalled && x->err == 0) {
+        kvhi_disk_keep_as_copy(e, b, x);
+        if (blk->flags & KVHI_BF_DEAD)
+            kvhi_block_free_now(e, b);
+        else
+            kvhi_block_update_evictable(e, b);
+        return KVH_OK;
+    }
     if (x->err != 0) {
         kvh_status st;
         kvhi_release_slot(e, tier, x->dst_slot);

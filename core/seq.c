@@ -446,7 +446,10 @@ kvh_status kvhi_seq_acquire(kvh_engine *e, kvhi_seq *s, uint64_t first, uint64_t
     for (uint32_t i = b0; i < b1; i++) {
         uint32_t b = s->blocks[i];
         kvhi_block *blk = &e->blocks[b];
-        bool resident = blk->tier == KVH_TIER_DEVICE && !(blk->flags & KVHI_BF_IN_FLIGHT);
+        /* A block on its way to disk is called back instead of read back:
+         * one still in the device tier is usable at once. */
+        kvhi_block_recall(e, b);
+        bool resident = kvhi_block_in_device(e, b);
         if (!resident && (blk->flags & KVHI_BF_PREFETCHING)) {
             e->stats.prefetch_late++;
             blk->flags &= (uint16_t)~KVHI_BF_PREFETCHING; /* its arrival is not "prefetched, unused" */
