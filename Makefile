@@ -10,11 +10,12 @@
 #                 target for STRESS_FUZZ_SECONDS
 #   make fuzz     build build-fuzz/ (clang, libFuzzer + ASan/UBSan) and run
 #                 each fuzz target for FUZZ_SECONDS (see tests/RELIABILITY.md)
-#   make bench    kvh-bench scenarios, if kvh-bench is built
+#   make bench    the benchmark suite; regenerates benchmarks/RESULTS.md tables
+#                 and benchmarks/plots/ (benchmarks/run-bench.sh)
 #   make clean    remove the build trees
 #
 # Single suites: test-c, test-asan, test-tsan, test-python, test-rust,
-# test-drift, test-fuzz. Useful overrides: SKIP_DEPS=1 (no root, or offline),
+# test-drift, test-bench, test-fuzz. Useful overrides: SKIP_DEPS=1 (no root, or offline),
 # JOBS=N, CTEST_ARGS='-R prefix', CMAKE_ARGS='-DKVH_WITH_CUDA=OFF'.
 
 SHELL := /bin/bash
@@ -77,9 +78,6 @@ PYTEST_ARGS ?= -ra
 CARGO_ENV   ?= $(LIB_ENV) KVH_LIB_DIR=$(abspath $(BUILD_DIR))
 CARGO_ARGS  ?=
 
-BENCH           := $(BUILD_DIR)/benchmarks/kvh-bench
-BENCH_SCENARIOS ?= all
-BENCH_ARGS      ?= --json
 
 # Optional parts join the suite as soon as their files exist.
 PY_TESTS  := $(shell find tests/python -type f \( -name 'test_*.py' -o -name '*_test.py' \) 2>/dev/null)
@@ -97,7 +95,7 @@ endif
 step = @printf '\n==> %s\n' "$(1)"
 
 .PHONY: all deps build demo test test-c test-asan test-tsan test-python test-rust \
-        test-drift build-asan build-tsan stress bench clean help build-fuzz fuzz test-fuzz
+        test-drift build-asan build-tsan stress bench test-bench clean help build-fuzz fuzz test-fuzz
 
 all: build
 
@@ -144,7 +142,7 @@ endif
 # ---- test suites, in the order `make test` runs them ---------------------------
 # Fuzzing (random inputs) runs in `make fuzz` and `make stress`; `make test`
 # replays the committed corpora as ordinary ctest tests, deterministically.
-test: test-c test-asan test-tsan test-python test-rust test-drift
+test: test-c test-asan test-tsan test-python test-rust test-drift test-bench
 	@printf '\n==> make test: all suites passed\n'
 
 test-c: build
@@ -217,14 +215,18 @@ stress: deps
 	$(CTEST) --test-dir $(BUILD_DIR) --output-on-failure --no-tests=ignore -L stress $(CTEST_ARGS)
 	$(MAKE) fuzz FUZZ_SECONDS=$(STRESS_FUZZ_SECONDS)
 
+# The whole suite: scenarios, model demo (trade-off table + recorded trace),
+# policy evaluation, offload threshold; regenerates benchmarks/plots/ and
+# the measured tables of benchmarks/RESULTS.md (benchmarks/run-bench.sh).
 bench: build
-	$(call step,benchmarks)
-	@if [[ ! -x $(BENCH) ]]; then echo "bench: $(BENCH) is not built yet; nothing to run"; exit 0; fi; \
-	for s in $(BENCH_SCENARIOS); do \
-	  echo "+ $(BENCH) $$s $(BENCH_ARGS)"; \
-	  $(BENCH) "$$s" $(BENCH_ARGS) | tee -a $(BUILD_DIR)/bench.jsonl; \
-	done; \
-	echo "bench: results appended to $(BUILD_DIR)/bench.jsonl"
+	$(call step,benchmarks (benchmarks/run-bench.sh $(BUILD_DIR)))
+	PYTHON=$(PYTHON) bash benchmarks/run-bench.sh $(BUILD_DIR)
+
+# Smoke run of every kvh-bench scenario with --quick (and the plots), so
+# none rots; timings are not checked.
+test-bench: build
+	$(call step,bench smoke: every kvh-bench scenario with --quick)
+	PYTHON=$(PYTHON) bash benchmarks/run-bench.sh --quick $(BUILD_DIR)
 
 clean:
 	rm -rf $(BUILD_DIR) $(ASAN_DIR) $(TSAN_DIR)
