@@ -20,9 +20,10 @@ of the document library are:
 
 ``ratio`` = recompute / restore (> 1: restoring wins). The crossover is
 the smallest L at which restoring wins, interpolated linearly between the
-measured lengths; when restoring already wins at the smallest length, a
-straight-line fit of both curves gives where they would meet (``how:
-fit``), or ``how: always`` when they do not meet above 0 tokens. One JSON object per line with ``--json``; a table
+measured lengths; when restoring already wins at the smallest length, the
+lines through the two smallest lengths of each curve, extended down, give
+where they would meet (``how: fit``), or ``how: always`` when they do not
+meet above 0 tokens. One JSON object per line with ``--json``; a table
 otherwise. Timings are medians of ``--reps`` rounds on this machine: the
 CPU backend's "device" tier is host memory, so a host restore is a copy in
 memory; on a GPU it crosses PCIe.
@@ -51,29 +52,26 @@ def crossover(lengths: Sequence[int], recompute: Sequence[float], restore: Seque
               ) -> Tuple[Optional[float], str]:
     """Where restoring starts to win, from measured (L, time) points.
 
-    Returns ``(length, how)``: ``how`` is ``"measured"`` (linear
-    interpolation of recompute - restore between the two lengths where it
-    changes sign), ``"fit"`` (restoring wins everywhere measured: where
-    straight lines fitted through both curves meet; None when they never
-    do), or ``"never"`` (recomputing wins at every length measured)."""
+    Returns ``(length, how)``: ``"measured"`` (linear interpolation of
+    recompute - restore between the two lengths where it changes sign);
+    when restoring already wins at the smallest length, the lines through
+    the two smallest lengths of each curve are extended downwards:
+    ``"fit"`` (they meet between 0 and the smallest length), ``"always"``
+    (they do not meet above 0 tokens: no threshold; length None); or
+    ``"never"`` (recomputing wins at every length measured; None)."""
     pts = sorted(zip(lengths, recompute, restore))
     if not pts:
         return None, "never"
     diff = [(L, rc - rs) for L, rc, rs in pts]
     if diff[0][1] > 0:
-        if len(pts) < 2:
+        if len(pts) < 2 or pts[1][0] == pts[0][0]:
             return None, "always"
-        # Least-squares lines t = a + b*L for each curve; they meet where
-        # a_rc + b_rc*L = a_rs + b_rs*L.
-        def line(ys: Sequence[float]) -> Tuple[float, float]:
-            xs = [p[0] for p in pts]
-            mx, my = statistics.fmean(xs), statistics.fmean(ys)
-            sxx = sum((x - mx) ** 2 for x in xs)
-            b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
-            return my - b * mx, b
-        a1, b1 = line([p[1] for p in pts])
-        a2, b2 = line([p[2] for p in pts])
-        meet = (a2 - a1) / (b1 - b2) if b1 > b2 else -1.0
+        (l0, rc0, rs0), (l1, rc1, rs1) = pts[0], pts[1]
+        # Where rc0 + b_rc (L - l0) = rs0 + b_rs (L - l0).
+        b_rc, b_rs = (rc1 - rc0) / (l1 - l0), (rs1 - rs0) / (l1 - l0)
+        if b_rc <= b_rs:
+            return None, "always"
+        meet = l0 - (rc0 - rs0) / (b_rc - b_rs)
         return (meet, "fit") if meet > 0 else (None, "always")
     for (l0, d0), (l1, d1) in zip(diff, diff[1:]):
         if d0 <= 0 < d1:
@@ -161,18 +159,19 @@ def run_bench(args: argparse.Namespace, log=None) -> List[Dict[str, Any]]:
                     got["restore_" + tier].append(ttft)
                     got["kv_" + tier].append(kv)
             src.free()
-            med = {"recompute": statistics.median(rec), **{k: statistics.median(v) for k, v in got.items()}}
+            # Rounded once, so that each ratio is exactly value / baseline as printed.
+            med = {"recompute": round(statistics.median(rec), 4),
+                   **{k: round(statistics.median(v), 4) for k, v in got.items()}}
             for k, v in med.items():
                 series[k].append(v)
             if log:
                 log(f"L={L}: recompute {med['recompute']:.1f} ms, restore host {med['restore_host']:.1f} ms, "
                     f"disk {med['restore_disk']:.1f} ms")
             base = {"scenario": "offload", "context": L, "block_bytes": block_bytes, "model": runner.config.name}
-            rows.append({**base, "metric": "recompute", "value": round(med["recompute"], 3), "unit": "ms"})
+            rows.append({**base, "metric": "recompute", "value": med["recompute"], "unit": "ms"})
             for k in ("restore_host", "restore_disk", "kv_host", "kv_disk"):
-                rows.append({**base, "metric": k, "value": round(med[k], 3), "unit": "ms",
-                             "baseline": round(med["recompute"], 3),
-                             "ratio": round(med["recompute"] / med[k], 4) if med[k] > 0 else None})
+                rows.append({**base, "metric": k, "value": med[k], "unit": "ms", "baseline": med["recompute"],
+                             "ratio": med["recompute"] / med[k] if med[k] > 0 else None})
         eng.close()
         for tier in ("host", "disk"):
             for kind in ("restore", "kv"):

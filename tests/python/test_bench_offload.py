@@ -30,6 +30,15 @@ def test_crossover_below_the_smallest_length_is_a_fit():
     assert L == pytest.approx(40 / 3)
 
 
+def test_crossover_never_lands_above_a_length_where_restoring_won():
+    # Recompute grows faster than linearly: a line through all the points
+    # would meet the restore line above 16, where restoring already won.
+    L, how = crossover([16, 32, 64, 128], [300, 365, 362, 1014], [104, 101, 109, 108])
+    assert (L, how) == (None, "always")
+    L, how = crossover([16, 32], [30, 50], [20, 20])
+    assert how == "fit" and L == pytest.approx(8.0)
+
+
 def test_crossover_always_and_never():
     # Restoring cheaper at every length and the fitted lines meet below 0.
     assert crossover([16, 32], [100, 120], [10, 10]) == (None, "always")
