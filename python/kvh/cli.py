@@ -191,6 +191,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         argv += ["--seed", str(args.seed)] if args.seed is not None else []
         argv += ["--strict"] if args.strict else []
         return bench_retriever.main(argv + list(getattr(args, "extra", [])))
+    if list(args.scenarios) == ["offload"]:
+        # The offload threshold runs the Python model runner, not kvh-bench.
+        from . import bench_offload
+        argv = ["--json"] if args.json else []
+        argv += ["--quick"] if args.quick else []
+        argv += ["--reps", str(args.reps)] if args.reps else []
+        return bench_offload.main(argv + list(getattr(args, "extra", [])))
 
     tool = find_tool("kvh-bench")
     if not tool:
@@ -316,7 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
                                     "progress on a TTY and prints a summary table (or the JSON lines with "
                                     "--json). Arguments after -- go to kvh-bench.")
     sp.add_argument("scenarios", nargs="*", metavar="SCENARIO",
-                    help="scenarios (default: all; see --list); `retriever` runs the speculative-prefetch benchmark")
+                    help="scenarios (default: all; see --list); `retriever` runs the speculative-prefetch benchmark, "
+                         "`offload` the offload threshold (restore vs recompute with the model)")
     sp.add_argument("--list", action="store_true", help="list the scenarios")
     sp.add_argument("--quick", action="store_true", help="a few seconds per scenario")
     sp.add_argument("--reps", type=int, default=None, help="rounds per measurement")

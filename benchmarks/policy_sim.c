@@ -1,0 +1,389 @@
+#include "policy_sim.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+const char *sim_policy_name(sim_policy p)
+{
+    switch (p) {
+    case SIM_LRU: return "lru";
+    case SIM_LRU_K: return "lru-k";
+    case SIM_LRU_K_HYST: return "lru-k-hyst";
+    case SIM_LCTRU: return "lctru";
+    default: return "?";
+    }
+}
+
+void sim_config_defaults(sim_config *c, uint32_t device_blocks, uint32_t host_blocks)
+{
+    *c = (sim_config){.device_blocks = device_blocks,
+                      .host_blocks = host_blocks,
+                      .lru_k = 2,
+                      .hyst_hits = 2,
+                      .hyst_window = 0,
+                      .lctru_window = 8};
+}
+
+/* ------------------------------------------------------------------ */
+/* indexed min-heap of blocks; each block is in at most one heap, so    */
+/* one position array serves both tiers                                 */
+/* ------------------------------------------------------------------ */
+
+#define NO_POS UINT32_MAX
+
+typedef struct key {
+    uint64_t primary, secondary;
+} key;
+
+typedef struct heap {
+    uint32_t *item;
+    key *k;
+    uint32_t size, cap;
+    uint32_t *pos; /* shared, per block */
+} heap;
+
+static int key_less(key a, key b) { return a.primary != b.primary ? a.primary < b.primary : a.secondary < b.secondary; }
+
+static int heap_init(heap *h, uint32_t cap, uint32_t *pos)
+{
+    h->item = malloc((cap ? cap : 1) * sizeof(*h->item));
+    h->k = malloc((cap ? cap : 1) * sizeof(*h->k));
+    h->size = 0;
+    h->cap = cap;
+    h->pos = pos;
+    return h->item && h->k ? 0 : -1;
+}
+
+static void heap_free(heap *h)
+{
+    free(h->item);
+    free(h->k);
+}
+
+static void heap_set(heap *h, uint32_t i, uint32_t item, key k)
+{
+    h->item[i] = item;
+    h->k[i] = k;
+    h->pos[item] = i;
+}
+
+static void heap_up(heap *h, uint32_t i)
+{
+    uint32_t it = h->item[i];
+    key k = h->k[i];
+    while (i > 0) {
+        uint32_t p = (i - 1) / 2;
+        if (!key_less(k, h->k[p]))
+            break;
+        heap_set(h, i, h->item[p], h->k[p]);
+        i = p;
+    }
+    heap_set(h, i, it, k);
+}
+
+static void heap_down(heap *h, uint32_t i)
+{
+    uint32_t it = h->item[i];
+    key k = h->k[i];
+    for (;;) {
+        uint32_t c = 2 * i + 1;
+        if (c >= h->size)
+            break;
+        if (c + 1 < h->size && key_less(h->k[c + 1], h->k[c]))
+            c++;
+        if (!key_less(h->k[c], k))
+            break;
+        heap_set(h, i, h->item[c], h->k[c]);
+        i = c;
+    }
+    heap_set(h, i, it, k);
+}
+
+static void heap_push(heap *h, uint32_t item, key k)
+{
+    heap_set(h, h->size, item, k);
+    heap_up(h, h->size++);
+}
+
+static void heap_update(heap *h, uint32_t item, key k)
+{
+    uint32_t i = h->pos[item];
+    key old = h->k[i];
+    h->k[i] = k;
+    if (key_less(k, old))
+        heap_up(h, i);
+    else
+        heap_down(h, i);
+}
+
+static void heap_remove(heap *h, uint32_t item)
+{
+    uint32_t i = h->pos[item];
+    h->pos[item] = NO_POS;
+    if (--h->size == i)
+        return;
+    uint32_t moved = h->item[h->size];
+    heap_set(h, i, moved, h->k[h->size]);
+    heap_up(h, i);
+    heap_down(h, h->pos[moved]);
+}
+
+/* ------------------------------------------------------------------ */
+/* two-tier simulation                                                  */
+/* ------------------------------------------------------------------ */
+
+enum { IN_NONE, IN_DEVICE, IN_HOST, IN_STORE };
+
+typedef struct sim {
+    const trace *t;
+    sim_policy policy;
+    sim_config cfg;
+    uint8_t *where;
+    uint64_t *hist; /* lru_k most recent access times per block, newest first */
+    uint32_t *pos;
+    heap dev, host;
+    uint32_t *scratch; /* lctru: blocks popped while looking for a victim */
+    sim_result *r;
+} sim;
+
+static const uint64_t *hist_of(const sim *s, uint32_t b) { return &s->hist[(size_t)b * s->cfg.lru_k]; }
+
+static key key_of(const sim *s, uint32_t b)
+{
+    const uint64_t *h = hist_of(s, b);
+    if (s->policy == SIM_LRU_K || s->policy == SIM_LRU_K_HYST)
+        return (key){h[s->cfg.lru_k - 1], h[0]};
+    return (key){h[0], 0};
+}
+
+/* The block to evict from h (non-empty). */
+static uint32_t victim(sim *s, heap *h)
+{
+    if (s->policy != SIM_LCTRU)
+        return h->item[0];
+    /* Look at the lctru_window least recent blocks, keep the least
+     * tolerable (the first met wins ties: it is the least recent). */
+    uint32_t n = 0, best = UINT32_MAX;
+    float best_tol = 2.0f;
+    while (n < s->cfg.lctru_window && h->size) {
+        uint32_t b = h->item[0];
+        heap_remove(h, b);
+        s->scratch[n++] = b;
+        if (s->t->tolerance[b] < best_tol) {
+            best_tol = s->t->tolerance[b];
+            best = b;
+        }
+    }
+    for (uint32_t i = 0; i < n; i++)
+        heap_push(h, s->scratch[i], key_of(s, s->scratch[i]));
+    return best;
+}
+
+/* Frees a host slot: its victim goes to the store. */
+static void room_in_host(sim *s)
+{
+    if (s->host.size < s->cfg.host_blocks)
+        return;
+    uint32_t v = victim(s, &s->host);
+    heap_remove(&s->host, v);
+    s->where[v] = IN_STORE;
+    s->r->down_sh++;
+}
+
+/* Frees a device slot: its victim goes to the host tier (or straight to the
+ * store without one). */
+static void room_in_device(sim *s)
+{
+    if (s->dev.size < s->cfg.device_blocks)
+        return;
+    uint32_t v = victim(s, &s->dev);
+    heap_remove(&s->dev, v);
+    s->r->down_dh++;
+    if (s->cfg.host_blocks == 0) {
+        s->where[v] = IN_STORE;
+        s->r->down_sh++;
+        return;
+    }
+    room_in_host(s);
+    s->where[v] = IN_HOST;
+    heap_push(&s->host, v, key_of(s, v));
+}
+
+static int may_promote(const sim *s, uint32_t b, uint64_t now)
+{
+    if (s->policy != SIM_LRU_K_HYST)
+        return 1;
+    uint32_t need = s->cfg.hyst_hits;
+    if (need <= 1)
+        return 1;
+    if (need > s->cfg.lru_k)
+        need = s->cfg.lru_k;
+    uint64_t window = s->cfg.hyst_window ? s->cfg.hyst_window : 4ull * s->cfg.device_blocks;
+    uint64_t t = hist_of(s, b)[need - 1]; /* history already holds this access */
+    return t != 0 && now - t < window;
+}
+
+static void record(sim *s, uint32_t b, uint64_t now)
+{
+    uint64_t *h = &s->hist[(size_t)b * s->cfg.lru_k];
+    memmove(h + 1, h, (s->cfg.lru_k - 1) * sizeof(*h));
+    h[0] = now;
+}
+
+static void access_block(sim *s, uint32_t b, uint64_t now)
+{
+    sim_result *r = s->r;
+    r->accesses++;
+    record(s, b, now);
+    switch (s->where[b]) {
+    case IN_DEVICE:
+        r->hits_device++;
+        heap_update(&s->dev, b, key_of(s, b));
+        return;
+    case IN_HOST:
+        r->hits_host++;
+        r->up_dh++;
+        if (!may_promote(s, b, now)) {
+            heap_update(&s->host, b, key_of(s, b));
+            return;
+        }
+        heap_remove(&s->host, b);
+        room_in_device(s);
+        break;
+    case IN_STORE:
+        r->misses++;
+        r->up_sh++;
+        r->up_dh++;
+        if (!may_promote(s, b, now) && s->cfg.host_blocks) {
+            room_in_host(s);
+            s->where[b] = IN_HOST;
+            heap_push(&s->host, b, key_of(s, b));
+            return;
+        }
+        room_in_device(s);
+        break;
+    default: /* first access: computed in the device tier */
+        r->misses++;
+        r->first_accesses++;
+        room_in_device(s);
+        break;
+    }
+    s->where[b] = IN_DEVICE;
+    heap_push(&s->dev, b, key_of(s, b));
+}
+
+int sim_run(const trace *t, sim_policy p, const sim_config *c, sim_result *out)
+{
+    memset(out, 0, sizeof(*out));
+    sim s = {.t = t, .policy = p, .cfg = *c, .r = out};
+    if (s.cfg.lru_k < 1)
+        s.cfg.lru_k = 1;
+    if (s.cfg.lru_k > 4)
+        s.cfg.lru_k = 4;
+    if (s.cfg.device_blocks < 1)
+        s.cfg.device_blocks = 1;
+    if (p == SIM_LRU || p == SIM_LCTRU)
+        s.cfg.lru_k = 1;
+    if (p == SIM_LRU_K_HYST && s.cfg.lru_k < s.cfg.hyst_hits)
+        s.cfg.lru_k = s.cfg.hyst_hits > 4 ? 4 : s.cfg.hyst_hits;
+    size_t nb = t->n_blocks ? t->n_blocks : 1;
+    s.where = calloc(nb, 1);
+    s.hist = calloc(nb * s.cfg.lru_k, sizeof(*s.hist));
+    s.pos = malloc(nb * sizeof(*s.pos));
+    s.scratch = malloc((s.cfg.lctru_window ? s.cfg.lctru_window : 1) * sizeof(*s.scratch));
+    int rc = -1;
+    if (!s.where || !s.hist || !s.pos || !s.scratch)
+        goto out;
+    memset(s.pos, 0xff, nb * sizeof(*s.pos));
+    if (heap_init(&s.dev, s.cfg.device_blocks, s.pos) != 0 || heap_init(&s.host, s.cfg.host_blocks, s.pos) != 0)
+        goto out;
+    if (p == SIM_LCTRU && s.cfg.lctru_window == 0)
+        s.cfg.lctru_window = 1;
+    for (size_t i = 0; i < t->n; i++)
+        access_block(&s, t->acc[i].block, (uint64_t)i + 1);
+    rc = 0;
+out:
+    heap_free(&s.dev);
+    heap_free(&s.host);
+    free(s.where);
+    free(s.hist);
+    free(s.pos);
+    free(s.scratch);
+    return rc;
+}
+
+/* ------------------------------------------------------------------ */
+/* Belady's MIN with bypass                                             */
+/* ------------------------------------------------------------------ */
+
+uint64_t sim_min_hits(const trace *t, uint32_t capacity)
+{
+    if (t->n == 0)
+        return 0;
+    if (capacity == 0)
+        return 0;
+    size_t nb = t->n_blocks;
+    uint64_t *next_use = malloc(t->n * sizeof(*next_use));
+    uint64_t *upcoming = malloc(nb * sizeof(*upcoming));
+    uint32_t *pos = malloc(nb * sizeof(*pos));
+    heap cache = {0};
+    uint64_t hits = UINT64_MAX;
+    if (!next_use || !upcoming || !pos || heap_init(&cache, capacity, pos) != 0)
+        goto out;
+    /* next_use[i]: index of the next access to the same block, or "never"
+     * (UINT64_MAX). One backward pass. */
+    for (size_t b = 0; b < nb; b++)
+        upcoming[b] = UINT64_MAX;
+    for (size_t i = t->n; i-- > 0;) {
+        uint32_t b = t->acc[i].block;
+        next_use[i] = upcoming[b];
+        upcoming[b] = i;
+    }
+    memset(pos, 0xff, nb * sizeof(*pos));
+    hits = 0;
+    /* The heap's minimum is the block used farthest in the future: key =
+     * ~next_use. */
+    for (size_t i = 0; i < t->n; i++) {
+        uint32_t b = t->acc[i].block;
+        key k = {~next_use[i], 0};
+        if (pos[b] != NO_POS) {
+            hits++;
+            heap_update(&cache, b, k);
+            continue;
+        }
+        if (next_use[i] == UINT64_MAX)
+            continue; /* never used again: keeping it cannot help */
+        if (cache.size < capacity) {
+            heap_push(&cache, b, k);
+            continue;
+        }
+        if (key_less(k, cache.k[0]))
+            continue; /* it is the farthest: bypass */
+        heap_remove(&cache, cache.item[0]);
+        heap_push(&cache, b, k);
+    }
+out:
+    heap_free(&cache);
+    free(next_use);
+    free(upcoming);
+    free(pos);
+    return hits;
+}
+
+int sim_min(const trace *t, const sim_config *c, sim_result *out)
+{
+    memset(out, 0, sizeof(*out));
+    uint64_t dev = sim_min_hits(t, c->device_blocks);
+    uint64_t mem = sim_min_hits(t, c->device_blocks + c->host_blocks);
+    if (dev == UINT64_MAX || mem == UINT64_MAX)
+        return -1;
+    out->accesses = t->n;
+    out->first_accesses = t->n_blocks;
+    out->hits_device = dev;
+    out->hits_host = mem - dev;
+    out->misses = t->n - mem;
+    /* First accesses are computed in the device tier: no copy. */
+    out->up_dh = t->n - dev - t->n_blocks;
+    out->up_sh = out->misses - t->n_blocks;
+    return 0;
+}

@@ -1,0 +1,88 @@
+/* Eviction-policy simulator for a two-tier memory hierarchy (device tier of
+ * D blocks above a host tier of H blocks) over a backing store that holds
+ * every block (the disk tier, or recomputation).
+ *
+ * The hierarchy is exclusive: a block is in the device tier, the host tier
+ * or the backing store. An access finds the block in one of them (a device
+ * hit, a host hit, or a miss; the first access of a block is a miss, it is
+ * computed in the device tier). Promotion moves the block to the device
+ * tier; the device victim goes down to the host tier, whose victim goes
+ * down to the backing store. Each policy chooses victims in both tiers
+ * with the same rule:
+ *
+ *   lru         least recently used
+ *   lru-k       largest backward K-distance (time of the K-th most recent
+ *               access; blocks with fewer than K accesses first), ties by
+ *               least recent use: the engine's rule (core/lruk.c)
+ *   lru-k-hyst  lru-k, and a block below the device tier is promoted only
+ *               when it has hyst_hits accesses within the last hyst_window
+ *               accesses; otherwise it is read where it is (a host hit,
+ *               moving nothing but the read), or brought from the backing
+ *               store into the host tier only
+ *   lctru       least compression-tolerable and recently used: among the
+ *               lctru_window least recently used blocks, the one with the
+ *               lowest compression tolerance (ties: least recent)
+ *
+ * Optimum (min): for each tier boundary separately, Belady's MIN with
+ * bypass (on a miss, of the cached blocks and the requested one, the one
+ * whose next use is farthest is not kept). It is the exact maximum of hits
+ * for a cache of that size over all policies, including ones that prefetch
+ * or bypass. Device hits of MIN = MIN(D) hits; memory hits (device or host)
+ * = MIN(D + H) hits; its host hits are the difference. Every policy above
+ * has device hits <= MIN(D) and memory hits <= MIN(D + H).
+ *
+ * Traffic is counted in block transfers across each boundary: up_dh (host
+ * to device, including reads served in place from the host tier), down_dh,
+ * up_sh (store to host), down_sh. For MIN only the inbound lower bound is
+ * given: every access that is neither a device hit nor a first access
+ * (computed in the device tier) crosses the device/host boundary once,
+ * every miss that is not a first access is read from the store once. */
+#ifndef KVH_BENCH_POLICY_SIM_H
+#define KVH_BENCH_POLICY_SIM_H
+
+#include <stdint.h>
+
+#include "trace.h"
+
+typedef enum sim_policy {
+    SIM_LRU,
+    SIM_LRU_K,
+    SIM_LRU_K_HYST,
+    SIM_LCTRU,
+    SIM_POLICY_COUNT
+} sim_policy;
+
+const char *sim_policy_name(sim_policy p);
+
+typedef struct sim_config {
+    uint32_t device_blocks; /* >= 1 */
+    uint32_t host_blocks;   /* may be 0 */
+    uint32_t lru_k;         /* 1..4; default 2 (the engine's default) */
+    uint32_t hyst_hits;     /* default 2 */
+    uint32_t hyst_window;   /* accesses; 0: 4 x device_blocks */
+    uint32_t lctru_window;  /* default 8 */
+} sim_config;
+
+void sim_config_defaults(sim_config *c, uint32_t device_blocks, uint32_t host_blocks);
+
+typedef struct sim_result {
+    uint64_t accesses;
+    uint64_t first_accesses; /* compulsory misses */
+    uint64_t hits_device;
+    uint64_t hits_host;
+    uint64_t misses; /* includes first accesses */
+    uint64_t up_dh, down_dh, up_sh, down_sh;
+} sim_result;
+
+/* Replays t through policy p. Returns 0, or -1 when out of memory. */
+int sim_run(const trace *t, sim_policy p, const sim_config *c, sim_result *out);
+
+/* Hits of Belady's MIN with bypass for a cache of `capacity` blocks.
+ * Returns the hit count, or UINT64_MAX when out of memory. */
+uint64_t sim_min_hits(const trace *t, uint32_t capacity);
+
+/* MIN for the hierarchy, as defined above (hits per tier, inbound lower
+ * bound of traffic in up_dh / up_sh; down_* are 0). */
+int sim_min(const trace *t, const sim_config *c, sim_result *out);
+
+#endif

@@ -1,0 +1,205 @@
+#include "trace.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+void trace_init(trace *t) { memset(t, 0, sizeof(*t)); }
+
+void trace_free(trace *t)
+{
+    free(t->acc);
+    free(t->tolerance);
+    free(t->map_keys);
+    free(t->map_vals);
+    trace_init(t);
+}
+
+/* Key 0 marks an empty slot, so keys are stored plus one. */
+static uint64_t map_key(uint32_t seq, uint32_t index) { return (((uint64_t)seq << 32) | index) + 1; }
+
+static size_t map_slot(uint64_t key, size_t cap)
+{
+    uint64_t h = key * 0x9e3779b97f4a7c15ull;
+    return (size_t)(h >> 17) & (cap - 1);
+}
+
+static int map_grow(trace *t)
+{
+    size_t cap = t->map_cap ? t->map_cap * 2 : 1024;
+    uint64_t *keys = calloc(cap, sizeof(*keys));
+    uint32_t *vals = malloc(cap * sizeof(*vals));
+    if (!keys || !vals) {
+        free(keys);
+        free(vals);
+        return -1;
+    }
+    for (size_t i = 0; i < t->map_cap; i++) {
+        if (!t->map_keys[i])
+            continue;
+        size_t s = map_slot(t->map_keys[i], cap);
+        while (keys[s])
+            s = (s + 1) & (cap - 1);
+        keys[s] = t->map_keys[i];
+        vals[s] = t->map_vals[i];
+    }
+    free(t->map_keys);
+    free(t->map_vals);
+    t->map_keys = keys;
+    t->map_vals = vals;
+    t->map_cap = cap;
+    return 0;
+}
+
+/* Dense id of a block key, creating it (with tolerance) if new; -1 on OOM. */
+static int64_t block_id(trace *t, uint64_t key, float tolerance)
+{
+    if ((t->map_used + 1) * 2 > t->map_cap && map_grow(t) != 0)
+        return -1;
+    size_t s = map_slot(key, t->map_cap);
+    while (t->map_keys[s]) {
+        if (t->map_keys[s] == key)
+            return t->map_vals[s];
+        s = (s + 1) & (t->map_cap - 1);
+    }
+    if (t->n_blocks == t->tol_cap) {
+        uint32_t cap = t->tol_cap ? t->tol_cap * 2 : 1024;
+        float *tol = realloc(t->tolerance, cap * sizeof(*tol));
+        if (!tol)
+            return -1;
+        t->tolerance = tol;
+        t->tol_cap = cap;
+    }
+    t->tolerance[t->n_blocks] = tolerance;
+    t->map_keys[s] = key;
+    t->map_vals[s] = t->n_blocks;
+    t->map_used++;
+    return t->n_blocks++;
+}
+
+static int push(trace *t, trace_access a)
+{
+    if (t->n == t->cap) {
+        size_t cap = t->cap ? t->cap * 2 : 4096;
+        trace_access *acc = realloc(t->acc, cap * sizeof(*acc));
+        if (!acc)
+            return -1;
+        t->acc = acc;
+        t->cap = cap;
+    }
+    t->acc[t->n++] = a;
+    return 0;
+}
+
+int trace_add(trace *t, uint32_t seq, uint32_t index, uint32_t agent, float tolerance)
+{
+    int64_t id = block_id(t, map_key(seq, index), tolerance);
+    if (id < 0)
+        return -1;
+    return push(t, (trace_access){.block = (uint32_t)id, .seq = seq, .index = index, .agent = agent});
+}
+
+int trace_add_handle(trace *t, uint64_t handle, uint32_t agent, float tolerance)
+{
+    int64_t id = block_id(t, handle + 1, tolerance);
+    if (id < 0)
+        return -1;
+    return push(t, (trace_access){.block = (uint32_t)id, .seq = (uint32_t)id, .index = 0, .agent = agent});
+}
+
+/* A line of the demo's format: t_s agent seq block_id block_hash tier kind
+ * (tab-separated, handles in hex). Returns 1 when it is one (and was
+ * added or skipped), 0 when it is not, -1 when out of memory. */
+static int demo_line(trace *t, const char *p)
+{
+    double ts;
+    unsigned long long agent, seq, handle, hash;
+    char tier[16], kind[16];
+    if (!strchr(p, '\t') ||
+        sscanf(p, "%lf %llu %llx %llx %llx %15s %15s", &ts, &agent, &seq, &handle, &hash, tier, kind) != 7)
+        return 0;
+    /* Prefetch hints are not demand accesses. */
+    if (!strcmp(kind, "prefetch"))
+        return 1;
+    return trace_add_handle(t, handle, (uint32_t)agent, 0.5f) == 0 ? 1 : -1;
+}
+
+int trace_load(trace *t, const char *path, char *err, size_t err_len)
+{
+    FILE *f = fopen(path, "r");
+    if (!f) {
+        snprintf(err, err_len, "%s: %s", path, strerror(errno));
+        return -1;
+    }
+    char line[512];
+    size_t lineno = 0;
+    int rc = 0;
+    while (fgets(line, sizeof(line), f)) {
+        lineno++;
+        char *p = line;
+        while (*p == ' ' || *p == '\t')
+            p++;
+        if (*p == '#' || *p == '\n' || *p == '\0')
+            continue;
+        int demo = demo_line(t, p);
+        if (demo < 0) {
+            snprintf(err, err_len, "out of memory reading %s", path);
+            rc = -1;
+            break;
+        }
+        if (demo)
+            continue;
+        unsigned long long seq, index, agent = 0;
+        double tol = 0.5;
+        int got = sscanf(p, "%llu %llu %llu %lf", &seq, &index, &agent, &tol);
+        if (got < 2 || seq > UINT32_MAX || index > UINT32_MAX || agent > UINT32_MAX || tol < 0 || tol > 1) {
+            snprintf(err, err_len, "%s:%zu: expected 'SEQ BLOCK [AGENT [TOLERANCE]]'", path, lineno);
+            rc = -1;
+            break;
+        }
+        if (trace_add(t, (uint32_t)seq, (uint32_t)index, (uint32_t)agent, (float)tol) != 0) {
+            snprintf(err, err_len, "out of memory reading %s", path);
+            rc = -1;
+            break;
+        }
+    }
+    fclose(f);
+    if (rc == 0 && t->n == 0) {
+        snprintf(err, err_len, "%s: no accesses", path);
+        rc = -1;
+    }
+    return rc;
+}
+
+int trace_save(const trace *t, const char *path)
+{
+    FILE *f = fopen(path, "w");
+    if (!f)
+        return -1;
+    fprintf(f, "# kvh block-access trace: SEQ BLOCK AGENT TOLERANCE\n");
+    for (size_t i = 0; i < t->n; i++) {
+        const trace_access *a = &t->acc[i];
+        fprintf(f, "%u %u %u %.3f\n", a->seq, a->index, a->agent, (double)t->tolerance[a->block]);
+    }
+    return fclose(f) == 0 ? 0 : -1;
+}
+
+uint32_t trace_count_seqs(const trace *t)
+{
+    uint32_t max = 0;
+    for (size_t i = 0; i < t->n; i++)
+        if (t->acc[i].seq + 1 > max)
+            max = t->acc[i].seq + 1;
+    uint8_t *seen = calloc(max ? max : 1, 1);
+    if (!seen)
+        return 0;
+    uint32_t n = 0;
+    for (size_t i = 0; i < t->n; i++)
+        if (!seen[t->acc[i].seq]) {
+            seen[t->acc[i].seq] = 1;
+            n++;
+        }
+    free(seen);
+    return n;
+}

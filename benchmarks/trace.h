@@ -1,0 +1,64 @@
+/* Block-access traces: what the policy simulator and the engine replay read.
+ *
+ * A trace is a list of accesses to KV blocks. Each block belongs to a
+ * sequence (a prompt, a document, a conversation) at a logical index, has
+ * an agent that touches it and a compression tolerance in [0, 1] (how
+ * little the output changes when the block is quantised; 1 = not at all),
+ * which only the LCTRU policy reads.
+ *
+ * File form (what `kvh demo --record-trace` writes), one access a line:
+ *
+ *     # comment
+ *     SEQ BLOCK [AGENT [TOLERANCE]]
+ *
+ * SEQ and BLOCK are non-negative integers; (SEQ, BLOCK) names the block.
+ * AGENT defaults to 0, TOLERANCE to 0.5.
+ *
+ * `kvh demo --record-trace FILE` writes another form, also read here:
+ * tab-separated `t_s agent seq block_id block_hash tier kind` with handles
+ * in hex. There the block handle names the block (blocks shared through
+ * the prefix index are one block), each block becomes a one-block sequence
+ * of its own, `prefetch` lines (hints, not accesses) are skipped, and the
+ * tolerance is 0.5 for every block (the demo does not measure it). */
+#ifndef KVH_BENCH_TRACE_H
+#define KVH_BENCH_TRACE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct trace_access {
+    uint32_t block; /* dense id, 0 .. n_blocks-1, in order of first use */
+    uint32_t seq;   /* sequence id as in the source */
+    uint32_t index; /* logical block index within seq */
+    uint32_t agent;
+} trace_access;
+
+typedef struct trace {
+    trace_access *acc;
+    size_t n, cap;
+    uint32_t n_blocks;
+    float *tolerance; /* per dense block id */
+    uint32_t tol_cap;
+    /* (seq, index) -> dense id: open addressing, grown on demand. */
+    uint64_t *map_keys;
+    uint32_t *map_vals;
+    size_t map_cap, map_used;
+} trace;
+
+void trace_init(trace *t);
+void trace_free(trace *t);
+/* Appends one access; the block gets a dense id at its first use and keeps
+ * the tolerance given then. Returns 0, or -1 when out of memory. */
+int trace_add(trace *t, uint32_t seq, uint32_t index, uint32_t agent, float tolerance);
+/* Appends one access to the block named by an opaque 64-bit handle; it
+ * becomes sequence <dense id>, index 0. */
+int trace_add_handle(trace *t, uint64_t handle, uint32_t agent, float tolerance);
+/* Reads either file form into an empty trace. Returns 0, or -1 with a message
+ * in err. */
+int trace_load(trace *t, const char *path, char *err, size_t err_len);
+/* Writes the file form. Returns 0 or -1 (errno set). */
+int trace_save(const trace *t, const char *path);
+/* Distinct sequences in the trace. */
+uint32_t trace_count_seqs(const trace *t);
+
+#endif

@@ -1,0 +1,162 @@
+#include "trace_gen.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+void trace_gen_defaults(trace_gen_params *p)
+{
+    *p = (trace_gen_params){
+        .agents = 8,
+        .turns = 60,
+        .system_blocks = 8,
+        .topics = 24,
+        .doc_blocks_min = 16,
+        .doc_blocks_max = 48,
+        .new_blocks_per_turn = 2,
+        .max_history_blocks = 32,
+        .p_switch_topic = 0.15,
+        .p_leave_session = 0.1,
+        .p_resume = 0.5,
+        .adversarial = 0,
+        .adversary_topics = 400,
+        .seed = 1,
+    };
+}
+
+/* splitmix64: self-contained, so traces depend on the seed only. */
+static uint64_t next_u64(uint64_t *s)
+{
+    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+static uint32_t below(uint64_t *s, uint32_t n) { return n ? (uint32_t)(next_u64(s) % n) : 0; }
+static double unit(uint64_t *s) { return (double)(next_u64(s) >> 11) * (1.0 / 9007199254740992.0); }
+
+/* Sequence ids: 0 the system prompt, 1..topics the shared documents, then
+ * the adversary's documents, then sessions as they are created. */
+#define SYSTEM_SEQ 0u
+
+typedef struct session {
+    uint32_t seq;
+    uint32_t blocks;
+} session;
+
+typedef struct agent_state {
+    uint32_t topic_seq;
+    session current;
+    session *parked;
+    uint32_t n_parked, cap_parked;
+} agent_state;
+
+static int read_seq(trace *t, uint32_t seq, uint32_t n, uint32_t agent, float tol)
+{
+    for (uint32_t i = 0; i < n; i++)
+        if (trace_add(t, seq, i, agent, tol) != 0)
+            return -1;
+    return 0;
+}
+
+/* Document tolerances are drawn once per block; the access that first
+ * names a block fixes it (trace_add keeps the first value). */
+static float doc_tolerance(uint32_t seq, uint32_t index)
+{
+    uint64_t s = ((uint64_t)seq << 32) ^ index ^ 0x5bd1e995u;
+    return (float)(0.3 + 0.6 * unit(&s));
+}
+
+static int read_doc(trace *t, uint32_t seq, uint32_t n, uint32_t agent)
+{
+    for (uint32_t i = 0; i < n; i++)
+        if (trace_add(t, seq, i, agent, doc_tolerance(seq, i)) != 0)
+            return -1;
+    return 0;
+}
+
+static int park(agent_state *a)
+{
+    if (a->n_parked == a->cap_parked) {
+        uint32_t cap = a->cap_parked ? a->cap_parked * 2 : 8;
+        session *p = realloc(a->parked, cap * sizeof(*p));
+        if (!p)
+            return -1;
+        a->parked = p;
+        a->cap_parked = cap;
+    }
+    a->parked[a->n_parked++] = a->current;
+    return 0;
+}
+
+int trace_generate(trace *t, const trace_gen_params *p)
+{
+    uint64_t rng = p->seed * 0x2545f4914f6cdd1dull + 7;
+    uint32_t n_agents = p->agents + (p->adversarial ? 1 : 0);
+    uint32_t adversary = p->adversarial ? p->agents : UINT32_MAX;
+    uint32_t span = p->doc_blocks_max > p->doc_blocks_min ? p->doc_blocks_max - p->doc_blocks_min + 1 : 1;
+    uint32_t n_docs = 1 + p->topics + (p->adversarial ? p->adversary_topics : 0);
+    uint32_t *doc_len = malloc(n_docs * sizeof(*doc_len));
+    agent_state *agents = calloc(n_agents, sizeof(*agents));
+    uint32_t *order = malloc(n_agents * sizeof(*order));
+    int rc = -1;
+    if (!doc_len || !agents || !order)
+        goto out;
+    for (uint32_t d = 1; d < n_docs; d++)
+        doc_len[d] = p->doc_blocks_min + below(&rng, span);
+    uint32_t next_seq = n_docs;
+    for (uint32_t a = 0; a < n_agents; a++) {
+        agents[a].topic_seq = 1 + below(&rng, p->topics ? p->topics : 1);
+        agents[a].current = (session){.seq = next_seq++, .blocks = 0};
+    }
+    for (uint32_t turn = 0; turn < p->turns; turn++) {
+        for (uint32_t i = 0; i < n_agents; i++)
+            order[i] = i;
+        for (uint32_t i = n_agents; i > 1; i--) {
+            uint32_t j = below(&rng, i), tmp = order[i - 1];
+            order[i - 1] = order[j];
+            order[j] = tmp;
+        }
+        for (uint32_t k = 0; k < n_agents; k++) {
+            uint32_t a = order[k];
+            agent_state *st = &agents[a];
+            if (a == adversary) {
+                /* A topic from its own pool each turn; no session reuse. */
+                st->topic_seq = 1 + p->topics + below(&rng, p->adversary_topics);
+                st->current = (session){.seq = next_seq++, .blocks = 0};
+            } else {
+                if (p->topics && unit(&rng) < p->p_switch_topic)
+                    st->topic_seq = 1 + below(&rng, p->topics);
+                if (unit(&rng) < p->p_leave_session || st->current.blocks >= p->max_history_blocks) {
+                    if (park(st) != 0)
+                        goto out;
+                    if (st->n_parked > 1 && unit(&rng) < p->p_resume) {
+                        /* Returning session: take a parked one (not the one
+                         * just left) back. */
+                        uint32_t j = below(&rng, st->n_parked - 1);
+                        st->current = st->parked[j];
+                        st->parked[j] = st->parked[--st->n_parked];
+                    } else {
+                        st->current = (session){.seq = next_seq++, .blocks = 0};
+                    }
+                }
+            }
+            if (read_seq(t, SYSTEM_SEQ, p->system_blocks, a, 0.1f) != 0)
+                goto out;
+            if (read_doc(t, st->topic_seq, doc_len[st->topic_seq], a) != 0)
+                goto out;
+            uint32_t grow = 1 + below(&rng, p->new_blocks_per_turn ? p->new_blocks_per_turn : 1);
+            if (read_seq(t, st->current.seq, st->current.blocks + grow, a, 0.6f) != 0)
+                goto out;
+            st->current.blocks += grow;
+        }
+    }
+    rc = 0;
+out:
+    if (agents)
+        for (uint32_t a = 0; a < n_agents; a++)
+            free(agents[a].parked);
+    free(agents);
+    free(doc_len);
+    free(order);
+    return rc;
+}

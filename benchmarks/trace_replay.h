@@ -1,0 +1,37 @@
+/* Replays a block-access trace through the real engine (public API, CPU
+ * backend, tiny geometry) so that hit rates of "kvh's policy" come from the
+ * library, not from a model of it.
+ *
+ * Each trace sequence becomes a kvh sequence; the first access of a block
+ * appends its tokens (and writes its K/V), every later access is
+ * kvh_seq_acquire + kvh_seq_release of the block's tokens. The engine has a
+ * device tier of D blocks, a host tier of H blocks and a disk tier under
+ * dir large enough for every block (the backing store). Hits are read from
+ * kvh_engine_stats around each access; first accesses count as misses, as
+ * in the simulator. */
+#ifndef KVH_BENCH_TRACE_REPLAY_H
+#define KVH_BENCH_TRACE_REPLAY_H
+
+#include "policy_sim.h"
+#include "trace.h"
+
+typedef struct replay_config {
+    uint32_t device_blocks;
+    uint32_t host_blocks;
+    uint32_t lru_k;        /* 0: the engine's default */
+    const char *disk_dir;  /* existing directory; a store is made inside */
+    int skip_kv_write;     /* 1: a first access only appends (no K/V write),
+                              to see what the write's own access costs the
+                              policy */
+} replay_config;
+
+typedef struct replay_result {
+    sim_result sim;        /* hits and block transfers as the engine counted */
+    uint64_t block_bytes;
+    double seconds;
+} replay_result;
+
+/* Returns 0, or 1 after printing why on stderr. */
+int trace_replay(const trace *t, const replay_config *c, replay_result *out);
+
+#endif

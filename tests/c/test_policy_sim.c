@@ -1,0 +1,377 @@
+/* benchmarks/policy_sim.h, trace.h, trace_gen.h: the eviction-policy
+ * simulator behind `kvh-bench trace`. MIN is checked against an exhaustive
+ * search over every replacement schedule on tiny traces, and against every
+ * policy on larger random ones. */
+#include "test_util.h"
+
+#include "benchmarks/policy_sim.h"
+#include "benchmarks/trace.h"
+#include "benchmarks/trace_gen.h"
+
+static void build(trace *t, const uint32_t *blocks, size_t n)
+{
+    trace_init(t);
+    for (size_t i = 0; i < n; i++)
+        assert_int_equal(trace_add(t, 0, blocks[i], 0, 0.5f), 0);
+}
+
+static void random_trace(trace *t, tu_rng *r, size_t n, uint32_t distinct)
+{
+    trace_init(t);
+    for (size_t i = 0; i < n; i++) {
+        /* Skewed: half the accesses go to a fifth of the blocks. */
+        uint32_t b = tu_below(r, 2) ? (uint32_t)tu_below(r, distinct / 5 + 1) : (uint32_t)tu_below(r, distinct);
+        assert_int_equal(trace_add(t, b % 3, b, 0, (float)tu_below(r, 100) / 100.0f), 0);
+    }
+}
+
+/* The most hits any schedule can get: after each access the cache may
+ * become any subset of (cache + the accessed block) of at most cap blocks.
+ * Dynamic programming over cache contents (blocks < 8). */
+static uint64_t brute_force_opt(const trace *t, uint32_t cap)
+{
+    uint32_t states = 1u << t->n_blocks;
+    int64_t *best = malloc(states * sizeof(*best)), *next = malloc(states * sizeof(*next));
+    assert_non_null(best);
+    assert_non_null(next);
+    for (uint32_t m = 0; m < states; m++)
+        best[m] = -1;
+    best[0] = 0;
+    for (size_t i = 0; i < t->n; i++) {
+        uint32_t x = 1u << t->acc[i].block;
+        for (uint32_t m = 0; m < states; m++)
+            next[m] = -1;
+        for (uint32_t m = 0; m < states; m++) {
+            if (best[m] < 0)
+                continue;
+            int64_t v = best[m] + ((m & x) ? 1 : 0);
+            uint32_t avail = m | x;
+            /* every subset s of avail with |s| <= cap */
+            for (uint32_t s = avail;; s = (s - 1) & avail) {
+                if ((uint32_t)__builtin_popcount(s) <= cap && v > next[s])
+                    next[s] = v;
+                if (s == 0)
+                    break;
+            }
+        }
+        int64_t *tmp = best;
+        best = next;
+        next = tmp;
+    }
+    int64_t top = 0;
+    for (uint32_t m = 0; m < states; m++)
+        if (best[m] > top)
+            top = best[m];
+    free(best);
+    free(next);
+    return (uint64_t)top;
+}
+
+static void test_min_is_exact_on_tiny_traces(void **state)
+{
+    (void)state;
+    tu_rng r = {tu_seed(11)};
+    for (int round = 0; round < 400; round++) {
+        trace t;
+        trace_init(&t);
+        uint32_t distinct = 2 + (uint32_t)tu_below(&r, 5); /* 2..6 */
+        size_t n = 1 + tu_below(&r, 14);
+        for (size_t i = 0; i < n; i++)
+            assert_int_equal(trace_add(&t, 0, (uint32_t)tu_below(&r, distinct), 0, 0.5f), 0);
+        for (uint32_t cap = 1; cap <= t.n_blocks; cap++)
+            assert_int_equal(sim_min_hits(&t, cap), brute_force_opt(&t, cap));
+        trace_free(&t);
+    }
+}
+
+static void test_min_bounds_every_policy(void **state)
+{
+    (void)state;
+    tu_rng r = {tu_seed(12)};
+    for (int round = 0; round < 30; round++) {
+        trace t;
+        random_trace(&t, &r, 3000, 50 + (uint32_t)tu_below(&r, 400));
+        uint32_t dev = 1 + (uint32_t)tu_below(&r, 60), host = (uint32_t)tu_below(&r, 120);
+        sim_config c;
+        sim_config_defaults(&c, dev, host);
+        sim_result opt;
+        assert_int_equal(sim_min(&t, &c, &opt), 0);
+        assert_int_equal(opt.hits_device + opt.hits_host + opt.misses, t.n);
+        for (int p = 0; p < SIM_POLICY_COUNT; p++) {
+            sim_result res;
+            assert_int_equal(sim_run(&t, (sim_policy)p, &c, &res), 0);
+            assert_int_equal(res.accesses, t.n);
+            assert_int_equal(res.hits_device + res.hits_host + res.misses, t.n);
+            assert_int_equal(res.first_accesses, t.n_blocks);
+            assert_true(res.hits_device <= opt.hits_device);
+            assert_true(res.hits_device + res.hits_host <= opt.hits_device + opt.hits_host);
+            /* The inbound lower bound holds for every policy. */
+            assert_true(res.up_dh + res.up_sh >= opt.up_dh + opt.up_sh);
+            /* Exclusive tiers: whatever went down and did not come back
+             * is still below. */
+            assert_true(res.down_dh <= res.up_dh + t.n_blocks);
+        }
+        trace_free(&t);
+    }
+}
+
+static void test_min_is_monotone_in_capacity(void **state)
+{
+    (void)state;
+    tu_rng r = {tu_seed(13)};
+    trace t;
+    random_trace(&t, &r, 5000, 300);
+    uint64_t prev = 0;
+    for (uint32_t cap = 1; cap <= 320; cap += 7) {
+        uint64_t h = sim_min_hits(&t, cap);
+        assert_true(h >= prev);
+        prev = h;
+    }
+    /* Room for everything: only first accesses miss. */
+    assert_int_equal(sim_min_hits(&t, t.n_blocks), t.n - t.n_blocks);
+    trace_free(&t);
+}
+
+static void test_loop_defeats_lru_not_min(void **state)
+{
+    (void)state;
+    /* 0 1 2 repeated, device of 2, no host: LRU always evicts the block
+     * needed next; MIN keeps two of the three. */
+    uint32_t seq[30];
+    for (int i = 0; i < 30; i++)
+        seq[i] = (uint32_t)(i % 3);
+    trace t;
+    build(&t, seq, 30);
+    sim_config c;
+    sim_config_defaults(&c, 2, 0);
+    sim_result res;
+    assert_int_equal(sim_run(&t, SIM_LRU, &c, &res), 0);
+    assert_int_equal(res.hits_device, 0);
+    assert_int_equal(res.misses, 30);
+    assert_int_equal(sim_min_hits(&t, 2), brute_force_opt(&t, 2));
+    assert_true(sim_min_hits(&t, 2) >= 13);
+    trace_free(&t);
+}
+
+static void test_lru_k_resists_a_scan(void **state)
+{
+    (void)state;
+    /* Hot blocks 0..3 twice, a scan of 20 one-off blocks, hot blocks again.
+     * Device of 5: LRU loses the hot set to the scan, LRU-2 keeps it
+     * (one-off blocks have an infinite backward 2-distance). */
+    uint32_t seq[64];
+    size_t n = 0;
+    for (int rep = 0; rep < 2; rep++)
+        for (uint32_t b = 0; b < 4; b++)
+            seq[n++] = b;
+    for (uint32_t b = 100; b < 120; b++)
+        seq[n++] = b;
+    for (uint32_t b = 0; b < 4; b++)
+        seq[n++] = b;
+    trace t;
+    build(&t, seq, n);
+    sim_config c;
+    sim_config_defaults(&c, 5, 0);
+    sim_result lru, lruk;
+    assert_int_equal(sim_run(&t, SIM_LRU, &c, &lru), 0);
+    assert_int_equal(sim_run(&t, SIM_LRU_K, &c, &lruk), 0);
+    assert_int_equal(lru.hits_device, 4);
+    assert_int_equal(lruk.hits_device, 8);
+    trace_free(&t);
+}
+
+static void test_host_tier_catches_device_victims(void **state)
+{
+    (void)state;
+    /* 0 1 2 0 1 2 with a device of 1 and a host of 2: every re-access is a
+     * host hit under LRU, and each one moves a block up and one down. */
+    uint32_t seq[] = {0, 1, 2, 0, 1, 2};
+    trace t;
+    build(&t, seq, 6);
+    sim_config c;
+    sim_config_defaults(&c, 1, 2);
+    sim_result res;
+    assert_int_equal(sim_run(&t, SIM_LRU, &c, &res), 0);
+    assert_int_equal(res.hits_device, 0);
+    assert_int_equal(res.hits_host, 3);
+    assert_int_equal(res.misses, 3);
+    assert_int_equal(res.up_dh, 3);
+    assert_int_equal(res.down_dh, 5);
+    assert_int_equal(res.up_sh + res.down_sh, 0);
+    trace_free(&t);
+}
+
+static void test_hysteresis_serves_cold_blocks_in_place(void **state)
+{
+    (void)state;
+    /* Device of 2 holding hot 0 and 1; block 9 comes back from the host
+     * once, long after its first use: with hysteresis it is read in place
+     * and the device keeps the hot pair. */
+    uint32_t seq[40];
+    size_t n = 0;
+    seq[n++] = 9;
+    for (int i = 0; i < 15; i++) {
+        seq[n++] = 0;
+        seq[n++] = 1;
+    }
+    seq[n++] = 9;
+    seq[n++] = 0;
+    seq[n++] = 1;
+    trace t;
+    build(&t, seq, n);
+    sim_config c;
+    sim_config_defaults(&c, 2, 4);
+    c.hyst_window = 8;
+    sim_result plain, hyst;
+    assert_int_equal(sim_run(&t, SIM_LRU_K, &c, &plain), 0);
+    assert_int_equal(sim_run(&t, SIM_LRU_K_HYST, &c, &hyst), 0);
+    assert_int_equal(hyst.hits_host, 1);
+    assert_int_equal(hyst.hits_device, plain.hits_device + 1);
+    assert_true(hyst.down_dh < plain.down_dh);
+    trace_free(&t);
+}
+
+static void test_lctru_prefers_tolerant_blocks(void **state)
+{
+    (void)state;
+    /* Device of 2: 0 (tolerance 0.9) and 1 (0.1) then 2: LRU evicts 0 (least
+     * recent), LCTRU evicts 1 (least tolerable) when both are in its
+     * window; the next access to 0 tells them apart. */
+    trace t;
+    trace_init(&t);
+    assert_int_equal(trace_add(&t, 0, 0, 0, 0.9f), 0);
+    assert_int_equal(trace_add(&t, 0, 1, 0, 0.1f), 0);
+    assert_int_equal(trace_add(&t, 0, 2, 0, 0.5f), 0);
+    assert_int_equal(trace_add(&t, 0, 0, 0, 0.9f), 0);
+    sim_config c;
+    sim_config_defaults(&c, 2, 0);
+    sim_result lru, lctru;
+    assert_int_equal(sim_run(&t, SIM_LRU, &c, &lru), 0);
+    assert_int_equal(sim_run(&t, SIM_LCTRU, &c, &lctru), 0);
+    assert_int_equal(lru.hits_device, 0);
+    assert_int_equal(lctru.hits_device, 1);
+    trace_free(&t);
+}
+
+static void test_trace_ids_and_file_round_trip(void **state)
+{
+    (void)state;
+    trace t;
+    trace_init(&t);
+    assert_int_equal(trace_add(&t, 7, 0, 1, 0.25f), 0);
+    assert_int_equal(trace_add(&t, 7, 1, 1, 0.75f), 0);
+    assert_int_equal(trace_add(&t, 3, 0, 2, 0.5f), 0);
+    assert_int_equal(trace_add(&t, 7, 0, 2, 0.9f), 0); /* tolerance kept from first use */
+    assert_int_equal(t.n_blocks, 3);
+    assert_int_equal(t.acc[3].block, 0);
+    assert_true(t.tolerance[0] == 0.25f);
+    assert_int_equal(trace_count_seqs(&t), 2);
+
+    const char *dir = getenv("KVH_TEST_TMPDIR");
+    char path[4096];
+    snprintf(path, sizeof(path), "%s/round.trace", dir && *dir ? dir : "/tmp");
+    assert_int_equal(trace_save(&t, path), 0);
+    trace back;
+    trace_init(&back);
+    char err[256];
+    assert_int_equal(trace_load(&back, path, err, sizeof(err)), 0);
+    assert_int_equal(back.n, t.n);
+    assert_int_equal(back.n_blocks, t.n_blocks);
+    for (size_t i = 0; i < t.n; i++) {
+        assert_int_equal(back.acc[i].block, t.acc[i].block);
+        assert_int_equal(back.acc[i].agent, t.acc[i].agent);
+    }
+    trace_free(&back);
+
+    /* Malformed lines are refused with their line number. */
+    FILE *f = fopen(path, "w");
+    assert_non_null(f);
+    fputs("# ok\n1 2\n1 x\n", f);
+    fclose(f);
+    trace_init(&back);
+    assert_int_equal(trace_load(&back, path, err, sizeof(err)), -1);
+    assert_non_null(strstr(err, ":3:"));
+    trace_free(&back);
+    trace_free(&t);
+}
+
+static void test_demo_trace_format(void **state)
+{
+    (void)state;
+    /* `kvh demo --record-trace` lines: the block handle names the block,
+     * prefetch hints are not accesses. */
+    const char *dir = getenv("KVH_TEST_TMPDIR");
+    char path[4096];
+    snprintf(path, sizeof(path), "%s/demo.trace", dir && *dir ? dir : "/tmp");
+    FILE *f = fopen(path, "w");
+    assert_non_null(f);
+    fputs("# kvh block-access trace v1 (kvh demo)\n"
+          "# t_s\tagent\tseq\tblock_id\tblock_hash\ttier\tkind\n"
+          "0.1\t0\t0x5a00000001\t0xb100000000\t579274910657938b\tdevice\tmatch\n"
+          "0.2\t1\t0x5a00000002\t0xb100000000\t579274910657938b\tdevice\tmatch\n"
+          "0.3\t1\t0x5a00000002\t0xc200000007\t0\thost\tprefetch\n"
+          "0.4\t2\t0x5a00000003\t0xc200000007\t0\thost\tdecode\n",
+          f);
+    fclose(f);
+    trace t;
+    trace_init(&t);
+    char err[256];
+    assert_int_equal(trace_load(&t, path, err, sizeof(err)), 0);
+    assert_int_equal(t.n, 3);
+    assert_int_equal(t.n_blocks, 2);
+    assert_int_equal(t.acc[0].block, t.acc[1].block); /* shared through the prefix index */
+    assert_int_equal(t.acc[2].agent, 2);
+    assert_int_equal(t.acc[2].seq, t.acc[2].block);
+    assert_int_equal(t.acc[2].index, 0);
+    trace_free(&t);
+}
+
+static void test_generator_is_deterministic(void **state)
+{
+    (void)state;
+    trace_gen_params p;
+    trace_gen_defaults(&p);
+    p.turns = 10;
+    trace a, b, adv;
+    trace_init(&a);
+    trace_init(&b);
+    trace_init(&adv);
+    assert_int_equal(trace_generate(&a, &p), 0);
+    assert_int_equal(trace_generate(&b, &p), 0);
+    assert_int_equal(a.n, b.n);
+    assert_memory_equal(a.acc, b.acc, a.n * sizeof(*a.acc));
+    /* Every agent reads the shared system prompt (sequence 0) each turn. */
+    size_t system_reads = 0;
+    for (size_t i = 0; i < a.n; i++)
+        system_reads += a.acc[i].seq == 0;
+    assert_int_equal(system_reads, (size_t)p.agents * p.turns * p.system_blocks);
+    p.adversarial = 1;
+    assert_int_equal(trace_generate(&adv, &p), 0);
+    uint32_t max_agent = 0;
+    for (size_t i = 0; i < adv.n; i++)
+        if (adv.acc[i].agent > max_agent)
+            max_agent = adv.acc[i].agent;
+    assert_int_equal(max_agent, p.agents); /* one more agent */
+    assert_true(adv.n_blocks > a.n_blocks);
+    trace_free(&a);
+    trace_free(&b);
+    trace_free(&adv);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_min_is_exact_on_tiny_traces),
+        cmocka_unit_test(test_min_bounds_every_policy),
+        cmocka_unit_test(test_min_is_monotone_in_capacity),
+        cmocka_unit_test(test_loop_defeats_lru_not_min),
+        cmocka_unit_test(test_lru_k_resists_a_scan),
+        cmocka_unit_test(test_host_tier_catches_device_victims),
+        cmocka_unit_test(test_hysteresis_serves_cold_blocks_in_place),
+        cmocka_unit_test(test_lctru_prefers_tolerant_blocks),
+        cmocka_unit_test(test_trace_ids_and_file_round_trip),
+        cmocka_unit_test(test_demo_trace_format),
+        cmocka_unit_test(test_generator_is_deterministic),
+    };
+    return cmocka_run_group_tests_name("policy_sim", tests, NULL, NULL);
+}
