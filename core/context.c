@@ -196,8 +196,8 @@ kvh_status kvhi_context_detach(kvh_engine *e, kvh_context h, kvhi_context **out)
     kvh_status st = kvhi_context_resolve(e, h, &x);
     if (st != KVH_OK)
         return st;
-    if (x->switching)
-        return kvhi_fail(KVH_ERR_BUSY, "context '%s' is being switched", x->name);
+    if (x->switching || x->holds)
+        return kvhi_fail(KVH_ERR_BUSY, "context '%s' is being switched or used", x->name);
     for (uint32_t i = 0; i < x->n_regions; i++)
         region_unaccount(e, &x->regions[i]);
     kvhi_handles_remove(&e->contexts->table, kvhi_handle_index(h.id));
@@ -280,8 +280,8 @@ static kvh_status region_copy_in(kvh_engine *e, kvhi_context *x, kvhi_region *r,
 kvh_status kvhi_context_add_region(kvh_engine *e, kvhi_context *x, const kvh_weight_region_params *p,
                                    uint32_t *out)
 {
-    if (x->switching)
-        return kvhi_fail(KVH_ERR_BUSY, "context '%s' is being switched", x->name);
+    if (x->switching || x->holds)
+        return kvhi_fail(KVH_ERR_BUSY, "context '%s' is being switched or used", x->name);
     if (x->n_regions == x->cap_regions) {
         uint32_t cap = x->cap_regions ? x->cap_regions * 2 : 8;
         kvhi_region *nr = realloc(x->regions, sizeof(*nr) * cap);
@@ -310,10 +310,11 @@ kvh_status kvhi_context_add_region(kvh_engine *e, kvhi_context *x, const kvh_wei
         x->regions[i] = r; /* visible (busy) while the lock drops */
         x->n_regions++;
         x->load_order[i] = i; /* placeholder until ordered below */
-        x->switching = true;  /* keeps switch and destroy away meanwhile */
+        x->holds++; /* keeps switch and destroy away meanwhile */
         st = region_copy_in(e, x, &x->regions[i], p->bytes);
         kvhi_free_garbage(e); /* clean regions it displaced */
-        x->switching = false;
+        x->holds--;
+        pthread_cond_broadcast(&e->contexts->cv);
         x->n_regions--;
         if (st == KVH_OK)
             r = x->regions[i];
@@ -689,17 +690,22 @@ kvh_status kvhi_context_switch(kvh_engine *e, kvh_context from_h, kvh_context to
     kvhi_contexts *c = kvhi_contexts_get(e);
     if (!c)
         return kvhi_fail(KVH_ERR_NOMEM, "out of memory for context state");
-    wait_previous_switch(e, c);
-    while (c->switch_active) /* another caller started one meanwhile */
+    kvhi_context *from, *to;
+    kvh_status st;
+    for (;;) {
+        /* Every wait drops the lock: look everything up again after it. */
         wait_previous_switch(e, c);
-    kvhi_context *from = NULL, *to = NULL;
-    kvh_status st = KVH_OK;
-    if (from_h.id && (st = kvhi_context_resolve(e, from_h, &from)) != KVH_OK)
-        return st;
-    if (to_h.id && (st = kvhi_context_resolve(e, to_h, &to)) != KVH_OK)
-        return st;
-    if ((from && from->switching) || (to && to->switching))
-        return kvhi_fail(KVH_ERR_BUSY, "a context of this switch is still being registered");
+        if (c->switch_active) /* another caller started one meanwhile */
+            continue;
+        from = to = NULL;
+        if (from_h.id && (st = kvhi_context_resolve(e, from_h, &from)) != KVH_OK)
+            return st;
+        if (to_h.id && (st = kvhi_context_resolve(e, to_h, &to)) != KVH_OK)
+            return st;
+        if (!(from && from->holds) && !(to && to->holds))
+            break;
+        pthread_cond_wait(&c->cv, &e->lock);
+    }
     kvhi_switch *sw = calloc(1, sizeof(*sw));
     if (!sw)
         return kvhi_fail(KVH_ERR_NOMEM, "out of memory for a switch");
@@ -835,10 +841,10 @@ kvh_status kvhi_context_verify(kvh_engine *e, kvh_context h, uint64_t *checked)
     kvh_status st = kvhi_context_resolve(e, h, &x);
     if (st != KVH_OK)
         return st;
-    if (x->switching)
-        return kvhi_fail(KVH_ERR_BUSY, "context '%s' is being switched", x->name);
+    if (x->switching || x->holds)
+        return kvhi_fail(KVH_ERR_BUSY, "context '%s' is being switched or used", x->name);
     /* Keeps switches and destroy away while the lock is dropped. */
-    x->switching = true;
+    x->holds++;
     uint64_t n = 0;
     for (uint32_t i = 0; i < x->n_regions && st == KVH_OK; i++) {
         kvhi_region *r = &x->regions[i];
@@ -858,7 +864,7 @@ kvh_status kvhi_context_verify(kvh_engine *e, kvh_context h, uint64_t *checked)
         else
             n += r->n_chunks;
     }
-    x->switching = false;
+    x->holds--;
     e->contexts->stats.chunks_verified += n;
     pthread_cond_broadcast(&e->contexts->cv);
     if (st == KVH_OK && checked)

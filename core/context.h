@@ -54,6 +54,8 @@ typedef struct kvhi_context {
     uint32_t n_seqs, cap_seqs;
     bool loading;         /* a switch is bringing it in */
     bool switching;       /* a switch (either direction) involves it */
+    uint32_t holds;       /* other calls using it with the lock dropped
+                             (add_region, verify); a switch waits */
     kvh_status load_status; /* of the last switch into it */
     char load_msg[192];
 } kvhi_context;
