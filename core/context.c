@@ -99,6 +99,16 @@ kvhi_contexts *kvhi_contexts_get(kvh_engine *e)
     return c;
 }
 
+int kvhi_context_copy_on_unified(kvh_engine *e, bool on)
+{
+    pthread_mutex_lock(&e->lock);
+    kvhi_contexts *c = kvhi_contexts_get(e);
+    if (c)
+        c->copy_on_unified = on;
+    pthread_mutex_unlock(&e->lock);
+    return c ? 0 : -1;
+}
+
 kvh_status kvhi_context_resolve(kvh_engine *e, kvh_context h, kvhi_context **out)
 {
     kvhi_context *x = e->contexts ? kvhi_handles_get(&e->contexts->table, h.id, NULL) : NULL;

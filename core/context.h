@@ -109,6 +109,8 @@ kvhi_contexts *kvhi_contexts_get(kvh_engine *e);
 kvh_status kvhi_context_resolve(kvh_engine *e, kvh_context h,
                                 kvhi_context **out);
 bool kvhi_unified_memory(kvh_engine *e);
+/* Sets copy_on_unified (tests and kvh-bench, which declares it itself). */
+int kvhi_context_copy_on_unified(kvh_engine *e, bool on);
 /* Host-tier room: drops one clean weight region kept in the host tier
  * (it can be read from its file again), preferring contexts that are not
  * being loaded. Lock held. Returns false when there is none. */

@@ -165,9 +165,21 @@ int kvhi_region_read_source(kvh_engine *e, kvhi_region *r, uint64_t chunk, uint8
 int kvhi_region_copy(kvh_engine *e, kvhi_region *r, uint64_t chunk, uint8_t *dst, uint32_t dst_tier,
                      const uint8_t *src, uint32_t src_tier, int crc_mode, uint32_t *bad_chunk)
 {
+    /* Both sides in CPU memory: checksum while copying, in one pass. */
+    bool fused = crc_mode != KVHI_CRC_NONE && host_readable(e, dst_tier) && host_readable(e, src_tier);
     for (uint32_t c = 0; c < r->n_chunks; c++) {
         uint64_t off = (uint64_t)c * chunk;
         uint64_t n = r->size - off < chunk ? r->size - off : chunk;
+        if (fused) {
+            uint32_t crc = kvhi_crc32c_copy(0, dst + off, src + off, n);
+            if (crc_mode == KVHI_CRC_RECORD)
+                r->chunk_crc[c] = crc;
+            else if (crc != r->chunk_crc[c]) {
+                *bad_chunk = c;
+                return 1;
+            }
+            continue;
+        }
         /* Checksum the side the CPU can read: the source on the way up,
          * the destination on the way down. */
         if (crc_mode == KVHI_CRC_VERIFY && host_readable(e, src_tier) &&

@@ -154,8 +154,7 @@ static kvh_engine *open_engine(mode md, uint64_t dev_blocks, uint64_t host_block
         c.disk_flags = KVH_DISK_RESET_ON_MISMATCH;
     }
     kvh_engine *e = tu_open_cfg(&c);
-    /* No other thread uses the engine yet. */
-    kvhi_contexts_get(e)->copy_on_unified = md.copies;
+    assert_int_equal(kvhi_context_copy_on_unified(e, md.copies), 0);
     return e;
 }
 
