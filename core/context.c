@@ -66,10 +66,7 @@ bool kvhi_drop_clean_host_region(kvh_engine *e, bool allow_loading)
             if (r->tier != KVH_TIER_HOST || r->dirty || r->fd < 0 || r->busy || r->pinned)
                 continue;
             defer_free(e, r->data, r->size, r->alloc_tier);
-            kvhi_region_return_slots(e, KVH_TIER_HOST, r->slots, r->n_slots);
-            free(r->slots);
-            r->slots = NULL;
-            r->n_slots = 0;
+            kvhi_charge_sub(e, x, KVH_TIER_HOST, r->size);
             r->tier = KVHI_NO_TIER;
             r->data = NULL;
             r->alloc_tier = KVHI_NO_TIER;
@@ -119,15 +116,12 @@ kvh_status kvhi_context_resolve(kvh_engine *e, kvh_context h, kvhi_context **out
     return KVH_OK;
 }
 
-/* Releases a region's tier slots (lock held); its memory is left for
- * region_free_memory, outside the lock. */
-static void region_unaccount(kvh_engine *e, kvhi_region *r)
+/* Takes a region's bytes off its tier (lock held); its memory is left
+ * for region_free_memory, outside the lock. */
+static void region_unaccount(kvh_engine *e, kvhi_context *x, kvhi_region *r)
 {
     if (r->tier != KVHI_NO_TIER)
-        kvhi_region_return_slots(e, r->tier, r->slots, r->n_slots);
-    free(r->slots);
-    r->slots = NULL;
-    r->n_slots = 0;
+        kvhi_charge_sub(e, x, r->tier, r->size);
     r->tier = KVHI_NO_TIER;
 }
 
@@ -148,6 +142,8 @@ static void context_free(kvh_engine *e, kvhi_context *x)
         region_free_memory(e, &x->regions[i]);
     free(x->regions);
     free(x->load_order);
+    kvhi_charge_free(&x->charge[0]);
+    kvhi_charge_free(&x->charge[1]);
     free(x->seqs);
     free(x);
 }
@@ -162,13 +158,8 @@ void kvhi_contexts_free(kvh_engine *e)
             pthread_join(c->threads[i], NULL);
     for (uint32_t i = 0; i < c->table.cap; i++) {
         kvhi_context *x = kvhi_handles_at(&c->table, i);
-        if (x) {
-            for (uint32_t j = 0; j < x->n_regions; j++) {
-                free(x->regions[j].slots); /* the tiers go away too */
-                x->regions[j].slots = NULL;
-            }
-            context_free(e, x);
-        }
+        if (x)
+            context_free(e, x); /* its slots go with the tiers */
     }
     for (uint32_t i = 0; i < c->n_garbage; i++)
         kvhi_region_mem_free(e, c->garbage[i].tier, c->garbage[i].p, c->garbage[i].bytes);
@@ -209,7 +200,7 @@ kvh_status kvhi_context_detach(kvh_engine *e, kvh_context h, kvhi_context **out)
     if (x->switching || x->holds)
         return kvhi_fail(KVH_ERR_BUSY, "context '%s' is being switched or used", x->name);
     for (uint32_t i = 0; i < x->n_regions; i++)
-        region_unaccount(e, &x->regions[i]);
+        region_unaccount(e, x, &x->regions[i]);
     kvhi_handles_remove(&e->contexts->table, kvhi_handle_index(h.id));
     *out = x;
     return KVH_OK;
@@ -256,8 +247,7 @@ static kvh_status open_source(const char *path, uint64_t off, uint64_t size, int
 static kvh_status region_copy_in(kvh_engine *e, kvhi_context *x, kvhi_region *r, const void *bytes)
 {
     uint32_t tier = e->tiers[KVH_TIER_HOST].present ? KVH_TIER_HOST : KVH_TIER_DEVICE;
-    uint32_t *slots;
-    kvh_status st = kvhi_region_withhold(e, r, tier, &slots);
+    kvh_status st = kvhi_charge_add(e, x, tier, r->size, KVHI_CHARGE_EVICT);
     if (st != KVH_OK)
         return st;
     r->busy = true;
@@ -273,16 +263,13 @@ static kvh_status region_copy_in(kvh_engine *e, kvhi_context *x, kvhi_region *r,
     pthread_mutex_lock(&e->lock);
     r->busy = false;
     if (!mem) {
-        kvhi_region_return_slots(e, tier, slots, (uint32_t)((r->size + e->block_bytes - 1) / e->block_bytes));
-        free(slots);
+        kvhi_charge_sub(e, x, tier, r->size);
         return kvhi_fail(rc ? KVH_ERR_IO : KVH_ERR_NOMEM, "cannot place weight region '%s' (%llu bytes) in the %s tier",
                          r->name, (unsigned long long)r->size, tier == KVH_TIER_HOST ? "host" : "device");
     }
     r->data = mem;
     r->alloc_tier = (uint8_t)tier;
     r->tier = (uint8_t)tier;
-    r->slots = slots;
-    r->n_slots = (uint32_t)((r->size + e->block_bytes - 1) / e->block_bytes);
     r->crc_known = true;
     return KVH_OK;
 }
@@ -434,30 +421,21 @@ static kvh_status depart_region(kvh_engine *e, kvhi_context *x, kvhi_region *r)
 {
     kvhi_contexts *c = e->contexts;
     bool unified = kvhi_unified_memory(e);
-    bool host = e->tiers[KVH_TIER_HOST].present;
     if (!r->dirty && r->fd >= 0) {
         /* Clean: never written. On unified memory it may stay in RAM as
          * host-tier memory if the host tier has free room (no eviction for
          * it: it can always be read again). */
-        uint32_t n = r->n_slots, got = 0;
-        uint32_t *hs = unified && host ? malloc(sizeof(uint32_t) * n) : NULL;
-        while (hs && got < n && kvhi_slot_pool_alloc(&e->tiers[KVH_TIER_HOST].slots, &hs[got]) == 0)
-            got++;
-        if (hs && got == n) {
-            kvhi_region_return_slots(e, KVH_TIER_DEVICE, r->slots, r->n_slots);
-            free(r->slots);
-            r->slots = hs;
+        if (unified && e->tiers[KVH_TIER_HOST].present &&
+            kvhi_charge_add(e, x, KVH_TIER_HOST, r->size, KVHI_CHARGE_FREE_ONLY) == KVH_OK) {
+            kvhi_charge_sub(e, x, KVH_TIER_DEVICE, r->size);
             r->tier = KVH_TIER_HOST;
             c->stats.bytes_remapped += r->size;
             return KVH_OK;
         }
-        if (hs) {
-            kvhi_region_return_slots(e, KVH_TIER_HOST, hs, got);
-            free(hs);
-        }
+        kvhi_clear_error();
         uint8_t *mem = r->data;
         uint8_t at = r->alloc_tier;
-        region_unaccount(e, r);
+        region_unaccount(e, x, r);
         r->data = NULL;
         r->alloc_tier = KVHI_NO_TIER;
         c->stats.bytes_dropped += r->size;
@@ -469,8 +447,7 @@ static kvh_status depart_region(kvh_engine *e, kvhi_context *x, kvhi_region *r)
         return KVH_OK;
     }
     /* Modified, or no source: its bytes must be kept, in the host tier. */
-    uint32_t *hs;
-    kvh_status st = kvhi_region_withhold(e, r, KVH_TIER_HOST, &hs);
+    kvh_status st = kvhi_charge_add(e, x, KVH_TIER_HOST, r->size, KVHI_CHARGE_EVICT);
     if (st != KVH_OK) {
         char why[160];
         snprintf(why, sizeof(why), "%s", kvh_last_error());
@@ -500,17 +477,12 @@ static kvh_status depart_region(kvh_engine *e, kvhi_context *x, kvhi_region *r)
         kvhi_region_mem_free(e, r->alloc_tier, r->data, r->size);
     pthread_mutex_lock(&e->lock);
     r->busy = false;
-    uint32_t n_host = (uint32_t)((r->size + e->block_bytes - 1) / e->block_bytes);
     if (rc != 0) {
-        kvhi_region_return_slots(e, KVH_TIER_HOST, hs, n_host);
-        free(hs);
+        kvhi_charge_sub(e, x, KVH_TIER_HOST, r->size);
         return kvhi_fail(mem ? KVH_ERR_IO : KVH_ERR_NOMEM, "cannot write weight region '%s' back to the host tier",
                          r->name);
     }
-    kvhi_region_return_slots(e, KVH_TIER_DEVICE, r->slots, r->n_slots);
-    free(r->slots);
-    r->slots = hs;
-    r->n_slots = n_host;
+    kvhi_charge_sub(e, x, KVH_TIER_DEVICE, r->size);
     r->tier = KVH_TIER_HOST;
     r->crc_known = true;
     r->stale_crc = false;
@@ -554,8 +526,7 @@ static kvh_status arrive_region(kvh_engine *e, kvhi_context *x, kvhi_region *r)
     kvhi_contexts *c = e->contexts;
     bool unified = kvhi_unified_memory(e);
     r->busy = true;
-    uint32_t *ds;
-    kvh_status st = kvhi_region_withhold(e, r, KVH_TIER_DEVICE, &ds);
+    kvh_status st = kvhi_charge_add(e, x, KVH_TIER_DEVICE, r->size, KVHI_CHARGE_EVICT);
     if (st != KVH_OK) {
         r->busy = false;
         char why[160];
@@ -563,12 +534,8 @@ static kvh_status arrive_region(kvh_engine *e, kvhi_context *x, kvhi_region *r)
         return kvhi_fail(st, "no room in the device tier for weight region '%s' of context '%s': %s", r->name, x->name,
                          why);
     }
-    uint32_t n_dev = (uint32_t)((r->size + e->block_bytes - 1) / e->block_bytes);
     if (r->tier == KVH_TIER_HOST && unified) {
-        kvhi_region_return_slots(e, KVH_TIER_HOST, r->slots, r->n_slots);
-        free(r->slots);
-        r->slots = ds;
-        r->n_slots = n_dev;
+        kvhi_charge_sub(e, x, KVH_TIER_HOST, r->size);
         r->tier = KVH_TIER_DEVICE;
         r->busy = false;
         c->stats.bytes_remapped += r->size;
@@ -592,8 +559,7 @@ static kvh_status arrive_region(kvh_engine *e, kvhi_context *x, kvhi_region *r)
     pthread_mutex_lock(&e->lock);
     r->busy = false;
     if (rc != 0) {
-        kvhi_region_return_slots(e, KVH_TIER_DEVICE, ds, n_dev);
-        free(ds);
+        kvhi_charge_sub(e, x, KVH_TIER_DEVICE, r->size);
         if (rc == 1) {
             c->stats.crc_failures++;
             return kvhi_fail(KVH_ERR_CORRUPT, "weight region '%s' chunk %u no longer matches its checksum", r->name,
@@ -603,15 +569,12 @@ static kvh_status arrive_region(kvh_engine *e, kvhi_context *x, kvhi_region *r)
                          rc == -1 ? "copy failed" : strerror(-rc));
     }
     if (old_tier == KVH_TIER_HOST) {
-        kvhi_region_return_slots(e, KVH_TIER_HOST, r->slots, r->n_slots);
-        free(r->slots);
+        kvhi_charge_sub(e, x, KVH_TIER_HOST, r->size);
         c->stats.bytes_host_to_device += r->size;
     } else {
         c->stats.bytes_read_source += r->size;
         r->crc_known = true;
     }
-    r->slots = ds;
-    r->n_slots = n_dev;
     r->data = mem;
     r->alloc_tier = KVH_TIER_DEVICE;
     r->tier = KVH_TIER_DEVICE;
@@ -911,16 +874,12 @@ void kvhi_weight_stats(kvh_engine *e, kvh_weight_stats *out)
         s.bytes_device = s.bytes_host = s.slots_device = s.slots_host = 0;
         for (uint32_t i = 0; i < c->table.cap; i++) {
             kvhi_context *x = kvhi_handles_at(&c->table, i);
-            for (uint32_t j = 0; x && j < x->n_regions; j++) {
-                kvhi_region *r = &x->regions[j];
-                if (r->tier == KVH_TIER_DEVICE) {
-                    s.bytes_device += r->size;
-                    s.slots_device += r->n_slots;
-                } else if (r->tier == KVH_TIER_HOST) {
-                    s.bytes_host += r->size;
-                    s.slots_host += r->n_slots;
-                }
-            }
+            if (!x)
+                continue;
+            s.bytes_device += x->charge[KVH_TIER_DEVICE].bytes;
+            s.slots_device += x->charge[KVH_TIER_DEVICE].n;
+            s.bytes_host += x->charge[KVH_TIER_HOST].bytes;
+            s.slots_host += x->charge[KVH_TIER_HOST].n;
         }
     }
     s.struct_size = sizeof(s);

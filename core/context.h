@@ -39,9 +39,18 @@ typedef struct kvhi_region {
     uint8_t alloc_tier; /* whose allocator made data (differs from tier
                            after a remap on unified memory) */
     uint8_t *data;
-    uint32_t *slots; /* slots of `tier` withheld for it */
-    uint32_t n_slots;
 } kvhi_region;
+
+/* What a context's weights hold in one memory tier: slots withheld from
+ * the tier for `bytes` of resident regions, ceil(bytes / block_bytes) of
+ * them once a change completes. Charging per context rather than per
+ * region keeps the rounding under one block per context and tier (a GGUF
+ * has hundreds of small tensors; KV blocks can be near a megabyte). */
+typedef struct kvhi_charge {
+    uint32_t *slots;
+    uint32_t n, cap;
+    uint64_t bytes;
+} kvhi_charge;
 
 typedef struct kvhi_context {
     char name[KVHI_NAME_MAX];
@@ -50,6 +59,7 @@ typedef struct kvhi_context {
     kvhi_region *regions;
     uint32_t n_regions, cap_regions;
     uint32_t *load_order; /* region indices by (layer, index) */
+    kvhi_charge charge[2]; /* [KVH_TIER_DEVICE], [KVH_TIER_HOST] */
     uint64_t *seqs;       /* attached sequence handles */
     uint32_t n_seqs, cap_seqs;
     bool loading;         /* a switch is bringing it in */
@@ -111,10 +121,8 @@ kvh_status kvhi_context_resolve(kvh_engine *e, kvh_context h,
 bool kvhi_unified_memory(kvh_engine *e);
 /* Sets copy_on_unified (tests and kvh-bench, which declares it itself). */
 int kvhi_context_copy_on_unified(kvh_engine *e, bool on);
-/* Host-tier room: drops one clean weight region kept in the host tier
- * (it can be read from its file again), preferring contexts that are not
- * being loaded. Lock held. Returns false when there is none. */
-bool kvhi_drop_clean_host_region(kvh_engine *e, bool allow_loading);
+/* kvhi_drop_clean_host_region (engine.h): with allow_loading false it
+ * spares contexts a switch is bringing in. */
 /* Frees the memory of dropped regions (lock held; dropped meanwhile). */
 void kvhi_free_garbage(kvh_engine *e);
 kvh_status kvhi_context_create(kvh_engine *e, const kvh_context_params *p,
@@ -144,15 +152,19 @@ kvh_status kvhi_context_info(kvh_engine *e, kvhi_context *x,
 void kvhi_weight_stats(kvh_engine *e, kvh_weight_stats *out);
 
 /* ---- weight_chunks.c ---- */
-/* Withholds ceil(size / block_bytes) slots of `tier` for r, evicting KV by
- * policy (the lock may drop). While departures of another context are
- * still pending, waits for them before evicting. On failure nothing is
- * withheld. */
-kvh_status kvhi_region_withhold(kvh_engine *e, kvhi_region *r, uint32_t tier,
-                                uint32_t **slots_out);
-/* Gives withheld slots back to their tier. */
-void kvhi_region_return_slots(kvh_engine *e, uint32_t tier, uint32_t *slots,
-                              uint32_t n);
+enum kvhi_charge_mode {
+    KVHI_CHARGE_FREE_ONLY, /* only slots that are free now */
+    KVHI_CHARGE_EVICT      /* wait for a switch's departures, then evict
+                              by policy (the lock may drop) */
+};
+/* Charges `bytes` more to x's weights in `tier`, withholding slots as
+ * needed. On failure nothing more is charged. Lock held. */
+kvh_status kvhi_charge_add(kvh_engine *e, kvhi_context *x, uint32_t tier,
+                           uint64_t bytes, enum kvhi_charge_mode mode);
+/* Takes `bytes` off and gives back the slots no longer needed. */
+void kvhi_charge_sub(kvh_engine *e, kvhi_context *x, uint32_t tier,
+                     uint64_t bytes);
+void kvhi_charge_free(kvhi_charge *ch);
 /* Allocates / frees region memory with the allocator of `tier`. Call
  * without the lock (CUDA allocators synchronise the device). */
 uint8_t *kvhi_region_mem_alloc(kvh_engine *e, uint32_t tier, uint64_t bytes);

@@ -353,5 +353,8 @@ void kvhi_pools_destroy(kvh_engine *e);
 /* ---- weight contexts (context.c) ---- */
 /* Frees contexts and their weight memory (engine_free, nothing active). */
 void kvhi_contexts_free(kvh_engine *e);
+/* Makes host-tier room by dropping one clean weight region kept there
+ * (lock held); false when there is none. */
+bool kvhi_drop_clean_host_region(kvh_engine *e, bool allow_loading);
 
 #endif

@@ -19,10 +19,7 @@
 #include "core/context.h"
 #include "core/crc32c.h"
 
-static uint32_t slots_for(kvh_engine *e, uint64_t bytes)
-{
-    return (uint32_t)((bytes + e->block_bytes - 1) / e->block_bytes);
-}
+static uint64_t slots_for(kvh_engine *e, uint64_t bytes) { return (bytes + e->block_bytes - 1) / e->block_bytes; }
 
 /* Withheld slots hold no data: on the CPU backend their whole pages go
  * back to the kernel (they read as zeros when KV reuses them). */
@@ -39,56 +36,94 @@ static void forget_slot_pages(kvh_engine *e, uint32_t tier, uint32_t slot)
         madvise((void *)lo, hi - lo, MADV_DONTNEED);
 }
 
-kvh_status kvhi_region_withhold(kvh_engine *e, kvhi_region *r, uint32_t tier, uint32_t **slots_out)
+/* Gives back slots beyond what ch->bytes needs. */
+static void trim(kvh_engine *e, kvhi_charge *ch, uint32_t tier)
+{
+    uint64_t keep = slots_for(e, ch->bytes);
+    bool freed = false;
+    while (ch->n > keep) {
+        kvhi_release_slot(e, tier, ch->slots[--ch->n]);
+        freed = true;
+    }
+    if (freed)
+        pthread_cond_broadcast(&e->changed); /* room appeared */
+}
+
+/* One more slot of `tier` (lock held; may drop it in KVHI_CHARGE_EVICT). */
+static kvh_status take_slot(kvh_engine *e, uint32_t tier, enum kvhi_charge_mode mode, uint32_t *slot)
 {
     kvhi_tier *t = &e->tiers[tier];
-    if (!t->present)
-        return kvhi_fail(KVH_ERR_NOSPACE, "the %s tier is not configured", tier == KVH_TIER_DEVICE ? "device" : "host");
-    uint32_t n = slots_for(e, r->size);
-    if (n > t->slots.capacity)
-        return kvhi_fail(KVH_ERR_NOSPACE, "weight region '%s' (%llu bytes) is larger than the whole %s tier", r->name,
-                         (unsigned long long)r->size, tier == KVH_TIER_DEVICE ? "device" : "host");
-    uint32_t *slots = malloc(sizeof(uint32_t) * n);
-    if (!slots)
-        return kvhi_fail(KVH_ERR_NOMEM, "out of memory for a slot list");
     kvhi_contexts *c = e->contexts;
-    for (uint32_t i = 0; i < n; i++) {
-        for (;;) {
-            if (kvhi_slot_pool_alloc(&t->slots, &slots[i]) == 0)
-                break;
-            /* The other side of a switch is about to free room: wait for
-             * it rather than evict KV that would then fit. */
-            if (tier == KVH_TIER_DEVICE && c->departures_left) {
-                pthread_cond_wait(&c->cv, &e->lock);
-                continue;
-            }
-            /* Clean weights kept in host memory are a cache: they go
-             * before KV, which would need a disk write. */
-            if (tier == KVH_TIER_HOST && kvhi_drop_clean_host_region(e, false))
-                continue;
-            kvh_status st = kvhi_reserve_slot(e, tier, UINT32_MAX, &slots[i]);
-            if (st == KVH_ERR_NOSPACE && tier == KVH_TIER_HOST && kvhi_drop_clean_host_region(e, true))
-                continue;
-            if (st != KVH_OK) {
-                kvhi_region_return_slots(e, tier, slots, i);
-                free(slots);
-                return st;
-            }
-            break;
+    for (;;) {
+        if (kvhi_slot_pool_alloc(&t->slots, slot) == 0)
+            return KVH_OK;
+        if (mode == KVHI_CHARGE_FREE_ONLY)
+            return KVH_ERR_NOSPACE; /* quietly: the caller has a plan B */
+        /* The other side of a switch is about to free room: wait for it
+         * rather than evict KV that would then fit. */
+        if (tier == KVH_TIER_DEVICE && c->departures_left) {
+            pthread_cond_wait(&c->cv, &e->lock);
+            continue;
         }
+        /* Clean weights kept in host memory are a cache: they go before
+         * KV, which would need a disk write. */
+        if (tier == KVH_TIER_HOST && kvhi_drop_clean_host_region(e, false))
+            continue;
+        kvh_status st = kvhi_reserve_slot(e, tier, UINT32_MAX, slot);
+        if (st == KVH_ERR_NOSPACE && tier == KVH_TIER_HOST && kvhi_drop_clean_host_region(e, true))
+            continue;
+        return st;
     }
-    for (uint32_t i = 0; i < n; i++)
-        forget_slot_pages(e, tier, slots[i]);
-    *slots_out = slots;
+}
+
+kvh_status kvhi_charge_add(kvh_engine *e, kvhi_context *x, uint32_t tier, uint64_t bytes,
+                           enum kvhi_charge_mode mode)
+{
+    kvhi_tier *t = &e->tiers[tier];
+    kvhi_charge *ch = &x->charge[tier];
+    const char *name = tier == KVH_TIER_DEVICE ? "device" : "host";
+    if (!t->present)
+        return kvhi_fail(KVH_ERR_NOSPACE, "the %s tier is not configured", name);
+    if (slots_for(e, bytes) > t->slots.capacity)
+        return kvhi_fail(KVH_ERR_NOSPACE, "%llu bytes of weights are more than the whole %s tier",
+                         (unsigned long long)bytes, name);
+    /* ch->bytes can change while the lock is dropped (a clean region of
+     * this context dropped for room): re-read it on every round. */
+    while (ch->n < slots_for(e, ch->bytes + bytes)) {
+        if (ch->n == ch->cap) {
+            uint32_t cap = ch->cap ? ch->cap * 2 : 64;
+            uint32_t *ns = realloc(ch->slots, sizeof(uint32_t) * cap);
+            if (!ns) {
+                trim(e, ch, tier);
+                return kvhi_fail(KVH_ERR_NOMEM, "out of memory for a slot list");
+            }
+            ch->slots = ns;
+            ch->cap = cap;
+        }
+        uint32_t slot;
+        kvh_status st = take_slot(e, tier, mode, &slot);
+        if (st != KVH_OK) {
+            trim(e, ch, tier);
+            return st;
+        }
+        forget_slot_pages(e, tier, slot);
+        ch->slots[ch->n++] = slot;
+    }
+    ch->bytes += bytes;
     return KVH_OK;
 }
 
-void kvhi_region_return_slots(kvh_engine *e, uint32_t tier, uint32_t *slots, uint32_t n)
+void kvhi_charge_sub(kvh_engine *e, kvhi_context *x, uint32_t tier, uint64_t bytes)
 {
-    for (uint32_t i = 0; i < n; i++)
-        kvhi_release_slot(e, tier, slots[i]);
-    if (n)
-        pthread_cond_broadcast(&e->changed); /* room appeared */
+    kvhi_charge *ch = &x->charge[tier];
+    ch->bytes -= bytes;
+    trim(e, ch, tier);
+}
+
+void kvhi_charge_free(kvhi_charge *ch)
+{
+    free(ch->slots);
+    *ch = (kvhi_charge){0};
 }
 
 uint8_t *kvhi_region_mem_alloc(kvh_engine *e, uint32_t tier, uint64_t bytes)
