@@ -135,10 +135,9 @@ def run(args: argparse.Namespace, out: Optional[IO[str]] = None) -> int:
     tokenizer = Tokenizer.from_gguf_metadata(files["A"].metadata)
     block_tokens = 16
     block_bytes = 2 * ca.n_layers * ca.n_kv_heads * ca.head_dim * block_tokens * 4
-    n_regions = max(len(f.tensors) for f in files.values())
     biggest = max(f.weight_bytes for f in files.values())
-    # Each region is charged whole blocks: allow one per region for rounding.
-    device = args.device_budget or biggest + (DEFAULT_KV_BLOCKS + n_regions) * block_bytes
+    # A context's weights are charged in whole blocks (one of rounding).
+    device = args.device_budget or biggest + (DEFAULT_KV_BLOCKS + 1) * block_bytes
     host = args.host_budget or DEFAULT_HOST_BYTES
     both = files["A"].weight_bytes + files["B"].weight_bytes
     mib = 1 << 20
