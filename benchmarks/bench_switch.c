@@ -7,11 +7,12 @@
  *   unified  the CPU backend's device and host tiers are the same memory:
  *            the outgoing model is re-accounted to the host tier and the
  *            incoming one back, with no copy at all
- *   copy     the same tiers moved by copying (with the chunk checksums), as
- *            a discrete GPU must
- *   file     the host tier has no room to keep the outgoing model: clean
- *            weights are dropped and the incoming ones re-read (and checked)
- *            from their file
+ *   discrete the tiers treated as separate memory, as on a discrete GPU:
+ *            the outgoing model's clean weights are dropped (never
+ *            written) and the incoming ones read again from their file,
+ *            chunk by chunk with their checksums
+ *   file     unified memory, but the host tier has no room to keep the
+ *            outgoing model: what does not fit is dropped and read again
  *
  * Also time to first layer ready (kvh_context_wait_layer(0)) against the
  * full switch. Regions are the file cut in --layers equal slices, one per
@@ -27,7 +28,7 @@
 
 /* Internal (core/context.c, reached through the static library): moves
  * weights between the CPU backend's device and host tiers by copying, as
- * on a discrete GPU, for the `copy` mode. */
+ * on a discrete GPU, for the `discrete` mode. */
 int kvhi_context_copy_on_unified(kvh_engine *e, _Bool on);
 
 #define SMOLLM2_Q4_1_BYTES 98362432ull
@@ -125,7 +126,7 @@ static int run_mode(const char *mode, const char *path, uint64_t bytes, uint32_t
     c.migration_threads = 2;
     kvh_engine *e;
     BENCH_CHECK(kvh_engine_open(&c, &e));
-    if (!strcmp(mode, "copy") && kvhi_context_copy_on_unified(e, 1) != 0)
+    if (!strcmp(mode, "discrete") && kvhi_context_copy_on_unified(e, 1) != 0)
         return bench_kvh_fail("kvhi_context_copy_on_unified", KVH_ERR_NOMEM);
     kvh_context m[2], none = {0};
     if (add_model(e, &m[0], path, bytes, layers) || add_model(e, &m[1], path, bytes, layers))
@@ -220,7 +221,7 @@ int bench_switch(int argc, char **argv, const bench_ctx *ctx)
     bench_row_int(row, "weight_bytes", (int64_t)bytes);
     bench_row_note(row, "open + malloc + pread of the whole file (page cache warm)");
     bench_emit(ctx, row);
-    static const char *modes[] = {"unified", "copy", "file"};
+    static const char *modes[] = {"unified", "discrete", "file"};
     for (int mi = 0; mi < 3 && rc == 0; mi++) {
         switch_times t = {0};
         if (run_mode(modes[mi], model, bytes, (uint32_t)layers, reps, &t) != 0) {

@@ -425,12 +425,19 @@ static kvh_status depart_region(kvh_engine *e, kvhi_context *x, kvhi_region *r)
         /* Clean: never written. On unified memory it may stay in RAM as
          * host-tier memory if the host tier has free room (no eviction for
          * it: it can always be read again). */
-        if (unified && e->tiers[KVH_TIER_HOST].present &&
-            kvhi_charge_add(e, x, KVH_TIER_HOST, r->size, KVHI_CHARGE_FREE_ONLY) == KVH_OK) {
-            kvhi_charge_sub(e, x, KVH_TIER_DEVICE, r->size);
-            r->tier = KVH_TIER_HOST;
-            c->stats.bytes_remapped += r->size;
-            return KVH_OK;
+        while (unified && e->tiers[KVH_TIER_HOST].present) {
+            if (kvhi_charge_add(e, x, KVH_TIER_HOST, r->size, KVHI_CHARGE_FREE_ONLY) == KVH_OK) {
+                kvhi_charge_sub(e, x, KVH_TIER_DEVICE, r->size);
+                r->tier = KVH_TIER_HOST;
+                c->stats.bytes_remapped += r->size;
+                return KVH_OK;
+            }
+            /* The host room may be held by the incoming model, which frees
+             * it as it arrives: wait for that, unless the arrivals are
+             * themselves waiting for this side (then drop). */
+            if (!c->arrivals_running || c->arrival_waiting)
+                break;
+            pthread_cond_wait(&c->cv, &e->lock);
         }
         kvhi_clear_error();
         uint8_t *mem = r->data;
@@ -598,6 +605,8 @@ static void run_arrivals(kvhi_switch *sw)
         snprintf(x->load_msg, sizeof(x->load_msg), "%s", kvh_last_error());
         switch_fail(sw, st);
     }
+    c->arrivals_running = false;
+    pthread_cond_broadcast(&c->cv);
     if (st == KVH_OK && x->kv_policy == KVH_CONTEXT_KV_DEMOTE)
         c->stats.kv_blocks_promoted += move_context_kv(e, x, KVH_TIER_DEVICE);
 }
@@ -626,6 +635,7 @@ static void *switch_thread(void *argp)
         sw->to->loading = false;
     }
     c->departures_left = 0;
+    c->arrivals_running = false;
     c->switch_active = false;
     c->joinable = true;
     kvhi_fence *f = kvhi_handles_at(&e->fences, sw->fence);
@@ -711,6 +721,7 @@ kvh_status kvhi_context_switch(kvh_engine *e, kvh_context from_h, kvh_context to
     sw->args[1] = (kvhi_switch_arg){sw, ROLE_ARRIVE};
     uint32_t want = from && to ? 2 : 1;
     sw->running = want;
+    c->arrivals_running = want == 2;
     c->n_threads = 0;
     for (uint32_t i = 0; i < want; i++) {
         if (pthread_create(&c->threads[i], NULL, switch_thread, &sw->args[i]) == 0) {
@@ -722,6 +733,7 @@ kvh_status kvhi_context_switch(kvh_engine *e, kvh_context from_h, kvh_context to
              * apart from the copies). */
             sw->args[0].roles = (from ? ROLE_DEPART : 0) | (to ? ROLE_ARRIVE : 0);
             sw->running = 1;
+            c->arrivals_running = false;
             pthread_mutex_unlock(&e->lock);
             switch_thread(&sw->args[0]);
             pthread_mutex_lock(&e->lock);
@@ -729,6 +741,7 @@ kvh_status kvhi_context_switch(kvh_engine *e, kvh_context from_h, kvh_context to
         }
         sw->args[0].roles |= ROLE_ARRIVE; /* picked up once departures end */
         sw->running = 1;
+        c->arrivals_running = false;
         break;
     }
     if (fence) {
