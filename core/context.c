@@ -29,6 +29,13 @@ bool kvhi_unified_memory(kvh_engine *e)
 static void defer_free(kvh_engine *e, uint8_t *p, uint64_t bytes, uint8_t tier)
 {
     kvhi_contexts *c = e->contexts;
+    /* The CPU backend's free is a munmap, harmless under the lock: give
+     * the memory back now (drops outside a switch would otherwise wait
+     * for the next one). */
+    if (e->backend == kvhi_backend_cpu()) {
+        kvhi_region_mem_free(e, tier, p, bytes);
+        return;
+    }
     if (c->n_garbage == c->cap_garbage) {
         uint32_t cap = c->cap_garbage ? c->cap_garbage * 2 : 8;
         struct kvhi_garbage *g = realloc(c->garbage, sizeof(*g) * cap);
