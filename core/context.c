@@ -363,7 +363,7 @@ kvh_status kvhi_context_attach(kvh_engine *e, kvhi_context *x, uint64_t seq)
 
 /* ---- the switch ---- */
 
-enum { ROLE_DEPART = 1, ROLE_ARRIVE = 2 };
+enum { ROLE_DEPART = 1, ROLE_ARRIVE = 2, ROLE_HELP_ARRIVE = 4 };
 
 typedef struct kvhi_switch kvhi_switch;
 typedef struct kvhi_switch_arg {
@@ -377,6 +377,9 @@ struct kvhi_switch {
     uint32_t fence;
     uint32_t running; /* threads not finished */
     kvhi_switch_arg args[2];
+    uint32_t arrival_next;    /* cursor into to->load_order */
+    uint32_t arrival_workers; /* threads taking regions from it */
+    bool arrivals_failed;
     kvh_status status;
     char msg[192];
 };
@@ -442,7 +445,7 @@ static kvh_status depart_region(kvh_engine *e, kvhi_context *x, kvhi_region *r)
             /* The host room may be held by the incoming model, which frees
              * it as it arrives: wait for that, unless the arrivals are
              * themselves waiting for this side (then drop). */
-            if (!c->arrivals_running || c->arrival_waiting)
+            if (!c->arrivals_running || c->arrivals_waiting)
                 break;
             pthread_cond_wait(&c->cv, &e->lock);
         }
@@ -595,26 +598,36 @@ static kvh_status arrive_region(kvh_engine *e, kvhi_context *x, kvhi_region *r)
     return KVH_OK;
 }
 
-static void run_arrivals(kvhi_switch *sw)
+/* Brings regions of the incoming context in, taking them in load order
+ * from a shared cursor: the thread of the departures joins in once they
+ * are done, so file reads and copies run on two threads. The primary
+ * (arrivals) thread waits for its helper, then brings the KV back. */
+static void run_arrivals(kvhi_switch *sw, bool primary)
 {
     kvh_engine *e = sw->e;
     kvhi_contexts *c = e->contexts;
     kvhi_context *x = sw->to;
-    kvh_status st = KVH_OK;
-    for (uint32_t k = 0; k < x->n_regions && st == KVH_OK; k++) {
-        kvhi_region *r = &x->regions[x->load_order[k]];
-        if (r->tier != KVH_TIER_DEVICE)
-            st = arrive_region(e, x, r);
+    sw->arrival_workers++;
+    while (!sw->arrivals_failed && sw->arrival_next < x->n_regions) {
+        kvhi_region *r = &x->regions[x->load_order[sw->arrival_next++]];
+        kvh_status st = r->tier == KVH_TIER_DEVICE ? KVH_OK : arrive_region(e, x, r);
         pthread_cond_broadcast(&c->cv); /* a layer may be ready */
+        if (st != KVH_OK && !sw->arrivals_failed) {
+            sw->arrivals_failed = true;
+            x->load_status = st;
+            snprintf(x->load_msg, sizeof(x->load_msg), "%s", kvh_last_error());
+            switch_fail(sw, st);
+        }
     }
-    if (st != KVH_OK) {
-        x->load_status = st;
-        snprintf(x->load_msg, sizeof(x->load_msg), "%s", kvh_last_error());
-        switch_fail(sw, st);
-    }
+    sw->arrival_workers--;
+    pthread_cond_broadcast(&c->cv);
+    if (!primary)
+        return;
+    while (sw->arrival_workers)
+        pthread_cond_wait(&c->cv, &e->lock);
     c->arrivals_running = false;
     pthread_cond_broadcast(&c->cv);
-    if (st == KVH_OK && x->kv_policy == KVH_CONTEXT_KV_DEMOTE)
+    if (!sw->arrivals_failed && x->kv_policy == KVH_CONTEXT_KV_DEMOTE)
         c->stats.kv_blocks_promoted += move_context_kv(e, x, KVH_TIER_DEVICE);
 }
 
@@ -628,7 +641,9 @@ static void *switch_thread(void *argp)
     if (arg->roles & ROLE_DEPART)
         run_departures(sw);
     if (arg->roles & ROLE_ARRIVE)
-        run_arrivals(sw);
+        run_arrivals(sw, true);
+    else if (arg->roles & ROLE_HELP_ARRIVE)
+        run_arrivals(sw, false);
     if (--sw->running > 0) {
         pthread_mutex_unlock(&e->lock);
         return NULL;
@@ -724,7 +739,8 @@ kvh_status kvhi_context_switch(kvh_engine *e, kvh_context from_h, kvh_context to
     e->active_calls++; /* engine close waits for the switch */
     /* One thread per direction; if the second cannot start, the first
      * runs both, departures first. */
-    sw->args[0] = (kvhi_switch_arg){sw, (from ? ROLE_DEPART : 0) | (to && !from ? ROLE_ARRIVE : 0)};
+    sw->args[0] = (kvhi_switch_arg){sw, (from ? ROLE_DEPART : 0) | (to && !from ? ROLE_ARRIVE : 0) |
+                                            (to && from ? ROLE_HELP_ARRIVE : 0)};
     sw->args[1] = (kvhi_switch_arg){sw, ROLE_ARRIVE};
     uint32_t want = from && to ? 2 : 1;
     sw->running = want;

@@ -97,7 +97,7 @@ typedef struct kvhi_contexts {
     bool joinable;      /* threads[] have finished and wait for a join */
     uint32_t departures_left; /* regions the outgoing side has yet to move */
     bool arrivals_running;    /* the incoming side runs on its own thread */
-    bool arrival_waiting;     /* ... and waits for device room */
+    uint32_t arrivals_waiting; /* arrival threads waiting for device room */
     kvh_weight_stats stats;
     kvhi_admission admission;
     /* Tests and benchmarks: move weights between device and host tiers by

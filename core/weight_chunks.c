@@ -62,10 +62,10 @@ static kvh_status take_slot(kvh_engine *e, uint32_t tier, enum kvhi_charge_mode 
         /* The other side of a switch is about to free room: wait for it
          * rather than evict KV that would then fit. */
         if (tier == KVH_TIER_DEVICE && c->departures_left) {
-            c->arrival_waiting = true;
+            c->arrivals_waiting++;
             pthread_cond_broadcast(&c->cv); /* a departure may wait on us */
             pthread_cond_wait(&c->cv, &e->lock);
-            c->arrival_waiting = false;
+            c->arrivals_waiting--;
             continue;
         }
         /* Clean weights kept in host memory are a cache: they go before
