@@ -114,7 +114,7 @@ typedef struct kvhi_contexts {
     uint32_t n_garbage, cap_garbage;
 } kvhi_contexts;
 
-/* ---- context.c ---- */
+/* ---- context.c, context_switch.c, context_query.c ---- */
 /* The engine's context state, made on first use (NULL when out of
  * memory). Lock held. */
 kvhi_contexts *kvhi_contexts_get(kvh_engine *e);
@@ -134,6 +134,9 @@ kvh_status kvhi_context_create(kvh_engine *e, const kvh_context_params *p,
 kvh_status kvhi_context_detach(kvh_engine *e, kvh_context h,
                                kvhi_context **out);
 void kvhi_context_free_detached(kvh_engine *e, kvhi_context *x);
+/* Takes a region's bytes off its tier's charge (lock held); its memory
+ * stays for the caller to free. */
+void kvhi_region_unaccount(kvh_engine *e, kvhi_context *x, kvhi_region *r);
 kvh_status kvhi_context_add_region(kvh_engine *e, kvhi_context *x,
                                    const kvh_weight_region_params *p,
                                    uint32_t *out);
