@@ -1,34 +1,9 @@
-/* Exported weight-context and admission calls: argument checks, versioned
- * params structs, then the core (core/context.c, core/admission.c) under
- * the engine lock. */
+/* Exported weight-context calls: argument checks, versioned params
+ * structs, then the core (core/context*.c) under the engine lock. */
 #include <stddef.h>
 #include <string.h>
 
-#include "abi/api_common.h"
-#include "core/context.h"
-
-/* Params structs: a caller's struct may be older (shorter) than ours;
- * fields it lacks keep their defaults. Sizes below `min_size` or above
- * ours are refused. */
-static kvh_status read_params(void *dst, size_t ours, const void *src, size_t min_size, const char *what)
-{
-    uint32_t size = *(const uint32_t *)src;
-    if (size < min_size || size > ours)
-        return kvhi_fail(KVH_ERR_STRUCT_SIZE, "%s struct_size %u not in %zu..%zu", what, size, min_size, ours);
-    memcpy(dst, src, size);
-    *(uint32_t *)dst = (uint32_t)ours;
-    return KVH_OK;
-}
-
-static kvh_status init_params(void *p, size_t size, size_t ours, const char *what)
-{
-    kvhi_clear_error();
-    if (!p)
-        return kvhi_fail(KVH_ERR_INVALID_ARG, "%s is NULL", what);
-    if (size != ours)
-        return kvhi_fail(KVH_ERR_STRUCT_SIZE, "%s struct_size %zu, this library knows %zu", what, size, ours);
-    return KVH_OK;
-}
+#include "abi/api_params.h"
 
 static void context_defaults(kvh_context_params *p)
 {
@@ -40,7 +15,7 @@ static void context_defaults(kvh_context_params *p)
 
 kvh_status kvh_context_params_init(kvh_context_params *p, size_t size)
 {
-    kvh_status st = init_params(p, size, sizeof(*p), "kvh_context_params");
+    kvh_status st = kvhi_init_params(p, size, sizeof(*p), "kvh_context_params");
     if (st == KVH_OK)
         context_defaults(p);
     return st;
@@ -54,57 +29,15 @@ static void region_defaults(kvh_weight_region_params *p)
 
 kvh_status kvh_weight_region_params_init(kvh_weight_region_params *p, size_t size)
 {
-    kvh_status st = init_params(p, size, sizeof(*p), "kvh_weight_region_params");
+    kvh_status st = kvhi_init_params(p, size, sizeof(*p), "kvh_weight_region_params");
     if (st == KVH_OK)
         region_defaults(p);
     return st;
 }
 
-static void admission_defaults(kvh_admission_params *p)
-{
-    memset(p, 0, sizeof(*p));
-    p->struct_size = sizeof(*p);
-    p->short_max_tokens = 4096;
-}
-
-kvh_status kvh_admission_params_init(kvh_admission_params *p, size_t size)
-{
-    kvh_status st = init_params(p, size, sizeof(*p), "kvh_admission_params");
-    if (st == KVH_OK)
-        admission_defaults(p);
-    return st;
-}
-
-static void seq_defaults(kvh_seq_params *p)
-{
-    memset(p, 0, sizeof(*p));
-    p->struct_size = sizeof(*p);
-}
-
-kvh_status kvh_seq_params_init(kvh_seq_params *p, size_t size)
-{
-    kvh_status st = init_params(p, size, sizeof(*p), "kvh_seq_params");
-    if (st == KVH_OK)
-        seq_defaults(p);
-    return st;
-}
-
-/* Enters e with its context state made. */
-static kvh_status enter_contexts(kvh_engine *e)
-{
-    kvh_status st = kvhi_api_enter(e);
-    if (st != KVH_OK)
-        return st;
-    if (!kvhi_contexts_get(e)) {
-        kvhi_leave(e);
-        return kvhi_fail(KVH_ERR_NOMEM, "out of memory for context state");
-    }
-    return KVH_OK;
-}
-
 static kvh_status enter_context(kvh_engine *e, kvh_context h, kvhi_context **x)
 {
-    kvh_status st = enter_contexts(e);
+    kvh_status st = kvhi_api_enter_contexts(e);
     if (st != KVH_OK)
         return st;
     st = kvhi_context_resolve(e, h, x);
@@ -120,7 +53,7 @@ kvh_status kvh_context_create(kvh_engine *e, const kvh_context_params *params, k
     kvh_context_params p;
     context_defaults(&p);
     if (params) {
-        kvh_status st = read_params(&p, sizeof(p), params, sizeof(p), "kvh_context_params");
+        kvh_status st = kvhi_read_params(&p, sizeof(p), params, sizeof(p), "kvh_context_params");
         if (st != KVH_OK)
             return st;
     }
@@ -144,7 +77,7 @@ kvh_status kvh_context_destroy(kvh_engine *e, kvh_context ctx)
         kvhi_clear_error();
         return KVH_OK;
     }
-    kvh_status st = enter_contexts(e);
+    kvh_status st = kvhi_api_enter_contexts(e);
     if (st != KVH_OK)
         return st;
     kvhi_context *x = NULL;
@@ -163,7 +96,7 @@ kvh_status kvh_context_add_region(kvh_engine *e, kvh_context ctx, const kvh_weig
     KVHI_REQUIRE(params && region, "params and region must not be NULL");
     kvh_weight_region_params p;
     region_defaults(&p);
-    kvh_status st = read_params(&p, sizeof(p), params, sizeof(p), "kvh_weight_region_params");
+    kvh_status st = kvhi_read_params(&p, sizeof(p), params, sizeof(p), "kvh_weight_region_params");
     if (st != KVH_OK)
         return st;
     KVHI_REQUIRE(p.size > 0, "weight region size is 0");
@@ -199,7 +132,7 @@ kvh_status kvh_context_switch(kvh_engine *e, kvh_context from, kvh_context to, k
 {
     kvhi_clear_error();
     KVHI_REQUIRE(from.id != to.id || from.id == 0, "from and to are the same context");
-    kvh_status st = enter_contexts(e);
+    kvh_status st = kvhi_api_enter_contexts(e);
     if (st != KVH_OK)
         return st;
     kvh_fence f;
@@ -212,7 +145,7 @@ kvh_status kvh_context_switch(kvh_engine *e, kvh_context from, kvh_context to, k
 
 kvh_status kvh_context_wait_layer(kvh_engine *e, kvh_context ctx, uint32_t layer, uint64_t timeout_ns)
 {
-    kvh_status st = enter_contexts(e);
+    kvh_status st = kvhi_api_enter_contexts(e);
     if (st != KVH_OK)
         return st;
     st = kvhi_context_wait_layer(e, ctx, layer, timeout_ns);
@@ -254,7 +187,7 @@ kvh_status kvh_context_region_pin(kvh_engine *e, kvh_context ctx, uint32_t regio
 
 kvh_status kvh_context_verify(kvh_engine *e, kvh_context ctx, uint64_t *chunks_checked)
 {
-    kvh_status st = enter_contexts(e);
+    kvh_status st = kvhi_api_enter_contexts(e);
     if (st != KVH_OK)
         return st;
     uint64_t n = 0;
@@ -301,110 +234,4 @@ kvh_status kvh_weight_stats_get(kvh_engine *e, kvh_weight_stats *stats)
     s.struct_size = size;
     memcpy(stats, &s, size);
     return KVH_OK;
-}
-
-/* ---- admission ---- */
-
-kvh_status kvh_admission_configure(kvh_engine *e, const kvh_admission_params *params)
-{
-    kvhi_clear_error();
-    KVHI_REQUIRE(params, "params is NULL");
-    kvh_admission_params p;
-    admission_defaults(&p);
-    kvh_status st = read_params(&p, sizeof(p), params, sizeof(p), "kvh_admission_params");
-    if (st != KVH_OK)
-        return st;
-    st = enter_contexts(e);
-    if (st != KVH_OK)
-        return st;
-    uint64_t cap = e->tiers[KVH_TIER_DEVICE].slots.capacity;
-    uint64_t qs = p.short_device_bytes / e->block_bytes, ql = p.long_device_bytes / e->block_bytes;
-    if (qs > cap || ql > cap - qs) {
-        kvhi_leave(e);
-        return kvhi_fail(KVH_ERR_INVALID_ARG, "pool quotas of %llu + %llu blocks exceed the device tier's %llu",
-                         (unsigned long long)qs, (unsigned long long)ql, (unsigned long long)cap);
-    }
-    kvhi_admission *a = &e->contexts->admission;
-    a->enabled = p.short_device_bytes || p.long_device_bytes;
-    a->short_max_tokens = p.short_max_tokens;
-    a->quota_blocks[0] = qs;
-    a->quota_blocks[1] = ql;
-    kvhi_leave(e);
-    return KVH_OK;
-}
-
-kvh_status kvh_admission_info_get(kvh_engine *e, kvh_admission_info *info)
-{
-    kvhi_clear_error();
-    KVHI_REQUIRE(info, "info is NULL");
-    if (info->struct_size != sizeof(*info))
-        return kvhi_fail(KVH_ERR_STRUCT_SIZE, "kvh_admission_info struct_size %u, expected %zu", info->struct_size,
-                         sizeof(*info));
-    kvh_status st = enter_contexts(e);
-    if (st != KVH_OK)
-        return st;
-    kvhi_admission_reclaim(e);
-    kvhi_admission *a = &e->contexts->admission;
-    kvh_admission_info r = {
-        .struct_size = sizeof(r),
-        .enabled = a->enabled,
-        .short_max_tokens = a->short_max_tokens,
-        .short_quota_blocks = a->quota_blocks[0],
-        .long_quota_blocks = a->quota_blocks[1],
-        .short_reserved_blocks = a->reserved_blocks[0],
-        .long_reserved_blocks = a->reserved_blocks[1],
-        .short_admitted = a->admitted[0],
-        .long_admitted = a->admitted[1],
-        .short_rejected = a->rejected[0],
-        .long_rejected = a->rejected[1],
-    };
-    kvhi_leave(e);
-    *info = r;
-    return KVH_OK;
-}
-
-kvh_status kvh_seq_create_ex(kvh_engine *e, const kvh_seq_params *params, kvh_seq *seq)
-{
-    kvhi_clear_error();
-    KVHI_REQUIRE(params && seq, "params and seq must not be NULL");
-    kvh_seq_params p;
-    seq_defaults(&p);
-    /* The first version a caller can have: struct_size + agent. */
-    kvh_status st = read_params(&p, sizeof(p), params, offsetof(kvh_seq_params, token_budget), "kvh_seq_params");
-    if (st != KVH_OK)
-        return st;
-    st = enter_contexts(e);
-    if (st != KVH_OK)
-        return st;
-    kvhi_context *x = NULL;
-    if (p.context.id && (st = kvhi_context_resolve(e, p.context, &x)) != KVH_OK) {
-        kvhi_leave(e);
-        return st;
-    }
-    int pool;
-    uint64_t blocks;
-    st = kvhi_admission_reserve(e, p.token_budget, &pool, &blocks);
-    kvh_seq h = {0};
-    bool bound = false;
-    if (st == KVH_OK)
-        st = kvhi_seq_create(e, p.agent, &h);
-    if (st == KVH_OK && (st = kvhi_admission_bind(e, pool, blocks, h.id)) == KVH_OK)
-        bound = true;
-    if (st == KVH_OK && x)
-        st = kvhi_context_attach(e, x, h.id);
-    if (st != KVH_OK) {
-        if (h.id) {
-            kvhi_seq *s = kvhi_handles_get(&e->seqs, h.id, NULL);
-            kvhi_handles_remove(&e->seqs, kvhi_handle_index(h.id));
-            kvhi_seq_destroy(e, s);
-        }
-        if (bound)
-            kvhi_admission_reclaim(e); /* sweeps the dead handle */
-        else
-            kvhi_admission_cancel(e, pool, blocks);
-    }
-    kvhi_leave(e);
-    if (st == KVH_OK)
-        *seq = h;
-    return st;
 }
