@@ -22,6 +22,7 @@ static const struct {
     {"attention", "CPU paged decode vs contiguous and vs memory read bandwidth", bench_attention},
     {"trace", "eviction policies (lru, lru-k, hysteresis, lctru, the engine) vs Belady's MIN", bench_trace},
     {"scale", "cost per operation vs block count (10^3..10^7) and throughput vs threads", bench_scale},
+    {"switch", "weight-context switch (135M model) vs reloading it from its file; first layer vs full", bench_switch},
 };
 #define N_SCENARIOS (sizeof(scenarios) / sizeof(scenarios[0]))
 

@@ -184,6 +184,7 @@ static kvh_status select_backend(kvh_engine *e)
 
 static void engine_free(kvh_engine *e)
 {
+    kvhi_contexts_free(e); /* weight memory goes back to the backend */
     if (e->seqs.ptrs)
         for (uint32_t i = 0; i < e->seqs.cap; i++) {
             kvhi_seq *s = e->seqs.ptrs[i];

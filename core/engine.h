@@ -184,6 +184,9 @@ struct kvh_engine {
      * once no call is active. */
     void *attn_state;
     void (*attn_state_free)(void *state);
+
+    /* ---- weight contexts and admission (core/context.h) ---- */
+    struct kvhi_contexts *contexts; /* made on first use; NULL until then */
 };
 
 /* ---- errors and logging (status.c) ---- */
@@ -361,5 +364,12 @@ kvh_status kvhi_mark_corrupt(kvh_engine *e, uint32_t b, const char *why);
 
 /* ---- external pools (ext_pool.c) ---- */
 void kvhi_pools_destroy(kvh_engine *e);
+
+/* ---- weight contexts (context.c) ---- */
+/* Frees contexts and their weight memory (engine_free, nothing active). */
+void kvhi_contexts_free(kvh_engine *e);
+/* Makes host-tier room by dropping one clean weight region kept there
+ * (lock held); false when there is none. */
+bool kvhi_drop_clean_host_region(kvh_engine *e, bool allow_loading);
 
 #endif

@@ -187,6 +187,10 @@ kvh_status kvhi_reserve_slot(kvh_engine *e, uint32_t tier, uint32_t for_agent, u
         }
         if (!qa && kvhi_slot_pool_alloc(&t->slots, slot) == 0)
             return KVH_OK;
+        /* Clean model weights kept in host memory go first: they can be
+         * read from their file again, where a block would need a write. */
+        if (tier == KVH_TIER_HOST && kvhi_drop_clean_host_region(e, false))
+            continue;
         uint32_t v = pick_victim(e, tier, qa);
         if (v == KVHI_HEAP_NONE && e->copies_in_progress) {
             /* Blocks of this tier may be busy in a copy: room can appear

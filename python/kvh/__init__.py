@@ -13,6 +13,7 @@ See ``help(kvh.Engine)`` and ``help(kvh.Sequence)``; the CLI is ``kvh --help``.
 from __future__ import annotations
 
 from ._ffi import BUILT_VERSION, BUILT_VERSION_STRING, LOADED_VERSION, LOADED_VERSION_STRING, ffi, lib  # noqa: F401
+from .context import AdmissionInfo, Context, ContextInfo, WeightStats
 from .engine import Block, Engine, Fence, Hold, Sequence
 from .errors import (
     BadHandleError,
@@ -46,6 +47,7 @@ def version() -> str:
 
 __all__ = [
     "Engine", "Sequence", "Block", "Hold", "Fence",
+    "Context", "ContextInfo", "WeightStats", "AdmissionInfo",
     "Config", "Stats", "TierInfo", "BlockInfo", "Tier", "DType", "Backend",
     "numpy_dtype", "bf16_to_f32", "f32_to_bf16", "version",
     "Error", "InvalidArgumentError", "StructSizeError", "BadHandleError", "OutOfMemoryError", "NoSpaceError",

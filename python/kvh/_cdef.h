@@ -216,3 +216,100 @@ typedef struct kvh_attention_params {
 kvh_status kvh_attention_params_init(kvh_attention_params *params, size_t struct_size);
 kvh_status kvh_attention_decode(kvh_engine *engine, uint32_t layer, const kvh_seq *seqs, size_t n_seqs, const void *q, void *out, const kvh_attention_params *params);
 kvh_status kvh_attention_prefill(kvh_engine *engine, uint32_t layer, const kvh_seq *seqs, const uint32_t *q_lens, size_t n_seqs, const void *q, void *out, const kvh_attention_params *params);
+typedef struct kvh_context {
+    uint64_t id;
+} kvh_context;
+enum kvh_context_kv_policy {
+    KVH_CONTEXT_KV_KEEP = 0,
+    KVH_CONTEXT_KV_DEMOTE = 1
+};
+typedef struct kvh_context_params {
+    uint32_t struct_size;
+    uint32_t kv_policy;
+    uint64_t chunk_bytes;
+    const char *name;
+} kvh_context_params;
+kvh_status kvh_context_params_init(kvh_context_params *params, size_t struct_size);
+kvh_status kvh_context_create(kvh_engine *engine, const kvh_context_params *params, kvh_context *ctx);
+kvh_status kvh_context_destroy(kvh_engine *engine, kvh_context ctx);
+typedef struct kvh_weight_region_params {
+    uint32_t struct_size;
+    uint32_t layer;
+    const char *name;
+    uint64_t size;
+    const void *bytes;
+    const char *path;
+    uint64_t file_offset;
+    uint32_t pinned;
+    uint32_t reserved0;
+} kvh_weight_region_params;
+kvh_status kvh_weight_region_params_init(kvh_weight_region_params *params, size_t struct_size);
+kvh_status kvh_context_add_region(kvh_engine *engine, kvh_context ctx, const kvh_weight_region_params *params, uint32_t *region);
+kvh_status kvh_context_attach_seq(kvh_engine *engine, kvh_context ctx, kvh_seq seq);
+kvh_status kvh_context_switch(kvh_engine *engine, kvh_context from, kvh_context to, kvh_fence *fence);
+kvh_status kvh_context_wait_layer(kvh_engine *engine, kvh_context ctx, uint32_t layer, uint64_t timeout_ns);
+kvh_status kvh_context_region_data(kvh_engine *engine, kvh_context ctx, uint32_t region, int32_t writable, void **data, uint64_t *size);
+kvh_status kvh_context_region_pin(kvh_engine *engine, kvh_context ctx, uint32_t region, int32_t pinned);
+kvh_status kvh_context_verify(kvh_engine *engine, kvh_context ctx, uint64_t *chunks_checked);
+typedef struct kvh_context_info {
+    uint32_t struct_size;
+    uint32_t regions;
+    uint64_t weight_bytes;
+    uint64_t bytes_device;
+    uint64_t bytes_host;
+    uint32_t layers_ready;
+    uint32_t loading;
+    uint32_t seqs;
+    uint32_t reserved0;
+} kvh_context_info;
+kvh_status kvh_context_info_get(kvh_engine *engine, kvh_context ctx, kvh_context_info *info);
+typedef struct kvh_weight_stats {
+    uint32_t struct_size;
+    uint32_t unified_memory;
+    uint64_t bytes_device;
+    uint64_t bytes_host;
+    uint64_t slots_device;
+    uint64_t slots_host;
+    uint64_t switches;
+    uint64_t bytes_read_source;
+    uint64_t bytes_host_to_device;
+    uint64_t bytes_device_to_host;
+    uint64_t bytes_dropped;
+    uint64_t bytes_remapped;
+    uint64_t chunks_verified;
+    uint64_t crc_failures;
+    uint64_t kv_blocks_demoted;
+    uint64_t kv_blocks_promoted;
+} kvh_weight_stats;
+kvh_status kvh_weight_stats_get(kvh_engine *engine, kvh_weight_stats *stats);
+typedef struct kvh_admission_params {
+    uint32_t struct_size;
+    uint32_t reserved0;
+    uint64_t short_max_tokens;
+    uint64_t short_device_bytes;
+    uint64_t long_device_bytes;
+} kvh_admission_params;
+kvh_status kvh_admission_params_init(kvh_admission_params *params, size_t struct_size);
+kvh_status kvh_admission_configure(kvh_engine *engine, const kvh_admission_params *params);
+typedef struct kvh_seq_params {
+    uint32_t struct_size;
+    uint32_t agent;
+    uint64_t token_budget;
+    kvh_context context;
+} kvh_seq_params;
+kvh_status kvh_seq_params_init(kvh_seq_params *params, size_t struct_size);
+kvh_status kvh_seq_create_ex(kvh_engine *engine, const kvh_seq_params *params, kvh_seq *seq);
+typedef struct kvh_admission_info {
+    uint32_t struct_size;
+    uint32_t enabled;
+    uint64_t short_max_tokens;
+    uint64_t short_quota_blocks;
+    uint64_t long_quota_blocks;
+    uint64_t short_reserved_blocks;
+    uint64_t long_reserved_blocks;
+    uint64_t short_admitted;
+    uint64_t long_admitted;
+    uint64_t short_rejected;
+    uint64_t long_rejected;
+} kvh_admission_info;
+kvh_status kvh_admission_info_get(kvh_engine *engine, kvh_admission_info *info);

@@ -44,6 +44,10 @@ def _version() -> str:
 def cmd_demo(args: argparse.Namespace) -> int:
     from . import demo
 
+    if args.models:
+        from . import demo_models
+
+        return demo_models.run(args)
     if args.synthetic or demo.synthetic_requested(args):
         if not args.synthetic:
             _err("options of the synthetic demo given: running `kvh demo --synthetic`")
@@ -292,6 +296,12 @@ def build_parser() -> argparse.ArgumentParser:
                         description=demo_model.__doc__, formatter_class=_Formatter)
     demo_model.add_arguments(sp, shared_defaults=False)
     demo.add_synthetic_arguments(sp)
+    g = sp.add_argument_group("two models (--models)")
+    g.add_argument("--models", action="store_true",
+                   help="two agents with two models (SmolLM2 Q4_1 and a Q8_0 copy) take turns under a device "
+                        "budget that holds one: weights and KV switch as one unit")
+    g.add_argument("--model-b", default=None, metavar="GGUF",
+                   help="the second agent's model (default: the first re-encoded as Q8_0 under --data-dir)")
     sp.set_defaults(func=cmd_demo)
 
     sp = sub.add_parser("stats", help="open a disk store with an engine and print its tiers and counters",

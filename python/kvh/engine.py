@@ -226,6 +226,7 @@ class Engine:
 
     def __init__(self, config: Optional[Config] = None, /, **fields: Any) -> None:
         self._native: Optional[_Native] = None
+        self._current_context: Any = None  # the kvh.Context last switched in
         if config is None:
             config = Config(**fields)
         elif not isinstance(config, Config):
@@ -412,12 +413,31 @@ class Engine:
         return (self.num_kv_heads, self.head_dim)
 
     # ---- sequences ----
-    def sequence(self, agent: int = 0, tokens: Optional[ArrayLike] = None) -> "Sequence":
-        """A new empty sequence owned by ``agent`` (tokens, if given, are appended)."""
+    def sequence(self, agent: int = 0, tokens: Optional[ArrayLike] = None, *, token_budget: int = 0,
+                 context: Any = None) -> "Sequence":
+        """A new empty sequence owned by ``agent`` (tokens, if given, are appended).
+        ``token_budget`` (expected final length) subjects it to admission
+        (see :meth:`admission`; NoSpaceError when its pool is full);
+        ``context`` attaches it to a :class:`kvh.Context`."""
         agent = _index("agent", agent, maximum=_U32)
+        token_budget = _index("token_budget", token_budget)
         h = ffi.new("kvh_seq *")
-        with self._call() as p:
-            check(lib.kvh_seq_create(p, agent, h))
+        if token_budget or context is not None:
+            sp = ffi.new("kvh_seq_params *")
+            check(lib.kvh_seq_params_init(sp, ffi.sizeof("kvh_seq_params")))
+            sp.agent = agent
+            sp.token_budget = token_budget
+            if context is not None:
+                from .context import Context
+                if not isinstance(context, Context):
+                    raise TypeError(f"context must be a kvh.Context, not {type(context).__name__}")
+                context._check()
+                sp.context.id = context.handle
+            with self._call() as p:
+                check(lib.kvh_seq_create_ex(p, sp, h))
+        else:
+            with self._call() as p:
+                check(lib.kvh_seq_create(p, agent, h))
         seq = Sequence(self, h, agent)
         if tokens is not None:
             try:
@@ -426,6 +446,66 @@ class Engine:
                 seq.free()
                 raise
         return seq
+
+    # ---- weight contexts and admission (kvh.context) ----
+    def context(self, name: str = "", *, kv_policy: str = "keep", chunk_bytes: Optional[int] = None) -> Any:
+        """A new :class:`kvh.Context` for one model's weights. ``kv_policy``:
+        ``"keep"`` leaves its agents' KV in place on a switch away,
+        ``"demote"`` moves it out of the device tier and back with the
+        weights. ``chunk_bytes``: checksum and I/O unit (default 2 MiB)."""
+        from .context import KV_POLICIES, Context
+        if kv_policy not in KV_POLICIES:
+            raise ValueError(f"kv_policy must be one of {sorted(KV_POLICIES)}, got {kv_policy!r}")
+        cp = ffi.new("kvh_context_params *")
+        check(lib.kvh_context_params_init(cp, ffi.sizeof("kvh_context_params")))
+        cp.kv_policy = KV_POLICIES[kv_policy]
+        if chunk_bytes is not None:
+            cp.chunk_bytes = _index("chunk_bytes", chunk_bytes)
+        nm = ffi.new("char[]", name.encode("utf-8", "surrogateescape")[:63])
+        cp.name = nm
+        out = ffi.new("kvh_context *")
+        with self._call() as p:
+            check(lib.kvh_context_create(p, cp, out))
+        return Context(self, int(out.id), name)
+
+    @property
+    def current_context(self) -> Any:
+        """The :class:`kvh.Context` last switched in (None if none)."""
+        return self._current_context
+
+    def _switch(self, prev: Any, to: Any, wait: bool) -> Optional["Fence"]:
+        f = ffi.new("kvh_fence *") if not wait else NULL
+        with self._call() as p:
+            frm = prev._h[0] if prev is not None else ffi.new("kvh_context *")[0]
+            dst = to._h[0] if to is not None else ffi.new("kvh_context *")[0]
+            check(lib.kvh_context_switch(p, frm, dst, f))
+        if to is not None:
+            self._current_context = to
+        elif prev is self._current_context:
+            self._current_context = None
+        return None if wait else Fence(self, f)
+
+    def weight_stats(self) -> Any:
+        """Weight residency and movement counters (:class:`kvh.context.WeightStats`)."""
+        from .context import weight_stats
+        return weight_stats(self)
+
+    def admission(self, *, short_max_tokens: int = 4096, short_device_bytes: int = 0,
+                  long_device_bytes: int = 0) -> None:
+        """Token-budget admission: requests with a budget of at most
+        ``short_max_tokens`` draw on the short pool's device quota, others on
+        the long pool's. Both quotas 0 turns admission off."""
+        ap = ffi.new("kvh_admission_params *")
+        check(lib.kvh_admission_params_init(ap, ffi.sizeof("kvh_admission_params")))
+        ap.short_max_tokens = _index("short_max_tokens", short_max_tokens)
+        ap.short_device_bytes = _index("short_device_bytes", short_device_bytes)
+        ap.long_device_bytes = _index("long_device_bytes", long_device_bytes)
+        with self._call() as p:
+            check(lib.kvh_admission_configure(p, ap))
+
+    def admission_info(self) -> Any:
+        from .context import admission_info
+        return admission_info(self)
 
     # ---- statistics and tiers ----
     def stats(self) -> Stats:

@@ -577,6 +577,256 @@ KVH_API kvh_status kvh_attention_prefill(kvh_engine *engine, uint32_t layer,
                                          void *out,
                                          const kvh_attention_params *params);
 
+/* ================================================================== */
+/* Weight contexts and admission                                       */
+/* ================================================================== */
+/*
+ * A context groups one model's weight regions with the sequences of the
+ * agents that use it, so weights and KV move between tiers as one unit.
+ * Weights live in the device and host tiers and are charged against the
+ * same byte budgets as KV: a resident region withholds
+ * ceil(size / block_bytes) slots of its tier (kvh_tier_info.used_blocks
+ * counts them; kvh_weight_stats_get splits them out). Each region is
+ * checked in chunks of chunk_bytes with CRC32C. A region whose contents
+ * are still those of its source file is dropped, never written, when it
+ * leaves memory, and read again from the file when it returns.
+ */
+
+typedef struct kvh_context { uint64_t id; } kvh_context;
+
+enum kvh_context_kv_policy {
+    /* A switch leaves the agents' KV where it is (the default). */
+    KVH_CONTEXT_KV_KEEP = 0,
+    /* Switching away moves the context's KV out of the device tier;
+     * switching back brings it up again after the weights. */
+    KVH_CONTEXT_KV_DEMOTE = 1
+};
+
+typedef struct kvh_context_params {
+    uint32_t struct_size;
+    uint32_t kv_policy;   /* kvh_context_kv_policy; default KEEP */
+    uint64_t chunk_bytes; /* checksum and I/O unit; default 2 MiB */
+    const char *name;     /* [borrowed] copied (63 bytes kept); may be NULL */
+} kvh_context_params;
+
+/* Defaults for a struct of struct_size bytes. [borrowed] params.
+ * KVH_ERR_INVALID_ARG, KVH_ERR_STRUCT_SIZE. @threads any */
+KVH_API kvh_status kvh_context_params_init(kvh_context_params *params,
+                                           size_t struct_size);
+
+/* New empty context. [borrowed] params (NULL = defaults); [out] *ctx,
+ * valid until kvh_context_destroy or engine close. Returns
+ * KVH_ERR_INVALID_ARG (chunk_bytes 0 or above 1 GiB, unknown kv_policy),
+ * KVH_ERR_STRUCT_SIZE, KVH_ERR_NOMEM. @threads any */
+KVH_API kvh_status kvh_context_create(kvh_engine *engine,
+                                      const kvh_context_params *params,
+                                      kvh_context *ctx);
+
+/* Frees the context's weight memory and returns its tier slots. Attached
+ * sequences are not freed. Null handle accepted. KVH_ERR_BUSY while a
+ * switch involving it runs. @threads handle */
+KVH_API kvh_status kvh_context_destroy(kvh_engine *engine, kvh_context ctx);
+
+typedef struct kvh_weight_region_params {
+    uint32_t struct_size;
+    uint32_t layer;  /* load order: a switch brings regions in ascending
+                        layer order; default 0 */
+    const char *name; /* [borrowed] copied (63 bytes kept); may be NULL */
+    uint64_t size;    /* bytes, > 0 */
+    /* Source, one of the two:
+     * bytes: [borrowed] size bytes copied in by the call; the engine's copy
+     *   is then the only one, so it is written (not dropped) on demotion.
+     * path:  [borrowed] file opened (read-only) by the call and kept open
+     *   until the context is destroyed; the region is bytes
+     *   [file_offset, file_offset + size) of it (a GGUF or safetensors
+     *   tensor range). Nothing is read until the first switch. */
+    const void *bytes;
+    const char *path;
+    uint64_t file_offset;
+    uint32_t pinned;    /* nonzero: once in the device tier, it stays */
+    uint32_t reserved0;
+} kvh_weight_region_params;
+
+/* Defaults for a struct of struct_size bytes. @threads any */
+KVH_API kvh_status kvh_weight_region_params_init(
+    kvh_weight_region_params *params, size_t struct_size);
+
+/* Registers a weight region. [borrowed] params; [out] *region (its index,
+ * 0, 1, ... in registration order). Bytes are placed in the host tier (the
+ * device tier when there is no host tier), evicting KV by policy. Returns
+ * KVH_ERR_INVALID_ARG (size 0, neither or both sources), KVH_ERR_IO (the
+ * file cannot be opened or is shorter than file_offset + size),
+ * KVH_ERR_NOSPACE, KVH_ERR_NOMEM, KVH_ERR_BUSY (a switch involving the
+ * context runs). @threads handle */
+KVH_API kvh_status kvh_context_add_region(
+    kvh_engine *engine, kvh_context ctx,
+    const kvh_weight_region_params *params, uint32_t *region);
+
+/* Adds seq to the sequences whose KV moves with the context under
+ * KVH_CONTEXT_KV_DEMOTE (a freed sequence is skipped). KVH_ERR_BAD_HANDLE.
+ * @threads handle (ctx) */
+KVH_API kvh_status kvh_context_attach_seq(kvh_engine *engine,
+                                          kvh_context ctx, kvh_seq seq);
+
+/* Switches the device tier from one context to another: from's unpinned
+ * weights leave it (dropped when clean, written to the host tier when
+ * modified or when they came from bytes) while to's weights arrive layer
+ * by layer, the two directions overlapped; to's regions are made resident
+ * in the device tier, evicting KV by policy when from's departures do not
+ * make enough room. Either handle may be null (load only / unload only).
+ * With fence NULL the call waits; otherwise [out] *fence completes when
+ * every region of to is resident (free it with kvh_fence_free), and
+ * kvh_context_wait_layer can start work on early layers before that.
+ * On a unified-memory backend (CPU) device and host tiers are the same
+ * memory: a region moving between them is re-accounted, never copied.
+ * A switch waits for the previous one to end. Returns KVH_ERR_INVALID_ARG
+ * (from == to), KVH_ERR_BAD_HANDLE, KVH_ERR_NOMEM; the work reports
+ * KVH_ERR_NOSPACE, KVH_ERR_IO, KVH_ERR_CORRUPT (a chunk read from its
+ * file no longer matches its checksum). Pointers from
+ * kvh_context_region_data for from become invalid. @threads any */
+KVH_API kvh_status kvh_context_switch(kvh_engine *engine, kvh_context from,
+                                      kvh_context to, kvh_fence *fence);
+
+/* Waits until every region of ctx with layer <= layer is resident in the
+ * device tier, or timeout_ns passes (UINT64_MAX: no limit). Returns
+ * KVH_OK, KVH_ERR_TIMEOUT, KVH_ERR_NOT_RESIDENT (no switch to ctx is
+ * loading them), or the error that stopped the switch. @threads any */
+KVH_API kvh_status kvh_context_wait_layer(kvh_engine *engine,
+                                          kvh_context ctx, uint32_t layer,
+                                          uint64_t timeout_ns);
+
+/* Address and size of a region resident in the device tier (a device
+ * pointer on CUDA). writable != 0 marks the region modified: it is then
+ * written back, not dropped, when it leaves, and its checksums are
+ * recomputed at that point. [out] *data [owned by engine] valid until a
+ * switch away from ctx or its destruction; [out] *size (may be NULL).
+ * Returns KVH_ERR_RANGE (no such region), KVH_ERR_NOT_RESIDENT.
+ * @threads any */
+KVH_API kvh_status kvh_context_region_data(kvh_engine *engine,
+                                           kvh_context ctx, uint32_t region,
+                                           int32_t writable, void **data,
+                                           uint64_t *size);
+
+/* Pins (pinned != 0) or unpins a region: a pinned region never leaves the
+ * device tier once there. @threads handle */
+KVH_API kvh_status kvh_context_region_pin(kvh_engine *engine,
+                                          kvh_context ctx, uint32_t region,
+                                          int32_t pinned);
+
+/* Recomputes the checksum of every chunk of ctx's resident, unmodified
+ * regions and compares it with the one recorded when the chunk was first
+ * loaded. [out] *chunks_checked (may be NULL). Returns KVH_ERR_CORRUPT on
+ * the first mismatch. @threads any */
+KVH_API kvh_status kvh_context_verify(kvh_engine *engine, kvh_context ctx,
+                                      uint64_t *chunks_checked);
+
+typedef struct kvh_context_info {
+    uint32_t struct_size;
+    uint32_t regions;
+    uint64_t weight_bytes;   /* sum of region sizes */
+    uint64_t bytes_device;   /* resident in the device tier */
+    uint64_t bytes_host;     /* resident in the host tier */
+    uint32_t layers_ready;   /* regions resident in the device tier, in load
+                                order, before the first one that is not */
+    uint32_t loading;        /* 1 while a switch brings it in */
+    uint32_t seqs;           /* attached sequences still alive */
+    uint32_t reserved0;
+} kvh_context_info;
+
+/* [out] *info (set info->struct_size first). @threads any */
+KVH_API kvh_status kvh_context_info_get(kvh_engine *engine, kvh_context ctx,
+                                        kvh_context_info *info);
+
+/* Engine-wide weight counters (monotonic, except the residency gauges). */
+typedef struct kvh_weight_stats {
+    uint32_t struct_size;
+    uint32_t unified_memory;     /* 1: device and host tiers are the same
+                                    memory, moves between them are remaps */
+    uint64_t bytes_device;       /* weight bytes resident in each tier */
+    uint64_t bytes_host;
+    uint64_t slots_device;       /* tier slots withheld for them */
+    uint64_t slots_host;
+    uint64_t switches;
+    uint64_t bytes_read_source;  /* read from source files */
+    uint64_t bytes_host_to_device;
+    uint64_t bytes_device_to_host; /* written back: modified or bytes */
+    uint64_t bytes_dropped;      /* clean bytes that left memory unwritten */
+    uint64_t bytes_remapped;     /* moved between tiers without a copy */
+    uint64_t chunks_verified;
+    uint64_t crc_failures;
+    uint64_t kv_blocks_demoted;  /* by KVH_CONTEXT_KV_DEMOTE switches */
+    uint64_t kv_blocks_promoted;
+} kvh_weight_stats;
+
+/* [out] *stats (set stats->struct_size first; an older, smaller struct is
+ * filled up to its size). @threads any */
+KVH_API kvh_status kvh_weight_stats_get(kvh_engine *engine,
+                                        kvh_weight_stats *stats);
+
+/* ---- admission by token budget ---- */
+
+/* Two pools with their own device-tier quotas for KV: a request whose
+ * token budget is at most short_max_tokens goes to the short pool, others
+ * to the long pool. A pool admits a request only while the blocks of the
+ * budgets it has admitted (whose sequences are alive) fit in its quota,
+ * so long requests cannot take the room reserved for short ones. */
+typedef struct kvh_admission_params {
+    uint32_t struct_size;
+    uint32_t reserved0;
+    uint64_t short_max_tokens;   /* default 4096 */
+    uint64_t short_device_bytes; /* quota of each pool; both 0 (default):
+                                    no admission control */
+    uint64_t long_device_bytes;
+} kvh_admission_params;
+
+/* Defaults for a struct of struct_size bytes. @threads any */
+KVH_API kvh_status kvh_admission_params_init(kvh_admission_params *params,
+                                             size_t struct_size);
+
+/* Sets the pools. Requests already admitted keep their reservations.
+ * [borrowed] params. KVH_ERR_INVALID_ARG when the two quotas together
+ * exceed the device tier. @threads any */
+KVH_API kvh_status kvh_admission_configure(kvh_engine *engine,
+                                           const kvh_admission_params *params);
+
+typedef struct kvh_seq_params {
+    uint32_t struct_size;
+    uint32_t agent;        /* default 0 */
+    uint64_t token_budget; /* expected final length in tokens; 0 (default):
+                              no estimate, not subject to admission */
+    kvh_context context;   /* attach to this context; null: none */
+} kvh_seq_params;
+
+/* Defaults for a struct of struct_size bytes. @threads any */
+KVH_API kvh_status kvh_seq_params_init(kvh_seq_params *params,
+                                       size_t struct_size);
+
+/* kvh_seq_create with a token budget and a context. [borrowed] params;
+ * [out] *seq. Returns KVH_ERR_NOSPACE, before anything is allocated, when
+ * the request's pool cannot hold its budget; KVH_ERR_BAD_HANDLE (context),
+ * KVH_ERR_STRUCT_SIZE, KVH_ERR_NOMEM. @threads any */
+KVH_API kvh_status kvh_seq_create_ex(kvh_engine *engine,
+                                     const kvh_seq_params *params,
+                                     kvh_seq *seq);
+
+typedef struct kvh_admission_info {
+    uint32_t struct_size;
+    uint32_t enabled;
+    uint64_t short_max_tokens;
+    uint64_t short_quota_blocks;
+    uint64_t long_quota_blocks;
+    uint64_t short_reserved_blocks; /* budgets of live admitted sequences */
+    uint64_t long_reserved_blocks;
+    uint64_t short_admitted;        /* monotonic counters */
+    uint64_t long_admitted;
+    uint64_t short_rejected;
+    uint64_t long_rejected;
+} kvh_admission_info;
+
+/* [out] *info (set info->struct_size first). @threads any */
+KVH_API kvh_status kvh_admission_info_get(kvh_engine *engine,
+                                          kvh_admission_info *info);
+
 #ifdef __cplusplus
 }
 #endif

@@ -18,7 +18,7 @@ import dataclasses
 import hashlib
 import os
 import time
-from typing import Callable, Dict, List, Optional, Protocol, Sequence, runtime_checkable
+from typing import Callable, Dict, List, Optional, Protocol, Sequence, Set, runtime_checkable
 
 import numpy as np
 
@@ -112,49 +112,64 @@ class LlamaModel:
         t0 = time.perf_counter()
         with GGUFFile(path) as g:
             cfg = load_config(g)
-            names = set(g.tensors)
-
-            def get(name: str) -> np.ndarray:
-                if name not in names:
-                    raise ValueError(f"{path}: tensor {name} is missing")
-                return g.tensor(name)
-
-            tok = get("token_embd.weight")
-            layers: List[LayerWeights] = []
-            for i in range(cfg.n_layers):
-                p = f"blk.{i}."
-                wq, wk, wv = get(p + "attn_q.weight"), get(p + "attn_k.weight"), get(p + "attn_v.weight")
-                if wq.shape != (cfg.n_heads * cfg.head_dim, cfg.d_model) or \
-                        wk.shape != (cfg.n_kv_heads * cfg.head_dim, cfg.d_model):
-                    raise ValueError(f"{path}: layer {i} projections have shapes {wq.shape}/{wk.shape}, "
-                                     "which do not match the metadata")
-                for bias in ("attn_q.bias", "attn_k.bias", "attn_v.bias"):
-                    if p + bias in names:
-                        raise ValueError(f"{path}: biased attention projections ({bias}) are not supported")
-                layers.append(LayerWeights(
-                    attn_norm=get(p + "attn_norm.weight"),
-                    w_qkv=np.ascontiguousarray(np.concatenate([wq, wk, wv], axis=0)),
-                    w_o=get(p + "attn_output.weight"),
-                    ffn_norm=get(p + "ffn_norm.weight"),
-                    w_gate_up=np.ascontiguousarray(np.concatenate([get(p + "ffn_gate.weight"),
-                                                                   get(p + "ffn_up.weight")], axis=0)),
-                    w_down=get(p + "ffn_down.weight"),
-                ))
-                del wq, wk, wv
-            rope_freqs = get("rope_freqs.weight") if "rope_freqs.weight" in names else None
-            if rope_freqs is not None and rope_freqs.shape != (cfg.rope_dim // 2,):
-                raise ValueError(f"{path}: rope_freqs.weight has shape {rope_freqs.shape}, expected ({cfg.rope_dim // 2},)")
-            out_norm = get("output_norm.weight")
-            output = tok if cfg.tied_output else get("output.weight")
             header = bytes(g._mm[: g.data_offset])  # metadata + tensor table
             size = os.path.getsize(path)
-            md = dict(g.metadata)
+            m = cls.from_tensors(cfg, g.tensor, set(g.tensors), path=os.fspath(path), metadata=dict(g.metadata))
         h = hashlib.blake2b(header, digest_size=8, person=b"kvh.model")
         h.update(size.to_bytes(8, "little"))
-        identity = int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
-        m = cls(cfg, tok, layers, out_norm, output, path=os.fspath(path), metadata=md, identity=identity or 1)
-        m.rope_freqs = rope_freqs
+        m.identity = int.from_bytes(h.digest(), "little") & ((1 << 63) - 1) or 1
         m.load_seconds = time.perf_counter() - t0
+        return m
+
+    @classmethod
+    def from_tensors(cls, cfg: ModelConfig, tensor: Callable[[str], np.ndarray], names: Set[str], *,
+                     path: Optional[str] = None, metadata: Optional[Dict[str, object]] = None,
+                     identity: int = 0, before_layer: Optional[Callable[[int], None]] = None) -> "LlamaModel":
+        """Assembles the model from ``tensor(name)`` (float32 in NumPy
+        shape). ``before_layer(i)`` runs before block i's tensors are read
+        (-1: the embeddings, n_layers: the output head), so a caller whose
+        weights arrive layer by layer can wait for each."""
+        path = path or "<tensors>"
+        step = before_layer or (lambda i: None)
+
+        def get(name: str) -> np.ndarray:
+            if name not in names:
+                raise ValueError(f"{path}: tensor {name} is missing")
+            return tensor(name)
+
+        step(-1)
+        tok = get("token_embd.weight")
+        layers: List[LayerWeights] = []
+        for i in range(cfg.n_layers):
+            step(i)
+            p = f"blk.{i}."
+            wq, wk, wv = get(p + "attn_q.weight"), get(p + "attn_k.weight"), get(p + "attn_v.weight")
+            if wq.shape != (cfg.n_heads * cfg.head_dim, cfg.d_model) or \
+                    wk.shape != (cfg.n_kv_heads * cfg.head_dim, cfg.d_model):
+                raise ValueError(f"{path}: layer {i} projections have shapes {wq.shape}/{wk.shape}, "
+                                 "which do not match the metadata")
+            for bias in ("attn_q.bias", "attn_k.bias", "attn_v.bias"):
+                if p + bias in names:
+                    raise ValueError(f"{path}: biased attention projections ({bias}) are not supported")
+            layers.append(LayerWeights(
+                attn_norm=get(p + "attn_norm.weight"),
+                w_qkv=np.ascontiguousarray(np.concatenate([wq, wk, wv], axis=0)),
+                w_o=get(p + "attn_output.weight"),
+                ffn_norm=get(p + "ffn_norm.weight"),
+                w_gate_up=np.ascontiguousarray(np.concatenate([get(p + "ffn_gate.weight"),
+                                                               get(p + "ffn_up.weight")], axis=0)),
+                w_down=get(p + "ffn_down.weight"),
+            ))
+            del wq, wk, wv
+        step(cfg.n_layers)
+        rope_freqs = get("rope_freqs.weight") if "rope_freqs.weight" in names else None
+        if rope_freqs is not None and rope_freqs.shape != (cfg.rope_dim // 2,):
+            raise ValueError(f"{path}: rope_freqs.weight has shape {rope_freqs.shape}, expected ({cfg.rope_dim // 2},)")
+        out_norm = get("output_norm.weight")
+        output = tok if cfg.tied_output else get("output.weight")
+        m = cls(cfg, tok, layers, out_norm, output, path=path if path != "<tensors>" else None,
+                metadata=metadata, identity=identity)
+        m.rope_freqs = rope_freqs
         return m
 
     # ---- forward ----

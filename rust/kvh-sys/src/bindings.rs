@@ -2226,3 +2226,1341 @@ extern "C" {
         params: *const kvh_attention_params,
     ) -> kvh_status;
 }
+#[repr(C)]
+#[derive(Debug, Default, Copy, Clone)]
+pub struct kvh_context {
+    pub id: u64,
+}
+#[test]
+fn bindgen_test_layout_kvh_context() {
+    assert_eq!(
+        ::std::mem::size_of::<kvh_context>(),
+        8usize,
+        concat!("Size of: ", stringify!(kvh_context))
+    );
+    assert_eq!(
+        ::std::mem::align_of::<kvh_context>(),
+        8usize,
+        concat!("Alignment of ", stringify!(kvh_context))
+    );
+    fn test_field_id() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_context>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).id) as usize - ptr as usize
+            },
+            0usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_context),
+                "::",
+                stringify!(id)
+            )
+        );
+    }
+    test_field_id();
+}
+pub const KVH_CONTEXT_KV_KEEP: kvh_context_kv_policy = 0;
+pub const KVH_CONTEXT_KV_DEMOTE: kvh_context_kv_policy = 1;
+pub type kvh_context_kv_policy = ::std::os::raw::c_uint;
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct kvh_context_params {
+    pub struct_size: u32,
+    pub kv_policy: u32,
+    pub chunk_bytes: u64,
+    pub name: *const ::std::os::raw::c_char,
+}
+#[test]
+fn bindgen_test_layout_kvh_context_params() {
+    assert_eq!(
+        ::std::mem::size_of::<kvh_context_params>(),
+        24usize,
+        concat!("Size of: ", stringify!(kvh_context_params))
+    );
+    assert_eq!(
+        ::std::mem::align_of::<kvh_context_params>(),
+        8usize,
+        concat!("Alignment of ", stringify!(kvh_context_params))
+    );
+    fn test_field_struct_size() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_context_params>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).struct_size) as usize - ptr as usize
+            },
+            0usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_context_params),
+                "::",
+                stringify!(struct_size)
+            )
+        );
+    }
+    test_field_struct_size();
+    fn test_field_kv_policy() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_context_params>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).kv_policy) as usize - ptr as usize
+            },
+            4usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_context_params),
+                "::",
+                stringify!(kv_policy)
+            )
+        );
+    }
+    test_field_kv_policy();
+    fn test_field_chunk_bytes() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_context_params>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).chunk_bytes) as usize - ptr as usize
+            },
+            8usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_context_params),
+                "::",
+                stringify!(chunk_bytes)
+            )
+        );
+    }
+    test_field_chunk_bytes();
+    fn test_field_name() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_context_params>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).name) as usize - ptr as usize
+            },
+            16usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_context_params),
+                "::",
+                stringify!(name)
+            )
+        );
+    }
+    test_field_name();
+}
+impl Default for kvh_context_params {
+    fn default() -> Self {
+        let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+extern "C" {
+    pub fn kvh_context_params_init(
+        params: *mut kvh_context_params,
+        struct_size: usize,
+    ) -> kvh_status;
+}
+extern "C" {
+    pub fn kvh_context_create(
+        engine: *mut kvh_engine,
+        params: *const kvh_context_params,
+        ctx: *mut kvh_context,
+    ) -> kvh_status;
+}
+extern "C" {
+    pub fn kvh_context_destroy(engine: *mut kvh_engine, ctx: kvh_context) -> kvh_status;
+}
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct kvh_weight_region_params {
+    pub struct_size: u32,
+    pub layer: u32,
+    pub name: *const ::std::os::raw::c_char,
+    pub size: u64,
+    pub bytes: *const ::std::os::raw::c_void,
+    pub path: *const ::std::os::raw::c_char,
+    pub file_offset: u64,
+    pub pinned: u32,
+    pub reserved0: u32,
+}
+#[test]
+fn bindgen_test_layout_kvh_weight_region_params() {
+    assert_eq!(
+        ::std::mem::size_of::<kvh_weight_region_params>(),
+        56usize,
+        concat!("Size of: ", stringify!(kvh_weight_region_params))
+    );
+    assert_eq!(
+        ::std::mem::align_of::<kvh_weight_region_params>(),
+        8usize,
+        concat!("Alignment of ", stringify!(kvh_weight_region_params))
+    );
+    fn test_field_struct_size() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_weight_region_params>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).struct_size) as usize - ptr as usize
+            },
+            0usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_weight_region_params),
+                "::",
+                stringify!(struct_size)
+            )
+        );
+    }
+    test_field_struct_size();
+    fn test_field_layer() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_weight_region_params>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).layer) as usize - ptr as usize
+            },
+            4usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_weight_region_params),
+                "::",
+                stringify!(layer)
+            )
+        );
+    }
+    test_field_layer();
+    fn test_field_name() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_weight_region_params>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).name) as usize - ptr as usize
+            },
+            8usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_weight_region_params),
+                "::",
+                stringify!(name)
+            )
+        );
+    }
+    test_field_name();
+    fn test_field_size() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_weight_region_params>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).size) as usize - ptr as usize
+            },
+            16usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_weight_region_params),
+                "::",
+                stringify!(size)
+            )
+        );
+    }
+    test_field_size();
+    fn test_field_bytes() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_weight_region_params>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).bytes) as usize - ptr as usize
+            },
+            24usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_weight_region_params),
+                "::",
+                stringify!(bytes)
+            )
+        );
+    }
+    test_field_bytes();
+    fn test_field_path() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_weight_region_params>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).path) as usize - ptr as usize
+            },
+            32usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_weight_region_params),
+                "::",
+                stringify!(path)
+            )
+        );
+    }
+    test_field_path();
+    fn test_field_file_offset() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_weight_region_params>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).file_offset) as usize - ptr as usize
+            },
+            40usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_weight_region_params),
+                "::",
+                stringify!(file_offset)
+            )
+        );
+    }
+    test_field_file_offset();
+    fn test_field_pinned() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_weight_region_params>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).pinned) as usize - ptr as usize
+            },
+            48usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_weight_region_params),
+                "::",
+                stringify!(pinned)
+            )
+        );
+    }
+    test_field_pinned();
+    fn test_field_reserved0() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_weight_region_params>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).reserved0) as usize - ptr as usize
+            },
+            52usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_weight_region_params),
+                "::",
+                stringify!(reserved0)
+            )
+        );
+    }
+    test_field_reserved0();
+}
+impl Default for kvh_weight_region_params {
+    fn default() -> Self {
+        let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+extern "C" {
+    pub fn kvh_weight_region_params_init(
+        params: *mut kvh_weight_region_params,
+        struct_size: usize,
+    ) -> kvh_status;
+}
+extern "C" {
+    pub fn kvh_context_add_region(
+        engine: *mut kvh_engine,
+        ctx: kvh_context,
+        params: *const kvh_weight_region_params,
+        region: *mut u32,
+    ) -> kvh_status;
+}
+extern "C" {
+    pub fn kvh_context_attach_seq(
+        engine: *mut kvh_engine,
+        ctx: kvh_context,
+        seq: kvh_seq,
+    ) -> kvh_status;
+}
+extern "C" {
+    pub fn kvh_context_switch(
+        engine: *mut kvh_engine,
+        from: kvh_context,
+        to: kvh_context,
+        fence: *mut kvh_fence,
+    ) -> kvh_status;
+}
+extern "C" {
+    pub fn kvh_context_wait_layer(
+        engine: *mut kvh_engine,
+        ctx: kvh_context,
+        layer: u32,
+        timeout_ns: u64,
+    ) -> kvh_status;
+}
+extern "C" {
+    pub fn kvh_context_region_data(
+        engine: *mut kvh_engine,
+        ctx: kvh_context,
+        region: u32,
+        writable: i32,
+        data: *mut *mut ::std::os::raw::c_void,
+        size: *mut u64,
+    ) -> kvh_status;
+}
+extern "C" {
+    pub fn kvh_context_region_pin(
+        engine: *mut kvh_engine,
+        ctx: kvh_context,
+        region: u32,
+        pinned: i32,
+    ) -> kvh_status;
+}
+extern "C" {
+    pub fn kvh_context_verify(
+        engine: *mut kvh_engine,
+        ctx: kvh_context,
+        chunks_checked: *mut u64,
+    ) -> kvh_status;
+}
+#[repr(C)]
+#[derive(Debug, Default, Copy, Clone)]
+pub struct kvh_context_info {
+    pub struct_size: u32,
+    pub regions: u32,
+    pub weight_bytes: u64,
+    pub bytes_device: u64,
+    pub bytes_host: u64,
+    pub layers_ready: u32,
+    pub loading: u32,
+    pub seqs: u32,
+    pub reserved0: u32,
+}
+#[test]
+fn bindgen_test_layout_kvh_context_info() {
+    assert_eq!(
+        ::std::mem::size_of::<kvh_context_info>(),
+        48usize,
+        concat!("Size of: ", stringify!(kvh_context_info))
+    );
+    assert_eq!(
+        ::std::mem::align_of::<kvh_context_info>(),
+        8usize,
+        concat!("Alignment of ", stringify!(kvh_context_info))
+    );
+    fn test_field_struct_size() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_context_info>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).struct_size) as usize - ptr as usize
+            },
+            0usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_context_info),
+                "::",
+                stringify!(struct_size)
+            )
+        );
+    }
+    test_field_struct_size();
+    fn test_field_regions() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_context_info>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).regions) as usize - ptr as usize
+            },
+            4usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_context_info),
+                "::",
+                stringify!(regions)
+            )
+        );
+    }
+    test_field_regions();
+    fn test_field_weight_bytes() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_context_info>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).weight_bytes) as usize - ptr as usize
+            },
+            8usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_context_info),
+                "::",
+                stringify!(weight_bytes)
+            )
+        );
+    }
+    test_field_weight_bytes();
+    fn test_field_bytes_device() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_context_info>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).bytes_device) as usize - ptr as usize
+            },
+            16usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_context_info),
+                "::",
+                stringify!(bytes_device)
+            )
+        );
+    }
+    test_field_bytes_device();
+    fn test_field_bytes_host() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_context_info>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).bytes_host) as usize - ptr as usize
+            },
+            24usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_context_info),
+                "::",
+                stringify!(bytes_host)
+            )
+        );
+    }
+    test_field_bytes_host();
+    fn test_field_layers_ready() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_context_info>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).layers_ready) as usize - ptr as usize
+            },
+            32usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_context_info),
+                "::",
+                stringify!(layers_ready)
+            )
+        );
+    }
+    test_field_layers_ready();
+    fn test_field_loading() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_context_info>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).loading) as usize - ptr as usize
+            },
+            36usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_context_info),
+                "::",
+                stringify!(loading)
+            )
+        );
+    }
+    test_field_loading();
+    fn test_field_seqs() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_context_info>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).seqs) as usize - ptr as usize
+            },
+            40usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_context_info),
+                "::",
+                stringify!(seqs)
+            )
+        );
+    }
+    test_field_seqs();
+    fn test_field_reserved0() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_context_info>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).reserved0) as usize - ptr as usize
+            },
+            44usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_context_info),
+                "::",
+                stringify!(reserved0)
+            )
+        );
+    }
+    test_field_reserved0();
+}
+extern "C" {
+    pub fn kvh_context_info_get(
+        engine: *mut kvh_engine,
+        ctx: kvh_context,
+        info: *mut kvh_context_info,
+    ) -> kvh_status;
+}
+#[repr(C)]
+#[derive(Debug, Default, Copy, Clone)]
+pub struct kvh_weight_stats {
+    pub struct_size: u32,
+    pub unified_memory: u32,
+    pub bytes_device: u64,
+    pub bytes_host: u64,
+    pub slots_device: u64,
+    pub slots_host: u64,
+    pub switches: u64,
+    pub bytes_read_source: u64,
+    pub bytes_host_to_device: u64,
+    pub bytes_device_to_host: u64,
+    pub bytes_dropped: u64,
+    pub bytes_remapped: u64,
+    pub chunks_verified: u64,
+    pub crc_failures: u64,
+    pub kv_blocks_demoted: u64,
+    pub kv_blocks_promoted: u64,
+}
+#[test]
+fn bindgen_test_layout_kvh_weight_stats() {
+    assert_eq!(
+        ::std::mem::size_of::<kvh_weight_stats>(),
+        120usize,
+        concat!("Size of: ", stringify!(kvh_weight_stats))
+    );
+    assert_eq!(
+        ::std::mem::align_of::<kvh_weight_stats>(),
+        8usize,
+        concat!("Alignment of ", stringify!(kvh_weight_stats))
+    );
+    fn test_field_struct_size() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_weight_stats>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).struct_size) as usize - ptr as usize
+            },
+            0usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_weight_stats),
+                "::",
+                stringify!(struct_size)
+            )
+        );
+    }
+    test_field_struct_size();
+    fn test_field_unified_memory() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_weight_stats>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).unified_memory) as usize - ptr as usize
+            },
+            4usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_weight_stats),
+                "::",
+                stringify!(unified_memory)
+            )
+        );
+    }
+    test_field_unified_memory();
+    fn test_field_bytes_device() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_weight_stats>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).bytes_device) as usize - ptr as usize
+            },
+            8usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_weight_stats),
+                "::",
+                stringify!(bytes_device)
+            )
+        );
+    }
+    test_field_bytes_device();
+    fn test_field_bytes_host() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_weight_stats>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).bytes_host) as usize - ptr as usize
+            },
+            16usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_weight_stats),
+                "::",
+                stringify!(bytes_host)
+            )
+        );
+    }
+    test_field_bytes_host();
+    fn test_field_slots_device() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_weight_stats>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).slots_device) as usize - ptr as usize
+            },
+            24usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_weight_stats),
+                "::",
+                stringify!(slots_device)
+            )
+        );
+    }
+    test_field_slots_device();
+    fn test_field_slots_host() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_weight_stats>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).slots_host) as usize - ptr as usize
+            },
+            32usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_weight_stats),
+                "::",
+                stringify!(slots_host)
+            )
+        );
+    }
+    test_field_slots_host();
+    fn test_field_switches() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_weight_stats>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).switches) as usize - ptr as usize
+            },
+            40usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_weight_stats),
+                "::",
+                stringify!(switches)
+            )
+        );
+    }
+    test_field_switches();
+    fn test_field_bytes_read_source() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_weight_stats>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).bytes_read_source) as usize - ptr as usize
+            },
+            48usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_weight_stats),
+                "::",
+                stringify!(bytes_read_source)
+            )
+        );
+    }
+    test_field_bytes_read_source();
+    fn test_field_bytes_host_to_device() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_weight_stats>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).bytes_host_to_device) as usize - ptr as usize
+            },
+            56usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_weight_stats),
+                "::",
+                stringify!(bytes_host_to_device)
+            )
+        );
+    }
+    test_field_bytes_host_to_device();
+    fn test_field_bytes_device_to_host() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_weight_stats>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).bytes_device_to_host) as usize - ptr as usize
+            },
+            64usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_weight_stats),
+                "::",
+                stringify!(bytes_device_to_host)
+            )
+        );
+    }
+    test_field_bytes_device_to_host();
+    fn test_field_bytes_dropped() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_weight_stats>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).bytes_dropped) as usize - ptr as usize
+            },
+            72usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_weight_stats),
+                "::",
+                stringify!(bytes_dropped)
+            )
+        );
+    }
+    test_field_bytes_dropped();
+    fn test_field_bytes_remapped() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_weight_stats>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).bytes_remapped) as usize - ptr as usize
+            },
+            80usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_weight_stats),
+                "::",
+                stringify!(bytes_remapped)
+            )
+        );
+    }
+    test_field_bytes_remapped();
+    fn test_field_chunks_verified() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_weight_stats>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).chunks_verified) as usize - ptr as usize
+            },
+            88usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_weight_stats),
+                "::",
+                stringify!(chunks_verified)
+            )
+        );
+    }
+    test_field_chunks_verified();
+    fn test_field_crc_failures() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_weight_stats>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).crc_failures) as usize - ptr as usize
+            },
+            96usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_weight_stats),
+                "::",
+                stringify!(crc_failures)
+            )
+        );
+    }
+    test_field_crc_failures();
+    fn test_field_kv_blocks_demoted() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_weight_stats>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).kv_blocks_demoted) as usize - ptr as usize
+            },
+            104usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_weight_stats),
+                "::",
+                stringify!(kv_blocks_demoted)
+            )
+        );
+    }
+    test_field_kv_blocks_demoted();
+    fn test_field_kv_blocks_promoted() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_weight_stats>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).kv_blocks_promoted) as usize - ptr as usize
+            },
+            112usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_weight_stats),
+                "::",
+                stringify!(kv_blocks_promoted)
+            )
+        );
+    }
+    test_field_kv_blocks_promoted();
+}
+extern "C" {
+    pub fn kvh_weight_stats_get(
+        engine: *mut kvh_engine,
+        stats: *mut kvh_weight_stats,
+    ) -> kvh_status;
+}
+#[repr(C)]
+#[derive(Debug, Default, Copy, Clone)]
+pub struct kvh_admission_params {
+    pub struct_size: u32,
+    pub reserved0: u32,
+    pub short_max_tokens: u64,
+    pub short_device_bytes: u64,
+    pub long_device_bytes: u64,
+}
+#[test]
+fn bindgen_test_layout_kvh_admission_params() {
+    assert_eq!(
+        ::std::mem::size_of::<kvh_admission_params>(),
+        32usize,
+        concat!("Size of: ", stringify!(kvh_admission_params))
+    );
+    assert_eq!(
+        ::std::mem::align_of::<kvh_admission_params>(),
+        8usize,
+        concat!("Alignment of ", stringify!(kvh_admission_params))
+    );
+    fn test_field_struct_size() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_admission_params>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).struct_size) as usize - ptr as usize
+            },
+            0usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_admission_params),
+                "::",
+                stringify!(struct_size)
+            )
+        );
+    }
+    test_field_struct_size();
+    fn test_field_reserved0() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_admission_params>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).reserved0) as usize - ptr as usize
+            },
+            4usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_admission_params),
+                "::",
+                stringify!(reserved0)
+            )
+        );
+    }
+    test_field_reserved0();
+    fn test_field_short_max_tokens() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_admission_params>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).short_max_tokens) as usize - ptr as usize
+            },
+            8usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_admission_params),
+                "::",
+                stringify!(short_max_tokens)
+            )
+        );
+    }
+    test_field_short_max_tokens();
+    fn test_field_short_device_bytes() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_admission_params>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).short_device_bytes) as usize - ptr as usize
+            },
+            16usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_admission_params),
+                "::",
+                stringify!(short_device_bytes)
+            )
+        );
+    }
+    test_field_short_device_bytes();
+    fn test_field_long_device_bytes() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_admission_params>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).long_device_bytes) as usize - ptr as usize
+            },
+            24usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_admission_params),
+                "::",
+                stringify!(long_device_bytes)
+            )
+        );
+    }
+    test_field_long_device_bytes();
+}
+extern "C" {
+    pub fn kvh_admission_params_init(
+        params: *mut kvh_admission_params,
+        struct_size: usize,
+    ) -> kvh_status;
+}
+extern "C" {
+    pub fn kvh_admission_configure(
+        engine: *mut kvh_engine,
+        params: *const kvh_admission_params,
+    ) -> kvh_status;
+}
+#[repr(C)]
+#[derive(Debug, Default, Copy, Clone)]
+pub struct kvh_seq_params {
+    pub struct_size: u32,
+    pub agent: u32,
+    pub token_budget: u64,
+    pub context: kvh_context,
+}
+#[test]
+fn bindgen_test_layout_kvh_seq_params() {
+    assert_eq!(
+        ::std::mem::size_of::<kvh_seq_params>(),
+        24usize,
+        concat!("Size of: ", stringify!(kvh_seq_params))
+    );
+    assert_eq!(
+        ::std::mem::align_of::<kvh_seq_params>(),
+        8usize,
+        concat!("Alignment of ", stringify!(kvh_seq_params))
+    );
+    fn test_field_struct_size() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_seq_params>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).struct_size) as usize - ptr as usize
+            },
+            0usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_seq_params),
+                "::",
+                stringify!(struct_size)
+            )
+        );
+    }
+    test_field_struct_size();
+    fn test_field_agent() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_seq_params>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).agent) as usize - ptr as usize
+            },
+            4usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_seq_params),
+                "::",
+                stringify!(agent)
+            )
+        );
+    }
+    test_field_agent();
+    fn test_field_token_budget() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_seq_params>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).token_budget) as usize - ptr as usize
+            },
+            8usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_seq_params),
+                "::",
+                stringify!(token_budget)
+            )
+        );
+    }
+    test_field_token_budget();
+    fn test_field_context() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_seq_params>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).context) as usize - ptr as usize
+            },
+            16usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_seq_params),
+                "::",
+                stringify!(context)
+            )
+        );
+    }
+    test_field_context();
+}
+extern "C" {
+    pub fn kvh_seq_params_init(params: *mut kvh_seq_params, struct_size: usize) -> kvh_status;
+}
+extern "C" {
+    pub fn kvh_seq_create_ex(
+        engine: *mut kvh_engine,
+        params: *const kvh_seq_params,
+        seq: *mut kvh_seq,
+    ) -> kvh_status;
+}
+#[repr(C)]
+#[derive(Debug, Default, Copy, Clone)]
+pub struct kvh_admission_info {
+    pub struct_size: u32,
+    pub enabled: u32,
+    pub short_max_tokens: u64,
+    pub short_quota_blocks: u64,
+    pub long_quota_blocks: u64,
+    pub short_reserved_blocks: u64,
+    pub long_reserved_blocks: u64,
+    pub short_admitted: u64,
+    pub long_admitted: u64,
+    pub short_rejected: u64,
+    pub long_rejected: u64,
+}
+#[test]
+fn bindgen_test_layout_kvh_admission_info() {
+    assert_eq!(
+        ::std::mem::size_of::<kvh_admission_info>(),
+        80usize,
+        concat!("Size of: ", stringify!(kvh_admission_info))
+    );
+    assert_eq!(
+        ::std::mem::align_of::<kvh_admission_info>(),
+        8usize,
+        concat!("Alignment of ", stringify!(kvh_admission_info))
+    );
+    fn test_field_struct_size() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_admission_info>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).struct_size) as usize - ptr as usize
+            },
+            0usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_admission_info),
+                "::",
+                stringify!(struct_size)
+            )
+        );
+    }
+    test_field_struct_size();
+    fn test_field_enabled() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_admission_info>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).enabled) as usize - ptr as usize
+            },
+            4usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_admission_info),
+                "::",
+                stringify!(enabled)
+            )
+        );
+    }
+    test_field_enabled();
+    fn test_field_short_max_tokens() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_admission_info>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).short_max_tokens) as usize - ptr as usize
+            },
+            8usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_admission_info),
+                "::",
+                stringify!(short_max_tokens)
+            )
+        );
+    }
+    test_field_short_max_tokens();
+    fn test_field_short_quota_blocks() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_admission_info>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).short_quota_blocks) as usize - ptr as usize
+            },
+            16usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_admission_info),
+                "::",
+                stringify!(short_quota_blocks)
+            )
+        );
+    }
+    test_field_short_quota_blocks();
+    fn test_field_long_quota_blocks() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_admission_info>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).long_quota_blocks) as usize - ptr as usize
+            },
+            24usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_admission_info),
+                "::",
+                stringify!(long_quota_blocks)
+            )
+        );
+    }
+    test_field_long_quota_blocks();
+    fn test_field_short_reserved_blocks() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_admission_info>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).short_reserved_blocks) as usize - ptr as usize
+            },
+            32usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_admission_info),
+                "::",
+                stringify!(short_reserved_blocks)
+            )
+        );
+    }
+    test_field_short_reserved_blocks();
+    fn test_field_long_reserved_blocks() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_admission_info>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).long_reserved_blocks) as usize - ptr as usize
+            },
+            40usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_admission_info),
+                "::",
+                stringify!(long_reserved_blocks)
+            )
+        );
+    }
+    test_field_long_reserved_blocks();
+    fn test_field_short_admitted() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_admission_info>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).short_admitted) as usize - ptr as usize
+            },
+            48usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_admission_info),
+                "::",
+                stringify!(short_admitted)
+            )
+        );
+    }
+    test_field_short_admitted();
+    fn test_field_long_admitted() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_admission_info>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).long_admitted) as usize - ptr as usize
+            },
+            56usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_admission_info),
+                "::",
+                stringify!(long_admitted)
+            )
+        );
+    }
+    test_field_long_admitted();
+    fn test_field_short_rejected() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_admission_info>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).short_rejected) as usize - ptr as usize
+            },
+            64usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_admission_info),
+                "::",
+                stringify!(short_rejected)
+            )
+        );
+    }
+    test_field_short_rejected();
+    fn test_field_long_rejected() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_admission_info>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).long_rejected) as usize - ptr as usize
+            },
+            72usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_admission_info),
+                "::",
+                stringify!(long_rejected)
+            )
+        );
+    }
+    test_field_long_rejected();
+}
+extern "C" {
+    pub fn kvh_admission_info_get(
+        engine: *mut kvh_engine,
+        info: *mut kvh_admission_info,
+    ) -> kvh_status;
+}

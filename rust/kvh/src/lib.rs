@@ -67,6 +67,7 @@
 
 mod attention;
 mod config;
+mod context;
 mod element;
 mod engine;
 mod error;
@@ -76,6 +77,7 @@ mod types;
 
 pub use attention::AttentionParams;
 pub use config::{Config, LogFn};
+pub use context::{AdmissionInfo, Context, ContextInfo, KvPolicy, WeightStats};
 pub use element::Element;
 pub use engine::{Engine, OwnedBlock};
 pub use error::{Error, Result, Status};

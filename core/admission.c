@@ -1,0 +1,82 @@
+/* Admission by token budget: two pools (short and long requests) with
+ * their own device-tier quotas for KV. A request reserves the blocks of
+ * its budget in its pool before its sequence exists, so a request that
+ * cannot fit is refused before anything is allocated, and long requests
+ * cannot take the room kept for short ones (most requests are short;
+ * sizing one pool for the longest wastes most of it).
+ *
+ * A reservation ends when its sequence is freed. Rather than hook
+ * sequence destruction, the live reservations are swept for dead handles
+ * (generation-checked, so never confused with a new sequence) whenever
+ * the pools are consulted. */
+#include <stdlib.h>
+
+#include "core/context.h"
+
+void kvhi_admission_free(kvhi_admission *a)
+{
+    free(a->live);
+    a->live = NULL;
+    a->n_live = a->cap_live = 0;
+}
+
+void kvhi_admission_reclaim(kvh_engine *e)
+{
+    kvhi_admission *a = &e->contexts->admission;
+    for (uint32_t i = 0; i < a->n_live;) {
+        if (kvhi_handles_get(&e->seqs, a->live[i].seq, NULL)) {
+            i++;
+            continue;
+        }
+        a->reserved_blocks[a->live[i].pool] -= a->live[i].blocks;
+        a->live[i] = a->live[--a->n_live];
+    }
+}
+
+kvh_status kvhi_admission_reserve(kvh_engine *e, uint64_t token_budget, int *pool_out, uint64_t *blocks_out)
+{
+    kvhi_admission *a = &e->contexts->admission;
+    *pool_out = -1;
+    *blocks_out = 0;
+    if (!a->enabled || token_budget == 0)
+        return KVH_OK;
+    kvhi_admission_reclaim(e);
+    int pool = token_budget <= a->short_max_tokens ? 0 : 1;
+    uint64_t blocks = (token_budget + e->cfg.block_tokens - 1) / e->cfg.block_tokens;
+    if (a->reserved_blocks[pool] + blocks > a->quota_blocks[pool]) {
+        a->rejected[pool]++;
+        return kvhi_fail(KVH_ERR_NOSPACE,
+                         "%s-context pool: %llu of %llu blocks reserved, a budget of %llu tokens needs %llu more",
+                         pool ? "long" : "short", (unsigned long long)a->reserved_blocks[pool],
+                         (unsigned long long)a->quota_blocks[pool], (unsigned long long)token_budget,
+                         (unsigned long long)blocks);
+    }
+    a->reserved_blocks[pool] += blocks;
+    *pool_out = pool;
+    *blocks_out = blocks;
+    return KVH_OK;
+}
+
+void kvhi_admission_cancel(kvh_engine *e, int pool, uint64_t blocks)
+{
+    if (pool >= 0)
+        e->contexts->admission.reserved_blocks[pool] -= blocks;
+}
+
+kvh_status kvhi_admission_bind(kvh_engine *e, int pool, uint64_t blocks, uint64_t seq)
+{
+    kvhi_admission *a = &e->contexts->admission;
+    if (pool < 0)
+        return KVH_OK;
+    if (a->n_live == a->cap_live) {
+        uint32_t cap = a->cap_live ? a->cap_live * 2 : 16;
+        struct kvhi_admitted *nl = realloc(a->live, sizeof(*nl) * cap);
+        if (!nl)
+            return kvhi_fail(KVH_ERR_NOMEM, "out of memory for admission records");
+        a->live = nl;
+        a->cap_live = cap;
+    }
+    a->live[a->n_live++] = (struct kvhi_admitted){.seq = seq, .blocks = blocks, .pool = (uint8_t)pool};
+    a->admitted[pool]++;
+    return KVH_OK;
+}

@@ -1,0 +1,432 @@
+/* The weight-context switch: one context's weights (and, by policy, its
+ * agents' KV) leave the device tier while the next one's arrive, layer by
+ * layer.
+ *
+ * A switch runs on two threads of its own, one per direction, so that the
+ * departures (mostly drops: clean weights are never written) and the
+ * arrivals overlap; an arrival that finds the device tier full waits for
+ * pending departures before it evicts KV, and the departures' thread then
+ * helps load. The migration workers are not used for weights because their
+ * job queue moves fixed-size blocks; the KV part of a switch does go
+ * through them. The switch counts as an active call, so engine close
+ * waits for it. */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/context.h"
+#include "core/crc32c.h"
+
+enum { ROLE_DEPART = 1, ROLE_ARRIVE = 2, ROLE_HELP_ARRIVE = 4 };
+
+typedef struct kvhi_switch kvhi_switch;
+typedef struct kvhi_switch_arg {
+    kvhi_switch *sw;
+    int roles; /* ROLE_* bits this thread runs, departures first */
+} kvhi_switch_arg;
+
+struct kvhi_switch {
+    kvh_engine *e;
+    kvhi_context *from, *to; /* kept alive by their `switching` flag */
+    uint32_t fence;
+    uint32_t running; /* threads not finished */
+    kvhi_switch_arg args[2];
+    uint32_t arrival_next;    /* cursor into to->load_order */
+    uint32_t arrival_workers; /* threads taking regions from it */
+    bool arrivals_failed;
+    kvh_status status;
+    char msg[192];
+};
+
+static void switch_fail(kvhi_switch *sw, kvh_status st)
+{
+    if (st != KVH_OK && sw->status == KVH_OK) {
+        sw->status = st;
+        snprintf(sw->msg, sizeof(sw->msg), "%s", kvh_last_error());
+    }
+}
+
+/* Moves the context's KV blocks to `tier` through the migration workers
+ * and waits (lock held, dropped while waiting). Best effort: blocks that
+ * cannot move stay where they are. */
+static uint64_t move_context_kv(kvh_engine *e, kvhi_context *x, uint32_t tier)
+{
+    if (!e->tiers[tier].present)
+        return 0;
+    uint32_t fidx;
+    if (kvhi_fence_new(e, &fidx, NULL) != KVH_OK)
+        return 0;
+    kvhi_fence *f = kvhi_handles_at(&e->fences, fidx);
+    f->pending++; /* this function's own count, so the fence cannot end early */
+    uint64_t queued = 0;
+    for (uint32_t i = 0; i < x->n_seqs; i++) {
+        kvhi_seq *s = kvhi_handles_get(&e->seqs, x->seqs[i], NULL);
+        for (uint32_t j = 0; s && j < s->n_blocks; j++) {
+            kvhi_block *b = &e->blocks[s->blocks[j]];
+            bool wanted = tier == KVH_TIER_DEVICE ? b->tier != KVH_TIER_DEVICE
+                                                  : b->tier == KVH_TIER_DEVICE && !b->holds;
+            if (!wanted || b->pins)
+                continue;
+            if (kvhi_enqueue(e, s->blocks[j], tier, tier == KVH_TIER_DEVICE ? 1 : 0, false, fidx) == KVH_OK)
+                queued++;
+            /* An inline move may drop the lock: the sequence may be gone. */
+            s = kvhi_handles_get(&e->seqs, x->seqs[i], NULL);
+        }
+    }
+    kvhi_fence_done(e, fidx, KVH_OK);
+    kvhi_fence_wait_idx(e, fidx, UINT64_MAX);
+    kvhi_fence_drop(e, fidx);
+    kvhi_clear_error();
+    return queued;
+}
+
+/* One departing region (lock held, may drop). */
+static kvh_status depart_region(kvh_engine *e, kvhi_context *x, kvhi_region *r)
+{
+    kvhi_contexts *c = e->contexts;
+    bool unified = kvhi_unified_memory(e);
+    if (!r->dirty && r->fd >= 0) {
+        /* Clean: never written. On unified memory it may stay in RAM as
+         * host-tier memory if the host tier has free room (no eviction for
+         * it: it can always be read again). */
+        while (unified && e->tiers[KVH_TIER_HOST].present) {
+            if (kvhi_charge_add(e, x, KVH_TIER_HOST, r->size, KVHI_CHARGE_FREE_ONLY) == KVH_OK) {
+                kvhi_charge_sub(e, x, KVH_TIER_DEVICE, r->size);
+                r->tier = KVH_TIER_HOST;
+                c->stats.bytes_remapped += r->size;
+                return KVH_OK;
+            }
+            /* The host room may be held by the incoming model, which frees
+             * it as it arrives: wait for that, unless the arrivals are
+             * themselves waiting for this side (then drop). */
+            if (!c->arrivals_running || c->arrivals_waiting)
+                break;
+            pthread_cond_wait(&c->cv, &e->lock);
+        }
+        kvhi_clear_error();
+        uint8_t *mem = r->data;
+        uint8_t at = r->alloc_tier;
+        kvhi_region_unaccount(e, x, r);
+        r->data = NULL;
+        r->alloc_tier = KVHI_NO_TIER;
+        c->stats.bytes_dropped += r->size;
+        r->busy = true;
+        pthread_mutex_unlock(&e->lock);
+        kvhi_region_mem_free(e, at, mem, r->size);
+        pthread_mutex_lock(&e->lock);
+        r->busy = false;
+        return KVH_OK;
+    }
+    /* Modified, or no source: its bytes must be kept, in the host tier. */
+    kvh_status st = kvhi_charge_add(e, x, KVH_TIER_HOST, r->size, KVHI_CHARGE_EVICT);
+    if (st != KVH_OK) {
+        char why[160];
+        snprintf(why, sizeof(why), "%s", kvh_last_error());
+        return kvhi_fail(st, "weight region '%s' of context '%s' must be written back and the host tier has no room: %s",
+                         r->name, x->name, why);
+    }
+    r->busy = true;
+    pthread_mutex_unlock(&e->lock);
+    uint8_t *mem = unified ? r->data : kvhi_region_mem_alloc(e, KVH_TIER_HOST, r->size);
+    uint32_t bad = 0;
+    int rc = -1;
+    if (mem && unified) {
+        /* Same memory: only the checksums are brought up to date. */
+        for (uint32_t i = 0; r->stale_crc && i < r->n_chunks; i++) {
+            uint64_t off = (uint64_t)i * x->chunk_bytes;
+            uint64_t n = r->size - off < x->chunk_bytes ? r->size - off : x->chunk_bytes;
+            r->chunk_crc[i] = kvhi_crc32c(0, mem + off, n);
+        }
+        rc = 0;
+    } else if (mem) {
+        rc = kvhi_region_copy(e, r, x->chunk_bytes, mem, KVH_TIER_HOST, r->data, KVH_TIER_DEVICE, KVHI_CRC_RECORD,
+                              &bad);
+        if (rc != 0)
+            kvhi_region_mem_free(e, KVH_TIER_HOST, mem, r->size);
+    }
+    if (rc == 0 && !unified)
+        kvhi_region_mem_free(e, r->alloc_tier, r->data, r->size);
+    pthread_mutex_lock(&e->lock);
+    r->busy = false;
+    if (rc != 0) {
+        kvhi_charge_sub(e, x, KVH_TIER_HOST, r->size);
+        return kvhi_fail(mem ? KVH_ERR_IO : KVH_ERR_NOMEM, "cannot write weight region '%s' back to the host tier",
+                         r->name);
+    }
+    kvhi_charge_sub(e, x, KVH_TIER_DEVICE, r->size);
+    r->tier = KVH_TIER_HOST;
+    r->crc_known = true;
+    r->stale_crc = false;
+    if (unified) {
+        c->stats.bytes_remapped += r->size;
+    } else {
+        r->data = mem;
+        r->alloc_tier = KVH_TIER_HOST;
+        c->stats.bytes_device_to_host += r->size;
+    }
+    return KVH_OK;
+}
+
+static void run_departures(kvhi_switch *sw)
+{
+    kvh_engine *e = sw->e;
+    kvhi_contexts *c = e->contexts;
+    kvhi_context *x = sw->from;
+    /* Regions that must be kept go first, while the host tier has the
+     * most room; clean ones may then use what is left (unified memory) or
+     * are dropped. Later layers leave first: they are needed last. */
+    for (int pass = 0; pass < 2; pass++)
+        for (uint32_t k = x->n_regions; k-- > 0;) {
+            kvhi_region *r = &x->regions[x->load_order[k]];
+            bool keep = r->dirty || r->fd < 0;
+            if (r->tier != KVH_TIER_DEVICE || r->pinned || keep != (pass == 0))
+                continue;
+            switch_fail(sw, depart_region(e, x, r));
+            c->departures_left--;
+            pthread_cond_broadcast(&c->cv);
+        }
+    c->departures_left = 0;
+    pthread_cond_broadcast(&c->cv);
+    if (x->kv_policy == KVH_CONTEXT_KV_DEMOTE)
+        c->stats.kv_blocks_demoted += move_context_kv(e, x, KVH_TIER_HOST);
+}
+
+/* One arriving region (lock held, may drop). */
+static kvh_status arrive_region(kvh_engine *e, kvhi_context *x, kvhi_region *r)
+{
+    kvhi_contexts *c = e->contexts;
+    bool unified = kvhi_unified_memory(e);
+    r->busy = true;
+    kvh_status st = kvhi_charge_add(e, x, KVH_TIER_DEVICE, r->size, KVHI_CHARGE_EVICT);
+    if (st != KVH_OK) {
+        r->busy = false;
+        char why[160];
+        snprintf(why, sizeof(why), "%s", kvh_last_error());
+        return kvhi_fail(st, "no room in the device tier for weight region '%s' of context '%s': %s", r->name, x->name,
+                         why);
+    }
+    if (r->tier == KVH_TIER_HOST && unified) {
+        kvhi_charge_sub(e, x, KVH_TIER_HOST, r->size);
+        r->tier = KVH_TIER_DEVICE;
+        r->busy = false;
+        c->stats.bytes_remapped += r->size;
+        return KVH_OK;
+    }
+    uint8_t *old = r->data;
+    uint8_t old_alloc = r->alloc_tier, old_tier = r->tier;
+    pthread_mutex_unlock(&e->lock);
+    uint8_t *mem = kvhi_region_mem_alloc(e, KVH_TIER_DEVICE, r->size);
+    uint32_t bad = 0;
+    int rc = -ENOMEM;
+    if (mem && old_tier == KVH_TIER_HOST)
+        rc = kvhi_region_copy(e, r, x->chunk_bytes, mem, KVH_TIER_DEVICE, old, KVH_TIER_HOST,
+                              r->crc_known ? KVHI_CRC_VERIFY : KVHI_CRC_NONE, &bad);
+    else if (mem)
+        rc = kvhi_region_read_source(e, r, x->chunk_bytes, mem, KVH_TIER_DEVICE, &bad);
+    if (rc != 0 && mem)
+        kvhi_region_mem_free(e, KVH_TIER_DEVICE, mem, r->size);
+    if (rc == 0 && old)
+        kvhi_region_mem_free(e, old_alloc, old, r->size);
+    pthread_mutex_lock(&e->lock);
+    r->busy = false;
+    if (rc != 0) {
+        kvhi_charge_sub(e, x, KVH_TIER_DEVICE, r->size);
+        if (rc == 1) {
+            c->stats.crc_failures++;
+            return kvhi_fail(KVH_ERR_CORRUPT, "weight region '%s' chunk %u no longer matches its checksum", r->name,
+                             bad);
+        }
+        return kvhi_fail(rc == -ENOMEM ? KVH_ERR_NOMEM : KVH_ERR_IO, "cannot load weight region '%s': %s", r->name,
+                         rc == -1 ? "copy failed" : strerror(-rc));
+    }
+    if (old_tier == KVH_TIER_HOST) {
+        kvhi_charge_sub(e, x, KVH_TIER_HOST, r->size);
+        c->stats.bytes_host_to_device += r->size;
+    } else {
+        c->stats.bytes_read_source += r->size;
+        r->crc_known = true;
+    }
+    r->data = mem;
+    r->alloc_tier = KVH_TIER_DEVICE;
+    r->tier = KVH_TIER_DEVICE;
+    return KVH_OK;
+}
+
+/* Brings regions of the incoming context in, taking them in load order
+ * from a shared cursor: the thread of the departures joins in once they
+ * are done, so file reads and copies run on two threads. The primary
+ * (arrivals) thread waits for its helper, then brings the KV back. */
+static void run_arrivals(kvhi_switch *sw, bool primary)
+{
+    kvh_engine *e = sw->e;
+    kvhi_contexts *c = e->contexts;
+    kvhi_context *x = sw->to;
+    sw->arrival_workers++;
+    while (!sw->arrivals_failed && sw->arrival_next < x->n_regions) {
+        kvhi_region *r = &x->regions[x->load_order[sw->arrival_next++]];
+        kvh_status st = r->tier == KVH_TIER_DEVICE ? KVH_OK : arrive_region(e, x, r);
+        pthread_cond_broadcast(&c->cv); /* a layer may be ready */
+        if (st != KVH_OK && !sw->arrivals_failed) {
+            sw->arrivals_failed = true;
+            x->load_status = st;
+            snprintf(x->load_msg, sizeof(x->load_msg), "%s", kvh_last_error());
+            switch_fail(sw, st);
+        }
+    }
+    sw->arrival_workers--;
+    pthread_cond_broadcast(&c->cv);
+    if (!primary)
+        return;
+    while (sw->arrival_workers)
+        pthread_cond_wait(&c->cv, &e->lock);
+    c->arrivals_running = false;
+    pthread_cond_broadcast(&c->cv);
+    if (!sw->arrivals_failed && x->kv_policy == KVH_CONTEXT_KV_DEMOTE)
+        c->stats.kv_blocks_promoted += move_context_kv(e, x, KVH_TIER_DEVICE);
+}
+
+static void *switch_thread(void *argp)
+{
+    kvhi_switch_arg *arg = argp;
+    kvhi_switch *sw = arg->sw;
+    kvh_engine *e = sw->e;
+    kvhi_contexts *c = e->contexts;
+    pthread_mutex_lock(&e->lock);
+    if (arg->roles & ROLE_DEPART)
+        run_departures(sw);
+    if (arg->roles & ROLE_ARRIVE)
+        run_arrivals(sw, true);
+    else if (arg->roles & ROLE_HELP_ARRIVE)
+        run_arrivals(sw, false);
+    if (--sw->running > 0) {
+        pthread_mutex_unlock(&e->lock);
+        return NULL;
+    }
+    /* Last thread out: finish the switch. */
+    kvhi_free_garbage(e);
+    if (sw->from)
+        sw->from->switching = false;
+    if (sw->to) {
+        sw->to->switching = false;
+        sw->to->loading = false;
+    }
+    c->departures_left = 0;
+    c->arrivals_running = false;
+    c->switch_active = false;
+    c->joinable = true;
+    kvhi_fence *f = kvhi_handles_at(&e->fences, sw->fence);
+    if (f && sw->status != KVH_OK && f->status == KVH_OK) {
+        f->status = sw->status;
+        snprintf(f->msg, sizeof(f->msg), "%s", sw->msg);
+    }
+    kvhi_fence_done(e, sw->fence, KVH_OK);
+    pthread_cond_broadcast(&c->cv);
+    free(sw);
+    kvhi_leave(e); /* the active call the switch held */
+    return NULL;
+}
+
+/* Lock held (as an entered call). Waits for the previous switch and joins
+ * its threads. */
+static void wait_previous_switch(kvh_engine *e, kvhi_contexts *c)
+{
+    while (c->switch_active)
+        pthread_cond_wait(&c->cv, &e->lock);
+    if (c->joinable) {
+        pthread_t t[2] = {c->threads[0], c->threads[1]};
+        uint32_t n = c->n_threads;
+        c->joinable = false;
+        c->n_threads = 0;
+        pthread_mutex_unlock(&e->lock);
+        for (uint32_t i = 0; i < n; i++)
+            pthread_join(t[i], NULL);
+        pthread_mutex_lock(&e->lock);
+    }
+}
+
+kvh_status kvhi_context_switch(kvh_engine *e, kvh_context from_h, kvh_context to_h, kvh_fence *fence)
+{
+    kvhi_contexts *c = kvhi_contexts_get(e);
+    if (!c)
+        return kvhi_fail(KVH_ERR_NOMEM, "out of memory for context state");
+    kvhi_context *from, *to;
+    kvh_status st;
+    for (;;) {
+        /* Every wait drops the lock: look everything up again after it. */
+        wait_previous_switch(e, c);
+        if (c->switch_active) /* another caller started one meanwhile */
+            continue;
+        from = to = NULL;
+        if (from_h.id && (st = kvhi_context_resolve(e, from_h, &from)) != KVH_OK)
+            return st;
+        if (to_h.id && (st = kvhi_context_resolve(e, to_h, &to)) != KVH_OK)
+            return st;
+        if (!(from && from->holds) && !(to && to->holds))
+            break;
+        pthread_cond_wait(&c->cv, &e->lock);
+    }
+    kvhi_switch *sw = calloc(1, sizeof(*sw));
+    if (!sw)
+        return kvhi_fail(KVH_ERR_NOMEM, "out of memory for a switch");
+    uint32_t fidx;
+    kvh_fence fh;
+    if ((st = kvhi_fence_new(e, &fidx, &fh)) != KVH_OK) {
+        free(sw);
+        return st;
+    }
+    ((kvhi_fence *)kvhi_handles_at(&e->fences, fidx))->pending = 1;
+    *sw = (kvhi_switch){.e = e, .from = from, .to = to, .fence = fidx};
+    uint32_t leaving = 0;
+    for (uint32_t i = 0; from && i < from->n_regions; i++)
+        leaving += from->regions[i].tier == KVH_TIER_DEVICE && !from->regions[i].pinned;
+    c->departures_left = leaving;
+    if (from)
+        from->switching = true;
+    if (to) {
+        to->switching = true;
+        to->loading = true;
+        to->load_status = KVH_OK;
+        to->load_msg[0] = 0;
+    }
+    c->stats.switches++;
+    c->switch_active = true;
+    e->active_calls++; /* engine close waits for the switch */
+    /* One thread per direction; if the second cannot start, the first
+     * runs both, departures first. */
+    sw->args[0] = (kvhi_switch_arg){sw, (from ? ROLE_DEPART : 0) | (to && !from ? ROLE_ARRIVE : 0) |
+                                            (to && from ? ROLE_HELP_ARRIVE : 0)};
+    sw->args[1] = (kvhi_switch_arg){sw, ROLE_ARRIVE};
+    uint32_t want = from && to ? 2 : 1;
+    sw->running = want;
+    c->arrivals_running = want == 2;
+    c->n_threads = 0;
+    for (uint32_t i = 0; i < want; i++) {
+        if (pthread_create(&c->threads[i], NULL, switch_thread, &sw->args[i]) == 0) {
+            c->n_threads++;
+            continue;
+        }
+        if (i == 0) {
+            /* No thread at all: run here (the lock stays held throughout
+             * apart from the copies). */
+            sw->args[0].roles = (from ? ROLE_DEPART : 0) | (to ? ROLE_ARRIVE : 0);
+            sw->running = 1;
+            c->arrivals_running = false;
+            pthread_mutex_unlock(&e->lock);
+            switch_thread(&sw->args[0]);
+            pthread_mutex_lock(&e->lock);
+            break;
+        }
+        sw->args[0].roles |= ROLE_ARRIVE; /* picked up once departures end */
+        sw->running = 1;
+        c->arrivals_running = false;
+        break;
+    }
+    if (fence) {
+        *fence = fh;
+        return KVH_OK;
+    }
+    st = kvhi_fence_wait_idx(e, fidx, UINT64_MAX);
+    kvhi_fence_drop(e, fidx);
+    return st;
+}

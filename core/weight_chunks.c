@@ -1,0 +1,265 @@
+/* Memory of weight regions in the tiers: slots withheld from a tier's
+ * budget, allocation with the tier's allocator, chunked reads from the
+ * source file and chunked copies, each chunk covered by a CRC32C.
+ *
+ * Why withheld slots: the tiers' budgets are counted in KV slots, and the
+ * eviction policy frees slots. Charging a region as whole slots taken out
+ * of the pool keeps one exact budget per tier for KV and weights together,
+ * and lets KV be evicted by the usual policy to make room for weights.
+ * The region's bytes themselves live in one contiguous allocation (kernels
+ * want a tensor in one piece, and KV slots are neither contiguous nor
+ * chunk-sized). On the CPU backend the pages of withheld slots are handed
+ * back to the kernel, so resident memory stays within the budget. */
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "core/context.h"
+#include "core/crc32c.h"
+
+static uint64_t slots_for(kvh_engine *e, uint64_t bytes) { return (bytes + e->block_bytes - 1) / e->block_bytes; }
+
+/* Withheld slots hold no data: on the CPU backend their whole pages go
+ * back to the kernel (they read as zeros when KV reuses them). */
+static void forget_slot_pages(kvh_engine *e, uint32_t tier, uint32_t slot)
+{
+    if (e->backend != kvhi_backend_cpu())
+        return;
+    uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    uintptr_t lo = (uintptr_t)kvhi_slot_addr(e, tier, slot);
+    uintptr_t hi = lo + e->block_bytes;
+    lo = (lo + page - 1) & ~(page - 1);
+    hi &= ~(page - 1);
+    if (hi > lo)
+        madvise((void *)lo, hi - lo, MADV_DONTNEED);
+}
+
+/* Gives back slots beyond what ch->bytes needs. */
+static void trim(kvh_engine *e, kvhi_charge *ch, uint32_t tier)
+{
+    uint64_t keep = slots_for(e, ch->bytes);
+    bool freed = false;
+    while (ch->n > keep) {
+        kvhi_release_slot(e, tier, ch->slots[--ch->n]);
+        freed = true;
+    }
+    if (freed)
+        pthread_cond_broadcast(&e->changed); /* room appeared */
+}
+
+/* One more slot of `tier` (lock held; may drop it in KVHI_CHARGE_EVICT). */
+static kvh_status take_slot(kvh_engine *e, uint32_t tier, enum kvhi_charge_mode mode, uint32_t *slot)
+{
+    kvhi_tier *t = &e->tiers[tier];
+    kvhi_contexts *c = e->contexts;
+    for (;;) {
+        if (kvhi_slot_pool_alloc(&t->slots, slot) == 0)
+            return KVH_OK;
+        if (mode == KVHI_CHARGE_FREE_ONLY)
+            return KVH_ERR_NOSPACE; /* quietly: the caller has a plan B */
+        /* The other side of a switch is about to free room: wait for it
+         * rather than evict KV that would then fit. */
+        if (tier == KVH_TIER_DEVICE && c->departures_left) {
+            c->arrivals_waiting++;
+            pthread_cond_broadcast(&c->cv); /* a departure may wait on us */
+            pthread_cond_wait(&c->cv, &e->lock);
+            c->arrivals_waiting--;
+            continue;
+        }
+        /* Clean weights kept in host memory are a cache: they go before
+         * KV, which would need a disk write. */
+        if (tier == KVH_TIER_HOST && kvhi_drop_clean_host_region(e, false))
+            continue;
+        kvh_status st = kvhi_reserve_slot(e, tier, UINT32_MAX, slot);
+        if (st == KVH_ERR_NOSPACE && tier == KVH_TIER_HOST && kvhi_drop_clean_host_region(e, true))
+            continue;
+        return st;
+    }
+}
+
+kvh_status kvhi_charge_add(kvh_engine *e, kvhi_context *x, uint32_t tier, uint64_t bytes,
+                           enum kvhi_charge_mode mode)
+{
+    kvhi_tier *t = &e->tiers[tier];
+    kvhi_charge *ch = &x->charge[tier];
+    const char *name = tier == KVH_TIER_DEVICE ? "device" : "host";
+    if (!t->present)
+        return kvhi_fail(KVH_ERR_NOSPACE, "the %s tier is not configured", name);
+    if (slots_for(e, bytes) > t->slots.capacity)
+        return kvhi_fail(KVH_ERR_NOSPACE, "%llu bytes of weights are more than the whole %s tier",
+                         (unsigned long long)bytes, name);
+    /* ch->bytes can change while the lock is dropped (a clean region of
+     * this context dropped for room): re-read it on every round. */
+    while (ch->n < slots_for(e, ch->bytes + bytes)) {
+        if (ch->n == ch->cap) {
+            uint32_t cap = ch->cap ? ch->cap * 2 : 64;
+            uint32_t *ns = realloc(ch->slots, sizeof(uint32_t) * cap);
+            if (!ns) {
+                trim(e, ch, tier);
+                return kvhi_fail(KVH_ERR_NOMEM, "out of memory for a slot list");
+            }
+            ch->slots = ns;
+            ch->cap = cap;
+        }
+        uint32_t slot;
+        kvh_status st = take_slot(e, tier, mode, &slot);
+        if (st != KVH_OK) {
+            trim(e, ch, tier);
+            return st;
+        }
+        forget_slot_pages(e, tier, slot);
+        ch->slots[ch->n++] = slot;
+    }
+    ch->bytes += bytes;
+    return KVH_OK;
+}
+
+void kvhi_charge_sub(kvh_engine *e, kvhi_context *x, uint32_t tier, uint64_t bytes)
+{
+    kvhi_charge *ch = &x->charge[tier];
+    ch->bytes -= bytes;
+    trim(e, ch, tier);
+}
+
+void kvhi_charge_free(kvhi_charge *ch)
+{
+    free(ch->slots);
+    *ch = (kvhi_charge){0};
+}
+
+uint8_t *kvhi_region_mem_alloc(kvh_engine *e, uint32_t tier, uint64_t bytes)
+{
+    return tier == KVH_TIER_DEVICE ? e->backend->device_alloc(e->backend_ctx, bytes)
+                                   : e->backend->host_alloc(e->backend_ctx, bytes);
+}
+
+void kvhi_region_mem_free(kvh_engine *e, uint32_t tier, uint8_t *p, uint64_t bytes)
+{
+    if (!p)
+        return;
+    if (tier == KVH_TIER_DEVICE)
+        e->backend->device_free(e->backend_ctx, p, bytes);
+    else
+        e->backend->host_free(e->backend_ctx, p, bytes);
+}
+
+/* Memory of this tier can be read by the CPU directly. */
+static bool host_readable(kvh_engine *e, uint32_t tier)
+{
+    return tier != KVH_TIER_DEVICE || e->backend->device_is_host_memory;
+}
+
+static int pread_full(int fd, uint8_t *buf, uint64_t n, uint64_t off)
+{
+    while (n) {
+        ssize_t got = pread(fd, buf, n, (off_t)off);
+        if (got < 0) {
+            if (errno == EINTR)
+                continue;
+            return -errno;
+        }
+        if (got == 0)
+            return -EIO; /* the file shrank since it was registered */
+        buf += got, off += (uint64_t)got, n -= (uint64_t)got;
+    }
+    return 0;
+}
+
+int kvhi_region_read_source(kvh_engine *e, kvhi_region *r, uint64_t chunk, uint8_t *dst, uint32_t dst_tier,
+                            uint32_t *bad_chunk)
+{
+    bool direct = host_readable(e, dst_tier);
+    uint8_t *stage = NULL;
+    if (!direct && !(stage = malloc(chunk)))
+        return -ENOMEM;
+    int rc = 0;
+    for (uint32_t c = 0; c < r->n_chunks && rc == 0; c++) {
+        uint64_t off = (uint64_t)c * chunk;
+        uint64_t n = r->size - off < chunk ? r->size - off : chunk;
+        uint8_t *buf = direct ? dst + off : stage;
+        rc = pread_full(r->fd, buf, n, r->file_offset + off);
+        if (rc != 0)
+            break;
+        uint32_t crc = kvhi_crc32c(0, buf, n);
+        if (!r->crc_known)
+            r->chunk_crc[c] = crc;
+        else if (r->chunk_crc[c] != crc) {
+            *bad_chunk = c;
+            rc = 1;
+            break;
+        }
+        if (!direct) {
+            char msg[256];
+            if (e->backend->copy(e->backend_ctx, dst + off, stage, n, KVHI_COPY_HOST_TO_DEVICE, msg, sizeof(msg)))
+                rc = -EIO;
+        }
+    }
+    free(stage);
+    return rc;
+}
+
+int kvhi_region_copy(kvh_engine *e, kvhi_region *r, uint64_t chunk, uint8_t *dst, uint32_t dst_tier,
+                     const uint8_t *src, uint32_t src_tier, int crc_mode, uint32_t *bad_chunk)
+{
+    /* Both sides in CPU memory: checksum while copying, in one pass. */
+    bool fused = crc_mode != KVHI_CRC_NONE && host_readable(e, dst_tier) && host_readable(e, src_tier);
+    for (uint32_t c = 0; c < r->n_chunks; c++) {
+        uint64_t off = (uint64_t)c * chunk;
+        uint64_t n = r->size - off < chunk ? r->size - off : chunk;
+        if (fused) {
+            uint32_t crc = kvhi_crc32c_copy(0, dst + off, src + off, n);
+            if (crc_mode == KVHI_CRC_RECORD)
+                r->chunk_crc[c] = crc;
+            else if (crc != r->chunk_crc[c]) {
+                *bad_chunk = c;
+                return 1;
+            }
+            continue;
+        }
+        /* Checksum the side the CPU can read: the source on the way up,
+         * the destination on the way down. */
+        if (crc_mode == KVHI_CRC_VERIFY && host_readable(e, src_tier) &&
+            kvhi_crc32c(0, src + off, n) != r->chunk_crc[c]) {
+            *bad_chunk = c;
+            return 1;
+        }
+        if (kvhi_copy_bytes(e, dst_tier, dst + off, src_tier, src + off, n) != 0)
+            return -1;
+        if (crc_mode == KVHI_CRC_RECORD) {
+            const uint8_t *readable = host_readable(e, dst_tier) ? dst + off : host_readable(e, src_tier) ? src + off : NULL;
+            if (!readable)
+                return -1;
+            r->chunk_crc[c] = kvhi_crc32c(0, readable, n);
+        }
+    }
+    return 0;
+}
+
+int64_t kvhi_region_check(kvh_engine *e, kvhi_region *r, uint64_t chunk)
+{
+    bool direct = host_readable(e, r->alloc_tier);
+    uint8_t *stage = NULL;
+    if (!direct && !(stage = malloc(chunk)))
+        return -1;
+    int64_t bad = 0;
+    for (uint32_t c = 0; c < r->n_chunks; c++) {
+        uint64_t off = (uint64_t)c * chunk;
+        uint64_t n = r->size - off < chunk ? r->size - off : chunk;
+        const uint8_t *buf = r->data + off;
+        if (!direct) {
+            if (kvhi_copy_bytes(e, KVH_TIER_HOST, stage, r->alloc_tier, r->data + off, n) != 0) {
+                bad = -1;
+                break;
+            }
+            buf = stage;
+        }
+        if (kvhi_crc32c(0, buf, n) != r->chunk_crc[c]) {
+            bad = (int64_t)c + 1;
+            break;
+        }
+    }
+    free(stage);
+    return bad;
+}

@@ -1,0 +1,324 @@
+"""Weight contexts: a model's weights and its agents' KV as one swappable
+unit (``kvh_context``).
+
+    with kvh.Engine(device_bytes=..., host_bytes=...) as eng:
+        a = eng.context("smollm2-q8", kv_policy="demote")
+        a.add_gguf("/path/model-q8_0.gguf")      # one region per tensor
+        b = eng.context("smollm2-f16")
+        b.add_gguf("/path/model-f16.gguf")
+        a.switch_to()                              # load a
+        seq = eng.sequence(context=a, token_budget=512)
+        ...
+        fence = b.switch_to(wait=False)            # a out, b in, layer by layer
+        b.wait_layer(0)                            # early layers are usable
+        fence.result()
+
+Weights are charged to the same tier budgets as KV. Regions read from a
+file are dropped, never written, when they leave memory, and read (and
+checked against their CRC32C) again when they return. Pointers and views
+from :meth:`Context.region` are valid until the next switch away from the
+context.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+import numpy as np
+
+from . import errors
+from ._ffi import NULL, U64_MAX, check, ffi, lib
+
+__all__ = ["Context", "ContextInfo", "WeightStats", "AdmissionInfo", "KV_POLICIES"]
+
+KV_POLICIES = {"keep": 0, "demote": 1}
+_U32 = (1 << 32) - 1
+_BLK = re.compile(r"^blk\.(\d+)\.")
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextInfo:
+    regions: int
+    weight_bytes: int
+    bytes_device: int
+    bytes_host: int
+    layers_ready: int  # regions resident in load order before the first missing one
+    loading: bool
+    seqs: int
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightStats:
+    unified_memory: bool
+    bytes_device: int
+    bytes_host: int
+    slots_device: int
+    slots_host: int
+    switches: int
+    bytes_read_source: int
+    bytes_host_to_device: int
+    bytes_device_to_host: int
+    bytes_dropped: int
+    bytes_remapped: int
+    chunks_verified: int
+    crc_failures: int
+    kv_blocks_demoted: int
+    kv_blocks_promoted: int
+
+
+@dataclasses.dataclass(frozen=True)
+class AdmissionInfo:
+    enabled: bool
+    short_max_tokens: int
+    short_quota_blocks: int
+    long_quota_blocks: int
+    short_reserved_blocks: int
+    long_reserved_blocks: int
+    short_admitted: int
+    long_admitted: int
+    short_rejected: int
+    long_rejected: int
+
+
+def _struct_fields(ctype: str, obj: Any, cls: Any) -> Dict[str, Any]:
+    out = {}
+    for f in dataclasses.fields(cls):
+        v = getattr(obj, f.name)
+        out[f.name] = bool(v) if f.type in ("bool", bool) else int(v)
+    return out
+
+
+def _path_bytes(path: Union[str, os.PathLike]) -> bytes:
+    p = os.fsencode(path)
+    if not p or b"\0" in p:
+        raise ValueError("path must be non-empty and must not contain NUL bytes")
+    return p
+
+
+def gguf_layer(name: str, num_blocks: int) -> int:
+    """Load order of a GGUF tensor: embeddings first (0), transformer block
+    N as N + 1, the output head last."""
+    m = _BLK.match(name)
+    if m:
+        return int(m.group(1)) + 1
+    if name.startswith("token_embd") or name.startswith("rope"):
+        return 0
+    return num_blocks + 1
+
+
+class Context:
+    """One ``kvh_context``. Create with :meth:`kvh.Engine.context`; free with
+    :meth:`destroy`, a ``with`` block, or when the engine closes."""
+
+    def __init__(self, engine: Any, handle: int, name: str) -> None:
+        self._engine = engine
+        self._h = ffi.new("kvh_context *")
+        self._h.id = handle
+        self._name = name
+        self._regions: List[Tuple[str, int, int]] = []  # (name, layer, size)
+        self._destroyed = False
+
+    # ---- identity ----
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def handle(self) -> int:
+        return int(self._h.id)
+
+    @property
+    def regions(self) -> List[Tuple[str, int, int]]:
+        """(name, layer, size) of each region, by index."""
+        return list(self._regions)
+
+    def region_index(self, name: str) -> int:
+        for i, (n, _, _) in enumerate(self._regions):
+            if n == name:
+                return i
+        raise KeyError(name)
+
+    def _check(self) -> None:
+        if self._destroyed:
+            raise errors.BadHandleError(f"context {self._name!r} was destroyed", lib.KVH_ERR_BAD_HANDLE)
+
+    # ---- registration ----
+    def add_region(self, name: str = "", *, size: Optional[int] = None, layer: int = 0,
+                   path: Union[str, os.PathLike, None] = None, offset: int = 0, data: Any = None,
+                   pinned: bool = False) -> int:
+        """Registers a weight region from a file range (``path``, ``offset``,
+        ``size``) or from bytes (``data``: bytes-like or a NumPy array, copied
+        in). Returns its index."""
+        self._check()
+        if (path is None) == (data is None):
+            raise ValueError("give exactly one source: path= or data=")
+        layer = int(layer)
+        if not 0 <= layer <= _U32:
+            raise ValueError(f"layer must be in [0, {_U32}], got {layer}")
+        p = ffi.new("kvh_weight_region_params *")
+        check(lib.kvh_weight_region_params_init(p, ffi.sizeof("kvh_weight_region_params")))
+        keep: list = []
+        nm = ffi.new("char[]", name.encode("utf-8", "surrogateescape")[:63])
+        keep.append(nm)
+        p.name = nm
+        p.layer = layer
+        p.pinned = 1 if pinned else 0
+        if path is not None:
+            if size is None:
+                raise ValueError("size= is required with path=")
+            buf = ffi.new("char[]", _path_bytes(path))
+            keep.append(buf)
+            p.path = buf
+            p.file_offset = int(offset)
+            p.size = int(size)
+        else:
+            arr = np.ascontiguousarray(np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray)
+                                       else data).view(np.uint8).reshape(-1)
+            if size is not None and int(size) != arr.size:
+                raise ValueError(f"size={size} does not match the {arr.size} bytes of data")
+            if arr.size == 0:
+                raise ValueError("data is empty")
+            p.bytes = ffi.from_buffer("char[]", arr)
+            keep.append(arr)
+            p.size = arr.size
+        out = ffi.new("uint32_t *")
+        with self._engine._call() as e:
+            check(lib.kvh_context_add_region(e, self._h[0], p, out))
+        self._regions.append((name, layer, int(p.size)))
+        return int(out[0])
+
+    def add_gguf(self, path: Union[str, os.PathLike], *, pinned: Tuple[str, ...] = ()) -> int:
+        """Registers every tensor of a GGUF file as a region read from the
+        file (nothing is read now), in load order embeddings, block 0, ...,
+        output. Tensors named in ``pinned`` are pinned. Returns the count."""
+        from .model.gguf_loader import GGUFFile
+
+        with GGUFFile(os.fspath(path)) as g:
+            tensors = list(g.tensors.values())
+        nblk = 1 + max((int(m.group(1)) for t in tensors if (m := _BLK.match(t.name))), default=-1)
+        for t in tensors:
+            self.add_region(t.name, path=path, offset=t.offset, size=t.nbytes,
+                            layer=gguf_layer(t.name, nblk), pinned=t.name in pinned)
+        return len(tensors)
+
+    def attach(self, seq: Any) -> None:
+        """Moves seq's KV with this context (under ``kv_policy="demote"``)."""
+        self._check()
+        seq._check_engine(self._engine)
+        with self._engine._call() as e:
+            check(lib.kvh_context_attach_seq(e, self._h[0], seq._h[0]))
+
+    # ---- switching ----
+    def switch_to(self, previous: Optional["Context"] = None, *, wait: bool = True):
+        """Makes this context's weights resident in the device tier, moving
+        ``previous`` (default: the engine's current context) out. With
+        ``wait=False`` returns a :class:`kvh.Fence`; :meth:`wait_layer`
+        tells when early layers are usable."""
+        self._check()
+        prev = self._engine._current_context if previous is None else previous
+        if prev is self:
+            prev = None
+        return self._engine._switch(prev, self, wait)
+
+    def unload(self, *, wait: bool = True):
+        """Moves this context's weights out of the device tier."""
+        self._check()
+        return self._engine._switch(self, None, wait)
+
+    def wait_layer(self, layer: int, timeout: Optional[float] = None) -> None:
+        """Waits until every region with ``layer <= layer`` is resident.
+        Raises NotResidentError when no switch loads it, TimeoutError."""
+        self._check()
+        ns = U64_MAX if timeout is None else max(0, int(timeout * 1e9))
+        with self._engine._call() as e:
+            check(lib.kvh_context_wait_layer(e, self._h[0], int(layer), ns))
+
+    # ---- access ----
+    def region_pointer(self, index: int, *, writable: bool = False) -> Tuple[int, int]:
+        """(address, size) of a resident region: a device pointer on CUDA.
+        ``writable=True`` marks it modified (written back, not dropped)."""
+        self._check()
+        data = ffi.new("void **")
+        size = ffi.new("uint64_t *")
+        with self._engine._call() as e:
+            check(lib.kvh_context_region_data(e, self._h[0], int(index), 1 if writable else 0, data, size))
+        return int(ffi.cast("uintptr_t", data[0])), int(size[0])
+
+    def region(self, index: Union[int, str], *, writable: bool = False) -> np.ndarray:
+        """A uint8 NumPy view of a resident region (CPU backend). The view
+        is valid until the next switch away from this context."""
+        if isinstance(index, str):
+            index = self.region_index(index)
+        if self._engine.backend != "cpu":
+            raise errors.UnsupportedError("region views need the CPU backend; use region_pointer()",
+                                          lib.KVH_ERR_UNSUPPORTED)
+        addr, size = self.region_pointer(index, writable=writable)
+        buf = ffi.buffer(ffi.cast("char *", addr), size)
+        arr = np.frombuffer(buf, dtype=np.uint8)
+        if not writable:
+            arr.flags.writeable = False
+        return arr
+
+    def pin(self, index: int, pinned: bool = True) -> None:
+        self._check()
+        with self._engine._call() as e:
+            check(lib.kvh_context_region_pin(e, self._h[0], int(index), 1 if pinned else 0))
+
+    def verify(self) -> int:
+        """Re-checks the CRC32C of every resident, unmodified chunk; returns
+        how many were checked (CorruptionError on a mismatch)."""
+        self._check()
+        n = ffi.new("uint64_t *")
+        with self._engine._call() as e:
+            check(lib.kvh_context_verify(e, self._h[0], n))
+        return int(n[0])
+
+    def info(self) -> ContextInfo:
+        self._check()
+        i = ffi.new("kvh_context_info *")
+        i.struct_size = ffi.sizeof("kvh_context_info")
+        with self._engine._call() as e:
+            check(lib.kvh_context_info_get(e, self._h[0], i))
+        return ContextInfo(**_struct_fields("kvh_context_info", i, ContextInfo))
+
+    # ---- lifetime ----
+    def destroy(self) -> None:
+        """Frees the context's weight memory. Idempotent."""
+        if self._destroyed:
+            return
+        native = self._engine._native
+        if native is None or native.closed:
+            self._destroyed = True
+            return
+        with self._engine._call() as e:
+            check(lib.kvh_context_destroy(e, self._h[0]))
+        self._destroyed = True
+        if self._engine._current_context is self:
+            self._engine._current_context = None
+
+    def __enter__(self) -> "Context":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.destroy()
+
+    def __repr__(self) -> str:
+        return f"<kvh.Context {self._name!r} regions={len(self._regions)}{' destroyed' if self._destroyed else ''}>"
+
+
+def weight_stats(engine: Any) -> WeightStats:
+    s = ffi.new("kvh_weight_stats *")
+    s.struct_size = ffi.sizeof("kvh_weight_stats")
+    with engine._call() as e:
+        check(lib.kvh_weight_stats_get(e, s))
+    return WeightStats(**_struct_fields("kvh_weight_stats", s, WeightStats))
+
+
+def admission_info(engine: Any) -> AdmissionInfo:
+    i = ffi.new("kvh_admission_info *")
+    i.struct_size = ffi.sizeof("kvh_admission_info")
+    with engine._call() as e:
+        check(lib.kvh_admission_info_get(e, i))
+    return AdmissionInfo(**_struct_fields("kvh_admission_info", i, AdmissionInfo))

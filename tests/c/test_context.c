@@ -1,0 +1,533 @@
+/* Weight contexts: registration, switches that keep every weight and KV
+ * byte (checked against the source and by checksum), clean weights never
+ * written, write-back of modified ones, corrupt sources, pinning, layer
+ * readiness, switches under memory pressure with a disk tier, accounting
+ * in the tiers, and argument checks. Each switch test runs on unified
+ * memory (the CPU backend: moves are remaps) and with copies forced (the
+ * path of a discrete GPU), with 0 and 2 migration threads. */
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "test_util.h"
+#include "core/context.h"
+
+enum { L = 2, H = 2, D = 4, BT = 4 };
+static const size_t TOK = H * D * 4;
+enum { LAYERS = 4, BIG = 3000, SMALL = 1000, CHUNK = 1024 };
+#define FILE_BYTES (LAYERS * (BIG + SMALL) + 512)
+
+typedef struct mode {
+    uint32_t threads;
+    bool copies;
+} mode;
+static mode M_UNI0 = {0, false}, M_UNI2 = {2, false}, M_COPY0 = {0, true}, M_COPY2 = {2, true};
+#define MODE(state) (*(mode *)*(state))
+
+static char tmpdir[512];
+
+static const char *scratch(const char *name, char *buf, size_t len)
+{
+    const char *d = getenv("KVH_TEST_TMPDIR");
+    if (!d || !d[0]) {
+        snprintf(tmpdir, sizeof(tmpdir), "/tmp/kvh-context-tests.%d", (int)getpid());
+        mkdir(tmpdir, 0700);
+        d = tmpdir;
+    }
+    snprintf(buf, len, "%s/%s", d, name);
+    return buf;
+}
+
+/* A weight file of pseudo-random bytes; returns its contents. */
+static uint8_t *write_weights(const char *path, uint64_t seed)
+{
+    uint8_t *b = tu_alloc(FILE_BYTES);
+    tu_rng r = {seed};
+    tu_fill(&r, b, FILE_BYTES);
+    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    assert_true(fd >= 0);
+    assert_int_equal(write(fd, b, FILE_BYTES), FILE_BYTES);
+    close(fd);
+    return b;
+}
+
+typedef struct model {
+    kvh_context ctx;
+    const uint8_t *file; /* contents of its weight file */
+    uint8_t extra[700];  /* a region registered from bytes */
+    uint32_t n_regions;
+    uint64_t offset[2 * LAYERS + 1], size[2 * LAYERS + 1];
+} model;
+
+/* Per layer a big and a small region from the file (layers registered in
+ * reverse to check the load order), plus one byte-sourced region. */
+static void make_model(kvh_engine *e, model *m, const char *path, const uint8_t *file, uint32_t policy, uint64_t tag)
+{
+    kvh_context_params cp;
+    assert_ok(kvh_context_params_init(&cp, sizeof(cp)));
+    cp.kv_policy = policy;
+    cp.chunk_bytes = CHUNK;
+    cp.name = "model";
+    assert_ok(kvh_context_create(e, &cp, &m->ctx));
+    m->file = file;
+    m->n_regions = 0;
+    for (int l = LAYERS - 1; l >= 0; l--)
+        for (int part = 0; part < 2; part++) {
+            kvh_weight_region_params rp;
+            assert_ok(kvh_weight_region_params_init(&rp, sizeof(rp)));
+            rp.layer = (uint32_t)l;
+            rp.name = part ? "small" : "big";
+            rp.path = path;
+            rp.file_offset = (uint64_t)l * (BIG + SMALL) + (part ? BIG : 0);
+            rp.size = part ? SMALL : BIG;
+            uint32_t idx = 99;
+            assert_ok(kvh_context_add_region(e, m->ctx, &rp, &idx));
+            assert_int_equal(idx, m->n_regions);
+            m->offset[idx] = rp.file_offset;
+            m->size[idx] = rp.size;
+            m->n_regions++;
+        }
+    tu_rng r = {tag};
+    tu_fill(&r, m->extra, sizeof(m->extra));
+    kvh_weight_region_params rp;
+    assert_ok(kvh_weight_region_params_init(&rp, sizeof(rp)));
+    rp.layer = 0;
+    rp.bytes = m->extra;
+    rp.size = sizeof(m->extra);
+    uint32_t idx;
+    assert_ok(kvh_context_add_region(e, m->ctx, &rp, &idx));
+    m->offset[idx] = UINT64_MAX;
+    m->size[idx] = sizeof(m->extra);
+    m->n_regions++;
+}
+
+/* Every region resident in the device tier with its expected bytes. */
+static void check_model(kvh_engine *e, model *m)
+{
+    for (uint32_t i = 0; i < m->n_regions; i++) {
+        void *p = NULL;
+        uint64_t n = 0;
+        assert_ok(kvh_context_region_data(e, m->ctx, i, 0, &p, &n));
+        assert_int_equal(n, m->size[i]);
+        const uint8_t *want = m->offset[i] == UINT64_MAX ? m->extra : m->file + m->offset[i];
+        assert_memory_equal(p, want, n);
+    }
+    uint64_t checked = 0;
+    assert_ok(kvh_context_verify(e, m->ctx, &checked));
+    assert_true(checked >= m->n_regions);
+}
+
+static kvh_weight_stats wstats(kvh_engine *e)
+{
+    kvh_weight_stats s;
+    memset(&s, 0, sizeof(s));
+    s.struct_size = sizeof(s);
+    assert_ok(kvh_weight_stats_get(e, &s));
+    return s;
+}
+
+static kvh_context_info cinfo(kvh_engine *e, kvh_context c)
+{
+    kvh_context_info i;
+    memset(&i, 0, sizeof(i));
+    i.struct_size = sizeof(i);
+    assert_ok(kvh_context_info_get(e, c, &i));
+    return i;
+}
+
+static uint64_t slots_of(uint64_t bytes, uint64_t bb) { return (bytes + bb - 1) / bb; }
+
+static uint64_t model_slots(model *m, uint64_t bb)
+{
+    uint64_t n = 0;
+    for (uint32_t i = 0; i < m->n_regions; i++)
+        n += slots_of(m->size[i], bb);
+    return n;
+}
+
+static kvh_engine *open_engine(mode md, uint64_t dev_blocks, uint64_t host_blocks, const char *disk_dir)
+{
+    kvh_config c = tu_cfg(L, H, D, BT, KVH_DTYPE_F32, dev_blocks, host_blocks, md.threads);
+    if (disk_dir) {
+        c.disk_path = disk_dir;
+        c.disk_bytes = 1ull << 20;
+        c.disk_flags = KVH_DISK_RESET_ON_MISMATCH;
+    }
+    kvh_engine *e = tu_open_cfg(&c);
+    assert_int_equal(kvhi_context_copy_on_unified(e, md.copies), 0);
+    return e;
+}
+
+static kvh_seq kv_seq(kvh_engine *e, kvh_context ctx, uint32_t blocks, uint64_t tag)
+{
+    kvh_seq_params sp;
+    assert_ok(kvh_seq_params_init(&sp, sizeof(sp)));
+    sp.agent = (uint32_t)tag;
+    sp.context = ctx;
+    kvh_seq s;
+    assert_ok(kvh_seq_create_ex(e, &sp, &s));
+    int32_t t[64];
+    tu_iota(t, blocks * BT, (int32_t)(tag * 1000));
+    assert_ok(kvh_seq_append(e, s, t, blocks * BT));
+    tu_write_pattern(e, s, L, TOK, tag, 0, blocks * BT);
+    return s;
+}
+
+static void switch_preserves_everything(void **state)
+{
+    mode md = MODE(state);
+    char pa[600], pb[600];
+    uint8_t *fa = write_weights(scratch("a.bin", pa, sizeof(pa)), 11);
+    uint8_t *fb = write_weights(scratch("b.bin", pb, sizeof(pb)), 22);
+    uint64_t bb = tu_block_bytes_of(L, H, D, BT, KVH_DTYPE_F32);
+    model *a = tu_alloc(sizeof(model)), *b = tu_alloc(sizeof(model));
+    /* Size the tiers from one model's slot count. */
+    /* The device tier holds one model and a little KV, not both models. */
+    uint64_t per_model = slots_of(BIG, bb) * LAYERS + slots_of(SMALL, bb) * LAYERS + slots_of(700, bb);
+    kvh_engine *e = open_engine(md, per_model + 8, per_model + 24, NULL);
+    make_model(e, a, pa, fa, KVH_CONTEXT_KV_DEMOTE, 1);
+    make_model(e, b, pb, fb, KVH_CONTEXT_KV_DEMOTE, 2);
+    assert_int_equal(model_slots(a, bb), per_model);
+    kvh_seq sa = kv_seq(e, a->ctx, 3, 1), sb = kv_seq(e, b->ctx, 3, 2);
+
+    kvh_context none = {0};
+    assert_ok(kvh_context_switch(e, none, a->ctx, NULL));
+    check_model(e, a);
+    for (int round = 0; round < 4; round++) {
+        model *out = round % 2 ? b : a, *in = round % 2 ? a : b;
+        assert_ok(kvh_context_switch(e, out->ctx, in->ctx, NULL));
+        check_model(e, in);
+        kvh_context_info ii = cinfo(e, in->ctx), oi = cinfo(e, out->ctx);
+        assert_int_equal(ii.layers_ready, in->n_regions);
+        assert_int_equal(ii.bytes_device, ii.weight_bytes);
+        assert_int_equal(oi.bytes_device, 0);
+        assert_true(tu_check_pattern(e, sa, L, TOK, 1, 0, 3 * BT));
+        assert_true(tu_check_pattern(e, sb, L, TOK, 2, 0, 3 * BT));
+    }
+    kvh_weight_stats ws = wstats(e);
+    assert_int_equal(ws.switches, 5);
+    /* Clean file regions were never written, only byte-sourced ones. */
+    assert_int_equal(ws.bytes_device_to_host % sizeof(a->extra), 0);
+    assert_true(ws.bytes_device_to_host <= 4 * sizeof(a->extra));
+    assert_int_equal(ws.unified_memory, !md.copies);
+    if (md.copies) {
+        assert_int_equal(ws.bytes_remapped, 0);
+        assert_true(ws.bytes_dropped > 0);
+    } else {
+        assert_true(ws.bytes_remapped > 0);
+        assert_int_equal(ws.bytes_host_to_device, 0);
+    }
+    assert_true(ws.kv_blocks_demoted > 0);
+    /* Accounting: the device tier's used slots include the weights. */
+    kvh_tier_info dev = tu_tier(e, KVH_TIER_DEVICE);
+    /* A context is charged whole slots for all its resident bytes
+     * together, not per region. */
+    assert_int_equal(ws.bytes_device, LAYERS * (BIG + SMALL) + sizeof(a->extra));
+    assert_int_equal(ws.slots_device, slots_of(ws.bytes_device, bb));
+    assert_true(ws.slots_device < per_model);
+    assert_true(dev.used_blocks >= ws.slots_device);
+    assert_true(dev.used_blocks <= dev.capacity_blocks);
+    assert_ok(kvh_seq_free(e, sa));
+    assert_ok(kvh_seq_free(e, sb));
+    assert_ok(kvh_context_destroy(e, a->ctx));
+    assert_ok(kvh_context_destroy(e, b->ctx));
+    ws = wstats(e);
+    assert_int_equal(ws.slots_device + ws.slots_host, 0);
+    /* What is left in the tiers is KV (cached blocks of freed sequences). */
+    kvh_stats ks = tu_stats(e);
+    assert_int_equal(tu_tier(e, KVH_TIER_DEVICE).used_blocks + tu_tier(e, KVH_TIER_HOST).used_blocks,
+                     ks.blocks_allocated - ks.blocks_freed);
+}
+
+/* Without room to keep them in the host tier, clean regions are dropped
+ * and read again from their file: never written anywhere. */
+static void clean_weights_never_written(void **state)
+{
+    mode md = MODE(state);
+    char pa[600], pb[600];
+    uint8_t *fa = write_weights(scratch("ca.bin", pa, sizeof(pa)), 33);
+    uint8_t *fb = write_weights(scratch("cb.bin", pb, sizeof(pb)), 44);
+    uint64_t bb = tu_block_bytes_of(L, H, D, BT, KVH_DTYPE_F32);
+    uint64_t per_model = slots_of(BIG, bb) * LAYERS + slots_of(SMALL, bb) * LAYERS + slots_of(700, bb);
+    /* Host: room for the two byte-sourced regions only. */
+    kvh_engine *e = open_engine(md, per_model + 2, 2 * slots_of(700, bb), NULL);
+    model *a = tu_alloc(sizeof(model)), *b = tu_alloc(sizeof(model));
+    make_model(e, a, pa, fa, KVH_CONTEXT_KV_KEEP, 3);
+    make_model(e, b, pb, fb, KVH_CONTEXT_KV_KEEP, 4);
+    kvh_context none = {0};
+    assert_ok(kvh_context_switch(e, none, a->ctx, NULL));
+    for (int i = 0; i < 6; i++) {
+        model *out = i % 2 ? b : a, *in = i % 2 ? a : b;
+        assert_ok(kvh_context_switch(e, out->ctx, in->ctx, NULL));
+        check_model(e, in);
+    }
+    kvh_weight_stats ws = wstats(e);
+    uint64_t file_bytes = LAYERS * (BIG + SMALL);
+    if (md.copies) {
+        assert_int_equal(ws.bytes_dropped, 6 * file_bytes);
+        assert_int_equal(ws.bytes_read_source, 7 * file_bytes);
+    } else {
+        /* Some clean regions stayed in RAM as host-tier memory. */
+        assert_true(ws.bytes_dropped > 0);
+        assert_true(ws.bytes_read_source <= 7 * file_bytes);
+        assert_true(ws.bytes_read_source >= file_bytes + ws.bytes_dropped - file_bytes);
+    }
+    /* Only the byte-sourced regions travel, and on unified memory not
+     * even they are copied. */
+    assert_int_equal(ws.bytes_device_to_host, md.copies ? 6 * sizeof(a->extra) : 0);
+}
+
+/* A region handed out writable is written back, not dropped, and comes
+ * back with the change; its checksums follow. */
+static void modified_weights_written_back(void **state)
+{
+    mode md = MODE(state);
+    char pa[600], pb[600];
+    uint8_t *fa = write_weights(scratch("ma.bin", pa, sizeof(pa)), 55);
+    uint8_t *fb = write_weights(scratch("mb.bin", pb, sizeof(pb)), 66);
+    kvh_engine *e = open_engine(md, 64, 200, NULL);
+    model *a = tu_alloc(sizeof(model)), *b = tu_alloc(sizeof(model));
+    make_model(e, a, pa, fa, KVH_CONTEXT_KV_KEEP, 5);
+    make_model(e, b, pb, fb, KVH_CONTEXT_KV_KEEP, 6);
+    kvh_context none = {0};
+    assert_ok(kvh_context_switch(e, none, a->ctx, NULL));
+    uint8_t *p;
+    uint64_t n;
+    assert_ok(kvh_context_region_data(e, a->ctx, 0, 1, (void **)&p, &n));
+    for (uint64_t i = 0; i < n; i += 7)
+        p[i] ^= 0x5a;
+    uint8_t *want = tu_alloc(n);
+    memcpy(want, p, n);
+    kvh_weight_stats before = wstats(e);
+    assert_ok(kvh_context_switch(e, a->ctx, b->ctx, NULL));
+    kvh_weight_stats mid = wstats(e);
+    uint64_t moved = md.copies ? mid.bytes_device_to_host - before.bytes_device_to_host
+                               : mid.bytes_remapped - before.bytes_remapped;
+    assert_true(moved >= n);
+    assert_ok(kvh_context_switch(e, b->ctx, a->ctx, NULL));
+    assert_ok(kvh_context_region_data(e, a->ctx, 0, 0, (void **)&p, &n));
+    assert_memory_equal(p, want, n);
+    uint64_t checked;
+    assert_ok(kvh_context_verify(e, a->ctx, &checked));
+}
+
+/* A weight file changed behind the engine's back is caught by the chunk
+ * checksums recorded at the first load. */
+static void changed_source_is_corrupt(void **state)
+{
+    mode md = MODE(state);
+    char pa[600], pb[600];
+    uint8_t *fa = write_weights(scratch("xa.bin", pa, sizeof(pa)), 77);
+    uint8_t *fb = write_weights(scratch("xb.bin", pb, sizeof(pb)), 88);
+    uint64_t bb = tu_block_bytes_of(L, H, D, BT, KVH_DTYPE_F32);
+    uint64_t per_model = slots_of(BIG, bb) * LAYERS + slots_of(SMALL, bb) * LAYERS + slots_of(700, bb);
+    kvh_engine *e = open_engine(md, per_model + 2, 2 * slots_of(700, bb), NULL);
+    model *a = tu_alloc(sizeof(model)), *b = tu_alloc(sizeof(model));
+    make_model(e, a, pa, fa, KVH_CONTEXT_KV_KEEP, 7);
+    make_model(e, b, pb, fb, KVH_CONTEXT_KV_KEEP, 8);
+    kvh_context none = {0};
+    assert_ok(kvh_context_switch(e, none, a->ctx, NULL));
+    assert_ok(kvh_context_switch(e, a->ctx, b->ctx, NULL));
+    /* Flip one byte of layer 2's big region in a's file. */
+    int fd = open(pa, O_WRONLY);
+    assert_true(fd >= 0);
+    uint8_t x = fa[2 * (BIG + SMALL) + 1500] ^ 1;
+    assert_int_equal(pwrite(fd, &x, 1, 2 * (BIG + SMALL) + 1500), 1);
+    close(fd);
+    kvh_fence f;
+    assert_ok(kvh_context_switch(e, b->ctx, a->ctx, &f));
+    assert_kvh(KVH_ERR_CORRUPT, kvh_fence_wait(e, f, UINT64_MAX));
+    assert_ok(kvh_fence_free(e, f));
+    assert_int_equal(wstats(e).crc_failures, 1);
+    /* Layers before the bad one loaded; waiting for it reports the error. */
+    assert_ok(kvh_context_wait_layer(e, a->ctx, 1, UINT64_MAX));
+    assert_kvh(KVH_ERR_CORRUPT, kvh_context_wait_layer(e, a->ctx, 2, UINT64_MAX));
+    assert_int_equal(cinfo(e, a->ctx).loading, 0);
+}
+
+/* With a fence, early layers can be used before the switch completes. */
+static void layers_ready_in_order(void **state)
+{
+    mode md = MODE(state);
+    char pa[600];
+    uint8_t *fa = write_weights(scratch("la.bin", pa, sizeof(pa)), 99);
+    kvh_engine *e = open_engine(md, 64, 64, NULL);
+    model *a = tu_alloc(sizeof(model));
+    make_model(e, a, pa, fa, KVH_CONTEXT_KV_KEEP, 9);
+    assert_kvh(KVH_ERR_NOT_RESIDENT, kvh_context_wait_layer(e, a->ctx, 0, 0));
+    kvh_context none = {0};
+    kvh_fence f;
+    assert_ok(kvh_context_switch(e, none, a->ctx, &f));
+    assert_ok(kvh_context_wait_layer(e, a->ctx, 0, UINT64_MAX));
+    /* Regions of layer 0 (registered last) are there now. */
+    void *p;
+    assert_ok(kvh_context_region_data(e, a->ctx, 2 * (LAYERS - 1), 0, &p, NULL));
+    assert_memory_equal(p, fa, BIG);
+    assert_ok(kvh_fence_wait(e, f, UINT64_MAX));
+    assert_ok(kvh_fence_free(e, f));
+    assert_ok(kvh_context_wait_layer(e, a->ctx, LAYERS - 1, 0));
+    check_model(e, a);
+    /* Unloading: switch to nothing. */
+    assert_ok(kvh_context_switch(e, a->ctx, none, NULL));
+    assert_int_equal(cinfo(e, a->ctx).bytes_device, 0);
+    assert_kvh(KVH_ERR_NOT_RESIDENT, kvh_context_region_data(e, a->ctx, 0, 0, &p, NULL));
+}
+
+/* Pinned regions stay in the device tier through a switch away. */
+static void pinned_regions_stay(void **state)
+{
+    mode md = MODE(state);
+    char pa[600], pb[600];
+    uint8_t *fa = write_weights(scratch("pa.bin", pa, sizeof(pa)), 111);
+    uint8_t *fb = write_weights(scratch("pb.bin", pb, sizeof(pb)), 222);
+    kvh_engine *e = open_engine(md, 96, 96, NULL);
+    model *a = tu_alloc(sizeof(model)), *b = tu_alloc(sizeof(model));
+    make_model(e, a, pa, fa, KVH_CONTEXT_KV_KEEP, 10);
+    make_model(e, b, pb, fb, KVH_CONTEXT_KV_KEEP, 11);
+    assert_ok(kvh_context_region_pin(e, a->ctx, 1, 1));
+    kvh_context none = {0};
+    assert_ok(kvh_context_switch(e, none, a->ctx, NULL));
+    assert_ok(kvh_context_switch(e, a->ctx, b->ctx, NULL));
+    void *p;
+    assert_ok(kvh_context_region_data(e, a->ctx, 1, 0, &p, NULL));
+    assert_memory_equal(p, fa + a->offset[1], a->size[1]);
+    assert_kvh(KVH_ERR_NOT_RESIDENT, kvh_context_region_data(e, a->ctx, 0, 0, &p, NULL));
+    assert_int_equal(cinfo(e, a->ctx).bytes_device, a->size[1]);
+    assert_kvh(KVH_ERR_RANGE, kvh_context_region_pin(e, a->ctx, 99, 1));
+}
+
+/* The device tier full of KV and the host tier too: a switch evicts KV
+ * down to the disk tier instead of failing, and every KV byte survives. */
+static void switch_under_pressure(void **state)
+{
+    mode md = MODE(state);
+    char pa[600], pb[600], dir[600];
+    uint8_t *fa = write_weights(scratch("ua.bin", pa, sizeof(pa)), 123);
+    uint8_t *fb = write_weights(scratch("ub.bin", pb, sizeof(pb)), 456);
+    scratch("disk", dir, sizeof(dir));
+    mkdir(dir, 0700);
+    uint64_t bb = tu_block_bytes_of(L, H, D, BT, KVH_DTYPE_F32);
+    uint64_t per_model = slots_of(BIG, bb) * LAYERS + slots_of(SMALL, bb) * LAYERS + slots_of(700, bb);
+    kvh_engine *e = open_engine(md, per_model + 4, per_model + 4, dir);
+    model *a = tu_alloc(sizeof(model)), *b = tu_alloc(sizeof(model));
+    make_model(e, a, pa, fa, KVH_CONTEXT_KV_DEMOTE, 12);
+    make_model(e, b, pb, fb, KVH_CONTEXT_KV_DEMOTE, 13);
+    /* KV filling both memory tiers several times over. */
+    enum { NSEQ = 12, BLOCKS = 6 };
+    kvh_seq s[NSEQ];
+    for (int i = 0; i < NSEQ; i++)
+        s[i] = kv_seq(e, i % 2 ? b->ctx : a->ctx, BLOCKS, 100 + (uint64_t)i);
+    kvh_context none = {0};
+    assert_ok(kvh_context_switch(e, none, a->ctx, NULL));
+    for (int round = 0; round < 6; round++) {
+        model *out = round % 2 ? b : a, *in = round % 2 ? a : b;
+        assert_ok(kvh_context_switch(e, out->ctx, in->ctx, NULL));
+        check_model(e, in);
+    }
+    for (int i = 0; i < NSEQ; i++)
+        assert_true(tu_check_pattern(e, s[i], L, TOK, 100 + (uint64_t)i, 0, BLOCKS * BT));
+    assert_true(tu_stats(e).blocks_host_to_disk > 0);
+}
+
+static void bad_arguments(void **state)
+{
+    (void)state;
+    kvh_engine *e = open_engine(M_UNI0, 64, 64, NULL);
+    kvh_context c, none = {0};
+    assert_kvh(KVH_ERR_INVALID_ARG, kvh_context_create(e, NULL, NULL));
+    assert_kvh(KVH_ERR_INVALID_ARG, kvh_context_create(NULL, NULL, &c));
+    kvh_context_params cp;
+    assert_kvh(KVH_ERR_STRUCT_SIZE, kvh_context_params_init(&cp, sizeof(cp) - 4));
+    assert_ok(kvh_context_params_init(&cp, sizeof(cp)));
+    cp.chunk_bytes = 0;
+    assert_kvh(KVH_ERR_INVALID_ARG, kvh_context_create(e, &cp, &c));
+    cp.chunk_bytes = 4096;
+    cp.kv_policy = 7;
+    assert_kvh(KVH_ERR_INVALID_ARG, kvh_context_create(e, &cp, &c));
+    cp.struct_size = 3;
+    assert_kvh(KVH_ERR_STRUCT_SIZE, kvh_context_create(e, &cp, &c));
+    assert_ok(kvh_context_create(e, NULL, &c));
+    kvh_weight_region_params rp;
+    assert_ok(kvh_weight_region_params_init(&rp, sizeof(rp)));
+    uint32_t idx;
+    assert_kvh(KVH_ERR_INVALID_ARG, kvh_context_add_region(e, c, &rp, &idx)); /* size 0 */
+    rp.size = 10;
+    assert_kvh(KVH_ERR_INVALID_ARG, kvh_context_add_region(e, c, &rp, &idx)); /* no source */
+    uint8_t bytes[10] = {0};
+    rp.bytes = bytes;
+    rp.path = "/nonexistent";
+    assert_kvh(KVH_ERR_INVALID_ARG, kvh_context_add_region(e, c, &rp, &idx)); /* two sources */
+    rp.bytes = NULL;
+    assert_kvh(KVH_ERR_IO, kvh_context_add_region(e, c, &rp, &idx));
+    char p[600];
+    write_weights(scratch("short.bin", p, sizeof(p)), 1);
+    rp.path = p;
+    rp.file_offset = FILE_BYTES - 5;
+    assert_kvh(KVH_ERR_IO, kvh_context_add_region(e, c, &rp, &idx));
+    rp.file_offset = 0;
+    rp.size = 1ull << 40; /* larger than any tier */
+    assert_kvh(KVH_ERR_IO, kvh_context_add_region(e, c, &rp, &idx));
+    rp.path = NULL;
+    rp.bytes = bytes;
+    rp.size = 1ull << 20; /* bytes larger than the host tier */
+    /* (never read: refused before any copy) */
+    assert_kvh(KVH_ERR_NOSPACE, kvh_context_add_region(e, c, &rp, &idx));
+    assert_kvh(KVH_ERR_INVALID_ARG, kvh_context_switch(e, c, c, NULL));
+    kvh_context forged = {c.id ^ 0x100000000ull};
+    assert_kvh(KVH_ERR_BAD_HANDLE, kvh_context_switch(e, none, forged, NULL));
+    assert_kvh(KVH_ERR_BAD_HANDLE, kvh_context_destroy(e, forged));
+    kvh_seq bad_seq = {12345};
+    assert_kvh(KVH_ERR_BAD_HANDLE, kvh_context_attach_seq(e, c, bad_seq));
+    void *d;
+    assert_kvh(KVH_ERR_RANGE, kvh_context_region_data(e, c, 0, 0, &d, NULL));
+    assert_kvh(KVH_ERR_INVALID_ARG, kvh_context_region_data(e, c, 0, 0, NULL, NULL));
+    kvh_context_info ci;
+    ci.struct_size = 4;
+    assert_kvh(KVH_ERR_STRUCT_SIZE, kvh_context_info_get(e, c, &ci));
+    kvh_weight_stats ws;
+    ws.struct_size = 2;
+    assert_kvh(KVH_ERR_STRUCT_SIZE, kvh_weight_stats_get(e, &ws));
+    /* An older, shorter stats struct is filled up to its size. */
+    ws.struct_size = offsetof(kvh_weight_stats, slots_device);
+    assert_ok(kvh_weight_stats_get(e, &ws));
+    assert_ok(kvh_context_destroy(e, c));
+    assert_kvh(KVH_ERR_BAD_HANDLE, kvh_context_destroy(e, c));
+    assert_ok(kvh_context_destroy(e, none));
+}
+
+/* A context still loaded when the engine closes is freed with it. */
+static void close_with_contexts(void **state)
+{
+    mode md = MODE(state);
+    char pa[600];
+    uint8_t *fa = write_weights(scratch("za.bin", pa, sizeof(pa)), 5);
+    kvh_engine *e = open_engine(md, 64, 64, NULL);
+    model *a = tu_alloc(sizeof(model));
+    make_model(e, a, pa, fa, KVH_CONTEXT_KV_KEEP, 14);
+    kvh_context none = {0};
+    kvh_fence f;
+    assert_ok(kvh_context_switch(e, none, a->ctx, &f));
+    assert_ok(tu_close(e)); /* waits for the switch */
+}
+
+#define MODES(fn)                                                                                           \
+    cmocka_unit_test_prestate_setup_teardown(fn, NULL, tu_teardown, &M_UNI0),                               \
+        cmocka_unit_test_prestate_setup_teardown(fn, NULL, tu_teardown, &M_UNI2),                           \
+        cmocka_unit_test_prestate_setup_teardown(fn, NULL, tu_teardown, &M_COPY0),                          \
+        cmocka_unit_test_prestate_setup_teardown(fn, NULL, tu_teardown, &M_COPY2)
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        MODES(switch_preserves_everything),
+        MODES(clean_weights_never_written),
+        MODES(modified_weights_written_back),
+        MODES(changed_source_is_corrupt),
+        MODES(layers_ready_in_order),
+        MODES(pinned_regions_stay),
+        MODES(switch_under_pressure),
+        MODES(close_with_contexts),
+        cmocka_unit_test_teardown(bad_arguments, tu_teardown),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

@@ -1,0 +1,145 @@
+"""kvh.Context (weight contexts) and token-budget admission from Python."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvh
+
+
+@pytest.fixture
+def weights(tmp_path):
+    """Two weight files of pseudo-random bytes, 4 layers of 3000 bytes."""
+    rng = np.random.default_rng(7)
+    files = []
+    for i in range(2):
+        data = rng.integers(0, 256, 4 * 3000, dtype=np.uint8)
+        p = tmp_path / f"w{i}.bin"
+        p.write_bytes(data.tobytes())
+        files.append((p, data))
+    return files
+
+
+def make_engine(**kw):
+    # 2 layers x 2 heads x 8 dim x 16 tokens x f32 x K,V = 4096-byte blocks
+    args = dict(num_layers=2, num_kv_heads=2, head_dim=8, block_tokens=16, dtype="f32",
+                device_bytes=8 * 4096, host_bytes=64 * 4096, backend="cpu")
+    args.update(kw)
+    return kvh.Engine(**args)
+
+
+def register(ctx, path):
+    for layer in range(4):
+        ctx.add_region(f"w{layer}", path=path, offset=layer * 3000, size=3000, layer=layer)
+
+
+def test_switch_round_trip(weights):
+    (pa, da), (pb, db) = weights
+    with make_engine() as eng:
+        a = eng.context("a", kv_policy="demote", chunk_bytes=1024)
+        b = eng.context("b")
+        register(a, pa)
+        register(b, pb)
+        extra = np.arange(500, dtype=np.uint8)
+        idx = a.add_region("extra", data=extra)
+        assert idx == 4
+        seq = eng.sequence(context=a)
+        seq.append(range(32))
+        k = np.random.default_rng(1).standard_normal((32, 2, 8)).astype(np.float32)
+        seq.write_kv(0, 0, k, k)
+        a.switch_to()
+        assert eng.current_context is a
+        for i in range(4):
+            assert np.array_equal(a.region(i), da[i * 3000:(i + 1) * 3000])
+        assert np.array_equal(a.region("extra"), extra)
+        for _ in range(3):
+            fence = b.switch_to(wait=False)
+            b.wait_layer(0)
+            assert np.array_equal(b.region(0), db[:3000])
+            fence.result()
+            a.switch_to()
+            assert a.verify() >= 5
+        k2, _ = seq.read_kv(0)
+        assert np.array_equal(k2, k)
+        info = a.info()
+        assert info.regions == 5 and info.bytes_device == info.weight_bytes and info.seqs == 1
+        ws = eng.weight_stats()
+        assert ws.switches == 7 and ws.unified_memory
+        assert ws.bytes_device_to_host == 0  # clean weights are never written
+        assert eng.tier_info("device").used_blocks >= ws.slots_device > 0
+        a.unload()
+        assert a.info().bytes_device == 0
+        with pytest.raises(kvh.NotResidentError):
+            a.region(0)
+        a.destroy()
+        a.destroy()  # idempotent
+        with pytest.raises(kvh.BadHandleError):
+            a.info()
+
+
+def test_modified_region_survives(weights):
+    (pa, da), (pb, _) = weights
+    with make_engine() as eng:
+        a, b = eng.context("a"), eng.context("b")
+        register(a, pa)
+        register(b, pb)
+        a.switch_to()
+        view = a.region(1, writable=True)
+        view[:10] = 42
+        b.switch_to()
+        a.switch_to()
+        got = a.region(1)
+        assert (got[:10] == 42).all() and np.array_equal(got[10:], da[3010:6000])
+
+
+def test_errors(weights, tmp_path):
+    (pa, _), _ = weights
+    with make_engine() as eng:
+        a = eng.context("a")
+        with pytest.raises(ValueError):
+            a.add_region("x", path=pa, data=b"12")
+        with pytest.raises(ValueError):
+            eng.context(kv_policy="sometimes")
+        with pytest.raises(kvh.KvhIOError):
+            a.add_region("x", path=tmp_path / "missing.bin", size=10)
+        with pytest.raises(kvh.KvhIOError):
+            a.add_region("x", path=pa, offset=11990, size=100)
+        with pytest.raises(kvh.NoSpaceError):
+            a.add_region("big", data=np.zeros(1 << 20, np.uint8))  # larger than the host tier
+        register(a, pa)
+        with pytest.raises(kvh.NotResidentError):
+            a.wait_layer(0, timeout=0)
+
+
+def test_changed_file_is_corrupt(weights):
+    (pa, da), (pb, _) = weights
+    with make_engine(host_bytes=4096) as eng:  # no room to keep clean weights
+        a, b = eng.context("a"), eng.context("b")
+        register(a, pa)
+        register(b, pb)
+        a.switch_to()
+        b.switch_to()
+        raw = bytearray(pa.read_bytes())
+        raw[100] ^= 1
+        pa.write_bytes(bytes(raw))
+        with pytest.raises(kvh.CorruptionError):
+            a.switch_to()
+        assert eng.weight_stats().crc_failures == 1
+
+
+def test_admission_pools():
+    with make_engine(device_bytes=16 * 4096) as eng:
+        eng.admission(short_max_tokens=64, short_device_bytes=4 * 4096, long_device_bytes=8 * 4096)
+        shorts = [eng.sequence(token_budget=32) for _ in range(2)]  # 2 blocks each
+        with pytest.raises(kvh.NoSpaceError):
+            eng.sequence(token_budget=16)
+        long_ = eng.sequence(token_budget=128)  # the long pool is separate
+        info = eng.admission_info()
+        assert info.enabled and info.short_reserved_blocks == 4 and info.long_reserved_blocks == 8
+        assert info.short_rejected == 1
+        shorts[0].free()
+        eng.sequence(token_budget=16)
+        long_.free()
+        assert eng.admission_info().long_reserved_blocks == 0
+        with pytest.raises(kvh.InvalidArgumentError):
+            eng.admission(short_device_bytes=16 * 4096, long_device_bytes=4096)
