@@ -1,4 +1,6 @@
-/* Helpers shared by the disk-tier tests (tests/c/test_disk_*.c), header only.
+/* Helpers for tests of engines with a disk tier, header only: used by the
+ * disk-tier tests (tests/c/test_disk_*.c) and, through rel_util.h, by the
+ * reliability battery (tests/c/test_rel_*.c).
  *
  * Nothing here asserts unless its name ends in _a: the non-asserting
  * helpers return a status or an error count, so that they can also run in
@@ -9,10 +11,22 @@
  *   K/V. Tokens and every K/V byte are pure functions of (stream, position)
  *   (and of the layer and K-or-V), so any process can recompute and check
  *   them. A fork of stream `base` at `split` tokens continues with stream
- *   `own`: dt_content {base, split, own}.
+ *   `own`: dt_content {base, split, own}. dt_verify reports wrong bytes as
+ *   KVH_ERR_INTERNAL, not KVH_ERR_CORRUPT, so that data served wrong never
+ *   passes for damage the engine detected.
+ *
+ *   Durability oracle: a child that is killed at a random moment logs what
+ *   it planned and what kvh_seq_persist acknowledged (dt_oracle_write);
+ *   dt_oracle_check reopens the store and checks every acknowledged block.
+ *   dt_kill_child runs such a child and SIGKILLs it.
+ *
+ *   Chain stores: a store of persisted prefix chains, some in the snapshot
+ *   `index`, the rest only in the `journal` (dt_chains_build_a), and where
+ *   each block's slot and record are (dt_chains_map_a), for tests that
+ *   damage stores on purpose.
  *
  *   Scratch directories: $KVH_TEST_TMPDIR (set by ctest, a real disk inside
- *   the build tree) or /tmp/kvh-disk-tests.<pid>.
+ *   the build tree, where O_DIRECT works) or /tmp/kvh-tests.<pid>.
  *
  *   kvh-store: the built tool is found through $KVH_STORE_BIN, or next to
  *   the test binary at ../../tools/kvh-store (build/tests/c/test_disk_x ->
@@ -31,6 +45,7 @@
 #include <fcntl.h>
 #include <inttypes.h>
 #include <limits.h>
+#include <poll.h>
 #include <pthread.h>
 #include <setjmp.h>
 #include <signal.h>
@@ -51,6 +66,8 @@
 #include <cmocka.h>
 
 #include "kvh/kvh.h"
+
+#include "core/disk_format.h"
 
 #if defined(__GNUC__)
 #define DT_UNUSED __attribute__((unused))
@@ -97,11 +114,28 @@ static inline uint64_t dt_seed(uint64_t def)
     return s && *s ? strtoull(s, NULL, 0) : def;
 }
 
+/* The environment variable `name` as a number (decimal or 0x hex) when
+ * set, else def. */
+static inline long dt_env_long(const char *name, long def)
+{
+    const char *s = getenv(name);
+    return s && *s ? strtol(s, NULL, 0) : def;
+}
+
 static inline double dt_now(void)
 {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static inline void dt_sleep_ms(double ms)
+{
+    if (ms <= 0)
+        return;
+    struct timespec ts = {(time_t)(ms / 1000), (long)((ms - (double)(time_t)(ms / 1000) * 1000) * 1e6)};
+    while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+    }
 }
 
 static inline int32_t dt_token1(uint64_t stream, uint64_t pos)
@@ -149,9 +183,9 @@ static inline uint64_t dt_block_bytes(dt_geo g) { return 2ull * g.layers * g.bt 
 static inline uint64_t dt_slot_bytes(dt_geo g) { return 4096 + (dt_block_bytes(g) + 4095) / 4096 * 4096; }
 
 /* A CPU-backend config with budgets in whole blocks (disk in whole slots;
- * disk_slots = 0: no disk tier). */
+ * disk_slots = 0: no disk tier) and `threads` migration workers. */
 static inline kvh_config dt_cfg(dt_geo g, const char *dir, uint64_t dev_blocks, uint64_t host_blocks,
-                                uint64_t disk_slots)
+                                uint64_t disk_slots, uint32_t threads)
 {
     kvh_config c;
     kvh_config_init(&c, sizeof(c));
@@ -166,13 +200,13 @@ static inline kvh_config dt_cfg(dt_geo g, const char *dir, uint64_t dev_blocks, 
     c.disk_bytes = disk_slots * dt_slot_bytes(g);
     c.disk_path = disk_slots ? dir : NULL;
     c.model_salt = 0x5eed;
-    c.migration_threads = 2;
+    c.migration_threads = threads;
     return c;
 }
 
 /* ---- engines closed by the teardown even when a test fails ---- */
 
-#define DT_MAX_ENGINES 16
+#define DT_MAX_ENGINES 32
 static kvh_engine *dt_engines[DT_MAX_ENGINES] DT_UNUSED;
 
 static inline kvh_engine *dt_track(kvh_engine *e)
@@ -222,6 +256,16 @@ static int DT_UNUSED dt_teardown(void **state)
 
 /* ---- building and checking sequences (non-asserting) ---- */
 
+/* Buffers of the test itself. Under rel_util.h's allocation-failure
+ * wrappers (RL_ALLOC_WRAP) they come from the real allocator, so that only
+ * the library's allocations fail (free() them as usual). */
+#ifdef RL_ALLOC_WRAP
+void *__real_malloc(size_t n);
+#define dt_tmalloc(n) __real_malloc(n)
+#else
+#define dt_tmalloc(n) malloc(n)
+#endif
+
 /* kvh_last_error() of the call that made a dt_ helper fail (cleanup calls
  * would clear it). */
 static _Thread_local char dt_err[512] DT_UNUSED;
@@ -237,8 +281,8 @@ static inline kvh_status dt_keep(kvh_status st)
 static inline kvh_status dt_extend(kvh_engine *e, kvh_seq s, dt_geo g, dt_content c, uint64_t first, size_t n)
 {
     size_t tb = dt_tok_bytes(g);
-    int32_t *tk = malloc(sizeof(int32_t) * (n ? n : 1));
-    uint8_t *k = malloc(tb * (n ? n : 1)), *v = malloc(tb * (n ? n : 1));
+    int32_t *tk = dt_tmalloc(sizeof(int32_t) * (n ? n : 1));
+    uint8_t *k = dt_tmalloc(tb * (n ? n : 1)), *v = dt_tmalloc(tb * (n ? n : 1));
     kvh_status st = tk && k && v ? KVH_OK : KVH_ERR_NOMEM;
     if (st == KVH_OK) {
         dt_tokens(c, first, n, tk);
@@ -257,11 +301,12 @@ static inline kvh_status dt_extend(kvh_engine *e, kvh_seq s, dt_geo g, dt_conten
     return st;
 }
 
-/* A new sequence holding tokens [0, n) of c with all K/V written. */
-static inline kvh_status dt_build(kvh_engine *e, dt_geo g, dt_content c, size_t n, kvh_seq *out)
+/* A new sequence of `agent` holding tokens [0, n) of c with all K/V
+ * written. */
+static inline kvh_status dt_build(kvh_engine *e, dt_geo g, dt_content c, size_t n, uint32_t agent, kvh_seq *out)
 {
     kvh_seq s = {0};
-    kvh_status st = dt_keep(kvh_seq_create(e, 0, &s));
+    kvh_status st = dt_keep(kvh_seq_create(e, agent, &s));
     if (st != KVH_OK)
         return st;
     if ((st = dt_extend(e, s, g, c, 0, n)) != KVH_OK) {
@@ -274,20 +319,21 @@ static inline kvh_status dt_build(kvh_engine *e, dt_geo g, dt_content c, size_t 
 
 /* Reads tokens [pos, pos + n) of seq in every layer and compares every
  * byte (and every token id) with c. Returns KVH_OK, the read's error, or
- * KVH_ERR_CORRUPT when a byte differs (msg, if given, says where). */
+ * KVH_ERR_INTERNAL when a byte differs (msg, if given, says where): wrong
+ * data is never an ordinary status. */
 static inline kvh_status dt_verify(kvh_engine *e, kvh_seq s, dt_geo g, dt_content c, uint64_t pos, size_t n,
                                    char *msg, size_t msg_len)
 {
     size_t tb = dt_tok_bytes(g);
-    int32_t *tk = malloc(sizeof(int32_t) * (n ? n : 1));
-    uint8_t *k = malloc(tb * (n ? n : 1)), *v = malloc(tb * (n ? n : 1)), *want = malloc(tb);
+    int32_t *tk = dt_tmalloc(sizeof(int32_t) * (n ? n : 1));
+    uint8_t *k = dt_tmalloc(tb * (n ? n : 1)), *v = dt_tmalloc(tb * (n ? n : 1)), *want = dt_tmalloc(tb);
     kvh_status st = tk && k && v && want ? KVH_OK : KVH_ERR_NOMEM;
     if (st == KVH_OK && n && (st = kvh_seq_tokens(e, s, pos, n, tk)) == KVH_OK) {
         for (size_t t = 0; t < n; t++)
             if (tk[t] != dt_token(c, pos + t)) {
                 if (msg)
                     snprintf(msg, msg_len, "token id at %" PRIu64 " differs", pos + t);
-                st = KVH_ERR_CORRUPT;
+                st = KVH_ERR_INTERNAL;
                 break;
             }
     } else if (st != KVH_OK && msg)
@@ -309,7 +355,7 @@ static inline kvh_status dt_verify(kvh_engine *e, kvh_seq s, dt_geo g, dt_conten
                     if (msg)
                         snprintf(msg, msg_len, "%s of layer %u token %" PRIu64 " differs (stream %" PRIu64 ")",
                                  kv ? "V" : "K", l, pos + t, dt_stream_at(c, pos + t));
-                    st = KVH_ERR_CORRUPT;
+                    st = KVH_ERR_INTERNAL;
                     break;
                 }
             }
@@ -324,7 +370,7 @@ static inline kvh_status dt_verify(kvh_engine *e, kvh_seq s, dt_geo g, dt_conten
 /* New sequence; match_prefix over tokens [0, n) of c. [out] *seq, *matched. */
 static inline kvh_status dt_match(kvh_engine *e, dt_content c, size_t n, kvh_seq *seq, size_t *matched)
 {
-    int32_t *tk = malloc(sizeof(int32_t) * (n ? n : 1));
+    int32_t *tk = dt_tmalloc(sizeof(int32_t) * (n ? n : 1));
     if (!tk)
         return KVH_ERR_NOMEM;
     dt_tokens(c, 0, n, tk);
@@ -342,12 +388,14 @@ static inline kvh_status dt_match(kvh_engine *e, dt_content c, size_t n, kvh_seq
 }
 
 /* Matches c over n tokens and verifies every matched byte. Returns the
- * first failure; *matched gets the matched token count. */
+ * first failure (KVH_ERR_INTERNAL when wrong data was served); *matched
+ * gets the matched token count. */
 static inline kvh_status dt_match_verify(kvh_engine *e, dt_geo g, dt_content c, size_t n, size_t *matched, char *msg,
                                          size_t msg_len)
 {
     kvh_seq s;
     size_t m = 0;
+    *matched = 0;
     kvh_status st = dt_match(e, c, n, &s, &m);
     if (st != KVH_OK) {
         if (msg)
@@ -372,6 +420,15 @@ static inline kvh_stats dt_stats(kvh_engine *e)
     s.struct_size = sizeof(s);
     kvh_engine_stats(e, &s);
     return s;
+}
+
+static inline kvh_tier_info dt_tier(kvh_engine *e, uint32_t tier)
+{
+    kvh_tier_info t;
+    memset(&t, 0, sizeof(t));
+    t.struct_size = sizeof(t);
+    kvh_tier_info_get(e, tier, &t);
+    return t;
 }
 
 static inline kvh_block_info dt_binfo(kvh_engine *e, kvh_seq s, uint64_t i)
@@ -472,7 +529,7 @@ static inline void dt_scratch(const char *name, char *out, size_t len)
     const char *root = getenv("KVH_TEST_TMPDIR");
     char fallback[128];
     if (!root || !*root) {
-        snprintf(fallback, sizeof(fallback), "/tmp/kvh-disk-tests.%ld", (long)getpid());
+        snprintf(fallback, sizeof(fallback), "/tmp/kvh-tests.%ld", (long)getpid());
         mkdir(fallback, 0755);
         root = fallback;
     }
@@ -501,7 +558,8 @@ static inline char *dt_path(char *buf, size_t len, const char *dir, const char *
     return buf;
 }
 
-/* Whole file into a malloc'd buffer (*len bytes); NULL on error. */
+/* Whole file into a malloc'd buffer (*len bytes, one spare byte for a
+ * terminating NUL); NULL on error. */
 static inline uint8_t *dt_read_file(const char *path, size_t *len)
 {
     int fd = open(path, O_RDONLY | O_CLOEXEC);
@@ -512,7 +570,7 @@ static inline uint8_t *dt_read_file(const char *path, size_t *len)
         close(fd);
         return NULL;
     }
-    uint8_t *buf = malloc((size_t)st.st_size + 1);
+    uint8_t *buf = dt_tmalloc((size_t)st.st_size + 1);
     size_t got = 0;
     while (buf && got < (size_t)st.st_size) {
         ssize_t n = pread(fd, buf + got, (size_t)st.st_size - got, (off_t)got);
@@ -706,24 +764,446 @@ static inline void dt_child_signals(void)
         signal(sigs[i], dt_crash_handler);
 }
 
-/* Runs fn(arg) in a fork()ed child that _exit()s with its return value.
- * Returns the exit code, 128 + signal for a signal, or -1. */
-static inline int dt_in_child(int (*fn)(void *), void *arg)
+/* fork() with stdio flushed first (or the child would print the parent's
+ * buffered output again); the child comes back with dt_child_signals
+ * installed. */
+static inline pid_t dt_fork_child(void)
 {
     fflush(stdout);
     fflush(stderr);
     pid_t pid = fork();
-    if (pid < 0)
-        return -1;
-    if (pid == 0) {
+    if (pid == 0)
         dt_child_signals();
-        _exit(fn(arg));
-    }
+    return pid;
+}
+
+/* waitpid() through EINTR: the wait status, or -1. */
+static inline int dt_reap(pid_t pid)
+{
     int ws;
     while (waitpid(pid, &ws, 0) < 0)
         if (errno != EINTR)
             return -1;
-    return WIFEXITED(ws) ? WEXITSTATUS(ws) : WIFSIGNALED(ws) ? 128 + WTERMSIG(ws) : -1;
+    return ws;
+}
+
+/* Runs fn(arg) in a fork()ed child that _exit()s with its return value.
+ * Returns the exit code, 128 + signal for a signal, or -1. */
+static inline int dt_in_child(int (*fn)(void *), void *arg)
+{
+    pid_t pid = dt_fork_child();
+    if (pid < 0)
+        return -1;
+    if (pid == 0)
+        _exit(fn(arg));
+    int ws = dt_reap(pid);
+    return ws < 0 ? -1 : WIFEXITED(ws) ? WEXITSTATUS(ws) : WIFSIGNALED(ws) ? 128 + WTERMSIG(ws) : -1;
+}
+
+/* Prints the file at path (a child's redirected stderr) as a cmocka error,
+ * under the heading `what`; nothing when it is empty or missing. */
+static inline void dt_print_file(const char *path, const char *what)
+{
+    size_t len = 0;
+    uint8_t *b = dt_read_file(path, &len);
+    if (b && len) {
+        b[len] = '\0';
+        print_error("%s:\n%s\n", what, (char *)b);
+    }
+    free(b);
+}
+
+typedef enum dt_kill_result {
+    DT_KILLED,         /* the child was SIGKILLed as planned */
+    DT_KILL_NO_READY,  /* it never said it was ready (it was killed then) */
+    DT_KILL_EARLY_END, /* it ended on its own or died of another signal */
+    DT_KILL_NO_FORK,   /* no pipe or no fork */
+} dt_kill_result;
+
+/* The crash harness: runs fn(arg, ready_fd) in a fork()ed child, which
+ * writes one byte to ready_fd once it is ready to be killed (its engine
+ * is open). Unless `early`, the parent waits up to ready_ms for that
+ * byte; then (early: at once) it sleeps delay_us and SIGKILLs the child.
+ * *ws gets the child's wait status. */
+static inline dt_kill_result dt_kill_child(int (*fn)(void *arg, int ready_fd), void *arg, bool early, int ready_ms,
+                                           uint64_t delay_us, int *ws)
+{
+    int rp[2];
+    *ws = 0;
+    if (pipe(rp) != 0)
+        return DT_KILL_NO_FORK;
+    pid_t pid = dt_fork_child();
+    if (pid < 0) {
+        close(rp[0]);
+        close(rp[1]);
+        return DT_KILL_NO_FORK;
+    }
+    if (pid == 0) {
+        close(rp[0]);
+        _exit(fn(arg, rp[1]));
+    }
+    close(rp[1]);
+    if (!early) {
+        struct pollfd pf = {rp[0], POLLIN, 0};
+        char ch;
+        if (!(poll(&pf, 1, ready_ms) == 1 && read(rp[0], &ch, 1) == 1)) {
+            kill(pid, SIGKILL);
+            *ws = dt_reap(pid);
+            close(rp[0]);
+            return DT_KILL_NO_READY;
+        }
+    }
+    usleep((useconds_t)delay_us);
+    kill(pid, SIGKILL);
+    *ws = dt_reap(pid);
+    close(rp[0]);
+    return WIFSIGNALED(*ws) && WTERMSIG(*ws) == SIGKILL ? DT_KILLED : DT_KILL_EARLY_END;
+}
+
+/* Whether dt_kill_child's result is a failure of the test; if so, msg
+ * says what went wrong. */
+static inline bool dt_kill_failed(dt_kill_result kr, int ws, char *msg, size_t len)
+{
+    switch (kr) {
+    case DT_KILLED:
+        return false;
+    case DT_KILL_NO_FORK:
+        snprintf(msg, len, "no child process: %s", strerror(errno));
+        break;
+    case DT_KILL_NO_READY:
+        snprintf(msg, len, "the child did not open the store (status 0x%x)", ws);
+        break;
+    case DT_KILL_EARLY_END:
+        if (WIFSIGNALED(ws))
+            snprintf(msg, len, "the child died of signal %d (%s) (backtrace in its stderr above)", WTERMSIG(ws),
+                     strsignal(WTERMSIG(ws)));
+        else
+            snprintf(msg, len, "the child ended on its own (exit %d) instead of being killed",
+                     WIFEXITED(ws) ? WEXITSTATUS(ws) : -1);
+        break;
+    }
+    return true;
+}
+
+/* ---- the durability oracle ----
+ *
+ * A child that is killed at a random moment appends lines to an oracle
+ * file with dt_oracle_write (O_APPEND, one write a line: a SIGKILL leaves
+ * whole lines, and the page cache keeps them without an fsync):
+ *   P id base split own n    before a sequence is created: its content and
+ *                            final length
+ *   S id                     before kvh_seq_persist (only to count the
+ *                            kills that land inside one)
+ *   A id nfull               kvh_seq_persist returned KVH_OK: the first
+ *                            nfull blocks are acknowledged durable
+ * dt_oracle_check reopens the store and, for each planned sequence,
+ * matches its prefix: every acknowledged block must be found, every byte
+ * served must be the content (a longer match is fine: spilled and cleaned
+ * blocks are journaled too). */
+
+static inline void dt_oracle_write(int fd, const char *fmt, ...)
+{
+    char line[192];
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(line, sizeof(line), fmt, ap);
+    va_end(ap);
+    if (n > 0 && write(fd, line, (size_t)n) != n)
+        _exit(70);
+}
+
+#define DT_ORACLE_MAX_SEQS 8192
+typedef struct dt_planned {
+    bool used;
+    dt_content c;
+    size_t n;     /* planned final length */
+    size_t acked; /* full blocks acknowledged durable */
+} dt_planned;
+
+typedef struct dt_oracle {
+    dt_planned seq[DT_ORACLE_MAX_SEQS];
+    uint32_t max_id; /* one past the highest id seen */
+    int acks;
+    bool last_is_persist; /* the last line is an S: killed inside a persist */
+} dt_oracle;
+
+/* Reads (adds to) o from the oracle file. Returns the number of lines. */
+static inline int dt_oracle_read(const char *path, dt_oracle *o)
+{
+    size_t len = 0;
+    uint8_t *buf = dt_read_file(path, &len);
+    if (!buf)
+        return 0;
+    int lines = 0;
+    size_t start = 0;
+    for (size_t i = 0; i < len; i++) {
+        if (buf[i] != '\n')
+            continue;
+        buf[i] = '\0';
+        const char *l = (const char *)buf + start;
+        start = i + 1;
+        unsigned id;
+        unsigned long long base, split, own, n, nfull;
+        lines++;
+        o->last_is_persist = l[0] == 'S';
+        if (sscanf(l, "P %u %llu %llu %llu %llu", &id, &base, &split, &own, &n) == 5 && id < DT_ORACLE_MAX_SEQS) {
+            o->seq[id].used = true;
+            o->seq[id].c = (dt_content){base, split, own};
+            o->seq[id].n = (size_t)n;
+            if (id + 1 > o->max_id)
+                o->max_id = id + 1;
+        } else if (sscanf(l, "A %u %llu", &id, &nfull) == 2 && id < DT_ORACLE_MAX_SEQS) {
+            if (nfull > o->seq[id].acked)
+                o->seq[id].acked = (size_t)nfull;
+            o->acks++;
+        }
+    }
+    free(buf);
+    return lines;
+}
+
+typedef struct dt_check {
+    int errors;
+    uint64_t corrupt;
+    uint64_t seqs, acked_blocks, matched_blocks;
+    char msg[512];
+} dt_check;
+
+/* Opens the store with cfg and checks every planned sequence with id in
+ * [first_id, o->max_id). Returns the engine (NULL when open failed; the
+ * failure is in r). */
+static inline kvh_engine *dt_oracle_check(const kvh_config *cfg, dt_geo g, const dt_oracle *o, uint32_t first_id,
+                                          dt_check *r)
+{
+    memset(r, 0, sizeof(*r));
+    kvh_engine *e = NULL;
+    kvh_status st = kvh_engine_open(cfg, &e);
+    if (st != KVH_OK) {
+        r->errors++;
+        snprintf(r->msg, sizeof(r->msg), "reopen: %s: %s", kvh_status_name(st), kvh_last_error());
+        return NULL;
+    }
+    for (uint32_t id = first_id; id < o->max_id && id < DT_ORACLE_MAX_SEQS; id++) {
+        const dt_planned *p = &o->seq[id];
+        if (!p->used)
+            continue;
+        size_t m = 0;
+        char msg[256] = "";
+        r->seqs++;
+        r->acked_blocks += p->acked;
+        st = dt_match_verify(e, g, p->c, p->n, &m, msg, sizeof(msg));
+        r->matched_blocks += m / g.bt;
+        if (st != KVH_OK) {
+            if (!r->errors++)
+                snprintf(r->msg, sizeof(r->msg), "seq %u (acked %zu blocks): %s", id, p->acked, msg);
+        } else if (m < p->acked * g.bt) {
+            if (!r->errors++)
+                snprintf(r->msg, sizeof(r->msg),
+                         "seq %u: %zu blocks were acknowledged durable, only %zu found after the crash", id, p->acked,
+                         m / g.bt);
+        }
+    }
+    r->corrupt = dt_stats(e).corrupt_blocks;
+    if (r->corrupt && !r->errors++)
+        snprintf(r->msg, sizeof(r->msg), "%" PRIu64 " blocks failed verification after a kill (nothing was "
+                 "damaged on disk: a kill loses no written data)", r->corrupt);
+    return e;
+}
+
+/* ---- the workload of a crash child ----
+ *
+ * A child that is killed at a random moment keeps up to a few live
+ * sequences (dt_live), each planned in the oracle before it is created:
+ * plain, or a fork of a plain one. The helpers below end the child
+ * (DT_CHILD_FAIL: the message goes to its stderr, the code is its exit
+ * status) on any status the workload does not expect. */
+
+#define DT_CHILD_FAIL(code, ...)                                                                             \
+    do {                                                                                                     \
+        fprintf(stderr, "child: " __VA_ARGS__);                                                              \
+        fprintf(stderr, " (%s)\n", kvh_last_error());                                                        \
+        _exit(code);                                                                                         \
+    } while (0)
+
+typedef struct dt_crash_workload {
+    dt_geo g;
+    int ofd;                   /* the oracle file */
+    int nospace_tries;         /* a KVH_ERR_NOSPACE is retried this often, */
+    unsigned nospace_sleep_us; /* this long apart, before the operation is skipped */
+    uint64_t spill_one_in;     /* one extension in this many spills its half-written blocks */
+    uint64_t max_new_blocks;   /* a new sequence plans 1..max_new_blocks more blocks (plus, half the time, a part) */
+    uint32_t agents;           /* new sequences belong to one of agents [0, agents) */
+    uint64_t first_stream;     /* sequence id i holds stream first_stream + i */
+    uint32_t max_ids;          /* ids stay below this */
+} dt_crash_workload;
+
+/* call, retried while it returns KVH_ERR_NOSPACE, as w says. */
+#define DT_RETRY_NOSPACE(w, call)                                                                            \
+    ({                                                                                                       \
+        kvh_status rs_;                                                                                      \
+        for (int try_ = 0; (rs_ = (call)) == KVH_ERR_NOSPACE && try_ < (w)->nospace_tries; try_++)          \
+            usleep((w)->nospace_sleep_us);                                                                   \
+        rs_;                                                                                                 \
+    })
+
+typedef struct dt_live {
+    kvh_seq s;
+    uint32_t id;
+    dt_content c;
+    size_t len, final; /* tokens written, tokens planned */
+    bool plain;
+} dt_live;
+
+/* The start of a crash child: appends its stderr to errlog, opens the
+ * oracle file for appending (into w->ofd), opens the engine and writes a
+ * byte to ready_fd (dt_kill_child waits for it). Ends the child on a
+ * failure (60: the files, 10: the engine, 61: the pipe). */
+static inline kvh_engine *dt_crash_start(dt_crash_workload *w, const char *oracle, const char *errlog,
+                                         const kvh_config *cfg, int ready_fd)
+{
+    int ofd = open(oracle, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644);
+    int efd = open(errlog, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644);
+    if (ofd < 0 || efd < 0)
+        _exit(60);
+    dup2(efd, 2);
+    w->ofd = ofd;
+    kvh_engine *e = NULL;
+    kvh_status st = kvh_engine_open(cfg, &e);
+    if (st != KVH_OK)
+        DT_CHILD_FAIL(10, "open: %s", kvh_status_name(st));
+    if (write(ready_fd, "R", 1) != 1)
+        _exit(61);
+    return e;
+}
+
+/* Grows l to `to` tokens: append, then K/V layer by layer, sometimes with
+ * a spill of the half-written blocks after the first layer (they come back
+ * for the next one). */
+static inline void dt_crash_extend(const dt_crash_workload *w, kvh_engine *e, dt_live *l, size_t to, dt_rng *rng)
+{
+    if (to <= l->len)
+        return;
+    size_t n = to - l->len, tb = dt_tok_bytes(w->g);
+    int32_t *tk = malloc(sizeof(int32_t) * n);
+    uint8_t *k = malloc(tb * n), *v = malloc(tb * n);
+    dt_tokens(l->c, l->len, n, tk);
+    kvh_status st = DT_RETRY_NOSPACE(w, kvh_seq_append(e, l->s, tk, n));
+    if (st != KVH_OK)
+        DT_CHILD_FAIL(11, "append %zu to seq %u: %s", n, l->id, kvh_status_name(st));
+    for (uint32_t layer = 0; layer < w->g.layers; layer++) {
+        for (size_t t = 0; t < n; t++) {
+            dt_kv_token(l->c, layer, l->len + t, 0, k + t * tb, tb);
+            dt_kv_token(l->c, layer, l->len + t, 1, v + t * tb, tb);
+        }
+        if ((st = DT_RETRY_NOSPACE(w, kvh_seq_write_kv(e, l->s, layer, l->len, n, k, v))) != KVH_OK)
+            DT_CHILD_FAIL(12, "write_kv seq %u: %s", l->id, kvh_status_name(st));
+        if (layer == 0 && dt_below(rng, w->spill_one_in) == 0 &&
+            (st = kvh_seq_migrate(e, l->s, 0, to, KVH_TIER_DISK, NULL)) != KVH_OK && st != KVH_ERR_NOSPACE)
+            DT_CHILD_FAIL(13, "spill of half-written seq %u: %s", l->id, kvh_status_name(st));
+    }
+    l->len = to;
+    free(tk);
+    free(k);
+    free(v);
+}
+
+/* Persists l; a KVH_OK is acknowledged in the oracle (a persist skipped
+ * for KVH_ERR_NOSPACE is simply not). */
+static inline void dt_crash_persist(const dt_crash_workload *w, kvh_engine *e, dt_live *l)
+{
+    dt_oracle_write(w->ofd, "S %u\n", l->id);
+    kvh_status st = DT_RETRY_NOSPACE(w, kvh_seq_persist(e, l->s));
+    if (st == KVH_ERR_NOSPACE)
+        return;
+    if (st != KVH_OK)
+        DT_CHILD_FAIL(14, "persist seq %u: %s", l->id, kvh_status_name(st));
+    dt_oracle_write(w->ofd, "A %u %zu\n", l->id, l->len / w->g.bt);
+}
+
+/* dt_crash_read_back reads l back whole, dt_crash_match_back matches its
+ * prefix in a new sequence; both check every byte served. Wrong data ends
+ * the child (20, 21); KVH_ERR_NOSPACE after the retries skips the check. */
+static inline void dt_crash_read_back(const dt_crash_workload *w, kvh_engine *e, const dt_live *l)
+{
+    char msg[256] = "";
+    kvh_status st = DT_RETRY_NOSPACE(w, dt_verify(e, l->s, w->g, l->c, 0, l->len, msg, sizeof(msg)));
+    if (st != KVH_OK && st != KVH_ERR_NOSPACE)
+        DT_CHILD_FAIL(20, "read back seq %u: %s", l->id, msg);
+}
+
+static inline void dt_crash_match_back(const dt_crash_workload *w, kvh_engine *e, const dt_live *l)
+{
+    size_t m = 0;
+    char msg[256] = "";
+    kvh_status st = DT_RETRY_NOSPACE(w, dt_match_verify(e, w->g, l->c, l->len, &m, msg, sizeof(msg)));
+    if (st != KVH_OK && st != KVH_ERR_NOSPACE)
+        DT_CHILD_FAIL(21, "match seq %u: %s", l->id, msg);
+}
+
+/* What a sequence of n tokens may cost the store: its blocks and one more
+ * (an upper bound). */
+static inline uint64_t dt_crash_cost(const dt_crash_workload *w, size_t n) { return (n + w->g.bt - 1) / w->g.bt + 1; }
+
+/* Maybe (one time in three, while fewer than max_live are live and the
+ * plan fits in *budget blocks) plans and starts a new sequence in L[*nl]:
+ * plain, or a fork of a plain one, written up to its planned length or to
+ * a random point before it. *id is the next id to use. */
+static inline void dt_crash_new_seq(const dt_crash_workload *w, kvh_engine *e, dt_live *L, int *nl, int max_live,
+                                    uint32_t *id, uint64_t *budget, dt_rng *rng)
+{
+    dt_geo g = w->g;
+    size_t want = (1 + dt_below(rng, w->max_new_blocks)) * g.bt + (dt_below(rng, 2) ? dt_below(rng, g.bt) : 0);
+    int from = -1;
+    for (int i = 0; i < *nl && from < 0; i++)
+        if (L[i].plain && L[i].len > 0 && dt_below(rng, 2))
+            from = i;
+    size_t final = (from >= 0 ? L[from].len : 0) + want;
+    if (!(*nl < max_live && dt_below(rng, 3) == 0 && *budget >= dt_crash_cost(w, final) && *id < w->max_ids))
+        return;
+    dt_live *l = &L[*nl];
+    if (from >= 0) {
+        l->c = (dt_content){L[from].c.own, L[from].len, w->first_stream + *id};
+        l->plain = false;
+    } else {
+        l->c = dt_plain(w->first_stream + *id);
+        l->plain = true;
+    }
+    l->final = final;
+    l->id = (*id)++;
+    *budget -= dt_crash_cost(w, final);
+    dt_oracle_write(w->ofd, "P %u %llu %llu %llu %zu\n", l->id, (unsigned long long)l->c.base,
+                    (unsigned long long)l->c.split, (unsigned long long)l->c.own, l->final);
+    kvh_status st;
+    uint32_t agent = w->agents > 1 ? (uint32_t)dt_below(rng, w->agents) : 0;
+    if (from >= 0) {
+        if ((st = kvh_seq_fork(e, L[from].s, agent, &l->s)) != KVH_OK)
+            DT_CHILD_FAIL(15, "fork: %s", kvh_status_name(st));
+        l->len = l->c.split;
+    } else {
+        if ((st = kvh_seq_create(e, agent, &l->s)) != KVH_OK)
+            DT_CHILD_FAIL(16, "create: %s", kvh_status_name(st));
+        l->len = 0;
+    }
+    size_t first = dt_below(rng, 2) ? l->final : l->len + 1 + dt_below(rng, l->final - l->len);
+    dt_crash_extend(w, e, l, first, rng);
+    (*nl)++;
+}
+
+/* Frees every live sequence, closes the engine (a snapshot and a fresh
+ * journal) and opens it again, so that kills also land inside compactions
+ * and recoveries. fail_code and fail_code + 1 are the exit codes for a
+ * failed close and reopen. */
+static inline void dt_crash_reopen(kvh_engine **e, const kvh_config *c, dt_live *L, int *nl, int fail_code)
+{
+    for (int i = 0; i < *nl; i++)
+        kvh_seq_free(*e, L[i].s);
+    *nl = 0;
+    kvh_status st;
+    if ((st = kvh_engine_close(*e)) != KVH_OK)
+        DT_CHILD_FAIL(fail_code, "close: %s", kvh_status_name(st));
+    *e = NULL;
+    if ((st = kvh_engine_open(c, e)) != KVH_OK)
+        DT_CHILD_FAIL(fail_code + 1, "reopen: %s", kvh_status_name(st));
 }
 
 /* The kvh-store tool: $KVH_STORE_BIN, else ../../tools/kvh-store beside
@@ -756,11 +1236,12 @@ static inline int dt_run_tool(const char *tool, const char *a1, const char *a2, 
     int p[2];
     if (pipe(p) != 0)
         return -1;
-    fflush(stdout);
-    fflush(stderr);
-    pid_t pid = fork();
-    if (pid < 0)
+    pid_t pid = dt_fork_child();
+    if (pid < 0) {
+        close(p[0]);
+        close(p[1]);
         return -1;
+    }
     if (pid == 0) {
         dup2(p[1], 1);
         dup2(p[1], 2);
@@ -794,11 +1275,221 @@ static inline int dt_run_tool(const char *tool, const char *a1, const char *a2, 
     close(p[0]);
     if (len)
         out[got] = '\0';
-    int ws;
-    while (waitpid(pid, &ws, 0) < 0)
-        if (errno != EINTR)
-            return -1;
-    return WIFEXITED(ws) ? WEXITSTATUS(ws) : -1;
+    int ws = dt_reap(pid);
+    return ws >= 0 && WIFEXITED(ws) ? WEXITSTATUS(ws) : -1;
+}
+
+/* ---- chain stores ---- */
+
+typedef struct dt_chains {
+    dt_geo g;
+    dt_content (*content)(int chain); /* what chain `chain` holds */
+    int n;                            /* chains */
+    int blocks;                       /* full blocks a chain */
+    int in_snapshot;                  /* chains [0, in_snapshot) are in the snapshot, the rest only in the journal */
+} dt_chains;
+
+static inline size_t dt_chain_len(const dt_chains *ch) { return (size_t)ch->blocks * ch->g.bt; }
+
+/* A single-bit flip in one block of a chain store: in its slot's data, its
+ * slot header, or its index record (snapshot or journal). */
+typedef enum dt_flip_target { DT_FLIP_DATA, DT_FLIP_SLOT_HEADER, DT_FLIP_RECORD } dt_flip_target;
+
+typedef struct dt_flip {
+    int chain, block;
+    dt_flip_target t;
+    const char *file;
+    uint64_t off;
+    unsigned bit;
+} dt_flip;
+
+static inline const char *dt_flip_target_name(dt_flip_target t)
+{
+    return t == DT_FLIP_DATA ? "slot data" : t == DT_FLIP_SLOT_HEADER ? "slot header" : "index record";
+}
+
+/* Builds, persists and frees chains [first, last]: 0, or 1 / 2 / 3 for the
+ * build / persist / free that failed. */
+static inline int dt_chains_persist(kvh_engine *e, const dt_chains *ch, int first, int last)
+{
+    for (int c = first; c <= last; c++) {
+        kvh_seq s;
+        if (dt_build(e, ch->g, ch->content(c), dt_chain_len(ch), 0, &s) != KVH_OK)
+            return 1;
+        if (kvh_seq_persist(e, s) != KVH_OK)
+            return 2;
+        if (kvh_seq_free(e, s) != KVH_OK)
+            return 3;
+    }
+    return 0;
+}
+
+typedef struct dt_chains_child_arg {
+    const kvh_config *cfg;
+    const dt_chains *ch;
+} dt_chains_child_arg;
+
+static inline int dt_chains_journal_child(void *arg)
+{
+    const dt_chains_child_arg *a = arg;
+    kvh_engine *e = NULL;
+    if (kvh_engine_open(a->cfg, &e) != KVH_OK)
+        return 9;
+    /* ends with the engine open: these chains stay in the journal only */
+    return dt_chains_persist(e, a->ch, a->ch->in_snapshot, a->ch->n - 1);
+}
+
+
+/* Matches chain c and checks that exactly `want` of its blocks are served
+ * and that they are byte-identical (what names the case in a failure). */
+static inline void dt_chains_expect_a(kvh_engine *e, const dt_chains *ch, int c, int want, const char *what)
+{
+    size_t m = 0;
+    char msg[256] = "";
+    kvh_status st = dt_match_verify(e, ch->g, ch->content(c), dt_chain_len(ch), &m, msg, sizeof(msg));
+    if (st != KVH_OK)
+        fail_msg("%s: chain %d: %s", what, c, msg);
+    if (m != (size_t)want * ch->g.bt)
+        fail_msg("%s: chain %d matched %zu blocks, expected %d (the damaged block %s)", what, c, m / ch->g.bt, want,
+                 m > (size_t)want * ch->g.bt ? "was served: the damage went undetected" : "");
+}
+
+/* Which (chain, block) holds token t0 as its first token. */
+static inline bool dt_chains_find(const dt_chains *ch, int32_t t0, int *pc, int *pk)
+{
+    *pc = *pk = -1;
+    for (int c = 0; c < ch->n; c++)
+        for (int k = 0; k < ch->blocks; k++)
+            if (dt_token(ch->content(c), (uint64_t)k * ch->g.bt) == t0) {
+                *pc = c, *pk = k;
+                return true;
+            }
+    return false;
+}
+
+/* Where a block of a chain store lives. */
+typedef struct dt_block_loc {
+    uint32_t slot;
+    bool in_journal;   /* its record is in the journal, else in the snapshot */
+    size_t rec_off;    /* record offset in that file */
+    int journal_index; /* index of its record among the journal's records */
+} dt_block_loc;
+
+/* Maps every block of the saved chain store to its slot and record, by
+ * parsing the index files with the library's own record decoder: loc[c *
+ * blocks + k] for block k of chain c. *journal_records gets the number of
+ * records in the journal. Fails the test unless every block has exactly
+ * one record, an ADD, in the file its chain belongs to (the tests rely on
+ * that layout). */
+static inline void dt_chains_map_a(const dt_saved_store *saved, const dt_chains *ch, dt_block_loc *loc,
+                                   size_t *journal_records)
+{
+    size_t rec_bytes = kvhi_index_rec_bytes(ch->g.bt), nblocks = (size_t)ch->n * (size_t)ch->blocks;
+    int *seen = calloc(nblocks, sizeof(int));
+    assert_non_null(seen);
+    const char *files[2] = {"index", "journal"};
+    for (int f = 0; f < 2; f++) {
+        const dt_saved_file *sf = dt_store_file(saved, files[f]);
+        assert_non_null(sf);
+        assert_true(sf->len >= 4096);
+        size_t nrec = (sf->len - 4096) / rec_bytes;
+        if (f == 1)
+            *journal_records = nrec;
+        for (size_t i = 0; i < nrec; i++) {
+            int32_t tk[256];
+            kvhi_index_rec r = {.tokens = tk};
+            size_t off = 4096 + i * rec_bytes;
+            assert_true(ch->g.bt <= 256);
+            assert_int_equal(kvhi_index_rec_decode(sf->data + off, &r, ch->g.bt), 0);
+            int c = -1, k = -1;
+            if (!dt_chains_find(ch, tk[0], &c, &k))
+                fail_msg("%s record %zu names an unknown block", files[f], i);
+            size_t b = (size_t)c * (size_t)ch->blocks + (size_t)k;
+            if (r.kind != KVHI_REC_ADD || seen[b]++)
+                fail_msg("unexpected chain store layout: %s record %zu (kind %u) for chain %d block %d", files[f],
+                         i, r.kind, c, k);
+            loc[b] = (dt_block_loc){(uint32_t)r.slot, f == 1, off, (int)i};
+        }
+    }
+    for (int c = 0; c < ch->n; c++)
+        for (int k = 0; k < ch->blocks; k++) {
+            size_t b = (size_t)c * (size_t)ch->blocks + (size_t)k;
+            if (!seen[b])
+                fail_msg("chain %d block %d has no record", c, k);
+            if (loc[b].in_journal != (c >= ch->in_snapshot))
+                fail_msg("chain %d block %d: its record is in the %s", c, k, loc[b].in_journal ? "journal" : "index");
+        }
+    free(seen);
+}
+
+/* Picks where the flip in block f->block of chain f->chain (at L) goes --
+ * its slot data 45 % of the time, its slot header 25 %, its index record
+ * 30 % (without allow_record: the slot header) -- and which bit. */
+static inline void dt_flip_pick(dt_rng *rng, dt_flip *f, const dt_block_loc *L, uint64_t slot_bytes, size_t rec_bytes,
+                                bool allow_record)
+{
+    uint64_t r = dt_below(rng, 100);
+    f->t = r < 45 ? DT_FLIP_DATA : (r < 70 || !allow_record) ? DT_FLIP_SLOT_HEADER : DT_FLIP_RECORD;
+    f->bit = (unsigned)dt_below(rng, 8);
+    if (f->t == DT_FLIP_DATA) {
+        f->file = "slab-0000.kvh";
+        f->off = (uint64_t)L->slot * slot_bytes + 4096 + dt_below(rng, 4096);
+    } else if (f->t == DT_FLIP_SLOT_HEADER) {
+        f->file = "slab-0000.kvh";
+        f->off = (uint64_t)L->slot * slot_bytes + dt_below(rng, 4096);
+    } else {
+        f->file = L->in_journal ? "journal" : "index";
+        f->off = L->rec_off + dt_below(rng, rec_bytes);
+    }
+}
+
+/* How many of the flips fl[0, n) (at most one a chain) an engine opened on
+ * the damaged store must count in corrupt_blocks: every one, except a
+ * damaged journal record with only damaged records after it, which looks
+ * like a torn append and is dropped uncounted (*uncounted gets how many,
+ * when not NULL). loc and journal_records as dt_chains_map_a gave them. */
+static inline uint64_t dt_flips_counted(const dt_flip *fl, int n, const dt_chains *ch, const dt_block_loc *loc,
+                                        size_t journal_records, long *uncounted)
+{
+    bool *journal_bad = calloc(journal_records + 1, sizeof(bool));
+    assert_non_null(journal_bad);
+    for (int i = 0; i < n; i++) {
+        const dt_block_loc *L = &loc[fl[i].chain * ch->blocks + fl[i].block];
+        if (fl[i].t == DT_FLIP_RECORD && L->in_journal)
+            journal_bad[L->journal_index] = true;
+    }
+    uint64_t expect = 0;
+    for (int i = 0; i < n; i++) {
+        const dt_block_loc *L = &loc[fl[i].chain * ch->blocks + fl[i].block];
+        if (fl[i].t != DT_FLIP_RECORD || !L->in_journal) {
+            expect++;
+            continue;
+        }
+        bool counted = false;
+        for (size_t j = (size_t)L->journal_index + 1; j < journal_records && !counted; j++)
+            counted = !journal_bad[j];
+        expect += counted;
+        if (uncounted)
+            *uncounted += !counted;
+    }
+    free(journal_bad);
+    return expect;
+}
+
+/* Builds the chain store in cfg->disk_path: chains [0, in_snapshot) with
+ * an engine closed cleanly (into the snapshot), the others in a child that
+ * exits without closing (into the journal). Then saves its files into
+ * saved and maps its blocks (dt_chains_map_a). */
+static inline void dt_chains_build_a(const kvh_config *cfg, const dt_chains *ch, dt_saved_store *saved,
+                                     dt_block_loc *loc, size_t *journal_records)
+{
+    kvh_engine *e = dt_open_a(cfg);
+    assert_int_equal(dt_chains_persist(e, ch, 0, ch->in_snapshot - 1), 0);
+    dt_assert_ok(dt_close(e));
+    dt_chains_child_arg a = {cfg, ch};
+    assert_int_equal(dt_in_child(dt_chains_journal_child, &a), 0);
+    assert_int_equal(dt_store_save(cfg->disk_path, saved), 0);
+    dt_chains_map_a(saved, ch, loc, journal_records);
 }
 
 #endif

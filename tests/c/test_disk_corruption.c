@@ -46,25 +46,18 @@ static const dt_geo G = {1, 1, 64, 16, KVH_DTYPE_F16}; /* block = 4096 bytes, sl
 
 static dt_content chain(int c) { return dt_plain(100 + (uint64_t)c); }
 static size_t chain_len(void) { return (size_t)NB * G.bt; }
+static dt_chains chains(void) { return (dt_chains){G, chain, NC, NB, SNAP_CHAINS}; }
 
 static kvh_config cfg_for(const char *dir)
 {
-    kvh_config c = dt_cfg(G, dir, 8, 32, DISK_SLOTS);
+    kvh_config c = dt_cfg(G, dir, 8, 32, DISK_SLOTS, 2);
     return c;
 }
-
-/* Where each block of the pristine store lives. */
-typedef struct block_loc {
-    uint32_t slot;
-    bool in_journal;   /* its record is in the journal, else in the snapshot */
-    size_t rec_off;    /* record offset in that file */
-    int journal_index; /* index of its record among the journal's records */
-} block_loc;
 
 static struct {
     char dir[512];
     dt_saved_store saved;
-    block_loc loc[NC][NB];
+    dt_block_loc loc[NC][NB];
     size_t rec_bytes;
     size_t journal_records; /* records in the pristine journal */
     size_t slab_len;
@@ -72,85 +65,6 @@ static struct {
 } P;
 
 /* ---- building the pristine store ---- */
-
-static int build_chains(kvh_engine *e, int first, int last)
-{
-    for (int c = first; c <= last; c++) {
-        kvh_seq s;
-        if (dt_build(e, G, chain(c), chain_len(), &s) != KVH_OK)
-            return 1;
-        if (kvh_seq_persist(e, s) != KVH_OK)
-            return 2;
-        if (kvh_seq_free(e, s) != KVH_OK)
-            return 3;
-    }
-    return 0;
-}
-
-static int journal_child(void *arg)
-{
-    (void)arg;
-    kvh_config c = cfg_for(P.dir);
-    kvh_engine *e = NULL;
-    if (kvh_engine_open(&c, &e) != KVH_OK)
-        return 9;
-    return build_chains(e, SNAP_CHAINS, NC - 1); /* ends with the engine open */
-}
-
-/* Which (chain, block) holds token t0 as its first token. */
-static bool find_block(int32_t t0, int *pc, int *pk)
-{
-    *pc = *pk = -1;
-    for (int c = 0; c < NC; c++)
-        for (int k = 0; k < NB; k++)
-            if (dt_token(chain(c), (uint64_t)k * G.bt) == t0) {
-                *pc = c, *pk = k;
-                return true;
-            }
-    return false;
-}
-
-/* Maps every block to its slot and record by parsing the index files
- * with the library's own record decoder. */
-static void map_store(void)
-{
-    P.rec_bytes = kvhi_index_rec_bytes(G.bt);
-    int seen[NC][NB];
-    memset(seen, 0, sizeof(seen));
-    const char *files[2] = {"index", "journal"};
-    for (int f = 0; f < 2; f++) {
-        const dt_saved_file *sf = dt_store_file(&P.saved, files[f]);
-        assert_non_null(sf);
-        assert_true(sf->len >= 4096);
-        size_t nrec = (sf->len - 4096) / P.rec_bytes;
-        if (f == 1)
-            P.journal_records = nrec;
-        for (size_t i = 0; i < nrec; i++) {
-            int32_t tk[256];
-            kvhi_index_rec r = {.tokens = tk};
-            size_t off = 4096 + i * P.rec_bytes;
-            assert_int_equal(kvhi_index_rec_decode(sf->data + off, &r, G.bt), 0);
-            int c = -1, k = -1;
-            if (!find_block(tk[0], &c, &k))
-                fail_msg("%s record %zu names an unknown block", files[f], i);
-            /* The test relies on one ADD record per block and no DEL. */
-            if (r.kind != KVHI_REC_ADD || seen[c][k]++)
-                fail_msg("unexpected pristine layout: %s record %zu (kind %u) for chain %d block %d", files[f], i,
-                         r.kind, c, k);
-            P.loc[c][k] = (block_loc){(uint32_t)r.slot, f == 1, off, (int)i};
-        }
-    }
-    for (int c = 0; c < NC; c++)
-        for (int k = 0; k < NB; k++) {
-            if (!seen[c][k])
-                fail_msg("chain %d block %d has no record", c, k);
-            assert_true(P.loc[c][k].in_journal == (c >= SNAP_CHAINS));
-        }
-    const dt_saved_file *slab = dt_store_file(&P.saved, "slab-0000.kvh");
-    assert_non_null(slab);
-    P.slab_len = slab->len;
-    assert_int_equal(P.slab_len, (size_t)DISK_SLOTS * SLOT_BYTES);
-}
 
 static void build_pristine(void)
 {
@@ -160,12 +74,13 @@ static void build_pristine(void)
     assert_int_equal(dt_block_bytes(G), 4096);
     dt_scratch("pristine", P.dir, sizeof(P.dir));
     kvh_config c = cfg_for(P.dir);
-    kvh_engine *e = dt_open_a(&c);
-    assert_int_equal(build_chains(e, 0, SNAP_CHAINS - 1), 0);
-    dt_assert_ok(dt_close(e));
-    assert_int_equal(dt_in_child(journal_child, NULL), 0);
-    assert_int_equal(dt_store_save(P.dir, &P.saved), 0);
-    map_store();
+    dt_chains ch = chains();
+    dt_chains_build_a(&c, &ch, &P.saved, &P.loc[0][0], &P.journal_records);
+    P.rec_bytes = kvhi_index_rec_bytes(G.bt);
+    const dt_saved_file *slab = dt_store_file(&P.saved, "slab-0000.kvh");
+    assert_non_null(slab);
+    P.slab_len = slab->len;
+    assert_int_equal(P.slab_len, (size_t)DISK_SLOTS * SLOT_BYTES);
     P.ready = true;
 }
 
@@ -194,33 +109,14 @@ static char *file_path(const char *name)
  * that they are byte-identical. */
 static void expect_chain(kvh_engine *e, int c, int want, const char *what)
 {
-    size_t m = 0;
-    char msg[256] = "";
-    kvh_status st = dt_match_verify(e, G, chain(c), chain_len(), &m, msg, sizeof(msg));
-    if (st != KVH_OK)
-        fail_msg("%s: chain %d: %s", what, c, msg);
-    if (m != (size_t)want * G.bt)
-        fail_msg("%s: chain %d matched %zu blocks, expected %d", what, c, m / G.bt, want);
+    dt_chains ch = chains();
+    dt_chains_expect_a(e, &ch, c, want, what);
 }
 
 /* ------------------------------------------------------------------ */
 /* Bit flips                                                           */
 /* ------------------------------------------------------------------ */
 
-enum target { T_DATA, T_SLOT_HEADER, T_RECORD };
-
-typedef struct flip {
-    int chain, block;
-    enum target t;
-    const char *file;
-    uint64_t off;
-    unsigned bit;
-} flip;
-
-static const char *target_name(enum target t)
-{
-    return t == T_DATA ? "slot data" : t == T_SLOT_HEADER ? "slot header" : "index record";
-}
 
 /* Opens the store with bit `bit` of journal header byte `off` flipped
  * (already done by the caller) and checks every chain: the snapshot's are
@@ -299,51 +195,22 @@ static void test_bit_flips_1000(void **state)
      * chain's index record (snapshot or journal). */
     while (flips < 1000) {
         restore();
-        flip fl[NC];
+        dt_flip fl[NC];
         int nfl = 0;
-        bool journal_bad[4096] = {false};
         for (int c = 0; c < NC && flips + nfl < 1000; c++) {
-            flip *f = &fl[nfl++];
+            dt_flip *f = &fl[nfl++];
             f->chain = c;
             f->block = (int)dt_below(&rng, NB);
-            block_loc *L = &P.loc[c][f->block];
-            uint64_t r = dt_below(&rng, 100);
-            f->t = r < 45 ? T_DATA : r < 70 ? T_SLOT_HEADER : T_RECORD;
-            f->bit = (unsigned)dt_below(&rng, 8);
-            if (f->t == T_DATA) {
-                f->file = "slab-0000.kvh";
-                f->off = (uint64_t)L->slot * SLOT_BYTES + 4096 + dt_below(&rng, 4096);
-            } else if (f->t == T_SLOT_HEADER) {
-                f->file = "slab-0000.kvh";
-                f->off = (uint64_t)L->slot * SLOT_BYTES + dt_below(&rng, 4096);
-            } else {
-                f->file = L->in_journal ? "journal" : "index";
-                f->off = L->rec_off + dt_below(&rng, P.rec_bytes);
-                if (L->in_journal)
-                    journal_bad[L->journal_index] = true;
-            }
+            dt_flip_pick(&rng, f, &P.loc[c][f->block], SLOT_BYTES, P.rec_bytes, true);
             assert_int_equal(dt_flip_bit(file_path(f->file), f->off, f->bit), 0);
         }
-        /* A bad journal record is counted unless only bad records follow
-         * it (then it looks like a torn tail). */
-        uint64_t expect_corrupt = 0;
-        for (int i = 0; i < nfl; i++) {
-            if (fl[i].t != T_RECORD || !P.loc[fl[i].chain][fl[i].block].in_journal) {
-                expect_corrupt++;
-                continue;
-            }
-            int ji = P.loc[fl[i].chain][fl[i].block].journal_index;
-            for (size_t j = (size_t)ji + 1; j < P.journal_records; j++)
-                if (!journal_bad[j]) {
-                    expect_corrupt++;
-                    break;
-                }
-        }
+        dt_chains ch = chains();
+        uint64_t expect_corrupt = dt_flips_counted(fl, nfl, &ch, &P.loc[0][0], P.journal_records, NULL);
         kvh_engine *e = dt_open_a(&cfg);
         for (int i = 0; i < nfl; i++) {
             char what[192];
             snprintf(what, sizeof(what), "round %d: %s flip (%s byte %" PRIu64 " bit %u) in block %d", rounds,
-                     target_name(fl[i].t), fl[i].file, fl[i].off, fl[i].bit, fl[i].block);
+                     dt_flip_target_name(fl[i].t), fl[i].file, fl[i].off, fl[i].bit, fl[i].block);
             expect_chain(e, fl[i].chain, fl[i].block, what);
         }
         uint64_t corrupt = dt_stats(e).corrupt_blocks;
@@ -351,7 +218,7 @@ static void test_bit_flips_1000(void **state)
         if (corrupt != expect_corrupt) {
             for (int i = 0; i < nfl; i++)
                 print_error("  chain %d block %d: %s %s+%" PRIu64 "\n", fl[i].chain, fl[i].block,
-                            target_name(fl[i].t), fl[i].file, fl[i].off);
+                            dt_flip_target_name(fl[i].t), fl[i].file, fl[i].off);
             fail_msg("round %d: corrupt_blocks %" PRIu64 ", expected %" PRIu64 " (one per detected flip)", rounds,
                      corrupt, expect_corrupt);
         }
@@ -583,7 +450,7 @@ static void test_truncated_index_and_journal(void **state)
                     fail_msg("%s cut at %" PRIu64 ": untouched chain %d matched %zu tokens", names[f], cut, c, m);
                 /* A record wholly before the cut survives. */
                 for (int k = 0; k < NB; k++) {
-                    block_loc *L = &P.loc[c][k];
+                    dt_block_loc *L = &P.loc[c][k];
                     if (!other && L->rec_off + P.rec_bytes <= cut && m < (size_t)(k + 1) * G.bt) {
                         bool earlier_cut = false;
                         for (int j = 0; j < k; j++)
@@ -637,16 +504,16 @@ static void live_damage(uint32_t flags, const char *tag)
     char dir[512], slab[600];
     dt_scratch(tag, dir, sizeof(dir));
     dt_path(slab, sizeof(slab), dir, "slab-0000.kvh");
-    kvh_config cfg = dt_cfg(G, dir, 4, 4, 64);
+    kvh_config cfg = dt_cfg(G, dir, 4, 4, 64, 2);
     cfg.migration_threads = 0;
     cfg.disk_flags = flags;
     kvh_engine *e = dt_open_a(&cfg);
     dt_content ca = dt_plain(61), cb = dt_plain(62);
     kvh_seq a, b;
-    dt_assert_ok(dt_build(e, G, ca, 4 * G.bt, &a));
+    dt_assert_ok(dt_build(e, G, ca, 4 * G.bt, 0, &a));
     dt_assert_ok(kvh_seq_persist(e, a));
     dt_assert_ok(kvh_seq_migrate(e, a, 0, 4 * G.bt, KVH_TIER_DISK, NULL)); /* to its clean copies */
-    dt_assert_ok(dt_build(e, G, cb, 3 * G.bt, &b));
+    dt_assert_ok(dt_build(e, G, cb, 3 * G.bt, 0, &b));
     dt_assert_ok(kvh_seq_migrate(e, b, 0, 3 * G.bt, KVH_TIER_DISK, NULL)); /* spilled, not persisted */
     kvh_block_info ia = dt_binfo(e, a, 1), ib = dt_binfo(e, b, 2);
     assert_int_equal(ia.tier, KVH_TIER_DISK);

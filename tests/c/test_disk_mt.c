@@ -47,7 +47,7 @@ static void *work(void *arg)
         kvh_seq s;
         size_t n = length(w->t, i);
         char msg[256] = "";
-        kvh_status st = dt_build(e, G, content(w->t, i), n, &s);
+        kvh_status st = dt_build(e, G, content(w->t, i), n, 0, &s);
         if (st != KVH_OK)
             WFAIL("thread %d seq %d: build: %s (%.160s)", w->t, i, kvh_status_name(st), dt_err);
         kvh_fence f = {0};
@@ -124,7 +124,7 @@ static void test_concurrent_persist_spill_match(void **state)
 {
     (void)state;
     dt_scratch("mt", g_dir, sizeof(g_dir));
-    g_cfg = dt_cfg(G, g_dir, 6, 12, 1024);
+    g_cfg = dt_cfg(G, g_dir, 6, 12, 1024, 2);
     g_cfg.migration_threads = 2;
     kvh_engine *e = dt_open_a(&g_cfg);
     worker w[THREADS];

@@ -30,12 +30,12 @@ static void test_blocks_across_the_slab_boundary(void **state)
     dt_path(p0, sizeof(p0), dir, "slab-0000.kvh");
     dt_path(p1, sizeof(p1), dir, "slab-0001.kvh");
     dt_path(ix, sizeof(ix), dir, "index");
-    kvh_config c = dt_cfg(G, dir, 8, 32, PER + 64); /* two slabs: PER + 64 slots */
+    kvh_config c = dt_cfg(G, dir, 8, 32, PER + 64, 2); /* two slabs: PER + 64 slots */
     c.migration_threads = 2;
     kvh_engine *e = dt_open_a(&c);
     dt_content ct = dt_plain(4711);
     kvh_seq s;
-    dt_assert_ok(dt_build(e, G, ct, NB * G.bt, &s));
+    dt_assert_ok(dt_build(e, G, ct, NB * G.bt, 0, &s));
     dt_assert_ok(kvh_seq_persist(e, s));
     dt_assert_ok(kvh_seq_free(e, s));
     dt_assert_ok(dt_close(e));

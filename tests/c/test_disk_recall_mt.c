@@ -8,11 +8,13 @@
  * test releases it), so an acquire that waited for the write would never
  * return; a watchdog releases the disk after WATCHDOG_S and the test then
  * fails. */
-#include "rel_util.h"
+#include "disk_test_util.h"
+
+#include <stdatomic.h>
 
 #include "core/disk_io.h"
 
-static const rl_geo G = {2, 1, 32, 16, KVH_DTYPE_F16}; /* block = 4096 bytes */
+static const dt_geo G = {2, 1, 32, 16, KVH_DTYPE_F16}; /* block = 4096 bytes */
 #define WATCHDOG_S 10.0
 
 static struct {
@@ -56,9 +58,9 @@ static void disk_release(bool watchdog)
 static void *watchdog_main(void *arg)
 {
     (void)arg;
-    double t0 = rl_now();
-    while (rl_now() - t0 < WATCHDOG_S) {
-        rl_sleep_ms(10);
+    double t0 = dt_now();
+    while (dt_now() - t0 < WATCHDOG_S) {
+        dt_sleep_ms(10);
         pthread_mutex_lock(&D.mu);
         bool stuck = D.stuck;
         pthread_mutex_unlock(&D.mu);
@@ -96,14 +98,14 @@ typedef struct ctx {
 static void spill_then_acquire(void *p)
 {
     ctx *c = p;
-    rl_assert_ok(kvh_seq_migrate(c->e, c->s, 0, c->n, KVH_TIER_DISK, &c->spill));
+    dt_assert_ok(kvh_seq_migrate(c->e, c->s, 0, c->n, KVH_TIER_DISK, &c->spill));
     /* wait until the worker is inside the write of the spill */
     while (atomic_load(&D.writes_waiting) == 0)
-        rl_sleep_ms(1);
-    rl_assert_ok(kvh_seq_acquire(c->e, c->s, 0, c->n, NULL));
+        dt_sleep_ms(1);
+    dt_assert_ok(kvh_seq_acquire(c->e, c->s, 0, c->n, NULL));
     /* the blocks are usable in the device tier right away */
     int32_t indptr[2], indices[8], last[1];
-    rl_assert_ok(kvh_block_table(c->e, &c->s, 1, indptr, indices, 8, last));
+    dt_assert_ok(kvh_block_table(c->e, &c->s, 1, indptr, indices, 8, last));
     assert_int_equal(indptr[1] - indptr[0], c->n / G.bt);
 }
 
@@ -111,52 +113,52 @@ static void spill_again(void *p)
 {
     ctx *c = p;
     /* clean copies exist: demoting again writes nothing */
-    rl_assert_ok(kvh_seq_migrate(c->e, c->s, 0, c->n, KVH_TIER_DISK, NULL));
+    dt_assert_ok(kvh_seq_migrate(c->e, c->s, 0, c->n, KVH_TIER_DISK, NULL));
 }
 
 static void test_acquire_recalls_a_spill_in_flight(void **state)
 {
     (void)state;
     char dir[512];
-    rl_scratch("recall", dir, sizeof(dir));
-    kvh_config cfg = rl_cfg(G, dir, 8, 8, 64, 1);
+    dt_scratch("recall", dir, sizeof(dir));
+    kvh_config cfg = dt_cfg(G, dir, 8, 8, 64, 1);
     kvhi_disk_set_fault_hook(stuck_writes, NULL);
-    ctx c = {.e = rl_open_a(&cfg), .n = 4 * G.bt};
-    rl_content ct = rl_plain(77);
-    rl_assert_ok(rl_build(c.e, G, ct, c.n, 0, &c.s));
-    kvh_stats before = rl_stats(c.e);
+    ctx c = {.e = dt_open_a(&cfg), .n = 4 * G.bt};
+    dt_content ct = dt_plain(77);
+    dt_assert_ok(dt_build(c.e, G, ct, c.n, 0, &c.s));
+    kvh_stats before = dt_stats(c.e);
 
     while_disk_hangs(spill_then_acquire, &c, "kvh_seq_acquire during a spill");
-    rl_assert_ok(kvh_fence_wait(c.e, c.spill, UINT64_MAX));
-    rl_assert_ok(kvh_fence_free(c.e, c.spill));
+    dt_assert_ok(kvh_fence_wait(c.e, c.spill, UINT64_MAX));
+    dt_assert_ok(kvh_fence_free(c.e, c.spill));
     for (uint64_t i = 0; i < c.n / G.bt; i++) {
         kvh_block b;
         kvh_block_info bi = {.struct_size = sizeof(bi)};
-        rl_assert_ok(kvh_seq_blocks(c.e, c.s, i, 1, &b));
-        rl_assert_ok(kvh_block_info_get(c.e, b, &bi));
+        dt_assert_ok(kvh_seq_blocks(c.e, c.s, i, 1, &b));
+        dt_assert_ok(kvh_block_info_get(c.e, b, &bi));
         assert_int_equal(bi.tier, KVH_TIER_DEVICE);
     }
     char msg[256] = "";
-    if (rl_verify(c.e, c.s, G, ct, 0, c.n, msg, sizeof(msg)) != KVH_OK)
+    if (dt_verify(c.e, c.s, G, ct, 0, c.n, msg, sizeof(msg)) != KVH_OK)
         fail_msg("after the recall: %s", msg);
-    rl_assert_ok(kvh_seq_release(c.e, c.s, 0, c.n));
-    kvh_stats after = rl_stats(c.e);
+    dt_assert_ok(kvh_seq_release(c.e, c.s, 0, c.n));
+    kvh_stats after = dt_stats(c.e);
     assert_int_equal(after.bytes_disk_to_host, before.bytes_disk_to_host); /* nothing read back */
 
     while_disk_hangs(spill_again, &c, "a second spill of recalled blocks");
-    if (rl_verify(c.e, c.s, G, ct, 0, c.n, msg, sizeof(msg)) != KVH_OK)
+    if (dt_verify(c.e, c.s, G, ct, 0, c.n, msg, sizeof(msg)) != KVH_OK)
         fail_msg("read from the clean copies: %s", msg);
-    assert_int_equal(rl_stats(c.e).corrupt_blocks, 0);
-    rl_assert_ok(kvh_seq_free(c.e, c.s));
-    rl_assert_ok(rl_close(c.e));
+    assert_int_equal(dt_stats(c.e).corrupt_blocks, 0);
+    dt_assert_ok(kvh_seq_free(c.e, c.s));
+    dt_assert_ok(dt_close(c.e));
     kvhi_disk_set_fault_hook(NULL, NULL);
-    rl_rmrf(dir);
+    dt_rmrf(dir);
 }
 
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test_teardown(test_acquire_recalls_a_spill_in_flight, rl_teardown),
+        cmocka_unit_test_teardown(test_acquire_recalls_a_spill_in_flight, dt_teardown),
     };
     return cmocka_run_group_tests_name("disk_recall", tests, NULL, NULL);
 }

@@ -46,7 +46,7 @@ static void roundtrip_one(dt_geo g, uint32_t disk_flags, const char *tag)
 {
     char dir[512];
     dt_scratch(tag, dir, sizeof(dir));
-    kvh_config c = dt_cfg(g, dir, 4, 4, 64);
+    kvh_config c = dt_cfg(g, dir, 4, 4, 64, 2);
     c.disk_flags = disk_flags;
     kvh_engine *e = open_a(&c);
     const uint64_t full = 3;
@@ -54,7 +54,7 @@ static void roundtrip_one(dt_geo g, uint32_t disk_flags, const char *tag)
     const uint64_t nb = full + (g.bt / 2 ? 1 : 0);
     dt_content ct = dt_plain(1000 + g.dtype);
     kvh_seq s;
-    dt_assert_ok(dt_build(e, g, ct, n, &s));
+    dt_assert_ok(dt_build(e, g, ct, n, 0, &s));
     assert_tiers(e, s, nb, KVH_TIER_DEVICE);
     assert_verified(e, s, g, ct, 0, n);
 
@@ -133,12 +133,12 @@ static void single_block_restores(dt_geo g, const char *tag)
 {
     char dir[512];
     dt_scratch(tag, dir, sizeof(dir));
-    kvh_config c = dt_cfg(g, dir, 8, 8, 16);
+    kvh_config c = dt_cfg(g, dir, 8, 8, 16, 2);
     kvh_engine *e = open_a(&c);
     const size_t n = 4 * (size_t)g.bt;
     dt_content ct = dt_plain(4242);
     kvh_seq s;
-    dt_assert_ok(dt_build(e, g, ct, n, &s));
+    dt_assert_ok(dt_build(e, g, ct, n, 0, &s));
     dt_assert_ok(kvh_seq_migrate(e, s, 0, n, KVH_TIER_DISK, NULL));
     assert_tiers(e, s, 4, KVH_TIER_DISK);
     kvh_block b[4];
@@ -194,7 +194,7 @@ static int rc_write(kvh_engine *e, int gen)
     for (int i = 0; i < RC_STREAMS; i++) {
         kvh_seq s;
         size_t n = rc_len(i);
-        if (dt_build(e, rc_geo, rc_content(i, gen), n, &s) != KVH_OK)
+        if (dt_build(e, rc_geo, rc_content(i, gen), n, 0, &s) != KVH_OK)
             return 10;
         if (i % 3 == 1 && kvh_seq_migrate(e, s, 0, n, KVH_TIER_DISK, NULL) != KVH_OK)
             return 11;
@@ -235,7 +235,7 @@ static int rc_check(kvh_engine *e, int first, int last)
     return 0;
 }
 
-static kvh_config rc_cfg(const char *dir) { return dt_cfg(rc_geo, dir, 4, 8, 256); }
+static kvh_config rc_cfg(const char *dir) { return dt_cfg(rc_geo, dir, 4, 8, 256, 2); }
 
 /* Child: opens the store, checks generations [gen_first, gen_last - 1]
  * (if any), writes generation gen_last (when >= 0), then closes or just
@@ -318,7 +318,7 @@ static void test_recovery_new_process_without_close(void **state)
 static int fallback_roundtrip(const char *dir, uint32_t flags, dt_log *log)
 {
     dt_geo g = {1, 2, 32, 16, KVH_DTYPE_F16};
-    kvh_config c = dt_cfg(g, dir, 2, 2, 32);
+    kvh_config c = dt_cfg(g, dir, 2, 2, 32, 2);
     c.disk_flags = flags;
     dt_log_attach(&c, log);
     kvh_engine *e = open_a(&c);
@@ -327,7 +327,7 @@ static int fallback_roundtrip(const char *dir, uint32_t flags, dt_log *log)
     dt_content ct = dt_plain(777);
     size_t n = 5 * g.bt + 3;
     kvh_seq s;
-    dt_assert_ok(dt_build(e, g, ct, n, &s));
+    dt_assert_ok(dt_build(e, g, ct, n, 0, &s));
     dt_assert_ok(kvh_seq_migrate(e, s, 0, n, KVH_TIER_DISK, NULL));
     assert_tiers(e, s, 6, KVH_TIER_DISK);
     assert_verified(e, s, g, ct, 0, n);
@@ -453,12 +453,12 @@ static void test_mismatch_and_reset(void **state)
     char dir[512];
     dt_scratch("mismatch", dir, sizeof(dir));
     dt_geo g = {2, 2, 32, 16, KVH_DTYPE_F16};
-    kvh_config base = dt_cfg(g, dir, 4, 4, 32);
+    kvh_config base = dt_cfg(g, dir, 4, 4, 32, 2);
     kvh_engine *e = open_a(&base);
     dt_content ct = dt_plain(4242);
     size_t n = 3 * g.bt;
     kvh_seq s;
-    dt_assert_ok(dt_build(e, g, ct, n, &s));
+    dt_assert_ok(dt_build(e, g, ct, n, 0, &s));
     dt_assert_ok(kvh_seq_persist(e, s));
     dt_assert_ok(kvh_seq_free(e, s));
     dt_assert_ok(dt_close(e));
@@ -476,7 +476,7 @@ static void test_mismatch_and_reset(void **state)
         {"model_salt", {2, 2, 32, 16, KVH_DTYPE_F16}, 0x5eee},
     };
     for (size_t i = 0; i < sizeof(variants) / sizeof(variants[0]); i++) {
-        kvh_config c = dt_cfg(variants[i].g, dir, 4, 4, 32);
+        kvh_config c = dt_cfg(variants[i].g, dir, 4, 4, 32, 2);
         c.model_salt = variants[i].salt;
         kvh_engine *x = NULL;
         kvh_status st = kvh_engine_open(&c, &x);
@@ -518,7 +518,7 @@ static void test_mismatch_and_reset(void **state)
         fail_msg("%s", msg);
     assert_int_equal(m, 0);
     dt_content ct2 = dt_plain(4343);
-    dt_assert_ok(dt_build(e, g, ct2, n, &s));
+    dt_assert_ok(dt_build(e, g, ct2, n, 0, &s));
     dt_assert_ok(kvh_seq_persist(e, s));
     dt_assert_ok(kvh_seq_free(e, s));
     dt_assert_ok(dt_close(e));
@@ -554,7 +554,7 @@ static int busy_child(void *p)
 {
     busy_arg *a = p;
     dt_geo g = {1, 1, 64, 16, KVH_DTYPE_F16};
-    kvh_config c = dt_cfg(g, a->dir, 2, 2, 8);
+    kvh_config c = dt_cfg(g, a->dir, 2, 2, 8, 2);
     c.migration_threads = 0;
     kvh_engine *e = NULL;
     kvh_status st = kvh_engine_open(&c, &e);
@@ -578,7 +578,7 @@ static void test_second_engine_busy(void **state)
     char dir[512];
     dt_scratch("busy", dir, sizeof(dir));
     dt_geo g = {1, 1, 64, 16, KVH_DTYPE_F16};
-    kvh_config c = dt_cfg(g, dir, 2, 2, 8);
+    kvh_config c = dt_cfg(g, dir, 2, 2, 8, 2);
     c.migration_threads = 0; /* no threads while fork()ing below */
     kvh_engine *e = open_a(&c);
     char pid[32];
@@ -598,7 +598,7 @@ static void test_second_engine_busy(void **state)
     /* the failed opens did not disturb the owner */
     dt_content ct = dt_plain(99);
     kvh_seq s;
-    dt_assert_ok(dt_build(e, g, ct, 2 * g.bt, &s));
+    dt_assert_ok(dt_build(e, g, ct, 2 * g.bt, 0, &s));
     dt_assert_ok(kvh_seq_persist(e, s));
     dt_assert_ok(kvh_seq_free(e, s));
     dt_assert_ok(dt_close(e));
@@ -626,18 +626,18 @@ static void test_resized_store(void **state)
     char dir[512];
     dt_scratch("resize", dir, sizeof(dir));
     dt_geo g = {1, 1, 64, 16, KVH_DTYPE_F16};
-    kvh_config c = dt_cfg(g, dir, 4, 4, 48);
+    kvh_config c = dt_cfg(g, dir, 4, 4, 48, 2);
     kvh_engine *e = open_a(&c);
     for (int i = 0; i < 10; i++) {
         kvh_seq s;
-        dt_assert_ok(dt_build(e, g, dt_plain(8000 + (uint64_t)i), 4 * g.bt, &s));
+        dt_assert_ok(dt_build(e, g, dt_plain(8000 + (uint64_t)i), 4 * g.bt, 0, &s));
         dt_assert_ok(kvh_seq_persist(e, s));
         dt_assert_ok(kvh_seq_free(e, s));
     }
     dt_assert_ok(dt_close(e));
     uint64_t sizes[] = {64, 12, 48, 200};
     for (size_t k = 0; k < sizeof(sizes) / sizeof(sizes[0]); k++) {
-        kvh_config r = dt_cfg(g, dir, 4, 4, sizes[k]);
+        kvh_config r = dt_cfg(g, dir, 4, 4, sizes[k], 2);
         e = open_a(&r);
         size_t found = 0;
         for (int i = 0; i < 10; i++) {
@@ -655,7 +655,7 @@ static void test_resized_store(void **state)
         dt_assert_ok(dt_close(e));
     }
     /* a budget that holds no slot at all is refused */
-    kvh_config tiny = dt_cfg(g, dir, 4, 4, 1);
+    kvh_config tiny = dt_cfg(g, dir, 4, 4, 1, 2);
     tiny.disk_bytes = dt_slot_bytes(g) - 1;
     kvh_engine *x = NULL;
     dt_assert_kvh(KVH_ERR_INVALID_ARG, kvh_engine_open(&tiny, &x));
@@ -670,16 +670,16 @@ static void test_persist_rules(void **state)
     (void)state;
     dt_geo g = {1, 1, 64, 16, KVH_DTYPE_F16};
     /* no disk tier */
-    kvh_config c = dt_cfg(g, NULL, 4, 4, 0);
+    kvh_config c = dt_cfg(g, NULL, 4, 4, 0, 2);
     kvh_engine *e = open_a(&c);
     kvh_seq s;
-    dt_assert_ok(dt_build(e, g, dt_plain(1), 2 * g.bt, &s));
+    dt_assert_ok(dt_build(e, g, dt_plain(1), 2 * g.bt, 0, &s));
     dt_assert_kvh(KVH_ERR_UNSUPPORTED, kvh_seq_persist(e, s));
     dt_assert_ok(dt_close(e));
 
     char dir[512];
     dt_scratch("persist-rules", dir, sizeof(dir));
-    c = dt_cfg(g, dir, 4, 4, 16);
+    c = dt_cfg(g, dir, 4, 4, 16, 2);
     e = open_a(&c);
     /* an empty sequence and one with only a partial block: nothing to do */
     dt_assert_ok(kvh_seq_create(e, 0, &s));

@@ -31,7 +31,7 @@
 #include "rel_util.h"
 
 enum { L = 2, H = 2, D = 8, BT = 4 };
-static const rl_geo G = {L, H, D, BT, KVH_DTYPE_F32};
+static const dt_geo G = {L, H, D, BT, KVH_DTYPE_F32};
 #define TOK ((size_t)H * D * 4)
 
 typedef struct fixture {
@@ -51,13 +51,13 @@ static fixture X;
 static void make_fixture(const char *disk_dir)
 {
     memset(&X, 0, sizeof(X));
-    kvh_config c = rl_cfg(G, disk_dir, 16, 16, disk_dir ? 64 : 0, 0);
-    X.e = rl_open_a(&c);
-    rl_assert_ok(rl_build(X.e, G, rl_plain(1), 10, 1, &X.s));
-    rl_assert_ok(kvh_seq_create(X.e, 2, &X.s2));
-    rl_assert_ok(kvh_seq_blocks(X.e, X.s, 0, 3, X.sb));
-    rl_assert_ok(kvh_block_alloc(X.e, 0, &X.b));
-    rl_assert_ok(kvh_seq_migrate(X.e, X.s2, 0, 0, KVH_TIER_HOST, &X.f));
+    kvh_config c = dt_cfg(G, disk_dir, 16, 16, disk_dir ? 64 : 0, 0);
+    X.e = dt_open_a(&c);
+    dt_assert_ok(dt_build(X.e, G, dt_plain(1), 10, 1, &X.s));
+    dt_assert_ok(kvh_seq_create(X.e, 2, &X.s2));
+    dt_assert_ok(kvh_seq_blocks(X.e, X.s, 0, 3, X.sb));
+    dt_assert_ok(kvh_block_alloc(X.e, 0, &X.b));
+    dt_assert_ok(kvh_seq_migrate(X.e, X.s2, 0, 0, KVH_TIER_HOST, &X.f));
     for (int l = 0; l < L; l++) {
         X.kbase[l] = X.pool_mem + (size_t)(2 * l) * 4 * BT * TOK;
         X.vbase[l] = X.pool_mem + (size_t)(2 * l + 1) * 4 * BT * TOK;
@@ -70,22 +70,22 @@ static void make_fixture(const char *disk_dir)
                                  .slot_stride = BT * TOK,
                                  .token_stride = TOK,
                                  .head_stride = D * 4};
-    rl_assert_ok(kvh_pool_register(X.e, &X.layout, &X.pool));
+    dt_assert_ok(kvh_pool_register(X.e, &X.layout, &X.pool));
 }
 
 /* The engine still does a full round trip and its counters add up. */
 static void still_works(kvh_engine *e, uint64_t stream)
 {
     kvh_seq s, c;
-    rl_assert_ok(rl_build(e, G, rl_plain(stream), 7, 5, &s));
-    rl_assert_ok(kvh_seq_fork(e, s, 6, &c));
-    rl_assert_ok(kvh_seq_acquire(e, c, 0, 7, NULL));
+    dt_assert_ok(dt_build(e, G, dt_plain(stream), 7, 5, &s));
+    dt_assert_ok(kvh_seq_fork(e, s, 6, &c));
+    dt_assert_ok(kvh_seq_acquire(e, c, 0, 7, NULL));
     char msg[256] = "";
-    if (rl_verify(e, c, G, rl_plain(stream), 0, 7, msg, sizeof(msg)) != KVH_OK)
+    if (dt_verify(e, c, G, dt_plain(stream), 0, 7, msg, sizeof(msg)) != KVH_OK)
         fail_msg("round trip: %s", msg);
-    rl_assert_ok(kvh_seq_release(e, c, 0, 7));
-    rl_assert_ok(kvh_seq_free(e, c));
-    rl_assert_ok(kvh_seq_free(e, s));
+    dt_assert_ok(kvh_seq_release(e, c, 0, 7));
+    dt_assert_ok(kvh_seq_free(e, c));
+    dt_assert_ok(kvh_seq_free(e, s));
     if (rl_counters_add_up(e, false, msg, sizeof(msg)) && rl_counters_add_up(e, true, msg, sizeof(msg)))
         fail_msg("counters: %s", msg);
 }
@@ -108,7 +108,7 @@ static int null_calls;
 #define EXPECT_OK(call)                                                                                      \
     do {                                                                                                     \
         null_calls++;                                                                                        \
-        rl_assert_ok(call);                                                                                  \
+        dt_assert_ok(call);                                                                                  \
     } while (0)
 
 static void test_null_everywhere(void **state)
@@ -126,7 +126,7 @@ static void test_null_everywhere(void **state)
     uint64_t u64 = SENT;
     size_t sz = SENT;
     int32_t toks[16];
-    rl_tokens(rl_plain(1), 0, 16, toks);
+    dt_tokens(dt_plain(1), 0, 16, toks);
     uint8_t k[4 * TOK], v[4 * TOK];
     memset(k, 1, sizeof(k));
     memset(v, 2, sizeof(v));
@@ -276,27 +276,27 @@ static void test_null_everywhere(void **state)
 /* A handle value that names nothing live: random, right tag + random, or
  * right tag and a live index with another generation, or a live handle of
  * another type. */
-static uint64_t bad_handle_(rl_rng *r, uint8_t tag, const uint64_t *live, int n_live, const uint64_t *others,
+static uint64_t bad_handle_(dt_rng *r, uint8_t tag, const uint64_t *live, int n_live, const uint64_t *others,
                             int n_others)
 {
-    switch (rl_below(r, 5)) {
+    switch (dt_below(r, 5)) {
     case 0:
-        return rl_next(r) | 1; /* never the null handle */
+        return dt_next(r) | 1; /* never the null handle */
     case 1:
-        return ((uint64_t)tag << 56) | (rl_next(r) & 0x00ffffffffffffffull) | 1;
+        return ((uint64_t)tag << 56) | (dt_next(r) & 0x00ffffffffffffffull) | 1;
     case 2: {
-        uint64_t h = live[rl_below(r, (uint64_t)n_live)];
-        uint64_t gen = (h >> 32) & 0xffffff, ng = (gen + 1 + rl_below(r, 0xfffffe)) & 0xffffff;
+        uint64_t h = live[dt_below(r, (uint64_t)n_live)];
+        uint64_t gen = (h >> 32) & 0xffffff, ng = (gen + 1 + dt_below(r, 0xfffffe)) & 0xffffff;
         if (ng == gen || ng == 0)
             ng = gen ^ 0x800000;
         return (h & ~(0xffffffull << 32)) | (ng << 32);
     }
     case 3: {
-        uint64_t h = live[rl_below(r, (uint64_t)n_live)];
-        return h + ((rl_below(r, 64) + 1) << (rl_below(r, 2) ? 0 : 8)); /* another index */
+        uint64_t h = live[dt_below(r, (uint64_t)n_live)];
+        return h + ((dt_below(r, 64) + 1) << (dt_below(r, 2) ? 0 : 8)); /* another index */
     }
     default: {
-        uint64_t h = others[rl_below(r, (uint64_t)n_others)];
+        uint64_t h = others[dt_below(r, (uint64_t)n_others)];
         return (h >> 56) == tag ? h ^ (1ull << 40) : h;
     }
     }
@@ -306,7 +306,7 @@ static uint64_t bad_handle_(rl_rng *r, uint8_t tag, const uint64_t *live, int n_
 static uint64_t all_live[16];
 static int n_all_live;
 
-static uint64_t bad_handle(rl_rng *r, uint8_t tag, const uint64_t *live, int n_live, const uint64_t *others,
+static uint64_t bad_handle(dt_rng *r, uint8_t tag, const uint64_t *live, int n_live, const uint64_t *others,
                            int n_others)
 {
     for (;;) {
@@ -322,11 +322,11 @@ static uint64_t bad_handle(rl_rng *r, uint8_t tag, const uint64_t *live, int n_l
 static void test_random_handles(void **state)
 {
     (void)state;
-    long calls = rl_env_long("KVH_REL_HANDLE_CALLS", 1000000);
-    uint64_t seed = rl_seed(0x4a4d7e5ull);
-    rl_rng r = {seed};
+    long calls = dt_env_long("KVH_REL_HANDLE_CALLS", 1000000);
+    uint64_t seed = dt_seed(0x4a4d7e5ull);
+    dt_rng r = {seed};
     char dir[512];
-    rl_scratch("abi-handles", dir, sizeof(dir));
+    dt_scratch("abi-handles", dir, sizeof(dir));
     make_fixture(dir); /* with a disk tier */
     kvh_engine *e = X.e;
     uint64_t seqs[] = {X.s.id, X.s2.id};
@@ -338,7 +338,7 @@ static void test_random_handles(void **state)
     n_all_live = 0;
     for (size_t i = 0; i < sizeof(every) / sizeof(every[0]); i++)
         all_live[n_all_live++] = every[i];
-    kvh_stats before = rl_stats(e);
+    kvh_stats before = dt_stats(e);
     uint8_t k[4 * TOK], v[4 * TOK];
     memset(k, 1, sizeof(k));
     memset(v, 1, sizeof(v));
@@ -352,7 +352,7 @@ static void test_random_handles(void **state)
     float q[2 * H * D], out[2 * H * D];
     memset(q, 0, sizeof(q));
     uint32_t qlens[2] = {1, 1};
-    double t0 = rl_now();
+    double t0 = dt_now();
     for (long i = 0; i < calls; i++) {
         int fn = (int)(i % 32);
         kvh_status st;
@@ -414,17 +414,17 @@ static void test_random_handles(void **state)
             fail_msg("call %ld (function %d, seed 0x%" PRIx64 "): %s, expected KVH_ERR_BAD_HANDLE", i, fn, seed,
                      kvh_status_name(st));
     }
-    double secs = rl_now() - t0;
-    kvh_stats after = rl_stats(e);
+    double secs = dt_now() - t0;
+    kvh_stats after = dt_stats(e);
     assert_int_equal(after.blocks_allocated, before.blocks_allocated);
     assert_int_equal(after.blocks_freed, before.blocks_freed);
     assert_int_equal(after.lookups, before.lookups);
     kvh_block_info b0 = {.struct_size = sizeof(b0)};
-    rl_assert_ok(kvh_block_info_get(e, X.b, &b0));
+    dt_assert_ok(kvh_block_info_get(e, X.b, &b0));
     assert_int_equal(b0.refs, 1);
     assert_int_equal(b0.pins, 0);
     char msg[256];
-    if (rl_verify(e, X.s, G, rl_plain(1), 0, 10, msg, sizeof(msg)) != KVH_OK)
+    if (dt_verify(e, X.s, G, dt_plain(1), 0, 10, msg, sizeof(msg)) != KVH_OK)
         fail_msg("fixture changed: %s", msg);
     still_works(e, 78);
     print_message("random handles: %ld calls in %.2f s, every one KVH_ERR_BAD_HANDLE, nothing changed\n", calls,
@@ -442,48 +442,48 @@ static void test_double_free(void **state)
     kvh_engine *e = X.e;
     /* sequences */
     kvh_seq s;
-    rl_assert_ok(rl_build(e, G, rl_plain(2), 9, 0, &s));
-    rl_assert_ok(kvh_seq_free(e, s));
-    rl_assert_kvh(KVH_ERR_BAD_HANDLE, kvh_seq_free(e, s));
-    rl_assert_kvh(KVH_ERR_BAD_HANDLE, kvh_seq_free(e, s));
+    dt_assert_ok(dt_build(e, G, dt_plain(2), 9, 0, &s));
+    dt_assert_ok(kvh_seq_free(e, s));
+    dt_assert_kvh(KVH_ERR_BAD_HANDLE, kvh_seq_free(e, s));
+    dt_assert_kvh(KVH_ERR_BAD_HANDLE, kvh_seq_free(e, s));
     /* fences: freed twice, freed while pending then again */
-    rl_assert_ok(kvh_fence_free(e, X.f));
-    rl_assert_kvh(KVH_ERR_BAD_HANDLE, kvh_fence_free(e, X.f));
-    rl_assert_kvh(KVH_ERR_BAD_HANDLE, kvh_fence_wait(e, X.f, 0));
+    dt_assert_ok(kvh_fence_free(e, X.f));
+    dt_assert_kvh(KVH_ERR_BAD_HANDLE, kvh_fence_free(e, X.f));
+    dt_assert_kvh(KVH_ERR_BAD_HANDLE, kvh_fence_wait(e, X.f, 0));
     kvh_fence f;
-    rl_assert_ok(kvh_seq_acquire(e, X.s, 0, 10, &f));
-    rl_assert_ok(kvh_fence_free(e, f));
-    rl_assert_kvh(KVH_ERR_BAD_HANDLE, kvh_fence_free(e, f));
-    rl_assert_ok(kvh_seq_release(e, X.s, 0, 10));
+    dt_assert_ok(kvh_seq_acquire(e, X.s, 0, 10, &f));
+    dt_assert_ok(kvh_fence_free(e, f));
+    dt_assert_kvh(KVH_ERR_BAD_HANDLE, kvh_fence_free(e, f));
+    dt_assert_ok(kvh_seq_release(e, X.s, 0, 10));
     /* pools */
-    rl_assert_ok(kvh_pool_unregister(e, X.pool));
-    rl_assert_kvh(KVH_ERR_BAD_HANDLE, kvh_pool_unregister(e, X.pool));
+    dt_assert_ok(kvh_pool_unregister(e, X.pool));
+    dt_assert_kvh(KVH_ERR_BAD_HANDLE, kvh_pool_unregister(e, X.pool));
     /* blocks: one release too many, then a freed one */
     kvh_block b;
-    rl_assert_ok(kvh_block_alloc(e, 0, &b));
-    rl_assert_ok(kvh_block_retain(e, b));
-    rl_assert_ok(kvh_block_release(e, b));
-    rl_assert_ok(kvh_block_release(e, b)); /* last reference: freed */
-    rl_assert_kvh(KVH_ERR_BAD_HANDLE, kvh_block_release(e, b));
-    rl_assert_kvh(KVH_ERR_BAD_HANDLE, kvh_block_retain(e, b));
+    dt_assert_ok(kvh_block_alloc(e, 0, &b));
+    dt_assert_ok(kvh_block_retain(e, b));
+    dt_assert_ok(kvh_block_release(e, b));
+    dt_assert_ok(kvh_block_release(e, b)); /* last reference: freed */
+    dt_assert_kvh(KVH_ERR_BAD_HANDLE, kvh_block_release(e, b));
+    dt_assert_kvh(KVH_ERR_BAD_HANDLE, kvh_block_retain(e, b));
     kvh_block_info bi = {.struct_size = sizeof(bi)};
-    rl_assert_kvh(KVH_ERR_BAD_HANDLE, kvh_block_info_get(e, b, &bi));
+    dt_assert_kvh(KVH_ERR_BAD_HANDLE, kvh_block_info_get(e, b, &bi));
     /* unpin without pin, release without acquire, a second release */
-    rl_assert_kvh(KVH_ERR_INVALID_ARG, kvh_block_pin(e, X.b, 0));
-    rl_assert_kvh(KVH_ERR_INVALID_ARG, kvh_seq_pin(e, X.s, 0, 4, 0));
-    rl_assert_kvh(KVH_ERR_INVALID_ARG, kvh_seq_release(e, X.s, 0, 4));
-    rl_assert_ok(kvh_seq_acquire(e, X.s, 0, 4, NULL));
-    rl_assert_ok(kvh_seq_release(e, X.s, 0, 4));
-    rl_assert_kvh(KVH_ERR_INVALID_ARG, kvh_seq_release(e, X.s, 0, 4));
-    rl_assert_ok(kvh_seq_pin(e, X.s, 0, 4, 1));
-    rl_assert_ok(kvh_seq_pin(e, X.s, 0, 4, 0));
-    rl_assert_kvh(KVH_ERR_INVALID_ARG, kvh_seq_pin(e, X.s, 0, 4, 0));
+    dt_assert_kvh(KVH_ERR_INVALID_ARG, kvh_block_pin(e, X.b, 0));
+    dt_assert_kvh(KVH_ERR_INVALID_ARG, kvh_seq_pin(e, X.s, 0, 4, 0));
+    dt_assert_kvh(KVH_ERR_INVALID_ARG, kvh_seq_release(e, X.s, 0, 4));
+    dt_assert_ok(kvh_seq_acquire(e, X.s, 0, 4, NULL));
+    dt_assert_ok(kvh_seq_release(e, X.s, 0, 4));
+    dt_assert_kvh(KVH_ERR_INVALID_ARG, kvh_seq_release(e, X.s, 0, 4));
+    dt_assert_ok(kvh_seq_pin(e, X.s, 0, 4, 1));
+    dt_assert_ok(kvh_seq_pin(e, X.s, 0, 4, 0));
+    dt_assert_kvh(KVH_ERR_INVALID_ARG, kvh_seq_pin(e, X.s, 0, 4, 0));
     /* everything the fixture owns is still right */
     char msg[256];
-    if (rl_verify(e, X.s, G, rl_plain(1), 0, 10, msg, sizeof(msg)) != KVH_OK)
+    if (dt_verify(e, X.s, G, dt_plain(1), 0, 10, msg, sizeof(msg)) != KVH_OK)
         fail_msg("after the double frees: %s", msg);
     kvh_block_info s0 = {.struct_size = sizeof(s0)};
-    rl_assert_ok(kvh_block_info_get(e, X.sb[0], &s0));
+    dt_assert_ok(kvh_block_info_get(e, X.sb[0], &s0));
     assert_int_equal(s0.refs, 1);
     assert_int_equal(s0.holds, 0);
     assert_int_equal(s0.pins, 0);
@@ -500,16 +500,16 @@ static void test_release_of_a_reference_never_taken(void **state)
     make_fixture(NULL);
     kvh_engine *e = X.e;
     kvh_seq s;
-    rl_assert_ok(rl_build(e, G, rl_plain(5), 6, 0, &s)); /* a full block and a partial one */
+    dt_assert_ok(dt_build(e, G, dt_plain(5), 6, 0, &s)); /* a full block and a partial one */
     kvh_block b[2];
-    rl_assert_ok(kvh_seq_blocks(e, s, 0, 2, b));
+    dt_assert_ok(kvh_seq_blocks(e, s, 0, 2, b));
     kvh_status st = kvh_block_release(e, b[1]);
     /* whatever it answered: the sequence must still read back right after
      * another sequence reuses the slot */
     kvh_seq other;
-    rl_assert_ok(rl_build(e, G, rl_plain(6), BT, 0, &other));
+    dt_assert_ok(dt_build(e, G, dt_plain(6), BT, 0, &other));
     char msg[256] = "";
-    kvh_status vst = rl_verify(e, s, G, rl_plain(5), 0, 6, msg, sizeof(msg));
+    kvh_status vst = dt_verify(e, s, G, dt_plain(5), 0, 6, msg, sizeof(msg));
     kvh_seq_free(e, other);
     kvh_seq_free(e, s);
     if (st == KVH_OK)
@@ -535,13 +535,13 @@ typedef struct old_handles {
 static old_handles make_objects(kvh_engine *e)
 {
     old_handles h;
-    rl_assert_ok(rl_build(e, G, rl_plain(3), 8, 0, &h.s));
-    rl_assert_ok(kvh_seq_persist(e, h.s));
-    rl_assert_ok(kvh_seq_fork(e, h.s, 1, &h.fork));
-    rl_assert_ok(kvh_block_alloc(e, 0, &h.b));
-    rl_assert_ok(kvh_seq_blocks(e, h.s, 0, 1, &h.sb));
-    rl_assert_ok(kvh_seq_migrate(e, h.s, 0, 8, KVH_TIER_HOST, &h.f));
-    rl_assert_ok(kvh_fence_wait(e, h.f, UINT64_MAX));
+    dt_assert_ok(dt_build(e, G, dt_plain(3), 8, 0, &h.s));
+    dt_assert_ok(kvh_seq_persist(e, h.s));
+    dt_assert_ok(kvh_seq_fork(e, h.s, 1, &h.fork));
+    dt_assert_ok(kvh_block_alloc(e, 0, &h.b));
+    dt_assert_ok(kvh_seq_blocks(e, h.s, 0, 1, &h.sb));
+    dt_assert_ok(kvh_seq_migrate(e, h.s, 0, 8, KVH_TIER_HOST, &h.f));
+    dt_assert_ok(kvh_fence_wait(e, h.f, UINT64_MAX));
     for (int l = 0; l < L; l++) {
         X.kbase[l] = X.pool_mem + (size_t)(2 * l) * 4 * BT * TOK;
         X.vbase[l] = X.pool_mem + (size_t)(2 * l + 1) * 4 * BT * TOK;
@@ -554,7 +554,7 @@ static old_handles make_objects(kvh_engine *e)
                                  .slot_stride = BT * TOK,
                                  .token_stride = TOK,
                                  .head_stride = D * 4};
-    rl_assert_ok(kvh_pool_register(e, &X.layout, &h.pool));
+    dt_assert_ok(kvh_pool_register(e, &X.layout, &h.pool));
     return h;
 }
 
@@ -590,19 +590,19 @@ static void test_handles_of_a_closed_engine(void **state)
 {
     (void)state;
     char dir[512];
-    rl_scratch("abi-closed", dir, sizeof(dir));
-    kvh_config c = rl_cfg(G, dir, 16, 16, 64, 0);
-    kvh_engine *e = rl_open_a(&c);
+    dt_scratch("abi-closed", dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 16, 16, 64, 0);
+    kvh_engine *e = dt_open_a(&c);
     old_handles old = make_objects(e);
-    rl_assert_ok(rl_close(e));
+    dt_assert_ok(dt_close(e));
     /* the same store, reopened: it recovers the persisted blocks */
-    e = rl_open_a(&c);
+    e = dt_open_a(&c);
     int bad = old_accepted(e, &old, "new engine, nothing created yet");
     /* ... and after making the same objects in the same order */
     old_handles now = make_objects(e);
     (void)now;
     bad += old_accepted(e, &old, "new engine, same objects created again");
-    rl_assert_ok(rl_close(e));
+    dt_assert_ok(dt_close(e));
     if (bad)
         fail_msg("%d handle(s) of a closed engine were accepted by a new engine on the same store: handles are not "
                  "unique across engine instances, so a stale handle silently names another object",
@@ -633,73 +633,73 @@ static void test_wrong_struct_sizes(void **state)
         memset(&u, 0xCC, sizeof(u));
         kvh_status st = kvh_config_init(&u.c, size);
         if (size == sizeof(kvh_config))
-            rl_assert_ok(st);
+            dt_assert_ok(st);
         else {
-            rl_assert_kvh(KVH_ERR_STRUCT_SIZE, st);
+            dt_assert_kvh(KVH_ERR_STRUCT_SIZE, st);
             for (size_t i = 0; i < sizeof(u); i++)
                 assert_int_equal(u.raw[i], 0xCC); /* nothing written */
         }
         st = kvh_attention_params_init(&u.a, size);
-        rl_assert_kvh(size == sizeof(kvh_attention_params) ? KVH_OK : KVH_ERR_STRUCT_SIZE, st);
+        dt_assert_kvh(size == sizeof(kvh_attention_params) ? KVH_OK : KVH_ERR_STRUCT_SIZE, st);
         /* open with a config claiming another size */
-        kvh_config c = rl_cfg(G, NULL, 4, 4, 0, 0);
+        kvh_config c = dt_cfg(G, NULL, 4, 4, 0, 0);
         c.struct_size = (uint32_t)size;
         kvh_engine *oe = NULL;
         st = kvh_engine_open(&c, &oe);
         if (size == sizeof(kvh_config)) {
-            rl_assert_ok(st);
-            rl_assert_ok(kvh_engine_close(oe));
+            dt_assert_ok(st);
+            dt_assert_ok(kvh_engine_close(oe));
         } else {
-            rl_assert_kvh(KVH_ERR_STRUCT_SIZE, st);
+            dt_assert_kvh(KVH_ERR_STRUCT_SIZE, st);
             assert_null(oe);
         }
         /* tier info, block info: exact size */
         memset(&u, 0xCC, sizeof(u));
         u.t.struct_size = (uint32_t)size;
-        rl_assert_kvh(size == sizeof(kvh_tier_info) ? KVH_OK : KVH_ERR_STRUCT_SIZE,
+        dt_assert_kvh(size == sizeof(kvh_tier_info) ? KVH_OK : KVH_ERR_STRUCT_SIZE,
                       kvh_tier_info_get(e, KVH_TIER_DEVICE, &u.t));
         memset(&u, 0xCC, sizeof(u));
         u.b.struct_size = (uint32_t)size;
-        rl_assert_kvh(size == sizeof(kvh_block_info) ? KVH_OK : KVH_ERR_STRUCT_SIZE, kvh_block_info_get(e, X.b, &u.b));
+        dt_assert_kvh(size == sizeof(kvh_block_info) ? KVH_OK : KVH_ERR_STRUCT_SIZE, kvh_block_info_get(e, X.b, &u.b));
         /* stats: an older, smaller struct is filled up to its size */
         memset(&u, 0xCC, sizeof(u));
         u.s.struct_size = (uint32_t)size;
         st = kvh_engine_stats(e, &u.s);
         if (size >= offsetof(kvh_stats, lookups) && size <= sizeof(kvh_stats)) {
-            rl_assert_ok(st);
+            dt_assert_ok(st);
             for (size_t i = size; i < sizeof(u); i++)
                 if (u.raw[i] != 0xCC)
                     fail_msg("kvh_engine_stats with struct_size %zu wrote byte %zu", size, i);
         } else
-            rl_assert_kvh(KVH_ERR_STRUCT_SIZE, st);
+            dt_assert_kvh(KVH_ERR_STRUCT_SIZE, st);
         /* pool layout, attention params passed to a call */
         kvh_pool_layout pl = X.layout;
         pl.struct_size = (uint32_t)size;
         kvh_pool pool = {0};
         st = kvh_pool_register(e, &pl, &pool);
         if (size == sizeof(kvh_pool_layout)) {
-            rl_assert_ok(st);
-            rl_assert_ok(kvh_pool_unregister(e, pool));
+            dt_assert_ok(st);
+            dt_assert_ok(kvh_pool_unregister(e, pool));
         } else
-            rl_assert_kvh(KVH_ERR_STRUCT_SIZE, st);
+            dt_assert_kvh(KVH_ERR_STRUCT_SIZE, st);
         kvh_attention_params ap;
         kvh_attention_params_init(&ap, sizeof(ap));
         ap.struct_size = (uint32_t)size;
         float q[H * D], out[H * D];
         memset(q, 0, sizeof(q));
         kvh_seq one[1] = {X.s};
-        rl_assert_ok(kvh_seq_acquire(e, X.s, 0, 10, NULL));
+        dt_assert_ok(kvh_seq_acquire(e, X.s, 0, 10, NULL));
         st = kvh_attention_decode(e, 0, one, 1, q, out, &ap);
-        rl_assert_ok(kvh_seq_release(e, X.s, 0, 10));
-        rl_assert_kvh(size == sizeof(kvh_attention_params) ? KVH_OK : KVH_ERR_STRUCT_SIZE, st);
+        dt_assert_ok(kvh_seq_release(e, X.s, 0, 10));
+        dt_assert_kvh(size == sizeof(kvh_attention_params) ? KVH_OK : KVH_ERR_STRUCT_SIZE, st);
         checked += 8;
     }
     /* a huge struct_size */
-    kvh_config c = rl_cfg(G, NULL, 4, 4, 0, 0);
+    kvh_config c = dt_cfg(G, NULL, 4, 4, 0, 0);
     c.struct_size = UINT32_MAX;
     kvh_engine *oe = NULL;
-    rl_assert_kvh(KVH_ERR_STRUCT_SIZE, kvh_engine_open(&c, &oe));
-    rl_assert_kvh(KVH_ERR_STRUCT_SIZE, kvh_config_init(&u.c, SIZE_MAX));
+    dt_assert_kvh(KVH_ERR_STRUCT_SIZE, kvh_engine_open(&c, &oe));
+    dt_assert_kvh(KVH_ERR_STRUCT_SIZE, kvh_config_init(&u.c, SIZE_MAX));
     still_works(e, 80);
     print_message("struct_size: %d calls with sizes 0..%zu, each KVH_ERR_STRUCT_SIZE unless the size is one the "
                   "library knows; nothing written past a smaller kvh_stats\n",
@@ -719,7 +719,7 @@ static void test_absurd_lengths(void **state)
      * the length before it reads or writes past the buffer (the ASan build
      * would see it) */
     int32_t toks[2 * BT];
-    rl_tokens(rl_plain(9), 0, 2 * BT, toks);
+    dt_tokens(dt_plain(9), 0, 2 * BT, toks);
     uint8_t k[2 * TOK], v[2 * TOK];
     memset(k, 3, sizeof(k));
     memset(v, 3, sizeof(v));
@@ -736,12 +736,9 @@ static void test_absurd_lengths(void **state)
         } probes[] = {{"kvh_seq_append", 0}, {"kvh_seq_tokens", 1}, {"kvh_seq_write_kv", 2},
                       {"kvh_seq_read_kv", 3}, {"kvh_seq_blocks", 4}, {"kvh_seq_match_prefix", 5}};
         for (size_t p = 0; p < sizeof(probes) / sizeof(probes[0]); p++) {
-            fflush(stdout);
-            fflush(stderr);
-            pid_t pid = fork();
+            pid_t pid = dt_fork_child();
             assert_true(pid >= 0);
             if (pid == 0) {
-                rl_child_signals();
                 kvh_seq s2;
                 size_t m = 0;
                 kvh_status st = KVH_OK;
@@ -758,9 +755,8 @@ static void test_absurd_lengths(void **state)
                 }
                 _exit(st == KVH_OK ? 1 : rl_status_known(st) ? 0 : 2);
             }
-            int ws;
-            while (waitpid(pid, &ws, 0) < 0)
-                assert_int_equal(errno, EINTR);
+            int ws = dt_reap(pid);
+            assert_true(ws != -1);
             if (!(WIFEXITED(ws) && WEXITSTATUS(ws) == 0)) {
                 print_error("  %s(n = %zu): %s\n", probes[p].name, n,
                             WIFSIGNALED(ws) ? strsignal(WTERMSIG(ws))

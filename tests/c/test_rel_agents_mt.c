@@ -32,7 +32,7 @@
 #define REL_SOAK 0
 #endif
 
-static const rl_geo G = {2, 2, 16, 8, KVH_DTYPE_F16}; /* block = 2048 bytes */
+static const dt_geo G = {2, 2, 16, 8, KVH_DTYPE_F16}; /* block = 2048 bytes */
 #define AGENTS 16
 #define MAX_SEQS_PER_AGENT 4
 #define MAX_BLOCKS 5 /* per sequence */
@@ -46,10 +46,10 @@ typedef struct content {
 } content;
 
 static uint64_t stream_at(const content *t, uint64_t pos) { return pos < t->s1 ? t->a : pos < t->s2 ? t->b : t->c; }
-static int32_t token_at(const content *t, uint64_t pos) { return rl_token(rl_plain(stream_at(t, pos)), pos); }
+static int32_t token_at(const content *t, uint64_t pos) { return dt_token(dt_plain(stream_at(t, pos)), pos); }
 static void kv_at(const content *t, uint32_t layer, uint64_t pos, int kv, uint8_t *out)
 {
-    rl_kv_token(rl_plain(stream_at(t, pos)), layer, pos, kv, out, rl_tok_bytes(G));
+    dt_kv_token(dt_plain(stream_at(t, pos)), layer, pos, kv, out, dt_tok_bytes(G));
 }
 
 static struct {
@@ -84,7 +84,7 @@ typedef struct aseq {
 
 typedef struct agent {
     int id;
-    rl_rng r;
+    dt_rng r;
     aseq q[MAX_SEQS_PER_AGENT];
     int n;
     uint64_t next_stream;
@@ -109,7 +109,7 @@ static bool ok(agent *a, kvh_status st, const char *what)
 
 static kvh_status extend(kvh_engine *e, aseq *q, size_t to)
 {
-    size_t n = to - q->len, tb = rl_tok_bytes(G);
+    size_t n = to - q->len, tb = dt_tok_bytes(G);
     int32_t tk[MAX_BLOCKS * 8];
     uint8_t k[MAX_BLOCKS * 8 * 64], v[MAX_BLOCKS * 8 * 64];
     for (size_t i = 0; i < n; i++)
@@ -136,7 +136,7 @@ static kvh_status extend(kvh_engine *e, aseq *q, size_t to)
 /* Reads [pos, pos + n) and compares; KVH_ERR_INTERNAL on a wrong byte. */
 static kvh_status check(kvh_engine *e, aseq *q, uint64_t pos, size_t n, char *msg, size_t len)
 {
-    size_t tb = rl_tok_bytes(G);
+    size_t tb = dt_tok_bytes(G);
     int32_t tk[MAX_BLOCKS * 8];
     uint8_t k[MAX_BLOCKS * 8 * 64], v[MAX_BLOCKS * 8 * 64], want[64];
     kvh_status st = kvh_seq_tokens(e, q->s, pos, n, tk);
@@ -193,11 +193,11 @@ static void *agent_main(void *arg)
         kvh_status st;
         kvh_fence f = {0};
         char msg[256] = "";
-        uint64_t op = rl_below(&a->r, 14);
+        uint64_t op = dt_below(&a->r, 14);
         if (a->n == 0 || (a->n < MAX_SEQS_PER_AGENT && op == 0)) {
             /* a new sequence: continue the shared prompt, or start fresh */
             aseq *q = &a->q[a->n];
-            bool prompt = rl_below(&a->r, 2);
+            bool prompt = dt_below(&a->r, 2);
             q->c = (content){PROMPT_STREAM, a->next_stream, a->next_stream, prompt ? PROMPT_LEN : 0, UINT64_MAX};
             if (!prompt)
                 q->c.a = a->next_stream;
@@ -221,19 +221,19 @@ static void *agent_main(void *arg)
                 }
             }
             a->n++;
-            size_t to = q->len + 1 + rl_below(&a->r, 2 * bt);
+            size_t to = q->len + 1 + dt_below(&a->r, 2 * bt);
             if (to > MAX_BLOCKS * bt)
                 to = MAX_BLOCKS * bt;
             if (to > q->len && !ok(a, extend(e, q, to), "extend"))
                 break;
             continue;
         }
-        int i = (int)rl_below(&a->r, (uint64_t)a->n);
+        int i = (int)dt_below(&a->r, (uint64_t)a->n);
         aseq *q = &a->q[i];
         uint64_t span = q->len < 2 * bt ? q->len : 2 * bt;
         switch (op) {
         case 1: /* grow */
-            if (q->len < MAX_BLOCKS * bt && !ok(a, extend(e, q, q->len + 1 + rl_below(&a->r, MAX_BLOCKS * bt - q->len)),
+            if (q->len < MAX_BLOCKS * bt && !ok(a, extend(e, q, q->len + 1 + dt_below(&a->r, MAX_BLOCKS * bt - q->len)),
                                                 "extend"))
                 goto out;
             break;
@@ -248,7 +248,7 @@ static void *agent_main(void *arg)
                     goto out;
                 if (st == KVH_OK) {
                     a->n++;
-                    if (!ok(a, extend(e, c, c->len + 1 + rl_below(&a->r, MAX_BLOCKS * bt - c->len)), "extend fork"))
+                    if (!ok(a, extend(e, c, c->len + 1 + dt_below(&a->r, MAX_BLOCKS * bt - c->len)), "extend fork"))
                         goto out;
                 }
             }
@@ -256,7 +256,7 @@ static void *agent_main(void *arg)
         case 3:
         case 4: /* read back (part or all) */
             if (q->len) {
-                uint64_t p = rl_below(&a->r, q->len);
+                uint64_t p = dt_below(&a->r, q->len);
                 st = check(e, q, p, q->len - p, msg, sizeof(msg));
                 if (st == KVH_ERR_INTERNAL) {
                     set_error("agent %d: wrong data: %s", a->id, msg);
@@ -268,7 +268,7 @@ static void *agent_main(void *arg)
             break;
         case 5: /* prefetch */
             if (span) {
-                if (!ok(a, kvh_prefetch(e, q->s, 0, span, (int32_t)rl_below(&a->r, 4), &f), "prefetch"))
+                if (!ok(a, kvh_prefetch(e, q->s, 0, span, (int32_t)dt_below(&a->r, 4), &f), "prefetch"))
                     goto out;
                 if (!ok(a, kvh_fence_wait(e, f, UINT64_MAX), "prefetch fence") || !ok(a, kvh_fence_free(e, f), "free"))
                     goto out;
@@ -283,7 +283,7 @@ static void *agent_main(void *arg)
                 int32_t indptr[2], idx[MAX_BLOCKS], lpl[1];
                 if (!ok(a, kvh_block_table(e, &q->s, 1, indptr, idx, MAX_BLOCKS, lpl), "block_table"))
                     goto out;
-                if (rl_below(&a->r, 4) == 0) {
+                if (dt_below(&a->r, 4) == 0) {
                     kvh_attention_params ap;
                     kvh_attention_params_init(&ap, sizeof(ap));
                     ap.threads = 1;
@@ -307,8 +307,8 @@ static void *agent_main(void *arg)
             break;
         case 8:
         case 9: { /* evict: to host or disk, sync or async */
-            uint32_t tier = W.has_disk && rl_below(&a->r, 2) ? KVH_TIER_DISK : KVH_TIER_HOST;
-            bool async = rl_below(&a->r, 2);
+            uint32_t tier = W.has_disk && dt_below(&a->r, 2) ? KVH_TIER_DISK : KVH_TIER_HOST;
+            bool async = dt_below(&a->r, 2);
             if (!ok(a, kvh_seq_migrate(e, q->s, 0, q->len, tier, async ? &f : NULL), "migrate"))
                 goto out;
             if (async && f.id && (!ok(a, kvh_fence_wait(e, f, UINT64_MAX), "migrate fence") ||
@@ -324,7 +324,7 @@ static void *agent_main(void *arg)
             uint64_t bb = 0;
             kvh_engine_block_bytes(e, &bb);
             for (uint32_t t = 0; t < KVH_TIER_COUNT; t++) {
-                kvh_tier_info ti = rl_tier(e, t);
+                kvh_tier_info ti = dt_tier(e, t);
                 if (ti.used_bytes != ti.used_blocks * bb || ti.used_blocks > ti.capacity_blocks) {
                     set_error("tier %u: used_bytes %" PRIu64 " used_blocks %" PRIu64 " capacity %" PRIu64, t,
                               ti.used_bytes, ti.used_blocks, ti.capacity_blocks);
@@ -371,7 +371,7 @@ static void resume_all(void)
         pthread_mutex_unlock(&W.mu);
         if (p == 0 || atomic_load(&W.stop))
             break;
-        rl_sleep_ms(1);
+        dt_sleep_ms(1);
     }
 }
 
@@ -394,8 +394,8 @@ static void run_agents(bool disk, double seconds, uint64_t seed, run_stats *rs)
 {
     char dir[512];
     rl_fast_scratch(disk ? "agents-disk" : "agents-mem", dir, sizeof(dir));
-    kvh_config c = disk ? rl_cfg(G, dir, 16, 32, 1024, 2) : rl_cfg(G, NULL, 24, 112, 0, 2);
-    W.e = rl_open_a(&c);
+    kvh_config c = disk ? dt_cfg(G, dir, 16, 32, 1024, 2) : dt_cfg(G, NULL, 24, 112, 0, 2);
+    W.e = dt_open_a(&c);
     W.has_disk = disk;
     atomic_store(&W.stop, 0);
     atomic_store(&W.pause, 0);
@@ -404,27 +404,27 @@ static void run_agents(bool disk, double seconds, uint64_t seed, run_stats *rs)
     /* the shared prompt, cached (and durable with a disk tier) */
     {
         kvh_seq p;
-        kvh_status st = rl_build(W.e, G, rl_plain(PROMPT_STREAM), PROMPT_LEN, 99, &p);
-        rl_assert_ok(st);
+        kvh_status st = dt_build(W.e, G, dt_plain(PROMPT_STREAM), PROMPT_LEN, 99, &p);
+        dt_assert_ok(st);
         if (disk)
-            rl_assert_ok(kvh_seq_persist(W.e, p));
-        rl_assert_ok(kvh_seq_free(W.e, p));
+            dt_assert_ok(kvh_seq_persist(W.e, p));
+        dt_assert_ok(kvh_seq_free(W.e, p));
     }
-    uint64_t bb = rl_block_bytes(G);
+    uint64_t bb = dt_block_bytes(G);
     for (uint32_t id = 0; id < AGENTS; id += 4) /* every 4th agent has a small device quota */
-        rl_assert_ok(kvh_agent_set_quota(W.e, id, 6 * bb));
+        dt_assert_ok(kvh_agent_set_quota(W.e, id, 6 * bb));
     pthread_t th[AGENTS];
     agent ag[AGENTS];
-    rl_rng r = {seed};
+    dt_rng r = {seed};
     for (int i = 0; i < AGENTS; i++) {
-        ag[i] = (agent){.id = i, .r = {rl_next(&r)}, .next_stream = ((uint64_t)(i + 1) << 32) | (disk ? 1u << 31 : 0)};
+        ag[i] = (agent){.id = i, .r = {dt_next(&r)}, .next_stream = ((uint64_t)(i + 1) << 32) | (disk ? 1u << 31 : 0)};
         assert_int_equal(pthread_create(&th[i], NULL, agent_main, &ag[i]), 0);
     }
-    double t0 = rl_now(), interval = REL_SOAK ? 10.0 : seconds / 2.5;
+    double t0 = dt_now(), interval = REL_SOAK ? 10.0 : seconds / 2.5;
     double next = t0 + interval;
-    while (rl_now() - t0 < seconds && !atomic_load(&W.stop)) {
-        rl_sleep_ms(20);
-        if (rl_now() < next)
+    while (dt_now() - t0 < seconds && !atomic_load(&W.stop)) {
+        dt_sleep_ms(20);
+        if (dt_now() < next)
             continue;
         next += interval;
         pause_all();
@@ -432,7 +432,7 @@ static void run_agents(bool disk, double seconds, uint64_t seed, run_stats *rs)
         if (!W.error[0] && rl_counters_add_up(W.e, disk, msg, sizeof(msg)))
             set_error("checkpoint %d: %s", rs->checkpoints, msg);
         uint64_t heap = heap_in_use(), rss = rl_rss_bytes();
-        if (rl_now() - t0 < seconds * 0.25 || rs->checkpoints == 0) {
+        if (dt_now() - t0 < seconds * 0.25 || rs->checkpoints == 0) {
             rs->heap_warm = heap > rs->heap_warm ? heap : rs->heap_warm;
             rs->rss_warm = rss > rs->rss_warm ? rss : rs->rss_warm;
         } else {
@@ -441,7 +441,7 @@ static void run_agents(bool disk, double seconds, uint64_t seed, run_stats *rs)
         }
         if (REL_SOAK)
             print_message("  soak %s t=%.0f s: ops %ld, heap in use %.1f MiB, RSS %.1f MiB\n", disk ? "disk" : "mem",
-                          rl_now() - t0, atomic_load(&W.ops), heap / 1048576.0, rss / 1048576.0);
+                          dt_now() - t0, atomic_load(&W.ops), heap / 1048576.0, rss / 1048576.0);
         rs->checkpoints++;
         resume_all();
     }
@@ -456,18 +456,18 @@ static void run_agents(bool disk, double seconds, uint64_t seed, run_stats *rs)
     char msg[256];
     if (rl_counters_add_up(W.e, disk, msg, sizeof(msg)))
         fail_msg("%s engine at the end: %s", disk ? "disk" : "memory", msg);
-    rl_assert_ok(rl_close(W.e));
-    rl_rmrf(dir);
+    dt_assert_ok(dt_close(W.e));
+    dt_rmrf(dir);
 }
 
 static void test_agents(void **state)
 {
     (void)state;
-    double scale = (double)rl_env_long("KVH_REL_AGENT_SECONDS", 0);
-    double s_disk = REL_SOAK ? (double)rl_env_long("KVH_REL_SOAK_SECONDS", 300) / 2 : scale > 0 ? scale : 3.0;
+    double scale = (double)dt_env_long("KVH_REL_AGENT_SECONDS", 0);
+    double s_disk = REL_SOAK ? (double)dt_env_long("KVH_REL_SOAK_SECONDS", 300) / 2 : scale > 0 ? scale : 3.0;
     double s_mem = REL_SOAK ? s_disk : scale > 0 ? scale : 2.0;
-    uint64_t seed = rl_seed(0xa6e475ull);
-    double t0 = rl_now();
+    uint64_t seed = dt_seed(0xa6e475ull);
+    double t0 = dt_now();
     run_stats rd = {0}, rm = {0};
     atomic_store(&W.ops, 0);
     if (s_disk > 0)
@@ -478,7 +478,7 @@ static void test_agents(void **state)
     print_message("agents: %d threads x %.1f s (disk tier) + %d x %.1f s (memory only) in %.1f s: %ld calls (%ld "
                   "KVH_ERR_NOSPACE), %ld MiB read back and checked, %ld decode steps; %d checkpoints where the "
                   "counters added up\n",
-                  AGENTS, s_disk, AGENTS, s_mem, rl_now() - t0, ops, atomic_load(&W.nospace),
+                  AGENTS, s_disk, AGENTS, s_mem, dt_now() - t0, ops, atomic_load(&W.nospace),
                   atomic_load(&W.bytes_checked) >> 20, atomic_load(&W.decodes), rd.checkpoints + rm.checkpoints);
     (void)ops_disk;
     if (REL_SOAK) {

@@ -34,7 +34,7 @@
 
 #include "core/disk_io.h"
 
-static const rl_geo G = {2, 1, 32, 16, KVH_DTYPE_F16};
+static const dt_geo G = {2, 1, 32, 16, KVH_DTYPE_F16};
 #define THREADS 8
 #define CLOSE_BOUND 10.0
 #define MAX_ACKS 4096
@@ -45,7 +45,7 @@ static struct {
     atomic_int left;    /* threads that saw KVH_ERR_CLOSED and left */
     atomic_int gate_waits;
     pthread_mutex_t mu;
-    rl_content acked[MAX_ACKS];
+    dt_content acked[MAX_ACKS];
     size_t acked_len[MAX_ACKS];
     bool acked_freed[MAX_ACKS]; /* its sequence was freed before close */
     int n_acked;
@@ -59,10 +59,10 @@ static int gate_hook(enum kvhi_disk_op op, void *user)
 {
     (void)user;
     if (op == KVHI_OP_FSYNC && atomic_load(&R.closing) && pthread_equal(pthread_self(), R.closer)) {
-        double t0 = rl_now();
+        double t0 = dt_now();
         atomic_fetch_add(&R.gate_waits, 1);
-        while (atomic_load(&R.left) < THREADS && rl_now() - t0 < 30)
-            rl_sleep_ms(0.2);
+        while (atomic_load(&R.left) < THREADS && dt_now() - t0 < 30)
+            dt_sleep_ms(0.2);
     }
     return 0;
 }
@@ -106,7 +106,7 @@ static bool check(kvh_status st, const char *what, bool timeout_ok)
     if (st == KVH_OK || st == KVH_ERR_NOSPACE || st == KVH_ERR_BUSY || (timeout_ok && st == KVH_ERR_TIMEOUT))
         return false;
     set_error("%s returned %s (%d): %s", what, kvh_status_name(st), (int)st,
-              kvh_last_error()[0] ? kvh_last_error() : rl_err);
+              kvh_last_error()[0] ? kvh_last_error() : dt_err);
     return true;
 }
 
@@ -120,30 +120,30 @@ static void *worker_main(void *arg)
 {
     worker *w = arg;
     kvh_engine *e = w->e;
-    rl_rng r = {w->seed};
+    dt_rng r = {w->seed};
     kvh_seq mine[4];
-    rl_content c[4];
+    dt_content c[4];
     size_t len[4];
     int n = 0;
     uint64_t stream = (w->round << 20) | ((uint64_t)w->id << 12);
     for (;;) {
         kvh_status st;
         kvh_fence f = {0};
-        uint64_t op = rl_below(&r, 12);
+        uint64_t op = dt_below(&r, 12);
         if (n == 0 || (n < 4 && op == 0)) {
-            c[n] = rl_plain(stream++);
-            len[n] = (1 + rl_below(&r, 3)) * G.bt + rl_below(&r, G.bt);
-            if (check(st = rl_build(e, G, c[n], len[n], (uint32_t)w->id, &mine[n]), "build", false))
+            c[n] = dt_plain(stream++);
+            len[n] = (1 + dt_below(&r, 3)) * G.bt + dt_below(&r, G.bt);
+            if (check(st = dt_build(e, G, c[n], len[n], (uint32_t)w->id, &mine[n]), "build", false))
                 goto out;
             if (st == KVH_OK)
                 n++;
             continue;
         }
-        int i = (int)rl_below(&r, (uint64_t)n);
+        int i = (int)dt_below(&r, (uint64_t)n);
         switch (op) {
         case 1: {
             char msg[256] = "";
-            st = rl_verify(e, mine[i], G, c[i], 0, len[i], msg, sizeof(msg));
+            st = dt_verify(e, mine[i], G, c[i], 0, len[i], msg, sizeof(msg));
             if (st == KVH_ERR_INTERNAL) {
                 set_error("thread %d: wrong data: %s", w->id, msg);
                 goto out;
@@ -155,15 +155,15 @@ static void *worker_main(void *arg)
             CALL("acquire", st = kvh_seq_acquire(e, mine[i], 0, len[i] < 2 * G.bt ? len[i] : 2 * G.bt, &f));
             if (st != KVH_OK)
                 break;
-            st = kvh_fence_wait(e, f, rl_below(&r, 2) ? UINT64_MAX : 1000000);
+            st = kvh_fence_wait(e, f, dt_below(&r, 2) ? UINT64_MAX : 1000000);
             if (check(st, "fence_wait", true))
                 goto out; /* the fence dies with the engine */
             CALL("fence_free", kvh_fence_free(e, f));
             CALL("release", kvh_seq_release(e, mine[i], 0, len[i] < 2 * G.bt ? len[i] : 2 * G.bt));
             break;
         case 3:
-            CALL("migrate", kvh_seq_migrate(e, mine[i], 0, len[i], rl_below(&r, 2) ? KVH_TIER_DISK : KVH_TIER_HOST,
-                                            rl_below(&r, 2) ? &f : NULL));
+            CALL("migrate", kvh_seq_migrate(e, mine[i], 0, len[i], dt_below(&r, 2) ? KVH_TIER_DISK : KVH_TIER_HOST,
+                                            dt_below(&r, 2) ? &f : NULL));
             if (f.id)
                 CALL("fence_free", kvh_fence_free(e, f));
             break;
@@ -186,7 +186,7 @@ static void *worker_main(void *arg)
         case 6: {
             size_t m = 0;
             char msg[256] = "";
-            st = rl_match_verify(e, G, c[i], len[i], &m, msg, sizeof(msg));
+            st = dt_match_verify(e, G, c[i], len[i], &m, msg, sizeof(msg));
             if (st == KVH_ERR_INTERNAL) {
                 set_error("thread %d: match served wrong data: %s", w->id, msg);
                 goto out;
@@ -198,18 +198,18 @@ static void *worker_main(void *arg)
             kvh_stats s = {.struct_size = sizeof(s)};
             CALL("stats", kvh_engine_stats(e, &s));
             kvh_tier_info t = {.struct_size = sizeof(t)};
-            CALL("tier_info", kvh_tier_info_get(e, (uint32_t)rl_below(&r, 3), &t));
+            CALL("tier_info", kvh_tier_info_get(e, (uint32_t)dt_below(&r, 3), &t));
             break;
         }
         case 8: /* fork a plain sequence (the content model has one split) */
             if (n < 4 && c[i].split == 0) {
-                c[n] = (rl_content){c[i].own, len[i], stream++};
+                c[n] = (dt_content){c[i].own, len[i], stream++};
                 len[n] = len[i] + G.bt;
                 CALL("fork", st = kvh_seq_fork(e, mine[i], (uint32_t)w->id, &mine[n]));
                 if (st != KVH_OK)
                     break;
                 n++;
-                CALL("extend fork", st = rl_extend(e, mine[n - 1], G, c[n - 1], len[i], G.bt));
+                CALL("extend fork", st = dt_extend(e, mine[n - 1], G, c[n - 1], len[i], G.bt));
                 if (st != KVH_OK) { /* keep only what was written */
                     kvh_seq_free(e, mine[--n]);
                 }
@@ -241,20 +241,20 @@ out:
 static void test_close_races_calls(void **state)
 {
     (void)state;
-    long rounds = rl_env_long("KVH_REL_CLOSE_ROUNDS", RL_SIZE(30, 300));
-    uint64_t seed = rl_seed(0xc105e5ull);
-    rl_rng rng = {seed};
+    long rounds = dt_env_long("KVH_REL_CLOSE_ROUNDS", RL_SIZE(30, 300));
+    uint64_t seed = dt_seed(0xc105e5ull);
+    dt_rng rng = {seed};
     char dir[512];
     bool fast = rl_fast_scratch("close-race", dir, sizeof(dir));
     kvhi_disk_set_fault_hook(gate_hook, NULL);
-    double worst_close = 0, t_all = rl_now();
+    double worst_close = 0, t_all = dt_now();
     long checked_acks = 0, waited_calls = 0;
     for (long round = 0; round < rounds; round++) {
-        rl_rmrf(dir);
+        dt_rmrf(dir);
         mkdir(dir, 0755);
-        kvh_config c = rl_cfg(G, dir, 8, 16, 256, 2);
+        kvh_config c = dt_cfg(G, dir, 8, 16, 256, 2);
         c.log_fn = log_fn;
-        kvh_engine *e = rl_open_a(&c);
+        kvh_engine *e = dt_open_a(&c);
         atomic_store(&R.closing, 0);
         atomic_store(&R.left, 0);
         R.n_acked = 0;
@@ -262,22 +262,22 @@ static void test_close_races_calls(void **state)
         pthread_t th[THREADS];
         worker w[THREADS];
         for (int i = 0; i < THREADS; i++) {
-            w[i] = (worker){e, i, rl_next(&rng), (uint64_t)round};
+            w[i] = (worker){e, i, dt_next(&rng), (uint64_t)round};
             assert_int_equal(pthread_create(&th[i], NULL, worker_main, &w[i]), 0);
         }
-        rl_sleep_ms((double)rl_below(&rng, 20000) / 1000.0);
+        dt_sleep_ms((double)dt_below(&rng, 20000) / 1000.0);
         long before = atomic_load(&R.completed_while_closing);
         atomic_store(&R.closing, 1);
-        double t0 = rl_now();
-        kvh_status st = kvh_engine_close(rl_untrack(e));
-        double took = rl_now() - t0;
+        double t0 = dt_now();
+        kvh_status st = kvh_engine_close(dt_untrack(e));
+        double took = dt_now() - t0;
         atomic_store(&R.closing, 0);
         for (int i = 0; i < THREADS; i++)
             pthread_join(th[i], NULL);
         waited_calls += atomic_load(&R.completed_while_closing) - before;
         if (R.error[0])
             fail_msg("round %ld (seed 0x%" PRIx64 "): %s", round, seed, R.error);
-        rl_assert_ok(st);
+        dt_assert_ok(st);
         if (atomic_load(&R.left) != THREADS)
             fail_msg("round %ld: %d of %d threads left", round, atomic_load(&R.left), THREADS);
         if (took > CLOSE_BOUND)
@@ -286,11 +286,11 @@ static void test_close_races_calls(void **state)
             worst_close = took;
         /* the store reopens with everything that was persisted */
         c.migration_threads = 0;
-        e = rl_open_a(&c);
+        e = dt_open_a(&c);
         for (int i = 0; i < R.n_acked; i++) {
             size_t m = 0;
             char msg[256] = "";
-            if (rl_match_verify(e, G, R.acked[i], R.acked_len[i], &m, msg, sizeof(msg)) != KVH_OK)
+            if (dt_match_verify(e, G, R.acked[i], R.acked_len[i], &m, msg, sizeof(msg)) != KVH_OK)
                 fail_msg("round %ld: after the reopen: %s", round, msg);
             /* The disk tier is a bounded cache: once no sequence refers to a
              * persisted block, a full disk may drop it (stats.drops). A
@@ -307,14 +307,14 @@ static void test_close_races_calls(void **state)
         if (rl_counters_add_up(e, true, msg, sizeof(msg)))
             fail_msg("round %ld: after the reopen: %s", round, msg);
         checked_acks += R.n_acked;
-        rl_assert_ok(rl_close(e));
+        dt_assert_ok(dt_close(e));
     }
     kvhi_disk_set_fault_hook(NULL, NULL);
     rl_fast_cleanup();
     print_message("close race: %ld rounds x %d threads in %.1f s (%s): %ld calls, %ld answered KVH_ERR_CLOSED, %ld "
                   "completed after close had begun; slowest close %.3f s (bound %.0f s); %ld persisted sequences "
                   "checked after reopening (%ld of them freed before close and partly dropped for room)\n",
-                  rounds, THREADS, rl_now() - t_all, fast ? "tmpfs" : "disk", atomic_load(&R.calls),
+                  rounds, THREADS, dt_now() - t_all, fast ? "tmpfs" : "disk", atomic_load(&R.calls),
                   atomic_load(&R.closed_calls), waited_calls, worst_close, CLOSE_BOUND, checked_acks,
                   R.freed_acks_short);
 }

@@ -47,7 +47,7 @@
 
 #include "core/disk_io.h"
 
-static const rl_geo G = {2, 1, 32, 16, KVH_DTYPE_F16}; /* block = 4096 bytes */
+static const dt_geo G = {2, 1, 32, 16, KVH_DTYPE_F16}; /* block = 4096 bytes */
 #define DISK_SLOTS 64
 #define REAL_EVERY 8
 /* Sweeps: migration workers of each pass (0 first: deterministic). */
@@ -62,8 +62,8 @@ static const char *step_name[S_COUNT] = {"open",      "match P0",  "match P1", "
                                          "fork B",    "persist B", "spill B",  "read B",       "prefetch B",
                                          "acquire A", "free",      "close"};
 
-static const rl_content P0 = {0x500, 0, 0x500}, P1 = {0x501, 0, 0x501}, A = {0x502, 0, 0x502};
-static const rl_content B = {0x502, 56, 0x503};
+static const dt_content P0 = {0x500, 0, 0x500}, P1 = {0x501, 0, 0x501}, A = {0x502, 0, 0x502};
+static const dt_content B = {0x502, 56, 0x503};
 #define P_LEN (3 * 16)
 #define A_LEN 56 /* 3.5 blocks */
 #define B_LEN (56 + 40)
@@ -71,7 +71,7 @@ static const rl_content B = {0x502, 56, 0x503};
 static struct {
     char disk_root[400], fast_root[400];
     char disk_dir[512], fast_dir[512];
-    rl_saved_store pristine;
+    dt_saved_store pristine;
     bool fast;
     uint32_t threads;
 } F;
@@ -138,7 +138,7 @@ static long fired_now(const run *r)
 
 static kvh_config scen_cfg(const char *dir)
 {
-    kvh_config c = rl_cfg(G, dir, 16, 32, DISK_SLOTS, F.threads);
+    kvh_config c = dt_cfg(G, dir, 16, 32, DISK_SLOTS, F.threads);
     return c;
 }
 
@@ -158,20 +158,20 @@ static volatile int cur_step = -1;
             (r)->fired_step = (s);                                                                            \
     } while (0)
 
-static kvh_status check_match(kvh_engine *e, rl_content c, size_t n, run *r)
+static kvh_status check_match(kvh_engine *e, dt_content c, size_t n, run *r)
 {
     size_t m = 0;
     char msg[256] = "";
-    kvh_status st = rl_match_verify(e, G, c, n, &m, msg, sizeof(msg));
+    kvh_status st = dt_match_verify(e, G, c, n, &m, msg, sizeof(msg));
     if (st == KVH_ERR_INTERNAL && !r->wrong[0])
         snprintf(r->wrong, sizeof(r->wrong), "%s", msg);
     return st;
 }
 
-static kvh_status check_seq(kvh_engine *e, kvh_seq s, rl_content c, size_t n, run *r)
+static kvh_status check_seq(kvh_engine *e, kvh_seq s, dt_content c, size_t n, run *r)
 {
     char msg[256] = "";
-    kvh_status st = rl_verify(e, s, G, c, 0, n, msg, sizeof(msg));
+    kvh_status st = dt_verify(e, s, G, c, 0, n, msg, sizeof(msg));
     if (st == KVH_ERR_INTERNAL && !r->wrong[0])
         snprintf(r->wrong, sizeof(r->wrong), "%s", msg);
     return st;
@@ -191,12 +191,12 @@ static void scenario(const char *dir, run *r)
         return;
     STEP(r, S_MATCH0, check_match(e, P0, P_LEN, r));
     STEP(r, S_MATCH1, check_match(e, P1, P_LEN, r));
-    STEP(r, S_BUILD_A, rl_build(e, G, A, A_LEN, 0, &a));
+    STEP(r, S_BUILD_A, dt_build(e, G, A, A_LEN, 0, &a));
     if (r->st[S_BUILD_A] == KVH_OK)
         STEP(r, S_PERSIST_A, kvh_seq_persist(e, a));
     if (r->st[S_BUILD_A] == KVH_OK) {
         kvh_status st = kvh_seq_fork(e, a, 1, &b);
-        STEP(r, S_FORK_B, st == KVH_OK ? rl_extend(e, b, G, B, A_LEN, B_LEN - A_LEN) : st);
+        STEP(r, S_FORK_B, st == KVH_OK ? dt_extend(e, b, G, B, A_LEN, B_LEN - A_LEN) : st);
         if (st == KVH_OK && r->st[S_FORK_B] != KVH_OK) {
             kvh_seq_free(e, b);
             b.id = 0;
@@ -338,10 +338,10 @@ static void check_run(run *r, const char *dir, long live_before, tally *t)
         problem("the store does not reopen after the faults: %s: %s", kvh_status_name(st), kvh_last_error());
         report_problems(r);
     }
-    rl_track(e);
+    dt_track(e);
     struct {
         const char *name;
-        rl_content c;
+        dt_content c;
         size_t n;
         bool durable;
     } want[] = {{"P0", P0, P_LEN, true},
@@ -351,20 +351,20 @@ static void check_run(run *r, const char *dir, long live_before, tally *t)
     for (size_t i = 0; i < sizeof(want) / sizeof(want[0]); i++) {
         size_t m = 0;
         char msg[256] = "";
-        st = rl_match_verify(e, G, want[i].c, want[i].n, &m, msg, sizeof(msg));
+        st = dt_match_verify(e, G, want[i].c, want[i].n, &m, msg, sizeof(msg));
         if (st != KVH_OK)
             problem("after the reopen, %s: %s", want[i].name, msg);
         else if (want[i].durable && m != want[i].n)
             problem("after the reopen, %s (durable) has %zu of %zu tokens: durable data was lost", want[i].name, m,
                     want[i].n);
     }
-    uint64_t corrupt = rl_stats(e).corrupt_blocks;
+    uint64_t corrupt = dt_stats(e).corrupt_blocks;
     if (corrupt)
         problem("after the reopen, corrupt_blocks = %" PRIu64 " (no data was damaged on disk)", corrupt);
     char msg[256];
     if (rl_counters_add_up(e, true, msg, sizeof(msg)))
         problem("after the reopen: %s", msg);
-    st = rl_close(e);
+    st = dt_close(e);
     if (st != KVH_OK)
         problem("closing the fault-free engine: %s: %s", kvh_status_name(st), kvh_last_error());
     report_problems(r);
@@ -377,9 +377,9 @@ static const char *fresh_store(tally *t)
     bool real = !F.fast || t->runs % REAL_EVERY == 0;
     const char *dir = real ? F.disk_dir : F.fast_dir;
     t->real_disk += real;
-    rl_rmrf(dir);
+    dt_rmrf(dir);
     mkdir(dir, 0755);
-    assert_int_equal(rl_store_restore(dir, &F.pristine), 0);
+    assert_int_equal(dt_store_restore(dir, &F.pristine), 0);
     return dir;
 }
 
@@ -439,7 +439,7 @@ static int journal_child(void *arg)
     kvh_config c = scen_cfg(dir);
     kvh_engine *e = NULL;
     kvh_seq s;
-    if (kvh_engine_open(&c, &e) != KVH_OK || rl_build(e, G, P1, P_LEN, 0, &s) != KVH_OK ||
+    if (kvh_engine_open(&c, &e) != KVH_OK || dt_build(e, G, P1, P_LEN, 0, &s) != KVH_OK ||
         kvh_seq_persist(e, s) != KVH_OK)
         return 1;
     return 0; /* no close: P1 stays only in the journal */
@@ -447,7 +447,7 @@ static int journal_child(void *arg)
 
 static void build_pristine(void)
 {
-    rl_scratch("faults", F.disk_root, sizeof(F.disk_root));
+    dt_scratch("faults", F.disk_root, sizeof(F.disk_root));
     snprintf(F.disk_dir, sizeof(F.disk_dir), "%s/store", F.disk_root);
     F.fast = rl_fast_scratch("faults", F.fast_root, sizeof(F.fast_root));
     snprintf(F.fast_dir, sizeof(F.fast_dir), "%s/store", F.fast_root);
@@ -456,15 +456,15 @@ static void build_pristine(void)
     mkdir(dir, 0755);
     kvh_config c = scen_cfg(dir);
     c.migration_threads = 0;
-    kvh_engine *e = rl_open_a(&c);
+    kvh_engine *e = dt_open_a(&c);
     kvh_seq s;
-    rl_assert_ok(rl_build(e, G, P0, P_LEN, 0, &s));
-    rl_assert_ok(kvh_seq_persist(e, s));
-    rl_assert_ok(kvh_seq_free(e, s));
-    rl_assert_ok(rl_close(e));
-    assert_int_equal(rl_in_child(journal_child, dir), 0);
-    rl_assert_ok(rl_store_save(dir, &F.pristine));
-    const rl_saved_file *j = rl_store_file(&F.pristine, "journal");
+    dt_assert_ok(dt_build(e, G, P0, P_LEN, 0, &s));
+    dt_assert_ok(kvh_seq_persist(e, s));
+    dt_assert_ok(kvh_seq_free(e, s));
+    dt_assert_ok(dt_close(e));
+    assert_int_equal(dt_in_child(journal_child, dir), 0);
+    dt_assert_ok(dt_store_save(dir, &F.pristine));
+    const dt_saved_file *j = dt_store_file(&F.pristine, "journal");
     assert_non_null(j);
     assert_true(j->len > 4096); /* P1's records are in the journal */
 }
@@ -480,7 +480,7 @@ static int group_teardown(void **state)
 {
     (void)state;
     kvhi_disk_set_fault_hook(NULL, NULL);
-    rl_store_free(&F.pristine);
+    dt_store_free(&F.pristine);
     rl_fast_cleanup();
     return 0;
 }
@@ -505,7 +505,7 @@ static void sweep_io_faults(void)
 {
     build_pristine();
     tally t = {0};
-    double t0 = rl_now();
+    double t0 = dt_now();
     /* the dry run: how many calls of each kind */
     run dry = {.k = K_IO, .op = KVHI_OP_WRITE, .nth = 0};
     do_run(&dry, &t);
@@ -531,7 +531,7 @@ static void sweep_io_faults(void)
     F.threads = 0;
     print_message("dry run: %ld writes, %ld reads, %ld fsyncs, %ld renames, %ld dir-fsyncs\n", counts[0], counts[1],
                   counts[2], counts[3], counts[4]);
-    print_tally("I/O errors (EIO, ENOSPC) at every call", &t, rl_now() - t0);
+    print_tally("I/O errors (EIO, ENOSPC) at every call", &t, dt_now() - t0);
 }
 
 static void sweep_short_io(void)
@@ -539,7 +539,7 @@ static void sweep_short_io(void)
     if (!F.pristine.n)
         build_pristine();
     tally t = {0};
-    double t0 = rl_now();
+    double t0 = dt_now();
     long counts[2];
     for (int op = 0; op < 2; op++) {
         run dry = {.k = K_SHORT, .op = op, .nth = 0};
@@ -557,7 +557,7 @@ static void sweep_short_io(void)
     }
     F.threads = 0;
     print_message("dry run: %ld read/pread calls, %ld write/pwrite calls (io_uring off)\n", counts[0], counts[1]);
-    print_tally("short reads and writes at every call", &t, rl_now() - t0);
+    print_tally("short reads and writes at every call", &t, dt_now() - t0);
 }
 
 static void sweep_alloc_failures(void)
@@ -565,7 +565,7 @@ static void sweep_alloc_failures(void)
     if (!F.pristine.n)
         build_pristine();
     tally t = {0};
-    double t0 = rl_now();
+    double t0 = dt_now();
     run dry = {.k = K_ALLOC, .nth = 0};
     do_run(&dry, &t);
     long count = rl_alloc_count();
@@ -583,7 +583,7 @@ static void sweep_alloc_failures(void)
     }
     F.threads = 0;
     print_message("dry run: %ld allocations by the library\n", count);
-    print_tally("allocation failures at every allocation", &t, rl_now() - t0);
+    print_tally("allocation failures at every allocation", &t, dt_now() - t0);
 }
 
 /* Each sweep runs in a child process, so that a crash in one (it prints
@@ -591,22 +591,19 @@ static void sweep_alloc_failures(void)
  * exits through exit() so LeakSanitizer checks it in the ASan build. */
 static void run_isolated(void (*sweep)(void), const char *name)
 {
-    fflush(stdout);
-    fflush(stderr);
-    pid_t pid = fork();
+    pid_t pid = dt_fork_child();
     assert_true(pid >= 0);
     if (pid == 0) {
         in_child = true;
         catch_crashes();
         sweep();
-        rl_store_free(&F.pristine);
+        dt_store_free(&F.pristine);
         rl_fast_cleanup();
         fflush(stdout);
         exit(0);
     }
-    int ws;
-    while (waitpid(pid, &ws, 0) < 0)
-        assert_int_equal(errno, EINTR);
+    int ws = dt_reap(pid);
+    assert_true(ws != -1);
     rl_fast_cleanup_pid((long)pid); /* after a crash */
     if (!(WIFEXITED(ws) && WEXITSTATUS(ws) == 0))
         fail_msg("the %s sweep failed (%s %d; its report is above)", name,

@@ -27,7 +27,7 @@
 
 #include "core/disk_io.h"
 
-static const rl_geo G = {2, 1, 32, 16, KVH_DTYPE_F16}; /* block = 4096 bytes */
+static const dt_geo G = {2, 1, 32, 16, KVH_DTYPE_F16}; /* block = 4096 bytes */
 #define DISK_DELAY_MS 250.0
 static double delay_ms = DISK_DELAY_MS;
 /* What close may take with work in flight on the slow disk: the running
@@ -53,7 +53,7 @@ static int slow_hook(enum kvhi_disk_op op, void *user)
         return 0;
     atomic_fetch_add(&D.delayed, 1);
     if (mode == 1) {
-        rl_sleep_ms(delay_ms);
+        dt_sleep_ms(delay_ms);
     } else {
         pthread_mutex_lock(&D.mu);
         while (!D.released)
@@ -97,9 +97,9 @@ static int waits;
  * unless done_ok), or KVH_OK if the work is done by then. */
 static void expect_bounded(kvh_engine *e, kvh_fence f, double deadline_ms, const char *what, bool done_ok)
 {
-    double t0 = rl_now();
+    double t0 = dt_now();
     kvh_status st = kvh_fence_wait(e, f, (uint64_t)(deadline_ms * 1e6));
-    double took = (rl_now() - t0) * 1000;
+    double took = (dt_now() - t0) * 1000;
     waits++;
     if (took > 2 * deadline_ms)
         fail_msg("%s: fence_wait with a %.0f ms deadline returned %s after %.0f ms (more than 2x the deadline)", what,
@@ -128,13 +128,13 @@ typedef struct store {
 static void make_store(store *st, const char *name)
 {
     rl_fast_scratch(name, st->dir, sizeof(st->dir));
-    st->cfg = rl_cfg(G, st->dir, 48, 64, 256, 2);
-    st->e = rl_open_a(&st->cfg);
+    st->cfg = dt_cfg(G, st->dir, 48, 64, 256, 2);
+    st->e = dt_open_a(&st->cfg);
     for (int i = 0; i < 8; i++) {
-        rl_assert_ok(rl_build(st->e, G, rl_plain(0x700 + (uint64_t)i), 4 * G.bt, 0, &st->s[i]));
-        rl_assert_ok(kvh_seq_persist(st->e, st->s[i]));
+        dt_assert_ok(dt_build(st->e, G, dt_plain(0x700 + (uint64_t)i), 4 * G.bt, 0, &st->s[i]));
+        dt_assert_ok(kvh_seq_persist(st->e, st->s[i]));
         if (i % 2)
-            rl_assert_ok(kvh_seq_migrate(st->e, st->s[i], 0, 4 * G.bt, KVH_TIER_DISK, NULL));
+            dt_assert_ok(kvh_seq_migrate(st->e, st->s[i], 0, 4 * G.bt, KVH_TIER_DISK, NULL));
     }
 }
 
@@ -142,10 +142,10 @@ static void make_store(store *st, const char *name)
 static void fresh_seqs(kvh_engine *e, kvh_seq *out, int n, uint64_t stream)
 {
     for (int i = 0; i < n; i++)
-        rl_assert_ok(rl_build(e, G, rl_plain(stream + (uint64_t)i), 4 * G.bt - 1, 0, &out[i]));
+        dt_assert_ok(dt_build(e, G, dt_plain(stream + (uint64_t)i), 4 * G.bt - 1, 0, &out[i]));
 }
 
-RL_UNUSED static void test_slow_disk_deadlines(void **state)
+DT_UNUSED static void test_slow_disk_deadlines(void **state)
 {
     (void)state;
     kvhi_disk_set_fault_hook(slow_hook, NULL);
@@ -158,38 +158,38 @@ RL_UNUSED static void test_slow_disk_deadlines(void **state)
         kvh_fence f;
         /* 1. acquire from a slow disk */
         disk_slow(R);
-        rl_assert_ok(kvh_seq_acquire(e, S.s[1], 0, 4 * G.bt, &f));
+        dt_assert_ok(kvh_seq_acquire(e, S.s[1], 0, 4 * G.bt, &f));
         expect_timeout(e, f, dl, "acquire of blocks on a slow disk");
         /* the work goes on and completes */
-        rl_assert_ok(kvh_fence_wait(e, f, UINT64_MAX));
-        rl_assert_ok(kvh_fence_free(e, f));
-        rl_assert_ok(kvh_seq_release(e, S.s[1], 0, 4 * G.bt));
+        dt_assert_ok(kvh_fence_wait(e, f, UINT64_MAX));
+        dt_assert_ok(kvh_fence_free(e, f));
+        dt_assert_ok(kvh_seq_release(e, S.s[1], 0, 4 * G.bt));
         /* 2. prefetch from a slow disk */
-        rl_assert_ok(kvh_prefetch(e, S.s[3], 0, 4 * G.bt, 5, &f));
+        dt_assert_ok(kvh_prefetch(e, S.s[3], 0, 4 * G.bt, 5, &f));
         expect_timeout(e, f, dl, "prefetch of blocks on a slow disk");
-        rl_assert_ok(kvh_fence_wait(e, f, UINT64_MAX));
-        rl_assert_ok(kvh_fence_free(e, f));
+        dt_assert_ok(kvh_fence_wait(e, f, UINT64_MAX));
+        dt_assert_ok(kvh_fence_free(e, f));
         /* 3. spill new blocks to a slow disk (3 full, published ones, whose
          *    move also appends to the journal, and a partial one) */
         disk_slow(W);
         kvh_seq n[2];
         fresh_seqs(e, n, 2, 0x7100 + (uint64_t)d * 16);
-        rl_assert_ok(kvh_seq_migrate(e, n[0], 0, 4 * G.bt - 1, KVH_TIER_DISK, &f));
+        dt_assert_ok(kvh_seq_migrate(e, n[0], 0, 4 * G.bt - 1, KVH_TIER_DISK, &f));
         expect_timeout(e, f, dl, "spill of new blocks to a slow disk");
-        rl_assert_ok(kvh_fence_wait(e, f, UINT64_MAX));
-        rl_assert_ok(kvh_fence_free(e, f));
+        dt_assert_ok(kvh_fence_wait(e, f, UINT64_MAX));
+        dt_assert_ok(kvh_fence_free(e, f));
         /* 4. a deadline on one fence while other slow disk work runs on
          *    the workers: a spill of new published blocks, and an acquire
          *    of blocks on disk */
         disk_slow(R | W);
         kvh_fence busy1 = {0}, busy2;
-        rl_assert_ok(kvh_seq_migrate(e, n[1], 0, 4 * G.bt - 1, KVH_TIER_DISK, &busy2));
-        rl_sleep_ms(10);
-        rl_assert_ok(kvh_seq_acquire(e, S.s[5], 0, 4 * G.bt, &f));
+        dt_assert_ok(kvh_seq_migrate(e, n[1], 0, 4 * G.bt - 1, KVH_TIER_DISK, &busy2));
+        dt_sleep_ms(10);
+        dt_assert_ok(kvh_seq_acquire(e, S.s[5], 0, 4 * G.bt, &f));
         expect_timeout(e, f, dl, "acquire while other slow disk work is in flight");
-        rl_assert_ok(kvh_fence_wait(e, f, UINT64_MAX));
-        rl_assert_ok(kvh_fence_free(e, f));
-        rl_assert_ok(kvh_seq_release(e, S.s[5], 0, 4 * G.bt));
+        dt_assert_ok(kvh_fence_wait(e, f, UINT64_MAX));
+        dt_assert_ok(kvh_fence_free(e, f));
+        dt_assert_ok(kvh_seq_release(e, S.s[5], 0, 4 * G.bt));
         kvh_fence_wait(e, busy2, UINT64_MAX);
         kvh_fence_free(e, busy1);
         kvh_fence_free(e, busy2);
@@ -199,24 +199,24 @@ RL_UNUSED static void test_slow_disk_deadlines(void **state)
          *    not held up by them (done or timed out, within 2x) */
         kvh_seq m[1];
         fresh_seqs(e, m, 1, 0x7180 + (uint64_t)d * 16);
-        rl_assert_ok(kvh_seq_acquire(e, S.s[7], 0, 4 * G.bt, &f)); /* read: pending for a while */
-        rl_assert_ok(kvh_seq_migrate(e, m[0], 0, 4 * G.bt - 1, KVH_TIER_DISK, &busy2));
-        rl_sleep_ms(DISK_DELAY_MS + 60);
+        dt_assert_ok(kvh_seq_acquire(e, S.s[7], 0, 4 * G.bt, &f)); /* read: pending for a while */
+        dt_assert_ok(kvh_seq_migrate(e, m[0], 0, 4 * G.bt - 1, KVH_TIER_DISK, &busy2));
+        dt_sleep_ms(DISK_DELAY_MS + 60);
         expect_bounded(e, f, dl, "acquire, waited for while a spill appends journal records", true);
-        rl_assert_ok(kvh_fence_wait(e, f, UINT64_MAX));
-        rl_assert_ok(kvh_fence_free(e, f));
-        rl_assert_ok(kvh_seq_release(e, S.s[7], 0, 4 * G.bt));
-        rl_assert_ok(kvh_fence_wait(e, busy2, UINT64_MAX));
-        rl_assert_ok(kvh_fence_free(e, busy2));
-        rl_assert_ok(kvh_seq_free(e, m[0]));
+        dt_assert_ok(kvh_fence_wait(e, f, UINT64_MAX));
+        dt_assert_ok(kvh_fence_free(e, f));
+        dt_assert_ok(kvh_seq_release(e, S.s[7], 0, 4 * G.bt));
+        dt_assert_ok(kvh_fence_wait(e, busy2, UINT64_MAX));
+        dt_assert_ok(kvh_fence_free(e, busy2));
+        dt_assert_ok(kvh_seq_free(e, m[0]));
         disk_normal();
         for (int i = 0; i < 2; i++)
-            rl_assert_ok(kvh_seq_free(e, n[i]));
+            dt_assert_ok(kvh_seq_free(e, n[i]));
         char msg[256];
         for (int i = 0; i < 8; i++)
-            if (rl_verify(e, S.s[i], G, rl_plain(0x700 + (uint64_t)i), 0, 4 * G.bt, msg, sizeof(msg)) != KVH_OK)
+            if (dt_verify(e, S.s[i], G, dt_plain(0x700 + (uint64_t)i), 0, 4 * G.bt, msg, sizeof(msg)) != KVH_OK)
                 fail_msg("after the slow disk: sequence %d: %s", i, msg);
-        rl_assert_ok(rl_close(e));
+        dt_assert_ok(dt_close(e));
     }
     disk_normal();
     kvhi_disk_set_fault_hook(NULL, NULL);
@@ -224,7 +224,7 @@ RL_UNUSED static void test_slow_disk_deadlines(void **state)
 
 static void *release_later(void *arg)
 {
-    rl_sleep_ms(*(double *)arg);
+    dt_sleep_ms(*(double *)arg);
     disk_release();
     return NULL;
 }
@@ -240,22 +240,22 @@ static void test_stuck_disk_and_close(void **state)
     kvh_engine *e = S.e;
     disk_stuck(R | W);
     kvh_fence f[3];
-    rl_assert_ok(kvh_seq_acquire(e, S.s[1], 0, 4 * G.bt, &f[0]));
+    dt_assert_ok(kvh_seq_acquire(e, S.s[1], 0, 4 * G.bt, &f[0]));
     expect_timeout(e, f[0], 100, "acquire from a stuck disk");
-    rl_assert_ok(kvh_prefetch(e, S.s[3], 0, 4 * G.bt, 1, &f[1]));
+    dt_assert_ok(kvh_prefetch(e, S.s[3], 0, 4 * G.bt, 1, &f[1]));
     expect_timeout(e, f[1], 100, "prefetch from a stuck disk");
     kvh_seq fresh[1];
     fresh_seqs(e, fresh, 1, 0x7200);
-    rl_assert_ok(kvh_seq_migrate(e, fresh[0], 0, 4 * G.bt - 1, KVH_TIER_DISK, &f[2]));
+    dt_assert_ok(kvh_seq_migrate(e, fresh[0], 0, 4 * G.bt - 1, KVH_TIER_DISK, &f[2]));
     expect_timeout(e, f[2], 100, "spill to a stuck disk");
     for (int i = 0; i < 3; i++)
-        rl_assert_ok(kvh_fence_free(e, f[i])); /* work continues */
+        dt_assert_ok(kvh_fence_free(e, f[i])); /* work continues */
     double release_ms = 500;
     pthread_t th;
     assert_int_equal(pthread_create(&th, NULL, release_later, &release_ms), 0);
-    double t0 = rl_now();
-    rl_assert_ok(rl_close(e));
-    double took = rl_now() - t0;
+    double t0 = dt_now();
+    dt_assert_ok(dt_close(e));
+    double took = dt_now() - t0;
     pthread_join(th, NULL);
     if (took > release_ms / 1000 + CLOSE_BOUND)
         fail_msg("close with work stuck on the disk took %.2f s after the disk answered again",
@@ -269,7 +269,7 @@ static void test_stuck_disk_and_close(void **state)
 
 /* Close with many moves queued on a slow disk: the queued ones are
  * cancelled; what runs must finish in a bounded number of disk calls. */
-RL_UNUSED static void test_close_with_queued_work(void **state)
+DT_UNUSED static void test_close_with_queued_work(void **state)
 {
     (void)state;
     kvhi_disk_set_fault_hook(slow_hook, NULL);
@@ -284,15 +284,15 @@ RL_UNUSED static void test_close_with_queued_work(void **state)
     kvh_fence q[32];
     int nq = 0;
     for (int i = 0; i < 24; i++)
-        rl_assert_ok(kvh_seq_migrate(e, n[i], 0, 4 * G.bt - 1, KVH_TIER_DISK, &q[nq++]));
+        dt_assert_ok(kvh_seq_migrate(e, n[i], 0, 4 * G.bt - 1, KVH_TIER_DISK, &q[nq++]));
     for (int i = 1; i < 8; i += 2)
-        rl_assert_ok(kvh_prefetch(e, T.s[i], 0, 4 * G.bt, 2, &q[nq++]));
+        dt_assert_ok(kvh_prefetch(e, T.s[i], 0, 4 * G.bt, 2, &q[nq++]));
     for (int i = 0; i < nq; i++)
-        rl_assert_ok(kvh_fence_free(e, q[i]));
-    rl_sleep_ms(20);
-    double t0 = rl_now();
-    rl_assert_ok(rl_close(e));
-    double took = rl_now() - t0;
+        dt_assert_ok(kvh_fence_free(e, q[i]));
+    dt_sleep_ms(20);
+    double t0 = dt_now();
+    dt_assert_ok(dt_close(e));
+    double took = dt_now() - t0;
     disk_normal();
     long calls = atomic_load(&D.delayed);
     delay_ms = DISK_DELAY_MS;
@@ -303,15 +303,15 @@ RL_UNUSED static void test_close_with_queued_work(void **state)
                  nq, took, CLOSE_CALLS, bound, calls);
     /* the store it left behind reopens with everything persisted */
     T.cfg.migration_threads = 0;
-    e = rl_open_a(&T.cfg);
+    e = dt_open_a(&T.cfg);
     for (int i = 0; i < 8; i++) {
         size_t m = 0;
         char msg[256] = "";
-        if (rl_match_verify(e, G, rl_plain(0x700 + (uint64_t)i), 4 * G.bt, &m, msg, sizeof(msg)) != KVH_OK ||
+        if (dt_match_verify(e, G, dt_plain(0x700 + (uint64_t)i), 4 * G.bt, &m, msg, sizeof(msg)) != KVH_OK ||
             m != 4 * G.bt)
             fail_msg("after a close on a slow disk, persisted sequence %d: %zu tokens %s", i, m, msg);
     }
-    rl_assert_ok(rl_close(e));
+    dt_assert_ok(dt_close(e));
     kvhi_disk_set_fault_hook(NULL, NULL);
     rl_fast_cleanup();
     print_message("close with %d moves queued on a slow disk (100 ms a call): %.2f s, %ld disk calls (bound %d "

@@ -34,7 +34,7 @@
 
 #include "core/disk_io.h"
 
-static const rl_geo G = {2, 1, 32, 16, KVH_DTYPE_F16}; /* block = 4096 bytes */
+static const dt_geo G = {2, 1, 32, 16, KVH_DTYPE_F16}; /* block = 4096 bytes */
 #define DISK_SLOTS 128
 #define DEPTH 5
 #define MAX_SITES 128
@@ -110,34 +110,34 @@ typedef struct scen {
 } scen;
 
 static uint32_t next_id;
-static rl_content plan_c[64]; /* what the scenario planned, by id */
+static dt_content plan_c[64]; /* what the scenario planned, by id */
 static size_t plan_n[64];
 
 /* A new sequence (plain or forked from `from`), planned in the oracle. */
-static kvh_seq sc_new(kvh_engine *e, int ofd, rl_rng *r, const kvh_seq *from, rl_content from_c, size_t from_len,
-                      rl_content *c, size_t *len)
+static kvh_seq sc_new(kvh_engine *e, int ofd, dt_rng *r, const kvh_seq *from, dt_content from_c, size_t from_len,
+                      dt_content *c, size_t *len)
 {
     uint32_t id = next_id++;
-    size_t extra = (1 + rl_below(r, 3)) * G.bt + rl_below(r, G.bt);
+    size_t extra = (1 + dt_below(r, 3)) * G.bt + dt_below(r, G.bt);
     kvh_seq s;
     kvh_status st;
     if (from) {
-        *c = (rl_content){from_c.own, from_len, 0x30000ull + id};
+        *c = (dt_content){from_c.own, from_len, 0x30000ull + id};
         *len = from_len + extra;
         plan_c[id % 64] = *c, plan_n[id % 64] = *len;
-        rl_oracle_write(ofd, "P %u %llu %llu %llu %zu\n", id, (unsigned long long)c->base,
+        dt_oracle_write(ofd, "P %u %llu %llu %llu %zu\n", id, (unsigned long long)c->base,
                         (unsigned long long)c->split, (unsigned long long)c->own, *len);
         if ((st = kvh_seq_fork(e, *from, 1, &s)) != KVH_OK)
             SC_FAIL(20, "fork: %s", kvh_status_name(st));
-        if ((st = rl_extend(e, s, G, *c, from_len, extra)) != KVH_OK)
+        if ((st = dt_extend(e, s, G, *c, from_len, extra)) != KVH_OK)
             SC_FAIL(21, "extend fork: %s", kvh_status_name(st));
     } else {
-        *c = rl_plain(0x30000ull + id);
+        *c = dt_plain(0x30000ull + id);
         *len = extra;
         plan_c[id % 64] = *c, plan_n[id % 64] = *len;
-        rl_oracle_write(ofd, "P %u %llu %llu %llu %zu\n", id, (unsigned long long)c->base,
+        dt_oracle_write(ofd, "P %u %llu %llu %llu %zu\n", id, (unsigned long long)c->base,
                         (unsigned long long)c->split, (unsigned long long)c->own, *len);
-        if ((st = rl_build(e, G, *c, *len, 0, &s)) != KVH_OK)
+        if ((st = dt_build(e, G, *c, *len, 0, &s)) != KVH_OK)
             SC_FAIL(22, "build: %s", kvh_status_name(st));
     }
     return s;
@@ -145,14 +145,14 @@ static kvh_seq sc_new(kvh_engine *e, int ofd, rl_rng *r, const kvh_seq *from, rl
 
 static int scenario(scen *sc)
 {
-    rl_rng r = {sc->seed};
+    dt_rng r = {sc->seed};
     int ofd = open(P.oracle, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644);
     int efd = open(P.errlog, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644);
     if (ofd < 0 || efd < 0)
         return 60;
     dup2(efd, 2);
-    kvh_config c = rl_cfg(G, P.dir, 4, 8, DISK_SLOTS, sc->threads);
-    c.disk_flags = rl_below(&r, 3) == 0 ? KVH_DISK_BUFFERED : 0;
+    kvh_config c = dt_cfg(G, P.dir, 4, 8, DISK_SLOTS, sc->threads);
+    c.disk_flags = dt_below(&r, 3) == 0 ? KVH_DISK_BUFFERED : 0;
     next_id = 0;
     for (int round = 0; round < 3; round++) {
         kvh_engine *e = NULL;
@@ -164,19 +164,19 @@ static int scenario(scen *sc)
             for (uint32_t id = round - 1; id < next_id && id < 64; id += 2) {
                 size_t m = 0;
                 char msg[256];
-                if ((st = rl_match_verify(e, G, plan_c[id], plan_n[id], &m, msg, sizeof(msg))) != KVH_OK)
+                if ((st = dt_match_verify(e, G, plan_c[id], plan_n[id], &m, msg, sizeof(msg))) != KVH_OK)
                     SC_FAIL(11, "match after reopen: %s", msg);
             }
         }
         kvh_seq s[4];
-        rl_content ct[4];
+        dt_content ct[4];
         size_t len[4];
-        int ns = 2 + (int)rl_below(&r, 3);
+        int ns = 2 + (int)dt_below(&r, 3);
         for (int i = 0; i < ns; i++) {
             uint32_t id = next_id;
-            bool fork = i > 0 && rl_below(&r, 2);
+            bool fork = i > 0 && dt_below(&r, 2);
             s[i] = sc_new(e, ofd, &r, fork ? &s[0] : NULL, ct[0], fork ? len[0] : 0, &ct[i], &len[i]);
-            switch (rl_below(&r, 4)) {
+            switch (dt_below(&r, 4)) {
             case 0: /* spill first, then persist */
                 if ((st = kvh_seq_migrate(e, s[i], 0, len[i], KVH_TIER_DISK, NULL)) != KVH_OK && st != KVH_ERR_NOSPACE)
                     SC_FAIL(12, "spill: %s", kvh_status_name(st));
@@ -185,7 +185,7 @@ static int scenario(scen *sc)
             case 2:
                 if ((st = kvh_seq_persist(e, s[i])) != KVH_OK)
                     SC_FAIL(13, "persist: %s", kvh_status_name(st));
-                rl_oracle_write(ofd, "A %u %zu\n", id, len[i] / G.bt);
+                dt_oracle_write(ofd, "A %u %zu\n", id, len[i] / G.bt);
                 break;
             default: { /* async spill left in flight, not acknowledged */
                 kvh_fence f;
@@ -194,7 +194,7 @@ static int scenario(scen *sc)
                 kvh_fence_free(e, f);
             }
             }
-            if (rl_below(&r, 2)) {
+            if (dt_below(&r, 2)) {
                 kvh_fence f;
                 if ((st = kvh_prefetch(e, s[i], 0, len[i] < 2 * G.bt ? len[i] : 2 * G.bt, 1, &f)) != KVH_OK)
                     SC_FAIL(15, "prefetch: %s", kvh_status_name(st));
@@ -204,7 +204,7 @@ static int scenario(scen *sc)
         }
         for (int i = 0; i < ns; i++)
             kvh_seq_free(e, s[i]);
-        if (round == 2 && rl_below(&r, 2))
+        if (round == 2 && dt_below(&r, 2))
             return 0; /* ends without a close: the store is left unclean */
         if ((st = kvh_engine_close(e)) != KVH_OK)
             SC_FAIL(16, "close (round %d): %s", round, kvh_status_name(st));
@@ -216,16 +216,13 @@ static int scenario(scen *sc)
  * wait status. */
 static int run_child(scen sc, int mode, const site *target, long kill_at)
 {
-    rl_rmrf(P.dir);
+    dt_rmrf(P.dir);
     unlink(P.oracle);
     unlink(P.errlog);
-    fflush(stdout);
-    fflush(stderr);
-    pid_t pid = fork();
+    pid_t pid = dt_fork_child();
     if (pid < 0)
         return -1;
     if (pid == 0) {
-        rl_child_signals();
         H.mode = mode;
         if (mode == 1) {
             H.trace_fd = open(P.trace, O_WRONLY | O_APPEND | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
@@ -239,23 +236,10 @@ static int run_child(scen sc, int mode, const site *target, long kill_at)
         kvhi_disk_set_fault_hook(kp_hook, NULL);
         _exit(scenario(&sc));
     }
-    int ws;
-    while (waitpid(pid, &ws, 0) < 0)
-        if (errno != EINTR)
-            return -1;
-    return ws;
+    return dt_reap(pid);
 }
 
-static void dump_errlog(void)
-{
-    size_t len = 0;
-    uint8_t *b = rl_read_file(P.errlog, &len);
-    if (b && len) {
-        b[len] = '\0';
-        print_error("child stderr:\n%s\n", (char *)b);
-    }
-    free(b);
-}
+static void dump_errlog(void) { dt_print_file(P.errlog, "child stderr"); }
 
 /* ---- naming points (report only) ---- */
 
@@ -324,10 +308,10 @@ static int find_site(const site *s)
 static void test_kill_points(void **state)
 {
     (void)state;
-    int kills_per_point = (int)rl_env_long("KVH_REL_KILLS", RL_SIZE(20, 100));
-    uint64_t seed = rl_seed(0x6b111901ull);
-    rl_rng rng = {seed};
-    rl_scratch("killpoints", P.root, sizeof(P.root));
+    int kills_per_point = (int)dt_env_long("KVH_REL_KILLS", RL_SIZE(20, 100));
+    uint64_t seed = dt_seed(0x6b111901ull);
+    dt_rng rng = {seed};
+    dt_scratch("killpoints", P.root, sizeof(P.root));
     snprintf(P.disk_dir, sizeof(P.disk_dir), "%s/store", P.root);
     /* Most kills run on a tmpfs (fsync is free there; a kill keeps the
      * page cache either way); every REAL_EVERY-th on the real disk, with
@@ -342,19 +326,19 @@ static void test_kill_points(void **state)
         void *warm[4];
         backtrace(warm, 4); /* loads the unwinder before fork()ing */
     }
-    double t0 = rl_now();
+    double t0 = dt_now();
 
     /* 1. discovery */
     scen seeds[N_SEEDS];
     for (int i = 0; i < N_SEEDS; i++) {
-        seeds[i] = (scen){rl_next(&rng), i % 2 ? 2u : 0u};
+        seeds[i] = (scen){dt_next(&rng), i % 2 ? 2u : 0u};
         int ws = run_child(seeds[i], 1, NULL, 0);
         if (!(WIFEXITED(ws) && WEXITSTATUS(ws) == 0)) {
             dump_errlog();
             fail_msg("discovery scenario %d (seed 0x%" PRIx64 ") failed: status 0x%x", i, seeds[i].seed, ws);
         }
         size_t len = 0;
-        uint8_t *buf = rl_read_file(P.trace, &len);
+        uint8_t *buf = dt_read_file(P.trace, &len);
         assert_non_null(buf);
         buf[len] = '\0';
         for (char *line = (char *)buf, *next; line && *line; line = next) {
@@ -380,7 +364,7 @@ static void test_kill_points(void **state)
         free(buf);
     }
     assert_true(n_sites > 0);
-    double t_disc = rl_now() - t0;
+    double t_disc = dt_now() - t0;
 
     /* 2. kills */
     long cycles = 0, not_reached = 0, real_kills = 0;
@@ -409,7 +393,7 @@ static void test_kill_points(void **state)
                     si = c;
             }
             assert_true(si >= 0);
-            long at = 1 + (long)rl_below(&rng, (uint64_t)sites[k].count[si]);
+            long at = 1 + (long)dt_below(&rng, (uint64_t)sites[k].count[si]);
             bool real = !fast || cycles % REAL_EVERY == 0;
             snprintf(P.dir, sizeof(P.dir), "%s", real ? P.disk_dir : P.fast_dir);
             real_kills += real;
@@ -425,12 +409,12 @@ static void test_kill_points(void **state)
                          "being killed",
                          k, op_name(sites[k].s.op), at, seeds[si].seed, ws);
             }
-            static rl_oracle o;
+            static dt_oracle o;
             memset(&o, 0, sizeof(o));
-            rl_oracle_read(P.oracle, &o);
-            rl_check r;
-            kvh_config c = rl_cfg(G, P.dir, 4, 8, DISK_SLOTS, 0);
-            kvh_engine *e = rl_track(rl_oracle_check(&c, G, &o, 0, &r));
+            dt_oracle_read(P.oracle, &o);
+            dt_check r;
+            kvh_config c = dt_cfg(G, P.dir, 4, 8, DISK_SLOTS, 0);
+            kvh_engine *e = dt_track(dt_oracle_check(&c, G, &o, 0, &r));
             char msg[256] = "";
             if (!r.errors && rl_counters_add_up(e, true, msg, sizeof(msg)))
                 fail_msg("point %d: counters after the reopen: %s", k, msg);
@@ -441,7 +425,7 @@ static void test_kill_points(void **state)
                 fail_msg("killed at %s #%ld of point %d [%s] (seed 0x%" PRIx64 ", %u workers): %s", op_name(sites[k].s.op),
                          at, k, name, seeds[si].seed, seeds[si].threads, r.msg);
             }
-            rl_assert_ok(rl_close(e));
+            dt_assert_ok(dt_close(e));
             acked += r.acked_blocks;
             sites[k].kills++;
         }
@@ -459,7 +443,7 @@ static void test_kill_points(void **state)
                   " acknowledged blocks checked; %ld runs on the real disk; 0 failures\n",
                   n_sites, per_op[KVHI_OP_WRITE], per_op[KVHI_OP_FSYNC], per_op[KVHI_OP_RENAME],
                   per_op[KVHI_OP_DIRSYNC], worker_only, kills_per_point, min_kills, cycles - not_reached,
-                  rl_now() - t0, t_disc, not_reached, acked, real_kills);
+                  dt_now() - t0, t_disc, not_reached, acked, real_kills);
     if (getenv("KVH_REL_KILLPOINTS_LIST") || REL_STRESS)
         for (int k = 0; k < n_sites; k++) {
             char name[1024];
