@@ -72,6 +72,14 @@ int kvhi_disk_open_slabs(kvhi_disk *d, bool allow_direct)
         if (fd < 0)
             return -errno;
         d->slab_fds[i] = fd;
+        if (d->direct) {
+            /* A process that used the store buffered may have left its pages
+             * cached; an O_DIRECT write that cannot drop them makes the
+             * kernel report a write error on the file (EIO at the next
+             * fsync). Write them back and drop them before the first. */
+            fdatasync(fd);
+            posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+        }
         uint32_t slots = i + 1 < d->n_slabs ? d->slots_per_slab : d->n_slots - i * d->slots_per_slab;
         off_t want = (off_t)slots * (off_t)d->slot_bytes;
         struct stat st;

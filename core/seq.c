@@ -289,11 +289,17 @@ kvh_status kvhi_seq_write_kv(kvh_engine *e, kvhi_seq *s, uint32_t layer, uint64_
         /* Bring it in (and let a move of it finish); no unlock follows. */
         if ((st = kvhi_block_ensure_memory(e, b)) != KVH_OK)
             break;
+        /* Filling a block is part of making it (its allocation already
+         * counted as its first access); only rewriting cells is a use. A
+         * fill counted per layer would make every new block look hot to
+         * LRU-K and defeat its resistance to one-off blocks. */
+        bool rewrite = kvhi_block_cell_written(e, b, layer, off);
         if (kv_copy(e, b, layer, off, cnt, (uint8_t *)k + skip, (uint8_t *)v + skip, true) != 0)
             st = kvhi_fail(KVH_ERR_IO, "copy into the device tier failed");
         if (st == KVH_OK)
             st = kvhi_block_mark_written(e, b, layer, off, off + cnt);
-        note_access(e, b);
+        if (rewrite)
+            note_access(e, b);
         t += cnt;
     }
     return st;
