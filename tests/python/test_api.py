@@ -255,9 +255,11 @@ def test_stats_dataclass_covers_the_c_struct(engine):
     st = engine.stats()
     assert st.extra == {}
     with engine.sequence(tokens=range(16)) as s:
-        s.write_kv(0, 0, *kv_data(16, 2, 8, np.float32))
+        s.write_kv(0, 0, *kv_data(16, 2, 8, np.float32))  # filling a block is not a use
+        filled = engine.stats() - st
+        s.read_kv(0, 0, 16)
         delta = engine.stats() - st
-    assert delta.lookups >= 1 and delta.blocks_allocated == 1
+    assert filled.lookups == 0 and delta.lookups >= 1 and delta.blocks_allocated == 1
     assert 0.0 <= delta.device_hit_rate <= 1.0
     assert set(st.to_dict()) == set(names)
 
