@@ -7,7 +7,7 @@
 
 uint8_t *kvhi_slot_addr(kvh_engine *e, uint32_t tier, uint32_t slot)
 {
-    return e->tiers[tier].base + (uint64_t)slot * e->block_bytes;
+    return e->tiers[tier].base + (uint64_t)slot * e->tiers[tier].slot_bytes;
 }
 
 uint8_t *kvhi_block_data(kvh_engine *e, uint32_t b)
@@ -411,7 +411,7 @@ kvh_status kvhi_block_cow(kvh_engine *e, uint32_t b, uint32_t agent, uint32_t *o
         kvhi_block_unref(e, nb);
         return st;
     }
-    if (kvhi_copy_bytes(e, dst->tier, kvhi_block_data(e, nb), src->tier, kvhi_block_data(e, b), e->block_bytes) != 0) {
+    if (kvhi_block_copy(e, dst->tier, kvhi_block_data(e, nb), src->tier, kvhi_block_data(e, b)) != 0) {
         kvhi_block_unref(e, nb);
         return kvhi_fail(KVH_ERR_IO, "copy-on-write copy failed");
     }

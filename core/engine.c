@@ -140,12 +140,12 @@ static void bind_to_node(kvh_engine *e, void *p, size_t bytes)
 static kvh_status tier_init(kvh_engine *e, uint32_t t, uint64_t budget)
 {
     kvhi_tier *tier = &e->tiers[t];
-    uint64_t slots = budget / e->block_bytes;
+    uint64_t slots = budget / tier->slot_bytes;
     if (slots > UINT32_MAX - 1)
         slots = UINT32_MAX - 1;
     if (slots == 0)
         return KVH_OK;
-    tier->bytes_mapped = slots * e->block_bytes;
+    tier->bytes_mapped = slots * tier->slot_bytes;
     tier->base = t == KVH_TIER_DEVICE ? e->backend->device_alloc(e->backend_ctx, tier->bytes_mapped)
                                       : e->backend->host_alloc(e->backend_ctx, tier->bytes_mapped);
     if (!tier->base)
@@ -265,7 +265,9 @@ kvh_status kvh_engine_open(const kvh_config *config, kvh_engine **out)
     e->layer_bytes = 2ull * e->cfg.num_kv_heads * e->cfg.block_tokens * e->cfg.head_dim * e->elem_bytes;
     e->block_bytes = e->layer_bytes * e->cfg.num_layers;
 
-    st = select_backend(e);
+    st = kvhi_codec_tiers_init(e);
+    if (st == KVH_OK)
+        st = select_backend(e);
     if (st == KVH_OK)
         st = tier_init(e, KVH_TIER_DEVICE, e->cfg.device_bytes);
     if (st == KVH_OK && !e->tiers[KVH_TIER_DEVICE].present)
@@ -370,11 +372,12 @@ kvh_status kvh_tier_info_get(kvh_engine *e, uint32_t tier, kvh_tier_info *info)
     if (st != KVH_OK)
         return st;
     kvhi_tier *t = &e->tiers[tier];
-    kvh_tier_info r = {.struct_size = sizeof(r), .tier = tier, .block_bytes = e->block_bytes};
+    /* Under a KV codec the host and disk tiers hold encoded blocks. */
+    kvh_tier_info r = {.struct_size = sizeof(r), .tier = tier, .block_bytes = t->slot_bytes};
     if (t->present) {
         r.capacity_blocks = t->slots.capacity;
         r.used_blocks = kvhi_slot_pool_used(&t->slots);
-        r.used_bytes = r.used_blocks * e->block_bytes;
+        r.used_bytes = r.used_blocks * t->slot_bytes;
         r.pinned_blocks = t->pinned;
         r.base = t->base;
     }

@@ -93,6 +93,7 @@ typedef struct kvh_config {
     void *log_user;
     uint32_t disk_queue_depth;
     uint32_t disk_flags;
+    uint32_t kv_codec;
 } kvh_config;
 enum kvh_disk_flags {
     KVH_DISK_RESET_ON_MISMATCH = 1,
@@ -216,3 +217,12 @@ typedef struct kvh_attention_params {
 kvh_status kvh_attention_params_init(kvh_attention_params *params, size_t struct_size);
 kvh_status kvh_attention_decode(kvh_engine *engine, uint32_t layer, const kvh_seq *seqs, size_t n_seqs, const void *q, void *out, const kvh_attention_params *params);
 kvh_status kvh_attention_prefill(kvh_engine *engine, uint32_t layer, const kvh_seq *seqs, const uint32_t *q_lens, size_t n_seqs, const void *q, void *out, const kvh_attention_params *params);
+enum kvh_codec {
+    KVH_CODEC_NONE = 0,
+    KVH_CODEC_INT8 = 1,
+    KVH_CODEC_Q4_G32 = 2,
+    KVH_CODEC_Q4_G64 = 3
+};
+kvh_status kvh_codec_vector_bytes(uint32_t codec, uint32_t dtype, uint32_t head_dim, uint64_t *bytes);
+kvh_status kvh_codec_encode(uint32_t codec, uint32_t dtype, uint32_t head_dim, const void *src, size_t n_vectors, void *dst);
+kvh_status kvh_codec_decode(uint32_t codec, uint32_t dtype, uint32_t head_dim, const void *src, size_t n_vectors, void *dst);

@@ -33,7 +33,7 @@ import numpy as np
 
 from . import errors
 from ._ffi import NULL, U64_MAX, check, ffi, kvh_level_for_logger, last_error, lib, raise_status, status_name
-from .types import Backend, BlockInfo, Config, DType, Stats, Tier, TierInfo, numpy_dtype
+from .types import Backend, BlockInfo, Codec, Config, DType, Stats, Tier, TierInfo, numpy_dtype
 
 __all__ = ["Engine", "Sequence", "Block", "Hold", "Fence", "TokenSpan"]
 
@@ -297,6 +297,8 @@ class Engine:
         if cfg.disk_buffered:
             flags |= int(lib.KVH_DISK_BUFFERED)
         c.disk_flags = flags
+        if cfg.kv_codec is not None:
+            c.kv_codec = int(Codec.parse(cfg.kv_codec))
         c.log_fn = lib._kvh_py_log
         c.log_user = NULL
         return keep
@@ -312,7 +314,7 @@ class Engine:
             migration_cpu_mask=int(c.migration_cpu_mask), lru_k=int(c.lru_k),
             promote_min_hits=int(c.promote_min_hits), log_level=int(c.log_level),
             disk_queue_depth=int(c.disk_queue_depth), disk_reset_on_mismatch=given.disk_reset_on_mismatch,
-            disk_buffered=given.disk_buffered,
+            disk_buffered=given.disk_buffered, kv_codec=Codec(int(c.kv_codec)),
         )
 
     # ---- lifetime ----

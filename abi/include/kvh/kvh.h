@@ -170,6 +170,9 @@ typedef struct kvh_config {
     void *log_user;    /* passed to log_fn as is */
     uint32_t disk_queue_depth; /* io_uring depth; default 32 */
     uint32_t disk_flags;       /* kvh_disk_flags; default 0 */
+    /* kvh_codec of the host and disk tiers (see "KV codecs"); default
+     * KVH_CODEC_NONE. The device tier always holds raw dtype values. */
+    uint32_t kv_codec;
 } kvh_config;
 
 enum kvh_disk_flags {
@@ -576,6 +579,59 @@ KVH_API kvh_status kvh_attention_prefill(kvh_engine *engine, uint32_t layer,
                                          size_t n_seqs, const void *q,
                                          void *out,
                                          const kvh_attention_params *params);
+
+/* ------------------------------------------------------------------ */
+/* KV codecs                                                           */
+/* ------------------------------------------------------------------ */
+
+/* Quantised forms of KV. A codec encodes each vector of head_dim elements
+ * (the K or V of one token in one KV head) on its own into a fixed-size
+ * record. With kvh_config.kv_codec set, the host and disk tiers store
+ * blocks in that form (their slots shrink to the encoded size, so the same
+ * budget holds more blocks): a block is encoded when it leaves the device
+ * tier, decoded when it comes back, and kvh_seq_write_kv / _read_kv on a
+ * block in those tiers encode / decode the touched tokens only. The codec
+ * is part of the disk store's geometry (KVH_ERR_MISMATCH on reopening with
+ * another one). Encoding is lossy; per element, before the decoded value
+ * is rounded to the engine dtype:
+ *   KVH_CODEC_INT8:    |x - x'| <= max|x| / 254 over its vector
+ *                      (record: f32 scale + head_dim int8 codes)
+ *   KVH_CODEC_Q4_G32/64: |x - x'| <= (max - min) / 30 over its group of
+ *                      32/64 elements (record: f32 scale and f32 minimum,
+ *                      the zero point, per group + head_dim/2 bytes of
+ *                      4-bit codes); head_dim must be a multiple of the
+ *                      group.
+ * Non-finite inputs are not preserved: +-inf saturate to the extreme code
+ * and NaN becomes the zero code; scales use the finite elements only. */
+enum kvh_codec {
+    KVH_CODEC_NONE = 0,
+    KVH_CODEC_INT8 = 1,
+    KVH_CODEC_Q4_G32 = 2,
+    KVH_CODEC_Q4_G64 = 3
+};
+
+/* Bytes of one encoded vector of head_dim elements of dtype (KVH_CODEC_NONE:
+ * the raw size). [out] *bytes. Returns KVH_ERR_INVALID_ARG for an unknown
+ * codec or dtype, a NULL bytes, or a head_dim of 0 or that the codec's
+ * group does not divide. @threads any */
+KVH_API kvh_status kvh_codec_vector_bytes(uint32_t codec, uint32_t dtype,
+                                          uint32_t head_dim, uint64_t *bytes);
+
+/* Encodes n_vectors vectors of head_dim elements of dtype, packed in src,
+ * into n_vectors records packed in dst (kvh_codec_vector_bytes each).
+ * [borrowed] src, dst (must not overlap). Returns KVH_ERR_INVALID_ARG as
+ * kvh_codec_vector_bytes, or for NULL src/dst with n_vectors > 0.
+ * @threads any */
+KVH_API kvh_status kvh_codec_encode(uint32_t codec, uint32_t dtype,
+                                    uint32_t head_dim, const void *src,
+                                    size_t n_vectors, void *dst);
+
+/* Decodes n_vectors records from src into raw vectors of dtype in dst.
+ * [borrowed] src, dst (must not overlap). Status as kvh_codec_encode.
+ * @threads any */
+KVH_API kvh_status kvh_codec_decode(uint32_t codec, uint32_t dtype,
+                                    uint32_t head_dim, const void *src,
+                                    size_t n_vectors, void *dst);
 
 #ifdef __cplusplus
 }

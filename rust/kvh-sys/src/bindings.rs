@@ -243,12 +243,13 @@ pub struct kvh_config {
     pub log_user: *mut ::std::os::raw::c_void,
     pub disk_queue_depth: u32,
     pub disk_flags: u32,
+    pub kv_codec: u32,
 }
 #[test]
 fn bindgen_test_layout_kvh_config() {
     assert_eq!(
         ::std::mem::size_of::<kvh_config>(),
-        128usize,
+        136usize,
         concat!("Size of: ", stringify!(kvh_config))
     );
     assert_eq!(
@@ -664,6 +665,23 @@ fn bindgen_test_layout_kvh_config() {
         );
     }
     test_field_disk_flags();
+    fn test_field_kv_codec() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_config>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).kv_codec) as usize - ptr as usize
+            },
+            128usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_config),
+                "::",
+                stringify!(kv_codec)
+            )
+        );
+    }
+    test_field_kv_codec();
 }
 impl Default for kvh_config {
     fn default() -> Self {
@@ -2224,5 +2242,38 @@ extern "C" {
         q: *const ::std::os::raw::c_void,
         out: *mut ::std::os::raw::c_void,
         params: *const kvh_attention_params,
+    ) -> kvh_status;
+}
+pub const KVH_CODEC_NONE: kvh_codec = 0;
+pub const KVH_CODEC_INT8: kvh_codec = 1;
+pub const KVH_CODEC_Q4_G32: kvh_codec = 2;
+pub const KVH_CODEC_Q4_G64: kvh_codec = 3;
+pub type kvh_codec = ::std::os::raw::c_uint;
+extern "C" {
+    pub fn kvh_codec_vector_bytes(
+        codec: u32,
+        dtype: u32,
+        head_dim: u32,
+        bytes: *mut u64,
+    ) -> kvh_status;
+}
+extern "C" {
+    pub fn kvh_codec_encode(
+        codec: u32,
+        dtype: u32,
+        head_dim: u32,
+        src: *const ::std::os::raw::c_void,
+        n_vectors: usize,
+        dst: *mut ::std::os::raw::c_void,
+    ) -> kvh_status;
+}
+extern "C" {
+    pub fn kvh_codec_decode(
+        codec: u32,
+        dtype: u32,
+        head_dim: u32,
+        src: *const ::std::os::raw::c_void,
+        n_vectors: usize,
+        dst: *mut ::std::os::raw::c_void,
     ) -> kvh_status;
 }

@@ -104,6 +104,14 @@ impl Config {
         }
     }
 
+    /// Form of KV in the host and disk tiers (default [`Codec::None`]):
+    /// a quantised codec makes those tiers hold more blocks, with the
+    /// error bounds documented in [`crate::codec`].
+    pub fn kv_codec(mut self, codec: crate::Codec) -> Self {
+        self.raw.kv_codec = codec.raw();
+        self
+    }
+
     /// Transformer layers (default 1).
     pub fn num_layers(mut self, n: u32) -> Self {
         self.raw.num_layers = n;

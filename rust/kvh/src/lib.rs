@@ -66,6 +66,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 mod attention;
+pub mod codec;
 mod config;
 mod element;
 mod engine;
@@ -75,6 +76,7 @@ mod seq;
 mod types;
 
 pub use attention::AttentionParams;
+pub use codec::Codec;
 pub use config::{Config, LogFn};
 pub use element::Element;
 pub use engine::{Engine, OwnedBlock};

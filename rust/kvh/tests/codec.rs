@@ -1,0 +1,38 @@
+//! KV codecs through the safe wrapper: round trips within the documented
+//! bound, and an engine whose host tier holds quantised blocks.
+use kvh::codec::{decode, encode, vector_bytes};
+use kvh::{Codec, Config, DType, Tier};
+
+#[test]
+fn int8_round_trip_within_bound() {
+    let x: Vec<f32> = (0..256).map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0).collect();
+    let enc = encode(Codec::Int8, DType::F32, 64, &x).unwrap();
+    assert_eq!(enc.len(), 4 * vector_bytes(Codec::Int8, DType::F32, 64).unwrap());
+    let mut y = vec![0f32; 256];
+    decode(Codec::Int8, DType::F32, 64, &enc, &mut y).unwrap();
+    for v in 0..4 {
+        let xs = &x[v * 64..(v + 1) * 64];
+        let amax = xs.iter().fold(0f32, |m, a| m.max(a.abs()));
+        for i in 0..64 {
+            assert!((xs[i] - y[v * 64 + i]).abs() <= amax / 254.0 * 1.0001);
+        }
+    }
+    assert!(vector_bytes(Codec::Q4G64, DType::F16, 80).is_err());
+}
+
+#[test]
+fn host_tier_shrinks_under_a_codec() {
+    let raw_block = 2 * 2 * 64 * 16 * 4u64;
+    let cfg = Config::new()
+        .num_layers(2)
+        .head_dim(64)
+        .dtype(DType::F32)
+        .backend(kvh::Backend::Cpu)
+        .device_bytes(4 * raw_block)
+        .host_bytes(4 * raw_block)
+        .kv_codec(Codec::Q4G32);
+    let engine = kvh::Engine::open(cfg).unwrap();
+    let host = engine.tier_info(Tier::Host).unwrap();
+    assert!(host.block_bytes < raw_block);
+    assert!(host.capacity_blocks >= 4 * 4);
+}
