@@ -82,3 +82,56 @@ def round_trip(x: Any, codec: CodecLike) -> np.ndarray:
 
 
 __all__ = ["Codec", "vector_bytes", "encode", "decode", "round_trip"]
+
+
+def error_figures(x: Any, codec: CodecLike) -> dict:
+    """Error of one codec on x (vectors along the last axis): relative RMS
+    error, worst error as a fraction of the documented bound (decoded to f32,
+    so before rounding to x's dtype), and the size of an encoded vector
+    against the raw one."""
+    a = np.ascontiguousarray(x)
+    c = Codec.parse(codec)
+    xf = a.astype(np.float32)
+    d = a.shape[-1]
+    # Decoded to f32: the bound is stated before rounding to the dtype.
+    yf = decode(encode(a, c), c, d, np.float32)
+    if c == Codec.INT8:
+        bound = np.abs(xf).max(axis=-1, keepdims=True) / 254.0
+    else:
+        g = 32 if c == Codec.Q4_G32 else 64
+        xs = xf.reshape(xf.shape[:-1] + (d // g, g))
+        bound = np.repeat((xs.max(-1) - xs.min(-1)) / 30.0, g, axis=-1).reshape(xf.shape)
+    err = np.abs(xf - yf)
+    ratio = np.where(bound > 0, err / np.where(bound > 0, bound, 1), 0)
+    return {
+        "codec": c.name.lower(),
+        "rel_rms_error": float(np.sqrt(np.mean(err ** 2)) / np.sqrt(np.mean(xf ** 2))),
+        "max_error_over_bound": float(ratio.max()),
+        "bytes_per_vector": vector_bytes(c, _dtype_of(a), d),
+        "raw_bytes_per_vector": d * a.dtype.itemsize,
+    }
+
+
+def _main() -> None:
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(description="error of kvh's KV codecs on random data")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--vectors", type=int, default=100000)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    rng = np.random.default_rng(args.seed)
+    data = {
+        "gaussian": rng.standard_normal((args.vectors, args.head_dim)),
+        # Real K often has a few large channels: a heavier tail per vector.
+        "student_t3": rng.standard_t(3, (args.vectors, args.head_dim)),
+    }
+    for name, x in data.items():
+        x16 = x.astype(np.float16)
+        for c in ("int8", "q4_g32", "q4_g64"):
+            print(json.dumps({"data": name, "dtype": "f16", "head_dim": args.head_dim, **error_figures(x16, c)}))
+
+
+if __name__ == "__main__":
+    _main()
