@@ -123,6 +123,7 @@ static kvh_status validate(const kvh_config *c)
     CHECK((c->disk_flags & ~(uint32_t)(KVH_DISK_RESET_ON_MISMATCH | KVH_DISK_BUFFERED)) == 0,
           "unknown disk_flags 0x%x", c->disk_flags);
     CHECK(!c->disk_bytes || (c->disk_path && c->disk_path[0]), "disk_bytes is set but disk_path is empty");
+    CHECK(c->vmap <= 1, "vmap %u is not 0 or 1", c->vmap);
 #undef CHECK
     return KVH_OK;
 }
@@ -146,8 +147,16 @@ static kvh_status tier_init(kvh_engine *e, uint32_t t, uint64_t budget)
     if (slots == 0)
         return KVH_OK;
     tier->bytes_mapped = slots * tier->slot_bytes;
-    tier->base = t == KVH_TIER_DEVICE ? e->backend->device_alloc(e->backend_ctx, tier->bytes_mapped)
-                                      : e->backend->host_alloc(e->backend_ctx, tier->bytes_mapped);
+    if (t == KVH_TIER_DEVICE && e->cfg.vmap) {
+        if (!e->backend->device_is_host_memory)
+            return kvhi_fail(KVH_ERR_UNSUPPORTED, "vmap needs the CPU backend (the %s backend is in use)",
+                             e->backend->name);
+        tier->base = kvhi_vmap_arena_alloc(e, tier->bytes_mapped);
+        if (!tier->base)
+            return KVH_ERR_NOMEM;
+    } else
+        tier->base = t == KVH_TIER_DEVICE ? e->backend->device_alloc(e->backend_ctx, tier->bytes_mapped)
+                                          : e->backend->host_alloc(e->backend_ctx, tier->bytes_mapped);
     if (!tier->base)
         return kvhi_fail(KVH_ERR_NOMEM, "cannot allocate %llu bytes for the %s tier",
                          (unsigned long long)tier->bytes_mapped, t == KVH_TIER_DEVICE ? "device" : "host");
@@ -200,6 +209,7 @@ static void engine_free(kvh_engine *e)
     kvhi_handles_destroy(&e->fences);
     kvhi_pools_destroy(e);
     kvhi_handles_destroy(&e->pools);
+    kvhi_vmap_engine_free(e);
     for (uint32_t i = 0; i < e->n_agents; i++)
         kvhi_lruk_destroy(&e->agents[i].heap);
     free(e->agents);
@@ -246,6 +256,7 @@ kvh_status kvh_engine_open(const kvh_config *config, kvh_engine **out)
         return kvhi_fail(KVH_ERR_NOMEM, "out of memory for the engine");
     e->cfg = *config;
     e->cfg.disk_path = NULL; /* borrowed: never kept */
+    e->vmap_fd = -1;
     pthread_mutex_init(&e->lock, NULL);
     pthread_cond_init(&e->changed, NULL);
     pthread_cond_init(&e->fence_cv, NULL);

@@ -186,6 +186,11 @@ struct kvh_engine {
      * once no call is active. */
     void *attn_state;
     void (*attn_state_free)(void *state);
+
+    /* Virtual contiguity (vmap.c): the device tier's memory file (-1
+     * without kvh_config.vmap) and the views not yet released. */
+    int vmap_fd;
+    struct kvh_vmap *vmaps;
 };
 
 /* ---- errors and logging (status.c) ---- */
@@ -373,6 +378,15 @@ static inline uint64_t kvhi_cell_bytes(kvh_engine *e, uint32_t tier)
 {
     return e->tiers[tier].encoded ? e->enc_vector_bytes : e->vector_bytes;
 }
+
+/* ---- virtual contiguity (vmap.c) ---- */
+/* The device tier's memory as a shared mapping of a memfd (e->vmap_fd);
+ * NULL with the error set on failure. Freed by the backend's device_free
+ * (munmap) plus kvhi_vmap_engine_free. */
+void *kvhi_vmap_arena_alloc(kvh_engine *e, size_t bytes);
+/* Releases every view still open and closes the memory file (lock not
+ * needed: no call is active). */
+void kvhi_vmap_engine_free(kvh_engine *e);
 
 /* ---- external pools (ext_pool.c) ---- */
 void kvhi_pools_destroy(kvh_engine *e);

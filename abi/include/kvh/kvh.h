@@ -173,6 +173,10 @@ typedef struct kvh_config {
     /* kvh_codec of the host and disk tiers (see "KV codecs"); default
      * KVH_CODEC_NONE. The device tier always holds raw dtype values. */
     uint32_t kv_codec;
+    /* 1: the CPU backend's device tier is one shared memory file (memfd)
+     * whose blocks kvh_seq_vmap can map into contiguous views (see
+     * "Virtual contiguity"). Default 0. KVH_ERR_UNSUPPORTED on CUDA. */
+    uint32_t vmap;
 } kvh_config;
 
 enum kvh_disk_flags {
@@ -632,6 +636,91 @@ KVH_API kvh_status kvh_codec_encode(uint32_t codec, uint32_t dtype,
 KVH_API kvh_status kvh_codec_decode(uint32_t codec, uint32_t dtype,
                                     uint32_t head_dim, const void *src,
                                     size_t n_vectors, void *dst);
+
+/* ------------------------------------------------------------------ */
+/* Virtual contiguity                                                  */
+/* ------------------------------------------------------------------ */
+
+/* A view presents one layer of a sequence's K and V as plain contiguous
+ * arrays while the data stays in its pool blocks: each block's pages are
+ * mapped (mmap MAP_FIXED of the device tier's memory file) into a reserved
+ * address range, so no data is copied and writes through
+ * kvh_seq_write_kv are visible in the view at once.
+ *
+ * Layout: K of kv head h, token t, element d is at
+ *   k + h * head_stride + (t * head_dim + d) * sizeof(dtype)
+ * (V alike from v), for t < n_tokens; capacity_tokens is a power of two.
+ *
+ * Constraints: kvh_config.vmap = 1 (CPU backend), and one head's K of one
+ * block, block_tokens * head_dim * sizeof(dtype) bytes, a whole number of
+ * pages (e.g. f16, head_dim 128, 16 tokens = 4 KiB): that is the unit the
+ * view maps. KVH_ERR_UNSUPPORTED otherwise.
+ *
+ * Residency and staleness: a view holds every block it maps in the device
+ * tier (as kvh_seq_acquire does), so its blocks never move while it
+ * exists. It shows the blocks the sequence had when it was made or last
+ * refreshed; a change of the sequence's block table (tokens appended into
+ * a new block, a copy-on-write copy on a write into a shared block,
+ * truncation, freeing) makes it stale. kvh_vmap_refresh remaps exactly the
+ * blocks that changed and increments generation when anything did;
+ * kvh_attention_decode_vmap refuses a stale view with KVH_ERR_BAD_HANDLE.
+ * Reading a stale view directly gives the old blocks' data (never a
+ * fault while the view exists). */
+typedef struct kvh_vmap kvh_vmap; /* opaque */
+
+typedef struct kvh_vmap_view {
+    uint32_t struct_size;
+    uint32_t layer;
+    uint64_t n_tokens;        /* tokens mapped */
+    uint64_t capacity_tokens; /* tokens the range can hold */
+    uint64_t head_stride;     /* bytes between two heads' token arrays */
+    const void *k; /* [owned by engine] until kvh_vmap_release */
+    const void *v;
+    uint64_t generation; /* changes whenever a refresh remapped something */
+} kvh_vmap_view;
+
+/* Maps layer of seq (its current tokens) into a new view able to grow to
+ * capacity_tokens (rounded up to a power of two; 0 = the current length).
+ * Every block must be in the device tier (KVH_ERR_NOT_RESIDENT: acquire
+ * first). [out] *vmap, owned by the caller until kvh_vmap_release.
+ * Returns KVH_ERR_UNSUPPORTED (see the constraints), KVH_ERR_RANGE (layer,
+ * or more tokens than capacity_tokens), KVH_ERR_BAD_HANDLE, KVH_ERR_NOMEM.
+ * @threads handle (seq) */
+KVH_API kvh_status kvh_seq_vmap(kvh_engine *engine, kvh_seq seq,
+                                uint32_t layer, uint64_t capacity_tokens,
+                                kvh_vmap **vmap);
+
+/* Brings the view up to date with its sequence: maps blocks appended or
+ * replaced since, unmaps blocks truncated away, moves the holds.
+ * [out] *changed (may be NULL): 1 when a mapping changed. Returns
+ * KVH_ERR_BAD_HANDLE (the sequence was freed), KVH_ERR_NOT_RESIDENT,
+ * KVH_ERR_RANGE (the sequence outgrew capacity_tokens); the view stays
+ * usable (and stale) after a failure. @threads handle (vmap and seq) */
+KVH_API kvh_status kvh_vmap_refresh(kvh_engine *engine, kvh_vmap *vmap,
+                                    int32_t *changed);
+
+/* The view's current addresses and sizes. [out] *view (set
+ * view->struct_size first). @threads handle (vmap) */
+KVH_API kvh_status kvh_vmap_get(kvh_engine *engine, const kvh_vmap *vmap,
+                                kvh_vmap_view *view);
+
+/* Unmaps the view and drops its holds. NULL accepted. Views left at
+ * kvh_engine_close are released by it. @threads handle (vmap) */
+KVH_API kvh_status kvh_vmap_release(kvh_engine *engine, kvh_vmap *vmap);
+
+/* kvh_attention_decode over views: view i (a sequence's layer) attends
+ * with q[i] over its n_tokens tokens, indexing the contiguous arrays
+ * directly (no block table). The result equals kvh_attention_decode's on
+ * the same sequence bit for bit (same kernels and work split per
+ * sequence). [borrowed] views (n_views), q, out, params as in
+ * kvh_attention_decode (host memory). Returns KVH_ERR_BAD_HANDLE for a
+ * stale view (refresh it), KVH_ERR_INVALID_ARG, KVH_ERR_STRUCT_SIZE,
+ * KVH_ERR_NOMEM. @threads handle (each view) */
+KVH_API kvh_status kvh_attention_decode_vmap(kvh_engine *engine,
+                                             kvh_vmap *const *views,
+                                             size_t n_views, const void *q,
+                                             void *out,
+                                             const kvh_attention_params *params);
 
 #ifdef __cplusplus
 }
