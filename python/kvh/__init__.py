@@ -34,6 +34,7 @@ from .errors import (
     TimeoutError,
     UnsupportedError,
 )
+from .vmap import VMap
 from .types import Backend, BlockInfo, Codec, Config, DType, Stats, Tier, TierInfo, bf16_to_f32, f32_to_bf16, numpy_dtype
 
 __version__ = LOADED_VERSION_STRING
@@ -45,7 +46,7 @@ def version() -> str:
 
 
 __all__ = [
-    "Engine", "Sequence", "Block", "Hold", "Fence",
+    "Engine", "Sequence", "Block", "Hold", "Fence", "VMap",
     "Config", "Codec", "Stats", "TierInfo", "BlockInfo", "Tier", "DType", "Backend",
     "numpy_dtype", "bf16_to_f32", "f32_to_bf16", "version",
     "Error", "InvalidArgumentError", "StructSizeError", "BadHandleError", "OutOfMemoryError", "NoSpaceError",

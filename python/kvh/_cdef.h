@@ -94,6 +94,7 @@ typedef struct kvh_config {
     uint32_t disk_queue_depth;
     uint32_t disk_flags;
     uint32_t kv_codec;
+    uint32_t vmap;
 } kvh_config;
 enum kvh_disk_flags {
     KVH_DISK_RESET_ON_MISMATCH = 1,
@@ -226,3 +227,19 @@ enum kvh_codec {
 kvh_status kvh_codec_vector_bytes(uint32_t codec, uint32_t dtype, uint32_t head_dim, uint64_t *bytes);
 kvh_status kvh_codec_encode(uint32_t codec, uint32_t dtype, uint32_t head_dim, const void *src, size_t n_vectors, void *dst);
 kvh_status kvh_codec_decode(uint32_t codec, uint32_t dtype, uint32_t head_dim, const void *src, size_t n_vectors, void *dst);
+typedef struct kvh_vmap kvh_vmap;
+typedef struct kvh_vmap_view {
+    uint32_t struct_size;
+    uint32_t layer;
+    uint64_t n_tokens;
+    uint64_t capacity_tokens;
+    uint64_t head_stride;
+    const void *k;
+    const void *v;
+    uint64_t generation;
+} kvh_vmap_view;
+kvh_status kvh_seq_vmap(kvh_engine *engine, kvh_seq seq, uint32_t layer, uint64_t capacity_tokens, kvh_vmap **vmap);
+kvh_status kvh_vmap_refresh(kvh_engine *engine, kvh_vmap *vmap, int32_t *changed);
+kvh_status kvh_vmap_get(kvh_engine *engine, const kvh_vmap *vmap, kvh_vmap_view *view);
+kvh_status kvh_vmap_release(kvh_engine *engine, kvh_vmap *vmap);
+kvh_status kvh_attention_decode_vmap(kvh_engine *engine, kvh_vmap *const *views, size_t n_views, const void *q, void *out, const kvh_attention_params *params);

@@ -299,6 +299,8 @@ class Engine:
         c.disk_flags = flags
         if cfg.kv_codec is not None:
             c.kv_codec = int(Codec.parse(cfg.kv_codec))
+        if cfg.vmap is not None:
+            c.vmap = 1 if cfg.vmap else 0
         c.log_fn = lib._kvh_py_log
         c.log_user = NULL
         return keep
@@ -314,7 +316,7 @@ class Engine:
             migration_cpu_mask=int(c.migration_cpu_mask), lru_k=int(c.lru_k),
             promote_min_hits=int(c.promote_min_hits), log_level=int(c.log_level),
             disk_queue_depth=int(c.disk_queue_depth), disk_reset_on_mismatch=given.disk_reset_on_mismatch,
-            disk_buffered=given.disk_buffered, kv_codec=Codec(int(c.kv_codec)),
+            disk_buffered=given.disk_buffered, kv_codec=Codec(int(c.kv_codec)), vmap=bool(c.vmap),
         )
 
     # ---- lifetime ----
@@ -671,6 +673,16 @@ class Engine:
         with self._call() as p:
             check(lib.kvh_attention_prefill(p, layer, hs, ql, n, qp, op, prm))
         return out
+
+    def attention_decode_vmap(self, views: Seq[Any], q: Any, *, out: Any = None, scale: float = 0.0,
+                              threads: int = 0) -> Any:
+        """Decode attention over virtually contiguous views (:class:`kvh.VMap`,
+        from :meth:`Sequence.vmap`): q is ``(len(views), num_q_heads,
+        head_dim)``. Equals :meth:`attention_decode` bit for bit; a stale view
+        raises :class:`kvh.BadHandleError` (refresh it)."""
+        from .vmap import attention_decode_vmap
+
+        return attention_decode_vmap(self, views, q, out=out, scale=scale, threads=threads)
 
 
 # ---------------------------------------------------------------------------------
@@ -1081,6 +1093,14 @@ class Sequence:
             native.leave()
 
     close = free
+
+    def vmap(self, layer: int, capacity_tokens: int = 0) -> Any:
+        """A virtually contiguous view of one layer's K and V
+        (:class:`kvh.VMap`); needs ``Config(vmap=1)`` and every block in the
+        device tier (acquire first)."""
+        from .vmap import VMap
+
+        return VMap(self, _index("layer", layer, maximum=_U32), _index("capacity_tokens", capacity_tokens))
 
     def __enter__(self) -> "Sequence":
         self._check_alive()

@@ -167,6 +167,7 @@ class Config:
     disk_reset_on_mismatch: bool = False
     disk_buffered: bool = False
     kv_codec: Union["Codec", str, int, None] = None
+    vmap: Optional[bool] = None
 
     def replace(self, **changes: Any) -> "Config":
         return dataclasses.replace(self, **changes)

@@ -244,6 +244,7 @@ pub struct kvh_config {
     pub disk_queue_depth: u32,
     pub disk_flags: u32,
     pub kv_codec: u32,
+    pub vmap: u32,
 }
 #[test]
 fn bindgen_test_layout_kvh_config() {
@@ -682,6 +683,23 @@ fn bindgen_test_layout_kvh_config() {
         );
     }
     test_field_kv_codec();
+    fn test_field_vmap() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_config>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).vmap) as usize - ptr as usize
+            },
+            132usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_config),
+                "::",
+                stringify!(vmap)
+            )
+        );
+    }
+    test_field_vmap();
 }
 impl Default for kvh_config {
     fn default() -> Self {
@@ -2275,5 +2293,216 @@ extern "C" {
         src: *const ::std::os::raw::c_void,
         n_vectors: usize,
         dst: *mut ::std::os::raw::c_void,
+    ) -> kvh_status;
+}
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct kvh_vmap {
+    _unused: [u8; 0],
+}
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct kvh_vmap_view {
+    pub struct_size: u32,
+    pub layer: u32,
+    pub n_tokens: u64,
+    pub capacity_tokens: u64,
+    pub head_stride: u64,
+    pub k: *const ::std::os::raw::c_void,
+    pub v: *const ::std::os::raw::c_void,
+    pub generation: u64,
+}
+#[test]
+fn bindgen_test_layout_kvh_vmap_view() {
+    assert_eq!(
+        ::std::mem::size_of::<kvh_vmap_view>(),
+        56usize,
+        concat!("Size of: ", stringify!(kvh_vmap_view))
+    );
+    assert_eq!(
+        ::std::mem::align_of::<kvh_vmap_view>(),
+        8usize,
+        concat!("Alignment of ", stringify!(kvh_vmap_view))
+    );
+    fn test_field_struct_size() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_vmap_view>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).struct_size) as usize - ptr as usize
+            },
+            0usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_vmap_view),
+                "::",
+                stringify!(struct_size)
+            )
+        );
+    }
+    test_field_struct_size();
+    fn test_field_layer() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_vmap_view>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).layer) as usize - ptr as usize
+            },
+            4usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_vmap_view),
+                "::",
+                stringify!(layer)
+            )
+        );
+    }
+    test_field_layer();
+    fn test_field_n_tokens() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_vmap_view>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).n_tokens) as usize - ptr as usize
+            },
+            8usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_vmap_view),
+                "::",
+                stringify!(n_tokens)
+            )
+        );
+    }
+    test_field_n_tokens();
+    fn test_field_capacity_tokens() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_vmap_view>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).capacity_tokens) as usize - ptr as usize
+            },
+            16usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_vmap_view),
+                "::",
+                stringify!(capacity_tokens)
+            )
+        );
+    }
+    test_field_capacity_tokens();
+    fn test_field_head_stride() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_vmap_view>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).head_stride) as usize - ptr as usize
+            },
+            24usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_vmap_view),
+                "::",
+                stringify!(head_stride)
+            )
+        );
+    }
+    test_field_head_stride();
+    fn test_field_k() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_vmap_view>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).k) as usize - ptr as usize
+            },
+            32usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_vmap_view),
+                "::",
+                stringify!(k)
+            )
+        );
+    }
+    test_field_k();
+    fn test_field_v() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_vmap_view>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).v) as usize - ptr as usize
+            },
+            40usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_vmap_view),
+                "::",
+                stringify!(v)
+            )
+        );
+    }
+    test_field_v();
+    fn test_field_generation() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_vmap_view>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).generation) as usize - ptr as usize
+            },
+            48usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_vmap_view),
+                "::",
+                stringify!(generation)
+            )
+        );
+    }
+    test_field_generation();
+}
+impl Default for kvh_vmap_view {
+    fn default() -> Self {
+        let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+extern "C" {
+    pub fn kvh_seq_vmap(
+        engine: *mut kvh_engine,
+        seq: kvh_seq,
+        layer: u32,
+        capacity_tokens: u64,
+        vmap: *mut *mut kvh_vmap,
+    ) -> kvh_status;
+}
+extern "C" {
+    pub fn kvh_vmap_refresh(
+        engine: *mut kvh_engine,
+        vmap: *mut kvh_vmap,
+        changed: *mut i32,
+    ) -> kvh_status;
+}
+extern "C" {
+    pub fn kvh_vmap_get(
+        engine: *mut kvh_engine,
+        vmap: *const kvh_vmap,
+        view: *mut kvh_vmap_view,
+    ) -> kvh_status;
+}
+extern "C" {
+    pub fn kvh_vmap_release(engine: *mut kvh_engine, vmap: *mut kvh_vmap) -> kvh_status;
+}
+extern "C" {
+    pub fn kvh_attention_decode_vmap(
+        engine: *mut kvh_engine,
+        views: *const *mut kvh_vmap,
+        n_views: usize,
+        q: *const ::std::os::raw::c_void,
+        out: *mut ::std::os::raw::c_void,
+        params: *const kvh_attention_params,
     ) -> kvh_status;
 }
