@@ -20,6 +20,7 @@ static const struct {
     {"migrate", "device<->host block copies (kvh_migrate, kvh_seq_migrate) vs memcpy", bench_migrate},
     {"disk", "spill/restore through the disk tier vs raw io_uring O_DIRECT; store recovery time", bench_disk},
     {"attention", "CPU paged decode vs contiguous and vs memory read bandwidth", bench_attention},
+    {"vmap", "virtual contiguity: view map/refresh/release cost, decode over views vs paged", bench_vmap},
 };
 #define N_SCENARIOS (sizeof(scenarios) / sizeof(scenarios[0]))
 
