@@ -124,6 +124,7 @@ static kvh_status validate(const kvh_config *c)
           "unknown disk_flags 0x%x", c->disk_flags);
     CHECK(!c->disk_bytes || (c->disk_path && c->disk_path[0]), "disk_bytes is set but disk_path is empty");
     CHECK(c->vmap <= 1, "vmap %u is not 0 or 1", c->vmap);
+    CHECK(c->eviction_policy <= KVH_EVICT_LCTRU, "unknown eviction_policy %u", c->eviction_policy);
 #undef CHECK
     return KVH_OK;
 }

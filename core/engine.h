@@ -54,6 +54,7 @@ typedef struct kvhi_block {
     uint16_t n_tokens;
     uint16_t flags;
     uint8_t tier;
+    uint8_t tolerance; /* compression tolerance, for LCTRU (lctru.c) */
     uint32_t heap_pos;       /* position in its tier's eviction heap */
     uint32_t quota_heap_pos; /* position in its agent's device heap */
     uint64_t hash;           /* chained hash, valid with KVHI_BF_HASHED */
@@ -378,6 +379,10 @@ static inline uint64_t kvhi_cell_bytes(kvh_engine *e, uint32_t tier)
 {
     return e->tiers[tier].encoded ? e->enc_vector_bytes : e->vector_bytes;
 }
+
+/* ---- LCTRU (lctru.c) ---- */
+/* The eviction key of b under the engine's policy, from its LRU-K key. */
+kvhi_lruk_key kvhi_evict_key(kvh_engine *e, const kvhi_block *blk, kvhi_lruk_key lruk);
 
 /* ---- virtual contiguity (vmap.c) ---- */
 /* The device tier's memory as a shared mapping of a memfd (e->vmap_fd);

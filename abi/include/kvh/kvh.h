@@ -177,6 +177,12 @@ typedef struct kvh_config {
      * whose blocks kvh_seq_vmap can map into contiguous views (see
      * "Virtual contiguity"). Default 0. KVH_ERR_UNSUPPORTED on CUDA. */
     uint32_t vmap;
+    /* kvh_eviction: victim order in the memory tiers (see "LCTRU");
+     * default KVH_EVICT_LRU_K. */
+    uint32_t eviction_policy;
+    /* LCTRU: accesses of recency a fully tolerant block gives up (0 = the
+     * device tier's capacity in blocks). */
+    uint32_t lctru_window;
 } kvh_config;
 
 enum kvh_disk_flags {
@@ -406,6 +412,8 @@ typedef struct kvh_block_info {
     uint32_t published; /* 1 when it is in the prefix index */
     uint32_t in_flight; /* 1 while a migration copies it */
     uint64_t hash;      /* chained prefix hash; 0 until the block is full */
+    uint32_t tolerance; /* compression tolerance 0..255 (see "LCTRU") */
+    uint32_t reserved0;
 } kvh_block_info;
 
 /* [out] *info (set info->struct_size first). @threads any */
@@ -721,6 +729,44 @@ KVH_API kvh_status kvh_attention_decode_vmap(kvh_engine *engine,
                                              size_t n_views, const void *q,
                                              void *out,
                                              const kvh_attention_params *params);
+
+/* ------------------------------------------------------------------ */
+/* LCTRU: tolerance-aware eviction                                     */
+/* ------------------------------------------------------------------ */
+
+/* Victim order of the memory tiers. KVH_EVICT_LRU_K: by the K-th most
+ * recent access (kvh_config.lru_k), then the most recent. KVH_EVICT_LCTRU
+ * ("least compression-tolerable and recently used"): the same order, but
+ * every block counts as if its accesses had happened tolerance / 255 *
+ * lctru_window accesses earlier, so that among blocks of similar recency
+ * the compression-tolerant ones leave first: with a kv_codec, leaving the
+ * device tier is what compresses a block, so tolerant blocks are
+ * compressed before intolerant ones have to go, and a block of tolerance 0
+ * is ordered exactly as under LRU-K. Unreferenced cached blocks still go
+ * before referenced ones under both policies. */
+enum kvh_eviction { KVH_EVICT_LRU_K = 0, KVH_EVICT_LCTRU = 1 };
+
+/* Compression tolerance of a new block. A caller that knows better (e.g.
+ * attention-sink tokens and the newest tokens are intolerant, old context
+ * tolerant, or per layer from measured codec error) sets it per range. */
+#define KVH_TOLERANCE_DEFAULT 128u
+#define KVH_TOLERANCE_MAX 255u
+
+/* Sets the compression tolerance (0 = intolerant .. KVH_TOLERANCE_MAX) of
+ * the blocks holding tokens [first, first + n) of seq; blocks appended
+ * later start at KVH_TOLERANCE_DEFAULT, and a copy-on-write copy inherits
+ * its source's. Shared blocks change for every sequence using them. Has
+ * an effect on victim order only under KVH_EVICT_LCTRU. Returns
+ * KVH_ERR_INVALID_ARG (tolerance > KVH_TOLERANCE_MAX), KVH_ERR_RANGE,
+ * KVH_ERR_BAD_HANDLE. @threads handle */
+KVH_API kvh_status kvh_seq_set_tolerance(kvh_engine *engine, kvh_seq seq,
+                                         uint64_t first, uint64_t n,
+                                         uint32_t tolerance);
+
+/* The same for one block. @threads any */
+KVH_API kvh_status kvh_block_set_tolerance(kvh_engine *engine,
+                                           kvh_block block,
+                                           uint32_t tolerance);
 
 #ifdef __cplusplus
 }
