@@ -35,7 +35,7 @@ from .errors import (
     UnsupportedError,
 )
 from .vmap import VMap
-from .types import Backend, BlockInfo, Codec, Config, DType, Stats, Tier, TierInfo, bf16_to_f32, f32_to_bf16, numpy_dtype
+from .types import Backend, BlockInfo, Codec, Config, Eviction, DType, Stats, Tier, TierInfo, bf16_to_f32, f32_to_bf16, numpy_dtype
 
 __version__ = LOADED_VERSION_STRING
 
@@ -47,7 +47,7 @@ def version() -> str:
 
 __all__ = [
     "Engine", "Sequence", "Block", "Hold", "Fence", "VMap",
-    "Config", "Codec", "Stats", "TierInfo", "BlockInfo", "Tier", "DType", "Backend",
+    "Config", "Codec", "Eviction", "Stats", "TierInfo", "BlockInfo", "Tier", "DType", "Backend",
     "numpy_dtype", "bf16_to_f32", "f32_to_bf16", "version",
     "Error", "InvalidArgumentError", "StructSizeError", "BadHandleError", "OutOfMemoryError", "NoSpaceError",
     "KvhIOError", "IOError", "CorruptionError", "BusyError", "KvhTimeoutError", "TimeoutError",

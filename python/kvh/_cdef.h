@@ -5,6 +5,8 @@
 #define KVH_VERSION_PATCH 0
 #define KVH_VERSION_NUMBER 100
 #define KVH_TIER_COUNT 3
+#define KVH_TOLERANCE_DEFAULT 128
+#define KVH_TOLERANCE_MAX 255
 enum kvh_status_code {
     KVH_OK = 0,
     KVH_ERR_INVALID_ARG = -1,
@@ -95,6 +97,8 @@ typedef struct kvh_config {
     uint32_t disk_flags;
     uint32_t kv_codec;
     uint32_t vmap;
+    uint32_t eviction_policy;
+    uint32_t lctru_window;
 } kvh_config;
 enum kvh_disk_flags {
     KVH_DISK_RESET_ON_MISMATCH = 1,
@@ -177,6 +181,8 @@ typedef struct kvh_block_info {
     uint32_t published;
     uint32_t in_flight;
     uint64_t hash;
+    uint32_t tolerance;
+    uint32_t reserved0;
 } kvh_block_info;
 kvh_status kvh_block_info_get(kvh_engine *engine, kvh_block block, kvh_block_info *info);
 kvh_status kvh_block_alloc(kvh_engine *engine, uint32_t agent, kvh_block *block);
@@ -243,3 +249,9 @@ kvh_status kvh_vmap_refresh(kvh_engine *engine, kvh_vmap *vmap, int32_t *changed
 kvh_status kvh_vmap_get(kvh_engine *engine, const kvh_vmap *vmap, kvh_vmap_view *view);
 kvh_status kvh_vmap_release(kvh_engine *engine, kvh_vmap *vmap);
 kvh_status kvh_attention_decode_vmap(kvh_engine *engine, kvh_vmap *const *views, size_t n_views, const void *q, void *out, const kvh_attention_params *params);
+enum kvh_eviction {
+    KVH_EVICT_LRU_K = 0,
+    KVH_EVICT_LCTRU = 1
+};
+kvh_status kvh_seq_set_tolerance(kvh_engine *engine, kvh_seq seq, uint64_t first, uint64_t n, uint32_t tolerance);
+kvh_status kvh_block_set_tolerance(kvh_engine *engine, kvh_block block, uint32_t tolerance);

@@ -33,7 +33,7 @@ import numpy as np
 
 from . import errors
 from ._ffi import NULL, U64_MAX, check, ffi, kvh_level_for_logger, last_error, lib, raise_status, status_name
-from .types import Backend, BlockInfo, Codec, Config, DType, Stats, Tier, TierInfo, numpy_dtype
+from .types import Backend, BlockInfo, Codec, Config, Eviction, DType, Stats, Tier, TierInfo, numpy_dtype
 
 __all__ = ["Engine", "Sequence", "Block", "Hold", "Fence", "TokenSpan"]
 
@@ -301,6 +301,10 @@ class Engine:
             c.kv_codec = int(Codec.parse(cfg.kv_codec))
         if cfg.vmap is not None:
             c.vmap = 1 if cfg.vmap else 0
+        if cfg.eviction_policy is not None:
+            c.eviction_policy = int(Eviction.parse(cfg.eviction_policy))
+        if cfg.lctru_window is not None:
+            c.lctru_window = _index("lctru_window", cfg.lctru_window, maximum=_U32)
         c.log_fn = lib._kvh_py_log
         c.log_user = NULL
         return keep
@@ -317,6 +321,7 @@ class Engine:
             promote_min_hits=int(c.promote_min_hits), log_level=int(c.log_level),
             disk_queue_depth=int(c.disk_queue_depth), disk_reset_on_mismatch=given.disk_reset_on_mismatch,
             disk_buffered=given.disk_buffered, kv_codec=Codec(int(c.kv_codec)), vmap=bool(c.vmap),
+            eviction_policy=Eviction(int(c.eviction_policy)), lctru_window=int(c.lctru_window),
         )
 
     # ---- lifetime ----
@@ -871,6 +876,11 @@ class Block:
     def unpin(self) -> None:
         self.pin(False)
 
+    def set_tolerance(self, tolerance: int) -> None:
+        """Compression tolerance 0 (intolerant) .. 255 for LCTRU eviction."""
+        with self._engine._call() as p:
+            check(lib.kvh_block_set_tolerance(p, self._h(), _index("tolerance", tolerance, maximum=_U32)))
+
     def retain(self) -> "Block":
         """A new owned reference to the same block."""
         with self._engine._call() as p:
@@ -919,7 +929,7 @@ def _block_info(engine: Engine, h) -> BlockInfo:
         tier=Tier(tier_v) if tier_v in (0, 1, 2) else tier_v,  # type: ignore[arg-type]
         slot=int(info.slot), refs=int(info.refs), pins=int(info.pins), holds=int(info.holds),
         tokens=int(info.tokens), agent=int(info.agent), published=bool(info.published),
-        in_flight=bool(info.in_flight), hash=int(info.hash),
+        in_flight=bool(info.in_flight), hash=int(info.hash), tolerance=int(info.tolerance),
     )
 
 
@@ -1302,6 +1312,19 @@ class Sequence:
 
     def unpin(self, first: TokenSpan = None, n: Optional[int] = None) -> None:
         self._pin(first, n, 0)
+
+    def set_tolerance(self, tolerance: int, first: TokenSpan = None, n: Optional[int] = None) -> None:
+        """Compression tolerance (0 intolerant .. 255) of the blocks of a token
+        range, used by ``eviction_policy="lctru"``: among blocks of similar
+        recency, tolerant ones leave the device tier (are compressed under a
+        kv_codec) first."""
+        tol = _index("tolerance", tolerance, maximum=_U32)
+        p = self._enter()
+        try:
+            f, cnt = self._span(p, first, n)
+            check(lib.kvh_seq_set_tolerance(p, self._h[0], f, cnt, tol))
+        finally:
+            self._leave()
 
     def _pin(self, first: TokenSpan, n: Optional[int], pinned: int) -> None:
         p = self._enter()

@@ -168,6 +168,8 @@ class Config:
     disk_buffered: bool = False
     kv_codec: Union["Codec", str, int, None] = None
     vmap: Optional[bool] = None
+    eviction_policy: Union["Eviction", str, int, None] = None
+    lctru_window: Optional[int] = None
 
     def replace(self, **changes: Any) -> "Config":
         return dataclasses.replace(self, **changes)
@@ -180,6 +182,30 @@ class Config:
             elif isinstance(v, os.PathLike):
                 d[k] = os.fspath(v)
         return d
+
+
+class Eviction(enum.IntEnum):
+    """Victim order of the memory tiers (kvh_eviction)."""
+
+    LRU_K = 0
+    LCTRU = 1
+
+    @classmethod
+    def parse(cls, value: Any) -> "Eviction":
+        if isinstance(value, Eviction):
+            return value
+        if isinstance(value, str):
+            key = value.strip().lower().replace("-", "_")
+            names = {"lru_k": cls.LRU_K, "lruk": cls.LRU_K, "lru": cls.LRU_K, "lctru": cls.LCTRU}
+            if key in names:
+                return names[key]
+            raise ValueError(f"unknown eviction policy {value!r}: expected 'lru_k' or 'lctru'")
+        if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+            try:
+                return cls(int(value))
+            except ValueError:
+                raise ValueError(f"unknown eviction policy {value!r}: expected 0 or 1") from None
+        raise TypeError(f"eviction_policy must be a name or an int, not {type(value).__name__}")
 
 
 class Codec(enum.IntEnum):
@@ -318,6 +344,7 @@ class BlockInfo:
     published: bool
     in_flight: bool
     hash: int
+    tolerance: int = 128
 
     @property
     def shared(self) -> bool:

@@ -66,3 +66,31 @@ def test_engine_host_tier_holds_quantised_blocks(codec):
             assert not np.array_equal(k2, k)  # really quantised
             assert np.allclose(k2, kc.round_trip(k, codec), atol=1e-6)
             assert np.allclose(v2, kc.round_trip(v, codec), atol=1e-6)
+
+
+def test_lctru_tolerance_orders_victims():
+    """The fully tolerant (most recent) block is the one compressed."""
+    block = 2 * 1 * 64 * 16 * 4
+    with kvh.Engine(num_layers=1, num_kv_heads=1, head_dim=64, block_tokens=16, dtype="f32", backend="cpu",
+                    device_bytes=4 * block, host_bytes=8 * block, migration_threads=0, lru_k=1,
+                    kv_codec="int8", eviction_policy="lctru", lctru_window=1000) as eng:
+        assert eng.config.eviction_policy == kvh.Eviction.LCTRU
+        extra = eng.sequence()
+        extra.append(range(16))
+        extra.migrate(kvh.Tier.HOST)
+        seqs = []
+        for i in range(4):
+            s = eng.sequence()
+            s.append(range(100 * i, 100 * i + 16))
+            k = np.full((16, 1, 64), float(i + 1), np.float32)
+            s.write_kv(0, 0, k, k)
+            seqs.append(s)
+        for i, s in enumerate(seqs):
+            s.read_kv(0)
+            s.set_tolerance(255 if i == 3 else 0)
+        assert [s.blocks()[0].info().tolerance for s in seqs] == [0, 0, 0, 255]
+        with extra.acquire():
+            tiers = [s.blocks()[0].info().tier for s in seqs]
+        assert tiers == [kvh.Tier.DEVICE] * 3 + [kvh.Tier.HOST]
+        with pytest.raises(kvh.InvalidArgumentError):
+            seqs[0].set_tolerance(300)

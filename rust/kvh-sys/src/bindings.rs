@@ -6,6 +6,8 @@ pub const KVH_VERSION_MINOR: u32 = 1;
 pub const KVH_VERSION_PATCH: u32 = 0;
 pub const KVH_VERSION_NUMBER: u32 = 100;
 pub const KVH_TIER_COUNT: u32 = 3;
+pub const KVH_TOLERANCE_DEFAULT: u32 = 128;
+pub const KVH_TOLERANCE_MAX: u32 = 255;
 pub type __int32_t = ::std::os::raw::c_int;
 pub type __uint32_t = ::std::os::raw::c_uint;
 pub type __uint64_t = ::std::os::raw::c_ulong;
@@ -245,12 +247,14 @@ pub struct kvh_config {
     pub disk_flags: u32,
     pub kv_codec: u32,
     pub vmap: u32,
+    pub eviction_policy: u32,
+    pub lctru_window: u32,
 }
 #[test]
 fn bindgen_test_layout_kvh_config() {
     assert_eq!(
         ::std::mem::size_of::<kvh_config>(),
-        136usize,
+        144usize,
         concat!("Size of: ", stringify!(kvh_config))
     );
     assert_eq!(
@@ -700,6 +704,40 @@ fn bindgen_test_layout_kvh_config() {
         );
     }
     test_field_vmap();
+    fn test_field_eviction_policy() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_config>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).eviction_policy) as usize - ptr as usize
+            },
+            136usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_config),
+                "::",
+                stringify!(eviction_policy)
+            )
+        );
+    }
+    test_field_eviction_policy();
+    fn test_field_lctru_window() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_config>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).lctru_window) as usize - ptr as usize
+            },
+            140usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_config),
+                "::",
+                stringify!(lctru_window)
+            )
+        );
+    }
+    test_field_lctru_window();
 }
 impl Default for kvh_config {
     fn default() -> Self {
@@ -1581,12 +1619,14 @@ pub struct kvh_block_info {
     pub published: u32,
     pub in_flight: u32,
     pub hash: u64,
+    pub tolerance: u32,
+    pub reserved0: u32,
 }
 #[test]
 fn bindgen_test_layout_kvh_block_info() {
     assert_eq!(
         ::std::mem::size_of::<kvh_block_info>(),
-        48usize,
+        56usize,
         concat!("Size of: ", stringify!(kvh_block_info))
     );
     assert_eq!(
@@ -1781,6 +1821,40 @@ fn bindgen_test_layout_kvh_block_info() {
         );
     }
     test_field_hash();
+    fn test_field_tolerance() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_block_info>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).tolerance) as usize - ptr as usize
+            },
+            48usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_block_info),
+                "::",
+                stringify!(tolerance)
+            )
+        );
+    }
+    test_field_tolerance();
+    fn test_field_reserved0() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_block_info>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).reserved0) as usize - ptr as usize
+            },
+            52usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_block_info),
+                "::",
+                stringify!(reserved0)
+            )
+        );
+    }
+    test_field_reserved0();
 }
 extern "C" {
     pub fn kvh_block_info_get(
@@ -2504,5 +2578,24 @@ extern "C" {
         q: *const ::std::os::raw::c_void,
         out: *mut ::std::os::raw::c_void,
         params: *const kvh_attention_params,
+    ) -> kvh_status;
+}
+pub const KVH_EVICT_LRU_K: kvh_eviction = 0;
+pub const KVH_EVICT_LCTRU: kvh_eviction = 1;
+pub type kvh_eviction = ::std::os::raw::c_uint;
+extern "C" {
+    pub fn kvh_seq_set_tolerance(
+        engine: *mut kvh_engine,
+        seq: kvh_seq,
+        first: u64,
+        n: u64,
+        tolerance: u32,
+    ) -> kvh_status;
+}
+extern "C" {
+    pub fn kvh_block_set_tolerance(
+        engine: *mut kvh_engine,
+        block: kvh_block,
+        tolerance: u32,
     ) -> kvh_status;
 }
