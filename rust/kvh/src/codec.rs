@@ -32,6 +32,25 @@ impl Codec {
     }
 }
 
+/// Victim order of the memory tiers (`kvh_eviction`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Eviction {
+    /// By the K-th most recent access, then the most recent.
+    LruK,
+    /// LRU-K with each block aged by its compression tolerance (LCTRU).
+    Lctru,
+}
+
+impl Eviction {
+    /// The `kvh_eviction` value.
+    pub const fn raw(self) -> u32 {
+        match self {
+            Eviction::LruK => sys::KVH_EVICT_LRU_K,
+            Eviction::Lctru => sys::KVH_EVICT_LCTRU,
+        }
+    }
+}
+
 /// Bytes of one encoded vector of `head_dim` elements of `dtype`.
 pub fn vector_bytes(codec: Codec, dtype: DType, head_dim: u32) -> Result<usize> {
     let mut out = 0u64;

@@ -112,6 +112,15 @@ impl Config {
         self
     }
 
+    /// Victim order of the memory tiers (default [`Eviction::LruK`]);
+    /// `window` is LCTRU's recency a fully tolerant block gives up, in
+    /// accesses (0 = the device tier's capacity in blocks).
+    pub fn eviction(mut self, policy: crate::Eviction, window: u32) -> Self {
+        self.raw.eviction_policy = policy.raw();
+        self.raw.lctru_window = window;
+        self
+    }
+
     /// Transformer layers (default 1).
     pub fn num_layers(mut self, n: u32) -> Self {
         self.raw.num_layers = n;

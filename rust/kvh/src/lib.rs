@@ -76,7 +76,7 @@ mod seq;
 mod types;
 
 pub use attention::AttentionParams;
-pub use codec::Codec;
+pub use codec::{Codec, Eviction};
 pub use config::{Config, LogFn};
 pub use element::Element;
 pub use engine::{Engine, OwnedBlock};

@@ -36,3 +36,22 @@ fn host_tier_shrinks_under_a_codec() {
     assert!(host.block_bytes < raw_block);
     assert!(host.capacity_blocks >= 4 * 4);
 }
+
+#[test]
+fn tolerance_is_set_per_range() {
+    let cfg = Config::new()
+        .head_dim(64)
+        .dtype(DType::F32)
+        .backend(kvh::Backend::Cpu)
+        .device_bytes(1 << 20)
+        .host_bytes(1 << 20)
+        .eviction(kvh::Eviction::Lctru, 0);
+    let engine = kvh::Engine::open(cfg).unwrap();
+    let seq = engine.create_sequence(0).unwrap();
+    seq.append(&[1; 20]).unwrap();
+    seq.set_tolerance(16.., 200).unwrap();
+    let blocks = seq.blocks().unwrap();
+    assert_eq!(engine.block_info(blocks[0]).unwrap().tolerance, 128);
+    assert_eq!(engine.block_info(blocks[1]).unwrap().tolerance, 200);
+    assert!(seq.set_tolerance(.., 256).is_err());
+}
