@@ -211,6 +211,7 @@ static void engine_free(kvh_engine *e)
     kvhi_pools_destroy(e);
     kvhi_handles_destroy(&e->pools);
     kvhi_vmap_engine_free(e);
+    kvhi_attention_plans_free(e);
     for (uint32_t i = 0; i < e->n_agents; i++)
         kvhi_lruk_destroy(&e->agents[i].heap);
     free(e->agents);

@@ -192,6 +192,8 @@ struct kvh_engine {
      * without kvh_config.vmap) and the views not yet released. */
     int vmap_fd;
     struct kvh_vmap *vmaps;
+    /* Attention plans not yet destroyed (abi/api_attention_plan.c). */
+    struct kvh_attention_plan *attn_plans;
 };
 
 /* ---- errors and logging (status.c) ---- */
@@ -379,6 +381,10 @@ static inline uint64_t kvhi_cell_bytes(kvh_engine *e, uint32_t tier)
 {
     return e->tiers[tier].encoded ? e->enc_vector_bytes : e->vector_bytes;
 }
+
+/* ---- attention plans (abi/api_attention_plan.c) ---- */
+/* Destroys the plans still open (engine close; no call is active). */
+void kvhi_attention_plans_free(kvh_engine *e);
 
 /* ---- LCTRU (lctru.c) ---- */
 /* The eviction key of b under the engine's policy, from its LRU-K key. */

@@ -568,7 +568,8 @@ KVH_API kvh_status kvh_attention_params_init(kvh_attention_params *params,
  * KVH_ERR_STRUCT_SIZE, KVH_ERR_RANGE (layer out of range, an empty
  * sequence), KVH_ERR_BAD_HANDLE, KVH_ERR_NOT_RESIDENT, KVH_ERR_NOMEM,
  * KVH_ERR_UNSUPPORTED (CUDA with head_dim > 256, or a stream that is being
- * captured into a graph: the call takes holds that a replay would not).
+ * captured into a graph: the call takes holds that a replay would not; use
+ * kvh_attention_plan_create + kvh_attention_run to capture).
  * On CUDA the holds last until the kernels finish, and kvh_engine_close
  * waits for queued attention. Whether K/V cells were written is not
  * checked (a GPU engine may fill slots directly). threads above the CPU
@@ -591,6 +592,61 @@ KVH_API kvh_status kvh_attention_prefill(kvh_engine *engine, uint32_t layer,
                                          size_t n_seqs, const void *q,
                                          void *out,
                                          const kvh_attention_params *params);
+
+/* ------------------------------------------------------------------ */
+/* Attention plans (plan once, run many times; CUDA-graph capturable)   */
+/* ------------------------------------------------------------------ */
+
+/* A kept attention call: the batch's block table and work split, built on
+ * the CPU once (and on CUDA uploaded to device memory once), plus a hold
+ * on every block it reads, so they stay in the device tier in the same
+ * slots until kvh_attention_plan_destroy. kvh_attention_run then only
+ * launches kernels: no allocation, copy, synchronisation or host callback,
+ * so on CUDA it may be called on a stream that is capturing a graph and
+ * the graph may be replayed any number of times.
+ *
+ * A plan covers each sequence's tokens as they were at creation: later
+ * writes into those tokens are seen by later runs, tokens appended later
+ * are not (make a new plan). A change of a sequence's blocks (a
+ * copy-on-write copy, truncation, freeing) is not seen either: the plan
+ * keeps reading the blocks it holds, which are not kept alive; freeing or
+ * truncating a sequence while a plan of it exists leaves that plan's
+ * output undefined (never a memory fault). */
+typedef struct kvh_attention_plan kvh_attention_plan; /* opaque */
+
+/* Plans decode (q_lens NULL: one query row per sequence) or chunked
+ * prefill (q_lens as in kvh_attention_prefill) of layer for a batch, with
+ * the numerics of params (NULL = defaults; its stream is ignored: each run
+ * names its own). [borrowed] seqs, q_lens, params; [out] *plan, owned by
+ * the caller until kvh_attention_plan_destroy. Status codes as
+ * kvh_attention_decode, and KVH_ERR_INVALID_ARG for a batch without query
+ * rows. On CUDA the upload may synchronise: do not call while capturing.
+ * @threads any */
+KVH_API kvh_status kvh_attention_plan_create(kvh_engine *engine,
+                                             uint32_t layer,
+                                             const kvh_seq *seqs,
+                                             const uint32_t *q_lens,
+                                             size_t n_seqs,
+                                             const kvh_attention_params *params,
+                                             kvh_attention_plan **plan);
+
+/* Runs a plan: q and out as in kvh_attention_decode / _prefill (host
+ * memory on the CPU backend, device memory on CUDA), stream the
+ * cudaStream_t to launch on (NULL = the default stream; ignored on the
+ * CPU, where the call returns when done). [borrowed] plan, q, out.
+ * Returns KVH_ERR_INVALID_ARG (NULL plan, q or out), KVH_ERR_INTERNAL (a
+ * launch failure, with the driver's words). @threads any (runs of one
+ * plan may overlap on the CPU only if their outputs differ) */
+KVH_API kvh_status kvh_attention_run(kvh_engine *engine,
+                                     const kvh_attention_plan *plan,
+                                     const void *q, void *out, void *stream);
+
+/* Drops the plan's holds and frees it. On CUDA the caller guarantees that
+ * no launch or graph replay using it is pending (synchronise first); the
+ * call may synchronise the device. NULL accepted. Plans left at
+ * kvh_engine_close are destroyed by it. @threads handle (plan) */
+KVH_API kvh_status kvh_attention_plan_destroy(kvh_engine *engine,
+                                              kvh_attention_plan *plan);
 
 /* ------------------------------------------------------------------ */
 /* KV codecs                                                           */
