@@ -35,6 +35,7 @@ from .errors import (
     UnsupportedError,
 )
 from .vmap import VMap
+from .attention_plan import AttentionPlan
 from .types import Backend, BlockInfo, Codec, Config, Eviction, DType, Stats, Tier, TierInfo, bf16_to_f32, f32_to_bf16, numpy_dtype
 
 __version__ = LOADED_VERSION_STRING
@@ -46,7 +47,7 @@ def version() -> str:
 
 
 __all__ = [
-    "Engine", "Sequence", "Block", "Hold", "Fence", "VMap",
+    "Engine", "Sequence", "Block", "Hold", "Fence", "VMap", "AttentionPlan",
     "Config", "Codec", "Eviction", "Stats", "TierInfo", "BlockInfo", "Tier", "DType", "Backend",
     "numpy_dtype", "bf16_to_f32", "f32_to_bf16", "version",
     "Error", "InvalidArgumentError", "StructSizeError", "BadHandleError", "OutOfMemoryError", "NoSpaceError",

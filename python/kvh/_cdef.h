@@ -224,6 +224,10 @@ typedef struct kvh_attention_params {
 kvh_status kvh_attention_params_init(kvh_attention_params *params, size_t struct_size);
 kvh_status kvh_attention_decode(kvh_engine *engine, uint32_t layer, const kvh_seq *seqs, size_t n_seqs, const void *q, void *out, const kvh_attention_params *params);
 kvh_status kvh_attention_prefill(kvh_engine *engine, uint32_t layer, const kvh_seq *seqs, const uint32_t *q_lens, size_t n_seqs, const void *q, void *out, const kvh_attention_params *params);
+typedef struct kvh_attention_plan kvh_attention_plan;
+kvh_status kvh_attention_plan_create(kvh_engine *engine, uint32_t layer, const kvh_seq *seqs, const uint32_t *q_lens, size_t n_seqs, const kvh_attention_params *params, kvh_attention_plan **plan);
+kvh_status kvh_attention_run(kvh_engine *engine, const kvh_attention_plan *plan, const void *q, void *out, void *stream);
+kvh_status kvh_attention_plan_destroy(kvh_engine *engine, kvh_attention_plan *plan);
 enum kvh_codec {
     KVH_CODEC_NONE = 0,
     KVH_CODEC_INT8 = 1,

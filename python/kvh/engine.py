@@ -679,6 +679,20 @@ class Engine:
             check(lib.kvh_attention_prefill(p, layer, hs, ql, n, qp, op, prm))
         return out
 
+    def attention_plan(self, layer: int, seqs: Seq["Sequence"], q_lens: Optional[Seq[int]] = None, *,
+                       num_q_heads: Optional[int] = None, io_dtype: Union[DType, str, None] = None,
+                       scale: float = 0.0, threads: int = 0) -> Any:
+        """Plans decode (``q_lens`` None) or chunked prefill of a batch once
+        (:class:`kvh.AttentionPlan`); ``plan.run(q)`` then only launches the
+        kernels (capturable into a CUDA graph on the cuda backend). Holds the
+        batch's blocks in the device tier until ``plan.destroy()``."""
+        from .attention_plan import AttentionPlan
+
+        lens = None if q_lens is None else [_index(f"q_lens[{i}]", x, maximum=_U32) for i, x in enumerate(q_lens)]
+        hq = self.num_kv_heads if num_q_heads is None else _index("num_q_heads", num_q_heads, maximum=_U32)
+        io = DType.F32 if io_dtype is None else DType.parse(io_dtype)
+        return AttentionPlan(self, _index("layer", layer, maximum=_U32), seqs, lens, hq, io, scale, threads)
+
     def attention_decode_vmap(self, views: Seq[Any], q: Any, *, out: Any = None, scale: float = 0.0,
                               threads: int = 0) -> Any:
         """Decode attention over virtually contiguous views (:class:`kvh.VMap`,

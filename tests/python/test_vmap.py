@@ -71,3 +71,23 @@ def test_refused_without_vmap():
         seq.append(range(4))
         with pytest.raises(kvh.UnsupportedError):
             seq.vmap(0)
+
+
+def test_attention_plan_matches_one_shot():
+    with make(vmap=False) as eng, eng.sequence() as a, eng.sequence() as b:
+        a.append(range(50))
+        fill(a, 50)
+        b.append(range(9))
+        fill(b, 9, seed=4)
+        q = np.random.default_rng(2).standard_normal((2, 4, 64)).astype(np.float32)
+        with eng.attention_plan(1, [a, b], num_q_heads=4) as plan:
+            assert np.array_equal(plan.run(q), eng.attention_decode(1, [a, b], q))
+            assert a.blocks()[0].info().holds == 1
+            with pytest.raises(ValueError):
+                plan.run(q[:1])
+        assert a.blocks()[0].info().holds == 0
+        pq = np.random.default_rng(3).standard_normal((7, 2, 64)).astype(np.float32)
+        with eng.attention_plan(0, [a, b], [5, 2]) as plan:
+            assert np.array_equal(plan.run(pq), eng.attention_prefill(0, [a, b], [5, 2], pq))
+        with pytest.raises(kvh.InvalidArgumentError):
+            eng.attention_plan(0, [])

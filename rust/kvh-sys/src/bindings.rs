@@ -2336,6 +2336,37 @@ extern "C" {
         params: *const kvh_attention_params,
     ) -> kvh_status;
 }
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct kvh_attention_plan {
+    _unused: [u8; 0],
+}
+extern "C" {
+    pub fn kvh_attention_plan_create(
+        engine: *mut kvh_engine,
+        layer: u32,
+        seqs: *const kvh_seq,
+        q_lens: *const u32,
+        n_seqs: usize,
+        params: *const kvh_attention_params,
+        plan: *mut *mut kvh_attention_plan,
+    ) -> kvh_status;
+}
+extern "C" {
+    pub fn kvh_attention_run(
+        engine: *mut kvh_engine,
+        plan: *const kvh_attention_plan,
+        q: *const ::std::os::raw::c_void,
+        out: *mut ::std::os::raw::c_void,
+        stream: *mut ::std::os::raw::c_void,
+    ) -> kvh_status;
+}
+extern "C" {
+    pub fn kvh_attention_plan_destroy(
+        engine: *mut kvh_engine,
+        plan: *mut kvh_attention_plan,
+    ) -> kvh_status;
+}
 pub const KVH_CODEC_NONE: kvh_codec = 0;
 pub const KVH_CODEC_INT8: kvh_codec = 1;
 pub const KVH_CODEC_Q4_G32: kvh_codec = 2;

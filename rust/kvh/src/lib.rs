@@ -75,7 +75,7 @@ mod fence;
 mod seq;
 mod types;
 
-pub use attention::AttentionParams;
+pub use attention::{AttentionParams, AttentionPlan};
 pub use codec::{Codec, Eviction};
 pub use config::{Config, LogFn};
 pub use element::Element;

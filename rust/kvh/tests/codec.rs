@@ -55,3 +55,26 @@ fn tolerance_is_set_per_range() {
     assert_eq!(engine.block_info(blocks[1]).unwrap().tolerance, 200);
     assert!(seq.set_tolerance(.., 256).is_err());
 }
+
+#[test]
+fn attention_plan_runs_like_the_one_shot_call() {
+    let cfg = Config::new()
+        .num_kv_heads(2)
+        .head_dim(64)
+        .dtype(DType::F32)
+        .backend(kvh::Backend::Cpu)
+        .device_bytes(1 << 22)
+        .host_bytes(0);
+    let engine = kvh::Engine::open(cfg).unwrap();
+    let seq = engine.create_sequence(0).unwrap();
+    seq.append(&[3; 40]).unwrap();
+    let kv: Vec<f32> = (0..40 * 2 * 64).map(|i| ((i * 7919 % 1000) as f32) / 500.0 - 1.0).collect();
+    seq.write_kv(0, 0, &kv, &kv).unwrap();
+    let q: Vec<f32> = (0..2 * 64).map(|i| (i as f32) / 64.0 - 1.0).collect();
+    let (mut a, mut b) = (vec![0f32; 128], vec![1f32; 128]);
+    engine.attention_decode(0, &[&seq], &q, &mut a, None).unwrap();
+    let plan = engine.attention_plan::<f32>(0, &[&seq], None, None).unwrap();
+    plan.run(&q, &mut b).unwrap();
+    assert_eq!(a, b);
+    assert!(plan.run(&q[1..], &mut b).is_err());
+}
