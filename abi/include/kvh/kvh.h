@@ -718,7 +718,10 @@ KVH_API kvh_status kvh_codec_decode(uint32_t codec, uint32_t dtype,
  * Constraints: kvh_config.vmap = 1 (CPU backend), and one head's K of one
  * block, block_tokens * head_dim * sizeof(dtype) bytes, a whole number of
  * pages (e.g. f16, head_dim 128, 16 tokens = 4 KiB): that is the unit the
- * view maps. KVH_ERR_UNSUPPORTED otherwise.
+ * view maps. KVH_ERR_UNSUPPORTED otherwise. Each mapped block costs
+ * 2 * num_kv_heads memory mappings, and the kernel's limit on mappings per
+ * process (vm.max_map_count, 65530 by default) bounds all open views
+ * together (KVH_ERR_NOMEM past it).
  *
  * Residency and staleness: a view holds every block it maps in the device
  * tier (as kvh_seq_acquire does), so its blocks never move while it
