@@ -259,3 +259,4 @@ enum kvh_eviction {
 };
 kvh_status kvh_seq_set_tolerance(kvh_engine *engine, kvh_seq seq, uint64_t first, uint64_t n, uint32_t tolerance);
 kvh_status kvh_block_set_tolerance(kvh_engine *engine, kvh_block block, uint32_t tolerance);
+kvh_status kvh_seq_derive_tolerance(kvh_engine *engine, kvh_seq seq, uint64_t first, uint64_t n, float max_rel_error);

@@ -1340,6 +1340,18 @@ class Sequence:
         finally:
             self._leave()
 
+    def derive_tolerance(self, first: TokenSpan = None, n: Optional[int] = None, *,
+                         max_rel_error: float = 0.0) -> None:
+        """Sets the tolerance of the range's device-tier blocks from the
+        engine's kv_codec error on them: 255 * max(0, 1 - err / max_rel_error)
+        (0 = 0.25). Needs ``kv_codec``."""
+        p = self._enter()
+        try:
+            f, cnt = self._span(p, first, n)
+            check(lib.kvh_seq_derive_tolerance(p, self._h[0], f, cnt, float(max_rel_error)))
+        finally:
+            self._leave()
+
     def _pin(self, first: TokenSpan, n: Optional[int], pinned: int) -> None:
         p = self._enter()
         try:

@@ -136,12 +136,46 @@ static void test_set_tolerance_rules(void **state)
     assert_kvh(KVH_ERR_INVALID_ARG, kvh_engine_open(&c, &bad));
 }
 
+/* Tolerance derived from the codec's error on each block: a block whose
+ * vectors are nearly constant (int8 exact) gets the maximum, one with an
+ * outlier per vector (large error for the rest) a low one. */
+static void test_derived_tolerance(void **state)
+{
+    kvh_engine *e = open_policy(KVH_EVICT_LCTRU, 0, KVH_CODEC_Q4_G64);
+    kvh_seq s = tu_seq_new(e, 0);
+    int32_t tok[2 * BT];
+    tu_iota(tok, 2 * BT, 1);
+    assert_ok(kvh_seq_append(e, s, tok, 2 * BT));
+    float kv[2 * BT * D];
+    for (int t = 0; t < 2 * BT; t++)
+        for (int d = 0; d < D; d++) /* block 0: 16 levels exactly; block 1: an outlier */
+            kv[t * D + d] = t < BT ? (float)(d % 16) : (d == 0 ? 1000.0f : (float)d * 0.01f);
+    assert_ok(kvh_seq_write_kv(e, s, 0, 0, 2 * BT, kv, kv));
+    assert_ok(kvh_seq_derive_tolerance(e, s, 0, 2 * BT, 0));
+    assert_int_equal(tu_seq_binfo(e, s, 0).tolerance, KVH_TOLERANCE_MAX);
+    uint32_t low = tu_seq_binfo(e, s, 1).tolerance;
+    assert_true(low < KVH_TOLERANCE_MAX);
+    /* A stricter bound lowers it further; the host tier keeps its value. */
+    assert_ok(kvh_seq_derive_tolerance(e, s, BT, BT, 1e-6f));
+    assert_int_equal(tu_seq_binfo(e, s, 1).tolerance, 0);
+    assert_ok(kvh_seq_migrate(e, s, 0, BT, KVH_TIER_HOST, NULL));
+    assert_ok(kvh_seq_set_tolerance(e, s, 0, BT, 9));
+    assert_ok(kvh_seq_derive_tolerance(e, s, 0, 2 * BT, 0));
+    assert_int_equal(tu_seq_binfo(e, s, 0).tolerance, 9);
+    assert_kvh(KVH_ERR_INVALID_ARG, kvh_seq_derive_tolerance(e, s, 0, BT, -1.0f));
+    assert_kvh(KVH_ERR_RANGE, kvh_seq_derive_tolerance(e, s, 0, 3 * BT, 0));
+    kvh_engine *plain = open_policy(KVH_EVICT_LCTRU, 0, KVH_CODEC_NONE);
+    kvh_seq p = one_block(plain, 1);
+    assert_kvh(KVH_ERR_UNSUPPORTED, kvh_seq_derive_tolerance(plain, p, 0, BT, 0));
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_tolerant_block_leaves_first, tu_teardown),
         cmocka_unit_test_teardown(test_tolerant_block_is_compressed, tu_teardown),
         cmocka_unit_test_teardown(test_set_tolerance_rules, tu_teardown),
+        cmocka_unit_test_teardown(test_derived_tolerance, tu_teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

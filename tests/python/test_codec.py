@@ -94,3 +94,23 @@ def test_lctru_tolerance_orders_victims():
         assert tiers == [kvh.Tier.DEVICE] * 3 + [kvh.Tier.HOST]
         with pytest.raises(kvh.InvalidArgumentError):
             seqs[0].set_tolerance(300)
+
+
+def test_derive_tolerance_from_codec_error():
+    with kvh.Engine(num_layers=1, num_kv_heads=1, head_dim=64, block_tokens=16, dtype="f32", backend="cpu",
+                    device_bytes=1 << 20, host_bytes=1 << 20, kv_codec="q4_g64", eviction_policy="lctru") as eng:
+        with eng.sequence() as seq:
+            seq.append(range(32))
+            flat = np.tile(np.arange(64, dtype=np.float32) % 16, (16, 1, 1)).reshape(16, 1, 64)
+            spiky = np.random.default_rng(0).standard_normal((16, 1, 64)).astype(np.float32)
+            spiky[:, :, 0] = 500
+            seq.write_kv(0, 0, flat, flat)
+            seq.write_kv(0, 16, spiky, spiky)
+            seq.derive_tolerance()
+            t0, t1 = (b.info().tolerance for b in seq.blocks())
+            assert t0 == 255 and t1 < t0
+    with kvh.Engine(num_layers=1, head_dim=64, dtype="f32", backend="cpu") as eng, eng.sequence() as seq:
+        seq.append(range(4))
+        with pytest.raises(kvh.UnsupportedError):
+            seq.derive_tolerance()
+

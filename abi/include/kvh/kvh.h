@@ -827,6 +827,22 @@ KVH_API kvh_status kvh_block_set_tolerance(kvh_engine *engine,
                                            kvh_block block,
                                            uint32_t tolerance);
 
+/* Derives the tolerance of the blocks holding tokens [first, first + n)
+ * of seq from the engine's kv_codec: each block still held raw (device
+ * tier) is encoded and decoded on the side, and its relative RMS error e
+ * over the written K/V (||x - x'|| / ||x||) gives
+ *   tolerance = KVH_TOLERANCE_MAX * max(0, 1 - e / max_rel_error)
+ * (rounded), so blocks the codec hurts least leave first under LCTRU.
+ * max_rel_error is the error held intolerable (0 = 0.25). Blocks in the
+ * host or disk tier (already encoded) and blocks with nothing written keep
+ * their tolerance. Costs one encode and decode per block (like a
+ * demotion). Returns KVH_ERR_UNSUPPORTED without a kv_codec,
+ * KVH_ERR_INVALID_ARG (max_rel_error negative or not finite),
+ * KVH_ERR_RANGE, KVH_ERR_BAD_HANDLE, KVH_ERR_NOMEM. @threads handle */
+KVH_API kvh_status kvh_seq_derive_tolerance(kvh_engine *engine, kvh_seq seq,
+                                            uint64_t first, uint64_t n,
+                                            float max_rel_error);
+
 #ifdef __cplusplus
 }
 #endif

@@ -2630,3 +2630,12 @@ extern "C" {
         tolerance: u32,
     ) -> kvh_status;
 }
+extern "C" {
+    pub fn kvh_seq_derive_tolerance(
+        engine: *mut kvh_engine,
+        seq: kvh_seq,
+        first: u64,
+        n: u64,
+        max_rel_error: f32,
+    ) -> kvh_status;
+}

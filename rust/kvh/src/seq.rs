@@ -490,6 +490,15 @@ impl<'e> Sequence<'e> {
         check(unsafe { sys::kvh_seq_set_tolerance(self.engine.as_ptr(), self.raw, first, n, tolerance) })
     }
 
+    /// Derives the tolerance of the range's device-tier blocks from the
+    /// engine's KV codec error on them (`kvh_seq_derive_tolerance`;
+    /// `max_rel_error` 0 = 0.25).
+    pub fn derive_tolerance(&self, range: impl RangeBounds<u64>, max_rel_error: f32) -> Result<()> {
+        let (first, n) = self.range(range)?;
+        // SAFETY: valid engine.
+        check(unsafe { sys::kvh_seq_derive_tolerance(self.engine.as_ptr(), self.raw, first, n, max_rel_error) })
+    }
+
     fn set_pinned(&self, range: impl RangeBounds<u64>, pinned: bool) -> Result<()> {
         let (first, n) = self.range(range)?;
         // SAFETY: valid engine.
