@@ -36,7 +36,7 @@ impl Default for AttentionParams {
 }
 
 impl AttentionParams {
-    fn to_raw(self) -> Result<sys::kvh_attention_params> {
+    pub(crate) fn to_raw(self) -> Result<sys::kvh_attention_params> {
         let mut raw = sys::kvh_attention_params::default();
         // SAFETY: raw is a valid struct of the size passed.
         check(unsafe {
@@ -56,7 +56,7 @@ impl AttentionParams {
 
 impl Engine {
     /// Elements of one query token (checks GQA and the element type).
-    fn q_token_elems<T: Element>(&self, params: Option<&AttentionParams>) -> Result<usize> {
+    pub(crate) fn q_token_elems<T: Element>(&self, params: Option<&AttentionParams>) -> Result<usize> {
         if self.backend() != "cpu" {
             // q and out are device memory on the CUDA backend: host slices
             // would be read by a kernel. Use kvh-sys with device pointers.

@@ -121,6 +121,13 @@ impl Config {
         self
     }
 
+    /// Back the CPU backend's device tier by a memory file so that
+    /// [`Sequence::vmap`](crate::Sequence::vmap) can map views (default off).
+    pub fn vmap(mut self, on: bool) -> Self {
+        self.raw.vmap = u32::from(on);
+        self
+    }
+
     /// Transformer layers (default 1).
     pub fn num_layers(mut self, n: u32) -> Self {
         self.raw.num_layers = n;

@@ -74,9 +74,11 @@ mod error;
 mod fence;
 mod seq;
 mod types;
+mod vmap;
 
 pub use attention::{AttentionParams, AttentionPlan};
 pub use codec::{Codec, Eviction};
+pub use vmap::{VMap, VMapInfo};
 pub use config::{Config, LogFn};
 pub use element::Element;
 pub use engine::{Engine, OwnedBlock};

@@ -78,3 +78,35 @@ fn attention_plan_runs_like_the_one_shot_call() {
     assert_eq!(a, b);
     assert!(plan.run(&q[1..], &mut b).is_err());
 }
+
+#[test]
+fn views_are_contiguous_and_attend_like_paged() {
+    let cfg = Config::new()
+        .num_kv_heads(2)
+        .head_dim(64)
+        .dtype(DType::F32)
+        .backend(kvh::Backend::Cpu)
+        .device_bytes(1 << 22)
+        .host_bytes(0)
+        .vmap(true);
+    let engine = kvh::Engine::open(cfg).unwrap();
+    let seq = engine.create_sequence(0).unwrap();
+    seq.append(&[5; 40]).unwrap();
+    let kv: Vec<f32> = (0..40 * 2 * 64).map(|i| ((i * 31 % 997) as f32) / 300.0 - 1.5).collect();
+    seq.write_kv(0, 0, &kv, &kv).unwrap();
+    let mut view = seq.vmap(0, 0).unwrap();
+    assert_eq!(view.info().unwrap().n_tokens, 40);
+    let k1: &[f32] = view.k(1).unwrap();
+    for t in 0..40 {
+        assert_eq!(&k1[t * 64..(t + 1) * 64], &kv[(t * 2 + 1) * 64..(t * 2 + 2) * 64]);
+    }
+    let q: Vec<f32> = (0..128).map(|i| (i as f32) / 100.0 - 0.6).collect();
+    let (mut a, mut b) = (vec![0f32; 128], vec![1f32; 128]);
+    engine.attention_decode(0, &[&seq], &q, &mut a, None).unwrap();
+    engine.attention_decode_vmap(&[&view], &q, &mut b, None).unwrap();
+    assert_eq!(a, b);
+    seq.append(&[6; 10]).unwrap();
+    assert!(engine.attention_decode_vmap(&[&view], &q, &mut b, None).is_err());
+    assert!(view.refresh().unwrap());
+    assert_eq!(view.info().unwrap().n_tokens, 50);
+}
