@@ -1,4 +1,4 @@
-/* Decode attention over virtually contiguous views (core/vmap.c). Each
+/* Decode and prefill attention over virtually contiguous views (core/vmap.c). Each
  * view is one sequence's layer laid out like a contiguous KV array, which
  * the kernels read as a single block of capacity_tokens tokens: the block
  * table has one entry. Every sequence gets a plan of its own (views do not
@@ -15,8 +15,8 @@
 
 static void run_done(void *arg) { (void)arg; }
 
-kvh_status kvh_attention_decode_vmap(kvh_engine *e, kvh_vmap *const *views, size_t n_views, const void *q, void *out,
-                                     const kvh_attention_params *params)
+static kvh_status attention_vmap(kvh_engine *e, kvh_vmap *const *views, const uint32_t *q_lens, size_t n_views,
+                                 const void *q, void *out, const kvh_attention_params *params)
 {
     kvhi_clear_error();
     KVHI_REQUIRE(e, "engine is NULL");
@@ -56,6 +56,9 @@ kvh_status kvh_attention_decode_vmap(kvh_engine *e, kvh_vmap *const *views, size
             st = kvhi_fail(KVH_ERR_BAD_HANDLE, "view %zu is stale: the sequence changed (kvh_vmap_refresh it)", i);
         else if (views[i]->n_tokens == 0 || views[i]->n_tokens >= (1ull << 31))
             st = kvhi_fail(KVH_ERR_RANGE, "view %zu maps %llu tokens", i, (unsigned long long)views[i]->n_tokens);
+        else if (q_lens && q_lens[i] > views[i]->n_tokens)
+            st = kvhi_fail(KVH_ERR_RANGE, "view %zu: %u query tokens but only %llu tokens", i, q_lens[i],
+                           (unsigned long long)views[i]->n_tokens);
     }
     if (st == KVH_OK && !e->attn_state)
         st = kvhi_fail(KVH_ERR_NOMEM, "out of memory for the attention state");
@@ -71,7 +74,7 @@ kvh_status kvh_attention_decode_vmap(kvh_engine *e, kvh_vmap *const *views, size
      * their holds keep the blocks in place: the lock is not needed. */
     pthread_mutex_unlock(&e->lock);
 
-    uint64_t row_bytes = (uint64_t)pr.num_q_heads * c->head_dim * kvhi_dtype_bytes(pr.io_dtype);
+    uint64_t row_bytes = (uint64_t)pr.num_q_heads * c->head_dim * kvhi_dtype_bytes(pr.io_dtype), row = 0;
     for (size_t i = 0; i < n_views && st == KVH_OK; i++) {
         const kvh_vmap *v = views[i];
         kvhi_attn_plan p = {0};
@@ -90,15 +93,18 @@ kvh_status kvh_attention_decode_vmap(kvh_engine *e, kvh_vmap *const *views, size
         p.cpu_state = e->attn_state;
         p.threads = pr.threads;
         p.tile_tokens = c->block_tokens < KVHI_ATTN_TILE ? c->block_tokens : KVHI_ATTN_TILE;
-        uint32_t kv_len = (uint32_t)v->n_tokens, q_len = 1;
+        uint32_t kv_len = (uint32_t)v->n_tokens, q_len = q_lens ? q_lens[i] : 1;
+        if (q_len == 0)
+            continue;
         if (kvhi_attn_plan_build(&p, &opts, &kv_len, &q_len, 1) != 0) {
             st = kvhi_fail(KVH_ERR_NOMEM, "out of memory for an attention plan");
             break;
         }
         p.slots[0] = 0;
         char msg[256] = "";
-        int rc = e->backend->attention_run(e->backend_ctx, &p, (const uint8_t *)q + i * row_bytes,
-                                           (uint8_t *)out + i * row_bytes, NULL, run_done, NULL, msg, sizeof(msg));
+        int rc = e->backend->attention_run(e->backend_ctx, &p, (const uint8_t *)q + row * row_bytes,
+                                           (uint8_t *)out + row * row_bytes, NULL, run_done, NULL, msg, sizeof(msg));
+        row += q_len;
         kvhi_attn_plan_free(&p);
         if (rc != 0)
             st = kvhi_fail(rc < 0 ? rc : KVH_ERR_INTERNAL, "attention kernels: %s", msg);
@@ -106,4 +112,18 @@ kvh_status kvh_attention_decode_vmap(kvh_engine *e, kvh_vmap *const *views, size
     pthread_mutex_lock(&e->lock);
     kvhi_leave(e);
     return st;
+}
+
+kvh_status kvh_attention_decode_vmap(kvh_engine *e, kvh_vmap *const *views, size_t n_views, const void *q, void *out,
+                                     const kvh_attention_params *params)
+{
+    return attention_vmap(e, views, NULL, n_views, q, out, params);
+}
+
+kvh_status kvh_attention_prefill_vmap(kvh_engine *e, kvh_vmap *const *views, const uint32_t *q_lens, size_t n_views,
+                                      const void *q, void *out, const kvh_attention_params *params)
+{
+    kvhi_clear_error();
+    KVHI_REQUIRE(q_lens || n_views == 0, "q_lens is NULL");
+    return attention_vmap(e, views, q_lens, n_views, q, out, params);
 }

@@ -253,6 +253,7 @@ kvh_status kvh_vmap_refresh(kvh_engine *engine, kvh_vmap *vmap, int32_t *changed
 kvh_status kvh_vmap_get(kvh_engine *engine, const kvh_vmap *vmap, kvh_vmap_view *view);
 kvh_status kvh_vmap_release(kvh_engine *engine, kvh_vmap *vmap);
 kvh_status kvh_attention_decode_vmap(kvh_engine *engine, kvh_vmap *const *views, size_t n_views, const void *q, void *out, const kvh_attention_params *params);
+kvh_status kvh_attention_prefill_vmap(kvh_engine *engine, kvh_vmap *const *views, const uint32_t *q_lens, size_t n_views, const void *q, void *out, const kvh_attention_params *params);
 enum kvh_eviction {
     KVH_EVICT_LRU_K = 0,
     KVH_EVICT_LCTRU = 1

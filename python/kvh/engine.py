@@ -703,6 +703,14 @@ class Engine:
 
         return attention_decode_vmap(self, views, q, out=out, scale=scale, threads=threads)
 
+    def attention_prefill_vmap(self, views: Seq[Any], q_lens: Seq[int], q: Any, *, out: Any = None,
+                               scale: float = 0.0, threads: int = 0) -> Any:
+        """Chunked causal prefill over views: view i's last ``q_lens[i]``
+        tokens attend; equals :meth:`attention_prefill` bit for bit."""
+        from .vmap import attention_prefill_vmap
+
+        return attention_prefill_vmap(self, views, q_lens, q, out=out, scale=scale, threads=threads)
+
 
 # ---------------------------------------------------------------------------------
 # Fence: a future-like completion of asynchronous work

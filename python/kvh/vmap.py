@@ -182,4 +182,25 @@ def attention_decode_vmap(engine: "Engine", views, q: np.ndarray, *, out: Any = 
     return out
 
 
-__all__ = ["VMap", "attention_decode_vmap"]
+def attention_prefill_vmap(engine: "Engine", views, q_lens, q: np.ndarray, *, out: Any = None,
+                           scale: float = 0.0, threads: int = 0) -> np.ndarray:
+    """Chunked causal prefill over views (``kvh_attention_prefill_vmap``): q
+    is ``(sum(q_lens), num_q_heads, head_dim)``; equals
+    :meth:`Engine.attention_prefill` bit for bit."""
+    views = list(views)
+    lens = [int(x) for x in q_lens]
+    if len(lens) != len(views):
+        raise ValueError(f"q_lens has {len(lens)} entries, expected one per view ({len(views)})")
+    qp, op, out, hq, io = engine._attention_arrays("attention_prefill_vmap", q, sum(lens), out, None)
+    prm = engine._attention_params(hq, scale, io, threads, None)
+    arr = ffi.new("kvh_vmap *[]", [vm._ptr for vm in views] or [ffi.NULL])
+    ql = ffi.new("uint32_t[]", lens or [0])
+    for vm in views:
+        if vm._released:
+            raise errors.BadHandleError("a view was released", lib.KVH_ERR_BAD_HANDLE)
+    with engine._call() as p:
+        check(lib.kvh_attention_prefill_vmap(p, arr, ql, len(views), qp, op, prm))
+    return out
+
+
+__all__ = ["VMap", "attention_decode_vmap", "attention_prefill_vmap"]

@@ -97,6 +97,17 @@ static void check_attention(kvh_engine *e, kvh_seq s, kvh_vmap *m, uint32_t laye
     assert_ok(kvh_attention_decode(e, layer, &s, 1, q, a, &p));
     assert_ok(kvh_attention_decode_vmap(e, &m, 1, q, b, &p));
     assert_memory_equal(a, b, sizeof(float) * q_heads * D);
+    /* prefill of the last 1, 5 and 21 tokens */
+    static float pq[21 * 8 * D], pa[21 * 8 * D], pb[21 * 8 * D];
+    for (uint32_t i = 0; i < 21 * q_heads * D; i++)
+        pq[i] = val(8, i, 1, 0, 0, 3);
+    uint64_t len = tu_seq_len(e, s);
+    for (uint32_t n = 1; n <= 21 && n <= len; n += n < 5 ? 4 : 16) {
+        memset(pb, 0x7f, sizeof(pb));
+        assert_ok(kvh_attention_prefill(e, layer, &s, &n, 1, pq, pa, &p));
+        assert_ok(kvh_attention_prefill_vmap(e, &m, &n, 1, pq, pb, &p));
+        assert_memory_equal(pa, pb, sizeof(float) * n * q_heads * D);
+    }
 }
 
 static void test_view_equals_paged(void **state)
@@ -248,6 +259,15 @@ static void test_refused_setups(void **state)
     kvh_engine *e = open_vmap(8, 0);
     kvh_seq s3 = new_seq(e, 20);
     assert_kvh(KVH_ERR_RANGE, kvh_seq_vmap(e, s3, L, 0, &m));
+    {
+        kvh_vmap *v3 = NULL;
+        float q[H * D] = {0}, o[H * D];
+        uint32_t too_many = 21;
+        assert_ok(kvh_seq_vmap(e, s3, 0, 0, &v3));
+        assert_kvh(KVH_ERR_RANGE, kvh_attention_prefill_vmap(e, &v3, &too_many, 1, q, o, NULL));
+        assert_kvh(KVH_ERR_INVALID_ARG, kvh_attention_prefill_vmap(e, &v3, NULL, 1, q, o, NULL));
+        assert_ok(kvh_vmap_release(e, v3));
+    }
     assert_kvh(KVH_ERR_INVALID_ARG, kvh_seq_vmap(e, s3, 0, 0, NULL));
     kvh_vmap_view v = {.struct_size = 3};
     assert_ok(kvh_seq_vmap(e, s3, 0, 0, &m));

@@ -41,6 +41,9 @@ def test_view_arrays_and_attention():
             paged = eng.attention_decode(1, [seq], q)
             viewed = eng.attention_decode_vmap([vm], q)
             assert np.array_equal(paged, viewed)
+            pq = np.random.default_rng(4).standard_normal((9, 4, 64)).astype(np.float32)
+            assert np.array_equal(eng.attention_prefill(1, [seq], [9], pq),
+                                  eng.attention_prefill_vmap([vm], [9], pq))
 
 
 def test_stale_refresh_and_lifetime():

@@ -789,6 +789,18 @@ KVH_API kvh_status kvh_attention_decode_vmap(kvh_engine *engine,
                                              void *out,
                                              const kvh_attention_params *params);
 
+/* kvh_attention_prefill over views: view i's last q_lens[i] tokens attend
+ * causally, q and out the chunks concatenated as in kvh_attention_prefill
+ * ([borrowed] q_lens). Equal to kvh_attention_prefill bit for bit; status
+ * codes as kvh_attention_decode_vmap, and KVH_ERR_RANGE when q_lens[i]
+ * exceeds the view's tokens. @threads handle (each view) */
+KVH_API kvh_status kvh_attention_prefill_vmap(kvh_engine *engine,
+                                              kvh_vmap *const *views,
+                                              const uint32_t *q_lens,
+                                              size_t n_views, const void *q,
+                                              void *out,
+                                              const kvh_attention_params *params);
+
 /* ------------------------------------------------------------------ */
 /* LCTRU: tolerance-aware eviction                                     */
 /* ------------------------------------------------------------------ */

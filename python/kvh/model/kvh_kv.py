@@ -13,10 +13,10 @@ paged attention launch (``Engine.attention_prefill`` / ``attention_decode``).
     whichever tier holds them), attention in NumPy (float64). For libkvh
     builds whose attention entry points answer ``KVH_ERR_UNSUPPORTED``.
 ``"vmap"``
-    decode steps attend over virtually contiguous views of each layer
-    (``Sequence.vmap`` + ``Engine.attention_decode_vmap``: the blocks'
-    pages mapped into one contiguous range, no block table); prefill
-    chunks use the paged launch. Needs an engine opened with ``vmap=True``
+    attention over virtually contiguous views of each layer
+    (``Sequence.vmap`` + ``Engine.attention_decode_vmap`` /
+    ``attention_prefill_vmap``: the blocks' pages mapped into one
+    contiguous range, no block table). Needs an engine opened with ``vmap=True``
     (``Runner.engine(vmap=True)``). Views are refreshed every step and
     released at the end of each forward pass, like the hold.
 ``"auto"`` (default)
@@ -96,8 +96,12 @@ class KvhKV:
         if self.mode != "readback":
             kvh = _kvh()
             qc = np.ascontiguousarray(q, dtype=np.float32)
-            if self.mode == "vmap" and n == 1:
-                out = self.engine.attention_decode_vmap([self._view(layer)], qc, threads=self.threads)
+            if self.mode == "vmap":
+                vm = self._view(layer)
+                if n == 1:
+                    out = self.engine.attention_decode_vmap([vm], qc, threads=self.threads)
+                else:
+                    out = self.engine.attention_prefill_vmap([vm], [n], qc, threads=self.threads)
                 self.vmap_calls += 1
                 return out
             try:

@@ -2611,6 +2611,17 @@ extern "C" {
         params: *const kvh_attention_params,
     ) -> kvh_status;
 }
+extern "C" {
+    pub fn kvh_attention_prefill_vmap(
+        engine: *mut kvh_engine,
+        views: *const *mut kvh_vmap,
+        q_lens: *const u32,
+        n_views: usize,
+        q: *const ::std::os::raw::c_void,
+        out: *mut ::std::os::raw::c_void,
+        params: *const kvh_attention_params,
+    ) -> kvh_status;
+}
 pub const KVH_EVICT_LRU_K: kvh_eviction = 0;
 pub const KVH_EVICT_LCTRU: kvh_eviction = 1;
 pub type kvh_eviction = ::std::os::raw::c_uint;

@@ -149,4 +149,48 @@ impl Engine {
             )
         })
     }
+
+    /// Chunked causal prefill over views (`kvh_attention_prefill_vmap`):
+    /// view `i`'s last `q_lens[i]` tokens attend; `q`/`out` the chunks
+    /// concatenated. Equals [`attention_prefill`](Self::attention_prefill)
+    /// bit for bit.
+    pub fn attention_prefill_vmap<T: Element>(
+        &self,
+        views: &[&VMap<'_>],
+        q_lens: &[u32],
+        q: &[T],
+        out: &mut [T],
+        params: Option<&AttentionParams>,
+    ) -> Result<()> {
+        if q_lens.len() != views.len() {
+            return Err(invalid(format!("{} views but {} q_lens", views.len(), q_lens.len())));
+        }
+        let per = self.q_token_elems::<T>(params)?;
+        let want = q_lens.iter().map(|&n| n as usize).sum::<usize>() * per;
+        if q.len() != want || out.len() != want {
+            return Err(invalid(format!(
+                "q and out need sum(q_lens) * num_q_heads * head_dim = {want} elements, got {} and {}",
+                q.len(),
+                out.len()
+            )));
+        }
+        if views.iter().any(|v| !ptr::eq(v.engine, self)) {
+            return Err(invalid("a view of another engine"));
+        }
+        let raw: Vec<*mut sys::kvh_vmap> = views.iter().map(|v| v.raw).collect();
+        let p = params.map(|p| p.to_raw()).transpose()?;
+        let pp = p.as_ref().map_or(ptr::null(), |p| p as *const _);
+        // SAFETY: as in attention_decode_vmap; q_lens has n_views entries.
+        check(unsafe {
+            sys::kvh_attention_prefill_vmap(
+                self.as_ptr(),
+                raw.as_ptr(),
+                q_lens.as_ptr(),
+                raw.len(),
+                q.as_ptr().cast(),
+                out.as_mut_ptr().cast(),
+                pp,
+            )
+        })
+    }
 }

@@ -110,3 +110,25 @@ fn views_are_contiguous_and_attend_like_paged() {
     assert!(view.refresh().unwrap());
     assert_eq!(view.info().unwrap().n_tokens, 50);
 }
+
+#[test]
+fn prefill_over_views_equals_paged() {
+    let cfg = Config::new()
+        .head_dim(64)
+        .dtype(DType::F32)
+        .backend(kvh::Backend::Cpu)
+        .device_bytes(1 << 22)
+        .host_bytes(0)
+        .vmap(true);
+    let engine = kvh::Engine::open(cfg).unwrap();
+    let seq = engine.create_sequence(0).unwrap();
+    seq.append(&[5; 30]).unwrap();
+    let kv: Vec<f32> = (0..30 * 64).map(|i| ((i * 17 % 503) as f32) / 200.0 - 1.0).collect();
+    seq.write_kv(0, 0, &kv, &kv).unwrap();
+    let view = seq.vmap(0, 0).unwrap();
+    let q: Vec<f32> = (0..7 * 64).map(|i| ((i % 61) as f32) / 30.0 - 1.0).collect();
+    let (mut a, mut b) = (vec![0f32; 7 * 64], vec![1f32; 7 * 64]);
+    engine.attention_prefill(0, &[&seq], &[7], &q, &mut a, None).unwrap();
+    engine.attention_prefill_vmap(&[&view], &[7], &q, &mut b, None).unwrap();
+    assert_eq!(a, b);
+}
