@@ -22,19 +22,15 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include "abi/api_attention.h"
 #include "abi/api_common.h"
 #include "kernels/attention_plan.h"
 #include "kernels/cpu/attn_cpu.h"
 
-typedef struct attn_call {
-    kvh_engine *e;
-    uint32_t n_held;
-    uint32_t *held;     /* block indices held by this call */
-    uint32_t *held_gen; /* their generations when held */
-    kvhi_attn_plan plan;
-} attn_call;
+#define call_free kvhi_attn_call_free
+#define release_holds kvhi_attn_call_release_holds
 
-static void call_free(attn_call *c)
+void kvhi_attn_call_free(attn_call *c)
 {
     if (!c)
         return;
@@ -45,7 +41,7 @@ static void call_free(attn_call *c)
 }
 
 /* Drops the call's holds; lock held. */
-static void release_holds(kvh_engine *e, attn_call *c)
+void kvhi_attn_call_release_holds(kvh_engine *e, attn_call *c)
 {
     for (uint32_t i = 0; i < c->n_held; i++) {
         uint32_t b = c->held[i];
@@ -116,7 +112,7 @@ kvh_status kvhi_attention_set_impl(kvh_engine *e, int impl)
 }
 
 /* Checks the arguments that need no lock; fills *pr and *total_rows. */
-static kvh_status check_args(kvh_engine *e, uint32_t layer, const kvh_seq *seqs, const uint32_t *q_lens,
+kvh_status kvhi_attn_check_args(kvh_engine *e, uint32_t layer, const kvh_seq *seqs, const uint32_t *q_lens,
                              size_t n_seqs, bool prefill, const void *q, const void *out,
                              const kvh_attention_params *params, kvh_attention_params *pr, uint64_t *total_rows)
 {
@@ -160,27 +156,54 @@ static kvh_status attention(kvh_engine *e, uint32_t layer, const kvh_seq *seqs, 
     kvhi_clear_error();
     kvh_attention_params pr;
     uint64_t total_rows = 0;
-    kvh_status st = check_args(e, layer, seqs, q_lens, n_seqs, prefill, q, out, params, &pr, &total_rows);
+    kvh_status st = kvhi_attn_check_args(e, layer, seqs, q_lens, n_seqs, prefill, q, out, params, &pr, &total_rows);
     if (st != KVH_OK)
         return st;
     if (!e->backend->attention_run || !e->backend->attention_plan_opts)
         return kvhi_fail(KVH_ERR_UNSUPPORTED, "the %s backend has no attention kernels", e->backend->name);
 
     attn_call *c = calloc(1, sizeof(*c));
-    uint32_t *kv_len = malloc(sizeof(uint32_t) * (n_seqs ? n_seqs : 1));
-    uint32_t *q_len = malloc(sizeof(uint32_t) * (n_seqs ? n_seqs : 1));
-    if (!c || !kv_len || !q_len) {
-        free(c);
-        free(kv_len);
-        free(q_len);
+    if (!c)
         return kvhi_fail(KVH_ERR_NOMEM, "out of memory for an attention call");
-    }
     c->e = e;
     if ((st = kvhi_enter(e)) != KVH_OK) {
         free(c);
+        return st;
+    }
+    st = kvhi_attn_call_prepare(e, layer, seqs, q_lens, n_seqs, prefill, &pr, total_rows, c);
+    if (st != KVH_OK || total_rows == 0) {
+        call_free(c);
+        kvhi_leave(e);
+        return st;
+    }
+    kvhi_attn_plan *p = &c->plan;
+
+    /* Run with the lock released; the call stays registered (active_calls)
+     * until attn_done. */
+    pthread_mutex_unlock(&e->lock);
+    char msg[256] = "";
+    int rc = e->backend->attention_run(e->backend_ctx, p, q, out, pr.stream, attn_done, c, msg, sizeof(msg));
+    if (rc == 0)
+        return KVH_OK; /* c now belongs to attn_done */
+    pthread_mutex_lock(&e->lock);
+    release_holds(e, c);
+    call_free(c);
+    kvhi_leave(e);
+    return kvhi_fail(rc < 0 ? rc : KVH_ERR_INTERNAL, "attention kernels: %s", msg);
+}
+
+kvh_status kvhi_attn_call_prepare(kvh_engine *e, uint32_t layer, const kvh_seq *seqs, const uint32_t *q_lens,
+                                  size_t n_seqs, bool prefill, const kvh_attention_params *params,
+                                  uint64_t total_rows, attn_call *c)
+{
+    kvh_attention_params pr = *params;
+    kvh_status st = KVH_OK;
+    uint32_t *kv_len = malloc(sizeof(uint32_t) * (n_seqs ? n_seqs : 1));
+    uint32_t *q_len = malloc(sizeof(uint32_t) * (n_seqs ? n_seqs : 1));
+    if (!kv_len || !q_len) {
         free(kv_len);
         free(q_len);
-        return st;
+        return kvhi_fail(KVH_ERR_NOMEM, "out of memory for an attention call");
     }
 
     /* Resolve the sequences and their lengths. */
@@ -276,26 +299,12 @@ static kvh_status attention(kvh_engine *e, uint32_t layer, const kvh_seq *seqs, 
     }
     free(kv_len);
     free(q_len);
-
-    /* Run with the lock released; the call stays registered (active_calls)
-     * until attn_done. */
-    pthread_mutex_unlock(&e->lock);
-    char msg[256] = "";
-    int rc = e->backend->attention_run(e->backend_ctx, p, q, out, pr.stream, attn_done, c, msg, sizeof(msg));
-    if (rc == 0)
-        return KVH_OK; /* c now belongs to attn_done */
-    pthread_mutex_lock(&e->lock);
-    release_holds(e, c);
-    call_free(c);
-    kvhi_leave(e);
-    return kvhi_fail(rc < 0 ? rc : KVH_ERR_INTERNAL, "attention kernels: %s", msg);
+    return KVH_OK;
 
 fail:
     release_holds(e, c);
-    call_free(c);
     free(kv_len);
     free(q_len);
-    kvhi_leave(e);
     return st;
 }
 

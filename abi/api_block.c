@@ -27,7 +27,8 @@ kvh_status kvh_block_info_get(kvh_engine *e, kvh_block block, kvh_block_info *in
                                  .agent = blk->agent,
                                  .published = (blk->flags & KVHI_BF_PUBLISHED) != 0,
                                  .in_flight = (blk->flags & KVHI_BF_IN_FLIGHT) != 0,
-                                 .hash = (blk->flags & KVHI_BF_HASHED) ? blk->hash : 0};
+                                 .hash = (blk->flags & KVHI_BF_HASHED) ? blk->hash : 0,
+                                 .tolerance = blk->tolerance};
     }
     kvhi_leave(e);
     return st;

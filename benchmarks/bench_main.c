@@ -23,6 +23,7 @@ static const struct {
     {"trace", "eviction policies (lru, lru-k, hysteresis, lctru, the engine) vs Belady's MIN", bench_trace},
     {"scale", "cost per operation vs block count (10^3..10^7) and throughput vs threads", bench_scale},
     {"switch", "weight-context switch (135M model) vs reloading it from its file; first layer vs full", bench_switch},
+    {"vmap", "virtual contiguity: view map/refresh/release cost, decode over views vs paged", bench_vmap},
 };
 #define N_SCENARIOS (sizeof(scenarios) / sizeof(scenarios[0]))
 

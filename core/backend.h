@@ -10,7 +10,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define KVHI_BACKEND_ABI 1u
+#define KVHI_BACKEND_ABI 2u
 #define KVHI_BACKEND_ENTRY "kvh_backend_cuda_entry"
 
 enum kvhi_copy_kind {
@@ -86,6 +86,29 @@ typedef struct kvhi_backend_ops {
                          void (*done)(void *done_arg), void *done_arg,
                          char *msg, size_t msg_len);
     int (*stream_sync)(void *ctx, void *stream, char *msg, size_t msg_len);
+
+    /* ---- persistent plans (kvh_attention_plan) ----
+     * Appended in ABI 2. NULL entries: the backend runs a kept plan from
+     * host memory with attention_run (the CPU backend).
+     *
+     * attention_plan_upload: copies a plan's arrays where the kernels read
+     * them (device memory on CUDA) and reserves its split-K scratch, once;
+     * may allocate and synchronise; called without the engine lock.
+     * [out] *handle. Returns 0 or a negative kvh_status with msg filled.
+     *
+     * attention_run_uploaded: launches the kernels of an uploaded plan on
+     * stream, with q and out: no allocation, copy, synchronisation or host
+     * callback, so a stream being captured into a CUDA graph records it
+     * and the graph replays it. Returns 0 or a negative kvh_status.
+     *
+     * attention_plan_free: frees an uploaded plan; the caller guarantees no
+     * launch or graph using it is still pending. May synchronise; called
+     * without the engine lock. */
+    int (*attention_plan_upload)(void *ctx, const struct kvhi_attn_plan *plan, void **handle, char *msg,
+                                 size_t msg_len);
+    int (*attention_run_uploaded)(void *ctx, void *handle, const void *q, void *out, void *stream, char *msg,
+                                  size_t msg_len);
+    void (*attention_plan_free)(void *ctx, void *handle);
 } kvhi_backend_ops;
 
 typedef const kvhi_backend_ops *(*kvhi_backend_entry_fn)(void);

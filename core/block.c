@@ -7,7 +7,7 @@
 
 uint8_t *kvhi_slot_addr(kvh_engine *e, uint32_t tier, uint32_t slot)
 {
-    return e->tiers[tier].base + (uint64_t)slot * e->block_bytes;
+    return e->tiers[tier].base + (uint64_t)slot * e->tiers[tier].slot_bytes;
 }
 
 uint8_t *kvhi_block_data(kvh_engine *e, uint32_t b)
@@ -82,7 +82,7 @@ void kvhi_block_update_evictable(kvh_engine *e, uint32_t b)
         heaps_remove(e, b);
         return;
     }
-    kvhi_lruk_key key = kvhi_lruk_key_of(blk->hist, e->cfg.lru_k, blk->refs > 0);
+    kvhi_lruk_key key = kvhi_evict_key(e, blk, kvhi_lruk_key_of(blk->hist, e->cfg.lru_k, blk->refs > 0));
     kvhi_lruk_upsert(&e->tiers[blk->tier].heap, b, key);
     if (blk->tier == KVH_TIER_DEVICE && e->n_agents) {
         kvhi_agent *a = kvhi_agent_get(e, blk->agent, false);
@@ -188,6 +188,7 @@ kvh_status kvhi_block_new(kvh_engine *e, uint32_t agent, uint32_t min_tier, uint
     for (uint32_t i = 0; i < KVHI_MAX_K; i++)
         blk->hist[i] = 0;
     blk->agent = agent;
+    blk->tolerance = KVH_TOLERANCE_DEFAULT;
     blk->flags = KVHI_BF_LIVE;
     blk->heap_pos = KVHI_HEAP_NONE;
     blk->quota_heap_pos = KVHI_HEAP_NONE;
@@ -427,12 +428,13 @@ kvh_status kvhi_block_cow(kvh_engine *e, uint32_t b, uint32_t agent, uint32_t *o
         kvhi_block_unref(e, nb);
         return st;
     }
-    if (kvhi_copy_bytes(e, dst->tier, kvhi_block_data(e, nb), src->tier, kvhi_block_data(e, b), e->block_bytes) != 0) {
+    if (kvhi_block_copy(e, dst->tier, kvhi_block_data(e, nb), src->tier, kvhi_block_data(e, b)) != 0) {
         kvhi_block_unref(e, nb);
         return kvhi_fail(KVH_ERR_IO, "copy-on-write copy failed");
     }
     memcpy(kvhi_block_tokens(e, nb), kvhi_block_tokens(e, b), sizeof(int32_t) * e->cfg.block_tokens);
     dst->n_tokens = src->n_tokens;
+    dst->tolerance = src->tolerance;
     dst->hash = src->hash;
     dst->parent_hash = src->parent_hash;
     dst->flags |= src->flags & (KVHI_BF_HASHED | KVHI_BF_KV_COMPLETE);

@@ -68,12 +68,15 @@ kvh_status kvhi_disk_tier_open(kvh_engine *e, const kvh_config *cfg, const char 
     kvh_status st = lock_store(d);
     if (st != KVH_OK)
         return st;
+    /* The KV codec is part of the stored form: a store written with another
+     * codec is a geometry mismatch. Slots hold the tier's (encoded) form. */
+    uint64_t data_bytes = e->tiers[KVH_TIER_DISK].slot_bytes;
     d->geo = (kvhi_disk_geometry){cfg->num_layers, cfg->num_kv_heads, cfg->head_dim, cfg->block_tokens,
-                                  cfg->dtype,      cfg->model_salt,   e->block_bytes};
-    d->block_bytes = e->block_bytes;
+                                  cfg->dtype | cfg->kv_codec << 16, cfg->model_salt, data_bytes};
+    d->block_bytes = data_bytes;
     d->queue_depth = cfg->disk_queue_depth;
     d->max_lanes = cfg->migration_threads + 4;
-    uint64_t slot_bytes = KVHI_SLOT_HEADER_BYTES + kvhi_round_up(e->block_bytes, KVHI_DISK_ALIGN);
+    uint64_t slot_bytes = KVHI_SLOT_HEADER_BYTES + kvhi_round_up(data_bytes, KVHI_DISK_ALIGN);
     uint64_t slots = cfg->disk_bytes / slot_bytes;
     if (slots == 0)
         return kvhi_fail(KVH_ERR_INVALID_ARG, "disk_bytes %llu holds no block slot of %llu bytes",
@@ -240,21 +243,27 @@ static void stage_write(kvh_engine *e, kvhi_xfer *x, uint8_t *staged)
     kvhi_disk *d = e->disk;
     uint8_t *data = staged + KVHI_SLOT_HEADER_BYTES;
     const uint8_t *src = kvhi_slot_addr(e, x->src_tier, x->src_slot);
-    if (x->src_tier == KVH_TIER_HOST || e->backend->device_is_host_memory) {
-        x->data_crc = kvhi_crc32c_copy(0, data, src, e->block_bytes);
+    bool same_form = e->tiers[x->src_tier].encoded == e->tiers[KVH_TIER_DISK].encoded;
+    if (same_form && (x->src_tier == KVH_TIER_HOST || e->backend->device_is_host_memory)) {
+        x->data_crc = kvhi_crc32c_copy(0, data, src, d->block_bytes);
     } else {
-        kvhi_copy_bytes(e, KVH_TIER_HOST, data, x->src_tier, src, e->block_bytes);
-        x->data_crc = kvhi_crc32c(0, data, e->block_bytes);
+        kvhi_block_copy(e, KVH_TIER_DISK, data, x->src_tier, src); /* encodes if needed */
+        x->data_crc = kvhi_crc32c(0, data, d->block_bytes);
     }
     kvhi_slot_meta m = {.store_id = d->store_id, .slot = x->dst_slot, .offset = kvhi_disk_slot_offset(d, x->dst_slot),
                         .hash = x->hash, .parent = x->parent, .n_tokens = x->n_tokens, .data_crc = x->data_crc,
                         .tokens = x->tokens};
-    kvhi_slot_header_encode(staged, &m, e->block_bytes);
+    kvhi_slot_header_encode(staged, &m, d->block_bytes);
 }
 
+/* True when a block read from disk can land in its destination slot as it
+ * is: host memory holding blocks in the disk's form. A destination in
+ * another form (a raw device tier under a codec) is decoded after the
+ * check, like a copy to device memory. */
 static bool reads_into_host(const kvh_engine *e, const kvhi_xfer *x)
 {
-    return x->dst_tier == KVH_TIER_HOST || (x->dst_tier == KVH_TIER_DEVICE && e->backend->device_is_host_memory);
+    bool host = x->dst_tier == KVH_TIER_HOST || (x->dst_tier == KVH_TIER_DEVICE && e->backend->device_is_host_memory);
+    return host && e->tiers[x->dst_tier].encoded == e->tiers[KVH_TIER_DISK].encoded;
 }
 
 /* Checks a block read from disk: its header against what x expects and
@@ -262,7 +271,7 @@ static bool reads_into_host(const kvh_engine *e, const kvhi_xfer *x)
 static void verify_read(kvh_engine *e, kvhi_xfer *x, const uint8_t *header, uint32_t crc)
 {
     kvhi_disk *d = e->disk;
-    if (kvhi_slot_verify_crc(header, crc, e->block_bytes, d->store_id, x->src_slot,
+    if (kvhi_slot_verify_crc(header, crc, d->block_bytes, d->store_id, x->src_slot,
                              kvhi_disk_slot_offset(d, x->src_slot), x->hash, e->cfg.block_tokens, NULL,
                              &x->why) != 0)
         x->err = 1;
@@ -274,13 +283,12 @@ static void finish_read(kvh_engine *e, kvhi_xfer *x, const uint8_t *staged)
     bool host_dst = reads_into_host(e, x);
     /* Into host memory the copy and the checksum share one pass; the slot
      * is the mover's own until it commits, so a failed check costs nothing. */
-    uint32_t crc = host_dst ? kvhi_crc32c_copy(0, kvhi_slot_addr(e, x->dst_tier, x->dst_slot), data, e->block_bytes)
-                            : kvhi_crc32c(0, data, e->block_bytes);
+    uint32_t crc = host_dst ? kvhi_crc32c_copy(0, kvhi_slot_addr(e, x->dst_tier, x->dst_slot), data, e->disk->block_bytes)
+                            : kvhi_crc32c(0, data, e->disk->block_bytes);
     verify_read(e, x, staged, crc);
     if (x->err || host_dst || x->dst_tier == KVHI_NO_TIER)
         return;
-    if (kvhi_copy_bytes(e, x->dst_tier, kvhi_slot_addr(e, x->dst_tier, x->dst_slot), KVH_TIER_HOST, data,
-                        e->block_bytes) != 0)
+    if (kvhi_block_copy(e, x->dst_tier, kvhi_slot_addr(e, x->dst_tier, x->dst_slot), KVH_TIER_DISK, data) != 0)
         x->err = -EIO;
 }
 
@@ -379,8 +387,8 @@ void kvhi_xfer_batch(kvh_engine *e, kvhi_xfer *xs, uint32_t n)
 void kvhi_xfer_run(kvh_engine *e, kvhi_xfer *x)
 {
     if (x->src_tier != KVH_TIER_DISK && x->dst_tier != KVH_TIER_DISK) {
-        x->err = kvhi_copy_bytes(e, x->dst_tier, kvhi_slot_addr(e, x->dst_tier, x->dst_slot), x->src_tier,
-                                 kvhi_slot_addr(e, x->src_tier, x->src_slot), e->block_bytes) == 0
+        x->err = kvhi_block_copy(e, x->dst_tier, kvhi_slot_addr(e, x->dst_tier, x->dst_slot), x->src_tier,
+                                 kvhi_slot_addr(e, x->src_tier, x->src_slot)) == 0
                      ? 0
                      : -EIO;
         return;

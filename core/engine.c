@@ -123,6 +123,8 @@ static kvh_status validate(const kvh_config *c)
     CHECK((c->disk_flags & ~(uint32_t)(KVH_DISK_RESET_ON_MISMATCH | KVH_DISK_BUFFERED)) == 0,
           "unknown disk_flags 0x%x", c->disk_flags);
     CHECK(!c->disk_bytes || (c->disk_path && c->disk_path[0]), "disk_bytes is set but disk_path is empty");
+    CHECK(c->vmap <= 1, "vmap %u is not 0 or 1", c->vmap);
+    CHECK(c->eviction_policy <= KVH_EVICT_LCTRU, "unknown eviction_policy %u", c->eviction_policy);
 #undef CHECK
     return KVH_OK;
 }
@@ -140,14 +142,22 @@ static void bind_to_node(kvh_engine *e, void *p, size_t bytes)
 static kvh_status tier_init(kvh_engine *e, uint32_t t, uint64_t budget)
 {
     kvhi_tier *tier = &e->tiers[t];
-    uint64_t slots = budget / e->block_bytes;
+    uint64_t slots = budget / tier->slot_bytes;
     if (slots > UINT32_MAX - 1)
         slots = UINT32_MAX - 1;
     if (slots == 0)
         return KVH_OK;
-    tier->bytes_mapped = slots * e->block_bytes;
-    tier->base = t == KVH_TIER_DEVICE ? e->backend->device_alloc(e->backend_ctx, tier->bytes_mapped)
-                                      : e->backend->host_alloc(e->backend_ctx, tier->bytes_mapped);
+    tier->bytes_mapped = slots * tier->slot_bytes;
+    if (t == KVH_TIER_DEVICE && e->cfg.vmap) {
+        if (!e->backend->device_is_host_memory)
+            return kvhi_fail(KVH_ERR_UNSUPPORTED, "vmap needs the CPU backend (the %s backend is in use)",
+                             e->backend->name);
+        tier->base = kvhi_vmap_arena_alloc(e, tier->bytes_mapped);
+        if (!tier->base)
+            return KVH_ERR_NOMEM;
+    } else
+        tier->base = t == KVH_TIER_DEVICE ? e->backend->device_alloc(e->backend_ctx, tier->bytes_mapped)
+                                          : e->backend->host_alloc(e->backend_ctx, tier->bytes_mapped);
     if (!tier->base)
         return kvhi_fail(KVH_ERR_NOMEM, "cannot allocate %llu bytes for the %s tier",
                          (unsigned long long)tier->bytes_mapped, t == KVH_TIER_DEVICE ? "device" : "host");
@@ -201,6 +211,8 @@ static void engine_free(kvh_engine *e)
     kvhi_handles_destroy(&e->fences);
     kvhi_pools_destroy(e);
     kvhi_handles_destroy(&e->pools);
+    kvhi_vmap_engine_free(e);
+    kvhi_attention_plans_free(e);
     for (uint32_t i = 0; i < e->n_agents; i++)
         kvhi_lruk_destroy(&e->agents[i].heap);
     free(e->agents);
@@ -247,6 +259,7 @@ kvh_status kvh_engine_open(const kvh_config *config, kvh_engine **out)
         return kvhi_fail(KVH_ERR_NOMEM, "out of memory for the engine");
     e->cfg = *config;
     e->cfg.disk_path = NULL; /* borrowed: never kept */
+    e->vmap_fd = -1;
     pthread_mutex_init(&e->lock, NULL);
     pthread_cond_init(&e->changed, NULL);
     pthread_cond_init(&e->fence_cv, NULL);
@@ -266,7 +279,9 @@ kvh_status kvh_engine_open(const kvh_config *config, kvh_engine **out)
     e->layer_bytes = 2ull * e->cfg.num_kv_heads * e->cfg.block_tokens * e->cfg.head_dim * e->elem_bytes;
     e->block_bytes = e->layer_bytes * e->cfg.num_layers;
 
-    st = select_backend(e);
+    st = kvhi_codec_tiers_init(e);
+    if (st == KVH_OK)
+        st = select_backend(e);
     if (st == KVH_OK)
         st = tier_init(e, KVH_TIER_DEVICE, e->cfg.device_bytes);
     if (st == KVH_OK && !e->tiers[KVH_TIER_DEVICE].present)
@@ -371,11 +386,12 @@ kvh_status kvh_tier_info_get(kvh_engine *e, uint32_t tier, kvh_tier_info *info)
     if (st != KVH_OK)
         return st;
     kvhi_tier *t = &e->tiers[tier];
-    kvh_tier_info r = {.struct_size = sizeof(r), .tier = tier, .block_bytes = e->block_bytes};
+    /* Under a KV codec the host and disk tiers hold encoded blocks. */
+    kvh_tier_info r = {.struct_size = sizeof(r), .tier = tier, .block_bytes = t->slot_bytes};
     if (t->present) {
         r.capacity_blocks = t->slots.capacity;
         r.used_blocks = kvhi_slot_pool_used(&t->slots);
-        r.used_bytes = r.used_blocks * e->block_bytes;
+        r.used_bytes = r.used_blocks * t->slot_bytes;
         r.pinned_blocks = t->pinned;
         r.base = t->base;
     }

@@ -58,6 +58,7 @@ typedef struct kvhi_block {
     uint16_t n_tokens;
     uint16_t flags;
     uint8_t tier;
+    uint8_t tolerance; /* compression tolerance, for LCTRU (lctru.c) */
     uint32_t heap_pos;       /* position in its tier's eviction heap */
     uint32_t quota_heap_pos; /* position in its agent's device heap */
     uint64_t hash;           /* chained hash, valid with KVHI_BF_HASHED */
@@ -76,6 +77,10 @@ typedef struct kvhi_block {
 
 typedef struct kvhi_tier {
     bool present;
+    /* Holds blocks in the engine's kv_codec (host and disk tiers when a
+     * codec is configured): slot_bytes is then the encoded size. */
+    bool encoded;
+    uint64_t slot_bytes;
     uint8_t *base; /* memory tiers */
     uint64_t bytes_mapped;
     kvhi_slot_pool slots;
@@ -123,6 +128,8 @@ struct kvh_engine {
     uint64_t block_bytes;
     uint64_t layer_bytes; /* K+V of one layer in a block */
     uint32_t elem_bytes;
+    uint64_t vector_bytes;     /* one raw K or V vector: head_dim elements */
+    uint64_t enc_vector_bytes; /* the same vector in kv_codec */
     uint32_t tier_count; /* tiers present, device first */
     uint64_t clock;      /* logical access clock */
     uint32_t gen_start;  /* random first generation of this engine's handles */
@@ -187,6 +194,12 @@ struct kvh_engine {
 
     /* ---- weight contexts and admission (core/context.h) ---- */
     struct kvhi_contexts *contexts; /* made on first use; NULL until then */
+    /* Virtual contiguity (vmap.c): the device tier's memory file (-1
+     * without kvh_config.vmap) and the views not yet released. */
+    int vmap_fd;
+    struct kvh_vmap *vmaps;
+    /* Attention plans not yet destroyed (abi/api_attention_plan.c). */
+    struct kvh_attention_plan *attn_plans;
 };
 
 /* ---- errors and logging (status.c) ---- */
@@ -361,6 +374,47 @@ bool kvhi_disk_clean_step(kvh_engine *e);
 void kvhi_disk_verify(kvh_engine *e, const uint32_t *blocks, size_t n);
 /* Records that b's disk data failed verification: never served again. */
 kvh_status kvhi_mark_corrupt(kvh_engine *e, uint32_t b, const char *why);
+
+/* ---- tier representation under a KV codec (codec_tier.c) ---- */
+/* Sets slot sizes and which tiers are encoded; validates the codec for
+ * the geometry (KVH_ERR_INVALID_ARG). Called before the tiers exist. */
+kvh_status kvhi_codec_tiers_init(kvh_engine *e);
+/* Copies one block's data between two locations, converting between the
+ * raw and encoded forms as the tiers need. A tier names the memory kind
+ * and the form: KVH_TIER_DISK stands for a host staging buffer holding the
+ * disk form, KVHI_RAW_HOST host memory holding the raw form.
+ * Returns 0 or -1 (copy failure, out of memory). */
+#define KVHI_RAW_HOST 3u
+int kvhi_block_copy(kvh_engine *e, uint32_t dst_tier, void *dst, uint32_t src_tier, const void *src);
+/* Offset and size of the cell (layer, kv, head, token) in a slot of tier. */
+uint64_t kvhi_cell_offset(kvh_engine *e, uint32_t tier, uint32_t layer, uint32_t kv, uint32_t head,
+                          uint32_t token);
+/* kv_copy of seq.c for a block in an encoded tier: user arrays shaped
+ * [token][kv_head][head_dim] are encoded into (to_block) or decoded from
+ * tokens [off, off + cnt) of one layer. Returns 0. */
+int kvhi_codec_kv_copy(kvh_engine *e, uint32_t b, uint32_t layer, uint32_t off, uint32_t cnt, void *uk, void *uv,
+                       bool to_block);
+static inline uint64_t kvhi_cell_bytes(kvh_engine *e, uint32_t tier)
+{
+    return e->tiers[tier].encoded ? e->enc_vector_bytes : e->vector_bytes;
+}
+
+/* ---- attention plans (abi/api_attention_plan.c) ---- */
+/* Destroys the plans still open (engine close; no call is active). */
+void kvhi_attention_plans_free(kvh_engine *e);
+
+/* ---- LCTRU (lctru.c) ---- */
+/* The eviction key of b under the engine's policy, from its LRU-K key. */
+kvhi_lruk_key kvhi_evict_key(kvh_engine *e, const kvhi_block *blk, kvhi_lruk_key lruk);
+
+/* ---- virtual contiguity (vmap.c) ---- */
+/* The device tier's memory as a shared mapping of a memfd (e->vmap_fd);
+ * NULL with the error set on failure. Freed by the backend's device_free
+ * (munmap) plus kvhi_vmap_engine_free. */
+void *kvhi_vmap_arena_alloc(kvh_engine *e, size_t bytes);
+/* Releases every view still open and closes the memory file (lock not
+ * needed: no call is active). */
+void kvhi_vmap_engine_free(kvh_engine *e);
 
 /* ---- external pools (ext_pool.c) ---- */
 void kvhi_pools_destroy(kvh_engine *e);

@@ -90,7 +90,8 @@ static kvh_status swap_up(kvh_engine *e, uint32_t b, uint32_t tier)
     if (v == KVHI_HEAP_NONE || v == b || bb->tier == KVH_TIER_DISK)
         return kvhi_fail(KVH_ERR_NOSPACE, "no block in the target tier can make room");
     kvhi_block *vb = &e->blocks[v];
-    uint8_t *bounce = malloc(e->block_bytes);
+    /* The bounce buffer holds the upper block in the lower tier's form. */
+    uint8_t *bounce = malloc(e->tiers[bb->tier].slot_bytes);
     if (!bounce)
         return kvhi_fail(KVH_ERR_NOMEM, "out of memory for a bounce buffer");
     uint32_t lo_tier = bb->tier, lo_slot = bb->slot, hi_slot = vb->slot;
@@ -99,11 +100,11 @@ static kvh_status swap_up(kvh_engine *e, uint32_t b, uint32_t tier)
     uint8_t *hi = kvhi_slot_addr(e, tier, hi_slot), *lo = kvhi_slot_addr(e, lo_tier, lo_slot);
     e->copies_in_progress++;
     pthread_mutex_unlock(&e->lock);
-    int rc = kvhi_copy_bytes(e, KVH_TIER_HOST, bounce, tier, hi, e->block_bytes);
+    int rc = kvhi_block_copy(e, lo_tier, bounce, tier, hi);
     if (rc == 0)
-        rc = kvhi_copy_bytes(e, tier, hi, lo_tier, lo, e->block_bytes);
+        rc = kvhi_block_copy(e, tier, hi, lo_tier, lo);
     if (rc == 0)
-        rc = kvhi_copy_bytes(e, lo_tier, lo, KVH_TIER_HOST, bounce, e->block_bytes);
+        rc = kvhi_copy_bytes(e, lo_tier, lo, lo_tier, bounce, e->tiers[lo_tier].slot_bytes);
     pthread_mutex_lock(&e->lock);
     e->copies_in_progress--;
         pthread_cond_broadcast(&e->changed);

@@ -64,6 +64,20 @@ kvh_status kvhi_pool_copy(kvh_engine *e, kvhi_ext_pool *p, uint32_t slot, uint32
     else
         kind = KVHI_COPY_HOST_TO_HOST;
     uint8_t *data = kvhi_block_data(e, b);
+    /* A block in an encoded tier is gathered into (or decoded to) a raw
+     * host copy, which the codec converts. */
+    uint8_t *raw = NULL;
+    bool encoded = e->tiers[blk->tier].encoded;
+    if (encoded) {
+        if (!(raw = malloc(e->block_bytes)))
+            return kvhi_fail(KVH_ERR_NOMEM, "out of memory for a pool copy");
+        if (!to_block)
+            kvhi_block_copy(e, KVHI_RAW_HOST, raw, blk->tier, data);
+        data = raw;
+        blk_dev = false;
+        kind = pool_dev ? (to_block ? KVHI_COPY_DEVICE_TO_HOST : KVHI_COPY_HOST_TO_DEVICE) : KVHI_COPY_HOST_TO_HOST;
+    }
+    kvh_status st = KVH_OK;
     for (uint32_t l = 0; l < e->cfg.num_layers; l++)
         for (uint32_t kv = 0; kv < 2; kv++)
             for (uint32_t h = 0; h < H; h++) {
@@ -75,10 +89,13 @@ kvh_status kvhi_pool_copy(kvh_engine *e, kvhi_ext_pool *p, uint32_t slot, uint32
                                                         bt, kind, msg, sizeof(msg))
                                   : e->backend->copy_2d(e->backend_ctx, ext, p->layout.token_stride, mine, row, row,
                                                         bt, kind, msg, sizeof(msg));
-                if (rc != 0)
-                    return kvhi_fail(KVH_ERR_IO, "pool copy failed: %s", msg);
+                if (rc != 0 && st == KVH_OK)
+                    st = kvhi_fail(KVH_ERR_IO, "pool copy failed: %s", msg);
             }
-    return KVH_OK;
+    if (encoded && to_block && st == KVH_OK)
+        kvhi_block_copy(e, blk->tier, kvhi_block_data(e, b), KVHI_RAW_HOST, raw);
+    free(raw);
+    return st;
 }
 
 kvh_status kvhi_pool_offload(kvh_engine *e, kvhi_ext_pool *p, uint32_t slot, uint64_t parent, const int32_t *tokens,

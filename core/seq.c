@@ -225,6 +225,8 @@ static int kv_copy(kvh_engine *e, uint32_t b, uint32_t layer, uint32_t off, uint
     kvhi_block *blk = &e->blocks[b];
     uint32_t H = e->cfg.num_kv_heads, bt = e->cfg.block_tokens;
     size_t row = (size_t)e->cfg.head_dim * e->elem_bytes;
+    if (e->tiers[blk->tier].encoded)
+        return kvhi_codec_kv_copy(e, b, layer, off, cnt, uk, uv, to_block);
     uint8_t *base = kvhi_block_data(e, b) + (uint64_t)layer * e->layer_bytes;
     bool device = blk->tier == KVH_TIER_DEVICE && !e->backend->device_is_host_memory;
     for (uint32_t kv = 0; kv < 2; kv++) {

@@ -19,7 +19,13 @@
 #include "core/context.h"
 #include "core/crc32c.h"
 
-static uint64_t slots_for(kvh_engine *e, uint64_t bytes) { return (bytes + e->block_bytes - 1) / e->block_bytes; }
+/* Slots of `tier` that hold `bytes` (a tier under a KV codec has smaller
+ * slots than a raw one). */
+static uint64_t slots_for(kvh_engine *e, uint32_t tier, uint64_t bytes)
+{
+    uint64_t sb = e->tiers[tier].slot_bytes;
+    return (bytes + sb - 1) / sb;
+}
 
 /* Withheld slots hold no data: on the CPU backend their whole pages go
  * back to the kernel (they read as zeros when KV reuses them). */
@@ -29,7 +35,7 @@ static void forget_slot_pages(kvh_engine *e, uint32_t tier, uint32_t slot)
         return;
     uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
     uintptr_t lo = (uintptr_t)kvhi_slot_addr(e, tier, slot);
-    uintptr_t hi = lo + e->block_bytes;
+    uintptr_t hi = lo + e->tiers[tier].slot_bytes;
     lo = (lo + page - 1) & ~(page - 1);
     hi &= ~(page - 1);
     if (hi > lo)
@@ -39,7 +45,7 @@ static void forget_slot_pages(kvh_engine *e, uint32_t tier, uint32_t slot)
 /* Gives back slots beyond what ch->bytes needs. */
 static void trim(kvh_engine *e, kvhi_charge *ch, uint32_t tier)
 {
-    uint64_t keep = slots_for(e, ch->bytes);
+    uint64_t keep = slots_for(e, tier, ch->bytes);
     bool freed = false;
     while (ch->n > keep) {
         kvhi_release_slot(e, tier, ch->slots[--ch->n]);
@@ -87,12 +93,12 @@ kvh_status kvhi_charge_add(kvh_engine *e, kvhi_context *x, uint32_t tier, uint64
     const char *name = tier == KVH_TIER_DEVICE ? "device" : "host";
     if (!t->present)
         return kvhi_fail(KVH_ERR_NOSPACE, "the %s tier is not configured", name);
-    if (slots_for(e, bytes) > t->slots.capacity)
+    if (slots_for(e, tier, bytes) > t->slots.capacity)
         return kvhi_fail(KVH_ERR_NOSPACE, "%llu bytes of weights are more than the whole %s tier",
                          (unsigned long long)bytes, name);
     /* ch->bytes can change while the lock is dropped (a clean region of
      * this context dropped for room): re-read it on every round. */
-    while (ch->n < slots_for(e, ch->bytes + bytes)) {
+    while (ch->n < slots_for(e, tier, ch->bytes + bytes)) {
         if (ch->n == ch->cap) {
             uint32_t cap = ch->cap ? ch->cap * 2 : 64;
             uint32_t *ns = realloc(ch->slots, sizeof(uint32_t) * cap);

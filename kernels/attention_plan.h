@@ -106,7 +106,11 @@ typedef struct kvhi_attn_plan {
     /* CPU backend: its per-engine state and the thread budget. */
     void *cpu_state;
     uint32_t threads;
-    uint32_t reserved0;
+    /* CPU kernels: tokens per tile (a power of two <= block_tokens); 0 =
+     * min(block_tokens, KVHI_ATTN_TILE). A contiguous view sets the
+     * engine's block_tokens so its tiles, and so its rounding, are those of
+     * the paged run over the same sequence. */
+    uint32_t tile_tokens;
 } kvhi_attn_plan;
 
 /* Builds the work split of a plan whose geometry fields are set: fills

@@ -344,3 +344,93 @@ int kvhc_attn_run(kvhc_attn *st, const kvhi_attn_plan *p, const void *q, void *o
     ws_put(st, ws);
     return status;
 }
+
+/* ---- persistent plans: uploaded once, launched many times ----
+ * The plan arrays and the split-K scratch live in one device allocation
+ * made at upload, so a launch only queues the kernels: a stream being
+ * captured records them, and every replay of the graph reads the same
+ * (device-resident) block table. */
+namespace {
+struct uploaded_plan {
+    uint8_t *dev;
+    attn_args args; /* everything but q and out */
+    size_t smem;
+    uint32_t n_units, n_merges, kv_dtype, io_dtype;
+};
+} // namespace
+
+int kvhc_attn_plan_upload(kvhc_attn *st, const kvhi_attn_plan *p, void **handle, char *msg, size_t len)
+{
+    if (p->head_dim > MAX_D)
+        return fail_text(msg, len, KVH_ERR_UNSUPPORTED, "CUDA attention supports head_dim up to 256");
+    if (p->max_queries > (uint32_t)QT || p->kv_dtype > KVH_DTYPE_BF16 || p->io_dtype > KVH_DTYPE_BF16)
+        return fail_text(msg, len, KVH_ERR_INTERNAL, "CUDA attention: plan not made for this backend");
+    uploaded_plan *u = (uploaded_plan *)calloc(1, sizeof(*u));
+    if (!u)
+        return fail_text(msg, len, KVH_ERR_NOMEM, "out of host memory");
+    geometry(p, &u->args, &u->smem);
+    if (u->smem > st->smem_optin) {
+        free(u);
+        return fail_text(msg, len, KVH_ERR_UNSUPPORTED, "CUDA attention: not enough shared memory per block");
+    }
+    const size_t plan_bytes = align256((size_t)p->mem_bytes);
+    const size_t po_bytes = align256((size_t)p->n_partial_rows * u->args.D * sizeof(float));
+    const size_t lse_bytes = align256((size_t)p->n_partial_rows * sizeof(float));
+    cudaError_t err = cudaMalloc(&u->dev, plan_bytes + po_bytes + lse_bytes);
+    if (err == cudaSuccess && p->mem_bytes)
+        err = cudaMemcpy(u->dev, p->mem, p->mem_bytes, cudaMemcpyHostToDevice);
+    if (err != cudaSuccess) {
+        if (u->dev)
+            (void)cudaFree(u->dev);
+        free(u);
+        return fail(msg, len, KVH_ERR_NOMEM, "uploading an attention plan", err);
+    }
+    attn_args &a = u->args;
+    a.kv = (const uint8_t *)p->kv_base + p->layer_offset;
+    a.block_bytes = p->block_bytes;
+    a.seqs = (const kvhi_attn_seq *)(u->dev + p->off_seqs);
+    a.slots = (const int32_t *)(u->dev + p->off_slots);
+    a.units = (const kvhi_attn_unit *)(u->dev + p->off_units);
+    a.merges = (const kvhi_attn_merge *)(u->dev + p->off_merges);
+    a.po = (float *)(u->dev + plan_bytes);
+    a.plse = (float *)(u->dev + plan_bytes + po_bytes);
+    u->n_units = p->n_units;
+    u->n_merges = p->n_merges;
+    u->kv_dtype = p->kv_dtype;
+    u->io_dtype = p->io_dtype;
+    *handle = u;
+    return 0;
+}
+
+int kvhc_attn_run_uploaded(kvhc_attn *st, void *handle, const void *q, void *out, void *stream_v, char *msg,
+                           size_t len)
+{
+    (void)st;
+    uploaded_plan *u = (uploaded_plan *)handle;
+    cudaStream_t stream = (cudaStream_t)stream_v;
+    if (u->n_units == 0)
+        return 0;
+    attn_args a = u->args;
+    a.q = q;
+    a.out = out;
+    cudaError_t err;
+    switch (u->kv_dtype) {
+    case KVH_DTYPE_F16: err = launch_attn_io<__half>(u->io_dtype, a, u->n_units, u->smem, stream); break;
+    case KVH_DTYPE_BF16: err = launch_attn_io<__nv_bfloat16>(u->io_dtype, a, u->n_units, u->smem, stream); break;
+    default: err = launch_attn_io<float>(u->io_dtype, a, u->n_units, u->smem, stream); break;
+    }
+    if (err == cudaSuccess && u->n_merges)
+        err = launch_merge(u->io_dtype, a, u->n_merges, stream);
+    return err == cudaSuccess ? 0 : fail(msg, len, KVH_ERR_INTERNAL, "attention kernel launch", err);
+}
+
+void kvhc_attn_plan_free(kvhc_attn *st, void *handle)
+{
+    (void)st;
+    uploaded_plan *u = (uploaded_plan *)handle;
+    if (!u)
+        return;
+    (void)cudaFree(u->dev);
+    (void)cudaGetLastError();
+    free(u);
+}

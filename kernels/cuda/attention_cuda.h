@@ -22,4 +22,10 @@ void kvhc_attn_plan_opts(const kvhc_attn *st, uint32_t threads, kvhi_attn_plan_o
 int kvhc_attn_run(kvhc_attn *st, const kvhi_attn_plan *plan, const void *q, void *out, void *stream,
                   void (*done)(void *), void *done_arg, char *msg, size_t msg_len);
 
+/* Persistent plans (kvhi_backend_ops.attention_plan_upload & co.). */
+int kvhc_attn_plan_upload(kvhc_attn *st, const kvhi_attn_plan *plan, void **handle, char *msg, size_t msg_len);
+int kvhc_attn_run_uploaded(kvhc_attn *st, void *handle, const void *q, void *out, void *stream, char *msg,
+                           size_t msg_len);
+void kvhc_attn_plan_free(kvhc_attn *st, void *handle);
+
 #endif

@@ -351,6 +351,37 @@ int cuda_attention_run(void *vctx, const kvhi_attn_plan *plan, const void *q, vo
     return kvhc_attn_run(ctx->attn, plan, q, out, stream, done, done_arg, msg, len);
 }
 
+/* Persistent plans: upload once (may synchronise), launch only. */
+int cuda_attention_plan_upload(void *vctx, const kvhi_attn_plan *plan, void **handle, char *msg, size_t len)
+{
+    cuda_ctx *ctx = (cuda_ctx *)vctx;
+    device_scope scope(ctx->device);
+    if (scope.error() != cudaSuccess) {
+        fail(msg, len, "cudaSetDevice", scope.error());
+        return KVH_ERR_INTERNAL;
+    }
+    return kvhc_attn_plan_upload(ctx->attn, plan, handle, msg, len);
+}
+
+int cuda_attention_run_uploaded(void *vctx, void *handle, const void *q, void *out, void *stream, char *msg,
+                                size_t len)
+{
+    cuda_ctx *ctx = (cuda_ctx *)vctx;
+    device_scope scope(ctx->device);
+    if (scope.error() != cudaSuccess) {
+        fail(msg, len, "cudaSetDevice", scope.error());
+        return KVH_ERR_INTERNAL;
+    }
+    return kvhc_attn_run_uploaded(ctx->attn, handle, q, out, stream, msg, len);
+}
+
+void cuda_attention_plan_free(void *vctx, void *handle)
+{
+    cuda_ctx *ctx = (cuda_ctx *)vctx;
+    device_scope scope(ctx->device);
+    kvhc_attn_plan_free(ctx->attn, handle);
+}
+
 int cuda_stream_sync(void *vctx, void *stream, char *msg, size_t len)
 {
     cuda_ctx *ctx = (cuda_ctx *)vctx;
@@ -381,6 +412,9 @@ const kvhi_backend_ops cuda_ops = {
     cuda_attention_plan_opts, /* attention_plan_opts */
     cuda_attention_run,       /* attention_run */
     cuda_stream_sync,         /* stream_sync */
+    cuda_attention_plan_upload,   /* attention_plan_upload */
+    cuda_attention_run_uploaded,  /* attention_run_uploaded */
+    cuda_attention_plan_free,     /* attention_plan_free */
 };
 
 } // namespace

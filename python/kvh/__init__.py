@@ -35,7 +35,9 @@ from .errors import (
     TimeoutError,
     UnsupportedError,
 )
-from .types import Backend, BlockInfo, Config, DType, Stats, Tier, TierInfo, bf16_to_f32, f32_to_bf16, numpy_dtype
+from .vmap import VMap
+from .attention_plan import AttentionPlan
+from .types import Backend, BlockInfo, Codec, Config, Eviction, DType, Stats, Tier, TierInfo, bf16_to_f32, f32_to_bf16, numpy_dtype
 
 __version__ = LOADED_VERSION_STRING
 
@@ -46,9 +48,9 @@ def version() -> str:
 
 
 __all__ = [
-    "Engine", "Sequence", "Block", "Hold", "Fence",
+    "Engine", "Sequence", "Block", "Hold", "Fence", "VMap", "AttentionPlan",
     "Context", "ContextInfo", "WeightStats", "AdmissionInfo",
-    "Config", "Stats", "TierInfo", "BlockInfo", "Tier", "DType", "Backend",
+    "Config", "Codec", "Eviction", "Stats", "TierInfo", "BlockInfo", "Tier", "DType", "Backend",
     "numpy_dtype", "bf16_to_f32", "f32_to_bf16", "version",
     "Error", "InvalidArgumentError", "StructSizeError", "BadHandleError", "OutOfMemoryError", "NoSpaceError",
     "KvhIOError", "IOError", "CorruptionError", "BusyError", "KvhTimeoutError", "TimeoutError",

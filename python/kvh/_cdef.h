@@ -5,6 +5,8 @@
 #define KVH_VERSION_PATCH 0
 #define KVH_VERSION_NUMBER 100
 #define KVH_TIER_COUNT 3
+#define KVH_TOLERANCE_DEFAULT 128
+#define KVH_TOLERANCE_MAX 255
 enum kvh_status_code {
     KVH_OK = 0,
     KVH_ERR_INVALID_ARG = -1,
@@ -93,6 +95,10 @@ typedef struct kvh_config {
     void *log_user;
     uint32_t disk_queue_depth;
     uint32_t disk_flags;
+    uint32_t kv_codec;
+    uint32_t vmap;
+    uint32_t eviction_policy;
+    uint32_t lctru_window;
 } kvh_config;
 enum kvh_disk_flags {
     KVH_DISK_RESET_ON_MISMATCH = 1,
@@ -175,6 +181,8 @@ typedef struct kvh_block_info {
     uint32_t published;
     uint32_t in_flight;
     uint64_t hash;
+    uint32_t tolerance;
+    uint32_t reserved0;
 } kvh_block_info;
 kvh_status kvh_block_info_get(kvh_engine *engine, kvh_block block, kvh_block_info *info);
 kvh_status kvh_block_alloc(kvh_engine *engine, uint32_t agent, kvh_block *block);
@@ -313,3 +321,40 @@ typedef struct kvh_admission_info {
     uint64_t long_rejected;
 } kvh_admission_info;
 kvh_status kvh_admission_info_get(kvh_engine *engine, kvh_admission_info *info);
+typedef struct kvh_attention_plan kvh_attention_plan;
+kvh_status kvh_attention_plan_create(kvh_engine *engine, uint32_t layer, const kvh_seq *seqs, const uint32_t *q_lens, size_t n_seqs, const kvh_attention_params *params, kvh_attention_plan **plan);
+kvh_status kvh_attention_run(kvh_engine *engine, const kvh_attention_plan *plan, const void *q, void *out, void *stream);
+kvh_status kvh_attention_plan_destroy(kvh_engine *engine, kvh_attention_plan *plan);
+enum kvh_codec {
+    KVH_CODEC_NONE = 0,
+    KVH_CODEC_INT8 = 1,
+    KVH_CODEC_Q4_G32 = 2,
+    KVH_CODEC_Q4_G64 = 3
+};
+kvh_status kvh_codec_vector_bytes(uint32_t codec, uint32_t dtype, uint32_t head_dim, uint64_t *bytes);
+kvh_status kvh_codec_encode(uint32_t codec, uint32_t dtype, uint32_t head_dim, const void *src, size_t n_vectors, void *dst);
+kvh_status kvh_codec_decode(uint32_t codec, uint32_t dtype, uint32_t head_dim, const void *src, size_t n_vectors, void *dst);
+typedef struct kvh_vmap kvh_vmap;
+typedef struct kvh_vmap_view {
+    uint32_t struct_size;
+    uint32_t layer;
+    uint64_t n_tokens;
+    uint64_t capacity_tokens;
+    uint64_t head_stride;
+    const void *k;
+    const void *v;
+    uint64_t generation;
+} kvh_vmap_view;
+kvh_status kvh_seq_vmap(kvh_engine *engine, kvh_seq seq, uint32_t layer, uint64_t capacity_tokens, kvh_vmap **vmap);
+kvh_status kvh_vmap_refresh(kvh_engine *engine, kvh_vmap *vmap, int32_t *changed);
+kvh_status kvh_vmap_get(kvh_engine *engine, const kvh_vmap *vmap, kvh_vmap_view *view);
+kvh_status kvh_vmap_release(kvh_engine *engine, kvh_vmap *vmap);
+kvh_status kvh_attention_decode_vmap(kvh_engine *engine, kvh_vmap *const *views, size_t n_views, const void *q, void *out, const kvh_attention_params *params);
+kvh_status kvh_attention_prefill_vmap(kvh_engine *engine, kvh_vmap *const *views, const uint32_t *q_lens, size_t n_views, const void *q, void *out, const kvh_attention_params *params);
+enum kvh_eviction {
+    KVH_EVICT_LRU_K = 0,
+    KVH_EVICT_LCTRU = 1
+};
+kvh_status kvh_seq_set_tolerance(kvh_engine *engine, kvh_seq seq, uint64_t first, uint64_t n, uint32_t tolerance);
+kvh_status kvh_block_set_tolerance(kvh_engine *engine, kvh_block block, uint32_t tolerance);
+kvh_status kvh_seq_derive_tolerance(kvh_engine *engine, kvh_seq seq, uint64_t first, uint64_t n, float max_rel_error);

@@ -33,7 +33,7 @@ import numpy as np
 
 from . import errors
 from ._ffi import NULL, U64_MAX, check, ffi, kvh_level_for_logger, last_error, lib, raise_status, status_name
-from .types import Backend, BlockInfo, Config, DType, Stats, Tier, TierInfo, numpy_dtype
+from .types import Backend, BlockInfo, Codec, Config, Eviction, DType, Stats, Tier, TierInfo, numpy_dtype
 
 __all__ = ["Engine", "Sequence", "Block", "Hold", "Fence", "TokenSpan"]
 
@@ -298,6 +298,14 @@ class Engine:
         if cfg.disk_buffered:
             flags |= int(lib.KVH_DISK_BUFFERED)
         c.disk_flags = flags
+        if cfg.kv_codec is not None:
+            c.kv_codec = int(Codec.parse(cfg.kv_codec))
+        if cfg.vmap is not None:
+            c.vmap = 1 if cfg.vmap else 0
+        if cfg.eviction_policy is not None:
+            c.eviction_policy = int(Eviction.parse(cfg.eviction_policy))
+        if cfg.lctru_window is not None:
+            c.lctru_window = _index("lctru_window", cfg.lctru_window, maximum=_U32)
         c.log_fn = lib._kvh_py_log
         c.log_user = NULL
         return keep
@@ -313,7 +321,8 @@ class Engine:
             migration_cpu_mask=int(c.migration_cpu_mask), lru_k=int(c.lru_k),
             promote_min_hits=int(c.promote_min_hits), log_level=int(c.log_level),
             disk_queue_depth=int(c.disk_queue_depth), disk_reset_on_mismatch=given.disk_reset_on_mismatch,
-            disk_buffered=given.disk_buffered,
+            disk_buffered=given.disk_buffered, kv_codec=Codec(int(c.kv_codec)), vmap=bool(c.vmap),
+            eviction_policy=Eviction(int(c.eviction_policy)), lctru_window=int(c.lctru_window),
         )
 
     # ---- lifetime ----
@@ -750,6 +759,38 @@ class Engine:
             check(lib.kvh_attention_prefill(p, layer, hs, ql, n, qp, op, prm))
         return out
 
+    def attention_plan(self, layer: int, seqs: Seq["Sequence"], q_lens: Optional[Seq[int]] = None, *,
+                       num_q_heads: Optional[int] = None, io_dtype: Union[DType, str, None] = None,
+                       scale: float = 0.0, threads: int = 0) -> Any:
+        """Plans decode (``q_lens`` None) or chunked prefill of a batch once
+        (:class:`kvh.AttentionPlan`); ``plan.run(q)`` then only launches the
+        kernels (capturable into a CUDA graph on the cuda backend). Holds the
+        batch's blocks in the device tier until ``plan.destroy()``."""
+        from .attention_plan import AttentionPlan
+
+        lens = None if q_lens is None else [_index(f"q_lens[{i}]", x, maximum=_U32) for i, x in enumerate(q_lens)]
+        hq = self.num_kv_heads if num_q_heads is None else _index("num_q_heads", num_q_heads, maximum=_U32)
+        io = DType.F32 if io_dtype is None else DType.parse(io_dtype)
+        return AttentionPlan(self, _index("layer", layer, maximum=_U32), seqs, lens, hq, io, scale, threads)
+
+    def attention_decode_vmap(self, views: Seq[Any], q: Any, *, out: Any = None, scale: float = 0.0,
+                              threads: int = 0) -> Any:
+        """Decode attention over virtually contiguous views (:class:`kvh.VMap`,
+        from :meth:`Sequence.vmap`): q is ``(len(views), num_q_heads,
+        head_dim)``. Equals :meth:`attention_decode` bit for bit; a stale view
+        raises :class:`kvh.BadHandleError` (refresh it)."""
+        from .vmap import attention_decode_vmap
+
+        return attention_decode_vmap(self, views, q, out=out, scale=scale, threads=threads)
+
+    def attention_prefill_vmap(self, views: Seq[Any], q_lens: Seq[int], q: Any, *, out: Any = None,
+                               scale: float = 0.0, threads: int = 0) -> Any:
+        """Chunked causal prefill over views: view i's last ``q_lens[i]``
+        tokens attend; equals :meth:`attention_prefill` bit for bit."""
+        from .vmap import attention_prefill_vmap
+
+        return attention_prefill_vmap(self, views, q_lens, q, out=out, scale=scale, threads=threads)
+
 
 # ---------------------------------------------------------------------------------
 # Fence: a future-like completion of asynchronous work
@@ -937,6 +978,11 @@ class Block:
     def unpin(self) -> None:
         self.pin(False)
 
+    def set_tolerance(self, tolerance: int) -> None:
+        """Compression tolerance 0 (intolerant) .. 255 for LCTRU eviction."""
+        with self._engine._call() as p:
+            check(lib.kvh_block_set_tolerance(p, self._h(), _index("tolerance", tolerance, maximum=_U32)))
+
     def retain(self) -> "Block":
         """A new owned reference to the same block."""
         with self._engine._call() as p:
@@ -985,7 +1031,7 @@ def _block_info(engine: Engine, h) -> BlockInfo:
         tier=Tier(tier_v) if tier_v in (0, 1, 2) else tier_v,  # type: ignore[arg-type]
         slot=int(info.slot), refs=int(info.refs), pins=int(info.pins), holds=int(info.holds),
         tokens=int(info.tokens), agent=int(info.agent), published=bool(info.published),
-        in_flight=bool(info.in_flight), hash=int(info.hash),
+        in_flight=bool(info.in_flight), hash=int(info.hash), tolerance=int(info.tolerance),
     )
 
 
@@ -1159,6 +1205,14 @@ class Sequence:
             native.leave()
 
     close = free
+
+    def vmap(self, layer: int, capacity_tokens: int = 0) -> Any:
+        """A virtually contiguous view of one layer's K and V
+        (:class:`kvh.VMap`); needs ``Config(vmap=1)`` and every block in the
+        device tier (acquire first)."""
+        from .vmap import VMap
+
+        return VMap(self, _index("layer", layer, maximum=_U32), _index("capacity_tokens", capacity_tokens))
 
     def __enter__(self) -> "Sequence":
         self._check_alive()
@@ -1360,6 +1414,31 @@ class Sequence:
 
     def unpin(self, first: TokenSpan = None, n: Optional[int] = None) -> None:
         self._pin(first, n, 0)
+
+    def set_tolerance(self, tolerance: int, first: TokenSpan = None, n: Optional[int] = None) -> None:
+        """Compression tolerance (0 intolerant .. 255) of the blocks of a token
+        range, used by ``eviction_policy="lctru"``: among blocks of similar
+        recency, tolerant ones leave the device tier (are compressed under a
+        kv_codec) first."""
+        tol = _index("tolerance", tolerance, maximum=_U32)
+        p = self._enter()
+        try:
+            f, cnt = self._span(p, first, n)
+            check(lib.kvh_seq_set_tolerance(p, self._h[0], f, cnt, tol))
+        finally:
+            self._leave()
+
+    def derive_tolerance(self, first: TokenSpan = None, n: Optional[int] = None, *,
+                         max_rel_error: float = 0.0) -> None:
+        """Sets the tolerance of the range's device-tier blocks from the
+        engine's kv_codec error on them: 255 * max(0, 1 - err / max_rel_error)
+        (0 = 0.25). Needs ``kv_codec``."""
+        p = self._enter()
+        try:
+            f, cnt = self._span(p, first, n)
+            check(lib.kvh_seq_derive_tolerance(p, self._h[0], f, cnt, float(max_rel_error)))
+        finally:
+            self._leave()
 
     def _pin(self, first: TokenSpan, n: Optional[int], pinned: int) -> None:
         p = self._enter()

@@ -166,6 +166,10 @@ class Config:
     disk_queue_depth: Optional[int] = None
     disk_reset_on_mismatch: bool = False
     disk_buffered: bool = False
+    kv_codec: Union["Codec", str, int, None] = None
+    vmap: Optional[bool] = None
+    eviction_policy: Union["Eviction", str, int, None] = None
+    lctru_window: Optional[int] = None
 
     def replace(self, **changes: Any) -> "Config":
         return dataclasses.replace(self, **changes)
@@ -178,6 +182,58 @@ class Config:
             elif isinstance(v, os.PathLike):
                 d[k] = os.fspath(v)
         return d
+
+
+class Eviction(enum.IntEnum):
+    """Victim order of the memory tiers (kvh_eviction)."""
+
+    LRU_K = 0
+    LCTRU = 1
+
+    @classmethod
+    def parse(cls, value: Any) -> "Eviction":
+        if isinstance(value, Eviction):
+            return value
+        if isinstance(value, str):
+            key = value.strip().lower().replace("-", "_")
+            names = {"lru_k": cls.LRU_K, "lruk": cls.LRU_K, "lru": cls.LRU_K, "lctru": cls.LCTRU}
+            if key in names:
+                return names[key]
+            raise ValueError(f"unknown eviction policy {value!r}: expected 'lru_k' or 'lctru'")
+        if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+            try:
+                return cls(int(value))
+            except ValueError:
+                raise ValueError(f"unknown eviction policy {value!r}: expected 0 or 1") from None
+        raise TypeError(f"eviction_policy must be a name or an int, not {type(value).__name__}")
+
+
+class Codec(enum.IntEnum):
+    """Quantised form of KV in the host and disk tiers (kvh_codec); see
+    :mod:`kvh.codec` for the utilities and error bounds."""
+
+    NONE = 0
+    INT8 = 1
+    Q4_G32 = 2
+    Q4_G64 = 3
+
+    @classmethod
+    def parse(cls, value: Any) -> "Codec":
+        if isinstance(value, Codec):
+            return value
+        if isinstance(value, str):
+            key = value.strip().lower().replace("-", "_")
+            names = {"none": cls.NONE, "raw": cls.NONE, "int8": cls.INT8, "q8": cls.INT8, "q4_g32": cls.Q4_G32,
+                     "q4": cls.Q4_G32, "int4": cls.Q4_G32, "q4_g64": cls.Q4_G64}
+            if key in names:
+                return names[key]
+            raise ValueError(f"unknown codec {value!r}: expected 'none', 'int8', 'q4_g32' or 'q4_g64'")
+        if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+            try:
+                return cls(int(value))
+            except ValueError:
+                raise ValueError(f"unknown codec {value!r}: expected 0..3") from None
+        raise TypeError(f"codec must be a name or an int, not {type(value).__name__}")
 
 
 @dataclass(frozen=True)
@@ -288,6 +344,7 @@ class BlockInfo:
     published: bool
     in_flight: bool
     hash: int
+    tolerance: int = 128
 
     @property
     def shared(self) -> bool:

@@ -18,8 +18,15 @@
  * queued waits for it, and head_dim > 256 is refused with
  * KVH_ERR_UNSUPPORTED.
  *
+ * Graph capture: a persistent plan (kvh_attention_plan_create) run on a
+ * stream that is capturing records its kernels; replaying the graph gives
+ * the one-shot call's output bit for bit, twice. The test drives capture
+ * through the CUDA driver API (libcuda.so.1, dlopen), since it does not
+ * link the CUDA runtime.
+ *
  * libkvh_cuda.so is looked up through KVH_CUDA_BACKEND, which this test
  * points at <build>/libkvh_cuda.so when it is not set. */
+#include <dlfcn.h>
 #include <limits.h>
 #include <math.h>
 #include <unistd.h>
@@ -296,6 +303,94 @@ static void test_errors_and_close(void **state)
     assert_ok(tu_close(p.cpu));
 }
 
+/* The few driver-API calls graph capture needs (CUstream = cudaStream_t). */
+typedef struct driver_api {
+    int (*stream_create)(void **stream, unsigned flags);
+    int (*begin_capture)(void *stream, int mode);
+    int (*end_capture)(void *stream, void **graph);
+    int (*instantiate)(void **exec, void *graph, unsigned long long flags);
+    int (*launch)(void *exec, void *stream);
+    int (*stream_sync)(void *stream);
+    int (*exec_destroy)(void *exec);
+    int (*graph_destroy)(void *graph);
+    int (*stream_destroy)(void *stream);
+} driver_api;
+
+static int load_driver(driver_api *d)
+{
+    void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (!lib)
+        return -1;
+    *(void **)&d->stream_create = dlsym(lib, "cuStreamCreate");
+    *(void **)&d->begin_capture = dlsym(lib, "cuStreamBeginCapture_v2");
+    *(void **)&d->end_capture = dlsym(lib, "cuStreamEndCapture");
+    *(void **)&d->instantiate = dlsym(lib, "cuGraphInstantiateWithFlags");
+    *(void **)&d->launch = dlsym(lib, "cuGraphLaunch");
+    *(void **)&d->stream_sync = dlsym(lib, "cuStreamSynchronize");
+    *(void **)&d->exec_destroy = dlsym(lib, "cuGraphExecDestroy");
+    *(void **)&d->graph_destroy = dlsym(lib, "cuGraphDestroy");
+    *(void **)&d->stream_destroy = dlsym(lib, "cuStreamDestroy_v2");
+    return d->stream_create && d->begin_capture && d->end_capture && d->instantiate && d->launch &&
+                   d->stream_sync && d->exec_destroy && d->graph_destroy && d->stream_destroy
+               ? 0
+               : -1;
+}
+
+static void test_graph_capture(void **state)
+{
+    (void)state;
+    driver_api drv;
+    if (load_driver(&drv) != 0) {
+        print_message("graph capture: the driver API is not available, not tested\n");
+        return;
+    }
+    pair p;
+    pair_open(&p, 1, 2, 128, 16, KVH_DTYPE_F16, 256);
+    pair_add(&p, 1000, -1, 0);
+    pair_add(&p, 37, -1, 0);
+    const uint32_t Hq = 8;
+    size_t bytes = (size_t)p.n * Hq * p.D * sizeof(float);
+    float *q = tu_alloc(bytes), *a = tu_alloc(bytes), *b = tu_alloc(bytes), *nan = tu_alloc(bytes);
+    for (size_t x = 0; x < bytes / sizeof(float); x++)
+        q[x] = rnd_val();
+    memset(nan, 0xff, bytes);
+    void *dq = dev_alloc(p.gpu, bytes), *dout = dev_alloc(p.gpu, bytes);
+    h2d(p.gpu, dq, q, bytes);
+    kvh_attention_params pr;
+    assert_ok(kvh_attention_params_init(&pr, sizeof(pr)));
+    pr.num_q_heads = Hq;
+    assert_ok(kvh_attention_decode(p.gpu, 0, p.gs, p.n, dq, dout, &pr));
+    sync_default_stream(p.gpu);
+    d2h(p.gpu, a, dout, bytes);
+
+    kvh_attention_plan *plan = NULL;
+    assert_ok(kvh_attention_plan_create(p.gpu, 0, p.gs, NULL, p.n, &pr, &plan));
+    void *stream = NULL, *graph = NULL, *exec = NULL;
+    assert_int_equal(drv.stream_create(&stream, 1 /* non-blocking */), 0);
+    assert_int_equal(drv.begin_capture(stream, 2 /* relaxed */), 0);
+    /* the one-shot call refuses a capturing stream; the plan does not */
+    pr.stream = stream;
+    assert_kvh(KVH_ERR_UNSUPPORTED, kvh_attention_decode(p.gpu, 0, p.gs, p.n, dq, dout, &pr));
+    assert_ok(kvh_attention_run(p.gpu, plan, dq, dout, stream));
+    assert_int_equal(drv.end_capture(stream, &graph), 0);
+    assert_int_equal(drv.instantiate(&exec, graph, 0), 0);
+    for (int replay = 0; replay < 2; replay++) {
+        h2d(p.gpu, dout, nan, bytes);
+        assert_int_equal(drv.launch(exec, stream), 0);
+        assert_int_equal(drv.stream_sync(stream), 0);
+        d2h(p.gpu, b, dout, bytes);
+        assert_memory_equal(a, b, bytes);
+    }
+    drv.exec_destroy(exec);
+    drv.graph_destroy(graph);
+    drv.stream_destroy(stream);
+    assert_ok(kvh_attention_plan_destroy(p.gpu, plan));
+    assert_int_equal(tu_seq_binfo(p.gpu, p.gs[0], 0).holds, 0);
+    p.gpu->backend->device_free(p.gpu->backend_ctx, dq, bytes);
+    p.gpu->backend->device_free(p.gpu->backend_ctx, dout, bytes);
+    pair_close(&p);
+}
+
 static void set_backend_path(void)
 {
     if (getenv("KVH_CUDA_BACKEND"))
@@ -332,6 +427,7 @@ int main(void)
         cmocka_unit_test_teardown(test_shapes, tu_teardown),
         cmocka_unit_test_teardown(test_long, tu_teardown),
         cmocka_unit_test_teardown(test_errors_and_close, tu_teardown),
+        cmocka_unit_test_teardown(test_graph_capture, tu_teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -170,6 +170,19 @@ typedef struct kvh_config {
     void *log_user;    /* passed to log_fn as is */
     uint32_t disk_queue_depth; /* io_uring depth; default 32 */
     uint32_t disk_flags;       /* kvh_disk_flags; default 0 */
+    /* kvh_codec of the host and disk tiers (see "KV codecs"); default
+     * KVH_CODEC_NONE. The device tier always holds raw dtype values. */
+    uint32_t kv_codec;
+    /* 1: the CPU backend's device tier is one shared memory file (memfd)
+     * whose blocks kvh_seq_vmap can map into contiguous views (see
+     * "Virtual contiguity"). Default 0. KVH_ERR_UNSUPPORTED on CUDA. */
+    uint32_t vmap;
+    /* kvh_eviction: victim order in the memory tiers (see "LCTRU");
+     * default KVH_EVICT_LRU_K. */
+    uint32_t eviction_policy;
+    /* LCTRU: accesses of recency a fully tolerant block gives up (0 = the
+     * device tier's capacity in blocks). */
+    uint32_t lctru_window;
 } kvh_config;
 
 enum kvh_disk_flags {
@@ -399,6 +412,8 @@ typedef struct kvh_block_info {
     uint32_t published; /* 1 when it is in the prefix index */
     uint32_t in_flight; /* 1 while a migration copies it */
     uint64_t hash;      /* chained prefix hash; 0 until the block is full */
+    uint32_t tolerance; /* compression tolerance 0..255 (see "LCTRU") */
+    uint32_t reserved0;
 } kvh_block_info;
 
 /* [out] *info (set info->struct_size first). @threads any */
@@ -553,7 +568,8 @@ KVH_API kvh_status kvh_attention_params_init(kvh_attention_params *params,
  * KVH_ERR_STRUCT_SIZE, KVH_ERR_RANGE (layer out of range, an empty
  * sequence), KVH_ERR_BAD_HANDLE, KVH_ERR_NOT_RESIDENT, KVH_ERR_NOMEM,
  * KVH_ERR_UNSUPPORTED (CUDA with head_dim > 256, or a stream that is being
- * captured into a graph: the call takes holds that a replay would not).
+ * captured into a graph: the call takes holds that a replay would not; use
+ * kvh_attention_plan_create + kvh_attention_run to capture).
  * On CUDA the holds last until the kernels finish, and kvh_engine_close
  * waits for queued attention. Whether K/V cells were written is not
  * checked (a GPU engine may fill slots directly). threads above the CPU
@@ -585,7 +601,8 @@ KVH_API kvh_status kvh_attention_prefill(kvh_engine *engine, uint32_t layer,
  * agents that use it, so weights and KV move between tiers as one unit.
  * Weights live in the device and host tiers and are charged against the
  * same byte budgets as KV: a resident region withholds
- * ceil(size / block_bytes) slots of its tier (kvh_tier_info.used_blocks
+ * ceil(size / slot size) slots of its tier (kvh_tier_info.block_bytes is
+ * the slot size; kvh_tier_info.used_blocks
  * counts them; kvh_weight_stats_get splits them out). Each region is
  * checked in chunks of chunk_bytes with CRC32C. A region whose contents
  * are still those of its source file is dropped, never written, when it
@@ -826,6 +843,268 @@ typedef struct kvh_admission_info {
 /* [out] *info (set info->struct_size first). @threads any */
 KVH_API kvh_status kvh_admission_info_get(kvh_engine *engine,
                                           kvh_admission_info *info);
+
+/* ------------------------------------------------------------------ */
+/* Attention plans (plan once, run many times; CUDA-graph capturable)   */
+/* ------------------------------------------------------------------ */
+
+/* A kept attention call: the batch's block table and work split, built on
+ * the CPU once (and on CUDA uploaded to device memory once), plus a hold
+ * on every block it reads, so they stay in the device tier in the same
+ * slots until kvh_attention_plan_destroy. kvh_attention_run then only
+ * launches kernels: no allocation, copy, synchronisation or host callback,
+ * so on CUDA it may be called on a stream that is capturing a graph and
+ * the graph may be replayed any number of times.
+ *
+ * A plan covers each sequence's tokens as they were at creation: later
+ * writes into those tokens are seen by later runs, tokens appended later
+ * are not (make a new plan). A change of a sequence's blocks (a
+ * copy-on-write copy, truncation, freeing) is not seen either: the plan
+ * keeps reading the blocks it holds, which are not kept alive; freeing or
+ * truncating a sequence while a plan of it exists leaves that plan's
+ * output undefined (never a memory fault). */
+typedef struct kvh_attention_plan kvh_attention_plan; /* opaque */
+
+/* Plans decode (q_lens NULL: one query row per sequence) or chunked
+ * prefill (q_lens as in kvh_attention_prefill) of layer for a batch, with
+ * the numerics of params (NULL = defaults; its stream is ignored: each run
+ * names its own). [borrowed] seqs, q_lens, params; [out] *plan, owned by
+ * the caller until kvh_attention_plan_destroy. Status codes as
+ * kvh_attention_decode, and KVH_ERR_INVALID_ARG for a batch without query
+ * rows. On CUDA the upload may synchronise: do not call while capturing.
+ * @threads any */
+KVH_API kvh_status kvh_attention_plan_create(kvh_engine *engine,
+                                             uint32_t layer,
+                                             const kvh_seq *seqs,
+                                             const uint32_t *q_lens,
+                                             size_t n_seqs,
+                                             const kvh_attention_params *params,
+                                             kvh_attention_plan **plan);
+
+/* Runs a plan: q and out as in kvh_attention_decode / _prefill (host
+ * memory on the CPU backend, device memory on CUDA), stream the
+ * cudaStream_t to launch on (NULL = the default stream; ignored on the
+ * CPU, where the call returns when done). [borrowed] plan, q, out.
+ * Returns KVH_ERR_INVALID_ARG (NULL plan, q or out), KVH_ERR_INTERNAL (a
+ * launch failure, with the driver's words). @threads any (runs of one
+ * plan may overlap on the CPU only if their outputs differ) */
+KVH_API kvh_status kvh_attention_run(kvh_engine *engine,
+                                     const kvh_attention_plan *plan,
+                                     const void *q, void *out, void *stream);
+
+/* Drops the plan's holds and frees it. On CUDA the caller guarantees that
+ * no launch or graph replay using it is pending (synchronise first); the
+ * call may synchronise the device. NULL accepted. Plans left at
+ * kvh_engine_close are destroyed by it. @threads handle (plan) */
+KVH_API kvh_status kvh_attention_plan_destroy(kvh_engine *engine,
+                                              kvh_attention_plan *plan);
+
+/* ------------------------------------------------------------------ */
+/* KV codecs                                                           */
+/* ------------------------------------------------------------------ */
+
+/* Quantised forms of KV. A codec encodes each vector of head_dim elements
+ * (the K or V of one token in one KV head) on its own into a fixed-size
+ * record. With kvh_config.kv_codec set, the host and disk tiers store
+ * blocks in that form (their slots shrink to the encoded size, so the same
+ * budget holds more blocks): a block is encoded when it leaves the device
+ * tier, decoded when it comes back, and kvh_seq_write_kv / _read_kv on a
+ * block in those tiers encode / decode the touched tokens only. The codec
+ * is part of the disk store's geometry (KVH_ERR_MISMATCH on reopening with
+ * another one). Encoding is lossy; per element, before the decoded value
+ * is rounded to the engine dtype:
+ *   KVH_CODEC_INT8:    |x - x'| <= max|x| / 254 over its vector
+ *                      (record: f32 scale + head_dim int8 codes)
+ *   KVH_CODEC_Q4_G32/64: |x - x'| <= (max - min) / 30 over its group of
+ *                      32/64 elements (record: f32 scale and f32 minimum,
+ *                      the zero point, per group + head_dim/2 bytes of
+ *                      4-bit codes); head_dim must be a multiple of the
+ *                      group.
+ * Non-finite inputs are not preserved: +-inf saturate to the extreme code
+ * and NaN becomes the zero code; scales use the finite elements only. */
+enum kvh_codec {
+    KVH_CODEC_NONE = 0,
+    KVH_CODEC_INT8 = 1,
+    KVH_CODEC_Q4_G32 = 2,
+    KVH_CODEC_Q4_G64 = 3
+};
+
+/* Bytes of one encoded vector of head_dim elements of dtype (KVH_CODEC_NONE:
+ * the raw size). [out] *bytes. Returns KVH_ERR_INVALID_ARG for an unknown
+ * codec or dtype, a NULL bytes, or a head_dim of 0 or that the codec's
+ * group does not divide. @threads any */
+KVH_API kvh_status kvh_codec_vector_bytes(uint32_t codec, uint32_t dtype,
+                                          uint32_t head_dim, uint64_t *bytes);
+
+/* Encodes n_vectors vectors of head_dim elements of dtype, packed in src,
+ * into n_vectors records packed in dst (kvh_codec_vector_bytes each).
+ * [borrowed] src, dst (must not overlap). Returns KVH_ERR_INVALID_ARG as
+ * kvh_codec_vector_bytes, or for NULL src/dst with n_vectors > 0.
+ * @threads any */
+KVH_API kvh_status kvh_codec_encode(uint32_t codec, uint32_t dtype,
+                                    uint32_t head_dim, const void *src,
+                                    size_t n_vectors, void *dst);
+
+/* Decodes n_vectors records from src into raw vectors of dtype in dst.
+ * [borrowed] src, dst (must not overlap). Status as kvh_codec_encode.
+ * @threads any */
+KVH_API kvh_status kvh_codec_decode(uint32_t codec, uint32_t dtype,
+                                    uint32_t head_dim, const void *src,
+                                    size_t n_vectors, void *dst);
+
+/* ------------------------------------------------------------------ */
+/* Virtual contiguity                                                  */
+/* ------------------------------------------------------------------ */
+
+/* A view presents one layer of a sequence's K and V as plain contiguous
+ * arrays while the data stays in its pool blocks: each block's pages are
+ * mapped (mmap MAP_FIXED of the device tier's memory file) into a reserved
+ * address range, so no data is copied and writes through
+ * kvh_seq_write_kv are visible in the view at once.
+ *
+ * Layout: K of kv head h, token t, element d is at
+ *   k + h * head_stride + (t * head_dim + d) * sizeof(dtype)
+ * (V alike from v), for t < n_tokens; capacity_tokens is a power of two.
+ *
+ * Constraints: kvh_config.vmap = 1 (CPU backend), and one head's K of one
+ * block, block_tokens * head_dim * sizeof(dtype) bytes, a whole number of
+ * pages (e.g. f16, head_dim 128, 16 tokens = 4 KiB): that is the unit the
+ * view maps. KVH_ERR_UNSUPPORTED otherwise. Each mapped block costs
+ * 2 * num_kv_heads memory mappings, and the kernel's limit on mappings per
+ * process (vm.max_map_count, 65530 by default) bounds all open views
+ * together (KVH_ERR_NOMEM past it).
+ *
+ * Residency and staleness: a view holds every block it maps in the device
+ * tier (as kvh_seq_acquire does), so its blocks never move while it
+ * exists. It shows the blocks the sequence had when it was made or last
+ * refreshed; a change of the sequence's block table (tokens appended into
+ * a new block, a copy-on-write copy on a write into a shared block,
+ * truncation, freeing) makes it stale. kvh_vmap_refresh remaps exactly the
+ * blocks that changed and increments generation when anything did;
+ * kvh_attention_decode_vmap refuses a stale view with KVH_ERR_BAD_HANDLE.
+ * Reading a stale view directly gives the old blocks' data (never a
+ * fault while the view exists). */
+typedef struct kvh_vmap kvh_vmap; /* opaque */
+
+typedef struct kvh_vmap_view {
+    uint32_t struct_size;
+    uint32_t layer;
+    uint64_t n_tokens;        /* tokens mapped */
+    uint64_t capacity_tokens; /* tokens the range can hold */
+    uint64_t head_stride;     /* bytes between two heads' token arrays */
+    const void *k; /* [owned by engine] until kvh_vmap_release */
+    const void *v;
+    uint64_t generation; /* changes whenever a refresh remapped something */
+} kvh_vmap_view;
+
+/* Maps layer of seq (its current tokens) into a new view able to grow to
+ * capacity_tokens (rounded up to a power of two; 0 = the current length).
+ * Every block must be in the device tier (KVH_ERR_NOT_RESIDENT: acquire
+ * first). [out] *vmap, owned by the caller until kvh_vmap_release.
+ * Returns KVH_ERR_UNSUPPORTED (see the constraints), KVH_ERR_RANGE (layer,
+ * or more tokens than capacity_tokens), KVH_ERR_BAD_HANDLE, KVH_ERR_NOMEM.
+ * @threads handle (seq) */
+KVH_API kvh_status kvh_seq_vmap(kvh_engine *engine, kvh_seq seq,
+                                uint32_t layer, uint64_t capacity_tokens,
+                                kvh_vmap **vmap);
+
+/* Brings the view up to date with its sequence: maps blocks appended or
+ * replaced since, unmaps blocks truncated away, moves the holds.
+ * [out] *changed (may be NULL): 1 when a mapping changed. Returns
+ * KVH_ERR_BAD_HANDLE (the sequence was freed), KVH_ERR_NOT_RESIDENT,
+ * KVH_ERR_RANGE (the sequence outgrew capacity_tokens); the view stays
+ * usable (and stale) after a failure. @threads handle (vmap and seq) */
+KVH_API kvh_status kvh_vmap_refresh(kvh_engine *engine, kvh_vmap *vmap,
+                                    int32_t *changed);
+
+/* The view's current addresses and sizes. [out] *view (set
+ * view->struct_size first). @threads handle (vmap) */
+KVH_API kvh_status kvh_vmap_get(kvh_engine *engine, const kvh_vmap *vmap,
+                                kvh_vmap_view *view);
+
+/* Unmaps the view and drops its holds. NULL accepted. Views left at
+ * kvh_engine_close are released by it. @threads handle (vmap) */
+KVH_API kvh_status kvh_vmap_release(kvh_engine *engine, kvh_vmap *vmap);
+
+/* kvh_attention_decode over views: view i (a sequence's layer) attends
+ * with q[i] over its n_tokens tokens, indexing the contiguous arrays
+ * directly (no block table). The result equals kvh_attention_decode's on
+ * the same sequence bit for bit (same kernels and work split per
+ * sequence). [borrowed] views (n_views), q, out, params as in
+ * kvh_attention_decode (host memory). Returns KVH_ERR_BAD_HANDLE for a
+ * stale view (refresh it), KVH_ERR_INVALID_ARG, KVH_ERR_STRUCT_SIZE,
+ * KVH_ERR_NOMEM. @threads handle (each view) */
+KVH_API kvh_status kvh_attention_decode_vmap(kvh_engine *engine,
+                                             kvh_vmap *const *views,
+                                             size_t n_views, const void *q,
+                                             void *out,
+                                             const kvh_attention_params *params);
+
+/* kvh_attention_prefill over views: view i's last q_lens[i] tokens attend
+ * causally, q and out the chunks concatenated as in kvh_attention_prefill
+ * ([borrowed] q_lens). Equal to kvh_attention_prefill bit for bit; status
+ * codes as kvh_attention_decode_vmap, and KVH_ERR_RANGE when q_lens[i]
+ * exceeds the view's tokens. @threads handle (each view) */
+KVH_API kvh_status kvh_attention_prefill_vmap(kvh_engine *engine,
+                                              kvh_vmap *const *views,
+                                              const uint32_t *q_lens,
+                                              size_t n_views, const void *q,
+                                              void *out,
+                                              const kvh_attention_params *params);
+
+/* ------------------------------------------------------------------ */
+/* LCTRU: tolerance-aware eviction                                     */
+/* ------------------------------------------------------------------ */
+
+/* Victim order of the memory tiers. KVH_EVICT_LRU_K: by the K-th most
+ * recent access (kvh_config.lru_k), then the most recent. KVH_EVICT_LCTRU
+ * ("least compression-tolerable and recently used"): the same order, but
+ * every block counts as if its accesses had happened tolerance / 255 *
+ * lctru_window accesses earlier, so that among blocks of similar recency
+ * the compression-tolerant ones leave first: with a kv_codec, leaving the
+ * device tier is what compresses a block, so tolerant blocks are
+ * compressed before intolerant ones have to go, and a block of tolerance 0
+ * is ordered exactly as under LRU-K. Unreferenced cached blocks still go
+ * before referenced ones under both policies. */
+enum kvh_eviction { KVH_EVICT_LRU_K = 0, KVH_EVICT_LCTRU = 1 };
+
+/* Compression tolerance of a new block. A caller that knows better (e.g.
+ * attention-sink tokens and the newest tokens are intolerant, old context
+ * tolerant, or per layer from measured codec error) sets it per range. */
+#define KVH_TOLERANCE_DEFAULT 128u
+#define KVH_TOLERANCE_MAX 255u
+
+/* Sets the compression tolerance (0 = intolerant .. KVH_TOLERANCE_MAX) of
+ * the blocks holding tokens [first, first + n) of seq; blocks appended
+ * later start at KVH_TOLERANCE_DEFAULT, and a copy-on-write copy inherits
+ * its source's. Shared blocks change for every sequence using them. Has
+ * an effect on victim order only under KVH_EVICT_LCTRU. Returns
+ * KVH_ERR_INVALID_ARG (tolerance > KVH_TOLERANCE_MAX), KVH_ERR_RANGE,
+ * KVH_ERR_BAD_HANDLE. @threads handle */
+KVH_API kvh_status kvh_seq_set_tolerance(kvh_engine *engine, kvh_seq seq,
+                                         uint64_t first, uint64_t n,
+                                         uint32_t tolerance);
+
+/* The same for one block. @threads any */
+KVH_API kvh_status kvh_block_set_tolerance(kvh_engine *engine,
+                                           kvh_block block,
+                                           uint32_t tolerance);
+
+/* Derives the tolerance of the blocks holding tokens [first, first + n)
+ * of seq from the engine's kv_codec: each block still held raw (device
+ * tier) is encoded and decoded on the side, and its relative RMS error e
+ * over the written K/V (||x - x'|| / ||x||) gives
+ *   tolerance = KVH_TOLERANCE_MAX * max(0, 1 - e / max_rel_error)
+ * (rounded), so blocks the codec hurts least leave first under LCTRU.
+ * max_rel_error is the error held intolerable (0 = 0.25). Blocks in the
+ * host or disk tier (already encoded) and blocks with nothing written keep
+ * their tolerance. Costs one encode and decode per block (like a
+ * demotion). Returns KVH_ERR_UNSUPPORTED without a kv_codec,
+ * KVH_ERR_INVALID_ARG (max_rel_error negative or not finite),
+ * KVH_ERR_RANGE, KVH_ERR_BAD_HANDLE, KVH_ERR_NOMEM. @threads handle */
+KVH_API kvh_status kvh_seq_derive_tolerance(kvh_engine *engine, kvh_seq seq,
+                                            uint64_t first, uint64_t n,
+                                            float max_rel_error);
 
 #ifdef __cplusplus
 }

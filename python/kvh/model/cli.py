@@ -3,7 +3,7 @@
     python -m kvh.model generate "The capital of France is" -n 32
     python -m kvh.model generate --chat "Why is the sky blue?" --model other.gguf
     python -m kvh.model compare "Once upon a time" -n 64       # kvh vs the NumPy reference
-    python -m kvh.model ppl [--kv f32|f16|int8|q4]             # perplexity of the fixed text
+    python -m kvh.model ppl [--kv f32|f16|int8|q4|kvh-int8|kvh-q4_g32|kvh-q4_g64]  # perplexity by KV format
     python -m kvh.model info
 
 ``add_arguments(parser)`` / ``run(args)`` let another CLI mount these
@@ -50,7 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     q = sub.add_parser("ppl", **P, help="perplexity of a text (default: the fixed English text) by KV format")
     q.add_argument("--text", default=None, help="a text file (default: kvh.model.texts.PPL_TEXT)")
-    q.add_argument("--kv", action="append", choices=("f32", "f16", "int8", "q4"),
+    q.add_argument("--kv", action="append",
+                   choices=("f32", "f16", "int8", "q4", "kvh-int8", "kvh-q4_g32", "kvh-q4_g64"),
                    help="KV formats to measure (repeatable; default all)")
 
     sub.add_parser("info", **P, help="model metadata and load time")
@@ -61,7 +62,7 @@ def _progress(done: int, total: int) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from . import QuantizedKV, load
+    from . import CodecKV, QuantizedKV, load
 
     t0 = time.perf_counter()
     r = load(args.model, attention=args.attention)
@@ -104,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
 
         ref = r.generate(args.prompt, args.max_new_tokens, backend="reference", chat=args.chat, stop=False,
                          return_logits=True)
-        with r.engine() as eng:
+        with r.engine(vmap=r.attention == "vmap") as eng:
             got = r.generate(args.prompt, args.max_new_tokens, kv=r.kvh_kv(eng), chat=args.chat, stop=False,
                              return_logits=True)
         same = next((i for i, (a, b) in enumerate(zip(got.tokens, ref.tokens)) if a != b), len(ref.tokens))
@@ -122,11 +123,13 @@ def run(args: argparse.Namespace) -> int:
                 text = f.read()
         ids = r.tokenizer.encode(text)
         out = {}
-        for kvf in args.kv or ["f32", "f16", "int8", "q4"]:
+        for kvf in args.kv or ["f32", "f16", "int8", "q4", "kvh-int8", "kvh-q4_g32", "kvh-q4_g64"]:
             with r.engine(dtype="f16" if kvf == "f16" else "f32") as eng:
                 kv = r.kvh_kv(eng)
                 if kvf in ("int8", "q4"):
                     kv = QuantizedKV(kv, 8 if kvf == "int8" else 4)
+                elif kvf.startswith("kvh-"):
+                    kv = CodecKV(kv, kvf[4:])  # libkvh's own codec (kv_codec)
                 out[kvf] = r.perplexity(ids, kv)
         base = out.get("f32")
         for k, v in out.items():

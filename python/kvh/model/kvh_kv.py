@@ -12,6 +12,13 @@ paged attention launch (``Engine.attention_prefill`` / ``attention_decode``).
     K/V read back from the paged cache with ``Sequence.read_kv`` (from
     whichever tier holds them), attention in NumPy (float64). For libkvh
     builds whose attention entry points answer ``KVH_ERR_UNSUPPORTED``.
+``"vmap"``
+    attention over virtually contiguous views of each layer
+    (``Sequence.vmap`` + ``Engine.attention_decode_vmap`` /
+    ``attention_prefill_vmap``: the blocks' pages mapped into one
+    contiguous range, no block table). Needs an engine opened with ``vmap=True``
+    (``Runner.engine(vmap=True)``). Views are refreshed every step and
+    released at the end of each forward pass, like the hold.
 ``"auto"`` (default)
     ``kernel``; when the library answers ``UnsupportedError`` the backend
     switches to ``readback`` for the rest of its life and says so in
@@ -24,11 +31,11 @@ import numpy as np
 
 from .reference import causal_attention
 
-__all__ = ["KvhKV", "ATTENTION_MODES", "kernel_attention_available"]
+__all__ = ["KvhKV", "CodecKV", "ATTENTION_MODES", "kernel_attention_available"]
 
 log = logging.getLogger("kvh.model")
 
-ATTENTION_MODES = ("auto", "kernel", "readback")
+ATTENTION_MODES = ("auto", "kernel", "readback", "vmap")
 
 
 def _kvh():
@@ -52,7 +59,10 @@ class KvhKV:
         self._np_dtype = np.dtype(engine.np_dtype)
         self._hold = None
         self._len = 0
-        self.attention_used: str = {"auto": "kernel?", "kernel": "kernel", "readback": "readback"}[attention]
+        self.attention_used: str = {"auto": "kernel?", "kernel": "kernel", "readback": "readback",
+                                    "vmap": "vmap"}[attention]
+        self._views: dict = {}
+        self.vmap_calls = 0
         self.kernel_calls = 0
         self.readback_calls = 0
 
@@ -86,6 +96,14 @@ class KvhKV:
         if self.mode != "readback":
             kvh = _kvh()
             qc = np.ascontiguousarray(q, dtype=np.float32)
+            if self.mode == "vmap":
+                vm = self._view(layer)
+                if n == 1:
+                    out = self.engine.attention_decode_vmap([vm], qc, threads=self.threads)
+                else:
+                    out = self.engine.attention_prefill_vmap([vm], [n], qc, threads=self.threads)
+                self.vmap_calls += 1
+                return out
             try:
                 if n == 1:
                     out = self.engine.attention_decode(layer, [self.seq], qc, threads=self.threads)
@@ -108,7 +126,25 @@ class KvhKV:
     def end(self) -> None:
         self._release()
 
+    def _view(self, layer: int):
+        """The layer's view, brought up to date (made on first use, or again
+        when the sequence outgrew it)."""
+        kvh = _kvh()
+        vm = self._views.get(layer)
+        if vm is not None:
+            try:
+                vm.refresh()
+                return vm
+            except kvh.RangeError:
+                vm.release()
+        vm = self.seq.vmap(layer, max(2 * self._len, 256))
+        self._views[layer] = vm
+        return vm
+
     def _release(self) -> None:
+        views, self._views = self._views, {}
+        for vm in views.values():
+            vm.release()
         h, self._hold = self._hold, None
         if h is not None:
             h.release()
@@ -121,6 +157,46 @@ class KvhKV:
     def free(self) -> None:
         self._release()
         self.seq.free()
+
+
+class CodecKV:
+    """Wraps a KV backend: K and V go through one of libkvh's KV codecs
+    (:mod:`kvh.codec`, the code the engine runs when ``kv_codec`` makes the
+    host and disk tiers quantised) before they are written, as if every
+    block had been demoted and promoted back. Codecs work per token and
+    head, so this equals a real round trip through an encoded tier value
+    for value."""
+
+    def __init__(self, inner, codec, *, keys: bool = True, values: bool = True) -> None:
+        import kvh
+
+        self.inner, self.codec, self.keys, self.values = inner, kvh.Codec.parse(codec), keys, values
+
+    @property
+    def length(self) -> int:
+        return self.inner.length
+
+    @property
+    def attention_used(self) -> str:
+        return f"{self.inner.attention_used}+{self.codec.name.lower()}"
+
+    def begin(self, tokens: np.ndarray) -> int:
+        return self.inner.begin(tokens)
+
+    def write(self, layer: int, pos: int, k: np.ndarray, v: np.ndarray) -> None:
+        from kvh import codec as kc
+
+        if self.keys:
+            k = kc.round_trip(np.ascontiguousarray(k, dtype=np.float32), self.codec)
+        if self.values:
+            v = kc.round_trip(np.ascontiguousarray(v, dtype=np.float32), self.codec)
+        self.inner.write(layer, pos, k, v)
+
+    def attend(self, layer: int, q: np.ndarray, pos: int) -> np.ndarray:
+        return self.inner.attend(layer, q, pos)
+
+    def end(self) -> None:
+        self.inner.end()
 
 
 def kernel_attention_available(engine) -> bool:

@@ -6,6 +6,8 @@ pub const KVH_VERSION_MINOR: u32 = 1;
 pub const KVH_VERSION_PATCH: u32 = 0;
 pub const KVH_VERSION_NUMBER: u32 = 100;
 pub const KVH_TIER_COUNT: u32 = 3;
+pub const KVH_TOLERANCE_DEFAULT: u32 = 128;
+pub const KVH_TOLERANCE_MAX: u32 = 255;
 pub type __int32_t = ::std::os::raw::c_int;
 pub type __uint32_t = ::std::os::raw::c_uint;
 pub type __uint64_t = ::std::os::raw::c_ulong;
@@ -243,12 +245,16 @@ pub struct kvh_config {
     pub log_user: *mut ::std::os::raw::c_void,
     pub disk_queue_depth: u32,
     pub disk_flags: u32,
+    pub kv_codec: u32,
+    pub vmap: u32,
+    pub eviction_policy: u32,
+    pub lctru_window: u32,
 }
 #[test]
 fn bindgen_test_layout_kvh_config() {
     assert_eq!(
         ::std::mem::size_of::<kvh_config>(),
-        128usize,
+        144usize,
         concat!("Size of: ", stringify!(kvh_config))
     );
     assert_eq!(
@@ -664,6 +670,74 @@ fn bindgen_test_layout_kvh_config() {
         );
     }
     test_field_disk_flags();
+    fn test_field_kv_codec() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_config>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).kv_codec) as usize - ptr as usize
+            },
+            128usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_config),
+                "::",
+                stringify!(kv_codec)
+            )
+        );
+    }
+    test_field_kv_codec();
+    fn test_field_vmap() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_config>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).vmap) as usize - ptr as usize
+            },
+            132usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_config),
+                "::",
+                stringify!(vmap)
+            )
+        );
+    }
+    test_field_vmap();
+    fn test_field_eviction_policy() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_config>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).eviction_policy) as usize - ptr as usize
+            },
+            136usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_config),
+                "::",
+                stringify!(eviction_policy)
+            )
+        );
+    }
+    test_field_eviction_policy();
+    fn test_field_lctru_window() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_config>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).lctru_window) as usize - ptr as usize
+            },
+            140usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_config),
+                "::",
+                stringify!(lctru_window)
+            )
+        );
+    }
+    test_field_lctru_window();
 }
 impl Default for kvh_config {
     fn default() -> Self {
@@ -1545,12 +1619,14 @@ pub struct kvh_block_info {
     pub published: u32,
     pub in_flight: u32,
     pub hash: u64,
+    pub tolerance: u32,
+    pub reserved0: u32,
 }
 #[test]
 fn bindgen_test_layout_kvh_block_info() {
     assert_eq!(
         ::std::mem::size_of::<kvh_block_info>(),
-        48usize,
+        56usize,
         concat!("Size of: ", stringify!(kvh_block_info))
     );
     assert_eq!(
@@ -1745,6 +1821,40 @@ fn bindgen_test_layout_kvh_block_info() {
         );
     }
     test_field_hash();
+    fn test_field_tolerance() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_block_info>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).tolerance) as usize - ptr as usize
+            },
+            48usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_block_info),
+                "::",
+                stringify!(tolerance)
+            )
+        );
+    }
+    test_field_tolerance();
+    fn test_field_reserved0() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_block_info>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).reserved0) as usize - ptr as usize
+            },
+            52usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_block_info),
+                "::",
+                stringify!(reserved0)
+            )
+        );
+    }
+    test_field_reserved0();
 }
 extern "C" {
     pub fn kvh_block_info_get(
@@ -3562,5 +3672,319 @@ extern "C" {
     pub fn kvh_admission_info_get(
         engine: *mut kvh_engine,
         info: *mut kvh_admission_info,
+    ) -> kvh_status;
+}
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct kvh_attention_plan {
+    _unused: [u8; 0],
+}
+extern "C" {
+    pub fn kvh_attention_plan_create(
+        engine: *mut kvh_engine,
+        layer: u32,
+        seqs: *const kvh_seq,
+        q_lens: *const u32,
+        n_seqs: usize,
+        params: *const kvh_attention_params,
+        plan: *mut *mut kvh_attention_plan,
+    ) -> kvh_status;
+}
+extern "C" {
+    pub fn kvh_attention_run(
+        engine: *mut kvh_engine,
+        plan: *const kvh_attention_plan,
+        q: *const ::std::os::raw::c_void,
+        out: *mut ::std::os::raw::c_void,
+        stream: *mut ::std::os::raw::c_void,
+    ) -> kvh_status;
+}
+extern "C" {
+    pub fn kvh_attention_plan_destroy(
+        engine: *mut kvh_engine,
+        plan: *mut kvh_attention_plan,
+    ) -> kvh_status;
+}
+pub const KVH_CODEC_NONE: kvh_codec = 0;
+pub const KVH_CODEC_INT8: kvh_codec = 1;
+pub const KVH_CODEC_Q4_G32: kvh_codec = 2;
+pub const KVH_CODEC_Q4_G64: kvh_codec = 3;
+pub type kvh_codec = ::std::os::raw::c_uint;
+extern "C" {
+    pub fn kvh_codec_vector_bytes(
+        codec: u32,
+        dtype: u32,
+        head_dim: u32,
+        bytes: *mut u64,
+    ) -> kvh_status;
+}
+extern "C" {
+    pub fn kvh_codec_encode(
+        codec: u32,
+        dtype: u32,
+        head_dim: u32,
+        src: *const ::std::os::raw::c_void,
+        n_vectors: usize,
+        dst: *mut ::std::os::raw::c_void,
+    ) -> kvh_status;
+}
+extern "C" {
+    pub fn kvh_codec_decode(
+        codec: u32,
+        dtype: u32,
+        head_dim: u32,
+        src: *const ::std::os::raw::c_void,
+        n_vectors: usize,
+        dst: *mut ::std::os::raw::c_void,
+    ) -> kvh_status;
+}
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct kvh_vmap {
+    _unused: [u8; 0],
+}
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct kvh_vmap_view {
+    pub struct_size: u32,
+    pub layer: u32,
+    pub n_tokens: u64,
+    pub capacity_tokens: u64,
+    pub head_stride: u64,
+    pub k: *const ::std::os::raw::c_void,
+    pub v: *const ::std::os::raw::c_void,
+    pub generation: u64,
+}
+#[test]
+fn bindgen_test_layout_kvh_vmap_view() {
+    assert_eq!(
+        ::std::mem::size_of::<kvh_vmap_view>(),
+        56usize,
+        concat!("Size of: ", stringify!(kvh_vmap_view))
+    );
+    assert_eq!(
+        ::std::mem::align_of::<kvh_vmap_view>(),
+        8usize,
+        concat!("Alignment of ", stringify!(kvh_vmap_view))
+    );
+    fn test_field_struct_size() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_vmap_view>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).struct_size) as usize - ptr as usize
+            },
+            0usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_vmap_view),
+                "::",
+                stringify!(struct_size)
+            )
+        );
+    }
+    test_field_struct_size();
+    fn test_field_layer() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_vmap_view>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).layer) as usize - ptr as usize
+            },
+            4usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_vmap_view),
+                "::",
+                stringify!(layer)
+            )
+        );
+    }
+    test_field_layer();
+    fn test_field_n_tokens() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_vmap_view>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).n_tokens) as usize - ptr as usize
+            },
+            8usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_vmap_view),
+                "::",
+                stringify!(n_tokens)
+            )
+        );
+    }
+    test_field_n_tokens();
+    fn test_field_capacity_tokens() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_vmap_view>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).capacity_tokens) as usize - ptr as usize
+            },
+            16usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_vmap_view),
+                "::",
+                stringify!(capacity_tokens)
+            )
+        );
+    }
+    test_field_capacity_tokens();
+    fn test_field_head_stride() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_vmap_view>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).head_stride) as usize - ptr as usize
+            },
+            24usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_vmap_view),
+                "::",
+                stringify!(head_stride)
+            )
+        );
+    }
+    test_field_head_stride();
+    fn test_field_k() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_vmap_view>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).k) as usize - ptr as usize
+            },
+            32usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_vmap_view),
+                "::",
+                stringify!(k)
+            )
+        );
+    }
+    test_field_k();
+    fn test_field_v() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_vmap_view>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).v) as usize - ptr as usize
+            },
+            40usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_vmap_view),
+                "::",
+                stringify!(v)
+            )
+        );
+    }
+    test_field_v();
+    fn test_field_generation() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_vmap_view>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).generation) as usize - ptr as usize
+            },
+            48usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_vmap_view),
+                "::",
+                stringify!(generation)
+            )
+        );
+    }
+    test_field_generation();
+}
+impl Default for kvh_vmap_view {
+    fn default() -> Self {
+        let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+extern "C" {
+    pub fn kvh_seq_vmap(
+        engine: *mut kvh_engine,
+        seq: kvh_seq,
+        layer: u32,
+        capacity_tokens: u64,
+        vmap: *mut *mut kvh_vmap,
+    ) -> kvh_status;
+}
+extern "C" {
+    pub fn kvh_vmap_refresh(
+        engine: *mut kvh_engine,
+        vmap: *mut kvh_vmap,
+        changed: *mut i32,
+    ) -> kvh_status;
+}
+extern "C" {
+    pub fn kvh_vmap_get(
+        engine: *mut kvh_engine,
+        vmap: *const kvh_vmap,
+        view: *mut kvh_vmap_view,
+    ) -> kvh_status;
+}
+extern "C" {
+    pub fn kvh_vmap_release(engine: *mut kvh_engine, vmap: *mut kvh_vmap) -> kvh_status;
+}
+extern "C" {
+    pub fn kvh_attention_decode_vmap(
+        engine: *mut kvh_engine,
+        views: *const *mut kvh_vmap,
+        n_views: usize,
+        q: *const ::std::os::raw::c_void,
+        out: *mut ::std::os::raw::c_void,
+        params: *const kvh_attention_params,
+    ) -> kvh_status;
+}
+extern "C" {
+    pub fn kvh_attention_prefill_vmap(
+        engine: *mut kvh_engine,
+        views: *const *mut kvh_vmap,
+        q_lens: *const u32,
+        n_views: usize,
+        q: *const ::std::os::raw::c_void,
+        out: *mut ::std::os::raw::c_void,
+        params: *const kvh_attention_params,
+    ) -> kvh_status;
+}
+pub const KVH_EVICT_LRU_K: kvh_eviction = 0;
+pub const KVH_EVICT_LCTRU: kvh_eviction = 1;
+pub type kvh_eviction = ::std::os::raw::c_uint;
+extern "C" {
+    pub fn kvh_seq_set_tolerance(
+        engine: *mut kvh_engine,
+        seq: kvh_seq,
+        first: u64,
+        n: u64,
+        tolerance: u32,
+    ) -> kvh_status;
+}
+extern "C" {
+    pub fn kvh_block_set_tolerance(
+        engine: *mut kvh_engine,
+        block: kvh_block,
+        tolerance: u32,
+    ) -> kvh_status;
+}
+extern "C" {
+    pub fn kvh_seq_derive_tolerance(
+        engine: *mut kvh_engine,
+        seq: kvh_seq,
+        first: u64,
+        n: u64,
+        max_rel_error: f32,
     ) -> kvh_status;
 }

@@ -36,7 +36,7 @@ impl Default for AttentionParams {
 }
 
 impl AttentionParams {
-    fn to_raw(self) -> Result<sys::kvh_attention_params> {
+    pub(crate) fn to_raw(self) -> Result<sys::kvh_attention_params> {
         let mut raw = sys::kvh_attention_params::default();
         // SAFETY: raw is a valid struct of the size passed.
         check(unsafe {
@@ -56,7 +56,7 @@ impl AttentionParams {
 
 impl Engine {
     /// Elements of one query token (checks GQA and the element type).
-    fn q_token_elems<T: Element>(&self, params: Option<&AttentionParams>) -> Result<usize> {
+    pub(crate) fn q_token_elems<T: Element>(&self, params: Option<&AttentionParams>) -> Result<usize> {
         if self.backend() != "cpu" {
             // q and out are device memory on the CUDA backend: host slices
             // would be read by a kernel. Use kvh-sys with device pointers.
@@ -177,5 +177,102 @@ impl Engine {
                 pp,
             )
         })
+    }
+}
+
+/// A kept attention call (`kvh_attention_plan`): the batch's block table
+/// and work split built once, its blocks held in the device tier until the
+/// plan drops. [`run`](Self::run) only launches the kernels. Made by
+/// [`Engine::attention_plan`]; CPU backend through this safe API (CUDA
+/// graphs need device pointers: use `kvh_sys::kvh_attention_run`).
+#[derive(Debug)]
+pub struct AttentionPlan<'e> {
+    engine: &'e Engine,
+    raw: *mut sys::kvh_attention_plan,
+    rows: usize,
+    per: usize,
+    io: DType,
+}
+
+impl Engine {
+    /// Plans decode (`q_lens` `None`) or chunked prefill of `layer` for a
+    /// batch; see `kvh_attention_plan_create`. The plan covers the tokens
+    /// the sequences have now; later writes into them are seen by later
+    /// runs.
+    pub fn attention_plan<T: Element>(
+        &self,
+        layer: u32,
+        seqs: &[&Sequence<'_>],
+        q_lens: Option<&[u32]>,
+        params: Option<&AttentionParams>,
+    ) -> Result<AttentionPlan<'_>> {
+        let raw_seqs = self.check_owner(seqs)?;
+        let per = self.q_token_elems::<T>(params)?;
+        let rows = match q_lens {
+            Some(l) if l.len() != raw_seqs.len() => {
+                return Err(invalid(format!("{} sequences but {} q_lens", raw_seqs.len(), l.len())))
+            }
+            Some(l) => l.iter().map(|&n| n as usize).sum(),
+            None => raw_seqs.len(),
+        };
+        let p = params.map(|p| p.to_raw()).transpose()?;
+        let pp = p.as_ref().map_or(ptr::null(), |p| p as *const _);
+        let mut out = ptr::null_mut();
+        // SAFETY: seqs (and q_lens) hold n_seqs entries; out is written on
+        // success only.
+        check(unsafe {
+            sys::kvh_attention_plan_create(
+                self.as_ptr(),
+                layer,
+                raw_seqs.as_ptr(),
+                q_lens.map_or(ptr::null(), |l| l.as_ptr()),
+                raw_seqs.len(),
+                pp,
+                &mut out,
+            )
+        })?;
+        Ok(AttentionPlan {
+            engine: self,
+            raw: out,
+            rows,
+            per,
+            io: params.copied().unwrap_or_default().io_dtype,
+        })
+    }
+}
+
+impl AttentionPlan<'_> {
+    /// Runs the plan: `q` and `out` hold `rows * num_q_heads * head_dim`
+    /// elements of the plan's io dtype.
+    pub fn run<T: Element>(&self, q: &[T], out: &mut [T]) -> Result<()> {
+        check_dtype::<T>(self.io)?;
+        let want = self.rows * self.per;
+        if q.len() != want || out.len() != want {
+            return Err(invalid(format!(
+                "q and out need {want} elements, got {} and {}",
+                q.len(),
+                out.len()
+            )));
+        }
+        // SAFETY: the plan is live (owned by self); q and out were checked
+        // above and are host memory on the CPU backend.
+        check(unsafe {
+            sys::kvh_attention_run(
+                self.engine.as_ptr(),
+                self.raw,
+                q.as_ptr().cast(),
+                out.as_mut_ptr().cast(),
+                ptr::null_mut(),
+            )
+        })
+    }
+}
+
+impl Drop for AttentionPlan<'_> {
+    fn drop(&mut self) {
+        // SAFETY: raw came from kvh_attention_plan_create and is dropped once.
+        unsafe {
+            sys::kvh_attention_plan_destroy(self.engine.as_ptr(), self.raw);
+        }
     }
 }

@@ -104,6 +104,30 @@ impl Config {
         }
     }
 
+    /// Form of KV in the host and disk tiers (default [`Codec::None`]):
+    /// a quantised codec makes those tiers hold more blocks, with the
+    /// error bounds documented in [`crate::codec`].
+    pub fn kv_codec(mut self, codec: crate::Codec) -> Self {
+        self.raw.kv_codec = codec.raw();
+        self
+    }
+
+    /// Victim order of the memory tiers (default [`Eviction::LruK`]);
+    /// `window` is LCTRU's recency a fully tolerant block gives up, in
+    /// accesses (0 = the device tier's capacity in blocks).
+    pub fn eviction(mut self, policy: crate::Eviction, window: u32) -> Self {
+        self.raw.eviction_policy = policy.raw();
+        self.raw.lctru_window = window;
+        self
+    }
+
+    /// Back the CPU backend's device tier by a memory file so that
+    /// [`Sequence::vmap`](crate::Sequence::vmap) can map views (default off).
+    pub fn vmap(mut self, on: bool) -> Self {
+        self.raw.vmap = u32::from(on);
+        self
+    }
+
     /// Transformer layers (default 1).
     pub fn num_layers(mut self, n: u32) -> Self {
         self.raw.num_layers = n;

@@ -66,6 +66,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 mod attention;
+pub mod codec;
 mod config;
 mod context;
 mod element;
@@ -74,8 +75,11 @@ mod error;
 mod fence;
 mod seq;
 mod types;
+mod vmap;
 
-pub use attention::AttentionParams;
+pub use attention::{AttentionParams, AttentionPlan};
+pub use codec::{Codec, Eviction};
+pub use vmap::{VMap, VMapInfo};
 pub use config::{Config, LogFn};
 pub use context::{AdmissionInfo, Context, ContextInfo, KvPolicy, WeightStats};
 pub use element::Element;

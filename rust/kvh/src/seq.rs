@@ -480,6 +480,25 @@ impl<'e> Sequence<'e> {
         self.set_pinned(range, false)
     }
 
+    /// Sets the compression tolerance (0 = intolerant ..= 255) of the blocks
+    /// of a token range, used by [`Eviction::Lctru`](crate::Eviction):
+    /// among blocks of similar recency, tolerant ones leave the device tier
+    /// (and are compressed under a KV codec) first.
+    pub fn set_tolerance(&self, range: impl RangeBounds<u64>, tolerance: u32) -> Result<()> {
+        let (first, n) = self.range(range)?;
+        // SAFETY: valid engine.
+        check(unsafe { sys::kvh_seq_set_tolerance(self.engine.as_ptr(), self.raw, first, n, tolerance) })
+    }
+
+    /// Derives the tolerance of the range's device-tier blocks from the
+    /// engine's KV codec error on them (`kvh_seq_derive_tolerance`;
+    /// `max_rel_error` 0 = 0.25).
+    pub fn derive_tolerance(&self, range: impl RangeBounds<u64>, max_rel_error: f32) -> Result<()> {
+        let (first, n) = self.range(range)?;
+        // SAFETY: valid engine.
+        check(unsafe { sys::kvh_seq_derive_tolerance(self.engine.as_ptr(), self.raw, first, n, max_rel_error) })
+    }
+
     fn set_pinned(&self, range: impl RangeBounds<u64>, pinned: bool) -> Result<()> {
         let (first, n) = self.range(range)?;
         // SAFETY: valid engine.

@@ -362,6 +362,8 @@ pub struct BlockInfo {
     pub in_flight: bool,
     /// Chained prefix hash; 0 until the block is full.
     pub hash: u64,
+    /// Compression tolerance 0..=255 (LCTRU eviction).
+    pub tolerance: u32,
 }
 
 impl BlockInfo {
@@ -377,6 +379,7 @@ impl BlockInfo {
             published: i.published != 0,
             in_flight: i.in_flight != 0,
             hash: i.hash,
+            tolerance: i.tolerance,
         }
     }
 }

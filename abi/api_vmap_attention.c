@@ -1,0 +1,129 @@
+/* Decode and prefill attention over virtually contiguous views (core/vmap.c). Each
+ * view is one sequence's layer laid out like a contiguous KV array, which
+ * the kernels read as a single block of capacity_tokens tokens: the block
+ * table has one entry. Every sequence gets a plan of its own (views do not
+ * share a base address), built with the options and tile size the paged
+ * call would use, so the result is the paged result bit for bit. The
+ * views' holds keep their blocks in place; nothing is held here. */
+#include <math.h>
+#include <stdlib.h>
+
+#include "abi/api_common.h"
+#include "core/vmap.h"
+#include "kernels/attention_plan.h"
+#include "kernels/cpu/attn_cpu.h"
+
+static void run_done(void *arg) { (void)arg; }
+
+static kvh_status attention_vmap(kvh_engine *e, kvh_vmap *const *views, const uint32_t *q_lens, size_t n_views,
+                                 const void *q, void *out, const kvh_attention_params *params)
+{
+    kvhi_clear_error();
+    KVHI_REQUIRE(e, "engine is NULL");
+    KVHI_REQUIRE(views || n_views == 0, "views is NULL");
+    KVHI_REQUIRE(n_views == 0 || (q && out), "q and out must not be NULL");
+    kvh_attention_params pr;
+    kvh_attention_params_init(&pr, sizeof(pr));
+    if (params) {
+        if (params->struct_size != sizeof(kvh_attention_params))
+            return kvhi_fail(KVH_ERR_STRUCT_SIZE, "kvh_attention_params struct_size %u, this library knows %zu",
+                             params->struct_size, sizeof(kvh_attention_params));
+        pr = *params;
+    }
+    const kvh_config *c = &e->cfg;
+    KVHI_REQUIRE(pr.io_dtype <= KVH_DTYPE_BF16, "unknown io_dtype %u", pr.io_dtype);
+    if (pr.num_q_heads == 0)
+        pr.num_q_heads = c->num_kv_heads;
+    KVHI_REQUIRE(pr.num_q_heads % c->num_kv_heads == 0 && pr.num_q_heads <= KVHI_ATTN_MAX_Q_HEADS,
+                 "num_q_heads %u is not a multiple of num_kv_heads %u (or too many)", pr.num_q_heads,
+                 c->num_kv_heads);
+    KVHI_REQUIRE(isfinite(pr.scale), "scale is not finite");
+    if (pr.scale == 0.0f)
+        pr.scale = 1.0f / sqrtf((float)c->head_dim);
+    for (size_t i = 0; i < n_views; i++)
+        KVHI_REQUIRE(views[i], "views[%zu] is NULL", i);
+
+    kvh_status st = kvhi_enter(e);
+    if (st != KVH_OK)
+        return st;
+    if (!e->attn_state) {
+        e->attn_state = kvhi_attn_cpu_create();
+        if (e->attn_state)
+            e->attn_state_free = kvhi_attn_cpu_destroy;
+    }
+    for (size_t i = 0; i < n_views && st == KVH_OK; i++) {
+        if (!kvhi_vmap_current(e, views[i]))
+            st = kvhi_fail(KVH_ERR_BAD_HANDLE, "view %zu is stale: the sequence changed (kvh_vmap_refresh it)", i);
+        else if (views[i]->n_tokens == 0 || views[i]->n_tokens >= (1ull << 31))
+            st = kvhi_fail(KVH_ERR_RANGE, "view %zu maps %llu tokens", i, (unsigned long long)views[i]->n_tokens);
+        else if (q_lens && q_lens[i] > views[i]->n_tokens)
+            st = kvhi_fail(KVH_ERR_RANGE, "view %zu: %u query tokens but only %llu tokens", i, q_lens[i],
+                           (unsigned long long)views[i]->n_tokens);
+    }
+    if (st == KVH_OK && !e->attn_state)
+        st = kvhi_fail(KVH_ERR_NOMEM, "out of memory for the attention state");
+    if (st != KVH_OK) {
+        kvhi_leave(e);
+        return st;
+    }
+    kvhi_attn_plan_opts opts = {0};
+    e->backend->attention_plan_opts(e->backend_ctx, pr.threads, &opts);
+    /* Split-K granules of the paged call: whole engine blocks. */
+    opts.chunk_quantum = c->block_tokens;
+    /* The views cannot change while the call runs (@threads handle), and
+     * their holds keep the blocks in place: the lock is not needed. */
+    pthread_mutex_unlock(&e->lock);
+
+    uint64_t row_bytes = (uint64_t)pr.num_q_heads * c->head_dim * kvhi_dtype_bytes(pr.io_dtype), row = 0;
+    for (size_t i = 0; i < n_views && st == KVH_OK; i++) {
+        const kvh_vmap *v = views[i];
+        kvhi_attn_plan p = {0};
+        p.num_q_heads = pr.num_q_heads;
+        p.num_kv_heads = c->num_kv_heads;
+        p.head_dim = c->head_dim;
+        p.block_tokens = (uint32_t)v->cap_tokens;
+        for (p.block_shift = 0; (1ull << p.block_shift) < v->cap_tokens; p.block_shift++)
+            ;
+        p.kv_dtype = c->dtype;
+        p.io_dtype = pr.io_dtype;
+        p.scale = pr.scale;
+        p.block_bytes = 0; /* one block: slot 0 */
+        p.layer_offset = 0;
+        p.kv_base = v->base;
+        p.cpu_state = e->attn_state;
+        p.threads = pr.threads;
+        p.tile_tokens = c->block_tokens < KVHI_ATTN_TILE ? c->block_tokens : KVHI_ATTN_TILE;
+        uint32_t kv_len = (uint32_t)v->n_tokens, q_len = q_lens ? q_lens[i] : 1;
+        if (q_len == 0)
+            continue;
+        if (kvhi_attn_plan_build(&p, &opts, &kv_len, &q_len, 1) != 0) {
+            st = kvhi_fail(KVH_ERR_NOMEM, "out of memory for an attention plan");
+            break;
+        }
+        p.slots[0] = 0;
+        char msg[256] = "";
+        int rc = e->backend->attention_run(e->backend_ctx, &p, (const uint8_t *)q + row * row_bytes,
+                                           (uint8_t *)out + row * row_bytes, NULL, run_done, NULL, msg, sizeof(msg));
+        row += q_len;
+        kvhi_attn_plan_free(&p);
+        if (rc != 0)
+            st = kvhi_fail(rc < 0 ? rc : KVH_ERR_INTERNAL, "attention kernels: %s", msg);
+    }
+    pthread_mutex_lock(&e->lock);
+    kvhi_leave(e);
+    return st;
+}
+
+kvh_status kvh_attention_decode_vmap(kvh_engine *e, kvh_vmap *const *views, size_t n_views, const void *q, void *out,
+                                     const kvh_attention_params *params)
+{
+    return attention_vmap(e, views, NULL, n_views, q, out, params);
+}
+
+kvh_status kvh_attention_prefill_vmap(kvh_engine *e, kvh_vmap *const *views, const uint32_t *q_lens, size_t n_views,
+                                      const void *q, void *out, const kvh_attention_params *params)
+{
+    kvhi_clear_error();
+    KVHI_REQUIRE(q_lens || n_views == 0, "q_lens is NULL");
+    return attention_vmap(e, views, q_lens, n_views, q, out, params);
+}

@@ -1,0 +1,172 @@
+/* Scenario `vmap`: virtual contiguity on the CPU (kvh_seq_vmap).
+ *
+ * For each context length C (one sequence, one layer, 8 KV heads, head_dim
+ * 128, f16, 16-token blocks: one head's K of a block is one 4 KiB page):
+ *   map_us       kvh_seq_vmap of the whole sequence (2 x heads mmaps per
+ *                block), plus per 2 MiB mapped (remap_2mib_us)
+ *   refresh_us   kvh_vmap_refresh after appending one block
+ *   release_us   kvh_vmap_release
+ *   decode       kvh_attention_decode_vmap GB/s of K+V read (layout
+ *                virtual) against kvh_attention_decode over the same
+ *                sequence (layout paged) as the baseline, 32 query heads.
+ * Medians of --reps rounds. The page size is the system's (4 KiB here;
+ * no huge pages: a view maps per-head pieces of blocks). */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bench_scenarios.h"
+
+#define SCEN "vmap"
+
+int bench_vmap(int argc, char **argv, const bench_ctx *ctx);
+
+enum { HKV = 8, HQ = 32, D = 128, BT = 16 };
+
+static int run_context(const bench_ctx *ctx, uint32_t C, int reps, uint64_t threads)
+{
+    uint64_t block = 2ull * HKV * BT * D * 2;
+    kvh_config c;
+    BENCH_CHECK(kvh_config_init(&c, sizeof(c)));
+    c.num_layers = 1;
+    c.num_kv_heads = HKV;
+    c.head_dim = D;
+    c.block_tokens = BT;
+    c.dtype = KVH_DTYPE_F16;
+    c.backend = KVH_BACKEND_CPU;
+    c.device_bytes = ((uint64_t)C / BT + 8) * block;
+    c.host_bytes = 0;
+    c.vmap = 1;
+    kvh_engine *e;
+    BENCH_CHECK(kvh_engine_open(&c, &e));
+    kvh_seq s;
+    BENCH_CHECK(kvh_seq_create(e, 0, &s));
+    uint32_t chunk = 1024;
+    int32_t *tok = malloc(sizeof(int32_t) * chunk);
+    uint16_t *kv = malloc((size_t)chunk * HKV * D * 2);
+    float *q = malloc(sizeof(float) * HQ * D), *out = malloc(sizeof(float) * HQ * D);
+    if (!tok || !kv || !q || !out)
+        return 1;
+    bench_rng r;
+    bench_rng_seed(&r, ctx->seed);
+    for (size_t i = 0; i < (size_t)chunk * HKV * D; i++)
+        kv[i] = (uint16_t)(0x3000 + bench_rng_below(&r, 0x800)); /* small positive f16 values */
+    for (int i = 0; i < HQ * D; i++)
+        q[i] = (float)bench_rng_below(&r, 1000) / 1000.0f;
+    for (uint32_t t = 0; t < C; t += chunk) {
+        uint32_t n = C - t < chunk ? C - t : chunk;
+        for (uint32_t i = 0; i < n; i++)
+            tok[i] = (int32_t)(t + i);
+        BENCH_CHECK(kvh_seq_append(e, s, tok, n));
+        BENCH_CHECK(kvh_seq_write_kv(e, s, 0, t, n, kv, kv));
+    }
+    double *map = calloc((size_t)reps, sizeof(double)), *refresh = calloc((size_t)reps, sizeof(double));
+    double *rel = calloc((size_t)reps, sizeof(double)), *virt = calloc((size_t)reps, sizeof(double));
+    double *paged = calloc((size_t)reps, sizeof(double)), *ratio = calloc((size_t)reps, sizeof(double));
+    kvh_attention_params p;
+    BENCH_CHECK(kvh_attention_params_init(&p, sizeof(p)));
+    p.num_q_heads = HQ;
+    p.threads = (uint32_t)threads;
+    double bytes = 2.0 * HKV * D * 2 * C;
+    for (int rep = 0; rep < reps; rep++) {
+        kvh_vmap *m;
+        uint64_t t0 = bench_ns();
+        BENCH_CHECK(kvh_seq_vmap(e, s, 0, (uint64_t)C + BT, &m));
+        map[rep] = (double)(bench_ns() - t0) * 1e-3;
+        /* decode: warm once, then time each layout */
+        BENCH_CHECK(kvh_attention_decode_vmap(e, &m, 1, q, out, &p));
+        t0 = bench_ns();
+        BENCH_CHECK(kvh_attention_decode_vmap(e, &m, 1, q, out, &p));
+        virt[rep] = bytes / (double)(bench_ns() - t0);
+        BENCH_CHECK(kvh_attention_decode(e, 0, &s, 1, q, out, &p));
+        t0 = bench_ns();
+        BENCH_CHECK(kvh_attention_decode(e, 0, &s, 1, q, out, &p));
+        paged[rep] = bytes / (double)(bench_ns() - t0);
+        ratio[rep] = virt[rep] / paged[rep];
+        /* one more block, then refresh */
+        for (uint32_t i = 0; i < BT; i++)
+            tok[i] = (int32_t)(C + i);
+        BENCH_CHECK(kvh_seq_append(e, s, tok, BT));
+        t0 = bench_ns();
+        int32_t changed = 0;
+        BENCH_CHECK(kvh_vmap_refresh(e, m, &changed));
+        refresh[rep] = (double)(bench_ns() - t0) * 1e-3;
+        BENCH_CHECK(kvh_seq_truncate(e, s, C));
+        t0 = bench_ns();
+        BENCH_CHECK(kvh_vmap_release(e, m));
+        rel[rep] = (double)(bench_ns() - t0) * 1e-3;
+    }
+    double mapped_mib = bytes / (1 << 20);
+    struct {
+        const char *metric;
+        double value;
+        const char *unit;
+    } rows[] = {
+        {"map_us", bench_median(map, (size_t)reps), "us"},
+        {"remap_2mib_us", bench_median(map, (size_t)reps) / (mapped_mib / 2), "us"},
+        {"refresh_one_block_us", bench_median(refresh, (size_t)reps), "us"},
+        {"release_us", bench_median(rel, (size_t)reps), "us"},
+    };
+    for (size_t i = 0; i < sizeof(rows) / sizeof(rows[0]); i++) {
+        bench_row *row = bench_row_new(SCEN, rows[i].metric, rows[i].value, rows[i].unit);
+        bench_row_int(row, "context", C);
+        bench_row_int(row, "block_tokens", BT);
+        bench_row_str(row, "dtype", "f16");
+        bench_emit(ctx, row);
+    }
+    bench_row *row = bench_row_new(SCEN, "decode_throughput", bench_median(virt, (size_t)reps), "GB/s");
+    bench_row_str(row, "layout", "virtual");
+    bench_row_int(row, "context", C);
+    bench_row_int(row, "block_tokens", BT);
+    bench_row_str(row, "dtype", "f16");
+    bench_row_int(row, "threads", (int64_t)threads);
+    bench_row_baseline(row, bench_median(paged, (size_t)reps), bench_median(ratio, (size_t)reps));
+    bench_row_note(row, "baseline: kvh_attention_decode (paged) on the same sequence");
+    bench_emit(ctx, row);
+    free(map);
+    free(refresh);
+    free(rel);
+    free(virt);
+    free(paged);
+    free(ratio);
+    free(tok);
+    free(kv);
+    free(q);
+    free(out);
+    BENCH_CHECK(kvh_seq_free(e, s));
+    BENCH_CHECK(kvh_engine_close(e));
+    return 0;
+}
+
+static const char usage_text[] =
+    "Virtual contiguity on the CPU: cost of mapping a sequence's layer into a\n"
+    "view (kvh_seq_vmap), refreshing it after an append, releasing it, and decode\n"
+    "attention over the view against paged decode of the same sequence.\n";
+
+int bench_vmap(int argc, char **argv, const bench_ctx *ctx)
+{
+    bench_list contexts = {.n = 3, .v = {1 << 10, 8 << 10, 32 << 10}};
+    uint64_t threads = 0;
+    if (ctx->quick)
+        contexts = (bench_list){.n = 2, .v = {1 << 10, 4 << 10}};
+    const bench_opt opts[] = {
+        {"--contexts", BENCH_OPT_LIST, &contexts, "context lengths in tokens (K suffix)"},
+        {"--threads", BENCH_OPT_U64, &threads, "attention threads (0 = all CPUs)"},
+        {NULL, BENCH_OPT_U64, NULL, NULL},
+    };
+    int prc = bench_parse(argc, argv, opts, SCEN, usage_text);
+    if (prc)
+        return bench_parse_rc(prc);
+    int reps = ctx->reps ? ctx->reps : 5;
+    for (size_t i = 0; i < contexts.n; i++) {
+        if (!contexts.v[i] || contexts.v[i] > (1u << 24)) {
+            fprintf(stderr, "kvh-bench vmap: contexts must be in 1..16M\n");
+            return 2;
+        }
+        int rc = run_context(ctx, (uint32_t)contexts.v[i], reps, threads);
+        if (rc)
+            return rc;
+    }
+    bench_flush_table(ctx, "virtual contiguity (CPU)");
+    return 0;
+}

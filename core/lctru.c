@@ -1,0 +1,161 @@
+/* LCTRU victim order ("least compression-tolerable and recently used",
+ * after LLMS, "LLM as a System Service on Mobile Devices"): the LRU-K key
+ * with the block's access times moved back by tolerance / 255 * window,
+ * so a tolerant block is chosen as if it had been used that much longer
+ * ago. A static shift keeps the heap order valid without re-keying: only
+ * the block's own accesses and tolerance changes move it. */
+#include <math.h>
+#include <stdlib.h>
+
+#include "abi/api_common.h"
+#include "kernels/attention_dtype.h"
+#include "kernels/cpu/kv_codec.h"
+
+static uint64_t window(kvh_engine *e)
+{
+    return e->cfg.lctru_window ? e->cfg.lctru_window : e->tiers[KVH_TIER_DEVICE].slots.capacity;
+}
+
+/* t moved back by shift, without reaching 0 (which means "fewer than K
+ * accesses" in the primary key) from a real access time. */
+static uint64_t age(uint64_t t, uint64_t shift)
+{
+    if (t == 0)
+        return 0;
+    return t > shift ? t - shift : 1;
+}
+
+kvhi_lruk_key kvhi_evict_key(kvh_engine *e, const kvhi_block *blk, kvhi_lruk_key k)
+{
+    if (e->cfg.eviction_policy != KVH_EVICT_LCTRU || blk->tolerance == 0)
+        return k;
+    uint64_t shift = window(e) * blk->tolerance / KVH_TOLERANCE_MAX;
+    const uint64_t class_bit = 1ull << 63;
+    uint64_t cls = k.primary & class_bit;
+    k.primary = cls | age(k.primary & ~class_bit, shift);
+    k.secondary = age(k.secondary, shift);
+    return k;
+}
+
+static void set_tolerance(kvh_engine *e, uint32_t b, uint32_t tolerance)
+{
+    kvhi_block *blk = &e->blocks[b];
+    if (blk->tolerance == tolerance)
+        return;
+    blk->tolerance = (uint8_t)tolerance;
+    if (blk->heap_pos != KVHI_HEAP_NONE || blk->quota_heap_pos != KVHI_HEAP_NONE)
+        kvhi_block_update_evictable(e, b);
+}
+
+kvh_status kvh_seq_set_tolerance(kvh_engine *e, kvh_seq seq, uint64_t first, uint64_t n, uint32_t tolerance)
+{
+    kvhi_clear_error();
+    KVHI_REQUIRE(tolerance <= KVH_TOLERANCE_MAX, "tolerance %u > %u", tolerance, KVH_TOLERANCE_MAX);
+    kvhi_seq *s;
+    kvh_status st = kvhi_api_enter_seq(e, seq, &s);
+    if (st != KVH_OK)
+        return st;
+    uint32_t b0 = 0, b1 = 0;
+    if (n > 0 && (st = kvhi_seq_block_range(e, s, first, n, &b0, &b1)) == KVH_OK)
+        for (uint32_t i = b0; i < b1; i++)
+            set_tolerance(e, s->blocks[i], tolerance);
+    kvhi_leave(e);
+    return st;
+}
+
+kvh_status kvh_block_set_tolerance(kvh_engine *e, kvh_block block, uint32_t tolerance)
+{
+    kvhi_clear_error();
+    KVHI_REQUIRE(tolerance <= KVH_TOLERANCE_MAX, "tolerance %u > %u", tolerance, KVH_TOLERANCE_MAX);
+    kvh_status st = kvhi_api_enter(e);
+    if (st != KVH_OK)
+        return st;
+    uint32_t b;
+    if ((st = kvhi_block_resolve(e, block, &b)) == KVH_OK)
+        set_tolerance(e, b, tolerance);
+    kvhi_leave(e);
+    return st;
+}
+
+/* Relative RMS error of the codec on b's written cells (lock held; the
+ * data is read in place, or staged when the CPU cannot address it).
+ * Returns -1 when nothing is written, -2 out of memory. */
+static double codec_error(kvh_engine *e, uint32_t b, uint8_t *raw, uint8_t *enc, float *y)
+{
+    const uint8_t *data = kvhi_block_data(e, b);
+    if (!e->backend->device_is_host_memory) {
+        if (kvhi_block_copy(e, KVHI_RAW_HOST, raw, KVH_TIER_DEVICE, data) != 0)
+            return -2;
+        data = raw;
+    }
+    uint32_t H = e->cfg.num_kv_heads, D = e->cfg.head_dim, bt = e->cfg.block_tokens;
+    double num = 0, den = 0;
+    bool any = false;
+    for (uint32_t l = 0; l < e->cfg.num_layers; l++)
+        for (uint32_t t = 0; t < bt; t++) {
+            if (!kvhi_block_cell_written(e, b, l, t))
+                continue;
+            any = true;
+            for (uint32_t kv = 0; kv < 2; kv++)
+                for (uint32_t h = 0; h < H; h++) {
+                    const uint8_t *cell = data + kvhi_cell_offset(e, KVH_TIER_DEVICE, l, kv, h, t);
+                    kvhi_codec_encode(e->cfg.kv_codec, e->cfg.dtype, D, cell, 1, enc);
+                    kvhi_codec_decode(e->cfg.kv_codec, KVH_DTYPE_F32, D, enc, 1, y);
+                    for (uint32_t d = 0; d < D; d++) {
+                        double xv = kvhi_load_as_f32(e->cfg.dtype, cell, d);
+                        if (!isfinite(xv))
+                            continue;
+                        num += (xv - y[d]) * (xv - y[d]);
+                        den += xv * xv;
+                    }
+                }
+        }
+    if (!any)
+        return -1;
+    return den > 0 ? sqrt(num / den) : 0;
+}
+
+kvh_status kvh_seq_derive_tolerance(kvh_engine *e, kvh_seq seq, uint64_t first, uint64_t n, float max_rel_error)
+{
+    kvhi_clear_error();
+    KVHI_REQUIRE(isfinite(max_rel_error) && max_rel_error >= 0, "max_rel_error must be finite and >= 0");
+    double ref = max_rel_error > 0 ? max_rel_error : 0.25;
+    kvhi_seq *s;
+    kvh_status st = kvhi_api_enter_seq(e, seq, &s);
+    if (st != KVH_OK)
+        return st;
+    uint32_t b0 = 0, b1 = 0;
+    uint8_t *raw = NULL, *enc = NULL;
+    float *y = NULL;
+    if (e->cfg.kv_codec == KVH_CODEC_NONE)
+        st = kvhi_fail(KVH_ERR_UNSUPPORTED, "the engine has no kv_codec to measure");
+    else if (n > 0)
+        st = kvhi_seq_block_range(e, s, first, n, &b0, &b1);
+    if (st == KVH_OK && b1 > b0) {
+        raw = malloc(e->block_bytes);
+        enc = malloc(e->enc_vector_bytes);
+        y = malloc(sizeof(float) * e->cfg.head_dim);
+        if (!raw || !enc || !y)
+            st = kvhi_fail(KVH_ERR_NOMEM, "out of memory measuring codec error");
+    }
+    for (uint32_t i = b0; i < b1 && st == KVH_OK; i++) {
+        uint32_t b = s->blocks[i];
+        kvhi_block *blk = &e->blocks[b];
+        /* A block being copied is skipped rather than waited for: its
+         * data is in motion, and the caller can ask again. */
+        if (blk->tier != KVH_TIER_DEVICE || (blk->flags & KVHI_BF_IN_FLIGHT))
+            continue;
+        double err = codec_error(e, b, raw, enc, y);
+        if (err == -2)
+            st = kvhi_fail(KVH_ERR_NOMEM, "out of memory staging a block");
+        else if (err >= 0) {
+            double tol = KVH_TOLERANCE_MAX * (1.0 - err / ref);
+            set_tolerance(e, b, tol <= 0 ? 0 : (uint32_t)lround(tol));
+        }
+    }
+    free(raw);
+    free(enc);
+    free(y);
+    kvhi_leave(e);
+    return st;
+}

@@ -1,0 +1,32 @@
+/* Views of virtual contiguity (vmap.c), shared with the attention entry
+ * that reads them (abi/api_vmap_attention.c). */
+#ifndef KVH_CORE_VMAP_H
+#define KVH_CORE_VMAP_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "core/engine.h"
+
+struct kvh_vmap {
+    kvh_seq seq;
+    uint32_t layer;
+    uint32_t n_mapped;   /* logical blocks mapped */
+    uint64_t n_tokens;   /* the sequence's length at the last refresh
+                            (UINT64_MAX after a refresh failed half way) */
+    uint64_t cap_tokens; /* a power of two, >= block_tokens */
+    uint64_t head_stride;
+    uint64_t range_bytes;
+    uint64_t generation;
+    uint8_t *base;
+    /* Per logical block (cap_tokens / block_tokens entries): the block
+     * mapped there, its generation and slot when mapped. */
+    uint32_t *blk, *gen, *slot;
+    struct kvh_vmap *next, *prev; /* the engine's open views */
+};
+
+/* True when the view maps exactly the sequence's current blocks (lock
+ * held). */
+bool kvhi_vmap_current(kvh_engine *e, const kvh_vmap *v);
+
+#endif

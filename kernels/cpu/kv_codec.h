@@ -1,0 +1,39 @@
+/* KV quantisation codecs: each vector of head_dim elements (the K or V of
+ * one token in one KV head) becomes one fixed-size record, so a block's
+ * cell order [layer][K,V][kv_head][token] is kept and any token range can
+ * be encoded or decoded on its own (no neighbour is ever re-quantised).
+ *
+ *   KVH_CODEC_INT8     [f32 scale][head_dim x int8]; x ~ q * scale,
+ *                      scale = max|x| / 127 (symmetric, per token and head)
+ *   KVH_CODEC_Q4_G32/64 [groups x (f32 scale, f32 min)][head_dim / 2 bytes,
+ *                      low nibble first]; x ~ min + q * scale, q in 0..15,
+ *                      scale = (max - min) / 15 over each group of 32/64
+ *                      elements (asymmetric: the minimum is the zero point)
+ *
+ * Error bound per element (before the decoded value is rounded to the
+ * storage dtype): INT8 |x - x'| <= max|x| / 254 of its vector; Q4 |x - x'|
+ * <= (max - min) / 30 of its group. Non-finite inputs are not preserved:
+ * +-inf saturate to the largest/smallest code, NaN becomes the zero code;
+ * the scale is computed over the finite elements only. */
+#ifndef KVH_KERNELS_CPU_KV_CODEC_H
+#define KVH_KERNELS_CPU_KV_CODEC_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* Bytes of one encoded vector; 0 when the codec is unknown or head_dim does
+ * not fit it (Q4 needs head_dim to be a multiple of its group). NONE gives
+ * the raw size head_dim * sizeof(dtype). */
+size_t kvhi_codec_vector_bytes(uint32_t codec, uint32_t dtype, uint32_t head_dim);
+
+/* Encodes n vectors of raw elements (dtype, packed one after another) into
+ * n records. src and dst must not overlap. */
+void kvhi_codec_encode(uint32_t codec, uint32_t dtype, uint32_t head_dim, const void *src, size_t n, void *dst);
+
+/* Decodes n records into n raw vectors of dtype. */
+void kvhi_codec_decode(uint32_t codec, uint32_t dtype, uint32_t head_dim, const void *src, size_t n, void *dst);
+
+/* Elements per quantisation group (head_dim for INT8, 0 for NONE). */
+uint32_t kvhi_codec_group(uint32_t codec, uint32_t head_dim);
+
+#endif

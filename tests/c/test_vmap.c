@@ -1,0 +1,290 @@
+/* Virtual contiguity (core/vmap.c, abi/api_vmap_attention.c): a view shows
+ * a sequence's layer as contiguous K and V arrays equal to what
+ * kvh_seq_read_kv returns; decode attention over views equals the paged
+ * call bit for bit; appends, copy-on-write and truncation make a view
+ * stale until a refresh remaps what changed; migration works around
+ * views; unsupported setups are refused. */
+#include <stdbool.h>
+
+#include "test_util.h"
+#include "kernels/cpu/attn_cpu.h"
+
+enum { L = 2, H = 2, D = 64, BT = 16 }; /* f32: one head's K of a block = 4 KiB */
+
+static kvh_engine *open_vmap(uint64_t dev_blocks, uint64_t host_blocks)
+{
+    kvh_config c = tu_cfg(L, H, D, BT, KVH_DTYPE_F32, dev_blocks, host_blocks, 1);
+    c.vmap = 1;
+    return tu_open_cfg(&c);
+}
+
+static float val(uint32_t layer, uint64_t t, uint32_t h, int kv, uint32_t d, uint32_t salt)
+{
+    tu_rng r = {((uint64_t)layer << 40) ^ (t << 16) ^ ((uint64_t)h << 8) ^ ((uint64_t)kv << 4) ^ d ^
+                ((uint64_t)salt << 56)};
+    return (float)((int64_t)(tu_next(&r) % 2001) - 1000) / 500.0f;
+}
+
+static void write_tokens(kvh_engine *e, kvh_seq s, uint64_t pos, size_t n, uint32_t salt)
+{
+    float *k = tu_alloc(sizeof(float) * n * H * D), *v = tu_alloc(sizeof(float) * n * H * D);
+    for (uint32_t l = 0; l < L; l++) {
+        for (size_t t = 0; t < n; t++)
+            for (uint32_t h = 0; h < H; h++)
+                for (uint32_t d = 0; d < D; d++) {
+                    k[(t * H + h) * D + d] = val(l, pos + t, h, 0, d, salt);
+                    v[(t * H + h) * D + d] = val(l, pos + t, h, 1, d, salt);
+                }
+        assert_ok(kvh_seq_write_kv(e, s, l, pos, n, k, v));
+    }
+    tu_free(k);
+    tu_free(v);
+}
+
+static kvh_seq new_seq(kvh_engine *e, size_t n)
+{
+    kvh_seq s = tu_seq_new(e, 0);
+    int32_t *tok = tu_alloc(sizeof(int32_t) * n);
+    tu_iota(tok, n, 1);
+    assert_ok(kvh_seq_append(e, s, tok, n));
+    tu_free(tok);
+    write_tokens(e, s, 0, n, 0);
+    return s;
+}
+
+static kvh_vmap_view get_view(kvh_engine *e, kvh_vmap *m)
+{
+    kvh_vmap_view v;
+    memset(&v, 0, sizeof(v));
+    v.struct_size = sizeof(v);
+    assert_ok(kvh_vmap_get(e, m, &v));
+    return v;
+}
+
+/* The view's contents equal kvh_seq_read_kv of its layer. */
+static void check_view(kvh_engine *e, kvh_seq s, kvh_vmap *m)
+{
+    kvh_vmap_view v = get_view(e, m);
+    uint64_t n = tu_seq_len(e, s);
+    assert_int_equal(v.n_tokens, n);
+    float *k = tu_alloc(sizeof(float) * n * H * D), *vv = tu_alloc(sizeof(float) * n * H * D);
+    assert_ok(kvh_seq_read_kv(e, s, v.layer, 0, n, k, vv));
+    for (uint32_t h = 0; h < H; h++) {
+        const float *vk = (const float *)((const uint8_t *)v.k + h * v.head_stride);
+        const float *vvv = (const float *)((const uint8_t *)v.v + h * v.head_stride);
+        for (uint64_t t = 0; t < n; t++) {
+            assert_memory_equal(vk + t * D, k + (t * H + h) * D, sizeof(float) * D);
+            assert_memory_equal(vvv + t * D, vv + (t * H + h) * D, sizeof(float) * D);
+        }
+    }
+    tu_free(k);
+    tu_free(vv);
+}
+
+/* Paged and view decode of one sequence, compared bit for bit. */
+static void check_attention(kvh_engine *e, kvh_seq s, kvh_vmap *m, uint32_t layer, uint32_t q_heads,
+                            uint32_t threads)
+{
+    kvh_attention_params p;
+    assert_ok(kvh_attention_params_init(&p, sizeof(p)));
+    p.num_q_heads = q_heads;
+    p.threads = threads;
+    float q[8 * D], a[8 * D], b[8 * D];
+    for (uint32_t i = 0; i < q_heads * D; i++)
+        q[i] = val(9, i, 0, 0, 0, 3);
+    memset(a, 0xff, sizeof(a));
+    memset(b, 0x7f, sizeof(b));
+    assert_ok(kvh_attention_decode(e, layer, &s, 1, q, a, &p));
+    assert_ok(kvh_attention_decode_vmap(e, &m, 1, q, b, &p));
+    assert_memory_equal(a, b, sizeof(float) * q_heads * D);
+    /* prefill of the last 1, 5 and 21 tokens */
+    static float pq[21 * 8 * D], pa[21 * 8 * D], pb[21 * 8 * D];
+    for (uint32_t i = 0; i < 21 * q_heads * D; i++)
+        pq[i] = val(8, i, 1, 0, 0, 3);
+    uint64_t len = tu_seq_len(e, s);
+    for (uint32_t n = 1; n <= 21 && n <= len; n += n < 5 ? 4 : 16) {
+        memset(pb, 0x7f, sizeof(pb));
+        assert_ok(kvh_attention_prefill(e, layer, &s, &n, 1, pq, pa, &p));
+        assert_ok(kvh_attention_prefill_vmap(e, &m, &n, 1, pq, pb, &p));
+        assert_memory_equal(pa, pb, sizeof(float) * n * q_heads * D);
+    }
+}
+
+static void test_view_equals_paged(void **state)
+{
+    kvh_engine *e = open_vmap(32, 0);
+    kvh_seq s = new_seq(e, 100);
+    kvh_vmap *m = NULL;
+    assert_ok(kvh_seq_vmap(e, s, 1, 0, &m));
+    kvh_vmap_view v = get_view(e, m);
+    assert_int_equal(v.capacity_tokens, 128);
+    assert_int_equal(v.head_stride, 128 * D * sizeof(float));
+    assert_true((const uint8_t *)v.v == (const uint8_t *)v.k + H * v.head_stride);
+    check_view(e, s, m);
+    /* A write into the last (partial, private) block shows through at
+     * once: the same pages. */
+    int32_t changed = -1;
+    write_tokens(e, s, 97, 2, 7);
+    check_view(e, s, m);
+    assert_ok(kvh_vmap_refresh(e, m, &changed));
+    assert_int_equal(changed, 0);
+    /* A full block is published (immutable): writing into it copies it,
+     * which the view sees after a refresh. */
+    write_tokens(e, s, 40, 3, 7);
+    assert_ok(kvh_vmap_refresh(e, m, &changed));
+    assert_int_equal(changed, 1);
+    check_view(e, s, m);
+    /* Every kernel this CPU runs, GQA ratios 1..4, one and two threads. */
+    for (int impl = KVHI_ATTN_REFERENCE; impl <= KVHI_ATTN_AVX512; impl++) {
+        if (!kvhi_attn_cpu_supported(impl))
+            continue;
+        assert_ok(kvhi_attention_set_impl(e, impl));
+        for (uint32_t qh = 2; qh <= 8; qh *= 2)
+            for (uint32_t th = 1; th <= 2; th++)
+                check_attention(e, s, m, 1, qh, th);
+    }
+    assert_ok(kvh_vmap_release(e, m));
+    assert_ok(kvh_vmap_release(e, NULL));
+}
+
+static void test_stale_and_refresh(void **state)
+{
+    kvh_engine *e = open_vmap(32, 0);
+    kvh_seq s = new_seq(e, 30);
+    kvh_vmap *m = NULL;
+    assert_ok(kvh_seq_vmap(e, s, 0, 256, &m));
+    uint64_t g0 = get_view(e, m).generation;
+    int32_t changed = -1;
+    assert_ok(kvh_vmap_refresh(e, m, &changed));
+    assert_int_equal(changed, 0);
+    assert_int_equal(get_view(e, m).generation, g0);
+
+    /* Append into a new block: stale until refreshed. */
+    int32_t tok[20];
+    tu_iota(tok, 20, 500);
+    assert_ok(kvh_seq_append(e, s, tok, 20));
+    write_tokens(e, s, 30, 20, 1);
+    float q[H * D], out[H * D];
+    memset(q, 0, sizeof(q));
+    assert_kvh(KVH_ERR_BAD_HANDLE, kvh_attention_decode_vmap(e, &m, 1, q, out, NULL));
+    assert_ok(kvh_vmap_refresh(e, m, &changed));
+    assert_int_equal(changed, 1);
+    assert_true(get_view(e, m).generation > g0);
+    check_view(e, s, m);
+    check_attention(e, s, m, 0, H, 1);
+
+    /* Copy-on-write: a fork shares the blocks; the parent's write into the
+     * shared last block gives the parent a new block. */
+    kvh_seq child;
+    assert_ok(kvh_seq_fork(e, s, 0, &child));
+    kvh_vmap *mc = NULL;
+    assert_ok(kvh_seq_vmap(e, child, 0, 0, &mc));
+    write_tokens(e, s, 49, 1, 5);
+    assert_kvh(KVH_ERR_BAD_HANDLE, kvh_attention_decode_vmap(e, &m, 1, q, out, NULL));
+    check_attention(e, child, mc, 0, H, 1); /* the child's view is still current */
+    assert_ok(kvh_vmap_refresh(e, m, &changed));
+    assert_int_equal(changed, 1);
+    check_view(e, s, m);
+    check_view(e, child, mc);
+    check_attention(e, s, m, 0, H, 1);
+
+    /* Truncation unmaps the blocks past the end. */
+    assert_ok(kvh_seq_truncate(e, s, 17));
+    assert_ok(kvh_vmap_refresh(e, m, &changed));
+    assert_int_equal(changed, 1);
+    assert_int_equal(get_view(e, m).n_tokens, 17);
+    check_view(e, s, m);
+    check_attention(e, s, m, 0, H, 1);
+
+    /* Past the capacity: refused, the view stays as it was. */
+    int32_t many[300];
+    tu_iota(many, 300, 1000);
+    assert_ok(kvh_seq_append(e, s, many, 300));
+    assert_kvh(KVH_ERR_RANGE, kvh_vmap_refresh(e, m, &changed));
+    assert_ok(kvh_seq_truncate(e, s, 17));
+    assert_ok(kvh_vmap_refresh(e, m, NULL));
+    check_view(e, s, m);
+
+    /* A freed sequence: refresh fails, release still works. */
+    assert_ok(kvh_vmap_release(e, mc));
+    assert_ok(kvh_seq_free(e, child));
+    assert_ok(kvh_seq_free(e, s));
+    assert_kvh(KVH_ERR_BAD_HANDLE, kvh_vmap_refresh(e, m, NULL));
+    assert_kvh(KVH_ERR_BAD_HANDLE, kvh_attention_decode_vmap(e, &m, 1, q, out, NULL));
+    assert_ok(kvh_vmap_release(e, m));
+}
+
+static void test_views_and_migration(void **state)
+{
+    kvh_engine *e = open_vmap(16, 16);
+    kvh_seq s = new_seq(e, 64);
+    kvh_vmap *m = NULL;
+    assert_ok(kvh_seq_vmap(e, s, 1, 0, &m));
+    /* A view holds its blocks: a demotion request leaves them in place. */
+    assert_ok(kvh_seq_migrate(e, s, 0, 64, KVH_TIER_HOST, NULL));
+    assert_int_equal(tu_seq_binfo(e, s, 0).tier, KVH_TIER_DEVICE);
+    assert_int_equal(tu_seq_binfo(e, s, 0).holds, 1);
+    check_view(e, s, m);
+    assert_ok(kvh_vmap_release(e, m));
+    assert_int_equal(tu_seq_binfo(e, s, 0).holds, 0);
+    /* Without a view they move; a new view needs them back. */
+    assert_ok(kvh_seq_migrate(e, s, 0, 64, KVH_TIER_HOST, NULL));
+    assert_int_equal(tu_seq_binfo(e, s, 3).tier, KVH_TIER_HOST);
+    assert_kvh(KVH_ERR_NOT_RESIDENT, kvh_seq_vmap(e, s, 1, 0, &m));
+    /* Fill some device slots so the blocks come back to other slots. */
+    kvh_seq other = new_seq(e, 32);
+    assert_ok(kvh_seq_acquire(e, s, 0, 64, NULL));
+    assert_ok(kvh_seq_vmap(e, s, 1, 0, &m));
+    assert_ok(kvh_seq_release(e, s, 0, 64));
+    check_view(e, s, m);
+    check_attention(e, s, m, 1, 4, 2);
+    assert_ok(kvh_seq_free(e, other));
+    /* Left open: kvh_engine_close releases it (the teardown closes e). */
+}
+
+static void test_refused_setups(void **state)
+{
+    kvh_vmap *m = NULL;
+    kvh_engine *plain = tu_open(L, H, D, BT, KVH_DTYPE_F32, 8, 0, 1);
+    kvh_seq s = new_seq(plain, 20);
+    assert_kvh(KVH_ERR_UNSUPPORTED, kvh_seq_vmap(plain, s, 0, 0, &m));
+    /* f16, head_dim 64, 16 tokens: 2 KiB per head and block, half a page. */
+    kvh_config c = tu_cfg(L, H, D, BT, KVH_DTYPE_F16, 8, 0, 1);
+    c.vmap = 1;
+    kvh_engine *small = tu_open_cfg(&c);
+    kvh_seq s2 = tu_seq_new(small, 0);
+    int32_t tok[4] = {1, 2, 3, 4};
+    assert_ok(kvh_seq_append(small, s2, tok, 4));
+    assert_kvh(KVH_ERR_UNSUPPORTED, kvh_seq_vmap(small, s2, 0, 0, &m));
+    kvh_engine *e = open_vmap(8, 0);
+    kvh_seq s3 = new_seq(e, 20);
+    assert_kvh(KVH_ERR_RANGE, kvh_seq_vmap(e, s3, L, 0, &m));
+    {
+        kvh_vmap *v3 = NULL;
+        float q[H * D] = {0}, o[H * D];
+        uint32_t too_many = 21;
+        assert_ok(kvh_seq_vmap(e, s3, 0, 0, &v3));
+        assert_kvh(KVH_ERR_RANGE, kvh_attention_prefill_vmap(e, &v3, &too_many, 1, q, o, NULL));
+        assert_kvh(KVH_ERR_INVALID_ARG, kvh_attention_prefill_vmap(e, &v3, NULL, 1, q, o, NULL));
+        assert_ok(kvh_vmap_release(e, v3));
+    }
+    assert_kvh(KVH_ERR_INVALID_ARG, kvh_seq_vmap(e, s3, 0, 0, NULL));
+    kvh_vmap_view v = {.struct_size = 3};
+    assert_ok(kvh_seq_vmap(e, s3, 0, 0, &m));
+    assert_kvh(KVH_ERR_STRUCT_SIZE, kvh_vmap_get(e, m, &v));
+    assert_ok(kvh_vmap_release(e, m));
+    c.vmap = 2;
+    kvh_engine *bad = NULL;
+    assert_kvh(KVH_ERR_INVALID_ARG, kvh_engine_open(&c, &bad));
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_teardown(test_view_equals_paged, tu_teardown),
+        cmocka_unit_test_teardown(test_stale_and_refresh, tu_teardown),
+        cmocka_unit_test_teardown(test_views_and_migration, tu_teardown),
+        cmocka_unit_test_teardown(test_refused_setups, tu_teardown),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

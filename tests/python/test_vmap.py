@@ -1,0 +1,96 @@
+"""Virtually contiguous views from Python: kvh.VMap arrays equal read_kv,
+attention over views equals paged attention bit for bit, staleness and
+refresh, lifetime of arrays past release."""
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+
+import kvh
+
+
+def make(**kw):
+    base = dict(num_layers=2, num_kv_heads=2, head_dim=64, block_tokens=16, dtype="f32", backend="cpu",
+                device_bytes=64 * 2 * 2 * 2 * 16 * 64 * 4, host_bytes=0, vmap=True)
+    base.update(kw)
+    return kvh.Engine(**base)
+
+
+def fill(seq, n, start=0, seed=0):
+    rng = np.random.default_rng(seed)
+    eng = seq.engine
+    for layer in range(eng.num_layers):
+        k = rng.standard_normal((n, eng.num_kv_heads, eng.head_dim)).astype(np.float32)
+        v = rng.standard_normal((n, eng.num_kv_heads, eng.head_dim)).astype(np.float32)
+        seq.write_kv(layer, start, k, v)
+
+
+def test_view_arrays_and_attention():
+    with make() as eng, eng.sequence() as seq:
+        assert eng.config.vmap is True
+        seq.append(range(70))
+        fill(seq, 70)
+        with seq.vmap(1) as vm:
+            k, v = seq.read_kv(1)
+            assert vm.n_tokens == 70 and vm.capacity_tokens == 128
+            assert np.array_equal(vm.k, k.transpose(1, 0, 2))
+            assert np.array_equal(vm.v, v.transpose(1, 0, 2))
+            q = np.random.default_rng(3).standard_normal((1, 4, 64)).astype(np.float32)
+            paged = eng.attention_decode(1, [seq], q)
+            viewed = eng.attention_decode_vmap([vm], q)
+            assert np.array_equal(paged, viewed)
+            pq = np.random.default_rng(4).standard_normal((9, 4, 64)).astype(np.float32)
+            assert np.array_equal(eng.attention_prefill(1, [seq], [9], pq),
+                                  eng.attention_prefill_vmap([vm], [9], pq))
+
+
+def test_stale_refresh_and_lifetime():
+    with make() as eng, eng.sequence() as seq:
+        seq.append(range(20))
+        fill(seq, 20)
+        vm = seq.vmap(0, 64)
+        g = vm.generation
+        seq.append(range(20, 40))
+        fill(seq, 20, start=20, seed=1)
+        q = np.zeros((1, 2, 64), np.float32)
+        with pytest.raises(kvh.BadHandleError):
+            eng.attention_decode_vmap([vm], q)
+        assert vm.refresh() is True and vm.generation > g
+        assert vm.refresh() is False
+        arr = vm.k
+        vm.release()
+        k, _ = seq.read_kv(0)
+        assert np.array_equal(arr, k.transpose(1, 0, 2))  # still mapped while the array lives
+        del arr
+        gc.collect()
+        with pytest.raises(kvh.BadHandleError):
+            vm.refresh()
+
+
+def test_refused_without_vmap():
+    with make(vmap=False) as eng, eng.sequence() as seq:
+        seq.append(range(4))
+        with pytest.raises(kvh.UnsupportedError):
+            seq.vmap(0)
+
+
+def test_attention_plan_matches_one_shot():
+    with make(vmap=False) as eng, eng.sequence() as a, eng.sequence() as b:
+        a.append(range(50))
+        fill(a, 50)
+        b.append(range(9))
+        fill(b, 9, seed=4)
+        q = np.random.default_rng(2).standard_normal((2, 4, 64)).astype(np.float32)
+        with eng.attention_plan(1, [a, b], num_q_heads=4) as plan:
+            assert np.array_equal(plan.run(q), eng.attention_decode(1, [a, b], q))
+            assert a.blocks()[0].info().holds == 1
+            with pytest.raises(ValueError):
+                plan.run(q[:1])
+        assert a.blocks()[0].info().holds == 0
+        pq = np.random.default_rng(3).standard_normal((7, 2, 64)).astype(np.float32)
+        with eng.attention_plan(0, [a, b], [5, 2]) as plan:
+            assert np.array_equal(plan.run(pq), eng.attention_prefill(0, [a, b], [5, 2], pq))
+        with pytest.raises(kvh.InvalidArgumentError):
+            eng.attention_plan(0, [])
