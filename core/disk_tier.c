@@ -658,8 +658,10 @@ kvh_status kvhi_disk_persist(kvh_engine *e, kvhi_seq *s)
     }
     kvh_status st = KVH_OK;
     uint32_t n_todo = 0;
-    /* Choose, for each full block, the published block of that prefix and
-     * keep it from moving or vanishing while its copy is written. */
+    /* Choose, for each full block, the published block of that prefix; a
+     * reference keeps it from vanishing. Blocks are not held: holding a
+     * long sequence would pin memory other callers need. One may move
+     * while others are prepared, so rounds repeat until each is recorded. */
     for (uint32_t i = 0; i < n_full && st == KVH_OK; i++) {
         uint32_t b = s->blocks[i];
         kvhi_block *blk = &e->blocks[b];
@@ -674,34 +676,41 @@ kvh_status kvhi_disk_persist(kvh_engine *e, kvhi_seq *s)
                 b = twin;
         }
         e->blocks[b].refs++;
-        kvhi_block_hold(e, b);
         todo[n_todo++] = b;
     }
     uint32_t batch[64];
-    for (uint32_t i = 0; i < n_todo && st == KVH_OK;) {
-        uint32_t n = 0;
-        while (i < n_todo && n < 64 && st == KVH_OK) {
-            uint32_t b = todo[i++];
-            kvhi_block *blk = &e->blocks[b];
-            kvhi_block_wait_idle(e, b);
-            if (blk->flags & KVHI_BF_JOURNALED)
-                continue;
-            bool on_disk = blk->tier == KVH_TIER_DISK || (blk->flags & KVHI_BF_DISK_COPY);
-            if (on_disk && (blk->flags & KVHI_BF_DISK_HASHED)) {
-                if (!journal_add(e, b, blk->tier == KVH_TIER_DISK ? blk->slot : blk->disk_copy))
-                    st = kvhi_fail(KVH_ERR_NOMEM, "out of memory recording a block in the disk index");
-                continue;
+    bool all_recorded = false;
+    for (int round = 0; round < 16 && st == KVH_OK && !all_recorded; round++) {
+        for (uint32_t i = 0; i < n_todo && st == KVH_OK;) {
+            uint32_t n = 0;
+            while (i < n_todo && n < 64 && st == KVH_OK) {
+                uint32_t b = todo[i++];
+                kvhi_block *blk = &e->blocks[b];
+                kvhi_block_wait_idle(e, b);
+                if (blk->flags & KVHI_BF_JOURNALED)
+                    continue;
+                bool on_disk = blk->tier == KVH_TIER_DISK || (blk->flags & KVHI_BF_DISK_COPY);
+                if (on_disk && (blk->flags & KVHI_BF_DISK_HASHED)) {
+                    if (!journal_add(e, b, blk->tier == KVH_TIER_DISK ? blk->slot : blk->disk_copy))
+                        st = kvhi_fail(KVH_ERR_NOMEM, "out of memory recording a block in the disk index");
+                    continue;
+                }
+                /* Spilled before it had its hash: rewrite it with one. */
+                if ((st = kvhi_block_ensure_memory(e, b)) != KVH_OK)
+                    break;
+                kvhi_block_wait_idle(e, b);
+                batch[n++] = b;
             }
-            /* Spilled before it had its hash: rewrite it with one. */
-            if ((st = kvhi_block_ensure_memory(e, b)) != KVH_OK)
-                break;
-            kvhi_block_wait_idle(e, b);
-            batch[n++] = b;
+            kvh_status wst = write_copies(e, batch, n, xs, true);
+            if (st == KVH_OK)
+                st = wst;
         }
-        kvh_status wst = write_copies(e, batch, n, xs, true);
-        if (st == KVH_OK)
-            st = wst;
+        all_recorded = true;
+        for (uint32_t i = 0; i < n_todo; i++)
+            all_recorded &= (e->blocks[todo[i]].flags & KVHI_BF_JOURNALED) != 0;
     }
+    if (st == KVH_OK && !all_recorded)
+        st = kvhi_fail(KVH_ERR_BUSY, "blocks of the sequence kept moving; not all of them were made durable");
     if (st == KVH_OK) {
         /* Data first, then the records that point at it. */
         pthread_mutex_unlock(&e->lock);
@@ -720,10 +729,8 @@ kvh_status kvhi_disk_persist(kvh_engine *e, kvhi_seq *s)
     if (st == KVH_OK && e->disk->journal_records > 4096 &&
         e->disk->journal_records > 2 * (uint64_t)kvhi_slot_pool_used(&e->tiers[KVH_TIER_DISK].slots))
         st = snapshot(e);
-    for (uint32_t i = 0; i < n_todo; i++) {
-        kvhi_block_unhold(e, todo[i]);
+    for (uint32_t i = 0; i < n_todo; i++)
         kvhi_block_unref(e, todo[i]);
-    }
     free(todo);
     free(xs);
     return st;
