@@ -217,11 +217,21 @@ typedef struct io_run {
     uint64_t done; /* bytes transferred so far */
 } io_run;
 
+/* Neighbouring slots are merged into runs of at most this many bytes: large
+ * enough to cost one system call per run, small enough that a batch is in
+ * flight as several requests, so the device works on them in parallel and
+ * the blocks of the first ones are checked while the rest still arrive. */
+#define RUN_BYTES_MAX (1u << 20)
+
 static uint32_t make_runs(const kvhi_disk *d, uint32_t n, const uint32_t *slots, io_run *runs)
 {
     uint32_t nr = 0;
+    uint32_t per_run = (uint32_t)(RUN_BYTES_MAX / d->slot_bytes);
+    if (per_run == 0)
+        per_run = 1;
     for (uint32_t i = 0; i < n; i++) {
-        if (nr && slots[i] == slots[i - 1] + 1 && slots[i] / d->slots_per_slab == slots[i - 1] / d->slots_per_slab) {
+        if (nr && runs[nr - 1].count < per_run && slots[i] == slots[i - 1] + 1 &&
+            slots[i] / d->slots_per_slab == slots[i - 1] / d->slots_per_slab) {
             runs[nr - 1].count++;
             continue;
         }
