@@ -487,3 +487,117 @@ int kvhi_disk_read_into(kvhi_disk *d, kvhi_disk_lane *l, uint32_t slot, uint8_t 
     *header_out = l->arena;
     return 0;
 }
+
+/* ---- a batch straight into or out of memory ---- */
+
+static int vector_io(kvhi_disk *d, kvhi_disk_lane *l, uint32_t n, const uint32_t *slots, uint8_t *const *datas,
+                     int *results, kvhi_disk_run_done_fn on_run, void *ctx, bool write);
+
+int kvhi_disk_read_scatter(kvhi_disk *d, kvhi_disk_lane *l, uint32_t n, const uint32_t *slots, uint8_t *const *dsts,
+                           int *results, kvhi_disk_run_done_fn on_run, void *ctx)
+{
+    return vector_io(d, l, n, slots, dsts, results, on_run, ctx, false);
+}
+
+int kvhi_disk_write_gather(kvhi_disk *d, kvhi_disk_lane *l, uint32_t n, const uint32_t *slots,
+                           uint8_t *const *srcs, int *results)
+{
+    if (d->fatal) {
+        for (uint32_t i = 0; i < n; i++)
+            results[i] = -EIO;
+        return 0;
+    }
+    return vector_io(d, l, n, slots, srcs, results, NULL, NULL, true);
+}
+
+/* Both directions of the vectored path: per slot, the header (and any
+ * padding) from the lane's staging, the data from or to datas[i]. */
+static int vector_io(kvhi_disk *d, kvhi_disk_lane *l, uint32_t n, const uint32_t *slots, uint8_t *const *datas,
+                     int *results, kvhi_disk_run_done_fn on_run, void *ctx, bool write)
+{
+    uint64_t bb = d->block_bytes, sb = d->slot_bytes, pad = sb - KVHI_SLOT_HEADER_BYTES - bb;
+    if (!l->has_ring || n == 0 || n > 64 || bb % KVHI_DISK_ALIGN)
+        return 1;
+    for (uint32_t i = 0; i < n; i++)
+        if ((uintptr_t)datas[i] % KVHI_DISK_ALIGN)
+            return 1;
+    io_run runs[64];
+    uint32_t nr = make_runs(d, n, slots, runs);
+    /* Per slot: its header (and padding) into the staging, its data into
+     * the destination. */
+    struct iovec *iov = malloc(sizeof(struct iovec) * 3 * n);
+    if (!iov)
+        return 1;
+    int run_err[64] = {0};
+    uint32_t first_iov[64], n_iov[64];
+    uint32_t at = 0;
+    for (uint32_t r = 0; r < nr; r++) {
+        first_iov[r] = at;
+        for (uint32_t k = 0; k < runs[r].count; k++) {
+            uint32_t i = runs[r].first + k;
+            uint8_t *staged = kvhi_disk_lane_slot(l, i);
+            iov[at++] = (struct iovec){staged, KVHI_SLOT_HEADER_BYTES};
+            iov[at++] = (struct iovec){datas[i], bb};
+            if (pad)
+                iov[at++] = (struct iovec){staged + KVHI_SLOT_HEADER_BYTES + bb, pad};
+        }
+        n_iov[r] = at - first_iov[r];
+        int inj = kvhi_disk_fault(write ? KVHI_OP_WRITE : KVHI_OP_READ);
+        if (inj)
+            run_err[r] = inj < 0 ? inj : -EIO;
+    }
+    uint32_t pending = 0;
+    for (uint32_t r = 0; r < nr; r++) {
+        if (run_err[r])
+            continue;
+        struct io_uring_sqe *sqe = io_uring_get_sqe(&l->ring);
+        if (!sqe) {
+            io_uring_submit(&l->ring);
+            sqe = io_uring_get_sqe(&l->ring);
+        }
+        if (!sqe) {
+            run_err[r] = -EAGAIN;
+            continue;
+        }
+        if (write)
+            io_uring_prep_writev(sqe, runs[r].fd, iov + first_iov[r], n_iov[r], runs[r].offset);
+        else
+            io_uring_prep_readv(sqe, runs[r].fd, iov + first_iov[r], n_iov[r], runs[r].offset);
+        io_uring_sqe_set_data64(sqe, r);
+        pending++;
+    }
+    io_uring_submit(&l->ring);
+    while (pending) {
+        struct io_uring_cqe *cqe;
+        int rc = io_uring_wait_cqe(&l->ring, &cqe);
+        if (rc == -EINTR)
+            continue;
+        if (rc < 0) {
+            /* The ring is unusable; nothing more will arrive. */
+            for (uint32_t r = 0; r < nr; r++)
+                if (!run_err[r])
+                    run_err[r] = rc;
+            break;
+        }
+        uint32_t r = (uint32_t)io_uring_cqe_get_data64(cqe);
+        int res = cqe->res;
+        io_uring_cqe_seen(&l->ring, cqe);
+        pending--;
+        /* A regular file reads short only at its end (a truncated slab);
+         * a short write means the disk is full. */
+        if (res < 0)
+            run_err[r] = res;
+        else if ((uint64_t)res < (uint64_t)runs[r].count * sb)
+            run_err[r] = write ? -ENOSPC : -ENODATA;
+        else if (on_run) {
+            for (uint32_t k = 0; k < runs[r].count; k++)
+                results[runs[r].first + k] = 0;
+            on_run(ctx, runs[r].first, runs[r].count);
+        }
+    }
+    for (uint32_t r = 0; r < nr; r++)
+        for (uint32_t k = 0; k < runs[r].count; k++)
+            results[runs[r].first + k] = run_err[r];
+    free(iov);
+    return 0;
+}

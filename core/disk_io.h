@@ -88,6 +88,21 @@ typedef void (*kvhi_disk_run_done_fn)(void *ctx, uint32_t first, uint32_t count)
 void kvhi_disk_read_staged(kvhi_disk *d, kvhi_disk_lane *lane, uint32_t n, const uint32_t *slots, int *results,
                            kvhi_disk_run_done_fn on_run, void *ctx);
 
+/* Reads slots[i] with each block's data straight into dsts[i] (page
+ * aligned) and its header into the lane's staging (kvhi_disk_lane_slot),
+ * neighbouring slots as one request; on_run as for read_staged. 1 when
+ * this path does not apply (no io_uring, unaligned, more than 64 slots):
+ * use read_staged. 0 otherwise, with results[i] = 0 or -errno. */
+int kvhi_disk_read_scatter(kvhi_disk *d, kvhi_disk_lane *lane, uint32_t n, const uint32_t *slots,
+                           uint8_t *const *dsts, int *results, kvhi_disk_run_done_fn on_run, void *ctx);
+
+/* Writes slots[i] with each block's data straight from srcs[i] (page
+ * aligned; stable until the call returns) and its header from the lane's
+ * staging (already encoded there); neighbouring slots as one request. 1
+ * when this path does not apply: stage and use write_staged. */
+int kvhi_disk_write_gather(kvhi_disk *d, kvhi_disk_lane *lane, uint32_t n, const uint32_t *slots,
+                           uint8_t *const *srcs, int *results);
+
 /* Reads one slot: its header into the lane's staging (*header_out) and
  * its data straight into dst, in pieces submitted together, returning the
  * data's CRC32C (computed while later pieces are still arriving). dst is

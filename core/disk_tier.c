@@ -332,6 +332,74 @@ static void read_arrived(void *ctx, uint32_t first, uint32_t count)
     }
 }
 
+/* Checks blocks of a batch that were read straight into their slots. */
+static void landed_in_place(void *ctx, uint32_t first, uint32_t count)
+{
+    read_batch *rb = ctx;
+    for (uint32_t i = first; i < first + count; i++) {
+        kvhi_xfer *x = &rb->xs[i];
+        x->err = 0;
+        uint32_t crc = kvhi_crc32c(0, kvhi_slot_addr(rb->e, x->dst_tier, x->dst_slot), rb->e->disk->block_bytes);
+        verify_read(rb->e, x, kvhi_disk_lane_slot(rb->lane, i), crc);
+        rb->finished[i] = true;
+    }
+}
+
+/* Reads a batch whose blocks all go to host memory in the disk's form
+ * straight into their slots: no staging copy, only the checksum pass.
+ * False when that path does not apply. */
+static bool read_batch_in_place(kvh_engine *e, kvhi_disk_lane *lane, kvhi_xfer *xs, uint32_t k, const uint32_t *slots,
+                                int *res)
+{
+    uint8_t *dsts[64];
+    for (uint32_t i = 0; i < k; i++) {
+        if (xs[i].src_tier != KVH_TIER_DISK || xs[i].dst_tier == KVHI_NO_TIER || !reads_into_host(e, &xs[i]))
+            return false;
+        dsts[i] = kvhi_slot_addr(e, xs[i].dst_tier, xs[i].dst_slot);
+    }
+    read_batch rb = {e, xs, lane, {0}};
+    if (kvhi_disk_read_scatter(e->disk, lane, k, slots, dsts, res, landed_in_place, &rb) != 0)
+        return false;
+    for (uint32_t i = 0; i < k; i++)
+        if (!rb.finished[i])
+            xs[i].err = res[i] ? res[i] : -EIO;
+    return true;
+}
+
+/* Writes a batch whose blocks all sit in host memory in the disk's form
+ * straight from their slots (stable: in flight or being copied): only
+ * the header is staged, the data costs one checksum pass and no copy.
+ * False when that path does not apply. */
+static bool write_batch_in_place(kvh_engine *e, kvhi_disk_lane *lane, kvhi_xfer *xs, uint32_t k,
+                                 const uint32_t *slots, int *res)
+{
+    kvhi_disk *d = e->disk;
+    uint8_t *srcs[64];
+    for (uint32_t i = 0; i < k; i++) {
+        kvhi_xfer *x = &xs[i];
+        bool host = x->src_tier == KVH_TIER_HOST || e->backend->device_is_host_memory;
+        if (!host || e->tiers[x->src_tier].encoded != e->tiers[KVH_TIER_DISK].encoded ||
+            d->block_bytes % KVHI_DISK_ALIGN)
+            return false;
+        srcs[i] = kvhi_slot_addr(e, x->src_tier, x->src_slot);
+        if ((uintptr_t)srcs[i] % KVHI_DISK_ALIGN)
+            return false;
+    }
+    for (uint32_t i = 0; i < k; i++) {
+        kvhi_xfer *x = &xs[i];
+        x->data_crc = kvhi_crc32c(0, srcs[i], d->block_bytes);
+        kvhi_slot_meta m = {.store_id = d->store_id, .slot = x->dst_slot,
+                            .offset = kvhi_disk_slot_offset(d, x->dst_slot), .hash = x->hash, .parent = x->parent,
+                            .n_tokens = x->n_tokens, .data_crc = x->data_crc, .tokens = x->tokens};
+        kvhi_slot_header_encode(kvhi_disk_lane_slot(lane, i), &m, d->block_bytes);
+    }
+    if (kvhi_disk_write_gather(d, lane, k, slots, srcs, res) != 0)
+        return false;
+    for (uint32_t i = 0; i < k; i++)
+        xs[i].err = res[i];
+    return true;
+}
+
 void kvhi_xfer_batch(kvh_engine *e, kvhi_xfer *xs, uint32_t n)
 {
     kvhi_disk *d = e->disk;
@@ -360,12 +428,16 @@ void kvhi_xfer_batch(kvh_engine *e, kvhi_xfer *xs, uint32_t n)
         if (k > 64)
             k = 64;
         bool write = xs[done].dst_tier == KVH_TIER_DISK; /* else a read (or a verify) */
-        for (uint32_t i = 0; i < k; i++) {
-            kvhi_xfer *x = &xs[done + i];
-            slots[i] = write ? x->dst_slot : x->src_slot;
-            if (write)
-                stage_write(e, x, kvhi_disk_lane_slot(lane, i));
+        for (uint32_t i = 0; i < k; i++)
+            slots[i] = write ? xs[done + i].dst_slot : xs[done + i].src_slot;
+        if (write ? write_batch_in_place(e, lane, xs + done, k, slots, res)
+                  : read_batch_in_place(e, lane, xs + done, k, slots, res)) {
+            kvhi_disk_lane_put(d, lane);
+            done += k;
+            continue;
         }
+        for (uint32_t i = 0; write && i < k; i++)
+            stage_write(e, &xs[done + i], kvhi_disk_lane_slot(lane, i));
         read_batch rb = {e, xs + done, lane, {0}};
         if (write)
             kvhi_disk_write_staged(d, lane, k, slots, res);
