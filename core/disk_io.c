@@ -14,6 +14,9 @@
 
 #define LANE_ARENA_MAX (8u << 20) /* staging bytes per lane */
 
+static int vector_io(kvhi_disk *d, kvhi_disk_lane *l, uint32_t n, const uint32_t *slots, uint8_t *const *datas,
+                     int *results, kvhi_disk_run_done_fn on_run, void *ctx, bool write);
+
 struct kvhi_disk_lane {
     bool busy;
     uint64_t slot_bytes;
@@ -429,6 +432,18 @@ int kvhi_disk_read_into(kvhi_disk *d, kvhi_disk_lane *l, uint32_t slot, uint8_t 
         chunk = kvhi_round_up((bb + n - 1) / n, KVHI_DISK_ALIGN);
         n = (uint32_t)((bb + chunk - 1) / chunk);
     }
+    if (n == 1) {
+        /* One piece: header and data as one vectored request. */
+        int res = 0;
+        uint8_t *dst_one = dst;
+        if (vector_io(d, l, 1, &slot, &dst_one, &res, NULL, NULL, false) != 0)
+            return 1;
+        if (res != 0)
+            return res;
+        *crc_out = kvhi_crc32c(0, dst, bb);
+        *header_out = l->arena;
+        return 0;
+    }
     int inj = kvhi_disk_fault(KVHI_OP_READ);
     if (inj)
         return inj < 0 ? inj : -EIO;
@@ -489,9 +504,6 @@ int kvhi_disk_read_into(kvhi_disk *d, kvhi_disk_lane *l, uint32_t slot, uint8_t 
 }
 
 /* ---- a batch straight into or out of memory ---- */
-
-static int vector_io(kvhi_disk *d, kvhi_disk_lane *l, uint32_t n, const uint32_t *slots, uint8_t *const *datas,
-                     int *results, kvhi_disk_run_done_fn on_run, void *ctx, bool write);
 
 int kvhi_disk_read_scatter(kvhi_disk *d, kvhi_disk_lane *l, uint32_t n, const uint32_t *slots, uint8_t *const *dsts,
                            int *results, kvhi_disk_run_done_fn on_run, void *ctx)
