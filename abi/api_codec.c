@@ -24,8 +24,9 @@ kvh_status kvh_codec_vector_bytes(uint32_t codec, uint32_t dtype, uint32_t head_
     return st;
 }
 
-kvh_status kvh_codec_encode(uint32_t codec, uint32_t dtype, uint32_t head_dim, const void *src, size_t n_vectors,
-                            void *dst)
+/* The checks encode and decode share: a known format, and buffers. */
+static kvh_status check_transcode(uint32_t codec, uint32_t dtype, uint32_t head_dim, const void *src,
+                                  size_t n_vectors, const void *dst)
 {
     kvhi_clear_error();
     size_t n = 0;
@@ -33,19 +34,23 @@ kvh_status kvh_codec_encode(uint32_t codec, uint32_t dtype, uint32_t head_dim, c
     if (st != KVH_OK)
         return st;
     KVHI_REQUIRE(n_vectors == 0 || (src && dst), "src and dst must not be NULL");
-    kvhi_codec_encode(codec, dtype, head_dim, src, n_vectors, dst);
     return KVH_OK;
+}
+
+kvh_status kvh_codec_encode(uint32_t codec, uint32_t dtype, uint32_t head_dim, const void *src, size_t n_vectors,
+                            void *dst)
+{
+    kvh_status st = check_transcode(codec, dtype, head_dim, src, n_vectors, dst);
+    if (st == KVH_OK)
+        kvhi_codec_encode(codec, dtype, head_dim, src, n_vectors, dst);
+    return st;
 }
 
 kvh_status kvh_codec_decode(uint32_t codec, uint32_t dtype, uint32_t head_dim, const void *src, size_t n_vectors,
                             void *dst)
 {
-    kvhi_clear_error();
-    size_t n = 0;
-    kvh_status st = vector_bytes(codec, dtype, head_dim, &n);
-    if (st != KVH_OK)
-        return st;
-    KVHI_REQUIRE(n_vectors == 0 || (src && dst), "src and dst must not be NULL");
-    kvhi_codec_decode(codec, dtype, head_dim, src, n_vectors, dst);
-    return KVH_OK;
+    kvh_status st = check_transcode(codec, dtype, head_dim, src, n_vectors, dst);
+    if (st == KVH_OK)
+        kvhi_codec_decode(codec, dtype, head_dim, src, n_vectors, dst);
+    return st;
 }
