@@ -537,9 +537,7 @@ static int vector_io(kvhi_disk *d, kvhi_disk_lane *l, uint32_t n, const uint32_t
     uint32_t nr = make_runs(d, n, slots, runs);
     /* Per slot: its header (and padding) into the staging, its data into
      * the destination. */
-    struct iovec *iov = malloc(sizeof(struct iovec) * 3 * n);
-    if (!iov)
-        return 1;
+    struct iovec iov[3 * 64];
     int run_err[64] = {0};
     uint32_t first_iov[64], n_iov[64];
     uint32_t at = 0;
@@ -578,7 +576,11 @@ static int vector_io(kvhi_disk *d, kvhi_disk_lane *l, uint32_t n, const uint32_t
         io_uring_sqe_set_data64(sqe, r);
         pending++;
     }
-    io_uring_submit(&l->ring);
+    /* Submit and wait for the first completion in one system call. */
+    if (pending)
+        io_uring_submit_and_wait(&l->ring, 1);
+    else
+        io_uring_submit(&l->ring);
     while (pending) {
         struct io_uring_cqe *cqe;
         int rc = io_uring_wait_cqe(&l->ring, &cqe);
@@ -610,6 +612,5 @@ static int vector_io(kvhi_disk *d, kvhi_disk_lane *l, uint32_t n, const uint32_t
     for (uint32_t r = 0; r < nr; r++)
         for (uint32_t k = 0; k < runs[r].count; k++)
             results[runs[r].first + k] = run_err[r];
-    free(iov);
     return 0;
 }
