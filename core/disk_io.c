@@ -208,6 +208,8 @@ void kvhi_disk_lane_put(kvhi_disk *d, kvhi_disk_lane *lane)
     pthread_mutex_unlock(&d->lane_lock);
 }
 
+bool kvhi_disk_lane_vectored(const kvhi_disk_lane *lane) { return lane->has_ring; }
+
 uint8_t *kvhi_disk_lane_slot(kvhi_disk_lane *lane, uint32_t i) { return lane->arena + (uint64_t)i * lane->slot_bytes; }
 
 /* One contiguous run: n_slots neighbouring slots of one slab file, staged

@@ -72,6 +72,9 @@ void kvhi_disk_close(kvhi_disk *d);
 /* Takes a lane for exclusive use (waits when all are busy). */
 kvhi_disk_lane *kvhi_disk_lane_get(kvhi_disk *d);
 void kvhi_disk_lane_put(kvhi_disk *d, kvhi_disk_lane *lane);
+/* True when the lane can move data straight to and from the caller's
+ * memory (read_scatter, write_gather, read_into): it has io_uring. */
+bool kvhi_disk_lane_vectored(const kvhi_disk_lane *lane);
 /* Staging memory for block i of a batch: header then data. */
 uint8_t *kvhi_disk_lane_slot(kvhi_disk_lane *lane, uint32_t i);
 

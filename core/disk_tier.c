@@ -238,6 +238,15 @@ void kvhi_xfer_prepare(kvh_engine *e, uint32_t b, uint32_t dst_tier, uint32_t ds
     x->why = NULL;
 }
 
+/* The header of a slot written for x (x->data_crc already set). */
+static void encode_slot_header(const kvhi_disk *d, const kvhi_xfer *x, uint8_t *staged)
+{
+    kvhi_slot_meta m = {.store_id = d->store_id, .slot = x->dst_slot, .offset = kvhi_disk_slot_offset(d, x->dst_slot),
+                        .hash = x->hash, .parent = x->parent, .n_tokens = x->n_tokens, .data_crc = x->data_crc,
+                        .tokens = x->tokens};
+    kvhi_slot_header_encode(staged, &m, d->block_bytes);
+}
+
 static void stage_write(kvh_engine *e, kvhi_xfer *x, uint8_t *staged)
 {
     kvhi_disk *d = e->disk;
@@ -250,10 +259,7 @@ static void stage_write(kvh_engine *e, kvhi_xfer *x, uint8_t *staged)
         kvhi_block_copy(e, KVH_TIER_DISK, data, x->src_tier, src); /* encodes if needed */
         x->data_crc = kvhi_crc32c(0, data, d->block_bytes);
     }
-    kvhi_slot_meta m = {.store_id = d->store_id, .slot = x->dst_slot, .offset = kvhi_disk_slot_offset(d, x->dst_slot),
-                        .hash = x->hash, .parent = x->parent, .n_tokens = x->n_tokens, .data_crc = x->data_crc,
-                        .tokens = x->tokens};
-    kvhi_slot_header_encode(staged, &m, d->block_bytes);
+    encode_slot_header(d, x, staged);
 }
 
 /* True when a block read from disk can land in its destination slot as it
@@ -375,6 +381,8 @@ static bool write_batch_in_place(kvh_engine *e, kvhi_disk_lane *lane, kvhi_xfer 
 {
     kvhi_disk *d = e->disk;
     uint8_t *srcs[64];
+    if (!kvhi_disk_lane_vectored(lane))
+        return false; /* checked first: the checksums below would be wasted */
     for (uint32_t i = 0; i < k; i++) {
         kvhi_xfer *x = &xs[i];
         bool host = x->src_tier == KVH_TIER_HOST || e->backend->device_is_host_memory;
@@ -388,10 +396,7 @@ static bool write_batch_in_place(kvh_engine *e, kvhi_disk_lane *lane, kvhi_xfer 
     for (uint32_t i = 0; i < k; i++) {
         kvhi_xfer *x = &xs[i];
         x->data_crc = kvhi_crc32c(0, srcs[i], d->block_bytes);
-        kvhi_slot_meta m = {.store_id = d->store_id, .slot = x->dst_slot,
-                            .offset = kvhi_disk_slot_offset(d, x->dst_slot), .hash = x->hash, .parent = x->parent,
-                            .n_tokens = x->n_tokens, .data_crc = x->data_crc, .tokens = x->tokens};
-        kvhi_slot_header_encode(kvhi_disk_lane_slot(lane, i), &m, d->block_bytes);
+        encode_slot_header(d, x, kvhi_disk_lane_slot(lane, i));
     }
     if (kvhi_disk_write_gather(d, lane, k, slots, srcs, res) != 0)
         return false;
