@@ -202,9 +202,12 @@ kvh_status kvh_context_info_get(kvh_engine *e, kvh_context ctx, kvh_context_info
 {
     kvhi_clear_error();
     KVHI_REQUIRE(info, "info is NULL");
-    if (info->struct_size != sizeof(*info))
-        return kvhi_fail(KVH_ERR_STRUCT_SIZE, "kvh_context_info struct_size %u, expected %zu", info->struct_size,
-                         sizeof(*info));
+    /* The struct grew (bytes_disk): an older caller's is filled up to its
+     * size. */
+    uint32_t size = info->struct_size;
+    if (size != offsetof(kvh_context_info, bytes_disk) && size != sizeof(*info))
+        return kvhi_fail(KVH_ERR_STRUCT_SIZE, "kvh_context_info struct_size %u, expected %zu (or %zu)", size,
+                         sizeof(*info), offsetof(kvh_context_info, bytes_disk));
     kvhi_context *x = NULL;
     kvh_status st = enter_context(e, ctx, &x);
     if (st != KVH_OK)
@@ -212,8 +215,10 @@ kvh_status kvh_context_info_get(kvh_engine *e, kvh_context ctx, kvh_context_info
     kvh_context_info r;
     st = kvhi_context_info(e, x, &r);
     kvhi_leave(e);
-    if (st == KVH_OK)
-        *info = r;
+    if (st == KVH_OK) {
+        r.struct_size = size;
+        memcpy(info, &r, size);
+    }
     return st;
 }
 

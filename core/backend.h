@@ -10,7 +10,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define KVHI_BACKEND_ABI 2u
+#define KVHI_BACKEND_ABI 3u
 #define KVHI_BACKEND_ENTRY "kvh_backend_cuda_entry"
 
 enum kvhi_copy_kind {
@@ -109,6 +109,15 @@ typedef struct kvhi_backend_ops {
     int (*attention_run_uploaded)(void *ctx, void *handle, const void *q, void *out, void *stream, char *msg,
                                   size_t msg_len);
     void (*attention_plan_free)(void *ctx, void *handle);
+
+    /* ---- unified memory ----
+     * Appended in ABI 3; NULL means no. 1 when this context's device-tier
+     * memory is memory the CPU reads and writes directly (an integrated
+     * GPU, or one that uses the host's page tables, as on Grace Hopper):
+     * device_alloc then returns such memory, so moves between the device
+     * and host tiers can be plain CPU copies or no copy at all. Kernels
+     * still run on the device. */
+    int (*memory_is_unified)(void *ctx);
 } kvhi_backend_ops;
 
 typedef const kvhi_backend_ops *(*kvhi_backend_entry_fn)(void);

@@ -37,7 +37,7 @@ uint64_t kvhi_cell_offset(kvh_engine *e, uint32_t tier, uint32_t layer, uint32_t
 /* Device memory the CPU cannot address (CUDA): goes through a host buffer. */
 static bool remote(kvh_engine *e, uint32_t tier)
 {
-    return tier == KVH_TIER_DEVICE && !e->backend->device_is_host_memory;
+    return tier == KVH_TIER_DEVICE && !e->device_host_addressable;
 }
 
 static bool encoded(kvh_engine *e, uint32_t tier)

@@ -15,7 +15,7 @@
 
 bool kvhi_unified_memory(kvh_engine *e)
 {
-    return e->backend->device_is_host_memory && !(e->contexts && e->contexts->copy_on_unified);
+    return e->device_host_addressable && !(e->contexts && e->contexts->copy_on_unified);
 }
 
 static void defer_free(kvh_engine *e, uint8_t *p, uint64_t bytes, uint8_t tier)
@@ -89,6 +89,7 @@ kvhi_contexts *kvhi_contexts_get(kvh_engine *e)
     }
     kvhi_handles_set_gen_start(&c->table, e->gen_start + 3);
     pthread_cond_init(&c->cv, NULL);
+    pthread_mutex_init(&c->spare_lock, NULL);
     c->stats.struct_size = sizeof(c->stats);
     c->admission.short_max_tokens = 4096;
     e->contexts = c;
@@ -119,7 +120,9 @@ kvh_status kvhi_context_resolve(kvh_engine *e, kvh_context h, kvhi_context **out
  * for region_free_memory, outside the lock. */
 void kvhi_region_unaccount(kvh_engine *e, kvhi_context *x, kvhi_region *r)
 {
-    if (r->tier != KVHI_NO_TIER)
+    if (r->tier == KVH_TIER_DISK)
+        kvhi_region_disk_release(e, r);
+    else if (r->tier != KVHI_NO_TIER)
         kvhi_charge_sub(e, x, r->tier, r->size);
     r->tier = KVHI_NO_TIER;
 }
@@ -133,6 +136,8 @@ static void region_free_memory(kvh_engine *e, kvhi_region *r)
     r->fd = -1;
     free(r->chunk_crc);
     r->chunk_crc = NULL;
+    free(r->disk_slots); /* the slots themselves went with unaccount or the tiers */
+    r->disk_slots = NULL;
 }
 
 static void context_free(kvh_engine *e, kvhi_context *x)
@@ -163,6 +168,8 @@ void kvhi_contexts_free(kvh_engine *e)
     for (uint32_t i = 0; i < c->n_garbage; i++)
         kvhi_region_mem_free(e, c->garbage[i].tier, c->garbage[i].p, c->garbage[i].bytes);
     free(c->garbage);
+    kvhi_region_spares_free(e);
+    pthread_mutex_destroy(&c->spare_lock);
     kvhi_handles_destroy(&c->table);
     kvhi_admission_free(&c->admission);
     pthread_cond_destroy(&c->cv);
@@ -247,6 +254,11 @@ static kvh_status region_copy_in(kvh_engine *e, kvhi_context *x, kvhi_region *r,
 {
     uint32_t tier = e->tiers[KVH_TIER_HOST].present ? KVH_TIER_HOST : KVH_TIER_DEVICE;
     kvh_status st = kvhi_charge_add(e, x, tier, r->size, KVHI_CHARGE_EVICT);
+    if (st == KVH_ERR_NOSPACE && e->disk) {
+        /* No room in memory: the bytes wait in the disk tier. */
+        kvhi_clear_error();
+        return kvhi_region_spill(e, x, r, bytes, KVH_TIER_HOST);
+    }
     if (st != KVH_OK)
         return st;
     r->busy = true;

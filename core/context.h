@@ -39,6 +39,10 @@ typedef struct kvhi_region {
     uint8_t alloc_tier; /* whose allocator made data (differs from tier
                            after a remap on unified memory) */
     uint8_t *data;
+    /* tier == KVH_TIER_DISK: the disk slots holding its bytes, in order,
+     * block_bytes of the region each (weight_spill.c). */
+    uint32_t *disk_slots;
+    uint32_t n_disk_slots;
 } kvhi_region;
 
 /* What a context's weights hold in one memory tier: slots withheld from
@@ -112,6 +116,15 @@ typedef struct kvhi_contexts {
         uint8_t tier;
     } *garbage;
     uint32_t n_garbage, cap_garbage;
+    /* Region memory freed during a switch, for its next allocation of the
+     * same size (weight_chunks.c); own lock: used without the engine's. */
+    pthread_mutex_t spare_lock;
+    struct kvhi_spare {
+        uint8_t *p;
+        uint64_t bytes;
+        uint8_t tier;
+    } spares[256];
+    uint32_t n_spares;
 } kvhi_contexts;
 
 /* ---- context.c, context_switch.c, context_query.c ---- */
@@ -175,6 +188,13 @@ void kvhi_charge_free(kvhi_charge *ch);
 uint8_t *kvhi_region_mem_alloc(kvh_engine *e, uint32_t tier, uint64_t bytes);
 void kvhi_region_mem_free(kvh_engine *e, uint32_t tier, uint8_t *p,
                           uint64_t bytes);
+/* The same within a switch: take reuses memory of that size given back
+ * by give; kvhi_region_spares_free frees what is left (all without the
+ * engine lock). */
+uint8_t *kvhi_region_mem_take(kvh_engine *e, uint32_t tier, uint64_t bytes);
+void kvhi_region_mem_give(kvh_engine *e, uint32_t tier, uint8_t *p,
+                          uint64_t bytes);
+void kvhi_region_spares_free(kvh_engine *e);
 /* Reads r's source into dst (memory of dst_tier) chunk by chunk, checking
  * each chunk's CRC, or recording it on the first load. Without the lock.
  * Returns 0, -errno, or 1 for a checksum mismatch (chunk in *bad_chunk). */
@@ -192,6 +212,21 @@ int kvhi_region_copy(kvh_engine *e, kvhi_region *r, uint64_t chunk,
 /* CRC check of resident data against chunk_crc; returns the number of the
  * first bad chunk + 1, 0 when all match, or -1 on a copy failure. */
 int64_t kvhi_region_check(kvh_engine *e, kvhi_region *r, uint64_t chunk);
+
+/* ---- weight_spill.c ---- */
+/* Writes r's bytes (src, memory of src_tier: r->data, or the caller's for
+ * a region being registered) to disk slots and frees r's memory, if any:
+ * the region is then accounted in the disk tier. Lock held; dropped for
+ * the I/O. KVH_ERR_NOSPACE without a disk tier or room in it. */
+kvh_status kvhi_region_spill(kvh_engine *e, kvhi_context *x, kvhi_region *r,
+                             const uint8_t *src, uint32_t src_tier);
+/* Reads a spilled region into dst (memory of dst_tier), checking every
+ * chunk. Without the lock (r busy). 0, -errno, or 1 for a mismatch. */
+int kvhi_region_read_disk(kvh_engine *e, kvhi_region *r, uint64_t chunk,
+                          uint8_t *dst, uint32_t dst_tier,
+                          uint32_t *bad_chunk);
+/* Gives a spilled region's disk slots back (lock held). */
+void kvhi_region_disk_release(kvh_engine *e, kvhi_region *r);
 
 /* ---- admission.c ---- */
 void kvhi_admission_free(kvhi_admission *a);

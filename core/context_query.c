@@ -87,7 +87,7 @@ kvh_status kvhi_context_verify(kvh_engine *e, kvh_context h, uint64_t *checked)
         kvhi_region *r = &x->regions[i];
         /* A region handed out writable may differ from its checksums
          * until it is written back. */
-        if (r->tier == KVHI_NO_TIER || !r->crc_known || r->stale_crc)
+        if (r->tier == KVHI_NO_TIER || r->tier == KVH_TIER_DISK || !r->crc_known || r->stale_crc)
             continue;
         pthread_mutex_unlock(&e->lock);
         int64_t bad = kvhi_region_check(e, r, x->chunk_bytes);
@@ -120,6 +120,8 @@ kvh_status kvhi_context_info(kvh_engine *e, kvhi_context *x, kvh_context_info *o
             r.bytes_device += g->size;
         else if (g->tier == KVH_TIER_HOST)
             r.bytes_host += g->size;
+        else if (g->tier == KVH_TIER_DISK)
+            r.bytes_disk += g->size;
         prefix = prefix && g->tier == KVH_TIER_DEVICE && !g->busy;
         r.layers_ready += prefix;
     }
@@ -135,7 +137,7 @@ void kvhi_weight_stats(kvh_engine *e, kvh_weight_stats *out)
     kvhi_contexts *c = e->contexts;
     if (c) {
         s = c->stats;
-        s.bytes_device = s.bytes_host = s.slots_device = s.slots_host = 0;
+        s.bytes_device = s.bytes_host = s.slots_device = s.slots_host = s.bytes_disk = s.slots_disk = 0;
         for (uint32_t i = 0; i < c->table.cap; i++) {
             kvhi_context *x = kvhi_handles_at(&c->table, i);
             if (!x)
@@ -144,6 +146,12 @@ void kvhi_weight_stats(kvh_engine *e, kvh_weight_stats *out)
             s.slots_device += x->charge[KVH_TIER_DEVICE].n;
             s.bytes_host += x->charge[KVH_TIER_HOST].bytes;
             s.slots_host += x->charge[KVH_TIER_HOST].n;
+            for (uint32_t j = 0; j < x->n_regions; j++) {
+                if (x->regions[j].tier != KVH_TIER_DISK)
+                    continue;
+                s.bytes_disk += x->regions[j].size;
+                s.slots_disk += x->regions[j].n_disk_slots;
+            }
         }
     }
     s.struct_size = sizeof(s);

@@ -81,83 +81,64 @@ static uint64_t move_context_kv(kvh_engine *e, kvhi_context *x, uint32_t tier)
     return queued;
 }
 
-/* One departing region (lock held, may drop). */
-static kvh_status depart_region(kvh_engine *e, kvhi_context *x, kvhi_region *r)
+/* Takes room for r in the host tier from what is free now, waiting for
+ * the incoming context to give back the host room it is leaving, unless
+ * the arrivals are themselves waiting for this side. Lock held. */
+static bool take_free_host_room(kvh_engine *e, kvhi_context *x, kvhi_region *r)
+{
+    kvhi_contexts *c = e->contexts;
+    while (e->tiers[KVH_TIER_HOST].present) {
+        if (kvhi_charge_add(e, x, KVH_TIER_HOST, r->size, KVHI_CHARGE_FREE_ONLY) == KVH_OK)
+            return true;
+        if (!c->arrivals_running || c->arrivals_waiting)
+            break;
+        pthread_cond_wait(&c->cv, &e->lock);
+    }
+    kvhi_clear_error();
+    return false;
+}
+
+/* Moves r from the device tier to the host tier, whose room is already
+ * charged: re-accounting on unified memory, a copy otherwise (crc_mode as
+ * for kvhi_region_copy). Lock held, dropped for the copy. On failure the
+ * host charge is given back and r stays where it was. */
+static kvh_status region_to_host(kvh_engine *e, kvhi_context *x, kvhi_region *r, int crc_mode)
 {
     kvhi_contexts *c = e->contexts;
     bool unified = kvhi_unified_memory(e);
-    if (!r->dirty && r->fd >= 0) {
-        /* Clean: never written. On unified memory it may stay in RAM as
-         * host-tier memory if the host tier has free room (no eviction for
-         * it: it can always be read again). */
-        while (unified && e->tiers[KVH_TIER_HOST].present) {
-            if (kvhi_charge_add(e, x, KVH_TIER_HOST, r->size, KVHI_CHARGE_FREE_ONLY) == KVH_OK) {
-                kvhi_charge_sub(e, x, KVH_TIER_DEVICE, r->size);
-                r->tier = KVH_TIER_HOST;
-                c->stats.bytes_remapped += r->size;
-                return KVH_OK;
-            }
-            /* The host room may be held by the incoming model, which frees
-             * it as it arrives: wait for that, unless the arrivals are
-             * themselves waiting for this side (then drop). */
-            if (!c->arrivals_running || c->arrivals_waiting)
-                break;
-            pthread_cond_wait(&c->cv, &e->lock);
-        }
-        kvhi_clear_error();
-        uint8_t *mem = r->data;
-        uint8_t at = r->alloc_tier;
-        kvhi_region_unaccount(e, x, r);
-        r->data = NULL;
-        r->alloc_tier = KVHI_NO_TIER;
-        c->stats.bytes_dropped += r->size;
-        r->busy = true;
-        pthread_mutex_unlock(&e->lock);
-        kvhi_region_mem_free(e, at, mem, r->size);
-        pthread_mutex_lock(&e->lock);
-        r->busy = false;
-        return KVH_OK;
-    }
-    /* Modified, or no source: its bytes must be kept, in the host tier. */
-    kvh_status st = kvhi_charge_add(e, x, KVH_TIER_HOST, r->size, KVHI_CHARGE_EVICT);
-    if (st != KVH_OK) {
-        char why[160];
-        snprintf(why, sizeof(why), "%s", kvh_last_error());
-        return kvhi_fail(st, "weight region '%s' of context '%s' must be written back and the host tier has no room: %s",
-                         r->name, x->name, why);
-    }
+    bool recompute = crc_mode == KVHI_CRC_RECORD && (r->stale_crc || !r->crc_known);
+    uint8_t *mem = NULL;
+    uint32_t bad = 0;
+    int rc = 0;
     r->busy = true;
     pthread_mutex_unlock(&e->lock);
-    uint8_t *mem = unified ? r->data : kvhi_region_mem_alloc(e, KVH_TIER_HOST, r->size);
-    uint32_t bad = 0;
-    int rc = -1;
-    if (mem && unified) {
+    if (unified) {
         /* Same memory: only the checksums are brought up to date. */
-        for (uint32_t i = 0; r->stale_crc && i < r->n_chunks; i++) {
+        for (uint32_t i = 0; recompute && i < r->n_chunks; i++) {
             uint64_t off = (uint64_t)i * x->chunk_bytes;
             uint64_t n = r->size - off < x->chunk_bytes ? r->size - off : x->chunk_bytes;
-            r->chunk_crc[i] = kvhi_crc32c(0, mem + off, n);
+            r->chunk_crc[i] = kvhi_crc32c(0, r->data + off, n);
         }
-        rc = 0;
-    } else if (mem) {
-        rc = kvhi_region_copy(e, r, x->chunk_bytes, mem, KVH_TIER_HOST, r->data, KVH_TIER_DEVICE, KVHI_CRC_RECORD,
-                              &bad);
+    } else if ((mem = kvhi_region_mem_take(e, KVH_TIER_HOST, r->size)) != NULL) {
+        rc = kvhi_region_copy(e, r, x->chunk_bytes, mem, KVH_TIER_HOST, r->data, KVH_TIER_DEVICE, crc_mode, &bad);
         if (rc != 0)
-            kvhi_region_mem_free(e, KVH_TIER_HOST, mem, r->size);
+            kvhi_region_mem_give(e, KVH_TIER_HOST, mem, r->size);
+        else
+            kvhi_region_mem_give(e, r->alloc_tier, r->data, r->size);
     }
-    if (rc == 0 && !unified)
-        kvhi_region_mem_free(e, r->alloc_tier, r->data, r->size);
     pthread_mutex_lock(&e->lock);
     r->busy = false;
-    if (rc != 0) {
+    if (!unified && (!mem || rc != 0)) {
         kvhi_charge_sub(e, x, KVH_TIER_HOST, r->size);
-        return kvhi_fail(mem ? KVH_ERR_IO : KVH_ERR_NOMEM, "cannot write weight region '%s' back to the host tier",
+        return kvhi_fail(mem ? KVH_ERR_IO : KVH_ERR_NOMEM, "cannot move weight region '%s' to the host tier",
                          r->name);
     }
     kvhi_charge_sub(e, x, KVH_TIER_DEVICE, r->size);
     r->tier = KVH_TIER_HOST;
-    r->crc_known = true;
-    r->stale_crc = false;
+    if (crc_mode == KVHI_CRC_RECORD) {
+        r->crc_known = true;
+        r->stale_crc = false;
+    }
     if (unified) {
         c->stats.bytes_remapped += r->size;
     } else {
@@ -166,6 +147,55 @@ static kvh_status depart_region(kvh_engine *e, kvhi_context *x, kvhi_region *r)
         c->stats.bytes_device_to_host += r->size;
     }
     return KVH_OK;
+}
+
+/* Frees a clean region's memory: its source has the same bytes. */
+static void drop_region(kvh_engine *e, kvhi_context *x, kvhi_region *r)
+{
+    uint8_t *mem = r->data;
+    uint8_t at = r->alloc_tier;
+    kvhi_region_unaccount(e, x, r);
+    r->data = NULL;
+    r->alloc_tier = KVHI_NO_TIER;
+    e->contexts->stats.bytes_dropped += r->size;
+    r->busy = true;
+    pthread_mutex_unlock(&e->lock);
+    kvhi_region_mem_give(e, at, mem, r->size);
+    pthread_mutex_lock(&e->lock);
+    r->busy = false;
+}
+
+/* One departing region (lock held, may drop). */
+static kvh_status depart_region(kvh_engine *e, kvhi_context *x, kvhi_region *r)
+{
+    if (!r->dirty && r->fd >= 0) {
+        /* Clean: never written anywhere. It stays in RAM as host-tier
+         * memory when the host tier has free room (a remap on unified
+         * memory; a copy otherwise, cheaper than reading the file again
+         * on the way back), else it is dropped: no eviction for it, it can
+         * always be read again. */
+        if (take_free_host_room(e, x, r) && region_to_host(e, x, r, KVHI_CRC_NONE) == KVH_OK)
+            return KVH_OK;
+        kvhi_clear_error();
+        drop_region(e, x, r);
+        return KVH_OK;
+    }
+    /* Modified, or no source: its bytes must be kept: in the host tier
+     * (evicting KV by policy), else in the disk tier. */
+    kvh_status st = kvhi_charge_add(e, x, KVH_TIER_HOST, r->size, KVHI_CHARGE_EVICT);
+    if (st == KVH_OK)
+        return region_to_host(e, x, r, KVHI_CRC_RECORD);
+    char why[160];
+    snprintf(why, sizeof(why), "%s", kvh_last_error());
+    if (st == KVH_ERR_NOSPACE && e->disk) {
+        /* The checksums are recomputed from what is written. */
+        st = kvhi_region_spill(e, x, r, r->data, r->alloc_tier);
+        if (st == KVH_OK)
+            return KVH_OK;
+        snprintf(why, sizeof(why), "%s", kvh_last_error());
+    }
+    return kvhi_fail(st, "weight region '%s' of context '%s' must be written back and there is no room for it: %s",
+                     r->name, x->name, why);
 }
 
 static void run_departures(kvhi_switch *sw)
@@ -216,20 +246,33 @@ static kvh_status arrive_region(kvh_engine *e, kvhi_context *x, kvhi_region *r)
     uint8_t *old = r->data;
     uint8_t old_alloc = r->alloc_tier, old_tier = r->tier;
     pthread_mutex_unlock(&e->lock);
-    uint8_t *mem = kvhi_region_mem_alloc(e, KVH_TIER_DEVICE, r->size);
+    uint8_t *mem = kvhi_region_mem_take(e, KVH_TIER_DEVICE, r->size);
     uint32_t bad = 0;
     int rc = -ENOMEM;
+    bool from_source = false, healed = false;
     if (mem && old_tier == KVH_TIER_HOST)
         rc = kvhi_region_copy(e, r, x->chunk_bytes, mem, KVH_TIER_DEVICE, old, KVH_TIER_HOST,
                               r->crc_known ? KVHI_CRC_VERIFY : KVHI_CRC_NONE, &bad);
+    else if (mem && old_tier == KVH_TIER_DISK)
+        rc = kvhi_region_read_disk(e, r, x->chunk_bytes, mem, KVH_TIER_DEVICE, &bad);
     else if (mem)
-        rc = kvhi_region_read_source(e, r, x->chunk_bytes, mem, KVH_TIER_DEVICE, &bad);
+        rc = kvhi_region_read_source(e, r, x->chunk_bytes, mem, KVH_TIER_DEVICE, &bad), from_source = true;
+    if (rc == 1 && !from_source && !r->dirty && r->fd >= 0) {
+        /* A clean copy went bad in memory: its file still has the bytes. */
+        healed = true;
+        kvhi_log(e, KVH_LOG_WARN,
+                 "weight region '%s' chunk %u failed its checksum in the host tier; reading it again from its file",
+                 r->name, bad);
+        rc = kvhi_region_read_source(e, r, x->chunk_bytes, mem, KVH_TIER_DEVICE, &bad), from_source = true;
+    }
     if (rc != 0 && mem)
-        kvhi_region_mem_free(e, KVH_TIER_DEVICE, mem, r->size);
+        kvhi_region_mem_give(e, KVH_TIER_DEVICE, mem, r->size);
     if (rc == 0 && old)
-        kvhi_region_mem_free(e, old_alloc, old, r->size);
+        kvhi_region_mem_give(e, old_alloc, old, r->size);
     pthread_mutex_lock(&e->lock);
     r->busy = false;
+    if (healed)
+        c->stats.crc_failures++;
     if (rc != 0) {
         kvhi_charge_sub(e, x, KVH_TIER_DEVICE, r->size);
         if (rc == 1) {
@@ -240,12 +283,18 @@ static kvh_status arrive_region(kvh_engine *e, kvhi_context *x, kvhi_region *r)
         return kvhi_fail(rc == -ENOMEM ? KVH_ERR_NOMEM : KVH_ERR_IO, "cannot load weight region '%s': %s", r->name,
                          rc == -1 ? "copy failed" : strerror(-rc));
     }
-    if (old_tier == KVH_TIER_HOST) {
+    if (old_tier == KVH_TIER_HOST)
         kvhi_charge_sub(e, x, KVH_TIER_HOST, r->size);
-        c->stats.bytes_host_to_device += r->size;
-    } else {
+    else if (old_tier == KVH_TIER_DISK)
+        kvhi_region_disk_release(e, r);
+    if (from_source) {
         c->stats.bytes_read_source += r->size;
         r->crc_known = true;
+    } else if (old_tier == KVH_TIER_HOST) {
+        c->stats.bytes_host_to_device += r->size;
+    } else {
+        c->stats.bytes_disk_to_host += r->size;
+        c->stats.bytes_host_to_device += r->size;
     }
     r->data = mem;
     r->alloc_tier = KVH_TIER_DEVICE;
@@ -305,6 +354,9 @@ static void *switch_thread(void *argp)
     }
     /* Last thread out: finish the switch. */
     kvhi_free_garbage(e);
+    pthread_mutex_unlock(&e->lock);
+    kvhi_region_spares_free(e);
+    pthread_mutex_lock(&e->lock);
     if (sw->from)
         sw->from->switching = false;
     if (sw->to) {

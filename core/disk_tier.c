@@ -253,7 +253,7 @@ static void stage_write(kvh_engine *e, kvhi_xfer *x, uint8_t *staged)
     uint8_t *data = staged + KVHI_SLOT_HEADER_BYTES;
     const uint8_t *src = kvhi_slot_addr(e, x->src_tier, x->src_slot);
     bool same_form = e->tiers[x->src_tier].encoded == e->tiers[KVH_TIER_DISK].encoded;
-    if (same_form && (x->src_tier == KVH_TIER_HOST || e->backend->device_is_host_memory)) {
+    if (same_form && (x->src_tier == KVH_TIER_HOST || e->device_host_addressable)) {
         x->data_crc = kvhi_crc32c_copy(0, data, src, d->block_bytes);
     } else {
         kvhi_block_copy(e, KVH_TIER_DISK, data, x->src_tier, src); /* encodes if needed */
@@ -268,7 +268,7 @@ static void stage_write(kvh_engine *e, kvhi_xfer *x, uint8_t *staged)
  * check, like a copy to device memory. */
 static bool reads_into_host(const kvh_engine *e, const kvhi_xfer *x)
 {
-    bool host = x->dst_tier == KVH_TIER_HOST || (x->dst_tier == KVH_TIER_DEVICE && e->backend->device_is_host_memory);
+    bool host = x->dst_tier == KVH_TIER_HOST || (x->dst_tier == KVH_TIER_DEVICE && e->device_host_addressable);
     return host && e->tiers[x->dst_tier].encoded == e->tiers[KVH_TIER_DISK].encoded;
 }
 
@@ -385,7 +385,7 @@ static bool write_batch_in_place(kvh_engine *e, kvhi_disk_lane *lane, kvhi_xfer 
         return false; /* checked first: the checksums below would be wasted */
     for (uint32_t i = 0; i < k; i++) {
         kvhi_xfer *x = &xs[i];
-        bool host = x->src_tier == KVH_TIER_HOST || e->backend->device_is_host_memory;
+        bool host = x->src_tier == KVH_TIER_HOST || e->device_host_addressable;
         if (!host || e->tiers[x->src_tier].encoded != e->tiers[KVH_TIER_DISK].encoded ||
             d->block_bytes % KVHI_DISK_ALIGN)
             return false;

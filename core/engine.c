@@ -174,13 +174,20 @@ static kvh_status select_backend(kvh_engine *e)
     char msg[256] = "";
     if (e->cfg.backend == KVH_BACKEND_CPU) {
         e->backend = kvhi_backend_cpu();
+        e->device_host_addressable = true;
         return KVH_OK;
     }
     e->backend = kvhi_backend_cuda_load(e->cfg.cuda_device, msg, sizeof(msg), &e->backend_dl);
     if (e->backend) {
         e->backend_ctx = e->backend->context_create(e->cfg.cuda_device, msg, sizeof(msg));
-        if (e->backend_ctx)
+        if (e->backend_ctx) {
+            e->device_host_addressable = e->backend->device_is_host_memory ||
+                                         (e->backend->memory_is_unified && e->backend->memory_is_unified(e->backend_ctx));
+            if (e->device_host_addressable && !e->backend->device_is_host_memory)
+                kvhi_log(e, KVH_LOG_INFO, "%s backend on unified memory: device and host tiers share memory",
+                         e->backend->name);
             return KVH_OK;
+        }
         kvhi_backend_cuda_unload(e->backend_dl);
         e->backend_dl = NULL;
     }
@@ -189,6 +196,7 @@ static kvh_status select_backend(kvh_engine *e)
     kvhi_log(e, KVH_LOG_INFO, "using the CPU backend: %s", msg);
     e->backend = kvhi_backend_cpu();
     e->backend_ctx = NULL;
+    e->device_host_addressable = true;
     return KVH_OK;
 }
 

@@ -136,6 +136,10 @@ struct kvh_engine {
 
     const kvhi_backend_ops *backend;
     void *backend_ctx;
+    /* The CPU reads and writes device-tier memory directly: the CPU
+     * backend, or CUDA on unified memory (backend memory_is_unified). Data
+     * paths test this; the choice of kernels tests the backend itself. */
+    bool device_host_addressable;
     void *backend_dl;
 
     pthread_mutex_t lock;

@@ -17,8 +17,8 @@ static int tier_below(kvh_engine *e, uint32_t t)
 
 static enum kvhi_copy_kind copy_kind(kvh_engine *e, uint32_t dst_tier, uint32_t src_tier)
 {
-    bool dst_dev = dst_tier == KVH_TIER_DEVICE && !e->backend->device_is_host_memory;
-    bool src_dev = src_tier == KVH_TIER_DEVICE && !e->backend->device_is_host_memory;
+    bool dst_dev = dst_tier == KVH_TIER_DEVICE && !e->device_host_addressable;
+    bool src_dev = src_tier == KVH_TIER_DEVICE && !e->device_host_addressable;
     if (dst_dev && src_dev)
         return KVHI_COPY_DEVICE_TO_DEVICE;
     if (dst_dev)

@@ -53,7 +53,7 @@ kvh_status kvhi_pool_copy(kvh_engine *e, kvhi_ext_pool *p, uint32_t slot, uint32
     uint32_t H = e->cfg.num_kv_heads, bt = e->cfg.block_tokens;
     size_t row = (size_t)e->cfg.head_dim * e->elem_bytes;
     bool pool_dev = p->layout.memory == KVH_MEMORY_CUDA;
-    bool blk_dev = blk->tier == KVH_TIER_DEVICE && !e->backend->device_is_host_memory;
+    bool blk_dev = blk->tier == KVH_TIER_DEVICE && !e->device_host_addressable;
     enum kvhi_copy_kind kind;
     if (pool_dev && blk_dev)
         kind = KVHI_COPY_DEVICE_TO_DEVICE;

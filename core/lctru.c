@@ -83,7 +83,7 @@ kvh_status kvh_block_set_tolerance(kvh_engine *e, kvh_block block, uint32_t tole
 static double codec_error(kvh_engine *e, uint32_t b, uint8_t *raw, uint8_t *enc, float *y)
 {
     const uint8_t *data = kvhi_block_data(e, b);
-    if (!e->backend->device_is_host_memory) {
+    if (!e->device_host_addressable) {
         if (kvhi_block_copy(e, KVHI_RAW_HOST, raw, KVH_TIER_DEVICE, data) != 0)
             return -2;
         data = raw;

@@ -228,7 +228,7 @@ static int kv_copy(kvh_engine *e, uint32_t b, uint32_t layer, uint32_t off, uint
     if (e->tiers[blk->tier].encoded)
         return kvhi_codec_kv_copy(e, b, layer, off, cnt, uk, uv, to_block);
     uint8_t *base = kvhi_block_data(e, b) + (uint64_t)layer * e->layer_bytes;
-    bool device = blk->tier == KVH_TIER_DEVICE && !e->backend->device_is_host_memory;
+    bool device = blk->tier == KVH_TIER_DEVICE && !e->device_host_addressable;
     for (uint32_t kv = 0; kv < 2; kv++) {
         uint8_t *user = kv ? uv : uk;
         if (!user)

@@ -54,7 +54,7 @@ if [[ ${SKIP_BUILD:-0} != 1 ]]; then
     step configure 300 cmake -S "$ROOT" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DKVH_WITH_CUDA=ON \
         -DKVH_BUILD_TESTS=ON -DKVH_BUILD_BENCH=OFF || STATUS=1
     step build 480 cmake --build "$BUILD" -j "$JOBS" --target kvh kvh_static kvh_cuda test_cuda_attention \
-        kvh_attention_emu || STATUS=1
+        kvh_attention_emu test_tiers test_context test_weight_spill test_seq || STATUS=1
 fi
 if [[ ! -f $BUILD/libkvh_cuda.so ]]; then
     log "libkvh_cuda.so was not built (no nvcc?): nothing more to do"
@@ -73,6 +73,13 @@ elif [[ $rc != 0 ]]; then
     # same kernels on the CPU: tells a logic bug from a hardware-only one
     step attention_emu 300 "$BUILD/kernels/cuda/kvh_attention_emu" 12 || true
 fi
+
+# The unified-memory path (device tier in managed memory the CPU
+# addresses, moves between device and host without DMA copies), forced on
+# this card: the tier, context and spill suites on the CUDA backend.
+for t in test_tiers test_context test_weight_spill test_seq; do
+    KVH_TEST_BACKEND=cuda KVH_CUDA_UNIFIED=1 step "unified_$t" 120 "$BUILD/tests/c/$t" || STATUS=1
+done
 
 # ---- 3. benchmark ----
 ARCH=${CUDA_ARCH:-native}
@@ -96,6 +103,9 @@ fi
     echo "kvh GPU run $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
     echo "test_cuda_attention: $(grep -E 'PASSED|FAILED|SKIP' "$RES/test_cuda_attention.log" 2>/dev/null | tr '\n' ' ')"
     grep -E 'worst error' "$RES/test_cuda_attention.log" 2>/dev/null | sed 's/^/  /'
+    for t in test_tiers test_context test_weight_spill test_seq; do
+        echo "unified $t: $(grep -E '^\[  (PASSED|FAILED) ' "$RES/unified_$t.log" 2>/dev/null | tr '\n' ' ')"
+    done
     echo "gpu_bench:"
     grep -E '^  [a-z_]|round trip|device:' "$RES/gpu_bench.log" 2>/dev/null
     echo "overall: $([[ $STATUS == 0 ]] && echo OK || echo FAILED)"

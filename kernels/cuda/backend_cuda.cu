@@ -27,6 +27,7 @@ extern "C" {
 }
 #include "kvh/kvh.h"
 #include "kernels/cuda/attention_cuda.h"
+#include "kernels/cuda/unified_memory.h"
 
 namespace {
 
@@ -47,6 +48,9 @@ struct cuda_ctx {
     pthread_mutex_t lock; /* guards idle */
     stream_node *idle;
     kvhc_attn *attn; /* paged attention: workspaces (attention.cu) */
+    /* Device tier in managed memory the CPU addresses directly
+     * (unified_memory.h). */
+    int unified;
 };
 
 int fail(char *msg, size_t len, const char *what, cudaError_t err)
@@ -142,6 +146,11 @@ void *cuda_context_create(int device, char *msg, size_t len)
         return NULL;
     }
     ctx->device = device;
+    int integrated = 0, host_tables = 0;
+    (void)cudaDeviceGetAttribute(&integrated, cudaDevAttrIntegrated, device);
+    (void)cudaDeviceGetAttribute(&host_tables, cudaDevAttrPageableMemoryAccessUsesHostPageTables, device);
+    (void)cudaGetLastError();
+    ctx->unified = kvhc_memory_is_unified(integrated, host_tables, getenv("KVH_CUDA_UNIFIED"));
     ctx->attn = kvhc_attn_create(device, msg, len);
     if (!ctx->attn) {
         free(ctx);
@@ -177,13 +186,45 @@ void *cuda_device_alloc(void *vctx, size_t bytes)
         return NULL;
     device_scope scope(ctx->device);
     void *p = NULL;
-    /* Plain device memory, never managed memory: the tiers move data
-     * explicitly and must not be paged behind their back. */
-    if (scope.error() != cudaSuccess || cudaMalloc(&p, bytes) != cudaSuccess) {
+    if (scope.error() != cudaSuccess) {
+        (void)cudaGetLastError();
+        return NULL;
+    }
+    if (ctx->unified) {
+        /* One memory for CPU and GPU: managed, kept on the device's side
+         * where it has one, and mapped for the CPU so the engine reads and
+         * writes it in place. */
+        if (cudaMallocManaged(&p, bytes, cudaMemAttachGlobal) != cudaSuccess) {
+            (void)cudaGetLastError();
+            return NULL;
+        }
+#if CUDART_VERSION >= 13000
+        cudaMemLocation on_device{}, on_host{};
+        on_device.type = cudaMemLocationTypeDevice;
+        on_device.id = ctx->device;
+        on_host.type = cudaMemLocationTypeHost;
+        (void)cudaMemAdvise(p, bytes, cudaMemAdviseSetPreferredLocation, on_device);
+        (void)cudaMemAdvise(p, bytes, cudaMemAdviseSetAccessedBy, on_host);
+#else
+        (void)cudaMemAdvise(p, bytes, cudaMemAdviseSetPreferredLocation, ctx->device);
+        (void)cudaMemAdvise(p, bytes, cudaMemAdviseSetAccessedBy, cudaCpuDeviceId);
+#endif
+        (void)cudaGetLastError(); /* advice is optional (integrated GPUs) */
+        return p;
+    }
+    /* Discrete: plain device memory, never managed memory: the tiers move
+     * data explicitly and must not be paged behind their back. */
+    if (cudaMalloc(&p, bytes) != cudaSuccess) {
         (void)cudaGetLastError();
         return NULL;
     }
     return p;
+}
+
+int cuda_memory_is_unified(void *vctx)
+{
+    cuda_ctx *ctx = (cuda_ctx *)vctx;
+    return ctx && ctx->unified;
 }
 
 void cuda_device_free(void *vctx, void *ptr, size_t bytes)
@@ -415,6 +456,7 @@ const kvhi_backend_ops cuda_ops = {
     cuda_attention_plan_upload,   /* attention_plan_upload */
     cuda_attention_run_uploaded,  /* attention_run_uploaded */
     cuda_attention_plan_free,     /* attention_plan_free */
+    cuda_memory_is_unified,       /* memory_is_unified */
 };
 
 } // namespace

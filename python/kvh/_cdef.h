@@ -269,6 +269,7 @@ typedef struct kvh_context_info {
     uint32_t loading;
     uint32_t seqs;
     uint32_t reserved0;
+    uint64_t bytes_disk;
 } kvh_context_info;
 kvh_status kvh_context_info_get(kvh_engine *engine, kvh_context ctx, kvh_context_info *info);
 typedef struct kvh_weight_stats {
@@ -288,6 +289,10 @@ typedef struct kvh_weight_stats {
     uint64_t crc_failures;
     uint64_t kv_blocks_demoted;
     uint64_t kv_blocks_promoted;
+    uint64_t bytes_disk;
+    uint64_t slots_disk;
+    uint64_t bytes_host_to_disk;
+    uint64_t bytes_disk_to_host;
 } kvh_weight_stats;
 kvh_status kvh_weight_stats_get(kvh_engine *engine, kvh_weight_stats *stats);
 typedef struct kvh_admission_params {

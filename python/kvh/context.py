@@ -47,6 +47,7 @@ class ContextInfo:
     layers_ready: int  # regions resident in load order before the first missing one
     loading: bool
     seqs: int
+    bytes_disk: int  # modified or byte-sourced weights spilled to the disk tier
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +67,10 @@ class WeightStats:
     crc_failures: int
     kv_blocks_demoted: int
     kv_blocks_promoted: int
+    bytes_disk: int  # gauge: weights in the disk tier (no room in memory)
+    slots_disk: int
+    bytes_host_to_disk: int
+    bytes_disk_to_host: int
 
 
 @dataclasses.dataclass(frozen=True)

@@ -171,7 +171,9 @@ static inline uint64_t tu_block_bytes_of(uint32_t layers, uint32_t heads, uint32
     return 2ull * layers * heads * dim * bt * tu_dtype_size(dtype);
 }
 
-/* A CPU-backend config with tier budgets given in whole blocks. */
+/* A config with tier budgets given in whole blocks, on the CPU backend
+ * (KVH_TEST_BACKEND=cuda: the CUDA backend, for running a suite on a GPU
+ * with KVH_CUDA_UNIFIED=1, where the CPU addresses device memory). */
 static inline kvh_config tu_cfg(uint32_t layers, uint32_t heads, uint32_t dim, uint32_t bt, uint32_t dtype,
                                 uint64_t device_blocks, uint64_t host_blocks, uint32_t threads)
 {
@@ -182,7 +184,8 @@ static inline kvh_config tu_cfg(uint32_t layers, uint32_t heads, uint32_t dim, u
     c.head_dim = dim;
     c.block_tokens = bt;
     c.dtype = dtype;
-    c.backend = KVH_BACKEND_CPU;
+    const char *backend = getenv("KVH_TEST_BACKEND");
+    c.backend = backend && !strcmp(backend, "cuda") ? KVH_BACKEND_CUDA : KVH_BACKEND_CPU;
     uint64_t bb = tu_block_bytes_of(layers, heads, dim, bt, dtype);
     c.device_bytes = device_blocks * bb;
     c.host_bytes = host_blocks * bb;

@@ -92,6 +92,29 @@ def test_modified_region_survives(weights):
         assert (got[:10] == 42).all() and np.array_equal(got[10:], da[3010:6000])
 
 
+def test_modified_region_spills_to_disk(weights, tmp_path):
+    (pa, da), (pb, db) = weights
+    # No host tier: a modified region that leaves the device has nowhere
+    # to go but the disk tier.
+    with make_engine(host_bytes=0, disk_path=str(tmp_path / "store"), disk_bytes=1 << 20) as eng:
+        a, b = eng.context("a"), eng.context("b")
+        register(a, pa)
+        register(b, pb)
+        a.switch_to()
+        view = a.region(1, writable=True)
+        view[:10] = 42
+        b.switch_to()
+        assert np.array_equal(b.region(3), db[9000:12000])
+        assert a.info().bytes_disk == 3000
+        ws = eng.weight_stats()
+        assert ws.bytes_disk == 3000 and ws.bytes_host_to_disk == 3000 and ws.slots_disk == 1
+        a.switch_to()
+        got = a.region(1)
+        assert (got[:10] == 42).all() and np.array_equal(got[10:], da[3010:6000])
+        ws = eng.weight_stats()
+        assert ws.bytes_disk_to_host == 3000 and ws.bytes_disk == 0 and a.info().bytes_disk == 0
+
+
 def test_errors(weights, tmp_path):
     (pa, _), _ = weights
     with make_engine() as eng:

@@ -670,7 +670,8 @@ KVH_API kvh_status kvh_weight_region_params_init(
 
 /* Registers a weight region. [borrowed] params; [out] *region (its index,
  * 0, 1, ... in registration order). Bytes are placed in the host tier (the
- * device tier when there is no host tier), evicting KV by policy. Returns
+ * device tier when there is no host tier), evicting KV by policy, or in the
+ * disk tier when memory has no room for them. Returns
  * KVH_ERR_INVALID_ARG (size 0, neither or both sources), KVH_ERR_IO (the
  * file cannot be opened or is shorter than file_offset + size),
  * KVH_ERR_NOSPACE, KVH_ERR_NOMEM, KVH_ERR_BUSY (a switch involving the
@@ -686,8 +687,10 @@ KVH_API kvh_status kvh_context_attach_seq(kvh_engine *engine,
                                           kvh_context ctx, kvh_seq seq);
 
 /* Switches the device tier from one context to another: from's unpinned
- * weights leave it (dropped when clean, written to the host tier when
- * modified or when they came from bytes) while to's weights arrive layer
+ * weights leave it (clean ones, never written, are kept in the host tier
+ * when it has free room and dropped otherwise; modified ones, or ones that
+ * came from bytes, are written to the host tier, evicting KV for room, or
+ * to the disk tier when the host tier cannot take them) while to's weights arrive layer
  * by layer, the two directions overlapped; to's regions are made resident
  * in the device tier, evicting KV by policy when from's departures do not
  * make enough room. Either handle may be null (load only / unload only).
@@ -748,9 +751,11 @@ typedef struct kvh_context_info {
     uint32_t loading;        /* 1 while a switch brings it in */
     uint32_t seqs;           /* attached sequences still alive */
     uint32_t reserved0;
+    uint64_t bytes_disk;     /* in the disk tier (spilled) */
 } kvh_context_info;
 
-/* [out] *info (set info->struct_size first). @threads any */
+/* [out] *info (set info->struct_size first; the struct before bytes_disk
+ * is accepted too and filled up to its size). @threads any */
 KVH_API kvh_status kvh_context_info_get(kvh_engine *engine, kvh_context ctx,
                                         kvh_context_info *info);
 
@@ -766,13 +771,20 @@ typedef struct kvh_weight_stats {
     uint64_t switches;
     uint64_t bytes_read_source;  /* read from source files */
     uint64_t bytes_host_to_device;
-    uint64_t bytes_device_to_host; /* written back: modified or bytes */
+    uint64_t bytes_device_to_host; /* copied down (discrete memory) */
     uint64_t bytes_dropped;      /* clean bytes that left memory unwritten */
     uint64_t bytes_remapped;     /* moved between tiers without a copy */
     uint64_t chunks_verified;
     uint64_t crc_failures;
     uint64_t kv_blocks_demoted;  /* by KVH_CONTEXT_KV_DEMOTE switches */
     uint64_t kv_blocks_promoted;
+    /* Weights whose bytes exist nowhere else (modified,
+     * or registered from memory) go to the disk tier when memory has no
+     * room for them. */
+    uint64_t bytes_disk;         /* gauge: weight bytes in the disk tier */
+    uint64_t slots_disk;         /* gauge: disk slots they take */
+    uint64_t bytes_host_to_disk; /* written to the disk tier */
+    uint64_t bytes_disk_to_host; /* read back from it */
 } kvh_weight_stats;
 
 /* [out] *stats (set stats->struct_size first; an older, smaller struct is

@@ -2750,12 +2750,13 @@ pub struct kvh_context_info {
     pub loading: u32,
     pub seqs: u32,
     pub reserved0: u32,
+    pub bytes_disk: u64,
 }
 #[test]
 fn bindgen_test_layout_kvh_context_info() {
     assert_eq!(
         ::std::mem::size_of::<kvh_context_info>(),
-        48usize,
+        56usize,
         concat!("Size of: ", stringify!(kvh_context_info))
     );
     assert_eq!(
@@ -2916,6 +2917,23 @@ fn bindgen_test_layout_kvh_context_info() {
         );
     }
     test_field_reserved0();
+    fn test_field_bytes_disk() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_context_info>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).bytes_disk) as usize - ptr as usize
+            },
+            48usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_context_info),
+                "::",
+                stringify!(bytes_disk)
+            )
+        );
+    }
+    test_field_bytes_disk();
 }
 extern "C" {
     pub fn kvh_context_info_get(
@@ -2943,12 +2961,16 @@ pub struct kvh_weight_stats {
     pub crc_failures: u64,
     pub kv_blocks_demoted: u64,
     pub kv_blocks_promoted: u64,
+    pub bytes_disk: u64,
+    pub slots_disk: u64,
+    pub bytes_host_to_disk: u64,
+    pub bytes_disk_to_host: u64,
 }
 #[test]
 fn bindgen_test_layout_kvh_weight_stats() {
     assert_eq!(
         ::std::mem::size_of::<kvh_weight_stats>(),
-        120usize,
+        152usize,
         concat!("Size of: ", stringify!(kvh_weight_stats))
     );
     assert_eq!(
@@ -3228,6 +3250,74 @@ fn bindgen_test_layout_kvh_weight_stats() {
         );
     }
     test_field_kv_blocks_promoted();
+    fn test_field_bytes_disk() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_weight_stats>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).bytes_disk) as usize - ptr as usize
+            },
+            120usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_weight_stats),
+                "::",
+                stringify!(bytes_disk)
+            )
+        );
+    }
+    test_field_bytes_disk();
+    fn test_field_slots_disk() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_weight_stats>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).slots_disk) as usize - ptr as usize
+            },
+            128usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_weight_stats),
+                "::",
+                stringify!(slots_disk)
+            )
+        );
+    }
+    test_field_slots_disk();
+    fn test_field_bytes_host_to_disk() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_weight_stats>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).bytes_host_to_disk) as usize - ptr as usize
+            },
+            136usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_weight_stats),
+                "::",
+                stringify!(bytes_host_to_disk)
+            )
+        );
+    }
+    test_field_bytes_host_to_disk();
+    fn test_field_bytes_disk_to_host() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_weight_stats>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).bytes_disk_to_host) as usize - ptr as usize
+            },
+            144usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_weight_stats),
+                "::",
+                stringify!(bytes_disk_to_host)
+            )
+        );
+    }
+    test_field_bytes_disk_to_host();
 }
 extern "C" {
     pub fn kvh_weight_stats_get(
