@@ -170,15 +170,21 @@ int bench_switch(int argc, char **argv, const bench_ctx *ctx)
     const char *model = getenv("KVH_MODEL");
     const char *dir = "/tmp";
     uint64_t layers = 32;
+    const char *only = NULL;
     const bench_opt opts[] = {
+        {"--mode", BENCH_OPT_STR, &only, "only this mode: unified, discrete or file (default all three)"},
         {"--model", BENCH_OPT_STR, &model, "GGUF (or any) weight file; default $KVH_MODEL, else synthetic"},
         {"--dir", BENCH_OPT_STR, &dir, "where the synthetic weight file goes (default /tmp)"},
         {"--layers", BENCH_OPT_U64, &layers, "regions (layers) the file is cut into (default 32)"},
         {NULL},
     };
-    int prc = bench_parse(argc, argv, opts, "switch", "kvh-bench switch [--model PATH] [--dir DIR] [--layers N]");
+    int prc = bench_parse(argc, argv, opts, "switch", "kvh-bench switch [--model PATH] [--dir DIR] [--layers N] [--mode M]");
     if (prc)
         return bench_parse_rc(prc);
+    if (only && strcmp(only, "unified") && strcmp(only, "discrete") && strcmp(only, "file")) {
+        fprintf(stderr, "kvh-bench switch: --mode must be unified, discrete or file\n");
+        return 2;
+    }
     if (layers < 1 || layers > 4096) {
         fprintf(stderr, "kvh-bench switch: --layers must be in 1..4096\n");
         return 2;
@@ -223,6 +229,8 @@ int bench_switch(int argc, char **argv, const bench_ctx *ctx)
     bench_emit(ctx, row);
     static const char *modes[] = {"unified", "discrete", "file"};
     for (int mi = 0; mi < 3 && rc == 0; mi++) {
+        if (only && strcmp(only, modes[mi]))
+            continue;
         switch_times t = {0};
         if (run_mode(modes[mi], model, bytes, (uint32_t)layers, reps, &t) != 0) {
             rc = 1;

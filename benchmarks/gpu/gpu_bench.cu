@@ -16,11 +16,18 @@
  *      one copy per block.
  *   3. a check that decode after the device -> host -> device round trip
  *      gives bit-identical output.
+ *   4. a weight-context switch between two 512 MiB models (device room for
+ *      one, host room for the other), against reloading a model from
+ *      scratch: open, pread into a pinned buffer in 8 MiB pieces,
+ *      cudaMemcpy each into a fresh cudaMalloc (page cache warm); and the
+ *      first layer ready against the full switch.
  *
  * Prints a table; with OUT set, also writes $OUT/gpu_bench.jsonl (one
  * JSON object per line, kvh-bench style). Exit status 0, or 1 on a failed
  * call or mismatch. */
 #include <cuda_fp16.h>
+#include <fcntl.h>
+#include <unistd.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -89,6 +96,123 @@ __global__ void spin_kernel(long long cycles)
     long long t0 = clock64();
     while (clock64() - t0 < cycles)
         ;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* Reload from scratch, the way a process gets a model onto the GPU. */
+static double reload_to_device(const char *path, uint64_t bytes)
+{
+    const uint64_t piece = 8ull << 20;
+    double t0 = now_s();
+    int fd = open(path, O_RDONLY);
+    void *pinned, *dev;
+    CK(cudaMallocHost(&pinned, piece));
+    CK(cudaMalloc(&dev, bytes));
+    for (uint64_t off = 0; off < bytes; off += piece) {
+        uint64_t n = bytes - off < piece ? bytes - off : piece;
+        if (pread(fd, pinned, n, (off_t)off) != (ssize_t)n) {
+            fprintf(stderr, "reload: short read\n");
+            exit(1);
+        }
+        CK(cudaMemcpy((char *)dev + off, pinned, n, cudaMemcpyHostToDevice));
+    }
+    close(fd);
+    double t = now_s() - t0;
+    CK(cudaFreeHost(pinned));
+    CK(cudaFree(dev));
+    return t;
+}
+
+/* Section 4: weight-context switch against a reload. */
+static void bench_switch(void)
+{
+    const uint64_t bytes = 512ull << 20;
+    const uint32_t layers = 32, reps = 5;
+    char path[] = "/tmp/kvh-gpu-weights-XXXXXX";
+    int fd = mkstemp(path);
+    if (fd < 0) {
+        fprintf(stderr, "switch: cannot create a weight file\n");
+        exit(1);
+    }
+    char *buf = (char *)malloc(1 << 20);
+    for (uint64_t off = 0; off < bytes; off += 1 << 20) {
+        for (int i = 0; i < (1 << 20); i++)
+            buf[i] = (char)((off >> 20) * 31 + (uint64_t)i * 7);
+        if (write(fd, buf, 1 << 20) != (1 << 20))
+            exit(1);
+    }
+    free(buf);
+    close(fd);
+    kvh_config c;
+    KV(kvh_config_init(&c, sizeof(c)));
+    c.backend = KVH_BACKEND_CUDA;
+    c.num_layers = 32;
+    c.num_kv_heads = 8;
+    c.head_dim = 128;
+    c.block_tokens = 16;
+    c.dtype = KVH_DTYPE_F16;
+    const uint64_t bb = 2ull * 32 * 8 * 128 * 16 * 2;
+    c.device_bytes = bytes + (layers + 16) * bb; /* one model, never both */
+    c.host_bytes = bytes + (layers + 16) * bb;
+    kvh_engine *e;
+    KV(kvh_engine_open(&c, &e));
+    kvh_context m[2], none = {0};
+    for (int k = 0; k < 2; k++) {
+        kvh_context_params cp;
+        KV(kvh_context_params_init(&cp, sizeof(cp)));
+        KV(kvh_context_create(e, &cp, &m[k]));
+        for (uint32_t l = 0; l < layers; l++) {
+            kvh_weight_region_params rp;
+            KV(kvh_weight_region_params_init(&rp, sizeof(rp)));
+            rp.layer = l;
+            rp.path = path;
+            rp.file_offset = (uint64_t)l * (bytes / layers);
+            rp.size = bytes / layers;
+            uint32_t idx;
+            KV(kvh_context_add_region(e, m[k], &rp, &idx));
+        }
+    }
+    KV(kvh_context_switch(e, none, m[1], NULL)); /* warm: both loaded once */
+    KV(kvh_context_switch(e, m[1], m[0], NULL));
+    double full[reps], first[reps], reload[reps];
+    for (uint32_t i = 0; i < reps; i++) {
+        kvh_fence f;
+        double t0 = now_s();
+        KV(kvh_context_switch(e, m[i % 2], m[1 - i % 2], &f));
+        KV(kvh_context_wait_layer(e, m[1 - i % 2], 0, UINT64_MAX));
+        first[i] = now_s() - t0;
+        KV(kvh_fence_wait(e, f, UINT64_MAX));
+        full[i] = now_s() - t0;
+        KV(kvh_fence_free(e, f));
+    }
+    kvh_weight_stats ws;
+    memset(&ws, 0, sizeof(ws));
+    ws.struct_size = sizeof(ws);
+    KV(kvh_weight_stats_get(e, &ws));
+    KV(kvh_context_destroy(e, m[0]));
+    KV(kvh_context_destroy(e, m[1]));
+    KV(kvh_engine_close(e));
+    reload_to_device(path, bytes); /* warm the page cache */
+    for (uint32_t i = 0; i < reps; i++)
+        reload[i] = reload_to_device(path, bytes);
+    unlink(path);
+    qsort(full, reps, sizeof(double), cmp_double);
+    qsort(first, reps, sizeof(double), cmp_double);
+    qsort(reload, reps, sizeof(double), cmp_double);
+    printf("\nweight-context switch, 2 x %llu MiB in %u layers (unified memory: %u)\n",
+           (unsigned long long)(bytes >> 20), layers, ws.unified_memory);
+    char extra[256];
+    snprintf(extra, sizeof(extra), "\"read_source_mib\": %llu, \"h2d_mib\": %llu, \"d2h_mib\": %llu",
+             (unsigned long long)(ws.bytes_read_source >> 20), (unsigned long long)(ws.bytes_host_to_device >> 20),
+             (unsigned long long)(ws.bytes_device_to_host >> 20));
+    /* value / baseline: switch over reload; target <= 0.5 */
+    row("switch_ms_vs_reload", full[reps / 2] * 1e3, "ms", extra, reload[reps / 2] * 1e3);
+    row("first_layer_ms_vs_switch", first[reps / 2] * 1e3, "ms", "", full[reps / 2] * 1e3);
 }
 
 int main(int argc, char **argv)
@@ -282,6 +406,7 @@ int main(int argc, char **argv)
     for (uint32_t b = 0; b < B; b++)
         KV(kvh_seq_free(e, seqs[b]));
     KV(kvh_engine_close(e));
+    bench_switch();
     CK(cudaFree(dq));
     CK(cudaFree(dout));
     CK(cudaStreamDestroy(st));
