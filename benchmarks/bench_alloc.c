@@ -17,7 +17,7 @@
  *      --admit-tokens new tokens (kvh_seq_append: allocation + hashing).
  *  (d) LRU-K touch rate: kvh_seq_read_kv of one token at a random position
  *      of a sequence filling the device tier (each call is one access:
- *      lookup counters, LRU-K history, eviction-heap update), and
+ *      lookup counters, LRU-K history; the heap is re-keyed lazily), and
  *      kvh_seq_acquire + kvh_seq_release of one token (hold / unhold: heap
  *      removal and re-insertion, plus a fence).
  *

@@ -8,7 +8,8 @@
  *        alloc        kvh_block_alloc + kvh_block_release, per pair
  *        lookup       kvh_block_info_get of a random live block handle
  *        touch        kvh_seq_read_kv of a random token (block-table
- *                     lookup + LRU-K history and eviction-heap update)
+ *                     lookup + LRU-K history; the eviction heap is
+ *                     re-keyed lazily, at the next victim choice)
  *        prefix_match kvh_seq_match_prefix of a cached 64-block prompt
  *                     among N cached blocks, per matched block
  *        evict        kvh_seq_acquire + release of a random block of a

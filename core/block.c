@@ -73,6 +73,13 @@ static void heaps_remove(kvh_engine *e, uint32_t b)
     }
 }
 
+kvhi_lruk_key kvhi_block_current_key(void *engine, uint32_t b)
+{
+    kvh_engine *e = engine;
+    const kvhi_block *blk = kvhi_blk(e, b);
+    return kvhi_evict_key(e, blk, kvhi_lruk_key_of(blk->hist, e->cfg.lru_k, blk->refs > 0));
+}
+
 void kvhi_block_update_evictable(kvh_engine *e, uint32_t b)
 {
     kvhi_block *blk = kvhi_blk(e, b);
@@ -82,12 +89,14 @@ void kvhi_block_update_evictable(kvh_engine *e, uint32_t b)
         heaps_remove(e, b);
         return;
     }
-    kvhi_lruk_key key = kvhi_evict_key(e, blk, kvhi_lruk_key_of(blk->hist, e->cfg.lru_k, blk->refs > 0));
-    kvhi_lruk_upsert(&e->tiers[blk->tier].heap, b, key);
+    /* Lazy: an access only raises the key, and the victim choice catches
+     * up with raised entries when they reach the top (core/lruk.h). */
+    kvhi_lruk_key key = kvhi_block_current_key(e, b);
+    kvhi_lruk_upsert_lazy(&e->tiers[blk->tier].heap, b, key);
     if (blk->tier == KVH_TIER_DEVICE && e->n_agents) {
         kvhi_agent *a = kvhi_agent_get(e, blk->agent, false);
         if (a && a->quota_blocks)
-            kvhi_lruk_upsert(&a->heap, b, key);
+            kvhi_lruk_upsert_lazy(&a->heap, b, key);
     }
 }
 
@@ -96,8 +105,9 @@ void kvhi_block_touch(kvh_engine *e, uint32_t b)
     kvhi_block *blk = kvhi_blk(e, b);
     kvhi_lruk_record(blk->hist, e->cfg.lru_k, ++e->clock);
     blk->hits++;
-    if (blk->heap_pos != KVHI_HEAP_NONE || blk->quota_heap_pos != KVHI_HEAP_NONE)
-        kvhi_block_update_evictable(e, b);
+    /* An access only raises the block's key (newer history, same class),
+     * so its heap entries stay valid lower bounds: nothing to re-key
+     * (core/lruk.h, lazy raises). */
 }
 
 void kvhi_block_wait_idle(kvh_engine *e, uint32_t b)

@@ -273,6 +273,8 @@ void kvhi_block_unhold(kvh_engine *e, uint32_t b);
 void kvhi_block_pin(kvh_engine *e, uint32_t b, bool pin);
 /* Recompute whether b belongs in an eviction heap. */
 void kvhi_block_update_evictable(kvh_engine *e, uint32_t b);
+/* b's victim-order key now (a kvhi_lruk_current_fn; engine as ctx). */
+kvhi_lruk_key kvhi_block_current_key(void *engine, uint32_t b);
 kvhi_agent *kvhi_agent_get(kvh_engine *e, uint32_t id, bool create);
 
 /* ---- tiers and eviction (evict.c) ---- */

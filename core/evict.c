@@ -86,7 +86,7 @@ static kvh_status swap_up(kvh_engine *e, uint32_t b, uint32_t tier)
         if (a && a->quota_blocks && a->device_blocks >= a->quota_blocks)
             heap = &a->heap;
     }
-    uint32_t v = kvhi_lruk_top(heap);
+    uint32_t v = kvhi_lruk_top_current(heap, kvhi_block_current_key, e);
     if (v == KVHI_HEAP_NONE || v == b || bb->tier == KVH_TIER_DISK)
         return kvhi_fail(KVH_ERR_NOSPACE, "no block in the target tier can make room");
     kvhi_block *vb = &e->blocks[v];
@@ -137,7 +137,7 @@ static kvh_status swap_up(kvh_engine *e, uint32_t b, uint32_t tier)
 static uint32_t pick_victim(kvh_engine *e, uint32_t t, kvhi_agent *quota_agent)
 {
     kvhi_lruk_heap *h = quota_agent ? &quota_agent->heap : &e->tiers[t].heap;
-    uint32_t v = kvhi_lruk_top(h);
+    uint32_t v = kvhi_lruk_top_current(h, kvhi_block_current_key, e);
     if (v == KVHI_HEAP_NONE)
         return v;
     if (tier_below(e, t) < 0 && e->blocks[v].refs > 0)

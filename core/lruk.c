@@ -35,7 +35,7 @@ static void sift_up(kvhi_lruk_heap *h, uint32_t i)
 {
     kvhi_lruk_entry e = h->entries[i];
     while (i > 0) {
-        uint32_t parent = (i - 1) / 2;
+        uint32_t parent = (i - 1) / KVHI_LRUK_ARITY;
         if (!kvhi_lruk_less(&e.key, &h->entries[parent].key))
             break;
         place(h, i, h->entries[parent]);
@@ -48,12 +48,14 @@ static void sift_down(kvhi_lruk_heap *h, uint32_t i)
 {
     kvhi_lruk_entry e = h->entries[i];
     for (;;) {
-        uint32_t l = 2 * i + 1;
-        if (l >= h->size)
+        uint64_t first = (uint64_t)i * KVHI_LRUK_ARITY + 1;
+        if (first >= h->size)
             break;
-        uint32_t c = l;
-        if (l + 1 < h->size && kvhi_lruk_less(&h->entries[l + 1].key, &h->entries[l].key))
-            c = l + 1;
+        uint32_t c = (uint32_t)first;
+        uint32_t end = first + KVHI_LRUK_ARITY < h->size ? (uint32_t)first + KVHI_LRUK_ARITY : h->size;
+        for (uint32_t j = c + 1; j < end; j++)
+            if (kvhi_lruk_less(&h->entries[j].key, &h->entries[c].key))
+                c = j;
         if (!kvhi_lruk_less(&h->entries[c].key, &e.key))
             break;
         place(h, i, h->entries[c]);
@@ -77,6 +79,28 @@ void kvhi_lruk_upsert(kvhi_lruk_heap *h, uint32_t item, kvhi_lruk_key key)
     /* Capacity is sized for every item at construction: never grows. */
     h->entries[h->size] = (kvhi_lruk_entry){key, item};
     sift_up(h, h->size++);
+}
+
+void kvhi_lruk_upsert_lazy(kvhi_lruk_heap *h, uint32_t item, kvhi_lruk_key key)
+{
+    uint32_t p = *pos_of(h, item);
+    if (p != KVHI_HEAP_NONE && !kvhi_lruk_less(&key, &h->entries[p].key))
+        return; /* a raise: the stored key stays a lower bound */
+    kvhi_lruk_upsert(h, item, key);
+}
+
+uint32_t kvhi_lruk_top_current(kvhi_lruk_heap *h, kvhi_lruk_current_fn current, void *ctx)
+{
+    while (h->size) {
+        kvhi_lruk_entry *top = &h->entries[0];
+        kvhi_lruk_key now = current(ctx, top->item);
+        if (now.primary == top->key.primary && now.secondary == top->key.secondary)
+            return top->item;
+        /* Stored keys never exceed current ones: this one can only sink. */
+        top->key = now;
+        sift_down(h, 0);
+    }
+    return KVHI_HEAP_NONE;
 }
 
 void kvhi_lruk_remove(kvhi_lruk_heap *h, uint32_t item)

@@ -1,11 +1,18 @@
-/* Indexed binary min-heap of eviction candidates.
+/* Indexed 4-ary min-heap of eviction candidates.
  *
  * Each entry carries its key, so comparisons never chase the block table.
  * The key orders victims: unreferenced (cached-only) blocks first, then by
  * the time of the K-th most recent access (blocks with fewer than K
  * accesses have time 0: infinite backward K-distance), then by the most
  * recent access. Each block stores its own heap position, so update and
- * removal are O(log n). */
+ * removal are O(log n). Four children per node halve the levels of a
+ * binary heap; a level's children share one or two cache lines.
+ *
+ * Raises may be lazy (kvhi_lruk_upsert_lazy): an access only raises a
+ * block's key, so its entry keeps the old key, a lower bound, and
+ * kvhi_lruk_top_current() brings stale entries up to date as they reach
+ * the top. The victim is still the exact minimum of the current keys,
+ * while an access costs O(1) instead of a sift through the heap. */
 #ifndef KVH_CORE_LRUK_H
 #define KVH_CORE_LRUK_H
 
@@ -13,6 +20,7 @@
 #include <stdint.h>
 
 #define KVHI_HEAP_NONE UINT32_MAX
+#define KVHI_LRUK_ARITY 4u
 
 typedef struct kvhi_lruk_key {
     uint64_t primary;   /* class bit 63 | K-th access time */
@@ -38,7 +46,17 @@ int kvhi_lruk_init(kvhi_lruk_heap *h, uint32_t cap, void *pos_base,
 void kvhi_lruk_destroy(kvhi_lruk_heap *h);
 /* Inserts, or updates the key of an item already present. */
 void kvhi_lruk_upsert(kvhi_lruk_heap *h, uint32_t item, kvhi_lruk_key key);
+/* Like upsert, but a key higher than the stored one is not stored: the
+ * entry keeps its lower bound until kvhi_lruk_top_current() meets it.
+ * Lowering a key is always applied at once. */
+void kvhi_lruk_upsert_lazy(kvhi_lruk_heap *h, uint32_t item, kvhi_lruk_key key);
 void kvhi_lruk_remove(kvhi_lruk_heap *h, uint32_t item);
+/* The current key of an item in the heap (what a lazy raise deferred). */
+typedef kvhi_lruk_key (*kvhi_lruk_current_fn)(void *ctx, uint32_t item);
+/* Lowest item by current keys, or KVHI_HEAP_NONE: stale entries met at the
+ * top take their current key and sink. Exact while every key lowering went
+ * through upsert or upsert_lazy. */
+uint32_t kvhi_lruk_top_current(kvhi_lruk_heap *h, kvhi_lruk_current_fn current, void *ctx);
 /* Lowest item, or KVHI_HEAP_NONE. */
 static inline uint32_t kvhi_lruk_top(const kvhi_lruk_heap *h)
 {

@@ -36,7 +36,7 @@ static void check_heap(const kvhi_lruk_heap *h, const item *items, const uint8_t
     }
     assert_int_equal(h->size, count);
     for (uint32_t i = 1; i < h->size; i++)
-        assert_false(kvhi_lruk_less(&h->entries[i].key, &h->entries[(i - 1) / 2].key));
+        assert_false(kvhi_lruk_less(&h->entries[i].key, &h->entries[(i - 1) / KVHI_LRUK_ARITY].key));
     /* The top is a minimum of the reference. */
     if (count == 0) {
         assert_int_equal(kvhi_lruk_top(h), KVHI_HEAP_NONE);
@@ -281,6 +281,105 @@ static void test_victim_order_simulation(void **state)
     kvhi_lruk_destroy(&h);
 }
 
+/* Current keys for the lazy tests: items[i].hist with K = 2, class bit
+ * from ref[] (what the engine derives from a block's record). */
+typedef struct lazy_ctx {
+    item *items;
+    uint8_t *ref;
+} lazy_ctx;
+
+static kvhi_lruk_key lazy_current(void *ctx, uint32_t i)
+{
+    lazy_ctx *c = ctx;
+    return kvhi_lruk_key_of(c->items[i].hist, 2, c->ref[i]);
+}
+
+/* Index of the least current key among the items not yet removed. */
+static uint32_t lazy_brute_min(lazy_ctx *c, const uint8_t *gone, uint32_t n)
+{
+    uint32_t best = UINT32_MAX;
+    kvhi_lruk_key bk = {0, 0};
+    for (uint32_t i = 0; i < n; i++) {
+        if (gone[i])
+            continue;
+        kvhi_lruk_key k = lazy_current(c, i);
+        if (best == UINT32_MAX || kvhi_lruk_less(&k, &bk)) {
+            best = i;
+            bk = k;
+        }
+    }
+    return best;
+}
+
+static void test_lazy_raise_keeps_exact_victims(void **state)
+{
+    (void)state;
+    enum { N = 300 };
+    tu_rng r = {tu_seed(91)};
+    item *items = tu_alloc(sizeof(item) * N);
+    uint8_t *ref = tu_alloc(N), *gone = tu_alloc(N);
+    init_items(items, N);
+    lazy_ctx c = {items, ref};
+    kvhi_lruk_heap h;
+    assert_int_equal(kvhi_lruk_init(&h, N, &items[0].pos, sizeof(item)), 0);
+    uint64_t clock = 0;
+    for (uint32_t i = 0; i < N; i++) {
+        ref[i] = (uint8_t)tu_below(&r, 2);
+        kvhi_lruk_record(items[i].hist, 2, ++clock);
+        kvhi_lruk_upsert_lazy(&h, i, lazy_current(&c, i));
+    }
+    uint32_t live = N, stale_seen = 0;
+    for (int step = 0; step < 20000 && live > 0; step++) {
+        uint32_t i = (uint32_t)tu_below(&r, N);
+        uint32_t what = (uint32_t)tu_below(&r, 40);
+        if (gone[i]) {
+            continue;
+        } else if (what == 0) {
+            /* Victim: the exact minimum of the current keys. */
+            uint32_t want = lazy_brute_min(&c, gone, N);
+            uint32_t top = kvhi_lruk_top_current(&h, lazy_current, &c);
+            assert_int_equal(top, want);
+            kvhi_lruk_key stored = *kvhi_lruk_top_key(&h), now = lazy_current(&c, top);
+            assert_true(key_eq(&stored, &now));
+            kvhi_lruk_remove(&h, top);
+            gone[top] = 1;
+            live--;
+        } else if (what < 4) {
+            /* Unreferenced now: the key drops, below the stored bound
+             * when that was current, and the entry must follow at once. */
+            kvhi_lruk_key before = lazy_current(&c, i);
+            int was_current = key_eq(&h.entries[items[i].pos].key, &before);
+            ref[i] = 0;
+            kvhi_lruk_upsert_lazy(&h, i, lazy_current(&c, i));
+            kvhi_lruk_key now = lazy_current(&c, i), stored = h.entries[items[i].pos].key;
+            assert_false(kvhi_lruk_less(&now, &stored));
+            if (was_current)
+                assert_true(key_eq(&stored, &now));
+        } else {
+            /* An access (sometimes a new reference): a raise, deferred. */
+            kvhi_lruk_key before = h.entries[items[i].pos].key;
+            kvhi_lruk_record(items[i].hist, 2, ++clock);
+            if (what < 8)
+                ref[i] = 1;
+            kvhi_lruk_upsert_lazy(&h, i, lazy_current(&c, i));
+            assert_true(key_eq(&h.entries[items[i].pos].key, &before));
+            stale_seen++;
+        }
+    }
+    assert_true(stale_seen > 1000);
+    /* Drain: every remaining victim in exact order. */
+    while (live > 0) {
+        uint32_t want = lazy_brute_min(&c, gone, N);
+        uint32_t top = kvhi_lruk_top_current(&h, lazy_current, &c);
+        assert_int_equal(top, want);
+        kvhi_lruk_remove(&h, top);
+        gone[top] = 1;
+        live--;
+    }
+    assert_int_equal(kvhi_lruk_top_current(&h, lazy_current, &c), KVHI_HEAP_NONE);
+    kvhi_lruk_destroy(&h);
+}
+
 static void test_empty_heap(void **state)
 {
     (void)state;
@@ -300,6 +399,7 @@ int main(void)
         cmocka_unit_test_teardown(test_record_history, tu_teardown),
         cmocka_unit_test_teardown(test_lru_k_semantics, tu_teardown),
         cmocka_unit_test_teardown(test_victim_order_simulation, tu_teardown),
+        cmocka_unit_test_teardown(test_lazy_raise_keeps_exact_victims, tu_teardown),
         cmocka_unit_test_teardown(test_empty_heap, tu_teardown),
     };
     return cmocka_run_group_tests_name("lruk", tests, NULL, NULL);
