@@ -95,7 +95,7 @@ kvh_status kvhi_attention_set_impl(kvh_engine *e, int impl)
     kvh_status st = kvhi_api_enter(e);
     if (st != KVH_OK)
         return st;
-    if (!e->backend->device_is_host_memory)
+    if (!e->cpu_kernels)
         st = kvhi_fail(KVH_ERR_UNSUPPORTED, "only the CPU backend has kernel variants");
     else if (impl < KVHI_ATTN_AUTO || impl > KVHI_ATTN_AVX512 || !kvhi_attn_cpu_supported(impl))
         st = kvhi_fail(KVH_ERR_UNSUPPORTED, "attention implementation %d is not available on this CPU", impl);
@@ -228,7 +228,7 @@ kvh_status kvhi_attn_call_prepare(kvh_engine *e, uint32_t layer, const kvh_seq *
     }
     if (st != KVH_OK || total_rows == 0)
         goto fail;
-    if (e->backend->device_is_host_memory && !cpu_state(e)) {
+    if (e->cpu_kernels && !cpu_state(e)) {
         st = kvhi_fail(KVH_ERR_NOMEM, "out of memory for the attention state");
         goto fail;
     }
@@ -246,6 +246,14 @@ kvh_status kvhi_attn_call_prepare(kvh_engine *e, uint32_t layer, const kvh_seq *
     p->scale = pr.scale;
     p->block_bytes = e->block_bytes;
     p->layer_offset = (uint64_t)layer * e->layer_bytes;
+    p->slab_shift = 0, p->slab_bytes = 0, p->piece_pitch = 0;
+    if (e->vmap_arena && e->slab.slab_shift) {
+        /* The device tier is in slab layout (kernels/slab_layout.h). */
+        p->slab_shift = e->slab.slab_shift;
+        p->slab_bytes = e->block_bytes << e->slab.slab_shift;
+        p->piece_pitch = kvhi_slab_pitch(&e->slab);
+        p->layer_offset = (uint64_t)layer * 2 * e->cfg.num_kv_heads * p->piece_pitch;
+    }
     p->kv_base = e->tiers[KVH_TIER_DEVICE].base;
     p->cpu_state = e->attn_state;
     p->threads = pr.threads;

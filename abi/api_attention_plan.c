@@ -81,7 +81,7 @@ kvh_status kvh_attention_plan_create(kvh_engine *e, uint32_t layer, const kvh_se
         free(pl);
         return st;
     }
-    if (e->backend->device_is_host_memory && !e->attn_state) {
+    if (e->cpu_kernels && !e->attn_state) {
         e->attn_state = kvhi_attn_cpu_create();
         if (e->attn_state)
             e->attn_state_free = kvhi_attn_cpu_destroy;

@@ -236,7 +236,7 @@ kvh_status kvh_pool_register(kvh_engine *e, const kvh_pool_layout *layout, kvh_p
     if (st != KVH_OK)
         return st;
     size_t row = (size_t)e->cfg.head_dim * e->elem_bytes;
-    if (layout->memory == KVH_MEMORY_CUDA && e->backend->device_is_host_memory)
+    if (layout->memory == KVH_MEMORY_CUDA && e->cpu_kernels)
         st = kvhi_fail(KVH_ERR_UNSUPPORTED, "CUDA pool memory needs the CUDA backend (engine uses %s)",
                        e->backend->name);
     else if (layout->token_stride < row || layout->head_stride < row)

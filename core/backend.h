@@ -10,6 +10,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kernels/slab_layout.h"
+
 #define KVHI_BACKEND_ABI 3u
 #define KVHI_BACKEND_ENTRY "kvh_backend_cuda_entry"
 
@@ -118,6 +120,34 @@ typedef struct kvhi_backend_ops {
      * and host tiers can be plain CPU copies or no copy at all. Kernels
      * still run on the device. */
     int (*memory_is_unified)(void *ctx);
+
+    /* ---- virtual contiguity (kvh_seq_vmap) ----
+     * Appended in ABI 3; NULL: the backend has no views.
+     *
+     * vmap_arena_create: makes the device tier of `bytes` (a whole number
+     * of slabs of `layout`) as memory that views can map again: the CPU
+     * a memory file, CUDA physical allocations of the VMM granularity
+     * mapped into one reserved range. `backing` asks for "hugetlb", "thp",
+     * "4k" or NULL (the best available). [out] *arena (freed by
+     * vmap_arena_destroy, which also frees the memory), *base (the
+     * tier's memory), *map_unit (bytes: what one mapping of a view must
+     * be a multiple of, and aligned to), *backing_used (static text).
+     * Returns 0 or a negative kvh_status with msg filled.
+     *
+     * vmap_reserve / vmap_unreserve: an address range of `bytes` aligned
+     * to map_unit, nothing mapped (reads fault on the CPU).
+     * vmap_map: maps bytes [arena_off, arena_off + bytes) of the arena at
+     * dst, read-only; vmap_unmap: leaves [dst, dst + bytes) unmapped.
+     * All multiples of map_unit. 0 or a negative kvh_status with msg. */
+    int (*vmap_arena_create)(void *ctx, const kvhi_slab_layout *layout, uint64_t bytes, const char *backing,
+                             void **arena, void **base, uint64_t *map_unit, const char **backing_used,
+                             char *msg, size_t msg_len);
+    void (*vmap_arena_destroy)(void *ctx, void *arena);
+    int (*vmap_reserve)(void *ctx, void *arena, uint64_t bytes, void **base, char *msg, size_t msg_len);
+    void (*vmap_unreserve)(void *ctx, void *arena, void *base, uint64_t bytes);
+    int (*vmap_map)(void *ctx, void *arena, void *dst, uint64_t arena_off, uint64_t bytes, char *msg,
+                    size_t msg_len);
+    int (*vmap_unmap)(void *ctx, void *arena, void *dst, uint64_t bytes, char *msg, size_t msg_len);
 } kvhi_backend_ops;
 
 typedef const kvhi_backend_ops *(*kvhi_backend_entry_fn)(void);

@@ -5,6 +5,7 @@
 #include <sys/mman.h>
 
 #include "core/backend.h"
+#include "core/vmap_cpu_arena.h"
 #include "kernels/cpu/attn_cpu.h"
 
 static int cpu_probe(int device, char *msg, size_t len) { return 0; }
@@ -82,6 +83,12 @@ static const kvhi_backend_ops cpu_ops = {
     .attention_plan_opts = kvhi_attn_cpu_plan_opts,
     .attention_run = kvhi_attn_cpu_run,
     .stream_sync = cpu_stream_sync,
+    .vmap_arena_create = kvhi_vmap_cpu_arena_create,
+    .vmap_arena_destroy = kvhi_vmap_cpu_arena_destroy,
+    .vmap_reserve = kvhi_vmap_cpu_reserve,
+    .vmap_unreserve = kvhi_vmap_cpu_unreserve,
+    .vmap_map = kvhi_vmap_cpu_map,
+    .vmap_unmap = kvhi_vmap_cpu_unmap,
 };
 
 const kvhi_backend_ops *kvhi_backend_cpu(void) { return &cpu_ops; }

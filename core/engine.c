@@ -9,6 +9,7 @@
 #endif
 
 #include "core/engine.h"
+#include "core/vmap_backend.h"
 
 uint64_t kvhi_now_ns(void)
 {
@@ -149,12 +150,13 @@ static kvh_status tier_init(kvh_engine *e, uint32_t t, uint64_t budget)
         return KVH_OK;
     tier->bytes_mapped = slots * tier->slot_bytes;
     if (t == KVH_TIER_DEVICE && e->cfg.vmap) {
-        if (!e->backend->device_is_host_memory)
-            return kvhi_fail(KVH_ERR_UNSUPPORTED, "vmap needs the CPU backend (the %s backend is in use)",
-                             e->backend->name);
-        tier->base = kvhi_vmap_arena_alloc(e, tier->bytes_mapped);
-        if (!tier->base)
-            return KVH_ERR_NOMEM;
+        /* Whole slabs (kernels/slab_layout.h): the slots of a last,
+         * partial slab are never used, so their pages are never touched. */
+        kvhi_vmap_layout(e, slots, &e->slab);
+        uint64_t g = e->slab.slab_blocks;
+        kvh_status st = kvhi_vmap_arena_alloc(e, (slots + g - 1) / g * g, &tier->base);
+        if (st != KVH_OK)
+            return st;
     } else
         tier->base = t == KVH_TIER_DEVICE ? e->backend->device_alloc(e->backend_ctx, tier->bytes_mapped)
                                           : e->backend->host_alloc(e->backend_ctx, tier->bytes_mapped);
@@ -172,6 +174,7 @@ static kvh_status tier_init(kvh_engine *e, uint32_t t, uint64_t budget)
 static kvh_status select_backend(kvh_engine *e)
 {
     char msg[256] = "";
+    e->cpu_kernels = true;
     if (e->cfg.backend == KVH_BACKEND_CPU) {
         e->backend = kvhi_backend_cpu();
         e->device_host_addressable = true;
@@ -181,6 +184,7 @@ static kvh_status select_backend(kvh_engine *e)
     if (e->backend) {
         e->backend_ctx = e->backend->context_create(e->cfg.cuda_device, msg, sizeof(msg));
         if (e->backend_ctx) {
+            e->cpu_kernels = false;
             e->device_host_addressable = e->backend->device_is_host_memory ||
                                          (e->backend->memory_is_unified && e->backend->memory_is_unified(e->backend_ctx));
             if (e->device_host_addressable && !e->backend->device_is_host_memory)
@@ -267,7 +271,6 @@ kvh_status kvh_engine_open(const kvh_config *config, kvh_engine **out)
         return kvhi_fail(KVH_ERR_NOMEM, "out of memory for the engine");
     e->cfg = *config;
     e->cfg.disk_path = NULL; /* borrowed: never kept */
-    e->vmap_fd = -1;
     pthread_mutex_init(&e->lock, NULL);
     pthread_cond_init(&e->changed, NULL);
     pthread_cond_init(&e->fence_cv, NULL);

@@ -198,9 +198,16 @@ struct kvh_engine {
 
     /* ---- weight contexts and admission (core/context.h) ---- */
     struct kvhi_contexts *contexts; /* made on first use; NULL until then */
-    /* Virtual contiguity (vmap.c): the device tier's memory file (-1
-     * without kvh_config.vmap) and the views not yet released. */
-    int vmap_fd;
+    /* The backend runs the CPU kernels (attention state lives here). */
+    bool cpu_kernels;
+    /* Virtual contiguity (vmap.c, vmap_backend.c): the device tier's
+     * arena (NULL without kvh_config.vmap), its slab layout, the unit a
+     * view maps, its backing ("hugetlb", "thp", "4k", "cuda-vmm"), and the
+     * views not yet released. */
+    void *vmap_arena;
+    kvhi_slab_layout slab;
+    uint64_t vmap_unit;
+    const char *vmap_backing;
     struct kvh_vmap *vmaps;
     /* Attention plans not yet destroyed (abi/api_attention_plan.c). */
     struct kvh_attention_plan *attn_plans;
@@ -414,12 +421,8 @@ void kvhi_attention_plans_free(kvh_engine *e);
 kvhi_lruk_key kvhi_evict_key(kvh_engine *e, const kvhi_block *blk, kvhi_lruk_key lruk);
 
 /* ---- virtual contiguity (vmap.c) ---- */
-/* The device tier's memory as a shared mapping of a memfd (e->vmap_fd);
- * NULL with the error set on failure. Freed by the backend's device_free
- * (munmap) plus kvhi_vmap_engine_free. */
-void *kvhi_vmap_arena_alloc(kvh_engine *e, size_t bytes);
-/* Releases every view still open and closes the memory file (lock not
- * needed: no call is active). */
+/* Releases every view still open (lock not needed: no call is active);
+ * the arena goes with the device tier (vmap_backend.c). */
 void kvhi_vmap_engine_free(kvh_engine *e);
 
 /* ---- external pools (ext_pool.c) ---- */

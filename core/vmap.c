@@ -1,9 +1,18 @@
-/* Virtual contiguity on the CPU: the device tier is one memfd mapped
- * shared, and a view is a reserved address range into which each block's
- * per-head K and V pages for one layer are mapped (mmap MAP_FIXED of the
- * memfd at the block's offset). The view's layout is [K,V][head][token]
- * [head_dim], the same as a contiguous KV array, so the attention kernels
- * read it as a single block of capacity_tokens tokens.
+/* Views of virtual contiguity: a view is an address range reserved by
+ * the backend into which, for one layer, each kv head's K and V pieces of
+ * the sequence's blocks are mapped again from the device tier's arena
+ * (mmap MAP_FIXED of the memory file on the CPU, cuMemMap on CUDA). The
+ * view's layout is [K,V][head][token][head_dim], the same as a contiguous
+ * KV array, so the attention kernels read it as a single block of
+ * capacity_tokens tokens.
+ *
+ * The arena is in slab layout (kernels/slab_layout.h): one head's pieces
+ * of neighbouring slots are adjacent, so a run of logical blocks in
+ * neighbouring slots of one slab is one mapping per head (not one per
+ * block), and where the backend maps only whole units larger than a
+ * piece (2 MiB huge pages, the CUDA VMM granularity) a unit of logical
+ * blocks placed in slab order is one mapping per head. A unit not in slab
+ * order cannot be viewed there (KVH_ERR_UNSUPPORTED).
  *
  * A view holds its blocks (kvhi_block_hold): they cannot leave the device
  * tier, so a mapped slot always holds the block recorded for it while
@@ -14,38 +23,22 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <unistd.h>
 
 #include "abi/api_common.h"
 #include "core/vmap.h"
 
-void *kvhi_vmap_arena_alloc(kvh_engine *e, size_t bytes)
-{
-    int fd = memfd_create("kvh-device-tier", MFD_CLOEXEC);
-    if (fd < 0) {
-        kvhi_fail(KVH_ERR_NOMEM, "memfd_create for the device tier failed: %s", strerror(errno));
-        return NULL;
-    }
-    if (ftruncate(fd, (off_t)bytes) != 0) {
-        kvhi_fail(KVH_ERR_NOMEM, "cannot size the device tier file to %zu bytes: %s", bytes, strerror(errno));
-        close(fd);
-        return NULL;
-    }
-    void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (p == MAP_FAILED) {
-        kvhi_fail(KVH_ERR_NOMEM, "cannot map the device tier file: %s", strerror(errno));
-        close(fd);
-        return NULL;
-    }
-    e->vmap_fd = fd;
-    return p;
-}
-
-/* Bytes of one head's K (or V) in one block: the unit a view maps. */
+/* Bytes of one head's K (or V) in one block: a piece. */
 static uint64_t chunk_bytes(kvh_engine *e)
 {
     return (uint64_t)e->cfg.block_tokens * e->vector_bytes;
+}
+
+/* Logical blocks per mapping unit (1 when a piece is whole units). */
+static uint32_t unit_blocks(kvh_engine *e)
+{
+    uint64_t c = chunk_bytes(e);
+    return e->vmap_unit > c ? (uint32_t)(e->vmap_unit / c) : 1;
 }
 
 static void unhold_entry(kvh_engine *e, kvh_vmap *v, uint32_t i)
@@ -59,25 +52,35 @@ static void unhold_entry(kvh_engine *e, kvh_vmap *v, uint32_t i)
     v->blk[i] = KVHI_NO_BLOCK;
 }
 
-/* Maps (slot != KVHI_NO_BLOCK) or unmaps logical block i of the view. */
-static int map_entry(kvh_engine *e, kvh_vmap *v, uint32_t i, uint32_t slot)
+/* Maps n logical blocks from i, whose first sits in `slot` and the rest in
+ * the slots after it in one slab (slot == KVHI_NO_BLOCK: unmaps them):
+ * one call per kv head and K/V. */
+static kvh_status map_run(kvh_engine *e, kvh_vmap *v, uint32_t i, uint32_t n, uint32_t slot)
 {
-    uint64_t chunk = chunk_bytes(e), H = e->cfg.num_kv_heads;
+    uint64_t chunk = chunk_bytes(e), H = e->cfg.num_kv_heads, len = (uint64_t)n * chunk;
+    char msg[256] = "";
     for (uint32_t kv = 0; kv < 2; kv++)
         for (uint32_t h = 0; h < H; h++) {
             uint8_t *dst = v->base + (kv * H + h) * v->head_stride + (uint64_t)i * chunk;
-            void *r;
-            if (slot == KVHI_NO_BLOCK) {
-                r = mmap(dst, chunk, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
-            } else {
-                off_t off = (off_t)((uint64_t)slot * e->block_bytes + (uint64_t)v->layer * e->layer_bytes +
-                                    (kv * H + h) * chunk);
-                r = mmap(dst, chunk, PROT_READ, MAP_SHARED | MAP_FIXED, e->vmap_fd, off);
+            int rc;
+            if (slot == KVHI_NO_BLOCK)
+                rc = e->backend->vmap_unmap(e->backend_ctx, e->vmap_arena, dst, len, msg, sizeof(msg));
+            else {
+                uint64_t piece = ((uint64_t)v->layer * 2 + kv) * H + h;
+                rc = e->backend->vmap_map(e->backend_ctx, e->vmap_arena, dst,
+                                          kvhi_slab_piece_offset(&e->slab, slot, piece), len, msg, sizeof(msg));
             }
-            if (r == MAP_FAILED)
-                return -errno;
+            if (rc != 0)
+                return kvhi_fail(rc < 0 ? rc : KVH_ERR_NOMEM, "mapping blocks %u..%u into the view: %s", i,
+                                 i + n - 1, msg);
         }
-    return 0;
+    return KVH_OK;
+}
+
+/* True when logical block j can follow j - 1 in one mapping. */
+static bool slab_next(kvh_engine *e, uint32_t prev_slot, uint32_t slot)
+{
+    return slot == prev_slot + 1 && (slot >> e->slab.slab_shift) == (prev_slot >> e->slab.slab_shift);
 }
 
 /* True when logical block i of s is what the view maps. */
@@ -101,6 +104,64 @@ bool kvhi_vmap_current(kvh_engine *e, const kvh_vmap *v)
     return true;
 }
 
+/* Records logical block i as mapped to its block b. */
+static void record(kvh_engine *e, kvh_vmap *v, uint32_t i, uint32_t b)
+{
+    if (i < v->n_mapped)
+        unhold_entry(e, v, i);
+    kvhi_block_hold(e, b);
+    v->blk[i] = b;
+    v->gen[i] = e->blocks[b].gen;
+    v->slot[i] = e->blocks[b].slot;
+}
+
+/* Maps the changed logical blocks [i, j) of s (every one in the device
+ * tier): runs of neighbouring slots, or whole units in slab order. */
+static kvh_status map_changed(kvh_engine *e, kvh_vmap *v, const kvhi_seq *s, uint32_t i, uint32_t j)
+{
+    uint32_t U = unit_blocks(e);
+    if (U == 1) {
+        while (i < j) {
+            uint32_t n = 1, slot = e->blocks[s->blocks[i]].slot;
+            while (i + n < j && slab_next(e, e->blocks[s->blocks[i + n - 1]].slot, e->blocks[s->blocks[i + n]].slot))
+                n++;
+            kvh_status st = map_run(e, v, i, n, slot);
+            if (st != KVH_OK)
+                return st;
+            for (uint32_t k = i; k < i + n; k++)
+                record(e, v, k, s->blocks[k]);
+            if (i + n > v->n_mapped)
+                v->n_mapped = i + n;
+            i += n;
+        }
+        return KVH_OK;
+    }
+    /* Whole units: the unit's present blocks must sit in one slab, in
+     * order, from a unit-aligned slot. The unit is mapped whole; slots
+     * past the sequence's last block show whatever they hold (the view
+     * defines only its first n_tokens tokens). */
+    for (uint32_t u0 = i / U * U; u0 < j; u0 += U) {
+        uint32_t end = u0 + U < s->n_blocks ? u0 + U : s->n_blocks;
+        uint32_t first = e->blocks[s->blocks[u0]].slot;
+        bool ordered = first % U == 0;
+        for (uint32_t k = u0 + 1; k < end && ordered; k++)
+            ordered = slab_next(e, e->blocks[s->blocks[k - 1]].slot, e->blocks[s->blocks[k]].slot);
+        if (!ordered)
+            return kvhi_fail(KVH_ERR_UNSUPPORTED,
+                             "blocks %u..%u of the sequence are not in slab order, which a view with %llu-byte "
+                             "mappings (%s) needs",
+                             u0, end - 1, (unsigned long long)e->vmap_unit, e->vmap_backing);
+        kvh_status st = map_run(e, v, u0, U, first);
+        if (st != KVH_OK)
+            return st;
+        for (uint32_t k = u0; k < end; k++)
+            record(e, v, k, s->blocks[k]);
+        if (end > v->n_mapped)
+            v->n_mapped = end;
+    }
+    return KVH_OK;
+}
+
 /* Lock held. */
 static kvh_status refresh(kvh_engine *e, kvh_vmap *v, bool *changed)
 {
@@ -112,38 +173,40 @@ static kvh_status refresh(kvh_engine *e, kvh_vmap *v, bool *changed)
         return kvhi_fail(KVH_ERR_RANGE, "the sequence has %llu tokens; the view holds %llu",
                          (unsigned long long)s->n_tokens, (unsigned long long)v->cap_tokens);
     bool any = false;
-    for (uint32_t i = 0; i < s->n_blocks; i++) {
-        uint32_t b = s->blocks[i];
-        kvhi_block *blk = &e->blocks[b];
-        /* Let a copy of it finish (the lock is dropped meanwhile). */
-        while (blk->flags & KVHI_BF_IN_FLIGHT)
-            kvhi_block_wait_idle(e, b);
-        if (i < v->n_mapped && entry_current(e, v, s, i))
+    /* Let copies of its blocks finish (the lock is dropped meanwhile),
+     * then find the changed runs. */
+    for (uint32_t i = 0; i < s->n_blocks; i++)
+        while (e->blocks[s->blocks[i]].flags & KVHI_BF_IN_FLIGHT)
+            kvhi_block_wait_idle(e, s->blocks[i]);
+    for (uint32_t i = 0; i < s->n_blocks && st == KVH_OK;) {
+        if (i < v->n_mapped && entry_current(e, v, s, i)) {
+            i++;
             continue;
-        if (blk->tier != KVH_TIER_DEVICE) {
-            st = kvhi_fail(KVH_ERR_NOT_RESIDENT, "block %u of the sequence is not in the device tier (acquire it)",
-                           i);
-            break;
         }
-        int rc = map_entry(e, v, i, blk->slot);
-        if (rc != 0) {
-            st = kvhi_fail(KVH_ERR_NOMEM, "mapping block %u into the view: %s", i, strerror(-rc));
-            break;
+        uint32_t j = i;
+        while (j < s->n_blocks && !(j < v->n_mapped && entry_current(e, v, s, j))) {
+            if (e->blocks[s->blocks[j]].tier != KVH_TIER_DEVICE) {
+                st = kvhi_fail(KVH_ERR_NOT_RESIDENT,
+                               "block %u of the sequence is not in the device tier (acquire it)", j);
+                break;
+            }
+            j++;
         }
-        if (i < v->n_mapped)
-            unhold_entry(e, v, i);
-        kvhi_block_hold(e, b);
-        v->blk[i] = b;
-        v->gen[i] = blk->gen;
-        v->slot[i] = blk->slot;
-        any = true;
-        if (i >= v->n_mapped)
-            v->n_mapped = i + 1;
+        if (st == KVH_OK && j > i) {
+            st = map_changed(e, v, s, i, j);
+            any = true;
+        }
+        i = j;
     }
     if (st == KVH_OK) {
-        for (uint32_t i = s->n_blocks; i < v->n_mapped; i++) {
-            unhold_entry(e, v, i);
-            map_entry(e, v, i, KVHI_NO_BLOCK);
+        uint32_t U = unit_blocks(e);
+        if (s->n_blocks < v->n_mapped) {
+            for (uint32_t i = s->n_blocks; i < v->n_mapped; i++)
+                unhold_entry(e, v, i);
+            /* Units still partly in use stay mapped. */
+            uint32_t from = (s->n_blocks + U - 1) / U * U, to = (v->n_mapped + U - 1) / U * U;
+            if (to > from)
+                map_run(e, v, from, to - from, KVHI_NO_BLOCK);
             any = true;
         }
         v->n_mapped = s->n_blocks;
@@ -166,7 +229,7 @@ static void vmap_destroy(kvh_engine *e, kvh_vmap *v)
     for (uint32_t i = 0; i < v->n_mapped; i++)
         unhold_entry(e, v, i);
     if (v->base)
-        munmap(v->base, v->range_bytes);
+        e->backend->vmap_unreserve(e->backend_ctx, e->vmap_arena, v->base, v->range_bytes);
     if (v->prev)
         v->prev->next = v->next;
     else if (e->vmaps == v)
@@ -183,9 +246,6 @@ void kvhi_vmap_engine_free(kvh_engine *e)
 {
     while (e->vmaps)
         vmap_destroy(e, e->vmaps);
-    if (e->vmap_fd >= 0)
-        close(e->vmap_fd);
-    e->vmap_fd = -1;
 }
 
 kvh_status kvh_seq_vmap(kvh_engine *e, kvh_seq seq, uint32_t layer, uint64_t capacity_tokens, kvh_vmap **out)
@@ -196,15 +256,20 @@ kvh_status kvh_seq_vmap(kvh_engine *e, kvh_seq seq, uint32_t layer, uint64_t cap
     kvh_status st = kvhi_api_enter_seq(e, seq, &s);
     if (st != KVH_OK)
         return st;
-    uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE), bt = e->cfg.block_tokens;
+    uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE), bt = e->cfg.block_tokens, unit = e->vmap_unit;
     kvh_vmap *v = NULL;
-    if (e->vmap_fd < 0)
+    /* Mapping units of a page: a piece must be whole pages. Larger units
+     * (huge pages, CUDA VMM): whole pieces per unit, units per slab. */
+    bool pieces_fit = !unit                ? false
+                      : unit <= page ? chunk_bytes(e) % unit == 0
+                                     : unit % chunk_bytes(e) == 0 && kvhi_slab_pitch(&e->slab) % unit == 0;
+    if (!e->vmap_arena)
         st = kvhi_fail(KVH_ERR_UNSUPPORTED, "the engine was opened without kvh_config.vmap");
-    else if (chunk_bytes(e) % page != 0)
+    else if (!pieces_fit)
         st = kvhi_fail(KVH_ERR_UNSUPPORTED,
-                       "one head's K of a block is %llu bytes, not a multiple of the %llu-byte page: views map "
-                       "whole pages (use more block_tokens, a larger head_dim or dtype)",
-                       (unsigned long long)chunk_bytes(e), (unsigned long long)page);
+                       "one head's K of a block is %llu bytes, which %s mappings of %llu bytes cannot hold "
+                       "(views map whole pages: use more block_tokens, a larger head_dim or dtype)",
+                       (unsigned long long)chunk_bytes(e), e->vmap_backing, (unsigned long long)unit);
     else if (layer >= e->cfg.num_layers)
         st = kvhi_fail(KVH_ERR_RANGE, "layer %u >= num_layers %u", layer, e->cfg.num_layers);
     else if (capacity_tokens > (1ull << 31))
@@ -212,7 +277,7 @@ kvh_status kvh_seq_vmap(kvh_engine *e, kvh_seq seq, uint32_t layer, uint64_t cap
     if (st != KVH_OK)
         goto done;
     uint64_t cap = bt;
-    while (cap < capacity_tokens || cap < s->n_tokens)
+    while (cap < capacity_tokens || cap < s->n_tokens || (cap * e->vector_bytes) % unit != 0)
         cap <<= 1;
     if (cap > (1ull << 31)) {
         st = kvhi_fail(KVH_ERR_RANGE, "the sequence is too long for a view");
@@ -236,10 +301,12 @@ kvh_status kvh_seq_vmap(kvh_engine *e, kvh_seq seq, uint32_t layer, uint64_t cap
     v->cap_tokens = cap;
     v->head_stride = cap * e->vector_bytes;
     v->range_bytes = 2ull * e->cfg.num_kv_heads * v->head_stride;
-    void *base = mmap(NULL, v->range_bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (base == MAP_FAILED) {
-        st = kvhi_fail(KVH_ERR_NOMEM, "cannot reserve %llu bytes of address space for a view",
-                       (unsigned long long)v->range_bytes);
+    void *base = NULL;
+    char msg[256] = "";
+    int rc = e->backend->vmap_reserve(e->backend_ctx, e->vmap_arena, v->range_bytes, &base, msg, sizeof(msg));
+    if (rc != 0) {
+        st = kvhi_fail(rc < 0 ? rc : KVH_ERR_NOMEM, "cannot reserve %llu bytes of address space for a view: %s",
+                       (unsigned long long)v->range_bytes, msg);
         goto done;
     }
     v->base = base;
@@ -296,7 +363,9 @@ kvh_status kvh_vmap_get(kvh_engine *e, const kvh_vmap *v, kvh_vmap_view *view)
                        .head_stride = v->head_stride,
                        .k = v->base,
                        .v = v->base + (uint64_t)e->cfg.num_kv_heads * v->head_stride,
-                       .generation = v->generation};
+                       .generation = v->generation,
+                       .backing = e->vmap_backing,
+                       .map_unit = e->vmap_unit};
     *view = r;
     return KVH_OK;
 }

@@ -111,7 +111,25 @@ typedef struct kvhi_attn_plan {
      * engine's block_tokens so its tiles, and so its rounding, are those of
      * the paged run over the same sequence. */
     uint32_t tile_tokens;
+
+    /* Slab layout of the device tier (kernels/slab_layout.h); all 0 for
+     * the plain layout. Slot s starts at
+     *   (s >> slab_shift) * slab_bytes + (s & (2^slab_shift - 1)) * piece
+     * (piece = block_tokens * head_dim * sizeof(kv_dtype)), and the K (or
+     * V) of kv head h is piece_pitch * h (or (num_kv_heads + h)) past
+     * layer_offset, which is layer * 2 * num_kv_heads * piece_pitch. */
+    uint32_t slab_shift;
+    uint64_t slab_bytes;
+    uint64_t piece_pitch; /* 0: piece (the plain layout) */
 } kvhi_attn_plan;
+
+/* Byte offset of slot s's first piece from kv_base (+ layer_offset). */
+static inline uint64_t kvhi_attn_slot_offset(const kvhi_attn_plan *p, uint64_t s, uint64_t piece)
+{
+    if (!p->slab_shift)
+        return s * p->block_bytes;
+    return (s >> p->slab_shift) * p->slab_bytes + (s & ((1ull << p->slab_shift) - 1)) * piece;
+}
 
 /* Builds the work split of a plan whose geometry fields are set: fills
  * seqs (but not slots: the caller writes slots[blk0 + j]), units and

@@ -14,6 +14,7 @@ int kvhi_attn_reference(const kvhi_attn_plan *p, const void *q, void *out)
     const uint32_t D = p->head_dim, bt = p->block_tokens, Hq = p->num_q_heads, Hkv = p->num_kv_heads;
     const uint32_t G = Hq / Hkv;
     const uint32_t eb = p->kv_dtype == 0 ? 4 : 2;
+    const uint64_t piece = (uint64_t)bt * D * eb, pitch = p->piece_pitch ? p->piece_pitch : piece;
     uint32_t max_kv = 1;
     for (uint32_t i = 0; i < p->n_seqs; i++)
         if (p->seqs[i].kv_len > max_kv)
@@ -36,8 +37,9 @@ int kvhi_attn_reference(const kvhi_attn_plan *p, const void *q, void *out)
                 double mx = -INFINITY;
                 for (uint32_t t = 0; t < visible; t++) {
                     const uint8_t *blk = (const uint8_t *)p->kv_base +
-                                         (uint64_t)p->slots[s->blk0 + t / bt] * p->block_bytes + p->layer_offset;
-                    const uint8_t *k = blk + ((uint64_t)h * bt + t % bt) * D * eb;
+                                         kvhi_attn_slot_offset(p, (uint32_t)p->slots[s->blk0 + t / bt], piece) +
+                                         p->layer_offset;
+                    const uint8_t *k = blk + (uint64_t)h * pitch + (uint64_t)(t % bt) * D * eb;
                     double dot = 0;
                     for (uint32_t d = 0; d < D; d++)
                         dot += (double)kvhi_load_as_f32(p->io_dtype, q, qrow + d) *
@@ -52,8 +54,9 @@ int kvhi_attn_reference(const kvhi_attn_plan *p, const void *q, void *out)
                     o[d] = 0;
                 for (uint32_t t = 0; t < visible; t++) {
                     const uint8_t *blk = (const uint8_t *)p->kv_base +
-                                         (uint64_t)p->slots[s->blk0 + t / bt] * p->block_bytes + p->layer_offset;
-                    const uint8_t *v = blk + ((uint64_t)(Hkv + h) * bt + t % bt) * D * eb;
+                                         kvhi_attn_slot_offset(p, (uint32_t)p->slots[s->blk0 + t / bt], piece) +
+                                         p->layer_offset;
+                    const uint8_t *v = blk + (uint64_t)(Hkv + h) * pitch + (uint64_t)(t % bt) * D * eb;
                     double e = exp(w[t] - mx);
                     sum += e;
                     for (uint32_t d = 0; d < D; d++)

@@ -24,6 +24,9 @@ constexpr uint32_t TILE_BYTES = 20480; /* K+V of one tile */
 struct attn_args {
     const uint8_t *kv; /* device tier base + layer offset */
     uint64_t block_bytes;
+    /* slab layout (kernels/slab_layout.h): slab_shift 0 = plain */
+    uint64_t slab_bytes, piece_bytes, pitch;
+    uint32_t slab_shift;
     const kvhi_attn_seq *seqs;
     const int32_t *slots;
     const kvhi_attn_unit *units;
@@ -118,6 +121,14 @@ __device__ __forceinline__ void copy_unit(uint8_t *dst, const uint8_t *src, uint
 
 /* Queues the copy of tokens [t0, t0 + TK) of K (rows 0..TK-1) and V (rows
  * TK..2TK-1) into st; tokens >= kend are zero-filled. */
+/* Where a slot starts, past kv (attention_plan.h, kvhi_attn_slot_offset). */
+__device__ __forceinline__ size_t slot_offset(const attn_args &a, uint32_t slot)
+{
+    if (!a.slab_shift)
+        return (size_t)slot * a.block_bytes;
+    return (size_t)(slot >> a.slab_shift) * a.slab_bytes + (size_t)(slot & ((1u << a.slab_shift) - 1)) * a.piece_bytes;
+}
+
 __device__ __forceinline__ void load_tile(const attn_args &a, uint8_t *st, const int32_t *slots, size_t hk,
                                           size_t hv, uint32_t t0, uint32_t kend)
 {
@@ -132,7 +143,7 @@ __device__ __forceinline__ void load_tile(const attn_args &a, uint8_t *st, const
             const bool valid = tok < kend;
             const uint8_t *src = a.kv;
             if (valid)
-                src = a.kv + (size_t)slots[tok >> a.bshift] * a.block_bytes + (is_v ? hv : hk) +
+                src = a.kv + slot_offset(a, (uint32_t)slots[tok >> a.bshift]) + (is_v ? hv : hk) +
                       (size_t)(tok & (a.bt - 1)) * a.row_bytes + uu * unit;
             copy_unit(st + r * a.srow + uu * unit, src, unit, valid);
         }
@@ -144,7 +155,7 @@ __device__ __forceinline__ void load_tile(const attn_args &a, uint8_t *st, const
             const bool valid = tok < kend;
             const uint8_t *src = a.kv;
             if (valid)
-                src = a.kv + (size_t)slots[tok >> a.bshift] * a.block_bytes + (is_v ? hv : hk) +
+                src = a.kv + slot_offset(a, (uint32_t)slots[tok >> a.bshift]) + (is_v ? hv : hk) +
                       (size_t)(tok & (a.bt - 1)) * a.row_bytes + uu * unit;
             copy_unit(st + r * a.srow + uu * unit, src, unit, valid);
         }
@@ -205,8 +216,8 @@ template <typename KT, typename IT> __global__ void __launch_bounds__(NT) attn_k
     const uint32_t kend = u.k1;
     const uint32_t ntiles = (kend - u.k0 + TK - 1) / TK;
     const int32_t *slots = a.slots + s.blk0;
-    const size_t hk = (size_t)u.kv_head * a.bt * a.row_bytes;
-    const size_t hv = (size_t)(a.Hkv + u.kv_head) * a.bt * a.row_bytes;
+    const size_t hk = (size_t)u.kv_head * a.pitch;
+    const size_t hv = (size_t)(a.Hkv + u.kv_head) * a.pitch;
 
     load_tile(a, stage0, slots, hk, hv, u.k0, kend);
     cp_async_commit();
@@ -384,6 +395,10 @@ inline void geometry(const kvhi_attn_plan *p, attn_args *a, size_t *smem)
     a->bt = p->block_tokens;
     a->bshift = p->block_shift;
     a->row_bytes = a->D * eb;
+    a->piece_bytes = (uint64_t)a->bt * a->row_bytes;
+    a->pitch = p->piece_pitch ? p->piece_pitch : a->piece_bytes;
+    a->slab_shift = p->slab_shift;
+    a->slab_bytes = p->slab_bytes;
     /* rows padded so that the 16-byte row reads of 8 consecutive threads
      * hit 8 different bank groups (stride / 16 odd) */
     uint32_t base = a->DP * eb; /* a multiple of 16 */

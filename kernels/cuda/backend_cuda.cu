@@ -457,6 +457,12 @@ const kvhi_backend_ops cuda_ops = {
     cuda_attention_run_uploaded,  /* attention_run_uploaded */
     cuda_attention_plan_free,     /* attention_plan_free */
     cuda_memory_is_unified,       /* memory_is_unified */
+    NULL,                         /* vmap_arena_create: no views on CUDA yet */
+    NULL,                         /* vmap_arena_destroy */
+    NULL,                         /* vmap_reserve */
+    NULL,                         /* vmap_unreserve */
+    NULL,                         /* vmap_map */
+    NULL,                         /* vmap_unmap */
 };
 
 } // namespace

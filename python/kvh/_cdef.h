@@ -349,6 +349,8 @@ typedef struct kvh_vmap_view {
     const void *k;
     const void *v;
     uint64_t generation;
+    const char *backing;
+    uint64_t map_unit;
 } kvh_vmap_view;
 kvh_status kvh_seq_vmap(kvh_engine *engine, kvh_seq seq, uint32_t layer, uint64_t capacity_tokens, kvh_vmap **vmap);
 kvh_status kvh_vmap_refresh(kvh_engine *engine, kvh_vmap *vmap, int32_t *changed);

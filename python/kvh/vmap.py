@@ -80,6 +80,18 @@ class VMap:
     def capacity_tokens(self) -> int:
         return int(self._view().capacity_tokens)
 
+    @property
+    def backing(self) -> str:
+        """What the device tier's memory is made of: "hugetlb", "thp", "4k"
+        or "cuda-vmm"."""
+        v = self._view()
+        return ffi.string(v.backing).decode() if v.backing != ffi.NULL else ""
+
+    @property
+    def map_unit(self) -> int:
+        """Bytes of one of the mappings the view is made of."""
+        return int(self._view().map_unit)
+
     def _array(self, which: str) -> np.ndarray:
         v = self._view()
         H, D = self._engine.num_kv_heads, self._engine.head_dim

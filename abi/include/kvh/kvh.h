@@ -978,10 +978,26 @@ KVH_API kvh_status kvh_codec_decode(uint32_t codec, uint32_t dtype,
  *   k + h * head_stride + (t * head_dim + d) * sizeof(dtype)
  * (V alike from v), for t < n_tokens; capacity_tokens is a power of two.
  *
- * Constraints: kvh_config.vmap = 1 (CPU backend), and one head's K of one
- * block, block_tokens * head_dim * sizeof(dtype) bytes, a whole number of
- * pages (e.g. f16, head_dim 128, 16 tokens = 4 KiB): that is the unit the
- * view maps. KVH_ERR_UNSUPPORTED otherwise. Each mapped block costs
+ * Constraints: kvh_config.vmap = 1, and one head's K of one block,
+ * block_tokens * head_dim * sizeof(dtype) bytes, a whole number of pages
+ * (e.g. f16, head_dim 128, 16 tokens = 4 KiB). KVH_ERR_UNSUPPORTED
+ * otherwise.
+ *
+ * Memory: with vmap the device tier is laid out in slabs: each kv head's
+ * K (and V) of up to 2 MiB worth of neighbouring slots lie side by side,
+ * so the blocks of a sequence that sit in neighbouring slots (slots are
+ * handed out in ascending order) map as one mapping per head and run, not
+ * one per block. On the CPU the tier's memory file uses 2 MiB huge pages
+ * when the system has enough free (hugetlb), else shmem transparent huge
+ * pages when the system allows them (thp), else 4 KiB pages (4k); the
+ * environment variable KVH_VMAP_BACKING=hugetlb|thp|4k, read at
+ * kvh_engine_open, forces one (KVH_ERR_UNSUPPORTED when it is not
+ * available). Mappings are populated when made (no fault on first read)
+ * unless KVH_VMAP_POPULATE=0. With hugetlb a view maps whole 2 MiB units
+ * of logical blocks, so a unit's blocks must sit in one slab in order
+ * (KVH_ERR_UNSUPPORTED from kvh_seq_vmap or kvh_vmap_refresh otherwise,
+ * e.g. after copy-on-write of a block in the middle of a unit).
+ * kvh_vmap_get tells the backing and the mapping unit. Each run costs
  * 2 * num_kv_heads memory mappings, and the kernel's limit on mappings per
  * process (vm.max_map_count, 65530 by default) bounds all open views
  * together (KVH_ERR_NOMEM past it).
@@ -1007,6 +1023,12 @@ typedef struct kvh_vmap_view {
     const void *k; /* [owned by engine] until kvh_vmap_release */
     const void *v;
     uint64_t generation; /* changes whenever a refresh remapped something */
+    /* Appended. What the device tier's memory is made of: "hugetlb",
+     * "thp", "4k" (CPU) or "cuda-vmm" (static text), and the size of the
+     * mappings the view is made of (a page, 2 MiB for hugetlb, the VMM
+     * granularity on CUDA). */
+    const char *backing;
+    uint64_t map_unit;
 } kvh_vmap_view;
 
 /* Maps layer of seq (its current tokens) into a new view able to grow to

@@ -3844,12 +3844,14 @@ pub struct kvh_vmap_view {
     pub k: *const ::std::os::raw::c_void,
     pub v: *const ::std::os::raw::c_void,
     pub generation: u64,
+    pub backing: *const ::std::os::raw::c_char,
+    pub map_unit: u64,
 }
 #[test]
 fn bindgen_test_layout_kvh_vmap_view() {
     assert_eq!(
         ::std::mem::size_of::<kvh_vmap_view>(),
-        56usize,
+        72usize,
         concat!("Size of: ", stringify!(kvh_vmap_view))
     );
     assert_eq!(
@@ -3993,6 +3995,40 @@ fn bindgen_test_layout_kvh_vmap_view() {
         );
     }
     test_field_generation();
+    fn test_field_backing() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_vmap_view>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).backing) as usize - ptr as usize
+            },
+            56usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_vmap_view),
+                "::",
+                stringify!(backing)
+            )
+        );
+    }
+    test_field_backing();
+    fn test_field_map_unit() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_vmap_view>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).map_unit) as usize - ptr as usize
+            },
+            64usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_vmap_view),
+                "::",
+                stringify!(map_unit)
+            )
+        );
+    }
+    test_field_map_unit();
 }
 impl Default for kvh_vmap_view {
     fn default() -> Self {

@@ -32,6 +32,9 @@ pub struct VMapInfo {
     pub capacity_tokens: u64,
     /// Changes whenever a refresh remapped something.
     pub generation: u64,
+    /// Bytes of one of the mappings the view is made of (a page, 2 MiB
+    /// huge pages, the CUDA VMM granularity).
+    pub map_unit: u64,
 }
 
 impl<'e> Sequence<'e> {
@@ -63,7 +66,20 @@ impl VMap<'_> {
             n_tokens: v.n_tokens,
             capacity_tokens: v.capacity_tokens,
             generation: v.generation,
+            map_unit: v.map_unit,
         })
+    }
+
+    /// What the device tier's memory is made of: `"hugetlb"`, `"thp"`,
+    /// `"4k"` or `"cuda-vmm"`.
+    pub fn backing(&self) -> Result<&'static str> {
+        let v = self.get()?;
+        if v.backing.is_null() {
+            return Ok("");
+        }
+        // SAFETY: static text of the library, NUL-terminated.
+        let s = unsafe { std::ffi::CStr::from_ptr(v.backing) };
+        Ok(s.to_str().unwrap_or(""))
     }
 
     /// Remaps what changed in the sequence; `true` when anything did.
