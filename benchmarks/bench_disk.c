@@ -89,10 +89,67 @@ static void geometry(uint64_t bytes, kvh_config *c)
 }
 
 typedef struct disk_result {
-    double spill, restore, random, latency; /* seconds (latency: per block) */
+    double spill, restore, random; /* seconds */
+    double latency, raw_latency;    /* per block, ours and raw, medians */
 } disk_result;
 
-static int run_kvh(const char *dir, uint64_t bs, uint32_t n, uint32_t qd, uint64_t seed, disk_result *out)
+/* The raw depth-1 read the single-block latency is compared with: one
+ * O_DIRECT read of one block at a random offset of the raw file, ring and
+ * file set up once. */
+typedef struct raw_reader {
+    int fd;
+    struct io_uring ring;
+    uint8_t *buf;
+    uint64_t bs, n;
+    bench_rng rng;
+} raw_reader;
+
+static int raw_reader_open(raw_reader *r, const char *path, uint64_t bs, uint64_t n, uint64_t seed)
+{
+    r->fd = open(path, O_RDONLY | O_DIRECT);
+    r->buf = NULL;
+    r->bs = bs;
+    r->n = n;
+    bench_rng_seed(&r->rng, seed);
+    if (r->fd < 0)
+        return -1;
+    if (io_uring_queue_init(1, &r->ring, 0) != 0) {
+        close(r->fd);
+        return -1;
+    }
+    if (posix_memalign((void **)&r->buf, 4096, bs) != 0) {
+        io_uring_queue_exit(&r->ring);
+        close(r->fd);
+        return -1;
+    }
+    return 0;
+}
+
+static double raw_reader_once(raw_reader *r)
+{
+    uint64_t off = bench_rng_below(&r->rng, r->n) * r->bs;
+    double t0 = bench_sec();
+    struct io_uring_sqe *sqe = io_uring_get_sqe(&r->ring);
+    io_uring_prep_read(sqe, r->fd, r->buf, (unsigned)r->bs, off);
+    io_uring_submit(&r->ring);
+    struct io_uring_cqe *cqe;
+    io_uring_wait_cqe(&r->ring, &cqe);
+    int ok = cqe->res == (int)r->bs;
+    io_uring_cqe_seen(&r->ring, cqe);
+    return ok ? bench_sec() - t0 : -1;
+}
+
+static void raw_reader_close(raw_reader *r)
+{
+    free(r->buf);
+    io_uring_queue_exit(&r->ring);
+    close(r->fd);
+}
+
+/* raw_path: a file of n blocks written by raw_io, read at depth 1
+ * alternately with our single-block restores so both see the same disk. */
+static int run_kvh(const char *dir, const char *raw_path, uint64_t bs, uint32_t n, uint32_t qd, uint64_t seed,
+                   disk_result *out)
 {
     kvh_config c;
     BENCH_CHECK(kvh_config_init(&c, sizeof c));
@@ -144,54 +201,36 @@ static int run_kvh(const char *dir, uint64_t bs, uint32_t n, uint32_t qd, uint64
     BENCH_CHECK(kvh_migrate(e, blocks, n, KVH_TIER_HOST, NULL));
     out->random = bench_sec() - t0;
 
-    /* One block at a time (queue depth 1). */
+    /* One block at a time (queue depth 1), each followed by a raw read of
+     * the same size: alternating cancels the drift of a shared disk. */
     BENCH_CHECK(kvh_seq_migrate(e, s, 0, tokens, KVH_TIER_DISK, NULL));
     uint32_t lat_n = n < 64 ? n : 64;
-    double *lat = malloc(sizeof(double) * lat_n);
+    double *lat = malloc(sizeof(double) * lat_n * 2), *raw = lat + lat_n;
+    raw_reader rr;
+    if (raw_reader_open(&rr, raw_path, bs, n, seed) != 0) {
+        fprintf(stderr, "kvh-bench disk: cannot read %s with O_DIRECT and io_uring\n", raw_path);
+        free(lat);
+        return 1;
+    }
     for (uint32_t i = 0; i < lat_n; i++) {
         t0 = bench_sec();
         BENCH_CHECK(kvh_migrate(e, &blocks[i], 1, KVH_TIER_HOST, NULL));
         lat[i] = bench_sec() - t0;
+        if ((raw[i] = raw_reader_once(&rr)) < 0) {
+            fprintf(stderr, "kvh-bench disk: a raw read of %s failed\n", raw_path);
+            raw_reader_close(&rr);
+            free(lat);
+            return 1;
+        }
     }
+    raw_reader_close(&rr);
     out->latency = bench_median(lat, lat_n);
+    out->raw_latency = bench_median(raw, lat_n);
     free(lat);
     free(blocks);
     BENCH_CHECK(kvh_seq_free(e, s));
     BENCH_CHECK(kvh_engine_close(e));
     return 0;
-}
-
-/* Raw depth-1 latency: one O_DIRECT read of one block, ring and file set
- * up once, the median of up to 64 reads at scattered offsets. */
-static double raw_latency(const char *path, uint64_t bs, uint32_t n, uint64_t seed)
-{
-    int fd = open(path, O_RDONLY | O_DIRECT);
-    struct io_uring ring;
-    uint8_t *buf = NULL;
-    if (fd < 0 || io_uring_queue_init(1, &ring, 0) != 0 || posix_memalign((void **)&buf, 4096, bs) != 0) {
-        if (fd >= 0)
-            close(fd);
-        return -1;
-    }
-    uint32_t lat_n = n < 64 ? n : 64;
-    double lat[64];
-    bench_rng r;
-    bench_rng_seed(&r, seed);
-    for (uint32_t i = 0; i < lat_n; i++) {
-        uint64_t off = bench_rng_below(&r, n) * bs;
-        double t0 = bench_sec();
-        struct io_uring_sqe *sqe = io_uring_get_sqe(&ring);
-        io_uring_prep_read(sqe, fd, buf, (unsigned)bs, off);
-        io_uring_submit(&ring);
-        struct io_uring_cqe *cqe;
-        io_uring_wait_cqe(&ring, &cqe);
-        io_uring_cqe_seen(&ring, cqe);
-        lat[i] = bench_sec() - t0;
-    }
-    free(buf);
-    io_uring_queue_exit(&ring);
-    close(fd);
-    return bench_median(lat, lat_n);
 }
 
 static void emit(const bench_ctx *ctx, const char *metric, double ours, double base, uint64_t bs, int higher_is_time,
@@ -316,14 +355,18 @@ int bench_disk(int argc, char **argv, const bench_ctx *ctx)
         double sp[8], re[8], ra[8], la[8], wsp[8], wre[8], wra[8], wla[8];
         for (int k = 0; k < reps && k < 8; k++) {
             disk_result d = {0};
-            if (run_kvh(store, bs, n, (uint32_t)qd, ctx->seed + k, &d) != 0)
+            double w = raw_io(raw, bs, n, 1, 0, (uint32_t)qd, ctx->seed);
+            if (w < 0 || run_kvh(store, raw, bs, n, (uint32_t)qd, ctx->seed + k, &d) != 0) {
+                if (w < 0)
+                    fprintf(stderr, "kvh-bench disk: raw O_DIRECT io_uring writes failed in %s (%s)\n", dir,
+                            strerror(errno));
                 return 1;
+            }
             double bytes = (double)bs * n;
             sp[k] = bytes / d.spill / 1e9;
             re[k] = bytes / d.restore / 1e9;
             ra[k] = bytes / d.random / 1e9;
             la[k] = d.latency;
-            double w = raw_io(raw, bs, n, 1, 0, (uint32_t)qd, ctx->seed);
             double r = raw_io(raw, bs, n, 0, 0, (uint32_t)qd, ctx->seed);
             double rr = raw_io(raw, bs, n, 0, 1, (uint32_t)qd, ctx->seed + k);
             if (w < 0 || r < 0 || rr < 0) {
@@ -334,7 +377,7 @@ int bench_disk(int argc, char **argv, const bench_ctx *ctx)
             wsp[k] = bytes / w / 1e9;
             wre[k] = bytes / r / 1e9;
             wra[k] = bytes / rr / 1e9;
-            wla[k] = raw_latency(raw, bs, n, ctx->seed);
+            wla[k] = d.raw_latency;
         }
         int m = reps < 8 ? reps : 8;
         double t64 = bs <= (64u << 10) ? 0.8 : 0.85;

@@ -1,4 +1,6 @@
-/* Scenario `migrate`: device <-> host block copy throughput.
+/* Scenario `migrate`: device <-> host block copy throughput (with
+ * kvh_config.copy_moves, so the CPU backend copies as a discrete GPU must;
+ * without it the two tiers share one arena and moves copy nothing).
  *
  * For each block size (--sizes; geometry chosen so that block_bytes is
  * exactly that size with f16) and each worker count (--threads), an engine
@@ -189,6 +191,9 @@ static int run_one(const migrate_opts *o, const bench_ctx *ctx, uint64_t bb, uin
     c.device_bytes = pool;
     c.host_bytes = pool;
     c.migration_threads = threads;
+    /* Measure the copy path (a discrete GPU's): by default the CPU
+     * backend's tiers are one arena and these moves copy nothing. */
+    c.copy_moves = 1;
     mctx m = {.bb = bb, .buf = {bufs[0], bufs[1]}, .batch = o->batch};
     BENCH_CHECK(kvh_engine_open(&c, &m.e));
     uint64_t got_bb = 0;

@@ -86,6 +86,9 @@ int trace_replay(const trace *t, const replay_config *c, replay_result *out)
     cfg.head_dim = HEAD_DIM;
     cfg.block_tokens = BLOCK_TOKENS;
     cfg.migration_threads = 0;
+    /* Count device <-> host moves per direction, as a discrete GPU's
+     * copies (on one arena they would be re-accounted, not copied). */
+    cfg.copy_moves = 1;
     if (c->lru_k)
         cfg.lru_k = c->lru_k;
     uint64_t block_bytes = 2ull * BLOCK_TOKENS * HEAD_DIM * 2; /* K and V, f16, 1 layer, 1 head */

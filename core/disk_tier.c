@@ -236,6 +236,7 @@ void kvhi_xfer_prepare(kvh_engine *e, uint32_t b, uint32_t dst_tier, uint32_t ds
     memcpy(x->tokens, kvhi_block_tokens(e, b), sizeof(int32_t) * blk->n_tokens);
     x->err = 0;
     x->why = NULL;
+    x->in_place = false;
 }
 
 /* The header of a slot written for x (x->data_crc already set). */
@@ -463,6 +464,8 @@ void kvhi_xfer_batch(kvh_engine *e, kvhi_xfer *xs, uint32_t n)
 
 void kvhi_xfer_run(kvh_engine *e, kvhi_xfer *x)
 {
+    if (x->in_place)
+        return;
     if (x->src_tier != KVH_TIER_DISK && x->dst_tier != KVH_TIER_DISK) {
         x->err = kvhi_block_copy(e, x->dst_tier, kvhi_slot_addr(e, x->dst_tier, x->dst_slot), x->src_tier,
                                  kvhi_slot_addr(e, x->src_tier, x->src_slot)) == 0

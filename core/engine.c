@@ -125,6 +125,7 @@ static kvh_status validate(const kvh_config *c)
           "unknown disk_flags 0x%x", c->disk_flags);
     CHECK(!c->disk_bytes || (c->disk_path && c->disk_path[0]), "disk_bytes is set but disk_path is empty");
     CHECK(c->vmap <= 1, "vmap %u is not 0 or 1", c->vmap);
+    CHECK(c->copy_moves <= 1, "copy_moves %u is not 0 or 1", c->copy_moves);
     CHECK(c->eviction_policy <= KVH_EVICT_LCTRU, "unknown eviction_policy %u", c->eviction_policy);
 #undef CHECK
     return KVH_OK;
@@ -157,9 +158,24 @@ static kvh_status tier_init(kvh_engine *e, uint32_t t, uint64_t budget)
         kvh_status st = kvhi_vmap_arena_alloc(e, (slots + g - 1) / g * g, &tier->base);
         if (st != KVH_OK)
             return st;
-    } else
+    } else if (t == KVH_TIER_HOST && e->moves_in_place) {
+        /* Made with the device tier, after its slots. */
+        kvhi_tier *dev = &e->tiers[KVH_TIER_DEVICE];
+        tier->base = dev->base;
+        tier->bytes_mapped = 0;
+        tier->shares_arena = true;
+        if (kvhi_slot_pool_init_range(&tier->slots, dev->slots.capacity, (uint32_t)slots) != 0)
+            return kvhi_fail(KVH_ERR_NOMEM, "out of memory for slot lists");
+        tier->present = true;
+        return KVH_OK;
+    } else {
+        if (t == KVH_TIER_DEVICE && e->moves_in_place) {
+            uint64_t host = e->cfg.host_bytes / e->tiers[KVH_TIER_HOST].slot_bytes;
+            tier->bytes_mapped += host * tier->slot_bytes; /* the host tier's slots follow */
+        }
         tier->base = t == KVH_TIER_DEVICE ? e->backend->device_alloc(e->backend_ctx, tier->bytes_mapped)
                                           : e->backend->host_alloc(e->backend_ctx, tier->bytes_mapped);
+    }
     if (!tier->base)
         return kvhi_fail(KVH_ERR_NOMEM, "cannot allocate %llu bytes for the %s tier",
                          (unsigned long long)tier->bytes_mapped, t == KVH_TIER_DEVICE ? "device" : "host");
@@ -169,6 +185,18 @@ static kvh_status tier_init(kvh_engine *e, uint32_t t, uint64_t budget)
         return kvhi_fail(KVH_ERR_NOMEM, "out of memory for slot lists");
     tier->present = true;
     return KVH_OK;
+}
+
+/* Device and host tiers can be one arena when they are the same memory
+ * in the same form: the CPU backend, no view arena, no codec, no NUMA
+ * placement of the host tier, and not turned off by copy_moves. */
+static bool can_move_in_place(const kvh_engine *e)
+{
+    const kvhi_tier *d = &e->tiers[KVH_TIER_DEVICE], *h = &e->tiers[KVH_TIER_HOST];
+    return e->backend->device_is_host_memory && e->device_host_addressable && !e->cfg.vmap && !e->cfg.copy_moves &&
+           !d->encoded && !h->encoded && d->slot_bytes == h->slot_bytes && e->cfg.numa_node < 0 &&
+           e->cfg.host_bytes / h->slot_bytes > 0 &&
+           e->cfg.device_bytes / d->slot_bytes + e->cfg.host_bytes / h->slot_bytes < UINT32_MAX - 1;
 }
 
 static kvh_status select_backend(kvh_engine *e)
@@ -230,7 +258,7 @@ static void engine_free(kvh_engine *e)
     free(e->agents);
     for (uint32_t t = 0; t < KVH_TIER_COUNT; t++) {
         kvhi_tier *tier = &e->tiers[t];
-        if (tier->base)
+        if (tier->base && !tier->shares_arena)
             (t == KVH_TIER_DEVICE ? e->backend->device_free : e->backend->host_free)(e->backend_ctx, tier->base,
                                                                                     tier->bytes_mapped);
         kvhi_slot_pool_destroy(&tier->slots);
@@ -293,8 +321,10 @@ kvh_status kvh_engine_open(const kvh_config *config, kvh_engine **out)
     st = kvhi_codec_tiers_init(e);
     if (st == KVH_OK)
         st = select_backend(e);
-    if (st == KVH_OK)
+    if (st == KVH_OK) {
+        e->moves_in_place = can_move_in_place(e);
         st = tier_init(e, KVH_TIER_DEVICE, e->cfg.device_bytes);
+    }
     if (st == KVH_OK && !e->tiers[KVH_TIER_DEVICE].present)
         st = kvhi_fail(KVH_ERR_INVALID_ARG, "device_bytes %llu holds no block of %llu bytes",
                        (unsigned long long)e->cfg.device_bytes, (unsigned long long)e->block_bytes);

@@ -83,6 +83,10 @@ typedef struct kvhi_tier {
     uint64_t slot_bytes;
     uint8_t *base; /* memory tiers */
     uint64_t bytes_mapped;
+    /* The host tier lives in the device tier's arena (moves_in_place):
+     * base is the arena's, slot numbers run across both, and the memory
+     * is freed with the device tier. */
+    bool shares_arena;
     kvhi_slot_pool slots;
     kvhi_lruk_heap heap; /* evictable blocks resident here */
     uint64_t pinned;
@@ -140,6 +144,10 @@ struct kvh_engine {
      * backend, or CUDA on unified memory (backend memory_is_unified). Data
      * paths test this; the choice of kernels tests the backend itself. */
     bool device_host_addressable;
+    /* Device and host tiers are one arena of the same memory: a block
+     * moving between them keeps its bytes and slot and changes tier, the
+     * destination tier giving a free slot back in exchange (evict.c). */
+    bool moves_in_place;
     void *backend_dl;
 
     pthread_mutex_t lock;
@@ -357,6 +365,9 @@ typedef struct kvhi_xfer {
     int32_t tokens[256];
     int err; /* 0, -errno, or 1 for failed verification */
     const char *why;
+    /* Device <-> host on one arena: nothing to transfer; src_slot is then
+     * the slot the destination tier gave in exchange (moves_in_place). */
+    bool in_place;
 } kvhi_xfer;
 void kvhi_xfer_prepare(kvh_engine *e, uint32_t b, uint32_t dst_tier,
                        uint32_t dst_slot, kvhi_xfer *x);

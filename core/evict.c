@@ -90,6 +90,25 @@ static kvh_status swap_up(kvh_engine *e, uint32_t b, uint32_t tier)
     if (v == KVHI_HEAP_NONE || v == b || bb->tier == KVH_TIER_DISK)
         return kvhi_fail(KVH_ERR_NOSPACE, "no block in the target tier can make room");
     kvhi_block *vb = &e->blocks[v];
+    if (e->moves_in_place) {
+        /* One arena: the two blocks trade tiers, each keeping its bytes and
+         * slot; nothing is copied and the lock stays held. */
+        uint32_t lo_tier = bb->tier, lo_slot = bb->slot, hi_slot = vb->slot;
+        if (vb->flags & KVHI_BF_PREFETCHED) {
+            e->stats.prefetch_wasted++;
+            vb->flags &= (uint16_t)~KVHI_BF_PREFETCHED;
+        }
+        /* Out of the old tier's heaps before its tier changes. */
+        vb->flags |= KVHI_BF_IN_FLIGHT;
+        kvhi_block_update_evictable(e, v);
+        vb->flags &= (uint16_t)~KVHI_BF_IN_FLIGHT;
+        kvhi_block_place(e, v, lo_tier, hi_slot);
+        kvhi_block_place(e, b, tier, lo_slot);
+        e->stats.blocks_moved_in_place += 2;
+        e->stats.evictions++;
+        kvhi_block_update_evictable(e, v);
+        return KVH_OK;
+    }
     /* The bounce buffer holds the upper block in the lower tier's form. */
     uint8_t *bounce = malloc(e->tiers[bb->tier].slot_bytes);
     if (!bounce)
@@ -281,6 +300,14 @@ int kvhi_move_begin(kvh_engine *e, uint32_t b, uint32_t tier, kvhi_xfer *x, bool
     kvh_status st = kvhi_reserve_slot(e, tier, blk->agent, &dslot);
     if (st == KVH_OK) {
         kvhi_xfer_prepare(e, b, tier, dslot, x);
+        if (e->moves_in_place && src_tier != KVH_TIER_DISK && tier != KVH_TIER_DISK) {
+            /* One arena: the block keeps its bytes and slot and changes
+             * tier; the slot just reserved goes to the source tier in
+             * exchange, so both tiers keep their number of slots. */
+            x->dst_slot = x->src_slot;
+            x->src_slot = dslot;
+            x->in_place = true;
+        }
         /* A demotion whose source slot nobody else is promised can still
          * be called off by an acquire while its write runs. */
         if (tier == KVH_TIER_DISK && !keep_src_for_caller)
@@ -338,7 +365,10 @@ kvh_status kvhi_move_end(kvh_engine *e, kvhi_xfer *x, uint32_t *src_slot_out)
         blk->flags &= (uint16_t)~KVHI_BF_PREFETCHED;
     }
     kvhi_block_place(e, b, tier, x->dst_slot);
-    count_move(e, src_tier, tier);
+    if (x->in_place)
+        e->stats.blocks_moved_in_place++;
+    else
+        count_move(e, src_tier, tier);
     bool keep_src = false;
     if (e->disk && (tier == KVH_TIER_DISK || src_tier == KVH_TIER_DISK))
         kvhi_disk_after_move(e, b, x, &keep_src);

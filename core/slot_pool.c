@@ -2,7 +2,9 @@
 
 #include <stdlib.h>
 
-int kvhi_slot_pool_init(kvhi_slot_pool *p, uint32_t capacity)
+int kvhi_slot_pool_init(kvhi_slot_pool *p, uint32_t capacity) { return kvhi_slot_pool_init_range(p, 0, capacity); }
+
+int kvhi_slot_pool_init_range(kvhi_slot_pool *p, uint32_t first, uint32_t capacity)
 {
     p->capacity = capacity;
     p->free_count = capacity;
@@ -13,7 +15,7 @@ int kvhi_slot_pool_init(kvhi_slot_pool *p, uint32_t capacity)
     if (!p->free_stack)
         return -1;
     for (uint32_t i = 0; i < capacity; i++)
-        p->free_stack[i] = capacity - 1 - i;
+        p->free_stack[i] = first + capacity - 1 - i;
     return 0;
 }
 

@@ -13,6 +13,10 @@ typedef struct kvhi_slot_pool {
 } kvhi_slot_pool;
 
 int kvhi_slot_pool_init(kvhi_slot_pool *p, uint32_t capacity);
+/* Slots first .. first + capacity - 1. A pool holds `capacity` slots at
+ * any time, but which ones may change: two tiers sharing one arena trade
+ * slots when a block moves between them in place (evict.c). */
+int kvhi_slot_pool_init_range(kvhi_slot_pool *p, uint32_t first, uint32_t capacity);
 void kvhi_slot_pool_destroy(kvhi_slot_pool *p);
 /* Returns 0 and a slot, or -1 when none is free. */
 static inline int kvhi_slot_pool_alloc(kvhi_slot_pool *p, uint32_t *slot)

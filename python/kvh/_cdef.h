@@ -99,6 +99,8 @@ typedef struct kvh_config {
     uint32_t vmap;
     uint32_t eviction_policy;
     uint32_t lctru_window;
+    uint32_t copy_moves;
+    uint32_t reserved1;
 } kvh_config;
 enum kvh_disk_flags {
     KVH_DISK_RESET_ON_MISMATCH = 1,
@@ -150,6 +152,7 @@ typedef struct kvh_stats {
     uint64_t acquire_stall_ns;
     uint64_t blocks_allocated;
     uint64_t blocks_freed;
+    uint64_t blocks_moved_in_place;
 } kvh_stats;
 kvh_status kvh_engine_stats(kvh_engine *engine, kvh_stats *stats);
 kvh_status kvh_agent_set_quota(kvh_engine *engine, uint32_t agent, uint64_t device_bytes);

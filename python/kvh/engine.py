@@ -306,6 +306,8 @@ class Engine:
             c.eviction_policy = int(Eviction.parse(cfg.eviction_policy))
         if cfg.lctru_window is not None:
             c.lctru_window = _index("lctru_window", cfg.lctru_window, maximum=_U32)
+        if cfg.copy_moves is not None:
+            c.copy_moves = 1 if cfg.copy_moves else 0
         c.log_fn = lib._kvh_py_log
         c.log_user = NULL
         return keep
@@ -323,6 +325,7 @@ class Engine:
             disk_queue_depth=int(c.disk_queue_depth), disk_reset_on_mismatch=given.disk_reset_on_mismatch,
             disk_buffered=given.disk_buffered, kv_codec=Codec(int(c.kv_codec)), vmap=bool(c.vmap),
             eviction_policy=Eviction(int(c.eviction_policy)), lctru_window=int(c.lctru_window),
+            copy_moves=bool(c.copy_moves),
         )
 
     # ---- lifetime ----

@@ -170,6 +170,10 @@ class Config:
     vmap: Optional[bool] = None
     eviction_policy: Union["Eviction", str, int, None] = None
     lctru_window: Optional[int] = None
+    #: Copy blocks moving between the device and host tiers even where both
+    #: are the same memory (default False: on the CPU backend they are one
+    #: arena and a move re-accounts the block in place).
+    copy_moves: Optional[bool] = None
 
     def replace(self, **changes: Any) -> "Config":
         return dataclasses.replace(self, **changes)
@@ -268,6 +272,8 @@ class Stats:
     acquire_stall_ns: int = 0
     blocks_allocated: int = 0
     blocks_freed: int = 0
+    #: Device <-> host moves made without a copy (one arena).
+    blocks_moved_in_place: int = 0
     #: Counters of a newer library that this version of the package does not
     #: name yet (field name -> value).
     extra: Dict[str, int] = field(default_factory=dict, compare=False)

@@ -1,20 +1,64 @@
 /* Tiers, eviction, acquire/release, pinning, swaps, NOSPACE, quotas,
  * explicit migration with fences, prefetch, stats. Every test runs with
- * migration_threads = 0 (inline) and = 2 (workers). */
+ * migration_threads = 0 (inline) and = 2 (workers), and with device and
+ * host tiers as one arena (moves in place, the CPU backend's default) and
+ * as two (copy_moves: moves copy, the path of a discrete GPU). */
 #include <pthread.h>
+#include <stdbool.h>
 #include <unistd.h>
 
 #include "test_util.h"
 
-static uint32_t THREADS_0 = 0, THREADS_2 = 2;
-#define THREADS(state) (*(uint32_t *)*(state))
+typedef struct mode {
+    uint32_t threads;
+    bool copies;
+} mode;
+static mode M_PLACE0 = {0, false}, M_PLACE2 = {2, false}, M_COPY0 = {0, true}, M_COPY2 = {2, true};
+#define THREADS(state) ((*(mode **)(state))->threads)
+#define COPIES(state) ((*(mode **)(state))->copies)
+static mode *current; /* the running test's, for the helpers below */
 
 enum { L = 2, H = 2, D = 4, BT = 4 };
 static const size_t TOK = H * D * 4;
 
+static kvh_config small_cfg(uint32_t layers, uint32_t heads, uint32_t dim, uint32_t bt, uint64_t dev, uint64_t host,
+                            uint32_t threads)
+{
+    kvh_config c = tu_cfg(layers, heads, dim, bt, KVH_DTYPE_F32, dev, host, threads);
+    c.copy_moves = current->copies;
+    return c;
+}
+
 static kvh_engine *open_small(uint32_t threads, uint64_t dev, uint64_t host)
 {
-    return tu_open(L, H, D, BT, KVH_DTYPE_F32, dev, host, threads);
+    kvh_config c = small_cfg(L, H, D, BT, dev, host, threads);
+    return tu_open_cfg(&c);
+}
+
+static int set_mode(void **state)
+{
+    current = *(mode **)state;
+    return 0;
+}
+
+/* Blocks moved between the device and host tiers from a to b: per
+ * direction when moves copy; on one arena only their sum is counted, and
+ * no bytes are copied. */
+static void assert_moves(const kvh_stats *a, const kvh_stats *b, uint64_t down, uint64_t up)
+{
+    if (current->copies) {
+        assert_int_equal(b->blocks_device_to_host - a->blocks_device_to_host, down);
+        assert_int_equal(b->blocks_host_to_device - a->blocks_host_to_device, up);
+        assert_int_equal(b->blocks_moved_in_place, 0);
+    } else {
+        assert_int_equal(b->blocks_moved_in_place - a->blocks_moved_in_place, down + up);
+        assert_int_equal(b->bytes_device_to_host + b->bytes_host_to_device, 0);
+    }
+}
+
+static uint64_t moved_down(const kvh_stats *s)
+{
+    return current->copies ? s->blocks_device_to_host : s->blocks_moved_in_place;
 }
 
 /* A sequence of n_blocks full blocks of distinct tokens, KV written with
@@ -83,7 +127,7 @@ static void test_evict_and_acquire(void **state)
     assert_int_equal(count_in(e, a, 8, KVH_TIER_HOST), 4);
     kvh_stats s0 = tu_stats(e);
     assert_true(s0.evictions >= 4);
-    assert_true(s0.blocks_device_to_host >= 4);
+    assert_true(moved_down(&s0) >= 4);
     assert_true(tu_check_pattern(e, a, L, TOK, 1, 0, 32));
     check_stats(e);
 
@@ -97,7 +141,7 @@ static void test_evict_and_acquire(void **state)
     assert_int_equal(bi.tier, KVH_TIER_DEVICE);
     assert_int_equal(bi.holds, 1);
     kvh_stats s2 = tu_stats(e);
-    assert_int_equal(s2.blocks_host_to_device - s1.blocks_host_to_device, 1);
+    assert_moves(&s1, &s2, 1, 1); /* one up, and one down to make room */
     assert_true(s2.hits_host > s1.hits_host); /* found in the host tier */
 
     /* Acquire everything in the device tier (4 blocks, some already there). */
@@ -173,7 +217,7 @@ static void test_acquire_with_fence(void **state)
 static void test_lru_k_victims(void **state)
 {
     for (uint32_t k = 1; k <= 2; k++) {
-        kvh_config c = tu_cfg(L, H, D, BT, KVH_DTYPE_F32, 4, 16, THREADS(state));
+        kvh_config c = small_cfg(L, H, D, BT, 4, 16, THREADS(state));
         c.lru_k = k;
         kvh_engine *e = tu_open_cfg(&c);
         int32_t t[16];
@@ -352,8 +396,7 @@ static void test_swap_when_both_full(void **state)
     assert_ok(kvh_seq_acquire(e, a, hi * BT, BT, NULL));
     assert_int_equal(tier_of(e, a, hi), KVH_TIER_DEVICE);
     kvh_stats s1 = tu_stats(e);
-    assert_int_equal(s1.blocks_host_to_device - s0.blocks_host_to_device, 1);
-    assert_int_equal(s1.blocks_device_to_host - s0.blocks_device_to_host, 1);
+    assert_moves(&s0, &s1, 1, 1);
     assert_int_equal(s1.evictions - s0.evictions, 1);
     assert_int_equal(tu_tier(e, KVH_TIER_DEVICE).used_blocks, 4);
     assert_int_equal(tu_tier(e, KVH_TIER_HOST).used_blocks, 4);
@@ -513,7 +556,8 @@ static void test_fence_timeout(void **state)
 {
     if (THREADS(state) == 0)
         skip(); /* inline: work is done before the call returns */
-    kvh_engine *e = tu_open(4, 8, 256, 256, KVH_DTYPE_F32, 1, 1, THREADS(state)); /* 16 MiB blocks */
+    kvh_config c = small_cfg(4, 8, 256, 256, 1, 1, THREADS(state)); /* 16 MiB blocks */
+    kvh_engine *e = tu_open_cfg(&c);
     kvh_seq s = tu_seq_new(e, 0);
     int32_t *t = tu_alloc(256 * sizeof(int32_t));
     assert_ok(kvh_seq_append(e, s, t, 256));
@@ -633,8 +677,9 @@ static void test_migrate_fences(void **state)
     for (uint64_t i = 0; i < 3; i++)
         assert_int_equal(tier_of(e, a, i), KVH_TIER_HOST);
     kvh_stats s1 = tu_stats(e);
-    assert_int_equal(s1.blocks_device_to_host - s0.blocks_device_to_host, 3);
-    assert_int_equal(s1.bytes_device_to_host - s0.bytes_device_to_host, 3 * bb);
+    assert_moves(&s0, &s1, 3, 0);
+    if (current->copies)
+        assert_int_equal(s1.bytes_device_to_host - s0.bytes_device_to_host, 3 * bb);
     assert_true(tu_check_pattern(e, a, L, TOK, 23, 0, 12));
 
     /* Back up by block handle. */
@@ -646,11 +691,13 @@ static void test_migrate_fences(void **state)
     for (uint64_t i = 0; i < 3; i++)
         assert_int_equal(tier_of(e, a, i), KVH_TIER_DEVICE);
     kvh_stats s2 = tu_stats(e);
-    assert_int_equal(s2.blocks_host_to_device - s1.blocks_host_to_device, 3);
-    assert_int_equal(s2.bytes_host_to_device - s1.bytes_host_to_device, 3 * bb);
+    assert_moves(&s1, &s2, 0, 3);
+    if (current->copies)
+        assert_int_equal(s2.bytes_host_to_device - s1.bytes_host_to_device, 3 * bb);
     /* Synchronous form (no fence); to the tier it is in already: no move. */
     assert_ok(kvh_migrate(e, bl, 1, KVH_TIER_DEVICE, NULL));
-    assert_int_equal(tu_stats(e).blocks_host_to_device, s2.blocks_host_to_device);
+    kvh_stats s3 = tu_stats(e);
+    assert_moves(&s2, &s3, 0, 0);
     assert_ok(kvh_seq_migrate(e, a, 4, 1, KVH_TIER_HOST, NULL)); /* block 1 only */
     assert_int_equal(tier_of(e, a, 0), KVH_TIER_DEVICE);
     assert_int_equal(tier_of(e, a, 1), KVH_TIER_HOST);
@@ -692,7 +739,7 @@ static void prefetch_wait(kvh_engine *e, kvh_seq s, uint64_t first, uint64_t n)
 
 static void test_prefetch_hysteresis(void **state)
 {
-    kvh_config c = tu_cfg(L, H, D, BT, KVH_DTYPE_F32, 4, 16, THREADS(state));
+    kvh_config c = small_cfg(L, H, D, BT, 4, 16, THREADS(state));
     c.promote_min_hits = 2;
     kvh_engine *e = tu_open_cfg(&c);
     kvh_seq a = make_seq(e, 0, 3, 24);
@@ -756,7 +803,7 @@ static void test_prefetch_default_threshold(void **state)
     kvh_stats s2 = tu_stats(e);
     assert_int_equal(s2.prefetch_useful - s1.prefetch_useful, 2);
     assert_int_equal(s2.prefetch_late, s1.prefetch_late);
-    assert_int_equal(s2.blocks_host_to_device, s1.blocks_host_to_device);
+    assert_moves(&s1, &s2, 0, 0);
     assert_ok(kvh_seq_release(e, a, 0, 8));
     /* Prefetched blocks pushed out by new allocations count as wasted. */
     assert_ok(kvh_seq_migrate(e, a, 0, 8, KVH_TIER_HOST, NULL));
@@ -782,7 +829,8 @@ static void test_pin_during_migration(void **state)
     if (THREADS(state) == 0)
         skip(); /* needs an asynchronous copy */
     /* Large blocks (16 MiB) so the copy takes a while. */
-    kvh_engine *e = tu_open(4, 8, 256, 256, KVH_DTYPE_F32, 1, 1, THREADS(state));
+    kvh_config c = small_cfg(4, 8, 256, 256, 1, 1, THREADS(state));
+    kvh_engine *e = tu_open_cfg(&c);
     kvh_seq s = tu_seq_new(e, 0);
     int32_t *t = tu_alloc(256 * sizeof(int32_t));
     tu_iota(t, 256, 0);
@@ -869,8 +917,10 @@ static void test_stats_add_up(void **state)
 }
 
 #define BOTH(f)                                                                                               \
-    cmocka_unit_test_prestate_setup_teardown(f, NULL, tu_teardown, &THREADS_0),                               \
-        cmocka_unit_test_prestate_setup_teardown(f, NULL, tu_teardown, &THREADS_2)
+    cmocka_unit_test_prestate_setup_teardown(f, set_mode, tu_teardown, &M_PLACE0),                            \
+        cmocka_unit_test_prestate_setup_teardown(f, set_mode, tu_teardown, &M_PLACE2),                        \
+        cmocka_unit_test_prestate_setup_teardown(f, set_mode, tu_teardown, &M_COPY0),                         \
+        cmocka_unit_test_prestate_setup_teardown(f, set_mode, tu_teardown, &M_COPY2)
 
 int main(void)
 {

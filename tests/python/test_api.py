@@ -241,7 +241,8 @@ def test_tier_info_and_spill():
         assert t[kvh.Tier.HOST].used_blocks >= 8
         assert t[kvh.Tier.DEVICE].used_bytes == 4 * eng.block_bytes
         st = eng.stats()
-        assert st.evictions >= 8 and st.bytes_device_to_host >= 8 * eng.block_bytes
+        # One arena on the CPU backend: the evictions moved blocks in place.
+        assert st.evictions >= 8 and st.blocks_moved_in_place >= 8 and st.bytes_device_to_host == 0
         for s in seqs:
             s.free()
 

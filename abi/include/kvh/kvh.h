@@ -183,6 +183,13 @@ typedef struct kvh_config {
     /* LCTRU: accesses of recency a fully tolerant block gives up (0 = the
      * device tier's capacity in blocks). */
     uint32_t lctru_window;
+    /* 1: a block moving between the device and host tiers is copied even
+     * where both are the same memory. Default 0: on the CPU backend
+     * (without vmap, kv_codec or numa_node) both tiers are one arena and
+     * such a move re-accounts the block where it lies (kvh_stats
+     * blocks_moved_in_place). */
+    uint32_t copy_moves;
+    uint32_t reserved1;
 } kvh_config;
 
 enum kvh_disk_flags {
@@ -236,7 +243,9 @@ typedef struct kvh_tier_info {
     uint64_t pinned_blocks;
     void *base; /* memory tiers: address of slot 0 (device pointer on
                    CUDA); slot i is at base + i * block_bytes. NULL for
-                   disk. [owned by engine] until close. */
+                   disk. [owned by engine] until close. When device and
+                   host tiers are one arena (kvh_config.copy_moves) both
+                   report its base, and their slot numbers run across it. */
 } kvh_tier_info;
 
 /* Occupancy of one tier. [out] *info (set info->struct_size first).
@@ -276,6 +285,10 @@ typedef struct kvh_stats {
     uint64_t acquire_stall_ns; /* time acquire spent waiting for copies */
     uint64_t blocks_allocated;
     uint64_t blocks_freed;
+    /* Moves between the device and host tiers made without a copy (they
+     * share one memory: kvh_config.copy_moves); not counted in the
+     * blocks_/bytes_ fields above. */
+    uint64_t blocks_moved_in_place;
 } kvh_stats;
 
 /* Copies the counters. [out] *stats (set stats->struct_size first; a

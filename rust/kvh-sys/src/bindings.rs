@@ -249,12 +249,14 @@ pub struct kvh_config {
     pub vmap: u32,
     pub eviction_policy: u32,
     pub lctru_window: u32,
+    pub copy_moves: u32,
+    pub reserved1: u32,
 }
 #[test]
 fn bindgen_test_layout_kvh_config() {
     assert_eq!(
         ::std::mem::size_of::<kvh_config>(),
-        144usize,
+        152usize,
         concat!("Size of: ", stringify!(kvh_config))
     );
     assert_eq!(
@@ -738,6 +740,40 @@ fn bindgen_test_layout_kvh_config() {
         );
     }
     test_field_lctru_window();
+    fn test_field_copy_moves() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_config>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).copy_moves) as usize - ptr as usize
+            },
+            144usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_config),
+                "::",
+                stringify!(copy_moves)
+            )
+        );
+    }
+    test_field_copy_moves();
+    fn test_field_reserved1() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_config>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).reserved1) as usize - ptr as usize
+            },
+            148usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_config),
+                "::",
+                stringify!(reserved1)
+            )
+        );
+    }
+    test_field_reserved1();
 }
 impl Default for kvh_config {
     fn default() -> Self {
@@ -975,12 +1011,13 @@ pub struct kvh_stats {
     pub acquire_stall_ns: u64,
     pub blocks_allocated: u64,
     pub blocks_freed: u64,
+    pub blocks_moved_in_place: u64,
 }
 #[test]
 fn bindgen_test_layout_kvh_stats() {
     assert_eq!(
         ::std::mem::size_of::<kvh_stats>(),
-        224usize,
+        232usize,
         concat!("Size of: ", stringify!(kvh_stats))
     );
     assert_eq!(
@@ -1481,6 +1518,23 @@ fn bindgen_test_layout_kvh_stats() {
         );
     }
     test_field_blocks_freed();
+    fn test_field_blocks_moved_in_place() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_stats>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).blocks_moved_in_place) as usize - ptr as usize
+            },
+            224usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_stats),
+                "::",
+                stringify!(blocks_moved_in_place)
+            )
+        );
+    }
+    test_field_blocks_moved_in_place();
 }
 extern "C" {
     pub fn kvh_engine_stats(engine: *mut kvh_engine, stats: *mut kvh_stats) -> kvh_status;

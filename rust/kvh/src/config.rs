@@ -128,6 +128,14 @@ impl Config {
         self
     }
 
+    /// Copy blocks moving between the device and host tiers even where
+    /// both are the same memory (default off: on the CPU backend they are
+    /// one arena and a move re-accounts the block in place).
+    pub fn copy_moves(mut self, on: bool) -> Self {
+        self.raw.copy_moves = u32::from(on);
+        self
+    }
+
     /// Transformer layers (default 1).
     pub fn num_layers(mut self, n: u32) -> Self {
         self.raw.num_layers = n;

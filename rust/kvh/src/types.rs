@@ -242,6 +242,9 @@ pub struct Stats {
     pub blocks_allocated: u64,
     /// Blocks freed.
     pub blocks_freed: u64,
+    /// Device <-> host moves made without a copy (the tiers share one
+    /// arena; see [`Config::copy_moves`](crate::Config::copy_moves)).
+    pub blocks_moved_in_place: u64,
 }
 
 impl Stats {
@@ -274,6 +277,7 @@ impl Stats {
             acquire_stall_ns: s.acquire_stall_ns,
             blocks_allocated: s.blocks_allocated,
             blocks_freed: s.blocks_freed,
+            blocks_moved_in_place: s.blocks_moved_in_place,
         }
     }
 
