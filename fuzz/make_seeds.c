@@ -272,7 +272,7 @@ static void newer_api_seeds(void)
         255, 0, 1, 255,
         SEQ_FREE(0),
         255, 0, 1, 255,                     /* run after the sequence is gone */
-        255, 0, 2,                          /* destroy */
+        255, 0, 3,                          /* destroy */
         252, 1, 0, 0, 1, 255, 2,            /* view of the fork */
         REOPEN,                             /* close releases the view */
     };
