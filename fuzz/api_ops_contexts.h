@@ -88,7 +88,7 @@ static void op_context_add_region(state *s, fz_in *in)
     }
     int i = ctx_slot(s, x.id);
     if (i < 0 || r != s->ctx[i].n_regions || r >= NREG)
-        return; /* an untracked context (e.g. one created in a seed's forged handle) */
+        return; /* not tracked: its slot was reused, or regions were added while it was not */
     FZ_CHECK(p.bytes || p.file_offset + p.size <= sizeof(s->weights_file), "a region past the end of its file");
     s->ctx[i].size[r] = p.size;
     memcpy(s->ctx[i].expect[r], p.bytes ? bytes : s->weights_file + p.file_offset, p.size);
