@@ -42,8 +42,11 @@ kvh_status kvhi_admission_reserve(kvh_engine *e, uint64_t token_budget, int *poo
         return KVH_OK;
     kvhi_admission_reclaim(e);
     int pool = token_budget <= a->short_max_tokens ? 0 : 1;
-    uint64_t blocks = (token_budget + e->cfg.block_tokens - 1) / e->cfg.block_tokens;
-    if (a->reserved_blocks[pool] + blocks > a->quota_blocks[pool]) {
+    /* Rounded up without (budget + block_tokens - 1), which wraps for
+     * budgets near UINT64_MAX (they then reserved nothing). */
+    uint64_t bt = e->cfg.block_tokens, blocks = token_budget / bt + (token_budget % bt != 0);
+    uint64_t reserved = a->reserved_blocks[pool], quota = a->quota_blocks[pool];
+    if (reserved > quota || blocks > quota - reserved) {
         a->rejected[pool]++;
         return kvhi_fail(KVH_ERR_NOSPACE,
                          "%s-context pool: %llu of %llu blocks reserved, a budget of %llu tokens needs %llu more",

@@ -162,6 +162,34 @@ static kvh_status map_changed(kvh_engine *e, kvh_vmap *v, const kvhi_seq *s, uin
     return KVH_OK;
 }
 
+/* Room for n per-block records. They grow with the sequence instead of
+ * being sized for cap_tokens up front: a view of a short sequence with a
+ * capacity of 2^31 tokens would otherwise allocate and fill gigabytes. */
+static int reserve_entries(kvh_vmap *v, uint32_t n)
+{
+    if (n <= v->n_entries)
+        return 0;
+    uint32_t want = v->n_entries ? v->n_entries : 4;
+    while (want < n)
+        want *= 2;
+    uint32_t *blk = realloc(v->blk, sizeof(uint32_t) * want);
+    if (blk)
+        v->blk = blk;
+    uint32_t *gen = blk ? realloc(v->gen, sizeof(uint32_t) * want) : NULL;
+    if (gen)
+        v->gen = gen;
+    uint32_t *slot = gen ? realloc(v->slot, sizeof(uint32_t) * want) : NULL;
+    if (!slot)
+        return -1;
+    v->slot = slot;
+    for (uint32_t i = v->n_entries; i < want; i++) {
+        v->blk[i] = KVHI_NO_BLOCK;
+        v->gen[i] = v->slot[i] = 0;
+    }
+    v->n_entries = want;
+    return 0;
+}
+
 /* Lock held. */
 static kvh_status refresh(kvh_engine *e, kvh_vmap *v, bool *changed)
 {
@@ -172,6 +200,8 @@ static kvh_status refresh(kvh_engine *e, kvh_vmap *v, bool *changed)
     if (s->n_tokens > v->cap_tokens)
         return kvhi_fail(KVH_ERR_RANGE, "the sequence has %llu tokens; the view holds %llu",
                          (unsigned long long)s->n_tokens, (unsigned long long)v->cap_tokens);
+    if (reserve_entries(v, s->n_blocks) != 0)
+        return kvhi_fail(KVH_ERR_NOMEM, "out of memory for a view of %u blocks", s->n_blocks);
     bool any = false;
     /* Let copies of its blocks finish (the lock is dropped meanwhile),
      * then find the changed runs. */
@@ -283,19 +313,11 @@ kvh_status kvh_seq_vmap(kvh_engine *e, kvh_seq seq, uint32_t layer, uint64_t cap
         st = kvhi_fail(KVH_ERR_RANGE, "the sequence is too long for a view");
         goto done;
     }
-    uint32_t max_blocks = (uint32_t)(cap / bt);
     v = calloc(1, sizeof(*v));
-    if (v) {
-        v->blk = malloc(sizeof(uint32_t) * max_blocks);
-        v->gen = calloc(max_blocks, sizeof(uint32_t));
-        v->slot = calloc(max_blocks, sizeof(uint32_t));
-    }
-    if (!v || !v->blk || !v->gen || !v->slot) {
+    if (!v) {
         st = kvhi_fail(KVH_ERR_NOMEM, "out of memory for a view");
         goto done;
     }
-    for (uint32_t i = 0; i < max_blocks; i++)
-        v->blk[i] = KVHI_NO_BLOCK;
     v->seq = seq;
     v->layer = layer;
     v->cap_tokens = cap;

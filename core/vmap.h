@@ -19,9 +19,11 @@ struct kvh_vmap {
     uint64_t range_bytes;
     uint64_t generation;
     uint8_t *base;
-    /* Per logical block (cap_tokens / block_tokens entries): the block
-     * mapped there, its generation and slot when mapped. */
+    /* Per logical block (n_entries of them, grown as the sequence grows,
+     * up to cap_tokens / block_tokens): the block mapped there, its
+     * generation and slot when mapped. */
     uint32_t *blk, *gen, *slot;
+    uint32_t n_entries;
     struct kvh_vmap *next, *prev; /* the engine's open views */
 };
 

@@ -1,8 +1,12 @@
 /* Fuzz target: random sequences of ABI calls with random handles and
  * arguments, on one engine (disk tier or not, 0-2 migration workers, per
- * the first byte).
+ * the first byte; when its top two bits are set, a second byte chooses
+ * views (kvh_config.vmap), a kv_codec and the eviction policy).
  *
- * Each step: an opcode byte, then the arguments it needs. Handles come from
+ * Each step: an opcode byte, then the arguments it needs. Opcodes below
+ * 240 are the block, sequence, migration, prefix, pool and attention calls
+ * (this file); 240..255 the weight contexts, admission, codecs, tolerance
+ * setters, views and attention plans (fuzz/api_ops_*.h). Handles come from
  * small pools of real ones (live, freed, of a closed engine) or straight
  * from the input (forged). Buffers are always as large as the lengths the
  * harness passes -- the ABI cannot check a caller's buffer, so lying about
@@ -23,47 +27,10 @@
  * out-parameters untouched on failure, correct K/V on every read, the
  * engine closes with KVH_OK.
  */
-#include "fuzz_common.h"
-
-enum { L = 2, H = 2, D = 4, BT = 4, TOK = H * D * 2, MAXN = 24, NSEQ = 8, NBLK = 16, NFEN = 8, NPOOL = 2 };
-
-static uint8_t kv_byte(int32_t token, uint32_t layer, int kv, size_t j)
-{
-    return (uint8_t)fz_mix(((uint64_t)(uint32_t)token << 20) ^ ((uint64_t)layer << 12) ^ ((uint64_t)kv << 10) ^ j);
-}
-
-static void fill_kv(const int32_t *tokens, size_t n, uint32_t layer, uint8_t *k, uint8_t *v)
-{
-    for (size_t t = 0; t < n; t++)
-        for (size_t j = 0; j < TOK; j++) {
-            k[t * TOK + j] = kv_byte(tokens[t], layer, 0, j);
-            v[t * TOK + j] = kv_byte(tokens[t], layer, 1, j);
-        }
-}
-
-typedef struct state {
-    kvh_engine *e;
-    kvh_config cfg;
-    bool disk;
-    uint64_t seqs[NSEQ], blocks[NBLK], fences[NFEN], pools[NPOOL];
-    uint64_t owned[NBLK]; /* block references the harness holds ... */
-    uint32_t owned_refs[NBLK]; /* ... and how many */
-    uint8_t pool_mem[NPOOL][2 * L][4 * BT * TOK]; /* [layer*2 + kv][slot][token][head][dim] */
-    void *kbase[NPOOL][L], *vbase[NPOOL][L];
-    int32_t prompts[4][MAXN];
-} state;
-
-static uint64_t pick(fz_in *in, const uint64_t *pool, int n)
-{
-    uint8_t c = fz_u8(in);
-    if (c < 200)
-        return pool[c % n];
-    if (c < 230)
-        return fz_u64(in); /* forged */
-    return 0; /* the null handle */
-}
-
-static void keep(uint64_t *pool, int n, fz_in *in, uint64_t h) { pool[fz_u8(in) % n] = h; }
+#include "api_harness.h"
+#include "api_ops_codecs.h"
+#include "api_ops_contexts.h"
+#include "api_ops_views.h"
 
 /* One more reference the harness holds on block h. */
 static void own(state *s, uint64_t h)
@@ -93,23 +60,6 @@ static size_t tokens_from(fz_in *in, state *s, int32_t *tk)
     return n;
 }
 
-/* Reads [pos, pos + n) of seq and checks it against the token ids. */
-static void check_read(state *s, kvh_seq q, uint32_t layer, uint64_t pos, size_t n)
-{
-    uint8_t k[MAXN * TOK], v[MAXN * TOK], wk[MAXN * TOK], wv[MAXN * TOK];
-    int32_t tk[MAXN];
-    if (n > MAXN)
-        n = MAXN;
-    kvh_status st = kvh_seq_read_kv(s->e, q, layer, pos, n, k, v);
-    FZ_KNOWN(st);
-    if (st != KVH_OK)
-        return;
-    FZ_CHECK(kvh_seq_tokens(s->e, q, pos, n, tk) == KVH_OK, "tokens of a range that was just read");
-    fill_kv(tk, n, layer, wk, wv);
-    FZ_CHECK(!memcmp(k, wk, n * TOK) && !memcmp(v, wv, n * TOK),
-             "wrong K/V served: layer %u tokens [%llu, +%zu)", layer, (unsigned long long)pos, n);
-}
-
 static void open_engine(state *s)
 {
     s->e = NULL;
@@ -117,14 +67,42 @@ static void open_engine(state *s)
     FZ_CHECK(st == KVH_OK, "open: %s: %s", kvh_status_name(st), kvh_last_error());
 }
 
+/* Opcode bytes 240..255: the calls added after the first corpus was
+ * recorded (below 240 an opcode byte means what it always meant). */
+static void newer_step(state *s, fz_in *in, uint8_t op)
+{
+    switch (op) {
+    case 0: op_context_create(s, in); break;
+    case 1: op_context_destroy(s, in); break;
+    case 2: op_context_add_region(s, in); break;
+    case 3: op_context_attach_seq(s, in); break;
+    case 4: op_context_switch(s, in); break;
+    case 5: op_context_wait_layer(s, in); break;
+    case 6: op_context_region_data(s, in); break;
+    case 7: op_context_query(s, in); break;
+    case 8: op_admission_configure(s, in); break;
+    case 9: op_seq_create_ex(s, in); break;
+    case 10: op_codec(s, in); break;
+    case 11: op_tolerance(s, in); break;
+    case 12: op_vmap_create(s, in); break;
+    case 13: op_vmap_use(s, in); break;
+    case 14: op_vmap_attention(s, in); break;
+    default: op_attention_plan(s, in); break;
+    }
+}
+
 static void step(state *s, fz_in *in)
 {
     kvh_engine *e = s->e;
-    uint8_t op = fz_u8(in) % 40;
+    uint8_t opcode = fz_u8(in);
+    if (opcode >= 240) {
+        newer_step(s, in, opcode - 240);
+        return;
+    }
+    uint8_t op = opcode % 40;
     kvh_status st = KVH_OK;
     int32_t tk[MAXN];
-    uint8_t k[MAXN * TOK], v[MAXN * TOK];
-    const uint64_t SENT = 0x5e5e5e5e5e5e5e5eull;
+    uint8_t *k = s->k, *v = s->v;
     kvh_seq q = {pick(in, s->seqs, NSEQ)}, out_s = {SENT};
     kvh_block b = {pick(in, s->blocks, NBLK)}, out_b = {SENT};
     kvh_fence f = {pick(in, s->fences, NFEN)}, out_f = {SENT};
@@ -154,7 +132,7 @@ static void step(state *s, fz_in *in)
         st = kvh_seq_length(e, q, &len);
         if (st == KVH_OK && (st = kvh_seq_append(e, q, tk, n)) == KVH_OK)
             for (uint32_t l = 0; l < L && st == KVH_OK; l++) {
-                fill_kv(tk, n, l, k, v);
+                fill_kv(s, tk, n, l, k, v);
                 if (fz_u8(in) < 230)
                     st = kvh_seq_write_kv(e, q, l, len, n, k, v);
             }
@@ -166,22 +144,27 @@ static void step(state *s, fz_in *in)
         uint32_t layer = fz_u8(in) % (L + 1);
         st = kvh_seq_tokens(e, q, pos, n, tk);
         if (st == KVH_OK) {
-            fill_kv(tk, n, layer < L ? layer : 0, k, v);
+            fill_kv(s, tk, n, layer < L ? layer : 0, k, v);
             st = kvh_seq_write_kv(e, q, layer, pos, n, k, v);
         } else
             st = kvh_seq_write_kv(e, q, layer, pos, n, k, v); /* out of range: must fail */
         break;
     }
     case 7:
-    case 8:
-        check_read(s, q, fz_u8(in) % (L + 1), fz_u8(in) % 64, fz_u8(in) % (MAXN + 1));
+    case 8: {
+        uint32_t layer = fz_u8(in) % (L + 1);
+        uint64_t pos = fz_u8(in) % 64;
+        check_read(s, q, layer, pos, fz_u8(in) % (MAXN + 1));
         return;
+    }
     case 9:
         st = kvh_seq_length(e, q, &u64);
         break;
-    case 10:
-        st = kvh_seq_tokens(e, q, fz_u8(in) % 64, fz_u8(in) % (MAXN + 1), tk);
+    case 10: {
+        uint64_t pos = fz_u8(in) % 64;
+        st = kvh_seq_tokens(e, q, pos, fz_u8(in) % (MAXN + 1), tk);
         break;
+    }
     case 11:
         st = kvh_seq_persist(e, q);
         break;
@@ -211,12 +194,16 @@ static void step(state *s, fz_in *in)
         }
         break;
     }
-    case 16:
-        st = kvh_seq_release(e, q, fz_u8(in) % 40, fz_u8(in) % 40);
+    case 16: {
+        uint64_t first = fz_u8(in) % 40;
+        st = kvh_seq_release(e, q, first, fz_u8(in) % 40);
         break;
-    case 17:
-        st = kvh_seq_pin(e, q, fz_u8(in) % 40, fz_u8(in) % 40, fz_u8(in) & 1);
+    }
+    case 17: {
+        uint64_t first = fz_u8(in) % 40, n = fz_u8(in) % 40;
+        st = kvh_seq_pin(e, q, first, n, fz_u8(in) & 1);
         break;
+    }
     case 18: {
         kvh_block bl[4] = {{SENT}, {SENT}, {SENT}, {SENT}};
         size_t n = fz_u8(in) % 5;
@@ -228,7 +215,8 @@ static void step(state *s, fz_in *in)
     case 19: {
         kvh_seq batch[3] = {q, {pick(in, s->seqs, NSEQ)}, {pick(in, s->seqs, NSEQ)}};
         int32_t indptr[4], idx[64], lpl[3];
-        st = kvh_block_table(e, batch, fz_u8(in) % 4, indptr, idx, fz_u8(in) % 65, lpl);
+        size_t n = fz_u8(in) % 4;
+        st = kvh_block_table(e, batch, n, indptr, idx, fz_u8(in) % 65, lpl);
         break;
     }
     case 20: {
@@ -269,21 +257,26 @@ static void step(state *s, fz_in *in)
         break;
     case 25: {
         kvh_block bl[3] = {b, {pick(in, s->blocks, NBLK)}, {pick(in, s->blocks, NBLK)}};
-        st = kvh_migrate(e, bl, fz_u8(in) % 4, fz_u8(in) % 4, want_fence ? &out_f : NULL);
+        size_t n = fz_u8(in) % 4;
+        st = kvh_migrate(e, bl, n, fz_u8(in) % 4, want_fence ? &out_f : NULL);
         if (st == KVH_OK && want_fence)
             keep(s->fences, NFEN, in, out_f.id);
         break;
     }
-    case 26:
-        st = kvh_seq_migrate(e, q, fz_u8(in) % 40, fz_u8(in) % 40, fz_u8(in) % 4, want_fence ? &out_f : NULL);
+    case 26: {
+        uint64_t first = fz_u8(in) % 40, n = fz_u8(in) % 40;
+        st = kvh_seq_migrate(e, q, first, n, fz_u8(in) % 4, want_fence ? &out_f : NULL);
         if (st == KVH_OK && want_fence)
             keep(s->fences, NFEN, in, out_f.id);
         break;
-    case 27:
-        st = kvh_prefetch(e, q, fz_u8(in) % 40, fz_u8(in) % 40, (int32_t)fz_u32(in), want_fence ? &out_f : NULL);
+    }
+    case 27: {
+        uint64_t first = fz_u8(in) % 40, n = fz_u8(in) % 40;
+        st = kvh_prefetch(e, q, first, n, (int32_t)fz_u32(in), want_fence ? &out_f : NULL);
         if (st == KVH_OK && want_fence)
             keep(s->fences, NFEN, in, out_f.id);
         break;
+    }
     case 28:
         st = kvh_fence_wait(e, f, fz_u8(in) < 128 ? 0 : 1000000);
         break;
@@ -325,9 +318,9 @@ static void step(state *s, fz_in *in)
                                .num_slots = fz_u8(in) % 6,
                                .k_base = (void *const *)s->kbase[i],
                                .v_base = (void *const *)s->vbase[i],
-                               .slot_stride = BT * TOK,
-                               .token_stride = TOK,
-                               .head_stride = D * 2};
+                               .slot_stride = BT * s->tok,
+                               .token_stride = s->tok,
+                               .head_stride = s->d * 2};
         if (lay.num_slots > 4)
             lay.num_slots = 4;
         st = kvh_pool_register(e, &lay, &out_p);
@@ -347,7 +340,8 @@ static void step(state *s, fz_in *in)
                 pi = i;
         if (pi >= 0 && slot < 4 && n >= BT)
             for (uint32_t l = 0; l < L; l++)
-                fill_kv(tk, BT, l, &s->pool_mem[pi][2 * l][slot * BT * TOK], &s->pool_mem[pi][2 * l + 1][slot * BT * TOK]);
+                fill_kv(s, tk, BT, l, &s->pool_mem[pi][2 * l][slot * BT * s->tok],
+                        &s->pool_mem[pi][2 * l + 1][slot * BT * s->tok]);
         uint64_t parent = 0;
         if (fz_u8(in) & 1)
             kvh_prefix_hash(e, 0, s->prompts[0], BT, &parent);
@@ -365,8 +359,8 @@ static void step(state *s, fz_in *in)
         kvh_seq batch[2] = {q, {pick(in, s->seqs, NSEQ)}};
         size_t n = fz_u8(in) % 3;
         uint32_t qlens[2] = {fz_u8(in) % 5, fz_u8(in) % 5};
-        float qv[8 * H * D], ov[8 * H * D];
-        memset(qv, 0, sizeof(qv));
+        float *qv = s->q, *ov = s->out;
+        memset(qv, 0, sizeof(s->q));
         kvh_attention_params ap;
         kvh_attention_params_init(&ap, sizeof(ap));
         ap.threads = 1;
@@ -384,7 +378,8 @@ static void step(state *s, fz_in *in)
         st = kvh_tier_info_get(e, fz_u8(in) % 4, &ti);
         if (st == KVH_OK)
             FZ_CHECK(ti.used_bytes == ti.used_blocks * ti.block_bytes, "tier occupancy");
-        st = kvh_agent_set_quota(e, fz_u8(in) % 4, (uint64_t)(fz_u8(in) % 4) * 2 * L * BT * TOK);
+        uint32_t agent = fz_u8(in) % 4;
+        st = kvh_agent_set_quota(e, agent, (uint64_t)(fz_u8(in) % 4) * s->block_bytes);
         break;
     }
     default: /* close and reopen: every handle held becomes stale */
@@ -394,8 +389,18 @@ static void step(state *s, fz_in *in)
             s->pools[i] = 0;
         for (int i = 0; i < NBLK; i++)
             s->blocks[i] = s->owned[i] = s->owned_refs[i] = 0;
+        /* close released the views and plans; context handles stay, stale */
+        for (int i = 0; i < NVIEW; i++)
+            forget_view(s, i);
+        for (int i = 0; i < NPLAN; i++)
+            s->plans[i] = NULL;
+        for (int i = 0; i < NCTX; i++)
+            s->ctx[i].n_regions = 0;
         return;
     }
+    char what[16];
+    snprintf(what, sizeof(what), "op %u", op);
+    trace(what, st);
     FZ_KNOWN(st);
     if (st != KVH_OK) {
         FZ_CHECK(out_s.id == SENT && out_b.id == SENT && out_p.id == SENT,
@@ -411,24 +416,43 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     memset(&s, 0, sizeof(s));
     uint8_t mode = fz_u8(&in);
     kvh_config_init(&s.cfg, sizeof(s.cfg));
+    s.d = D_SMALL;
+    s.cfg.migration_threads = (mode >> 6) % 3;
+    if (mode >> 6 == 3) { /* a second byte: views, kv codec, eviction policy */
+        uint8_t feat = fz_u8(&in);
+        s.cfg.migration_threads = feat % 3;
+        s.cfg.vmap = (feat & 4) != 0;
+        s.d = s.cfg.vmap ? D_VIEWS : D_SMALL;
+        s.codec = (feat >> 3) % 4;
+        if (s.codec >= KVH_CODEC_Q4_G32 && s.d % 64)
+            s.codec = KVH_CODEC_INT8;
+        s.cfg.kv_codec = s.codec;
+        s.cfg.eviction_policy = (feat >> 5) & 1 ? KVH_EVICT_LCTRU : KVH_EVICT_LRU_K;
+        s.cfg.lctru_window = (feat >> 6) * 3;
+    }
+    s.tok = H * s.d * 2;
     s.cfg.num_layers = L;
     s.cfg.num_kv_heads = H;
-    s.cfg.head_dim = D;
+    s.cfg.head_dim = s.d;
     s.cfg.block_tokens = BT;
     s.cfg.dtype = KVH_DTYPE_F16;
     s.cfg.backend = KVH_BACKEND_CPU;
-    uint64_t bb = 2ull * L * BT * TOK;
+    uint64_t bb = s.block_bytes = 2ull * L * BT * s.tok;
     s.cfg.device_bytes = (2 + mode % 6) * bb;
     s.cfg.host_bytes = ((mode >> 3) % 8) * bb;
-    s.cfg.migration_threads = (mode >> 6) % 3;
     s.disk = mode & 4;
+    const char *dir = fz_dir("api");
+    fz_clear(dir);
     if (s.disk) {
-        const char *dir = fz_dir("api");
-        fz_clear(dir);
         s.cfg.disk_path = dir;
-        s.cfg.disk_bytes = 24 * 8192;
+        s.cfg.disk_bytes = 24 * (4096 + (bb + 4095) / 4096 * 4096);
         s.cfg.disk_flags = KVH_DISK_BUFFERED;
     }
+    /* the file weight regions may name (a GGUF stand-in) */
+    for (size_t i = 0; i < sizeof(s.weights_file); i++)
+        s.weights_file[i] = (uint8_t)fz_mix(i ^ 0xfeed);
+    snprintf(s.weights_path, sizeof(s.weights_path), "%s/weights.bin", dir);
+    FZ_CHECK(fz_write(dir, "weights.bin", s.weights_file, sizeof(s.weights_file)) == 0, "weights file");
     for (int i = 0; i < 4; i++)
         for (int t = 0; t < MAXN; t++)
             s.prompts[i][t] = (int32_t)((t * 7 + i * (t / 8 + 1)) % 13);

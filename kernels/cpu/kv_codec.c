@@ -59,17 +59,20 @@ static float get_f32(const uint8_t *p)
     return v;
 }
 
-/* Rounds x * inv to the nearest code in [lo, hi]; NaN gives `nan_code`. */
-static int quantise(float x, float offset, float inv, int lo, int hi, int nan_code)
+/* Rounds (x - offset) * inv to the nearest code in [lo, hi]; NaN gives
+ * `nan_code`. In double: x - offset can exceed FLT_MAX, and inv (the
+ * reciprocal of the stored f32 scale) overflows a float when the scale is
+ * subnormal -- a zero element then became 0 * inf = NaN, the top code. */
+static int quantise(float x, double offset, double inv, int lo, int hi, int nan_code)
 {
     if (isnan(x))
         return nan_code;
-    float q = (x - offset) * inv;
-    if (!(q < (float)hi)) /* also +inf */
+    double q = ((double)x - offset) * inv;
+    if (!(q < hi)) /* also +inf */
         return hi;
-    if (!(q > (float)lo))
+    if (!(q > lo))
         return lo;
-    return (int)lrintf(q);
+    return (int)lrint(q);
 }
 
 static void encode_int8(uint32_t dtype, uint32_t d, const void *src, uint8_t *rec)
@@ -80,7 +83,8 @@ static void encode_int8(uint32_t dtype, uint32_t d, const void *src, uint8_t *re
         if (isfinite(a) && a > amax)
             amax = a;
     }
-    float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    float scale = amax / 127.0f;
+    double inv = scale > 0.0f ? 1.0 / scale : 0.0; /* of the scale as stored */
     put_f32(rec, scale);
     int8_t *codes = (int8_t *)(rec + sizeof(float));
     for (uint32_t i = 0; i < d; i++) {
@@ -96,7 +100,7 @@ static void decode_int8(uint32_t dtype, uint32_t d, const uint8_t *rec, void *ds
     float scale = get_f32(rec);
     const int8_t *codes = (const int8_t *)(rec + sizeof(float));
     for (uint32_t i = 0; i < d; i++)
-        kvhi_store_from_f32(dtype, dst, i, (float)codes[i] * scale);
+        kvhi_store_from_f32(dtype, dst, i, (float)((double)codes[i] * scale));
 }
 
 static void encode_q4(uint32_t dtype, uint32_t d, uint32_t g, const void *src, uint8_t *rec)
@@ -115,7 +119,9 @@ static void encode_q4(uint32_t dtype, uint32_t d, uint32_t g, const void *src, u
         }
         if (lo > hi) /* no finite element */
             lo = hi = 0.0f;
-        float scale = (hi - lo) / 15.0f, inv = hi > lo ? 15.0f / (hi - lo) : 0.0f;
+        /* hi - lo may exceed FLT_MAX; the scale (a 15th of it) does not */
+        float scale = (float)(((double)hi - lo) / 15.0);
+        double inv = scale > 0.0f ? 1.0 / scale : 0.0;
         put_f32(rec + (size_t)gi * 2 * sizeof(float), scale);
         put_f32(rec + (size_t)gi * 2 * sizeof(float) + sizeof(float), lo);
         for (uint32_t i = gi * g; i < (gi + 1) * g; i++) {
@@ -135,7 +141,7 @@ static void decode_q4(uint32_t dtype, uint32_t d, uint32_t g, const uint8_t *rec
         float lo = get_f32(rec + (size_t)gi * 2 * sizeof(float) + sizeof(float));
         for (uint32_t i = gi * g; i < (gi + 1) * g; i++) {
             uint32_t q = (codes[i / 2] >> ((i & 1u) * 4)) & 0xfu;
-            kvhi_store_from_f32(dtype, dst, i, lo + (float)q * scale);
+            kvhi_store_from_f32(dtype, dst, i, (float)(lo + (double)q * scale));
         }
     }
 }

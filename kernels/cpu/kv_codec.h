@@ -12,7 +12,8 @@
  *
  * Error bound per element (before the decoded value is rounded to the
  * storage dtype): INT8 |x - x'| <= max|x| / 254 of its vector; Q4 |x - x'|
- * <= (max - min) / 30 of its group. Non-finite inputs are not preserved:
+ * <= (max - min) / 30 of its group; plus 2^-143 when the f32 scale is
+ * subnormal (magnitudes below about 2^-119). Non-finite inputs are not preserved:
  * +-inf saturate to the largest/smallest code, NaN becomes the zero code;
  * the scale is computed over the finite elements only. */
 #ifndef KVH_KERNELS_CPU_KV_CODEC_H

@@ -10,13 +10,14 @@ from typing import TYPE_CHECKING, Any, List, Optional, Sequence as Seq
 
 from . import errors
 from ._ffi import check, ffi, lib
+from ._handle import OwnedHandle
 from .types import DType
 
 if TYPE_CHECKING:  # pragma: no cover
     from .engine import Engine, Sequence
 
 
-class AttentionPlan:
+class AttentionPlan(OwnedHandle):
     """Made by :meth:`kvh.Engine.attention_plan`."""
 
     def __init__(self, engine: "Engine", layer: int, seqs: Seq["Sequence"], q_lens: Optional[List[int]],
@@ -66,18 +67,6 @@ class AttentionPlan:
             pass
 
     close = destroy
-
-    def __enter__(self) -> "AttentionPlan":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.destroy()
-
-    def __del__(self) -> None:
-        try:
-            self.destroy()
-        except Exception:
-            pass
 
 
 __all__ = ["AttentionPlan"]

@@ -30,6 +30,7 @@ import numpy as np
 
 from . import errors
 from ._ffi import NULL, U64_MAX, check, ffi, lib
+from ._handle import Closable
 
 __all__ = ["Context", "ContextInfo", "WeightStats", "AdmissionInfo", "KV_POLICIES"]
 
@@ -113,7 +114,7 @@ def gguf_layer(name: str, num_blocks: int) -> int:
     return num_blocks + 1
 
 
-class Context:
+class Context(Closable):
     """One ``kvh_context``. Create with :meth:`kvh.Engine.context`; free with
     :meth:`destroy`, a ``with`` block, or when the engine closes."""
 
@@ -303,11 +304,9 @@ class Context:
         if self._engine._current_context is self:
             self._engine._current_context = None
 
-    def __enter__(self) -> "Context":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.destroy()
+    # Not closed by the garbage collector: the engine frees its contexts
+    # when it closes.
+    close = destroy
 
     def __repr__(self) -> str:
         return f"<kvh.Context {self._name!r} regions={len(self._regions)}{' destroyed' if self._destroyed else ''}>"

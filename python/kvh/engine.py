@@ -33,6 +33,7 @@ import numpy as np
 
 from . import errors
 from ._ffi import NULL, U64_MAX, check, ffi, kvh_level_for_logger, last_error, lib, raise_status, status_name
+from ._handle import OwnedHandle
 from .types import Backend, BlockInfo, Codec, Config, Eviction, DType, Stats, Tier, TierInfo, numpy_dtype
 
 __all__ = ["Engine", "Sequence", "Block", "Hold", "Fence", "TokenSpan"]
@@ -209,7 +210,7 @@ class _Call:
 # ---------------------------------------------------------------------------------
 # Engine
 # ---------------------------------------------------------------------------------
-class Engine:
+class Engine(OwnedHandle):
     """One kvh engine (``kvh_engine``): tiers, blocks, sequences, migration.
 
     ``Engine(config=None, **fields)`` takes a :class:`kvh.Config` and/or its
@@ -348,15 +349,10 @@ class Engine:
         self._call_check()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            if self._native is not None and not self._native.closed:
-                self._native.close()
-        except Exception:
-            pass
+    def _close_at_gc(self) -> None:
+        # The native close only: no status to raise, no registry to update.
+        if self._native is not None and not self._native.closed:
+            self._native.close()
 
     def __repr__(self) -> str:
         if self.closed:
@@ -798,7 +794,7 @@ class Engine:
 # ---------------------------------------------------------------------------------
 # Fence: a future-like completion of asynchronous work
 # ---------------------------------------------------------------------------------
-class Fence:
+class Fence(OwnedHandle):
     """Completion of asynchronous work (prefetch, migrate, acquire with
     ``wait=False``), shaped like ``concurrent.futures.Future``: ``done()``,
     ``result(timeout)``, ``exception(timeout)``, ``wait(timeout)``,
@@ -921,18 +917,9 @@ class Fence:
         """Frees the C fence (pending work continues)."""
         self._free()
 
-    def __enter__(self) -> "Fence":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            if not self._freed and not self._engine.closed:
-                self._free()
-        except Exception:
-            pass
+    def _close_at_gc(self) -> None:
+        if not self._freed and not self._engine.closed:
+            self._free()
 
     def __repr__(self) -> str:
         state = "pending" if self._outcome is None else ("ok" if self._outcome[0] == 0 else status_name(self._outcome[0]))
@@ -942,7 +929,7 @@ class Fence:
 # ---------------------------------------------------------------------------------
 # Block
 # ---------------------------------------------------------------------------------
-class Block:
+class Block(OwnedHandle):
     """A block handle. ``owned`` blocks (from ``Engine.prefix_lookup``,
     ``Engine.block_alloc``, ``Block.retain``) hold one reference, dropped by
     ``release()``, the context manager, or GC. Blocks from
@@ -1000,19 +987,11 @@ class Block:
         with self._engine._call() as p:
             check(lib.kvh_block_release(p, self._h()))
 
-    def __enter__(self) -> "Block":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
+    def close(self) -> None:
+        """``release()`` unless the engine is closed (which dropped every
+        reference already)."""
         if not self._engine.closed:
             self.release()
-
-    def __del__(self) -> None:
-        try:
-            if self._owned and not self._engine.closed:
-                self.release()
-        except Exception:
-            pass
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Block) and other._engine is self._engine and other._id == self._id
@@ -1041,7 +1020,7 @@ def _block_info(engine: Engine, h) -> BlockInfo:
 # ---------------------------------------------------------------------------------
 # Hold: an acquired range
 # ---------------------------------------------------------------------------------
-class Hold:
+class Hold(OwnedHandle):
     """Tokens ``[first, first + n)`` of a sequence held resident in the
     device tier (``Sequence.acquire``). Released by ``release()``, the
     context manager, or GC. With ``wait=False`` the data is resident once
@@ -1090,17 +1069,7 @@ class Hold:
         with seq._engine._call() as p:
             check(lib.kvh_seq_release(p, seq._h[0], self.first, self.n))
 
-    def __enter__(self) -> "Hold":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.release()
-
-    def __del__(self) -> None:
-        try:
-            self.release()
-        except Exception:
-            pass
+    close = release
 
     def __repr__(self) -> str:
         return f"<kvh.Hold tokens [{self.first}, {self.first + self.n}){' released' if self._released else ''}>"
@@ -1138,7 +1107,7 @@ class _ViewOwner:
 # ---------------------------------------------------------------------------------
 # Sequence
 # ---------------------------------------------------------------------------------
-class Sequence:
+class Sequence(OwnedHandle):
     """A logical token stream with its block table (``kvh_seq``). Create with
     :meth:`Engine.sequence`; free with ``free()``, a ``with`` block, or GC."""
 
@@ -1220,15 +1189,6 @@ class Sequence:
     def __enter__(self) -> "Sequence":
         self._check_alive()
         return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.free()
-
-    def __del__(self) -> None:
-        try:
-            self.free()
-        except Exception:
-            pass
 
     def __repr__(self) -> str:
         if self._freed:

@@ -65,6 +65,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optio
 
 import numpy as np
 
+from ._handle import Closable, OwnedHandle
 from .embed import DEFAULT_DIM, WordTokenizer, open_embedder
 from .retrieval import NumpyChunkIndex
 
@@ -126,7 +127,7 @@ def _point_id(cid: Any) -> int:
     return v
 
 
-class QdrantChunkIndex:
+class QdrantChunkIndex(OwnedHandle):
     """A chunk index in a Qdrant collection (cosine distance).
 
     Where it lives, first match wins: ``url`` (a Qdrant server or cluster,
@@ -245,18 +246,6 @@ class QdrantChunkIndex:
     @property
     def closed(self) -> bool:
         return self._client is None
-
-    def __enter__(self) -> "QdrantChunkIndex":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001
-            pass
 
     def __repr__(self) -> str:
         return (f"<kvh.retriever.QdrantChunkIndex {self.mode} {self.location!r} collection={self.collection!r} "
@@ -648,7 +637,7 @@ _KVH_COUNTERS = ("prefetch_issued", "prefetch_useful", "prefetch_late", "prefetc
 # ---------------------------------------------------------------------------------
 # the retriever
 # ---------------------------------------------------------------------------------
-class SpeculativeRetriever:
+class SpeculativeRetriever(Closable):
     """Chunks in kvh + embeddings in a chunk index + prefetch hints.
 
     ``engine``: the :class:`kvh.Engine` holding the chunks' KV.
@@ -777,12 +766,6 @@ class SpeculativeRetriever:
                 self.index.close()
             except Exception:  # noqa: BLE001
                 pass
-
-    def __enter__(self) -> "SpeculativeRetriever":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return (f"<kvh.retriever.SpeculativeRetriever chunks={len(self._records)} "

@@ -18,6 +18,7 @@ import numpy as np
 
 from . import errors
 from ._ffi import check, ffi, lib
+from ._handle import OwnedHandle
 
 if TYPE_CHECKING:  # pragma: no cover
     from .engine import Engine, Sequence
@@ -39,7 +40,7 @@ class _ArrayOwner:
             pass
 
 
-class VMap:
+class VMap(OwnedHandle):
     """One layer of a sequence as contiguous K and V (see the module doc)."""
 
     def __init__(self, seq: "Sequence", layer: int, capacity_tokens: int = 0) -> None:
@@ -162,18 +163,6 @@ class VMap:
             self._free()
 
     close = release
-
-    def __enter__(self) -> "VMap":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.release()
-
-    def __del__(self) -> None:
-        try:
-            self.release()
-        except Exception:
-            pass
 
 
 def attention_decode_vmap(engine: "Engine", views, q: np.ndarray, *, out: Any = None, scale: float = 0.0,

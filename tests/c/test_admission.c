@@ -1,6 +1,7 @@
 /* Admission by token budget: short and long pools with their own device
  * quotas, NOSPACE before anything is allocated, reservations released
- * when sequences are freed, older kvh_seq_params callers, bad input. */
+ * when sequences are freed, budgets too large to round to blocks, older
+ * kvh_seq_params callers, bad input. */
 #include "test_util.h"
 
 enum { L = 2, H = 2, D = 4, BT = 4 };
@@ -130,6 +131,28 @@ static void older_seq_params(void **state)
     assert_kvh(KVH_ERR_STRUCT_SIZE, kvh_seq_create_ex(e, (const kvh_seq_params *)&old, &s));
 }
 
+/* A budget near UINT64_MAX is no estimate any pool can hold. Rounding it
+ * up to blocks used to wrap to 0 blocks, so it was admitted reserving
+ * nothing (found by fuzz_api). */
+static void huge_budgets_are_refused(void **state)
+{
+    (void)state;
+    kvh_engine *e = open_pools();
+    for (uint64_t less = 0; less < 4; less++) {
+        kvh_seq s = {0};
+        assert_kvh(KVH_ERR_NOSPACE, request(e, UINT64_MAX - less, &s));
+        assert_int_equal(s.id, 0);
+    }
+    kvh_admission_info ai = ainfo(e);
+    assert_int_equal(ai.long_reserved_blocks, 0);
+    assert_int_equal(ai.long_admitted, 0);
+    assert_int_equal(ai.long_rejected, 4);
+    /* The long pool is still whole. */
+    kvh_seq s;
+    assert_ok(request(e, 40 * 4, &s));
+    assert_int_equal(ainfo(e).long_reserved_blocks, 40);
+}
+
 static void bad_input(void **state)
 {
     (void)state;
@@ -163,6 +186,7 @@ int main(void)
         cmocka_unit_test_teardown(pools_short_cannot_be_starved, tu_teardown),
         cmocka_unit_test_teardown(budget_zero_and_disabled, tu_teardown),
         cmocka_unit_test_teardown(older_seq_params, tu_teardown),
+        cmocka_unit_test_teardown(huge_budgets_are_refused, tu_teardown),
         cmocka_unit_test_teardown(bad_input, tu_teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -1,6 +1,7 @@
 /* KV codecs (kernels/cpu/kv_codec.c, core/codec_tier.c): round trips on
  * random data stay inside the documented error bounds for every codec,
- * dtype and head_dim; non-finite input is handled as documented; an engine
+ * dtype and head_dim, also at the ends of the f32 range; non-finite input
+ * is handled as documented; an engine
  * with a codec holds more blocks in its host tier, keeps KV within the
  * bounds through demotion to host and disk and promotion back, and a disk
  * store remembers its codec. */
@@ -25,9 +26,9 @@ static uint32_t group_of(uint32_t codec, uint32_t d)
     return codec == KVH_CODEC_INT8 ? d : codec == KVH_CODEC_Q4_G32 ? 32 : 64;
 }
 
-/* Largest error the documented bound allows for element i of vector x:
- * the codec's step over its group plus rounding to the dtype. */
-static double allowed(uint32_t codec, uint32_t dtype, uint32_t d, const float *x, uint32_t i, double decoded)
+/* The documented bound for element i of vector x: half the codec's step
+ * over its group. */
+static double half_step(uint32_t codec, uint32_t d, const float *x, uint32_t i)
 {
     uint32_t g = group_of(codec, d), g0 = i / g * g;
     double lo = INFINITY, hi = -INFINITY, amax = 0;
@@ -36,9 +37,15 @@ static double allowed(uint32_t codec, uint32_t dtype, uint32_t d, const float *x
         hi = fmax(hi, x[j]);
         amax = fmax(amax, fabs(x[j]));
     }
-    double step = codec == KVH_CODEC_INT8 ? amax / 254.0 : (hi - lo) / 30.0;
+    return codec == KVH_CODEC_INT8 ? amax / 254.0 : (hi - lo) / 30.0;
+}
+
+/* Largest error allowed for element i: the bound plus rounding to the
+ * dtype. */
+static double allowed(uint32_t codec, uint32_t dtype, uint32_t d, const float *x, uint32_t i, double decoded)
+{
     double ulp = dtype == KVH_DTYPE_F16 ? 0x1p-11 : dtype == KVH_DTYPE_BF16 ? 0x1p-8 : 0x1p-23;
-    return step * (1 + 1e-5) + fabs(decoded) * ulp + 1e-30;
+    return half_step(codec, d, x, i) * (1 + 1e-5) + fabs(decoded) * ulp + 1e-30;
 }
 
 static void test_round_trip_bounds(void **state)
@@ -130,6 +137,45 @@ static void test_non_finite_and_constant(void **state)
         assert_ok(kvh_codec_decode(c, KVH_DTYPE_F32, 64, enc, 1, y));
         for (int i = 0; i < 64; i++)
             assert_true(y[i] == x[i]);
+    }
+}
+
+/* The ends of the f32 range (found by fuzz_api). A vector whose largest
+ * magnitude is subnormal has a scale whose reciprocal overflowed a float:
+ * its zeros came back as the largest value. A Q4 group spanning more than
+ * FLT_MAX (max - min overflows) decoded to NaN. Both now stay within the
+ * bound, plus 2^-143 for the subnormal scale's own rounding. */
+static void test_extreme_magnitudes(void **state)
+{
+    const float tiny[] = {1e-39f, 1e-41f, 1e-44f, 0x1p-126f};
+    for (size_t ci = 0; ci < 3; ci++)
+        for (size_t ti = 0; ti < 4; ti++) {
+            uint32_t c = codecs[ci];
+            float x[64], y[64];
+            uint8_t enc[512];
+            for (int i = 0; i < 64; i++)
+                x[i] = i % 4 == 0 ? 0.0f : tiny[ti] * (float)(i % 9 - 4) / 4;
+            assert_ok(kvh_codec_encode(c, KVH_DTYPE_F32, 64, x, 1, enc));
+            assert_ok(kvh_codec_decode(c, KVH_DTYPE_F32, 64, enc, 1, y));
+            for (int i = 0; i < 64; i++) /* no absolute slack here but 2^-143 */
+                if (!(fabs((double)y[i] - x[i]) <=
+                      half_step(c, 64, x, (uint32_t)i) * (1 + 1e-5) + fabs(y[i]) * 0x1p-23 + 0x1p-143))
+                    fail_msg("codec %u, magnitude %g: element %d: %g decoded as %g", c, (double)tiny[ti], i,
+                             (double)x[i], (double)y[i]);
+        }
+    for (size_t ci = 0; ci < 3; ci++) {
+        uint32_t c = codecs[ci];
+        float x[64], y[64];
+        uint8_t enc[512];
+        for (int i = 0; i < 64; i++)
+            x[i] = (i % 2 ? 3e38f : -3e38f) * ((float)(i % 5) / 4);
+        assert_ok(kvh_codec_encode(c, KVH_DTYPE_F32, 64, x, 1, enc));
+        assert_ok(kvh_codec_decode(c, KVH_DTYPE_F32, 64, enc, 1, y));
+        for (int i = 0; i < 64; i++) {
+            assert_true(isfinite(y[i]));
+            if (!(fabs((double)y[i] - x[i]) <= allowed(c, KVH_DTYPE_F32, 64, x, (uint32_t)i, y[i])))
+                fail_msg("codec %u: element %d: %g decoded as %g", c, i, (double)x[i], (double)y[i]);
+        }
     }
 }
 
@@ -311,6 +357,7 @@ int main(void)
         cmocka_unit_test_teardown(test_round_trip_bounds, tu_teardown),
         cmocka_unit_test_teardown(test_sizes_and_arguments, tu_teardown),
         cmocka_unit_test_teardown(test_non_finite_and_constant, tu_teardown),
+        cmocka_unit_test_teardown(test_extreme_magnitudes, tu_teardown),
         cmocka_unit_test_teardown(test_engine_host_holds_more, tu_teardown),
         cmocka_unit_test_teardown(test_engine_demote_promote, tu_teardown),
         cmocka_unit_test_teardown(test_engine_write_into_host, tu_teardown),

@@ -8,39 +8,30 @@
  * attend through a kept plan and through a view and compare the two with
  * the one-shot call, bit for bit. */
 #include <math.h>
-#include <pthread.h>
 #include <stdbool.h>
 
 #include "test_util.h"
+#include "mt_util.h"
 
 enum { L = 2, H = 2, D = 64, BT = 16, THREADS = 4, ROUNDS = 6, TOKENS = 3 * BT + 7 };
-
-typedef struct worker {
-    kvh_engine *e;
-    int t;
-    int errors;
-    char msg[256];
-} worker;
 
 #define WCHECK(call)                                                                                         \
     do {                                                                                                     \
         kvh_status st_ = (call);                                                                             \
         if (st_ != KVH_OK) {                                                                                 \
-            if (!w->errors++)                                                                                \
-                snprintf(w->msg, sizeof(w->msg), "%s: %s (%s)", #call, kvh_status_name(st_), kvh_last_error()); \
+            mt_report(w, "%s: %s (%s)", #call, kvh_status_name(st_), kvh_last_error());                      \
             goto out;                                                                                        \
         }                                                                                                    \
     } while (0)
 #define WFAIL(...)                                                                                           \
     do {                                                                                                     \
-        if (!w->errors++)                                                                                    \
-            snprintf(w->msg, sizeof(w->msg), __VA_ARGS__);                                                   \
+        mt_report(w, __VA_ARGS__);                                                                           \
         goto out;                                                                                            \
     } while (0)
 
 static void *worker_main(void *arg)
 {
-    worker *w = arg;
+    mt_worker *w = arg;
     kvh_engine *e = w->e;
     const size_t per = (size_t)TOKENS * H * D;
     float *k = malloc(sizeof(float) * per), *r = malloc(sizeof(float) * per);
@@ -117,17 +108,8 @@ static void test_codec_views_plans_concurrently(void **state)
     c.eviction_policy = KVH_EVICT_LCTRU;
     c.vmap = 1;
     kvh_engine *e = tu_open_cfg(&c);
-    pthread_t th[THREADS];
-    worker w[THREADS];
-    for (int t = 0; t < THREADS; t++) {
-        w[t] = (worker){.e = e, .t = t};
-        assert_int_equal(pthread_create(&th[t], NULL, worker_main, &w[t]), 0);
-    }
-    for (int t = 0; t < THREADS; t++)
-        pthread_join(th[t], NULL);
-    for (int t = 0; t < THREADS; t++)
-        if (w[t].errors)
-            fail_msg("thread %d: %s", t, w[t].msg);
+    mt_worker w[THREADS];
+    mt_run(e, THREADS, worker_main, w);
     assert_ok(tu_close(e));
 }
 

@@ -10,6 +10,7 @@
  * after one that ended without closing.
  */
 #include "disk_test_util.h"
+#include "mt_util.h"
 
 #include <stdatomic.h>
 
@@ -24,23 +25,15 @@ static atomic_int g_acked[THREADS][PER_THREAD]; /* full blocks acknowledged */
 static dt_content content(int t, int i) { return dt_plain(30000 + (uint64_t)t * 100 + (uint64_t)i); }
 static size_t length(int t, int i) { return (size_t)(1 + (t + i) % 5) * G.bt + (size_t)((i * 7) % G.bt); }
 
-typedef struct worker {
-    kvh_engine *e;
-    int t;
-    int errors;
-    char msg[256];
-} worker;
-
 #define WFAIL(...)                                                                                           \
     do {                                                                                                     \
-        if (!w->errors++)                                                                                    \
-            snprintf(w->msg, sizeof(w->msg), __VA_ARGS__);                                                   \
+        mt_report(w, __VA_ARGS__);                                                                           \
         return NULL;                                                                                         \
     } while (0)
 
 static void *work(void *arg)
 {
-    worker *w = arg;
+    mt_worker *w = arg;
     kvh_engine *e = w->e;
     dt_rng rng = {dt_seed(77) * 31 + (uint64_t)w->t};
     for (int i = 0; i < PER_THREAD; i++) {
@@ -127,17 +120,8 @@ static void test_concurrent_persist_spill_match(void **state)
     g_cfg = dt_cfg(G, g_dir, 6, 12, 1024, 2);
     g_cfg.migration_threads = 2;
     kvh_engine *e = dt_open_a(&g_cfg);
-    worker w[THREADS];
-    pthread_t th[THREADS];
-    for (int t = 0; t < THREADS; t++) {
-        w[t] = (worker){.e = e, .t = t};
-        assert_int_equal(pthread_create(&th[t], NULL, work, &w[t]), 0);
-    }
-    for (int t = 0; t < THREADS; t++)
-        pthread_join(th[t], NULL);
-    for (int t = 0; t < THREADS; t++)
-        if (w[t].errors)
-            fail_msg("%d error(s) in thread %d; first: %s", w[t].errors, t, w[t].msg);
+    mt_worker w[THREADS];
+    mt_run(e, THREADS, work, w);
     char msg[512] = "";
     int bad = check_all(e, msg, sizeof(msg));
     if (bad)

@@ -2,9 +2,12 @@
  * a sequence's layer as contiguous K and V arrays equal to what
  * kvh_seq_read_kv returns; decode attention over views equals the paged
  * call bit for bit; appends, copy-on-write and truncation make a view
- * stale until a refresh remaps what changed; migration works around
- * views; unsupported setups are refused. */
+ * stale until a refresh remaps what changed; a large capacity costs
+ * address space, not memory; migration works around views; unsupported
+ * setups are refused. */
 #include <stdbool.h>
+#include <stdio.h>
+#include <unistd.h>
 
 #include "test_util.h"
 #include "kernels/cpu/attn_cpu.h"
@@ -242,6 +245,45 @@ static void test_views_and_migration(void **state)
     /* Left open: kvh_engine_close releases it (the teardown closes e). */
 }
 
+/* Resident set of this process in bytes. */
+static uint64_t rss_bytes(void)
+{
+    FILE *f = fopen("/proc/self/statm", "r");
+    unsigned long long pages = 0, resident = 0;
+    if (f) {
+        if (fscanf(f, "%llu %llu", &pages, &resident) != 2)
+            resident = 0;
+        fclose(f);
+    }
+    return resident * (uint64_t)sysconf(_SC_PAGESIZE);
+}
+
+/* A view may grow to 2^31 tokens, but its per-block records follow the
+ * sequence: a view of 2 blocks used to allocate and fill 512 MiB of them
+ * up front (found by fuzz_api). Refreshes then grow them block by block. */
+static void test_large_capacity_is_lazy(void **state)
+{
+    kvh_engine *e = open_vmap(64, 0);
+    kvh_seq s = new_seq(e, 2 * BT);
+    assert_ok(kvh_seq_acquire(e, s, 0, 2 * BT, NULL));
+    uint64_t before = rss_bytes();
+    kvh_vmap *m = NULL;
+    assert_ok(kvh_seq_vmap(e, s, 1, 1ull << 31, &m));
+    assert_true(rss_bytes() - before < (16u << 20));
+    assert_int_equal(get_view(e, m).capacity_tokens, 1ull << 31);
+    check_view(e, s, m);
+    int32_t tok[BT];
+    tu_iota(tok, BT, 100);
+    for (uint64_t b = 2; b < 40; b++) { /* past the first few records */
+        assert_ok(kvh_seq_append(e, s, tok, BT));
+        write_tokens(e, s, b * BT, BT, 0);
+        assert_ok(kvh_vmap_refresh(e, m, NULL));
+    }
+    check_view(e, s, m);
+    check_attention(e, s, m, 1, H, 2);
+    assert_ok(kvh_vmap_release(e, m));
+}
+
 static void test_refused_setups(void **state)
 {
     kvh_vmap *m = NULL;
@@ -284,6 +326,7 @@ int main(void)
         cmocka_unit_test_teardown(test_view_equals_paged, tu_teardown),
         cmocka_unit_test_teardown(test_stale_and_refresh, tu_teardown),
         cmocka_unit_test_teardown(test_views_and_migration, tu_teardown),
+        cmocka_unit_test_teardown(test_large_capacity_is_lazy, tu_teardown),
         cmocka_unit_test_teardown(test_refused_setups, tu_teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -945,6 +945,8 @@ KVH_API kvh_status kvh_attention_plan_destroy(kvh_engine *engine,
  *                      the zero point, per group + head_dim/2 bytes of
  *                      4-bit codes); head_dim must be a multiple of the
  *                      group.
+ * (Plus 2^-143 where the scale is a subnormal f32: a vector or group of
+ * magnitudes below about 2^-119, which only f32 and bf16 data can have.)
  * Non-finite inputs are not preserved: +-inf saturate to the extreme code
  * and NaN becomes the zero code; scales use the finite elements only. */
 enum kvh_codec {

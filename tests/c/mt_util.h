@@ -1,0 +1,58 @@
+/* Worker threads of the multi-threaded tests (header only).
+ *
+ *   mt_worker        what a thread gets: the engine, its index, and the
+ *                    first error it reports (a thread must not fail the
+ *                    test itself: cmocka's longjmp is per thread).
+ *   mt_report(w, ...)  records an error (the first message is kept).
+ *   mt_run(e, n, fn, w)  starts n threads on fn(&w[i]), joins them all,
+ *                    then fails the test with the first thread's error.
+ */
+#ifndef KVH_TEST_MT_UTIL_H
+#define KVH_TEST_MT_UTIL_H
+
+#include <pthread.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include <cmocka.h>
+
+#include "kvh/kvh.h"
+
+typedef struct mt_worker {
+    kvh_engine *e;
+    int t; /* 0 .. n-1 */
+    int errors;
+    char msg[256];
+} mt_worker;
+
+__attribute__((format(printf, 2, 3))) static inline void mt_report(mt_worker *w, const char *fmt, ...)
+{
+    if (w->errors++)
+        return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(w->msg, sizeof(w->msg), fmt, ap);
+    va_end(ap);
+}
+
+#define MT_MAX_THREADS 64
+
+static inline void mt_run(kvh_engine *e, int n, void *(*fn)(void *), mt_worker *w)
+{
+    pthread_t th[MT_MAX_THREADS];
+    assert_true(n <= MT_MAX_THREADS);
+    for (int t = 0; t < n; t++) {
+        w[t] = (mt_worker){.e = e, .t = t};
+        assert_int_equal(pthread_create(&th[t], NULL, fn, &w[t]), 0);
+    }
+    for (int t = 0; t < n; t++)
+        pthread_join(th[t], NULL);
+    for (int t = 0; t < n; t++)
+        if (w[t].errors)
+            fail_msg("%d error(s) in thread %d; first: %s", w[t].errors, t, w[t].msg);
+}
+
+#endif

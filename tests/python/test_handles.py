@@ -1,0 +1,140 @@
+"""Lifetime of the handle classes (kvh._handle): each native object is
+ended exactly once, whether by a ``with`` block, by ``close()`` (called
+twice), or by the garbage collector, and a context (which the engine frees
+at close) is never ended by the collector."""
+from __future__ import annotations
+
+import collections
+import gc
+
+import pytest
+
+import kvh
+from kvh import attention_plan as attention_plan_mod
+from kvh import context as context_mod
+from kvh import engine as engine_mod
+from kvh import vmap as vmap_mod
+
+
+class CountingLib:
+    """Stands in for the CFFI lib in one module, counting calls of names."""
+
+    def __init__(self, real, calls, names):
+        self._real, self._calls, self._names = real, calls, names
+
+    def __getattr__(self, name):
+        attr = getattr(self._real, name)
+        if name not in self._names:
+            return attr
+
+        def counted(*args):
+            self._calls[name] += 1
+            return attr(*args)
+
+        return counted
+
+
+ENDS = {
+    "kvh_engine_close", "kvh_seq_free", "kvh_fence_free", "kvh_block_release", "kvh_seq_release",
+    "kvh_vmap_release", "kvh_attention_plan_destroy", "kvh_context_destroy",
+}
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    counts = collections.Counter()
+    for mod in (engine_mod, vmap_mod, attention_plan_mod, context_mod):
+        monkeypatch.setattr(mod, "lib", CountingLib(mod.lib, counts, ENDS))
+    return counts
+
+
+def make_engine():
+    return kvh.Engine(num_layers=2, num_kv_heads=2, head_dim=64, block_tokens=16, dtype="f32", backend="cpu",
+                      device_bytes=64 * 2 * 2 * 2 * 16 * 64 * 4, host_bytes=0, vmap=True, migration_threads=0)
+
+
+@pytest.fixture
+def eng():
+    with make_engine() as e:
+        yield e
+
+
+@pytest.fixture
+def seq(eng):
+    s = eng.sequence(tokens=range(40))
+    yield s
+    s.free()
+
+
+# name -> (factory(engine, sequence), the call that ends it)
+HANDLES = {
+    "Sequence": (lambda e, s: e.sequence(tokens=range(20)), "kvh_seq_free"),
+    "Fence": (lambda e, s: s.prefetch(), "kvh_fence_free"),
+    "Block": (lambda e, s: e.block_alloc(), "kvh_block_release"),
+    "Hold": (lambda e, s: s.acquire(), "kvh_seq_release"),
+    "VMap": (lambda e, s: s.vmap(1), "kvh_vmap_release"),
+    "AttentionPlan": (lambda e, s: e.attention_plan(0, [s]), "kvh_attention_plan_destroy"),
+    "Context": (lambda e, s: e.context("weights"), "kvh_context_destroy"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HANDLES))
+def test_with_block_ends_once(name, eng, seq, calls):
+    factory, end = HANDLES[name]
+    with factory(eng, seq) as h:
+        assert calls[end] == 0
+    assert calls[end] == 1
+    h.close()
+    del h
+    gc.collect()
+    assert calls[end] == 1
+
+
+@pytest.mark.parametrize("name", sorted(HANDLES))
+def test_close_ends_once(name, eng, seq, calls):
+    factory, end = HANDLES[name]
+    h = factory(eng, seq)
+    h.close()
+    h.close()
+    assert calls[end] == 1
+    del h
+    gc.collect()
+    assert calls[end] == 1
+
+
+@pytest.mark.parametrize("name", sorted(HANDLES))
+def test_garbage_collection_ends_once(name, eng, seq, calls):
+    factory, end = HANDLES[name]
+    h = factory(eng, seq)
+    assert isinstance(h, kvh._handle.Closable)
+    del h
+    gc.collect()
+    # A context lives until it is destroyed or the engine closes.
+    assert calls[end] == (0 if name == "Context" else 1)
+
+
+def test_engine_ends_once(calls):
+    with make_engine() as e:
+        pass
+    e.close()
+    assert calls["kvh_engine_close"] == 1
+    e2 = make_engine()
+    e2.close()
+    e2.close()
+    assert calls["kvh_engine_close"] == 2
+    e3 = make_engine()
+    del e, e2, e3
+    gc.collect()
+    assert calls["kvh_engine_close"] == 3
+
+
+def test_gc_after_engine_close_is_quiet(calls):
+    """Handles outliving their engine end nothing and raise nothing."""
+    e = make_engine()
+    s = e.sequence(tokens=range(20))
+    handles = [s, s.prefetch(), e.block_alloc(), s.acquire(), e.context("w")]
+    e.close()
+    before = dict(calls)
+    del handles, s
+    gc.collect()
+    assert dict(calls) == before
