@@ -162,9 +162,26 @@ static kvh_status map_changed(kvh_engine *e, kvh_vmap *v, const kvhi_seq *s, uin
     return KVH_OK;
 }
 
+void kvhi_vmap_wait_unused(kvh_engine *e, kvh_vmap *v)
+{
+    while (v->pending)
+        pthread_cond_wait(&e->changed, &e->lock);
+}
+
+void kvhi_vmap_attention_done(void *arg)
+{
+    kvh_vmap *v = arg;
+    kvh_engine *e = v->engine;
+    pthread_mutex_lock(&e->lock);
+    v->pending--;
+    pthread_cond_broadcast(&e->changed);
+    kvhi_leave(e);
+}
+
 /* Lock held. */
 static kvh_status refresh(kvh_engine *e, kvh_vmap *v, bool *changed)
 {
+    kvhi_vmap_wait_unused(e, v);
     kvhi_seq *s;
     kvh_status st = kvhi_seq_get(e, v->seq, &s);
     if (st != KVH_OK)
@@ -297,6 +314,7 @@ kvh_status kvh_seq_vmap(kvh_engine *e, kvh_seq seq, uint32_t layer, uint64_t cap
     for (uint32_t i = 0; i < max_blocks; i++)
         v->blk[i] = KVHI_NO_BLOCK;
     v->seq = seq;
+    v->engine = e;
     v->layer = layer;
     v->cap_tokens = cap;
     v->head_stride = cap * e->vector_bytes;
@@ -378,6 +396,7 @@ kvh_status kvh_vmap_release(kvh_engine *e, kvh_vmap *v)
     kvh_status st = kvhi_api_enter(e);
     if (st != KVH_OK)
         return st;
+    kvhi_vmap_wait_unused(e, v);
     vmap_destroy(e, v);
     kvhi_leave(e);
     return KVH_OK;
