@@ -3,8 +3,14 @@
  * the kernels read as a single block of capacity_tokens tokens: the block
  * table has one entry. Every sequence gets a plan of its own (views do not
  * share a base address), built with the options and tile size the paged
- * call would use, so the result is the paged result bit for bit. The
- * views' holds keep their blocks in place; nothing is held here. */
+ * call would use, so the result is the paged result bit for bit.
+ *
+ * The views' holds keep their blocks in place; nothing is held here. What
+ * a run needs instead is that its view is not remapped while its kernels
+ * read it: each run counts in its view's `pending` and in the engine's
+ * active calls until the backend's completion callback (on CUDA a host
+ * callback queued on the caller's stream after the kernels, so the call
+ * returns before they finish), and refresh, release and close wait. */
 #include <math.h>
 #include <stdlib.h>
 
@@ -12,8 +18,6 @@
 #include "core/vmap.h"
 #include "kernels/attention_plan.h"
 #include "kernels/cpu/attn_cpu.h"
-
-static void run_done(void *arg) { (void)arg; }
 
 static kvh_status attention_vmap(kvh_engine *e, kvh_vmap *const *views, const uint32_t *q_lens, size_t n_views,
                                  const void *q, void *out, const kvh_attention_params *params)
@@ -43,10 +47,13 @@ static kvh_status attention_vmap(kvh_engine *e, kvh_vmap *const *views, const ui
     for (size_t i = 0; i < n_views; i++)
         KVHI_REQUIRE(views[i], "views[%zu] is NULL", i);
 
+    if (!e->backend->attention_run || !e->backend->attention_plan_opts)
+        return kvhi_fail(KVH_ERR_UNSUPPORTED, "the %s backend has no attention kernels", e->backend->name);
+
     kvh_status st = kvhi_enter(e);
     if (st != KVH_OK)
         return st;
-    if (!e->attn_state) {
+    if (e->cpu_kernels && !e->attn_state) {
         e->attn_state = kvhi_attn_cpu_create();
         if (e->attn_state)
             e->attn_state_free = kvhi_attn_cpu_destroy;
@@ -60,7 +67,7 @@ static kvh_status attention_vmap(kvh_engine *e, kvh_vmap *const *views, const ui
             st = kvhi_fail(KVH_ERR_RANGE, "view %zu: %u query tokens but only %llu tokens", i, q_lens[i],
                            (unsigned long long)views[i]->n_tokens);
     }
-    if (st == KVH_OK && !e->attn_state)
+    if (st == KVH_OK && e->cpu_kernels && !e->attn_state)
         st = kvhi_fail(KVH_ERR_NOMEM, "out of memory for the attention state");
     if (st != KVH_OK) {
         kvhi_leave(e);
@@ -70,13 +77,21 @@ static kvh_status attention_vmap(kvh_engine *e, kvh_vmap *const *views, const ui
     e->backend->attention_plan_opts(e->backend_ctx, pr.threads, &opts);
     /* Split-K granules of the paged call: whole engine blocks. */
     opts.chunk_quantum = c->block_tokens;
+    /* Every run to come is pending on its view and registered with the
+     * engine until its completion callback (or until it fails to start). */
+    for (size_t i = 0; i < n_views; i++)
+        if (!q_lens || q_lens[i]) {
+            views[i]->pending++;
+            e->active_calls++;
+        }
     /* The views cannot change while the call runs (@threads handle), and
      * their holds keep the blocks in place: the lock is not needed. */
     pthread_mutex_unlock(&e->lock);
 
     uint64_t row_bytes = (uint64_t)pr.num_q_heads * c->head_dim * kvhi_dtype_bytes(pr.io_dtype), row = 0;
-    for (size_t i = 0; i < n_views && st == KVH_OK; i++) {
-        const kvh_vmap *v = views[i];
+    size_t i = 0;
+    for (; i < n_views && st == KVH_OK; i++) {
+        kvh_vmap *v = views[i];
         kvhi_attn_plan p = {0};
         p.num_q_heads = pr.num_q_heads;
         p.num_kv_heads = c->num_kv_heads;
@@ -90,7 +105,7 @@ static kvh_status attention_vmap(kvh_engine *e, kvh_vmap *const *views, const ui
         p.block_bytes = 0; /* one block: slot 0 */
         p.layer_offset = 0;
         p.kv_base = v->base;
-        p.cpu_state = e->attn_state;
+        p.cpu_state = e->cpu_kernels ? e->attn_state : NULL;
         p.threads = pr.threads;
         p.tile_tokens = c->block_tokens < KVHI_ATTN_TILE ? c->block_tokens : KVHI_ATTN_TILE;
         uint32_t kv_len = (uint32_t)v->n_tokens, q_len = q_lens ? q_lens[i] : 1;
@@ -98,18 +113,28 @@ static kvh_status attention_vmap(kvh_engine *e, kvh_vmap *const *views, const ui
             continue;
         if (kvhi_attn_plan_build(&p, &opts, &kv_len, &q_len, 1) != 0) {
             st = kvhi_fail(KVH_ERR_NOMEM, "out of memory for an attention plan");
-            break;
+            break; /* view i did not start */
         }
         p.slots[0] = 0;
         char msg[256] = "";
         int rc = e->backend->attention_run(e->backend_ctx, &p, (const uint8_t *)q + row * row_bytes,
-                                           (uint8_t *)out + row * row_bytes, NULL, run_done, NULL, msg, sizeof(msg));
+                                           (uint8_t *)out + row * row_bytes, pr.stream, kvhi_vmap_attention_done, v,
+                                           msg, sizeof(msg));
         row += q_len;
         kvhi_attn_plan_free(&p);
-        if (rc != 0)
+        if (rc != 0) {
             st = kvhi_fail(rc < 0 ? rc : KVH_ERR_INTERNAL, "attention kernels: %s", msg);
+            break; /* view i did not start */
+        }
     }
     pthread_mutex_lock(&e->lock);
+    /* Runs that never started: no callback will end them. */
+    for (; i < n_views; i++)
+        if (!q_lens || q_lens[i]) {
+            views[i]->pending--;
+            e->active_calls--;
+        }
+    pthread_cond_broadcast(&e->changed);
     kvhi_leave(e);
     return st;
 }

@@ -190,9 +190,26 @@ static int reserve_entries(kvh_vmap *v, uint32_t n)
     return 0;
 }
 
+void kvhi_vmap_wait_unused(kvh_engine *e, kvh_vmap *v)
+{
+    while (v->pending)
+        pthread_cond_wait(&e->changed, &e->lock);
+}
+
+void kvhi_vmap_attention_done(void *arg)
+{
+    kvh_vmap *v = arg;
+    kvh_engine *e = v->engine;
+    pthread_mutex_lock(&e->lock);
+    v->pending--;
+    pthread_cond_broadcast(&e->changed);
+    kvhi_leave(e);
+}
+
 /* Lock held. */
 static kvh_status refresh(kvh_engine *e, kvh_vmap *v, bool *changed)
 {
+    kvhi_vmap_wait_unused(e, v);
     kvhi_seq *s;
     kvh_status st = kvhi_seq_get(e, v->seq, &s);
     if (st != KVH_OK)
@@ -319,6 +336,7 @@ kvh_status kvh_seq_vmap(kvh_engine *e, kvh_seq seq, uint32_t layer, uint64_t cap
         goto done;
     }
     v->seq = seq;
+    v->engine = e;
     v->layer = layer;
     v->cap_tokens = cap;
     v->head_stride = cap * e->vector_bytes;
@@ -400,6 +418,7 @@ kvh_status kvh_vmap_release(kvh_engine *e, kvh_vmap *v)
     kvh_status st = kvhi_api_enter(e);
     if (st != KVH_OK)
         return st;
+    kvhi_vmap_wait_unused(e, v);
     vmap_destroy(e, v);
     kvhi_leave(e);
     return KVH_OK;

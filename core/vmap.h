@@ -19,6 +19,11 @@ struct kvh_vmap {
     uint64_t range_bytes;
     uint64_t generation;
     uint8_t *base;
+    kvh_engine *engine;
+    /* Attention calls queued over the view and not finished (CUDA runs
+     * them after the call returns): refresh and release wait for 0, since
+     * unmapping does not wait for kernels still reading (lock held). */
+    uint32_t pending;
     /* Per logical block (n_entries of them, grown as the sequence grows,
      * up to cap_tokens / block_tokens): the block mapped there, its
      * generation and slot when mapped. */
@@ -26,6 +31,15 @@ struct kvh_vmap {
     uint32_t n_entries;
     struct kvh_vmap *next, *prev; /* the engine's open views */
 };
+
+/* Waits, with the lock dropped meanwhile, until no attention queued over
+ * v is running (lock held). */
+void kvhi_vmap_wait_unused(kvh_engine *e, kvh_vmap *v);
+
+/* The completion callback of an attention call over view arg (a
+ * kvh_vmap *): drops its pending count and the call's registration
+ * (kvhi_leave). Takes the lock. */
+void kvhi_vmap_attention_done(void *arg);
 
 /* True when the view maps exactly the sequence's current blocks (lock
  * held). */

@@ -7,6 +7,10 @@
 #      outputs poisoned with NaN, error bounds per io dtype (see the test);
 #      the CPU emulation of the same kernels (kvh_attention_emu) as a
 #      cross-check of a failure's cause;
+#      test_cuda_vmap: views of the device tier on CUDA VMM allocations
+#      equal paged attention bit for bit, stay correct after refresh
+#      (append, migration, copy-on-write), and map/unmap of a 2 MiB unit
+#      timed;
 #   3. gpu_bench (benchmarks/gpu/gpu_bench.cu, built here with nvcc against
 #      libkvh.so): decode at batch 32 x 8K context timed with CUDA events,
 #      GB/s against the measured D2D copy throughput; device<->host
@@ -14,9 +18,10 @@
 #      memory; decode output identical after a round trip.
 #
 # Results go to $OUT when set (else $BUILD/gpu-results): run.log with
-# everything, test_cuda_attention.log, gpu_bench.txt, gpu_bench.jsonl,
-# nvidia-smi.txt, summary.txt. Exit status: 0 when the test and the
-# benchmark's checks pass, 1 otherwise (the other steps still run).
+# everything, test_cuda_attention.log, test_cuda_vmap.log, gpu_bench.txt,
+# gpu_bench.jsonl, nvidia-smi.txt, summary.txt. Exit status: 0 when the
+# tests and the benchmark's checks pass, 1 otherwise (the other steps
+# still run).
 #
 # Environment: BUILD (default <repo>/build-gpu), JOBS (default nproc),
 # CUDA_ARCH for gpu_bench (default: native, else 90), SKIP_BUILD=1 to reuse
@@ -54,7 +59,7 @@ if [[ ${SKIP_BUILD:-0} != 1 ]]; then
     step configure 300 cmake -S "$ROOT" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DKVH_WITH_CUDA=ON \
         -DKVH_BUILD_TESTS=ON -DKVH_BUILD_BENCH=OFF || STATUS=1
     step build 480 cmake --build "$BUILD" -j "$JOBS" --target kvh kvh_static kvh_cuda test_cuda_attention \
-        kvh_attention_emu test_tiers test_context test_weight_spill test_seq || STATUS=1
+        test_cuda_vmap kvh_attention_emu test_tiers test_context test_weight_spill test_seq || STATUS=1
 fi
 if [[ ! -f $BUILD/libkvh_cuda.so ]]; then
     log "libkvh_cuda.so was not built (no nvcc?): nothing more to do"
@@ -72,6 +77,15 @@ elif [[ $rc != 0 ]]; then
     STATUS=1
     # same kernels on the CPU: tells a logic bug from a hardware-only one
     step attention_emu 300 "$BUILD/kernels/cuda/kvh_attention_emu" 12 || true
+fi
+
+step test_cuda_vmap 240 "$BUILD/tests/c/test_cuda_vmap"
+rc=$?
+if [[ $rc == 77 ]]; then
+    log "test_cuda_vmap SKIPPED: no usable CUDA device (see its log)"
+    STATUS=1
+elif [[ $rc != 0 ]]; then
+    STATUS=1
 fi
 
 # The unified-memory path (device tier in managed memory the CPU
@@ -103,6 +117,8 @@ fi
     echo "kvh GPU run $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
     echo "test_cuda_attention: $(grep -E 'PASSED|FAILED|SKIP' "$RES/test_cuda_attention.log" 2>/dev/null | tr '\n' ' ')"
     grep -E 'worst error' "$RES/test_cuda_attention.log" 2>/dev/null | sed 's/^/  /'
+    echo "test_cuda_vmap: $(grep -E '^\[  (PASSED|FAILED) |SKIP' "$RES/test_cuda_vmap.log" 2>/dev/null | tr '\n' ' ')"
+    grep -E 'vmap timing|migrated block' "$RES/test_cuda_vmap.log" 2>/dev/null | sed 's/^/  /'
     for t in test_tiers test_context test_weight_spill test_seq; do
         echo "unified $t: $(grep -E '^\[  (PASSED|FAILED) ' "$RES/unified_$t.log" 2>/dev/null | tr '\n' ' ')"
     done

@@ -13,6 +13,9 @@
  * on another GPU, so every entry point selects the context's device for the
  * call and puts the caller's device back afterwards (device_scope).
  *
+ * Views (kvh_seq_vmap) use the driver's virtual memory management API:
+ * vmap_cuda.cu.
+ *
  * Global state: none. Streams are pooled per context (struct cuda_ctx), not
  * cached per thread, so nothing has to be cleaned up when a thread exits
  * and nothing outlives context_destroy. */
@@ -28,6 +31,7 @@ extern "C" {
 #include "kvh/kvh.h"
 #include "kernels/cuda/attention_cuda.h"
 #include "kernels/cuda/unified_memory.h"
+#include "kernels/cuda/vmap_cuda.h"
 
 namespace {
 
@@ -435,6 +439,64 @@ int cuda_stream_sync(void *vctx, void *stream, char *msg, size_t len)
     return err == cudaSuccess ? 0 : fail(msg, len, "cudaStreamSynchronize", err);
 }
 
+/* Views (vmap_cuda.cu): the arena's calls with the context's device
+ * current. */
+int vmap_scope_error(const device_scope &scope, char *msg, size_t len)
+{
+    if (scope.error() == cudaSuccess)
+        return 0;
+    fail(msg, len, "cudaSetDevice", scope.error());
+    return KVH_ERR_INTERNAL;
+}
+
+int cuda_vmap_arena_create(void *vctx, const kvhi_slab_layout *layout, uint64_t bytes, const char *backing,
+                           void **arena, void **base, uint64_t *map_unit, const char **backing_used, char *msg,
+                           size_t len)
+{
+    cuda_ctx *ctx = (cuda_ctx *)vctx;
+    device_scope scope(ctx->device);
+    int rc = vmap_scope_error(scope, msg, len);
+    kvhc_vmm_arena *a = NULL;
+    if (rc == 0)
+        rc = kvhc_vmm_arena_create(ctx->device, layout, bytes, backing, &a, base, map_unit, backing_used, msg, len);
+    if (rc == 0)
+        *arena = a;
+    return rc;
+}
+
+void cuda_vmap_arena_destroy(void *vctx, void *arena)
+{
+    device_scope scope(((cuda_ctx *)vctx)->device);
+    kvhc_vmm_arena_destroy((kvhc_vmm_arena *)arena);
+}
+
+int cuda_vmap_reserve(void *vctx, void *arena, uint64_t bytes, void **base, char *msg, size_t len)
+{
+    device_scope scope(((cuda_ctx *)vctx)->device);
+    int rc = vmap_scope_error(scope, msg, len);
+    return rc ? rc : kvhc_vmm_reserve((kvhc_vmm_arena *)arena, bytes, base, msg, len);
+}
+
+void cuda_vmap_unreserve(void *vctx, void *arena, void *base, uint64_t bytes)
+{
+    device_scope scope(((cuda_ctx *)vctx)->device);
+    kvhc_vmm_unreserve((kvhc_vmm_arena *)arena, base, bytes);
+}
+
+int cuda_vmap_map(void *vctx, void *arena, void *dst, uint64_t arena_off, uint64_t bytes, char *msg, size_t len)
+{
+    device_scope scope(((cuda_ctx *)vctx)->device);
+    int rc = vmap_scope_error(scope, msg, len);
+    return rc ? rc : kvhc_vmm_map((kvhc_vmm_arena *)arena, dst, arena_off, bytes, msg, len);
+}
+
+int cuda_vmap_unmap(void *vctx, void *arena, void *dst, uint64_t bytes, char *msg, size_t len)
+{
+    device_scope scope(((cuda_ctx *)vctx)->device);
+    int rc = vmap_scope_error(scope, msg, len);
+    return rc ? rc : kvhc_vmm_unmap((kvhc_vmm_arena *)arena, dst, bytes, msg, len);
+}
+
 /* Positional, in the order of kvhi_backend_ops (C++17 has no designated
  * initializers); that order is part of the backend ABI anyway. */
 const kvhi_backend_ops cuda_ops = {
@@ -457,12 +519,12 @@ const kvhi_backend_ops cuda_ops = {
     cuda_attention_run_uploaded,  /* attention_run_uploaded */
     cuda_attention_plan_free,     /* attention_plan_free */
     cuda_memory_is_unified,       /* memory_is_unified */
-    NULL,                         /* vmap_arena_create: no views on CUDA yet */
-    NULL,                         /* vmap_arena_destroy */
-    NULL,                         /* vmap_reserve */
-    NULL,                         /* vmap_unreserve */
-    NULL,                         /* vmap_map */
-    NULL,                         /* vmap_unmap */
+    cuda_vmap_arena_create,       /* vmap_arena_create */
+    cuda_vmap_arena_destroy,      /* vmap_arena_destroy */
+    cuda_vmap_reserve,            /* vmap_reserve */
+    cuda_vmap_unreserve,          /* vmap_unreserve */
+    cuda_vmap_map,                /* vmap_map */
+    cuda_vmap_unmap,              /* vmap_unmap */
 };
 
 } // namespace

@@ -27,15 +27,14 @@
  * libkvh_cuda.so is looked up through KVH_CUDA_BACKEND, which this test
  * points at <build>/libkvh_cuda.so when it is not set. */
 #include <dlfcn.h>
-#include <limits.h>
 #include <math.h>
-#include <unistd.h>
 
 #include "test_util.h"
 
 #include "core/engine.h"
 #include "kernels/attention_dtype.h"
 #include "kernels/cpu/attn_cpu.h"
+#include "cuda_test_util.h"
 
 #define MAX_SEQS 8
 
@@ -117,35 +116,6 @@ static void pair_add(pair *p, uint32_t len, int from, uint32_t extra)
     }
     tu_free(k);
     tu_free(v);
-}
-
-/* Device buffer through the CUDA engine's backend. */
-static void *dev_alloc(kvh_engine *e, size_t bytes)
-{
-    void *d = e->backend->device_alloc(e->backend_ctx, bytes);
-    assert_non_null(d);
-    return d;
-}
-
-static void h2d(kvh_engine *e, void *dst, const void *src, size_t n)
-{
-    char msg[256] = "";
-    if (e->backend->copy(e->backend_ctx, dst, src, n, KVHI_COPY_HOST_TO_DEVICE, msg, sizeof(msg)) != 0)
-        fail_msg("H2D copy: %s", msg);
-}
-
-static void d2h(kvh_engine *e, void *dst, const void *src, size_t n)
-{
-    char msg[256] = "";
-    if (e->backend->copy(e->backend_ctx, dst, src, n, KVHI_COPY_DEVICE_TO_HOST, msg, sizeof(msg)) != 0)
-        fail_msg("D2H copy: %s", msg);
-}
-
-static void sync_default_stream(kvh_engine *e)
-{
-    char msg[256] = "";
-    if (e->backend->stream_sync(e->backend_ctx, NULL, msg, sizeof(msg)) != 0)
-        fail_msg("stream sync: %s", msg);
 }
 
 static double ulp_of(uint32_t io) { return io == KVH_DTYPE_F32 ? 1e-5 : io == KVH_DTYPE_F16 ? 0x1p-10 : 0x1p-7; }
@@ -389,26 +359,6 @@ static void test_graph_capture(void **state)
     p.gpu->backend->device_free(p.gpu->backend_ctx, dq, bytes);
     p.gpu->backend->device_free(p.gpu->backend_ctx, dout, bytes);
     pair_close(&p);
-}
-
-static void set_backend_path(void)
-{
-    if (getenv("KVH_CUDA_BACKEND"))
-        return;
-    char exe[PATH_MAX];
-    ssize_t n = readlink("/proc/self/exe", exe, sizeof(exe) - 32);
-    if (n <= 0)
-        return;
-    exe[n] = 0;
-    /* <build>/tests/c/test_cuda_attention -> <build>/libkvh_cuda.so */
-    for (int up = 0; up < 3; up++) {
-        char *slash = strrchr(exe, '/');
-        if (!slash)
-            return;
-        *slash = 0;
-    }
-    strcat(exe, "/libkvh_cuda.so");
-    setenv("KVH_CUDA_BACKEND", exe, 0);
 }
 
 int main(void)

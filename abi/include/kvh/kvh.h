@@ -173,9 +173,11 @@ typedef struct kvh_config {
     /* kvh_codec of the host and disk tiers (see "KV codecs"); default
      * KVH_CODEC_NONE. The device tier always holds raw dtype values. */
     uint32_t kv_codec;
-    /* 1: the CPU backend's device tier is one shared memory file (memfd)
-     * whose blocks kvh_seq_vmap can map into contiguous views (see
-     * "Virtual contiguity"). Default 0. KVH_ERR_UNSUPPORTED on CUDA. */
+    /* 1: the device tier is memory whose blocks kvh_seq_vmap can map into
+     * contiguous views (see "Virtual contiguity"): one shared memory file
+     * (memfd) on the CPU backend, CUDA VMM allocations on CUDA. Default
+     * 0. KVH_ERR_UNSUPPORTED where the device has no virtual memory
+     * management. */
     uint32_t vmap;
     /* kvh_eviction: victim order in the memory tiers (see "LCTRU");
      * default KVH_EVICT_LRU_K. */
@@ -985,9 +987,11 @@ KVH_API kvh_status kvh_codec_decode(uint32_t codec, uint32_t dtype,
 
 /* A view presents one layer of a sequence's K and V as plain contiguous
  * arrays while the data stays in its pool blocks: each block's pages are
- * mapped (mmap MAP_FIXED of the device tier's memory file) into a reserved
+ * mapped (mmap MAP_FIXED of the device tier's memory file on the CPU,
+ * cuMemMap of the tier's physical allocations on CUDA) into a reserved
  * address range, so no data is copied and writes through
- * kvh_seq_write_kv are visible in the view at once.
+ * kvh_seq_write_kv are visible in the view at once. On CUDA the view's
+ * addresses are device pointers (kernels read them; the CPU cannot).
  *
  * Layout: K of kv head h, token t, element d is at
  *   k + h * head_stride + (t * head_dim + d) * sizeof(dtype)
@@ -1011,7 +1015,13 @@ KVH_API kvh_status kvh_codec_decode(uint32_t codec, uint32_t dtype,
  * unless KVH_VMAP_POPULATE=0. With hugetlb a view maps whole 2 MiB units
  * of logical blocks, so a unit's blocks must sit in one slab in order
  * (KVH_ERR_UNSUPPORTED from kvh_seq_vmap or kvh_vmap_refresh otherwise,
- * e.g. after copy-on-write of a block in the middle of a unit).
+ * e.g. after copy-on-write of a block in the middle of a unit). On CUDA
+ * the tier is one cuMemCreate allocation per mapping unit (the device's
+ * VMM granularity, 2 MiB on current GPUs; backing "cuda-vmm",
+ * KVH_VMAP_BACKING is not read) and views map whole units as with
+ * hugetlb: one head's K of a block must divide the unit (e.g. f16,
+ * head_dim 128, 16 tokens = 4 KiB) and the tier hold a unit's worth of
+ * slots.
  * kvh_vmap_get tells the backing and the mapping unit. Each run costs
  * 2 * num_kv_heads memory mappings, and the kernel's limit on mappings per
  * process (vm.max_map_count, 65530 by default) bounds all open views
@@ -1062,7 +1072,8 @@ KVH_API kvh_status kvh_seq_vmap(kvh_engine *engine, kvh_seq seq,
  * [out] *changed (may be NULL): 1 when a mapping changed. Returns
  * KVH_ERR_BAD_HANDLE (the sequence was freed), KVH_ERR_NOT_RESIDENT,
  * KVH_ERR_RANGE (the sequence outgrew capacity_tokens); the view stays
- * usable (and stale) after a failure. @threads handle (vmap and seq) */
+ * usable (and stale) after a failure. Waits first until attention queued
+ * over the view (CUDA) has finished. @threads handle (vmap and seq) */
 KVH_API kvh_status kvh_vmap_refresh(kvh_engine *engine, kvh_vmap *vmap,
                                     int32_t *changed);
 
@@ -1071,8 +1082,9 @@ KVH_API kvh_status kvh_vmap_refresh(kvh_engine *engine, kvh_vmap *vmap,
 KVH_API kvh_status kvh_vmap_get(kvh_engine *engine, const kvh_vmap *vmap,
                                 kvh_vmap_view *view);
 
-/* Unmaps the view and drops its holds. NULL accepted. Views left at
- * kvh_engine_close are released by it. @threads handle (vmap) */
+/* Unmaps the view and drops its holds, after attention queued over it
+ * (CUDA) has finished. NULL accepted. Views left at kvh_engine_close are
+ * released by it. @threads handle (vmap) */
 KVH_API kvh_status kvh_vmap_release(kvh_engine *engine, kvh_vmap *vmap);
 
 /* kvh_attention_decode over views: view i (a sequence's layer) attends
@@ -1080,9 +1092,13 @@ KVH_API kvh_status kvh_vmap_release(kvh_engine *engine, kvh_vmap *vmap);
  * directly (no block table). The result equals kvh_attention_decode's on
  * the same sequence bit for bit (same kernels and work split per
  * sequence). [borrowed] views (n_views), q, out, params as in
- * kvh_attention_decode (host memory). Returns KVH_ERR_BAD_HANDLE for a
+ * kvh_attention_decode: host memory on the CPU backend, device memory on
+ * CUDA, where the kernels are queued on params->stream and the call
+ * returns before they finish (kvh_vmap_refresh, kvh_vmap_release and
+ * kvh_engine_close wait for them). Returns KVH_ERR_BAD_HANDLE for a
  * stale view (refresh it), KVH_ERR_INVALID_ARG, KVH_ERR_STRUCT_SIZE,
- * KVH_ERR_NOMEM. @threads handle (each view) */
+ * KVH_ERR_NOMEM, KVH_ERR_UNSUPPORTED (as kvh_attention_decode: a stream
+ * being captured). @threads handle (each view) */
 KVH_API kvh_status kvh_attention_decode_vmap(kvh_engine *engine,
                                              kvh_vmap *const *views,
                                              size_t n_views, const void *q,
