@@ -127,6 +127,23 @@ void kvhi_region_unaccount(kvh_engine *e, kvhi_context *x, kvhi_region *r)
     r->tier = KVHI_NO_TIER;
 }
 
+void kvhi_region_release(kvh_engine *e, kvhi_context *x, kvhi_region *r, bool recycle)
+{
+    uint8_t *mem = r->data;
+    uint8_t at = r->alloc_tier;
+    kvhi_region_unaccount(e, x, r);
+    r->data = NULL;
+    r->alloc_tier = KVHI_NO_TIER;
+    r->busy = true;
+    pthread_mutex_unlock(&e->lock);
+    if (recycle)
+        kvhi_region_mem_give(e, at, mem, r->size);
+    else
+        kvhi_region_mem_free(e, at, mem, r->size);
+    pthread_mutex_lock(&e->lock);
+    r->busy = false;
+}
+
 static void region_free_memory(kvh_engine *e, kvhi_region *r)
 {
     kvhi_region_mem_free(e, r->alloc_tier, r->data, r->size);

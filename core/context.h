@@ -150,6 +150,10 @@ void kvhi_context_free_detached(kvh_engine *e, kvhi_context *x);
 /* Takes a region's bytes off its tier's charge (lock held); its memory
  * stays for the caller to free. */
 void kvhi_region_unaccount(kvh_engine *e, kvhi_context *x, kvhi_region *r);
+/* Unaccounts r and frees its memory (lock held; dropped for the free, r
+ * busy meanwhile). recycle: inside a switch, the memory goes to the
+ * switch's spares (kvhi_region_mem_give) for its next allocation. */
+void kvhi_region_release(kvh_engine *e, kvhi_context *x, kvhi_region *r, bool recycle);
 kvh_status kvhi_context_add_region(kvh_engine *e, kvhi_context *x,
                                    const kvh_weight_region_params *p,
                                    uint32_t *out);

@@ -152,17 +152,8 @@ static kvh_status region_to_host(kvh_engine *e, kvhi_context *x, kvhi_region *r,
 /* Frees a clean region's memory: its source has the same bytes. */
 static void drop_region(kvh_engine *e, kvhi_context *x, kvhi_region *r)
 {
-    uint8_t *mem = r->data;
-    uint8_t at = r->alloc_tier;
-    kvhi_region_unaccount(e, x, r);
-    r->data = NULL;
-    r->alloc_tier = KVHI_NO_TIER;
     e->contexts->stats.bytes_dropped += r->size;
-    r->busy = true;
-    pthread_mutex_unlock(&e->lock);
-    kvhi_region_mem_give(e, at, mem, r->size);
-    pthread_mutex_lock(&e->lock);
-    r->busy = false;
+    kvhi_region_release(e, x, r, true);
 }
 
 /* One departing region (lock held, may drop). */

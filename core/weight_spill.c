@@ -152,22 +152,14 @@ kvh_status kvhi_region_spill(kvh_engine *e, kvhi_context *x, kvhi_region *r, con
                          r->name, strerror(-rc));
     }
     /* Its bytes are on disk now: memory, if it had any, goes. */
-    uint8_t *mem = r->data;
-    uint8_t at = r->alloc_tier;
-    kvhi_region_unaccount(e, x, r);
-    r->data = NULL;
-    r->alloc_tier = KVHI_NO_TIER;
+    if (r->data)
+        kvhi_region_release(e, x, r, false);
     r->tier = KVH_TIER_DISK;
     r->disk_slots = slots;
     r->n_disk_slots = n;
     r->crc_known = true;
     r->stale_crc = false;
     e->contexts->stats.bytes_host_to_disk += r->size;
-    r->busy = true;
-    pthread_mutex_unlock(&e->lock);
-    kvhi_region_mem_free(e, at, mem, r->size);
-    pthread_mutex_lock(&e->lock);
-    r->busy = false;
     return KVH_OK;
 }
 

@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include "test_util.h"
+#include "context_test_util.h"
 #include "core/context.h"
 
 enum { L = 2, H = 2, D = 4, BT = 4 };
@@ -117,23 +118,6 @@ static void check_model(kvh_engine *e, model *m)
     assert_true(checked >= m->n_regions);
 }
 
-static kvh_weight_stats wstats(kvh_engine *e)
-{
-    kvh_weight_stats s;
-    memset(&s, 0, sizeof(s));
-    s.struct_size = sizeof(s);
-    assert_ok(kvh_weight_stats_get(e, &s));
-    return s;
-}
-
-static kvh_context_info cinfo(kvh_engine *e, kvh_context c)
-{
-    kvh_context_info i;
-    memset(&i, 0, sizeof(i));
-    i.struct_size = sizeof(i);
-    assert_ok(kvh_context_info_get(e, c, &i));
-    return i;
-}
 
 static uint64_t slots_of(uint64_t bytes, uint64_t bb) { return (bytes + bb - 1) / bb; }
 
@@ -197,14 +181,14 @@ static void switch_preserves_everything(void **state)
         model *out = round % 2 ? b : a, *in = round % 2 ? a : b;
         assert_ok(kvh_context_switch(e, out->ctx, in->ctx, NULL));
         check_model(e, in);
-        kvh_context_info ii = cinfo(e, in->ctx), oi = cinfo(e, out->ctx);
+        kvh_context_info ii = ct_context_info(e, in->ctx), oi = ct_context_info(e, out->ctx);
         assert_int_equal(ii.layers_ready, in->n_regions);
         assert_int_equal(ii.bytes_device, ii.weight_bytes);
         assert_int_equal(oi.bytes_device, 0);
         assert_true(tu_check_pattern(e, sa, L, TOK, 1, 0, 3 * BT));
         assert_true(tu_check_pattern(e, sb, L, TOK, 2, 0, 3 * BT));
     }
-    kvh_weight_stats ws = wstats(e);
+    kvh_weight_stats ws = ct_weight_stats(e);
     assert_int_equal(ws.switches, 5);
     /* The host tier has room for the model that leaves, so departures
      * stay in RAM (copied down on discrete memory, re-accounted on unified
@@ -241,7 +225,7 @@ static void switch_preserves_everything(void **state)
     assert_ok(kvh_seq_free(e, sb));
     assert_ok(kvh_context_destroy(e, a->ctx));
     assert_ok(kvh_context_destroy(e, b->ctx));
-    ws = wstats(e);
+    ws = ct_weight_stats(e);
     assert_int_equal(ws.slots_device + ws.slots_host, 0);
     /* What is left in the tiers is KV (cached blocks of freed sequences). */
     kvh_stats ks = tu_stats(e);
@@ -271,7 +255,7 @@ static void clean_weights_never_written(void **state)
         assert_ok(kvh_context_switch(e, out->ctx, in->ctx, NULL));
         check_model(e, in);
     }
-    kvh_weight_stats ws = wstats(e);
+    kvh_weight_stats ws = ct_weight_stats(e);
     uint64_t file_bytes = LAYERS * (BIG + SMALL), extra = sizeof(a->extra);
     /* Most clean regions found no room and were dropped; the few that
      * fitted next to the byte-sourced ones stayed in RAM. */
@@ -308,9 +292,9 @@ static void modified_weights_written_back(void **state)
         p[i] ^= 0x5a;
     uint8_t *want = tu_alloc(n);
     memcpy(want, p, n);
-    kvh_weight_stats before = wstats(e);
+    kvh_weight_stats before = ct_weight_stats(e);
     assert_ok(kvh_context_switch(e, a->ctx, b->ctx, NULL));
-    kvh_weight_stats mid = wstats(e);
+    kvh_weight_stats mid = ct_weight_stats(e);
     uint64_t moved = md.copies ? mid.bytes_device_to_host - before.bytes_device_to_host
                                : mid.bytes_remapped - before.bytes_remapped;
     assert_true(moved >= n);
@@ -348,11 +332,11 @@ static void changed_source_is_corrupt(void **state)
     assert_ok(kvh_context_switch(e, b->ctx, a->ctx, &f));
     assert_kvh(KVH_ERR_CORRUPT, kvh_fence_wait(e, f, UINT64_MAX));
     assert_ok(kvh_fence_free(e, f));
-    assert_int_equal(wstats(e).crc_failures, 1);
+    assert_int_equal(ct_weight_stats(e).crc_failures, 1);
     /* Layers before the bad one loaded; waiting for it reports the error. */
     assert_ok(kvh_context_wait_layer(e, a->ctx, 1, UINT64_MAX));
     assert_kvh(KVH_ERR_CORRUPT, kvh_context_wait_layer(e, a->ctx, 2, UINT64_MAX));
-    assert_int_equal(cinfo(e, a->ctx).loading, 0);
+    assert_int_equal(ct_context_info(e, a->ctx).loading, 0);
 }
 
 /* With a fence, early layers can be used before the switch completes. */
@@ -379,7 +363,7 @@ static void layers_ready_in_order(void **state)
     check_model(e, a);
     /* Unloading: switch to nothing. */
     assert_ok(kvh_context_switch(e, a->ctx, none, NULL));
-    assert_int_equal(cinfo(e, a->ctx).bytes_device, 0);
+    assert_int_equal(ct_context_info(e, a->ctx).bytes_device, 0);
     assert_kvh(KVH_ERR_NOT_RESIDENT, kvh_context_region_data(e, a->ctx, 0, 0, &p, NULL));
 }
 
@@ -402,7 +386,7 @@ static void pinned_regions_stay(void **state)
     assert_ok(kvh_context_region_data(e, a->ctx, 1, 0, &p, NULL));
     assert_memory_equal(p, fa + a->offset[1], a->size[1]);
     assert_kvh(KVH_ERR_NOT_RESIDENT, kvh_context_region_data(e, a->ctx, 0, 0, &p, NULL));
-    assert_int_equal(cinfo(e, a->ctx).bytes_device, a->size[1]);
+    assert_int_equal(ct_context_info(e, a->ctx).bytes_device, a->size[1]);
     assert_kvh(KVH_ERR_RANGE, kvh_context_region_pin(e, a->ctx, 99, 1));
 }
 

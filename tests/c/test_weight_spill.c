@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "test_util.h"
+#include "context_test_util.h"
 #include "core/context.h"
 #include "core/disk_io.h"
 
@@ -96,23 +97,7 @@ static void check_resident(kvh_engine *e, model *m)
     assert_memory_equal(p, m->bytes, n);
 }
 
-static kvh_weight_stats wstats(kvh_engine *e)
-{
-    kvh_weight_stats s;
-    memset(&s, 0, sizeof(s));
-    s.struct_size = sizeof(s);
-    assert_ok(kvh_weight_stats_get(e, &s));
-    return s;
-}
-
-static uint64_t disk_bytes_of(kvh_engine *e, kvh_context c)
-{
-    kvh_context_info i;
-    memset(&i, 0, sizeof(i));
-    i.struct_size = sizeof(i);
-    assert_ok(kvh_context_info_get(e, c, &i));
-    return i.bytes_disk;
-}
+static uint64_t disk_bytes_of(kvh_engine *e, kvh_context c) { return ct_context_info(e, c).bytes_disk; }
 
 /* Device: room for one model; host: room for neither model's regions. */
 static kvh_engine *open_tight(bool copies, const char *disk_dir)
@@ -142,7 +127,7 @@ static void modified_and_bytes_regions_round_trip_through_disk(void **state)
     make_model(e, b, "spill-b.bin", 2);
     /* The byte-sourced regions found no room in memory: on disk already. */
     assert_int_equal(disk_bytes_of(e, a->ctx), BYTES_REGION);
-    assert_int_equal(wstats(e).bytes_host_to_disk, 2 * BYTES_REGION);
+    assert_int_equal(ct_weight_stats(e).bytes_host_to_disk, 2 * BYTES_REGION);
     kvh_context none = {0};
     assert_ok(kvh_context_switch(e, none, a->ctx, NULL));
     check_resident(e, a);
@@ -150,10 +135,10 @@ static void modified_and_bytes_regions_round_trip_through_disk(void **state)
     modify(e, a);
     for (int round = 0; round < 4; round++) {
         model *out = round % 2 ? b : a, *in = round % 2 ? a : b;
-        kvh_weight_stats before = wstats(e);
+        kvh_weight_stats before = ct_weight_stats(e);
         assert_ok(kvh_context_switch(e, out->ctx, in->ctx, NULL));
         check_resident(e, in);
-        kvh_weight_stats after = wstats(e);
+        kvh_weight_stats after = ct_weight_stats(e);
         /* The modified region and the byte-sourced one went to disk. */
         uint64_t out_dirty = BYTES_REGION + (out == a ? FILE_REGION : 0);
         assert_int_equal(disk_bytes_of(e, out->ctx), out_dirty);
@@ -171,9 +156,9 @@ static void modified_and_bytes_regions_round_trip_through_disk(void **state)
     /* Destroying a context gives its disk slots back. */
     assert_ok(kvh_context_destroy(e, b->ctx));
     assert_ok(kvh_context_switch(e, a->ctx, none, NULL));
-    assert_int_equal(wstats(e).bytes_disk, FILE_REGION + BYTES_REGION);
+    assert_int_equal(ct_weight_stats(e).bytes_disk, FILE_REGION + BYTES_REGION);
     assert_ok(kvh_context_destroy(e, a->ctx));
-    assert_int_equal(wstats(e).slots_disk, 0);
+    assert_int_equal(ct_weight_stats(e).slots_disk, 0);
     assert_int_equal(tu_tier(e, KVH_TIER_DISK).used_blocks, 0);
 }
 
@@ -215,12 +200,12 @@ static void damaged_spill_is_corrupt_not_served(void **state)
     assert_ok(kvh_context_switch(e, a->ctx, b->ctx, NULL));
     assert_int_equal(disk_bytes_of(e, a->ctx), BYTES_REGION);
     damage_slabs(dir);
-    uint64_t failures = wstats(e).crc_failures;
+    uint64_t failures = ct_weight_stats(e).crc_failures;
     kvh_fence f;
     assert_ok(kvh_context_switch(e, b->ctx, a->ctx, &f));
     assert_kvh(KVH_ERR_CORRUPT, kvh_fence_wait(e, f, UINT64_MAX));
     assert_ok(kvh_fence_free(e, f));
-    assert_true(wstats(e).crc_failures > failures);
+    assert_true(ct_weight_stats(e).crc_failures > failures);
     /* Never served: the damaged region is not resident. */
     void *p;
     assert_kvh(KVH_ERR_NOT_RESIDENT, kvh_context_region_data(e, a->ctx, 1, 0, &p, NULL));

@@ -1,0 +1,29 @@
+/* Helpers of the weight-context tests (test_context.c,
+ * test_weight_spill.c): snapshots of the engine's weight counters and of
+ * one context's residency. Include after test_util.h. */
+#ifndef KVH_TESTS_CONTEXT_TEST_UTIL_H
+#define KVH_TESTS_CONTEXT_TEST_UTIL_H
+
+#include <string.h>
+
+#include "test_util.h"
+
+static inline kvh_weight_stats ct_weight_stats(kvh_engine *e)
+{
+    kvh_weight_stats s;
+    memset(&s, 0, sizeof(s));
+    s.struct_size = sizeof(s);
+    assert_ok(kvh_weight_stats_get(e, &s));
+    return s;
+}
+
+static inline kvh_context_info ct_context_info(kvh_engine *e, kvh_context c)
+{
+    kvh_context_info i;
+    memset(&i, 0, sizeof(i));
+    i.struct_size = sizeof(i);
+    assert_ok(kvh_context_info_get(e, c, &i));
+    return i;
+}
+
+#endif
