@@ -267,7 +267,6 @@ static int measure_n(const bench_ctx *ctx, uint64_t n, uint64_t calls, scale_poi
         }
     }
     pt->ns[4] = (double)(bench_ns() - t0) / (double)calls;
-    pt->memory_read_ns = memory_read_ns(n * 128, ctx->seed ^ n);
     kvh_stats stats = {.struct_size = sizeof(stats)};
     kvh_engine_stats(e, &stats);
     bench_info(ctx, "scale n=%llu: %llu evictions during the run", (unsigned long long)n,
@@ -276,6 +275,9 @@ out_h:
     free(handles);
 out:
     kvh_engine_close(e);
+    /* Once the engine is gone, so that the peak memory is not both. */
+    if (rc == 0)
+        pt->memory_read_ns = memory_read_ns(n * 128, ctx->seed ^ n);
     return rc;
 }
 
