@@ -58,7 +58,8 @@ def rows_of(path: Path) -> List[Row]:
 def num(x: Optional[float], digits: int = 3) -> str:
     if x is None:
         return ""
-    return f"{x:.{digits}g}" if abs(x) < 1000 else f"{x:,.0f}"
+    # The cut-off is on the rounded value: 999.7 is "1,000", not "1e+03".
+    return f"{x:.{digits}g}" if abs(float(f"{x:.{digits}g}")) < 1000 else f"{x:,.0f}"
 
 
 def table(head: Sequence[str], body: Sequence[Sequence[str]]) -> str:
