@@ -20,6 +20,10 @@
  *      the smallest N times log2(N) / log2(smallest N); ratio = reference /
  *      cost (1 = exactly logarithmic growth, > 1 flatter). Target: ratio
  *      >= 0.5 (at most twice a logarithmic curve).
+ *        memory_read  (no target) one dependent read of a random cache
+ *                     line in a buffer the size of N block records (128
+ *                     bytes each), on huge pages as the engine's: what one
+ *                     cache miss into the block records costs at that N
  *  (b) Throughput as agents grow (--threads, default 1..64): each thread is
  *      an agent with its own 1024-token sequence, looping over: append a
  *      token and write its K/V, read one random token, acquire + release
@@ -35,6 +39,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
 
 #include "bench_scenarios.h"
@@ -108,7 +113,55 @@ static int write_all(kvh_engine *e, kvh_seq s, uint64_t n)
 
 typedef struct scale_point {
     double ns[5];
+    double memory_read_ns;
 } scale_point;
+
+/* ns per dependent read of a random 64-byte line (a pointer chase through
+ * one random cycle over every line) in an anonymous mapping of `bytes`,
+ * 2 MiB-aligned and advised for huge pages; < 0 when out of memory. */
+static double memory_read_ns(uint64_t bytes, uint64_t seed)
+{
+    const uint64_t huge = 2u << 20;
+    uint64_t lines = bytes / 64;
+    if (lines < 2)
+        return -1;
+    size_t map_bytes = (size_t)(lines * 64 + huge);
+    uint8_t *raw = mmap(NULL, map_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    uint32_t *order = malloc(sizeof(uint32_t) * lines);
+    if (raw == MAP_FAILED || !order) {
+        if (raw != MAP_FAILED)
+            munmap(raw, map_bytes);
+        free(order);
+        return -1;
+    }
+    uint8_t *buf = (uint8_t *)(((uintptr_t)raw + huge - 1) & ~(uintptr_t)(huge - 1));
+#ifdef MADV_HUGEPAGE
+    madvise(buf, lines * 64, MADV_HUGEPAGE);
+#endif
+    bench_rng rng;
+    bench_rng_seed(&rng, seed);
+    for (uint64_t i = 0; i < lines; i++)
+        order[i] = (uint32_t)i;
+    for (uint64_t i = lines - 1; i > 0; i--) {
+        uint64_t j = bench_rng_below(&rng, i + 1);
+        uint32_t t = order[i];
+        order[i] = order[j];
+        order[j] = t;
+    }
+    for (uint64_t i = 0; i < lines; i++)
+        *(uint64_t *)(buf + (uint64_t)order[i] * 64) = (uint64_t)order[(i + 1) % lines] * 64;
+    free(order);
+    const uint64_t reads = 1000000;
+    volatile uint64_t sink;
+    uint64_t at = 0, t0 = bench_ns();
+    for (uint64_t i = 0; i < reads; i++)
+        at = *(const uint64_t *)(buf + at);
+    double ns = (double)(bench_ns() - t0) / (double)reads;
+    sink = at;
+    (void)sink;
+    munmap(raw, map_bytes);
+    return ns;
+}
 
 static const char *const op_names[5] = {"alloc", "lookup", "touch", "prefix_match", "evict"};
 
@@ -222,6 +275,9 @@ out_h:
     free(handles);
 out:
     kvh_engine_close(e);
+    /* Once the engine is gone, so that the peak memory is not both. */
+    if (rc == 0)
+        pt->memory_read_ns = memory_read_ns(n * 128, ctx->seed ^ n);
     return rc;
 }
 
@@ -393,7 +449,7 @@ int bench_scale(int argc, char **argv, const bench_ctx *ctx)
                 free(runs);
                 return 1;
             }
-    scale_point first = {{0}};
+    scale_point first = {.ns = {0}};
     for (size_t i = 0; i < o.blocks.n; i++) {
         uint64_t n = o.blocks.v[i];
         scale_point med;
@@ -403,6 +459,10 @@ int bench_scale(int argc, char **argv, const bench_ctx *ctx)
                 v[r] = runs[i * (size_t)reps + (size_t)r].ns[op];
             med.ns[op] = bench_median(v, (size_t)reps);
         }
+        double mv[16];
+        for (int r = 0; r < reps; r++)
+            mv[r] = runs[i * (size_t)reps + (size_t)r].memory_read_ns;
+        med.memory_read_ns = bench_median(mv, (size_t)reps);
         if (i == 0)
             first = med;
         double log_scale = __builtin_log2((double)n) / __builtin_log2((double)o.blocks.v[0]);
@@ -415,6 +475,12 @@ int bench_scale(int argc, char **argv, const bench_ctx *ctx)
                 bench_row_target(r, 1, 1, 0.5);
             else
                 bench_row_note(r, "reference point");
+            bench_emit(ctx, r);
+        }
+        if (med.memory_read_ns > 0) {
+            bench_row *r = bench_row_new(SCEN, "memory_read", med.memory_read_ns, "ns/read");
+            bench_row_int(r, "blocks", (int64_t)n);
+            bench_row_int(r, "bytes", (int64_t)(n * 128));
             bench_emit(ctx, r);
         }
     }

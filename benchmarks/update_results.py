@@ -58,7 +58,8 @@ def rows_of(path: Path) -> List[Row]:
 def num(x: Optional[float], digits: int = 3) -> str:
     if x is None:
         return ""
-    return f"{x:.{digits}g}" if abs(x) < 1000 else f"{x:,.0f}"
+    # The cut-off is on the rounded value: 999.7 is "1,000", not "1e+03".
+    return f"{x:.{digits}g}" if abs(float(f"{x:.{digits}g}")) < 1000 else f"{x:,.0f}"
 
 
 def table(head: Sequence[str], body: Sequence[Sequence[str]]) -> str:
@@ -130,9 +131,13 @@ def scale_table(d: Path) -> Optional[str]:
                 continue
             c = f"{num(r['value'])} ({num(r.get('ratio'), 2)})"
             cells.append(f"**{c}**" if r.get("met") is False else c)
+        mem = next((r for r in rows if r.get("blocks") == n and r["metric"] == "memory_read"), None)
+        cells.append(num(mem["value"]) if mem else "")
         body.append(cells)
-    out = table(["live blocks"] + [f"{op} ns" for op in ops], body)
-    out += ("\nIn brackets: the logarithmic reference / measured (>= 0.5 is the target; **bold** missed).\n\n")
+    out = table(["live blocks"] + [f"{op} ns" for op in ops] + ["memory read ns"], body)
+    out += ("\nIn brackets: the logarithmic reference / measured (>= 0.5 is the target; **bold** missed). "
+            "Memory read: one random dependent read in a buffer the size of the block records (128 bytes "
+            "per block).\n\n")
     thr = [r for r in rows if r["metric"] == "agent_ops"]
     cpu = {r["threads"]: r for r in rows if r["metric"] == "agent_ops_per_cpu_s"}
     if thr:

@@ -5,6 +5,7 @@
 #include <sys/mman.h>
 
 #include "core/backend.h"
+#include "core/huge_alloc.h"
 #include "core/vmap_cpu_arena.h"
 #include "kernels/cpu/attn_cpu.h"
 
@@ -12,35 +13,11 @@ static int cpu_probe(int device, char *msg, size_t len) { return 0; }
 static void *cpu_context_create(int device, char *msg, size_t len) { return NULL; }
 static void cpu_context_destroy(void *ctx) {}
 
-#define HUGE_PAGE_BYTES (2u << 20)
-
 /* Anonymous mappings: lazily backed, and eligible for transparent huge
  * pages, which keeps TLB misses down on big arenas and makes first touch
  * one fault per 2 MiB instead of 512 (a weight switch allocates and
- * touches a whole model). Allocations of 2 MiB or more start on a 2 MiB
- * boundary, without which THP cannot back them. */
-static void *cpu_alloc(void *ctx, size_t bytes)
-{
-    if (bytes == 0)
-        return NULL;
-    size_t slack = bytes >= HUGE_PAGE_BYTES ? HUGE_PAGE_BYTES : 0;
-    uint8_t *raw = mmap(NULL, bytes + slack, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (raw == MAP_FAILED)
-        return NULL;
-    uint8_t *p = raw;
-    if (slack) {
-        p = (uint8_t *)(((uintptr_t)raw + HUGE_PAGE_BYTES - 1) & ~(uintptr_t)(HUGE_PAGE_BYTES - 1));
-        if (p > raw)
-            munmap(raw, (size_t)(p - raw));
-        size_t tail = (size_t)(raw + bytes + slack - (p + bytes));
-        if (tail)
-            munmap(p + bytes, tail);
-    }
-#ifdef MADV_HUGEPAGE
-    madvise(p, bytes, MADV_HUGEPAGE);
-#endif
-    return p;
-}
+ * touches a whole model). */
+static void *cpu_alloc(void *ctx, size_t bytes) { return kvhi_map_anon(bytes); }
 
 static void cpu_free(void *ctx, void *p, size_t bytes)
 {

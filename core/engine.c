@@ -9,6 +9,7 @@
 #endif
 
 #include "core/engine.h"
+#include "core/huge_alloc.h"
 #include "core/vmap_backend.h"
 
 uint64_t kvhi_now_ns(void)
@@ -239,8 +240,7 @@ static void engine_free(kvh_engine *e)
         for (uint32_t i = 0; i < e->seqs.cap; i++) {
             kvhi_seq *s = e->seqs.ptrs[i];
             if (s) {
-                free(s->blocks);
-                free(s->held);
+                kvhi_seq_tables_free(s);
                 free(s);
             }
         }
@@ -267,7 +267,7 @@ static void engine_free(kvh_engine *e)
     if (e->blocks)
         for (uint32_t i = 0; i < e->block_cap; i++)
             free(e->blocks[i].written);
-    free(e->blocks);
+    kvhi_huge_free(e->blocks, (size_t)e->block_cap * sizeof(kvhi_block));
     free(e->block_free);
     free(e->tokens);
     kvhi_prefix_destroy(&e->prefix);
@@ -344,7 +344,7 @@ kvh_status kvh_engine_open(const kvh_config *config, kvh_engine **out)
         return kvhi_fail(KVH_ERR_INVALID_ARG, "tier budgets hold more than 2^32 blocks");
     }
     e->block_cap = (uint32_t)cap;
-    e->blocks = calloc(cap, sizeof(kvhi_block));
+    e->blocks = kvhi_huge_alloc(cap * sizeof(kvhi_block));
     e->block_free = malloc(cap * sizeof(uint32_t));
     e->tokens = malloc(cap * e->cfg.block_tokens * sizeof(int32_t));
     if (!e->blocks || !e->block_free || !e->tokens || kvhi_prefix_init(&e->prefix, cap) != 0) {

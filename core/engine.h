@@ -10,6 +10,7 @@
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include "kvh/kvh.h"
@@ -46,34 +47,42 @@
 /* Busy blocks are not evicted, freed or written until they go idle. */
 #define KVHI_BF_BUSY (KVHI_BF_IN_FLIGHT | KVHI_BF_WRITING)
 
-typedef struct kvhi_block {
-    uint32_t gen;
+/* Two cache lines, the first holding all that an access (touch, data
+ * address) and a victim choice (key, evictability, heap positions) read:
+ * at 10^7 blocks the records span over a GB, and each line of one is a
+ * DRAM miss. Keep hot fields in the first line. */
+typedef struct __attribute__((aligned(64))) kvhi_block {
+    /* ---- hot: accesses and eviction ---- */
+    uint64_t hist[KVHI_MAX_K]; /* access clock values, most recent first */
     uint32_t refs;
-    uint32_t ext_refs; /* the part of refs held through block handles */
     uint32_t holds;
     uint32_t pins;
     uint32_t slot;
-    uint32_t agent;
-    uint32_t hits; /* accesses since it last entered its tier */
-    uint16_t n_tokens;
+    uint32_t hits;           /* accesses since it last entered its tier */
+    uint32_t heap_pos;       /* position in its tier's eviction heap */
+    uint32_t quota_heap_pos; /* position in its agent's device heap */
     uint16_t flags;
     uint8_t tier;
     uint8_t tolerance; /* compression tolerance, for LCTRU (lctru.c) */
-    uint32_t heap_pos;       /* position in its tier's eviction heap */
-    uint32_t quota_heap_pos; /* position in its agent's device heap */
-    uint64_t hash;           /* chained hash, valid with KVHI_BF_HASHED */
+    /* ---- cold ---- */
+    uint32_t gen;
+    uint32_t ext_refs; /* the part of refs held through block handles */
+    uint32_t agent;
+    uint16_t n_tokens;
+    uint8_t deferred_tier;
+    uint64_t hash;     /* chained hash, valid with KVHI_BF_HASHED */
     uint64_t parent_hash;
     uint32_t disk_copy; /* disk slot of a clean copy (KVHI_BF_DISK_COPY) */
     /* A slot the block left while a disk copy was still being read from
      * it: freed when the copy ends (KVHI_NO_BLOCK: none). */
     uint32_t deferred_slot;
-    uint8_t deferred_tier;
     uint32_t data_crc;  /* CRC32C of the data on disk */
-    uint64_t hist[KVHI_MAX_K]; /* access clock values, most recent first */
     /* Bitmap [layer][token] of written KV cells. NULL means none written,
      * unless KVHI_BF_KV_COMPLETE says all are. */
     uint64_t *written;
 } kvhi_block;
+_Static_assert(offsetof(kvhi_block, gen) == 64, "kvhi_block: the hot fields fill exactly its first cache line");
+_Static_assert(sizeof(kvhi_block) == 128, "kvhi_block: two cache lines");
 
 typedef struct kvhi_tier {
     bool present;
@@ -323,6 +332,9 @@ kvh_status kvhi_seq_get(kvh_engine *e, kvh_seq h, kvhi_seq **out);
 kvh_status kvhi_seq_block_range(kvh_engine *e, kvhi_seq *s, uint64_t first,
                                 uint64_t n, uint32_t *b0, uint32_t *b1);
 void kvhi_seq_destroy(kvh_engine *e, kvhi_seq *s);
+/* Frees s->blocks and s->held (engine teardown frees sequences without
+ * touching their blocks). */
+void kvhi_seq_tables_free(kvhi_seq *s);
 kvh_status kvhi_seq_create(kvh_engine *e, uint32_t agent, kvh_seq *out);
 kvh_status kvhi_seq_fork(kvh_engine *e, kvhi_seq *s, uint32_t agent,
                          kvh_seq *out);

@@ -34,6 +34,7 @@ typedef struct kvhi_lruk_entry {
 
 typedef struct kvhi_lruk_heap {
     kvhi_lruk_entry *entries;
+    void *mem; /* the allocation entries lie in */
     uint32_t size;
     uint32_t cap;
     /* Where each item keeps its position: base + item * stride + offset. */

@@ -4,6 +4,7 @@
 #include <string.h>
 
 #include "core/engine.h"
+#include "core/huge_alloc.h"
 
 kvh_status kvhi_seq_get(kvh_engine *e, kvh_seq h, kvhi_seq **out)
 {
@@ -25,6 +26,15 @@ kvh_status kvhi_seq_block_range(kvh_engine *e, kvhi_seq *s, uint64_t first, uint
     return KVH_OK;
 }
 
+void kvhi_seq_tables_free(kvhi_seq *s)
+{
+    kvhi_huge_free(s->blocks, sizeof(uint32_t) * (size_t)s->cap_blocks);
+    kvhi_huge_free(s->held, sizeof(uint32_t) * (size_t)s->cap_blocks);
+    s->blocks = s->held = NULL;
+}
+
+/* The block table is read at random, one entry per access: long ones get
+ * huge pages (kvhi_huge_alloc), hence no realloc. */
 static kvh_status ensure_cap(kvhi_seq *s, uint64_t want)
 {
     if (want <= s->cap_blocks)
@@ -34,13 +44,19 @@ static kvh_status ensure_cap(kvhi_seq *s, uint64_t want)
     uint32_t ncap = s->cap_blocks ? s->cap_blocks : 8;
     while (ncap < want)
         ncap *= 2;
-    uint32_t *b = realloc(s->blocks, sizeof(uint32_t) * ncap);
-    if (!b)
+    uint32_t *b = kvhi_huge_alloc(sizeof(uint32_t) * (size_t)ncap);
+    uint32_t *h = kvhi_huge_alloc(sizeof(uint32_t) * (size_t)ncap);
+    if (!b || !h) {
+        kvhi_huge_free(b, sizeof(uint32_t) * (size_t)ncap);
+        kvhi_huge_free(h, sizeof(uint32_t) * (size_t)ncap);
         return kvhi_fail(KVH_ERR_NOMEM, "out of memory for a block table");
+    }
+    if (s->cap_blocks) {
+        memcpy(b, s->blocks, sizeof(uint32_t) * s->cap_blocks);
+        memcpy(h, s->held, sizeof(uint32_t) * s->cap_blocks);
+    }
+    kvhi_seq_tables_free(s);
     s->blocks = b;
-    uint32_t *h = realloc(s->held, sizeof(uint32_t) * ncap);
-    if (!h)
-        return kvhi_fail(KVH_ERR_NOMEM, "out of memory for a block table");
     s->held = h;
     s->cap_blocks = ncap;
     return KVH_OK;
@@ -66,8 +82,7 @@ void kvhi_seq_destroy(kvh_engine *e, kvhi_seq *s)
             kvhi_block_unhold(e, s->blocks[i]);
         kvhi_block_unref(e, s->blocks[i]);
     }
-    free(s->blocks);
-    free(s->held);
+    kvhi_seq_tables_free(s);
     free(s);
 }
 

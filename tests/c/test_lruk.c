@@ -380,6 +380,53 @@ static void test_lazy_raise_keeps_exact_victims(void **state)
     kvhi_lruk_destroy(&h);
 }
 
+/* Past 2 MiB of entries the heap lives in its own huge-page mapping, its
+ * entries shifted so that sibling groups start on 32-byte boundaries: the
+ * same invariants must hold there. */
+static void test_large_heap(void **state)
+{
+    (void)state;
+    enum { N = 150000 }; /* 3.6 MB of entries */
+    tu_rng r = {tu_seed(0x1a26e)};
+    item *items = tu_alloc(sizeof(item) * N);
+    uint8_t *present = tu_alloc(N);
+    kvhi_lruk_key *keys = tu_alloc(sizeof(kvhi_lruk_key) * N);
+    init_items(items, N);
+    kvhi_lruk_heap h;
+    assert_int_equal(kvhi_lruk_init(&h, N, &items[0].pos, sizeof(item)), 0);
+    assert_int_equal((uintptr_t)&h.entries[1] % 32, 0);
+    for (uint32_t i = 0; i < N; i++) {
+        keys[i] = (kvhi_lruk_key){tu_below(&r, 1000) | (tu_below(&r, 2) << 63), tu_below(&r, 1000)};
+        present[i] = 1;
+        kvhi_lruk_upsert(&h, i, keys[i]);
+    }
+    for (int op = 0; op < 200000; op++) {
+        uint32_t it = (uint32_t)tu_below(&r, N);
+        if (tu_below(&r, 4)) {
+            keys[it] = (kvhi_lruk_key){tu_below(&r, 1000) | (tu_below(&r, 2) << 63), tu_below(&r, 1000)};
+            present[it] = 1;
+            kvhi_lruk_upsert(&h, it, keys[it]);
+        } else {
+            kvhi_lruk_remove(&h, it);
+            present[it] = 0;
+        }
+    }
+    check_heap(&h, items, present, keys, N);
+    uint32_t live = 0, drained = 0;
+    for (uint32_t i = 0; i < N; i++)
+        live += present[i];
+    kvhi_lruk_key prev = {0, 0};
+    for (uint32_t top; (top = kvhi_lruk_top(&h)) != KVHI_HEAP_NONE; drained++) {
+        assert_true(present[top]);
+        assert_false(kvhi_lruk_less(&keys[top], &prev));
+        prev = keys[top];
+        kvhi_lruk_remove(&h, top);
+        present[top] = 0;
+    }
+    assert_int_equal(drained, live);
+    kvhi_lruk_destroy(&h);
+}
+
 static void test_empty_heap(void **state)
 {
     (void)state;
@@ -400,6 +447,7 @@ int main(void)
         cmocka_unit_test_teardown(test_lru_k_semantics, tu_teardown),
         cmocka_unit_test_teardown(test_victim_order_simulation, tu_teardown),
         cmocka_unit_test_teardown(test_lazy_raise_keeps_exact_victims, tu_teardown),
+        cmocka_unit_test_teardown(test_large_heap, tu_teardown),
         cmocka_unit_test_teardown(test_empty_heap, tu_teardown),
     };
     return cmocka_run_group_tests_name("lruk", tests, NULL, NULL);

@@ -655,6 +655,34 @@ static void test_long_sequence(void **state)
         assert_int_equal(got[i], i);
 }
 
+/* A block table past 2 MiB moves to a huge-page mapping as it grows: the
+ * entries copied across, and the old and new tables freed the way each
+ * was allocated (ASan and the engine's teardown check the latter). */
+static void test_block_table_past_2mib(void **state)
+{
+    (void)state;
+    enum { N = 600000, CHUNK = 4096 }; /* 2.4 MB of block indices */
+    const size_t tok = 4 * 2;
+    kvh_engine *e = tu_open(1, 1, 4, 1, KVH_DTYPE_F16, N + 8, 0, 0);
+    kvh_seq s = tu_seq_new(e, 0);
+    int32_t *t = tu_alloc(sizeof(int32_t) * CHUNK);
+    for (size_t done = 0; done < N; done += CHUNK) {
+        size_t k = N - done < CHUNK ? N - done : CHUNK;
+        tu_iota(t, k, (int32_t)done);
+        assert_ok(kvh_seq_append(e, s, t, k));
+    }
+    assert_int_equal(tu_seq_len(e, s), N);
+    const uint64_t probes[] = {0, 1, 524287, 524288, N - 1};
+    for (size_t i = 0; i < sizeof(probes) / sizeof(probes[0]); i++) {
+        int32_t got;
+        assert_ok(kvh_seq_tokens(e, s, probes[i], 1, &got));
+        assert_int_equal(got, (int32_t)probes[i]);
+    }
+    tu_write_pattern(e, s, 1, tok, 5, N - 100, 100);
+    assert_true(tu_check_pattern(e, s, 1, tok, 5, N - 100, 100));
+    assert_ok(kvh_seq_free(e, s));
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -669,6 +697,7 @@ int main(void)
         cmocka_unit_test_teardown(test_block_table, tu_teardown),
         cmocka_unit_test_teardown(test_tokens_and_blocks, tu_teardown),
         cmocka_unit_test_teardown(test_long_sequence, tu_teardown),
+        cmocka_unit_test_teardown(test_block_table_past_2mib, tu_teardown),
     };
     return cmocka_run_group_tests_name("seq", tests, NULL, NULL);
 }

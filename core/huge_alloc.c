@@ -1,0 +1,52 @@
+#include "core/huge_alloc.h"
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+
+void *kvhi_map_anon(size_t bytes)
+{
+    if (bytes == 0)
+        return NULL;
+    size_t slack = bytes >= KVHI_HUGE_PAGE_BYTES ? KVHI_HUGE_PAGE_BYTES : 0;
+    uint8_t *raw = mmap(NULL, bytes + slack, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (raw == MAP_FAILED)
+        return NULL;
+    uint8_t *p = raw;
+    if (slack) {
+        p = (uint8_t *)(((uintptr_t)raw + KVHI_HUGE_PAGE_BYTES - 1) & ~(uintptr_t)(KVHI_HUGE_PAGE_BYTES - 1));
+        if (p > raw)
+            munmap(raw, (size_t)(p - raw));
+        size_t tail = (size_t)(raw + bytes + slack - (p + bytes));
+        if (tail)
+            munmap(p + bytes, tail);
+#ifdef MADV_HUGEPAGE
+        madvise(p, bytes, MADV_HUGEPAGE);
+#endif
+    }
+    return p;
+}
+
+void *kvhi_huge_alloc(size_t bytes)
+{
+    if (bytes == 0)
+        return NULL;
+    if (bytes >= KVHI_HUGE_PAGE_BYTES)
+        return kvhi_map_anon(bytes);
+    size_t rounded = (bytes + 63) & ~(size_t)63; /* aligned_alloc wants a multiple */
+    void *p = aligned_alloc(64, rounded);
+    if (p)
+        memset(p, 0, rounded);
+    return p;
+}
+
+void kvhi_huge_free(void *p, size_t bytes)
+{
+    if (!p)
+        return;
+    if (bytes >= KVHI_HUGE_PAGE_BYTES)
+        munmap(p, bytes);
+    else
+        free(p);
+}
