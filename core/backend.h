@@ -113,12 +113,13 @@ typedef struct kvhi_backend_ops {
     void (*attention_plan_free)(void *ctx, void *handle);
 
     /* ---- unified memory ----
-     * Appended in ABI 3; NULL means no. 1 when this context's device-tier
-     * memory is memory the CPU reads and writes directly (an integrated
-     * GPU, or one that uses the host's page tables, as on Grace Hopper):
-     * device_alloc then returns such memory, so moves between the device
-     * and host tiers can be plain CPU copies or no copy at all. Kernels
-     * still run on the device. */
+     * Appended in ABI 3; NULL means 0. 1 when this context's device-tier
+     * memory is memory the CPU reads and writes directly (a GPU that uses
+     * the host's page tables, as on Grace Hopper): device_alloc then
+     * returns such memory, so moves between the device and host tiers are
+     * plain CPU copies. 2 when it is moreover the host's own physical
+     * memory (an integrated GPU): the two tiers can then be one arena and
+     * moves between them no copy at all. Kernels still run on the device. */
     int (*memory_is_unified)(void *ctx);
 
     /* ---- virtual contiguity (kvh_seq_vmap) ----

@@ -189,12 +189,13 @@ static kvh_status tier_init(kvh_engine *e, uint32_t t, uint64_t budget)
 }
 
 /* Device and host tiers can be one arena when they are the same memory
- * in the same form: the CPU backend, no view arena, no codec, no NUMA
- * placement of the host tier, and not turned off by copy_moves. */
+ * in the same form: the CPU backend or an integrated GPU, no view arena,
+ * no codec, no NUMA placement of the host tier, and not turned off by
+ * copy_moves. */
 static bool can_move_in_place(const kvh_engine *e)
 {
     const kvhi_tier *d = &e->tiers[KVH_TIER_DEVICE], *h = &e->tiers[KVH_TIER_HOST];
-    return e->backend->device_is_host_memory && e->device_host_addressable && !e->cfg.vmap && !e->cfg.copy_moves &&
+    return e->device_is_host_ram && e->device_host_addressable && !e->cfg.vmap && !e->cfg.copy_moves &&
            !d->encoded && !h->encoded && d->slot_bytes == h->slot_bytes && e->cfg.numa_node < 0 &&
            e->cfg.host_bytes / h->slot_bytes > 0 &&
            e->cfg.device_bytes / d->slot_bytes + e->cfg.host_bytes / h->slot_bytes < UINT32_MAX - 1;
@@ -206,7 +207,7 @@ static kvh_status select_backend(kvh_engine *e)
     e->cpu_kernels = true;
     if (e->cfg.backend == KVH_BACKEND_CPU) {
         e->backend = kvhi_backend_cpu();
-        e->device_host_addressable = true;
+        e->device_host_addressable = e->device_is_host_ram = true;
         return KVH_OK;
     }
     e->backend = kvhi_backend_cuda_load(e->cfg.cuda_device, msg, sizeof(msg), &e->backend_dl);
@@ -214,8 +215,9 @@ static kvh_status select_backend(kvh_engine *e)
         e->backend_ctx = e->backend->context_create(e->cfg.cuda_device, msg, sizeof(msg));
         if (e->backend_ctx) {
             e->cpu_kernels = false;
-            e->device_host_addressable = e->backend->device_is_host_memory ||
-                                         (e->backend->memory_is_unified && e->backend->memory_is_unified(e->backend_ctx));
+            int unified = e->backend->memory_is_unified ? e->backend->memory_is_unified(e->backend_ctx) : 0;
+            e->device_host_addressable = e->backend->device_is_host_memory || unified >= 1;
+            e->device_is_host_ram = e->backend->device_is_host_memory || unified == 2;
             if (e->device_host_addressable && !e->backend->device_is_host_memory)
                 kvhi_log(e, KVH_LOG_INFO, "%s backend on unified memory: device and host tiers share memory",
                          e->backend->name);
@@ -229,7 +231,7 @@ static kvh_status select_backend(kvh_engine *e)
     kvhi_log(e, KVH_LOG_INFO, "using the CPU backend: %s", msg);
     e->backend = kvhi_backend_cpu();
     e->backend_ctx = NULL;
-    e->device_host_addressable = true;
+    e->device_host_addressable = e->device_is_host_ram = true;
     return KVH_OK;
 }
 

@@ -153,6 +153,9 @@ struct kvh_engine {
      * backend, or CUDA on unified memory (backend memory_is_unified). Data
      * paths test this; the choice of kernels tests the backend itself. */
     bool device_host_addressable;
+    /* ... and it is the host's own physical memory (the CPU backend, an
+     * integrated GPU): the tiers may be one arena (moves_in_place). */
+    bool device_is_host_ram;
     /* Device and host tiers are one arena of the same memory: a block
      * moving between them keeps its bytes and slot and changes tier, the
      * destination tier giving a free slot back in exchange (evict.c). */

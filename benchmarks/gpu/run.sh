@@ -59,7 +59,7 @@ if [[ ${SKIP_BUILD:-0} != 1 ]]; then
     step configure 300 cmake -S "$ROOT" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DKVH_WITH_CUDA=ON \
         -DKVH_BUILD_TESTS=ON -DKVH_BUILD_BENCH=OFF || STATUS=1
     step build 480 cmake --build "$BUILD" -j "$JOBS" --target kvh kvh_static kvh_cuda test_cuda_attention \
-        test_cuda_vmap kvh_attention_emu test_tiers test_context test_weight_spill test_seq || STATUS=1
+        test_cuda_vmap kvh_attention_emu test_tiers test_context test_weight_spill test_seq test_moves_in_place || STATUS=1
 fi
 if [[ ! -f $BUILD/libkvh_cuda.so ]]; then
     log "libkvh_cuda.so was not built (no nvcc?): nothing more to do"
@@ -88,11 +88,16 @@ elif [[ $rc != 0 ]]; then
     STATUS=1
 fi
 
-# The unified-memory path (device tier in managed memory the CPU
-# addresses, moves between device and host without DMA copies), forced on
-# this card: the tier, context and spill suites on the CUDA backend.
-for t in test_tiers test_context test_weight_spill test_seq; do
-    KVH_TEST_BACKEND=cuda KVH_CUDA_UNIFIED=1 step "unified_$t" 120 "$BUILD/tests/c/$t" || STATUS=1
+# The unified-memory paths, forced on this card: the tier, context and
+# spill suites on the CUDA backend with the device tier in managed memory
+# the CPU addresses (1: moves are CPU copies) and with both memory tiers
+# one managed arena (2: moves re-account blocks in place).
+for u in 1 2; do
+    suites="test_tiers test_context test_weight_spill test_seq"
+    [[ $u == 2 ]] && suites+=" test_moves_in_place"
+    for t in $suites; do
+        KVH_TEST_BACKEND=cuda KVH_CUDA_UNIFIED=$u step "unified${u}_$t" 120 "$BUILD/tests/c/$t" || STATUS=1
+    done
 done
 
 # ---- 3. benchmark ----
@@ -119,8 +124,11 @@ fi
     grep -E 'worst error' "$RES/test_cuda_attention.log" 2>/dev/null | sed 's/^/  /'
     echo "test_cuda_vmap: $(grep -E '^\[  (PASSED|FAILED) |SKIP' "$RES/test_cuda_vmap.log" 2>/dev/null | tr '\n' ' ')"
     grep -E 'vmap timing|migrated block' "$RES/test_cuda_vmap.log" 2>/dev/null | sed 's/^/  /'
-    for t in test_tiers test_context test_weight_spill test_seq; do
-        echo "unified $t: $(grep -E '^\[  (PASSED|FAILED) ' "$RES/unified_$t.log" 2>/dev/null | tr '\n' ' ')"
+    for u in 1 2; do
+        for t in test_tiers test_context test_weight_spill test_seq test_moves_in_place; do
+            [[ -f $RES/unified${u}_$t.log ]] || continue
+            echo "unified=$u $t: $(grep -E '^\[  (PASSED|FAILED) ' "$RES/unified${u}_$t.log" 2>/dev/null | tr '\n' ' ')"
+        done
     done
     echo "gpu_bench:"
     grep -E '^  [a-z_]|round trip|device:' "$RES/gpu_bench.log" 2>/dev/null

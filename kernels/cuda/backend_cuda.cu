@@ -52,8 +52,8 @@ struct cuda_ctx {
     pthread_mutex_t lock; /* guards idle */
     stream_node *idle;
     kvhc_attn *attn; /* paged attention: workspaces (attention.cu) */
-    /* Device tier in managed memory the CPU addresses directly
-     * (unified_memory.h). */
+    /* 1 or 2: device tier in managed memory the CPU addresses directly;
+     * 2: the host's own RAM (unified_memory.h). */
     int unified;
 };
 
@@ -228,7 +228,7 @@ void *cuda_device_alloc(void *vctx, size_t bytes)
 int cuda_memory_is_unified(void *vctx)
 {
     cuda_ctx *ctx = (cuda_ctx *)vctx;
-    return ctx && ctx->unified;
+    return ctx ? ctx->unified : 0;
 }
 
 void cuda_device_free(void *vctx, void *ptr, size_t bytes)

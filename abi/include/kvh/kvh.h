@@ -186,10 +186,10 @@ typedef struct kvh_config {
      * device tier's capacity in blocks). */
     uint32_t lctru_window;
     /* 1: a block moving between the device and host tiers is copied even
-     * where both are the same memory. Default 0: on the CPU backend
-     * (without vmap, kv_codec or numa_node) both tiers are one arena and
-     * such a move re-accounts the block where it lies (kvh_stats
-     * blocks_moved_in_place). */
+     * where both are the same memory. Default 0: where they are (the CPU
+     * backend; CUDA on an integrated GPU), without vmap, kv_codec or
+     * numa_node, both tiers are one arena and such a move re-accounts the
+     * block where it lies (kvh_stats blocks_moved_in_place). */
     uint32_t copy_moves;
     uint32_t reserved1;
 } kvh_config;
