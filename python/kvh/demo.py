@@ -589,6 +589,7 @@ def render(r: DemoResult) -> str:
         ["evictions, drops, CoW copies", f"{s['evictions']:,}, {s['drops']:,}, {s['cow_copies']:,}"],
         ["bytes device->host / host->device", f"{human_bytes(s['bytes_device_to_host'])} / "
                                               f"{human_bytes(s['bytes_host_to_device'])}"],
+        ["device<->host moves without a copy (one arena)", f"{s.get('blocks_moved_in_place', 0):,} blocks"],
         ["bytes host->disk / disk->host", f"{human_bytes(s['bytes_host_to_disk'])} / "
                                           f"{human_bytes(s['bytes_disk_to_host'])}"],
         ["acquire stall", f"{d['acquire_stall_ms']:.1f} ms"],

@@ -1652,6 +1652,7 @@ def render(s: Dict[str, Any]) -> str:
         ["evictions, drops", f"{st['evictions']:,}, {st['drops']:,}"],
         ["bytes device->host / host->device", f"{human_bytes(st['bytes_device_to_host'])} / "
                                               f"{human_bytes(st['bytes_host_to_device'])}"],
+        ["device<->host moves without a copy (one arena)", f"{st.get('blocks_moved_in_place', 0):,} blocks"],
         ["bytes host->disk / disk->host", f"{human_bytes(st['bytes_host_to_disk'])} / "
                                           f"{human_bytes(st['bytes_disk_to_host'])}"],
         ["acquire stall (waiting for copies)", f"{st['acquire_stall_ns'] / 1e6:.1f} ms"],
