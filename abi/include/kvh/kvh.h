@@ -705,7 +705,8 @@ KVH_API kvh_status kvh_context_attach_seq(kvh_engine *engine,
  * weights leave it (clean ones, never written, are kept in the host tier
  * when it has free room and dropped otherwise; modified ones, or ones that
  * came from bytes, are written to the host tier, evicting KV for room, or
- * to the disk tier when the host tier cannot take them) while to's weights arrive layer
+ * to the disk tier when the host tier cannot take them, where they share
+ * the disk budget with KV and are not kept across restarts) while to's weights arrive layer
  * by layer, the two directions overlapped; to's regions are made resident
  * in the device tier, evicting KV by policy when from's departures do not
  * make enough room. Either handle may be null (load only / unload only).
