@@ -58,4 +58,21 @@ static TU_UNUSED void set_backend_path(void)
     setenv("KVH_CUDA_BACKEND", exe, 0);
 }
 
+/* 0 when an engine on the CUDA backend opens with config c (then closed
+ * again), else 77, the exit status ctest reads as "skipped", after saying
+ * why. */
+static TU_UNUSED int cuda_usable_or_skip(const kvh_config *c)
+{
+    kvh_config cuda = *c;
+    cuda.backend = KVH_BACKEND_CUDA;
+    kvh_engine *e = NULL;
+    kvh_status st = kvh_engine_open(&cuda, &e);
+    if (st != KVH_OK) {
+        printf("SKIP: no usable CUDA backend: %s (%s)\n", kvh_status_name(st), kvh_last_error());
+        return 77;
+    }
+    kvh_engine_close(e);
+    return 0;
+}
+
 #endif

@@ -366,13 +366,8 @@ int main(void)
     set_backend_path();
     rng.s = tu_seed(2024);
     kvh_config c = cfg_of(1, 1, 64, 16, KVH_DTYPE_F16, 16, KVH_BACKEND_CUDA);
-    kvh_engine *e = NULL;
-    kvh_status st = kvh_engine_open(&c, &e);
-    if (st != KVH_OK) {
-        printf("SKIP: no usable CUDA backend: %s (%s)\n", kvh_status_name(st), kvh_last_error());
+    if (cuda_usable_or_skip(&c))
         return 77;
-    }
-    kvh_engine_close(e);
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_shapes, tu_teardown),
         cmocka_unit_test_teardown(test_long, tu_teardown),

@@ -92,14 +92,6 @@ static kvh_seq new_seq(kvh_engine *e, const geo *g, size_t n, uint32_t salt)
     return s;
 }
 
-static kvh_vmap_view get_view(kvh_engine *e, kvh_vmap *m)
-{
-    kvh_vmap_view v;
-    memset(&v, 0, sizeof(v));
-    v.struct_size = sizeof(v);
-    assert_ok(kvh_vmap_get(e, m, &v));
-    return v;
-}
 
 /* True when each unit of s's blocks starts on a unit-aligned slot and
  * continues in the slots after it: what a CUDA view can map. */
@@ -119,7 +111,7 @@ static bool units_in_order(kvh_engine *e, kvh_seq s, uint32_t U)
 /* The view, copied back from the device, equals kvh_seq_read_kv. */
 static void check_view(kvh_engine *e, const geo *g, kvh_seq s, kvh_vmap *m)
 {
-    kvh_vmap_view v = get_view(e, m);
+    kvh_vmap_view v = tu_vmap_view(e, m);
     assert_string_equal(v.backing, "cuda-vmm");
     assert_int_equal(v.map_unit, e->vmap_unit);
     uint64_t n = tu_seq_len(e, s);
@@ -203,7 +195,7 @@ static void compare_run(kvh_engine *e, const geo *g, kvh_seq *seqs, kvh_vmap **v
 static void compare(kvh_engine *e, const geo *g, kvh_seq *seqs, kvh_vmap **views, size_t n, uint32_t Hq,
                     const char *label)
 {
-    uint32_t layer = get_view(e, views[0]).layer;
+    uint32_t layer = tu_vmap_view(e, views[0]).layer;
     compare_run(e, g, seqs, views, n, layer, Hq, NULL, label);
     static const uint32_t chunk[] = {1, 17, 300};
     for (size_t c = 0; c < 3; c++) {
@@ -476,14 +468,8 @@ int main(void)
 {
     set_backend_path();
     kvh_config c = tu_cfg(1, 1, 64, 16, KVH_DTYPE_F16, 16, 0, 1);
-    c.backend = KVH_BACKEND_CUDA;
-    kvh_engine *e = NULL;
-    kvh_status st = kvh_engine_open(&c, &e);
-    if (st != KVH_OK) {
-        printf("SKIP: no usable CUDA backend: %s (%s)\n", kvh_status_name(st), kvh_last_error());
+    if (cuda_usable_or_skip(&c))
         return 77;
-    }
-    kvh_engine_close(e);
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_equals_paged, tu_teardown),
         cmocka_unit_test_teardown(test_refresh_after_append_and_migration, tu_teardown),

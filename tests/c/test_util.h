@@ -339,4 +339,14 @@ static inline int tu_check_pattern(kvh_engine *e, kvh_seq s, uint32_t layers, si
     return ok;
 }
 
+/* The current view of a vmap (kvh_vmap_get). */
+static inline kvh_vmap_view tu_vmap_view(kvh_engine *e, kvh_vmap *m)
+{
+    kvh_vmap_view v;
+    memset(&v, 0, sizeof(v));
+    v.struct_size = sizeof(v);
+    assert_ok(kvh_vmap_get(e, m, &v));
+    return v;
+}
+
 #endif

@@ -55,19 +55,11 @@ static kvh_seq new_seq(kvh_engine *e, size_t n)
     return s;
 }
 
-static kvh_vmap_view get_view(kvh_engine *e, kvh_vmap *m)
-{
-    kvh_vmap_view v;
-    memset(&v, 0, sizeof(v));
-    v.struct_size = sizeof(v);
-    assert_ok(kvh_vmap_get(e, m, &v));
-    return v;
-}
 
 /* The view's contents equal kvh_seq_read_kv of its layer. */
 static void check_view(kvh_engine *e, kvh_seq s, kvh_vmap *m)
 {
-    kvh_vmap_view v = get_view(e, m);
+    kvh_vmap_view v = tu_vmap_view(e, m);
     uint64_t n = tu_seq_len(e, s);
     assert_int_equal(v.n_tokens, n);
     float *k = tu_alloc(sizeof(float) * n * H * D), *vv = tu_alloc(sizeof(float) * n * H * D);
@@ -119,7 +111,7 @@ static void test_view_equals_paged(void **state)
     kvh_seq s = new_seq(e, 100);
     kvh_vmap *m = NULL;
     assert_ok(kvh_seq_vmap(e, s, 1, 0, &m));
-    kvh_vmap_view v = get_view(e, m);
+    kvh_vmap_view v = tu_vmap_view(e, m);
     assert_int_equal(v.capacity_tokens, 128);
     assert_int_equal(v.head_stride, 128 * D * sizeof(float));
     assert_true((const uint8_t *)v.v == (const uint8_t *)v.k + H * v.head_stride);
@@ -156,11 +148,11 @@ static void test_stale_and_refresh(void **state)
     kvh_seq s = new_seq(e, 30);
     kvh_vmap *m = NULL;
     assert_ok(kvh_seq_vmap(e, s, 0, 256, &m));
-    uint64_t g0 = get_view(e, m).generation;
+    uint64_t g0 = tu_vmap_view(e, m).generation;
     int32_t changed = -1;
     assert_ok(kvh_vmap_refresh(e, m, &changed));
     assert_int_equal(changed, 0);
-    assert_int_equal(get_view(e, m).generation, g0);
+    assert_int_equal(tu_vmap_view(e, m).generation, g0);
 
     /* Append into a new block: stale until refreshed. */
     int32_t tok[20];
@@ -172,7 +164,7 @@ static void test_stale_and_refresh(void **state)
     assert_kvh(KVH_ERR_BAD_HANDLE, kvh_attention_decode_vmap(e, &m, 1, q, out, NULL));
     assert_ok(kvh_vmap_refresh(e, m, &changed));
     assert_int_equal(changed, 1);
-    assert_true(get_view(e, m).generation > g0);
+    assert_true(tu_vmap_view(e, m).generation > g0);
     check_view(e, s, m);
     check_attention(e, s, m, 0, H, 1);
 
@@ -195,7 +187,7 @@ static void test_stale_and_refresh(void **state)
     assert_ok(kvh_seq_truncate(e, s, 17));
     assert_ok(kvh_vmap_refresh(e, m, &changed));
     assert_int_equal(changed, 1);
-    assert_int_equal(get_view(e, m).n_tokens, 17);
+    assert_int_equal(tu_vmap_view(e, m).n_tokens, 17);
     check_view(e, s, m);
     check_attention(e, s, m, 0, H, 1);
 
@@ -270,7 +262,7 @@ static void test_large_capacity_is_lazy(void **state)
     kvh_vmap *m = NULL;
     assert_ok(kvh_seq_vmap(e, s, 1, 1ull << 31, &m));
     assert_true(rss_bytes() - before < (16u << 20));
-    assert_int_equal(get_view(e, m).capacity_tokens, 1ull << 31);
+    assert_int_equal(tu_vmap_view(e, m).capacity_tokens, 1ull << 31);
     check_view(e, s, m);
     int32_t tok[BT];
     tu_iota(tok, BT, 100);
