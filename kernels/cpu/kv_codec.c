@@ -1,7 +1,7 @@
-/* Scalar KV codecs (see kv_codec.h for the formats and error bounds).
- * Demotion and promotion are memory-bound copies of whole blocks, so a
- * plain loop per element is enough here; the values are read through the
- * dtype helpers shared with the attention kernels. */
+/* Scalar KV codecs (see kv_codec.h for the formats and error bounds),
+ * run on every copy between a raw and an encoded tier. The values are
+ * converted through the dtype helpers shared with the attention kernels,
+ * a slice at a time. */
 #include "kernels/cpu/kv_codec.h"
 
 #include <math.h>
@@ -59,11 +59,100 @@ static float get_f32(const uint8_t *p)
     return v;
 }
 
+/* Vectors are converted to and from f32 a slice at a time, with the dtype
+ * chosen once per slice rather than per element, so the loops stay tight;
+ * head_dim has no upper bound here (the public kvh_codec_* calls). */
+enum { SLICE = 256 };
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define KVH_CODEC_F16C 1
+/* f16 <-> f32 eight at a time with the F16C instructions: both directions
+ * are exact or correctly rounded to nearest-even, the same results as the
+ * scalar helpers (NaNs quieted with their top payload bits kept). */
+__attribute__((target("f16c,avx"))) static void f16_to_f32_f16c(const uint16_t *h, uint32_t n, float *x)
+{
+    uint32_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(x + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+    for (; i < n; i++)
+        x[i] = kvhi_f16_to_f32(h[i]);
+}
+
+__attribute__((target("f16c,avx"))) static void f32_to_f16_f16c(const float *x, uint32_t n, uint16_t *h)
+{
+    uint32_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(h + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+    for (; i < n; i++)
+        h[i] = kvhi_f32_to_f16(x[i]);
+}
+
+static int have_f16c(void)
+{
+    static int known = -1; /* racy but idempotent: every thread stores the same */
+    if (known < 0)
+        known = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
+    return known;
+}
+#endif
+
+static void load_slice(uint32_t dtype, const void *src, uint32_t from, uint32_t n, float *x)
+{
+#ifdef KVH_CODEC_F16C
+    if (dtype == KVH_DTYPE_F16 && have_f16c()) {
+        f16_to_f32_f16c((const uint16_t *)src + from, n, x);
+        return;
+    }
+#endif
+    if (dtype == KVH_DTYPE_F16) {
+        const uint16_t *h = (const uint16_t *)src + from;
+        for (uint32_t i = 0; i < n; i++)
+            x[i] = kvhi_f16_to_f32(h[i]);
+    } else if (dtype == KVH_DTYPE_BF16) {
+        const uint16_t *h = (const uint16_t *)src + from;
+        for (uint32_t i = 0; i < n; i++)
+            x[i] = kvhi_bf16_to_f32(h[i]);
+    } else {
+        memcpy(x, (const float *)src + from, sizeof(float) * n);
+    }
+}
+
+static void store_slice(uint32_t dtype, void *dst, uint32_t from, uint32_t n, const float *x)
+{
+#ifdef KVH_CODEC_F16C
+    if (dtype == KVH_DTYPE_F16 && have_f16c()) {
+        f32_to_f16_f16c(x, n, (uint16_t *)dst + from);
+        return;
+    }
+#endif
+    if (dtype == KVH_DTYPE_F16) {
+        uint16_t *h = (uint16_t *)dst + from;
+        for (uint32_t i = 0; i < n; i++)
+            h[i] = kvhi_f32_to_f16(x[i]);
+    } else if (dtype == KVH_DTYPE_BF16) {
+        uint16_t *h = (uint16_t *)dst + from;
+        for (uint32_t i = 0; i < n; i++)
+            h[i] = kvhi_f32_to_bf16(x[i]);
+    } else {
+        memcpy((float *)dst + from, x, sizeof(float) * n);
+    }
+}
+
+/* lrint of a double well inside +-2^51 in the current rounding mode,
+ * without the library call: adding and removing 1.5 * 2^52 leaves exactly
+ * the rounded integer (the default mode rounds half to even, as lrint). */
+static inline double round_in_mode(double q)
+{
+    const double shift = 6755399441055744.0;
+    return (q + shift) - shift; /* never folded: not value-preserving */
+}
+
 /* Rounds (x - offset) * inv to the nearest code in [lo, hi]; NaN gives
  * `nan_code`. In double: x - offset can exceed FLT_MAX, and inv (the
  * reciprocal of the stored f32 scale) overflows a float when the scale is
  * subnormal -- a zero element then became 0 * inf = NaN, the top code. */
-static int quantise(float x, double offset, double inv, int lo, int hi, int nan_code)
+static inline int quantise(float x, double offset, double inv, int lo, int hi, int nan_code)
 {
     if (isnan(x))
         return nan_code;
@@ -72,51 +161,64 @@ static int quantise(float x, double offset, double inv, int lo, int hi, int nan_
         return hi;
     if (!(q > lo))
         return lo;
-    return (int)lrint(q);
+    return (int)round_in_mode(q);
 }
 
 static void encode_int8(uint32_t dtype, uint32_t d, const void *src, uint8_t *rec)
 {
+    float x[SLICE];
     float amax = 0.0f;
-    for (uint32_t i = 0; i < d; i++) {
-        float a = fabsf(kvhi_load_as_f32(dtype, src, i));
-        if (isfinite(a) && a > amax)
-            amax = a;
+    for (uint32_t at = 0; at < d; at += SLICE) {
+        uint32_t n = d - at < SLICE ? d - at : SLICE;
+        load_slice(dtype, src, at, n, x);
+        for (uint32_t i = 0; i < n; i++) {
+            float a = fabsf(x[i]);
+            if (isfinite(a) && a > amax)
+                amax = a;
+        }
     }
     float scale = amax / 127.0f;
     double inv = scale > 0.0f ? 1.0 / scale : 0.0; /* of the scale as stored */
     put_f32(rec, scale);
     int8_t *codes = (int8_t *)(rec + sizeof(float));
-    for (uint32_t i = 0; i < d; i++) {
-        float x = kvhi_load_as_f32(dtype, src, i);
-        /* A zero vector (inv 0) still saturates infinities to +-127. */
-        codes[i] = (int8_t)(inv > 0.0f ? quantise(x, 0.0f, inv, -127, 127, 0)
-                                       : (isinf(x) ? (x > 0 ? 127 : -127) : 0));
+    for (uint32_t at = 0; at < d; at += SLICE) {
+        uint32_t n = d - at < SLICE ? d - at : SLICE;
+        load_slice(dtype, src, at, n, x);
+        for (uint32_t i = 0; i < n; i++)
+            /* A zero vector (inv 0) still saturates infinities to +-127. */
+            codes[at + i] = (int8_t)(inv > 0.0 ? quantise(x[i], 0.0, inv, -127, 127, 0)
+                                               : (isinf(x[i]) ? (x[i] > 0 ? 127 : -127) : 0));
     }
 }
 
 static void decode_int8(uint32_t dtype, uint32_t d, const uint8_t *rec, void *dst)
 {
-    float scale = get_f32(rec);
+    float scale = get_f32(rec), x[SLICE];
     const int8_t *codes = (const int8_t *)(rec + sizeof(float));
-    for (uint32_t i = 0; i < d; i++)
-        kvhi_store_from_f32(dtype, dst, i, (float)((double)codes[i] * scale));
+    for (uint32_t at = 0; at < d; at += SLICE) {
+        uint32_t n = d - at < SLICE ? d - at : SLICE;
+        /* code * scale is exact in double, so rounding it once to float is
+         * what a float multiply gives: the same value, vectorisable. */
+        for (uint32_t i = 0; i < n; i++)
+            x[i] = (float)codes[at + i] * scale;
+        store_slice(dtype, dst, at, n, x);
+    }
 }
 
 static void encode_q4(uint32_t dtype, uint32_t d, uint32_t g, const void *src, uint8_t *rec)
 {
     uint32_t groups = d / g;
     uint8_t *codes = rec + (size_t)groups * 2 * sizeof(float);
+    float x[64]; /* one group */
     memset(codes, 0, d / 2);
     for (uint32_t gi = 0; gi < groups; gi++) {
+        load_slice(dtype, src, gi * g, g, x);
         float lo = INFINITY, hi = -INFINITY;
-        for (uint32_t i = gi * g; i < (gi + 1) * g; i++) {
-            float x = kvhi_load_as_f32(dtype, src, i);
-            if (isfinite(x)) {
-                lo = x < lo ? x : lo;
-                hi = x > hi ? x : hi;
+        for (uint32_t i = 0; i < g; i++)
+            if (isfinite(x[i])) {
+                lo = x[i] < lo ? x[i] : lo;
+                hi = x[i] > hi ? x[i] : hi;
             }
-        }
         if (lo > hi) /* no finite element */
             lo = hi = 0.0f;
         /* hi - lo may exceed FLT_MAX; the scale (a 15th of it) does not */
@@ -124,10 +226,10 @@ static void encode_q4(uint32_t dtype, uint32_t d, uint32_t g, const void *src, u
         double inv = scale > 0.0f ? 1.0 / scale : 0.0;
         put_f32(rec + (size_t)gi * 2 * sizeof(float), scale);
         put_f32(rec + (size_t)gi * 2 * sizeof(float) + sizeof(float), lo);
-        for (uint32_t i = gi * g; i < (gi + 1) * g; i++) {
-            float x = kvhi_load_as_f32(dtype, src, i);
-            int q = inv > 0.0f ? quantise(x, lo, inv, 0, 15, 0) : (x == INFINITY ? 15 : 0);
-            codes[i / 2] |= (uint8_t)(q << ((i & 1u) * 4));
+        uint8_t *gc = codes + (size_t)gi * g / 2;
+        for (uint32_t i = 0; i < g; i++) {
+            int q = inv > 0.0 ? quantise(x[i], lo, inv, 0, 15, 0) : (x[i] == INFINITY ? 15 : 0);
+            gc[i / 2] |= (uint8_t)(q << ((i & 1u) * 4));
         }
     }
 }
@@ -136,13 +238,16 @@ static void decode_q4(uint32_t dtype, uint32_t d, uint32_t g, const uint8_t *rec
 {
     uint32_t groups = d / g;
     const uint8_t *codes = rec + (size_t)groups * 2 * sizeof(float);
+    float x[64];
     for (uint32_t gi = 0; gi < groups; gi++) {
         float scale = get_f32(rec + (size_t)gi * 2 * sizeof(float));
         float lo = get_f32(rec + (size_t)gi * 2 * sizeof(float) + sizeof(float));
-        for (uint32_t i = gi * g; i < (gi + 1) * g; i++) {
-            uint32_t q = (codes[i / 2] >> ((i & 1u) * 4)) & 0xfu;
-            kvhi_store_from_f32(dtype, dst, i, (float)(lo + (double)q * scale));
+        const uint8_t *gc = codes + (size_t)gi * g / 2;
+        for (uint32_t i = 0; i < g; i++) {
+            uint32_t q = (gc[i / 2] >> ((i & 1u) * 4)) & 0xfu;
+            x[i] = (float)(lo + (double)q * scale);
         }
+        store_slice(dtype, dst, gi * g, g, x);
     }
 }
 
