@@ -24,6 +24,7 @@ static const struct {
     {"scale", "cost per operation vs block count (10^3..10^7) and throughput vs threads", bench_scale},
     {"switch", "weight-context switch (135M model) vs reloading it from its file; first layer vs full", bench_switch},
     {"vmap", "virtual contiguity: view map/refresh/release cost, decode over views vs paged", bench_vmap},
+    {"codec", "KV codecs: encode/decode GB/s of raw bytes vs memcpy of them", bench_codec},
 };
 #define N_SCENARIOS (sizeof(scenarios) / sizeof(scenarios[0]))
 

@@ -268,11 +268,14 @@ static void decode_int8(uint32_t dtype, uint32_t d, const uint8_t *rec, void *ds
     const int8_t *codes = (const int8_t *)(rec + sizeof(float));
     for (uint32_t at = 0; at < d; at += SLICE) {
         uint32_t n = d - at < SLICE ? d - at : SLICE;
+        /* f32 is written in place; other dtypes go through the slice. */
+        float *y = dtype == KVH_DTYPE_F32 ? (float *)dst + at : x;
         /* code * scale is exact in double, so rounding it once to float is
          * what a float multiply gives: the same value, vectorisable. */
         for (uint32_t i = 0; i < n; i++)
-            x[i] = (float)codes[at + i] * scale;
-        store_slice(dtype, dst, at, n, x);
+            y[i] = (float)codes[at + i] * scale;
+        if (y == x)
+            store_slice(dtype, dst, at, n, x);
     }
 }
 
@@ -314,11 +317,13 @@ static void decode_q4(uint32_t dtype, uint32_t d, uint32_t g, const uint8_t *rec
         float scale = get_f32(rec + (size_t)gi * 2 * sizeof(float));
         float lo = get_f32(rec + (size_t)gi * 2 * sizeof(float) + sizeof(float));
         const uint8_t *gc = codes + (size_t)gi * g / 2;
+        float *y = dtype == KVH_DTYPE_F32 ? (float *)dst + gi * g : x;
         for (uint32_t i = 0; i < g; i++) {
             uint32_t q = (gc[i / 2] >> ((i & 1u) * 4)) & 0xfu;
-            x[i] = (float)(lo + (double)q * scale);
+            y[i] = (float)(lo + (double)q * scale);
         }
-        store_slice(dtype, dst, gi * g, g, x);
+        if (y == x)
+            store_slice(dtype, dst, gi * g, g, x);
     }
 }
 

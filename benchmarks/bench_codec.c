@@ -1,0 +1,119 @@
+/* Scenario `codec`: throughput of the KV codecs that convert blocks on
+ * every copy between a raw tier and an encoded one (kv_codec).
+ *
+ * For each codec and io dtype: kvh_codec_encode and kvh_codec_decode of
+ * --vectors vectors of head_dim 128 (random values in [-4, 4)), GB/s of
+ * raw (unencoded) bytes, against memcpy of the same raw bytes in the same
+ * run as the baseline (the copy a raw tier would do instead). Medians of
+ * --reps rounds. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bench_scenarios.h"
+
+#define SCEN "codec"
+
+enum { HEAD_DIM = 128 };
+
+static const char *codec_name(uint32_t c)
+{
+    return c == KVH_CODEC_INT8 ? "int8" : c == KVH_CODEC_Q4_G32 ? "q4_g32" : "q4_g64";
+}
+
+static const char *dtype_name(uint32_t d) { return d == KVH_DTYPE_F32 ? "f32" : d == KVH_DTYPE_F16 ? "f16" : "bf16"; }
+
+/* Random values in [-4, 4) stored in dtype. */
+static void fill(uint32_t dtype, void *p, size_t n, bench_rng *r)
+{
+    for (size_t i = 0; i < n; i++) {
+        float f = (float)(bench_rng_below(r, 1u << 20)) / (float)(1u << 17) - 4.0f;
+        uint32_t bits;
+        memcpy(&bits, &f, 4);
+        if (dtype == KVH_DTYPE_F32)
+            memcpy((uint8_t *)p + i * 4, &f, 4);
+        else if (dtype == KVH_DTYPE_BF16)
+            ((uint16_t *)p)[i] = (uint16_t)(bits >> 16);
+        else /* f16 of a value in range: rebias the exponent, truncate */
+            ((uint16_t *)p)[i] = f == 0.0f ? 0
+                                           : (uint16_t)(((bits >> 16) & 0x8000u) | ((((bits >> 23) & 0xffu) - 112u) << 10) |
+                                                        ((bits >> 13) & 0x3ffu));
+    }
+}
+
+static int run_one(const bench_ctx *ctx, uint32_t codec, uint32_t dtype, uint64_t vectors, int reps)
+{
+    uint64_t raw_bytes = 0, enc_bytes = 0;
+    BENCH_CHECK(kvh_codec_vector_bytes(KVH_CODEC_NONE, dtype, HEAD_DIM, &raw_bytes));
+    BENCH_CHECK(kvh_codec_vector_bytes(codec, dtype, HEAD_DIM, &enc_bytes));
+    size_t raw = raw_bytes * vectors, enc = enc_bytes * vectors;
+    uint8_t *src = malloc(raw), *out = malloc(raw), *code = malloc(enc);
+    double *t = malloc(sizeof(double) * (size_t)reps * 3);
+    if (!src || !out || !code || !t)
+        return 1;
+    bench_rng r;
+    bench_rng_seed(&r, ctx->seed);
+    fill(dtype, src, (size_t)vectors * HEAD_DIM, &r);
+    memset(out, 1, raw);
+    memset(code, 1, enc);
+    double *te = t, *td = t + reps, *tc = t + 2 * reps;
+    for (int k = -1; k < reps; k++) { /* round -1 warms up */
+        uint64_t t0 = bench_ns();
+        BENCH_CHECK(kvh_codec_encode(codec, dtype, HEAD_DIM, src, vectors, code));
+        uint64_t t1 = bench_ns();
+        BENCH_CHECK(kvh_codec_decode(codec, dtype, HEAD_DIM, code, vectors, out));
+        uint64_t t2 = bench_ns();
+        memcpy(out, src, raw);
+        uint64_t t3 = bench_ns();
+        bench_sink(out[raw / 2]);
+        if (k >= 0) {
+            te[k] = (double)raw / (double)(t1 - t0);
+            td[k] = (double)raw / (double)(t2 - t1);
+            tc[k] = (double)raw / (double)(t3 - t2);
+        }
+    }
+    double copy = bench_median(tc, (size_t)reps);
+    for (int dir = 0; dir < 2; dir++) {
+        double v = bench_median(dir ? td : te, (size_t)reps);
+        bench_row *row = bench_row_new(SCEN, dir ? "decode" : "encode", v, "GB/s");
+        bench_row_str(row, "codec", codec_name(codec));
+        bench_row_str(row, "dtype", dtype_name(dtype));
+        bench_row_int(row, "head_dim", HEAD_DIM);
+        bench_row_int(row, "raw_bytes", (int64_t)raw);
+        bench_row_baseline(row, copy, v / copy);
+        bench_row_note(row, "GB/s of raw bytes; baseline: memcpy of the same raw bytes");
+        bench_emit(ctx, row);
+    }
+    free(src);
+    free(out);
+    free(code);
+    free(t);
+    return 0;
+}
+
+int bench_codec(int argc, char **argv, const bench_ctx *ctx)
+{
+    uint64_t vectors = ctx->quick ? 4096 : 65536;
+    const bench_opt opts[] = {
+        {"--vectors", BENCH_OPT_U64, &vectors, "vectors of head_dim 128 per call (default 65536; --quick 4096)"},
+        {NULL, BENCH_OPT_U64, NULL, NULL},
+    };
+    int prc = bench_parse(argc, argv, opts, SCEN, "kvh-bench codec [--vectors N]");
+    if (prc)
+        return bench_parse_rc(prc);
+    if (vectors < 1 || vectors > (1u << 24)) {
+        fprintf(stderr, "kvh-bench codec: --vectors must be in 1..16M\n");
+        return 2;
+    }
+    int reps = ctx->reps ? ctx->reps : ctx->quick ? 3 : 9;
+    static const uint32_t codecs[] = {KVH_CODEC_INT8, KVH_CODEC_Q4_G32, KVH_CODEC_Q4_G64};
+    static const uint32_t dtypes[] = {KVH_DTYPE_F16, KVH_DTYPE_BF16, KVH_DTYPE_F32};
+    for (int c = 0; c < 3; c++)
+        for (int d = 0; d < 3; d++) {
+            int rc = run_one(ctx, codecs[c], dtypes[d], vectors, reps);
+            if (rc)
+                return rc;
+        }
+    bench_flush_table(ctx, "KV codecs");
+    return 0;
+}
