@@ -141,23 +141,32 @@ static int have_avx2(void)
 /* quantise() for the int8 codec, four elements at a time in double, with
  * the same steps: NaN -> 0, at or beyond +-127 -> +-127, else rounded in
  * the current rounding mode (as the scalar shift trick). */
-__attribute__((target("avx2"))) static void quantise_int8_avx2(const float *x, uint32_t n, double inv, int8_t *codes)
+/* quantise() four elements at a time in double, with the same steps:
+ * NaN -> 0, at or beyond an end -> that end, else rounded in the current
+ * rounding mode (as the scalar shift trick). n a multiple of 4. */
+__attribute__((target("avx2"))) static void quantise_avx2(const float *x, uint32_t n, double offset, double inv,
+                                                          int lo, int hi, int32_t *out)
 {
-    const __m256d vinv = _mm256_set1_pd(inv), hi = _mm256_set1_pd(127.0), lo = _mm256_set1_pd(-127.0);
-    uint32_t i = 0;
-    for (; i + 4 <= n; i += 4) {
-        __m256d q = _mm256_mul_pd(_mm256_cvtps_pd(_mm_loadu_ps(x + i)), vinv);
+    const __m256d vinv = _mm256_set1_pd(inv), voff = _mm256_set1_pd(offset);
+    const __m256d vhi = _mm256_set1_pd(hi), vlo = _mm256_set1_pd(lo);
+    for (uint32_t i = 0; i < n; i += 4) {
+        __m256d q = _mm256_mul_pd(_mm256_sub_pd(_mm256_cvtps_pd(_mm_loadu_ps(x + i)), voff), vinv);
         __m256d ordered = _mm256_cmp_pd(q, q, _CMP_ORD_Q);
         __m256d r = _mm256_round_pd(q, _MM_FROUND_CUR_DIRECTION);
-        r = _mm256_min_pd(_mm256_max_pd(r, lo), hi);
+        r = _mm256_min_pd(_mm256_max_pd(r, vlo), vhi);
         r = _mm256_and_pd(r, ordered); /* NaN -> +0 */
-        __m128i v = _mm256_cvttpd_epi32(r);
-        int32_t t[4];
-        _mm_storeu_si128((__m128i *)t, v);
-        for (int k = 0; k < 4; k++)
-            codes[i + k] = (int8_t)t[k];
+        _mm_storeu_si128((__m128i *)(out + i), _mm256_cvttpd_epi32(r));
     }
-    for (; i < n; i++)
+}
+
+__attribute__((target("avx2"))) static void quantise_int8_avx2(const float *x, uint32_t n, double inv, int8_t *codes)
+{
+    int32_t t[SLICE];
+    uint32_t m = n & ~3u;
+    quantise_avx2(x, m, 0.0, inv, -127, 127, t);
+    for (uint32_t i = 0; i < m; i++)
+        codes[i] = (int8_t)t[i];
+    for (uint32_t i = m; i < n; i++)
         codes[i] = (int8_t)quantise(x[i], 0.0, inv, -127, 127, 0);
 }
 #endif
@@ -301,6 +310,15 @@ static void encode_q4(uint32_t dtype, uint32_t d, uint32_t g, const void *src, u
         put_f32(rec + (size_t)gi * 2 * sizeof(float), scale);
         put_f32(rec + (size_t)gi * 2 * sizeof(float) + sizeof(float), lo);
         uint8_t *gc = codes + (size_t)gi * g / 2;
+#ifdef KVH_CODEC_F16C
+        if (inv > 0.0 && have_avx2()) {
+            int32_t q[64];
+            quantise_avx2(x, g, lo, inv, 0, 15, q);
+            for (uint32_t i = 0; i < g; i += 2)
+                gc[i / 2] = (uint8_t)(q[i] | q[i + 1] << 4);
+            continue;
+        }
+#endif
         for (uint32_t i = 0; i < g; i++) {
             int q = inv > 0.0 ? quantise(x[i], lo, inv, 0, 15, 0) : (x[i] == INFINITY ? 15 : 0);
             gc[i / 2] |= (uint8_t)(q << ((i & 1u) * 4));
