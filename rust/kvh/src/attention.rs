@@ -54,6 +54,22 @@ impl AttentionParams {
     }
 }
 
+/// `q` and `out` must each hold `rows * per` elements, where `per` is one
+/// query token's elements and `rows` counts the `shape` (e.g. "n_seqs").
+pub(crate) fn check_io_len<T>(q: &[T], out: &[T], rows: usize, per: usize, shape: &str) -> Result<()> {
+    let want = rows
+        .checked_mul(per)
+        .ok_or_else(|| invalid(format!("{shape} too large")))?;
+    if q.len() != want || out.len() != want {
+        return Err(invalid(format!(
+            "q and out need {shape} * num_q_heads * head_dim = {want} elements, got {} and {}",
+            q.len(),
+            out.len()
+        )));
+    }
+    Ok(())
+}
+
 impl Engine {
     /// Elements of one query token (checks GQA and the element type).
     pub(crate) fn q_token_elems<T: Element>(&self, params: Option<&AttentionParams>) -> Result<usize> {
@@ -104,14 +120,7 @@ impl Engine {
     ) -> Result<()> {
         let raw = self.check_owner(seqs)?;
         let per = self.q_token_elems::<T>(params)?;
-        let want = raw.len() * per;
-        if q.len() != want || out.len() != want {
-            return Err(invalid(format!(
-                "q and out need n_seqs * num_q_heads * head_dim = {want} elements, got {} and {}",
-                q.len(),
-                out.len()
-            )));
-        }
+        check_io_len(q, out, raw.len(), per, "n_seqs")?;
         let p = params.map(|p| p.to_raw()).transpose()?;
         let pp = p.as_ref().map_or(ptr::null(), |p| p as *const _);
         // SAFETY: seqs, q and out are valid for the lengths checked above;
@@ -152,16 +161,7 @@ impl Engine {
         }
         let per = self.q_token_elems::<T>(params)?;
         let tokens: usize = q_lens.iter().map(|&n| n as usize).sum();
-        let want = tokens
-            .checked_mul(per)
-            .ok_or_else(|| invalid("q_lens too large"))?;
-        if q.len() != want || out.len() != want {
-            return Err(invalid(format!(
-                "q and out need sum(q_lens) * num_q_heads * head_dim = {want} elements, got {} and {}",
-                q.len(),
-                out.len()
-            )));
-        }
+        check_io_len(q, out, tokens, per, "sum(q_lens)")?;
         let p = params.map(|p| p.to_raw()).transpose()?;
         let pp = p.as_ref().map_or(ptr::null(), |p| p as *const _);
         // SAFETY: as in attention_decode; q_lens has n_seqs entries.

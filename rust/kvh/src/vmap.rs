@@ -6,7 +6,7 @@ use std::ptr;
 
 use kvh_sys as sys;
 
-use crate::attention::AttentionParams;
+use crate::attention::{check_io_len, AttentionParams};
 use crate::element::Element;
 use crate::engine::Engine;
 use crate::error::{check, invalid, Result};
@@ -126,6 +126,14 @@ impl Drop for VMap<'_> {
 }
 
 impl Engine {
+    /// The raw handles of views of this engine.
+    fn raw_views(&self, views: &[&VMap<'_>]) -> Result<Vec<*mut sys::kvh_vmap>> {
+        if views.iter().any(|v| !ptr::eq(v.engine, self)) {
+            return Err(invalid("a view of another engine"));
+        }
+        Ok(views.iter().map(|v| v.raw).collect())
+    }
+
     /// Decode attention over views (`kvh_attention_decode_vmap`): `q` and
     /// `out` as in [`attention_decode`](Self::attention_decode), one row
     /// per view. Equals the paged call bit for bit; a stale view is
@@ -138,18 +146,8 @@ impl Engine {
         params: Option<&AttentionParams>,
     ) -> Result<()> {
         let per = self.q_token_elems::<T>(params)?;
-        let want = views.len() * per;
-        if q.len() != want || out.len() != want {
-            return Err(invalid(format!(
-                "q and out need n_views * num_q_heads * head_dim = {want} elements, got {} and {}",
-                q.len(),
-                out.len()
-            )));
-        }
-        if views.iter().any(|v| !ptr::eq(v.engine, self)) {
-            return Err(invalid("a view of another engine"));
-        }
-        let raw: Vec<*mut sys::kvh_vmap> = views.iter().map(|v| v.raw).collect();
+        check_io_len(q, out, views.len(), per, "n_views")?;
+        let raw = self.raw_views(views)?;
         let p = params.map(|p| p.to_raw()).transpose()?;
         let pp = p.as_ref().map_or(ptr::null(), |p| p as *const _);
         // SAFETY: views are live (borrowed), q/out checked above (host
@@ -182,18 +180,9 @@ impl Engine {
             return Err(invalid(format!("{} views but {} q_lens", views.len(), q_lens.len())));
         }
         let per = self.q_token_elems::<T>(params)?;
-        let want = q_lens.iter().map(|&n| n as usize).sum::<usize>() * per;
-        if q.len() != want || out.len() != want {
-            return Err(invalid(format!(
-                "q and out need sum(q_lens) * num_q_heads * head_dim = {want} elements, got {} and {}",
-                q.len(),
-                out.len()
-            )));
-        }
-        if views.iter().any(|v| !ptr::eq(v.engine, self)) {
-            return Err(invalid("a view of another engine"));
-        }
-        let raw: Vec<*mut sys::kvh_vmap> = views.iter().map(|v| v.raw).collect();
+        let tokens: usize = q_lens.iter().map(|&n| n as usize).sum();
+        check_io_len(q, out, tokens, per, "sum(q_lens)")?;
+        let raw = self.raw_views(views)?;
         let p = params.map(|p| p.to_raw()).transpose()?;
         let pp = p.as_ref().map_or(ptr::null(), |p| p as *const _);
         // SAFETY: as in attention_decode_vmap; q_lens has n_views entries.
