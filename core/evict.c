@@ -72,9 +72,32 @@ static void count_move(kvh_engine *e, uint32_t from, uint32_t to)
     }
 }
 
+/* Exchanges the bytes of slot hi (tier) and slot lo (lo_tier) through a
+ * bounce buffer; lock held, dropped for the copies. */
+static kvh_status trade_contents(kvh_engine *e, uint32_t tier, uint32_t hi_slot, uint32_t lo_tier, uint32_t lo_slot)
+{
+    /* The bounce buffer holds the upper block in the lower tier's form. */
+    uint8_t *bounce = malloc(e->tiers[lo_tier].slot_bytes);
+    if (!bounce)
+        return kvhi_fail(KVH_ERR_NOMEM, "out of memory for a bounce buffer");
+    uint8_t *hi = kvhi_slot_addr(e, tier, hi_slot), *lo = kvhi_slot_addr(e, lo_tier, lo_slot);
+    e->copies_in_progress++;
+    pthread_mutex_unlock(&e->lock);
+    int rc = kvhi_block_copy(e, lo_tier, bounce, tier, hi);
+    if (rc == 0)
+        rc = kvhi_block_copy(e, tier, hi, lo_tier, lo);
+    if (rc == 0)
+        rc = kvhi_copy_bytes(e, lo_tier, lo, lo_tier, bounce, e->tiers[lo_tier].slot_bytes);
+    pthread_mutex_lock(&e->lock);
+    e->copies_in_progress--;
+    free(bounce);
+    /* On failure the two slots may hold mixed data: neither block is valid. */
+    return rc == 0 ? KVH_OK : kvhi_fail(KVH_ERR_IO, "copy during a tier swap failed");
+}
+
 /* Promotion when both tiers are full of referenced blocks: b (in a lower
  * memory tier) trades places with the upper tier's least valuable block,
- * through a bounce buffer. Without this, a full hierarchy could not bring
+ * in place on one arena, else through a bounce buffer. Without this, a full hierarchy could not bring
  * a block up even though it only needs to exchange two slots. */
 static kvh_status swap_up(kvh_engine *e, uint32_t b, uint32_t tier)
 {
@@ -90,59 +113,36 @@ static kvh_status swap_up(kvh_engine *e, uint32_t b, uint32_t tier)
     if (v == KVHI_HEAP_NONE || v == b || bb->tier == KVH_TIER_DISK)
         return kvhi_fail(KVH_ERR_NOSPACE, "no block in the target tier can make room");
     kvhi_block *vb = &e->blocks[v];
-    if (e->moves_in_place) {
-        /* One arena: the two blocks trade tiers, each keeping its bytes and
-         * slot; nothing is copied and the lock stays held. */
-        uint32_t lo_tier = bb->tier, lo_slot = bb->slot, hi_slot = vb->slot;
-        if (vb->flags & KVHI_BF_PREFETCHED) {
-            e->stats.prefetch_wasted++;
-            vb->flags &= (uint16_t)~KVHI_BF_PREFETCHED;
-        }
-        /* Out of the old tier's heaps before its tier changes. */
-        vb->flags |= KVHI_BF_IN_FLIGHT;
-        kvhi_block_update_evictable(e, v);
-        vb->flags &= (uint16_t)~KVHI_BF_IN_FLIGHT;
-        kvhi_block_place(e, v, lo_tier, hi_slot);
-        kvhi_block_place(e, b, tier, lo_slot);
-        e->stats.blocks_moved_in_place += 2;
-        e->stats.evictions++;
-        kvhi_block_update_evictable(e, v);
-        return KVH_OK;
-    }
-    /* The bounce buffer holds the upper block in the lower tier's form. */
-    uint8_t *bounce = malloc(e->tiers[bb->tier].slot_bytes);
-    if (!bounce)
-        return kvhi_fail(KVH_ERR_NOMEM, "out of memory for a bounce buffer");
     uint32_t lo_tier = bb->tier, lo_slot = bb->slot, hi_slot = vb->slot;
     vb->flags |= KVHI_BF_IN_FLIGHT;
-    kvhi_block_update_evictable(e, v);
-    uint8_t *hi = kvhi_slot_addr(e, tier, hi_slot), *lo = kvhi_slot_addr(e, lo_tier, lo_slot);
-    e->copies_in_progress++;
-    pthread_mutex_unlock(&e->lock);
-    int rc = kvhi_block_copy(e, lo_tier, bounce, tier, hi);
-    if (rc == 0)
-        rc = kvhi_block_copy(e, tier, hi, lo_tier, lo);
-    if (rc == 0)
-        rc = kvhi_copy_bytes(e, lo_tier, lo, lo_tier, bounce, e->tiers[lo_tier].slot_bytes);
-    pthread_mutex_lock(&e->lock);
-    e->copies_in_progress--;
-        pthread_cond_broadcast(&e->changed);
-    free(bounce);
+    kvhi_block_update_evictable(e, v); /* out of the old tier's heaps */
+    /* One arena: each block keeps its bytes and slot, nothing is copied
+     * and the lock stays held. Otherwise the bytes trade slots, and so do
+     * the blocks. */
+    uint32_t v_slot = hi_slot, b_slot = lo_slot;
+    kvh_status st = KVH_OK;
+    if (!e->moves_in_place) {
+        st = trade_contents(e, tier, hi_slot, lo_tier, lo_slot);
+        v_slot = lo_slot, b_slot = hi_slot;
+    }
     vb->flags &= (uint16_t)~KVHI_BF_IN_FLIGHT;
     pthread_cond_broadcast(&e->changed);
-    if (rc != 0) {
-        /* The two slots may hold mixed data now: neither block is valid. */
+    if (st != KVH_OK) {
         kvhi_block_update_evictable(e, v);
-        return kvhi_fail(KVH_ERR_IO, "copy during a tier swap failed");
+        return st;
     }
     if (vb->flags & KVHI_BF_PREFETCHED) {
         e->stats.prefetch_wasted++;
         vb->flags &= (uint16_t)~KVHI_BF_PREFETCHED;
     }
-    kvhi_block_place(e, v, lo_tier, lo_slot);
-    kvhi_block_place(e, b, tier, hi_slot);
-    count_move(e, tier, lo_tier);
-    count_move(e, lo_tier, tier);
+    kvhi_block_place(e, v, lo_tier, v_slot);
+    kvhi_block_place(e, b, tier, b_slot);
+    if (e->moves_in_place) {
+        e->stats.blocks_moved_in_place += 2;
+    } else {
+        count_move(e, tier, lo_tier);
+        count_move(e, lo_tier, tier);
+    }
     e->stats.evictions++;
     if (vb->flags & KVHI_BF_DEAD)
         kvhi_block_free_now(e, v);

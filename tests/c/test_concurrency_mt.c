@@ -532,11 +532,16 @@ static void *reader_main(void *p)
     return NULL;
 }
 
+/* Run with device and host as one arena (swaps trade tiers in place) and
+ * with copy_moves (swaps copy through a bounce buffer, the lock dropped). */
+static uint32_t SWAP_IN_PLACE = 0, SWAP_COPIES = 1;
+
 static void test_reads_during_swaps(void **state)
 {
-    (void)state;
     swap_shared *sh = tu_alloc(sizeof(swap_shared));
-    sh->e = tu_open(SL, SH, SD, SBT, KVH_DTYPE_F32, 4, 4, 2);
+    kvh_config c = tu_cfg(SL, SH, SD, SBT, KVH_DTYPE_F32, 4, 4, 2);
+    c.copy_moves = *(uint32_t *)*state;
+    sh->e = tu_open_cfg(&c);
     kvh_engine *e = sh->e;
     int32_t *t = tu_alloc(4 * SBT * sizeof(int32_t));
     tu_iota(t, 4 * SBT, 1);
@@ -631,7 +636,8 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_agents_share_prompt, tu_teardown),
-        cmocka_unit_test_teardown(test_reads_during_swaps, tu_teardown),
+        cmocka_unit_test_prestate_setup_teardown(test_reads_during_swaps, NULL, tu_teardown, &SWAP_IN_PLACE),
+        cmocka_unit_test_prestate_setup_teardown(test_reads_during_swaps, NULL, tu_teardown, &SWAP_COPIES),
         cmocka_unit_test_teardown(test_fence_free_while_waiting, tu_teardown), /* keep last */
     };
     return cmocka_run_group_tests_name("concurrency", tests, NULL, NULL);
