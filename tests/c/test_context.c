@@ -121,6 +121,13 @@ static void check_model(kvh_engine *e, model *m)
 
 static uint64_t slots_of(uint64_t bytes, uint64_t bb) { return (bytes + bb - 1) / bb; }
 
+/* Slots one model takes when each region is charged on its own: what
+ * make_model registers, counted before it does. */
+static uint64_t slots_per_model(uint64_t bb)
+{
+    return slots_of(BIG, bb) * LAYERS + slots_of(SMALL, bb) * LAYERS + slots_of(sizeof(((model *)0)->extra), bb);
+}
+
 static uint64_t model_slots(model *m, uint64_t bb)
 {
     uint64_t n = 0;
@@ -167,7 +174,7 @@ static void switch_preserves_everything(void **state)
     model *a = tu_alloc(sizeof(model)), *b = tu_alloc(sizeof(model));
     /* Size the tiers from one model's slot count. */
     /* The device tier holds one model and a little KV, not both models. */
-    uint64_t per_model = slots_of(BIG, bb) * LAYERS + slots_of(SMALL, bb) * LAYERS + slots_of(700, bb);
+    uint64_t per_model = slots_per_model(bb);
     kvh_engine *e = open_engine(md, per_model + 8, per_model + 24, NULL);
     make_model(e, a, pa, fa, KVH_CONTEXT_KV_DEMOTE, 1);
     make_model(e, b, pb, fb, KVH_CONTEXT_KV_DEMOTE, 2);
@@ -242,7 +249,7 @@ static void clean_weights_never_written(void **state)
     uint8_t *fa = write_weights(scratch("ca.bin", pa, sizeof(pa)), 33);
     uint8_t *fb = write_weights(scratch("cb.bin", pb, sizeof(pb)), 44);
     uint64_t bb = tu_block_bytes_of(L, H, D, BT, KVH_DTYPE_F32);
-    uint64_t per_model = slots_of(BIG, bb) * LAYERS + slots_of(SMALL, bb) * LAYERS + slots_of(700, bb);
+    uint64_t per_model = slots_per_model(bb);
     /* Host: room for the two byte-sourced regions only. */
     kvh_engine *e = open_engine(md, per_model + 2, 2 * slots_of(700, bb), NULL);
     model *a = tu_alloc(sizeof(model)), *b = tu_alloc(sizeof(model));
@@ -314,7 +321,7 @@ static void changed_source_is_corrupt(void **state)
     uint8_t *fa = write_weights(scratch("xa.bin", pa, sizeof(pa)), 77);
     uint8_t *fb = write_weights(scratch("xb.bin", pb, sizeof(pb)), 88);
     uint64_t bb = tu_block_bytes_of(L, H, D, BT, KVH_DTYPE_F32);
-    uint64_t per_model = slots_of(BIG, bb) * LAYERS + slots_of(SMALL, bb) * LAYERS + slots_of(700, bb);
+    uint64_t per_model = slots_per_model(bb);
     kvh_engine *e = open_engine(md, per_model + 2, 2 * slots_of(700, bb), NULL);
     model *a = tu_alloc(sizeof(model)), *b = tu_alloc(sizeof(model));
     make_model(e, a, pa, fa, KVH_CONTEXT_KV_KEEP, 7);
@@ -401,7 +408,7 @@ static void switch_under_pressure(void **state)
     scratch("disk", dir, sizeof(dir));
     mkdir(dir, 0700);
     uint64_t bb = tu_block_bytes_of(L, H, D, BT, KVH_DTYPE_F32);
-    uint64_t per_model = slots_of(BIG, bb) * LAYERS + slots_of(SMALL, bb) * LAYERS + slots_of(700, bb);
+    uint64_t per_model = slots_per_model(bb);
     kvh_engine *e = open_engine(md, per_model + 4, per_model + 4, dir);
     model *a = tu_alloc(sizeof(model)), *b = tu_alloc(sizeof(model));
     make_model(e, a, pa, fa, KVH_CONTEXT_KV_DEMOTE, 12);
