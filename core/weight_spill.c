@@ -58,6 +58,14 @@ static uint32_t slots_needed(const kvhi_disk *d, uint64_t bytes)
     return (uint32_t)((bytes + d->block_bytes - 1) / d->block_bytes);
 }
 
+/* The part of r that disk slot number i of its run holds: *off and the
+ * length (block_bytes, less in the last slot). */
+static uint64_t slot_piece(const kvhi_disk *d, const kvhi_region *r, uint32_t i, uint64_t *off)
+{
+    *off = (uint64_t)i * d->block_bytes;
+    return r->size - *off < d->block_bytes ? r->size - *off : d->block_bytes;
+}
+
 void kvhi_region_disk_release(kvh_engine *e, kvhi_region *r)
 {
     for (uint32_t i = 0; i < r->n_disk_slots; i++)
@@ -90,8 +98,7 @@ static int write_slots(kvh_engine *e, kvhi_region *r, uint64_t chunk, const uint
         for (uint32_t j = 0; j < k && rc == 0; j++) {
             uint8_t *staged = kvhi_disk_lane_slot(lane, j);
             uint8_t *data = staged + KVHI_SLOT_HEADER_BYTES;
-            uint64_t off = (uint64_t)(i + j) * d->block_bytes;
-            uint64_t len = r->size - off < d->block_bytes ? r->size - off : d->block_bytes;
+            uint64_t off, len = slot_piece(d, r, i + j, &off);
             memset(staged, 0, KVHI_SLOT_HEADER_BYTES);
             if (kvhi_copy_bytes(e, KVH_TIER_HOST, data, src_tier, src + off, len) != 0)
                 rc = -EIO;
@@ -180,8 +187,7 @@ int kvhi_region_read_disk(kvh_engine *e, kvhi_region *r, uint64_t chunk, uint8_t
             if ((rc = results[j]) != 0)
                 break;
             const uint8_t *data = kvhi_disk_lane_slot(lane, j) + KVHI_SLOT_HEADER_BYTES;
-            uint64_t off = (uint64_t)(i + j) * d->block_bytes;
-            uint64_t len = r->size - off < d->block_bytes ? r->size - off : d->block_bytes;
+            uint64_t off, len = slot_piece(d, r, i + j, &off);
             stream_feed(&s, data, len);
             if (kvhi_copy_bytes(e, dst_tier, dst + off, KVH_TIER_HOST, data, len) != 0)
                 rc = -EIO;
