@@ -9,6 +9,7 @@
 
 #include "kvh/kvh.h"
 #include "kernels/attention_dtype.h"
+#include "kernels/cpu/attn_cpu.h"
 
 static uint32_t elem_bytes(uint32_t dtype)
 {
@@ -67,9 +68,8 @@ enum { SLICE = 256 };
 static inline int quantise(float x, double offset, double inv, int lo, int hi, int nan_code);
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <cpuid.h>
 #include <immintrin.h>
-#define KVH_CODEC_F16C 1
+#define KVH_CODEC_X86_VECTOR 1
 /* f16 <-> f32 eight at a time with the F16C instructions: both directions
  * are exact or correctly rounded to nearest-even, the same results as the
  * scalar helpers (NaNs quieted with their top payload bits kept). */
@@ -91,56 +91,20 @@ __attribute__((target("f16c,avx"))) static void f32_to_f16_f16c(const float *x, 
         h[i] = kvhi_f32_to_f16(x[i]);
 }
 
-/* CPU features, looked up once; threads racing on the first call store
- * the same value (relaxed atomics keep that well defined). */
-static int cpu_has(int *known, int (*probe)(void))
+/* The vector paths need AVX2 with F16C, the set the AVX2 attention
+ * kernel checks for; looked up once (threads racing on the first call
+ * store the same value). */
+static int have_vector_paths(void)
 {
-    int v = __atomic_load_n(known, __ATOMIC_RELAXED);
+    static int known = -1;
+    int v = __atomic_load_n(&known, __ATOMIC_RELAXED);
     if (v < 0) {
-        v = probe();
-        __atomic_store_n(known, v, __ATOMIC_RELAXED);
+        v = kvhi_attn_cpu_supported(KVHI_ATTN_AVX2);
+        __atomic_store_n(&known, v, __ATOMIC_RELAXED);
     }
     return v;
 }
 
-/* AVX usable: the CPU has it and the OS saves the YMM registers. */
-static int avx_usable(void)
-{
-    unsigned a, b, c, d;
-    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & bit_OSXSAVE) || !(c & bit_AVX))
-        return 0;
-    unsigned lo, hi;
-    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-    return (lo & 6u) == 6u;
-}
-
-static int probe_f16c(void)
-{
-    unsigned a, b, c, d;
-    return avx_usable() && __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C);
-}
-
-static int probe_avx2(void)
-{
-    unsigned a, b, c, d;
-    return avx_usable() && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (b & bit_AVX2);
-}
-
-static int have_f16c(void)
-{
-    static int known = -1;
-    return cpu_has(&known, probe_f16c);
-}
-
-static int have_avx2(void)
-{
-    static int known = -1;
-    return cpu_has(&known, probe_avx2);
-}
-
-/* quantise() for the int8 codec, four elements at a time in double, with
- * the same steps: NaN -> 0, at or beyond +-127 -> +-127, else rounded in
- * the current rounding mode (as the scalar shift trick). */
 /* quantise() four elements at a time in double, with the same steps:
  * NaN -> 0, at or beyond an end -> that end, else rounded in the current
  * rounding mode (as the scalar shift trick). n a multiple of 4. */
@@ -173,8 +137,8 @@ __attribute__((target("avx2"))) static void quantise_int8_avx2(const float *x, u
 
 static void load_slice(uint32_t dtype, const void *src, uint32_t from, uint32_t n, float *x)
 {
-#ifdef KVH_CODEC_F16C
-    if (dtype == KVH_DTYPE_F16 && have_f16c()) {
+#ifdef KVH_CODEC_X86_VECTOR
+    if (dtype == KVH_DTYPE_F16 && have_vector_paths()) {
         f16_to_f32_f16c((const uint16_t *)src + from, n, x);
         return;
     }
@@ -194,8 +158,8 @@ static void load_slice(uint32_t dtype, const void *src, uint32_t from, uint32_t 
 
 static void store_slice(uint32_t dtype, void *dst, uint32_t from, uint32_t n, const float *x)
 {
-#ifdef KVH_CODEC_F16C
-    if (dtype == KVH_DTYPE_F16 && have_f16c()) {
+#ifdef KVH_CODEC_X86_VECTOR
+    if (dtype == KVH_DTYPE_F16 && have_vector_paths()) {
         f32_to_f16_f16c(x, n, (uint16_t *)dst + from);
         return;
     }
@@ -258,8 +222,8 @@ static void encode_int8(uint32_t dtype, uint32_t d, const void *src, uint8_t *re
     for (uint32_t at = 0; at < d; at += SLICE) {
         uint32_t n = d - at < SLICE ? d - at : SLICE;
         load_slice(dtype, src, at, n, x);
-#ifdef KVH_CODEC_F16C
-        if (inv > 0.0 && have_avx2()) {
+#ifdef KVH_CODEC_X86_VECTOR
+        if (inv > 0.0 && have_vector_paths()) {
             quantise_int8_avx2(x, n, inv, codes + at);
             continue;
         }
@@ -310,8 +274,8 @@ static void encode_q4(uint32_t dtype, uint32_t d, uint32_t g, const void *src, u
         put_f32(rec + (size_t)gi * 2 * sizeof(float), scale);
         put_f32(rec + (size_t)gi * 2 * sizeof(float) + sizeof(float), lo);
         uint8_t *gc = codes + (size_t)gi * g / 2;
-#ifdef KVH_CODEC_F16C
-        if (inv > 0.0 && have_avx2()) {
+#ifdef KVH_CODEC_X86_VECTOR
+        if (inv > 0.0 && have_vector_paths()) {
             int32_t q[64];
             quantise_avx2(x, g, lo, inv, 0, 15, q);
             for (uint32_t i = 0; i < g; i += 2)
