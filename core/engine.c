@@ -207,7 +207,6 @@ static kvh_status select_backend(kvh_engine *e)
     e->cpu_kernels = true;
     if (e->cfg.backend == KVH_BACKEND_CPU) {
         e->backend = kvhi_backend_cpu();
-        e->device_host_addressable = e->device_is_host_ram = true;
         return KVH_OK;
     }
     e->backend = kvhi_backend_cuda_load(e->cfg.cuda_device, msg, sizeof(msg), &e->backend_dl);
@@ -215,12 +214,6 @@ static kvh_status select_backend(kvh_engine *e)
         e->backend_ctx = e->backend->context_create(e->cfg.cuda_device, msg, sizeof(msg));
         if (e->backend_ctx) {
             e->cpu_kernels = false;
-            int unified = e->backend->memory_is_unified ? e->backend->memory_is_unified(e->backend_ctx) : 0;
-            e->device_host_addressable = e->backend->device_is_host_memory || unified >= 1;
-            e->device_is_host_ram = e->backend->device_is_host_memory || unified == 2;
-            if (e->device_host_addressable && !e->backend->device_is_host_memory)
-                kvhi_log(e, KVH_LOG_INFO, "%s backend on unified memory: device and host tiers share memory",
-                         e->backend->name);
             return KVH_OK;
         }
         kvhi_backend_cuda_unload(e->backend_dl);
@@ -231,8 +224,19 @@ static kvh_status select_backend(kvh_engine *e)
     kvhi_log(e, KVH_LOG_INFO, "using the CPU backend: %s", msg);
     e->backend = kvhi_backend_cpu();
     e->backend_ctx = NULL;
-    e->device_host_addressable = e->device_is_host_ram = true;
     return KVH_OK;
+}
+
+/* What the CPU may do with the chosen backend's device-tier memory
+ * (engine.h: device_host_addressable, device_is_host_ram). */
+static void note_memory_model(kvh_engine *e)
+{
+    int unified = e->backend->memory_is_unified ? e->backend->memory_is_unified(e->backend_ctx) : 0;
+    e->device_host_addressable = e->backend->device_is_host_memory || unified >= 1;
+    e->device_is_host_ram = e->backend->device_is_host_memory || unified == 2;
+    if (unified)
+        kvhi_log(e, KVH_LOG_INFO, "%s backend on unified memory: the CPU addresses device-tier memory%s",
+                 e->backend->name, unified == 2 ? ", which is host RAM" : "");
 }
 
 static void engine_free(kvh_engine *e)
@@ -324,6 +328,7 @@ kvh_status kvh_engine_open(const kvh_config *config, kvh_engine **out)
     if (st == KVH_OK)
         st = select_backend(e);
     if (st == KVH_OK) {
+        note_memory_model(e);
         e->moves_in_place = can_move_in_place(e);
         st = tier_init(e, KVH_TIER_DEVICE, e->cfg.device_bytes);
     }
