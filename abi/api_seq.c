@@ -261,6 +261,17 @@ kvh_status kvh_seq_migrate(kvh_engine *e, kvh_seq seq, uint64_t first, uint64_t 
     return st;
 }
 
+kvh_status kvh_seq_hint(kvh_engine *e, kvh_seq seq, uint64_t first, uint64_t n, int32_t priority)
+{
+    kvhi_seq *s;
+    kvh_status st = kvhi_api_enter_seq(e, seq, &s);
+    if (st != KVH_OK)
+        return st;
+    st = kvhi_seq_hint(e, s, first, n, priority);
+    kvhi_leave(e);
+    return st;
+}
+
 kvh_status kvh_prefetch(kvh_engine *e, kvh_seq seq, uint64_t first, uint64_t n, int32_t priority, kvh_fence *fence)
 {
     kvhi_seq *s;

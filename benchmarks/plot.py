@@ -98,7 +98,9 @@ def plot_throughput(plt, rows: Sequence[Row], out: Path) -> Optional[Path]:
     return save(plt, fig, out / "throughput_vs_block.png")
 
 
-POLICY_STYLE = {"min": ("k", "--"), "kvh-engine": ("tab:red", "-"), "lru-k": ("tab:blue", "-"),
+POLICY_STYLE = {"min": ("k", "--"), "kvh-engine": ("tab:red", "-"), "kvh-engine+hints": ("tab:orange", "-"),
+                "kvh-engine+prefetch": ("tab:brown", ":"), "lru-k+hints": ("tab:olive", "--"),
+                "lru-k+prefetch": ("tab:gray", ":"), "lru-k": ("tab:blue", "-"),
                 "lru-k-hyst": ("tab:cyan", ":"), "lru": ("tab:green", "-"), "lctru": ("tab:purple", "-")}
 
 

@@ -10,6 +10,7 @@ const char *sim_policy_name(sim_policy p)
     case SIM_LRU_K: return "lru-k";
     case SIM_LRU_K_HYST: return "lru-k-hyst";
     case SIM_LCTRU: return "lctru";
+    case SIM_LRU_K_HINTS: return "lru-k+hints";
     default: return "?";
     }
 }
@@ -143,6 +144,8 @@ typedef struct sim {
     uint32_t *pos;
     heap dev, host;
     uint32_t *scratch; /* lctru: blocks popped while looking for a victim */
+    uint8_t *hinted;   /* lru-k+hints: hints name it, unused since (1 or 2) */
+    int32_t *hint_prio, *hint_prio2;
     sim_result *r;
 } sim;
 
@@ -151,7 +154,9 @@ static const uint64_t *hist_of(const sim *s, uint32_t b) { return &s->hist[(size
 static key key_of(const sim *s, uint32_t b)
 {
     const uint64_t *h = hist_of(s, b);
-    if (s->policy == SIM_LRU_K || s->policy == SIM_LRU_K_HYST)
+    if (s->policy == SIM_LRU_K_HINTS && s->hinted[b])
+        return (key){(1ull << 62) | ((uint32_t)s->hint_prio[b] ^ 0x80000000u), h[0]};
+    if (s->policy == SIM_LRU_K || s->policy == SIM_LRU_K_HYST || s->policy == SIM_LRU_K_HINTS)
         return (key){h[s->cfg.lru_k - 1], h[0]};
     return (key){h[0], 0};
 }
@@ -230,11 +235,75 @@ static void record(sim *s, uint32_t b, uint64_t now)
     h[0] = now;
 }
 
+/* The block's key changed: its heap learns it. */
+static void rekey(sim *s, uint32_t b)
+{
+    if (s->where[b] == IN_DEVICE)
+        heap_update(&s->dev, b, key_of(s, b));
+    else if (s->where[b] == IN_HOST)
+        heap_update(&s->host, b, key_of(s, b));
+}
+
+/* A hint for block b (core/hints.c): it keeps its two highest distinct
+ * priorities, and with hint_promote it is promoted when the device tier
+ * has room or a victim of a lower priority class. */
+static void hint_block(sim *s, uint32_t b, int32_t priority)
+{
+    uint8_t where = s->where[b];
+    if (where == IN_NONE)
+        return; /* not made yet */
+    if (!s->hinted[b]) {
+        s->hint_prio[b] = priority;
+        s->hinted[b] = 1;
+    } else if (priority != s->hint_prio[b] && !(s->hinted[b] == 2 && priority == s->hint_prio2[b])) {
+        if (priority > s->hint_prio[b]) {
+            s->hint_prio2[b] = s->hint_prio[b];
+            s->hint_prio[b] = priority;
+            s->hinted[b] = 2;
+        } else if (s->hinted[b] == 1 || priority > s->hint_prio2[b]) {
+            s->hint_prio2[b] = priority;
+            s->hinted[b] = 2;
+        }
+    }
+    rekey(s, b);
+    if (where == IN_DEVICE)
+        return;
+    if (!s->cfg.hint_promote)
+        return;
+    if (s->dev.size >= s->cfg.device_blocks && !(s->dev.k[0].primary < key_of(s, b).primary))
+        return; /* the device victim is hinted as soon or sooner */
+    if (where == IN_HOST) {
+        heap_remove(&s->host, b);
+    } else {
+        s->r->up_sh++;
+    }
+    s->r->up_dh++;
+    room_in_device(s);
+    s->where[b] = IN_DEVICE;
+    heap_push(&s->dev, b, key_of(s, b));
+}
+
+static void apply_hint(sim *s, const trace_hint *h)
+{
+    for (uint32_t i = 0; i < h->n; i++) {
+        int64_t b = trace_find(s->t, h->seq, h->first + i);
+        if (b >= 0)
+            hint_block(s, (uint32_t)b, h->priority);
+    }
+}
+
 static void access_block(sim *s, uint32_t b, uint64_t now)
 {
     sim_result *r = s->r;
     r->accesses++;
     record(s, b, now);
+    if (s->policy == SIM_LRU_K_HINTS && s->hinted[b]) {
+        /* spent: the next hint, if any, takes over */
+        if (s->hinted[b] == 2)
+            s->hint_prio[b] = s->hint_prio2[b];
+        s->hinted[b]--;
+        rekey(s, b);
+    }
     switch (s->where[b]) {
     case IN_DEVICE:
         r->hits_device++;
@@ -291,16 +360,32 @@ int sim_run(const trace *t, sim_policy p, const sim_config *c, sim_result *out)
     s.hist = calloc(nb * s.cfg.lru_k, sizeof(*s.hist));
     s.pos = malloc(nb * sizeof(*s.pos));
     s.scratch = malloc((s.cfg.lctru_window ? s.cfg.lctru_window : 1) * sizeof(*s.scratch));
+    s.hinted = calloc(nb, 1);
+    s.hint_prio = calloc(nb, sizeof(*s.hint_prio));
+    s.hint_prio2 = calloc(nb, sizeof(*s.hint_prio2));
     int rc = -1;
-    if (!s.where || !s.hist || !s.pos || !s.scratch)
+    if (!s.where || !s.hist || !s.pos || !s.scratch || !s.hinted || !s.hint_prio)
         goto out;
     memset(s.pos, 0xff, nb * sizeof(*s.pos));
     if (heap_init(&s.dev, s.cfg.device_blocks, s.pos) != 0 || heap_init(&s.host, s.cfg.host_blocks, s.pos) != 0)
         goto out;
     if (p == SIM_LCTRU && s.cfg.lctru_window == 0)
         s.cfg.lctru_window = 1;
-    for (size_t i = 0; i < t->n; i++)
+    size_t h = 0;
+    for (size_t i = 0; i < t->n; i++) {
+        for (; h < t->n_hints && t->hints[h].at <= i; h++)
+            if (p == SIM_LRU_K_HINTS)
+                apply_hint(&s, &t->hints[h]);
         access_block(&s, t->acc[i].block, (uint64_t)i + 1);
+    }
+    if (p == SIM_LRU_K_HINTS && s.cfg.hint_promote) {
+        /* Hits by fetches (policy_sim.h), floored at 0. */
+        uint64_t reused = out->accesses - out->first_accesses;
+        out->hits_device = reused > out->up_dh ? reused - out->up_dh : 0;
+        uint64_t mem = reused > out->up_sh ? reused - out->up_sh : 0;
+        out->hits_host = mem > out->hits_device ? mem - out->hits_device : 0;
+        out->misses = out->accesses - out->hits_device - out->hits_host;
+    }
     rc = 0;
 out:
     heap_free(&s.dev);
@@ -309,6 +394,9 @@ out:
     free(s.hist);
     free(s.pos);
     free(s.scratch);
+    free(s.hinted);
+    free(s.hint_prio);
+    free(s.hint_prio2);
     return rc;
 }
 

@@ -19,6 +19,13 @@
  *               accesses; otherwise it is read where it is (a host hit,
  *               moving nothing but the read), or brought from the backing
  *               store into the host tier only
+ *   lru-k+hints lru-k with the trace's prefetch hints, as the engine
+ *               takes them (core/hints.c): a hinted block ranks above
+ *               every unhinted one, lower priorities first; it keeps its
+ *               two highest distinct priorities, an access redeems the
+ *               higher (kvh_seq_hint). With hint_promote, a hint also
+ *               promotes the block when the device victim is of a lower
+ *               priority class (kvh_prefetch)
  *   lctru       least compression-tolerable and recently used: among the
  *               lctru_window least recently used blocks, the one with the
  *               lowest compression tolerance (ties: least recent)
@@ -30,6 +37,13 @@
  * or bypass. Device hits of MIN = MIN(D) hits; memory hits (device or host)
  * = MIN(D + H) hits; its host hits are the difference. Every policy above
  * has device hits <= MIN(D) and memory hits <= MIN(D + H).
+ *
+ * A prefetch brings a block up before its access, which then finds it in
+ * the device tier; so that such a move is not free, lru-k+hints with
+ * hint_promote counts hits by fetches: hits_device = accesses - first
+ * accesses - up_dh (floored at 0), memory hits likewise with up_sh. For a
+ * policy that moves only on demand these equal its hits; for one that
+ * prefetches, MIN still bounds them (it minimises fetches).
  *
  * Traffic is counted in block transfers across each boundary: up_dh (host
  * to device, including reads served in place from the host tier), down_dh,
@@ -49,6 +63,7 @@ typedef enum sim_policy {
     SIM_LRU_K,
     SIM_LRU_K_HYST,
     SIM_LCTRU,
+    SIM_LRU_K_HINTS,
     SIM_POLICY_COUNT
 } sim_policy;
 
@@ -61,6 +76,7 @@ typedef struct sim_config {
     uint32_t hyst_hits;     /* default 2 */
     uint32_t hyst_window;   /* accesses; 0: 4 x device_blocks */
     uint32_t lctru_window;  /* default 8 */
+    int hint_promote;       /* lru-k+hints: hints promote; default 0 */
 } sim_config;
 
 void sim_config_defaults(sim_config *c, uint32_t device_blocks, uint32_t host_blocks);

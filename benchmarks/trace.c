@@ -1,6 +1,7 @@
 #include "trace.h"
 
 #include <errno.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -10,6 +11,7 @@ void trace_init(trace *t) { memset(t, 0, sizeof(*t)); }
 void trace_free(trace *t)
 {
     free(t->acc);
+    free(t->hints);
     free(t->tolerance);
     free(t->map_keys);
     free(t->map_vals);
@@ -100,6 +102,34 @@ int trace_add(trace *t, uint32_t seq, uint32_t index, uint32_t agent, float tole
     return push(t, (trace_access){.block = (uint32_t)id, .seq = seq, .index = index, .agent = agent});
 }
 
+int trace_add_hint(trace *t, uint32_t seq, uint32_t first, uint32_t n, int32_t priority)
+{
+    if (t->n_hints == t->hint_cap) {
+        size_t cap = t->hint_cap ? t->hint_cap * 2 : 1024;
+        trace_hint *h = realloc(t->hints, cap * sizeof(*h));
+        if (!h)
+            return -1;
+        t->hints = h;
+        t->hint_cap = cap;
+    }
+    t->hints[t->n_hints++] = (trace_hint){.at = t->n, .seq = seq, .first = first, .n = n, .priority = priority};
+    return 0;
+}
+
+int64_t trace_find(const trace *t, uint32_t seq, uint32_t index)
+{
+    if (!t->map_cap)
+        return -1;
+    uint64_t key = map_key(seq, index);
+    size_t s = map_slot(key, t->map_cap);
+    while (t->map_keys[s]) {
+        if (t->map_keys[s] == key)
+            return t->map_vals[s];
+        s = (s + 1) & (t->map_cap - 1);
+    }
+    return -1;
+}
+
 int trace_add_handle(trace *t, uint64_t handle, uint32_t agent, float tolerance)
 {
     int64_t id = block_id(t, handle + 1, tolerance);
@@ -150,6 +180,22 @@ int trace_load(trace *t, const char *path, char *err, size_t err_len)
         }
         if (demo)
             continue;
+        if (!strncmp(p, "hint", 4)) {
+            unsigned long long hs, hf, hn;
+            long long prio;
+            if (sscanf(p + 4, "%llu %llu %llu %lld", &hs, &hf, &hn, &prio) != 4 || hs > UINT32_MAX ||
+                hf > UINT32_MAX || hn > UINT32_MAX || prio < INT32_MIN || prio > INT32_MAX) {
+                snprintf(err, err_len, "%s:%zu: expected 'hint SEQ FIRST N PRIORITY'", path, lineno);
+                rc = -1;
+                break;
+            }
+            if (trace_add_hint(t, (uint32_t)hs, (uint32_t)hf, (uint32_t)hn, (int32_t)prio) != 0) {
+                snprintf(err, err_len, "out of memory reading %s", path);
+                rc = -1;
+                break;
+            }
+            continue;
+        }
         unsigned long long seq, index, agent = 0;
         double tol = 0.5;
         int got = sscanf(p, "%llu %llu %llu %lf", &seq, &index, &agent, &tol);
@@ -177,8 +223,11 @@ int trace_save(const trace *t, const char *path)
     FILE *f = fopen(path, "w");
     if (!f)
         return -1;
-    fprintf(f, "# kvh block-access trace: SEQ BLOCK AGENT TOLERANCE\n");
+    fprintf(f, "# kvh block-access trace: SEQ BLOCK AGENT TOLERANCE; hint SEQ FIRST N PRIORITY\n");
+    size_t h = 0;
     for (size_t i = 0; i < t->n; i++) {
+        for (; h < t->n_hints && t->hints[h].at <= i; h++)
+            fprintf(f, "hint %u %u %u %d\n", t->hints[h].seq, t->hints[h].first, t->hints[h].n, t->hints[h].priority);
         const trace_access *a = &t->acc[i];
         fprintf(f, "%u %u %u %.3f\n", a->seq, a->index, a->agent, (double)t->tolerance[a->block]);
     }

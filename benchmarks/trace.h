@@ -19,7 +19,14 @@
  * in hex. There the block handle names the block (blocks shared through
  * the prefix index are one block), each block becomes a one-block sequence
  * of its own, `prefetch` lines (hints, not accesses) are skipped, and the
- * tolerance is 0.5 for every block (the demo does not measure it). */
+ * tolerance is 0.5 for every block (the demo does not measure it).
+ *
+ * A trace may also carry prefetch hints, what a scheduler knows of its
+ * queue (kvh_prefetch): a line `hint SEQ FIRST N PRIORITY` says blocks
+ * FIRST .. FIRST+N-1 of SEQ will be read, higher priorities sooner. A hint
+ * is not an access; it takes effect before the access on the next line.
+ * Blocks a hint names that do not exist yet (never accessed so far) are
+ * skipped by the simulator and the replay alike. */
 #ifndef KVH_BENCH_TRACE_H
 #define KVH_BENCH_TRACE_H
 
@@ -33,9 +40,17 @@ typedef struct trace_access {
     uint32_t agent;
 } trace_access;
 
+typedef struct trace_hint {
+    size_t at;          /* takes effect before access `at` */
+    uint32_t seq, first, n;
+    int32_t priority;
+} trace_hint;
+
 typedef struct trace {
     trace_access *acc;
     size_t n, cap;
+    trace_hint *hints; /* in order of `at` */
+    size_t n_hints, hint_cap;
     uint32_t n_blocks;
     float *tolerance; /* per dense block id */
     uint32_t tol_cap;
@@ -53,6 +68,11 @@ int trace_add(trace *t, uint32_t seq, uint32_t index, uint32_t agent, float tole
 /* Appends one access to the block named by an opaque 64-bit handle; it
  * becomes sequence <dense id>, index 0. */
 int trace_add_handle(trace *t, uint64_t handle, uint32_t agent, float tolerance);
+/* Appends a hint, effective before the next access added. Returns 0 or -1
+ * (out of memory). */
+int trace_add_hint(trace *t, uint32_t seq, uint32_t first, uint32_t n, int32_t priority);
+/* Dense id of block (seq, index), or -1 if the trace never accesses it. */
+int64_t trace_find(const trace *t, uint32_t seq, uint32_t index);
 /* Reads either file form into an empty trace. Returns 0, or -1 with a message
  * in err. */
 int trace_load(trace *t, const char *path, char *err, size_t err_len);

@@ -19,6 +19,7 @@ void trace_gen_defaults(trace_gen_params *p)
         .p_resume = 0.5,
         .adversarial = 0,
         .adversary_topics = 400,
+        .hint_turns = 0,
         .seed = 1,
     };
 }
@@ -88,6 +89,29 @@ static int park(agent_state *a)
     return 0;
 }
 
+/* One agent's turn, decided before any access is written, so that hints
+ * can name what later turns will read. */
+typedef struct planned_turn {
+    uint32_t agent;
+    uint32_t topic_seq;
+    uint32_t session_seq;
+    uint32_t history_blocks; /* read, including the ones this turn appends */
+} planned_turn;
+
+/* Priorities of hints: a sooner turn ranks higher. */
+static int32_t turn_priority(size_t turn) { return (int32_t)(INT32_MAX - (int64_t)(turn % INT32_MAX)); }
+
+static int hint_turn(trace *t, const trace_gen_params *p, const uint32_t *doc_len, const planned_turn *pt,
+                     size_t turn)
+{
+    int32_t prio = turn_priority(turn);
+    if (trace_add_hint(t, SYSTEM_SEQ, 0, p->system_blocks, prio) != 0 ||
+        trace_add_hint(t, pt->topic_seq, 0, doc_len[pt->topic_seq], prio) != 0 ||
+        trace_add_hint(t, pt->session_seq, 0, pt->history_blocks, prio) != 0)
+        return -1;
+    return 0;
+}
+
 int trace_generate(trace *t, const trace_gen_params *p)
 {
     uint64_t rng = p->seed * 0x2545f4914f6cdd1dull + 7;
@@ -95,11 +119,13 @@ int trace_generate(trace *t, const trace_gen_params *p)
     uint32_t adversary = p->adversarial ? p->agents : UINT32_MAX;
     uint32_t span = p->doc_blocks_max > p->doc_blocks_min ? p->doc_blocks_max - p->doc_blocks_min + 1 : 1;
     uint32_t n_docs = 1 + p->topics + (p->adversarial ? p->adversary_topics : 0);
+    size_t n_turns = (size_t)p->turns * n_agents;
     uint32_t *doc_len = malloc(n_docs * sizeof(*doc_len));
     agent_state *agents = calloc(n_agents, sizeof(*agents));
     uint32_t *order = malloc(n_agents * sizeof(*order));
+    planned_turn *plan = malloc((n_turns ? n_turns : 1) * sizeof(*plan));
     int rc = -1;
-    if (!doc_len || !agents || !order)
+    if (!doc_len || !agents || !order || !plan)
         goto out;
     for (uint32_t d = 1; d < n_docs; d++)
         doc_len[d] = p->doc_blocks_min + below(&rng, span);
@@ -108,6 +134,8 @@ int trace_generate(trace *t, const trace_gen_params *p)
         agents[a].topic_seq = 1 + below(&rng, p->topics ? p->topics : 1);
         agents[a].current = (session){.seq = next_seq++, .blocks = 0};
     }
+    /* The schedule: turns in rounds, each round in a shuffled order. */
+    size_t planned = 0;
     for (uint32_t turn = 0; turn < p->turns; turn++) {
         for (uint32_t i = 0; i < n_agents; i++)
             order[i] = i;
@@ -140,15 +168,26 @@ int trace_generate(trace *t, const trace_gen_params *p)
                     }
                 }
             }
-            if (read_seq(t, SYSTEM_SEQ, p->system_blocks, a, 0.1f) != 0)
-                goto out;
-            if (read_doc(t, st->topic_seq, doc_len[st->topic_seq], a) != 0)
-                goto out;
             uint32_t grow = 1 + below(&rng, p->new_blocks_per_turn ? p->new_blocks_per_turn : 1);
-            if (read_seq(t, st->current.seq, st->current.blocks + grow, a, 0.6f) != 0)
-                goto out;
             st->current.blocks += grow;
+            plan[planned++] = (planned_turn){.agent = a,
+                                             .topic_seq = st->topic_seq,
+                                             .session_seq = st->current.seq,
+                                             .history_blocks = st->current.blocks};
         }
+    }
+    /* The accesses: a turn reads its whole context in order. */
+    for (size_t j = 0; j < n_turns; j++) {
+        /* The scheduler's queue: this turn and the next hint_turns - 1,
+         * soonest first, renewed at every turn. */
+        for (size_t k = j; p->hint_turns && k < j + p->hint_turns && k < n_turns; k++)
+            if (hint_turn(t, p, doc_len, &plan[k], k) != 0)
+                goto out;
+        const planned_turn *pt = &plan[j];
+        if (read_seq(t, SYSTEM_SEQ, p->system_blocks, pt->agent, 0.1f) != 0 ||
+            read_doc(t, pt->topic_seq, doc_len[pt->topic_seq], pt->agent) != 0 ||
+            read_seq(t, pt->session_seq, pt->history_blocks, pt->agent, 0.6f) != 0)
+            goto out;
     }
     rc = 0;
 out:
@@ -158,5 +197,6 @@ out:
     free(agents);
     free(doc_len);
     free(order);
+    free(plan);
     return rc;
 }

@@ -10,6 +10,9 @@
  * jumps to a random topic of its own large pool on every turn: a scan of
  * mostly cold blocks, the "agent that jumps between disparate topics".
  *
+ * With hint_turns set, each turn is preceded by prefetch hints for the
+ * contexts of the turns queued next (trace.h), the sooner the higher.
+ *
  * Compression tolerance per block (read by LCTRU only): system prompt 0.1,
  * documents uniform in [0.3, 0.9], history 0.6. */
 #ifndef KVH_BENCH_TRACE_GEN_H
@@ -31,6 +34,10 @@ typedef struct trace_gen_params {
     double p_resume;             /* when leaving: resume a parked session */
     int adversarial;             /* add the topic-jumping agent */
     uint32_t adversary_topics;   /* its pool of disparate topics */
+    uint32_t hint_turns;         /* before each turn, hint the context of
+                                    it and the next hint_turns - 1 turns
+                                    (what a scheduler's queue knows);
+                                    0: no hints */
     uint64_t seed;
 } trace_gen_params;
 

@@ -8,7 +8,9 @@
  * device tier of D blocks, a host tier of H blocks and a disk tier under
  * dir large enough for every block (the backing store). Hits are read from
  * kvh_engine_stats around each access; first accesses count as misses, as
- * in the simulator. */
+ * in the simulator. When hints prefetch, hits are counted by fetches
+ * instead (policy_sim.h): device hits = accesses - first accesses - blocks
+ * moved host to device, memory hits likewise with blocks read from disk. */
 #ifndef KVH_BENCH_TRACE_REPLAY_H
 #define KVH_BENCH_TRACE_REPLAY_H
 
@@ -23,6 +25,10 @@ typedef struct replay_config {
     int skip_kv_write;     /* 1: a first access only appends (no K/V write),
                               to see what the write's own access costs the
                               policy */
+    int hints;             /* 1: the trace's hints become kvh_seq_hint
+                              calls (advice), 2: kvh_prefetch calls (which
+                              also promote); blocks not made yet are left
+                              out */
 } replay_config;
 
 typedef struct replay_result {

@@ -77,7 +77,7 @@ def trace_table(d: Path) -> Optional[str]:
     for r in rows:
         if "policy" in r:
             by[(r["trace"], r["budget"], r["policy"])][r["metric"]] = r
-    policies = ["kvh-engine", "lru-k", "lru-k-hyst", "lru", "lctru"]
+    policies = ["kvh-engine+hints", "kvh-engine+prefetch", "kvh-engine", "lru-k", "lru-k-hyst", "lru", "lctru"]
     traces = sorted({k[0] for k in by}, key=lambda t: (t.startswith("recorded"), t))
     out = []
     for t in traces:
@@ -111,7 +111,8 @@ def trace_table(d: Path) -> Optional[str]:
     out.append("\nCells: device hit rate (ratio to MIN) / device+host hit rate (ratio to MIN); "
                "`in`: blocks copied toward the device per access (MIN's lower bound / ours); `all`: block "
                "copies per access across both boundaries, both directions. "
-               "**bold** = a target of issue 8 missed (kvh-engine only).\n")
+               "**bold** = a target of issue 8 missed (hit rates: kvh-engine+hints on the generated traces; copies "
+               "per access: every engine row on the adversarial trace). Empty: the trace has no hints.\n")
     return "".join(out)
 
 

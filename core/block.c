@@ -77,7 +77,10 @@ kvhi_lruk_key kvhi_block_current_key(void *engine, uint32_t b)
 {
     kvh_engine *e = engine;
     const kvhi_block *blk = kvhi_blk(e, b);
-    return kvhi_evict_key(e, blk, kvhi_lruk_key_of(blk->hist, e->cfg.lru_k, blk->refs > 0));
+    kvhi_lruk_key k = kvhi_lruk_key_of(blk->hist, e->cfg.lru_k, blk->refs > 0);
+    if (blk->flags & KVHI_BF_HINTED)
+        return kvhi_hint_key(blk, k);
+    return kvhi_evict_key(e, blk, k);
 }
 
 void kvhi_block_update_evictable(kvh_engine *e, uint32_t b)
@@ -105,6 +108,10 @@ void kvhi_block_touch(kvh_engine *e, uint32_t b)
     kvhi_block *blk = kvhi_blk(e, b);
     kvhi_lruk_record(blk->hist, e->cfg.lru_k, ++e->clock);
     blk->hits++;
+    if (blk->flags & KVHI_BF_HINTED)
+        kvhi_hint_redeem(e, b); /* the use it predicted came */
+    if (e->hint_count && e->clock >= e->hint_epoch_end)
+        kvhi_hints_advance(e); /* hints lapse even when none come */
     /* An access only raises the block's key (newer history, same class),
      * so its heap entries stay valid lower bounds: nothing to re-key
      * (core/lruk.h, lazy raises). */

@@ -256,6 +256,7 @@ static void engine_free(kvh_engine *e)
             free(e->fences.ptrs[i]);
     kvhi_handles_destroy(&e->fences);
     kvhi_pools_destroy(e);
+    kvhi_hints_free(e);
     kvhi_handles_destroy(&e->pools);
     kvhi_vmap_engine_free(e);
     kvhi_attention_plans_free(e);

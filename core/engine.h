@@ -44,6 +44,8 @@
                                       own until the move commits */
 #define KVHI_BF_RECALLED 0x4000u   /* wanted again during that move: it stays
                                       in memory, the write becomes a copy */
+#define KVHI_BF_HINTED 0x8000u     /* a prefetch hint names it, unused since
+                                      (hint_priority; core/hints.c) */
 /* Busy blocks are not evicted, freed or written until they go idle. */
 #define KVHI_BF_BUSY (KVHI_BF_IN_FLIGHT | KVHI_BF_WRITING)
 
@@ -70,6 +72,7 @@ typedef struct __attribute__((aligned(64))) kvhi_block {
     uint32_t agent;
     uint16_t n_tokens;
     uint8_t deferred_tier;
+    uint8_t hint_epoch; /* low bits of the epoch of its newest hint */
     uint64_t hash;     /* chained hash, valid with KVHI_BF_HASHED */
     uint64_t parent_hash;
     uint32_t disk_copy; /* disk slot of a clean copy (KVHI_BF_DISK_COPY) */
@@ -80,7 +83,12 @@ typedef struct __attribute__((aligned(64))) kvhi_block {
     /* Bitmap [layer][token] of written KV cells. NULL means none written,
      * unless KVHI_BF_KV_COMPLETE says all are. */
     uint64_t *written;
+    /* With KVHI_BF_HINTED (core/hints.c): the two highest distinct hint
+     * priorities, the second KVHI_HINT_NONE when there is none. */
+    int32_t hint_priority;
+    int32_t hint_next;
 } kvhi_block;
+#define KVHI_HINT_NONE INT32_MIN
 _Static_assert(offsetof(kvhi_block, gen) == 64, "kvhi_block: the hot fields fill exactly its first cache line");
 _Static_assert(sizeof(kvhi_block) == 128, "kvhi_block: two cache lines");
 
@@ -200,6 +208,13 @@ struct kvh_engine {
 
     kvh_stats stats;
 
+    /* Prefetch hints (core/hints.c): a record per hint, oldest first;
+     * hints older than two epochs of hint_horizon accesses lapse. */
+    struct kvhi_hint_record *hint_ring;
+    uint32_t hint_head, hint_count, hint_cap;
+    uint32_t hint_epoch;
+    uint64_t hint_epoch_end; /* clock value that starts the next epoch */
+
     struct kvhi_disk *disk; /* NULL without a disk tier */
     uint32_t clean_hand;       /* background cleaner's clock hand */
     uint64_t host_arrivals;    /* blocks placed in the host tier so far */
@@ -302,6 +317,20 @@ void kvhi_block_pin(kvh_engine *e, uint32_t b, bool pin);
 void kvhi_block_update_evictable(kvh_engine *e, uint32_t b);
 /* b's victim-order key now (a kvhi_lruk_current_fn; engine as ctx). */
 kvhi_lruk_key kvhi_block_current_key(void *engine, uint32_t b);
+
+/* Prefetch hints as eviction protection (core/hints.c). */
+/* b is predicted to be needed, at priority (higher: sooner). */
+void kvhi_hint_set(kvh_engine *e, uint32_t b, int32_t priority);
+/* b was used: its soonest hint is redeemed, the next one (if any) takes
+ * its place. */
+void kvhi_hint_redeem(kvh_engine *e, uint32_t b);
+/* The victim-order key of a hinted block (above every unhinted one of its
+ * class). */
+kvhi_lruk_key kvhi_hint_key(const kvhi_block *blk, kvhi_lruk_key lruk);
+void kvhi_hints_free(kvh_engine *e);
+/* Starts a new hint epoch once its accesses have passed, retiring lapsed
+ * hints (the access path calls it while any hint is recorded). */
+void kvhi_hints_advance(kvh_engine *e);
 kvhi_agent *kvhi_agent_get(kvh_engine *e, uint32_t id, bool create);
 
 /* ---- tiers and eviction (evict.c) ---- */
@@ -358,6 +387,7 @@ kvh_status kvhi_seq_acquire(kvh_engine *e, kvhi_seq *s, uint64_t first,
                             uint64_t n, kvh_fence *fence);
 kvh_status kvhi_seq_release(kvh_engine *e, kvhi_seq *s, uint64_t first,
                             uint64_t n);
+kvh_status kvhi_seq_hint(kvh_engine *e, kvhi_seq *s, uint64_t first, uint64_t n, int32_t priority);
 kvh_status kvhi_prefetch(kvh_engine *e, kvhi_seq *s, uint64_t first,
                          uint64_t n, int32_t priority, kvh_fence *fence);
 kvh_status kvhi_migrate_blocks(kvh_engine *e, const uint32_t *blocks,

@@ -143,17 +143,28 @@ static kvhi_job job_pop(kvh_engine *e)
     return top;
 }
 
-/* A block a hint brought up counts as just used: predicted, it must not be
- * the next victim (which would make every prefetch a waste). */
+/* A block a hint brought up; its hint keeps it from being the next victim
+ * (core/hints.c) until it is used. */
 static void mark_prefetched(kvh_engine *e, uint32_t b)
 {
-    kvhi_block *blk = &e->blocks[b];
-    blk->flags |= KVHI_BF_PREFETCHED;
-    /* As if used K times just now: the newest backward K-distance. */
-    uint64_t now = ++e->clock;
-    for (uint32_t i = 0; i < e->cfg.lru_k; i++)
-        blk->hist[i] = now;
-    kvhi_block_update_evictable(e, b);
+    e->blocks[b].flags |= KVHI_BF_PREFETCHED;
+}
+
+/* A prefetch is worth its move only if the device tier has a free slot or
+ * a victim of a lower class than the hinted block (unhinted, or hinted for
+ * later): evicting a block hinted as soon or sooner would trade one
+ * predicted use for another, at the price of two copies. */
+static bool prefetch_has_room(kvh_engine *e, uint32_t b)
+{
+    kvhi_tier *dev = &e->tiers[KVH_TIER_DEVICE];
+    if (dev->slots.free_count > 0)
+        return true;
+    uint32_t v = kvhi_lruk_top_current(&dev->heap, kvhi_block_current_key, e);
+    if (v == KVHI_HEAP_NONE)
+        return false;
+    /* Priority classes, not recency: two blocks hinted alike would
+     * otherwise displace each other in turn. */
+    return kvhi_block_current_key(e, v).primary < kvhi_block_current_key(e, b).primary;
 }
 
 /* Runs one move with the lock held (dropped during the copy). */
@@ -178,6 +189,8 @@ static kvh_status run_job(kvh_engine *e, const kvhi_job *j)
             st = KVH_OK; /* held blocks never move down */
         else if (blk->pins)
             st = j->is_prefetch ? KVH_OK : kvhi_fail(KVH_ERR_BUSY, "block is pinned in another tier");
+        else if (j->is_prefetch && j->target_tier == KVH_TIER_DEVICE && !prefetch_has_room(e, j->block))
+            e->stats.prefetch_skipped++;
         else {
             st = kvhi_move_block(e, j->block, j->target_tier, blk->agent);
             moved = st == KVH_OK && blk->gen == j->block_gen && (blk->flags & KVHI_BF_LIVE);
@@ -241,6 +254,12 @@ static void run_batch(kvh_engine *e, kvhi_job first)
         if (i > 0 && !batchable(e, &jobs[i])) {
             if (job_push(e, jobs[i]) != KVH_OK)
                 kvhi_fence_done(e, jobs[i].fence, KVH_ERR_NOMEM);
+            continue;
+        }
+        if (jobs[i].is_prefetch && jobs[i].target_tier == KVH_TIER_DEVICE && !prefetch_has_room(e, jobs[i].block)) {
+            e->stats.prefetch_skipped++;
+            e->blocks[jobs[i].block].flags &= (uint16_t)~KVHI_BF_PREFETCHING;
+            kvhi_fence_done(e, jobs[i].fence, KVH_OK);
             continue;
         }
         int rc = kvhi_move_begin(e, jobs[i].block, jobs[i].target_tier, &xs[k], false);

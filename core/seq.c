@@ -529,15 +529,10 @@ kvh_status kvhi_prefetch(kvh_engine *e, kvhi_seq *s, uint64_t first, uint64_t n,
     for (uint32_t i = b0; i < b1; i++) {
         uint32_t b = s->blocks[i];
         kvhi_block *blk = &e->blocks[b];
-        if (blk->tier == KVH_TIER_DEVICE && !(blk->flags & KVHI_BF_IN_FLIGHT)) {
-            /* Already there: predicted all the same, so keep it from being
-             * the next victim (as a promoted block would be kept). */
-            uint64_t now = ++e->clock;
-            for (uint32_t k = 0; k < e->cfg.lru_k; k++)
-                blk->hist[k] = now;
-            kvhi_block_update_evictable(e, b);
+        /* Predicted: kept above unhinted blocks until used (core/hints.c). */
+        kvhi_hint_set(e, b, priority);
+        if (blk->tier == KVH_TIER_DEVICE && !(blk->flags & KVHI_BF_IN_FLIGHT))
             continue;
-        }
         if (blk->flags & KVHI_BF_PREFETCHING)
             continue;
         if (++blk->hits < min_hits || blk->pins) {
@@ -548,6 +543,17 @@ kvh_status kvhi_prefetch(kvh_engine *e, kvhi_seq *s, uint64_t first, uint64_t n,
         e->stats.prefetch_issued++;
         kvhi_enqueue(e, b, KVH_TIER_DEVICE, priority, true, fidx);
     }
+    return KVH_OK;
+}
+
+kvh_status kvhi_seq_hint(kvh_engine *e, kvhi_seq *s, uint64_t first, uint64_t n, int32_t priority)
+{
+    uint32_t b0 = 0, b1 = 0;
+    kvh_status st = kvhi_seq_block_range(e, s, first, n, &b0, &b1);
+    if (st != KVH_OK)
+        return st;
+    for (uint32_t i = b0; i < b1; i++)
+        kvhi_hint_set(e, s->blocks[i], priority);
     return KVH_OK;
 }
 

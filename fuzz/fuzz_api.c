@@ -270,9 +270,14 @@ static void step(state *s, fz_in *in)
             keep(s->fences, NFEN, in, out_f.id);
         break;
     }
-    case 27: {
+    case 27: { /* prefetch, or a hint (advice only) */
         uint64_t first = fz_u8(in) % 40, n = fz_u8(in) % 40;
-        st = kvh_prefetch(e, q, first, n, (int32_t)fz_u32(in), want_fence ? &out_f : NULL);
+        int32_t priority = (int32_t)fz_u32(in);
+        if (fz_u8(in) & 1) {
+            st = kvh_seq_hint(e, q, first, n, priority);
+            break;
+        }
+        st = kvh_prefetch(e, q, first, n, priority, want_fence ? &out_f : NULL);
         if (st == KVH_OK && want_fence)
             keep(s->fences, NFEN, in, out_f.id);
         break;

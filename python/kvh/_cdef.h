@@ -195,6 +195,7 @@ kvh_status kvh_block_pin(kvh_engine *engine, kvh_block block, int32_t pinned);
 kvh_status kvh_migrate(kvh_engine *engine, const kvh_block *blocks, size_t n, uint32_t tier, kvh_fence *fence);
 kvh_status kvh_seq_migrate(kvh_engine *engine, kvh_seq seq, uint64_t first, uint64_t n, uint32_t tier, kvh_fence *fence);
 kvh_status kvh_prefetch(kvh_engine *engine, kvh_seq seq, uint64_t first, uint64_t n, int32_t priority, kvh_fence *fence);
+kvh_status kvh_seq_hint(kvh_engine *engine, kvh_seq seq, uint64_t first, uint64_t n, int32_t priority);
 kvh_status kvh_fence_wait(kvh_engine *engine, kvh_fence fence, uint64_t timeout_ns);
 kvh_status kvh_fence_poll(kvh_engine *engine, kvh_fence fence, int32_t *done);
 kvh_status kvh_fence_free(kvh_engine *engine, kvh_fence fence);

@@ -569,6 +569,23 @@ class Engine(OwnedHandle):
             check(lib.kvh_prefetch(p, seq._h[0], first_, n_, priority, f))
         return Fence(self, f)
 
+    def hint(self, seq: "Sequence", first: TokenSpan = None, n: Optional[int] = None, *,
+             priority: int = 0) -> None:
+        """Advice, moving nothing: tokens ``first .. first+n`` (or a
+        ``range``; default: all) of ``seq`` will be read, the higher
+        ``priority`` the sooner. Until then their blocks are evicted after
+        every unhinted block, lowest priority first; the next access of a
+        block redeems its hint (its second highest, if any, takes over).
+        Hint a scheduler's queue, each request at a priority falling with
+        its place, and eviction follows the queue. Any thread."""
+        if not isinstance(seq, Sequence):
+            raise TypeError(f"seq must be a kvh.Sequence, not {type(seq).__name__}")
+        priority = _int("priority", priority, -(1 << 31), (1 << 31) - 1)
+        seq._check_engine(self)
+        with self._call() as p:
+            first_, n_ = seq._span(p, first, n)
+            check(lib.kvh_seq_hint(p, seq._h[0], first_, n_, priority))
+
     def migrate(self, blocks: Iterable["Block"], tier: Union[Tier, int, str], *, wait: bool = True) -> Optional["Fence"]:
         """Moves blocks to ``tier`` (pinned ones are skipped). ``wait=False``
         returns a Fence instead of waiting."""
@@ -1427,6 +1444,10 @@ class Sequence(OwnedHandle):
     def prefetch(self, first: TokenSpan = None, n: Optional[int] = None, *, priority: int = 0) -> Fence:
         """Same as ``engine.prefetch(self, ...)``."""
         return self._engine.prefetch(self, first, n, priority=priority)
+
+    def hint(self, first: TokenSpan = None, n: Optional[int] = None, *, priority: int = 0) -> None:
+        """Same as ``engine.hint(self, ...)``."""
+        self._engine.hint(self, first, n, priority=priority)
 
     def persist(self) -> None:
         """Makes every full block durable in the disk tier (UnsupportedError

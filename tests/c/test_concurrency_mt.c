@@ -343,7 +343,14 @@ static void *prefetcher_main(void *p)
                 uint64_t first = tu_below(&rng, len);
                 kvh_fence f = {0};
                 int with_fence = (int)tu_below(&rng, 4) == 0;
-                st = kvh_prefetch(sh->e, h, first, len - first, (int32_t)tu_below(&rng, 10), with_fence ? &f : NULL);
+                /* Every third call only advises eviction (kvh_seq_hint). */
+                int32_t prio = (int32_t)tu_below(&rng, 10);
+                if (tu_below(&rng, 3) == 0) {
+                    with_fence = 0;
+                    st = kvh_seq_hint(sh->e, h, first, len - first, prio);
+                } else {
+                    st = kvh_prefetch(sh->e, h, first, len - first, prio, with_fence ? &f : NULL);
+                }
                 /* The owner may truncate meanwhile: RANGE is possible. */
                 if (st != KVH_OK && st != KVH_ERR_RANGE)
                     TFAIL("prefetcher: prefetch: %s (%s)", kvh_status_name(st), kvh_last_error());

@@ -652,6 +652,11 @@ static void op_prefetch(diff *d, int i)
         return;
     uint64_t first, n;
     range_of(d, s, &first, &n);
+    if (tu_below(&d->r, 2)) {
+        DOK(kvh_seq_hint(d->e, s->h, first, n, (int32_t)tu_below(&d->r, 4)));
+        TRACE("op %ld: hint seq %d %" PRIu64 "+%" PRIu64 "\n", d->op, i, first, n);
+        return;
+    }
     DOK(kvh_prefetch(d->e, s->h, first, n, (int32_t)tu_below(&d->r, 4), NULL));
     TRACE("op %ld: prefetch seq %d %" PRIu64 "+%" PRIu64 "\n", d->op, i, first, n);
 }

@@ -253,6 +253,76 @@ static void test_lctru_prefers_tolerant_blocks(void **state)
     trace_free(&t);
 }
 
+/* Random hints (what a scheduler might say, right or wrong) never let the
+ * hinted policy beat MIN, with or without promotion (hits then counted by
+ * fetches). */
+static void test_min_bounds_hinted_policies(void **state)
+{
+    (void)state;
+    tu_rng r = {tu_seed(14)};
+    for (int round = 0; round < 30; round++) {
+        trace t;
+        trace_init(&t);
+        uint32_t distinct = 50 + (uint32_t)tu_below(&r, 300);
+        for (size_t i = 0; i < 3000; i++) {
+            if (tu_below(&r, 8) == 0) {
+                uint32_t first = (uint32_t)tu_below(&r, distinct);
+                assert_int_equal(trace_add_hint(&t, first % 3, first, 1 + (uint32_t)tu_below(&r, 6),
+                                                (int32_t)tu_below(&r, 20) - 10),
+                                 0);
+            }
+            uint32_t b = tu_below(&r, 2) ? (uint32_t)tu_below(&r, distinct / 5 + 1) : (uint32_t)tu_below(&r, distinct);
+            assert_int_equal(trace_add(&t, b % 3, b, 0, 0.5f), 0);
+        }
+        uint32_t dev = 1 + (uint32_t)tu_below(&r, 60), host = (uint32_t)tu_below(&r, 120);
+        sim_config c;
+        sim_config_defaults(&c, dev, host);
+        sim_result opt;
+        assert_int_equal(sim_min(&t, &c, &opt), 0);
+        for (int promote = 0; promote < 2; promote++) {
+            c.hint_promote = promote;
+            sim_result res;
+            assert_int_equal(sim_run(&t, SIM_LRU_K_HINTS, &c, &res), 0);
+            assert_int_equal(res.hits_device + res.hits_host + res.misses, t.n);
+            assert_true(res.hits_device <= opt.hits_device);
+            assert_true(res.hits_device + res.hits_host <= opt.hits_device + opt.hits_host);
+            assert_true(res.up_dh + res.up_sh >= opt.up_dh + opt.up_sh);
+        }
+        trace_free(&t);
+    }
+}
+
+/* A loop of 10 blocks through 5 device slots: LRU never hits, MIN keeps 4
+ * blocks and hits on them every pass. A scheduler that hints each pass
+ * (earlier blocks sooner) gets MIN's hits with the engine's rule: a block
+ * just read is unhinted until the next pass, so it leaves first. */
+static void test_hints_turn_a_loop_into_min(void **state)
+{
+    (void)state;
+    trace t;
+    trace_init(&t);
+    for (int pass = 0; pass < 20; pass++) {
+        for (uint32_t i = 0; i < 10; i++)
+            assert_int_equal(trace_add_hint(&t, 0, i, 1, 100 - (int32_t)i), 0);
+        for (uint32_t i = 0; i < 10; i++)
+            assert_int_equal(trace_add(&t, 0, i, 0, 0.5f), 0);
+    }
+    sim_config c;
+    sim_config_defaults(&c, 5, 0);
+    sim_result lru, lruk, hinted, opt;
+    assert_int_equal(sim_run(&t, SIM_LRU, &c, &lru), 0);
+    assert_int_equal(sim_run(&t, SIM_LRU_K, &c, &lruk), 0);
+    assert_int_equal(sim_run(&t, SIM_LRU_K_HINTS, &c, &hinted), 0);
+    assert_int_equal(sim_min(&t, &c, &opt), 0);
+    assert_int_equal(lru.hits_device, 0);
+    assert_true(lruk.hits_device < opt.hits_device / 2);
+    /* MIN with bypass keeps 4 of the 10 plus one that rotates: within one
+     * hit per pass of it. */
+    assert_true(hinted.hits_device + 20 >= opt.hits_device);
+    assert_true(hinted.hits_device >= 4 * 19);
+    trace_free(&t);
+}
+
 static void test_trace_ids_and_file_round_trip(void **state)
 {
     (void)state;
@@ -261,7 +331,10 @@ static void test_trace_ids_and_file_round_trip(void **state)
     assert_int_equal(trace_add(&t, 7, 0, 1, 0.25f), 0);
     assert_int_equal(trace_add(&t, 7, 1, 1, 0.75f), 0);
     assert_int_equal(trace_add(&t, 3, 0, 2, 0.5f), 0);
+    assert_int_equal(trace_add_hint(&t, 7, 0, 2, -5), 0); /* before access 3 */
     assert_int_equal(trace_add(&t, 7, 0, 2, 0.9f), 0); /* tolerance kept from first use */
+    assert_int_equal(trace_find(&t, 7, 1), 1);
+    assert_int_equal(trace_find(&t, 7, 2), -1);
     assert_int_equal(t.n_blocks, 3);
     assert_int_equal(t.acc[3].block, 0);
     assert_true(t.tolerance[0] == 0.25f);
@@ -281,6 +354,12 @@ static void test_trace_ids_and_file_round_trip(void **state)
         assert_int_equal(back.acc[i].block, t.acc[i].block);
         assert_int_equal(back.acc[i].agent, t.acc[i].agent);
     }
+    assert_int_equal(back.n_hints, 1);
+    assert_int_equal(back.hints[0].at, 3);
+    assert_int_equal(back.hints[0].seq, 7);
+    assert_int_equal(back.hints[0].first, 0);
+    assert_int_equal(back.hints[0].n, 2);
+    assert_int_equal(back.hints[0].priority, -5);
     trace_free(&back);
 
     /* Malformed lines are refused with their line number. */
@@ -291,6 +370,14 @@ static void test_trace_ids_and_file_round_trip(void **state)
     trace_init(&back);
     assert_int_equal(trace_load(&back, path, err, sizeof(err)), -1);
     assert_non_null(strstr(err, ":3:"));
+    trace_free(&back);
+    f = fopen(path, "w");
+    assert_non_null(f);
+    fputs("1 2\nhint 1 2 3\n", f);
+    fclose(f);
+    trace_init(&back);
+    assert_int_equal(trace_load(&back, path, err, sizeof(err)), -1);
+    assert_non_null(strstr(err, ":2: expected 'hint"));
     trace_free(&back);
     trace_free(&t);
 }
@@ -353,6 +440,31 @@ static void test_generator_is_deterministic(void **state)
             max_agent = adv.acc[i].agent;
     assert_int_equal(max_agent, p.agents); /* one more agent */
     assert_true(adv.n_blocks > a.n_blocks);
+    /* Hints leave the accesses as they were: before each turn, three
+     * hints (system prompt, document, history) per queued turn. */
+    trace hinted;
+    trace_init(&hinted);
+    p.adversarial = 0;
+    p.hint_turns = 3;
+    assert_int_equal(trace_generate(&hinted, &p), 0);
+    assert_int_equal(hinted.n, a.n);
+    assert_memory_equal(hinted.acc, a.acc, a.n * sizeof(*a.acc));
+    size_t turns = (size_t)p.agents * p.turns;
+    assert_int_equal(hinted.n_hints, 3 * (3 * turns - 3)); /* the last two turns see fewer queued */
+    assert_int_equal(hinted.hints[0].at, 0);
+    assert_int_equal(hinted.hints[0].seq, 0);
+    assert_int_equal(hinted.hints[0].n, p.system_blocks);
+    assert_true(hinted.hints[0].priority > hinted.hints[3].priority); /* sooner turn ranks higher */
+    /* On it, the hinted rule is near MIN where LRU-2 is far from it. */
+    sim_config c;
+    sim_config_defaults(&c, hinted.n_blocks / 10, hinted.n_blocks / 5);
+    sim_result lruk, hints, opt;
+    assert_int_equal(sim_run(&hinted, SIM_LRU_K, &c, &lruk), 0);
+    assert_int_equal(sim_run(&hinted, SIM_LRU_K_HINTS, &c, &hints), 0);
+    assert_int_equal(sim_min(&hinted, &c, &opt), 0);
+    assert_true(hints.hits_device > lruk.hits_device);
+    assert_true((double)hints.hits_device >= 0.85 * (double)opt.hits_device);
+    trace_free(&hinted);
     trace_free(&a);
     trace_free(&b);
     trace_free(&adv);
@@ -369,6 +481,8 @@ int main(void)
         cmocka_unit_test(test_host_tier_catches_device_victims),
         cmocka_unit_test(test_hysteresis_serves_cold_blocks_in_place),
         cmocka_unit_test(test_lctru_prefers_tolerant_blocks),
+        cmocka_unit_test(test_min_bounds_hinted_policies),
+        cmocka_unit_test(test_hints_turn_a_loop_into_min),
         cmocka_unit_test(test_trace_ids_and_file_round_trip),
         cmocka_unit_test(test_demo_trace_format),
         cmocka_unit_test(test_generator_is_deterministic),

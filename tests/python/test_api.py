@@ -229,6 +229,33 @@ def test_migrate_fence_and_block_api(engine):
         assert engine.stats().blocks_freed >= 1
 
 
+def test_hint_keeps_blocks_until_used():
+    with make_engine(device_bytes=4 * 4096, host_bytes=64 * 4096) as eng:
+        kept = eng.sequence(tokens=range(16))  # one block, the oldest
+        assert kept.block_info(0).tier == kvh.Tier.DEVICE
+        eng.hint(kept, priority=5)
+        others = [eng.sequence(tokens=range(100 * i, 100 * i + 16)) for i in range(1, 9)]
+        # Eight newer blocks went through four device slots; the hint kept it.
+        assert kept.block_info(0).tier == kvh.Tier.DEVICE
+        with kept.acquire(0, 16):
+            pass  # the access redeems the hint: it is an ordinary block again
+        more = []
+        for i in range(8):  # newer blocks, each used twice: kept is now the oldest
+            more.append(eng.sequence(tokens=range(5000 + 100 * i, 5000 + 100 * i + 16)))
+            with more[-1].acquire(0, 16):
+                pass
+        assert kept.block_info(0).tier == kvh.Tier.HOST
+        kept.hint(range(0, 16), priority=-1)  # the Sequence form
+        with pytest.raises(kvh.RangeError):
+            kept.hint(0, 17)
+        with pytest.raises(ValueError):
+            eng.hint(kept, priority=1 << 31)
+        with pytest.raises(TypeError):
+            eng.hint("not a sequence")
+        for s in [kept, *others, *more]:
+            s.free()
+
+
 def test_tier_info_and_spill():
     with make_engine(device_bytes=4 * 4096, host_bytes=64 * 4096) as eng:
         tiers = eng.tiers()

@@ -468,11 +468,27 @@ KVH_API kvh_status kvh_seq_migrate(kvh_engine *engine, kvh_seq seq,
 
 /* Hint: tokens [first, first + n) of seq will be needed soon. Blocks with
  * at least promote_min_hits recent accesses (this hint counts as one) are
- * promoted toward the device tier in priority order (higher first). Never
- * holds anything. fence may be NULL. @threads any */
+ * promoted toward the device tier in priority order (higher first), each
+ * only into a free device slot or in place of a block of a lower class
+ * (unhinted, or hinted at a lower priority). The hint also protects the
+ * blocks as kvh_seq_hint does. Never holds anything. fence may be NULL.
+ * @threads any */
 KVH_API kvh_status kvh_prefetch(kvh_engine *engine, kvh_seq seq,
                                 uint64_t first, uint64_t n, int32_t priority,
                                 kvh_fence *fence);
+
+/* Advice, moving nothing: tokens [first, first + n) of seq will be read,
+ * the higher priority the sooner. Until then their blocks are evicted
+ * after every unhinted block (of the same class: cached-only blocks still
+ * go first), hinted ones lowest priority first, in every memory tier. A
+ * block keeps its two highest distinct priorities; its next access
+ * redeems the higher, and the other takes its place. A scheduler that
+ * hints its whole queue this way, each request at a priority falling with
+ * its place, gets Belady's eviction order within the queue's horizon.
+ * Hints lapse, unless renewed, after two to three times as many accesses
+ * as the memory tiers hold blocks. @threads any */
+KVH_API kvh_status kvh_seq_hint(kvh_engine *engine, kvh_seq seq,
+                                uint64_t first, uint64_t n, int32_t priority);
 
 /* Waits until the fence completes or timeout_ns passes (UINT64_MAX: no
  * limit). Returns KVH_OK, KVH_ERR_TIMEOUT, or the first error of the work

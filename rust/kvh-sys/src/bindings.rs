@@ -1963,6 +1963,15 @@ extern "C" {
     ) -> kvh_status;
 }
 extern "C" {
+    pub fn kvh_seq_hint(
+        engine: *mut kvh_engine,
+        seq: kvh_seq,
+        first: u64,
+        n: u64,
+        priority: i32,
+    ) -> kvh_status;
+}
+extern "C" {
     pub fn kvh_fence_wait(engine: *mut kvh_engine, fence: kvh_fence, timeout_ns: u64)
         -> kvh_status;
 }

@@ -174,6 +174,11 @@ fn prefetch(
     check(unsafe { sys::kvh_prefetch(engine.as_ptr(), raw, first, n, priority, fp) })
 }
 
+fn hint(engine: &Engine, raw: sys::kvh_seq, first: u64, n: u64, priority: i32) -> Result<()> {
+    // SAFETY: valid engine; `@threads any`.
+    check(unsafe { sys::kvh_seq_hint(engine.as_ptr(), raw, first, n, priority) })
+}
+
 fn migrate<'e>(
     engine: &'e Engine,
     raw: sys::kvh_seq,
@@ -449,6 +454,14 @@ impl<'e> Sequence<'e> {
         self.shared().prefetch(range, priority)
     }
 
+    /// Advice, moving nothing: the token range will be read, the higher
+    /// `priority` the sooner. Until then its blocks are evicted after every
+    /// unhinted block, lowest priority first; a block's next access redeems
+    /// its hint. Hinting a scheduler's queue makes eviction follow it.
+    pub fn hint(&self, range: impl RangeBounds<u64>, priority: i32) -> Result<()> {
+        self.shared().hint(range, priority)
+    }
+
     /// As [`prefetch`](Self::prefetch), with a fence for the promotions.
     pub fn prefetch_with_fence(
         &self,
@@ -607,6 +620,12 @@ impl<'s> SeqRef<'s> {
     pub fn prefetch(&self, range: impl RangeBounds<u64>, priority: i32) -> Result<()> {
         let (first, n) = resolve(range, || self.len())?;
         prefetch(self.engine, self.raw, first, n, priority, None)
+    }
+
+    /// See [`Sequence::hint`].
+    pub fn hint(&self, range: impl RangeBounds<u64>, priority: i32) -> Result<()> {
+        let (first, n) = resolve(range, || self.len())?;
+        hint(self.engine, self.raw, first, n, priority)
     }
 
     /// See [`Sequence::prefetch_with_fence`].

@@ -216,6 +216,36 @@ fn migrate_to_host_and_back_keeps_the_data() {
 }
 
 #[test]
+fn hinted_block_stays_until_used() {
+    // Four device slots; a one-block sequence hinted first, eight newer
+    // blocks after it: the hint keeps it in the device tier.
+    let e = common::engine(1, 1, 4, 4, 4, 32);
+    let kept = e.create_sequence(0).unwrap();
+    kept.append(&[1, 2, 3, 4]).unwrap();
+    kept.hint(.., 5).unwrap();
+    let mut others = Vec::new();
+    for i in 0..8 {
+        let s = e.create_sequence(0).unwrap();
+        s.append(&[100 * i, 100 * i + 1, 100 * i + 2, 100 * i + 3]).unwrap();
+        others.push(s);
+    }
+    let b = kept.blocks().unwrap()[0];
+    assert_eq!(e.block_info(b).unwrap().tier, Some(Tier::Device));
+    // Without the hint the oldest block is the first to go.
+    let plain = e.create_sequence(0).unwrap();
+    plain.append(&[7, 8, 9, 10]).unwrap();
+    for i in 0..8 {
+        let s = e.create_sequence(0).unwrap();
+        s.append(&[1000 * i, 1000 * i + 1, 1000 * i + 2, 1000 * i + 3]).unwrap();
+        others.push(s);
+    }
+    let pb = plain.blocks().unwrap()[0];
+    assert_eq!(e.block_info(pb).unwrap().tier, Some(Tier::Host));
+    assert_eq!(kept.hint(0..5, 0).unwrap_err().status(), Status::Range);
+    kept.shared().hint(0..4, -3).unwrap();
+}
+
+#[test]
 fn acquire_async_and_block_table() {
     let e = common::engine(1, 1, 8, 4, 8, 16);
     let a = e.create_sequence(0).unwrap();
