@@ -136,7 +136,8 @@ def scale_table(d: Path) -> Optional[str]:
         cells.append(num(mem["value"]) if mem else "")
         body.append(cells)
     out = table(["live blocks"] + [f"{op} ns" for op in ops] + ["memory read ns"], body)
-    out += ("\nIn brackets: the logarithmic reference / measured (>= 0.5 is the target; **bold** missed). "
+    out += ("\nIn brackets: the logarithmic reference / measured (>= 0.5 is the target of alloc, lookup, "
+            "prefix_match and evict, the operations issue 8 names; touch has none, see below; **bold** missed). "
             "Memory read: one random dependent read in a buffer the size of the block records (128 bytes "
             "per block).\n\n")
     thr = [r for r in rows if r["metric"] == "agent_ops"]
