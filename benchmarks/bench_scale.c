@@ -16,14 +16,16 @@
  *                     second N-block sequence living in the host tier, with
  *                     the device tier full: each call chooses a victim and
  *                     swaps two 32-byte blocks
+ *        hint         kvh_seq_hint of a random block, at a rising priority
  *      The baseline of each row is a logarithmic reference: the cost at
  *      the smallest N times log2(N) / log2(smallest N); ratio = reference /
  *      cost (1 = exactly logarithmic growth, > 1 flatter). Target: ratio
  *      >= 0.5 (at most twice a logarithmic curve) for the operations issue
- *      8 names: alloc, lookup, prefix match, eviction choice. touch has
- *      none: it is a fixed number of dependent memory reads (block table,
- *      record, data), whose latency grows from L1 to DRAM with N whatever
- *      the code; memory_read shows by how much.
+ *      8 names: alloc, lookup, prefix match, eviction choice. touch and
+ *      hint have none: each is a fixed number of dependent memory reads
+ *      (block table, record, then data or heap entry), whose latency grows
+ *      from L1 to DRAM with N whatever the code; memory_read shows by how
+ *      much.
  *        memory_read  (no target) one dependent read of a random cache
  *                     line in a buffer the size of N block records (128
  *                     bytes each), on huge pages as the engine's: what one
@@ -115,8 +117,10 @@ static int write_all(kvh_engine *e, kvh_seq s, uint64_t n)
     return 0;
 }
 
+#define N_OPS 6
+
 typedef struct scale_point {
-    double ns[5];
+    double ns[N_OPS];
     double memory_read_ns;
 } scale_point;
 
@@ -167,7 +171,7 @@ static double memory_read_ns(uint64_t bytes, uint64_t seed)
     return ns;
 }
 
-static const char *const op_names[5] = {"alloc", "lookup", "touch", "prefix_match", "evict"};
+static const char *const op_names[N_OPS] = {"alloc", "lookup", "touch", "prefix_match", "evict", "hint"};
 
 static int measure_n(const bench_ctx *ctx, uint64_t n, uint64_t calls, scale_point *pt)
 {
@@ -271,6 +275,19 @@ static int measure_n(const bench_ctx *ctx, uint64_t n, uint64_t calls, scale_poi
         }
     }
     pt->ns[4] = (double)(bench_ns() - t0) / (double)calls;
+
+    /* hint: kvh_seq_hint of one random block, later calls at higher
+     * priorities (a scheduler's queue moving on) */
+    t0 = bench_ns();
+    for (uint64_t i = 0; i < calls; i++) {
+        uint64_t pos = bench_rng_below(&rng, n);
+        kvh_status st = kvh_seq_hint(e, s, pos, 1, (int32_t)(i & 0x3fffffff));
+        if (st != KVH_OK) {
+            rc = bench_kvh_fail("kvh_seq_hint", st);
+            goto out_h;
+        }
+    }
+    pt->ns[5] = (double)(bench_ns() - t0) / (double)calls;
     kvh_stats stats = {.struct_size = sizeof(stats)};
     kvh_engine_stats(e, &stats);
     bench_info(ctx, "scale n=%llu: %llu evictions during the run", (unsigned long long)n,
@@ -457,7 +474,7 @@ int bench_scale(int argc, char **argv, const bench_ctx *ctx)
     for (size_t i = 0; i < o.blocks.n; i++) {
         uint64_t n = o.blocks.v[i];
         scale_point med;
-        for (int op = 0; op < 5; op++) {
+        for (int op = 0; op < N_OPS; op++) {
             double v[16];
             for (int r = 0; r < reps; r++)
                 v[r] = runs[i * (size_t)reps + (size_t)r].ns[op];
@@ -470,14 +487,14 @@ int bench_scale(int argc, char **argv, const bench_ctx *ctx)
         if (i == 0)
             first = med;
         double log_scale = __builtin_log2((double)n) / __builtin_log2((double)o.blocks.v[0]);
-        for (int op = 0; op < 5; op++) {
+        for (int op = 0; op < N_OPS; op++) {
             bench_row *r = bench_row_new(SCEN, op_names[op], med.ns[op], "ns/op");
             bench_row_int(r, "blocks", (int64_t)n);
             double ref = first.ns[op] * log_scale;
             bench_row_baseline(r, ref, ref / med.ns[op]);
             if (i == 0)
                 bench_row_note(r, "reference point");
-            else if (op != 2)
+            else if (op != 2 && op != 5)
                 bench_row_target(r, 1, 1, 0.5);
             else
                 bench_row_note(r, "no target: a fixed count of memory reads, see memory_read");
