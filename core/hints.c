@@ -17,10 +17,10 @@
  *
  * A hint nobody redeems must not protect a block for ever: hints lapse
  * after two epochs of hint_horizon accesses (the clock of kvhi_block_touch)
- * unless renewed (both priorities go together). Each hint leaves a record in a FIFO ring; the records of
- * a closed epoch are retired in order, clearing the hints not renewed
- * since. Cost: O(1) amortised per hint, nothing per access of an unhinted
- * block. */
+ * unless renewed (both priorities go together). Each hint leaves a record
+ * in a FIFO ring; the records of a closed epoch are retired in order,
+ * clearing the hints not renewed since. Cost: O(1) amortised per hint,
+ * one compare per access of an unhinted block. */
 #include <stdlib.h>
 
 #include "core/engine.h"
