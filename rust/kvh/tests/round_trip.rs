@@ -224,21 +224,21 @@ fn hinted_block_stays_until_used() {
     kept.append(&[1, 2, 3, 4]).unwrap();
     kept.hint(.., 5).unwrap();
     let mut others = Vec::new();
-    for i in 0..8 {
-        let s = e.create_sequence(0).unwrap();
-        s.append(&[100 * i, 100 * i + 1, 100 * i + 2, 100 * i + 3]).unwrap();
-        others.push(s);
-    }
+    let mut eight_newer = |base: i32| {
+        for i in 0..8 {
+            let s = e.create_sequence(0).unwrap();
+            let t = base + 10 * i;
+            s.append(&[t, t + 1, t + 2, t + 3]).unwrap();
+            others.push(s);
+        }
+    };
+    eight_newer(100);
     let b = kept.blocks().unwrap()[0];
     assert_eq!(e.block_info(b).unwrap().tier, Some(Tier::Device));
     // Without the hint the oldest block is the first to go.
     let plain = e.create_sequence(0).unwrap();
     plain.append(&[7, 8, 9, 10]).unwrap();
-    for i in 0..8 {
-        let s = e.create_sequence(0).unwrap();
-        s.append(&[1000 * i, 1000 * i + 1, 1000 * i + 2, 1000 * i + 3]).unwrap();
-        others.push(s);
-    }
+    eight_newer(1000);
     let pb = plain.blocks().unwrap()[0];
     assert_eq!(e.block_info(pb).unwrap().tier, Some(Tier::Host));
     assert_eq!(kept.hint(0..5, 0).unwrap_err().status(), Status::Range);
