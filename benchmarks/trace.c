@@ -54,6 +54,20 @@ static int map_grow(trace *t)
     return 0;
 }
 
+/* Dense id of a block key, or -1 if the map does not have it. */
+static int64_t map_lookup(const trace *t, uint64_t key)
+{
+    if (!t->map_cap)
+        return -1;
+    size_t s = map_slot(key, t->map_cap);
+    while (t->map_keys[s]) {
+        if (t->map_keys[s] == key)
+            return t->map_vals[s];
+        s = (s + 1) & (t->map_cap - 1);
+    }
+    return -1;
+}
+
 /* Dense id of a block key, creating it (with tolerance) if new; -1 on OOM. */
 static int64_t block_id(trace *t, uint64_t key, float tolerance)
 {
@@ -116,19 +130,10 @@ int trace_add_hint(trace *t, uint32_t seq, uint32_t first, uint32_t n, int32_t p
     return 0;
 }
 
-int64_t trace_find(const trace *t, uint32_t seq, uint32_t index)
-{
-    if (!t->map_cap)
-        return -1;
-    uint64_t key = map_key(seq, index);
-    size_t s = map_slot(key, t->map_cap);
-    while (t->map_keys[s]) {
-        if (t->map_keys[s] == key)
-            return t->map_vals[s];
-        s = (s + 1) & (t->map_cap - 1);
-    }
-    return -1;
-}
+int64_t trace_find(const trace *t, uint32_t seq, uint32_t index) { return map_lookup(t, map_key(seq, index)); }
+
+/* Dense id of a block named by handle, or -1 if never accessed. */
+static int64_t handle_id(const trace *t, uint64_t handle) { return map_lookup(t, handle + 1); }
 
 int trace_add_handle(trace *t, uint64_t handle, uint32_t agent, float tolerance)
 {
@@ -145,13 +150,27 @@ static int demo_line(trace *t, const char *p)
 {
     double ts;
     unsigned long long agent, seq, handle, hash;
+    long long priority = 0;
     char tier[16], kind[16];
-    if (!strchr(p, '\t') ||
-        sscanf(p, "%lf %llu %llx %llx %llx %15s %15s", &ts, &agent, &seq, &handle, &hash, tier, kind) != 7)
+    if (!strchr(p, '\t'))
         return 0;
-    /* Prefetch hints are not demand accesses. */
+    int got = sscanf(p, "%lf %llu %llx %llx %llx %15s %15s %lld", &ts, &agent, &seq, &handle, &hash, tier, kind,
+                     &priority);
+    if (got < 7)
+        return 0;
+    /* Prefetches are not demand accesses. */
     if (!strcmp(kind, "prefetch"))
         return 1;
+    if (!strcmp(kind, "hint")) {
+        /* The scheduler's queue (kvh_seq_hint): a hint for the block's own
+         * one-block sequence, if it has been made yet. */
+        if (got < 8 || priority < INT32_MIN || priority > INT32_MAX)
+            return 0;
+        int64_t b = handle_id(t, handle);
+        if (b < 0)
+            return 1;
+        return trace_add_hint(t, (uint32_t)b, 0, 1, (int32_t)priority) == 0 ? 1 : -1;
+    }
     return trace_add_handle(t, handle, (uint32_t)agent, 0.5f) == 0 ? 1 : -1;
 }
 

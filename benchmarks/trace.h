@@ -18,8 +18,9 @@
  * tab-separated `t_s agent seq block_id block_hash tier kind` with handles
  * in hex. There the block handle names the block (blocks shared through
  * the prefix index are one block), each block becomes a one-block sequence
- * of its own, `prefetch` lines (hints, not accesses) are skipped, and the
- * tolerance is 0.5 for every block (the demo does not measure it).
+ * of its own, `prefetch` lines (not accesses) are skipped, `hint` lines
+ * (an eighth field: the priority) become hints of blocks already named,
+ * and the tolerance is 0.5 for every block (the demo does not measure it).
  *
  * A trace may also carry prefetch hints, what a scheduler knows of its
  * queue (kvh_prefetch): a line `hint SEQ FIRST N PRIORITY` says blocks

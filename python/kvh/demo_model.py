@@ -25,6 +25,12 @@ demo with synthetic K/V and no model):
   resolves the next queued question with the retriever and hints the
   article's blocks (``Engine.prefetch``), so they are back in the device
   tier before the next request starts.
+* **Queue hints** (``--queue-hints``, default one round of agents). Before
+  each request the scheduler tells the engine which cached articles it and
+  the next queued requests read, soonest first, and before each decode
+  step that the running request reads its whole sequence
+  (``Engine.hint``, kvh_seq_hint: advice that moves nothing), so that
+  eviction keeps what the queue needs next.
 * **Restart.** The engine is closed; a new process reopens the store and
   answers a returning agent's follow-up question, whose prefix (its earlier
   conversation) is found on disk, next to recomputing the same prompt.
@@ -106,6 +112,9 @@ AGENT_QUESTIONS: Tuple[Tuple[str, ...], ...] = (
      "What starts each heartbeat?", "What are moraines?"),
 )
 
+# kvh_seq_hint priority of the request being decoded; queued request k gets -k.
+RUNNING_PRIORITY = 1 << 30
+
 # Defaults of the options the synthetic demo shares (cli.py fills them).
 DEFAULTS: Dict[str, Any] = {
     "agents": 3, "questions": 2, "gen_tokens": 32, "seed": 1, "retriever": "auto", "hints": 1,
@@ -156,6 +165,10 @@ def add_arguments(p: argparse.ArgumentParser, *, shared_defaults: bool = True) -
                    help="Qdrant server for the retriever (implies --retriever qdrant unless one is given)")
     g.add_argument("--hints", type=int, default=d["hints"],
                    help=f"articles prefetched per predicted question (default {DEFAULTS['hints']}; 0: no prefetch)")
+    g.add_argument("--queue-hints", type=int, default=None, metavar="N",
+                   help="before each request, tell the engine (kvh_seq_hint) which articles it and the next N-1 "
+                        "queued requests read, soonest first, so that eviction follows the queue (default: one "
+                        "round, the number of agents; 0: none)")
     g = p.add_argument_group("tiers")
     g.add_argument("--device-budget", type=parse_budget, default=d["device_budget"], metavar="SIZE",
                    help="device tier bytes, e.g. 32MiB (default auto: about a quarter of the run's KV, at least one "
@@ -191,6 +204,8 @@ def fill_defaults(args: argparse.Namespace) -> None:
     for k, v in DEFAULTS.items():
         if getattr(args, k, None) is None:
             setattr(args, k, v)
+    if getattr(args, "queue_hints", None) is None:
+        args.queue_hints = args.agents
     for k, v in (("synthetic", False), ("model", None), ("qdrant_url", None), ("fresh", False),
                  ("buffered_io", False), ("no_restart", False), ("plot", None), ("no_plot", False),
                  ("record_trace", None), ("json", False), ("no_progress", False), ("returning", None)):
@@ -215,6 +230,8 @@ def _validate(args: argparse.Namespace) -> Optional[str]:
             return f"--{name.replace('_', '-')} must be > 0"
     if args.hints < 0:
         return "--hints must be >= 0"
+    if args.queue_hints < 0:
+        return "--queue-hints must be >= 0"
     for name in ("device_budget", "host_budget", "disk_budget"):
         v = getattr(args, name)
         if v is not None and v <= 0:
@@ -527,7 +544,9 @@ class Tracer:
     ``t_s agent seq block_id block_hash tier kind`` (t_s: seconds since the
     run started; block_hash: the chained prefix hash, 0 for a block not yet
     full; tier: where the block was when it was accessed; kind: match,
-    prefill, decode, prefetch, ingest)."""
+    prefill, decode, prefetch, ingest, hint). A ``hint`` line (no access:
+    the scheduler's queue, through kvh_seq_hint) has an eighth field, the
+    hint's priority."""
 
     def __init__(self, path: Optional[Path]) -> None:
         self.path = path
@@ -560,6 +579,19 @@ class Tracer:
                 self.f.write(f"{t:.6f}\t{agent}\t{seq.handle:#x}\t{h:#x}\t{info.hash:016x}\t"
                              f"{names.get(int(info.tier), str(int(info.tier)))}\t{kind}\n")
             self.lines += len(infos)
+
+    def hint(self, seq, agent: int, priority: int) -> None:
+        if self.f is None:
+            return
+        try:
+            handles = [b.handle for b in seq.blocks()]
+        except errors.Error:
+            return
+        t = time.perf_counter() - self.t0
+        with self.lock:
+            for h in handles:
+                self.f.write(f"{t:.6f}\t{agent}\t{seq.handle:#x}\t{h:#x}\t0\t-\thint\t{priority}\n")
+            self.lines += len(handles)
 
     def close(self) -> None:
         if self.f is not None:
@@ -860,6 +892,22 @@ def run_setup(ctx: Context, setup: Setup, corpus_kv: Optional[Dict[str, Any]], t
                 k, v = kv[layer]
                 seq.write_kv(layer, first, np.ascontiguousarray(k[:n]), np.ascontiguousarray(v[:n]))
 
+    queued_docs: Dict[str, List[int]] = {}
+
+    def hint_queue(i: int) -> None:
+        """The scheduler's queue as eviction advice: the [system][article]
+        sequences that request i and the next ones read, sooner requests at
+        higher priorities (kvh_seq_hint; it moves nothing)."""
+        for k in range(i, min(len(requests), i + args.queue_hints)):
+            q = requests[k].question
+            if q not in queued_docs:
+                queued_docs[q] = ctx.retrieve(q)
+            s = doc_seqs.get(queued_docs[q][0]) if queued_docs[q] else None
+            if s is not None:
+                s.hint(priority=-k)
+                if setup.name == "kvh":
+                    tracer.hint(s, requests[k].agent, -k)
+
     def make_doc(d: int, bar: Optional[Progress], agent: int = 0) -> Tuple[int, int]:
         """The [system][article] sequence of document d: (computed, reused) tokens."""
         prefix = P.prefix(d)
@@ -931,6 +979,8 @@ def run_setup(ctx: Context, setup: Setup, corpus_kv: Optional[Dict[str, Any]], t
         kv_decode = [0.0, 0.0, 0.0]
         step_total = 0.0
         for i, req in enumerate(requests):
+            if setup.prefetch:
+                hint_queue(i)
             t_req = time.perf_counter()
             req.t_start = t_req - t_phase
             req.docs = ctx.retrieve(req.question)
@@ -967,6 +1017,12 @@ def run_setup(ctx: Context, setup: Setup, corpus_kv: Optional[Dict[str, Any]], t
             for step in range(1, args.gen_tokens):
                 if tok in ctx.stops:
                     break
+                if setup.prefetch and args.queue_hints:
+                    # The running request reads its whole sequence each step:
+                    # it ranks above everything queued.
+                    seq.hint(priority=RUNNING_PRIORITY)
+                    if setup.name == "kvh":
+                        tracer.hint(seq, req.agent, RUNNING_PRIORITY)
                 trace(seq, req.agent, "decode")
                 snap = times.snapshot()
                 ts = time.perf_counter()
@@ -1451,7 +1507,8 @@ def summarize(ctx: Context, results: Dict[str, SetupResult], restart: Optional[D
                      "docs_per_question": args.docs_per_question,
                      "ingest": args.ingest, "system_prompt_tokens": len(ctx.prompts.system),
                      "doc_tokens": {d.name: len(ctx.prompts.doc_first[d.id]) for d in ctx.corpus},
-                     "retriever": ctx.index_name, "hints": args.hints, "seed": args.seed},
+                     "retriever": ctx.index_name, "hints": args.hints, "queue_hints": args.queue_hints,
+                     "seed": args.seed},
         "sizing": sizing, "data_dir": str(args.data_dir), "configs": configs, "answers_identical": same,
         "decode_split_ms": {"step": k.decode_step_ms, "model": model_ms, "kv_manage": kvms["manage"],
                             "attention": kvms["attend"], "offload": kvms["offload"]},

@@ -386,7 +386,7 @@ static void test_demo_trace_format(void **state)
 {
     (void)state;
     /* `kvh demo --record-trace` lines: the block handle names the block,
-     * prefetch hints are not accesses. */
+     * prefetches are not accesses, hints name blocks already seen. */
     const char *dir = getenv("KVH_TEST_TMPDIR");
     char path[4096];
     snprintf(path, sizeof(path), "%s/demo.trace", dir && *dir ? dir : "/tmp");
@@ -397,6 +397,8 @@ static void test_demo_trace_format(void **state)
           "0.1\t0\t0x5a00000001\t0xb100000000\t579274910657938b\tdevice\tmatch\n"
           "0.2\t1\t0x5a00000002\t0xb100000000\t579274910657938b\tdevice\tmatch\n"
           "0.3\t1\t0x5a00000002\t0xc200000007\t0\thost\tprefetch\n"
+          "0.31\t1\t0x5a00000002\t0xc200000007\t0\t-\thint\t-4\n" /* not accessed yet: skipped */
+          "0.32\t1\t0x5a00000002\t0xb100000000\t0\t-\thint\t-5\n"
           "0.4\t2\t0x5a00000003\t0xc200000007\t0\thost\tdecode\n",
           f);
     fclose(f);
@@ -410,6 +412,11 @@ static void test_demo_trace_format(void **state)
     assert_int_equal(t.acc[2].agent, 2);
     assert_int_equal(t.acc[2].seq, t.acc[2].block);
     assert_int_equal(t.acc[2].index, 0);
+    assert_int_equal(t.n_hints, 1);
+    assert_int_equal(t.hints[0].seq, t.acc[0].block);
+    assert_int_equal(t.hints[0].n, 1);
+    assert_int_equal(t.hints[0].priority, -5);
+    assert_int_equal(t.hints[0].at, 2);
     trace_free(&t);
 }
 

@@ -96,6 +96,8 @@ def test_cli_routing_without_the_model(tmp_path):
     assert res.returncode == 2 and "--agents" in res.stderr
     res = run_kvh("demo", "--host-budget", "lots")
     assert res.returncode == 2 and "size" in res.stderr
+    res = run_kvh("demo", "--queue-hints", "-1")
+    assert res.returncode == 2 and "--queue-hints" in res.stderr
     assert time.monotonic() - t0 < 30
     # the synthetic demo: explicitly, and implied by its own options
     res = run_kvh("demo", "--synthetic", "--agents", "1", "--steps", "2", "--chunks", "4", "--json", "--data-dir",
@@ -192,7 +194,15 @@ def test_tiny_run_restart_finds_the_prefix_on_disk(tiny_run):
 @needs_model
 def test_tiny_run_trace_and_second_run(tiny_run):
     lines = (tiny_run["dir"] / "trace.tsv").read_text().splitlines()
-    body = [ln.split("\t") for ln in lines if not ln.startswith("#")]
+    rows = [ln.split("\t") for ln in lines if not ln.startswith("#")]
+    # the scheduler's queue hints (kvh_seq_hint): an eighth field, the priority
+    hints = [f for f in rows if f[6] == "hint"]
+    assert hints and all(len(f) == 8 and f[5] == "-" for f in hints)
+    prios = {int(f[7]) for f in hints}
+    # the running request above every queued one (with --ingest lazy, queued
+    # requests' articles are not cached yet: only the running request's hints)
+    assert max(prios) == 1 << 30 and all(p == 1 << 30 or p <= 0 for p in prios)
+    body = [f for f in rows if f[6] != "hint"]
     assert body and all(len(f) == 7 for f in body)
     assert {f[5] for f in body} <= {"device", "host", "disk"}
     assert {"match", "prefill", "decode"} <= {f[6] for f in body}
