@@ -144,7 +144,16 @@ typedef struct sim {
     uint32_t *pos;
     heap dev, host;
     uint32_t *scratch; /* lctru: blocks popped while looking for a victim */
-    uint8_t *hinted;   /* lru-k+hints: hints name it, unused since (1 or 2) */
+    uint8_t *hinted;   /* lru-k+hints: priorities it holds (0, 1 or 2) */
+    uint8_t *fresh;    /* hinted since its last redemption */
+    /* Lapse of hints, as core/hints.c: epochs of max(64, D + H) ticks of
+     * the access clock; a hint not renewed since the epoch before the
+     * current one is dropped. */
+    uint32_t *hint_epoch_of;
+    struct { uint32_t block, epoch; } *ring;
+    size_t ring_head, ring_n, ring_cap;
+    uint32_t epoch;
+    uint64_t epoch_end, clock;
     int32_t *hint_prio, *hint_prio2;
     sim_result *r;
 } sim;
@@ -247,11 +256,57 @@ static void rekey(sim *s, uint32_t b)
 /* A hint for block b (core/hints.c): it keeps its two highest distinct
  * priorities, and with hint_promote it is promoted when the device tier
  * has room or a victim of a lower priority class. */
+static void hints_advance(sim *s)
+{
+    if (s->clock < s->epoch_end)
+        return;
+    uint64_t horizon = (uint64_t)s->cfg.device_blocks + s->cfg.host_blocks;
+    s->epoch++;
+    s->epoch_end = s->clock + (horizon < 64 ? 64 : horizon);
+    while (s->ring_n && s->epoch - s->ring[s->ring_head].epoch >= 2) {
+        uint32_t b = s->ring[s->ring_head].block;
+        if (s->hinted[b] && s->hint_epoch_of[b] == s->ring[s->ring_head].epoch) {
+            s->hinted[b] = 0;
+            rekey(s, b);
+        }
+        s->ring_head = (s->ring_head + 1) % s->ring_cap;
+        s->ring_n--;
+    }
+}
+
+/* Returns 0, or -1 when out of memory. */
+static int ring_push(sim *s, uint32_t b)
+{
+    if (s->ring_n == s->ring_cap) {
+        size_t cap = s->ring_cap ? s->ring_cap * 2 : 1024;
+        void *r = malloc(cap * sizeof(*s->ring));
+        if (!r)
+            return -1;
+        for (size_t i = 0; i < s->ring_n; i++)
+            memcpy((char *)r + i * sizeof(*s->ring), &s->ring[(s->ring_head + i) % s->ring_cap], sizeof(*s->ring));
+        free(s->ring);
+        s->ring = r;
+        s->ring_head = 0;
+        s->ring_cap = cap;
+    }
+    size_t at = (s->ring_head + s->ring_n++) % s->ring_cap;
+    s->ring[at].block = b;
+    s->ring[at].epoch = s->epoch;
+    return 0;
+}
+
 static void hint_block(sim *s, uint32_t b, int32_t priority)
 {
     uint8_t where = s->where[b];
     if (where == IN_NONE)
         return; /* not made yet */
+    hints_advance(s);
+    if (!(s->hinted[b] && s->hint_epoch_of[b] == s->epoch) && ring_push(s, b) != 0)
+        return; /* as the engine: a hint is advice, dropped when out of memory */
+    s->hint_epoch_of[b] = s->epoch;
+    if (priority == INT32_MIN)
+        priority = INT32_MIN + 1;
+    s->fresh[b] = 1;
     if (!s->hinted[b]) {
         s->hint_prio[b] = priority;
         s->hinted[b] = 1;
@@ -285,6 +340,10 @@ static void hint_block(sim *s, uint32_t b, int32_t priority)
 
 static void apply_hint(sim *s, const trace_hint *h)
 {
+    if (h->block != UINT32_MAX) {
+        hint_block(s, h->block, h->priority);
+        return;
+    }
     for (uint32_t i = 0; i < h->n; i++) {
         int64_t b = trace_find(s->t, h->seq, h->first + i);
         if (b >= 0)
@@ -297,13 +356,20 @@ static void access_block(sim *s, uint32_t b, uint64_t now)
     sim_result *r = s->r;
     r->accesses++;
     record(s, b, now);
-    if (s->policy == SIM_LRU_K_HINTS && s->hinted[b]) {
-        /* spent: the next hint, if any, takes over */
+    if (s->policy == SIM_LRU_K_HINTS && s->hinted[b] && s->fresh[b]) {
+        /* the first access after a hint redeems it: the next one, if any,
+         * takes over */
+        s->fresh[b] = 0;
         if (s->hinted[b] == 2)
             s->hint_prio[b] = s->hint_prio2[b];
         s->hinted[b]--;
         rekey(s, b);
     }
+    s->clock = now;
+    /* The engine checks for a new epoch on a use (kvhi_block_touch), not
+     * when it makes a block. */
+    if (s->ring_n && s->where[b] != IN_NONE)
+        hints_advance(s);
     switch (s->where[b]) {
     case IN_DEVICE:
         r->hits_device++;
@@ -361,10 +427,13 @@ int sim_run(const trace *t, sim_policy p, const sim_config *c, sim_result *out)
     s.pos = malloc(nb * sizeof(*s.pos));
     s.scratch = malloc((s.cfg.lctru_window ? s.cfg.lctru_window : 1) * sizeof(*s.scratch));
     s.hinted = calloc(nb, 1);
+    s.fresh = calloc(nb, 1);
+    s.hint_epoch_of = calloc(nb, sizeof(*s.hint_epoch_of));
     s.hint_prio = calloc(nb, sizeof(*s.hint_prio));
     s.hint_prio2 = calloc(nb, sizeof(*s.hint_prio2));
     int rc = -1;
-    if (!s.where || !s.hist || !s.pos || !s.scratch || !s.hinted || !s.hint_prio)
+    if (!s.where || !s.hist || !s.pos || !s.scratch || !s.hinted || !s.fresh || !s.hint_prio ||
+        !s.hint_epoch_of)
         goto out;
     memset(s.pos, 0xff, nb * sizeof(*s.pos));
     if (heap_init(&s.dev, s.cfg.device_blocks, s.pos) != 0 || heap_init(&s.host, s.cfg.host_blocks, s.pos) != 0)
@@ -395,6 +464,9 @@ out:
     free(s.pos);
     free(s.scratch);
     free(s.hinted);
+    free(s.fresh);
+    free(s.hint_epoch_of);
+    free(s.ring);
     free(s.hint_prio);
     free(s.hint_prio2);
     return rc;

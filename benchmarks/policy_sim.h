@@ -22,8 +22,8 @@
  *   lru-k+hints lru-k with the trace's prefetch hints, as the engine
  *               takes them (core/hints.c): a hinted block ranks above
  *               every unhinted one, lower priorities first; it keeps its
- *               two highest distinct priorities, an access redeems the
- *               higher (kvh_seq_hint). With hint_promote, a hint also
+ *               two highest distinct priorities, the first access after a
+ *               hint redeems the higher (kvh_seq_hint). With hint_promote, a hint also
  *               promotes the block when the device victim is of a lower
  *               priority class (kvh_prefetch)
  *   lctru       least compression-tolerable and recently used: among the

@@ -126,7 +126,8 @@ int trace_add_hint(trace *t, uint32_t seq, uint32_t first, uint32_t n, int32_t p
         t->hints = h;
         t->hint_cap = cap;
     }
-    t->hints[t->n_hints++] = (trace_hint){.at = t->n, .seq = seq, .first = first, .n = n, .priority = priority};
+    t->hints[t->n_hints++] =
+        (trace_hint){.at = t->n, .seq = seq, .first = first, .n = n, .priority = priority, .block = UINT32_MAX};
     return 0;
 }
 
@@ -169,7 +170,10 @@ static int demo_line(trace *t, const char *p)
         int64_t b = handle_id(t, handle);
         if (b < 0)
             return 1;
-        return trace_add_hint(t, (uint32_t)b, 0, 1, (int32_t)priority) == 0 ? 1 : -1;
+        if (trace_add_hint(t, (uint32_t)b, 0, 1, (int32_t)priority) != 0)
+            return -1;
+        t->hints[t->n_hints - 1].block = (uint32_t)b;
+        return 1;
     }
     return trace_add_handle(t, handle, (uint32_t)agent, 0.5f) == 0 ? 1 : -1;
 }

@@ -112,9 +112,10 @@ void kvhi_block_touch(kvh_engine *e, uint32_t b)
         kvhi_hint_redeem(e, b); /* the use it predicted came */
     if (e->hint_count && e->clock >= e->hint_epoch_end)
         kvhi_hints_advance(e); /* hints lapse even when none come */
-    /* An access only raises the block's key (newer history, same class),
-     * so its heap entries stay valid lower bounds: nothing to re-key
-     * (core/lruk.h, lazy raises). */
+    /* Apart from a redeemed hint (re-keyed at once), an access only raises
+     * the block's key (newer history, same class), so its heap entries
+     * stay valid lower bounds: nothing to re-key (core/lruk.h, lazy
+     * raises). */
 }
 
 void kvhi_block_wait_idle(kvh_engine *e, uint32_t b)

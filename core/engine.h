@@ -72,7 +72,7 @@ typedef struct __attribute__((aligned(64))) kvhi_block {
     uint32_t agent;
     uint16_t n_tokens;
     uint8_t deferred_tier;
-    uint8_t hint_epoch; /* low bits of the epoch of its newest hint */
+    uint8_t hint_epoch; /* its newest hint's epoch and freshness (hints.c) */
     uint64_t hash;     /* chained hash, valid with KVHI_BF_HASHED */
     uint64_t parent_hash;
     uint32_t disk_copy; /* disk slot of a clean copy (KVHI_BF_DISK_COPY) */

@@ -3,8 +3,10 @@
  * kvh_prefetch says a block will be needed, and how soon (priority, higher
  * first). Besides promoting it, the hint keeps it: a hinted block sorts
  * above every unhinted block of its class in the victim order, lower
- * priorities first. A block keeps its two highest distinct priorities; an
- * access redeems the higher one, and the other takes its place. A
+ * priorities first. A block keeps its two highest distinct priorities; the
+ * first access after a hint redeems the higher one, and the other takes
+ * its place (later accesses before the next hint, such as the other
+ * layers of the same forward pass, redeem nothing). A
  * scheduler that hints its queue (each queued request's blocks, at a
  * priority that falls with its place in the queue) thus tells the engine
  * when each block is next read, and the one after: the engine then evicts
@@ -15,9 +17,10 @@
  * evaluation): a victim rule that sees only the past evicts, in a loop
  * larger than the tier, what the loop needs next.
  *
- * A hint nobody redeems must not protect a block for ever: hints lapse
- * after two epochs of hint_horizon accesses (the clock of kvhi_block_touch)
- * unless renewed (both priorities go together). Each hint leaves a record
+ * A hint nobody redeems must not protect a block for ever: unless
+ * renewed, hints lapse (both priorities together) once the epoch after
+ * their own has ended, one to two epochs of hint_horizon ticks of the
+ * engine's access clock (accesses and block allocations). Each hint leaves a record
  * in a FIFO ring; the records of a closed epoch are retired in order,
  * clearing the hints not renewed since. Cost: O(1) amortised per hint,
  * one compare per access of an unhinted block. */
@@ -28,6 +31,12 @@
 typedef struct kvhi_hint_record {
     uint32_t block, gen, epoch;
 } kvhi_hint_record;
+
+/* kvhi_block.hint_epoch: the low seven bits of the epoch of the block's
+ * newest hint (its records are at most two epochs old, see retire_lapsed)
+ * and whether an access has redeemed a priority since that hint. */
+#define HINT_EPOCH_MASK 0x7fu
+#define HINT_FRESH 0x80u
 
 /* Accesses per epoch: about the memory tiers' blocks, the span over which
  * a victim rule's own history reaches. */
@@ -63,6 +72,11 @@ static void hint_clear(kvh_engine *e, uint32_t b)
 void kvhi_hint_redeem(kvh_engine *e, uint32_t b)
 {
     kvhi_block *blk = kvhi_blk(e, b);
+    /* One use per hint: the first access after it redeems, the rest of
+     * that use (every layer read, a match then an acquire) does not. */
+    if (!(blk->hint_epoch & HINT_FRESH))
+        return;
+    blk->hint_epoch &= (uint8_t)~HINT_FRESH;
     if (blk->hint_next == KVHI_HINT_NONE) {
         hint_clear(e, b);
         return;
@@ -76,12 +90,13 @@ static void retire_lapsed(kvh_engine *e)
 {
     while (e->hint_count) {
         kvhi_hint_record *r = &e->hint_ring[e->hint_head];
-        if (r->epoch + 2 > e->hint_epoch)
+        if (e->hint_epoch - r->epoch < 2)
             return;
         kvhi_block *blk = kvhi_blk(e, r->block);
         /* Only the block's newest hint lapses it: a renewal left a later
          * record behind this one. */
-        if (blk->gen == r->gen && (blk->flags & KVHI_BF_LIVE) && blk->hint_epoch == (uint8_t)r->epoch)
+        if (blk->gen == r->gen && (blk->flags & KVHI_BF_LIVE) &&
+            (blk->hint_epoch & HINT_EPOCH_MASK) == (r->epoch & HINT_EPOCH_MASK))
             hint_clear(e, r->block);
         e->hint_head = (e->hint_head + 1) % e->hint_cap;
         e->hint_count--;
@@ -119,12 +134,14 @@ void kvhi_hints_advance(kvh_engine *e)
 void kvhi_hint_set(kvh_engine *e, uint32_t b, int32_t priority)
 {
     kvhi_hints_advance(e);
+    if (priority == KVHI_HINT_NONE)
+        priority = KVHI_HINT_NONE + 1; /* the lowest rank; INT32_MIN marks "none" */
     kvhi_block *blk = kvhi_blk(e, b);
     bool hinted = blk->flags & KVHI_BF_HINTED;
     /* Records of a hinted block are all of this epoch or the last (older
-     * ones were retired as the epoch advanced), so eight bits tell them
+     * ones were retired as the epoch advanced), so seven bits tell them
      * apart. */
-    bool renewed = hinted && blk->hint_epoch == (uint8_t)e->hint_epoch;
+    bool renewed = hinted && (blk->hint_epoch & HINT_EPOCH_MASK) == (e->hint_epoch & HINT_EPOCH_MASK);
     if (!renewed && !ring_push(e, (kvhi_hint_record){.block = b, .gen = blk->gen, .epoch = e->hint_epoch}))
         return; /* out of memory: a hint is advice, it can be dropped */
     if (!hinted) {
@@ -136,7 +153,7 @@ void kvhi_hint_set(kvh_engine *e, uint32_t b, int32_t priority)
     } else if (priority < blk->hint_priority && priority > blk->hint_next) {
         blk->hint_next = priority;
     }
-    blk->hint_epoch = (uint8_t)e->hint_epoch;
+    blk->hint_epoch = (uint8_t)((e->hint_epoch & HINT_EPOCH_MASK) | HINT_FRESH);
     blk->flags |= KVHI_BF_HINTED;
     /* A higher key: the lazy update is exact (core/lruk.h). */
     kvhi_block_update_evictable(e, b);

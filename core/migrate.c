@@ -157,13 +157,20 @@ static void mark_prefetched(kvh_engine *e, uint32_t b)
 static bool prefetch_has_room(kvh_engine *e, uint32_t b)
 {
     kvhi_tier *dev = &e->tiers[KVH_TIER_DEVICE];
-    if (dev->slots.free_count > 0)
+    kvhi_lruk_heap *heap = &dev->heap;
+    /* An agent at its device quota makes room among its own blocks
+     * (kvhi_reserve_slot), free slots or not. */
+    kvhi_agent *a = e->n_agents ? kvhi_agent_get(e, e->blocks[b].agent, false) : NULL;
+    if (a && a->quota_blocks && a->device_blocks >= a->quota_blocks)
+        heap = &a->heap;
+    else if (dev->slots.free_count > 0)
         return true;
-    uint32_t v = kvhi_lruk_top_current(&dev->heap, kvhi_block_current_key, e);
+    uint32_t v = kvhi_lruk_top_current(heap, kvhi_block_current_key, e);
     if (v == KVHI_HEAP_NONE)
         return false;
-    /* Priority classes, not recency: two blocks hinted alike would
-     * otherwise displace each other in turn. */
+    /* By the primary key (class, hint priority or K-th access time), not
+     * by recency: two blocks hinted alike would otherwise displace each
+     * other in turn. */
     return kvhi_block_current_key(e, v).primary < kvhi_block_current_key(e, b).primary;
 }
 

@@ -574,9 +574,10 @@ class Engine(OwnedHandle):
         """Advice, moving nothing: tokens ``first .. first+n`` (or a
         ``range``; default: all) of ``seq`` will be read, the higher
         ``priority`` the sooner. Until then their blocks are evicted after
-        every unhinted block, lowest priority first; the next access of a
-        block redeems its hint (its second highest, if any, takes over).
-        Hint a scheduler's queue, each request at a priority falling with
+        every unhinted block, lowest priority first. A block keeps its two
+        highest priorities; the first access after a hint redeems the
+        higher (the rest of that use redeems nothing). Hint a scheduler's
+        queue before each request, each request at a priority falling with
         its place, and eviction follows the queue. Any thread."""
         if not isinstance(seq, Sequence):
             raise TypeError(f"seq must be a kvh.Sequence, not {type(seq).__name__}")

@@ -4,6 +4,8 @@
  * prefetch never displaces a block hinted as soon or sooner. Each test
  * runs with migration_threads 0 and 2. */
 #include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
 
 #include "test_util.h"
 
@@ -17,16 +19,19 @@ static kvh_engine *open_engine(void **state)
     return tu_open(L, H, D, BT, KVH_DTYPE_F32, DEV, HOST, threads_of(state));
 }
 
-/* A one-block sequence of its own tokens, written. */
-static kvh_seq one_block(kvh_engine *e, uint64_t tag)
+/* A one-block sequence of agent's, of its own tokens, written in every
+ * one of `layers` layers. */
+static kvh_seq block_of(kvh_engine *e, uint32_t agent, uint32_t layers, uint64_t tag)
 {
-    kvh_seq s = tu_seq_new(e, 0);
+    kvh_seq s = tu_seq_new(e, agent);
     int32_t t[BT];
     tu_iota(t, BT, (int32_t)(tag * 1000));
     assert_ok(kvh_seq_append(e, s, t, BT));
-    tu_write_pattern(e, s, L, TOK, tag, 0, BT);
+    tu_write_pattern(e, s, layers, TOK, tag, 0, BT);
     return s;
 }
+
+static kvh_seq one_block(kvh_engine *e, uint64_t tag) { return block_of(e, 0, L, tag); }
 
 static uint32_t tier_of(kvh_engine *e, kvh_seq s) { return tu_seq_binfo(e, s, 0).tier; }
 
@@ -141,25 +146,76 @@ static void test_redeemed_block_ranks_by_next_hint(void **state)
     tu_close(e);
 }
 
-/* Hints not renewed lapse after two to three epochs of accesses (an epoch
- * is max(64, device + host blocks) accesses); renewed ones stay. */
+/* Hints not renewed lapse after one to two epochs of the access clock (an
+ * epoch is max(64, device + host blocks) = 64 ticks here); renewed ones
+ * stay. */
 static void test_unrenewed_hints_lapse(void **state)
 {
-    for (int renew = 0; renew < 2; renew++) {
-        kvh_engine *e = open_engine(state);
-        kvh_seq s[4];
-        four(e, s);
-        hint(e, s[0], 9);
-        for (int i = 0; i < 400; i++) {
-            use(e, s[1 + i % 3]);
-            if (renew && i % 50 == 0)
-                hint(e, s[0], 9);
+    const int uses[3] = {60, 130, 400};
+    for (int renew = 0; renew < 2; renew++)
+        for (int u = 0; u < 3; u++) {
+            if (renew && u < 2)
+                continue;
+            kvh_engine *e = open_engine(state);
+            kvh_seq s[4];
+            four(e, s);
+            hint(e, s[0], 9);
+            for (int i = 0; i < uses[u]; i++) {
+                use(e, s[1 + i % 3]);
+                if (renew && i % 50 == 0)
+                    hint(e, s[0], 9);
+            }
+            /* s[0] has the oldest history: without a hint it is the victim
+             * (its making is one more tick: 61 < 64 still protects). */
+            one_block(e, 400);
+            bool kept = renew || uses[u] < 64;
+            assert_int_equal(tier_of(e, s[0]), kept ? KVH_TIER_DEVICE : KVH_TIER_HOST);
+            tu_close(e);
         }
-        /* s[0] has the oldest history: without a hint it is the victim. */
-        one_block(e, 400);
-        assert_int_equal(tier_of(e, s[0]), renew ? KVH_TIER_DEVICE : KVH_TIER_HOST);
-        tu_close(e);
-    }
+}
+
+/* INT32_MIN is the lowest priority, and still a priority: as a second
+ * one it is kept. */
+static void test_lowest_priority_is_kept_second(void **state)
+{
+    kvh_engine *e = open_engine(state);
+    kvh_seq s[4];
+    four(e, s);
+    hint(e, s[0], 5);
+    hint(e, s[0], INT32_MIN);
+    hint(e, s[2], 100);
+    hint(e, s[3], 100);
+    use(e, s[0]); /* 5 redeemed: INT32_MIN (as INT32_MIN + 1) remains */
+    use(e, s[1]); /* unhinted, with a newer history than s[0] */
+    use(e, s[1]);
+    one_block(e, 500);
+    assert_int_equal(tier_of(e, s[0]), KVH_TIER_DEVICE);
+    assert_int_equal(tier_of(e, s[1]), KVH_TIER_HOST);
+    tu_close(e);
+}
+
+/* One use of a block redeems one hint, however many of its layers it
+ * reads. */
+static void test_one_use_redeems_one_hint(void **state)
+{
+    kvh_engine *e = tu_open(2, H, D, BT, KVH_DTYPE_F32, DEV, HOST, threads_of(state));
+    kvh_seq s[4];
+    for (int i = 0; i < 4; i++)
+        s[i] = block_of(e, 0, 2, (uint64_t)i + 1);
+    assert_ok(kvh_seq_hint(e, s[0], 0, BT, 7));
+    assert_ok(kvh_seq_hint(e, s[0], 0, BT, 1));
+    assert_ok(kvh_seq_hint(e, s[2], 0, BT, 100));
+    assert_ok(kvh_seq_hint(e, s[3], 0, BT, 100));
+    float k[BT * D], v[BT * D];
+    for (uint32_t l = 0; l < 2; l++) /* a forward pass reads both layers */
+        assert_ok(kvh_seq_read_kv(e, s[0], l, 0, BT, k, v));
+    use(e, s[1]); /* unhinted, with a newer history than s[0] */
+    use(e, s[1]);
+    /* 7 is redeemed, 1 remains: s[0] still outranks the unhinted s[1]. */
+    block_of(e, 0, 2, 600);
+    assert_int_equal(tier_of(e, s[0]), KVH_TIER_DEVICE);
+    assert_int_equal(tier_of(e, s[1]), KVH_TIER_HOST);
+    tu_close(e);
 }
 
 static void prefetch_wait(kvh_engine *e, kvh_seq s, int32_t priority)
@@ -197,6 +253,64 @@ static void test_prefetch_displaces_only_a_lower_class(void **state)
     tu_close(e);
 }
 
+/* An agent at its device quota makes room among its own blocks, so its
+ * prefetch may not displace them unless it outranks them, free device
+ * slots or not. */
+static void test_prefetch_under_quota(void **state)
+{
+    kvh_engine *e = open_engine(state);
+    kvh_seq z = block_of(e, 7, L, 1), x = block_of(e, 7, L, 2), y = block_of(e, 7, L, 3);
+    kvh_fence f;
+    assert_ok(kvh_seq_migrate(e, z, 0, BT, KVH_TIER_HOST, &f));
+    assert_ok(kvh_fence_wait(e, f, UINT64_MAX));
+    assert_ok(kvh_fence_free(e, f));
+    assert_ok(kvh_agent_set_quota(e, 7, 2 * tu_block_bytes(e)));
+    hint(e, x, 100);
+    hint(e, y, 100);
+    assert_true(tu_tier(e, KVH_TIER_DEVICE).used_blocks < DEV); /* free slots */
+    prefetch_wait(e, z, 10);
+    assert_int_equal(tier_of(e, z), KVH_TIER_HOST);
+    assert_int_equal(tier_of(e, x), KVH_TIER_DEVICE);
+    assert_int_equal(tier_of(e, y), KVH_TIER_DEVICE);
+    prefetch_wait(e, z, 101);
+    assert_int_equal(tier_of(e, z), KVH_TIER_DEVICE);
+    assert_int_equal((tier_of(e, x) == KVH_TIER_HOST) + (tier_of(e, y) == KVH_TIER_HOST), 1);
+    tu_close(e);
+}
+
+/* The same guard on the disk tier's batched reads (workers) and on the
+ * inline path. */
+static void test_prefetch_from_disk_displaces_only_a_lower_class(void **state)
+{
+    const char *root = getenv("KVH_TEST_TMPDIR");
+    char dir[4096];
+    snprintf(dir, sizeof(dir), "%s/hints-XXXXXX", root && *root ? root : "/tmp");
+    assert_non_null(mkdtemp(dir));
+    kvh_config c = tu_cfg(L, H, D, BT, KVH_DTYPE_F32, DEV, HOST, threads_of(state));
+    c.disk_path = dir;
+    c.disk_bytes = 64ull * (tu_block_bytes_of(L, H, D, BT, KVH_DTYPE_F32) + 8192);
+    c.disk_flags = KVH_DISK_RESET_ON_MISMATCH;
+    kvh_engine *e = tu_open_cfg(&c);
+    kvh_seq low = one_block(e, 1);
+    kvh_fence f;
+    assert_ok(kvh_seq_migrate(e, low, 0, BT, KVH_TIER_DISK, &f));
+    assert_ok(kvh_fence_wait(e, f, UINT64_MAX));
+    assert_ok(kvh_fence_free(e, f));
+    assert_int_equal(tier_of(e, low), KVH_TIER_DISK);
+    kvh_seq s[4];
+    four(e, s);
+    for (int i = 0; i < 4; i++)
+        hint(e, s[i], 10);
+    kvh_stats a = tu_stats(e);
+    prefetch_wait(e, low, 10);
+    kvh_stats b = tu_stats(e);
+    assert_int_equal(tier_of(e, low), KVH_TIER_DISK);
+    assert_int_equal(b.prefetch_skipped - a.prefetch_skipped, 1);
+    prefetch_wait(e, low, 11);
+    assert_int_equal(tier_of(e, low), KVH_TIER_DEVICE);
+    tu_close(e);
+}
+
 static void test_hint_bad_input(void **state)
 {
     kvh_engine *e = open_engine(state);
@@ -230,7 +344,11 @@ int main(void)
         BOTH(test_access_redeems_the_higher),
         BOTH(test_redeemed_block_ranks_by_next_hint),
         BOTH(test_unrenewed_hints_lapse),
+        BOTH(test_lowest_priority_is_kept_second),
+        BOTH(test_one_use_redeems_one_hint),
         BOTH(test_prefetch_displaces_only_a_lower_class),
+        BOTH(test_prefetch_under_quota),
+        BOTH(test_prefetch_from_disk_displaces_only_a_lower_class),
         BOTH(test_hint_bad_input),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

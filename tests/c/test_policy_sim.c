@@ -417,6 +417,7 @@ static void test_demo_trace_format(void **state)
     assert_int_equal(t.hints[0].n, 1);
     assert_int_equal(t.hints[0].priority, -5);
     assert_int_equal(t.hints[0].at, 2);
+    assert_int_equal(t.hints[0].block, t.acc[0].block);
     trace_free(&t);
 }
 

@@ -279,7 +279,8 @@ typedef struct kvh_stats {
     uint64_t prefetch_useful;  /* prefetched, then used before eviction */
     uint64_t prefetch_late;    /* acquire had to wait for a prefetch */
     uint64_t prefetch_wasted;  /* prefetched, evicted unused */
-    uint64_t prefetch_skipped; /* hints below promote_min_hits */
+    uint64_t prefetch_skipped; /* below promote_min_hits, or no room a
+                                  prefetch may take (see kvh_prefetch) */
     uint64_t cow_copies;
     uint64_t evictions;        /* blocks demoted to make room */
     uint64_t drops;            /* unreferenced cached blocks discarded */
@@ -478,15 +479,18 @@ KVH_API kvh_status kvh_prefetch(kvh_engine *engine, kvh_seq seq,
                                 kvh_fence *fence);
 
 /* Advice, moving nothing: tokens [first, first + n) of seq will be read,
- * the higher priority the sooner. Until then their blocks are evicted
- * after every unhinted block (of the same class: cached-only blocks still
- * go first), hinted ones lowest priority first, in every memory tier. A
- * block keeps its two highest distinct priorities; its next access
- * redeems the higher, and the other takes its place. A scheduler that
- * hints its whole queue this way, each request at a priority falling with
- * its place, gets Belady's eviction order within the queue's horizon.
- * Hints lapse, unless renewed, after two to three times as many accesses
- * as the memory tiers hold blocks. @threads any */
+ * the higher priority the sooner (INT32_MIN counts as INT32_MIN + 1). In
+ * every tier's victim order their blocks then come after every unhinted
+ * block (of the same class: cached-only blocks still go first), hinted
+ * ones lowest priority first; LCTRU tolerance does not reorder them. A
+ * block keeps its two highest distinct priorities; the first access after
+ * a hint redeems the higher and the other takes its place (the rest of
+ * that use, such as reads of its other layers, redeems nothing; hint again
+ * before the next use). A scheduler that hints its whole queue before
+ * each request, each request at a priority falling with its place, gets
+ * Belady's eviction order within the queue's horizon. Unless renewed, a
+ * hint lapses after one to two times max(64, blocks of the memory tiers)
+ * engine accesses (block allocations count as accesses). @threads any */
 KVH_API kvh_status kvh_seq_hint(kvh_engine *engine, kvh_seq seq,
                                 uint64_t first, uint64_t n, int32_t priority);
 

@@ -456,8 +456,10 @@ impl<'e> Sequence<'e> {
 
     /// Advice, moving nothing: the token range will be read, the higher
     /// `priority` the sooner. Until then its blocks are evicted after every
-    /// unhinted block, lowest priority first; a block's next access redeems
-    /// its hint. Hinting a scheduler's queue makes eviction follow it.
+    /// unhinted block, lowest priority first. A block keeps its two highest
+    /// priorities; the first access after a hint redeems the higher.
+    /// Hinting a scheduler's queue before each request makes eviction
+    /// follow it.
     pub fn hint(&self, range: impl RangeBounds<u64>, priority: i32) -> Result<()> {
         self.shared().hint(range, priority)
     }
