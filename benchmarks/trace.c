@@ -178,6 +178,30 @@ static int demo_line(trace *t, const char *p)
     return trace_add_handle(t, handle, (uint32_t)agent, 0.5f) == 0 ? 1 : -1;
 }
 
+/* A line of the plain form: an access or a hint. Returns 0, -1 when out of
+ * memory, or 1 when malformed (*expected: the form it should have). */
+static int plain_line(trace *t, const char *p, const char **expected)
+{
+    if (!strncmp(p, "hint", 4)) {
+        unsigned long long hs, hf, hn;
+        long long prio;
+        if (sscanf(p + 4, "%llu %llu %llu %lld", &hs, &hf, &hn, &prio) != 4 || hs > UINT32_MAX ||
+            hf > UINT32_MAX || hn > UINT32_MAX || prio < INT32_MIN || prio > INT32_MAX) {
+            *expected = "hint SEQ FIRST N PRIORITY";
+            return 1;
+        }
+        return trace_add_hint(t, (uint32_t)hs, (uint32_t)hf, (uint32_t)hn, (int32_t)prio) == 0 ? 0 : -1;
+    }
+    unsigned long long seq, index, agent = 0;
+    double tol = 0.5;
+    int got = sscanf(p, "%llu %llu %llu %lf", &seq, &index, &agent, &tol);
+    if (got < 2 || seq > UINT32_MAX || index > UINT32_MAX || agent > UINT32_MAX || tol < 0 || tol > 1) {
+        *expected = "SEQ BLOCK [AGENT [TOLERANCE]]";
+        return 1;
+    }
+    return trace_add(t, (uint32_t)seq, (uint32_t)index, (uint32_t)agent, (float)tol) == 0 ? 0 : -1;
+}
+
 int trace_load(trace *t, const char *path, char *err, size_t err_len)
 {
     FILE *f = fopen(path, "r");
@@ -195,40 +219,14 @@ int trace_load(trace *t, const char *path, char *err, size_t err_len)
             p++;
         if (*p == '#' || *p == '\n' || *p == '\0')
             continue;
+        const char *expected = NULL;
         int demo = demo_line(t, p);
-        if (demo < 0) {
-            snprintf(err, err_len, "out of memory reading %s", path);
-            rc = -1;
-            break;
-        }
-        if (demo)
-            continue;
-        if (!strncmp(p, "hint", 4)) {
-            unsigned long long hs, hf, hn;
-            long long prio;
-            if (sscanf(p + 4, "%llu %llu %llu %lld", &hs, &hf, &hn, &prio) != 4 || hs > UINT32_MAX ||
-                hf > UINT32_MAX || hn > UINT32_MAX || prio < INT32_MIN || prio > INT32_MAX) {
-                snprintf(err, err_len, "%s:%zu: expected 'hint SEQ FIRST N PRIORITY'", path, lineno);
-                rc = -1;
-                break;
-            }
-            if (trace_add_hint(t, (uint32_t)hs, (uint32_t)hf, (uint32_t)hn, (int32_t)prio) != 0) {
+        int got = demo ? (demo < 0 ? -1 : 0) : plain_line(t, p, &expected);
+        if (got != 0) {
+            if (got < 0)
                 snprintf(err, err_len, "out of memory reading %s", path);
-                rc = -1;
-                break;
-            }
-            continue;
-        }
-        unsigned long long seq, index, agent = 0;
-        double tol = 0.5;
-        int got = sscanf(p, "%llu %llu %llu %lf", &seq, &index, &agent, &tol);
-        if (got < 2 || seq > UINT32_MAX || index > UINT32_MAX || agent > UINT32_MAX || tol < 0 || tol > 1) {
-            snprintf(err, err_len, "%s:%zu: expected 'SEQ BLOCK [AGENT [TOLERANCE]]'", path, lineno);
-            rc = -1;
-            break;
-        }
-        if (trace_add(t, (uint32_t)seq, (uint32_t)index, (uint32_t)agent, (float)tol) != 0) {
-            snprintf(err, err_len, "out of memory reading %s", path);
+            else
+                snprintf(err, err_len, "%s:%zu: expected '%s'", path, lineno, expected);
             rc = -1;
             break;
         }
