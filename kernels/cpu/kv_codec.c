@@ -1,7 +1,9 @@
-/* Scalar KV codecs (see kv_codec.h for the formats and error bounds),
- * run on every copy between a raw and an encoded tier. The values are
- * converted through the dtype helpers shared with the attention kernels,
- * a slice at a time. */
+/* KV codecs (see kv_codec.h for the formats and error bounds), run on
+ * every copy between a raw and an encoded tier. The values are converted
+ * through the dtype helpers shared with the attention kernels, a slice at
+ * a time; on x86 with AVX2 + F16C the hot loops have vector forms that
+ * give the same bytes (tests/c/test_codec.c checks both against the
+ * format). */
 #include "kernels/cpu/kv_codec.h"
 
 #include <math.h>
@@ -91,6 +93,41 @@ __attribute__((target("f16c,avx"))) static void f32_to_f16_f16c(const float *x, 
         h[i] = kvhi_f32_to_f16(x[i]);
 }
 
+/* bf16 <-> f32 eight at a time: widening is exact; narrowing rounds to
+ * nearest-even and quiets NaNs exactly as kvhi_f32_to_bf16. */
+__attribute__((target("avx2"))) static void bf16_to_f32_avx2(const uint16_t *h, uint32_t n, float *x)
+{
+    uint32_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(h + i)));
+        _mm256_storeu_si256((__m256i *)(x + i), _mm256_slli_epi32(w, 16));
+    }
+    for (; i < n; i++)
+        x[i] = kvhi_bf16_to_f32(h[i]);
+}
+
+__attribute__((target("avx2"))) static void f32_to_bf16_avx2(const float *x, uint32_t n, uint16_t *h)
+{
+    const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7fff);
+    const __m256i magnitude = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
+    const __m256i quiet = _mm256_set1_epi32(0x40);
+    uint32_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256i b = _mm256_loadu_si256((const __m256i *)(x + i));
+        __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(b, magnitude), inf);
+        __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), one);
+        __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(half, odd)), 16);
+        __m256i q = _mm256_or_si256(_mm256_srli_epi32(b, 16), quiet);
+        r = _mm256_blendv_epi8(r, q, nan);
+        /* 16-bit values: the unsigned pack is exact; it interleaves the
+         * two 128-bit lanes, which the permute puts back in order. */
+        __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xd8);
+        _mm_storeu_si128((__m128i *)(h + i), _mm256_castsi256_si128(p));
+    }
+    for (; i < n; i++)
+        h[i] = kvhi_f32_to_bf16(x[i]);
+}
+
 /* The vector paths need AVX2 with F16C, the set the AVX2 attention
  * kernel checks for; looked up once (threads racing on the first call
  * store the same value). */
@@ -126,12 +163,86 @@ __attribute__((target("avx2"))) static void quantise_avx2(const float *x, uint32
 __attribute__((target("avx2"))) static void quantise_int8_avx2(const float *x, uint32_t n, double inv, int8_t *codes)
 {
     int32_t t[SLICE];
-    uint32_t m = n & ~3u;
+    uint32_t m = n & ~7u;
     quantise_avx2(x, m, 0.0, inv, -127, 127, t);
-    for (uint32_t i = 0; i < m; i++)
-        codes[i] = (int8_t)t[i];
+    /* Codes are within [-127, 127]: the saturating packs are exact. */
+    for (uint32_t i = 0; i < m; i += 8) {
+        __m256i v = _mm256_loadu_si256((const __m256i *)(t + i));
+        __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+        _mm_storel_epi64((__m128i *)(codes + i), _mm_packs_epi16(w, w));
+    }
     for (uint32_t i = m; i < n; i++)
         codes[i] = (int8_t)quantise(x[i], 0.0, inv, -127, 127, 0);
+}
+
+/* max |x[i]| over the finite elements (0 when none), eight at a time. */
+__attribute__((target("avx2"))) static float amax_finite_avx2(const float *x, uint32_t n)
+{
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256 inf = _mm256_set1_ps(INFINITY);
+    __m256 m = _mm256_setzero_ps();
+    uint32_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 a = _mm256_and_ps(_mm256_loadu_ps(x + i), magnitude);
+        /* below infinity: false for inf and NaN, which then count as 0 */
+        m = _mm256_max_ps(m, _mm256_and_ps(a, _mm256_cmp_ps(a, inf, _CMP_LT_OQ)));
+    }
+    float lanes[8], amax = 0.0f;
+    _mm256_storeu_ps(lanes, m);
+    for (int k = 0; k < 8; k++)
+        amax = lanes[k] > amax ? lanes[k] : amax;
+    for (; i < n; i++) {
+        float a = fabsf(x[i]);
+        if (isfinite(a) && a > amax)
+            amax = a;
+    }
+    return amax;
+}
+
+/* lo + q * scale for the g (a multiple of 8) 4-bit codes of one group, as
+ * the scalar loop: the product is exact in double, the sum rounds once in
+ * double and once to float. */
+__attribute__((target("avx2"))) static void dequantise_q4_avx2(const uint8_t *gc, uint32_t g, float scale, float lo,
+                                                               float *y)
+{
+    const __m256d vs = _mm256_set1_pd(scale), vlo = _mm256_set1_pd(lo);
+    const __m256i shifts = _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4), nibble = _mm256_set1_epi32(0xf);
+    for (uint32_t i = 0; i < g; i += 8) {
+        int32_t four;
+        memcpy(&four, gc + i / 2, sizeof(four));
+        __m128i b = _mm_cvtsi32_si128(four);
+        /* each byte twice, then its low nibble and its high one */
+        __m256i q = _mm256_cvtepu8_epi32(_mm_unpacklo_epi8(b, b));
+        q = _mm256_and_si256(_mm256_srlv_epi32(q, shifts), nibble);
+        __m256d r0 = _mm256_add_pd(_mm256_mul_pd(_mm256_cvtepi32_pd(_mm256_castsi256_si128(q)), vs), vlo);
+        __m256d r1 = _mm256_add_pd(_mm256_mul_pd(_mm256_cvtepi32_pd(_mm256_extracti128_si256(q, 1)), vs), vlo);
+        _mm_storeu_ps(y + i, _mm256_cvtpd_ps(r0));
+        _mm_storeu_ps(y + i + 4, _mm256_cvtpd_ps(r1));
+    }
+}
+
+/* code * scale for n codes, to f32 or (F16C, nearest-even) f16: a float
+ * multiply, as the scalar loop. */
+__attribute__((target("avx2,f16c"))) static void dequantise_int8_avx2(const int8_t *codes, uint32_t n, float scale,
+                                                                       uint32_t dtype, void *dst)
+{
+    const __m256 vs = _mm256_set1_ps(scale);
+    uint32_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256i c = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(codes + i)));
+        __m256 y = _mm256_mul_ps(_mm256_cvtepi32_ps(c), vs);
+        if (dtype == KVH_DTYPE_F16)
+            _mm_storeu_si128((__m128i *)((uint16_t *)dst + i), _mm256_cvtps_ph(y, _MM_FROUND_TO_NEAREST_INT));
+        else
+            _mm256_storeu_ps((float *)dst + i, y);
+    }
+    for (; i < n; i++) {
+        float y = (float)codes[i] * scale;
+        if (dtype == KVH_DTYPE_F16)
+            ((uint16_t *)dst)[i] = kvhi_f32_to_f16(y);
+        else
+            ((float *)dst)[i] = y;
+    }
 }
 #endif
 
@@ -140,6 +251,10 @@ static void load_slice(uint32_t dtype, const void *src, uint32_t from, uint32_t 
 #ifdef KVH_CODEC_X86_VECTOR
     if (dtype == KVH_DTYPE_F16 && have_vector_paths()) {
         f16_to_f32_f16c((const uint16_t *)src + from, n, x);
+        return;
+    }
+    if (dtype == KVH_DTYPE_BF16 && have_vector_paths()) {
+        bf16_to_f32_avx2((const uint16_t *)src + from, n, x);
         return;
     }
 #endif
@@ -161,6 +276,10 @@ static void store_slice(uint32_t dtype, void *dst, uint32_t from, uint32_t n, co
 #ifdef KVH_CODEC_X86_VECTOR
     if (dtype == KVH_DTYPE_F16 && have_vector_paths()) {
         f32_to_f16_f16c(x, n, (uint16_t *)dst + from);
+        return;
+    }
+    if (dtype == KVH_DTYPE_BF16 && have_vector_paths()) {
+        f32_to_bf16_avx2(x, n, (uint16_t *)dst + from);
         return;
     }
 #endif
@@ -202,6 +321,21 @@ static inline int quantise(float x, double offset, double inv, int lo, int hi, i
     return (int)round_in_mode(q);
 }
 
+static float amax_finite(const float *x, uint32_t n)
+{
+#ifdef KVH_CODEC_X86_VECTOR
+    if (have_vector_paths())
+        return amax_finite_avx2(x, n);
+#endif
+    float amax = 0.0f;
+    for (uint32_t i = 0; i < n; i++) {
+        float a = fabsf(x[i]);
+        if (isfinite(a) && a > amax)
+            amax = a;
+    }
+    return amax;
+}
+
 static void encode_int8(uint32_t dtype, uint32_t d, const void *src, uint8_t *rec)
 {
     float x[SLICE];
@@ -209,11 +343,8 @@ static void encode_int8(uint32_t dtype, uint32_t d, const void *src, uint8_t *re
     for (uint32_t at = 0; at < d; at += SLICE) {
         uint32_t n = d - at < SLICE ? d - at : SLICE;
         load_slice(dtype, src, at, n, x);
-        for (uint32_t i = 0; i < n; i++) {
-            float a = fabsf(x[i]);
-            if (isfinite(a) && a > amax)
-                amax = a;
-        }
+        float a = amax_finite(x, n);
+        amax = a > amax ? a : amax;
     }
     float scale = amax / 127.0f;
     double inv = scale > 0.0f ? 1.0 / scale : 0.0; /* of the scale as stored */
@@ -221,7 +352,8 @@ static void encode_int8(uint32_t dtype, uint32_t d, const void *src, uint8_t *re
     int8_t *codes = (int8_t *)(rec + sizeof(float));
     for (uint32_t at = 0; at < d; at += SLICE) {
         uint32_t n = d - at < SLICE ? d - at : SLICE;
-        load_slice(dtype, src, at, n, x);
+        if (d > SLICE) /* one slice is still loaded from the first pass */
+            load_slice(dtype, src, at, n, x);
 #ifdef KVH_CODEC_X86_VECTOR
         if (inv > 0.0 && have_vector_paths()) {
             quantise_int8_avx2(x, n, inv, codes + at);
@@ -239,6 +371,12 @@ static void decode_int8(uint32_t dtype, uint32_t d, const uint8_t *rec, void *ds
 {
     float scale = get_f32(rec), x[SLICE];
     const int8_t *codes = (const int8_t *)(rec + sizeof(float));
+#ifdef KVH_CODEC_X86_VECTOR
+    if (dtype != KVH_DTYPE_BF16 && have_vector_paths()) {
+        dequantise_int8_avx2(codes, d, scale, dtype, dst);
+        return;
+    }
+#endif
     for (uint32_t at = 0; at < d; at += SLICE) {
         uint32_t n = d - at < SLICE ? d - at : SLICE;
         /* f32 is written in place; other dtypes go through the slice. */
@@ -300,10 +438,15 @@ static void decode_q4(uint32_t dtype, uint32_t d, uint32_t g, const uint8_t *rec
         float lo = get_f32(rec + (size_t)gi * 2 * sizeof(float) + sizeof(float));
         const uint8_t *gc = codes + (size_t)gi * g / 2;
         float *y = dtype == KVH_DTYPE_F32 ? (float *)dst + gi * g : x;
-        for (uint32_t i = 0; i < g; i++) {
-            uint32_t q = (gc[i / 2] >> ((i & 1u) * 4)) & 0xfu;
-            y[i] = (float)(lo + (double)q * scale);
-        }
+#ifdef KVH_CODEC_X86_VECTOR
+        if (g % 8 == 0 && have_vector_paths())
+            dequantise_q4_avx2(gc, g, scale, lo, y);
+        else
+#endif
+            for (uint32_t i = 0; i < g; i++) {
+                uint32_t q = (gc[i / 2] >> ((i & 1u) * 4)) & 0xfu;
+                y[i] = (float)(lo + (double)q * scale);
+            }
         if (y == x)
             store_slice(dtype, dst, gi * g, g, x);
     }

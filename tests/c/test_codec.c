@@ -351,6 +351,229 @@ static void test_disk_store_remembers_codec(void **state)
     assert_kvh(KVH_ERR_MISMATCH, kvh_engine_open(&c, &e));
 }
 
+/* ---- int8 against a reference written from the format alone ---- */
+
+/* The documented int8 record of x (d floats): scale = max finite |x| / 127
+ * as f32; code = x / scale rounded to nearest-even in double, saturated at
+ * +-127, NaN 0; a zero scale gives +-127 for infinities, else 0. */
+static void int8_reference(const float *x, uint32_t d, uint8_t *rec)
+{
+    float amax = 0.0f;
+    for (uint32_t i = 0; i < d; i++)
+        if (isfinite(x[i]) && fabsf(x[i]) > amax)
+            amax = fabsf(x[i]);
+    float scale = amax / 127.0f;
+    memcpy(rec, &scale, sizeof(scale));
+    double inv = scale > 0.0f ? 1.0 / (double)scale : 0.0;
+    for (uint32_t i = 0; i < d; i++) {
+        int q;
+        if (isnan(x[i]))
+            q = 0;
+        else if (inv == 0.0)
+            q = isinf(x[i]) ? (x[i] > 0 ? 127 : -127) : 0;
+        else {
+            double v = (double)x[i] * inv;
+            q = v >= 127.0 ? 127 : v <= -127.0 ? -127 : (int)nearbyint(v);
+        }
+        rec[sizeof(float) + i] = (uint8_t)(int8_t)q;
+    }
+}
+
+/* An element of every kind: ordinary, tiny, huge, subnormal, zero of
+ * either sign, infinite, NaN, and exact halves between codes. */
+static float special_or_gauss(tu_rng *r, float amp)
+{
+    switch (tu_below(r, 24)) {
+    case 0: return INFINITY;
+    case 1: return -INFINITY;
+    case 2: return NAN;
+    case 3: return -0.0f;
+    case 4: return 0.0f;
+    case 5: return 1e-40f;
+    case 6: return amp * (float)((int)tu_below(r, 255) - 127) / 127.0f * 0.5f;
+    default: return gauss(r) * amp;
+    }
+}
+
+/* n vectors of d elements in dtype dt (raw) and as f32 (x): ordinary,
+ * tiny and huge magnitudes, every other vector with special values. */
+static void fill_vectors(tu_rng *r, uint32_t dt, uint32_t d, size_t n, uint8_t *raw, float *x)
+{
+    for (size_t v = 0; v < n; v++) {
+        float amp = v % 8 == 7 ? 1e-38f : v % 8 == 6 ? 1e30f : 3.0f;
+        bool specials = v % 2 == 1;
+        for (uint32_t i = 0; i < d; i++) {
+            float f = specials ? special_or_gauss(r, amp) : gauss(r) * amp;
+            /* what the encoder sees: the value in its dtype */
+            if (dt == KVH_DTYPE_F16) {
+                uint16_t h = kvhi_f32_to_f16(f);
+                memcpy(raw + ((size_t)v * d + i) * 2, &h, 2);
+                f = kvhi_f16_to_f32(h);
+            } else if (dt == KVH_DTYPE_BF16) {
+                uint16_t h = kvhi_f32_to_bf16(f);
+                memcpy(raw + ((size_t)v * d + i) * 2, &h, 2);
+                f = kvhi_bf16_to_f32(h);
+            } else {
+                memcpy(raw + ((size_t)v * d + i) * 4, &f, 4);
+            }
+            x[v * d + i] = f;
+        }
+    }
+}
+
+/* f32 y in dtype dt, as the codecs store decoded values. */
+static void store_as(uint32_t dt, float y, uint8_t *out)
+{
+    if (dt == KVH_DTYPE_F16) {
+        uint16_t h = kvhi_f32_to_f16(y);
+        memcpy(out, &h, 2);
+    } else if (dt == KVH_DTYPE_BF16) {
+        uint16_t h = kvhi_f32_to_bf16(y);
+        memcpy(out, &h, 2);
+    } else {
+        memcpy(out, &y, 4);
+    }
+}
+
+/* Every path (scalar, and the vector ones where the CPU has them) gives
+ * the reference's bytes, and decodes them to (float)code * scale rounded
+ * once to the dtype. */
+static void test_int8_matches_the_format(void **state)
+{
+    (void)state;
+    tu_rng r = {tu_seed(77)};
+    static const uint32_t dims[] = {1, 7, 8, 64, 100, 128, 256, 300, 520};
+    for (size_t di = 0; di < sizeof(dims) / sizeof(dims[0]); di++)
+        for (size_t ti = 0; ti < 3; ti++) {
+            uint32_t d = dims[di], dt = dtypes[ti], eb = dt == KVH_DTYPE_F32 ? 4 : 2;
+            size_t n = 64, rb = sizeof(float) + d;
+            float *x = tu_alloc(sizeof(float) * d * n);
+            uint8_t *raw = tu_alloc((size_t)eb * d * n), *enc = tu_alloc(rb * n), *want = tu_alloc(rb);
+            uint8_t *back = tu_alloc((size_t)eb * d * n);
+            fill_vectors(&r, dt, d, n, raw, x);
+            assert_ok(kvh_codec_encode(KVH_CODEC_INT8, dt, d, raw, n, enc));
+            assert_ok(kvh_codec_decode(KVH_CODEC_INT8, dt, d, enc, n, back));
+            for (size_t v = 0; v < n; v++) {
+                int8_reference(x + v * d, d, want);
+                if (memcmp(enc + v * rb, want, rb) != 0)
+                    fail_msg("int8 encode differs from the format: d %u dtype %u vector %zu", d, dt, v);
+                float scale;
+                memcpy(&scale, want, sizeof(scale));
+                for (uint32_t i = 0; i < d; i++) {
+                    uint8_t expect[4];
+                    store_as(dt, (float)(int8_t)want[sizeof(float) + i] * scale, expect);
+                    if (memcmp(back + ((size_t)v * d + i) * eb, expect, eb) != 0)
+                        fail_msg("int8 decode differs: d %u dtype %u vector %zu element %u", d, dt, v, i);
+                }
+            }
+        }
+}
+
+/* The documented q4 record of x (d floats, groups of g): per group
+ * [scale, min] over its finite elements (0, 0 when none), scale = (max -
+ * min) / 15 computed in double and stored as f32; code = (x - min) /
+ * scale rounded to nearest-even in double, saturated to 0..15, NaN 0; a
+ * zero scale gives 15 for +inf, else 0; low nibble first. */
+static void q4_reference(const float *x, uint32_t d, uint32_t g, uint8_t *rec)
+{
+    uint32_t groups = d / g;
+    uint8_t *codes = rec + (size_t)groups * 2 * sizeof(float);
+    memset(codes, 0, d / 2);
+    for (uint32_t gi = 0; gi < groups; gi++) {
+        const float *xg = x + gi * g;
+        float lo = INFINITY, hi = -INFINITY;
+        for (uint32_t i = 0; i < g; i++)
+            if (isfinite(xg[i])) {
+                lo = xg[i] < lo ? xg[i] : lo;
+                hi = xg[i] > hi ? xg[i] : hi;
+            }
+        if (lo > hi)
+            lo = hi = 0.0f;
+        float scale = (float)(((double)hi - lo) / 15.0);
+        memcpy(rec + (size_t)gi * 8, &scale, 4);
+        memcpy(rec + (size_t)gi * 8 + 4, &lo, 4);
+        double inv = scale > 0.0f ? 1.0 / (double)scale : 0.0;
+        for (uint32_t i = 0; i < g; i++) {
+            int q;
+            if (isnan(xg[i]))
+                q = 0;
+            else if (inv == 0.0)
+                q = xg[i] == INFINITY ? 15 : 0;
+            else {
+                double v = ((double)xg[i] - lo) * inv;
+                q = v >= 15.0 ? 15 : v <= 0.0 ? 0 : (int)nearbyint(v);
+            }
+            codes[(gi * g + i) / 2] |= (uint8_t)(q << (((gi * g + i) & 1u) * 4));
+        }
+    }
+}
+
+static void test_q4_matches_the_format(void **state)
+{
+    (void)state;
+    tu_rng r = {tu_seed(78)};
+    static const uint32_t dims[] = {64, 128, 192, 256};
+    for (size_t ci = 1; ci < 3; ci++)
+        for (size_t di = 0; di < sizeof(dims) / sizeof(dims[0]); di++)
+            for (size_t ti = 0; ti < 3; ti++) {
+                uint32_t codec = codecs[ci], d = dims[di], dt = dtypes[ti], eb = dt == KVH_DTYPE_F32 ? 4 : 2;
+                uint32_t g = group_of(codec, d);
+                size_t n = 64, rb = (size_t)(d / g) * 8 + d / 2;
+                float *x = tu_alloc(sizeof(float) * d * n);
+                uint8_t *raw = tu_alloc((size_t)eb * d * n), *enc = tu_alloc(rb * n), *want = tu_alloc(rb);
+                uint8_t *back = tu_alloc((size_t)eb * d * n);
+                fill_vectors(&r, dt, d, n, raw, x);
+                assert_ok(kvh_codec_encode(codec, dt, d, raw, n, enc));
+                assert_ok(kvh_codec_decode(codec, dt, d, enc, n, back));
+                for (size_t v = 0; v < n; v++) {
+                    q4_reference(x + v * d, d, g, want);
+                    if (memcmp(enc + v * rb, want, rb) != 0)
+                        fail_msg("q4 encode differs from the format: codec %u d %u dtype %u vector %zu", codec, d,
+                                 dt, v);
+                    for (uint32_t i = 0; i < d; i++) {
+                        float scale, lo;
+                        memcpy(&scale, want + (size_t)(i / g) * 8, 4);
+                        memcpy(&lo, want + (size_t)(i / g) * 8 + 4, 4);
+                        uint32_t q = (want[(size_t)(d / g) * 8 + i / 2] >> ((i & 1u) * 4)) & 0xfu;
+                        uint8_t expect[4];
+                        store_as(dt, (float)(lo + (double)q * scale), expect);
+                        if (memcmp(back + ((size_t)v * d + i) * eb, expect, eb) != 0)
+                            fail_msg("q4 decode differs: codec %u d %u dtype %u vector %zu element %u", codec, d, dt,
+                                     v, i);
+                    }
+                }
+            }
+}
+
+/* Decoded values exactly halfway between two bf16 (or f16) values round
+ * to even, on every path: records built so that code * scale is such a
+ * tie, with an even and an odd neighbour below. */
+static void test_int8_decode_rounds_ties_to_even(void **state)
+{
+    (void)state;
+    enum { D = 16 };
+    static const uint32_t scale_bits[] = {0x3f808000u, 0x3f818000u, 0x3f801000u, 0x3f803000u};
+    for (size_t si = 0; si < sizeof(scale_bits) / sizeof(scale_bits[0]); si++) {
+        uint8_t rec[sizeof(float) + D];
+        float scale;
+        memcpy(&scale, &scale_bits[si], sizeof(scale));
+        memcpy(rec, &scale, sizeof(scale));
+        for (int i = 0; i < D; i++)
+            rec[sizeof(float) + i] = (uint8_t)(int8_t)(i % 2 ? -(i + 1) / 2 : i / 2 + 1);
+        for (size_t ti = 1; ti < 3; ti++) {
+            uint16_t out[D];
+            assert_ok(kvh_codec_decode(KVH_CODEC_INT8, dtypes[ti], D, rec, 1, out));
+            for (int i = 0; i < D; i++) {
+                float y = (float)(int8_t)rec[sizeof(float) + i] * scale;
+                uint16_t want = dtypes[ti] == KVH_DTYPE_F16 ? kvhi_f32_to_f16(y) : kvhi_f32_to_bf16(y);
+                if (out[i] != want)
+                    fail_msg("dtype %u scale %08x code %d: %04x, want %04x", dtypes[ti], scale_bits[si],
+                             (int8_t)rec[sizeof(float) + i], out[i], want);
+            }
+        }
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -358,6 +581,9 @@ int main(void)
         cmocka_unit_test_teardown(test_sizes_and_arguments, tu_teardown),
         cmocka_unit_test_teardown(test_non_finite_and_constant, tu_teardown),
         cmocka_unit_test_teardown(test_extreme_magnitudes, tu_teardown),
+        cmocka_unit_test_teardown(test_int8_matches_the_format, tu_teardown),
+        cmocka_unit_test_teardown(test_int8_decode_rounds_ties_to_even, tu_teardown),
+        cmocka_unit_test_teardown(test_q4_matches_the_format, tu_teardown),
         cmocka_unit_test_teardown(test_engine_host_holds_more, tu_teardown),
         cmocka_unit_test_teardown(test_engine_demote_promote, tu_teardown),
         cmocka_unit_test_teardown(test_engine_write_into_host, tu_teardown),
