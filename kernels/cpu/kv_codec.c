@@ -199,6 +199,46 @@ __attribute__((target("avx2"))) static float amax_finite_avx2(const float *x, ui
     return amax;
 }
 
+/* The least and greatest finite element (lo > hi when there is none), as
+ * the scalar loop finds them: SIMD minimum and maximum, then, when an
+ * extreme is a zero, the sign the scalar loop leaves there: the first
+ * zero's in element order (a SIMD min or max may return either zero). */
+__attribute__((target("avx2"))) static void minmax_finite_avx2(const float *x, uint32_t n, float *lo_out,
+                                                               float *hi_out)
+{
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256 inf = _mm256_set1_ps(INFINITY), ninf = _mm256_set1_ps(-INFINITY);
+    __m256 vlo = inf, vhi = ninf;
+    uint32_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 v = _mm256_loadu_ps(x + i);
+        __m256 finite = _mm256_cmp_ps(_mm256_and_ps(v, magnitude), inf, _CMP_LT_OQ);
+        vlo = _mm256_min_ps(vlo, _mm256_blendv_ps(inf, v, finite));
+        vhi = _mm256_max_ps(vhi, _mm256_blendv_ps(ninf, v, finite));
+    }
+    float l[8], h[8], lo = INFINITY, hi = -INFINITY;
+    _mm256_storeu_ps(l, vlo);
+    _mm256_storeu_ps(h, vhi);
+    for (int k = 0; k < 8; k++) {
+        lo = l[k] < lo ? l[k] : lo;
+        hi = h[k] > hi ? h[k] : hi;
+    }
+    for (; i < n; i++)
+        if (isfinite(x[i])) {
+            lo = x[i] < lo ? x[i] : lo;
+            hi = x[i] > hi ? x[i] : hi;
+        }
+    if (lo == 0.0f || hi == 0.0f)
+        for (uint32_t j = 0; j < n; j++)
+            if (x[j] == 0.0f) {
+                lo = lo == 0.0f ? x[j] : lo;
+                hi = hi == 0.0f ? x[j] : hi;
+                break;
+            }
+    *lo_out = lo;
+    *hi_out = hi;
+}
+
 /* lo + q * scale for the g (a multiple of 8) 4-bit codes of one group, as
  * the scalar loop: the product is exact in double, the sum rounds once in
  * double and once to float. */
@@ -399,11 +439,16 @@ static void encode_q4(uint32_t dtype, uint32_t d, uint32_t g, const void *src, u
     for (uint32_t gi = 0; gi < groups; gi++) {
         load_slice(dtype, src, gi * g, g, x);
         float lo = INFINITY, hi = -INFINITY;
-        for (uint32_t i = 0; i < g; i++)
-            if (isfinite(x[i])) {
-                lo = x[i] < lo ? x[i] : lo;
-                hi = x[i] > hi ? x[i] : hi;
-            }
+#ifdef KVH_CODEC_X86_VECTOR
+        if (have_vector_paths())
+            minmax_finite_avx2(x, g, &lo, &hi);
+        else
+#endif
+            for (uint32_t i = 0; i < g; i++)
+                if (isfinite(x[i])) {
+                    lo = x[i] < lo ? x[i] : lo;
+                    hi = x[i] > hi ? x[i] : hi;
+                }
         if (lo > hi) /* no finite element */
             lo = hi = 0.0f;
         /* hi - lo may exceed FLT_MAX; the scale (a 15th of it) does not */

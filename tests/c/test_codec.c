@@ -545,6 +545,33 @@ static void test_q4_matches_the_format(void **state)
             }
 }
 
+/* A group whose least (or greatest) element is a zero of either sign,
+ * in either order: the stored minimum keeps the first zero's sign, as the
+ * format's reference. */
+static void test_q4_zero_extremes(void **state)
+{
+    (void)state;
+    enum { D = 64 };
+    for (int k = 0; k < 4; k++) {
+        float x[D];
+        for (int i = 0; i < D; i++)
+            x[i] = k < 2 ? 0.25f * (float)(i + 1) : -0.25f * (float)(i + 1); /* all above or all below zero */
+        x[5] = k % 2 ? 0.0f : -0.0f;
+        x[9] = k % 2 ? -0.0f : 0.0f;
+        x[40] = k % 2 ? -0.0f : 0.0f; /* the second group too */
+        x[41] = k % 2 ? 0.0f : -0.0f;
+        for (size_t ci = 1; ci < 3; ci++) {
+            uint32_t g = group_of(codecs[ci], D);
+            size_t rb = (size_t)(D / g) * 8 + D / 2;
+            uint8_t enc[(D / 32) * 8 + D / 2], want[(D / 32) * 8 + D / 2];
+            assert_ok(kvh_codec_encode(codecs[ci], KVH_DTYPE_F32, D, x, 1, enc));
+            q4_reference(x, D, g, want);
+            if (memcmp(enc, want, rb) != 0)
+                fail_msg("q4 record with zero extremes differs: case %d codec %u", k, codecs[ci]);
+        }
+    }
+}
+
 /* Decoded values exactly halfway between two bf16 (or f16) values round
  * to even, on every path: records built so that code * scale is such a
  * tie, with an even and an odd neighbour below. */
@@ -584,6 +611,7 @@ int main(void)
         cmocka_unit_test_teardown(test_int8_matches_the_format, tu_teardown),
         cmocka_unit_test_teardown(test_int8_decode_rounds_ties_to_even, tu_teardown),
         cmocka_unit_test_teardown(test_q4_matches_the_format, tu_teardown),
+        cmocka_unit_test_teardown(test_q4_zero_extremes, tu_teardown),
         cmocka_unit_test_teardown(test_engine_host_holds_more, tu_teardown),
         cmocka_unit_test_teardown(test_engine_demote_promote, tu_teardown),
         cmocka_unit_test_teardown(test_engine_write_into_host, tu_teardown),
