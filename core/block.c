@@ -61,6 +61,12 @@ kvhi_agent *kvhi_agent_get(kvh_engine *e, uint32_t id, bool create)
     return a;
 }
 
+kvhi_agent *kvhi_agent_at_quota(kvh_engine *e, uint32_t id)
+{
+    kvhi_agent *a = e->n_agents ? kvhi_agent_get(e, id, false) : NULL;
+    return a && a->quota_blocks && a->device_blocks >= a->quota_blocks ? a : NULL;
+}
+
 static void heaps_remove(kvh_engine *e, uint32_t b)
 {
     kvhi_block *blk = kvhi_blk(e, b);

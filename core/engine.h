@@ -332,6 +332,9 @@ void kvhi_hints_free(kvh_engine *e);
  * hints (the access path calls it while any hint is recorded). */
 void kvhi_hints_advance(kvh_engine *e);
 kvhi_agent *kvhi_agent_get(kvh_engine *e, uint32_t id, bool create);
+/* The agent, if it has a device quota and is at it (its blocks then make
+ * room for its own in the device tier); else NULL. */
+kvhi_agent *kvhi_agent_at_quota(kvh_engine *e, uint32_t id);
 
 /* ---- tiers and eviction (evict.c) ---- */
 /* Gets a free slot in tier t, evicting by policy. The lock may be dropped

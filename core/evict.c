@@ -103,12 +103,10 @@ static kvh_status swap_up(kvh_engine *e, uint32_t b, uint32_t tier)
 {
     kvhi_block *bb = &e->blocks[b];
     kvhi_lruk_heap *heap = &e->tiers[tier].heap;
-    if (tier == KVH_TIER_DEVICE && e->n_agents) {
-        /* An agent at its quota trades places with one of its own blocks. */
-        kvhi_agent *a = kvhi_agent_get(e, bb->agent, false);
-        if (a && a->quota_blocks && a->device_blocks >= a->quota_blocks)
-            heap = &a->heap;
-    }
+    /* An agent at its quota trades places with one of its own blocks. */
+    kvhi_agent *a = tier == KVH_TIER_DEVICE ? kvhi_agent_at_quota(e, bb->agent) : NULL;
+    if (a)
+        heap = &a->heap;
     uint32_t v = kvhi_lruk_top_current(heap, kvhi_block_current_key, e);
     if (v == KVHI_HEAP_NONE || v == b || bb->tier == KVH_TIER_DISK)
         return kvhi_fail(KVH_ERR_NOSPACE, "no block in the target tier can make room");
@@ -199,12 +197,7 @@ kvh_status kvhi_reserve_slot(kvh_engine *e, uint32_t tier, uint32_t for_agent, u
     if (!t->present)
         return kvhi_fail(KVH_ERR_NOSPACE, "tier %u is not configured", tier);
     for (int attempt = 0; attempt < 1000000; attempt++) {
-        kvhi_agent *qa = NULL;
-        if (tier == KVH_TIER_DEVICE && e->n_agents) {
-            kvhi_agent *a = kvhi_agent_get(e, for_agent, false);
-            if (a && a->quota_blocks && a->device_blocks >= a->quota_blocks)
-                qa = a;
-        }
+        kvhi_agent *qa = tier == KVH_TIER_DEVICE ? kvhi_agent_at_quota(e, for_agent) : NULL;
         if (!qa && kvhi_slot_pool_alloc(&t->slots, slot) == 0)
             return KVH_OK;
         /* Clean model weights kept in host memory go first: they can be

@@ -160,8 +160,8 @@ static bool prefetch_has_room(kvh_engine *e, uint32_t b)
     kvhi_lruk_heap *heap = &dev->heap;
     /* An agent at its device quota makes room among its own blocks
      * (kvhi_reserve_slot), free slots or not. */
-    kvhi_agent *a = e->n_agents ? kvhi_agent_get(e, e->blocks[b].agent, false) : NULL;
-    if (a && a->quota_blocks && a->device_blocks >= a->quota_blocks)
+    kvhi_agent *a = kvhi_agent_at_quota(e, e->blocks[b].agent);
+    if (a)
         heap = &a->heap;
     else if (dev->slots.free_count > 0)
         return true;
@@ -172,6 +172,16 @@ static bool prefetch_has_room(kvh_engine *e, uint32_t b)
      * by recency: two blocks hinted alike would otherwise displace each
      * other in turn. */
     return kvhi_block_current_key(e, v).primary < kvhi_block_current_key(e, b).primary;
+}
+
+/* A prefetch to the device tier that would find no room it may take: it
+ * is skipped (and counted). */
+static bool prefetch_declined(kvh_engine *e, const kvhi_job *j)
+{
+    if (!j->is_prefetch || j->target_tier != KVH_TIER_DEVICE || prefetch_has_room(e, j->block))
+        return false;
+    e->stats.prefetch_skipped++;
+    return true;
 }
 
 /* Runs one move with the lock held (dropped during the copy). */
@@ -196,9 +206,7 @@ static kvh_status run_job(kvh_engine *e, const kvhi_job *j)
             st = KVH_OK; /* held blocks never move down */
         else if (blk->pins)
             st = j->is_prefetch ? KVH_OK : kvhi_fail(KVH_ERR_BUSY, "block is pinned in another tier");
-        else if (j->is_prefetch && j->target_tier == KVH_TIER_DEVICE && !prefetch_has_room(e, j->block))
-            e->stats.prefetch_skipped++;
-        else {
+        else if (!prefetch_declined(e, j)) {
             st = kvhi_move_block(e, j->block, j->target_tier, blk->agent);
             moved = st == KVH_OK && blk->gen == j->block_gen && (blk->flags & KVHI_BF_LIVE);
         }
@@ -263,8 +271,7 @@ static void run_batch(kvh_engine *e, kvhi_job first)
                 kvhi_fence_done(e, jobs[i].fence, KVH_ERR_NOMEM);
             continue;
         }
-        if (jobs[i].is_prefetch && jobs[i].target_tier == KVH_TIER_DEVICE && !prefetch_has_room(e, jobs[i].block)) {
-            e->stats.prefetch_skipped++;
+        if (prefetch_declined(e, &jobs[i])) {
             e->blocks[jobs[i].block].flags &= (uint16_t)~KVHI_BF_PREFETCHING;
             kvhi_fence_done(e, jobs[i].fence, KVH_OK);
             continue;
