@@ -144,7 +144,7 @@ typedef struct sim {
     uint32_t *pos;
     heap dev, host;
     uint32_t *scratch; /* lctru: blocks popped while looking for a victim */
-    uint8_t *hinted;   /* lru-k+hints: priorities it holds (0, 1 or 2) */
+    uint8_t *hinted;   /* lru-k+hints: a hint names it (hint_prio, hint_next) */
     uint8_t *fresh;    /* hinted since its last redemption */
     /* Lapse of hints, as core/hints.c: epochs of max(64, D + H) ticks of
      * the access clock; a hint not renewed since the epoch before the
@@ -154,7 +154,7 @@ typedef struct sim {
     size_t ring_head, ring_n, ring_cap;
     uint32_t epoch;
     uint64_t epoch_end, clock;
-    int32_t *hint_prio, *hint_prio2;
+    int32_t *hint_prio, *hint_next; /* hint_next INT32_MIN: none */
     sim_result *r;
 } sim;
 
@@ -309,16 +309,13 @@ static void hint_block(sim *s, uint32_t b, int32_t priority)
     s->fresh[b] = 1;
     if (!s->hinted[b]) {
         s->hint_prio[b] = priority;
+        s->hint_next[b] = INT32_MIN;
         s->hinted[b] = 1;
-    } else if (priority != s->hint_prio[b] && !(s->hinted[b] == 2 && priority == s->hint_prio2[b])) {
-        if (priority > s->hint_prio[b]) {
-            s->hint_prio2[b] = s->hint_prio[b];
-            s->hint_prio[b] = priority;
-            s->hinted[b] = 2;
-        } else if (s->hinted[b] == 1 || priority > s->hint_prio2[b]) {
-            s->hint_prio2[b] = priority;
-            s->hinted[b] = 2;
-        }
+    } else if (priority > s->hint_prio[b]) {
+        s->hint_next[b] = s->hint_prio[b];
+        s->hint_prio[b] = priority;
+    } else if (priority < s->hint_prio[b] && priority > s->hint_next[b]) {
+        s->hint_next[b] = priority;
     }
     rekey(s, b);
     if (where == IN_DEVICE)
@@ -360,9 +357,9 @@ static void access_block(sim *s, uint32_t b, uint64_t now)
         /* the first access after a hint redeems it: the next one, if any,
          * takes over */
         s->fresh[b] = 0;
-        if (s->hinted[b] == 2)
-            s->hint_prio[b] = s->hint_prio2[b];
-        s->hinted[b]--;
+        s->hinted[b] = s->hint_next[b] != INT32_MIN;
+        s->hint_prio[b] = s->hint_next[b];
+        s->hint_next[b] = INT32_MIN;
         rekey(s, b);
     }
     s->clock = now;
@@ -407,6 +404,15 @@ static void access_block(sim *s, uint32_t b, uint64_t now)
     heap_push(&s->dev, b, key_of(s, b));
 }
 
+void sim_hits_by_fetches(sim_result *r)
+{
+    uint64_t reused = r->accesses - r->first_accesses;
+    r->hits_device = reused > r->up_dh ? reused - r->up_dh : 0;
+    uint64_t mem = reused > r->up_sh ? reused - r->up_sh : 0;
+    r->hits_host = mem > r->hits_device ? mem - r->hits_device : 0;
+    r->misses = r->accesses - r->hits_device - r->hits_host;
+}
+
 int sim_run(const trace *t, sim_policy p, const sim_config *c, sim_result *out)
 {
     memset(out, 0, sizeof(*out));
@@ -430,9 +436,9 @@ int sim_run(const trace *t, sim_policy p, const sim_config *c, sim_result *out)
     s.fresh = calloc(nb, 1);
     s.hint_epoch_of = calloc(nb, sizeof(*s.hint_epoch_of));
     s.hint_prio = calloc(nb, sizeof(*s.hint_prio));
-    s.hint_prio2 = calloc(nb, sizeof(*s.hint_prio2));
+    s.hint_next = calloc(nb, sizeof(*s.hint_next));
     int rc = -1;
-    if (!s.where || !s.hist || !s.pos || !s.scratch || !s.hinted || !s.fresh || !s.hint_prio ||
+    if (!s.where || !s.hist || !s.pos || !s.scratch || !s.hinted || !s.fresh || !s.hint_prio || !s.hint_next ||
         !s.hint_epoch_of)
         goto out;
     memset(s.pos, 0xff, nb * sizeof(*s.pos));
@@ -447,14 +453,8 @@ int sim_run(const trace *t, sim_policy p, const sim_config *c, sim_result *out)
                 apply_hint(&s, &t->hints[h]);
         access_block(&s, t->acc[i].block, (uint64_t)i + 1);
     }
-    if (p == SIM_LRU_K_HINTS && s.cfg.hint_promote) {
-        /* Hits by fetches (policy_sim.h), floored at 0. */
-        uint64_t reused = out->accesses - out->first_accesses;
-        out->hits_device = reused > out->up_dh ? reused - out->up_dh : 0;
-        uint64_t mem = reused > out->up_sh ? reused - out->up_sh : 0;
-        out->hits_host = mem > out->hits_device ? mem - out->hits_device : 0;
-        out->misses = out->accesses - out->hits_device - out->hits_host;
-    }
+    if (p == SIM_LRU_K_HINTS && s.cfg.hint_promote)
+        sim_hits_by_fetches(out);
     rc = 0;
 out:
     heap_free(&s.dev);
@@ -468,7 +468,7 @@ out:
     free(s.hint_epoch_of);
     free(s.ring);
     free(s.hint_prio);
-    free(s.hint_prio2);
+    free(s.hint_next);
     return rc;
 }
 

@@ -90,6 +90,10 @@ typedef struct sim_result {
     uint64_t up_dh, down_dh, up_sh, down_sh;
 } sim_result;
 
+/* Recounts r's hits by fetches (see above; floored at 0): hits_device =
+ * accesses - first accesses - up_dh, memory hits likewise with up_sh. */
+void sim_hits_by_fetches(sim_result *r);
+
 /* Replays t through policy p. Returns 0, or -1 when out of memory. */
 int sim_run(const trace *t, sim_policy p, const sim_config *c, sim_result *out);
 

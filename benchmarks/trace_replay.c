@@ -164,16 +164,8 @@ int trace_replay(const trace *t, const replay_config *c, replay_result *out)
     r->down_dh = after.blocks_device_to_host;
     r->up_sh = after.blocks_disk_to_host;
     r->down_sh = after.blocks_host_to_disk;
-    if (c->hints == 2) {
-        /* A prefetched block is found where the hint put it: hits by
-         * fetches instead (policy_sim.h), floored at 0 where prefetches
-         * brought up more blocks than there were accesses. */
-        uint64_t reused = r->accesses - r->first_accesses;
-        r->hits_device = reused > r->up_dh ? reused - r->up_dh : 0;
-        uint64_t mem = reused > r->up_sh ? reused - r->up_sh : 0;
-        r->hits_host = mem > r->hits_device ? mem - r->hits_device : 0;
-        r->misses = r->accesses - r->hits_device - r->hits_host;
-    }
+    if (c->hints == 2)
+        sim_hits_by_fetches(r); /* a prefetched block is found where the hint put it */
     rc = 0;
 out:
     if (e) {
