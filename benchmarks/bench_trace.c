@@ -31,7 +31,7 @@
  * the generated traces (ratio >= 0.9, device and memory), and no
  * thrashing on the adversarial trace: transfers_per_access <= 2 (on
  * average at most one block in and one out per access; the worst case is
- * 4), for both engine rows. */
+ * 4), for every engine row. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -247,8 +247,9 @@ int bench_trace(int argc, char **argv, const bench_ctx *ctx)
     };
     int prc = bench_parse(argc, argv, opts, SCEN,
                           "Replays generated and recorded block-access traces through lru, lru-k,\n"
-                          "lru-k-hyst, lctru, lru-k+hints (simulated), the engine itself, with and\n"
-                          "without the traces' prefetch hints (kvh-engine+hints, kvh-engine) and\n"
+                          "lru-k-hyst, lctru, lru-k+hints, lru-k+prefetch (simulated), the engine\n"
+                          "itself without the traces' hints, with them as advice and as prefetches\n"
+                          "(kvh-engine, kvh-engine+hints, kvh-engine+prefetch) and\n"
                           "Belady's MIN (exact, the optimum); reports hit rates per tier, block\n"
                           "copies, and each policy's ratio to MIN.");
     if (prc)
