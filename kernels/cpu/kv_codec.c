@@ -69,6 +69,28 @@ enum { SLICE = 256 };
 
 static inline int quantise(float x, double offset, double inv, int lo, int hi, int nan_code);
 
+/* The largest finite |x[i]|, from amax up (int8's scale). */
+static float amax_finite_scalar(const float *x, uint32_t n, float amax)
+{
+    for (uint32_t i = 0; i < n; i++) {
+        float a = fabsf(x[i]);
+        if (isfinite(a) && a > amax)
+            amax = a;
+    }
+    return amax;
+}
+
+/* The least and greatest finite x[i], from *lo and *hi on (q4's range; a
+ * zero extreme keeps the first zero met). */
+static void minmax_finite_scalar(const float *x, uint32_t n, float *lo, float *hi)
+{
+    for (uint32_t i = 0; i < n; i++)
+        if (isfinite(x[i])) {
+            *lo = x[i] < *lo ? x[i] : *lo;
+            *hi = x[i] > *hi ? x[i] : *hi;
+        }
+}
+
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 #define KVH_CODEC_X86_VECTOR 1
@@ -187,16 +209,9 @@ __attribute__((target("avx2"))) static float amax_finite_avx2(const float *x, ui
         /* below infinity: false for inf and NaN, which then count as 0 */
         m = _mm256_max_ps(m, _mm256_and_ps(a, _mm256_cmp_ps(a, inf, _CMP_LT_OQ)));
     }
-    float lanes[8], amax = 0.0f;
+    float lanes[8];
     _mm256_storeu_ps(lanes, m);
-    for (int k = 0; k < 8; k++)
-        amax = lanes[k] > amax ? lanes[k] : amax;
-    for (; i < n; i++) {
-        float a = fabsf(x[i]);
-        if (isfinite(a) && a > amax)
-            amax = a;
-    }
-    return amax;
+    return amax_finite_scalar(x + i, n - i, amax_finite_scalar(lanes, 8, 0.0f));
 }
 
 /* The least and greatest finite element (lo > hi when there is none), as
@@ -223,11 +238,7 @@ __attribute__((target("avx2"))) static void minmax_finite_avx2(const float *x, u
         lo = l[k] < lo ? l[k] : lo;
         hi = h[k] > hi ? h[k] : hi;
     }
-    for (; i < n; i++)
-        if (isfinite(x[i])) {
-            lo = x[i] < lo ? x[i] : lo;
-            hi = x[i] > hi ? x[i] : hi;
-        }
+    minmax_finite_scalar(x + i, n - i, &lo, &hi);
     if (lo == 0.0f || hi == 0.0f)
         for (uint32_t j = 0; j < n; j++)
             if (x[j] == 0.0f) {
@@ -367,13 +378,7 @@ static float amax_finite(const float *x, uint32_t n)
     if (have_vector_paths())
         return amax_finite_avx2(x, n);
 #endif
-    float amax = 0.0f;
-    for (uint32_t i = 0; i < n; i++) {
-        float a = fabsf(x[i]);
-        if (isfinite(a) && a > amax)
-            amax = a;
-    }
-    return amax;
+    return amax_finite_scalar(x, n, 0.0f);
 }
 
 static void encode_int8(uint32_t dtype, uint32_t d, const void *src, uint8_t *rec)
@@ -444,11 +449,7 @@ static void encode_q4(uint32_t dtype, uint32_t d, uint32_t g, const void *src, u
             minmax_finite_avx2(x, g, &lo, &hi);
         else
 #endif
-            for (uint32_t i = 0; i < g; i++)
-                if (isfinite(x[i])) {
-                    lo = x[i] < lo ? x[i] : lo;
-                    hi = x[i] > hi ? x[i] : hi;
-                }
+            minmax_finite_scalar(x, g, &lo, &hi);
         if (lo > hi) /* no finite element */
             lo = hi = 0.0f;
         /* hi - lo may exceed FLT_MAX; the scale (a 15th of it) does not */
