@@ -176,17 +176,7 @@ kvh_status kvh_seq_pin(kvh_engine *e, kvh_seq seq, uint64_t first, uint64_t n, i
     kvh_status st = kvhi_api_enter_seq(e, seq, &s);
     if (st != KVH_OK)
         return st;
-    uint32_t b0 = 0, b1 = 0;
-    st = kvhi_seq_block_range(e, s, first, n, &b0, &b1);
-    if (st == KVH_OK && !pinned)
-        for (uint32_t i = b0; i < b1; i++)
-            if (e->blocks[s->blocks[i]].pins == 0) {
-                st = kvhi_fail(KVH_ERR_INVALID_ARG, "block %u of the sequence is not pinned", i);
-                break;
-            }
-    if (st == KVH_OK)
-        for (uint32_t i = b0; i < b1; i++)
-            kvhi_block_pin(e, s->blocks[i], pinned != 0);
+    st = kvhi_seq_pin(e, s, first, n, pinned != 0);
     kvhi_leave(e);
     return st;
 }

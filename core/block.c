@@ -1,5 +1,6 @@
 /* Block metadata: lifetime, references, recency, publication. All
  * functions here run with the engine lock held. */
+#include <assert.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -396,6 +397,11 @@ bool kvhi_block_cell_written(kvh_engine *e, uint32_t b, uint32_t layer, uint32_t
 kvh_status kvhi_block_forget_tokens(kvh_engine *e, uint32_t b, uint32_t keep)
 {
     kvhi_block *blk = kvhi_blk(e, b);
+    /* Its disk data, if any, describes the old tokens (hash and count in
+     * the slot header): the caller brings it to memory first. */
+    assert(blk->tier != KVH_TIER_DISK && !(blk->flags & (KVHI_BF_BUSY | KVHI_BF_PUBLISHED)));
+    if (blk->flags & KVHI_BF_DISK_COPY)
+        kvhi_disk_forget(e, b);
     uint64_t words = bitmap_words(e);
     if (blk->flags & KVHI_BF_KV_COMPLETE) {
         /* Every cell was written: mark exactly the kept ones (no bits past
@@ -417,7 +423,7 @@ kvh_status kvhi_block_forget_tokens(kvh_engine *e, uint32_t b, uint32_t keep)
             }
     }
     blk->n_tokens = (uint16_t)keep;
-    blk->flags &= (uint16_t)~KVHI_BF_HASHED;
+    blk->flags &= (uint16_t)~(KVHI_BF_HASHED | KVHI_BF_DISK_HASHED);
     blk->hash = 0;
     return KVH_OK;
 }

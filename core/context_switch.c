@@ -68,7 +68,7 @@ static uint64_t move_context_kv(kvh_engine *e, kvhi_context *x, uint32_t tier)
                                                   : b->tier == KVH_TIER_DEVICE && !b->holds;
             if (!wanted || b->pins)
                 continue;
-            if (kvhi_enqueue(e, s->blocks[j], tier, tier == KVH_TIER_DEVICE ? 1 : 0, false, fidx) == KVH_OK)
+            if (kvhi_enqueue(e, s->blocks[j], tier, tier == KVH_TIER_DEVICE ? 1 : 0, KVHI_JOB_MOVE, fidx) == KVH_OK)
                 queued++;
             /* An inline move may drop the lock: the sequence may be gone. */
             s = kvhi_handles_get(&e->seqs, x->seqs[i], NULL);

@@ -125,6 +125,9 @@ static kvh_status validate(const kvh_config *c)
     CHECK((c->disk_flags & ~(uint32_t)(KVH_DISK_RESET_ON_MISMATCH | KVH_DISK_BUFFERED)) == 0,
           "unknown disk_flags 0x%x", c->disk_flags);
     CHECK(!c->disk_bytes || (c->disk_path && c->disk_path[0]), "disk_bytes is set but disk_path is empty");
+    /* A path without a budget used to open without a disk tier, found
+     * only when persist failed later. */
+    CHECK(!(c->disk_path && c->disk_path[0]) || c->disk_bytes, "disk_path is set but disk_bytes is 0");
     CHECK(c->vmap <= 1, "vmap %u is not 0 or 1", c->vmap);
     CHECK(c->copy_moves <= 1, "copy_moves %u is not 0 or 1", c->copy_moves);
     CHECK(c->eviction_policy <= KVH_EVICT_LCTRU, "unknown eviction_policy %u", c->eviction_policy);

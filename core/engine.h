@@ -122,6 +122,8 @@ typedef struct kvhi_seq {
     uint32_t cap_blocks;
     uint32_t *blocks; /* logical block -> block index */
     uint32_t *held;   /* acquire holds this sequence has on each block */
+    uint32_t *pins;   /* pins this sequence took on each block: its own,
+                         dropped with the block (truncate, free) */
     uint64_t n_tokens;
 } kvhi_seq;
 
@@ -133,13 +135,22 @@ typedef struct kvhi_fence {
     char msg[192]; /* detail of the first failure, from the failing thread */
 } kvhi_fence;
 
+/* What a queued move is for, which decides what a block pinned since it
+ * was queued means. */
+typedef enum kvhi_job_kind {
+    KVHI_JOB_NEED,     /* acquire or a read: the block must arrive (pinned
+                          elsewhere: KVH_ERR_BUSY) */
+    KVHI_JOB_MOVE,     /* kvh_migrate, context switches: pinned is skipped */
+    KVHI_JOB_PREFETCH, /* a hint: anything it cannot do is skipped */
+} kvhi_job_kind;
+
 typedef struct kvhi_job {
     uint32_t block;
     uint32_t block_gen;
     uint32_t fence; /* fence handle index, or KVHI_NO_BLOCK */
     uint32_t fence_gen;
     uint8_t target_tier;
-    uint8_t is_prefetch;
+    uint8_t kind; /* kvhi_job_kind */
     int32_t priority;
     uint64_t order; /* FIFO among equal priorities */
 } kvhi_job;
@@ -354,7 +365,7 @@ kvh_status kvhi_workers_start(kvh_engine *e);
 void kvhi_workers_stop(kvh_engine *e);
 /* Queues b -> tier; fence_idx may be KVHI_NO_BLOCK. */
 kvh_status kvhi_enqueue(kvh_engine *e, uint32_t b, uint32_t tier,
-                        int32_t priority, bool prefetch, uint32_t fence_idx);
+                        int32_t priority, kvhi_job_kind kind, uint32_t fence_idx);
 kvh_status kvhi_fence_new(kvh_engine *e, uint32_t *idx, kvh_fence *handle);
 void kvhi_fence_done(kvh_engine *e, uint32_t fence_idx, kvh_status st);
 kvh_status kvhi_fence_wait_idx(kvh_engine *e, uint32_t idx,
@@ -388,6 +399,7 @@ kvh_status kvhi_seq_match_prefix(kvh_engine *e, kvhi_seq *s,
                                  size_t *matched);
 kvh_status kvhi_seq_acquire(kvh_engine *e, kvhi_seq *s, uint64_t first,
                             uint64_t n, kvh_fence *fence);
+kvh_status kvhi_seq_pin(kvh_engine *e, kvhi_seq *s, uint64_t first, uint64_t n, bool pin);
 kvh_status kvhi_seq_release(kvh_engine *e, kvhi_seq *s, uint64_t first,
                             uint64_t n);
 kvh_status kvhi_seq_hint(kvh_engine *e, kvhi_seq *s, uint64_t first, uint64_t n, int32_t priority);

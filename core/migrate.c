@@ -178,7 +178,7 @@ static bool prefetch_has_room(kvh_engine *e, uint32_t b)
  * is skipped (and counted). */
 static bool prefetch_declined(kvh_engine *e, const kvhi_job *j)
 {
-    if (!j->is_prefetch || j->target_tier != KVH_TIER_DEVICE || prefetch_has_room(e, j->block))
+    if (j->kind != KVHI_JOB_PREFETCH || j->target_tier != KVH_TIER_DEVICE || prefetch_has_room(e, j->block))
         return false;
     e->stats.prefetch_skipped++;
     return true;
@@ -205,13 +205,14 @@ static kvh_status run_job(kvh_engine *e, const kvhi_job *j)
         if (blk->holds && j->target_tier > blk->tier)
             st = KVH_OK; /* held blocks never move down */
         else if (blk->pins)
-            st = j->is_prefetch ? KVH_OK : kvhi_fail(KVH_ERR_BUSY, "block is pinned in another tier");
+            st = j->kind == KVHI_JOB_NEED ? kvhi_fail(KVH_ERR_BUSY, "block is pinned in another tier")
+                                          : KVH_OK; /* pinned since it was queued: skipped, as at queueing */
         else if (!prefetch_declined(e, j)) {
             st = kvhi_move_block(e, j->block, j->target_tier, blk->agent);
             moved = st == KVH_OK && blk->gen == j->block_gen && (blk->flags & KVHI_BF_LIVE);
         }
     }
-    if (j->is_prefetch) {
+    if (j->kind == KVHI_JOB_PREFETCH) {
         /* Only a promotion this hint made, and that no acquire has claimed
          * yet (acquire clears PREFETCHING), counts as prefetched. */
         if (moved && (blk->flags & KVHI_BF_PREFETCHING) && blk->tier == KVH_TIER_DEVICE)
@@ -281,9 +282,9 @@ static void run_batch(kvh_engine *e, kvhi_job first)
             idx[k++] = i;
             continue;
         }
-        if (jobs[i].is_prefetch)
+        if (jobs[i].kind == KVHI_JOB_PREFETCH)
             e->blocks[jobs[i].block].flags &= (uint16_t)~KVHI_BF_PREFETCHING;
-        kvhi_fence_done(e, jobs[i].fence, rc == 1 || jobs[i].is_prefetch ? KVH_OK : rc);
+        kvhi_fence_done(e, jobs[i].fence, rc == 1 || jobs[i].kind == KVHI_JOB_PREFETCH ? KVH_OK : rc);
     }
     e->jobs_running += k;
     e->copies_in_progress++;
@@ -296,7 +297,7 @@ static void run_batch(kvh_engine *e, kvhi_job first)
     for (uint32_t i = 0; i < k; i++) {
         kvhi_job *j = &jobs[idx[i]];
         kvh_status st = kvhi_move_end(e, &xs[i], NULL);
-        if (j->is_prefetch) {
+        if (j->kind == KVHI_JOB_PREFETCH) {
             kvhi_block *blk = &e->blocks[j->block];
             if (st == KVH_OK && blk->gen == j->block_gen && (blk->flags & KVHI_BF_PREFETCHING) &&
                 blk->tier == KVH_TIER_DEVICE)
@@ -310,14 +311,14 @@ static void run_batch(kvh_engine *e, kvhi_job first)
     free(xs);
 }
 
-kvh_status kvhi_enqueue(kvh_engine *e, uint32_t b, uint32_t tier, int32_t priority, bool prefetch,
+kvh_status kvhi_enqueue(kvh_engine *e, uint32_t b, uint32_t tier, int32_t priority, kvhi_job_kind kind,
                         uint32_t fence_idx)
 {
     kvhi_job j = {.block = b,
                   .block_gen = e->blocks[b].gen,
                   .fence = fence_idx,
                   .target_tier = (uint8_t)tier,
-                  .is_prefetch = prefetch,
+                  .kind = (uint8_t)kind,
                   .priority = priority};
     if (fence_idx != KVHI_NO_BLOCK)
         ((kvhi_fence *)kvhi_handles_at(&e->fences, fence_idx))->pending++;
@@ -413,7 +414,7 @@ void kvhi_workers_stop(kvh_engine *e)
     e->stop_workers = true;
     while (e->n_jobs) {
         kvhi_job j = job_pop(e);
-        if (j.is_prefetch && (e->blocks[j.block].flags & KVHI_BF_LIVE))
+        if (j.kind == KVHI_JOB_PREFETCH && (e->blocks[j.block].flags & KVHI_BF_LIVE))
             e->blocks[j.block].flags &= (uint16_t)~KVHI_BF_PREFETCHING;
         kvhi_fence_done(e, j.fence, KVH_ERR_CLOSED);
     }

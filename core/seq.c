@@ -30,7 +30,8 @@ void kvhi_seq_tables_free(kvhi_seq *s)
 {
     kvhi_huge_free(s->blocks, sizeof(uint32_t) * (size_t)s->cap_blocks);
     kvhi_huge_free(s->held, sizeof(uint32_t) * (size_t)s->cap_blocks);
-    s->blocks = s->held = NULL;
+    kvhi_huge_free(s->pins, sizeof(uint32_t) * (size_t)s->cap_blocks);
+    s->blocks = s->held = s->pins = NULL;
 }
 
 /* The block table is read at random, one entry per access: long ones get
@@ -46,18 +47,22 @@ static kvh_status ensure_cap(kvhi_seq *s, uint64_t want)
         ncap *= 2;
     uint32_t *b = kvhi_huge_alloc(sizeof(uint32_t) * (size_t)ncap);
     uint32_t *h = kvhi_huge_alloc(sizeof(uint32_t) * (size_t)ncap);
-    if (!b || !h) {
+    uint32_t *p = kvhi_huge_alloc(sizeof(uint32_t) * (size_t)ncap);
+    if (!b || !h || !p) {
         kvhi_huge_free(b, sizeof(uint32_t) * (size_t)ncap);
         kvhi_huge_free(h, sizeof(uint32_t) * (size_t)ncap);
+        kvhi_huge_free(p, sizeof(uint32_t) * (size_t)ncap);
         return kvhi_fail(KVH_ERR_NOMEM, "out of memory for a block table");
     }
     if (s->cap_blocks) {
         memcpy(b, s->blocks, sizeof(uint32_t) * s->cap_blocks);
         memcpy(h, s->held, sizeof(uint32_t) * s->cap_blocks);
+        memcpy(p, s->pins, sizeof(uint32_t) * s->cap_blocks);
     }
     kvhi_seq_tables_free(s);
     s->blocks = b;
     s->held = h;
+    s->pins = p;
     s->cap_blocks = ncap;
     return KVH_OK;
 }
@@ -75,13 +80,21 @@ kvh_status kvhi_seq_create(kvh_engine *e, uint32_t agent, kvh_seq *out)
     return KVH_OK;
 }
 
+/* Gives up logical block i: the holds and pins the sequence took on it,
+ * then its reference. */
+static void drop_block(kvh_engine *e, kvhi_seq *s, uint32_t i)
+{
+    for (; s->held[i]; s->held[i]--)
+        kvhi_block_unhold(e, s->blocks[i]);
+    for (; s->pins[i]; s->pins[i]--)
+        kvhi_block_pin(e, s->blocks[i], false);
+    kvhi_block_unref(e, s->blocks[i]);
+}
+
 void kvhi_seq_destroy(kvh_engine *e, kvhi_seq *s)
 {
-    for (uint32_t i = 0; i < s->n_blocks; i++) {
-        for (; s->held[i]; s->held[i]--)
-            kvhi_block_unhold(e, s->blocks[i]);
-        kvhi_block_unref(e, s->blocks[i]);
-    }
+    for (uint32_t i = 0; i < s->n_blocks; i++)
+        drop_block(e, s, i);
     kvhi_seq_tables_free(s);
     free(s);
 }
@@ -102,6 +115,7 @@ kvh_status kvhi_seq_fork(kvh_engine *e, kvhi_seq *s, uint32_t agent, kvh_seq *ou
     for (uint32_t i = 0; i < s->n_blocks; i++) {
         c->blocks[i] = s->blocks[i];
         c->held[i] = 0;
+        c->pins[i] = 0; /* pins stay the parent's */
         e->blocks[s->blocks[i]].refs++;
     }
     c->n_blocks = s->n_blocks;
@@ -142,6 +156,10 @@ static kvh_status make_private(kvh_engine *e, kvhi_seq *s, uint32_t i)
             kvhi_block_unhold(e, b);
             kvhi_block_hold(e, nb);
         }
+        for (uint32_t p = 0; p < s->pins[i]; p++) {
+            kvhi_block_pin(e, b, false);
+            kvhi_block_pin(e, nb, true);
+        }
         s->blocks[i] = nb;
         kvhi_block_unref(e, b); /* the sequence's own reference */
     }
@@ -177,6 +195,7 @@ kvh_status kvhi_seq_append(kvh_engine *e, kvhi_seq *s, const int32_t *tokens, si
         }
         s->blocks[first_new + i] = b;
         s->held[first_new + i] = 0;
+        s->pins[first_new + i] = 0;
     }
     uint32_t li = room ? s->n_blocks - 1 : s->n_blocks;
     s->n_blocks += (uint32_t)need;
@@ -365,16 +384,26 @@ kvh_status kvhi_seq_truncate(kvh_engine *e, kvhi_seq *s, uint64_t n_tokens)
     kvh_status st;
     /* The only fallible step (a copy of a shared partial block) goes first. */
     if (tail && e->blocks[s->blocks[keep_blocks - 1]].n_tokens > tail) {
-        if ((st = make_private(e, s, keep_blocks - 1)) != KVH_OK)
-            return st;
-        if ((st = kvhi_block_forget_tokens(e, s->blocks[keep_blocks - 1], tail)) != KVH_OK)
+        /* A disk slot's header names the block's hash and tokens: a block
+         * that forgets tokens is first brought to memory, or its next read
+         * from disk would fail that check. Both steps may drop the lock,
+         * so they repeat until the block is private, in memory and idle
+         * at once. */
+        uint32_t li = keep_blocks - 1;
+        for (;;) {
+            if ((st = make_private(e, s, li)) != KVH_OK)
+                return st;
+            kvhi_block *blk = &e->blocks[s->blocks[li]];
+            if (blk->tier != KVH_TIER_DISK && !(blk->flags & KVHI_BF_BUSY))
+                break;
+            if ((st = kvhi_block_ensure_memory(e, s->blocks[li])) != KVH_OK)
+                return st;
+        }
+        if ((st = kvhi_block_forget_tokens(e, s->blocks[li], tail)) != KVH_OK)
             return st;
     }
-    for (uint32_t i = keep_blocks; i < s->n_blocks; i++) {
-        for (; s->held[i]; s->held[i]--)
-            kvhi_block_unhold(e, s->blocks[i]);
-        kvhi_block_unref(e, s->blocks[i]);
-    }
+    for (uint32_t i = keep_blocks; i < s->n_blocks; i++)
+        drop_block(e, s, i);
     s->n_blocks = keep_blocks;
     s->n_tokens = n_tokens;
     return KVH_OK;
@@ -407,6 +436,7 @@ kvh_status kvhi_seq_match_prefix(kvh_engine *e, kvhi_seq *s, const int32_t *toke
         kvhi_block_touch(e, b); /* also re-keys it: referenced now */
         s->blocks[i] = b;
         s->held[i] = 0;
+        s->pins[i] = 0;
         parent = h;
     }
     size_t found = i;
@@ -424,7 +454,7 @@ kvh_status kvhi_seq_match_prefix(kvh_engine *e, kvhi_seq *s, const int32_t *toke
             uint32_t to = e->tiers[KVH_TIER_HOST].present ? KVH_TIER_HOST : KVH_TIER_DEVICE;
             for (size_t j = 0; j < found; j++)
                 if (e->blocks[s->blocks[j]].tier == KVH_TIER_DISK)
-                    kvhi_enqueue(e, s->blocks[j], to, INT32_MAX - 1, false, fidx);
+                    kvhi_enqueue(e, s->blocks[j], to, INT32_MAX - 1, KVHI_JOB_NEED, fidx);
             kvhi_fence_wait_idx(e, fidx, UINT64_MAX);
             kvhi_fence_drop(e, fidx);
         }
@@ -480,7 +510,7 @@ kvh_status kvhi_seq_acquire(kvh_engine *e, kvhi_seq *s, uint64_t first, uint64_t
         note_access(e, b);
         if (!resident) {
             waited = true;
-            kvhi_enqueue(e, b, KVH_TIER_DEVICE, INT32_MAX, false, fidx);
+            kvhi_enqueue(e, b, KVH_TIER_DEVICE, INT32_MAX, KVHI_JOB_NEED, fidx);
         }
     }
     if (fence) {
@@ -498,6 +528,29 @@ kvh_status kvhi_seq_acquire(kvh_engine *e, kvhi_seq *s, uint64_t first, uint64_t
         }
     }
     return st;
+}
+
+kvh_status kvhi_seq_pin(kvh_engine *e, kvhi_seq *s, uint64_t first, uint64_t n, bool pin)
+{
+    uint32_t b0 = 0, b1 = 0;
+    kvh_status st = kvhi_seq_block_range(e, s, first, n, &b0, &b1);
+    if (st != KVH_OK)
+        return st;
+    /* Checked first so that a refusal changes nothing. */
+    for (uint32_t i = b0; i < b1; i++) {
+        if (!pin && s->pins[i] == 0)
+            return kvhi_fail(KVH_ERR_INVALID_ARG, "block %u of the sequence is not pinned by it", i);
+        if (pin && (s->pins[i] == UINT32_MAX || e->blocks[s->blocks[i]].pins == UINT32_MAX))
+            return kvhi_fail(KVH_ERR_RANGE, "block %u of the sequence is pinned %u times already", i, UINT32_MAX);
+    }
+    for (uint32_t i = b0; i < b1; i++) {
+        if (pin)
+            s->pins[i]++;
+        else
+            s->pins[i]--;
+        kvhi_block_pin(e, s->blocks[i], pin);
+    }
+    return KVH_OK;
 }
 
 kvh_status kvhi_seq_release(kvh_engine *e, kvhi_seq *s, uint64_t first, uint64_t n)
@@ -541,7 +594,7 @@ kvh_status kvhi_prefetch(kvh_engine *e, kvhi_seq *s, uint64_t first, uint64_t n,
         }
         blk->flags |= KVHI_BF_PREFETCHING;
         e->stats.prefetch_issued++;
-        kvhi_enqueue(e, b, KVH_TIER_DEVICE, priority, true, fidx);
+        kvhi_enqueue(e, b, KVH_TIER_DEVICE, priority, KVHI_JOB_PREFETCH, fidx);
     }
     return KVH_OK;
 }
@@ -570,8 +623,8 @@ kvh_status kvhi_migrate_blocks(kvh_engine *e, const uint32_t *blocks, size_t n, 
         uint32_t gen = blk->gen;
         kvhi_block_wait_idle(e, blocks[0]);
         if (blk->gen != gen || !(blk->flags & KVHI_BF_LIVE) || (blk->flags & KVHI_BF_DEAD) || blk->tier == tier ||
-            (blk->holds && tier > blk->tier))
-            return KVH_OK; /* freed meanwhile, already there, or held above */
+            blk->pins || (blk->holds && tier > blk->tier))
+            return KVH_OK; /* freed meanwhile, already there, pinned since, or held above */
         return kvhi_move_block(e, blocks[0], tier, blk->agent);
     }
     uint32_t fidx;
@@ -581,7 +634,7 @@ kvh_status kvhi_migrate_blocks(kvh_engine *e, const uint32_t *blocks, size_t n, 
         return st;
     for (size_t i = 0; i < n; i++)
         if (!e->blocks[blocks[i]].pins)
-            kvhi_enqueue(e, blocks[i], tier, 0, false, fidx);
+            kvhi_enqueue(e, blocks[i], tier, 0, KVHI_JOB_MOVE, fidx);
     if (fence) {
         *fence = fh;
         return KVH_OK;

@@ -156,6 +156,7 @@ typedef struct kvh_config {
     /* Tier budgets in bytes; rounded down to whole blocks. */
     uint64_t device_bytes; /* default 256 MiB */
     uint64_t host_bytes;   /* default 1 GiB */
+    /* Both or neither: one without the other is KVH_ERR_INVALID_ARG. */
     uint64_t disk_bytes;   /* default 0: no disk tier */
     const char *disk_path; /* [borrowed] during open; NULL: no disk tier */
     uint64_t model_salt;   /* namespace of prefix hashes (model identity) */
@@ -391,7 +392,11 @@ KVH_API kvh_status kvh_seq_release(kvh_engine *engine, kvh_seq seq,
 
 /* Pins (pinned != 0) or unpins the blocks holding tokens [first, first+n)
  * in the tier where they are: pinned blocks never leave their tier. Pins
- * nest. @threads handle */
+ * nest. A pin taken through a sequence is the sequence's: unpinning
+ * drops only its own pins (KVH_ERR_INVALID_ARG for a block it has not
+ * pinned, changing nothing), and truncate and kvh_seq_free drop the pins
+ * of the blocks the sequence gives up. A block it copies on write keeps
+ * them on the copy; a fork starts without pins. @threads handle */
 KVH_API kvh_status kvh_seq_pin(kvh_engine *engine, kvh_seq seq,
                                uint64_t first, uint64_t n, int32_t pinned);
 
@@ -457,7 +462,8 @@ KVH_API kvh_status kvh_block_pin(kvh_engine *engine, kvh_block block,
 
 /* Moves blocks to tier asynchronously (evicting by policy to make room).
  * [borrowed] blocks (n). fence as in kvh_seq_acquire. Pinned blocks are
- * skipped. @threads any */
+ * skipped, also those pinned after the call while their move waits in
+ * the queue. @threads any */
 KVH_API kvh_status kvh_migrate(kvh_engine *engine, const kvh_block *blocks,
                                size_t n, uint32_t tier, kvh_fence *fence);
 
