@@ -214,10 +214,9 @@ kvh_status kvh_prefix_lookup(kvh_engine *e, const int32_t *tokens, size_t n, kvh
             kvhi_block_update_evictable(e, b);
         kvhi_block_touch(e, b);
         out[i].id = kvh_block_handle(e, b);
+        kvhi_count_prefix_hit(e, e->blocks[b].tier);
         parent = h;
     }
-    e->stats.prefix_hit_blocks += i;
-    e->stats.prefix_hit_tokens += (uint64_t)i * bt;
     kvhi_leave(e);
     *n_blocks = i;
     return KVH_OK;

@@ -530,6 +530,8 @@ void kvhi_disk_keep_as_copy(kvh_engine *e, uint32_t b, const kvhi_xfer *x)
     blk->data_crc = x->data_crc;
     blk->disk_copy = x->dst_slot;
     blk->flags |= KVHI_BF_DISK_COPY | KVHI_BF_DISK_HASHED;
+    e->stats.disk_copies_written++;
+    e->stats.bytes_disk_copies_written += e->disk->block_bytes;
     if (blk->flags & KVHI_BF_PUBLISHED)
         journal_add(e, b, x->dst_slot);
 }
@@ -672,6 +674,8 @@ static kvh_status write_copies(kvh_engine *e, const uint32_t *blocks, uint32_t n
             blk->data_crc = x->data_crc;
             blk->disk_copy = x->dst_slot;
             blk->flags |= KVHI_BF_DISK_COPY | KVHI_BF_DISK_HASHED;
+            e->stats.disk_copies_written++;
+            e->stats.bytes_disk_copies_written += e->disk->block_bytes;
             if (!journal_add(e, x->block, x->dst_slot) && st == KVH_OK)
                 st = kvhi_fail(KVH_ERR_NOMEM, "out of memory recording a block in the disk index");
         }
@@ -791,6 +795,8 @@ kvh_status kvhi_disk_persist(kvh_engine *e, kvhi_seq *s)
     }
     if (st == KVH_OK && !all_recorded)
         st = kvhi_fail(KVH_ERR_BUSY, "blocks of the sequence kept moving; not all of them were made durable");
+    if (st == KVH_OK)
+        e->stats.blocks_persisted += n_todo;
     if (st == KVH_OK) {
         /* Data first, then the records that point at it. */
         pthread_mutex_unlock(&e->lock);

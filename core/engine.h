@@ -399,6 +399,8 @@ kvh_status kvhi_seq_match_prefix(kvh_engine *e, kvhi_seq *s,
                                  size_t *matched);
 kvh_status kvhi_seq_acquire(kvh_engine *e, kvhi_seq *s, uint64_t first,
                             uint64_t n, kvh_fence *fence);
+/* Counts one block attached from the prefix index, found in tier_found. */
+void kvhi_count_prefix_hit(kvh_engine *e, uint32_t tier_found);
 kvh_status kvhi_seq_pin(kvh_engine *e, kvhi_seq *s, uint64_t first, uint64_t n, bool pin);
 kvh_status kvhi_seq_release(kvh_engine *e, kvhi_seq *s, uint64_t first,
                             uint64_t n);

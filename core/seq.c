@@ -251,6 +251,16 @@ static void note_access(kvh_engine *e, uint32_t b)
     kvhi_block_touch(e, b);
 }
 
+void kvhi_count_prefix_hit(kvh_engine *e, uint32_t tier_found)
+{
+    e->stats.prefix_hit_blocks++;
+    e->stats.prefix_hit_tokens += e->cfg.block_tokens;
+    if (tier_found == KVH_TIER_HOST)
+        e->stats.prefix_hit_blocks_host++;
+    else if (tier_found == KVH_TIER_DISK)
+        e->stats.prefix_hit_blocks_disk++;
+}
+
 /* Copies cnt tokens at offset off of one layer between b and user arrays
  * shaped [token][kv_head][head_dim]. to_block selects the direction. */
 static int kv_copy(kvh_engine *e, uint32_t b, uint32_t layer, uint32_t off, uint32_t cnt, void *uk, void *uv,
@@ -445,6 +455,16 @@ kvh_status kvhi_seq_match_prefix(kvh_engine *e, kvhi_seq *s, const int32_t *toke
     bool on_disk = false;
     for (size_t j = 0; j < found; j++)
         on_disk |= e->blocks[s->blocks[j]].tier == KVH_TIER_DISK;
+    /* Where each block was found, for the counters (the reads below move
+     * those on disk). */
+    uint8_t *found_in = malloc(found ? found : 1);
+    if (!found_in) {
+        for (size_t j = 0; j < found; j++)
+            kvhi_block_unref(e, s->blocks[j]);
+        return kvhi_fail(KVH_ERR_NOMEM, "out of memory matching a prefix");
+    }
+    for (size_t j = 0; j < found; j++)
+        found_in[j] = e->blocks[s->blocks[j]].tier;
     if (on_disk) {
         /* Held so that nothing of the chain is pushed down meanwhile. */
         for (size_t j = 0; j < found; j++)
@@ -472,8 +492,9 @@ kvh_status kvhi_seq_match_prefix(kvh_engine *e, kvhi_seq *s, const int32_t *toke
         kvhi_block_unref(e, s->blocks[j]);
     s->n_blocks = (uint32_t)i;
     s->n_tokens = (uint64_t)i * bt;
-    e->stats.prefix_hit_blocks += i;
-    e->stats.prefix_hit_tokens += (uint64_t)i * bt;
+    for (size_t j = 0; j < i; j++)
+        kvhi_count_prefix_hit(e, found_in[j]);
+    free(found_in);
     *matched = i * bt;
     return KVH_OK;
 }

@@ -153,6 +153,11 @@ typedef struct kvh_stats {
     uint64_t blocks_allocated;
     uint64_t blocks_freed;
     uint64_t blocks_moved_in_place;
+    uint64_t prefix_hit_blocks_host;
+    uint64_t prefix_hit_blocks_disk;
+    uint64_t blocks_persisted;
+    uint64_t disk_copies_written;
+    uint64_t bytes_disk_copies_written;
 } kvh_stats;
 kvh_status kvh_engine_stats(kvh_engine *engine, kvh_stats *stats);
 kvh_status kvh_agent_set_quota(kvh_engine *engine, uint32_t agent, uint64_t device_bytes);

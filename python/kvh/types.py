@@ -274,6 +274,16 @@ class Stats:
     blocks_freed: int = 0
     #: Device <-> host moves made without a copy (one arena).
     blocks_moved_in_place: int = 0
+    #: Of prefix_hit_blocks: found in the host tier, or only on disk (read
+    #: back and verified); the rest were in the device tier.
+    prefix_hit_blocks_host: int = 0
+    prefix_hit_blocks_disk: int = 0
+    #: Full blocks persist() made durable (written now or already on disk).
+    blocks_persisted: int = 0
+    #: Clean copies written to disk while the block stayed in its tier
+    #: (persist, background cleaning), and their bytes as stored.
+    disk_copies_written: int = 0
+    bytes_disk_copies_written: int = 0
     #: Counters of a newer library that this version of the package does not
     #: name yet (field name -> value).
     extra: Dict[str, int] = field(default_factory=dict, compare=False)

@@ -256,8 +256,16 @@ typedef struct kvh_tier_info {
 KVH_API kvh_status kvh_tier_info_get(kvh_engine *engine, uint32_t tier,
                                      kvh_tier_info *info);
 
-/* Monotonic counters. Lookups count block accesses by acquire/read/write;
- * a hit is counted in the tier where the block was found. */
+/* Monotonic counters. lookups counts block uses: each block of an
+ * acquire, a read_kv, or a write_kv over cells already written; filling
+ * cells for the first time is making the block, not a use, and counts
+ * none. Each lookup is a hit in the tier where the block was at that
+ * moment, so lookups == hits_device + hits_host + hits_disk. Blocks
+ * attached by kvh_seq_match_prefix / kvh_prefix_lookup are counted in
+ * prefix_hit_blocks, and by the tier they were found in there. The
+ * blocks_/bytes_ pairs count moves (the block changes tier); copies
+ * written to disk while the block stays where it is (persist, background
+ * cleaning) are disk_copies_written. */
 typedef struct kvh_stats {
     uint32_t struct_size;
     uint32_t reserved0;
@@ -293,6 +301,18 @@ typedef struct kvh_stats {
      * share one memory: kvh_config.copy_moves); not counted in the
      * blocks_/bytes_ fields above. */
     uint64_t blocks_moved_in_place;
+    /* Of prefix_hit_blocks, those found in the host tier and those found
+     * only on disk (read back and verified by the match); the rest were
+     * in the device tier. */
+    uint64_t prefix_hit_blocks_host;
+    uint64_t prefix_hit_blocks_disk;
+    /* Full blocks kvh_seq_persist made durable, whether it wrote them now
+     * or found them on disk already. */
+    uint64_t blocks_persisted;
+    /* Clean copies written to disk, the block staying in its tier, and
+     * their bytes (as stored: encoded under a kv_codec). */
+    uint64_t disk_copies_written;
+    uint64_t bytes_disk_copies_written;
 } kvh_stats;
 
 /* Copies the counters. [out] *stats (set stats->struct_size first; a

@@ -1012,12 +1012,17 @@ pub struct kvh_stats {
     pub blocks_allocated: u64,
     pub blocks_freed: u64,
     pub blocks_moved_in_place: u64,
+    pub prefix_hit_blocks_host: u64,
+    pub prefix_hit_blocks_disk: u64,
+    pub blocks_persisted: u64,
+    pub disk_copies_written: u64,
+    pub bytes_disk_copies_written: u64,
 }
 #[test]
 fn bindgen_test_layout_kvh_stats() {
     assert_eq!(
         ::std::mem::size_of::<kvh_stats>(),
-        232usize,
+        272usize,
         concat!("Size of: ", stringify!(kvh_stats))
     );
     assert_eq!(
@@ -1535,6 +1540,91 @@ fn bindgen_test_layout_kvh_stats() {
         );
     }
     test_field_blocks_moved_in_place();
+    fn test_field_prefix_hit_blocks_host() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_stats>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).prefix_hit_blocks_host) as usize - ptr as usize
+            },
+            232usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_stats),
+                "::",
+                stringify!(prefix_hit_blocks_host)
+            )
+        );
+    }
+    test_field_prefix_hit_blocks_host();
+    fn test_field_prefix_hit_blocks_disk() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_stats>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).prefix_hit_blocks_disk) as usize - ptr as usize
+            },
+            240usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_stats),
+                "::",
+                stringify!(prefix_hit_blocks_disk)
+            )
+        );
+    }
+    test_field_prefix_hit_blocks_disk();
+    fn test_field_blocks_persisted() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_stats>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).blocks_persisted) as usize - ptr as usize
+            },
+            248usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_stats),
+                "::",
+                stringify!(blocks_persisted)
+            )
+        );
+    }
+    test_field_blocks_persisted();
+    fn test_field_disk_copies_written() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_stats>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).disk_copies_written) as usize - ptr as usize
+            },
+            256usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_stats),
+                "::",
+                stringify!(disk_copies_written)
+            )
+        );
+    }
+    test_field_disk_copies_written();
+    fn test_field_bytes_disk_copies_written() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_stats>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).bytes_disk_copies_written) as usize - ptr as usize
+            },
+            264usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_stats),
+                "::",
+                stringify!(bytes_disk_copies_written)
+            )
+        );
+    }
+    test_field_bytes_disk_copies_written();
 }
 extern "C" {
     pub fn kvh_engine_stats(engine: *mut kvh_engine, stats: *mut kvh_stats) -> kvh_status;

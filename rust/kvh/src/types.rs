@@ -245,6 +245,18 @@ pub struct Stats {
     /// Device <-> host moves made without a copy (the tiers share one
     /// arena; see [`Config::copy_moves`](crate::Config::copy_moves)).
     pub blocks_moved_in_place: u64,
+    /// Of `prefix_hit_blocks`, those found in the host tier.
+    pub prefix_hit_blocks_host: u64,
+    /// Of `prefix_hit_blocks`, those found only on disk (read back and
+    /// verified by the match).
+    pub prefix_hit_blocks_disk: u64,
+    /// Full blocks `persist` made durable (written now or already on disk).
+    pub blocks_persisted: u64,
+    /// Clean copies written to disk while the block stayed in its tier
+    /// (persist, background cleaning).
+    pub disk_copies_written: u64,
+    /// Bytes of those copies, as stored (encoded under a codec).
+    pub bytes_disk_copies_written: u64,
 }
 
 impl Stats {
@@ -278,6 +290,11 @@ impl Stats {
             blocks_allocated: s.blocks_allocated,
             blocks_freed: s.blocks_freed,
             blocks_moved_in_place: s.blocks_moved_in_place,
+            prefix_hit_blocks_host: s.prefix_hit_blocks_host,
+            prefix_hit_blocks_disk: s.prefix_hit_blocks_disk,
+            blocks_persisted: s.blocks_persisted,
+            disk_copies_written: s.disk_copies_written,
+            bytes_disk_copies_written: s.bytes_disk_copies_written,
         }
     }
 
