@@ -100,8 +100,9 @@ static bool ok(agent *a, kvh_status st, const char *what)
         atomic_fetch_add(&W.nospace, 1);
         return true;
     }
-    /* another agent may have pinned a shared (prompt) block meanwhile */
-    if (st == KVH_ERR_BUSY && (!strcmp(what, "migrate") || !strcmp(what, "migrate fence") || !strcmp(what, "acquire")))
+    /* another agent may have pinned a shared (prompt) block in another
+     * tier meanwhile; a migrate skips such a block, an acquire cannot */
+    if (st == KVH_ERR_BUSY && !strcmp(what, "acquire"))
         return true;
     set_error("agent %d: %s returned %s: %s", a->id, what, kvh_status_name(st), kvh_last_error());
     return false;
@@ -193,7 +194,7 @@ static void *agent_main(void *arg)
         kvh_status st;
         kvh_fence f = {0};
         char msg[256] = "";
-        uint64_t op = dt_below(&a->r, 14);
+        uint64_t op = dt_below(&a->r, 15);
         if (a->n == 0 || (a->n < MAX_SEQS_PER_AGENT && op == 0)) {
             /* a new sequence: continue the shared prompt, or start fresh */
             aseq *q = &a->q[a->n];
@@ -333,6 +334,15 @@ static void *agent_main(void *arg)
             }
             break;
         }
+        case 12: /* cut anywhere, blocks on disk or shared included */
+            if (q->len) {
+                size_t to = dt_below(&a->r, q->len);
+                if (!ok(a, st = kvh_seq_truncate(e, q->s, to), "truncate"))
+                    goto out;
+                if (st == KVH_OK)
+                    q->len = to;
+            }
+            break;
         default:
             drop(a, i);
         }
