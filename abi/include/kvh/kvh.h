@@ -7,6 +7,11 @@
  *   - Every fallible call returns a kvh_status: KVH_OK (0) or a negative
  *     code from KVH_STATUS_LIST. Out-parameters are written only on success.
  *     kvh_last_error() then holds a thread-local message with detail.
+ *   - Status lists: each prototype's comment names every status the call
+ *     can return besides KVH_OK, except two that any call taking an engine
+ *     can return: KVH_ERR_INVALID_ARG for a NULL engine (where its comment
+ *     does not accept NULL) and KVH_ERR_CLOSED while kvh_engine_close runs.
+ *     "No other status" marks a call with nothing to add to those.
  *   - Ownership tags: [borrowed] the pointer is read (or written) during the
  *     call only; [out] written on success; [owned by engine] valid until the
  *     named release call.
@@ -214,20 +219,29 @@ KVH_API kvh_status kvh_config_init(kvh_config *config, size_t struct_size);
 /* ------------------------------------------------------------------ */
 
 /* Creates an engine. [borrowed] config; [out] *engine, owned by the caller
- * until kvh_engine_close. Returns KVH_ERR_INVALID_ARG (bad geometry or
- * budgets), KVH_ERR_STRUCT_SIZE, KVH_ERR_NOMEM, KVH_ERR_UNSUPPORTED (an
- * explicit CUDA backend that is not available). @threads any */
+ * until kvh_engine_close. Returns KVH_ERR_INVALID_ARG (NULL config or
+ * engine, bad geometry or budgets, disk_bytes without a disk_path or too
+ * small for one slot, an unknown KVH_VMAP_BACKING), KVH_ERR_STRUCT_SIZE,
+ * KVH_ERR_NOMEM, KVH_ERR_UNSUPPORTED (an explicit CUDA backend that is not
+ * available, or vmap where it cannot be had). With a disk tier also
+ * KVH_ERR_IO (disk_path cannot be created, opened, read or written),
+ * KVH_ERR_BUSY (another engine has the store open), KVH_ERR_MISMATCH (a
+ * store of another geometry or model_salt), KVH_ERR_CORRUPT (a damaged
+ * index), KVH_ERR_NOSPACE (no room for its slab files); see
+ * KVH_DISK_RESET_ON_MISMATCH. @threads any */
 KVH_API kvh_status kvh_engine_open(const kvh_config *config,
                                    kvh_engine **engine);
 
 /* Waits for migrations in flight, stops the workers and frees everything.
  * Every handle of the engine becomes invalid. NULL is accepted (KVH_OK).
- * Calls racing with close on other threads get KVH_ERR_CLOSED.
- * @threads handle (one close per engine) */
+ * Calls racing with close on other threads get KVH_ERR_CLOSED. Returns
+ * KVH_ERR_CLOSED when another close of it is under way, KVH_ERR_IO or
+ * KVH_ERR_NOMEM when the disk tier's index cannot be written (the engine
+ * is freed all the same). @threads handle (one close per engine) */
 KVH_API kvh_status kvh_engine_close(kvh_engine *engine);
 
-/* Bytes of one block for this engine's geometry. [out] *bytes.
- * @threads any */
+/* Bytes of one block for this engine's geometry. [out] *bytes. Returns
+ * KVH_ERR_INVALID_ARG (NULL bytes). @threads any */
 KVH_API kvh_status kvh_engine_block_bytes(const kvh_engine *engine,
                                           uint64_t *bytes);
 
@@ -251,7 +265,8 @@ typedef struct kvh_tier_info {
 } kvh_tier_info;
 
 /* Occupancy of one tier. [out] *info (set info->struct_size first).
- * Returns KVH_ERR_INVALID_ARG for an unknown tier. @threads any */
+ * Returns KVH_ERR_INVALID_ARG for a NULL info or an unknown tier,
+ * KVH_ERR_STRUCT_SIZE. @threads any */
 KVH_API kvh_status kvh_tier_info_get(kvh_engine *engine, uint32_t tier,
                                      kvh_tier_info *info);
 
@@ -295,12 +310,14 @@ typedef struct kvh_stats {
 } kvh_stats;
 
 /* Copies the counters. [out] *stats (set stats->struct_size first; a
- * smaller, older struct is filled up to its size). @threads any */
+ * smaller, older struct is filled up to its size). Returns
+ * KVH_ERR_INVALID_ARG (NULL stats), KVH_ERR_STRUCT_SIZE. @threads any */
 KVH_API kvh_status kvh_engine_stats(kvh_engine *engine, kvh_stats *stats);
 
 /* Per-agent device-tier quota in bytes (0 = unlimited, the default).
  * Blocks are charged to the agent of the sequence that allocated them;
- * an agent over its quota evicts its own blocks first. @threads any */
+ * an agent over its quota evicts its own blocks first. Returns
+ * KVH_ERR_NOMEM. @threads any */
 KVH_API kvh_status kvh_agent_set_quota(kvh_engine *engine, uint32_t agent,
                                        uint64_t device_bytes);
 
@@ -309,47 +326,62 @@ KVH_API kvh_status kvh_agent_set_quota(kvh_engine *engine, uint32_t agent,
 /* ------------------------------------------------------------------ */
 
 /* New empty sequence owned by agent (any id; 0 is fine). [out] *seq, valid
- * until kvh_seq_free. Returns KVH_ERR_NOMEM. @threads any */
+ * until kvh_seq_free. Returns KVH_ERR_INVALID_ARG (NULL seq),
+ * KVH_ERR_NOMEM. @threads any */
 KVH_API kvh_status kvh_seq_create(kvh_engine *engine, uint32_t agent,
                                   kvh_seq *seq);
 
 /* Releases the sequence's blocks (cached full blocks stay in the prefix
  * index until evicted). The null handle is accepted; a freed one is
- * KVH_ERR_BAD_HANDLE. @threads handle */
+ * KVH_ERR_BAD_HANDLE. No other status. @threads handle */
 KVH_API kvh_status kvh_seq_free(kvh_engine *engine, kvh_seq seq);
 
 /* Copy-on-write fork: the new sequence shares every block of seq; the
  * first write into a shared block copies it. agent owns new blocks of the
- * child. [out] *child. @threads handle (seq) */
+ * child. [out] *child. Returns KVH_ERR_INVALID_ARG (NULL child),
+ * KVH_ERR_BAD_HANDLE, KVH_ERR_NOMEM. @threads handle (seq) */
 KVH_API kvh_status kvh_seq_fork(kvh_engine *engine, kvh_seq seq,
                                 uint32_t agent, kvh_seq *child);
 
 /* Appends n token ids, allocating blocks in the fastest tier with room.
  * [borrowed] tokens. Returns KVH_ERR_NOSPACE when no tier has room (the
- * sequence is unchanged). @threads handle */
+ * sequence is unchanged; also when a shared last block cannot be copied
+ * first), KVH_ERR_INVALID_ARG (NULL tokens with n > 0), KVH_ERR_BAD_HANDLE,
+ * KVH_ERR_NOMEM, and KVH_ERR_IO or KVH_ERR_CORRUPT when a shared last block
+ * read back from disk to be copied fails. @threads handle */
 KVH_API kvh_status kvh_seq_append(kvh_engine *engine, kvh_seq seq,
                                   const int32_t *tokens, size_t n);
 
-/* Current length in tokens. [out] *n_tokens. @threads any */
+/* Current length in tokens. [out] *n_tokens. Returns KVH_ERR_INVALID_ARG
+ * (NULL n_tokens), KVH_ERR_BAD_HANDLE. @threads any */
 KVH_API kvh_status kvh_seq_length(kvh_engine *engine, kvh_seq seq,
                                   uint64_t *n_tokens);
 
 /* Copies token ids [first, first + n) into out. [borrowed] out.
- * KVH_ERR_RANGE when the range passes the end. @threads handle */
+ * KVH_ERR_RANGE when the range passes the end; KVH_ERR_INVALID_ARG (NULL
+ * out with n > 0), KVH_ERR_BAD_HANDLE. @threads handle */
 KVH_API kvh_status kvh_seq_tokens(kvh_engine *engine, kvh_seq seq,
                                   uint64_t first, size_t n, int32_t *out);
 
 /* Writes K and V of tokens [pos, pos + n) for one layer. k and v are
  * [borrowed] arrays shaped [n][num_kv_heads][head_dim] of the engine's
  * dtype. Shared blocks are copied first (CoW). Tokens must have been
- * appended (KVH_ERR_RANGE otherwise). @threads handle */
+ * appended (KVH_ERR_RANGE otherwise, and for a layer out of range).
+ * Returns KVH_ERR_NOSPACE (no room for a copy; nothing is written),
+ * KVH_ERR_INVALID_ARG (NULL k or v with n > 0), KVH_ERR_BAD_HANDLE,
+ * KVH_ERR_NOMEM, and KVH_ERR_IO or KVH_ERR_CORRUPT when a block read back
+ * from disk fails. @threads handle */
 KVH_API kvh_status kvh_seq_write_kv(kvh_engine *engine, kvh_seq seq,
                                     uint32_t layer, uint64_t pos, size_t n,
                                     const void *k, const void *v);
 
 /* Reads K and V of tokens [pos, pos + n) for one layer into [borrowed] k
  * and v, shaped as in kvh_seq_write_kv. Either may be NULL to skip it.
- * KVH_ERR_RANGE for tokens whose KV was never written. @threads handle */
+ * KVH_ERR_RANGE for tokens whose KV was never written (and for a range
+ * or layer out of bounds). Returns KVH_ERR_BAD_HANDLE, and for blocks on
+ * disk KVH_ERR_CORRUPT (their data failed its checksum), KVH_ERR_IO,
+ * KVH_ERR_NOSPACE (no memory tier can take them), KVH_ERR_NOMEM.
+ * @threads handle */
 KVH_API kvh_status kvh_seq_read_kv(kvh_engine *engine, kvh_seq seq,
                                    uint32_t layer, uint64_t pos, size_t n,
                                    void *k, void *v);
@@ -358,18 +390,29 @@ KVH_API kvh_status kvh_seq_read_kv(kvh_engine *engine, kvh_seq seq,
  * is written if the block lives above it) and returns when they and the
  * index entries naming them are on stable storage: a later process that
  * opens the same disk_path finds them with kvh_seq_match_prefix.
- * KVH_ERR_UNSUPPORTED without a disk tier; KVH_ERR_IO, KVH_ERR_NOSPACE.
+ * KVH_ERR_UNSUPPORTED without a disk tier; KVH_ERR_INVALID_ARG when a full
+ * block has K/V that was never written; KVH_ERR_IO (after a failed fsync
+ * every later persist fails too), KVH_ERR_NOSPACE (the disk is full),
+ * KVH_ERR_CORRUPT (a block to rewrite failed its checksum), KVH_ERR_BUSY
+ * (blocks kept moving; retry), KVH_ERR_BAD_HANDLE, KVH_ERR_NOMEM.
  * @threads handle */
 KVH_API kvh_status kvh_seq_persist(kvh_engine *engine, kvh_seq seq);
 
-/* Shortens the sequence to n_tokens (<= its length). @threads handle */
+/* Shortens the sequence to n_tokens (<= its length; KVH_ERR_RANGE
+ * otherwise). A shared last block that keeps some tokens is copied first:
+ * KVH_ERR_NOSPACE, KVH_ERR_NOMEM, KVH_ERR_IO, KVH_ERR_CORRUPT as for
+ * kvh_seq_write_kv (the sequence is then unchanged). Returns
+ * KVH_ERR_BAD_HANDLE. @threads handle */
 KVH_API kvh_status kvh_seq_truncate(kvh_engine *engine, kvh_seq seq,
                                     uint64_t n_tokens);
 
 /* For an empty sequence: attaches every cached block of the longest cached
  * prefix of tokens (any tier) and appends those tokens. [borrowed] tokens;
  * [out] *matched_tokens (a multiple of block_tokens, possibly 0).
- * KVH_ERR_INVALID_ARG when the sequence is not empty. @threads handle */
+ * KVH_ERR_INVALID_ARG when the sequence is not empty (or NULL tokens with
+ * n > 0, NULL matched_tokens); KVH_ERR_BAD_HANDLE, KVH_ERR_NOMEM. A block
+ * on disk that fails its checksum ends the match there (no error).
+ * @threads handle */
 KVH_API kvh_status kvh_seq_match_prefix(kvh_engine *engine, kvh_seq seq,
                                         const int32_t *tokens, size_t n,
                                         size_t *matched_tokens);
@@ -379,24 +422,33 @@ KVH_API kvh_status kvh_seq_match_prefix(kvh_engine *engine, kvh_seq seq,
  * waits; otherwise [out] *fence completes when they are resident and must
  * be freed with kvh_fence_free. Without a fence a failure (e.g.
  * KVH_ERR_NOSPACE) leaves nothing held; with one, the fence reports it and
- * the holds stay until kvh_seq_release. @threads handle */
+ * the holds stay until kvh_seq_release. Returns KVH_ERR_RANGE,
+ * KVH_ERR_BAD_HANDLE, KVH_ERR_NOMEM; the promotions (the call itself
+ * without a fence) report KVH_ERR_NOSPACE, KVH_ERR_BUSY (a block pinned in
+ * a lower tier), KVH_ERR_IO, KVH_ERR_CORRUPT, KVH_ERR_NOMEM.
+ * @threads handle */
 KVH_API kvh_status kvh_seq_acquire(kvh_engine *engine, kvh_seq seq,
                                    uint64_t first, uint64_t n,
                                    kvh_fence *fence);
 
-/* Ends one hold taken by kvh_seq_acquire on the same range.
+/* Ends one hold taken by kvh_seq_acquire on the same range. Returns
+ * KVH_ERR_INVALID_ARG (a block of the range holds no acquire of this
+ * sequence; nothing is released), KVH_ERR_RANGE, KVH_ERR_BAD_HANDLE.
  * @threads handle */
 KVH_API kvh_status kvh_seq_release(kvh_engine *engine, kvh_seq seq,
                                    uint64_t first, uint64_t n);
 
 /* Pins (pinned != 0) or unpins the blocks holding tokens [first, first+n)
  * in the tier where they are: pinned blocks never leave their tier. Pins
- * nest. @threads handle */
+ * nest. Returns KVH_ERR_INVALID_ARG (unpinning a block that is not pinned;
+ * nothing changes), KVH_ERR_RANGE, KVH_ERR_BAD_HANDLE. @threads handle */
 KVH_API kvh_status kvh_seq_pin(kvh_engine *engine, kvh_seq seq,
                                uint64_t first, uint64_t n, int32_t pinned);
 
 /* Block handles of logical blocks [first_block, first_block + n) of seq.
- * [borrowed] out (n entries). Handles are not retained. @threads handle */
+ * [borrowed] out (n entries). Handles are not retained. Returns
+ * KVH_ERR_RANGE (blocks past the end), KVH_ERR_INVALID_ARG (NULL out with
+ * n > 0), KVH_ERR_BAD_HANDLE. @threads handle */
 KVH_API kvh_status kvh_seq_blocks(kvh_engine *engine, kvh_seq seq,
                                   uint64_t first_block, size_t n,
                                   kvh_block *out);
@@ -406,7 +458,9 @@ KVH_API kvh_status kvh_seq_blocks(kvh_engine *engine, kvh_seq seq,
  * block holds last_page_len[i] tokens. [borrowed] seqs (n_seqs), indptr
  * (n_seqs + 1), indices (indices_cap), last_page_len (n_seqs).
  * KVH_ERR_NOT_RESIDENT if a block is not in the device tier (acquire the
- * range first); KVH_ERR_RANGE if indices_cap is too small. @threads any */
+ * range first); KVH_ERR_RANGE if indices_cap is too small;
+ * KVH_ERR_INVALID_ARG (NULL seqs, indptr, last_page_len, or indices with
+ * indices_cap > 0), KVH_ERR_BAD_HANDLE. @threads any */
 KVH_API kvh_status kvh_block_table(kvh_engine *engine, const kvh_seq *seqs,
                                    size_t n_seqs, int32_t *indptr,
                                    int32_t *indices, size_t indices_cap,
