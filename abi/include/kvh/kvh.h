@@ -486,22 +486,29 @@ typedef struct kvh_block_info {
     uint32_t reserved0;
 } kvh_block_info;
 
-/* [out] *info (set info->struct_size first). @threads any */
+/* [out] *info (set info->struct_size first). Returns KVH_ERR_INVALID_ARG
+ * (NULL info), KVH_ERR_STRUCT_SIZE, KVH_ERR_BAD_HANDLE. @threads any */
 KVH_API kvh_status kvh_block_info_get(kvh_engine *engine, kvh_block block,
                                       kvh_block_info *info);
 
 /* A standalone empty block in the fastest tier with room, with one
- * reference held by the caller. [out] *block. @threads any */
+ * reference held by the caller. [out] *block. Returns KVH_ERR_NOSPACE (no
+ * memory tier has room), KVH_ERR_INVALID_ARG (NULL block). @threads any */
 KVH_API kvh_status kvh_block_alloc(kvh_engine *engine, uint32_t agent,
                                    kvh_block *block);
 
 /* Adds or drops one caller reference. A block with no references that is
  * in the prefix index stays cached; otherwise it is freed. The null handle
- * is accepted by release. @threads any */
+ * is accepted by release. Both return KVH_ERR_BAD_HANDLE; retain
+ * KVH_ERR_RANGE (the count would overflow), release KVH_ERR_INVALID_ARG
+ * (no reference taken through a handle is left: those of sequences are
+ * theirs). @threads any */
 KVH_API kvh_status kvh_block_retain(kvh_engine *engine, kvh_block block);
 KVH_API kvh_status kvh_block_release(kvh_engine *engine, kvh_block block);
 
-/* Pins or unpins one block in its current tier. @threads any */
+/* Pins or unpins one block in its current tier. Returns KVH_ERR_INVALID_ARG
+ * (unpinning a block that is not pinned), KVH_ERR_BAD_HANDLE.
+ * @threads any */
 KVH_API kvh_status kvh_block_pin(kvh_engine *engine, kvh_block block,
                                  int32_t pinned);
 
@@ -511,12 +518,16 @@ KVH_API kvh_status kvh_block_pin(kvh_engine *engine, kvh_block block,
 
 /* Moves blocks to tier asynchronously (evicting by policy to make room).
  * [borrowed] blocks (n). fence as in kvh_seq_acquire. Pinned blocks are
- * skipped. @threads any */
+ * skipped. Returns KVH_ERR_INVALID_ARG (NULL blocks with n > 0, a tier the
+ * engine does not have), KVH_ERR_BAD_HANDLE (nothing is moved),
+ * KVH_ERR_NOMEM; the moves (the call itself without a fence) report
+ * KVH_ERR_NOSPACE (no room in tier), KVH_ERR_IO, KVH_ERR_CORRUPT.
+ * @threads any */
 KVH_API kvh_status kvh_migrate(kvh_engine *engine, const kvh_block *blocks,
                                size_t n, uint32_t tier, kvh_fence *fence);
 
-/* Same for the blocks holding tokens [first, first + n) of seq.
- * @threads any */
+/* Same for the blocks holding tokens [first, first + n) of seq. Status
+ * codes as kvh_migrate, and KVH_ERR_RANGE. @threads any */
 KVH_API kvh_status kvh_seq_migrate(kvh_engine *engine, kvh_seq seq,
                                    uint64_t first, uint64_t n, uint32_t tier,
                                    kvh_fence *fence);
@@ -527,6 +538,8 @@ KVH_API kvh_status kvh_seq_migrate(kvh_engine *engine, kvh_seq seq,
  * only into a free device slot or in place of a block of a lower class
  * (unhinted, or hinted at a lower priority). The hint also protects the
  * blocks as kvh_seq_hint does. Never holds anything. fence may be NULL.
+ * Returns KVH_ERR_RANGE, KVH_ERR_BAD_HANDLE, KVH_ERR_NOMEM (for the
+ * fence); a promotion that cannot be made is skipped, not an error.
  * @threads any */
 KVH_API kvh_status kvh_prefetch(kvh_engine *engine, kvh_seq seq,
                                 uint64_t first, uint64_t n, int32_t priority,
@@ -544,23 +557,26 @@ KVH_API kvh_status kvh_prefetch(kvh_engine *engine, kvh_seq seq,
  * each request, each request at a priority falling with its place, gets
  * Belady's eviction order within the queue's horizon. Unless renewed, a
  * hint lapses after one to two times max(64, blocks of the memory tiers)
- * engine accesses (block allocations count as accesses). @threads any */
+ * engine accesses (block allocations count as accesses). Returns
+ * KVH_ERR_RANGE, KVH_ERR_BAD_HANDLE. @threads any */
 KVH_API kvh_status kvh_seq_hint(kvh_engine *engine, kvh_seq seq,
                                 uint64_t first, uint64_t n, int32_t priority);
 
 /* Waits until the fence completes or timeout_ns passes (UINT64_MAX: no
- * limit). Returns KVH_OK, KVH_ERR_TIMEOUT, or the first error of the work
- * the fence tracks. @threads any */
+ * limit). Returns KVH_OK, KVH_ERR_TIMEOUT, KVH_ERR_BAD_HANDLE (also for a
+ * fence already freed), or the first error of the work the fence tracks
+ * (listed with the call that made it). @threads any */
 KVH_API kvh_status kvh_fence_wait(kvh_engine *engine, kvh_fence fence,
                                   uint64_t timeout_ns);
 
 /* Non-blocking: [out] *done = 1 when complete. Returns the work's first
- * error once done. @threads any */
+ * error once done (*done is set then too), KVH_ERR_INVALID_ARG (NULL
+ * done), KVH_ERR_BAD_HANDLE. @threads any */
 KVH_API kvh_status kvh_fence_poll(kvh_engine *engine, kvh_fence fence,
                                   int32_t *done);
 
-/* Frees a fence (pending work continues). Null handle accepted.
- * @threads any */
+/* Frees a fence (pending work continues). Null handle accepted; a freed
+ * one is KVH_ERR_BAD_HANDLE. No other status. @threads any */
 KVH_API kvh_status kvh_fence_free(kvh_engine *engine, kvh_fence fence);
 
 /* ------------------------------------------------------------------ */
@@ -569,14 +585,16 @@ KVH_API kvh_status kvh_fence_free(kvh_engine *engine, kvh_fence fence);
 
 /* Chained block hash of a full block: H(parent, tokens, model_salt).
  * parent is 0 for the first block. n must equal block_tokens.
- * [borrowed] tokens; [out] *hash. @threads any */
+ * [borrowed] tokens; [out] *hash. Returns KVH_ERR_INVALID_ARG (NULL tokens
+ * or hash, n other than block_tokens). @threads any */
 KVH_API kvh_status kvh_prefix_hash(kvh_engine *engine, uint64_t parent,
                                    const int32_t *tokens, size_t n,
                                    uint64_t *hash);
 
 /* Longest cached prefix of tokens as retained block handles (release each
  * with kvh_block_release). [borrowed] tokens, out (cap entries);
- * [out] *n_blocks. @threads any */
+ * [out] *n_blocks. Returns KVH_ERR_INVALID_ARG (NULL tokens with n > 0,
+ * NULL out with cap > 0, NULL n_blocks). @threads any */
 KVH_API kvh_status kvh_prefix_lookup(kvh_engine *engine,
                                      const int32_t *tokens, size_t n,
                                      kvh_block *out, size_t cap,
@@ -600,25 +618,34 @@ typedef struct kvh_pool_layout {
 
 /* Registers external KV memory. The memory stays the caller's and must
  * outlive the pool. [out] *pool. Returns KVH_ERR_UNSUPPORTED for CUDA
- * memory without the CUDA backend. @threads any */
+ * memory without the CUDA backend, KVH_ERR_INVALID_ARG (NULL layout or
+ * pool, a NULL base pointer, num_slots 0, an unknown memory, token or head
+ * stride below head_dim elements), KVH_ERR_STRUCT_SIZE, KVH_ERR_NOMEM.
+ * @threads any */
 KVH_API kvh_status kvh_pool_register(kvh_engine *engine,
                                      const kvh_pool_layout *layout,
                                      kvh_pool *pool);
 
-/* Unregisters (waits for copies touching it). Null accepted. */
+/* Unregisters (waits for copies touching it). Null accepted; a stale
+ * handle is KVH_ERR_BAD_HANDLE. No other status. */
 KVH_API kvh_status kvh_pool_unregister(kvh_engine *engine, kvh_pool pool);
 
 /* Offloads a full block the inference engine produced in slot: kvh copies
  * it into its own tiers and publishes it under H(parent_hash, tokens).
  * If that hash is already cached no copy is made. [borrowed] tokens
- * (block_tokens entries); [out] *block, retained for the caller.
- * @threads any */
+ * (block_tokens entries); [out] *block, retained for the caller. Returns
+ * KVH_ERR_INVALID_ARG (NULL tokens or block, n other than block_tokens),
+ * KVH_ERR_RANGE (slot >= num_slots), KVH_ERR_BAD_HANDLE, KVH_ERR_NOSPACE,
+ * KVH_ERR_NOMEM, KVH_ERR_IO (the copy failed). @threads any */
 KVH_API kvh_status kvh_pool_offload(kvh_engine *engine, kvh_pool pool,
                                     uint32_t slot, uint64_t parent_hash,
                                     const int32_t *tokens, size_t n,
                                     uint32_t agent, kvh_block *block);
 
-/* Restores a block's KV into slot of the pool (from any tier).
+/* Restores a block's KV into slot of the pool (from any tier). Returns
+ * KVH_ERR_INVALID_ARG (the block's K/V is not fully written),
+ * KVH_ERR_RANGE (slot), KVH_ERR_BAD_HANDLE (pool or block), and for a block
+ * on disk KVH_ERR_CORRUPT, KVH_ERR_IO, KVH_ERR_NOSPACE, KVH_ERR_NOMEM.
  * @threads any */
 KVH_API kvh_status kvh_pool_restore(kvh_engine *engine, kvh_pool pool,
                                     kvh_block block, uint32_t slot);
