@@ -666,7 +666,8 @@ typedef struct kvh_attention_params {
                      the default stream); ignored on the CPU backend */
 } kvh_attention_params;
 
-/* Defaults for a struct of struct_size bytes. @threads any */
+/* Defaults for a struct of struct_size bytes. Returns KVH_ERR_INVALID_ARG
+ * (NULL params), KVH_ERR_STRUCT_SIZE. @threads any */
 KVH_API kvh_status kvh_attention_params_init(kvh_attention_params *params,
                                              size_t struct_size);
 
@@ -680,12 +681,14 @@ KVH_API kvh_status kvh_attention_params_init(kvh_attention_params *params,
  * params->stream and the call returns before they finish.
  * [borrowed] seqs (n_seqs), params (NULL = defaults).
  * Returns KVH_ERR_INVALID_ARG (NULL pointers, unknown io_dtype, a
- * non-finite scale, num_q_heads not a multiple of num_kv_heads),
- * KVH_ERR_STRUCT_SIZE, KVH_ERR_RANGE (layer out of range, an empty
- * sequence), KVH_ERR_BAD_HANDLE, KVH_ERR_NOT_RESIDENT, KVH_ERR_NOMEM,
+ * non-finite scale, num_q_heads not a multiple of num_kv_heads or above
+ * the kernels' limit), KVH_ERR_STRUCT_SIZE, KVH_ERR_RANGE (layer out of
+ * range, an empty sequence, one of 2^31 tokens or more),
+ * KVH_ERR_BAD_HANDLE, KVH_ERR_NOT_RESIDENT, KVH_ERR_NOMEM,
  * KVH_ERR_UNSUPPORTED (CUDA with head_dim > 256, or a stream that is being
  * captured into a graph: the call takes holds that a replay would not; use
- * kvh_attention_plan_create + kvh_attention_run to capture).
+ * kvh_attention_plan_create + kvh_attention_run to capture),
+ * KVH_ERR_INTERNAL (a kernel launch failed, with the driver's words).
  * On CUDA the holds last until the kernels finish, and kvh_engine_close
  * waits for queued attention. Whether K/V cells were written is not
  * checked (a GPU engine may fill slots directly). threads above the CPU
@@ -757,7 +760,8 @@ KVH_API kvh_status kvh_context_create(kvh_engine *engine,
 
 /* Frees the context's weight memory and returns its tier slots. Attached
  * sequences are not freed. Null handle accepted. KVH_ERR_BUSY while a
- * switch involving it runs. @threads handle */
+ * switch involving it runs (or a call using it), KVH_ERR_BAD_HANDLE.
+ * @threads handle */
 KVH_API kvh_status kvh_context_destroy(kvh_engine *engine, kvh_context ctx);
 
 typedef struct kvh_weight_region_params {
@@ -780,7 +784,8 @@ typedef struct kvh_weight_region_params {
     uint32_t reserved0;
 } kvh_weight_region_params;
 
-/* Defaults for a struct of struct_size bytes. @threads any */
+/* Defaults for a struct of struct_size bytes. Returns KVH_ERR_INVALID_ARG
+ * (NULL params), KVH_ERR_STRUCT_SIZE. @threads any */
 KVH_API kvh_status kvh_weight_region_params_init(
     kvh_weight_region_params *params, size_t struct_size);
 
@@ -788,17 +793,19 @@ KVH_API kvh_status kvh_weight_region_params_init(
  * 0, 1, ... in registration order). Bytes are placed in the host tier (the
  * device tier when there is no host tier), evicting KV by policy, or in the
  * disk tier when memory has no room for them. Returns
- * KVH_ERR_INVALID_ARG (size 0, neither or both sources), KVH_ERR_IO (the
- * file cannot be opened or is shorter than file_offset + size),
- * KVH_ERR_NOSPACE, KVH_ERR_NOMEM, KVH_ERR_BUSY (a switch involving the
- * context runs). @threads handle */
+ * KVH_ERR_INVALID_ARG (NULL params or region, size 0, neither or both
+ * sources, an empty path), KVH_ERR_STRUCT_SIZE, KVH_ERR_BAD_HANDLE,
+ * KVH_ERR_IO (the file cannot be opened or is shorter than file_offset +
+ * size; bytes that cannot be placed or written), KVH_ERR_NOSPACE,
+ * KVH_ERR_NOMEM, KVH_ERR_BUSY (a switch involving the context runs).
+ * @threads handle */
 KVH_API kvh_status kvh_context_add_region(
     kvh_engine *engine, kvh_context ctx,
     const kvh_weight_region_params *params, uint32_t *region);
 
 /* Adds seq to the sequences whose KV moves with the context under
- * KVH_CONTEXT_KV_DEMOTE (a freed sequence is skipped). KVH_ERR_BAD_HANDLE.
- * @threads handle (ctx) */
+ * KVH_CONTEXT_KV_DEMOTE (a sequence freed later is skipped).
+ * KVH_ERR_BAD_HANDLE (ctx or seq), KVH_ERR_NOMEM. @threads handle (ctx) */
 KVH_API kvh_status kvh_context_attach_seq(kvh_engine *engine,
                                           kvh_context ctx, kvh_seq seq);
 
@@ -817,9 +824,10 @@ KVH_API kvh_status kvh_context_attach_seq(kvh_engine *engine,
  * On a unified-memory backend (CPU) device and host tiers are the same
  * memory: a region moving between them is re-accounted, never copied.
  * A switch waits for the previous one to end. Returns KVH_ERR_INVALID_ARG
- * (from == to), KVH_ERR_BAD_HANDLE, KVH_ERR_NOMEM; the work reports
- * KVH_ERR_NOSPACE, KVH_ERR_IO, KVH_ERR_CORRUPT (a chunk read from its
- * file no longer matches its checksum). Pointers from
+ * (from == to), KVH_ERR_BAD_HANDLE, KVH_ERR_NOMEM; the work (the call
+ * itself without a fence) reports KVH_ERR_NOSPACE, KVH_ERR_IO,
+ * KVH_ERR_NOMEM, KVH_ERR_CORRUPT (a chunk read from its file no longer
+ * matches its checksum). Pointers from
  * kvh_context_region_data for from become invalid. @threads any */
 KVH_API kvh_status kvh_context_switch(kvh_engine *engine, kvh_context from,
                                       kvh_context to, kvh_fence *fence);
@@ -827,7 +835,8 @@ KVH_API kvh_status kvh_context_switch(kvh_engine *engine, kvh_context from,
 /* Waits until every region of ctx with layer <= layer is resident in the
  * device tier, or timeout_ns passes (UINT64_MAX: no limit). Returns
  * KVH_OK, KVH_ERR_TIMEOUT, KVH_ERR_NOT_RESIDENT (no switch to ctx is
- * loading them), or the error that stopped the switch. @threads any */
+ * loading them), KVH_ERR_BAD_HANDLE, or the error that stopped the switch
+ * (as kvh_context_switch). @threads any */
 KVH_API kvh_status kvh_context_wait_layer(kvh_engine *engine,
                                           kvh_context ctx, uint32_t layer,
                                           uint64_t timeout_ns);
@@ -837,15 +846,16 @@ KVH_API kvh_status kvh_context_wait_layer(kvh_engine *engine,
  * written back, not dropped, when it leaves, and its checksums are
  * recomputed at that point. [out] *data [owned by engine] valid until a
  * switch away from ctx or its destruction; [out] *size (may be NULL).
- * Returns KVH_ERR_RANGE (no such region), KVH_ERR_NOT_RESIDENT.
- * @threads any */
+ * Returns KVH_ERR_RANGE (no such region), KVH_ERR_NOT_RESIDENT,
+ * KVH_ERR_INVALID_ARG (NULL data), KVH_ERR_BAD_HANDLE. @threads any */
 KVH_API kvh_status kvh_context_region_data(kvh_engine *engine,
                                            kvh_context ctx, uint32_t region,
                                            int32_t writable, void **data,
                                            uint64_t *size);
 
 /* Pins (pinned != 0) or unpins a region: a pinned region never leaves the
- * device tier once there. @threads handle */
+ * device tier once there. Returns KVH_ERR_RANGE (no such region),
+ * KVH_ERR_BAD_HANDLE. @threads handle */
 KVH_API kvh_status kvh_context_region_pin(kvh_engine *engine,
                                           kvh_context ctx, uint32_t region,
                                           int32_t pinned);
@@ -853,7 +863,9 @@ KVH_API kvh_status kvh_context_region_pin(kvh_engine *engine,
 /* Recomputes the checksum of every chunk of ctx's resident, unmodified
  * regions and compares it with the one recorded when the chunk was first
  * loaded. [out] *chunks_checked (may be NULL). Returns KVH_ERR_CORRUPT on
- * the first mismatch. @threads any */
+ * the first mismatch, KVH_ERR_IO (a region cannot be read back),
+ * KVH_ERR_BUSY (a switch involving ctx runs), KVH_ERR_BAD_HANDLE.
+ * @threads any */
 KVH_API kvh_status kvh_context_verify(kvh_engine *engine, kvh_context ctx,
                                       uint64_t *chunks_checked);
 
@@ -872,7 +884,8 @@ typedef struct kvh_context_info {
 } kvh_context_info;
 
 /* [out] *info (set info->struct_size first; the struct before bytes_disk
- * is accepted too and filled up to its size). @threads any */
+ * is accepted too and filled up to its size). Returns KVH_ERR_INVALID_ARG
+ * (NULL info), KVH_ERR_STRUCT_SIZE, KVH_ERR_BAD_HANDLE. @threads any */
 KVH_API kvh_status kvh_context_info_get(kvh_engine *engine, kvh_context ctx,
                                         kvh_context_info *info);
 
@@ -905,7 +918,8 @@ typedef struct kvh_weight_stats {
 } kvh_weight_stats;
 
 /* [out] *stats (set stats->struct_size first; an older, smaller struct is
- * filled up to its size). @threads any */
+ * filled up to its size). Returns KVH_ERR_INVALID_ARG (NULL stats),
+ * KVH_ERR_STRUCT_SIZE. @threads any */
 KVH_API kvh_status kvh_weight_stats_get(kvh_engine *engine,
                                         kvh_weight_stats *stats);
 
@@ -925,13 +939,15 @@ typedef struct kvh_admission_params {
     uint64_t long_device_bytes;
 } kvh_admission_params;
 
-/* Defaults for a struct of struct_size bytes. @threads any */
+/* Defaults for a struct of struct_size bytes. Returns KVH_ERR_INVALID_ARG
+ * (NULL params), KVH_ERR_STRUCT_SIZE. @threads any */
 KVH_API kvh_status kvh_admission_params_init(kvh_admission_params *params,
                                              size_t struct_size);
 
 /* Sets the pools. Requests already admitted keep their reservations.
  * [borrowed] params. KVH_ERR_INVALID_ARG when the two quotas together
- * exceed the device tier. @threads any */
+ * exceed the device tier (or params is NULL); KVH_ERR_STRUCT_SIZE,
+ * KVH_ERR_NOMEM. @threads any */
 KVH_API kvh_status kvh_admission_configure(kvh_engine *engine,
                                            const kvh_admission_params *params);
 
@@ -943,14 +959,16 @@ typedef struct kvh_seq_params {
     kvh_context context;   /* attach to this context; null: none */
 } kvh_seq_params;
 
-/* Defaults for a struct of struct_size bytes. @threads any */
+/* Defaults for a struct of struct_size bytes. Returns KVH_ERR_INVALID_ARG
+ * (NULL params), KVH_ERR_STRUCT_SIZE. @threads any */
 KVH_API kvh_status kvh_seq_params_init(kvh_seq_params *params,
                                        size_t struct_size);
 
 /* kvh_seq_create with a token budget and a context. [borrowed] params;
  * [out] *seq. Returns KVH_ERR_NOSPACE, before anything is allocated, when
  * the request's pool cannot hold its budget; KVH_ERR_BAD_HANDLE (context),
- * KVH_ERR_STRUCT_SIZE, KVH_ERR_NOMEM. @threads any */
+ * KVH_ERR_INVALID_ARG (NULL params or seq), KVH_ERR_STRUCT_SIZE,
+ * KVH_ERR_NOMEM. @threads any */
 KVH_API kvh_status kvh_seq_create_ex(kvh_engine *engine,
                                      const kvh_seq_params *params,
                                      kvh_seq *seq);
@@ -969,7 +987,8 @@ typedef struct kvh_admission_info {
     uint64_t long_rejected;
 } kvh_admission_info;
 
-/* [out] *info (set info->struct_size first). @threads any */
+/* [out] *info (set info->struct_size first). Returns KVH_ERR_INVALID_ARG
+ * (NULL info), KVH_ERR_STRUCT_SIZE, KVH_ERR_NOMEM. @threads any */
 KVH_API kvh_status kvh_admission_info_get(kvh_engine *engine,
                                           kvh_admission_info *info);
 
@@ -999,9 +1018,9 @@ typedef struct kvh_attention_plan kvh_attention_plan; /* opaque */
  * the numerics of params (NULL = defaults; its stream is ignored: each run
  * names its own). [borrowed] seqs, q_lens, params; [out] *plan, owned by
  * the caller until kvh_attention_plan_destroy. Status codes as
- * kvh_attention_decode, and KVH_ERR_INVALID_ARG for a batch without query
- * rows. On CUDA the upload may synchronise: do not call while capturing.
- * @threads any */
+ * kvh_attention_decode, and KVH_ERR_INVALID_ARG for a NULL plan or a batch
+ * without query rows. On CUDA the upload may synchronise: do not call
+ * while capturing. @threads any */
 KVH_API kvh_status kvh_attention_plan_create(kvh_engine *engine,
                                              uint32_t layer,
                                              const kvh_seq *seqs,
@@ -1015,8 +1034,9 @@ KVH_API kvh_status kvh_attention_plan_create(kvh_engine *engine,
  * cudaStream_t to launch on (NULL = the default stream; ignored on the
  * CPU, where the call returns when done). [borrowed] plan, q, out.
  * Returns KVH_ERR_INVALID_ARG (NULL plan, q or out), KVH_ERR_INTERNAL (a
- * launch failure, with the driver's words). @threads any (runs of one
- * plan may overlap on the CPU only if their outputs differ) */
+ * launch failure, with the driver's words), KVH_ERR_NOMEM (CPU scratch
+ * memory). @threads any (runs of one plan may overlap on the CPU only if
+ * their outputs differ) */
 KVH_API kvh_status kvh_attention_run(kvh_engine *engine,
                                      const kvh_attention_plan *plan,
                                      const void *q, void *out, void *stream);
@@ -1024,7 +1044,8 @@ KVH_API kvh_status kvh_attention_run(kvh_engine *engine,
 /* Drops the plan's holds and frees it. On CUDA the caller guarantees that
  * no launch or graph replay using it is pending (synchronise first); the
  * call may synchronise the device. NULL accepted. Plans left at
- * kvh_engine_close are destroyed by it. @threads handle (plan) */
+ * kvh_engine_close are destroyed by it. No other status.
+ * @threads handle (plan) */
 KVH_API kvh_status kvh_attention_plan_destroy(kvh_engine *engine,
                                               kvh_attention_plan *plan);
 
@@ -1077,8 +1098,8 @@ KVH_API kvh_status kvh_codec_encode(uint32_t codec, uint32_t dtype,
                                     size_t n_vectors, void *dst);
 
 /* Decodes n_vectors records from src into raw vectors of dtype in dst.
- * [borrowed] src, dst (must not overlap). Status as kvh_codec_encode.
- * @threads any */
+ * [borrowed] src, dst (must not overlap). Returns KVH_ERR_INVALID_ARG as
+ * kvh_codec_encode. @threads any */
 KVH_API kvh_status kvh_codec_decode(uint32_t codec, uint32_t dtype,
                                     uint32_t head_dim, const void *src,
                                     size_t n_vectors, void *dst);
@@ -1163,7 +1184,9 @@ typedef struct kvh_vmap_view {
  * Every block must be in the device tier (KVH_ERR_NOT_RESIDENT: acquire
  * first). [out] *vmap, owned by the caller until kvh_vmap_release.
  * Returns KVH_ERR_UNSUPPORTED (see the constraints), KVH_ERR_RANGE (layer,
- * or more tokens than capacity_tokens), KVH_ERR_BAD_HANDLE, KVH_ERR_NOMEM.
+ * or more tokens than capacity_tokens, or a capacity above 2^31),
+ * KVH_ERR_BAD_HANDLE, KVH_ERR_NOMEM, KVH_ERR_INVALID_ARG (NULL vmap),
+ * KVH_ERR_INTERNAL (a CUDA driver failure while mapping).
  * @threads handle (seq) */
 KVH_API kvh_status kvh_seq_vmap(kvh_engine *engine, kvh_seq seq,
                                 uint32_t layer, uint64_t capacity_tokens,
@@ -1173,20 +1196,24 @@ KVH_API kvh_status kvh_seq_vmap(kvh_engine *engine, kvh_seq seq,
  * replaced since, unmaps blocks truncated away, moves the holds.
  * [out] *changed (may be NULL): 1 when a mapping changed. Returns
  * KVH_ERR_BAD_HANDLE (the sequence was freed), KVH_ERR_NOT_RESIDENT,
- * KVH_ERR_RANGE (the sequence outgrew capacity_tokens); the view stays
- * usable (and stale) after a failure. Waits first until attention queued
- * over the view (CUDA) has finished. @threads handle (vmap and seq) */
+ * KVH_ERR_RANGE (the sequence outgrew capacity_tokens),
+ * KVH_ERR_UNSUPPORTED (blocks out of slab order, see "Memory"),
+ * KVH_ERR_NOMEM, KVH_ERR_INVALID_ARG (NULL vmap), KVH_ERR_INTERNAL (as
+ * kvh_seq_vmap); the view stays usable (and stale) after a failure. Waits
+ * first until attention queued over the view (CUDA) has finished.
+ * @threads handle (vmap and seq) */
 KVH_API kvh_status kvh_vmap_refresh(kvh_engine *engine, kvh_vmap *vmap,
                                     int32_t *changed);
 
 /* The view's current addresses and sizes. [out] *view (set
- * view->struct_size first). @threads handle (vmap) */
+ * view->struct_size first). Returns KVH_ERR_INVALID_ARG (NULL vmap or
+ * view), KVH_ERR_STRUCT_SIZE. @threads handle (vmap) */
 KVH_API kvh_status kvh_vmap_get(kvh_engine *engine, const kvh_vmap *vmap,
                                 kvh_vmap_view *view);
 
 /* Unmaps the view and drops its holds, after attention queued over it
  * (CUDA) has finished. NULL accepted. Views left at kvh_engine_close are
- * released by it. @threads handle (vmap) */
+ * released by it. No other status. @threads handle (vmap) */
 KVH_API kvh_status kvh_vmap_release(kvh_engine *engine, kvh_vmap *vmap);
 
 /* kvh_attention_decode over views: view i (a sequence's layer) attends
@@ -1198,9 +1225,11 @@ KVH_API kvh_status kvh_vmap_release(kvh_engine *engine, kvh_vmap *vmap);
  * CUDA, where the kernels are queued on params->stream and the call
  * returns before they finish (kvh_vmap_refresh, kvh_vmap_release and
  * kvh_engine_close wait for them). Returns KVH_ERR_BAD_HANDLE for a
- * stale view (refresh it), KVH_ERR_INVALID_ARG, KVH_ERR_STRUCT_SIZE,
- * KVH_ERR_NOMEM, KVH_ERR_UNSUPPORTED (as kvh_attention_decode: a stream
- * being captured). @threads handle (each view) */
+ * stale view (refresh it), KVH_ERR_RANGE (a view of no tokens),
+ * KVH_ERR_INVALID_ARG (NULL pointers, params as kvh_attention_decode),
+ * KVH_ERR_STRUCT_SIZE, KVH_ERR_NOMEM, KVH_ERR_UNSUPPORTED (as
+ * kvh_attention_decode: a stream being captured), KVH_ERR_INTERNAL (a
+ * kernel launch failed). @threads handle (each view) */
 KVH_API kvh_status kvh_attention_decode_vmap(kvh_engine *engine,
                                              kvh_vmap *const *views,
                                              size_t n_views, const void *q,
@@ -1252,7 +1281,8 @@ KVH_API kvh_status kvh_seq_set_tolerance(kvh_engine *engine, kvh_seq seq,
                                          uint64_t first, uint64_t n,
                                          uint32_t tolerance);
 
-/* The same for one block. @threads any */
+/* The same for one block. Returns KVH_ERR_INVALID_ARG (tolerance >
+ * KVH_TOLERANCE_MAX), KVH_ERR_BAD_HANDLE. @threads any */
 KVH_API kvh_status kvh_block_set_tolerance(kvh_engine *engine,
                                            kvh_block block,
                                            uint32_t tolerance);
