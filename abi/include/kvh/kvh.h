@@ -7,6 +7,11 @@
  *   - Every fallible call returns a kvh_status: KVH_OK (0) or a negative
  *     code from KVH_STATUS_LIST. Out-parameters are written only on success.
  *     kvh_last_error() then holds a thread-local message with detail.
+ *   - Status lists: each prototype's comment names every status the call
+ *     can return besides KVH_OK, except two that any call taking an engine
+ *     can return: KVH_ERR_INVALID_ARG for a NULL engine (where its comment
+ *     does not accept NULL) and KVH_ERR_CLOSED while kvh_engine_close runs.
+ *     "No other status" marks a call with nothing to add to those.
  *   - Ownership tags: [borrowed] the pointer is read (or written) during the
  *     call only; [out] written on success; [owned by engine] valid until the
  *     named release call.
@@ -215,20 +220,30 @@ KVH_API kvh_status kvh_config_init(kvh_config *config, size_t struct_size);
 /* ------------------------------------------------------------------ */
 
 /* Creates an engine. [borrowed] config; [out] *engine, owned by the caller
- * until kvh_engine_close. Returns KVH_ERR_INVALID_ARG (bad geometry or
- * budgets), KVH_ERR_STRUCT_SIZE, KVH_ERR_NOMEM, KVH_ERR_UNSUPPORTED (an
- * explicit CUDA backend that is not available). @threads any */
+ * until kvh_engine_close. Returns KVH_ERR_INVALID_ARG (NULL config or
+ * engine, bad geometry or budgets, disk_bytes without a disk_path or the
+ * other way round, disk_bytes too small for one slot, an unknown
+ * KVH_VMAP_BACKING), KVH_ERR_STRUCT_SIZE,
+ * KVH_ERR_NOMEM, KVH_ERR_UNSUPPORTED (an explicit CUDA backend that is not
+ * available, or vmap where it cannot be had). With a disk tier also
+ * KVH_ERR_IO (disk_path cannot be created, opened, read or written),
+ * KVH_ERR_BUSY (another engine has the store open), KVH_ERR_MISMATCH (a
+ * store of another geometry or model_salt), KVH_ERR_CORRUPT (a damaged
+ * index), KVH_ERR_NOSPACE (no room for its slab files); see
+ * KVH_DISK_RESET_ON_MISMATCH. @threads any */
 KVH_API kvh_status kvh_engine_open(const kvh_config *config,
                                    kvh_engine **engine);
 
 /* Waits for migrations in flight, stops the workers and frees everything.
  * Every handle of the engine becomes invalid. NULL is accepted (KVH_OK).
- * Calls racing with close on other threads get KVH_ERR_CLOSED.
- * @threads handle (one close per engine) */
+ * Calls racing with close on other threads get KVH_ERR_CLOSED. Returns
+ * KVH_ERR_CLOSED when another close of it is under way, KVH_ERR_IO or
+ * KVH_ERR_NOMEM when the disk tier's index cannot be written (the engine
+ * is freed all the same). @threads handle (one close per engine) */
 KVH_API kvh_status kvh_engine_close(kvh_engine *engine);
 
-/* Bytes of one block for this engine's geometry. [out] *bytes.
- * @threads any */
+/* Bytes of one block for this engine's geometry. [out] *bytes. Returns
+ * KVH_ERR_INVALID_ARG (NULL bytes). @threads any */
 KVH_API kvh_status kvh_engine_block_bytes(const kvh_engine *engine,
                                           uint64_t *bytes);
 
@@ -252,7 +267,8 @@ typedef struct kvh_tier_info {
 } kvh_tier_info;
 
 /* Occupancy of one tier. [out] *info (set info->struct_size first).
- * Returns KVH_ERR_INVALID_ARG for an unknown tier. @threads any */
+ * Returns KVH_ERR_INVALID_ARG for a NULL info or an unknown tier,
+ * KVH_ERR_STRUCT_SIZE. @threads any */
 KVH_API kvh_status kvh_tier_info_get(kvh_engine *engine, uint32_t tier,
                                      kvh_tier_info *info);
 
@@ -316,12 +332,14 @@ typedef struct kvh_stats {
 } kvh_stats;
 
 /* Copies the counters. [out] *stats (set stats->struct_size first; a
- * smaller, older struct is filled up to its size). @threads any */
+ * smaller, older struct is filled up to its size). Returns
+ * KVH_ERR_INVALID_ARG (NULL stats), KVH_ERR_STRUCT_SIZE. @threads any */
 KVH_API kvh_status kvh_engine_stats(kvh_engine *engine, kvh_stats *stats);
 
 /* Per-agent device-tier quota in bytes (0 = unlimited, the default).
  * Blocks are charged to the agent of the sequence that allocated them;
- * an agent over its quota evicts its own blocks first. @threads any */
+ * an agent over its quota evicts its own blocks first. Returns
+ * KVH_ERR_NOMEM. @threads any */
 KVH_API kvh_status kvh_agent_set_quota(kvh_engine *engine, uint32_t agent,
                                        uint64_t device_bytes);
 
@@ -330,47 +348,62 @@ KVH_API kvh_status kvh_agent_set_quota(kvh_engine *engine, uint32_t agent,
 /* ------------------------------------------------------------------ */
 
 /* New empty sequence owned by agent (any id; 0 is fine). [out] *seq, valid
- * until kvh_seq_free. Returns KVH_ERR_NOMEM. @threads any */
+ * until kvh_seq_free. Returns KVH_ERR_INVALID_ARG (NULL seq),
+ * KVH_ERR_NOMEM. @threads any */
 KVH_API kvh_status kvh_seq_create(kvh_engine *engine, uint32_t agent,
                                   kvh_seq *seq);
 
 /* Releases the sequence's blocks (cached full blocks stay in the prefix
  * index until evicted). The null handle is accepted; a freed one is
- * KVH_ERR_BAD_HANDLE. @threads handle */
+ * KVH_ERR_BAD_HANDLE. No other status. @threads handle */
 KVH_API kvh_status kvh_seq_free(kvh_engine *engine, kvh_seq seq);
 
 /* Copy-on-write fork: the new sequence shares every block of seq; the
  * first write into a shared block copies it. agent owns new blocks of the
- * child. [out] *child. @threads handle (seq) */
+ * child. [out] *child. Returns KVH_ERR_INVALID_ARG (NULL child),
+ * KVH_ERR_BAD_HANDLE, KVH_ERR_NOMEM. @threads handle (seq) */
 KVH_API kvh_status kvh_seq_fork(kvh_engine *engine, kvh_seq seq,
                                 uint32_t agent, kvh_seq *child);
 
 /* Appends n token ids, allocating blocks in the fastest tier with room.
  * [borrowed] tokens. Returns KVH_ERR_NOSPACE when no tier has room (the
- * sequence is unchanged). @threads handle */
+ * sequence is unchanged; also when a shared last block cannot be copied
+ * first), KVH_ERR_INVALID_ARG (NULL tokens with n > 0), KVH_ERR_BAD_HANDLE,
+ * KVH_ERR_NOMEM, and KVH_ERR_IO or KVH_ERR_CORRUPT when a shared last block
+ * read back from disk to be copied fails. @threads handle */
 KVH_API kvh_status kvh_seq_append(kvh_engine *engine, kvh_seq seq,
                                   const int32_t *tokens, size_t n);
 
-/* Current length in tokens. [out] *n_tokens. @threads any */
+/* Current length in tokens. [out] *n_tokens. Returns KVH_ERR_INVALID_ARG
+ * (NULL n_tokens), KVH_ERR_BAD_HANDLE. @threads any */
 KVH_API kvh_status kvh_seq_length(kvh_engine *engine, kvh_seq seq,
                                   uint64_t *n_tokens);
 
 /* Copies token ids [first, first + n) into out. [borrowed] out.
- * KVH_ERR_RANGE when the range passes the end. @threads handle */
+ * KVH_ERR_RANGE when the range passes the end; KVH_ERR_INVALID_ARG (NULL
+ * out with n > 0), KVH_ERR_BAD_HANDLE. @threads handle */
 KVH_API kvh_status kvh_seq_tokens(kvh_engine *engine, kvh_seq seq,
                                   uint64_t first, size_t n, int32_t *out);
 
 /* Writes K and V of tokens [pos, pos + n) for one layer. k and v are
  * [borrowed] arrays shaped [n][num_kv_heads][head_dim] of the engine's
  * dtype. Shared blocks are copied first (CoW). Tokens must have been
- * appended (KVH_ERR_RANGE otherwise). @threads handle */
+ * appended (KVH_ERR_RANGE otherwise, and for a layer out of range).
+ * Returns KVH_ERR_NOSPACE (no room for a copy; nothing is written),
+ * KVH_ERR_INVALID_ARG (NULL k or v with n > 0), KVH_ERR_BAD_HANDLE,
+ * KVH_ERR_NOMEM, and KVH_ERR_IO or KVH_ERR_CORRUPT when a block read back
+ * from disk fails. @threads handle */
 KVH_API kvh_status kvh_seq_write_kv(kvh_engine *engine, kvh_seq seq,
                                     uint32_t layer, uint64_t pos, size_t n,
                                     const void *k, const void *v);
 
 /* Reads K and V of tokens [pos, pos + n) for one layer into [borrowed] k
  * and v, shaped as in kvh_seq_write_kv. Either may be NULL to skip it.
- * KVH_ERR_RANGE for tokens whose KV was never written. @threads handle */
+ * KVH_ERR_RANGE for tokens whose KV was never written (and for a range
+ * or layer out of bounds). Returns KVH_ERR_BAD_HANDLE, and for blocks on
+ * disk KVH_ERR_CORRUPT (their data failed its checksum), KVH_ERR_IO,
+ * KVH_ERR_NOSPACE (no memory tier can take them), KVH_ERR_NOMEM.
+ * @threads handle */
 KVH_API kvh_status kvh_seq_read_kv(kvh_engine *engine, kvh_seq seq,
                                    uint32_t layer, uint64_t pos, size_t n,
                                    void *k, void *v);
@@ -379,18 +412,29 @@ KVH_API kvh_status kvh_seq_read_kv(kvh_engine *engine, kvh_seq seq,
  * is written if the block lives above it) and returns when they and the
  * index entries naming them are on stable storage: a later process that
  * opens the same disk_path finds them with kvh_seq_match_prefix.
- * KVH_ERR_UNSUPPORTED without a disk tier; KVH_ERR_IO, KVH_ERR_NOSPACE.
+ * KVH_ERR_UNSUPPORTED without a disk tier; KVH_ERR_INVALID_ARG when a full
+ * block has K/V that was never written; KVH_ERR_IO (after a failed fsync
+ * every later persist fails too), KVH_ERR_NOSPACE (the disk is full),
+ * KVH_ERR_CORRUPT (a block to rewrite failed its checksum), KVH_ERR_BUSY
+ * (blocks kept moving; retry), KVH_ERR_BAD_HANDLE, KVH_ERR_NOMEM.
  * @threads handle */
 KVH_API kvh_status kvh_seq_persist(kvh_engine *engine, kvh_seq seq);
 
-/* Shortens the sequence to n_tokens (<= its length). @threads handle */
+/* Shortens the sequence to n_tokens (<= its length; KVH_ERR_RANGE
+ * otherwise). A shared last block that keeps some tokens is copied first:
+ * KVH_ERR_NOSPACE, KVH_ERR_NOMEM, KVH_ERR_IO, KVH_ERR_CORRUPT as for
+ * kvh_seq_write_kv (the sequence is then unchanged). Returns
+ * KVH_ERR_BAD_HANDLE. @threads handle */
 KVH_API kvh_status kvh_seq_truncate(kvh_engine *engine, kvh_seq seq,
                                     uint64_t n_tokens);
 
 /* For an empty sequence: attaches every cached block of the longest cached
  * prefix of tokens (any tier) and appends those tokens. [borrowed] tokens;
  * [out] *matched_tokens (a multiple of block_tokens, possibly 0).
- * KVH_ERR_INVALID_ARG when the sequence is not empty. @threads handle */
+ * KVH_ERR_INVALID_ARG when the sequence is not empty (or NULL tokens with
+ * n > 0, NULL matched_tokens); KVH_ERR_BAD_HANDLE, KVH_ERR_NOMEM. A block
+ * on disk that fails its checksum ends the match there (no error).
+ * @threads handle */
 KVH_API kvh_status kvh_seq_match_prefix(kvh_engine *engine, kvh_seq seq,
                                         const int32_t *tokens, size_t n,
                                         size_t *matched_tokens);
@@ -400,12 +444,18 @@ KVH_API kvh_status kvh_seq_match_prefix(kvh_engine *engine, kvh_seq seq,
  * waits; otherwise [out] *fence completes when they are resident and must
  * be freed with kvh_fence_free. Without a fence a failure (e.g.
  * KVH_ERR_NOSPACE) leaves nothing held; with one, the fence reports it and
- * the holds stay until kvh_seq_release. @threads handle */
+ * the holds stay until kvh_seq_release. Returns KVH_ERR_RANGE,
+ * KVH_ERR_BAD_HANDLE, KVH_ERR_NOMEM; the promotions (the call itself
+ * without a fence) report KVH_ERR_NOSPACE, KVH_ERR_BUSY (a block pinned in
+ * a lower tier), KVH_ERR_IO, KVH_ERR_CORRUPT, KVH_ERR_NOMEM.
+ * @threads handle */
 KVH_API kvh_status kvh_seq_acquire(kvh_engine *engine, kvh_seq seq,
                                    uint64_t first, uint64_t n,
                                    kvh_fence *fence);
 
-/* Ends one hold taken by kvh_seq_acquire on the same range.
+/* Ends one hold taken by kvh_seq_acquire on the same range. Returns
+ * KVH_ERR_INVALID_ARG (a block of the range holds no acquire of this
+ * sequence; nothing is released), KVH_ERR_RANGE, KVH_ERR_BAD_HANDLE.
  * @threads handle */
 KVH_API kvh_status kvh_seq_release(kvh_engine *engine, kvh_seq seq,
                                    uint64_t first, uint64_t n);
@@ -413,15 +463,19 @@ KVH_API kvh_status kvh_seq_release(kvh_engine *engine, kvh_seq seq,
 /* Pins (pinned != 0) or unpins the blocks holding tokens [first, first+n)
  * in the tier where they are: pinned blocks never leave their tier. Pins
  * nest. A pin taken through a sequence is the sequence's: unpinning
- * drops only its own pins (KVH_ERR_INVALID_ARG for a block it has not
- * pinned, changing nothing), and truncate and kvh_seq_free drop the pins
+ * drops only its own pins, and truncate and kvh_seq_free drop the pins
  * of the blocks the sequence gives up. A block it copies on write keeps
- * them on the copy; a fork starts without pins. @threads handle */
+ * them on the copy; a fork starts without pins. Returns
+ * KVH_ERR_INVALID_ARG (unpinning a block this sequence has not pinned;
+ * nothing changes), KVH_ERR_RANGE (past the end, or a pin count at its
+ * limit), KVH_ERR_BAD_HANDLE. @threads handle */
 KVH_API kvh_status kvh_seq_pin(kvh_engine *engine, kvh_seq seq,
                                uint64_t first, uint64_t n, int32_t pinned);
 
 /* Block handles of logical blocks [first_block, first_block + n) of seq.
- * [borrowed] out (n entries). Handles are not retained. @threads handle */
+ * [borrowed] out (n entries). Handles are not retained. Returns
+ * KVH_ERR_RANGE (blocks past the end), KVH_ERR_INVALID_ARG (NULL out with
+ * n > 0), KVH_ERR_BAD_HANDLE. @threads handle */
 KVH_API kvh_status kvh_seq_blocks(kvh_engine *engine, kvh_seq seq,
                                   uint64_t first_block, size_t n,
                                   kvh_block *out);
@@ -431,7 +485,9 @@ KVH_API kvh_status kvh_seq_blocks(kvh_engine *engine, kvh_seq seq,
  * block holds last_page_len[i] tokens. [borrowed] seqs (n_seqs), indptr
  * (n_seqs + 1), indices (indices_cap), last_page_len (n_seqs).
  * KVH_ERR_NOT_RESIDENT if a block is not in the device tier (acquire the
- * range first); KVH_ERR_RANGE if indices_cap is too small. @threads any */
+ * range first); KVH_ERR_RANGE if indices_cap is too small;
+ * KVH_ERR_INVALID_ARG (NULL seqs, indptr, last_page_len, or indices with
+ * indices_cap > 0), KVH_ERR_BAD_HANDLE. @threads any */
 KVH_API kvh_status kvh_block_table(kvh_engine *engine, const kvh_seq *seqs,
                                    size_t n_seqs, int32_t *indptr,
                                    int32_t *indices, size_t indices_cap,
@@ -457,22 +513,29 @@ typedef struct kvh_block_info {
     uint32_t reserved0;
 } kvh_block_info;
 
-/* [out] *info (set info->struct_size first). @threads any */
+/* [out] *info (set info->struct_size first). Returns KVH_ERR_INVALID_ARG
+ * (NULL info), KVH_ERR_STRUCT_SIZE, KVH_ERR_BAD_HANDLE. @threads any */
 KVH_API kvh_status kvh_block_info_get(kvh_engine *engine, kvh_block block,
                                       kvh_block_info *info);
 
 /* A standalone empty block in the fastest tier with room, with one
- * reference held by the caller. [out] *block. @threads any */
+ * reference held by the caller. [out] *block. Returns KVH_ERR_NOSPACE (no
+ * memory tier has room), KVH_ERR_INVALID_ARG (NULL block). @threads any */
 KVH_API kvh_status kvh_block_alloc(kvh_engine *engine, uint32_t agent,
                                    kvh_block *block);
 
 /* Adds or drops one caller reference. A block with no references that is
  * in the prefix index stays cached; otherwise it is freed. The null handle
- * is accepted by release. @threads any */
+ * is accepted by release. Both return KVH_ERR_BAD_HANDLE; retain
+ * KVH_ERR_RANGE (the count would overflow), release KVH_ERR_INVALID_ARG
+ * (no reference taken through a handle is left: those of sequences are
+ * theirs). @threads any */
 KVH_API kvh_status kvh_block_retain(kvh_engine *engine, kvh_block block);
 KVH_API kvh_status kvh_block_release(kvh_engine *engine, kvh_block block);
 
-/* Pins or unpins one block in its current tier. @threads any */
+/* Pins or unpins one block in its current tier. Returns KVH_ERR_INVALID_ARG
+ * (unpinning a block that is not pinned), KVH_ERR_BAD_HANDLE.
+ * @threads any */
 KVH_API kvh_status kvh_block_pin(kvh_engine *engine, kvh_block block,
                                  int32_t pinned);
 
@@ -483,12 +546,16 @@ KVH_API kvh_status kvh_block_pin(kvh_engine *engine, kvh_block block,
 /* Moves blocks to tier asynchronously (evicting by policy to make room).
  * [borrowed] blocks (n). fence as in kvh_seq_acquire. Pinned blocks are
  * skipped, also those pinned after the call while their move waits in
- * the queue. @threads any */
+ * the queue. Returns KVH_ERR_INVALID_ARG (NULL blocks with n > 0, a tier
+ * the engine does not have), KVH_ERR_BAD_HANDLE (nothing is moved),
+ * KVH_ERR_NOMEM; the moves (the call itself without a fence) report
+ * KVH_ERR_NOSPACE (no room in tier), KVH_ERR_IO, KVH_ERR_CORRUPT.
+ * @threads any */
 KVH_API kvh_status kvh_migrate(kvh_engine *engine, const kvh_block *blocks,
                                size_t n, uint32_t tier, kvh_fence *fence);
 
-/* Same for the blocks holding tokens [first, first + n) of seq.
- * @threads any */
+/* Same for the blocks holding tokens [first, first + n) of seq. Status
+ * codes as kvh_migrate, and KVH_ERR_RANGE. @threads any */
 KVH_API kvh_status kvh_seq_migrate(kvh_engine *engine, kvh_seq seq,
                                    uint64_t first, uint64_t n, uint32_t tier,
                                    kvh_fence *fence);
@@ -499,6 +566,8 @@ KVH_API kvh_status kvh_seq_migrate(kvh_engine *engine, kvh_seq seq,
  * only into a free device slot or in place of a block of a lower class
  * (unhinted, or hinted at a lower priority). The hint also protects the
  * blocks as kvh_seq_hint does. Never holds anything. fence may be NULL.
+ * Returns KVH_ERR_RANGE, KVH_ERR_BAD_HANDLE, KVH_ERR_NOMEM (for the
+ * fence); a promotion that cannot be made is skipped, not an error.
  * @threads any */
 KVH_API kvh_status kvh_prefetch(kvh_engine *engine, kvh_seq seq,
                                 uint64_t first, uint64_t n, int32_t priority,
@@ -516,23 +585,26 @@ KVH_API kvh_status kvh_prefetch(kvh_engine *engine, kvh_seq seq,
  * each request, each request at a priority falling with its place, gets
  * Belady's eviction order within the queue's horizon. Unless renewed, a
  * hint lapses after one to two times max(64, blocks of the memory tiers)
- * engine accesses (block allocations count as accesses). @threads any */
+ * engine accesses (block allocations count as accesses). Returns
+ * KVH_ERR_RANGE, KVH_ERR_BAD_HANDLE. @threads any */
 KVH_API kvh_status kvh_seq_hint(kvh_engine *engine, kvh_seq seq,
                                 uint64_t first, uint64_t n, int32_t priority);
 
 /* Waits until the fence completes or timeout_ns passes (UINT64_MAX: no
- * limit). Returns KVH_OK, KVH_ERR_TIMEOUT, or the first error of the work
- * the fence tracks. @threads any */
+ * limit). Returns KVH_OK, KVH_ERR_TIMEOUT, KVH_ERR_BAD_HANDLE (also for a
+ * fence already freed), or the first error of the work the fence tracks
+ * (listed with the call that made it). @threads any */
 KVH_API kvh_status kvh_fence_wait(kvh_engine *engine, kvh_fence fence,
                                   uint64_t timeout_ns);
 
 /* Non-blocking: [out] *done = 1 when complete. Returns the work's first
- * error once done. @threads any */
+ * error once done (*done is set then too), KVH_ERR_INVALID_ARG (NULL
+ * done), KVH_ERR_BAD_HANDLE. @threads any */
 KVH_API kvh_status kvh_fence_poll(kvh_engine *engine, kvh_fence fence,
                                   int32_t *done);
 
-/* Frees a fence (pending work continues). Null handle accepted.
- * @threads any */
+/* Frees a fence (pending work continues). Null handle accepted; a freed
+ * one is KVH_ERR_BAD_HANDLE. No other status. @threads any */
 KVH_API kvh_status kvh_fence_free(kvh_engine *engine, kvh_fence fence);
 
 /* ------------------------------------------------------------------ */
@@ -541,14 +613,16 @@ KVH_API kvh_status kvh_fence_free(kvh_engine *engine, kvh_fence fence);
 
 /* Chained block hash of a full block: H(parent, tokens, model_salt).
  * parent is 0 for the first block. n must equal block_tokens.
- * [borrowed] tokens; [out] *hash. @threads any */
+ * [borrowed] tokens; [out] *hash. Returns KVH_ERR_INVALID_ARG (NULL tokens
+ * or hash, n other than block_tokens). @threads any */
 KVH_API kvh_status kvh_prefix_hash(kvh_engine *engine, uint64_t parent,
                                    const int32_t *tokens, size_t n,
                                    uint64_t *hash);
 
 /* Longest cached prefix of tokens as retained block handles (release each
  * with kvh_block_release). [borrowed] tokens, out (cap entries);
- * [out] *n_blocks. @threads any */
+ * [out] *n_blocks. Returns KVH_ERR_INVALID_ARG (NULL tokens with n > 0,
+ * NULL out with cap > 0, NULL n_blocks). @threads any */
 KVH_API kvh_status kvh_prefix_lookup(kvh_engine *engine,
                                      const int32_t *tokens, size_t n,
                                      kvh_block *out, size_t cap,
@@ -572,25 +646,34 @@ typedef struct kvh_pool_layout {
 
 /* Registers external KV memory. The memory stays the caller's and must
  * outlive the pool. [out] *pool. Returns KVH_ERR_UNSUPPORTED for CUDA
- * memory without the CUDA backend. @threads any */
+ * memory without the CUDA backend, KVH_ERR_INVALID_ARG (NULL layout or
+ * pool, a NULL base pointer, num_slots 0, an unknown memory, token or head
+ * stride below head_dim elements), KVH_ERR_STRUCT_SIZE, KVH_ERR_NOMEM.
+ * @threads any */
 KVH_API kvh_status kvh_pool_register(kvh_engine *engine,
                                      const kvh_pool_layout *layout,
                                      kvh_pool *pool);
 
-/* Unregisters (waits for copies touching it). Null accepted. */
+/* Unregisters (waits for copies touching it). Null accepted; a stale
+ * handle is KVH_ERR_BAD_HANDLE. No other status. */
 KVH_API kvh_status kvh_pool_unregister(kvh_engine *engine, kvh_pool pool);
 
 /* Offloads a full block the inference engine produced in slot: kvh copies
  * it into its own tiers and publishes it under H(parent_hash, tokens).
  * If that hash is already cached no copy is made. [borrowed] tokens
- * (block_tokens entries); [out] *block, retained for the caller.
- * @threads any */
+ * (block_tokens entries); [out] *block, retained for the caller. Returns
+ * KVH_ERR_INVALID_ARG (NULL tokens or block, n other than block_tokens),
+ * KVH_ERR_RANGE (slot >= num_slots), KVH_ERR_BAD_HANDLE, KVH_ERR_NOSPACE,
+ * KVH_ERR_NOMEM, KVH_ERR_IO (the copy failed). @threads any */
 KVH_API kvh_status kvh_pool_offload(kvh_engine *engine, kvh_pool pool,
                                     uint32_t slot, uint64_t parent_hash,
                                     const int32_t *tokens, size_t n,
                                     uint32_t agent, kvh_block *block);
 
-/* Restores a block's KV into slot of the pool (from any tier).
+/* Restores a block's KV into slot of the pool (from any tier). Returns
+ * KVH_ERR_INVALID_ARG (the block's K/V is not fully written),
+ * KVH_ERR_RANGE (slot), KVH_ERR_BAD_HANDLE (pool or block), and for a block
+ * on disk KVH_ERR_CORRUPT, KVH_ERR_IO, KVH_ERR_NOSPACE, KVH_ERR_NOMEM.
  * @threads any */
 KVH_API kvh_status kvh_pool_restore(kvh_engine *engine, kvh_pool pool,
                                     kvh_block block, uint32_t slot);
@@ -611,7 +694,8 @@ typedef struct kvh_attention_params {
                      the default stream); ignored on the CPU backend */
 } kvh_attention_params;
 
-/* Defaults for a struct of struct_size bytes. @threads any */
+/* Defaults for a struct of struct_size bytes. Returns KVH_ERR_INVALID_ARG
+ * (NULL params), KVH_ERR_STRUCT_SIZE. @threads any */
 KVH_API kvh_status kvh_attention_params_init(kvh_attention_params *params,
                                              size_t struct_size);
 
@@ -625,12 +709,14 @@ KVH_API kvh_status kvh_attention_params_init(kvh_attention_params *params,
  * params->stream and the call returns before they finish.
  * [borrowed] seqs (n_seqs), params (NULL = defaults).
  * Returns KVH_ERR_INVALID_ARG (NULL pointers, unknown io_dtype, a
- * non-finite scale, num_q_heads not a multiple of num_kv_heads),
- * KVH_ERR_STRUCT_SIZE, KVH_ERR_RANGE (layer out of range, an empty
- * sequence), KVH_ERR_BAD_HANDLE, KVH_ERR_NOT_RESIDENT, KVH_ERR_NOMEM,
+ * non-finite scale, num_q_heads not a multiple of num_kv_heads or above
+ * the kernels' limit), KVH_ERR_STRUCT_SIZE, KVH_ERR_RANGE (layer out of
+ * range, an empty sequence, one of 2^31 tokens or more),
+ * KVH_ERR_BAD_HANDLE, KVH_ERR_NOT_RESIDENT, KVH_ERR_NOMEM,
  * KVH_ERR_UNSUPPORTED (CUDA with head_dim > 256, or a stream that is being
  * captured into a graph: the call takes holds that a replay would not; use
- * kvh_attention_plan_create + kvh_attention_run to capture).
+ * kvh_attention_plan_create + kvh_attention_run to capture),
+ * KVH_ERR_INTERNAL (a kernel launch failed, with the driver's words).
  * On CUDA the holds last until the kernels finish, and kvh_engine_close
  * waits for queued attention. Whether K/V cells were written is not
  * checked (a GPU engine may fill slots directly). threads above the CPU
@@ -702,7 +788,8 @@ KVH_API kvh_status kvh_context_create(kvh_engine *engine,
 
 /* Frees the context's weight memory and returns its tier slots. Attached
  * sequences are not freed. Null handle accepted. KVH_ERR_BUSY while a
- * switch involving it runs. @threads handle */
+ * switch involving it runs (or a call using it), KVH_ERR_BAD_HANDLE.
+ * @threads handle */
 KVH_API kvh_status kvh_context_destroy(kvh_engine *engine, kvh_context ctx);
 
 typedef struct kvh_weight_region_params {
@@ -725,7 +812,8 @@ typedef struct kvh_weight_region_params {
     uint32_t reserved0;
 } kvh_weight_region_params;
 
-/* Defaults for a struct of struct_size bytes. @threads any */
+/* Defaults for a struct of struct_size bytes. Returns KVH_ERR_INVALID_ARG
+ * (NULL params), KVH_ERR_STRUCT_SIZE. @threads any */
 KVH_API kvh_status kvh_weight_region_params_init(
     kvh_weight_region_params *params, size_t struct_size);
 
@@ -733,17 +821,19 @@ KVH_API kvh_status kvh_weight_region_params_init(
  * 0, 1, ... in registration order). Bytes are placed in the host tier (the
  * device tier when there is no host tier), evicting KV by policy, or in the
  * disk tier when memory has no room for them. Returns
- * KVH_ERR_INVALID_ARG (size 0, neither or both sources), KVH_ERR_IO (the
- * file cannot be opened or is shorter than file_offset + size),
- * KVH_ERR_NOSPACE, KVH_ERR_NOMEM, KVH_ERR_BUSY (a switch involving the
- * context runs). @threads handle */
+ * KVH_ERR_INVALID_ARG (NULL params or region, size 0, neither or both
+ * sources, an empty path), KVH_ERR_STRUCT_SIZE, KVH_ERR_BAD_HANDLE,
+ * KVH_ERR_IO (the file cannot be opened or is shorter than file_offset +
+ * size; bytes that cannot be placed or written), KVH_ERR_NOSPACE,
+ * KVH_ERR_NOMEM, KVH_ERR_BUSY (a switch involving the context runs).
+ * @threads handle */
 KVH_API kvh_status kvh_context_add_region(
     kvh_engine *engine, kvh_context ctx,
     const kvh_weight_region_params *params, uint32_t *region);
 
 /* Adds seq to the sequences whose KV moves with the context under
- * KVH_CONTEXT_KV_DEMOTE (a freed sequence is skipped). KVH_ERR_BAD_HANDLE.
- * @threads handle (ctx) */
+ * KVH_CONTEXT_KV_DEMOTE (a sequence freed later is skipped).
+ * KVH_ERR_BAD_HANDLE (ctx or seq), KVH_ERR_NOMEM. @threads handle (ctx) */
 KVH_API kvh_status kvh_context_attach_seq(kvh_engine *engine,
                                           kvh_context ctx, kvh_seq seq);
 
@@ -762,9 +852,10 @@ KVH_API kvh_status kvh_context_attach_seq(kvh_engine *engine,
  * On a unified-memory backend (CPU) device and host tiers are the same
  * memory: a region moving between them is re-accounted, never copied.
  * A switch waits for the previous one to end. Returns KVH_ERR_INVALID_ARG
- * (from == to), KVH_ERR_BAD_HANDLE, KVH_ERR_NOMEM; the work reports
- * KVH_ERR_NOSPACE, KVH_ERR_IO, KVH_ERR_CORRUPT (a chunk read from its
- * file no longer matches its checksum). Pointers from
+ * (from == to), KVH_ERR_BAD_HANDLE, KVH_ERR_NOMEM; the work (the call
+ * itself without a fence) reports KVH_ERR_NOSPACE, KVH_ERR_IO,
+ * KVH_ERR_NOMEM, KVH_ERR_CORRUPT (a chunk read from its file no longer
+ * matches its checksum). Pointers from
  * kvh_context_region_data for from become invalid. @threads any */
 KVH_API kvh_status kvh_context_switch(kvh_engine *engine, kvh_context from,
                                       kvh_context to, kvh_fence *fence);
@@ -772,7 +863,8 @@ KVH_API kvh_status kvh_context_switch(kvh_engine *engine, kvh_context from,
 /* Waits until every region of ctx with layer <= layer is resident in the
  * device tier, or timeout_ns passes (UINT64_MAX: no limit). Returns
  * KVH_OK, KVH_ERR_TIMEOUT, KVH_ERR_NOT_RESIDENT (no switch to ctx is
- * loading them), or the error that stopped the switch. @threads any */
+ * loading them), KVH_ERR_BAD_HANDLE, or the error that stopped the switch
+ * (as kvh_context_switch). @threads any */
 KVH_API kvh_status kvh_context_wait_layer(kvh_engine *engine,
                                           kvh_context ctx, uint32_t layer,
                                           uint64_t timeout_ns);
@@ -782,15 +874,16 @@ KVH_API kvh_status kvh_context_wait_layer(kvh_engine *engine,
  * written back, not dropped, when it leaves, and its checksums are
  * recomputed at that point. [out] *data [owned by engine] valid until a
  * switch away from ctx or its destruction; [out] *size (may be NULL).
- * Returns KVH_ERR_RANGE (no such region), KVH_ERR_NOT_RESIDENT.
- * @threads any */
+ * Returns KVH_ERR_RANGE (no such region), KVH_ERR_NOT_RESIDENT,
+ * KVH_ERR_INVALID_ARG (NULL data), KVH_ERR_BAD_HANDLE. @threads any */
 KVH_API kvh_status kvh_context_region_data(kvh_engine *engine,
                                            kvh_context ctx, uint32_t region,
                                            int32_t writable, void **data,
                                            uint64_t *size);
 
 /* Pins (pinned != 0) or unpins a region: a pinned region never leaves the
- * device tier once there. @threads handle */
+ * device tier once there. Returns KVH_ERR_RANGE (no such region),
+ * KVH_ERR_BAD_HANDLE. @threads handle */
 KVH_API kvh_status kvh_context_region_pin(kvh_engine *engine,
                                           kvh_context ctx, uint32_t region,
                                           int32_t pinned);
@@ -798,7 +891,9 @@ KVH_API kvh_status kvh_context_region_pin(kvh_engine *engine,
 /* Recomputes the checksum of every chunk of ctx's resident, unmodified
  * regions and compares it with the one recorded when the chunk was first
  * loaded. [out] *chunks_checked (may be NULL). Returns KVH_ERR_CORRUPT on
- * the first mismatch. @threads any */
+ * the first mismatch, KVH_ERR_IO (a region cannot be read back),
+ * KVH_ERR_BUSY (a switch involving ctx runs), KVH_ERR_BAD_HANDLE.
+ * @threads any */
 KVH_API kvh_status kvh_context_verify(kvh_engine *engine, kvh_context ctx,
                                       uint64_t *chunks_checked);
 
@@ -817,7 +912,8 @@ typedef struct kvh_context_info {
 } kvh_context_info;
 
 /* [out] *info (set info->struct_size first; the struct before bytes_disk
- * is accepted too and filled up to its size). @threads any */
+ * is accepted too and filled up to its size). Returns KVH_ERR_INVALID_ARG
+ * (NULL info), KVH_ERR_STRUCT_SIZE, KVH_ERR_BAD_HANDLE. @threads any */
 KVH_API kvh_status kvh_context_info_get(kvh_engine *engine, kvh_context ctx,
                                         kvh_context_info *info);
 
@@ -850,7 +946,8 @@ typedef struct kvh_weight_stats {
 } kvh_weight_stats;
 
 /* [out] *stats (set stats->struct_size first; an older, smaller struct is
- * filled up to its size). @threads any */
+ * filled up to its size). Returns KVH_ERR_INVALID_ARG (NULL stats),
+ * KVH_ERR_STRUCT_SIZE. @threads any */
 KVH_API kvh_status kvh_weight_stats_get(kvh_engine *engine,
                                         kvh_weight_stats *stats);
 
@@ -870,13 +967,15 @@ typedef struct kvh_admission_params {
     uint64_t long_device_bytes;
 } kvh_admission_params;
 
-/* Defaults for a struct of struct_size bytes. @threads any */
+/* Defaults for a struct of struct_size bytes. Returns KVH_ERR_INVALID_ARG
+ * (NULL params), KVH_ERR_STRUCT_SIZE. @threads any */
 KVH_API kvh_status kvh_admission_params_init(kvh_admission_params *params,
                                              size_t struct_size);
 
 /* Sets the pools. Requests already admitted keep their reservations.
  * [borrowed] params. KVH_ERR_INVALID_ARG when the two quotas together
- * exceed the device tier. @threads any */
+ * exceed the device tier (or params is NULL); KVH_ERR_STRUCT_SIZE,
+ * KVH_ERR_NOMEM. @threads any */
 KVH_API kvh_status kvh_admission_configure(kvh_engine *engine,
                                            const kvh_admission_params *params);
 
@@ -888,14 +987,16 @@ typedef struct kvh_seq_params {
     kvh_context context;   /* attach to this context; null: none */
 } kvh_seq_params;
 
-/* Defaults for a struct of struct_size bytes. @threads any */
+/* Defaults for a struct of struct_size bytes. Returns KVH_ERR_INVALID_ARG
+ * (NULL params), KVH_ERR_STRUCT_SIZE. @threads any */
 KVH_API kvh_status kvh_seq_params_init(kvh_seq_params *params,
                                        size_t struct_size);
 
 /* kvh_seq_create with a token budget and a context. [borrowed] params;
  * [out] *seq. Returns KVH_ERR_NOSPACE, before anything is allocated, when
  * the request's pool cannot hold its budget; KVH_ERR_BAD_HANDLE (context),
- * KVH_ERR_STRUCT_SIZE, KVH_ERR_NOMEM. @threads any */
+ * KVH_ERR_INVALID_ARG (NULL params or seq), KVH_ERR_STRUCT_SIZE,
+ * KVH_ERR_NOMEM. @threads any */
 KVH_API kvh_status kvh_seq_create_ex(kvh_engine *engine,
                                      const kvh_seq_params *params,
                                      kvh_seq *seq);
@@ -914,7 +1015,8 @@ typedef struct kvh_admission_info {
     uint64_t long_rejected;
 } kvh_admission_info;
 
-/* [out] *info (set info->struct_size first). @threads any */
+/* [out] *info (set info->struct_size first). Returns KVH_ERR_INVALID_ARG
+ * (NULL info), KVH_ERR_STRUCT_SIZE, KVH_ERR_NOMEM. @threads any */
 KVH_API kvh_status kvh_admission_info_get(kvh_engine *engine,
                                           kvh_admission_info *info);
 
@@ -944,9 +1046,9 @@ typedef struct kvh_attention_plan kvh_attention_plan; /* opaque */
  * the numerics of params (NULL = defaults; its stream is ignored: each run
  * names its own). [borrowed] seqs, q_lens, params; [out] *plan, owned by
  * the caller until kvh_attention_plan_destroy. Status codes as
- * kvh_attention_decode, and KVH_ERR_INVALID_ARG for a batch without query
- * rows. On CUDA the upload may synchronise: do not call while capturing.
- * @threads any */
+ * kvh_attention_decode, and KVH_ERR_INVALID_ARG for a NULL plan or a batch
+ * without query rows. On CUDA the upload may synchronise: do not call
+ * while capturing. @threads any */
 KVH_API kvh_status kvh_attention_plan_create(kvh_engine *engine,
                                              uint32_t layer,
                                              const kvh_seq *seqs,
@@ -960,8 +1062,9 @@ KVH_API kvh_status kvh_attention_plan_create(kvh_engine *engine,
  * cudaStream_t to launch on (NULL = the default stream; ignored on the
  * CPU, where the call returns when done). [borrowed] plan, q, out.
  * Returns KVH_ERR_INVALID_ARG (NULL plan, q or out), KVH_ERR_INTERNAL (a
- * launch failure, with the driver's words). @threads any (runs of one
- * plan may overlap on the CPU only if their outputs differ) */
+ * launch failure, with the driver's words), KVH_ERR_NOMEM (CPU scratch
+ * memory). @threads any (runs of one plan may overlap on the CPU only if
+ * their outputs differ) */
 KVH_API kvh_status kvh_attention_run(kvh_engine *engine,
                                      const kvh_attention_plan *plan,
                                      const void *q, void *out, void *stream);
@@ -969,7 +1072,8 @@ KVH_API kvh_status kvh_attention_run(kvh_engine *engine,
 /* Drops the plan's holds and frees it. On CUDA the caller guarantees that
  * no launch or graph replay using it is pending (synchronise first); the
  * call may synchronise the device. NULL accepted. Plans left at
- * kvh_engine_close are destroyed by it. @threads handle (plan) */
+ * kvh_engine_close are destroyed by it. No other status.
+ * @threads handle (plan) */
 KVH_API kvh_status kvh_attention_plan_destroy(kvh_engine *engine,
                                               kvh_attention_plan *plan);
 
@@ -1022,8 +1126,8 @@ KVH_API kvh_status kvh_codec_encode(uint32_t codec, uint32_t dtype,
                                     size_t n_vectors, void *dst);
 
 /* Decodes n_vectors records from src into raw vectors of dtype in dst.
- * [borrowed] src, dst (must not overlap). Status as kvh_codec_encode.
- * @threads any */
+ * [borrowed] src, dst (must not overlap). Returns KVH_ERR_INVALID_ARG as
+ * kvh_codec_encode. @threads any */
 KVH_API kvh_status kvh_codec_decode(uint32_t codec, uint32_t dtype,
                                     uint32_t head_dim, const void *src,
                                     size_t n_vectors, void *dst);
@@ -1108,7 +1212,9 @@ typedef struct kvh_vmap_view {
  * Every block must be in the device tier (KVH_ERR_NOT_RESIDENT: acquire
  * first). [out] *vmap, owned by the caller until kvh_vmap_release.
  * Returns KVH_ERR_UNSUPPORTED (see the constraints), KVH_ERR_RANGE (layer,
- * or more tokens than capacity_tokens), KVH_ERR_BAD_HANDLE, KVH_ERR_NOMEM.
+ * or more tokens than capacity_tokens, or a capacity above 2^31),
+ * KVH_ERR_BAD_HANDLE, KVH_ERR_NOMEM, KVH_ERR_INVALID_ARG (NULL vmap),
+ * KVH_ERR_INTERNAL (a CUDA driver failure while mapping).
  * @threads handle (seq) */
 KVH_API kvh_status kvh_seq_vmap(kvh_engine *engine, kvh_seq seq,
                                 uint32_t layer, uint64_t capacity_tokens,
@@ -1118,20 +1224,24 @@ KVH_API kvh_status kvh_seq_vmap(kvh_engine *engine, kvh_seq seq,
  * replaced since, unmaps blocks truncated away, moves the holds.
  * [out] *changed (may be NULL): 1 when a mapping changed. Returns
  * KVH_ERR_BAD_HANDLE (the sequence was freed), KVH_ERR_NOT_RESIDENT,
- * KVH_ERR_RANGE (the sequence outgrew capacity_tokens); the view stays
- * usable (and stale) after a failure. Waits first until attention queued
- * over the view (CUDA) has finished. @threads handle (vmap and seq) */
+ * KVH_ERR_RANGE (the sequence outgrew capacity_tokens),
+ * KVH_ERR_UNSUPPORTED (blocks out of slab order, see "Memory"),
+ * KVH_ERR_NOMEM, KVH_ERR_INVALID_ARG (NULL vmap), KVH_ERR_INTERNAL (as
+ * kvh_seq_vmap); the view stays usable (and stale) after a failure. Waits
+ * first until attention queued over the view (CUDA) has finished.
+ * @threads handle (vmap and seq) */
 KVH_API kvh_status kvh_vmap_refresh(kvh_engine *engine, kvh_vmap *vmap,
                                     int32_t *changed);
 
 /* The view's current addresses and sizes. [out] *view (set
- * view->struct_size first). @threads handle (vmap) */
+ * view->struct_size first). Returns KVH_ERR_INVALID_ARG (NULL vmap or
+ * view), KVH_ERR_STRUCT_SIZE. @threads handle (vmap) */
 KVH_API kvh_status kvh_vmap_get(kvh_engine *engine, const kvh_vmap *vmap,
                                 kvh_vmap_view *view);
 
 /* Unmaps the view and drops its holds, after attention queued over it
  * (CUDA) has finished. NULL accepted. Views left at kvh_engine_close are
- * released by it. @threads handle (vmap) */
+ * released by it. No other status. @threads handle (vmap) */
 KVH_API kvh_status kvh_vmap_release(kvh_engine *engine, kvh_vmap *vmap);
 
 /* kvh_attention_decode over views: view i (a sequence's layer) attends
@@ -1143,9 +1253,11 @@ KVH_API kvh_status kvh_vmap_release(kvh_engine *engine, kvh_vmap *vmap);
  * CUDA, where the kernels are queued on params->stream and the call
  * returns before they finish (kvh_vmap_refresh, kvh_vmap_release and
  * kvh_engine_close wait for them). Returns KVH_ERR_BAD_HANDLE for a
- * stale view (refresh it), KVH_ERR_INVALID_ARG, KVH_ERR_STRUCT_SIZE,
- * KVH_ERR_NOMEM, KVH_ERR_UNSUPPORTED (as kvh_attention_decode: a stream
- * being captured). @threads handle (each view) */
+ * stale view (refresh it), KVH_ERR_RANGE (a view of no tokens),
+ * KVH_ERR_INVALID_ARG (NULL pointers, params as kvh_attention_decode),
+ * KVH_ERR_STRUCT_SIZE, KVH_ERR_NOMEM, KVH_ERR_UNSUPPORTED (as
+ * kvh_attention_decode: a stream being captured), KVH_ERR_INTERNAL (a
+ * kernel launch failed). @threads handle (each view) */
 KVH_API kvh_status kvh_attention_decode_vmap(kvh_engine *engine,
                                              kvh_vmap *const *views,
                                              size_t n_views, const void *q,
@@ -1197,7 +1309,8 @@ KVH_API kvh_status kvh_seq_set_tolerance(kvh_engine *engine, kvh_seq seq,
                                          uint64_t first, uint64_t n,
                                          uint32_t tolerance);
 
-/* The same for one block. @threads any */
+/* The same for one block. Returns KVH_ERR_INVALID_ARG (tolerance >
+ * KVH_TOLERANCE_MAX), KVH_ERR_BAD_HANDLE. @threads any */
 KVH_API kvh_status kvh_block_set_tolerance(kvh_engine *engine,
                                            kvh_block block,
                                            uint32_t tolerance);
