@@ -16,19 +16,20 @@ uint8_t *kvhi_block_data(kvh_engine *e, uint32_t b)
     return kvhi_slot_addr(e, blk->tier, blk->slot);
 }
 
+/* Block handles keep a 32-bit index: the 24 generation bits left are the
+ * low ones of the record's gen. */
 uint64_t kvh_block_handle(kvh_engine *e, uint32_t b)
 {
-    return kvhi_handle_make(KVHI_TAG_BLOCK, e->blocks[b].gen, b);
+    return kvhi_handle_pack(KVHI_TAG_BLOCK, e->blocks[b].gen, b, 32);
 }
 
 kvh_status kvhi_block_resolve(kvh_engine *e, kvh_block h, uint32_t *out)
 {
-    uint32_t i = kvhi_handle_index(h.id);
+    uint32_t i = kvhi_handle_unpack_index(h.id, 32);
     if (kvhi_handle_tag(h.id) != KVHI_TAG_BLOCK || i >= e->block_cap)
         return kvhi_fail(KVH_ERR_BAD_HANDLE, "not a block handle: 0x%llx", (unsigned long long)h.id);
     kvhi_block *blk = kvhi_blk(e, i);
-    if (!(blk->flags & KVHI_BF_LIVE) || (blk->flags & KVHI_BF_DEAD) ||
-        (blk->gen & KVHI_GEN_MASK) != kvhi_handle_gen(h.id))
+    if (!(blk->flags & KVHI_BF_LIVE) || (blk->flags & KVHI_BF_DEAD) || h.id != kvh_block_handle(e, i))
         return kvhi_fail(KVH_ERR_BAD_HANDLE, "stale block handle: 0x%llx", (unsigned long long)h.id);
     *out = i;
     return KVH_OK;

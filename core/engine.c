@@ -316,7 +316,7 @@ kvh_status kvh_engine_open(const kvh_config *config, kvh_engine **out)
     uint32_t gen0 = 0;
     if (getrandom(&gen0, sizeof(gen0), 0) != sizeof(gen0))
         gen0 = (uint32_t)kvhi_now_ns() ^ (uint32_t)(uintptr_t)e;
-    gen0 = (gen0 & KVHI_GEN_MASK) ? (gen0 & KVHI_GEN_MASK) : 1;
+    gen0 = gen0 ? gen0 : 1;
     kvhi_handles_set_gen_start(&e->seqs, gen0);
     kvhi_handles_set_gen_start(&e->fences, gen0 + 1);
     kvhi_handles_set_gen_start(&e->pools, gen0 + 2);

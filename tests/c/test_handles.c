@@ -1,6 +1,8 @@
 /* core/handles.h: generation-checked handle tables. */
 #include "test_util.h"
 
+#include "core/context.h"
+#include "core/engine.h"
 #include "core/handles.h"
 
 static int dummy[1024];
@@ -8,30 +10,35 @@ static int dummy[1024];
 static void test_make_and_split(void **state)
 {
     (void)state;
-    uint64_t h = kvhi_handle_make(KVHI_TAG_SEQ, 0x123456, 0xdeadbeef);
+    uint64_t h = kvhi_handle_make(KVHI_TAG_SEQ, 0x12345678u, 0xabcdef);
     assert_int_equal(kvhi_handle_tag(h), KVHI_TAG_SEQ);
-    assert_int_equal(kvhi_handle_gen(h), 0x123456);
-    assert_int_equal(kvhi_handle_index(h), 0xdeadbeefu);
-    /* The generation is masked to 24 bits and cannot spill into the tag. */
-    h = kvhi_handle_make(KVHI_TAG_BLOCK, 0xFF000001u, 7);
+    assert_int_equal(kvhi_handle_gen(h), 0x12345678u);
+    assert_int_equal(kvhi_handle_index(h), 0xabcdef);
+    /* All 32 generation bits fit below the tag. */
+    h = kvhi_handle_make(KVHI_TAG_BLOCK, 0xFFFFFFFFu, 7);
     assert_int_equal(kvhi_handle_tag(h), KVHI_TAG_BLOCK);
-    assert_int_equal(kvhi_handle_gen(h), 1);
+    assert_int_equal(kvhi_handle_gen(h), 0xFFFFFFFFu);
     assert_int_equal(kvhi_handle_index(h), 7);
+    /* An index past 24 bits cannot spill into the generation. */
+    h = kvhi_handle_make(KVHI_TAG_FENCE, 9, 0xFF000005u);
+    assert_int_equal(kvhi_handle_gen(h), 9);
+    assert_int_equal(kvhi_handle_index(h), 5);
+    /* Packed with another index width: generation bits past the 56 below
+     * the tag are dropped, never into the tag. */
+    h = kvhi_handle_pack(KVHI_TAG_POOL, UINT64_MAX, 3, 4);
+    assert_int_equal(kvhi_handle_tag(h), KVHI_TAG_POOL);
+    assert_int_equal(kvhi_handle_unpack_index(h, 4), 3);
+    assert_true((h & KVHI_HANDLE_PAYLOAD_MASK) >> 4 == (1ull << 52) - 1);
     /* Every tag is non-zero, so no handle equals the null handle. */
-    assert_true(KVHI_TAG_SEQ && KVHI_TAG_BLOCK && KVHI_TAG_FENCE && KVHI_TAG_POOL);
+    assert_true(KVHI_TAG_SEQ && KVHI_TAG_BLOCK && KVHI_TAG_FENCE && KVHI_TAG_POOL && KVHI_TAG_CONTEXT);
 }
 
 static void test_gen_next_skips_zero(void **state)
 {
     (void)state;
     assert_int_equal(kvhi_gen_next(1), 2);
-    assert_int_equal(kvhi_gen_next(KVHI_GEN_MASK - 1), KVHI_GEN_MASK);
-    assert_int_equal(kvhi_gen_next(KVHI_GEN_MASK), 1); /* wraps past 0 */
-    uint32_t g = 1;
-    for (uint32_t i = 0; i < KVHI_GEN_MASK + 5; i++) {
-        g = kvhi_gen_next(g);
-        assert_true(g != 0 && g <= KVHI_GEN_MASK);
-    }
+    assert_int_equal(kvhi_gen_next(0xFFFFFFFEu), 0xFFFFFFFFu);
+    assert_int_equal(kvhi_gen_next(0xFFFFFFFFu), 1); /* wraps past 0 */
 }
 
 static void test_add_get_remove(void **state)
@@ -240,6 +247,49 @@ static void test_random_against_reference(void **state)
     kvhi_handles_destroy(&t);
 }
 
+/* A slot whose generation would come back to its first value is retired,
+ * so the first handle it gave out is never handed out again. */
+static void test_table_slot_retires_at_wrap(void **state)
+{
+    (void)state;
+    /* From 1 the last generations pass UINT32_MAX and skip 0. */
+    const uint32_t starts[] = {0x1234567u, 1, 0xFFFFFFFFu};
+    for (size_t k = 0; k < sizeof(starts) / sizeof(starts[0]); k++) {
+        kvhi_handle_table t;
+        kvhi_handles_init(&t, KVHI_TAG_SEQ);
+        kvhi_handles_set_gen_start(&t, starts[k]);
+        uint64_t first, seen[4];
+        uint32_t slot, i;
+        assert_int_equal(kvhi_handles_add(&t, &dummy[0], &first, &slot), 0);
+        assert_int_equal(kvhi_handle_gen(first), starts[k]);
+        kvhi_handles_remove(&t, slot);
+        t.gens[slot] = starts[k] - 3; /* skip the 2^32 - 4 uses before */
+        int n_seen = 0;
+        while (t.retired == 0) {
+            assert_true(n_seen < 4);
+            assert_int_equal(kvhi_handles_add(&t, &dummy[1], &seen[n_seen], &i), 0);
+            assert_int_equal(i, slot);
+            assert_true(seen[n_seen] != first);
+            kvhi_handles_remove(&t, i);
+            n_seen++;
+        }
+        assert_int_equal(n_seen, starts[k] == 1 ? 2 : 3);
+        assert_int_equal(t.used, 0);
+        /* The slot stays out: new handles take other slots. */
+        for (int n = 0; n < 200; n++) {
+            uint64_t h;
+            assert_int_equal(kvhi_handles_add(&t, &dummy[2], &h, &i), 0);
+            assert_true(i != slot);
+        }
+        assert_int_equal(t.retired, 1);
+        assert_null(kvhi_handles_at(&t, slot));
+        assert_null(kvhi_handles_get(&t, first, NULL));
+        for (int n = 0; n < n_seen; n++)
+            assert_null(kvhi_handles_get(&t, seen[n], NULL));
+        kvhi_handles_destroy(&t);
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -251,6 +301,7 @@ int main(void)
         cmocka_unit_test_teardown(test_forged_index_out_of_range, tu_teardown),
         cmocka_unit_test_teardown(test_growth_beyond_64, tu_teardown),
         cmocka_unit_test_teardown(test_random_against_reference, tu_teardown),
+        cmocka_unit_test_teardown(test_table_slot_retires_at_wrap, tu_teardown),
     };
     return cmocka_run_group_tests_name("handles", tests, NULL, NULL);
 }
