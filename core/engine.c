@@ -352,6 +352,9 @@ kvh_status kvh_engine_open(const kvh_config *config, kvh_engine **out)
         return kvhi_fail(KVH_ERR_INVALID_ARG, "tier budgets hold more than 2^32 blocks");
     }
     e->block_cap = (uint32_t)cap;
+    /* Block handles give the generation every bit the index leaves. */
+    while ((1ull << e->block_index_bits) < cap)
+        e->block_index_bits++;
     e->blocks = kvhi_huge_alloc(cap * sizeof(kvhi_block));
     e->block_free = malloc(cap * sizeof(uint32_t));
     e->tokens = malloc(cap * e->cfg.block_tokens * sizeof(int32_t));

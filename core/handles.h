@@ -2,11 +2,12 @@
  * Layout: bits 63..56 type tag (never 0), then the generation, then the
  * index in the low index_bits bits. Tables (sequences, fences, pools,
  * contexts) use KVHI_TABLE_INDEX_BITS, leaving 32 bits of generation;
- * block handles use 32 (core/block.c). A handle whose tag, generation or
- * index does not match a live entry is rejected, so stale and forged
- * values are errors.
+ * block handles size their index to the engine's block count, leaving
+ * 56 - index_bits (core/block.c). A handle whose tag, generation or index
+ * does not match a live entry is rejected, so stale and forged values are
+ * errors.
  *
- * A table hands no value out twice: a slot's generation advances on every
+ * No value is handed out twice: a slot's generation advances on every
  * removal, and a slot whose generation would come back to its first value
  * is retired (never handed out again) instead of wrapping. */
 #ifndef KVH_CORE_HANDLES_H

@@ -1,4 +1,4 @@
-/* core/handles.h: generation-checked handle tables. */
+/* core/handles.h: generation-checked handle tables, and block handles. */
 #include "test_util.h"
 
 #include "core/context.h"
@@ -290,6 +290,94 @@ static void test_table_slot_retires_at_wrap(void **state)
     }
 }
 
+/* ---- block records ---- */
+
+enum { L = 1, H = 1, D = 4, BT = 4, TOK = H * D * 4 };
+
+static kvh_engine *small_engine(void) { return tu_open(L, H, D, BT, KVH_DTYPE_F32, 8, 8, 0); }
+
+/* White-box: a block record, moved to three generations short of what its
+ * handles can tell apart, retires when it gets there; the engine then has
+ * one record less and says so when it runs out. */
+static void test_block_record_retires_at_wrap(void **state)
+{
+    (void)state;
+    kvh_engine *e = small_engine(); /* 8 + 8 blocks */
+    assert_int_equal(e->block_cap, 16);
+    assert_int_equal(e->block_index_bits, 4);
+    const unsigned gen_bits = KVHI_HANDLE_TAG_SHIFT - 4;
+    kvh_block first, seen[5];
+    assert_ok(kvh_block_alloc(e, 0, &first));
+    assert_ok(kvh_block_release(e, first));
+    uint32_t rec = kvhi_handle_unpack_index(first.id, e->block_index_bits);
+    assert_int_equal(kvhi_handle_pack(KVHI_TAG_BLOCK, e->gen_start, rec, 4), first.id);
+    kvh_block_info bi = {.struct_size = sizeof(bi)};
+    /* 2^32 uses later the low half is back where it started; the handle
+     * carries the bits above it too, so the first handle stays stale. */
+    e->blocks[rec].gen = e->gen_start;
+    e->blocks[rec].gen_hi = 1;
+    kvh_block later;
+    assert_ok(kvh_block_alloc(e, 0, &later));
+    assert_int_equal(kvhi_handle_unpack_index(later.id, 4), rec);
+    assert_int_equal(later.id, first.id | 1ull << (32 + 4));
+    assert_kvh(KVH_ERR_BAD_HANDLE, kvh_block_info_get(e, first, &bi));
+    assert_ok(kvh_block_release(e, later));
+    uint64_t near_wrap = e->gen_start + (1ull << gen_bits) - 3;
+    if ((uint32_t)near_wrap == 0) /* the low half is never 0 */
+        near_wrap--;
+    e->blocks[rec].gen = (uint32_t)near_wrap;
+    e->blocks[rec].gen_hi = (uint32_t)(near_wrap >> 32);
+    int n_seen = 0;
+    while (e->blocks_retired == 0) {
+        assert_true(n_seen < 5);
+        assert_ok(kvh_block_alloc(e, 0, &seen[n_seen]));
+        assert_int_equal(kvhi_handle_unpack_index(seen[n_seen].id, 4), rec);
+        assert_int_equal(seen[n_seen].id, kvhi_handle_pack(KVHI_TAG_BLOCK, kvhi_block_gen(&e->blocks[rec]), rec, 4));
+        assert_ok(kvh_block_release(e, seen[n_seen]));
+        n_seen++;
+    }
+    assert_kvh(KVH_ERR_BAD_HANDLE, kvh_block_info_get(e, first, &bi));
+    for (int n = 0; n < n_seen; n++)
+        assert_kvh(KVH_ERR_BAD_HANDLE, kvh_block_info_get(e, seen[n], &bi));
+    /* 15 records are left for 16 tier slots. */
+    kvh_block live[16];
+    for (int n = 0; n < 15; n++) {
+        assert_ok(kvh_block_alloc(e, 0, &live[n]));
+        assert_true(kvhi_handle_unpack_index(live[n].id, 4) != rec);
+    }
+    assert_kvh(KVH_ERR_NOSPACE, kvh_block_alloc(e, 0, &live[15]));
+    for (int n = 0; n < 15; n++)
+        assert_ok(kvh_block_release(e, live[n]));
+    assert_int_equal(e->blocks_retired, 1);
+}
+
+/* Block handles give the generation what the index leaves: 56 bits for a
+ * single block, 51 for 17. */
+static void test_block_handle_widths(void **state)
+{
+    (void)state;
+    const struct {
+        uint64_t device, host;
+        unsigned index_bits;
+    } cases[] = {{1, 0, 0}, {2, 0, 1}, {16, 1, 5}};
+    for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
+        kvh_engine *e = tu_open(L, H, D, BT, KVH_DTYPE_F32, cases[c].device, cases[c].host, 0);
+        assert_int_equal(e->block_index_bits, cases[c].index_bits);
+        kvh_block b, prev = {0};
+        for (int n = 0; n < 100; n++) {
+            assert_ok(kvh_block_alloc(e, 0, &b));
+            assert_int_equal(kvhi_handle_tag(b.id), KVHI_TAG_BLOCK);
+            assert_true(b.id != prev.id);
+            assert_true(kvhi_handle_unpack_index(b.id, cases[c].index_bits) < e->block_cap);
+            assert_ok(kvh_block_release(e, b));
+            kvh_block_info bi = {.struct_size = sizeof(bi)};
+            assert_kvh(KVH_ERR_BAD_HANDLE, kvh_block_info_get(e, b, &bi));
+            prev = b;
+        }
+        assert_ok(tu_close(e));
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -302,6 +390,8 @@ int main(void)
         cmocka_unit_test_teardown(test_growth_beyond_64, tu_teardown),
         cmocka_unit_test_teardown(test_random_against_reference, tu_teardown),
         cmocka_unit_test_teardown(test_table_slot_retires_at_wrap, tu_teardown),
+        cmocka_unit_test_teardown(test_block_record_retires_at_wrap, tu_teardown),
+        cmocka_unit_test_teardown(test_block_handle_widths, tu_teardown),
     };
     return cmocka_run_group_tests_name("handles", tests, NULL, NULL);
 }
