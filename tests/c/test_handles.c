@@ -1,4 +1,5 @@
-/* core/handles.h: generation-checked handle tables, and block handles. */
+/* core/handles.h: generation-checked handle tables, and every handle type
+ * of the engine: a freed handle never becomes valid again. */
 #include "test_util.h"
 
 #include "core/context.h"
@@ -378,6 +379,187 @@ static void test_block_handle_widths(void **state)
     }
 }
 
+/* ---- every handle type of the engine, through the public API ---- */
+
+static kvh_seq fence_source; /* a fence is made by migrating 0 blocks of it */
+static float pool_memory[2 * 4 * BT * H * D];
+
+static kvh_engine *kinds_engine(void)
+{
+    kvh_engine *e = small_engine();
+    fence_source = tu_seq_new(e, 0);
+    return e;
+}
+
+static kvh_status seq_create(kvh_engine *e, uint64_t *id) { return kvh_seq_create(e, 0, (kvh_seq *)id); }
+static kvh_status seq_destroy(kvh_engine *e, uint64_t id) { return kvh_seq_free(e, (kvh_seq){id}); }
+static kvh_status seq_probe(kvh_engine *e, uint64_t id)
+{
+    uint64_t n;
+    return kvh_seq_length(e, (kvh_seq){id}, &n);
+}
+
+static kvh_status block_create(kvh_engine *e, uint64_t *id) { return kvh_block_alloc(e, 0, (kvh_block *)id); }
+static kvh_status block_destroy(kvh_engine *e, uint64_t id) { return kvh_block_release(e, (kvh_block){id}); }
+static kvh_status block_probe(kvh_engine *e, uint64_t id)
+{
+    kvh_block_info bi = {.struct_size = sizeof(bi)};
+    return kvh_block_info_get(e, (kvh_block){id}, &bi);
+}
+
+static kvh_status fence_create(kvh_engine *e, uint64_t *id)
+{
+    return kvh_seq_migrate(e, fence_source, 0, 0, KVH_TIER_HOST, (kvh_fence *)id);
+}
+static kvh_status fence_destroy(kvh_engine *e, uint64_t id) { return kvh_fence_free(e, (kvh_fence){id}); }
+static kvh_status fence_probe(kvh_engine *e, uint64_t id)
+{
+    int32_t done;
+    return kvh_fence_poll(e, (kvh_fence){id}, &done);
+}
+
+static kvh_status pool_create(kvh_engine *e, uint64_t *id)
+{
+    void *k[L] = {pool_memory}, *v[L] = {pool_memory + 4 * BT * H * D};
+    kvh_pool_layout layout = {.struct_size = sizeof(layout),
+                              .memory = KVH_MEMORY_HOST,
+                              .num_slots = 4,
+                              .k_base = k,
+                              .v_base = v,
+                              .slot_stride = BT * TOK,
+                              .token_stride = TOK,
+                              .head_stride = D * 4};
+    return kvh_pool_register(e, &layout, (kvh_pool *)id);
+}
+static kvh_status pool_destroy(kvh_engine *e, uint64_t id) { return kvh_pool_unregister(e, (kvh_pool){id}); }
+
+static kvh_status context_create(kvh_engine *e, uint64_t *id) { return kvh_context_create(e, NULL, (kvh_context *)id); }
+static kvh_status context_destroy(kvh_engine *e, uint64_t id) { return kvh_context_destroy(e, (kvh_context){id}); }
+static kvh_status context_probe(kvh_engine *e, uint64_t id)
+{
+    kvh_context_info info = {.struct_size = sizeof(info)};
+    return kvh_context_info_get(e, (kvh_context){id}, &info);
+}
+
+static kvhi_handle_table *seq_table(kvh_engine *e) { return &e->seqs; }
+static kvhi_handle_table *fence_table(kvh_engine *e) { return &e->fences; }
+static kvhi_handle_table *pool_table(kvh_engine *e) { return &e->pools; }
+static kvhi_handle_table *context_table(kvh_engine *e) { return &e->contexts->table; }
+
+typedef struct handle_kind {
+    const char *name;
+    kvh_status (*create)(kvh_engine *e, uint64_t *id);
+    kvh_status (*destroy)(kvh_engine *e, uint64_t id);
+    kvh_status (*probe)(kvh_engine *e, uint64_t id); /* any call naming it */
+    kvhi_handle_table *(*table)(kvh_engine *e);      /* NULL: block records */
+} handle_kind;
+
+/* Pools have no call that only reads: a revived pool would be
+ * unregistered by the probe, which then returns KVH_OK and fails. */
+static const handle_kind kinds[] = {
+    {"seq", seq_create, seq_destroy, seq_probe, seq_table},
+    {"block", block_create, block_destroy, block_probe, NULL},
+    {"fence", fence_create, fence_destroy, fence_probe, fence_table},
+    {"pool", pool_create, pool_destroy, pool_destroy, pool_table},
+    {"context", context_create, context_destroy, context_probe, context_table},
+};
+enum { KIND_SEQ, KIND_BLOCK, KIND_FENCE, KIND_POOL, KIND_CONTEXT };
+
+/* Create and free a handle, then create and free 2^24 + 1 more, one past
+ * where 24-bit generations used to hand the first value out again: no
+ * create returns it, and it stays KVH_ERR_BAD_HANDLE while a live handle
+ * holds its slot. About a second per type. */
+static void check_freed_handle_stays_bad(const handle_kind *k)
+{
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+    /* 12 s per type there; the wrap itself is the release build's to see
+     * (and the white-box tests'), these runs check the paths' memory. */
+    const uint32_t cycles = (1u << 16) + 1;
+#else
+    const uint32_t cycles = (1u << 24) + 1;
+#endif
+    kvh_engine *e = kinds_engine();
+    uint64_t freed, h = 0;
+    assert_ok(k->create(e, &freed));
+    assert_ok(k->destroy(e, freed));
+    for (uint32_t i = 1; i <= cycles; i++) {
+        assert_ok(k->create(e, &h));
+        if (h == freed) {
+            print_error("%s: create %u handed out the freed handle 0x%" PRIx64 " again\n", k->name, i, freed);
+            fail();
+        }
+        if (i < cycles)
+            assert_ok(k->destroy(e, h));
+    }
+    assert_kvh(KVH_ERR_BAD_HANDLE, k->probe(e, freed));
+    assert_kvh(KVH_ERR_BAD_HANDLE, k->destroy(e, freed));
+    assert_ok(k->destroy(e, h));
+}
+
+static void test_freed_seq_stays_bad(void **state)
+{
+    (void)state;
+    check_freed_handle_stays_bad(&kinds[KIND_SEQ]);
+}
+static void test_freed_block_stays_bad(void **state)
+{
+    (void)state;
+    check_freed_handle_stays_bad(&kinds[KIND_BLOCK]);
+}
+static void test_freed_fence_stays_bad(void **state)
+{
+    (void)state;
+    check_freed_handle_stays_bad(&kinds[KIND_FENCE]);
+}
+static void test_freed_pool_stays_bad(void **state)
+{
+    (void)state;
+    check_freed_handle_stays_bad(&kinds[KIND_POOL]);
+}
+static void test_freed_context_stays_bad(void **state)
+{
+    (void)state;
+    check_freed_handle_stays_bad(&kinds[KIND_CONTEXT]);
+}
+
+/* White-box: each table type's slot, moved to three generations short of
+ * its wrap, retires when it gets there, through the public API. */
+static void test_engine_table_slots_retire(void **state)
+{
+    (void)state;
+    for (int kind = 0; kind < (int)(sizeof(kinds) / sizeof(kinds[0])); kind++) {
+        const handle_kind *k = &kinds[kind];
+        if (!k->table)
+            continue;
+        kvh_engine *e = kinds_engine();
+        uint64_t first, seen[5];
+        assert_ok(k->create(e, &first));
+        assert_ok(k->destroy(e, first));
+        kvhi_handle_table *t = k->table(e);
+        uint32_t slot = kvhi_handle_index(first), retired = t->retired;
+        uint32_t near_wrap = t->gen_start - 3;
+        if (near_wrap == 0) /* never a generation */
+            near_wrap--;
+        t->gens[slot] = near_wrap;
+        int n_seen = 0;
+        while (t->retired == retired) {
+            assert_true(n_seen < 5);
+            assert_ok(k->create(e, &seen[n_seen]));
+            assert_int_equal(kvhi_handle_index(seen[n_seen]), slot);
+            assert_ok(k->destroy(e, seen[n_seen]));
+            n_seen++;
+        }
+        uint64_t h;
+        assert_ok(k->create(e, &h));
+        assert_true(kvhi_handle_index(h) != slot);
+        assert_kvh(KVH_ERR_BAD_HANDLE, k->probe(e, first));
+        for (int n = 0; n < n_seen; n++)
+            assert_kvh(KVH_ERR_BAD_HANDLE, k->probe(e, seen[n]));
+        assert_ok(k->destroy(e, h));
+        assert_ok(tu_close(e));
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -392,6 +574,12 @@ int main(void)
         cmocka_unit_test_teardown(test_table_slot_retires_at_wrap, tu_teardown),
         cmocka_unit_test_teardown(test_block_record_retires_at_wrap, tu_teardown),
         cmocka_unit_test_teardown(test_block_handle_widths, tu_teardown),
+        cmocka_unit_test_teardown(test_engine_table_slots_retire, tu_teardown),
+        cmocka_unit_test_teardown(test_freed_seq_stays_bad, tu_teardown),
+        cmocka_unit_test_teardown(test_freed_block_stays_bad, tu_teardown),
+        cmocka_unit_test_teardown(test_freed_fence_stays_bad, tu_teardown),
+        cmocka_unit_test_teardown(test_freed_pool_stays_bad, tu_teardown),
+        cmocka_unit_test_teardown(test_freed_context_stays_bad, tu_teardown),
     };
     return cmocka_run_group_tests_name("handles", tests, NULL, NULL);
 }
