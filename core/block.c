@@ -19,17 +19,16 @@ uint8_t *kvhi_block_data(kvh_engine *e, uint32_t b)
 
 uint64_t kvh_block_handle(kvh_engine *e, uint32_t b)
 {
-    return kvhi_handle_make(KVHI_TAG_BLOCK, e->blocks[b].gen, b);
+    return kvhi_handle_pack(KVHI_TAG_BLOCK, kvhi_block_gen(&e->blocks[b]), b, e->block_index_bits);
 }
 
 kvh_status kvhi_block_resolve(kvh_engine *e, kvh_block h, uint32_t *out)
 {
-    uint32_t i = kvhi_handle_index(h.id);
+    uint32_t i = kvhi_handle_unpack_index(h.id, e->block_index_bits);
     if (kvhi_handle_tag(h.id) != KVHI_TAG_BLOCK || i >= e->block_cap)
         return kvhi_fail(KVH_ERR_BAD_HANDLE, "not a block handle: 0x%llx", (unsigned long long)h.id);
     kvhi_block *blk = kvhi_blk(e, i);
-    if (!(blk->flags & KVHI_BF_LIVE) || (blk->flags & KVHI_BF_DEAD) ||
-        (blk->gen & KVHI_GEN_MASK) != kvhi_handle_gen(h.id))
+    if (!(blk->flags & KVHI_BF_LIVE) || (blk->flags & KVHI_BF_DEAD) || h.id != kvh_block_handle(e, i))
         return kvhi_fail(KVH_ERR_BAD_HANDLE, "stale block handle: 0x%llx", (unsigned long long)h.id);
     *out = i;
     return KVH_OK;
@@ -228,6 +227,21 @@ kvh_status kvhi_block_new(kvh_engine *e, uint32_t agent, uint32_t min_tier, uint
 }
 
 /* Frees b's metadata, and its slot unless keep_slot. Not in flight. */
+/* Moves the record to its next generation, keeping the low 32 bits
+ * (internal staleness checks) non-zero. False when a handle's generation
+ * bits would repeat a value the record already had: the record is then
+ * retired, never handed out again. */
+static bool block_gen_advance(kvh_engine *e, kvhi_block *blk)
+{
+    uint64_t gen = kvhi_block_gen(blk) + 1;
+    if ((uint32_t)gen == 0)
+        gen++;
+    blk->gen = (uint32_t)gen;
+    blk->gen_hi = (uint32_t)(gen >> 32);
+    unsigned handle_gen_bits = KVHI_HANDLE_TAG_SHIFT - e->block_index_bits;
+    return (gen - e->gen_start) >> handle_gen_bits == 0;
+}
+
 static void block_destroy(kvh_engine *e, uint32_t b, bool keep_slot)
 {
     kvhi_block *blk = kvhi_blk(e, b);
@@ -246,8 +260,10 @@ static void block_destroy(kvh_engine *e, uint32_t b, bool keep_slot)
     blk->written = NULL;
     blk->flags = 0;
     blk->tier = KVHI_NO_TIER;
-    blk->gen = kvhi_gen_next(blk->gen);
-    e->block_free[e->block_free_top++] = b;
+    if (block_gen_advance(e, blk))
+        e->block_free[e->block_free_top++] = b;
+    else
+        e->blocks_retired++;
     e->stats.blocks_freed++;
 }
 

@@ -134,9 +134,10 @@ kvh_status kvhi_disk_tier_recover(kvh_engine *e)
         used[ent->slot] = 1;
         uint32_t b = e->block_free[--e->block_free_top];
         kvhi_block *blk = &e->blocks[b];
-        uint32_t gen = blk->gen;
+        uint32_t gen = blk->gen, gen_hi = blk->gen_hi;
         memset(blk, 0, sizeof(*blk));
         blk->gen = gen;
+        blk->gen_hi = gen_hi;
         blk->flags = KVHI_BF_LIVE | KVHI_BF_HASHED | KVHI_BF_KV_COMPLETE | KVHI_BF_JOURNALED | KVHI_BF_DISK_HASHED;
         blk->deferred_slot = KVHI_NO_BLOCK;
         blk->ext_refs = 0;

@@ -319,7 +319,7 @@ kvh_status kvh_engine_open(const kvh_config *config, kvh_engine **out)
     uint32_t gen0 = 0;
     if (getrandom(&gen0, sizeof(gen0), 0) != sizeof(gen0))
         gen0 = (uint32_t)kvhi_now_ns() ^ (uint32_t)(uintptr_t)e;
-    gen0 = (gen0 & KVHI_GEN_MASK) ? (gen0 & KVHI_GEN_MASK) : 1;
+    gen0 = gen0 ? gen0 : 1;
     kvhi_handles_set_gen_start(&e->seqs, gen0);
     kvhi_handles_set_gen_start(&e->fences, gen0 + 1);
     kvhi_handles_set_gen_start(&e->pools, gen0 + 2);
@@ -355,6 +355,9 @@ kvh_status kvh_engine_open(const kvh_config *config, kvh_engine **out)
         return kvhi_fail(KVH_ERR_INVALID_ARG, "tier budgets hold more than 2^32 blocks");
     }
     e->block_cap = (uint32_t)cap;
+    /* Block handles give the generation every bit the index leaves. */
+    while ((1ull << e->block_index_bits) < cap)
+        e->block_index_bits++;
     e->blocks = kvhi_huge_alloc(cap * sizeof(kvhi_block));
     e->block_free = malloc(cap * sizeof(uint32_t));
     e->tokens = malloc(cap * e->cfg.block_tokens * sizeof(int32_t));

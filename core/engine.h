@@ -80,6 +80,7 @@ typedef struct __attribute__((aligned(64))) kvhi_block {
      * it: freed when the copy ends (KVHI_NO_BLOCK: none). */
     uint32_t deferred_slot;
     uint32_t data_crc;  /* CRC32C of the data on disk */
+    uint32_t gen_hi;    /* generation above gen's 32 bits (kvhi_block_gen) */
     /* Bitmap [layer][token] of written KV cells. NULL means none written,
      * unless KVHI_BF_KV_COMPLETE says all are. */
     uint64_t *written;
@@ -91,6 +92,11 @@ typedef struct __attribute__((aligned(64))) kvhi_block {
 #define KVHI_HINT_NONE INT32_MIN
 _Static_assert(offsetof(kvhi_block, gen) == 64, "kvhi_block: the hot fields fill exactly its first cache line");
 _Static_assert(sizeof(kvhi_block) == 128, "kvhi_block: two cache lines");
+
+/* The record's whole generation, which block handles carry as much of as
+ * their index leaves room for. gen alone (never 0) is what internal
+ * staleness checks compare. */
+static inline uint64_t kvhi_block_gen(const kvhi_block *blk) { return (uint64_t)blk->gen_hi << 32 | blk->gen; }
 
 typedef struct kvhi_tier {
     bool present;
@@ -192,6 +198,8 @@ struct kvh_engine {
     uint32_t block_cap;
     uint32_t *block_free; /* stack of free meta indices */
     uint32_t block_free_top;
+    uint32_t blocks_retired; /* records whose generations ran out */
+    uint8_t block_index_bits; /* low bits of a block handle naming its record */
     int32_t *tokens; /* block_cap * block_tokens token ids */
 
     kvhi_tier tiers[KVH_TIER_COUNT];

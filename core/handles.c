@@ -10,7 +10,6 @@ int kvhi_handles_init(kvhi_handle_table *t, uint8_t tag)
 
 void kvhi_handles_set_gen_start(kvhi_handle_table *t, uint32_t gen)
 {
-    gen &= KVHI_GEN_MASK;
     t->gen_start = gen ? gen : 1;
 }
 
@@ -25,6 +24,8 @@ void kvhi_handles_destroy(kvhi_handle_table *t)
 static int grow(kvhi_handle_table *t)
 {
     uint32_t ncap = t->cap ? t->cap * 2 : 64;
+    if (ncap > KVHI_TABLE_MAX_SLOTS)
+        ncap = KVHI_TABLE_MAX_SLOTS; /* what a handle's index can name */
     if (ncap <= t->cap)
         return -1;
     void **p = realloc(t->ptrs, sizeof(*p) * ncap);
@@ -69,7 +70,7 @@ void *kvhi_handles_get(const kvhi_handle_table *t, uint64_t handle,
     if (kvhi_handle_tag(handle) != t->tag)
         return NULL;
     uint32_t i = kvhi_handle_index(handle);
-    if (i >= t->cap || !t->ptrs[i] || t->gens[i] != kvhi_handle_gen(handle))
+    if (i >= t->cap || !t->ptrs[i] || handle != kvhi_handles_handle_of(t, i))
         return NULL;
     if (index)
         *index = i;
@@ -90,6 +91,13 @@ void kvhi_handles_remove(kvhi_handle_table *t, uint32_t index)
 {
     t->ptrs[index] = NULL;
     t->gens[index] = kvhi_gen_next(t->gens[index]);
-    t->free_list[t->free_top++] = index;
     t->used--;
+    /* Every generation was handed out once (2^32 - 1 of them): a reuse
+     * would revive the first handle, so the slot stays out of the free
+     * list for good (a few bytes). */
+    if (t->gens[index] == t->gen_start) {
+        t->retired++;
+        return;
+    }
+    t->free_list[t->free_top++] = index;
 }

@@ -1,6 +1,9 @@
-/* core/handles.h: generation-checked handle tables. */
+/* core/handles.h: generation-checked handle tables, and every handle type
+ * of the engine: a freed handle never becomes valid again. */
 #include "test_util.h"
 
+#include "core/context.h"
+#include "core/engine.h"
 #include "core/handles.h"
 
 static int dummy[1024];
@@ -8,30 +11,35 @@ static int dummy[1024];
 static void test_make_and_split(void **state)
 {
     (void)state;
-    uint64_t h = kvhi_handle_make(KVHI_TAG_SEQ, 0x123456, 0xdeadbeef);
+    uint64_t h = kvhi_handle_make(KVHI_TAG_SEQ, 0x12345678u, 0xabcdef);
     assert_int_equal(kvhi_handle_tag(h), KVHI_TAG_SEQ);
-    assert_int_equal(kvhi_handle_gen(h), 0x123456);
-    assert_int_equal(kvhi_handle_index(h), 0xdeadbeefu);
-    /* The generation is masked to 24 bits and cannot spill into the tag. */
-    h = kvhi_handle_make(KVHI_TAG_BLOCK, 0xFF000001u, 7);
+    assert_int_equal(kvhi_handle_gen(h), 0x12345678u);
+    assert_int_equal(kvhi_handle_index(h), 0xabcdef);
+    /* All 32 generation bits fit below the tag. */
+    h = kvhi_handle_make(KVHI_TAG_BLOCK, 0xFFFFFFFFu, 7);
     assert_int_equal(kvhi_handle_tag(h), KVHI_TAG_BLOCK);
-    assert_int_equal(kvhi_handle_gen(h), 1);
+    assert_int_equal(kvhi_handle_gen(h), 0xFFFFFFFFu);
     assert_int_equal(kvhi_handle_index(h), 7);
+    /* An index past 24 bits cannot spill into the generation. */
+    h = kvhi_handle_make(KVHI_TAG_FENCE, 9, 0xFF000005u);
+    assert_int_equal(kvhi_handle_gen(h), 9);
+    assert_int_equal(kvhi_handle_index(h), 5);
+    /* Packed with another index width: generation bits past the 56 below
+     * the tag are dropped, never into the tag. */
+    h = kvhi_handle_pack(KVHI_TAG_POOL, UINT64_MAX, 3, 4);
+    assert_int_equal(kvhi_handle_tag(h), KVHI_TAG_POOL);
+    assert_int_equal(kvhi_handle_unpack_index(h, 4), 3);
+    assert_true((h & KVHI_HANDLE_PAYLOAD_MASK) >> 4 == (1ull << 52) - 1);
     /* Every tag is non-zero, so no handle equals the null handle. */
-    assert_true(KVHI_TAG_SEQ && KVHI_TAG_BLOCK && KVHI_TAG_FENCE && KVHI_TAG_POOL);
+    assert_true(KVHI_TAG_SEQ && KVHI_TAG_BLOCK && KVHI_TAG_FENCE && KVHI_TAG_POOL && KVHI_TAG_CONTEXT);
 }
 
 static void test_gen_next_skips_zero(void **state)
 {
     (void)state;
     assert_int_equal(kvhi_gen_next(1), 2);
-    assert_int_equal(kvhi_gen_next(KVHI_GEN_MASK - 1), KVHI_GEN_MASK);
-    assert_int_equal(kvhi_gen_next(KVHI_GEN_MASK), 1); /* wraps past 0 */
-    uint32_t g = 1;
-    for (uint32_t i = 0; i < KVHI_GEN_MASK + 5; i++) {
-        g = kvhi_gen_next(g);
-        assert_true(g != 0 && g <= KVHI_GEN_MASK);
-    }
+    assert_int_equal(kvhi_gen_next(0xFFFFFFFEu), 0xFFFFFFFFu);
+    assert_int_equal(kvhi_gen_next(0xFFFFFFFFu), 1); /* wraps past 0 */
 }
 
 static void test_add_get_remove(void **state)
@@ -240,6 +248,318 @@ static void test_random_against_reference(void **state)
     kvhi_handles_destroy(&t);
 }
 
+/* A slot whose generation would come back to its first value is retired,
+ * so the first handle it gave out is never handed out again. */
+static void test_table_slot_retires_at_wrap(void **state)
+{
+    (void)state;
+    /* From 1 the last generations pass UINT32_MAX and skip 0. */
+    const uint32_t starts[] = {0x1234567u, 1, 0xFFFFFFFFu};
+    for (size_t k = 0; k < sizeof(starts) / sizeof(starts[0]); k++) {
+        kvhi_handle_table t;
+        kvhi_handles_init(&t, KVHI_TAG_SEQ);
+        kvhi_handles_set_gen_start(&t, starts[k]);
+        uint64_t first, seen[4];
+        uint32_t slot, i;
+        assert_int_equal(kvhi_handles_add(&t, &dummy[0], &first, &slot), 0);
+        assert_int_equal(kvhi_handle_gen(first), starts[k]);
+        kvhi_handles_remove(&t, slot);
+        t.gens[slot] = starts[k] - 3; /* skip the 2^32 - 4 uses before */
+        int n_seen = 0;
+        while (t.retired == 0) {
+            assert_true(n_seen < 4);
+            assert_int_equal(kvhi_handles_add(&t, &dummy[1], &seen[n_seen], &i), 0);
+            assert_int_equal(i, slot);
+            assert_true(seen[n_seen] != first);
+            kvhi_handles_remove(&t, i);
+            n_seen++;
+        }
+        assert_int_equal(n_seen, starts[k] == 1 ? 2 : 3);
+        assert_int_equal(t.used, 0);
+        /* The slot stays out: new handles take other slots. */
+        for (int n = 0; n < 200; n++) {
+            uint64_t h;
+            assert_int_equal(kvhi_handles_add(&t, &dummy[2], &h, &i), 0);
+            assert_true(i != slot);
+        }
+        assert_int_equal(t.retired, 1);
+        assert_null(kvhi_handles_at(&t, slot));
+        assert_null(kvhi_handles_get(&t, first, NULL));
+        for (int n = 0; n < n_seen; n++)
+            assert_null(kvhi_handles_get(&t, seen[n], NULL));
+        kvhi_handles_destroy(&t);
+    }
+}
+
+/* ---- block records ---- */
+
+enum { L = 1, H = 1, D = 4, BT = 4, TOK = H * D * 4 };
+
+static kvh_engine *small_engine(void) { return tu_open(L, H, D, BT, KVH_DTYPE_F32, 8, 8, 0); }
+
+/* White-box: a block record, moved to three generations short of what its
+ * handles can tell apart, retires when it gets there; the engine then has
+ * one record less and says so when it runs out. */
+static void test_block_record_retires_at_wrap(void **state)
+{
+    (void)state;
+    kvh_engine *e = small_engine(); /* 8 + 8 blocks */
+    assert_int_equal(e->block_cap, 16);
+    assert_int_equal(e->block_index_bits, 4);
+    const unsigned gen_bits = KVHI_HANDLE_TAG_SHIFT - 4;
+    kvh_block first, seen[5];
+    assert_ok(kvh_block_alloc(e, 0, &first));
+    assert_ok(kvh_block_release(e, first));
+    uint32_t rec = kvhi_handle_unpack_index(first.id, e->block_index_bits);
+    assert_int_equal(kvhi_handle_pack(KVHI_TAG_BLOCK, e->gen_start, rec, 4), first.id);
+    kvh_block_info bi = {.struct_size = sizeof(bi)};
+    /* 2^32 uses later the low half is back where it started; the handle
+     * carries the bits above it too, so the first handle stays stale. */
+    e->blocks[rec].gen = e->gen_start;
+    e->blocks[rec].gen_hi = 1;
+    kvh_block later;
+    assert_ok(kvh_block_alloc(e, 0, &later));
+    assert_int_equal(kvhi_handle_unpack_index(later.id, 4), rec);
+    assert_int_equal(later.id, first.id | 1ull << (32 + 4));
+    assert_kvh(KVH_ERR_BAD_HANDLE, kvh_block_info_get(e, first, &bi));
+    assert_ok(kvh_block_release(e, later));
+    uint64_t near_wrap = e->gen_start + (1ull << gen_bits) - 3;
+    if ((uint32_t)near_wrap == 0) /* the low half is never 0 */
+        near_wrap--;
+    e->blocks[rec].gen = (uint32_t)near_wrap;
+    e->blocks[rec].gen_hi = (uint32_t)(near_wrap >> 32);
+    int n_seen = 0;
+    while (e->blocks_retired == 0) {
+        assert_true(n_seen < 5);
+        assert_ok(kvh_block_alloc(e, 0, &seen[n_seen]));
+        assert_int_equal(kvhi_handle_unpack_index(seen[n_seen].id, 4), rec);
+        assert_int_equal(seen[n_seen].id, kvhi_handle_pack(KVHI_TAG_BLOCK, kvhi_block_gen(&e->blocks[rec]), rec, 4));
+        assert_ok(kvh_block_release(e, seen[n_seen]));
+        n_seen++;
+    }
+    assert_kvh(KVH_ERR_BAD_HANDLE, kvh_block_info_get(e, first, &bi));
+    for (int n = 0; n < n_seen; n++)
+        assert_kvh(KVH_ERR_BAD_HANDLE, kvh_block_info_get(e, seen[n], &bi));
+    /* 15 records are left for 16 tier slots. */
+    kvh_block live[16];
+    for (int n = 0; n < 15; n++) {
+        assert_ok(kvh_block_alloc(e, 0, &live[n]));
+        assert_true(kvhi_handle_unpack_index(live[n].id, 4) != rec);
+    }
+    assert_kvh(KVH_ERR_NOSPACE, kvh_block_alloc(e, 0, &live[15]));
+    for (int n = 0; n < 15; n++)
+        assert_ok(kvh_block_release(e, live[n]));
+    assert_int_equal(e->blocks_retired, 1);
+}
+
+/* Block handles give the generation what the index leaves: 56 bits for a
+ * single block, 51 for 17. */
+static void test_block_handle_widths(void **state)
+{
+    (void)state;
+    const struct {
+        uint64_t device, host;
+        unsigned index_bits;
+    } cases[] = {{1, 0, 0}, {2, 0, 1}, {16, 1, 5}};
+    for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
+        kvh_engine *e = tu_open(L, H, D, BT, KVH_DTYPE_F32, cases[c].device, cases[c].host, 0);
+        assert_int_equal(e->block_index_bits, cases[c].index_bits);
+        kvh_block b, prev = {0};
+        for (int n = 0; n < 100; n++) {
+            assert_ok(kvh_block_alloc(e, 0, &b));
+            assert_int_equal(kvhi_handle_tag(b.id), KVHI_TAG_BLOCK);
+            assert_true(b.id != prev.id);
+            assert_true(kvhi_handle_unpack_index(b.id, cases[c].index_bits) < e->block_cap);
+            assert_ok(kvh_block_release(e, b));
+            kvh_block_info bi = {.struct_size = sizeof(bi)};
+            assert_kvh(KVH_ERR_BAD_HANDLE, kvh_block_info_get(e, b, &bi));
+            prev = b;
+        }
+        assert_ok(tu_close(e));
+    }
+}
+
+/* ---- every handle type of the engine, through the public API ---- */
+
+static kvh_seq fence_source; /* a fence is made by migrating 0 blocks of it */
+static float pool_memory[2 * 4 * BT * H * D];
+
+static kvh_engine *kinds_engine(void)
+{
+    kvh_engine *e = small_engine();
+    fence_source = tu_seq_new(e, 0);
+    return e;
+}
+
+static kvh_status seq_create(kvh_engine *e, uint64_t *id) { return kvh_seq_create(e, 0, (kvh_seq *)id); }
+static kvh_status seq_destroy(kvh_engine *e, uint64_t id) { return kvh_seq_free(e, (kvh_seq){id}); }
+static kvh_status seq_probe(kvh_engine *e, uint64_t id)
+{
+    uint64_t n;
+    return kvh_seq_length(e, (kvh_seq){id}, &n);
+}
+
+static kvh_status block_create(kvh_engine *e, uint64_t *id) { return kvh_block_alloc(e, 0, (kvh_block *)id); }
+static kvh_status block_destroy(kvh_engine *e, uint64_t id) { return kvh_block_release(e, (kvh_block){id}); }
+static kvh_status block_probe(kvh_engine *e, uint64_t id)
+{
+    kvh_block_info bi = {.struct_size = sizeof(bi)};
+    return kvh_block_info_get(e, (kvh_block){id}, &bi);
+}
+
+static kvh_status fence_create(kvh_engine *e, uint64_t *id)
+{
+    return kvh_seq_migrate(e, fence_source, 0, 0, KVH_TIER_HOST, (kvh_fence *)id);
+}
+static kvh_status fence_destroy(kvh_engine *e, uint64_t id) { return kvh_fence_free(e, (kvh_fence){id}); }
+static kvh_status fence_probe(kvh_engine *e, uint64_t id)
+{
+    int32_t done;
+    return kvh_fence_poll(e, (kvh_fence){id}, &done);
+}
+
+static kvh_status pool_create(kvh_engine *e, uint64_t *id)
+{
+    void *k[L] = {pool_memory}, *v[L] = {pool_memory + 4 * BT * H * D};
+    kvh_pool_layout layout = {.struct_size = sizeof(layout),
+                              .memory = KVH_MEMORY_HOST,
+                              .num_slots = 4,
+                              .k_base = k,
+                              .v_base = v,
+                              .slot_stride = BT * TOK,
+                              .token_stride = TOK,
+                              .head_stride = D * 4};
+    return kvh_pool_register(e, &layout, (kvh_pool *)id);
+}
+static kvh_status pool_destroy(kvh_engine *e, uint64_t id) { return kvh_pool_unregister(e, (kvh_pool){id}); }
+
+static kvh_status context_create(kvh_engine *e, uint64_t *id) { return kvh_context_create(e, NULL, (kvh_context *)id); }
+static kvh_status context_destroy(kvh_engine *e, uint64_t id) { return kvh_context_destroy(e, (kvh_context){id}); }
+static kvh_status context_probe(kvh_engine *e, uint64_t id)
+{
+    kvh_context_info info = {.struct_size = sizeof(info)};
+    return kvh_context_info_get(e, (kvh_context){id}, &info);
+}
+
+static kvhi_handle_table *seq_table(kvh_engine *e) { return &e->seqs; }
+static kvhi_handle_table *fence_table(kvh_engine *e) { return &e->fences; }
+static kvhi_handle_table *pool_table(kvh_engine *e) { return &e->pools; }
+static kvhi_handle_table *context_table(kvh_engine *e) { return &e->contexts->table; }
+
+typedef struct handle_kind {
+    const char *name;
+    kvh_status (*create)(kvh_engine *e, uint64_t *id);
+    kvh_status (*destroy)(kvh_engine *e, uint64_t id);
+    kvh_status (*probe)(kvh_engine *e, uint64_t id); /* any call naming it */
+    kvhi_handle_table *(*table)(kvh_engine *e);      /* NULL: block records */
+} handle_kind;
+
+/* Pools have no call that only reads: a revived pool would be
+ * unregistered by the probe, which then returns KVH_OK and fails. */
+static const handle_kind kinds[] = {
+    {"seq", seq_create, seq_destroy, seq_probe, seq_table},
+    {"block", block_create, block_destroy, block_probe, NULL},
+    {"fence", fence_create, fence_destroy, fence_probe, fence_table},
+    {"pool", pool_create, pool_destroy, pool_destroy, pool_table},
+    {"context", context_create, context_destroy, context_probe, context_table},
+};
+enum { KIND_SEQ, KIND_BLOCK, KIND_FENCE, KIND_POOL, KIND_CONTEXT };
+
+/* Create and free a handle, then create and free 2^24 + 1 more, one past
+ * where 24-bit generations used to hand the first value out again: no
+ * create returns it, and it stays KVH_ERR_BAD_HANDLE while a live handle
+ * holds its slot. About a second per type. */
+static void check_freed_handle_stays_bad(const handle_kind *k)
+{
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+    /* 12 s per type there; the wrap itself is the release build's to see
+     * (and the white-box tests'), these runs check the paths' memory. */
+    const uint32_t cycles = (1u << 16) + 1;
+#else
+    const uint32_t cycles = (1u << 24) + 1;
+#endif
+    kvh_engine *e = kinds_engine();
+    uint64_t freed, h = 0;
+    assert_ok(k->create(e, &freed));
+    assert_ok(k->destroy(e, freed));
+    for (uint32_t i = 1; i <= cycles; i++) {
+        assert_ok(k->create(e, &h));
+        if (h == freed) {
+            print_error("%s: create %u handed out the freed handle 0x%" PRIx64 " again\n", k->name, i, freed);
+            fail();
+        }
+        if (i < cycles)
+            assert_ok(k->destroy(e, h));
+    }
+    assert_kvh(KVH_ERR_BAD_HANDLE, k->probe(e, freed));
+    assert_kvh(KVH_ERR_BAD_HANDLE, k->destroy(e, freed));
+    assert_ok(k->destroy(e, h));
+}
+
+static void test_freed_seq_stays_bad(void **state)
+{
+    (void)state;
+    check_freed_handle_stays_bad(&kinds[KIND_SEQ]);
+}
+static void test_freed_block_stays_bad(void **state)
+{
+    (void)state;
+    check_freed_handle_stays_bad(&kinds[KIND_BLOCK]);
+}
+static void test_freed_fence_stays_bad(void **state)
+{
+    (void)state;
+    check_freed_handle_stays_bad(&kinds[KIND_FENCE]);
+}
+static void test_freed_pool_stays_bad(void **state)
+{
+    (void)state;
+    check_freed_handle_stays_bad(&kinds[KIND_POOL]);
+}
+static void test_freed_context_stays_bad(void **state)
+{
+    (void)state;
+    check_freed_handle_stays_bad(&kinds[KIND_CONTEXT]);
+}
+
+/* White-box: each table type's slot, moved to three generations short of
+ * its wrap, retires when it gets there, through the public API. */
+static void test_engine_table_slots_retire(void **state)
+{
+    (void)state;
+    for (int kind = 0; kind < (int)(sizeof(kinds) / sizeof(kinds[0])); kind++) {
+        const handle_kind *k = &kinds[kind];
+        if (!k->table)
+            continue;
+        kvh_engine *e = kinds_engine();
+        uint64_t first, seen[5];
+        assert_ok(k->create(e, &first));
+        assert_ok(k->destroy(e, first));
+        kvhi_handle_table *t = k->table(e);
+        uint32_t slot = kvhi_handle_index(first), retired = t->retired;
+        uint32_t near_wrap = t->gen_start - 3;
+        if (near_wrap == 0) /* never a generation */
+            near_wrap--;
+        t->gens[slot] = near_wrap;
+        int n_seen = 0;
+        while (t->retired == retired) {
+            assert_true(n_seen < 5);
+            assert_ok(k->create(e, &seen[n_seen]));
+            assert_int_equal(kvhi_handle_index(seen[n_seen]), slot);
+            assert_ok(k->destroy(e, seen[n_seen]));
+            n_seen++;
+        }
+        uint64_t h;
+        assert_ok(k->create(e, &h));
+        assert_true(kvhi_handle_index(h) != slot);
+        assert_kvh(KVH_ERR_BAD_HANDLE, k->probe(e, first));
+        for (int n = 0; n < n_seen; n++)
+            assert_kvh(KVH_ERR_BAD_HANDLE, k->probe(e, seen[n]));
+        assert_ok(k->destroy(e, h));
+        assert_ok(tu_close(e));
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -251,6 +571,15 @@ int main(void)
         cmocka_unit_test_teardown(test_forged_index_out_of_range, tu_teardown),
         cmocka_unit_test_teardown(test_growth_beyond_64, tu_teardown),
         cmocka_unit_test_teardown(test_random_against_reference, tu_teardown),
+        cmocka_unit_test_teardown(test_table_slot_retires_at_wrap, tu_teardown),
+        cmocka_unit_test_teardown(test_block_record_retires_at_wrap, tu_teardown),
+        cmocka_unit_test_teardown(test_block_handle_widths, tu_teardown),
+        cmocka_unit_test_teardown(test_engine_table_slots_retire, tu_teardown),
+        cmocka_unit_test_teardown(test_freed_seq_stays_bad, tu_teardown),
+        cmocka_unit_test_teardown(test_freed_block_stays_bad, tu_teardown),
+        cmocka_unit_test_teardown(test_freed_fence_stays_bad, tu_teardown),
+        cmocka_unit_test_teardown(test_freed_pool_stays_bad, tu_teardown),
+        cmocka_unit_test_teardown(test_freed_context_stays_bad, tu_teardown),
     };
     return cmocka_run_group_tests_name("handles", tests, NULL, NULL);
 }

@@ -19,10 +19,19 @@
  *     @threads handle: calls naming the same handle must not overlap
  *                      (different handles may be used concurrently); an
  *                      @threads any call naming it may overlap them.
- *   - Handles (kvh_seq, kvh_block, kvh_fence, kvh_pool) are 64-bit values
- *     carrying a type tag and a generation: a stale, freed or forged handle
- *     is reported as KVH_ERR_BAD_HANDLE, never a crash. The zero handle is
- *     the null handle.
+ *   - Handles (kvh_seq, kvh_block, kvh_fence, kvh_pool, kvh_context) are
+ *     64-bit values carrying a type tag and a generation: a stale, freed or
+ *     forged handle is reported as KVH_ERR_BAD_HANDLE, never a crash. The
+ *     zero handle is the null handle. An engine never hands out the same
+ *     handle value twice: the slot behind a handle serves 2^32 - 1
+ *     generations, one per creation, then is retired for good. A block's
+ *     slot serves about 2^(56 - b), b the bits needed to number the blocks
+ *     all tiers hold together: at least 2^24, and 2^32 - 1 or more up to
+ *     2^24 blocks. A retired slot costs a few bytes; a retired block slot
+ *     leaves the engine room for one block fewer (all retire only after
+ *     2^55 block frees or more). At most 2^24 each of sequences, fences,
+ *     pools and contexts exist at once, retired slots included
+ *     (KVH_ERR_NOMEM past it).
  *   - Params structs start with struct_size; fields are only appended;
  *     the *_init() function fills defaults for the size the caller passes.
  */
