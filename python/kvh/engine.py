@@ -309,6 +309,13 @@ class Engine(OwnedHandle):
         else:
             c.log_level = _int("log_level", cfg.log_level, 0, 3)
         if cfg.disk_path is not None:
+            # Without a size the library opens no disk tier, which would only
+            # show when persist() fails; the library refuses it too (the same
+            # InvalidArgumentError).
+            if not c.disk_bytes:
+                raise errors.InvalidArgumentError(
+                    f"disk_path={os.fspath(cfg.disk_path)!r} needs disk_bytes > 0 (the disk tier's size in bytes); "
+                    "pass disk_bytes=..., or leave disk_path unset for no disk tier", lib.KVH_ERR_INVALID_ARG)
             path = os.fsencode(cfg.disk_path)
             if b"\0" in path:
                 raise ValueError("disk_path must not contain NUL bytes")
