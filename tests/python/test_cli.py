@@ -81,6 +81,8 @@ def test_demo_bad_args():
     assert res.returncode == 2
     res = run_kvh("demo", "--device-budget", "lots")
     assert res.returncode == 2 and "size" in res.stderr
+    res = run_kvh("demo", "--disk-budget", "0")
+    assert res.returncode == 2 and "--disk-budget must be > 0" in res.stderr
 
 
 @pytest.fixture(scope="module")
