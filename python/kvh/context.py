@@ -242,7 +242,7 @@ class Context(GatedHandle, Closable):
 
     def wait_layer(self, layer: int, timeout: Optional[float] = None) -> None:
         """Waits until every region with ``layer <= layer`` is resident.
-        Raises NotResidentError when no switch loads it, TimeoutError."""
+        Raises NotResidentError when no switch loads it, KvhTimeoutError."""
         self._check()
         ns = U64_MAX if timeout is None else max(0, int(timeout * 1e9))
         with self._call_any() as e:

@@ -940,7 +940,7 @@ class Fence(GatedHandle, OwnedHandle):
 
     def result(self, timeout: Optional[float] = None) -> None:
         """Waits; returns None on success, raises the work's kvh.Error, or
-        kvh.TimeoutError (a builtin TimeoutError) when timeout passes."""
+        kvh.KvhTimeoutError (a builtin TimeoutError) when timeout passes."""
         exc = self.exception(timeout)
         if exc is not None:
             raise exc

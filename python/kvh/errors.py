@@ -5,11 +5,12 @@ status code (``.status``), its name (``.name``, e.g. ``"KVH_ERR_NOSPACE"``)
 and the thread-local detail of ``kvh_last_error()`` (``.message``).
 Several classes also derive from the matching builtin, so ordinary
 ``except ValueError`` / ``except IndexError`` / ``except OSError`` /
-``except TimeoutError`` / ``except MemoryError`` code keeps working.
+``except TimeoutError`` / ``except MemoryError`` code keeps working. No
+name here is a builtin's (``KvhIOError``, ``KvhTimeoutError``), so
+``from kvh import *`` leaves the builtins alone.
 """
 from __future__ import annotations
 
-import builtins
 import errno as _errno
 import os
 import re
@@ -23,11 +24,9 @@ __all__ = [
     "OutOfMemoryError",
     "NoSpaceError",
     "KvhIOError",
-    "IOError",
     "CorruptionError",
     "BusyError",
     "KvhTimeoutError",
-    "TimeoutError",
     "UnsupportedError",
     "RangeError",
     "NotResidentError",
@@ -123,9 +122,6 @@ class KvhIOError(Error, OSError):
         return Exception.__str__(self)
 
 
-IOError = KvhIOError
-
-
 class CorruptionError(Error):
     """KVH_ERR_CORRUPT: stored data failed its checksum."""
 
@@ -134,14 +130,11 @@ class BusyError(Error):
     """KVH_ERR_BUSY: the resource is busy or locked by another user."""
 
 
-class KvhTimeoutError(Error, builtins.TimeoutError):
+class KvhTimeoutError(Error, TimeoutError):
     """KVH_ERR_TIMEOUT: a deadline passed before the work completed."""
 
     def __str__(self) -> str:
         return Exception.__str__(self)
-
-
-TimeoutError = KvhTimeoutError
 
 
 class UnsupportedError(Error):

@@ -1,6 +1,7 @@
 """The binding itself: generated cdef, version check, status codes -> exceptions."""
 from __future__ import annotations
 
+import builtins
 import errno
 import os
 import pickle
@@ -113,9 +114,21 @@ def test_io_error_errno_parsing():
     assert errors.KvhIOError("something odd", -5).errno is None
 
 
-def test_aliases_shadow_builtins_only_inside_kvh():
-    assert kvh.IOError is errors.KvhIOError and issubclass(kvh.IOError, OSError)
-    assert kvh.TimeoutError is errors.KvhTimeoutError and issubclass(kvh.TimeoutError, TimeoutError)
+@pytest.mark.parametrize("module", ["kvh", "kvh.errors"])
+def test_star_import_leaves_the_builtins_alone(module):
+    """``from kvh import *`` used to rebind TimeoutError and IOError."""
+    namespace: dict = {}
+    exec(f"from {module} import *", namespace)
+    shadowed = sorted(name for name in set(namespace) & set(dir(builtins))
+                      if not name.startswith("__") and namespace[name] is not getattr(builtins, name))
+    assert shadowed == []
+    assert {"KvhIOError", "KvhTimeoutError"} <= set(namespace)
+
+
+def test_io_and_timeout_errors_are_the_builtin_kinds():
+    assert issubclass(kvh.KvhIOError, OSError) and issubclass(kvh.KvhIOError, kvh.Error)
+    assert issubclass(kvh.KvhTimeoutError, TimeoutError) and issubclass(kvh.KvhTimeoutError, kvh.Error)
+    assert not hasattr(kvh, "IOError") and not hasattr(kvh, "TimeoutError")
 
 
 # ---- each family raised by a real call where the library can produce it ----------
@@ -148,9 +161,9 @@ def test_real_nospace():
 def test_real_io_error(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    with pytest.raises((kvh.IOError, kvh.UnsupportedError)) as info:
+    with pytest.raises((kvh.KvhIOError, kvh.UnsupportedError)) as info:
         kvh.Engine(backend="cpu", disk_path=str(blocker / "store"), disk_bytes=1 << 24)
-    if isinstance(info.value, kvh.IOError):
+    if isinstance(info.value, kvh.KvhIOError):
         assert info.value.errno == errno.ENOTDIR
 
 
