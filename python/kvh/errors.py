@@ -35,6 +35,7 @@ __all__ = [
     "InternalError",
     "STATUS_CODES",
     "error_class",
+    "python_hints",
 ]
 
 # Fixed by the ABI (KVH_STATUS_LIST); checked against the header at import.
@@ -185,6 +186,27 @@ _DEFAULT_STATUS = {cls: code for code, cls in _CLASS_BY_CODE.items()}
 def error_class(status: int) -> Type[Error]:
     """The exception class for a status code (``Error`` for unknown codes)."""
     return _CLASS_BY_CODE.get(status, Error)
+
+
+# Advice in the library's messages that names what a C caller writes (a
+# macro, a kvh_config field, a function), and what a Python caller writes
+# instead. tests/python/test_binding.py checks that every such message of
+# the C sources is covered.
+_PYTHON_HINTS = (
+    ("set KVH_DISK_RESET_ON_MISMATCH", "pass disk_reset_on_mismatch=True"),
+    ("without kvh_config.vmap", "without vmap=True"),
+    ("(kvh_seq_acquire first)", "(Sequence.acquire() first)"),
+    ("(kvh_vmap_refresh it)", "(VMap.refresh() it)"),
+)
+
+
+def python_hints(message: str) -> str:
+    """A library message with its C spellings of advice replaced by the
+    keywords and methods of this binding."""
+    for c_spelling, python_spelling in _PYTHON_HINTS:
+        if c_spelling in message:
+            message = message.replace(c_spelling, python_spelling)
+    return message
 
 
 _ERRNO_PATTERNS = [
