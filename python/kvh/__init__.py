@@ -23,7 +23,6 @@ from .errors import (
     Error,
     InternalError,
     InvalidArgumentError,
-    IOError,
     KvhIOError,
     KvhTimeoutError,
     MismatchError,
@@ -32,7 +31,6 @@ from .errors import (
     OutOfMemoryError,
     RangeError,
     StructSizeError,
-    TimeoutError,
     UnsupportedError,
 )
 from .vmap import VMap
@@ -53,7 +51,7 @@ __all__ = [
     "Config", "Codec", "Eviction", "Stats", "TierInfo", "BlockInfo", "Tier", "DType", "Backend",
     "numpy_dtype", "bf16_to_f32", "f32_to_bf16", "version",
     "Error", "InvalidArgumentError", "StructSizeError", "BadHandleError", "OutOfMemoryError", "NoSpaceError",
-    "KvhIOError", "IOError", "CorruptionError", "BusyError", "KvhTimeoutError", "TimeoutError",
+    "KvhIOError", "CorruptionError", "BusyError", "KvhTimeoutError",
     "UnsupportedError", "RangeError", "NotResidentError", "ClosedError", "MismatchError", "InternalError",
     "BUILT_VERSION", "BUILT_VERSION_STRING", "LOADED_VERSION", "LOADED_VERSION_STRING",
 ]

@@ -80,7 +80,8 @@ def kvh_level_for_logger() -> int:
 
 # ---- errors ------------------------------------------------------------------------
 def last_error() -> str:
-    return ffi.string(lib.kvh_last_error()).decode("utf-8", "replace")
+    """The detail of this thread's last failed call, its advice in Python terms."""
+    return errors.python_hints(ffi.string(lib.kvh_last_error()).decode("utf-8", "replace"))
 
 
 def status_name(status: int) -> str:

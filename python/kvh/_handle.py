@@ -1,4 +1,4 @@
-"""Lifetime protocol of the objects that own a native kvh object.
+"""Lifetime and thread rules of the objects that own a native kvh object.
 
 Each such class defines an idempotent ``close()`` (usually an alias of the
 name the domain uses: ``free``, ``release``, ``destroy``) and inherits how a
@@ -9,10 +9,195 @@ written once:
 * garbage collection closes quietly: ``__del__`` never raises, including at
   interpreter shutdown when module globals may already be gone, and on an
   object whose ``__init__`` failed half way.
+
+Threads: the C library lets only one thread at a time pass a handle to a
+call marked ``@threads handle`` in kvh.h (calls marked ``@threads any`` may
+overlap those), and a freed handle must never reach C again. Each object
+that owns a handle therefore has a :class:`HandleGate` that every call
+passing the handle to C goes through; that one mechanism is what makes two
+Python threads on one object serialise (or raise) instead of crashing.
 """
 from __future__ import annotations
 
-from typing import Any
+import collections
+import threading
+from typing import Any, Callable, Deque, Optional, Sequence, Tuple, TypeVar
+
+T = TypeVar("T")
+
+_OPEN, _CLOSING, _CLOSED = 0, 1, 2
+
+
+class HandleGate:
+    """Admits the C calls that name one native handle.
+
+    * ``exclusive()``: a ``@threads handle`` call; waits until no other
+      thread is in one, first come first served (re-entrant within a
+      thread).
+    * ``shared()``: a ``@threads any`` call; runs beside the others.
+    * ``close(end)``: refuses new calls, waits until none is in flight, then
+      runs ``end`` (the C free) once. A close racing with it waits for it.
+
+    A call on a closing or closed handle raises ``closed_error()``.
+    """
+
+    __slots__ = ("_lock", "_cond", "_waiting", "_closed_error", "_reopen_if_end_fails", "_state", "_closer",
+                 "_owner", "_owner_depth", "_queue", "_in_flight")
+
+    def __init__(self, closed_error: Callable[[], BaseException], *, reopen_if_end_fails: bool = False) -> None:
+        # Re-entrant: a finaliser may run on a thread that is inside the gate.
+        self._lock = threading.RLock()
+        # Made on the first wait: most handles never see two threads, and
+        # blocks are made by the thousand.
+        self._cond: Optional[threading.Condition] = None
+        self._waiting = 0
+        self._closed_error = closed_error
+        self._reopen_if_end_fails = reopen_if_end_fails  # a failed end left the handle alive
+        self._state = _OPEN
+        self._closer: Optional[int] = None  # thread running close
+        self._owner: Optional[int] = None  # thread in an exclusive call
+        self._owner_depth = 0
+        # Threads waiting for exclusive use, in arrival order: a thread that
+        # leaves and comes straight back must not overtake them.
+        self._queue: Deque[object] = collections.deque()
+        self._in_flight = 0  # exclusive and shared calls
+
+    @property
+    def closed(self) -> bool:
+        """True from the moment a close begins."""
+        return self._state != _OPEN
+
+    def exclusive(self) -> "GateUse":
+        return GateUse(self, True)
+
+    def shared(self) -> "GateUse":
+        return GateUse(self, False)
+
+    def enter(self, exclusive: bool) -> None:
+        with self._lock:
+            if exclusive:
+                me = threading.get_ident()
+                if self._owner == me:  # a call nested in this thread's call
+                    self._owner_depth += 1
+                    self._in_flight += 1
+                    return
+                if self._state != _OPEN:
+                    raise self._closed_error()
+                if self._owner is not None or self._queue:
+                    self._wait_turn()
+                self._owner = me
+                self._owner_depth = 1
+            elif self._state != _OPEN:
+                raise self._closed_error()
+            self._in_flight += 1
+
+    def leave(self, exclusive: bool) -> None:
+        with self._lock:
+            self._in_flight -= 1
+            if exclusive:
+                self._owner_depth -= 1
+                if self._owner_depth == 0:
+                    self._owner = None
+            self._wake()
+
+    def close(self, end: Callable[[], T]) -> Optional[T]:
+        """Ends the handle with ``end()`` once no call is in flight; returns
+        its result (None when the handle was already closed)."""
+        me = threading.get_ident()
+        with self._lock:
+            if self._state == _CLOSING and self._closer == me:
+                return None  # a close nested in this thread's close (e.g. a finaliser)
+            while self._state == _CLOSING:
+                self._wait()
+            if self._state == _CLOSED:
+                return None
+            self._state = _CLOSING
+            self._closer = me
+            self._wake()  # threads queued for their turn give up now
+            # A close from inside this thread's own call cannot wait for it.
+            own = self._owner_depth if self._owner == me else 0
+            while self._in_flight > own:
+                self._wait()
+        try:
+            result = end()
+        except BaseException:
+            self._closed(_OPEN if self._reopen_if_end_fails else _CLOSED)
+            raise
+        self._closed(_CLOSED)
+        return result
+
+    # ---- lock held ----
+    def _wait_turn(self) -> None:
+        turn = object()
+        self._queue.append(turn)
+        try:
+            while self._owner is not None or self._queue[0] is not turn:
+                self._wait()
+                if self._state != _OPEN:
+                    raise self._closed_error()
+        finally:
+            self._queue.remove(turn)
+            self._wake()  # the next in the queue may go
+
+    def _wait(self) -> None:
+        if self._cond is None:
+            self._cond = threading.Condition(self._lock)
+        self._waiting += 1
+        try:
+            self._cond.wait()
+        finally:
+            self._waiting -= 1
+
+    def _wake(self) -> None:
+        if self._waiting:
+            self._cond.notify_all()  # type: ignore[union-attr]
+
+    def _closed(self, state: int) -> None:
+        with self._lock:
+            self._state = state
+            self._closer = None
+            self._wake()
+
+
+class GateUse:
+    """``with gate.exclusive():`` / ``with gate.shared():``."""
+
+    __slots__ = ("gate", "exclusive")
+
+    def __init__(self, gate: HandleGate, exclusive: bool) -> None:
+        self.gate = gate
+        self.exclusive = exclusive
+
+    def __enter__(self) -> None:
+        self.gate.enter(self.exclusive)
+
+    def __exit__(self, *exc: Any) -> None:
+        self.gate.leave(self.exclusive)
+
+
+def in_lock_order(uses: Sequence[GateUse]) -> Tuple[GateUse, ...]:
+    """The order to enter several gates in: one global order, so two threads
+    naming the same handles in different orders cannot deadlock."""
+    if len(uses) < 2:
+        return tuple(uses)
+    return tuple(sorted(uses, key=lambda u: (id(u.gate), not u.exclusive)))
+
+
+class GatedHandle:
+    """Mixin of a class whose ``_gate`` guards its handle of ``_engine``
+    (whose ``_call(*uses)`` enters the gates, then the engine)."""
+
+    _gate: HandleGate
+    _engine: Any
+
+    def _call(self, *others: GateUse) -> Any:
+        """``with self._call() as engine_ptr:`` around a ``@threads handle``
+        call naming this handle (and the handles of ``others``)."""
+        return self._engine._call(self._gate.exclusive(), *others)
+
+    def _call_any(self, *others: GateUse) -> Any:
+        """The same for a ``@threads any`` call."""
+        return self._engine._call(self._gate.shared(), *others)
 
 
 class Closable:
@@ -43,4 +228,4 @@ class OwnedHandle(Closable):
             pass
 
 
-__all__ = ["Closable", "OwnedHandle"]
+__all__ = ["Closable", "GateUse", "GatedHandle", "HandleGate", "OwnedHandle", "in_lock_order"]

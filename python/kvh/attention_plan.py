@@ -10,20 +10,22 @@ from typing import TYPE_CHECKING, Any, List, Optional, Sequence as Seq
 
 from . import errors
 from ._ffi import check, ffi, lib
-from ._handle import OwnedHandle
+from ._handle import GatedHandle, HandleGate, OwnedHandle
 from .types import DType
 
 if TYPE_CHECKING:  # pragma: no cover
     from .engine import Engine, Sequence
 
 
-class AttentionPlan(OwnedHandle):
+class AttentionPlan(GatedHandle, OwnedHandle):
     """Made by :meth:`kvh.Engine.attention_plan`."""
 
     def __init__(self, engine: "Engine", layer: int, seqs: Seq["Sequence"], q_lens: Optional[List[int]],
                  num_q_heads: int, io: DType, scale: float, threads: int) -> None:
+        self._gate = HandleGate(lambda: errors.BadHandleError("the plan was destroyed", lib.KVH_ERR_BAD_HANDLE))
         self._engine = engine
-        hs = engine._seq_array(seqs)
+        self._ptr = None  # the kvh_attention_plan *, once made
+        hs, uses = engine._seq_array(seqs)
         n = len(list(seqs))
         self._rows = sum(q_lens) if q_lens is not None else n
         self._num_q_heads = num_q_heads
@@ -31,15 +33,14 @@ class AttentionPlan(OwnedHandle):
         prm = engine._attention_params(num_q_heads, scale, io, threads, None)
         ql = ffi.new("uint32_t[]", q_lens or [0]) if q_lens is not None else ffi.NULL
         out = ffi.new("kvh_attention_plan **")
-        with engine._call() as p:
+        with engine._call(*uses) as p:
             check(lib.kvh_attention_plan_create(p, int(layer), hs, ql, n, prm, out))
         self._ptr = out[0]
-        self._destroyed = False
 
     def run(self, q: Any, *, out: Any = None, stream: Any = None) -> Any:
         """Runs the plan: q shaped ``(rows, num_q_heads, head_dim)`` as at
         creation (decode: one row per sequence). Returns ``out``."""
-        if self._destroyed:
+        if self._gate.closed:
             raise errors.BadHandleError("the plan was destroyed", lib.KVH_ERR_BAD_HANDLE)
         eng = self._engine
         qp, op, out, hq, io = eng._attention_arrays("AttentionPlan.run", q, self._rows, out, self._io)
@@ -48,23 +49,23 @@ class AttentionPlan(OwnedHandle):
         st = ffi.NULL
         if stream is not None:
             st = ffi.cast("void *", eng._attention_params(hq, 0.0, io, 0, stream).stream)
-        with eng._call() as p:
+        with self._call_any() as p:
             check(lib.kvh_attention_run(p, self._ptr, qp, op, st))
         return out
 
     def destroy(self) -> None:
-        """Drops the plan's holds and frees it. Idempotent."""
-        if self._destroyed:
-            return
-        self._destroyed = True
-        native = self._engine._native
-        if native is None or native.closed:
+        """Drops the plan's holds and frees it once runs in flight on other
+        threads are done. Idempotent."""
+        self._gate.close(self._destroy_native)
+
+    def _destroy_native(self) -> None:
+        if self._ptr is None:
             return
         try:
             with self._engine._call() as p:
                 check(lib.kvh_attention_plan_destroy(p, self._ptr))
         except errors.ClosedError:
-            pass
+            pass  # the engine's close destroyed it
 
     close = destroy
 

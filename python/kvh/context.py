@@ -30,7 +30,7 @@ import numpy as np
 
 from . import errors
 from ._ffi import NULL, U64_MAX, check, ffi, lib
-from ._handle import Closable
+from ._handle import Closable, GatedHandle, HandleGate
 
 __all__ = ["Context", "ContextInfo", "WeightStats", "AdmissionInfo", "KV_POLICIES"]
 
@@ -114,17 +114,20 @@ def gguf_layer(name: str, num_blocks: int) -> int:
     return num_blocks + 1
 
 
-class Context(Closable):
+class Context(GatedHandle, Closable):
     """One ``kvh_context``. Create with :meth:`kvh.Engine.context`; free with
     :meth:`destroy`, a ``with`` block, or when the engine closes."""
 
     def __init__(self, engine: Any, handle: int, name: str) -> None:
+        # A destroy refused (BusyError: a switch runs) leaves the context usable.
+        self._gate = HandleGate(
+            lambda: errors.BadHandleError(f"context {name!r} was destroyed", lib.KVH_ERR_BAD_HANDLE),
+            reopen_if_end_fails=True)
         self._engine = engine
         self._h = ffi.new("kvh_context *")
         self._h.id = handle
         self._name = name
         self._regions: List[Tuple[str, int, int]] = []  # (name, layer, size)
-        self._destroyed = False
 
     # ---- identity ----
     @property
@@ -146,8 +149,12 @@ class Context(Closable):
                 return i
         raise KeyError(name)
 
+    @property
+    def destroyed(self) -> bool:
+        return self._gate.closed
+
     def _check(self) -> None:
-        if self._destroyed:
+        if self._gate.closed:
             raise errors.BadHandleError(f"context {self._name!r} was destroyed", lib.KVH_ERR_BAD_HANDLE)
 
     # ---- registration ----
@@ -190,7 +197,7 @@ class Context(Closable):
             keep.append(arr)
             p.size = arr.size
         out = ffi.new("uint32_t *")
-        with self._engine._call() as e:
+        with self._call() as e:
             check(lib.kvh_context_add_region(e, self._h[0], p, out))
         self._regions.append((name, layer, int(p.size)))
         return int(out[0])
@@ -213,7 +220,7 @@ class Context(Closable):
         """Moves seq's KV with this context (under ``kv_policy="demote"``)."""
         self._check()
         seq._check_engine(self._engine)
-        with self._engine._call() as e:
+        with self._call(seq._gate.shared()) as e:
             check(lib.kvh_context_attach_seq(e, self._h[0], seq._h[0]))
 
     # ---- switching ----
@@ -235,10 +242,10 @@ class Context(Closable):
 
     def wait_layer(self, layer: int, timeout: Optional[float] = None) -> None:
         """Waits until every region with ``layer <= layer`` is resident.
-        Raises NotResidentError when no switch loads it, TimeoutError."""
+        Raises NotResidentError when no switch loads it, KvhTimeoutError."""
         self._check()
         ns = U64_MAX if timeout is None else max(0, int(timeout * 1e9))
-        with self._engine._call() as e:
+        with self._call_any() as e:
             check(lib.kvh_context_wait_layer(e, self._h[0], int(layer), ns))
 
     # ---- access ----
@@ -248,7 +255,7 @@ class Context(Closable):
         self._check()
         data = ffi.new("void **")
         size = ffi.new("uint64_t *")
-        with self._engine._call() as e:
+        with self._call_any() as e:
             check(lib.kvh_context_region_data(e, self._h[0], int(index), 1 if writable else 0, data, size))
         return int(ffi.cast("uintptr_t", data[0])), int(size[0])
 
@@ -269,7 +276,7 @@ class Context(Closable):
 
     def pin(self, index: int, pinned: bool = True) -> None:
         self._check()
-        with self._engine._call() as e:
+        with self._call() as e:
             check(lib.kvh_context_region_pin(e, self._h[0], int(index), 1 if pinned else 0))
 
     def verify(self) -> int:
@@ -277,7 +284,7 @@ class Context(Closable):
         how many were checked (CorruptionError on a mismatch)."""
         self._check()
         n = ffi.new("uint64_t *")
-        with self._engine._call() as e:
+        with self._call_any() as e:
             check(lib.kvh_context_verify(e, self._h[0], n))
         return int(n[0])
 
@@ -285,22 +292,22 @@ class Context(Closable):
         self._check()
         i = ffi.new("kvh_context_info *")
         i.struct_size = ffi.sizeof("kvh_context_info")
-        with self._engine._call() as e:
+        with self._call_any() as e:
             check(lib.kvh_context_info_get(e, self._h[0], i))
         return ContextInfo(**_struct_fields("kvh_context_info", i, ContextInfo))
 
     # ---- lifetime ----
     def destroy(self) -> None:
-        """Frees the context's weight memory. Idempotent."""
-        if self._destroyed:
-            return
-        native = self._engine._native
-        if native is None or native.closed:
-            self._destroyed = True
-            return
-        with self._engine._call() as e:
-            check(lib.kvh_context_destroy(e, self._h[0]))
-        self._destroyed = True
+        """Frees the context's weight memory once calls in flight on other
+        threads are done. Idempotent."""
+        self._gate.close(self._destroy_native)
+
+    def _destroy_native(self) -> None:
+        try:
+            with self._engine._call() as e:
+                check(lib.kvh_context_destroy(e, self._h[0]))
+        except errors.ClosedError:
+            return  # the engine's close freed it
         if self._engine._current_context is self:
             self._engine._current_context = None
 
@@ -309,7 +316,7 @@ class Context(Closable):
     close = destroy
 
     def __repr__(self) -> str:
-        return f"<kvh.Context {self._name!r} regions={len(self._regions)}{' destroyed' if self._destroyed else ''}>"
+        return f"<kvh.Context {self._name!r} regions={len(self._regions)}{' destroyed' if self.destroyed else ''}>"
 
 
 def weight_stats(engine: Any) -> WeightStats:

@@ -284,6 +284,9 @@ def run(args: argparse.Namespace, out=None) -> int:
         if getattr(args, name) <= 0:
             print(f"kvh demo: --{name.replace('_', '-')} must be > 0", file=sys.stderr)
             return 2
+    if not args.no_disk and args.disk_budget <= 0:  # a disk tier needs a size
+        print("kvh demo: --disk-budget must be > 0 (--no-disk runs without the disk tier)", file=sys.stderr)
+        return 2
     t0 = time.monotonic()
     notes: List[str] = []
     tmp: Optional[str] = None

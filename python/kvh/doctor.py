@@ -12,6 +12,7 @@ import json
 import mmap
 import os
 import resource
+import shlex
 import shutil
 import subprocess
 import sys
@@ -26,6 +27,16 @@ __all__ = ["Check", "run_checks", "main_doctor", "add_arguments"]
 
 OK, WARN, FAIL, INFO = "ok", "warn", "fail", "info"
 SYSCTL_FILE = "/etc/sysctl.d/99-kvh.conf"
+
+
+def _sysctl_fix(settings: Dict[str, int]) -> List[str]:
+    """Advice that sets sysctls now and keeps them across reboots. Every
+    check appends only its own keys to the one file, so following all the
+    advice in order leaves every setting in place, and a later run's value
+    for a key (appended after the earlier one) is the one that counts."""
+    lines = " ".join(shlex.quote(f"{k} = {v}") for k, v in settings.items())
+    return [f"sudo sysctl -w {k}={v}" for k, v in settings.items()] + [
+        f"printf '%s\\n' {lines} | sudo tee -a {SYSCTL_FILE}"]
 
 
 @dataclass
@@ -86,9 +97,8 @@ def check_hugepages(host_budget: int) -> Check:
     status = OK
     if free < want:
         status = WARN if thp_mode == "never" else INFO
-        fix += [f"# reserve {want} huge pages ({human_bytes(want * size)}) for the host tier:",
-                f"echo {want} | sudo tee /proc/sys/vm/nr_hugepages",
-                f"echo 'vm.nr_hugepages = {want}' | sudo tee -a {SYSCTL_FILE}"]
+        fix += [f"# reserve {want} huge pages ({human_bytes(want * size)}) for the host tier:"]
+        fix += _sysctl_fix({"vm.nr_hugepages": want})
     if thp_mode == "never":
         status = WARN
         fix += ["echo madvise | sudo tee /sys/kernel/mm/transparent_hugepage/enabled"]
@@ -140,9 +150,7 @@ def check_sysctls() -> Check:
     if not bad:
         return Check("sysctl", OK, summary, [], {"values": values})
     fix = [f"# {why} (now {v})" for name, want, v, why in bad]
-    fix += [f"sudo sysctl -w {name}={want}" for name, want, v, why in bad]
-    fix += [f"printf '%s\\n' {' '.join(repr(f'{n} = {w}') for n, w, _, _ in bad)} | sudo tee {SYSCTL_FILE}",
-            "sudo sysctl --system"]
+    fix += _sysctl_fix({name: want for name, want, _, _ in bad})
     status = WARN if any(n == "vm.max_map_count" for n, *_ in bad) else INFO
     return Check("sysctl", status, summary, fix, {"values": values})
 
@@ -229,8 +237,7 @@ def check_io_uring() -> Check:
         return Check("io_uring", OK, "enabled" + ("" if disabled is not None else " (no io_uring_disabled knob)")
                      + (f"; liburing {uring}" if uring else ""), [], data)
     return Check("io_uring", WARN, f"kernel.io_uring_disabled = {disabled}: the disk tier uses pread/pwrite",
-                 ["sudo sysctl -w kernel.io_uring_disabled=0",
-                  f"echo 'kernel.io_uring_disabled = 0' | sudo tee -a {SYSCTL_FILE}"], data)
+                 _sysctl_fix({"kernel.io_uring_disabled": 0}), data)
 
 
 def check_numa() -> Check:

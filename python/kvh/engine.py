@@ -13,10 +13,14 @@ Lifetime rules
   wait). While zero-copy block views are alive, the C engine (and so the
   memory the views point into) is kept until the last view is collected.
 
-Threads: the C library is thread safe per its ``@threads`` rules; the
-binding releases the GIL during every C call. Calls naming the same
-sequence should not overlap (``@threads handle``); ``Engine.prefetch``,
-``Engine.stats`` and fence waits may be called from any thread.
+Threads: the binding releases the GIL during every C call and keeps the C
+library's ``@threads`` rules for its user, per object
+(:class:`kvh._handle.HandleGate`): calls that C marks ``@threads handle``
+on one sequence (or view, context, ...) run one at a time, first come
+first served, while ``@threads any`` calls (``Engine.prefetch``,
+``Engine.stats``, ``len(seq)``, fence waits) run beside them. Freeing an
+object waits for the calls in flight on it; later calls raise
+:class:`kvh.BadHandleError` (:class:`kvh.ClosedError` for the engine's).
 """
 from __future__ import annotations
 
@@ -33,7 +37,7 @@ import numpy as np
 
 from . import errors
 from ._ffi import NULL, U64_MAX, check, ffi, kvh_level_for_logger, last_error, lib, raise_status, status_name
-from ._handle import OwnedHandle
+from ._handle import GatedHandle, GateUse, HandleGate, OwnedHandle, in_lock_order
 from .types import Backend, BlockInfo, Codec, Config, Eviction, DType, Stats, Tier, TierInfo, numpy_dtype
 
 __all__ = ["Engine", "Sequence", "Block", "Hold", "Fence", "TokenSpan"]
@@ -109,41 +113,41 @@ def _iptr(arr: np.ndarray):
 # the native engine pointer, its call accounting and deferred release
 # ---------------------------------------------------------------------------------
 class _Native:
-    """Owns the ``kvh_engine *``. Calls register themselves (``enter``/
-    ``leave``) so that ``close`` never frees the engine under a running
-    call; live zero-copy views defer the C close until they are gone."""
+    """Owns the ``kvh_engine *``. Every call passes through ``gate`` (shared:
+    the engine's calls are ``@threads any``), so ``close`` never frees the
+    engine under a running call; live zero-copy views defer the C close
+    until they are gone."""
 
     def __init__(self, ptr) -> None:
         self.ptr = ptr
-        self.cond = threading.Condition(threading.RLock())  # re-entrant: finalizers may run anywhere
-        self.active = 0
-        self.closed = False
+        self.gate = HandleGate(lambda: errors.ClosedError("the engine is closed", lib.KVH_ERR_CLOSED))
+        self.lock = threading.RLock()  # views and release; re-entrant: finalizers may run anywhere
         self.views = 0
+        self.release_deferred = False
         self.released = False
         self.close_status = 0
 
+    @property
+    def closed(self) -> bool:
+        return self.gate.closed
+
     def enter(self):
-        with self.cond:
-            if self.closed:
-                raise errors.ClosedError("the engine is closed", lib.KVH_ERR_CLOSED)
-            self.active += 1
-            return self.ptr
+        self.gate.enter(False)
+        return self.ptr
 
     def leave(self) -> None:
-        with self.cond:
-            self.active -= 1
-            if self.active == 0:
-                self.cond.notify_all()
+        self.gate.leave(False)
 
     def close(self) -> int:
-        with self.cond:
-            if self.closed:
-                return 0
-            self.closed = True
-            while self.active:
-                self.cond.wait()
+        """Waits for calls in flight, then closes the C engine (or leaves
+        that to the last view). Returns its status."""
+        return self.gate.close(self._end) or 0
+
+    def _end(self) -> int:
+        with self.lock:
             if self.views:
                 log.debug("kvh: engine close deferred until %d block view(s) are collected", self.views)
+                self.release_deferred = True
                 return 0
             return self._release()
 
@@ -157,13 +161,17 @@ class _Native:
         return st
 
     def add_view(self) -> None:
-        with self.cond:
+        """Keeps the engine's memory until ``drop_view``; ClosedError once
+        that memory is gone."""
+        with self.lock:
+            if self.released:
+                raise errors.ClosedError("the engine is closed", lib.KVH_ERR_CLOSED)
             self.views += 1
 
     def drop_view(self) -> None:
-        with self.cond:
+        with self.lock:
             self.views -= 1
-            if self.views == 0 and self.closed and not self.released:
+            if self.views == 0 and self.release_deferred:
                 self._release()
 
 
@@ -193,18 +201,32 @@ def _stats_fields() -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
 
 
 class _Call:
-    """``with engine._call() as ptr:`` — enter/leave around one C call."""
+    """``with engine._call(*uses) as ptr:`` — one C call: through the gates
+    of the handles it names (``gate.exclusive()`` / ``gate.shared()``), then
+    the engine's."""
 
-    __slots__ = ("native",)
+    __slots__ = ("native", "uses")
 
-    def __init__(self, native: _Native) -> None:
+    def __init__(self, native: _Native, uses: Tuple[GateUse, ...]) -> None:
         self.native = native
+        self.uses = in_lock_order(uses)
 
     def __enter__(self):
-        return self.native.enter()
+        entered = 0
+        try:
+            for use in self.uses:
+                use.gate.enter(use.exclusive)
+                entered += 1
+            return self.native.enter()
+        except BaseException:
+            for use in reversed(self.uses[:entered]):
+                use.gate.leave(use.exclusive)
+            raise
 
     def __exit__(self, *exc) -> None:
         self.native.leave()
+        for use in reversed(self.uses):
+            use.gate.leave(use.exclusive)
 
 
 # ---------------------------------------------------------------------------------
@@ -287,6 +309,13 @@ class Engine(OwnedHandle):
         else:
             c.log_level = _int("log_level", cfg.log_level, 0, 3)
         if cfg.disk_path is not None:
+            # Without a size the library opens no disk tier, which would only
+            # show when persist() fails; the library refuses it too (the same
+            # InvalidArgumentError).
+            if not c.disk_bytes:
+                raise errors.InvalidArgumentError(
+                    f"disk_path={os.fspath(cfg.disk_path)!r} needs disk_bytes > 0 (the disk tier's size in bytes); "
+                    "pass disk_bytes=..., or leave disk_path unset for no disk tier", lib.KVH_ERR_INVALID_ARG)
             path = os.fsencode(cfg.disk_path)
             if b"\0" in path:
                 raise ValueError("disk_path must not contain NUL bytes")
@@ -361,10 +390,12 @@ class Engine(OwnedHandle):
         return (f"<kvh.Engine backend={self._backend} layers={L} kv_heads={H} head_dim={D} "
                 f"block_tokens={B} dtype={self._dtype.short} block_bytes={self._block_bytes}>")
 
-    def _call(self) -> _Call:
+    def _call(self, *uses: GateUse) -> _Call:
+        """``with engine._call(*uses) as ptr:`` around one C call; ``uses``
+        are the gates of the handles it names (``h._gate.shared()``, ...)."""
         if self._native is None:
             raise errors.ClosedError("the engine is closed", lib.KVH_ERR_CLOSED)
-        return _Call(self._native)
+        return _Call(self._native, uses)
 
     def _call_check(self) -> None:
         with self._call():
@@ -431,6 +462,7 @@ class Engine(OwnedHandle):
         token_budget = _index("token_budget", token_budget)
         h = ffi.new("kvh_seq *")
         if token_budget or context is not None:
+            uses: List[GateUse] = []
             sp = ffi.new("kvh_seq_params *")
             check(lib.kvh_seq_params_init(sp, ffi.sizeof("kvh_seq_params")))
             sp.agent = agent
@@ -439,9 +471,9 @@ class Engine(OwnedHandle):
                 from .context import Context
                 if not isinstance(context, Context):
                     raise TypeError(f"context must be a kvh.Context, not {type(context).__name__}")
-                context._check()
                 sp.context.id = context.handle
-            with self._call() as p:
+                uses.append(context._gate.shared())
+            with self._call(*uses) as p:
                 check(lib.kvh_seq_create_ex(p, sp, h))
         else:
             with self._call() as p:
@@ -483,7 +515,7 @@ class Engine(OwnedHandle):
 
     def _switch(self, prev: Any, to: Any, wait: bool) -> Optional["Fence"]:
         f = ffi.new("kvh_fence *") if not wait else NULL
-        with self._call() as p:
+        with self._call(*(c._gate.shared() for c in (prev, to) if c is not None)) as p:
             frm = prev._h[0] if prev is not None else ffi.new("kvh_context *")[0]
             dst = to._h[0] if to is not None else ffi.new("kvh_context *")[0]
             check(lib.kvh_context_switch(p, frm, dst, f))
@@ -564,7 +596,7 @@ class Engine(OwnedHandle):
         priority = _int("priority", priority, -(1 << 31), (1 << 31) - 1)
         seq._check_engine(self)
         f = ffi.new("kvh_fence *")
-        with self._call() as p:
+        with self._call(seq._gate.shared()) as p:
             first_, n_ = seq._span(p, first, n)
             check(lib.kvh_prefetch(p, seq._h[0], first_, n_, priority, f))
         return Fence(self, f)
@@ -583,7 +615,7 @@ class Engine(OwnedHandle):
             raise TypeError(f"seq must be a kvh.Sequence, not {type(seq).__name__}")
         priority = _int("priority", priority, -(1 << 31), (1 << 31) - 1)
         seq._check_engine(self)
-        with self._call() as p:
+        with self._call(seq._gate.shared()) as p:
             first_, n_ = seq._span(p, first, n)
             check(lib.kvh_seq_hint(p, seq._h[0], first_, n_, priority))
 
@@ -600,7 +632,7 @@ class Engine(OwnedHandle):
         for i, b in enumerate(blist):
             arr[i].id = b.handle
         f = ffi.new("kvh_fence *") if not wait else NULL
-        with self._call() as p:
+        with self._call(*(b._gate.shared() for b in blist)) as p:
             check(lib.kvh_migrate(p, arr, len(blist), int(t), f))
         return None if wait else Fence(self, f)
 
@@ -639,9 +671,9 @@ class Engine(OwnedHandle):
         """FlashInfer-style CSR block table of device-tier slots:
         ``(indptr[n+1], indices[nnz], last_page_len[n])`` as int32 arrays.
         Raises NotResidentError unless every block is acquired."""
-        hs = self._seq_array(seqs)
+        hs, uses = self._seq_array(seqs)
         n = len(seqs)
-        with self._call() as p:
+        with self._call(*uses) as p:
             cap = sum((s.num_blocks for s in seqs), 0)
             indptr = np.zeros(n + 1, np.int32)
             indices = np.zeros(max(cap, 1), np.int32)
@@ -649,7 +681,9 @@ class Engine(OwnedHandle):
             check(lib.kvh_block_table(p, hs, n, _iptr(indptr), _iptr(indices), cap, _iptr(last)))
         return indptr, indices[: int(indptr[-1])].copy(), last[:n].copy()
 
-    def _seq_array(self, seqs: Seq["Sequence"]):
+    def _seq_array(self, seqs: Seq["Sequence"]) -> Tuple[Any, List[GateUse]]:
+        """The ``kvh_seq[]`` of a batch and the gate uses of a ``@threads
+        any`` call naming it."""
         if isinstance(seqs, Sequence):
             raise TypeError("seqs must be a list of kvh.Sequence objects (wrap a single one in a list)")
         seqs = list(seqs)
@@ -660,7 +694,7 @@ class Engine(OwnedHandle):
             s._check_engine(self)
             s._check_alive()
             arr[i].id = s._h.id
-        return arr
+        return arr, [s._gate.shared() for s in seqs]
 
     # ---- paged attention ----
     def _attention_arrays(self, what: str, q: Any, rows: int, out: Any, io_dtype: Union[DType, str, None]):
@@ -750,11 +784,11 @@ class Engine(OwnedHandle):
         when not given). On the CUDA backend q/out are device arrays
         (``__cuda_array_interface__``) and ``stream`` a cudaStream_t."""
         layer = _index("layer", layer, maximum=_U32)
-        hs = self._seq_array(seqs)
+        hs, uses = self._seq_array(seqs)
         n = len(list(seqs))
         qp, op, out, hq, io = self._attention_arrays("attention_decode", q, n, out, io_dtype)
         prm = self._attention_params(hq, scale, io, threads, stream)
-        with self._call() as p:
+        with self._call(*uses) as p:
             check(lib.kvh_attention_decode(p, layer, hs, n, qp, op, prm))
         return out
 
@@ -764,7 +798,7 @@ class Engine(OwnedHandle):
         """Chunked causal prefill: sequence i's last ``q_lens[i]`` tokens
         attend causally; q is shaped ``(sum(q_lens), num_q_heads, head_dim)``."""
         layer = _index("layer", layer, maximum=_U32)
-        hs = self._seq_array(seqs)
+        hs, uses = self._seq_array(seqs)
         n = len(list(seqs))
         lens = [_index(f"q_lens[{i}]", x, maximum=_U32) for i, x in enumerate(q_lens)]
         if len(lens) != n:
@@ -772,7 +806,7 @@ class Engine(OwnedHandle):
         ql = ffi.new("uint32_t[]", lens or [0])
         qp, op, out, hq, io = self._attention_arrays("attention_prefill", q, sum(lens), out, io_dtype)
         prm = self._attention_params(hq, scale, io, threads, stream)
-        with self._call() as p:
+        with self._call(*uses) as p:
             check(lib.kvh_attention_prefill(p, layer, hs, ql, n, qp, op, prm))
         return out
 
@@ -812,19 +846,20 @@ class Engine(OwnedHandle):
 # ---------------------------------------------------------------------------------
 # Fence: a future-like completion of asynchronous work
 # ---------------------------------------------------------------------------------
-class Fence(OwnedHandle):
+class Fence(GatedHandle, OwnedHandle):
     """Completion of asynchronous work (prefetch, migrate, acquire with
     ``wait=False``), shaped like ``concurrent.futures.Future``: ``done()``,
     ``result(timeout)``, ``exception(timeout)``, ``wait(timeout)``,
     ``add_done_callback(fn)``; ``await fence`` works in asyncio. The C fence
-    is freed as soon as completion is observed, or on ``close()``/GC."""
+    is freed as soon as completion is observed, or on ``close()``/GC (which
+    waits for a wait in flight on another thread)."""
 
     def __init__(self, engine: Engine, fp) -> None:
+        self._gate = HandleGate(lambda: errors.BadHandleError("the fence was freed", lib.KVH_ERR_BAD_HANDLE))
         self._engine = engine
         self._fp = fp
         self._lock = threading.Lock()
         self._outcome: Optional[Tuple[int, str]] = None  # (status, detail) once done
-        self._freed = False
         self._callbacks: List[Callable[["Fence"], Any]] = []
 
     @property
@@ -844,10 +879,9 @@ class Fence(OwnedHandle):
                 log.exception("kvh: exception in a Fence done callback")
 
     def _free(self) -> None:
-        with self._lock:
-            if self._freed:
-                return
-            self._freed = True
+        self._gate.close(self._free_native)
+
+    def _free_native(self) -> None:
         try:
             with self._engine._call() as p:
                 lib.kvh_fence_free(p, self._fp[0])
@@ -859,7 +893,7 @@ class Fence(OwnedHandle):
         if self._outcome is not None:
             return True
         d = ffi.new("int32_t *")
-        with self._engine._call() as p:
+        with self._call_any() as p:
             st = lib.kvh_fence_poll(p, self._fp[0], d)
             detail = last_error() if st else ""
         if st != 0 and not d[0]:
@@ -873,11 +907,14 @@ class Fence(OwnedHandle):
         if self._outcome is not None:
             return True
         ns = U64_MAX if timeout is None else max(0, int(timeout * 1e9))
-        with self._engine._call() as p:
-            if self._outcome is not None:
-                return True
-            st = lib.kvh_fence_wait(p, self._fp[0], ns)
-            detail = last_error() if st else ""
+        try:
+            with self._call_any() as p:
+                if self._outcome is not None:
+                    return True
+                st = lib.kvh_fence_wait(p, self._fp[0], ns)
+                detail = last_error() if st else ""
+        except errors.BadHandleError as exc:  # freed before its completion was seen
+            st, detail = exc.status, exc.message
         if st == lib.KVH_ERR_TIMEOUT and timeout is not None:
             # Either our deadline or the work's own timeout: poll to tell.
             try:
@@ -903,7 +940,7 @@ class Fence(OwnedHandle):
 
     def result(self, timeout: Optional[float] = None) -> None:
         """Waits; returns None on success, raises the work's kvh.Error, or
-        kvh.TimeoutError (a builtin TimeoutError) when timeout passes."""
+        kvh.KvhTimeoutError (a builtin TimeoutError) when timeout passes."""
         exc = self.exception(timeout)
         if exc is not None:
             raise exc
@@ -936,7 +973,7 @@ class Fence(OwnedHandle):
         self._free()
 
     def _close_at_gc(self) -> None:
-        if not self._freed and not self._engine.closed:
+        if not self._gate.closed and not self._engine.closed:
             self._free()
 
     def __repr__(self) -> str:
@@ -947,13 +984,16 @@ class Fence(OwnedHandle):
 # ---------------------------------------------------------------------------------
 # Block
 # ---------------------------------------------------------------------------------
-class Block(OwnedHandle):
+class Block(GatedHandle, OwnedHandle):
     """A block handle. ``owned`` blocks (from ``Engine.prefix_lookup``,
     ``Engine.block_alloc``, ``Block.retain``) hold one reference, dropped by
-    ``release()``, the context manager, or GC. Blocks from
-    ``Sequence.blocks()`` are borrowed (the sequence keeps them)."""
+    ``release()``, the context manager, or GC; the object is unusable after
+    that (BadHandleError). Blocks from ``Sequence.blocks()`` are borrowed
+    (the sequence keeps them)."""
 
     def __init__(self, engine: Engine, handle: int, owned: bool) -> None:
+        self._gate = HandleGate(
+            lambda: errors.BadHandleError(f"block 0x{handle:x} was released", lib.KVH_ERR_BAD_HANDLE))
         self._engine = engine
         self._id = handle
         self._owned = owned
@@ -964,7 +1004,7 @@ class Block(OwnedHandle):
 
     @property
     def owned(self) -> bool:
-        return self._owned
+        return self._owned and not self._gate.closed
 
     def _check_engine(self, engine: Engine) -> None:
         if self._engine is not engine:
@@ -976,11 +1016,21 @@ class Block(OwnedHandle):
         return h[0]
 
     def info(self) -> BlockInfo:
-        return _block_info(self._engine, self._h())
+        info = ffi.new("kvh_block_info *")
+        info.struct_size = ffi.sizeof("kvh_block_info")
+        with self._call_any() as p:
+            check(lib.kvh_block_info_get(p, self._h(), info))
+        tier_v = int(info.tier)
+        return BlockInfo(
+            tier=Tier(tier_v) if tier_v in (0, 1, 2) else tier_v,  # type: ignore[arg-type]
+            slot=int(info.slot), refs=int(info.refs), pins=int(info.pins), holds=int(info.holds),
+            tokens=int(info.tokens), agent=int(info.agent), published=bool(info.published),
+            in_flight=bool(info.in_flight), hash=int(info.hash), tolerance=int(info.tolerance),
+        )
 
     def pin(self, pinned: bool = True) -> None:
         """Pins (or unpins) the block in its current tier."""
-        with self._engine._call() as p:
+        with self._call_any() as p:
             check(lib.kvh_block_pin(p, self._h(), 1 if pinned else 0))
 
     def unpin(self) -> None:
@@ -988,20 +1038,22 @@ class Block(OwnedHandle):
 
     def set_tolerance(self, tolerance: int) -> None:
         """Compression tolerance 0 (intolerant) .. 255 for LCTRU eviction."""
-        with self._engine._call() as p:
-            check(lib.kvh_block_set_tolerance(p, self._h(), _index("tolerance", tolerance, maximum=_U32)))
+        tolerance = _index("tolerance", tolerance, maximum=_U32)
+        with self._call_any() as p:
+            check(lib.kvh_block_set_tolerance(p, self._h(), tolerance))
 
     def retain(self) -> "Block":
         """A new owned reference to the same block."""
-        with self._engine._call() as p:
+        with self._call_any() as p:
             check(lib.kvh_block_retain(p, self._h()))
         return Block(self._engine, self._id, owned=True)
 
     def release(self) -> None:
         """Drops this object's reference (owned blocks only). Idempotent."""
-        if not self._owned:
-            return
-        self._owned = False
+        if self._owned:
+            self._gate.close(self._release_native)
+
+    def _release_native(self) -> None:
         with self._engine._call() as p:
             check(lib.kvh_block_release(p, self._h()))
 
@@ -1018,21 +1070,7 @@ class Block(OwnedHandle):
         return hash((id(self._engine), self._id))
 
     def __repr__(self) -> str:
-        return f"<kvh.Block 0x{self._id:x}{' owned' if self._owned else ''}>"
-
-
-def _block_info(engine: Engine, h) -> BlockInfo:
-    info = ffi.new("kvh_block_info *")
-    info.struct_size = ffi.sizeof("kvh_block_info")
-    with engine._call() as p:
-        check(lib.kvh_block_info_get(p, h, info))
-    tier_v = int(info.tier)
-    return BlockInfo(
-        tier=Tier(tier_v) if tier_v in (0, 1, 2) else tier_v,  # type: ignore[arg-type]
-        slot=int(info.slot), refs=int(info.refs), pins=int(info.pins), holds=int(info.holds),
-        tokens=int(info.tokens), agent=int(info.agent), published=bool(info.published),
-        in_flight=bool(info.in_flight), hash=int(info.hash), tolerance=int(info.tolerance),
-    )
+        return f"<kvh.Block 0x{self._id:x}{' owned' if self.owned else ''}>"
 
 
 # ---------------------------------------------------------------------------------
@@ -1045,11 +1083,12 @@ class Hold(OwnedHandle):
     ``fence`` completes (``hold.wait()``)."""
 
     def __init__(self, seq: "Sequence", first: int, n: int, fence: Optional[Fence]) -> None:
+        # The hold names no handle of its own; its gate makes the release happen once.
+        self._gate = HandleGate(lambda: errors.BadHandleError("the hold was released", lib.KVH_ERR_BAD_HANDLE))
         self._seq = seq
         self.first = first
         self.n = n
         self.fence = fence
-        self._released = False
 
     @property
     def range(self) -> range:
@@ -1057,7 +1096,7 @@ class Hold(OwnedHandle):
 
     @property
     def released(self) -> bool:
-        return self._released
+        return self._gate.closed
 
     def wait(self, timeout: Optional[float] = None) -> None:
         """Waits until the held blocks are resident (no-op for wait=True holds)."""
@@ -1066,31 +1105,31 @@ class Hold(OwnedHandle):
 
     def covers_block(self, block_index: int) -> bool:
         bt = self._seq._engine.block_tokens
-        if self._released or self.n == 0:
+        if self.released or self.n == 0:
             return False
         return self.first // bt <= block_index <= (self.first + self.n - 1) // bt
 
     def release(self) -> None:
         """Ends the hold. Idempotent; a no-op once the sequence or engine is gone."""
-        if self._released:
-            return
-        self._released = True
+        self._gate.close(self._release_native)
+
+    def _release_native(self) -> None:
         seq = self._seq
-        if seq._freed or seq._engine.closed:
+        if seq.freed or seq.engine.closed:
             return
-        if self.fence is not None:
-            try:
+        try:
+            if self.fence is not None:
                 self.fence.wait()
-            except errors.ClosedError:
-                return
-            self.fence.close()
-        with seq._engine._call() as p:
-            check(lib.kvh_seq_release(p, seq._h[0], self.first, self.n))
+                self.fence.close()
+            with seq._call() as p:
+                check(lib.kvh_seq_release(p, seq._h[0], self.first, self.n))
+        except (errors.ClosedError, errors.BadHandleError):
+            pass  # the sequence or the engine is gone, and its holds with it
 
     close = release
 
     def __repr__(self) -> str:
-        return f"<kvh.Hold tokens [{self.first}, {self.first + self.n}){' released' if self._released else ''}>"
+        return f"<kvh.Hold tokens [{self.first}, {self.first + self.n}){' released' if self.released else ''}>"
 
 
 class _ViewOwner:
@@ -1106,8 +1145,9 @@ class _ViewOwner:
         self.__array_interface__ = {
             "version": 3, "shape": shape, "typestr": dtype.str, "data": (addr, readonly), "strides": None,
         }
-        self._native = engine._native
-        self._native.add_view()  # type: ignore[union-attr]
+        self._native: Optional[_Native] = None
+        engine._native.add_view()  # type: ignore[union-attr]
+        self._native = engine._native  # counted: __del__ drops it
 
     def __del__(self) -> None:
         try:
@@ -1117,7 +1157,8 @@ class _ViewOwner:
             pass
         finally:
             try:
-                self._native.drop_view()  # type: ignore[union-attr]
+                if self._native is not None:
+                    self._native.drop_view()
             except Exception:
                 pass
 
@@ -1125,15 +1166,20 @@ class _ViewOwner:
 # ---------------------------------------------------------------------------------
 # Sequence
 # ---------------------------------------------------------------------------------
-class Sequence(OwnedHandle):
+class Sequence(GatedHandle, OwnedHandle):
     """A logical token stream with its block table (``kvh_seq``). Create with
-    :meth:`Engine.sequence`; free with ``free()``, a ``with`` block, or GC."""
+    :meth:`Engine.sequence`; free with ``free()``, a ``with`` block, or GC.
+
+    Calls from several threads on one sequence run one at a time (the C
+    rule for a sequence handle); ``free()`` waits for the call in flight and
+    later calls raise BadHandleError."""
 
     def __init__(self, engine: Engine, h, agent: int) -> None:
+        self._gate = HandleGate(
+            lambda: errors.BadHandleError(f"sequence 0x{int(h.id):x} was freed", lib.KVH_ERR_BAD_HANDLE))
         self._engine = engine
         self._h = h
         self._agent = agent
-        self._freed = False
         self._views: List[Tuple["weakref.ref[np.ndarray]", int]] = []
 
     # ---- lifetime ----
@@ -1151,48 +1197,28 @@ class Sequence(OwnedHandle):
 
     @property
     def freed(self) -> bool:
-        return self._freed
+        return self._gate.closed
 
     def _check_alive(self) -> None:
-        if self._freed:
+        if self._gate.closed:
             raise errors.BadHandleError(f"sequence 0x{int(self._h.id):x} was freed", lib.KVH_ERR_BAD_HANDLE)
 
     def _check_engine(self, engine: Engine) -> None:
         if self._engine is not engine:
             raise ValueError("the sequence belongs to another engine")
 
-    def _enter(self):
-        """Starts a call: returns the engine pointer (leave with _leave)."""
-        self._check_alive()
-        native = self._engine._native
-        if native is None:
-            raise errors.ClosedError("the engine is closed", lib.KVH_ERR_CLOSED)
-        p = native.enter()
-        if self._freed:  # freed by another thread meanwhile
-            native.leave()
-            self._check_alive()
-        return p
-
-    def _leave(self) -> None:
-        self._engine._native.leave()  # type: ignore[union-attr]
-
     def free(self) -> None:
         """Releases the sequence's blocks (cached full blocks stay in the
-        prefix index). Idempotent; a no-op once the engine is closed."""
-        if self._freed:
-            return
-        self._freed = True
-        native = self._engine._native
-        if native is None or native.closed:
-            return
+        prefix index) once calls in flight on other threads are done.
+        Idempotent; a no-op once the engine is closed."""
+        self._gate.close(self._free_native)
+
+    def _free_native(self) -> None:
         try:
-            p = native.enter()
+            with self._engine._call() as p:
+                check(lib.kvh_seq_free(p, self._h[0]))
         except errors.ClosedError:
-            return
-        try:
-            check(lib.kvh_seq_free(p, self._h[0]))
-        finally:
-            native.leave()
+            pass  # the engine's close freed it
 
     close = free
 
@@ -1209,7 +1235,7 @@ class Sequence(OwnedHandle):
         return self
 
     def __repr__(self) -> str:
-        if self._freed:
+        if self.freed:
             return f"<kvh.Sequence 0x{int(self._h.id):x} freed>"
         if self._engine.closed:
             return f"<kvh.Sequence 0x{int(self._h.id):x} (engine closed)>"
@@ -1267,11 +1293,8 @@ class Sequence(OwnedHandle):
     @property
     def length(self) -> int:
         """Length in tokens."""
-        p = self._enter()
-        try:
+        with self._call_any() as p:
             return self._length(p)
-        finally:
-            self._leave()
 
     @property
     def num_blocks(self) -> int:
@@ -1280,34 +1303,25 @@ class Sequence(OwnedHandle):
 
     def tokens(self, first: TokenSpan = None, n: Optional[int] = None) -> np.ndarray:
         """Token ids (int32) of a range (default: all)."""
-        p = self._enter()
-        try:
+        with self._call() as p:
             f, cnt = self._span(p, first, n)
             out = np.empty(cnt, np.int32)
             check(lib.kvh_seq_tokens(p, self._h[0], f, cnt, _iptr(out)))
-        finally:
-            self._leave()
         return out
 
     def append(self, tokens: ArrayLike) -> None:
         """Appends token ids (allocating blocks; NoSpaceError leaves the
         sequence unchanged)."""
         tk = _tokens(tokens)
-        p = self._enter()
-        try:
+        with self._call() as p:
             check(lib.kvh_seq_append(p, self._h[0], _iptr(tk), tk.size))
-        finally:
-            self._leave()
-        self._refresh_views()
+            self._refresh_views()
 
     def truncate(self, n_tokens: int) -> None:
         n_tokens = _index("n_tokens", n_tokens)
-        p = self._enter()
-        try:
+        with self._call() as p:
             check(lib.kvh_seq_truncate(p, self._h[0], n_tokens))
-        finally:
-            self._leave()
-        self._refresh_views()
+            self._refresh_views()
 
     def match_prefix(self, tokens: ArrayLike) -> int:
         """For an empty sequence: attaches the longest cached prefix of
@@ -1315,23 +1329,17 @@ class Sequence(OwnedHandle):
         block_tokens). Append ``tokens[matched:]`` yourself."""
         tk = _tokens(tokens)
         m = ffi.new("size_t *")
-        p = self._enter()
-        try:
+        with self._call() as p:
             check(lib.kvh_seq_match_prefix(p, self._h[0], _iptr(tk), tk.size, m))
-        finally:
-            self._leave()
         return int(m[0])
 
     def fork(self, agent: Optional[int] = None) -> "Sequence":
         """Copy-on-write child sharing every block (agent: default the parent's)."""
         agent = self._agent if agent is None else _index("agent", agent, maximum=_U32)
         h = ffi.new("kvh_seq *")
-        p = self._enter()
-        try:
+        with self._call() as p:
             check(lib.kvh_seq_fork(p, self._h[0], agent, h))
-        finally:
-            self._leave()
-        self._refresh_views()
+            self._refresh_views()
         return Sequence(self._engine, h, agent)
 
     # ---- K/V ----
@@ -1343,12 +1351,9 @@ class Sequence(OwnedHandle):
         pos = _index("pos", pos)
         self._kv_check("k", k)
         self._kv_check("v", v, n=k.shape[0])
-        p = self._enter()
-        try:
+        with self._call() as p:
             check(lib.kvh_seq_write_kv(p, self._h[0], layer, pos, k.shape[0], _ptr(k), _ptr(v)))
-        finally:
-            self._leave()
-        self._refresh_views()
+            self._refresh_views()
 
     def read_kv(self, layer: int, pos: TokenSpan = None, n: Optional[int] = None, *,
                 out: Optional[Tuple[Optional[np.ndarray], Optional[np.ndarray]]] = None
@@ -1357,8 +1362,7 @@ class Sequence(OwnedHandle):
         all) of one layer into new arrays shaped ``(n, num_kv_heads,
         head_dim)`` (or into ``out=(k, v)``). Returns ``(k, v)``."""
         layer = _index("layer", layer, maximum=_U32)
-        p = self._enter()
-        try:
+        with self._call() as p:
             f, cnt = self._span(p, pos, n)
             if out is None:
                 shape = (cnt, self._engine.num_kv_heads, self._engine.head_dim)
@@ -1370,8 +1374,6 @@ class Sequence(OwnedHandle):
                 k = self._kv_check("out[0]", out[0], n=cnt, out=True)
                 v = self._kv_check("out[1]", out[1], n=cnt, out=True)
             check(lib.kvh_seq_read_kv(p, self._h[0], layer, f, cnt, _ptr(k), _ptr(v)))
-        finally:
-            self._leave()
         return k, v
 
     # ---- residency ----
@@ -1381,12 +1383,9 @@ class Sequence(OwnedHandle):
         :class:`Hold` is released. ``wait=False`` returns at once; the hold's
         ``fence`` completes when the data is resident."""
         fp = ffi.new("kvh_fence *") if not wait else NULL
-        p = self._enter()
-        try:
+        with self._call() as p:
             f, cnt = self._span(p, first, n)
             check(lib.kvh_seq_acquire(p, self._h[0], f, cnt, fp))
-        finally:
-            self._leave()
         return Hold(self, f, cnt, Fence(self._engine, fp) if not wait else None)
 
     def pin(self, first: TokenSpan = None, n: Optional[int] = None) -> None:
@@ -1402,44 +1401,32 @@ class Sequence(OwnedHandle):
         recency, tolerant ones leave the device tier (are compressed under a
         kv_codec) first."""
         tol = _index("tolerance", tolerance, maximum=_U32)
-        p = self._enter()
-        try:
+        with self._call() as p:
             f, cnt = self._span(p, first, n)
             check(lib.kvh_seq_set_tolerance(p, self._h[0], f, cnt, tol))
-        finally:
-            self._leave()
 
     def derive_tolerance(self, first: TokenSpan = None, n: Optional[int] = None, *,
                          max_rel_error: float = 0.0) -> None:
         """Sets the tolerance of the range's device-tier blocks from the
         engine's kv_codec error on them: 255 * max(0, 1 - err / max_rel_error)
         (0 = 0.25). Needs ``kv_codec``."""
-        p = self._enter()
-        try:
+        with self._call() as p:
             f, cnt = self._span(p, first, n)
             check(lib.kvh_seq_derive_tolerance(p, self._h[0], f, cnt, float(max_rel_error)))
-        finally:
-            self._leave()
 
     def _pin(self, first: TokenSpan, n: Optional[int], pinned: int) -> None:
-        p = self._enter()
-        try:
+        with self._call() as p:
             f, cnt = self._span(p, first, n)
             check(lib.kvh_seq_pin(p, self._h[0], f, cnt, pinned))
-        finally:
-            self._leave()
 
     def migrate(self, tier: Union[Tier, int, str], first: TokenSpan = None, n: Optional[int] = None, *,
                 wait: bool = True) -> Optional[Fence]:
         """Moves the blocks of a token range to a tier."""
         t = Tier.parse(tier)
         fp = ffi.new("kvh_fence *") if not wait else NULL
-        p = self._enter()
-        try:
+        with self._call_any() as p:
             f, cnt = self._span(p, first, n)
             check(lib.kvh_seq_migrate(p, self._h[0], f, cnt, int(t), fp))
-        finally:
-            self._leave()
         return None if wait else Fence(self._engine, fp)
 
     def prefetch(self, first: TokenSpan = None, n: Optional[int] = None, *, priority: int = 0) -> Fence:
@@ -1453,19 +1440,15 @@ class Sequence(OwnedHandle):
     def persist(self) -> None:
         """Makes every full block durable in the disk tier (UnsupportedError
         without a disk tier)."""
-        p = self._enter()
-        try:
+        with self._call() as p:
             check(lib.kvh_seq_persist(p, self._h[0]))
-        finally:
-            self._leave()
-        self._refresh_views()
+            self._refresh_views()
 
     # ---- blocks ----
     def blocks(self, first_block: int = 0, n: Optional[int] = None) -> List[Block]:
         """Borrowed handles of logical blocks ``[first_block, first_block + n)``."""
         first_block = _index("first_block", first_block)
-        p = self._enter()
-        try:
+        with self._call() as p:
             if n is None:
                 bt = self._engine.block_tokens
                 total = (self._length(p) + bt - 1) // bt
@@ -1473,8 +1456,6 @@ class Sequence(OwnedHandle):
             n = _index("n", n)
             out = ffi.new("kvh_block[]", max(1, n))
             check(lib.kvh_seq_blocks(p, self._h[0], first_block, n, out))
-        finally:
-            self._leave()
         return [Block(self._engine, int(out[i].id), owned=False) for i in range(n)]
 
     def block(self, index: int) -> Block:
@@ -1539,14 +1520,15 @@ class Sequence(OwnedHandle):
         view = np.asarray(owner)
         assert view.base is owner or view.base is not None
         if not readonly:
-            self._views = [(r, i) for r, i in self._views if r() is not None]
-            self._views.append((weakref.ref(view), index))
+            with self._gate.exclusive():  # the calls that refresh the list hold it too
+                self._views = [(r, i) for r, i in self._views if r() is not None]
+                self._views.append((weakref.ref(view), index))
         return view
 
     def _refresh_views(self) -> None:
         """Makes writable views read-only when their block became shared,
         published or replaced (CoW) — the view no longer is this sequence's
-        private memory."""
+        private memory. Called inside the call that changed the sequence."""
         if not self._views:
             return
         live = []

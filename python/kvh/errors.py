@@ -5,11 +5,12 @@ status code (``.status``), its name (``.name``, e.g. ``"KVH_ERR_NOSPACE"``)
 and the thread-local detail of ``kvh_last_error()`` (``.message``).
 Several classes also derive from the matching builtin, so ordinary
 ``except ValueError`` / ``except IndexError`` / ``except OSError`` /
-``except TimeoutError`` / ``except MemoryError`` code keeps working.
+``except TimeoutError`` / ``except MemoryError`` code keeps working. No
+name here is a builtin's (``KvhIOError``, ``KvhTimeoutError``), so
+``from kvh import *`` leaves the builtins alone.
 """
 from __future__ import annotations
 
-import builtins
 import errno as _errno
 import os
 import re
@@ -23,11 +24,9 @@ __all__ = [
     "OutOfMemoryError",
     "NoSpaceError",
     "KvhIOError",
-    "IOError",
     "CorruptionError",
     "BusyError",
     "KvhTimeoutError",
-    "TimeoutError",
     "UnsupportedError",
     "RangeError",
     "NotResidentError",
@@ -36,6 +35,7 @@ __all__ = [
     "InternalError",
     "STATUS_CODES",
     "error_class",
+    "python_hints",
 ]
 
 # Fixed by the ABI (KVH_STATUS_LIST); checked against the header at import.
@@ -123,9 +123,6 @@ class KvhIOError(Error, OSError):
         return Exception.__str__(self)
 
 
-IOError = KvhIOError
-
-
 class CorruptionError(Error):
     """KVH_ERR_CORRUPT: stored data failed its checksum."""
 
@@ -134,14 +131,11 @@ class BusyError(Error):
     """KVH_ERR_BUSY: the resource is busy or locked by another user."""
 
 
-class KvhTimeoutError(Error, builtins.TimeoutError):
+class KvhTimeoutError(Error, TimeoutError):
     """KVH_ERR_TIMEOUT: a deadline passed before the work completed."""
 
     def __str__(self) -> str:
         return Exception.__str__(self)
-
-
-TimeoutError = KvhTimeoutError
 
 
 class UnsupportedError(Error):
@@ -192,6 +186,27 @@ _DEFAULT_STATUS = {cls: code for code, cls in _CLASS_BY_CODE.items()}
 def error_class(status: int) -> Type[Error]:
     """The exception class for a status code (``Error`` for unknown codes)."""
     return _CLASS_BY_CODE.get(status, Error)
+
+
+# Advice in the library's messages that names what a C caller writes (a
+# macro, a kvh_config field, a function), and what a Python caller writes
+# instead. tests/python/test_binding.py checks that every such message of
+# the C sources is covered.
+_PYTHON_HINTS = (
+    ("set KVH_DISK_RESET_ON_MISMATCH", "pass disk_reset_on_mismatch=True"),
+    ("without kvh_config.vmap", "without vmap=True"),
+    ("(kvh_seq_acquire first)", "(Sequence.acquire() first)"),
+    ("(kvh_vmap_refresh it)", "(VMap.refresh() it)"),
+)
+
+
+def python_hints(message: str) -> str:
+    """A library message with its C spellings of advice replaced by the
+    keywords and methods of this binding."""
+    for c_spelling, python_spelling in _PYTHON_HINTS:
+        if c_spelling in message:
+            message = message.replace(c_spelling, python_spelling)
+    return message
 
 
 _ERRNO_PATTERNS = [

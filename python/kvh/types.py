@@ -142,7 +142,8 @@ class Config:
     default (from ``kvh_config_init``). Sizes are bytes.
 
     ``log_level`` None follows ``logging.getLogger("kvh")``'s effective level.
-    ``disk_path``/``disk_bytes`` enable the disk tier (both needed).
+    ``disk_path``/``disk_bytes`` enable the disk tier (both needed: a path
+    without a size raises InvalidArgumentError).
     """
 
     num_layers: Optional[int] = None

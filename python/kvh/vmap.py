@@ -18,7 +18,7 @@ import numpy as np
 
 from . import errors
 from ._ffi import check, ffi, lib
-from ._handle import OwnedHandle
+from ._handle import GatedHandle, HandleGate, OwnedHandle
 
 if TYPE_CHECKING:  # pragma: no cover
     from .engine import Engine, Sequence
@@ -40,32 +40,34 @@ class _ArrayOwner:
             pass
 
 
-class VMap(OwnedHandle):
+class VMap(GatedHandle, OwnedHandle):
     """One layer of a sequence as contiguous K and V (see the module doc)."""
 
     def __init__(self, seq: "Sequence", layer: int, capacity_tokens: int = 0) -> None:
+        self._gate = HandleGate(lambda: errors.BadHandleError("the view was released", lib.KVH_ERR_BAD_HANDLE))
         self._engine: Engine = seq.engine
+        self._seq = seq
         self._np_dtype = self._engine.np_dtype
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the array count and the unmapping
         self._arrays = 0
-        self._released = False
-        self._freed = False
+        self._released = False  # release() was called
+        self._ptr = None  # the kvh_vmap *, until unmapped
         out = ffi.new("kvh_vmap **")
-        p = seq._enter()
+        native = self._engine._native
+        native.add_view()  # type: ignore[union-attr]  # the engine's close leaves its memory to us
         try:
-            check(lib.kvh_seq_vmap(p, seq._h[0], int(layer), int(capacity_tokens), out))
-        finally:
-            seq._leave()
+            with self._engine._call(seq._gate.exclusive()) as p:
+                check(lib.kvh_seq_vmap(p, seq._h[0], int(layer), int(capacity_tokens), out))
+        except BaseException:
+            native.drop_view()  # type: ignore[union-attr]
+            raise
         self._ptr = out[0]
-        self._engine._native.add_view()  # type: ignore[union-attr]  # close waits for us
 
     # ---- state ----
     def _view(self):
-        if self._released:
-            raise errors.BadHandleError("the view was released", lib.KVH_ERR_BAD_HANDLE)
         v = ffi.new("kvh_vmap_view *")
         v.struct_size = ffi.sizeof("kvh_vmap_view")
-        with self._engine._call() as p:
+        with self._call() as p:
             check(lib.kvh_vmap_get(p, self._ptr, v))
         return v
 
@@ -94,11 +96,15 @@ class VMap(OwnedHandle):
         return int(self._view().map_unit)
 
     def _array(self, which: str) -> np.ndarray:
-        v = self._view()
         H, D = self._engine.num_kv_heads, self._engine.head_dim
         es = self._np_dtype.itemsize
-        addr = int(ffi.cast("uintptr_t", v.k if which == "k" else v.v))
-        owner = _ArrayOwner(self, addr, (H, int(v.n_tokens), D), (int(v.head_stride), D * es, es))
+        v = ffi.new("kvh_vmap_view *")
+        v.struct_size = ffi.sizeof("kvh_vmap_view")
+        # The array is counted before the gate lets a release through.
+        with self._call() as p:
+            check(lib.kvh_vmap_get(p, self._ptr, v))
+            addr = int(ffi.cast("uintptr_t", v.k if which == "k" else v.v))
+            owner = _ArrayOwner(self, addr, (H, int(v.n_tokens), D), (int(v.head_stride), D * es, es))
         return np.asarray(owner)
 
     @property
@@ -113,10 +119,8 @@ class VMap(OwnedHandle):
 
     def refresh(self) -> bool:
         """Remaps what changed in the sequence; True when anything did."""
-        if self._released:
-            raise errors.BadHandleError("the view was released", lib.KVH_ERR_BAD_HANDLE)
         changed = ffi.new("int32_t *")
-        with self._engine._call() as p:
+        with self._call(self._seq._gate.exclusive()) as p:
             check(lib.kvh_vmap_refresh(p, self._ptr, changed))
         return bool(changed[0])
 
@@ -130,37 +134,37 @@ class VMap(OwnedHandle):
             self._arrays -= 1
             last = self._arrays == 0 and self._released
         if last:
-            self._free()
+            self._unmap()
 
-    def _free(self) -> None:
+    def _unmap(self) -> None:
         with self._lock:
-            if self._freed:
-                return
-            self._freed = True
+            ptr, self._ptr = self._ptr, None
+        if ptr is None:
+            return
         native = self._engine._native
         try:
-            if native is not None and not native.released:
-                p = native.enter()
+            if not native.released:  # type: ignore[union-attr]
+                p = native.enter()  # type: ignore[union-attr]
                 try:
-                    lib.kvh_vmap_release(p, self._ptr)
+                    lib.kvh_vmap_release(p, ptr)
                 finally:
-                    native.leave()
+                    native.leave()  # type: ignore[union-attr]
         except errors.ClosedError:
-            pass
+            pass  # the engine's close releases it
         finally:
-            if native is not None:
-                native.drop_view()
+            native.drop_view()  # type: ignore[union-attr]
 
     def release(self) -> None:
         """Unmaps the view (once no array taken from it is alive) and drops
         its holds. Idempotent."""
+        self._gate.close(self._release_native)
+
+    def _release_native(self) -> None:
         with self._lock:
-            if self._released:
-                return
             self._released = True
             last = self._arrays == 0
         if last:
-            self._free()
+            self._unmap()
 
     close = release
 
@@ -174,11 +178,9 @@ def attention_decode_vmap(engine: "Engine", views, q: np.ndarray, *, out: Any = 
     n = len(views)
     qp, op, out, hq, io = engine._attention_arrays("attention_decode_vmap", q, n, out, None)
     prm = engine._attention_params(hq, scale, io, threads, None)
-    arr = ffi.new("kvh_vmap *[]", [vm._ptr for vm in views] or [ffi.NULL])
-    for vm in views:
-        if vm._released:
-            raise errors.BadHandleError("a view was released", lib.KVH_ERR_BAD_HANDLE)
-    with engine._call() as p:
+    # The pointers are read inside the views' gates: a released view has none.
+    with engine._call(*(vm._gate.exclusive() for vm in views)) as p:
+        arr = ffi.new("kvh_vmap *[]", [vm._ptr for vm in views] or [ffi.NULL])
         check(lib.kvh_attention_decode_vmap(p, arr, n, qp, op, prm))
     return out
 
@@ -194,12 +196,9 @@ def attention_prefill_vmap(engine: "Engine", views, q_lens, q: np.ndarray, *, ou
         raise ValueError(f"q_lens has {len(lens)} entries, expected one per view ({len(views)})")
     qp, op, out, hq, io = engine._attention_arrays("attention_prefill_vmap", q, sum(lens), out, None)
     prm = engine._attention_params(hq, scale, io, threads, None)
-    arr = ffi.new("kvh_vmap *[]", [vm._ptr for vm in views] or [ffi.NULL])
     ql = ffi.new("uint32_t[]", lens or [0])
-    for vm in views:
-        if vm._released:
-            raise errors.BadHandleError("a view was released", lib.KVH_ERR_BAD_HANDLE)
-    with engine._call() as p:
+    with engine._call(*(vm._gate.exclusive() for vm in views)) as p:
+        arr = ffi.new("kvh_vmap *[]", [vm._ptr for vm in views] or [ffi.NULL])
         check(lib.kvh_attention_prefill_vmap(p, arr, ql, len(views), qp, op, prm))
     return out
 

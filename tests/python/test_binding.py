@@ -1,9 +1,11 @@
 """The binding itself: generated cdef, version check, status codes -> exceptions."""
 from __future__ import annotations
 
+import builtins
 import errno
 import os
 import pickle
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -113,9 +115,21 @@ def test_io_error_errno_parsing():
     assert errors.KvhIOError("something odd", -5).errno is None
 
 
-def test_aliases_shadow_builtins_only_inside_kvh():
-    assert kvh.IOError is errors.KvhIOError and issubclass(kvh.IOError, OSError)
-    assert kvh.TimeoutError is errors.KvhTimeoutError and issubclass(kvh.TimeoutError, TimeoutError)
+@pytest.mark.parametrize("module", ["kvh", "kvh.errors"])
+def test_star_import_leaves_the_builtins_alone(module):
+    """``from kvh import *`` used to rebind TimeoutError and IOError."""
+    namespace: dict = {}
+    exec(f"from {module} import *", namespace)
+    shadowed = sorted(name for name in set(namespace) & set(dir(builtins))
+                      if not name.startswith("__") and namespace[name] is not getattr(builtins, name))
+    assert shadowed == []
+    assert {"KvhIOError", "KvhTimeoutError"} <= set(namespace)
+
+
+def test_io_and_timeout_errors_are_the_builtin_kinds():
+    assert issubclass(kvh.KvhIOError, OSError) and issubclass(kvh.KvhIOError, kvh.Error)
+    assert issubclass(kvh.KvhTimeoutError, TimeoutError) and issubclass(kvh.KvhTimeoutError, kvh.Error)
+    assert not hasattr(kvh, "IOError") and not hasattr(kvh, "TimeoutError")
 
 
 # ---- each family raised by a real call where the library can produce it ----------
@@ -148,9 +162,9 @@ def test_real_nospace():
 def test_real_io_error(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    with pytest.raises((kvh.IOError, kvh.UnsupportedError)) as info:
+    with pytest.raises((kvh.KvhIOError, kvh.UnsupportedError)) as info:
         kvh.Engine(backend="cpu", disk_path=str(blocker / "store"), disk_bytes=1 << 24)
-    if isinstance(info.value, kvh.IOError):
+    if isinstance(info.value, kvh.KvhIOError):
         assert info.value.errno == errno.ENOTDIR
 
 
@@ -164,8 +178,11 @@ def test_real_busy_mismatch_and_corrupt(tmp_path):
     with first:
         with pytest.raises(kvh.BusyError):  # the store is locked by `first`
             kvh.Engine(**geo, disk_path=str(store), disk_bytes=1 << 22)
-    with pytest.raises(kvh.MismatchError):
+    with pytest.raises(kvh.MismatchError) as info:
         kvh.Engine(**dict(geo, head_dim=16), disk_path=str(store), disk_bytes=1 << 22)
+    # the library's advice, in the keyword a Python caller passes
+    assert "(pass disk_reset_on_mismatch=True to start it empty)" in info.value.message
+    assert "KVH_DISK" not in str(info.value)
     # a damaged index: corrupt (or, with the reset flag, emptied and reused)
     index = store / "index"
     data = bytearray(index.read_bytes())
@@ -176,6 +193,46 @@ def test_real_busy_mismatch_and_corrupt(tmp_path):
         kvh.Engine(**geo, disk_path=str(store), disk_bytes=1 << 22)
     with kvh.Engine(**geo, disk_path=str(store), disk_bytes=1 << 22, disk_reset_on_mismatch=True) as eng:
         assert eng.tier_info("disk").present
+
+
+def test_real_not_resident_names_the_python_method(engine):
+    with engine.sequence(tokens=range(16)) as s:
+        s.migrate("host")
+        with pytest.raises(kvh.NotResidentError, match=r"not the device tier \(Sequence\.acquire\(\) first\)"):
+            engine.attention_decode(0, [s], np.zeros((1, 2, 8), np.float32))
+
+
+C_SPELLING = re.compile(r"\bKVH_[A-Z0-9_]+\b|\bkvh_[a-z0-9_]+\b")
+
+
+def c_messages_naming_c_spellings():
+    """String literals of the C sources that name a KVH_ macro, a kvh_config
+    field or a kvh_ function, but are not one (a getenv name, a symbol)."""
+    literal = re.compile(r'"((?:[^"\\\n]|\\.)*)"')
+    found = []
+    for root in ("core", "abi", "kernels"):
+        for path in sorted((REPO / root).rglob("*")):
+            if path.suffix not in (".c", ".h", ".cu", ".cuh", ".cpp"):
+                continue
+            for line in path.read_text(errors="replace").splitlines():
+                if line.lstrip().startswith("#include"):
+                    continue
+                for m in literal.finditer(line):
+                    text = m.group(1)
+                    if C_SPELLING.search(text) and not re.fullmatch(r"\w+", text):
+                        found.append((path.relative_to(REPO), text))
+    return found
+
+
+def test_every_c_hint_reads_in_python_terms():
+    """Advice in the library's messages names what a C caller writes;
+    through the binding it must name what a Python caller writes. Struct
+    sizes are the binding's business, not the caller's."""
+    messages = c_messages_naming_c_spellings()
+    assert any("KVH_DISK_RESET_ON_MISMATCH" in text for _, text in messages)  # the scan sees them
+    left = [(str(path), text, errors.python_hints(text)) for path, text in messages
+            if "struct_size" not in text and C_SPELLING.search(errors.python_hints(text))]
+    assert left == []
 
 
 def test_real_unsupported(engine):

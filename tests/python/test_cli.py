@@ -2,16 +2,18 @@
 message where a tool is not built) and prints sane output."""
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from kvh import _progress, cli
+from kvh import _progress, cli, doctor
 from kvh.tools import find_tool
 
 REPO = Path(__file__).resolve().parents[2]
@@ -81,6 +83,8 @@ def test_demo_bad_args():
     assert res.returncode == 2
     res = run_kvh("demo", "--device-budget", "lots")
     assert res.returncode == 2 and "size" in res.stderr
+    res = run_kvh("demo", "--disk-budget", "0")
+    assert res.returncode == 2 and "--disk-budget must be > 0" in res.stderr
 
 
 @pytest.fixture(scope="module")
@@ -185,6 +189,52 @@ def test_doctor_changes_nothing(tmp_path):
     after = {p: Path(p).read_text() for p in before}
     assert before == after
     assert list(tmp_path.iterdir()) == []  # the O_DIRECT probe cleaned up
+
+
+def test_doctor_advice_keeps_every_sysctl_it_sets(tmp_path, monkeypatch, capsys):
+    """Runs the printed advice in order with a directory standing in for
+    /etc/sysctl.d: every sysctl the advice sets must be in the files after
+    (the sysctl block used to overwrite what the huge pages block wrote)."""
+    proc = {"/proc/sys/vm/max_map_count": "65530", "/proc/sys/vm/swappiness": "60",
+            "/proc/sys/vm/dirty_background_ratio": "10", "/proc/sys/vm/dirty_ratio": "20",
+            "/proc/sys/kernel/io_uring_disabled": "2",
+            "/sys/kernel/mm/transparent_hugepage/enabled": "always [madvise] never"}
+    monkeypatch.setattr(doctor, "_read", proc.get)
+    monkeypatch.setattr(doctor, "_meminfo", lambda: {"Hugepagesize": 2 << 20, "HugePages_Total": 0,
+                                                     "HugePages_Free": 0})
+    for name in ("check_kvh", "check_numa", "check_cuda"):  # slow or machine-bound, and no sysctl advice
+        monkeypatch.setattr(doctor, name, lambda name=name: doctor.Check(name, doctor.OK, "not checked here"))
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    args = argparse.Namespace(data_dir=data_dir, host_budget=1 << 30, disk_budget=1 << 20, json=False,
+                              strict=False)
+    assert doctor.main_doctor(args) == 0
+    advice = [line.strip() for line in capsys.readouterr().out.splitlines() if line.startswith("  ")]
+
+    wanted = {}
+    for line in advice:
+        if m := re.fullmatch(r"sudo sysctl -w ([\w.]+)=(\S+)", line):
+            wanted[m[1]] = m[2]
+        elif m := re.fullmatch(r"echo (\S+) \| sudo tee /proc/sys/(\S+)", line):
+            wanted[m[2].replace("/", ".")] = m[1]
+    assert set(wanted) == {"vm.nr_hugepages", "vm.max_map_count", "vm.swappiness", "vm.dirty_background_ratio",
+                           "vm.dirty_ratio", "kernel.io_uring_disabled"}
+
+    etc = tmp_path / "sysctl.d"
+    etc.mkdir()
+    persisting = [line for line in advice if "/etc/sysctl.d/" in line]
+    assert persisting
+    for _ in range(2):  # following the advice twice changes nothing
+        for line in persisting:
+            subprocess.run(["bash", "-c", line.replace("sudo ", "").replace("/etc/sysctl.d/", f"{etc}/")],
+                           check=True, capture_output=True)
+        kept = {}
+        for conf in sorted(etc.glob("*.conf")):  # as `sysctl --system` reads them: a later line wins
+            for line in conf.read_text().splitlines():
+                key, eq, value = line.partition("=")
+                if eq and not key.lstrip().startswith(("#", ";")):
+                    kept[key.strip()] = value.strip()
+        assert kept == wanted
 
 
 class _FakeTTY(io.StringIO):

@@ -1,17 +1,29 @@
 """Concurrency through the API: prefetch hints from some threads while others
-read and write, fences as futures, asyncio."""
+read and write, fences as futures, asyncio, and several threads on one
+object (serialised per handle, never a crash)."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures as cf
+import os
 import random
+import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
+import pytest
 
 import kvh
+from kvh import engine as engine_mod
+from kvh._handle import HandleGate
 from kvh_testutil import filled_seq, kv_data
+
+HERE = Path(__file__).resolve().parent
 
 
 def test_prefetch_threads_while_others_read():
@@ -142,3 +154,171 @@ def test_many_threads_own_sequences():
         for t in threads:
             t.join(60)
         assert not errors, errors[:3]
+
+
+# ---- several threads on one object ------------------------------------------------
+
+@pytest.mark.parametrize("scenario, rounds", [("one_sequence", 5), ("free_while_used", 150),
+                                              ("close_while_used", 40), ("end_while_used", 10)])
+def test_threads_on_one_handle_never_crash(scenario, rounds):
+    """handle_races.py in a child process, so a segfault fails this test.
+    Before calls were serialised per handle, one_sequence, free_while_used
+    and end_while_used crashed (or hung) on nearly every run."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE.parent.parent / "python"), env.get("PYTHONPATH")]))
+    try:
+        res = subprocess.run([sys.executable, str(HERE / "handle_races.py"), scenario, str(rounds)],
+                             capture_output=True, text=True, timeout=90, env=env)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{scenario}: hung (no exit in {exc.timeout} s)")
+    how = f"signal {signal.Signals(-res.returncode).name}" if res.returncode < 0 else f"exit {res.returncode}"
+    assert res.returncode == 0, f"{scenario}: {how}\n{res.stdout}\n{res.stderr[-4000:]}"
+    assert res.stdout.startswith(f"ok {scenario}"), res.stdout
+
+
+class OverlapProbe:
+    """Stands in for engine.lib: records how many calls of the probed names
+    run at once per handle (and overall), holding each open a moment."""
+
+    def __init__(self, real, names):
+        self._real, self._names = real, names
+        self._lock = threading.Lock()
+        self._serial = threading.Lock()  # the real calls themselves never overlap here
+        self.running = collections.Counter()
+        self.most_per_handle = 0
+        self.most_overall = 0
+
+    def __getattr__(self, name):
+        attr = getattr(self._real, name)
+        if name not in self._names:
+            return attr
+
+        def probed(engine, seq, *args):
+            with self._lock:
+                self.running[seq.id] += 1
+                self.most_per_handle = max(self.most_per_handle, self.running[seq.id])
+                self.most_overall = max(self.most_overall, sum(self.running.values()))
+            try:
+                time.sleep(0.0005)
+                with self._serial:
+                    return attr(engine, seq, *args)
+            finally:
+                with self._lock:
+                    self.running[seq.id] -= 1
+
+        return probed
+
+
+def test_calls_naming_one_sequence_never_overlap(engine, monkeypatch):
+    probe = OverlapProbe(engine_mod.lib, {"kvh_seq_append", "kvh_seq_write_kv", "kvh_seq_read_kv",
+                                          "kvh_seq_truncate", "kvh_seq_tokens"})
+    monkeypatch.setattr(engine_mod, "lib", probe)
+    k = np.ones((4, engine.num_kv_heads, engine.head_dim), np.float32)
+
+    failures = []
+
+    def work(seq, n):
+        for step in range(n):
+            try:
+                seq.append(range(4))
+                seq.write_kv(0, len(seq) - 4, k, k)
+                seq.read_kv(0, len(seq) - 4, 4)
+                if step % 10 == 9:
+                    seq.truncate(4)
+                    seq.tokens()
+            except kvh.RangeError:  # another thread truncated between len() and the call
+                pass
+            except Exception as exc:
+                failures.append(exc)
+
+    def run(seqs):
+        threads = [threading.Thread(target=work, args=(s, 40)) for s in seqs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not failures, failures[:3]
+
+    with engine.sequence() as shared:
+        run([shared] * 3)
+    assert probe.most_per_handle == 1
+    # Different sequences are not serialised against each other.
+    with engine.sequence() as a, engine.sequence() as b:
+        run([a, b])
+    assert probe.most_overall == 2
+
+
+def test_gate_serialises_exclusive_and_admits_shared():
+    gate = HandleGate(lambda: kvh.BadHandleError("closed"))
+    inside = threading.Event()
+    leave = threading.Event()
+
+    def holder():
+        with gate.exclusive():
+            inside.set()
+            leave.wait(10)
+
+    t = threading.Thread(target=holder)
+    t.start()
+    assert inside.wait(10)
+    with gate.shared():  # a @threads any call runs beside it
+        pass
+    entered = threading.Event()
+
+    def second():
+        with gate.exclusive():
+            entered.set()
+
+    t2 = threading.Thread(target=second)
+    t2.start()
+    assert not entered.wait(0.1)  # waits for the holder
+    leave.set()
+    assert entered.wait(10)
+    t.join()
+    t2.join()
+
+
+def test_gate_close_waits_for_calls_in_flight_then_refuses():
+    gate = HandleGate(lambda: kvh.BadHandleError("closed"))
+    inside = threading.Event()
+    leave = threading.Event()
+    order = []
+
+    def user():
+        with gate.exclusive():
+            inside.set()
+            leave.wait(10)
+            order.append("call done")
+
+    t = threading.Thread(target=user)
+    t.start()
+    assert inside.wait(10)
+    closer = threading.Thread(target=lambda: gate.close(lambda: order.append("freed")))
+    closer.start()
+    time.sleep(0.05)
+    assert order == [] and gate.closed
+    with pytest.raises(kvh.BadHandleError):  # closing: no new call gets in
+        gate.enter(False)
+    leave.set()
+    closer.join(10)
+    t.join(10)
+    assert order == ["call done", "freed"]
+    assert gate.close(lambda: order.append("again")) is None and order == ["call done", "freed"]
+    with pytest.raises(kvh.BadHandleError):
+        gate.enter(True)
+
+
+def test_gate_reopens_when_the_end_fails_if_asked():
+    def busy():
+        raise kvh.BusyError("switch running")
+
+    keep = HandleGate(lambda: kvh.BadHandleError("closed"), reopen_if_end_fails=True)
+    with pytest.raises(kvh.BusyError):
+        keep.close(busy)
+    assert not keep.closed
+    with keep.exclusive():
+        pass
+    drop = HandleGate(lambda: kvh.BadHandleError("closed"))
+    with pytest.raises(kvh.BusyError):
+        drop.close(busy)
+    assert drop.closed

@@ -123,6 +123,19 @@ def test_bad_config():
         kvh.Engine(disk_path="a\0b", disk_bytes=1 << 20)
 
 
+@pytest.mark.parametrize("size", [{}, {"disk_bytes": None}, {"disk_bytes": 0}], ids=["unset", "None", "0"])
+def test_disk_path_without_disk_bytes_is_refused(tmp_path, size):
+    """It used to open an engine without a disk tier, found out only when
+    persist() raised UnsupportedError."""
+    store = tmp_path / "store"
+    with pytest.raises(kvh.InvalidArgumentError, match=r"disk_path=.*needs disk_bytes > 0") as info:
+        kvh.Engine(backend="cpu", disk_path=str(store), **size)
+    assert isinstance(info.value, ValueError) and info.value.status == kvh.lib.KVH_ERR_INVALID_ARG
+    with pytest.raises(kvh.InvalidArgumentError, match="disk_bytes"):
+        kvh.Engine(kvh.Config(backend="cpu", disk_path=store, **size))
+    assert not store.exists()
+
+
 def test_attention_input_checks(engine):
     with engine.sequence(tokens=range(4)) as s:
         with pytest.raises(ValueError, match=re.escape("(1, num_q_heads, 8)")):

@@ -55,7 +55,7 @@ def test_stale_refresh_and_lifetime():
         seq.append(range(20, 40))
         fill(seq, 20, start=20, seed=1)
         q = np.zeros((1, 2, 64), np.float32)
-        with pytest.raises(kvh.BadHandleError):
+        with pytest.raises(kvh.BadHandleError, match=r"stale.*\(VMap\.refresh\(\) it\)"):
             eng.attention_decode_vmap([vm], q)
         assert vm.refresh() is True and vm.generation > g
         assert vm.refresh() is False
@@ -72,7 +72,7 @@ def test_stale_refresh_and_lifetime():
 def test_refused_without_vmap():
     with make(vmap=False) as eng, eng.sequence() as seq:
         seq.append(range(4))
-        with pytest.raises(kvh.UnsupportedError):
+        with pytest.raises(kvh.UnsupportedError, match="opened without vmap=True$"):
             seq.vmap(0)
 
 
