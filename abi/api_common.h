@@ -32,4 +32,31 @@ static inline kvh_status kvhi_api_enter_seq(kvh_engine *e, kvh_seq h, kvhi_seq *
     return st;
 }
 
+/* For the calls whose rule is @threads handle: enters e, resolves seq and
+ * claims it for this call. A second such call on the same sequence while
+ * the first is inside (it may have dropped the lock half way) is the
+ * caller breaking that rule; it gets KVH_ERR_BUSY and changes nothing,
+ * rather than a sequence corrupted under the first. */
+static inline kvh_status kvhi_api_enter_seq_owner(kvh_engine *e, kvh_seq h, kvhi_seq **s)
+{
+    kvh_status st = kvhi_api_enter_seq(e, h, s);
+    if (st != KVH_OK)
+        return st;
+    if ((*s)->owner_in_call) {
+        kvhi_leave(e);
+        return kvhi_fail(KVH_ERR_BUSY,
+                         "sequence 0x%llx is in use by another call: calls on one sequence must not overlap",
+                         (unsigned long long)h.id);
+    }
+    (*s)->owner_in_call = true;
+    return KVH_OK;
+}
+
+/* Ends what kvhi_api_enter_seq_owner began. */
+static inline void kvhi_api_leave_seq_owner(kvh_engine *e, kvhi_seq *s)
+{
+    s->owner_in_call = false;
+    kvhi_leave(e);
+}
+
 #endif

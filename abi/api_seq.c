@@ -23,7 +23,7 @@ kvh_status kvh_seq_free(kvh_engine *e, kvh_seq seq)
     if (seq.id == 0 && e)
         return KVH_OK;
     kvhi_seq *s;
-    kvh_status st = kvhi_api_enter_seq(e, seq, &s);
+    kvh_status st = kvhi_api_enter_seq_owner(e, seq, &s); /* not while a call of it is inside */
     if (st != KVH_OK)
         return st;
     kvhi_handles_remove(&e->seqs, kvhi_handle_index(seq.id));
@@ -36,12 +36,12 @@ kvh_status kvh_seq_fork(kvh_engine *e, kvh_seq seq, uint32_t agent, kvh_seq *chi
 {
     KVHI_REQUIRE(child, "child out-parameter is NULL");
     kvhi_seq *s;
-    kvh_status st = kvhi_api_enter_seq(e, seq, &s);
+    kvh_status st = kvhi_api_enter_seq_owner(e, seq, &s);
     if (st != KVH_OK)
         return st;
     kvh_seq h;
     st = kvhi_seq_fork(e, s, agent, &h);
-    kvhi_leave(e);
+    kvhi_api_leave_seq_owner(e, s);
     if (st == KVH_OK)
         *child = h;
     return st;
@@ -51,11 +51,11 @@ kvh_status kvh_seq_append(kvh_engine *e, kvh_seq seq, const int32_t *tokens, siz
 {
     KVHI_REQUIRE(tokens || n == 0, "tokens is NULL");
     kvhi_seq *s;
-    kvh_status st = kvhi_api_enter_seq(e, seq, &s);
+    kvh_status st = kvhi_api_enter_seq_owner(e, seq, &s);
     if (st != KVH_OK)
         return st;
     st = kvhi_seq_append(e, s, tokens, n);
-    kvhi_leave(e);
+    kvhi_api_leave_seq_owner(e, s);
     return st;
 }
 
@@ -75,11 +75,11 @@ kvh_status kvh_seq_tokens(kvh_engine *e, kvh_seq seq, uint64_t first, size_t n, 
 {
     KVHI_REQUIRE(out || n == 0, "out is NULL");
     kvhi_seq *s;
-    kvh_status st = kvhi_api_enter_seq(e, seq, &s);
+    kvh_status st = kvhi_api_enter_seq_owner(e, seq, &s);
     if (st != KVH_OK)
         return st;
     st = kvhi_seq_tokens(e, s, first, n, out);
-    kvhi_leave(e);
+    kvhi_api_leave_seq_owner(e, s);
     return st;
 }
 
@@ -88,44 +88,44 @@ kvh_status kvh_seq_write_kv(kvh_engine *e, kvh_seq seq, uint32_t layer, uint64_t
 {
     KVHI_REQUIRE((k && v) || n == 0, "k and v must not be NULL");
     kvhi_seq *s;
-    kvh_status st = kvhi_api_enter_seq(e, seq, &s);
+    kvh_status st = kvhi_api_enter_seq_owner(e, seq, &s);
     if (st != KVH_OK)
         return st;
     st = kvhi_seq_write_kv(e, s, layer, pos, n, k, v);
-    kvhi_leave(e);
+    kvhi_api_leave_seq_owner(e, s);
     return st;
 }
 
 kvh_status kvh_seq_read_kv(kvh_engine *e, kvh_seq seq, uint32_t layer, uint64_t pos, size_t n, void *k, void *v)
 {
     kvhi_seq *s;
-    kvh_status st = kvhi_api_enter_seq(e, seq, &s);
+    kvh_status st = kvhi_api_enter_seq_owner(e, seq, &s);
     if (st != KVH_OK)
         return st;
     st = kvhi_seq_read_kv(e, s, layer, pos, n, k, v);
-    kvhi_leave(e);
+    kvhi_api_leave_seq_owner(e, s);
     return st;
 }
 
 kvh_status kvh_seq_persist(kvh_engine *e, kvh_seq seq)
 {
     kvhi_seq *s;
-    kvh_status st = kvhi_api_enter_seq(e, seq, &s);
+    kvh_status st = kvhi_api_enter_seq_owner(e, seq, &s);
     if (st != KVH_OK)
         return st;
     st = kvhi_disk_persist(e, s);
-    kvhi_leave(e);
+    kvhi_api_leave_seq_owner(e, s);
     return st;
 }
 
 kvh_status kvh_seq_truncate(kvh_engine *e, kvh_seq seq, uint64_t n_tokens)
 {
     kvhi_seq *s;
-    kvh_status st = kvhi_api_enter_seq(e, seq, &s);
+    kvh_status st = kvhi_api_enter_seq_owner(e, seq, &s);
     if (st != KVH_OK)
         return st;
     st = kvhi_seq_truncate(e, s, n_tokens);
-    kvhi_leave(e);
+    kvhi_api_leave_seq_owner(e, s);
     return st;
 }
 
@@ -134,12 +134,12 @@ kvh_status kvh_seq_match_prefix(kvh_engine *e, kvh_seq seq, const int32_t *token
     KVHI_REQUIRE(tokens || n == 0, "tokens is NULL");
     KVHI_REQUIRE(matched_tokens, "matched_tokens is NULL");
     kvhi_seq *s;
-    kvh_status st = kvhi_api_enter_seq(e, seq, &s);
+    kvh_status st = kvhi_api_enter_seq_owner(e, seq, &s);
     if (st != KVH_OK)
         return st;
     size_t m = 0;
     st = kvhi_seq_match_prefix(e, s, tokens, n, &m);
-    kvhi_leave(e);
+    kvhi_api_leave_seq_owner(e, s);
     if (st == KVH_OK)
         *matched_tokens = m;
     return st;
@@ -148,12 +148,12 @@ kvh_status kvh_seq_match_prefix(kvh_engine *e, kvh_seq seq, const int32_t *token
 kvh_status kvh_seq_acquire(kvh_engine *e, kvh_seq seq, uint64_t first, uint64_t n, kvh_fence *fence)
 {
     kvhi_seq *s;
-    kvh_status st = kvhi_api_enter_seq(e, seq, &s);
+    kvh_status st = kvhi_api_enter_seq_owner(e, seq, &s);
     if (st != KVH_OK)
         return st;
     kvh_fence f;
     st = kvhi_seq_acquire(e, s, first, n, fence ? &f : NULL);
-    kvhi_leave(e);
+    kvhi_api_leave_seq_owner(e, s);
     if (st == KVH_OK && fence)
         *fence = f;
     return st;
@@ -162,22 +162,22 @@ kvh_status kvh_seq_acquire(kvh_engine *e, kvh_seq seq, uint64_t first, uint64_t 
 kvh_status kvh_seq_release(kvh_engine *e, kvh_seq seq, uint64_t first, uint64_t n)
 {
     kvhi_seq *s;
-    kvh_status st = kvhi_api_enter_seq(e, seq, &s);
+    kvh_status st = kvhi_api_enter_seq_owner(e, seq, &s);
     if (st != KVH_OK)
         return st;
     st = kvhi_seq_release(e, s, first, n);
-    kvhi_leave(e);
+    kvhi_api_leave_seq_owner(e, s);
     return st;
 }
 
 kvh_status kvh_seq_pin(kvh_engine *e, kvh_seq seq, uint64_t first, uint64_t n, int32_t pinned)
 {
     kvhi_seq *s;
-    kvh_status st = kvhi_api_enter_seq(e, seq, &s);
+    kvh_status st = kvhi_api_enter_seq_owner(e, seq, &s);
     if (st != KVH_OK)
         return st;
     st = kvhi_seq_pin(e, s, first, n, pinned != 0);
-    kvhi_leave(e);
+    kvhi_api_leave_seq_owner(e, s);
     return st;
 }
 
@@ -185,7 +185,7 @@ kvh_status kvh_seq_blocks(kvh_engine *e, kvh_seq seq, uint64_t first_block, size
 {
     KVHI_REQUIRE(out || n == 0, "out is NULL");
     kvhi_seq *s;
-    kvh_status st = kvhi_api_enter_seq(e, seq, &s);
+    kvh_status st = kvhi_api_enter_seq_owner(e, seq, &s);
     if (st != KVH_OK)
         return st;
     if (first_block > s->n_blocks || n > s->n_blocks - first_block)
@@ -194,7 +194,7 @@ kvh_status kvh_seq_blocks(kvh_engine *e, kvh_seq seq, uint64_t first_block, size
     else
         for (size_t i = 0; i < n; i++)
             out[i].id = kvh_block_handle(e, s->blocks[first_block + i]);
-    kvhi_leave(e);
+    kvhi_api_leave_seq_owner(e, s);
     return st;
 }
 

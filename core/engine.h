@@ -130,6 +130,10 @@ typedef struct kvhi_seq {
     uint32_t *held;   /* acquire holds this sequence has on each block */
     uint32_t *pins;   /* pins this sequence took on each block: its own,
                          dropped with the block (truncate, free) */
+    /* An owner's call (@threads handle) is inside: such calls may drop
+     * the lock mid-way, and one overlapping them would see the sequence
+     * half changed, so it is refused (abi/api_common.h). */
+    bool owner_in_call;
     uint64_t n_tokens;
 } kvhi_seq;
 

@@ -590,6 +590,32 @@ kvh_status kvhi_seq_release(kvh_engine *e, kvhi_seq *s, uint64_t first, uint64_t
     return KVH_OK;
 }
 
+/* A block and the generation it had when a call named it: a move queued
+ * inline drops the lock, and the caller's array (a sequence's block
+ * table, which another thread may grow) or the block itself may change
+ * meanwhile, so a call that queues several moves works from these. */
+typedef struct named_block {
+    uint32_t block;
+    uint32_t gen;
+} named_block;
+
+static named_block *name_blocks(kvh_engine *e, const uint32_t *blocks, size_t n)
+{
+    named_block *out = malloc(sizeof(named_block) * (n ? n : 1));
+    if (!out)
+        return NULL;
+    for (size_t i = 0; i < n; i++)
+        out[i] = (named_block){blocks[i], e->blocks[blocks[i]].gen};
+    return out;
+}
+
+/* The block still is the one named (not freed, nor reused meanwhile). */
+static bool still_named(kvh_engine *e, named_block nb)
+{
+    const kvhi_block *blk = &e->blocks[nb.block];
+    return blk->gen == nb.gen && (blk->flags & KVHI_BF_LIVE) && !(blk->flags & KVHI_BF_DEAD);
+}
+
 kvh_status kvhi_prefetch(kvh_engine *e, kvhi_seq *s, uint64_t first, uint64_t n, int32_t priority, kvh_fence *fence)
 {
     uint32_t b0 = 0, b1 = 0;
@@ -600,8 +626,18 @@ kvh_status kvhi_prefetch(kvh_engine *e, kvhi_seq *s, uint64_t first, uint64_t n,
     if (fence && (st = kvhi_fence_new(e, &fidx, fence)) != KVH_OK)
         return st;
     uint32_t min_hits = e->cfg.promote_min_hits;
-    for (uint32_t i = b0; i < b1; i++) {
-        uint32_t b = s->blocks[i];
+    /* An inline promotion drops the lock, after which s may be gone (this
+     * call is @threads any): work from the blocks as named now. */
+    named_block *named = name_blocks(e, s->blocks ? s->blocks + b0 : NULL, b1 - b0);
+    if (!named) {
+        if (fidx != KVHI_NO_BLOCK)
+            kvhi_fence_drop(e, fidx);
+        return kvhi_fail(KVH_ERR_NOMEM, "out of memory queueing a prefetch");
+    }
+    for (uint32_t i = 0; i < b1 - b0; i++) {
+        if (!still_named(e, named[i]))
+            continue;
+        uint32_t b = named[i].block;
         kvhi_block *blk = &e->blocks[b];
         /* Predicted: kept above unhinted blocks until used (core/hints.c). */
         kvhi_hint_set(e, b, priority);
@@ -617,6 +653,7 @@ kvh_status kvhi_prefetch(kvh_engine *e, kvhi_seq *s, uint64_t first, uint64_t n,
         e->stats.prefetch_issued++;
         kvhi_enqueue(e, b, KVH_TIER_DEVICE, priority, KVHI_JOB_PREFETCH, fidx);
     }
+    free(named);
     return KVH_OK;
 }
 
@@ -638,24 +675,31 @@ kvh_status kvhi_migrate_blocks(kvh_engine *e, const uint32_t *blocks, size_t n, 
     if (n == 1 && !fence) {
         /* One block, and the caller waits anyway: move it here rather than
          * pay two thread hand-offs for it. */
-        kvhi_block *blk = &e->blocks[blocks[0]];
+        uint32_t b = blocks[0]; /* blocks may not outlive the wait below */
+        kvhi_block *blk = &e->blocks[b];
         if (blk->pins)
             return KVH_OK;
         uint32_t gen = blk->gen;
-        kvhi_block_wait_idle(e, blocks[0]);
+        kvhi_block_wait_idle(e, b);
         if (blk->gen != gen || !(blk->flags & KVHI_BF_LIVE) || (blk->flags & KVHI_BF_DEAD) || blk->tier == tier ||
             blk->pins || (blk->holds && tier > blk->tier))
             return KVH_OK; /* freed meanwhile, already there, pinned since, or held above */
-        return kvhi_move_block(e, blocks[0], tier, blk->agent);
+        return kvhi_move_block(e, b, tier, blk->agent);
     }
+    named_block *named = name_blocks(e, blocks, n);
+    if (!named)
+        return kvhi_fail(KVH_ERR_NOMEM, "out of memory queueing %zu moves", n);
     uint32_t fidx;
     kvh_fence fh;
     kvh_status st = kvhi_fence_new(e, &fidx, &fh);
-    if (st != KVH_OK)
+    if (st != KVH_OK) {
+        free(named);
         return st;
+    }
     for (size_t i = 0; i < n; i++)
-        if (!e->blocks[blocks[i]].pins)
-            kvhi_enqueue(e, blocks[i], tier, 0, KVHI_JOB_MOVE, fidx);
+        if (still_named(e, named[i]) && !e->blocks[named[i].block].pins)
+            kvhi_enqueue(e, named[i].block, tier, 0, KVHI_JOB_MOVE, fidx);
+    free(named);
     if (fence) {
         *fence = fh;
         return KVH_OK;

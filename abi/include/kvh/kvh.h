@@ -18,7 +18,10 @@
  *   - @threads any:    may be called from any thread at any time.
  *     @threads handle: calls naming the same handle must not overlap
  *                      (different handles may be used concurrently); an
- *                      @threads any call naming it may overlap them.
+ *                      @threads any call naming it may overlap them. For
+ *                      a sequence this is checked: a second such call
+ *                      (kvh_seq_free included) while one is inside gets
+ *                      KVH_ERR_BUSY and changes nothing.
  *   - Handles (kvh_seq, kvh_block, kvh_fence, kvh_pool, kvh_context) are
  *     64-bit values carrying a type tag and a generation: a stale, freed or
  *     forged handle is reported as KVH_ERR_BAD_HANDLE, never a crash. The
