@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "core/engine.h"
+#include "core/move.h"
 
 uint8_t *kvhi_slot_addr(kvh_engine *e, uint32_t tier, uint32_t slot)
 {

@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "core/engine.h"
+#include "core/move.h"
 #include "kernels/cpu/kv_codec.h"
 
 kvh_status kvhi_codec_tiers_init(kvh_engine *e)

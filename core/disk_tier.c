@@ -13,6 +13,7 @@
 #include "core/crc32c.h"
 #include "core/disk_index.h"
 #include "core/engine.h"
+#include "core/move.h"
 
 static kvh_status lock_store(kvhi_disk *d)
 {
@@ -574,12 +575,9 @@ void kvhi_disk_verify(kvh_engine *e, const uint32_t *blocks, size_t n)
         }
         if (!k)
             continue;
-        e->copies_in_progress++;
-        pthread_mutex_unlock(&e->lock);
+        kvhi_unlock_for_copy(e);
         kvhi_xfer_batch(e, xs, k);
-        pthread_mutex_lock(&e->lock);
-        e->copies_in_progress--;
-        pthread_cond_broadcast(&e->changed);
+        kvhi_relock_after_copy(e);
         for (uint32_t j = 0; j < k; j++) {
             uint32_t b = xs[j].block;
             kvhi_block *blk = &e->blocks[b];
@@ -655,12 +653,9 @@ static kvh_status write_copies(kvh_engine *e, const uint32_t *blocks, uint32_t n
         kvhi_xfer_prepare(e, b, KVH_TIER_DISK, slot, &xs[k++]);
     }
     if (k) {
-        e->copies_in_progress++;
-        pthread_mutex_unlock(&e->lock);
+        kvhi_unlock_for_copy(e);
         kvhi_xfer_batch(e, xs, k);
-        pthread_mutex_lock(&e->lock);
-        e->copies_in_progress--;
-        pthread_cond_broadcast(&e->changed);
+        kvhi_relock_after_copy(e);
     }
     for (uint32_t j = 0; j < k; j++) {
         kvhi_xfer *x = &xs[j];

@@ -359,17 +359,11 @@ kvhi_agent *kvhi_agent_get(kvh_engine *e, uint32_t id, bool create);
  * room for its own in the device tier); else NULL. */
 kvhi_agent *kvhi_agent_at_quota(kvh_engine *e, uint32_t id);
 
-/* ---- tiers and eviction (evict.c) ---- */
+/* ---- tiers and eviction (evict.c; the moves are core/move.h) ---- */
 /* Gets a free slot in tier t, evicting by policy. The lock may be dropped
  * and retaken. `for_agent` applies that agent's device quota. */
 kvh_status kvhi_reserve_slot(kvh_engine *e, uint32_t tier, uint32_t for_agent,
                              uint32_t *slot);
-/* Moves block b to tier t synchronously (lock dropped during the copy). */
-kvh_status kvhi_move_block(kvh_engine *e, uint32_t b, uint32_t tier,
-                           uint32_t for_agent);
-void kvhi_release_slot(kvh_engine *e, uint32_t tier, uint32_t slot);
-int kvhi_copy_bytes(kvh_engine *e, uint32_t dst_tier, void *dst,
-                    uint32_t src_tier, const void *src, size_t n);
 uint8_t *kvhi_slot_addr(kvh_engine *e, uint32_t tier, uint32_t slot);
 
 /* ---- migration (migrate.c) ---- */
@@ -458,9 +452,6 @@ void kvhi_disk_forget(kvh_engine *e, uint32_t b);
  * was written to becomes its clean copy when it may be one (immutable,
  * written with its hash), else the slot is freed. */
 void kvhi_disk_keep_as_copy(kvh_engine *e, uint32_t b, const kvhi_xfer *x);
-int kvhi_move_begin(kvh_engine *e, uint32_t b, uint32_t tier, kvhi_xfer *x,
-                    bool keep_src_for_caller);
-kvh_status kvhi_move_end(kvh_engine *e, kvhi_xfer *x, uint32_t *src_slot_out);
 /* Brings a block on disk into a memory tier (lock may drop). */
 kvh_status kvhi_block_ensure_memory(kvh_engine *e, uint32_t b);
 kvh_status kvhi_disk_persist(kvh_engine *e, kvhi_seq *s);
@@ -470,8 +461,6 @@ bool kvhi_disk_clean_step(kvh_engine *e);
 /* Reads and checks blocks on disk without moving them (lock may drop);
  * failures are marked corrupt. */
 void kvhi_disk_verify(kvh_engine *e, const uint32_t *blocks, size_t n);
-/* Records that b's disk data failed verification: never served again. */
-kvh_status kvhi_mark_corrupt(kvh_engine *e, uint32_t b, const char *why);
 
 /* ---- tier representation under a KV codec (codec_tier.c) ---- */
 /* Sets slot sizes and which tiers are encoded; validates the codec for

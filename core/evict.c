@@ -1,11 +1,8 @@
-/* Making room: slot reservation, victim choice, demotion and drops.
- * Runs with the engine lock held; copies drop it while the moving block is
- * marked in flight. */
-#include <errno.h>
-#include <stdlib.h>
-#include <string.h>
-
+/* Making room: slot reservation, victim choice, and what happens to the
+ * victim (a demotion through core/move.c, or a drop). Runs with the
+ * engine lock held; a demotion drops it while the victim is in flight. */
 #include "core/engine.h"
+#include "core/move.h"
 
 static int tier_below(kvh_engine *e, uint32_t t)
 {
@@ -13,140 +10,6 @@ static int tier_below(kvh_engine *e, uint32_t t)
         if (e->tiers[u].present)
             return (int)u;
     return -1;
-}
-
-static enum kvhi_copy_kind copy_kind(kvh_engine *e, uint32_t dst_tier, uint32_t src_tier)
-{
-    bool dst_dev = dst_tier == KVH_TIER_DEVICE && !e->device_host_addressable;
-    bool src_dev = src_tier == KVH_TIER_DEVICE && !e->device_host_addressable;
-    if (dst_dev && src_dev)
-        return KVHI_COPY_DEVICE_TO_DEVICE;
-    if (dst_dev)
-        return KVHI_COPY_HOST_TO_DEVICE;
-    if (src_dev)
-        return KVHI_COPY_DEVICE_TO_HOST;
-    return KVHI_COPY_HOST_TO_HOST;
-}
-
-int kvhi_copy_bytes(kvh_engine *e, uint32_t dst_tier, void *dst, uint32_t src_tier, const void *src, size_t n)
-{
-    enum kvhi_copy_kind kind = copy_kind(e, dst_tier, src_tier);
-    if (kind == KVHI_COPY_HOST_TO_HOST) {
-        memcpy(dst, src, n);
-        return 0;
-    }
-    char msg[256];
-    return e->backend->copy(e->backend_ctx, dst, src, n, kind, msg, sizeof(msg));
-}
-
-void kvhi_release_slot(kvh_engine *e, uint32_t tier, uint32_t slot)
-{
-    kvhi_slot_pool_free(&e->tiers[tier].slots, slot);
-}
-
-static kvh_status move_block(kvh_engine *e, uint32_t b, uint32_t tier, uint32_t *src_slot_out);
-
-static void count_move(kvh_engine *e, uint32_t from, uint32_t to)
-{
-    uint64_t bytes = e->block_bytes;
-    /* Device <-> disk passes through host staging: count both legs. */
-    if (from == KVH_TIER_DEVICE && to == KVH_TIER_DISK) {
-        count_move(e, KVH_TIER_DEVICE, KVH_TIER_HOST);
-        from = KVH_TIER_HOST;
-    } else if (from == KVH_TIER_DISK && to == KVH_TIER_DEVICE) {
-        count_move(e, KVH_TIER_DISK, KVH_TIER_HOST);
-        from = KVH_TIER_HOST;
-    }
-    if (from == KVH_TIER_DEVICE && to == KVH_TIER_HOST) {
-        e->stats.blocks_device_to_host++;
-        e->stats.bytes_device_to_host += bytes;
-    } else if (from == KVH_TIER_HOST && to == KVH_TIER_DEVICE) {
-        e->stats.blocks_host_to_device++;
-        e->stats.bytes_host_to_device += bytes;
-    } else if (from == KVH_TIER_HOST && to == KVH_TIER_DISK) {
-        e->stats.blocks_host_to_disk++;
-        e->stats.bytes_host_to_disk += bytes;
-    } else if (from == KVH_TIER_DISK && to == KVH_TIER_HOST) {
-        e->stats.blocks_disk_to_host++;
-        e->stats.bytes_disk_to_host += bytes;
-    }
-}
-
-/* Exchanges the bytes of slot hi (tier) and slot lo (lo_tier) through a
- * bounce buffer; lock held, dropped for the copies. */
-static kvh_status trade_contents(kvh_engine *e, uint32_t tier, uint32_t hi_slot, uint32_t lo_tier, uint32_t lo_slot)
-{
-    /* The bounce buffer holds the upper block in the lower tier's form. */
-    uint8_t *bounce = malloc(e->tiers[lo_tier].slot_bytes);
-    if (!bounce)
-        return kvhi_fail(KVH_ERR_NOMEM, "out of memory for a bounce buffer");
-    uint8_t *hi = kvhi_slot_addr(e, tier, hi_slot), *lo = kvhi_slot_addr(e, lo_tier, lo_slot);
-    e->copies_in_progress++;
-    pthread_mutex_unlock(&e->lock);
-    int rc = kvhi_block_copy(e, lo_tier, bounce, tier, hi);
-    if (rc == 0)
-        rc = kvhi_block_copy(e, tier, hi, lo_tier, lo);
-    if (rc == 0)
-        rc = kvhi_copy_bytes(e, lo_tier, lo, lo_tier, bounce, e->tiers[lo_tier].slot_bytes);
-    pthread_mutex_lock(&e->lock);
-    e->copies_in_progress--;
-    free(bounce);
-    /* On failure the two slots may hold mixed data: neither block is valid. */
-    return rc == 0 ? KVH_OK : kvhi_fail(KVH_ERR_IO, "copy during a tier swap failed");
-}
-
-/* Promotion when both tiers are full of referenced blocks: b (in a lower
- * memory tier) trades places with the upper tier's least valuable block,
- * in place on one arena, else through a bounce buffer. Without this, a full hierarchy could not bring
- * a block up even though it only needs to exchange two slots. */
-static kvh_status swap_up(kvh_engine *e, uint32_t b, uint32_t tier)
-{
-    kvhi_block *bb = &e->blocks[b];
-    kvhi_lruk_heap *heap = &e->tiers[tier].heap;
-    /* An agent at its quota trades places with one of its own blocks. */
-    kvhi_agent *a = tier == KVH_TIER_DEVICE ? kvhi_agent_at_quota(e, bb->agent) : NULL;
-    if (a)
-        heap = &a->heap;
-    uint32_t v = kvhi_lruk_top_current(heap, kvhi_block_current_key, e);
-    if (v == KVHI_HEAP_NONE || v == b || bb->tier == KVH_TIER_DISK)
-        return kvhi_fail(KVH_ERR_NOSPACE, "no block in the target tier can make room");
-    kvhi_block *vb = &e->blocks[v];
-    uint32_t lo_tier = bb->tier, lo_slot = bb->slot, hi_slot = vb->slot;
-    vb->flags |= KVHI_BF_IN_FLIGHT;
-    kvhi_block_update_evictable(e, v); /* out of the old tier's heaps */
-    /* One arena: each block keeps its bytes and slot, nothing is copied
-     * and the lock stays held. Otherwise the bytes trade slots, and so do
-     * the blocks. */
-    uint32_t v_slot = hi_slot, b_slot = lo_slot;
-    kvh_status st = KVH_OK;
-    if (!e->moves_in_place) {
-        st = trade_contents(e, tier, hi_slot, lo_tier, lo_slot);
-        v_slot = lo_slot, b_slot = hi_slot;
-    }
-    vb->flags &= (uint16_t)~KVHI_BF_IN_FLIGHT;
-    pthread_cond_broadcast(&e->changed);
-    if (st != KVH_OK) {
-        kvhi_block_update_evictable(e, v);
-        return st;
-    }
-    if (vb->flags & KVHI_BF_PREFETCHED) {
-        e->stats.prefetch_wasted++;
-        vb->flags &= (uint16_t)~KVHI_BF_PREFETCHED;
-    }
-    kvhi_block_place(e, v, lo_tier, v_slot);
-    kvhi_block_place(e, b, tier, b_slot);
-    if (e->moves_in_place) {
-        e->stats.blocks_moved_in_place += 2;
-    } else {
-        count_move(e, tier, lo_tier);
-        count_move(e, lo_tier, tier);
-    }
-    e->stats.evictions++;
-    if (vb->flags & KVHI_BF_DEAD)
-        kvhi_block_free_now(e, v);
-    else
-        kvhi_block_update_evictable(e, v);
-    return KVH_OK;
 }
 
 /* Choose what leaves tier t. The last tier can only drop unreferenced
@@ -169,7 +32,7 @@ static kvh_status evict_one(kvh_engine *e, uint32_t v, uint32_t *freed)
     kvhi_block *blk = &e->blocks[v];
     int below = tier_below(e, blk->tier);
     if (below >= 0) {
-        kvh_status st = move_block(e, v, (uint32_t)below, freed);
+        kvh_status st = kvhi_move_handing_over(e, v, (uint32_t)below, freed);
         if (st == KVH_OK) {
             e->stats.evictions++;
             return KVH_OK;
@@ -177,7 +40,7 @@ static kvh_status evict_one(kvh_engine *e, uint32_t v, uint32_t *freed)
         /* A disk that fails writes is treated like a full one. */
         if (st != KVH_ERR_NOSPACE && st != KVH_ERR_IO)
             return st;
-        /* move_block may have dropped the lock: v can have changed. */
+        /* The move may have dropped the lock: v can have changed. */
         if (!(blk->flags & KVHI_BF_LIVE) || (blk->flags & (KVHI_BF_BUSY | KVHI_BF_DEAD)) || blk->pins ||
             blk->holds)
             return KVH_ERR_NOSPACE;
@@ -232,177 +95,3 @@ kvh_status kvhi_reserve_slot(kvh_engine *e, uint32_t tier, uint32_t for_agent, u
     return kvhi_fail(KVH_ERR_NOSPACE, "could not make room");
 }
 
-/* A block with a clean disk copy leaves memory without any I/O. */
-static kvh_status demote_to_copy(kvh_engine *e, uint32_t b, uint32_t *src_slot_out)
-{
-    kvhi_block *blk = &e->blocks[b];
-    uint32_t src_tier = blk->tier, src_slot = blk->slot;
-    if (blk->flags & KVHI_BF_PREFETCHED) {
-        e->stats.prefetch_wasted++;
-        blk->flags &= (uint16_t)~KVHI_BF_PREFETCHED;
-    }
-    blk->flags |= KVHI_BF_IN_FLIGHT;
-    kvhi_block_update_evictable(e, b); /* out of the old tier's heaps */
-    kvhi_block_place(e, b, KVH_TIER_DISK, blk->disk_copy);
-    blk->disk_copy = KVHI_NO_BLOCK;
-    blk->flags &= (uint16_t)~(KVHI_BF_DISK_COPY | KVHI_BF_IN_FLIGHT);
-    if (src_slot_out)
-        *src_slot_out = src_slot;
-    else
-        kvhi_release_slot(e, src_tier, src_slot);
-    kvhi_block_update_evictable(e, b);
-    return KVH_OK;
-}
-
-/* Records that b's disk data failed verification: it is never served. */
-kvh_status kvhi_mark_corrupt(kvh_engine *e, uint32_t b, const char *why)
-{
-    kvhi_block *blk = &e->blocks[b];
-    e->stats.corrupt_blocks++;
-    blk->flags |= KVHI_BF_CORRUPT;
-    if (blk->flags & KVHI_BF_PUBLISHED) {
-        kvhi_prefix_erase(&e->prefix, blk->hash);
-        blk->flags &= (uint16_t)~KVHI_BF_PUBLISHED;
-    }
-    if (blk->flags & KVHI_BF_JOURNALED) {
-        kvhi_disk_forget(e, b);
-    }
-    kvhi_log_later(e, KVH_LOG_WARN, "disk tier: dropped block in slot %u: %s", blk->slot, why ? why : "unreadable");
-    return kvhi_fail(KVH_ERR_CORRUPT, "block data on disk failed verification: %s", why ? why : "unreadable");
-}
-
-/* First half of a move: reserves the destination and marks b in flight.
- * Returns 0 with x prepared (run the transfer without the lock, then call
- * kvhi_move_end), 1 when nothing is left to transfer, or a negative
- * status with b unchanged. */
-int kvhi_move_begin(kvh_engine *e, uint32_t b, uint32_t tier, kvhi_xfer *x, bool keep_src_for_caller)
-{
-    kvhi_block *blk = &e->blocks[b];
-    if (blk->tier == tier)
-        return 1;
-    if (blk->flags & KVHI_BF_CORRUPT)
-        return kvhi_fail(KVH_ERR_CORRUPT, "block data on disk failed verification");
-    if (tier == KVH_TIER_DISK && (blk->flags & KVHI_BF_DISK_COPY)) {
-        demote_to_copy(e, b, NULL);
-        return 1;
-    }
-    uint32_t src_tier = blk->tier;
-    blk->flags |= KVHI_BF_IN_FLIGHT;
-    kvhi_block_update_evictable(e, b);
-    uint32_t dslot;
-    kvh_status st = kvhi_reserve_slot(e, tier, blk->agent, &dslot);
-    if (st == KVH_OK) {
-        kvhi_xfer_prepare(e, b, tier, dslot, x);
-        if (e->moves_in_place && src_tier != KVH_TIER_DISK && tier != KVH_TIER_DISK) {
-            /* One arena: the block keeps its bytes and slot and changes
-             * tier; the slot just reserved goes to the source tier in
-             * exchange, so both tiers keep their number of slots. */
-            x->dst_slot = x->src_slot;
-            x->src_slot = dslot;
-            x->in_place = true;
-        }
-        /* A demotion whose source slot nobody else is promised can still
-         * be called off by an acquire while its write runs. */
-        if (tier == KVH_TIER_DISK && !keep_src_for_caller)
-            blk->flags |= KVHI_BF_RECALLABLE;
-        return 0;
-    }
-    blk->flags &= (uint16_t)~KVHI_BF_IN_FLIGHT;
-    pthread_cond_broadcast(&e->changed);
-    if (st == KVH_ERR_NOSPACE && tier < src_tier && !keep_src_for_caller && !(blk->flags & KVHI_BF_DEAD)) {
-        blk->flags |= KVHI_BF_IN_FLIGHT;
-        st = swap_up(e, b, tier);
-        blk->flags &= (uint16_t)~KVHI_BF_IN_FLIGHT;
-        pthread_cond_broadcast(&e->changed);
-    }
-    if ((blk->flags & KVHI_BF_DEAD) || ((blk->flags & KVHI_BF_CORRUPT) && blk->refs == 0))
-        kvhi_block_free_now(e, b);
-    else
-        kvhi_block_update_evictable(e, b);
-    return st == KVH_OK ? 1 : st;
-}
-
-/* Second half: commits a finished transfer (or undoes a failed one). */
-kvh_status kvhi_move_end(kvh_engine *e, kvhi_xfer *x, uint32_t *src_slot_out)
-{
-    uint32_t b = x->block;
-    kvhi_block *blk = &e->blocks[b];
-    uint32_t src_tier = x->src_tier, src_slot = x->src_slot, tier = x->dst_tier;
-    bool recalled = (blk->flags & KVHI_BF_RECALLED) != 0;
-    blk->flags &= (uint16_t)~(KVHI_BF_IN_FLIGHT | KVHI_BF_RECALLABLE | KVHI_BF_RECALLED);
-    pthread_cond_broadcast(&e->changed);
-    if (recalled && x->err == 0) {
-        kvhi_disk_keep_as_copy(e, b, x);
-        if (blk->flags & KVHI_BF_DEAD)
-            kvhi_block_free_now(e, b);
-        else
-            kvhi_block_update_evictable(e, b);
-        return KVH_OK;
-    }
-    if (x->err != 0) {
-        kvh_status st;
-        kvhi_release_slot(e, tier, x->dst_slot);
-        if (x->err == 1)
-            st = kvhi_mark_corrupt(e, b, x->why);
-        else
-            st = kvhi_fail(x->err == -ENOSPC ? KVH_ERR_NOSPACE : KVH_ERR_IO, "moving a block between tiers: %s",
-                           strerror(-x->err));
-        if ((blk->flags & KVHI_BF_DEAD) || ((blk->flags & KVHI_BF_CORRUPT) && blk->refs == 0))
-            kvhi_block_free_now(e, b);
-        else
-            kvhi_block_update_evictable(e, b);
-        return st;
-    }
-    if (src_tier == KVH_TIER_DEVICE && (blk->flags & KVHI_BF_PREFETCHED)) {
-        e->stats.prefetch_wasted++;
-        blk->flags &= (uint16_t)~KVHI_BF_PREFETCHED;
-    }
-    kvhi_block_place(e, b, tier, x->dst_slot);
-    if (x->in_place)
-        e->stats.blocks_moved_in_place++;
-    else
-        count_move(e, src_tier, tier);
-    bool keep_src = false;
-    if (e->disk && (tier == KVH_TIER_DISK || src_tier == KVH_TIER_DISK))
-        kvhi_disk_after_move(e, b, x, &keep_src);
-    if (keep_src)
-        ; /* the old disk slot is now b's clean copy */
-    else if (src_slot_out)
-        *src_slot_out = src_slot;
-    else if (blk->flags & KVHI_BF_WRITING) {
-        /* A disk copy is still being read from the old slot. */
-        blk->deferred_slot = src_slot;
-        blk->deferred_tier = (uint8_t)src_tier;
-    } else
-        kvhi_release_slot(e, src_tier, src_slot);
-    if (blk->flags & KVHI_BF_DEAD)
-        kvhi_block_free_now(e, b);
-    else
-        kvhi_block_update_evictable(e, b);
-    return KVH_OK;
-}
-
-/* Moves b to `tier`. When src_slot_out is set, b's old slot is handed to
- * the caller instead of being freed. */
-static kvh_status move_block(kvh_engine *e, uint32_t b, uint32_t tier, uint32_t *src_slot_out)
-{
-    kvhi_block *blk = &e->blocks[b];
-    if (src_slot_out && tier == KVH_TIER_DISK && (blk->flags & KVHI_BF_DISK_COPY))
-        return demote_to_copy(e, b, src_slot_out);
-    kvhi_xfer x;
-    int rc = kvhi_move_begin(e, b, tier, &x, src_slot_out != NULL);
-    if (rc != 0)
-        return rc == 1 ? KVH_OK : rc;
-    e->copies_in_progress++;
-    pthread_mutex_unlock(&e->lock);
-    kvhi_xfer_run(e, &x);
-    pthread_mutex_lock(&e->lock);
-    e->copies_in_progress--;
-        pthread_cond_broadcast(&e->changed);
-    return kvhi_move_end(e, &x, src_slot_out);
-}
-
-kvh_status kvhi_move_block(kvh_engine *e, uint32_t b, uint32_t tier, uint32_t for_agent)
-{
-    return move_block(e, b, tier, NULL);
-}

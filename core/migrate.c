@@ -12,6 +12,7 @@
 #endif
 
 #include "core/engine.h"
+#include "core/move.h"
 
 /* ---- fences ---- */
 
@@ -287,12 +288,9 @@ static void run_batch(kvh_engine *e, kvhi_job first)
         kvhi_fence_done(e, jobs[i].fence, rc == 1 || jobs[i].kind == KVHI_JOB_PREFETCH ? KVH_OK : rc);
     }
     e->jobs_running += k;
-    e->copies_in_progress++;
-    pthread_mutex_unlock(&e->lock);
+    kvhi_unlock_for_copy(e);
     kvhi_xfer_batch(e, xs, k);
-    pthread_mutex_lock(&e->lock);
-    e->copies_in_progress--;
-    pthread_cond_broadcast(&e->changed); /* reserve_slot waiters recheck */
+    kvhi_relock_after_copy(e);
     e->jobs_running -= k;
     for (uint32_t i = 0; i < k; i++) {
         kvhi_job *j = &jobs[idx[i]];

@@ -4,6 +4,7 @@
 #include <string.h>
 
 #include "core/engine.h"
+#include "core/move.h"
 #include "core/huge_alloc.h"
 
 kvh_status kvhi_seq_get(kvh_engine *e, kvh_seq h, kvhi_seq **out)

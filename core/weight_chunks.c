@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include "core/context.h"
+#include "core/move.h"
 #include "core/crc32c.h"
 
 /* Slots of `tier` that hold `bytes` (a tier under a KV codec has smaller

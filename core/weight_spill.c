@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "core/context.h"
+#include "core/move.h"
 #include "core/crc32c.h"
 #include "core/disk_format.h"
 #include "core/disk_index.h"

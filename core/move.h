@@ -1,0 +1,46 @@
+/* Moves of blocks between tiers (core/move.c). Every function here runs
+ * with the engine lock held; "drops the lock" means it is released for a
+ * copy and retaken before the function returns, so the caller must
+ * re-read anything another thread may have changed meanwhile. */
+#ifndef KVH_CORE_MOVE_H
+#define KVH_CORE_MOVE_H
+
+#include "core/engine.h"
+
+/* The bracket around a copy made without the lock: copies_in_progress
+ * tells kvhi_reserve_slot that room may still appear, and the wake-up
+ * after it lets waiters re-check the blocks the copy touched. */
+static inline void kvhi_unlock_for_copy(kvh_engine *e)
+{
+    e->copies_in_progress++;
+    pthread_mutex_unlock(&e->lock);
+}
+
+static inline void kvhi_relock_after_copy(kvh_engine *e)
+{
+    pthread_mutex_lock(&e->lock);
+    e->copies_in_progress--;
+    pthread_cond_broadcast(&e->changed);
+}
+
+/* Moves block b to tier synchronously. Drops the lock. */
+kvh_status kvhi_move_block(kvh_engine *e, uint32_t b, uint32_t tier, uint32_t for_agent);
+/* The same, but b's old slot is handed to the caller (*src_slot_out)
+ * instead of being freed: the eviction that made room for another block.
+ * Drops the lock. */
+kvh_status kvhi_move_handing_over(kvh_engine *e, uint32_t b, uint32_t tier, uint32_t *src_slot_out);
+/* First half of a move: reserves the destination (may evict, dropping
+ * the lock) and marks b in flight. Returns 0 with x prepared (run the
+ * transfer without the lock, then kvhi_move_end), 1 when nothing is left
+ * to transfer, or a negative status with b unchanged. */
+int kvhi_move_begin(kvh_engine *e, uint32_t b, uint32_t tier, kvhi_xfer *x, bool keep_src_for_caller);
+/* Second half: commits a finished transfer, or undoes a failed one. */
+kvh_status kvhi_move_end(kvh_engine *e, kvhi_xfer *x, uint32_t *src_slot_out);
+/* Records that b's disk data failed verification: never served again. */
+kvh_status kvhi_mark_corrupt(kvh_engine *e, uint32_t b, const char *why);
+void kvhi_release_slot(kvh_engine *e, uint32_t tier, uint32_t slot);
+/* Copies n bytes between two tiers' memory with the backend's copy kind
+ * (a plain memcpy between host-addressable memories). */
+int kvhi_copy_bytes(kvh_engine *e, uint32_t dst_tier, void *dst, uint32_t src_tier, const void *src, size_t n);
+
+#endif
