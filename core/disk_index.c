@@ -200,6 +200,7 @@ int kvhi_index_load(kvhi_disk *d, bool reset, kvhi_index_list *out, char *msg, s
 {
     uint32_t bt = d->geo.block_tokens;
     d->rec_bytes = (uint32_t)kvhi_index_rec_bytes(bt);
+    d->geo_tag = kvhi_disk_geometry_tag(&d->geo);
     d->journal_fd = -1;
     pthread_mutex_init(&d->journal_lock, NULL);
     pthread_mutex_init(&d->pending_lock, NULL);

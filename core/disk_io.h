@@ -28,6 +28,7 @@ typedef struct kvhi_disk {
     int lock_fd;
     uint64_t store_id;
     kvhi_disk_geometry geo;
+    uint32_t geo_tag; /* kvhi_disk_geometry_tag(&geo), for slot headers */
     uint64_t block_bytes;
     uint64_t slot_bytes; /* header + data padded to the alignment */
     uint32_t n_slots;

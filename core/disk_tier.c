@@ -233,6 +233,8 @@ void kvhi_xfer_prepare(kvh_engine *e, uint32_t b, uint32_t dst_tier, uint32_t ds
     x->parent = hashed ? blk->parent_hash : 0;
     x->n_tokens = blk->n_tokens;
     x->data_crc = blk->data_crc;
+    uint16_t sealed = KVHI_BF_PUBLISHED | KVHI_BF_HASHED | KVHI_BF_KV_COMPLETE;
+    x->published = (blk->flags & sealed) == sealed;
     memcpy(x->tokens, kvhi_block_tokens(e, b), sizeof(int32_t) * blk->n_tokens);
     x->err = 0;
     x->why = NULL;
@@ -244,6 +246,7 @@ static void encode_slot_header(const kvhi_disk *d, const kvhi_xfer *x, uint8_t *
 {
     kvhi_slot_meta m = {.store_id = d->store_id, .slot = x->dst_slot, .offset = kvhi_disk_slot_offset(d, x->dst_slot),
                         .hash = x->hash, .parent = x->parent, .n_tokens = x->n_tokens, .data_crc = x->data_crc,
+                        .flags = x->published && x->hash ? KVHI_SLOT_PUBLISHED : 0u, .geo_tag = d->geo_tag,
                         .tokens = x->tokens};
     kvhi_slot_header_encode(staged, &m, d->block_bytes);
 }
