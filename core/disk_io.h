@@ -40,6 +40,12 @@ typedef struct kvhi_disk {
      * Atomic: set by writers outside the engine lock, read under it. */
     _Atomic bool fatal;
     bool read_only; /* inspection: never create, truncate or write */
+    /* A damaged index or journal fails the open (kvh_config
+     * disk_strict_index) instead of being rebuilt from the slot headers. */
+    bool strict_index;
+    /* Bytes the slab files held before this open: 0 for a new store, where
+     * a missing index is no loss and needs no scan. */
+    uint64_t slab_bytes_found;
     uint32_t queue_depth;
     uint32_t lane_blocks; /* blocks one lane can stage at once */
 
