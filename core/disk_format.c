@@ -36,9 +36,27 @@ static uint64_t get64(const uint8_t *p)
 
 /* Slot header layout (offsets): 0 magic, 8 version, 12 n_tokens,
  * 16 store_id, 24 slot, 32 offset, 40 hash, 48 parent, 56 block_bytes,
- * 64 data_crc, 68 tokens[n], 4092 header crc over [0, 4092). */
+ * 64 data_crc, 68 tokens[n], 4084 flags, 4088 geometry tag, 4092 header
+ * crc over [0, 4092). Flags and tag were padding before they existed, so
+ * older headers verify as they did and read as 0 there. */
 #define SH_TOKENS 68u
+#define SH_FLAGS (KVHI_SLOT_HEADER_BYTES - 12u)
+#define SH_GEO (KVHI_SLOT_HEADER_BYTES - 8u)
 #define SH_CRC (KVHI_SLOT_HEADER_BYTES - 4u)
+
+uint32_t kvhi_disk_geometry_tag(const kvhi_disk_geometry *g)
+{
+    uint8_t b[36];
+    put32(b, g->num_layers);
+    put32(b + 4, g->num_kv_heads);
+    put32(b + 8, g->head_dim);
+    put32(b + 12, g->block_tokens);
+    put32(b + 16, g->dtype);
+    put64(b + 20, g->model_salt);
+    put64(b + 28, g->block_bytes);
+    uint32_t tag = kvhi_crc32c(0, b, sizeof(b));
+    return tag ? tag : 1; /* 0 means "no tag" */
+}
 
 void kvhi_slot_header_encode(void *buf, const kvhi_slot_meta *m, uint64_t block_bytes)
 {
@@ -56,14 +74,18 @@ void kvhi_slot_header_encode(void *buf, const kvhi_slot_meta *m, uint64_t block_
     put32(p + 64, m->data_crc);
     for (uint32_t i = 0; i < m->n_tokens; i++)
         put32(p + SH_TOKENS + 4 * i, (uint32_t)m->tokens[i]);
+    put32(p + SH_FLAGS, m->flags);
+    put32(p + SH_GEO, m->geo_tag);
     put32(p + SH_CRC, kvhi_crc32c(0, p, SH_CRC));
 }
 
-int kvhi_slot_verify_crc(const void *header, uint32_t data_crc, uint64_t block_bytes, uint64_t store_id,
-                         uint64_t slot, uint64_t offset, uint64_t expect_hash, uint32_t max_tokens,
-                         int32_t *tokens_out, const char **why)
+/* The checks of a slot header; store_id and expect_hash are skipped when
+ * NULL (a slot checked on its own). The data's CRC32C is data_crc, or
+ * computed from data when that is set, once the header has passed. */
+static int check_slot(const uint8_t *p, const void *data, uint32_t data_crc, uint64_t block_bytes,
+                      const uint64_t *store_id, uint64_t slot, uint64_t offset, const uint64_t *expect_hash,
+                      uint32_t max_tokens, int32_t *tokens_out, const char **why)
 {
-    const uint8_t *p = header;
 #define FAIL(code, text)                                                                                     \
     do {                                                                                                     \
         if (why)                                                                                             \
@@ -76,17 +98,19 @@ int kvhi_slot_verify_crc(const void *header, uint32_t data_crc, uint64_t block_b
         FAIL(-2, "slot header checksum mismatch");
     if (get32(p + 8) != KVHI_DISK_VERSION)
         FAIL(-3, "unknown slot format version");
-    if (get64(p + 16) != store_id)
+    if (store_id && get64(p + 16) != *store_id)
         FAIL(-4, "block belongs to another store");
     if (get64(p + 24) != slot || get64(p + 32) != offset)
         FAIL(-5, "block is misplaced (slot or offset differ)");
-    if (get64(p + 40) != expect_hash)
+    if (expect_hash && get64(p + 40) != *expect_hash)
         FAIL(-6, "block holds a different prefix hash");
     if (get64(p + 56) != block_bytes)
         FAIL(-7, "block size differs");
     uint32_t n = get32(p + 12);
-    if (n > max_tokens || SH_TOKENS + 4ull * n > SH_CRC)
+    if (n > max_tokens || SH_TOKENS + 4ull * n > SH_FLAGS)
         FAIL(-8, "token count out of range");
+    if (data)
+        data_crc = kvhi_crc32c(0, data, block_bytes);
     if (data_crc != get32(p + 64))
         FAIL(-9, "block data checksum mismatch");
     if (tokens_out)
@@ -96,12 +120,40 @@ int kvhi_slot_verify_crc(const void *header, uint32_t data_crc, uint64_t block_b
     return 0;
 }
 
+int kvhi_slot_verify_crc(const void *header, uint32_t data_crc, uint64_t block_bytes, uint64_t store_id,
+                         uint64_t slot, uint64_t offset, uint64_t expect_hash, uint32_t max_tokens,
+                         int32_t *tokens_out, const char **why)
+{
+    return check_slot(header, NULL, data_crc, block_bytes, &store_id, slot, offset, &expect_hash, max_tokens,
+                      tokens_out, why);
+}
+
 int kvhi_slot_verify(const void *header, const void *data, uint64_t block_bytes, uint64_t store_id, uint64_t slot,
                      uint64_t offset, uint64_t expect_hash, uint32_t max_tokens, int32_t *tokens_out,
                      const char **why)
 {
     return kvhi_slot_verify_crc(header, kvhi_crc32c(0, data, block_bytes), block_bytes, store_id, slot, offset,
                                 expect_hash, max_tokens, tokens_out, why);
+}
+
+int kvhi_slot_check_alone(const void *header, const void *data, uint64_t block_bytes, uint64_t slot,
+                          uint64_t offset, uint32_t max_tokens, kvhi_slot_meta *m, int32_t *tokens_out,
+                          const char **why)
+{
+    const uint8_t *p = header;
+    int rc = check_slot(p, data, 0, block_bytes, NULL, slot, offset, NULL, max_tokens, tokens_out, why);
+    if (rc != 0)
+        return rc;
+    *m = (kvhi_slot_meta){.store_id = get64(p + 16),
+                          .slot = slot,
+                          .offset = offset,
+                          .hash = get64(p + 40),
+                          .parent = get64(p + 48),
+                          .n_tokens = get32(p + 12),
+                          .data_crc = get32(p + 64),
+                          .flags = get32(p + SH_FLAGS),
+                          .geo_tag = get32(p + SH_GEO)};
+    return 0;
 }
 
 /* Record layout: 0 magic, 4 kind, 8 seq, 16 slot, 24 hash, 32 parent,

@@ -4,7 +4,10 @@
  * Slot: [4096-byte header][block data, padded to 4096]. The header's CRC32C
  * covers the store id, the slot number and its file offset, the block's
  * prefix hash, parent hash, tokens and the CRC32C of the data, so torn,
- * flipped, truncated, misplaced (swapped) or foreign blocks all fail.
+ * flipped, truncated, misplaced (swapped) or foreign blocks all fail. It
+ * also says whether the block was published and which geometry wrote it,
+ * so a slot can be taken back from its header alone when the index that
+ * named it is damaged.
  *
  * Index: a snapshot file `index` (replaced atomically: temp, fsync, rename,
  * fsync dir) plus an append-only `journal` of fixed-size records, each
@@ -26,6 +29,14 @@ typedef struct kvhi_disk_geometry {
     uint64_t block_bytes;
 } kvhi_disk_geometry;
 
+/* Slot header flags. */
+enum {
+    /* The block was published when written: full, every KV cell written,
+     * immutable from then on. Only such a slot is taken back from its
+     * header alone; an unpublished one may hold KV that was never finished. */
+    KVHI_SLOT_PUBLISHED = 1u
+};
+
 /* What a slot header says about its block. */
 typedef struct kvhi_slot_meta {
     uint64_t store_id;
@@ -35,8 +46,15 @@ typedef struct kvhi_slot_meta {
     uint64_t parent; /* parent prefix hash */
     uint32_t n_tokens;
     uint32_t data_crc;
-    const int32_t *tokens; /* n_tokens entries (encode); decode fills `token_buf` */
+    uint32_t flags;   /* KVHI_SLOT_*; 0 in headers written before flags existed */
+    uint32_t geo_tag; /* kvhi_disk_geometry_tag of the writer; 0 in such older headers */
+    const int32_t *tokens; /* n_tokens entries (encode only) */
 } kvhi_slot_meta;
+
+/* A non-zero 32-bit digest of a geometry, kept in every slot header so a
+ * rebuild without a readable index header still refuses blocks of another
+ * model, layout or codec that happen to have the same size. */
+uint32_t kvhi_disk_geometry_tag(const kvhi_disk_geometry *g);
 
 static inline uint64_t kvhi_round_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 
@@ -56,6 +74,15 @@ int kvhi_slot_verify(const void *header, const void *data, uint64_t block_bytes,
 int kvhi_slot_verify_crc(const void *header, uint32_t data_crc, uint64_t block_bytes, uint64_t store_id,
                          uint64_t slot, uint64_t offset, uint64_t expect_hash, uint32_t max_tokens,
                          int32_t *tokens_out, const char **why);
+
+/* Checks a slot on its own, with no index entry to compare against: what
+ * kvhi_slot_verify checks except the store id and the hash, which it
+ * returns in *m instead (with the other fields; m->tokens is not set, the
+ * tokens go to tokens_out). The data's checksum is computed only for a
+ * header that passes. 0 or the same reason codes. */
+int kvhi_slot_check_alone(const void *header, const void *data, uint64_t block_bytes, uint64_t slot,
+                          uint64_t offset, uint32_t max_tokens, kvhi_slot_meta *m, int32_t *tokens_out,
+                          const char **why);
 
 /* ---- index records ---- */
 enum { KVHI_REC_ADD = 1, KVHI_REC_DEL = 2 };

@@ -2,6 +2,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -196,111 +197,338 @@ static void live_del(live_map *m, const kvhi_index_rec *r, uint32_t bt)
     m->at[s] = UINT32_MAX;
 }
 
+static void new_store_id(kvhi_disk *d)
+{
+    if (getrandom(&d->store_id, sizeof(d->store_id), 0) != sizeof(d->store_id))
+        d->store_id = (uint64_t)time(NULL) ^ ((uint64_t)getpid() << 32);
+}
+
+/* A new (or reset) store: random id, empty snapshot, empty journal. */
+static int create_store(kvhi_disk *d, char *msg, size_t msg_len)
+{
+    new_store_id(d);
+    d->next_seq = 1;
+    uint8_t hdr[KVHI_DISK_ALIGN];
+    kvhi_index_header h = {.kind = KIND_SNAPSHOT, .store_id = d->store_id, .seq = 0, .geo = d->geo};
+    kvhi_index_header_encode(hdr, &h);
+    int rc = replace_file(d, "index", hdr, NULL, 0);
+    if (rc == 0)
+        rc = fresh_journal(d);
+    if (rc != 0) {
+        snprintf(msg, msg_len, "cannot create the index in %s: %s", d->path, strerror(-rc));
+        return KVHI_INDEX_IO;
+    }
+    return KVHI_INDEX_OK;
+}
+
+/* What a load found wrong with the index files. */
+typedef struct damage {
+    bool found;     /* rebuild, or refuse when strict */
+    bool torn_tail; /* the journal ends in records that fail: rebuild, or cut them when strict */
+    char what[96];  /* the first damage found */
+} damage;
+
+static void damaged(damage *dm, const char *what)
+{
+    if (!dm->found && !dm->torn_tail)
+        snprintf(dm->what, sizeof(dm->what), "%s", what);
+    dm->found = true;
+}
+
+/* A slot that checks out on its own (kvhi_slot_check_alone). */
+typedef struct found_slot {
+    uint64_t store_id, hash, parent;
+    uint32_t slot, n_tokens, data_crc, flags, geo_tag;
+} found_slot;
+
+#define SCAN_READ_BYTES (8u << 20) /* slots read at once by a rebuild */
+
+/* pread until len bytes or the end of the file: the byte count, or -errno. */
+static ssize_t read_fully(int fd, uint8_t *buf, size_t len, off_t off)
+{
+    size_t got = 0;
+    while (got < len) {
+        int inj = kvhi_disk_fault(KVHI_OP_READ);
+        ssize_t n = inj ? inj : pread(fd, buf + got, len - got, off + (off_t)got);
+        if (n < 0 && !inj && errno == EINTR)
+            continue;
+        if (n < 0)
+            return inj ? inj : -errno;
+        if (n == 0)
+            break;
+        got += (size_t)n;
+    }
+    return (ssize_t)got;
+}
+
+/* Reads every slot of the store and keeps those that check out on their
+ * own: *n_found of them in found[], their tokens at tokens + i * bt. 0 or
+ * -errno: a read error fails the load rather than rebuild the index from
+ * part of the store (the damaged one stays, the open can be retried). */
+static int scan_slots(kvhi_disk *d, found_slot *found, int32_t *tokens, size_t *n_found)
+{
+    uint32_t bt = d->geo.block_tokens;
+    uint32_t per_read = (uint32_t)(SCAN_READ_BYTES / d->slot_bytes);
+    if (per_read == 0)
+        per_read = 1;
+    uint8_t *buf;
+    if (posix_memalign((void **)&buf, KVHI_DISK_ALIGN, (size_t)per_read * d->slot_bytes) != 0)
+        return -ENOMEM;
+    *n_found = 0;
+    int rc = 0;
+    for (uint32_t s = 0; s < d->n_slots && rc == 0;) {
+        uint32_t slab = s / d->slots_per_slab;
+        uint64_t slab_end = (uint64_t)(slab + 1) * d->slots_per_slab;
+        uint32_t k = per_read;
+        if (s + (uint64_t)k > slab_end)
+            k = (uint32_t)(slab_end - s);
+        if (s + (uint64_t)k > d->n_slots)
+            k = d->n_slots - s;
+        int fd = slab < d->n_slabs ? d->slab_fds[slab] : -1;
+        off_t at = (off_t)kvhi_disk_slot_offset(d, s);
+        ssize_t got = fd < 0 ? 0 : read_fully(fd, buf, (size_t)k * d->slot_bytes, at);
+        if (got < 0) {
+            rc = (int)got;
+            break;
+        }
+        /* Slots past the end of a short file are simply not there. */
+        uint32_t whole = (uint32_t)((uint64_t)got / d->slot_bytes);
+        for (uint32_t i = 0; i < whole; i++) {
+            const uint8_t *hdr = buf + (size_t)i * d->slot_bytes;
+            uint32_t slot = s + i;
+            kvhi_slot_meta m;
+            int32_t *tk = tokens + *n_found * bt;
+            if (kvhi_slot_check_alone(hdr, hdr + KVHI_SLOT_HEADER_BYTES, d->block_bytes, slot,
+                                      kvhi_disk_slot_offset(d, slot), bt, &m, tk, NULL) != 0)
+                continue;
+            for (uint32_t t = m.n_tokens; t < bt; t++)
+                tk[t] = 0;
+            found[(*n_found)++] = (found_slot){.store_id = m.store_id, .hash = m.hash, .parent = m.parent,
+                                               .slot = slot, .n_tokens = m.n_tokens, .data_crc = m.data_crc,
+                                               .flags = m.flags, .geo_tag = m.geo_tag};
+        }
+        s += k;
+    }
+    free(buf);
+    return rc;
+}
+
+/* True when a slot that checks out may stand for a cached block: a full,
+ * hashed block of this geometry that was published when written, or one
+ * an intact record names as it is (headers older than the flags). */
+static bool slot_vouched(const kvhi_disk *d, const live_map *m, const found_slot *f)
+{
+    if (f->hash == 0 || f->n_tokens != d->geo.block_tokens || (f->geo_tag && f->geo_tag != d->geo_tag))
+        return false;
+    if ((f->flags & KVHI_SLOT_PUBLISHED) && f->geo_tag == d->geo_tag)
+        return true;
+    uint32_t i = m->at[f->slot];
+    return i != UINT32_MAX && m->items[i].hash == f->hash && m->items[i].data_crc == f->data_crc;
+}
+
+static int cmp_u64(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* The store id most vouched slots carry (ties: the lowest), or a new one
+ * when none does. 0 or -ENOMEM. */
+static int vote_store_id(kvhi_disk *d, const live_map *m, const found_slot *found, size_t n)
+{
+    uint64_t *ids = malloc(sizeof(uint64_t) * (n ? n : 1));
+    if (!ids)
+        return -ENOMEM;
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++)
+        if (slot_vouched(d, m, &found[i]))
+            ids[k++] = found[i].store_id;
+    if (k == 0) {
+        free(ids);
+        new_store_id(d);
+        return 0;
+    }
+    qsort(ids, k, sizeof(uint64_t), cmp_u64);
+    size_t best = 0, best_run = 0;
+    for (size_t i = 0; i < k;) {
+        size_t j = i;
+        while (j < k && ids[j] == ids[i])
+            j++;
+        if (j - i > best_run)
+            best = i, best_run = j - i;
+        i = j;
+    }
+    d->store_id = ids[best];
+    free(ids);
+    return 0;
+}
+
+/* Replaces the entries in m by the slots of the store that check out and
+ * are vouched for (slot_vouched). Counts in out the entries dropped and
+ * the blocks taken back from their headers alone. 0 or -errno. */
+static int rebuild_from_slots(kvhi_disk *d, live_map *m, bool id_known, kvhi_index_list *out)
+{
+    uint32_t bt = d->geo.block_tokens;
+    size_t cap = d->n_slots ? d->n_slots : 1;
+    found_slot *found = malloc(sizeof(found_slot) * cap);
+    int32_t *tokens = malloc(sizeof(int32_t) * bt * cap);
+    uint32_t *pick = malloc(sizeof(uint32_t) * cap);
+    size_t n = 0;
+    int rc = found && tokens && pick ? scan_slots(d, found, tokens, &n) : -ENOMEM;
+    if (rc == 0 && !id_known)
+        rc = vote_store_id(d, m, found, n);
+    if (rc != 0) {
+        free(found), free(tokens), free(pick);
+        return rc;
+    }
+    memset(pick, 0xFF, sizeof(uint32_t) * cap);
+    for (size_t i = 0; i < n; i++)
+        if (found[i].store_id == d->store_id && slot_vouched(d, m, &found[i]))
+            pick[found[i].slot] = (uint32_t)i;
+    for (size_t i = 0; i < m->n; i++) {
+        uint32_t p = pick[m->items[i].slot];
+        out->bad_slots += p == UINT32_MAX || found[p].hash != m->items[i].hash;
+    }
+    for (uint32_t s = 0; s < d->n_slots; s++) {
+        uint32_t p = pick[s];
+        if (p != UINT32_MAX && (m->at[s] == UINT32_MAX || m->items[m->at[s]].hash != found[p].hash))
+            out->rescued++;
+    }
+    m->n = 0;
+    memset(m->at, 0xFF, sizeof(uint32_t) * cap);
+    for (uint32_t s = 0; s < d->n_slots; s++) {
+        uint32_t p = pick[s];
+        if (p == UINT32_MAX)
+            continue;
+        kvhi_index_rec r = {.kind = KVHI_REC_ADD, .slot = s, .hash = found[p].hash, .parent = found[p].parent,
+                            .n_tokens = found[p].n_tokens, .data_crc = found[p].data_crc,
+                            .tokens = tokens + (size_t)p * bt};
+        live_put(m, &r, bt);
+    }
+    free(found), free(tokens), free(pick);
+    return 0;
+}
+
 int kvhi_index_load(kvhi_disk *d, bool reset, kvhi_index_list *out, char *msg, size_t msg_len)
 {
     uint32_t bt = d->geo.block_tokens;
     d->rec_bytes = (uint32_t)kvhi_index_rec_bytes(bt);
+    d->geo_tag = kvhi_disk_geometry_tag(&d->geo);
     d->journal_fd = -1;
     pthread_mutex_init(&d->journal_lock, NULL);
     pthread_mutex_init(&d->pending_lock, NULL);
     d->pending = d->flushing = NULL;
     d->pending_len = d->pending_cap = d->flushing_cap = 0;
     memset(out, 0, sizeof(*out));
+    if (reset)
+        return create_store(d, msg, msg_len);
     uint8_t *snap = NULL, *jr = NULL;
     size_t snap_len = 0, jr_len = 0;
-    int rc = reset ? -ENOENT : read_file(d->dir_fd, "index", &snap, &snap_len);
-    kvhi_index_header sh;
+    int rc = read_file(d->dir_fd, "index", &snap, &snap_len);
     if (rc == -ENOENT && d->read_only) {
         snprintf(msg, msg_len, "%s holds no kvh store (no index file)", d->path);
         return KVHI_INDEX_IO;
     }
-    if (rc == -ENOENT) {
-        /* New (or reset) store: random id, empty snapshot, empty journal. */
-        if (getrandom(&d->store_id, sizeof(d->store_id), 0) != sizeof(d->store_id))
-            d->store_id = (uint64_t)time(NULL) ^ ((uint64_t)getpid() << 32);
-        d->next_seq = 1;
-        uint8_t hdr[KVHI_DISK_ALIGN];
-        kvhi_index_header h = {.kind = KIND_SNAPSHOT, .store_id = d->store_id, .seq = 0, .geo = d->geo};
-        kvhi_index_header_encode(hdr, &h);
-        rc = replace_file(d, "index", hdr, NULL, 0);
-        if (rc == 0)
-            rc = fresh_journal(d);
-        if (rc != 0) {
-            snprintf(msg, msg_len, "cannot create the index in %s: %s", d->path, strerror(-rc));
-            return KVHI_INDEX_IO;
-        }
-        out->items = NULL;
-        return KVHI_INDEX_OK;
-    }
-    if (rc != 0) {
+    if (rc != 0 && rc != -ENOENT) {
         snprintf(msg, msg_len, "cannot read %s/index: %s", d->path, strerror(-rc));
         return KVHI_INDEX_IO;
     }
-    if (kvhi_index_header_decode(snap, snap_len, &sh) != 0 || sh.kind != KIND_SNAPSHOT) {
-        free(snap);
-        snprintf(msg, msg_len, "%s/index has a damaged header", d->path);
-        return KVHI_INDEX_CORRUPT;
-    }
-    const char *diff = geo_diff(&sh.geo, &d->geo);
-    if (diff) {
-        free(snap);
-        snprintf(msg, msg_len, "store %s was made with a different %s", d->path, diff);
-        return KVHI_INDEX_MISMATCH;
-    }
-    d->store_id = sh.store_id;
-    live_map m = {.at = malloc(sizeof(uint32_t) * (d->n_slots ? d->n_slots : 1)),
-                  .items = calloc(d->n_slots ? d->n_slots : 1, sizeof(kvhi_index_entry)),
-                  .tokens = malloc(sizeof(int32_t) * bt * (d->n_slots ? d->n_slots : 1))};
-    int32_t *tk = malloc(sizeof(int32_t) * bt);
-    if (!m.at || !m.items || !m.tokens || !tk) {
-        free(m.at), free(m.items), free(m.tokens), free(tk), free(snap);
-        snprintf(msg, msg_len, "out of memory loading the index");
-        return KVHI_INDEX_IO;
-    }
-    memset(m.at, 0xFF, sizeof(uint32_t) * (d->n_slots ? d->n_slots : 1));
-    kvhi_index_rec r = {.tokens = tk};
-    size_t body = snap_len > KVHI_DISK_ALIGN ? snap_len - KVHI_DISK_ALIGN : 0;
-    if (body / d->rec_bytes < sh.n_records)
-        out->bad_records += sh.n_records - body / d->rec_bytes; /* a cut snapshot */
-    for (size_t i = 0; i < body / d->rec_bytes; i++) {
-        if (kvhi_index_rec_decode(snap + KVHI_DISK_ALIGN + i * d->rec_bytes, &r, bt) != 0) {
-            out->bad_records++;
-            continue;
-        }
-        if (r.kind == KVHI_REC_ADD && r.slot < d->n_slots)
-            live_put(&m, &r, bt);
-    }
-    free(snap);
-    d->next_seq = sh.seq + 1;
-    /* Journal: replay records newer than the snapshot up to the first bad
-     * one (a torn tail), then cut the file there. */
+    bool have_index = rc == 0;
     rc = read_file(d->dir_fd, "journal", &jr, &jr_len);
     if (rc != 0 && rc != -ENOENT) {
         /* An unreadable journal may hold acknowledged records: never
          * replace it; the open fails and can be retried. */
-        free(tk), free(m.at), free(m.items), free(m.tokens);
+        free(snap);
         snprintf(msg, msg_len, "cannot read %s/journal: %s", d->path, strerror(-rc));
         return KVHI_INDEX_IO;
     }
-    kvhi_index_header jh;
-    size_t good = KVHI_DISK_ALIGN;
-    bool header_ok = rc == 0 && kvhi_index_header_decode(jr, jr_len, &jh) == 0 && jh.kind == KIND_JOURNAL;
-    if (rc == 0 && !header_ok && jr_len > KVHI_DISK_ALIGN) {
-        /* The records carry their own checksums: replay them past the
-         * damaged header, count the damage, and have the caller rewrite
-         * the index at once. */
-        out->bad_records++;
-        out->journal_header_bad = true;
-        jh.store_id = d->store_id;
-        header_ok = true;
+    bool have_journal = rc == 0;
+    /* Neither file: a new store, or one whose creation a crash cut short
+     * (slabs made, index not yet). Strict keeps that reading even beside
+     * slab files; otherwise their slots are scanned below. */
+    if (!have_index && !have_journal && (d->slab_bytes_found == 0 || d->strict_index))
+        return create_store(d, msg, msg_len);
+
+    kvhi_index_header sh, jh;
+    bool snap_ok = have_index && kvhi_index_header_decode(snap, snap_len, &sh) == 0 && sh.kind == KIND_SNAPSHOT;
+    bool journal_ok = have_journal && kvhi_index_header_decode(jr, jr_len, &jh) == 0 && jh.kind == KIND_JOURNAL;
+    /* The journal header names the same geometry and store when the index
+     * header cannot be read. */
+    const kvhi_disk_geometry *store_geo = snap_ok ? &sh.geo : journal_ok ? &jh.geo : NULL;
+    const char *diff = store_geo ? geo_diff(store_geo, &d->geo) : NULL;
+    if (diff) {
+        free(snap), free(jr);
+        snprintf(msg, msg_len, "store %s was made with a different %s", d->path, diff);
+        return KVHI_INDEX_MISMATCH;
     }
-    if (header_ok && jh.store_id == d->store_id) {
+    bool id_known = snap_ok || journal_ok;
+    d->store_id = snap_ok ? sh.store_id : journal_ok ? jh.store_id : 0;
+    damage dm = {0};
+    if (!have_index)
+        damaged(&dm, "the index file is missing");
+    else if (!snap_ok) {
+        out->bad_records++;
+        damaged(&dm, "the index header is damaged");
+    }
+
+    size_t cap = d->n_slots ? d->n_slots : 1;
+    live_map m = {.at = malloc(sizeof(uint32_t) * cap),
+                  .items = calloc(cap, sizeof(kvhi_index_entry)),
+                  .tokens = malloc(sizeof(int32_t) * bt * cap)};
+    int32_t *tk = malloc(sizeof(int32_t) * bt);
+    if (!m.at || !m.items || !m.tokens || !tk) {
+        free(m.at), free(m.items), free(m.tokens), free(tk), free(snap), free(jr);
+        snprintf(msg, msg_len, "out of memory loading the index");
+        return KVHI_INDEX_IO;
+    }
+    memset(m.at, 0xFF, sizeof(uint32_t) * cap);
+    kvhi_index_rec r = {.tokens = tk};
+    /* Snapshot records carry its seq, which stands in for a damaged header's. */
+    uint64_t snap_seq = snap_ok ? sh.seq : 0;
+    size_t body = snap_len > KVHI_DISK_ALIGN ? snap_len - KVHI_DISK_ALIGN : 0;
+    if (snap_ok && body / d->rec_bytes < sh.n_records) {
+        out->bad_records += sh.n_records - body / d->rec_bytes; /* a cut snapshot */
+        damaged(&dm, "the index is shorter than its header says");
+    }
+    for (size_t i = 0; i < body / d->rec_bytes; i++) {
+        if (kvhi_index_rec_decode(snap + KVHI_DISK_ALIGN + i * d->rec_bytes, &r, bt) != 0) {
+            out->bad_records++;
+            damaged(&dm, "a record of the index failed its checksum");
+            continue;
+        }
+        if (!snap_ok && r.seq > snap_seq)
+            snap_seq = r.seq;
+        if (r.kind == KVHI_REC_ADD && r.slot < d->n_slots)
+            live_put(&m, &r, bt);
+    }
+    free(snap);
+    d->next_seq = snap_seq + 1;
+    if (!snap_ok && journal_ok && jh.seq > d->next_seq)
+        d->next_seq = jh.seq;
+    /* Journal: replay records newer than the snapshot up to the first bad
+     * one (a torn tail), then cut the file there. A journal of another
+     * store (a crash while a reset replaced the files) is left out. */
+    size_t good = KVHI_DISK_ALIGN;
+    bool replay = have_journal && (!journal_ok || !snap_ok || jh.store_id == sh.store_id);
+    if (have_journal && !journal_ok) {
+        /* The records carry their own checksums: replay them past it. */
+        out->bad_records++;
+        damaged(&dm, "the journal header is damaged");
+    }
+    if (!have_journal && have_index && (!snap_ok || sh.seq > 0 || sh.n_records > 0))
+        damaged(&dm, "the journal file is missing");
+    else if (have_journal && jr_len < KVHI_DISK_ALIGN)
+        damaged(&dm, "the journal is cut inside its header page"); /* it never is shorter */
+    if (replay) {
         uint64_t skipped = 0;
-        for (size_t off = KVHI_DISK_ALIGN; off + d->rec_bytes <= jr_len; off += d->rec_bytes) {
+        size_t off = KVHI_DISK_ALIGN;
+        for (; off + d->rec_bytes <= jr_len; off += d->rec_bytes) {
             if (kvhi_index_rec_decode(jr + off, &r, bt) != 0) {
                 skipped++; /* bit rot if good records follow, else a torn tail */
                 continue;
             }
+            if (skipped)
+                damaged(&dm, "a record of the journal failed its checksum");
             out->bad_records += skipped;
             skipped = 0;
             good = off + d->rec_bytes;
@@ -315,14 +543,43 @@ int kvhi_index_load(kvhi_disk *d, bool reset, kvhi_index_list *out, char *msg, s
             d->next_seq = r.seq + 1;
             d->journal_records++;
         }
-        free(jr);
-        rc = d->read_only ? 0 : open_journal(d, true, (off_t)good);
-    } else {
-        free(jr);
-        rc = d->read_only ? 0 : fresh_journal(d);
+        if (skipped || off < jr_len) {
+            if (!dm.found && !dm.torn_tail)
+                snprintf(dm.what, sizeof(dm.what), "the journal ends in a torn or damaged record");
+            dm.torn_tail = true;
+        }
     }
+    free(jr);
     free(tk);
+    if (dm.found && d->strict_index) {
+        free(m.at), free(m.items), free(m.tokens);
+        snprintf(msg, msg_len, "%s: %s (disk_strict_index is set; 0 rebuilds the index from the slot headers)",
+                 d->path, dm.what);
+        return KVHI_INDEX_CORRUPT;
+    }
+    if (dm.found || (dm.torn_tail && !d->strict_index)) {
+        size_t named = m.n;
+        rc = rebuild_from_slots(d, &m, id_known, out);
+        if (rc != 0) {
+            free(m.at), free(m.items), free(m.tokens);
+            snprintf(msg, msg_len, "%s: %s, and reading the slots to rebuild it failed: %s", d->path, dm.what,
+                     strerror(-rc));
+            return KVHI_INDEX_IO;
+        }
+        out->rewrite = !d->read_only;
+        snprintf(out->note, sizeof(out->note),
+                 "disk tier: %s: %s; rebuilt the index from the slot headers: %zu blocks (%" PRIu64
+                 " of them named by no intact record), %" PRIu64 " of the %zu named dropped (their slots failed "
+                 "their checks), %" PRIu64 " damaged records or headers",
+                 d->path, dm.what, m.n, out->rescued, out->bad_slots, named, out->bad_records);
+    }
     free(m.at);
+    if (d->read_only)
+        rc = 0;
+    else if (replay)
+        rc = open_journal(d, true, (off_t)good);
+    else
+        rc = fresh_journal(d);
     if (rc != 0) {
         free(m.items), free(m.tokens);
         snprintf(msg, msg_len, "cannot open %s/journal: %s", d->path, strerror(-rc));

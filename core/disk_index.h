@@ -19,21 +19,35 @@ typedef struct kvhi_index_list {
     kvhi_index_entry *items;
     size_t n;
     int32_t *token_store;
-    uint64_t bad_records; /* records that failed their checksum */
-    bool journal_header_bad; /* records were replayed past a damaged
-                                journal header: compact right away */
+    uint64_t bad_records; /* records and headers that failed their checksum */
+    uint64_t bad_slots;   /* entries dropped by a rebuild: their slot failed its check */
+    uint64_t rescued;     /* blocks a rebuild took from their slot headers alone */
+    bool rewrite;         /* the index was rebuilt: write a snapshot right away */
+    char note[512];       /* what was damaged and rebuilt, for the log */
 } kvhi_index_list;
 
 enum kvhi_index_result {
     KVHI_INDEX_OK = 0,
     KVHI_INDEX_MISMATCH = -1, /* geometry or model differs; see msg */
-    KVHI_INDEX_CORRUPT = -2,  /* snapshot header unreadable */
+    KVHI_INDEX_CORRUPT = -2,  /* damaged, and d->strict_index is set */
     KVHI_INDEX_IO = -3
 };
 
 /* Loads (or, when absent or reset, creates) the index of the store in
  * d->dir_fd for geometry d->geo. Sets d->store_id. On success the caller
- * owns *out (kvhi_index_list_free). */
+ * owns *out (kvhi_index_list_free).
+ *
+ * Damage -- a header or record failing its checksum, a snapshot shorter
+ * than its header says, a journal ending in records that fail (a torn
+ * append or rot), a missing index or journal beside slab files -- is
+ * rebuilt from the slot headers (every slot read and checked in full,
+ * data included): an entry is kept when its slot checks out and holds
+ * its block, and a slot no intact record names is taken back when its
+ * header says it was published, by a store of this geometry (see
+ * disk_format.h). The store id is the index header's when that verifies,
+ * else the journal header's, else the one most such slots carry. With
+ * d->strict_index, damage fails the load instead (KVHI_INDEX_CORRUPT),
+ * except a torn journal tail, which is cut as after any crash. */
 int kvhi_index_load(kvhi_disk *d, bool reset, kvhi_index_list *out, char *msg, size_t msg_len);
 void kvhi_index_list_free(kvhi_index_list *l);
 

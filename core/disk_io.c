@@ -86,7 +86,10 @@ int kvhi_disk_open_slabs(kvhi_disk *d, bool allow_direct)
         uint32_t slots = i + 1 < d->n_slabs ? d->slots_per_slab : d->n_slots - i * d->slots_per_slab;
         off_t want = (off_t)slots * (off_t)d->slot_bytes;
         struct stat st;
-        if (fstat(fd, &st) == 0 && st.st_size < want) {
+        bool sized = fstat(fd, &st) == 0;
+        if (sized)
+            d->slab_bytes_found += (uint64_t)st.st_size;
+        if (sized && st.st_size < want) {
             /* Preallocate so a later write does not find the disk full;
              * where that is refused, the file grows on demand. */
             if (posix_fallocate(fd, 0, want) != 0 && ftruncate(fd, want) != 0)

@@ -28,6 +28,7 @@ typedef struct kvhi_disk {
     int lock_fd;
     uint64_t store_id;
     kvhi_disk_geometry geo;
+    uint32_t geo_tag; /* kvhi_disk_geometry_tag(&geo), for slot headers */
     uint64_t block_bytes;
     uint64_t slot_bytes; /* header + data padded to the alignment */
     uint32_t n_slots;
@@ -39,6 +40,12 @@ typedef struct kvhi_disk {
      * Atomic: set by writers outside the engine lock, read under it. */
     _Atomic bool fatal;
     bool read_only; /* inspection: never create, truncate or write */
+    /* A damaged index or journal fails the open (kvh_config
+     * disk_strict_index) instead of being rebuilt from the slot headers. */
+    bool strict_index;
+    /* Bytes the slab files held before this open: 0 for a new store, where
+     * a missing index is no loss and needs no scan. */
+    uint64_t slab_bytes_found;
     uint32_t queue_depth;
     uint32_t lane_blocks; /* blocks one lane can stage at once */
 

@@ -76,6 +76,7 @@ kvh_status kvhi_disk_tier_open(kvh_engine *e, const kvh_config *cfg, const char 
                                   cfg->dtype | cfg->kv_codec << 16, cfg->model_salt, data_bytes};
     d->block_bytes = data_bytes;
     d->queue_depth = cfg->disk_queue_depth;
+    d->strict_index = cfg->disk_strict_index != 0;
     d->max_lanes = cfg->migration_threads + 4;
     uint64_t slot_bytes = KVHI_SLOT_HEADER_BYTES + kvhi_round_up(data_bytes, KVHI_DISK_ALIGN);
     uint64_t slots = cfg->disk_bytes / slot_bytes;
@@ -122,7 +123,7 @@ kvh_status kvhi_disk_tier_recover(kvh_engine *e)
     uint8_t *used = calloc(t->slots.capacity ? t->slots.capacity : 1, 1);
     if (!used)
         return kvhi_fail(KVH_ERR_NOMEM, "out of memory recovering the disk index");
-    e->stats.corrupt_blocks += l->bad_records;
+    e->stats.corrupt_blocks += l->bad_records + l->bad_slots;
     for (size_t i = 0; i < l->n; i++) {
         kvhi_index_entry *ent = &l->items[i];
         if (ent->slot >= t->slots.capacity || used[ent->slot] || ent->n_tokens != bt ||
@@ -162,15 +163,13 @@ kvh_status kvhi_disk_tier_recover(kvh_engine *e)
         if (!used[s])
             p->free_stack[p->free_count++] = s;
     free(used);
-    bool rewrite = l->journal_header_bad;
+    bool rewrite = l->rewrite;
+    if (rewrite)
+        kvhi_log(e, KVH_LOG_WARN, "%s", l->note);
     kvhi_index_list_free(l);
-    if (rewrite) {
-        kvhi_log(e, KVH_LOG_WARN, "disk tier: the journal header in %s was damaged; its records were replayed and "
-                                  "the index rewritten",
-                 e->disk->path);
-        return snapshot(e);
-    }
-    return KVH_OK;
+    /* The damaged files are replaced at once, so the next open reads a
+     * sound index instead of scanning again. */
+    return rewrite ? snapshot(e) : KVH_OK;
 }
 
 /* Every block whose index record names a disk slot, for a snapshot. */
@@ -235,6 +234,8 @@ void kvhi_xfer_prepare(kvh_engine *e, uint32_t b, uint32_t dst_tier, uint32_t ds
     x->parent = hashed ? blk->parent_hash : 0;
     x->n_tokens = blk->n_tokens;
     x->data_crc = blk->data_crc;
+    uint16_t sealed = KVHI_BF_PUBLISHED | KVHI_BF_HASHED | KVHI_BF_KV_COMPLETE;
+    x->published = (blk->flags & sealed) == sealed;
     memcpy(x->tokens, kvhi_block_tokens(e, b), sizeof(int32_t) * blk->n_tokens);
     x->err = 0;
     x->why = NULL;
@@ -246,6 +247,7 @@ static void encode_slot_header(const kvhi_disk *d, const kvhi_xfer *x, uint8_t *
 {
     kvhi_slot_meta m = {.store_id = d->store_id, .slot = x->dst_slot, .offset = kvhi_disk_slot_offset(d, x->dst_slot),
                         .hash = x->hash, .parent = x->parent, .n_tokens = x->n_tokens, .data_crc = x->data_crc,
+                        .flags = x->published && x->hash ? KVHI_SLOT_PUBLISHED : 0u, .geo_tag = d->geo_tag,
                         .tokens = x->tokens};
     kvhi_slot_header_encode(staged, &m, d->block_bytes);
 }

@@ -130,6 +130,7 @@ static kvh_status validate(const kvh_config *c)
     CHECK(!(c->disk_path && c->disk_path[0]) || c->disk_bytes, "disk_path is set but disk_bytes is 0");
     CHECK(c->vmap <= 1, "vmap %u is not 0 or 1", c->vmap);
     CHECK(c->copy_moves <= 1, "copy_moves %u is not 0 or 1", c->copy_moves);
+    CHECK(c->disk_strict_index <= 1, "disk_strict_index %u is not 0 or 1", c->disk_strict_index);
     CHECK(c->eviction_policy <= KVH_EVICT_LCTRU, "unknown eviction_policy %u", c->eviction_policy);
 #undef CHECK
     return KVH_OK;

@@ -430,6 +430,7 @@ typedef struct kvhi_xfer {
     uint64_t hash, parent;
     uint32_t n_tokens;
     uint32_t data_crc; /* out for writes, expected for reads */
+    bool published;    /* writes: immutable, so its slot may outlive a damaged index */
     int32_t tokens[256];
     int err; /* 0, -errno, or 1 for failed verification */
     const char *why;

@@ -100,7 +100,7 @@ typedef struct kvh_config {
     uint32_t eviction_policy;
     uint32_t lctru_window;
     uint32_t copy_moves;
-    uint32_t reserved1;
+    uint32_t disk_strict_index;
 } kvh_config;
 enum kvh_disk_flags {
     KVH_DISK_RESET_ON_MISMATCH = 1,

@@ -328,6 +328,8 @@ class Engine(OwnedHandle):
         if cfg.disk_buffered:
             flags |= int(lib.KVH_DISK_BUFFERED)
         c.disk_flags = flags
+        if cfg.disk_strict_index is not None:
+            c.disk_strict_index = 1 if cfg.disk_strict_index else 0
         if cfg.kv_codec is not None:
             c.kv_codec = int(Codec.parse(cfg.kv_codec))
         if cfg.vmap is not None:
@@ -353,7 +355,8 @@ class Engine(OwnedHandle):
             migration_cpu_mask=int(c.migration_cpu_mask), lru_k=int(c.lru_k),
             promote_min_hits=int(c.promote_min_hits), log_level=int(c.log_level),
             disk_queue_depth=int(c.disk_queue_depth), disk_reset_on_mismatch=given.disk_reset_on_mismatch,
-            disk_buffered=given.disk_buffered, kv_codec=Codec(int(c.kv_codec)), vmap=bool(c.vmap),
+            disk_buffered=given.disk_buffered, disk_strict_index=bool(c.disk_strict_index),
+            kv_codec=Codec(int(c.kv_codec)), vmap=bool(c.vmap),
             eviction_policy=Eviction(int(c.eviction_policy)), lctru_window=int(c.lctru_window),
             copy_moves=bool(c.copy_moves),
         )

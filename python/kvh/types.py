@@ -167,6 +167,10 @@ class Config:
     disk_queue_depth: Optional[int] = None
     disk_reset_on_mismatch: bool = False
     disk_buffered: bool = False
+    #: Fail the open (CorruptionError) when the disk index is damaged
+    #: (default False: it is rebuilt from the slot headers and every block
+    #: whose slot verifies is kept).
+    disk_strict_index: Optional[bool] = None
     kv_codec: Union["Codec", str, int, None] = None
     vmap: Optional[bool] = None
     eviction_policy: Union["Eviction", str, int, None] = None

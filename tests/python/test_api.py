@@ -442,6 +442,30 @@ def test_persist_and_reopen(tmp_path):
                 np.testing.assert_array_equal(v, ref[layer][1])
 
 
+def test_damaged_index_is_rebuilt_unless_strict(tmp_path):
+    store = tmp_path / "store"
+    kw = dict(disk_path=str(store), disk_bytes=1 << 22)
+    try:
+        eng = make_engine(**kw)
+    except kvh.UnsupportedError:
+        pytest.skip("no disk tier in this build")
+    with eng:
+        seq, _ = filled_seq(eng, 48, first_token=700)
+        seq.persist()
+        seq.free()
+    index = store / "index"
+    data = bytearray(index.read_bytes())
+    data[20] ^= 0x10  # a bit of the store id, under the header checksum
+    index.write_bytes(bytes(data))
+    with pytest.raises(kvh.CorruptionError):
+        make_engine(disk_strict_index=True, **kw)
+    with make_engine(**kw) as eng2:
+        assert eng2.config.disk_strict_index is False
+        assert eng2.stats().corrupt_blocks == 1
+        with eng2.sequence() as s:
+            assert s.match_prefix(np.arange(700, 748)) == 48
+
+
 # ---- logging ------------------------------------------------------------------------------
 
 def test_log_callback_routes_to_logging(caplog):

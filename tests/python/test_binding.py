@@ -183,16 +183,21 @@ def test_real_busy_mismatch_and_corrupt(tmp_path):
     # the library's advice, in the keyword a Python caller passes
     assert "(pass disk_reset_on_mismatch=True to start it empty)" in info.value.message
     assert "KVH_DISK" not in str(info.value)
-    # a damaged index: corrupt (or, with the reset flag, emptied and reused)
+    # a damaged index: rebuilt from the slot headers, or, when strict,
+    # corrupt (with the reset flag: emptied and reused)
     index = store / "index"
     data = bytearray(index.read_bytes())
     for i in range(8, min(len(data), 80)):
         data[i] ^= 0xFF
     index.write_bytes(bytes(data))
     with pytest.raises((kvh.CorruptionError, kvh.MismatchError)):
-        kvh.Engine(**geo, disk_path=str(store), disk_bytes=1 << 22)
-    with kvh.Engine(**geo, disk_path=str(store), disk_bytes=1 << 22, disk_reset_on_mismatch=True) as eng:
+        kvh.Engine(**geo, disk_path=str(store), disk_bytes=1 << 22, disk_strict_index=True)
+    with kvh.Engine(**geo, disk_path=str(store), disk_bytes=1 << 22, disk_strict_index=True,
+                    disk_reset_on_mismatch=True) as eng:
         assert eng.tier_info("disk").present
+    index.write_bytes(bytes(data))
+    with kvh.Engine(**geo, disk_path=str(store), disk_bytes=1 << 22) as eng:
+        assert eng.tier_info("disk").present and eng.stats().corrupt_blocks == 1
 
 
 def test_real_not_resident_names_the_python_method(engine):

@@ -209,7 +209,21 @@ typedef struct kvh_config {
      * numa_node, both tiers are one arena and such a move re-accounts the
      * block where it lies (kvh_stats blocks_moved_in_place). */
     uint32_t copy_moves;
-    uint32_t reserved1;
+    /* 1: a damaged disk index fails kvh_engine_open with KVH_ERR_CORRUPT
+     * (with KVH_DISK_RESET_ON_MISMATCH the store starts empty instead).
+     * Damage is a header or record of the `index` snapshot or the
+     * `journal` failing its checksum, a snapshot shorter than its header
+     * says, or one of the two files missing while the other is there. A
+     * journal ending in a torn record, as a crash can leave it, is cut
+     * there; both files missing is a store whose creation was cut short,
+     * which starts empty. Default 0: the open rebuilds the index from the
+     * slot headers, each slot checked in full (data included), in all of
+     * these cases: every block whose slot verifies is kept, the ones
+     * dropped and the damaged records are counted in kvh_stats
+     * corrupt_blocks, and a warning is logged. The store's identity is
+     * then the index header's, else the journal header's, else the one
+     * most of the verified slots carry. */
+    uint32_t disk_strict_index;
 } kvh_config;
 
 enum kvh_disk_flags {

@@ -250,7 +250,7 @@ pub struct kvh_config {
     pub eviction_policy: u32,
     pub lctru_window: u32,
     pub copy_moves: u32,
-    pub reserved1: u32,
+    pub disk_strict_index: u32,
 }
 #[test]
 fn bindgen_test_layout_kvh_config() {
@@ -757,23 +757,23 @@ fn bindgen_test_layout_kvh_config() {
         );
     }
     test_field_copy_moves();
-    fn test_field_reserved1() {
+    fn test_field_disk_strict_index() {
         assert_eq!(
             unsafe {
                 let uninit = ::std::mem::MaybeUninit::<kvh_config>::uninit();
                 let ptr = uninit.as_ptr();
-                ::std::ptr::addr_of!((*ptr).reserved1) as usize - ptr as usize
+                ::std::ptr::addr_of!((*ptr).disk_strict_index) as usize - ptr as usize
             },
             148usize,
             concat!(
                 "Offset of field: ",
                 stringify!(kvh_config),
                 "::",
-                stringify!(reserved1)
+                stringify!(disk_strict_index)
             )
         );
     }
-    test_field_reserved1();
+    test_field_disk_strict_index();
 }
 impl Default for kvh_config {
     fn default() -> Self {

@@ -224,6 +224,14 @@ impl Config {
         self
     }
 
+    /// Fail the open with [`Status::Corrupt`](crate::Status::Corrupt) when
+    /// the disk index is damaged (default off: it is rebuilt from the slot
+    /// headers and every block whose slot verifies is kept).
+    pub fn disk_strict_index(mut self, on: bool) -> Self {
+        self.raw.disk_strict_index = u32::from(on);
+        self
+    }
+
     fn set_disk_flag(&mut self, flag: u32, on: bool) {
         if on {
             self.raw.disk_flags |= flag;
@@ -333,6 +341,7 @@ mod tests {
             .disk_buffered(true)
             .disk_reset_on_mismatch(true)
             .disk_buffered(false)
+            .disk_strict_index(true)
             .numa_node(Some(1))
             .log(LogLevel::Debug, |_, _| {});
         assert_eq!(c.raw.num_layers, 3);
@@ -340,6 +349,7 @@ mod tests {
         assert_eq!(c.raw.backend, sys::KVH_BACKEND_CPU);
         assert_eq!(c.raw.disk_bytes, 1 << 30);
         assert_eq!(c.raw.disk_flags, sys::KVH_DISK_RESET_ON_MISMATCH);
+        assert_eq!(c.raw.disk_strict_index, 1);
         assert_eq!(c.raw.numa_node, 1);
         assert_eq!(c.raw.log_level, sys::KVH_LOG_DEBUG);
         assert_eq!(c.disk_path().unwrap(), PathBuf::from("/tmp/kvh-x"));

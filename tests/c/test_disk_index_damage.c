@@ -1,0 +1,501 @@
+/* Disk tier: a damaged index or journal costs no block whose slot is intact.
+ *
+ * A pristine store holds NC prefix chains of NB blocks: chains [0, SNAP)
+ * in the snapshot `index` (closed cleanly), the others only in the
+ * `journal` (written by a process that ended without closing). Each case
+ * restores the pristine files, damages the index files only, opens the
+ * store and checks every chain: matched in full and byte-identical.
+ *
+ *   - every bit of the checksummed index header (bytes [0, 84)) and of a
+ *     journal record that good records follow, one at a time: the open
+ *     rebuilds the index from the slot headers, every block is found,
+ *     corrupt_blocks is 1 (the damaged header or record), a warning says
+ *     so, and the store reopens without one (the index was rewritten);
+ *     with disk_strict_index the open returns KVH_ERR_CORRUPT and leaves
+ *     the files as they were;
+ *   - every bit of the journal's last record, which is indistinguishable
+ *     from a torn append: the default open finds its block from the slot,
+ *     a strict one cuts it like a torn tail (that block is a miss);
+ *   - bits of the header pages' padding, which nothing reads: no effect;
+ *   - the index truncated at many offsets, zeroed or missing, the journal
+ *     zeroed or missing, and both zeroed or missing (the store id then
+ *     comes from the slot headers): every block is found; a strict open
+ *     refuses each, except both files missing, which is what a crash
+ *     while creating a store leaves (it starts empty);
+ *   - with both headers gone, the slots of another store (a minority) are
+ *     not taken; a damaged slot named by an intact record is dropped and
+ *     counted;
+ *   - a block that went to disk before its KV was complete (so never
+ *     published) is not taken back from its slot header.
+ *
+ * On a tmpfs when there is one (fsync is free there); every bit in about
+ * 2,500 opens, every byte (one bit of each) on a real disk.
+ */
+#include "rel_util.h"
+
+#include "core/disk_format.h"
+
+#define NC 8
+#define NB 4
+#define SNAP 4
+static const dt_geo G = {1, 1, 64, 16, KVH_DTYPE_F16}; /* block = 4096 bytes, slot = 8192 */
+#define DISK_SLOTS 64
+#define SLOT_BYTES 8192u
+#define HDR_COVERED 84u /* index/journal header bytes under the CRC: [0,80) + the CRC */
+
+static dt_content chain(int c) { return dt_plain(0x1d0 + (uint64_t)c); }
+static dt_chains chains(void) { return (dt_chains){G, chain, NC, NB, SNAP}; }
+
+static kvh_config cfg_for(const char *dir)
+{
+    kvh_config c = dt_cfg(G, dir, 8, 32, DISK_SLOTS, 0);
+    return c;
+}
+
+static struct {
+    char dir[512];
+    bool fast;
+    dt_saved_store saved;
+    dt_block_loc loc[NC][NB];
+    size_t rec_bytes, journal_records;
+    bool ready;
+} P;
+
+static char *file_path(const char *name)
+{
+    static char p[600];
+    return dt_path(p, sizeof(p), P.dir, name);
+}
+
+static void build_pristine(void)
+{
+    if (P.ready)
+        return;
+    P.fast = rl_fast_scratch("index-damage", P.dir, sizeof(P.dir));
+    kvh_config c = cfg_for(P.dir);
+    dt_chains ch = chains();
+    dt_chains_build_a(&c, &ch, &P.saved, &P.loc[0][0], &P.journal_records);
+    P.rec_bytes = kvhi_index_rec_bytes(G.bt);
+    assert_true(P.journal_records >= 2);
+    P.ready = true;
+}
+
+static void restore(void)
+{
+    dt_rmrf(P.dir);
+    mkdir(P.dir, 0755);
+    assert_int_equal(dt_store_restore(P.dir, &P.saved), 0);
+}
+
+static const dt_block_loc *journal_record(int index, int *chain_out, int *block_out)
+{
+    for (int c = 0; c < NC; c++)
+        for (int k = 0; k < NB; k++)
+            if (P.loc[c][k].in_journal && P.loc[c][k].journal_index == index) {
+                *chain_out = c, *block_out = k;
+                return &P.loc[c][k];
+            }
+    fail_msg("no block has journal record %d", index);
+    return NULL;
+}
+
+/* Opens the store as it is now and checks that chain c matches want[c]
+ * blocks (all NB when want is NULL), byte-identical, and that
+ * corrupt_blocks is `corrupt`. Returns the number of warnings that
+ * mention a rebuild. */
+static int expect_store(const kvh_config *base, const int *want, uint64_t corrupt, const char *what)
+{
+    dt_log log;
+    dt_log_init(&log);
+    kvh_config c = *base;
+    dt_log_attach(&c, &log);
+    kvh_engine *e = NULL;
+    kvh_status st = kvh_engine_open(&c, &e);
+    if (st != KVH_OK)
+        fail_msg("%s: open returned %s (%s)", what, kvh_status_name(st), kvh_last_error());
+    dt_track(e);
+    dt_chains ch = chains();
+    for (int i = 0; i < NC; i++)
+        dt_chains_expect_a(e, &ch, i, want ? want[i] : NB, what);
+    uint64_t got = dt_stats(e).corrupt_blocks;
+    char msg[256];
+    if (rl_counters_add_up(e, true, msg, sizeof(msg)))
+        fail_msg("%s: %s", what, msg);
+    dt_assert_ok(dt_close(e));
+    if (got != corrupt)
+        fail_msg("%s: corrupt_blocks %" PRIu64 ", expected %" PRIu64, what, got, corrupt);
+    int rebuilt = dt_log_count(&log, KVH_LOG_WARN, "rebuilt the index", NULL);
+    pthread_mutex_destroy(&log.mu);
+    return rebuilt;
+}
+
+/* A strict open of the store as it is now: KVH_ERR_CORRUPT, and the index
+ * files are left as they were. */
+static void expect_strict_refusal(const char *what)
+{
+    size_t ilen = 0, jlen = 0;
+    uint8_t *index = dt_read_file(file_path("index"), &ilen), *journal = dt_read_file(file_path("journal"), &jlen);
+    kvh_config c = cfg_for(P.dir);
+    c.disk_strict_index = 1;
+    kvh_engine *e = NULL;
+    kvh_status st = kvh_engine_open(&c, &e);
+    if (st != KVH_ERR_CORRUPT) {
+        kvh_engine_close(e);
+        fail_msg("%s: strict open returned %s, expected KVH_ERR_CORRUPT", what, kvh_status_name(st));
+    }
+    size_t ilen2 = 0, jlen2 = 0;
+    uint8_t *index2 = dt_read_file(file_path("index"), &ilen2), *journal2 = dt_read_file(file_path("journal"), &jlen2);
+    bool same = (!index) == (!index2) && (!journal) == (!journal2) && ilen == ilen2 && jlen == jlen2 &&
+                (!index || memcmp(index, index2, ilen) == 0) && (!journal || memcmp(journal, journal2, jlen) == 0);
+    free(index), free(journal), free(index2), free(journal2);
+    if (!same)
+        fail_msg("%s: the refused strict open changed the index files", what);
+}
+
+/* Flips bit `bit` of byte `off` of `file`, then checks the default open
+ * (every block found; corrupt_blocks `corrupt`; a rebuild warning) and,
+ * when `refuse`, the strict one. */
+static void flip_case(const char *file, uint64_t off, unsigned bit, uint64_t corrupt, bool refuse, bool reopen)
+{
+    char what[160];
+    snprintf(what, sizeof(what), "%s byte %" PRIu64 " bit %u flipped", file, off, bit);
+    restore();
+    assert_int_equal(dt_flip_bit(file_path(file), off, bit), 0);
+    if (refuse)
+        expect_strict_refusal(what);
+    kvh_config c = cfg_for(P.dir);
+    if (expect_store(&c, NULL, corrupt, what) == 0)
+        fail_msg("%s: no warning says the index was rebuilt", what);
+    if (reopen) {
+        char again[200];
+        snprintf(again, sizeof(again), "%s, reopened", what);
+        if (expect_store(&c, NULL, 0, again) != 0)
+            fail_msg("%s: rebuilt again: the damaged index was not rewritten", again);
+    }
+}
+
+/* The bits of bytes [first, end) of `file` that a run flips: all of them on
+ * a tmpfs, one a byte (a different one each byte) on a real disk. */
+static int flip_range(const char *file, uint64_t first, uint64_t end, uint64_t corrupt)
+{
+    int n = 0;
+    for (uint64_t off = first; off < end; off++)
+        for (unsigned bit = 0; bit < 8; bit++) {
+            if (!P.fast && bit != off % 8)
+                continue;
+            flip_case(file, off, bit, corrupt, true, n % 64 == 0);
+            n++;
+        }
+    return n;
+}
+
+static void test_every_header_and_record_bit(void **state)
+{
+    (void)state;
+    build_pristine();
+    double t0 = dt_now();
+    int flips = flip_range("index", 0, HDR_COVERED, 1);
+    flips += flip_range("journal", 0, HDR_COVERED, 1);
+    int c, k;
+    const dt_block_loc *mid = journal_record((int)P.journal_records / 2, &c, &k);
+    flips += flip_range("journal", mid->rec_off, mid->rec_off + P.rec_bytes, 1);
+    /* The index's own records: a few, one bit each. */
+    for (int i = 0; i < 8; i++, flips++) {
+        const dt_block_loc *L = &P.loc[i % SNAP][i % NB];
+        flip_case("index", L->rec_off + (uint64_t)(i * 13) % P.rec_bytes, (unsigned)i, 1, true, false);
+    }
+    print_message("%d single-bit flips of index/journal headers and records: every block found, strict refused "
+                  "each (%s, %.1f s)\n",
+                  flips, P.fast ? "tmpfs, every bit" : "real disk, one bit a byte", dt_now() - t0);
+}
+
+static void test_last_journal_record(void **state)
+{
+    (void)state;
+    build_pristine();
+    int c, k;
+    const dt_block_loc *last = journal_record((int)P.journal_records - 1, &c, &k);
+    kvh_config cfg = cfg_for(P.dir), strict = cfg;
+    strict.disk_strict_index = 1;
+    int want[NC];
+    for (int i = 0; i < NC; i++)
+        want[i] = i == c ? k : NB;
+    for (uint64_t off = last->rec_off; off < last->rec_off + P.rec_bytes; off++)
+        for (unsigned bit = 0; bit < 8; bit++) {
+            if (!P.fast && bit != off % 8)
+                continue;
+            char what[160];
+            snprintf(what, sizeof(what), "last journal record byte %" PRIu64 " bit %u", off, bit);
+            restore();
+            assert_int_equal(dt_flip_bit(file_path("journal"), off, bit), 0);
+            expect_store(&strict, want, 0, what); /* a torn tail: cut, not counted */
+            restore();
+            assert_int_equal(dt_flip_bit(file_path("journal"), off, bit), 0);
+            expect_store(&cfg, NULL, 0, what);
+        }
+    /* A record cut in half at the end is the same. */
+    restore();
+    assert_int_equal(truncate(file_path("journal"), (off_t)(last->rec_off + P.rec_bytes / 2)), 0);
+    expect_store(&strict, want, 0, "journal cut inside its last record (strict)");
+    restore();
+    assert_int_equal(truncate(file_path("journal"), (off_t)(last->rec_off + P.rec_bytes / 2)), 0);
+    expect_store(&cfg, NULL, 0, "journal cut inside its last record");
+}
+
+static void test_header_padding_is_not_read(void **state)
+{
+    (void)state;
+    build_pristine();
+    kvh_config strict = cfg_for(P.dir);
+    strict.disk_strict_index = 1;
+    dt_rng rng = {dt_seed(0x9ad)};
+    const char *files[2] = {"index", "journal"};
+    for (int i = 0; i < 32; i++) {
+        uint64_t off = HDR_COVERED + dt_below(&rng, 4096 - HDR_COVERED);
+        unsigned bit = (unsigned)dt_below(&rng, 8);
+        char what[160];
+        snprintf(what, sizeof(what), "%s header padding byte %" PRIu64 " bit %u", files[i % 2], off, bit);
+        restore();
+        assert_int_equal(dt_flip_bit(file_path(files[i % 2]), off, bit), 0);
+        if (expect_store(&strict, NULL, 0, what) != 0)
+            fail_msg("%s: the index was rebuilt", what);
+    }
+}
+
+static void zero_file(const char *name)
+{
+    size_t len = 0;
+    uint8_t *data = dt_read_file(file_path(name), &len);
+    assert_non_null(data);
+    memset(data, 0, len);
+    assert_int_equal(dt_write_file(file_path(name), data, len), 0);
+    free(data);
+}
+
+static void test_truncated_zeroed_missing(void **state)
+{
+    (void)state;
+    build_pristine();
+    kvh_config cfg = cfg_for(P.dir);
+    const dt_saved_file *ix = dt_store_file(&P.saved, "index");
+    assert_non_null(ix);
+    uint64_t cuts[] = {0, 1, 40, 83, 84, 85, 4095, 4096, 4096 + P.rec_bytes, 4096 + 3 * P.rec_bytes + 7,
+                       ix->len - P.rec_bytes, ix->len - 1};
+    for (size_t i = 0; i < sizeof(cuts) / sizeof(cuts[0]); i++) {
+        char what[96];
+        snprintf(what, sizeof(what), "index cut at %" PRIu64, cuts[i]);
+        restore();
+        assert_int_equal(truncate(file_path("index"), (off_t)cuts[i]), 0);
+        expect_strict_refusal(what);
+        /* Counted: the header when it was cut, else the records it says
+         * the file holds and the cut took. */
+        uint64_t kept = cuts[i] > 4096 ? (cuts[i] - 4096) / P.rec_bytes : 0;
+        uint64_t counted = cuts[i] < HDR_COVERED ? 1 : (ix->len - 4096) / P.rec_bytes - kept;
+        if (expect_store(&cfg, NULL, counted, what) == 0)
+            fail_msg("%s: no warning says the index was rebuilt", what);
+    }
+    struct {
+        const char *what;
+        bool zero_index, zero_journal, rm_index, rm_journal, strict_refuses;
+    } cases[] = {
+        {"index zeroed", true, false, false, false, true},
+        {"index missing", false, false, true, false, true},
+        {"journal zeroed", false, true, false, false, true},
+        {"journal missing", false, false, false, true, true},
+        {"index and journal zeroed", true, true, false, false, true},
+        {"index and journal missing", false, false, true, true, false},
+        {"index missing, journal zeroed", false, true, true, false, true},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        restore();
+        if (cases[i].zero_index)
+            zero_file("index");
+        if (cases[i].zero_journal)
+            zero_file("journal");
+        if (cases[i].rm_index)
+            assert_int_equal(unlink(file_path("index")), 0);
+        if (cases[i].rm_journal)
+            assert_int_equal(unlink(file_path("journal")), 0);
+        dt_saved_store damaged;
+        assert_int_equal(dt_store_save(P.dir, &damaged), 0);
+        if (cases[i].strict_refuses) {
+            expect_strict_refusal(cases[i].what);
+        } else {
+            /* a crash while a store was made leaves this: strict starts it empty */
+            kvh_config strict = cfg;
+            strict.disk_strict_index = 1;
+            int none[NC] = {0};
+            char what[128];
+            snprintf(what, sizeof(what), "%s (strict)", cases[i].what);
+            expect_store(&strict, none, 0, what);
+            dt_rmrf(P.dir);
+            mkdir(P.dir, 0755);
+            assert_int_equal(dt_store_restore(P.dir, &damaged), 0);
+        }
+        dt_store_free(&damaged);
+        /* Zeroed: its header and every record count; missing: nothing does. */
+        uint64_t corrupt = 0;
+        if (cases[i].zero_index)
+            corrupt += 1 + (ix->len - 4096) / P.rec_bytes;
+        if (cases[i].zero_journal)
+            corrupt += 1; /* the header; zeroed records after it are a torn tail */
+        if (expect_store(&cfg, NULL, corrupt, cases[i].what) == 0)
+            fail_msg("%s: no warning says the index was rebuilt", cases[i].what);
+        char again[128];
+        snprintf(again, sizeof(again), "%s, reopened", cases[i].what);
+        if (expect_store(&cfg, NULL, 0, again) != 0)
+            fail_msg("%s: rebuilt again", again);
+    }
+}
+
+/* Rewrites the slot header of block k of chain c with another store id
+ * (still a valid, published header). */
+static void make_foreign(int c, int k)
+{
+    int fd = open(file_path("slab-0000.kvh"), O_RDWR | O_CLOEXEC);
+    assert_true(fd >= 0);
+    uint8_t hdr[4096];
+    off_t at = (off_t)P.loc[c][k].slot * SLOT_BYTES;
+    assert_int_equal(pread(fd, hdr, sizeof(hdr), at), (ssize_t)sizeof(hdr));
+    int32_t tk[16];
+    for (int i = 0; i < 16; i++)
+        tk[i] = (int32_t)dt_get32(hdr + 68 + 4 * i);
+    /* header fields (disk_format.c): 12 n_tokens, 16 store_id, 24 slot,
+     * 32 offset, 40 hash, 48 parent, 64 data_crc, 4084 flags, 4088 tag */
+    kvhi_slot_meta m = {.store_id = dt_get64(hdr + 16) + 1,
+                        .slot = dt_get64(hdr + 24),
+                        .offset = dt_get64(hdr + 32),
+                        .hash = dt_get64(hdr + 40),
+                        .parent = dt_get64(hdr + 48),
+                        .n_tokens = dt_get32(hdr + 12),
+                        .data_crc = dt_get32(hdr + 64),
+                        .flags = dt_get32(hdr + 4084),
+                        .geo_tag = dt_get32(hdr + 4088),
+                        .tokens = tk};
+    assert_int_equal(m.flags, KVHI_SLOT_PUBLISHED);
+    kvhi_slot_header_encode(hdr, &m, 4096);
+    assert_int_equal(pwrite(fd, hdr, sizeof(hdr), at), (ssize_t)sizeof(hdr));
+    close(fd);
+}
+
+static void test_store_id_and_dropped_slots(void **state)
+{
+    (void)state;
+    build_pristine();
+    kvh_config cfg = cfg_for(P.dir);
+    /* Both headers gone: the id most slots carry wins; chain 2's slots,
+     * carrying another, are not taken. */
+    restore();
+    zero_file("index");
+    zero_file("journal");
+    for (int k = 0; k < NB; k++)
+        make_foreign(2, k);
+    int want[NC];
+    for (int i = 0; i < NC; i++)
+        want[i] = i == 2 ? 0 : NB;
+    const dt_saved_file *ix = dt_store_file(&P.saved, "index");
+    expect_store(&cfg, want, 2 + (ix->len - 4096) / P.rec_bytes, "both headers zeroed, chain 2 foreign");
+    /* One foreign block with the index header intact: its record names a
+     * slot of another store, so it is dropped when the journal's damage
+     * makes the open rebuild; the chain stops there. */
+    restore();
+    make_foreign(1, 2);
+    int c, k;
+    const dt_block_loc *mid = journal_record((int)P.journal_records / 2, &c, &k);
+    assert_int_equal(dt_flip_bit(file_path("journal"), mid->rec_off + 9, 1), 0);
+    for (int i = 0; i < NC; i++)
+        want[i] = i == 1 ? 2 : NB;
+    expect_store(&cfg, want, 2, "foreign slot of chain 1, damaged journal record");
+    /* A damaged slot (data) that an intact record names: dropped by the
+     * rebuild and counted with the damaged header. */
+    restore();
+    assert_int_equal(dt_flip_bit(file_path("slab-0000.kvh"), (uint64_t)P.loc[5][1].slot * SLOT_BYTES + 5000, 4), 0);
+    assert_int_equal(dt_flip_bit(file_path("index"), 20, 6), 0);
+    for (int i = 0; i < NC; i++)
+        want[i] = i == 5 ? 1 : NB;
+    expect_store(&cfg, want, 2, "damaged slot of chain 5, damaged index header");
+}
+
+static void test_unpublished_slot_is_not_taken(void **state)
+{
+    (void)state;
+    char dir[512];
+    bool fast = rl_fast_scratch("index-damage-unpublished", dir, sizeof(dir));
+    (void)fast;
+    kvh_config cfg = cfg_for(dir);
+    kvh_engine *e = dt_open_a(&cfg);
+    /* A persisted chain, then a block whose tokens are all there but only
+     * half of its KV: it has its prefix hash, is never published, and
+     * goes to disk as it is. */
+    dt_content done = dt_plain(0x51), half = dt_plain(0x52);
+    kvh_seq a, b;
+    dt_assert_ok(dt_build(e, G, done, 2 * G.bt, 0, &a));
+    dt_assert_ok(kvh_seq_persist(e, a));
+    dt_assert_ok(kvh_seq_free(e, a));
+    dt_assert_ok(kvh_seq_create(e, 0, &b));
+    int32_t tk[16];
+    dt_tokens(half, 0, G.bt, tk);
+    dt_assert_ok(kvh_seq_append(e, b, tk, G.bt));
+    size_t tb = dt_tok_bytes(G);
+    uint8_t kbuf[8 * 128], vbuf[8 * 128];
+    assert_true(tb * 8 <= sizeof(kbuf));
+    for (int t = 0; t < 8; t++) {
+        dt_kv_token(half, 0, (uint64_t)t, 0, kbuf + t * tb, tb);
+        dt_kv_token(half, 0, (uint64_t)t, 1, vbuf + t * tb, tb);
+    }
+    dt_assert_ok(kvh_seq_write_kv(e, b, 0, 0, 8, kbuf, vbuf));
+    dt_assert_ok(kvh_seq_migrate(e, b, 0, G.bt, KVH_TIER_DISK, NULL));
+    kvh_block_info bi = dt_binfo(e, b, 0);
+    assert_int_equal(bi.tier, KVH_TIER_DISK);
+    dt_assert_ok(dt_close(e));
+    /* Its slot header is valid and carries its hash, but not the flag. */
+    char slab[600], index[600];
+    size_t len = 0;
+    uint8_t *s = dt_read_file(dt_path(slab, sizeof(slab), dir, "slab-0000.kvh"), &len);
+    assert_non_null(s);
+    const uint8_t *h = s + (size_t)bi.slot * SLOT_BYTES;
+    assert_memory_equal(h, "KVHBLK\0\1", 8);
+    assert_true(dt_get64(h + 40) != 0);
+    assert_int_equal(dt_get32(h + 4084), 0);
+    free(s);
+    /* The index gone: the persisted chain is found, the half block not. */
+    assert_int_equal(unlink(dt_path(index, sizeof(index), dir, "index")), 0);
+    dt_log log;
+    dt_log_init(&log);
+    dt_log_attach(&cfg, &log);
+    e = dt_open_a(&cfg);
+    size_t m = 0;
+    char msg[256] = "";
+    if (dt_match_verify(e, G, done, 2 * G.bt, &m, msg, sizeof(msg)) != KVH_OK)
+        fail_msg("%s", msg);
+    assert_int_equal(m, 2 * G.bt);
+    if (dt_match_verify(e, G, half, G.bt, &m, msg, sizeof(msg)) != KVH_OK)
+        fail_msg("%s", msg);
+    if (m != 0)
+        fail_msg("a block whose KV was never complete was taken back from its slot header (%zu tokens)", m);
+    dt_assert_ok(dt_close(e));
+    assert_int_equal(dt_log_count(&log, KVH_LOG_WARN, "index file is missing", "rebuilt", NULL), 1);
+    pthread_mutex_destroy(&log.mu);
+    dt_rmrf(dir);
+}
+
+static int group_teardown(void **state)
+{
+    (void)state;
+    dt_store_free(&P.saved);
+    rl_fast_cleanup();
+    return 0;
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_teardown(test_every_header_and_record_bit, dt_teardown),
+        cmocka_unit_test_teardown(test_last_journal_record, dt_teardown),
+        cmocka_unit_test_teardown(test_header_padding_is_not_read, dt_teardown),
+        cmocka_unit_test_teardown(test_truncated_zeroed_missing, dt_teardown),
+        cmocka_unit_test_teardown(test_store_id_and_dropped_slots, dt_teardown),
+        cmocka_unit_test_teardown(test_unpublished_slot_is_not_taken, dt_teardown),
+    };
+    return cmocka_run_group_tests_name("disk_index_damage", tests, NULL, group_teardown);
+}
