@@ -255,7 +255,8 @@ KVH_API kvh_status kvh_config_init(kvh_config *config, size_t struct_size);
  * KVH_ERR_IO (disk_path cannot be created, opened, read or written),
  * KVH_ERR_BUSY (another engine has the store open), KVH_ERR_MISMATCH (a
  * store of another geometry or model_salt), KVH_ERR_CORRUPT (a damaged
- * index), KVH_ERR_NOSPACE (no room for its slab files); see
+ * index or journal with disk_strict_index set; otherwise they are rebuilt
+ * from the slot headers), KVH_ERR_NOSPACE (no room for its slab files); see
  * KVH_DISK_RESET_ON_MISMATCH. @threads any */
 KVH_API kvh_status kvh_engine_open(const kvh_config *config,
                                    kvh_engine **engine);
