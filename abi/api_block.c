@@ -3,6 +3,7 @@
 #include <string.h>
 
 #include "abi/api_common.h"
+#include "core/move.h"
 #include "core/ext_pool.h"
 
 kvh_status kvh_block_info_get(kvh_engine *e, kvh_block block, kvh_block_info *info)

@@ -438,12 +438,6 @@ typedef struct kvhi_xfer {
      * the slot the destination tier gave in exchange (moves_in_place). */
     bool in_place;
 } kvhi_xfer;
-void kvhi_xfer_prepare(kvh_engine *e, uint32_t b, uint32_t dst_tier,
-                       uint32_t dst_slot, kvhi_xfer *x);
-void kvhi_xfer_run(kvh_engine *e, kvhi_xfer *x);
-/* Runs transfers that all go to, or all come from, the disk tier as
- * batches of neighbouring slots. */
-void kvhi_xfer_batch(kvh_engine *e, kvhi_xfer *xs, uint32_t n);
 /* Bookkeeping after a block reached or left the disk tier (lock held). */
 void kvhi_disk_after_move(kvh_engine *e, uint32_t b, const kvhi_xfer *x,
                           bool *keep_src_slot);
@@ -453,8 +447,6 @@ void kvhi_disk_forget(kvh_engine *e, uint32_t b);
  * was written to becomes its clean copy when it may be one (immutable,
  * written with its hash), else the slot is freed. */
 void kvhi_disk_keep_as_copy(kvh_engine *e, uint32_t b, const kvhi_xfer *x);
-/* Brings a block on disk into a memory tier (lock may drop). */
-kvh_status kvhi_block_ensure_memory(kvh_engine *e, uint32_t b);
 kvh_status kvhi_disk_persist(kvh_engine *e, kvhi_seq *s);
 /* One round of background cleaning (lock held, may drop); true if work
  * was done. */

@@ -312,3 +312,36 @@ kvh_status kvhi_move_block(kvh_engine *e, uint32_t b, uint32_t tier, uint32_t fo
     (void)for_agent; /* b's own agent is charged */
     return kvhi_move_handing_over(e, b, tier, NULL);
 }
+
+/* Brings a block that lives on disk into a memory tier (host when there
+ * is one) and waits until it is there. Drops the lock. */
+kvh_status kvhi_block_ensure_memory(kvh_engine *e, uint32_t b)
+{
+    kvhi_block *blk = &e->blocks[b];
+    /* A block in flight may be half of a tier swap: its slot is being
+     * overwritten, so wait until it settles. */
+    kvhi_block_recall(e, b); /* no write-then-read-back of a block still in memory */
+    while (blk->flags & KVHI_BF_IN_FLIGHT)
+        kvhi_block_wait_idle(e, b);
+    while (blk->tier == KVH_TIER_DISK) {
+        if (blk->flags & KVHI_BF_CORRUPT)
+            return kvhi_fail(KVH_ERR_CORRUPT, "block data on disk failed verification");
+        if (blk->flags & KVHI_BF_BUSY) {
+            kvhi_block_wait_idle(e, b);
+            continue;
+        }
+        uint32_t to = e->tiers[KVH_TIER_HOST].present ? KVH_TIER_HOST : KVH_TIER_DEVICE;
+        kvh_status st = kvhi_move_block(e, b, to, blk->agent);
+        if (st == KVH_ERR_NOSPACE && e->copies_in_progress) {
+            /* Every candidate is busy in another thread's copy: room comes
+             * back when those end, so wait rather than fail. */
+            pthread_cond_wait(&e->changed, &e->lock);
+            continue;
+        }
+        if (st != KVH_OK)
+            return st;
+        while (blk->flags & KVHI_BF_IN_FLIGHT)
+            kvhi_block_wait_idle(e, b);
+    }
+    return KVH_OK;
+}

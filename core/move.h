@@ -36,6 +36,19 @@ kvh_status kvhi_move_handing_over(kvh_engine *e, uint32_t b, uint32_t tier, uint
 int kvhi_move_begin(kvh_engine *e, uint32_t b, uint32_t tier, kvhi_xfer *x, bool keep_src_for_caller);
 /* Second half: commits a finished transfer, or undoes a failed one. */
 kvh_status kvhi_move_end(kvh_engine *e, kvhi_xfer *x, uint32_t *src_slot_out);
+/* Brings a block that lives on disk into a memory tier and waits for it.
+ * Drops the lock. */
+kvh_status kvhi_block_ensure_memory(kvh_engine *e, uint32_t b);
+
+/* ---- the transfer of a move (core/move_xfer.c), run without the lock ---- */
+/* Fills x for moving b to dst_slot of dst_tier (lock held). */
+void kvhi_xfer_prepare(kvh_engine *e, uint32_t b, uint32_t dst_tier, uint32_t dst_slot, kvhi_xfer *x);
+/* Copies, writes or reads one block as x says; x->err reports failure. */
+void kvhi_xfer_run(kvh_engine *e, kvhi_xfer *x);
+/* Runs transfers that all go to, or all come from, the disk tier as
+ * batches of neighbouring slots. */
+void kvhi_xfer_batch(kvh_engine *e, kvhi_xfer *xs, uint32_t n);
+
 /* Records that b's disk data failed verification: never served again. */
 kvh_status kvhi_mark_corrupt(kvh_engine *e, uint32_t b, const char *why);
 void kvhi_release_slot(kvh_engine *e, uint32_t tier, uint32_t slot);
