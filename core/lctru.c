@@ -52,14 +52,14 @@ kvh_status kvh_seq_set_tolerance(kvh_engine *e, kvh_seq seq, uint64_t first, uin
     kvhi_clear_error();
     KVHI_REQUIRE(tolerance <= KVH_TOLERANCE_MAX, "tolerance %u > %u", tolerance, KVH_TOLERANCE_MAX);
     kvhi_seq *s;
-    kvh_status st = kvhi_api_enter_seq(e, seq, &s);
+    kvh_status st = kvhi_api_enter_seq_owner(e, seq, &s);
     if (st != KVH_OK)
         return st;
     uint32_t b0 = 0, b1 = 0;
     if (n > 0 && (st = kvhi_seq_block_range(e, s, first, n, &b0, &b1)) == KVH_OK)
         for (uint32_t i = b0; i < b1; i++)
             set_tolerance(e, s->blocks[i], tolerance);
-    kvhi_leave(e);
+    kvhi_api_leave_seq_owner(e, s);
     return st;
 }
 
@@ -121,7 +121,7 @@ kvh_status kvh_seq_derive_tolerance(kvh_engine *e, kvh_seq seq, uint64_t first, 
     KVHI_REQUIRE(isfinite(max_rel_error) && max_rel_error >= 0, "max_rel_error must be finite and >= 0");
     double ref = max_rel_error > 0 ? max_rel_error : 0.25;
     kvhi_seq *s;
-    kvh_status st = kvhi_api_enter_seq(e, seq, &s);
+    kvh_status st = kvhi_api_enter_seq_owner(e, seq, &s);
     if (st != KVH_OK)
         return st;
     uint32_t b0 = 0, b1 = 0;
@@ -156,6 +156,6 @@ kvh_status kvh_seq_derive_tolerance(kvh_engine *e, kvh_seq seq, uint64_t first, 
     free(raw);
     free(enc);
     free(y);
-    kvhi_leave(e);
+    kvhi_api_leave_seq_owner(e, s);
     return st;
 }

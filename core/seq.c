@@ -1,5 +1,7 @@
 /* Sequences: block tables, tokens, K/V writes with copy-on-write, prefix
- * attachment, acquire/release and prefetch. Engine lock held throughout. */
+ * attachment, acquire/release and prefetch. Every function is entered and
+ * left with the engine lock held; those that bring blocks in from disk,
+ * copy or wait drop it meanwhile, and re-read the sequence after. */
 #include <stdlib.h>
 #include <string.h>
 

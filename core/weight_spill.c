@@ -94,6 +94,10 @@ static int write_slots(kvh_engine *e, kvhi_region *r, uint64_t chunk, const uint
         return -ENOMEM;
     chunk_stream s = {.r = r, .chunk = chunk, .record = true, .bad = -1};
     kvhi_disk_lane *lane = kvhi_disk_lane_get(d);
+    if (!lane) { /* none free and none could be made */
+        free(results);
+        return -ENOMEM;
+    }
     for (uint32_t i = 0; i < n && rc == 0;) {
         uint32_t k = n - i < d->lane_blocks ? n - i : d->lane_blocks;
         for (uint32_t j = 0; j < k && rc == 0; j++) {
@@ -180,6 +184,10 @@ int kvhi_region_read_disk(kvh_engine *e, kvhi_region *r, uint64_t chunk, uint8_t
         return -ENOMEM;
     chunk_stream s = {.r = r, .chunk = chunk, .record = false, .bad = -1};
     kvhi_disk_lane *lane = kvhi_disk_lane_get(d);
+    if (!lane) { /* none free and none could be made */
+        free(results);
+        return -ENOMEM;
+    }
     int rc = 0;
     for (uint32_t i = 0; i < r->n_disk_slots && rc == 0;) {
         uint32_t k = r->n_disk_slots - i < d->lane_blocks ? r->n_disk_slots - i : d->lane_blocks;
