@@ -24,6 +24,7 @@
 
 #include "abi/api_attention.h"
 #include "abi/api_common.h"
+#include "core/block_state.h"
 #include "kernels/attention_plan.h"
 #include "kernels/cpu/attn_cpu.h"
 
@@ -283,7 +284,7 @@ kvh_status kvhi_attn_call_prepare(kvh_engine *e, uint32_t layer, const kvh_seq *
      * meanwhile; the holds keep anything new from starting). */
     for (uint32_t k = 0; k < c->n_held; k++) {
         uint32_t b = c->held[k];
-        if (!(e->blocks[b].flags & KVHI_BF_IN_FLIGHT) || kvhi_block_in_device(e, b))
+        if (!kvhi_block_in_flight(&e->blocks[b]) || kvhi_block_in_device(e, b))
             continue; /* settled, or recalled: its device data stays put */
         kvhi_block_wait_idle(e, b);
         k = UINT32_MAX; /* rescan from the start: others may have moved */

@@ -3,6 +3,7 @@
 #include <string.h>
 
 #include "abi/api_common.h"
+#include "core/block_state.h"
 #include "core/move.h"
 #include "core/ext_pool.h"
 
@@ -27,7 +28,7 @@ kvh_status kvh_block_info_get(kvh_engine *e, kvh_block block, kvh_block_info *in
                                  .tokens = blk->n_tokens,
                                  .agent = blk->agent,
                                  .published = (blk->flags & KVHI_BF_PUBLISHED) != 0,
-                                 .in_flight = (blk->flags & KVHI_BF_IN_FLIGHT) != 0,
+                                 .in_flight = kvhi_block_in_flight(blk),
                                  .hash = (blk->flags & KVHI_BF_HASHED) ? blk->hash : 0,
                                  .tolerance = blk->tolerance};
     }

@@ -4,6 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/block_state.h"
 #include "core/engine.h"
 #include "core/move.h"
 
@@ -93,7 +94,7 @@ kvhi_lruk_key kvhi_block_current_key(void *engine, uint32_t b)
 void kvhi_block_update_evictable(kvh_engine *e, uint32_t b)
 {
     kvhi_block *blk = kvhi_blk(e, b);
-    bool evictable = (blk->flags & KVHI_BF_LIVE) && !(blk->flags & (KVHI_BF_BUSY | KVHI_BF_DEAD)) &&
+    bool evictable = (blk->flags & KVHI_BF_LIVE) && !kvhi_block_busy(blk) && !(blk->flags & KVHI_BF_DEAD) &&
                      blk->pins == 0 && blk->holds == 0;
     if (!evictable) {
         heaps_remove(e, b);
@@ -127,7 +128,7 @@ void kvhi_block_touch(kvh_engine *e, uint32_t b)
 
 void kvhi_block_wait_idle(kvh_engine *e, uint32_t b)
 {
-    while (e->blocks[b].flags & KVHI_BF_BUSY)
+    while (kvhi_block_busy(&e->blocks[b]))
         pthread_cond_wait(&e->changed, &e->lock);
 }
 
@@ -273,7 +274,7 @@ void kvhi_block_free_now(kvh_engine *e, uint32_t b)
     kvhi_block *blk = kvhi_blk(e, b);
     /* Busy (a copy runs) or held (e.g. attention kernels still queued on a
      * stream): its slot must outlive that use, so it is reaped later. */
-    if ((blk->flags & KVHI_BF_BUSY) || blk->holds) {
+    if (kvhi_block_busy(blk) || blk->holds) {
         /* The mover owns it until its copy ends; it reaps DEAD blocks. */
         blk->flags |= KVHI_BF_DEAD;
         heaps_remove(e, b);
@@ -297,16 +298,16 @@ bool kvhi_block_in_device(const kvh_engine *e, uint32_t b)
 {
     const kvhi_block *blk = &e->blocks[b];
     return blk->tier == KVH_TIER_DEVICE &&
-           (!(blk->flags & KVHI_BF_IN_FLIGHT) || (blk->flags & KVHI_BF_RECALLED));
+           (!kvhi_block_in_flight(blk) || kvhi_move_state(blk) == KVHI_MS_RECALLED);
 }
 
 bool kvhi_block_recall(kvh_engine *e, uint32_t b)
 {
     kvhi_block *blk = kvhi_blk(e, b);
-    if ((blk->flags & (KVHI_BF_IN_FLIGHT | KVHI_BF_RECALLABLE)) != (KVHI_BF_IN_FLIGHT | KVHI_BF_RECALLABLE))
-        return false;
-    blk->flags |= KVHI_BF_RECALLED;
-    return true;
+    enum kvhi_move_state st = kvhi_move_state(blk);
+    if (st == KVHI_MS_DEMOTING)
+        kvhi_block_move_event(blk, KVHI_EV_RECALL);
+    return st == KVHI_MS_DEMOTING || st == KVHI_MS_RECALLED;
 }
 
 void kvhi_block_unref(kvh_engine *e, uint32_t b)
@@ -323,7 +324,7 @@ void kvhi_block_unref(kvh_engine *e, uint32_t b)
 void kvhi_block_writing_done(kvh_engine *e, uint32_t b)
 {
     kvhi_block *blk = kvhi_blk(e, b);
-    blk->flags &= (uint16_t)~KVHI_BF_WRITING;
+    kvhi_block_move_event(blk, KVHI_EV_COPY_END);
     if (blk->deferred_slot != KVHI_NO_BLOCK) {
         kvhi_release_slot(e, blk->deferred_tier, blk->deferred_slot);
         blk->deferred_slot = KVHI_NO_BLOCK;
@@ -341,7 +342,7 @@ void kvhi_block_unhold(kvh_engine *e, uint32_t b)
     kvhi_block *blk = kvhi_blk(e, b);
     if (--blk->holds)
         return;
-    if ((blk->flags & KVHI_BF_DEAD) && !(blk->flags & KVHI_BF_BUSY))
+    if ((blk->flags & KVHI_BF_DEAD) && !kvhi_block_busy(blk))
         block_destroy(e, b, false);
     else
         kvhi_block_update_evictable(e, b);
@@ -416,7 +417,7 @@ kvh_status kvhi_block_forget_tokens(kvh_engine *e, uint32_t b, uint32_t keep)
     kvhi_block *blk = kvhi_blk(e, b);
     /* Its disk data, if any, describes the old tokens (hash and count in
      * the slot header): the caller brings it to memory first. */
-    assert(blk->tier != KVH_TIER_DISK && !(blk->flags & (KVHI_BF_BUSY | KVHI_BF_PUBLISHED)));
+    assert(blk->tier != KVH_TIER_DISK && !kvhi_block_busy(blk) && !(blk->flags & KVHI_BF_PUBLISHED));
     if (blk->flags & KVHI_BF_DISK_COPY)
         kvhi_disk_forget(e, b);
     uint64_t words = bitmap_words(e);

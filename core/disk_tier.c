@@ -13,6 +13,7 @@
 
 #include "core/crc32c.h"
 #include "core/disk_index.h"
+#include "core/block_state.h"
 #include "core/engine.h"
 #include "core/move.h"
 
@@ -304,9 +305,9 @@ void kvhi_disk_verify(kvh_engine *e, const uint32_t *blocks, size_t n)
         uint32_t k = 0;
         for (; i < n && k < 64; i++) {
             kvhi_block *blk = &e->blocks[blocks[i]];
-            if (blk->tier != KVH_TIER_DISK || (blk->flags & (KVHI_BF_BUSY | KVHI_BF_CORRUPT)))
+            if (blk->tier != KVH_TIER_DISK || kvhi_block_busy(blk) || (blk->flags & KVHI_BF_CORRUPT))
                 continue;
-            blk->flags |= KVHI_BF_WRITING; /* stable: nothing moves or frees it */
+            kvhi_block_move_event(blk, KVHI_EV_COPY_BEGIN); /* stable: nothing moves or frees it */
             kvhi_block_update_evictable(e, blocks[i]);
             kvhi_xfer_prepare(e, blocks[i], KVHI_NO_TIER, 0, &xs[k]);
             xs[k].src_tier = KVH_TIER_DISK;
@@ -349,7 +350,7 @@ static kvh_status write_copies(kvh_engine *e, const uint32_t *blocks, uint32_t n
     for (uint32_t i = 0; i < n; i++) {
         uint32_t b = blocks[i], slot;
         kvhi_block *blk = &e->blocks[b];
-        if ((blk->flags & (KVHI_BF_BUSY | KVHI_BF_DISK_COPY | KVHI_BF_DEAD)) || blk->tier == KVH_TIER_DISK)
+        if (kvhi_block_busy(blk) || (blk->flags & (KVHI_BF_DISK_COPY | KVHI_BF_DEAD)) || blk->tier == KVH_TIER_DISK)
             continue;
         if (may_evict) {
             if ((st = kvhi_reserve_slot(e, KVH_TIER_DISK, blk->agent, &slot)) != KVH_OK)
@@ -357,7 +358,7 @@ static kvh_status write_copies(kvh_engine *e, const uint32_t *blocks, uint32_t n
         } else if (kvhi_slot_pool_alloc(&e->tiers[KVH_TIER_DISK].slots, &slot) != 0) {
             break;
         }
-        blk->flags |= KVHI_BF_WRITING;
+        kvhi_block_move_event(blk, KVHI_EV_COPY_BEGIN);
         kvhi_block_update_evictable(e, b);
         kvhi_xfer_prepare(e, b, KVH_TIER_DISK, slot, &xs[k++]);
     }
@@ -414,7 +415,7 @@ bool kvhi_disk_clean_step(kvh_engine *e)
         kvhi_block *blk = &e->blocks[b];
         uint16_t need = KVHI_BF_LIVE | KVHI_BF_PUBLISHED | KVHI_BF_HASHED | KVHI_BF_KV_COMPLETE;
         if ((blk->flags & need) == need && blk->tier == KVH_TIER_HOST &&
-            !(blk->flags & (KVHI_BF_BUSY | KVHI_BF_DISK_COPY | KVHI_BF_DEAD)) && !blk->pins)
+            !kvhi_block_busy(blk) && !(blk->flags & (KVHI_BF_DISK_COPY | KVHI_BF_DEAD)) && !blk->pins)
             cand[n++] = b;
     }
     if (n == 0) {

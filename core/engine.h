@@ -25,29 +25,25 @@
 #define KVHI_NO_BLOCK UINT32_MAX
 #define KVHI_NO_TIER 0xFFu
 
-/* Block flags. */
+/* Block flags: lasting properties of a block, one bit each. What a copy
+ * of its data is doing right now is its move state, a field in the top
+ * bits of the same word (core/block_state.h), changed only through that
+ * header's transitions. Bit 0x400 is free. */
 #define KVHI_BF_LIVE 0x01u       /* meta entry in use */
 #define KVHI_BF_PUBLISHED 0x02u  /* in the prefix index (immutable) */
-#define KVHI_BF_IN_FLIGHT 0x04u  /* a copy is reading or writing its data */
+#define KVHI_BF_HINTED 0x04u     /* a prefetch hint names it, unused since
+                                    (hint_priority; core/hints.c) */
 #define KVHI_BF_PREFETCHED 0x08u /* promoted by a hint, not yet used */
-#define KVHI_BF_DEAD 0x10u       /* freed while in flight; reap on finish */
+#define KVHI_BF_DEAD 0x10u       /* freed while busy; reap when it settles */
 #define KVHI_BF_HASHED 0x20u     /* tokens full: hash is valid */
 #define KVHI_BF_KV_COMPLETE 0x40u /* every (layer, token) cell written */
 #define KVHI_BF_PREFETCHING 0x80u /* a hint's promotion is queued */
 #define KVHI_BF_JOURNALED 0x100u  /* an index record names its disk slot */
 #define KVHI_BF_DISK_COPY 0x200u  /* disk_copy holds a clean copy */
-#define KVHI_BF_WRITING 0x400u    /* a disk copy is being written from its
-                                     (stable) memory slot */
 #define KVHI_BF_CORRUPT 0x800u    /* its disk data failed verification */
 #define KVHI_BF_DISK_HASHED 0x1000u /* its disk header carries its hash */
-#define KVHI_BF_RECALLABLE 0x2000u /* in flight to disk, its memory slot its
-                                      own until the move commits */
-#define KVHI_BF_RECALLED 0x4000u   /* wanted again during that move: it stays
-                                      in memory, the write becomes a copy */
-#define KVHI_BF_HINTED 0x8000u     /* a prefetch hint names it, unused since
-                                      (hint_priority; core/hints.c) */
-/* Busy blocks are not evicted, freed or written until they go idle. */
-#define KVHI_BF_BUSY (KVHI_BF_IN_FLIGHT | KVHI_BF_WRITING)
+#define KVHI_BF_MOVE_SHIFT 13       /* bits 13-15: enum kvhi_move_state */
+#define KVHI_BF_MOVE_MASK (7u << KVHI_BF_MOVE_SHIFT)
 
 /* Two cache lines, the first holding all that an access (touch, data
  * address) and a victim choice (key, evictability, heap positions) read:
@@ -312,7 +308,8 @@ kvh_status kvhi_block_mark_written(kvh_engine *e, uint32_t b, uint32_t layer,
 bool kvhi_block_cell_written(kvh_engine *e, uint32_t b, uint32_t layer,
                              uint32_t t);
 kvh_status kvhi_block_forget_tokens(kvh_engine *e, uint32_t b, uint32_t keep);
-/* Clears KVHI_BF_WRITING and frees a slot the block left meanwhile. */
+/* Ends the block's copy (KVHI_EV_COPY_END) and frees a slot it left
+ * meanwhile. */
 void kvhi_block_writing_done(kvh_engine *e, uint32_t b);
 /* True when b's data in the device tier is usable now: resident and not
  * moving, or moving to disk but recalled (kvhi_block_recall). */

@@ -1,6 +1,7 @@
 /* Making room: slot reservation, victim choice, and what happens to the
  * victim (a demotion through core/move.c, or a drop). Runs with the
  * engine lock held; a demotion drops it while the victim is in flight. */
+#include "core/block_state.h"
 #include "core/engine.h"
 #include "core/move.h"
 
@@ -41,7 +42,7 @@ static kvh_status evict_one(kvh_engine *e, uint32_t v, uint32_t *freed)
         if (st != KVH_ERR_NOSPACE && st != KVH_ERR_IO)
             return st;
         /* The move may have dropped the lock: v can have changed. */
-        if (!(blk->flags & KVHI_BF_LIVE) || (blk->flags & (KVHI_BF_BUSY | KVHI_BF_DEAD)) || blk->pins ||
+        if (!(blk->flags & KVHI_BF_LIVE) || kvhi_block_busy(blk) || (blk->flags & KVHI_BF_DEAD) || blk->pins ||
             blk->holds)
             return KVH_ERR_NOSPACE;
     }

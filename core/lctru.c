@@ -8,6 +8,7 @@
 #include <stdlib.h>
 
 #include "abi/api_common.h"
+#include "core/block_state.h"
 #include "kernels/attention_dtype.h"
 #include "kernels/cpu/kv_codec.h"
 
@@ -143,7 +144,7 @@ kvh_status kvh_seq_derive_tolerance(kvh_engine *e, kvh_seq seq, uint64_t first, 
         kvhi_block *blk = &e->blocks[b];
         /* A block being copied is skipped rather than waited for: its
          * data is in motion, and the caller can ask again. */
-        if (blk->tier != KVH_TIER_DEVICE || (blk->flags & KVHI_BF_IN_FLIGHT))
+        if (blk->tier != KVH_TIER_DEVICE || kvhi_block_in_flight(blk))
             continue;
         double err = codec_error(e, b, raw, enc, y);
         if (err == -2)

@@ -11,6 +11,7 @@
 #include <numa.h>
 #endif
 
+#include "core/block_state.h"
 #include "core/engine.h"
 #include "core/move.h"
 
@@ -195,8 +196,8 @@ static kvh_status run_job(kvh_engine *e, const kvhi_job *j)
             return KVH_OK; /* freed meanwhile: nothing left to move */
         /* A promotion need not wait for a disk copy being written from the
          * block's slot (the slot stays valid until that copy ends). */
-        bool writing_only = (blk->flags & KVHI_BF_BUSY) == KVHI_BF_WRITING;
-        if (!(blk->flags & KVHI_BF_BUSY) || (writing_only && j->target_tier < blk->tier &&
+        bool writing_only = kvhi_move_state(blk) == KVHI_MS_COPYING;
+        if (!kvhi_block_busy(blk) || (writing_only && j->target_tier < blk->tier &&
                                              blk->deferred_slot == KVHI_NO_BLOCK))
             break;
         kvhi_block_wait_idle(e, j->block);
@@ -231,7 +232,7 @@ static bool batchable(kvh_engine *e, const kvhi_job *j)
 {
     kvhi_block *blk = &e->blocks[j->block];
     if (!e->disk || !(blk->flags & KVHI_BF_LIVE) || blk->gen != j->block_gen ||
-        (blk->flags & (KVHI_BF_BUSY | KVHI_BF_DEAD | KVHI_BF_CORRUPT)) || blk->tier == j->target_tier ||
+        kvhi_block_busy(blk) || (blk->flags & (KVHI_BF_DEAD | KVHI_BF_CORRUPT)) || blk->tier == j->target_tier ||
         blk->pins || (blk->holds && j->target_tier > blk->tier))
         return false;
     if (j->target_tier == KVH_TIER_DISK)

@@ -9,6 +9,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/block_state.h"
+#include "core/block_state.h"
 #include "core/engine.h"
 #include "core/move.h"
 
@@ -105,7 +107,7 @@ static kvh_status swap_up(kvh_engine *e, uint32_t b, uint32_t tier)
         return kvhi_fail(KVH_ERR_NOSPACE, "no block in the target tier can make room");
     kvhi_block *vb = &e->blocks[v];
     uint32_t lo_tier = bb->tier, lo_slot = bb->slot, hi_slot = vb->slot;
-    vb->flags |= KVHI_BF_IN_FLIGHT;
+    kvhi_block_move_event(vb, KVHI_EV_MOVE_BEGIN);
     kvhi_block_update_evictable(e, v); /* out of the old tier's heaps */
     /* One arena: each block keeps its bytes and slot, nothing is copied
      * and the lock stays held. Otherwise the bytes trade slots, and so do
@@ -116,7 +118,7 @@ static kvh_status swap_up(kvh_engine *e, uint32_t b, uint32_t tier)
         st = trade_contents(e, tier, hi_slot, lo_tier, lo_slot);
         v_slot = lo_slot, b_slot = hi_slot;
     }
-    vb->flags &= (uint16_t)~KVHI_BF_IN_FLIGHT;
+    kvhi_block_move_event(vb, KVHI_EV_MOVE_END);
     pthread_cond_broadcast(&e->changed);
     if (st != KVH_OK) {
         kvhi_block_update_evictable(e, v);
@@ -151,11 +153,12 @@ static kvh_status demote_to_copy(kvh_engine *e, uint32_t b, uint32_t *src_slot_o
         e->stats.prefetch_wasted++;
         blk->flags &= (uint16_t)~KVHI_BF_PREFETCHED;
     }
-    blk->flags |= KVHI_BF_IN_FLIGHT;
+    kvhi_block_move_event(blk, KVHI_EV_MOVE_BEGIN);
     kvhi_block_update_evictable(e, b); /* out of the old tier's heaps */
     kvhi_block_place(e, b, KVH_TIER_DISK, blk->disk_copy);
     blk->disk_copy = KVHI_NO_BLOCK;
-    blk->flags &= (uint16_t)~(KVHI_BF_DISK_COPY | KVHI_BF_IN_FLIGHT);
+    blk->flags &= (uint16_t)~KVHI_BF_DISK_COPY;
+    kvhi_block_move_event(blk, KVHI_EV_MOVE_END);
     if (src_slot_out)
         *src_slot_out = src_slot;
     else
@@ -197,7 +200,7 @@ int kvhi_move_begin(kvh_engine *e, uint32_t b, uint32_t tier, kvhi_xfer *x, bool
         return 1;
     }
     uint32_t src_tier = blk->tier;
-    blk->flags |= KVHI_BF_IN_FLIGHT;
+    kvhi_block_move_event(blk, KVHI_EV_MOVE_BEGIN);
     kvhi_block_update_evictable(e, b);
     uint32_t dslot;
     kvh_status st = kvhi_reserve_slot(e, tier, blk->agent, &dslot);
@@ -214,15 +217,15 @@ int kvhi_move_begin(kvh_engine *e, uint32_t b, uint32_t tier, kvhi_xfer *x, bool
         /* A demotion whose source slot nobody else is promised can still
          * be called off by an acquire while its write runs. */
         if (tier == KVH_TIER_DISK && !keep_src_for_caller)
-            blk->flags |= KVHI_BF_RECALLABLE;
+            kvhi_block_move_event(blk, KVHI_EV_RECALLABLE);
         return 0;
     }
-    blk->flags &= (uint16_t)~KVHI_BF_IN_FLIGHT;
+    kvhi_block_move_event(blk, KVHI_EV_MOVE_END);
     pthread_cond_broadcast(&e->changed);
     if (st == KVH_ERR_NOSPACE && tier < src_tier && !keep_src_for_caller && !(blk->flags & KVHI_BF_DEAD)) {
-        blk->flags |= KVHI_BF_IN_FLIGHT;
+        kvhi_block_move_event(blk, KVHI_EV_MOVE_BEGIN);
         st = swap_up(e, b, tier);
-        blk->flags &= (uint16_t)~KVHI_BF_IN_FLIGHT;
+        kvhi_block_move_event(blk, KVHI_EV_MOVE_END);
         pthread_cond_broadcast(&e->changed);
     }
     if ((blk->flags & KVHI_BF_DEAD) || ((blk->flags & KVHI_BF_CORRUPT) && blk->refs == 0))
@@ -238,8 +241,8 @@ kvh_status kvhi_move_end(kvh_engine *e, kvhi_xfer *x, uint32_t *src_slot_out)
     uint32_t b = x->block;
     kvhi_block *blk = &e->blocks[b];
     uint32_t src_tier = x->src_tier, src_slot = x->src_slot, tier = x->dst_tier;
-    bool recalled = (blk->flags & KVHI_BF_RECALLED) != 0;
-    blk->flags &= (uint16_t)~(KVHI_BF_IN_FLIGHT | KVHI_BF_RECALLABLE | KVHI_BF_RECALLED);
+    bool recalled = kvhi_move_state(blk) == KVHI_MS_RECALLED;
+    kvhi_block_move_event(blk, KVHI_EV_MOVE_END);
     pthread_cond_broadcast(&e->changed);
     if (recalled && x->err == 0) {
         kvhi_disk_keep_as_copy(e, b, x);
@@ -279,7 +282,7 @@ kvh_status kvhi_move_end(kvh_engine *e, kvhi_xfer *x, uint32_t *src_slot_out)
         ; /* the old disk slot is now b's clean copy */
     else if (src_slot_out)
         *src_slot_out = src_slot;
-    else if (blk->flags & KVHI_BF_WRITING) {
+    else if (kvhi_block_copying(blk)) {
         /* A disk copy is still being read from the old slot. */
         blk->deferred_slot = src_slot;
         blk->deferred_tier = (uint8_t)src_tier;
@@ -321,12 +324,12 @@ kvh_status kvhi_block_ensure_memory(kvh_engine *e, uint32_t b)
     /* A block in flight may be half of a tier swap: its slot is being
      * overwritten, so wait until it settles. */
     kvhi_block_recall(e, b); /* no write-then-read-back of a block still in memory */
-    while (blk->flags & KVHI_BF_IN_FLIGHT)
+    while (kvhi_block_in_flight(blk))
         kvhi_block_wait_idle(e, b);
     while (blk->tier == KVH_TIER_DISK) {
         if (blk->flags & KVHI_BF_CORRUPT)
             return kvhi_fail(KVH_ERR_CORRUPT, "block data on disk failed verification");
-        if (blk->flags & KVHI_BF_BUSY) {
+        if (kvhi_block_busy(blk)) {
             kvhi_block_wait_idle(e, b);
             continue;
         }
@@ -340,7 +343,7 @@ kvh_status kvhi_block_ensure_memory(kvh_engine *e, uint32_t b)
         }
         if (st != KVH_OK)
             return st;
-        while (blk->flags & KVHI_BF_IN_FLIGHT)
+        while (kvhi_block_in_flight(blk))
             kvhi_block_wait_idle(e, b);
     }
     return KVH_OK;

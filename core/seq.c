@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/block_state.h"
 #include "core/engine.h"
 #include "core/move.h"
 #include "core/huge_alloc.h"
@@ -135,7 +136,7 @@ static kvh_status make_private(kvh_engine *e, kvhi_seq *s, uint32_t i)
         uint32_t b = s->blocks[i];
         kvhi_block *blk = &e->blocks[b];
         if (blk->refs == 1 && !(blk->flags & KVHI_BF_PUBLISHED)) {
-            if (!(blk->flags & KVHI_BF_BUSY)) {
+            if (!kvhi_block_busy(blk)) {
                 if (blk->flags & KVHI_BF_DISK_COPY)
                     kvhi_disk_forget(e, b); /* its disk copy is about to go stale */
                 return KVH_OK;
@@ -407,7 +408,7 @@ kvh_status kvhi_seq_truncate(kvh_engine *e, kvhi_seq *s, uint64_t n_tokens)
             if ((st = make_private(e, s, li)) != KVH_OK)
                 return st;
             kvhi_block *blk = &e->blocks[s->blocks[li]];
-            if (blk->tier != KVH_TIER_DISK && !(blk->flags & KVHI_BF_BUSY))
+            if (blk->tier != KVH_TIER_DISK && !kvhi_block_busy(blk))
                 break;
             if ((st = kvhi_block_ensure_memory(e, s->blocks[li])) != KVH_OK)
                 return st;
@@ -644,7 +645,7 @@ kvh_status kvhi_prefetch(kvh_engine *e, kvhi_seq *s, uint64_t first, uint64_t n,
         kvhi_block *blk = &e->blocks[b];
         /* Predicted: kept above unhinted blocks until used (core/hints.c). */
         kvhi_hint_set(e, b, priority);
-        if (blk->tier == KVH_TIER_DEVICE && !(blk->flags & KVHI_BF_IN_FLIGHT))
+        if (blk->tier == KVH_TIER_DEVICE && !kvhi_block_in_flight(blk))
             continue;
         if (blk->flags & KVHI_BF_PREFETCHING)
             continue;

@@ -26,6 +26,7 @@
 #include <unistd.h>
 
 #include "abi/api_common.h"
+#include "core/block_state.h"
 #include "core/vmap.h"
 
 /* Bytes of one head's K (or V) in one block: a piece. */
@@ -223,7 +224,7 @@ static kvh_status refresh(kvh_engine *e, kvh_vmap *v, bool *changed)
     /* Let copies of its blocks finish (the lock is dropped meanwhile),
      * then find the changed runs. */
     for (uint32_t i = 0; i < s->n_blocks; i++)
-        while (e->blocks[s->blocks[i]].flags & KVHI_BF_IN_FLIGHT)
+        while (kvhi_block_in_flight(&e->blocks[s->blocks[i]]))
             kvhi_block_wait_idle(e, s->blocks[i]);
     for (uint32_t i = 0; i < s->n_blocks && st == KVH_OK;) {
         if (i < v->n_mapped && entry_current(e, v, s, i)) {

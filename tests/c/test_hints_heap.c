@@ -15,6 +15,7 @@
 
 #include "test_util.h"
 
+#include "core/block_state.h"
 #include "core/engine.h"
 
 enum { L = 2, H = 1, D = 4, BT = 4, N_SEQ = 12 };
@@ -47,7 +48,7 @@ static int check_engine(kvh_engine *e)
         bad += check_heap(e, &e->agents[a].heap, "agent");
     for (uint32_t b = 0; b < e->block_cap; b++) {
         const kvhi_block *blk = &e->blocks[b];
-        bool evictable = (blk->flags & KVHI_BF_LIVE) && !(blk->flags & (KVHI_BF_BUSY | KVHI_BF_DEAD)) &&
+        bool evictable = (blk->flags & KVHI_BF_LIVE) && !kvhi_block_busy(blk) && !(blk->flags & KVHI_BF_DEAD) &&
                          blk->pins == 0 && blk->holds == 0;
         if (evictable && blk->heap_pos == KVHI_HEAP_NONE) {
             print_error("block %u evictable but in no heap\n", b);
