@@ -40,7 +40,7 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 
 from . import errors
-from ._progress import Progress, human_bytes, human_rate, table
+from ._progress import Progress, human_bytes, human_rate, parse_size, table
 from .engine import Engine, Sequence
 from .retrieval import PrefetchPlanner, available_kinds, open_chunk_index
 from .types import DType, Tier, f32_to_bf16
@@ -48,24 +48,6 @@ from .types import DType, Tier, f32_to_bf16
 __all__ = ["add_arguments", "run", "DemoResult"]
 
 EMBED_DIM = 64
-
-
-def parse_size(text: str) -> int:
-    """'64MiB', '2M', '1GiB', '4096' -> bytes."""
-    s = str(text).strip().lower().replace(" ", "")
-    units = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000 ** 2,
-             "mib": 1 << 20, "g": 1 << 30, "gb": 1000 ** 3, "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40}
-    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = s[len(num):]
-    if unit not in units or not num:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 4MiB, 512K, 1G)")
-    try:
-        value = float(num)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"size must be >= 0: {text!r}")
-    return int(value * units[unit])
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

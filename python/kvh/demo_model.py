@@ -73,7 +73,7 @@ from typing import Any, Callable, Dict, IO, List, Optional, Sequence as Seq, Tup
 import numpy as np
 
 from . import errors
-from ._progress import Progress, human_bytes, table
+from ._progress import Progress, human_bytes, parse_size, table
 
 __all__ = ["add_arguments", "fill_defaults", "run", "main", "load_corpus", "HashedEmbedder", "DEFAULTS"]
 
@@ -130,8 +130,6 @@ def parse_budget(text: str) -> Optional[int]:
     """'auto' -> None; '64MiB', '2M', '4096' -> bytes."""
     if str(text).strip().lower() == "auto":
         return None
-    from .demo import parse_size
-
     return parse_size(text)
 
 
