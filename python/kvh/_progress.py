@@ -10,10 +10,12 @@ import sys
 import time
 from typing import IO, Any, List, Optional, Sequence
 
+from ._handle import Closable
+
 __all__ = ["Progress", "table", "human_bytes", "human_rate", "parse_size"]
 
 
-class Progress:
+class Progress(Closable):
     """``with Progress(total, "label") as bar: bar.update(1)``. Draws on
     ``stream`` (stderr) only when it is a TTY, or never with enabled=False."""
 
@@ -68,12 +70,6 @@ class Progress:
             self.stream.write("\n")
             self.stream.flush()
         self._drawn = False
-
-    def __enter__(self) -> "Progress":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
 
 def _isatty(stream: Any) -> bool:

