@@ -99,6 +99,7 @@ class GGUFFile(Closable):
             off += 4
             meta[key], off = self._value(vtype, off)
         self.metadata = meta
+        self.metadata_end = off  # the header and the metadata: file bytes [0, metadata_end)
         qtype, qsizes = _gguf()
         infos: List[Tuple[str, Tuple[int, ...], int, int]] = []
         for _ in range(n_tensors):
@@ -165,6 +166,11 @@ class GGUFFile(Closable):
         raise ValueError(f"{self.path}: unknown GGUF value type {vtype} at offset {off}")
 
     # ---- data ----
+    def read(self, start: int, end: int) -> bytes:
+        """A copy of the file's bytes [start, end) (e.g. ``read(0,
+        data_offset)``: the header, metadata and tensor table)."""
+        return bytes(self._mm[start:end])
+
     def raw(self, name: str) -> np.ndarray:
         """The tensor's bytes (read-only view of the mapping), shaped
         ``(rows..., row_bytes)`` as ``gguf.quants.dequantize`` expects."""
