@@ -164,8 +164,8 @@ def test_bench():
     assert scenarios
     res = run_kvh("bench", scenarios[0], "--quick", "--json", timeout=300)
     assert res.returncode == 0, res.stderr
-    lines = [json.loads(l) for l in res.stdout.splitlines() if l.strip()]
-    assert lines and all({"scenario", "metric", "value", "unit"} <= set(l) for l in lines)
+    lines = [json.loads(line) for line in res.stdout.splitlines() if line.strip()]
+    assert lines and all({"scenario", "metric", "value", "unit"} <= set(row) for row in lines)
     res = run_kvh("bench", scenarios[0], "--quick", "--", "--reps", "1", timeout=300)
     assert res.returncode == 0, res.stderr
     assert "kvh bench" in res.stdout and "metric" in res.stdout

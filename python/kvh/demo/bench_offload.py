@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import sys
@@ -220,7 +219,8 @@ def build_parser(prog: str = "python -m kvh.demo.bench_offload") -> argparse.Arg
                    metavar="L,L,...", help=f"context lengths in tokens (default {','.join(map(str, DEFAULT_CONTEXTS))};"
                                            f" --quick: {','.join(map(str, QUICK_CONTEXTS))})")
     p.add_argument("--reps", type=int, default=None, help="restore rounds per length (default 3; --quick 1)")
-    p.add_argument("--recompute-reps", type=int, default=None, help="recompute rounds per length (default 2; --quick 1)")
+    p.add_argument("--recompute-reps", type=int, default=None,
+                   help="recompute rounds per length (default 2; --quick 1)")
     p.add_argument("--quick", action="store_true", help="two short contexts, one round (smoke test)")
     p.add_argument("--model", default=None, metavar="GGUF", help="model file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--tmp-dir", default=None, metavar="DIR", help="where the disk tier goes (default: $TMPDIR)")

@@ -379,7 +379,8 @@ def _run(args: argparse.Namespace, data_dir: Optional[Path], notes: List[str]) -
                         for _ in range(args.steps + 1)]
                 plans.append(plan)
             for a in range(args.agents):  # intents for step 0
-                prefetch_q.put((a, 0, emb[plans[a][0]] + args.intent_noise * rng.standard_normal(EMBED_DIM).astype(np.float32)))
+                noise = rng.standard_normal(EMBED_DIM).astype(np.float32)
+                prefetch_q.put((a, 0, emb[plans[a][0]] + args.intent_noise * noise))
 
             attention = not args.no_attention
             for step in range(args.steps):

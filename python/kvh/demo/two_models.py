@@ -32,7 +32,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import IO, Any, Dict, List, Optional
+from typing import IO, Any, List, Optional
 
 import numpy as np
 
@@ -186,10 +186,12 @@ def run(args: argparse.Namespace, out: Optional[IO[str]] = None) -> int:
         dev = eng.tier_info("device")
         _say(out, args, "\nweights moved over the run:")
         _say(out, args, f"  switches {ws.switches}, read from files {ws.bytes_read_source / mib:.1f} MiB, "
-                        f"dropped clean {ws.bytes_dropped / mib:.1f} MiB, written back {ws.bytes_device_to_host / mib:.1f} MiB, "
+                        f"dropped clean {ws.bytes_dropped / mib:.1f} MiB, "
+                        f"written back {ws.bytes_device_to_host / mib:.1f} MiB, "
                         f"remapped without a copy {ws.bytes_remapped / mib:.1f} MiB (unified memory: "
                         f"{'yes' if ws.unified_memory else 'no'})")
-        _say(out, args, f"  KV blocks demoted with their model {ws.kv_blocks_demoted}, brought back {ws.kv_blocks_promoted}")
+        _say(out, args, f"  KV blocks demoted with their model {ws.kv_blocks_demoted}, "
+                        f"brought back {ws.kv_blocks_promoted}")
         _say(out, args, f"  device tier: {dev.used_blocks} of {dev.capacity_blocks} blocks in use "
                         f"({ws.slots_device} of them hold weights); no switch ran out of memory")
         for k in ("bytes_read_source", "bytes_dropped", "bytes_device_to_host", "bytes_remapped"):
