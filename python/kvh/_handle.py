@@ -5,10 +5,14 @@ name the domain uses: ``free``, ``release``, ``destroy``) and inherits how a
 ``with`` block and the garbage collector end it from here, so the rules are
 written once:
 
-* ``with obj:`` closes on exit, also when the body raised.
+* ``with obj:`` closes on exit, also when the body raised; entering it
+  refuses an object the class says is no longer usable (``_check_usable``,
+  e.g. a closed engine or a freed sequence).
 * garbage collection closes quietly: ``__del__`` never raises, including at
   interpreter shutdown when module globals may already be gone, and on an
-  object whose ``__init__`` failed half way.
+  object whose ``__init__`` failed half way. :class:`Finalized` is that
+  rule for any object whose collection must end something (the zero-copy
+  views' base objects too).
 
 Threads: the C library lets only one thread at a time pass a handle to a
 call marked ``@threads handle`` in kvh.h (calls marked ``@threads any`` may
@@ -24,6 +28,7 @@ import threading
 from typing import Any, Callable, Deque, Optional, Sequence, Tuple, TypeVar
 
 T = TypeVar("T")
+C = TypeVar("C", bound="Closable")
 
 _OPEN, _CLOSING, _CLOSED = 0, 1, 2
 
@@ -201,25 +206,31 @@ class GatedHandle:
 
 
 class Closable:
-    """``with`` support for an object with an idempotent ``close()``."""
+    """``with`` support for an object with an idempotent ``close()``:
+    ``with obj:`` first runs ``_check_usable()`` (which raises where the
+    object may no longer be used; by default it never does), and closes
+    the object on exit."""
 
     def close(self) -> None:  # pragma: no cover - every subclass defines it
         raise NotImplementedError
 
-    def __enter__(self) -> Any:
+    def _check_usable(self) -> None:
+        pass
+
+    def __enter__(self: C) -> C:
+        self._check_usable()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
 
-class OwnedHandle(Closable):
-    """A :class:`Closable` that the garbage collector also closes.
-    Subclasses whose collection must do less than ``close()`` (e.g. skip
-    work once the engine is gone) override ``_close_at_gc``."""
+class Finalized:
+    """An object whose collection must end something: ``__del__`` runs
+    ``_close_at_gc()`` and lets no exception escape it."""
 
-    def _close_at_gc(self) -> None:
-        self.close()
+    def _close_at_gc(self) -> None:  # pragma: no cover - every subclass defines it
+        raise NotImplementedError
 
     def __del__(self) -> None:
         try:
@@ -228,4 +239,13 @@ class OwnedHandle(Closable):
             pass
 
 
-__all__ = ["Closable", "GateUse", "GatedHandle", "HandleGate", "OwnedHandle", "in_lock_order"]
+class OwnedHandle(Closable, Finalized):
+    """A :class:`Closable` that the garbage collector also closes.
+    Subclasses whose collection must do less than ``close()`` (e.g. skip
+    work once the engine is gone) override ``_close_at_gc``."""
+
+    def _close_at_gc(self) -> None:
+        self.close()
+
+
+__all__ = ["Closable", "Finalized", "GateUse", "GatedHandle", "HandleGate", "OwnedHandle", "in_lock_order"]

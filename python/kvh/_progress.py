@@ -1,17 +1,21 @@
 """Tiny terminal helpers for the CLI: a progress bar (drawn only on a TTY),
-summary tables, and human-readable sizes. No dependencies."""
+summary tables, human-readable sizes and the size options' parser. No
+dependencies."""
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import sys
 import time
 from typing import IO, Any, List, Optional, Sequence
 
-__all__ = ["Progress", "table", "human_bytes", "human_rate"]
+from ._handle import Closable
+
+__all__ = ["Progress", "table", "human_bytes", "human_rate", "parse_size"]
 
 
-class Progress:
+class Progress(Closable):
     """``with Progress(total, "label") as bar: bar.update(1)``. Draws on
     ``stream`` (stderr) only when it is a TTY, or never with enabled=False."""
 
@@ -66,12 +70,6 @@ class Progress:
             self.stream.write("\n")
             self.stream.flush()
         self._drawn = False
-
-    def __enter__(self) -> "Progress":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
 
 def _isatty(stream: Any) -> bool:
@@ -140,3 +138,21 @@ def human_bytes(n: float) -> str:
 
 def human_rate(nbytes: float, seconds: float) -> str:
     return human_bytes(nbytes / seconds) + "/s" if seconds > 0 else "-"
+
+
+def parse_size(text: str) -> int:
+    """'64MiB', '2M', '1GiB', '4096' -> bytes."""
+    s = str(text).strip().lower().replace(" ", "")
+    units = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000 ** 2,
+             "mib": 1 << 20, "g": 1 << 30, "gb": 1000 ** 3, "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40}
+    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(num):]
+    if unit not in units or not num:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 4MiB, 512K, 1G)")
+    try:
+        value = float(num)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"size must be >= 0: {text!r}")
+    return int(value * units[unit])

@@ -42,21 +42,21 @@ def _version() -> str:
 # demo
 # ---------------------------------------------------------------------------------
 def cmd_demo(args: argparse.Namespace) -> int:
-    from . import demo
+    from .demo import synthetic
 
     if args.models:
-        from . import demo_models
+        from .demo import two_models
 
-        return demo_models.run(args)
-    if args.synthetic or demo.synthetic_requested(args):
+        return two_models.run(args)
+    if args.synthetic or synthetic.synthetic_requested(args):
         if not args.synthetic:
             _err("options of the synthetic demo given: running `kvh demo --synthetic`")
-        demo.fill_defaults(args)
-        return demo.run(args)
-    from . import demo_model
+        synthetic.fill_defaults(args)
+        return synthetic.run(args)
+    from .demo import agents
 
-    demo_model.fill_defaults(args)
-    return demo_model.run(args)
+    agents.fill_defaults(args)
+    return agents.run(args)
 
 
 # ---------------------------------------------------------------------------------
@@ -188,7 +188,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     if list(args.scenarios) == ["retriever"]:
         # The retriever scenario is Python (it drives Qdrant), not kvh-bench.
-        from . import bench_retriever
+        from .demo import bench_retriever
         argv = ["--json"] if args.json else []
         argv += ["--quick"] if args.quick else []
         argv += ["--reps", str(args.reps)] if args.reps else []
@@ -197,7 +197,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return bench_retriever.main(argv + list(getattr(args, "extra", [])))
     if list(args.scenarios) == ["offload"]:
         # The offload threshold runs the Python model runner, not kvh-bench.
-        from . import bench_offload
+        from .demo import bench_offload
         argv = ["--json"] if args.json else []
         argv += ["--quick"] if args.quick else []
         argv += ["--reps", str(args.reps)] if args.reps else []
@@ -283,7 +283,8 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import demo, demo_model, doctor
+    from . import doctor
+    from .demo import agents, synthetic
 
     p = argparse.ArgumentParser(prog="kvh", description=__doc__.split("\n\n")[0] + "\n\n" + __doc__.split("\n\n")[1],
                                 formatter_class=_Formatter)
@@ -293,9 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("demo", help="agents answering questions with SmolLM2, their KV in kvh's tiers "
                                      "(--synthetic: synthetic KV, no model)",
-                        description=demo_model.__doc__, formatter_class=_Formatter)
-    demo_model.add_arguments(sp, shared_defaults=False)
-    demo.add_synthetic_arguments(sp)
+                        description=agents.__doc__, formatter_class=_Formatter)
+    agents.add_arguments(sp, shared_defaults=False)
+    synthetic.add_synthetic_arguments(sp)
     g = sp.add_argument_group("two models (--models)")
     g.add_argument("--models", action="store_true",
                    help="two agents with two models (SmolLM2 Q4_1 and a Q8_0 copy) take turns under a device "

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
-from ._progress import human_bytes, table
+from ._progress import human_bytes, parse_size, table
 
 __all__ = ["Check", "run_checks", "main_doctor", "add_arguments"]
 
@@ -53,8 +53,6 @@ class Check:
 
 
 def add_arguments(p) -> None:
-    from .demo import parse_size
-
     p.add_argument("--data-dir", type=Path, default=Path(os.environ.get("KVH_DATA_DIR", "kvh-data")),
                    help="the disk tier directory to check (default $KVH_DATA_DIR or ./kvh-data)")
     p.add_argument("--host-budget", type=parse_size, default=parse_size("1GiB"),

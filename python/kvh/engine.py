@@ -37,7 +37,7 @@ import numpy as np
 
 from . import errors
 from ._ffi import NULL, U64_MAX, check, ffi, kvh_level_for_logger, last_error, lib, raise_status, status_name
-from ._handle import GatedHandle, GateUse, HandleGate, OwnedHandle, in_lock_order
+from ._handle import Finalized, GatedHandle, GateUse, HandleGate, OwnedHandle, in_lock_order
 from .types import Backend, BlockInfo, Codec, Config, Eviction, DType, Stats, Tier, TierInfo, numpy_dtype
 
 __all__ = ["Engine", "Sequence", "Block", "Hold", "Fence", "TokenSpan"]
@@ -377,10 +377,6 @@ class Engine(OwnedHandle):
     def closed(self) -> bool:
         return self._native is None or self._native.closed
 
-    def __enter__(self) -> "Engine":
-        self._call_check()
-        return self
-
     def _close_at_gc(self) -> None:
         # The native close only: no status to raise, no registry to update.
         if self._native is not None and not self._native.closed:
@@ -400,7 +396,7 @@ class Engine(OwnedHandle):
             raise errors.ClosedError("the engine is closed", lib.KVH_ERR_CLOSED)
         return _Call(self._native, uses)
 
-    def _call_check(self) -> None:
+    def _check_usable(self) -> None:  # ``with eng:`` on a closed engine raises ClosedError
         with self._call():
             pass
 
@@ -1135,7 +1131,7 @@ class Hold(OwnedHandle):
         return f"<kvh.Hold tokens [{self.first}, {self.first + self.n}){' released' if self.released else ''}>"
 
 
-class _ViewOwner:
+class _ViewOwner(Finalized):
     """Base object of a zero-copy block view: exposes the memory through
     ``__array_interface__`` and keeps the hold (and the engine's memory)
     alive for as long as any array derived from it exists."""
@@ -1150,20 +1146,15 @@ class _ViewOwner:
         }
         self._native: Optional[_Native] = None
         engine._native.add_view()  # type: ignore[union-attr]
-        self._native = engine._native  # counted: __del__ drops it
+        self._native = engine._native  # counted: the collection drops it
 
-    def __del__(self) -> None:
+    def _close_at_gc(self) -> None:
         try:
             if self.private_hold:
                 self.hold.release()
-        except Exception:
-            pass
         finally:
-            try:
-                if self._native is not None:
-                    self._native.drop_view()
-            except Exception:
-                pass
+            if self._native is not None:
+                self._native.drop_view()
 
 
 # ---------------------------------------------------------------------------------
@@ -1224,6 +1215,7 @@ class Sequence(GatedHandle, OwnedHandle):
             pass  # the engine's close freed it
 
     close = free
+    _check_usable = _check_alive  # ``with seq:`` on a freed sequence raises BadHandleError
 
     def vmap(self, layer: int, capacity_tokens: int = 0) -> Any:
         """A virtually contiguous view of one layer's K and V
@@ -1232,10 +1224,6 @@ class Sequence(GatedHandle, OwnedHandle):
         from .vmap import VMap
 
         return VMap(self, _index("layer", layer, maximum=_U32), _index("capacity_tokens", capacity_tokens))
-
-    def __enter__(self) -> "Sequence":
-        self._check_alive()
-        return self
 
     def __repr__(self) -> str:
         if self.freed:

@@ -18,13 +18,13 @@ import numpy as np
 
 from . import errors
 from ._ffi import check, ffi, lib
-from ._handle import GatedHandle, HandleGate, OwnedHandle
+from ._handle import Finalized, GatedHandle, HandleGate, OwnedHandle
 
 if TYPE_CHECKING:  # pragma: no cover
     from .engine import Engine, Sequence
 
 
-class _ArrayOwner:
+class _ArrayOwner(Finalized):
     """Base object of a view array: keeps the VMap mapped while it lives."""
 
     def __init__(self, vm: "VMap", addr: int, shape: Tuple[int, ...], strides: Tuple[int, ...]) -> None:
@@ -33,11 +33,8 @@ class _ArrayOwner:
                                     "data": (addr, True), "strides": strides}
         vm._arrays_add()
 
-    def __del__(self) -> None:
-        try:
-            self._vm._arrays_drop()
-        except Exception:
-            pass
+    def _close_at_gc(self) -> None:
+        self._vm._arrays_drop()
 
 
 class VMap(GatedHandle, OwnedHandle):

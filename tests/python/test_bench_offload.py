@@ -1,4 +1,4 @@
-"""kvh.bench_offload: the crossover arithmetic, and a short run with the
+"""kvh.demo.bench_offload: the crossover arithmetic, and a short run with the
 real model when it is installed (structure only, never timings)."""
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from kvh import bench_offload
-from kvh.bench_offload import crossover
+from kvh.demo import bench_offload
+from kvh.demo.bench_offload import crossover
 
 
 def test_crossover_interpolates_between_measured_lengths():

@@ -40,6 +40,19 @@ def test_help_everywhere(cmd):
     assert "--help" in res.stdout
 
 
+# `python -m MODULE` entry points; kvh.bench_retriever and kvh.bench_offload
+# are the paths the benchmarks had before they moved to kvh.demo.
+@pytest.mark.parametrize("module", ["kvh.demo.agents", "kvh.demo.bench_retriever", "kvh.demo.bench_offload",
+                                    "kvh.bench_retriever", "kvh.bench_offload", "kvh.model", "kvh.codec"])
+def test_module_help(module):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO / "python") + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    res = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120,
+                         env=env, cwd=str(REPO))
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("usage: ") and "--help" in res.stdout
+
+
 def test_version_and_no_command():
     res = run_kvh("--version")
     assert res.returncode == 0 and res.stdout.startswith("kvh ")
@@ -151,8 +164,8 @@ def test_bench():
     assert scenarios
     res = run_kvh("bench", scenarios[0], "--quick", "--json", timeout=300)
     assert res.returncode == 0, res.stderr
-    lines = [json.loads(l) for l in res.stdout.splitlines() if l.strip()]
-    assert lines and all({"scenario", "metric", "value", "unit"} <= set(l) for l in lines)
+    lines = [json.loads(line) for line in res.stdout.splitlines() if line.strip()]
+    assert lines and all({"scenario", "metric", "value", "unit"} <= set(row) for row in lines)
     res = run_kvh("bench", scenarios[0], "--quick", "--", "--reps", "1", timeout=300)
     assert res.returncode == 0, res.stderr
     assert "kvh bench" in res.stdout and "metric" in res.stdout

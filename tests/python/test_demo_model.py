@@ -1,4 +1,4 @@
-"""`kvh demo` on the real model (kvh.demo_model): the library and its
+"""`kvh demo` on the real model (kvh.demo.agents): the library and its
 retrieval, the command line's routing between the model and synthetic
 demos, and a tiny end-to-end run (2 agents, 1 question each, 4 tokens)
 whose JSON carries every metric of the trade-off table and whose restart
@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvh import demo_model
+from kvh.demo import agents
 from kvh.retrieval import NumpyChunkIndex
 
 REPO = Path(__file__).resolve().parents[2]
@@ -55,7 +55,7 @@ def run_kvh(*args, timeout=300, env_extra=None):
 # no model needed
 # ---------------------------------------------------------------------------------
 def test_corpus_is_shipped_and_distinct():
-    docs = demo_model.load_corpus()
+    docs = agents.load_corpus()
     assert 6 <= len(docs) <= 10
     names = {d.name for d in docs}
     assert set(EXPECTED.values()) <= names
@@ -63,15 +63,15 @@ def test_corpus_is_shipped_and_distinct():
         words = len(d.body.split())
         assert d.title and 120 <= words <= 260, (d.name, words)
     # the wheel ships the corpus (package data)
-    assert "data/corpus/*.txt" in (REPO / "python" / "pyproject.toml").read_text()
+    assert "demo/data/corpus/*.txt" in (REPO / "python" / "pyproject.toml").read_text()
 
 
 def test_retrieval_finds_the_right_article():
-    docs = demo_model.load_corpus()
-    emb = demo_model.HashedEmbedder([d.text + "\n" + d.title for d in docs])
+    docs = agents.load_corpus()
+    emb = agents.HashedEmbedder([d.text + "\n" + d.title for d in docs])
     index = NumpyChunkIndex(emb.dim)
     index.add([d.id for d in docs], np.stack([emb.embed(d.text + "\n" + d.title) for d in docs]))
-    for agent_qs in demo_model.AGENT_QUESTIONS:
+    for agent_qs in agents.AGENT_QUESTIONS:
         for q in agent_qs:
             (best, score), = index.search(emb.embed(q), 1)
             assert docs[best].name == EXPECTED[q], (q, docs[best].name, score)
@@ -81,10 +81,10 @@ def test_workload_is_round_robin():
     class A:
         agents, questions = 3, 2
 
-    reqs = demo_model.plan_requests(A)
+    reqs = agents.plan_requests(A)
     assert [r.agent for r in reqs] == [1, 2, 3, 1, 2, 3]
     assert [r.turn for r in reqs] == [0, 0, 0, 1, 1, 1]
-    assert reqs[0].question == demo_model.AGENT_QUESTIONS[0][0]
+    assert reqs[0].question == agents.AGENT_QUESTIONS[0][0]
 
 
 def test_cli_routing_without_the_model(tmp_path):

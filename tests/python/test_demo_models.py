@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("gguf", reason="kvh.model needs the gguf package (pip install gguf)")
 
-from kvh import demo_models  # noqa: E402
+from kvh.demo import two_models  # noqa: E402
 from kvh.model.gguf_loader import GGUFFile  # noqa: E402
 from kvh.model.requant import requantize  # noqa: E402
 from kvh.model.testing import write_tiny_llama  # noqa: E402
@@ -39,7 +39,7 @@ def test_requantize_keeps_the_network(tmp_path):
 def test_two_models_take_turns(tmp_path):
     model = write_tiny_llama(str(tmp_path / "tiny.Q4_1.gguf"), qtype="Q4_1", seed=4)
     out = io.StringIO()
-    rc = demo_models.run(args_for(tmp_path, model), out)
+    rc = two_models.run(args_for(tmp_path, model), out)
     assert rc == 0
     rows = [json.loads(line) for line in out.getvalue().splitlines()]
     metrics = {r["metric"]: r["value"] for r in rows}
@@ -61,7 +61,7 @@ def test_budget_that_holds_one_model(tmp_path):
     device = (max(slots) + 30) * block  # room for the active agent's whole conversation
     assert device < sum(slots) * block
     out = io.StringIO()
-    rc = demo_models.run(args_for(tmp_path, model, model_b=other, device_budget=device, host_budget=8 * block,
+    rc = two_models.run(args_for(tmp_path, model, model_b=other, device_budget=device, host_budget=8 * block,
                                   questions=2), out)
     assert rc == 0
     metrics = {}

@@ -138,3 +138,34 @@ def test_gc_after_engine_close_is_quiet(calls):
     del handles, s
     gc.collect()
     assert dict(calls) == before
+
+
+def test_with_refuses_an_ended_handle(eng):
+    """``with`` on a freed sequence or a closed engine raises (the classes'
+    _check_usable), on a live one it gives the object itself."""
+    s = eng.sequence(tokens=range(20))
+    with s as same:
+        assert same is s
+    with pytest.raises(kvh.BadHandleError):
+        with s:
+            pass
+    e = make_engine()
+    e.close()
+    with pytest.raises(kvh.ClosedError):
+        with e:
+            pass
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
+def test_finalizer_lets_nothing_escape():
+    ended = []
+
+    class Failing(kvh._handle.Finalized):
+        def _close_at_gc(self):
+            ended.append(1)
+            raise RuntimeError("nothing may escape a finaliser")
+
+    f = Failing()
+    del f
+    gc.collect()
+    assert ended == [1]

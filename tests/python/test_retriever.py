@@ -1,4 +1,4 @@
-"""The speculative retriever (kvh.retriever, kvh.embed, kvh.bench_retriever):
+"""The speculative retriever (kvh.retriever, kvh.embed, kvh.demo.bench_retriever):
 chunks stored in kvh under their content hash, embeddings in Qdrant (embedded
 local mode) or NumPy, predictions turned into prefetch hints, and the
 accounting (precision / recall, kvh's prefetch counters)."""
@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 import kvh
-from kvh import bench_retriever, embed, retrieval, retriever
+from kvh import embed, retrieval, retriever
+from kvh.demo import bench_retriever
 from kvh.retriever import SpeculativeRetriever, SyntheticKV
 from kvh.types import Tier
 
@@ -542,7 +543,7 @@ def test_bench_quick_numpy_in_process():
 
 def test_bench_help_and_usage():
     env = dict(os.environ, PYTHONPATH=str(REPO / "python"))
-    res = subprocess.run([sys.executable, "-m", "kvh.bench_retriever", "--help"], capture_output=True, text=True,
+    res = subprocess.run([sys.executable, "-m", "kvh.demo.bench_retriever", "--help"], capture_output=True, text=True,
                          env=env, timeout=60)
     assert res.returncode == 0 and "--quick" in res.stdout and "naive_sync" in res.stdout
     assert bench_retriever.main(["--agents", "0"], out=open(os.devnull, "w")) == 2
@@ -552,7 +553,7 @@ def test_bench_help_and_usage():
 @needs_qdrant
 def test_bench_quick_json_subprocess():
     env = dict(os.environ, PYTHONPATH=str(REPO / "python"))
-    res = subprocess.run([sys.executable, "-m", "kvh.bench_retriever", "--quick", "--json"], capture_output=True,
+    res = subprocess.run([sys.executable, "-m", "kvh.demo.bench_retriever", "--quick", "--json"], capture_output=True,
                          text=True, env=env, timeout=120)
     assert res.returncode == 0, res.stderr
     rows = [json.loads(line) for line in res.stdout.splitlines() if line.strip()]

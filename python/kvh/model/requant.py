@@ -20,17 +20,6 @@ from .gguf_loader import GGUFFile
 __all__ = ["requantize"]
 
 
-def _metadata_end(g: GGUFFile) -> int:
-    """Offset just past the metadata key/value section."""
-    (n_kv,) = struct.unpack_from("<Q", g._mm, 16)
-    off = 24
-    for _ in range(n_kv):
-        _, off = g._str(off)
-        (vtype,) = struct.unpack_from("<I", g._mm, off)
-        _, off = g._value(vtype, off + 4)
-    return off
-
-
 def requantize(src: str, dst: str, qtype: str = "Q8_0", *, progress: Optional[callable] = None) -> str:
     """Writes ``dst`` (atomically: a temporary file renamed at the end) and
     returns it. Matrices of another quantised type become ``qtype``."""
@@ -41,7 +30,7 @@ def requantize(src: str, dst: str, qtype: str = "Q8_0", *, progress: Optional[ca
     blk, tsz = GGML_QUANT_SIZES[target]
     with GGUFFile(src) as g:
         align = int(g.metadata.get("general.alignment", 32))
-        meta_end = _metadata_end(g)
+        meta_end = g.metadata_end
         plan = []  # (name, numpy shape, type id, payload source)
         for t in g.tensors.values():
             keep = t.type_name in ("F32", "F16", "BF16", qtype) or len(t.shape) < 2 or t.shape[-1] % blk
@@ -59,13 +48,13 @@ def requantize(src: str, dst: str, qtype: str = "Q8_0", *, progress: Optional[ca
             offset += (n + align - 1) // align * align
         tmp = dst + ".tmp"
         with open(tmp, "wb") as f:
-            f.write(bytes(g._mm[:24]))
-            f.write(bytes(g._mm[24:meta_end]))
+            f.write(g.read(0, 24))
+            f.write(g.read(24, meta_end))
             f.write(table)
             f.write(b"\0" * (-f.tell() % align))
             for i, ((t, tid, keep), n) in enumerate(zip(plan, sizes)):
                 if keep:
-                    f.write(bytes(g._mm[t.offset:t.offset + t.nbytes]))
+                    f.write(g.read(t.offset, t.offset + t.nbytes))
                 else:
                     f.write(quants.quantize(g.tensor(t.name), target).tobytes())
                 f.write(b"\0" * (-n % align))

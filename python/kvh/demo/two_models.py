@@ -32,7 +32,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import IO, Any, Dict, List, Optional
+from typing import IO, Any, List, Optional
 
 import numpy as np
 
@@ -67,7 +67,7 @@ class ModelFile:
     """A GGUF's config, tokenizer metadata and tensor table (no weights)."""
 
     def __init__(self, path: str) -> None:
-        from .model.gguf_loader import GGUFFile, load_config
+        from ..model.gguf_loader import GGUFFile, load_config
 
         self.path = path
         with GGUFFile(path) as g:
@@ -84,8 +84,8 @@ def build_model(ctx: Any, mf: ModelFile, on_layer: Any = None):
     last)."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    from .model.gguf_loader import dequantize
-    from .model.llama import LlamaModel
+    from ..model.gguf_loader import dequantize
+    from ..model.llama import LlamaModel
 
     def before_layer(i: int) -> None:
         ctx.wait_layer(i + 1)
@@ -108,9 +108,9 @@ def build_model(ctx: Any, mf: ModelFile, on_layer: Any = None):
 def run(args: argparse.Namespace, out: Optional[IO[str]] = None) -> int:
     import kvh
 
-    from .model.requant import requantize
-    from .model.runner import ModelNotFoundError, Runner, default_model_path
-    from .model.tokenizer import Tokenizer
+    from ..model.requant import requantize
+    from ..model.runner import ModelNotFoundError, Runner, default_model_path
+    from ..model.tokenizer import Tokenizer
 
     out = out or sys.stdout
     data_dir = Path(args.data_dir or "kvh-data")
@@ -186,10 +186,12 @@ def run(args: argparse.Namespace, out: Optional[IO[str]] = None) -> int:
         dev = eng.tier_info("device")
         _say(out, args, "\nweights moved over the run:")
         _say(out, args, f"  switches {ws.switches}, read from files {ws.bytes_read_source / mib:.1f} MiB, "
-                        f"dropped clean {ws.bytes_dropped / mib:.1f} MiB, written back {ws.bytes_device_to_host / mib:.1f} MiB, "
+                        f"dropped clean {ws.bytes_dropped / mib:.1f} MiB, "
+                        f"written back {ws.bytes_device_to_host / mib:.1f} MiB, "
                         f"remapped without a copy {ws.bytes_remapped / mib:.1f} MiB (unified memory: "
                         f"{'yes' if ws.unified_memory else 'no'})")
-        _say(out, args, f"  KV blocks demoted with their model {ws.kv_blocks_demoted}, brought back {ws.kv_blocks_promoted}")
+        _say(out, args, f"  KV blocks demoted with their model {ws.kv_blocks_demoted}, "
+                        f"brought back {ws.kv_blocks_promoted}")
         _say(out, args, f"  device tier: {dev.used_blocks} of {dev.capacity_blocks} blocks in use "
                         f"({ws.slots_device} of them hold weights); no switch ran out of memory")
         for k in ("bytes_read_source", "bytes_dropped", "bytes_device_to_host", "bytes_remapped"):

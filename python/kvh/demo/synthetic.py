@@ -1,6 +1,6 @@
 """``kvh demo --synthetic``: a multi-agent workload with synthetic KV through
 every tier (no model; ``kvh demo`` itself runs SmolLM2, see
-:mod:`kvh.demo_model`).
+:mod:`kvh.demo.agents`).
 
 What it does:
 
@@ -39,33 +39,15 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
-from . import errors
-from ._progress import Progress, human_bytes, human_rate, table
-from .engine import Engine, Sequence
-from .retrieval import PrefetchPlanner, available_kinds, open_chunk_index
-from .types import DType, Tier, f32_to_bf16
+from .. import errors
+from .._progress import Progress, human_bytes, human_rate, parse_size, table
+from ..engine import Engine, Sequence
+from ..retrieval import PrefetchPlanner, available_kinds, open_chunk_index
+from ..types import DType, Tier, f32_to_bf16
 
 __all__ = ["add_arguments", "run", "DemoResult"]
 
 EMBED_DIM = 64
-
-
-def parse_size(text: str) -> int:
-    """'64MiB', '2M', '1GiB', '4096' -> bytes."""
-    s = str(text).strip().lower().replace(" ", "")
-    units = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000 ** 2,
-             "mib": 1 << 20, "g": 1 << 30, "gb": 1000 ** 3, "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40}
-    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = s[len(num):]
-    if unit not in units or not num:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 4MiB, 512K, 1G)")
-    try:
-        value = float(num)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"size must be >= 0: {text!r}")
-    return int(value * units[unit])
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -105,9 +87,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar even on a TTY")
 
 
-# `kvh demo` runs the model demo (kvh.demo_model); this one is `kvh demo
+# `kvh demo` runs the model demo (kvh.demo.agents); this one is `kvh demo
 # --synthetic`. Its own options (below) imply --synthetic; the options both
-# demos have are added by kvh.demo_model with no default, and
+# demos have are added by kvh.demo.agents with no default, and
 # fill_defaults() gives them this demo's defaults.
 SYNTHETIC_ONLY: Dict[str, Any] = {
     "steps": 24, "chunks": 32, "chunk_tokens": 64, "prompt_tokens": 128, "fork_every": 6, "intent_noise": 0.8,
@@ -397,7 +379,8 @@ def _run(args: argparse.Namespace, data_dir: Optional[Path], notes: List[str]) -
                         for _ in range(args.steps + 1)]
                 plans.append(plan)
             for a in range(args.agents):  # intents for step 0
-                prefetch_q.put((a, 0, emb[plans[a][0]] + args.intent_noise * rng.standard_normal(EMBED_DIM).astype(np.float32)))
+                noise = rng.standard_normal(EMBED_DIM).astype(np.float32)
+                prefetch_q.put((a, 0, emb[plans[a][0]] + args.intent_noise * noise))
 
             attention = not args.no_attention
             for step in range(args.steps):

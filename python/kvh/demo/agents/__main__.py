@@ -1,0 +1,7 @@
+"""``python -m kvh.demo.agents``: the model demo (also the restart's new
+process, ``--returning SPEC``)."""
+import sys
+
+from .app import main
+
+sys.exit(main())
