@@ -312,6 +312,7 @@ bool kvhi_block_recall(kvh_engine *e, uint32_t b)
 
 void kvhi_block_unref(kvh_engine *e, uint32_t b)
 {
+    kvhi_assert_locked(e);
     kvhi_block *blk = kvhi_blk(e, b);
     if (--blk->refs > 0)
         return;
@@ -350,6 +351,7 @@ void kvhi_block_unhold(kvh_engine *e, uint32_t b)
 
 void kvhi_block_pin(kvh_engine *e, uint32_t b, bool pin)
 {
+    kvhi_assert_locked(e);
     kvhi_block *blk = kvhi_blk(e, b);
     if (pin) {
         if (blk->pins++ == 0) {

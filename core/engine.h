@@ -7,6 +7,7 @@
 #ifndef KVH_CORE_ENGINE_H
 #define KVH_CORE_ENGINE_H
 
+#include <assert.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdbool.h>
@@ -187,6 +188,12 @@ struct kvh_engine {
     bool moves_in_place;
     void *backend_dl;
 
+    /* The engine lock guards all metadata and is the outermost lock:
+     * nothing else is held when it is taken. Below it (docs/ARCHITECTURE.md
+     * section 5): lock -> journal_lock -> pending_lock, lock ->
+     * pending_lock, lock -> run_lock -> the CPU pool's lock; lane_lock,
+     * spare_lock, numa_cache_lock and the CUDA locks are leaves. Debug
+     * builds check who holds it (kvhi_assert_locked). */
     pthread_mutex_t lock;
     pthread_cond_t changed;     /* in-flight flags cleared, room appeared */
     pthread_cond_t fence_cv;    /* a fence completed (waiters sleep here, so
@@ -284,6 +291,19 @@ uint32_t kvhi_dtype_bytes(uint32_t dtype);
  * KVH_ERR_CLOSED when the engine is closing. */
 kvh_status kvhi_enter(kvh_engine *e);
 void kvhi_leave(kvh_engine *e);
+
+/* Debug builds check the lock contract of a function: that the calling
+ * thread holds the engine lock (kvhi_assert_locked), or does not (a copy
+ * that must run without it: kvhi_assert_unlocked). kvhi_lock_held_by_caller
+ * answers 1 or 0, or -1 where the C library cannot tell (no check). */
+#ifdef NDEBUG
+#define kvhi_assert_locked(e) ((void)(e))
+#define kvhi_assert_unlocked(e) ((void)(e))
+#else
+int kvhi_lock_held_by_caller(kvh_engine *e);
+#define kvhi_assert_locked(e) assert(kvhi_lock_held_by_caller(e) != 0 && "engine lock must be held")
+#define kvhi_assert_unlocked(e) assert(kvhi_lock_held_by_caller(e) != 1 && "engine lock must not be held")
+#endif
 void kvhi_unlock_and_log(kvh_engine *e);
 uint64_t kvhi_now_ns(void);
 

@@ -57,6 +57,7 @@ static kvh_status evict_one(kvh_engine *e, uint32_t v, uint32_t *freed)
 
 kvh_status kvhi_reserve_slot(kvh_engine *e, uint32_t tier, uint32_t for_agent, uint32_t *slot)
 {
+    kvhi_assert_locked(e);
     kvhi_tier *t = &e->tiers[tier];
     if (!t->present)
         return kvhi_fail(KVH_ERR_NOSPACE, "tier %u is not configured", tier);

@@ -313,6 +313,7 @@ static void run_batch(kvh_engine *e, kvhi_job first)
 kvh_status kvhi_enqueue(kvh_engine *e, uint32_t b, uint32_t tier, int32_t priority, kvhi_job_kind kind,
                         uint32_t fence_idx)
 {
+    kvhi_assert_locked(e);
     kvhi_job j = {.block = b,
                   .block_gen = e->blocks[b].gen,
                   .fence = fence_idx,

@@ -170,6 +170,7 @@ static kvh_status demote_to_copy(kvh_engine *e, uint32_t b, uint32_t *src_slot_o
 /* Records that b's disk data failed verification: it is never served. */
 kvh_status kvhi_mark_corrupt(kvh_engine *e, uint32_t b, const char *why)
 {
+    kvhi_assert_locked(e);
     kvhi_block *blk = &e->blocks[b];
     e->stats.corrupt_blocks++;
     blk->flags |= KVHI_BF_CORRUPT;
@@ -190,6 +191,7 @@ kvh_status kvhi_mark_corrupt(kvh_engine *e, uint32_t b, const char *why)
  * status with b unchanged. */
 int kvhi_move_begin(kvh_engine *e, uint32_t b, uint32_t tier, kvhi_xfer *x, bool keep_src_for_caller)
 {
+    kvhi_assert_locked(e);
     kvhi_block *blk = &e->blocks[b];
     if (blk->tier == tier)
         return 1;
@@ -238,6 +240,7 @@ int kvhi_move_begin(kvh_engine *e, uint32_t b, uint32_t tier, kvhi_xfer *x, bool
 /* Second half: commits a finished transfer (or undoes a failed one). */
 kvh_status kvhi_move_end(kvh_engine *e, kvhi_xfer *x, uint32_t *src_slot_out)
 {
+    kvhi_assert_locked(e);
     uint32_t b = x->block;
     kvhi_block *blk = &e->blocks[b];
     uint32_t src_tier = x->src_tier, src_slot = x->src_slot, tier = x->dst_tier;
@@ -297,6 +300,7 @@ kvh_status kvhi_move_end(kvh_engine *e, kvhi_xfer *x, uint32_t *src_slot_out)
 
 kvh_status kvhi_move_handing_over(kvh_engine *e, uint32_t b, uint32_t tier, uint32_t *src_slot_out)
 {
+    kvhi_assert_locked(e);
     kvhi_block *blk = &e->blocks[b];
     if (src_slot_out && tier == KVH_TIER_DISK && (blk->flags & KVHI_BF_DISK_COPY))
         return demote_to_copy(e, b, src_slot_out);
@@ -320,6 +324,7 @@ kvh_status kvhi_move_block(kvh_engine *e, uint32_t b, uint32_t tier, uint32_t fo
  * is one) and waits until it is there. Drops the lock. */
 kvh_status kvhi_block_ensure_memory(kvh_engine *e, uint32_t b)
 {
+    kvhi_assert_locked(e);
     kvhi_block *blk = &e->blocks[b];
     /* A block in flight may be half of a tier swap: its slot is being
      * overwritten, so wait until it settles. */

@@ -12,12 +12,14 @@
  * after it lets waiters re-check the blocks the copy touched. */
 static inline void kvhi_unlock_for_copy(kvh_engine *e)
 {
+    kvhi_assert_locked(e);
     e->copies_in_progress++;
     pthread_mutex_unlock(&e->lock);
 }
 
 static inline void kvhi_relock_after_copy(kvh_engine *e)
 {
+    kvhi_assert_unlocked(e);
     pthread_mutex_lock(&e->lock);
     e->copies_in_progress--;
     pthread_cond_broadcast(&e->changed);

@@ -17,6 +17,7 @@
 
 void kvhi_xfer_prepare(kvh_engine *e, uint32_t b, uint32_t dst_tier, uint32_t dst_slot, kvhi_xfer *x)
 {
+    kvhi_assert_locked(e);
     kvhi_block *blk = &e->blocks[b];
     x->block = b;
     x->src_tier = blk->tier;
@@ -209,6 +210,7 @@ static bool write_batch_in_place(kvh_engine *e, kvhi_disk_lane *lane, kvhi_xfer 
 
 void kvhi_xfer_batch(kvh_engine *e, kvhi_xfer *xs, uint32_t n)
 {
+    kvhi_assert_unlocked(e);
     kvhi_disk *d = e->disk;
     if (n == 1 && read_one_direct(e, &xs[0]))
         return;
@@ -265,6 +267,7 @@ void kvhi_xfer_batch(kvh_engine *e, kvhi_xfer *xs, uint32_t n)
 
 void kvhi_xfer_run(kvh_engine *e, kvhi_xfer *x)
 {
+    kvhi_assert_unlocked(e);
     if (x->in_place)
         return;
     if (x->src_tier != KVH_TIER_DISK && x->dst_tier != KVH_TIER_DISK) {
