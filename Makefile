@@ -3,7 +3,8 @@
 #
 #   make demo     install deps, build build/, run the demo
 #   make build    install deps, build build/
-#   make test     build/ + ctest, ASan+UBSan build + ctest, TSan build +
+#   make test     the format check (clang-format, ruff, rustfmt), then
+#                 build/ + ctest, ASan+UBSan build + ctest, TSan build +
 #                 concurrency tests, then pytest, cargo test, the bindings
 #                 drift check, a --quick run of every benchmark scenario,
 #                 and each fuzz target for CI_FUZZ_SECONDS with a fixed
@@ -14,6 +15,7 @@
 #                 each fuzz target for FUZZ_SECONDS (see tests/RELIABILITY.md)
 #   make bench    the benchmark suite; regenerates benchmarks/RESULTS.md tables
 #                 and benchmarks/plots/ (benchmarks/run-bench.sh)
+#   make format   apply clang-format, ruff and rustfmt to the tree
 #   make clean    remove the build trees
 #
 # Single suites: test-c, test-asan, test-tsan, test-python, test-rust,
@@ -40,6 +42,10 @@ TSAN_DIR    ?= build-tsan
 BUILD_TYPE  ?= RelWithDebInfo
 SKIP_DEPS   ?=
 CMAKE_ARGS  ?=
+# CI builds treat warnings as errors (CI=true is set by the CI runner).
+ifeq ($(CI),true)
+override CMAKE_ARGS += -DKVH_WERROR=ON
+endif
 CTEST_ARGS  ?=
 
 # Sanitizer builds: asserts on (Debug) but optimised enough (-O1) to keep the
@@ -103,7 +109,8 @@ endif
 step = @printf '\n==> %s\n' "$(1)"
 
 .PHONY: all deps build demo test test-c test-asan test-tsan test-python test-rust \
-        test-drift build-asan build-tsan stress bench test-bench clean help build-fuzz fuzz test-fuzz
+        test-drift build-asan build-tsan stress bench test-bench clean help build-fuzz fuzz test-fuzz \
+        test-format format
 
 all: build
 
@@ -154,48 +161,58 @@ endif
 test: test-c test-asan test-tsan test-python test-rust test-drift test-bench test-fuzz
 	@printf '\n==> make test: all suites passed\n'
 
+# One formatter per language (clang-format, ruff, rustfmt); `make format`
+# applies them.
+test-format: deps
+	$(call step,[1/9] format check (clang-format, ruff, rustfmt))
+	PYTHON=$(PYTHON) CARGO=$(CARGO) bash scripts/check-format.sh
+
+format: deps
+	PYTHON=$(PYTHON) CARGO=$(CARGO) bash scripts/check-format.sh --fix
+
 test-c: build
-	$(call step,[1/8] C tests in $(BUILD_DIR)/)
+	$(call step,[2/9] C tests in $(BUILD_DIR)/)
 	$(CTEST) --test-dir $(BUILD_DIR) $(CTEST_FLAGS) -LE stress $(CTEST_ARGS)
 
 test-asan: build-asan
-	$(call step,[2/8] C tests under ASan+UBSan in $(ASAN_DIR)/)
+	$(call step,[3/9] C tests under ASan+UBSan in $(ASAN_DIR)/)
 	env $(ASAN_ENV) $(CTEST) --test-dir $(ASAN_DIR) $(CTEST_FLAGS) -LE stress $(CTEST_ARGS)
 
 ifneq ($(MT_TESTS),)
 test-tsan: build-tsan
-	$(call step,[3/8] concurrency tests under TSan in $(TSAN_DIR)/)
+	$(call step,[4/9] concurrency tests under TSan in $(TSAN_DIR)/)
 	env $(TSAN_ENV) $(TSAN_WRAP) $(CTEST) --test-dir $(TSAN_DIR) $(CTEST_FLAGS) -L concurrency -LE stress $(CTEST_ARGS)
 else
 test-tsan:
-	$(call step,[3/8] TSan: skipped: no tests/c/test_*_mt.c or test_concurrency*.c yet)
+	$(call step,[4/9] TSan: skipped: no tests/c/test_*_mt.c or test_concurrency*.c yet)
 endif
 
 ifneq ($(PY_TESTS),)
 test-python: build
-	$(call step,[4/8] pytest tests/python)
+	$(call step,[5/9] pytest tests/python)
 	env $(PYTEST_ENV) $(PYTHON) -m pytest $(PYTEST_ARGS) tests/python
 else
 test-python:
-	$(call step,[4/8] pytest: skipped: no test files in tests/python)
+	$(call step,[5/9] pytest: skipped: no test files in tests/python)
 endif
 
 ifneq ($(HAVE_RUST),)
 test-rust: build
-	$(call step,[5/8] cargo test --offline in rust/)
+	$(call step,[6/9] cargo test --offline and clippy in rust/)
 	cd rust && env $(CARGO_ENV) $(CARGO) test --offline $(CARGO_ARGS)
+	cd rust && env $(CARGO_ENV) $(CARGO) clippy --offline --all-targets -- -D warnings
 else
 test-rust:
-	$(call step,[5/8] cargo: skipped: no rust/Cargo.toml)
+	$(call step,[6/9] cargo: skipped: no rust/Cargo.toml)
 endif
 
 ifneq ($(HAVE_DRIFT),)
 test-drift: deps
-	$(call step,[6/8] bindings drift check)
+	$(call step,[7/9] bindings drift check)
 	bash bindings/check-drift.sh
 else
 test-drift:
-	$(call step,[6/8] bindings drift: skipped: no bindings/check-drift.sh)
+	$(call step,[7/9] bindings drift: skipped: no bindings/check-drift.sh)
 endif
 
 # ---- fuzzing ----------------------------------------------------------------------
@@ -211,7 +228,7 @@ fuzz: build-fuzz
 	bash fuzz/run-fuzzers.sh $(FUZZ_DIR) $(FUZZ_SECONDS) $(JOBS)
 
 test-fuzz: build-fuzz
-	$(call step,[8/8] fuzz: each target for $(CI_FUZZ_SECONDS) s (fuzz_api $(CI_FUZZ_API_SECONDS) s) from seed $(CI_FUZZ_SEED))
+	$(call step,[9/9] fuzz: each target for $(CI_FUZZ_SECONDS) s (fuzz_api $(CI_FUZZ_API_SECONDS) s) from seed $(CI_FUZZ_SEED))
 	FUZZ_SEED=$(CI_FUZZ_SEED) FUZZ_API_SECONDS=$(CI_FUZZ_API_SECONDS) bash fuzz/run-fuzzers.sh $(FUZZ_DIR) $(CI_FUZZ_SECONDS) $(JOBS)
 else
 build-fuzz fuzz test-fuzz:
@@ -236,7 +253,7 @@ bench: build
 # Smoke run of every kvh-bench scenario with --quick (and the plots), so
 # none rots; timings are not checked.
 test-bench: build
-	$(call step,[7/8] bench smoke: every kvh-bench scenario with --quick)
+	$(call step,[8/9] bench smoke: every kvh-bench scenario with --quick)
 	PYTHON=$(PYTHON) bash benchmarks/run-bench.sh --quick $(BUILD_DIR)
 
 clean:

@@ -23,6 +23,7 @@ files and writes, for each kind of data present:
 Where a scenario ran several times, each point is the median of the runs.
 Needs matplotlib; exits 3 with a message when it is missing.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,8 +53,9 @@ def load_rows(paths: Iterable[Path]) -> List[Row]:
     return rows
 
 
-def series(rows: Sequence[Row], x: str, field: str = "value",
-           where: Callable[[Row], bool] = lambda r: True) -> Tuple[List[float], List[float]]:
+def series(
+    rows: Sequence[Row], x: str, field: str = "value", where: Callable[[Row], bool] = lambda r: True
+) -> Tuple[List[float], List[float]]:
     """(xs, median of `field` per x) over the rows that pass `where`."""
     acc: Dict[float, List[float]] = defaultdict(list)
     for r in rows:
@@ -76,8 +78,11 @@ def plot_throughput(plt, rows: Sequence[Row], out: Path) -> Optional[Path]:
     ax = axes[0]
     for api in sorted({r.get("api") for r in mig}):
         for d in ("d2h", "h2d"):
-            xs, ys = series(mig, "block_bytes", where=lambda r: r.get("api") == api and r.get("direction") == d
-                            and r.get("threads") == 1)
+            xs, ys = series(
+                mig,
+                "block_bytes",
+                where=lambda r: r.get("api") == api and r.get("direction") == d and r.get("threads") == 1,
+            )
             if xs:
                 ax.plot([x / 1024 for x in xs], ys, marker="o", label=f"{api} {d} (1 worker)")
     xs, ys = series(mig, "block_bytes", "baseline", where=lambda r: r.get("threads") == 1)
@@ -86,11 +91,14 @@ def plot_throughput(plt, rows: Sequence[Row], out: Path) -> Optional[Path]:
     ax.set(xscale="log", xlabel="block size (KiB)", ylabel="GB/s", title="device <-> host migration (CPU backend)")
     ax.legend(fontsize=8)
     ax = axes[1]
-    for m, label in (("spill_throughput", "spill"), ("restore_throughput", "restore"),
-                     ("random_restore_throughput", "random restore")):
+    for m, label in (
+        ("spill_throughput", "spill"),
+        ("restore_throughput", "restore"),
+        ("random_restore_throughput", "random restore"),
+    ):
         xs, ys = series(disk, "block_bytes", where=lambda r: r["metric"] == m)
         if xs:
-            line, = ax.plot([x / 1024 for x in xs], ys, marker="o", label=f"kvh {label}")
+            (line,) = ax.plot([x / 1024 for x in xs], ys, marker="o", label=f"kvh {label}")
             bx, by = series(disk, "block_bytes", "baseline", where=lambda r: r["metric"] == m)
             ax.plot([x / 1024 for x in bx], by, "--", color=line.get_color(), label=f"raw io_uring {label}")
     ax.set(xscale="log", xlabel="block size (KiB)", ylabel="GB/s", title="host <-> disk tier vs raw O_DIRECT")
@@ -98,10 +106,18 @@ def plot_throughput(plt, rows: Sequence[Row], out: Path) -> Optional[Path]:
     return save(plt, fig, out / "throughput_vs_block.png")
 
 
-POLICY_STYLE = {"min": ("k", "--"), "kvh-engine": ("tab:red", "-"), "kvh-engine+hints": ("tab:orange", "-"),
-                "kvh-engine+prefetch": ("tab:brown", ":"), "lru-k+hints": ("tab:olive", "--"),
-                "lru-k+prefetch": ("tab:gray", ":"), "lru-k": ("tab:blue", "-"),
-                "lru-k-hyst": ("tab:cyan", ":"), "lru": ("tab:green", "-"), "lctru": ("tab:purple", "-")}
+POLICY_STYLE = {
+    "min": ("k", "--"),
+    "kvh-engine": ("tab:red", "-"),
+    "kvh-engine+hints": ("tab:orange", "-"),
+    "kvh-engine+prefetch": ("tab:brown", ":"),
+    "lru-k+hints": ("tab:olive", "--"),
+    "lru-k+prefetch": ("tab:gray", ":"),
+    "lru-k": ("tab:blue", "-"),
+    "lru-k-hyst": ("tab:cyan", ":"),
+    "lru": ("tab:green", "-"),
+    "lctru": ("tab:purple", "-"),
+}
 
 
 def plot_hit_rates(plt, rows: Sequence[Row], out: Path) -> Optional[Path]:
@@ -115,13 +131,17 @@ def plot_hit_rates(plt, rows: Sequence[Row], out: Path) -> Optional[Path]:
             ax = axes[row][col]
             policies = sorted({r["policy"] for r in tr if r["trace"] == name}, key=lambda p: (p != "min", p))
             for pol in policies:
-                xs, ys = series(tr, "budget", where=lambda r: r["trace"] == name and r["metric"] == metric
-                                and r["policy"] == pol)
+                xs, ys = series(
+                    tr, "budget", where=lambda r: r["trace"] == name and r["metric"] == metric and r["policy"] == pol
+                )
                 color, style = POLICY_STYLE.get(pol, (None, "-"))
                 ax.plot(xs, ys, marker="o", color=color, linestyle=style, label=pol)
-            ax.set(xlabel="device budget (% of distinct blocks; host = 2x)", ylim=(0, 1),
-                   ylabel="device hit rate" if row == 0 else "device + host hit rate",
-                   title=f"{name}: {'device' if row == 0 else 'memory'}")
+            ax.set(
+                xlabel="device budget (% of distinct blocks; host = 2x)",
+                ylim=(0, 1),
+                ylabel="device hit rate" if row == 0 else "device + host hit rate",
+                title=f"{name}: {'device' if row == 0 else 'memory'}",
+            )
             ax.grid(alpha=0.3)
             if row == 0 and col == 0:
                 ax.legend(fontsize=8)
@@ -157,20 +177,28 @@ def plot_scale(plt, rows: Sequence[Row], out: Path) -> Optional[Path]:
     for op in ("alloc", "lookup", "touch", "prefix_match", "evict"):
         xs, ys = series(sc, "blocks", where=lambda r: r["metric"] == op)
         if xs:
-            line, = ax.plot(xs, ys, marker="o", label=op)
+            (line,) = ax.plot(xs, ys, marker="o", label=op)
             bx, by = series(sc, "blocks", "baseline", where=lambda r: r["metric"] == op)
             ax.plot(bx, by, ":", color=line.get_color())
-    ax.set(xscale="log", yscale="log", xlabel="live blocks", ylabel="ns per operation",
-           title="cost vs block count (dotted: logarithmic reference)")
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="live blocks",
+        ylabel="ns per operation",
+        title="cost vs block count (dotted: logarithmic reference)",
+    )
     ax.legend(fontsize=8)
     ax = axes[1]
-    for metric, label in (("agent_ops", "per wall-clock second"),
-                          ("agent_ops_per_cpu_s", "per CPU-second of the process")):
+    for metric, label in (
+        ("agent_ops", "per wall-clock second"),
+        ("agent_ops_per_cpu_s", "per CPU-second of the process"),
+    ):
         xs, ys = series(sc, "threads", where=lambda r: r["metric"] == metric)
         if xs:
             ax.plot(xs, ys, marker="o", label=label)
-    ax.set(xscale="log", xlabel="agent threads", ylabel="operations", ylim=(0, None),
-           title="agent operations vs threads")
+    ax.set(
+        xscale="log", xlabel="agent threads", ylabel="operations", ylim=(0, None), title="agent operations vs threads"
+    )
     ax.legend(fontsize=8)
     return save(plt, fig, out / "scale.png")
 
@@ -180,18 +208,28 @@ def plot_offload(plt, rows: Sequence[Row], out: Path) -> Optional[Path]:
     if not any(r["metric"] == "recompute" for r in off):
         return None
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    for m, label in (("recompute", "recompute the prefix (prefill)"), ("restore_host", "restore from host"),
-                     ("restore_disk", "restore from disk"), ("kv_host", "KV only, host"),
-                     ("kv_disk", "KV only, disk")):
+    for m, label in (
+        ("recompute", "recompute the prefix (prefill)"),
+        ("restore_host", "restore from host"),
+        ("restore_disk", "restore from disk"),
+        ("kv_host", "KV only, host"),
+        ("kv_disk", "KV only, disk"),
+    ):
         xs, ys = series(off, "context", where=lambda r: r["metric"] == m)
         if xs:
             ax.plot(xs, ys, marker="o", linestyle="--" if m.startswith("kv") else "-", label=label)
     for r in off:
         if r["metric"] == "crossover_restore_host" and r.get("value"):
-            ax.axvline(r["value"], color="grey", linestyle=":",
-                       label=f"crossover, host ({r['how']}): {r['value']:.0f} tokens")
-    ax.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="ms to the next token's logits",
-           title="offload threshold: restore vs recompute")
+            ax.axvline(
+                r["value"], color="grey", linestyle=":", label=f"crossover, host ({r['how']}): {r['value']:.0f} tokens"
+            )
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="context (tokens)",
+        ylabel="ms to the next token's logits",
+        title="offload threshold: restore vs recompute",
+    )
     ax.legend(fontsize=8)
     return save(plt, fig, out / "offload.png")
 
@@ -207,12 +245,16 @@ PLOTS = (plot_throughput, plot_hit_rates, plot_attention, plot_scale, plot_offlo
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="plot.py", description=__doc__.split("\n\n")[0],
-                                 epilog=__doc__.split("\n\n", 1)[1],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="plot.py",
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("files", nargs="+", type=Path, metavar="FILE.jsonl", help="kvh-bench --json output")
-    ap.add_argument("--out", type=Path, default=Path("benchmarks/plots"), help="output directory "
-                    "(default benchmarks/plots)")
+    ap.add_argument(
+        "--out", type=Path, default=Path("benchmarks/plots"), help="output directory (default benchmarks/plots)"
+    )
     args = ap.parse_args(argv)
     try:
         import matplotlib

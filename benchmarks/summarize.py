@@ -8,6 +8,7 @@ group the median value, median baseline and median ratio over the runs are
 printed, with the spread of the ratio (min..max) and whether the target
 holds on the median.
 """
+
 import json
 import re
 import statistics
@@ -59,7 +60,10 @@ def main(paths):
         if key[0] != scenario:
             scenario = key[0]
             print(f"\n### {scenario}\n")
-            print("| metric | parameters | runs | median value | median baseline | median ratio | ratio min..max | target |")
+            print(
+                "| metric | parameters | runs | median value | median baseline | median ratio"
+                " | ratio min..max | target |"
+            )
             print("| --- | --- | --- | --- | --- | --- | --- | --- |")
         unit = rows[0]["unit"]
         value = statistics.median(r["value"] for r in rows)
@@ -72,8 +76,10 @@ def main(paths):
         met = target_met(target, value, ratio)
         tcell = "" if met is None else f"{target}: {'met' if met else '**missed**'}"
         params = " ".join(f"{k}={v}" for k, v in key[2])
-        print(f"| {key[1]} | {params} | {len(rows)} | {fmt(value)} {unit} | "
-              f"{fmt(base) + ' ' + unit if base is not None else ''} | {fmt(ratio)} | {spread} | {tcell} |")
+        print(
+            f"| {key[1]} | {params} | {len(rows)} | {fmt(value)} {unit} | "
+            f"{fmt(base) + ' ' + unit if base is not None else ''} | {fmt(ratio)} | {spread} | {tcell} |"
+        )
 
 
 if __name__ == "__main__":

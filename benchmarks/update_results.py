@@ -25,12 +25,12 @@ is replaced, by the table NAME built from DIR:
 A marker whose data is missing is left as it was (and reported). --print
 writes the tables to stdout instead of touching RESULTS.md.
 """
+
 from __future__ import annotations
 
 import argparse
 import json
 import re
-import statistics
 import subprocess
 import sys
 from collections import defaultdict
@@ -82,15 +82,19 @@ def trace_table(d: Path) -> Optional[str]:
     out = []
     for t in traces:
         i = info.get(t, {})
-        out.append(f"\n**{t}** ({i.get('value', 0):,.0f} accesses, {i.get('blocks', 0):,} blocks, "
-                   f"{i.get('sequences', 0):,} sequences)\n\n")
+        out.append(
+            f"\n**{t}** ({i.get('value', 0):,.0f} accesses, {i.get('blocks', 0):,} blocks, "
+            f"{i.get('sequences', 0):,} sequences)\n\n"
+        )
         body = []
         for b in sorted({k[1] for k in by if k[0] == t}):
             m = by.get((t, b, "min"), {})
             dev_blocks = m.get("hit_rate_device", {}).get("device_blocks")
             host_blocks = m.get("hit_rate_device", {}).get("host_blocks")
-            cells = [f"{b}% ({dev_blocks} + {host_blocks})",
-                     f"{num(m.get('hit_rate_device', {}).get('value'))} / {num(m.get('hit_rate_memory', {}).get('value'))}"]
+            cells = [
+                f"{b}% ({dev_blocks} + {host_blocks})",
+                f"{num(m.get('hit_rate_device', {}).get('value'))} / {num(m.get('hit_rate_memory', {}).get('value'))}",
+            ]
             for p in policies:
                 r = by.get((t, b, p))
                 if not r:
@@ -99,7 +103,9 @@ def trace_table(d: Path) -> Optional[str]:
                 dv, mv = r["hit_rate_device"], r["hit_rate_memory"]
                 inb = r.get("inbound_per_access", {})
                 tr = r.get("transfers_per_access", {})
-                cell = f"{num(dv['value'])} ({num(dv.get('ratio'), 2)}) / {num(mv['value'])} ({num(mv.get('ratio'), 2)})"
+                cell = (
+                    f"{num(dv['value'])} ({num(dv.get('ratio'), 2)}) / {num(mv['value'])} ({num(mv.get('ratio'), 2)})"
+                )
                 cell += f"; in {num(inb.get('value'), 2)} ({num(inb.get('ratio'), 2)}); all {num(tr.get('value'), 2)}"
                 for x in (dv, mv, inb, tr):
                     if x.get("met") is False:
@@ -108,11 +114,13 @@ def trace_table(d: Path) -> Optional[str]:
                 cells.append(cell)
             body.append(cells)
         out.append(table(["device % (blocks dev + host)", "MIN device / memory"] + policies, body))
-    out.append("\nCells: device hit rate (ratio to MIN) / device+host hit rate (ratio to MIN); "
-               "`in`: blocks copied toward the device per access (MIN's lower bound / ours); `all`: block "
-               "copies per access across both boundaries, both directions. "
-               "**bold** = a target of issue 8 missed (hit rates: kvh-engine+hints on the generated traces; copies "
-               "per access: every engine row on the adversarial trace). Empty: the trace has no hints.\n")
+    out.append(
+        "\nCells: device hit rate (ratio to MIN) / device+host hit rate (ratio to MIN); "
+        "`in`: blocks copied toward the device per access (MIN's lower bound / ours); `all`: block "
+        "copies per access across both boundaries, both directions. "
+        "**bold** = a target of issue 8 missed (hit rates: kvh-engine+hints on the generated traces; copies "
+        "per access: every engine row on the adversarial trace). Empty: the trace has no hints.\n"
+    )
     return "".join(out)
 
 
@@ -136,18 +144,27 @@ def scale_table(d: Path) -> Optional[str]:
         cells.append(num(mem["value"]) if mem else "")
         body.append(cells)
     out = table(["live blocks"] + [f"{op} ns" for op in ops] + ["memory read ns"], body)
-    out += ("\nIn brackets: the logarithmic reference / measured (>= 0.5 is the target of alloc, lookup, "
-            "prefix_match and evict, the operations issue 8 names; touch and hint have none, see below; **bold** missed). "
-            "Memory read: one random dependent read in a buffer the size of the block records (128 bytes "
-            "per block).\n\n")
+    out += (
+        "\nIn brackets: the logarithmic reference / measured (>= 0.5 is the target of alloc, lookup, "
+        "prefix_match and evict, the operations issue 8 names; touch and hint have none, see below; **bold** missed). "
+        "Memory read: one random dependent read in a buffer the size of the block records (128 bytes "
+        "per block).\n\n"
+    )
     thr = [r for r in rows if r["metric"] == "agent_ops"]
     cpu = {r["threads"]: r for r in rows if r["metric"] == "agent_ops_per_cpu_s"}
     if thr:
         body = []
         for r in thr:
             c = cpu.get(r["threads"], {})
-            body.append([str(r["threads"]), f"{r['value']:.3g}", num(r.get("ratio"), 2),
-                         f"{c['value']:.3g}" if c else "", num(c.get("ratio"), 2) if c else ""])
+            body.append(
+                [
+                    str(r["threads"]),
+                    f"{r['value']:.3g}",
+                    num(r.get("ratio"), 2),
+                    f"{c['value']:.3g}" if c else "",
+                    num(c.get("ratio"), 2) if c else "",
+                ]
+            )
         out += table(["agent threads", "ops/s (wall)", "vs first", "ops per CPU-second", "vs first"], body)
     return out
 
@@ -173,6 +190,7 @@ def tradeoff_table(d: Path) -> Optional[str]:
         def f(c: str) -> str:
             r = get(metric, c, **kw)
             return fmt.format(r["value"]) if r else "-"
+
         return f
 
     line("max context before refusing (tokens)", v("max_context", "{:,.0f}"))
@@ -217,12 +235,27 @@ def offload_table(d: Path) -> Optional[str]:
     body = []
     for L in sorted(by):
         m = by[L]
-        body.append([str(L), num(m["recompute"]["value"]),
-                     f"{num(m['restore_host']['value'])} ({num(m['restore_host']['ratio'], 3)}x)",
-                     f"{num(m['restore_disk']['value'])} ({num(m['restore_disk']['ratio'], 3)}x)",
-                     num(m["kv_host"]["value"]), num(m["kv_disk"]["value"])])
-    out = table(["context (tokens)", "recompute ms", "restore from host ms (gain)", "restore from disk ms (gain)",
-                 "KV only, host ms", "KV only, disk ms"], body)
+        body.append(
+            [
+                str(L),
+                num(m["recompute"]["value"]),
+                f"{num(m['restore_host']['value'])} ({num(m['restore_host']['ratio'], 3)}x)",
+                f"{num(m['restore_disk']['value'])} ({num(m['restore_disk']['ratio'], 3)}x)",
+                num(m["kv_host"]["value"]),
+                num(m["kv_disk"]["value"]),
+            ]
+        )
+    out = table(
+        [
+            "context (tokens)",
+            "recompute ms",
+            "restore from host ms (gain)",
+            "restore from disk ms (gain)",
+            "KV only, host ms",
+            "KV only, disk ms",
+        ],
+        body,
+    )
     for r in rows:
         if r["metric"].startswith("crossover"):
             val = "none" if r["value"] is None else f"{r['value']:.0f} tokens"
@@ -245,8 +278,13 @@ def generic_table(d: Path, name: str) -> Optional[str]:
     return res.stdout if res.returncode == 0 and res.stdout.strip() else None
 
 
-BUILDERS = {"machine": machine_text, "trace": trace_table, "scale": scale_table, "tradeoff": tradeoff_table,
-            "offload": offload_table}
+BUILDERS = {
+    "machine": machine_text,
+    "trace": trace_table,
+    "scale": scale_table,
+    "tradeoff": tradeoff_table,
+    "offload": offload_table,
+}
 
 
 def build(d: Path, name: str) -> Optional[str]:
@@ -255,9 +293,12 @@ def build(d: Path, name: str) -> Optional[str]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="update_results.py", description=__doc__.split("\n\n")[0],
-                                 epilog=__doc__.split("\n\n", 1)[1],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="update_results.py",
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("dir", type=Path, help="results directory of run-bench.sh")
     ap.add_argument("--results", type=Path, default=HERE / "RESULTS.md", help="the file to update")
     ap.add_argument("--print", action="store_true", help="print the tables instead of updating the file")
@@ -283,8 +324,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return m.group(1) + t + m.group(4)
 
     args.results.write_text(MARK.sub(repl, text), encoding="utf-8")
-    print(f"update_results.py: {args.results} updated ({len(names) - len(kept)} tables)"
-          + (f"; no data for: {', '.join(kept)}" if kept else ""))
+    print(
+        f"update_results.py: {args.results} updated ({len(names) - len(kept)} tables)"
+        + (f"; no data for: {', '.join(kept)}" if kept else "")
+    )
     return 0
 
 

@@ -13,6 +13,7 @@ compiler's spacing, and writes `python/kvh/_cdef.h` (committed).
 
 Needs a C preprocessor (`$CC`, else `cc`/`gcc`, run as `CC -E -P`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -162,7 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--check", action="store_true", help="exit 1 if the committed cdef differs from the header")
     g.add_argument("--stdout", action="store_true", help="print the cdef instead of writing it")
-    ap.add_argument("--output", type=Path, default=OUTPUT, help=f"file to write or check (default {OUTPUT.relative_to(ROOT)})")
+    ap.add_argument(
+        "--output", type=Path, default=OUTPUT, help=f"file to write or check (default {OUTPUT.relative_to(ROOT)})"
+    )
     args = ap.parse_args(argv)
     new = generate()
     if args.stdout:

@@ -320,8 +320,8 @@ static void do_runs(kvhi_disk *d, kvhi_disk_lane *l, io_run *runs, uint32_t nr, 
                     runs[r].done += (uint64_t)cqe->res;
                 io_uring_cqe_seen(&l->ring, cqe);
                 if (sink && !run_err[r] && runs[r].done == (uint64_t)runs[r].count * sb) {
-                    for (uint32_t k = 0; k < runs[r].count; k++)
-                        results[runs[r].first + k] = 0;
+                    for (uint32_t j = 0; j < runs[r].count; j++)
+                        results[runs[r].first + j] = 0;
                     sink->fn(sink->ctx, runs[r].first, runs[r].count);
                 }
             }

@@ -77,14 +77,14 @@ static void op_codec(state *s, fz_in *in)
                 src[2 * i] = (uint8_t)(u >> 16), src[2 * i + 1] = (uint8_t)(u >> 24);
             } else { /* |f| < 256: an f16 of 8 significant bits is exact */
                 float a = fabsf(f);
-                int e;
-                frexpf(a, &e);
+                int exp2;
+                frexpf(a, &exp2);
                 uint16_t h = 0;
                 if (a >= ldexpf(1, -14)) {
-                    uint32_t m = (uint32_t)lrintf(ldexpf(a, 8 - e)); /* 8 bits, leading one included */
+                    uint32_t m = (uint32_t)lrintf(ldexpf(a, 8 - exp2)); /* 8 bits, leading one included */
                     if (m == 256)
-                        m = 128, e++;
-                    h = (uint16_t)((uint32_t)(e - 1 + 15) << 10 | (m & 127) << 3);
+                        m = 128, exp2++;
+                    h = (uint16_t)((uint32_t)(exp2 - 1 + 15) << 10 | (m & 127) << 3);
                 }
                 if (f < 0)
                     h |= 0x8000;

@@ -414,6 +414,9 @@ static void step(state *s, fz_in *in)
     }
 }
 
+/* The libFuzzer entry point (no header declares it). */
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
     fz_in in = {data, size, 0};

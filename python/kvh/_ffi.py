@@ -1,5 +1,6 @@
 """Loads the compiled CFFI module, checks the library version, and turns
 status codes into exceptions. Internal: use the `kvh` package."""
+
 from __future__ import annotations
 
 import logging

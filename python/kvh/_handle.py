@@ -21,6 +21,7 @@ that owns a handle therefore has a :class:`HandleGate` that every call
 passing the handle to C goes through; that one mechanism is what makes two
 Python threads on one object serialise (or raise) instead of crashing.
 """
+
 from __future__ import annotations
 
 import collections
@@ -46,8 +47,19 @@ class HandleGate:
     A call on a closing or closed handle raises ``closed_error()``.
     """
 
-    __slots__ = ("_lock", "_cond", "_waiting", "_closed_error", "_reopen_if_end_fails", "_state", "_closer",
-                 "_owner", "_owner_depth", "_queue", "_in_flight")
+    __slots__ = (
+        "_lock",
+        "_cond",
+        "_waiting",
+        "_closed_error",
+        "_reopen_if_end_fails",
+        "_state",
+        "_closer",
+        "_owner",
+        "_owner_depth",
+        "_queue",
+        "_in_flight",
+    )
 
     def __init__(self, closed_error: Callable[[], BaseException], *, reopen_if_end_fails: bool = False) -> None:
         # Re-entrant: a finaliser may run on a thread that is inside the gate.

@@ -1,6 +1,7 @@
 """Tiny terminal helpers for the CLI: a progress bar (drawn only on a TTY),
 summary tables, human-readable sizes and the size options' parser. No
 dependencies."""
+
 from __future__ import annotations
 
 import argparse
@@ -19,8 +20,15 @@ class Progress(Closable):
     """``with Progress(total, "label") as bar: bar.update(1)``. Draws on
     ``stream`` (stderr) only when it is a TTY, or never with enabled=False."""
 
-    def __init__(self, total: Optional[int], label: str = "", *, stream: Optional[IO[str]] = None,
-                 enabled: Optional[bool] = None, unit: str = "it") -> None:
+    def __init__(
+        self,
+        total: Optional[int],
+        label: str = "",
+        *,
+        stream: Optional[IO[str]] = None,
+        enabled: Optional[bool] = None,
+        unit: str = "it",
+    ) -> None:
         self.total = total
         self.label = label
         self.stream = stream if stream is not None else sys.stderr
@@ -79,8 +87,9 @@ def _isatty(stream: Any) -> bool:
         return False
 
 
-def table(rows: Sequence[Sequence[Any]], headers: Sequence[str], *, title: Optional[str] = None,
-          align: Optional[str] = None) -> str:
+def table(
+    rows: Sequence[Sequence[Any]], headers: Sequence[str], *, title: Optional[str] = None, align: Optional[str] = None
+) -> str:
     """A plain-text table. ``align``: one of 'l'/'r' per column (default:
     numbers right, text left)."""
     cells: List[List[str]] = [[_fmt(c) for c in row] for row in rows]
@@ -143,10 +152,23 @@ def human_rate(nbytes: float, seconds: float) -> str:
 def parse_size(text: str) -> int:
     """'64MiB', '2M', '1GiB', '4096' -> bytes."""
     s = str(text).strip().lower().replace(" ", "")
-    units = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000 ** 2,
-             "mib": 1 << 20, "g": 1 << 30, "gb": 1000 ** 3, "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40}
+    units = {
+        "": 1,
+        "b": 1,
+        "k": 1 << 10,
+        "kb": 1000,
+        "kib": 1 << 10,
+        "m": 1 << 20,
+        "mb": 1000**2,
+        "mib": 1 << 20,
+        "g": 1 << 30,
+        "gb": 1000**3,
+        "gib": 1 << 30,
+        "t": 1 << 40,
+        "tib": 1 << 40,
+    }
     num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = s[len(num):]
+    unit = s[len(num) :]
     if unit not in units or not num:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 4MiB, 512K, 1G)")
     try:

@@ -4,6 +4,7 @@ captured into a CUDA graph and replayed. The plan holds its blocks in the
 device tier until :meth:`AttentionPlan.destroy`; it covers the tokens the
 sequences had when it was made (later writes into them are seen, tokens
 appended later are not)."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, List, Optional, Sequence as Seq
@@ -20,8 +21,17 @@ if TYPE_CHECKING:  # pragma: no cover
 class AttentionPlan(GatedHandle, OwnedHandle):
     """Made by :meth:`kvh.Engine.attention_plan`."""
 
-    def __init__(self, engine: "Engine", layer: int, seqs: Seq["Sequence"], q_lens: Optional[List[int]],
-                 num_q_heads: int, io: DType, scale: float, threads: int) -> None:
+    def __init__(
+        self,
+        engine: "Engine",
+        layer: int,
+        seqs: Seq["Sequence"],
+        q_lens: Optional[List[int]],
+        num_q_heads: int,
+        io: DType,
+        scale: float,
+        threads: int,
+    ) -> None:
         self._gate = HandleGate(lambda: errors.BadHandleError("the plan was destroyed", lib.KVH_ERR_BAD_HANDLE))
         self._engine = engine
         self._ptr = None  # the kvh_attention_plan *, once made

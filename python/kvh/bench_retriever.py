@@ -1,6 +1,7 @@
 """``python -m kvh.bench_retriever``, the command the documentation gave before
 the benchmark moved to :mod:`kvh.demo.bench_retriever` (also ``kvh bench
 retriever``); it runs that module's ``main``."""
+
 from __future__ import annotations
 
 import sys

@@ -12,6 +12,7 @@ Every command takes --help; the long ones show a progress bar on a TTY and
 take --json. Exit status: 0 ok, 1 failed (a check, a verification or the
 wrapped tool), 2 usage, 3 not available in this build or machine.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,6 +34,7 @@ def _err(msg: str) -> None:
 def _version() -> str:
     try:
         from . import _ffi
+
         return f"kvh {_ffi.LOADED_VERSION_STRING} (binding built for {_ffi.BUILT_VERSION_STRING})"
     except ImportError as exc:
         return f"kvh (library not loadable: {exc})"
@@ -72,9 +74,12 @@ def _missing_tool(name: str) -> int:
     from .tools import tool_search_path
 
     env = {"kvh-store": "KVH_STORE", "kvh-bench": "KVH_BENCH"}[name]
-    _err(f"{name} not found. Build it (cmake --build build --target {name}), install the kvh wheel that "
-         f"ships it, put it on PATH, or set ${env}. Searched: "
-         + ", ".join(str(p) for p in tool_search_path()) + ", PATH")
+    _err(
+        f"{name} not found. Build it (cmake --build build --target {name}), install the kvh wheel that "
+        f"ships it, put it on PATH, or set ${env}. Searched: "
+        + ", ".join(str(p) for p in tool_search_path())
+        + ", PATH"
+    )
     return EXIT_UNAVAILABLE
 
 
@@ -123,21 +128,38 @@ def cmd_stats(args: argparse.Namespace) -> int:
             _err(f"cannot read the store's geometry: {exc}")
             return EXIT_FAIL
         if info is None:
-            _err("kvh-store (which reads the store's geometry) was not found; pass --layers --kv-heads --head-dim "
-                 "--block-tokens --dtype --model-salt, or build kvh-store")
+            _err(
+                "kvh-store (which reads the store's geometry) was not found; pass --layers --kv-heads --head-dim "
+                "--block-tokens --dtype --model-salt, or build kvh-store"
+            )
             return EXIT_UNAVAILABLE
-        for ours, theirs in (("layers", "layers"), ("kv_heads", "kv_heads"), ("head_dim", "head_dim"),
-                             ("block_tokens", "block_tokens"), ("dtype", "dtype"), ("model_salt", "model_salt")):
+        for ours, theirs in (
+            ("layers", "layers"),
+            ("kv_heads", "kv_heads"),
+            ("head_dim", "head_dim"),
+            ("block_tokens", "block_tokens"),
+            ("dtype", "dtype"),
+            ("model_salt", "model_salt"),
+        ):
             if geometry[ours] is None:
                 geometry[ours] = info[theirs]
     slabs = sorted(d.glob("slab-*.kvh"))
     disk_bytes = args.disk_bytes or sum(p.stat().st_size for p in slabs) or (1 << 30)
     try:
-        eng = Engine(num_layers=int(geometry["layers"]), num_kv_heads=int(geometry["kv_heads"]),
-                     head_dim=int(geometry["head_dim"]), block_tokens=int(geometry["block_tokens"]),
-                     dtype=str(geometry["dtype"]), model_salt=int(geometry["model_salt"]), backend="cpu",
-                     device_bytes=1 << 20, host_bytes=4 << 20, disk_path=str(d), disk_bytes=disk_bytes,
-                     log_level="error")
+        eng = Engine(
+            num_layers=int(geometry["layers"]),
+            num_kv_heads=int(geometry["kv_heads"]),
+            head_dim=int(geometry["head_dim"]),
+            block_tokens=int(geometry["block_tokens"]),
+            dtype=str(geometry["dtype"]),
+            model_salt=int(geometry["model_salt"]),
+            backend="cpu",
+            device_bytes=1 << 20,
+            host_bytes=4 << 20,
+            disk_path=str(d),
+            disk_bytes=disk_bytes,
+            log_level="error",
+        )
     except errors.UnsupportedError as exc:
         _err(f"this build cannot open a disk store: {exc.message}")
         return EXIT_UNAVAILABLE
@@ -152,9 +174,16 @@ def cmd_stats(args: argparse.Namespace) -> int:
         st = eng.stats()
     disk = tiers[Tier.DISK]
     result = {
-        "path": str(d), "store": info, "geometry": geometry, "block_bytes": eng.block_bytes,
-        "disk": {"capacity_blocks": disk.capacity_blocks, "used_blocks": disk.used_blocks,
-                 "used_bytes": disk.used_bytes, "pinned_blocks": disk.pinned_blocks},
+        "path": str(d),
+        "store": info,
+        "geometry": geometry,
+        "block_bytes": eng.block_bytes,
+        "disk": {
+            "capacity_blocks": disk.capacity_blocks,
+            "used_blocks": disk.used_blocks,
+            "used_bytes": disk.used_bytes,
+            "pinned_blocks": disk.pinned_blocks,
+        },
         "stats": st.to_dict(),
     }
     if args.json:
@@ -164,8 +193,11 @@ def cmd_stats(args: argparse.Namespace) -> int:
     g = geometry
     rows = [
         ["store", str(d)],
-        ["geometry", f"{g['layers']} layers x {g['kv_heads']} kv heads x {g['head_dim']} dim, "
-                     f"{g['block_tokens']} tokens/block, {g['dtype']}"],
+        [
+            "geometry",
+            f"{g['layers']} layers x {g['kv_heads']} kv heads x {g['head_dim']} dim, "
+            f"{g['block_tokens']} tokens/block, {g['dtype']}",
+        ],
         ["model salt", f"0x{int(g['model_salt']):016x}"],
         ["block bytes", human_bytes(eng.block_bytes)],
         ["disk slots", f"{disk.capacity_blocks:,} ({disk.used_blocks:,} used, {human_bytes(disk.used_bytes)})"],
@@ -173,8 +205,12 @@ def cmd_stats(args: argparse.Namespace) -> int:
         ["corrupt blocks at open", f"{st.corrupt_blocks}"],
     ]
     if info:
-        rows.append(["prefix chains", f"{info.get('prefix_chains', '?')} (longest "
-                                      f"{info.get('longest_chain_blocks', '?')} blocks)"])
+        rows.append(
+            [
+                "prefix chains",
+                f"{info.get('prefix_chains', '?')} (longest {info.get('longest_chain_blocks', '?')} blocks)",
+            ]
+        )
     print(table(rows, ["item", "value"], title="kvh store (opened by an engine)", align="ll"))
     return EXIT_OK
 
@@ -189,6 +225,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if list(args.scenarios) == ["retriever"]:
         # The retriever scenario is Python (it drives Qdrant), not kvh-bench.
         from .demo import bench_retriever
+
         argv = ["--json"] if args.json else []
         argv += ["--quick"] if args.quick else []
         argv += ["--reps", str(args.reps)] if args.reps else []
@@ -198,6 +235,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if list(args.scenarios) == ["offload"]:
         # The offload threshold runs the Python model runner, not kvh-bench.
         from .demo import bench_offload
+
         argv = ["--json"] if args.json else []
         argv += ["--quick"] if args.quick else []
         argv += ["--reps", str(args.reps)] if args.reps else []
@@ -254,13 +292,29 @@ def cmd_bench(args: argparse.Namespace) -> int:
             bar.update(1, name)
     if not args.json:
         if rows:
-            print(table([[r.get("scenario", ""), r.get("metric", ""), r.get("value"), r.get("unit", ""),
-                          r.get("baseline"), r.get("ratio"),
-                          ", ".join(f"{k}={v}" for k, v in r.items()
-                                    if k not in ("scenario", "metric", "value", "unit", "baseline", "ratio"))]
-                         for r in rows],
-                        ["scenario", "metric", "value", "unit", "baseline", "ratio", "parameters"],
-                        title="kvh bench", align="llrlrrl"))
+            print(
+                table(
+                    [
+                        [
+                            r.get("scenario", ""),
+                            r.get("metric", ""),
+                            r.get("value"),
+                            r.get("unit", ""),
+                            r.get("baseline"),
+                            r.get("ratio"),
+                            ", ".join(
+                                f"{k}={v}"
+                                for k, v in r.items()
+                                if k not in ("scenario", "metric", "value", "unit", "baseline", "ratio")
+                            ),
+                        ]
+                        for r in rows
+                    ],
+                    ["scenario", "metric", "value", "unit", "baseline", "ratio", "parameters"],
+                    title="kvh bench",
+                    align="llrlrrl",
+                )
+            )
         else:
             print("kvh bench: no results")
     return rc
@@ -286,56 +340,87 @@ def build_parser() -> argparse.ArgumentParser:
     from . import doctor
     from .demo import agents, synthetic
 
-    p = argparse.ArgumentParser(prog="kvh", description=__doc__.split("\n\n")[0] + "\n\n" + __doc__.split("\n\n")[1],
-                                formatter_class=_Formatter)
+    p = argparse.ArgumentParser(
+        prog="kvh", description=__doc__.split("\n\n")[0] + "\n\n" + __doc__.split("\n\n")[1], formatter_class=_Formatter
+    )
     p.add_argument("--version", action="version", version=_version())
     p.add_argument("-v", "--verbose", action="count", default=0, help="log kvh messages (-v info, -vv debug)")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
-    sp = sub.add_parser("demo", help="agents answering questions with SmolLM2, their KV in kvh's tiers "
-                                     "(--synthetic: synthetic KV, no model)",
-                        description=agents.__doc__, formatter_class=_Formatter)
+    sp = sub.add_parser(
+        "demo",
+        help="agents answering questions with SmolLM2, their KV in kvh's tiers (--synthetic: synthetic KV, no model)",
+        description=agents.__doc__,
+        formatter_class=_Formatter,
+    )
     agents.add_arguments(sp, shared_defaults=False)
     synthetic.add_synthetic_arguments(sp)
     g = sp.add_argument_group("two models (--models)")
-    g.add_argument("--models", action="store_true",
-                   help="two agents with two models (SmolLM2 Q4_1 and a Q8_0 copy) take turns under a device "
-                        "budget that holds one: weights and KV switch as one unit")
-    g.add_argument("--model-b", default=None, metavar="GGUF",
-                   help="the second agent's model (default: the first re-encoded as Q8_0 under --data-dir)")
+    g.add_argument(
+        "--models",
+        action="store_true",
+        help="two agents with two models (SmolLM2 Q4_1 and a Q8_0 copy) take turns under a device "
+        "budget that holds one: weights and KV switch as one unit",
+    )
+    g.add_argument(
+        "--model-b",
+        default=None,
+        metavar="GGUF",
+        help="the second agent's model (default: the first re-encoded as Q8_0 under --data-dir)",
+    )
     sp.set_defaults(func=cmd_demo)
 
-    sp = sub.add_parser("stats", help="open a disk store with an engine and print its tiers and counters",
-                        description="Opens the disk store DIR with an engine (geometry from kvh-store info, or "
-                                    "the flags) and prints the disk tier's occupancy and the engine counters. "
-                                    "The store must not be open in another process.")
+    sp = sub.add_parser(
+        "stats",
+        help="open a disk store with an engine and print its tiers and counters",
+        description="Opens the disk store DIR with an engine (geometry from kvh-store info, or "
+        "the flags) and prints the disk tier's occupancy and the engine counters. "
+        "The store must not be open in another process.",
+    )
     sp.add_argument("dir", metavar="DIR", help="the disk tier directory (kvh_config.disk_path)")
     sp.add_argument("--json", action="store_true", help="print JSON")
-    for flag, typ in (("--layers", int), ("--kv-heads", int), ("--head-dim", int), ("--block-tokens", int),
-                      ("--model-salt", lambda s: int(s, 0))):
+    for flag, typ in (
+        ("--layers", int),
+        ("--kv-heads", int),
+        ("--head-dim", int),
+        ("--block-tokens", int),
+        ("--model-salt", lambda s: int(s, 0)),
+    ):
         sp.add_argument(flag, type=typ, default=None, help="store geometry (default: read with kvh-store)")
     sp.add_argument("--dtype", choices=["f32", "f16", "bf16"], default=None, help="store dtype")
     sp.add_argument("--disk-bytes", type=int, default=None, help="disk tier bytes (default: the slab files' size)")
     sp.set_defaults(func=cmd_stats)
 
-    sp = sub.add_parser("store", help="inspect a disk store (wraps kvh-store)",
-                        description="Inspect a kvh disk store with kvh-store, read-only.")
+    sp = sub.add_parser(
+        "store",
+        help="inspect a disk store (wraps kvh-store)",
+        description="Inspect a kvh disk store with kvh-store, read-only.",
+    )
     ssub = sp.add_subparsers(dest="action", metavar="ACTION")
     ssub.required = True
-    for action, text in (("info", "geometry, block count, bytes, prefix chains"),
-                         ("verify", "re-read every stored block and check its checksums (exit 1 if any is bad)")):
+    for action, text in (
+        ("info", "geometry, block count, bytes, prefix chains"),
+        ("verify", "re-read every stored block and check its checksums (exit 1 if any is bad)"),
+    ):
         ap = ssub.add_parser(action, help=text, description=text)
         ap.add_argument("dir", metavar="DIR", help="the disk tier directory")
         ap.add_argument("--json", action="store_true", help="JSON output")
         ap.set_defaults(func=cmd_store)
 
-    sp = sub.add_parser("bench", help="run kvh-bench scenarios and summarise them",
-                        description="Runs kvh-bench SCENARIO --json for each scenario (default: all), shows "
-                                    "progress on a TTY and prints a summary table (or the JSON lines with "
-                                    "--json). Arguments after -- go to kvh-bench.")
-    sp.add_argument("scenarios", nargs="*", metavar="SCENARIO",
-                    help="scenarios (default: all; see --list); `retriever` runs the speculative-prefetch benchmark, "
-                         "`offload` the offload threshold (restore vs recompute with the model)")
+    sp = sub.add_parser(
+        "bench",
+        help="run kvh-bench scenarios and summarise them",
+        description="Runs kvh-bench SCENARIO --json for each scenario (default: all), shows "
+        "progress on a TTY and prints a summary table (or the JSON lines with "
+        "--json). Arguments after -- go to kvh-bench.",
+    )
+    sp.add_argument(
+        "scenarios",
+        nargs="*",
+        metavar="SCENARIO",
+        help="scenarios (default: all; see --list); `retriever` runs the speculative-prefetch benchmark, "
+        "`offload` the offload threshold (restore vs recompute with the model)",
+    )
     sp.add_argument("--list", action="store_true", help="list the scenarios")
     sp.add_argument("--quick", action="store_true", help="a few seconds per scenario")
     sp.add_argument("--reps", type=int, default=None, help="rounds per measurement")
@@ -344,8 +429,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--json", action="store_true", help="print kvh-bench's JSON lines")
     sp.set_defaults(func=cmd_bench)
 
-    sp = sub.add_parser("doctor", help="check huge pages, memlock, sysctls, O_DIRECT, NUMA, CUDA (read-only)",
-                        description=doctor.__doc__, formatter_class=_Formatter)
+    sp = sub.add_parser(
+        "doctor",
+        help="check huge pages, memlock, sysctls, O_DIRECT, NUMA, CUDA (read-only)",
+        description=doctor.__doc__,
+        formatter_class=_Formatter,
+    )
     doctor.add_arguments(sp)
     sp.set_defaults(func=cmd_doctor)
     return p
@@ -357,7 +446,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     extra: List[str] = []
     if "--" in argv:  # everything after -- goes to the wrapped tool (kvh bench)
         cut = argv.index("--")
-        argv, extra = argv[:cut], argv[cut + 1:]
+        argv, extra = argv[:cut], argv[cut + 1 :]
     args = parser.parse_args(argv)
     if extra and getattr(args, "command", None) != "bench":
         parser.error("arguments after -- are only for `kvh bench`")
@@ -366,8 +455,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.print_help()
         return EXIT_USAGE
     if args.verbose:
-        logging.basicConfig(level=logging.DEBUG if args.verbose > 1 else logging.INFO,
-                            format="%(name)s %(levelname)s: %(message)s")
+        logging.basicConfig(
+            level=logging.DEBUG if args.verbose > 1 else logging.INFO, format="%(name)s %(levelname)s: %(message)s"
+        )
     else:
         logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s: %(message)s")
     try:

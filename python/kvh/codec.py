@@ -13,6 +13,7 @@ Error bounds per element (before rounding to the array's dtype): int8
 ``max|x| / 254`` of its vector; q4_g32/q4_g64 ``(max - min) / 30`` of its
 group of 32/64 elements.
 """
+
 from __future__ import annotations
 
 from typing import Any, Union
@@ -105,7 +106,7 @@ def error_figures(x: Any, codec: CodecLike) -> dict:
     ratio = np.where(bound > 0, err / np.where(bound > 0, bound, 1), 0)
     return {
         "codec": c.name.lower(),
-        "rel_rms_error": float(np.sqrt(np.mean(err ** 2)) / np.sqrt(np.mean(xf ** 2))),
+        "rel_rms_error": float(np.sqrt(np.mean(err**2)) / np.sqrt(np.mean(xf**2))),
         "max_error_over_bound": float(ratio.max()),
         "bytes_per_vector": vector_bytes(c, _dtype_of(a), d),
         "raw_bytes_per_vector": d * a.dtype.itemsize,

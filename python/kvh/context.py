@@ -19,6 +19,7 @@ checked against their CRC32C) again when they return. Pointers and views
 from :meth:`Context.region` are valid until the next switch away from the
 context.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,7 +30,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import numpy as np
 
 from . import errors
-from ._ffi import NULL, U64_MAX, check, ffi, lib
+from ._ffi import U64_MAX, check, ffi, lib
 from ._handle import Closable, GatedHandle, HandleGate
 
 __all__ = ["Context", "ContextInfo", "WeightStats", "AdmissionInfo", "KV_POLICIES"]
@@ -122,7 +123,8 @@ class Context(GatedHandle, Closable):
         # A destroy refused (BusyError: a switch runs) leaves the context usable.
         self._gate = HandleGate(
             lambda: errors.BadHandleError(f"context {name!r} was destroyed", lib.KVH_ERR_BAD_HANDLE),
-            reopen_if_end_fails=True)
+            reopen_if_end_fails=True,
+        )
         self._engine = engine
         self._h = ffi.new("kvh_context *")
         self._h.id = handle
@@ -158,9 +160,17 @@ class Context(GatedHandle, Closable):
             raise errors.BadHandleError(f"context {self._name!r} was destroyed", lib.KVH_ERR_BAD_HANDLE)
 
     # ---- registration ----
-    def add_region(self, name: str = "", *, size: Optional[int] = None, layer: int = 0,
-                   path: Union[str, os.PathLike, None] = None, offset: int = 0, data: Any = None,
-                   pinned: bool = False) -> int:
+    def add_region(
+        self,
+        name: str = "",
+        *,
+        size: Optional[int] = None,
+        layer: int = 0,
+        path: Union[str, os.PathLike, None] = None,
+        offset: int = 0,
+        data: Any = None,
+        pinned: bool = False,
+    ) -> int:
         """Registers a weight region from a file range (``path``, ``offset``,
         ``size``) or from bytes (``data``: bytes-like or a NumPy array, copied
         in). Returns its index."""
@@ -187,8 +197,11 @@ class Context(GatedHandle, Closable):
             p.file_offset = int(offset)
             p.size = int(size)
         else:
-            arr = np.ascontiguousarray(np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray)
-                                       else data).view(np.uint8).reshape(-1)
+            arr = (
+                np.ascontiguousarray(np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data)
+                .view(np.uint8)
+                .reshape(-1)
+            )
             if size is not None and int(size) != arr.size:
                 raise ValueError(f"size={size} does not match the {arr.size} bytes of data")
             if arr.size == 0:
@@ -212,8 +225,14 @@ class Context(GatedHandle, Closable):
             tensors = list(g.tensors.values())
         nblk = 1 + max((int(m.group(1)) for t in tensors if (m := _BLK.match(t.name))), default=-1)
         for t in tensors:
-            self.add_region(t.name, path=path, offset=t.offset, size=t.nbytes,
-                            layer=gguf_layer(t.name, nblk), pinned=t.name in pinned)
+            self.add_region(
+                t.name,
+                path=path,
+                offset=t.offset,
+                size=t.nbytes,
+                layer=gguf_layer(t.name, nblk),
+                pinned=t.name in pinned,
+            )
         return len(tensors)
 
     def attach(self, seq: Any) -> None:
@@ -265,8 +284,9 @@ class Context(GatedHandle, Closable):
         if isinstance(index, str):
             index = self.region_index(index)
         if self._engine.backend != "cpu":
-            raise errors.UnsupportedError("region views need the CPU backend; use region_pointer()",
-                                          lib.KVH_ERR_UNSUPPORTED)
+            raise errors.UnsupportedError(
+                "region views need the CPU backend; use region_pointer()", lib.KVH_ERR_UNSUPPORTED
+            )
         addr, size = self.region_pointer(index, writable=writable)
         buf = ffi.buffer(ffi.cast("char *", addr), size)
         arr = np.frombuffer(buf, dtype=np.uint8)

@@ -3,6 +3,7 @@ huge pages, the memlock limit for pinned memory, ``vm.max_map_count`` (and
 the other sysctls of the seed), O_DIRECT support and free space on the data
 directory, io_uring, NUMA layout, the CUDA device and driver — and what to
 change, printed as commands and sysctl lines. It never changes anything."""
+
 from __future__ import annotations
 
 import ctypes
@@ -36,7 +37,8 @@ def _sysctl_fix(settings: Dict[str, int]) -> List[str]:
     for a key (appended after the earlier one) is the one that counts."""
     lines = " ".join(shlex.quote(f"{k} = {v}") for k, v in settings.items())
     return [f"sudo sysctl -w {k}={v}" for k, v in settings.items()] + [
-        f"printf '%s\\n' {lines} | sudo tee -a {SYSCTL_FILE}"]
+        f"printf '%s\\n' {lines} | sudo tee -a {SYSCTL_FILE}"
+    ]
 
 
 @dataclass
@@ -48,17 +50,25 @@ class Check:
     data: Dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> Dict[str, Any]:
-        return {"name": self.name, "status": self.status, "summary": self.summary, "fix": self.fix,
-                "data": self.data}
+        return {"name": self.name, "status": self.status, "summary": self.summary, "fix": self.fix, "data": self.data}
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--data-dir", type=Path, default=Path(os.environ.get("KVH_DATA_DIR", "kvh-data")),
-                   help="the disk tier directory to check (default $KVH_DATA_DIR or ./kvh-data)")
-    p.add_argument("--host-budget", type=parse_size, default=parse_size("1GiB"),
-                   help="host tier bytes you plan (sizes the huge page and memlock advice; default 1GiB)")
-    p.add_argument("--disk-budget", type=parse_size, default=parse_size("16GiB"),
-                   help="disk tier bytes you plan (default 16GiB)")
+    p.add_argument(
+        "--data-dir",
+        type=Path,
+        default=Path(os.environ.get("KVH_DATA_DIR", "kvh-data")),
+        help="the disk tier directory to check (default $KVH_DATA_DIR or ./kvh-data)",
+    )
+    p.add_argument(
+        "--host-budget",
+        type=parse_size,
+        default=parse_size("1GiB"),
+        help="host tier bytes you plan (sizes the huge page and memlock advice; default 1GiB)",
+    )
+    p.add_argument(
+        "--disk-budget", type=parse_size, default=parse_size("16GiB"), help="disk tier bytes you plan (default 16GiB)"
+    )
     p.add_argument("--json", action="store_true", help="print the checks as JSON")
     p.add_argument("--strict", action="store_true", help="exit 1 when a check warns or fails")
 
@@ -87,7 +97,7 @@ def check_hugepages(host_budget: int) -> Check:
     size = mi.get("Hugepagesize", 2 << 20)
     total, free = mi.get("HugePages_Total", 0), mi.get("HugePages_Free", 0)
     thp = _read("/sys/kernel/mm/transparent_hugepage/enabled") or "unknown"
-    thp_mode = thp[thp.find("[") + 1: thp.find("]")] if "[" in thp else thp
+    thp_mode = thp[thp.find("[") + 1 : thp.find("]")] if "[" in thp else thp
     want = -(-host_budget // size)
     data = {"hugepage_bytes": size, "total": total, "free": free, "thp": thp_mode, "wanted_for_host_budget": want}
     summary = f"{total} x {human_bytes(size)} reserved ({free} free); transparent huge pages: {thp_mode}"
@@ -116,11 +126,13 @@ def check_memlock(host_budget: int) -> Check:
         return Check("memlock limit", OK, summary + " (enough to pin the host tier)", [], data)
     if os.geteuid() == 0:
         return Check("memlock limit", INFO, summary + " (root: CAP_IPC_LOCK lifts the limit)", [], data)
-    fix = ["# pinned (page-locked) host memory for CUDA copies needs a memlock limit >= the host tier:",
-           "ulimit -l unlimited            # this shell (needs a hard limit that allows it)",
-           "echo '* soft memlock unlimited' | sudo tee -a /etc/security/limits.d/99-kvh.conf",
-           "echo '* hard memlock unlimited' | sudo tee -a /etc/security/limits.d/99-kvh.conf",
-           "# systemd services: LimitMEMLOCK=infinity; docker: --ulimit memlock=-1:-1"]
+    fix = [
+        "# pinned (page-locked) host memory for CUDA copies needs a memlock limit >= the host tier:",
+        "ulimit -l unlimited            # this shell (needs a hard limit that allows it)",
+        "echo '* soft memlock unlimited' | sudo tee -a /etc/security/limits.d/99-kvh.conf",
+        "echo '* hard memlock unlimited' | sudo tee -a /etc/security/limits.d/99-kvh.conf",
+        "# systemd services: LimitMEMLOCK=infinity; docker: --ulimit memlock=-1:-1",
+    ]
     return Check("memlock limit", WARN, summary + f" < host budget {human_bytes(host_budget)}", fix, data)
 
 
@@ -182,8 +194,15 @@ def check_data_dir(data_dir: Path, disk_budget: int) -> List[Check]:
     o_direct = getattr(os, "O_DIRECT", 0)
     data: Dict[str, Any] = {"path": str(data_dir), "checked_at": str(where), **mnt}
     if not os.access(where, os.W_OK):
-        checks.append(Check("O_DIRECT", FAIL, f"{where} is not writable", [f"sudo mkdir -p {data_dir}",
-                                                                            f"sudo chown $USER {data_dir}"], data))
+        checks.append(
+            Check(
+                "O_DIRECT",
+                FAIL,
+                f"{where} is not writable",
+                [f"sudo mkdir -p {data_dir}", f"sudo chown $USER {data_dir}"],
+                data,
+            )
+        )
     elif not o_direct:
         checks.append(Check("O_DIRECT", WARN, "this platform has no O_DIRECT", [], data))
     else:
@@ -199,12 +218,13 @@ def check_data_dir(data_dir: Path, disk_budget: int) -> List[Check]:
             os.preadv(fd, [buf], 0)
             checks.append(Check("O_DIRECT", OK, f"works on {mnt['fstype']} ({mnt['mount']})", [], data))
         except OSError as exc:
-            fix = ["# kvh falls back to buffered pread/pwrite (or set disk_buffered=True / KVH_DISK_BUFFERED);",
-                   "# for direct I/O put the data directory on ext4/xfs on an NVMe drive, e.g.:",
-                   "kvh demo --data-dir /mnt/nvme/kvh-data"]
+            fix = [
+                "# kvh falls back to buffered pread/pwrite (or set disk_buffered=True / KVH_DISK_BUFFERED);",
+                "# for direct I/O put the data directory on ext4/xfs on an NVMe drive, e.g.:",
+                "kvh demo --data-dir /mnt/nvme/kvh-data",
+            ]
             reason = errno.errorcode.get(exc.errno or 0, str(exc.errno))
-            checks.append(Check("O_DIRECT", WARN, f"refused on {mnt['fstype']} ({mnt['mount']}): {reason}", fix,
-                                data))
+            checks.append(Check("O_DIRECT", WARN, f"refused on {mnt['fstype']} ({mnt['mount']}): {reason}", fix, data))
         finally:
             if fd >= 0:
                 os.close(fd)
@@ -218,8 +238,15 @@ def check_data_dir(data_dir: Path, disk_budget: int) -> List[Check]:
         d2 = dict(data, free=du.free, total=du.total, disk_budget=disk_budget)
         summary = f"{human_bytes(du.free)} free of {human_bytes(du.total)} at {where}"
         if du.free < disk_budget:
-            checks.append(Check("free space", WARN, summary + f" < disk budget {human_bytes(disk_budget)}",
-                                [f"# free space, or lower disk_bytes to at most {human_bytes(du.free * 0.9)}"], d2))
+            checks.append(
+                Check(
+                    "free space",
+                    WARN,
+                    summary + f" < disk budget {human_bytes(disk_budget)}",
+                    [f"# free space, or lower disk_bytes to at most {human_bytes(du.free * 0.9)}"],
+                    d2,
+                )
+            )
         else:
             checks.append(Check("free space", OK, summary, [], d2))
     except OSError as exc:
@@ -232,10 +259,22 @@ def check_io_uring() -> Check:
     data = {"io_uring_disabled": disabled}
     if disabled is None or disabled == "0":
         uring = ctypes.util.find_library("uring")
-        return Check("io_uring", OK, "enabled" + ("" if disabled is not None else " (no io_uring_disabled knob)")
-                     + (f"; liburing {uring}" if uring else ""), [], data)
-    return Check("io_uring", WARN, f"kernel.io_uring_disabled = {disabled}: the disk tier uses pread/pwrite",
-                 _sysctl_fix({"kernel.io_uring_disabled": 0}), data)
+        return Check(
+            "io_uring",
+            OK,
+            "enabled"
+            + ("" if disabled is not None else " (no io_uring_disabled knob)")
+            + (f"; liburing {uring}" if uring else ""),
+            [],
+            data,
+        )
+    return Check(
+        "io_uring",
+        WARN,
+        f"kernel.io_uring_disabled = {disabled}: the disk tier uses pread/pwrite",
+        _sysctl_fix({"kernel.io_uring_disabled": 0}),
+        data,
+    )
 
 
 def check_numa() -> Check:
@@ -262,8 +301,10 @@ def check_numa() -> Check:
     fix = []
     for g in gpus:
         if g["numa_node"] >= 0:
-            fix.append(f"# GPU {g['pci']} is on node {g['numa_node']}: Engine(numa_node={g['numa_node']}) binds "
-                       "the host tier and the migration workers there")
+            fix.append(
+                f"# GPU {g['pci']} is on node {g['numa_node']}: Engine(numa_node={g['numa_node']}) binds "
+                "the host tier and the migration workers there"
+            )
     if not libnuma:
         fix.append("sudo apt-get install libnuma1   # kvh binds memory with libnuma when present")
     return Check("NUMA", INFO if fix else OK, summary, fix, data)
@@ -275,13 +316,23 @@ def check_cuda() -> Check:
     gpus = []
     if smi:
         try:
-            res = subprocess.run([smi, "--query-gpu=name,driver_version,memory.total,pci.bus_id",
-                                  "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
+            res = subprocess.run(
+                [smi, "--query-gpu=name,driver_version,memory.total,pci.bus_id", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=20,
+            )
             for line in res.stdout.strip().splitlines():
                 parts = [p.strip() for p in line.split(",")]
                 if len(parts) >= 3:
-                    gpus.append({"name": parts[0], "driver": parts[1], "memory": parts[2],
-                                 "pci": parts[3] if len(parts) > 3 else ""})
+                    gpus.append(
+                        {
+                            "name": parts[0],
+                            "driver": parts[1],
+                            "memory": parts[2],
+                            "pci": parts[3] if len(parts) > 3 else "",
+                        }
+                    )
         except (OSError, subprocess.SubprocessError):
             pass
     data["gpus"] = gpus
@@ -303,6 +354,7 @@ def check_cuda() -> Check:
     # What kvh itself sees.
     try:
         from . import Engine, errors  # noqa: F401
+
         try:
             with Engine(backend="cuda", device_bytes=1 << 20, host_bytes=1 << 20, log_level="error") as e:
                 data["kvh_backend"] = e.backend
@@ -316,16 +368,17 @@ def check_cuda() -> Check:
         desc = ", ".join(f"{g['name']} ({g['memory']}, driver {g['driver']})" for g in gpus) or "a CUDA device"
         return Check("CUDA", OK, f"kvh uses {desc}", [], data)
     if not gpus and driver is None:
-        return Check("CUDA", INFO, "no NVIDIA GPU or driver: kvh runs on the CPU backend",
-                     [], data)
+        return Check("CUDA", INFO, "no NVIDIA GPU or driver: kvh runs on the CPU backend", [], data)
     fix = []
     msg = data.get("kvh_cuda_error") or "the CUDA backend did not start"
     if "insufficient" in msg.lower() or "driver" in msg.lower():
         fix.append("# the NVIDIA driver is older than the CUDA runtime kvh was built with: update the driver")
         fix.append("sudo apt-get install --only-upgrade nvidia-driver   # or your distribution's driver package")
     if "not found" in msg.lower():
-        fix.append("# libkvh_cuda.so was not built or installed: build with nvcc on PATH "
-                   "(cmake -DKVH_WITH_CUDA=ON), or set KVH_CUDA_BACKEND=/path/to/libkvh_cuda.so")
+        fix.append(
+            "# libkvh_cuda.so was not built or installed: build with nvcc on PATH "
+            "(cmake -DKVH_WITH_CUDA=ON), or set KVH_CUDA_BACKEND=/path/to/libkvh_cuda.so"
+        )
     return Check("CUDA", WARN, f"GPU present but kvh falls back to the CPU: {msg}", fix, data)
 
 
@@ -337,8 +390,12 @@ def check_kvh() -> Check:
         return Check("kvh library", FAIL, str(exc), ["pip install ./python   # from the kvh repository"])
     lib = loaded_library_path()
     tools = {t: find_tool(t) for t in ("kvh-store", "kvh-bench")}
-    data = {"library": str(lib) if lib else None, "version": _ffi.LOADED_VERSION_STRING,
-            "binding_built_for": _ffi.BUILT_VERSION_STRING, "tools": tools}
+    data = {
+        "library": str(lib) if lib else None,
+        "version": _ffi.LOADED_VERSION_STRING,
+        "binding_built_for": _ffi.BUILT_VERSION_STRING,
+        "tools": tools,
+    }
     missing = [t for t, p in tools.items() if not p]
     summary = f"libkvh {_ffi.LOADED_VERSION_STRING} at {lib or '?'} (binding built for {_ffi.BUILT_VERSION_STRING})"
     if missing:
@@ -346,8 +403,9 @@ def check_kvh() -> Check:
     return Check("kvh library", OK, summary, [], data)
 
 
-def run_checks(data_dir: Path, host_budget: int, disk_budget: int,
-               progress: Optional[Callable[[str], None]] = None) -> List[Check]:
+def run_checks(
+    data_dir: Path, host_budget: int, disk_budget: int, progress: Optional[Callable[[str], None]] = None
+) -> List[Check]:
     steps: List[Callable[[], Any]] = [
         check_kvh,
         lambda: check_hugepages(host_budget),
@@ -374,16 +432,26 @@ def main_doctor(args) -> int:
     from ._progress import Progress
 
     with Progress(8, "kvh doctor", enabled=None if not args.json else False, unit="check") as bar:
-        checks = run_checks(args.data_dir, args.host_budget, args.disk_budget,
-                            progress=lambda name: bar.update(1, name))
+        checks = run_checks(
+            args.data_dir, args.host_budget, args.disk_budget, progress=lambda name: bar.update(1, name)
+        )
     if args.json:
-        json.dump({"checks": [c.to_json() for c in checks],
-                   "ok": all(c.status in (OK, INFO) for c in checks)}, sys.stdout, indent=2)
+        json.dump(
+            {"checks": [c.to_json() for c in checks], "ok": all(c.status in (OK, INFO) for c in checks)},
+            sys.stdout,
+            indent=2,
+        )
         sys.stdout.write("\n")
     else:
         marks = {OK: "ok", WARN: "WARN", FAIL: "FAIL", INFO: "info"}
-        print(table([[c.name, marks[c.status], c.summary] for c in checks], ["check", "status", "detail"],
-                    title="kvh doctor (read-only: nothing was changed)", align="lll"))
+        print(
+            table(
+                [[c.name, marks[c.status], c.summary] for c in checks],
+                ["check", "status", "detail"],
+                title="kvh doctor (read-only: nothing was changed)",
+                align="lll",
+            )
+        )
         fixes = [c for c in checks if c.fix]
         if fixes:
             print("\nWhat to change:")

@@ -24,6 +24,7 @@ works (:class:`Embedder`). Two are provided:
 ``hash``). :class:`WordTokenizer` is a matching dependency-free tokenizer
 (one token id per word) for users without a model tokenizer.
 """
+
 from __future__ import annotations
 
 import os
@@ -94,8 +95,15 @@ class HashedNgramEmbedder:
     index stay valid across restarts.
     """
 
-    def __init__(self, dim: int = DEFAULT_DIM, ngrams: Iterable[int] = (3, 4, 5), *, word_weight: float = 1.0,
-                 lowercase: bool = True, seed: int = 0) -> None:
+    def __init__(
+        self,
+        dim: int = DEFAULT_DIM,
+        ngrams: Iterable[int] = (3, 4, 5),
+        *,
+        word_weight: float = 1.0,
+        lowercase: bool = True,
+        seed: int = 0,
+    ) -> None:
         if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)) or dim <= 0:
             raise ValueError(f"dim must be a positive int, got {dim!r}")
         grams = tuple(int(n) for n in ngrams)
@@ -134,7 +142,7 @@ class HashedNgramEmbedder:
             return np.zeros((0, self.dim), np.float32)
         bufs = [(" " + t + " ").encode("utf-8") for t in prepped]
         data = np.frombuffer(b"\0".join(bufs), dtype=np.uint8)
-        owner = np.repeat(np.arange(n_texts, dtype=np.int64), [len(b) + 1 for b in bufs])[:data.size]
+        owner = np.repeat(np.arange(n_texts, dtype=np.int64), [len(b) + 1 for b in bufs])[: data.size]
         seps = np.concatenate([[0], np.cumsum(data == 0)])  # separators before position i
         wide = data.astype(_U64)
         salt = _U64((self.seed * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF)
@@ -149,9 +157,9 @@ class HashedNgramEmbedder:
                 h = np.full(win.shape[0], _U64(0xCBF29CE484222325) ^ salt ^ _U64(n), dtype=_U64)
                 for j in range(n):
                     h = (h ^ win[:, j]) * _PRIME
-                ok = seps[n:n + win.shape[0]] == seps[:win.shape[0]]  # no separator inside the window
+                ok = seps[n : n + win.shape[0]] == seps[: win.shape[0]]  # no separator inside the window
                 hs.append(h[ok])
-                ts.append(owner[:win.shape[0]][ok])
+                ts.append(owner[: win.shape[0]][ok])
                 ws.append(np.ones(int(ok.sum())))
             if self.word_weight > 0:
                 wh: List[int] = []
@@ -189,13 +197,15 @@ class SentenceTransformerEmbedder:
     Raises ImportError (with the pip name) when ``sentence-transformers`` is
     not installed, RuntimeError when the model cannot be loaded."""
 
-    def __init__(self, model: str = "all-MiniLM-L6-v2", *, device: Optional[str] = None, batch_size: int = 32,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, model: str = "all-MiniLM-L6-v2", *, device: Optional[str] = None, batch_size: int = 32, **kwargs: Any
+    ) -> None:
         try:
             from sentence_transformers import SentenceTransformer
         except ImportError as exc:
-            raise ImportError("the sentence-transformers embedder needs the package: pip install "
-                              f"sentence-transformers ({exc})") from exc
+            raise ImportError(
+                f"the sentence-transformers embedder needs the package: pip install sentence-transformers ({exc})"
+            ) from exc
 
         try:
             self._model = SentenceTransformer(model, device=device, **kwargs)
@@ -219,8 +229,9 @@ class SentenceTransformerEmbedder:
         texts = list(texts)
         if not texts:
             return np.zeros((0, self.dim), np.float32)
-        vecs = self._model.encode(texts, batch_size=self.batch_size, convert_to_numpy=True,
-                                  normalize_embeddings=True, show_progress_bar=False)
+        vecs = self._model.encode(
+            texts, batch_size=self.batch_size, convert_to_numpy=True, normalize_embeddings=True, show_progress_bar=False
+        )
         vecs = np.asarray(vecs, dtype=np.float32).reshape(len(texts), -1)
         if vecs.shape[1] != self.dim:
             raise RuntimeError(f"model returned {vecs.shape[1]}-dim vectors, expected {self.dim}")

@@ -22,6 +22,7 @@ first served, while ``@threads any`` calls (``Engine.prefetch``,
 object waits for the calls in flight on it; later calls raise
 :class:`kvh.BadHandleError` (:class:`kvh.ClosedError` for the engine's).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -286,8 +287,16 @@ class Engine(OwnedHandle):
             if v is not None:
                 setattr(c, name, _index(name, v, maximum=(1 << bits) - 1))
 
-        for name in ("num_layers", "num_kv_heads", "head_dim", "block_tokens", "migration_threads", "lru_k",
-                     "promote_min_hits", "disk_queue_depth"):
+        for name in (
+            "num_layers",
+            "num_kv_heads",
+            "head_dim",
+            "block_tokens",
+            "migration_threads",
+            "lru_k",
+            "promote_min_hits",
+            "disk_queue_depth",
+        ):
             setu(name)
         for name in ("device_bytes", "host_bytes", "disk_bytes", "model_salt", "migration_cpu_mask"):
             setu(name, 64)
@@ -315,7 +324,9 @@ class Engine(OwnedHandle):
             if not c.disk_bytes:
                 raise errors.InvalidArgumentError(
                     f"disk_path={os.fspath(cfg.disk_path)!r} needs disk_bytes > 0 (the disk tier's size in bytes); "
-                    "pass disk_bytes=..., or leave disk_path unset for no disk tier", lib.KVH_ERR_INVALID_ARG)
+                    "pass disk_bytes=..., or leave disk_path unset for no disk tier",
+                    lib.KVH_ERR_INVALID_ARG,
+                )
             path = os.fsencode(cfg.disk_path)
             if b"\0" in path:
                 raise ValueError("disk_path must not contain NUL bytes")
@@ -347,17 +358,32 @@ class Engine(OwnedHandle):
     @staticmethod
     def _read_config(c, given: Config) -> Config:
         return Config(
-            num_layers=int(c.num_layers), num_kv_heads=int(c.num_kv_heads), head_dim=int(c.head_dim),
-            block_tokens=int(c.block_tokens), dtype=DType(int(c.dtype)), backend=Backend(int(c.backend)),
-            cuda_device=int(c.cuda_device), device_bytes=int(c.device_bytes), host_bytes=int(c.host_bytes),
-            disk_bytes=int(c.disk_bytes), disk_path=given.disk_path, model_salt=int(c.model_salt),
-            numa_node=int(c.numa_node), migration_threads=int(c.migration_threads),
-            migration_cpu_mask=int(c.migration_cpu_mask), lru_k=int(c.lru_k),
-            promote_min_hits=int(c.promote_min_hits), log_level=int(c.log_level),
-            disk_queue_depth=int(c.disk_queue_depth), disk_reset_on_mismatch=given.disk_reset_on_mismatch,
-            disk_buffered=given.disk_buffered, disk_strict_index=bool(c.disk_strict_index),
-            kv_codec=Codec(int(c.kv_codec)), vmap=bool(c.vmap),
-            eviction_policy=Eviction(int(c.eviction_policy)), lctru_window=int(c.lctru_window),
+            num_layers=int(c.num_layers),
+            num_kv_heads=int(c.num_kv_heads),
+            head_dim=int(c.head_dim),
+            block_tokens=int(c.block_tokens),
+            dtype=DType(int(c.dtype)),
+            backend=Backend(int(c.backend)),
+            cuda_device=int(c.cuda_device),
+            device_bytes=int(c.device_bytes),
+            host_bytes=int(c.host_bytes),
+            disk_bytes=int(c.disk_bytes),
+            disk_path=given.disk_path,
+            model_salt=int(c.model_salt),
+            numa_node=int(c.numa_node),
+            migration_threads=int(c.migration_threads),
+            migration_cpu_mask=int(c.migration_cpu_mask),
+            lru_k=int(c.lru_k),
+            promote_min_hits=int(c.promote_min_hits),
+            log_level=int(c.log_level),
+            disk_queue_depth=int(c.disk_queue_depth),
+            disk_reset_on_mismatch=given.disk_reset_on_mismatch,
+            disk_buffered=given.disk_buffered,
+            disk_strict_index=bool(c.disk_strict_index),
+            kv_codec=Codec(int(c.kv_codec)),
+            vmap=bool(c.vmap),
+            eviction_policy=Eviction(int(c.eviction_policy)),
+            lctru_window=int(c.lctru_window),
             copy_moves=bool(c.copy_moves),
         )
 
@@ -386,8 +412,10 @@ class Engine(OwnedHandle):
         if self.closed:
             return "<kvh.Engine closed>"
         L, H, D, B = self._geom
-        return (f"<kvh.Engine backend={self._backend} layers={L} kv_heads={H} head_dim={D} "
-                f"block_tokens={B} dtype={self._dtype.short} block_bytes={self._block_bytes}>")
+        return (
+            f"<kvh.Engine backend={self._backend} layers={L} kv_heads={H} head_dim={D} "
+            f"block_tokens={B} dtype={self._dtype.short} block_bytes={self._block_bytes}>"
+        )
 
     def _call(self, *uses: GateUse) -> _Call:
         """``with engine._call(*uses) as ptr:`` around one C call; ``uses``
@@ -451,8 +479,9 @@ class Engine(OwnedHandle):
         return (self.num_kv_heads, self.head_dim)
 
     # ---- sequences ----
-    def sequence(self, agent: int = 0, tokens: Optional[ArrayLike] = None, *, token_budget: int = 0,
-                 context: Any = None) -> "Sequence":
+    def sequence(
+        self, agent: int = 0, tokens: Optional[ArrayLike] = None, *, token_budget: int = 0, context: Any = None
+    ) -> "Sequence":
         """A new empty sequence owned by ``agent`` (tokens, if given, are appended).
         ``token_budget`` (expected final length) subjects it to admission
         (see :meth:`admission`; NoSpaceError when its pool is full);
@@ -468,6 +497,7 @@ class Engine(OwnedHandle):
             sp.token_budget = token_budget
             if context is not None:
                 from .context import Context
+
                 if not isinstance(context, Context):
                     raise TypeError(f"context must be a kvh.Context, not {type(context).__name__}")
                 sp.context.id = context.handle
@@ -493,6 +523,7 @@ class Engine(OwnedHandle):
         ``"demote"`` moves it out of the device tier and back with the
         weights. ``chunk_bytes``: checksum and I/O unit (default 2 MiB)."""
         from .context import KV_POLICIES, Context
+
         if kv_policy not in KV_POLICIES:
             raise ValueError(f"kv_policy must be one of {sorted(KV_POLICIES)}, got {kv_policy!r}")
         cp = ffi.new("kvh_context_params *")
@@ -527,10 +558,12 @@ class Engine(OwnedHandle):
     def weight_stats(self) -> Any:
         """Weight residency and movement counters (:class:`kvh.context.WeightStats`)."""
         from .context import weight_stats
+
         return weight_stats(self)
 
-    def admission(self, *, short_max_tokens: int = 4096, short_device_bytes: int = 0,
-                  long_device_bytes: int = 0) -> None:
+    def admission(
+        self, *, short_max_tokens: int = 4096, short_device_bytes: int = 0, long_device_bytes: int = 0
+    ) -> None:
         """Token-budget admission: requests with a budget of at most
         ``short_max_tokens`` draw on the short pool's device quota, others on
         the long pool's. Both quotas 0 turns admission off."""
@@ -544,6 +577,7 @@ class Engine(OwnedHandle):
 
     def admission_info(self) -> Any:
         from .context import admission_info
+
         return admission_info(self)
 
     # ---- statistics and tiers ----
@@ -569,9 +603,13 @@ class Engine(OwnedHandle):
         with self._call() as p:
             check(lib.kvh_tier_info_get(p, int(t), info))
         return TierInfo(
-            tier=t, capacity_blocks=int(info.capacity_blocks), used_blocks=int(info.used_blocks),
-            used_bytes=int(info.used_bytes), block_bytes=int(info.block_bytes),
-            pinned_blocks=int(info.pinned_blocks), base=int(ffi.cast("uintptr_t", info.base)),
+            tier=t,
+            capacity_blocks=int(info.capacity_blocks),
+            used_blocks=int(info.used_blocks),
+            used_bytes=int(info.used_bytes),
+            block_bytes=int(info.block_bytes),
+            pinned_blocks=int(info.pinned_blocks),
+            base=int(ffi.cast("uintptr_t", info.base)),
         )
 
     def tiers(self) -> Dict[Tier, TierInfo]:
@@ -585,8 +623,9 @@ class Engine(OwnedHandle):
             check(lib.kvh_agent_set_quota(p, agent, device_bytes))
 
     # ---- migration and prefetch ----
-    def prefetch(self, seq: "Sequence", first: TokenSpan = None, n: Optional[int] = None, *,
-                 priority: int = 0) -> "Fence":
+    def prefetch(
+        self, seq: "Sequence", first: TokenSpan = None, n: Optional[int] = None, *, priority: int = 0
+    ) -> "Fence":
         """Hint: tokens ``first .. first+n`` (or a ``range``; default: all) of
         ``seq`` will be needed soon. Returns a future-like :class:`Fence` that
         completes when the promotions it started are done. Any thread."""
@@ -600,8 +639,7 @@ class Engine(OwnedHandle):
             check(lib.kvh_prefetch(p, seq._h[0], first_, n_, priority, f))
         return Fence(self, f)
 
-    def hint(self, seq: "Sequence", first: TokenSpan = None, n: Optional[int] = None, *,
-             priority: int = 0) -> None:
+    def hint(self, seq: "Sequence", first: TokenSpan = None, n: Optional[int] = None, *, priority: int = 0) -> None:
         """Advice, moving nothing: tokens ``first .. first+n`` (or a
         ``range``; default: all) of ``seq`` will be read, the higher
         ``priority`` the sooner. Until then their blocks are evicted after
@@ -618,7 +656,9 @@ class Engine(OwnedHandle):
             first_, n_ = seq._span(p, first, n)
             check(lib.kvh_seq_hint(p, seq._h[0], first_, n_, priority))
 
-    def migrate(self, blocks: Iterable["Block"], tier: Union[Tier, int, str], *, wait: bool = True) -> Optional["Fence"]:
+    def migrate(
+        self, blocks: Iterable["Block"], tier: Union[Tier, int, str], *, wait: bool = True
+    ) -> Optional["Fence"]:
         """Moves blocks to ``tier`` (pinned ones are skipped). ``wait=False``
         returns a Fence instead of waiting."""
         t = Tier.parse(tier)
@@ -709,11 +749,14 @@ class Engine(OwnedHandle):
             npd = np.dtype(typestr)
         else:
             if self._backend == "cuda":
-                raise TypeError(f"{what}: the cuda backend needs q and out in device memory "
-                                "(objects with __cuda_array_interface__), not NumPy arrays")
+                raise TypeError(
+                    f"{what}: the cuda backend needs q and out in device memory "
+                    "(objects with __cuda_array_interface__), not NumPy arrays"
+                )
             if not isinstance(q, np.ndarray):
-                raise TypeError(f"{what}: q must be a numpy.ndarray shaped ({rows}, num_q_heads, {D}), "
-                                f"not {type(q).__name__}")
+                raise TypeError(
+                    f"{what}: q must be a numpy.ndarray shaped ({rows}, num_q_heads, {D}), not {type(q).__name__}"
+                )
             shape, npd = q.shape, q.dtype
         if io_dtype is None:
             if npd == np.float32:
@@ -721,15 +764,18 @@ class Engine(OwnedHandle):
             elif npd == np.float16:
                 io = DType.F16
             else:
-                raise TypeError(f"{what}: q has dtype {npd}; expected float32 or float16 "
-                                "(bf16: uint16 bits with io_dtype='bf16')")
+                raise TypeError(
+                    f"{what}: q has dtype {npd}; expected float32 or float16 (bf16: uint16 bits with io_dtype='bf16')"
+                )
         else:
             io = DType.parse(io_dtype)
             if npd != numpy_dtype(io):
                 raise TypeError(f"{what}: q has dtype {npd}, expected {numpy_dtype(io)} for io_dtype={io.short}")
         if len(shape) != 3 or shape[0] != rows or shape[2] != D or shape[1] == 0 or shape[1] % H:
-            raise ValueError(f"{what}: q has shape {tuple(shape)}, expected ({rows}, num_q_heads, {D}) "
-                             f"with num_q_heads a multiple of num_kv_heads={H}")
+            raise ValueError(
+                f"{what}: q has shape {tuple(shape)}, expected ({rows}, num_q_heads, {D}) "
+                f"with num_q_heads a multiple of num_kv_heads={H}"
+            )
         if not cuda and not q.flags.c_contiguous:
             raise ValueError(f"{what}: q must be C-contiguous, shaped ({rows}, {shape[1]}, {D})")
         if out is None:
@@ -744,8 +790,9 @@ class Engine(OwnedHandle):
             if not isinstance(out, np.ndarray):
                 raise TypeError(f"{what}: out must be a numpy.ndarray shaped {tuple(shape)}")
             if out.dtype != npd or out.shape != tuple(shape):
-                raise ValueError(f"{what}: out has dtype {out.dtype} shape {out.shape}, "
-                                 f"expected {npd} shaped {tuple(shape)}")
+                raise ValueError(
+                    f"{what}: out has dtype {out.dtype} shape {out.shape}, expected {npd} shaped {tuple(shape)}"
+                )
             if not out.flags.c_contiguous or not out.flags.writeable:
                 raise ValueError(f"{what}: out must be C-contiguous and writeable, shaped {tuple(shape)}")
         if cuda:
@@ -772,9 +819,18 @@ class Engine(OwnedHandle):
             prm.stream = ffi.cast("void *", handle)
         return prm
 
-    def attention_decode(self, layer: int, seqs: Seq["Sequence"], q: Any, *, out: Any = None,
-                         scale: float = 0.0, io_dtype: Union[DType, str, None] = None, threads: int = 0,
-                         stream: Any = None) -> Any:
+    def attention_decode(
+        self,
+        layer: int,
+        seqs: Seq["Sequence"],
+        q: Any,
+        *,
+        out: Any = None,
+        scale: float = 0.0,
+        io_dtype: Union[DType, str, None] = None,
+        threads: int = 0,
+        stream: Any = None,
+    ) -> Any:
         """One decode step of paged attention for a batch (one layer).
 
         ``q`` is shaped ``(len(seqs), num_q_heads, head_dim)`` (float32 or
@@ -791,9 +847,19 @@ class Engine(OwnedHandle):
             check(lib.kvh_attention_decode(p, layer, hs, n, qp, op, prm))
         return out
 
-    def attention_prefill(self, layer: int, seqs: Seq["Sequence"], q_lens: Seq[int], q: Any, *,
-                          out: Any = None, scale: float = 0.0, io_dtype: Union[DType, str, None] = None,
-                          threads: int = 0, stream: Any = None) -> Any:
+    def attention_prefill(
+        self,
+        layer: int,
+        seqs: Seq["Sequence"],
+        q_lens: Seq[int],
+        q: Any,
+        *,
+        out: Any = None,
+        scale: float = 0.0,
+        io_dtype: Union[DType, str, None] = None,
+        threads: int = 0,
+        stream: Any = None,
+    ) -> Any:
         """Chunked causal prefill: sequence i's last ``q_lens[i]`` tokens
         attend causally; q is shaped ``(sum(q_lens), num_q_heads, head_dim)``."""
         layer = _index("layer", layer, maximum=_U32)
@@ -809,9 +875,17 @@ class Engine(OwnedHandle):
             check(lib.kvh_attention_prefill(p, layer, hs, ql, n, qp, op, prm))
         return out
 
-    def attention_plan(self, layer: int, seqs: Seq["Sequence"], q_lens: Optional[Seq[int]] = None, *,
-                       num_q_heads: Optional[int] = None, io_dtype: Union[DType, str, None] = None,
-                       scale: float = 0.0, threads: int = 0) -> Any:
+    def attention_plan(
+        self,
+        layer: int,
+        seqs: Seq["Sequence"],
+        q_lens: Optional[Seq[int]] = None,
+        *,
+        num_q_heads: Optional[int] = None,
+        io_dtype: Union[DType, str, None] = None,
+        scale: float = 0.0,
+        threads: int = 0,
+    ) -> Any:
         """Plans decode (``q_lens`` None) or chunked prefill of a batch once
         (:class:`kvh.AttentionPlan`); ``plan.run(q)`` then only launches the
         kernels (capturable into a CUDA graph on the cuda backend). Holds the
@@ -823,8 +897,9 @@ class Engine(OwnedHandle):
         io = DType.F32 if io_dtype is None else DType.parse(io_dtype)
         return AttentionPlan(self, _index("layer", layer, maximum=_U32), seqs, lens, hq, io, scale, threads)
 
-    def attention_decode_vmap(self, views: Seq[Any], q: Any, *, out: Any = None, scale: float = 0.0,
-                              threads: int = 0) -> Any:
+    def attention_decode_vmap(
+        self, views: Seq[Any], q: Any, *, out: Any = None, scale: float = 0.0, threads: int = 0
+    ) -> Any:
         """Decode attention over virtually contiguous views (:class:`kvh.VMap`,
         from :meth:`Sequence.vmap`): q is ``(len(views), num_q_heads,
         head_dim)``. Equals :meth:`attention_decode` bit for bit; a stale view
@@ -833,8 +908,9 @@ class Engine(OwnedHandle):
 
         return attention_decode_vmap(self, views, q, out=out, scale=scale, threads=threads)
 
-    def attention_prefill_vmap(self, views: Seq[Any], q_lens: Seq[int], q: Any, *, out: Any = None,
-                               scale: float = 0.0, threads: int = 0) -> Any:
+    def attention_prefill_vmap(
+        self, views: Seq[Any], q_lens: Seq[int], q: Any, *, out: Any = None, scale: float = 0.0, threads: int = 0
+    ) -> Any:
         """Chunked causal prefill over views: view i's last ``q_lens[i]``
         tokens attend; equals :meth:`attention_prefill` bit for bit."""
         from .vmap import attention_prefill_vmap
@@ -976,7 +1052,9 @@ class Fence(GatedHandle, OwnedHandle):
             self._free()
 
     def __repr__(self) -> str:
-        state = "pending" if self._outcome is None else ("ok" if self._outcome[0] == 0 else status_name(self._outcome[0]))
+        state = (
+            "pending" if self._outcome is None else ("ok" if self._outcome[0] == 0 else status_name(self._outcome[0]))
+        )
         return f"<kvh.Fence {state}>"
 
 
@@ -992,7 +1070,8 @@ class Block(GatedHandle, OwnedHandle):
 
     def __init__(self, engine: Engine, handle: int, owned: bool) -> None:
         self._gate = HandleGate(
-            lambda: errors.BadHandleError(f"block 0x{handle:x} was released", lib.KVH_ERR_BAD_HANDLE))
+            lambda: errors.BadHandleError(f"block 0x{handle:x} was released", lib.KVH_ERR_BAD_HANDLE)
+        )
         self._engine = engine
         self._id = handle
         self._owned = owned
@@ -1022,9 +1101,16 @@ class Block(GatedHandle, OwnedHandle):
         tier_v = int(info.tier)
         return BlockInfo(
             tier=Tier(tier_v) if tier_v in (0, 1, 2) else tier_v,  # type: ignore[arg-type]
-            slot=int(info.slot), refs=int(info.refs), pins=int(info.pins), holds=int(info.holds),
-            tokens=int(info.tokens), agent=int(info.agent), published=bool(info.published),
-            in_flight=bool(info.in_flight), hash=int(info.hash), tolerance=int(info.tolerance),
+            slot=int(info.slot),
+            refs=int(info.refs),
+            pins=int(info.pins),
+            holds=int(info.holds),
+            tokens=int(info.tokens),
+            agent=int(info.agent),
+            published=bool(info.published),
+            in_flight=bool(info.in_flight),
+            hash=int(info.hash),
+            tolerance=int(info.tolerance),
         )
 
     def pin(self, pinned: bool = True) -> None:
@@ -1136,13 +1222,25 @@ class _ViewOwner(Finalized):
     ``__array_interface__`` and keeps the hold (and the engine's memory)
     alive for as long as any array derived from it exists."""
 
-    def __init__(self, engine: Engine, hold: Hold, private_hold: bool, addr: int, shape: Tuple[int, ...],
-                 dtype: np.dtype, readonly: bool) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        hold: Hold,
+        private_hold: bool,
+        addr: int,
+        shape: Tuple[int, ...],
+        dtype: np.dtype,
+        readonly: bool,
+    ) -> None:
         self.engine = engine
         self.hold = hold
         self.private_hold = private_hold
         self.__array_interface__ = {
-            "version": 3, "shape": shape, "typestr": dtype.str, "data": (addr, readonly), "strides": None,
+            "version": 3,
+            "shape": shape,
+            "typestr": dtype.str,
+            "data": (addr, readonly),
+            "strides": None,
         }
         self._native: Optional[_Native] = None
         engine._native.add_view()  # type: ignore[union-attr]
@@ -1170,7 +1268,8 @@ class Sequence(GatedHandle, OwnedHandle):
 
     def __init__(self, engine: Engine, h, agent: int) -> None:
         self._gate = HandleGate(
-            lambda: errors.BadHandleError(f"sequence 0x{int(h.id):x} was freed", lib.KVH_ERR_BAD_HANDLE))
+            lambda: errors.BadHandleError(f"sequence 0x{int(h.id):x} was freed", lib.KVH_ERR_BAD_HANDLE)
+        )
         self._engine = engine
         self._h = h
         self._agent = agent
@@ -1263,16 +1362,18 @@ class Sequence(GatedHandle, OwnedHandle):
         expected = f"({'n' if n is None else n}, {H}, {D})"
         note = " (bf16 K/V are uint16 bit patterns)" if eng.dtype == DType.BF16 else ""
         if not isinstance(a, np.ndarray):
-            raise TypeError(f"{name} must be a numpy.ndarray of dtype {dt} shaped {expected}{note}, "
-                            f"not {type(a).__name__}")
+            raise TypeError(
+                f"{name} must be a numpy.ndarray of dtype {dt} shaped {expected}{note}, not {type(a).__name__}"
+            )
         if a.dtype != dt:
             raise TypeError(f"{name} has dtype {a.dtype}, expected {dt} shaped {expected}{note}")
         if a.ndim != 3 or a.shape[1:] != (H, D) or (n is not None and a.shape[0] != n):
-            raise ValueError(f"{name} has shape {a.shape}, expected {expected} "
-                             f"(tokens, num_kv_heads, head_dim)")
+            raise ValueError(f"{name} has shape {a.shape}, expected {expected} (tokens, num_kv_heads, head_dim)")
         if not a.flags.c_contiguous:
-            raise ValueError(f"{name} must be C-contiguous with shape {expected} (got strides {a.strides}; "
-                             "use numpy.ascontiguousarray)")
+            raise ValueError(
+                f"{name} must be C-contiguous with shape {expected} (got strides {a.strides}; "
+                "use numpy.ascontiguousarray)"
+            )
         if out and not a.flags.writeable:
             raise ValueError(f"{name} must be writeable")
         return a
@@ -1346,9 +1447,14 @@ class Sequence(GatedHandle, OwnedHandle):
             check(lib.kvh_seq_write_kv(p, self._h[0], layer, pos, k.shape[0], _ptr(k), _ptr(v)))
             self._refresh_views()
 
-    def read_kv(self, layer: int, pos: TokenSpan = None, n: Optional[int] = None, *,
-                out: Optional[Tuple[Optional[np.ndarray], Optional[np.ndarray]]] = None
-                ) -> Tuple[np.ndarray, np.ndarray]:
+    def read_kv(
+        self,
+        layer: int,
+        pos: TokenSpan = None,
+        n: Optional[int] = None,
+        *,
+        out: Optional[Tuple[Optional[np.ndarray], Optional[np.ndarray]]] = None,
+    ) -> Tuple[np.ndarray, np.ndarray]:
         """Copies K and V of tokens ``[pos, pos + n)`` (or a range; default
         all) of one layer into new arrays shaped ``(n, num_kv_heads,
         head_dim)`` (or into ``out=(k, v)``). Returns ``(k, v)``."""
@@ -1396,8 +1502,7 @@ class Sequence(GatedHandle, OwnedHandle):
             f, cnt = self._span(p, first, n)
             check(lib.kvh_seq_set_tolerance(p, self._h[0], f, cnt, tol))
 
-    def derive_tolerance(self, first: TokenSpan = None, n: Optional[int] = None, *,
-                         max_rel_error: float = 0.0) -> None:
+    def derive_tolerance(self, first: TokenSpan = None, n: Optional[int] = None, *, max_rel_error: float = 0.0) -> None:
         """Sets the tolerance of the range's device-tier blocks from the
         engine's kv_codec error on them: 255 * max(0, 1 - err / max_rel_error)
         (0 = 0.25). Needs ``kv_codec``."""
@@ -1410,8 +1515,9 @@ class Sequence(GatedHandle, OwnedHandle):
             f, cnt = self._span(p, first, n)
             check(lib.kvh_seq_pin(p, self._h[0], f, cnt, pinned))
 
-    def migrate(self, tier: Union[Tier, int, str], first: TokenSpan = None, n: Optional[int] = None, *,
-                wait: bool = True) -> Optional[Fence]:
+    def migrate(
+        self, tier: Union[Tier, int, str], first: TokenSpan = None, n: Optional[int] = None, *, wait: bool = True
+    ) -> Optional[Fence]:
         """Moves the blocks of a token range to a tier."""
         t = Tier.parse(tier)
         fp = ffi.new("kvh_fence *") if not wait else NULL
@@ -1479,7 +1585,8 @@ class Sequence(GatedHandle, OwnedHandle):
         if eng.backend != "cpu":
             raise errors.UnsupportedError(
                 f"block views need host memory; the {eng.backend} backend keeps the device tier in GPU memory",
-                lib.KVH_ERR_UNSUPPORTED)
+                lib.KVH_ERR_UNSUPPORTED,
+            )
         bt = eng.block_tokens
         length = self.length
         if index * bt >= length:

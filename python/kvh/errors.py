@@ -9,6 +9,7 @@ Several classes also derive from the matching builtin, so ordinary
 name here is a builtin's (``KvhIOError``, ``KvhTimeoutError``), so
 ``from kvh import *`` leaves the builtins alone.
 """
+
 from __future__ import annotations
 
 import errno as _errno

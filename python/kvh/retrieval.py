@@ -15,6 +15,7 @@ names it serves, e.g. ``("qdrant",)``).
 :class:`PrefetchPlanner` glues an index to an engine: given a query vector
 it prefetches the sequences of the top hits, highest score first.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -130,8 +131,10 @@ def open_chunk_index(kind: str = "auto", dim: int = 64, **options: Any) -> Chunk
     if mod is None or not hasattr(mod, "open_chunk_index"):
         if kind == "auto":
             return NumpyChunkIndex(dim)
-        raise ValueError(f"retriever kind {kind!r} needs kvh.retriever, which is not available "
-                         f"(available: {', '.join(available_kinds())})")
+        raise ValueError(
+            f"retriever kind {kind!r} needs kvh.retriever, which is not available "
+            f"(available: {', '.join(available_kinds())})"
+        )
     try:
         return mod.open_chunk_index(kind=kind, dim=dim, **options)
     except (ImportError, RuntimeError, OSError):
@@ -145,8 +148,9 @@ class PrefetchPlanner:
     ``limit`` nearest chunks are prefetched, the best hit with the highest
     priority. ``chunks`` maps chunk id -> kvh.Sequence."""
 
-    def __init__(self, engine: Any, index: ChunkIndex, chunks: Mapping[int, Any], *, limit: int = 2,
-                 base_priority: int = 100) -> None:
+    def __init__(
+        self, engine: Any, index: ChunkIndex, chunks: Mapping[int, Any], *, limit: int = 2, base_priority: int = 100
+    ) -> None:
         self.engine = engine
         self.index = index
         self.chunks = chunks

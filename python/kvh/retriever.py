@@ -49,6 +49,7 @@ Environment: ``KVH_QDRANT_URL`` (a server used when neither ``url`` nor
 ``path`` is given), ``KVH_QDRANT_PATH`` (the embedded store's directory),
 ``KVH_QDRANT_API_KEY``; ``KVH_EMBEDDER`` (see :func:`kvh.embed.open_embedder`).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -104,8 +105,10 @@ def _qdrant():
     try:
         from qdrant_client import QdrantClient, models
     except ImportError as exc:
-        raise ImportError(f"the Qdrant chunk index needs qdrant-client ({_PIP_HINT}); "
-                          f"or choose the NumPy index (index='numpy' / --retriever numpy): {exc}") from exc
+        raise ImportError(
+            f"the Qdrant chunk index needs qdrant-client ({_PIP_HINT}); "
+            f"or choose the NumPy index (index='numpy' / --retriever numpy): {exc}"
+        ) from exc
     return QdrantClient, models
 
 
@@ -149,9 +152,19 @@ class QdrantChunkIndex(OwnedHandle):
 
     name = "qdrant"
 
-    def __init__(self, dim: int, *, path: Optional[str] = None, url: Optional[str] = None,
-                 api_key: Optional[str] = None, collection: Optional[str] = None, recreate: bool = False,
-                 prefer_grpc: bool = False, timeout: Optional[float] = None, batch_size: int = 256) -> None:
+    def __init__(
+        self,
+        dim: int,
+        *,
+        path: Optional[str] = None,
+        url: Optional[str] = None,
+        api_key: Optional[str] = None,
+        collection: Optional[str] = None,
+        recreate: bool = False,
+        prefer_grpc: bool = False,
+        timeout: Optional[float] = None,
+        batch_size: int = 256,
+    ) -> None:
         QdrantClient, models = _qdrant()
         self._models = models
         if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)) or dim <= 0:
@@ -220,8 +233,9 @@ class QdrantChunkIndex(OwnedHandle):
         except Exception:  # noqa: BLE001 - no version to compare: nothing to say
             return
         if a[0] != b[0] or abs(a[1] - b[1]) > 1:
-            log.warning("kvh.retriever: qdrant-client %s may not work with Qdrant server %s at %s", mine, theirs,
-                        self.location)
+            log.warning(
+                "kvh.retriever: qdrant-client %s may not work with Qdrant server %s at %s", mine, theirs, self.location
+            )
 
     # ---- lifetime ----
     def _close_client(self) -> None:
@@ -248,8 +262,10 @@ class QdrantChunkIndex(OwnedHandle):
         return self._client is None
 
     def __repr__(self) -> str:
-        return (f"<kvh.retriever.QdrantChunkIndex {self.mode} {self.location!r} collection={self.collection!r} "
-                f"dim={self.dim}>")
+        return (
+            f"<kvh.retriever.QdrantChunkIndex {self.mode} {self.location!r} collection={self.collection!r} "
+            f"dim={self.dim}>"
+        )
 
     def _c(self):
         if self._client is None:
@@ -267,15 +283,18 @@ class QdrantChunkIndex(OwnedHandle):
             params = c.get_collection(self.collection).config.params.vectors
             size = getattr(params, "size", None)
             if size is None and isinstance(params, Mapping):  # named vectors: not ours
-                raise RuntimeError(f"Qdrant collection {self.collection!r} uses named vectors; kvh needs a collection "
-                                   "with one unnamed vector (choose another collection or recreate=True)")
+                raise RuntimeError(
+                    f"Qdrant collection {self.collection!r} uses named vectors; kvh needs a collection "
+                    "with one unnamed vector (choose another collection or recreate=True)"
+                )
             if int(size) != self.dim:
-                raise RuntimeError(f"Qdrant collection {self.collection!r} at {self.location} holds {size}-dim "
-                                   f"vectors, the embedder makes {self.dim}-dim ones (choose another collection, the "
-                                   "same embedder, or recreate=True to empty it)")
+                raise RuntimeError(
+                    f"Qdrant collection {self.collection!r} at {self.location} holds {size}-dim "
+                    f"vectors, the embedder makes {self.dim}-dim ones (choose another collection, the "
+                    "same embedder, or recreate=True to empty it)"
+                )
             return
-        c.create_collection(self.collection,
-                            vectors_config=m.VectorParams(size=self.dim, distance=m.Distance.COSINE))
+        c.create_collection(self.collection, vectors_config=m.VectorParams(size=self.dim, distance=m.Distance.COSINE))
 
     # ---- ChunkIndex ----
     def add(self, ids: Seq[int], vectors: np.ndarray, payloads: Optional[Seq[Mapping[str, Any]]] = None) -> None:
@@ -294,26 +313,32 @@ class QdrantChunkIndex(OwnedHandle):
             c = self._c()
             for i in range(0, len(ids), self.batch_size):
                 j = i + self.batch_size
-                batch = m.Batch(ids=ids[i:j], vectors=vecs[i:j].tolist(),
-                                payloads=[dict(p) for p in payloads[i:j]] if payloads is not None else None)
+                batch = m.Batch(
+                    ids=ids[i:j],
+                    vectors=vecs[i:j].tolist(),
+                    payloads=[dict(p) for p in payloads[i:j]] if payloads is not None else None,
+                )
                 c.upsert(self.collection, points=batch, wait=True)
 
     def _filter(self, agent: Optional[int]):
         if agent is None:
             return None
         m = self._models
-        return m.Filter(should=[
-            m.FieldCondition(key="agent", match=m.MatchValue(value=int(agent))),
-            m.IsEmptyCondition(is_empty=m.PayloadField(key="agent")),
-        ])
+        return m.Filter(
+            should=[
+                m.FieldCondition(key="agent", match=m.MatchValue(value=int(agent))),
+                m.IsEmptyCondition(is_empty=m.PayloadField(key="agent")),
+            ]
+        )
 
     def search(self, vector: np.ndarray, limit: int = 4, *, agent: Optional[int] = None) -> List[Tuple[int, float]]:
         """The ``limit`` nearest points as (id, cosine score), best first;
         ``agent`` keeps points whose payload has that agent or none."""
         return [(pid, score) for pid, score, _ in self.search_payloads(vector, limit, agent=agent, with_payload=False)]
 
-    def search_payloads(self, vector: np.ndarray, limit: int = 4, *, agent: Optional[int] = None,
-                        with_payload: bool = True) -> List[Tuple[int, float, Optional[Dict[str, Any]]]]:
+    def search_payloads(
+        self, vector: np.ndarray, limit: int = 4, *, agent: Optional[int] = None, with_payload: bool = True
+    ) -> List[Tuple[int, float, Optional[Dict[str, Any]]]]:
         q = np.asarray(vector, np.float32).reshape(-1)
         if q.shape[0] != self.dim:
             raise ValueError(f"query must have {self.dim} elements, got {q.shape[0]}")
@@ -323,11 +348,22 @@ class QdrantChunkIndex(OwnedHandle):
             c = self._c()
             flt = self._filter(agent)
             if hasattr(c, "query_points"):
-                res = c.query_points(self.collection, query=q.tolist(), limit=int(limit), query_filter=flt,
-                                     with_payload=with_payload, with_vectors=False).points
+                res = c.query_points(
+                    self.collection,
+                    query=q.tolist(),
+                    limit=int(limit),
+                    query_filter=flt,
+                    with_payload=with_payload,
+                    with_vectors=False,
+                ).points
             else:  # qdrant-client < 1.10
-                res = c.search(self.collection, query_vector=q.tolist(), limit=int(limit), query_filter=flt,
-                               with_payload=with_payload)
+                res = c.search(
+                    self.collection,
+                    query_vector=q.tolist(),
+                    limit=int(limit),
+                    query_filter=flt,
+                    with_payload=with_payload,
+                )
         return [(int(p.id), float(p.score), p.payload if with_payload else None) for p in res]
 
     # ---- more than ChunkIndex ----
@@ -354,8 +390,9 @@ class QdrantChunkIndex(OwnedHandle):
         offset = None
         while True:
             with self._lock:
-                recs, offset = self._c().scroll(self.collection, limit=batch, offset=offset, with_payload=True,
-                                                with_vectors=False)
+                recs, offset = self._c().scroll(
+                    self.collection, limit=batch, offset=offset, with_payload=True, with_vectors=False
+                )
             for r in recs:
                 yield int(r.id), dict(r.payload or {})
             if offset is None:
@@ -465,7 +502,7 @@ class SyntheticKV:
         while pos < end:
             take = min(bt - pos % bt, end - pos)
             with seq.acquire(pos, take):
-                self._write(seq, tokens[pos - pos0:pos - pos0 + take], pos)
+                self._write(seq, tokens[pos - pos0 : pos - pos0 + take], pos)
             pos += take
 
     def check(self, seq: Any, tokens: Any, layer: int = 0, first_pos: int = 0) -> bool:
@@ -512,19 +549,21 @@ class ChunkRecord:
 
     def payload(self, *, model_salt: int, block_tokens: int, embedder: str) -> Dict[str, Any]:
         p: Dict[str, Any] = dict(self.meta)
-        p.update({
-            "kvh": PAYLOAD_VERSION,
-            "chunk_id": f"{self.chunk_id:016x}",
-            "doc": self.doc,
-            "index": self.index,
-            "text": self.text,
-            "tokens": [int(t) for t in self.tokens],
-            "n_tokens": self.n_tokens,
-            "block_tokens": int(block_tokens),
-            "block_hashes": [f"{h:016x}" for h in self.block_hashes],
-            "model_salt": f"{model_salt & _MASK64:016x}",
-            "embedder": embedder,
-        })
+        p.update(
+            {
+                "kvh": PAYLOAD_VERSION,
+                "chunk_id": f"{self.chunk_id:016x}",
+                "doc": self.doc,
+                "index": self.index,
+                "text": self.text,
+                "tokens": [int(t) for t in self.tokens],
+                "n_tokens": self.n_tokens,
+                "block_tokens": int(block_tokens),
+                "block_hashes": [f"{h:016x}" for h in self.block_hashes],
+                "model_salt": f"{model_salt & _MASK64:016x}",
+                "embedder": embedder,
+            }
+        )
         if self.agent is not None:
             p["agent"] = int(self.agent)
         else:
@@ -533,13 +572,30 @@ class ChunkRecord:
 
     @classmethod
     def from_payload(cls, chunk_id: int, payload: Mapping[str, Any]) -> "ChunkRecord":
-        known = {"kvh", "chunk_id", "doc", "index", "text", "tokens", "n_tokens", "block_tokens", "block_hashes",
-                 "model_salt", "embedder", "agent"}
-        return cls(chunk_id=int(chunk_id), tokens=np.asarray(payload.get("tokens", []), np.int32),
-                   text=str(payload.get("text") or ""), doc=payload.get("doc"), index=payload.get("index"),
-                   agent=payload.get("agent"),
-                   block_hashes=[int(h, 16) for h in payload.get("block_hashes", [])],
-                   meta={k: v for k, v in payload.items() if k not in known})
+        known = {
+            "kvh",
+            "chunk_id",
+            "doc",
+            "index",
+            "text",
+            "tokens",
+            "n_tokens",
+            "block_tokens",
+            "block_hashes",
+            "model_salt",
+            "embedder",
+            "agent",
+        }
+        return cls(
+            chunk_id=int(chunk_id),
+            tokens=np.asarray(payload.get("tokens", []), np.int32),
+            text=str(payload.get("text") or ""),
+            doc=payload.get("doc"),
+            index=payload.get("index"),
+            agent=payload.get("agent"),
+            block_hashes=[int(h, 16) for h in payload.get("block_hashes", [])],
+            meta={k: v for k, v in payload.items() if k not in known},
+        )
 
 
 @dataclass(frozen=True)
@@ -611,9 +667,22 @@ class RetrieverMetrics:
         return self.hits / self.used if self.used else 0.0
 
     def to_dict(self) -> Dict[str, Any]:
-        d = {k: getattr(self, k) for k in ("windows", "predicted", "used", "hits", "unwindowed_uses", "predictions",
-                                          "chunks_hinted", "chunks_resident", "predict_seconds_total",
-                                          "predict_seconds_p50", "predict_seconds_p99")}
+        d = {
+            k: getattr(self, k)
+            for k in (
+                "windows",
+                "predicted",
+                "used",
+                "hits",
+                "unwindowed_uses",
+                "predictions",
+                "chunks_hinted",
+                "chunks_resident",
+                "predict_seconds_total",
+                "predict_seconds_p50",
+                "predict_seconds_p99",
+            )
+        }
         d["precision"] = self.precision
         d["recall"] = self.recall
         d["kvh"] = dict(self.kvh)
@@ -629,9 +698,23 @@ class _Window:
         self.used: Set[int] = set()
 
 
-_KVH_COUNTERS = ("prefetch_issued", "prefetch_useful", "prefetch_late", "prefetch_wasted", "prefetch_skipped",
-                 "acquire_stall_ns", "lookups", "hits_device", "hits_host", "hits_disk", "evictions",
-                 "blocks_host_to_device", "blocks_disk_to_host", "bytes_host_to_device", "bytes_disk_to_host")
+_KVH_COUNTERS = (
+    "prefetch_issued",
+    "prefetch_useful",
+    "prefetch_late",
+    "prefetch_wasted",
+    "prefetch_skipped",
+    "acquire_stall_ns",
+    "lookups",
+    "hits_device",
+    "hits_host",
+    "hits_disk",
+    "evictions",
+    "blocks_host_to_device",
+    "blocks_disk_to_host",
+    "bytes_host_to_device",
+    "bytes_disk_to_host",
+)
 
 
 # ---------------------------------------------------------------------------------
@@ -674,13 +757,29 @@ class SpeculativeRetriever(Closable):
             r.metrics()                                 # precision, recall, kvh counters
     """
 
-    def __init__(self, engine: Any, *, index: Any = "qdrant", embedder: Any = "auto",
-                 kv_fn: Optional[Callable[[Any, np.ndarray], None]] = None, tokenizer: Any = None, top_k: int = 4,
-                 context_chars: int = 1536, segment_chars: int = 256, decay: float = 0.5,
-                 draft: Optional[Callable[[str], str]] = None, draft_weight: float = 1.0, base_priority: int = 1000,
-                 min_score: Optional[float] = None, chunk_agent: int = 0, qdrant_path: Optional[str] = None,
-                 qdrant_url: Optional[str] = None, collection: Optional[str] = None, recreate: bool = False,
-                 filter_agents: bool = False) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        index: Any = "qdrant",
+        embedder: Any = "auto",
+        kv_fn: Optional[Callable[[Any, np.ndarray], None]] = None,
+        tokenizer: Any = None,
+        top_k: int = 4,
+        context_chars: int = 1536,
+        segment_chars: int = 256,
+        decay: float = 0.5,
+        draft: Optional[Callable[[str], str]] = None,
+        draft_weight: float = 1.0,
+        base_priority: int = 1000,
+        min_score: Optional[float] = None,
+        chunk_agent: int = 0,
+        qdrant_path: Optional[str] = None,
+        qdrant_url: Optional[str] = None,
+        collection: Optional[str] = None,
+        recreate: bool = False,
+        filter_agents: bool = False,
+    ) -> None:
         from .engine import Engine
 
         if not isinstance(engine, Engine):
@@ -696,14 +795,21 @@ class SpeculativeRetriever(Closable):
             kind = index.strip().lower()
             if kind == "auto":
                 try:
-                    index = open_chunk_index("qdrant", self.embedder.dim, path=qdrant_path, url=qdrant_url,
-                                             collection=collection, recreate=recreate)
+                    index = open_chunk_index(
+                        "qdrant",
+                        self.embedder.dim,
+                        path=qdrant_path,
+                        url=qdrant_url,
+                        collection=collection,
+                        recreate=recreate,
+                    )
                 except ImportError as exc:
                     log.warning("kvh.retriever: %s; using the NumPy index", exc)
                     index = NumpyChunkIndex(self.embedder.dim)
             else:
-                index = open_chunk_index(kind, self.embedder.dim, path=qdrant_path, url=qdrant_url,
-                                         collection=collection, recreate=recreate)
+                index = open_chunk_index(
+                    kind, self.embedder.dim, path=qdrant_path, url=qdrant_url, collection=collection, recreate=recreate
+                )
         elif not (hasattr(index, "add") and hasattr(index, "search")):
             raise TypeError("index must be 'qdrant', 'numpy', 'auto' or an object with add() and search()")
         if getattr(index, "dim", self.embedder.dim) != self.embedder.dim:
@@ -768,8 +874,10 @@ class SpeculativeRetriever(Closable):
                 pass
 
     def __repr__(self) -> str:
-        return (f"<kvh.retriever.SpeculativeRetriever chunks={len(self._records)} "
-                f"index={getattr(self.index, 'name', '?')} embedder={self.embedder.name} top_k={self.top_k}>")
+        return (
+            f"<kvh.retriever.SpeculativeRetriever chunks={len(self._records)} "
+            f"index={getattr(self.index, 'name', '?')} embedder={self.embedder.name} top_k={self.top_k}>"
+        )
 
     def __len__(self) -> int:
         return len(self._records)
@@ -798,12 +906,12 @@ class SpeculativeRetriever(Closable):
         h = 0
         full = tk.size // bt
         for b in range(full):
-            h = self.engine.prefix_hash(tk[b * bt:(b + 1) * bt], h)
+            h = self.engine.prefix_hash(tk[b * bt : (b + 1) * bt], h)
         if tk.size % bt:
             d = hashlib.blake2b(digest_size=8, person=b"kvh-chunk-tail")
             d.update(h.to_bytes(8, "little"))
             d.update((self.model_salt & _MASK64).to_bytes(8, "little"))
-            d.update(tk[full * bt:].tobytes())
+            d.update(tk[full * bt :].tobytes())
             h = int.from_bytes(d.digest(), "little")
         return h
 
@@ -817,8 +925,10 @@ class SpeculativeRetriever(Closable):
             if matched < rec.n_tokens:
                 self.kv_fn(seq, rec.tokens[matched:])
             if len(seq) != rec.n_tokens or not np.array_equal(seq.tokens(), rec.tokens):
-                raise RuntimeError(f"kv_fn must append exactly the {rec.n_tokens - matched} tokens it is given "
-                                   f"(the chunk sequence has {len(seq)} tokens, expected {rec.n_tokens})")
+                raise RuntimeError(
+                    f"kv_fn must append exactly the {rec.n_tokens - matched} tokens it is given "
+                    f"(the chunk sequence has {len(seq)} tokens, expected {rec.n_tokens})"
+                )
             blocks = seq.blocks()
             hashes = [b.info().hash for b in blocks]
         except BaseException:
@@ -850,8 +960,15 @@ class SpeculativeRetriever(Closable):
             text = it.get("text")
             if text is None:
                 text = " ".join(map(str, tokens.tolist()))
-            rec = known or ChunkRecord(chunk_id=cid, tokens=tokens, text=str(text), doc=it.get("doc"),
-                                       index=it.get("index"), agent=it.get("agent"), meta=dict(it.get("meta") or {}))
+            rec = known or ChunkRecord(
+                chunk_id=cid,
+                tokens=tokens,
+                text=str(text),
+                doc=it.get("doc"),
+                index=it.get("index"),
+                agent=it.get("agent"),
+                meta=dict(it.get("meta") or {}),
+            )
             with self._attach_lock:
                 with self._lock:
                     attached = cid in self._seqs
@@ -868,15 +985,31 @@ class SpeculativeRetriever(Closable):
             self._index_records(fresh)
         return out
 
-    def add_chunk(self, tokens: Any, text: Optional[str] = None, *, doc: Optional[str] = None,
-                  index: Optional[int] = None, agent: Optional[int] = None,
-                  meta: Optional[Mapping[str, Any]] = None) -> ChunkRecord:
+    def add_chunk(
+        self,
+        tokens: Any,
+        text: Optional[str] = None,
+        *,
+        doc: Optional[str] = None,
+        index: Optional[int] = None,
+        agent: Optional[int] = None,
+        meta: Optional[Mapping[str, Any]] = None,
+    ) -> ChunkRecord:
         """One chunk (see :meth:`add_chunks`)."""
-        return self.add_chunks([{"tokens": tokens, "text": text, "doc": doc, "index": index, "agent": agent,
-                                 "meta": meta}])[0]
+        return self.add_chunks(
+            [{"tokens": tokens, "text": text, "doc": doc, "index": index, "agent": agent, "meta": meta}]
+        )[0]
 
-    def add_document(self, doc: str, text: str, *, chunk_tokens: int = 256, tokenizer: Any = None,
-                     agent: Optional[int] = None, meta: Optional[Mapping[str, Any]] = None) -> List[ChunkRecord]:
+    def add_document(
+        self,
+        doc: str,
+        text: str,
+        *,
+        chunk_tokens: int = 256,
+        tokenizer: Any = None,
+        agent: Optional[int] = None,
+        meta: Optional[Mapping[str, Any]] = None,
+    ) -> List[ChunkRecord]:
         """Splits ``text`` into chunks of ``chunk_tokens`` tokens (a multiple
         of the engine's block_tokens keeps every block durable and
         findable by content) and adds them. ``tokenizer``: an object with
@@ -889,15 +1022,24 @@ class SpeculativeRetriever(Closable):
         if hasattr(tok, "split") and hasattr(tok, "token"):
             pieces = tok.split(text)
             for i, start in enumerate(range(0, len(pieces), chunk_tokens)):
-                part = pieces[start:start + chunk_tokens]
-                items.append({"tokens": [tok.token(p) for p in part], "text": " ".join(part), "doc": doc, "index": i,
-                              "agent": agent, "meta": meta})
+                part = pieces[start : start + chunk_tokens]
+                items.append(
+                    {
+                        "tokens": [tok.token(p) for p in part],
+                        "text": " ".join(part),
+                        "doc": doc,
+                        "index": i,
+                        "agent": agent,
+                        "meta": meta,
+                    }
+                )
         elif hasattr(tok, "encode") and hasattr(tok, "decode"):
             ids = [int(t) for t in tok.encode(text)]
             for i, start in enumerate(range(0, len(ids), chunk_tokens)):
-                part = ids[start:start + chunk_tokens]
-                items.append({"tokens": part, "text": tok.decode(part), "doc": doc, "index": i, "agent": agent,
-                              "meta": meta})
+                part = ids[start : start + chunk_tokens]
+                items.append(
+                    {"tokens": part, "text": tok.decode(part), "doc": doc, "index": i, "agent": agent, "meta": meta}
+                )
         else:
             raise TypeError("tokenizer must have encode() and decode(), or be a kvh.embed.WordTokenizer")
         return self.add_chunks(items)
@@ -1014,13 +1156,13 @@ class SpeculativeRetriever(Closable):
         ``draft_weight``."""
         if not isinstance(context, str):
             raise TypeError(f"context must be str, not {type(context).__name__}")
-        tail = context[-self.context_chars:] if self.context_chars > 0 else context
+        tail = context[-self.context_chars :] if self.context_chars > 0 else context
         texts: List[str] = []
         weights: List[float] = []
         seg = self.segment_chars if self.segment_chars > 0 else max(1, len(tail))
         end, w = len(tail), 1.0
         while end > 0:
-            piece = tail[max(0, end - seg):end]
+            piece = tail[max(0, end - seg) : end]
             if piece.strip():
                 texts.append(piece)
                 weights.append(w)
@@ -1045,8 +1187,9 @@ class SpeculativeRetriever(Closable):
         n = float(np.linalg.norm(v))
         return (v / n).astype(np.float32) if n > 0 else v
 
-    def predict(self, context: str, *, agent: Optional[int] = None, k: Optional[int] = None,
-                draft_text: Optional[str] = None) -> List[Prediction]:
+    def predict(
+        self, context: str, *, agent: Optional[int] = None, k: Optional[int] = None, draft_text: Optional[str] = None
+    ) -> List[Prediction]:
         """The chunks most likely needed next after ``context``, best first
         (no hints, no accounting)."""
         return self._predict(self.query_vector(context, draft_text), agent, k)
@@ -1074,8 +1217,9 @@ class SpeculativeRetriever(Closable):
             self._windows[agent] = w
         return w
 
-    def _run_prefetch(self, context: str, draft_text: Optional[str], agent: Optional[int], k: Optional[int],
-                      window: Optional[_Window]) -> PrefetchResult:
+    def _run_prefetch(
+        self, context: str, draft_text: Optional[str], agent: Optional[int], k: Optional[int], window: Optional[_Window]
+    ) -> PrefetchResult:
         t0 = time.perf_counter()
         try:
             preds = self._predict(self.query_vector(context, draft_text), agent, k)
@@ -1111,8 +1255,9 @@ class SpeculativeRetriever(Closable):
             self._latencies.append(dt)
         return PrefetchResult(agent, preds, hinted, resident, fences, dt)
 
-    def prefetch(self, context: str, *, agent: Optional[int] = None, k: Optional[int] = None,
-                 draft_text: Optional[str] = None) -> PrefetchResult:
+    def prefetch(
+        self, context: str, *, agent: Optional[int] = None, k: Optional[int] = None, draft_text: Optional[str] = None
+    ) -> PrefetchResult:
         """Predicts the chunks ``agent`` needs next after ``context`` and
         issues prefetch hints for those not resident (priority
         ``base_priority - rank``). ``draft_text``: a projected continuation
@@ -1123,8 +1268,9 @@ class SpeculativeRetriever(Closable):
         window = self._open_window(agent)
         return self._run_prefetch(context, draft_text, agent, k, window)
 
-    def prefetch_async(self, context: str, *, agent: Optional[int] = None, k: Optional[int] = None,
-                       draft_text: Optional[str] = None) -> "Future[PrefetchResult]":
+    def prefetch_async(
+        self, context: str, *, agent: Optional[int] = None, k: Optional[int] = None, draft_text: Optional[str] = None
+    ) -> "Future[PrefetchResult]":
         """:meth:`prefetch` on a background thread (one, so predictions run
         in order). The accounting window opens now, in the caller's
         thread, so the agent's next acquires count against this prediction

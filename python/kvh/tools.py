@@ -1,4 +1,5 @@
 """Finds the C tools (kvh-store, kvh-bench) that the CLI wraps."""
+
 from __future__ import annotations
 
 import os
@@ -16,6 +17,7 @@ def loaded_library_path() -> Optional[Path]:
     """Path of the libkvh.so the binding loaded (from /proc/self/maps)."""
     try:
         from . import _ffi  # noqa: F401  (makes sure it is loaded)
+
         with open("/proc/self/maps") as f:
             for line in f:
                 parts = line.split(None, 5)

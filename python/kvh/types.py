@@ -1,5 +1,6 @@
 """Plain data types of the Python API: configuration, statistics, tier and
 block information, dtypes and tiers."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -60,8 +61,17 @@ class DType(enum.IntEnum):
             return value
         if isinstance(value, str):
             key = value.strip().lower()
-            names = {"f32": cls.F32, "float32": cls.F32, "fp32": cls.F32, "f16": cls.F16, "float16": cls.F16,
-                     "fp16": cls.F16, "half": cls.F16, "bf16": cls.BF16, "bfloat16": cls.BF16}
+            names = {
+                "f32": cls.F32,
+                "float32": cls.F32,
+                "fp32": cls.F32,
+                "f16": cls.F16,
+                "float16": cls.F16,
+                "fp16": cls.F16,
+                "half": cls.F16,
+                "bf16": cls.BF16,
+                "bfloat16": cls.BF16,
+            }
             if key in names:
                 return names[key]
             raise ValueError(f"unknown dtype {value!r}: expected 'f32', 'f16' or 'bf16'")
@@ -232,8 +242,16 @@ class Codec(enum.IntEnum):
             return value
         if isinstance(value, str):
             key = value.strip().lower().replace("-", "_")
-            names = {"none": cls.NONE, "raw": cls.NONE, "int8": cls.INT8, "q8": cls.INT8, "q4_g32": cls.Q4_G32,
-                     "q4": cls.Q4_G32, "int4": cls.Q4_G32, "q4_g64": cls.Q4_G64}
+            names = {
+                "none": cls.NONE,
+                "raw": cls.NONE,
+                "int8": cls.INT8,
+                "q8": cls.INT8,
+                "q4_g32": cls.Q4_G32,
+                "q4": cls.Q4_G32,
+                "int4": cls.Q4_G32,
+                "q4_g64": cls.Q4_G64,
+            }
             if key in names:
                 return names[key]
             raise ValueError(f"unknown codec {value!r}: expected 'none', 'int8', 'q4_g32' or 'q4_g64'")
@@ -309,8 +327,7 @@ class Stats:
 
     @property
     def bytes_moved(self) -> int:
-        return (self.bytes_device_to_host + self.bytes_host_to_device + self.bytes_host_to_disk
-                + self.bytes_disk_to_host)
+        return self.bytes_device_to_host + self.bytes_host_to_device + self.bytes_host_to_disk + self.bytes_disk_to_host
 
     def to_dict(self) -> Dict[str, int]:
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}

@@ -9,6 +9,7 @@ view is stale until :meth:`VMap.refresh`. Arrays taken from a view stay valid
 until they are garbage-collected even if the view is released first (the
 unmapping waits for them).
 """
+
 from __future__ import annotations
 
 import threading
@@ -29,8 +30,13 @@ class _ArrayOwner(Finalized):
 
     def __init__(self, vm: "VMap", addr: int, shape: Tuple[int, ...], strides: Tuple[int, ...]) -> None:
         self._vm = vm
-        self.__array_interface__ = {"version": 3, "shape": shape, "typestr": vm._np_dtype.str,
-                                    "data": (addr, True), "strides": strides}
+        self.__array_interface__ = {
+            "version": 3,
+            "shape": shape,
+            "typestr": vm._np_dtype.str,
+            "data": (addr, True),
+            "strides": strides,
+        }
         vm._arrays_add()
 
     def _close_at_gc(self) -> None:
@@ -166,8 +172,9 @@ class VMap(GatedHandle, OwnedHandle):
     close = release
 
 
-def attention_decode_vmap(engine: "Engine", views, q: np.ndarray, *, out: Any = None, scale: float = 0.0,
-                          threads: int = 0) -> np.ndarray:
+def attention_decode_vmap(
+    engine: "Engine", views, q: np.ndarray, *, out: Any = None, scale: float = 0.0, threads: int = 0
+) -> np.ndarray:
     """Decode attention over views (``kvh_attention_decode_vmap``): q is
     ``(len(views), num_q_heads, head_dim)``; equals
     :meth:`Engine.attention_decode` on the same sequences bit for bit."""
@@ -182,8 +189,9 @@ def attention_decode_vmap(engine: "Engine", views, q: np.ndarray, *, out: Any = 
     return out
 
 
-def attention_prefill_vmap(engine: "Engine", views, q_lens, q: np.ndarray, *, out: Any = None,
-                           scale: float = 0.0, threads: int = 0) -> np.ndarray:
+def attention_prefill_vmap(
+    engine: "Engine", views, q_lens, q: np.ndarray, *, out: Any = None, scale: float = 0.0, threads: int = 0
+) -> np.ndarray:
     """Chunked causal prefill over views (``kvh_attention_prefill_vmap``): q
     is ``(sum(q_lens), num_q_heads, head_dim)``; equals
     :meth:`Engine.attention_prefill` bit for bit."""

@@ -551,21 +551,21 @@ static void test_q4_matches_the_format(void **state)
 static void test_q4_zero_extremes(void **state)
 {
     (void)state;
-    enum { D = 64 };
+    enum { DIM = 64 };
     for (int k = 0; k < 4; k++) {
-        float x[D];
-        for (int i = 0; i < D; i++)
+        float x[DIM];
+        for (int i = 0; i < DIM; i++)
             x[i] = k < 2 ? 0.25f * (float)(i + 1) : -0.25f * (float)(i + 1); /* all above or all below zero */
         x[5] = k % 2 ? 0.0f : -0.0f;
         x[9] = k % 2 ? -0.0f : 0.0f;
         x[40] = k % 2 ? -0.0f : 0.0f; /* the second group too */
         x[41] = k % 2 ? 0.0f : -0.0f;
         for (size_t ci = 1; ci < 3; ci++) {
-            uint32_t g = group_of(codecs[ci], D);
-            size_t rb = (size_t)(D / g) * 8 + D / 2;
-            uint8_t enc[(D / 32) * 8 + D / 2], want[(D / 32) * 8 + D / 2];
-            assert_ok(kvh_codec_encode(codecs[ci], KVH_DTYPE_F32, D, x, 1, enc));
-            q4_reference(x, D, g, want);
+            uint32_t g = group_of(codecs[ci], DIM);
+            size_t rb = (size_t)(DIM / g) * 8 + DIM / 2;
+            uint8_t enc[(DIM / 32) * 8 + DIM / 2], want[(DIM / 32) * 8 + DIM / 2];
+            assert_ok(kvh_codec_encode(codecs[ci], KVH_DTYPE_F32, DIM, x, 1, enc));
+            q4_reference(x, DIM, g, want);
             if (memcmp(enc, want, rb) != 0)
                 fail_msg("q4 record with zero extremes differs: case %d codec %u", k, codecs[ci]);
         }
@@ -578,19 +578,19 @@ static void test_q4_zero_extremes(void **state)
 static void test_int8_decode_rounds_ties_to_even(void **state)
 {
     (void)state;
-    enum { D = 16 };
+    enum { DIM = 16 };
     static const uint32_t scale_bits[] = {0x3f808000u, 0x3f818000u, 0x3f801000u, 0x3f803000u};
     for (size_t si = 0; si < sizeof(scale_bits) / sizeof(scale_bits[0]); si++) {
-        uint8_t rec[sizeof(float) + D];
+        uint8_t rec[sizeof(float) + DIM];
         float scale;
         memcpy(&scale, &scale_bits[si], sizeof(scale));
         memcpy(rec, &scale, sizeof(scale));
-        for (int i = 0; i < D; i++)
+        for (int i = 0; i < DIM; i++)
             rec[sizeof(float) + i] = (uint8_t)(int8_t)(i % 2 ? -(i + 1) / 2 : i / 2 + 1);
         for (size_t ti = 1; ti < 3; ti++) {
-            uint16_t out[D];
-            assert_ok(kvh_codec_decode(KVH_CODEC_INT8, dtypes[ti], D, rec, 1, out));
-            for (int i = 0; i < D; i++) {
+            uint16_t out[DIM];
+            assert_ok(kvh_codec_decode(KVH_CODEC_INT8, dtypes[ti], DIM, rec, 1, out));
+            for (int i = 0; i < DIM; i++) {
                 float y = (float)(int8_t)rec[sizeof(float) + i] * scale;
                 uint16_t want = dtypes[ti] == KVH_DTYPE_F16 ? kvhi_f32_to_f16(y) : kvhi_f32_to_bf16(y);
                 if (out[i] != want)

@@ -5,6 +5,7 @@ built against the CMake build of libkvh ($KVH_BUILD_DIR, default build/):
 `python/build_cffi.py` compiles it in place when it is missing or older than
 the header/cdef (a few seconds; a no-op otherwise).
 """
+
 from __future__ import annotations
 
 import os
@@ -53,6 +54,14 @@ def pytest_report_header(config):
 def engine():
     import kvh
 
-    with kvh.Engine(num_layers=2, num_kv_heads=2, head_dim=8, block_tokens=16, dtype="f32",
-                    device_bytes=64 * 4096, host_bytes=256 * 4096, backend="cpu") as eng:
+    with kvh.Engine(
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=8,
+        block_tokens=16,
+        dtype="f32",
+        device_bytes=64 * 4096,
+        host_bytes=256 * 4096,
+        backend="cpu",
+    ) as eng:
         yield eng

@@ -10,6 +10,7 @@ copying tier moves, so that appends and writes evict: the C core then
 drops its lock in the middle of a call, which is where two overlapping
 calls on one handle used to corrupt the sequence.
 """
+
 from __future__ import annotations
 
 import collections
@@ -27,8 +28,18 @@ BLOCK_BYTES = H * D * BT * 2 * 4  # one f32 layer
 
 
 def small_engine(**extra) -> kvh.Engine:
-    cfg = dict(num_layers=1, num_kv_heads=H, head_dim=D, block_tokens=BT, dtype="f32", backend="cpu",
-               device_bytes=4 * BLOCK_BYTES, host_bytes=4096 * BLOCK_BYTES, migration_threads=1, copy_moves=True)
+    cfg = dict(
+        num_layers=1,
+        num_kv_heads=H,
+        head_dim=D,
+        block_tokens=BT,
+        dtype="f32",
+        backend="cpu",
+        device_bytes=4 * BLOCK_BYTES,
+        host_bytes=4096 * BLOCK_BYTES,
+        migration_threads=1,
+        copy_moves=True,
+    )
     cfg.update(extra)
     return kvh.Engine(**cfg)
 
@@ -43,6 +54,7 @@ def run_threads(targets) -> None:
                 fn()
             except BaseException as exc:  # reported by the main thread
                 failures.append(exc)
+
         return run
 
     threads = [threading.Thread(target=wrap(fn)) for fn in targets]
@@ -60,6 +72,7 @@ def one_sequence(rounds: int) -> str:
     counts = collections.Counter()
     for r in range(rounds):
         with small_engine() as eng, eng.sequence() as seq:
+
             def worker(i):
                 rng = random.Random(r * 10 + i)
                 for _ in range(3000):
@@ -83,6 +96,7 @@ def one_sequence(rounds: int) -> str:
             assert seq.tokens().size == len(seq)
         # Whole appends from two threads interleave, never mix.
         with small_engine() as eng, eng.sequence() as seq:
+
             def appender(i):
                 for _ in range(200):
                     seq.append(np.full(BT, i, np.int32))

@@ -1,4 +1,5 @@
 """Helpers shared by the Python tests."""
+
 from __future__ import annotations
 
 import math

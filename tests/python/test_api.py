@@ -1,5 +1,6 @@
 """API round trips against NumPy references, CoW through the API, zero-copy
 views, lifetimes, stats and logging."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,13 +16,22 @@ from kvh_testutil import filled_seq, kv_data
 
 
 def make_engine(**kw):
-    base = dict(num_layers=2, num_kv_heads=2, head_dim=8, block_tokens=16, dtype="f32", backend="cpu",
-                device_bytes=64 * 4096, host_bytes=256 * 4096)
+    base = dict(
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=8,
+        block_tokens=16,
+        dtype="f32",
+        backend="cpu",
+        device_bytes=64 * 4096,
+        host_bytes=256 * 4096,
+    )
     base.update(kw)
     return kvh.Engine(**base)
 
 
 # ---- configuration ---------------------------------------------------------------
+
 
 def test_engine_config_and_properties():
     with make_engine(num_layers=3, num_kv_heads=4, head_dim=16, block_tokens=32, dtype="f16") as eng:
@@ -53,12 +63,20 @@ def test_dtype_mapping():
 
 # ---- K/V round trips -------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
 @pytest.mark.parametrize("geom", [(1, 1, 4, 1), (2, 2, 8, 16), (3, 4, 64, 32)], ids=["tiny", "small", "wide"])
 def test_write_read_round_trip(dtype, geom):
     layers, heads, dim, bt = geom
-    with make_engine(num_layers=layers, num_kv_heads=heads, head_dim=dim, block_tokens=bt, dtype=dtype,
-                     device_bytes=1 << 22, host_bytes=1 << 22) as eng:
+    with make_engine(
+        num_layers=layers,
+        num_kv_heads=heads,
+        head_dim=dim,
+        block_tokens=bt,
+        dtype=dtype,
+        device_bytes=1 << 22,
+        host_bytes=1 << 22,
+    ) as eng:
         n = 3 * bt + 5  # partial last block
         with eng.sequence(tokens=np.arange(n)) as seq:
             ref = {}
@@ -74,10 +92,10 @@ def test_write_read_round_trip(dtype, geom):
                 # sub-ranges across block boundaries, as (pos, n) and as range()
                 a = max(0, bt - 3)
                 k2, v2 = seq.read_kv(layer, a, bt + 6)
-                np.testing.assert_array_equal(k2, ref[layer][0][a: a + bt + 6])
-                np.testing.assert_array_equal(v2, ref[layer][1][a: a + bt + 6])
+                np.testing.assert_array_equal(k2, ref[layer][0][a : a + bt + 6])
+                np.testing.assert_array_equal(v2, ref[layer][1][a : a + bt + 6])
                 k3, _ = seq.read_kv(layer, range(1, n - 1))
-                np.testing.assert_array_equal(k3, ref[layer][0][1: n - 1])
+                np.testing.assert_array_equal(k3, ref[layer][0][1 : n - 1])
 
 
 def test_partial_writes_and_out_arrays(engine):
@@ -85,7 +103,7 @@ def test_partial_writes_and_out_arrays(engine):
         k, v = kv_data(40, 2, 8, np.float32)
         for pos in range(0, 40, 7):  # odd-sized pieces
             m = min(7, 40 - pos)
-            seq.write_kv(0, pos, k[pos:pos + m], v[pos:pos + m])
+            seq.write_kv(0, pos, k[pos : pos + m], v[pos : pos + m])
         ok = np.empty_like(k)
         ov = np.empty_like(v)
         rk, rv = seq.read_kv(0, out=(ok, ov))
@@ -108,6 +126,7 @@ def test_tokens_truncate_and_length(engine):
 
 
 # ---- copy-on-write ----------------------------------------------------------------
+
 
 def test_fork_shares_until_write(engine):
     parent, ref = filled_seq(engine, 40, seed=1)
@@ -180,6 +199,7 @@ def test_match_prefix_attaches_cached_blocks(engine):
 
 
 # ---- residency, pins, migration -----------------------------------------------------
+
 
 def test_acquire_hold_and_release(engine):
     seq, _ = filled_seq(engine, 40)
@@ -276,6 +296,7 @@ def test_tier_info_and_spill():
 
 # ---- stats --------------------------------------------------------------------------
 
+
 def test_stats_dataclass_covers_the_c_struct(engine):
     names = [n for n, _ in ffi.typeof("kvh_stats").fields if n != "struct_size" and not n.startswith("reserved")]
     fields = [f.name for f in dataclasses.fields(kvh.Stats) if f.name != "extra"]
@@ -293,6 +314,7 @@ def test_stats_dataclass_covers_the_c_struct(engine):
 
 
 # ---- lifetimes ---------------------------------------------------------------------
+
 
 def test_gc_frees_sequences_and_blocks(engine):
     used0 = engine.tier_info("device").used_blocks
@@ -328,6 +350,7 @@ def test_double_free_and_context_managers(engine):
 
 
 # ---- zero-copy views --------------------------------------------------------------------
+
 
 def test_block_view_shares_memory_both_ways(engine):
     seq, ref = filled_seq(engine, 20)
@@ -417,6 +440,7 @@ def test_block_view_errors(engine):
 
 # ---- persistence ----------------------------------------------------------------------
 
+
 def test_persist_and_reopen(tmp_path):
     store = tmp_path / "store"
     toks = np.arange(500, 548)
@@ -467,6 +491,7 @@ def test_damaged_index_is_rebuilt_unless_strict(tmp_path):
 
 
 # ---- logging ------------------------------------------------------------------------------
+
 
 def test_log_callback_routes_to_logging(caplog):
     caplog.set_level(logging.DEBUG, logger="kvh")

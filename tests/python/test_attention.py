@@ -1,5 +1,6 @@
 """Paged attention through the API: UnsupportedError until the kernels land,
 then the result must match a NumPy reference."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -10,8 +11,16 @@ from kvh_testutil import filled_seq, reference_attention
 
 
 def _engine(dtype="f32"):
-    return kvh.Engine(num_layers=2, num_kv_heads=2, head_dim=16, block_tokens=16, dtype=dtype, backend="cpu",
-                      device_bytes=1 << 20, host_bytes=1 << 20)
+    return kvh.Engine(
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=16,
+        block_tokens=16,
+        dtype=dtype,
+        backend="cpu",
+        device_bytes=1 << 20,
+        host_bytes=1 << 20,
+    )
 
 
 @pytest.mark.parametrize("q_heads", [2, 4])
@@ -34,16 +43,18 @@ def test_decode_matches_reference(q_heads, dtype):
         # explicit out= and scale
         out2 = np.empty_like(q)
         assert eng.attention_decode(1, [s for s, _ in seqs], q, out=out2, scale=0.5) is out2
-        want = reference_attention(seqs[0][1][1][0].astype(np.float32), seqs[0][1][1][1].astype(np.float32), q[0],
-                                   scale=0.5)
+        want = reference_attention(
+            seqs[0][1][1][0].astype(np.float32), seqs[0][1][1][1].astype(np.float32), q[0], scale=0.5
+        )
         np.testing.assert_allclose(out2[0], want, atol=tol, rtol=tol)
         for h in holds:
             h.release()
 
 
 def test_decode_needs_residency():
-    with kvh.Engine(num_layers=1, num_kv_heads=2, head_dim=16, dtype="f32", backend="cpu",
-                    device_bytes=1 << 20, host_bytes=1 << 20) as eng:
+    with kvh.Engine(
+        num_layers=1, num_kv_heads=2, head_dim=16, dtype="f32", backend="cpu", device_bytes=1 << 20, host_bytes=1 << 20
+    ) as eng:
         s, _ = filled_seq(eng, 20)
         s.migrate("host")
         q = np.zeros((1, 2, 16), np.float32)

@@ -1,5 +1,6 @@
 """kvh.demo.bench_offload: the crossover arithmetic, and a short run with the
 real model when it is installed (structure only, never timings)."""
+
 from __future__ import annotations
 
 import json
@@ -86,6 +87,5 @@ def test_short_run_reports_every_length_and_the_crossovers(capsys):
             assert r["baseline"] == rec["value"]
             assert r["ratio"] == pytest.approx(rec["value"] / r["value"], rel=1e-3)
     cross = {r["metric"]: r for r in rows if r["metric"].startswith("crossover")}
-    assert set(cross) == {"crossover_restore_host", "crossover_kv_host", "crossover_restore_disk",
-                          "crossover_kv_disk"}
+    assert set(cross) == {"crossover_restore_host", "crossover_kv_host", "crossover_restore_disk", "crossover_kv_disk"}
     assert all(r["how"] in ("measured", "fit", "always", "never") for r in cross.values())

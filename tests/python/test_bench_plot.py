@@ -1,5 +1,6 @@
 """benchmarks/plot.py and benchmarks/update_results.py: the plots of
 `make bench` and the regenerated tables of benchmarks/RESULTS.md."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -25,24 +26,73 @@ update_results = _load("update_results")
 
 
 def _rows():
-    rows = [{"scenario": "scale", "metric": "touch", "value": 100.0 * (i + 1), "unit": "ns/op", "blocks": n,
-             "baseline": 100.0, "ratio": 1 / (i + 1)} for i, n in enumerate((1000, 10000))]
-    rows += [{"scenario": "scale", "metric": "agent_ops", "value": 1e6, "unit": "ops/s", "threads": t,
-              "baseline": 1e6, "ratio": 1.0} for t in (1, 2)]
+    rows = [
+        {
+            "scenario": "scale",
+            "metric": "touch",
+            "value": 100.0 * (i + 1),
+            "unit": "ns/op",
+            "blocks": n,
+            "baseline": 100.0,
+            "ratio": 1 / (i + 1),
+        }
+        for i, n in enumerate((1000, 10000))
+    ]
+    rows += [
+        {
+            "scenario": "scale",
+            "metric": "agent_ops",
+            "value": 1e6,
+            "unit": "ops/s",
+            "threads": t,
+            "baseline": 1e6,
+            "ratio": 1.0,
+        }
+        for t in (1, 2)
+    ]
     for b in (5, 10):
         for pol, dev in (("min", 0.5), ("lru", 0.2), ("kvh-engine", 0.3)):
             for m, v in (("hit_rate_device", dev), ("hit_rate_memory", dev + 0.3), ("inbound_per_access", 1 - dev)):
-                r = {"scenario": "trace", "metric": m, "value": v, "unit": "fraction", "trace": "agents",
-                     "policy": pol, "budget": b, "device_blocks": b * 10, "host_blocks": b * 20}
+                r = {
+                    "scenario": "trace",
+                    "metric": m,
+                    "value": v,
+                    "unit": "fraction",
+                    "trace": "agents",
+                    "policy": pol,
+                    "budget": b,
+                    "device_blocks": b * 10,
+                    "host_blocks": b * 20,
+                }
                 if pol != "min":
                     r.update(baseline=0.5, ratio=v / 0.5)
                 if pol == "kvh-engine" and m == "hit_rate_device":
                     r.update(target="ratio >= 0.9", met=False)
                 rows.append(r)
-    rows.append({"scenario": "trace", "metric": "trace_accesses", "value": 1000, "unit": "accesses",
-                 "trace": "agents", "blocks": 100, "sequences": 7})
-    rows += [{"scenario": "attention", "metric": "decode_throughput", "value": 4.0, "unit": "GB/s",
-              "layout": "paged", "context": c, "baseline": 4.2, "ratio": 0.95} for c in (1024, 4096)]
+    rows.append(
+        {
+            "scenario": "trace",
+            "metric": "trace_accesses",
+            "value": 1000,
+            "unit": "accesses",
+            "trace": "agents",
+            "blocks": 100,
+            "sequences": 7,
+        }
+    )
+    rows += [
+        {
+            "scenario": "attention",
+            "metric": "decode_throughput",
+            "value": 4.0,
+            "unit": "GB/s",
+            "layout": "paged",
+            "context": c,
+            "baseline": 4.2,
+            "ratio": 0.95,
+        }
+        for c in (1024, 4096)
+    ]
     return rows
 
 
@@ -87,8 +137,10 @@ def test_plot_refuses_a_missing_file(tmp_path):
 def test_update_results_replaces_only_marked_blocks(tmp_path):
     d = _write(tmp_path)
     results = tmp_path / "RESULTS.md"
-    results.write_text("# title\nprose stays\n<!-- generated: trace -->\nOLD-TABLE\n<!-- end generated: trace -->\n"
-                       "between\n<!-- generated: offload -->\nkept: no data\n<!-- end generated: offload -->\n")
+    results.write_text(
+        "# title\nprose stays\n<!-- generated: trace -->\nOLD-TABLE\n<!-- end generated: trace -->\n"
+        "between\n<!-- generated: offload -->\nkept: no data\n<!-- end generated: offload -->\n"
+    )
     assert update_results.main([str(d), "--results", str(results)]) == 0
     text = results.read_text()
     assert "prose stays" in text and "between" in text
@@ -101,12 +153,14 @@ def test_update_results_replaces_only_marked_blocks(tmp_path):
 
 def test_scripts_have_help():
     for script in ("plot.py", "update_results.py", "summarize.py"):
-        res = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), "--help"], capture_output=True,
-                             text=True, timeout=60)
+        res = subprocess.run(
+            [sys.executable, str(REPO / "benchmarks" / script), "--help"], capture_output=True, text=True, timeout=60
+        )
         if script == "summarize.py" and res.returncode != 0:
             continue  # older script: usage on stderr
         assert res.returncode == 0, res.stderr
         assert "usage" in res.stdout.lower()
-    res = subprocess.run(["bash", str(REPO / "benchmarks" / "run-bench.sh"), "--help"], capture_output=True,
-                         text=True, timeout=60)
+    res = subprocess.run(
+        ["bash", str(REPO / "benchmarks" / "run-bench.sh"), "--help"], capture_output=True, text=True, timeout=60
+    )
     assert res.returncode == 0 and "--quick" in res.stdout

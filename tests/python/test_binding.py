@@ -1,4 +1,5 @@
 """The binding itself: generated cdef, version check, status codes -> exceptions."""
+
 from __future__ import annotations
 
 import builtins
@@ -21,16 +22,20 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_cdef_matches_header():
-    res = subprocess.run([sys.executable, str(REPO / "bindings" / "gen-cffi.py"), "--check"],
-                         capture_output=True, text=True)
+    res = subprocess.run(
+        [sys.executable, str(REPO / "bindings" / "gen-cffi.py"), "--check"], capture_output=True, text=True
+    )
     assert res.returncode == 0, res.stdout + res.stderr
 
 
 def test_cdef_check_detects_drift(tmp_path):
     stale = tmp_path / "_cdef.h"
     stale.write_text((REPO / "python" / "kvh" / "_cdef.h").read_text().replace("kvh_seq_persist", "kvh_seq_perish"))
-    res = subprocess.run([sys.executable, str(REPO / "bindings" / "gen-cffi.py"), "--check", "--output", str(stale)],
-                         capture_output=True, text=True)
+    res = subprocess.run(
+        [sys.executable, str(REPO / "bindings" / "gen-cffi.py"), "--check", "--output", str(stale)],
+        capture_output=True,
+        text=True,
+    )
     assert res.returncode == 1
     assert "kvh_seq_perish" in res.stdout and "drifted" in res.stderr
 
@@ -120,8 +125,11 @@ def test_star_import_leaves_the_builtins_alone(module):
     """``from kvh import *`` used to rebind TimeoutError and IOError."""
     namespace: dict = {}
     exec(f"from {module} import *", namespace)
-    shadowed = sorted(name for name in set(namespace) & set(dir(builtins))
-                      if not name.startswith("__") and namespace[name] is not getattr(builtins, name))
+    shadowed = sorted(
+        name
+        for name in set(namespace) & set(dir(builtins))
+        if not name.startswith("__") and namespace[name] is not getattr(builtins, name)
+    )
     assert shadowed == []
     assert {"KvhIOError", "KvhTimeoutError"} <= set(namespace)
 
@@ -133,6 +141,7 @@ def test_io_and_timeout_errors_are_the_builtin_kinds():
 
 
 # ---- each family raised by a real call where the library can produce it ----------
+
 
 def test_real_invalid_argument():
     with pytest.raises(kvh.InvalidArgumentError):
@@ -151,8 +160,15 @@ def test_real_nomem():
 
 
 def test_real_nospace():
-    with kvh.Engine(num_kv_heads=1, head_dim=8, block_tokens=16, dtype="f32", backend="cpu",
-                    device_bytes=2 * 1024, host_bytes=2 * 1024) as eng:
+    with kvh.Engine(
+        num_kv_heads=1,
+        head_dim=8,
+        block_tokens=16,
+        dtype="f32",
+        backend="cpu",
+        device_bytes=2 * 1024,
+        host_bytes=2 * 1024,
+    ) as eng:
         with eng.sequence() as s:
             with pytest.raises(kvh.NoSpaceError):
                 s.append(np.arange(16 * 64))
@@ -192,8 +208,9 @@ def test_real_busy_mismatch_and_corrupt(tmp_path):
     index.write_bytes(bytes(data))
     with pytest.raises((kvh.CorruptionError, kvh.MismatchError)):
         kvh.Engine(**geo, disk_path=str(store), disk_bytes=1 << 22, disk_strict_index=True)
-    with kvh.Engine(**geo, disk_path=str(store), disk_bytes=1 << 22, disk_strict_index=True,
-                    disk_reset_on_mismatch=True) as eng:
+    with kvh.Engine(
+        **geo, disk_path=str(store), disk_bytes=1 << 22, disk_strict_index=True, disk_reset_on_mismatch=True
+    ) as eng:
         assert eng.tier_info("disk").present
     index.write_bytes(bytes(data))
     with kvh.Engine(**geo, disk_path=str(store), disk_bytes=1 << 22) as eng:
@@ -235,8 +252,11 @@ def test_every_c_hint_reads_in_python_terms():
     sizes are the binding's business, not the caller's."""
     messages = c_messages_naming_c_spellings()
     assert any("KVH_DISK_RESET_ON_MISMATCH" in text for _, text in messages)  # the scan sees them
-    left = [(str(path), text, errors.python_hints(text)) for path, text in messages
-            if "struct_size" not in text and C_SPELLING.search(errors.python_hints(text))]
+    left = [
+        (str(path), text, errors.python_hints(text))
+        for path, text in messages
+        if "struct_size" not in text and C_SPELLING.search(errors.python_hints(text))
+    ]
     assert left == []
 
 
@@ -255,8 +275,9 @@ def test_real_range(engine):
 
 
 def test_real_not_resident():
-    with kvh.Engine(num_kv_heads=1, head_dim=8, dtype="f32", backend="cpu", device_bytes=8 * 1024,
-                    host_bytes=64 * 1024) as eng:
+    with kvh.Engine(
+        num_kv_heads=1, head_dim=8, dtype="f32", backend="cpu", device_bytes=8 * 1024, host_bytes=64 * 1024
+    ) as eng:
         with eng.sequence(tokens=range(32)) as s:
             s.migrate("host")
             with pytest.raises(kvh.NotResidentError):

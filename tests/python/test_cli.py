@@ -1,5 +1,6 @@
 """The kvh command line: every command runs, exits 0 (or 3 with a clear
 message where a tool is not built) and prints sane output."""
+
 from __future__ import annotations
 
 import argparse
@@ -23,16 +24,32 @@ def run_kvh(*args, timeout=120, env_extra=None):
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO / "python") + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.update(env_extra or {})
-    return subprocess.run([sys.executable, "-m", "kvh", *args], capture_output=True, text=True, timeout=timeout,
-                          env=env, cwd=str(REPO))
+    return subprocess.run(
+        [sys.executable, "-m", "kvh", *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=str(REPO)
+    )
 
 
-SMALL_DEMO = ["--agents", "2", "--steps", "6", "--chunks", "8", "--device-budget", "2MiB", "--host-budget",
-              "1MiB", "--seed", "3"]
+SMALL_DEMO = [
+    "--agents",
+    "2",
+    "--steps",
+    "6",
+    "--chunks",
+    "8",
+    "--device-budget",
+    "2MiB",
+    "--host-budget",
+    "1MiB",
+    "--seed",
+    "3",
+]
 
 
-@pytest.mark.parametrize("cmd", [[], ["demo"], ["stats"], ["store"], ["store", "info"], ["store", "verify"],
-                                 ["bench"], ["doctor"]], ids=lambda c: "-".join(c) or "top")
+@pytest.mark.parametrize(
+    "cmd",
+    [[], ["demo"], ["stats"], ["store"], ["store", "info"], ["store", "verify"], ["bench"], ["doctor"]],
+    ids=lambda c: "-".join(c) or "top",
+)
 def test_help_everywhere(cmd):
     res = run_kvh(*cmd, "--help")
     assert res.returncode == 0, res.stderr
@@ -42,13 +59,24 @@ def test_help_everywhere(cmd):
 
 # `python -m MODULE` entry points; kvh.bench_retriever and kvh.bench_offload
 # are the paths the benchmarks had before they moved to kvh.demo.
-@pytest.mark.parametrize("module", ["kvh.demo.agents", "kvh.demo.bench_retriever", "kvh.demo.bench_offload",
-                                    "kvh.bench_retriever", "kvh.bench_offload", "kvh.model", "kvh.codec"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "kvh.demo.agents",
+        "kvh.demo.bench_retriever",
+        "kvh.demo.bench_offload",
+        "kvh.bench_retriever",
+        "kvh.bench_offload",
+        "kvh.model",
+        "kvh.codec",
+    ],
+)
 def test_module_help(module):
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO / "python") + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    res = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120,
-                         env=env, cwd=str(REPO))
+    res = subprocess.run(
+        [sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120, env=env, cwd=str(REPO)
+    )
     assert res.returncode == 0, res.stderr
     assert res.stdout.startswith("usage: ") and "--help" in res.stdout
 
@@ -139,12 +167,41 @@ def test_stats(store):
     res = run_kvh("stats", str(store))
     if find_tool("kvh-store") is None:
         assert res.returncode == 3 and "kvh-store" in res.stderr
-        res = run_kvh("stats", str(store), "--layers", "4", "--kv-heads", "4", "--head-dim", "64",
-                      "--block-tokens", "16", "--dtype", "f16", "--model-salt", str(0x6B7668 + 3))
+        res = run_kvh(
+            "stats",
+            str(store),
+            "--layers",
+            "4",
+            "--kv-heads",
+            "4",
+            "--head-dim",
+            "64",
+            "--block-tokens",
+            "16",
+            "--dtype",
+            "f16",
+            "--model-salt",
+            str(0x6B7668 + 3),
+        )
     assert res.returncode == 0, res.stdout + res.stderr
     assert "disk slots" in res.stdout and "geometry" in res.stdout
-    res = run_kvh("stats", str(store), "--json", "--layers", "4", "--kv-heads", "4", "--head-dim", "64",
-                  "--block-tokens", "16", "--dtype", "f16", "--model-salt", str(0x6B7668 + 3))
+    res = run_kvh(
+        "stats",
+        str(store),
+        "--json",
+        "--layers",
+        "4",
+        "--kv-heads",
+        "4",
+        "--head-dim",
+        "64",
+        "--block-tokens",
+        "16",
+        "--dtype",
+        "f16",
+        "--model-salt",
+        str(0x6B7668 + 3),
+    )
     assert res.returncode == 0, res.stderr
     doc = json.loads(res.stdout)
     assert doc["disk"]["used_blocks"] > 0 and doc["stats"]["corrupt_blocks"] == 0
@@ -196,8 +253,9 @@ def test_doctor():
 
 
 def test_doctor_changes_nothing(tmp_path):
-    before = {p: Path(p).read_text() for p in ("/proc/sys/vm/max_map_count", "/proc/sys/vm/nr_hugepages")
-              if Path(p).exists()}
+    before = {
+        p: Path(p).read_text() for p in ("/proc/sys/vm/max_map_count", "/proc/sys/vm/nr_hugepages") if Path(p).exists()
+    }
     assert cli.main(["doctor", "--json", "--data-dir", str(tmp_path)]) == 0
     after = {p: Path(p).read_text() for p in before}
     assert before == after
@@ -208,19 +266,23 @@ def test_doctor_advice_keeps_every_sysctl_it_sets(tmp_path, monkeypatch, capsys)
     """Runs the printed advice in order with a directory standing in for
     /etc/sysctl.d: every sysctl the advice sets must be in the files after
     (the sysctl block used to overwrite what the huge pages block wrote)."""
-    proc = {"/proc/sys/vm/max_map_count": "65530", "/proc/sys/vm/swappiness": "60",
-            "/proc/sys/vm/dirty_background_ratio": "10", "/proc/sys/vm/dirty_ratio": "20",
-            "/proc/sys/kernel/io_uring_disabled": "2",
-            "/sys/kernel/mm/transparent_hugepage/enabled": "always [madvise] never"}
+    proc = {
+        "/proc/sys/vm/max_map_count": "65530",
+        "/proc/sys/vm/swappiness": "60",
+        "/proc/sys/vm/dirty_background_ratio": "10",
+        "/proc/sys/vm/dirty_ratio": "20",
+        "/proc/sys/kernel/io_uring_disabled": "2",
+        "/sys/kernel/mm/transparent_hugepage/enabled": "always [madvise] never",
+    }
     monkeypatch.setattr(doctor, "_read", proc.get)
-    monkeypatch.setattr(doctor, "_meminfo", lambda: {"Hugepagesize": 2 << 20, "HugePages_Total": 0,
-                                                     "HugePages_Free": 0})
+    monkeypatch.setattr(
+        doctor, "_meminfo", lambda: {"Hugepagesize": 2 << 20, "HugePages_Total": 0, "HugePages_Free": 0}
+    )
     for name in ("check_kvh", "check_numa", "check_cuda"):  # slow or machine-bound, and no sysctl advice
         monkeypatch.setattr(doctor, name, lambda name=name: doctor.Check(name, doctor.OK, "not checked here"))
     data_dir = tmp_path / "data"
     data_dir.mkdir()
-    args = argparse.Namespace(data_dir=data_dir, host_budget=1 << 30, disk_budget=1 << 20, json=False,
-                              strict=False)
+    args = argparse.Namespace(data_dir=data_dir, host_budget=1 << 30, disk_budget=1 << 20, json=False, strict=False)
     assert doctor.main_doctor(args) == 0
     advice = [line.strip() for line in capsys.readouterr().out.splitlines() if line.startswith("  ")]
 
@@ -230,8 +292,14 @@ def test_doctor_advice_keeps_every_sysctl_it_sets(tmp_path, monkeypatch, capsys)
             wanted[m[1]] = m[2]
         elif m := re.fullmatch(r"echo (\S+) \| sudo tee /proc/sys/(\S+)", line):
             wanted[m[2].replace("/", ".")] = m[1]
-    assert set(wanted) == {"vm.nr_hugepages", "vm.max_map_count", "vm.swappiness", "vm.dirty_background_ratio",
-                           "vm.dirty_ratio", "kernel.io_uring_disabled"}
+    assert set(wanted) == {
+        "vm.nr_hugepages",
+        "vm.max_map_count",
+        "vm.swappiness",
+        "vm.dirty_background_ratio",
+        "vm.dirty_ratio",
+        "kernel.io_uring_disabled",
+    }
 
     etc = tmp_path / "sysctl.d"
     etc.mkdir()
@@ -239,8 +307,11 @@ def test_doctor_advice_keeps_every_sysctl_it_sets(tmp_path, monkeypatch, capsys)
     assert persisting
     for _ in range(2):  # following the advice twice changes nothing
         for line in persisting:
-            subprocess.run(["bash", "-c", line.replace("sudo ", "").replace("/etc/sysctl.d/", f"{etc}/")],
-                           check=True, capture_output=True)
+            subprocess.run(
+                ["bash", "-c", line.replace("sudo ", "").replace("/etc/sysctl.d/", f"{etc}/")],
+                check=True,
+                capture_output=True,
+            )
         kept = {}
         for conf in sorted(etc.glob("*.conf")):  # as `sysctl --system` reads them: a later line wins
             for line in conf.read_text().splitlines():

@@ -1,5 +1,6 @@
 """KV codecs from Python: kvh.codec round trips within the documented
 bounds, and an engine whose host tier holds quantised blocks."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -26,7 +27,7 @@ def test_round_trip_within_bound(codec, dtype):
     y = kc.round_trip(x, codec)
     assert y.dtype == x.dtype and y.shape == x.shape
     xf, yf = x.astype(np.float32), y.astype(np.float32)
-    ulp = 2.0 ** -11 if dtype == np.float16 else 2.0 ** -23
+    ulp = 2.0**-11 if dtype == np.float16 else 2.0**-23
     assert np.all(np.abs(xf - yf) <= _bound(xf, kvh.Codec.parse(codec)) * (1 + 1e-5) + np.abs(yf) * ulp)
     enc = kc.encode(x, codec)
     assert enc.shape == (40, 4, kc.vector_bytes(codec, "f32", 128))
@@ -49,8 +50,17 @@ def test_sizes_and_errors():
 def test_engine_host_tier_holds_quantised_blocks(codec):
     layers, heads, dim, bt = 2, 2, 64, 16
     block = 2 * layers * heads * dim * bt * 4
-    with kvh.Engine(num_layers=layers, num_kv_heads=heads, head_dim=dim, block_tokens=bt, dtype="f32",
-                    backend="cpu", device_bytes=4 * block, host_bytes=4 * block, kv_codec=codec) as eng:
+    with kvh.Engine(
+        num_layers=layers,
+        num_kv_heads=heads,
+        head_dim=dim,
+        block_tokens=bt,
+        dtype="f32",
+        backend="cpu",
+        device_bytes=4 * block,
+        host_bytes=4 * block,
+        kv_codec=codec,
+    ) as eng:
         assert eng.config.kv_codec == kvh.Codec.parse(codec)
         host = eng.tier_info(kvh.Tier.HOST)
         assert host.block_bytes < block and host.capacity_blocks > 4
@@ -71,9 +81,21 @@ def test_engine_host_tier_holds_quantised_blocks(codec):
 def test_lctru_tolerance_orders_victims():
     """The fully tolerant (most recent) block is the one compressed."""
     block = 2 * 1 * 64 * 16 * 4
-    with kvh.Engine(num_layers=1, num_kv_heads=1, head_dim=64, block_tokens=16, dtype="f32", backend="cpu",
-                    device_bytes=4 * block, host_bytes=8 * block, migration_threads=0, lru_k=1,
-                    kv_codec="int8", eviction_policy="lctru", lctru_window=1000) as eng:
+    with kvh.Engine(
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=64,
+        block_tokens=16,
+        dtype="f32",
+        backend="cpu",
+        device_bytes=4 * block,
+        host_bytes=8 * block,
+        migration_threads=0,
+        lru_k=1,
+        kv_codec="int8",
+        eviction_policy="lctru",
+        lctru_window=1000,
+    ) as eng:
         assert eng.config.eviction_policy == kvh.Eviction.LCTRU
         extra = eng.sequence()
         extra.append(range(16))
@@ -97,8 +119,18 @@ def test_lctru_tolerance_orders_victims():
 
 
 def test_derive_tolerance_from_codec_error():
-    with kvh.Engine(num_layers=1, num_kv_heads=1, head_dim=64, block_tokens=16, dtype="f32", backend="cpu",
-                    device_bytes=1 << 20, host_bytes=1 << 20, kv_codec="q4_g64", eviction_policy="lctru") as eng:
+    with kvh.Engine(
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=64,
+        block_tokens=16,
+        dtype="f32",
+        backend="cpu",
+        device_bytes=1 << 20,
+        host_bytes=1 << 20,
+        kv_codec="q4_g64",
+        eviction_policy="lctru",
+    ) as eng:
         with eng.sequence() as seq:
             seq.append(range(32))
             flat = np.tile(np.arange(64, dtype=np.float32) % 16, (16, 1, 1)).reshape(16, 1, 64)
@@ -113,4 +145,3 @@ def test_derive_tolerance_from_codec_error():
         seq.append(range(4))
         with pytest.raises(kvh.UnsupportedError):
             seq.derive_tolerance()
-

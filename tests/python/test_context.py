@@ -1,4 +1,5 @@
 """kvh.Context (weight contexts) and token-budget admission from Python."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -22,8 +23,16 @@ def weights(tmp_path):
 
 def make_engine(**kw):
     # 2 layers x 2 heads x 8 dim x 16 tokens x f32 x K,V = 4096-byte blocks
-    args = dict(num_layers=2, num_kv_heads=2, head_dim=8, block_tokens=16, dtype="f32",
-                device_bytes=8 * 4096, host_bytes=64 * 4096, backend="cpu")
+    args = dict(
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=8,
+        block_tokens=16,
+        dtype="f32",
+        device_bytes=8 * 4096,
+        host_bytes=64 * 4096,
+        backend="cpu",
+    )
     args.update(kw)
     return kvh.Engine(**args)
 
@@ -50,7 +59,7 @@ def test_switch_round_trip(weights):
         a.switch_to()
         assert eng.current_context is a
         for i in range(4):
-            assert np.array_equal(a.region(i), da[i * 3000:(i + 1) * 3000])
+            assert np.array_equal(a.region(i), da[i * 3000 : (i + 1) * 3000])
         assert np.array_equal(a.region("extra"), extra)
         for _ in range(3):
             fence = b.switch_to(wait=False)

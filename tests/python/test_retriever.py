@@ -2,6 +2,7 @@
 chunks stored in kvh under their content hash, embeddings in Qdrant (embedded
 local mode) or NumPy, predictions turned into prefetch hints, and the
 accounting (precision / recall, kvh's prefetch counters)."""
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,9 @@ from kvh.types import Tier
 
 REPO = Path(__file__).resolve().parents[2]
 
-needs_qdrant = pytest.mark.skipif(not retriever.qdrant_available(),
-                                  reason="qdrant-client is not installed (pip install qdrant-client)")
+needs_qdrant = pytest.mark.skipif(
+    not retriever.qdrant_available(), reason="qdrant-client is not installed (pip install qdrant-client)"
+)
 
 CHUNK_TOKENS = 64  # 4 blocks of 16
 
@@ -36,8 +38,18 @@ def corpus():
 
 def _engine(tmp_path=None, **kw):
     """4 KiB blocks; a device tier of 8 chunks, host 16 chunks, disk when tmp_path."""
-    base = dict(num_layers=2, num_kv_heads=2, head_dim=16, block_tokens=16, dtype="f16", backend="cpu",
-                device_bytes=32 * 4096, host_bytes=64 * 4096, model_salt=0x5E7, log_level="error")
+    base = dict(
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=16,
+        block_tokens=16,
+        dtype="f16",
+        backend="cpu",
+        device_bytes=32 * 4096,
+        host_bytes=64 * 4096,
+        model_salt=0x5E7,
+        log_level="error",
+    )
     if tmp_path is not None:
         base.update(disk_path=str(tmp_path / "store"), disk_bytes=16 << 20)
     base.update(kw)
@@ -45,8 +57,10 @@ def _engine(tmp_path=None, **kw):
 
 
 def _items(corpus):
-    return [{"tokens": corpus.tokens(i), "text": c.text, "doc": f"t{c.topic}d{c.doc}", "index": c.section}
-            for i, c in enumerate(corpus.chunks)]
+    return [
+        {"tokens": corpus.tokens(i), "text": c.text, "doc": f"t{c.topic}d{c.doc}", "index": c.section}
+        for i, c in enumerate(corpus.chunks)
+    ]
 
 
 def _tiers(r, cid):
@@ -58,9 +72,14 @@ def _tiers(r, cid):
 # ---------------------------------------------------------------------------------
 def test_hashed_embedder_properties():
     e = embed.HashedNgramEmbedder(256)
-    a, b, c, z = e.embed(["The quick brown fox jumps over the lazy dog",
-                          "the quick brown fox jumped over a lazy dog",
-                          "Compilers lower SSA form into machine code", ""])
+    a, b, c, z = e.embed(
+        [
+            "The quick brown fox jumps over the lazy dog",
+            "the quick brown fox jumped over a lazy dog",
+            "Compilers lower SSA form into machine code",
+            "",
+        ]
+    )
     assert e.dim == 256 and a.dtype == np.float32 and a.shape == (256,)
     assert abs(float(np.linalg.norm(a)) - 1.0) < 1e-5
     assert float(a @ b) > 0.6 > 0.2 > float(a @ c)
@@ -154,7 +173,7 @@ def test_content_id_is_the_kvh_prefix_chain(corpus):
         toks = corpus.tokens(0)
         h = 0
         for b in range(len(toks) // 16):
-            h = eng.prefix_hash(toks[b * 16:(b + 1) * 16], h)
+            h = eng.prefix_hash(toks[b * 16 : (b + 1) * 16], h)
         assert r.content_id(toks) == h
         rec = r.add_chunk(toks, corpus.chunks[0].text)
         assert rec.chunk_id == h and rec.n_tokens == 64
@@ -178,19 +197,22 @@ def test_model_kv_fn_with_the_real_model():
     except (ImportError, FileNotFoundError) as exc:
         pytest.skip(f"no model runner here: {exc}")
     with run.engine(device_bytes=8 << 20, host_bytes=8 << 20) as eng:
-        with SpeculativeRetriever(eng, index="numpy", kv_fn=retriever.model_kv_fn(run), tokenizer=run.tokenizer,
-                                  top_k=1) as r:
-            recs = r.add_document("paris", "The capital of France is Paris, known for the Eiffel Tower. " * 2,
-                                  chunk_tokens=16)
-            recs += r.add_document("plants", "Photosynthesis turns light into chemical energy with chlorophyll.",
-                                   chunk_tokens=32)
+        with SpeculativeRetriever(
+            eng, index="numpy", kv_fn=retriever.model_kv_fn(run), tokenizer=run.tokenizer, top_k=1
+        ) as r:
+            recs = r.add_document(
+                "paris", "The capital of France is Paris, known for the Eiffel Tower. " * 2, chunk_tokens=16
+            )
+            recs += r.add_document(
+                "plants", "Photosynthesis turns light into chemical energy with chlorophyll.", chunk_tokens=32
+            )
             assert r.record(r.predict("how do plants use chlorophyll")[0].chunk_id).doc == "plants"
             c = recs[0]
             k, v = r.sequence(c.chunk_id).read_kv(1)
             ref = run.reference_kv()
             run.prefill(ref, [int(t) for t in c.tokens])
             rk, rv = ref.read(1)
-            assert np.allclose(k, rk[:len(k)], atol=1e-5) and np.allclose(v, rv[:len(v)], atol=1e-5)
+            assert np.allclose(k, rk[: len(k)], atol=1e-5) and np.allclose(v, rv[: len(v)], atol=1e-5)
 
 
 def test_kv_fn_must_append_its_tokens(corpus):
@@ -291,8 +313,8 @@ def test_async_prefetch_and_accounting(tmp_path, corpus):
             pass
         res = fut.result(30)
         assert a in res.chunk_ids
-        r.note_use(b, agent=7)       # used, not predicted
-        r.note_use(a, agent=8)       # agent 8 has no window yet
+        r.note_use(b, agent=7)  # used, not predicted
+        r.note_use(a, agent=8)  # agent 8 has no window yet
         r.end_windows()
         m = r.metrics()
         assert (m.predicted, m.used, m.hits, m.unwindowed_uses) == (2, 2, 1, 1)
@@ -311,8 +333,10 @@ def test_draft_continuation_steers_the_prediction(tmp_path, corpus):
         seen.append(text)
         return " ".join(corpus.chunks[target].keys * 3)
 
-    with _engine(tmp_path) as eng, SpeculativeRetriever(eng, qdrant_path=str(tmp_path / "q"), top_k=1,
-                                                         draft=draft) as r:
+    with (
+        _engine(tmp_path) as eng,
+        SpeculativeRetriever(eng, qdrant_path=str(tmp_path / "q"), top_k=1, draft=draft) as r,
+    ):
         recs = r.add_chunks(_items(corpus))
         generic = "and then we will read about the other one as well"
         assert r.predict(generic)[0].chunk_id == recs[target].chunk_id
@@ -416,8 +440,10 @@ def test_qdrant_server_code_path(monkeypatch, corpus, caplog):
     monkeypatch.setattr(retriever, "_qdrant", lambda: (ServerStandIn, models))
     monkeypatch.setenv("KVH_QDRANT_API_KEY", "secret")
     with caplog.at_level("WARNING", logger="kvh.retriever"):
-        with _engine() as eng, SpeculativeRetriever(eng, qdrant_url="http://qdrant.example:6333", top_k=2,
-                                                     collection="kvh_test") as r:
+        with (
+            _engine() as eng,
+            SpeculativeRetriever(eng, qdrant_url="http://qdrant.example:6333", top_k=2, collection="kvh_test") as r,
+        ):
             assert r.index.mode == "server" and r.index.location == "http://qdrant.example:6333"
             assert made == [{"url": "http://qdrant.example:6333", "api_key": "secret", "check_compatibility": False}]
             recs = r.add_chunks(_items(corpus))
@@ -531,8 +557,9 @@ def test_bench_trace_is_deterministic():
 
 
 def test_bench_quick_numpy_in_process():
-    args = bench_retriever.build_parser().parse_args(["--quick", "--index", "numpy", "--modes",
-                                                      "speculative,no_prefetch"])
+    args = bench_retriever.build_parser().parse_args(
+        ["--quick", "--index", "numpy", "--modes", "speculative,no_prefetch"]
+    )
     rows, ok, notes = bench_retriever.run_bench(args)
     assert ok, notes
     by = {(r["metric"], r["mode"], r.get("baseline_mode")): r for r in rows}
@@ -543,8 +570,13 @@ def test_bench_quick_numpy_in_process():
 
 def test_bench_help_and_usage():
     env = dict(os.environ, PYTHONPATH=str(REPO / "python"))
-    res = subprocess.run([sys.executable, "-m", "kvh.demo.bench_retriever", "--help"], capture_output=True, text=True,
-                         env=env, timeout=60)
+    res = subprocess.run(
+        [sys.executable, "-m", "kvh.demo.bench_retriever", "--help"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert res.returncode == 0 and "--quick" in res.stdout and "naive_sync" in res.stdout
     assert bench_retriever.main(["--agents", "0"], out=open(os.devnull, "w")) == 2
     assert bench_retriever.main(["--modes", "fast"], out=open(os.devnull, "w")) == 2
@@ -553,8 +585,13 @@ def test_bench_help_and_usage():
 @needs_qdrant
 def test_bench_quick_json_subprocess():
     env = dict(os.environ, PYTHONPATH=str(REPO / "python"))
-    res = subprocess.run([sys.executable, "-m", "kvh.demo.bench_retriever", "--quick", "--json"], capture_output=True,
-                         text=True, env=env, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-m", "kvh.demo.bench_retriever", "--quick", "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr
     rows = [json.loads(line) for line in res.stdout.splitlines() if line.strip()]
     assert rows and all({"scenario", "metric", "value", "unit"} <= set(r) for r in rows)
@@ -569,5 +606,7 @@ def test_bench_quick_json_subprocess():
     assert frac["target"] == "value <= 0.25" and isinstance(frac["met"], bool)
     counters = {r["metric"]: r["value"] for r in rows if r["mode"] == "speculative" and r["unit"] == "blocks"}
     assert counters["prefetch_issued"] > 0
-    assert counters["prefetch_useful"] + counters["prefetch_wasted"] + counters["prefetch_late"] \
+    assert (
+        counters["prefetch_useful"] + counters["prefetch_wasted"] + counters["prefetch_late"]
         <= counters["prefetch_issued"]
+    )

@@ -1,6 +1,7 @@
 """Concurrency through the API: prefetch hints from some threads while others
 read and write, fences as futures, asyncio, and several threads on one
 object (serialised per handle, never a crash)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -28,8 +29,17 @@ HERE = Path(__file__).resolve().parent
 
 def test_prefetch_threads_while_others_read():
     # Small device tier so hints really move blocks while readers run.
-    with kvh.Engine(num_layers=2, num_kv_heads=2, head_dim=16, block_tokens=16, dtype="f16", backend="cpu",
-                    device_bytes=24 * 4096, host_bytes=256 * 4096, migration_threads=2) as eng:
+    with kvh.Engine(
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=16,
+        block_tokens=16,
+        dtype="f16",
+        backend="cpu",
+        device_bytes=24 * 4096,
+        host_bytes=256 * 4096,
+        migration_threads=2,
+    ) as eng:
         data = [filled_seq(eng, 48, seed=i, first_token=1000 * i) for i in range(12)]
         seqs = [s for s, _ in data]
         stop = threading.Event()
@@ -127,8 +137,9 @@ def test_fence_await(engine):
 
 
 def test_many_threads_own_sequences():
-    with kvh.Engine(num_layers=1, num_kv_heads=2, head_dim=8, dtype="f32", backend="cpu",
-                    device_bytes=16 * 1024, host_bytes=1 << 22) as eng:
+    with kvh.Engine(
+        num_layers=1, num_kv_heads=2, head_dim=8, dtype="f32", backend="cpu", device_bytes=16 * 1024, host_bytes=1 << 22
+    ) as eng:
         errors = []
 
         def work(i):
@@ -158,8 +169,11 @@ def test_many_threads_own_sequences():
 
 # ---- several threads on one object ------------------------------------------------
 
-@pytest.mark.parametrize("scenario, rounds", [("one_sequence", 5), ("free_while_used", 150),
-                                              ("close_while_used", 40), ("end_while_used", 10)])
+
+@pytest.mark.parametrize(
+    "scenario, rounds",
+    [("one_sequence", 5), ("free_while_used", 150), ("close_while_used", 40), ("end_while_used", 10)],
+)
 def test_threads_on_one_handle_never_crash(scenario, rounds):
     """handle_races.py in a child process, so a segfault fails this test.
     Before calls were serialised per handle, one_sequence, free_while_used
@@ -167,8 +181,13 @@ def test_threads_on_one_handle_never_crash(scenario, rounds):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE.parent.parent / "python"), env.get("PYTHONPATH")]))
     try:
-        res = subprocess.run([sys.executable, str(HERE / "handle_races.py"), scenario, str(rounds)],
-                             capture_output=True, text=True, timeout=90, env=env)
+        res = subprocess.run(
+            [sys.executable, str(HERE / "handle_races.py"), scenario, str(rounds)],
+            capture_output=True,
+            text=True,
+            timeout=90,
+            env=env,
+        )
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"{scenario}: hung (no exit in {exc.timeout} s)")
     how = f"signal {signal.Signals(-res.returncode).name}" if res.returncode < 0 else f"exit {res.returncode}"
@@ -210,8 +229,9 @@ class OverlapProbe:
 
 
 def test_calls_naming_one_sequence_never_overlap(engine, monkeypatch):
-    probe = OverlapProbe(engine_mod.lib, {"kvh_seq_append", "kvh_seq_write_kv", "kvh_seq_read_kv",
-                                          "kvh_seq_truncate", "kvh_seq_tokens"})
+    probe = OverlapProbe(
+        engine_mod.lib, {"kvh_seq_append", "kvh_seq_write_kv", "kvh_seq_read_kv", "kvh_seq_truncate", "kvh_seq_tokens"}
+    )
     monkeypatch.setattr(engine_mod, "lib", probe)
     k = np.ones((4, engine.num_kv_heads, engine.head_dim), np.float32)
 

@@ -1,5 +1,6 @@
 """Bad input is rejected in Python, before anything reaches C, with messages
 naming the expected shape; closed engines and freed sequences raise."""
+
 from __future__ import annotations
 
 import gc
@@ -169,13 +170,29 @@ def test_closed_engine_raises_everywhere():
     eng.close()
     k = np.zeros((1, 2, 8), np.float32)
     calls = [
-        lambda: eng.sequence(), lambda: eng.stats(), lambda: eng.tier_info("device"), lambda: eng.tiers(),
-        lambda: eng.prefetch(seq), lambda: eng.block_alloc(), lambda: eng.prefix_lookup([1]),
-        lambda: eng.set_agent_quota(1, 0), lambda: eng.block_table([seq]), lambda: eng.migrate([blk], "host"),
-        lambda: seq.append([1]), lambda: seq.write_kv(0, 0, k, k), lambda: seq.read_kv(0),
-        lambda: len(seq), lambda: seq.fork(), lambda: seq.acquire(), lambda: seq.persist(),
-        lambda: seq.match_prefix([1]), lambda: seq.tokens(), lambda: seq.block_view(0, 0),
-        lambda: blk.info(), lambda: blk.pin(), lambda: owned.retain(),
+        lambda: eng.sequence(),
+        lambda: eng.stats(),
+        lambda: eng.tier_info("device"),
+        lambda: eng.tiers(),
+        lambda: eng.prefetch(seq),
+        lambda: eng.block_alloc(),
+        lambda: eng.prefix_lookup([1]),
+        lambda: eng.set_agent_quota(1, 0),
+        lambda: eng.block_table([seq]),
+        lambda: eng.migrate([blk], "host"),
+        lambda: seq.append([1]),
+        lambda: seq.write_kv(0, 0, k, k),
+        lambda: seq.read_kv(0),
+        lambda: len(seq),
+        lambda: seq.fork(),
+        lambda: seq.acquire(),
+        lambda: seq.persist(),
+        lambda: seq.match_prefix([1]),
+        lambda: seq.tokens(),
+        lambda: seq.block_view(0, 0),
+        lambda: blk.info(),
+        lambda: blk.pin(),
+        lambda: owned.retain(),
         lambda: eng.attention_decode(0, [seq], np.zeros((1, 2, 8), np.float32)),
         lambda: eng.__enter__(),
     ]
@@ -196,8 +213,16 @@ def test_freed_sequence_raises(engine):
     child = s.fork()
     s.free()
     k = np.zeros((1, 2, 8), np.float32)
-    for call in (lambda: s.append([1]), lambda: s.read_kv(0), lambda: s.write_kv(0, 0, k, k), lambda: len(s),
-                 lambda: s.fork(), lambda: s.acquire(), lambda: engine.prefetch(s), lambda: s.blocks()):
+    for call in (
+        lambda: s.append([1]),
+        lambda: s.read_kv(0),
+        lambda: s.write_kv(0, 0, k, k),
+        lambda: len(s),
+        lambda: s.fork(),
+        lambda: s.acquire(),
+        lambda: engine.prefetch(s),
+        lambda: s.blocks(),
+    ):
         with pytest.raises(kvh.BadHandleError):
             call()
     assert len(child) == 20  # the fork is unaffected

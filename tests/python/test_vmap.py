@@ -1,6 +1,7 @@
 """Virtually contiguous views from Python: kvh.VMap arrays equal read_kv,
 attention over views equals paged attention bit for bit, staleness and
 refresh, lifetime of arrays past release."""
+
 from __future__ import annotations
 
 import gc
@@ -12,8 +13,17 @@ import kvh
 
 
 def make(**kw):
-    base = dict(num_layers=2, num_kv_heads=2, head_dim=64, block_tokens=16, dtype="f32", backend="cpu",
-                device_bytes=64 * 2 * 2 * 2 * 16 * 64 * 4, host_bytes=0, vmap=True)
+    base = dict(
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=64,
+        block_tokens=16,
+        dtype="f32",
+        backend="cpu",
+        device_bytes=64 * 2 * 2 * 2 * 16 * 64 * 4,
+        host_bytes=0,
+        vmap=True,
+    )
     base.update(kw)
     return kvh.Engine(**base)
 
@@ -42,8 +52,7 @@ def test_view_arrays_and_attention():
             viewed = eng.attention_decode_vmap([vm], q)
             assert np.array_equal(paged, viewed)
             pq = np.random.default_rng(4).standard_normal((9, 4, 64)).astype(np.float32)
-            assert np.array_equal(eng.attention_prefill(1, [seq], [9], pq),
-                                  eng.attention_prefill_vmap([vm], [9], pq))
+            assert np.array_equal(eng.attention_prefill(1, [seq], [9], pq), eng.attention_prefill_vmap([vm], [9], pq))
 
 
 def test_stale_refresh_and_lifetime():

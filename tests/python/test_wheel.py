@@ -7,6 +7,7 @@ and cffi already installed) and the venv sees the system site-packages for
 numpy and cffi. The CUDA backend is left out (KVH_WHEEL_CUDA=0) to keep the
 test quick. Set KVH_SKIP_WHEEL_TEST=1 to skip it.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -25,9 +26,21 @@ pytestmark = pytest.mark.skipif(os.environ.get("KVH_SKIP_WHEEL_TEST") == "1", re
 
 
 def clean_env(**extra):
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTHONPATH", "LD_LIBRARY_PATH", "KVH_BUILD_DIR", "KVH_LIB_DIR", "KVH_STORE", "KVH_BENCH",
-                        "PYTHONHOME", "VIRTUAL_ENV")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k
+        not in (
+            "PYTHONPATH",
+            "LD_LIBRARY_PATH",
+            "KVH_BUILD_DIR",
+            "KVH_LIB_DIR",
+            "KVH_STORE",
+            "KVH_BENCH",
+            "PYTHONHOME",
+            "VIRTUAL_ENV",
+        )
+    }
     env.update(extra)
     return env
 
@@ -39,8 +52,17 @@ def wheel(tmp_path_factory):
     if importlib.util.find_spec("build") is not None:
         cmd = [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(out), str(REPO / "python")]
     else:
-        cmd = [sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-w", str(out),
-               str(REPO / "python")]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-build-isolation",
+            "--no-deps",
+            "-w",
+            str(out),
+            str(REPO / "python"),
+        ]
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     wheels = list(out.glob("kvh-*.whl"))
@@ -52,8 +74,15 @@ def test_wheel_contents(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     assert "kvh/libkvh.so.0" in names
     assert any(n.startswith("kvh/_kvh_cffi") and n.endswith(".so") for n in names)
-    for n in ("kvh/__init__.py", "kvh/cli.py", "kvh/_cdef.h", "kvh/py.typed", "kvh/demo/__init__.py",
-              "kvh/demo/agents/__init__.py", "kvh/model/__init__.py"):
+    for n in (
+        "kvh/__init__.py",
+        "kvh/cli.py",
+        "kvh/_cdef.h",
+        "kvh/py.typed",
+        "kvh/demo/__init__.py",
+        "kvh/demo/agents/__init__.py",
+        "kvh/model/__init__.py",
+    ):
         assert n in names
     # the demo's document library (package data)
     assert any(n.startswith("kvh/demo/data/corpus/") and n.endswith(".txt") for n in names)
@@ -69,8 +98,12 @@ def test_wheel_in_fresh_venv(wheel, tmp_path):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
     py = venv / "bin" / "python"
-    res = subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "--no-index", "--no-deps",
-                          "--quiet", str(wheel)], capture_output=True, text=True, env=clean_env())
+    res = subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(py), "install", "--no-index", "--no-deps", "--quiet", str(wheel)],
+        capture_output=True,
+        text=True,
+        env=clean_env(),
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     smoke = textwrap.dedent("""
         import os, numpy as np, kvh
@@ -99,12 +132,18 @@ def test_wheel_in_fresh_venv(wheel, tmp_path):
     res = subprocess.run([str(kvh_cmd), "--version"], capture_output=True, text=True, env=env, cwd=str(tmp_path))
     assert res.returncode == 0 and res.stdout.startswith("kvh "), res.stderr
     store = tmp_path / "store"
-    res = subprocess.run([str(kvh_cmd), "demo", "--agents", "1", "--steps", "3", "--chunks", "4", "--json",
-                          "--data-dir", str(store)], capture_output=True, text=True, env=env, cwd=str(tmp_path),
-                         timeout=300)
+    res = subprocess.run(
+        [str(kvh_cmd), "demo", "--agents", "1", "--steps", "3", "--chunks", "4", "--json", "--data-dir", str(store)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=str(tmp_path),
+        timeout=300,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     names = zipfile.ZipFile(wheel).namelist()
     if "kvh/_bin/kvh-store" in names and (store / "index").exists():
-        res = subprocess.run([str(kvh_cmd), "store", "verify", str(store)], capture_output=True, text=True, env=env,
-                             cwd=str(tmp_path))
+        res = subprocess.run(
+            [str(kvh_cmd), "store", "verify", str(store)], capture_output=True, text=True, env=env, cwd=str(tmp_path)
+        )
         assert res.returncode == 0, res.stdout + res.stderr

@@ -13,6 +13,7 @@
 
 The document library they read ships in ``kvh/demo/data/corpus``.
 """
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -28,6 +28,7 @@ otherwise. Timings are medians of ``--reps`` rounds on this machine: the
 CPU backend's "device" tier is host memory, so a host restore is a copy in
 memory; on a GPU it crosses PCIe.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,8 +49,9 @@ DEFAULT_CONTEXTS = (16, 32, 64, 128, 256, 512, 1024)
 QUICK_CONTEXTS = (16, 64)
 
 
-def crossover(lengths: Sequence[int], recompute: Sequence[float], restore: Sequence[float]
-              ) -> Tuple[Optional[float], str]:
+def crossover(
+    lengths: Sequence[int], recompute: Sequence[float], restore: Sequence[float]
+) -> Tuple[Optional[float], str]:
     """Where restoring starts to win, from measured (L, time) points.
 
     Returns ``(length, how)``: ``"measured"`` (linear interpolation of
@@ -99,9 +101,11 @@ def _restore_round(runner, eng, src, toks: List[int], tier: str) -> Tuple[float,
     src.migrate(tier)
     s = eng.sequence()
     try:
+
         def kv_only():
             s.match_prefix(toks)
             s.acquire().release()
+
         kv_ms = _time(kv_only)
     finally:
         s.free()
@@ -127,8 +131,7 @@ def run_bench(args: argparse.Namespace, log=None) -> List[Dict[str, Any]]:
         block_bytes = probe.block_bytes
         probe.close()
         cap = (2 * max(contexts) // bt + 8) * block_bytes
-        eng = runner.engine(device_bytes=cap, host_bytes=cap, disk_bytes=2 * cap,
-                            disk_path=str(workdir / "store"))
+        eng = runner.engine(device_bytes=cap, host_bytes=cap, disk_bytes=2 * cap, disk_path=str(workdir / "store"))
         # Each length reads its own window of the library, so no prefix of
         # one length is a cached prefix of another (the warm-up included).
         all_toks = _document_tokens(runner, bt + sum(contexts))
@@ -138,10 +141,11 @@ def run_bench(args: argparse.Namespace, log=None) -> List[Dict[str, Any]]:
         runner.prefill(warm, all_toks[:bt])
         warm.free()
         offset = bt
-        series: Dict[str, List[float]] = {k: [] for k in ("recompute", "restore_host", "restore_disk",
-                                                          "kv_host", "kv_disk")}
+        series: Dict[str, List[float]] = {
+            k: [] for k in ("recompute", "restore_host", "restore_disk", "kv_host", "kv_disk")
+        }
         for L in contexts:
-            toks = all_toks[offset:offset + L]
+            toks = all_toks[offset : offset + L]
             offset += L
             rec: List[float] = []
             src = None
@@ -160,25 +164,44 @@ def run_bench(args: argparse.Namespace, log=None) -> List[Dict[str, Any]]:
                     got["kv_" + tier].append(kv)
             src.free()
             # Rounded once, so that each ratio is exactly value / baseline as printed.
-            med = {"recompute": round(statistics.median(rec), 4),
-                   **{k: round(statistics.median(v), 4) for k, v in got.items()}}
+            med = {
+                "recompute": round(statistics.median(rec), 4),
+                **{k: round(statistics.median(v), 4) for k, v in got.items()},
+            }
             for k, v in med.items():
                 series[k].append(v)
             if log:
-                log(f"L={L}: recompute {med['recompute']:.1f} ms, restore host {med['restore_host']:.1f} ms, "
-                    f"disk {med['restore_disk']:.1f} ms")
+                log(
+                    f"L={L}: recompute {med['recompute']:.1f} ms, restore host {med['restore_host']:.1f} ms, "
+                    f"disk {med['restore_disk']:.1f} ms"
+                )
             base = {"scenario": "offload", "context": L, "block_bytes": block_bytes, "model": runner.config.name}
             rows.append({**base, "metric": "recompute", "value": med["recompute"], "unit": "ms"})
             for k in ("restore_host", "restore_disk", "kv_host", "kv_disk"):
-                rows.append({**base, "metric": k, "value": med[k], "unit": "ms", "baseline": med["recompute"],
-                             "ratio": med["recompute"] / med[k] if med[k] > 0 else None})
+                rows.append(
+                    {
+                        **base,
+                        "metric": k,
+                        "value": med[k],
+                        "unit": "ms",
+                        "baseline": med["recompute"],
+                        "ratio": med["recompute"] / med[k] if med[k] > 0 else None,
+                    }
+                )
         eng.close()
         for tier in ("host", "disk"):
             for kind in ("restore", "kv"):
                 L, how = crossover(contexts, series["recompute"], series[f"{kind}_{tier}"])
-                rows.append({"scenario": "offload", "metric": f"crossover_{kind}_{tier}",
-                             "value": None if L is None else round(L, 1), "unit": "tokens", "how": how,
-                             "contexts": list(contexts)})
+                rows.append(
+                    {
+                        "scenario": "offload",
+                        "metric": f"crossover_{kind}_{tier}",
+                        "value": None if L is None else round(L, 1),
+                        "unit": "tokens",
+                        "how": how,
+                        "contexts": list(contexts),
+                    }
+                )
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     return rows
@@ -194,12 +217,32 @@ def _print_table(rows: List[Dict[str, Any]], out: IO[str]) -> None:
     body = []
     for L in sorted(by_l):
         m = by_l[L]
-        body.append([str(L), f"{m['recompute']['value']:.1f}",
-                     f"{m['restore_host']['value']:.1f} ({m['restore_host']['ratio']:.2f}x)",
-                     f"{m['restore_disk']['value']:.1f} ({m['restore_disk']['ratio']:.2f}x)",
-                     f"{m['kv_host']['value']:.2f}", f"{m['kv_disk']['value']:.2f}"])
-    out.write(table(body, ["context (tokens)", "recompute ms", "restore host ms (gain)", "restore disk ms (gain)",
-                           "KV host ms", "KV disk ms"], title="offload threshold", align="rrrrrr") + "\n")
+        body.append(
+            [
+                str(L),
+                f"{m['recompute']['value']:.1f}",
+                f"{m['restore_host']['value']:.1f} ({m['restore_host']['ratio']:.2f}x)",
+                f"{m['restore_disk']['value']:.1f} ({m['restore_disk']['ratio']:.2f}x)",
+                f"{m['kv_host']['value']:.2f}",
+                f"{m['kv_disk']['value']:.2f}",
+            ]
+        )
+    out.write(
+        table(
+            body,
+            [
+                "context (tokens)",
+                "recompute ms",
+                "restore host ms (gain)",
+                "restore disk ms (gain)",
+                "KV host ms",
+                "KV disk ms",
+            ],
+            title="offload threshold",
+            align="rrrrrr",
+        )
+        + "\n"
+    )
     for r in rows:
         if r["metric"].startswith("crossover"):
             if r["value"] is not None:
@@ -212,15 +255,24 @@ def _print_table(rows: List[Dict[str, Any]], out: IO[str]) -> None:
 
 
 def build_parser(prog: str = "python -m kvh.demo.bench_offload") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
-                                epilog=__doc__.split("\n\n", 1)[1],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--contexts", type=lambda s: [int(x) for x in s.split(",") if x], default=None,
-                   metavar="L,L,...", help=f"context lengths in tokens (default {','.join(map(str, DEFAULT_CONTEXTS))};"
-                                           f" --quick: {','.join(map(str, QUICK_CONTEXTS))})")
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--contexts",
+        type=lambda s: [int(x) for x in s.split(",") if x],
+        default=None,
+        metavar="L,L,...",
+        help=f"context lengths in tokens (default {','.join(map(str, DEFAULT_CONTEXTS))};"
+        f" --quick: {','.join(map(str, QUICK_CONTEXTS))})",
+    )
     p.add_argument("--reps", type=int, default=None, help="restore rounds per length (default 3; --quick 1)")
-    p.add_argument("--recompute-reps", type=int, default=None,
-                   help="recompute rounds per length (default 2; --quick 1)")
+    p.add_argument(
+        "--recompute-reps", type=int, default=None, help="recompute rounds per length (default 2; --quick 1)"
+    )
     p.add_argument("--quick", action="store_true", help="two short contexts, one round (smoke test)")
     p.add_argument("--model", default=None, metavar="GGUF", help="model file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--tmp-dir", default=None, metavar="DIR", help="where the disk tier goes (default: $TMPDIR)")

@@ -67,6 +67,7 @@ for stall times it is baseline / value). Exit status: 0 ok, 1 failed (a
 kvh call, or K/V that did not verify), 2 usage, 3 a target was missed
 (``--strict``) or a dependency (qdrant-client) is missing.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -89,14 +90,62 @@ SCENARIO = "retriever"
 MODES = ("speculative", "speculative_nodraft", "no_prefetch", "naive_sync")
 TARGET_STALL_FRACTION = 0.25
 
-_COMMON = ("the of and to in a is that for it as with was on be by this are from or at an which have not has but "
-           "were can its also more these than into their other only such two may each when both between over under "
-           "most some all new first used after about through during without within where while however then thus "
-           "because since although often usually here there we our one they them").split()
-_TOPICS = ("astronomy", "cardiology", "compilers", "volcanology", "baroque", "maritime", "mycology", "cryptography",
-           "glaciology", "typography", "beekeeping", "metallurgy", "linguistics", "hydrology", "optics", "forestry")
-_ONSETS = ("b", "c", "d", "f", "g", "h", "j", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "cr", "dr",
-           "fl", "gr", "kl", "pr", "st", "tr", "sh", "th", "ch", "ph")
+_COMMON = (
+    "the of and to in a is that for it as with was on be by this are from or at an which have not has but "
+    "were can its also more these than into their other only such two may each when both between over under "
+    "most some all new first used after about through during without within where while however then thus "
+    "because since although often usually here there we our one they them"
+).split()
+_TOPICS = (
+    "astronomy",
+    "cardiology",
+    "compilers",
+    "volcanology",
+    "baroque",
+    "maritime",
+    "mycology",
+    "cryptography",
+    "glaciology",
+    "typography",
+    "beekeeping",
+    "metallurgy",
+    "linguistics",
+    "hydrology",
+    "optics",
+    "forestry",
+)
+_ONSETS = (
+    "b",
+    "c",
+    "d",
+    "f",
+    "g",
+    "h",
+    "j",
+    "k",
+    "l",
+    "m",
+    "n",
+    "p",
+    "r",
+    "s",
+    "t",
+    "v",
+    "z",
+    "br",
+    "cr",
+    "dr",
+    "fl",
+    "gr",
+    "kl",
+    "pr",
+    "st",
+    "tr",
+    "sh",
+    "th",
+    "ch",
+    "ph",
+)
 _VOWELS = ("a", "e", "i", "o", "u", "ae", "io", "ou", "ei")
 _CODAS = ("", "", "n", "r", "s", "l", "x", "th", "m", "nd", "rk", "st")
 
@@ -188,15 +237,24 @@ def make_corpus(topics: int, docs: int, sections: int, chunk_words: int, seed: i
 
 @dataclass
 class Step:
-    needs: List[int]              # chunk indices acquired at this step
-    surprise: List[bool]          # per need: announced by nothing in the context
-    generated: str = ""           # the agent's own text after the step (mentions its next needs)
-    draft: str = ""               # a draft model's projected continuation after the step
+    needs: List[int]  # chunk indices acquired at this step
+    surprise: List[bool]  # per need: announced by nothing in the context
+    generated: str = ""  # the agent's own text after the step (mentions its next needs)
+    draft: str = ""  # a draft model's projected continuation after the step
 
 
-def make_trace(corpus: Corpus, agents: int, steps: int, *, seed: int = 1, surprise: float = 0.05,
-               intent: float = 0.25, draft_intent: float = 0.5, gen_words: int = 48,
-               draft_words: int = 24) -> List[List[Step]]:
+def make_trace(
+    corpus: Corpus,
+    agents: int,
+    steps: int,
+    *,
+    seed: int = 1,
+    surprise: float = 0.05,
+    intent: float = 0.25,
+    draft_intent: float = 0.5,
+    gen_words: int = 48,
+    draft_words: int = 24,
+) -> List[List[Step]]:
     """Per agent, ``steps`` steps (see the module doc)."""
     T, D, S = corpus.topics, corpus.docs, corpus.sections
     n_chunks = len(corpus.chunks)
@@ -246,8 +304,9 @@ def make_trace(corpus: Corpus, agents: int, steps: int, *, seed: int = 1, surpri
     return trace
 
 
-def _agent_text(corpus: Corpus, rng: np.random.Generator, announced: List[int], topic: int, n: int,
-                intent: float) -> str:
+def _agent_text(
+    corpus: Corpus, rng: np.random.Generator, announced: List[int], topic: int, n: int, intent: float
+) -> str:
     words = []
     n_intent = int(round(n * intent)) if announced else 0
     for i in range(n_intent):
@@ -286,23 +345,35 @@ class ModeResult:
 def _engine(args: argparse.Namespace, data_dir: Path, threads: Optional[int]):
     import kvh
 
-    kw: Dict[str, Any] = dict(num_layers=args.layers, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
-                              block_tokens=args.block_tokens, dtype=args.dtype, backend=args.backend,
-                              model_salt=0x6B76685245540000 + args.seed, log_level="error")
+    kw: Dict[str, Any] = dict(
+        num_layers=args.layers,
+        num_kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        block_tokens=args.block_tokens,
+        dtype=args.dtype,
+        backend=args.backend,
+        model_salt=0x6B76685245540000 + args.seed,
+        log_level="error",
+    )
     probe = kvh.Engine(**dict(kw, backend="cpu"), device_bytes=1 << 20, host_bytes=1 << 20)  # block size only
     bb = probe.block_bytes
     probe.close()
     per_chunk = -(-args.chunk_tokens // args.block_tokens)
-    kw.update(device_bytes=args.device_chunks * per_chunk * bb, host_bytes=args.host_chunks * per_chunk * bb,
-              disk_path=str(data_dir), disk_bytes=max(64 << 20, 4 * args.total_chunks * per_chunk * bb),
-              disk_reset_on_mismatch=True)
+    kw.update(
+        device_bytes=args.device_chunks * per_chunk * bb,
+        host_bytes=args.host_chunks * per_chunk * bb,
+        disk_path=str(data_dir),
+        disk_bytes=max(64 << 20, 4 * args.total_chunks * per_chunk * bb),
+        disk_reset_on_mismatch=True,
+    )
     if threads is not None:
         kw["migration_threads"] = threads
     return kvh.Engine(**kw)
 
 
-def run_mode(mode: str, args: argparse.Namespace, corpus: Corpus, trace: List[List[Step]], workdir: Path,
-             index: Any = None) -> ModeResult:
+def run_mode(
+    mode: str, args: argparse.Namespace, corpus: Corpus, trace: List[List[Step]], workdir: Path, index: Any = None
+) -> ModeResult:
     """Runs the trace in one mode on a fresh engine."""
     from .. import errors
     from ..retriever import SpeculativeRetriever, SyntheticKV
@@ -319,11 +390,25 @@ def run_mode(mode: str, args: argparse.Namespace, corpus: Corpus, trace: List[Li
         n = len(corpus.chunks)
         seqs: List[Any] = []
         if speculative:
-            retr = SpeculativeRetriever(eng, index=index, embedder=args.embedder_obj, kv_fn=kv, top_k=args.top_k,
-                                        context_chars=args.context_chars)
-            recs = retr.add_chunks([{"tokens": corpus.tokens(i), "text": corpus.chunks[i].text,
-                                     "doc": f"t{corpus.chunks[i].topic}d{corpus.chunks[i].doc}",
-                                     "index": corpus.chunks[i].section} for i in range(n)])
+            retr = SpeculativeRetriever(
+                eng,
+                index=index,
+                embedder=args.embedder_obj,
+                kv_fn=kv,
+                top_k=args.top_k,
+                context_chars=args.context_chars,
+            )
+            recs = retr.add_chunks(
+                [
+                    {
+                        "tokens": corpus.tokens(i),
+                        "text": corpus.chunks[i].text,
+                        "doc": f"t{corpus.chunks[i].topic}d{corpus.chunks[i].doc}",
+                        "index": corpus.chunks[i].section,
+                    }
+                    for i in range(n)
+                ]
+            )
             ids = [r.chunk_id for r in recs]
             seqs = [retr.sequence(c) for c in ids]
         else:
@@ -381,7 +466,7 @@ def run_mode(mode: str, args: argparse.Namespace, corpus: Corpus, trace: List[Li
                 for h in holds:
                     h.release()
                 ctx = contexts[a] + " " + " ".join(corpus.chunks[c].text for c in st.needs) + " " + st.generated
-                contexts[a] = ctx[-4 * max(args.context_chars, 1):]
+                contexts[a] = ctx[-4 * max(args.context_chars, 1) :]
                 if retr is not None and t + 1 < steps:
                     draft = st.draft if mode == "speculative" else None
                     retr.prefetch_async(contexts[a], agent=a, draft_text=draft)
@@ -435,12 +520,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sections", type=int, default=None, help="sections (chunks) per document (default 4; --quick 3)")
     g.add_argument("--chunk-tokens", type=int, default=128, help="tokens (words) per chunk (default 128)")
     g.add_argument("--think-ms", type=float, default=None, help="agent think time per step, ms (default 8; --quick 2)")
-    g.add_argument("--surprise", type=float, default=0.05,
-                   help="probability that a needed chunk is announced by nothing (default 0.05)")
-    g.add_argument("--intent", type=float, default=0.25,
-                   help="share of the agent's own words naming what it needs next (default 0.25)")
-    g.add_argument("--draft-intent", type=float, default=0.5,
-                   help="the same for the draft model's projected continuation (default 0.5)")
+    g.add_argument(
+        "--surprise",
+        type=float,
+        default=0.05,
+        help="probability that a needed chunk is announced by nothing (default 0.05)",
+    )
+    g.add_argument(
+        "--intent",
+        type=float,
+        default=0.25,
+        help="share of the agent's own words naming what it needs next (default 0.25)",
+    )
+    g.add_argument(
+        "--draft-intent",
+        type=float,
+        default=0.5,
+        help="the same for the draft model's projected continuation (default 0.5)",
+    )
     g = p.add_argument_group("retriever")
     g.add_argument("--top-k", type=int, default=None, help="chunks predicted per step (default 4; --quick 3)")
     g.add_argument("--context-chars", type=int, default=1536, help="context characters embedded (default 1536)")
@@ -456,45 +553,84 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--head-dim", type=int, default=64)
     g.add_argument("--block-tokens", type=int, default=16)
     g.add_argument("--dtype", default="f16", choices=["f32", "f16", "bf16"])
-    g.add_argument("--backend", default="cpu", choices=["cpu", "auto", "cuda"],
-                   help="device tier: the CPU backend's arena (default) or GPU memory")
+    g.add_argument(
+        "--backend",
+        default="cpu",
+        choices=["cpu", "auto", "cuda"],
+        help="device tier: the CPU backend's arena (default) or GPU memory",
+    )
     g.add_argument("--migration-threads", type=int, default=2, help="of the asynchronous engines (default 2)")
     g.add_argument("--data-dir", type=Path, default=None, help="where the disk tiers go (default: a temporary dir)")
     g.add_argument("--verify-every", type=int, default=7, help="check the K/V of every Nth access (0: never)")
     g.add_argument("--settle-ms", type=float, default=50.0, help="pause after filling the corpus (default 50)")
-    g.add_argument("--switch-interval-ms", type=float, default=0.5,
-                   help="Python's thread switch interval during the run (default 0.5; the interpreter's own is 5): "
-                        "the agents and the retriever's background predictor share one interpreter, and with 5 ms "
-                        "the predictor holding the GIL would add up to 5 ms to an agent's acquire")
+    g.add_argument(
+        "--switch-interval-ms",
+        type=float,
+        default=0.5,
+        help="Python's thread switch interval during the run (default 0.5; the interpreter's own is 5): "
+        "the agents and the retriever's background predictor share one interpreter, and with 5 ms "
+        "the predictor holding the GIL would add up to 5 ms to an agent's acquire",
+    )
 
 
 def build_parser(prog: str = "python -m kvh.demo.bench_retriever") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
-                                epilog=__doc__[__doc__.index("Modes,"):] if "Modes," in __doc__ else None,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__[__doc__.index("Modes,") :] if "Modes," in __doc__ else None,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_arguments(p)
     return p
 
 
 def _defaults(args: argparse.Namespace) -> None:
     q = args.quick
-    for name, full, quick in (("agents", 4, 2), ("steps", 40, 12), ("topics", 8, 4), ("docs", 3, 2),
-                              ("sections", 4, 3), ("think_ms", 8.0, 2.0), ("top_k", 4, 3),
-                              ("device_chunks", 24, 8), ("host_chunks", 24, 6)):
+    for name, full, quick in (
+        ("agents", 4, 2),
+        ("steps", 40, 12),
+        ("topics", 8, 4),
+        ("docs", 3, 2),
+        ("sections", 4, 3),
+        ("think_ms", 8.0, 2.0),
+        ("top_k", 4, 3),
+        ("device_chunks", 24, 8),
+        ("host_chunks", 24, 6),
+    ):
         if getattr(args, name) is None:
             setattr(args, name, quick if q else full)
     args.total_chunks = args.topics * args.docs * args.sections
 
 
 def _check(args: argparse.Namespace) -> Optional[str]:
-    for name in ("agents", "steps", "topics", "docs", "sections", "chunk_tokens", "top_k", "device_chunks",
-                 "host_chunks", "reps", "layers", "kv_heads", "head_dim", "block_tokens"):
+    for name in (
+        "agents",
+        "steps",
+        "topics",
+        "docs",
+        "sections",
+        "chunk_tokens",
+        "top_k",
+        "device_chunks",
+        "host_chunks",
+        "reps",
+        "layers",
+        "kv_heads",
+        "head_dim",
+        "block_tokens",
+    ):
         if getattr(args, name) <= 0:
             return f"--{name.replace('_', '-')} must be > 0"
-    if args.think_ms < 0 or args.verify_every < 0 or args.settle_ms < 0 or args.migration_threads <= 0 \
-            or args.switch_interval_ms <= 0:
-        return ("--think-ms, --verify-every and --settle-ms must be >= 0; --migration-threads and "
-                "--switch-interval-ms > 0")
+    if (
+        args.think_ms < 0
+        or args.verify_every < 0
+        or args.settle_ms < 0
+        or args.migration_threads <= 0
+        or args.switch_interval_ms <= 0
+    ):
+        return (
+            "--think-ms, --verify-every and --settle-ms must be >= 0; --migration-threads and --switch-interval-ms > 0"
+        )
     for name in ("surprise", "intent", "draft_intent"):
         if not 0.0 <= getattr(args, name) <= 1.0:
             return f"--{name.replace('_', '-')} must be in [0, 1]"
@@ -523,8 +659,15 @@ def run_bench(args: argparse.Namespace, log=None) -> Tuple[List[Dict[str, Any]],
         raise ValueError(err)
     say = log or (lambda msg: None)
     corpus = make_corpus(args.topics, args.docs, args.sections, args.chunk_tokens, args.seed)
-    trace = make_trace(corpus, args.agents, args.steps, seed=args.seed, surprise=args.surprise, intent=args.intent,
-                       draft_intent=args.draft_intent)
+    trace = make_trace(
+        corpus,
+        args.agents,
+        args.steps,
+        seed=args.seed,
+        surprise=args.surprise,
+        intent=args.intent,
+        draft_intent=args.draft_intent,
+    )
     args.embedder_obj = open_embedder(args.embedder)
     tmp = tempfile.mkdtemp(prefix="kvh-bench-retriever-", dir=str(args.data_dir) if args.data_dir else None)
     workdir = Path(tmp)
@@ -561,8 +704,16 @@ def run_bench(args: argparse.Namespace, log=None) -> Tuple[List[Dict[str, Any]],
     return rows, ok, notes
 
 
-def _reps(args: argparse.Namespace, corpus: Corpus, trace: List[List[Step]], workdir: Path, index: Any,
-          results: Dict[str, List[ModeResult]], notes: List[str], say: Any) -> None:
+def _reps(
+    args: argparse.Namespace,
+    corpus: Corpus,
+    trace: List[List[Step]],
+    workdir: Path,
+    index: Any,
+    results: Dict[str, List[ModeResult]],
+    notes: List[str],
+    say: Any,
+) -> None:
     for rep in range(args.reps):
         order = list(args.mode_list)
         if rep % 2:
@@ -575,11 +726,19 @@ def _reps(args: argparse.Namespace, corpus: Corpus, trace: List[List[Step]], wor
 
 
 def _rows(args: argparse.Namespace, results: Dict[str, List["ModeResult"]], index_name: str) -> List[Dict[str, Any]]:
-    params = {"agents": args.agents, "steps": args.steps, "chunks": args.total_chunks,
-              "chunk_tokens": args.chunk_tokens, "think_ms": args.think_ms, "top_k": args.top_k,
-              "device_chunks": args.device_chunks, "host_chunks": args.host_chunks, "backend": args.backend,
-              "index": index_name,
-              "embedder": args.embedder_obj.name}
+    params = {
+        "agents": args.agents,
+        "steps": args.steps,
+        "chunks": args.total_chunks,
+        "chunk_tokens": args.chunk_tokens,
+        "think_ms": args.think_ms,
+        "top_k": args.top_k,
+        "device_chunks": args.device_chunks,
+        "host_chunks": args.host_chunks,
+        "backend": args.backend,
+        "index": index_name,
+        "embedder": args.embedder_obj.name,
+    }
     med: Dict[str, Dict[str, Any]] = {}
     for mode, rs in results.items():
         if not rs:
@@ -601,9 +760,13 @@ def _rows(args: argparse.Namespace, results: Dict[str, List["ModeResult"]], inde
     rows: List[Dict[str, Any]] = []
 
     def row(metric: str, value: Optional[float], unit: str, mode: str, **extra: Any) -> Dict[str, Any]:
-        r: Dict[str, Any] = {"scenario": SCENARIO, "metric": metric,
-                             "value": None if value is None or not math.isfinite(value) else round(value, 6),
-                             "unit": unit, "mode": mode}
+        r: Dict[str, Any] = {
+            "scenario": SCENARIO,
+            "metric": metric,
+            "value": None if value is None or not math.isfinite(value) else round(value, 6),
+            "unit": unit,
+            "mode": mode,
+        }
         r.update(params)
         r.update(extra)
         rows.append(r)
@@ -619,38 +782,69 @@ def _rows(args: argparse.Namespace, results: Dict[str, List["ModeResult"]], inde
         r = row("acquire_stall", m["stall_ms"], "ms", mode, accesses=m["accesses"])
         if mode.startswith("speculative") and "no_prefetch" in med:
             b = med["no_prefetch"]["stall_ms"]
-            r.update(baseline=round(b, 6), baseline_mode="no_prefetch", ratio=ratio(b, m["stall_ms"]),
-                     note="ratio = baseline / value (stall: lower is better)")
+            r.update(
+                baseline=round(b, 6),
+                baseline_mode="no_prefetch",
+                ratio=ratio(b, m["stall_ms"]),
+                note="ratio = baseline / value (stall: lower is better)",
+            )
             if mode == "speculative":
                 r["target"] = f"ratio >= {1 / TARGET_STALL_FRACTION:g}"
                 r["met"] = bool(b > 0 and m["stall_ms"] <= TARGET_STALL_FRACTION * b)
         if mode.startswith("speculative") and "naive_sync" in med:
             b = med["naive_sync"]["stall_ms"]
-            row("acquire_stall", m["stall_ms"], "ms", mode, accesses=m["accesses"], baseline=round(b, 6),
-                baseline_mode="naive_sync", ratio=ratio(b, m["stall_ms"]),
-                note="ratio = baseline / value (stall: lower is better)")
+            row(
+                "acquire_stall",
+                m["stall_ms"],
+                "ms",
+                mode,
+                accesses=m["accesses"],
+                baseline=round(b, 6),
+                baseline_mode="naive_sync",
+                ratio=ratio(b, m["stall_ms"]),
+                note="ratio = baseline / value (stall: lower is better)",
+            )
         if mode == "no_prefetch" and "naive_sync" in med:
             b = med["naive_sync"]["stall_ms"]
-            r.update(baseline=round(b, 6), baseline_mode="naive_sync", ratio=ratio(b, m["stall_ms"]),
-                     note="ratio = baseline / value (stall: lower is better)")
+            r.update(
+                baseline=round(b, 6),
+                baseline_mode="naive_sync",
+                ratio=ratio(b, m["stall_ms"]),
+                note="ratio = baseline / value (stall: lower is better)",
+            )
         if mode.startswith("speculative") and "no_prefetch" in med and med["no_prefetch"]["stall_ms"] > 0:
             frac = m["stall_ms"] / med["no_prefetch"]["stall_ms"]
-            fr = row("stall_fraction", frac, "fraction", mode, baseline_mode="no_prefetch",
-                     note="stall with prefetch / stall without it")
+            fr = row(
+                "stall_fraction",
+                frac,
+                "fraction",
+                mode,
+                baseline_mode="no_prefetch",
+                note="stall with prefetch / stall without it",
+            )
             if mode == "speculative":
                 fr["target"] = f"value <= {TARGET_STALL_FRACTION:g}"
                 fr["met"] = bool(frac <= TARGET_STALL_FRACTION)
         if mode != "naive_sync":
-            row("kvh_acquire_stall", m["kvh_stall_ms"], "ms", mode,
-                note="kvh_stats.acquire_stall_ns (time acquire waited for copies)")
+            row(
+                "kvh_acquire_stall",
+                m["kvh_stall_ms"],
+                "ms",
+                mode,
+                note="kvh_stats.acquire_stall_ns (time acquire waited for copies)",
+            )
         row("access_p50", m["p50"], "ms", mode)
         row("access_p99", m["p99"], "ms", mode)
-        row("resident_at_access", m["resident"], "fraction", mode,
-            note="accesses whose chunk was wholly in the device tier already")
+        row(
+            "resident_at_access",
+            m["resident"],
+            "fraction",
+            mode,
+            note="accesses whose chunk was wholly in the device tier already",
+        )
         row("trace_time", m["trace_s"], "s", mode, note="wall time of the trace, think time included")
         if mode.startswith("speculative"):
-            row("prefetch_precision", m["precision"], "fraction", mode,
-                note="predicted chunks used next / predicted")
+            row("prefetch_precision", m["precision"], "fraction", mode, note="predicted chunks used next / predicted")
             row("prefetch_recall", m["recall"], "fraction", mode, note="used chunks that had been predicted / used")
             row("predict_latency_p50", m["predict_ms"], "ms", mode, note="embed + index query + hints, per step")
             s = m["stats"]
@@ -674,14 +868,23 @@ def _table(rows: List[Dict[str, Any]]) -> str:
         tgt = ""
         if "target" in r:
             tgt = f"{r['target']} ({'met' if r['met'] else 'MISSED'})"
-        body.append([r["metric"], r["mode"], f"{fmt(r['value'])} {r['unit']}",
-                     f"{fmt(r['baseline'])} ({r['baseline_mode']})" if "baseline" in r else "",
-                     fmt(r.get("ratio")) if "ratio" in r else "", tgt])
+        body.append(
+            [
+                r["metric"],
+                r["mode"],
+                f"{fmt(r['value'])} {r['unit']}",
+                f"{fmt(r['baseline'])} ({r['baseline_mode']})" if "baseline" in r else "",
+                fmt(r.get("ratio")) if "ratio" in r else "",
+                tgt,
+            ]
+        )
     p = rows[0] if rows else {}
-    title = (f"kvh bench retriever: {p.get('agents')} agents x {p.get('steps')} steps, {p.get('chunks')} chunks of "
-             f"{p.get('chunk_tokens')} tokens, device {p.get('device_chunks')} / host {p.get('host_chunks')} chunks "
-             f"+ disk, think {p.get('think_ms')} ms, top-{p.get('top_k')}, index {p.get('index')}, "
-             f"embedder {p.get('embedder')}")
+    title = (
+        f"kvh bench retriever: {p.get('agents')} agents x {p.get('steps')} steps, {p.get('chunks')} chunks of "
+        f"{p.get('chunk_tokens')} tokens, device {p.get('device_chunks')} / host {p.get('host_chunks')} chunks "
+        f"+ disk, think {p.get('think_ms')} ms, top-{p.get('top_k')}, index {p.get('index')}, "
+        f"embedder {p.get('embedder')}"
+    )
     return table(body, ["metric", "mode", "value", "baseline", "ratio", "target"], title=title, align="llrrrl")
 
 
@@ -713,8 +916,10 @@ def run(args: argparse.Namespace, out=None) -> int:
         return 1
     missed = [r for r in rows if "met" in r and not r["met"]]
     if missed and args.strict:
-        print("kvh bench retriever: target missed: " + ", ".join(f"{r['metric']} ({r['target']})" for r in missed),
-              file=sys.stderr)
+        print(
+            "kvh bench retriever: target missed: " + ", ".join(f"{r['metric']} ({r['target']})" for r in missed),
+            file=sys.stderr,
+        )
         return 3
     return 0
 

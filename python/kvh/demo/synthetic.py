@@ -22,6 +22,7 @@ What it does:
 The result is a summary (per-agent table, tier occupancy, hit rates,
 prefetch counters, bytes moved) or one JSON object with ``--json``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,11 +61,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gen-tokens", type=int, default=8, help="tokens each agent appends per step (default 8)")
     g.add_argument("--fork-every", type=int, default=6, help="a tool-call fork every N steps (default 6; 0: never)")
     g.add_argument("--seed", type=int, default=1, help="RNG seed (default 1)")
-    g.add_argument("--retriever", default="auto",
-                   help=f"chunk index: auto (kvh.retriever if present, else numpy) or one of {available_kinds()}")
+    g.add_argument(
+        "--retriever",
+        default="auto",
+        help=f"chunk index: auto (kvh.retriever if present, else numpy) or one of {available_kinds()}",
+    )
     g.add_argument("--hints", type=int, default=1, help="chunks prefetched per predicted intent (default 1)")
-    g.add_argument("--intent-noise", type=float, default=0.8,
-                   help="noise of the agents' intent vectors: higher, worse predictions (default 0.8)")
+    g.add_argument(
+        "--intent-noise",
+        type=float,
+        default=0.8,
+        help="noise of the agents' intent vectors: higher, worse predictions (default 0.8)",
+    )
     g.add_argument("--no-attention", action="store_true", help="skip the decode attention step")
     g = p.add_argument_group("engine")
     g.add_argument("--layers", type=int, default=4)
@@ -73,14 +81,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-tokens", type=int, default=16)
     g.add_argument("--dtype", default="f16", choices=["f32", "f16", "bf16"])
     g.add_argument("--backend", default="auto", choices=["auto", "cpu", "cuda"])
-    g.add_argument("--device-budget", type=parse_size, default=parse_size("6MiB"),
-                   help="device tier bytes (default 6MiB: small, so blocks spill)")
-    g.add_argument("--host-budget", type=parse_size, default=parse_size("4MiB"),
-                   help="host tier bytes (default 4MiB)")
-    g.add_argument("--disk-budget", type=parse_size, default=parse_size("256MiB"),
-                   help="disk tier bytes (default 256MiB)")
-    g.add_argument("--data-dir", type=Path, default=None,
-                   help="disk tier directory (kept; default: a temporary directory, removed at the end)")
+    g.add_argument(
+        "--device-budget",
+        type=parse_size,
+        default=parse_size("6MiB"),
+        help="device tier bytes (default 6MiB: small, so blocks spill)",
+    )
+    g.add_argument("--host-budget", type=parse_size, default=parse_size("4MiB"), help="host tier bytes (default 4MiB)")
+    g.add_argument(
+        "--disk-budget", type=parse_size, default=parse_size("256MiB"), help="disk tier bytes (default 256MiB)"
+    )
+    g.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help="disk tier directory (kept; default: a temporary directory, removed at the end)",
+    )
     g.add_argument("--no-disk", action="store_true", help="run without the disk tier")
     g.add_argument("--buffered-io", action="store_true", help="disk tier without O_DIRECT")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
@@ -92,13 +108,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # demos have are added by kvh.demo.agents with no default, and
 # fill_defaults() gives them this demo's defaults.
 SYNTHETIC_ONLY: Dict[str, Any] = {
-    "steps": 24, "chunks": 32, "chunk_tokens": 64, "prompt_tokens": 128, "fork_every": 6, "intent_noise": 0.8,
-    "no_attention": False, "layers": 4, "kv_heads": 4, "head_dim": 64, "block_tokens": 16, "dtype": "f16",
-    "backend": "auto", "no_disk": False,
+    "steps": 24,
+    "chunks": 32,
+    "chunk_tokens": 64,
+    "prompt_tokens": 128,
+    "fork_every": 6,
+    "intent_noise": 0.8,
+    "no_attention": False,
+    "layers": 4,
+    "kv_heads": 4,
+    "head_dim": 64,
+    "block_tokens": 16,
+    "dtype": "f16",
+    "backend": "auto",
+    "no_disk": False,
 }
 SHARED_DEFAULTS: Dict[str, Any] = {
-    "agents": 4, "gen_tokens": 8, "seed": 1, "retriever": "auto", "hints": 1, "device_budget": 6 << 20,
-    "host_budget": 4 << 20, "disk_budget": 256 << 20, "data_dir": None, "buffered_io": False, "json": False,
+    "agents": 4,
+    "gen_tokens": 8,
+    "seed": 1,
+    "retriever": "auto",
+    "hints": 1,
+    "device_budget": 6 << 20,
+    "host_budget": 4 << 20,
+    "disk_budget": 256 << 20,
+    "data_dir": None,
+    "buffered_io": False,
+    "json": False,
     "no_progress": False,
 }
 
@@ -111,10 +147,13 @@ def add_synthetic_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chunks", type=int, default=None, help="document chunks in the corpus (default 32)")
     g.add_argument("--chunk-tokens", type=int, default=None, help="tokens per chunk (default 64)")
     g.add_argument("--prompt-tokens", type=int, default=None, help="shared system prompt tokens (default 128)")
-    g.add_argument("--fork-every", type=int, default=None,
-                   help="a tool-call fork every N steps (default 6; 0: never)")
-    g.add_argument("--intent-noise", type=float, default=None,
-                   help="noise of the agents' intent vectors: higher, worse predictions (default 0.8)")
+    g.add_argument("--fork-every", type=int, default=None, help="a tool-call fork every N steps (default 6; 0: never)")
+    g.add_argument(
+        "--intent-noise",
+        type=float,
+        default=None,
+        help="noise of the agents' intent vectors: higher, worse predictions (default 0.8)",
+    )
     g.add_argument("--no-attention", action="store_true", default=None, help="skip the decode attention step")
     g.add_argument("--layers", type=int, default=None, help="default 4")
     g.add_argument("--kv-heads", type=int, default=None, help="default 4")
@@ -165,9 +204,15 @@ class DemoResult:
 
     def to_json(self) -> Dict[str, Any]:
         return {
-            "ok": self.ok, "seconds": round(self.seconds, 3), "config": self.config,
-            "agents": [a.__dict__ for a in self.agents], "tiers": self.tiers, "stats": self.stats,
-            "derived": self.derived, "restart": self.restart, "notes": self.notes,
+            "ok": self.ok,
+            "seconds": round(self.seconds, 3),
+            "config": self.config,
+            "agents": [a.__dict__ for a in self.agents],
+            "tiers": self.tiers,
+            "stats": self.stats,
+            "derived": self.derived,
+            "restart": self.restart,
+            "notes": self.notes,
         }
 
 
@@ -232,7 +277,7 @@ def _fill(seq: Sequence, kv: _KV, kind: int, ident: int, tokens: np.ndarray, lay
     while pos < len(tokens):
         cur = len(seq)
         take = min(bt - cur % bt, len(tokens) - pos)
-        seq.append(tokens[pos:pos + take])
+        seq.append(tokens[pos : pos + take])
         with seq.acquire(cur, take):
             for layer in range(layers):
                 k, v = kv.make(kind, ident, layer, cur, take)
@@ -248,13 +293,26 @@ def _check_range(seq: Sequence, kv: _KV, kind: int, ident: int, first: int, n: i
 
 
 def open_engine(args: argparse.Namespace, data_dir: Optional[Path], notes: List[str]) -> Engine:
-    base = dict(num_layers=args.layers, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
-                block_tokens=args.block_tokens, dtype=args.dtype, backend=args.backend,
-                device_bytes=args.device_budget, host_bytes=args.host_budget, model_salt=0x6B7668 + args.seed)
+    base = dict(
+        num_layers=args.layers,
+        num_kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        block_tokens=args.block_tokens,
+        dtype=args.dtype,
+        backend=args.backend,
+        device_bytes=args.device_budget,
+        host_bytes=args.host_budget,
+        model_salt=0x6B7668 + args.seed,
+    )
     if data_dir is not None:
         try:
-            return Engine(**base, disk_path=str(data_dir), disk_bytes=args.disk_budget,
-                          disk_buffered=args.buffered_io, disk_reset_on_mismatch=True)
+            return Engine(
+                **base,
+                disk_path=str(data_dir),
+                disk_bytes=args.disk_budget,
+                disk_buffered=args.buffered_io,
+                disk_reset_on_mismatch=True,
+            )
         except (errors.UnsupportedError, errors.KvhIOError) as exc:
             notes.append(f"disk tier unavailable ({exc.message}); running with device + host only")
     return Engine(**base)
@@ -282,8 +340,11 @@ def run(args: argparse.Namespace, out=None) -> int:
     try:
         result = _run(args, data_dir, notes)
     except errors.NoSpaceError as exc:
-        print(f"kvh demo: the tiers are too small for this workload ({exc.message}); "
-              "raise --device-budget/--host-budget/--disk-budget", file=sys.stderr)
+        print(
+            f"kvh demo: the tiers are too small for this workload ({exc.message}); "
+            "raise --device-budget/--host-budget/--disk-budget",
+            file=sys.stderr,
+        )
         return 1
     finally:
         if tmp is not None:
@@ -305,11 +366,22 @@ def _run(args: argparse.Namespace, data_dir: Optional[Path], notes: List[str]) -
     kv = _KV(eng, args.seed)
     index = open_chunk_index(args.retriever, dim=EMBED_DIM)
     config = {
-        "agents": args.agents, "steps": args.steps, "chunks": args.chunks, "chunk_tokens": args.chunk_tokens,
-        "prompt_tokens": args.prompt_tokens, "backend": eng.backend, "dtype": eng.dtype.short, "layers": L,
-        "kv_heads": eng.num_kv_heads, "head_dim": eng.head_dim, "block_tokens": bt, "block_bytes": eng.block_bytes,
-        "device_budget": args.device_budget, "host_budget": args.host_budget,
-        "disk_budget": args.disk_budget if has_disk else 0, "retriever": getattr(index, "name", type(index).__name__),
+        "agents": args.agents,
+        "steps": args.steps,
+        "chunks": args.chunks,
+        "chunk_tokens": args.chunk_tokens,
+        "prompt_tokens": args.prompt_tokens,
+        "backend": eng.backend,
+        "dtype": eng.dtype.short,
+        "layers": L,
+        "kv_heads": eng.num_kv_heads,
+        "head_dim": eng.head_dim,
+        "block_tokens": bt,
+        "block_bytes": eng.block_bytes,
+        "device_budget": args.device_budget,
+        "host_budget": args.host_budget,
+        "disk_budget": args.disk_budget if has_disk else 0,
+        "retriever": getattr(index, "name", type(index).__name__),
         "seed": args.seed,
     }
     reports = [AgentReport(agent=a + 1) for a in range(args.agents)]
@@ -317,8 +389,9 @@ def _run(args: argparse.Namespace, data_dir: Optional[Path], notes: List[str]) -
     restart = None
     prompt = np.arange(1, args.prompt_tokens + 1, dtype=np.int32)
     total_steps = args.agents * args.steps
-    progress = Progress(total_steps + args.chunks, "kvh demo", enabled=None if not args.no_progress else False,
-                        unit="step")
+    progress = Progress(
+        total_steps + args.chunks, "kvh demo", enabled=None if not args.no_progress else False, unit="step"
+    )
     prefetch_q: "queue.Queue[Optional[tuple]]" = queue.Queue()
     prefetch_errors: List[str] = []
     chunk_seqs: Dict[int, Sequence] = {}
@@ -369,14 +442,16 @@ def _run(args: argparse.Namespace, data_dir: Optional[Path], notes: List[str]) -
                 s = eng.sequence(agent=rep.agent)
                 rep.prefix_matched = s.match_prefix(prompt)
                 if rep.prefix_matched < len(prompt):
-                    _fill(s, kv, 0, 0, prompt[rep.prefix_matched:], L)
+                    _fill(s, kv, 0, 0, prompt[rep.prefix_matched :], L)
                 agent_seqs.append(s)
             # each agent works mostly on its own documents, sometimes elsewhere
             plans = []
             for a in range(args.agents):
                 home = rng.choice(args.chunks, size=max(1, min(args.chunks, 6)), replace=False)
-                plan = [int(rng.choice(home)) if rng.random() < 0.8 else int(rng.integers(args.chunks))
-                        for _ in range(args.steps + 1)]
+                plan = [
+                    int(rng.choice(home)) if rng.random() < 0.8 else int(rng.integers(args.chunks))
+                    for _ in range(args.steps + 1)
+                ]
                 plans.append(plan)
             for a in range(args.agents):  # intents for step 0
                 noise = rng.standard_normal(EMBED_DIM).astype(np.float32)
@@ -388,8 +463,9 @@ def _run(args: argparse.Namespace, data_dir: Optional[Path], notes: List[str]) -
                     seq = agent_seqs[a]
                     # intent for the next step, one step ahead
                     nxt = plans[a][step + 1]
-                    prefetch_q.put((a, step + 1,
-                                    emb[nxt] + args.intent_noise * rng.standard_normal(EMBED_DIM).astype(np.float32)))
+                    prefetch_q.put(
+                        (a, step + 1, emb[nxt] + args.intent_noise * rng.standard_normal(EMBED_DIM).astype(np.float32))
+                    )
                     # read the chunk it needs now (resident in the device tier while held)
                     need = plans[a][step]
                     cs = chunk_seqs[need]
@@ -438,9 +514,15 @@ def _run(args: argparse.Namespace, data_dir: Optional[Path], notes: List[str]) -
                         notes.append(f"persist unavailable: {exc.message}")
                         break
             st = eng.stats()
-            tiers = {t.name.lower(): {"capacity_blocks": i.capacity_blocks, "used_blocks": i.used_blocks,
-                                      "pinned_blocks": i.pinned_blocks, "used_bytes": i.used_bytes}
-                     for t, i in eng.tiers().items()}
+            tiers = {
+                t.name.lower(): {
+                    "capacity_blocks": i.capacity_blocks,
+                    "used_blocks": i.used_blocks,
+                    "pinned_blocks": i.pinned_blocks,
+                    "used_bytes": i.used_bytes,
+                }
+                for t, i in eng.tiers().items()
+            }
             for s in agent_seqs + list(chunk_seqs.values()) + [owner]:
                 s.free()
         # 7. a restart: a new engine finds the prompt in the store
@@ -472,16 +554,18 @@ def _run(args: argparse.Namespace, data_dir: Optional[Path], notes: List[str]) -
         "acquire_stall_ms": st.acquire_stall_ns / 1e6,
         "chunk_tokens_reused": float(store_tokens),
     }
-    return DemoResult(ok=ok, config=config, agents=reports, tiers=tiers, stats=sd, derived=derived, notes=notes,
-                      restart=restart)
+    return DemoResult(
+        ok=ok, config=config, agents=reports, tiers=tiers, stats=sd, derived=derived, notes=notes, restart=restart
+    )
 
 
 def _atol(dtype: DType) -> float:
     return {DType.F32: 1e-3, DType.F16: 2e-2, DType.BF16: 1e-1}[dtype]
 
 
-def _attention_step(eng: Engine, seq: Sequence, rep: AgentReport, rng: np.random.Generator, check: bool,
-                    kv: _KV, notes: List[str]) -> bool:
+def _attention_step(
+    eng: Engine, seq: Sequence, rep: AgentReport, rng: np.random.Generator, check: bool, kv: _KV, notes: List[str]
+) -> bool:
     """Runs decode attention for one agent; False turns attention off."""
     if eng.backend != "cpu":
         notes.append("decode attention skipped: the demo feeds NumPy arrays (CPU backend only)")
@@ -520,8 +604,9 @@ def _fork_step(seq: Sequence, kv: _KV, rep: AgentReport, layers: int, n: int) ->
         child.free()
 
 
-def _restart_check(args: argparse.Namespace, data_dir: Path, kv: _KV, prompt: np.ndarray,
-                   notes: List[str]) -> Optional[Dict[str, Any]]:
+def _restart_check(
+    args: argparse.Namespace, data_dir: Path, kv: _KV, prompt: np.ndarray, notes: List[str]
+) -> Optional[Dict[str, Any]]:
     t0 = time.monotonic()
     try:
         eng = open_engine(args, data_dir, [])
@@ -533,9 +618,14 @@ def _restart_check(args: argparse.Namespace, data_dir: Path, kv: _KV, prompt: np
             matched = s.match_prefix(prompt)
             good = matched > 0 and _check_range(s, kv, 0, 0, 0, matched, 0)
         st = eng.stats()
-    return {"ok": bool(good), "matched_tokens": matched, "prompt_tokens": int(len(prompt)),
-            "hits_disk": st.hits_disk, "bytes_disk_to_host": st.bytes_disk_to_host,
-            "seconds": round(time.monotonic() - t0, 3)}
+    return {
+        "ok": bool(good),
+        "matched_tokens": matched,
+        "prompt_tokens": int(len(prompt)),
+        "hits_disk": st.hits_disk,
+        "bytes_disk_to_host": st.bytes_disk_to_host,
+        "seconds": round(time.monotonic() - t0, 3),
+    }
 
 
 def _pct(x: float) -> str:
@@ -549,49 +639,93 @@ def render(r: DemoResult) -> str:
         f"backend {c['backend']}, {c['dtype']}, block {human_bytes(c['block_bytes'])}, "
         f"retriever {c['retriever']}",
         "",
-        table([[a.agent, a.tokens, a.prefix_matched, a.chunk_reads, f"{a.predicted_hits}/{a.chunk_reads}",
-                a.forks, "ok" if a.cow_ok else "FAIL", "ok" if a.kv_ok else "FAIL",
-                "-" if a.attention_max_err is None else f"{a.attention_max_err:.2e}"] for a in r.agents],
-              ["agent", "tokens", "prefix hit", "chunk reads", "predicted", "forks", "CoW", "KV", "attn err"],
-              title="Agents", align="rrrrrrllr"),
+        table(
+            [
+                [
+                    a.agent,
+                    a.tokens,
+                    a.prefix_matched,
+                    a.chunk_reads,
+                    f"{a.predicted_hits}/{a.chunk_reads}",
+                    a.forks,
+                    "ok" if a.cow_ok else "FAIL",
+                    "ok" if a.kv_ok else "FAIL",
+                    "-" if a.attention_max_err is None else f"{a.attention_max_err:.2e}",
+                ]
+                for a in r.agents
+            ],
+            ["agent", "tokens", "prefix hit", "chunk reads", "predicted", "forks", "CoW", "KV", "attn err"],
+            title="Agents",
+            align="rrrrrrllr",
+        ),
         "",
-        table([[name, t["capacity_blocks"], t["used_blocks"], t["pinned_blocks"], human_bytes(t["used_bytes"])]
-               for name, t in r.tiers.items() if t["capacity_blocks"]],
-              ["tier", "capacity", "used", "pinned", "bytes"], title="Tiers (blocks, at the end)", align="lrrrr"),
+        table(
+            [
+                [name, t["capacity_blocks"], t["used_blocks"], t["pinned_blocks"], human_bytes(t["used_bytes"])]
+                for name, t in r.tiers.items()
+                if t["capacity_blocks"]
+            ],
+            ["tier", "capacity", "used", "pinned", "bytes"],
+            title="Tiers (blocks, at the end)",
+            align="lrrrr",
+        ),
         "",
     ]
     s, d = r.stats, r.derived
     rows = [
         ["block accesses", f"{s['lookups']:,}"],
-        ["hit rate device / host / disk", f"{_pct(d['device_hit_rate'])} / {_pct(d['host_hit_rate'])} / "
-                                          f"{_pct(d['disk_hit_rate'])}"],
-        ["prefix: queries, blocks, tokens", f"{s['prefix_queries']:,}, {s['prefix_hit_blocks']:,}, "
-                                            f"{s['prefix_hit_tokens']:,}"],
+        [
+            "hit rate device / host / disk",
+            f"{_pct(d['device_hit_rate'])} / {_pct(d['host_hit_rate'])} / {_pct(d['disk_hit_rate'])}",
+        ],
+        [
+            "prefix: queries, blocks, tokens",
+            f"{s['prefix_queries']:,}, {s['prefix_hit_blocks']:,}, {s['prefix_hit_tokens']:,}",
+        ],
         ["chunk tokens reused (cached, e.g. from the store)", f"{int(d['chunk_tokens_reused']):,}"],
-        ["prefetch issued / useful / late / wasted / skipped",
-         f"{s['prefetch_issued']} / {s['prefetch_useful']} / {s['prefetch_late']} / {s['prefetch_wasted']} / "
-         f"{s['prefetch_skipped']}"],
+        [
+            "prefetch issued / useful / late / wasted / skipped",
+            f"{s['prefetch_issued']} / {s['prefetch_useful']} / {s['prefetch_late']} / {s['prefetch_wasted']} / "
+            f"{s['prefetch_skipped']}",
+        ],
         ["retriever predicted the chunk", _pct(d["predicted_hit_rate"])],
         ["evictions, drops, CoW copies", f"{s['evictions']:,}, {s['drops']:,}, {s['cow_copies']:,}"],
-        ["bytes device->host / host->device", f"{human_bytes(s['bytes_device_to_host'])} / "
-                                              f"{human_bytes(s['bytes_host_to_device'])}"],
+        [
+            "bytes device->host / host->device",
+            f"{human_bytes(s['bytes_device_to_host'])} / {human_bytes(s['bytes_host_to_device'])}",
+        ],
         ["device<->host moves without a copy (one arena)", f"{s.get('blocks_moved_in_place', 0):,} blocks"],
-        ["bytes host->disk / disk->host", f"{human_bytes(s['bytes_host_to_disk'])} / "
-                                          f"{human_bytes(s['bytes_disk_to_host'])}"],
+        [
+            "bytes host->disk / disk->host",
+            f"{human_bytes(s['bytes_host_to_disk'])} / {human_bytes(s['bytes_disk_to_host'])}",
+        ],
         ["acquire stall", f"{d['acquire_stall_ms']:.1f} ms"],
         ["corrupt blocks", f"{s['corrupt_blocks']}"],
     ]
     parts.append(table(rows, ["counter", "value"], title="Engine", align="ll"))
     if r.restart is not None:
         rs = r.restart
-        parts += ["", "Restart: " + (
-            f"a new engine matched {rs.get('matched_tokens', 0)}/{rs.get('prompt_tokens', 0)} prompt tokens from "
-            f"the disk store ({'verified' if rs.get('ok') else 'FAILED'}, {rs.get('seconds', 0)} s)"
-            if "error" not in rs else f"FAILED: {rs['error']}")]
+        parts += [
+            "",
+            "Restart: "
+            + (
+                f"a new engine matched {rs.get('matched_tokens', 0)}/{rs.get('prompt_tokens', 0)} prompt tokens from "
+                f"the disk store ({'verified' if rs.get('ok') else 'FAILED'}, {rs.get('seconds', 0)} s)"
+                if "error" not in rs
+                else f"FAILED: {rs['error']}"
+            ),
+        ]
     for n in dict.fromkeys(r.notes):
         parts.append(f"note: {n}")
-    moved = r.stats["bytes_device_to_host"] + r.stats["bytes_host_to_device"] + r.stats["bytes_host_to_disk"] + \
-        r.stats["bytes_disk_to_host"]
-    parts += ["", f"{'OK' if r.ok else 'FAILED'}: {r.seconds:.2f} s, {human_bytes(moved)} moved between tiers "
-                  f"({human_rate(moved, r.seconds)})"]
+    moved = (
+        r.stats["bytes_device_to_host"]
+        + r.stats["bytes_host_to_device"]
+        + r.stats["bytes_host_to_disk"]
+        + r.stats["bytes_disk_to_host"]
+    )
+    parts += [
+        "",
+        f"{'OK' if r.ok else 'FAILED'}: {r.seconds:.2f} s, {human_bytes(moved)} moved between tiers "
+        f"({human_rate(moved, r.seconds)})",
+    ]
     return "\n".join(parts)

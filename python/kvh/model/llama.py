@@ -12,6 +12,7 @@ pairs; GGUF llama files store Q/K permuted for it) → GQA attention → output
 projection → residual → RMSNorm → SwiGLU MLP → residual] → RMSNorm → output
 head (tied to the embedding when the file has no ``output.weight``).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -69,8 +70,15 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return (x * (1.0 / np.sqrt(ms + eps)).astype(np.float32)) * w
 
 
-def rope(x: np.ndarray, positions: np.ndarray, base: float, rope_dim: int, *, scale: float = 1.0,
-         freq_factors: Optional[np.ndarray] = None) -> np.ndarray:
+def rope(
+    x: np.ndarray,
+    positions: np.ndarray,
+    base: float,
+    rope_dim: int,
+    *,
+    scale: float = 1.0,
+    freq_factors: Optional[np.ndarray] = None,
+) -> np.ndarray:
     """llama.cpp "normal" RoPE on (n, heads, head_dim): adjacent pairs
     ``(x[2i], x[2i+1])`` rotate by ``scale * pos * base**(-2i/rope_dim) /
     freq_factors[i]`` (``rope_freqs.weight`` of Llama 3.1+ files)."""
@@ -92,9 +100,18 @@ def rope(x: np.ndarray, positions: np.ndarray, base: float, rope_dim: int, *, sc
 class LlamaModel:
     """Weights (float32, dequantised once) and the forward pass."""
 
-    def __init__(self, config: ModelConfig, tok_embd: np.ndarray, layers: List[LayerWeights],
-                 output_norm: np.ndarray, output: np.ndarray, *, path: Optional[str] = None,
-                 metadata: Optional[Dict[str, object]] = None, identity: int = 0) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        tok_embd: np.ndarray,
+        layers: List[LayerWeights],
+        output_norm: np.ndarray,
+        output: np.ndarray,
+        *,
+        path: Optional[str] = None,
+        metadata: Optional[Dict[str, object]] = None,
+        identity: int = 0,
+    ) -> None:
         self.config = config
         self.tok_embd = tok_embd
         self.layers = layers
@@ -122,9 +139,17 @@ class LlamaModel:
         return m
 
     @classmethod
-    def from_tensors(cls, cfg: ModelConfig, tensor: Callable[[str], np.ndarray], names: Set[str], *,
-                     path: Optional[str] = None, metadata: Optional[Dict[str, object]] = None,
-                     identity: int = 0, before_layer: Optional[Callable[[int], None]] = None) -> "LlamaModel":
+    def from_tensors(
+        cls,
+        cfg: ModelConfig,
+        tensor: Callable[[str], np.ndarray],
+        names: Set[str],
+        *,
+        path: Optional[str] = None,
+        metadata: Optional[Dict[str, object]] = None,
+        identity: int = 0,
+        before_layer: Optional[Callable[[int], None]] = None,
+    ) -> "LlamaModel":
         """Assembles the model from ``tensor(name)`` (float32 in NumPy
         shape). ``before_layer(i)`` runs before block i's tensors are read
         (-1: the embeddings, n_layers: the output head), so a caller whose
@@ -144,22 +169,28 @@ class LlamaModel:
             step(i)
             p = f"blk.{i}."
             wq, wk, wv = get(p + "attn_q.weight"), get(p + "attn_k.weight"), get(p + "attn_v.weight")
-            if wq.shape != (cfg.n_heads * cfg.head_dim, cfg.d_model) or \
-                    wk.shape != (cfg.n_kv_heads * cfg.head_dim, cfg.d_model):
-                raise ValueError(f"{path}: layer {i} projections have shapes {wq.shape}/{wk.shape}, "
-                                 "which do not match the metadata")
+            if wq.shape != (cfg.n_heads * cfg.head_dim, cfg.d_model) or wk.shape != (
+                cfg.n_kv_heads * cfg.head_dim,
+                cfg.d_model,
+            ):
+                raise ValueError(
+                    f"{path}: layer {i} projections have shapes {wq.shape}/{wk.shape}, which do not match the metadata"
+                )
             for bias in ("attn_q.bias", "attn_k.bias", "attn_v.bias"):
                 if p + bias in names:
                     raise ValueError(f"{path}: biased attention projections ({bias}) are not supported")
-            layers.append(LayerWeights(
-                attn_norm=get(p + "attn_norm.weight"),
-                w_qkv=np.ascontiguousarray(np.concatenate([wq, wk, wv], axis=0)),
-                w_o=get(p + "attn_output.weight"),
-                ffn_norm=get(p + "ffn_norm.weight"),
-                w_gate_up=np.ascontiguousarray(np.concatenate([get(p + "ffn_gate.weight"),
-                                                               get(p + "ffn_up.weight")], axis=0)),
-                w_down=get(p + "ffn_down.weight"),
-            ))
+            layers.append(
+                LayerWeights(
+                    attn_norm=get(p + "attn_norm.weight"),
+                    w_qkv=np.ascontiguousarray(np.concatenate([wq, wk, wv], axis=0)),
+                    w_o=get(p + "attn_output.weight"),
+                    ffn_norm=get(p + "ffn_norm.weight"),
+                    w_gate_up=np.ascontiguousarray(
+                        np.concatenate([get(p + "ffn_gate.weight"), get(p + "ffn_up.weight")], axis=0)
+                    ),
+                    w_down=get(p + "ffn_down.weight"),
+                )
+            )
             del wq, wk, wv
         step(cfg.n_layers)
         rope_freqs = get("rope_freqs.weight") if "rope_freqs.weight" in names else None
@@ -167,8 +198,16 @@ class LlamaModel:
             raise ValueError(f"{path}: rope_freqs.weight has shape {rope_freqs.shape}, expected ({cfg.rope_dim // 2},)")
         out_norm = get("output_norm.weight")
         output = tok if cfg.tied_output else get("output.weight")
-        m = cls(cfg, tok, layers, out_norm, output, path=path if path != "<tensors>" else None,
-                metadata=metadata, identity=identity)
+        m = cls(
+            cfg,
+            tok,
+            layers,
+            out_norm,
+            output,
+            path=path if path != "<tensors>" else None,
+            metadata=metadata,
+            identity=identity,
+        )
         m.rope_freqs = rope_freqs
         return m
 
@@ -194,8 +233,8 @@ class LlamaModel:
                 h = rms_norm(x, lw.attn_norm, cfg.rms_eps)
                 qkv = h @ lw.w_qkv.T
                 q = qkv[:, :qd].reshape(n, hq, hd)
-                k = qkv[:, qd:qd + kvd].reshape(n, hkv, hd)
-                v = np.ascontiguousarray(qkv[:, qd + kvd:].reshape(n, hkv, hd))
+                k = qkv[:, qd : qd + kvd].reshape(n, hkv, hd)
+                v = np.ascontiguousarray(qkv[:, qd + kvd :].reshape(n, hkv, hd))
                 q = rope(q, positions, cfg.rope_base, cfg.rope_dim, scale=cfg.rope_scale, freq_factors=self.rope_freqs)
                 k = rope(k, positions, cfg.rope_base, cfg.rope_dim, scale=cfg.rope_scale, freq_factors=self.rope_freqs)
                 kv.write(li, pos0, k, v)
@@ -203,7 +242,7 @@ class LlamaModel:
                 x = x + a.reshape(n, qd) @ lw.w_o.T
                 h = rms_norm(x, lw.ffn_norm, cfg.rms_eps)
                 gu = h @ lw.w_gate_up.T
-                g, u = gu[:, :cfg.d_ff], gu[:, cfg.d_ff:]
+                g, u = gu[:, : cfg.d_ff], gu[:, cfg.d_ff :]
                 x = x + ((g / (1.0 + np.exp(-g))) * u) @ lw.w_down.T
         finally:
             kv.end()

@@ -10,6 +10,7 @@ along head_dim, one float16 scale per group; the Q8_0 / Q4_0 layouts of
 ggml) before it is written, so that the effect of storing the cache
 quantised can be measured (perplexity on a fixed text).
 """
+
 from __future__ import annotations
 
 from typing import List, Optional
@@ -19,8 +20,9 @@ import numpy as np
 __all__ = ["ContiguousKV", "QuantizedKV", "causal_attention", "quantize_dequantize"]
 
 
-def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, scale: Optional[float] = None,
-                     *, dtype=np.float64) -> np.ndarray:
+def causal_attention(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, scale: Optional[float] = None, *, dtype=np.float64
+) -> np.ndarray:
     """Attention of query rows at positions ``pos0 .. pos0+n-1`` over keys
     ``0 .. T-1`` (``T >= pos0 + n``), each row seeing keys up to its own
     position. ``q``: (n, Hq, D); ``k``, ``v``: (T, Hkv, D); GQA maps query
@@ -52,13 +54,18 @@ class ContiguousKV:
     as needed), float64 causal softmax. Implements the
     :class:`kvh.model.llama.KVBackend` protocol."""
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, *, capacity: int = 256,
-                 dtype=np.float32) -> None:
+    def __init__(
+        self, num_layers: int, num_kv_heads: int, head_dim: int, *, capacity: int = 256, dtype=np.float32
+    ) -> None:
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.dtype = np.dtype(dtype)
         self._cap = max(1, capacity)
-        self._k: List[np.ndarray] = [np.zeros((self._cap, num_kv_heads, head_dim), self.dtype) for _ in range(num_layers)]
-        self._v: List[np.ndarray] = [np.zeros((self._cap, num_kv_heads, head_dim), self.dtype) for _ in range(num_layers)]
+        self._k: List[np.ndarray] = [
+            np.zeros((self._cap, num_kv_heads, head_dim), self.dtype) for _ in range(num_layers)
+        ]
+        self._v: List[np.ndarray] = [
+            np.zeros((self._cap, num_kv_heads, head_dim), self.dtype) for _ in range(num_layers)
+        ]
         self.tokens: List[int] = []
         self.attention_used = "reference"
 
@@ -87,8 +94,8 @@ class ContiguousKV:
 
     def write(self, layer: int, pos: int, k: np.ndarray, v: np.ndarray) -> None:
         n = k.shape[0]
-        self._k[layer][pos:pos + n] = k
-        self._v[layer][pos:pos + n] = v
+        self._k[layer][pos : pos + n] = k
+        self._v[layer][pos : pos + n] = v
 
     def attend(self, layer: int, q: np.ndarray, pos: int) -> np.ndarray:
         t = pos + q.shape[0]

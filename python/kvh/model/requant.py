@@ -7,6 +7,7 @@ rewritten with the new types and offsets; F32 tensors and tensors already
 in the target type are copied as they are. Re-encoding goes through the
 float32 weights, so a Q4_1 file re-encoded as Q8_0 keeps Q4_1's rounding
 (it is a different file and type, not a more accurate model)."""
+
 from __future__ import annotations
 
 import os

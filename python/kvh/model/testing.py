@@ -2,6 +2,7 @@
 98 MB SmolLM2 file: same tensor names, metadata keys, tokenizer tables and
 quantisation types as a real llama.cpp conversion (written with
 ``gguf.GGUFWriter``)."""
+
 from __future__ import annotations
 
 import os
@@ -29,8 +30,34 @@ def tiny_vocab() -> Tuple[List[str], List[int], List[str]]:
     return tokens, types, list(_MERGES)
 
 
-_SPM_PIECES = ("▁t", "he", "▁the", "in", "▁a", "er", "▁s", "on", "an", "nd", "▁and", "▁c", "at", "▁cat", "▁h",
-               "▁hat", "▁o", "▁on", "re", "▁m", "▁mat", "▁th", "is", "▁is", "▁▁", "▁▁▁▁")
+_SPM_PIECES = (
+    "▁t",
+    "he",
+    "▁the",
+    "in",
+    "▁a",
+    "er",
+    "▁s",
+    "on",
+    "an",
+    "nd",
+    "▁and",
+    "▁c",
+    "at",
+    "▁cat",
+    "▁h",
+    "▁hat",
+    "▁o",
+    "▁on",
+    "re",
+    "▁m",
+    "▁mat",
+    "▁th",
+    "is",
+    "▁is",
+    "▁▁",
+    "▁▁▁▁",
+)
 
 
 def tiny_spm_vocab() -> Tuple[List[str], List[int], List[float]]:
@@ -48,11 +75,25 @@ def tiny_spm_vocab() -> Tuple[List[str], List[int], List[float]]:
     return tokens, types, scores
 
 
-def write_tiny_llama(path: str, *, n_layers: int = 2, d_model: int = 64, n_heads: int = 4, n_kv_heads: int = 2,
-                     d_ff: int = 128, qtype: str = "Q4_1", seed: int = 0, tied: bool = True,
-                     context_length: int = 512, rope_base: float = 10000.0, embd_qtype: str = "Q8_0",
-                     extra_metadata: Optional[Dict[str, object]] = None, tokenizer: str = "bpe",
-                     rope_freqs: Optional[np.ndarray] = None, rope_linear_factor: Optional[float] = None) -> str:
+def write_tiny_llama(
+    path: str,
+    *,
+    n_layers: int = 2,
+    d_model: int = 64,
+    n_heads: int = 4,
+    n_kv_heads: int = 2,
+    d_ff: int = 128,
+    qtype: str = "Q4_1",
+    seed: int = 0,
+    tied: bool = True,
+    context_length: int = 512,
+    rope_base: float = 10000.0,
+    embd_qtype: str = "Q8_0",
+    extra_metadata: Optional[Dict[str, object]] = None,
+    tokenizer: str = "bpe",
+    rope_freqs: Optional[np.ndarray] = None,
+    rope_linear_factor: Optional[float] = None,
+) -> str:
     """Writes a random Llama-architecture GGUF with a byte-level BPE
     vocabulary (``tokenizer.ggml.pre = smollm``; ``tokenizer="spm"``: a
     SentencePiece one, model ``llama``) and returns ``path``.

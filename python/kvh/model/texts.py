@@ -32,6 +32,6 @@ AGREEMENT_TEXT = (
 #: Prompts the equality tests generate from (raw continuation and chat).
 PROMPTS = (
     "The history of the printing press begins in",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "CHAT:Explain in a few sentences why the sky is blue.",
 )

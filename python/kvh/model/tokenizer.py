@@ -19,6 +19,7 @@ BPE:
 
 Needs the ``regex`` package (``\\p{L}`` / ``\\p{N}`` classes).
 """
+
 from __future__ import annotations
 
 from functools import lru_cache
@@ -27,8 +28,10 @@ from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 __all__ = ["Tokenizer", "SpmTokenizer", "bytes_to_unicode", "PRE_TOKENIZER_REGEXES"]
 
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 #: ``tokenizer.ggml.pre`` → regexes applied in turn (llama.cpp llama-vocab.cpp).
 PRE_TOKENIZER_REGEXES: Dict[str, Tuple[str, ...]] = {
@@ -78,9 +81,18 @@ class Tokenizer:
     GGUF's tokenizer with :meth:`from_gguf_metadata`, which returns an
     :class:`SpmTokenizer` for SentencePiece vocabularies (``llama``)."""
 
-    def __init__(self, tokens: Sequence[str], merges: Sequence[str], token_types: Optional[Sequence[int]] = None, *,
-                 pre: str = "gpt2", bos_id: Optional[int] = None, eos_id: Optional[int] = None,
-                 add_bos: bool = False, chat_template: Optional[str] = None) -> None:
+    def __init__(
+        self,
+        tokens: Sequence[str],
+        merges: Sequence[str],
+        token_types: Optional[Sequence[int]] = None,
+        *,
+        pre: str = "gpt2",
+        bos_id: Optional[int] = None,
+        eos_id: Optional[int] = None,
+        add_bos: bool = False,
+        chat_template: Optional[str] = None,
+    ) -> None:
         self._init_common(tokens, token_types, bos_id, eos_id, add_bos, chat_template)
         self.ranks: Dict[Tuple[str, str], int] = {}
         for i, m in enumerate(merges):
@@ -99,7 +111,9 @@ class Tokenizer:
 
     def _init_common(self, tokens, token_types, bos_id, eos_id, add_bos, chat_template) -> None:
         self.tokens: List[str] = list(tokens)
-        self.vocab: Dict[str, int] = {t: i for i, t in enumerate(self.tokens)}  # duplicates: the last wins, as in llama.cpp
+        self.vocab: Dict[str, int] = {
+            t: i for i, t in enumerate(self.tokens)
+        }  # duplicates: the last wins, as in llama.cpp
         self.token_types = [int(t) for t in token_types] if token_types is not None else [NORMAL] * len(self.tokens)
         self.bos_id = bos_id
         self.eos_id = eos_id
@@ -134,8 +148,9 @@ class Tokenizer:
                 **common,  # type: ignore[arg-type]
             )
         if model != "gpt2":
-            raise ValueError(f"tokenizer model {model!r} is not supported (byte-level BPE 'gpt2' and "
-                             "SentencePiece 'llama' are)")
+            raise ValueError(
+                f"tokenizer model {model!r} is not supported (byte-level BPE 'gpt2' and SentencePiece 'llama' are)"
+            )
         pre = str(md.get("tokenizer.ggml.pre", "default"))
         if pre not in PRE_TOKENIZER_REGEXES:
             raise ValueError(f"pre-tokenizer {pre!r} is not supported; supported: {sorted(PRE_TOKENIZER_REGEXES)}")
@@ -160,7 +175,7 @@ class Tokenizer:
                 pos = 0
                 for m in rx.finditer(p):
                     if m.start() > pos:
-                        out.append(p[pos:m.start()])
+                        out.append(p[pos : m.start()])
                     if m.end() > m.start():
                         out.append(m.group())
                     pos = m.end()
@@ -256,8 +271,13 @@ class Tokenizer:
         return out.decode("utf-8", errors)
 
     # ---- chat ----
-    def chat(self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True,
-             default_system: Optional[str] = SMOLLM_SYSTEM) -> str:
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, str]],
+        *,
+        add_generation_prompt: bool = True,
+        default_system: Optional[str] = SMOLLM_SYSTEM,
+    ) -> str:
         """ChatML text of messages (the SmolLM2-Instruct template: a default
         system message is inserted when the first message is not one)."""
         if "<|im_start|>" not in self.special:
@@ -297,10 +317,18 @@ class SpmTokenizer(Tokenizer):
 
     SPACE = "\u2581"
 
-    def __init__(self, tokens: Sequence[str], scores: Optional[Sequence[float]],
-                 token_types: Optional[Sequence[int]] = None, *, bos_id: Optional[int] = None,
-                 eos_id: Optional[int] = None, add_bos: bool = True, add_space_prefix: bool = True,
-                 chat_template: Optional[str] = None) -> None:
+    def __init__(
+        self,
+        tokens: Sequence[str],
+        scores: Optional[Sequence[float]],
+        token_types: Optional[Sequence[int]] = None,
+        *,
+        bos_id: Optional[int] = None,
+        eos_id: Optional[int] = None,
+        add_bos: bool = True,
+        add_space_prefix: bool = True,
+        chat_template: Optional[str] = None,
+    ) -> None:
         self._init_common(tokens, token_types, bos_id, eos_id, add_bos, chat_template)
         self.scores = [float(x) for x in scores] if scores is not None else [0.0] * len(self.tokens)
         self.add_space_prefix = add_space_prefix

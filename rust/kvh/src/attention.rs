@@ -56,7 +56,13 @@ impl AttentionParams {
 
 /// `q` and `out` must each hold `rows * per` elements, where `per` is one
 /// query token's elements and `rows` counts the `shape` (e.g. "n_seqs").
-pub(crate) fn check_io_len<T>(q: &[T], out: &[T], rows: usize, per: usize, shape: &str) -> Result<()> {
+pub(crate) fn check_io_len<T>(
+    q: &[T],
+    out: &[T],
+    rows: usize,
+    per: usize,
+    shape: &str,
+) -> Result<()> {
     let want = rows
         .checked_mul(per)
         .ok_or_else(|| invalid(format!("{shape} too large")))?;
@@ -72,7 +78,10 @@ pub(crate) fn check_io_len<T>(q: &[T], out: &[T], rows: usize, per: usize, shape
 
 impl Engine {
     /// Elements of one query token (checks GQA and the element type).
-    pub(crate) fn q_token_elems<T: Element>(&self, params: Option<&AttentionParams>) -> Result<usize> {
+    pub(crate) fn q_token_elems<T: Element>(
+        &self,
+        params: Option<&AttentionParams>,
+    ) -> Result<usize> {
         if self.backend() != "cpu" {
             // q and out are device memory on the CUDA backend: host slices
             // would be read by a kernel. Use kvh-sys with device pointers.
@@ -210,7 +219,11 @@ impl Engine {
         let per = self.q_token_elems::<T>(params)?;
         let rows = match q_lens {
             Some(l) if l.len() != raw_seqs.len() => {
-                return Err(invalid(format!("{} sequences but {} q_lens", raw_seqs.len(), l.len())))
+                return Err(invalid(format!(
+                    "{} sequences but {} q_lens",
+                    raw_seqs.len(),
+                    l.len()
+                )))
             }
             Some(l) => l.iter().map(|&n| n as usize).sum(),
             None => raw_seqs.len(),

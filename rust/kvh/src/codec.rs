@@ -61,7 +61,8 @@ pub fn vector_bytes(codec: Codec, dtype: DType, head_dim: u32) -> Result<usize> 
 
 fn vectors<T: Element>(dtype: DType, head_dim: u32, len: usize) -> Result<usize> {
     if !T::accepts(dtype) || head_dim == 0 || len % head_dim as usize != 0 {
-        return Err(crate::error::Error::new(crate::error::Status::InvalidArg, 
+        return Err(crate::error::Error::new(
+            crate::error::Status::InvalidArg,
             "element type does not match dtype, or the length is not whole vectors",
         ));
     }
@@ -88,10 +89,19 @@ pub fn encode<T: Element>(codec: Codec, dtype: DType, head_dim: u32, src: &[T]) 
 }
 
 /// Decodes `records` into `dst` (whole vectors of `head_dim` elements).
-pub fn decode<T: Element>(codec: Codec, dtype: DType, head_dim: u32, records: &[u8], dst: &mut [T]) -> Result<()> {
+pub fn decode<T: Element>(
+    codec: Codec,
+    dtype: DType,
+    head_dim: u32,
+    records: &[u8],
+    dst: &mut [T],
+) -> Result<()> {
     let n = vectors::<T>(dtype, head_dim, dst.len())?;
     if records.len() != n * vector_bytes(codec, dtype, head_dim)? {
-        return Err(crate::error::Error::new(crate::error::Status::InvalidArg, "records do not hold one record per vector of dst"));
+        return Err(crate::error::Error::new(
+            crate::error::Status::InvalidArg,
+            "records do not hold one record per vector of dst",
+        ));
     }
     // SAFETY: sizes checked above; the buffers do not overlap.
     check(unsafe {

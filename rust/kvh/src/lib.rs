@@ -79,7 +79,6 @@ mod vmap;
 
 pub use attention::{AttentionParams, AttentionPlan};
 pub use codec::{Codec, Eviction};
-pub use vmap::{VMap, VMapInfo};
 pub use config::{Config, LogFn};
 pub use context::{AdmissionInfo, Context, ContextInfo, KvPolicy, WeightStats};
 pub use element::Element;
@@ -90,6 +89,7 @@ pub use seq::{Hold, SeqRef, Sequence};
 pub use types::{
     Backend, Block, BlockInfo, BlockTable, DType, Geometry, LogLevel, Stats, Tier, TierInfo,
 };
+pub use vmap::{VMap, VMapInfo};
 
 /// The raw bindings, for calls this crate does not wrap.
 pub use kvh_sys as sys;

@@ -502,7 +502,9 @@ impl<'e> Sequence<'e> {
     pub fn set_tolerance(&self, range: impl RangeBounds<u64>, tolerance: u32) -> Result<()> {
         let (first, n) = self.range(range)?;
         // SAFETY: valid engine.
-        check(unsafe { sys::kvh_seq_set_tolerance(self.engine.as_ptr(), self.raw, first, n, tolerance) })
+        check(unsafe {
+            sys::kvh_seq_set_tolerance(self.engine.as_ptr(), self.raw, first, n, tolerance)
+        })
     }
 
     /// Derives the tolerance of the range's device-tier blocks from the
@@ -511,7 +513,9 @@ impl<'e> Sequence<'e> {
     pub fn derive_tolerance(&self, range: impl RangeBounds<u64>, max_rel_error: f32) -> Result<()> {
         let (first, n) = self.range(range)?;
         // SAFETY: valid engine.
-        check(unsafe { sys::kvh_seq_derive_tolerance(self.engine.as_ptr(), self.raw, first, n, max_rel_error) })
+        check(unsafe {
+            sys::kvh_seq_derive_tolerance(self.engine.as_ptr(), self.raw, first, n, max_rel_error)
+        })
     }
 
     fn set_pinned(&self, range: impl RangeBounds<u64>, pinned: bool) -> Result<()> {

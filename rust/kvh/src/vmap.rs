@@ -43,8 +43,19 @@ impl<'e> Sequence<'e> {
     pub fn vmap(&self, layer: u32, capacity_tokens: u64) -> Result<VMap<'e>> {
         let mut raw = ptr::null_mut();
         // SAFETY: valid engine and handle; raw is written on success only.
-        check(unsafe { sys::kvh_seq_vmap(self.engine().as_ptr(), self.raw(), layer, capacity_tokens, &mut raw) })?;
-        Ok(VMap { engine: self.engine(), raw })
+        check(unsafe {
+            sys::kvh_seq_vmap(
+                self.engine().as_ptr(),
+                self.raw(),
+                layer,
+                capacity_tokens,
+                &mut raw,
+            )
+        })?;
+        Ok(VMap {
+            engine: self.engine(),
+            raw,
+        })
     }
 }
 
@@ -94,7 +105,10 @@ impl VMap<'_> {
         let g = self.engine.geometry();
         crate::element::check_dtype::<T>(g.dtype)?;
         if head >= g.num_kv_heads {
-            return Err(invalid(format!("head {head} >= num_kv_heads {}", g.num_kv_heads)));
+            return Err(invalid(format!(
+                "head {head} >= num_kv_heads {}",
+                g.num_kv_heads
+            )));
         }
         let v = self.get()?;
         let base = if values { v.v } else { v.k } as *const u8;
@@ -102,7 +116,9 @@ impl VMap<'_> {
         // SAFETY: the library maps n_tokens * head_dim elements of the
         // engine dtype at base + head * head_stride, read-only, until the
         // view is refreshed or released, which need &mut self / self.
-        Ok(unsafe { std::slice::from_raw_parts(base.add(head as usize * v.head_stride as usize).cast(), len) })
+        Ok(unsafe {
+            std::slice::from_raw_parts(base.add(head as usize * v.head_stride as usize).cast(), len)
+        })
     }
 
     /// K of one KV head: `n_tokens * head_dim` elements, token-major.
@@ -177,7 +193,11 @@ impl Engine {
         params: Option<&AttentionParams>,
     ) -> Result<()> {
         if q_lens.len() != views.len() {
-            return Err(invalid(format!("{} views but {} q_lens", views.len(), q_lens.len())));
+            return Err(invalid(format!(
+                "{} views but {} q_lens",
+                views.len(),
+                q_lens.len()
+            )));
         }
         let per = self.q_token_elems::<T>(params)?;
         let tokens: usize = q_lens.iter().map(|&n| n as usize).sum();

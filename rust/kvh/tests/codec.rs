@@ -5,9 +5,14 @@ use kvh::{Codec, Config, DType, Tier};
 
 #[test]
 fn int8_round_trip_within_bound() {
-    let x: Vec<f32> = (0..256).map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0).collect();
+    let x: Vec<f32> = (0..256)
+        .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
+        .collect();
     let enc = encode(Codec::Int8, DType::F32, 64, &x).unwrap();
-    assert_eq!(enc.len(), 4 * vector_bytes(Codec::Int8, DType::F32, 64).unwrap());
+    assert_eq!(
+        enc.len(),
+        4 * vector_bytes(Codec::Int8, DType::F32, 64).unwrap()
+    );
     let mut y = vec![0f32; 256];
     decode(Codec::Int8, DType::F32, 64, &enc, &mut y).unwrap();
     for v in 0..4 {
@@ -68,12 +73,18 @@ fn attention_plan_runs_like_the_one_shot_call() {
     let engine = kvh::Engine::open(cfg).unwrap();
     let seq = engine.create_sequence(0).unwrap();
     seq.append(&[3; 40]).unwrap();
-    let kv: Vec<f32> = (0..40 * 2 * 64).map(|i| ((i * 7919 % 1000) as f32) / 500.0 - 1.0).collect();
+    let kv: Vec<f32> = (0..40 * 2 * 64)
+        .map(|i| ((i * 7919 % 1000) as f32) / 500.0 - 1.0)
+        .collect();
     seq.write_kv(0, 0, &kv, &kv).unwrap();
     let q: Vec<f32> = (0..2 * 64).map(|i| (i as f32) / 64.0 - 1.0).collect();
     let (mut a, mut b) = (vec![0f32; 128], vec![1f32; 128]);
-    engine.attention_decode(0, &[&seq], &q, &mut a, None).unwrap();
-    let plan = engine.attention_plan::<f32>(0, &[&seq], None, None).unwrap();
+    engine
+        .attention_decode(0, &[&seq], &q, &mut a, None)
+        .unwrap();
+    let plan = engine
+        .attention_plan::<f32>(0, &[&seq], None, None)
+        .unwrap();
     plan.run(&q, &mut b).unwrap();
     assert_eq!(a, b);
     assert!(plan.run(&q[1..], &mut b).is_err());
@@ -92,21 +103,32 @@ fn views_are_contiguous_and_attend_like_paged() {
     let engine = kvh::Engine::open(cfg).unwrap();
     let seq = engine.create_sequence(0).unwrap();
     seq.append(&[5; 40]).unwrap();
-    let kv: Vec<f32> = (0..40 * 2 * 64).map(|i| ((i * 31 % 997) as f32) / 300.0 - 1.5).collect();
+    let kv: Vec<f32> = (0..40 * 2 * 64)
+        .map(|i| ((i * 31 % 997) as f32) / 300.0 - 1.5)
+        .collect();
     seq.write_kv(0, 0, &kv, &kv).unwrap();
     let mut view = seq.vmap(0, 0).unwrap();
     assert_eq!(view.info().unwrap().n_tokens, 40);
     let k1: &[f32] = view.k(1).unwrap();
     for t in 0..40 {
-        assert_eq!(&k1[t * 64..(t + 1) * 64], &kv[(t * 2 + 1) * 64..(t * 2 + 2) * 64]);
+        assert_eq!(
+            &k1[t * 64..(t + 1) * 64],
+            &kv[(t * 2 + 1) * 64..(t * 2 + 2) * 64]
+        );
     }
     let q: Vec<f32> = (0..128).map(|i| (i as f32) / 100.0 - 0.6).collect();
     let (mut a, mut b) = (vec![0f32; 128], vec![1f32; 128]);
-    engine.attention_decode(0, &[&seq], &q, &mut a, None).unwrap();
-    engine.attention_decode_vmap(&[&view], &q, &mut b, None).unwrap();
+    engine
+        .attention_decode(0, &[&seq], &q, &mut a, None)
+        .unwrap();
+    engine
+        .attention_decode_vmap(&[&view], &q, &mut b, None)
+        .unwrap();
     assert_eq!(a, b);
     seq.append(&[6; 10]).unwrap();
-    assert!(engine.attention_decode_vmap(&[&view], &q, &mut b, None).is_err());
+    assert!(engine
+        .attention_decode_vmap(&[&view], &q, &mut b, None)
+        .is_err());
     assert!(view.refresh().unwrap());
     assert_eq!(view.info().unwrap().n_tokens, 50);
 }
@@ -123,12 +145,20 @@ fn prefill_over_views_equals_paged() {
     let engine = kvh::Engine::open(cfg).unwrap();
     let seq = engine.create_sequence(0).unwrap();
     seq.append(&[5; 30]).unwrap();
-    let kv: Vec<f32> = (0..30 * 64).map(|i| ((i * 17 % 503) as f32) / 200.0 - 1.0).collect();
+    let kv: Vec<f32> = (0..30 * 64)
+        .map(|i| ((i * 17 % 503) as f32) / 200.0 - 1.0)
+        .collect();
     seq.write_kv(0, 0, &kv, &kv).unwrap();
     let view = seq.vmap(0, 0).unwrap();
-    let q: Vec<f32> = (0..7 * 64).map(|i| ((i % 61) as f32) / 30.0 - 1.0).collect();
+    let q: Vec<f32> = (0..7 * 64)
+        .map(|i| ((i % 61) as f32) / 30.0 - 1.0)
+        .collect();
     let (mut a, mut b) = (vec![0f32; 7 * 64], vec![1f32; 7 * 64]);
-    engine.attention_prefill(0, &[&seq], &[7], &q, &mut a, None).unwrap();
-    engine.attention_prefill_vmap(&[&view], &[7], &q, &mut b, None).unwrap();
+    engine
+        .attention_prefill(0, &[&seq], &[7], &q, &mut a, None)
+        .unwrap();
+    engine
+        .attention_prefill_vmap(&[&view], &[7], &q, &mut b, None)
+        .unwrap();
     assert_eq!(a, b);
 }

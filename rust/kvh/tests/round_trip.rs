@@ -195,7 +195,10 @@ fn migrate_to_host_and_back_keeps_the_data() {
     // The CPU backend's tiers are one arena: the moves re-account the
     // blocks in place instead of copying them.
     let st = e.stats().unwrap();
-    assert!(st.blocks_moved_in_place >= 4 && st.blocks_device_to_host == 0, "{st:?}");
+    assert!(
+        st.blocks_moved_in_place >= 4 && st.blocks_device_to_host == 0,
+        "{st:?}"
+    );
     for layer in 0..2 {
         let (k, v) = common::kv(&e, 9, layer, 0, 16);
         assert_eq!(s.read_kv_vec::<f32>(layer, 0, 16).unwrap(), (k, v));

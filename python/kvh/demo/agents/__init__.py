@@ -51,6 +51,7 @@ JSON lines (``scenario: "demo"``, ``metric``, ``value``, ``unit``,
 written when matplotlib is installed; ``--record-trace FILE`` writes the
 block-access trace for policy replay. Everything goes under ``--data-dir``.
 """
+
 from __future__ import annotations
 
 # The modules, one concern each: ``options`` (the command line), ``loading``
@@ -66,5 +67,14 @@ from .corpus import HashedEmbedder, load_corpus
 from .options import DEFAULTS, add_arguments, fill_defaults
 from .workload import AGENT_QUESTIONS, plan_requests
 
-__all__ = ["AGENT_QUESTIONS", "DEFAULTS", "HashedEmbedder", "add_arguments", "fill_defaults", "load_corpus", "main",
-           "plan_requests", "run"]
+__all__ = [
+    "AGENT_QUESTIONS",
+    "DEFAULTS",
+    "HashedEmbedder",
+    "add_arguments",
+    "fill_defaults",
+    "load_corpus",
+    "main",
+    "plan_requests",
+    "run",
+]

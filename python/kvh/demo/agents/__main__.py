@@ -1,5 +1,6 @@
 """``python -m kvh.demo.agents``: the model demo (also the restart's new
 process, ``--returning SPEC``)."""
+
 import sys
 
 from .app import main

@@ -1,5 +1,6 @@
 """The run of ``kvh demo``: the model, the workload on kvh and on the
 baselines, the restart, the capacity probes, then the report."""
+
 from __future__ import annotations
 
 import argparse
@@ -67,8 +68,11 @@ def run(args: argparse.Namespace, out: Optional[IO[str]] = None) -> int:
     try:
         results, restart, probes = measure(work, kvh_setup, base_setups, sizing, data_dir, tracer, notes)
     except errors.NoSpaceError as exc:
-        print(f"kvh demo: the tiers are too small for this workload ({exc.message}); raise --device-budget / "
-              "--host-budget / --disk-budget", file=sys.stderr)
+        print(
+            f"kvh demo: the tiers are too small for this workload ({exc.message}); raise --device-budget / "
+            "--host-budget / --disk-budget",
+            file=sys.stderr,
+        )
         return 1
     finally:
         try:
@@ -81,9 +85,15 @@ def run(args: argparse.Namespace, out: Optional[IO[str]] = None) -> int:
     return 0 if summary["ok"] else 1
 
 
-def measure(work: Workload, kvh_setup: Setup, base_setups: Dict[str, Setup], sizing: Dict[str, Any],
-            data_dir: Path, tracer: Tracer, notes: List[str]
-            ) -> Tuple[Dict[str, SetupResult], Optional[Dict[str, Any]], Dict[str, Dict[str, Any]]]:
+def measure(
+    work: Workload,
+    kvh_setup: Setup,
+    base_setups: Dict[str, Setup],
+    sizing: Dict[str, Any],
+    data_dir: Path,
+    tracer: Tracer,
+    notes: List[str],
+) -> Tuple[Dict[str, SetupResult], Optional[Dict[str, Any]], Dict[str, Dict[str, Any]]]:
     """The workload on kvh (traced) and on each baseline, the restart and
     the capacity probes: (results by configuration, restart, probes)."""
     args = work.args
@@ -91,10 +101,12 @@ def measure(work: Workload, kvh_setup: Setup, base_setups: Dict[str, Setup], siz
     results: Dict[str, SetupResult] = {}
     restart = None
     try:
-        log(f"kvh: {len(work.plan)} requests from {args.agents} agents over {len(work.corpus)} articles; tiers: "
+        log(
+            f"kvh: {len(work.plan)} requests from {args.agents} agents over {len(work.corpus)} articles; tiers: "
             f"device {human_bytes(kvh_setup.device_bytes)}, host {human_bytes(kvh_setup.host_bytes)}, "
             f"disk {human_bytes(kvh_setup.disk_bytes)} at {store} (this run's KV: {sizing['total']} blocks, "
-            f"{human_bytes(sizing['total'] * work.block_bytes)})")
+            f"{human_bytes(sizing['total'] * work.block_bytes)})"
+        )
         res, corpus_kv = run_setup(work, kvh_setup, None, tracer, want_corpus_kv=bool(base_setups))
     finally:
         tracer.close()
@@ -119,8 +131,9 @@ def probe_configurations(runner, kvh_setup: Setup, data_dir: Path, notes: List[s
     probes["sync-offload"] = probe_capacity(runner, kvh_setup.device_bytes, kvh_setup.host_bytes)
     probe_dir = data_dir / "probe-store"
     try:
-        probes["kvh"] = probe_capacity(runner, kvh_setup.device_bytes, kvh_setup.host_bytes, kvh_setup.disk_bytes,
-                                       probe_dir, buffered=True)
+        probes["kvh"] = probe_capacity(
+            runner, kvh_setup.device_bytes, kvh_setup.host_bytes, kvh_setup.disk_bytes, probe_dir, buffered=True
+        )
     except (errors.UnsupportedError, errors.KvhIOError) as exc:
         notes.append(f"max-context probe of the disk tier failed: {exc}")
     finally:
@@ -128,8 +141,14 @@ def probe_configurations(runner, kvh_setup: Setup, data_dir: Path, notes: List[s
     return probes
 
 
-def report(args: argparse.Namespace, summary: Dict[str, Any], results: Dict[str, SetupResult],
-           restart: Optional[Dict[str, Any]], data_dir: Path, out: IO[str]) -> None:
+def report(
+    args: argparse.Namespace,
+    summary: Dict[str, Any],
+    results: Dict[str, SetupResult],
+    restart: Optional[Dict[str, Any]],
+    data_dir: Path,
+    out: IO[str],
+) -> None:
     """The plot, DATA_DIR/demo-result.json, and the JSON rows or the text
     report on ``out``."""
     plot_path = None
@@ -153,8 +172,11 @@ def report(args: argparse.Namespace, summary: Dict[str, Any], results: Dict[str,
 def main(argv: Optional[Seq[str]] = None) -> int:
     from .. import agents
 
-    p = argparse.ArgumentParser(prog="python -m kvh.demo.agents", description=agents.__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m kvh.demo.agents",
+        description=agents.__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_arguments(p)
     args = p.parse_args(argv)
     if args.synthetic:

@@ -1,6 +1,7 @@
 """The configurations ``kvh demo`` runs the workload on (kvh and the
 baselines): their engine options, their tier sizes, and what one run of
 each measured."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,8 +30,12 @@ class Setup:
     def engine_kwargs(self, buffered: bool) -> Dict[str, Any]:
         kw: Dict[str, Any] = dict(device_bytes=self.device_bytes, host_bytes=self.host_bytes)
         if self.disk_path is not None:
-            kw.update(disk_path=str(self.disk_path), disk_bytes=self.disk_bytes, disk_reset_on_mismatch=True,
-                      disk_buffered=buffered)
+            kw.update(
+                disk_path=str(self.disk_path),
+                disk_bytes=self.disk_bytes,
+                disk_reset_on_mismatch=True,
+                disk_buffered=buffered,
+            )
         if self.migration_threads is not None:
             kw["migration_threads"] = self.migration_threads
         return kw
@@ -84,8 +89,9 @@ class SetupResult:
         return 1e3 * xs[min(len(xs) - 1, int(0.9 * len(xs)))] if xs else float("nan")
 
 
-def choose_setups(work: Workload, data_dir: Path, baselines: List[str]
-                  ) -> Tuple[Setup, Dict[str, Setup], Dict[str, Any]]:
+def choose_setups(
+    work: Workload, data_dir: Path, baselines: List[str]
+) -> Tuple[Setup, Dict[str, Setup], Dict[str, Any]]:
     """The kvh configuration (tiers from the options, or sized from the
     run's KV), the chosen baselines, and the sizing they came from. A
     ValueError says which budget is too small."""
@@ -101,21 +107,40 @@ def choose_setups(work: Workload, data_dir: Path, baselines: List[str]
     dev = args.device_budget if args.device_budget is not None else max(need, -(-kb["total"] // 4)) * bb
     host = args.host_budget if args.host_budget is not None else max(-(-kb["total"] // 4), host_min) * bb
     if dev // bb < minimum:
-        raise ValueError(f"--device-budget {human_bytes(dev)} holds {dev // bb} blocks of {human_bytes(bb)}; one "
-                         f"request needs {kb['max_request']} blocks resident at once (its whole sequence, for "
-                         f"the attention kernel): use at least {human_bytes(minimum * bb)}")
+        raise ValueError(
+            f"--device-budget {human_bytes(dev)} holds {dev // bb} blocks of {human_bytes(bb)}; one "
+            f"request needs {kb['max_request']} blocks resident at once (its whole sequence, for "
+            f"the attention kernel): use at least {human_bytes(minimum * bb)}"
+        )
     if host // bb < host_min:
-        raise ValueError(f"--host-budget {human_bytes(host)} holds {host // bb} blocks; a prefix found on disk is "
-                         f"read into the host tier all at once, up to {host_min} blocks here: use at least "
-                         f"{human_bytes(host_min * bb)}")
-    ours = Setup("kvh", device_bytes=dev, host_bytes=host, disk_bytes=args.disk_budget,
-                disk_path=data_dir / "store", pin_system=True, prefetch=True)
+        raise ValueError(
+            f"--host-budget {human_bytes(host)} holds {host // bb} blocks; a prefix found on disk is "
+            f"read into the host tier all at once, up to {host_min} blocks here: use at least "
+            f"{human_bytes(host_min * bb)}"
+        )
+    ours = Setup(
+        "kvh",
+        device_bytes=dev,
+        host_bytes=host,
+        disk_bytes=args.disk_budget,
+        disk_path=data_dir / "store",
+        pin_system=True,
+        prefetch=True,
+    )
     everything = (kb["total"] + 4) * bb
     base = {
         "monolithic": Setup("monolithic", device_bytes=max(everything, dev), host_bytes=0),
-        "sync-offload": Setup("sync-offload", device_bytes=dev, host_bytes=max(everything, host),
-                              migration_threads=0, sync_offload=True),
+        "sync-offload": Setup(
+            "sync-offload", device_bytes=dev, host_bytes=max(everything, host), migration_threads=0, sync_offload=True
+        ),
     }
-    sizing = dict(kb, block_bytes=bb, token_bytes=work.token_bytes, device_bytes=dev, host_bytes=host,
-                  disk_bytes=args.disk_budget, device_fraction=(dev // bb) / kb["total"])
+    sizing = dict(
+        kb,
+        block_bytes=bb,
+        token_bytes=work.token_bytes,
+        device_bytes=dev,
+        host_bytes=host,
+        disk_bytes=args.disk_budget,
+        device_fraction=(dev // bb) / kb["total"],
+    )
     return ours, {b: base[b] for b in baselines}, sizing

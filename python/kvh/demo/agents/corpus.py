@@ -1,5 +1,6 @@
 """The document library (``kvh/demo/data/corpus``) and its retrieval: the
 articles, a dependency-free embedding, and the chunk index they go into."""
+
 from __future__ import annotations
 
 import argparse
@@ -50,7 +51,8 @@ _STOP = frozenset(
     "those as into than then so such not no do does did how what why when where which who whom whose can could "
     "would should may might will shall has have had about over under more most less least very one two their there "
     "they them he she his her we you your our me my each other some many much also only just answer sentence "
-    "tell".split())
+    "tell".split()
+)
 
 
 def _terms(text: str) -> List[str]:

@@ -1,6 +1,7 @@
 """The KV backends the forward passes run on (the
 :class:`kvh.model.llama.KVBackend` protocol): kvh's, timed, and the seed's
 naive synchronous offload."""
+
 from __future__ import annotations
 
 import time
@@ -126,8 +127,9 @@ class KVBackends:
     timed into ``times``, with ``at_end`` called at the end of every
     forward pass."""
 
-    def __init__(self, runner, engine, times: KVTimes, sync_offload: bool,
-                 at_end: Optional[Callable[[], None]] = None) -> None:
+    def __init__(
+        self, runner, engine, times: KVTimes, sync_offload: bool, at_end: Optional[Callable[[], None]] = None
+    ) -> None:
         self.runner = runner
         self.engine = engine
         self.times = times

@@ -1,6 +1,7 @@
 """The KV every request reads, cached once per configuration: the shared
 system prompt (one sequence that owns its blocks, pinned for kvh) and each
 article's ``[system][article]`` sequence."""
+
 from __future__ import annotations
 
 import time
@@ -50,8 +51,15 @@ class LibraryCache:
     :meth:`read_kv`), copied. ``ingest`` counts the tokens computed,
     reused and copied."""
 
-    def __init__(self, work: Workload, eng, backends: KVBackends, tracer: Tracer,
-                 corpus_kv: Optional[Dict[str, Any]] = None, sync_offload: bool = False) -> None:
+    def __init__(
+        self,
+        work: Workload,
+        eng,
+        backends: KVBackends,
+        tracer: Tracer,
+        corpus_kv: Optional[Dict[str, Any]] = None,
+        sync_offload: bool = False,
+    ) -> None:
         self.work = work
         self.eng = eng
         self.backends = backends
@@ -72,8 +80,11 @@ class LibraryCache:
         m = self.owner.match_prefix(P.system)
         self.tracer.blocks(self.owner, 0, "match", 0, m // bt)
         total = (len(P.system) - m) + sum(len(P.prefix(d)) - s_full * bt for d in doc_ids)
-        bar = Progress(total, f"{label}: caching the library", unit="tok",
-                       enabled=None if show else False) if self.corpus_kv is None else None
+        bar = (
+            Progress(total, f"{label}: caching the library", unit="tok", enabled=None if show else False)
+            if self.corpus_kv is None
+            else None
+        )
         self._fill_system_prompt(m, bar, pin_system)
         for d in doc_ids:
             c, r = self.add_article(d, bar)
@@ -118,7 +129,7 @@ class LibraryCache:
             if self.corpus_kv is not None and d in self.corpus_kv["docs"]:
                 base = self.corpus_kv["doc_first"]
                 assert m >= base, (m, base)
-                kv = [(k[m - base:], v[m - base:]) for k, v in self.corpus_kv["docs"][d]]
+                kv = [(k[m - base :], v[m - base :]) for k, v in self.corpus_kv["docs"][d]]
                 write_kv_from(s, prefix[m:], m, kv)
                 self.ingest["copied_tokens"] += len(prefix) - m
             else:

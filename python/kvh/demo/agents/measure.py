@@ -2,6 +2,7 @@
 over time, decode time and the KV backend's share of it, fragmentation,
 the shared system prompt's blocks, and how much KV a configuration holds
 before refusing."""
+
 from __future__ import annotations
 
 import time
@@ -13,8 +14,17 @@ import numpy as np
 from ... import errors
 from ...types import Tier
 
-__all__ = ["DecodeStats", "OccupancySampler", "fragmentation", "occupancy", "probe_capacity",
-           "system_prompt_blocks", "tier_name", "tier_table", "tiers_of"]
+__all__ = [
+    "DecodeStats",
+    "OccupancySampler",
+    "fragmentation",
+    "occupancy",
+    "probe_capacity",
+    "system_prompt_blocks",
+    "tier_name",
+    "tier_table",
+    "tiers_of",
+]
 
 
 def tier_name(t: Any) -> str:
@@ -85,8 +95,12 @@ def tier_table(eng) -> Dict[str, Dict[str, int]]:
     """Each tier's capacity, used, pinned blocks and used bytes."""
     out = {}
     for t, info in eng.tiers().items():
-        out[t.name.lower()] = {"capacity_blocks": info.capacity_blocks, "used_blocks": info.used_blocks,
-                               "pinned_blocks": info.pinned_blocks, "used_bytes": info.used_bytes}
+        out[t.name.lower()] = {
+            "capacity_blocks": info.capacity_blocks,
+            "used_blocks": info.used_blocks,
+            "pinned_blocks": info.pinned_blocks,
+            "used_bytes": info.used_bytes,
+        }
     return out
 
 
@@ -96,8 +110,14 @@ def system_prompt_blocks(owner, full_blocks: int, tokens: int, pinned: bool, blo
     out: Dict[str, Any] = {"full_blocks": full_blocks, "tokens": tokens, "pinned": bool(pinned)}
     if full_blocks:
         info = owner.block(0).info()
-        out.update(refs=info.refs, tier=tier_name(info.tier), pins=info.pins, logical_copies=info.refs,
-                   physical_copies=1, bytes_saved=(info.refs - 1) * full_blocks * block_bytes)
+        out.update(
+            refs=info.refs,
+            tier=tier_name(info.tier),
+            pins=info.pins,
+            logical_copies=info.refs,
+            physical_copies=1,
+            bytes_saved=(info.refs - 1) * full_blocks * block_bytes,
+        )
     return out
 
 
@@ -120,18 +140,25 @@ def fragmentation(eng, seqs, token_bytes: int, reserve_tokens: int) -> Dict[str,
     used = used_tokens * token_bytes
     unpaged_alloc = len(seqs) * max(reserve_tokens, 1) * token_bytes
     return {
-        "sequences": len(seqs), "blocks": len(seen), "logical_tokens": logical, "physical_tokens": used_tokens,
-        "allocated_bytes": alloc, "used_bytes": used, "ratio": alloc / used if used else float("nan"),
+        "sequences": len(seqs),
+        "blocks": len(seen),
+        "logical_tokens": logical,
+        "physical_tokens": used_tokens,
+        "allocated_bytes": alloc,
+        "used_bytes": used,
+        "ratio": alloc / used if used else float("nan"),
         "wasted_fraction": 1 - used / alloc if alloc else float("nan"),
-        "unpaged_reserve_tokens": reserve_tokens, "unpaged_allocated_bytes": unpaged_alloc,
+        "unpaged_reserve_tokens": reserve_tokens,
+        "unpaged_allocated_bytes": unpaged_alloc,
         "unpaged_used_bytes": logical * token_bytes,
         "unpaged_ratio": unpaged_alloc / (logical * token_bytes) if logical else float("nan"),
         "unpaged_wasted_fraction": 1 - (logical * token_bytes) / unpaged_alloc if unpaged_alloc else float("nan"),
     }
 
 
-def probe_capacity(runner, device: int, host: int, disk: int = 0, disk_dir: Optional[Path] = None,
-                   buffered: bool = False) -> Dict[str, Any]:
+def probe_capacity(
+    runner, device: int, host: int, disk: int = 0, disk_dir: Optional[Path] = None, buffered: bool = False
+) -> Dict[str, Any]:
     """Appends tokens to one sequence until the engine refuses
     (NoSpaceError): the most KV tokens the configuration holds."""
     kw: Dict[str, Any] = dict(device_bytes=device, host_bytes=host)

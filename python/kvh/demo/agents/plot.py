@@ -1,5 +1,6 @@
 """The PNG of ``kvh demo``: kvh's tier occupancy over time and every
 configuration's per-token latency (needs matplotlib)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,6 +16,7 @@ def write_plot(path: Path, results: Dict[str, SetupResult], restart: Optional[Di
     agents' requests) and per-token latency of every configuration."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -50,13 +52,30 @@ def write_plot(path: Path, results: Dict[str, SetupResult], restart: Optional[Di
                 ys.append(dt * 1e3)
         col = colors.get(name)
         ax2.plot(xs, ys, ".", markersize=3, alpha=0.7, color=col, label=f"{name}: inter-token")
-        ax2.plot([q.t_first for q in r.requests], [q.ttft_s * 1e3 for q in r.requests], "o", markersize=7,
-                 markerfacecolor="none", color=col, label=f"{name}: first token")
+        ax2.plot(
+            [q.t_first for q in r.requests],
+            [q.ttft_s * 1e3 for q in r.requests],
+            "o",
+            markersize=7,
+            markerfacecolor="none",
+            color=col,
+            label=f"{name}: first token",
+        )
     if restart and "ttft_disk_ms" in restart:
-        ax2.axhline(restart["ttft_disk_ms"], color="tab:blue", linestyle="--", linewidth=1,
-                    label="returning agent, prefix from disk")
-        ax2.axhline(restart["ttft_recompute_ms"], color="black", linestyle="--", linewidth=1,
-                    label="returning agent, recomputed")
+        ax2.axhline(
+            restart["ttft_disk_ms"],
+            color="tab:blue",
+            linestyle="--",
+            linewidth=1,
+            label="returning agent, prefix from disk",
+        )
+        ax2.axhline(
+            restart["ttft_recompute_ms"],
+            color="black",
+            linestyle="--",
+            linewidth=1,
+            label="returning agent, recomputed",
+        )
     ax2.set_yscale("log")
     ax2.set_xlabel("seconds since the first request (each configuration's own run)")
     ax2.set_ylabel("ms")

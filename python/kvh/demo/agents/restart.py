@@ -2,6 +2,7 @@
 (``python -m kvh.demo.agents --returning SPEC``) reopens the store for a
 returning agent, whose time to first token with its prefix found on disk
 is measured next to recomputing the same prompt."""
+
 from __future__ import annotations
 
 import json
@@ -46,13 +47,15 @@ def returning_child(spec_path: Path) -> int:
     logits_re, out_re = _recomputed(runner, agent, tokens, gen, stops, result)
     result["baseline_matched_tokens"] = _baseline_prefixes(runner, spec.get("baseline_engines", {}), tokens)
     result.update(
-        first_token_equal=out_disk[0] == out_re[0], tokens_equal=out_disk == out_re,
+        first_token_equal=out_disk[0] == out_re[0],
+        tokens_equal=out_disk == out_re,
         continuation_tokens=len(out_disk),
         max_abs_dlogit=float(np.max(np.abs(logits_disk - logits_re))),
         answer_disk=runner.tokenizer.decode(out_disk, skip_special=True).strip(),
         answer_recompute=runner.tokenizer.decode(out_re, skip_special=True).strip(),
         ratio=result["ttft_disk_ms"] / result["ttft_recompute_ms"] if result["ttft_recompute_ms"] else None,
-        ok=result["matched_tokens"] > 0 and result["corrupt_blocks"] == 0)
+        ok=result["matched_tokens"] > 0 and result["corrupt_blocks"] == 0,
+    )
     print(json.dumps(result))
     return 0
 
@@ -76,8 +79,15 @@ def _greedy(runner, seq, first: int, gen: int, stops: Set[int]) -> List[int]:
     return out
 
 
-def _from_store(runner, engine_kwargs: Dict[str, Any], agent: int, tokens: List[int], gen: int, stops: Set[int],
-                result: Dict[str, Any]) -> Tuple[np.ndarray, List[int]]:
+def _from_store(
+    runner,
+    engine_kwargs: Dict[str, Any],
+    agent: int,
+    tokens: List[int],
+    gen: int,
+    stops: Set[int],
+    result: Dict[str, Any],
+) -> Tuple[np.ndarray, List[int]]:
     """The store, as a new process finds it: the prompt's prefix matched
     there, the rest prefilled; the timings and counters go into
     ``result``. Returns the first logits and the continuation (its first
@@ -100,20 +110,30 @@ def _from_store(runner, engine_kwargs: Dict[str, Any], agent: int, tokens: List[
         logits = runner.prefill(seq, tokens[matched:])
         first = int(np.argmax(logits))
         t3 = time.perf_counter()
-        result.update(matched_tokens=matched, matched_tiers=tiers, ttft_disk_ms=1e3 * ((t1 - t0) + (t3 - t2)),
-                      match_ms=1e3 * (t1 - t0), prefilled_tokens=len(tokens) - matched)
+        result.update(
+            matched_tokens=matched,
+            matched_tiers=tiers,
+            ttft_disk_ms=1e3 * ((t1 - t0) + (t3 - t2)),
+            match_ms=1e3 * (t1 - t0),
+            prefilled_tokens=len(tokens) - matched,
+        )
         out = _greedy(runner, seq, first, gen, stops)
         st = (eng.stats() - st0).to_dict()
-        result.update(hits_disk=st["hits_disk"], bytes_disk_to_host=st["bytes_disk_to_host"],
-                      prefix_hit_tokens=st["prefix_hit_tokens"], corrupt_blocks=st["corrupt_blocks"])
+        result.update(
+            hits_disk=st["hits_disk"],
+            bytes_disk_to_host=st["bytes_disk_to_host"],
+            prefix_hit_tokens=st["prefix_hit_tokens"],
+            corrupt_blocks=st["corrupt_blocks"],
+        )
         seq.free()
     finally:
         eng.close()
     return logits, out
 
 
-def _recomputed(runner, agent: int, tokens: List[int], gen: int, stops: Set[int], result: Dict[str, Any]
-                ) -> Tuple[np.ndarray, List[int]]:
+def _recomputed(
+    runner, agent: int, tokens: List[int], gen: int, stops: Set[int], result: Dict[str, Any]
+) -> Tuple[np.ndarray, List[int]]:
     """The same prompt recomputed from nothing (an engine without a store);
     its time to first token goes into ``result``."""
     need = -(-(len(tokens) + gen) // runner.block_tokens) + 4
@@ -151,17 +171,22 @@ def _block_bytes(runner) -> int:
 # ---------------------------------------------------------------------------------
 # the parent: start the new process, read its result
 # ---------------------------------------------------------------------------------
-def run_returning(work: Workload, kvh_res: SetupResult, data_dir: Path, baseline_setups: Dict[str, Setup]
-                  ) -> Optional[Dict[str, Any]]:
+def run_returning(
+    work: Workload, kvh_res: SetupResult, data_dir: Path, baseline_setups: Dict[str, Setup]
+) -> Optional[Dict[str, Any]]:
     ret = kvh_res.returning
     if ret is None:
         return None
     s = kvh_res.setup
     spec = {
-        "model": work.runner.path, "agent": ret["agent"], "tokens": ret["tokens"], "gen_tokens": 8,
+        "model": work.runner.path,
+        "agent": ret["agent"],
+        "tokens": ret["tokens"],
+        "gen_tokens": 8,
         "engine": s.engine_kwargs(work.args.buffered_io),
-        "baseline_engines": {name: {k: v for k, v in b.engine_kwargs(False).items()}
-                             for name, b in baseline_setups.items()},
+        "baseline_engines": {
+            name: {k: v for k, v in b.engine_kwargs(False).items()} for name, b in baseline_setups.items()
+        },
     }
     spec["engine"]["disk_reset_on_mismatch"] = False  # the store must be found as it was left
     path = data_dir / "returning-agent.json"
@@ -171,8 +196,13 @@ def run_returning(work: Workload, kvh_res: SetupResult, data_dir: Path, baseline
     env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     t0 = time.perf_counter()
     try:
-        res = subprocess.run([sys.executable, "-m", "kvh.demo.agents", "--returning", str(path)],
-                             capture_output=True, text=True, env=env, timeout=RESTART_TIMEOUT_S)
+        res = subprocess.run(
+            [sys.executable, "-m", "kvh.demo.agents", "--returning", str(path)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=RESTART_TIMEOUT_S,
+        )
     except subprocess.TimeoutExpired:
         return {"ok": False, "error": f"the restart process did not finish in {RESTART_TIMEOUT_S} s"}
     wall = time.perf_counter() - t0
@@ -188,7 +218,14 @@ def run_returning(work: Workload, kvh_res: SetupResult, data_dir: Path, baseline
     if res.returncode != 0 or doc is None:
         tail = (res.stderr or res.stdout).strip().splitlines()[-5:]
         return {"ok": False, "error": f"the restart process exited with {res.returncode}: " + " | ".join(tail)}
-    doc.update(process_seconds=wall, agent=ret["agent"], question=ret["question"], doc=ret["doc"],
-               follow_up=FOLLOW_UP, conversation_tokens=ret["conversation_tokens"],
-               persisted_tokens=ret["persisted_tokens"], earlier_answer=ret["answer"])
+    doc.update(
+        process_seconds=wall,
+        agent=ret["agent"],
+        question=ret["question"],
+        doc=ret["doc"],
+        follow_up=FOLLOW_UP,
+        conversation_tokens=ret["conversation_tokens"],
+        persisted_tokens=ret["persisted_tokens"],
+        earlier_answer=ret["answer"],
+    )
     return doc

@@ -1,6 +1,7 @@
 """What the scheduler tells the engine ahead of the agents' requests: the
 queue as eviction advice (kvh_seq_hint) and the speculative retriever's
 prefetch of the next request's article."""
+
 from __future__ import annotations
 
 import queue
@@ -25,8 +26,14 @@ class QueueHints:
     priorities (request k at -k); before each decode step, the running
     request's whole sequence above everything queued."""
 
-    def __init__(self, requests: Seq[Request], retrieve: Callable[[str], List[int]], doc_seqs: Dict[int, Any],
-                 depth: int, tracer: Tracer) -> None:
+    def __init__(
+        self,
+        requests: Seq[Request],
+        retrieve: Callable[[str], List[int]],
+        doc_seqs: Dict[int, Any],
+        depth: int,
+        tracer: Tracer,
+    ) -> None:
         self.requests = requests
         self.retrieve = retrieve
         self.doc_seqs = doc_seqs  # article id -> its [system][article] sequence, as they are cached

@@ -1,6 +1,7 @@
 """One configuration (kvh or a baseline) over the workload: its engine,
 the library cached in it, the agents' requests in turn, and what the run
 left behind."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,8 +23,9 @@ from .workload import Request, Workload
 __all__ = ["SetupRun", "run_setup"]
 
 
-def run_setup(work: Workload, setup: Setup, corpus_kv: Optional[Dict[str, Any]], tracer: Tracer,
-              want_corpus_kv: bool = False) -> Tuple[SetupResult, Optional[Dict[str, Any]]]:
+def run_setup(
+    work: Workload, setup: Setup, corpus_kv: Optional[Dict[str, Any]], tracer: Tracer, want_corpus_kv: bool = False
+) -> Tuple[SetupResult, Optional[Dict[str, Any]]]:
     """Runs the workload on one configuration. ``corpus_kv``: K/V of the
     system prompt and the articles to write instead of computing them (the
     baselines reuse what the kvh run computed); with ``want_corpus_kv`` the
@@ -48,22 +50,26 @@ class SetupRun:
 
     Only the kvh configuration writes the block-access trace."""
 
-    def __init__(self, work: Workload, setup: Setup, eng, corpus_kv: Optional[Dict[str, Any]],
-                 tracer: Tracer) -> None:
+    def __init__(self, work: Workload, setup: Setup, eng, corpus_kv: Optional[Dict[str, Any]], tracer: Tracer) -> None:
         self.work = work
         self.setup = setup
         self.eng = eng
         self.args = work.args
-        self.requests = [dataclasses.replace(r, docs=[], itl_s=[], tokens=[], matched_tiers={}, predicted=None,
-                                             hint_tiers=None) for r in work.plan]
+        self.requests = [
+            dataclasses.replace(r, docs=[], itl_s=[], tokens=[], matched_tiers={}, predicted=None, hint_tiers=None)
+            for r in work.plan
+        ]
         self.times = KVTimes()
         self.occupancy = OccupancySampler(eng)
         self.backends = KVBackends(work.runner, eng, self.times, setup.sync_offload, self.occupancy.sample)
         self.tracer = tracer  # the speculative prefetcher's
         self.block_tracer = tracer if setup.name == "kvh" else Tracer(None)
         self.library = LibraryCache(work, eng, self.backends, self.block_tracer, corpus_kv, setup.sync_offload)
-        self.queue_hints = (QueueHints(self.requests, work.retrieve, self.library.docs, self.args.queue_hints,
-                                       self.block_tracer) if setup.prefetch else None)
+        self.queue_hints = (
+            QueueHints(self.requests, work.retrieve, self.library.docs, self.args.queue_hints, self.block_tracer)
+            if setup.prefetch
+            else None
+        )
         self.prefetcher: Optional[SpeculativePrefetcher] = None
         self.decode = DecodeStats()
         self.conversations: Dict[int, Tuple[Any, Request]] = {}  # agent -> its latest sequence and request
@@ -78,8 +84,9 @@ class SetupRun:
     def execute(self, want_corpus_kv: bool) -> Tuple[SetupResult, Optional[Dict[str, Any]]]:
         args, setup = self.args, self.setup
         # 1. the system prompt, once, pinned (kvh); 2. the library's KV
-        self.library.cache(self.work.docs_in_run() if args.ingest == "all" else [], setup.name, self.show,
-                           setup.pin_system)
+        self.library.cache(
+            self.work.docs_in_run() if args.ingest == "all" else [], setup.name, self.show, setup.pin_system
+        )
         stats0 = self.eng.stats()
         if setup.prefetch and args.hints > 0:
             self.prefetcher = SpeculativePrefetcher(self.work, self.eng, self.library.docs, args.hints, self.tracer)
@@ -109,8 +116,9 @@ class SetupRun:
         """Serves the requests in order; returns when they began
         (``time.perf_counter()``)."""
         total_steps = len(self.requests) * self.args.gen_tokens
-        bar = Progress(total_steps, f"{self.setup.name}: agents answering", unit="tok",
-                       enabled=None if self.show else False)
+        bar = Progress(
+            total_steps, f"{self.setup.name}: agents answering", unit="tok", enabled=None if self.show else False
+        )
         t_phase = time.perf_counter()
         if self.prefetcher is not None and self.requests:
             self.prefetcher.submit(self.requests[0])  # the queue is known: hint the first request's article now
@@ -153,8 +161,7 @@ class SetupRun:
             old[0].free()  # the agent's previous conversation: its full blocks stay cached
         self.conversations[req.agent] = (seq, req)
 
-    def _first_token(self, req: Request, prompt: List[int], t_req: float, t_phase: float
-                     ) -> Tuple[Any, TimedKV, int]:
+    def _first_token(self, req: Request, prompt: List[int], t_req: float, t_phase: float) -> Tuple[Any, TimedKV, int]:
         """The prompt's sequence with its cached prefix attached and the
         rest prefilled: (sequence, its KV backend, first token). The tier
         bookkeeping between the match and the prefill is not counted in
@@ -213,19 +220,33 @@ class SetupRun:
         live = self._live()
         reserve = max(len(P.prompt(r.docs, r.question)) + self.args.gen_tokens for r in self.requests)
         frag = fragmentation(eng, live, work.token_bytes, reserve)
-        sysb = system_prompt_blocks(self.library.owner, work.system_full_blocks, len(P.system), setup.pin_system,
-                                    work.block_bytes)
+        sysb = system_prompt_blocks(
+            self.library.owner, work.system_full_blocks, len(P.system), setup.pin_system, work.block_bytes
+        )
         persist = returning = None
         if setup.disk_path is not None:
             persist = self._persist(live)
             if persist is not None:
                 returning = self._returning_agent()
         return SetupResult(
-            name=setup.name, setup=setup, requests=self.requests, tiers_end=tiers_end, tiers_peak=self.occupancy.peak,
-            stats_agents=d_stats, stats_total=eng.stats().to_dict(), ingest=self.library.ingest,
-            kv_ms_per_token=self.decode.kv_ms_per_token(), decode_step_ms=self.decode.step_ms(), fragmentation=frag,
-            system_blocks=sysb, timeline=self.occupancy.timeline, persist=persist, returning=returning,
-            attention=work.runner.attention, notes=self.notes)
+            name=setup.name,
+            setup=setup,
+            requests=self.requests,
+            tiers_end=tiers_end,
+            tiers_peak=self.occupancy.peak,
+            stats_agents=d_stats,
+            stats_total=eng.stats().to_dict(),
+            ingest=self.library.ingest,
+            kv_ms_per_token=self.decode.kv_ms_per_token(),
+            decode_step_ms=self.decode.step_ms(),
+            fragmentation=frag,
+            system_blocks=sysb,
+            timeline=self.occupancy.timeline,
+            persist=persist,
+            returning=returning,
+            attention=work.runner.attention,
+            notes=self.notes,
+        )
 
     def _persist(self, live: List[Any]) -> Optional[Dict[str, Any]]:
         """Persists every live sequence (for the restart): how many and how
@@ -250,6 +271,12 @@ class SetupRun:
         first_agent = min(self.conversations)
         seq, req = self.conversations[first_agent]
         convo = P.prompt(req.docs, req.question) + [t for t in req.tokens if t not in stops]
-        return {"agent": first_agent, "question": req.question, "doc": self.work.corpus[req.docs[0]].name,
-                "conversation_tokens": len(convo), "persisted_tokens": len(seq), "tokens": P.follow_up(convo),
-                "answer": req.answer}
+        return {
+            "agent": first_agent,
+            "question": req.question,
+            "doc": self.work.corpus[req.docs[0]].name,
+            "conversation_tokens": len(convo),
+            "persisted_tokens": len(seq),
+            "tokens": P.follow_up(convo),
+            "answer": req.answer,
+        }

@@ -1,5 +1,6 @@
 """``--record-trace``: the block-access trace of the kvh run, for policy
 replay."""
+
 from __future__ import annotations
 
 import threading
@@ -30,8 +31,9 @@ class Tracer:
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             self.f = open(path, "w", encoding="utf-8")
-            self.f.write("# kvh block-access trace v1 (kvh demo)\n"
-                         "# t_s\tagent\tseq\tblock_id\tblock_hash\ttier\tkind\n")
+            self.f.write(
+                "# kvh block-access trace v1 (kvh demo)\n# t_s\tagent\tseq\tblock_id\tblock_hash\ttier\tkind\n"
+            )
 
     @property
     def enabled(self) -> bool:
@@ -49,8 +51,10 @@ class Tracer:
         names = {0: "device", 1: "host", 2: "disk"}
         with self.lock:
             for h, info in infos:
-                self.f.write(f"{t:.6f}\t{agent}\t{seq.handle:#x}\t{h:#x}\t{info.hash:016x}\t"
-                             f"{names.get(int(info.tier), str(int(info.tier)))}\t{kind}\n")
+                self.f.write(
+                    f"{t:.6f}\t{agent}\t{seq.handle:#x}\t{h:#x}\t{info.hash:016x}\t"
+                    f"{names.get(int(info.tier), str(int(info.tier)))}\t{kind}\n"
+                )
             self.lines += len(infos)
 
     def hint(self, seq, agent: int, priority: int) -> None:

@@ -1,6 +1,7 @@
 """The workload of ``kvh demo``: the prompts, the agents' questions in
 round-robin order, and what every configuration shares (model, prompts,
 index, plan, sizing)."""
+
 from __future__ import annotations
 
 import argparse
@@ -13,8 +14,16 @@ import numpy as np
 
 from .corpus import Document, HashedEmbedder, open_index
 
-__all__ = ["AGENT_QUESTIONS", "FOLLOW_UP", "QUESTION_FORMAT", "SYSTEM_PROMPT", "Prompts", "Request", "Workload",
-           "plan_requests"]
+__all__ = [
+    "AGENT_QUESTIONS",
+    "FOLLOW_UP",
+    "QUESTION_FORMAT",
+    "SYSTEM_PROMPT",
+    "Prompts",
+    "Request",
+    "Workload",
+    "plan_requests",
+]
 
 SYSTEM_PROMPT = (
     "You are a careful research assistant on a small team of assistants that share one library and one "
@@ -36,12 +45,24 @@ FOLLOW_UP = "Tell me one more fact from the same article."
 # Each agent's questions, asked in this order (round robin over agents).
 # The retriever decides which article goes with each one.
 AGENT_QUESTIONS: Tuple[Tuple[str, ...], ...] = (
-    ("How does a honeybee tell other bees where to find food?", "What makes some volcanoes explode?",
-     "What is coral bleaching?", "Why does glacier ice look blue?"),
-    ("When did people first walk on the Moon?", "How high is the Pont du Gard?",
-     "How many copies of the Gutenberg Bible were printed?", "Which metals did Gutenberg use for his type?"),
-    ("How did Roman aqueducts move water without pumps?", "How far away is the Moon?",
-     "What starts each heartbeat?", "What are moraines?"),
+    (
+        "How does a honeybee tell other bees where to find food?",
+        "What makes some volcanoes explode?",
+        "What is coral bleaching?",
+        "Why does glacier ice look blue?",
+    ),
+    (
+        "When did people first walk on the Moon?",
+        "How high is the Pont du Gard?",
+        "How many copies of the Gutenberg Bible were printed?",
+        "Which metals did Gutenberg use for his type?",
+    ),
+    (
+        "How did Roman aqueducts move water without pumps?",
+        "How far away is the Moon?",
+        "What starts each heartbeat?",
+        "What are moraines?",
+    ),
 )
 
 
@@ -77,8 +98,11 @@ class Prompts:
     def follow_up(self, conversation: Seq[int], text: str = FOLLOW_UP) -> List[int]:
         """A returning agent's next turn after ``conversation`` (its prompt
         and answer, without the end-of-turn token)."""
-        return list(conversation) + self.im_end + self.enc("\n<|im_start|>user\n" + text +
-                                                          "<|im_end|>\n<|im_start|>assistant\n")
+        return (
+            list(conversation)
+            + self.im_end
+            + self.enc("\n<|im_start|>user\n" + text + "<|im_end|>\n<|im_start|>assistant\n")
+        )
 
 
 @dataclasses.dataclass
@@ -110,14 +134,23 @@ class Request:
 
     def to_json(self, corpus: Seq[Document]) -> Dict[str, Any]:
         return {
-            "index": self.index, "agent": self.agent, "turn": self.turn, "question": self.question,
+            "index": self.index,
+            "agent": self.agent,
+            "turn": self.turn,
+            "question": self.question,
             "docs": [corpus[d].name for d in self.docs],
             "predicted": None if self.predicted is None else [corpus[d].name for d in self.predicted],
             "article_tiers_at_hint": self.hint_tiers,
-            "prompt_tokens": self.prompt_tokens, "matched_tokens": self.matched, "matched_tiers": self.matched_tiers,
-            "prefilled_tokens": self.prefilled, "cold_doc_tokens": self.cold_doc_tokens,
-            "ttft_ms": _ms(self.ttft_s), "itl_ms_mean": _ms(self.itl_mean_s),
-            "itl_ms": [_ms(x) for x in self.itl_s], "generated_tokens": len(self.tokens), "stop": self.stop,
+            "prompt_tokens": self.prompt_tokens,
+            "matched_tokens": self.matched,
+            "matched_tiers": self.matched_tiers,
+            "prefilled_tokens": self.prefilled,
+            "cold_doc_tokens": self.cold_doc_tokens,
+            "ttft_ms": _ms(self.ttft_s),
+            "itl_ms_mean": _ms(self.itl_mean_s),
+            "itl_ms": [_ms(x) for x in self.itl_s],
+            "generated_tokens": len(self.tokens),
+            "stop": self.stop,
             "answer": self.answer,
         }
 
@@ -141,8 +174,9 @@ def plan_requests(args: argparse.Namespace) -> List[Request]:
 class Workload:
     """What every configuration shares: model, prompts, index, workload."""
 
-    def __init__(self, args: argparse.Namespace, runner, corpus: List[Document], notes: List[str],
-                 data_dir: Path) -> None:
+    def __init__(
+        self, args: argparse.Namespace, runner, corpus: List[Document], notes: List[str], data_dir: Path
+    ) -> None:
         self.args = args
         self.runner = runner
         self.corpus = corpus
@@ -150,9 +184,11 @@ class Workload:
         self.prompts = Prompts(runner.tokenizer, corpus)
         self.embedder = HashedEmbedder([d.text + "\n" + d.title for d in corpus])
         self.index = open_index(args, data_dir, notes)
-        self.index.add([d.id for d in corpus], np.stack([self.embedder.embed(d.text + "\n" + d.title)
-                                                         for d in corpus]),
-                       [{"doc": d.name, "title": d.title} for d in corpus])
+        self.index.add(
+            [d.id for d in corpus],
+            np.stack([self.embedder.embed(d.text + "\n" + d.title) for d in corpus]),
+            [{"doc": d.name, "title": d.title} for d in corpus],
+        )
         self.index_name = getattr(self.index, "name", type(self.index).__name__)
         self.bt = runner.block_tokens
         c = runner.config
@@ -189,5 +225,12 @@ class Workload:
             max_req = max(max_req, -(-n // bt))
         for d in self.docs_in_run():
             max_doc = max(max_doc, -(-len(self.prompts.prefix(d)) // bt) - s_full)
-        return {"total": owner + docs + threads, "system_full": s_full, "max_request": max_req,
-                "max_doc": max_doc, "docs": docs, "threads": threads, "owner": owner}
+        return {
+            "total": owner + docs + threads,
+            "system_full": s_full,
+            "max_request": max_req,
+            "max_doc": max_doc,
+            "docs": docs,
+            "threads": threads,
+            "owner": owner,
+        }
