@@ -264,7 +264,7 @@ struct kvh_engine {
     const char *vmap_backing;
     struct kvh_vmap *vmaps;
     /* Attention plans not yet destroyed (abi/api_attention_plan.c). */
-    struct kvh_attention_plan *attn_plans;
+    kvhi_handle_table attn_plans; /* -> kvhi_attention_plan * */
 };
 
 /* ---- errors and logging (status.c) ---- */

@@ -719,6 +719,8 @@ static void test_attention(void **state)
     assert_kvh(KVH_ERR_INVALID_ARG, kvh_attention_run(e, plan, q, NULL, NULL));
     assert_ok(kvh_attention_run(e, plan, q, out, NULL));
     assert_ok(kvh_attention_plan_destroy(e, plan));
+    assert_kvh(KVH_ERR_BAD_HANDLE, kvh_attention_run(e, plan, q, out, NULL));
+    assert_kvh(KVH_ERR_BAD_HANDLE, kvh_attention_plan_destroy(e, plan));
     assert_ok(kvh_attention_plan_destroy(e, NULL));
 }
 

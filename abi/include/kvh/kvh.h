@@ -1047,7 +1047,11 @@ KVH_API kvh_status kvh_admission_info_get(kvh_engine *engine,
  * copy-on-write copy, truncation, freeing) is not seen either: the plan
  * keeps reading the blocks it holds, which are not kept alive; freeing or
  * truncating a sequence while a plan of it exists leaves that plan's
- * output undefined (never a memory fault). */
+ * output undefined (never a memory fault).
+ *
+ * A kvh_attention_plan * is a handle (see Handles): a destroyed, forged or
+ * foreign one is KVH_ERR_BAD_HANDLE, and no plan value is handed out
+ * twice, so a stale pointer never names a later plan. */
 typedef struct kvh_attention_plan kvh_attention_plan; /* opaque */
 
 /* Plans decode (q_lens NULL: one query row per sequence) or chunked
@@ -1056,8 +1060,8 @@ typedef struct kvh_attention_plan kvh_attention_plan; /* opaque */
  * names its own). [borrowed] seqs, q_lens, params; [out] *plan, owned by
  * the caller until kvh_attention_plan_destroy. Status codes as
  * kvh_attention_decode, and KVH_ERR_INVALID_ARG for a NULL plan or a batch
- * without query rows. On CUDA the upload may synchronise: do not call
- * while capturing. @threads any */
+ * without query rows, KVH_ERR_NOMEM also when 2^24 plans exist. On CUDA
+ * the upload may synchronise: do not call while capturing. @threads any */
 KVH_API kvh_status kvh_attention_plan_create(kvh_engine *engine,
                                              uint32_t layer,
                                              const kvh_seq *seqs,
@@ -1070,19 +1074,22 @@ KVH_API kvh_status kvh_attention_plan_create(kvh_engine *engine,
  * memory on the CPU backend, device memory on CUDA), stream the
  * cudaStream_t to launch on (NULL = the default stream; ignored on the
  * CPU, where the call returns when done). [borrowed] plan, q, out.
- * Returns KVH_ERR_INVALID_ARG (NULL plan, q or out), KVH_ERR_INTERNAL (a
+ * Finding the plan is a lookup under the engine lock, no allocation.
+ * Returns KVH_ERR_INVALID_ARG (NULL plan, q or out), KVH_ERR_BAD_HANDLE
+ * (plan destroyed, forged or of another engine), KVH_ERR_INTERNAL (a
  * launch failure, with the driver's words), KVH_ERR_NOMEM (CPU scratch
  * memory). @threads any (runs of one plan may overlap on the CPU only if
- * their outputs differ) */
+ * their outputs differ; a destroy of the plan waits for runs under way) */
 KVH_API kvh_status kvh_attention_run(kvh_engine *engine,
                                      const kvh_attention_plan *plan,
                                      const void *q, void *out, void *stream);
 
-/* Drops the plan's holds and frees it. On CUDA the caller guarantees that
- * no launch or graph replay using it is pending (synchronise first); the
- * call may synchronise the device. NULL accepted. Plans left at
- * kvh_engine_close are destroyed by it. No other status.
- * @threads handle (plan) */
+/* Drops the plan's holds and frees it; the plan is then stale. On CUDA the
+ * caller guarantees that no launch or graph replay using it is pending
+ * (synchronise first); the call may synchronise the device. NULL accepted.
+ * Plans left at kvh_engine_close are destroyed by it. Returns
+ * KVH_ERR_BAD_HANDLE (plan already destroyed, forged or of another
+ * engine). @threads handle (plan) */
 KVH_API kvh_status kvh_attention_plan_destroy(kvh_engine *engine,
                                               kvh_attention_plan *plan);
 
