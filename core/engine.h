@@ -262,7 +262,7 @@ struct kvh_engine {
     kvhi_slab_layout slab;
     uint64_t vmap_unit;
     const char *vmap_backing;
-    struct kvh_vmap *vmaps;
+    kvhi_handle_table vmaps; /* -> kvhi_vmap * */
     /* Attention plans not yet destroyed (abi/api_attention_plan.c). */
     kvhi_handle_table attn_plans; /* -> kvhi_attention_plan * */
 };

@@ -985,6 +985,9 @@ static void test_views(void **state)
     assert_ok(kvh_seq_free(e, s));
     assert_kvh(KVH_ERR_BAD_HANDLE, kvh_vmap_refresh(e, m, NULL));
     assert_ok(kvh_vmap_release(e, m));
+    kvh_vmap_view released = {.struct_size = sizeof(released)};
+    assert_kvh(KVH_ERR_BAD_HANDLE, kvh_vmap_get(e, m, &released));
+    assert_kvh(KVH_ERR_BAD_HANDLE, kvh_vmap_release(e, m));
     assert_ok(kvh_vmap_release(e, none));
     assert_ok(kvh_vmap_release(e, NULL));
 }
