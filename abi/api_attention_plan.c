@@ -8,26 +8,32 @@
 #include "abi/api_common.h"
 #include "kernels/cpu/attn_cpu.h"
 
-struct kvh_attention_plan {
+/* What a kvh_attention_plan * names: its value is a handle of
+ * e->attn_plans (core/handles.h), never this struct's address. */
+typedef struct kvhi_attention_plan {
     attn_call call;
     kvh_attention_params params;
     void *uploaded; /* backend handle (CUDA), or NULL: run from call.plan */
-    struct kvh_attention_plan *next, *prev;
-};
+    /* Runs between their lookup and their return: destroy waits for them
+     * (after taking the plan out of the table, so that no new run finds
+     * it), since a run reads the plan with the lock dropped. */
+    uint32_t runs;
+    bool destroying;
+} kvhi_attention_plan;
 
-static void unlink_plan(kvh_engine *e, kvh_attention_plan *pl)
+/* The live plan pl names in e, or NULL (lock held). */
+static kvhi_attention_plan *plan_get(kvh_engine *e, const kvh_attention_plan *pl, uint32_t *index)
 {
-    if (pl->prev)
-        pl->prev->next = pl->next;
-    else if (e->attn_plans == pl)
-        e->attn_plans = pl->next;
-    if (pl->next)
-        pl->next->prev = pl->prev;
-    pl->next = pl->prev = NULL;
+    return kvhi_handles_get(&e->attn_plans, kvhi_handle_from_ptr(pl), index);
+}
+
+static kvh_status bad_plan(void)
+{
+    return kvhi_fail(KVH_ERR_BAD_HANDLE, "the attention plan is destroyed, forged or of another engine");
 }
 
 /* Lock held for the holds; the backend free runs without it. */
-static void plan_free(kvh_engine *e, kvh_attention_plan *pl)
+static void plan_free(kvh_engine *e, kvhi_attention_plan *pl)
 {
     kvhi_attn_call_release_holds(e, &pl->call);
     void *up = pl->uploaded;
@@ -45,11 +51,14 @@ void kvhi_attention_plans_free(kvh_engine *e)
 {
     /* engine_free runs without the lock and with no call active. */
     pthread_mutex_lock(&e->lock);
-    while (e->attn_plans) {
-        kvh_attention_plan *pl = e->attn_plans;
-        unlink_plan(e, pl);
-        plan_free(e, pl);
+    for (uint32_t i = 0; i < e->attn_plans.cap; i++) {
+        kvhi_attention_plan *pl = kvhi_handles_at(&e->attn_plans, i);
+        if (pl) {
+            kvhi_handles_remove(&e->attn_plans, i);
+            plan_free(e, pl);
+        }
     }
+    kvhi_handles_destroy(&e->attn_plans);
     pthread_mutex_unlock(&e->lock);
 }
 
@@ -72,7 +81,7 @@ kvh_status kvh_attention_plan_create(kvh_engine *e, uint32_t layer, const kvh_se
     KVHI_REQUIRE(rows > 0, "the batch has no query rows");
     if (!e->backend->attention_run || !e->backend->attention_plan_opts)
         return kvhi_fail(KVH_ERR_UNSUPPORTED, "the %s backend has no attention kernels", e->backend->name);
-    kvh_attention_plan *pl = calloc(1, sizeof(*pl));
+    kvhi_attention_plan *pl = calloc(1, sizeof(*pl));
     if (!pl)
         return kvhi_fail(KVH_ERR_NOMEM, "out of memory for an attention plan");
     pl->call.e = e;
@@ -90,46 +99,48 @@ kvh_status kvh_attention_plan_create(kvh_engine *e, uint32_t layer, const kvh_se
     }
     if (st == KVH_OK)
         st = kvhi_attn_call_prepare(e, layer, seqs, q_lens, n_seqs, prefill, &pr, rows, &pl->call);
-    if (st == KVH_OK) {
-        /* Listed before the upload so that close finds it either way. */
-        pl->next = e->attn_plans;
-        if (e->attn_plans)
-            e->attn_plans->prev = pl;
-        e->attn_plans = pl;
-        if (e->backend->attention_plan_upload) {
-            char msg[256] = "";
-            void *up = NULL;
-            pthread_mutex_unlock(&e->lock);
-            int rc = e->backend->attention_plan_upload(e->backend_ctx, &pl->call.plan, &up, msg, sizeof(msg));
-            pthread_mutex_lock(&e->lock);
-            if (rc == 0)
-                pl->uploaded = up;
-            else
-                st = kvhi_fail(rc < 0 ? rc : KVH_ERR_INTERNAL, "uploading the attention plan: %s", msg);
-        }
-        if (st != KVH_OK)
-            unlink_plan(e, pl);
+    if (st == KVH_OK && e->backend->attention_plan_upload) {
+        char msg[256] = "";
+        void *up = NULL;
+        pthread_mutex_unlock(&e->lock);
+        int rc = e->backend->attention_plan_upload(e->backend_ctx, &pl->call.plan, &up, msg, sizeof(msg));
+        pthread_mutex_lock(&e->lock);
+        if (rc == 0)
+            pl->uploaded = up;
+        else
+            st = kvhi_fail(rc < 0 ? rc : KVH_ERR_INTERNAL, "uploading the attention plan: %s", msg);
     }
+    /* Listed only once complete: no call can name a plan half made (close
+     * waits for this call). */
+    uint64_t id = 0;
+    if (st == KVH_OK && kvhi_handles_add(&e->attn_plans, pl, &id, NULL) != 0)
+        st = kvhi_fail(KVH_ERR_NOMEM, "out of memory for an attention plan (or 2^24 of them exist)");
     if (st != KVH_OK) {
         plan_free(e, pl);
         kvhi_leave(e);
         return st;
     }
     kvhi_leave(e);
-    *out = pl;
+    *out = kvhi_handle_to_ptr(id);
     return KVH_OK;
 }
 
-kvh_status kvh_attention_run(kvh_engine *e, const kvh_attention_plan *pl, const void *q, void *out, void *stream)
+kvh_status kvh_attention_run(kvh_engine *e, const kvh_attention_plan *plan, const void *q, void *out, void *stream)
 {
     kvhi_clear_error();
-    KVHI_REQUIRE(e && pl, "engine and plan must not be NULL");
+    KVHI_REQUIRE(e && plan, "engine and plan must not be NULL");
     KVHI_REQUIRE(q && out, "q and out must not be NULL");
     /* Registered as a call (close waits), but the kernels run unlocked:
-     * the plan's holds keep its blocks in place. */
+     * the plan's holds keep its blocks in place, its run count the plan. */
     kvh_status st = kvhi_enter(e);
     if (st != KVH_OK)
         return st;
+    kvhi_attention_plan *pl = plan_get(e, plan, NULL);
+    if (!pl) {
+        kvhi_leave(e);
+        return bad_plan();
+    }
+    pl->runs++;
     pthread_mutex_unlock(&e->lock);
     char msg[256] = "";
     int rc;
@@ -139,21 +150,32 @@ kvh_status kvh_attention_run(kvh_engine *e, const kvh_attention_plan *pl, const 
         rc = e->backend->attention_run(e->backend_ctx, &pl->call.plan, q, out, stream, run_done, NULL, msg,
                                        sizeof(msg));
     pthread_mutex_lock(&e->lock);
+    if (--pl->runs == 0 && pl->destroying)
+        pthread_cond_broadcast(&e->changed);
     kvhi_leave(e);
     if (rc != 0)
         return kvhi_fail(rc < 0 ? rc : KVH_ERR_INTERNAL, "attention kernels: %s", msg);
     return KVH_OK;
 }
 
-kvh_status kvh_attention_plan_destroy(kvh_engine *e, kvh_attention_plan *pl)
+kvh_status kvh_attention_plan_destroy(kvh_engine *e, kvh_attention_plan *plan)
 {
     kvhi_clear_error();
-    if (!pl)
+    if (!plan)
         return KVH_OK;
     kvh_status st = kvhi_api_enter(e);
     if (st != KVH_OK)
         return st;
-    unlink_plan(e, pl);
+    uint32_t index;
+    kvhi_attention_plan *pl = plan_get(e, plan, &index);
+    if (!pl) {
+        kvhi_leave(e);
+        return bad_plan();
+    }
+    kvhi_handles_remove(&e->attn_plans, index);
+    pl->destroying = true;
+    while (pl->runs)
+        pthread_cond_wait(&e->changed, &e->lock);
     plan_free(e, pl);
     kvhi_leave(e);
     return KVH_OK;

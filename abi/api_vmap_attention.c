@@ -50,27 +50,40 @@ static kvh_status attention_vmap(kvh_engine *e, kvh_vmap *const *views, const ui
     if (!e->backend->attention_run || !e->backend->attention_plan_opts)
         return kvhi_fail(KVH_ERR_UNSUPPORTED, "the %s backend has no attention kernels", e->backend->name);
 
+    /* The views the handles name, looked up under the lock and read
+     * without it. */
+    kvhi_vmap *few[8], **vs = n_views <= 8 ? few : malloc(sizeof(*vs) * n_views);
+    if (!vs)
+        return kvhi_fail(KVH_ERR_NOMEM, "out of memory for %zu views", n_views);
     kvh_status st = kvhi_enter(e);
-    if (st != KVH_OK)
+    if (st != KVH_OK) {
+        if (vs != few)
+            free(vs);
         return st;
+    }
     if (e->cpu_kernels && !e->attn_state) {
         e->attn_state = kvhi_attn_cpu_create();
         if (e->attn_state)
             e->attn_state_free = kvhi_attn_cpu_destroy;
     }
     for (size_t i = 0; i < n_views && st == KVH_OK; i++) {
-        if (!kvhi_vmap_current(e, views[i]))
+        kvhi_vmap *v = vs[i] = kvhi_vmap_resolve(e, views[i]);
+        if (!v)
+            st = kvhi_fail(KVH_ERR_BAD_HANDLE, "view %zu is released, forged or of another engine", i);
+        else if (!kvhi_vmap_current(e, v))
             st = kvhi_fail(KVH_ERR_BAD_HANDLE, "view %zu is stale: the sequence changed (kvh_vmap_refresh it)", i);
-        else if (views[i]->n_tokens == 0 || views[i]->n_tokens >= (1ull << 31))
-            st = kvhi_fail(KVH_ERR_RANGE, "view %zu maps %llu tokens", i, (unsigned long long)views[i]->n_tokens);
-        else if (q_lens && q_lens[i] > views[i]->n_tokens)
+        else if (v->n_tokens == 0 || v->n_tokens >= (1ull << 31))
+            st = kvhi_fail(KVH_ERR_RANGE, "view %zu maps %llu tokens", i, (unsigned long long)v->n_tokens);
+        else if (q_lens && q_lens[i] > v->n_tokens)
             st = kvhi_fail(KVH_ERR_RANGE, "view %zu: %u query tokens but only %llu tokens", i, q_lens[i],
-                           (unsigned long long)views[i]->n_tokens);
+                           (unsigned long long)v->n_tokens);
     }
     if (st == KVH_OK && e->cpu_kernels && !e->attn_state)
         st = kvhi_fail(KVH_ERR_NOMEM, "out of memory for the attention state");
     if (st != KVH_OK) {
         kvhi_leave(e);
+        if (vs != few)
+            free(vs);
         return st;
     }
     kvhi_attn_plan_opts opts = {0};
@@ -81,7 +94,7 @@ static kvh_status attention_vmap(kvh_engine *e, kvh_vmap *const *views, const ui
      * engine until its completion callback (or until it fails to start). */
     for (size_t i = 0; i < n_views; i++)
         if (!q_lens || q_lens[i]) {
-            views[i]->pending++;
+            vs[i]->pending++;
             e->active_calls++;
         }
     /* The views cannot change while the call runs (@threads handle), and
@@ -91,7 +104,7 @@ static kvh_status attention_vmap(kvh_engine *e, kvh_vmap *const *views, const ui
     uint64_t row_bytes = (uint64_t)pr.num_q_heads * c->head_dim * kvhi_dtype_bytes(pr.io_dtype), row = 0;
     size_t i = 0;
     for (; i < n_views && st == KVH_OK; i++) {
-        kvh_vmap *v = views[i];
+        kvhi_vmap *v = vs[i];
         kvhi_attn_plan p = {0};
         p.num_q_heads = pr.num_q_heads;
         p.num_kv_heads = c->num_kv_heads;
@@ -131,11 +144,13 @@ static kvh_status attention_vmap(kvh_engine *e, kvh_vmap *const *views, const ui
     /* Runs that never started: no callback will end them. */
     for (; i < n_views; i++)
         if (!q_lens || q_lens[i]) {
-            views[i]->pending--;
+            vs[i]->pending--;
             e->active_calls--;
         }
     pthread_cond_broadcast(&e->changed);
     kvhi_leave(e);
+    if (vs != few)
+        free(vs);
     return st;
 }
 

@@ -332,6 +332,8 @@ kvh_status kvh_engine_open(const kvh_config *config, kvh_engine **out)
     kvhi_handles_init(&e->seqs, KVHI_TAG_SEQ);
     kvhi_handles_init(&e->fences, KVHI_TAG_FENCE);
     kvhi_handles_init(&e->pools, KVHI_TAG_POOL);
+    kvhi_handles_init(&e->attn_plans, KVHI_TAG_PLAN);
+    kvhi_handles_init(&e->vmaps, KVHI_TAG_VMAP);
     /* Each engine starts its generations at a random point. */
     uint32_t gen0 = 0;
     if (getrandom(&gen0, sizeof(gen0), 0) != sizeof(gen0))
@@ -340,6 +342,9 @@ kvh_status kvh_engine_open(const kvh_config *config, kvh_engine **out)
     kvhi_handles_set_gen_start(&e->seqs, gen0);
     kvhi_handles_set_gen_start(&e->fences, gen0 + 1);
     kvhi_handles_set_gen_start(&e->pools, gen0 + 2);
+    /* gen0 + 3: contexts (core/context.c) */
+    kvhi_handles_set_gen_start(&e->attn_plans, gen0 + 4);
+    kvhi_handles_set_gen_start(&e->vmaps, gen0 + 5);
     e->gen_start = gen0;
     e->elem_bytes = kvhi_dtype_bytes(e->cfg.dtype);
     e->layer_bytes = 2ull * e->cfg.num_kv_heads * e->cfg.block_tokens * e->cfg.head_dim * e->elem_bytes;

@@ -269,9 +269,9 @@ struct kvh_engine {
     kvhi_slab_layout slab;
     uint64_t vmap_unit;
     const char *vmap_backing;
-    struct kvh_vmap *vmaps;
+    kvhi_handle_table vmaps; /* -> kvhi_vmap * */
     /* Attention plans not yet destroyed (abi/api_attention_plan.c). */
-    struct kvh_attention_plan *attn_plans;
+    kvhi_handle_table attn_plans; /* -> kvhi_attention_plan * */
 };
 
 /* ---- errors and logging (status.c) ---- */

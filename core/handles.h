@@ -1,11 +1,11 @@
 /* Generation-checked 64-bit handles.
  * Layout: bits 63..56 type tag (never 0), then the generation, then the
  * index in the low index_bits bits. Tables (sequences, fences, pools,
- * contexts) use KVHI_TABLE_INDEX_BITS, leaving 32 bits of generation;
- * block handles size their index to the engine's block count, leaving
- * 56 - index_bits (core/block.c). A handle whose tag, generation or index
- * does not match a live entry is rejected, so stale and forged values are
- * errors.
+ * contexts, attention plans, views) use KVHI_TABLE_INDEX_BITS, leaving 32
+ * bits of generation; block handles size their index to the engine's
+ * block count, leaving 56 - index_bits (core/block.c). A handle whose
+ * tag, generation or index does not match a live entry is rejected, so
+ * stale and forged values are errors.
  *
  * No value is handed out twice: a slot's generation advances on every
  * removal, and a slot whose generation would come back to its first value
@@ -20,7 +20,9 @@ enum kvhi_handle_tag {
     KVHI_TAG_SEQ = 0x5A,
     KVHI_TAG_BLOCK = 0xB1,
     KVHI_TAG_FENCE = 0xF3,
-    KVHI_TAG_POOL = 0x9C
+    KVHI_TAG_POOL = 0x9C,
+    KVHI_TAG_PLAN = 0xA7,
+    KVHI_TAG_VMAP = 0x6E
 };
 
 #define KVHI_HANDLE_TAG_SHIFT 56
@@ -59,6 +61,14 @@ static inline uint32_t kvhi_gen_next(uint32_t gen)
     gen++;
     return gen ? gen : 1;
 }
+
+/* Attention plans and views are pointer types in the ABI: the pointer
+ * handed out is the handle itself, never an address, so a stale or forged
+ * one is looked up (and refused) instead of dereferenced. Handles are
+ * never 0: NULL stays the null value. */
+_Static_assert(sizeof(uintptr_t) >= sizeof(uint64_t), "a handle must fit in a pointer");
+static inline void *kvhi_handle_to_ptr(uint64_t h) { return (void *)(uintptr_t)h; }
+static inline uint64_t kvhi_handle_from_ptr(const void *p) { return (uint64_t)(uintptr_t)p; }
 
 /* A growable table of pointers addressed by handles of one tag. */
 typedef struct kvhi_handle_table {

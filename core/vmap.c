@@ -42,7 +42,7 @@ static uint32_t unit_blocks(kvh_engine *e)
     return e->vmap_unit > c ? (uint32_t)(e->vmap_unit / c) : 1;
 }
 
-static void unhold_entry(kvh_engine *e, kvh_vmap *v, uint32_t i)
+static void unhold_entry(kvh_engine *e, kvhi_vmap *v, uint32_t i)
 {
     uint32_t b = v->blk[i];
     if (b == KVHI_NO_BLOCK)
@@ -56,7 +56,7 @@ static void unhold_entry(kvh_engine *e, kvh_vmap *v, uint32_t i)
 /* Maps n logical blocks from i, whose first sits in `slot` and the rest in
  * the slots after it in one slab (slot == KVHI_NO_BLOCK: unmaps them):
  * one call per kv head and K/V. */
-static kvh_status map_run(kvh_engine *e, kvh_vmap *v, uint32_t i, uint32_t n, uint32_t slot)
+static kvh_status map_run(kvh_engine *e, kvhi_vmap *v, uint32_t i, uint32_t n, uint32_t slot)
 {
     uint64_t chunk = chunk_bytes(e), H = e->cfg.num_kv_heads, len = (uint64_t)n * chunk;
     char msg[256] = "";
@@ -85,14 +85,14 @@ static bool slab_next(kvh_engine *e, uint32_t prev_slot, uint32_t slot)
 }
 
 /* True when logical block i of s is what the view maps. */
-static bool entry_current(kvh_engine *e, const kvh_vmap *v, const kvhi_seq *s, uint32_t i)
+static bool entry_current(kvh_engine *e, const kvhi_vmap *v, const kvhi_seq *s, uint32_t i)
 {
     uint32_t b = s->blocks[i];
     const kvhi_block *blk = &e->blocks[b];
     return v->blk[i] == b && v->gen[i] == blk->gen && v->slot[i] == blk->slot && blk->tier == KVH_TIER_DEVICE;
 }
 
-bool kvhi_vmap_current(kvh_engine *e, const kvh_vmap *v)
+bool kvhi_vmap_current(kvh_engine *e, const kvhi_vmap *v)
 {
     kvhi_seq *s;
     if (kvhi_seq_get(e, v->seq, &s) != KVH_OK)
@@ -106,7 +106,7 @@ bool kvhi_vmap_current(kvh_engine *e, const kvh_vmap *v)
 }
 
 /* Records logical block i as mapped to its block b. */
-static void record(kvh_engine *e, kvh_vmap *v, uint32_t i, uint32_t b)
+static void record(kvh_engine *e, kvhi_vmap *v, uint32_t i, uint32_t b)
 {
     if (i < v->n_mapped)
         unhold_entry(e, v, i);
@@ -118,7 +118,7 @@ static void record(kvh_engine *e, kvh_vmap *v, uint32_t i, uint32_t b)
 
 /* Maps the changed logical blocks [i, j) of s (every one in the device
  * tier): runs of neighbouring slots, or whole units in slab order. */
-static kvh_status map_changed(kvh_engine *e, kvh_vmap *v, const kvhi_seq *s, uint32_t i, uint32_t j)
+static kvh_status map_changed(kvh_engine *e, kvhi_vmap *v, const kvhi_seq *s, uint32_t i, uint32_t j)
 {
     uint32_t U = unit_blocks(e);
     if (U == 1) {
@@ -166,7 +166,7 @@ static kvh_status map_changed(kvh_engine *e, kvh_vmap *v, const kvhi_seq *s, uin
 /* Room for n per-block records. They grow with the sequence instead of
  * being sized for cap_tokens up front: a view of a short sequence with a
  * capacity of 2^31 tokens would otherwise allocate and fill gigabytes. */
-static int reserve_entries(kvh_vmap *v, uint32_t n)
+static int reserve_entries(kvhi_vmap *v, uint32_t n)
 {
     if (n <= v->n_entries)
         return 0;
@@ -191,7 +191,7 @@ static int reserve_entries(kvh_vmap *v, uint32_t n)
     return 0;
 }
 
-void kvhi_vmap_wait_unused(kvh_engine *e, kvh_vmap *v)
+void kvhi_vmap_wait_unused(kvh_engine *e, kvhi_vmap *v)
 {
     while (v->pending)
         pthread_cond_wait(&e->changed, &e->lock);
@@ -199,7 +199,7 @@ void kvhi_vmap_wait_unused(kvh_engine *e, kvh_vmap *v)
 
 void kvhi_vmap_attention_done(void *arg)
 {
-    kvh_vmap *v = arg;
+    kvhi_vmap *v = arg;
     kvh_engine *e = v->engine;
     pthread_mutex_lock(&e->lock);
     v->pending--;
@@ -208,7 +208,7 @@ void kvhi_vmap_attention_done(void *arg)
 }
 
 /* Lock held. */
-static kvh_status refresh(kvh_engine *e, kvh_vmap *v, bool *changed)
+static kvh_status refresh(kvh_engine *e, kvhi_vmap *v, bool *changed)
 {
     kvhi_vmap_wait_unused(e, v);
     kvhi_seq *s;
@@ -272,18 +272,22 @@ static kvh_status refresh(kvh_engine *e, kvh_vmap *v, bool *changed)
     return st;
 }
 
-static void vmap_destroy(kvh_engine *e, kvh_vmap *v)
+kvhi_vmap *kvhi_vmap_resolve(kvh_engine *e, const kvh_vmap *v)
+{
+    return kvhi_handles_get(&e->vmaps, kvhi_handle_from_ptr(v), NULL);
+}
+
+static kvh_status bad_view(void)
+{
+    return kvhi_fail(KVH_ERR_BAD_HANDLE, "the view is released, forged or of another engine");
+}
+
+static void vmap_destroy(kvh_engine *e, kvhi_vmap *v)
 {
     for (uint32_t i = 0; i < v->n_mapped; i++)
         unhold_entry(e, v, i);
     if (v->base)
         e->backend->vmap_unreserve(e->backend_ctx, e->vmap_arena, v->base, v->range_bytes);
-    if (v->prev)
-        v->prev->next = v->next;
-    else if (e->vmaps == v)
-        e->vmaps = v->next;
-    if (v->next)
-        v->next->prev = v->prev;
     free(v->blk);
     free(v->gen);
     free(v->slot);
@@ -292,8 +296,14 @@ static void vmap_destroy(kvh_engine *e, kvh_vmap *v)
 
 void kvhi_vmap_engine_free(kvh_engine *e)
 {
-    while (e->vmaps)
-        vmap_destroy(e, e->vmaps);
+    for (uint32_t i = 0; i < e->vmaps.cap; i++) {
+        kvhi_vmap *v = kvhi_handles_at(&e->vmaps, i);
+        if (v) {
+            kvhi_handles_remove(&e->vmaps, i);
+            vmap_destroy(e, v);
+        }
+    }
+    kvhi_handles_destroy(&e->vmaps);
 }
 
 kvh_status kvh_seq_vmap(kvh_engine *e, kvh_seq seq, uint32_t layer, uint64_t capacity_tokens, kvh_vmap **out)
@@ -301,11 +311,11 @@ kvh_status kvh_seq_vmap(kvh_engine *e, kvh_seq seq, uint32_t layer, uint64_t cap
     kvhi_clear_error();
     KVHI_REQUIRE(out, "vmap is NULL");
     kvhi_seq *s;
-    kvh_status st = kvhi_api_enter_seq(e, seq, &s);
+    kvh_status st = kvhi_api_enter_seq_owner(e, seq, &s);
     if (st != KVH_OK)
         return st;
     uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE), bt = e->cfg.block_tokens, unit = e->vmap_unit;
-    kvh_vmap *v = NULL;
+    kvhi_vmap *v = NULL;
     /* Mapping units of a page: a piece must be whole pages. Larger units
      * (huge pages, CUDA VMM): whole pieces per unit, units per slab. */
     bool pieces_fit = !unit                ? false
@@ -351,52 +361,53 @@ kvh_status kvh_seq_vmap(kvh_engine *e, kvh_seq seq, uint32_t layer, uint64_t cap
         goto done;
     }
     v->base = base;
-    v->next = e->vmaps;
-    if (e->vmaps)
-        e->vmaps->prev = v;
-    e->vmaps = v;
     st = refresh(e, v, NULL);
+    /* Listed only once complete: no call can name a view half made. */
+    uint64_t id = 0;
+    if (st == KVH_OK && kvhi_handles_add(&e->vmaps, v, &id, NULL) != 0)
+        st = kvhi_fail(KVH_ERR_NOMEM, "out of memory for a view (or 2^24 of them exist)");
     if (st == KVH_OK) {
-        *out = v;
+        *out = kvhi_handle_to_ptr(id);
         v = NULL;
     }
 done:
-    if (v) {
-        if (v->base)
-            vmap_destroy(e, v);
-        else {
-            free(v->blk);
-            free(v->gen);
-            free(v->slot);
-            free(v);
-        }
-    }
-    kvhi_leave(e);
+    if (v)
+        vmap_destroy(e, v);
+    kvhi_api_leave_seq_owner(e, s);
     return st;
 }
 
-kvh_status kvh_vmap_refresh(kvh_engine *e, kvh_vmap *v, int32_t *changed)
+kvh_status kvh_vmap_refresh(kvh_engine *e, kvh_vmap *vmap, int32_t *changed)
 {
     kvhi_clear_error();
-    KVHI_REQUIRE(v, "vmap is NULL");
+    KVHI_REQUIRE(vmap, "vmap is NULL");
     kvh_status st = kvhi_api_enter(e);
     if (st != KVH_OK)
         return st;
+    kvhi_vmap *v = kvhi_vmap_resolve(e, vmap);
     bool any = false;
-    st = refresh(e, v, &any);
+    st = v ? refresh(e, v, &any) : bad_view();
     kvhi_leave(e);
     if (changed && st == KVH_OK)
         *changed = any;
     return st;
 }
 
-kvh_status kvh_vmap_get(kvh_engine *e, const kvh_vmap *v, kvh_vmap_view *view)
+kvh_status kvh_vmap_get(kvh_engine *e, const kvh_vmap *vmap, kvh_vmap_view *view)
 {
     kvhi_clear_error();
-    KVHI_REQUIRE(e && v && view, "engine, vmap and view must not be NULL");
+    KVHI_REQUIRE(e && vmap && view, "engine, vmap and view must not be NULL");
     if (view->struct_size != sizeof(kvh_vmap_view))
         return kvhi_fail(KVH_ERR_STRUCT_SIZE, "kvh_vmap_view struct_size %u, this library knows %zu",
                          view->struct_size, sizeof(kvh_vmap_view));
+    kvh_status st = kvhi_enter(e);
+    if (st != KVH_OK)
+        return st;
+    const kvhi_vmap *v = kvhi_vmap_resolve(e, vmap);
+    if (!v) {
+        kvhi_leave(e);
+        return bad_view();
+    }
     kvh_vmap_view r = {.struct_size = sizeof(r),
                        .layer = v->layer,
                        .n_tokens = v->n_tokens == UINT64_MAX ? 0 : v->n_tokens,
@@ -407,18 +418,27 @@ kvh_status kvh_vmap_get(kvh_engine *e, const kvh_vmap *v, kvh_vmap_view *view)
                        .generation = v->generation,
                        .backing = e->vmap_backing,
                        .map_unit = e->vmap_unit};
+    kvhi_leave(e);
     *view = r;
     return KVH_OK;
 }
 
-kvh_status kvh_vmap_release(kvh_engine *e, kvh_vmap *v)
+kvh_status kvh_vmap_release(kvh_engine *e, kvh_vmap *vmap)
 {
     kvhi_clear_error();
-    if (!v)
+    if (!vmap)
         return KVH_OK;
     kvh_status st = kvhi_api_enter(e);
     if (st != KVH_OK)
         return st;
+    uint32_t index;
+    kvhi_vmap *v = kvhi_handles_get(&e->vmaps, kvhi_handle_from_ptr(vmap), &index);
+    if (!v) {
+        kvhi_leave(e);
+        return bad_view();
+    }
+    /* Out of the table first: no new attention call finds the view. */
+    kvhi_handles_remove(&e->vmaps, index);
     kvhi_vmap_wait_unused(e, v);
     vmap_destroy(e, v);
     kvhi_leave(e);

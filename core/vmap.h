@@ -8,7 +8,9 @@
 
 #include "core/engine.h"
 
-struct kvh_vmap {
+/* What a kvh_vmap * names: its value is a handle of e->vmaps
+ * (core/handles.h), never this struct's address. */
+typedef struct kvhi_vmap {
     kvh_seq seq;
     uint32_t layer;
     uint32_t n_mapped;   /* logical blocks mapped */
@@ -29,20 +31,22 @@ struct kvh_vmap {
      * generation and slot when mapped. */
     uint32_t *blk, *gen, *slot;
     uint32_t n_entries;
-    struct kvh_vmap *next, *prev; /* the engine's open views */
-};
+} kvhi_vmap;
+
+/* The live view v names in e, or NULL (lock held). */
+kvhi_vmap *kvhi_vmap_resolve(kvh_engine *e, const kvh_vmap *v);
 
 /* Waits, with the lock dropped meanwhile, until no attention queued over
  * v is running (lock held). */
-void kvhi_vmap_wait_unused(kvh_engine *e, kvh_vmap *v);
+void kvhi_vmap_wait_unused(kvh_engine *e, kvhi_vmap *v);
 
 /* The completion callback of an attention call over view arg (a
- * kvh_vmap *): drops its pending count and the call's registration
+ * kvhi_vmap *): drops its pending count and the call's registration
  * (kvhi_leave). Takes the lock. */
 void kvhi_vmap_attention_done(void *arg);
 
 /* True when the view maps exactly the sequence's current blocks (lock
  * held). */
-bool kvhi_vmap_current(kvh_engine *e, const kvh_vmap *v);
+bool kvhi_vmap_current(kvh_engine *e, const kvhi_vmap *v);
 
 #endif

@@ -2,10 +2,13 @@
  * equal the one-shot calls bit for bit (decode and prefill, GQA, batches
  * of mixed lengths), see later writes into planned tokens, hold their
  * blocks in the device tier until destroyed, and are validated; plans left
- * open are destroyed by kvh_engine_close. */
+ * open are destroyed by kvh_engine_close. A destroyed, forged or foreign
+ * plan is KVH_ERR_BAD_HANDLE, and no plan value is handed out twice. */
 #include <stdbool.h>
+#include <stdint.h>
 
 #include "test_util.h"
+#include "core/handles.h"
 
 enum { L = 2, H = 2, D = 64, BT = 16 };
 
@@ -104,11 +107,137 @@ static void test_plan_arguments(void **state)
     assert_ok(kvh_attention_plan_destroy(e, NULL));
 }
 
+static kvh_attention_plan *plan_of(kvh_engine *e, kvh_seq s)
+{
+    kvh_attention_plan *pl = NULL;
+    assert_ok(kvh_attention_plan_create(e, 0, &s, NULL, 1, NULL, &pl));
+    return pl;
+}
+
+static kvh_attention_plan *forged_plan(uint64_t id) { return (kvh_attention_plan *)(uintptr_t)id; }
+
+/* Every call taking the plan refuses it; the caller's memory is untouched. */
+static void check_bad_plan(kvh_engine *e, kvh_attention_plan *pl)
+{
+    float q[H * D] = {0}, out[H * D];
+    memset(out, 0x5a, sizeof(out));
+    assert_kvh(KVH_ERR_BAD_HANDLE, kvh_attention_run(e, pl, q, out, NULL));
+    for (size_t i = 0; i < sizeof(out); i++)
+        assert_int_equal(((const uint8_t *)out)[i], 0x5a);
+    assert_kvh(KVH_ERR_BAD_HANDLE, kvh_attention_plan_destroy(e, pl));
+}
+
+/* A destroyed plan stays bad, also once a new plan may take its memory
+ * (and its slot); destroying it again changes nothing. */
+static void test_destroyed_plan_is_bad(void **state)
+{
+    kvh_engine *e = tu_open(L, H, D, BT, KVH_DTYPE_F32, 8, 16, 1);
+    kvh_seq s = make_seq(e, 20, 6);
+    float q[H * D] = {0}, out[H * D];
+    kvh_attention_plan *gone = plan_of(e, s);
+    assert_ok(kvh_attention_plan_destroy(e, gone));
+    check_bad_plan(e, gone);
+    kvh_attention_plan *live = plan_of(e, s);
+    assert_ptr_not_equal(live, gone);
+    check_bad_plan(e, gone);
+    assert_ok(kvh_attention_run(e, live, q, out, NULL));
+    assert_int_equal(tu_seq_binfo(e, s, 0).holds, 1); /* the live plan's */
+    assert_ok(kvh_attention_plan_destroy(e, live));
+    assert_int_equal(tu_seq_binfo(e, s, 0).holds, 0);
+    assert_kvh(KVH_ERR_BAD_HANDLE, kvh_attention_plan_destroy(e, live));
+}
+
+/* Values no create handed out: small integers, an address of plan-sized
+ * zeroed memory, and the live plan's value with its generation one off
+ * either way or its index out of range. */
+static void test_forged_plan_is_bad(void **state)
+{
+    static uint64_t zeroed[256];
+    kvh_engine *e = tu_open(L, H, D, BT, KVH_DTYPE_F32, 8, 16, 1);
+    kvh_seq s = make_seq(e, 20, 7);
+    kvh_attention_plan *live = plan_of(e, s);
+    uint64_t id = (uint64_t)(uintptr_t)live;
+    uint8_t tag = kvhi_handle_tag(id);
+    uint32_t gen = kvhi_handle_gen(id), idx = kvhi_handle_index(id);
+    check_bad_plan(e, forged_plan(0x1234));
+    check_bad_plan(e, forged_plan(1));
+    check_bad_plan(e, forged_plan(UINT64_MAX));
+    check_bad_plan(e, (kvh_attention_plan *)zeroed);
+    check_bad_plan(e, forged_plan(kvhi_handle_make(tag, gen + 1, idx)));
+    check_bad_plan(e, forged_plan(kvhi_handle_make(tag, gen - 1, idx)));
+    check_bad_plan(e, forged_plan(kvhi_handle_make(tag, gen, idx + 1000)));
+    float q[H * D] = {0}, out[H * D];
+    assert_ok(kvh_attention_run(e, live, q, out, NULL));
+    assert_ok(kvh_attention_plan_destroy(e, live));
+}
+
+/* A plan names a plan of its own engine only. */
+static void test_plan_of_another_engine_is_bad(void **state)
+{
+    kvh_engine *a = tu_open(L, H, D, BT, KVH_DTYPE_F32, 8, 16, 1);
+    kvh_engine *b = tu_open(L, H, D, BT, KVH_DTYPE_F32, 8, 16, 1);
+    kvh_seq sa = make_seq(a, 20, 8), sb = make_seq(b, 20, 9);
+    kvh_attention_plan *pa = plan_of(a, sa), *pb = plan_of(b, sb);
+    check_bad_plan(b, pa);
+    check_bad_plan(a, pb);
+    float q[H * D] = {0}, out[H * D];
+    assert_ok(kvh_attention_run(a, pa, q, out, NULL));
+    assert_ok(kvh_attention_run(b, pb, q, out, NULL));
+    assert_int_equal(tu_seq_binfo(a, sa, 0).holds, 1);
+    assert_int_equal(tu_seq_binfo(b, sb, 0).holds, 1);
+    assert_ok(kvh_attention_plan_destroy(a, pa));
+    assert_ok(kvh_attention_plan_destroy(b, pb));
+}
+
+/* A plan left open is destroyed by close; its value means nothing to the
+ * next engine, even one at the same address. */
+static void test_plan_after_close_is_bad(void **state)
+{
+    kvh_engine *e = tu_open(L, H, D, BT, KVH_DTYPE_F32, 8, 16, 1);
+    kvh_attention_plan *pl = plan_of(e, make_seq(e, 20, 10));
+    assert_ok(tu_close(e));
+    kvh_engine *next = tu_open(L, H, D, BT, KVH_DTYPE_F32, 8, 16, 1);
+    check_bad_plan(next, pl);
+    kvh_attention_plan *fresh = plan_of(next, make_seq(next, 20, 11));
+    check_bad_plan(next, pl);
+    assert_ok(kvh_attention_plan_destroy(next, fresh));
+}
+
+/* Create/destroy cycles reuse the same memory and table slot, yet no
+ * value comes back, and every earlier one stays bad. */
+static void test_plan_values_never_repeat(void **state)
+{
+    enum { CYCLES = 2000 };
+    kvh_engine *e = tu_open(L, H, D, BT, KVH_DTYPE_F32, 8, 16, 1);
+    kvh_seq s = make_seq(e, 20, 12);
+    uintptr_t *seen = tu_alloc(sizeof(*seen) * CYCLES);
+    for (int i = 0; i < CYCLES; i++) {
+        kvh_attention_plan *pl = plan_of(e, s);
+        seen[i] = (uintptr_t)pl;
+        for (int j = 0; j < i; j++)
+            if (seen[j] == seen[i])
+                fail_msg("create %d handed out the value of create %d again (%#jx)", i, j, (uintmax_t)seen[i]);
+        assert_ok(kvh_attention_plan_destroy(e, pl));
+    }
+    kvh_attention_plan *live = plan_of(e, s);
+    for (int i = 0; i < CYCLES; i += 97)
+        check_bad_plan(e, (kvh_attention_plan *)seen[i]);
+    float q[H * D] = {0}, out[H * D];
+    assert_ok(kvh_attention_run(e, live, q, out, NULL));
+    assert_ok(kvh_attention_plan_destroy(e, live));
+    assert_int_equal(tu_seq_binfo(e, s, 0).holds, 0);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_runs_equal_one_shot, tu_teardown),
         cmocka_unit_test_teardown(test_plan_arguments, tu_teardown),
+        cmocka_unit_test_teardown(test_destroyed_plan_is_bad, tu_teardown),
+        cmocka_unit_test_teardown(test_forged_plan_is_bad, tu_teardown),
+        cmocka_unit_test_teardown(test_plan_of_another_engine_is_bad, tu_teardown),
+        cmocka_unit_test_teardown(test_plan_after_close_is_bad, tu_teardown),
+        cmocka_unit_test_teardown(test_plan_values_never_repeat, tu_teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1,5 +1,6 @@
 /* core/handles.h: generation-checked handle tables, and every handle type
- * of the engine: a freed handle never becomes valid again. */
+ * of the engine (attention plans and views included): a freed handle never
+ * becomes valid again. */
 #include "test_util.h"
 
 #include "core/context.h"
@@ -441,10 +442,60 @@ static kvh_status context_probe(kvh_engine *e, uint64_t id)
     return kvh_context_info_get(e, (kvh_context){id}, &info);
 }
 
+/* Plans and views need tokens to attend over, and views a piece of whole
+ * pages: 16 tokens of head_dim 64 in f32 (4 KiB). */
+enum { VIEW_D = 64, VIEW_BT = 16 };
+static kvh_seq attend_source;
+
+static kvh_engine *views_engine(void)
+{
+    kvh_config c = tu_cfg(L, H, VIEW_D, VIEW_BT, KVH_DTYPE_F32, 8, 8, 0);
+    c.vmap = 1;
+    kvh_engine *e = tu_open_cfg(&c);
+    attend_source = tu_seq_new(e, 0);
+    int32_t tok[3] = {1, 2, 3};
+    assert_ok(kvh_seq_append(e, attend_source, tok, 3));
+    return e;
+}
+
+/* The ABI's plan and view pointers carry the handle as their value. */
+static kvh_status plan_create(kvh_engine *e, uint64_t *id)
+{
+    kvh_attention_plan *pl = NULL;
+    kvh_status st = kvh_attention_plan_create(e, 0, &attend_source, NULL, 1, NULL, &pl);
+    *id = (uint64_t)(uintptr_t)pl;
+    return st;
+}
+static kvh_status plan_destroy(kvh_engine *e, uint64_t id)
+{
+    return kvh_attention_plan_destroy(e, (kvh_attention_plan *)(uintptr_t)id);
+}
+static kvh_status plan_probe(kvh_engine *e, uint64_t id)
+{
+    float q[H * VIEW_D] = {0}, out[H * VIEW_D];
+    return kvh_attention_run(e, (kvh_attention_plan *)(uintptr_t)id, q, out, NULL);
+}
+
+static kvh_status view_create(kvh_engine *e, uint64_t *id)
+{
+    kvh_vmap *m = NULL;
+    kvh_status st = kvh_seq_vmap(e, attend_source, 0, 0, &m);
+    *id = (uint64_t)(uintptr_t)m;
+    return st;
+}
+static kvh_status view_destroy(kvh_engine *e, uint64_t id) { return kvh_vmap_release(e, (kvh_vmap *)(uintptr_t)id); }
+static kvh_status view_probe(kvh_engine *e, uint64_t id)
+{
+    kvh_vmap_view v = {.struct_size = sizeof(v)};
+    return kvh_vmap_get(e, (kvh_vmap *)(uintptr_t)id, &v);
+}
+
 static kvhi_handle_table *seq_table(kvh_engine *e) { return &e->seqs; }
 static kvhi_handle_table *fence_table(kvh_engine *e) { return &e->fences; }
 static kvhi_handle_table *pool_table(kvh_engine *e) { return &e->pools; }
 static kvhi_handle_table *context_table(kvh_engine *e) { return &e->contexts->table; }
+static kvhi_handle_table *plan_table(kvh_engine *e) { return &e->attn_plans; }
+static kvhi_handle_table *view_table(kvh_engine *e) { return &e->vmaps; }
 
 typedef struct handle_kind {
     const char *name;
@@ -452,33 +503,41 @@ typedef struct handle_kind {
     kvh_status (*destroy)(kvh_engine *e, uint64_t id);
     kvh_status (*probe)(kvh_engine *e, uint64_t id); /* any call naming it */
     kvhi_handle_table *(*table)(kvh_engine *e);      /* NULL: block records */
+    kvh_engine *(*open)(void);
+    /* Create/free cycles of check_freed_handle_stays_bad: 2^24 + 1 where
+     * that takes about a second, else what does (plans, views: the table
+     * code is the same, and test_engine_table_slots_retire sees its wrap). */
+    uint32_t cycles;
 } handle_kind;
 
 /* Pools have no call that only reads: a revived pool would be
  * unregistered by the probe, which then returns KVH_OK and fails. */
 static const handle_kind kinds[] = {
-    {"seq", seq_create, seq_destroy, seq_probe, seq_table},
-    {"block", block_create, block_destroy, block_probe, NULL},
-    {"fence", fence_create, fence_destroy, fence_probe, fence_table},
-    {"pool", pool_create, pool_destroy, pool_destroy, pool_table},
-    {"context", context_create, context_destroy, context_probe, context_table},
+    {"seq", seq_create, seq_destroy, seq_probe, seq_table, kinds_engine, (1u << 24) + 1},
+    {"block", block_create, block_destroy, block_probe, NULL, kinds_engine, (1u << 24) + 1},
+    {"fence", fence_create, fence_destroy, fence_probe, fence_table, kinds_engine, (1u << 24) + 1},
+    {"pool", pool_create, pool_destroy, pool_destroy, pool_table, kinds_engine, (1u << 24) + 1},
+    {"context", context_create, context_destroy, context_probe, context_table, kinds_engine, (1u << 24) + 1},
+    {"plan", plan_create, plan_destroy, plan_probe, plan_table, views_engine, (1u << 20) + 1},
+    {"view", view_create, view_destroy, view_probe, view_table, views_engine, (1u << 16) + 1},
 };
-enum { KIND_SEQ, KIND_BLOCK, KIND_FENCE, KIND_POOL, KIND_CONTEXT };
+enum { KIND_SEQ, KIND_BLOCK, KIND_FENCE, KIND_POOL, KIND_CONTEXT, KIND_PLAN, KIND_VIEW };
 
-/* Create and free a handle, then create and free 2^24 + 1 more, one past
- * where 24-bit generations used to hand the first value out again: no
- * create returns it, and it stays KVH_ERR_BAD_HANDLE while a live handle
- * holds its slot. About a second per type. */
+/* Create and free a handle, then create and free k->cycles more (2^24 + 1
+ * is one past where 24-bit generations used to hand the first value out
+ * again): table handles take the same slot each time, yet no create
+ * returns the first value, and it stays KVH_ERR_BAD_HANDLE while a live
+ * handle holds its slot. About a second per type. */
 static void check_freed_handle_stays_bad(const handle_kind *k)
 {
+    uint32_t cycles = k->cycles;
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
     /* 12 s per type there; the wrap itself is the release build's to see
      * (and the white-box tests'), these runs check the paths' memory. */
-    const uint32_t cycles = (1u << 16) + 1;
-#else
-    const uint32_t cycles = (1u << 24) + 1;
+    if (cycles > (1u << 16) + 1)
+        cycles = (1u << 16) + 1;
 #endif
-    kvh_engine *e = kinds_engine();
+    kvh_engine *e = k->open();
     uint64_t freed, h = 0;
     assert_ok(k->create(e, &freed));
     assert_ok(k->destroy(e, freed));
@@ -488,6 +547,8 @@ static void check_freed_handle_stays_bad(const handle_kind *k)
             print_error("%s: create %u handed out the freed handle 0x%" PRIx64 " again\n", k->name, i, freed);
             fail();
         }
+        if (k->table)
+            assert_int_equal(kvhi_handle_index(h), kvhi_handle_index(freed));
         if (i < cycles)
             assert_ok(k->destroy(e, h));
     }
@@ -521,6 +582,41 @@ static void test_freed_context_stays_bad(void **state)
     (void)state;
     check_freed_handle_stays_bad(&kinds[KIND_CONTEXT]);
 }
+static void test_freed_plan_stays_bad(void **state)
+{
+    (void)state;
+    check_freed_handle_stays_bad(&kinds[KIND_PLAN]);
+}
+static void test_freed_view_stays_bad(void **state)
+{
+    (void)state;
+    check_freed_handle_stays_bad(&kinds[KIND_VIEW]);
+}
+
+/* A plan and a view carry their own tags: neither is the other, nor any
+ * other handle type. */
+static void test_plan_and_view_tags(void **state)
+{
+    (void)state;
+    kvh_engine *e = views_engine();
+    uint64_t plan, view;
+    assert_ok(plan_create(e, &plan));
+    assert_ok(view_create(e, &view));
+    assert_int_equal(kvhi_handle_tag(plan), KVHI_TAG_PLAN);
+    assert_int_equal(kvhi_handle_tag(view), KVHI_TAG_VMAP);
+    const uint8_t others[] = {KVHI_TAG_SEQ, KVHI_TAG_BLOCK, KVHI_TAG_FENCE, KVHI_TAG_POOL, KVHI_TAG_CONTEXT, 0};
+    for (size_t i = 0; i < sizeof(others); i++) {
+        assert_true(others[i] != KVHI_TAG_PLAN && others[i] != KVHI_TAG_VMAP);
+        uint64_t as_other_plan = (plan & KVHI_HANDLE_PAYLOAD_MASK) | (uint64_t)others[i] << KVHI_HANDLE_TAG_SHIFT;
+        uint64_t as_other_view = (view & KVHI_HANDLE_PAYLOAD_MASK) | (uint64_t)others[i] << KVHI_HANDLE_TAG_SHIFT;
+        assert_kvh(KVH_ERR_BAD_HANDLE, plan_probe(e, as_other_plan));
+        assert_kvh(KVH_ERR_BAD_HANDLE, view_probe(e, as_other_view));
+    }
+    assert_ok(plan_probe(e, plan));
+    assert_ok(view_probe(e, view));
+    assert_ok(plan_destroy(e, plan));
+    assert_ok(view_destroy(e, view));
+}
 
 /* White-box: each table type's slot, moved to three generations short of
  * its wrap, retires when it gets there, through the public API. */
@@ -531,7 +627,7 @@ static void test_engine_table_slots_retire(void **state)
         const handle_kind *k = &kinds[kind];
         if (!k->table)
             continue;
-        kvh_engine *e = kinds_engine();
+        kvh_engine *e = k->open();
         uint64_t first, seen[5];
         assert_ok(k->create(e, &first));
         assert_ok(k->destroy(e, first));
@@ -580,6 +676,9 @@ int main(void)
         cmocka_unit_test_teardown(test_freed_fence_stays_bad, tu_teardown),
         cmocka_unit_test_teardown(test_freed_pool_stays_bad, tu_teardown),
         cmocka_unit_test_teardown(test_freed_context_stays_bad, tu_teardown),
+        cmocka_unit_test_teardown(test_freed_plan_stays_bad, tu_teardown),
+        cmocka_unit_test_teardown(test_freed_view_stays_bad, tu_teardown),
+        cmocka_unit_test_teardown(test_plan_and_view_tags, tu_teardown),
     };
     return cmocka_run_group_tests_name("handles", tests, NULL, NULL);
 }

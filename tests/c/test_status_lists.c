@@ -725,6 +725,8 @@ static void test_attention(void **state)
     assert_kvh(KVH_ERR_INVALID_ARG, kvh_attention_run(e, plan, q, NULL, NULL));
     assert_ok(kvh_attention_run(e, plan, q, out, NULL));
     assert_ok(kvh_attention_plan_destroy(e, plan));
+    assert_kvh(KVH_ERR_BAD_HANDLE, kvh_attention_run(e, plan, q, out, NULL));
+    assert_kvh(KVH_ERR_BAD_HANDLE, kvh_attention_plan_destroy(e, plan));
     assert_ok(kvh_attention_plan_destroy(e, NULL));
 }
 
@@ -989,6 +991,9 @@ static void test_views(void **state)
     assert_ok(kvh_seq_free(e, s));
     assert_kvh(KVH_ERR_BAD_HANDLE, kvh_vmap_refresh(e, m, NULL));
     assert_ok(kvh_vmap_release(e, m));
+    kvh_vmap_view released = {.struct_size = sizeof(released)};
+    assert_kvh(KVH_ERR_BAD_HANDLE, kvh_vmap_get(e, m, &released));
+    assert_kvh(KVH_ERR_BAD_HANDLE, kvh_vmap_release(e, m));
     assert_ok(kvh_vmap_release(e, none));
     assert_ok(kvh_vmap_release(e, NULL));
 }

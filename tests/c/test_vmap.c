@@ -4,12 +4,15 @@
  * call bit for bit; appends, copy-on-write and truncation make a view
  * stale until a refresh remaps what changed; a large capacity costs
  * address space, not memory; migration works around views; unsupported
- * setups are refused. */
+ * setups are refused; a released, forged or foreign view (or a plan passed
+ * as one) is KVH_ERR_BAD_HANDLE, and no view value is handed out twice. */
 #include <stdbool.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <unistd.h>
 
 #include "test_util.h"
+#include "core/handles.h"
 #include "kernels/cpu/attn_cpu.h"
 
 enum { L = 2, H = 2, D = 64, BT = 16 }; /* f32: one head's K of a block = 4 KiB */
@@ -312,6 +315,166 @@ static void test_refused_setups(void **state)
     assert_kvh(KVH_ERR_INVALID_ARG, kvh_engine_open(&c, &bad));
 }
 
+static kvh_vmap *view_of(kvh_engine *e, kvh_seq s)
+{
+    kvh_vmap *m = NULL;
+    assert_ok(kvh_seq_vmap(e, s, 0, 0, &m));
+    return m;
+}
+
+static kvh_vmap *forged_view(uint64_t id) { return (kvh_vmap *)(uintptr_t)id; }
+
+/* Every call taking the view refuses it, alone or next to a good view
+ * (live: NULL or one), and writes nothing. */
+static void check_bad_view(kvh_engine *e, kvh_vmap *m, kvh_vmap *live)
+{
+    kvh_vmap_view v = {.struct_size = sizeof(v), .layer = 77};
+    assert_kvh(KVH_ERR_BAD_HANDLE, kvh_vmap_get(e, m, &v));
+    assert_int_equal(v.layer, 77);
+    int32_t changed = -1;
+    assert_kvh(KVH_ERR_BAD_HANDLE, kvh_vmap_refresh(e, m, &changed));
+    assert_int_equal(changed, -1);
+    float q[2 * H * D] = {0}, out[2 * H * D];
+    memset(out, 0x5a, sizeof(out));
+    uint32_t q_lens[2] = {1, 1};
+    kvh_vmap *both[2] = {live, m};
+    size_t n = live ? 2 : 1;
+    kvh_vmap *const *views = live ? both : &m;
+    assert_kvh(KVH_ERR_BAD_HANDLE, kvh_attention_decode_vmap(e, views, n, q, out, NULL));
+    assert_kvh(KVH_ERR_BAD_HANDLE, kvh_attention_prefill_vmap(e, views, q_lens, n, q, out, NULL));
+    for (size_t i = 0; i < sizeof(out); i++)
+        assert_int_equal(((const uint8_t *)out)[i], 0x5a);
+    assert_kvh(KVH_ERR_BAD_HANDLE, kvh_vmap_release(e, m));
+}
+
+static void check_good_view(kvh_engine *e, kvh_seq s, kvh_vmap *m)
+{
+    check_view(e, s, m);
+    assert_ok(kvh_vmap_refresh(e, m, NULL));
+    float q[H * D] = {0}, out[H * D];
+    assert_ok(kvh_attention_decode_vmap(e, &m, 1, q, out, NULL));
+}
+
+/* A released view stays bad, also once a new view may take its memory
+ * (and its slot); releasing it again changes nothing. */
+static void test_released_view_is_bad(void **state)
+{
+    kvh_engine *e = open_vmap(32, 0);
+    kvh_seq s = new_seq(e, 20);
+    kvh_vmap *gone = view_of(e, s);
+    assert_ok(kvh_vmap_release(e, gone));
+    check_bad_view(e, gone, NULL);
+    kvh_vmap *live = view_of(e, s);
+    assert_ptr_not_equal(live, gone);
+    check_bad_view(e, gone, NULL);
+    check_bad_view(e, gone, live);
+    check_good_view(e, s, live);
+    assert_int_equal(tu_seq_binfo(e, s, 0).holds, 1); /* the live view's */
+    assert_ok(kvh_vmap_release(e, live));
+    assert_int_equal(tu_seq_binfo(e, s, 0).holds, 0);
+    assert_kvh(KVH_ERR_BAD_HANDLE, kvh_vmap_release(e, live));
+}
+
+/* Values no kvh_seq_vmap handed out: small integers, an address of
+ * view-sized zeroed memory, and the live view's value with its generation
+ * one off either way or its index out of range. */
+static void test_forged_view_is_bad(void **state)
+{
+    static uint64_t zeroed[256];
+    kvh_engine *e = open_vmap(32, 0);
+    kvh_seq s = new_seq(e, 20);
+    kvh_vmap *live = view_of(e, s);
+    uint64_t id = (uint64_t)(uintptr_t)live;
+    uint8_t tag = kvhi_handle_tag(id);
+    uint32_t gen = kvhi_handle_gen(id), idx = kvhi_handle_index(id);
+    check_bad_view(e, forged_view(0x1234), live);
+    check_bad_view(e, forged_view(1), NULL);
+    check_bad_view(e, forged_view(UINT64_MAX), live);
+    check_bad_view(e, (kvh_vmap *)zeroed, live);
+    check_bad_view(e, forged_view(kvhi_handle_make(tag, gen + 1, idx)), live);
+    check_bad_view(e, forged_view(kvhi_handle_make(tag, gen - 1, idx)), NULL);
+    check_bad_view(e, forged_view(kvhi_handle_make(tag, gen, idx + 1000)), live);
+    check_good_view(e, s, live);
+    assert_ok(kvh_vmap_release(e, live));
+}
+
+/* A plan passed as a view and a view passed as a plan: each is refused by
+ * the other's calls and keeps working. */
+static void test_plan_and_view_are_not_interchangeable(void **state)
+{
+    kvh_engine *e = open_vmap(32, 0);
+    kvh_seq s = new_seq(e, 20);
+    kvh_vmap *m = view_of(e, s);
+    kvh_attention_plan *pl = NULL;
+    assert_ok(kvh_attention_plan_create(e, 0, &s, NULL, 1, NULL, &pl));
+    check_bad_view(e, (kvh_vmap *)pl, NULL);
+    check_bad_view(e, (kvh_vmap *)pl, m);
+    float q[H * D] = {0}, out[H * D];
+    assert_kvh(KVH_ERR_BAD_HANDLE, kvh_attention_run(e, (kvh_attention_plan *)m, q, out, NULL));
+    assert_kvh(KVH_ERR_BAD_HANDLE, kvh_attention_plan_destroy(e, (kvh_attention_plan *)m));
+    assert_ok(kvh_attention_run(e, pl, q, out, NULL));
+    check_good_view(e, s, m);
+    assert_int_equal(tu_seq_binfo(e, s, 0).holds, 2);
+    assert_ok(kvh_attention_plan_destroy(e, pl));
+    assert_ok(kvh_vmap_release(e, m));
+    assert_int_equal(tu_seq_binfo(e, s, 0).holds, 0);
+}
+
+/* A view names a view of its own engine only. */
+static void test_view_of_another_engine_is_bad(void **state)
+{
+    kvh_engine *a = open_vmap(32, 0), *b = open_vmap(32, 0);
+    kvh_seq sa = new_seq(a, 20), sb = new_seq(b, 20);
+    kvh_vmap *ma = view_of(a, sa), *mb = view_of(b, sb);
+    check_bad_view(b, ma, NULL);
+    check_bad_view(b, ma, mb);
+    check_bad_view(a, mb, ma);
+    check_good_view(a, sa, ma);
+    check_good_view(b, sb, mb);
+    assert_ok(kvh_vmap_release(a, ma));
+    assert_ok(kvh_vmap_release(b, mb));
+}
+
+/* A view left open is released by close; its value means nothing to the
+ * next engine, even one at the same address. */
+static void test_view_after_close_is_bad(void **state)
+{
+    kvh_engine *e = open_vmap(32, 0);
+    kvh_vmap *m = view_of(e, new_seq(e, 20));
+    assert_ok(tu_close(e));
+    kvh_engine *next = open_vmap(32, 0);
+    check_bad_view(next, m, NULL);
+    kvh_seq s = new_seq(next, 20);
+    kvh_vmap *fresh = view_of(next, s);
+    check_bad_view(next, m, fresh);
+    check_good_view(next, s, fresh);
+    assert_ok(kvh_vmap_release(next, fresh));
+}
+
+/* Map/release cycles reuse the same memory and table slot, yet no value
+ * comes back, and every earlier one stays bad. */
+static void test_view_values_never_repeat(void **state)
+{
+    enum { CYCLES = 2000 };
+    kvh_engine *e = open_vmap(32, 0);
+    kvh_seq s = new_seq(e, 20);
+    uintptr_t *seen = tu_alloc(sizeof(*seen) * CYCLES);
+    for (int i = 0; i < CYCLES; i++) {
+        kvh_vmap *m = view_of(e, s);
+        seen[i] = (uintptr_t)m;
+        for (int j = 0; j < i; j++)
+            if (seen[j] == seen[i])
+                fail_msg("view %d has the value of view %d again (%#jx)", i, j, (uintmax_t)seen[i]);
+        assert_ok(kvh_vmap_release(e, m));
+    }
+    kvh_vmap *live = view_of(e, s);
+    for (int i = 0; i < CYCLES; i += 97)
+        check_bad_view(e, (kvh_vmap *)seen[i], live);
+    check_good_view(e, s, live);
+    assert_ok(kvh_vmap_release(e, live));
+    assert_int_equal(tu_seq_binfo(e, s, 0).holds, 0);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -320,6 +483,12 @@ int main(void)
         cmocka_unit_test_teardown(test_views_and_migration, tu_teardown),
         cmocka_unit_test_teardown(test_large_capacity_is_lazy, tu_teardown),
         cmocka_unit_test_teardown(test_refused_setups, tu_teardown),
+        cmocka_unit_test_teardown(test_released_view_is_bad, tu_teardown),
+        cmocka_unit_test_teardown(test_forged_view_is_bad, tu_teardown),
+        cmocka_unit_test_teardown(test_plan_and_view_are_not_interchangeable, tu_teardown),
+        cmocka_unit_test_teardown(test_view_of_another_engine_is_bad, tu_teardown),
+        cmocka_unit_test_teardown(test_view_after_close_is_bad, tu_teardown),
+        cmocka_unit_test_teardown(test_view_values_never_repeat, tu_teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

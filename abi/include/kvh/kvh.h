@@ -22,19 +22,23 @@
  *                      a sequence this is checked: a second such call
  *                      (kvh_seq_free included) while one is inside gets
  *                      KVH_ERR_BUSY and changes nothing.
- *   - Handles (kvh_seq, kvh_block, kvh_fence, kvh_pool, kvh_context) are
- *     64-bit values carrying a type tag and a generation: a stale, freed or
- *     forged handle is reported as KVH_ERR_BAD_HANDLE, never a crash. The
- *     zero handle is the null handle. An engine never hands out the same
- *     handle value twice: the slot behind a handle serves 2^32 - 1
- *     generations, one per creation, then is retired for good. A block's
- *     slot serves about 2^(56 - b), b the bits needed to number the blocks
- *     all tiers hold together: at least 2^24, and 2^32 - 1 or more up to
- *     2^24 blocks. A retired slot costs a few bytes; a retired block slot
- *     leaves the engine room for one block fewer (all retire only after
- *     2^55 block frees or more). At most 2^24 each of sequences, fences,
- *     pools and contexts exist at once, retired slots included
- *     (KVH_ERR_NOMEM past it).
+ *   - Handles (kvh_seq, kvh_block, kvh_fence, kvh_pool, kvh_context, and the
+ *     opaque pointers kvh_attention_plan * and kvh_vmap *) are 64-bit values
+ *     carrying a type tag and a generation: a stale, freed or forged handle,
+ *     or one of another type, is reported as KVH_ERR_BAD_HANDLE, never a
+ *     crash; so is, with near certainty, a handle of another engine, open or
+ *     closed (each engine starts its generations at a random point). A plan
+ *     or view pointer is such a value, not an address: the caller never
+ *     dereferences it. The zero handle (NULL for plans and views) is the null
+ *     handle. An engine never hands out the same handle value twice: the slot
+ *     behind a handle serves 2^32 - 1 generations, one per creation, then is
+ *     retired for good. A block's slot serves about 2^(56 - b), b the bits
+ *     needed to number the blocks all tiers hold together: at least 2^24, and
+ *     2^32 - 1 or more up to 2^24 blocks. A retired slot costs a few bytes; a
+ *     retired block slot leaves the engine room for one block fewer (all
+ *     retire only after 2^55 block frees or more). At most 2^24 each of
+ *     sequences, fences, pools, contexts, plans and views exist at once,
+ *     retired slots included (KVH_ERR_NOMEM past it).
  *   - Params structs start with struct_size; fields are only appended;
  *     the *_init() function fills defaults for the size the caller passes.
  */
@@ -1065,7 +1069,11 @@ KVH_API kvh_status kvh_admission_info_get(kvh_engine *engine,
  * copy-on-write copy, truncation, freeing) is not seen either: the plan
  * keeps reading the blocks it holds, which are not kept alive; freeing or
  * truncating a sequence while a plan of it exists leaves that plan's
- * output undefined (never a memory fault). */
+ * output undefined (never a memory fault).
+ *
+ * A kvh_attention_plan * is a handle (see Handles): a destroyed, forged or
+ * foreign one is KVH_ERR_BAD_HANDLE, and no plan value is handed out
+ * twice, so a stale pointer never names a later plan. */
 typedef struct kvh_attention_plan kvh_attention_plan; /* opaque */
 
 /* Plans decode (q_lens NULL: one query row per sequence) or chunked
@@ -1074,8 +1082,8 @@ typedef struct kvh_attention_plan kvh_attention_plan; /* opaque */
  * names its own). [borrowed] seqs, q_lens, params; [out] *plan, owned by
  * the caller until kvh_attention_plan_destroy. Status codes as
  * kvh_attention_decode, and KVH_ERR_INVALID_ARG for a NULL plan or a batch
- * without query rows. On CUDA the upload may synchronise: do not call
- * while capturing. @threads any */
+ * without query rows, KVH_ERR_NOMEM also when 2^24 plans exist. On CUDA
+ * the upload may synchronise: do not call while capturing. @threads any */
 KVH_API kvh_status kvh_attention_plan_create(kvh_engine *engine,
                                              uint32_t layer,
                                              const kvh_seq *seqs,
@@ -1088,19 +1096,22 @@ KVH_API kvh_status kvh_attention_plan_create(kvh_engine *engine,
  * memory on the CPU backend, device memory on CUDA), stream the
  * cudaStream_t to launch on (NULL = the default stream; ignored on the
  * CPU, where the call returns when done). [borrowed] plan, q, out.
- * Returns KVH_ERR_INVALID_ARG (NULL plan, q or out), KVH_ERR_INTERNAL (a
+ * Finding the plan is a lookup under the engine lock, no allocation.
+ * Returns KVH_ERR_INVALID_ARG (NULL plan, q or out), KVH_ERR_BAD_HANDLE
+ * (plan destroyed, forged or of another engine), KVH_ERR_INTERNAL (a
  * launch failure, with the driver's words), KVH_ERR_NOMEM (CPU scratch
  * memory). @threads any (runs of one plan may overlap on the CPU only if
- * their outputs differ) */
+ * their outputs differ; a destroy of the plan waits for runs under way) */
 KVH_API kvh_status kvh_attention_run(kvh_engine *engine,
                                      const kvh_attention_plan *plan,
                                      const void *q, void *out, void *stream);
 
-/* Drops the plan's holds and frees it. On CUDA the caller guarantees that
- * no launch or graph replay using it is pending (synchronise first); the
- * call may synchronise the device. NULL accepted. Plans left at
- * kvh_engine_close are destroyed by it. No other status.
- * @threads handle (plan) */
+/* Drops the plan's holds and frees it; the plan is then stale. On CUDA the
+ * caller guarantees that no launch or graph replay using it is pending
+ * (synchronise first); the call may synchronise the device. NULL accepted.
+ * Plans left at kvh_engine_close are destroyed by it. Returns
+ * KVH_ERR_BAD_HANDLE (plan already destroyed, forged or of another
+ * engine). @threads handle (plan) */
 KVH_API kvh_status kvh_attention_plan_destroy(kvh_engine *engine,
                                               kvh_attention_plan *plan);
 
@@ -1214,7 +1225,11 @@ KVH_API kvh_status kvh_codec_decode(uint32_t codec, uint32_t dtype,
  * blocks that changed and increments generation when anything did;
  * kvh_attention_decode_vmap refuses a stale view with KVH_ERR_BAD_HANDLE.
  * Reading a stale view directly gives the old blocks' data (never a
- * fault while the view exists). */
+ * fault while the view exists).
+ *
+ * A kvh_vmap * is a handle (see Handles): a released, forged or foreign
+ * one is KVH_ERR_BAD_HANDLE from every call taking it, and no view value
+ * is handed out twice, so a released pointer never names a later view. */
 typedef struct kvh_vmap kvh_vmap; /* opaque */
 
 typedef struct kvh_vmap_view {
@@ -1240,9 +1255,9 @@ typedef struct kvh_vmap_view {
  * first). [out] *vmap, owned by the caller until kvh_vmap_release.
  * Returns KVH_ERR_UNSUPPORTED (see the constraints), KVH_ERR_RANGE (layer,
  * or more tokens than capacity_tokens, or a capacity above 2^31),
- * KVH_ERR_BAD_HANDLE, KVH_ERR_NOMEM, KVH_ERR_INVALID_ARG (NULL vmap),
- * KVH_ERR_INTERNAL (a CUDA driver failure while mapping).
- * @threads handle (seq) */
+ * KVH_ERR_BAD_HANDLE, KVH_ERR_NOMEM (also when 2^24 views exist),
+ * KVH_ERR_INVALID_ARG (NULL vmap), KVH_ERR_INTERNAL (a CUDA driver failure
+ * while mapping). @threads handle (seq) */
 KVH_API kvh_status kvh_seq_vmap(kvh_engine *engine, kvh_seq seq,
                                 uint32_t layer, uint64_t capacity_tokens,
                                 kvh_vmap **vmap);
@@ -1250,7 +1265,8 @@ KVH_API kvh_status kvh_seq_vmap(kvh_engine *engine, kvh_seq seq,
 /* Brings the view up to date with its sequence: maps blocks appended or
  * replaced since, unmaps blocks truncated away, moves the holds.
  * [out] *changed (may be NULL): 1 when a mapping changed. Returns
- * KVH_ERR_BAD_HANDLE (the sequence was freed), KVH_ERR_NOT_RESIDENT,
+ * KVH_ERR_BAD_HANDLE (the sequence was freed, or vmap released, forged or
+ * of another engine), KVH_ERR_NOT_RESIDENT,
  * KVH_ERR_RANGE (the sequence outgrew capacity_tokens),
  * KVH_ERR_UNSUPPORTED (blocks out of slab order, see "Memory"),
  * KVH_ERR_NOMEM, KVH_ERR_INVALID_ARG (NULL vmap), KVH_ERR_INTERNAL (as
@@ -1262,13 +1278,15 @@ KVH_API kvh_status kvh_vmap_refresh(kvh_engine *engine, kvh_vmap *vmap,
 
 /* The view's current addresses and sizes. [out] *view (set
  * view->struct_size first). Returns KVH_ERR_INVALID_ARG (NULL vmap or
- * view), KVH_ERR_STRUCT_SIZE. @threads handle (vmap) */
+ * view), KVH_ERR_STRUCT_SIZE, KVH_ERR_BAD_HANDLE (vmap released, forged or
+ * of another engine). @threads handle (vmap) */
 KVH_API kvh_status kvh_vmap_get(kvh_engine *engine, const kvh_vmap *vmap,
                                 kvh_vmap_view *view);
 
 /* Unmaps the view and drops its holds, after attention queued over it
- * (CUDA) has finished. NULL accepted. Views left at kvh_engine_close are
- * released by it. No other status. @threads handle (vmap) */
+ * (CUDA) has finished; the view is then stale. NULL accepted. Views left
+ * at kvh_engine_close are released by it. Returns KVH_ERR_BAD_HANDLE (vmap
+ * already released, forged or of another engine). @threads handle (vmap) */
 KVH_API kvh_status kvh_vmap_release(kvh_engine *engine, kvh_vmap *vmap);
 
 /* kvh_attention_decode over views: view i (a sequence's layer) attends
@@ -1280,7 +1298,8 @@ KVH_API kvh_status kvh_vmap_release(kvh_engine *engine, kvh_vmap *vmap);
  * CUDA, where the kernels are queued on params->stream and the call
  * returns before they finish (kvh_vmap_refresh, kvh_vmap_release and
  * kvh_engine_close wait for them). Returns KVH_ERR_BAD_HANDLE for a
- * stale view (refresh it), KVH_ERR_RANGE (a view of no tokens),
+ * stale view (refresh it) or one released, forged or of another engine,
+ * KVH_ERR_RANGE (a view of no tokens),
  * KVH_ERR_INVALID_ARG (NULL pointers, params as kvh_attention_decode),
  * KVH_ERR_STRUCT_SIZE, KVH_ERR_NOMEM, KVH_ERR_UNSUPPORTED (as
  * kvh_attention_decode: a stream being captured), KVH_ERR_INTERNAL (a
