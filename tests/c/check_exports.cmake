@@ -1,8 +1,12 @@
 # Fails unless every symbol that libkvh.so defines in its dynamic symbol
 # table starts with "kvh_" (ABI rule 5), and kvh_version is among them.
-#   cmake -DNM=/usr/bin/nm -DLIB=build/libkvh.so -P check_exports.cmake
+# With HEADER and MAP also: every KVH_API function of kvh.h is exported,
+# and named in exactly one version node of the linker map (stable KVH_0
+# or KVH_0_EXPERIMENTAL), so a new call cannot be left out or doubled.
+#   cmake -DNM=/usr/bin/nm -DLIB=build/libkvh.so [-DHEADER=kvh.h -DMAP=libkvh.map] -P check_exports.cmake
 # Version nodes from the linker map (KVH_0, type A) are not symbols and are
 # skipped; "name@@KVH_0" is read as "name".
+cmake_minimum_required(VERSION 3.18) # IN_LIST
 if(NOT NM OR NOT LIB)
   message(FATAL_ERROR "usage: cmake -DNM=<nm> -DLIB=<libkvh.so> -P check_exports.cmake")
 endif()
@@ -30,6 +34,7 @@ foreach(line IN LISTS lines)
   endif()
   if(sym MATCHES "^kvh_")
     math(EXPR ours "${ours} + 1")
+    list(APPEND exported "${sym}")
     if(sym STREQUAL "kvh_version")
       set(have_version ON)
     endif()
@@ -46,3 +51,39 @@ if(NOT have_version)
   message(FATAL_ERROR "${LIB} does not export kvh_version (${ours} kvh_* symbols found)")
 endif()
 message(STATUS "abi_exports: ${LIB} exports ${ours} kvh_* symbols and nothing else")
+
+if(HEADER AND MAP)
+  file(READ ${HEADER} header)
+  string(REGEX MATCHALL "KVH_API[^;]*;" protos "${header}")
+  set(declared "")
+  foreach(p IN LISTS protos)
+    if(p MATCHES "(kvh_[a-z0-9_]+)[ \t\n]*\\(")
+      list(APPEND declared "${CMAKE_MATCH_1}")
+    endif()
+  endforeach()
+  file(READ ${MAP} map)
+  # Drop the comments, then count each name's occurrences as "name;"
+  # (spelled "name," here: a ";" would split CMake's lists).
+  string(REGEX REPLACE "/\\*([^*]|\\*+[^*/])*\\*+/" "" map "${map}")
+  string(REPLACE ";" "," map "${map}")
+  set(problems "")
+  foreach(name IN LISTS declared)
+    if(NOT name IN_LIST exported)
+      list(APPEND problems "${name} is declared in kvh.h but not exported")
+    endif()
+    string(REGEX MATCHALL "[ \t\n]${name}," hits "${map}")
+    list(LENGTH hits n)
+    if(NOT n EQUAL 1)
+      list(APPEND problems "${name} is named ${n} times in the linker map (want 1)")
+    endif()
+  endforeach()
+  list(LENGTH declared n_declared)
+  if(n_declared LESS 10)
+    message(FATAL_ERROR "found only ${n_declared} KVH_API prototypes in ${HEADER}")
+  endif()
+  if(problems)
+    list(JOIN problems "\n  " text)
+    message(FATAL_ERROR "kvh.h and the linker map disagree:\n  ${text}")
+  endif()
+  message(STATUS "abi_exports: all ${n_declared} calls of kvh.h exported, each in one version node")
+endif()

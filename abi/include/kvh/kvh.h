@@ -39,6 +39,10 @@
  *     retire only after 2^55 block frees or more). At most 2^24 each of
  *     sequences, fences, pools, contexts, plans and views exist at once,
  *     retired slots included (KVH_ERR_NOMEM past it).
+ *   - Stable and experimental: calls are stable unless their section is
+ *     marked experimental (weight contexts and admission, attention plans,
+ *     virtual contiguity, LCTRU tolerance); those are exported under their
+ *     own version node and may change in a release.
  *   - Params structs start with struct_size; fields are only appended;
  *     the *_init() function fills defaults for the size the caller passes.
  */
@@ -774,6 +778,10 @@ KVH_API kvh_status kvh_attention_prefill(kvh_engine *engine, uint32_t layer,
 /* ================================================================== */
 /* Weight contexts and admission                                       */
 /* ================================================================== */
+
+/* Experimental (version node KVH_0_EXPERIMENTAL of abi/libkvh.map): not
+ * yet run on its target hardware, or its semantics may still change; a
+ * release may change these calls. */
 /*
  * A context groups one model's weight regions with the sequences of the
  * agents that use it, so weights and KV move between tiers as one unit.
@@ -1055,6 +1063,10 @@ KVH_API kvh_status kvh_admission_info_get(kvh_engine *engine,
 /* Attention plans (plan once, run many times; CUDA-graph capturable)   */
 /* ------------------------------------------------------------------ */
 
+/* Experimental (version node KVH_0_EXPERIMENTAL of abi/libkvh.map): not
+ * yet run on its target hardware, or its semantics may still change; a
+ * release may change these calls. */
+
 /* A kept attention call: the batch's block table and work split, built on
  * the CPU once (and on CUDA uploaded to device memory once), plus a hold
  * on every block it reads, so they stay in the device tier in the same
@@ -1173,6 +1185,10 @@ KVH_API kvh_status kvh_codec_decode(uint32_t codec, uint32_t dtype,
 /* ------------------------------------------------------------------ */
 /* Virtual contiguity                                                  */
 /* ------------------------------------------------------------------ */
+
+/* Experimental (version node KVH_0_EXPERIMENTAL of abi/libkvh.map): not
+ * yet run on its target hardware, or its semantics may still change; a
+ * release may change these calls. */
 
 /* A view presents one layer of a sequence's K and V as plain contiguous
  * arrays while the data stays in its pool blocks: each block's pages are
@@ -1325,6 +1341,10 @@ KVH_API kvh_status kvh_attention_prefill_vmap(kvh_engine *engine,
 /* ------------------------------------------------------------------ */
 /* LCTRU: tolerance-aware eviction                                     */
 /* ------------------------------------------------------------------ */
+
+/* Experimental (version node KVH_0_EXPERIMENTAL of abi/libkvh.map): not
+ * yet run on its target hardware, or its semantics may still change; a
+ * release may change these calls. */
 
 /* Victim order of the memory tiers. KVH_EVICT_LRU_K: by the K-th most
  * recent access (kvh_config.lru_k), then the most recent. KVH_EVICT_LCTRU
