@@ -1,4 +1,5 @@
 #include "core/disk_index.h"
+#include "core/disk_access.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -13,11 +14,11 @@
 
 enum { KIND_SNAPSHOT = 1, KIND_JOURNAL = 2 };
 
-static int read_file(int dir_fd, const char *name, uint8_t **buf, size_t *len)
+static int read_file(const kvhi_disk *d, const char *name, uint8_t **buf, size_t *len)
 {
-    int fd = openat(dir_fd, name, O_RDONLY | O_CLOEXEC);
+    int fd = kvhi_store_openat(d, name, O_RDONLY); /* no link, nothing of another user's */
     if (fd < 0)
-        return -errno;
+        return fd;
     struct stat st;
     if (fstat(fd, &st) != 0) {
         int e = -errno;
@@ -89,9 +90,10 @@ static int replace_file(kvhi_disk *d, const char *name, const void *header, cons
 {
     char tmp[64];
     snprintf(tmp, sizeof(tmp), "%s.tmp", name);
-    int fd = openat(d->dir_fd, tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    unlinkat(d->dir_fd, tmp, 0); /* whatever stands there, a link included */
+    int fd = kvhi_store_openat(d, tmp, O_WRONLY | O_CREAT | O_EXCL);
     if (fd < 0)
-        return -errno;
+        return fd;
     int rc = write_all(fd, header, KVHI_DISK_ALIGN);
     if (rc == 0 && body_len)
         rc = write_all(fd, body, body_len);
@@ -111,9 +113,9 @@ static int replace_file(kvhi_disk *d, const char *name, const void *header, cons
 
 static int open_journal(kvhi_disk *d, bool truncate_to, off_t keep)
 {
-    d->journal_fd = openat(d->dir_fd, "journal", O_RDWR | O_CLOEXEC);
+    d->journal_fd = kvhi_store_openat(d, "journal", O_RDWR);
     if (d->journal_fd < 0)
-        return -errno;
+        return d->journal_fd;
     if (truncate_to && ftruncate(d->journal_fd, keep) != 0)
         return -errno;
     if (lseek(d->journal_fd, 0, SEEK_END) < 0)
@@ -424,7 +426,7 @@ int kvhi_index_load(kvhi_disk *d, bool reset, kvhi_index_list *out, char *msg, s
         return create_store(d, msg, msg_len);
     uint8_t *snap = NULL, *jr = NULL;
     size_t snap_len = 0, jr_len = 0;
-    int rc = read_file(d->dir_fd, "index", &snap, &snap_len);
+    int rc = read_file(d, "index", &snap, &snap_len);
     if (rc == -ENOENT && d->read_only) {
         snprintf(msg, msg_len, "%s holds no kvh store (no index file)", d->path);
         return KVHI_INDEX_IO;
@@ -434,7 +436,7 @@ int kvhi_index_load(kvhi_disk *d, bool reset, kvhi_index_list *out, char *msg, s
         return KVHI_INDEX_IO;
     }
     bool have_index = rc == 0;
-    rc = read_file(d->dir_fd, "journal", &jr, &jr_len);
+    rc = read_file(d, "journal", &jr, &jr_len);
     if (rc != 0 && rc != -ENOENT) {
         /* An unreadable journal may hold acknowledged records: never
          * replace it; the open fails and can be retried. */

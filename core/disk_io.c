@@ -1,6 +1,7 @@
 #include "core/disk_io.h"
 
 #include "core/crc32c.h"
+#include "core/disk_access.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -61,19 +62,22 @@ int kvhi_disk_open_slabs(kvhi_disk *d, bool allow_direct)
     for (uint32_t i = 0; i < d->n_slabs; i++) {
         char name[64];
         snprintf(name, sizeof(name), "slab-%04u.kvh", i);
-        int flags = O_RDWR | O_CREAT | O_CLOEXEC;
-        int fd = d->direct ? openat(d->dir_fd, name, flags | O_DIRECT, 0644) : -1;
-        if (fd < 0 && d->direct) {
+        int flags = O_RDWR | O_CREAT;
+        bool tried_direct = d->direct;
+        int fd = tried_direct ? kvhi_store_openat(d, name, flags | O_DIRECT) : -ENOENT;
+        if (fd == -ELOOP || fd == -EPERM)
+            return fd; /* a link or a file not ours stands in its place */
+        if (fd < 0 && tried_direct) {
             /* tmpfs and some overlays refuse O_DIRECT: buffered I/O instead. */
             d->direct = false;
             snprintf(d->warning, sizeof(d->warning),
                      "disk tier: the filesystem of %s refuses O_DIRECT (%s); using buffered I/O", d->path,
-                     strerror(errno));
+                     strerror(-fd));
         }
         if (fd < 0)
-            fd = openat(d->dir_fd, name, flags, 0644);
+            fd = kvhi_store_openat(d, name, flags);
         if (fd < 0)
-            return -errno;
+            return fd;
         d->slab_fds[i] = fd;
         if (d->direct) {
             /* A process that used the store buffered may have left its pages

@@ -40,6 +40,7 @@ typedef struct kvhi_disk {
      * Atomic: set by writers outside the engine lock, read under it. */
     _Atomic bool fatal;
     bool read_only; /* inspection: never create, truncate or write */
+    uint32_t disk_flags; /* kvh_disk_flags of the config (modes: core/disk_access.h) */
     /* A damaged index or journal fails the open (kvh_config
      * disk_strict_index) instead of being rebuilt from the slot headers. */
     bool strict_index;

@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "core/crc32c.h"
+#include "core/disk_access.h"
 #include "core/disk_index.h"
 #include "core/block_state.h"
 #include "core/engine.h"
@@ -19,9 +20,9 @@
 
 static kvh_status lock_store(kvhi_disk *d)
 {
-    d->lock_fd = openat(d->dir_fd, "LOCK", O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    d->lock_fd = kvhi_store_openat(d, "LOCK", O_RDWR | O_CREAT);
     if (d->lock_fd < 0)
-        return kvhi_fail(KVH_ERR_IO, "cannot create %s/LOCK: %s", d->path, strerror(errno));
+        return kvhi_fail(KVH_ERR_IO, "cannot create %s/LOCK: %s", d->path, strerror(-d->lock_fd));
     if (flock(d->lock_fd, LOCK_EX | LOCK_NB) != 0) {
         char pid[32] = "";
         ssize_t n = pread(d->lock_fd, pid, sizeof(pid) - 1, 0);
@@ -63,12 +64,11 @@ kvh_status kvhi_disk_tier_open(kvh_engine *e, const kvh_config *cfg, const char 
     e->disk = d;
     if (!d->path)
         return kvhi_fail(KVH_ERR_NOMEM, "out of memory for the disk tier");
-    if (mkdir(path, 0755) != 0 && errno != EEXIST)
-        return kvhi_fail(KVH_ERR_IO, "cannot create %s: %s", path, strerror(errno));
-    d->dir_fd = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (d->dir_fd < 0)
-        return kvhi_fail(KVH_ERR_IO, "cannot open %s: %s", path, strerror(errno));
-    kvh_status st = lock_store(d);
+    d->disk_flags = cfg->disk_flags;
+    kvh_status st = kvhi_store_open_dir(d, path);
+    if (st != KVH_OK)
+        return st;
+    st = lock_store(d);
     if (st != KVH_OK)
         return st;
     /* The KV codec is part of the stored form: a store written with another

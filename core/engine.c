@@ -138,7 +138,7 @@ static kvh_status validate(const kvh_config *c)
     CHECK(c->log_level <= KVH_LOG_DEBUG, "log_level %u invalid", c->log_level);
     CHECK(c->disk_queue_depth >= 1 && c->disk_queue_depth <= 4096, "disk_queue_depth %u not in 1..4096",
           c->disk_queue_depth);
-    CHECK((c->disk_flags & ~(uint32_t)(KVH_DISK_RESET_ON_MISMATCH | KVH_DISK_BUFFERED)) == 0,
+    CHECK((c->disk_flags & ~(uint32_t)(KVH_DISK_RESET_ON_MISMATCH | KVH_DISK_BUFFERED | KVH_DISK_SHARE_GROUP)) == 0,
           "unknown disk_flags 0x%x", c->disk_flags);
     CHECK(!c->disk_bytes || (c->disk_path && c->disk_path[0]), "disk_bytes is set but disk_path is empty");
     /* A path without a budget used to open without a disk tier, found

@@ -104,7 +104,8 @@ typedef struct kvh_config {
 } kvh_config;
 enum kvh_disk_flags {
     KVH_DISK_RESET_ON_MISMATCH = 1,
-    KVH_DISK_BUFFERED = 2
+    KVH_DISK_BUFFERED = 2,
+    KVH_DISK_SHARE_GROUP = 4
 };
 kvh_status kvh_config_init(kvh_config *config, size_t struct_size);
 kvh_status kvh_engine_open(const kvh_config *config, kvh_engine **engine);

@@ -338,6 +338,8 @@ class Engine(OwnedHandle):
             flags |= int(lib.KVH_DISK_RESET_ON_MISMATCH)
         if cfg.disk_buffered:
             flags |= int(lib.KVH_DISK_BUFFERED)
+        if cfg.disk_share_group:
+            flags |= int(lib.KVH_DISK_SHARE_GROUP)
         c.disk_flags = flags
         if cfg.disk_strict_index is not None:
             c.disk_strict_index = 1 if cfg.disk_strict_index else 0
@@ -379,6 +381,7 @@ class Engine(OwnedHandle):
             disk_queue_depth=int(c.disk_queue_depth),
             disk_reset_on_mismatch=given.disk_reset_on_mismatch,
             disk_buffered=given.disk_buffered,
+            disk_share_group=given.disk_share_group,
             disk_strict_index=bool(c.disk_strict_index),
             kv_codec=Codec(int(c.kv_codec)),
             vmap=bool(c.vmap),

@@ -177,6 +177,9 @@ class Config:
     disk_queue_depth: Optional[int] = None
     disk_reset_on_mismatch: bool = False
     disk_buffered: bool = False
+    #: Let the store's group read it (directory 0750, files 0640); by
+    #: default only the engine's user can (0700 and 0600).
+    disk_share_group: bool = False
     #: Fail the open (CorruptionError) when the disk index is damaged
     #: (default False: it is rebuilt from the slot headers and every block
     #: whose slot verifies is kept).

@@ -515,3 +515,40 @@ def test_log_level_follows_logger():
             assert eng.config.log_level == 3
     finally:
         logger.setLevel(old)
+
+
+@pytest.mark.parametrize("share, dir_mode, file_mode", [(False, 0o700, 0o600), (True, 0o750, 0o640)])
+def test_store_is_owner_only_unless_shared(tmp_path, share, dir_mode, file_mode):
+    import os
+    import stat
+
+    store = tmp_path / "store"
+    old = os.umask(0)
+    try:
+        with kvh.Engine(
+            num_layers=1,
+            num_kv_heads=1,
+            head_dim=8,
+            block_tokens=4,
+            device_bytes=1 << 20,
+            disk_path=str(store),
+            disk_bytes=1 << 22,
+            disk_share_group=share,
+        ) as eng:
+            assert eng.config.disk_share_group is share
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(store.stat().st_mode) == dir_mode
+    for name in ("LOCK", "index", "journal"):
+        assert stat.S_IMODE((store / name).stat().st_mode) == file_mode, name
+    store.chmod(0o777)
+    with pytest.raises(kvh.KvhIOError, match="writable by other users"):
+        kvh.Engine(
+            num_layers=1,
+            num_kv_heads=1,
+            head_dim=8,
+            block_tokens=4,
+            device_bytes=1 << 20,
+            disk_path=str(store),
+            disk_bytes=1 << 22,
+        )

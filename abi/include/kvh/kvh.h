@@ -183,7 +183,13 @@ typedef struct kvh_config {
     uint64_t host_bytes;   /* default 1 GiB */
     /* Both or neither: one without the other is KVH_ERR_INVALID_ARG. */
     uint64_t disk_bytes;   /* default 0: no disk tier */
-    const char *disk_path; /* [borrowed] during open; NULL: no disk tier */
+    /* [borrowed] during open; NULL: no disk tier. The store is its user's
+     * alone: the directory is created 0700 and its files 0600 whatever the
+     * umask (wider modes of an existing store are narrowed; see
+     * KVH_DISK_SHARE_GROUP), a directory of another user or one that group
+     * or others can write is refused (KVH_ERR_IO), and no store file is
+     * opened through a symbolic link. */
+    const char *disk_path;
     uint64_t model_salt;   /* namespace of prefix hashes (model identity) */
     int32_t numa_node;     /* host tier + workers bound here; -1: none */
     uint32_t migration_threads; /* default 2; 0 = migrate in caller */
@@ -239,7 +245,10 @@ enum kvh_disk_flags {
      * reused instead of failing with KVH_ERR_MISMATCH. */
     KVH_DISK_RESET_ON_MISMATCH = 1,
     /* Use buffered pread/pwrite even where O_DIRECT works. */
-    KVH_DISK_BUFFERED = 2
+    KVH_DISK_BUFFERED = 2,
+    /* The store's group may read it: directory 0750 and files 0640
+     * instead of 0700 and 0600 (see kvh_config.disk_path). */
+    KVH_DISK_SHARE_GROUP = 4
 };
 
 /* Fills *config with defaults for a struct of struct_size bytes (pass

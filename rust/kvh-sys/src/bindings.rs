@@ -786,6 +786,7 @@ impl Default for kvh_config {
 }
 pub const KVH_DISK_RESET_ON_MISMATCH: kvh_disk_flags = 1;
 pub const KVH_DISK_BUFFERED: kvh_disk_flags = 2;
+pub const KVH_DISK_SHARE_GROUP: kvh_disk_flags = 4;
 pub type kvh_disk_flags = ::std::os::raw::c_uint;
 extern "C" {
     pub fn kvh_config_init(config: *mut kvh_config, struct_size: usize) -> kvh_status;

@@ -224,6 +224,13 @@ impl Config {
         self
     }
 
+    /// `KVH_DISK_SHARE_GROUP`: the store's group may read it (directory
+    /// 0750, files 0640); by default only this user can (0700, 0600).
+    pub fn disk_share_group(mut self, on: bool) -> Self {
+        self.set_disk_flag(sys::KVH_DISK_SHARE_GROUP, on);
+        self
+    }
+
     /// Fail the open with [`Status::Corrupt`](crate::Status::Corrupt) when
     /// the disk index is damaged (default off: it is rebuilt from the slot
     /// headers and every block whose slot verifies is kept).
@@ -341,6 +348,7 @@ mod tests {
             .disk_buffered(true)
             .disk_reset_on_mismatch(true)
             .disk_buffered(false)
+            .disk_share_group(true)
             .disk_strict_index(true)
             .numa_node(Some(1))
             .log(LogLevel::Debug, |_, _| {});
@@ -348,7 +356,10 @@ mod tests {
         assert_eq!(c.raw.dtype, sys::KVH_DTYPE_BF16);
         assert_eq!(c.raw.backend, sys::KVH_BACKEND_CPU);
         assert_eq!(c.raw.disk_bytes, 1 << 30);
-        assert_eq!(c.raw.disk_flags, sys::KVH_DISK_RESET_ON_MISMATCH);
+        assert_eq!(
+            c.raw.disk_flags,
+            sys::KVH_DISK_RESET_ON_MISMATCH | sys::KVH_DISK_SHARE_GROUP
+        );
         assert_eq!(c.raw.disk_strict_index, 1);
         assert_eq!(c.raw.numa_node, 1);
         assert_eq!(c.raw.log_level, sys::KVH_LOG_DEBUG);

@@ -1,0 +1,61 @@
+/* Owner-only store directories and files (core/disk_access.h). */
+#include <errno.h>
+#include <fcntl.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "core/disk_access.h"
+#include "core/disk_io.h"
+#include "core/engine.h"
+
+mode_t kvhi_store_dir_mode(uint32_t disk_flags) { return disk_flags & KVH_DISK_SHARE_GROUP ? 0750 : 0700; }
+
+mode_t kvhi_store_file_mode(uint32_t disk_flags) { return disk_flags & KVH_DISK_SHARE_GROUP ? 0640 : 0600; }
+
+kvh_status kvhi_store_open_dir(kvhi_disk *d, const char *path)
+{
+    mode_t want = kvhi_store_dir_mode(d->disk_flags);
+    if (mkdir(path, want) != 0 && errno != EEXIST)
+        return kvhi_fail(KVH_ERR_IO, "cannot create %s: %s", path, strerror(errno));
+    d->dir_fd = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (d->dir_fd < 0)
+        return kvhi_fail(KVH_ERR_IO, "cannot open %s: %s", path, strerror(errno));
+    struct stat st;
+    if (fstat(d->dir_fd, &st) != 0)
+        return kvhi_fail(KVH_ERR_IO, "cannot stat %s: %s", path, strerror(errno));
+    if (st.st_uid != geteuid())
+        return kvhi_fail(KVH_ERR_IO, "store %s belongs to user %u, not to this process's user %u", path,
+                         (unsigned)st.st_uid, (unsigned)geteuid());
+    if (st.st_mode & (S_IWGRP | S_IWOTH))
+        return kvhi_fail(KVH_ERR_IO,
+                         "store %s is writable by other users (mode %04o): another user could replace its "
+                         "files; make it %04o",
+                         path, (unsigned)(st.st_mode & 07777), (unsigned)want);
+    /* Narrow what an older kvh or a umask left readable (the files hold
+     * KV that can be inverted back into prompts). */
+    if ((st.st_mode & 0777 & ~want) && fchmod(d->dir_fd, st.st_mode & 07777 & want) != 0)
+        return kvhi_fail(KVH_ERR_IO, "cannot restrict %s to mode %04o: %s", path, (unsigned)want, strerror(errno));
+    return KVH_OK;
+}
+
+int kvhi_store_openat(const kvhi_disk *d, const char *name, int flags)
+{
+    mode_t want = kvhi_store_file_mode(d->disk_flags);
+    int fd = openat(d->dir_fd, name, flags | O_NOFOLLOW | O_CLOEXEC, want);
+    if (fd < 0)
+        return -errno;
+    struct stat st;
+    int rc = 0;
+    if (fstat(fd, &st) != 0)
+        rc = -errno;
+    else if (!S_ISREG(st.st_mode) || (st.st_uid != geteuid() && !d->read_only))
+        rc = -EPERM; /* inspection (read_only) may read another user's store it can open */
+    else if ((st.st_mode & 0777) != want && !d->read_only && fchmod(fd, want) != 0)
+        rc = -errno;
+    if (rc != 0) {
+        close(fd);
+        return rc;
+    }
+    return fd;
+}

@@ -1,0 +1,30 @@
+/* Who may read a store: its directory and files belong to the engine's
+ * user alone (0700 and 0600 whatever the umask; 0750 and 0640 with
+ * KVH_DISK_SHARE_GROUP), a directory other users can write to is refused,
+ * and no store file is opened through a symbolic link or as anything but
+ * a regular file of this user (one planted in its place could redirect
+ * our writes or feed us forged blocks). */
+#ifndef KVH_CORE_DISK_ACCESS_H
+#define KVH_CORE_DISK_ACCESS_H
+
+#include <stdbool.h>
+#include <sys/types.h>
+
+#include "kvh/kvh.h"
+
+typedef struct kvhi_disk kvhi_disk;
+
+/* Modes for the store's directory and files under cfg->disk_flags. */
+mode_t kvhi_store_dir_mode(uint32_t disk_flags);
+mode_t kvhi_store_file_mode(uint32_t disk_flags);
+/* Creates the directory (if missing) and opens it; refuses one owned by
+ * another user or writable by group or others, and narrows a wider mode
+ * to the store's. Fills d->dir_fd; KVH_ERR_IO with the reason. */
+kvh_status kvhi_store_open_dir(kvhi_disk *d, const char *path);
+/* openat(d->dir_fd, name, flags) for a store file: never follows a link,
+ * only a regular file of this user, created (with O_CREAT) or narrowed to
+ * the store's file mode. Returns the fd or -errno (-ELOOP for a link,
+ * -EPERM for another user's or a non-regular file). */
+int kvhi_store_openat(const kvhi_disk *d, const char *name, int flags);
+
+#endif

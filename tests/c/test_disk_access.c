@@ -1,0 +1,184 @@
+/* Who may read a store (core/disk_access.c): owner-only modes whatever the
+ * umask, group sharing only when asked, narrowing what an older store
+ * left open, refusing a directory other users can write to, and never
+ * following a link planted in place of a store file. */
+#include <sys/stat.h>
+
+#include "disk_test_util.h"
+
+static const dt_geo G = {1, 1, 8, 4, KVH_DTYPE_F16};
+
+static unsigned mode_of(const char *dir, const char *name)
+{
+    char path[PATH_MAX];
+    struct stat st;
+    if (lstat(name ? dt_path(path, sizeof(path), dir, name) : dir, &st) != 0)
+        fail_msg("lstat %s/%s: %s", dir, name ? name : "", strerror(errno));
+    return (unsigned)(st.st_mode & 07777);
+}
+
+/* Opens a store at dir (flags: kvh_disk_flags), persists one block and
+ * closes it, so that every kind of store file exists. */
+static void make_store(const char *dir, uint32_t flags)
+{
+    kvh_config c = dt_cfg(G, dir, 4, 4, 16, 0);
+    c.disk_flags = flags;
+    kvh_engine *e = dt_open_a(&c);
+    kvh_seq s;
+    dt_assert_ok(dt_build(e, G, dt_plain(1), G.bt, 0, &s));
+    dt_assert_ok(kvh_seq_persist(e, s));
+    dt_assert_ok(kvh_seq_free(e, s));
+    dt_assert_ok(dt_close(e));
+}
+
+static kvh_status open_store(const char *dir, kvh_engine **e)
+{
+    kvh_config c = dt_cfg(G, dir, 4, 4, 16, 0);
+    *e = NULL;
+    kvh_status st = kvh_engine_open(&c, e);
+    dt_track(*e);
+    return st;
+}
+
+static const char *const FILES[] = {"LOCK", "index", "journal", "slab-0000.kvh"};
+
+static void test_owner_only_whatever_the_umask(void **state)
+{
+    (void)state;
+    char dir[PATH_MAX];
+    dt_scratch("owner", dir, sizeof(dir));
+    rmdir(dir); /* the store makes it */
+    mode_t old = umask(0);
+    make_store(dir, 0);
+    umask(old);
+    assert_int_equal(mode_of(dir, NULL), 0700);
+    for (size_t i = 0; i < sizeof(FILES) / sizeof(FILES[0]); i++)
+        if (mode_of(dir, FILES[i]) != 0600)
+            fail_msg("%s has mode %04o, want 0600", FILES[i], mode_of(dir, FILES[i]));
+}
+
+static void test_group_share_when_asked(void **state)
+{
+    (void)state;
+    char dir[PATH_MAX];
+    dt_scratch("group", dir, sizeof(dir));
+    rmdir(dir);
+    mode_t old = umask(0);
+    make_store(dir, KVH_DISK_SHARE_GROUP);
+    umask(old);
+    assert_int_equal(mode_of(dir, NULL), 0750);
+    for (size_t i = 0; i < sizeof(FILES) / sizeof(FILES[0]); i++)
+        assert_int_equal(mode_of(dir, FILES[i]), 0640);
+}
+
+/* A store an older kvh made readable by everyone is narrowed at open,
+ * and what it holds is still found. */
+static void test_wider_store_is_narrowed(void **state)
+{
+    (void)state;
+    char dir[PATH_MAX], path[PATH_MAX];
+    dt_scratch("narrow", dir, sizeof(dir));
+    make_store(dir, 0);
+    assert_int_equal(chmod(dir, 0755), 0);
+    for (size_t i = 0; i < sizeof(FILES) / sizeof(FILES[0]); i++)
+        assert_int_equal(chmod(dt_path(path, sizeof(path), dir, FILES[i]), 0644), 0);
+    kvh_engine *e;
+    dt_assert_ok(open_store(dir, &e));
+    size_t m = 0;
+    char msg[256] = "";
+    if (dt_match_verify(e, G, dt_plain(1), G.bt, &m, msg, sizeof(msg)) != KVH_OK)
+        fail_msg("%s", msg);
+    assert_int_equal(m, G.bt);
+    dt_assert_ok(dt_close(e));
+    assert_int_equal(mode_of(dir, NULL), 0700);
+    for (size_t i = 0; i < sizeof(FILES) / sizeof(FILES[0]); i++)
+        assert_int_equal(mode_of(dir, FILES[i]), 0600);
+}
+
+static void test_writable_by_others_is_refused(void **state)
+{
+    (void)state;
+    char dir[PATH_MAX];
+    dt_scratch("open_dir", dir, sizeof(dir));
+    make_store(dir, 0);
+    unsigned modes[] = {0777, 0770, 0702};
+    for (size_t i = 0; i < sizeof(modes) / sizeof(modes[0]); i++) {
+        assert_int_equal(chmod(dir, modes[i]), 0);
+        kvh_engine *e;
+        dt_assert_kvh(KVH_ERR_IO, open_store(dir, &e));
+        assert_null(e);
+        assert_non_null(strstr(kvh_last_error(), "writable by other users"));
+    }
+    assert_int_equal(chmod(dir, 0700), 0);
+    kvh_engine *e;
+    dt_assert_ok(open_store(dir, &e));
+    dt_assert_ok(dt_close(e));
+}
+
+/* Each store file replaced by a link to a file of the attacker's: the
+ * open fails and the link's target is neither read nor written. */
+static void test_planted_links_are_not_followed(void **state)
+{
+    (void)state;
+    char dir[PATH_MAX], path[PATH_MAX], bait[PATH_MAX];
+    dt_scratch("links", dir, sizeof(dir));
+    make_store(dir, 0);
+    dt_scratch("links_bait", bait, sizeof(bait));
+    for (size_t i = 0; i < sizeof(FILES) / sizeof(FILES[0]); i++) {
+        char target[PATH_MAX], saved[PATH_MAX + 8];
+        dt_path(target, sizeof(target), bait, FILES[i]);
+        dt_path(path, sizeof(path), dir, FILES[i]);
+        snprintf(saved, sizeof(saved), "%s.saved", path);
+        /* The bait holds the real file's bytes, so following the link
+         * would look like a good store. */
+        size_t len = 0;
+        uint8_t *bytes = dt_read_file(path, &len);
+        assert_non_null(bytes);
+        assert_int_equal(dt_write_file(target, bytes, len), 0);
+        free(bytes);
+        assert_int_equal(rename(path, saved), 0);
+        assert_int_equal(symlink(target, path), 0);
+        struct stat before, after;
+        assert_int_equal(stat(target, &before), 0);
+        kvh_engine *e;
+        dt_assert_kvh(KVH_ERR_IO, open_store(dir, &e));
+        assert_null(e);
+        assert_int_equal(stat(target, &after), 0);
+        assert_int_equal(after.st_size, before.st_size);
+        assert_int_equal(after.st_mtim.tv_nsec, before.st_mtim.tv_nsec);
+        assert_int_equal(unlink(path), 0);
+        assert_int_equal(rename(saved, path), 0);
+    }
+    kvh_engine *e;
+    dt_assert_ok(open_store(dir, &e));
+    dt_assert_ok(dt_close(e));
+}
+
+/* Only root can give a directory to another user. */
+static void test_another_users_store_is_refused(void **state)
+{
+    (void)state;
+    if (geteuid() != 0)
+        skip();
+    char dir[PATH_MAX];
+    dt_scratch("foreign", dir, sizeof(dir));
+    make_store(dir, 0);
+    assert_int_equal(chown(dir, 1, 1), 0);
+    kvh_engine *e;
+    dt_assert_kvh(KVH_ERR_IO, open_store(dir, &e));
+    assert_non_null(strstr(kvh_last_error(), "belongs to user 1"));
+    assert_int_equal(chown(dir, 0, 0), 0);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_teardown(test_owner_only_whatever_the_umask, dt_teardown),
+        cmocka_unit_test_teardown(test_group_share_when_asked, dt_teardown),
+        cmocka_unit_test_teardown(test_wider_store_is_narrowed, dt_teardown),
+        cmocka_unit_test_teardown(test_writable_by_others_is_refused, dt_teardown),
+        cmocka_unit_test_teardown(test_planted_links_are_not_followed, dt_teardown),
+        cmocka_unit_test_teardown(test_another_users_store_is_refused, dt_teardown),
+    };
+    return cmocka_run_group_tests_name("disk_access", tests, NULL, NULL);
+}
