@@ -45,7 +45,7 @@ kvh_status kvh_block_alloc(kvh_engine *e, uint32_t agent, kvh_block *block)
     uint32_t b;
     if ((st = kvhi_block_new(e, agent, KVH_TIER_DEVICE, &b)) == KVH_OK) {
         e->blocks[b].ext_refs = 1;
-        block->id = kvh_block_handle(e, b);
+        block->id = kvhi_block_handle(e, b);
     }
     kvhi_leave(e);
     return st;
@@ -215,7 +215,7 @@ kvh_status kvh_prefix_lookup(kvh_engine *e, const int32_t *tokens, size_t n, kvh
         if (e->blocks[b].refs++ == 0)
             kvhi_block_update_evictable(e, b);
         kvhi_block_touch(e, b);
-        out[i].id = kvh_block_handle(e, b);
+        out[i].id = kvhi_block_handle(e, b);
         kvhi_count_prefix_hit(e, e->blocks[b].tier);
         parent = h;
     }
@@ -309,7 +309,7 @@ kvh_status kvh_pool_offload(kvh_engine *e, kvh_pool pool, uint32_t slot, uint64_
                        n);
     else if ((st = kvhi_pool_offload(e, p, slot, parent_hash, tokens, agent, &b)) == KVH_OK) {
         e->blocks[b].ext_refs++;
-        block->id = kvh_block_handle(e, b);
+        block->id = kvhi_block_handle(e, b);
     }
     kvhi_leave(e);
     return st;
