@@ -3,18 +3,16 @@
 #include <stddef.h>
 #include <string.h>
 
-#include "abi/api_common.h"
+#include "abi/api_params.h"
 
 kvh_status kvh_config_init(kvh_config *config, size_t struct_size)
 {
     kvhi_clear_error();
     if (!config)
         return kvhi_fail(KVH_ERR_INVALID_ARG, "config is NULL");
-    if (struct_size != sizeof(kvh_config))
-        return kvhi_fail(KVH_ERR_STRUCT_SIZE, "kvh_config struct_size %zu, this library knows %zu", struct_size,
-                         sizeof(kvh_config));
-    kvhi_config_defaults(config);
-    return KVH_OK;
+    kvh_config d;
+    kvhi_config_defaults(&d);
+    return kvhi_init_params(config, struct_size, &d, sizeof(d), KVHI_STRUCT_SIZE_MIN, "kvh_config");
 }
 
 kvh_status kvh_engine_open(const kvh_config *config, kvh_engine **out)
@@ -22,10 +20,12 @@ kvh_status kvh_engine_open(const kvh_config *config, kvh_engine **out)
     kvhi_clear_error();
     if (!config || !out)
         return kvhi_fail(KVH_ERR_INVALID_ARG, "config and engine must not be NULL");
-    if (config->struct_size != sizeof(kvh_config))
-        return kvhi_fail(KVH_ERR_STRUCT_SIZE, "kvh_config struct_size %u, this library knows %zu", config->struct_size,
-                         sizeof(kvh_config));
-    return kvhi_engine_open(config, out);
+    kvh_config c;
+    kvhi_config_defaults(&c);
+    kvh_status st = kvhi_read_params(&c, sizeof(c), config, KVHI_STRUCT_SIZE_MIN, "kvh_config");
+    if (st != KVH_OK)
+        return st;
+    return kvhi_engine_open(&c, out);
 }
 
 kvh_status kvh_engine_close(kvh_engine *e)
@@ -52,18 +52,19 @@ kvh_status kvh_tier_info_get(kvh_engine *e, uint32_t tier, kvh_tier_info *info)
     kvhi_clear_error();
     if (!e || !info)
         return kvhi_fail(KVH_ERR_INVALID_ARG, "engine and info must not be NULL");
-    if (info->struct_size != sizeof(kvh_tier_info))
-        return kvhi_fail(KVH_ERR_STRUCT_SIZE, "kvh_tier_info struct_size %u, expected %zu", info->struct_size,
-                         sizeof(kvh_tier_info));
+    uint32_t size;
+    kvh_status st = kvhi_info_size(info, KVHI_STRUCT_SIZE_MIN, sizeof(*info), "kvh_tier_info", &size);
+    if (st != KVH_OK)
+        return st;
     if (tier >= KVH_TIER_COUNT)
         return kvhi_fail(KVH_ERR_INVALID_ARG, "unknown tier %u", tier);
-    kvh_status st = kvhi_enter(e);
+    st = kvhi_enter(e);
     if (st != KVH_OK)
         return st;
     kvh_tier_info r;
     kvhi_tier_info(e, tier, &r);
     kvhi_leave(e);
-    *info = r;
+    kvhi_write_info(info, size, &r);
     return KVH_OK;
 }
 
@@ -72,17 +73,16 @@ kvh_status kvh_engine_stats(kvh_engine *e, kvh_stats *stats)
     kvhi_clear_error();
     if (!e || !stats)
         return kvhi_fail(KVH_ERR_INVALID_ARG, "engine and stats must not be NULL");
-    uint32_t size = stats->struct_size;
-    if (size < offsetof(kvh_stats, lookups) || size > sizeof(kvh_stats))
-        return kvhi_fail(KVH_ERR_STRUCT_SIZE, "kvh_stats struct_size %u not in %zu..%zu", size,
-                         offsetof(kvh_stats, lookups), sizeof(kvh_stats));
-    kvh_status st = kvhi_enter(e);
+    uint32_t size;
+    kvh_status st = kvhi_info_size(stats, KVHI_STRUCT_SIZE_MIN, sizeof(*stats), "kvh_stats", &size);
+    if (st != KVH_OK)
+        return st;
+    st = kvhi_enter(e);
     if (st != KVH_OK)
         return st;
     kvh_stats copy = e->stats;
     kvhi_leave(e);
-    copy.struct_size = size;
-    memcpy(stats, &copy, size);
+    kvhi_write_info(stats, size, &copy);
     return KVH_OK;
 }
 

@@ -1,7 +1,7 @@
 /* Exported calls on views of virtual contiguity (core/vmap.c). */
 #include <stdbool.h>
 
-#include "abi/api_common.h"
+#include "abi/api_params.h"
 #include "core/vmap.h"
 
 kvh_status kvh_seq_vmap(kvh_engine *e, kvh_seq seq, uint32_t layer, uint64_t capacity_tokens, kvh_vmap **out)
@@ -36,17 +36,18 @@ kvh_status kvh_vmap_get(kvh_engine *e, const kvh_vmap *vmap, kvh_vmap_view *view
 {
     kvhi_clear_error();
     KVHI_REQUIRE(e && vmap && view, "engine, vmap and view must not be NULL");
-    if (view->struct_size != sizeof(kvh_vmap_view))
-        return kvhi_fail(KVH_ERR_STRUCT_SIZE, "kvh_vmap_view struct_size %u, this library knows %zu", view->struct_size,
-                         sizeof(kvh_vmap_view));
-    kvh_status st = kvhi_enter(e);
+    uint32_t size;
+    kvh_status st = kvhi_info_size(view, KVHI_STRUCT_SIZE_MIN, sizeof(*view), "kvh_vmap_view", &size);
+    if (st != KVH_OK)
+        return st;
+    st = kvhi_enter(e);
     if (st != KVH_OK)
         return st;
     kvh_vmap_view r;
     st = kvhi_vmap_view_get(e, vmap, &r);
     kvhi_leave(e);
     if (st == KVH_OK)
-        *view = r;
+        kvhi_write_info(view, size, &r);
     return st;
 }
 
