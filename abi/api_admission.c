@@ -14,10 +14,9 @@ static void admission_defaults(kvh_admission_params *p)
 
 kvh_status kvh_admission_params_init(kvh_admission_params *p, size_t size)
 {
-    kvh_status st = kvhi_init_params(p, size, sizeof(*p), "kvh_admission_params");
-    if (st == KVH_OK)
-        admission_defaults(p);
-    return st;
+    kvh_admission_params d;
+    admission_defaults(&d);
+    return kvhi_init_params(p, size, &d, sizeof(d), KVHI_STRUCT_SIZE_MIN, "kvh_admission_params");
 }
 
 static void seq_defaults(kvh_seq_params *p)
@@ -28,10 +27,9 @@ static void seq_defaults(kvh_seq_params *p)
 
 kvh_status kvh_seq_params_init(kvh_seq_params *p, size_t size)
 {
-    kvh_status st = kvhi_init_params(p, size, sizeof(*p), "kvh_seq_params");
-    if (st == KVH_OK)
-        seq_defaults(p);
-    return st;
+    kvh_seq_params d;
+    seq_defaults(&d);
+    return kvhi_init_params(p, size, &d, sizeof(d), KVHI_STRUCT_SIZE_MIN, "kvh_seq_params");
 }
 
 kvh_status kvh_admission_configure(kvh_engine *e, const kvh_admission_params *params)
@@ -40,7 +38,7 @@ kvh_status kvh_admission_configure(kvh_engine *e, const kvh_admission_params *pa
     KVHI_REQUIRE(params, "params is NULL");
     kvh_admission_params p;
     admission_defaults(&p);
-    kvh_status st = kvhi_read_params(&p, sizeof(p), params, sizeof(p), "kvh_admission_params");
+    kvh_status st = kvhi_read_params(&p, sizeof(p), params, KVHI_STRUCT_SIZE_MIN, "kvh_admission_params");
     if (st != KVH_OK)
         return st;
     st = kvhi_api_enter_contexts(e);
@@ -66,10 +64,11 @@ kvh_status kvh_admission_info_get(kvh_engine *e, kvh_admission_info *info)
 {
     kvhi_clear_error();
     KVHI_REQUIRE(info, "info is NULL");
-    if (info->struct_size != sizeof(*info))
-        return kvhi_fail(KVH_ERR_STRUCT_SIZE, "kvh_admission_info struct_size %u, expected %zu", info->struct_size,
-                         sizeof(*info));
-    kvh_status st = kvhi_api_enter_contexts(e);
+    uint32_t size;
+    kvh_status st = kvhi_info_size(info, KVHI_STRUCT_SIZE_MIN, sizeof(*info), "kvh_admission_info", &size);
+    if (st != KVH_OK)
+        return st;
+    st = kvhi_api_enter_contexts(e);
     if (st != KVH_OK)
         return st;
     kvhi_admission_reclaim(e);
@@ -88,7 +87,7 @@ kvh_status kvh_admission_info_get(kvh_engine *e, kvh_admission_info *info)
         .long_rejected = a->rejected[1],
     };
     kvhi_leave(e);
-    *info = r;
+    kvhi_write_info(info, size, &r);
     return KVH_OK;
 }
 
@@ -98,8 +97,7 @@ kvh_status kvh_seq_create_ex(kvh_engine *e, const kvh_seq_params *params, kvh_se
     KVHI_REQUIRE(params && seq, "params and seq must not be NULL");
     kvh_seq_params p;
     seq_defaults(&p);
-    /* The first version a caller can have: struct_size + agent. */
-    kvh_status st = kvhi_read_params(&p, sizeof(p), params, offsetof(kvh_seq_params, token_budget), "kvh_seq_params");
+    kvh_status st = kvhi_read_params(&p, sizeof(p), params, KVHI_STRUCT_SIZE_MIN, "kvh_seq_params");
     if (st != KVH_OK)
         return st;
     st = kvhi_api_enter_contexts(e);

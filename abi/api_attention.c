@@ -23,7 +23,7 @@
 #include <stdlib.h>
 
 #include "abi/api_attention.h"
-#include "abi/api_common.h"
+#include "abi/api_params.h"
 #include "core/block_state.h"
 #include "kernels/attention_plan.h"
 #include "kernels/cpu/attn_cpu.h"
@@ -65,18 +65,21 @@ static void attn_done(void *arg)
     kvhi_leave(e); /* ends the call's registration; close may proceed */
 }
 
+void kvhi_attn_params_defaults(kvh_attention_params *p)
+{
+    memset(p, 0, sizeof(*p));
+    p->struct_size = sizeof(*p);
+    p->io_dtype = KVH_DTYPE_F32;
+}
+
 kvh_status kvh_attention_params_init(kvh_attention_params *p, size_t struct_size)
 {
     kvhi_clear_error();
     if (!p)
         return kvhi_fail(KVH_ERR_INVALID_ARG, "params is NULL");
-    if (struct_size != sizeof(kvh_attention_params))
-        return kvhi_fail(KVH_ERR_STRUCT_SIZE, "kvh_attention_params struct_size %zu, this library knows %zu",
-                         struct_size, sizeof(kvh_attention_params));
-    memset(p, 0, sizeof(*p));
-    p->struct_size = sizeof(*p);
-    p->io_dtype = KVH_DTYPE_F32;
-    return KVH_OK;
+    kvh_attention_params d;
+    kvhi_attn_params_defaults(&d);
+    return kvhi_init_params(p, struct_size, &d, sizeof(d), KVHI_STRUCT_SIZE_MIN, "kvh_attention_params");
 }
 
 /* The CPU backend's state (thread pool, scratch), made on first use; lock
@@ -118,12 +121,11 @@ kvh_status kvhi_attn_check_args(kvh_engine *e, uint32_t layer, const kvh_seq *se
                              const kvh_attention_params *params, kvh_attention_params *pr, uint64_t *total_rows)
 {
     KVHI_REQUIRE(e, "engine is NULL");
-    kvh_attention_params_init(pr, sizeof(*pr));
+    kvhi_attn_params_defaults(pr);
     if (params) {
-        if (params->struct_size != sizeof(kvh_attention_params))
-            return kvhi_fail(KVH_ERR_STRUCT_SIZE, "kvh_attention_params struct_size %u, this library knows %zu",
-                             params->struct_size, sizeof(kvh_attention_params));
-        *pr = *params;
+        kvh_status st = kvhi_read_params(pr, sizeof(*pr), params, KVHI_STRUCT_SIZE_MIN, "kvh_attention_params");
+        if (st != KVH_OK)
+            return st;
     }
     const kvh_config *c = &e->cfg;
     KVHI_REQUIRE(pr->io_dtype <= KVH_DTYPE_BF16, "unknown io_dtype %u", pr->io_dtype);

@@ -17,6 +17,8 @@ typedef struct attn_call {
     kvhi_attn_plan plan;
 } attn_call;
 
+/* The defaults of kvh_attention_params_init. */
+void kvhi_attn_params_defaults(kvh_attention_params *p);
 /* Checks the arguments that need no lock; fills *pr (params with defaults
  * applied) and *total_rows. */
 kvh_status kvhi_attn_check_args(kvh_engine *e, uint32_t layer, const kvh_seq *seqs, const uint32_t *q_lens,

@@ -47,20 +47,8 @@ static void plan_free(kvh_engine *e, kvhi_attention_plan *pl)
     pthread_mutex_lock(&e->lock);
 }
 
-void kvhi_attention_plans_free(kvh_engine *e)
-{
-    /* engine_free runs without the lock and with no call active. */
-    pthread_mutex_lock(&e->lock);
-    for (uint32_t i = 0; i < e->attn_plans.cap; i++) {
-        kvhi_attention_plan *pl = kvhi_handles_at(&e->attn_plans, i);
-        if (pl) {
-            kvhi_handles_remove(&e->attn_plans, i);
-            plan_free(e, pl);
-        }
-    }
-    kvhi_handles_destroy(&e->attn_plans);
-    pthread_mutex_unlock(&e->lock);
-}
+/* e->attn_plan_free: engine_free's way to free a plan left open. */
+static void plan_free_left_open(kvh_engine *e, void *pl) { plan_free(e, pl); }
 
 static void run_done(void *arg) { (void)arg; }
 
@@ -115,6 +103,8 @@ kvh_status kvh_attention_plan_create(kvh_engine *e, uint32_t layer, const kvh_se
     uint64_t id = 0;
     if (st == KVH_OK && kvhi_handles_add(&e->attn_plans, pl, &id, NULL) != 0)
         st = kvhi_fail(KVH_ERR_NOMEM, "out of memory for an attention plan (or 2^24 of them exist)");
+    if (st == KVH_OK)
+        e->attn_plan_free = plan_free_left_open;
     if (st != KVH_OK) {
         plan_free(e, pl);
         kvhi_leave(e);

@@ -2,7 +2,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "abi/api_common.h"
+#include "abi/api_params.h"
 #include "core/block_state.h"
 #include "core/move.h"
 #include "core/ext_pool.h"
@@ -10,27 +10,29 @@
 kvh_status kvh_block_info_get(kvh_engine *e, kvh_block block, kvh_block_info *info)
 {
     KVHI_REQUIRE(info, "info is NULL");
-    if (info->struct_size != sizeof(kvh_block_info))
-        return kvhi_fail(KVH_ERR_STRUCT_SIZE, "kvh_block_info struct_size %u, expected %zu", info->struct_size,
-                         sizeof(kvh_block_info));
-    kvh_status st = kvhi_api_enter(e);
+    uint32_t size;
+    kvh_status st = kvhi_info_size(info, KVHI_STRUCT_SIZE_MIN, sizeof(*info), "kvh_block_info", &size);
+    if (st != KVH_OK)
+        return st;
+    st = kvhi_api_enter(e);
     if (st != KVH_OK)
         return st;
     uint32_t b;
     if ((st = kvhi_block_resolve(e, block, &b)) == KVH_OK) {
         kvhi_block *blk = &e->blocks[b];
-        *info = (kvh_block_info){.struct_size = sizeof(kvh_block_info),
-                                 .tier = blk->tier,
-                                 .slot = blk->slot,
-                                 .refs = blk->refs,
-                                 .pins = blk->pins,
-                                 .holds = blk->holds,
-                                 .tokens = blk->n_tokens,
-                                 .agent = blk->agent,
-                                 .published = (blk->flags & KVHI_BF_PUBLISHED) != 0,
-                                 .in_flight = kvhi_block_in_flight(blk),
-                                 .hash = (blk->flags & KVHI_BF_HASHED) ? blk->hash : 0,
-                                 .tolerance = blk->tolerance};
+        kvh_block_info r = {.struct_size = sizeof(kvh_block_info),
+                            .tier = blk->tier,
+                            .slot = blk->slot,
+                            .refs = blk->refs,
+                            .pins = blk->pins,
+                            .holds = blk->holds,
+                            .tokens = blk->n_tokens,
+                            .agent = blk->agent,
+                            .published = (blk->flags & KVHI_BF_PUBLISHED) != 0,
+                            .in_flight = kvhi_block_in_flight(blk),
+                            .hash = (blk->flags & KVHI_BF_HASHED) ? blk->hash : 0,
+                            .tolerance = blk->tolerance};
+        kvhi_write_info(info, size, &r);
     }
     kvhi_leave(e);
     return st;
@@ -45,7 +47,7 @@ kvh_status kvh_block_alloc(kvh_engine *e, uint32_t agent, kvh_block *block)
     uint32_t b;
     if ((st = kvhi_block_new(e, agent, KVH_TIER_DEVICE, &b)) == KVH_OK) {
         e->blocks[b].ext_refs = 1;
-        block->id = kvh_block_handle(e, b);
+        block->id = kvhi_block_handle(e, b);
     }
     kvhi_leave(e);
     return st;
@@ -215,7 +217,7 @@ kvh_status kvh_prefix_lookup(kvh_engine *e, const int32_t *tokens, size_t n, kvh
         if (e->blocks[b].refs++ == 0)
             kvhi_block_update_evictable(e, b);
         kvhi_block_touch(e, b);
-        out[i].id = kvh_block_handle(e, b);
+        out[i].id = kvhi_block_handle(e, b);
         kvhi_count_prefix_hit(e, e->blocks[b].tier);
         parent = h;
     }
@@ -227,13 +229,14 @@ kvh_status kvh_prefix_lookup(kvh_engine *e, const int32_t *tokens, size_t n, kvh
 kvh_status kvh_pool_register(kvh_engine *e, const kvh_pool_layout *layout, kvh_pool *pool)
 {
     KVHI_REQUIRE(layout && pool, "layout and pool must not be NULL");
-    if (layout->struct_size != sizeof(kvh_pool_layout))
-        return kvhi_fail(KVH_ERR_STRUCT_SIZE, "kvh_pool_layout struct_size %u, expected %zu", layout->struct_size,
-                         sizeof(kvh_pool_layout));
+    /* Every field of a layout is needed: no shorter one is taken. */
+    kvh_status st = kvhi_struct_size_check(layout->struct_size, sizeof(*layout), sizeof(*layout), "kvh_pool_layout");
+    if (st != KVH_OK)
+        return st;
     KVHI_REQUIRE(layout->k_base && layout->v_base, "k_base and v_base must not be NULL");
     KVHI_REQUIRE(layout->num_slots > 0, "num_slots is 0");
     KVHI_REQUIRE(layout->memory <= KVH_MEMORY_CUDA, "unknown memory kind %u", layout->memory);
-    kvh_status st = kvhi_api_enter(e);
+    st = kvhi_api_enter(e);
     if (st != KVH_OK)
         return st;
     size_t row = (size_t)e->cfg.head_dim * e->elem_bytes;
@@ -309,7 +312,7 @@ kvh_status kvh_pool_offload(kvh_engine *e, kvh_pool pool, uint32_t slot, uint64_
                        n);
     else if ((st = kvhi_pool_offload(e, p, slot, parent_hash, tokens, agent, &b)) == KVH_OK) {
         e->blocks[b].ext_refs++;
-        block->id = kvh_block_handle(e, b);
+        block->id = kvhi_block_handle(e, b);
     }
     kvhi_leave(e);
     return st;

@@ -15,10 +15,9 @@ static void context_defaults(kvh_context_params *p)
 
 kvh_status kvh_context_params_init(kvh_context_params *p, size_t size)
 {
-    kvh_status st = kvhi_init_params(p, size, sizeof(*p), "kvh_context_params");
-    if (st == KVH_OK)
-        context_defaults(p);
-    return st;
+    kvh_context_params d;
+    context_defaults(&d);
+    return kvhi_init_params(p, size, &d, sizeof(d), KVHI_STRUCT_SIZE_MIN, "kvh_context_params");
 }
 
 static void region_defaults(kvh_weight_region_params *p)
@@ -29,10 +28,9 @@ static void region_defaults(kvh_weight_region_params *p)
 
 kvh_status kvh_weight_region_params_init(kvh_weight_region_params *p, size_t size)
 {
-    kvh_status st = kvhi_init_params(p, size, sizeof(*p), "kvh_weight_region_params");
-    if (st == KVH_OK)
-        region_defaults(p);
-    return st;
+    kvh_weight_region_params d;
+    region_defaults(&d);
+    return kvhi_init_params(p, size, &d, sizeof(d), KVHI_STRUCT_SIZE_MIN, "kvh_weight_region_params");
 }
 
 static kvh_status enter_context(kvh_engine *e, kvh_context h, kvhi_context **x)
@@ -53,7 +51,7 @@ kvh_status kvh_context_create(kvh_engine *e, const kvh_context_params *params, k
     kvh_context_params p;
     context_defaults(&p);
     if (params) {
-        kvh_status st = kvhi_read_params(&p, sizeof(p), params, sizeof(p), "kvh_context_params");
+        kvh_status st = kvhi_read_params(&p, sizeof(p), params, KVHI_STRUCT_SIZE_MIN, "kvh_context_params");
         if (st != KVH_OK)
             return st;
     }
@@ -96,7 +94,7 @@ kvh_status kvh_context_add_region(kvh_engine *e, kvh_context ctx, const kvh_weig
     KVHI_REQUIRE(params && region, "params and region must not be NULL");
     kvh_weight_region_params p;
     region_defaults(&p);
-    kvh_status st = kvhi_read_params(&p, sizeof(p), params, sizeof(p), "kvh_weight_region_params");
+    kvh_status st = kvhi_read_params(&p, sizeof(p), params, KVHI_STRUCT_SIZE_MIN, "kvh_weight_region_params");
     if (st != KVH_OK)
         return st;
     KVHI_REQUIRE(p.size > 0, "weight region size is 0");
@@ -202,23 +200,19 @@ kvh_status kvh_context_info_get(kvh_engine *e, kvh_context ctx, kvh_context_info
 {
     kvhi_clear_error();
     KVHI_REQUIRE(info, "info is NULL");
-    /* The struct grew (bytes_disk): an older caller's is filled up to its
-     * size. */
-    uint32_t size = info->struct_size;
-    if (size != offsetof(kvh_context_info, bytes_disk) && size != sizeof(*info))
-        return kvhi_fail(KVH_ERR_STRUCT_SIZE, "kvh_context_info struct_size %u, expected %zu (or %zu)", size,
-                         sizeof(*info), offsetof(kvh_context_info, bytes_disk));
+    uint32_t size;
+    kvh_status st = kvhi_info_size(info, KVHI_STRUCT_SIZE_MIN, sizeof(*info), "kvh_context_info", &size);
+    if (st != KVH_OK)
+        return st;
     kvhi_context *x = NULL;
-    kvh_status st = enter_context(e, ctx, &x);
+    st = enter_context(e, ctx, &x);
     if (st != KVH_OK)
         return st;
     kvh_context_info r;
     st = kvhi_context_info(e, x, &r);
     kvhi_leave(e);
-    if (st == KVH_OK) {
-        r.struct_size = size;
-        memcpy(info, &r, size);
-    }
+    if (st == KVH_OK)
+        kvhi_write_info(info, size, &r);
     return st;
 }
 
@@ -226,17 +220,16 @@ kvh_status kvh_weight_stats_get(kvh_engine *e, kvh_weight_stats *stats)
 {
     kvhi_clear_error();
     KVHI_REQUIRE(stats, "stats is NULL");
-    uint32_t size = stats->struct_size;
-    if (size < offsetof(kvh_weight_stats, bytes_device) || size > sizeof(kvh_weight_stats))
-        return kvhi_fail(KVH_ERR_STRUCT_SIZE, "kvh_weight_stats struct_size %u not in %zu..%zu", size,
-                         offsetof(kvh_weight_stats, bytes_device), sizeof(kvh_weight_stats));
-    kvh_status st = kvhi_api_enter(e);
+    uint32_t size;
+    kvh_status st = kvhi_info_size(stats, KVHI_STRUCT_SIZE_MIN, sizeof(*stats), "kvh_weight_stats", &size);
+    if (st != KVH_OK)
+        return st;
+    st = kvhi_api_enter(e);
     if (st != KVH_OK)
         return st;
     kvh_weight_stats s;
     kvhi_weight_stats(e, &s);
     kvhi_leave(e);
-    s.struct_size = size;
-    memcpy(stats, &s, size);
+    kvhi_write_info(stats, size, &s);
     return KVH_OK;
 }

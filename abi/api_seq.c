@@ -193,7 +193,7 @@ kvh_status kvh_seq_blocks(kvh_engine *e, kvh_seq seq, uint64_t first_block, size
                        (unsigned long long)first_block, n, s->n_blocks);
     else
         for (size_t i = 0; i < n; i++)
-            out[i].id = kvh_block_handle(e, s->blocks[first_block + i]);
+            out[i].id = kvhi_block_handle(e, s->blocks[first_block + i]);
     kvhi_api_leave_seq_owner(e, s);
     return st;
 }

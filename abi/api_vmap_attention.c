@@ -14,7 +14,8 @@
 #include <math.h>
 #include <stdlib.h>
 
-#include "abi/api_common.h"
+#include "abi/api_attention.h"
+#include "abi/api_params.h"
 #include "core/vmap.h"
 #include "kernels/attention_plan.h"
 #include "kernels/cpu/attn_cpu.h"
@@ -27,12 +28,11 @@ static kvh_status attention_vmap(kvh_engine *e, kvh_vmap *const *views, const ui
     KVHI_REQUIRE(views || n_views == 0, "views is NULL");
     KVHI_REQUIRE(n_views == 0 || (q && out), "q and out must not be NULL");
     kvh_attention_params pr;
-    kvh_attention_params_init(&pr, sizeof(pr));
+    kvhi_attn_params_defaults(&pr);
     if (params) {
-        if (params->struct_size != sizeof(kvh_attention_params))
-            return kvhi_fail(KVH_ERR_STRUCT_SIZE, "kvh_attention_params struct_size %u, this library knows %zu",
-                             params->struct_size, sizeof(kvh_attention_params));
-        pr = *params;
+        kvh_status st = kvhi_read_params(&pr, sizeof(pr), params, KVHI_STRUCT_SIZE_MIN, "kvh_attention_params");
+        if (st != KVH_OK)
+            return st;
     }
     const kvh_config *c = &e->cfg;
     KVHI_REQUIRE(pr.io_dtype <= KVH_DTYPE_BF16, "unknown io_dtype %u", pr.io_dtype);

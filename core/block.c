@@ -19,7 +19,7 @@ uint8_t *kvhi_block_data(kvh_engine *e, uint32_t b)
     return kvhi_slot_addr(e, blk->tier, blk->slot);
 }
 
-uint64_t kvh_block_handle(kvh_engine *e, uint32_t b)
+uint64_t kvhi_block_handle(kvh_engine *e, uint32_t b)
 {
     return kvhi_handle_pack(KVHI_TAG_BLOCK, kvhi_block_gen(&e->blocks[b]), b, e->block_index_bits);
 }
@@ -30,7 +30,7 @@ kvh_status kvhi_block_resolve(kvh_engine *e, kvh_block h, uint32_t *out)
     if (kvhi_handle_tag(h.id) != KVHI_TAG_BLOCK || i >= e->block_cap)
         return kvhi_fail(KVH_ERR_BAD_HANDLE, "not a block handle: 0x%llx", (unsigned long long)h.id);
     kvhi_block *blk = kvhi_blk(e, i);
-    if (!(blk->flags & KVHI_BF_LIVE) || (blk->flags & KVHI_BF_DEAD) || h.id != kvh_block_handle(e, i))
+    if (!(blk->flags & KVHI_BF_LIVE) || (blk->flags & KVHI_BF_DEAD) || h.id != kvhi_block_handle(e, i))
         return kvhi_fail(KVH_ERR_BAD_HANDLE, "stale block handle: 0x%llx", (unsigned long long)h.id);
     *out = i;
     return KVH_OK;

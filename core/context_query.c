@@ -33,7 +33,7 @@ kvh_status kvhi_context_wait_layer(kvh_engine *e, kvh_context h, uint32_t layer,
             return KVH_OK;
         if (!x->loading) {
             if (x->load_status != KVH_OK)
-                return kvhi_fail(x->load_status, "%s", x->load_msg[0] ? x->load_msg : kvh_strerror(x->load_status));
+                return kvhi_fail(x->load_status, "%s", x->load_msg[0] ? x->load_msg : kvhi_status_text(x->load_status));
             return kvhi_fail(KVH_ERR_NOT_RESIDENT, "layer %u of context '%s' is not resident and no switch loads it",
                              layer, x->name);
         }

@@ -43,7 +43,7 @@ static void switch_fail(kvhi_switch *sw, kvh_status st)
 {
     if (st != KVH_OK && sw->status == KVH_OK) {
         sw->status = st;
-        snprintf(sw->msg, sizeof(sw->msg), "%s", kvh_last_error());
+        snprintf(sw->msg, sizeof(sw->msg), "%s", kvhi_last_error());
     }
 }
 
@@ -177,13 +177,13 @@ static kvh_status depart_region(kvh_engine *e, kvhi_context *x, kvhi_region *r)
     if (st == KVH_OK)
         return region_to_host(e, x, r, KVHI_CRC_RECORD);
     char why[160];
-    snprintf(why, sizeof(why), "%s", kvh_last_error());
+    snprintf(why, sizeof(why), "%s", kvhi_last_error());
     if (st == KVH_ERR_NOSPACE && e->disk) {
         /* The checksums are recomputed from what is written. */
         st = kvhi_region_spill(e, x, r, r->data, r->alloc_tier);
         if (st == KVH_OK)
             return KVH_OK;
-        snprintf(why, sizeof(why), "%s", kvh_last_error());
+        snprintf(why, sizeof(why), "%s", kvhi_last_error());
     }
     return kvhi_fail(st, "weight region '%s' of context '%s' must be written back and there is no room for it: %s",
                      r->name, x->name, why);
@@ -223,7 +223,7 @@ static kvh_status arrive_region(kvh_engine *e, kvhi_context *x, kvhi_region *r)
     if (st != KVH_OK) {
         r->busy = false;
         char why[160];
-        snprintf(why, sizeof(why), "%s", kvh_last_error());
+        snprintf(why, sizeof(why), "%s", kvhi_last_error());
         return kvhi_fail(st, "no room in the device tier for weight region '%s' of context '%s': %s", r->name, x->name,
                          why);
     }
@@ -310,7 +310,7 @@ static void run_arrivals(kvhi_switch *sw, bool primary)
         if (st != KVH_OK && !sw->arrivals_failed) {
             sw->arrivals_failed = true;
             x->load_status = st;
-            snprintf(x->load_msg, sizeof(x->load_msg), "%s", kvh_last_error());
+            snprintf(x->load_msg, sizeof(x->load_msg), "%s", kvhi_last_error());
             switch_fail(sw, st);
         }
     }

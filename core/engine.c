@@ -73,7 +73,7 @@ void kvhi_leave(kvh_engine *e)
         pthread_mutex_unlock(&e->lock);
 }
 
-static void config_defaults(kvh_config *c)
+void kvhi_config_defaults(kvh_config *c)
 {
     memset(c, 0, sizeof(*c));
     c->struct_size = sizeof(*c);
@@ -91,18 +91,6 @@ static void config_defaults(kvh_config *c)
     c->promote_min_hits = 1;
     c->log_level = KVH_LOG_WARN;
     c->disk_queue_depth = 32;
-}
-
-kvh_status kvh_config_init(kvh_config *config, size_t struct_size)
-{
-    kvhi_clear_error();
-    if (!config)
-        return kvhi_fail(KVH_ERR_INVALID_ARG, "config is NULL");
-    if (struct_size != sizeof(kvh_config))
-        return kvhi_fail(KVH_ERR_STRUCT_SIZE, "kvh_config struct_size %zu, this library knows %zu", struct_size,
-                         sizeof(kvh_config));
-    config_defaults(config);
-    return KVH_OK;
 }
 
 uint32_t kvhi_dtype_bytes(uint32_t dtype)
@@ -259,6 +247,22 @@ static void note_memory_model(kvh_engine *e)
                  e->backend->name, unified == 2 ? ", which is host RAM" : "");
 }
 
+/* Destroys the plans still open. engine_free runs without the lock and
+ * with no call active. */
+static void attention_plans_free(kvh_engine *e)
+{
+    pthread_mutex_lock(&e->lock);
+    for (uint32_t i = 0; i < e->attn_plans.cap; i++) {
+        void *pl = kvhi_handles_at(&e->attn_plans, i);
+        if (pl) {
+            kvhi_handles_remove(&e->attn_plans, i);
+            e->attn_plan_free(e, pl);
+        }
+    }
+    kvhi_handles_destroy(&e->attn_plans);
+    pthread_mutex_unlock(&e->lock);
+}
+
 static void engine_free(kvh_engine *e)
 {
     kvhi_contexts_free(e); /* weight memory goes back to the backend */
@@ -279,7 +283,7 @@ static void engine_free(kvh_engine *e)
     kvhi_hints_free(e);
     kvhi_handles_destroy(&e->pools);
     kvhi_vmap_engine_free(e);
-    kvhi_attention_plans_free(e);
+    attention_plans_free(e);
     for (uint32_t i = 0; i < e->n_agents; i++)
         kvhi_lruk_destroy(&e->agents[i].heap);
     free(e->agents);
@@ -310,14 +314,8 @@ static void engine_free(kvh_engine *e)
     free(e);
 }
 
-kvh_status kvh_engine_open(const kvh_config *config, kvh_engine **out)
+kvh_status kvhi_engine_open(const kvh_config *config, kvh_engine **out)
 {
-    kvhi_clear_error();
-    if (!config || !out)
-        return kvhi_fail(KVH_ERR_INVALID_ARG, "config and engine must not be NULL");
-    if (config->struct_size != sizeof(kvh_config))
-        return kvhi_fail(KVH_ERR_STRUCT_SIZE, "kvh_config struct_size %u, this library knows %zu",
-                         config->struct_size, sizeof(kvh_config));
     kvh_status st = validate(config);
     if (st != KVH_OK)
         return st;
@@ -417,11 +415,8 @@ kvh_status kvh_engine_open(const kvh_config *config, kvh_engine **out)
     return KVH_OK;
 }
 
-kvh_status kvh_engine_close(kvh_engine *e)
+kvh_status kvhi_engine_close(kvh_engine *e)
 {
-    kvhi_clear_error();
-    if (!e)
-        return KVH_OK;
     pthread_mutex_lock(&e->lock);
     if (e->closing) {
         pthread_mutex_unlock(&e->lock);
@@ -438,30 +433,8 @@ kvh_status kvh_engine_close(kvh_engine *e)
     return st;
 }
 
-kvh_status kvh_engine_block_bytes(const kvh_engine *e, uint64_t *bytes)
+void kvhi_tier_info(kvh_engine *e, uint32_t tier, kvh_tier_info *info)
 {
-    kvhi_clear_error();
-    if (!e || !bytes)
-        return kvhi_fail(KVH_ERR_INVALID_ARG, "engine and bytes must not be NULL");
-    *bytes = e->block_bytes;
-    return KVH_OK;
-}
-
-const char *kvh_engine_backend(const kvh_engine *e) { return e ? e->backend->name : NULL; }
-
-kvh_status kvh_tier_info_get(kvh_engine *e, uint32_t tier, kvh_tier_info *info)
-{
-    kvhi_clear_error();
-    if (!e || !info)
-        return kvhi_fail(KVH_ERR_INVALID_ARG, "engine and info must not be NULL");
-    if (info->struct_size != sizeof(kvh_tier_info))
-        return kvhi_fail(KVH_ERR_STRUCT_SIZE, "kvh_tier_info struct_size %u, expected %zu", info->struct_size,
-                         sizeof(kvh_tier_info));
-    if (tier >= KVH_TIER_COUNT)
-        return kvhi_fail(KVH_ERR_INVALID_ARG, "unknown tier %u", tier);
-    kvh_status st = kvhi_enter(e);
-    if (st != KVH_OK)
-        return st;
     kvhi_tier *t = &e->tiers[tier];
     /* Under a KV codec the host and disk tiers hold encoded blocks. */
     kvh_tier_info r = {.struct_size = sizeof(r), .tier = tier, .block_bytes = t->slot_bytes};
@@ -472,43 +445,14 @@ kvh_status kvh_tier_info_get(kvh_engine *e, uint32_t tier, kvh_tier_info *info)
         r.pinned_blocks = t->pinned;
         r.base = t->base;
     }
-    kvhi_leave(e);
     *info = r;
-    return KVH_OK;
 }
 
-kvh_status kvh_engine_stats(kvh_engine *e, kvh_stats *stats)
+kvh_status kvhi_agent_set_quota(kvh_engine *e, uint32_t agent, uint64_t device_bytes)
 {
-    kvhi_clear_error();
-    if (!e || !stats)
-        return kvhi_fail(KVH_ERR_INVALID_ARG, "engine and stats must not be NULL");
-    uint32_t size = stats->struct_size;
-    if (size < offsetof(kvh_stats, lookups) || size > sizeof(kvh_stats))
-        return kvhi_fail(KVH_ERR_STRUCT_SIZE, "kvh_stats struct_size %u not in %zu..%zu", size,
-                         offsetof(kvh_stats, lookups), sizeof(kvh_stats));
-    kvh_status st = kvhi_enter(e);
-    if (st != KVH_OK)
-        return st;
-    kvh_stats copy = e->stats;
-    kvhi_leave(e);
-    copy.struct_size = size;
-    memcpy(stats, &copy, size);
-    return KVH_OK;
-}
-
-kvh_status kvh_agent_set_quota(kvh_engine *e, uint32_t agent, uint64_t device_bytes)
-{
-    kvhi_clear_error();
-    if (!e)
-        return kvhi_fail(KVH_ERR_INVALID_ARG, "engine is NULL");
-    kvh_status st = kvhi_enter(e);
-    if (st != KVH_OK)
-        return st;
     kvhi_agent *a = kvhi_agent_get(e, agent, true);
-    if (!a) {
-        kvhi_leave(e);
+    if (!a)
         return kvhi_fail(KVH_ERR_NOMEM, "out of memory for agent %u", agent);
-    }
     a->quota_blocks = device_bytes / e->block_bytes;
     if (device_bytes && a->quota_blocks == 0)
         a->quota_blocks = 1;
@@ -525,6 +469,5 @@ kvh_status kvh_agent_set_quota(kvh_engine *e, uint32_t agent, uint64_t device_by
                 kvhi_lruk_remove(&a->heap, b);
         }
     }
-    kvhi_leave(e);
     return KVH_OK;
 }

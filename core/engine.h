@@ -270,14 +270,22 @@ struct kvh_engine {
     uint64_t vmap_unit;
     const char *vmap_backing;
     kvhi_handle_table vmaps; /* -> kvhi_vmap * */
-    /* Attention plans not yet destroyed (abi/api_attention_plan.c). */
+    /* Attention plans not yet destroyed (abi/api_attention_plan.c), and
+     * how engine_free frees one: set with the first plan, since plans are
+     * made above the core (lock held; it may drop and retake it). */
     kvhi_handle_table attn_plans; /* -> kvhi_attention_plan * */
+    void (*attn_plan_free)(kvh_engine *e, void *plan);
 };
 
 /* ---- errors and logging (status.c) ---- */
 kvh_status kvhi_fail(kvh_status status, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));
 void kvhi_clear_error(void);
+/* This thread's detail of its last failure ("" after a success). */
+const char *kvhi_last_error(void);
+/* The text and the name of a status (KVH_STATUS_LIST). */
+const char *kvhi_status_text(kvh_status status);
+const char *kvhi_status_name(kvh_status status);
 void kvhi_log(kvh_engine *e, int level, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 /* Queues a log line while the lock is held (emitted after unlocking). */
@@ -285,8 +293,19 @@ void kvhi_log_later(kvh_engine *e, int level, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 
 
-/* ---- engine lock and call accounting (engine.c) ---- */
+/* ---- engine lifetime, lock and call accounting (engine.c) ---- */
 uint32_t kvhi_dtype_bytes(uint32_t dtype);
+/* Fills c with every default (struct_size = sizeof(kvh_config)). */
+void kvhi_config_defaults(kvh_config *c);
+/* Validates config (of the current size) and opens an engine on it. */
+kvh_status kvhi_engine_open(const kvh_config *config, kvh_engine **out);
+/* Waits for the calls inside e to leave, stops the workers, closes the
+ * disk tier and frees e (lock not held). */
+kvh_status kvhi_engine_close(kvh_engine *e);
+/* Tier `tier` (< KVH_TIER_COUNT) as the caller sees it (lock held). */
+void kvhi_tier_info(kvh_engine *e, uint32_t tier, kvh_tier_info *info);
+/* Sets the device quota of agent and re-indexes its blocks (lock held). */
+kvh_status kvhi_agent_set_quota(kvh_engine *e, uint32_t agent, uint64_t device_bytes);
 /* Takes the lock and registers an in-flight API call; fails with
  * KVH_ERR_CLOSED when the engine is closing. */
 kvh_status kvhi_enter(kvh_engine *e);
@@ -348,7 +367,7 @@ void kvhi_block_touch(kvh_engine *e, uint32_t b);
 void kvhi_block_wait_idle(kvh_engine *e, uint32_t b);
 void kvhi_block_try_publish(kvh_engine *e, uint32_t b);
 bool kvhi_block_kv_complete(kvh_engine *e, uint32_t b);
-uint64_t kvh_block_handle(kvh_engine *e, uint32_t b);
+uint64_t kvhi_block_handle(kvh_engine *e, uint32_t b);
 kvh_status kvhi_block_resolve(kvh_engine *e, kvh_block h, uint32_t *out);
 void kvhi_block_hold(kvh_engine *e, uint32_t b);
 void kvhi_block_unhold(kvh_engine *e, uint32_t b);
@@ -496,13 +515,14 @@ static inline uint64_t kvhi_cell_bytes(kvh_engine *e, uint32_t tier)
     return e->tiers[tier].encoded ? e->enc_vector_bytes : e->vector_bytes;
 }
 
-/* ---- attention plans (abi/api_attention_plan.c) ---- */
-/* Destroys the plans still open (engine close; no call is active). */
-void kvhi_attention_plans_free(kvh_engine *e);
-
 /* ---- LCTRU (lctru.c) ---- */
 /* The eviction key of b under the engine's policy, from its LRU-K key. */
 kvhi_lruk_key kvhi_evict_key(kvh_engine *e, const kvhi_block *blk, kvhi_lruk_key lruk);
+/* Tolerances (lctru.c, lock held; tolerance <= KVH_TOLERANCE_MAX,
+ * max_rel_error finite and >= 0). */
+kvh_status kvhi_seq_set_tolerance(kvh_engine *e, kvhi_seq *s, uint64_t first, uint64_t n, uint32_t tolerance);
+kvh_status kvhi_block_set_tolerance(kvh_engine *e, kvh_block block, uint32_t tolerance);
+kvh_status kvhi_seq_derive_tolerance(kvh_engine *e, kvhi_seq *s, uint64_t first, uint64_t n, float max_rel_error);
 
 /* ---- virtual contiguity (vmap.c) ---- */
 /* Releases every view still open (lock not needed: no call is active);

@@ -7,8 +7,8 @@
 #include <math.h>
 #include <stdlib.h>
 
-#include "abi/api_common.h"
 #include "core/block_state.h"
+#include "core/engine.h"
 #include "kernels/attention_dtype.h"
 #include "kernels/cpu/kv_codec.h"
 
@@ -48,33 +48,22 @@ static void set_tolerance(kvh_engine *e, uint32_t b, uint32_t tolerance)
         kvhi_block_update_evictable(e, b);
 }
 
-kvh_status kvh_seq_set_tolerance(kvh_engine *e, kvh_seq seq, uint64_t first, uint64_t n, uint32_t tolerance)
+kvh_status kvhi_seq_set_tolerance(kvh_engine *e, kvhi_seq *s, uint64_t first, uint64_t n, uint32_t tolerance)
 {
-    kvhi_clear_error();
-    KVHI_REQUIRE(tolerance <= KVH_TOLERANCE_MAX, "tolerance %u > %u", tolerance, KVH_TOLERANCE_MAX);
-    kvhi_seq *s;
-    kvh_status st = kvhi_api_enter_seq_owner(e, seq, &s);
-    if (st != KVH_OK)
-        return st;
     uint32_t b0 = 0, b1 = 0;
+    kvh_status st = KVH_OK;
     if (n > 0 && (st = kvhi_seq_block_range(e, s, first, n, &b0, &b1)) == KVH_OK)
         for (uint32_t i = b0; i < b1; i++)
             set_tolerance(e, s->blocks[i], tolerance);
-    kvhi_api_leave_seq_owner(e, s);
     return st;
 }
 
-kvh_status kvh_block_set_tolerance(kvh_engine *e, kvh_block block, uint32_t tolerance)
+kvh_status kvhi_block_set_tolerance(kvh_engine *e, kvh_block block, uint32_t tolerance)
 {
-    kvhi_clear_error();
-    KVHI_REQUIRE(tolerance <= KVH_TOLERANCE_MAX, "tolerance %u > %u", tolerance, KVH_TOLERANCE_MAX);
-    kvh_status st = kvhi_api_enter(e);
-    if (st != KVH_OK)
-        return st;
     uint32_t b;
-    if ((st = kvhi_block_resolve(e, block, &b)) == KVH_OK)
+    kvh_status st = kvhi_block_resolve(e, block, &b);
+    if (st == KVH_OK)
         set_tolerance(e, b, tolerance);
-    kvhi_leave(e);
     return st;
 }
 
@@ -116,15 +105,10 @@ static double codec_error(kvh_engine *e, uint32_t b, uint8_t *raw, uint8_t *enc,
     return den > 0 ? sqrt(num / den) : 0;
 }
 
-kvh_status kvh_seq_derive_tolerance(kvh_engine *e, kvh_seq seq, uint64_t first, uint64_t n, float max_rel_error)
+kvh_status kvhi_seq_derive_tolerance(kvh_engine *e, kvhi_seq *s, uint64_t first, uint64_t n, float max_rel_error)
 {
-    kvhi_clear_error();
-    KVHI_REQUIRE(isfinite(max_rel_error) && max_rel_error >= 0, "max_rel_error must be finite and >= 0");
     double ref = max_rel_error > 0 ? max_rel_error : 0.25;
-    kvhi_seq *s;
-    kvh_status st = kvhi_api_enter_seq_owner(e, seq, &s);
-    if (st != KVH_OK)
-        return st;
+    kvh_status st = KVH_OK;
     uint32_t b0 = 0, b1 = 0;
     uint8_t *raw = NULL, *enc = NULL;
     float *y = NULL;
@@ -157,6 +141,5 @@ kvh_status kvh_seq_derive_tolerance(kvh_engine *e, kvh_seq seq, uint64_t first, 
     free(raw);
     free(enc);
     free(y);
-    kvhi_api_leave_seq_owner(e, s);
     return st;
 }

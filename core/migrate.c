@@ -54,7 +54,7 @@ void kvhi_fence_done(kvh_engine *e, uint32_t idx, kvh_status st)
         return;
     if (st != KVH_OK && f->status == KVH_OK) {
         f->status = st;
-        snprintf(f->msg, sizeof(f->msg), "%s", kvh_last_error());
+        snprintf(f->msg, sizeof(f->msg), "%s", kvhi_last_error());
     }
     if (--f->pending == 0) {
         if (f->user_freed && !f->waiters) {
@@ -86,7 +86,7 @@ kvh_status kvhi_fence_wait_idx(kvh_engine *e, uint32_t idx, uint64_t timeout_ns)
         }
     }
     if (st == KVH_OK && f->status != KVH_OK)
-        st = kvhi_fail(f->status, "%s", f->msg[0] ? f->msg : kvh_strerror(f->status));
+        st = kvhi_fail(f->status, "%s", f->msg[0] ? f->msg : kvhi_status_text(f->status));
     /* The last waiter of a fence freed meanwhile reaps it. */
     if (--f->waiters == 0 && f->user_freed && f->pending == 0) {
         free(f);

@@ -17,12 +17,12 @@ kvh_status kvhi_fail(kvh_status status, const char *fmt, ...)
 
 void kvhi_clear_error(void) { last_error[0] = '\0'; }
 
-const char *kvh_last_error(void) { return last_error; }
+const char *kvhi_last_error(void) { return last_error; }
 
 #define KVHI_TEXT_CASE(name, value, text) case value: return text;
 #define KVHI_NAME_CASE(name, value, text) case value: return #name;
 
-const char *kvh_strerror(kvh_status status)
+const char *kvhi_status_text(kvh_status status)
 {
     switch (status) {
         KVH_STATUS_LIST(KVHI_TEXT_CASE)
@@ -31,22 +31,13 @@ const char *kvh_strerror(kvh_status status)
     }
 }
 
-const char *kvh_status_name(kvh_status status)
+const char *kvhi_status_name(kvh_status status)
 {
     switch (status) {
         KVH_STATUS_LIST(KVHI_NAME_CASE)
     default:
         return "KVH_ERR_UNKNOWN";
     }
-}
-
-uint32_t kvh_version(void) { return KVH_VERSION_NUMBER; }
-
-const char *kvh_version_string(void)
-{
-#define KVHI_STR2(x) #x
-#define KVHI_STR(x) KVHI_STR2(x)
-    return KVHI_STR(KVH_VERSION_MAJOR) "." KVHI_STR(KVH_VERSION_MINOR) "." KVHI_STR(KVH_VERSION_PATCH);
 }
 
 void kvhi_log_later(kvh_engine *e, int level, const char *fmt, ...)

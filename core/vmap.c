@@ -25,7 +25,6 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "abi/api_common.h"
 #include "core/block_state.h"
 #include "core/vmap.h"
 
@@ -306,14 +305,10 @@ void kvhi_vmap_engine_free(kvh_engine *e)
     kvhi_handles_destroy(&e->vmaps);
 }
 
-kvh_status kvh_seq_vmap(kvh_engine *e, kvh_seq seq, uint32_t layer, uint64_t capacity_tokens, kvh_vmap **out)
+kvh_status kvhi_vmap_create(kvh_engine *e, kvhi_seq *s, kvh_seq seq, uint32_t layer, uint64_t capacity_tokens,
+                            kvh_vmap **out)
 {
-    kvhi_clear_error();
-    KVHI_REQUIRE(out, "vmap is NULL");
-    kvhi_seq *s;
-    kvh_status st = kvhi_api_enter_seq_owner(e, seq, &s);
-    if (st != KVH_OK)
-        return st;
+    kvh_status st = KVH_OK;
     uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE), bt = e->cfg.block_tokens, unit = e->vmap_unit;
     kvhi_vmap *v = NULL;
     /* Mapping units of a page: a piece must be whole pages. Larger units
@@ -373,74 +368,42 @@ kvh_status kvh_seq_vmap(kvh_engine *e, kvh_seq seq, uint32_t layer, uint64_t cap
 done:
     if (v)
         vmap_destroy(e, v);
-    kvhi_api_leave_seq_owner(e, s);
     return st;
 }
 
-kvh_status kvh_vmap_refresh(kvh_engine *e, kvh_vmap *vmap, int32_t *changed)
+kvh_status kvhi_vmap_refresh(kvh_engine *e, kvh_vmap *vmap, bool *changed)
 {
-    kvhi_clear_error();
-    KVHI_REQUIRE(vmap, "vmap is NULL");
-    kvh_status st = kvhi_api_enter(e);
-    if (st != KVH_OK)
-        return st;
     kvhi_vmap *v = kvhi_vmap_resolve(e, vmap);
-    bool any = false;
-    st = v ? refresh(e, v, &any) : bad_view();
-    kvhi_leave(e);
-    if (changed && st == KVH_OK)
-        *changed = any;
-    return st;
+    return v ? refresh(e, v, changed) : bad_view();
 }
 
-kvh_status kvh_vmap_get(kvh_engine *e, const kvh_vmap *vmap, kvh_vmap_view *view)
+kvh_status kvhi_vmap_view_get(kvh_engine *e, const kvh_vmap *vmap, kvh_vmap_view *view)
 {
-    kvhi_clear_error();
-    KVHI_REQUIRE(e && vmap && view, "engine, vmap and view must not be NULL");
-    if (view->struct_size != sizeof(kvh_vmap_view))
-        return kvhi_fail(KVH_ERR_STRUCT_SIZE, "kvh_vmap_view struct_size %u, this library knows %zu",
-                         view->struct_size, sizeof(kvh_vmap_view));
-    kvh_status st = kvhi_enter(e);
-    if (st != KVH_OK)
-        return st;
     const kvhi_vmap *v = kvhi_vmap_resolve(e, vmap);
-    if (!v) {
-        kvhi_leave(e);
+    if (!v)
         return bad_view();
-    }
-    kvh_vmap_view r = {.struct_size = sizeof(r),
-                       .layer = v->layer,
-                       .n_tokens = v->n_tokens == UINT64_MAX ? 0 : v->n_tokens,
-                       .capacity_tokens = v->cap_tokens,
-                       .head_stride = v->head_stride,
-                       .k = v->base,
-                       .v = v->base + (uint64_t)e->cfg.num_kv_heads * v->head_stride,
-                       .generation = v->generation,
-                       .backing = e->vmap_backing,
-                       .map_unit = e->vmap_unit};
-    kvhi_leave(e);
-    *view = r;
+    *view = (kvh_vmap_view){.struct_size = sizeof(*view),
+                            .layer = v->layer,
+                            .n_tokens = v->n_tokens == UINT64_MAX ? 0 : v->n_tokens,
+                            .capacity_tokens = v->cap_tokens,
+                            .head_stride = v->head_stride,
+                            .k = v->base,
+                            .v = v->base + (uint64_t)e->cfg.num_kv_heads * v->head_stride,
+                            .generation = v->generation,
+                            .backing = e->vmap_backing,
+                            .map_unit = e->vmap_unit};
     return KVH_OK;
 }
 
-kvh_status kvh_vmap_release(kvh_engine *e, kvh_vmap *vmap)
+kvh_status kvhi_vmap_release(kvh_engine *e, kvh_vmap *vmap)
 {
-    kvhi_clear_error();
-    if (!vmap)
-        return KVH_OK;
-    kvh_status st = kvhi_api_enter(e);
-    if (st != KVH_OK)
-        return st;
     uint32_t index;
     kvhi_vmap *v = kvhi_handles_get(&e->vmaps, kvhi_handle_from_ptr(vmap), &index);
-    if (!v) {
-        kvhi_leave(e);
+    if (!v)
         return bad_view();
-    }
     /* Out of the table first: no new attention call finds the view. */
     kvhi_handles_remove(&e->vmaps, index);
     kvhi_vmap_wait_unused(e, v);
     vmap_destroy(e, v);
-    kvhi_leave(e);
     return KVH_OK;
 }

@@ -35,6 +35,14 @@ typedef struct kvhi_vmap {
 
 /* The live view v names in e, or NULL (lock held). */
 kvhi_vmap *kvhi_vmap_resolve(kvh_engine *e, const kvh_vmap *v);
+/* The calls on views (lock held; s, of handle seq, claimed by the
+ * caller). Refresh and release may drop the lock while the view is in
+ * use by attention or its blocks are being copied. */
+kvh_status kvhi_vmap_create(kvh_engine *e, kvhi_seq *s, kvh_seq seq, uint32_t layer, uint64_t capacity_tokens,
+                            kvh_vmap **out);
+kvh_status kvhi_vmap_refresh(kvh_engine *e, kvh_vmap *vmap, bool *changed);
+kvh_status kvhi_vmap_view_get(kvh_engine *e, const kvh_vmap *vmap, kvh_vmap_view *view);
+kvh_status kvhi_vmap_release(kvh_engine *e, kvh_vmap *vmap);
 
 /* Waits, with the lock dropped meanwhile, until no attention queued over
  * v is running (lock held). */

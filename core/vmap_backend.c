@@ -8,7 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "abi/api_common.h"
+#include "core/engine.h"
 #include "core/vmap_backend.h"
 
 typedef struct vmap_backend {

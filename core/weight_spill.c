@@ -144,7 +144,7 @@ kvh_status kvhi_region_spill(kvh_engine *e, kvhi_context *x, kvhi_region *r, con
             break;
     if (st != KVH_OK) {
         char why[160];
-        snprintf(why, sizeof(why), "%s", kvh_last_error());
+        snprintf(why, sizeof(why), "%s", kvhi_last_error());
         while (got)
             kvhi_release_slot(e, KVH_TIER_DISK, slots[--got]);
         free(slots);

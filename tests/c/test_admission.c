@@ -175,7 +175,7 @@ static void bad_input(void **state)
     sp.context.id = 0xC700000100000001ull; /* forged */
     assert_kvh(KVH_ERR_BAD_HANDLE, kvh_seq_create_ex(e, &sp, &s));
     kvh_admission_info ai;
-    ai.struct_size = 8;
+    ai.struct_size = 12; /* not a multiple of 8 */
     assert_kvh(KVH_ERR_STRUCT_SIZE, kvh_admission_info_get(e, &ai));
 }
 

@@ -154,7 +154,7 @@ static void test_open_invalid_geometry(void **state)
     c = small_cfg();
     assert_kvh(KVH_ERR_INVALID_ARG, kvh_engine_open(&c, NULL));
     /* Wrong struct_size. */
-    uint32_t sizes[] = {0, 8, sizeof(kvh_config) - 4, sizeof(kvh_config) + 8};
+    uint32_t sizes[] = {0, 4, 12, sizeof(kvh_config) - 4, sizeof(kvh_config) + 8};
     for (size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]); i++) {
         c = small_cfg();
         c.struct_size = sizes[i];
@@ -280,7 +280,7 @@ static void test_tier_info_args(void **state)
     assert_int_equal(t.capacity_blocks, 0x7777777777777777ull); /* untouched */
     assert_kvh(KVH_ERR_INVALID_ARG, kvh_tier_info_get(e, 0, NULL));
     assert_kvh(KVH_ERR_INVALID_ARG, kvh_tier_info_get(NULL, 0, &t));
-    uint32_t bad[] = {0, 4, sizeof(t) - 8, sizeof(t) + 8};
+    uint32_t bad[] = {0, 4, sizeof(t) - 4, sizeof(t) + 8};
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
         t.struct_size = bad[i];
         assert_kvh(KVH_ERR_STRUCT_SIZE, kvh_tier_info_get(e, 0, &t));

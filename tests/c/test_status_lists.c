@@ -240,7 +240,7 @@ static void test_config_and_engine(void **state)
     assert_kvh(KVH_ERR_INVALID_ARG, kvh_engine_open(NULL, &e));
     assert_kvh(KVH_ERR_INVALID_ARG, kvh_engine_open(&c, NULL));
     kvh_config bad = c;
-    bad.struct_size = 8;
+    bad.struct_size = 12;
     assert_kvh(KVH_ERR_STRUCT_SIZE, kvh_engine_open(&bad, &e));
     bad = c, bad.num_layers = 0;
     assert_kvh(KVH_ERR_INVALID_ARG, kvh_engine_open(&bad, &e));
@@ -702,7 +702,7 @@ static void test_attention(void **state)
     assert_kvh(KVH_ERR_INVALID_ARG, kvh_attention_decode(e, 0, &s, 1, q, out, &bad));
     bad = p, bad.num_q_heads = H + 1;
     assert_kvh(KVH_ERR_INVALID_ARG, kvh_attention_decode(e, 0, &s, 1, q, out, &bad));
-    bad = p, bad.struct_size = 8;
+    bad = p, bad.struct_size = 12;
     assert_kvh(KVH_ERR_STRUCT_SIZE, kvh_attention_decode(e, 0, &s, 1, q, out, &bad));
     assert_kvh(KVH_ERR_INVALID_ARG, kvh_attention_decode(e, 0, &s, 1, NULL, out, NULL));
     assert_kvh(KVH_ERR_RANGE, kvh_attention_decode(e, L, &s, 1, q, out, NULL));
@@ -972,7 +972,7 @@ static void test_views(void **state)
     uint32_t ql = VBT + 1;
     kvh_attention_params p;
     assert_ok(kvh_attention_params_init(&p, sizeof(p)));
-    p.struct_size = 8;
+    p.struct_size = 12;
     assert_kvh(KVH_ERR_STRUCT_SIZE, kvh_attention_decode_vmap(e, &m, 1, q, out, &p));
     assert_kvh(KVH_ERR_INVALID_ARG, kvh_attention_decode_vmap(e, NULL, 1, q, out, NULL));
     assert_kvh(KVH_ERR_RANGE, kvh_attention_decode_vmap(e, &none, 1, q, out, NULL)); /* no tokens */

@@ -43,8 +43,17 @@
  *     marked experimental (weight contexts and admission, attention plans,
  *     virtual contiguity, LCTRU tolerance); those are exported under their
  *     own version node and may change in a release.
- *   - Params structs start with struct_size; fields are only appended;
- *     the *_init() function fills defaults for the size the caller passes.
+ *   - Params and info structs start with uint32_t struct_size; fields are
+ *     only appended, each naturally aligned and at most 8 bytes. Every call
+ *     takes a struct_size equal to this library's sizeof, or a multiple of
+ *     8 from 8 up to it (a struct from an older kvh.h); kvh_pool_layout
+ *     takes only its full size, since every field of it is needed. Any
+ *     other size, larger ones included, is KVH_ERR_STRUCT_SIZE and nothing
+ *     is read or written. Input structs (config, params, layouts): the
+ *     fields past the caller's size take their defaults. Output structs
+ *     (info, stats, views): filled up to the caller's size, nothing written
+ *     past it. A *_init() function writes the defaults for the size the
+ *     caller passes, and that size into struct_size.
  */
 #ifndef KVH_KVH_H
 #define KVH_KVH_H
