@@ -1,4 +1,7 @@
-/* Shared helpers for the cmocka tests of kvh (header only).
+/* Shared helpers for the cmocka tests of kvh. The functions live in
+ * test_util.c, compiled once into the test library kvh_test_util
+ * (tests/c/CMakeLists.txt) that every test program links; the macros and
+ * the one-line random-number and size functions stay inline here.
  *
  *   assert_ok(expr), assert_kvh(expected, expr)
  *       check a kvh_status and, on mismatch, print both names and
@@ -10,6 +13,10 @@
  *   tu_track_engine() / tu_alloc() + tu_teardown
  *       engines and buffers released by the teardown even when a test fails
  *       half way (keeps the ASan leak checker quiet about failed tests).
+ *
+ * The helpers that assert (tu_open, tu_stats, tu_seq_new, ...) are macros
+ * over a function taking the caller's __FILE__ and __LINE__, so that a
+ * failure names the line of the test, not of test_util.c.
  */
 #ifndef KVH_TEST_UTIL_H
 #define KVH_TEST_UTIL_H
@@ -50,6 +57,10 @@
 
 #define assert_ok(expr) assert_kvh(KVH_OK, expr)
 
+/* The same check for a status the helpers below got on behalf of the
+ * caller at file:line (what names the call). */
+void tu_check_at(const char *file, int line, kvh_status expected, kvh_status got, const char *what);
+
 /* ---- random numbers ---- */
 
 typedef struct tu_rng {
@@ -67,99 +78,32 @@ static inline uint64_t tu_next(tu_rng *r)
 /* Uniform in [0, n) (n > 0; the tiny modulo bias does not matter here). */
 static inline uint64_t tu_below(tu_rng *r, uint64_t n) { return n ? tu_next(r) % n : 0; }
 
-static inline void tu_fill(tu_rng *r, void *buf, size_t n)
-{
-    uint8_t *p = buf;
-    while (n >= 8) {
-        uint64_t v = tu_next(r);
-        memcpy(p, &v, 8);
-        p += 8;
-        n -= 8;
-    }
-    if (n) {
-        uint64_t v = tu_next(r);
-        memcpy(p, &v, n);
-    }
-}
+void tu_fill(tu_rng *r, void *buf, size_t n);
 
 /* The seed to use: KVH_TEST_SEED (decimal or 0x hex) when set, else def. */
-static inline uint64_t tu_seed(uint64_t def)
-{
-    const char *s = getenv("KVH_TEST_SEED");
-    if (s && *s)
-        return strtoull(s, NULL, 0);
-    return def;
-}
+uint64_t tu_seed(uint64_t def);
 
-static inline double tu_now(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
+/* Monotonic clock, seconds. */
+double tu_now(void);
 
 /* ---- resources released by the teardown ---- */
 
 #define TU_MAX_TRACKED 256
-static kvh_engine *tu_engines[TU_MAX_TRACKED] TU_UNUSED;
-static void *tu_buffers[TU_MAX_TRACKED * 4] TU_UNUSED;
 
-static inline kvh_engine *tu_track_engine(kvh_engine *e)
-{
-    for (int i = 0; i < TU_MAX_TRACKED; i++)
-        if (!tu_engines[i]) {
-            tu_engines[i] = e;
-            return e;
-        }
-    return e;
-}
+kvh_engine *tu_track_engine(kvh_engine *e);
 
 /* Closes a tracked engine now (and forgets it). */
-static inline kvh_status tu_close(kvh_engine *e)
-{
-    for (int i = 0; i < TU_MAX_TRACKED; i++)
-        if (tu_engines[i] == e)
-            tu_engines[i] = NULL;
-    return kvh_engine_close(e);
-}
+kvh_status tu_close(kvh_engine *e);
 
 /* calloc that the teardown frees. */
-static inline void *tu_alloc(size_t n)
-{
-    void *p = calloc(1, n ? n : 1);
-    assert_non_null(p);
-    for (int i = 0; i < TU_MAX_TRACKED * 4; i++)
-        if (!tu_buffers[i]) {
-            tu_buffers[i] = p;
-            return p;
-        }
-    fail_msg("tu_alloc: too many buffers");
-    return p;
-}
+#define tu_alloc(n) tu_alloc_at(__FILE__, __LINE__, n)
+void *tu_alloc_at(const char *file, int line, size_t n);
 
-static inline void tu_free(void *p)
-{
-    for (int i = 0; i < TU_MAX_TRACKED * 4; i++)
-        if (tu_buffers[i] == p)
-            tu_buffers[i] = NULL;
-    free(p);
-}
+void tu_free(void *p);
 
-static TU_UNUSED int tu_teardown(void **state)
-{
-    (void)state;
-    for (int i = 0; i < TU_MAX_TRACKED; i++)
-        if (tu_engines[i]) {
-            kvh_engine_close(tu_engines[i]);
-            tu_engines[i] = NULL;
-        }
-    for (int i = 0; i < TU_MAX_TRACKED * 4; i++)
-        if (tu_buffers[i]) {
-            free(tu_buffers[i]);
-            tu_buffers[i] = NULL;
-        }
-    return 0;
-}
+/* Closes every tracked engine and frees every tu_alloc buffer (a cmocka
+ * teardown). */
+int tu_teardown(void **state);
 
 /* ---- engines ---- */
 
@@ -174,179 +118,57 @@ static inline uint64_t tu_block_bytes_of(uint32_t layers, uint32_t heads, uint32
 /* A config with tier budgets given in whole blocks, on the CPU backend
  * (KVH_TEST_BACKEND=cuda: the CUDA backend, for running a suite on a GPU
  * with KVH_CUDA_UNIFIED=1, where the CPU addresses device memory). */
-static inline kvh_config tu_cfg(uint32_t layers, uint32_t heads, uint32_t dim, uint32_t bt, uint32_t dtype,
-                                uint64_t device_blocks, uint64_t host_blocks, uint32_t threads)
-{
-    kvh_config c;
-    assert_ok(kvh_config_init(&c, sizeof(c)));
-    c.num_layers = layers;
-    c.num_kv_heads = heads;
-    c.head_dim = dim;
-    c.block_tokens = bt;
-    c.dtype = dtype;
-    const char *backend = getenv("KVH_TEST_BACKEND");
-    c.backend = backend && !strcmp(backend, "cuda") ? KVH_BACKEND_CUDA : KVH_BACKEND_CPU;
-    uint64_t bb = tu_block_bytes_of(layers, heads, dim, bt, dtype);
-    c.device_bytes = device_blocks * bb;
-    c.host_bytes = host_blocks * bb;
-    c.migration_threads = threads;
-    return c;
-}
+#define tu_cfg(...) tu_cfg_at(__FILE__, __LINE__, __VA_ARGS__)
+kvh_config tu_cfg_at(const char *file, int line, uint32_t layers, uint32_t heads, uint32_t dim, uint32_t bt,
+                     uint32_t dtype, uint64_t device_blocks, uint64_t host_blocks, uint32_t threads);
 
-static inline kvh_engine *tu_open_cfg(const kvh_config *c)
-{
-    kvh_engine *e = NULL;
-    assert_ok(kvh_engine_open(c, &e));
-    assert_non_null(e);
-    return tu_track_engine(e);
-}
+/* Opens (asserting) and tracks. */
+#define tu_open_cfg(c) tu_open_cfg_at(__FILE__, __LINE__, c)
+kvh_engine *tu_open_cfg_at(const char *file, int line, const kvh_config *c);
+#define tu_open(...) tu_open_at(__FILE__, __LINE__, __VA_ARGS__)
+kvh_engine *tu_open_at(const char *file, int line, uint32_t layers, uint32_t heads, uint32_t dim, uint32_t bt,
+                       uint32_t dtype, uint64_t device_blocks, uint64_t host_blocks, uint32_t threads);
 
-static inline kvh_engine *tu_open(uint32_t layers, uint32_t heads, uint32_t dim, uint32_t bt, uint32_t dtype,
-                                  uint64_t device_blocks, uint64_t host_blocks, uint32_t threads)
-{
-    kvh_config c = tu_cfg(layers, heads, dim, bt, dtype, device_blocks, host_blocks, threads);
-    return tu_open_cfg(&c);
-}
+/* Asserting snapshots: block bytes, the counters, one tier, one block. */
+#define tu_block_bytes(e) tu_block_bytes_at(__FILE__, __LINE__, e)
+uint64_t tu_block_bytes_at(const char *file, int line, kvh_engine *e);
+#define tu_stats(e) tu_stats_at(__FILE__, __LINE__, e)
+kvh_stats tu_stats_at(const char *file, int line, kvh_engine *e);
+#define tu_tier(e, tier) tu_tier_at(__FILE__, __LINE__, e, tier)
+kvh_tier_info tu_tier_at(const char *file, int line, kvh_engine *e, uint32_t tier);
+#define tu_binfo(e, b) tu_binfo_at(__FILE__, __LINE__, e, b)
+kvh_block_info tu_binfo_at(const char *file, int line, kvh_engine *e, kvh_block b);
 
-static inline uint64_t tu_block_bytes(kvh_engine *e)
-{
-    uint64_t b = 0;
-    assert_ok(kvh_engine_block_bytes(e, &b));
-    return b;
-}
+/* Handle of logical block i of seq, and its info. */
+#define tu_seq_block(e, s, i) tu_seq_block_at(__FILE__, __LINE__, e, s, i)
+kvh_block tu_seq_block_at(const char *file, int line, kvh_engine *e, kvh_seq s, uint64_t i);
+#define tu_seq_binfo(e, s, i) tu_seq_binfo_at(__FILE__, __LINE__, e, s, i)
+kvh_block_info tu_seq_binfo_at(const char *file, int line, kvh_engine *e, kvh_seq s, uint64_t i);
 
-static inline kvh_stats tu_stats(kvh_engine *e)
-{
-    kvh_stats s;
-    memset(&s, 0, sizeof(s));
-    s.struct_size = sizeof(s);
-    assert_ok(kvh_engine_stats(e, &s));
-    return s;
-}
-
-static inline kvh_tier_info tu_tier(kvh_engine *e, uint32_t tier)
-{
-    kvh_tier_info t;
-    memset(&t, 0, sizeof(t));
-    t.struct_size = sizeof(t);
-    assert_ok(kvh_tier_info_get(e, tier, &t));
-    return t;
-}
-
-static inline kvh_block_info tu_binfo(kvh_engine *e, kvh_block b)
-{
-    kvh_block_info i;
-    memset(&i, 0, sizeof(i));
-    i.struct_size = sizeof(i);
-    assert_ok(kvh_block_info_get(e, b, &i));
-    return i;
-}
-
-/* Handle of logical block i of seq. */
-static inline kvh_block tu_seq_block(kvh_engine *e, kvh_seq s, uint64_t i)
-{
-    kvh_block b = {0};
-    assert_ok(kvh_seq_blocks(e, s, i, 1, &b));
-    return b;
-}
-
-static inline kvh_block_info tu_seq_binfo(kvh_engine *e, kvh_seq s, uint64_t i)
-{
-    return tu_binfo(e, tu_seq_block(e, s, i));
-}
-
-static inline uint64_t tu_seq_len(kvh_engine *e, kvh_seq s)
-{
-    uint64_t n = ~0ull;
-    assert_ok(kvh_seq_length(e, s, &n));
-    return n;
-}
-
-static inline kvh_seq tu_seq_new(kvh_engine *e, uint32_t agent)
-{
-    kvh_seq s = {0};
-    assert_ok(kvh_seq_create(e, agent, &s));
-    assert_true(s.id != 0);
-    return s;
-}
+/* Length of seq in tokens; a new sequence of agent. */
+#define tu_seq_len(e, s) tu_seq_len_at(__FILE__, __LINE__, e, s)
+uint64_t tu_seq_len_at(const char *file, int line, kvh_engine *e, kvh_seq s);
+#define tu_seq_new(e, agent) tu_seq_new_at(__FILE__, __LINE__, e, agent)
+kvh_seq tu_seq_new_at(const char *file, int line, kvh_engine *e, uint32_t agent);
 
 /* Tokens base, base+1, ... */
-static inline void tu_iota(int32_t *t, size_t n, int32_t base)
-{
-    for (size_t i = 0; i < n; i++)
-        t[i] = base + (int32_t)i;
-}
+void tu_iota(int32_t *t, size_t n, int32_t base);
 
 /* Deterministic KV pattern: byte j of the value for (tag, layer, pos, kv). */
-static inline void tu_pattern(void *dst, size_t bytes, uint64_t tag, uint32_t layer, uint64_t pos, int kv)
-{
-    tu_rng r = {tag * 0x100000001b3ull ^ ((uint64_t)layer << 48) ^ (pos << 8) ^ (uint64_t)kv};
-    tu_fill(&r, dst, bytes);
-}
+void tu_pattern(void *dst, size_t bytes, uint64_t tag, uint32_t layer, uint64_t pos, int kv);
 
 /* Writes the tu_pattern KV of tokens [pos, pos+n) for every layer. */
-static inline void tu_write_pattern(kvh_engine *e, kvh_seq s, uint32_t layers, size_t tok_bytes, uint64_t tag,
-                                    uint64_t pos, size_t n)
-{
-    uint8_t *k = malloc(tok_bytes * (n ? n : 1)), *v = malloc(tok_bytes * (n ? n : 1));
-    assert_non_null(k);
-    assert_non_null(v);
-    for (uint32_t l = 0; l < layers; l++) {
-        for (size_t t = 0; t < n; t++) {
-            tu_pattern(k + t * tok_bytes, tok_bytes, tag, l, pos + t, 0);
-            tu_pattern(v + t * tok_bytes, tok_bytes, tag, l, pos + t, 1);
-        }
-        kvh_status st = kvh_seq_write_kv(e, s, l, pos, n, k, v);
-        if (st != KVH_OK) {
-            free(k);
-            free(v);
-        }
-        assert_ok(st);
-    }
-    free(k);
-    free(v);
-}
+#define tu_write_pattern(...) tu_write_pattern_at(__FILE__, __LINE__, __VA_ARGS__)
+void tu_write_pattern_at(const char *file, int line, kvh_engine *e, kvh_seq s, uint32_t layers, size_t tok_bytes,
+                         uint64_t tag, uint64_t pos, size_t n);
 
 /* Returns 1 when tokens [pos, pos+n) of every layer read back as the
  * tu_pattern of tag, 0 otherwise (prints the first difference). */
-static inline int tu_check_pattern(kvh_engine *e, kvh_seq s, uint32_t layers, size_t tok_bytes, uint64_t tag,
-                                   uint64_t pos, size_t n)
-{
-    uint8_t *k = malloc(tok_bytes * (n ? n : 1)), *v = malloc(tok_bytes * (n ? n : 1));
-    uint8_t *want = malloc(tok_bytes);
-    int ok = k && v && want;
-    for (uint32_t l = 0; ok && l < layers; l++) {
-        kvh_status st = kvh_seq_read_kv(e, s, l, pos, n, k, v);
-        if (st != KVH_OK) {
-            print_error("read_kv(layer %u, pos %" PRIu64 ", n %zu): %s: %s\n", l, pos, n, kvh_status_name(st),
-                        kvh_last_error());
-            ok = 0;
-            break;
-        }
-        for (size_t t = 0; ok && t < n; t++)
-            for (int kv = 0; kv < 2 && ok; kv++) {
-                tu_pattern(want, tok_bytes, tag, l, pos + t, kv);
-                if (memcmp((kv ? v : k) + t * tok_bytes, want, tok_bytes) != 0) {
-                    print_error("KV mismatch: layer %u token %" PRIu64 " %s (tag %" PRIu64 ")\n", l, pos + t,
-                                kv ? "V" : "K", tag);
-                    ok = 0;
-                }
-            }
-    }
-    free(k);
-    free(v);
-    free(want);
-    return ok;
-}
+int tu_check_pattern(kvh_engine *e, kvh_seq s, uint32_t layers, size_t tok_bytes, uint64_t tag, uint64_t pos,
+                     size_t n);
 
 /* The current view of a vmap (kvh_vmap_get). */
-static inline kvh_vmap_view tu_vmap_view(kvh_engine *e, kvh_vmap *m)
-{
-    kvh_vmap_view v;
-    memset(&v, 0, sizeof(v));
-    v.struct_size = sizeof(v);
-    assert_ok(kvh_vmap_get(e, m, &v));
-    return v;
-}
+#define tu_vmap_view(e, m) tu_vmap_view_at(__FILE__, __LINE__, e, m)
+kvh_vmap_view tu_vmap_view_at(const char *file, int line, kvh_engine *e, kvh_vmap *m);
 
 #endif

@@ -1,0 +1,642 @@
+/* The disk tier inside the engine (core/disk_tier.c), white-box: the
+ * index files are read back with the library's own decoders, and the
+ * hooks a move calls (after_move, keep_as_copy, forget), the cleaner and
+ * verification in place are called directly, on engines without
+ * migration workers.
+ *
+ *   - persist, journal, snapshot, reopen: persist writes clean copies and
+ *     one ADD record each, naming the copy's slot, hash and data CRC (the
+ *     partial last block none), into the journal, not the snapshot; a
+ *     second persist adds nothing; a clean close moves the records into
+ *     the snapshot and empties the journal; a reopen turns them into
+ *     unreferenced published blocks on disk at those slots;
+ *   - the records follow the blocks: a promotion of a journaled block
+ *     keeps its slot as a clean copy and writes nothing, forgetting it
+ *     writes a DEL and frees the slot, a spilled mutable block gets no
+ *     record, a demoted published one an ADD; a demotion recalled
+ *     during its write leaves the block in memory with the written slot
+ *     as its clean copy (an unhashed one gives the slot back);
+ *   - the cleaner (kvhi_disk_clean_step): nothing while the host tier
+ *     has room, then clean copies of the published host blocks (pinned
+ *     and unpublished ones skipped); after an empty sweep it looks again
+ *     only once something new arrived in the host tier; the evictions
+ *     that follow write nothing;
+ *   - a journal past 4096 records and twice the used slots is folded
+ *     into a new snapshot by the next persist;
+ *   - verification in place: a damaged block is marked corrupt
+ *     (unpublished, counted), good ones are untouched, an unreadable one
+ *     is a miss but not counted as damage, and nothing moves.
+ * test_disk_roundtrip.c, test_disk_corruption.c and test_stats.c cover
+ * the same through the public API. */
+#include <stdatomic.h>
+
+#include "disk_test_util.h"
+
+#include "core/block_state.h"
+#include "core/disk_index.h"
+#include "core/disk_io.h"
+#include "core/engine.h"
+#include "core/move.h"
+
+static const dt_geo G = {2, 1, 32, 16, KVH_DTYPE_F16}; /* block = 4096 bytes */
+
+/* The engine lock, taken by the test itself; a failed assertion leaves
+ * it held, and the teardown lets it go before closing the engine. */
+static kvh_engine *locked;
+static void lock(kvh_engine *e)
+{
+    pthread_mutex_lock(&e->lock);
+    locked = e;
+}
+static void unlock(kvh_engine *e)
+{
+    locked = NULL;
+    pthread_mutex_unlock(&e->lock);
+}
+
+static struct {
+    atomic_int count[KVHI_OP_COUNT];
+    atomic_int fail_reads;
+} H;
+
+static int hook(enum kvhi_disk_op op, void *user)
+{
+    (void)user;
+    atomic_fetch_add(&H.count[op], 1);
+    return op == KVHI_OP_READ && atomic_load(&H.fail_reads) ? -EIO : 0;
+}
+
+static void hook_on(void)
+{
+    for (int i = 0; i < KVHI_OP_COUNT; i++)
+        atomic_store(&H.count[i], 0);
+    atomic_store(&H.fail_reads, 0);
+    kvhi_disk_set_fault_hook(hook, NULL);
+}
+
+static int teardown(void **state)
+{
+    if (locked)
+        unlock(locked);
+    kvhi_disk_set_fault_hook(NULL, NULL);
+    return dt_teardown(state);
+}
+
+static uint32_t index_of(kvh_engine *e, kvh_block h)
+{
+    uint32_t b = KVHI_NO_BLOCK;
+    lock(e);
+    kvh_status st = kvhi_block_resolve(e, h, &b);
+    unlock(e);
+    dt_assert_ok(st);
+    return b;
+}
+
+static uint32_t blk_index(kvh_engine *e, kvh_seq s, uint64_t i)
+{
+    kvh_block h = {0};
+    dt_assert_ok(kvh_seq_blocks(e, s, i, 1, &h));
+    return index_of(e, h);
+}
+
+/* ---- the index files ---- */
+
+#define MAX_RECS 64
+typedef struct recs {
+    uint32_t kind; /* of the file: 1 snapshot, 2 journal */
+    uint64_t n_header;
+    int n;
+    kvhi_index_rec r[MAX_RECS];
+    int32_t tokens[MAX_RECS][16];
+} recs;
+
+/* Decodes `name` of the store in dir: its header and every record (each
+ * must pass its checksum). */
+static void read_recs(const char *dir, const char *name, recs *out)
+{
+    char p[PATH_MAX + 16];
+    size_t len = 0;
+    uint8_t *buf = dt_read_file(dt_path(p, sizeof(p), dir, name), &len);
+    assert_non_null(buf);
+    assert_true(len >= 4096);
+    kvhi_index_header h;
+    assert_int_equal(kvhi_index_header_decode(buf, len, &h), 0);
+    out->kind = h.kind;
+    out->n_header = h.n_records;
+    size_t rb = kvhi_index_rec_bytes(G.bt);
+    assert_int_equal((len - 4096) % rb, 0);
+    out->n = (int)((len - 4096) / rb);
+    assert_true(out->n <= MAX_RECS);
+    for (int i = 0; i < out->n; i++) {
+        out->r[i].tokens = out->tokens[i];
+        if (kvhi_index_rec_decode(buf + 4096 + (size_t)i * rb, &out->r[i], G.bt) != 0)
+            fail_msg("%s: record %d fails its check", name, i);
+    }
+    free(buf);
+}
+
+/* Index of the record of `kind` naming slot, or -1. */
+static int find_rec(const recs *rs, uint32_t kind, uint32_t slot)
+{
+    int at = -1;
+    for (int i = 0; i < rs->n; i++)
+        if (rs->r[i].kind == kind && rs->r[i].slot == slot) {
+            assert_int_equal(at, -1); /* one such record */
+            at = i;
+        }
+    return at;
+}
+
+static uint32_t live_on_disk(kvh_engine *e)
+{
+    uint32_t n = 0;
+    lock(e);
+    for (uint32_t b = 0; b < e->block_cap; b++)
+        n += (e->blocks[b].flags & KVHI_BF_LIVE) && e->blocks[b].tier == KVH_TIER_DISK;
+    unlock(e);
+    return n;
+}
+
+static void flush(kvh_engine *e) { assert_int_equal(kvhi_index_flush(e->disk), 0); }
+
+static void match_a(kvh_engine *e, dt_content c, size_t n, size_t want)
+{
+    size_t m = 0;
+    char msg[256] = "";
+    if (dt_match_verify(e, G, c, n, &m, msg, sizeof(msg)) != KVH_OK)
+        fail_msg("%s", msg);
+    assert_int_equal(m, want);
+}
+
+/* ---- persist, journal, snapshot, reopen ---- */
+
+static void test_persist_journal_snapshot_reopen(void **state)
+{
+    (void)state;
+    char dir[PATH_MAX];
+    dt_scratch("persist", dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 8, 8, 32, 0);
+    kvh_engine *e = dt_open_a(&c);
+    dt_content ct = dt_plain(1);
+    kvh_seq s;
+    dt_assert_ok(dt_build(e, G, ct, 3 * G.bt + G.bt / 2, 0, &s)); /* 3 full blocks and a half */
+    dt_assert_ok(kvh_seq_persist(e, s));
+    uint32_t slot[3], crc[3];
+    uint64_t hash[3];
+    const uint16_t durable = KVHI_BF_JOURNALED | KVHI_BF_DISK_COPY | KVHI_BF_DISK_HASHED;
+    for (int i = 0; i < 4; i++) {
+        uint32_t b = blk_index(e, s, (uint64_t)i);
+        kvhi_block *blk = kvhi_blk(e, b);
+        if (i == 3) {
+            assert_int_equal(blk->flags & durable, 0); /* the partial block is not persisted */
+            continue;
+        }
+        assert_int_equal(blk->flags & durable, durable);
+        assert_int_equal(blk->tier, KVH_TIER_DEVICE); /* copies: the blocks stay */
+        slot[i] = blk->disk_copy;
+        crc[i] = blk->data_crc;
+        hash[i] = blk->hash;
+    }
+    assert_int_equal(dt_tier(e, KVH_TIER_DISK).used_blocks, 3);
+    recs j, x;
+    read_recs(dir, "journal", &j);
+    read_recs(dir, "index", &x);
+    assert_int_equal(j.kind, 2);
+    assert_int_equal(x.kind, 1);
+    assert_int_equal(x.n, 0);
+    assert_int_equal(j.n, 3);
+    for (int i = 0; i < 3; i++) {
+        int k = find_rec(&j, KVHI_REC_ADD, slot[i]);
+        assert_true(k >= 0);
+        assert_int_equal(j.r[k].hash, hash[i]);
+        assert_int_equal(j.r[k].data_crc, crc[i]);
+        assert_int_equal(j.r[k].n_tokens, G.bt);
+        assert_int_equal(j.r[k].parent, i ? hash[i - 1] : 0);
+        assert_int_equal(j.tokens[k][0], dt_token(ct, (uint64_t)i * G.bt));
+    }
+    /* Persisting again records nothing new. */
+    dt_assert_ok(kvh_seq_persist(e, s));
+    read_recs(dir, "journal", &j);
+    assert_int_equal(j.n, 3);
+    dt_assert_ok(kvh_seq_free(e, s));
+    dt_assert_ok(dt_close(e));
+
+    /* A clean close: the snapshot holds them, the journal is empty. */
+    read_recs(dir, "journal", &j);
+    read_recs(dir, "index", &x);
+    assert_int_equal(j.n, 0);
+    assert_int_equal(x.n, 3);
+    assert_int_equal(x.n_header, 3);
+    for (int i = 0; i < 3; i++) {
+        int k = find_rec(&x, KVHI_REC_ADD, slot[i]);
+        assert_true(k >= 0);
+        assert_int_equal(x.r[k].hash, hash[i]);
+        assert_int_equal(x.r[k].data_crc, crc[i]);
+    }
+
+    /* Reopened: cached blocks on disk, at those slots. */
+    e = dt_open_a(&c);
+    assert_int_equal(live_on_disk(e), 3);
+    assert_int_equal(dt_tier(e, KVH_TIER_DISK).used_blocks, 3);
+    assert_int_equal(dt_stats(e).blocks_allocated, 3);
+    lock(e);
+    for (int i = 0; i < 3; i++) {
+        uint32_t b = kvhi_prefix_find(&e->prefix, hash[i]);
+        assert_true(b != KVHI_PREFIX_MISS);
+        kvhi_block *blk = kvhi_blk(e, b);
+        const uint16_t want = KVHI_BF_LIVE | KVHI_BF_PUBLISHED | KVHI_BF_HASHED | KVHI_BF_KV_COMPLETE |
+                              KVHI_BF_JOURNALED | KVHI_BF_DISK_HASHED;
+        assert_int_equal(blk->flags, want);
+        assert_int_equal(blk->tier, KVH_TIER_DISK);
+        assert_int_equal(blk->slot, slot[i]);
+        assert_int_equal(blk->data_crc, crc[i]);
+        assert_int_equal(blk->refs, 0);
+        assert_true(blk->heap_pos != KVHI_HEAP_NONE);
+    }
+    unlock(e);
+    match_a(e, ct, 3 * G.bt + G.bt / 2, 3 * G.bt); /* byte for byte; not the half block */
+    dt_assert_ok(dt_close(e));
+}
+
+/* ---- records follow the blocks ---- */
+
+static void test_records_follow_the_blocks(void **state)
+{
+    (void)state;
+    char dir[PATH_MAX];
+    dt_scratch("records", dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 8, 8, 32, 0);
+    kvh_engine *e = dt_open_a(&c);
+    dt_content ct = dt_plain(2);
+    kvh_seq s;
+    dt_assert_ok(dt_build(e, G, ct, 2 * G.bt, 0, &s));
+    dt_assert_ok(kvh_seq_persist(e, s));
+    dt_assert_ok(kvh_seq_free(e, s));
+    dt_assert_ok(dt_close(e));
+    e = dt_open_a(&c);
+    recs j;
+    read_recs(dir, "journal", &j);
+    assert_int_equal(j.n, 0);
+
+    /* A promotion keeps the disk slot as a clean copy: no record. */
+    int32_t tk[2 * 16];
+    dt_tokens(ct, 0, 2 * G.bt, tk);
+    kvh_block h[2];
+    size_t n = 0;
+    dt_assert_ok(kvh_prefix_lookup(e, tk, 2 * G.bt, h, 2, &n));
+    assert_int_equal(n, 2);
+    uint32_t b0 = index_of(e, h[0]);
+    kvhi_block *blk = kvhi_blk(e, b0);
+    uint32_t slot0 = blk->slot;
+    dt_assert_ok(kvh_migrate(e, h, 1, KVH_TIER_HOST, NULL));
+    assert_int_equal(blk->tier, KVH_TIER_HOST);
+    assert_true(blk->flags & KVHI_BF_DISK_COPY);
+    assert_true(blk->flags & KVHI_BF_JOURNALED);
+    assert_int_equal(blk->disk_copy, slot0);
+    assert_int_equal(dt_tier(e, KVH_TIER_DISK).used_blocks, 2);
+    flush(e);
+    read_recs(dir, "journal", &j);
+    assert_int_equal(j.n, 0);
+    /* Forgetting it: a DEL for that slot, the slot free. */
+    lock(e);
+    kvhi_disk_forget(e, b0);
+    assert_false(blk->flags & (KVHI_BF_DISK_COPY | KVHI_BF_JOURNALED));
+    assert_int_equal(blk->disk_copy, KVHI_NO_BLOCK);
+    unlock(e);
+    assert_int_equal(dt_tier(e, KVH_TIER_DISK).used_blocks, 1);
+    flush(e);
+    read_recs(dir, "journal", &j);
+    assert_int_equal(j.n, 1);
+    assert_int_equal(find_rec(&j, KVHI_REC_DEL, slot0), 0);
+
+    /* A mutable (partial) block spilled and read back: no record, and
+     * its slot is given back. */
+    kvh_seq p;
+    dt_content pc = dt_plain(3);
+    dt_assert_ok(dt_build(e, G, pc, G.bt / 2, 0, &p));
+    dt_assert_ok(kvh_seq_migrate(e, p, 0, G.bt / 2, KVH_TIER_DISK, NULL));
+    assert_int_equal(dt_binfo(e, p, 0).tier, KVH_TIER_DISK);
+    assert_int_equal(dt_tier(e, KVH_TIER_DISK).used_blocks, 2);
+    dt_assert_ok(kvh_seq_migrate(e, p, 0, G.bt / 2, KVH_TIER_HOST, NULL));
+    assert_int_equal(dt_tier(e, KVH_TIER_DISK).used_blocks, 1);
+    uint32_t pb = blk_index(e, p, 0);
+    assert_false(kvhi_blk(e, pb)->flags & (KVHI_BF_DISK_COPY | KVHI_BF_JOURNALED));
+    /* A published block demoted (never persisted): an ADD record. */
+    kvh_seq q;
+    dt_content qc = dt_plain(4);
+    dt_assert_ok(dt_build(e, G, qc, G.bt, 0, &q));
+    dt_assert_ok(kvh_seq_migrate(e, q, 0, G.bt, KVH_TIER_DISK, NULL));
+    uint32_t qb = blk_index(e, q, 0);
+    assert_true(kvhi_blk(e, qb)->flags & KVHI_BF_JOURNALED);
+    flush(e);
+    read_recs(dir, "journal", &j);
+    assert_int_equal(j.n, 2);
+    assert_int_equal(find_rec(&j, KVHI_REC_ADD, kvhi_blk(e, qb)->slot), 1);
+    assert_int_equal(j.r[1].hash, kvhi_blk(e, qb)->hash);
+
+    /* Demotions called off during their write (kvhi_block_recall): the
+     * block stays; the written slot becomes its clean copy when it is
+     * immutable and written with its hash, else it is freed. */
+    kvh_seq r;
+    dt_content rc = dt_plain(5);
+    dt_assert_ok(dt_build(e, G, rc, G.bt + G.bt / 2, 0, &r)); /* a full block and a partial one */
+    uint32_t rb[2] = {blk_index(e, r, 0), blk_index(e, r, 1)};
+    kvh_stats a = dt_stats(e);
+    uint64_t disk0 = dt_tier(e, KVH_TIER_DISK).used_blocks;
+    uint32_t written[2];
+    lock(e);
+    for (int i = 0; i < 2; i++) {
+        kvhi_block *rbk = kvhi_blk(e, rb[i]);
+        uint8_t tier = rbk->tier;
+        uint32_t s0 = rbk->slot;
+        kvhi_xfer x;
+        assert_int_equal(kvhi_move_begin(e, rb[i], KVH_TIER_DISK, &x, false), 0);
+        assert_int_equal(kvhi_move_state(rbk), KVHI_MS_DEMOTING);
+        assert_true(kvhi_block_recall(e, rb[i]));
+        assert_int_equal(kvhi_move_state(rbk), KVHI_MS_RECALLED);
+        assert_true(kvhi_block_in_device(e, rb[i]) == (tier == KVH_TIER_DEVICE));
+        written[i] = x.dst_slot;
+        kvhi_unlock_for_copy(e);
+        kvhi_xfer_run(e, &x);
+        kvhi_relock_after_copy(e);
+        assert_int_equal(x.err, 0);
+        dt_assert_ok(kvhi_move_end(e, &x, NULL));
+        assert_int_equal(rbk->tier, tier);
+        assert_int_equal(rbk->slot, s0);
+        assert_int_equal(kvhi_move_state(rbk), KVHI_MS_IDLE);
+    }
+    kvhi_block *full = kvhi_blk(e, rb[0]), *part = kvhi_blk(e, rb[1]);
+    assert_true(full->flags & KVHI_BF_DISK_COPY);
+    assert_int_equal(full->disk_copy, written[0]);
+    assert_true(full->flags & KVHI_BF_JOURNALED);
+    assert_false(part->flags & (KVHI_BF_DISK_COPY | KVHI_BF_JOURNALED));
+    unlock(e);
+    kvh_stats d = dt_stats(e);
+    assert_int_equal(dt_tier(e, KVH_TIER_DISK).used_blocks, disk0 + 1); /* the partial one's slot came back */
+    assert_int_equal(d.disk_copies_written - a.disk_copies_written, 1);
+    assert_int_equal(d.bytes_disk_copies_written - a.bytes_disk_copies_written, dt_block_bytes(G));
+    assert_int_equal(d.blocks_host_to_disk, a.blocks_host_to_disk); /* not moves */
+    flush(e);
+    read_recs(dir, "journal", &j);
+    assert_int_equal(j.n, 3);
+    assert_int_equal(find_rec(&j, KVHI_REC_ADD, written[0]), 2);
+    assert_int_equal(find_rec(&j, KVHI_REC_ADD, written[1]), -1);
+    char msg[256] = "";
+    if (dt_verify(e, r, G, rc, 0, G.bt + G.bt / 2, msg, sizeof(msg)) != KVH_OK)
+        fail_msg("%s", msg);
+    dt_assert_ok(kvh_block_release(e, h[0]));
+    dt_assert_ok(kvh_block_release(e, h[1]));
+    dt_assert_ok(kvh_seq_free(e, p));
+    dt_assert_ok(kvh_seq_free(e, q));
+    dt_assert_ok(kvh_seq_free(e, r));
+    dt_assert_ok(dt_close(e));
+    /* What the records say is what a new engine finds: block 1 of the
+     * first chain, q's block, r's full block; not block 0 (forgotten). */
+    e = dt_open_a(&c);
+    assert_int_equal(live_on_disk(e), 3);
+    match_a(e, ct, 2 * G.bt, 0);
+    match_a(e, qc, G.bt, G.bt);
+    match_a(e, rc, G.bt, G.bt);
+    dt_assert_ok(dt_close(e));
+}
+
+/* ---- the cleaner ---- */
+
+static void test_cleaner(void **state)
+{
+    (void)state;
+    char dir[PATH_MAX];
+    dt_scratch("cleaner", dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 2, 16, 64, 0);
+    kvh_engine *e = dt_open_a(&c);
+    dt_content ct = dt_plain(6);
+    kvh_seq s;
+    dt_assert_ok(dt_build(e, G, ct, 4 * G.bt, 0, &s));
+    lock(e);
+    assert_false(kvhi_disk_clean_step(e)); /* the host tier has room */
+    unlock(e);
+    assert_int_equal(dt_stats(e).disk_copies_written, 0);
+    /* 16 full blocks and a partial one: the device holds the newest two,
+     * the host the other 15; then the partial one goes to the host too:
+     * no free host slot. Block 0, the oldest, is pinned. */
+    dt_assert_ok(dt_extend(e, s, G, ct, 4 * G.bt, 12 * G.bt + G.bt / 2));
+    dt_assert_ok(kvh_seq_migrate(e, s, 16 * G.bt, G.bt / 2, KVH_TIER_HOST, NULL));
+    kvh_block h0;
+    dt_assert_ok(kvh_seq_blocks(e, s, 0, 1, &h0));
+    dt_assert_ok(kvh_block_pin(e, h0, 1));
+    assert_int_equal(dt_tier(e, KVH_TIER_HOST).used_blocks, 16);
+    uint32_t b[17];
+    for (int i = 0; i < 17; i++)
+        b[i] = blk_index(e, s, (uint64_t)i);
+    assert_int_equal(kvhi_blk(e, b[15])->tier, KVH_TIER_DEVICE);
+    assert_int_equal(kvhi_blk(e, b[16])->tier, KVH_TIER_HOST);
+    kvh_stats a = dt_stats(e);
+    lock(e);
+    assert_true(kvhi_disk_clean_step(e));
+    int copies = 0;
+    for (int i = 0; i < 17; i++) {
+        kvhi_block *blk = kvhi_blk(e, b[i]);
+        bool cleaned = (blk->flags & KVHI_BF_DISK_COPY) != 0;
+        bool expect = i >= 1 && i <= 14; /* published host blocks, not pinned */
+        if (cleaned != expect)
+            fail_msg("block %d (tier %u, flags 0x%x): %s a clean copy", i, blk->tier, blk->flags,
+                     cleaned ? "got" : "did not get");
+        if (cleaned) {
+            assert_true(blk->flags & KVHI_BF_JOURNALED);
+            assert_true(blk->flags & KVHI_BF_DISK_HASHED);
+            assert_int_equal(blk->tier, KVH_TIER_HOST);
+            assert_int_equal(kvhi_move_state(blk), KVHI_MS_IDLE);
+        }
+        copies += cleaned;
+    }
+    assert_int_equal(copies, 14);
+    /* Nothing left to clean. */
+    assert_false(kvhi_disk_clean_step(e));
+    unlock(e);
+    kvh_stats d = dt_stats(e);
+    assert_int_equal(d.disk_copies_written - a.disk_copies_written, 14);
+    assert_int_equal(d.bytes_disk_copies_written - a.bytes_disk_copies_written, 14 * dt_block_bytes(G));
+    assert_int_equal(d.blocks_host_to_disk, a.blocks_host_to_disk);
+    assert_int_equal(dt_tier(e, KVH_TIER_DISK).used_blocks, 14);
+    assert_int_equal(dt_tier(e, KVH_TIER_HOST).used_blocks, 16);
+    /* The partial block is completed where it lies: publishable now, but
+     * nothing arrived in the host tier since the empty sweep, so the
+     * cleaner does not look again ... */
+    dt_assert_ok(dt_extend(e, s, G, ct, 16 * G.bt + G.bt / 2, G.bt / 2));
+    assert_true(kvhi_blk(e, b[16])->flags & KVHI_BF_PUBLISHED);
+    assert_int_equal(kvhi_blk(e, b[16])->tier, KVH_TIER_HOST);
+    lock(e);
+    assert_false(kvhi_disk_clean_step(e));
+    assert_false(kvhi_blk(e, b[16])->flags & KVHI_BF_DISK_COPY);
+    unlock(e);
+    /* ... until something does: block 15 comes down (block 1 leaving for
+     * its copy), and both are cleaned. */
+    dt_assert_ok(kvh_seq_migrate(e, s, 15 * G.bt, G.bt, KVH_TIER_HOST, NULL));
+    assert_int_equal(kvhi_blk(e, b[1])->tier, KVH_TIER_DISK);
+    lock(e);
+    assert_true(kvhi_disk_clean_step(e));
+    assert_true(kvhi_blk(e, b[15])->flags & KVHI_BF_DISK_COPY);
+    assert_true(kvhi_blk(e, b[16])->flags & KVHI_BF_DISK_COPY);
+    unlock(e);
+    d = dt_stats(e);
+    assert_int_equal(d.disk_copies_written - a.disk_copies_written, 16);
+    assert_int_equal(d.blocks_host_to_disk, a.blocks_host_to_disk);
+    assert_int_equal(dt_tier(e, KVH_TIER_DISK).used_blocks, 16);
+    /* The evictions that follow find their copies: four new blocks (two
+     * in free device slots) push two host blocks to disk, and nothing is
+     * written. */
+    hook_on();
+    kvh_seq t;
+    dt_assert_ok(dt_build(e, G, dt_plain(7), 4 * G.bt, 0, &t));
+    kvh_stats f = dt_stats(e);
+    assert_int_equal(atomic_load(&H.count[KVHI_OP_WRITE]), 0);
+    assert_int_equal(f.blocks_host_to_disk, d.blocks_host_to_disk);
+    assert_int_equal(f.disk_copies_written, d.disk_copies_written);
+    assert_int_equal(dt_tier(e, KVH_TIER_DISK).used_blocks, 16);
+    int on_disk = 0;
+    for (int i = 0; i < 17; i++)
+        on_disk += kvhi_blk(e, b[i])->tier == KVH_TIER_DISK;
+    assert_int_equal(on_disk, 1 + 2);
+    assert_int_equal(kvhi_blk(e, b[0])->tier, KVH_TIER_HOST); /* pinned */
+    kvhi_disk_set_fault_hook(NULL, NULL);
+    char msg[256] = "";
+    if (dt_verify(e, s, G, ct, 0, 17 * G.bt, msg, sizeof(msg)) != KVH_OK)
+        fail_msg("%s", msg);
+    dt_assert_ok(kvh_block_pin(e, h0, 0));
+    dt_assert_ok(kvh_seq_free(e, t));
+    dt_assert_ok(kvh_seq_free(e, s));
+    dt_assert_ok(dt_close(e));
+}
+
+/* ---- a long journal ---- */
+
+static void test_long_journal_folds(void **state)
+{
+    (void)state;
+    char dir[PATH_MAX];
+    dt_scratch("fold", dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 8, 8, 32, 0);
+    kvh_engine *e = dt_open_a(&c);
+    dt_content ct = dt_plain(8);
+    kvh_seq s;
+    dt_assert_ok(dt_build(e, G, ct, 2 * G.bt, 0, &s));
+    dt_assert_ok(kvh_seq_persist(e, s));
+    recs x;
+    read_recs(dir, "index", &x);
+    assert_int_equal(x.n, 0); /* a short journal stays a journal */
+    /* 4100 more records (deletions of a slot nobody holds: replay drops
+     * them), as a long-running store would have accumulated. */
+    int32_t tk[16] = {0};
+    for (int i = 0; i < 4100; i++)
+        assert_int_equal(kvhi_index_append(e->disk, KVHI_REC_DEL, 31, 0x1234 + (uint64_t)i, 0, G.bt, 0, tk), 0);
+    flush(e);
+    assert_true(e->disk->journal_records > 4096);
+    dt_assert_ok(dt_extend(e, s, G, ct, 2 * G.bt, G.bt));
+    dt_assert_ok(kvh_seq_persist(e, s)); /* folds */
+    read_recs(dir, "index", &x);
+    assert_int_equal(x.n, 3);
+    recs j;
+    read_recs(dir, "journal", &j);
+    assert_int_equal(j.n, 0);
+    assert_true(e->disk->journal_records < 16);
+    lock(e);
+    for (int i = 0; i < 3; i++) {
+        uint32_t b = kvhi_prefix_find(&e->prefix, x.r[i].hash);
+        assert_true(b != KVHI_PREFIX_MISS);
+        assert_int_equal(kvhi_blk(e, b)->disk_copy, x.r[i].slot);
+    }
+    unlock(e);
+    /* Killed now: the folded files alone give everything back. */
+    dt_saved_store saved;
+    assert_int_equal(dt_store_save(dir, &saved), 0);
+    dt_assert_ok(kvh_seq_free(e, s));
+    dt_assert_ok(dt_close(e));
+    assert_int_equal(dt_store_restore(dir, &saved), 0);
+    dt_store_free(&saved);
+    e = dt_open_a(&c);
+    match_a(e, ct, 3 * G.bt, 3 * G.bt);
+    dt_assert_ok(dt_close(e));
+}
+
+/* ---- verification in place ---- */
+
+static void test_verify_in_place(void **state)
+{
+    (void)state;
+    char dir[PATH_MAX], slab[PATH_MAX + 32];
+    dt_scratch("verify", dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 8, 8, 32, 0);
+    kvh_engine *e = dt_open_a(&c);
+    dt_content ct = dt_plain(9);
+    kvh_seq s;
+    dt_assert_ok(dt_build(e, G, ct, 3 * G.bt, 0, &s));
+    dt_assert_ok(kvh_seq_persist(e, s));
+    uint32_t slot1 = kvhi_blk(e, blk_index(e, s, 1))->disk_copy;
+    dt_assert_ok(kvh_seq_free(e, s));
+    dt_assert_ok(dt_close(e));
+    assert_int_equal(dt_flip_bit(dt_path(slab, sizeof(slab), dir, "slab-0000.kvh"),
+                                 (uint64_t)slot1 * dt_slot_bytes(G) + 4096 + 77, 2),
+                     0);
+
+    e = dt_open_a(&c);
+    int32_t tk[3 * 16];
+    dt_tokens(ct, 0, 3 * G.bt, tk);
+    kvh_block h[3];
+    size_t n = 0;
+    dt_assert_ok(kvh_prefix_lookup(e, tk, 3 * G.bt, h, 3, &n));
+    assert_int_equal(n, 3);
+    uint32_t b[3];
+    for (int i = 0; i < 3; i++)
+        b[i] = index_of(e, h[i]);
+    kvh_stats a = dt_stats(e);
+    hook_on();
+    lock(e);
+    kvhi_disk_verify(e, b, 3);
+    for (int i = 0; i < 3; i++) {
+        kvhi_block *blk = kvhi_blk(e, b[i]);
+        assert_int_equal(blk->tier, KVH_TIER_DISK); /* checked where it lies */
+        assert_int_equal(kvhi_move_state(blk), KVHI_MS_IDLE);
+        assert_int_equal((blk->flags & KVHI_BF_CORRUPT) != 0, i == 1);
+        assert_int_equal((blk->flags & KVHI_BF_PUBLISHED) != 0, i != 1);
+    }
+    unlock(e);
+    assert_true(atomic_load(&H.count[KVHI_OP_READ]) >= 1);
+    kvh_stats d = dt_stats(e);
+    assert_int_equal(d.corrupt_blocks - a.corrupt_blocks, 1);
+    assert_int_equal(d.blocks_disk_to_host, a.blocks_disk_to_host);
+    /* An unreadable block: a miss from now on, but not damage. */
+    atomic_store(&H.fail_reads, 1);
+    lock(e);
+    kvhi_disk_verify(e, &b[2], 1);
+    kvhi_block *blk = kvhi_blk(e, b[2]);
+    assert_true(blk->flags & KVHI_BF_CORRUPT);
+    assert_true(blk->flags & KVHI_BF_PUBLISHED);
+    assert_int_equal(kvhi_move_state(blk), KVHI_MS_IDLE);
+    unlock(e);
+    atomic_store(&H.fail_reads, 0);
+    assert_int_equal(dt_stats(e).corrupt_blocks - a.corrupt_blocks, 1);
+    /* Blocks already marked are not read again: block 0 only. */
+    int reads = atomic_load(&H.count[KVHI_OP_READ]);
+    lock(e);
+    kvhi_disk_verify(e, b, 3);
+    unlock(e);
+    assert_int_equal(atomic_load(&H.count[KVHI_OP_READ]) - reads, 1);
+    assert_false(kvhi_blk(e, b[0])->flags & KVHI_BF_CORRUPT);
+    assert_int_equal(dt_stats(e).corrupt_blocks - a.corrupt_blocks, 1);
+    kvhi_disk_set_fault_hook(NULL, NULL);
+    for (int i = 0; i < 3; i++)
+        dt_assert_ok(kvh_block_release(e, h[i]));
+    dt_assert_ok(dt_close(e));
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_teardown(test_persist_journal_snapshot_reopen, teardown),
+        cmocka_unit_test_teardown(test_records_follow_the_blocks, teardown),
+        cmocka_unit_test_teardown(test_cleaner, teardown),
+        cmocka_unit_test_teardown(test_long_journal_folds, teardown),
+        cmocka_unit_test_teardown(test_verify_in_place, teardown),
+    };
+    return cmocka_run_group_tests_name("disk_tier", tests, NULL, NULL);
+}

@@ -1,0 +1,468 @@
+/* Making room (core/evict.c), white-box: kvhi_reserve_slot is called
+ * directly, under the engine lock, on engines without migration workers;
+ * each reservation keeps the slot it got, so the next one must evict
+ * again.
+ *
+ *   - victims leave in LRU-K order: unreferenced blocks first, then by the
+ *     K-th most recent access (fewer than K accesses: first), then by the
+ *     most recent one; the same history gives another order under K = 1,
+ *     and lazily raised keys (kvhi_block_touch) are honoured;
+ *   - pinned, held and busy blocks are never chosen, even when they are
+ *     the least valuable; with only those left the reservation fails with
+ *     KVH_ERR_NOSPACE and says why, and a block whose copy ended is a
+ *     candidate again;
+ *   - the last tier (here the disk) only gives up unreferenced blocks,
+ *     which are dropped (stats.drops, their index records deleted: gone
+ *     after a reopen);
+ *   - a victim that cannot go down, because the tier below is full of
+ *     referenced blocks or fails its writes, is dropped when unreferenced,
+ *     and the reservation fails when it is referenced;
+ *   - an agent at its device quota makes room among its own blocks, its
+ *     least valuable first, even with free slots; with none of its own
+ *     evictable it gets NOSPACE (new blocks then go to the host tier),
+ *     while other agents still get the free slots;
+ *   - the NOSPACE messages.
+ * test_tiers.c covers the same policies through the public API (LRU-K
+ * with a single victim, pins, holds, quotas, drops without a lower
+ * tier). */
+#include <stdatomic.h>
+
+#include "disk_test_util.h"
+
+#include "core/block_state.h"
+#include "core/disk_io.h"
+#include "core/engine.h"
+#include "core/move.h"
+
+static const dt_geo G = {2, 1, 32, 16, KVH_DTYPE_F16}; /* block = 4096 bytes */
+
+/* The engine lock, taken by the test itself; a failed assertion leaves
+ * it held, and the teardown lets it go before closing the engine. */
+static kvh_engine *locked;
+static void lock(kvh_engine *e)
+{
+    pthread_mutex_lock(&e->lock);
+    locked = e;
+}
+static void unlock(kvh_engine *e)
+{
+    locked = NULL;
+    pthread_mutex_unlock(&e->lock);
+}
+
+static uint32_t index_of(kvh_engine *e, kvh_block h)
+{
+    uint32_t b = KVHI_NO_BLOCK;
+    lock(e);
+    kvh_status st = kvhi_block_resolve(e, h, &b);
+    unlock(e);
+    dt_assert_ok(st);
+    return b;
+}
+
+static uint32_t blk_index(kvh_engine *e, kvh_seq s, uint64_t i)
+{
+    kvh_block h = {0};
+    dt_assert_ok(kvh_seq_blocks(e, s, i, 1, &h));
+    return index_of(e, h);
+}
+
+static kvh_engine *open_mem(uint64_t dev, uint64_t host, uint32_t lru_k)
+{
+    kvh_config c = dt_cfg(G, NULL, dev, host, 0, 0);
+    c.copy_moves = 1;
+    c.lru_k = lru_k;
+    return dt_open_a(&c);
+}
+
+/* A cached block: published, then its sequence freed. */
+static uint32_t cached_block(kvh_engine *e, uint64_t stream)
+{
+    kvh_seq s;
+    dt_assert_ok(dt_build(e, G, dt_plain(stream), G.bt, 0, &s));
+    uint32_t b = blk_index(e, s, 0);
+    dt_assert_ok(kvh_seq_free(e, s));
+    assert_true(kvhi_blk(e, b)->flags & KVHI_BF_PUBLISHED);
+    assert_int_equal(kvhi_blk(e, b)->refs, 0);
+    return b;
+}
+
+/* Reserves a slot of tier (asserting success) and returns which of the
+ * n blocks left that tier for it (-1: none did). Lock held. */
+static int reserve_one(kvh_engine *e, uint32_t tier, uint32_t agent, const uint32_t *blocks, int n, uint32_t *slot)
+{
+    uint8_t before[16];
+    for (int i = 0; i < n; i++)
+        before[i] = kvhi_blk(e, blocks[i])->tier;
+    kvh_status st = kvhi_reserve_slot(e, tier, agent, slot);
+    if (st != KVH_OK)
+        fail_msg("kvhi_reserve_slot(tier %u): %s: %s", tier, kvh_status_name(st), kvh_last_error());
+    int left = -1;
+    for (int i = 0; i < n; i++) {
+        const kvhi_block *blk = kvhi_blk(e, blocks[i]);
+        if (before[i] == tier && (!(blk->flags & KVHI_BF_LIVE) || blk->tier != tier)) {
+            assert_int_equal(left, -1); /* one victim a reservation */
+            left = i;
+        }
+    }
+    return left;
+}
+
+/* ---- victim order ---- */
+
+static void test_lru_k_order(void **state)
+{
+    (void)state;
+    enum { U, A, B, C, D, E, N };
+    static const char names[N] = {'U', 'A', 'B', 'C', 'D', 'E'};
+    for (uint32_t k = 1; k <= 2; k++) {
+        kvh_engine *e = open_mem(N, 8, k);
+        uint32_t b[N];
+        b[U] = cached_block(e, 10);
+        kvh_seq s;
+        dt_assert_ok(dt_build(e, G, dt_plain(11), 4 * G.bt, 0, &s));
+        for (int i = 0; i < 4; i++)
+            b[A + i] = blk_index(e, s, (uint64_t)i);
+        lock(e);
+        /* A B C D, then D C A: A, C and D have two accesses here, B one. */
+        int order[] = {A, B, C, D, D, C, A, U, U};
+        for (size_t i = 0; i < sizeof(order) / sizeof(order[0]); i++)
+            kvhi_block_touch(e, b[order[i]]);
+        unlock(e);
+        kvh_block eh;
+        dt_assert_ok(kvh_block_alloc(e, 0, &eh)); /* E: the newest, one access */
+        b[E] = index_of(e, eh);
+        assert_int_equal(dt_tier(e, KVH_TIER_DEVICE).used_blocks, N);
+        uint64_t ev0 = dt_stats(e).evictions;
+        assert_int_equal(ev0, 0);
+
+        /* K = 2: U (unreferenced), E (fewer than 2 accesses), then by the
+         * second most recent access: B (its creation), A, C, D.
+         * K = 1 (LRU): U, then by the last access: B, D, C, A, E. */
+        const char *want = k == 2 ? "UEBACD" : "UBDCAE";
+        char got[N + 1] = "";
+        uint32_t slots[N];
+        lock(e);
+        for (int i = 0; i < N; i++) {
+            int v = reserve_one(e, KVH_TIER_DEVICE, 0, b, N, &slots[i]);
+            got[i] = v < 0 ? '-' : names[v];
+        }
+        for (int i = 0; i < N; i++)
+            kvhi_release_slot(e, KVH_TIER_DEVICE, slots[i]);
+        unlock(e);
+        if (strcmp(got, want) != 0)
+            fail_msg("lru_k %u: victims left in the order %s, expected %s", k, got, want);
+        assert_int_equal(dt_stats(e).evictions - ev0, N);
+        assert_int_equal(dt_tier(e, KVH_TIER_HOST).used_blocks, N);
+        assert_int_equal(dt_stats(e).drops, 0); /* all went down, none dropped */
+        char msg[256] = "";
+        if (dt_verify(e, s, G, dt_plain(11), 0, 4 * G.bt, msg, sizeof(msg)) != KVH_OK)
+            fail_msg("%s", msg);
+        dt_assert_ok(kvh_block_release(e, eh));
+        dt_assert_ok(kvh_seq_free(e, s));
+        dt_assert_ok(dt_close(e));
+    }
+}
+
+/* ---- protected blocks ---- */
+
+static void test_protected_blocks_stay(void **state)
+{
+    (void)state;
+    enum { P, HL, BZ, R, U, N };
+    kvh_engine *e = open_mem(N, 8, 2);
+    uint32_t b[N];
+    kvh_seq s;
+    dt_assert_ok(dt_build(e, G, dt_plain(20), 4 * G.bt, 0, &s)); /* P, HL, BZ, R */
+    kvh_block ph;
+    dt_assert_ok(kvh_seq_blocks(e, s, 0, 1, &ph));
+    for (int i = 0; i < 4; i++)
+        b[i] = blk_index(e, s, (uint64_t)i);
+    b[U] = cached_block(e, 21);
+    dt_assert_ok(kvh_block_pin(e, ph, 1));
+    dt_assert_ok(kvh_seq_acquire(e, s, 1 * G.bt, G.bt, NULL)); /* holds HL */
+    lock(e);
+    kvhi_block_move_event(kvhi_blk(e, b[BZ]), KVHI_EV_COPY_BEGIN); /* a clean copy is written from it */
+    kvhi_block_update_evictable(e, b[BZ]);
+    /* R and U are the most valuable by history: the protected ones would
+     * leave first if they could. */
+    kvhi_block_touch(e, b[R]);
+    kvhi_block_touch(e, b[R]);
+    kvhi_block_touch(e, b[U]);
+    kvhi_block_touch(e, b[U]);
+    uint32_t slot_of[N];
+    for (int i = 0; i < N; i++)
+        slot_of[i] = kvhi_blk(e, b[i])->slot;
+    uint32_t slots[3];
+    assert_int_equal(reserve_one(e, KVH_TIER_DEVICE, 0, b, N, &slots[0]), U);
+    assert_int_equal(reserve_one(e, KVH_TIER_DEVICE, 0, b, N, &slots[1]), R);
+    uint32_t none = 0;
+    assert_int_equal(kvhi_reserve_slot(e, KVH_TIER_DEVICE, 0, &none), KVH_ERR_NOSPACE);
+    assert_string_equal(kvh_last_error(), "device tier full: every block is pinned, held or in flight");
+    for (int i = P; i <= BZ; i++) {
+        assert_int_equal(kvhi_blk(e, b[i])->tier, KVH_TIER_DEVICE);
+        assert_int_equal(kvhi_blk(e, b[i])->slot, slot_of[i]);
+    }
+    /* The copy ends: the block may leave again. */
+    kvhi_block_writing_done(e, b[BZ]);
+    kvhi_block_update_evictable(e, b[BZ]);
+    assert_int_equal(reserve_one(e, KVH_TIER_DEVICE, 0, b, N, &slots[2]), BZ);
+    for (int i = 0; i < 3; i++)
+        kvhi_release_slot(e, KVH_TIER_DEVICE, slots[i]);
+    /* A tier that is not there. */
+    assert_int_equal(kvhi_reserve_slot(e, KVH_TIER_DISK, 0, &none), KVH_ERR_NOSPACE);
+    assert_string_equal(kvh_last_error(), "tier 2 is not configured");
+    unlock(e);
+    assert_int_equal(dt_stats(e).drops, 0);
+    dt_assert_ok(kvh_seq_release(e, s, 1 * G.bt, G.bt));
+    dt_assert_ok(kvh_block_pin(e, ph, 0));
+    char msg[256] = "";
+    if (dt_verify(e, s, G, dt_plain(20), 0, 4 * G.bt, msg, sizeof(msg)) != KVH_OK)
+        fail_msg("%s", msg);
+    dt_assert_ok(kvh_seq_free(e, s));
+}
+
+/* ---- the last tier ---- */
+
+static uint32_t live_on_disk(kvh_engine *e)
+{
+    uint32_t n = 0;
+    lock(e);
+    for (uint32_t b = 0; b < e->block_cap; b++)
+        n += (e->blocks[b].flags & KVHI_BF_LIVE) && e->blocks[b].tier == KVH_TIER_DISK;
+    unlock(e);
+    return n;
+}
+
+static void test_last_tier_drops_unreferenced(void **state)
+{
+    (void)state;
+    char dir[PATH_MAX];
+    dt_scratch("last-tier", dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 2, 2, 4, 0);
+    kvh_engine *e = dt_open_a(&c);
+    /* Disk full: two referenced blocks of r, two cached ones of u. */
+    kvh_seq r, u;
+    dt_content rc = dt_plain(30), uc = dt_plain(31);
+    dt_assert_ok(dt_build(e, G, rc, 2 * G.bt, 0, &r));
+    dt_assert_ok(kvh_seq_migrate(e, r, 0, 2 * G.bt, KVH_TIER_DISK, NULL));
+    dt_assert_ok(dt_build(e, G, uc, 2 * G.bt, 0, &u));
+    dt_assert_ok(kvh_seq_persist(e, u));
+    dt_assert_ok(kvh_seq_migrate(e, u, 0, 2 * G.bt, KVH_TIER_DISK, NULL));
+    uint32_t b[4] = {blk_index(e, r, 0), blk_index(e, r, 1), blk_index(e, u, 0), blk_index(e, u, 1)};
+    dt_assert_ok(kvh_seq_free(e, u));
+    assert_int_equal(dt_tier(e, KVH_TIER_DISK).used_blocks, 4);
+    assert_int_equal(live_on_disk(e), 4);
+    kvh_stats a = dt_stats(e);
+    lock(e);
+    uint64_t hash2 = kvhi_blk(e, b[2])->hash, hash3 = kvhi_blk(e, b[3])->hash;
+    uint32_t slots[2];
+    int v0 = reserve_one(e, KVH_TIER_DISK, 0, b, 4, &slots[0]);
+    int v1 = reserve_one(e, KVH_TIER_DISK, 0, b, 4, &slots[1]);
+    assert_true((v0 == 2 && v1 == 3) || (v0 == 3 && v1 == 2));
+    assert_int_equal(kvhi_prefix_find(&e->prefix, hash2), KVHI_PREFIX_MISS);
+    assert_int_equal(kvhi_prefix_find(&e->prefix, hash3), KVHI_PREFIX_MISS);
+    uint32_t none = 0;
+    assert_int_equal(kvhi_reserve_slot(e, KVH_TIER_DISK, 0, &none), KVH_ERR_NOSPACE);
+    assert_string_equal(kvh_last_error(), "disk tier full: every block is pinned, held or in flight, or still "
+                                          "referenced with no tier below");
+    for (int i = 0; i < 2; i++)
+        assert_int_equal(kvhi_blk(e, b[i])->tier, KVH_TIER_DISK);
+    kvhi_release_slot(e, KVH_TIER_DISK, slots[0]);
+    kvhi_release_slot(e, KVH_TIER_DISK, slots[1]);
+    unlock(e);
+    kvh_stats d = dt_stats(e);
+    assert_int_equal(d.drops - a.drops, 2);
+    assert_int_equal(d.blocks_freed - a.blocks_freed, 2);
+    assert_int_equal(d.evictions, a.evictions); /* a drop is not a demotion */
+    char msg[256] = "";
+    if (dt_verify(e, r, G, rc, 0, 2 * G.bt, msg, sizeof(msg)) != KVH_OK)
+        fail_msg("%s", msg);
+    dt_assert_ok(kvh_seq_free(e, r));
+    dt_assert_ok(dt_close(e));
+    /* The dropped blocks' records went with them. */
+    e = dt_open_a(&c);
+    size_t m = 99;
+    kvh_seq t;
+    dt_assert_ok(dt_match(e, uc, 2 * G.bt, &t, &m));
+    assert_int_equal(m, 0);
+    dt_assert_ok(kvh_seq_free(e, t));
+    assert_int_equal(live_on_disk(e), 2);
+    dt_assert_ok(dt_close(e));
+}
+
+/* ---- a victim that cannot go down ---- */
+
+static struct {
+    atomic_int fail_writes;
+} H;
+
+static int hook(enum kvhi_disk_op op, void *user)
+{
+    (void)user;
+    return op == KVHI_OP_WRITE && atomic_load(&H.fail_writes) ? -EIO : 0;
+}
+
+static int teardown(void **state)
+{
+    if (locked)
+        unlock(locked);
+    kvhi_disk_set_fault_hook(NULL, NULL);
+    atomic_store(&H.fail_writes, 0);
+    return dt_teardown(state);
+}
+
+static void test_victim_that_cannot_go_down(void **state)
+{
+    (void)state;
+    /* (a) The tier below is full of referenced blocks. */
+    kvh_engine *e = open_mem(2, 2, 2);
+    kvh_seq h, r;
+    dt_assert_ok(dt_build(e, G, dt_plain(40), 2 * G.bt, 0, &h));
+    dt_assert_ok(kvh_seq_migrate(e, h, 0, 2 * G.bt, KVH_TIER_HOST, NULL));
+    uint32_t bu = cached_block(e, 41);
+    dt_assert_ok(dt_build(e, G, dt_plain(42), G.bt, 0, &r));
+    uint32_t b[2] = {bu, blk_index(e, r, 0)};
+    assert_int_equal(dt_tier(e, KVH_TIER_HOST).used_blocks, 2);
+    kvh_stats a = dt_stats(e);
+    lock(e);
+    uint64_t hash = kvhi_blk(e, bu)->hash;
+    uint32_t slot = 0;
+    assert_int_equal(reserve_one(e, KVH_TIER_DEVICE, 0, b, 2, &slot), 0);
+    assert_false(kvhi_blk(e, bu)->flags & KVHI_BF_LIVE); /* dropped, not moved */
+    assert_int_equal(kvhi_prefix_find(&e->prefix, hash), KVHI_PREFIX_MISS);
+    uint32_t none = 0;
+    assert_int_equal(kvhi_reserve_slot(e, KVH_TIER_DEVICE, 0, &none), KVH_ERR_NOSPACE);
+    assert_string_equal(kvh_last_error(), "no room below the device tier for its least valuable block");
+    assert_int_equal(kvhi_blk(e, b[1])->tier, KVH_TIER_DEVICE);
+    kvhi_release_slot(e, KVH_TIER_DEVICE, slot);
+    unlock(e);
+    kvh_stats d = dt_stats(e);
+    assert_int_equal(d.drops - a.drops, 1);
+    assert_int_equal(d.evictions, a.evictions);
+    assert_int_equal(d.blocks_device_to_host, a.blocks_device_to_host);
+    dt_assert_ok(dt_close(e));
+
+    /* (b) The tier below fails its writes. */
+    char dir[PATH_MAX];
+    dt_scratch("failing-below", dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 2, 2, 16, 0);
+    c.copy_moves = 1;
+    e = dt_open_a(&c);
+    /* The host tier holds U (cached) and R (referenced); the device tier
+     * two more referenced blocks. */
+    kvh_seq useq, r2;
+    dt_assert_ok(dt_build(e, G, dt_plain(44), G.bt, 0, &useq));
+    dt_assert_ok(dt_build(e, G, dt_plain(45), G.bt, 0, &r2));
+    dt_assert_ok(kvh_seq_migrate(e, useq, 0, G.bt, KVH_TIER_HOST, NULL));
+    dt_assert_ok(kvh_seq_migrate(e, r2, 0, G.bt, KVH_TIER_HOST, NULL));
+    b[0] = bu = blk_index(e, useq, 0);
+    b[1] = blk_index(e, r2, 0);
+    dt_assert_ok(kvh_seq_free(e, useq));
+    dt_assert_ok(dt_build(e, G, dt_plain(43), 2 * G.bt, 0, &r));
+    assert_int_equal(kvhi_blk(e, b[0])->tier, KVH_TIER_HOST);
+    assert_int_equal(kvhi_blk(e, b[1])->tier, KVH_TIER_HOST);
+    assert_int_equal(dt_tier(e, KVH_TIER_DEVICE).used_blocks, 2);
+    kvhi_disk_set_fault_hook(hook, NULL);
+    atomic_store(&H.fail_writes, 1);
+    a = dt_stats(e);
+    lock(e);
+    assert_int_equal(reserve_one(e, KVH_TIER_HOST, 0, b, 2, &slot), 0);
+    assert_false(kvhi_blk(e, bu)->flags & KVHI_BF_LIVE);
+    assert_int_equal(kvhi_reserve_slot(e, KVH_TIER_HOST, 0, &none), KVH_ERR_NOSPACE);
+    assert_string_equal(kvh_last_error(), "no room below the host tier for its least valuable block");
+    assert_int_equal(kvhi_blk(e, b[1])->tier, KVH_TIER_HOST);
+    unlock(e);
+    atomic_store(&H.fail_writes, 0);
+    d = dt_stats(e);
+    assert_int_equal(d.drops - a.drops, 1);
+    assert_int_equal(d.blocks_host_to_disk, a.blocks_host_to_disk);
+    assert_int_equal(dt_tier(e, KVH_TIER_DISK).used_blocks, 0); /* the failed writes' slots came back */
+    /* With the disk working again, the referenced block goes down. */
+    lock(e);
+    uint32_t slot2 = 0;
+    assert_int_equal(reserve_one(e, KVH_TIER_HOST, 0, b, 2, &slot2), 1);
+    assert_int_equal(kvhi_blk(e, b[1])->tier, KVH_TIER_DISK);
+    kvhi_release_slot(e, KVH_TIER_HOST, slot);
+    kvhi_release_slot(e, KVH_TIER_HOST, slot2);
+    unlock(e);
+    assert_int_equal(dt_stats(e).blocks_host_to_disk - a.blocks_host_to_disk, 1);
+    char msg[256] = "";
+    if (dt_verify(e, r2, G, dt_plain(45), 0, G.bt, msg, sizeof(msg)) != KVH_OK)
+        fail_msg("%s", msg);
+    dt_assert_ok(kvh_seq_free(e, r2));
+    dt_assert_ok(kvh_seq_free(e, r));
+}
+
+/* ---- agent quotas ---- */
+
+static void test_quota_makes_room_among_own(void **state)
+{
+    (void)state;
+    kvh_engine *e = open_mem(8, 8, 2);
+    kvh_seq z, s;
+    dt_assert_ok(dt_build(e, G, dt_plain(50), 2 * G.bt, 0, &z)); /* agent 0: the oldest blocks */
+    dt_assert_ok(kvh_agent_set_quota(e, 1, 2 * dt_block_bytes(G)));
+    dt_assert_ok(dt_build(e, G, dt_plain(51), 2 * G.bt, 1, &s)); /* agent 1: at its quota */
+    uint32_t b[4] = {blk_index(e, z, 0), blk_index(e, z, 1), blk_index(e, s, 0), blk_index(e, s, 1)};
+    lock(e);
+    kvhi_block_touch(e, b[2]);
+    kvhi_block_touch(e, b[2]); /* b[3] is agent 1's least valuable */
+    uint32_t old_slot = kvhi_blk(e, b[3])->slot, free0 = e->tiers[KVH_TIER_DEVICE].slots.free_count;
+    assert_true(free0 >= 4);
+    uint32_t slot = 0;
+    assert_int_equal(reserve_one(e, KVH_TIER_DEVICE, 1, b, 4, &slot), 3);
+    assert_int_equal(slot, old_slot); /* its slot, not a free one */
+    assert_int_equal(e->tiers[KVH_TIER_DEVICE].slots.free_count, free0);
+    assert_int_equal(kvhi_blk(e, b[3])->tier, KVH_TIER_HOST);
+    kvhi_release_slot(e, KVH_TIER_DEVICE, slot);
+    /* An agent without a quota takes a free slot: nothing leaves. */
+    uint64_t ev = e->stats.evictions;
+    assert_int_equal(reserve_one(e, KVH_TIER_DEVICE, 0, b, 4, &slot), -1);
+    assert_int_equal(e->stats.evictions, ev);
+    kvhi_release_slot(e, KVH_TIER_DEVICE, slot);
+    unlock(e);
+
+    /* Agent 1 back at its quota with both of its blocks held. */
+    dt_assert_ok(kvh_seq_acquire(e, s, 0, 2 * G.bt, NULL));
+    assert_int_equal(kvhi_blk(e, b[3])->tier, KVH_TIER_DEVICE);
+    lock(e);
+    uint32_t none = 0;
+    assert_true(e->tiers[KVH_TIER_DEVICE].slots.free_count > 0);
+    assert_int_equal(kvhi_reserve_slot(e, KVH_TIER_DEVICE, 1, &none), KVH_ERR_NOSPACE);
+    assert_string_equal(kvh_last_error(), "agent 1 is at its device quota and none of its blocks can leave");
+    assert_int_equal(reserve_one(e, KVH_TIER_DEVICE, 0, b, 4, &slot), -1); /* agent 0: still room */
+    kvhi_release_slot(e, KVH_TIER_DEVICE, slot);
+    unlock(e);
+    /* A new block of agent 1 goes to the host tier instead. */
+    dt_assert_ok(dt_extend(e, s, G, dt_plain(51), 2 * G.bt, G.bt));
+    assert_int_equal(dt_binfo(e, s, 2).tier, KVH_TIER_HOST);
+    assert_int_equal(dt_binfo(e, z, 0).tier, KVH_TIER_DEVICE);
+    assert_int_equal(dt_binfo(e, z, 1).tier, KVH_TIER_DEVICE);
+    dt_assert_ok(kvh_seq_release(e, s, 0, 2 * G.bt));
+
+    /* Nothing anywhere can make room: what the public call says. */
+    kvh_engine *f = open_mem(1, 1, 2);
+    kvh_block x, y, w;
+    dt_assert_ok(kvh_block_alloc(f, 0, &x));
+    dt_assert_ok(kvh_block_alloc(f, 0, &y));
+    assert_int_equal(kvh_block_alloc(f, 0, &w), KVH_ERR_NOSPACE);
+    assert_string_equal(kvh_last_error(),
+                        "no memory tier can make room for a new block (all pinned, held or referenced)");
+    dt_assert_ok(kvh_block_release(f, x));
+    dt_assert_ok(kvh_block_release(f, y));
+    dt_assert_ok(kvh_seq_free(e, s));
+    dt_assert_ok(kvh_seq_free(e, z));
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_teardown(test_lru_k_order, teardown),
+        cmocka_unit_test_teardown(test_protected_blocks_stay, teardown),
+        cmocka_unit_test_teardown(test_last_tier_drops_unreferenced, teardown),
+        cmocka_unit_test_teardown(test_victim_that_cannot_go_down, teardown),
+        cmocka_unit_test_teardown(test_quota_makes_room_among_own, teardown),
+    };
+    return cmocka_run_group_tests_name("evict", tests, NULL, NULL);
+}

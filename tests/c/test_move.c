@@ -1,0 +1,597 @@
+/* Moves between tiers (core/move.c, core/move_xfer.c), white-box where
+ * the two halves of a move are the subject: kvhi_move_begin / the
+ * transfer / kvhi_move_end are called directly, under the engine lock
+ * and without it as the mover does, on engines without migration workers.
+ *
+ *   - a begin / end pair: begin reserves the destination and puts the
+ *     block in flight (out of the heaps, its source untouched), end
+ *     places it, frees the source slot and counts the move; a failed
+ *     transfer is undone (destination released, block where it was,
+ *     KVH_ERR_IO or KVH_ERR_NOSPACE); a move to the tier a block is in is
+ *     nothing; a handing-over move gives the source slot to the caller;
+ *   - each leg's counters: device <-> host, host <-> disk, and device <->
+ *     disk, which counts both legs through the host, on two arenas and on
+ *     one (where device <-> host moves are counted in place);
+ *   - a demotion to an existing clean disk copy writes nothing (no write
+ *     reaches the disk, no move or copy counter changes) and the promotion
+ *     back keeps that copy, so the next demotion is free again;
+ *   - the swap when both memory tiers are full: the lower block trades
+ *     places with the upper tier's least valuable block (their slots on
+ *     two arenas, their tiers only on one), and NOSPACE, naming why, when
+ *     every upper block is held;
+ *   - a failed disk read: the transfer reports a verification failure,
+ *     end marks the block corrupt (unpublished, its record deleted,
+ *     stats.corrupt_blocks, a warning), it is never moved or served
+ *     again and is gone after a reopen; a read that fails with an I/O
+ *     error instead costs the block nothing.
+ * test_tiers.c, test_moves_in_place.c and test_disk_*.c cover the same
+ * moves through the public API. */
+#include <stdatomic.h>
+
+#include "disk_test_util.h"
+
+#include "core/block_state.h"
+#include "core/disk_io.h"
+#include "core/engine.h"
+#include "core/move.h"
+
+static const dt_geo G = {2, 1, 32, 16, KVH_DTYPE_F16}; /* block = 4096 bytes */
+
+/* The engine lock, taken by the test itself; a failed assertion leaves
+ * it held, and the teardown lets it go before closing the engine. */
+static kvh_engine *locked;
+static void lock(kvh_engine *e)
+{
+    pthread_mutex_lock(&e->lock);
+    locked = e;
+}
+static void unlock(kvh_engine *e)
+{
+    locked = NULL;
+    pthread_mutex_unlock(&e->lock);
+}
+
+/* Record index of logical block i of s. */
+static uint32_t blk_index(kvh_engine *e, kvh_seq s, uint64_t i)
+{
+    kvh_block h = {0};
+    dt_assert_ok(kvh_seq_blocks(e, s, i, 1, &h));
+    uint32_t b = KVHI_NO_BLOCK;
+    lock(e);
+    kvh_status st = kvhi_block_resolve(e, h, &b);
+    unlock(e);
+    dt_assert_ok(st);
+    return b;
+}
+
+static uint32_t used(kvh_engine *e, uint32_t tier) { return kvhi_slot_pool_used(&e->tiers[tier].slots); }
+
+static void verify_a(kvh_engine *e, kvh_seq s, dt_content c, size_t n)
+{
+    char msg[256] = "";
+    if (dt_verify(e, s, G, c, 0, n, msg, sizeof(msg)) != KVH_OK)
+        fail_msg("%s", msg);
+}
+
+/* Runs a prepared transfer as the mover does: without the lock, counted
+ * in copies_in_progress. Lock held on entry and exit. */
+static void run_xfer(kvh_engine *e, kvhi_xfer *x)
+{
+    kvhi_unlock_for_copy(e);
+    kvhi_xfer_run(e, x);
+    kvhi_relock_after_copy(e);
+}
+
+/* ---- disk operations seen by the fault hook; one kind may fail ---- */
+
+static struct {
+    atomic_int count[KVHI_OP_COUNT];
+    atomic_int fail_op, fail_err, fail_left;
+} H;
+
+static int hook(enum kvhi_disk_op op, void *user)
+{
+    (void)user;
+    atomic_fetch_add(&H.count[op], 1);
+    if ((int)op == atomic_load(&H.fail_op) && atomic_load(&H.fail_left) > 0) {
+        atomic_fetch_sub(&H.fail_left, 1);
+        return atomic_load(&H.fail_err);
+    }
+    return 0;
+}
+
+static void hook_reset(void)
+{
+    for (int i = 0; i < KVHI_OP_COUNT; i++)
+        atomic_store(&H.count[i], 0);
+    atomic_store(&H.fail_op, -1);
+    atomic_store(&H.fail_left, 0);
+}
+
+static int teardown(void **state)
+{
+    if (locked)
+        unlock(locked);
+    kvhi_disk_set_fault_hook(NULL, NULL);
+    return dt_teardown(state);
+}
+
+/* ---- a begin / end pair ---- */
+
+static void test_begin_end(void **state)
+{
+    (void)state;
+    kvh_config c = dt_cfg(G, NULL, 4, 4, 0, 0);
+    c.copy_moves = 1;
+    kvh_engine *e = dt_open_a(&c);
+    kvh_seq s;
+    dt_content ct = dt_plain(1);
+    dt_assert_ok(dt_build(e, G, ct, G.bt, 0, &s));
+    uint32_t b = blk_index(e, s, 0);
+    kvhi_block *blk = kvhi_blk(e, b);
+    kvh_stats s0 = dt_stats(e);
+
+    lock(e);
+    uint32_t slot0 = blk->slot, dev0 = used(e, KVH_TIER_DEVICE), host0 = used(e, KVH_TIER_HOST);
+    kvhi_xfer x;
+    assert_int_equal(kvhi_move_begin(e, b, KVH_TIER_HOST, &x, false), 0);
+    assert_int_equal(kvhi_move_state(blk), KVHI_MS_MOVING);
+    assert_int_equal(blk->heap_pos, KVHI_HEAP_NONE);
+    assert_int_equal(x.block, b);
+    assert_int_equal(x.src_tier, KVH_TIER_DEVICE);
+    assert_int_equal(x.src_slot, slot0);
+    assert_int_equal(x.dst_tier, KVH_TIER_HOST);
+    assert_false(x.in_place);
+    assert_int_equal(blk->tier, KVH_TIER_DEVICE); /* not placed before the end */
+    assert_int_equal(used(e, KVH_TIER_HOST), host0 + 1);
+    assert_int_equal(used(e, KVH_TIER_DEVICE), dev0);
+    unlock(e);
+    kvh_block_info bi = dt_binfo(e, s, 0);
+    assert_int_equal(bi.in_flight, 1);
+    assert_int_equal(bi.tier, KVH_TIER_DEVICE);
+    lock(e);
+    run_xfer(e, &x);
+    assert_int_equal(x.err, 0);
+    dt_assert_ok(kvhi_move_end(e, &x, NULL));
+    assert_int_equal(blk->tier, KVH_TIER_HOST);
+    assert_int_equal(blk->slot, x.dst_slot);
+    assert_int_equal(kvhi_move_state(blk), KVHI_MS_IDLE);
+    assert_true(blk->heap_pos != KVHI_HEAP_NONE);
+    assert_int_equal(used(e, KVH_TIER_DEVICE), dev0 - 1);
+    assert_int_equal(used(e, KVH_TIER_HOST), host0 + 1);
+    unlock(e);
+    kvh_stats s1 = dt_stats(e);
+    assert_int_equal(s1.blocks_device_to_host - s0.blocks_device_to_host, 1);
+    assert_int_equal(s1.bytes_device_to_host - s0.bytes_device_to_host, dt_block_bytes(G));
+    assert_int_equal(s1.blocks_host_to_device, s0.blocks_host_to_device);
+    assert_int_equal(s1.blocks_moved_in_place, s0.blocks_moved_in_place);
+    assert_int_equal(s1.evictions, s0.evictions); /* a move, not an eviction */
+    verify_a(e, s, ct, G.bt);
+
+    /* A failed transfer is undone: the block stays, the destination is
+     * given back, nothing is counted. */
+    static const struct {
+        int err;
+        kvh_status want;
+    } fails[] = {{-EIO, KVH_ERR_IO}, {-ENOSPC, KVH_ERR_NOSPACE}};
+    for (int i = 0; i < 2; i++) {
+        lock(e);
+        uint32_t slot = blk->slot;
+        dev0 = used(e, KVH_TIER_DEVICE), host0 = used(e, KVH_TIER_HOST);
+        assert_int_equal(kvhi_move_begin(e, b, KVH_TIER_DEVICE, &x, false), 0);
+        assert_int_equal(used(e, KVH_TIER_DEVICE), dev0 + 1);
+        x.err = fails[i].err; /* as a transfer that failed would leave it */
+        kvh_status st = kvhi_move_end(e, &x, NULL);
+        assert_int_equal(st, fails[i].want);
+        assert_non_null(strstr(kvh_last_error(), "moving a block between tiers"));
+        assert_int_equal(blk->tier, KVH_TIER_HOST);
+        assert_int_equal(blk->slot, slot);
+        assert_int_equal(kvhi_move_state(blk), KVHI_MS_IDLE);
+        assert_true(blk->heap_pos != KVHI_HEAP_NONE);
+        assert_false(blk->flags & KVHI_BF_CORRUPT);
+        assert_int_equal(used(e, KVH_TIER_DEVICE), dev0);
+        assert_int_equal(used(e, KVH_TIER_HOST), host0);
+        unlock(e);
+    }
+    kvh_stats s2 = dt_stats(e);
+    assert_int_equal(s2.blocks_host_to_device, s1.blocks_host_to_device);
+    verify_a(e, s, ct, G.bt);
+
+    /* To the tier it is in: nothing to transfer. */
+    lock(e);
+    assert_int_equal(kvhi_move_begin(e, b, KVH_TIER_HOST, &x, false), 1);
+    assert_int_equal(kvhi_move_state(blk), KVHI_MS_IDLE);
+    /* Handing over: the source slot goes to the caller, still taken. */
+    uint32_t src = blk->slot, handed = UINT32_MAX;
+    host0 = used(e, KVH_TIER_HOST);
+    dt_assert_ok(kvhi_move_handing_over(e, b, KVH_TIER_DEVICE, &handed));
+    assert_int_equal(handed, src);
+    assert_int_equal(blk->tier, KVH_TIER_DEVICE);
+    assert_int_equal(used(e, KVH_TIER_HOST), host0);
+    kvhi_release_slot(e, KVH_TIER_HOST, handed);
+    assert_int_equal(used(e, KVH_TIER_HOST), host0 - 1);
+    unlock(e);
+    verify_a(e, s, ct, G.bt);
+    dt_assert_ok(kvh_seq_free(e, s));
+}
+
+/* ---- counters of each leg ---- */
+
+typedef struct legs {
+    uint64_t d2h, h2d, h2k, k2h, in_place;
+} legs;
+
+static legs legs_of(const kvh_stats *a, const kvh_stats *b)
+{
+    uint64_t bb = dt_block_bytes(G);
+    /* bytes are blocks times the block size, for every leg */
+    assert_int_equal(b->bytes_device_to_host - a->bytes_device_to_host,
+                     (b->blocks_device_to_host - a->blocks_device_to_host) * bb);
+    assert_int_equal(b->bytes_host_to_device - a->bytes_host_to_device,
+                     (b->blocks_host_to_device - a->blocks_host_to_device) * bb);
+    assert_int_equal(b->bytes_host_to_disk - a->bytes_host_to_disk,
+                     (b->blocks_host_to_disk - a->blocks_host_to_disk) * bb);
+    assert_int_equal(b->bytes_disk_to_host - a->bytes_disk_to_host,
+                     (b->blocks_disk_to_host - a->blocks_disk_to_host) * bb);
+    return (legs){b->blocks_device_to_host - a->blocks_device_to_host,
+                  b->blocks_host_to_device - a->blocks_host_to_device,
+                  b->blocks_host_to_disk - a->blocks_host_to_disk,
+                  b->blocks_disk_to_host - a->blocks_disk_to_host,
+                  b->blocks_moved_in_place - a->blocks_moved_in_place};
+}
+
+static void test_counters_of_each_leg(void **state)
+{
+    (void)state;
+    for (int copies = 1; copies >= 0; copies--) {
+        char dir[PATH_MAX];
+        dt_scratch(copies ? "legs-copy" : "legs-in-place", dir, sizeof(dir));
+        kvh_config c = dt_cfg(G, dir, 4, 4, 16, 0);
+        c.copy_moves = (uint32_t)copies;
+        kvh_engine *e = dt_open_a(&c);
+        /* A partial block: never published, so every demotion to disk
+         * writes (no clean copy is kept). */
+        kvh_seq s;
+        dt_content ct = dt_plain(2);
+        dt_assert_ok(dt_build(e, G, ct, G.bt / 2, 0, &s));
+        kvh_block h;
+        dt_assert_ok(kvh_seq_blocks(e, s, 0, 1, &h));
+        static const struct {
+            uint32_t to;
+            legs copy, in_place;
+        } steps[] = {
+            {KVH_TIER_HOST, {1, 0, 0, 0, 0}, {0, 0, 0, 0, 1}},   /* device -> host */
+            {KVH_TIER_DISK, {0, 0, 1, 0, 0}, {0, 0, 1, 0, 0}},   /* host -> disk */
+            {KVH_TIER_HOST, {0, 0, 0, 1, 0}, {0, 0, 0, 1, 0}},   /* disk -> host */
+            {KVH_TIER_DEVICE, {0, 1, 0, 0, 0}, {0, 0, 0, 0, 1}}, /* host -> device */
+            {KVH_TIER_DISK, {1, 0, 1, 0, 0}, {1, 0, 1, 0, 0}},   /* device -> disk: through the host */
+            {KVH_TIER_DEVICE, {0, 1, 0, 1, 0}, {0, 1, 0, 1, 0}}, /* disk -> device: through the host */
+        };
+        for (size_t i = 0; i < sizeof(steps) / sizeof(steps[0]); i++) {
+            kvh_stats a = dt_stats(e);
+            dt_assert_ok(kvh_migrate(e, &h, 1, steps[i].to, NULL));
+            kvh_stats b = dt_stats(e);
+            assert_int_equal(dt_binfo(e, s, 0).tier, steps[i].to);
+            legs got = legs_of(&a, &b), want = copies ? steps[i].copy : steps[i].in_place;
+            if (memcmp(&got, &want, sizeof(got)) != 0)
+                fail_msg("%s, step %zu (to tier %u): d2h %" PRIu64 " h2d %" PRIu64 " h2disk %" PRIu64
+                         " disk2h %" PRIu64 " in place %" PRIu64 ", expected %" PRIu64 " %" PRIu64 " %" PRIu64
+                         " %" PRIu64 " %" PRIu64,
+                         copies ? "two arenas" : "one arena", i, steps[i].to, got.d2h, got.h2d, got.h2k, got.k2h,
+                         got.in_place, want.d2h, want.h2d, want.h2k, want.k2h, want.in_place);
+            assert_int_equal(b.evictions, a.evictions);
+            assert_int_equal(b.disk_copies_written, a.disk_copies_written);
+        }
+        verify_a(e, s, ct, G.bt / 2);
+        dt_assert_ok(kvh_seq_free(e, s));
+        dt_assert_ok(dt_close(e));
+    }
+}
+
+/* ---- demotion to a clean copy ---- */
+
+static void test_demotion_to_clean_copy(void **state)
+{
+    (void)state;
+    char dir[PATH_MAX];
+    dt_scratch("clean-copy", dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 4, 4, 16, 0);
+    kvh_engine *e = dt_open_a(&c);
+    kvh_seq s;
+    dt_content ct = dt_plain(3);
+    dt_assert_ok(dt_build(e, G, ct, 2 * G.bt, 0, &s));
+    dt_assert_ok(kvh_seq_persist(e, s)); /* clean copies of both blocks */
+    uint32_t b[2] = {blk_index(e, s, 0), blk_index(e, s, 1)}, copy[2];
+    lock(e);
+    for (int i = 0; i < 2; i++) {
+        uint16_t f = kvhi_blk(e, b[i])->flags;
+        assert_true((f & (KVHI_BF_DISK_COPY | KVHI_BF_JOURNALED)) == (KVHI_BF_DISK_COPY | KVHI_BF_JOURNALED));
+        assert_int_equal(kvhi_blk(e, b[i])->tier, KVH_TIER_DEVICE);
+        copy[i] = kvhi_blk(e, b[i])->disk_copy;
+    }
+    unlock(e);
+    assert_int_equal(dt_tier(e, KVH_TIER_DISK).used_blocks, 2);
+    hook_reset();
+    kvhi_disk_set_fault_hook(hook, NULL);
+
+    for (int round = 0; round < 2; round++) {
+        /* Down to disk: onto the copy, no I/O at all. */
+        kvh_stats a = dt_stats(e);
+        uint64_t dev = dt_tier(e, KVH_TIER_DEVICE).used_blocks;
+        hook_reset();
+        dt_assert_ok(kvh_seq_migrate(e, s, 0, 2 * G.bt, KVH_TIER_DISK, NULL));
+        kvh_stats d = dt_stats(e);
+        assert_int_equal(atomic_load(&H.count[KVHI_OP_WRITE]), 0);
+        assert_int_equal(atomic_load(&H.count[KVHI_OP_READ]), 0);
+        legs l = legs_of(&a, &d);
+        assert_int_equal(l.d2h + l.h2d + l.h2k + l.k2h + l.in_place, 0);
+        assert_int_equal(d.disk_copies_written, a.disk_copies_written);
+        assert_int_equal(d.bytes_disk_copies_written, a.bytes_disk_copies_written);
+        assert_int_equal(dt_tier(e, KVH_TIER_DEVICE).used_blocks, dev - 2);
+        assert_int_equal(dt_tier(e, KVH_TIER_DISK).used_blocks, 2);
+        lock(e);
+        for (int i = 0; i < 2; i++) {
+            kvhi_block *blk = kvhi_blk(e, b[i]);
+            assert_int_equal(blk->tier, KVH_TIER_DISK);
+            assert_int_equal(blk->slot, copy[i]);
+            assert_false(blk->flags & KVHI_BF_DISK_COPY);
+            assert_true(blk->flags & KVHI_BF_JOURNALED);
+        }
+        unlock(e);
+        /* Up again: read (and verified) once, the disk slot kept as the
+         * clean copy. */
+        hook_reset();
+        dt_assert_ok(kvh_seq_acquire(e, s, 0, 2 * G.bt, NULL));
+        dt_assert_ok(kvh_seq_release(e, s, 0, 2 * G.bt));
+        kvh_stats u = dt_stats(e);
+        assert_true(atomic_load(&H.count[KVHI_OP_READ]) >= 1);
+        assert_int_equal(atomic_load(&H.count[KVHI_OP_WRITE]), 0);
+        l = legs_of(&d, &u);
+        assert_int_equal(l.k2h, 2);
+        assert_int_equal(l.h2k, 0);
+        assert_int_equal(dt_tier(e, KVH_TIER_DISK).used_blocks, 2);
+        lock(e);
+        for (int i = 0; i < 2; i++) {
+            kvhi_block *blk = kvhi_blk(e, b[i]);
+            assert_int_equal(blk->tier, KVH_TIER_DEVICE);
+            assert_true(blk->flags & KVHI_BF_DISK_COPY);
+            assert_int_equal(blk->disk_copy, copy[i]);
+        }
+        unlock(e);
+        verify_a(e, s, ct, 2 * G.bt);
+    }
+
+    /* Control: a published block with no copy is written when it goes. */
+    dt_assert_ok(dt_extend(e, s, G, ct, 2 * G.bt, G.bt));
+    kvh_stats a = dt_stats(e);
+    hook_reset();
+    dt_assert_ok(kvh_seq_migrate(e, s, 2 * G.bt, G.bt, KVH_TIER_DISK, NULL));
+    kvh_stats d = dt_stats(e);
+    assert_true(atomic_load(&H.count[KVHI_OP_WRITE]) >= 1);
+    legs l = legs_of(&a, &d);
+    assert_int_equal(l.h2k, 1);
+    assert_int_equal(dt_tier(e, KVH_TIER_DISK).used_blocks, 3);
+    verify_a(e, s, ct, 3 * G.bt);
+    kvhi_disk_set_fault_hook(NULL, NULL);
+    dt_assert_ok(kvh_seq_free(e, s));
+    dt_assert_ok(dt_close(e));
+}
+
+/* ---- both memory tiers full ---- */
+
+static void test_swap_when_both_full(void **state)
+{
+    (void)state;
+    for (int copies = 1; copies >= 0; copies--) {
+        kvh_config c = dt_cfg(G, NULL, 2, 2, 0, 0);
+        c.copy_moves = (uint32_t)copies;
+        kvh_engine *e = dt_open_a(&c);
+        kvh_seq s;
+        dt_content ct = dt_plain(4);
+        dt_assert_ok(dt_build(e, G, ct, 4 * G.bt, 0, &s)); /* every slot referenced */
+        uint32_t dev[2], host[2], nd = 0, nh = 0;
+        for (uint64_t i = 0; i < 4; i++) {
+            uint32_t b = blk_index(e, s, i);
+            if (kvhi_blk(e, b)->tier == KVH_TIER_DEVICE)
+                dev[nd++] = b;
+            else
+                host[nh++] = b;
+        }
+        assert_int_equal(nd, 2);
+        assert_int_equal(nh, 2);
+        lock(e);
+        /* dev[0] is used twice now: dev[1] is the least valuable. */
+        kvhi_block_touch(e, dev[0]);
+        kvhi_block_touch(e, dev[0]);
+        uint32_t keep_slot = kvhi_blk(e, dev[0])->slot, v_slot = kvhi_blk(e, dev[1])->slot,
+                 b_slot = kvhi_blk(e, host[0])->slot;
+        unlock(e);
+        kvh_stats a = dt_stats(e);
+        lock(e);
+        kvhi_xfer x;
+        assert_int_equal(kvhi_move_begin(e, host[0], KVH_TIER_DEVICE, &x, false), 1); /* done by a swap */
+        kvhi_block *up = kvhi_blk(e, host[0]), *down = kvhi_blk(e, dev[1]), *kept = kvhi_blk(e, dev[0]);
+        assert_int_equal(up->tier, KVH_TIER_DEVICE);
+        assert_int_equal(down->tier, KVH_TIER_HOST);
+        assert_int_equal(kept->tier, KVH_TIER_DEVICE);
+        assert_int_equal(kept->slot, keep_slot);
+        assert_int_equal(kvhi_blk(e, host[1])->tier, KVH_TIER_HOST);
+        /* Two arenas: the blocks trade slots; one arena: each keeps its own. */
+        assert_int_equal(up->slot, copies ? v_slot : b_slot);
+        assert_int_equal(down->slot, copies ? b_slot : v_slot);
+        assert_int_equal(kvhi_move_state(up), KVHI_MS_IDLE);
+        assert_int_equal(kvhi_move_state(down), KVHI_MS_IDLE);
+        assert_true(down->heap_pos != KVHI_HEAP_NONE);
+        unlock(e);
+        kvh_stats b = dt_stats(e);
+        legs l = legs_of(&a, &b);
+        assert_int_equal(b.evictions - a.evictions, 1);
+        if (copies) {
+            assert_int_equal(l.d2h, 1);
+            assert_int_equal(l.h2d, 1);
+            assert_int_equal(l.in_place, 0);
+        } else {
+            assert_int_equal(l.d2h + l.h2d, 0);
+            assert_int_equal(l.in_place, 2);
+        }
+        verify_a(e, s, ct, 4 * G.bt);
+
+        /* Every device block held: nothing can trade places. */
+        lock(e);
+        kvhi_block_hold(e, host[0]);
+        kvhi_block_hold(e, dev[0]);
+        uint32_t slot = kvhi_blk(e, host[1])->slot;
+        int rc = kvhi_move_begin(e, host[1], KVH_TIER_DEVICE, &x, false);
+        assert_int_equal(rc, KVH_ERR_NOSPACE);
+        assert_non_null(strstr(kvh_last_error(), "no block in the target tier can make room"));
+        assert_int_equal(kvhi_blk(e, host[1])->tier, KVH_TIER_HOST);
+        assert_int_equal(kvhi_blk(e, host[1])->slot, slot);
+        assert_int_equal(kvhi_move_state(kvhi_blk(e, host[1])), KVHI_MS_IDLE);
+        assert_true(kvhi_blk(e, host[1])->heap_pos != KVHI_HEAP_NONE);
+        kvhi_block_unhold(e, host[0]);
+        kvhi_block_unhold(e, dev[0]);
+        unlock(e);
+        assert_int_equal(dt_stats(e).evictions, b.evictions);
+        verify_a(e, s, ct, 4 * G.bt);
+        dt_assert_ok(kvh_seq_free(e, s));
+        dt_assert_ok(dt_close(e));
+    }
+}
+
+/* ---- a failed disk read ---- */
+
+static uint32_t live_on_disk(kvh_engine *e)
+{
+    uint32_t n = 0;
+    lock(e);
+    for (uint32_t b = 0; b < e->block_cap; b++)
+        n += (e->blocks[b].flags & KVHI_BF_LIVE) && e->blocks[b].tier == KVH_TIER_DISK;
+    unlock(e);
+    return n;
+}
+
+static void test_failed_read_marks_corrupt(void **state)
+{
+    (void)state;
+    char dir[PATH_MAX], slab[PATH_MAX + 32];
+    dt_scratch("corrupt", dir, sizeof(dir));
+    dt_log log;
+    dt_log_init(&log);
+    kvh_config c = dt_cfg(G, dir, 4, 4, 16, 0);
+    dt_log_attach(&c, &log);
+    dt_content ct = dt_plain(5);
+    int32_t tk[2 * 16];
+    dt_tokens(ct, 0, 2 * G.bt, tk);
+
+    kvh_engine *e = dt_open_a(&c);
+    kvh_seq s;
+    dt_assert_ok(dt_build(e, G, ct, 2 * G.bt, 0, &s));
+    dt_assert_ok(kvh_seq_persist(e, s));
+    uint32_t b0 = blk_index(e, s, 0);
+    lock(e);
+    uint32_t slot0 = kvhi_blk(e, b0)->disk_copy;
+    unlock(e);
+    dt_assert_ok(kvh_seq_free(e, s));
+    dt_assert_ok(dt_close(e));
+    /* One bit of block 0's data. */
+    assert_int_equal(dt_flip_bit(dt_path(slab, sizeof(slab), dir, "slab-0000.kvh"),
+                                 (uint64_t)slot0 * dt_slot_bytes(G) + 4096 + 1000, 5),
+                     0);
+
+    e = dt_open_a(&c);
+    assert_int_equal(live_on_disk(e), 2);
+    kvh_block h[2];
+    size_t n = 0;
+    dt_assert_ok(kvh_prefix_lookup(e, tk, 2 * G.bt, h, 2, &n)); /* references, no I/O */
+    assert_int_equal(n, 2);
+    uint32_t b = KVHI_NO_BLOCK;
+    kvh_stats a = dt_stats(e);
+    lock(e);
+    dt_assert_ok(kvhi_block_resolve(e, h[0], &b));
+    kvhi_block *blk = kvhi_blk(e, b);
+    uint64_t hash = blk->hash;
+    assert_int_equal(blk->tier, KVH_TIER_DISK);
+    assert_int_equal(blk->slot, slot0);
+    assert_true(blk->flags & KVHI_BF_PUBLISHED);
+    assert_true(blk->flags & KVHI_BF_JOURNALED);
+    uint32_t host0 = used(e, KVH_TIER_HOST);
+    kvhi_xfer x;
+    assert_int_equal(kvhi_move_begin(e, b, KVH_TIER_HOST, &x, false), 0);
+    run_xfer(e, &x);
+    assert_int_equal(x.err, 1); /* read, but failed verification */
+    assert_non_null(x.why);
+    assert_int_equal(kvhi_move_end(e, &x, NULL), KVH_ERR_CORRUPT);
+    assert_true(blk->flags & KVHI_BF_CORRUPT);
+    assert_false(blk->flags & (KVHI_BF_PUBLISHED | KVHI_BF_JOURNALED));
+    assert_int_equal(kvhi_prefix_find(&e->prefix, hash), KVHI_PREFIX_MISS);
+    assert_int_equal(blk->tier, KVH_TIER_DISK);
+    assert_int_equal(blk->slot, slot0);
+    assert_int_equal(used(e, KVH_TIER_HOST), host0);
+    assert_int_equal(e->stats.corrupt_blocks - a.corrupt_blocks, 1);
+    assert_int_equal(e->stats.blocks_disk_to_host, a.blocks_disk_to_host);
+    /* Never moved or served again. */
+    assert_int_equal(kvhi_move_begin(e, b, KVH_TIER_HOST, &x, false), KVH_ERR_CORRUPT);
+    assert_int_equal(kvhi_move_state(blk), KVHI_MS_IDLE);
+    assert_int_equal(kvhi_block_ensure_memory(e, b), KVH_ERR_CORRUPT);
+    assert_int_equal(blk->tier, KVH_TIER_DISK);
+    unlock(e);
+    kvh_seq m;
+    size_t matched = 99;
+    dt_assert_ok(dt_match(e, ct, 2 * G.bt, &m, &matched));
+    assert_int_equal(matched, 0);
+    dt_assert_ok(kvh_seq_free(e, m));
+    assert_int_equal(dt_log_count(&log, KVH_LOG_WARN, "dropped block", NULL), 1);
+    /* The last reference frees it and its slot. */
+    uint64_t freed = dt_stats(e).blocks_freed;
+    dt_assert_ok(kvh_block_release(e, h[0]));
+    assert_int_equal(dt_stats(e).blocks_freed - freed, 1);
+    assert_int_equal(dt_tier(e, KVH_TIER_DISK).used_blocks, 1);
+
+    /* Block 1 and a read that fails with an I/O error: the move fails, the
+     * block keeps everything. */
+    hook_reset();
+    atomic_store(&H.fail_err, -EIO);
+    atomic_store(&H.fail_left, 1);
+    atomic_store(&H.fail_op, KVHI_OP_READ);
+    kvhi_disk_set_fault_hook(hook, NULL);
+    lock(e);
+    dt_assert_ok(kvhi_block_resolve(e, h[1], &b));
+    blk = kvhi_blk(e, b);
+    assert_int_equal(kvhi_move_begin(e, b, KVH_TIER_HOST, &x, false), 0);
+    run_xfer(e, &x);
+    assert_int_equal(x.err, -EIO);
+    assert_int_equal(kvhi_move_end(e, &x, NULL), KVH_ERR_IO);
+    assert_false(blk->flags & KVHI_BF_CORRUPT);
+    assert_true(blk->flags & KVHI_BF_PUBLISHED);
+    assert_true(blk->flags & KVHI_BF_JOURNALED);
+    assert_int_equal(blk->tier, KVH_TIER_DISK);
+    assert_int_equal(e->stats.corrupt_blocks - a.corrupt_blocks, 1);
+    /* The error is gone: the same move succeeds. */
+    assert_int_equal(kvhi_move_begin(e, b, KVH_TIER_HOST, &x, false), 0);
+    run_xfer(e, &x);
+    assert_int_equal(x.err, 0);
+    dt_assert_ok(kvhi_move_end(e, &x, NULL));
+    assert_int_equal(blk->tier, KVH_TIER_HOST);
+    unlock(e);
+    kvhi_disk_set_fault_hook(NULL, NULL);
+    dt_assert_ok(kvh_block_release(e, h[1]));
+    dt_assert_ok(dt_close(e));
+
+    /* Its record was deleted: a new engine finds only block 1. */
+    e = dt_open_a(&c);
+    assert_int_equal(live_on_disk(e), 1);
+    assert_int_equal(dt_stats(e).corrupt_blocks, 0);
+    dt_assert_ok(dt_close(e));
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_teardown(test_begin_end, teardown),
+        cmocka_unit_test_teardown(test_counters_of_each_leg, teardown),
+        cmocka_unit_test_teardown(test_demotion_to_clean_copy, teardown),
+        cmocka_unit_test_teardown(test_swap_when_both_full, teardown),
+        cmocka_unit_test_teardown(test_failed_read_marks_corrupt, teardown),
+    };
+    return cmocka_run_group_tests_name("move", tests, NULL, NULL);
+}
