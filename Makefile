@@ -158,7 +158,7 @@ endif
 # The committed fuzz corpora are replayed by ctest in every C suite; the
 # last steps smoke-run every benchmark scenario and fuzz each target
 # briefly from a fixed seed.
-test: test-c test-asan test-tsan test-python test-rust test-drift test-bench test-fuzz
+test: test-format test-c test-asan test-tsan test-python test-rust test-drift test-bench test-fuzz
 	@printf '\n==> make test: all suites passed\n'
 
 # One formatter per language (clang-format, ruff, rustfmt); `make format`

@@ -117,8 +117,8 @@ kvh_status kvhi_attention_set_impl(kvh_engine *e, int impl)
 
 /* Checks the arguments that need no lock; fills *pr and *total_rows. */
 kvh_status kvhi_attn_check_args(kvh_engine *e, uint32_t layer, const kvh_seq *seqs, const uint32_t *q_lens,
-                             size_t n_seqs, bool prefill, const void *q, const void *out,
-                             const kvh_attention_params *params, kvh_attention_params *pr, uint64_t *total_rows)
+                                size_t n_seqs, bool prefill, const void *q, const void *out,
+                                const kvh_attention_params *params, kvh_attention_params *pr, uint64_t *total_rows)
 {
     KVHI_REQUIRE(e, "engine is NULL");
     kvhi_attn_params_defaults(pr);
@@ -153,8 +153,8 @@ kvh_status kvhi_attn_check_args(kvh_engine *e, uint32_t layer, const kvh_seq *se
     return KVH_OK;
 }
 
-static kvh_status attention(kvh_engine *e, uint32_t layer, const kvh_seq *seqs, const uint32_t *q_lens,
-                            size_t n_seqs, bool prefill, const void *q, void *out, const kvh_attention_params *params)
+static kvh_status attention(kvh_engine *e, uint32_t layer, const kvh_seq *seqs, const uint32_t *q_lens, size_t n_seqs,
+                            bool prefill, const void *q, void *out, const kvh_attention_params *params)
 {
     kvhi_clear_error();
     kvh_attention_params pr;
@@ -196,8 +196,8 @@ static kvh_status attention(kvh_engine *e, uint32_t layer, const kvh_seq *seqs, 
 }
 
 kvh_status kvhi_attn_call_prepare(kvh_engine *e, uint32_t layer, const kvh_seq *seqs, const uint32_t *q_lens,
-                                  size_t n_seqs, bool prefill, const kvh_attention_params *params,
-                                  uint64_t total_rows, attn_call *c)
+                                  size_t n_seqs, bool prefill, const kvh_attention_params *params, uint64_t total_rows,
+                                  attn_call *c)
 {
     kvh_attention_params pr = *params;
     kvh_status st = KVH_OK;
@@ -265,8 +265,8 @@ kvh_status kvhi_attn_call_prepare(kvh_engine *e, uint32_t layer, const kvh_seq *
     c->held = malloc(sizeof(uint32_t) * (n_blocks ? n_blocks : 1));
     c->held_gen = malloc(sizeof(uint32_t) * (n_blocks ? n_blocks : 1));
     if (!c->held || !c->held_gen || kvhi_attn_plan_build(p, &opts, kv_len, q_len, (uint32_t)n_seqs) != 0) {
-        st = kvhi_fail(KVH_ERR_NOMEM, "out of memory for an attention plan (%llu blocks)",
-                       (unsigned long long)n_blocks);
+        st =
+            kvhi_fail(KVH_ERR_NOMEM, "out of memory for an attention plan (%llu blocks)", (unsigned long long)n_blocks);
         goto fail;
     }
 

@@ -23,8 +23,7 @@ void kvhi_attn_params_defaults(kvh_attention_params *p);
  * applied) and *total_rows. */
 kvh_status kvhi_attn_check_args(kvh_engine *e, uint32_t layer, const kvh_seq *seqs, const uint32_t *q_lens,
                                 size_t n_seqs, bool prefill, const void *q, const void *out,
-                                const kvh_attention_params *params, kvh_attention_params *pr,
-                                uint64_t *total_rows);
+                                const kvh_attention_params *params, kvh_attention_params *pr, uint64_t *total_rows);
 /* Lock held (the engine entered): resolves the sequences, builds c->plan
  * and holds every block it reads, which must be in the device tier. On
  * failure nothing stays held (c->plan may hold memory: call_free). */

@@ -62,8 +62,8 @@ kvh_status kvh_attention_plan_create(kvh_engine *e, uint32_t layer, const kvh_se
     bool prefill = q_lens != NULL;
     /* No q/out yet: any non-NULL pointers satisfy the check. */
     static const char placeholder[1];
-    kvh_status st = kvhi_attn_check_args(e, layer, seqs, q_lens, n_seqs, prefill, placeholder, placeholder,
-                                         params, &pr, &rows);
+    kvh_status st =
+        kvhi_attn_check_args(e, layer, seqs, q_lens, n_seqs, prefill, placeholder, placeholder, params, &pr, &rows);
     if (st != KVH_OK)
         return st;
     KVHI_REQUIRE(rows > 0, "the batch has no query rows");
@@ -137,8 +137,8 @@ kvh_status kvh_attention_run(kvh_engine *e, const kvh_attention_plan *plan, cons
     if (pl->uploaded)
         rc = e->backend->attention_run_uploaded(e->backend_ctx, pl->uploaded, q, out, stream, msg, sizeof(msg));
     else
-        rc = e->backend->attention_run(e->backend_ctx, &pl->call.plan, q, out, stream, run_done, NULL, msg,
-                                       sizeof(msg));
+        rc =
+            e->backend->attention_run(e->backend_ctx, &pl->call.plan, q, out, stream, run_done, NULL, msg, sizeof(msg));
     pthread_mutex_lock(&e->lock);
     if (--pl->runs == 0 && pl->destroying)
         pthread_cond_broadcast(&e->changed);

@@ -308,8 +308,7 @@ kvh_status kvh_pool_offload(kvh_engine *e, kvh_pool pool, uint32_t slot, uint64_
         return st;
     uint32_t b;
     if (n != e->cfg.block_tokens)
-        st = kvhi_fail(KVH_ERR_INVALID_ARG, "offload takes a full block of %u tokens, got %zu", e->cfg.block_tokens,
-                       n);
+        st = kvhi_fail(KVH_ERR_INVALID_ARG, "offload takes a full block of %u tokens, got %zu", e->cfg.block_tokens, n);
     else if ((st = kvhi_pool_offload(e, p, slot, parent_hash, tokens, agent, &b)) == KVH_OK) {
         e->blocks[b].ext_refs++;
         block->id = kvhi_block_handle(e, b);

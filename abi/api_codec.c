@@ -7,8 +7,8 @@ static kvh_status vector_bytes(uint32_t codec, uint32_t dtype, uint32_t head_dim
 {
     size_t n = kvhi_codec_vector_bytes(codec, dtype, head_dim);
     if (n == 0)
-        return kvhi_fail(KVH_ERR_INVALID_ARG, "codec %u, dtype %u and head_dim %u do not fit together", codec,
-                         dtype, head_dim);
+        return kvhi_fail(KVH_ERR_INVALID_ARG, "codec %u, dtype %u and head_dim %u do not fit together", codec, dtype,
+                         head_dim);
     *out = n;
     return KVH_OK;
 }
@@ -25,8 +25,8 @@ kvh_status kvh_codec_vector_bytes(uint32_t codec, uint32_t dtype, uint32_t head_
 }
 
 /* The checks encode and decode share: a known format, and buffers. */
-static kvh_status check_transcode(uint32_t codec, uint32_t dtype, uint32_t head_dim, const void *src,
-                                  size_t n_vectors, const void *dst)
+static kvh_status check_transcode(uint32_t codec, uint32_t dtype, uint32_t head_dim, const void *src, size_t n_vectors,
+                                  const void *dst)
 {
     kvhi_clear_error();
     size_t n = 0;

@@ -5,10 +5,10 @@
 
 #include "core/engine.h"
 
-#define KVHI_REQUIRE(cond, ...)                                                                                  \
-    do {                                                                                                         \
-        if (!(cond))                                                                                             \
-            return kvhi_fail(KVH_ERR_INVALID_ARG, __VA_ARGS__);                                                  \
+#define KVHI_REQUIRE(cond, ...)                                                                                        \
+    do {                                                                                                               \
+        if (!(cond))                                                                                                   \
+            return kvhi_fail(KVH_ERR_INVALID_ARG, __VA_ARGS__);                                                        \
     } while (0)
 
 /* Enters e (lock held on success). */

@@ -39,8 +39,7 @@ static kvh_status attention_vmap(kvh_engine *e, kvh_vmap *const *views, const ui
     if (pr.num_q_heads == 0)
         pr.num_q_heads = c->num_kv_heads;
     KVHI_REQUIRE(pr.num_q_heads % c->num_kv_heads == 0 && pr.num_q_heads <= KVHI_ATTN_MAX_Q_HEADS,
-                 "num_q_heads %u is not a multiple of num_kv_heads %u (or too many)", pr.num_q_heads,
-                 c->num_kv_heads);
+                 "num_q_heads %u is not a multiple of num_kv_heads %u (or too many)", pr.num_q_heads, c->num_kv_heads);
     KVHI_REQUIRE(isfinite(pr.scale), "scale is not finite");
     if (pr.scale == 0.0f)
         pr.scale = 1.0f / sqrtf((float)c->head_dim);

@@ -85,8 +85,7 @@ __attribute__((noinline)) static void freelist_free(freelist *f, uint32_t idx)
 /* ------------------------------------------------------------------ */
 
 typedef struct alloc_opts {
-    uint64_t blocks, pairs, fork_blocks, forks, prompt_tokens, admit_tokens, matches, touches, head_dim,
-        block_tokens;
+    uint64_t blocks, pairs, fork_blocks, forks, prompt_tokens, admit_tokens, matches, touches, head_dim, block_tokens;
     bench_list touch_blocks;
     const char *parts;
 } alloc_opts;
@@ -370,8 +369,7 @@ static int part_fork(const alloc_opts *o, const bench_ctx *ctx, int rounds)
 /* (c) prefix match and admission                                       */
 /* ------------------------------------------------------------------ */
 
-static int match_times(kvh_engine *e, const int32_t *tok, size_t n, uint64_t iters, double *match_us,
-                       double *free_us)
+static int match_times(kvh_engine *e, const int32_t *tok, size_t n, uint64_t iters, double *match_us, double *free_us)
 {
     for (uint64_t i = 0; i < iters; i++) {
         kvh_seq s;
@@ -579,21 +577,20 @@ static int part_touch(const alloc_opts *o, const bench_ctx *ctx, int rounds)
 
 /* ------------------------------------------------------------------ */
 
-static const char usage_text[] =
-    "Metadata costs of the block manager (CPU backend, migration_threads 0,\n"
-    "geometry 1 layer x 1 head x --head-dim x --block-tokens, f16):\n"
-    "  alloc_free_pairs      kvh_block_alloc + kvh_block_release per second vs a\n"
-    "                        pthread-mutex free list of uint32 indices (target\n"
-    "                        ratio >= 0.25), at occupancy 0 and 0.5\n"
-    "  alloc_n_then_free_n   allocate every block, then free all (fifo / random)\n"
-    "  fork                  kvh_seq_fork of a --fork-blocks sequence, us\n"
-    "  prefix_match          kvh_seq_match_prefix of a cached prompt on a fresh\n"
-    "                        sequence, us (target < 2000 us at --admit-tokens)\n"
-    "  prefix_hash_chain     hashing floor of that prompt (kvh_prefix_hash)\n"
-    "  prefix_admit_cold     match miss + kvh_seq_append of a new prompt, us\n"
-    "                        (target < 2000 us at --admit-tokens)\n"
-    "  lruk_touch_read_kv    kvh_seq_read_kv of 1 random token per second\n"
-    "  lruk_acquire_release  kvh_seq_acquire + kvh_seq_release of 1 token per second\n";
+static const char usage_text[] = "Metadata costs of the block manager (CPU backend, migration_threads 0,\n"
+                                 "geometry 1 layer x 1 head x --head-dim x --block-tokens, f16):\n"
+                                 "  alloc_free_pairs      kvh_block_alloc + kvh_block_release per second vs a\n"
+                                 "                        pthread-mutex free list of uint32 indices (target\n"
+                                 "                        ratio >= 0.25), at occupancy 0 and 0.5\n"
+                                 "  alloc_n_then_free_n   allocate every block, then free all (fifo / random)\n"
+                                 "  fork                  kvh_seq_fork of a --fork-blocks sequence, us\n"
+                                 "  prefix_match          kvh_seq_match_prefix of a cached prompt on a fresh\n"
+                                 "                        sequence, us (target < 2000 us at --admit-tokens)\n"
+                                 "  prefix_hash_chain     hashing floor of that prompt (kvh_prefix_hash)\n"
+                                 "  prefix_admit_cold     match miss + kvh_seq_append of a new prompt, us\n"
+                                 "                        (target < 2000 us at --admit-tokens)\n"
+                                 "  lruk_touch_read_kv    kvh_seq_read_kv of 1 random token per second\n"
+                                 "  lruk_acquire_release  kvh_seq_acquire + kvh_seq_release of 1 token per second\n";
 
 int bench_alloc(int argc, char **argv, const bench_ctx *ctx)
 {

@@ -325,14 +325,13 @@ static int run_block(const attn_opts *o, const bench_ctx *ctx, uint32_t bt, doub
     return rc;
 }
 
-static const char usage_text[] =
-    "CPU paged decode attention (kvh_attention_decode, f16 KV, f32 q/out) in GB/s of\n"
-    "K+V read, for each block size and context length; batch = total-tokens /\n"
-    "context so every call reads the same bytes. Baselines: the same kernel over\n"
-    "contiguous K/V (target paged/contiguous >= 0.9 at block 16) and the memory\n"
-    "read bandwidth of all threads, measured in this run (target >= 0.6 of it at\n"
-    "32K context). Memory: about 2 x total-tokens x 2 x kv-heads x dim x 2 bytes\n"
-    "plus --bw-mb.\n";
+static const char usage_text[] = "CPU paged decode attention (kvh_attention_decode, f16 KV, f32 q/out) in GB/s of\n"
+                                 "K+V read, for each block size and context length; batch = total-tokens /\n"
+                                 "context so every call reads the same bytes. Baselines: the same kernel over\n"
+                                 "contiguous K/V (target paged/contiguous >= 0.9 at block 16) and the memory\n"
+                                 "read bandwidth of all threads, measured in this run (target >= 0.6 of it at\n"
+                                 "32K context). Memory: about 2 x total-tokens x 2 x kv-heads x dim x 2 bytes\n"
+                                 "plus --bw-mb.\n";
 
 int bench_attention(int argc, char **argv, const bench_ctx *ctx)
 {

@@ -35,9 +35,10 @@ static void fill(uint32_t dtype, void *p, size_t n, bench_rng *r)
         else if (dtype == KVH_DTYPE_BF16)
             ((uint16_t *)p)[i] = (uint16_t)(bits >> 16);
         else /* f16 of a value in range: rebias the exponent, truncate */
-            ((uint16_t *)p)[i] = f == 0.0f ? 0
-                                           : (uint16_t)(((bits >> 16) & 0x8000u) | ((((bits >> 23) & 0xffu) - 112u) << 10) |
-                                                        ((bits >> 13) & 0x3ffu));
+            ((uint16_t *)p)[i] = f == 0.0f
+                                     ? 0
+                                     : (uint16_t)(((bits >> 16) & 0x8000u) | ((((bits >> 23) & 0xffu) - 112u) << 10) |
+                                                  ((bits >> 13) & 0x3ffu));
     }
 }
 

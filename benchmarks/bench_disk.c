@@ -90,7 +90,7 @@ static void geometry(uint64_t bytes, kvh_config *c)
 
 typedef struct disk_result {
     double spill, restore, random; /* seconds */
-    double latency, raw_latency;    /* per block, ours and raw, medians */
+    double latency, raw_latency;   /* per block, ours and raw, medians */
 } disk_result;
 
 /* The raw depth-1 read the single-block latency is compared with: one
@@ -370,8 +370,7 @@ int bench_disk(int argc, char **argv, const bench_ctx *ctx)
             double r = raw_io(raw, bs, n, 0, 0, (uint32_t)qd, ctx->seed);
             double rr = raw_io(raw, bs, n, 0, 1, (uint32_t)qd, ctx->seed + k);
             if (w < 0 || r < 0 || rr < 0) {
-                fprintf(stderr, "kvh-bench disk: raw O_DIRECT io_uring I/O failed in %s (%s)\n", dir,
-                        strerror(errno));
+                fprintf(stderr, "kvh-bench disk: raw O_DIRECT io_uring I/O failed in %s (%s)\n", dir, strerror(errno));
                 return 1;
             }
             wsp[k] = bytes / w / 1e9;

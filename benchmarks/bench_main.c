@@ -30,29 +30,27 @@ static const struct {
 
 static void usage(FILE *f)
 {
-    fprintf(f,
-            "usage: kvh-bench SCENARIO [--json] [--quick] [--reps N] [--strict] [--seed N] [scenario flags]\n"
-            "       kvh-bench all [--json] [--quick]     run every scenario with its defaults\n"
-            "       kvh-bench SCENARIO --help            the scenario's flags\n"
-            "\n"
-            "scenarios:\n");
+    fprintf(f, "usage: kvh-bench SCENARIO [--json] [--quick] [--reps N] [--strict] [--seed N] [scenario flags]\n"
+               "       kvh-bench all [--json] [--quick]     run every scenario with its defaults\n"
+               "       kvh-bench SCENARIO --help            the scenario's flags\n"
+               "\n"
+               "scenarios:\n");
     for (size_t i = 0; i < N_SCENARIOS; i++)
         fprintf(f, "  %-10s %s\n", scenarios[i].name, scenarios[i].summary);
-    fprintf(f,
-            "\n"
-            "common flags:\n"
-            "  --json      one JSON object per line: scenario, metric, value, unit, the\n"
-            "              varying parameters, and baseline + ratio (ours/baseline, higher\n"
-            "              is better) where a baseline runs in the same process\n"
-            "  --quick     a few seconds per scenario (CI smoke)\n"
-            "  --reps N    rounds per measurement (median is reported)\n"
-            "  --strict    exit with status 3 when a target is missed\n"
-            "  --seed N    RNG seed (default 1)\n"
-            "  --verbose   progress on stderr even with --json\n"
-            "\n"
-            "Without --json a table is printed. Progress goes to stderr.\n"
-            "Exit status: 0 ok, 1 a kvh call failed or data did not verify, 2 usage,\n"
-            "3 a target was missed (--strict only).\n");
+    fprintf(f, "\n"
+               "common flags:\n"
+               "  --json      one JSON object per line: scenario, metric, value, unit, the\n"
+               "              varying parameters, and baseline + ratio (ours/baseline, higher\n"
+               "              is better) where a baseline runs in the same process\n"
+               "  --quick     a few seconds per scenario (CI smoke)\n"
+               "  --reps N    rounds per measurement (median is reported)\n"
+               "  --strict    exit with status 3 when a target is missed\n"
+               "  --seed N    RNG seed (default 1)\n"
+               "  --verbose   progress on stderr even with --json\n"
+               "\n"
+               "Without --json a table is printed. Progress goes to stderr.\n"
+               "Exit status: 0 ok, 1 a kvh call failed or data did not verify, 2 usage,\n"
+               "3 a target was missed (--strict only).\n");
 }
 
 int main(int argc, char **argv)

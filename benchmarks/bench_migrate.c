@@ -68,8 +68,8 @@ static int pick_geometry(uint64_t bytes, geometry *g)
 
 typedef struct mctx {
     kvh_engine *e;
-    uint64_t bb;     /* block bytes */
-    uint64_t n;      /* blocks moved per pass */
+    uint64_t bb;      /* block bytes */
+    uint64_t n;       /* blocks moved per pass */
     uint8_t *base[2]; /* device, host tier memory */
     uint8_t *buf[2];  /* baseline buffers standing in for device, host */
     kvh_block *h;
@@ -217,8 +217,9 @@ static int run_one(const migrate_opts *o, const bench_ctx *ctx, uint64_t bb, uin
         m.base[t] = ti[t].base;
         memset(m.base[t], 0x5a + t, ti[t].capacity_blocks * bb);
     }
-    bench_info(ctx, "migrate: %llu-byte blocks (%u layers x %u heads x %u tokens x %u dims), %llu blocks per tier, "
-                    "%u worker(s); pre-fault %.2f s",
+    bench_info(ctx,
+               "migrate: %llu-byte blocks (%u layers x %u heads x %u tokens x %u dims), %llu blocks per tier, "
+               "%u worker(s); pre-fault %.2f s",
                (unsigned long long)bb, g.layers, g.heads, g.tokens, g.dim, (unsigned long long)m.n, threads,
                (double)(bench_ns() - t0) * 1e-9);
 
@@ -324,14 +325,13 @@ static int run_one(const migrate_opts *o, const bench_ctx *ctx, uint64_t bb, uin
     return 0;
 }
 
-static const char usage_text[] =
-    "Device<->host block copy throughput of the CPU backend, in GB/s (1e9 B/s),\n"
-    "for kvh_migrate (all handles in one call unless --batch) and kvh_seq_migrate,\n"
-    "both directions, per block size and migration_threads; baseline = plain\n"
-    "memcpy of the same random slot pairs between two plain buffers, run right\n"
-    "after each pass (target ratio >= 0.9). Sizes must be multiples of 4096\n"
-    "(64K, 256K and 1M use 4x4x16x64, 16x4x16x64 and 32x8x16x64 layers x heads\n"
-    "x tokens x dims). Memory: about 4x --pool-mb.\n";
+static const char usage_text[] = "Device<->host block copy throughput of the CPU backend, in GB/s (1e9 B/s),\n"
+                                 "for kvh_migrate (all handles in one call unless --batch) and kvh_seq_migrate,\n"
+                                 "both directions, per block size and migration_threads; baseline = plain\n"
+                                 "memcpy of the same random slot pairs between two plain buffers, run right\n"
+                                 "after each pass (target ratio >= 0.9). Sizes must be multiples of 4096\n"
+                                 "(64K, 256K and 1M use 4x4x16x64, 16x4x16x64 and 32x8x16x64 layers x heads\n"
+                                 "x tokens x dims). Memory: about 4x --pool-mb.\n";
 
 int bench_migrate(int argc, char **argv, const bench_ctx *ctx)
 {

@@ -84,7 +84,7 @@ static double reload_once(const char *path, uint64_t bytes)
 }
 
 typedef struct switch_times {
-    double full, first; /* seconds, medians */
+    double full, first;              /* seconds, medians */
     uint64_t copied, remapped, read; /* bytes moved per switch, last one */
 } switch_times;
 
@@ -107,8 +107,7 @@ static int add_model(kvh_engine *e, kvh_context *ctx, const char *path, uint64_t
     return 0;
 }
 
-static int run_mode(const char *mode, const char *path, uint64_t bytes, uint32_t layers, int reps,
-                    switch_times *out)
+static int run_mode(const char *mode, const char *path, uint64_t bytes, uint32_t layers, int reps, switch_times *out)
 {
     kvh_config c;
     BENCH_CHECK(kvh_config_init(&c, sizeof c));
@@ -178,7 +177,8 @@ int bench_switch(int argc, char **argv, const bench_ctx *ctx)
         {"--layers", BENCH_OPT_U64, &layers, "regions (layers) the file is cut into (default 32)"},
         {NULL},
     };
-    int prc = bench_parse(argc, argv, opts, "switch", "kvh-bench switch [--model PATH] [--dir DIR] [--layers N] [--mode M]");
+    int prc =
+        bench_parse(argc, argv, opts, "switch", "kvh-bench switch [--model PATH] [--dir DIR] [--layers N] [--mode M]");
     if (prc)
         return bench_parse_rc(prc);
     if (only && strcmp(only, "unified") && strcmp(only, "discrete") && strcmp(only, "file")) {

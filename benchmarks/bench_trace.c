@@ -54,8 +54,8 @@ typedef struct trace_opts {
 
 static double rate(uint64_t n, uint64_t d) { return d ? (double)n / (double)d : 0.0; }
 
-static bench_row *row(const char *trace_name, const char *policy, const char *metric, double value,
-                      const char *unit, uint64_t pct, const sim_config *c)
+static bench_row *row(const char *trace_name, const char *policy, const char *metric, double value, const char *unit,
+                      uint64_t pct, const sim_config *c)
 {
     bench_row *r = bench_row_new(SCEN, metric, value, unit);
     bench_row_str(r, "trace", trace_name);
@@ -68,8 +68,7 @@ static bench_row *row(const char *trace_name, const char *policy, const char *me
 
 /* The rows of one policy's result against MIN's. */
 static void emit_result(const bench_ctx *ctx, const char *trace_name, const char *policy, uint64_t pct,
-                        const sim_config *c, const sim_result *r, const sim_result *opt, int generated,
-                        int adversarial)
+                        const sim_config *c, const sim_result *r, const sim_result *opt, int generated, int adversarial)
 {
     int is_min = !strcmp(policy, "min");
     int is_engine = !strncmp(policy, "kvh-engine", 10);
@@ -118,8 +117,8 @@ static void emit_result(const bench_ctx *ctx, const char *trace_name, const char
     }
 }
 
-static int evaluate(const bench_ctx *ctx, const trace_opts *o, const char *trace_name, const trace *t,
-                    int generated, int adversarial)
+static int evaluate(const bench_ctx *ctx, const trace_opts *o, const char *trace_name, const trace *t, int generated,
+                    int adversarial)
 {
     bench_info(ctx, "trace %s: %zu accesses, %u blocks, %u sequences", trace_name, t->n, t->n_blocks,
                trace_count_seqs(t));
@@ -151,8 +150,7 @@ static int evaluate(const bench_ctx *ctx, const trace_opts *o, const char *trace
                 fprintf(stderr, "kvh-bench trace: out of memory\n");
                 return 1;
             }
-            emit_result(ctx, trace_name, sim_policy_name((sim_policy)p), pct, &c, &r, &opt, generated,
-                        adversarial);
+            emit_result(ctx, trace_name, sim_policy_name((sim_policy)p), pct, &c, &r, &opt, generated, adversarial);
             if (p == SIM_LRU_K_HINTS) {
                 sim_config cp = c;
                 cp.hint_promote = 1;

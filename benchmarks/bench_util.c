@@ -123,8 +123,8 @@ struct bench_row {
     int n_params;
     struct {
         char key[32];
-        char json[64];  /* JSON literal */
-        char text[64];  /* table text */
+        char json[64]; /* JSON literal */
+        char text[64]; /* table text */
     } params[ROW_MAX_PARAMS];
     int has_baseline;
     double baseline, ratio;
@@ -139,10 +139,7 @@ static int missed_targets;
 
 int bench_missed_targets(void) { return missed_targets; }
 
-static void copy_str(char *dst, size_t cap, const char *src)
-{
-    snprintf(dst, cap, "%s", src ? src : "");
-}
+static void copy_str(char *dst, size_t cap, const char *src) { snprintf(dst, cap, "%s", src ? src : ""); }
 
 bench_row *bench_row_new(const char *scenario, const char *metric, double value, const char *unit)
 {
@@ -236,8 +233,8 @@ void bench_emit(const bench_ctx *ctx, bench_row *r)
     }
     char num[32];
     fmt_num(num, sizeof(num), r->value, 6);
-    printf("{\"scenario\": \"%s\", \"metric\": \"%s\", \"value\": %s, \"unit\": \"%s\"", r->scenario, r->metric,
-           num, r->unit);
+    printf("{\"scenario\": \"%s\", \"metric\": \"%s\", \"value\": %s, \"unit\": \"%s\"", r->scenario, r->metric, num,
+           r->unit);
     for (int i = 0; i < r->n_params; i++)
         printf(", \"%s\": %s", r->params[i].key, r->params[i].json);
     if (r->has_baseline) {
@@ -396,7 +393,9 @@ void bench_print_opts(const bench_opt *opts)
     for (const bench_opt *o = opts; o && o->name; o++) {
         char lhs[64];
         snprintf(lhs, sizeof(lhs), "%s %s", o->name,
-                 o->type == BENCH_OPT_LIST ? "A,B,.." : o->type == BENCH_OPT_STR ? "S" : "N");
+                 o->type == BENCH_OPT_LIST  ? "A,B,.."
+                 : o->type == BENCH_OPT_STR ? "S"
+                                            : "N");
         printf("  %-24s %s", lhs, o->help);
         if (o->type == BENCH_OPT_STR)
             printf(" (default %s)", *(const char **)o->dst);

@@ -24,15 +24,17 @@ typedef struct bench_ctx {
 } bench_ctx;
 
 /* ---- time ---- */
-uint64_t bench_ns(void);   /* CLOCK_MONOTONIC, nanoseconds */
-double bench_sec(void);    /* the same, seconds */
+uint64_t bench_ns(void); /* CLOCK_MONOTONIC, nanoseconds */
+double bench_sec(void);  /* the same, seconds */
 
 /* ---- statistics ---- */
 double bench_median(const double *v, size_t n); /* n >= 1; v unchanged */
 double bench_min(const double *v, size_t n);
 
 /* ---- RNG (xoshiro256**), deterministic for a seed ---- */
-typedef struct bench_rng { uint64_t s[4]; } bench_rng;
+typedef struct bench_rng {
+    uint64_t s[4];
+} bench_rng;
 void bench_rng_seed(bench_rng *r, uint64_t seed);
 uint64_t bench_rng_next(bench_rng *r);
 uint64_t bench_rng_below(bench_rng *r, uint64_t n); /* [0, n) */
@@ -95,11 +97,11 @@ void bench_print_opts(const bench_opt *opts);
 /* Reports a failed kvh call on stderr and returns 1 (so `return
  * bench_kvh_fail(...)` ends a scenario). */
 int bench_kvh_fail(const char *what, kvh_status st);
-#define BENCH_CHECK(call)                                                                                    \
-    do {                                                                                                     \
-        kvh_status bench_st_ = (call);                                                                       \
-        if (bench_st_ != KVH_OK)                                                                             \
-            return bench_kvh_fail(#call, bench_st_);                                                         \
+#define BENCH_CHECK(call)                                                                                              \
+    do {                                                                                                               \
+        kvh_status bench_st_ = (call);                                                                                 \
+        if (bench_st_ != KVH_OK)                                                                                       \
+            return bench_kvh_fail(#call, bench_st_);                                                                   \
     } while (0)
 
 /* Formats n bytes as "64K", "1M", "1G". */

@@ -175,10 +175,9 @@ static int run_context(const bench_ctx *ctx, uint32_t C, int reps, uint64_t thre
     return 0;
 }
 
-static const char usage_text[] =
-    "Virtual contiguity on the CPU: cost of mapping a sequence's layer into a\n"
-    "view (kvh_seq_vmap), refreshing it after an append, releasing it, and decode\n"
-    "attention over the view against paged decode of the same sequence.\n";
+static const char usage_text[] = "Virtual contiguity on the CPU: cost of mapping a sequence's layer into a\n"
+                                 "view (kvh_seq_vmap), refreshing it after an append, releasing it, and decode\n"
+                                 "attention over the view against paged decode of the same sequence.\n";
 
 int bench_vmap(int argc, char **argv, const bench_ctx *ctx)
 {

@@ -6,12 +6,18 @@
 const char *sim_policy_name(sim_policy p)
 {
     switch (p) {
-    case SIM_LRU: return "lru";
-    case SIM_LRU_K: return "lru-k";
-    case SIM_LRU_K_HYST: return "lru-k-hyst";
-    case SIM_LCTRU: return "lctru";
-    case SIM_LRU_K_HINTS: return "lru-k+hints";
-    default: return "?";
+    case SIM_LRU:
+        return "lru";
+    case SIM_LRU_K:
+        return "lru-k";
+    case SIM_LRU_K_HYST:
+        return "lru-k-hyst";
+    case SIM_LCTRU:
+        return "lctru";
+    case SIM_LRU_K_HINTS:
+        return "lru-k+hints";
+    default:
+        return "?";
     }
 }
 
@@ -150,7 +156,9 @@ typedef struct sim {
      * the access clock; a hint not renewed since the epoch before the
      * current one is dropped. */
     uint32_t *hint_epoch_of;
-    struct { uint32_t block, epoch; } *ring;
+    struct {
+        uint32_t block, epoch;
+    } * ring;
     size_t ring_head, ring_n, ring_cap;
     uint32_t epoch;
     uint64_t epoch_end, clock;

@@ -58,14 +58,7 @@
 
 #include "trace.h"
 
-typedef enum sim_policy {
-    SIM_LRU,
-    SIM_LRU_K,
-    SIM_LRU_K_HYST,
-    SIM_LCTRU,
-    SIM_LRU_K_HINTS,
-    SIM_POLICY_COUNT
-} sim_policy;
+typedef enum sim_policy { SIM_LRU, SIM_LRU_K, SIM_LRU_K_HYST, SIM_LCTRU, SIM_LRU_K_HINTS, SIM_POLICY_COUNT } sim_policy;
 
 const char *sim_policy_name(sim_policy p);
 

@@ -155,8 +155,8 @@ static int demo_line(trace *t, const char *p)
     char tier[16], kind[16];
     if (!strchr(p, '\t'))
         return 0;
-    int got = sscanf(p, "%lf %llu %llx %llx %llx %15s %15s %lld", &ts, &agent, &seq, &handle, &hash, tier, kind,
-                     &priority);
+    int got =
+        sscanf(p, "%lf %llu %llx %llx %llx %15s %15s %lld", &ts, &agent, &seq, &handle, &hash, tier, kind, &priority);
     if (got < 7)
         return 0;
     /* Prefetches are not demand accesses. */
@@ -185,8 +185,8 @@ static int plain_line(trace *t, const char *p, const char **expected)
     if (!strncmp(p, "hint", 4)) {
         unsigned long long hs, hf, hn;
         long long prio;
-        if (sscanf(p + 4, "%llu %llu %llu %lld", &hs, &hf, &hn, &prio) != 4 || hs > UINT32_MAX ||
-            hf > UINT32_MAX || hn > UINT32_MAX || prio < INT32_MIN || prio > INT32_MAX) {
+        if (sscanf(p + 4, "%llu %llu %llu %lld", &hs, &hf, &hn, &prio) != 4 || hs > UINT32_MAX || hf > UINT32_MAX ||
+            hn > UINT32_MAX || prio < INT32_MIN || prio > INT32_MAX) {
             *expected = "hint SEQ FIRST N PRIORITY";
             return 1;
         }

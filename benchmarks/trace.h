@@ -42,11 +42,11 @@ typedef struct trace_access {
 } trace_access;
 
 typedef struct trace_hint {
-    size_t at;          /* takes effect before access `at` */
+    size_t at; /* takes effect before access `at` */
     uint32_t seq, first, n;
     int32_t priority;
-    uint32_t block;     /* the dense id of the one block a demo-form hint
-                           names; UINT32_MAX: find (seq, first + i) */
+    uint32_t block; /* the dense id of the one block a demo-form hint
+                       names; UINT32_MAX: find (seq, first + i) */
 } trace_hint;
 
 typedef struct trace {

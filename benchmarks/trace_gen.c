@@ -101,8 +101,7 @@ typedef struct planned_turn {
 /* Priorities of hints: a sooner turn ranks higher. */
 static int32_t turn_priority(size_t turn) { return (int32_t)(INT32_MAX - (int64_t)(turn % INT32_MAX)); }
 
-static int hint_turn(trace *t, const trace_gen_params *p, const uint32_t *doc_len, const planned_turn *pt,
-                     size_t turn)
+static int hint_turn(trace *t, const trace_gen_params *p, const uint32_t *doc_len, const planned_turn *pt, size_t turn)
 {
     int32_t prio = turn_priority(turn);
     if (trace_add_hint(t, SYSTEM_SEQ, 0, p->system_blocks, prio) != 0 ||

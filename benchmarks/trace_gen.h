@@ -21,23 +21,23 @@
 #include "trace.h"
 
 typedef struct trace_gen_params {
-    uint32_t agents;             /* cooperating agents */
-    uint32_t turns;              /* turns per agent */
-    uint32_t system_blocks;      /* shared system prompt */
-    uint32_t topics;             /* topic documents the agents share */
-    uint32_t doc_blocks_min;     /* document length range, blocks */
+    uint32_t agents;         /* cooperating agents */
+    uint32_t turns;          /* turns per agent */
+    uint32_t system_blocks;  /* shared system prompt */
+    uint32_t topics;         /* topic documents the agents share */
+    uint32_t doc_blocks_min; /* document length range, blocks */
     uint32_t doc_blocks_max;
     uint32_t new_blocks_per_turn; /* history appended per turn (1..this) */
     uint32_t max_history_blocks;  /* a session this long is left */
-    double p_switch_topic;       /* per turn */
-    double p_leave_session;      /* per turn: park it, start or resume one */
-    double p_resume;             /* when leaving: resume a parked session */
-    int adversarial;             /* add the topic-jumping agent */
-    uint32_t adversary_topics;   /* its pool of disparate topics */
-    uint32_t hint_turns;         /* before each turn, hint the context of
-                                    it and the next hint_turns - 1 turns
-                                    (what a scheduler's queue knows);
-                                    0: no hints */
+    double p_switch_topic;        /* per turn */
+    double p_leave_session;       /* per turn: park it, start or resume one */
+    double p_resume;              /* when leaving: resume a parked session */
+    int adversarial;              /* add the topic-jumping agent */
+    uint32_t adversary_topics;    /* its pool of disparate topics */
+    uint32_t hint_turns;          /* before each turn, hint the context of
+                                     it and the next hint_turns - 1 turns
+                                     (what a scheduler's queue knows);
+                                     0: no hints */
     uint64_t seed;
 } trace_gen_params;
 

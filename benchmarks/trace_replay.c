@@ -18,13 +18,13 @@ static int fail(const char *what, kvh_status st)
     return 1;
 }
 
-#define CHECK(call)                                                                                          \
-    do {                                                                                                     \
-        kvh_status st_ = (call);                                                                             \
-        if (st_ != KVH_OK) {                                                                                 \
-            rc = fail(#call, st_);                                                                           \
-            goto out;                                                                                        \
-        }                                                                                                    \
+#define CHECK(call)                                                                                                    \
+    do {                                                                                                               \
+        kvh_status st_ = (call);                                                                                       \
+        if (st_ != KVH_OK) {                                                                                           \
+            rc = fail(#call, st_);                                                                                     \
+            goto out;                                                                                                  \
+        }                                                                                                              \
     } while (0)
 
 static double now_sec(void)
@@ -36,7 +36,10 @@ static double now_sec(void)
 
 /* Token ids unique to (seq, position), so no two trace blocks share a
  * prefix-index entry. */
-static int32_t token_of(uint32_t seq, uint64_t pos) { return (int32_t)((((uint64_t)seq * 1000003u) + pos) & 0x3fffffff); }
+static int32_t token_of(uint32_t seq, uint64_t pos)
+{
+    return (int32_t)((((uint64_t)seq * 1000003u) + pos) & 0x3fffffff);
+}
 
 static int remove_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw)
 {

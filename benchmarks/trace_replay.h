@@ -20,19 +20,19 @@
 typedef struct replay_config {
     uint32_t device_blocks;
     uint32_t host_blocks;
-    uint32_t lru_k;        /* 0: the engine's default */
-    const char *disk_dir;  /* existing directory; a store is made inside */
-    int skip_kv_write;     /* 1: a first access only appends (no K/V write),
-                              to see what the write's own access costs the
-                              policy */
-    int hints;             /* 1: the trace's hints become kvh_seq_hint
-                              calls (advice), 2: kvh_prefetch calls (which
-                              also promote); blocks not made yet are left
-                              out */
+    uint32_t lru_k;       /* 0: the engine's default */
+    const char *disk_dir; /* existing directory; a store is made inside */
+    int skip_kv_write;    /* 1: a first access only appends (no K/V write),
+                             to see what the write's own access costs the
+                             policy */
+    int hints;            /* 1: the trace's hints become kvh_seq_hint
+                             calls (advice), 2: kvh_prefetch calls (which
+                             also promote); blocks not made yet are left
+                             out */
 } replay_config;
 
 typedef struct replay_result {
-    sim_result sim;        /* hits and block transfers as the engine counted */
+    sim_result sim; /* hits and block transfers as the engine counted */
     uint64_t block_bytes;
     double seconds;
 } replay_result;

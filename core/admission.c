@@ -48,11 +48,10 @@ kvh_status kvhi_admission_reserve(kvh_engine *e, uint64_t token_budget, int *poo
     uint64_t reserved = a->reserved_blocks[pool], quota = a->quota_blocks[pool];
     if (reserved > quota || blocks > quota - reserved) {
         a->rejected[pool]++;
-        return kvhi_fail(KVH_ERR_NOSPACE,
-                         "%s-context pool: %llu of %llu blocks reserved, a budget of %llu tokens needs %llu more",
-                         pool ? "long" : "short", (unsigned long long)a->reserved_blocks[pool],
-                         (unsigned long long)a->quota_blocks[pool], (unsigned long long)token_budget,
-                         (unsigned long long)blocks);
+        return kvhi_fail(
+            KVH_ERR_NOSPACE, "%s-context pool: %llu of %llu blocks reserved, a budget of %llu tokens needs %llu more",
+            pool ? "long" : "short", (unsigned long long)a->reserved_blocks[pool],
+            (unsigned long long)a->quota_blocks[pool], (unsigned long long)token_budget, (unsigned long long)blocks);
     }
     a->reserved_blocks[pool] += blocks;
     *pool_out = pool;

@@ -47,12 +47,10 @@ typedef struct kvhi_backend_ops {
 
     /* Synchronous copy of n bytes; returns 0 or -1 with msg filled. Safe to
      * call from several threads at once (each uses its own stream). */
-    int (*copy)(void *ctx, void *dst, const void *src, size_t n,
-                enum kvhi_copy_kind kind, char *msg, size_t msg_len);
+    int (*copy)(void *ctx, void *dst, const void *src, size_t n, enum kvhi_copy_kind kind, char *msg, size_t msg_len);
     /* Strided 2-D copy: rows of width bytes, `height` rows. */
-    int (*copy_2d)(void *ctx, void *dst, size_t dst_pitch, const void *src,
-                   size_t src_pitch, size_t width, size_t height,
-                   enum kvhi_copy_kind kind, char *msg, size_t msg_len);
+    int (*copy_2d)(void *ctx, void *dst, size_t dst_pitch, const void *src, size_t src_pitch, size_t width,
+                   size_t height, enum kvhi_copy_kind kind, char *msg, size_t msg_len);
 
     /* ---- paged attention (kernels/attention_plan.h) ----
      * Appended; a backend without kernels leaves them NULL and the
@@ -81,12 +79,9 @@ typedef struct kvhi_backend_ops {
      *
      * stream_sync: waits for everything queued on stream (tests and
      * benchmarks; 0 or -1 with msg). */
-    void (*attention_plan_opts)(void *ctx, uint32_t threads,
-                                struct kvhi_attn_plan_opts *opts);
-    int (*attention_run)(void *ctx, const struct kvhi_attn_plan *plan,
-                         const void *q, void *out, void *stream,
-                         void (*done)(void *done_arg), void *done_arg,
-                         char *msg, size_t msg_len);
+    void (*attention_plan_opts)(void *ctx, uint32_t threads, struct kvhi_attn_plan_opts *opts);
+    int (*attention_run)(void *ctx, const struct kvhi_attn_plan *plan, const void *q, void *out, void *stream,
+                         void (*done)(void *done_arg), void *done_arg, char *msg, size_t msg_len);
     int (*stream_sync)(void *ctx, void *stream, char *msg, size_t msg_len);
 
     /* ---- persistent plans (kvh_attention_plan) ----
@@ -141,13 +136,12 @@ typedef struct kvhi_backend_ops {
      * dst, read-only; vmap_unmap: leaves [dst, dst + bytes) unmapped.
      * All multiples of map_unit. 0 or a negative kvh_status with msg. */
     int (*vmap_arena_create)(void *ctx, const kvhi_slab_layout *layout, uint64_t bytes, const char *backing,
-                             void **arena, void **base, uint64_t *map_unit, const char **backing_used,
-                             char *msg, size_t msg_len);
+                             void **arena, void **base, uint64_t *map_unit, const char **backing_used, char *msg,
+                             size_t msg_len);
     void (*vmap_arena_destroy)(void *ctx, void *arena);
     int (*vmap_reserve)(void *ctx, void *arena, uint64_t bytes, void **base, char *msg, size_t msg_len);
     void (*vmap_unreserve)(void *ctx, void *arena, void *base, uint64_t bytes);
-    int (*vmap_map)(void *ctx, void *arena, void *dst, uint64_t arena_off, uint64_t bytes, char *msg,
-                    size_t msg_len);
+    int (*vmap_map)(void *ctx, void *arena, void *dst, uint64_t arena_off, uint64_t bytes, char *msg, size_t msg_len);
     int (*vmap_unmap)(void *ctx, void *arena, void *dst, uint64_t bytes, char *msg, size_t msg_len);
 } kvhi_backend_ops;
 
@@ -158,8 +152,7 @@ const kvhi_backend_ops *kvhi_backend_cpu(void);
 
 /* Loads the CUDA backend (dlopen). Returns NULL with msg filled when it is
  * missing, refuses, or no device answers. */
-const kvhi_backend_ops *kvhi_backend_cuda_load(int device, char *msg,
-                                               size_t msg_len, void **dl);
+const kvhi_backend_ops *kvhi_backend_cuda_load(int device, char *msg, size_t msg_len, void **dl);
 void kvhi_backend_cuda_unload(void *dl);
 
 #endif

@@ -25,15 +25,13 @@ static void cpu_free(void *ctx, void *p, size_t bytes)
         munmap(p, bytes);
 }
 
-static int cpu_copy(void *ctx, void *dst, const void *src, size_t n,
-                    enum kvhi_copy_kind kind, char *msg, size_t len)
+static int cpu_copy(void *ctx, void *dst, const void *src, size_t n, enum kvhi_copy_kind kind, char *msg, size_t len)
 {
     memcpy(dst, src, n);
     return 0;
 }
 
-static int cpu_copy_2d(void *ctx, void *dst, size_t dpitch, const void *src,
-                       size_t spitch, size_t width, size_t height,
+static int cpu_copy_2d(void *ctx, void *dst, size_t dpitch, const void *src, size_t spitch, size_t width, size_t height,
                        enum kvhi_copy_kind kind, char *msg, size_t len)
 {
     for (size_t r = 0; r < height; r++)

@@ -26,8 +26,7 @@ static void *open_beside_self(void)
     return NULL;
 }
 
-const kvhi_backend_ops *kvhi_backend_cuda_load(int device, char *msg,
-                                               size_t msg_len, void **dl_out)
+const kvhi_backend_ops *kvhi_backend_cuda_load(int device, char *msg, size_t msg_len, void **dl_out)
 {
     const char *env = getenv("KVH_CUDA_BACKEND");
     void *dl = env && *env ? dlopen(env, RTLD_NOW | RTLD_LOCAL) : NULL;

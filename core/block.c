@@ -191,7 +191,8 @@ kvh_status kvhi_block_new(kvh_engine *e, uint32_t agent, uint32_t min_tier, uint
             return st;
     }
     if (st != KVH_OK)
-        return kvhi_fail(KVH_ERR_NOSPACE, "no memory tier can make room for a new block (all pinned, held or referenced)");
+        return kvhi_fail(KVH_ERR_NOSPACE,
+                         "no memory tier can make room for a new block (all pinned, held or referenced)");
     if (e->block_free_top == 0) { /* taken while the lock was dropped */
         kvhi_release_slot(e, tier, slot);
         return kvhi_fail(KVH_ERR_NOSPACE, "no free block metadata");
@@ -297,8 +298,7 @@ uint32_t kvhi_block_drop(kvh_engine *e, uint32_t b)
 bool kvhi_block_in_device(const kvh_engine *e, uint32_t b)
 {
     const kvhi_block *blk = &e->blocks[b];
-    return blk->tier == KVH_TIER_DEVICE &&
-           (!kvhi_block_in_flight(blk) || kvhi_move_state(blk) == KVHI_MS_RECALLED);
+    return blk->tier == KVH_TIER_DEVICE && (!kvhi_block_in_flight(blk) || kvhi_move_state(blk) == KVHI_MS_RECALLED);
 }
 
 bool kvhi_block_recall(kvh_engine *e, uint32_t b)
@@ -364,15 +364,9 @@ void kvhi_block_pin(kvh_engine *e, uint32_t b, bool pin)
     }
 }
 
-static uint64_t bitmap_words(kvh_engine *e)
-{
-    return ((uint64_t)e->cfg.num_layers * e->cfg.block_tokens + 63) / 64;
-}
+static uint64_t bitmap_words(kvh_engine *e) { return ((uint64_t)e->cfg.num_layers * e->cfg.block_tokens + 63) / 64; }
 
-bool kvhi_block_kv_complete(kvh_engine *e, uint32_t b)
-{
-    return (e->blocks[b].flags & KVHI_BF_KV_COMPLETE) != 0;
-}
+bool kvhi_block_kv_complete(kvh_engine *e, uint32_t b) { return (e->blocks[b].flags & KVHI_BF_KV_COMPLETE) != 0; }
 
 /* Marks cells [t0, t1) of layer written; sets KV_COMPLETE when all are. */
 kvh_status kvhi_block_mark_written(kvh_engine *e, uint32_t b, uint32_t layer, uint32_t t0, uint32_t t1)
@@ -443,7 +437,7 @@ kvh_status kvhi_block_forget_tokens(kvh_engine *e, uint32_t b, uint32_t keep)
             }
     }
     blk->n_tokens = (uint16_t)keep;
-    blk->flags &= (uint16_t)~(KVHI_BF_HASHED | KVHI_BF_DISK_HASHED);
+    blk->flags &= (uint16_t) ~(KVHI_BF_HASHED | KVHI_BF_DISK_HASHED);
     blk->hash = 0;
     return KVH_OK;
 }

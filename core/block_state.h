@@ -73,13 +73,13 @@ static inline bool kvhi_block_busy(const kvhi_block *b) { return kvhi_move_state
 static inline enum kvhi_move_state kvhi_move_next(enum kvhi_move_state s, enum kvhi_move_event ev)
 {
     static const unsigned char next[KVHI_MS_COUNT][KVHI_EV_COUNT] = {
-        /*                  MOVE_BEGIN              MOVE_END          RECALLABLE        RECALL            COPY_BEGIN       COPY_END */
+        /*                  MOVE_BEGIN              MOVE_END          RECALLABLE        RECALL            COPY_BEGIN
+           COPY_END */
         [KVHI_MS_IDLE] = {KVHI_MS_MOVING, KVHI_MS_COUNT, KVHI_MS_COUNT, KVHI_MS_COUNT, KVHI_MS_COPYING, KVHI_MS_COUNT},
         [KVHI_MS_MOVING] = {KVHI_MS_COUNT, KVHI_MS_IDLE, KVHI_MS_DEMOTING, KVHI_MS_COUNT, KVHI_MS_COUNT, KVHI_MS_COUNT},
         [KVHI_MS_DEMOTING] = {KVHI_MS_COUNT, KVHI_MS_IDLE, KVHI_MS_COUNT, KVHI_MS_RECALLED, KVHI_MS_COUNT,
                               KVHI_MS_COUNT},
-        [KVHI_MS_RECALLED] = {KVHI_MS_COUNT, KVHI_MS_IDLE, KVHI_MS_COUNT, KVHI_MS_COUNT, KVHI_MS_COUNT,
-                              KVHI_MS_COUNT},
+        [KVHI_MS_RECALLED] = {KVHI_MS_COUNT, KVHI_MS_IDLE, KVHI_MS_COUNT, KVHI_MS_COUNT, KVHI_MS_COUNT, KVHI_MS_COUNT},
         [KVHI_MS_COPYING] = {KVHI_MS_COPYING_MOVING, KVHI_MS_COUNT, KVHI_MS_COUNT, KVHI_MS_COUNT, KVHI_MS_COUNT,
                              KVHI_MS_IDLE},
         [KVHI_MS_COPYING_MOVING] = {KVHI_MS_COUNT, KVHI_MS_COPYING, KVHI_MS_COUNT, KVHI_MS_COUNT, KVHI_MS_COUNT,

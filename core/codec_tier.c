@@ -36,22 +36,16 @@ uint64_t kvhi_cell_offset(kvh_engine *e, uint32_t tier, uint32_t layer, uint32_t
 }
 
 /* Device memory the CPU cannot address (CUDA): goes through a host buffer. */
-static bool remote(kvh_engine *e, uint32_t tier)
-{
-    return tier == KVH_TIER_DEVICE && !e->device_host_addressable;
-}
+static bool remote(kvh_engine *e, uint32_t tier) { return tier == KVH_TIER_DEVICE && !e->device_host_addressable; }
 
-static bool encoded(kvh_engine *e, uint32_t tier)
-{
-    return tier < KVH_TIER_COUNT && e->tiers[tier].encoded;
-}
+static bool encoded(kvh_engine *e, uint32_t tier) { return tier < KVH_TIER_COUNT && e->tiers[tier].encoded; }
 
 int kvhi_block_copy(kvh_engine *e, uint32_t dst_tier, void *dst, uint32_t src_tier, const void *src)
 {
     bool dst_enc = encoded(e, dst_tier), src_enc = encoded(e, src_tier);
     if (dst_enc == src_enc)
-        return kvhi_copy_bytes(e, dst_tier, dst, src_tier, src, dst_enc ? e->tiers[KVH_TIER_HOST].slot_bytes
-                                                                        : e->block_bytes);
+        return kvhi_copy_bytes(e, dst_tier, dst, src_tier, src,
+                               dst_enc ? e->tiers[KVH_TIER_HOST].slot_bytes : e->block_bytes);
     uint64_t cells = e->block_bytes / e->vector_bytes;
     uint8_t *staging = NULL;
     int rc = 0;

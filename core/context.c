@@ -282,8 +282,7 @@ static kvh_status region_copy_in(kvh_engine *e, kvhi_context *x, kvhi_region *r,
     pthread_mutex_unlock(&e->lock);
     uint8_t *mem = kvhi_region_mem_alloc(e, tier, r->size);
     uint32_t bad = 0;
-    int rc = mem ? kvhi_region_copy(e, r, x->chunk_bytes, mem, tier, bytes, KVH_TIER_HOST, KVHI_CRC_RECORD, &bad)
-                 : -1;
+    int rc = mem ? kvhi_region_copy(e, r, x->chunk_bytes, mem, tier, bytes, KVH_TIER_HOST, KVHI_CRC_RECORD, &bad) : -1;
     if (rc != 0 && mem) {
         kvhi_region_mem_free(e, tier, mem, r->size);
         mem = NULL;
@@ -302,8 +301,7 @@ static kvh_status region_copy_in(kvh_engine *e, kvhi_context *x, kvhi_region *r,
     return KVH_OK;
 }
 
-kvh_status kvhi_context_add_region(kvh_engine *e, kvhi_context *x, const kvh_weight_region_params *p,
-                                   uint32_t *out)
+kvh_status kvhi_context_add_region(kvh_engine *e, kvhi_context *x, const kvh_weight_region_params *p, uint32_t *out)
 {
     if (x->switching || x->holds)
         return kvhi_fail(KVH_ERR_BUSY, "context '%s' is being switched or used", x->name);
@@ -319,8 +317,13 @@ kvh_status kvhi_context_add_region(kvh_engine *e, kvhi_context *x, const kvh_wei
         x->load_order = no;
         x->cap_regions = cap;
     }
-    kvhi_region r = {.layer = p->layer, .size = p->size, .fd = -1, .file_offset = p->file_offset,
-                     .pinned = p->pinned != 0, .tier = KVHI_NO_TIER, .alloc_tier = KVHI_NO_TIER};
+    kvhi_region r = {.layer = p->layer,
+                     .size = p->size,
+                     .fd = -1,
+                     .file_offset = p->file_offset,
+                     .pinned = p->pinned != 0,
+                     .tier = KVHI_NO_TIER,
+                     .alloc_tier = KVHI_NO_TIER};
     snprintf(r.name, sizeof(r.name), "%s", p->name ? p->name : "");
     r.n_chunks = (uint32_t)((p->size + x->chunk_bytes - 1) / x->chunk_bytes);
     r.chunk_crc = calloc(r.n_chunks, sizeof(uint32_t));
@@ -335,7 +338,7 @@ kvh_status kvhi_context_add_region(kvh_engine *e, kvhi_context *x, const kvh_wei
         x->regions[i] = r; /* visible (busy) while the lock drops */
         x->n_regions++;
         x->load_order[i] = i; /* placeholder until ordered below */
-        x->holds++; /* keeps switch and destroy away meanwhile */
+        x->holds++;           /* keeps switch and destroy away meanwhile */
         st = region_copy_in(e, x, &x->regions[i], p->bytes);
         kvhi_free_garbage(e); /* clean regions it displaced */
         x->holds--;

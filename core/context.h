@@ -34,8 +34,8 @@ typedef struct kvhi_region {
     /* Handed out writable since its checksums were last computed. */
     bool stale_crc;
     bool pinned;
-    bool busy;    /* a switch is moving it (lock released) */
-    uint8_t tier; /* where it is accounted; KVHI_NO_TIER: only at source */
+    bool busy;          /* a switch is moving it (lock released) */
+    uint8_t tier;       /* where it is accounted; KVHI_NO_TIER: only at source */
     uint8_t alloc_tier; /* whose allocator made data (differs from tier
                            after a remap on unified memory) */
     uint8_t *data;
@@ -62,14 +62,14 @@ typedef struct kvhi_context {
     uint64_t chunk_bytes;
     kvhi_region *regions;
     uint32_t n_regions, cap_regions;
-    uint32_t *load_order; /* region indices by (layer, index) */
+    uint32_t *load_order;  /* region indices by (layer, index) */
     kvhi_charge charge[2]; /* [KVH_TIER_DEVICE], [KVH_TIER_HOST] */
-    uint64_t *seqs;       /* attached sequence handles */
+    uint64_t *seqs;        /* attached sequence handles */
     uint32_t n_seqs, cap_seqs;
-    bool loading;         /* a switch is bringing it in */
-    bool switching;       /* a switch (either direction) involves it */
-    uint32_t holds;       /* other calls using it with the lock dropped
-                             (add_region, verify); a switch waits */
+    bool loading;           /* a switch is bringing it in */
+    bool switching;         /* a switch (either direction) involves it */
+    uint32_t holds;         /* other calls using it with the lock dropped
+                               (add_region, verify); a switch waits */
     kvh_status load_status; /* of the last switch into it */
     char load_msg[192];
 } kvhi_context;
@@ -86,7 +86,7 @@ typedef struct kvhi_admission {
         uint64_t seq;
         uint64_t blocks;
         uint8_t pool;
-    } *live;
+    } * live;
     uint32_t n_live, cap_live;
 } kvhi_admission;
 
@@ -96,11 +96,11 @@ typedef struct kvhi_contexts {
     /* The switch in flight: one thread per direction. */
     pthread_t threads[2];
     uint32_t n_threads;
-    bool switch_active; /* from kvhi_context_switch until its last thread
-                           finishes */
-    bool joinable;      /* threads[] have finished and wait for a join */
-    uint32_t departures_left; /* regions the outgoing side has yet to move */
-    bool arrivals_running;    /* the incoming side runs on its own thread */
+    bool switch_active;        /* from kvhi_context_switch until its last thread
+                                  finishes */
+    bool joinable;             /* threads[] have finished and wait for a join */
+    uint32_t departures_left;  /* regions the outgoing side has yet to move */
+    bool arrivals_running;     /* the incoming side runs on its own thread */
     uint32_t arrivals_waiting; /* arrival threads waiting for device room */
     kvh_weight_stats stats;
     kvhi_admission admission;
@@ -114,7 +114,7 @@ typedef struct kvhi_contexts {
         uint8_t *p;
         uint64_t bytes;
         uint8_t tier;
-    } *garbage;
+    } * garbage;
     uint32_t n_garbage, cap_garbage;
     /* Region memory freed during a switch, for its next allocation of the
      * same size (weight_chunks.c); own lock: used without the engine's. */
@@ -131,8 +131,7 @@ typedef struct kvhi_contexts {
 /* The engine's context state, made on first use (NULL when out of
  * memory). Lock held. */
 kvhi_contexts *kvhi_contexts_get(kvh_engine *e);
-kvh_status kvhi_context_resolve(kvh_engine *e, kvh_context h,
-                                kvhi_context **out);
+kvh_status kvhi_context_resolve(kvh_engine *e, kvh_context h, kvhi_context **out);
 bool kvhi_unified_memory(kvh_engine *e);
 /* Sets copy_on_unified (tests and kvh-bench, which declares it itself). */
 int kvhi_context_copy_on_unified(kvh_engine *e, bool on);
@@ -140,12 +139,10 @@ int kvhi_context_copy_on_unified(kvh_engine *e, bool on);
  * spares contexts a switch is bringing in. */
 /* Frees the memory of dropped regions (lock held; dropped meanwhile). */
 void kvhi_free_garbage(kvh_engine *e);
-kvh_status kvhi_context_create(kvh_engine *e, const kvh_context_params *p,
-                               kvh_context *out);
+kvh_status kvhi_context_create(kvh_engine *e, const kvh_context_params *p, kvh_context *out);
 /* Takes the context out of the table and its slots out of the tiers (lock
  * held); free it with kvhi_context_free_detached after unlocking. */
-kvh_status kvhi_context_detach(kvh_engine *e, kvh_context h,
-                               kvhi_context **out);
+kvh_status kvhi_context_detach(kvh_engine *e, kvh_context h, kvhi_context **out);
 void kvhi_context_free_detached(kvh_engine *e, kvhi_context *x);
 /* Takes a region's bytes off its tier's charge (lock held); its memory
  * stays for the caller to free. */
@@ -154,23 +151,15 @@ void kvhi_region_unaccount(kvh_engine *e, kvhi_context *x, kvhi_region *r);
  * busy meanwhile). recycle: inside a switch, the memory goes to the
  * switch's spares (kvhi_region_mem_give) for its next allocation. */
 void kvhi_region_release(kvh_engine *e, kvhi_context *x, kvhi_region *r, bool recycle);
-kvh_status kvhi_context_add_region(kvh_engine *e, kvhi_context *x,
-                                   const kvh_weight_region_params *p,
-                                   uint32_t *out);
+kvh_status kvhi_context_add_region(kvh_engine *e, kvhi_context *x, const kvh_weight_region_params *p, uint32_t *out);
 kvh_status kvhi_context_attach(kvh_engine *e, kvhi_context *x, uint64_t seq);
-kvh_status kvhi_context_switch(kvh_engine *e, kvh_context from,
-                               kvh_context to, kvh_fence *fence);
-kvh_status kvhi_context_wait_layer(kvh_engine *e, kvh_context h,
-                                   uint32_t layer, uint64_t timeout_ns);
-kvh_status kvhi_context_region_data(kvh_engine *e, kvhi_context *x,
-                                    uint32_t region, bool writable,
-                                    void **data, uint64_t *size);
-kvh_status kvhi_context_region_pin(kvh_engine *e, kvhi_context *x,
-                                   uint32_t region, bool pinned);
-kvh_status kvhi_context_verify(kvh_engine *e, kvh_context h,
-                               uint64_t *checked);
-kvh_status kvhi_context_info(kvh_engine *e, kvhi_context *x,
-                             kvh_context_info *out);
+kvh_status kvhi_context_switch(kvh_engine *e, kvh_context from, kvh_context to, kvh_fence *fence);
+kvh_status kvhi_context_wait_layer(kvh_engine *e, kvh_context h, uint32_t layer, uint64_t timeout_ns);
+kvh_status kvhi_context_region_data(kvh_engine *e, kvhi_context *x, uint32_t region, bool writable, void **data,
+                                    uint64_t *size);
+kvh_status kvhi_context_region_pin(kvh_engine *e, kvhi_context *x, uint32_t region, bool pinned);
+kvh_status kvhi_context_verify(kvh_engine *e, kvh_context h, uint64_t *checked);
+kvh_status kvhi_context_info(kvh_engine *e, kvhi_context *x, kvh_context_info *out);
 void kvhi_weight_stats(kvh_engine *e, kvh_weight_stats *out);
 
 /* ---- weight_chunks.c ---- */
@@ -181,37 +170,31 @@ enum kvhi_charge_mode {
 };
 /* Charges `bytes` more to x's weights in `tier`, withholding slots as
  * needed. On failure nothing more is charged. Lock held. */
-kvh_status kvhi_charge_add(kvh_engine *e, kvhi_context *x, uint32_t tier,
-                           uint64_t bytes, enum kvhi_charge_mode mode);
+kvh_status kvhi_charge_add(kvh_engine *e, kvhi_context *x, uint32_t tier, uint64_t bytes, enum kvhi_charge_mode mode);
 /* Takes `bytes` off and gives back the slots no longer needed. */
-void kvhi_charge_sub(kvh_engine *e, kvhi_context *x, uint32_t tier,
-                     uint64_t bytes);
+void kvhi_charge_sub(kvh_engine *e, kvhi_context *x, uint32_t tier, uint64_t bytes);
 void kvhi_charge_free(kvhi_charge *ch);
 /* Allocates / frees region memory with the allocator of `tier`. Call
  * without the lock (CUDA allocators synchronise the device). */
 uint8_t *kvhi_region_mem_alloc(kvh_engine *e, uint32_t tier, uint64_t bytes);
-void kvhi_region_mem_free(kvh_engine *e, uint32_t tier, uint8_t *p,
-                          uint64_t bytes);
+void kvhi_region_mem_free(kvh_engine *e, uint32_t tier, uint8_t *p, uint64_t bytes);
 /* The same within a switch: take reuses memory of that size given back
  * by give; kvhi_region_spares_free frees what is left (all without the
  * engine lock). */
 uint8_t *kvhi_region_mem_take(kvh_engine *e, uint32_t tier, uint64_t bytes);
-void kvhi_region_mem_give(kvh_engine *e, uint32_t tier, uint8_t *p,
-                          uint64_t bytes);
+void kvhi_region_mem_give(kvh_engine *e, uint32_t tier, uint8_t *p, uint64_t bytes);
 void kvhi_region_spares_free(kvh_engine *e);
 /* Reads r's source into dst (memory of dst_tier) chunk by chunk, checking
  * each chunk's CRC, or recording it on the first load. Without the lock.
  * Returns 0, -errno, or 1 for a checksum mismatch (chunk in *bad_chunk). */
-int kvhi_region_read_source(kvh_engine *e, kvhi_region *r, uint64_t chunk,
-                            uint8_t *dst, uint32_t dst_tier,
+int kvhi_region_read_source(kvh_engine *e, kvhi_region *r, uint64_t chunk, uint8_t *dst, uint32_t dst_tier,
                             uint32_t *bad_chunk);
 /* Copies r's bytes between tiers chunk by chunk. KVHI_CRC_RECORD
  * recomputes the chunk CRCs on the way; KVHI_CRC_VERIFY checks the source
  * against them first (when the CPU can read it). Without the lock.
  * Returns 0, -1 for a failed copy, 1 for a mismatch (*bad_chunk). */
 enum { KVHI_CRC_NONE = 0, KVHI_CRC_RECORD = 1, KVHI_CRC_VERIFY = 2 };
-int kvhi_region_copy(kvh_engine *e, kvhi_region *r, uint64_t chunk,
-                     uint8_t *dst, uint32_t dst_tier, const uint8_t *src,
+int kvhi_region_copy(kvh_engine *e, kvhi_region *r, uint64_t chunk, uint8_t *dst, uint32_t dst_tier, const uint8_t *src,
                      uint32_t src_tier, int crc_mode, uint32_t *bad_chunk);
 /* CRC check of resident data against chunk_crc; returns the number of the
  * first bad chunk + 1, 0 when all match, or -1 on a copy failure. */
@@ -222,12 +205,10 @@ int64_t kvhi_region_check(kvh_engine *e, kvhi_region *r, uint64_t chunk);
  * a region being registered) to disk slots and frees r's memory, if any:
  * the region is then accounted in the disk tier. Lock held; dropped for
  * the I/O. KVH_ERR_NOSPACE without a disk tier or room in it. */
-kvh_status kvhi_region_spill(kvh_engine *e, kvhi_context *x, kvhi_region *r,
-                             const uint8_t *src, uint32_t src_tier);
+kvh_status kvhi_region_spill(kvh_engine *e, kvhi_context *x, kvhi_region *r, const uint8_t *src, uint32_t src_tier);
 /* Reads a spilled region into dst (memory of dst_tier), checking every
  * chunk. Without the lock (r busy). 0, -errno, or 1 for a mismatch. */
-int kvhi_region_read_disk(kvh_engine *e, kvhi_region *r, uint64_t chunk,
-                          uint8_t *dst, uint32_t dst_tier,
+int kvhi_region_read_disk(kvh_engine *e, kvhi_region *r, uint64_t chunk, uint8_t *dst, uint32_t dst_tier,
                           uint32_t *bad_chunk);
 /* Gives a spilled region's disk slots back (lock held). */
 void kvhi_region_disk_release(kvh_engine *e, kvhi_region *r);
@@ -236,11 +217,9 @@ void kvhi_region_disk_release(kvh_engine *e, kvhi_region *r);
 void kvhi_admission_free(kvhi_admission *a);
 /* Reserves the budget of a request, or fails with KVH_ERR_NOSPACE; no
  * sequence exists yet. *pool_out is the pool charged (-1: none). */
-kvh_status kvhi_admission_reserve(kvh_engine *e, uint64_t token_budget,
-                                  int *pool_out, uint64_t *blocks_out);
+kvh_status kvhi_admission_reserve(kvh_engine *e, uint64_t token_budget, int *pool_out, uint64_t *blocks_out);
 /* Ties a reservation to the sequence created for it. */
-kvh_status kvhi_admission_bind(kvh_engine *e, int pool, uint64_t blocks,
-                               uint64_t seq);
+kvh_status kvhi_admission_bind(kvh_engine *e, int pool, uint64_t blocks, uint64_t seq);
 void kvhi_admission_cancel(kvh_engine *e, int pool, uint64_t blocks);
 /* Releases reservations of sequences that were freed. */
 void kvhi_admission_reclaim(kvh_engine *e);

@@ -64,8 +64,8 @@ static uint64_t move_context_kv(kvh_engine *e, kvhi_context *x, uint32_t tier)
         kvhi_seq *s = kvhi_handles_get(&e->seqs, x->seqs[i], NULL);
         for (uint32_t j = 0; s && j < s->n_blocks; j++) {
             kvhi_block *b = &e->blocks[s->blocks[j]];
-            bool wanted = tier == KVH_TIER_DEVICE ? b->tier != KVH_TIER_DEVICE
-                                                  : b->tier == KVH_TIER_DEVICE && !b->holds;
+            bool wanted =
+                tier == KVH_TIER_DEVICE ? b->tier != KVH_TIER_DEVICE : b->tier == KVH_TIER_DEVICE && !b->holds;
             if (!wanted || b->pins)
                 continue;
             if (kvhi_enqueue(e, s->blocks[j], tier, tier == KVH_TIER_DEVICE ? 1 : 0, KVHI_JOB_MOVE, fidx) == KVH_OK)
@@ -130,8 +130,7 @@ static kvh_status region_to_host(kvh_engine *e, kvhi_context *x, kvhi_region *r,
     r->busy = false;
     if (!unified && (!mem || rc != 0)) {
         kvhi_charge_sub(e, x, KVH_TIER_HOST, r->size);
-        return kvhi_fail(mem ? KVH_ERR_IO : KVH_ERR_NOMEM, "cannot move weight region '%s' to the host tier",
-                         r->name);
+        return kvhi_fail(mem ? KVH_ERR_IO : KVH_ERR_NOMEM, "cannot move weight region '%s' to the host tier", r->name);
     }
     kvhi_charge_sub(e, x, KVH_TIER_DEVICE, r->size);
     r->tier = KVH_TIER_HOST;

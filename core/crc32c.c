@@ -65,9 +65,8 @@ static uint32_t crc_sw(uint32_t crc, const uint8_t *p, size_t n)
         uint64_t w;
         memcpy(&w, p, 8);
         w ^= crc;
-        crc = table[7][w & 0xff] ^ table[6][(w >> 8) & 0xff] ^ table[5][(w >> 16) & 0xff] ^
-              table[4][(w >> 24) & 0xff] ^ table[3][(w >> 32) & 0xff] ^ table[2][(w >> 40) & 0xff] ^
-              table[1][(w >> 48) & 0xff] ^ table[0][w >> 56];
+        crc = table[7][w & 0xff] ^ table[6][(w >> 8) & 0xff] ^ table[5][(w >> 16) & 0xff] ^ table[4][(w >> 24) & 0xff] ^
+              table[3][(w >> 32) & 0xff] ^ table[2][(w >> 40) & 0xff] ^ table[1][(w >> 48) & 0xff] ^ table[0][w >> 56];
         p += 8;
         n -= 8;
     }

@@ -86,11 +86,11 @@ static int check_slot(const uint8_t *p, const void *data, uint32_t data_crc, uin
                       const uint64_t *store_id, uint64_t slot, uint64_t offset, const uint64_t *expect_hash,
                       uint32_t max_tokens, int32_t *tokens_out, const char **why)
 {
-#define FAIL(code, text)                                                                                     \
-    do {                                                                                                     \
-        if (why)                                                                                             \
-            *why = text;                                                                                     \
-        return code;                                                                                         \
+#define FAIL(code, text)                                                                                               \
+    do {                                                                                                               \
+        if (why)                                                                                                       \
+            *why = text;                                                                                               \
+        return code;                                                                                                   \
     } while (0)
     if (memcmp(p, slot_magic, 8) != 0)
         FAIL(-1, "bad slot magic (never written, torn or overwritten)");
@@ -120,25 +120,23 @@ static int check_slot(const uint8_t *p, const void *data, uint32_t data_crc, uin
     return 0;
 }
 
-int kvhi_slot_verify_crc(const void *header, uint32_t data_crc, uint64_t block_bytes, uint64_t store_id,
-                         uint64_t slot, uint64_t offset, uint64_t expect_hash, uint32_t max_tokens,
-                         int32_t *tokens_out, const char **why)
+int kvhi_slot_verify_crc(const void *header, uint32_t data_crc, uint64_t block_bytes, uint64_t store_id, uint64_t slot,
+                         uint64_t offset, uint64_t expect_hash, uint32_t max_tokens, int32_t *tokens_out,
+                         const char **why)
 {
     return check_slot(header, NULL, data_crc, block_bytes, &store_id, slot, offset, &expect_hash, max_tokens,
                       tokens_out, why);
 }
 
 int kvhi_slot_verify(const void *header, const void *data, uint64_t block_bytes, uint64_t store_id, uint64_t slot,
-                     uint64_t offset, uint64_t expect_hash, uint32_t max_tokens, int32_t *tokens_out,
-                     const char **why)
+                     uint64_t offset, uint64_t expect_hash, uint32_t max_tokens, int32_t *tokens_out, const char **why)
 {
     return kvhi_slot_verify_crc(header, kvhi_crc32c(0, data, block_bytes), block_bytes, store_id, slot, offset,
                                 expect_hash, max_tokens, tokens_out, why);
 }
 
-int kvhi_slot_check_alone(const void *header, const void *data, uint64_t block_bytes, uint64_t slot,
-                          uint64_t offset, uint32_t max_tokens, kvhi_slot_meta *m, int32_t *tokens_out,
-                          const char **why)
+int kvhi_slot_check_alone(const void *header, const void *data, uint64_t block_bytes, uint64_t slot, uint64_t offset,
+                          uint32_t max_tokens, kvhi_slot_meta *m, int32_t *tokens_out, const char **why)
 {
     const uint8_t *p = header;
     int rc = check_slot(p, data, 0, block_bytes, NULL, slot, offset, NULL, max_tokens, tokens_out, why);

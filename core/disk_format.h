@@ -46,8 +46,8 @@ typedef struct kvhi_slot_meta {
     uint64_t parent; /* parent prefix hash */
     uint32_t n_tokens;
     uint32_t data_crc;
-    uint32_t flags;   /* KVHI_SLOT_*; 0 in headers written before flags existed */
-    uint32_t geo_tag; /* kvhi_disk_geometry_tag of the writer; 0 in such older headers */
+    uint32_t flags;        /* KVHI_SLOT_*; 0 in headers written before flags existed */
+    uint32_t geo_tag;      /* kvhi_disk_geometry_tag of the writer; 0 in such older headers */
     const int32_t *tokens; /* n_tokens entries (encode only) */
 } kvhi_slot_meta;
 
@@ -66,23 +66,21 @@ void kvhi_slot_header_encode(void *buf, const kvhi_slot_meta *m, uint64_t block_
  * when everything matches, or a negative reason code (see .c) and a short
  * reason text. tokens_out (block_tokens entries) receives the tokens. */
 int kvhi_slot_verify(const void *header, const void *data, uint64_t block_bytes, uint64_t store_id, uint64_t slot,
-                     uint64_t offset, uint64_t expect_hash, uint32_t max_tokens, int32_t *tokens_out,
-                     const char **why);
+                     uint64_t offset, uint64_t expect_hash, uint32_t max_tokens, int32_t *tokens_out, const char **why);
 
 /* The same, with the CRC32C of the data already computed (e.g. while it
  * was copied out of the staging buffer). */
-int kvhi_slot_verify_crc(const void *header, uint32_t data_crc, uint64_t block_bytes, uint64_t store_id,
-                         uint64_t slot, uint64_t offset, uint64_t expect_hash, uint32_t max_tokens,
-                         int32_t *tokens_out, const char **why);
+int kvhi_slot_verify_crc(const void *header, uint32_t data_crc, uint64_t block_bytes, uint64_t store_id, uint64_t slot,
+                         uint64_t offset, uint64_t expect_hash, uint32_t max_tokens, int32_t *tokens_out,
+                         const char **why);
 
 /* Checks a slot on its own, with no index entry to compare against: what
  * kvhi_slot_verify checks except the store id and the hash, which it
  * returns in *m instead (with the other fields; m->tokens is not set, the
  * tokens go to tokens_out). The data's checksum is computed only for a
  * header that passes. 0 or the same reason codes. */
-int kvhi_slot_check_alone(const void *header, const void *data, uint64_t block_bytes, uint64_t slot,
-                          uint64_t offset, uint32_t max_tokens, kvhi_slot_meta *m, int32_t *tokens_out,
-                          const char **why);
+int kvhi_slot_check_alone(const void *header, const void *data, uint64_t block_bytes, uint64_t slot, uint64_t offset,
+                          uint32_t max_tokens, kvhi_slot_meta *m, int32_t *tokens_out, const char **why);
 
 /* ---- index records ---- */
 enum { KVHI_REC_ADD = 1, KVHI_REC_DEL = 2 };

@@ -305,9 +305,14 @@ static int scan_slots(kvhi_disk *d, found_slot *found, int32_t *tokens, size_t *
                 continue;
             for (uint32_t t = m.n_tokens; t < bt; t++)
                 tk[t] = 0;
-            found[(*n_found)++] = (found_slot){.store_id = m.store_id, .hash = m.hash, .parent = m.parent,
-                                               .slot = slot, .n_tokens = m.n_tokens, .data_crc = m.data_crc,
-                                               .flags = m.flags, .geo_tag = m.geo_tag};
+            found[(*n_found)++] = (found_slot){.store_id = m.store_id,
+                                               .hash = m.hash,
+                                               .parent = m.parent,
+                                               .slot = slot,
+                                               .n_tokens = m.n_tokens,
+                                               .data_crc = m.data_crc,
+                                               .flags = m.flags,
+                                               .geo_tag = m.geo_tag};
         }
         s += k;
     }
@@ -402,8 +407,12 @@ static int rebuild_from_slots(kvhi_disk *d, live_map *m, bool id_known, kvhi_ind
         uint32_t p = pick[s];
         if (p == UINT32_MAX)
             continue;
-        kvhi_index_rec r = {.kind = KVHI_REC_ADD, .slot = s, .hash = found[p].hash, .parent = found[p].parent,
-                            .n_tokens = found[p].n_tokens, .data_crc = found[p].data_crc,
+        kvhi_index_rec r = {.kind = KVHI_REC_ADD,
+                            .slot = s,
+                            .hash = found[p].hash,
+                            .parent = found[p].parent,
+                            .n_tokens = found[p].n_tokens,
+                            .data_crc = found[p].data_crc,
                             .tokens = tokens + (size_t)p * bt};
         live_put(m, &r, bt);
     }
@@ -555,8 +564,8 @@ int kvhi_index_load(kvhi_disk *d, bool reset, kvhi_index_list *out, char *msg, s
     free(tk);
     if (dm.found && d->strict_index) {
         free(m.at), free(m.items), free(m.tokens);
-        snprintf(msg, msg_len, "%s: %s (disk_strict_index is set; 0 rebuilds the index from the slot headers)",
-                 d->path, dm.what);
+        snprintf(msg, msg_len, "%s: %s (disk_strict_index is set; 0 rebuilds the index from the slot headers)", d->path,
+                 dm.what);
         return KVHI_INDEX_CORRUPT;
     }
     if (dm.found || (dm.torn_tail && !d->strict_index)) {
@@ -616,8 +625,14 @@ int kvhi_index_append(kvhi_disk *d, uint32_t kind, uint32_t slot, uint64_t hash,
         }
     }
     if (rc == 0) {
-        kvhi_index_rec r = {.kind = kind, .seq = d->next_seq, .slot = slot, .hash = hash, .parent = parent,
-                            .n_tokens = n_tokens, .data_crc = data_crc, .tokens = (int32_t *)tokens};
+        kvhi_index_rec r = {.kind = kind,
+                            .seq = d->next_seq,
+                            .slot = slot,
+                            .hash = hash,
+                            .parent = parent,
+                            .n_tokens = n_tokens,
+                            .data_crc = data_crc,
+                            .tokens = (int32_t *)tokens};
         kvhi_index_rec_encode(d->pending + d->pending_len, &r, d->geo.block_tokens);
         d->pending_len += d->rec_bytes;
         d->next_seq++;
@@ -672,8 +687,8 @@ static int flush_locked(kvhi_disk *d)
         return -EIO;
     off_t end = lseek(d->journal_fd, 0, SEEK_CUR);
     int rc = end < 0 ? -errno : write_all(d->journal_fd, buf, len);
-    if (rc == -ENOSPC && end >= 0 && ftruncate(d->journal_fd, end) == 0 &&
-        lseek(d->journal_fd, end, SEEK_SET) == end && requeue(d, buf, len))
+    if (rc == -ENOSPC && end >= 0 && ftruncate(d->journal_fd, end) == 0 && lseek(d->journal_fd, end, SEEK_SET) == end &&
+        requeue(d, buf, len))
         return rc;
     if (rc != 0)
         d->fatal = true; /* a partial record is a torn tail: replay stops before it */
@@ -717,15 +732,19 @@ int kvhi_index_compact(kvhi_disk *d, const kvhi_index_entry *entries, size_t n)
         rc = -ENOMEM;
     if (rc == 0) {
         for (size_t i = 0; i < n; i++) {
-            kvhi_index_rec r = {.kind = KVHI_REC_ADD, .seq = d->next_seq - 1, .slot = entries[i].slot,
-                                .hash = entries[i].hash, .parent = entries[i].parent,
-                                .n_tokens = entries[i].n_tokens, .data_crc = entries[i].data_crc,
+            kvhi_index_rec r = {.kind = KVHI_REC_ADD,
+                                .seq = d->next_seq - 1,
+                                .slot = entries[i].slot,
+                                .hash = entries[i].hash,
+                                .parent = entries[i].parent,
+                                .n_tokens = entries[i].n_tokens,
+                                .data_crc = entries[i].data_crc,
                                 .tokens = entries[i].tokens};
             kvhi_index_rec_encode(body + i * d->rec_bytes, &r, bt);
         }
         uint8_t hdr[KVHI_DISK_ALIGN];
-        kvhi_index_header h = {.kind = KIND_SNAPSHOT, .store_id = d->store_id, .seq = d->next_seq - 1,
-                               .n_records = n, .geo = d->geo};
+        kvhi_index_header h = {
+            .kind = KIND_SNAPSHOT, .store_id = d->store_id, .seq = d->next_seq - 1, .n_records = n, .geo = d->geo};
         kvhi_index_header_encode(hdr, &h);
         rc = replace_file(d, "index", hdr, body, n * d->rec_bytes);
         /* Records up to seq are in the snapshot now; an old journal left by

@@ -112,8 +112,8 @@ int kvhi_disk_open_slabs(kvhi_disk *d, bool allow_direct)
                     fcntl(d->slab_fds[i], F_SETFL, fl & ~O_DIRECT);
                 }
                 d->direct = false;
-                snprintf(d->warning, sizeof(d->warning),
-                         "disk tier: O_DIRECT reads fail on %s; using buffered I/O", d->path);
+                snprintf(d->warning, sizeof(d->warning), "disk tier: O_DIRECT reads fail on %s; using buffered I/O",
+                         d->path);
             }
         }
     }
@@ -247,8 +247,8 @@ static uint32_t make_runs(const kvhi_disk *d, uint32_t n, const uint32_t *slots,
             runs[nr - 1].count++;
             continue;
         }
-        runs[nr++] = (io_run){.first = i, .count = 1, .fd = slab_fd(d, slots[i]),
-                              .offset = kvhi_disk_slot_offset(d, slots[i])};
+        runs[nr++] =
+            (io_run){.first = i, .count = 1, .fd = slab_fd(d, slots[i]), .offset = kvhi_disk_slot_offset(d, slots[i])};
     }
     return nr;
 }
@@ -335,8 +335,9 @@ static void do_runs(kvhi_disk *d, kvhi_disk_lane *l, io_run *runs, uint32_t nr, 
             uint64_t total = (uint64_t)runs[r].count * sb;
             while (!run_err[r] && runs[r].done < total) {
                 uint8_t *buf = kvhi_disk_lane_slot(l, runs[r].first) + runs[r].done;
-                ssize_t n = write ? pwrite(runs[r].fd, buf, total - runs[r].done, (off_t)(runs[r].offset + runs[r].done))
-                                  : pread(runs[r].fd, buf, total - runs[r].done, (off_t)(runs[r].offset + runs[r].done));
+                ssize_t n = write
+                                ? pwrite(runs[r].fd, buf, total - runs[r].done, (off_t)(runs[r].offset + runs[r].done))
+                                : pread(runs[r].fd, buf, total - runs[r].done, (off_t)(runs[r].offset + runs[r].done));
                 if (n < 0 && errno == EINTR)
                     continue;
                 if (n < 0)
@@ -520,8 +521,8 @@ int kvhi_disk_read_scatter(kvhi_disk *d, kvhi_disk_lane *l, uint32_t n, const ui
     return vector_io(d, l, n, slots, dsts, results, on_run, ctx, false);
 }
 
-int kvhi_disk_write_gather(kvhi_disk *d, kvhi_disk_lane *l, uint32_t n, const uint32_t *slots,
-                           uint8_t *const *srcs, int *results)
+int kvhi_disk_write_gather(kvhi_disk *d, kvhi_disk_lane *l, uint32_t n, const uint32_t *slots, uint8_t *const *srcs,
+                           int *results)
 {
     if (d->fatal) {
         for (uint32_t i = 0; i < n; i++)

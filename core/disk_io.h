@@ -39,7 +39,7 @@ typedef struct kvhi_disk {
     /* An fsync or journal write failed: nothing written since is trusted.
      * Atomic: set by writers outside the engine lock, read under it. */
     _Atomic bool fatal;
-    bool read_only; /* inspection: never create, truncate or write */
+    bool read_only;      /* inspection: never create, truncate or write */
     uint32_t disk_flags; /* kvh_disk_flags of the config (modes: core/disk_access.h) */
     /* A damaged index or journal fails the open (kvh_config
      * disk_strict_index) instead of being rebuilt from the slot headers. */
@@ -104,15 +104,15 @@ void kvhi_disk_read_staged(kvhi_disk *d, kvhi_disk_lane *lane, uint32_t n, const
  * neighbouring slots as one request; on_run as for read_staged. 1 when
  * this path does not apply (no io_uring, unaligned, more than 64 slots):
  * use read_staged. 0 otherwise, with results[i] = 0 or -errno. */
-int kvhi_disk_read_scatter(kvhi_disk *d, kvhi_disk_lane *lane, uint32_t n, const uint32_t *slots,
-                           uint8_t *const *dsts, int *results, kvhi_disk_run_done_fn on_run, void *ctx);
+int kvhi_disk_read_scatter(kvhi_disk *d, kvhi_disk_lane *lane, uint32_t n, const uint32_t *slots, uint8_t *const *dsts,
+                           int *results, kvhi_disk_run_done_fn on_run, void *ctx);
 
 /* Writes slots[i] with each block's data straight from srcs[i] (page
  * aligned; stable until the call returns) and its header from the lane's
  * staging (already encoded there); neighbouring slots as one request. 1
  * when this path does not apply: stage and use write_staged. */
-int kvhi_disk_write_gather(kvhi_disk *d, kvhi_disk_lane *lane, uint32_t n, const uint32_t *slots,
-                           uint8_t *const *srcs, int *results);
+int kvhi_disk_write_gather(kvhi_disk *d, kvhi_disk_lane *lane, uint32_t n, const uint32_t *slots, uint8_t *const *srcs,
+                           int *results);
 
 /* Reads one slot: its header into the lane's staging (*header_out) and
  * its data straight into dst, in pieces submitted together, returning the

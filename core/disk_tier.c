@@ -74,8 +74,9 @@ kvh_status kvhi_disk_tier_open(kvh_engine *e, const kvh_config *cfg, const char 
     /* The KV codec is part of the stored form: a store written with another
      * codec is a geometry mismatch. Slots hold the tier's (encoded) form. */
     uint64_t data_bytes = e->tiers[KVH_TIER_DISK].slot_bytes;
-    d->geo = (kvhi_disk_geometry){cfg->num_layers, cfg->num_kv_heads, cfg->head_dim, cfg->block_tokens,
-                                  cfg->dtype | cfg->kv_codec << 16, cfg->model_salt, data_bytes};
+    d->geo = (kvhi_disk_geometry){
+        cfg->num_layers, cfg->num_kv_heads, cfg->head_dim, cfg->block_tokens, cfg->dtype | cfg->kv_codec << 16,
+        cfg->model_salt, data_bytes};
     d->block_bytes = data_bytes;
     d->queue_depth = cfg->disk_queue_depth;
     d->strict_index = cfg->disk_strict_index != 0;
@@ -131,8 +132,8 @@ kvh_status kvhi_disk_tier_recover(kvh_engine *e)
         if (ent->slot >= t->slots.capacity || used[ent->slot] || ent->n_tokens != bt ||
             kvhi_prefix_find(&e->prefix, ent->hash) != KVHI_PREFIX_MISS || e->block_free_top == 0) {
             /* A duplicate or unusable record: forget it. */
-            kvhi_index_append(e->disk, KVHI_REC_DEL, ent->slot, ent->hash, ent->parent, ent->n_tokens,
-                              ent->data_crc, ent->tokens);
+            kvhi_index_append(e->disk, KVHI_REC_DEL, ent->slot, ent->hash, ent->parent, ent->n_tokens, ent->data_crc,
+                              ent->tokens);
             continue;
         }
         used[ent->slot] = 1;
@@ -336,7 +337,6 @@ void kvhi_disk_verify(kvh_engine *e, const uint32_t *blocks, size_t n)
     free(xs);
 }
 
-
 /* ---- clean copies ---- */
 
 /* Writes clean disk copies of idle, immutable blocks that are in memory:
@@ -414,8 +414,8 @@ bool kvhi_disk_clean_step(kvh_engine *e)
         e->clean_hand = (e->clean_hand + 1) % e->block_cap;
         kvhi_block *blk = &e->blocks[b];
         uint16_t need = KVHI_BF_LIVE | KVHI_BF_PUBLISHED | KVHI_BF_HASHED | KVHI_BF_KV_COMPLETE;
-        if ((blk->flags & need) == need && blk->tier == KVH_TIER_HOST &&
-            !kvhi_block_busy(blk) && !(blk->flags & (KVHI_BF_DISK_COPY | KVHI_BF_DEAD)) && !blk->pins)
+        if ((blk->flags & need) == need && blk->tier == KVH_TIER_HOST && !kvhi_block_busy(blk) &&
+            !(blk->flags & (KVHI_BF_DISK_COPY | KVHI_BF_DEAD)) && !blk->pins)
             cand[n++] = b;
     }
     if (n == 0) {

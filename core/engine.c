@@ -108,10 +108,10 @@ uint32_t kvhi_dtype_bytes(uint32_t dtype)
 
 static kvh_status validate(const kvh_config *c)
 {
-#define CHECK(cond, ...)                                                                                     \
-    do {                                                                                                     \
-        if (!(cond))                                                                                         \
-            return kvhi_fail(KVH_ERR_INVALID_ARG, __VA_ARGS__);                                              \
+#define CHECK(cond, ...)                                                                                               \
+    do {                                                                                                               \
+        if (!(cond))                                                                                                   \
+            return kvhi_fail(KVH_ERR_INVALID_ARG, __VA_ARGS__);                                                        \
     } while (0)
     CHECK(c->num_layers >= 1 && c->num_layers <= 4096, "num_layers %u not in 1..4096", c->num_layers);
     CHECK(c->num_kv_heads >= 1 && c->num_kv_heads <= 1024, "num_kv_heads %u not in 1..1024", c->num_kv_heads);
@@ -203,8 +203,8 @@ static kvh_status tier_init(kvh_engine *e, uint32_t t, uint64_t budget)
 static bool can_move_in_place(const kvh_engine *e)
 {
     const kvhi_tier *d = &e->tiers[KVH_TIER_DEVICE], *h = &e->tiers[KVH_TIER_HOST];
-    return e->device_is_host_ram && e->device_host_addressable && !e->cfg.vmap && !e->cfg.copy_moves &&
-           !d->encoded && !h->encoded && d->slot_bytes == h->slot_bytes && e->cfg.numa_node < 0 &&
+    return e->device_is_host_ram && e->device_host_addressable && !e->cfg.vmap && !e->cfg.copy_moves && !d->encoded &&
+           !h->encoded && d->slot_bytes == h->slot_bytes && e->cfg.numa_node < 0 &&
            e->cfg.host_bytes / h->slot_bytes > 0 &&
            e->cfg.device_bytes / d->slot_bytes + e->cfg.host_bytes / h->slot_bytes < UINT32_MAX - 1;
 }
@@ -291,7 +291,7 @@ static void engine_free(kvh_engine *e)
         kvhi_tier *tier = &e->tiers[t];
         if (tier->base && !tier->shares_arena)
             (t == KVH_TIER_DEVICE ? e->backend->device_free : e->backend->host_free)(e->backend_ctx, tier->base,
-                                                                                    tier->bytes_mapped);
+                                                                                     tier->bytes_mapped);
         kvhi_slot_pool_destroy(&tier->slots);
         kvhi_lruk_destroy(&tier->heap);
     }
@@ -396,9 +396,8 @@ kvh_status kvhi_engine_open(const kvh_config *config, kvh_engine **out)
     }
     e->block_free_top = (uint32_t)cap;
     for (uint32_t t = 0; t < KVH_TIER_COUNT; t++)
-        if (e->tiers[t].present &&
-            kvhi_lruk_init(&e->tiers[t].heap, e->tiers[t].slots.capacity, &e->blocks[0].heap_pos,
-                           sizeof(kvhi_block)) != 0) {
+        if (e->tiers[t].present && kvhi_lruk_init(&e->tiers[t].heap, e->tiers[t].slots.capacity, &e->blocks[0].heap_pos,
+                                                  sizeof(kvhi_block)) != 0) {
             engine_free(e);
             return kvhi_fail(KVH_ERR_NOMEM, "out of memory for eviction heaps");
         }

@@ -30,18 +30,19 @@
  * of its data is doing right now is its move state, a field in the top
  * bits of the same word (core/block_state.h), changed only through that
  * header's transitions. Bit 0x400 is free. */
-#define KVHI_BF_LIVE 0x01u       /* meta entry in use */
-#define KVHI_BF_PUBLISHED 0x02u  /* in the prefix index (immutable) */
-#define KVHI_BF_HINTED 0x04u     /* a prefetch hint names it, unused since
-                                    (hint_priority; core/hints.c) */
-#define KVHI_BF_PREFETCHED 0x08u /* promoted by a hint, not yet used */
-#define KVHI_BF_DEAD 0x10u       /* freed while busy; reap when it settles */
-#define KVHI_BF_HASHED 0x20u     /* tokens full: hash is valid */
-#define KVHI_BF_KV_COMPLETE 0x40u /* every (layer, token) cell written */
-#define KVHI_BF_PREFETCHING 0x80u /* a hint's promotion is queued */
-#define KVHI_BF_JOURNALED 0x100u  /* an index record names its disk slot */
-#define KVHI_BF_DISK_COPY 0x200u  /* disk_copy holds a clean copy */
-#define KVHI_BF_CORRUPT 0x800u    /* its disk data failed verification */
+#define KVHI_BF_LIVE 0x01u      /* meta entry in use */
+#define KVHI_BF_PUBLISHED 0x02u /* in the prefix index (immutable) */
+#define KVHI_BF_HINTED                                                                                                 \
+    0x04u                           /* a prefetch hint names it, unused since                                          \
+                                       (hint_priority; core/hints.c) */
+#define KVHI_BF_PREFETCHED 0x08u    /* promoted by a hint, not yet used */
+#define KVHI_BF_DEAD 0x10u          /* freed while busy; reap when it settles */
+#define KVHI_BF_HASHED 0x20u        /* tokens full: hash is valid */
+#define KVHI_BF_KV_COMPLETE 0x40u   /* every (layer, token) cell written */
+#define KVHI_BF_PREFETCHING 0x80u   /* a hint's promotion is queued */
+#define KVHI_BF_JOURNALED 0x100u    /* an index record names its disk slot */
+#define KVHI_BF_DISK_COPY 0x200u    /* disk_copy holds a clean copy */
+#define KVHI_BF_CORRUPT 0x800u      /* its disk data failed verification */
 #define KVHI_BF_DISK_HASHED 0x1000u /* its disk header carries its hash */
 #define KVHI_BF_MOVE_SHIFT 13       /* bits 13-15: enum kvhi_move_state */
 #define KVHI_BF_MOVE_MASK (7u << KVHI_BF_MOVE_SHIFT)
@@ -70,14 +71,14 @@ typedef struct __attribute__((aligned(64))) kvhi_block {
     uint16_t n_tokens;
     uint8_t deferred_tier;
     uint8_t hint_epoch; /* its newest hint's epoch and freshness (hints.c) */
-    uint64_t hash;     /* chained hash, valid with KVHI_BF_HASHED */
+    uint64_t hash;      /* chained hash, valid with KVHI_BF_HASHED */
     uint64_t parent_hash;
     uint32_t disk_copy; /* disk slot of a clean copy (KVHI_BF_DISK_COPY) */
     /* A slot the block left while a disk copy was still being read from
      * it: freed when the copy ends (KVHI_NO_BLOCK: none). */
     uint32_t deferred_slot;
-    uint32_t data_crc;  /* CRC32C of the data on disk */
-    uint32_t gen_hi;    /* generation above gen's 32 bits (kvhi_block_gen) */
+    uint32_t data_crc; /* CRC32C of the data on disk */
+    uint32_t gen_hi;   /* generation above gen's 32 bits (kvhi_block_gen) */
     /* Bitmap [layer][token] of written KV cells. NULL means none written,
      * unless KVHI_BF_KV_COMPLETE says all are. */
     uint64_t *written;
@@ -169,9 +170,9 @@ struct kvh_engine {
     uint32_t elem_bytes;
     uint64_t vector_bytes;     /* one raw K or V vector: head_dim elements */
     uint64_t enc_vector_bytes; /* the same vector in kv_codec */
-    uint32_t tier_count; /* tiers present, device first */
-    uint64_t clock;      /* logical access clock */
-    uint32_t gen_start;  /* random first generation of this engine's handles */
+    uint32_t tier_count;       /* tiers present, device first */
+    uint64_t clock;            /* logical access clock */
+    uint32_t gen_start;        /* random first generation of this engine's handles */
 
     const kvhi_backend_ops *backend;
     void *backend_ctx;
@@ -195,9 +196,9 @@ struct kvh_engine {
      * spare_lock, numa_cache_lock and the CUDA locks are leaves. Debug
      * builds check who holds it (kvhi_assert_locked). */
     pthread_mutex_t lock;
-    pthread_cond_t changed;     /* in-flight flags cleared, room appeared */
-    pthread_cond_t fence_cv;    /* a fence completed (waiters sleep here, so
-                                   per-block wake-ups do not reach them) */
+    pthread_cond_t changed;  /* in-flight flags cleared, room appeared */
+    pthread_cond_t fence_cv; /* a fence completed (waiters sleep here, so
+                                per-block wake-ups do not reach them) */
     bool closing;
     uint32_t active_calls;
 
@@ -205,9 +206,9 @@ struct kvh_engine {
     uint32_t block_cap;
     uint32_t *block_free; /* stack of free meta indices */
     uint32_t block_free_top;
-    uint32_t blocks_retired; /* records whose generations ran out */
+    uint32_t blocks_retired;  /* records whose generations ran out */
     uint8_t block_index_bits; /* low bits of a block handle naming its record */
-    int32_t *tokens; /* block_cap * block_tokens token ids */
+    int32_t *tokens;          /* block_cap * block_tokens token ids */
 
     kvhi_tier tiers[KVH_TIER_COUNT];
     kvhi_prefix_index prefix;
@@ -241,10 +242,10 @@ struct kvh_engine {
     uint32_t hint_epoch;
     uint64_t hint_epoch_end; /* clock value that starts the next epoch */
 
-    struct kvhi_disk *disk; /* NULL without a disk tier */
-    uint32_t clean_hand;       /* background cleaner's clock hand */
-    uint64_t host_arrivals;    /* blocks placed in the host tier so far */
-    uint64_t clean_epoch_seen; /* host_arrivals at the last empty sweep */
+    struct kvhi_disk *disk;        /* NULL without a disk tier */
+    uint32_t clean_hand;           /* background cleaner's clock hand */
+    uint64_t host_arrivals;        /* blocks placed in the host tier so far */
+    uint64_t clean_epoch_seen;     /* host_arrivals at the last empty sweep */
     kvhi_index_list disk_recovery; /* index entries found at open */
     /* Log lines produced under the lock, emitted by kvhi_leave. */
     char pending_log[4][256];
@@ -278,20 +279,16 @@ struct kvh_engine {
 };
 
 /* ---- errors and logging (status.c) ---- */
-kvh_status kvhi_fail(kvh_status status, const char *fmt, ...)
-    __attribute__((format(printf, 2, 3)));
+kvh_status kvhi_fail(kvh_status status, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 void kvhi_clear_error(void);
 /* This thread's detail of its last failure ("" after a success). */
 const char *kvhi_last_error(void);
 /* The text and the name of a status (KVH_STATUS_LIST). */
 const char *kvhi_status_text(kvh_status status);
 const char *kvhi_status_name(kvh_status status);
-void kvhi_log(kvh_engine *e, int level, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
+void kvhi_log(kvh_engine *e, int level, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 /* Queues a log line while the lock is held (emitted after unlocking). */
-void kvhi_log_later(kvh_engine *e, int level, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-
+void kvhi_log_later(kvh_engine *e, int level, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 
 /* ---- engine lifetime, lock and call accounting (engine.c) ---- */
 uint32_t kvhi_dtype_bytes(uint32_t dtype);
@@ -335,17 +332,14 @@ static inline int32_t *kvhi_block_tokens(kvh_engine *e, uint32_t i)
 uint8_t *kvhi_block_data(kvh_engine *e, uint32_t i);
 /* New empty block with refs=1, in the fastest tier at or below min_tier
  * that can make room (may evict; may drop the lock). */
-kvh_status kvhi_block_new(kvh_engine *e, uint32_t agent, uint32_t min_tier,
-                          uint32_t *out);
+kvh_status kvhi_block_new(kvh_engine *e, uint32_t agent, uint32_t min_tier, uint32_t *out);
 void kvhi_block_place(kvh_engine *e, uint32_t b, uint32_t tier, uint32_t slot);
 /* Frees now, or marks DEAD for the mover to reap when in flight. */
 void kvhi_block_free_now(kvh_engine *e, uint32_t b);
 /* Destroys an idle block but hands its slot to the caller. */
 uint32_t kvhi_block_drop(kvh_engine *e, uint32_t b);
-kvh_status kvhi_block_mark_written(kvh_engine *e, uint32_t b, uint32_t layer,
-                                   uint32_t t0, uint32_t t1);
-bool kvhi_block_cell_written(kvh_engine *e, uint32_t b, uint32_t layer,
-                             uint32_t t);
+kvh_status kvhi_block_mark_written(kvh_engine *e, uint32_t b, uint32_t layer, uint32_t t0, uint32_t t1);
+bool kvhi_block_cell_written(kvh_engine *e, uint32_t b, uint32_t layer, uint32_t t);
 kvh_status kvhi_block_forget_tokens(kvh_engine *e, uint32_t b, uint32_t keep);
 /* Ends the block's copy (KVHI_EV_COPY_END) and frees a slot it left
  * meanwhile. */
@@ -360,8 +354,7 @@ bool kvhi_block_recall(kvh_engine *e, uint32_t b);
 /* Drops one reference; frees or leaves cached. */
 void kvhi_block_unref(kvh_engine *e, uint32_t b);
 /* Copy-on-write: returns a private copy of b (refs=1) replacing one ref. */
-kvh_status kvhi_block_cow(kvh_engine *e, uint32_t b, uint32_t agent,
-                          uint32_t *out);
+kvh_status kvhi_block_cow(kvh_engine *e, uint32_t b, uint32_t agent, uint32_t *out);
 void kvhi_block_touch(kvh_engine *e, uint32_t b);
 /* Blocks until b is not in flight (drops and retakes the lock). */
 void kvhi_block_wait_idle(kvh_engine *e, uint32_t b);
@@ -398,63 +391,48 @@ kvhi_agent *kvhi_agent_at_quota(kvh_engine *e, uint32_t id);
 /* ---- tiers and eviction (evict.c; the moves are core/move.h) ---- */
 /* Gets a free slot in tier t, evicting by policy. The lock may be dropped
  * and retaken. `for_agent` applies that agent's device quota. */
-kvh_status kvhi_reserve_slot(kvh_engine *e, uint32_t tier, uint32_t for_agent,
-                             uint32_t *slot);
+kvh_status kvhi_reserve_slot(kvh_engine *e, uint32_t tier, uint32_t for_agent, uint32_t *slot);
 uint8_t *kvhi_slot_addr(kvh_engine *e, uint32_t tier, uint32_t slot);
 
 /* ---- migration (migrate.c) ---- */
 kvh_status kvhi_workers_start(kvh_engine *e);
 void kvhi_workers_stop(kvh_engine *e);
 /* Queues b -> tier; fence_idx may be KVHI_NO_BLOCK. */
-kvh_status kvhi_enqueue(kvh_engine *e, uint32_t b, uint32_t tier,
-                        int32_t priority, kvhi_job_kind kind, uint32_t fence_idx);
+kvh_status kvhi_enqueue(kvh_engine *e, uint32_t b, uint32_t tier, int32_t priority, kvhi_job_kind kind,
+                        uint32_t fence_idx);
 kvh_status kvhi_fence_new(kvh_engine *e, uint32_t *idx, kvh_fence *handle);
 void kvhi_fence_done(kvh_engine *e, uint32_t fence_idx, kvh_status st);
-kvh_status kvhi_fence_wait_idx(kvh_engine *e, uint32_t idx,
-                               uint64_t timeout_ns);
+kvh_status kvhi_fence_wait_idx(kvh_engine *e, uint32_t idx, uint64_t timeout_ns);
 void kvhi_fence_drop(kvh_engine *e, uint32_t idx);
 
 /* ---- sequences (seq.c) ---- */
 kvh_status kvhi_seq_get(kvh_engine *e, kvh_seq h, kvhi_seq **out);
 /* Block range covering tokens [first, first + n). */
-kvh_status kvhi_seq_block_range(kvh_engine *e, kvhi_seq *s, uint64_t first,
-                                uint64_t n, uint32_t *b0, uint32_t *b1);
+kvh_status kvhi_seq_block_range(kvh_engine *e, kvhi_seq *s, uint64_t first, uint64_t n, uint32_t *b0, uint32_t *b1);
 void kvhi_seq_destroy(kvh_engine *e, kvhi_seq *s);
 /* Frees s->blocks and s->held (engine teardown frees sequences without
  * touching their blocks). */
 void kvhi_seq_tables_free(kvhi_seq *s);
 kvh_status kvhi_seq_create(kvh_engine *e, uint32_t agent, kvh_seq *out);
-kvh_status kvhi_seq_fork(kvh_engine *e, kvhi_seq *s, uint32_t agent,
-                         kvh_seq *out);
-kvh_status kvhi_seq_append(kvh_engine *e, kvhi_seq *s, const int32_t *tokens,
-                           size_t n);
-kvh_status kvhi_seq_tokens(kvh_engine *e, kvhi_seq *s, uint64_t first,
-                           size_t n, int32_t *out);
-kvh_status kvhi_seq_write_kv(kvh_engine *e, kvhi_seq *s, uint32_t layer,
-                             uint64_t pos, size_t n, const void *k,
+kvh_status kvhi_seq_fork(kvh_engine *e, kvhi_seq *s, uint32_t agent, kvh_seq *out);
+kvh_status kvhi_seq_append(kvh_engine *e, kvhi_seq *s, const int32_t *tokens, size_t n);
+kvh_status kvhi_seq_tokens(kvh_engine *e, kvhi_seq *s, uint64_t first, size_t n, int32_t *out);
+kvh_status kvhi_seq_write_kv(kvh_engine *e, kvhi_seq *s, uint32_t layer, uint64_t pos, size_t n, const void *k,
                              const void *v);
-kvh_status kvhi_seq_read_kv(kvh_engine *e, kvhi_seq *s, uint32_t layer,
-                            uint64_t pos, size_t n, void *k, void *v);
+kvh_status kvhi_seq_read_kv(kvh_engine *e, kvhi_seq *s, uint32_t layer, uint64_t pos, size_t n, void *k, void *v);
 kvh_status kvhi_seq_truncate(kvh_engine *e, kvhi_seq *s, uint64_t n_tokens);
-kvh_status kvhi_seq_match_prefix(kvh_engine *e, kvhi_seq *s,
-                                 const int32_t *tokens, size_t n,
-                                 size_t *matched);
-kvh_status kvhi_seq_acquire(kvh_engine *e, kvhi_seq *s, uint64_t first,
-                            uint64_t n, kvh_fence *fence);
+kvh_status kvhi_seq_match_prefix(kvh_engine *e, kvhi_seq *s, const int32_t *tokens, size_t n, size_t *matched);
+kvh_status kvhi_seq_acquire(kvh_engine *e, kvhi_seq *s, uint64_t first, uint64_t n, kvh_fence *fence);
 /* Counts one block attached from the prefix index, found in tier_found. */
 void kvhi_count_prefix_hit(kvh_engine *e, uint32_t tier_found);
 kvh_status kvhi_seq_pin(kvh_engine *e, kvhi_seq *s, uint64_t first, uint64_t n, bool pin);
-kvh_status kvhi_seq_release(kvh_engine *e, kvhi_seq *s, uint64_t first,
-                            uint64_t n);
+kvh_status kvhi_seq_release(kvh_engine *e, kvhi_seq *s, uint64_t first, uint64_t n);
 kvh_status kvhi_seq_hint(kvh_engine *e, kvhi_seq *s, uint64_t first, uint64_t n, int32_t priority);
-kvh_status kvhi_prefetch(kvh_engine *e, kvhi_seq *s, uint64_t first,
-                         uint64_t n, int32_t priority, kvh_fence *fence);
-kvh_status kvhi_migrate_blocks(kvh_engine *e, const uint32_t *blocks,
-                               size_t n, uint32_t tier, kvh_fence *fence);
+kvh_status kvhi_prefetch(kvh_engine *e, kvhi_seq *s, uint64_t first, uint64_t n, int32_t priority, kvh_fence *fence);
+kvh_status kvhi_migrate_blocks(kvh_engine *e, const uint32_t *blocks, size_t n, uint32_t tier, kvh_fence *fence);
 
 /* ---- disk tier (disk_tier.c) ---- */
-kvh_status kvhi_disk_tier_open(kvh_engine *e, const kvh_config *cfg,
-                               const char *path);
+kvh_status kvhi_disk_tier_open(kvh_engine *e, const kvh_config *cfg, const char *path);
 kvh_status kvhi_disk_tier_recover(kvh_engine *e);
 /* Writes a snapshot of the index (flush) and closes the store. */
 kvh_status kvhi_disk_tier_close(kvh_engine *e, bool flush);
@@ -475,8 +453,7 @@ typedef struct kvhi_xfer {
     bool in_place;
 } kvhi_xfer;
 /* Bookkeeping after a block reached or left the disk tier (lock held). */
-void kvhi_disk_after_move(kvh_engine *e, uint32_t b, const kvhi_xfer *x,
-                          bool *keep_src_slot);
+void kvhi_disk_after_move(kvh_engine *e, uint32_t b, const kvhi_xfer *x, bool *keep_src_slot);
 /* Forgets b's disk record (DEL record) and clean copy, if any. */
 void kvhi_disk_forget(kvh_engine *e, uint32_t b);
 /* A recalled demotion finished writing: b stays in memory and the slot it
@@ -503,8 +480,7 @@ kvh_status kvhi_codec_tiers_init(kvh_engine *e);
 #define KVHI_RAW_HOST 3u
 int kvhi_block_copy(kvh_engine *e, uint32_t dst_tier, void *dst, uint32_t src_tier, const void *src);
 /* Offset and size of the cell (layer, kv, head, token) in a slot of tier. */
-uint64_t kvhi_cell_offset(kvh_engine *e, uint32_t tier, uint32_t layer, uint32_t kv, uint32_t head,
-                          uint32_t token);
+uint64_t kvhi_cell_offset(kvh_engine *e, uint32_t tier, uint32_t layer, uint32_t kv, uint32_t head, uint32_t token);
 /* kv_copy of seq.c for a block in an encoded tier: user arrays shaped
  * [token][kv_head][head_dim] are encoded into (to_block) or decoded from
  * tokens [off, off + cnt) of one layer. Returns 0. */

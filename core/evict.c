@@ -81,7 +81,9 @@ kvh_status kvhi_reserve_slot(kvh_engine *e, uint32_t tier, uint32_t for_agent, u
                 return kvhi_fail(KVH_ERR_NOSPACE, "agent %u is at its device quota and none of its blocks can leave",
                                  for_agent);
             return kvhi_fail(KVH_ERR_NOSPACE, "%s tier full: every block is pinned, held or in flight%s",
-                             tier == KVH_TIER_DEVICE ? "device" : tier == KVH_TIER_HOST ? "host" : "disk",
+                             tier == KVH_TIER_DEVICE ? "device"
+                             : tier == KVH_TIER_HOST ? "host"
+                                                     : "disk",
                              tier_below(e, tier) < 0 ? ", or still referenced with no tier below" : "");
         }
         kvh_status st = evict_one(e, v, slot);
@@ -96,4 +98,3 @@ kvh_status kvhi_reserve_slot(kvh_engine *e, uint32_t tier, uint32_t for_agent, u
     }
     return kvhi_fail(KVH_ERR_NOSPACE, "could not make room");
 }
-

@@ -85,10 +85,10 @@ kvh_status kvhi_pool_copy(kvh_engine *e, kvhi_ext_pool *p, uint32_t slot, uint32
                                (uint64_t)h * p->layout.head_stride;
                 uint8_t *mine = data + (uint64_t)l * e->layer_bytes + (size_t)(kv * H + h) * bt * row;
                 char msg[256];
-                int rc = to_block ? e->backend->copy_2d(e->backend_ctx, mine, row, ext, p->layout.token_stride, row,
-                                                        bt, kind, msg, sizeof(msg))
-                                  : e->backend->copy_2d(e->backend_ctx, ext, p->layout.token_stride, mine, row, row,
-                                                        bt, kind, msg, sizeof(msg));
+                int rc = to_block ? e->backend->copy_2d(e->backend_ctx, mine, row, ext, p->layout.token_stride, row, bt,
+                                                        kind, msg, sizeof(msg))
+                                  : e->backend->copy_2d(e->backend_ctx, ext, p->layout.token_stride, mine, row, row, bt,
+                                                        kind, msg, sizeof(msg));
                 if (rc != 0 && st == KVH_OK)
                     st = kvhi_fail(KVH_ERR_IO, "pool copy failed: %s", msg);
             }

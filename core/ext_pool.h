@@ -12,12 +12,9 @@ typedef struct kvhi_ext_pool {
     void **v_base;
 } kvhi_ext_pool;
 
-kvh_status kvhi_pool_register(kvh_engine *e, const kvh_pool_layout *layout,
-                              kvh_pool *out);
-kvh_status kvhi_pool_copy(kvh_engine *e, kvhi_ext_pool *p, uint32_t slot,
-                          uint32_t b, bool to_block);
-kvh_status kvhi_pool_offload(kvh_engine *e, kvhi_ext_pool *p, uint32_t slot,
-                             uint64_t parent, const int32_t *tokens,
+kvh_status kvhi_pool_register(kvh_engine *e, const kvh_pool_layout *layout, kvh_pool *out);
+kvh_status kvhi_pool_copy(kvh_engine *e, kvhi_ext_pool *p, uint32_t slot, uint32_t b, bool to_block);
+kvh_status kvhi_pool_offload(kvh_engine *e, kvhi_ext_pool *p, uint32_t slot, uint64_t parent, const int32_t *tokens,
                              uint32_t agent, uint32_t *out);
 
 #endif

@@ -8,10 +8,7 @@ int kvhi_handles_init(kvhi_handle_table *t, uint8_t tag)
     return 0;
 }
 
-void kvhi_handles_set_gen_start(kvhi_handle_table *t, uint32_t gen)
-{
-    t->gen_start = gen ? gen : 1;
-}
+void kvhi_handles_set_gen_start(kvhi_handle_table *t, uint32_t gen) { t->gen_start = gen ? gen : 1; }
 
 void kvhi_handles_destroy(kvhi_handle_table *t)
 {
@@ -50,8 +47,7 @@ static int grow(kvhi_handle_table *t)
     return 0;
 }
 
-int kvhi_handles_add(kvhi_handle_table *t, void *ptr, uint64_t *handle,
-                     uint32_t *index)
+int kvhi_handles_add(kvhi_handle_table *t, void *ptr, uint64_t *handle, uint32_t *index)
 {
     if (t->free_top == 0 && grow(t) != 0)
         return -1;
@@ -64,8 +60,7 @@ int kvhi_handles_add(kvhi_handle_table *t, void *ptr, uint64_t *handle,
     return 0;
 }
 
-void *kvhi_handles_get(const kvhi_handle_table *t, uint64_t handle,
-                       uint32_t *index)
+void *kvhi_handles_get(const kvhi_handle_table *t, uint64_t handle, uint32_t *index)
 {
     if (kvhi_handle_tag(handle) != t->tag)
         return NULL;
@@ -77,10 +72,7 @@ void *kvhi_handles_get(const kvhi_handle_table *t, uint64_t handle,
     return t->ptrs[i];
 }
 
-void *kvhi_handles_at(const kvhi_handle_table *t, uint32_t index)
-{
-    return index < t->cap ? t->ptrs[index] : NULL;
-}
+void *kvhi_handles_at(const kvhi_handle_table *t, uint32_t index) { return index < t->cap ? t->ptrs[index] : NULL; }
 
 uint64_t kvhi_handles_handle_of(const kvhi_handle_table *t, uint32_t index)
 {

@@ -90,11 +90,9 @@ void kvhi_handles_destroy(kvhi_handle_table *t);
  * the first add: a slot retires when its generation comes back to it. */
 void kvhi_handles_set_gen_start(kvhi_handle_table *t, uint32_t gen);
 /* Returns 0, or -1 when memory or the index space runs out. */
-int kvhi_handles_add(kvhi_handle_table *t, void *ptr, uint64_t *handle,
-                     uint32_t *index);
+int kvhi_handles_add(kvhi_handle_table *t, void *ptr, uint64_t *handle, uint32_t *index);
 /* The live pointer for handle, or NULL. */
-void *kvhi_handles_get(const kvhi_handle_table *t, uint64_t handle,
-                       uint32_t *index);
+void *kvhi_handles_get(const kvhi_handle_table *t, uint64_t handle, uint32_t *index);
 void *kvhi_handles_at(const kvhi_handle_table *t, uint32_t index);
 uint64_t kvhi_handles_handle_of(const kvhi_handle_table *t, uint32_t index);
 /* Frees the slot; it is handed out again under the next generation, or

@@ -18,8 +18,7 @@ static inline uint32_t *pos_of(kvhi_lruk_heap *h, uint32_t item)
     return (uint32_t *)(h->pos_base + (size_t)item * h->pos_stride);
 }
 
-int kvhi_lruk_init(kvhi_lruk_heap *h, uint32_t cap, void *pos_base,
-                   size_t pos_stride)
+int kvhi_lruk_init(kvhi_lruk_heap *h, uint32_t cap, void *pos_base, size_t pos_stride)
 {
     h->size = 0;
     h->cap = cap;

@@ -42,8 +42,7 @@ typedef struct kvhi_lruk_heap {
     size_t pos_stride;
 } kvhi_lruk_heap;
 
-int kvhi_lruk_init(kvhi_lruk_heap *h, uint32_t cap, void *pos_base,
-                   size_t pos_stride);
+int kvhi_lruk_init(kvhi_lruk_heap *h, uint32_t cap, void *pos_base, size_t pos_stride);
 void kvhi_lruk_destroy(kvhi_lruk_heap *h);
 /* Inserts, or updates the key of an item already present. */
 void kvhi_lruk_upsert(kvhi_lruk_heap *h, uint32_t item, kvhi_lruk_key key);
@@ -59,22 +58,17 @@ typedef kvhi_lruk_key (*kvhi_lruk_current_fn)(void *ctx, uint32_t item);
  * through upsert or upsert_lazy. */
 uint32_t kvhi_lruk_top_current(kvhi_lruk_heap *h, kvhi_lruk_current_fn current, void *ctx);
 /* Lowest item, or KVHI_HEAP_NONE. */
-static inline uint32_t kvhi_lruk_top(const kvhi_lruk_heap *h)
-{
-    return h->size ? h->entries[0].item : KVHI_HEAP_NONE;
-}
+static inline uint32_t kvhi_lruk_top(const kvhi_lruk_heap *h) { return h->size ? h->entries[0].item : KVHI_HEAP_NONE; }
 static inline const kvhi_lruk_key *kvhi_lruk_top_key(const kvhi_lruk_heap *h)
 {
     return h->size ? &h->entries[0].key : NULL;
 }
 static inline int kvhi_lruk_less(const kvhi_lruk_key *a, const kvhi_lruk_key *b)
 {
-    return a->primary != b->primary ? a->primary < b->primary
-                                    : a->secondary < b->secondary;
+    return a->primary != b->primary ? a->primary < b->primary : a->secondary < b->secondary;
 }
 /* Key of an access history (most recent first, k entries). */
-kvhi_lruk_key kvhi_lruk_key_of(const uint64_t *hist, uint32_t k,
-                               int referenced);
+kvhi_lruk_key kvhi_lruk_key_of(const uint64_t *hist, uint32_t k, int referenced);
 /* Records an access at time now into hist (k entries). */
 void kvhi_lruk_record(uint64_t *hist, uint32_t k, uint64_t now);
 

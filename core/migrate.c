@@ -147,10 +147,7 @@ static kvhi_job job_pop(kvh_engine *e)
 
 /* A block a hint brought up; its hint keeps it from being the next victim
  * (core/hints.c) until it is used. */
-static void mark_prefetched(kvh_engine *e, uint32_t b)
-{
-    e->blocks[b].flags |= KVHI_BF_PREFETCHED;
-}
+static void mark_prefetched(kvh_engine *e, uint32_t b) { e->blocks[b].flags |= KVHI_BF_PREFETCHED; }
 
 /* A prefetch is worth its move only if the device tier has a free slot or
  * a victim of a lower class than the hinted block (unhinted, or hinted for
@@ -197,8 +194,8 @@ static kvh_status run_job(kvh_engine *e, const kvhi_job *j)
         /* A promotion need not wait for a disk copy being written from the
          * block's slot (the slot stays valid until that copy ends). */
         bool writing_only = kvhi_move_state(blk) == KVHI_MS_COPYING;
-        if (!kvhi_block_busy(blk) || (writing_only && j->target_tier < blk->tier &&
-                                             blk->deferred_slot == KVHI_NO_BLOCK))
+        if (!kvhi_block_busy(blk) ||
+            (writing_only && j->target_tier < blk->tier && blk->deferred_slot == KVHI_NO_BLOCK))
             break;
         kvhi_block_wait_idle(e, j->block);
     }
@@ -231,9 +228,9 @@ static kvh_status run_job(kvh_engine *e, const kvhi_job *j)
 static bool batchable(kvh_engine *e, const kvhi_job *j)
 {
     kvhi_block *blk = &e->blocks[j->block];
-    if (!e->disk || !(blk->flags & KVHI_BF_LIVE) || blk->gen != j->block_gen ||
-        kvhi_block_busy(blk) || (blk->flags & (KVHI_BF_DEAD | KVHI_BF_CORRUPT)) || blk->tier == j->target_tier ||
-        blk->pins || (blk->holds && j->target_tier > blk->tier))
+    if (!e->disk || !(blk->flags & KVHI_BF_LIVE) || blk->gen != j->block_gen || kvhi_block_busy(blk) ||
+        (blk->flags & (KVHI_BF_DEAD | KVHI_BF_CORRUPT)) || blk->tier == j->target_tier || blk->pins ||
+        (blk->holds && j->target_tier > blk->tier))
         return false;
     if (j->target_tier == KVH_TIER_DISK)
         return !(blk->flags & KVHI_BF_DISK_COPY);
@@ -251,8 +248,8 @@ static void run_batch(kvh_engine *e, kvhi_job first)
     uint32_t n = 0, limit = e->disk->lane_blocks < MAX ? e->disk->lane_blocks : MAX;
     bool to_disk = first.target_tier == KVH_TIER_DISK;
     jobs[n++] = first;
-    while (xs && n < limit && e->n_jobs && e->jobs[0].target_tier == first.target_tier &&
-           batchable(e, &e->jobs[0]) && ((e->jobs[0].target_tier == KVH_TIER_DISK) == to_disk)) {
+    while (xs && n < limit && e->n_jobs && e->jobs[0].target_tier == first.target_tier && batchable(e, &e->jobs[0]) &&
+           ((e->jobs[0].target_tier == KVH_TIER_DISK) == to_disk)) {
         bool dup = false;
         for (uint32_t i = 0; i < n; i++)
             dup |= jobs[i].block == e->jobs[0].block;

@@ -26,8 +26,8 @@ void kvhi_xfer_prepare(kvh_engine *e, uint32_t b, uint32_t dst_tier, uint32_t ds
     x->dst_slot = dst_slot;
     /* Writes carry the hash when the block has one; reads expect what the
      * disk copy was written with. */
-    bool hashed = dst_tier == KVH_TIER_DISK ? (blk->flags & KVHI_BF_HASHED) != 0
-                                            : (blk->flags & KVHI_BF_DISK_HASHED) != 0;
+    bool hashed =
+        dst_tier == KVH_TIER_DISK ? (blk->flags & KVHI_BF_HASHED) != 0 : (blk->flags & KVHI_BF_DISK_HASHED) != 0;
     x->hash = hashed ? blk->hash : 0;
     x->parent = hashed ? blk->parent_hash : 0;
     x->n_tokens = blk->n_tokens;
@@ -43,9 +43,15 @@ void kvhi_xfer_prepare(kvh_engine *e, uint32_t b, uint32_t dst_tier, uint32_t ds
 /* The header of a slot written for x (x->data_crc already set). */
 static void encode_slot_header(const kvhi_disk *d, const kvhi_xfer *x, uint8_t *staged)
 {
-    kvhi_slot_meta m = {.store_id = d->store_id, .slot = x->dst_slot, .offset = kvhi_disk_slot_offset(d, x->dst_slot),
-                        .hash = x->hash, .parent = x->parent, .n_tokens = x->n_tokens, .data_crc = x->data_crc,
-                        .flags = x->published && x->hash ? KVHI_SLOT_PUBLISHED : 0u, .geo_tag = d->geo_tag,
+    kvhi_slot_meta m = {.store_id = d->store_id,
+                        .slot = x->dst_slot,
+                        .offset = kvhi_disk_slot_offset(d, x->dst_slot),
+                        .hash = x->hash,
+                        .parent = x->parent,
+                        .n_tokens = x->n_tokens,
+                        .data_crc = x->data_crc,
+                        .flags = x->published && x->hash ? KVHI_SLOT_PUBLISHED : 0u,
+                        .geo_tag = d->geo_tag,
                         .tokens = x->tokens};
     kvhi_slot_header_encode(staged, &m, d->block_bytes);
 }
@@ -81,8 +87,7 @@ static void verify_read(kvh_engine *e, kvhi_xfer *x, const uint8_t *header, uint
 {
     kvhi_disk *d = e->disk;
     if (kvhi_slot_verify_crc(header, crc, d->block_bytes, d->store_id, x->src_slot,
-                             kvhi_disk_slot_offset(d, x->src_slot), x->hash, e->cfg.block_tokens, NULL,
-                             &x->why) != 0)
+                             kvhi_disk_slot_offset(d, x->src_slot), x->hash, e->cfg.block_tokens, NULL, &x->why) != 0)
         x->err = 1;
 }
 
@@ -92,8 +97,9 @@ static void finish_read(kvh_engine *e, kvhi_xfer *x, const uint8_t *staged)
     bool host_dst = reads_into_host(e, x);
     /* Into host memory the copy and the checksum share one pass; the slot
      * is the mover's own until it commits, so a failed check costs nothing. */
-    uint32_t crc = host_dst ? kvhi_crc32c_copy(0, kvhi_slot_addr(e, x->dst_tier, x->dst_slot), data, e->disk->block_bytes)
-                            : kvhi_crc32c(0, data, e->disk->block_bytes);
+    uint32_t crc = host_dst
+                       ? kvhi_crc32c_copy(0, kvhi_slot_addr(e, x->dst_tier, x->dst_slot), data, e->disk->block_bytes)
+                       : kvhi_crc32c(0, data, e->disk->block_bytes);
     verify_read(e, x, staged, crc);
     if (x->err || host_dst || x->dst_tier == KVHI_NO_TIER)
         return;
@@ -112,8 +118,8 @@ static bool read_one_direct(kvh_engine *e, kvhi_xfer *x)
         return false;
     uint32_t crc = 0;
     const uint8_t *header = NULL;
-    int rc = kvhi_disk_read_into(e->disk, lane, x->src_slot, kvhi_slot_addr(e, x->dst_tier, x->dst_slot), &crc,
-                                 &header);
+    int rc =
+        kvhi_disk_read_into(e->disk, lane, x->src_slot, kvhi_slot_addr(e, x->dst_tier, x->dst_slot), &crc, &header);
     if (rc == 0)
         verify_read(e, x, header, crc);
     else if (rc < 0)
@@ -179,8 +185,8 @@ static bool read_batch_in_place(kvh_engine *e, kvhi_disk_lane *lane, kvhi_xfer *
  * straight from their slots (stable: in flight or being copied): only
  * the header is staged, the data costs one checksum pass and no copy.
  * False when that path does not apply. */
-static bool write_batch_in_place(kvh_engine *e, kvhi_disk_lane *lane, kvhi_xfer *xs, uint32_t k,
-                                 const uint32_t *slots, int *res)
+static bool write_batch_in_place(kvh_engine *e, kvhi_disk_lane *lane, kvhi_xfer *xs, uint32_t k, const uint32_t *slots,
+                                 int *res)
 {
     kvhi_disk *d = e->disk;
     uint8_t *srcs[64];

@@ -13,8 +13,7 @@ static inline uint64_t mix64(uint64_t x)
     return x;
 }
 
-uint64_t kvhi_prefix_hash(uint64_t parent, const int32_t *tokens, size_t n,
-                          uint64_t salt)
+uint64_t kvhi_prefix_hash(uint64_t parent, const int32_t *tokens, size_t n, uint64_t salt)
 {
     uint64_t h = mix64(parent ^ 0x6b7668u) ^ mix64(salt + 0x9e3779b97f4a7c15ull);
     h = mix64(h + n);

@@ -20,8 +20,7 @@ typedef struct kvhi_prefix_index {
 } kvhi_prefix_index;
 
 /* Never returns 0 (the empty key). */
-uint64_t kvhi_prefix_hash(uint64_t parent, const int32_t *tokens, size_t n,
-                          uint64_t salt);
+uint64_t kvhi_prefix_hash(uint64_t parent, const int32_t *tokens, size_t n, uint64_t salt);
 
 int kvhi_prefix_init(kvhi_prefix_index *ix, uint64_t max_entries);
 void kvhi_prefix_destroy(kvhi_prefix_index *ix);

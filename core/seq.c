@@ -22,8 +22,8 @@ kvh_status kvhi_seq_get(kvh_engine *e, kvh_seq h, kvhi_seq **out)
 kvh_status kvhi_seq_block_range(kvh_engine *e, kvhi_seq *s, uint64_t first, uint64_t n, uint32_t *b0, uint32_t *b1)
 {
     if (first > s->n_tokens || n > s->n_tokens - first)
-        return kvhi_fail(KVH_ERR_RANGE, "tokens [%llu, +%llu) pass the sequence length %llu",
-                         (unsigned long long)first, (unsigned long long)n, (unsigned long long)s->n_tokens);
+        return kvhi_fail(KVH_ERR_RANGE, "tokens [%llu, +%llu) pass the sequence length %llu", (unsigned long long)first,
+                         (unsigned long long)n, (unsigned long long)s->n_tokens);
     uint32_t bt = e->cfg.block_tokens;
     *b0 = (uint32_t)(first / bt);
     *b1 = n ? (uint32_t)((first + n + bt - 1) / bt) : *b0;
@@ -366,8 +366,8 @@ kvh_status kvhi_seq_read_kv(kvh_engine *e, kvhi_seq *s, uint32_t layer, uint64_t
     uint32_t bt = e->cfg.block_tokens;
     for (uint64_t t = pos; t < pos + n; t++)
         if (!kvhi_block_cell_written(e, s->blocks[t / bt], layer, (uint32_t)(t % bt)))
-            return kvhi_fail(KVH_ERR_RANGE, "KV of token %llu in layer %u was never written",
-                             (unsigned long long)t, layer);
+            return kvhi_fail(KVH_ERR_RANGE, "KV of token %llu in layer %u was never written", (unsigned long long)t,
+                             layer);
     size_t tok_bytes = (size_t)e->cfg.num_kv_heads * e->cfg.head_dim * e->elem_bytes;
     for (uint64_t t = pos; t < pos + n;) {
         uint32_t li = (uint32_t)(t / bt), off = (uint32_t)(t % bt);
@@ -379,8 +379,7 @@ kvh_status kvhi_seq_read_kv(kvh_engine *e, kvhi_seq *s, uint32_t layer, uint64_t
         note_access(e, b);
         if ((st = kvhi_block_ensure_memory(e, b)) != KVH_OK)
             return st;
-        if (kv_copy(e, b, layer, off, cnt, k ? (uint8_t *)k + skip : NULL, v ? (uint8_t *)v + skip : NULL, false) !=
-            0)
+        if (kv_copy(e, b, layer, off, cnt, k ? (uint8_t *)k + skip : NULL, v ? (uint8_t *)v + skip : NULL, false) != 0)
             return kvhi_fail(KVH_ERR_IO, "copy from the device tier failed");
         t += cnt;
     }

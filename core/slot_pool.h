@@ -26,13 +26,7 @@ static inline int kvhi_slot_pool_alloc(kvhi_slot_pool *p, uint32_t *slot)
     *slot = p->free_stack[--p->free_count];
     return 0;
 }
-static inline void kvhi_slot_pool_free(kvhi_slot_pool *p, uint32_t slot)
-{
-    p->free_stack[p->free_count++] = slot;
-}
-static inline uint32_t kvhi_slot_pool_used(const kvhi_slot_pool *p)
-{
-    return p->capacity - p->free_count;
-}
+static inline void kvhi_slot_pool_free(kvhi_slot_pool *p, uint32_t slot) { p->free_stack[p->free_count++] = slot; }
+static inline uint32_t kvhi_slot_pool_used(const kvhi_slot_pool *p) { return p->capacity - p->free_count; }
 
 #endif

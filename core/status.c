@@ -19,8 +19,12 @@ void kvhi_clear_error(void) { last_error[0] = '\0'; }
 
 const char *kvhi_last_error(void) { return last_error; }
 
-#define KVHI_TEXT_CASE(name, value, text) case value: return text;
-#define KVHI_NAME_CASE(name, value, text) case value: return #name;
+#define KVHI_TEXT_CASE(name, value, text)                                                                              \
+    case value:                                                                                                        \
+        return text;
+#define KVHI_NAME_CASE(name, value, text)                                                                              \
+    case value:                                                                                                        \
+        return #name;
 
 const char *kvhi_status_text(kvh_status status)
 {

@@ -29,10 +29,7 @@
 #include "core/vmap.h"
 
 /* Bytes of one head's K (or V) in one block: a piece. */
-static uint64_t chunk_bytes(kvh_engine *e)
-{
-    return (uint64_t)e->cfg.block_tokens * e->vector_bytes;
-}
+static uint64_t chunk_bytes(kvh_engine *e) { return (uint64_t)e->cfg.block_tokens * e->vector_bytes; }
 
 /* Logical blocks per mapping unit (1 when a piece is whole units). */
 static uint32_t unit_blocks(kvh_engine *e)
@@ -71,8 +68,8 @@ static kvh_status map_run(kvh_engine *e, kvhi_vmap *v, uint32_t i, uint32_t n, u
                                           kvhi_slab_piece_offset(&e->slab, slot, piece), len, msg, sizeof(msg));
             }
             if (rc != 0)
-                return kvhi_fail(rc < 0 ? rc : KVH_ERR_NOMEM, "mapping blocks %u..%u into the view: %s", i,
-                                 i + n - 1, msg);
+                return kvhi_fail(rc < 0 ? rc : KVH_ERR_NOMEM, "mapping blocks %u..%u into the view: %s", i, i + n - 1,
+                                 msg);
         }
     return KVH_OK;
 }
@@ -233,8 +230,8 @@ static kvh_status refresh(kvh_engine *e, kvhi_vmap *v, bool *changed)
         uint32_t j = i;
         while (j < s->n_blocks && !(j < v->n_mapped && entry_current(e, v, s, j))) {
             if (e->blocks[s->blocks[j]].tier != KVH_TIER_DEVICE) {
-                st = kvhi_fail(KVH_ERR_NOT_RESIDENT,
-                               "block %u of the sequence is not in the device tier (acquire it)", j);
+                st = kvhi_fail(KVH_ERR_NOT_RESIDENT, "block %u of the sequence is not in the device tier (acquire it)",
+                               j);
                 break;
             }
             j++;
@@ -313,7 +310,7 @@ kvh_status kvhi_vmap_create(kvh_engine *e, kvhi_seq *s, kvh_seq seq, uint32_t la
     kvhi_vmap *v = NULL;
     /* Mapping units of a page: a piece must be whole pages. Larger units
      * (huge pages, CUDA VMM): whole pieces per unit, units per slab. */
-    bool pieces_fit = !unit                ? false
+    bool pieces_fit = !unit          ? false
                       : unit <= page ? chunk_bytes(e) % unit == 0
                                      : unit % chunk_bytes(e) == 0 && kvhi_slab_pitch(&e->slab) % unit == 0;
     if (!e->vmap_arena)

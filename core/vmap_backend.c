@@ -70,8 +70,7 @@ static bool translated_src(vmap_backend *w, const void *src, enum kvhi_copy_kind
     return (kind == KVHI_COPY_DEVICE_TO_HOST || kind == KVHI_COPY_DEVICE_TO_DEVICE) && in_arena(w, src);
 }
 
-static int fwd_copy(void *ctx, void *dst, const void *src, size_t n, enum kvhi_copy_kind kind, char *msg,
-                    size_t len)
+static int fwd_copy(void *ctx, void *dst, const void *src, size_t n, enum kvhi_copy_kind kind, char *msg, size_t len)
 {
     vmap_backend *w = ctx;
     bool dt = translated_dst(w, dst, kind), st = translated_src(w, src, kind);
@@ -82,8 +81,8 @@ static int fwd_copy(void *ctx, void *dst, const void *src, size_t n, enum kvhi_c
 
 /* One row at a time, unless the arena side lies within one piece (a
  * kvh_seq_write_kv of tokens of one head): then one translated call. */
-static int fwd_copy_2d(void *ctx, void *dst, size_t dpitch, const void *src, size_t spitch, size_t width,
-                       size_t height, enum kvhi_copy_kind kind, char *msg, size_t len)
+static int fwd_copy_2d(void *ctx, void *dst, size_t dpitch, const void *src, size_t spitch, size_t width, size_t height,
+                       enum kvhi_copy_kind kind, char *msg, size_t len)
 {
     vmap_backend *w = ctx;
     bool dt = translated_dst(w, dst, kind), st = translated_src(w, src, kind);
@@ -102,8 +101,8 @@ static int fwd_copy_2d(void *ctx, void *dst, size_t dpitch, const void *src, siz
         }
     }
     for (size_t r = 0; r < height; r++) {
-        int rc = slab_copy(w, (uint8_t *)dst + r * dpitch, dt, (const uint8_t *)src + r * spitch, st, width, kind,
-                           msg, len);
+        int rc =
+            slab_copy(w, (uint8_t *)dst + r * dpitch, dt, (const uint8_t *)src + r * spitch, st, width, kind, msg, len);
         if (rc != 0)
             return rc;
     }

@@ -69,8 +69,7 @@ static int shmem_thp_allowed(void)
     size_t n = fread(buf, 1, sizeof(buf) - 1, f);
     fclose(f);
     buf[n] = 0;
-    return strstr(buf, "[always]") || strstr(buf, "[within_size]") || strstr(buf, "[advise]") ||
-           strstr(buf, "[force]");
+    return strstr(buf, "[always]") || strstr(buf, "[within_size]") || strstr(buf, "[advise]") || strstr(buf, "[force]");
 }
 
 int kvhi_vmap_cpu_backing_available(const char *name, const kvhi_slab_layout *l, uint64_t bytes)
@@ -107,8 +106,8 @@ static int pick_backing(const kvhi_slab_layout *l, uint64_t bytes, const char *w
         return KVH_ERR_INVALID_ARG;
     }
     *out = kvhi_vmap_cpu_backing_available("hugetlb", l, bytes) ? BACKING_HUGETLB
-           : shmem_thp_allowed()                                 ? BACKING_THP
-                                                                 : BACKING_4K;
+           : shmem_thp_allowed()                                ? BACKING_THP
+                                                                : BACKING_4K;
     return 0;
 }
 

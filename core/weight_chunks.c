@@ -86,8 +86,7 @@ static kvh_status take_slot(kvh_engine *e, uint32_t tier, enum kvhi_charge_mode 
     }
 }
 
-kvh_status kvhi_charge_add(kvh_engine *e, kvhi_context *x, uint32_t tier, uint64_t bytes,
-                           enum kvhi_charge_mode mode)
+kvh_status kvhi_charge_add(kvh_engine *e, kvhi_context *x, uint32_t tier, uint64_t bytes, enum kvhi_charge_mode mode)
 {
     kvhi_tier *t = &e->tiers[tier];
     kvhi_charge *ch = &x->charge[tier];
@@ -264,8 +263,8 @@ int kvhi_region_read_source(kvh_engine *e, kvhi_region *r, uint64_t chunk, uint8
     return rc;
 }
 
-int kvhi_region_copy(kvh_engine *e, kvhi_region *r, uint64_t chunk, uint8_t *dst, uint32_t dst_tier,
-                     const uint8_t *src, uint32_t src_tier, int crc_mode, uint32_t *bad_chunk)
+int kvhi_region_copy(kvh_engine *e, kvhi_region *r, uint64_t chunk, uint8_t *dst, uint32_t dst_tier, const uint8_t *src,
+                     uint32_t src_tier, int crc_mode, uint32_t *bad_chunk)
 {
     /* Both sides in CPU memory: checksum while copying, in one pass. */
     bool fused = crc_mode != KVHI_CRC_NONE && host_readable(e, dst_tier) && host_readable(e, src_tier);
@@ -292,7 +291,9 @@ int kvhi_region_copy(kvh_engine *e, kvhi_region *r, uint64_t chunk, uint8_t *dst
         if (kvhi_copy_bytes(e, dst_tier, dst + off, src_tier, src + off, n) != 0)
             return -1;
         if (crc_mode == KVHI_CRC_RECORD) {
-            const uint8_t *readable = host_readable(e, dst_tier) ? dst + off : host_readable(e, src_tier) ? src + off : NULL;
+            const uint8_t *readable = host_readable(e, dst_tier)   ? dst + off
+                                      : host_readable(e, src_tier) ? src + off
+                                                                   : NULL;
             if (!readable)
                 return -1;
             r->chunk_crc[c] = kvhi_crc32c(0, readable, n);

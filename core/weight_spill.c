@@ -26,12 +26,12 @@
  * through in pieces that need not line up with the chunks. */
 typedef struct chunk_stream {
     kvhi_region *r;
-    uint64_t chunk;   /* bytes per chunk */
-    uint32_t index;   /* current chunk */
-    uint64_t filled;  /* its bytes seen so far */
+    uint64_t chunk;  /* bytes per chunk */
+    uint32_t index;  /* current chunk */
+    uint64_t filled; /* its bytes seen so far */
     uint32_t crc;
-    bool record;      /* record the checksums, else compare */
-    int64_t bad;      /* first mismatching chunk, or -1 */
+    bool record; /* record the checksums, else compare */
+    int64_t bad; /* first mismatching chunk, or -1 */
 } chunk_stream;
 
 static void stream_feed(chunk_stream *s, const uint8_t *p, uint64_t n)

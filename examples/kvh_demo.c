@@ -33,14 +33,14 @@
 #define SYS_TOKENS 256 /* system prompt: 16 blocks */
 #define WINDOW 128     /* attention window, tokens */
 
-#define CHECK(call)                                                                                          \
-    do {                                                                                                     \
-        kvh_status st_ = (call);                                                                             \
-        if (st_ != KVH_OK) {                                                                                 \
-            fprintf(stderr, "kvh-demo-c: %s failed at %s:%d: %s: %s\n", #call, __FILE__, __LINE__,          \
-                    kvh_status_name(st_), kvh_last_error());                                                 \
-            exit(1);                                                                                         \
-        }                                                                                                    \
+#define CHECK(call)                                                                                                    \
+    do {                                                                                                               \
+        kvh_status st_ = (call);                                                                                       \
+        if (st_ != KVH_OK) {                                                                                           \
+            fprintf(stderr, "kvh-demo-c: %s failed at %s:%d: %s: %s\n", #call, __FILE__, __LINE__,                     \
+                    kvh_status_name(st_), kvh_last_error());                                                           \
+            exit(1);                                                                                                   \
+        }                                                                                                              \
     } while (0)
 
 /* ------------------------------------------------------------------ */
@@ -423,8 +423,8 @@ int main(int argc, char **argv)
             done += turn;
         }
         if (!quiet)
-            printf("[2] %s: matched %zu cached tokens, appended %zu of its own -> %llu tokens\n", t->name, matched,
-                   own, (unsigned long long)t->len);
+            printf("[2] %s: matched %zu cached tokens, appended %zu of its own -> %llu tokens\n", t->name, matched, own,
+                   (unsigned long long)t->len);
     }
     print_tiers(e, "after the agents wrote their KV");
 

@@ -91,16 +91,13 @@ static uint64_t pick(fz_in *in, const uint64_t *pool, int n)
         return pool[c % n];
     if (c < 230)
         return fz_u64(in); /* forged */
-    return 0; /* the null handle */
+    return 0;              /* the null handle */
 }
 
 static void keep(uint64_t *pool, int n, fz_in *in, uint64_t h) { pool[fz_u8(in) % n] = h; }
 
 /* A struct_size that is usually right: 1 in 16 is the input's byte. */
-static uint32_t struct_size(fz_in *in, size_t right)
-{
-    return fz_u8(in) < 240 ? (uint32_t)right : fz_u8(in);
-}
+static uint32_t struct_size(fz_in *in, size_t right) { return fz_u8(in) < 240 ? (uint32_t)right : fz_u8(in); }
 
 /* One token's K (kv 0) or V (kv 1) of one layer, all heads: s->tok bytes.
  * With a codec every f16 is a finite normal number in [1/4, 8). */
@@ -130,7 +127,7 @@ static void fill_kv(const state *s, const int32_t *tokens, size_t n, uint32_t la
 static float half_to_float(uint16_t h)
 {
     uint32_t sign = h >> 15, exp = (h >> 10) & 31, mant = h & 0x3ff;
-    float m = exp == 0 ? ldexpf((float)mant, -24)
+    float m = exp == 0    ? ldexpf((float)mant, -24)
               : exp == 31 ? (mant ? NAN : INFINITY)
                           : ldexpf((float)(mant | 0x400), (int)exp - 25);
     return sign ? -m : m;

@@ -53,8 +53,8 @@ static void op_codec(state *s, fz_in *in)
     trace("codec_vector_bytes", st);
     FZ_KNOWN(st);
     if (null_bytes || !want)
-        FZ_CHECK(st == KVH_ERR_INVALID_ARG && got == SENT, "vector_bytes(codec %u, dtype %u, head_dim %u): %s",
-                 codec, dtype, d, kvh_status_name(st));
+        FZ_CHECK(st == KVH_ERR_INVALID_ARG && got == SENT, "vector_bytes(codec %u, dtype %u, head_dim %u): %s", codec,
+                 dtype, d, kvh_status_name(st));
     else
         FZ_CHECK(st == KVH_OK && got == want, "vector_bytes(codec %u, dtype %u, head_dim %u) = %llu, documented %llu",
                  codec, dtype, d, (unsigned long long)got, (unsigned long long)want);
@@ -164,8 +164,10 @@ static void op_tolerance(state *s, fz_in *in)
         float err = errs[fz_u8(in) % 8];
         st = kvh_seq_derive_tolerance(s->e, q, first, n, err);
         trace("seq_derive_tolerance", st);
-        FZ_CHECK(st != KVH_OK || (s->codec && isfinite(err) && err >= 0), "derive_tolerance(max_rel_error %g) "
-                 "accepted (codec %u)", (double)err, s->codec);
+        FZ_CHECK(st != KVH_OK || (s->codec && isfinite(err) && err >= 0),
+                 "derive_tolerance(max_rel_error %g) "
+                 "accepted (codec %u)",
+                 (double)err, s->codec);
     }
     FZ_KNOWN(st);
 }

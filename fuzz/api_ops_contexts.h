@@ -268,7 +268,8 @@ static void op_seq_create_ex(state *s, fz_in *in)
                  (unsigned long long)p.token_budget, is_long ? "long" : "short", (unsigned long long)was,
                  (unsigned long long)now, (unsigned long long)quota);
     else if (st == KVH_ERR_NOSPACE)
-        FZ_CHECK(now == was && was + need > quota, "refused a budget of %llu tokens: %s pool reserved %llu -> %llu of %llu",
+        FZ_CHECK(now == was && was + need > quota,
+                 "refused a budget of %llu tokens: %s pool reserved %llu -> %llu of %llu",
                  (unsigned long long)p.token_budget, is_long ? "long" : "short", (unsigned long long)was,
                  (unsigned long long)now, (unsigned long long)quota);
 }

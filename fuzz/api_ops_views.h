@@ -204,8 +204,7 @@ static void op_attention_plan(state *s, fz_in *in)
         const kvh_attention_params *app = null_params ? NULL : &ap;
         kvh_status once = prefill ? kvh_attention_prefill(s->e, layer, seqs, qlens, n, s->q, s->out2, app)
                                   : kvh_attention_decode(s->e, layer, seqs, n, s->q, s->out2, app);
-        FZ_CHECK(once == KVH_OK, "one-shot call over a planned batch: %s: %s", kvh_status_name(once),
-                 kvh_last_error());
+        FZ_CHECK(once == KVH_OK, "one-shot call over a planned batch: %s: %s", kvh_status_name(once), kvh_last_error());
         FZ_CHECK(!memcmp(s->out, s->out2, sizeof(s->out)), "plan run and one-shot attention differ");
         return;
     }

@@ -72,22 +72,54 @@ static void open_engine(state *s)
 static void newer_step(state *s, fz_in *in, uint8_t op)
 {
     switch (op) {
-    case 0: op_context_create(s, in); break;
-    case 1: op_context_destroy(s, in); break;
-    case 2: op_context_add_region(s, in); break;
-    case 3: op_context_attach_seq(s, in); break;
-    case 4: op_context_switch(s, in); break;
-    case 5: op_context_wait_layer(s, in); break;
-    case 6: op_context_region_data(s, in); break;
-    case 7: op_context_query(s, in); break;
-    case 8: op_admission_configure(s, in); break;
-    case 9: op_seq_create_ex(s, in); break;
-    case 10: op_codec(s, in); break;
-    case 11: op_tolerance(s, in); break;
-    case 12: op_vmap_create(s, in); break;
-    case 13: op_vmap_use(s, in); break;
-    case 14: op_vmap_attention(s, in); break;
-    default: op_attention_plan(s, in); break;
+    case 0:
+        op_context_create(s, in);
+        break;
+    case 1:
+        op_context_destroy(s, in);
+        break;
+    case 2:
+        op_context_add_region(s, in);
+        break;
+    case 3:
+        op_context_attach_seq(s, in);
+        break;
+    case 4:
+        op_context_switch(s, in);
+        break;
+    case 5:
+        op_context_wait_layer(s, in);
+        break;
+    case 6:
+        op_context_region_data(s, in);
+        break;
+    case 7:
+        op_context_query(s, in);
+        break;
+    case 8:
+        op_admission_configure(s, in);
+        break;
+    case 9:
+        op_seq_create_ex(s, in);
+        break;
+    case 10:
+        op_codec(s, in);
+        break;
+    case 11:
+        op_tolerance(s, in);
+        break;
+    case 12:
+        op_vmap_create(s, in);
+        break;
+    case 13:
+        op_vmap_use(s, in);
+        break;
+    case 14:
+        op_vmap_attention(s, in);
+        break;
+    default:
+        op_attention_plan(s, in);
+        break;
     }
 }
 

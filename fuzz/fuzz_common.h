@@ -30,14 +30,14 @@
 
 #include "kvh/kvh.h"
 
-#define FZ_CHECK(cond, ...)                                                                                  \
-    do {                                                                                                     \
-        if (!(cond)) {                                                                                       \
-            fprintf(stderr, "fuzz property failed at %s:%d: %s: ", __FILE__, __LINE__, #cond);               \
-            fprintf(stderr, __VA_ARGS__);                                                                    \
-            fprintf(stderr, "\n");                                                                           \
-            abort();                                                                                         \
-        }                                                                                                    \
+#define FZ_CHECK(cond, ...)                                                                                            \
+    do {                                                                                                               \
+        if (!(cond)) {                                                                                                 \
+            fprintf(stderr, "fuzz property failed at %s:%d: %s: ", __FILE__, __LINE__, #cond);                         \
+            fprintf(stderr, __VA_ARGS__);                                                                              \
+            fprintf(stderr, "\n");                                                                                     \
+            abort();                                                                                                   \
+        }                                                                                                              \
     } while (0)
 
 /* A status the library documents. */

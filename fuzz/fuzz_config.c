@@ -103,7 +103,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                  (c.block_tokens & (c.block_tokens - 1)) == 0 && c.dtype <= KVH_DTYPE_BF16 &&
                  c.backend <= KVH_BACKEND_CUDA && c.lru_k >= 1 && c.lru_k <= 4 && c.migration_threads <= 64 &&
                  c.numa_node >= -1 && c.log_level <= KVH_LOG_DEBUG && c.disk_queue_depth >= 1 &&
-                 c.disk_queue_depth <= 4096 && (c.disk_flags & ~3u) == 0 && (!c.disk_bytes || (c.disk_path && *c.disk_path));
+                 c.disk_queue_depth <= 4096 && (c.disk_flags & ~3u) == 0 &&
+                 (!c.disk_bytes || (c.disk_path && *c.disk_path));
 
     kvh_engine *sentinel = (kvh_engine *)(uintptr_t)0x5e5e5e5e, *e = sentinel;
     st = kvh_engine_open(&c, &e);

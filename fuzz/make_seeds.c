@@ -221,8 +221,8 @@ static void random_seeds(const char *target, int count, size_t min, size_t max)
 static void config_seeds(void)
 {
     /* flags, [sizes], geometry selector, then fields (see fuzz_config.c) */
-    uint8_t valid[] = {0, 0, 2, 2, 16, 4, 1, 1, 0, 0, 0, 0, 2, 1, 0, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                       0, 0, 0, 0, 0, 0, 0, 0, 32, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 16, 0, 0, 0, 16, 0, 0, 0};
+    uint8_t valid[] = {0, 0, 2, 2, 16, 4, 1, 1, 0,  0, 0, 0, 2, 1, 0, 0, 0, 0, 2, 0, 0, 0,  0, 0, 0, 0,  0, 0, 0,
+                       0, 0, 0, 0, 0,  0, 0, 0, 32, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 16, 0, 0, 0, 16, 0, 0, 0};
     put("fuzz_config", "valid-cpu", valid, sizeof(valid));
     valid[0] = 32 | 16;
     put("fuzz_config", "valid-disk-log", valid, sizeof(valid));
@@ -250,31 +250,119 @@ static void newer_api_seeds(void)
 {
     /* views (head_dim 512), INT8 codec, LCTRU, one worker */
     uint8_t views[] = {
-        0xc0 | (4 << 3) | 2, 4 | 8 | 32 | 2, /* device 6 blocks, host 4 */
-        SEQ_CREATE(0), SEQ_APPEND(0, 12, 0),
-        252, 0, 0, 3, 1, 255, 0,            /* view of layer 0, capacity 64 (acquired first) */
-        254, 1, 0, 0, 1, 1, 0, 1, 0,        /* decode over it == paged decode */
+        0xc0 | (4 << 3) | 2,
+        4 | 8 | 32 | 2, /* device 6 blocks, host 4 */
+        SEQ_CREATE(0),
+        SEQ_APPEND(0, 12, 0),
+        252,
+        0,
+        0,
+        3,
+        1,
+        255,
+        0, /* view of layer 0, capacity 64 (acquired first) */
+        254,
+        1,
+        0,
+        0,
+        1,
+        1,
+        0,
+        1,
+        0, /* decode over it == paged decode */
         SEQ_APPEND(0, 8, 1),
-        253, 0, 0, 1,                       /* refresh: the appended block */
-        254, 1, 0, 0, 3, 3, 0, 2, 1,        /* prefill, 2 query heads per KV head */
-        252, 0, 1, 2, 1, 255, 1,            /* view of layer 1, capacity 16 */
-        253, 1, 1, 0,                       /* get */
-        251, 0, 0, 0, 0, 8, 0, 200,         /* seq tolerance 200 */
-        251, 0, 0, 2, 0, 8, 0, 0, 1,        /* derive tolerance, max error 0.25 */
-        SEQ_MIGRATE(0, 20, 1),              /* held by the views: stays */
-        253, 0, 2, 253, 1, 2,               /* release both views */
-        SEQ_MIGRATE(0, 20, 1),              /* now encoded into the host tier */
+        253,
+        0,
+        0,
+        1, /* refresh: the appended block */
+        254,
+        1,
+        0,
+        0,
+        3,
+        3,
+        0,
+        2,
+        1, /* prefill, 2 query heads per KV head */
+        252,
+        0,
+        1,
+        2,
+        1,
+        255,
+        1, /* view of layer 1, capacity 16 */
+        253,
+        1,
+        1,
+        0, /* get */
+        251,
+        0,
+        0,
+        0,
+        0,
+        8,
+        0,
+        200, /* seq tolerance 200 */
+        251,
+        0,
+        0,
+        2,
+        0,
+        8,
+        0,
+        0,
+        1,                     /* derive tolerance, max error 0.25 */
+        SEQ_MIGRATE(0, 20, 1), /* held by the views: stays */
+        253,
+        0,
+        2,
+        253,
+        1,
+        2,                     /* release both views */
+        SEQ_MIGRATE(0, 20, 1), /* now encoded into the host tier */
         SEQ_READ(0, 0, 20),
         SEQ_ACQUIRE(0, 0, 20),
-        255, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 1, 255, /* plan: decode of seq 0 */
-        255, 0, 1, 255,                     /* run */
-        SEQ_FORK(0, 1), SEQ_WRITE(0, 0, 4), /* copy-on-write under the plan */
-        255, 0, 1, 255,
+        255,
+        0,
+        0,
+        0,
+        0,
+        0,
+        1,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        1,
+        255, /* plan: decode of seq 0 */
+        255,
+        0,
+        1,
+        255, /* run */
+        SEQ_FORK(0, 1),
+        SEQ_WRITE(0, 0, 4), /* copy-on-write under the plan */
+        255,
+        0,
+        1,
+        255,
         SEQ_FREE(0),
-        255, 0, 1, 255,                     /* run after the sequence is gone */
-        255, 0, 3,                          /* destroy */
-        252, 1, 0, 0, 1, 255, 2,            /* view of the fork */
-        REOPEN,                             /* close releases the view */
+        255,
+        0,
+        1,
+        255, /* run after the sequence is gone */
+        255,
+        0,
+        3, /* destroy */
+        252,
+        1,
+        0,
+        0,
+        1,
+        255,
+        2,      /* view of the fork */
+        REOPEN, /* close releases the view */
     };
     put("fuzz_api", "newer-views-plans-int8", views, sizeof(views));
     views[1] = 4 | 16 | 1; /* Q4_G32, LRU-K, no worker */
@@ -283,44 +371,179 @@ static void newer_api_seeds(void)
     /* weight contexts and admission; disk tier, one worker */
     uint8_t contexts[] = {
         64 | (7 << 3) | 5,
-        240, 0, 0x27, 4, 1, 255, 0,          /* context 0: 65-byte chunks, KV demoted */
-        240, 0, 0x20, 255, 1,                /* context 1: defaults */
-        242, 0, 0, 0, 255, 100, 0, 255, 0, 5, 255, 255,     /* 101 bytes, layer 0 */
-        242, 0, 0, 1, 255, 200, 1, 255, 4, 0, 255, 16, 0, 255, 255, /* 457 bytes of the file */
-        242, 1, 0, 0, 255, 50, 0, 255, 0, 9, 255, 255,      /* 51 bytes into context 1 */
-        249, 0, 0, 10, 0, 0,                 /* seq of context 0 */
+        240,
+        0,
+        0x27,
+        4,
+        1,
+        255,
+        0, /* context 0: 65-byte chunks, KV demoted */
+        240,
+        0,
+        0x20,
+        255,
+        1, /* context 1: defaults */
+        242,
+        0,
+        0,
+        0,
+        255,
+        100,
+        0,
+        255,
+        0,
+        5,
+        255,
+        255, /* 101 bytes, layer 0 */
+        242,
+        0,
+        0,
+        1,
+        255,
+        200,
+        1,
+        255,
+        4,
+        0,
+        255,
+        16,
+        0,
+        255,
+        255, /* 457 bytes of the file */
+        242,
+        1,
+        0,
+        0,
+        255,
+        50,
+        0,
+        255,
+        0,
+        9,
+        255,
+        255, /* 51 bytes into context 1 */
+        249,
+        0,
+        0,
+        10,
+        0,
+        0, /* seq of context 0 */
         SEQ_APPEND(0, 12, 0),
-        243, 0, 0,                           /* attach it (again) */
-        244, NULL_HANDLE, 0, 0,              /* load context 0 */
-        246, 0, 0, 255, 255, 255,            /* read region 0 back */
-        246, 0, 1, 0, 255, 255, 0x5a,        /* write through region 1 */
-        244, 0, 1, 1, 0,                     /* switch to context 1, fenced */
-        28, 0, 0, 0, 0, 0, 200,              /* wait for it */
-        245, 1, 3, 2,                        /* wait_layer */
-        246, 1, 0, 255, 255, 255,
-        244, 1, 0, 0,                        /* and back */
-        246, 0, 1, 255, 255, 255,            /* the written bytes came back */
-        247, 0, 1, 1, 247, 0, 2, 0, 247, 0, 3, 0, 247, 0, 0, 0, 1,
-        248, 0, 16, 2, 2, 255,               /* admission: 2 + 2 blocks, short <= 16 */
-        249, 0, 0, 8, NULL_HANDLE, 1,        /* 8 tokens: short pool */
-        249, 0, 0, 20, NULL_HANDLE,          /* 20 tokens: too long for the long pool */
-        249, 0, 0, 250, 0, NULL_HANDLE,      /* UINT64_MAX tokens: refused too */
-        241, 1, 241, 0,                      /* destroy both (and again) */
+        243,
+        0,
+        0, /* attach it (again) */
+        244,
+        NULL_HANDLE,
+        0,
+        0, /* load context 0 */
+        246,
+        0,
+        0,
+        255,
+        255,
+        255, /* read region 0 back */
+        246,
+        0,
+        1,
+        0,
+        255,
+        255,
+        0x5a, /* write through region 1 */
+        244,
+        0,
+        1,
+        1,
+        0, /* switch to context 1, fenced */
+        28,
+        0,
+        0,
+        0,
+        0,
+        0,
+        200, /* wait for it */
+        245,
+        1,
+        3,
+        2, /* wait_layer */
+        246,
+        1,
+        0,
+        255,
+        255,
+        255,
+        244,
+        1,
+        0,
+        0, /* and back */
+        246,
+        0,
+        1,
+        255,
+        255,
+        255, /* the written bytes came back */
+        247,
+        0,
+        1,
+        1,
+        247,
+        0,
+        2,
+        0,
+        247,
+        0,
+        3,
+        0,
+        247,
+        0,
+        0,
+        0,
+        1,
+        248,
+        0,
+        16,
+        2,
+        2,
+        255, /* admission: 2 + 2 blocks, short <= 16 */
+        249,
+        0,
+        0,
+        8,
+        NULL_HANDLE,
+        1, /* 8 tokens: short pool */
+        249,
+        0,
+        0,
+        20,
+        NULL_HANDLE, /* 20 tokens: too long for the long pool */
+        249,
+        0,
+        0,
+        250,
+        0,
+        NULL_HANDLE, /* UINT64_MAX tokens: refused too */
+        241,
+        1,
+        241,
+        0, /* destroy both (and again) */
         REOPEN,
-        246, 0, 0, 255, 255, 255,            /* stale handle of a closed engine */
+        246,
+        0,
+        0,
+        255,
+        255,
+        255, /* stale handle of a closed engine */
     };
     put("fuzz_api", "newer-contexts-admission", contexts, sizeof(contexts));
 
     /* codecs on caller buffers: Q4 f32, INT8 f16, the f32 extremes, forged */
-    uint8_t codecs[] = {
-        0,
-        250, 2, 0, 1, 3, 255, 3, 7, 255, 255, 255,
-        250, 1, 1, 200, 4, 255, 170, 8, 255, 255, 255,
-        250, 3, 0, 2, 2, 255, 161, 9, 255, 255, 255,
-        250, 1, 2, 3, 4, 255, 160, 10, 255, 255, 255,
-        250, 2, 0, 1, 2, 255, 200, 11, 255, 255, 0, 3, 7,
-        250, 4, 3, 0, 1, 0, 0, 0, 0, 0,      /* unknown codec and dtype, NULLs */
-    };
+    uint8_t
+        codecs[] =
+            {
+                0,   250, 2,   0,   1,   3,   255, 3,   7,   255, 255, 255, 250, 1,   1,   200, 4,   255,
+                170, 8,   255, 255, 255, 250, 3,   0,   2,   2,   255, 161, 9,   255, 255, 255, 250, 1,
+                2,   3,   4,   255, 160, 10,  255, 255, 255, 250, 2,   0,   1,   2,   255, 200, 11,  255,
+                255, 0,   3,   7,   250, 4,   3,   0,   1,   0,   0,   0,   0,   0, /* unknown codec and dtype, NULLs */
+            };
     put("fuzz_api", "newer-codecs", codecs, sizeof(codecs));
 }
 
@@ -329,16 +552,95 @@ static void api_seeds(void)
     /* mode, then steps: opcode + arguments (fuzz_api.c) */
     uint8_t basic[] = {
         4 | (2 << 3) | 3, /* disk tier, host 2 blocks, device 5 */
-        0, 0, 0, 0, 0, 1,        /* create */
-        4, 0, 0, 0, 0, 0, 0, 12, 0, 0, 0, /* append 12 prompt tokens */
-        11, 0, 0, 0, 0, 0,       /* persist */
-        13, 1, 0, 0, 0, 0, 12, 0, /* match on another seq */
-        14, 0, 0, 0, 0, 1, 0, 8, 1, /* acquire */
-        3, 0, 0, 0, 0, 0, 0, 2, /* fork */
-        26, 0, 0, 0, 0, 0, 0, 12, 2, /* migrate to disk */
-        7, 0, 0, 0, 0, 0, 0, 0, 12, /* read */
-        39, 0, 0, 0, 0, 0,       /* close + reopen */
-        13, 2, 0, 0, 0, 0, 12, 0, 7, 0, 0, 0, 0, 0, 0, 0, 12,
+        0,
+        0,
+        0,
+        0,
+        0,
+        1, /* create */
+        4,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        12,
+        0,
+        0,
+        0, /* append 12 prompt tokens */
+        11,
+        0,
+        0,
+        0,
+        0,
+        0, /* persist */
+        13,
+        1,
+        0,
+        0,
+        0,
+        0,
+        12,
+        0, /* match on another seq */
+        14,
+        0,
+        0,
+        0,
+        0,
+        1,
+        0,
+        8,
+        1, /* acquire */
+        3,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        2, /* fork */
+        26,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        12,
+        2, /* migrate to disk */
+        7,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        12, /* read */
+        39,
+        0,
+        0,
+        0,
+        0,
+        0, /* close + reopen */
+        13,
+        2,
+        0,
+        0,
+        0,
+        0,
+        12,
+        0,
+        7,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        12,
     };
     put("fuzz_api", "basic-disk", basic, sizeof(basic));
     basic[0] = 3 | (1 << 6);

@@ -78,18 +78,27 @@ static inline uint16_t kvhi_f32_to_bf16(float f)
 static inline float kvhi_load_as_f32(uint32_t dtype, const void *p, uint64_t i)
 {
     switch (dtype) {
-    case 1: return kvhi_f16_to_f32(((const uint16_t *)p)[i]);
-    case 2: return kvhi_bf16_to_f32(((const uint16_t *)p)[i]);
-    default: return ((const float *)p)[i];
+    case 1:
+        return kvhi_f16_to_f32(((const uint16_t *)p)[i]);
+    case 2:
+        return kvhi_bf16_to_f32(((const uint16_t *)p)[i]);
+    default:
+        return ((const float *)p)[i];
     }
 }
 
 static inline void kvhi_store_from_f32(uint32_t dtype, void *p, uint64_t i, float v)
 {
     switch (dtype) {
-    case 1: ((uint16_t *)p)[i] = kvhi_f32_to_f16(v); break;
-    case 2: ((uint16_t *)p)[i] = kvhi_f32_to_bf16(v); break;
-    default: ((float *)p)[i] = v; break;
+    case 1:
+        ((uint16_t *)p)[i] = kvhi_f32_to_f16(v);
+        break;
+    case 2:
+        ((uint16_t *)p)[i] = kvhi_f32_to_bf16(v);
+        break;
+    default:
+        ((float *)p)[i] = v;
+        break;
     }
 }
 

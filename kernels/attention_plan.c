@@ -27,8 +27,8 @@ static void tile_shape(const kvhi_attn_plan *p, uint32_t max_queries, uint32_t *
     }
 }
 
-int kvhi_attn_plan_build(kvhi_attn_plan *p, const kvhi_attn_plan_opts *o, const uint32_t *kv_len,
-                         const uint32_t *q_len, uint32_t n_seqs)
+int kvhi_attn_plan_build(kvhi_attn_plan *p, const kvhi_attn_plan_opts *o, const uint32_t *kv_len, const uint32_t *q_len,
+                         uint32_t n_seqs)
 {
     const uint32_t bt = p->block_tokens, Hkv = p->num_kv_heads, Hq = p->num_q_heads, G = Hq / Hkv;
     /* Split-K granule: whole blocks unless asked for finer. */

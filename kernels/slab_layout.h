@@ -28,11 +28,11 @@ extern "C" {
 #endif
 
 typedef struct kvhi_slab_layout {
-    uint64_t piece_bytes;  /* one head's K (or V) of one block */
-    uint64_t block_bytes;  /* pieces_per_block * piece_bytes */
+    uint64_t piece_bytes; /* one head's K (or V) of one block */
+    uint64_t block_bytes; /* pieces_per_block * piece_bytes */
     uint32_t pieces_per_block;
-    uint32_t slab_shift;   /* log2(slab_blocks) */
-    uint32_t slab_blocks;  /* G */
+    uint32_t slab_shift;  /* log2(slab_blocks) */
+    uint32_t slab_blocks; /* G */
     uint32_t reserved0;
 } kvhi_slab_layout;
 
@@ -52,10 +52,7 @@ static inline void kvhi_slab_layout_init(kvhi_slab_layout *l, uint64_t piece_byt
 }
 
 /* Distance between two pieces of one block. */
-static inline uint64_t kvhi_slab_pitch(const kvhi_slab_layout *l)
-{
-    return l->piece_bytes << l->slab_shift;
-}
+static inline uint64_t kvhi_slab_pitch(const kvhi_slab_layout *l) { return l->piece_bytes << l->slab_shift; }
 
 /* Physical offset of piece `piece` of slot `slot`. */
 static inline uint64_t kvhi_slab_piece_offset(const kvhi_slab_layout *l, uint64_t slot, uint64_t piece)

@@ -37,22 +37,21 @@
 
 #include "kvh/kvh.h"
 
-#define CK(call)                                                                                             \
-    do {                                                                                                     \
-        cudaError_t e_ = (call);                                                                             \
-        if (e_ != cudaSuccess) {                                                                             \
-            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));           \
-            exit(1);                                                                                         \
-        }                                                                                                    \
+#define CK(call)                                                                                                       \
+    do {                                                                                                               \
+        cudaError_t e_ = (call);                                                                                       \
+        if (e_ != cudaSuccess) {                                                                                       \
+            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));                     \
+            exit(1);                                                                                                   \
+        }                                                                                                              \
     } while (0)
-#define KV(call)                                                                                             \
-    do {                                                                                                     \
-        kvh_status s_ = (call);                                                                              \
-        if (s_ != KVH_OK) {                                                                                  \
-            fprintf(stderr, "%s:%d: %s: %s: %s\n", __FILE__, __LINE__, #call, kvh_status_name(s_),          \
-                    kvh_last_error());                                                                       \
-            exit(1);                                                                                         \
-        }                                                                                                    \
+#define KV(call)                                                                                                       \
+    do {                                                                                                               \
+        kvh_status s_ = (call);                                                                                        \
+        if (s_ != KVH_OK) {                                                                                            \
+            fprintf(stderr, "%s:%d: %s: %s: %s\n", __FILE__, __LINE__, #call, kvh_status_name(s_), kvh_last_error());  \
+            exit(1);                                                                                                   \
+        }                                                                                                              \
     } while (0)
 
 static FILE *jsonl;

@@ -70,7 +70,7 @@ static inline vf vexp(vf x)
 
 #define KVT_NAME bf16
 #define KV_ELEM uint16_t
-#define vload_kv(p) \
+#define vload_kv(p)                                                                                                    \
     _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 #include "kernels/cpu/attn_body.inc"
 #undef KVT_NAME

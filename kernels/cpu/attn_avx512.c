@@ -68,7 +68,7 @@ static inline vf vexp(vf x)
 
 #define KVT_NAME bf16
 #define KV_ELEM uint16_t
-#define vload_kv(p) \
+#define vload_kv(p)                                                                                                    \
     _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
 #include "kernels/cpu/attn_body.inc"
 #undef KVT_NAME

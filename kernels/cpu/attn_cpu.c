@@ -145,8 +145,8 @@ static void run_units(void *arg, uint32_t who)
 
 /* out row = sum_c w_c o_c / sum_c w_c, w_c = e^(lse_c - max lse), over the
  * chunks that hold tokens the row sees. */
-static void merge_row(const kvhi_attn_plan *p, const kvhi_attn_merge *mg, const float *po, const float *plse,
-                      void *out, float *tmp)
+static void merge_row(const kvhi_attn_plan *p, const kvhi_attn_merge *mg, const float *po, const float *plse, void *out,
+                      float *tmp)
 {
     const kvhi_attn_seq *s = &p->seqs[mg->seq];
     const uint32_t D = p->head_dim, Hq = p->num_q_heads;
@@ -217,8 +217,8 @@ static kvhi_attn_unit_fn pick(const kvhi_attn_cpu *st, const kvhi_attn_plan *p)
     return D % 4 == 0 ? kvhi_attn_units_generic[dt] : kvhi_attn_units_scalar[dt];
 }
 
-int kvhi_attn_cpu_run(void *ctx, const kvhi_attn_plan *p, const void *q, void *out, void *stream,
-                      void (*done)(void *), void *done_arg, char *msg, size_t msg_len)
+int kvhi_attn_cpu_run(void *ctx, const kvhi_attn_plan *p, const void *q, void *out, void *stream, void (*done)(void *),
+                      void *done_arg, char *msg, size_t msg_len)
 {
     kvhi_attn_cpu *st = p->cpu_state;
     if (!st) {

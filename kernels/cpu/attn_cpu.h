@@ -50,11 +50,11 @@ typedef struct kvhi_attn_cpu {
     pthread_mutex_t run_lock; /* one run at a time; guards all below */
     kvhi_pool *pool;          /* made on the first multi-threaded run */
     uint32_t ncpu;
-    int impl;                 /* enum kvhi_attn_impl */
-    float *partial;           /* split-K partials, grow-only */
-    size_t partial_cap;       /* floats */
-    float *scratch;           /* per-participant unit scratch, grow-only */
-    size_t scratch_cap;       /* floats */
+    int impl;           /* enum kvhi_attn_impl */
+    float *partial;     /* split-K partials, grow-only */
+    size_t partial_cap; /* floats */
+    float *scratch;     /* per-participant unit scratch, grow-only */
+    size_t scratch_cap; /* floats */
 } kvhi_attn_cpu;
 
 kvhi_attn_cpu *kvhi_attn_cpu_create(void);
@@ -77,8 +77,7 @@ static inline void kvhi_attn_load_q(uint32_t dtype, const void *q, uint64_t off,
         dst[d] = kvhi_load_as_f32(dtype, q, off + d) * scale;
 }
 
-static inline void kvhi_attn_store_out(uint32_t dtype, void *out, uint64_t off, uint32_t D, const float *acc,
-                                       float inv)
+static inline void kvhi_attn_store_out(uint32_t dtype, void *out, uint64_t off, uint32_t D, const float *acc, float inv)
 {
     for (uint32_t d = 0; d < D; d++)
         kvhi_store_from_f32(dtype, out, off + d, acc[d] * inv);

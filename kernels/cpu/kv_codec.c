@@ -167,8 +167,8 @@ static int have_vector_paths(void)
 /* quantise() four elements at a time in double, with the same steps:
  * NaN -> 0, at or beyond an end -> that end, else rounded in the current
  * rounding mode (as the scalar shift trick). n a multiple of 4. */
-__attribute__((target("avx2"))) static void quantise_avx2(const float *x, uint32_t n, double offset, double inv,
-                                                          int lo, int hi, int32_t *out)
+__attribute__((target("avx2"))) static void quantise_avx2(const float *x, uint32_t n, double offset, double inv, int lo,
+                                                          int hi, int32_t *out)
 {
     const __m256d vinv = _mm256_set1_pd(inv), voff = _mm256_set1_pd(offset);
     const __m256d vhi = _mm256_set1_pd(hi), vlo = _mm256_set1_pd(lo);
@@ -218,8 +218,7 @@ __attribute__((target("avx2"))) static float amax_finite_avx2(const float *x, ui
  * the scalar loop finds them: SIMD minimum and maximum, then, when an
  * extreme is a zero, the sign the scalar loop leaves there: the first
  * zero's in element order (a SIMD min or max may return either zero). */
-__attribute__((target("avx2"))) static void minmax_finite_avx2(const float *x, uint32_t n, float *lo_out,
-                                                               float *hi_out)
+__attribute__((target("avx2"))) static void minmax_finite_avx2(const float *x, uint32_t n, float *lo_out, float *hi_out)
 {
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     const __m256 inf = _mm256_set1_ps(INFINITY), ninf = _mm256_set1_ps(-INFINITY);
@@ -275,7 +274,7 @@ __attribute__((target("avx2"))) static void dequantise_q4_avx2(const uint8_t *gc
 /* code * scale for n codes, to f32 or (F16C, nearest-even) f16: a float
  * multiply, as the scalar loop. */
 __attribute__((target("avx2,f16c"))) static void dequantise_int8_avx2(const int8_t *codes, uint32_t n, float scale,
-                                                                       uint32_t dtype, void *dst)
+                                                                      uint32_t dtype, void *dst)
 {
     const __m256 vs = _mm256_set1_ps(scale);
     uint32_t i = 0;

@@ -38,7 +38,8 @@
 
 #include "kernels/cuda/attention_kernels.cuh"
 
-namespace {
+namespace
+{
 
 using namespace kvhc;
 
@@ -78,12 +79,12 @@ int fail_text(char *msg, size_t len, int status, const char *text)
 
 size_t align256(size_t x) { return (x + 255) & ~(size_t)255; }
 
-template <typename KT, typename IT> cudaError_t launch_attn(const attn_args &a, uint32_t n_units, size_t smem,
-                                                            cudaStream_t stream)
+template <typename KT, typename IT>
+cudaError_t launch_attn(const attn_args &a, uint32_t n_units, size_t smem, cudaStream_t stream)
 {
     if (smem > 48 * 1024) {
-        cudaError_t err = cudaFuncSetAttribute(attn_kernel<KT, IT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               (int)smem);
+        cudaError_t err =
+            cudaFuncSetAttribute(attn_kernel<KT, IT>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
         if (err != cudaSuccess)
             return err;
     }
@@ -91,13 +92,16 @@ template <typename KT, typename IT> cudaError_t launch_attn(const attn_args &a, 
     return cudaGetLastError();
 }
 
-template <typename KT> cudaError_t launch_attn_io(uint32_t io, const attn_args &a, uint32_t n_units, size_t smem,
-                                                  cudaStream_t stream)
+template <typename KT>
+cudaError_t launch_attn_io(uint32_t io, const attn_args &a, uint32_t n_units, size_t smem, cudaStream_t stream)
 {
     switch (io) {
-    case KVH_DTYPE_F16: return launch_attn<KT, __half>(a, n_units, smem, stream);
-    case KVH_DTYPE_BF16: return launch_attn<KT, __nv_bfloat16>(a, n_units, smem, stream);
-    default: return launch_attn<KT, float>(a, n_units, smem, stream);
+    case KVH_DTYPE_F16:
+        return launch_attn<KT, __half>(a, n_units, smem, stream);
+    case KVH_DTYPE_BF16:
+        return launch_attn<KT, __nv_bfloat16>(a, n_units, smem, stream);
+    default:
+        return launch_attn<KT, float>(a, n_units, smem, stream);
     }
 }
 
@@ -105,9 +109,15 @@ cudaError_t launch_merge(uint32_t io, const attn_args &a, uint32_t n_merges, cud
 {
     dim3 grid(n_merges, a.Hq);
     switch (io) {
-    case KVH_DTYPE_F16: merge_kernel<__half><<<grid, NT, 0, stream>>>(a); break;
-    case KVH_DTYPE_BF16: merge_kernel<__nv_bfloat16><<<grid, NT, 0, stream>>>(a); break;
-    default: merge_kernel<float><<<grid, NT, 0, stream>>>(a); break;
+    case KVH_DTYPE_F16:
+        merge_kernel<__half><<<grid, NT, 0, stream>>>(a);
+        break;
+    case KVH_DTYPE_BF16:
+        merge_kernel<__nv_bfloat16><<<grid, NT, 0, stream>>>(a);
+        break;
+    default:
+        merge_kernel<float><<<grid, NT, 0, stream>>>(a);
+        break;
     }
     return cudaGetLastError();
 }
@@ -123,7 +133,8 @@ struct kvhc_attn {
     retired *old;
 };
 
-namespace {
+namespace
+{
 
 void retire(kvhc_attn *st, void *ptr, bool host)
 {
@@ -320,9 +331,15 @@ int kvhc_attn_run(kvhc_attn *st, const kvhi_attn_plan *p, const void *q, void *o
 
     const char *what = "attention kernel launch";
     switch (p->kv_dtype) {
-    case KVH_DTYPE_F16: err = launch_attn_io<__half>(p->io_dtype, a, p->n_units, smem, stream); break;
-    case KVH_DTYPE_BF16: err = launch_attn_io<__nv_bfloat16>(p->io_dtype, a, p->n_units, smem, stream); break;
-    default: err = launch_attn_io<float>(p->io_dtype, a, p->n_units, smem, stream); break;
+    case KVH_DTYPE_F16:
+        err = launch_attn_io<__half>(p->io_dtype, a, p->n_units, smem, stream);
+        break;
+    case KVH_DTYPE_BF16:
+        err = launch_attn_io<__nv_bfloat16>(p->io_dtype, a, p->n_units, smem, stream);
+        break;
+    default:
+        err = launch_attn_io<float>(p->io_dtype, a, p->n_units, smem, stream);
+        break;
     }
     if (err == cudaSuccess && p->n_merges) {
         what = "attention merge launch";
@@ -350,7 +367,8 @@ int kvhc_attn_run(kvhc_attn *st, const kvhi_attn_plan *p, const void *q, void *o
  * made at upload, so a launch only queues the kernels: a stream being
  * captured records them, and every replay of the graph reads the same
  * (device-resident) block table. */
-namespace {
+namespace
+{
 struct uploaded_plan {
     uint8_t *dev;
     attn_args args; /* everything but q and out */
@@ -402,8 +420,7 @@ int kvhc_attn_plan_upload(kvhc_attn *st, const kvhi_attn_plan *p, void **handle,
     return 0;
 }
 
-int kvhc_attn_run_uploaded(kvhc_attn *st, void *handle, const void *q, void *out, void *stream_v, char *msg,
-                           size_t len)
+int kvhc_attn_run_uploaded(kvhc_attn *st, void *handle, const void *q, void *out, void *stream_v, char *msg, size_t len)
 {
     (void)st;
     uploaded_plan *u = (uploaded_plan *)handle;
@@ -415,9 +432,15 @@ int kvhc_attn_run_uploaded(kvhc_attn *st, void *handle, const void *q, void *out
     a.out = out;
     cudaError_t err;
     switch (u->kv_dtype) {
-    case KVH_DTYPE_F16: err = launch_attn_io<__half>(u->io_dtype, a, u->n_units, u->smem, stream); break;
-    case KVH_DTYPE_BF16: err = launch_attn_io<__nv_bfloat16>(u->io_dtype, a, u->n_units, u->smem, stream); break;
-    default: err = launch_attn_io<float>(u->io_dtype, a, u->n_units, u->smem, stream); break;
+    case KVH_DTYPE_F16:
+        err = launch_attn_io<__half>(u->io_dtype, a, u->n_units, u->smem, stream);
+        break;
+    case KVH_DTYPE_BF16:
+        err = launch_attn_io<__nv_bfloat16>(u->io_dtype, a, u->n_units, u->smem, stream);
+        break;
+    default:
+        err = launch_attn_io<float>(u->io_dtype, a, u->n_units, u->smem, stream);
+        break;
     }
     if (err == cudaSuccess && u->n_merges)
         err = launch_merge(u->io_dtype, a, u->n_merges, stream);

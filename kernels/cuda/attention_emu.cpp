@@ -64,8 +64,8 @@ static inline float __uint_as_float(uint32_t v) { return kvhi_bits_f32(v); }
  * deadlock instead of hanging. */
 enum { NTHREADS = 128, STACK = 256 * 1024 };
 static ucontext_t sched_ctx, co_ctx[NTHREADS];
-static int co_wait[NTHREADS];           /* barrier waited on, or -1 */
-static unsigned co_gen[NTHREADS];       /* its generation when it waited */
+static int co_wait[NTHREADS];     /* barrier waited on, or -1 */
+static unsigned co_gen[NTHREADS]; /* its generation when it waited */
 static bool co_done[NTHREADS];
 static unsigned bar_gen[1 + NTHREADS / 32], bar_arrived[1 + NTHREADS / 32];
 static float shfl_buf[NTHREADS / 32][32];
@@ -106,7 +106,8 @@ static inline void kvhc_emu_copy(void *dst, const void *src, int n, bool valid)
         memset(dst, 0, (size_t)n);
 }
 
-namespace kvhc {
+namespace kvhc
+{
 alignas(16) static uint8_t sm[256 * 1024];
 }
 
@@ -235,7 +236,8 @@ static int run_case(int c, uint32_t D, uint32_t bt, uint32_t kvt, uint32_t io, u
     for (uint32_t k = 0; k < p.n_slots; k++)
         p.slots[k] = (int32_t)perm[k];
     size_t elems = (size_t)p.total_rows * Hq * D, iob = io == 0 ? 4 : 2;
-    uint8_t *q = (uint8_t *)malloc(elems * iob), *ref = (uint8_t *)malloc(elems * iob), *out = (uint8_t *)malloc(elems * iob);
+    uint8_t *q = (uint8_t *)malloc(elems * iob), *ref = (uint8_t *)malloc(elems * iob),
+            *out = (uint8_t *)malloc(elems * iob);
     for (size_t x = 0; x < elems; x++)
         kvhi_store_from_f32(io, q, x, rnd_val());
     memset(ref, 0xff, elems * iob);
@@ -263,13 +265,13 @@ static int run_case(int c, uint32_t D, uint32_t bt, uint32_t kvt, uint32_t io, u
     a.out = out;
     a.po = po;
     a.plse = plse;
-    void (*fn)(const attn_args &) =
-        kvt == 1 ? pick_attn<__half>(io) : kvt == 2 ? pick_attn<__nv_bfloat16>(io) : pick_attn<float>(io);
-    if (launch(fn, a, p.n_units, 1) ||
-        (p.n_merges && launch(io == 1   ? call_merge<__half>
-                              : io == 2 ? call_merge<__nv_bfloat16>
-                                        : call_merge<float>,
-                              a, p.n_merges, Hq)))
+    void (*fn)(const attn_args &) = kvt == 1   ? pick_attn<__half>(io)
+                                    : kvt == 2 ? pick_attn<__nv_bfloat16>(io)
+                                               : pick_attn<float>(io);
+    if (launch(fn, a, p.n_units, 1) || (p.n_merges && launch(io == 1   ? call_merge<__half>
+                                                             : io == 2 ? call_merge<__nv_bfloat16>
+                                                                       : call_merge<float>,
+                                                             a, p.n_merges, Hq)))
         return 1;
 
     double rtol = io == 0 ? 1e-5 : io == 1 ? 0x1p-10 : 0x1p-7, atol = 1e-5 * 2;

@@ -12,11 +12,12 @@
 
 #include "kernels/attention_plan.h"
 
-namespace kvhc {
+namespace kvhc
+{
 
-constexpr int NT = 128;           /* threads per CTA */
-constexpr int QT = 16;            /* query vectors per unit, at most */
-constexpr int TKMAX = 64;         /* tokens per tile, at most */
+constexpr int NT = 128;              /* threads per CTA */
+constexpr int QT = 16;               /* query vectors per unit, at most */
+constexpr int TKMAX = 64;            /* tokens per tile, at most */
 constexpr int QPT = QT * TKMAX / NT; /* score dots per thread, at most */
 constexpr uint32_t MAX_D = 256;
 constexpr uint32_t TILE_BYTES = 20480; /* K+V of one tile */
@@ -103,7 +104,10 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 #else
 /* emulation: copies complete at once (the emulator's cp_async_* shims) */
-__device__ __forceinline__ void cp_async16(void *dst, const void *src, bool valid) { kvhc_emu_copy(dst, src, 16, valid); }
+__device__ __forceinline__ void cp_async16(void *dst, const void *src, bool valid)
+{
+    kvhc_emu_copy(dst, src, 16, valid);
+}
 __device__ __forceinline__ void cp_async4(void *dst, const void *src, bool valid) { kvhc_emu_copy(dst, src, 4, valid); }
 __device__ __forceinline__ void cp_async_commit() {}
 template <int N> __device__ __forceinline__ void cp_async_wait() {}
@@ -129,8 +133,8 @@ __device__ __forceinline__ size_t slot_offset(const attn_args &a, uint32_t slot)
     return (size_t)(slot >> a.slab_shift) * a.slab_bytes + (size_t)(slot & ((1u << a.slab_shift) - 1)) * a.piece_bytes;
 }
 
-__device__ __forceinline__ void load_tile(const attn_args &a, uint8_t *st, const int32_t *slots, size_t hk,
-                                          size_t hv, uint32_t t0, uint32_t kend)
+__device__ __forceinline__ void load_tile(const attn_args &a, uint8_t *st, const int32_t *slots, size_t hk, size_t hv,
+                                          uint32_t t0, uint32_t kend)
 {
     const uint32_t unit = a.unit, upr = a.row_bytes / unit, rows = 2 * a.TK;
     if (upr <= (uint32_t)NT) {
@@ -188,7 +192,7 @@ template <typename KT, typename IT> __global__ void __launch_bounds__(NT) attn_k
 
     uint8_t *stage0 = sm, *stage1 = sm + 2 * TK * srow;
     float *qs = reinterpret_cast<float *>(sm + 4 * TK * srow); /* QT x DP */
-    float *sc = qs + QT * DP;                                   /* QT x TK */
+    float *sc = qs + QT * DP;                                  /* QT x TK */
     float *m_s = sc + QT * TK, *l_s = m_s + QT, *al_s = l_s + QT;
 
     /* Zero the pad columns [D, DP) of every shared row once. */
@@ -259,8 +263,8 @@ template <typename KT, typename IT> __global__ void __launch_bounds__(NT) attn_k
                     if (n < nq) {
                         const float4 *qp = reinterpret_cast<const float4 *>(qs + n * DP + d);
                         float4 x = qp[0], y = qp[1];
-                        dots[j] += x.x * kf[0] + x.y * kf[1] + x.z * kf[2] + x.w * kf[3] + y.x * kf[4] +
-                                   y.y * kf[5] + y.z * kf[6] + y.w * kf[7];
+                        dots[j] += x.x * kf[0] + x.y * kf[1] + x.z * kf[2] + x.w * kf[3] + y.x * kf[4] + y.y * kf[5] +
+                                   y.z * kf[6] + y.w * kf[7];
                     }
                 }
             }

@@ -33,7 +33,8 @@ extern "C" {
 #include "kernels/cuda/unified_memory.h"
 #include "kernels/cuda/vmap_cuda.h"
 
-namespace {
+namespace
+{
 
 /* One stream of a context's pool. */
 struct stream_node {
@@ -74,7 +75,8 @@ int fail_text(char *msg, size_t len, const char *text)
 
 /* Makes `device` current for the scope and restores the caller's device at
  * exit. Cost: two cheap thread-local calls when the devices differ. */
-class device_scope {
+class device_scope
+{
   public:
     explicit device_scope(int device) : device_(device), prev_(device)
     {
@@ -127,8 +129,8 @@ int cuda_probe(int device, char *msg, size_t len)
     err = cudaFuncGetAttributes(&attr, probe_kernel);
     if (err != cudaSuccess) {
         if (msg && len)
-            snprintf(msg, len, "CUDA device %d (%s, sm_%d%d): %s (%s)", device, prop.name,
-                     prop.major, prop.minor, cudaGetErrorString(err), cudaGetErrorName(err));
+            snprintf(msg, len, "CUDA device %d (%s, sm_%d%d): %s (%s)", device, prop.name, prop.major, prop.minor,
+                     cudaGetErrorString(err), cudaGetErrorName(err));
         (void)cudaGetLastError();
         return -1;
     }
@@ -250,8 +252,7 @@ void *cuda_host_alloc(void *vctx, size_t bytes)
     void *p = NULL;
     /* Page-locked so copies are true DMA and truly asynchronous; portable
      * so it counts as pinned for every CUDA context in the process. */
-    if (scope.error() != cudaSuccess ||
-        cudaHostAlloc(&p, bytes, cudaHostAllocPortable) != cudaSuccess) {
+    if (scope.error() != cudaSuccess || cudaHostAlloc(&p, bytes, cudaHostAllocPortable) != cudaSuccess) {
         (void)cudaGetLastError();
         return NULL;
     }
@@ -304,18 +305,25 @@ void stream_put(cuda_ctx *ctx, stream_node *s)
 bool to_cuda_kind(enum kvhi_copy_kind kind, cudaMemcpyKind *out)
 {
     switch (kind) {
-    case KVHI_COPY_HOST_TO_DEVICE: *out = cudaMemcpyHostToDevice; return true;
-    case KVHI_COPY_DEVICE_TO_HOST: *out = cudaMemcpyDeviceToHost; return true;
-    case KVHI_COPY_DEVICE_TO_DEVICE: *out = cudaMemcpyDeviceToDevice; return true;
-    default: return false;
+    case KVHI_COPY_HOST_TO_DEVICE:
+        *out = cudaMemcpyHostToDevice;
+        return true;
+    case KVHI_COPY_DEVICE_TO_HOST:
+        *out = cudaMemcpyDeviceToHost;
+        return true;
+    case KVHI_COPY_DEVICE_TO_DEVICE:
+        *out = cudaMemcpyDeviceToDevice;
+        return true;
+    default:
+        return false;
     }
 }
 
 /* Shared by copy and copy_2d: height == 0 means a 1-D copy of width bytes.
  * The copy is queued on a stream of this caller's own and waited for, which
  * makes the call synchronous without blocking other threads' copies. */
-int do_copy(cuda_ctx *ctx, void *dst, size_t dpitch, const void *src, size_t spitch,
-            size_t width, size_t height, enum kvhi_copy_kind kind, char *msg, size_t len)
+int do_copy(cuda_ctx *ctx, void *dst, size_t dpitch, const void *src, size_t spitch, size_t width, size_t height,
+            enum kvhi_copy_kind kind, char *msg, size_t len)
 {
     cudaMemcpyKind ckind;
     if (!to_cuda_kind(kind, &ckind))
@@ -347,8 +355,7 @@ int do_copy(cuda_ctx *ctx, void *dst, size_t dpitch, const void *src, size_t spi
     return err == cudaSuccess ? 0 : fail(msg, len, what, err);
 }
 
-int cuda_copy(void *vctx, void *dst, const void *src, size_t n, enum kvhi_copy_kind kind,
-              char *msg, size_t len)
+int cuda_copy(void *vctx, void *dst, const void *src, size_t n, enum kvhi_copy_kind kind, char *msg, size_t len)
 {
     if (n == 0)
         return 0;
@@ -359,8 +366,8 @@ int cuda_copy(void *vctx, void *dst, const void *src, size_t n, enum kvhi_copy_k
     return do_copy((cuda_ctx *)vctx, dst, 0, src, 0, n, 0, kind, msg, len);
 }
 
-int cuda_copy_2d(void *vctx, void *dst, size_t dpitch, const void *src, size_t spitch,
-                 size_t width, size_t height, enum kvhi_copy_kind kind, char *msg, size_t len)
+int cuda_copy_2d(void *vctx, void *dst, size_t dpitch, const void *src, size_t spitch, size_t width, size_t height,
+                 enum kvhi_copy_kind kind, char *msg, size_t len)
 {
     if (width == 0 || height == 0)
         return 0;
@@ -408,8 +415,7 @@ int cuda_attention_plan_upload(void *vctx, const kvhi_attn_plan *plan, void **ha
     return kvhc_attn_plan_upload(ctx->attn, plan, handle, msg, len);
 }
 
-int cuda_attention_run_uploaded(void *vctx, void *handle, const void *q, void *out, void *stream, char *msg,
-                                size_t len)
+int cuda_attention_run_uploaded(void *vctx, void *handle, const void *q, void *out, void *stream, char *msg, size_t len)
 {
     cuda_ctx *ctx = (cuda_ctx *)vctx;
     device_scope scope(ctx->device);
@@ -500,38 +506,37 @@ int cuda_vmap_unmap(void *vctx, void *arena, void *dst, uint64_t bytes, char *ms
 /* Positional, in the order of kvhi_backend_ops (C++17 has no designated
  * initializers); that order is part of the backend ABI anyway. */
 const kvhi_backend_ops cuda_ops = {
-    KVHI_BACKEND_ABI,     /* abi_version */
-    "cuda",               /* name */
-    0,                    /* device_is_host_memory */
-    cuda_probe,           /* probe */
-    cuda_context_create,  /* context_create */
-    cuda_context_destroy, /* context_destroy */
-    cuda_device_alloc,    /* device_alloc */
-    cuda_device_free,     /* device_free */
-    cuda_host_alloc,      /* host_alloc */
-    cuda_host_free,       /* host_free */
-    cuda_copy,            /* copy */
-    cuda_copy_2d,         /* copy_2d */
-    cuda_attention_plan_opts, /* attention_plan_opts */
-    cuda_attention_run,       /* attention_run */
-    cuda_stream_sync,         /* stream_sync */
-    cuda_attention_plan_upload,   /* attention_plan_upload */
-    cuda_attention_run_uploaded,  /* attention_run_uploaded */
-    cuda_attention_plan_free,     /* attention_plan_free */
-    cuda_memory_is_unified,       /* memory_is_unified */
-    cuda_vmap_arena_create,       /* vmap_arena_create */
-    cuda_vmap_arena_destroy,      /* vmap_arena_destroy */
-    cuda_vmap_reserve,            /* vmap_reserve */
-    cuda_vmap_unreserve,          /* vmap_unreserve */
-    cuda_vmap_map,                /* vmap_map */
-    cuda_vmap_unmap,              /* vmap_unmap */
+    KVHI_BACKEND_ABI,            /* abi_version */
+    "cuda",                      /* name */
+    0,                           /* device_is_host_memory */
+    cuda_probe,                  /* probe */
+    cuda_context_create,         /* context_create */
+    cuda_context_destroy,        /* context_destroy */
+    cuda_device_alloc,           /* device_alloc */
+    cuda_device_free,            /* device_free */
+    cuda_host_alloc,             /* host_alloc */
+    cuda_host_free,              /* host_free */
+    cuda_copy,                   /* copy */
+    cuda_copy_2d,                /* copy_2d */
+    cuda_attention_plan_opts,    /* attention_plan_opts */
+    cuda_attention_run,          /* attention_run */
+    cuda_stream_sync,            /* stream_sync */
+    cuda_attention_plan_upload,  /* attention_plan_upload */
+    cuda_attention_run_uploaded, /* attention_run_uploaded */
+    cuda_attention_plan_free,    /* attention_plan_free */
+    cuda_memory_is_unified,      /* memory_is_unified */
+    cuda_vmap_arena_create,      /* vmap_arena_create */
+    cuda_vmap_arena_destroy,     /* vmap_arena_destroy */
+    cuda_vmap_reserve,           /* vmap_reserve */
+    cuda_vmap_unreserve,         /* vmap_unreserve */
+    cuda_vmap_map,               /* vmap_map */
+    cuda_vmap_unmap,             /* vmap_unmap */
 };
 
 } // namespace
 
 /* The one exported symbol (KVHI_BACKEND_ENTRY), looked up with dlsym. */
-extern "C" __attribute__((visibility("default"))) const kvhi_backend_ops *
-kvh_backend_cuda_entry(void)
+extern "C" __attribute__((visibility("default"))) const kvhi_backend_ops *kvh_backend_cuda_entry(void)
 {
     return &cuda_ops;
 }

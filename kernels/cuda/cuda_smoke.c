@@ -50,8 +50,10 @@ static void *worker(void *arg)
         /* 2-D: gather every other 256-byte row of h_src into d_dst, back. */
         memset(h_dst, 0, CHUNK);
         size_t w = 256, h = CHUNK / 512;
-        if (check(ops->copy_2d(ctx, d_dst, w, h_src, 2 * w, w, h, KVHI_COPY_HOST_TO_DEVICE, msg, sizeof msg), "2D H2D", msg) ||
-            check(ops->copy_2d(ctx, h_dst, 2 * w, d_dst, w, w, h, KVHI_COPY_DEVICE_TO_HOST, msg, sizeof msg), "2D D2H", msg))
+        if (check(ops->copy_2d(ctx, d_dst, w, h_src, 2 * w, w, h, KVHI_COPY_HOST_TO_DEVICE, msg, sizeof msg), "2D H2D",
+                  msg) ||
+            check(ops->copy_2d(ctx, h_dst, 2 * w, d_dst, w, w, h, KVHI_COPY_DEVICE_TO_HOST, msg, sizeof msg), "2D D2H",
+                  msg))
             return (void *)1;
         for (size_t row = 0; row < h; row++)
             if (memcmp(h_dst + row * 2 * w, h_src + row * 2 * w, w) != 0) {

@@ -35,7 +35,8 @@
 #include "kvh/kvh.h"
 #include "kernels/cuda/vmap_cuda.h"
 
-namespace {
+namespace
+{
 
 struct vmm_api {
     PFN_cuGetErrorName_v6000 error_name;
@@ -69,7 +70,7 @@ bool lookup(const char *name, void **fn, char *msg, size_t len)
         return true;
     if (msg && len)
         snprintf(msg, len, "CUDA driver entry point %s: %s", name,
-                 err != cudaSuccess                                ? cudaGetErrorString(err)
+                 err != cudaSuccess                                 ? cudaGetErrorString(err)
                  : found == cudaDriverEntryPointVersionNotSufficent ? "the driver is too old"
                                                                     : "not found");
     (void)cudaGetLastError();
@@ -110,13 +111,15 @@ int cu_fail(const vmm_api &api, char *msg, size_t len, const char *what, CUresul
     if (api.error_string && api.error_string(r, &text) != CUDA_SUCCESS)
         text = NULL;
     if (msg && len)
-        snprintf(msg, len, "%s: %s (%s, %d)", what, text ? text : "unknown error", name ? name : "CUresult",
-                 (int)r);
+        snprintf(msg, len, "%s: %s (%s, %d)", what, text ? text : "unknown error", name ? name : "CUresult", (int)r);
     switch (r) {
-    case CUDA_ERROR_OUT_OF_MEMORY: return KVH_ERR_NOMEM;
+    case CUDA_ERROR_OUT_OF_MEMORY:
+        return KVH_ERR_NOMEM;
     case CUDA_ERROR_NOT_SUPPORTED:
-    case CUDA_ERROR_NOT_PERMITTED: return KVH_ERR_UNSUPPORTED;
-    default: return KVH_ERR_INTERNAL;
+    case CUDA_ERROR_NOT_PERMITTED:
+        return KVH_ERR_UNSUPPORTED;
+    default:
+        return KVH_ERR_INTERNAL;
     }
 }
 
@@ -161,7 +164,8 @@ struct kvhc_vmm_arena {
     size_t n_res, cap_res;
 };
 
-namespace {
+namespace
+{
 
 /* The reservation holding [addr, addr + bytes), or NULL; lock held. */
 reservation *find(kvhc_vmm_arena *a, CUdeviceptr addr, uint64_t bytes)
@@ -299,8 +303,8 @@ bool unit_multiple(const kvhc_vmm_arena *a, uint64_t x) { return (x & (a->unit -
 } // namespace
 
 int kvhc_vmm_arena_create(int device, const kvhi_slab_layout *layout, uint64_t bytes, const char *backing,
-                          kvhc_vmm_arena **arena, void **base, uint64_t *map_unit, const char **backing_used,
-                          char *msg, size_t len)
+                          kvhc_vmm_arena **arena, void **base, uint64_t *map_unit, const char **backing_used, char *msg,
+                          size_t len)
 {
     (void)layout; /* any layout: the tier is whole units, views check fit */
     if (backing && *backing && strcmp(backing, KVHC_VMM_BACKING) != 0) {

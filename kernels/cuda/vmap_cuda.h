@@ -17,8 +17,8 @@ typedef struct kvhc_vmm_arena kvhc_vmm_arena;
 #define KVHC_VMM_BACKING "cuda-vmm"
 
 int kvhc_vmm_arena_create(int device, const kvhi_slab_layout *layout, uint64_t bytes, const char *backing,
-                          kvhc_vmm_arena **arena, void **base, uint64_t *map_unit, const char **backing_used,
-                          char *msg, size_t len);
+                          kvhc_vmm_arena **arena, void **base, uint64_t *map_unit, const char **backing_used, char *msg,
+                          size_t len);
 void kvhc_vmm_arena_destroy(kvhc_vmm_arena *arena);
 int kvhc_vmm_reserve(kvhc_vmm_arena *arena, uint64_t bytes, void **base, char *msg, size_t len);
 void kvhc_vmm_unreserve(kvhc_vmm_arena *arena, void *base, uint64_t bytes);

@@ -46,8 +46,8 @@ void dt_tokens(dt_content c, uint64_t first, size_t n, int32_t *out)
 
 void dt_kv_token(dt_content c, uint32_t layer, uint64_t pos, int kv, uint8_t *out, size_t tok_bytes)
 {
-    uint64_t s = dt_mix(dt_stream_at(c, pos) * 0x2545f4914f6cdd1dull ^ ((uint64_t)layer << 40) ^ (pos << 1) ^
-                        (uint64_t)kv);
+    uint64_t s =
+        dt_mix(dt_stream_at(c, pos) * 0x2545f4914f6cdd1dull ^ ((uint64_t)layer << 40) ^ (pos << 1) ^ (uint64_t)kv);
     for (size_t i = 0; i < tok_bytes; i += 8) {
         uint64_t v = dt_mix(s + i);
         memcpy(out + i, &v, tok_bytes - i < 8 ? tok_bytes - i : 8);
@@ -609,8 +609,8 @@ void dt_print_file(const char *path, const char *what)
     free(b);
 }
 
-dt_kill_result dt_kill_child(int (*fn)(void *arg, int ready_fd), void *arg, bool early, int ready_ms,
-                             uint64_t delay_us, int *ws)
+dt_kill_result dt_kill_child(int (*fn)(void *arg, int ready_fd), void *arg, bool early, int ready_ms, uint64_t delay_us,
+                             int *ws)
 {
     int rp[2];
     *ws = 0;
@@ -746,8 +746,10 @@ kvh_engine *dt_oracle_check(const kvh_config *cfg, dt_geo g, const dt_oracle *o,
     }
     r->corrupt = dt_stats(e).corrupt_blocks;
     if (r->corrupt && !r->errors++)
-        snprintf(r->msg, sizeof(r->msg), "%" PRIu64 " blocks failed verification after a kill (nothing was "
-                 "damaged on disk: a kill loses no written data)", r->corrupt);
+        snprintf(r->msg, sizeof(r->msg),
+                 "%" PRIu64 " blocks failed verification after a kill (nothing was "
+                 "damaged on disk: a kill loses no written data)",
+                 r->corrupt);
     return e;
 }
 
@@ -1038,8 +1040,8 @@ void dt_chains_map_a(const dt_saved_store *saved, const dt_chains *ch, dt_block_
                 fail_msg("%s record %zu names an unknown block", files[f], i);
             size_t b = (size_t)c * (size_t)ch->blocks + (size_t)k;
             if (r.kind != KVHI_REC_ADD || seen[b]++)
-                fail_msg("unexpected chain store layout: %s record %zu (kind %u) for chain %d block %d", files[f],
-                         i, r.kind, c, k);
+                fail_msg("unexpected chain store layout: %s record %zu (kind %u) for chain %d block %d", files[f], i,
+                         r.kind, c, k);
             loc[b] = (dt_block_loc){(uint32_t)r.slot, f == 1, off, (int)i};
         }
     }

@@ -80,16 +80,16 @@
 
 /* ---- status assertions (parent process only) ---- */
 
-#define dt_assert_kvh(expected, expr)                                                                        \
-    do {                                                                                                     \
-        kvh_status dt_st_ = (expr);                                                                          \
-        kvh_status dt_ex_ = (expected);                                                                      \
-        if (dt_st_ != dt_ex_) {                                                                              \
-            print_error("%s:%d: %s\n    returned %s (%d), expected %s (%d); last error: \"%s\"\n", __FILE__, \
-                        __LINE__, #expr, kvh_status_name(dt_st_), (int)dt_st_, kvh_status_name(dt_ex_),      \
-                        (int)dt_ex_, kvh_last_error()[0] ? kvh_last_error() : dt_err);                       \
-            fail();                                                                                          \
-        }                                                                                                    \
+#define dt_assert_kvh(expected, expr)                                                                                  \
+    do {                                                                                                               \
+        kvh_status dt_st_ = (expr);                                                                                    \
+        kvh_status dt_ex_ = (expected);                                                                                \
+        if (dt_st_ != dt_ex_) {                                                                                        \
+            print_error("%s:%d: %s\n    returned %s (%d), expected %s (%d); last error: \"%s\"\n", __FILE__, __LINE__, \
+                        #expr, kvh_status_name(dt_st_), (int)dt_st_, kvh_status_name(dt_ex_), (int)dt_ex_,             \
+                        kvh_last_error()[0] ? kvh_last_error() : dt_err);                                              \
+            fail();                                                                                                    \
+        }                                                                                                              \
     } while (0)
 #define dt_assert_ok(expr) dt_assert_kvh(KVH_OK, expr)
 
@@ -289,7 +289,10 @@ int dt_store_restore(const char *dir, const dt_saved_store *s);
 const dt_saved_file *dt_store_file(const dt_saved_store *s, const char *name);
 void dt_store_free(dt_saved_store *s);
 
-static inline uint32_t dt_get32(const uint8_t *p) { return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24; }
+static inline uint32_t dt_get32(const uint8_t *p)
+{
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
 static inline uint64_t dt_get64(const uint8_t *p) { return (uint64_t)dt_get32(p) | (uint64_t)dt_get32(p + 4) << 32; }
 
 /* Whether this process has the slab file slab-0000.kvh of `dir` open with
@@ -332,8 +335,8 @@ typedef enum dt_kill_result {
  * is open). Unless `early`, the parent waits up to ready_ms for that
  * byte; then (early: at once) it sleeps delay_us and SIGKILLs the child.
  * *ws gets the child's wait status. */
-dt_kill_result dt_kill_child(int (*fn)(void *arg, int ready_fd), void *arg, bool early, int ready_ms,
-                             uint64_t delay_us, int *ws);
+dt_kill_result dt_kill_child(int (*fn)(void *arg, int ready_fd), void *arg, bool early, int ready_ms, uint64_t delay_us,
+                             int *ws);
 
 /* Whether dt_kill_child's result is a failure of the test; if so, msg
  * says what went wrong. */
@@ -395,11 +398,11 @@ kvh_engine *dt_oracle_check(const kvh_config *cfg, dt_geo g, const dt_oracle *o,
  * (DT_CHILD_FAIL: the message goes to its stderr, the code is its exit
  * status) on any status the workload does not expect. */
 
-#define DT_CHILD_FAIL(code, ...)                                                                             \
-    do {                                                                                                     \
-        fprintf(stderr, "child: " __VA_ARGS__);                                                              \
-        fprintf(stderr, " (%s)\n", kvh_last_error());                                                        \
-        _exit(code);                                                                                         \
+#define DT_CHILD_FAIL(code, ...)                                                                                       \
+    do {                                                                                                               \
+        fprintf(stderr, "child: " __VA_ARGS__);                                                                        \
+        fprintf(stderr, " (%s)\n", kvh_last_error());                                                                  \
+        _exit(code);                                                                                                   \
     } while (0)
 
 typedef struct dt_crash_workload {
@@ -415,12 +418,12 @@ typedef struct dt_crash_workload {
 } dt_crash_workload;
 
 /* call, retried while it returns KVH_ERR_NOSPACE, as w says. */
-#define DT_RETRY_NOSPACE(w, call)                                                                            \
-    ({                                                                                                       \
-        kvh_status rs_;                                                                                      \
-        for (int try_ = 0; (rs_ = (call)) == KVH_ERR_NOSPACE && try_ < (w)->nospace_tries; try_++)          \
-            usleep((w)->nospace_sleep_us);                                                                   \
-        rs_;                                                                                                 \
+#define DT_RETRY_NOSPACE(w, call)                                                                                      \
+    ({                                                                                                                 \
+        kvh_status rs_;                                                                                                \
+        for (int try_ = 0; (rs_ = (call)) == KVH_ERR_NOSPACE && try_ < (w)->nospace_tries; try_++)                     \
+            usleep((w)->nospace_sleep_us);                                                                             \
+        rs_;                                                                                                           \
     })
 
 typedef struct dt_live {

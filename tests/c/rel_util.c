@@ -17,15 +17,15 @@ int rl_counters_add_up(kvh_engine *e, bool has_disk, char *msg, size_t len)
         used[t] = ti.used_blocks;
         if (ti.used_bytes != ti.used_blocks * bb || (ti.capacity_blocks && ti.block_bytes != bb) ||
             ti.used_blocks > ti.capacity_blocks || ti.pinned_blocks > ti.used_blocks) {
-            snprintf(msg, len, "tier %u: used_bytes %" PRIu64 " != used_blocks %" PRIu64 " x %" PRIu64
-                     " (capacity %" PRIu64 ", pinned %" PRIu64 ")",
+            snprintf(msg, len,
+                     "tier %u: used_bytes %" PRIu64 " != used_blocks %" PRIu64 " x %" PRIu64 " (capacity %" PRIu64
+                     ", pinned %" PRIu64 ")",
                      t, ti.used_bytes, ti.used_blocks, bb, ti.capacity_blocks, ti.pinned_blocks);
             return 1;
         }
     }
     if (s.blocks_freed > s.blocks_allocated) {
-        snprintf(msg, len, "blocks_freed %" PRIu64 " > blocks_allocated %" PRIu64, s.blocks_freed,
-                 s.blocks_allocated);
+        snprintf(msg, len, "blocks_freed %" PRIu64 " > blocks_allocated %" PRIu64, s.blocks_freed, s.blocks_allocated);
         return 1;
     }
     uint64_t live = s.blocks_allocated - s.blocks_freed, mem = used[0] + used[1];
@@ -47,8 +47,8 @@ int rl_counters_add_up(kvh_engine *e, bool has_disk, char *msg, size_t len)
                 {"disk_to_host", s.blocks_disk_to_host, s.bytes_disk_to_host}};
     for (size_t i = 0; i < sizeof(legs) / sizeof(legs[0]); i++)
         if (legs[i].bytes != legs[i].blocks * bb) {
-            snprintf(msg, len, "bytes_%s %" PRIu64 " != blocks_%s %" PRIu64 " x %" PRIu64, legs[i].name,
-                     legs[i].bytes, legs[i].name, legs[i].blocks, bb);
+            snprintf(msg, len, "bytes_%s %" PRIu64 " != blocks_%s %" PRIu64 " x %" PRIu64, legs[i].name, legs[i].bytes,
+                     legs[i].name, legs[i].blocks, bb);
             return 1;
         }
     if (s.hits_device + s.hits_host + s.hits_disk != s.lookups) {

@@ -54,7 +54,7 @@ static void pools_admit_and_refuse(void **state)
     kvh_stats after = tu_stats(e);
     assert_int_equal(after.blocks_allocated, before.blocks_allocated);
     /* Long requests use their own pool: the full short pool is no bar. */
-    assert_ok(request(e, 33 * 4, &s[4])); /* 33 blocks */
+    assert_ok(request(e, 33 * 4, &s[4]));                  /* 33 blocks */
     assert_kvh(KVH_ERR_NOSPACE, request(e, 9 * 4, &s[5])); /* 33 + 9 > 40 */
     /* 28 tokens is a short request: its pool is full. */
     assert_kvh(KVH_ERR_NOSPACE, request(e, 7 * 4, &s[5]));

@@ -53,11 +53,11 @@ static void test_f16_roundtrip(void **state)
     assert_int_equal(kvhi_f32_to_f16(65520.0f), 0x7c00); /* tie to even: inf */
     assert_int_equal(kvhi_f32_to_f16(1e9f), 0x7c00);
     assert_int_equal(kvhi_f32_to_f16(0x1p-24f), 0x0001);
-    assert_int_equal(kvhi_f32_to_f16(0x1p-25f), 0x0000);                /* tie to even: 0 */
-    assert_int_equal(kvhi_f32_to_f16(0x1.8p-24f), 0x0002);              /* tie to even: 2 */
-    assert_int_equal(kvhi_f32_to_f16(1.0f + 0x1p-11f), 0x3c00);         /* tie to even */
+    assert_int_equal(kvhi_f32_to_f16(0x1p-25f), 0x0000);        /* tie to even: 0 */
+    assert_int_equal(kvhi_f32_to_f16(0x1.8p-24f), 0x0002);      /* tie to even: 2 */
+    assert_int_equal(kvhi_f32_to_f16(1.0f + 0x1p-11f), 0x3c00); /* tie to even */
     assert_int_equal(kvhi_f32_to_f16(1.0f + 0x1p-11f + 0x1p-20f), 0x3c01);
-    assert_int_equal(kvhi_f32_to_f16(1.0f + 3 * 0x1p-11f), 0x3c02);     /* tie to even: up */
+    assert_int_equal(kvhi_f32_to_f16(1.0f + 3 * 0x1p-11f), 0x3c02); /* tie to even: up */
 }
 
 /* The portable kernel's 4-lane widening and e^x. */
@@ -335,8 +335,8 @@ static double ulp_of(uint32_t io) { return io == KVH_DTYPE_F32 ? 0x1p-23 : io ==
 
 /* Compares out (io dtype) with want (f32 or double via getter); returns
  * the largest error relative to the bound (<= 1 passes). */
-static double check_close(const char *what, uint32_t io, const void *out, const void *want, int want_double,
-                          size_t n, double rtol, double atol)
+static double check_close(const char *what, uint32_t io, const void *out, const void *want, int want_double, size_t n,
+                          double rtol, double atol)
 {
     double worst = 0;
     for (size_t x = 0; x < n; x++) {

@@ -11,9 +11,9 @@ static const size_t TOK = H * D * 4;
 typedef struct fixture {
     kvh_engine *e;
     kvh_seq s, s2;
-    kvh_block b;      /* standalone, retained */
-    kvh_block sb[3];  /* blocks of s */
-    kvh_fence f;      /* completed, not freed */
+    kvh_block b;     /* standalone, retained */
+    kvh_block sb[3]; /* blocks of s */
+    kvh_fence f;     /* completed, not freed */
     kvh_pool pool;
     void *kbase[L], *vbase[L];
     kvh_pool_layout layout;
@@ -90,13 +90,13 @@ static void round_trip(kvh_engine *e)
     assert_ok(kvh_seq_free(e, s));
 }
 
-#define EXPECT_INVALID(call)                                                                                  \
-    do {                                                                                                      \
-        assert_kvh(KVH_ERR_INVALID_ARG, call);                                                                \
-        if (kvh_last_error()[0] == '\0') {                                                                    \
-            print_error("%s: no detail in kvh_last_error()\n", #call);                                        \
-            fail();                                                                                           \
-        }                                                                                                     \
+#define EXPECT_INVALID(call)                                                                                           \
+    do {                                                                                                               \
+        assert_kvh(KVH_ERR_INVALID_ARG, call);                                                                         \
+        if (kvh_last_error()[0] == '\0') {                                                                             \
+            print_error("%s: no detail in kvh_last_error()\n", #call);                                                 \
+            fail();                                                                                                    \
+        }                                                                                                              \
     } while (0)
 
 static void test_null_pointers(void **state)
@@ -346,21 +346,51 @@ static void test_random_handles(void **state)
         if (fn < 16) {
             kvh_seq h = {make_handle(&r, 0x5A, seqs, 2, others, 6)};
             switch (fn) {
-            case 0: st = kvh_seq_free(e, h); break;
-            case 1: st = kvh_seq_fork(e, h, 0, &child); break;
-            case 2: st = kvh_seq_append(e, h, toks, 3); break;
-            case 3: st = kvh_seq_length(e, h, &u64); break;
-            case 4: st = kvh_seq_tokens(e, h, 0, 1, toks); break;
-            case 5: st = kvh_seq_write_kv(e, h, 0, 0, 1, k, v); break;
-            case 6: st = kvh_seq_read_kv(e, h, 0, 0, 1, k, v); break;
-            case 7: st = kvh_seq_truncate(e, h, 0); break;
-            case 8: st = kvh_seq_match_prefix(e, h, toks, 8, &sz); break;
-            case 9: st = kvh_seq_acquire(e, h, 0, 1, (i & 1) ? &fence : NULL); break;
-            case 10: st = kvh_seq_release(e, h, 0, 1); break;
-            case 11: st = kvh_seq_pin(e, h, 0, 1, i & 1); break;
-            case 12: st = kvh_seq_blocks(e, h, 0, 1, &blk); break;
-            case 13: st = kvh_seq_migrate(e, h, 0, 1, KVH_TIER_HOST, NULL); break;
-            case 14: st = kvh_prefetch(e, h, 0, 1, 0, NULL); break;
+            case 0:
+                st = kvh_seq_free(e, h);
+                break;
+            case 1:
+                st = kvh_seq_fork(e, h, 0, &child);
+                break;
+            case 2:
+                st = kvh_seq_append(e, h, toks, 3);
+                break;
+            case 3:
+                st = kvh_seq_length(e, h, &u64);
+                break;
+            case 4:
+                st = kvh_seq_tokens(e, h, 0, 1, toks);
+                break;
+            case 5:
+                st = kvh_seq_write_kv(e, h, 0, 0, 1, k, v);
+                break;
+            case 6:
+                st = kvh_seq_read_kv(e, h, 0, 0, 1, k, v);
+                break;
+            case 7:
+                st = kvh_seq_truncate(e, h, 0);
+                break;
+            case 8:
+                st = kvh_seq_match_prefix(e, h, toks, 8, &sz);
+                break;
+            case 9:
+                st = kvh_seq_acquire(e, h, 0, 1, (i & 1) ? &fence : NULL);
+                break;
+            case 10:
+                st = kvh_seq_release(e, h, 0, 1);
+                break;
+            case 11:
+                st = kvh_seq_pin(e, h, 0, 1, i & 1);
+                break;
+            case 12:
+                st = kvh_seq_blocks(e, h, 0, 1, &blk);
+                break;
+            case 13:
+                st = kvh_seq_migrate(e, h, 0, 1, KVH_TIER_HOST, NULL);
+                break;
+            case 14:
+                st = kvh_prefetch(e, h, 0, 1, 0, NULL);
+                break;
             default: {
                 kvh_seq batch[2] = {x->s, h};
                 st = kvh_block_table(e, batch, 2, indptr, indices, 8, lpl);
@@ -369,23 +399,37 @@ static void test_random_handles(void **state)
         } else if (fn < 22) {
             kvh_block h = {make_handle(&r, 0xB1, blocks, 4, others, 6)};
             switch (fn) {
-            case 16: st = kvh_block_info_get(e, h, &bi); break;
-            case 17: st = kvh_block_retain(e, h); break;
-            case 18: st = kvh_block_release(e, h); break;
-            case 19: st = kvh_block_pin(e, h, i & 1); break;
+            case 16:
+                st = kvh_block_info_get(e, h, &bi);
+                break;
+            case 17:
+                st = kvh_block_retain(e, h);
+                break;
+            case 18:
+                st = kvh_block_release(e, h);
+                break;
+            case 19:
+                st = kvh_block_pin(e, h, i & 1);
+                break;
             case 20: {
                 kvh_block arr[2] = {x->b, h};
                 st = kvh_migrate(e, arr, 2, KVH_TIER_HOST, NULL);
                 break;
             }
-            default: st = kvh_pool_restore(e, x->pool, h, 0);
+            default:
+                st = kvh_pool_restore(e, x->pool, h, 0);
             }
         } else if (fn < 25) {
             kvh_fence h = {make_handle(&r, 0xF3, fences, 1, others, 6)};
             switch (fn) {
-            case 22: st = kvh_fence_wait(e, h, 0); break;
-            case 23: st = kvh_fence_poll(e, h, &i32); break;
-            default: st = kvh_fence_free(e, h);
+            case 22:
+                st = kvh_fence_wait(e, h, 0);
+                break;
+            case 23:
+                st = kvh_fence_poll(e, h, &i32);
+                break;
+            default:
+                st = kvh_fence_free(e, h);
             }
         } else {
             kvh_pool h = {make_handle(&r, 0x9C, pools, 1, others, 6)};
@@ -573,7 +617,7 @@ static void test_bad_numbers(void **state)
     assert_kvh(KVH_ERR_INVALID_ARG, kvh_seq_migrate(e, x->s, 0, 1, 99, NULL));
     assert_kvh(KVH_ERR_INVALID_ARG, kvh_migrate(e, &x->b, 1, 99, NULL));
     assert_kvh(KVH_ERR_INVALID_ARG, kvh_prefix_hash(e, 0, (int32_t[8]){0}, 0, &(uint64_t){0}));
-    assert_kvh(KVH_ERR_INVALID_ARG, kvh_block_pin(e, x->b, 0)); /* not pinned */
+    assert_kvh(KVH_ERR_INVALID_ARG, kvh_block_pin(e, x->b, 0));      /* not pinned */
     assert_kvh(KVH_ERR_INVALID_ARG, kvh_seq_release(e, x->s, 0, 1)); /* not acquired */
     check_fixture(x);
     round_trip(e);

@@ -127,9 +127,8 @@ static void test_move_state_table(void **state)
     static const struct {
         enum kvhi_move_state s;
         bool in_flight, copying;
-    } means[] = {{KVHI_MS_IDLE, false, false},    {KVHI_MS_MOVING, true, false},
-                 {KVHI_MS_DEMOTING, true, false}, {KVHI_MS_RECALLED, true, false},
-                 {KVHI_MS_COPYING, false, true},  {KVHI_MS_COPYING_MOVING, true, true}};
+    } means[] = {{KVHI_MS_IDLE, false, false},    {KVHI_MS_MOVING, true, false},  {KVHI_MS_DEMOTING, true, false},
+                 {KVHI_MS_RECALLED, true, false}, {KVHI_MS_COPYING, false, true}, {KVHI_MS_COPYING_MOVING, true, true}};
     assert_int_equal(sizeof(means) / sizeof(means[0]), KVHI_MS_COUNT);
     /* Every lasting flag set, so that a transition touching one shows. */
     const uint16_t lasting = (uint16_t)(~KVHI_BF_MOVE_MASK & 0xFFFFu);
@@ -156,8 +155,8 @@ static void test_move_state_table(void **state)
                                                            KVHI_EV_MOVE_END};
     static const enum kvhi_move_event promote_while_copying[] = {KVHI_EV_COPY_BEGIN, KVHI_EV_MOVE_BEGIN,
                                                                  KVHI_EV_COPY_END, KVHI_EV_MOVE_END};
-    static const enum kvhi_move_event copy_outlasts_move[] = {KVHI_EV_COPY_BEGIN, KVHI_EV_MOVE_BEGIN,
-                                                              KVHI_EV_MOVE_END, KVHI_EV_COPY_END};
+    static const enum kvhi_move_event copy_outlasts_move[] = {KVHI_EV_COPY_BEGIN, KVHI_EV_MOVE_BEGIN, KVHI_EV_MOVE_END,
+                                                              KVHI_EV_COPY_END};
     const enum kvhi_move_event *paths[] = {demote_recalled, promote_while_copying, copy_outlasts_move};
     for (int p = 0; p < 3; p++) {
         kvhi_block b;

@@ -261,8 +261,7 @@ static void test_engine_demote_promote(void **state)
         fill_kv(&r, k, v, per * L);
         kvh_config c = codec_cfg(codec, 8, 8);
         char dir[512];
-        snprintf(dir, sizeof(dir), "%s/codec%u", getenv("KVH_TEST_TMPDIR") ? getenv("KVH_TEST_TMPDIR") : "/tmp",
-                 codec);
+        snprintf(dir, sizeof(dir), "%s/codec%u", getenv("KVH_TEST_TMPDIR") ? getenv("KVH_TEST_TMPDIR") : "/tmp", codec);
         c.disk_path = dir;
         c.disk_bytes = 64ull << 20;
         c.disk_flags = KVH_DISK_RESET_ON_MISMATCH;
@@ -318,8 +317,8 @@ static void test_engine_write_into_host(void **state)
     /* Write in two halves: the second must not disturb the first. */
     for (uint32_t l = 0; l < L; l++) {
         assert_ok(kvh_seq_write_kv(e, s, l, 0, BT / 2, k + l * per, v + l * per));
-        assert_ok(kvh_seq_write_kv(e, s, l, BT / 2, n - BT / 2, k + l * per + BT / 2 * H * D,
-                                   v + l * per + BT / 2 * H * D));
+        assert_ok(
+            kvh_seq_write_kv(e, s, l, BT / 2, n - BT / 2, k + l * per + BT / 2 * H * D, v + l * per + BT / 2 * H * D));
     }
     assert_int_equal(tu_seq_binfo(e, s, 0).tier, KVH_TIER_HOST);
     check_close(e, s, KVH_CODEC_INT8, k, v, n, false);
@@ -384,14 +383,22 @@ static void int8_reference(const float *x, uint32_t d, uint8_t *rec)
 static float special_or_gauss(tu_rng *r, float amp)
 {
     switch (tu_below(r, 24)) {
-    case 0: return INFINITY;
-    case 1: return -INFINITY;
-    case 2: return NAN;
-    case 3: return -0.0f;
-    case 4: return 0.0f;
-    case 5: return 1e-40f;
-    case 6: return amp * (float)((int)tu_below(r, 255) - 127) / 127.0f * 0.5f;
-    default: return gauss(r) * amp;
+    case 0:
+        return INFINITY;
+    case 1:
+        return -INFINITY;
+    case 2:
+        return NAN;
+    case 3:
+        return -0.0f;
+    case 4:
+        return 0.0f;
+    case 5:
+        return 1e-40f;
+    case 6:
+        return amp * (float)((int)tu_below(r, 255) - 127) / 127.0f * 0.5f;
+    default:
+        return gauss(r) * amp;
     }
 }
 
@@ -528,8 +535,8 @@ static void test_q4_matches_the_format(void **state)
                 for (size_t v = 0; v < n; v++) {
                     q4_reference(x + v * d, d, g, want);
                     if (memcmp(enc + v * rb, want, rb) != 0)
-                        fail_msg("q4 encode differs from the format: codec %u d %u dtype %u vector %zu", codec, d,
-                                 dt, v);
+                        fail_msg("q4 encode differs from the format: codec %u d %u dtype %u vector %zu", codec, d, dt,
+                                 v);
                     for (uint32_t i = 0; i < d; i++) {
                         float scale, lo;
                         memcpy(&scale, want + (size_t)(i / g) * 8, 4);
@@ -538,8 +545,8 @@ static void test_q4_matches_the_format(void **state)
                         uint8_t expect[4];
                         store_as(dt, (float)(lo + (double)q * scale), expect);
                         if (memcmp(back + ((size_t)v * d + i) * eb, expect, eb) != 0)
-                            fail_msg("q4 decode differs: codec %u d %u dtype %u vector %zu element %u", codec, d, dt,
-                                     v, i);
+                            fail_msg("q4 decode differs: codec %u d %u dtype %u vector %zu element %u", codec, d, dt, v,
+                                     i);
                     }
                 }
             }

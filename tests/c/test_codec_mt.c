@@ -15,18 +15,18 @@
 
 enum { L = 2, H = 2, D = 64, BT = 16, THREADS = 4, ROUNDS = 6, TOKENS = 3 * BT + 7 };
 
-#define WCHECK(call)                                                                                         \
-    do {                                                                                                     \
-        kvh_status st_ = (call);                                                                             \
-        if (st_ != KVH_OK) {                                                                                 \
-            mt_report(w, "%s: %s (%s)", #call, kvh_status_name(st_), kvh_last_error());                      \
-            goto out;                                                                                        \
-        }                                                                                                    \
+#define WCHECK(call)                                                                                                   \
+    do {                                                                                                               \
+        kvh_status st_ = (call);                                                                                       \
+        if (st_ != KVH_OK) {                                                                                           \
+            mt_report(w, "%s: %s (%s)", #call, kvh_status_name(st_), kvh_last_error());                                \
+            goto out;                                                                                                  \
+        }                                                                                                              \
     } while (0)
-#define WFAIL(...)                                                                                           \
-    do {                                                                                                     \
-        mt_report(w, __VA_ARGS__);                                                                           \
-        goto out;                                                                                            \
+#define WFAIL(...)                                                                                                     \
+    do {                                                                                                               \
+        mt_report(w, __VA_ARGS__);                                                                                     \
+        goto out;                                                                                                      \
     } while (0)
 
 static void *worker_main(void *arg)

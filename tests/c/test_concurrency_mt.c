@@ -17,25 +17,25 @@ static pthread_mutex_t g_err_mu = PTHREAD_MUTEX_INITIALIZER;
 static atomic_int g_errors;
 static char g_err[1024];
 
-#define TFAIL(...)                                                                                            \
-    do {                                                                                                      \
-        pthread_mutex_lock(&g_err_mu);                                                                        \
-        if (atomic_fetch_add(&g_errors, 1) == 0)                                                              \
-            snprintf(g_err, sizeof(g_err), __VA_ARGS__);                                                      \
-        pthread_mutex_unlock(&g_err_mu);                                                                      \
+#define TFAIL(...)                                                                                                     \
+    do {                                                                                                               \
+        pthread_mutex_lock(&g_err_mu);                                                                                 \
+        if (atomic_fetch_add(&g_errors, 1) == 0)                                                                       \
+            snprintf(g_err, sizeof(g_err), __VA_ARGS__);                                                               \
+        pthread_mutex_unlock(&g_err_mu);                                                                               \
     } while (0)
-#define TCHECK(cond, ...)                                                                                     \
-    do {                                                                                                      \
-        if (!(cond)) {                                                                                        \
-            TFAIL(__VA_ARGS__);                                                                               \
-            return 0;                                                                                         \
-        }                                                                                                     \
+#define TCHECK(cond, ...)                                                                                              \
+    do {                                                                                                               \
+        if (!(cond)) {                                                                                                 \
+            TFAIL(__VA_ARGS__);                                                                                        \
+            return 0;                                                                                                  \
+        }                                                                                                              \
     } while (0)
-#define TOK_(expr)                                                                                            \
-    do {                                                                                                      \
-        kvh_status t_st_ = (expr);                                                                            \
-        TCHECK(t_st_ == KVH_OK, "%s:%d: %s -> %s (%s)", __FILE__, __LINE__, #expr, kvh_status_name(t_st_),    \
-               kvh_last_error());                                                                             \
+#define TOK_(expr)                                                                                                     \
+    do {                                                                                                               \
+        kvh_status t_st_ = (expr);                                                                                     \
+        TCHECK(t_st_ == KVH_OK, "%s:%d: %s -> %s (%s)", __FILE__, __LINE__, #expr, kvh_status_name(t_st_),             \
+               kvh_last_error());                                                                                      \
     } while (0)
 
 static void assert_no_thread_errors(void)
@@ -528,7 +528,8 @@ static void *reader_main(void *p)
             tu_pattern(want, STOKB, ra->tag, 0, blk * SBT + t, 0);
             if (memcmp(k + t * STOKB, want, STOKB) != 0) {
                 TFAIL("reader of seq tag %" PRIu64 ": block %" PRIu64 " token %u read bytes of another block "
-                      "(read during a tier swap)", ra->tag, blk, t);
+                      "(read during a tier swap)",
+                      ra->tag, blk, t);
                 break;
             }
         }
@@ -627,7 +628,8 @@ static void test_fence_free_while_waiting(void **state)
         if (!atomic_load(&fs->returned)) {
             /* The engine cannot be closed with a call stuck inside it. */
             print_error("round %d: kvh_fence_wait did not return within 3 s after another thread freed its "
-                        "fence\n", round);
+                        "fence\n",
+                        round);
             pthread_detach(th);
             fail();
         }

@@ -118,7 +118,6 @@ static void check_model(kvh_engine *e, model *m)
     assert_true(checked >= m->n_regions);
 }
 
-
 static uint64_t slots_of(uint64_t bytes, uint64_t bb) { return (bytes + bb - 1) / bb; }
 
 /* Slots one model takes when each region is charged on its own: what
@@ -302,8 +301,8 @@ static void modified_weights_written_back(void **state)
     kvh_weight_stats before = ct_weight_stats(e);
     assert_ok(kvh_context_switch(e, a->ctx, b->ctx, NULL));
     kvh_weight_stats mid = ct_weight_stats(e);
-    uint64_t moved = md.copies ? mid.bytes_device_to_host - before.bytes_device_to_host
-                               : mid.bytes_remapped - before.bytes_remapped;
+    uint64_t moved =
+        md.copies ? mid.bytes_device_to_host - before.bytes_device_to_host : mid.bytes_remapped - before.bytes_remapped;
     assert_true(moved >= n);
     assert_ok(kvh_context_switch(e, b->ctx, a->ctx, NULL));
     assert_ok(kvh_context_region_data(e, a->ctx, 0, 0, (void **)&p, &n));
@@ -511,10 +510,10 @@ static void close_with_contexts(void **state)
     assert_ok(tu_close(e)); /* waits for the switch */
 }
 
-#define MODES(fn)                                                                                           \
-    cmocka_unit_test_prestate_setup_teardown(fn, NULL, tu_teardown, &M_UNI0),                               \
-        cmocka_unit_test_prestate_setup_teardown(fn, NULL, tu_teardown, &M_UNI2),                           \
-        cmocka_unit_test_prestate_setup_teardown(fn, NULL, tu_teardown, &M_COPY0),                          \
+#define MODES(fn)                                                                                                      \
+    cmocka_unit_test_prestate_setup_teardown(fn, NULL, tu_teardown, &M_UNI0),                                          \
+        cmocka_unit_test_prestate_setup_teardown(fn, NULL, tu_teardown, &M_UNI2),                                      \
+        cmocka_unit_test_prestate_setup_teardown(fn, NULL, tu_teardown, &M_COPY0),                                     \
         cmocka_unit_test_prestate_setup_teardown(fn, NULL, tu_teardown, &M_COPY2)
 
 int main(void)

@@ -59,8 +59,7 @@ static kvh_config cfg_of(uint32_t layers, uint32_t Hkv, uint32_t D, uint32_t bt,
     return c;
 }
 
-static void pair_open(pair *p, uint32_t layers, uint32_t Hkv, uint32_t D, uint32_t bt, uint32_t dtype,
-                      uint64_t blocks)
+static void pair_open(pair *p, uint32_t layers, uint32_t Hkv, uint32_t D, uint32_t bt, uint32_t dtype, uint64_t blocks)
 {
     memset(p, 0, sizeof(*p));
     p->layers = layers, p->Hkv = Hkv, p->D = D, p->bt = bt, p->dtype = dtype;
@@ -178,11 +177,11 @@ static void test_shapes(void **state)
     static const struct {
         uint32_t D, bt, dtype, io, Hkv, G;
     } cases[] = {
-        {128, 16, KVH_DTYPE_F16, KVH_DTYPE_F16, 8, 4},  {128, 32, KVH_DTYPE_BF16, KVH_DTYPE_BF16, 2, 8},
-        {64, 16, KVH_DTYPE_F32, KVH_DTYPE_F32, 2, 1},   {80, 16, KVH_DTYPE_F16, KVH_DTYPE_F32, 1, 2},
-        {96, 32, KVH_DTYPE_BF16, KVH_DTYPE_F16, 2, 3},  {256, 16, KVH_DTYPE_F16, KVH_DTYPE_BF16, 1, 8},
-        {256, 32, KVH_DTYPE_F32, KVH_DTYPE_F32, 1, 4},  {128, 16, KVH_DTYPE_F16, KVH_DTYPE_F32, 1, 40},
-        {40, 4, KVH_DTYPE_F16, KVH_DTYPE_F32, 2, 2},    {5, 1, KVH_DTYPE_F16, KVH_DTYPE_F16, 1, 3},
+        {128, 16, KVH_DTYPE_F16, KVH_DTYPE_F16, 8, 4}, {128, 32, KVH_DTYPE_BF16, KVH_DTYPE_BF16, 2, 8},
+        {64, 16, KVH_DTYPE_F32, KVH_DTYPE_F32, 2, 1},  {80, 16, KVH_DTYPE_F16, KVH_DTYPE_F32, 1, 2},
+        {96, 32, KVH_DTYPE_BF16, KVH_DTYPE_F16, 2, 3}, {256, 16, KVH_DTYPE_F16, KVH_DTYPE_BF16, 1, 8},
+        {256, 32, KVH_DTYPE_F32, KVH_DTYPE_F32, 1, 4}, {128, 16, KVH_DTYPE_F16, KVH_DTYPE_F32, 1, 40},
+        {40, 4, KVH_DTYPE_F16, KVH_DTYPE_F32, 2, 2},   {5, 1, KVH_DTYPE_F16, KVH_DTYPE_F16, 1, 3},
         {7, 64, KVH_DTYPE_F32, KVH_DTYPE_BF16, 2, 1},
     };
     for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
@@ -195,8 +194,8 @@ static void test_shapes(void **state)
         pair_add(&p, 0, 2, 3); /* a fork with a copied-on-write tail */
         char label[128];
         uint32_t Hq = cases[c].Hkv * cases[c].G;
-        snprintf(label, sizeof(label), "case %zu D %u bt %u kv %u io %u Hkv %u G %u decode", c, cases[c].D,
-                 cases[c].bt, cases[c].dtype, cases[c].io, cases[c].Hkv, cases[c].G);
+        snprintf(label, sizeof(label), "case %zu D %u bt %u kv %u io %u Hkv %u G %u decode", c, cases[c].D, cases[c].bt,
+                 cases[c].dtype, cases[c].io, cases[c].Hkv, cases[c].G);
         compare(&p, 1, Hq, cases[c].io, NULL, label);
         uint32_t ql[5] = {1, cases[c].bt, 7, 100, 2};
         snprintf(label, sizeof(label), "case %zu prefill", c);
@@ -300,8 +299,8 @@ static int load_driver(driver_api *d)
     *(void **)&d->exec_destroy = dlsym(lib, "cuGraphExecDestroy");
     *(void **)&d->graph_destroy = dlsym(lib, "cuGraphDestroy");
     *(void **)&d->stream_destroy = dlsym(lib, "cuStreamDestroy_v2");
-    return d->stream_create && d->begin_capture && d->end_capture && d->instantiate && d->launch &&
-                   d->stream_sync && d->exec_destroy && d->graph_destroy && d->stream_destroy
+    return d->stream_create && d->begin_capture && d->end_capture && d->instantiate && d->launch && d->stream_sync &&
+                   d->exec_destroy && d->graph_destroy && d->stream_destroy
                ? 0
                : -1;
 }

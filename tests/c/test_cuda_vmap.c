@@ -92,7 +92,6 @@ static kvh_seq new_seq(kvh_engine *e, const geo *g, size_t n, uint32_t salt)
     return s;
 }
 
-
 /* True when each unit of s's blocks starts on a unit-aligned slot and
  * continues in the slots after it: what a CUDA view can map. */
 static bool units_in_order(kvh_engine *e, kvh_seq s, uint32_t U)
@@ -460,8 +459,8 @@ static void test_map_unmap_timing(void **state)
     qsort(unmap_t, N, sizeof(double), cmp_double);
     print_message("vmap timing: one %llu-byte unit, median (p90) of %d: map %.1f (%.1f) us, remap %.1f (%.1f) us, "
                   "unmap %.1f (%.1f) us\n",
-                  (unsigned long long)unit, N, map_t[N / 2], map_t[N * 9 / 10], remap_t[N / 2],
-                  remap_t[N * 9 / 10], unmap_t[N / 2], unmap_t[N * 9 / 10]);
+                  (unsigned long long)unit, N, map_t[N / 2], map_t[N * 9 / 10], remap_t[N / 2], remap_t[N * 9 / 10],
+                  unmap_t[N / 2], unmap_t[N * 9 / 10]);
 }
 
 int main(void)

@@ -27,7 +27,7 @@ typedef struct rseq {
     int live;
     kvh_seq h;
     uint32_t len;
-    int prompt;               /* prompt its tokens follow, -1 none */
+    int prompt; /* prompt its tokens follow, -1 none */
     int32_t tok[MAXLEN];
     uint32_t k[L][MAXLEN][ROWF]; /* f32 as raw bits */
     uint32_t v[L][MAXLEN][ROWF];
@@ -56,31 +56,30 @@ typedef struct diff {
     long n_ops[16], n_nospace[16], n_match_blocks, n_match_calls, n_checks;
 } diff;
 
-static diff *g_d; /* for failure messages */
+static diff *g_d;   /* for failure messages */
 static int g_trace; /* KVH_DIFF_TRACE=1: print every operation */
-#define TRACE(...)                                                                                            \
-    do {                                                                                                      \
-        if (g_trace)                                                                                          \
-            fprintf(stderr, __VA_ARGS__);                                                                     \
+#define TRACE(...)                                                                                                     \
+    do {                                                                                                               \
+        if (g_trace)                                                                                                   \
+            fprintf(stderr, __VA_ARGS__);                                                                              \
     } while (0)
 
-#define DFAIL(...)                                                                                            \
-    do {                                                                                                      \
-        print_error("differential (seed 0x%" PRIx64 ", op %ld, threads %u): ", g_d->seed, g_d->op,            \
-                    g_d->threads);                                                                            \
-        print_error(__VA_ARGS__);                                                                             \
-        print_error("\n    rerun with KVH_TEST_SEED=0x%" PRIx64 "\n", g_d->seed);                            \
-        fail();                                                                                               \
+#define DFAIL(...)                                                                                                     \
+    do {                                                                                                               \
+        print_error("differential (seed 0x%" PRIx64 ", op %ld, threads %u): ", g_d->seed, g_d->op, g_d->threads);      \
+        print_error(__VA_ARGS__);                                                                                      \
+        print_error("\n    rerun with KVH_TEST_SEED=0x%" PRIx64 "\n", g_d->seed);                                      \
+        fail();                                                                                                        \
     } while (0)
-#define DCHECK(cond, ...)                                                                                     \
-    do {                                                                                                      \
-        if (!(cond))                                                                                          \
-            DFAIL(__VA_ARGS__);                                                                               \
+#define DCHECK(cond, ...)                                                                                              \
+    do {                                                                                                               \
+        if (!(cond))                                                                                                   \
+            DFAIL(__VA_ARGS__);                                                                                        \
     } while (0)
-#define DOK(expr)                                                                                             \
-    do {                                                                                                      \
-        kvh_status d_st_ = (expr);                                                                            \
-        DCHECK(d_st_ == KVH_OK, "%s -> %s (%s)", #expr, kvh_status_name(d_st_), kvh_last_error());            \
+#define DOK(expr)                                                                                                      \
+    do {                                                                                                               \
+        kvh_status d_st_ = (expr);                                                                                     \
+        DCHECK(d_st_ == KVH_OK, "%s -> %s (%s)", #expr, kvh_status_name(d_st_), kvh_last_error());                     \
     } while (0)
 
 /* ---- candidate set ---- */
@@ -257,8 +256,9 @@ static void verify_all(diff *d)
     if (d->threads == 0) {
         kvh_stats st = tu_stats(d->e);
         uint64_t used = tu_tier(d->e, KVH_TIER_DEVICE).used_blocks + tu_tier(d->e, KVH_TIER_HOST).used_blocks;
-        DCHECK(st.blocks_allocated - st.blocks_freed == used, "allocated %" PRIu64 " - freed %" PRIu64
-               " != used slots %" PRIu64, st.blocks_allocated, st.blocks_freed, used);
+        DCHECK(st.blocks_allocated - st.blocks_freed == used,
+               "allocated %" PRIu64 " - freed %" PRIu64 " != used slots %" PRIu64, st.blocks_allocated, st.blocks_freed,
+               used);
     }
 }
 
@@ -344,11 +344,23 @@ static void next_tokens(diff *d, rseq *s, int32_t *out, uint32_t n)
 
 /* ---- operations ---- */
 
-enum { OP_CREATE, OP_APPEND, OP_WRITE, OP_FILL, OP_READ, OP_FORK, OP_TRUNC, OP_FREE, OP_MATCH, OP_EVICT,
-       OP_ACQUIRE, OP_PREFETCH, OP_COUNT };
-static const char *op_names[OP_COUNT] = {"create", "append", "write_kv", "write_missing", "read_kv", "fork",
-                                         "truncate", "free", "match_prefix", "migrate_host", "acquire",
-                                         "prefetch"};
+enum {
+    OP_CREATE,
+    OP_APPEND,
+    OP_WRITE,
+    OP_FILL,
+    OP_READ,
+    OP_FORK,
+    OP_TRUNC,
+    OP_FREE,
+    OP_MATCH,
+    OP_EVICT,
+    OP_ACQUIRE,
+    OP_PREFETCH,
+    OP_COUNT
+};
+static const char *op_names[OP_COUNT] = {"create",   "append", "write_kv",     "write_missing", "read_kv", "fork",
+                                         "truncate", "free",   "match_prefix", "migrate_host",  "acquire", "prefetch"};
 static const int op_weight[OP_COUNT] = {4, 20, 22, 6, 10, 5, 6, 4, 6, 6, 6, 5};
 
 static void op_create(diff *d)
@@ -395,14 +407,12 @@ static void op_append(diff *d, int i)
 }
 
 /* Writes layer l, tokens [pos, pos+n) with kk/vv; model updated on OK. */
-static void do_write(diff *d, int i, uint32_t l, uint32_t pos, uint32_t n, uint32_t (*kk)[ROWF],
-                     uint32_t (*vv)[ROWF])
+static void do_write(diff *d, int i, uint32_t l, uint32_t pos, uint32_t n, uint32_t (*kk)[ROWF], uint32_t (*vv)[ROWF])
 {
     rseq *s = &d->s[i];
     uint32_t b0 = pos / BT, b1 = (pos + n + BT - 1) / BT;
     kvh_status st = kvh_seq_write_kv(d->e, s->h, l, pos, n, kk, vv);
-    TRACE("op %ld: write seq %d layer %u %u+%u (len %u) -> %s\n", d->op, i, l, pos, n, s->len,
-          kvh_status_name(st));
+    TRACE("op %ld: write seq %d layer %u %u+%u (len %u) -> %s\n", d->op, i, l, pos, n, s->len, kvh_status_name(st));
     if (st == KVH_ERR_NOSPACE) {
         snprintf(g_nospace_msg, sizeof(g_nospace_msg), "%s", kvh_last_error());
         d->n_nospace[OP_WRITE]++;
@@ -621,8 +631,8 @@ static void op_acquire(diff *d, int i)
     if (st == KVH_ERR_NOSPACE) {
         d->n_nospace[OP_ACQUIRE]++;
         if (d->strict_capacity)
-            DCHECK(nb > DEV, "acquire of %" PRIu64 " blocks (device holds %d, nothing else held): NOSPACE (%s)",
-                   nb, DEV, kvh_last_error());
+            DCHECK(nb > DEV, "acquire of %" PRIu64 " blocks (device holds %d, nothing else held): NOSPACE (%s)", nb,
+                   DEV, kvh_last_error());
         for (uint32_t b = (uint32_t)(first / BT); b < (first + n + BT - 1) / BT; b++) {
             kvh_block h;
             DOK(kvh_seq_blocks(d->e, s->h, b, 1, &h));
@@ -704,18 +714,41 @@ static void run(diff *d, long ops, long epoch)
             o = OP_CREATE;
         d->n_ops[o]++;
         switch (o) {
-        case OP_CREATE: op_create(d); break;
-        case OP_APPEND: op_append(d, i); break;
-        case OP_WRITE: op_write(d, i); break;
-        case OP_FILL: op_fill(d, i); break;
-        case OP_READ: op_read(d, i); break;
-        case OP_FORK: op_fork(d, i); break;
-        case OP_TRUNC: op_trunc(d, i); break;
-        case OP_FREE: op_free(d, i); break;
-        case OP_MATCH: op_match(d); break;
-        case OP_EVICT: op_evict(d, i); break;
-        case OP_ACQUIRE: op_acquire(d, i); break;
-        default: op_prefetch(d, i);
+        case OP_CREATE:
+            op_create(d);
+            break;
+        case OP_APPEND:
+            op_append(d, i);
+            break;
+        case OP_WRITE:
+            op_write(d, i);
+            break;
+        case OP_FILL:
+            op_fill(d, i);
+            break;
+        case OP_READ:
+            op_read(d, i);
+            break;
+        case OP_FORK:
+            op_fork(d, i);
+            break;
+        case OP_TRUNC:
+            op_trunc(d, i);
+            break;
+        case OP_FREE:
+            op_free(d, i);
+            break;
+        case OP_MATCH:
+            op_match(d);
+            break;
+        case OP_EVICT:
+            op_evict(d, i);
+            break;
+        case OP_ACQUIRE:
+            op_acquire(d, i);
+            break;
+        default:
+            op_prefetch(d, i);
         }
         if (d->op % 500 == 499)
             verify_all(d);

@@ -121,7 +121,6 @@ static void expect_chain(kvh_engine *e, int c, int want, const char *what)
 /* Bit flips                                                           */
 /* ------------------------------------------------------------------ */
 
-
 /* Opens the store with bit `bit` of journal header byte `off` flipped
  * (already done by the caller) and checks every chain: the snapshot's are
  * whole, nothing is served wrong. Returns the corrupt count and the
@@ -243,8 +242,8 @@ static void test_bit_flips_1000(void **state)
         flips += nfl;
         rounds++;
     }
-    print_message("%d bit flips (%d rounds of one per chain + 40 header flips) all detected in %.1f s\n", flips,
-                  rounds, dt_now() - t0);
+    print_message("%d bit flips (%d rounds of one per chain + 40 header flips) all detected in %.1f s\n", flips, rounds,
+                  dt_now() - t0);
 }
 
 /* A damaged journal header makes the engine drop every record of the
@@ -300,11 +299,11 @@ static void test_swapped_blocks(void **state)
     (void)state;
     build_pristine();
     restore();
-    swap_slots(3, 1, 7, 2, 0, SLOT_BYTES);    /* whole slots, two chains */
-    swap_slots(9, 0, 9, 1, 0, SLOT_BYTES);    /* whole slots, same chain */
-    swap_slots(20, 0, 21, 3, 4096, 4096);     /* data only */
-    swap_slots(5, 2, 5, 3, 0, 4096);          /* headers only */
-    swap_slots(24, 1, 12, 1, 0, SLOT_BYTES);  /* journal chain <-> snapshot chain */
+    swap_slots(3, 1, 7, 2, 0, SLOT_BYTES);   /* whole slots, two chains */
+    swap_slots(9, 0, 9, 1, 0, SLOT_BYTES);   /* whole slots, same chain */
+    swap_slots(20, 0, 21, 3, 4096, 4096);    /* data only */
+    swap_slots(5, 2, 5, 3, 0, 4096);         /* headers only */
+    swap_slots(24, 1, 12, 1, 0, SLOT_BYTES); /* journal chain <-> snapshot chain */
     int want[NC];
     for (int c = 0; c < NC; c++)
         want[c] = NB;
@@ -424,8 +423,8 @@ static void test_kvh_store_verify_truncated_slab(void **state)
         }
     }
     if (wrong)
-        fail_msg("kvh-store verify passed %d of %zu truncated stores; first: %s", wrong,
-                 sizeof(cuts) / sizeof(cuts[0]), first);
+        fail_msg("kvh-store verify passed %d of %zu truncated stores; first: %s", wrong, sizeof(cuts) / sizeof(cuts[0]),
+                 first);
 }
 
 /* The snapshot and the journal cut short: what is gone is a miss, never a

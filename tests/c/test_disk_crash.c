@@ -37,7 +37,7 @@
 static const dt_geo G = {2, 1, 32, 16, KVH_DTYPE_F16}; /* block = 4096 bytes */
 #define DISK_SLOTS 1024
 #define WINDOW_CAP 880 /* blocks the children may create before the store starts over */
-#define MAX_SEQS 4096 /* ids per run (fewer than DT_ORACLE_MAX_SEQS) */
+#define MAX_SEQS 4096  /* ids per run (fewer than DT_ORACLE_MAX_SEQS) */
 
 static kvh_config crash_cfg(const char *dir) { return dt_cfg(G, dir, 8, 16, DISK_SLOTS, 2); }
 
@@ -48,7 +48,6 @@ static struct {
     uint32_t window_first;
     uint64_t window_blocks;
 } S;
-
 
 /* ---- the child's workload ---- */
 
@@ -190,8 +189,7 @@ static void test_sigkill_during_spill_and_persist(void **state)
                 S.next_id = S.window_first = 0;
         }
         /* every third child uses buffered I/O instead of O_DIRECT */
-        child_arg a = {dt_next(&rng), cycle % 3 == 1 ? KVH_DISK_BUFFERED : 0, WINDOW_CAP - S.window_blocks,
-                       S.next_id};
+        child_arg a = {dt_next(&rng), cycle % 3 == 1 ? KVH_DISK_BUFFERED : 0, WINDOW_CAP - S.window_blocks, S.next_id};
         bool early = dt_below(&rng, 10) == 0;
         uint64_t delay_us = early ? dt_below(&rng, 4000) : dt_below(&rng, 80000);
         int ws;
@@ -241,10 +239,9 @@ static void test_sigkill_during_spill_and_persist(void **state)
         }
     }
     print_message("%d kill -9 cycles in %.1f s (%d stores; kills: %d during open, %d inside a persist, %d after "
-                  "new acks); last window: %d acks; checked %" PRIu64 " acknowledged blocks, %" PRIu64
-                  " matched\n",
-                  cycles, dt_now() - t0, windows, before_ready, in_persist, killed_after_ack, acks_total,
-                  checked_acked, checked_matched);
+                  "new acks); last window: %d acks; checked %" PRIu64 " acknowledged blocks, %" PRIu64 " matched\n",
+                  cycles, dt_now() - t0, windows, before_ready, in_persist, killed_after_ack, acks_total, checked_acked,
+                  checked_matched);
 }
 
 int main(void)

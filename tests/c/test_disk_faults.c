@@ -254,8 +254,7 @@ static void fill_until_nospace(const char *dir, uint64_t disk_slots, void (*free
         dt_assert_ok(kvh_seq_free(e, s));
     }
     if (st != KVH_ERR_NOSPACE)
-        fail_msg("after %d persists: %s (%s), expected KVH_ERR_NOSPACE", acked, kvh_status_name(st),
-                 kvh_last_error());
+        fail_msg("after %d persists: %s (%s), expected KVH_ERR_NOSPACE", acked, kvh_status_name(st), kvh_last_error());
     print_message("the filesystem filled after %d persisted sequences: %s\n", acked, kvh_last_error());
     /* the sequence whose persist failed is intact in memory */
     assert_seq_ok(e, s, dt_plain(9000 + (uint64_t)acked), 2 * G.bt, "after ENOSPC");
@@ -465,8 +464,8 @@ static void test_fault_sweep(void **state)
     struct {
         int op, err, max_nth;
     } plan[] = {
-        {KVHI_OP_WRITE, -EIO, 12},   {KVHI_OP_WRITE, -ENOSPC, 12}, {KVHI_OP_FSYNC, -EIO, 8},
-        {KVHI_OP_RENAME, -EIO, 3},   {KVHI_OP_DIRSYNC, -EIO, 3},   {KVHI_OP_READ, -EIO, 8},
+        {KVHI_OP_WRITE, -EIO, 12}, {KVHI_OP_WRITE, -ENOSPC, 12}, {KVHI_OP_FSYNC, -EIO, 8},
+        {KVHI_OP_RENAME, -EIO, 3}, {KVHI_OP_DIRSYNC, -EIO, 3},   {KVHI_OP_READ, -EIO, 8},
     };
     char dir[512];
     int runs = 0, fired_runs = 0;
@@ -481,14 +480,12 @@ static void test_fault_sweep(void **state)
             dt_content ct[5];
             kvh_seq s[5];
             char what[96];
-            snprintf(what, sizeof(what), "%s fails (%s) at call %d", op_name(plan[p].op),
-                     strerror(-plan[p].err), nth);
+            snprintf(what, sizeof(what), "%s fails (%s) at call %d", op_name(plan[p].op), strerror(-plan[p].err), nth);
             for (int i = 0; i < 5; i++) {
                 ct[i] = dt_plain(700 + (uint64_t)i);
                 kvh_status bst = dt_build(e, G, ct[i], 3 * G.bt, 0, &s[i]);
                 if (bst != KVH_OK)
-                    fail_msg("%s: before arming, building sequence %d: %s (%s)", what, i, kvh_status_name(bst),
-                             dt_err);
+                    fail_msg("%s: before arming, building sequence %d: %s (%s)", what, i, kvh_status_name(bst), dt_err);
             }
             dt_assert_ok(kvh_seq_persist(e, s[0]));
             dt_assert_ok(kvh_seq_migrate(e, s[0], 0, 3 * G.bt, KVH_TIER_DISK, NULL));

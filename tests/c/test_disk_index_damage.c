@@ -279,8 +279,18 @@ static void test_truncated_zeroed_missing(void **state)
     kvh_config cfg = cfg_for(P.dir);
     const dt_saved_file *ix = dt_store_file(&P.saved, "index");
     assert_non_null(ix);
-    uint64_t cuts[] = {0, 1, 40, 83, 84, 85, 4095, 4096, 4096 + P.rec_bytes, 4096 + 3 * P.rec_bytes + 7,
-                       ix->len - P.rec_bytes, ix->len - 1};
+    uint64_t cuts[] = {0,
+                       1,
+                       40,
+                       83,
+                       84,
+                       85,
+                       4095,
+                       4096,
+                       4096 + P.rec_bytes,
+                       4096 + 3 * P.rec_bytes + 7,
+                       ix->len - P.rec_bytes,
+                       ix->len - 1};
     for (size_t i = 0; i < sizeof(cuts) / sizeof(cuts[0]); i++) {
         char what[96];
         snprintf(what, sizeof(what), "index cut at %" PRIu64, cuts[i]);

@@ -226,8 +226,8 @@ static void test_geometry(void **state)
         uint64_t slot_bytes;
         uint32_t lane_blocks;
     } cases[] = {
-        {3 * 4096 + 100, 8, 32, 4096 + 4 * 4096, 32},                   /* padded; the queue depth limits */
-        {4096, 8, 4, 8192, 4},                                          /* a small queue */
+        {3 * 4096 + 100, 8, 32, 4096 + 4 * 4096, 32},                           /* padded; the queue depth limits */
+        {4096, 8, 4, 8192, 4},                                                  /* a small queue */
         {3u << 20, 2, 32, 4096 + (3u << 20), (8u << 20) / (4096 + (3u << 20))}, /* staging limits: 2 */
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
@@ -384,8 +384,8 @@ static void test_runs(void **state)
         static const struct {
             uint32_t n, slots[6];
             int runs;
-        } batches[] = {{4, {0, 1, 2, 3}, 2}, {3, {0, 2, 4}, 3}, {6, {5, 6, 7, 8, 9, 10}, 2}, {1, {11}, 1},
-                       {3, {2, 1, 0}, 3}};
+        } batches[] = {
+            {4, {0, 1, 2, 3}, 2}, {3, {0, 2, 4}, 3}, {6, {5, 6, 7, 8, 9, 10}, 2}, {1, {11}, 1}, {3, {2, 1, 0}, 3}};
         int res[6];
         for (size_t i = 0; i < sizeof(batches) / sizeof(batches[0]); i++) {
             hook_on(-1, 0, 0);

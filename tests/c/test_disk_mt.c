@@ -26,10 +26,10 @@ static atomic_int g_acked[THREADS][PER_THREAD]; /* full blocks acknowledged */
 static dt_content content(int t, int i) { return dt_plain(30000 + (uint64_t)t * 100 + (uint64_t)i); }
 static size_t length(int t, int i) { return (size_t)(1 + (t + i) % 5) * G.bt + (size_t)((i * 7) % G.bt); }
 
-#define WFAIL(...)                                                                                           \
-    do {                                                                                                     \
-        mt_report(w, __VA_ARGS__);                                                                           \
-        return NULL;                                                                                         \
+#define WFAIL(...)                                                                                                     \
+    do {                                                                                                               \
+        mt_report(w, __VA_ARGS__);                                                                                     \
+        return NULL;                                                                                                   \
     } while (0)
 
 static void *work(void *arg)
@@ -66,8 +66,8 @@ static void *work(void *arg)
         /* Matches of other threads hold whole chains read from disk (up to
          * 4 x 6 blocks against 18 memory slots): a read may find every slot
          * held for a moment, a NOSPACE that passes when they finish. */
-        for (int tries = 0; (st = dt_verify(e, s, G, content(w->t, i), 0, n, msg, sizeof(msg))) == KVH_ERR_NOSPACE &&
-                            tries < 1000;
+        for (int tries = 0;
+             (st = dt_verify(e, s, G, content(w->t, i), 0, n, msg, sizeof(msg))) == KVH_ERR_NOSPACE && tries < 1000;
              tries++)
             usleep(1000);
         if (st != KVH_OK)
@@ -140,8 +140,7 @@ static void test_concurrent_persist_spill_match(void **state)
     for (int t = 0; t < THREADS; t++)
         for (int i = 0; i < PER_THREAD; i++)
             acked += atomic_load(&g_acked[t][i]);
-    print_message("%d threads persisted %d blocks; %" PRIu64 " host->disk and %" PRIu64
-                  " disk->host moves meanwhile\n",
+    print_message("%d threads persisted %d blocks; %" PRIu64 " host->disk and %" PRIu64 " disk->host moves meanwhile\n",
                   THREADS, acked, st.blocks_host_to_disk, st.blocks_disk_to_host);
     dt_assert_ok(dt_close(e));
 

@@ -166,8 +166,8 @@ static void single_block_restores(dt_geo g, const char *tag)
 static void test_single_block_restores_in_pieces(void **state)
 {
     (void)state;
-    single_block_restores((dt_geo){4, 8, 64, 32, KVH_DTYPE_F16}, "rt-pieces-256k"); /* 256 KiB blocks */
-    single_block_restores((dt_geo){8, 8, 128, 32, KVH_DTYPE_F16}, "rt-pieces-1m");  /* 1 MiB blocks */
+    single_block_restores((dt_geo){4, 8, 64, 32, KVH_DTYPE_F16}, "rt-pieces-256k");   /* 256 KiB blocks */
+    single_block_restores((dt_geo){8, 8, 128, 32, KVH_DTYPE_F16}, "rt-pieces-1m");    /* 1 MiB blocks */
     single_block_restores((dt_geo){2, 3, 20, 32, KVH_DTYPE_F32}, "rt-pieces-padded"); /* staged path */
 }
 
@@ -468,10 +468,8 @@ static void test_mismatch_and_reset(void **state)
         dt_geo g;
         uint64_t salt;
     } variants[] = {
-        {"num_layers", {3, 2, 32, 16, KVH_DTYPE_F16}, 0x5eed},
-        {"num_kv_heads", {2, 1, 32, 16, KVH_DTYPE_F16}, 0x5eed},
-        {"head_dim", {2, 2, 64, 16, KVH_DTYPE_F16}, 0x5eed},
-        {"block_tokens", {2, 2, 32, 32, KVH_DTYPE_F16}, 0x5eed},
+        {"num_layers", {3, 2, 32, 16, KVH_DTYPE_F16}, 0x5eed}, {"num_kv_heads", {2, 1, 32, 16, KVH_DTYPE_F16}, 0x5eed},
+        {"head_dim", {2, 2, 64, 16, KVH_DTYPE_F16}, 0x5eed},   {"block_tokens", {2, 2, 32, 32, KVH_DTYPE_F16}, 0x5eed},
         {"dtype", {2, 2, 32, 16, KVH_DTYPE_BF16}, 0x5eed}, /* same size, other type */
         {"model_salt", {2, 2, 32, 16, KVH_DTYPE_F16}, 0x5eee},
     };

@@ -14,10 +14,10 @@ static void test_version(void **state)
     assert_ptr_equal(kvh_version_string(), kvh_version_string()); /* static text */
 }
 
-#define CHECK_STATUS_TEXT(name, value, text)                                                                  \
-    assert_int_equal((int)(name), (value));                                                                   \
-    assert_string_equal(kvh_status_name(value), #name);                                                       \
-    assert_string_equal(kvh_strerror(value), text);                                                           \
+#define CHECK_STATUS_TEXT(name, value, text)                                                                           \
+    assert_int_equal((int)(name), (value));                                                                            \
+    assert_string_equal(kvh_status_name(value), #name);                                                                \
+    assert_string_equal(kvh_strerror(value), text);                                                                    \
     n_codes++;
 
 static void test_status_text(void **state)
@@ -119,11 +119,11 @@ static void test_open_invalid_geometry(void **state)
 {
     (void)state;
     kvh_config c;
-#define BAD(field, value)                                                                                     \
-    do {                                                                                                      \
-        c = small_cfg();                                                                                      \
-        c.field = value;                                                                                      \
-        expect_open_invalid(&c, #field " = " #value);                                                         \
+#define BAD(field, value)                                                                                              \
+    do {                                                                                                               \
+        c = small_cfg();                                                                                               \
+        c.field = value;                                                                                               \
+        expect_open_invalid(&c, #field " = " #value);                                                                  \
     } while (0)
     BAD(num_layers, 0);
     BAD(num_layers, 4097);
@@ -381,8 +381,8 @@ static void test_stats_struct_size(void **state)
     assert_int_equal(full.blocks_allocated, 2);
 
     /* An older, smaller struct is filled up to its size and no further. */
-    size_t sizes[] = {offsetof(kvh_stats, lookups), offsetof(kvh_stats, hits_host),
-                      offsetof(kvh_stats, cow_copies), offsetof(kvh_stats, blocks_freed)};
+    size_t sizes[] = {offsetof(kvh_stats, lookups), offsetof(kvh_stats, hits_host), offsetof(kvh_stats, cow_copies),
+                      offsetof(kvh_stats, blocks_freed)};
     for (size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]); i++) {
         uint8_t buf[sizeof(kvh_stats) + 64];
         memset(buf, 0xEE, sizeof(buf));

@@ -3,8 +3,8 @@
 #include "test_util.h"
 
 enum { L = 2, H = 2, D = 8, BT = 4, SLOTS = 6 };
-static const size_t ROW = D * 2;         /* f16 */
-static const size_t TOKB = H * D * 2;    /* one token, all heads */
+static const size_t ROW = D * 2;      /* f16 */
+static const size_t TOKB = H * D * 2; /* one token, all heads */
 static const size_t SLOTB = BT * H * D * 2;
 
 typedef struct pool_mem {

@@ -332,8 +332,8 @@ static void test_hint_bad_input(void **state)
     tu_close(e);
 }
 
-#define BOTH(fn) \
-    cmocka_unit_test_prestate_setup_teardown(fn, NULL, tu_teardown, (void *)(uintptr_t)0),          \
+#define BOTH(fn)                                                                                                       \
+    cmocka_unit_test_prestate_setup_teardown(fn, NULL, tu_teardown, (void *)(uintptr_t)0),                             \
         cmocka_unit_test_prestate_setup_teardown(fn, NULL, tu_teardown, (void *)(uintptr_t)2)
 
 int main(void)

@@ -17,8 +17,8 @@ static int key_eq(const kvhi_lruk_key *a, const kvhi_lruk_key *b)
 }
 
 /* Full structural check against the reference (present[], keys[]). */
-static void check_heap(const kvhi_lruk_heap *h, const item *items, const uint8_t *present,
-                       const kvhi_lruk_key *keys, uint32_t n_items)
+static void check_heap(const kvhi_lruk_heap *h, const item *items, const uint8_t *present, const kvhi_lruk_key *keys,
+                       uint32_t n_items)
 {
     uint32_t count = 0;
     for (uint32_t i = 0; i < n_items; i++) {

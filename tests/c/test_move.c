@@ -234,10 +234,8 @@ static legs legs_of(const kvh_stats *a, const kvh_stats *b)
     assert_int_equal(b->bytes_disk_to_host - a->bytes_disk_to_host,
                      (b->blocks_disk_to_host - a->blocks_disk_to_host) * bb);
     return (legs){b->blocks_device_to_host - a->blocks_device_to_host,
-                  b->blocks_host_to_device - a->blocks_host_to_device,
-                  b->blocks_host_to_disk - a->blocks_host_to_disk,
-                  b->blocks_disk_to_host - a->blocks_disk_to_host,
-                  b->blocks_moved_in_place - a->blocks_moved_in_place};
+                  b->blocks_host_to_device - a->blocks_host_to_device, b->blocks_host_to_disk - a->blocks_host_to_disk,
+                  b->blocks_disk_to_host - a->blocks_disk_to_host, b->blocks_moved_in_place - a->blocks_moved_in_place};
 }
 
 static void test_counters_of_each_leg(void **state)
@@ -274,9 +272,8 @@ static void test_counters_of_each_leg(void **state)
             assert_int_equal(dt_binfo(e, s, 0).tier, steps[i].to);
             legs got = legs_of(&a, &b), want = copies ? steps[i].copy : steps[i].in_place;
             if (memcmp(&got, &want, sizeof(got)) != 0)
-                fail_msg("%s, step %zu (to tier %u): d2h %" PRIu64 " h2d %" PRIu64 " h2disk %" PRIu64
-                         " disk2h %" PRIu64 " in place %" PRIu64 ", expected %" PRIu64 " %" PRIu64 " %" PRIu64
-                         " %" PRIu64 " %" PRIu64,
+                fail_msg("%s, step %zu (to tier %u): d2h %" PRIu64 " h2d %" PRIu64 " h2disk %" PRIu64 " disk2h %" PRIu64
+                         " in place %" PRIu64 ", expected %" PRIu64 " %" PRIu64 " %" PRIu64 " %" PRIu64 " %" PRIu64,
                          copies ? "two arenas" : "one arena", i, steps[i].to, got.d2h, got.h2d, got.h2k, got.k2h,
                          got.in_place, want.d2h, want.h2d, want.h2k, want.k2h, want.in_place);
             assert_int_equal(b.evictions, a.evictions);

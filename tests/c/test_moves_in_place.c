@@ -158,7 +158,8 @@ static void copies_where_asked_or_needed(void **state)
 {
     (void)state;
     for (int variant = 0; variant < 2; variant++) {
-        kvh_engine *e = variant ? open_engine(4, 8, 0, false, KVH_CODEC_INT8) : open_engine(4, 8, 0, true, KVH_CODEC_NONE);
+        kvh_engine *e =
+            variant ? open_engine(4, 8, 0, false, KVH_CODEC_INT8) : open_engine(4, 8, 0, true, KVH_CODEC_NONE);
         assert_ptr_not_equal(tu_tier(e, KVH_TIER_DEVICE).base, tu_tier(e, KVH_TIER_HOST).base);
         kvh_seq s = make_seq(e, 2, 3);
         assert_ok(kvh_seq_migrate(e, s, 0, 2 * BT, KVH_TIER_HOST, NULL));

@@ -267,9 +267,9 @@ static void test_min_bounds_hinted_policies(void **state)
         for (size_t i = 0; i < 3000; i++) {
             if (tu_below(&r, 8) == 0) {
                 uint32_t first = (uint32_t)tu_below(&r, distinct);
-                assert_int_equal(trace_add_hint(&t, first % 3, first, 1 + (uint32_t)tu_below(&r, 6),
-                                                (int32_t)tu_below(&r, 20) - 10),
-                                 0);
+                assert_int_equal(
+                    trace_add_hint(&t, first % 3, first, 1 + (uint32_t)tu_below(&r, 6), (int32_t)tu_below(&r, 20) - 10),
+                    0);
             }
             uint32_t b = tu_below(&r, 2) ? (uint32_t)tu_below(&r, distinct / 5 + 1) : (uint32_t)tu_below(&r, distinct);
             assert_int_equal(trace_add(&t, b % 3, b, 0, 0.5f), 0);
@@ -332,7 +332,7 @@ static void test_trace_ids_and_file_round_trip(void **state)
     assert_int_equal(trace_add(&t, 7, 1, 1, 0.75f), 0);
     assert_int_equal(trace_add(&t, 3, 0, 2, 0.5f), 0);
     assert_int_equal(trace_add_hint(&t, 7, 0, 2, -5), 0); /* before access 3 */
-    assert_int_equal(trace_add(&t, 7, 0, 2, 0.9f), 0); /* tolerance kept from first use */
+    assert_int_equal(trace_add(&t, 7, 0, 2, 0.9f), 0);    /* tolerance kept from first use */
     assert_int_equal(trace_find(&t, 7, 1), 1);
     assert_int_equal(trace_find(&t, 7, 2), -1);
     assert_int_equal(t.n_blocks, 3);

@@ -97,18 +97,18 @@ static void still_works(kvh_engine *e, uint64_t stream)
 static int null_calls;
 
 /* An error code from the list; with want != 0, exactly want. */
-#define EXPECT_ERR(want, call)                                                                               \
-    do {                                                                                                     \
-        kvh_status st_ = (call);                                                                             \
-        null_calls++;                                                                                        \
-        if (st_ == KVH_OK || !rl_status_known(st_) || ((want) != 0 && st_ != (want)))                        \
-            fail_msg("%s:%d: %s returned %s (%d), expected %s", __FILE__, __LINE__, #call,                   \
-                     kvh_status_name(st_), (int)st_, (want) ? kvh_status_name(want) : "an error");           \
+#define EXPECT_ERR(want, call)                                                                                         \
+    do {                                                                                                               \
+        kvh_status st_ = (call);                                                                                       \
+        null_calls++;                                                                                                  \
+        if (st_ == KVH_OK || !rl_status_known(st_) || ((want) != 0 && st_ != (want)))                                  \
+            fail_msg("%s:%d: %s returned %s (%d), expected %s", __FILE__, __LINE__, #call, kvh_status_name(st_),       \
+                     (int)st_, (want) ? kvh_status_name(want) : "an error");                                           \
     } while (0)
-#define EXPECT_OK(call)                                                                                      \
-    do {                                                                                                     \
-        null_calls++;                                                                                        \
-        dt_assert_ok(call);                                                                                  \
+#define EXPECT_OK(call)                                                                                                \
+    do {                                                                                                               \
+        null_calls++;                                                                                                  \
+        dt_assert_ok(call);                                                                                            \
     } while (0)
 
 static void test_null_everywhere(void **state)
@@ -360,54 +360,112 @@ static void test_random_handles(void **state)
             kvh_seq h = {bad_handle(&r, 0x5A, seqs, 2, others, 6)};
             kvh_seq pair[2] = {X.s, h};
             switch (fn) {
-            case 0: st = kvh_seq_free(e, h); break;
-            case 1: st = kvh_seq_fork(e, h, 0, &child); break;
-            case 2: st = kvh_seq_append(e, h, toks, 3); break;
-            case 3: st = kvh_seq_length(e, h, &u64); break;
-            case 4: st = kvh_seq_tokens(e, h, 0, 1, toks); break;
-            case 5: st = kvh_seq_write_kv(e, h, 0, 0, 1, k, v); break;
-            case 6: st = kvh_seq_read_kv(e, h, 0, 0, 1, k, v); break;
-            case 7: st = kvh_seq_truncate(e, h, 0); break;
-            case 8: st = kvh_seq_match_prefix(e, h, toks, 8, &sz); break;
-            case 9: st = kvh_seq_acquire(e, h, 0, 1, (i & 1) ? &fence : NULL); break;
-            case 10: st = kvh_seq_release(e, h, 0, 1); break;
-            case 11: st = kvh_seq_pin(e, h, 0, 1, i & 1); break;
-            case 12: st = kvh_seq_blocks(e, h, 0, 1, &blk); break;
-            case 13: st = kvh_seq_migrate(e, h, 0, 1, KVH_TIER_HOST, (i & 1) ? &fence : NULL); break;
-            case 14: st = kvh_prefetch(e, h, 0, 1, 0, (i & 1) ? &fence : NULL); break;
-            case 15: st = kvh_seq_persist(e, h); break;
-            case 16: st = kvh_block_table(e, pair, 2, indptr, indices, 8, lpl); break;
-            case 17: st = kvh_attention_decode(e, 0, pair, 2, q, out, NULL); break;
-            default: st = kvh_attention_prefill(e, 0, pair, qlens, 2, q, out, NULL);
+            case 0:
+                st = kvh_seq_free(e, h);
+                break;
+            case 1:
+                st = kvh_seq_fork(e, h, 0, &child);
+                break;
+            case 2:
+                st = kvh_seq_append(e, h, toks, 3);
+                break;
+            case 3:
+                st = kvh_seq_length(e, h, &u64);
+                break;
+            case 4:
+                st = kvh_seq_tokens(e, h, 0, 1, toks);
+                break;
+            case 5:
+                st = kvh_seq_write_kv(e, h, 0, 0, 1, k, v);
+                break;
+            case 6:
+                st = kvh_seq_read_kv(e, h, 0, 0, 1, k, v);
+                break;
+            case 7:
+                st = kvh_seq_truncate(e, h, 0);
+                break;
+            case 8:
+                st = kvh_seq_match_prefix(e, h, toks, 8, &sz);
+                break;
+            case 9:
+                st = kvh_seq_acquire(e, h, 0, 1, (i & 1) ? &fence : NULL);
+                break;
+            case 10:
+                st = kvh_seq_release(e, h, 0, 1);
+                break;
+            case 11:
+                st = kvh_seq_pin(e, h, 0, 1, i & 1);
+                break;
+            case 12:
+                st = kvh_seq_blocks(e, h, 0, 1, &blk);
+                break;
+            case 13:
+                st = kvh_seq_migrate(e, h, 0, 1, KVH_TIER_HOST, (i & 1) ? &fence : NULL);
+                break;
+            case 14:
+                st = kvh_prefetch(e, h, 0, 1, 0, (i & 1) ? &fence : NULL);
+                break;
+            case 15:
+                st = kvh_seq_persist(e, h);
+                break;
+            case 16:
+                st = kvh_block_table(e, pair, 2, indptr, indices, 8, lpl);
+                break;
+            case 17:
+                st = kvh_attention_decode(e, 0, pair, 2, q, out, NULL);
+                break;
+            default:
+                st = kvh_attention_prefill(e, 0, pair, qlens, 2, q, out, NULL);
             }
         } else if (fn < 25) {
             kvh_block h = {bad_handle(&r, 0xB1, blocks, 4, others, 6)};
             switch (fn) {
-            case 19: st = kvh_block_info_get(e, h, &bi); break;
-            case 20: st = kvh_block_retain(e, h); break;
-            case 21: st = kvh_block_release(e, h); break;
-            case 22: st = kvh_block_pin(e, h, i & 1); break;
+            case 19:
+                st = kvh_block_info_get(e, h, &bi);
+                break;
+            case 20:
+                st = kvh_block_retain(e, h);
+                break;
+            case 21:
+                st = kvh_block_release(e, h);
+                break;
+            case 22:
+                st = kvh_block_pin(e, h, i & 1);
+                break;
             case 23: {
                 kvh_block arr[2] = {X.b, h};
                 st = kvh_migrate(e, arr, 2, KVH_TIER_HOST, (i & 1) ? &fence : NULL);
                 break;
             }
-            default: st = kvh_pool_restore(e, X.pool, h, 0);
+            default:
+                st = kvh_pool_restore(e, X.pool, h, 0);
             }
         } else if (fn < 28) {
             kvh_fence h = {bad_handle(&r, 0xF3, fences, 1, others, 6)};
             switch (fn) {
-            case 25: st = kvh_fence_wait(e, h, i & 1 ? 0 : 1000); break;
-            case 26: st = kvh_fence_poll(e, h, &i32); break;
-            default: st = kvh_fence_free(e, h);
+            case 25:
+                st = kvh_fence_wait(e, h, i & 1 ? 0 : 1000);
+                break;
+            case 26:
+                st = kvh_fence_poll(e, h, &i32);
+                break;
+            default:
+                st = kvh_fence_free(e, h);
             }
         } else {
             kvh_pool h = {bad_handle(&r, 0x9C, pools, 1, others, 6)};
             switch (fn) {
-            case 28: st = kvh_pool_unregister(e, h); break;
-            case 29: st = kvh_pool_offload(e, h, 0, 0, toks, BT, 0, &blk); break;
-            case 30: st = kvh_pool_restore(e, h, X.sb[0], 0); break;
-            default: st = kvh_pool_offload(e, h, 1, 0, toks, BT, 3, &blk);
+            case 28:
+                st = kvh_pool_unregister(e, h);
+                break;
+            case 29:
+                st = kvh_pool_offload(e, h, 0, 0, toks, BT, 0, &blk);
+                break;
+            case 30:
+                st = kvh_pool_restore(e, h, X.sb[0], 0);
+                break;
+            default:
+                st = kvh_pool_offload(e, h, 1, 0, toks, BT, 3, &blk);
             }
         }
         if (st != KVH_ERR_BAD_HANDLE)
@@ -427,8 +485,7 @@ static void test_random_handles(void **state)
     if (dt_verify(e, X.s, G, dt_plain(1), 0, 10, msg, sizeof(msg)) != KVH_OK)
         fail_msg("fixture changed: %s", msg);
     still_works(e, 78);
-    print_message("random handles: %ld calls in %.2f s, every one KVH_ERR_BAD_HANDLE, nothing changed\n", calls,
-                  secs);
+    print_message("random handles: %ld calls in %.2f s, every one KVH_ERR_BAD_HANDLE, nothing changed\n", calls, secs);
 }
 
 /* ------------------------------------------------------------------ */
@@ -745,7 +802,7 @@ static void test_absurd_lengths(void **state)
         struct {
             const char *name;
             int id;
-        } probes[] = {{"kvh_seq_append", 0}, {"kvh_seq_tokens", 1}, {"kvh_seq_write_kv", 2},
+        } probes[] = {{"kvh_seq_append", 0},  {"kvh_seq_tokens", 1}, {"kvh_seq_write_kv", 2},
                       {"kvh_seq_read_kv", 3}, {"kvh_seq_blocks", 4}, {"kvh_seq_match_prefix", 5}};
         for (size_t p = 0; p < sizeof(probes) / sizeof(probes[0]); p++) {
             pid_t pid = dt_fork_child();
@@ -755,11 +812,21 @@ static void test_absurd_lengths(void **state)
                 size_t m = 0;
                 kvh_status st = KVH_OK;
                 switch (probes[p].id) {
-                case 0: st = kvh_seq_append(e, X.s2, toks, n); break;
-                case 1: st = kvh_seq_tokens(e, X.s, 0, n, toks); break;
-                case 2: st = kvh_seq_write_kv(e, X.s, 0, 0, n, k, v); break;
-                case 3: st = kvh_seq_read_kv(e, X.s, 0, 0, n, k, v); break;
-                case 4: st = kvh_seq_blocks(e, X.s, 0, n, blk); break;
+                case 0:
+                    st = kvh_seq_append(e, X.s2, toks, n);
+                    break;
+                case 1:
+                    st = kvh_seq_tokens(e, X.s, 0, n, toks);
+                    break;
+                case 2:
+                    st = kvh_seq_write_kv(e, X.s, 0, 0, n, k, v);
+                    break;
+                case 3:
+                    st = kvh_seq_read_kv(e, X.s, 0, 0, n, k, v);
+                    break;
+                case 4:
+                    st = kvh_seq_blocks(e, X.s, 0, n, blk);
+                    break;
                 default:
                     kvh_seq_create(e, 0, &s2);
                     st = kvh_seq_match_prefix(e, s2, toks, n, &m);
@@ -771,7 +838,7 @@ static void test_absurd_lengths(void **state)
             assert_true(ws != -1);
             if (!(WIFEXITED(ws) && WEXITSTATUS(ws) == 0)) {
                 print_error("  %s(n = %zu): %s\n", probes[p].name, n,
-                            WIFSIGNALED(ws) ? strsignal(WTERMSIG(ws))
+                            WIFSIGNALED(ws)        ? strsignal(WTERMSIG(ws))
                             : WEXITSTATUS(ws) == 1 ? "returned KVH_OK"
                                                    : "returned an undocumented status");
                 failures++;

@@ -234,8 +234,8 @@ static void *agent_main(void *arg)
         uint64_t span = q->len < 2 * bt ? q->len : 2 * bt;
         switch (op) {
         case 1: /* grow */
-            if (q->len < MAX_BLOCKS * bt && !ok(a, extend(e, q, q->len + 1 + dt_below(&a->r, MAX_BLOCKS * bt - q->len)),
-                                                "extend"))
+            if (q->len < MAX_BLOCKS * bt &&
+                !ok(a, extend(e, q, q->len + 1 + dt_below(&a->r, MAX_BLOCKS * bt - q->len)), "extend"))
                 goto out;
             break;
         case 2: /* fork with a divergent continuation (one more split) */
@@ -312,8 +312,8 @@ static void *agent_main(void *arg)
             bool async = dt_below(&a->r, 2);
             if (!ok(a, kvh_seq_migrate(e, q->s, 0, q->len, tier, async ? &f : NULL), "migrate"))
                 goto out;
-            if (async && f.id && (!ok(a, kvh_fence_wait(e, f, UINT64_MAX), "migrate fence") ||
-                                  !ok(a, kvh_fence_free(e, f), "free")))
+            if (async && f.id &&
+                (!ok(a, kvh_fence_wait(e, f, UINT64_MAX), "migrate fence") || !ok(a, kvh_fence_free(e, f), "free")))
                 goto out;
             break;
         }

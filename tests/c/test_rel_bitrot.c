@@ -203,8 +203,8 @@ static void header_round(dt_rng *rng, bool journal, counts *n)
     kvh_status st = kvh_engine_open(&strict, &e);
     if (st != KVH_ERR_CORRUPT) {
         kvh_engine_close(e);
-        fail_msg("%s header byte %" PRIu64 " bit %u flipped: strict open returned %s, expected KVH_ERR_CORRUPT",
-                 name, off, bit, kvh_status_name(st));
+        fail_msg("%s header byte %" PRIu64 " bit %u flipped: strict open returned %s, expected KVH_ERR_CORRUPT", name,
+                 off, bit, kvh_status_name(st));
     }
     e = dt_open_a(&cfg);
     for (int c = 0; c < NC; c++) {

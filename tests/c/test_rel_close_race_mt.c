@@ -110,10 +110,10 @@ static bool check(kvh_status st, const char *what, bool timeout_ok)
     return true;
 }
 
-#define CALL(what, expr)                                                                                     \
-    do {                                                                                                     \
-        if (check((expr), what, false))                                                                      \
-            goto out;                                                                                        \
+#define CALL(what, expr)                                                                                               \
+    do {                                                                                                               \
+        if (check((expr), what, false))                                                                                \
+            goto out;                                                                                                  \
     } while (0)
 
 static void *worker_main(void *arg)

@@ -55,11 +55,23 @@ static const uint32_t pass_threads[4] = {0, 2, 1, 4};
 #define PASSES RL_SIZE(2, 8)
 
 enum step {
-    S_OPEN, S_MATCH0, S_MATCH1, S_BUILD_A, S_PERSIST_A, S_FORK_B, S_PERSIST_B, S_SPILL_B, S_READ_B, S_PREFETCH_B,
-    S_ACQUIRE_A, S_FREE, S_CLOSE, S_COUNT
+    S_OPEN,
+    S_MATCH0,
+    S_MATCH1,
+    S_BUILD_A,
+    S_PERSIST_A,
+    S_FORK_B,
+    S_PERSIST_B,
+    S_SPILL_B,
+    S_READ_B,
+    S_PREFETCH_B,
+    S_ACQUIRE_A,
+    S_FREE,
+    S_CLOSE,
+    S_COUNT
 };
-static const char *step_name[S_COUNT] = {"open",      "match P0",  "match P1", "build A",      "persist A",
-                                         "fork B",    "persist B", "spill B",  "read B",       "prefetch B",
+static const char *step_name[S_COUNT] = {"open",      "match P0",  "match P1", "build A", "persist A",
+                                         "fork B",    "persist B", "spill B",  "read B",  "prefetch B",
                                          "acquire A", "free",      "close"};
 
 static const dt_content P0 = {0x500, 0, 0x500}, P1 = {0x501, 0, 0x501}, A = {0x502, 0, 0x502};
@@ -148,14 +160,14 @@ static volatile int cur_step = -1;
 
 /* Runs one step: records its status and, if the first fault fired during
  * it, its index. */
-#define STEP(r, s, expr)                                                                                      \
-    do {                                                                                                      \
-        cur_step = (s);                                                                                       \
-        long f0_ = fired_now(r);                                                                              \
-        (r)->st[s] = (expr);                                                                                  \
-        (r)->ran[s] = true;                                                                                   \
-        if ((r)->fired_step < 0 && fired_now(r) > f0_)                                                        \
-            (r)->fired_step = (s);                                                                            \
+#define STEP(r, s, expr)                                                                                               \
+    do {                                                                                                               \
+        cur_step = (s);                                                                                                \
+        long f0_ = fired_now(r);                                                                                       \
+        (r)->st[s] = (expr);                                                                                           \
+        (r)->ran[s] = true;                                                                                            \
+        if ((r)->fired_step < 0 && fired_now(r) > f0_)                                                                 \
+            (r)->fired_step = (s);                                                                                     \
     } while (0)
 
 static kvh_status check_match(kvh_engine *e, dt_content c, size_t n, run *r)
@@ -209,14 +221,14 @@ static void scenario(const char *dir, run *r)
         STEP(r, S_READ_B, check_seq(e, b, B, B_LEN, r));
         kvh_fence f = {0};
         kvh_status st;
-        STEP(r, S_PREFETCH_B, (st = kvh_prefetch(e, b, 0, B_LEN, 3, &f)) == KVH_OK ? kvh_fence_wait(e, f, UINT64_MAX)
-                                                                                 : st);
+        STEP(r, S_PREFETCH_B,
+             (st = kvh_prefetch(e, b, 0, B_LEN, 3, &f)) == KVH_OK ? kvh_fence_wait(e, f, UINT64_MAX) : st);
         kvh_fence_free(e, f);
     }
     if (a.id) {
         kvh_status st;
-        STEP(r, S_ACQUIRE_A, (st = kvh_seq_acquire(e, a, 0, 2 * G.bt, NULL)) == KVH_OK ? kvh_seq_release(e, a, 0, 2 * G.bt)
-                                                                                      : st);
+        STEP(r, S_ACQUIRE_A,
+             (st = kvh_seq_acquire(e, a, 0, 2 * G.bt, NULL)) == KVH_OK ? kvh_seq_release(e, a, 0, 2 * G.bt) : st);
         if (r->st[S_ACQUIRE_A] == KVH_OK)
             STEP(r, S_ACQUIRE_A, check_seq(e, a, A, A_LEN, r));
     }
@@ -318,8 +330,7 @@ static void check_run(run *r, const char *dir, long live_before, tally *t)
                 print_message("  %s at call %ld (%s): %s returned %s\n", kind_name(r), r->nth,
                               r->persistent ? "persistent" : "transient", step_name[r->fired_step],
                               kvh_status_name(r->st[r->fired_step]));
-        }
-        else if (may_absorb(r, r->fired_step)) {
+        } else if (may_absorb(r, r->fired_step)) {
             t->absorbed++;
             t->absorbed_by_step[r->fired_step]++;
         } else
@@ -327,8 +338,7 @@ static void check_run(run *r, const char *dir, long live_before, tally *t)
     }
     long live = rl_alloc_live();
     if (live >= 0 && live != live_before)
-        problem("%ld allocation(s) leaked (%ld live before the run, %ld after)", live - live_before, live_before,
-                live);
+        problem("%ld allocation(s) leaked (%ld live before the run, %ld after)", live - live_before, live_before, live);
     /* a new engine, without faults */
     kvh_config c = scen_cfg(dir);
     c.migration_threads = 0;
@@ -606,8 +616,8 @@ static void run_isolated(void (*sweep)(void), const char *name)
     assert_true(ws != -1);
     rl_fast_cleanup_pid((long)pid); /* after a crash */
     if (!(WIFEXITED(ws) && WEXITSTATUS(ws) == 0))
-        fail_msg("the %s sweep failed (%s %d; its report is above)", name,
-                 WIFSIGNALED(ws) ? "signal" : "exit status", WIFSIGNALED(ws) ? WTERMSIG(ws) : WEXITSTATUS(ws));
+        fail_msg("the %s sweep failed (%s %d; its report is above)", name, WIFSIGNALED(ws) ? "signal" : "exit status",
+                 WIFSIGNALED(ws) ? WTERMSIG(ws) : WEXITSTATUS(ws));
 }
 
 static void test_io_faults(void **state)

@@ -262,9 +262,10 @@ static void test_stuck_disk_and_close(void **state)
                  took - release_ms / 1000);
     kvhi_disk_set_fault_hook(NULL, NULL);
     rl_fast_cleanup();
-    print_message("stuck disk: %d deadline waits so far, all KVH_ERR_TIMEOUT, worst %.2fx the deadline (limit 2x); close "
-                  "with work stuck on the disk returned %.2f s after the disk answered again\n",
-                  waits, worst_ratio, took - release_ms / 1000);
+    print_message(
+        "stuck disk: %d deadline waits so far, all KVH_ERR_TIMEOUT, worst %.2fx the deadline (limit 2x); close "
+        "with work stuck on the disk returned %.2f s after the disk answered again\n",
+        waits, worst_ratio, took - release_ms / 1000);
 }
 
 /* Close with many moves queued on a slow disk: the queued ones are
@@ -315,7 +316,8 @@ DT_UNUSED static void test_close_with_queued_work(void **state)
     kvhi_disk_set_fault_hook(NULL, NULL);
     rl_fast_cleanup();
     print_message("close with %d moves queued on a slow disk (100 ms a call): %.2f s, %ld disk calls (bound %d "
-                  "calls)\n", nq, took, calls, CLOSE_CALLS);
+                  "calls)\n",
+                  nq, took, calls, CLOSE_CALLS);
 }
 
 /* A failed test may leave the disk stuck: let it go before closing. */

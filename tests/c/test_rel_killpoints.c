@@ -97,11 +97,11 @@ static int kp_hook(enum kvhi_disk_op op, void *user)
 
 /* ---- the scenario (in a child) ---- */
 
-#define SC_FAIL(code, ...)                                                                                   \
-    do {                                                                                                     \
-        fprintf(stderr, "scenario: " __VA_ARGS__);                                                           \
-        fprintf(stderr, " (%s)\n", kvh_last_error());                                                        \
-        _exit(code);                                                                                         \
+#define SC_FAIL(code, ...)                                                                                             \
+    do {                                                                                                               \
+        fprintf(stderr, "scenario: " __VA_ARGS__);                                                                     \
+        fprintf(stderr, " (%s)\n", kvh_last_error());                                                                  \
+        _exit(code);                                                                                                   \
     } while (0)
 
 typedef struct scen {
@@ -125,8 +125,8 @@ static kvh_seq sc_new(kvh_engine *e, int ofd, dt_rng *r, const kvh_seq *from, dt
         *c = (dt_content){from_c.own, from_len, 0x30000ull + id};
         *len = from_len + extra;
         plan_c[id % 64] = *c, plan_n[id % 64] = *len;
-        dt_oracle_write(ofd, "P %u %llu %llu %llu %zu\n", id, (unsigned long long)c->base,
-                        (unsigned long long)c->split, (unsigned long long)c->own, *len);
+        dt_oracle_write(ofd, "P %u %llu %llu %llu %zu\n", id, (unsigned long long)c->base, (unsigned long long)c->split,
+                        (unsigned long long)c->own, *len);
         if ((st = kvh_seq_fork(e, *from, 1, &s)) != KVH_OK)
             SC_FAIL(20, "fork: %s", kvh_status_name(st));
         if ((st = dt_extend(e, s, G, *c, from_len, extra)) != KVH_OK)
@@ -135,8 +135,8 @@ static kvh_seq sc_new(kvh_engine *e, int ofd, dt_rng *r, const kvh_seq *from, dt
         *c = dt_plain(0x30000ull + id);
         *len = extra;
         plan_c[id % 64] = *c, plan_n[id % 64] = *len;
-        dt_oracle_write(ofd, "P %u %llu %llu %llu %zu\n", id, (unsigned long long)c->base,
-                        (unsigned long long)c->split, (unsigned long long)c->own, *len);
+        dt_oracle_write(ofd, "P %u %llu %llu %llu %zu\n", id, (unsigned long long)c->base, (unsigned long long)c->split,
+                        (unsigned long long)c->own, *len);
         if ((st = dt_build(e, G, *c, *len, 0, &s)) != KVH_OK)
             SC_FAIL(22, "build: %s", kvh_status_name(st));
     }
@@ -422,8 +422,8 @@ static void test_kill_points(void **state)
                 char name[1024];
                 site_name(&sites[k].s, name, sizeof(name));
                 dump_errlog();
-                fail_msg("killed at %s #%ld of point %d [%s] (seed 0x%" PRIx64 ", %u workers): %s", op_name(sites[k].s.op),
-                         at, k, name, seeds[si].seed, seeds[si].threads, r.msg);
+                fail_msg("killed at %s #%ld of point %d [%s] (seed 0x%" PRIx64 ", %u workers): %s",
+                         op_name(sites[k].s.op), at, k, name, seeds[si].seed, seeds[si].threads, r.msg);
             }
             dt_assert_ok(dt_close(e));
             acked += r.acked_blocks;
@@ -442,8 +442,8 @@ static void test_kill_points(void **state)
                   "%ld kills in %.1f s (discovery %.1f s; %ld runs took another path); %" PRIu64
                   " acknowledged blocks checked; %ld runs on the real disk; 0 failures\n",
                   n_sites, per_op[KVHI_OP_WRITE], per_op[KVHI_OP_FSYNC], per_op[KVHI_OP_RENAME],
-                  per_op[KVHI_OP_DIRSYNC], worker_only, kills_per_point, min_kills, cycles - not_reached,
-                  dt_now() - t0, t_disc, not_reached, acked, real_kills);
+                  per_op[KVHI_OP_DIRSYNC], worker_only, kills_per_point, min_kills, cycles - not_reached, dt_now() - t0,
+                  t_disc, not_reached, acked, real_kills);
     if (getenv("KVH_REL_KILLPOINTS_LIST") || REL_STRESS)
         for (int k = 0; k < n_sites; k++) {
             char name[1024];

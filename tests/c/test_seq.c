@@ -230,7 +230,8 @@ static void republish_case(uint32_t L)
     assert_true(bi.hash != 0);
     if (!bi.published)
         print_error("num_layers=%u block_tokens=%u: block refilled after truncate is full and fully written "
-                    "but not published\n", L, BT);
+                    "but not published\n",
+                    L, BT);
     assert_int_equal(bi.published, 1);
 
     /* ... so a new sequence with the same tokens finds both blocks. */

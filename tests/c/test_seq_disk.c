@@ -10,13 +10,13 @@ static const dt_geo GEO = {2, 2, 8, 4, KVH_DTYPE_F16};
 
 static char msg[256];
 
-#define verify_a(e, s, c, pos, n)                                                                            \
-    do {                                                                                                     \
-        msg[0] = 0;                                                                                          \
-        kvh_status vst_ = dt_verify(e, s, GEO, c, pos, n, msg, sizeof(msg));                                 \
-        if (vst_ != KVH_OK)                                                                                  \
-            fail_msg("%s:%d: verify [%u, +%u): %s (%s)", __FILE__, __LINE__, (unsigned)(pos), (unsigned)(n), \
-                     kvh_status_name(vst_), msg);                                                            \
+#define verify_a(e, s, c, pos, n)                                                                                      \
+    do {                                                                                                               \
+        msg[0] = 0;                                                                                                    \
+        kvh_status vst_ = dt_verify(e, s, GEO, c, pos, n, msg, sizeof(msg));                                           \
+        if (vst_ != KVH_OK)                                                                                            \
+            fail_msg("%s:%d: verify [%u, +%u): %s (%s)", __FILE__, __LINE__, (unsigned)(pos), (unsigned)(n),           \
+                     kvh_status_name(vst_), msg);                                                                      \
     } while (0)
 
 static kvh_engine *open_engine(const char *name, uint64_t dev, uint64_t host, uint32_t threads)

@@ -20,13 +20,10 @@ static void check(int ok, const char *what)
 }
 
 /* Every status in the X-macro list has a name and a description. */
-#define KVH_CHECK_STATUS_(name, value, text)                                   \
-    check((int)(name) == (value), #name " has its listed value");              \
-    check(kvh_status_name(name) != NULL &&                                     \
-              strcmp(kvh_status_name(name), #name) == 0,                       \
-          "kvh_status_name(" #name ")");                                       \
-    check(kvh_strerror(name) != NULL && kvh_strerror(name)[0] != '\0',         \
-          "kvh_strerror(" #name ")");
+#define KVH_CHECK_STATUS_(name, value, text)                                                                           \
+    check((int)(name) == (value), #name " has its listed value");                                                      \
+    check(kvh_status_name(name) != NULL && strcmp(kvh_status_name(name), #name) == 0, "kvh_status_name(" #name ")");   \
+    check(kvh_strerror(name) != NULL && kvh_strerror(name)[0] != '\0', "kvh_strerror(" #name ")");
 
 int main(void)
 {
@@ -34,12 +31,10 @@ int main(void)
     const char *vs;
 
     check(kvh_version() == KVH_VERSION_NUMBER, "kvh_version() == KVH_VERSION_NUMBER");
-    check(KVH_VERSION_NUMBER ==
-              KVH_VERSION_MAJOR * 10000 + KVH_VERSION_MINOR * 100 + KVH_VERSION_PATCH,
+    check(KVH_VERSION_NUMBER == KVH_VERSION_MAJOR * 10000 + KVH_VERSION_MINOR * 100 + KVH_VERSION_PATCH,
           "KVH_VERSION_NUMBER matches MAJOR/MINOR/PATCH");
 
-    snprintf(expect, sizeof expect, "%d.%d.%d", KVH_VERSION_MAJOR, KVH_VERSION_MINOR,
-             KVH_VERSION_PATCH);
+    snprintf(expect, sizeof expect, "%d.%d.%d", KVH_VERSION_MAJOR, KVH_VERSION_MINOR, KVH_VERSION_PATCH);
     vs = kvh_version_string();
     check(vs != NULL && strcmp(vs, expect) == 0, "kvh_version_string() == MAJOR.MINOR.PATCH");
 

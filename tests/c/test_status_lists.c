@@ -70,8 +70,8 @@ static kvh_seq stale_seq(kvh_engine *e)
 /* ---- disk fault hook: fails or stalls one kind of operation ---- */
 
 static struct {
-    atomic_int op;   /* kvhi_disk_op to act on, -1: none */
-    atomic_int err;  /* negative errno to return, 0: stall instead */
+    atomic_int op;  /* kvhi_disk_op to act on, -1: none */
+    atomic_int err; /* negative errno to return, 0: stall instead */
     atomic_int stalled, released;
 } F = {-1, 0, 0, 0};
 

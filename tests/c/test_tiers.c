@@ -141,7 +141,7 @@ static void test_evict_and_acquire(void **state)
     assert_int_equal(bi.tier, KVH_TIER_DEVICE);
     assert_int_equal(bi.holds, 1);
     kvh_stats s2 = tu_stats(e);
-    assert_moves(&s1, &s2, 1, 1); /* one up, and one down to make room */
+    assert_moves(&s1, &s2, 1, 1);             /* one up, and one down to make room */
     assert_true(s2.hits_host > s1.hits_host); /* found in the host tier */
 
     /* Acquire everything in the device tier (4 blocks, some already there). */
@@ -223,7 +223,7 @@ static void test_lru_k_victims(void **state)
         int32_t t[16];
         tu_iota(t, 16, 1);
         kvh_seq x = tu_seq_new(e, 0);
-        assert_ok(kvh_seq_append(e, x, t, 12)); /* blocks 0..2, one access each */
+        assert_ok(kvh_seq_append(e, x, t, 12));        /* blocks 0..2, one access each */
         assert_ok(kvh_seq_acquire(e, x, 0, 12, NULL)); /* second access */
         assert_ok(kvh_seq_release(e, x, 0, 12));
         assert_ok(kvh_seq_append(e, x, t + 12, 4)); /* block 3: one access, the newest */
@@ -308,8 +308,8 @@ static void test_cached_blocks_make_room(void **state)
     int32_t t[4] = {1, 2, 3, 4};
     kvh_status st = kvh_seq_append(e, b, t, 4);
     if (st != KVH_OK)
-        print_error("append with every slot holding an unreferenced cached block: %s (%s)\n",
-                    kvh_status_name(st), kvh_last_error());
+        print_error("append with every slot holding an unreferenced cached block: %s (%s)\n", kvh_status_name(st),
+                    kvh_last_error());
     assert_ok(st);
     assert_int_equal(tu_stats(e).drops - s0.drops, 1);
     assert_int_equal(tu_seq_binfo(e, b, 0).tier, KVH_TIER_DEVICE);
@@ -522,7 +522,7 @@ static void test_nospace_changes_nothing(void **state)
     memset(vv, 9, sizeof(vv));
     assert_kvh(KVH_ERR_NOSPACE, kvh_seq_write_kv(e, c, 0, 0, 1, kk, vv));
     assert_kvh(KVH_ERR_NOSPACE, kvh_seq_append(e, c, t, 1)); /* shared partial block */
-    assert_kvh(KVH_ERR_NOSPACE, kvh_seq_truncate(e, c, 5));   /* shared partial copy */
+    assert_kvh(KVH_ERR_NOSPACE, kvh_seq_truncate(e, c, 5));  /* shared partial copy */
     assert_int_equal(tu_seq_len(e, c), 30);
     assert_true(tu_check_pattern(e, c, L, TOK, 14, 0, 28));
     assert_true(tu_check_pattern(e, a, L, TOK, 14, 0, 28));
@@ -630,7 +630,7 @@ static void test_write_kv_nospace_leaves_seq_unchanged(void **state)
 static void test_fence_timeout(void **state)
 {
     if (THREADS(state) == 0)
-        skip(); /* inline: work is done before the call returns */
+        skip();                                                     /* inline: work is done before the call returns */
     kvh_config c = small_cfg(4, 8, 256, 256, 1, 1, THREADS(state)); /* 16 MiB blocks */
     kvh_engine *e = tu_open_cfg(&c);
     kvh_seq s = tu_seq_new(e, 0);
@@ -666,7 +666,7 @@ static void test_quota(void **state)
     uint64_t bb = tu_block_bytes(e);
     kvh_seq b = make_seq(e, 2, 4, 17); /* agent 2: 4 device blocks, no quota */
     assert_ok(kvh_agent_set_quota(e, 1, 2 * bb));
-    kvh_seq a = make_seq(e, 1, 8, 18); /* agent 1: at most 2 in the device */
+    kvh_seq a = make_seq(e, 1, 8, 18);                       /* agent 1: at most 2 in the device */
     assert_int_equal(count_in(e, b, 4, KVH_TIER_DEVICE), 4); /* not evicted by agent 1 */
     assert_int_equal(count_in(e, a, 8, KVH_TIER_DEVICE), 2);
     assert_int_equal(tu_tier(e, KVH_TIER_DEVICE).used_blocks, 6); /* 2 slots stay free */
@@ -689,7 +689,8 @@ static void test_quota(void **state)
     assert_ok(kvh_agent_set_quota(e, 1, 0));
     kvh_seq a3 = make_seq(e, 1, 3, 20);
     assert_true(count_in(e, a3, 3, KVH_TIER_DEVICE) + count_in(e, a2, 2, KVH_TIER_DEVICE) +
-                    count_in(e, a, 8, KVH_TIER_DEVICE) >= 3); /* no longer capped at 2 */
+                    count_in(e, a, 8, KVH_TIER_DEVICE) >=
+                3); /* no longer capped at 2 */
     assert_true(tu_check_pattern(e, a, L, TOK, 18, 0, 32));
     assert_true(tu_check_pattern(e, b, L, TOK, 17, 0, 16));
     assert_true(tu_check_pattern(e, a2, L, TOK, 19, 0, 8));
@@ -941,7 +942,8 @@ static void test_pin_during_migration(void **state)
     uint64_t here = tu_tier(e, bi.tier).pinned_blocks, there = tu_tier(e, other).pinned_blocks;
     if (here != 1 || there != 0)
         print_error("block pinned during its migration is in tier %u, but pinned_blocks is %" PRIu64
-                    " there and %" PRIu64 " in tier %u\n", bi.tier, here, there, other);
+                    " there and %" PRIu64 " in tier %u\n",
+                    bi.tier, here, there, other);
     assert_int_equal(here, 1);
     assert_int_equal(there, 0);
     assert_ok(kvh_seq_pin(e, s, 0, 256, 0));
@@ -995,10 +997,10 @@ static void test_stats_add_up(void **state)
     check_stats(e);
 }
 
-#define BOTH(f)                                                                                               \
-    cmocka_unit_test_prestate_setup_teardown(f, set_mode, tu_teardown, &M_PLACE0),                            \
-        cmocka_unit_test_prestate_setup_teardown(f, set_mode, tu_teardown, &M_PLACE2),                        \
-        cmocka_unit_test_prestate_setup_teardown(f, set_mode, tu_teardown, &M_COPY0),                         \
+#define BOTH(f)                                                                                                        \
+    cmocka_unit_test_prestate_setup_teardown(f, set_mode, tu_teardown, &M_PLACE0),                                     \
+        cmocka_unit_test_prestate_setup_teardown(f, set_mode, tu_teardown, &M_PLACE2),                                 \
+        cmocka_unit_test_prestate_setup_teardown(f, set_mode, tu_teardown, &M_COPY0),                                  \
         cmocka_unit_test_prestate_setup_teardown(f, set_mode, tu_teardown, &M_COPY2)
 
 int main(void)

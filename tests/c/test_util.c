@@ -251,8 +251,7 @@ void tu_write_pattern_at(const char *file, int line, kvh_engine *e, kvh_seq s, u
     free(v);
 }
 
-int tu_check_pattern(kvh_engine *e, kvh_seq s, uint32_t layers, size_t tok_bytes, uint64_t tag, uint64_t pos,
-                     size_t n)
+int tu_check_pattern(kvh_engine *e, kvh_seq s, uint32_t layers, size_t tok_bytes, uint64_t tag, uint64_t pos, size_t n)
 {
     uint8_t *k = malloc(tok_bytes * (n ? n : 1)), *v = malloc(tok_bytes * (n ? n : 1));
     uint8_t *want = malloc(tok_bytes);

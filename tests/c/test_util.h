@@ -43,16 +43,16 @@
 
 /* ---- status assertions ---- */
 
-#define assert_kvh(expected, expr)                                                                          \
-    do {                                                                                                    \
-        kvh_status tu_st_ = (expr);                                                                         \
-        kvh_status tu_ex_ = (expected);                                                                     \
-        if (tu_st_ != tu_ex_) {                                                                             \
-            print_error("%s:%d: %s\n    returned %s (%d), expected %s (%d); last error: \"%s\"\n",          \
-                        __FILE__, __LINE__, #expr, kvh_status_name(tu_st_), (int)tu_st_,                    \
-                        kvh_status_name(tu_ex_), (int)tu_ex_, kvh_last_error());                            \
-            fail();                                                                                         \
-        }                                                                                                   \
+#define assert_kvh(expected, expr)                                                                                     \
+    do {                                                                                                               \
+        kvh_status tu_st_ = (expr);                                                                                    \
+        kvh_status tu_ex_ = (expected);                                                                                \
+        if (tu_st_ != tu_ex_) {                                                                                        \
+            print_error("%s:%d: %s\n    returned %s (%d), expected %s (%d); last error: \"%s\"\n", __FILE__, __LINE__, \
+                        #expr, kvh_status_name(tu_st_), (int)tu_st_, kvh_status_name(tu_ex_), (int)tu_ex_,             \
+                        kvh_last_error());                                                                             \
+            fail();                                                                                                    \
+        }                                                                                                              \
     } while (0)
 
 #define assert_ok(expr) assert_kvh(KVH_OK, expr)
@@ -109,8 +109,7 @@ int tu_teardown(void **state);
 
 static inline uint32_t tu_dtype_size(uint32_t dtype) { return dtype == KVH_DTYPE_F32 ? 4 : 2; }
 
-static inline uint64_t tu_block_bytes_of(uint32_t layers, uint32_t heads, uint32_t dim, uint32_t bt,
-                                         uint32_t dtype)
+static inline uint64_t tu_block_bytes_of(uint32_t layers, uint32_t heads, uint32_t dim, uint32_t bt, uint32_t dtype)
 {
     return 2ull * layers * heads * dim * bt * tu_dtype_size(dtype);
 }
@@ -164,8 +163,7 @@ void tu_write_pattern_at(const char *file, int line, kvh_engine *e, kvh_seq s, u
 
 /* Returns 1 when tokens [pos, pos+n) of every layer read back as the
  * tu_pattern of tag, 0 otherwise (prints the first difference). */
-int tu_check_pattern(kvh_engine *e, kvh_seq s, uint32_t layers, size_t tok_bytes, uint64_t tag, uint64_t pos,
-                     size_t n);
+int tu_check_pattern(kvh_engine *e, kvh_seq s, uint32_t layers, size_t tok_bytes, uint64_t tag, uint64_t pos, size_t n);
 
 /* The current view of a vmap (kvh_vmap_get). */
 #define tu_vmap_view(e, m) tu_vmap_view_at(__FILE__, __LINE__, e, m)

@@ -58,7 +58,6 @@ static kvh_seq new_seq(kvh_engine *e, size_t n)
     return s;
 }
 
-
 /* The view's contents equal kvh_seq_read_kv of its layer. */
 static void check_view(kvh_engine *e, kvh_seq s, kvh_vmap *m)
 {
@@ -80,8 +79,7 @@ static void check_view(kvh_engine *e, kvh_seq s, kvh_vmap *m)
 }
 
 /* Paged and view decode of one sequence, compared bit for bit. */
-static void check_attention(kvh_engine *e, kvh_seq s, kvh_vmap *m, uint32_t layer, uint32_t q_heads,
-                            uint32_t threads)
+static void check_attention(kvh_engine *e, kvh_seq s, kvh_vmap *m, uint32_t layer, uint32_t q_heads, uint32_t threads)
 {
     kvh_attention_params p;
     assert_ok(kvh_attention_params_init(&p, sizeof(p)));

@@ -65,10 +65,10 @@ static void check(kvh_engine *e, kvh_seq s, kvh_vmap *m, const char *backing)
     assert_ok(kvh_seq_read_kv(e, s, v.layer, 0, n, k, vv));
     for (uint32_t h = 0; h < H; h++)
         for (uint64_t t = 0; t < n; t++) {
-            assert_memory_equal((const float *)((const uint8_t *)v.k + h * v.head_stride) + t * D,
-                                k + (t * H + h) * D, sizeof(float) * D);
-            assert_memory_equal((const float *)((const uint8_t *)v.v + h * v.head_stride) + t * D,
-                                vv + (t * H + h) * D, sizeof(float) * D);
+            assert_memory_equal((const float *)((const uint8_t *)v.k + h * v.head_stride) + t * D, k + (t * H + h) * D,
+                                sizeof(float) * D);
+            assert_memory_equal((const float *)((const uint8_t *)v.v + h * v.head_stride) + t * D, vv + (t * H + h) * D,
+                                sizeof(float) * D);
         }
     tu_free(k);
     tu_free(vv);

@@ -144,8 +144,7 @@ static void modified_and_bytes_regions_round_trip_through_disk(void **state)
         assert_int_equal(disk_bytes_of(e, out->ctx), out_dirty);
         assert_int_equal(after.bytes_host_to_disk - before.bytes_host_to_disk, out_dirty);
         assert_int_equal(after.bytes_disk, out_dirty);
-        assert_int_equal(after.slots_disk,
-                         slots_of(BYTES_REGION, bb) + (out == a ? slots_of(FILE_REGION, bb) : 0));
+        assert_int_equal(after.slots_disk, slots_of(BYTES_REGION, bb) + (out == a ? slots_of(FILE_REGION, bb) : 0));
         assert_int_equal(tu_tier(e, KVH_TIER_DISK).used_blocks, after.slots_disk);
         uint64_t in_dirty = BYTES_REGION + (in == a ? FILE_REGION : 0);
         assert_int_equal(after.bytes_disk_to_host - before.bytes_disk_to_host, in_dirty);
@@ -276,8 +275,8 @@ static void failed_disk_write_keeps_region(void **state)
     check_resident(e, a);
 }
 
-#define BOTH(fn)                                                                                            \
-    cmocka_unit_test_prestate_setup_teardown(fn, NULL, tu_teardown, &copies_mode[0]),                       \
+#define BOTH(fn)                                                                                                       \
+    cmocka_unit_test_prestate_setup_teardown(fn, NULL, tu_teardown, &copies_mode[0]),                                  \
         cmocka_unit_test_prestate_setup_teardown(fn, NULL, tu_teardown, &copies_mode[1])
 
 int main(void)

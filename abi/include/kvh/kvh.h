@@ -82,22 +82,22 @@ extern "C" {
 /* ------------------------------------------------------------------ */
 
 /* X(name, value, description). Values never change once released. */
-#define KVH_STATUS_LIST(X)                                                     \
-    X(KVH_OK, 0, "success")                                                    \
-    X(KVH_ERR_INVALID_ARG, -1, "invalid argument")                             \
-    X(KVH_ERR_BAD_HANDLE, -2, "stale, freed or forged handle")                 \
-    X(KVH_ERR_NOMEM, -3, "out of host memory")                                 \
-    X(KVH_ERR_NOSPACE, -4, "no room in any tier for the request")              \
-    X(KVH_ERR_IO, -5, "I/O error")                                             \
-    X(KVH_ERR_CORRUPT, -6, "stored data failed its checksum")                  \
-    X(KVH_ERR_BUSY, -7, "resource is busy or locked by another user")          \
-    X(KVH_ERR_TIMEOUT, -8, "deadline passed before the work completed")        \
-    X(KVH_ERR_UNSUPPORTED, -9, "not supported by this build or machine")       \
-    X(KVH_ERR_RANGE, -10, "position or range out of bounds")                   \
-    X(KVH_ERR_STRUCT_SIZE, -11, "struct_size is not one this library knows")   \
-    X(KVH_ERR_NOT_RESIDENT, -12, "block is not resident in the needed tier")   \
-    X(KVH_ERR_CLOSED, -13, "engine is closing")                                \
-    X(KVH_ERR_MISMATCH, -14, "store geometry, model or version mismatch")      \
+#define KVH_STATUS_LIST(X)                                                                                             \
+    X(KVH_OK, 0, "success")                                                                                            \
+    X(KVH_ERR_INVALID_ARG, -1, "invalid argument")                                                                     \
+    X(KVH_ERR_BAD_HANDLE, -2, "stale, freed or forged handle")                                                         \
+    X(KVH_ERR_NOMEM, -3, "out of host memory")                                                                         \
+    X(KVH_ERR_NOSPACE, -4, "no room in any tier for the request")                                                      \
+    X(KVH_ERR_IO, -5, "I/O error")                                                                                     \
+    X(KVH_ERR_CORRUPT, -6, "stored data failed its checksum")                                                          \
+    X(KVH_ERR_BUSY, -7, "resource is busy or locked by another user")                                                  \
+    X(KVH_ERR_TIMEOUT, -8, "deadline passed before the work completed")                                                \
+    X(KVH_ERR_UNSUPPORTED, -9, "not supported by this build or machine")                                               \
+    X(KVH_ERR_RANGE, -10, "position or range out of bounds")                                                           \
+    X(KVH_ERR_STRUCT_SIZE, -11, "struct_size is not one this library knows")                                           \
+    X(KVH_ERR_NOT_RESIDENT, -12, "block is not resident in the needed tier")                                           \
+    X(KVH_ERR_CLOSED, -13, "engine is closing")                                                                        \
+    X(KVH_ERR_MISMATCH, -14, "store geometry, model or version mismatch")                                              \
     X(KVH_ERR_INTERNAL, -15, "internal error")
 
 #define KVH_STATUS_ENUM_ENTRY_(name, value, text) name = value,
@@ -128,22 +128,25 @@ enum kvh_backend {
 
 enum kvh_memory { KVH_MEMORY_HOST = 0, KVH_MEMORY_CUDA = 1 };
 
-enum kvh_log_level {
-    KVH_LOG_ERROR = 0,
-    KVH_LOG_WARN = 1,
-    KVH_LOG_INFO = 2,
-    KVH_LOG_DEBUG = 3
-};
+enum kvh_log_level { KVH_LOG_ERROR = 0, KVH_LOG_WARN = 1, KVH_LOG_INFO = 2, KVH_LOG_DEBUG = 3 };
 
 /* ------------------------------------------------------------------ */
 /* Handles                                                             */
 /* ------------------------------------------------------------------ */
 
 typedef struct kvh_engine kvh_engine; /* opaque; one per process is typical */
-typedef struct kvh_seq { uint64_t id; } kvh_seq;
-typedef struct kvh_block { uint64_t id; } kvh_block;
-typedef struct kvh_fence { uint64_t id; } kvh_fence;
-typedef struct kvh_pool { uint64_t id; } kvh_pool;
+typedef struct kvh_seq {
+    uint64_t id;
+} kvh_seq;
+typedef struct kvh_block {
+    uint64_t id;
+} kvh_block;
+typedef struct kvh_fence {
+    uint64_t id;
+} kvh_fence;
+typedef struct kvh_pool {
+    uint64_t id;
+} kvh_pool;
 
 /* ------------------------------------------------------------------ */
 /* Version and errors                                                  */
@@ -191,7 +194,7 @@ typedef struct kvh_config {
     uint64_t device_bytes; /* default 256 MiB */
     uint64_t host_bytes;   /* default 1 GiB */
     /* Both or neither: one without the other is KVH_ERR_INVALID_ARG. */
-    uint64_t disk_bytes;   /* default 0: no disk tier */
+    uint64_t disk_bytes; /* default 0: no disk tier */
     /* [borrowed] during open; NULL: no disk tier. The store is its user's
      * alone: the directory is created 0700 and its files 0600 whatever the
      * umask (wider modes of an existing store are narrowed; see
@@ -199,16 +202,16 @@ typedef struct kvh_config {
      * or others can write is refused (KVH_ERR_IO), and no store file is
      * opened through a symbolic link. */
     const char *disk_path;
-    uint64_t model_salt;   /* namespace of prefix hashes (model identity) */
-    int32_t numa_node;     /* host tier + workers bound here; -1: none */
-    uint32_t migration_threads; /* default 2; 0 = migrate in caller */
+    uint64_t model_salt;         /* namespace of prefix hashes (model identity) */
+    int32_t numa_node;           /* host tier + workers bound here; -1: none */
+    uint32_t migration_threads;  /* default 2; 0 = migrate in caller */
     uint64_t migration_cpu_mask; /* bit i = CPU i for workers; 0 = any */
     uint32_t lru_k;              /* LRU-K history depth, 1..4; default 2 */
     uint32_t promote_min_hits;   /* hysteresis for prefetch; default 1 */
     uint32_t log_level;          /* highest kvh_log_level sent; default WARN */
     uint32_t reserved0;
-    kvh_log_fn log_fn; /* NULL: messages go nowhere */
-    void *log_user;    /* passed to log_fn as is */
+    kvh_log_fn log_fn;         /* NULL: messages go nowhere */
+    void *log_user;            /* passed to log_fn as is */
     uint32_t disk_queue_depth; /* io_uring depth; default 32 */
     uint32_t disk_flags;       /* kvh_disk_flags; default 0 */
     /* kvh_codec of the host and disk tiers (see "KV codecs"); default
@@ -284,8 +287,7 @@ KVH_API kvh_status kvh_config_init(kvh_config *config, size_t struct_size);
  * index or journal with disk_strict_index set; otherwise they are rebuilt
  * from the slot headers), KVH_ERR_NOSPACE (no room for its slab files); see
  * KVH_DISK_RESET_ON_MISMATCH. @threads any */
-KVH_API kvh_status kvh_engine_open(const kvh_config *config,
-                                   kvh_engine **engine);
+KVH_API kvh_status kvh_engine_open(const kvh_config *config, kvh_engine **engine);
 
 /* Waits for migrations in flight, stops the workers and frees everything.
  * Every handle of the engine becomes invalid. NULL is accepted (KVH_OK).
@@ -297,8 +299,7 @@ KVH_API kvh_status kvh_engine_close(kvh_engine *engine);
 
 /* Bytes of one block for this engine's geometry. [out] *bytes. Returns
  * KVH_ERR_INVALID_ARG (NULL bytes). @threads any */
-KVH_API kvh_status kvh_engine_block_bytes(const kvh_engine *engine,
-                                          uint64_t *bytes);
+KVH_API kvh_status kvh_engine_block_bytes(const kvh_engine *engine, uint64_t *bytes);
 
 /* Name of the backend in use ("cpu" or "cuda"): static text, or NULL for a
  * NULL engine. @threads any */
@@ -322,8 +323,7 @@ typedef struct kvh_tier_info {
 /* Occupancy of one tier. [out] *info (set info->struct_size first).
  * Returns KVH_ERR_INVALID_ARG for a NULL info or an unknown tier,
  * KVH_ERR_STRUCT_SIZE. @threads any */
-KVH_API kvh_status kvh_tier_info_get(kvh_engine *engine, uint32_t tier,
-                                     kvh_tier_info *info);
+KVH_API kvh_status kvh_tier_info_get(kvh_engine *engine, uint32_t tier, kvh_tier_info *info);
 
 /* Monotonic counters. lookups counts block uses: each block of an
  * acquire, a read_kv, or a write_kv over cells already written; filling
@@ -342,8 +342,8 @@ typedef struct kvh_stats {
     uint64_t hits_device;
     uint64_t hits_host;
     uint64_t hits_disk;
-    uint64_t prefix_queries;     /* match_prefix / prefix_lookup calls */
-    uint64_t prefix_hit_blocks;  /* blocks attached from the index */
+    uint64_t prefix_queries;    /* match_prefix / prefix_lookup calls */
+    uint64_t prefix_hit_blocks; /* blocks attached from the index */
     uint64_t prefix_hit_tokens;
     uint64_t blocks_device_to_host;
     uint64_t blocks_host_to_device;
@@ -360,8 +360,8 @@ typedef struct kvh_stats {
     uint64_t prefetch_skipped; /* below promote_min_hits, or no room a
                                   prefetch may take (see kvh_prefetch) */
     uint64_t cow_copies;
-    uint64_t evictions;        /* blocks demoted to make room */
-    uint64_t drops;            /* unreferenced cached blocks discarded */
+    uint64_t evictions; /* blocks demoted to make room */
+    uint64_t drops;     /* unreferenced cached blocks discarded */
     uint64_t corrupt_blocks;
     uint64_t acquire_stall_ns; /* time acquire spent waiting for copies */
     uint64_t blocks_allocated;
@@ -393,8 +393,7 @@ KVH_API kvh_status kvh_engine_stats(kvh_engine *engine, kvh_stats *stats);
  * Blocks are charged to the agent of the sequence that allocated them;
  * an agent over its quota evicts its own blocks first. Returns
  * KVH_ERR_NOMEM. @threads any */
-KVH_API kvh_status kvh_agent_set_quota(kvh_engine *engine, uint32_t agent,
-                                       uint64_t device_bytes);
+KVH_API kvh_status kvh_agent_set_quota(kvh_engine *engine, uint32_t agent, uint64_t device_bytes);
 
 /* ------------------------------------------------------------------ */
 /* Sequences                                                           */
@@ -403,8 +402,7 @@ KVH_API kvh_status kvh_agent_set_quota(kvh_engine *engine, uint32_t agent,
 /* New empty sequence owned by agent (any id; 0 is fine). [out] *seq, valid
  * until kvh_seq_free. Returns KVH_ERR_INVALID_ARG (NULL seq),
  * KVH_ERR_NOMEM. @threads any */
-KVH_API kvh_status kvh_seq_create(kvh_engine *engine, uint32_t agent,
-                                  kvh_seq *seq);
+KVH_API kvh_status kvh_seq_create(kvh_engine *engine, uint32_t agent, kvh_seq *seq);
 
 /* Releases the sequence's blocks (cached full blocks stay in the prefix
  * index until evicted). The null handle is accepted; a freed one is
@@ -415,8 +413,7 @@ KVH_API kvh_status kvh_seq_free(kvh_engine *engine, kvh_seq seq);
  * first write into a shared block copies it. agent owns new blocks of the
  * child. [out] *child. Returns KVH_ERR_INVALID_ARG (NULL child),
  * KVH_ERR_BAD_HANDLE, KVH_ERR_NOMEM. @threads handle (seq) */
-KVH_API kvh_status kvh_seq_fork(kvh_engine *engine, kvh_seq seq,
-                                uint32_t agent, kvh_seq *child);
+KVH_API kvh_status kvh_seq_fork(kvh_engine *engine, kvh_seq seq, uint32_t agent, kvh_seq *child);
 
 /* Appends n token ids, allocating blocks in the fastest tier with room.
  * [borrowed] tokens. Returns KVH_ERR_NOSPACE when no tier has room (the
@@ -424,19 +421,16 @@ KVH_API kvh_status kvh_seq_fork(kvh_engine *engine, kvh_seq seq,
  * first), KVH_ERR_INVALID_ARG (NULL tokens with n > 0), KVH_ERR_BAD_HANDLE,
  * KVH_ERR_NOMEM, and KVH_ERR_IO or KVH_ERR_CORRUPT when a shared last block
  * read back from disk to be copied fails. @threads handle */
-KVH_API kvh_status kvh_seq_append(kvh_engine *engine, kvh_seq seq,
-                                  const int32_t *tokens, size_t n);
+KVH_API kvh_status kvh_seq_append(kvh_engine *engine, kvh_seq seq, const int32_t *tokens, size_t n);
 
 /* Current length in tokens. [out] *n_tokens. Returns KVH_ERR_INVALID_ARG
  * (NULL n_tokens), KVH_ERR_BAD_HANDLE. @threads any */
-KVH_API kvh_status kvh_seq_length(kvh_engine *engine, kvh_seq seq,
-                                  uint64_t *n_tokens);
+KVH_API kvh_status kvh_seq_length(kvh_engine *engine, kvh_seq seq, uint64_t *n_tokens);
 
 /* Copies token ids [first, first + n) into out. [borrowed] out.
  * KVH_ERR_RANGE when the range passes the end; KVH_ERR_INVALID_ARG (NULL
  * out with n > 0), KVH_ERR_BAD_HANDLE. @threads handle */
-KVH_API kvh_status kvh_seq_tokens(kvh_engine *engine, kvh_seq seq,
-                                  uint64_t first, size_t n, int32_t *out);
+KVH_API kvh_status kvh_seq_tokens(kvh_engine *engine, kvh_seq seq, uint64_t first, size_t n, int32_t *out);
 
 /* Writes K and V of tokens [pos, pos + n) for one layer. k and v are
  * [borrowed] arrays shaped [n][num_kv_heads][head_dim] of the engine's
@@ -446,8 +440,7 @@ KVH_API kvh_status kvh_seq_tokens(kvh_engine *engine, kvh_seq seq,
  * KVH_ERR_INVALID_ARG (NULL k or v with n > 0), KVH_ERR_BAD_HANDLE,
  * KVH_ERR_NOMEM, and KVH_ERR_IO or KVH_ERR_CORRUPT when a block read back
  * from disk fails. @threads handle */
-KVH_API kvh_status kvh_seq_write_kv(kvh_engine *engine, kvh_seq seq,
-                                    uint32_t layer, uint64_t pos, size_t n,
+KVH_API kvh_status kvh_seq_write_kv(kvh_engine *engine, kvh_seq seq, uint32_t layer, uint64_t pos, size_t n,
                                     const void *k, const void *v);
 
 /* Reads K and V of tokens [pos, pos + n) for one layer into [borrowed] k
@@ -457,9 +450,8 @@ KVH_API kvh_status kvh_seq_write_kv(kvh_engine *engine, kvh_seq seq,
  * disk KVH_ERR_CORRUPT (their data failed its checksum), KVH_ERR_IO,
  * KVH_ERR_NOSPACE (no memory tier can take them), KVH_ERR_NOMEM.
  * @threads handle */
-KVH_API kvh_status kvh_seq_read_kv(kvh_engine *engine, kvh_seq seq,
-                                   uint32_t layer, uint64_t pos, size_t n,
-                                   void *k, void *v);
+KVH_API kvh_status kvh_seq_read_kv(kvh_engine *engine, kvh_seq seq, uint32_t layer, uint64_t pos, size_t n, void *k,
+                                   void *v);
 
 /* Makes every full block of the sequence durable in the disk tier (a copy
  * is written if the block lives above it) and returns when they and the
@@ -478,8 +470,7 @@ KVH_API kvh_status kvh_seq_persist(kvh_engine *engine, kvh_seq seq);
  * KVH_ERR_NOSPACE, KVH_ERR_NOMEM, KVH_ERR_IO, KVH_ERR_CORRUPT as for
  * kvh_seq_write_kv (the sequence is then unchanged). Returns
  * KVH_ERR_BAD_HANDLE. @threads handle */
-KVH_API kvh_status kvh_seq_truncate(kvh_engine *engine, kvh_seq seq,
-                                    uint64_t n_tokens);
+KVH_API kvh_status kvh_seq_truncate(kvh_engine *engine, kvh_seq seq, uint64_t n_tokens);
 
 /* For an empty sequence: attaches every cached block of the longest cached
  * prefix of tokens (any tier) and appends those tokens. [borrowed] tokens;
@@ -488,8 +479,7 @@ KVH_API kvh_status kvh_seq_truncate(kvh_engine *engine, kvh_seq seq,
  * n > 0, NULL matched_tokens); KVH_ERR_BAD_HANDLE, KVH_ERR_NOMEM. A block
  * on disk that fails its checksum ends the match there (no error).
  * @threads handle */
-KVH_API kvh_status kvh_seq_match_prefix(kvh_engine *engine, kvh_seq seq,
-                                        const int32_t *tokens, size_t n,
+KVH_API kvh_status kvh_seq_match_prefix(kvh_engine *engine, kvh_seq seq, const int32_t *tokens, size_t n,
                                         size_t *matched_tokens);
 
 /* Makes the blocks holding tokens [first, first + n) resident in the device
@@ -502,16 +492,13 @@ KVH_API kvh_status kvh_seq_match_prefix(kvh_engine *engine, kvh_seq seq,
  * without a fence) report KVH_ERR_NOSPACE, KVH_ERR_BUSY (a block pinned in
  * a lower tier), KVH_ERR_IO, KVH_ERR_CORRUPT, KVH_ERR_NOMEM.
  * @threads handle */
-KVH_API kvh_status kvh_seq_acquire(kvh_engine *engine, kvh_seq seq,
-                                   uint64_t first, uint64_t n,
-                                   kvh_fence *fence);
+KVH_API kvh_status kvh_seq_acquire(kvh_engine *engine, kvh_seq seq, uint64_t first, uint64_t n, kvh_fence *fence);
 
 /* Ends one hold taken by kvh_seq_acquire on the same range. Returns
  * KVH_ERR_INVALID_ARG (a block of the range holds no acquire of this
  * sequence; nothing is released), KVH_ERR_RANGE, KVH_ERR_BAD_HANDLE.
  * @threads handle */
-KVH_API kvh_status kvh_seq_release(kvh_engine *engine, kvh_seq seq,
-                                   uint64_t first, uint64_t n);
+KVH_API kvh_status kvh_seq_release(kvh_engine *engine, kvh_seq seq, uint64_t first, uint64_t n);
 
 /* Pins (pinned != 0) or unpins the blocks holding tokens [first, first+n)
  * in the tier where they are: pinned blocks never leave their tier. Pins
@@ -522,16 +509,13 @@ KVH_API kvh_status kvh_seq_release(kvh_engine *engine, kvh_seq seq,
  * KVH_ERR_INVALID_ARG (unpinning a block this sequence has not pinned;
  * nothing changes), KVH_ERR_RANGE (past the end, or a pin count at its
  * limit), KVH_ERR_BAD_HANDLE. @threads handle */
-KVH_API kvh_status kvh_seq_pin(kvh_engine *engine, kvh_seq seq,
-                               uint64_t first, uint64_t n, int32_t pinned);
+KVH_API kvh_status kvh_seq_pin(kvh_engine *engine, kvh_seq seq, uint64_t first, uint64_t n, int32_t pinned);
 
 /* Block handles of logical blocks [first_block, first_block + n) of seq.
  * [borrowed] out (n entries). Handles are not retained. Returns
  * KVH_ERR_RANGE (blocks past the end), KVH_ERR_INVALID_ARG (NULL out with
  * n > 0), KVH_ERR_BAD_HANDLE. @threads handle */
-KVH_API kvh_status kvh_seq_blocks(kvh_engine *engine, kvh_seq seq,
-                                  uint64_t first_block, size_t n,
-                                  kvh_block *out);
+KVH_API kvh_status kvh_seq_blocks(kvh_engine *engine, kvh_seq seq, uint64_t first_block, size_t n, kvh_block *out);
 
 /* Block table of a batch in FlashInfer's CSR form, with device-tier slot
  * indices: sequence i uses indices[indptr[i] .. indptr[i+1]) and its last
@@ -541,10 +525,8 @@ KVH_API kvh_status kvh_seq_blocks(kvh_engine *engine, kvh_seq seq,
  * range first); KVH_ERR_RANGE if indices_cap is too small;
  * KVH_ERR_INVALID_ARG (NULL seqs, indptr, last_page_len, or indices with
  * indices_cap > 0), KVH_ERR_BAD_HANDLE. @threads any */
-KVH_API kvh_status kvh_block_table(kvh_engine *engine, const kvh_seq *seqs,
-                                   size_t n_seqs, int32_t *indptr,
-                                   int32_t *indices, size_t indices_cap,
-                                   int32_t *last_page_len);
+KVH_API kvh_status kvh_block_table(kvh_engine *engine, const kvh_seq *seqs, size_t n_seqs, int32_t *indptr,
+                                   int32_t *indices, size_t indices_cap, int32_t *last_page_len);
 
 /* ------------------------------------------------------------------ */
 /* Blocks                                                              */
@@ -552,9 +534,9 @@ KVH_API kvh_status kvh_block_table(kvh_engine *engine, const kvh_seq *seqs,
 
 typedef struct kvh_block_info {
     uint32_t struct_size;
-    uint32_t tier;      /* kvh_tier where the data is */
-    uint32_t slot;      /* slot index in that tier */
-    uint32_t refs;      /* sequences and retained handles using it */
+    uint32_t tier; /* kvh_tier where the data is */
+    uint32_t slot; /* slot index in that tier */
+    uint32_t refs; /* sequences and retained handles using it */
     uint32_t pins;
     uint32_t holds;     /* acquire holds */
     uint32_t tokens;    /* tokens filled, <= block_tokens */
@@ -568,14 +550,12 @@ typedef struct kvh_block_info {
 
 /* [out] *info (set info->struct_size first). Returns KVH_ERR_INVALID_ARG
  * (NULL info), KVH_ERR_STRUCT_SIZE, KVH_ERR_BAD_HANDLE. @threads any */
-KVH_API kvh_status kvh_block_info_get(kvh_engine *engine, kvh_block block,
-                                      kvh_block_info *info);
+KVH_API kvh_status kvh_block_info_get(kvh_engine *engine, kvh_block block, kvh_block_info *info);
 
 /* A standalone empty block in the fastest tier with room, with one
  * reference held by the caller. [out] *block. Returns KVH_ERR_NOSPACE (no
  * memory tier has room), KVH_ERR_INVALID_ARG (NULL block). @threads any */
-KVH_API kvh_status kvh_block_alloc(kvh_engine *engine, uint32_t agent,
-                                   kvh_block *block);
+KVH_API kvh_status kvh_block_alloc(kvh_engine *engine, uint32_t agent, kvh_block *block);
 
 /* Adds or drops one caller reference. A block with no references that is
  * in the prefix index stays cached; otherwise it is freed. The null handle
@@ -589,8 +569,7 @@ KVH_API kvh_status kvh_block_release(kvh_engine *engine, kvh_block block);
 /* Pins or unpins one block in its current tier. Returns KVH_ERR_INVALID_ARG
  * (unpinning a block that is not pinned), KVH_ERR_BAD_HANDLE.
  * @threads any */
-KVH_API kvh_status kvh_block_pin(kvh_engine *engine, kvh_block block,
-                                 int32_t pinned);
+KVH_API kvh_status kvh_block_pin(kvh_engine *engine, kvh_block block, int32_t pinned);
 
 /* ------------------------------------------------------------------ */
 /* Migration, prefetch and fences                                      */
@@ -604,13 +583,11 @@ KVH_API kvh_status kvh_block_pin(kvh_engine *engine, kvh_block block,
  * KVH_ERR_NOMEM; the moves (the call itself without a fence) report
  * KVH_ERR_NOSPACE (no room in tier), KVH_ERR_IO, KVH_ERR_CORRUPT.
  * @threads any */
-KVH_API kvh_status kvh_migrate(kvh_engine *engine, const kvh_block *blocks,
-                               size_t n, uint32_t tier, kvh_fence *fence);
+KVH_API kvh_status kvh_migrate(kvh_engine *engine, const kvh_block *blocks, size_t n, uint32_t tier, kvh_fence *fence);
 
 /* Same for the blocks holding tokens [first, first + n) of seq. Status
  * codes as kvh_migrate, and KVH_ERR_RANGE. @threads any */
-KVH_API kvh_status kvh_seq_migrate(kvh_engine *engine, kvh_seq seq,
-                                   uint64_t first, uint64_t n, uint32_t tier,
+KVH_API kvh_status kvh_seq_migrate(kvh_engine *engine, kvh_seq seq, uint64_t first, uint64_t n, uint32_t tier,
                                    kvh_fence *fence);
 
 /* Hint: tokens [first, first + n) of seq will be needed soon. Blocks with
@@ -622,8 +599,7 @@ KVH_API kvh_status kvh_seq_migrate(kvh_engine *engine, kvh_seq seq,
  * Returns KVH_ERR_RANGE, KVH_ERR_BAD_HANDLE, KVH_ERR_NOMEM (for the
  * fence); a promotion that cannot be made is skipped, not an error.
  * @threads any */
-KVH_API kvh_status kvh_prefetch(kvh_engine *engine, kvh_seq seq,
-                                uint64_t first, uint64_t n, int32_t priority,
+KVH_API kvh_status kvh_prefetch(kvh_engine *engine, kvh_seq seq, uint64_t first, uint64_t n, int32_t priority,
                                 kvh_fence *fence);
 
 /* Advice, moving nothing: tokens [first, first + n) of seq will be read,
@@ -640,21 +616,18 @@ KVH_API kvh_status kvh_prefetch(kvh_engine *engine, kvh_seq seq,
  * hint lapses after one to two times max(64, blocks of the memory tiers)
  * engine accesses (block allocations count as accesses). Returns
  * KVH_ERR_RANGE, KVH_ERR_BAD_HANDLE. @threads any */
-KVH_API kvh_status kvh_seq_hint(kvh_engine *engine, kvh_seq seq,
-                                uint64_t first, uint64_t n, int32_t priority);
+KVH_API kvh_status kvh_seq_hint(kvh_engine *engine, kvh_seq seq, uint64_t first, uint64_t n, int32_t priority);
 
 /* Waits until the fence completes or timeout_ns passes (UINT64_MAX: no
  * limit). Returns KVH_OK, KVH_ERR_TIMEOUT, KVH_ERR_BAD_HANDLE (also for a
  * fence already freed), or the first error of the work the fence tracks
  * (listed with the call that made it). @threads any */
-KVH_API kvh_status kvh_fence_wait(kvh_engine *engine, kvh_fence fence,
-                                  uint64_t timeout_ns);
+KVH_API kvh_status kvh_fence_wait(kvh_engine *engine, kvh_fence fence, uint64_t timeout_ns);
 
 /* Non-blocking: [out] *done = 1 when complete. Returns the work's first
  * error once done (*done is set then too), KVH_ERR_INVALID_ARG (NULL
  * done), KVH_ERR_BAD_HANDLE. @threads any */
-KVH_API kvh_status kvh_fence_poll(kvh_engine *engine, kvh_fence fence,
-                                  int32_t *done);
+KVH_API kvh_status kvh_fence_poll(kvh_engine *engine, kvh_fence fence, int32_t *done);
 
 /* Frees a fence (pending work continues). Null handle accepted; a freed
  * one is KVH_ERR_BAD_HANDLE. No other status. @threads any */
@@ -668,17 +641,14 @@ KVH_API kvh_status kvh_fence_free(kvh_engine *engine, kvh_fence fence);
  * parent is 0 for the first block. n must equal block_tokens.
  * [borrowed] tokens; [out] *hash. Returns KVH_ERR_INVALID_ARG (NULL tokens
  * or hash, n other than block_tokens). @threads any */
-KVH_API kvh_status kvh_prefix_hash(kvh_engine *engine, uint64_t parent,
-                                   const int32_t *tokens, size_t n,
+KVH_API kvh_status kvh_prefix_hash(kvh_engine *engine, uint64_t parent, const int32_t *tokens, size_t n,
                                    uint64_t *hash);
 
 /* Longest cached prefix of tokens as retained block handles (release each
  * with kvh_block_release). [borrowed] tokens, out (cap entries);
  * [out] *n_blocks. Returns KVH_ERR_INVALID_ARG (NULL tokens with n > 0,
  * NULL out with cap > 0, NULL n_blocks). @threads any */
-KVH_API kvh_status kvh_prefix_lookup(kvh_engine *engine,
-                                     const int32_t *tokens, size_t n,
-                                     kvh_block *out, size_t cap,
+KVH_API kvh_status kvh_prefix_lookup(kvh_engine *engine, const int32_t *tokens, size_t n, kvh_block *out, size_t cap,
                                      size_t *n_blocks);
 
 /* Layout of KV memory owned by an inference engine: for layer l, K of
@@ -687,7 +657,7 @@ KVH_API kvh_status kvh_prefix_lookup(kvh_engine *engine,
  * and holds head_dim elements of the engine dtype (V alike with v_base). */
 typedef struct kvh_pool_layout {
     uint32_t struct_size;
-    uint32_t memory;    /* kvh_memory of the pointers */
+    uint32_t memory; /* kvh_memory of the pointers */
     uint32_t num_slots;
     uint32_t reserved0;
     void *const *k_base; /* [borrowed] num_layers pointers, copied */
@@ -703,9 +673,7 @@ typedef struct kvh_pool_layout {
  * pool, a NULL base pointer, num_slots 0, an unknown memory, token or head
  * stride below head_dim elements), KVH_ERR_STRUCT_SIZE, KVH_ERR_NOMEM.
  * @threads any */
-KVH_API kvh_status kvh_pool_register(kvh_engine *engine,
-                                     const kvh_pool_layout *layout,
-                                     kvh_pool *pool);
+KVH_API kvh_status kvh_pool_register(kvh_engine *engine, const kvh_pool_layout *layout, kvh_pool *pool);
 
 /* Unregisters (waits for copies touching it). Null accepted; a stale
  * handle is KVH_ERR_BAD_HANDLE. No other status. */
@@ -718,18 +686,15 @@ KVH_API kvh_status kvh_pool_unregister(kvh_engine *engine, kvh_pool pool);
  * KVH_ERR_INVALID_ARG (NULL tokens or block, n other than block_tokens),
  * KVH_ERR_RANGE (slot >= num_slots), KVH_ERR_BAD_HANDLE, KVH_ERR_NOSPACE,
  * KVH_ERR_NOMEM, KVH_ERR_IO (the copy failed). @threads any */
-KVH_API kvh_status kvh_pool_offload(kvh_engine *engine, kvh_pool pool,
-                                    uint32_t slot, uint64_t parent_hash,
-                                    const int32_t *tokens, size_t n,
-                                    uint32_t agent, kvh_block *block);
+KVH_API kvh_status kvh_pool_offload(kvh_engine *engine, kvh_pool pool, uint32_t slot, uint64_t parent_hash,
+                                    const int32_t *tokens, size_t n, uint32_t agent, kvh_block *block);
 
 /* Restores a block's KV into slot of the pool (from any tier). Returns
  * KVH_ERR_INVALID_ARG (the block's K/V is not fully written),
  * KVH_ERR_RANGE (slot), KVH_ERR_BAD_HANDLE (pool or block), and for a block
  * on disk KVH_ERR_CORRUPT, KVH_ERR_IO, KVH_ERR_NOSPACE, KVH_ERR_NOMEM.
  * @threads any */
-KVH_API kvh_status kvh_pool_restore(kvh_engine *engine, kvh_pool pool,
-                                    kvh_block block, uint32_t slot);
+KVH_API kvh_status kvh_pool_restore(kvh_engine *engine, kvh_pool pool, kvh_block block, uint32_t slot);
 
 /* ------------------------------------------------------------------ */
 /* Paged attention                                                     */
@@ -749,8 +714,7 @@ typedef struct kvh_attention_params {
 
 /* Defaults for a struct of struct_size bytes. Returns KVH_ERR_INVALID_ARG
  * (NULL params), KVH_ERR_STRUCT_SIZE. @threads any */
-KVH_API kvh_status kvh_attention_params_init(kvh_attention_params *params,
-                                             size_t struct_size);
+KVH_API kvh_status kvh_attention_params_init(kvh_attention_params *params, size_t struct_size);
 
 /* Decode step for a batch: sequence i attends with one query token
  * q[i][num_q_heads][head_dim] over all of its tokens (the newest token's
@@ -774,10 +738,8 @@ KVH_API kvh_status kvh_attention_params_init(kvh_attention_params *params,
  * waits for queued attention. Whether K/V cells were written is not
  * checked (a GPU engine may fill slots directly). threads above the CPU
  * count is capped. @threads any */
-KVH_API kvh_status kvh_attention_decode(kvh_engine *engine, uint32_t layer,
-                                        const kvh_seq *seqs, size_t n_seqs,
-                                        const void *q, void *out,
-                                        const kvh_attention_params *params);
+KVH_API kvh_status kvh_attention_decode(kvh_engine *engine, uint32_t layer, const kvh_seq *seqs, size_t n_seqs,
+                                        const void *q, void *out, const kvh_attention_params *params);
 
 /* Chunked causal prefill: for sequence i the query tokens are its last
  * q_lens[i] tokens (appended, K/V written); query token j of that chunk
@@ -786,11 +748,8 @@ KVH_API kvh_status kvh_attention_decode(kvh_engine *engine, uint32_t layer,
  * memory, stream and status rules as kvh_attention_decode (KVH_ERR_RANGE
  * also when q_lens[i] exceeds the length of sequence i). [borrowed] q_lens.
  * @threads any */
-KVH_API kvh_status kvh_attention_prefill(kvh_engine *engine, uint32_t layer,
-                                         const kvh_seq *seqs,
-                                         const uint32_t *q_lens,
-                                         size_t n_seqs, const void *q,
-                                         void *out,
+KVH_API kvh_status kvh_attention_prefill(kvh_engine *engine, uint32_t layer, const kvh_seq *seqs,
+                                         const uint32_t *q_lens, size_t n_seqs, const void *q, void *out,
                                          const kvh_attention_params *params);
 
 /* ================================================================== */
@@ -813,7 +772,9 @@ KVH_API kvh_status kvh_attention_prefill(kvh_engine *engine, uint32_t layer,
  * leaves memory, and read again from the file when it returns.
  */
 
-typedef struct kvh_context { uint64_t id; } kvh_context;
+typedef struct kvh_context {
+    uint64_t id;
+} kvh_context;
 
 enum kvh_context_kv_policy {
     /* A switch leaves the agents' KV where it is (the default). */
@@ -832,16 +793,13 @@ typedef struct kvh_context_params {
 
 /* Defaults for a struct of struct_size bytes. [borrowed] params.
  * KVH_ERR_INVALID_ARG, KVH_ERR_STRUCT_SIZE. @threads any */
-KVH_API kvh_status kvh_context_params_init(kvh_context_params *params,
-                                           size_t struct_size);
+KVH_API kvh_status kvh_context_params_init(kvh_context_params *params, size_t struct_size);
 
 /* New empty context. [borrowed] params (NULL = defaults); [out] *ctx,
  * valid until kvh_context_destroy or engine close. Returns
  * KVH_ERR_INVALID_ARG (chunk_bytes 0 or above 1 GiB, unknown kv_policy),
  * KVH_ERR_STRUCT_SIZE, KVH_ERR_NOMEM. @threads any */
-KVH_API kvh_status kvh_context_create(kvh_engine *engine,
-                                      const kvh_context_params *params,
-                                      kvh_context *ctx);
+KVH_API kvh_status kvh_context_create(kvh_engine *engine, const kvh_context_params *params, kvh_context *ctx);
 
 /* Frees the context's weight memory and returns its tier slots. Attached
  * sequences are not freed. Null handle accepted. KVH_ERR_BUSY while a
@@ -851,8 +809,8 @@ KVH_API kvh_status kvh_context_destroy(kvh_engine *engine, kvh_context ctx);
 
 typedef struct kvh_weight_region_params {
     uint32_t struct_size;
-    uint32_t layer;  /* load order: a switch brings regions in ascending
-                        layer order; default 0 */
+    uint32_t layer;   /* load order: a switch brings regions in ascending
+                         layer order; default 0 */
     const char *name; /* [borrowed] copied (63 bytes kept); may be NULL */
     uint64_t size;    /* bytes, > 0 */
     /* Source, one of the two:
@@ -865,14 +823,13 @@ typedef struct kvh_weight_region_params {
     const void *bytes;
     const char *path;
     uint64_t file_offset;
-    uint32_t pinned;    /* nonzero: once in the device tier, it stays */
+    uint32_t pinned; /* nonzero: once in the device tier, it stays */
     uint32_t reserved0;
 } kvh_weight_region_params;
 
 /* Defaults for a struct of struct_size bytes. Returns KVH_ERR_INVALID_ARG
  * (NULL params), KVH_ERR_STRUCT_SIZE. @threads any */
-KVH_API kvh_status kvh_weight_region_params_init(
-    kvh_weight_region_params *params, size_t struct_size);
+KVH_API kvh_status kvh_weight_region_params_init(kvh_weight_region_params *params, size_t struct_size);
 
 /* Registers a weight region. [borrowed] params; [out] *region (its index,
  * 0, 1, ... in registration order). Bytes are placed in the host tier (the
@@ -884,15 +841,13 @@ KVH_API kvh_status kvh_weight_region_params_init(
  * size; bytes that cannot be placed or written), KVH_ERR_NOSPACE,
  * KVH_ERR_NOMEM, KVH_ERR_BUSY (a switch involving the context runs).
  * @threads handle */
-KVH_API kvh_status kvh_context_add_region(
-    kvh_engine *engine, kvh_context ctx,
-    const kvh_weight_region_params *params, uint32_t *region);
+KVH_API kvh_status kvh_context_add_region(kvh_engine *engine, kvh_context ctx, const kvh_weight_region_params *params,
+                                          uint32_t *region);
 
 /* Adds seq to the sequences whose KV moves with the context under
  * KVH_CONTEXT_KV_DEMOTE (a sequence freed later is skipped).
  * KVH_ERR_BAD_HANDLE (ctx or seq), KVH_ERR_NOMEM. @threads handle (ctx) */
-KVH_API kvh_status kvh_context_attach_seq(kvh_engine *engine,
-                                          kvh_context ctx, kvh_seq seq);
+KVH_API kvh_status kvh_context_attach_seq(kvh_engine *engine, kvh_context ctx, kvh_seq seq);
 
 /* Switches the device tier from one context to another: from's unpinned
  * weights leave it (clean ones, never written, are kept in the host tier
@@ -914,17 +869,14 @@ KVH_API kvh_status kvh_context_attach_seq(kvh_engine *engine,
  * KVH_ERR_NOMEM, KVH_ERR_CORRUPT (a chunk read from its file no longer
  * matches its checksum). Pointers from
  * kvh_context_region_data for from become invalid. @threads any */
-KVH_API kvh_status kvh_context_switch(kvh_engine *engine, kvh_context from,
-                                      kvh_context to, kvh_fence *fence);
+KVH_API kvh_status kvh_context_switch(kvh_engine *engine, kvh_context from, kvh_context to, kvh_fence *fence);
 
 /* Waits until every region of ctx with layer <= layer is resident in the
  * device tier, or timeout_ns passes (UINT64_MAX: no limit). Returns
  * KVH_OK, KVH_ERR_TIMEOUT, KVH_ERR_NOT_RESIDENT (no switch to ctx is
  * loading them), KVH_ERR_BAD_HANDLE, or the error that stopped the switch
  * (as kvh_context_switch). @threads any */
-KVH_API kvh_status kvh_context_wait_layer(kvh_engine *engine,
-                                          kvh_context ctx, uint32_t layer,
-                                          uint64_t timeout_ns);
+KVH_API kvh_status kvh_context_wait_layer(kvh_engine *engine, kvh_context ctx, uint32_t layer, uint64_t timeout_ns);
 
 /* Address and size of a region resident in the device tier (a device
  * pointer on CUDA). writable != 0 marks the region modified: it is then
@@ -933,17 +885,13 @@ KVH_API kvh_status kvh_context_wait_layer(kvh_engine *engine,
  * switch away from ctx or its destruction; [out] *size (may be NULL).
  * Returns KVH_ERR_RANGE (no such region), KVH_ERR_NOT_RESIDENT,
  * KVH_ERR_INVALID_ARG (NULL data), KVH_ERR_BAD_HANDLE. @threads any */
-KVH_API kvh_status kvh_context_region_data(kvh_engine *engine,
-                                           kvh_context ctx, uint32_t region,
-                                           int32_t writable, void **data,
-                                           uint64_t *size);
+KVH_API kvh_status kvh_context_region_data(kvh_engine *engine, kvh_context ctx, uint32_t region, int32_t writable,
+                                           void **data, uint64_t *size);
 
 /* Pins (pinned != 0) or unpins a region: a pinned region never leaves the
  * device tier once there. Returns KVH_ERR_RANGE (no such region),
  * KVH_ERR_BAD_HANDLE. @threads handle */
-KVH_API kvh_status kvh_context_region_pin(kvh_engine *engine,
-                                          kvh_context ctx, uint32_t region,
-                                          int32_t pinned);
+KVH_API kvh_status kvh_context_region_pin(kvh_engine *engine, kvh_context ctx, uint32_t region, int32_t pinned);
 
 /* Recomputes the checksum of every chunk of ctx's resident, unmodified
  * regions and compares it with the one recorded when the chunk was first
@@ -951,47 +899,45 @@ KVH_API kvh_status kvh_context_region_pin(kvh_engine *engine,
  * the first mismatch, KVH_ERR_IO (a region cannot be read back),
  * KVH_ERR_BUSY (a switch involving ctx runs), KVH_ERR_BAD_HANDLE.
  * @threads any */
-KVH_API kvh_status kvh_context_verify(kvh_engine *engine, kvh_context ctx,
-                                      uint64_t *chunks_checked);
+KVH_API kvh_status kvh_context_verify(kvh_engine *engine, kvh_context ctx, uint64_t *chunks_checked);
 
 typedef struct kvh_context_info {
     uint32_t struct_size;
     uint32_t regions;
-    uint64_t weight_bytes;   /* sum of region sizes */
-    uint64_t bytes_device;   /* resident in the device tier */
-    uint64_t bytes_host;     /* resident in the host tier */
-    uint32_t layers_ready;   /* regions resident in the device tier, in load
-                                order, before the first one that is not */
-    uint32_t loading;        /* 1 while a switch brings it in */
-    uint32_t seqs;           /* attached sequences still alive */
+    uint64_t weight_bytes; /* sum of region sizes */
+    uint64_t bytes_device; /* resident in the device tier */
+    uint64_t bytes_host;   /* resident in the host tier */
+    uint32_t layers_ready; /* regions resident in the device tier, in load
+                              order, before the first one that is not */
+    uint32_t loading;      /* 1 while a switch brings it in */
+    uint32_t seqs;         /* attached sequences still alive */
     uint32_t reserved0;
-    uint64_t bytes_disk;     /* in the disk tier (spilled) */
+    uint64_t bytes_disk; /* in the disk tier (spilled) */
 } kvh_context_info;
 
 /* [out] *info (set info->struct_size first; the struct before bytes_disk
  * is accepted too and filled up to its size). Returns KVH_ERR_INVALID_ARG
  * (NULL info), KVH_ERR_STRUCT_SIZE, KVH_ERR_BAD_HANDLE. @threads any */
-KVH_API kvh_status kvh_context_info_get(kvh_engine *engine, kvh_context ctx,
-                                        kvh_context_info *info);
+KVH_API kvh_status kvh_context_info_get(kvh_engine *engine, kvh_context ctx, kvh_context_info *info);
 
 /* Engine-wide weight counters (monotonic, except the residency gauges). */
 typedef struct kvh_weight_stats {
     uint32_t struct_size;
-    uint32_t unified_memory;     /* 1: device and host tiers are the same
-                                    memory, moves between them are remaps */
-    uint64_t bytes_device;       /* weight bytes resident in each tier */
+    uint32_t unified_memory; /* 1: device and host tiers are the same
+                                memory, moves between them are remaps */
+    uint64_t bytes_device;   /* weight bytes resident in each tier */
     uint64_t bytes_host;
-    uint64_t slots_device;       /* tier slots withheld for them */
+    uint64_t slots_device; /* tier slots withheld for them */
     uint64_t slots_host;
     uint64_t switches;
-    uint64_t bytes_read_source;  /* read from source files */
+    uint64_t bytes_read_source; /* read from source files */
     uint64_t bytes_host_to_device;
     uint64_t bytes_device_to_host; /* copied down (discrete memory) */
-    uint64_t bytes_dropped;      /* clean bytes that left memory unwritten */
-    uint64_t bytes_remapped;     /* moved between tiers without a copy */
+    uint64_t bytes_dropped;        /* clean bytes that left memory unwritten */
+    uint64_t bytes_remapped;       /* moved between tiers without a copy */
     uint64_t chunks_verified;
     uint64_t crc_failures;
-    uint64_t kv_blocks_demoted;  /* by KVH_CONTEXT_KV_DEMOTE switches */
+    uint64_t kv_blocks_demoted; /* by KVH_CONTEXT_KV_DEMOTE switches */
     uint64_t kv_blocks_promoted;
     /* Weights whose bytes exist nowhere else (modified,
      * or registered from memory) go to the disk tier when memory has no
@@ -1005,8 +951,7 @@ typedef struct kvh_weight_stats {
 /* [out] *stats (set stats->struct_size first; an older, smaller struct is
  * filled up to its size). Returns KVH_ERR_INVALID_ARG (NULL stats),
  * KVH_ERR_STRUCT_SIZE. @threads any */
-KVH_API kvh_status kvh_weight_stats_get(kvh_engine *engine,
-                                        kvh_weight_stats *stats);
+KVH_API kvh_status kvh_weight_stats_get(kvh_engine *engine, kvh_weight_stats *stats);
 
 /* ---- admission by token budget ---- */
 
@@ -1026,15 +971,13 @@ typedef struct kvh_admission_params {
 
 /* Defaults for a struct of struct_size bytes. Returns KVH_ERR_INVALID_ARG
  * (NULL params), KVH_ERR_STRUCT_SIZE. @threads any */
-KVH_API kvh_status kvh_admission_params_init(kvh_admission_params *params,
-                                             size_t struct_size);
+KVH_API kvh_status kvh_admission_params_init(kvh_admission_params *params, size_t struct_size);
 
 /* Sets the pools. Requests already admitted keep their reservations.
  * [borrowed] params. KVH_ERR_INVALID_ARG when the two quotas together
  * exceed the device tier (or params is NULL); KVH_ERR_STRUCT_SIZE,
  * KVH_ERR_NOMEM. @threads any */
-KVH_API kvh_status kvh_admission_configure(kvh_engine *engine,
-                                           const kvh_admission_params *params);
+KVH_API kvh_status kvh_admission_configure(kvh_engine *engine, const kvh_admission_params *params);
 
 typedef struct kvh_seq_params {
     uint32_t struct_size;
@@ -1046,17 +989,14 @@ typedef struct kvh_seq_params {
 
 /* Defaults for a struct of struct_size bytes. Returns KVH_ERR_INVALID_ARG
  * (NULL params), KVH_ERR_STRUCT_SIZE. @threads any */
-KVH_API kvh_status kvh_seq_params_init(kvh_seq_params *params,
-                                       size_t struct_size);
+KVH_API kvh_status kvh_seq_params_init(kvh_seq_params *params, size_t struct_size);
 
 /* kvh_seq_create with a token budget and a context. [borrowed] params;
  * [out] *seq. Returns KVH_ERR_NOSPACE, before anything is allocated, when
  * the request's pool cannot hold its budget; KVH_ERR_BAD_HANDLE (context),
  * KVH_ERR_INVALID_ARG (NULL params or seq), KVH_ERR_STRUCT_SIZE,
  * KVH_ERR_NOMEM. @threads any */
-KVH_API kvh_status kvh_seq_create_ex(kvh_engine *engine,
-                                     const kvh_seq_params *params,
-                                     kvh_seq *seq);
+KVH_API kvh_status kvh_seq_create_ex(kvh_engine *engine, const kvh_seq_params *params, kvh_seq *seq);
 
 typedef struct kvh_admission_info {
     uint32_t struct_size;
@@ -1066,7 +1006,7 @@ typedef struct kvh_admission_info {
     uint64_t long_quota_blocks;
     uint64_t short_reserved_blocks; /* budgets of live admitted sequences */
     uint64_t long_reserved_blocks;
-    uint64_t short_admitted;        /* monotonic counters */
+    uint64_t short_admitted; /* monotonic counters */
     uint64_t long_admitted;
     uint64_t short_rejected;
     uint64_t long_rejected;
@@ -1074,8 +1014,7 @@ typedef struct kvh_admission_info {
 
 /* [out] *info (set info->struct_size first). Returns KVH_ERR_INVALID_ARG
  * (NULL info), KVH_ERR_STRUCT_SIZE, KVH_ERR_NOMEM. @threads any */
-KVH_API kvh_status kvh_admission_info_get(kvh_engine *engine,
-                                          kvh_admission_info *info);
+KVH_API kvh_status kvh_admission_info_get(kvh_engine *engine, kvh_admission_info *info);
 
 /* ------------------------------------------------------------------ */
 /* Attention plans (plan once, run many times; CUDA-graph capturable)   */
@@ -1114,12 +1053,8 @@ typedef struct kvh_attention_plan kvh_attention_plan; /* opaque */
  * kvh_attention_decode, and KVH_ERR_INVALID_ARG for a NULL plan or a batch
  * without query rows, KVH_ERR_NOMEM also when 2^24 plans exist. On CUDA
  * the upload may synchronise: do not call while capturing. @threads any */
-KVH_API kvh_status kvh_attention_plan_create(kvh_engine *engine,
-                                             uint32_t layer,
-                                             const kvh_seq *seqs,
-                                             const uint32_t *q_lens,
-                                             size_t n_seqs,
-                                             const kvh_attention_params *params,
+KVH_API kvh_status kvh_attention_plan_create(kvh_engine *engine, uint32_t layer, const kvh_seq *seqs,
+                                             const uint32_t *q_lens, size_t n_seqs, const kvh_attention_params *params,
                                              kvh_attention_plan **plan);
 
 /* Runs a plan: q and out as in kvh_attention_decode / _prefill (host
@@ -1132,9 +1067,8 @@ KVH_API kvh_status kvh_attention_plan_create(kvh_engine *engine,
  * launch failure, with the driver's words), KVH_ERR_NOMEM (CPU scratch
  * memory). @threads any (runs of one plan may overlap on the CPU only if
  * their outputs differ; a destroy of the plan waits for runs under way) */
-KVH_API kvh_status kvh_attention_run(kvh_engine *engine,
-                                     const kvh_attention_plan *plan,
-                                     const void *q, void *out, void *stream);
+KVH_API kvh_status kvh_attention_run(kvh_engine *engine, const kvh_attention_plan *plan, const void *q, void *out,
+                                     void *stream);
 
 /* Drops the plan's holds and frees it; the plan is then stale. On CUDA the
  * caller guarantees that no launch or graph replay using it is pending
@@ -1142,8 +1076,7 @@ KVH_API kvh_status kvh_attention_run(kvh_engine *engine,
  * Plans left at kvh_engine_close are destroyed by it. Returns
  * KVH_ERR_BAD_HANDLE (plan already destroyed, forged or of another
  * engine). @threads handle (plan) */
-KVH_API kvh_status kvh_attention_plan_destroy(kvh_engine *engine,
-                                              kvh_attention_plan *plan);
+KVH_API kvh_status kvh_attention_plan_destroy(kvh_engine *engine, kvh_attention_plan *plan);
 
 /* ------------------------------------------------------------------ */
 /* KV codecs                                                           */
@@ -1170,34 +1103,26 @@ KVH_API kvh_status kvh_attention_plan_destroy(kvh_engine *engine,
  * magnitudes below about 2^-119, which only f32 and bf16 data can have.)
  * Non-finite inputs are not preserved: +-inf saturate to the extreme code
  * and NaN becomes the zero code; scales use the finite elements only. */
-enum kvh_codec {
-    KVH_CODEC_NONE = 0,
-    KVH_CODEC_INT8 = 1,
-    KVH_CODEC_Q4_G32 = 2,
-    KVH_CODEC_Q4_G64 = 3
-};
+enum kvh_codec { KVH_CODEC_NONE = 0, KVH_CODEC_INT8 = 1, KVH_CODEC_Q4_G32 = 2, KVH_CODEC_Q4_G64 = 3 };
 
 /* Bytes of one encoded vector of head_dim elements of dtype (KVH_CODEC_NONE:
  * the raw size). [out] *bytes. Returns KVH_ERR_INVALID_ARG for an unknown
  * codec or dtype, a NULL bytes, or a head_dim of 0 or that the codec's
  * group does not divide. @threads any */
-KVH_API kvh_status kvh_codec_vector_bytes(uint32_t codec, uint32_t dtype,
-                                          uint32_t head_dim, uint64_t *bytes);
+KVH_API kvh_status kvh_codec_vector_bytes(uint32_t codec, uint32_t dtype, uint32_t head_dim, uint64_t *bytes);
 
 /* Encodes n_vectors vectors of head_dim elements of dtype, packed in src,
  * into n_vectors records packed in dst (kvh_codec_vector_bytes each).
  * [borrowed] src, dst (must not overlap). Returns KVH_ERR_INVALID_ARG as
  * kvh_codec_vector_bytes, or for NULL src/dst with n_vectors > 0.
  * @threads any */
-KVH_API kvh_status kvh_codec_encode(uint32_t codec, uint32_t dtype,
-                                    uint32_t head_dim, const void *src,
+KVH_API kvh_status kvh_codec_encode(uint32_t codec, uint32_t dtype, uint32_t head_dim, const void *src,
                                     size_t n_vectors, void *dst);
 
 /* Decodes n_vectors records from src into raw vectors of dtype in dst.
  * [borrowed] src, dst (must not overlap). Returns KVH_ERR_INVALID_ARG as
  * kvh_codec_encode. @threads any */
-KVH_API kvh_status kvh_codec_decode(uint32_t codec, uint32_t dtype,
-                                    uint32_t head_dim, const void *src,
+KVH_API kvh_status kvh_codec_decode(uint32_t codec, uint32_t dtype, uint32_t head_dim, const void *src,
                                     size_t n_vectors, void *dst);
 
 /* ------------------------------------------------------------------ */
@@ -1272,7 +1197,7 @@ typedef struct kvh_vmap_view {
     uint64_t n_tokens;        /* tokens mapped */
     uint64_t capacity_tokens; /* tokens the range can hold */
     uint64_t head_stride;     /* bytes between two heads' token arrays */
-    const void *k; /* [owned by engine] until kvh_vmap_release */
+    const void *k;            /* [owned by engine] until kvh_vmap_release */
     const void *v;
     uint64_t generation; /* changes whenever a refresh remapped something */
     /* Appended. What the device tier's memory is made of: "hugetlb",
@@ -1292,8 +1217,7 @@ typedef struct kvh_vmap_view {
  * KVH_ERR_BAD_HANDLE, KVH_ERR_NOMEM (also when 2^24 views exist),
  * KVH_ERR_INVALID_ARG (NULL vmap), KVH_ERR_INTERNAL (a CUDA driver failure
  * while mapping). @threads handle (seq) */
-KVH_API kvh_status kvh_seq_vmap(kvh_engine *engine, kvh_seq seq,
-                                uint32_t layer, uint64_t capacity_tokens,
+KVH_API kvh_status kvh_seq_vmap(kvh_engine *engine, kvh_seq seq, uint32_t layer, uint64_t capacity_tokens,
                                 kvh_vmap **vmap);
 
 /* Brings the view up to date with its sequence: maps blocks appended or
@@ -1307,15 +1231,13 @@ KVH_API kvh_status kvh_seq_vmap(kvh_engine *engine, kvh_seq seq,
  * kvh_seq_vmap); the view stays usable (and stale) after a failure. Waits
  * first until attention queued over the view (CUDA) has finished.
  * @threads handle (vmap and seq) */
-KVH_API kvh_status kvh_vmap_refresh(kvh_engine *engine, kvh_vmap *vmap,
-                                    int32_t *changed);
+KVH_API kvh_status kvh_vmap_refresh(kvh_engine *engine, kvh_vmap *vmap, int32_t *changed);
 
 /* The view's current addresses and sizes. [out] *view (set
  * view->struct_size first). Returns KVH_ERR_INVALID_ARG (NULL vmap or
  * view), KVH_ERR_STRUCT_SIZE, KVH_ERR_BAD_HANDLE (vmap released, forged or
  * of another engine). @threads handle (vmap) */
-KVH_API kvh_status kvh_vmap_get(kvh_engine *engine, const kvh_vmap *vmap,
-                                kvh_vmap_view *view);
+KVH_API kvh_status kvh_vmap_get(kvh_engine *engine, const kvh_vmap *vmap, kvh_vmap_view *view);
 
 /* Unmaps the view and drops its holds, after attention queued over it
  * (CUDA) has finished; the view is then stale. NULL accepted. Views left
@@ -1338,22 +1260,16 @@ KVH_API kvh_status kvh_vmap_release(kvh_engine *engine, kvh_vmap *vmap);
  * KVH_ERR_STRUCT_SIZE, KVH_ERR_NOMEM, KVH_ERR_UNSUPPORTED (as
  * kvh_attention_decode: a stream being captured), KVH_ERR_INTERNAL (a
  * kernel launch failed). @threads handle (each view) */
-KVH_API kvh_status kvh_attention_decode_vmap(kvh_engine *engine,
-                                             kvh_vmap *const *views,
-                                             size_t n_views, const void *q,
-                                             void *out,
-                                             const kvh_attention_params *params);
+KVH_API kvh_status kvh_attention_decode_vmap(kvh_engine *engine, kvh_vmap *const *views, size_t n_views, const void *q,
+                                             void *out, const kvh_attention_params *params);
 
 /* kvh_attention_prefill over views: view i's last q_lens[i] tokens attend
  * causally, q and out the chunks concatenated as in kvh_attention_prefill
  * ([borrowed] q_lens). Equal to kvh_attention_prefill bit for bit; status
  * codes as kvh_attention_decode_vmap, and KVH_ERR_RANGE when q_lens[i]
  * exceeds the view's tokens. @threads handle (each view) */
-KVH_API kvh_status kvh_attention_prefill_vmap(kvh_engine *engine,
-                                              kvh_vmap *const *views,
-                                              const uint32_t *q_lens,
-                                              size_t n_views, const void *q,
-                                              void *out,
+KVH_API kvh_status kvh_attention_prefill_vmap(kvh_engine *engine, kvh_vmap *const *views, const uint32_t *q_lens,
+                                              size_t n_views, const void *q, void *out,
                                               const kvh_attention_params *params);
 
 /* ------------------------------------------------------------------ */
@@ -1389,15 +1305,12 @@ enum kvh_eviction { KVH_EVICT_LRU_K = 0, KVH_EVICT_LCTRU = 1 };
  * an effect on victim order only under KVH_EVICT_LCTRU. Returns
  * KVH_ERR_INVALID_ARG (tolerance > KVH_TOLERANCE_MAX), KVH_ERR_RANGE,
  * KVH_ERR_BAD_HANDLE. @threads handle */
-KVH_API kvh_status kvh_seq_set_tolerance(kvh_engine *engine, kvh_seq seq,
-                                         uint64_t first, uint64_t n,
+KVH_API kvh_status kvh_seq_set_tolerance(kvh_engine *engine, kvh_seq seq, uint64_t first, uint64_t n,
                                          uint32_t tolerance);
 
 /* The same for one block. Returns KVH_ERR_INVALID_ARG (tolerance >
  * KVH_TOLERANCE_MAX), KVH_ERR_BAD_HANDLE. @threads any */
-KVH_API kvh_status kvh_block_set_tolerance(kvh_engine *engine,
-                                           kvh_block block,
-                                           uint32_t tolerance);
+KVH_API kvh_status kvh_block_set_tolerance(kvh_engine *engine, kvh_block block, uint32_t tolerance);
 
 /* Derives the tolerance of the blocks holding tokens [first, first + n)
  * of seq from the engine's kv_codec: each block still held raw (device
@@ -1411,8 +1324,7 @@ KVH_API kvh_status kvh_block_set_tolerance(kvh_engine *engine,
  * demotion). Returns KVH_ERR_UNSUPPORTED without a kv_codec,
  * KVH_ERR_INVALID_ARG (max_rel_error negative or not finite),
  * KVH_ERR_RANGE, KVH_ERR_BAD_HANDLE, KVH_ERR_NOMEM. @threads handle */
-KVH_API kvh_status kvh_seq_derive_tolerance(kvh_engine *engine, kvh_seq seq,
-                                            uint64_t first, uint64_t n,
+KVH_API kvh_status kvh_seq_derive_tolerance(kvh_engine *engine, kvh_seq seq, uint64_t first, uint64_t n,
                                             float max_rel_error);
 
 #ifdef __cplusplus
