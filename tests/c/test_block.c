@@ -34,35 +34,11 @@
 
 #include "core/block_state.h"
 #include "core/engine.h"
+#include "white_box_util.h"
 #include "core/move.h"
 
 enum { L = 3, H = 1, D = 4, BT = 4 }; /* 12 cells a block: one partial bitmap word */
 static const size_t TOK = H * D * 4;
-
-/* The engine lock, taken by the test itself; a failed assertion leaves
- * it held, and the teardown lets it go before closing the engine. */
-static kvh_engine *locked;
-static void lock(kvh_engine *e)
-{
-    pthread_mutex_lock(&e->lock);
-    locked = e;
-}
-static void unlock(kvh_engine *e)
-{
-    locked = NULL;
-    pthread_mutex_unlock(&e->lock);
-}
-
-/* The record index of block handle h. */
-static uint32_t idx_of(kvh_engine *e, kvh_block h)
-{
-    uint32_t b = KVHI_NO_BLOCK;
-    lock(e);
-    kvh_status st = kvhi_block_resolve(e, h, &b);
-    unlock(e);
-    assert_ok(st);
-    return b;
-}
 
 /* Memory-only engine, inline migration; copy_moves so that a move has a
  * source and a destination slot. */
@@ -178,22 +154,22 @@ static void test_last_reference(void **state)
     kvh_engine *e = open_engine(8, 8);
     kvh_seq s = make_seq(e, 1, 100, 1);
     kvh_block h = tu_seq_block(e, s, 0);
-    uint32_t b = idx_of(e, h);
+    uint32_t b = wb_block_index(e, h);
     kvh_seq f;
     assert_ok(kvh_seq_fork(e, s, 0, &f));
     assert_int_equal(tu_binfo(e, h).refs, 2);
-    lock(e);
+    wb_lock(e);
     kvhi_block *blk = kvhi_blk(e, b);
     assert_true(blk->flags & KVHI_BF_PUBLISHED);
     assert_int_equal(kvhi_prefix_find(&e->prefix, blk->hash), b);
     kvhi_lruk_key referenced = kvhi_block_current_key(e, b);
-    unlock(e);
+    wb_unlock(e);
     assert_ok(kvh_seq_free(e, f));
     assert_ok(kvh_seq_free(e, s));
     kvh_stats s1 = tu_stats(e);
     /* Cached: still live, indexed, evictable, and now sorting below every
      * referenced block (class bit clear). */
-    lock(e);
+    wb_lock(e);
     assert_int_equal(blk->refs, 0);
     assert_true(blk->flags & KVHI_BF_LIVE);
     assert_int_equal(kvhi_prefix_find(&e->prefix, blk->hash), b);
@@ -202,7 +178,7 @@ static void test_last_reference(void **state)
     assert_true(referenced.primary >> 63);
     assert_false(cached.primary >> 63);
     assert_true(kvhi_lruk_less(&cached, &referenced));
-    unlock(e);
+    wb_unlock(e);
     assert_int_equal(tu_tier(e, KVH_TIER_DEVICE).used_blocks, 1);
     assert_int_equal(s1.blocks_freed, 0);
 
@@ -211,18 +187,18 @@ static void test_last_reference(void **state)
     int32_t t[2] = {7, 8};
     assert_ok(kvh_seq_append(e, p, t, 2));
     kvh_block ph = tu_seq_block(e, p, 0);
-    uint32_t pb = idx_of(e, ph);
-    lock(e);
+    uint32_t pb = wb_block_index(e, ph);
+    wb_lock(e);
     uint32_t gen = kvhi_blk(e, pb)->gen;
-    unlock(e);
+    wb_unlock(e);
     assert_ok(kvh_seq_free(e, p));
     kvh_stats s2 = tu_stats(e);
     assert_int_equal(s2.blocks_freed - s1.blocks_freed, 1);
     assert_int_equal(tu_tier(e, KVH_TIER_DEVICE).used_blocks, 1);
-    lock(e);
+    wb_lock(e);
     assert_int_equal(kvhi_blk(e, pb)->flags, 0);
     assert_true(kvhi_blk(e, pb)->gen != gen); /* its handles are stale */
-    unlock(e);
+    wb_unlock(e);
     kvh_block_info bi;
     memset(&bi, 0, sizeof(bi));
     bi.struct_size = sizeof(bi);
@@ -237,8 +213,8 @@ static void test_holds_and_dead_blocks(void **state)
     kvh_engine *e = open_engine(8, 8);
     kvh_block h;
     assert_ok(kvh_block_alloc(e, 0, &h));
-    uint32_t b = idx_of(e, h);
-    lock(e);
+    uint32_t b = wb_block_index(e, h);
+    wb_lock(e);
     kvhi_block *blk = kvhi_blk(e, b);
     assert_true(blk->heap_pos != KVHI_HEAP_NONE);
     kvhi_block_hold(e, b);
@@ -265,16 +241,16 @@ static void test_holds_and_dead_blocks(void **state)
     assert_int_equal(blk->flags, 0);
     assert_int_equal(kvhi_slot_pool_used(&e->tiers[KVH_TIER_DEVICE].slots), used0 - 1);
     assert_int_equal(e->stats.blocks_freed, freed0 + 1);
-    unlock(e);
+    wb_unlock(e);
 
     /* A cached (published, unreferenced) block freed while a disk copy is
      * read from its slot: out of the prefix index at once, destroyed by
      * the mover's free once the copy ends; the slot it left meanwhile is
      * freed with the copy. */
     kvh_seq s = make_seq(e, 1, 200, 2);
-    b = idx_of(e, tu_seq_block(e, s, 0));
+    b = wb_block_index(e, tu_seq_block(e, s, 0));
     assert_ok(kvh_seq_free(e, s));
-    lock(e);
+    wb_lock(e);
     blk = kvhi_blk(e, b);
     uint64_t hash = blk->hash;
     assert_int_equal(blk->refs, 0);
@@ -301,7 +277,7 @@ static void test_holds_and_dead_blocks(void **state)
     kvhi_block_free_now(e, b);
     assert_int_equal(blk->flags, 0);
     assert_int_equal(e->stats.blocks_freed, freed0 + 1);
-    unlock(e);
+    wb_unlock(e);
     assert_int_equal(tu_tier(e, KVH_TIER_DEVICE).used_blocks, 0);
     assert_int_equal(tu_tier(e, KVH_TIER_HOST).used_blocks, 0);
 }
@@ -314,8 +290,8 @@ static void test_pin_follows_a_moving_block(void **state)
     kvh_engine *e = open_engine(4, 4);
     kvh_seq s = make_seq(e, 1, 300, 3);
     kvh_block h = tu_seq_block(e, s, 0);
-    uint32_t b = idx_of(e, h);
-    lock(e);
+    uint32_t b = wb_block_index(e, h);
+    wb_lock(e);
     kvhi_xfer x;
     assert_int_equal(kvhi_move_begin(e, b, KVH_TIER_HOST, &x, false), 0);
     kvhi_block_pin(e, b, true); /* lands while the copy runs */
@@ -327,19 +303,19 @@ static void test_pin_follows_a_moving_block(void **state)
     assert_ok(kvhi_move_end(e, &x, NULL));
     assert_int_equal(kvhi_blk(e, b)->tier, KVH_TIER_HOST);
     assert_int_equal(kvhi_blk(e, b)->heap_pos, KVHI_HEAP_NONE);
-    unlock(e);
+    wb_unlock(e);
     assert_int_equal(tu_tier(e, KVH_TIER_DEVICE).pinned_blocks, 0);
     assert_int_equal(tu_tier(e, KVH_TIER_HOST).pinned_blocks, 1);
     assert_ok(kvh_block_pin(e, h, 1)); /* nests */
     assert_int_equal(tu_binfo(e, h).pins, 2);
     assert_int_equal(tu_tier(e, KVH_TIER_HOST).pinned_blocks, 1);
-    lock(e);
+    wb_lock(e);
     kvhi_block_pin(e, b, false);
     kvhi_block_pin(e, b, false);
     kvhi_block_pin(e, b, false); /* no pin left: ignored */
     assert_int_equal(kvhi_blk(e, b)->pins, 0);
     assert_true(kvhi_blk(e, b)->heap_pos != KVHI_HEAP_NONE);
-    unlock(e);
+    wb_unlock(e);
     assert_int_equal(tu_tier(e, KVH_TIER_HOST).pinned_blocks, 0);
     assert_true(tu_check_pattern(e, s, L, TOK, 3, 0, BT));
 }
@@ -365,39 +341,39 @@ static void test_publication(void **state)
     tu_iota(t, BT, 400);
     kvh_seq a = tu_seq_new(e, 0);
     assert_ok(kvh_seq_append(e, a, t, BT)); /* full: hashed, nothing written */
-    uint32_t b = idx_of(e, tu_seq_block(e, a, 0));
+    uint32_t b = wb_block_index(e, tu_seq_block(e, a, 0));
     kvhi_block *blk = kvhi_blk(e, b);
-    lock(e);
+    wb_lock(e);
     uint64_t hash = blk->hash;
     assert_true(blk->flags & KVHI_BF_HASHED);
     assert_false(blk->flags & (KVHI_BF_KV_COMPLETE | KVHI_BF_PUBLISHED));
-    unlock(e);
+    wb_unlock(e);
     /* Layer by layer, the last one in two pieces. */
     write_layer(e, a, 0, 0, BT, 4);
     write_layer(e, a, 2, 0, BT, 4);
     write_layer(e, a, 1, 0, 2, 4);
-    lock(e);
+    wb_lock(e);
     for (uint32_t l = 0; l < L; l++)
         for (uint32_t k = 0; k < BT; k++)
             assert_int_equal(kvhi_block_cell_written(e, b, l, k), l != 1 || k < 2);
     assert_false(blk->flags & (KVHI_BF_KV_COMPLETE | KVHI_BF_PUBLISHED));
     assert_int_equal(kvhi_prefix_find(&e->prefix, hash), KVHI_PREFIX_MISS);
-    unlock(e);
+    wb_unlock(e);
     write_layer(e, a, 1, 2, BT - 2, 4);
-    lock(e);
+    wb_lock(e);
     assert_true(blk->flags & KVHI_BF_KV_COMPLETE);
     assert_true(blk->flags & KVHI_BF_PUBLISHED);
     assert_null(blk->written); /* complete: the bitmap is gone */
     assert_int_equal(kvhi_prefix_find(&e->prefix, hash), b);
-    unlock(e);
+    wb_unlock(e);
 
     /* An equal block made later: complete, same hash, not published. */
     kvh_seq c = tu_seq_new(e, 0);
     assert_ok(kvh_seq_append(e, c, t, BT));
     tu_write_pattern(e, c, L, TOK, 4, 0, BT);
-    uint32_t b2 = idx_of(e, tu_seq_block(e, c, 0));
+    uint32_t b2 = wb_block_index(e, tu_seq_block(e, c, 0));
     kvhi_block *blk2 = kvhi_blk(e, b2);
-    lock(e);
+    wb_lock(e);
     assert_true(b2 != b);
     assert_int_equal(blk2->hash, hash);
     assert_true(blk2->flags & KVHI_BF_KV_COMPLETE);
@@ -405,11 +381,11 @@ static void test_publication(void **state)
     assert_int_equal(kvhi_prefix_find(&e->prefix, hash), b);
     kvhi_block_try_publish(e, b2); /* still taken */
     assert_false(blk2->flags & KVHI_BF_PUBLISHED);
-    unlock(e);
+    wb_unlock(e);
     /* The first one goes (its sequence is freed and it is dropped): the
      * entry is erased, and the twin can take it. */
     assert_ok(kvh_seq_free(e, a));
-    lock(e);
+    wb_lock(e);
     assert_int_equal(blk->refs, 0);
     uint32_t slot = kvhi_block_drop(e, b);
     kvhi_release_slot(e, KVH_TIER_DEVICE, slot);
@@ -417,7 +393,7 @@ static void test_publication(void **state)
     kvhi_block_try_publish(e, b2);
     assert_true(blk2->flags & KVHI_BF_PUBLISHED);
     assert_int_equal(kvhi_prefix_find(&e->prefix, hash), b2);
-    unlock(e);
+    wb_unlock(e);
 
     /* Truncate's bookkeeping on a private, complete block (a third equal
      * one, so unpublished): keep 3 tokens of 4 in every layer, forget the
@@ -425,9 +401,9 @@ static void test_publication(void **state)
     kvh_seq p = tu_seq_new(e, 0);
     assert_ok(kvh_seq_append(e, p, t, BT));
     tu_write_pattern(e, p, L, TOK, 4, 0, BT);
-    uint32_t pb = idx_of(e, tu_seq_block(e, p, 0));
+    uint32_t pb = wb_block_index(e, tu_seq_block(e, p, 0));
     kvhi_block *pblk = kvhi_blk(e, pb);
-    lock(e);
+    wb_lock(e);
     assert_true(pblk->flags & KVHI_BF_KV_COMPLETE);
     assert_false(pblk->flags & KVHI_BF_PUBLISHED);
     assert_ok(kvhi_block_forget_tokens(e, pb, 3));
@@ -443,7 +419,7 @@ static void test_publication(void **state)
     assert_ok(kvhi_block_mark_written(e, pb, L - 1, 3, BT));
     assert_true(pblk->flags & KVHI_BF_KV_COMPLETE);
     assert_false(pblk->flags & KVHI_BF_PUBLISHED); /* not hashed: never published */
-    unlock(e);
+    wb_unlock(e);
     assert_ok(kvh_seq_free(e, p));
     assert_ok(kvh_seq_free(e, c));
 }
@@ -462,9 +438,9 @@ static void test_cow_copy(void **state)
     write_layer(e, s, 2, 1, 3, 6); /* tokens 1..3 of layer 2 */
     kvh_seq f;
     assert_ok(kvh_seq_fork(e, s, 5, &f)); /* a second reference */
-    uint32_t b = idx_of(e, tu_seq_block(e, s, 0));
+    uint32_t b = wb_block_index(e, tu_seq_block(e, s, 0));
     kvh_stats s0 = tu_stats(e);
-    lock(e);
+    wb_lock(e);
     kvhi_block *src = kvhi_blk(e, b);
     assert_int_equal(src->refs, 2);
     src->tolerance = 77;
@@ -494,16 +470,16 @@ static void test_cow_copy(void **state)
     assert_ok(kvhi_seq_get(e, f, &fq));
     assert_int_equal(fq->blocks[0], b);
     fq->blocks[0] = nb;
-    unlock(e);
+    wb_unlock(e);
     /* Completing the copy publishes it: the source, incomplete, never
      * took the index entry. */
     write_layer(e, f, 1, 0, BT, 6);
     write_layer(e, f, 2, 0, BT, 6);
-    lock(e);
+    wb_lock(e);
     assert_true(dst->flags & KVHI_BF_KV_COMPLETE);
     assert_true(dst->flags & KVHI_BF_PUBLISHED);
     assert_false(src->flags & KVHI_BF_PUBLISHED);
-    unlock(e);
+    wb_unlock(e);
     /* The source still reads what it had. */
     uint8_t k[BT * 16], v[BT * 16], want[16];
     assert_ok(kvh_seq_read_kv(e, s, 0, 0, BT, k, v));
@@ -517,8 +493,7 @@ static void test_cow_copy(void **state)
 
 static int teardown(void **state)
 {
-    if (locked)
-        unlock(locked);
+    wb_release_held_lock();
     return tu_teardown(state);
 }
 

@@ -36,23 +36,10 @@
 #include "core/disk_index.h"
 #include "core/disk_io.h"
 #include "core/engine.h"
+#include "white_box_util.h"
 #include "core/move.h"
 
 static const dt_geo G = {2, 1, 32, 16, KVH_DTYPE_F16}; /* block = 4096 bytes */
-
-/* The engine lock, taken by the test itself; a failed assertion leaves
- * it held, and the teardown lets it go before closing the engine. */
-static kvh_engine *locked;
-static void lock(kvh_engine *e)
-{
-    pthread_mutex_lock(&e->lock);
-    locked = e;
-}
-static void unlock(kvh_engine *e)
-{
-    locked = NULL;
-    pthread_mutex_unlock(&e->lock);
-}
 
 static struct {
     atomic_int count[KVHI_OP_COUNT];
@@ -76,27 +63,9 @@ static void hook_on(void)
 
 static int teardown(void **state)
 {
-    if (locked)
-        unlock(locked);
+    wb_release_held_lock();
     kvhi_disk_set_fault_hook(NULL, NULL);
     return dt_teardown(state);
-}
-
-static uint32_t index_of(kvh_engine *e, kvh_block h)
-{
-    uint32_t b = KVHI_NO_BLOCK;
-    lock(e);
-    kvh_status st = kvhi_block_resolve(e, h, &b);
-    unlock(e);
-    dt_assert_ok(st);
-    return b;
-}
-
-static uint32_t blk_index(kvh_engine *e, kvh_seq s, uint64_t i)
-{
-    kvh_block h = {0};
-    dt_assert_ok(kvh_seq_blocks(e, s, i, 1, &h));
-    return index_of(e, h);
 }
 
 /* ---- the index files ---- */
@@ -150,10 +119,10 @@ static int find_rec(const recs *rs, uint32_t kind, uint32_t slot)
 static uint32_t live_on_disk(kvh_engine *e)
 {
     uint32_t n = 0;
-    lock(e);
+    wb_lock(e);
     for (uint32_t b = 0; b < e->block_cap; b++)
         n += (e->blocks[b].flags & KVHI_BF_LIVE) && e->blocks[b].tier == KVH_TIER_DISK;
-    unlock(e);
+    wb_unlock(e);
     return n;
 }
 
@@ -185,7 +154,7 @@ static void test_persist_journal_snapshot_reopen(void **state)
     uint64_t hash[3];
     const uint16_t durable = KVHI_BF_JOURNALED | KVHI_BF_DISK_COPY | KVHI_BF_DISK_HASHED;
     for (int i = 0; i < 4; i++) {
-        uint32_t b = blk_index(e, s, (uint64_t)i);
+        uint32_t b = wb_seq_block_index(e, s, (uint64_t)i);
         kvhi_block *blk = kvhi_blk(e, b);
         if (i == 3) {
             assert_int_equal(blk->flags & durable, 0); /* the partial block is not persisted */
@@ -239,7 +208,7 @@ static void test_persist_journal_snapshot_reopen(void **state)
     assert_int_equal(live_on_disk(e), 3);
     assert_int_equal(dt_tier(e, KVH_TIER_DISK).used_blocks, 3);
     assert_int_equal(dt_stats(e).blocks_allocated, 3);
-    lock(e);
+    wb_lock(e);
     for (int i = 0; i < 3; i++) {
         uint32_t b = kvhi_prefix_find(&e->prefix, hash[i]);
         assert_true(b != KVHI_PREFIX_MISS);
@@ -253,7 +222,7 @@ static void test_persist_journal_snapshot_reopen(void **state)
         assert_int_equal(blk->refs, 0);
         assert_true(blk->heap_pos != KVHI_HEAP_NONE);
     }
-    unlock(e);
+    wb_unlock(e);
     match_a(e, ct, 3 * G.bt + G.bt / 2, 3 * G.bt); /* byte for byte; not the half block */
     dt_assert_ok(dt_close(e));
 }
@@ -285,7 +254,7 @@ static void test_records_follow_the_blocks(void **state)
     size_t n = 0;
     dt_assert_ok(kvh_prefix_lookup(e, tk, 2 * G.bt, h, 2, &n));
     assert_int_equal(n, 2);
-    uint32_t b0 = index_of(e, h[0]);
+    uint32_t b0 = wb_block_index(e, h[0]);
     kvhi_block *blk = kvhi_blk(e, b0);
     uint32_t slot0 = blk->slot;
     dt_assert_ok(kvh_migrate(e, h, 1, KVH_TIER_HOST, NULL));
@@ -298,11 +267,11 @@ static void test_records_follow_the_blocks(void **state)
     read_recs(dir, "journal", &j);
     assert_int_equal(j.n, 0);
     /* Forgetting it: a DEL for that slot, the slot free. */
-    lock(e);
+    wb_lock(e);
     kvhi_disk_forget(e, b0);
     assert_false(blk->flags & (KVHI_BF_DISK_COPY | KVHI_BF_JOURNALED));
     assert_int_equal(blk->disk_copy, KVHI_NO_BLOCK);
-    unlock(e);
+    wb_unlock(e);
     assert_int_equal(dt_tier(e, KVH_TIER_DISK).used_blocks, 1);
     flush(e);
     read_recs(dir, "journal", &j);
@@ -319,14 +288,14 @@ static void test_records_follow_the_blocks(void **state)
     assert_int_equal(dt_tier(e, KVH_TIER_DISK).used_blocks, 2);
     dt_assert_ok(kvh_seq_migrate(e, p, 0, G.bt / 2, KVH_TIER_HOST, NULL));
     assert_int_equal(dt_tier(e, KVH_TIER_DISK).used_blocks, 1);
-    uint32_t pb = blk_index(e, p, 0);
+    uint32_t pb = wb_seq_block_index(e, p, 0);
     assert_false(kvhi_blk(e, pb)->flags & (KVHI_BF_DISK_COPY | KVHI_BF_JOURNALED));
     /* A published block demoted (never persisted): an ADD record. */
     kvh_seq q;
     dt_content qc = dt_plain(4);
     dt_assert_ok(dt_build(e, G, qc, G.bt, 0, &q));
     dt_assert_ok(kvh_seq_migrate(e, q, 0, G.bt, KVH_TIER_DISK, NULL));
-    uint32_t qb = blk_index(e, q, 0);
+    uint32_t qb = wb_seq_block_index(e, q, 0);
     assert_true(kvhi_blk(e, qb)->flags & KVHI_BF_JOURNALED);
     flush(e);
     read_recs(dir, "journal", &j);
@@ -340,11 +309,11 @@ static void test_records_follow_the_blocks(void **state)
     kvh_seq r;
     dt_content rc = dt_plain(5);
     dt_assert_ok(dt_build(e, G, rc, G.bt + G.bt / 2, 0, &r)); /* a full block and a partial one */
-    uint32_t rb[2] = {blk_index(e, r, 0), blk_index(e, r, 1)};
+    uint32_t rb[2] = {wb_seq_block_index(e, r, 0), wb_seq_block_index(e, r, 1)};
     kvh_stats a = dt_stats(e);
     uint64_t disk0 = dt_tier(e, KVH_TIER_DISK).used_blocks;
     uint32_t written[2];
-    lock(e);
+    wb_lock(e);
     for (int i = 0; i < 2; i++) {
         kvhi_block *rbk = kvhi_blk(e, rb[i]);
         uint8_t tier = rbk->tier;
@@ -370,7 +339,7 @@ static void test_records_follow_the_blocks(void **state)
     assert_int_equal(full->disk_copy, written[0]);
     assert_true(full->flags & KVHI_BF_JOURNALED);
     assert_false(part->flags & (KVHI_BF_DISK_COPY | KVHI_BF_JOURNALED));
-    unlock(e);
+    wb_unlock(e);
     kvh_stats d = dt_stats(e);
     assert_int_equal(dt_tier(e, KVH_TIER_DISK).used_blocks, disk0 + 1); /* the partial one's slot came back */
     assert_int_equal(d.disk_copies_written - a.disk_copies_written, 1);
@@ -412,9 +381,9 @@ static void test_cleaner(void **state)
     dt_content ct = dt_plain(6);
     kvh_seq s;
     dt_assert_ok(dt_build(e, G, ct, 4 * G.bt, 0, &s));
-    lock(e);
+    wb_lock(e);
     assert_false(kvhi_disk_clean_step(e)); /* the host tier has room */
-    unlock(e);
+    wb_unlock(e);
     assert_int_equal(dt_stats(e).disk_copies_written, 0);
     /* 16 full blocks and a partial one: the device holds the newest two,
      * the host the other 15; then the partial one goes to the host too:
@@ -427,11 +396,11 @@ static void test_cleaner(void **state)
     assert_int_equal(dt_tier(e, KVH_TIER_HOST).used_blocks, 16);
     uint32_t b[17];
     for (int i = 0; i < 17; i++)
-        b[i] = blk_index(e, s, (uint64_t)i);
+        b[i] = wb_seq_block_index(e, s, (uint64_t)i);
     assert_int_equal(kvhi_blk(e, b[15])->tier, KVH_TIER_DEVICE);
     assert_int_equal(kvhi_blk(e, b[16])->tier, KVH_TIER_HOST);
     kvh_stats a = dt_stats(e);
-    lock(e);
+    wb_lock(e);
     assert_true(kvhi_disk_clean_step(e));
     int copies = 0;
     for (int i = 0; i < 17; i++) {
@@ -452,7 +421,7 @@ static void test_cleaner(void **state)
     assert_int_equal(copies, 14);
     /* Nothing left to clean. */
     assert_false(kvhi_disk_clean_step(e));
-    unlock(e);
+    wb_unlock(e);
     kvh_stats d = dt_stats(e);
     assert_int_equal(d.disk_copies_written - a.disk_copies_written, 14);
     assert_int_equal(d.bytes_disk_copies_written - a.bytes_disk_copies_written, 14 * dt_block_bytes(G));
@@ -465,19 +434,19 @@ static void test_cleaner(void **state)
     dt_assert_ok(dt_extend(e, s, G, ct, 16 * G.bt + G.bt / 2, G.bt / 2));
     assert_true(kvhi_blk(e, b[16])->flags & KVHI_BF_PUBLISHED);
     assert_int_equal(kvhi_blk(e, b[16])->tier, KVH_TIER_HOST);
-    lock(e);
+    wb_lock(e);
     assert_false(kvhi_disk_clean_step(e));
     assert_false(kvhi_blk(e, b[16])->flags & KVHI_BF_DISK_COPY);
-    unlock(e);
+    wb_unlock(e);
     /* ... until something does: block 15 comes down (block 1 leaving for
      * its copy), and both are cleaned. */
     dt_assert_ok(kvh_seq_migrate(e, s, 15 * G.bt, G.bt, KVH_TIER_HOST, NULL));
     assert_int_equal(kvhi_blk(e, b[1])->tier, KVH_TIER_DISK);
-    lock(e);
+    wb_lock(e);
     assert_true(kvhi_disk_clean_step(e));
     assert_true(kvhi_blk(e, b[15])->flags & KVHI_BF_DISK_COPY);
     assert_true(kvhi_blk(e, b[16])->flags & KVHI_BF_DISK_COPY);
-    unlock(e);
+    wb_unlock(e);
     d = dt_stats(e);
     assert_int_equal(d.disk_copies_written - a.disk_copies_written, 16);
     assert_int_equal(d.blocks_host_to_disk, a.blocks_host_to_disk);
@@ -539,13 +508,13 @@ static void test_long_journal_folds(void **state)
     read_recs(dir, "journal", &j);
     assert_int_equal(j.n, 0);
     assert_true(e->disk->journal_records < 16);
-    lock(e);
+    wb_lock(e);
     for (int i = 0; i < 3; i++) {
         uint32_t b = kvhi_prefix_find(&e->prefix, x.r[i].hash);
         assert_true(b != KVHI_PREFIX_MISS);
         assert_int_equal(kvhi_blk(e, b)->disk_copy, x.r[i].slot);
     }
-    unlock(e);
+    wb_unlock(e);
     /* Killed now: the folded files alone give everything back. */
     dt_saved_store saved;
     assert_int_equal(dt_store_save(dir, &saved), 0);
@@ -571,7 +540,7 @@ static void test_verify_in_place(void **state)
     kvh_seq s;
     dt_assert_ok(dt_build(e, G, ct, 3 * G.bt, 0, &s));
     dt_assert_ok(kvh_seq_persist(e, s));
-    uint32_t slot1 = kvhi_blk(e, blk_index(e, s, 1))->disk_copy;
+    uint32_t slot1 = kvhi_blk(e, wb_seq_block_index(e, s, 1))->disk_copy;
     dt_assert_ok(kvh_seq_free(e, s));
     dt_assert_ok(dt_close(e));
     assert_int_equal(dt_flip_bit(dt_path(slab, sizeof(slab), dir, "slab-0000.kvh"),
@@ -587,10 +556,10 @@ static void test_verify_in_place(void **state)
     assert_int_equal(n, 3);
     uint32_t b[3];
     for (int i = 0; i < 3; i++)
-        b[i] = index_of(e, h[i]);
+        b[i] = wb_block_index(e, h[i]);
     kvh_stats a = dt_stats(e);
     hook_on();
-    lock(e);
+    wb_lock(e);
     kvhi_disk_verify(e, b, 3);
     for (int i = 0; i < 3; i++) {
         kvhi_block *blk = kvhi_blk(e, b[i]);
@@ -599,27 +568,27 @@ static void test_verify_in_place(void **state)
         assert_int_equal((blk->flags & KVHI_BF_CORRUPT) != 0, i == 1);
         assert_int_equal((blk->flags & KVHI_BF_PUBLISHED) != 0, i != 1);
     }
-    unlock(e);
+    wb_unlock(e);
     assert_true(atomic_load(&H.count[KVHI_OP_READ]) >= 1);
     kvh_stats d = dt_stats(e);
     assert_int_equal(d.corrupt_blocks - a.corrupt_blocks, 1);
     assert_int_equal(d.blocks_disk_to_host, a.blocks_disk_to_host);
     /* An unreadable block: a miss from now on, but not damage. */
     atomic_store(&H.fail_reads, 1);
-    lock(e);
+    wb_lock(e);
     kvhi_disk_verify(e, &b[2], 1);
     kvhi_block *blk = kvhi_blk(e, b[2]);
     assert_true(blk->flags & KVHI_BF_CORRUPT);
     assert_true(blk->flags & KVHI_BF_PUBLISHED);
     assert_int_equal(kvhi_move_state(blk), KVHI_MS_IDLE);
-    unlock(e);
+    wb_unlock(e);
     atomic_store(&H.fail_reads, 0);
     assert_int_equal(dt_stats(e).corrupt_blocks - a.corrupt_blocks, 1);
     /* Blocks already marked are not read again: block 0 only. */
     int reads = atomic_load(&H.count[KVHI_OP_READ]);
-    lock(e);
+    wb_lock(e);
     kvhi_disk_verify(e, b, 3);
-    unlock(e);
+    wb_unlock(e);
     assert_int_equal(atomic_load(&H.count[KVHI_OP_READ]) - reads, 1);
     assert_false(kvhi_blk(e, b[0])->flags & KVHI_BF_CORRUPT);
     assert_int_equal(dt_stats(e).corrupt_blocks - a.corrupt_blocks, 1);

@@ -32,41 +32,10 @@
 #include "core/block_state.h"
 #include "core/disk_io.h"
 #include "core/engine.h"
+#include "white_box_util.h"
 #include "core/move.h"
 
-static const dt_geo G = {2, 1, 32, 16, KVH_DTYPE_F16}; /* block = 4096 bytes */
-
-/* The engine lock, taken by the test itself; a failed assertion leaves
- * it held, and the teardown lets it go before closing the engine. */
-static kvh_engine *locked;
-static void lock(kvh_engine *e)
-{
-    pthread_mutex_lock(&e->lock);
-    locked = e;
-}
-static void unlock(kvh_engine *e)
-{
-    locked = NULL;
-    pthread_mutex_unlock(&e->lock);
-}
-
-static uint32_t index_of(kvh_engine *e, kvh_block h)
-{
-    uint32_t b = KVHI_NO_BLOCK;
-    lock(e);
-    kvh_status st = kvhi_block_resolve(e, h, &b);
-    unlock(e);
-    dt_assert_ok(st);
-    return b;
-}
-
-static uint32_t blk_index(kvh_engine *e, kvh_seq s, uint64_t i)
-{
-    kvh_block h = {0};
-    dt_assert_ok(kvh_seq_blocks(e, s, i, 1, &h));
-    return index_of(e, h);
-}
-
+static const dt_geo G = {2, 1, 32, 16, KVH_DTYPE_F16};
 static kvh_engine *open_mem(uint64_t dev, uint64_t host, uint32_t lru_k)
 {
     kvh_config c = dt_cfg(G, NULL, dev, host, 0, 0);
@@ -80,7 +49,7 @@ static uint32_t cached_block(kvh_engine *e, uint64_t stream)
 {
     kvh_seq s;
     dt_assert_ok(dt_build(e, G, dt_plain(stream), G.bt, 0, &s));
-    uint32_t b = blk_index(e, s, 0);
+    uint32_t b = wb_seq_block_index(e, s, 0);
     dt_assert_ok(kvh_seq_free(e, s));
     assert_true(kvhi_blk(e, b)->flags & KVHI_BF_PUBLISHED);
     assert_int_equal(kvhi_blk(e, b)->refs, 0);
@@ -122,16 +91,16 @@ static void test_lru_k_order(void **state)
         kvh_seq s;
         dt_assert_ok(dt_build(e, G, dt_plain(11), 4 * G.bt, 0, &s));
         for (int i = 0; i < 4; i++)
-            b[A + i] = blk_index(e, s, (uint64_t)i);
-        lock(e);
+            b[A + i] = wb_seq_block_index(e, s, (uint64_t)i);
+        wb_lock(e);
         /* A B C D, then D C A: A, C and D have two accesses here, B one. */
         int order[] = {A, B, C, D, D, C, A, U, U};
         for (size_t i = 0; i < sizeof(order) / sizeof(order[0]); i++)
             kvhi_block_touch(e, b[order[i]]);
-        unlock(e);
+        wb_unlock(e);
         kvh_block eh;
         dt_assert_ok(kvh_block_alloc(e, 0, &eh)); /* E: the newest, one access */
-        b[E] = index_of(e, eh);
+        b[E] = wb_block_index(e, eh);
         assert_int_equal(dt_tier(e, KVH_TIER_DEVICE).used_blocks, N);
         uint64_t ev0 = dt_stats(e).evictions;
         assert_int_equal(ev0, 0);
@@ -142,14 +111,14 @@ static void test_lru_k_order(void **state)
         const char *want = k == 2 ? "UEBACD" : "UBDCAE";
         char got[N + 1] = "";
         uint32_t slots[N];
-        lock(e);
+        wb_lock(e);
         for (int i = 0; i < N; i++) {
             int v = reserve_one(e, KVH_TIER_DEVICE, 0, b, N, &slots[i]);
             got[i] = v < 0 ? '-' : names[v];
         }
         for (int i = 0; i < N; i++)
             kvhi_release_slot(e, KVH_TIER_DEVICE, slots[i]);
-        unlock(e);
+        wb_unlock(e);
         if (strcmp(got, want) != 0)
             fail_msg("lru_k %u: victims left in the order %s, expected %s", k, got, want);
         assert_int_equal(dt_stats(e).evictions - ev0, N);
@@ -177,11 +146,11 @@ static void test_protected_blocks_stay(void **state)
     kvh_block ph;
     dt_assert_ok(kvh_seq_blocks(e, s, 0, 1, &ph));
     for (int i = 0; i < 4; i++)
-        b[i] = blk_index(e, s, (uint64_t)i);
+        b[i] = wb_seq_block_index(e, s, (uint64_t)i);
     b[U] = cached_block(e, 21);
     dt_assert_ok(kvh_block_pin(e, ph, 1));
     dt_assert_ok(kvh_seq_acquire(e, s, 1 * G.bt, G.bt, NULL)); /* holds HL */
-    lock(e);
+    wb_lock(e);
     kvhi_block_move_event(kvhi_blk(e, b[BZ]), KVHI_EV_COPY_BEGIN); /* a clean copy is written from it */
     kvhi_block_update_evictable(e, b[BZ]);
     /* R and U are the most valuable by history: the protected ones would
@@ -212,7 +181,7 @@ static void test_protected_blocks_stay(void **state)
     /* A tier that is not there. */
     assert_int_equal(kvhi_reserve_slot(e, KVH_TIER_DISK, 0, &none), KVH_ERR_NOSPACE);
     assert_string_equal(kvh_last_error(), "tier 2 is not configured");
-    unlock(e);
+    wb_unlock(e);
     assert_int_equal(dt_stats(e).drops, 0);
     dt_assert_ok(kvh_seq_release(e, s, 1 * G.bt, G.bt));
     dt_assert_ok(kvh_block_pin(e, ph, 0));
@@ -227,10 +196,10 @@ static void test_protected_blocks_stay(void **state)
 static uint32_t live_on_disk(kvh_engine *e)
 {
     uint32_t n = 0;
-    lock(e);
+    wb_lock(e);
     for (uint32_t b = 0; b < e->block_cap; b++)
         n += (e->blocks[b].flags & KVHI_BF_LIVE) && e->blocks[b].tier == KVH_TIER_DISK;
-    unlock(e);
+    wb_unlock(e);
     return n;
 }
 
@@ -249,12 +218,13 @@ static void test_last_tier_drops_unreferenced(void **state)
     dt_assert_ok(dt_build(e, G, uc, 2 * G.bt, 0, &u));
     dt_assert_ok(kvh_seq_persist(e, u));
     dt_assert_ok(kvh_seq_migrate(e, u, 0, 2 * G.bt, KVH_TIER_DISK, NULL));
-    uint32_t b[4] = {blk_index(e, r, 0), blk_index(e, r, 1), blk_index(e, u, 0), blk_index(e, u, 1)};
+    uint32_t b[4] = {wb_seq_block_index(e, r, 0), wb_seq_block_index(e, r, 1), wb_seq_block_index(e, u, 0),
+                     wb_seq_block_index(e, u, 1)};
     dt_assert_ok(kvh_seq_free(e, u));
     assert_int_equal(dt_tier(e, KVH_TIER_DISK).used_blocks, 4);
     assert_int_equal(live_on_disk(e), 4);
     kvh_stats a = dt_stats(e);
-    lock(e);
+    wb_lock(e);
     uint64_t hash2 = kvhi_blk(e, b[2])->hash, hash3 = kvhi_blk(e, b[3])->hash;
     uint32_t slots[2];
     int v0 = reserve_one(e, KVH_TIER_DISK, 0, b, 4, &slots[0]);
@@ -270,7 +240,7 @@ static void test_last_tier_drops_unreferenced(void **state)
         assert_int_equal(kvhi_blk(e, b[i])->tier, KVH_TIER_DISK);
     kvhi_release_slot(e, KVH_TIER_DISK, slots[0]);
     kvhi_release_slot(e, KVH_TIER_DISK, slots[1]);
-    unlock(e);
+    wb_unlock(e);
     kvh_stats d = dt_stats(e);
     assert_int_equal(d.drops - a.drops, 2);
     assert_int_equal(d.blocks_freed - a.blocks_freed, 2);
@@ -305,8 +275,7 @@ static int hook(enum kvhi_disk_op op, void *user)
 
 static int teardown(void **state)
 {
-    if (locked)
-        unlock(locked);
+    wb_release_held_lock();
     kvhi_disk_set_fault_hook(NULL, NULL);
     atomic_store(&H.fail_writes, 0);
     return dt_teardown(state);
@@ -322,10 +291,10 @@ static void test_victim_that_cannot_go_down(void **state)
     dt_assert_ok(kvh_seq_migrate(e, h, 0, 2 * G.bt, KVH_TIER_HOST, NULL));
     uint32_t bu = cached_block(e, 41);
     dt_assert_ok(dt_build(e, G, dt_plain(42), G.bt, 0, &r));
-    uint32_t b[2] = {bu, blk_index(e, r, 0)};
+    uint32_t b[2] = {bu, wb_seq_block_index(e, r, 0)};
     assert_int_equal(dt_tier(e, KVH_TIER_HOST).used_blocks, 2);
     kvh_stats a = dt_stats(e);
-    lock(e);
+    wb_lock(e);
     uint64_t hash = kvhi_blk(e, bu)->hash;
     uint32_t slot = 0;
     assert_int_equal(reserve_one(e, KVH_TIER_DEVICE, 0, b, 2, &slot), 0);
@@ -336,7 +305,7 @@ static void test_victim_that_cannot_go_down(void **state)
     assert_string_equal(kvh_last_error(), "no room below the device tier for its least valuable block");
     assert_int_equal(kvhi_blk(e, b[1])->tier, KVH_TIER_DEVICE);
     kvhi_release_slot(e, KVH_TIER_DEVICE, slot);
-    unlock(e);
+    wb_unlock(e);
     kvh_stats d = dt_stats(e);
     assert_int_equal(d.drops - a.drops, 1);
     assert_int_equal(d.evictions, a.evictions);
@@ -356,8 +325,8 @@ static void test_victim_that_cannot_go_down(void **state)
     dt_assert_ok(dt_build(e, G, dt_plain(45), G.bt, 0, &r2));
     dt_assert_ok(kvh_seq_migrate(e, useq, 0, G.bt, KVH_TIER_HOST, NULL));
     dt_assert_ok(kvh_seq_migrate(e, r2, 0, G.bt, KVH_TIER_HOST, NULL));
-    b[0] = bu = blk_index(e, useq, 0);
-    b[1] = blk_index(e, r2, 0);
+    b[0] = bu = wb_seq_block_index(e, useq, 0);
+    b[1] = wb_seq_block_index(e, r2, 0);
     dt_assert_ok(kvh_seq_free(e, useq));
     dt_assert_ok(dt_build(e, G, dt_plain(43), 2 * G.bt, 0, &r));
     assert_int_equal(kvhi_blk(e, b[0])->tier, KVH_TIER_HOST);
@@ -366,26 +335,26 @@ static void test_victim_that_cannot_go_down(void **state)
     kvhi_disk_set_fault_hook(hook, NULL);
     atomic_store(&H.fail_writes, 1);
     a = dt_stats(e);
-    lock(e);
+    wb_lock(e);
     assert_int_equal(reserve_one(e, KVH_TIER_HOST, 0, b, 2, &slot), 0);
     assert_false(kvhi_blk(e, bu)->flags & KVHI_BF_LIVE);
     assert_int_equal(kvhi_reserve_slot(e, KVH_TIER_HOST, 0, &none), KVH_ERR_NOSPACE);
     assert_string_equal(kvh_last_error(), "no room below the host tier for its least valuable block");
     assert_int_equal(kvhi_blk(e, b[1])->tier, KVH_TIER_HOST);
-    unlock(e);
+    wb_unlock(e);
     atomic_store(&H.fail_writes, 0);
     d = dt_stats(e);
     assert_int_equal(d.drops - a.drops, 1);
     assert_int_equal(d.blocks_host_to_disk, a.blocks_host_to_disk);
     assert_int_equal(dt_tier(e, KVH_TIER_DISK).used_blocks, 0); /* the failed writes' slots came back */
     /* With the disk working again, the referenced block goes down. */
-    lock(e);
+    wb_lock(e);
     uint32_t slot2 = 0;
     assert_int_equal(reserve_one(e, KVH_TIER_HOST, 0, b, 2, &slot2), 1);
     assert_int_equal(kvhi_blk(e, b[1])->tier, KVH_TIER_DISK);
     kvhi_release_slot(e, KVH_TIER_HOST, slot);
     kvhi_release_slot(e, KVH_TIER_HOST, slot2);
-    unlock(e);
+    wb_unlock(e);
     assert_int_equal(dt_stats(e).blocks_host_to_disk - a.blocks_host_to_disk, 1);
     char msg[256] = "";
     if (dt_verify(e, r2, G, dt_plain(45), 0, G.bt, msg, sizeof(msg)) != KVH_OK)
@@ -404,8 +373,9 @@ static void test_quota_makes_room_among_own(void **state)
     dt_assert_ok(dt_build(e, G, dt_plain(50), 2 * G.bt, 0, &z)); /* agent 0: the oldest blocks */
     dt_assert_ok(kvh_agent_set_quota(e, 1, 2 * dt_block_bytes(G)));
     dt_assert_ok(dt_build(e, G, dt_plain(51), 2 * G.bt, 1, &s)); /* agent 1: at its quota */
-    uint32_t b[4] = {blk_index(e, z, 0), blk_index(e, z, 1), blk_index(e, s, 0), blk_index(e, s, 1)};
-    lock(e);
+    uint32_t b[4] = {wb_seq_block_index(e, z, 0), wb_seq_block_index(e, z, 1), wb_seq_block_index(e, s, 0),
+                     wb_seq_block_index(e, s, 1)};
+    wb_lock(e);
     kvhi_block_touch(e, b[2]);
     kvhi_block_touch(e, b[2]); /* b[3] is agent 1's least valuable */
     uint32_t old_slot = kvhi_blk(e, b[3])->slot, free0 = e->tiers[KVH_TIER_DEVICE].slots.free_count;
@@ -421,19 +391,19 @@ static void test_quota_makes_room_among_own(void **state)
     assert_int_equal(reserve_one(e, KVH_TIER_DEVICE, 0, b, 4, &slot), -1);
     assert_int_equal(e->stats.evictions, ev);
     kvhi_release_slot(e, KVH_TIER_DEVICE, slot);
-    unlock(e);
+    wb_unlock(e);
 
     /* Agent 1 back at its quota with both of its blocks held. */
     dt_assert_ok(kvh_seq_acquire(e, s, 0, 2 * G.bt, NULL));
     assert_int_equal(kvhi_blk(e, b[3])->tier, KVH_TIER_DEVICE);
-    lock(e);
+    wb_lock(e);
     uint32_t none = 0;
     assert_true(e->tiers[KVH_TIER_DEVICE].slots.free_count > 0);
     assert_int_equal(kvhi_reserve_slot(e, KVH_TIER_DEVICE, 1, &none), KVH_ERR_NOSPACE);
     assert_string_equal(kvh_last_error(), "agent 1 is at its device quota and none of its blocks can leave");
     assert_int_equal(reserve_one(e, KVH_TIER_DEVICE, 0, b, 4, &slot), -1); /* agent 0: still room */
     kvhi_release_slot(e, KVH_TIER_DEVICE, slot);
-    unlock(e);
+    wb_unlock(e);
     /* A new block of agent 1 goes to the host tier instead. */
     dt_assert_ok(dt_extend(e, s, G, dt_plain(51), 2 * G.bt, G.bt));
     assert_int_equal(dt_binfo(e, s, 2).tier, KVH_TIER_HOST);

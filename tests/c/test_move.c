@@ -33,36 +33,10 @@
 #include "core/block_state.h"
 #include "core/disk_io.h"
 #include "core/engine.h"
+#include "white_box_util.h"
 #include "core/move.h"
 
 static const dt_geo G = {2, 1, 32, 16, KVH_DTYPE_F16}; /* block = 4096 bytes */
-
-/* The engine lock, taken by the test itself; a failed assertion leaves
- * it held, and the teardown lets it go before closing the engine. */
-static kvh_engine *locked;
-static void lock(kvh_engine *e)
-{
-    pthread_mutex_lock(&e->lock);
-    locked = e;
-}
-static void unlock(kvh_engine *e)
-{
-    locked = NULL;
-    pthread_mutex_unlock(&e->lock);
-}
-
-/* Record index of logical block i of s. */
-static uint32_t blk_index(kvh_engine *e, kvh_seq s, uint64_t i)
-{
-    kvh_block h = {0};
-    dt_assert_ok(kvh_seq_blocks(e, s, i, 1, &h));
-    uint32_t b = KVHI_NO_BLOCK;
-    lock(e);
-    kvh_status st = kvhi_block_resolve(e, h, &b);
-    unlock(e);
-    dt_assert_ok(st);
-    return b;
-}
 
 static uint32_t used(kvh_engine *e, uint32_t tier) { return kvhi_slot_pool_used(&e->tiers[tier].slots); }
 
@@ -110,8 +84,7 @@ static void hook_reset(void)
 
 static int teardown(void **state)
 {
-    if (locked)
-        unlock(locked);
+    wb_release_held_lock();
     kvhi_disk_set_fault_hook(NULL, NULL);
     return dt_teardown(state);
 }
@@ -127,11 +100,11 @@ static void test_begin_end(void **state)
     kvh_seq s;
     dt_content ct = dt_plain(1);
     dt_assert_ok(dt_build(e, G, ct, G.bt, 0, &s));
-    uint32_t b = blk_index(e, s, 0);
+    uint32_t b = wb_seq_block_index(e, s, 0);
     kvhi_block *blk = kvhi_blk(e, b);
     kvh_stats s0 = dt_stats(e);
 
-    lock(e);
+    wb_lock(e);
     uint32_t slot0 = blk->slot, dev0 = used(e, KVH_TIER_DEVICE), host0 = used(e, KVH_TIER_HOST);
     kvhi_xfer x;
     assert_int_equal(kvhi_move_begin(e, b, KVH_TIER_HOST, &x, false), 0);
@@ -145,11 +118,11 @@ static void test_begin_end(void **state)
     assert_int_equal(blk->tier, KVH_TIER_DEVICE); /* not placed before the end */
     assert_int_equal(used(e, KVH_TIER_HOST), host0 + 1);
     assert_int_equal(used(e, KVH_TIER_DEVICE), dev0);
-    unlock(e);
+    wb_unlock(e);
     kvh_block_info bi = dt_binfo(e, s, 0);
     assert_int_equal(bi.in_flight, 1);
     assert_int_equal(bi.tier, KVH_TIER_DEVICE);
-    lock(e);
+    wb_lock(e);
     run_xfer(e, &x);
     assert_int_equal(x.err, 0);
     dt_assert_ok(kvhi_move_end(e, &x, NULL));
@@ -159,7 +132,7 @@ static void test_begin_end(void **state)
     assert_true(blk->heap_pos != KVHI_HEAP_NONE);
     assert_int_equal(used(e, KVH_TIER_DEVICE), dev0 - 1);
     assert_int_equal(used(e, KVH_TIER_HOST), host0 + 1);
-    unlock(e);
+    wb_unlock(e);
     kvh_stats s1 = dt_stats(e);
     assert_int_equal(s1.blocks_device_to_host - s0.blocks_device_to_host, 1);
     assert_int_equal(s1.bytes_device_to_host - s0.bytes_device_to_host, dt_block_bytes(G));
@@ -175,7 +148,7 @@ static void test_begin_end(void **state)
         kvh_status want;
     } fails[] = {{-EIO, KVH_ERR_IO}, {-ENOSPC, KVH_ERR_NOSPACE}};
     for (int i = 0; i < 2; i++) {
-        lock(e);
+        wb_lock(e);
         uint32_t slot = blk->slot;
         dev0 = used(e, KVH_TIER_DEVICE), host0 = used(e, KVH_TIER_HOST);
         assert_int_equal(kvhi_move_begin(e, b, KVH_TIER_DEVICE, &x, false), 0);
@@ -191,14 +164,14 @@ static void test_begin_end(void **state)
         assert_false(blk->flags & KVHI_BF_CORRUPT);
         assert_int_equal(used(e, KVH_TIER_DEVICE), dev0);
         assert_int_equal(used(e, KVH_TIER_HOST), host0);
-        unlock(e);
+        wb_unlock(e);
     }
     kvh_stats s2 = dt_stats(e);
     assert_int_equal(s2.blocks_host_to_device, s1.blocks_host_to_device);
     verify_a(e, s, ct, G.bt);
 
     /* To the tier it is in: nothing to transfer. */
-    lock(e);
+    wb_lock(e);
     assert_int_equal(kvhi_move_begin(e, b, KVH_TIER_HOST, &x, false), 1);
     assert_int_equal(kvhi_move_state(blk), KVHI_MS_IDLE);
     /* Handing over: the source slot goes to the caller, still taken. */
@@ -210,7 +183,7 @@ static void test_begin_end(void **state)
     assert_int_equal(used(e, KVH_TIER_HOST), host0);
     kvhi_release_slot(e, KVH_TIER_HOST, handed);
     assert_int_equal(used(e, KVH_TIER_HOST), host0 - 1);
-    unlock(e);
+    wb_unlock(e);
     verify_a(e, s, ct, G.bt);
     dt_assert_ok(kvh_seq_free(e, s));
 }
@@ -298,15 +271,15 @@ static void test_demotion_to_clean_copy(void **state)
     dt_content ct = dt_plain(3);
     dt_assert_ok(dt_build(e, G, ct, 2 * G.bt, 0, &s));
     dt_assert_ok(kvh_seq_persist(e, s)); /* clean copies of both blocks */
-    uint32_t b[2] = {blk_index(e, s, 0), blk_index(e, s, 1)}, copy[2];
-    lock(e);
+    uint32_t b[2] = {wb_seq_block_index(e, s, 0), wb_seq_block_index(e, s, 1)}, copy[2];
+    wb_lock(e);
     for (int i = 0; i < 2; i++) {
         uint16_t f = kvhi_blk(e, b[i])->flags;
         assert_true((f & (KVHI_BF_DISK_COPY | KVHI_BF_JOURNALED)) == (KVHI_BF_DISK_COPY | KVHI_BF_JOURNALED));
         assert_int_equal(kvhi_blk(e, b[i])->tier, KVH_TIER_DEVICE);
         copy[i] = kvhi_blk(e, b[i])->disk_copy;
     }
-    unlock(e);
+    wb_unlock(e);
     assert_int_equal(dt_tier(e, KVH_TIER_DISK).used_blocks, 2);
     hook_reset();
     kvhi_disk_set_fault_hook(hook, NULL);
@@ -326,7 +299,7 @@ static void test_demotion_to_clean_copy(void **state)
         assert_int_equal(d.bytes_disk_copies_written, a.bytes_disk_copies_written);
         assert_int_equal(dt_tier(e, KVH_TIER_DEVICE).used_blocks, dev - 2);
         assert_int_equal(dt_tier(e, KVH_TIER_DISK).used_blocks, 2);
-        lock(e);
+        wb_lock(e);
         for (int i = 0; i < 2; i++) {
             kvhi_block *blk = kvhi_blk(e, b[i]);
             assert_int_equal(blk->tier, KVH_TIER_DISK);
@@ -334,7 +307,7 @@ static void test_demotion_to_clean_copy(void **state)
             assert_false(blk->flags & KVHI_BF_DISK_COPY);
             assert_true(blk->flags & KVHI_BF_JOURNALED);
         }
-        unlock(e);
+        wb_unlock(e);
         /* Up again: read (and verified) once, the disk slot kept as the
          * clean copy. */
         hook_reset();
@@ -347,14 +320,14 @@ static void test_demotion_to_clean_copy(void **state)
         assert_int_equal(l.k2h, 2);
         assert_int_equal(l.h2k, 0);
         assert_int_equal(dt_tier(e, KVH_TIER_DISK).used_blocks, 2);
-        lock(e);
+        wb_lock(e);
         for (int i = 0; i < 2; i++) {
             kvhi_block *blk = kvhi_blk(e, b[i]);
             assert_int_equal(blk->tier, KVH_TIER_DEVICE);
             assert_true(blk->flags & KVHI_BF_DISK_COPY);
             assert_int_equal(blk->disk_copy, copy[i]);
         }
-        unlock(e);
+        wb_unlock(e);
         verify_a(e, s, ct, 2 * G.bt);
     }
 
@@ -388,7 +361,7 @@ static void test_swap_when_both_full(void **state)
         dt_assert_ok(dt_build(e, G, ct, 4 * G.bt, 0, &s)); /* every slot referenced */
         uint32_t dev[2], host[2], nd = 0, nh = 0;
         for (uint64_t i = 0; i < 4; i++) {
-            uint32_t b = blk_index(e, s, i);
+            uint32_t b = wb_seq_block_index(e, s, i);
             if (kvhi_blk(e, b)->tier == KVH_TIER_DEVICE)
                 dev[nd++] = b;
             else
@@ -396,15 +369,15 @@ static void test_swap_when_both_full(void **state)
         }
         assert_int_equal(nd, 2);
         assert_int_equal(nh, 2);
-        lock(e);
+        wb_lock(e);
         /* dev[0] is used twice now: dev[1] is the least valuable. */
         kvhi_block_touch(e, dev[0]);
         kvhi_block_touch(e, dev[0]);
         uint32_t keep_slot = kvhi_blk(e, dev[0])->slot, v_slot = kvhi_blk(e, dev[1])->slot,
                  b_slot = kvhi_blk(e, host[0])->slot;
-        unlock(e);
+        wb_unlock(e);
         kvh_stats a = dt_stats(e);
-        lock(e);
+        wb_lock(e);
         kvhi_xfer x;
         assert_int_equal(kvhi_move_begin(e, host[0], KVH_TIER_DEVICE, &x, false), 1); /* done by a swap */
         kvhi_block *up = kvhi_blk(e, host[0]), *down = kvhi_blk(e, dev[1]), *kept = kvhi_blk(e, dev[0]);
@@ -419,7 +392,7 @@ static void test_swap_when_both_full(void **state)
         assert_int_equal(kvhi_move_state(up), KVHI_MS_IDLE);
         assert_int_equal(kvhi_move_state(down), KVHI_MS_IDLE);
         assert_true(down->heap_pos != KVHI_HEAP_NONE);
-        unlock(e);
+        wb_unlock(e);
         kvh_stats b = dt_stats(e);
         legs l = legs_of(&a, &b);
         assert_int_equal(b.evictions - a.evictions, 1);
@@ -434,7 +407,7 @@ static void test_swap_when_both_full(void **state)
         verify_a(e, s, ct, 4 * G.bt);
 
         /* Every device block held: nothing can trade places. */
-        lock(e);
+        wb_lock(e);
         kvhi_block_hold(e, host[0]);
         kvhi_block_hold(e, dev[0]);
         uint32_t slot = kvhi_blk(e, host[1])->slot;
@@ -447,7 +420,7 @@ static void test_swap_when_both_full(void **state)
         assert_true(kvhi_blk(e, host[1])->heap_pos != KVHI_HEAP_NONE);
         kvhi_block_unhold(e, host[0]);
         kvhi_block_unhold(e, dev[0]);
-        unlock(e);
+        wb_unlock(e);
         assert_int_equal(dt_stats(e).evictions, b.evictions);
         verify_a(e, s, ct, 4 * G.bt);
         dt_assert_ok(kvh_seq_free(e, s));
@@ -460,10 +433,10 @@ static void test_swap_when_both_full(void **state)
 static uint32_t live_on_disk(kvh_engine *e)
 {
     uint32_t n = 0;
-    lock(e);
+    wb_lock(e);
     for (uint32_t b = 0; b < e->block_cap; b++)
         n += (e->blocks[b].flags & KVHI_BF_LIVE) && e->blocks[b].tier == KVH_TIER_DISK;
-    unlock(e);
+    wb_unlock(e);
     return n;
 }
 
@@ -484,10 +457,10 @@ static void test_failed_read_marks_corrupt(void **state)
     kvh_seq s;
     dt_assert_ok(dt_build(e, G, ct, 2 * G.bt, 0, &s));
     dt_assert_ok(kvh_seq_persist(e, s));
-    uint32_t b0 = blk_index(e, s, 0);
-    lock(e);
+    uint32_t b0 = wb_seq_block_index(e, s, 0);
+    wb_lock(e);
     uint32_t slot0 = kvhi_blk(e, b0)->disk_copy;
-    unlock(e);
+    wb_unlock(e);
     dt_assert_ok(kvh_seq_free(e, s));
     dt_assert_ok(dt_close(e));
     /* One bit of block 0's data. */
@@ -503,7 +476,7 @@ static void test_failed_read_marks_corrupt(void **state)
     assert_int_equal(n, 2);
     uint32_t b = KVHI_NO_BLOCK;
     kvh_stats a = dt_stats(e);
-    lock(e);
+    wb_lock(e);
     dt_assert_ok(kvhi_block_resolve(e, h[0], &b));
     kvhi_block *blk = kvhi_blk(e, b);
     uint64_t hash = blk->hash;
@@ -531,7 +504,7 @@ static void test_failed_read_marks_corrupt(void **state)
     assert_int_equal(kvhi_move_state(blk), KVHI_MS_IDLE);
     assert_int_equal(kvhi_block_ensure_memory(e, b), KVH_ERR_CORRUPT);
     assert_int_equal(blk->tier, KVH_TIER_DISK);
-    unlock(e);
+    wb_unlock(e);
     kvh_seq m;
     size_t matched = 99;
     dt_assert_ok(dt_match(e, ct, 2 * G.bt, &m, &matched));
@@ -551,7 +524,7 @@ static void test_failed_read_marks_corrupt(void **state)
     atomic_store(&H.fail_left, 1);
     atomic_store(&H.fail_op, KVHI_OP_READ);
     kvhi_disk_set_fault_hook(hook, NULL);
-    lock(e);
+    wb_lock(e);
     dt_assert_ok(kvhi_block_resolve(e, h[1], &b));
     blk = kvhi_blk(e, b);
     assert_int_equal(kvhi_move_begin(e, b, KVH_TIER_HOST, &x, false), 0);
@@ -569,7 +542,7 @@ static void test_failed_read_marks_corrupt(void **state)
     assert_int_equal(x.err, 0);
     dt_assert_ok(kvhi_move_end(e, &x, NULL));
     assert_int_equal(blk->tier, KVH_TIER_HOST);
-    unlock(e);
+    wb_unlock(e);
     kvhi_disk_set_fault_hook(NULL, NULL);
     dt_assert_ok(kvh_block_release(e, h[1]));
     dt_assert_ok(dt_close(e));
