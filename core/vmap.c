@@ -371,7 +371,24 @@ done:
 kvh_status kvhi_vmap_refresh(kvh_engine *e, kvh_vmap *vmap, bool *changed)
 {
     kvhi_vmap *v = kvhi_vmap_resolve(e, vmap);
-    return v ? refresh(e, v, changed) : bad_view();
+    if (!v)
+        return bad_view();
+    /* A refresh is a call on its sequence too (@threads handle (vmap and
+     * seq)) and drops the lock while it walks it: it takes the sequence's
+     * owner claim, as the sequence calls do (abi/api_common.h). */
+    kvhi_seq *s = NULL;
+    if (kvhi_seq_get(e, v->seq, &s) == KVH_OK) {
+        if (s->owner_in_call)
+            return kvhi_fail(KVH_ERR_BUSY,
+                             "sequence 0x%llx is in use by another call: calls on one sequence must not overlap",
+                             (unsigned long long)v->seq.id);
+        s->owner_in_call = true;
+    }
+    kvhi_clear_error();
+    kvh_status st = refresh(e, v, changed);
+    if (s)
+        s->owner_in_call = false;
+    return st;
 }
 
 kvh_status kvhi_vmap_view_get(kvh_engine *e, const kvh_vmap *vmap, kvh_vmap_view *view)

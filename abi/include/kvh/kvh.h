@@ -1216,7 +1216,8 @@ typedef struct kvh_vmap_view {
  * or more tokens than capacity_tokens, or a capacity above 2^31),
  * KVH_ERR_BAD_HANDLE, KVH_ERR_NOMEM (also when 2^24 views exist),
  * KVH_ERR_INVALID_ARG (NULL vmap), KVH_ERR_INTERNAL (a CUDA driver failure
- * while mapping). @threads handle (seq) */
+ * while mapping), KVH_ERR_BUSY (another call on seq is inside).
+ * @threads handle (seq) */
 KVH_API kvh_status kvh_seq_vmap(kvh_engine *engine, kvh_seq seq, uint32_t layer, uint64_t capacity_tokens,
                                 kvh_vmap **vmap);
 
@@ -1228,7 +1229,8 @@ KVH_API kvh_status kvh_seq_vmap(kvh_engine *engine, kvh_seq seq, uint32_t layer,
  * KVH_ERR_RANGE (the sequence outgrew capacity_tokens),
  * KVH_ERR_UNSUPPORTED (blocks out of slab order, see "Memory"),
  * KVH_ERR_NOMEM, KVH_ERR_INVALID_ARG (NULL vmap), KVH_ERR_INTERNAL (as
- * kvh_seq_vmap); the view stays usable (and stale) after a failure. Waits
+ * kvh_seq_vmap), KVH_ERR_BUSY (another call on its sequence is inside);
+ * the view stays usable (and stale) after a failure. Waits
  * first until attention queued over the view (CUDA) has finished.
  * @threads handle (vmap and seq) */
 KVH_API kvh_status kvh_vmap_refresh(kvh_engine *engine, kvh_vmap *vmap, int32_t *changed);
