@@ -28,6 +28,13 @@ static void log_fn(void *user, int32_t level, const char *message)
 
 static uint32_t esize(uint32_t dtype) { return dtype == KVH_DTYPE_F32 ? 4 : 2; }
 
+/* kvh.h's struct_size rule: this library's size, or a multiple of 8 from
+ * 8 up to it (a struct of an older header). */
+static bool size_accepted(size_t size, size_t full)
+{
+    return size == full || (size >= 8 && size <= full && size % 8 == 0);
+}
+
 /* The libFuzzer entry point (no header declares it). */
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
@@ -40,14 +47,17 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     memset(&c, 0xAB, sizeof(c));
     kvh_status st = kvh_config_init(&c, init_size);
     FZ_KNOWN(st);
-    FZ_CHECK((st == KVH_OK) == (init_size == sizeof(kvh_config)), "config_init(%zu) returned %s", init_size,
+    FZ_CHECK((st == KVH_OK) == size_accepted(init_size, sizeof(kvh_config)), "config_init(%zu) returned %s", init_size,
              kvh_status_name(st));
-    if (st != KVH_OK)
+    if (st == KVH_OK)
+        for (size_t i = init_size; i < sizeof(c); i++)
+            FZ_CHECK(((const uint8_t *)&c)[i] == 0xAB, "config_init(%zu) wrote byte %zu past its size", init_size, i);
+    if (st != KVH_OK || init_size != sizeof(c))
         kvh_config_init(&c, sizeof(c));
     kvh_attention_params ap;
     size_t ap_size = (flags & 2) ? fz_u16(&in) : sizeof(ap);
     st = kvh_attention_params_init(&ap, ap_size);
-    FZ_CHECK((st == KVH_OK) == (ap_size == sizeof(ap)), "attention_params_init(%zu) returned %s", ap_size,
+    FZ_CHECK((st == KVH_OK) == size_accepted(ap_size, sizeof(ap)), "attention_params_init(%zu) returned %s", ap_size,
              kvh_status_name(st));
 
     /* geometry: small values mostly, anything sometimes */
@@ -98,8 +108,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     c.struct_size = (flags & 128) ? fz_u32(&in) : (uint32_t)sizeof(kvh_config);
     /* kvh.h: this library's size, or a multiple of 8 from 8 up to it (an
      * older header's struct: the fields past it take their defaults). */
-    bool size_ok = c.struct_size == sizeof(kvh_config) ||
-                   (c.struct_size >= 8 && c.struct_size <= sizeof(kvh_config) && c.struct_size % 8 == 0);
+    bool size_ok = size_accepted(c.struct_size, sizeof(kvh_config));
     if (size_ok && c.struct_size < offsetof(kvh_config, disk_bytes))
         return 0; /* the default budgets (1.25 GiB) are too large to open here */
     if (size_ok && c.struct_size < sizeof(kvh_config)) {
