@@ -187,7 +187,11 @@ static void op_context_query(state *s, fz_in *in)
         info.struct_size = struct_size(in, sizeof(info));
         st = kvh_context_info_get(s->e, x, &info);
         trace("context_info_get", st);
-        if (st == KVH_OK) {
+        /* a shorter (older) struct is filled up to its size, no further */
+        for (size_t b = info.struct_size; st == KVH_OK && b < sizeof(info); b++)
+            FZ_CHECK(((const uint8_t *)&info)[b] == 0x5e, "context_info_get wrote byte %zu past struct_size %u", b,
+                     info.struct_size);
+        if (st == KVH_OK && info.struct_size == sizeof(info)) {
             FZ_CHECK(info.bytes_device + info.bytes_host <= info.weight_bytes, "context info: resident > total");
             FZ_CHECK(info.layers_ready <= info.regions, "context info: layers_ready > regions");
             int i = ctx_slot(s, x.id);

@@ -92,7 +92,7 @@ static void op_vmap_use(state *s, fz_in *in)
         view.struct_size = struct_size(in, sizeof(view));
         st = kvh_vmap_get(s->e, vt->vmap, &view);
         trace("vmap_get", st);
-        if (st == KVH_OK)
+        if (st == KVH_OK && view.struct_size == sizeof(view))
             FZ_CHECK(view.n_tokens <= view.capacity_tokens && view.k && view.v, "vmap_get: %llu tokens, capacity %llu",
                      (unsigned long long)view.n_tokens, (unsigned long long)view.capacity_tokens);
         else
