@@ -1,11 +1,11 @@
 /* fuzz_api ops: the KV codec calls on caller buffers, and the LCTRU
  * tolerance setters.
  *
- * Codec properties (kvh.h, "KV codecs"): kvh_codec_vector_bytes gives the
- * documented record size or refuses the combination; encode then decode
- * of finite values stays within the documented bound (plus the rounding
- * to a 16-bit dtype), and nothing decodes to a non-finite value unless a
- * record was forged. */
+ * Codec properties (kvh.h, enum kvh_codec and "KV codecs"):
+ * kvh_codec_vector_bytes gives the documented record size or refuses the
+ * combination; encode then decode of finite values stays within the
+ * documented bound (plus the rounding to a 16-bit dtype), and nothing
+ * decodes to a non-finite value unless a record was forged. */
 #ifndef KVH_FUZZ_API_OPS_CODECS_H
 #define KVH_FUZZ_API_OPS_CODECS_H
 

@@ -26,31 +26,11 @@ enum kvh_status_code {
     KVH_ERR_INTERNAL = -15,
 };
 typedef int32_t kvh_status;
-enum kvh_tier {
-    KVH_TIER_DEVICE = 0,
-    KVH_TIER_HOST = 1,
-    KVH_TIER_DISK = 2
-};
-enum kvh_dtype {
-    KVH_DTYPE_F32 = 0,
-    KVH_DTYPE_F16 = 1,
-    KVH_DTYPE_BF16 = 2
-};
-enum kvh_backend {
-    KVH_BACKEND_AUTO = 0,
-    KVH_BACKEND_CPU = 1,
-    KVH_BACKEND_CUDA = 2
-};
-enum kvh_memory {
-    KVH_MEMORY_HOST = 0,
-    KVH_MEMORY_CUDA = 1
-};
-enum kvh_log_level {
-    KVH_LOG_ERROR = 0,
-    KVH_LOG_WARN = 1,
-    KVH_LOG_INFO = 2,
-    KVH_LOG_DEBUG = 3
-};
+uint32_t kvh_version(void);
+const char *kvh_version_string(void);
+const char *kvh_strerror(kvh_status status);
+const char *kvh_status_name(kvh_status status);
+const char *kvh_last_error(void);
 typedef struct kvh_engine kvh_engine;
 typedef struct kvh_seq {
     uint64_t id;
@@ -64,12 +44,38 @@ typedef struct kvh_fence {
 typedef struct kvh_pool {
     uint64_t id;
 } kvh_pool;
-uint32_t kvh_version(void);
-const char *kvh_version_string(void);
-const char *kvh_strerror(kvh_status status);
-const char *kvh_status_name(kvh_status status);
-const char *kvh_last_error(void);
+enum kvh_dtype {
+    KVH_DTYPE_F32 = 0,
+    KVH_DTYPE_F16 = 1,
+    KVH_DTYPE_BF16 = 2
+};
+enum kvh_backend {
+    KVH_BACKEND_AUTO = 0,
+    KVH_BACKEND_CPU = 1,
+    KVH_BACKEND_CUDA = 2
+};
+enum kvh_log_level {
+    KVH_LOG_ERROR = 0,
+    KVH_LOG_WARN = 1,
+    KVH_LOG_INFO = 2,
+    KVH_LOG_DEBUG = 3
+};
 typedef void (*kvh_log_fn)(void *user, int32_t level, const char *message);
+enum kvh_disk_flags {
+    KVH_DISK_RESET_ON_MISMATCH = 1,
+    KVH_DISK_BUFFERED = 2,
+    KVH_DISK_SHARE_GROUP = 4
+};
+enum kvh_codec {
+    KVH_CODEC_NONE = 0,
+    KVH_CODEC_INT8 = 1,
+    KVH_CODEC_Q4_G32 = 2,
+    KVH_CODEC_Q4_G64 = 3
+};
+enum kvh_eviction {
+    KVH_EVICT_LRU_K = 0,
+    KVH_EVICT_LCTRU = 1
+};
 typedef struct kvh_config {
     uint32_t struct_size;
     uint32_t num_layers;
@@ -102,16 +108,16 @@ typedef struct kvh_config {
     uint32_t copy_moves;
     uint32_t disk_strict_index;
 } kvh_config;
-enum kvh_disk_flags {
-    KVH_DISK_RESET_ON_MISMATCH = 1,
-    KVH_DISK_BUFFERED = 2,
-    KVH_DISK_SHARE_GROUP = 4
-};
 kvh_status kvh_config_init(kvh_config *config, size_t struct_size);
 kvh_status kvh_engine_open(const kvh_config *config, kvh_engine **engine);
 kvh_status kvh_engine_close(kvh_engine *engine);
 kvh_status kvh_engine_block_bytes(const kvh_engine *engine, uint64_t *bytes);
 const char *kvh_engine_backend(const kvh_engine *engine);
+enum kvh_tier {
+    KVH_TIER_DEVICE = 0,
+    KVH_TIER_HOST = 1,
+    KVH_TIER_DISK = 2
+};
 typedef struct kvh_tier_info {
     uint32_t struct_size;
     uint32_t tier;
@@ -200,13 +206,17 @@ kvh_status kvh_block_release(kvh_engine *engine, kvh_block block);
 kvh_status kvh_block_pin(kvh_engine *engine, kvh_block block, int32_t pinned);
 kvh_status kvh_migrate(kvh_engine *engine, const kvh_block *blocks, size_t n, uint32_t tier, kvh_fence *fence);
 kvh_status kvh_seq_migrate(kvh_engine *engine, kvh_seq seq, uint64_t first, uint64_t n, uint32_t tier, kvh_fence *fence);
-kvh_status kvh_prefetch(kvh_engine *engine, kvh_seq seq, uint64_t first, uint64_t n, int32_t priority, kvh_fence *fence);
-kvh_status kvh_seq_hint(kvh_engine *engine, kvh_seq seq, uint64_t first, uint64_t n, int32_t priority);
 kvh_status kvh_fence_wait(kvh_engine *engine, kvh_fence fence, uint64_t timeout_ns);
 kvh_status kvh_fence_poll(kvh_engine *engine, kvh_fence fence, int32_t *done);
 kvh_status kvh_fence_free(kvh_engine *engine, kvh_fence fence);
+kvh_status kvh_prefetch(kvh_engine *engine, kvh_seq seq, uint64_t first, uint64_t n, int32_t priority, kvh_fence *fence);
+kvh_status kvh_seq_hint(kvh_engine *engine, kvh_seq seq, uint64_t first, uint64_t n, int32_t priority);
 kvh_status kvh_prefix_hash(kvh_engine *engine, uint64_t parent, const int32_t *tokens, size_t n, uint64_t *hash);
 kvh_status kvh_prefix_lookup(kvh_engine *engine, const int32_t *tokens, size_t n, kvh_block *out, size_t cap, size_t *n_blocks);
+enum kvh_memory {
+    KVH_MEMORY_HOST = 0,
+    KVH_MEMORY_CUDA = 1
+};
 typedef struct kvh_pool_layout {
     uint32_t struct_size;
     uint32_t memory;
@@ -234,6 +244,10 @@ typedef struct kvh_attention_params {
 kvh_status kvh_attention_params_init(kvh_attention_params *params, size_t struct_size);
 kvh_status kvh_attention_decode(kvh_engine *engine, uint32_t layer, const kvh_seq *seqs, size_t n_seqs, const void *q, void *out, const kvh_attention_params *params);
 kvh_status kvh_attention_prefill(kvh_engine *engine, uint32_t layer, const kvh_seq *seqs, const uint32_t *q_lens, size_t n_seqs, const void *q, void *out, const kvh_attention_params *params);
+typedef struct kvh_attention_plan kvh_attention_plan;
+kvh_status kvh_attention_plan_create(kvh_engine *engine, uint32_t layer, const kvh_seq *seqs, const uint32_t *q_lens, size_t n_seqs, const kvh_attention_params *params, kvh_attention_plan **plan);
+kvh_status kvh_attention_run(kvh_engine *engine, const kvh_attention_plan *plan, const void *q, void *out, void *stream);
+kvh_status kvh_attention_plan_destroy(kvh_engine *engine, kvh_attention_plan *plan);
 typedef struct kvh_context {
     uint64_t id;
 } kvh_context;
@@ -336,16 +350,6 @@ typedef struct kvh_admission_info {
     uint64_t long_rejected;
 } kvh_admission_info;
 kvh_status kvh_admission_info_get(kvh_engine *engine, kvh_admission_info *info);
-typedef struct kvh_attention_plan kvh_attention_plan;
-kvh_status kvh_attention_plan_create(kvh_engine *engine, uint32_t layer, const kvh_seq *seqs, const uint32_t *q_lens, size_t n_seqs, const kvh_attention_params *params, kvh_attention_plan **plan);
-kvh_status kvh_attention_run(kvh_engine *engine, const kvh_attention_plan *plan, const void *q, void *out, void *stream);
-kvh_status kvh_attention_plan_destroy(kvh_engine *engine, kvh_attention_plan *plan);
-enum kvh_codec {
-    KVH_CODEC_NONE = 0,
-    KVH_CODEC_INT8 = 1,
-    KVH_CODEC_Q4_G32 = 2,
-    KVH_CODEC_Q4_G64 = 3
-};
 kvh_status kvh_codec_vector_bytes(uint32_t codec, uint32_t dtype, uint32_t head_dim, uint64_t *bytes);
 kvh_status kvh_codec_encode(uint32_t codec, uint32_t dtype, uint32_t head_dim, const void *src, size_t n_vectors, void *dst);
 kvh_status kvh_codec_decode(uint32_t codec, uint32_t dtype, uint32_t head_dim, const void *src, size_t n_vectors, void *dst);
@@ -368,10 +372,6 @@ kvh_status kvh_vmap_get(kvh_engine *engine, const kvh_vmap *vmap, kvh_vmap_view 
 kvh_status kvh_vmap_release(kvh_engine *engine, kvh_vmap *vmap);
 kvh_status kvh_attention_decode_vmap(kvh_engine *engine, kvh_vmap *const *views, size_t n_views, const void *q, void *out, const kvh_attention_params *params);
 kvh_status kvh_attention_prefill_vmap(kvh_engine *engine, kvh_vmap *const *views, const uint32_t *q_lens, size_t n_views, const void *q, void *out, const kvh_attention_params *params);
-enum kvh_eviction {
-    KVH_EVICT_LRU_K = 0,
-    KVH_EVICT_LCTRU = 1
-};
 kvh_status kvh_seq_set_tolerance(kvh_engine *engine, kvh_seq seq, uint64_t first, uint64_t n, uint32_t tolerance);
 kvh_status kvh_block_set_tolerance(kvh_engine *engine, kvh_block block, uint32_t tolerance);
 kvh_status kvh_seq_derive_tolerance(kvh_engine *engine, kvh_seq seq, uint64_t first, uint64_t n, float max_rel_error);

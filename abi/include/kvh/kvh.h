@@ -3,6 +3,14 @@
  *
  * This header is the specification. Anything not declared here is not API.
  *
+ * Sections, in reading order:
+ *   Status codes; Version and errors; Handles; Configuration; Engine (open,
+ *   close, info, stats, quotas); Sequences; Blocks; Migration between tiers
+ *   and fences; Hints and prefetch; Prefix index and external pools; Paged
+ *   attention; Attention plans (experimental); Weight contexts
+ *   (experimental); Admission by token budget (experimental); KV codecs;
+ *   Virtual contiguity (experimental); LCTRU tolerance (experimental).
+ *
  * Conventions used on every prototype below:
  *   - Every fallible call returns a kvh_status: KVH_OK (0) or a negative
  *     code from KVH_STATUS_LIST. Out-parameters are written only on success.
@@ -39,10 +47,17 @@
  *     retire only after 2^55 block frees or more). At most 2^24 each of
  *     sequences, fences, pools, contexts, plans and views exist at once,
  *     retired slots included (KVH_ERR_NOMEM past it).
- *   - Stable and experimental: calls are stable unless their section is
- *     marked experimental (weight contexts and admission, attention plans,
- *     virtual contiguity, LCTRU tolerance); those are exported under their
- *     own version node and may change in a release.
+ *   - Stable and experimental, marked per section: a section whose banner
+ *     title ends in "(experimental)" opens with a note saying so, and every
+ *     call declared in it is exported under the version node
+ *     KVH_0_EXPERIMENTAL of abi/libkvh.map and may change in a release.
+ *     Every call of any other section is stable (node KVH_0); no call is
+ *     marked on its own. A type, constant or field outside those sections
+ *     that serves an experimental feature says so where it is declared.
+ *   - Enumerations give the values of integer fields and parameters
+ *     (uint32_t; int32_t for a log level); no field or parameter has an
+ *     enum type. Each enum is declared just before the first struct or
+ *     type that uses it.
  *   - Params and info structs start with uint32_t struct_size; fields are
  *     only appended, each naturally aligned and at most 8 bytes. Every call
  *     takes a struct_size equal to this library's sizeof, or a multiple of
@@ -65,12 +80,6 @@
 extern "C" {
 #endif
 
-#define KVH_VERSION_MAJOR 0
-#define KVH_VERSION_MINOR 1
-#define KVH_VERSION_PATCH 0
-/* MAJOR * 10000 + MINOR * 100 + PATCH; compare with kvh_version(). */
-#define KVH_VERSION_NUMBER 100
-
 #if defined(__GNUC__) || defined(__clang__)
 #define KVH_API __attribute__((visibility("default")))
 #else
@@ -78,7 +87,7 @@ extern "C" {
 #endif
 
 /* ------------------------------------------------------------------ */
-/* Status codes                                                        */
+/* Status codes                                                       */
 /* ------------------------------------------------------------------ */
 
 /* X(name, value, description). Values never change once released. */
@@ -108,49 +117,14 @@ enum kvh_status_code { KVH_STATUS_LIST(KVH_STATUS_ENUM_ENTRY_) };
 typedef int32_t kvh_status;
 
 /* ------------------------------------------------------------------ */
-/* Enumerations (stored in uint32_t fields)                            */
+/* Version and errors                                                 */
 /* ------------------------------------------------------------------ */
 
-enum kvh_tier {
-    KVH_TIER_DEVICE = 0, /* CUDA memory, or the CPU backend's compute arena */
-    KVH_TIER_HOST = 1,   /* host RAM (page-locked when CUDA is active) */
-    KVH_TIER_DISK = 2    /* files under kvh_config.disk_path */
-};
-#define KVH_TIER_COUNT 3
-
-enum kvh_dtype { KVH_DTYPE_F32 = 0, KVH_DTYPE_F16 = 1, KVH_DTYPE_BF16 = 2 };
-
-enum kvh_backend {
-    KVH_BACKEND_AUTO = 0, /* CUDA when a device answers, else CPU */
-    KVH_BACKEND_CPU = 1,
-    KVH_BACKEND_CUDA = 2
-};
-
-enum kvh_memory { KVH_MEMORY_HOST = 0, KVH_MEMORY_CUDA = 1 };
-
-enum kvh_log_level { KVH_LOG_ERROR = 0, KVH_LOG_WARN = 1, KVH_LOG_INFO = 2, KVH_LOG_DEBUG = 3 };
-
-/* ------------------------------------------------------------------ */
-/* Handles                                                             */
-/* ------------------------------------------------------------------ */
-
-typedef struct kvh_engine kvh_engine; /* opaque; one per process is typical */
-typedef struct kvh_seq {
-    uint64_t id;
-} kvh_seq;
-typedef struct kvh_block {
-    uint64_t id;
-} kvh_block;
-typedef struct kvh_fence {
-    uint64_t id;
-} kvh_fence;
-typedef struct kvh_pool {
-    uint64_t id;
-} kvh_pool;
-
-/* ------------------------------------------------------------------ */
-/* Version and errors                                                  */
-/* ------------------------------------------------------------------ */
+#define KVH_VERSION_MAJOR 0
+#define KVH_VERSION_MINOR 1
+#define KVH_VERSION_PATCH 0
+/* MAJOR * 10000 + MINOR * 100 + PATCH; compare with kvh_version(). */
+#define KVH_VERSION_NUMBER 100
 
 /* KVH_VERSION_NUMBER of the loaded library. @threads any */
 KVH_API uint32_t kvh_version(void);
@@ -172,12 +146,92 @@ KVH_API const char *kvh_status_name(kvh_status status);
 KVH_API const char *kvh_last_error(void);
 
 /* ------------------------------------------------------------------ */
-/* Configuration                                                       */
+/* Handles                                                            */
 /* ------------------------------------------------------------------ */
+
+/* What a handle value is, and how a stale one is reported: see "Handles"
+ * in the conventions at the top. kvh_context, kvh_attention_plan and
+ * kvh_vmap are declared in their own sections. */
+
+typedef struct kvh_engine kvh_engine; /* opaque; one per process is typical */
+typedef struct kvh_seq {
+    uint64_t id;
+} kvh_seq;
+typedef struct kvh_block {
+    uint64_t id;
+} kvh_block;
+typedef struct kvh_fence {
+    uint64_t id;
+} kvh_fence;
+typedef struct kvh_pool {
+    uint64_t id;
+} kvh_pool;
+
+/* ------------------------------------------------------------------ */
+/* Configuration                                                      */
+/* ------------------------------------------------------------------ */
+
+enum kvh_dtype { KVH_DTYPE_F32 = 0, KVH_DTYPE_F16 = 1, KVH_DTYPE_BF16 = 2 };
+
+enum kvh_backend {
+    KVH_BACKEND_AUTO = 0, /* CUDA when a device answers, else CPU */
+    KVH_BACKEND_CPU = 1,
+    KVH_BACKEND_CUDA = 2
+};
+
+enum kvh_log_level { KVH_LOG_ERROR = 0, KVH_LOG_WARN = 1, KVH_LOG_INFO = 2, KVH_LOG_DEBUG = 3 };
 
 /* Log sink: level is a kvh_log_level, message is [borrowed] for the call.
  * Called from any kvh thread, never with an engine lock held. */
 typedef void (*kvh_log_fn)(void *user, int32_t level, const char *message);
+
+enum kvh_disk_flags {
+    /* A store made with another geometry or model_salt is emptied and
+     * reused instead of failing with KVH_ERR_MISMATCH. */
+    KVH_DISK_RESET_ON_MISMATCH = 1,
+    /* Use buffered pread/pwrite even where O_DIRECT works. */
+    KVH_DISK_BUFFERED = 2,
+    /* The store's group may read it: directory 0750 and files 0640
+     * instead of 0700 and 0600 (see kvh_config.disk_path). */
+    KVH_DISK_SHARE_GROUP = 4
+};
+
+/* Quantised forms of KV. A codec encodes each vector of head_dim elements
+ * (the K or V of one token in one KV head) on its own into a fixed-size
+ * record. With kvh_config.kv_codec set, the host and disk tiers store
+ * blocks in that form (their slots shrink to the encoded size, so the same
+ * budget holds more blocks): a block is encoded when it leaves the device
+ * tier, decoded when it comes back, and kvh_seq_write_kv / _read_kv on a
+ * block in those tiers encode / decode the touched tokens only. The codec
+ * is part of the disk store's geometry (KVH_ERR_MISMATCH on reopening with
+ * another one). Encoding is lossy; per element, before the decoded value
+ * is rounded to the engine dtype:
+ *   KVH_CODEC_INT8:    |x - x'| <= max|x| / 254 over its vector
+ *                      (record: f32 scale + head_dim int8 codes)
+ *   KVH_CODEC_Q4_G32/64: |x - x'| <= (max - min) / 30 over its group of
+ *                      32/64 elements (record: f32 scale and f32 minimum,
+ *                      the zero point, per group + head_dim/2 bytes of
+ *                      4-bit codes); head_dim must be a multiple of the
+ *                      group.
+ * (Plus 2^-143 where the scale is a subnormal f32: a vector or group of
+ * magnitudes below about 2^-119, which only f32 and bf16 data can have.)
+ * Non-finite inputs are not preserved: +-inf saturate to the extreme code
+ * and NaN becomes the zero code; scales use the finite elements only. */
+enum kvh_codec { KVH_CODEC_NONE = 0, KVH_CODEC_INT8 = 1, KVH_CODEC_Q4_G32 = 2, KVH_CODEC_Q4_G64 = 3 };
+
+/* Victim order of the memory tiers. KVH_EVICT_LRU_K: by the K-th most
+ * recent access (kvh_config.lru_k), then the most recent. KVH_EVICT_LCTRU
+ * ("least compression-tolerable and recently used"): the same order, but
+ * every block counts as if its accesses had happened tolerance / 255 *
+ * lctru_window accesses earlier, so that among blocks of similar recency
+ * the compression-tolerant ones leave first: with a kv_codec, leaving the
+ * device tier is what compresses a block, so tolerant blocks are
+ * compressed before intolerant ones have to go, and a block of tolerance 0
+ * is ordered exactly as under LRU-K. Unreferenced cached blocks still go
+ * before referenced ones under both policies. KVH_EVICT_LCTRU and the
+ * tolerance it reads belong to the experimental section "LCTRU tolerance"
+ * and may change in a release. */
+enum kvh_eviction { KVH_EVICT_LRU_K = 0, KVH_EVICT_LCTRU = 1 };
 
 typedef struct kvh_config {
     uint32_t struct_size;
@@ -214,20 +268,21 @@ typedef struct kvh_config {
     void *log_user;            /* passed to log_fn as is */
     uint32_t disk_queue_depth; /* io_uring depth; default 32 */
     uint32_t disk_flags;       /* kvh_disk_flags; default 0 */
-    /* kvh_codec of the host and disk tiers (see "KV codecs"); default
+    /* kvh_codec of the host and disk tiers (see enum kvh_codec); default
      * KVH_CODEC_NONE. The device tier always holds raw dtype values. */
     uint32_t kv_codec;
     /* 1: the device tier is memory whose blocks kvh_seq_vmap can map into
-     * contiguous views (see "Virtual contiguity"): one shared memory file
-     * (memfd) on the CPU backend, CUDA VMM allocations on CUDA. Default
-     * 0. KVH_ERR_UNSUPPORTED where the device has no virtual memory
-     * management. */
+     * contiguous views (see the experimental section "Virtual
+     * contiguity"): one shared memory file (memfd) on the CPU backend,
+     * CUDA VMM allocations on CUDA. Default 0. KVH_ERR_UNSUPPORTED where
+     * the device has no virtual memory management. */
     uint32_t vmap;
-    /* kvh_eviction: victim order in the memory tiers (see "LCTRU");
-     * default KVH_EVICT_LRU_K. */
+    /* kvh_eviction: victim order in the memory tiers (see enum
+     * kvh_eviction); default KVH_EVICT_LRU_K. */
     uint32_t eviction_policy;
-    /* LCTRU: accesses of recency a fully tolerant block gives up (0 = the
-     * device tier's capacity in blocks). */
+    /* LCTRU (experimental, see "LCTRU tolerance"): accesses of recency a
+     * fully tolerant block gives up (0 = the device tier's capacity in
+     * blocks). */
     uint32_t lctru_window;
     /* 1: a block moving between the device and host tiers is copied even
      * where both are the same memory. Default 0: where they are (the CPU
@@ -252,17 +307,6 @@ typedef struct kvh_config {
     uint32_t disk_strict_index;
 } kvh_config;
 
-enum kvh_disk_flags {
-    /* A store made with another geometry or model_salt is emptied and
-     * reused instead of failing with KVH_ERR_MISMATCH. */
-    KVH_DISK_RESET_ON_MISMATCH = 1,
-    /* Use buffered pread/pwrite even where O_DIRECT works. */
-    KVH_DISK_BUFFERED = 2,
-    /* The store's group may read it: directory 0750 and files 0640
-     * instead of 0700 and 0600 (see kvh_config.disk_path). */
-    KVH_DISK_SHARE_GROUP = 4
-};
-
 /* Fills *config with defaults for a struct of struct_size bytes (pass
  * sizeof(kvh_config)); the caller then changes what it needs.
  * [borrowed] config. Returns KVH_ERR_INVALID_ARG for NULL,
@@ -271,7 +315,7 @@ enum kvh_disk_flags {
 KVH_API kvh_status kvh_config_init(kvh_config *config, size_t struct_size);
 
 /* ------------------------------------------------------------------ */
-/* Engine                                                              */
+/* Engine: open, close, info, stats, quotas                           */
 /* ------------------------------------------------------------------ */
 
 /* Creates an engine. [borrowed] config; [out] *engine, owned by the caller
@@ -304,6 +348,13 @@ KVH_API kvh_status kvh_engine_block_bytes(const kvh_engine *engine, uint64_t *by
 /* Name of the backend in use ("cpu" or "cuda"): static text, or NULL for a
  * NULL engine. @threads any */
 KVH_API const char *kvh_engine_backend(const kvh_engine *engine);
+
+enum kvh_tier {
+    KVH_TIER_DEVICE = 0, /* CUDA memory, or the CPU backend's compute arena */
+    KVH_TIER_HOST = 1,   /* host RAM (page-locked when CUDA is active) */
+    KVH_TIER_DISK = 2    /* files under kvh_config.disk_path */
+};
+#define KVH_TIER_COUNT 3
 
 typedef struct kvh_tier_info {
     uint32_t struct_size;
@@ -396,7 +447,7 @@ KVH_API kvh_status kvh_engine_stats(kvh_engine *engine, kvh_stats *stats);
 KVH_API kvh_status kvh_agent_set_quota(kvh_engine *engine, uint32_t agent, uint64_t device_bytes);
 
 /* ------------------------------------------------------------------ */
-/* Sequences                                                           */
+/* Sequences                                                          */
 /* ------------------------------------------------------------------ */
 
 /* New empty sequence owned by agent (any id; 0 is fine). [out] *seq, valid
@@ -529,7 +580,7 @@ KVH_API kvh_status kvh_block_table(kvh_engine *engine, const kvh_seq *seqs, size
                                    int32_t *indices, size_t indices_cap, int32_t *last_page_len);
 
 /* ------------------------------------------------------------------ */
-/* Blocks                                                              */
+/* Blocks                                                             */
 /* ------------------------------------------------------------------ */
 
 typedef struct kvh_block_info {
@@ -544,7 +595,8 @@ typedef struct kvh_block_info {
     uint32_t published; /* 1 when it is in the prefix index */
     uint32_t in_flight; /* 1 while a migration copies it */
     uint64_t hash;      /* chained prefix hash; 0 until the block is full */
-    uint32_t tolerance; /* compression tolerance 0..255 (see "LCTRU") */
+    uint32_t tolerance; /* compression tolerance 0..255 (see "LCTRU
+                           tolerance", experimental) */
     uint32_t reserved0;
 } kvh_block_info;
 
@@ -572,7 +624,7 @@ KVH_API kvh_status kvh_block_release(kvh_engine *engine, kvh_block block);
 KVH_API kvh_status kvh_block_pin(kvh_engine *engine, kvh_block block, int32_t pinned);
 
 /* ------------------------------------------------------------------ */
-/* Migration, prefetch and fences                                      */
+/* Migration between tiers and fences                                 */
 /* ------------------------------------------------------------------ */
 
 /* Moves blocks to tier asynchronously (evicting by policy to make room).
@@ -589,6 +641,25 @@ KVH_API kvh_status kvh_migrate(kvh_engine *engine, const kvh_block *blocks, size
  * codes as kvh_migrate, and KVH_ERR_RANGE. @threads any */
 KVH_API kvh_status kvh_seq_migrate(kvh_engine *engine, kvh_seq seq, uint64_t first, uint64_t n, uint32_t tier,
                                    kvh_fence *fence);
+
+/* Waits until the fence completes or timeout_ns passes (UINT64_MAX: no
+ * limit). Returns KVH_OK, KVH_ERR_TIMEOUT, KVH_ERR_BAD_HANDLE (also for a
+ * fence already freed), or the first error of the work the fence tracks
+ * (listed with the call that made it). @threads any */
+KVH_API kvh_status kvh_fence_wait(kvh_engine *engine, kvh_fence fence, uint64_t timeout_ns);
+
+/* Non-blocking: [out] *done = 1 when complete. Returns the work's first
+ * error once done (*done is set then too), KVH_ERR_INVALID_ARG (NULL
+ * done), KVH_ERR_BAD_HANDLE. @threads any */
+KVH_API kvh_status kvh_fence_poll(kvh_engine *engine, kvh_fence fence, int32_t *done);
+
+/* Frees a fence (pending work continues). Null handle accepted; a freed
+ * one is KVH_ERR_BAD_HANDLE. No other status. @threads any */
+KVH_API kvh_status kvh_fence_free(kvh_engine *engine, kvh_fence fence);
+
+/* ------------------------------------------------------------------ */
+/* Hints and prefetch                                                 */
+/* ------------------------------------------------------------------ */
 
 /* Hint: tokens [first, first + n) of seq will be needed soon. Blocks with
  * at least promote_min_hits recent accesses (this hint counts as one) are
@@ -618,23 +689,8 @@ KVH_API kvh_status kvh_prefetch(kvh_engine *engine, kvh_seq seq, uint64_t first,
  * KVH_ERR_RANGE, KVH_ERR_BAD_HANDLE. @threads any */
 KVH_API kvh_status kvh_seq_hint(kvh_engine *engine, kvh_seq seq, uint64_t first, uint64_t n, int32_t priority);
 
-/* Waits until the fence completes or timeout_ns passes (UINT64_MAX: no
- * limit). Returns KVH_OK, KVH_ERR_TIMEOUT, KVH_ERR_BAD_HANDLE (also for a
- * fence already freed), or the first error of the work the fence tracks
- * (listed with the call that made it). @threads any */
-KVH_API kvh_status kvh_fence_wait(kvh_engine *engine, kvh_fence fence, uint64_t timeout_ns);
-
-/* Non-blocking: [out] *done = 1 when complete. Returns the work's first
- * error once done (*done is set then too), KVH_ERR_INVALID_ARG (NULL
- * done), KVH_ERR_BAD_HANDLE. @threads any */
-KVH_API kvh_status kvh_fence_poll(kvh_engine *engine, kvh_fence fence, int32_t *done);
-
-/* Frees a fence (pending work continues). Null handle accepted; a freed
- * one is KVH_ERR_BAD_HANDLE. No other status. @threads any */
-KVH_API kvh_status kvh_fence_free(kvh_engine *engine, kvh_fence fence);
-
 /* ------------------------------------------------------------------ */
-/* Prefix index and external pools                                     */
+/* Prefix index and external pools                                    */
 /* ------------------------------------------------------------------ */
 
 /* Chained block hash of a full block: H(parent, tokens, model_salt).
@@ -650,6 +706,8 @@ KVH_API kvh_status kvh_prefix_hash(kvh_engine *engine, uint64_t parent, const in
  * NULL out with cap > 0, NULL n_blocks). @threads any */
 KVH_API kvh_status kvh_prefix_lookup(kvh_engine *engine, const int32_t *tokens, size_t n, kvh_block *out, size_t cap,
                                      size_t *n_blocks);
+
+enum kvh_memory { KVH_MEMORY_HOST = 0, KVH_MEMORY_CUDA = 1 };
 
 /* Layout of KV memory owned by an inference engine: for layer l, K of
  * (slot s, token t, head h) starts at
@@ -697,7 +755,7 @@ KVH_API kvh_status kvh_pool_offload(kvh_engine *engine, kvh_pool pool, uint32_t 
 KVH_API kvh_status kvh_pool_restore(kvh_engine *engine, kvh_pool pool, kvh_block block, uint32_t slot);
 
 /* ------------------------------------------------------------------ */
-/* Paged attention                                                     */
+/* Paged attention                                                    */
 /* ------------------------------------------------------------------ */
 
 typedef struct kvh_attention_params {
@@ -752,9 +810,71 @@ KVH_API kvh_status kvh_attention_prefill(kvh_engine *engine, uint32_t layer, con
                                          const uint32_t *q_lens, size_t n_seqs, const void *q, void *out,
                                          const kvh_attention_params *params);
 
-/* ================================================================== */
-/* Weight contexts and admission                                       */
-/* ================================================================== */
+/* ------------------------------------------------------------------ */
+/* Attention plans (experimental)                                     */
+/* ------------------------------------------------------------------ */
+
+/* Experimental (version node KVH_0_EXPERIMENTAL of abi/libkvh.map): not
+ * yet run on its target hardware, or its semantics may still change; a
+ * release may change these calls. */
+
+/* A kept attention call: the batch's block table and work split, built on
+ * the CPU once (and on CUDA uploaded to device memory once), plus a hold
+ * on every block it reads, so they stay in the device tier in the same
+ * slots until kvh_attention_plan_destroy. kvh_attention_run then only
+ * launches kernels: no allocation, copy, synchronisation or host callback,
+ * so on CUDA it may be called on a stream that is capturing a graph and
+ * the graph may be replayed any number of times.
+ *
+ * A plan covers each sequence's tokens as they were at creation: later
+ * writes into those tokens are seen by later runs, tokens appended later
+ * are not (make a new plan). A change of a sequence's blocks (a
+ * copy-on-write copy, truncation, freeing) is not seen either: the plan
+ * keeps reading the blocks it holds, which are not kept alive; freeing or
+ * truncating a sequence while a plan of it exists leaves that plan's
+ * output undefined (never a memory fault).
+ *
+ * A kvh_attention_plan * is a handle (see "Handles" at the top): a
+ * destroyed, forged or foreign one is KVH_ERR_BAD_HANDLE, and no plan value
+ * is handed out twice, so a stale pointer never names a later plan. */
+typedef struct kvh_attention_plan kvh_attention_plan; /* opaque */
+
+/* Plans decode (q_lens NULL: one query row per sequence) or chunked
+ * prefill (q_lens as in kvh_attention_prefill) of layer for a batch, with
+ * the numerics of params (NULL = defaults; its stream is ignored: each run
+ * names its own). [borrowed] seqs, q_lens, params; [out] *plan, owned by
+ * the caller until kvh_attention_plan_destroy. Status codes as
+ * kvh_attention_decode, and KVH_ERR_INVALID_ARG for a NULL plan or a batch
+ * without query rows, KVH_ERR_NOMEM also when 2^24 plans exist. On CUDA
+ * the upload may synchronise: do not call while capturing. @threads any */
+KVH_API kvh_status kvh_attention_plan_create(kvh_engine *engine, uint32_t layer, const kvh_seq *seqs,
+                                             const uint32_t *q_lens, size_t n_seqs, const kvh_attention_params *params,
+                                             kvh_attention_plan **plan);
+
+/* Runs a plan: q and out as in kvh_attention_decode / _prefill (host
+ * memory on the CPU backend, device memory on CUDA), stream the
+ * cudaStream_t to launch on (NULL = the default stream; ignored on the
+ * CPU, where the call returns when done). [borrowed] plan, q, out.
+ * Finding the plan is a lookup under the engine lock, no allocation.
+ * Returns KVH_ERR_INVALID_ARG (NULL plan, q or out), KVH_ERR_BAD_HANDLE
+ * (plan destroyed, forged or of another engine), KVH_ERR_INTERNAL (a
+ * launch failure, with the driver's words), KVH_ERR_NOMEM (CPU scratch
+ * memory). @threads any (runs of one plan may overlap on the CPU only if
+ * their outputs differ; a destroy of the plan waits for runs under way) */
+KVH_API kvh_status kvh_attention_run(kvh_engine *engine, const kvh_attention_plan *plan, const void *q, void *out,
+                                     void *stream);
+
+/* Drops the plan's holds and frees it; the plan is then stale. On CUDA the
+ * caller guarantees that no launch or graph replay using it is pending
+ * (synchronise first); the call may synchronise the device. NULL accepted.
+ * Plans left at kvh_engine_close are destroyed by it. Returns
+ * KVH_ERR_BAD_HANDLE (plan already destroyed, forged or of another
+ * engine). @threads handle (plan) */
+KVH_API kvh_status kvh_attention_plan_destroy(kvh_engine *engine, kvh_attention_plan *plan);
+
+/* ------------------------------------------------------------------ */
+/* Weight contexts (experimental)                                     */
+/* ------------------------------------------------------------------ */
 
 /* Experimental (version node KVH_0_EXPERIMENTAL of abi/libkvh.map): not
  * yet run on its target hardware, or its semantics may still change; a
@@ -953,7 +1073,13 @@ typedef struct kvh_weight_stats {
  * KVH_ERR_STRUCT_SIZE. @threads any */
 KVH_API kvh_status kvh_weight_stats_get(kvh_engine *engine, kvh_weight_stats *stats);
 
-/* ---- admission by token budget ---- */
+/* ------------------------------------------------------------------ */
+/* Admission by token budget (experimental)                           */
+/* ------------------------------------------------------------------ */
+
+/* Experimental (version node KVH_0_EXPERIMENTAL of abi/libkvh.map): not
+ * yet run on its target hardware, or its semantics may still change; a
+ * release may change these calls. */
 
 /* Two pools with their own device-tier quotas for KV: a request whose
  * token budget is at most short_max_tokens goes to the short pool, others
@@ -1017,93 +1143,11 @@ typedef struct kvh_admission_info {
 KVH_API kvh_status kvh_admission_info_get(kvh_engine *engine, kvh_admission_info *info);
 
 /* ------------------------------------------------------------------ */
-/* Attention plans (plan once, run many times; CUDA-graph capturable)   */
+/* KV codecs                                                          */
 /* ------------------------------------------------------------------ */
 
-/* Experimental (version node KVH_0_EXPERIMENTAL of abi/libkvh.map): not
- * yet run on its target hardware, or its semantics may still change; a
- * release may change these calls. */
-
-/* A kept attention call: the batch's block table and work split, built on
- * the CPU once (and on CUDA uploaded to device memory once), plus a hold
- * on every block it reads, so they stay in the device tier in the same
- * slots until kvh_attention_plan_destroy. kvh_attention_run then only
- * launches kernels: no allocation, copy, synchronisation or host callback,
- * so on CUDA it may be called on a stream that is capturing a graph and
- * the graph may be replayed any number of times.
- *
- * A plan covers each sequence's tokens as they were at creation: later
- * writes into those tokens are seen by later runs, tokens appended later
- * are not (make a new plan). A change of a sequence's blocks (a
- * copy-on-write copy, truncation, freeing) is not seen either: the plan
- * keeps reading the blocks it holds, which are not kept alive; freeing or
- * truncating a sequence while a plan of it exists leaves that plan's
- * output undefined (never a memory fault).
- *
- * A kvh_attention_plan * is a handle (see Handles): a destroyed, forged or
- * foreign one is KVH_ERR_BAD_HANDLE, and no plan value is handed out
- * twice, so a stale pointer never names a later plan. */
-typedef struct kvh_attention_plan kvh_attention_plan; /* opaque */
-
-/* Plans decode (q_lens NULL: one query row per sequence) or chunked
- * prefill (q_lens as in kvh_attention_prefill) of layer for a batch, with
- * the numerics of params (NULL = defaults; its stream is ignored: each run
- * names its own). [borrowed] seqs, q_lens, params; [out] *plan, owned by
- * the caller until kvh_attention_plan_destroy. Status codes as
- * kvh_attention_decode, and KVH_ERR_INVALID_ARG for a NULL plan or a batch
- * without query rows, KVH_ERR_NOMEM also when 2^24 plans exist. On CUDA
- * the upload may synchronise: do not call while capturing. @threads any */
-KVH_API kvh_status kvh_attention_plan_create(kvh_engine *engine, uint32_t layer, const kvh_seq *seqs,
-                                             const uint32_t *q_lens, size_t n_seqs, const kvh_attention_params *params,
-                                             kvh_attention_plan **plan);
-
-/* Runs a plan: q and out as in kvh_attention_decode / _prefill (host
- * memory on the CPU backend, device memory on CUDA), stream the
- * cudaStream_t to launch on (NULL = the default stream; ignored on the
- * CPU, where the call returns when done). [borrowed] plan, q, out.
- * Finding the plan is a lookup under the engine lock, no allocation.
- * Returns KVH_ERR_INVALID_ARG (NULL plan, q or out), KVH_ERR_BAD_HANDLE
- * (plan destroyed, forged or of another engine), KVH_ERR_INTERNAL (a
- * launch failure, with the driver's words), KVH_ERR_NOMEM (CPU scratch
- * memory). @threads any (runs of one plan may overlap on the CPU only if
- * their outputs differ; a destroy of the plan waits for runs under way) */
-KVH_API kvh_status kvh_attention_run(kvh_engine *engine, const kvh_attention_plan *plan, const void *q, void *out,
-                                     void *stream);
-
-/* Drops the plan's holds and frees it; the plan is then stale. On CUDA the
- * caller guarantees that no launch or graph replay using it is pending
- * (synchronise first); the call may synchronise the device. NULL accepted.
- * Plans left at kvh_engine_close are destroyed by it. Returns
- * KVH_ERR_BAD_HANDLE (plan already destroyed, forged or of another
- * engine). @threads handle (plan) */
-KVH_API kvh_status kvh_attention_plan_destroy(kvh_engine *engine, kvh_attention_plan *plan);
-
-/* ------------------------------------------------------------------ */
-/* KV codecs                                                           */
-/* ------------------------------------------------------------------ */
-
-/* Quantised forms of KV. A codec encodes each vector of head_dim elements
- * (the K or V of one token in one KV head) on its own into a fixed-size
- * record. With kvh_config.kv_codec set, the host and disk tiers store
- * blocks in that form (their slots shrink to the encoded size, so the same
- * budget holds more blocks): a block is encoded when it leaves the device
- * tier, decoded when it comes back, and kvh_seq_write_kv / _read_kv on a
- * block in those tiers encode / decode the touched tokens only. The codec
- * is part of the disk store's geometry (KVH_ERR_MISMATCH on reopening with
- * another one). Encoding is lossy; per element, before the decoded value
- * is rounded to the engine dtype:
- *   KVH_CODEC_INT8:    |x - x'| <= max|x| / 254 over its vector
- *                      (record: f32 scale + head_dim int8 codes)
- *   KVH_CODEC_Q4_G32/64: |x - x'| <= (max - min) / 30 over its group of
- *                      32/64 elements (record: f32 scale and f32 minimum,
- *                      the zero point, per group + head_dim/2 bytes of
- *                      4-bit codes); head_dim must be a multiple of the
- *                      group.
- * (Plus 2^-143 where the scale is a subnormal f32: a vector or group of
- * magnitudes below about 2^-119, which only f32 and bf16 data can have.)
- * Non-finite inputs are not preserved: +-inf saturate to the extreme code
- * and NaN becomes the zero code; scales use the finite elements only. */
-enum kvh_codec { KVH_CODEC_NONE = 0, KVH_CODEC_INT8 = 1, KVH_CODEC_Q4_G32 = 2, KVH_CODEC_Q4_G64 = 3 };
+/* The codecs of enum kvh_codec (see "Configuration": their forms and error
+ * bounds) applied to caller buffers. */
 
 /* Bytes of one encoded vector of head_dim elements of dtype (KVH_CODEC_NONE:
  * the raw size). [out] *bytes. Returns KVH_ERR_INVALID_ARG for an unknown
@@ -1126,7 +1170,7 @@ KVH_API kvh_status kvh_codec_decode(uint32_t codec, uint32_t dtype, uint32_t hea
                                     size_t n_vectors, void *dst);
 
 /* ------------------------------------------------------------------ */
-/* Virtual contiguity                                                  */
+/* Virtual contiguity (experimental)                                  */
 /* ------------------------------------------------------------------ */
 
 /* Experimental (version node KVH_0_EXPERIMENTAL of abi/libkvh.map): not
@@ -1186,9 +1230,10 @@ KVH_API kvh_status kvh_codec_decode(uint32_t codec, uint32_t dtype, uint32_t hea
  * Reading a stale view directly gives the old blocks' data (never a
  * fault while the view exists).
  *
- * A kvh_vmap * is a handle (see Handles): a released, forged or foreign
- * one is KVH_ERR_BAD_HANDLE from every call taking it, and no view value
- * is handed out twice, so a released pointer never names a later view. */
+ * A kvh_vmap * is a handle (see "Handles" at the top): a released, forged
+ * or foreign one is KVH_ERR_BAD_HANDLE from every call taking it, and no
+ * view value is handed out twice, so a released pointer never names a
+ * later view. */
 typedef struct kvh_vmap kvh_vmap; /* opaque */
 
 typedef struct kvh_vmap_view {
@@ -1275,24 +1320,12 @@ KVH_API kvh_status kvh_attention_prefill_vmap(kvh_engine *engine, kvh_vmap *cons
                                               const kvh_attention_params *params);
 
 /* ------------------------------------------------------------------ */
-/* LCTRU: tolerance-aware eviction                                     */
+/* LCTRU tolerance (experimental)                                     */
 /* ------------------------------------------------------------------ */
 
 /* Experimental (version node KVH_0_EXPERIMENTAL of abi/libkvh.map): not
  * yet run on its target hardware, or its semantics may still change; a
  * release may change these calls. */
-
-/* Victim order of the memory tiers. KVH_EVICT_LRU_K: by the K-th most
- * recent access (kvh_config.lru_k), then the most recent. KVH_EVICT_LCTRU
- * ("least compression-tolerable and recently used"): the same order, but
- * every block counts as if its accesses had happened tolerance / 255 *
- * lctru_window accesses earlier, so that among blocks of similar recency
- * the compression-tolerant ones leave first: with a kv_codec, leaving the
- * device tier is what compresses a block, so tolerant blocks are
- * compressed before intolerant ones have to go, and a block of tolerance 0
- * is ordered exactly as under LRU-K. Unreferenced cached blocks still go
- * before referenced ones under both policies. */
-enum kvh_eviction { KVH_EVICT_LRU_K = 0, KVH_EVICT_LCTRU = 1 };
 
 /* Compression tolerance of a new block. A caller that knows better (e.g.
  * attention-sink tokens and the newest tokens are intolerant, old context

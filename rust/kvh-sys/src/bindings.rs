@@ -31,26 +31,21 @@ pub type kvh_status_code = ::std::os::raw::c_int;
 #[repr(transparent)]
 #[derive(Debug, Default, Copy, Clone)]
 pub struct kvh_status(pub i32);
-pub const KVH_TIER_DEVICE: kvh_tier = 0;
-pub const KVH_TIER_HOST: kvh_tier = 1;
-pub const KVH_TIER_DISK: kvh_tier = 2;
-pub type kvh_tier = ::std::os::raw::c_uint;
-pub const KVH_DTYPE_F32: kvh_dtype = 0;
-pub const KVH_DTYPE_F16: kvh_dtype = 1;
-pub const KVH_DTYPE_BF16: kvh_dtype = 2;
-pub type kvh_dtype = ::std::os::raw::c_uint;
-pub const KVH_BACKEND_AUTO: kvh_backend = 0;
-pub const KVH_BACKEND_CPU: kvh_backend = 1;
-pub const KVH_BACKEND_CUDA: kvh_backend = 2;
-pub type kvh_backend = ::std::os::raw::c_uint;
-pub const KVH_MEMORY_HOST: kvh_memory = 0;
-pub const KVH_MEMORY_CUDA: kvh_memory = 1;
-pub type kvh_memory = ::std::os::raw::c_uint;
-pub const KVH_LOG_ERROR: kvh_log_level = 0;
-pub const KVH_LOG_WARN: kvh_log_level = 1;
-pub const KVH_LOG_INFO: kvh_log_level = 2;
-pub const KVH_LOG_DEBUG: kvh_log_level = 3;
-pub type kvh_log_level = ::std::os::raw::c_uint;
+extern "C" {
+    pub fn kvh_version() -> u32;
+}
+extern "C" {
+    pub fn kvh_version_string() -> *const ::std::os::raw::c_char;
+}
+extern "C" {
+    pub fn kvh_strerror(status: kvh_status) -> *const ::std::os::raw::c_char;
+}
+extern "C" {
+    pub fn kvh_status_name(status: kvh_status) -> *const ::std::os::raw::c_char;
+}
+extern "C" {
+    pub fn kvh_last_error() -> *const ::std::os::raw::c_char;
+}
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
 pub struct kvh_engine {
@@ -196,21 +191,19 @@ fn bindgen_test_layout_kvh_pool() {
     }
     test_field_id();
 }
-extern "C" {
-    pub fn kvh_version() -> u32;
-}
-extern "C" {
-    pub fn kvh_version_string() -> *const ::std::os::raw::c_char;
-}
-extern "C" {
-    pub fn kvh_strerror(status: kvh_status) -> *const ::std::os::raw::c_char;
-}
-extern "C" {
-    pub fn kvh_status_name(status: kvh_status) -> *const ::std::os::raw::c_char;
-}
-extern "C" {
-    pub fn kvh_last_error() -> *const ::std::os::raw::c_char;
-}
+pub const KVH_DTYPE_F32: kvh_dtype = 0;
+pub const KVH_DTYPE_F16: kvh_dtype = 1;
+pub const KVH_DTYPE_BF16: kvh_dtype = 2;
+pub type kvh_dtype = ::std::os::raw::c_uint;
+pub const KVH_BACKEND_AUTO: kvh_backend = 0;
+pub const KVH_BACKEND_CPU: kvh_backend = 1;
+pub const KVH_BACKEND_CUDA: kvh_backend = 2;
+pub type kvh_backend = ::std::os::raw::c_uint;
+pub const KVH_LOG_ERROR: kvh_log_level = 0;
+pub const KVH_LOG_WARN: kvh_log_level = 1;
+pub const KVH_LOG_INFO: kvh_log_level = 2;
+pub const KVH_LOG_DEBUG: kvh_log_level = 3;
+pub type kvh_log_level = ::std::os::raw::c_uint;
 pub type kvh_log_fn = ::std::option::Option<
     unsafe extern "C" fn(
         user: *mut ::std::os::raw::c_void,
@@ -218,6 +211,18 @@ pub type kvh_log_fn = ::std::option::Option<
         message: *const ::std::os::raw::c_char,
     ),
 >;
+pub const KVH_DISK_RESET_ON_MISMATCH: kvh_disk_flags = 1;
+pub const KVH_DISK_BUFFERED: kvh_disk_flags = 2;
+pub const KVH_DISK_SHARE_GROUP: kvh_disk_flags = 4;
+pub type kvh_disk_flags = ::std::os::raw::c_uint;
+pub const KVH_CODEC_NONE: kvh_codec = 0;
+pub const KVH_CODEC_INT8: kvh_codec = 1;
+pub const KVH_CODEC_Q4_G32: kvh_codec = 2;
+pub const KVH_CODEC_Q4_G64: kvh_codec = 3;
+pub type kvh_codec = ::std::os::raw::c_uint;
+pub const KVH_EVICT_LRU_K: kvh_eviction = 0;
+pub const KVH_EVICT_LCTRU: kvh_eviction = 1;
+pub type kvh_eviction = ::std::os::raw::c_uint;
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
 pub struct kvh_config {
@@ -784,10 +789,6 @@ impl Default for kvh_config {
         }
     }
 }
-pub const KVH_DISK_RESET_ON_MISMATCH: kvh_disk_flags = 1;
-pub const KVH_DISK_BUFFERED: kvh_disk_flags = 2;
-pub const KVH_DISK_SHARE_GROUP: kvh_disk_flags = 4;
-pub type kvh_disk_flags = ::std::os::raw::c_uint;
 extern "C" {
     pub fn kvh_config_init(config: *mut kvh_config, struct_size: usize) -> kvh_status;
 }
@@ -803,6 +804,10 @@ extern "C" {
 extern "C" {
     pub fn kvh_engine_backend(engine: *const kvh_engine) -> *const ::std::os::raw::c_char;
 }
+pub const KVH_TIER_DEVICE: kvh_tier = 0;
+pub const KVH_TIER_HOST: kvh_tier = 1;
+pub const KVH_TIER_DISK: kvh_tier = 2;
+pub type kvh_tier = ::std::os::raw::c_uint;
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
 pub struct kvh_tier_info {
@@ -2044,6 +2049,16 @@ extern "C" {
     ) -> kvh_status;
 }
 extern "C" {
+    pub fn kvh_fence_wait(engine: *mut kvh_engine, fence: kvh_fence, timeout_ns: u64)
+        -> kvh_status;
+}
+extern "C" {
+    pub fn kvh_fence_poll(engine: *mut kvh_engine, fence: kvh_fence, done: *mut i32) -> kvh_status;
+}
+extern "C" {
+    pub fn kvh_fence_free(engine: *mut kvh_engine, fence: kvh_fence) -> kvh_status;
+}
+extern "C" {
     pub fn kvh_prefetch(
         engine: *mut kvh_engine,
         seq: kvh_seq,
@@ -2061,16 +2076,6 @@ extern "C" {
         n: u64,
         priority: i32,
     ) -> kvh_status;
-}
-extern "C" {
-    pub fn kvh_fence_wait(engine: *mut kvh_engine, fence: kvh_fence, timeout_ns: u64)
-        -> kvh_status;
-}
-extern "C" {
-    pub fn kvh_fence_poll(engine: *mut kvh_engine, fence: kvh_fence, done: *mut i32) -> kvh_status;
-}
-extern "C" {
-    pub fn kvh_fence_free(engine: *mut kvh_engine, fence: kvh_fence) -> kvh_status;
 }
 extern "C" {
     pub fn kvh_prefix_hash(
@@ -2091,6 +2096,9 @@ extern "C" {
         n_blocks: *mut usize,
     ) -> kvh_status;
 }
+pub const KVH_MEMORY_HOST: kvh_memory = 0;
+pub const KVH_MEMORY_CUDA: kvh_memory = 1;
+pub type kvh_memory = ::std::os::raw::c_uint;
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
 pub struct kvh_pool_layout {
@@ -2488,6 +2496,37 @@ extern "C" {
         q: *const ::std::os::raw::c_void,
         out: *mut ::std::os::raw::c_void,
         params: *const kvh_attention_params,
+    ) -> kvh_status;
+}
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct kvh_attention_plan {
+    _unused: [u8; 0],
+}
+extern "C" {
+    pub fn kvh_attention_plan_create(
+        engine: *mut kvh_engine,
+        layer: u32,
+        seqs: *const kvh_seq,
+        q_lens: *const u32,
+        n_seqs: usize,
+        params: *const kvh_attention_params,
+        plan: *mut *mut kvh_attention_plan,
+    ) -> kvh_status;
+}
+extern "C" {
+    pub fn kvh_attention_run(
+        engine: *mut kvh_engine,
+        plan: *const kvh_attention_plan,
+        q: *const ::std::os::raw::c_void,
+        out: *mut ::std::os::raw::c_void,
+        stream: *mut ::std::os::raw::c_void,
+    ) -> kvh_status;
+}
+extern "C" {
+    pub fn kvh_attention_plan_destroy(
+        engine: *mut kvh_engine,
+        plan: *mut kvh_attention_plan,
     ) -> kvh_status;
 }
 #[repr(C)]
@@ -3918,42 +3957,6 @@ extern "C" {
         info: *mut kvh_admission_info,
     ) -> kvh_status;
 }
-#[repr(C)]
-#[derive(Debug, Copy, Clone)]
-pub struct kvh_attention_plan {
-    _unused: [u8; 0],
-}
-extern "C" {
-    pub fn kvh_attention_plan_create(
-        engine: *mut kvh_engine,
-        layer: u32,
-        seqs: *const kvh_seq,
-        q_lens: *const u32,
-        n_seqs: usize,
-        params: *const kvh_attention_params,
-        plan: *mut *mut kvh_attention_plan,
-    ) -> kvh_status;
-}
-extern "C" {
-    pub fn kvh_attention_run(
-        engine: *mut kvh_engine,
-        plan: *const kvh_attention_plan,
-        q: *const ::std::os::raw::c_void,
-        out: *mut ::std::os::raw::c_void,
-        stream: *mut ::std::os::raw::c_void,
-    ) -> kvh_status;
-}
-extern "C" {
-    pub fn kvh_attention_plan_destroy(
-        engine: *mut kvh_engine,
-        plan: *mut kvh_attention_plan,
-    ) -> kvh_status;
-}
-pub const KVH_CODEC_NONE: kvh_codec = 0;
-pub const KVH_CODEC_INT8: kvh_codec = 1;
-pub const KVH_CODEC_Q4_G32: kvh_codec = 2;
-pub const KVH_CODEC_Q4_G64: kvh_codec = 3;
-pub type kvh_codec = ::std::os::raw::c_uint;
 extern "C" {
     pub fn kvh_codec_vector_bytes(
         codec: u32,
@@ -4240,9 +4243,6 @@ extern "C" {
         params: *const kvh_attention_params,
     ) -> kvh_status;
 }
-pub const KVH_EVICT_LRU_K: kvh_eviction = 0;
-pub const KVH_EVICT_LCTRU: kvh_eviction = 1;
-pub type kvh_eviction = ::std::os::raw::c_uint;
 extern "C" {
     pub fn kvh_seq_set_tolerance(
         engine: *mut kvh_engine,
