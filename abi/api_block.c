@@ -160,12 +160,8 @@ kvh_status kvh_fence_poll(kvh_engine *e, kvh_fence fence, int32_t *done)
     if (st != KVH_OK)
         return st;
     uint32_t idx;
-    if ((st = fence_resolve(e, fence, &idx)) == KVH_OK) {
-        kvhi_fence *f = kvhi_handles_at(&e->fences, idx);
-        *done = f->pending == 0;
-        if (f->pending == 0 && f->status != KVH_OK)
-            st = kvhi_fail(f->status, "%s", f->msg);
-    }
+    if ((st = fence_resolve(e, fence, &idx)) == KVH_OK)
+        st = kvhi_fence_poll_idx(e, idx, done);
     kvhi_leave(e);
     return st;
 }
@@ -269,13 +265,8 @@ kvh_status kvh_pool_unregister(kvh_engine *e, kvh_pool pool)
     kvhi_ext_pool *p = kvhi_handles_get(&e->pools, pool.id, &idx);
     if (!p)
         st = kvhi_fail(KVH_ERR_BAD_HANDLE, "stale or unknown pool 0x%llx", (unsigned long long)pool.id);
-    else {
-        /* Pool copies run under the lock, so none is in flight here. */
-        kvhi_handles_remove(&e->pools, idx);
-        free(p->k_base);
-        free(p->v_base);
-        free(p);
-    }
+    else
+        kvhi_pool_unregister(e, p, idx);
     kvhi_leave(e);
     return st;
 }
@@ -324,21 +315,8 @@ kvh_status kvh_pool_restore(kvh_engine *e, kvh_pool pool, kvh_block block, uint3
     if (st != KVH_OK)
         return st;
     uint32_t b;
-    if ((st = kvhi_block_resolve(e, block, &b)) == KVH_OK) {
-        if (!kvhi_block_kv_complete(e, b))
-            st = kvhi_fail(KVH_ERR_INVALID_ARG, "block KV is not fully written");
-        else {
-            e->blocks[b].refs++; /* keep it while a disk read drops the lock */
-            kvhi_block_hold(e, b);
-            st = kvhi_block_ensure_memory(e, b);
-            if (st == KVH_OK)
-                st = kvhi_pool_copy(e, p, slot, b, false);
-            kvhi_block_unhold(e, b);
-            kvhi_block_unref(e, b);
-        }
-        if (st == KVH_OK)
-            kvhi_block_touch(e, b);
-    }
+    if ((st = kvhi_block_resolve(e, block, &b)) == KVH_OK)
+        st = kvhi_pool_restore(e, p, b, slot);
     kvhi_leave(e);
     return st;
 }

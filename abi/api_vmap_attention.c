@@ -16,6 +16,7 @@
 
 #include "abi/api_attention.h"
 #include "abi/api_params.h"
+#include "core/attention_call.h"
 #include "core/vmap.h"
 #include "kernels/attention_plan.h"
 #include "kernels/cpu/attn_cpu.h"
@@ -60,11 +61,8 @@ static kvh_status attention_vmap(kvh_engine *e, kvh_vmap *const *views, const ui
             free(vs);
         return st;
     }
-    if (e->cpu_kernels && !e->attn_state) {
-        e->attn_state = kvhi_attn_cpu_create();
-        if (e->attn_state)
-            e->attn_state_free = kvhi_attn_cpu_destroy;
-    }
+    if (e->cpu_kernels)
+        kvhi_attn_state(e);
     for (size_t i = 0; i < n_views && st == KVH_OK; i++) {
         kvhi_vmap *v = vs[i] = kvhi_vmap_resolve(e, views[i]);
         if (!v)

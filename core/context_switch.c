@@ -57,8 +57,7 @@ static uint64_t move_context_kv(kvh_engine *e, kvhi_context *x, uint32_t tier)
     uint32_t fidx;
     if (kvhi_fence_new(e, &fidx, NULL) != KVH_OK)
         return 0;
-    kvhi_fence *f = kvhi_handles_at(&e->fences, fidx);
-    f->pending++; /* this function's own count, so the fence cannot end early */
+    kvhi_fence_expect(e, fidx, 1); /* this function's own count, so the fence cannot end early */
     uint64_t queued = 0;
     for (uint32_t i = 0; i < x->n_seqs; i++) {
         kvhi_seq *s = kvhi_handles_get(&e->seqs, x->seqs[i], NULL);
@@ -357,11 +356,7 @@ static void *switch_thread(void *argp)
     c->arrivals_running = false;
     c->switch_active = false;
     c->joinable = true;
-    kvhi_fence *f = kvhi_handles_at(&e->fences, sw->fence);
-    if (f && sw->status != KVH_OK && f->status == KVH_OK) {
-        f->status = sw->status;
-        snprintf(f->msg, sizeof(f->msg), "%s", sw->msg);
-    }
+    kvhi_fence_record_failure(e, sw->fence, sw->status, sw->msg);
     kvhi_fence_done(e, sw->fence, KVH_OK);
     pthread_cond_broadcast(&c->cv);
     free(sw);
@@ -417,7 +412,7 @@ kvh_status kvhi_context_switch(kvh_engine *e, kvh_context from_h, kvh_context to
         free(sw);
         return st;
     }
-    ((kvhi_fence *)kvhi_handles_at(&e->fences, fidx))->pending = 1;
+    kvhi_fence_expect(e, fidx, 1); /* the switch's own: done when it ends */
     *sw = (kvhi_switch){.e = e, .from = from, .to = to, .fence = fidx};
     uint32_t leaving = 0;
     for (uint32_t i = 0; from && i < from->n_regions; i++)

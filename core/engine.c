@@ -10,6 +10,7 @@
 #include <numa.h>
 #endif
 
+#include "core/attention_call.h"
 #include "core/engine.h"
 #include "core/huge_alloc.h"
 #include "core/vmap_backend.h"
@@ -247,22 +248,6 @@ static void note_memory_model(kvh_engine *e)
                  e->backend->name, unified == 2 ? ", which is host RAM" : "");
 }
 
-/* Destroys the plans still open. engine_free runs without the lock and
- * with no call active. */
-static void attention_plans_free(kvh_engine *e)
-{
-    pthread_mutex_lock(&e->lock);
-    for (uint32_t i = 0; i < e->attn_plans.cap; i++) {
-        void *pl = kvhi_handles_at(&e->attn_plans, i);
-        if (pl) {
-            kvhi_handles_remove(&e->attn_plans, i);
-            e->attn_plan_free(e, pl);
-        }
-    }
-    kvhi_handles_destroy(&e->attn_plans);
-    pthread_mutex_unlock(&e->lock);
-}
-
 static void engine_free(kvh_engine *e)
 {
     kvhi_contexts_free(e); /* weight memory goes back to the backend */
@@ -283,7 +268,7 @@ static void engine_free(kvh_engine *e)
     kvhi_hints_free(e);
     kvhi_handles_destroy(&e->pools);
     kvhi_vmap_engine_free(e);
-    attention_plans_free(e);
+    kvhi_attn_plans_free_all(e);
     for (uint32_t i = 0; i < e->n_agents; i++)
         kvhi_lruk_destroy(&e->agents[i].heap);
     free(e->agents);
@@ -302,8 +287,8 @@ static void engine_free(kvh_engine *e)
     free(e->block_free);
     free(e->tokens);
     kvhi_prefix_destroy(&e->prefix);
-    if (e->attn_state_free)
-        e->attn_state_free(e->attn_state);
+    if (e->attn_state)
+        kvhi_attn_cpu_destroy(e->attn_state);
     kvhi_disk_tier_close(e, false);
     if (e->backend && e->backend_ctx)
         e->backend->context_destroy(e->backend_ctx);

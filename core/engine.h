@@ -253,10 +253,9 @@ struct kvh_engine {
     uint32_t n_pending_log;
 
     /* Attention state (kernels/: the CPU thread pool and scratch), made
-     * lazily under the lock; engine_free calls attn_state_free(attn_state)
-     * once no call is active. */
-    void *attn_state;
-    void (*attn_state_free)(void *state);
+     * lazily under the lock (kvhi_attn_state), freed by engine_free once
+     * no call is active. */
+    struct kvhi_attn_cpu *attn_state;
 
     /* ---- weight contexts and admission (core/context.h) ---- */
     struct kvhi_contexts *contexts; /* made on first use; NULL until then */
@@ -271,11 +270,8 @@ struct kvh_engine {
     uint64_t vmap_unit;
     const char *vmap_backing;
     kvhi_handle_table vmaps; /* -> kvhi_vmap * */
-    /* Attention plans not yet destroyed (abi/api_attention_plan.c), and
-     * how engine_free frees one: set with the first plan, since plans are
-     * made above the core (lock held; it may drop and retake it). */
+    /* Attention plans not yet destroyed (core/attention_plans.c). */
     kvhi_handle_table attn_plans; /* -> kvhi_attention_plan * */
-    void (*attn_plan_free)(kvh_engine *e, void *plan);
 };
 
 /* ---- errors and logging (status.c) ---- */
@@ -402,6 +398,12 @@ kvh_status kvhi_enqueue(kvh_engine *e, uint32_t b, uint32_t tier, int32_t priori
                         uint32_t fence_idx);
 kvh_status kvhi_fence_new(kvh_engine *e, uint32_t *idx, kvh_fence *handle);
 void kvhi_fence_done(kvh_engine *e, uint32_t fence_idx, kvh_status st);
+/* n more completions the fence waits for (kvhi_fence_done each). */
+void kvhi_fence_expect(kvh_engine *e, uint32_t idx, uint32_t n);
+/* Records st as the fence's status unless one failed first. */
+void kvhi_fence_record_failure(kvh_engine *e, uint32_t idx, kvh_status st, const char *msg);
+/* [out] *done = 1 when complete; the first failure's status then. */
+kvh_status kvhi_fence_poll_idx(kvh_engine *e, uint32_t idx, int32_t *done);
 kvh_status kvhi_fence_wait_idx(kvh_engine *e, uint32_t idx, uint64_t timeout_ns);
 void kvhi_fence_drop(kvh_engine *e, uint32_t idx);
 

@@ -13,7 +13,13 @@ typedef struct kvhi_ext_pool {
 } kvhi_ext_pool;
 
 kvh_status kvhi_pool_register(kvh_engine *e, const kvh_pool_layout *layout, kvh_pool *out);
-kvh_status kvhi_pool_copy(kvh_engine *e, kvhi_ext_pool *p, uint32_t slot, uint32_t b, bool to_block);
+/* Frees p, the pool at index of e->pools. */
+void kvhi_pool_unregister(kvh_engine *e, kvhi_ext_pool *p, uint32_t index);
+/* Copies block b (any tier, KV complete) into slot of p. Drops the lock
+ * when b is read from disk. */
+kvh_status kvhi_pool_restore(kvh_engine *e, kvhi_ext_pool *p, uint32_t b, uint32_t slot);
+/* The block of (parent, tokens), found or made from slot of p: [out] *out
+ * with one more reference. May drop the lock (making room for it). */
 kvh_status kvhi_pool_offload(kvh_engine *e, kvhi_ext_pool *p, uint32_t slot, uint64_t parent, const int32_t *tokens,
                              uint32_t agent, uint32_t *out);
 

@@ -65,6 +65,31 @@ void kvhi_fence_done(kvh_engine *e, uint32_t idx, kvh_status st)
     }
 }
 
+void kvhi_fence_expect(kvh_engine *e, uint32_t idx, uint32_t n)
+{
+    kvhi_fence *f = kvhi_handles_at(&e->fences, idx);
+    if (f)
+        f->pending += n;
+}
+
+void kvhi_fence_record_failure(kvh_engine *e, uint32_t idx, kvh_status st, const char *msg)
+{
+    kvhi_fence *f = kvhi_handles_at(&e->fences, idx);
+    if (f && st != KVH_OK && f->status == KVH_OK) {
+        f->status = st;
+        snprintf(f->msg, sizeof(f->msg), "%s", msg);
+    }
+}
+
+kvh_status kvhi_fence_poll_idx(kvh_engine *e, uint32_t idx, int32_t *done)
+{
+    kvhi_fence *f = kvhi_handles_at(&e->fences, idx);
+    *done = f->pending == 0;
+    if (f->pending == 0 && f->status != KVH_OK)
+        return kvhi_fail(f->status, "%s", f->msg);
+    return KVH_OK;
+}
+
 kvh_status kvhi_fence_wait_idx(kvh_engine *e, uint32_t idx, uint64_t timeout_ns)
 {
     kvhi_fence *f = kvhi_handles_at(&e->fences, idx);

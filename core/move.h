@@ -51,6 +51,12 @@ void kvhi_xfer_run(kvh_engine *e, kvhi_xfer *x);
  * batches of neighbouring slots. */
 void kvhi_xfer_batch(kvh_engine *e, kvhi_xfer *xs, uint32_t n);
 
+/* ---- external pools (core/move_pool.c) ---- */
+struct kvhi_ext_pool;
+/* Gathers (to_block) or scatters one block between slot of pool p and
+ * block b, which must be in memory and held. Keeps the lock. */
+kvh_status kvhi_pool_copy(kvh_engine *e, struct kvhi_ext_pool *p, uint32_t slot, uint32_t b, bool to_block);
+
 /* Records that b's disk data failed verification: never served again. */
 kvh_status kvhi_mark_corrupt(kvh_engine *e, uint32_t b, const char *why);
 void kvhi_release_slot(kvh_engine *e, uint32_t tier, uint32_t slot);

@@ -1,0 +1,233 @@
+/* Attention calls: under the engine lock, the plan (CSR block table of
+ * device-tier slots and the work split, kernels/attention_plan.c) and a
+ * hold on every block read, so nothing migrates or is evicted while the
+ * kernels run. The lock is then released and the backend runs the plan
+ * (kernels/cpu/ or libkvh_cuda.so); its completion callback retakes the
+ * lock and drops the holds.
+ *
+ * Holds and the call's registration (active_calls) last until the kernels
+ * have finished: on the CPU that is before the call returns; on CUDA the
+ * call returns once the work is queued, and a host callback queued on the
+ * caller's stream after the kernels (cudaLaunchHostFunc) releases them, so
+ * kvh_engine_close waits for queued attention to finish. No stream
+ * synchronisation happens in the launch path.
+ *
+ * The holds keep blocks in place, but do not keep them alive: freeing or
+ * truncating a sequence while attention over it is running is the
+ * caller's error (its output is then undefined, nothing else breaks: the
+ * release skips blocks whose generation changed). Blocks are not
+ * referenced either, so a write_kv racing with queued kernels does not
+ * force a copy-on-write of the last block. */
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "core/attention_call.h"
+#include "core/block_state.h"
+#include "kernels/cpu/attn_cpu.h"
+
+void kvhi_attn_call_free(kvhi_attn_call *c)
+{
+    if (!c)
+        return;
+    kvhi_attn_plan_free(&c->plan);
+    free(c->held);
+    free(c->held_gen);
+    free(c);
+}
+
+void kvhi_attn_call_release_holds(kvh_engine *e, kvhi_attn_call *c)
+{
+    for (uint32_t i = 0; i < c->n_held; i++) {
+        uint32_t b = c->held[i];
+        kvhi_block *blk = &e->blocks[b];
+        if (blk->gen == c->held_gen[i] && (blk->flags & KVHI_BF_LIVE) && blk->holds > 0)
+            kvhi_block_unhold(e, b);
+    }
+    c->n_held = 0;
+}
+
+/* Completion (the backend's done callback): the kernels have finished. On
+ * CUDA this runs on a CUDA host-callback thread: no CUDA calls here. */
+static void attn_done(void *arg)
+{
+    kvhi_attn_call *c = arg;
+    kvh_engine *e = c->e;
+    pthread_mutex_lock(&e->lock);
+    kvhi_attn_call_release_holds(e, c);
+    kvhi_attn_call_free(c);
+    kvhi_leave(e); /* ends the call's registration; close may proceed */
+}
+
+/* The CPU backend's state (thread pool, scratch), made on first use; lock
+ * held. */
+kvhi_attn_cpu *kvhi_attn_state(kvh_engine *e)
+{
+    if (!e->attn_state)
+        e->attn_state = kvhi_attn_cpu_create();
+    return e->attn_state;
+}
+
+kvh_status kvhi_attention_set_impl(kvh_engine *e, int impl)
+{
+    kvhi_clear_error();
+    if (!e)
+        return kvhi_fail(KVH_ERR_INVALID_ARG, "engine is NULL");
+    kvh_status st = kvhi_enter(e);
+    if (st != KVH_OK)
+        return st;
+    if (!e->cpu_kernels)
+        st = kvhi_fail(KVH_ERR_UNSUPPORTED, "only the CPU backend has kernel variants");
+    else if (impl < KVHI_ATTN_AUTO || impl > KVHI_ATTN_AVX512 || !kvhi_attn_cpu_supported(impl))
+        st = kvhi_fail(KVH_ERR_UNSUPPORTED, "attention implementation %d is not available on this CPU", impl);
+    else if (!kvhi_attn_state(e))
+        st = kvhi_fail(KVH_ERR_NOMEM, "out of memory for the attention state");
+    else {
+        kvhi_attn_cpu *cs = e->attn_state;
+        pthread_mutex_lock(&cs->run_lock);
+        cs->impl = impl;
+        pthread_mutex_unlock(&cs->run_lock);
+    }
+    kvhi_leave(e);
+    return st;
+}
+
+kvh_status kvhi_attn_call_run(kvh_engine *e, kvhi_attn_call *c, const void *q, void *out, void *stream)
+{
+    kvhi_assert_locked(e);
+    /* Run with the lock released; the call stays registered (active_calls)
+     * until attn_done. */
+    pthread_mutex_unlock(&e->lock);
+    char msg[256] = "";
+    int rc = e->backend->attention_run(e->backend_ctx, &c->plan, q, out, stream, attn_done, c, msg, sizeof(msg));
+    if (rc == 0)
+        return KVH_OK; /* c now belongs to attn_done */
+    pthread_mutex_lock(&e->lock);
+    kvhi_attn_call_release_holds(e, c);
+    kvhi_attn_call_free(c);
+    kvhi_leave(e);
+    return kvhi_fail(rc < 0 ? rc : KVH_ERR_INTERNAL, "attention kernels: %s", msg);
+}
+
+kvh_status kvhi_attn_call_prepare(kvh_engine *e, uint32_t layer, const kvh_seq *seqs, const uint32_t *q_lens,
+                                  size_t n_seqs, bool prefill, const kvh_attention_params *params, uint64_t total_rows,
+                                  kvhi_attn_call *c)
+{
+    kvh_attention_params pr = *params;
+    kvh_status st = KVH_OK;
+    uint32_t *kv_len = malloc(sizeof(uint32_t) * (n_seqs ? n_seqs : 1));
+    uint32_t *q_len = malloc(sizeof(uint32_t) * (n_seqs ? n_seqs : 1));
+    if (!kv_len || !q_len) {
+        free(kv_len);
+        free(q_len);
+        return kvhi_fail(KVH_ERR_NOMEM, "out of memory for an attention call");
+    }
+
+    /* Resolve the sequences and their lengths. */
+    uint64_t n_blocks = 0;
+    for (size_t i = 0; i < n_seqs && st == KVH_OK; i++) {
+        kvhi_seq *s;
+        if ((st = kvhi_seq_get(e, seqs[i], &s)) != KVH_OK)
+            break;
+        uint32_t ql = prefill ? q_lens[i] : 1;
+        if (s->n_tokens >= (1ull << 31))
+            st = kvhi_fail(KVH_ERR_RANGE, "sequence %zu has %llu tokens; attention takes fewer than 2^31", i,
+                           (unsigned long long)s->n_tokens);
+        else if (ql > s->n_tokens)
+            st = kvhi_fail(KVH_ERR_RANGE, "sequence %zu: %u query tokens but only %llu tokens", i, ql,
+                           (unsigned long long)s->n_tokens);
+        else if (s->n_blocks != (s->n_tokens + e->cfg.block_tokens - 1) / e->cfg.block_tokens)
+            st = kvhi_fail(KVH_ERR_INTERNAL, "sequence %zu: %u blocks for %llu tokens", i, s->n_blocks,
+                           (unsigned long long)s->n_tokens);
+        kv_len[i] = (uint32_t)s->n_tokens;
+        q_len[i] = ql;
+        n_blocks += s->n_blocks;
+    }
+    if (st != KVH_OK || total_rows == 0)
+        goto fail;
+    if (e->cpu_kernels && !kvhi_attn_state(e)) {
+        st = kvhi_fail(KVH_ERR_NOMEM, "out of memory for the attention state");
+        goto fail;
+    }
+
+    /* The plan. */
+    kvhi_attn_plan *p = &c->plan;
+    p->num_q_heads = pr.num_q_heads;
+    p->num_kv_heads = e->cfg.num_kv_heads;
+    p->head_dim = e->cfg.head_dim;
+    p->block_tokens = e->cfg.block_tokens;
+    for (p->block_shift = 0; (1u << p->block_shift) < p->block_tokens; p->block_shift++)
+        ;
+    p->kv_dtype = e->cfg.dtype;
+    p->io_dtype = pr.io_dtype;
+    p->scale = pr.scale;
+    p->block_bytes = e->block_bytes;
+    p->layer_offset = (uint64_t)layer * e->layer_bytes;
+    p->slab_shift = 0, p->slab_bytes = 0, p->piece_pitch = 0;
+    if (e->vmap_arena && e->slab.slab_shift) {
+        /* The device tier is in slab layout (kernels/slab_layout.h). */
+        p->slab_shift = e->slab.slab_shift;
+        p->slab_bytes = e->block_bytes << e->slab.slab_shift;
+        p->piece_pitch = kvhi_slab_pitch(&e->slab);
+        p->layer_offset = (uint64_t)layer * 2 * e->cfg.num_kv_heads * p->piece_pitch;
+    }
+    p->kv_base = e->tiers[KVH_TIER_DEVICE].base;
+    p->cpu_state = e->attn_state;
+    p->threads = pr.threads;
+    kvhi_attn_plan_opts opts = {0};
+    e->backend->attention_plan_opts(e->backend_ctx, pr.threads, &opts);
+    c->held = malloc(sizeof(uint32_t) * (n_blocks ? n_blocks : 1));
+    c->held_gen = malloc(sizeof(uint32_t) * (n_blocks ? n_blocks : 1));
+    if (!c->held || !c->held_gen || kvhi_attn_plan_build(p, &opts, kv_len, q_len, (uint32_t)n_seqs) != 0) {
+        st =
+            kvhi_fail(KVH_ERR_NOMEM, "out of memory for an attention plan (%llu blocks)", (unsigned long long)n_blocks);
+        goto fail;
+    }
+
+    /* Hold every block the kernels read (each block once, but a block
+     * shared by forks may be held once per use: holds nest). */
+    for (size_t i = 0; i < n_seqs; i++) {
+        kvhi_seq *s;
+        kvhi_seq_get(e, seqs[i], &s); /* resolved above, lock held since */
+        for (uint32_t j = 0; j < s->n_blocks; j++) {
+            uint32_t b = s->blocks[j];
+            kvhi_block_hold(e, b);
+            c->held[c->n_held] = b;
+            c->held_gen[c->n_held++] = e->blocks[b].gen;
+        }
+    }
+    /* A block being moved finishes its move first (the lock is dropped
+     * meanwhile; the holds keep anything new from starting). */
+    for (uint32_t k = 0; k < c->n_held; k++) {
+        uint32_t b = c->held[k];
+        if (!kvhi_block_in_flight(&e->blocks[b]) || kvhi_block_in_device(e, b))
+            continue; /* settled, or recalled: its device data stays put */
+        kvhi_block_wait_idle(e, b);
+        k = UINT32_MAX; /* rescan from the start: others may have moved */
+    }
+    for (uint32_t k = 0; k < c->n_held; k++) {
+        kvhi_block *blk = &e->blocks[c->held[k]];
+        if (blk->gen != c->held_gen[k] || !(blk->flags & KVHI_BF_LIVE)) {
+            st = kvhi_fail(KVH_ERR_BAD_HANDLE, "a block of the batch was freed during the call");
+            goto fail;
+        }
+        if (blk->tier != KVH_TIER_DEVICE) {
+            uint32_t i = 0;
+            while (i + 1 < n_seqs && p->seqs[i + 1].blk0 <= k)
+                i++;
+            st = kvhi_fail(KVH_ERR_NOT_RESIDENT,
+                           "sequence %u block %u is in the %s tier, not the device tier (kvh_seq_acquire first)", i,
+                           k - p->seqs[i].blk0, blk->tier == KVH_TIER_HOST ? "host" : "disk");
+            goto fail;
+        }
+        p->slots[k] = (int32_t)blk->slot;
+    }
+    free(kv_len);
+    free(q_len);
+    return KVH_OK;
+
+fail:
+    kvhi_attn_call_release_holds(e, c);
+    free(kv_len);
+    free(q_len);
+    return st;
+}
