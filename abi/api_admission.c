@@ -4,6 +4,8 @@
 #include <stdbool.h>
 
 #include "abi/api_params.h"
+#include "core/seq.h"
+#include "core/context.h"
 
 static void admission_defaults(kvh_admission_params *p)
 {

@@ -6,6 +6,9 @@
 #include "core/block_state.h"
 #include "core/move.h"
 #include "core/ext_pool.h"
+#include "core/block.h"
+#include "core/migrate.h"
+#include "core/seq.h"
 
 kvh_status kvh_block_info_get(kvh_engine *e, kvh_block block, kvh_block_info *info)
 {

@@ -4,6 +4,7 @@
 #define KVH_ABI_API_COMMON_H
 
 #include "core/engine.h"
+#include "core/seq.h"
 
 #define KVHI_REQUIRE(cond, ...)                                                                                        \
     do {                                                                                                               \

@@ -4,6 +4,8 @@
 #include <string.h>
 
 #include "abi/api_params.h"
+#include "core/seq.h"
+#include "core/context.h"
 
 static void context_defaults(kvh_context_params *p)
 {

@@ -1,5 +1,8 @@
 /* Exported sequence calls: argument checks, then the core under the lock. */
 #include "abi/api_common.h"
+#include "core/block.h"
+#include "core/seq.h"
+#include "core/disk_tier.h"
 
 kvh_status kvh_seq_create(kvh_engine *e, uint32_t agent, kvh_seq *seq)
 {

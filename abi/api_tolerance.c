@@ -2,6 +2,8 @@
 #include <math.h>
 
 #include "abi/api_common.h"
+#include "core/seq.h"
+#include "core/lctru.h"
 
 kvh_status kvh_seq_set_tolerance(kvh_engine *e, kvh_seq seq, uint64_t first, uint64_t n, uint32_t tolerance)
 {

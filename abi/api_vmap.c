@@ -3,6 +3,7 @@
 
 #include "abi/api_params.h"
 #include "core/vmap.h"
+#include "core/seq.h"
 
 kvh_status kvh_seq_vmap(kvh_engine *e, kvh_seq seq, uint32_t layer, uint64_t capacity_tokens, kvh_vmap **out)
 {

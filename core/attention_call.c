@@ -24,6 +24,9 @@
 #include "core/attention_call.h"
 #include "core/block_state.h"
 #include "kernels/cpu/attn_cpu.h"
+#include "core/block.h"
+#include "core/seq.h"
+#include "core/move.h"
 
 void kvhi_attn_call_free(kvhi_attn_call *c)
 {

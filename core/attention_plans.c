@@ -5,6 +5,7 @@
 #include <stdlib.h>
 
 #include "core/attention_call.h"
+#include "core/move.h"
 
 /* What a kvh_attention_plan * names: its value is a handle of
  * e->attn_plans (core/handles.h), never this struct's address. */

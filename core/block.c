@@ -7,6 +7,11 @@
 #include "core/block_state.h"
 #include "core/engine.h"
 #include "core/move.h"
+#include "core/block.h"
+#include "core/tier.h"
+#include "core/disk_tier.h"
+#include "core/codec_tier.h"
+#include "core/lctru.h"
 
 uint8_t *kvhi_slot_addr(kvh_engine *e, uint32_t tier, uint32_t slot)
 {

@@ -25,6 +25,7 @@
 #include <stdbool.h>
 
 #include "core/engine.h"
+#include "core/block.h"
 
 enum kvhi_move_state {
     KVHI_MS_IDLE,

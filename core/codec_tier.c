@@ -10,6 +10,8 @@
 #include "core/engine.h"
 #include "core/move.h"
 #include "kernels/cpu/kv_codec.h"
+#include "core/block.h"
+#include "core/codec_tier.h"
 
 kvh_status kvhi_codec_tiers_init(kvh_engine *e)
 {

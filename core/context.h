@@ -133,7 +133,8 @@ typedef struct kvhi_contexts {
 kvhi_contexts *kvhi_contexts_get(kvh_engine *e);
 kvh_status kvhi_context_resolve(kvh_engine *e, kvh_context h, kvhi_context **out);
 bool kvhi_unified_memory(kvh_engine *e);
-/* Sets copy_on_unified (tests and kvh-bench, which declares it itself). */
+/* Sets copy_on_unified (tests and kvh-bench, which declares it itself).
+ * Takes the lock. */
 int kvhi_context_copy_on_unified(kvh_engine *e, bool on);
 /* kvhi_drop_clean_host_region (engine.h): with allow_loading false it
  * spares contexts a switch is bringing in. */
@@ -151,6 +152,9 @@ void kvhi_region_unaccount(kvh_engine *e, kvhi_context *x, kvhi_region *r);
  * busy meanwhile). recycle: inside a switch, the memory goes to the
  * switch's spares (kvhi_region_mem_give) for its next allocation. */
 void kvhi_region_release(kvh_engine *e, kvhi_context *x, kvhi_region *r, bool recycle);
+/* Context calls (lock held). Adding a region, switching (without a
+ * fence), waiting for a layer and verifying drop the lock: for the
+ * region's copy or spill, the switch, the wait and the checksum pass. */
 kvh_status kvhi_context_add_region(kvh_engine *e, kvhi_context *x, const kvh_weight_region_params *p, uint32_t *out);
 kvh_status kvhi_context_attach(kvh_engine *e, kvhi_context *x, uint64_t seq);
 kvh_status kvhi_context_switch(kvh_engine *e, kvh_context from, kvh_context to, kvh_fence *fence);
@@ -169,7 +173,8 @@ enum kvhi_charge_mode {
                               by policy (the lock may drop) */
 };
 /* Charges `bytes` more to x's weights in `tier`, withholding slots as
- * needed. On failure nothing more is charged. Lock held. */
+ * needed. On failure nothing more is charged. Lock held; a mode that
+ * evicts may drop it. */
 kvh_status kvhi_charge_add(kvh_engine *e, kvhi_context *x, uint32_t tier, uint64_t bytes, enum kvhi_charge_mode mode);
 /* Takes `bytes` off and gives back the slots no longer needed. */
 void kvhi_charge_sub(kvh_engine *e, kvhi_context *x, uint32_t tier, uint64_t bytes);
@@ -223,5 +228,11 @@ kvh_status kvhi_admission_bind(kvh_engine *e, int pool, uint64_t blocks, uint64_
 void kvhi_admission_cancel(kvh_engine *e, int pool, uint64_t blocks);
 /* Releases reservations of sequences that were freed. */
 void kvhi_admission_reclaim(kvh_engine *e);
+
+/* Frees contexts and their weight memory (engine_free, nothing active). */
+void kvhi_contexts_free(kvh_engine *e);
+/* Makes host-tier room by dropping one clean weight region kept there
+ * (lock held); false when there is none. */
+bool kvhi_drop_clean_host_region(kvh_engine *e, bool allow_loading);
 
 #endif

@@ -17,6 +17,9 @@
 
 #include "core/context.h"
 #include "core/crc32c.h"
+#include "core/block.h"
+#include "core/migrate.h"
+#include "core/seq.h"
 
 enum { ROLE_DEPART = 1, ROLE_ARRIVE = 2, ROLE_HELP_ARRIVE = 4 };
 

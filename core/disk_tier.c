@@ -17,6 +17,10 @@
 #include "core/block_state.h"
 #include "core/engine.h"
 #include "core/move.h"
+#include "core/block.h"
+#include "core/tier.h"
+#include "core/seq.h"
+#include "core/disk_tier.h"
 
 static kvh_status lock_store(kvhi_disk *d)
 {

@@ -14,6 +14,15 @@
 #include "core/engine.h"
 #include "core/huge_alloc.h"
 #include "core/vmap_backend.h"
+#include "core/block.h"
+#include "core/tier.h"
+#include "core/migrate.h"
+#include "core/seq.h"
+#include "core/disk_tier.h"
+#include "core/codec_tier.h"
+#include "core/vmap.h"
+#include "core/ext_pool.h"
+#include "core/context.h"
 
 uint64_t kvhi_now_ns(void)
 {

@@ -4,6 +4,9 @@
 #include "core/block_state.h"
 #include "core/engine.h"
 #include "core/move.h"
+#include "core/block.h"
+#include "core/tier.h"
+#include "core/context.h"
 
 static int tier_below(kvh_engine *e, uint32_t t)
 {

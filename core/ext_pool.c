@@ -6,6 +6,7 @@
 #include "core/engine.h"
 #include "core/ext_pool.h"
 #include "core/move.h"
+#include "core/block.h"
 
 void kvhi_pools_destroy(kvh_engine *e)
 {

@@ -23,4 +23,6 @@ kvh_status kvhi_pool_restore(kvh_engine *e, kvhi_ext_pool *p, uint32_t b, uint32
 kvh_status kvhi_pool_offload(kvh_engine *e, kvhi_ext_pool *p, uint32_t slot, uint64_t parent, const int32_t *tokens,
                              uint32_t agent, uint32_t *out);
 
+void kvhi_pools_destroy(kvh_engine *e);
+
 #endif

@@ -27,6 +27,7 @@
 #include <stdlib.h>
 
 #include "core/engine.h"
+#include "core/block.h"
 
 typedef struct kvhi_hint_record {
     uint32_t block, gen, epoch;

@@ -11,6 +11,10 @@
 #include "core/engine.h"
 #include "kernels/attention_dtype.h"
 #include "kernels/cpu/kv_codec.h"
+#include "core/block.h"
+#include "core/seq.h"
+#include "core/codec_tier.h"
+#include "core/lctru.h"
 
 static uint64_t window(kvh_engine *e)
 {

@@ -14,6 +14,10 @@
 #include "core/block_state.h"
 #include "core/engine.h"
 #include "core/move.h"
+#include "core/block.h"
+#include "core/tier.h"
+#include "core/migrate.h"
+#include "core/disk_tier.h"
 
 /* ---- fences ---- */
 

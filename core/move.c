@@ -13,6 +13,10 @@
 #include "core/block_state.h"
 #include "core/engine.h"
 #include "core/move.h"
+#include "core/block.h"
+#include "core/tier.h"
+#include "core/disk_tier.h"
+#include "core/codec_tier.h"
 
 static enum kvhi_copy_kind copy_kind(kvh_engine *e, uint32_t dst_tier, uint32_t src_tier)
 {

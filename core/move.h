@@ -7,6 +7,23 @@
 
 #include "core/engine.h"
 
+/* Block data transfer between any two tiers, run without the lock; the
+ * descriptor is filled under the lock by kvhi_xfer_prepare. */
+typedef struct kvhi_xfer {
+    uint32_t block;
+    uint32_t src_tier, src_slot, dst_tier, dst_slot;
+    uint64_t hash, parent;
+    uint32_t n_tokens;
+    uint32_t data_crc; /* out for writes, expected for reads */
+    bool published;    /* writes: immutable, so its slot may outlive a damaged index */
+    int32_t tokens[256];
+    int err; /* 0, -errno, or 1 for failed verification */
+    const char *why;
+    /* Device <-> host on one arena: nothing to transfer; src_slot is then
+     * the slot the destination tier gave in exchange (moves_in_place). */
+    bool in_place;
+} kvhi_xfer;
+
 /* The bracket around a copy made without the lock: copies_in_progress
  * tells kvhi_reserve_slot that room may still appear, and the wake-up
  * after it lets waiters re-check the blocks the copy touched. */

@@ -6,6 +6,8 @@
 
 #include "core/ext_pool.h"
 #include "core/move.h"
+#include "core/block.h"
+#include "core/codec_tier.h"
 
 kvh_status kvhi_pool_copy(kvh_engine *e, kvhi_ext_pool *p, uint32_t slot, uint32_t b, bool to_block)
 {

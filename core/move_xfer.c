@@ -14,6 +14,9 @@
 #include "core/disk_io.h"
 #include "core/engine.h"
 #include "core/move.h"
+#include "core/block.h"
+#include "core/tier.h"
+#include "core/codec_tier.h"
 
 void kvhi_xfer_prepare(kvh_engine *e, uint32_t b, uint32_t dst_tier, uint32_t dst_slot, kvhi_xfer *x)
 {

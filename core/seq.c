@@ -9,6 +9,11 @@
 #include "core/engine.h"
 #include "core/move.h"
 #include "core/huge_alloc.h"
+#include "core/block.h"
+#include "core/migrate.h"
+#include "core/seq.h"
+#include "core/disk_tier.h"
+#include "core/codec_tier.h"
 
 kvh_status kvhi_seq_get(kvh_engine *e, kvh_seq h, kvhi_seq **out)
 {

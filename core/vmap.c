@@ -27,6 +27,8 @@
 
 #include "core/block_state.h"
 #include "core/vmap.h"
+#include "core/block.h"
+#include "core/seq.h"
 
 /* Bytes of one head's K (or V) in one block: a piece. */
 static uint64_t chunk_bytes(kvh_engine *e) { return (uint64_t)e->cfg.block_tokens * e->vector_bytes; }

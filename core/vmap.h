@@ -7,6 +7,7 @@
 #include <stdint.h>
 
 #include "core/engine.h"
+#include "core/seq.h"
 
 /* What a kvh_vmap * names: its value is a handle of e->vmaps
  * (core/handles.h), never this struct's address. */
@@ -36,8 +37,9 @@ typedef struct kvhi_vmap {
 /* The live view v names in e, or NULL (lock held). */
 kvhi_vmap *kvhi_vmap_resolve(kvh_engine *e, const kvh_vmap *v);
 /* The calls on views (lock held; s, of handle seq, claimed by the
- * caller). Refresh and release may drop the lock while the view is in
- * use by attention or its blocks are being copied. */
+ * caller). Create, refresh and release may drop the lock: while the
+ * view is in use by attention, its blocks are being copied, or blocks
+ * are brought to the device tier. */
 kvh_status kvhi_vmap_create(kvh_engine *e, kvhi_seq *s, kvh_seq seq, uint32_t layer, uint64_t capacity_tokens,
                             kvh_vmap **out);
 kvh_status kvhi_vmap_refresh(kvh_engine *e, kvh_vmap *vmap, bool *changed);
@@ -56,5 +58,9 @@ void kvhi_vmap_attention_done(void *arg);
 /* True when the view maps exactly the sequence's current blocks (lock
  * held). */
 bool kvhi_vmap_current(kvh_engine *e, const kvhi_vmap *v);
+
+/* Releases every view still open (lock not needed: no call is active);
+ * the arena goes with the device tier (vmap_backend.c). */
+void kvhi_vmap_engine_free(kvh_engine *e);
 
 #endif

@@ -19,6 +19,7 @@
 #include "core/context.h"
 #include "core/move.h"
 #include "core/crc32c.h"
+#include "core/tier.h"
 
 /* Slots of `tier` that hold `bytes` (a tier under a KV codec has smaller
  * slots than a raw one). */

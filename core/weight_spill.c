@@ -21,6 +21,7 @@
 #include "core/disk_format.h"
 #include "core/disk_index.h"
 #include "core/disk_io.h"
+#include "core/tier.h"
 
 /* The chunk checksums of a region computed over its bytes as they stream
  * through in pieces that need not line up with the chunks. */

@@ -36,6 +36,9 @@
 #include "core/engine.h"
 #include "white_box_util.h"
 #include "core/move.h"
+#include "core/block.h"
+#include "core/tier.h"
+#include "core/seq.h"
 
 enum { L = 3, H = 1, D = 4, BT = 4 }; /* 12 cells a block: one partial bitmap word */
 static const size_t TOK = H * D * 4;

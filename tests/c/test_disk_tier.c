@@ -38,6 +38,8 @@
 #include "core/engine.h"
 #include "white_box_util.h"
 #include "core/move.h"
+#include "core/block.h"
+#include "core/disk_tier.h"
 
 static const dt_geo G = {2, 1, 32, 16, KVH_DTYPE_F16}; /* block = 4096 bytes */
 

@@ -34,6 +34,8 @@
 #include "core/engine.h"
 #include "white_box_util.h"
 #include "core/move.h"
+#include "core/block.h"
+#include "core/tier.h"
 
 static const dt_geo G = {2, 1, 32, 16, KVH_DTYPE_F16};
 static kvh_engine *open_mem(uint64_t dev, uint64_t host, uint32_t lru_k)

@@ -6,6 +6,7 @@
 #include "core/context.h"
 #include "core/engine.h"
 #include "core/handles.h"
+#include "core/block.h"
 
 static int dummy[1024];
 

@@ -17,6 +17,8 @@
 
 #include "core/block_state.h"
 #include "core/engine.h"
+#include "core/block.h"
+#include "core/tier.h"
 
 enum { L = 2, H = 1, D = 4, BT = 4, N_SEQ = 12 };
 static const size_t TOK = H * D * 4;

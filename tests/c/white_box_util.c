@@ -7,6 +7,7 @@
 #include <cmocka.h>
 
 #include "core/engine.h"
+#include "core/block.h"
 #include "white_box_util.h"
 
 static kvh_engine *held;

@@ -1,0 +1,144 @@
+/* Block records (core/block.c): lasting flags, references, holds, pins,
+ * recency and publication; prefetch hints as eviction protection
+ * (core/hints.c). A block's move state is core/block_state.h. */
+#ifndef KVH_CORE_BLOCK_H
+#define KVH_CORE_BLOCK_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "core/engine.h"
+
+/* Block flags: lasting properties of a block, one bit each. What a copy
+ * of its data is doing right now is its move state, a field in the top
+ * bits of the same word (core/block_state.h), changed only through that
+ * header's transitions. Bit 0x400 is free. */
+#define KVHI_BF_LIVE 0x01u      /* meta entry in use */
+#define KVHI_BF_PUBLISHED 0x02u /* in the prefix index (immutable) */
+#define KVHI_BF_HINTED                                                                                                 \
+    0x04u                           /* a prefetch hint names it, unused since                                          \
+                                       (hint_priority; core/hints.c) */
+#define KVHI_BF_PREFETCHED 0x08u    /* promoted by a hint, not yet used */
+#define KVHI_BF_DEAD 0x10u          /* freed while busy; reap when it settles */
+#define KVHI_BF_HASHED 0x20u        /* tokens full: hash is valid */
+#define KVHI_BF_KV_COMPLETE 0x40u   /* every (layer, token) cell written */
+#define KVHI_BF_PREFETCHING 0x80u   /* a hint's promotion is queued */
+#define KVHI_BF_JOURNALED 0x100u    /* an index record names its disk slot */
+#define KVHI_BF_DISK_COPY 0x200u    /* disk_copy holds a clean copy */
+#define KVHI_BF_CORRUPT 0x800u      /* its disk data failed verification */
+#define KVHI_BF_DISK_HASHED 0x1000u /* its disk header carries its hash */
+#define KVHI_BF_MOVE_SHIFT 13       /* bits 13-15: enum kvhi_move_state */
+#define KVHI_BF_MOVE_MASK (7u << KVHI_BF_MOVE_SHIFT)
+
+/* Two cache lines, the first holding all that an access (touch, data
+ * address) and a victim choice (key, evictability, heap positions) read:
+ * at 10^7 blocks the records span over a GB, and each line of one is a
+ * DRAM miss. Keep hot fields in the first line. */
+typedef struct __attribute__((aligned(64))) kvhi_block {
+    /* ---- hot: accesses and eviction ---- */
+    uint64_t hist[KVHI_MAX_K]; /* access clock values, most recent first */
+    uint32_t refs;
+    uint32_t holds;
+    uint32_t pins;
+    uint32_t slot;
+    uint32_t hits;           /* accesses since it last entered its tier */
+    uint32_t heap_pos;       /* position in its tier's eviction heap */
+    uint32_t quota_heap_pos; /* position in its agent's device heap */
+    uint16_t flags;
+    uint8_t tier;
+    uint8_t tolerance; /* compression tolerance, for LCTRU (lctru.c) */
+    /* ---- cold ---- */
+    uint32_t gen;
+    uint32_t ext_refs; /* the part of refs held through block handles */
+    uint32_t agent;
+    uint16_t n_tokens;
+    uint8_t deferred_tier;
+    uint8_t hint_epoch; /* its newest hint's epoch and freshness (hints.c) */
+    uint64_t hash;      /* chained hash, valid with KVHI_BF_HASHED */
+    uint64_t parent_hash;
+    uint32_t disk_copy; /* disk slot of a clean copy (KVHI_BF_DISK_COPY) */
+    /* A slot the block left while a disk copy was still being read from
+     * it: freed when the copy ends (KVHI_NO_BLOCK: none). */
+    uint32_t deferred_slot;
+    uint32_t data_crc; /* CRC32C of the data on disk */
+    uint32_t gen_hi;   /* generation above gen's 32 bits (kvhi_block_gen) */
+    /* Bitmap [layer][token] of written KV cells. NULL means none written,
+     * unless KVHI_BF_KV_COMPLETE says all are. */
+    uint64_t *written;
+    /* With KVHI_BF_HINTED (core/hints.c): the two highest distinct hint
+     * priorities, the second KVHI_HINT_NONE when there is none. */
+    int32_t hint_priority;
+    int32_t hint_next;
+} kvhi_block;
+#define KVHI_HINT_NONE INT32_MIN
+_Static_assert(offsetof(kvhi_block, gen) == 64, "kvhi_block: the hot fields fill exactly its first cache line");
+_Static_assert(sizeof(kvhi_block) == 128, "kvhi_block: two cache lines");
+
+/* The record's whole generation, which block handles carry as much of as
+ * their index leaves room for. gen alone (never 0) is what internal
+ * staleness checks compare. */
+static inline uint64_t kvhi_block_gen(const kvhi_block *blk) { return (uint64_t)blk->gen_hi << 32 | blk->gen; }
+
+static inline kvhi_block *kvhi_blk(kvh_engine *e, uint32_t i) { return &e->blocks[i]; }
+static inline int32_t *kvhi_block_tokens(kvh_engine *e, uint32_t i)
+{
+    return e->tokens + (uint64_t)i * e->cfg.block_tokens;
+}
+uint8_t *kvhi_block_data(kvh_engine *e, uint32_t i);
+/* New empty block with refs=1, in the fastest tier at or below min_tier
+ * that can make room (may evict; may drop the lock). */
+kvh_status kvhi_block_new(kvh_engine *e, uint32_t agent, uint32_t min_tier, uint32_t *out);
+void kvhi_block_place(kvh_engine *e, uint32_t b, uint32_t tier, uint32_t slot);
+/* Frees now, or marks DEAD for the mover to reap when in flight. */
+void kvhi_block_free_now(kvh_engine *e, uint32_t b);
+/* Destroys an idle block but hands its slot to the caller. */
+uint32_t kvhi_block_drop(kvh_engine *e, uint32_t b);
+kvh_status kvhi_block_mark_written(kvh_engine *e, uint32_t b, uint32_t layer, uint32_t t0, uint32_t t1);
+bool kvhi_block_cell_written(kvh_engine *e, uint32_t b, uint32_t layer, uint32_t t);
+kvh_status kvhi_block_forget_tokens(kvh_engine *e, uint32_t b, uint32_t keep);
+/* Ends the block's copy (KVHI_EV_COPY_END) and frees a slot it left
+ * meanwhile. */
+void kvhi_block_writing_done(kvh_engine *e, uint32_t b);
+/* True when b's data in the device tier is usable now: resident and not
+ * moving, or moving to disk but recalled (kvhi_block_recall). */
+bool kvhi_block_in_device(const kvh_engine *e, uint32_t b);
+/* Asks a block whose demotion to disk is in flight to stay where it is:
+ * the move then commits as a clean disk copy (or nothing). False when b
+ * is not in such a move. */
+bool kvhi_block_recall(kvh_engine *e, uint32_t b);
+/* Drops one reference; frees or leaves cached. */
+void kvhi_block_unref(kvh_engine *e, uint32_t b);
+/* Copy-on-write: returns a private copy of b (refs=1) replacing one ref.
+ * Drops the lock (room for the copy, bringing b into memory). */
+kvh_status kvhi_block_cow(kvh_engine *e, uint32_t b, uint32_t agent, uint32_t *out);
+void kvhi_block_touch(kvh_engine *e, uint32_t b);
+/* Blocks until b is not in flight (drops and retakes the lock). */
+void kvhi_block_wait_idle(kvh_engine *e, uint32_t b);
+void kvhi_block_try_publish(kvh_engine *e, uint32_t b);
+bool kvhi_block_kv_complete(kvh_engine *e, uint32_t b);
+uint64_t kvhi_block_handle(kvh_engine *e, uint32_t b);
+kvh_status kvhi_block_resolve(kvh_engine *e, kvh_block h, uint32_t *out);
+void kvhi_block_hold(kvh_engine *e, uint32_t b);
+void kvhi_block_unhold(kvh_engine *e, uint32_t b);
+void kvhi_block_pin(kvh_engine *e, uint32_t b, bool pin);
+/* Recompute whether b belongs in an eviction heap. */
+void kvhi_block_update_evictable(kvh_engine *e, uint32_t b);
+/* b's victim-order key now (a kvhi_lruk_current_fn; engine as ctx). */
+kvhi_lruk_key kvhi_block_current_key(void *engine, uint32_t b);
+
+/* Prefetch hints as eviction protection (core/hints.c). */
+/* b is predicted to be needed, at priority (higher: sooner). */
+void kvhi_hint_set(kvh_engine *e, uint32_t b, int32_t priority);
+/* b was used: its soonest hint is redeemed, the next one (if any) takes
+ * its place. */
+void kvhi_hint_redeem(kvh_engine *e, uint32_t b);
+/* The victim-order key of a hinted block (above every unhinted one of its
+ * class). */
+kvhi_lruk_key kvhi_hint_key(const kvhi_block *blk, kvhi_lruk_key lruk);
+void kvhi_hints_free(kvh_engine *e);
+/* Starts a new hint epoch once its accesses have passed, retiring lapsed
+ * hints (the access path calls it while any hint is recorded). */
+void kvhi_hints_advance(kvh_engine *e);
+
+#endif

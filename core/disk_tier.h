@@ -1,0 +1,37 @@
+/* The disk tier inside the engine (core/disk_tier.c): open and recovery,
+ * the journal and clean-copy hooks of a move, verification in place,
+ * background cleaning, persist. */
+#ifndef KVH_CORE_DISK_TIER_H
+#define KVH_CORE_DISK_TIER_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "core/engine.h"
+#include "core/move.h"
+#include "core/seq.h"
+
+kvh_status kvhi_disk_tier_open(kvh_engine *e, const kvh_config *cfg, const char *path);
+kvh_status kvhi_disk_tier_recover(kvh_engine *e);
+/* Writes a snapshot of the index (flush) and closes the store. */
+kvh_status kvhi_disk_tier_close(kvh_engine *e, bool flush);
+/* Bookkeeping after a block reached or left the disk tier (lock held). */
+void kvhi_disk_after_move(kvh_engine *e, uint32_t b, const kvhi_xfer *x, bool *keep_src_slot);
+/* Forgets b's disk record (DEL record) and clean copy, if any. */
+void kvhi_disk_forget(kvh_engine *e, uint32_t b);
+/* A recalled demotion finished writing: b stays in memory and the slot it
+ * was written to becomes its clean copy when it may be one (immutable,
+ * written with its hash), else the slot is freed. */
+void kvhi_disk_keep_as_copy(kvh_engine *e, uint32_t b, const kvhi_xfer *x);
+/* Makes every full block of s durable (written, journaled, synced).
+ * Drops the lock for the writes and the sync. */
+kvh_status kvhi_disk_persist(kvh_engine *e, kvhi_seq *s);
+/* One round of background cleaning (lock held, may drop); true if work
+ * was done. */
+bool kvhi_disk_clean_step(kvh_engine *e);
+/* Reads and checks blocks on disk without moving them (lock may drop);
+ * failures are marked corrupt. */
+void kvhi_disk_verify(kvh_engine *e, const uint32_t *blocks, size_t n);
+
+#endif

@@ -1,0 +1,29 @@
+/* Tiers and eviction (core/evict.c): slot reservation by policy, agents
+ * and their device quotas (core/engine.c, core/block.c). The moves
+ * themselves are core/move.h. */
+#ifndef KVH_CORE_TIER_H
+#define KVH_CORE_TIER_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "core/engine.h"
+
+typedef struct kvhi_agent {
+    uint32_t id;
+    uint64_t quota_blocks; /* 0 = unlimited */
+    uint64_t device_blocks;
+    kvhi_lruk_heap heap; /* its evictable device blocks (quota agents) */
+} kvhi_agent;
+
+kvhi_agent *kvhi_agent_get(kvh_engine *e, uint32_t id, bool create);
+/* The agent, if it has a device quota and is at it (its blocks then make
+ * room for its own in the device tier); else NULL. */
+kvhi_agent *kvhi_agent_at_quota(kvh_engine *e, uint32_t id);
+
+/* Gets a free slot in tier t, evicting by policy. The lock may be dropped
+ * and retaken. `for_agent` applies that agent's device quota. */
+kvh_status kvhi_reserve_slot(kvh_engine *e, uint32_t tier, uint32_t for_agent, uint32_t *slot);
+uint8_t *kvhi_slot_addr(kvh_engine *e, uint32_t tier, uint32_t slot);
+
+#endif
