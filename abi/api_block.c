@@ -66,9 +66,7 @@ kvh_status kvh_block_retain(kvh_engine *e, kvh_block block)
         if (e->blocks[b].refs == UINT32_MAX)
             st = kvhi_fail(KVH_ERR_RANGE, "reference count overflow");
         else {
-            e->blocks[b].ext_refs++;
-            if (e->blocks[b].refs++ == 0)
-                kvhi_block_update_evictable(e, b);
+            kvhi_block_ref_handle(e, b);
         }
     }
     kvhi_leave(e);
@@ -212,9 +210,7 @@ kvh_status kvh_prefix_lookup(kvh_engine *e, const int32_t *tokens, size_t n, kvh
         if (b == KVHI_PREFIX_MISS || e->blocks[b].parent_hash != parent ||
             memcmp(kvhi_block_tokens(e, b), tokens + i * bt, bt * sizeof(int32_t)) != 0)
             break;
-        e->blocks[b].ext_refs++;
-        if (e->blocks[b].refs++ == 0)
-            kvhi_block_update_evictable(e, b);
+        kvhi_block_ref_handle(e, b);
         kvhi_block_touch(e, b);
         out[i].id = kvhi_block_handle(e, b);
         kvhi_count_prefix_hit(e, e->blocks[b].tier);

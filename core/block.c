@@ -116,6 +116,18 @@ void kvhi_block_update_evictable(kvh_engine *e, uint32_t b)
     }
 }
 
+void kvhi_block_ref(kvh_engine *e, uint32_t b)
+{
+    if (e->blocks[b].refs++ == 0)
+        kvhi_block_update_evictable(e, b);
+}
+
+void kvhi_block_ref_handle(kvh_engine *e, uint32_t b)
+{
+    e->blocks[b].ext_refs++;
+    kvhi_block_ref(e, b);
+}
+
 void kvhi_block_touch(kvh_engine *e, uint32_t b)
 {
     kvhi_block *blk = kvhi_blk(e, b);

@@ -107,6 +107,12 @@ bool kvhi_block_in_device(const kvh_engine *e, uint32_t b);
  * the move then commits as a clean disk copy (or nothing). False when b
  * is not in such a move. */
 bool kvhi_block_recall(kvh_engine *e, uint32_t b);
+/* Takes one reference (the caller has checked refs < UINT32_MAX); a
+ * cached block (none before) is re-filed as referenced. */
+void kvhi_block_ref(kvh_engine *e, uint32_t b);
+/* The same through a block handle (kvh_block_retain, lookups, offloads):
+ * counted in ext_refs too. */
+void kvhi_block_ref_handle(kvh_engine *e, uint32_t b);
 /* Drops one reference; frees or leaves cached. */
 void kvhi_block_unref(kvh_engine *e, uint32_t b);
 /* Copy-on-write: returns a private copy of b (refs=1) replacing one ref.

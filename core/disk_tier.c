@@ -469,7 +469,7 @@ kvh_status kvhi_disk_persist(kvh_engine *e, kvhi_seq *s)
             if (twin != KVHI_PREFIX_MISS)
                 b = twin;
         }
-        e->blocks[b].refs++;
+        e->blocks[b].refs++; /* dropped at the end; the victim order keeps its key */
         todo[n_todo++] = b;
     }
     uint32_t batch[64];

@@ -61,7 +61,7 @@ kvh_status kvhi_pool_restore(kvh_engine *e, kvhi_ext_pool *p, uint32_t b, uint32
 {
     if (!kvhi_block_kv_complete(e, b))
         return kvhi_fail(KVH_ERR_INVALID_ARG, "block KV is not fully written");
-    e->blocks[b].refs++; /* keep it while a disk read drops the lock */
+    kvhi_block_ref(e, b); /* keep it while a disk read drops the lock */
     kvhi_block_hold(e, b);
     kvh_status st = kvhi_block_ensure_memory(e, b);
     if (st == KVH_OK)
@@ -81,8 +81,7 @@ kvh_status kvhi_pool_offload(kvh_engine *e, kvhi_ext_pool *p, uint32_t slot, uin
     uint32_t b = kvhi_prefix_find(&e->prefix, h);
     if (b != KVHI_PREFIX_MISS && e->blocks[b].parent_hash == parent &&
         memcmp(kvhi_block_tokens(e, b), tokens, bt * sizeof(int32_t)) == 0) {
-        if (e->blocks[b].refs++ == 0)
-            kvhi_block_update_evictable(e, b);
+        kvhi_block_ref(e, b);
         kvhi_block_touch(e, b);
         *out = b;
         return KVH_OK;

@@ -125,7 +125,7 @@ kvh_status kvhi_seq_fork(kvh_engine *e, kvhi_seq *s, uint32_t agent, kvh_seq *ou
         c->blocks[i] = s->blocks[i];
         c->held[i] = 0;
         c->pins[i] = 0; /* pins stay the parent's */
-        e->blocks[s->blocks[i]].refs++;
+        kvhi_block_ref(e, s->blocks[i]);
     }
     c->n_blocks = s->n_blocks;
     c->n_tokens = s->n_tokens;
@@ -150,7 +150,7 @@ static kvh_status make_private(kvh_engine *e, kvhi_seq *s, uint32_t i)
             continue;
         }
         /* Keep b alive and unmovable while the copy is made. */
-        blk->refs++;
+        kvhi_block_ref(e, b);
         kvhi_block_hold(e, b);
         uint32_t nb;
         kvh_status st = kvhi_block_ensure_memory(e, b);
@@ -450,7 +450,7 @@ kvh_status kvhi_seq_match_prefix(kvh_engine *e, kvhi_seq *s, const int32_t *toke
         /* Guard against hash collisions: the parent and the tokens must agree. */
         if (blk->parent_hash != parent || memcmp(kvhi_block_tokens(e, b), tk, bt * sizeof(int32_t)) != 0)
             break;
-        blk->refs++;
+        blk->refs++;            /* not kvhi_block_ref: the touch re-keys it */
         kvhi_block_touch(e, b); /* also re-keys it: referenced now */
         s->blocks[i] = b;
         s->held[i] = 0;
