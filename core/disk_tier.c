@@ -301,15 +301,18 @@ void kvhi_disk_forget(kvh_engine *e, uint32_t b)
     }
 }
 
-void kvhi_disk_verify(kvh_engine *e, const uint32_t *blocks, size_t n)
+size_t kvhi_disk_verify(kvh_engine *e, const uint32_t *blocks, size_t n)
 {
+    size_t good = n; /* blocks before the first that failed */
     kvhi_xfer *xs = malloc(sizeof(kvhi_xfer) * 64);
     if (!xs)
-        return;
+        return 0; /* nothing checked: a miss, not damage */
     for (size_t i = 0; i < n;) {
         uint32_t k = 0;
         for (; i < n && k < 64; i++) {
             kvhi_block *blk = &e->blocks[blocks[i]];
+            if ((blk->flags & KVHI_BF_CORRUPT) && good > i)
+                good = i;
             if (blk->tier != KVH_TIER_DISK || kvhi_block_busy(blk) || (blk->flags & KVHI_BF_CORRUPT))
                 continue;
             kvhi_block_move_event(blk, KVHI_EV_COPY_BEGIN); /* stable: nothing moves or frees it */
@@ -327,10 +330,19 @@ void kvhi_disk_verify(kvh_engine *e, const uint32_t *blocks, size_t n)
             uint32_t b = xs[j].block;
             kvhi_block *blk = &e->blocks[b];
             kvhi_block_writing_done(e, b);
+            if (xs[j].err != 0) {
+                for (size_t at = 0; at < good; at++)
+                    if (blocks[at] == b)
+                        good = at;
+            }
+            /* Damage is recorded; a read that failed (an I/O error, no
+             * memory) is a miss this time only: the data may be intact,
+             * and a block persisted durable must not vanish for good. */
             if (xs[j].err == 1)
                 kvhi_mark_corrupt(e, b, xs[j].why);
             else if (xs[j].err != 0)
-                blk->flags |= KVHI_BF_CORRUPT; /* unreadable: a miss as well */
+                kvhi_log_later(e, KVH_LOG_WARN, "disk tier: reading the block in slot %u failed (%s): a miss this time",
+                               xs[j].src_slot, strerror(xs[j].err < 0 ? -xs[j].err : EIO));
             if (blk->flags & KVHI_BF_DEAD)
                 kvhi_block_free_now(e, b);
             else
@@ -339,6 +351,7 @@ void kvhi_disk_verify(kvh_engine *e, const uint32_t *blocks, size_t n)
         pthread_cond_broadcast(&e->changed);
     }
     free(xs);
+    return good;
 }
 
 /* ---- clean copies ---- */

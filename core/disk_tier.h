@@ -30,8 +30,10 @@ kvh_status kvhi_disk_persist(kvh_engine *e, kvhi_seq *s);
 /* One round of background cleaning (lock held, may drop); true if work
  * was done. */
 bool kvhi_disk_clean_step(kvh_engine *e);
-/* Reads and checks blocks on disk without moving them (lock may drop);
- * failures are marked corrupt. */
-void kvhi_disk_verify(kvh_engine *e, const uint32_t *blocks, size_t n);
+/* Reads and checks blocks on disk without moving them (drops the lock).
+ * A block that fails its checks is marked corrupt (counted, never served
+ * again); one whose read fails (I/O error, no memory) is left as it is.
+ * Returns how many leading blocks did neither. */
+size_t kvhi_disk_verify(kvh_engine *e, const uint32_t *blocks, size_t n);
 
 #endif

@@ -487,8 +487,8 @@ kvh_status kvhi_seq_match_prefix(kvh_engine *e, kvhi_seq *s, const int32_t *toke
             kvhi_fence_drop(e, fidx);
         }
         /* What did not fit in memory is checked where it lies. */
-        kvhi_disk_verify(e, s->blocks, found);
-        for (i = 0; i < found; i++)
+        size_t readable = kvhi_disk_verify(e, s->blocks, found);
+        for (i = 0; i < readable; i++)
             if (e->blocks[s->blocks[i]].flags & KVHI_BF_CORRUPT)
                 break;
         kvhi_clear_error();
