@@ -49,6 +49,15 @@ kvh_status kvhi_attn_check_args(kvh_engine *e, uint32_t layer, const kvh_seq *se
     KVHI_REQUIRE(isfinite(pr->scale), "scale is not finite");
     if (pr->scale == 0.0f)
         pr->scale = 1.0f / sqrtf((float)c->head_dim);
+    if (pr->stream_chunk_blocks || pr->stream_window_blocks) {
+        KVHI_REQUIRE(pr->stream_chunk_blocks, "stream_window_blocks is set but stream_chunk_blocks is 0");
+        KVHI_REQUIRE(pr->stream_window_blocks >= pr->stream_chunk_blocks,
+                     "the streaming window (%u blocks) is smaller than one chunk (%u blocks)", pr->stream_window_blocks,
+                     pr->stream_chunk_blocks);
+        if (!e->cpu_kernels)
+            return kvhi_fail(KVH_ERR_UNSUPPORTED, "streamed attention runs on the CPU backend (this engine uses %s)",
+                             e->backend->name);
+    }
     KVHI_REQUIRE(seqs || n_seqs == 0, "seqs is NULL");
     KVHI_REQUIRE(!prefill || q_lens || n_seqs == 0, "q_lens is NULL");
     KVHI_REQUIRE(n_seqs <= UINT32_MAX, "too many sequences");

@@ -331,10 +331,20 @@ static const char usage_text[] = "CPU paged decode attention (kvh_attention_deco
                                  "contiguous K/V (target paged/contiguous >= 0.9 at block 16) and the memory\n"
                                  "read bandwidth of all threads, measured in this run (target >= 0.6 of it at\n"
                                  "32K context). Memory: about 2 x total-tokens x 2 x kv-heads x dim x 2 bytes\n"
-                                 "plus --bw-mb.\n";
+                                 "plus --bw-mb. With --stream (first): decode over one sequence larger than\n"
+                                 "the device tier, streamed from host and disk (kvh-bench attention --stream\n"
+                                 "--help).\n";
 
 int bench_attention(int argc, char **argv, const bench_ctx *ctx)
 {
+    /* --stream: decode over sequences larger than the device tier
+     * (bench_attention_stream.c). */
+    for (int i = 0; i < argc; i++)
+        if (!strcmp(argv[i], "--stream")) {
+            for (int j = i; j + 1 < argc; j++)
+                argv[j] = argv[j + 1];
+            return bench_attention_stream(argc - 1, argv, ctx);
+        }
     attn_opts o = {
         .contexts = {.n = 6, .v = {1 << 10, 4 << 10, 16 << 10, 32 << 10, 64 << 10, 128 << 10}},
         .blocks = {.n = 2, .v = {16, 32}},

@@ -13,69 +13,6 @@
 
 #include "bench_scenarios.h"
 
-/* Raw baseline: n transfers of `bs` bytes at queue depth qd, sequential or
- * in a shuffled order. Returns seconds, or -1. */
-static double raw_io(const char *path, uint64_t bs, uint32_t n, int write, int random, uint32_t qd, uint64_t seed)
-{
-    int fd = open(path, O_RDWR | O_CREAT | O_DIRECT, 0644);
-    if (fd < 0)
-        return -1;
-    if (posix_fallocate(fd, 0, (off_t)(bs * n)) != 0) {
-        close(fd);
-        return -1;
-    }
-    struct io_uring ring;
-    if (io_uring_queue_init(qd, &ring, 0) != 0) {
-        close(fd);
-        return -1;
-    }
-    uint8_t *buf;
-    if (posix_memalign((void **)&buf, 4096, bs * qd) != 0) {
-        io_uring_queue_exit(&ring);
-        close(fd);
-        return -1;
-    }
-    memset(buf, 0x5a, bs * qd);
-    uint32_t *order = malloc(sizeof(uint32_t) * n);
-    for (uint32_t i = 0; i < n; i++)
-        order[i] = i;
-    if (random) {
-        bench_rng r;
-        bench_rng_seed(&r, seed);
-        bench_shuffle_u32(&r, order, n);
-    }
-    double t0 = bench_sec();
-    uint32_t next = 0, done = 0, inflight = 0;
-    int err = 0;
-    while (done < n && !err) {
-        while (inflight < qd && next < n) {
-            struct io_uring_sqe *sqe = io_uring_get_sqe(&ring);
-            uint8_t *b = buf + (uint64_t)(next % qd) * bs;
-            if (write)
-                io_uring_prep_write(sqe, fd, b, (unsigned)bs, (uint64_t)order[next] * bs);
-            else
-                io_uring_prep_read(sqe, fd, b, (unsigned)bs, (uint64_t)order[next] * bs);
-            next++;
-            inflight++;
-        }
-        io_uring_submit(&ring);
-        struct io_uring_cqe *cqe;
-        if (io_uring_wait_cqe(&ring, &cqe) != 0 || cqe->res != (int)bs)
-            err = 1;
-        io_uring_cqe_seen(&ring, cqe);
-        inflight--;
-        done++;
-    }
-    if (write)
-        fdatasync(fd);
-    double t = bench_sec() - t0;
-    free(order);
-    free(buf);
-    io_uring_queue_exit(&ring);
-    close(fd);
-    return err ? -1 : t;
-}
-
 /* Geometry giving exactly `bytes` per f16 block of 16 tokens x 64 dims. */
 static void geometry(uint64_t bytes, kvh_config *c)
 {
@@ -355,7 +292,7 @@ int bench_disk(int argc, char **argv, const bench_ctx *ctx)
         double sp[8], re[8], ra[8], la[8], wsp[8], wre[8], wra[8], wla[8];
         for (int k = 0; k < reps && k < 8; k++) {
             disk_result d = {0};
-            double w = raw_io(raw, bs, n, 1, 0, (uint32_t)qd, ctx->seed);
+            double w = bench_raw_io(raw, bs, n, 1, 0, (uint32_t)qd, ctx->seed);
             if (w < 0 || run_kvh(store, raw, bs, n, (uint32_t)qd, ctx->seed + k, &d) != 0) {
                 if (w < 0)
                     fprintf(stderr, "kvh-bench disk: raw O_DIRECT io_uring writes failed in %s (%s)\n", dir,
@@ -367,8 +304,8 @@ int bench_disk(int argc, char **argv, const bench_ctx *ctx)
             re[k] = bytes / d.restore / 1e9;
             ra[k] = bytes / d.random / 1e9;
             la[k] = d.latency;
-            double r = raw_io(raw, bs, n, 0, 0, (uint32_t)qd, ctx->seed);
-            double rr = raw_io(raw, bs, n, 0, 1, (uint32_t)qd, ctx->seed + k);
+            double r = bench_raw_io(raw, bs, n, 0, 0, (uint32_t)qd, ctx->seed);
+            double rr = bench_raw_io(raw, bs, n, 0, 1, (uint32_t)qd, ctx->seed + k);
             if (w < 0 || r < 0 || rr < 0) {
                 fprintf(stderr, "kvh-bench disk: raw O_DIRECT io_uring I/O failed in %s (%s)\n", dir, strerror(errno));
                 return 1;

@@ -14,6 +14,7 @@ int bench_alloc(int argc, char **argv, const bench_ctx *ctx);
 int bench_migrate(int argc, char **argv, const bench_ctx *ctx);
 int bench_disk(int argc, char **argv, const bench_ctx *ctx);
 int bench_attention(int argc, char **argv, const bench_ctx *ctx);
+int bench_attention_stream(int argc, char **argv, const bench_ctx *ctx); /* attention --stream */
 int bench_trace(int argc, char **argv, const bench_ctx *ctx);
 int bench_scale(int argc, char **argv, const bench_ctx *ctx);
 int bench_switch(int argc, char **argv, const bench_ctx *ctx);

@@ -1,12 +1,15 @@
 #include "bench_util.h"
 
 #include <errno.h>
+#include <fcntl.h>
+#include <liburing.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 /* ------------------------------------------------------------------ */
 /* time and statistics                                                 */
@@ -473,3 +476,66 @@ const char *bench_fmt_bytes(uint64_t n, char *buf, size_t len)
 
 static volatile uint64_t sink_value;
 void bench_sink(uint64_t v) { sink_value += v; }
+
+/* Raw baseline: n transfers of `bs` bytes at queue depth qd, sequential or
+ * in a shuffled order. Returns seconds, or -1. */
+double bench_raw_io(const char *path, uint64_t bs, uint32_t n, int write, int random, uint32_t qd, uint64_t seed)
+{
+    int fd = open(path, O_RDWR | O_CREAT | O_DIRECT, 0644);
+    if (fd < 0)
+        return -1;
+    if (posix_fallocate(fd, 0, (off_t)(bs * n)) != 0) {
+        close(fd);
+        return -1;
+    }
+    struct io_uring ring;
+    if (io_uring_queue_init(qd, &ring, 0) != 0) {
+        close(fd);
+        return -1;
+    }
+    uint8_t *buf;
+    if (posix_memalign((void **)&buf, 4096, bs * qd) != 0) {
+        io_uring_queue_exit(&ring);
+        close(fd);
+        return -1;
+    }
+    memset(buf, 0x5a, bs * qd);
+    uint32_t *order = malloc(sizeof(uint32_t) * n);
+    for (uint32_t i = 0; i < n; i++)
+        order[i] = i;
+    if (random) {
+        bench_rng r;
+        bench_rng_seed(&r, seed);
+        bench_shuffle_u32(&r, order, n);
+    }
+    double t0 = bench_sec();
+    uint32_t next = 0, done = 0, inflight = 0;
+    int err = 0;
+    while (done < n && !err) {
+        while (inflight < qd && next < n) {
+            struct io_uring_sqe *sqe = io_uring_get_sqe(&ring);
+            uint8_t *b = buf + (uint64_t)(next % qd) * bs;
+            if (write)
+                io_uring_prep_write(sqe, fd, b, (unsigned)bs, (uint64_t)order[next] * bs);
+            else
+                io_uring_prep_read(sqe, fd, b, (unsigned)bs, (uint64_t)order[next] * bs);
+            next++;
+            inflight++;
+        }
+        io_uring_submit(&ring);
+        struct io_uring_cqe *cqe;
+        if (io_uring_wait_cqe(&ring, &cqe) != 0 || cqe->res != (int)bs)
+            err = 1;
+        io_uring_cqe_seen(&ring, cqe);
+        inflight--;
+        done++;
+    }
+    if (write)
+        fdatasync(fd);
+    double t = bench_sec() - t0;
+    free(order);
+    free(buf);
+    io_uring_queue_exit(&ring);
+    close(fd);
+    return err ? -1 : t;
+}

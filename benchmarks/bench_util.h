@@ -41,6 +41,11 @@ uint64_t bench_rng_below(bench_rng *r, uint64_t n); /* [0, n) */
 void bench_shuffle_u32(bench_rng *r, uint32_t *v, size_t n);
 void bench_shuffle_u64(bench_rng *r, uint64_t *v, size_t n);
 
+/* Raw O_DIRECT baseline through io_uring: n transfers of bs bytes at queue
+ * depth qd on path (created and allocated), sequential or shuffled.
+ * Seconds, or -1. */
+double bench_raw_io(const char *path, uint64_t bs, uint32_t n, int write, int random, uint32_t qd, uint64_t seed);
+
 /* ---- results ---- */
 typedef struct bench_row bench_row;
 

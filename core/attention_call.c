@@ -23,6 +23,7 @@
 
 #include "core/attention_call.h"
 #include "core/block_state.h"
+#include "core/tier.h"
 #include "kernels/cpu/attn_cpu.h"
 #include "core/block.h"
 #include "core/seq.h"
@@ -35,6 +36,9 @@ void kvhi_attn_call_free(kvhi_attn_call *c)
     kvhi_attn_plan_free(&c->plan);
     free(c->held);
     free(c->held_gen);
+    free(c->stage);
+    free(c->xs);
+    free(c->window);
     free(c);
 }
 
@@ -94,9 +98,20 @@ kvh_status kvhi_attention_set_impl(kvh_engine *e, int impl)
     return st;
 }
 
+void kvhi_attn_call_release_window(kvh_engine *e, kvhi_attn_call *c)
+{
+    for (uint32_t i = 0; i < c->n_window; i++)
+        kvhi_release_slot(e, KVH_TIER_DEVICE, c->window[i]);
+    c->n_window = 0;
+    if (c->window)
+        pthread_cond_broadcast(&e->changed); /* room appeared */
+}
+
 kvh_status kvhi_attn_call_run(kvh_engine *e, kvhi_attn_call *c, const void *q, void *out, void *stream)
 {
     kvhi_assert_locked(e);
+    if (c->stream_chunk_blocks)
+        return kvhi_attn_stream_run(e, c, q, out);
     /* Run with the lock released; the call stays registered (active_calls)
      * until attn_done. */
     pthread_mutex_unlock(&e->lock);
@@ -111,9 +126,18 @@ kvh_status kvhi_attn_call_run(kvh_engine *e, kvhi_attn_call *c, const void *q, v
     return kvhi_fail(rc < 0 ? rc : KVH_ERR_INTERNAL, "attention kernels: %s", msg);
 }
 
-kvh_status kvhi_attn_call_prepare(kvh_engine *e, uint32_t layer, const kvh_seq *seqs, const uint32_t *q_lens,
-                                  size_t n_seqs, bool prefill, const kvh_attention_params *params, uint64_t total_rows,
-                                  kvhi_attn_call *c)
+/* A block outside the device tier that the kernels can read where it
+ * lies: the host tier in the device tier's own arena, raw and in the
+ * plain layout. */
+static bool attend_in_place(const kvh_engine *e, const kvhi_block *blk)
+{
+    const kvhi_tier *h = &e->tiers[KVH_TIER_HOST];
+    return blk->tier == KVH_TIER_HOST && h->shares_arena && !h->encoded && !(e->vmap_arena && e->slab.slab_shift);
+}
+
+static kvh_status prepare_once(kvh_engine *e, uint32_t layer, const kvh_seq *seqs, const uint32_t *q_lens,
+                               size_t n_seqs, bool prefill, const kvh_attention_params *params, uint64_t total_rows,
+                               kvhi_attn_call *c, bool *need_window)
 {
     kvh_attention_params pr = *params;
     kvh_status st = KVH_OK;
@@ -178,6 +202,13 @@ kvh_status kvhi_attn_call_prepare(kvh_engine *e, uint32_t layer, const kvh_seq *
     p->threads = pr.threads;
     kvhi_attn_plan_opts opts = {0};
     e->backend->attention_plan_opts(e->backend_ctx, pr.threads, &opts);
+    if (c->stream_chunk_blocks)
+        opts.max_chunk_tokens = c->stream_chunk_blocks * e->cfg.block_tokens;
+    if (c->stream_chunk_blocks && (!(c->stage = malloc(sizeof(uint32_t) * (n_blocks ? n_blocks : 1))) ||
+                                   !(c->xs = malloc(sizeof(kvhi_xfer) * (n_blocks ? n_blocks : 1))))) {
+        st = kvhi_fail(KVH_ERR_NOMEM, "out of memory for a streamed attention call");
+        goto fail;
+    }
     c->held = malloc(sizeof(uint32_t) * (n_blocks ? n_blocks : 1));
     c->held_gen = malloc(sizeof(uint32_t) * (n_blocks ? n_blocks : 1));
     if (!c->held || !c->held_gen || kvhi_attn_plan_build(p, &opts, kv_len, q_len, (uint32_t)n_seqs) != 0) {
@@ -213,6 +244,24 @@ kvh_status kvhi_attn_call_prepare(kvh_engine *e, uint32_t layer, const kvh_seq *
             st = kvhi_fail(KVH_ERR_BAD_HANDLE, "a block of the batch was freed during the call");
             goto fail;
         }
+        if (blk->tier != KVH_TIER_DEVICE && c->stream_chunk_blocks) {
+            if (attend_in_place(e, blk)) {
+                p->slots[k] = (int32_t)blk->slot;
+            } else if (!c->n_window) {
+                *need_window = true;
+                st = KVH_ERR_NOSPACE;
+                goto fail;
+            } else {
+                if (blk->flags & KVHI_BF_CORRUPT) {
+                    st = kvhi_fail(KVH_ERR_CORRUPT, "a block of the batch failed its checksum on disk");
+                    goto fail;
+                }
+                kvhi_xfer_prepare(e, c->held[k], KVH_TIER_DEVICE, 0, &c->xs[c->n_stage]);
+                c->stage[c->n_stage++] = k;
+                p->slots[k] = -1; /* set when staged */
+            }
+            continue;
+        }
         if (blk->tier != KVH_TIER_DEVICE) {
             uint32_t i = 0;
             while (i + 1 < n_seqs && p->seqs[i + 1].blk0 <= k)
@@ -233,4 +282,89 @@ fail:
     free(kv_len);
     free(q_len);
     return st;
+}
+
+/* Takes the streaming window: stream_window_blocks device-tier slots
+ * (may evict, dropping the lock). */
+static kvh_status take_window(kvh_engine *e, kvhi_attn_call *c, uint32_t want)
+{
+    free(c->window);
+    c->n_window = 0;
+    c->window = malloc(sizeof(uint32_t) * want);
+    if (!c->window)
+        return kvhi_fail(KVH_ERR_NOMEM, "out of memory for a streaming window");
+    while (c->n_window < want) {
+        uint32_t slot;
+        kvh_status st = kvhi_reserve_slot(e, KVH_TIER_DEVICE, UINT32_MAX, &slot);
+        if (st != KVH_OK) {
+            char why[192];
+            snprintf(why, sizeof(why), "%s", kvhi_last_error());
+            uint32_t taken = c->n_window;
+            kvhi_attn_call_release_window(e, c);
+            return kvhi_fail(st, "no room for a streaming window of %u blocks in the device tier (%u taken): %s", want,
+                             taken, why);
+        }
+        c->window[c->n_window++] = slot;
+    }
+    return KVH_OK;
+}
+
+/* Whether any block of the batch lies outside the device tier where the
+ * kernels cannot read it (lock held; a sequence that does not resolve is
+ * reported by prepare_once). */
+static bool batch_needs_staging(kvh_engine *e, const kvh_seq *seqs, size_t n_seqs)
+{
+    for (size_t i = 0; i < n_seqs; i++) {
+        kvhi_seq *s;
+        if (kvhi_seq_get(e, seqs[i], &s) != KVH_OK)
+            return false;
+        for (uint32_t j = 0; j < s->n_blocks; j++) {
+            const kvhi_block *blk = &e->blocks[s->blocks[j]];
+            if (blk->tier != KVH_TIER_DEVICE && !attend_in_place(e, blk))
+                return true;
+        }
+    }
+    return false;
+}
+
+/* Back to a call with nothing prepared (its window kept). */
+static void unprepare(kvhi_attn_call *c)
+{
+    kvhi_attn_plan_free(&c->plan);
+    free(c->held);
+    free(c->held_gen);
+    free(c->stage);
+    free(c->xs);
+    c->held = c->held_gen = c->stage = NULL;
+    c->xs = NULL;
+    c->n_held = c->n_stage = 0;
+}
+
+kvh_status kvhi_attn_call_prepare(kvh_engine *e, uint32_t layer, const kvh_seq *seqs, const uint32_t *q_lens,
+                                  size_t n_seqs, bool prefill, const kvh_attention_params *params, uint64_t total_rows,
+                                  kvhi_attn_call *c)
+{
+    c->stream_chunk_blocks = params->stream_chunk_blocks;
+    /* The window is taken before anything is held, so that making room
+     * for it may move this batch's own blocks out of the device tier. */
+    if (c->stream_chunk_blocks && batch_needs_staging(e, seqs, n_seqs)) {
+        kvh_status st = take_window(e, c, params->stream_window_blocks);
+        if (st != KVH_OK)
+            return st;
+    }
+    for (int attempt = 0;; attempt++) {
+        bool need_window = false;
+        kvh_status st = prepare_once(e, layer, seqs, q_lens, n_seqs, prefill, params, total_rows, c, &need_window);
+        if (!need_window || attempt == 2) {
+            if (need_window)
+                st = kvhi_fail(KVH_ERR_BUSY, "blocks of the batch kept leaving the device tier while it was prepared");
+            if (st != KVH_OK)
+                kvhi_attn_call_release_window(e, c);
+            return st;
+        }
+        /* A block left the device tier since the check: take the window. */
+        unprepare(c);
+        if ((st = take_window(e, c, params->stream_window_blocks)) != KVH_OK)
+            return st;
+    }
 }

@@ -7,6 +7,7 @@
 #include <stdbool.h>
 
 #include "core/engine.h"
+#include "core/move.h"
 #include "kernels/attention_plan.h"
 #include "kernels/cpu/attn_cpu.h"
 
@@ -16,6 +17,16 @@ typedef struct kvhi_attn_call {
     uint32_t *held;     /* block indices held by this call */
     uint32_t *held_gen; /* their generations when held */
     kvhi_attn_plan plan;
+    /* Streaming (kvh_attention_params.stream_*; 0 = off): the blocks
+     * held[stage[i]] lie outside the device tier and are copied into the
+     * window's slots (device-tier slots taken for the call) before their
+     * chunk is attended; xs[i] is the transfer, prepared under the lock. */
+    uint32_t stream_chunk_blocks;
+    uint32_t n_stage;
+    uint32_t *stage;
+    kvhi_xfer *xs;
+    uint32_t n_window;
+    uint32_t *window;
 } kvhi_attn_call;
 
 /* The CPU kernels' state (thread pool, scratch), made on first use, or
@@ -32,6 +43,13 @@ kvh_status kvhi_attn_call_prepare(kvh_engine *e, uint32_t layer, const kvh_seq *
  * held and the engine entered on entry, neither on return. The holds end
  * when the kernels finish (on CUDA, after the call returns). */
 kvh_status kvhi_attn_call_run(kvh_engine *e, kvhi_attn_call *c, const void *q, void *out, void *stream);
+/* The same for a streamed call (c->stream_chunk_blocks != 0; CPU
+ * backend): chunk by chunk, staging what lies outside the device tier
+ * (core/attention_stream.c). A block that fails its checksum fails the
+ * call with KVH_ERR_CORRUPT and is marked corrupt. */
+kvh_status kvhi_attn_stream_run(kvh_engine *e, kvhi_attn_call *c, const void *q, void *out);
+/* Gives back the streaming window's slots (lock held). */
+void kvhi_attn_call_release_window(kvh_engine *e, kvhi_attn_call *c);
 /* Lock held. */
 void kvhi_attn_call_release_holds(kvh_engine *e, kvhi_attn_call *c);
 void kvhi_attn_call_free(kvhi_attn_call *c);

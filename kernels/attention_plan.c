@@ -52,6 +52,11 @@ int kvhi_attn_plan_build(kvhi_attn_plan *p, const kvhi_attn_plan_opts *o, const 
     uint64_t min_blocks = div_up(o->min_chunk_tokens ? o->min_chunk_tokens : 1, cq);
     if (chunk_blocks < min_blocks)
         chunk_blocks = min_blocks;
+    if (o->max_chunk_tokens) {
+        uint64_t max_blocks = o->max_chunk_tokens / cq ? o->max_chunk_tokens / cq : 1;
+        if (chunk_blocks > max_blocks)
+            chunk_blocks = max_blocks;
+    }
 
     /* First pass: per-sequence chunking and counts. */
     kvhi_attn_seq *seqs = calloc(n_seqs ? n_seqs : 1, sizeof(*seqs));

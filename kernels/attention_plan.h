@@ -68,6 +68,9 @@ typedef struct kvhi_attn_plan_opts {
      * block_tokens); 0 = block_tokens. Kernels accept chunks that start
      * inside a block; this is for a contiguous array seen as one block. */
     uint32_t chunk_quantum;
+    /* Never split KV coarser than this (0 = no limit); wins over
+     * min_chunk_tokens. Streaming attends a chunk at a time. */
+    uint32_t max_chunk_tokens;
 } kvhi_attn_plan_opts;
 
 typedef struct kvhi_attn_plan {

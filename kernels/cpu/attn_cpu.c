@@ -128,6 +128,7 @@ typedef struct run_job {
     kvhi_attn_unit_fn fn;
     float *po, *plse, *scratch;
     size_t scratch_stride;
+    uint32_t end; /* units [next, end) */
     _Atomic uint32_t next;
 } run_job;
 
@@ -137,7 +138,7 @@ static void run_units(void *arg, uint32_t who)
     float *ws = j->scratch + (size_t)who * j->scratch_stride;
     for (;;) {
         uint32_t i = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
-        if (i >= j->p->n_units)
+        if (i >= j->end)
             break;
         j->fn(j->p, &j->p->units[i], j->q, j->out, j->po, j->plse, ws);
     }
@@ -264,7 +265,8 @@ int kvhi_attn_cpu_run(void *ctx, const kvhi_attn_plan *p, const void *q, void *o
                  /* no split-K partials: no buffer (NULL + 0 is undefined) */
                  .plse = st->partial ? st->partial + (size_t)p->n_partial_rows * p->head_dim : NULL,
                  .scratch = st->scratch,
-                 .scratch_stride = stride};
+                 .scratch_stride = stride,
+                 .end = p->n_units};
     atomic_init(&j.next, 0);
     kvhi_pool_run(st->pool, parts, run_units, &j);
     if (p->n_merges) {
@@ -274,5 +276,50 @@ int kvhi_attn_cpu_run(void *ctx, const kvhi_attn_plan *p, const void *q, void *o
     }
     pthread_mutex_unlock(&st->run_lock);
     done(done_arg);
+    return 0;
+}
+
+int kvhi_attn_cpu_run_range(kvhi_attn_cpu *st, const kvhi_attn_plan *p, uint32_t u0, uint32_t u1, bool merges,
+                            const void *q, void *out, float *po, float *plse, char *msg, size_t msg_len)
+{
+    pthread_mutex_lock(&st->run_lock);
+    uint32_t n = u1 - u0;
+    uint32_t want = p->threads && p->threads < st->ncpu ? p->threads : st->ncpu;
+    uint32_t most = n > (merges ? p->n_merges : 0) ? n : (merges ? p->n_merges : 0);
+    if (want > most)
+        want = most;
+    if (want < 1)
+        want = 1;
+    if (want > 1 && !st->pool)
+        st->pool = kvhi_pool_create(st->ncpu - 1);
+    uint32_t parts = want;
+    if (parts > kvhi_pool_workers(st->pool) + 1)
+        parts = kvhi_pool_workers(st->pool) + 1;
+    size_t stride = scratch_floats(p);
+    if (stride < p->head_dim + 16)
+        stride = p->head_dim + 16;
+    if (grow(&st->scratch, &st->scratch_cap, stride * parts) != 0) {
+        pthread_mutex_unlock(&st->run_lock);
+        snprintf(msg, msg_len, "out of memory for attention scratch");
+        return KVH_ERR_NOMEM;
+    }
+    run_job j = {.p = p,
+                 .q = q,
+                 .out = out,
+                 .fn = pick(st, p),
+                 .po = po,
+                 .plse = plse,
+                 .scratch = st->scratch,
+                 .scratch_stride = stride,
+                 .end = u1};
+    atomic_init(&j.next, u0);
+    if (n)
+        kvhi_pool_run(st->pool, parts < n ? parts : n, run_units, &j);
+    if (merges && p->n_merges) {
+        uint32_t mparts = parts < p->n_merges ? parts : p->n_merges;
+        atomic_store(&j.next, 0);
+        kvhi_pool_run(st->pool, mparts, run_merges, &j);
+    }
+    pthread_mutex_unlock(&st->run_lock);
     return 0;
 }

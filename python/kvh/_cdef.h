@@ -240,6 +240,8 @@ typedef struct kvh_attention_params {
     uint32_t threads;
     uint32_t reserved0;
     void *stream;
+    uint32_t stream_chunk_blocks;
+    uint32_t stream_window_blocks;
 } kvh_attention_params;
 kvh_status kvh_attention_params_init(kvh_attention_params *params, size_t struct_size);
 kvh_status kvh_attention_decode(kvh_engine *engine, uint32_t layer, const kvh_seq *seqs, size_t n_seqs, const void *q, void *out, const kvh_attention_params *params);

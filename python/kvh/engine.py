@@ -805,7 +805,15 @@ class Engine(OwnedHandle):
             qp, op = _ptr(q), _ptr(out)
         return qp, op, out, int(shape[1]), io
 
-    def _attention_params(self, num_q_heads: int, scale: float, io: DType, threads: int, stream: Any):
+    def _attention_params(
+        self,
+        num_q_heads: int,
+        scale: float,
+        io: DType,
+        threads: int,
+        stream: Any,
+        stream_blocks: Tuple[int, int] = (0, 0),
+    ):
         prm = ffi.new("kvh_attention_params *")
         with self._call():
             check(lib.kvh_attention_params_init(prm, ffi.sizeof("kvh_attention_params")))
@@ -813,6 +821,8 @@ class Engine(OwnedHandle):
         prm.scale = float(scale)
         prm.io_dtype = int(io)
         prm.threads = _index("threads", threads, maximum=_U32)
+        prm.stream_chunk_blocks = _index("stream_chunk_blocks", stream_blocks[0], maximum=_U32)
+        prm.stream_window_blocks = _index("stream_window_blocks", stream_blocks[1], maximum=_U32)
         if stream is not None:
             handle = stream if isinstance(stream, int) else getattr(stream, "cuda_stream", None)
             if handle is None:
@@ -833,19 +843,24 @@ class Engine(OwnedHandle):
         io_dtype: Union[DType, str, None] = None,
         threads: int = 0,
         stream: Any = None,
+        stream_chunk_blocks: int = 0,
+        stream_window_blocks: int = 0,
     ) -> Any:
         """One decode step of paged attention for a batch (one layer).
 
         ``q`` is shaped ``(len(seqs), num_q_heads, head_dim)`` (float32 or
         float16; bf16 as uint16 with ``io_dtype="bf16"``); every sequence's
-        blocks must be acquired (device tier). Returns ``out`` (allocated
-        when not given). On the CUDA backend q/out are device arrays
+        blocks must be acquired (device tier), unless ``stream_chunk_blocks``
+        is set (CPU backend): blocks elsewhere are then read that many at a
+        time through a window of ``stream_window_blocks`` device-tier slots
+        and stay where they are. Returns ``out`` (allocated when not given).
+        On the CUDA backend q/out are device arrays
         (``__cuda_array_interface__``) and ``stream`` a cudaStream_t."""
         layer = _index("layer", layer, maximum=_U32)
         hs, uses = self._seq_array(seqs)
         n = len(list(seqs))
         qp, op, out, hq, io = self._attention_arrays("attention_decode", q, n, out, io_dtype)
-        prm = self._attention_params(hq, scale, io, threads, stream)
+        prm = self._attention_params(hq, scale, io, threads, stream, (stream_chunk_blocks, stream_window_blocks))
         with self._call(*uses) as p:
             check(lib.kvh_attention_decode(p, layer, hs, n, qp, op, prm))
         return out
@@ -862,9 +877,12 @@ class Engine(OwnedHandle):
         io_dtype: Union[DType, str, None] = None,
         threads: int = 0,
         stream: Any = None,
+        stream_chunk_blocks: int = 0,
+        stream_window_blocks: int = 0,
     ) -> Any:
         """Chunked causal prefill: sequence i's last ``q_lens[i]`` tokens
-        attend causally; q is shaped ``(sum(q_lens), num_q_heads, head_dim)``."""
+        attend causally; q is shaped ``(sum(q_lens), num_q_heads, head_dim)``.
+        Streaming as for :meth:`attention_decode`."""
         layer = _index("layer", layer, maximum=_U32)
         hs, uses = self._seq_array(seqs)
         n = len(list(seqs))
@@ -873,7 +891,7 @@ class Engine(OwnedHandle):
             raise ValueError(f"q_lens has {len(lens)} entries, expected one per sequence ({n})")
         ql = ffi.new("uint32_t[]", lens or [0])
         qp, op, out, hq, io = self._attention_arrays("attention_prefill", q, sum(lens), out, io_dtype)
-        prm = self._attention_params(hq, scale, io, threads, stream)
+        prm = self._attention_params(hq, scale, io, threads, stream, (stream_chunk_blocks, stream_window_blocks))
         with self._call(*uses) as p:
             check(lib.kvh_attention_prefill(p, layer, hs, ql, n, qp, op, prm))
         return out

@@ -77,3 +77,40 @@ def test_prefill_matches_reference():
             upto = 40 - q_len + j + 1  # causal: up to and including itself
             want = reference_attention(k[:upto], v[:upto], q[j])
             np.testing.assert_allclose(out[j], want, atol=1e-4, rtol=1e-4)
+
+
+def test_streamed_decode_and_prefill_over_a_sequence_larger_than_the_device_tier(tmp_path):
+    """A 400-token sequence with a 4-block device tier, on host and disk:
+    attended through a streaming window, against the NumPy reference."""
+    with kvh.Engine(
+        num_layers=1,
+        num_kv_heads=2,
+        head_dim=16,
+        block_tokens=16,
+        dtype="f32",
+        backend="cpu",
+        device_bytes=4 * 4096,
+        host_bytes=8 * 4096,
+        disk_path=str(tmp_path / "store"),
+        disk_bytes=64 * 8192,
+    ) as eng:
+        s, ref = filled_seq(eng, 400, seed=9)
+        s.migrate("disk")
+        before = eng.stats()
+        q = np.random.default_rng(2).standard_normal((1, 4, 16)).astype(np.float32)
+        k, v = ref[0]
+        with pytest.raises(kvh.NotResidentError):
+            eng.attention_decode(0, [s], q)
+        with pytest.raises(kvh.InvalidArgumentError, match="smaller than one chunk"):
+            eng.attention_decode(0, [s], q, stream_chunk_blocks=4, stream_window_blocks=2)
+        out = eng.attention_decode(0, [s], q, stream_chunk_blocks=2, stream_window_blocks=4)
+        np.testing.assert_allclose(out[0], reference_attention(k, v, q[0]), atol=1e-4, rtol=1e-4)
+        qp = np.random.default_rng(3).standard_normal((5, 4, 16)).astype(np.float32)
+        outp = eng.attention_prefill(0, [s], [5], qp, stream_chunk_blocks=3, stream_window_blocks=3)
+        for j in range(5):
+            upto = 400 - 5 + j + 1
+            np.testing.assert_allclose(outp[j], reference_attention(k[:upto], v[:upto], qp[j]), atol=1e-4, rtol=1e-4)
+        # nothing was promoted
+        after = eng.stats()
+        assert after.blocks_disk_to_host == before.blocks_disk_to_host
+        assert after.blocks_host_to_device == before.blocks_host_to_device

@@ -768,6 +768,15 @@ typedef struct kvh_attention_params {
     uint32_t reserved0;
     void *stream; /* CUDA backend: the cudaStream_t to launch on (NULL =
                      the default stream); ignored on the CPU backend */
+    /* Streaming (CPU backend; 0 = off, every block must be in the device
+     * tier). A sequence's KV is attended stream_chunk_blocks blocks at a
+     * time; chunks with blocks outside the device tier are staged into a
+     * window of stream_window_blocks device-tier slots, taken for the call
+     * (it may evict to make room) and given back after it. The window must
+     * hold at least one chunk; two or more let the next chunk be staged
+     * while one is attended. Blocks that pass through are not promoted. */
+    uint32_t stream_chunk_blocks;
+    uint32_t stream_window_blocks;
 } kvh_attention_params;
 
 /* Defaults for a struct of struct_size bytes. Returns KVH_ERR_INVALID_ARG
@@ -779,16 +788,23 @@ KVH_API kvh_status kvh_attention_params_init(kvh_attention_params *params, size_
  * K/V must already be written) and writes out[i][num_q_heads][head_dim].
  * q and out are [borrowed] host memory on the CPU backend and device
  * memory on the CUDA backend. Every block must be resident in the device
- * tier (kvh_seq_acquire first; KVH_ERR_NOT_RESIDENT otherwise); the call
- * holds them while it runs. On CUDA the kernels are queued on
+ * tier (kvh_seq_acquire first; KVH_ERR_NOT_RESIDENT otherwise) unless the
+ * params stream (stream_chunk_blocks, CPU backend): blocks elsewhere are
+ * then read chunk by chunk through a window of device-tier slots and stay
+ * where they are. The call holds its blocks while it runs. On CUDA the
+ * kernels are queued on
  * params->stream and the call returns before they finish.
  * [borrowed] seqs (n_seqs), params (NULL = defaults).
  * Returns KVH_ERR_INVALID_ARG (NULL pointers, unknown io_dtype, a
  * non-finite scale, num_q_heads not a multiple of num_kv_heads or above
  * the kernels' limit), KVH_ERR_STRUCT_SIZE, KVH_ERR_RANGE (layer out of
  * range, an empty sequence, one of 2^31 tokens or more),
- * KVH_ERR_BAD_HANDLE, KVH_ERR_NOT_RESIDENT, KVH_ERR_NOMEM,
- * KVH_ERR_UNSUPPORTED (CUDA with head_dim > 256, or a stream that is being
+ * KVH_ERR_BAD_HANDLE, KVH_ERR_NOT_RESIDENT, KVH_ERR_NOMEM, and when
+ * streaming KVH_ERR_INVALID_ARG (a window smaller than one chunk),
+ * KVH_ERR_NOSPACE (no room for the window in the device tier),
+ * KVH_ERR_CORRUPT (a block failed its checksum: nothing of the output may
+ * be used, and the block is a miss from then on), KVH_ERR_IO, KVH_ERR_BUSY;
+ * KVH_ERR_UNSUPPORTED (streaming on CUDA, CUDA with head_dim > 256, or a stream that is being
  * captured into a graph: the call takes holds that a replay would not; use
  * kvh_attention_plan_create + kvh_attention_run to capture),
  * KVH_ERR_INTERNAL (a kernel launch failed, with the driver's words).
@@ -845,8 +861,10 @@ typedef struct kvh_attention_plan kvh_attention_plan; /* opaque */
  * names its own). [borrowed] seqs, q_lens, params; [out] *plan, owned by
  * the caller until kvh_attention_plan_destroy. Status codes as
  * kvh_attention_decode, and KVH_ERR_INVALID_ARG for a NULL plan or a batch
- * without query rows, KVH_ERR_NOMEM also when 2^24 plans exist. On CUDA
- * the upload may synchronise: do not call while capturing. @threads any */
+ * without query rows, KVH_ERR_NOMEM also when 2^24 plans exist,
+ * KVH_ERR_UNSUPPORTED for streaming params (a plan's blocks stay in the
+ * device tier). On CUDA the upload may synchronise: do not call while
+ * capturing. @threads any */
 KVH_API kvh_status kvh_attention_plan_create(kvh_engine *engine, uint32_t layer, const kvh_seq *seqs,
                                              const uint32_t *q_lens, size_t n_seqs, const kvh_attention_params *params,
                                              kvh_attention_plan **plan);

@@ -2327,12 +2327,14 @@ pub struct kvh_attention_params {
     pub threads: u32,
     pub reserved0: u32,
     pub stream: *mut ::std::os::raw::c_void,
+    pub stream_chunk_blocks: u32,
+    pub stream_window_blocks: u32,
 }
 #[test]
 fn bindgen_test_layout_kvh_attention_params() {
     assert_eq!(
         ::std::mem::size_of::<kvh_attention_params>(),
-        32usize,
+        40usize,
         concat!("Size of: ", stringify!(kvh_attention_params))
     );
     assert_eq!(
@@ -2459,6 +2461,40 @@ fn bindgen_test_layout_kvh_attention_params() {
         );
     }
     test_field_stream();
+    fn test_field_stream_chunk_blocks() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_attention_params>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).stream_chunk_blocks) as usize - ptr as usize
+            },
+            32usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_attention_params),
+                "::",
+                stringify!(stream_chunk_blocks)
+            )
+        );
+    }
+    test_field_stream_chunk_blocks();
+    fn test_field_stream_window_blocks() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_attention_params>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).stream_window_blocks) as usize - ptr as usize
+            },
+            36usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_attention_params),
+                "::",
+                stringify!(stream_window_blocks)
+            )
+        );
+    }
+    test_field_stream_window_blocks();
 }
 impl Default for kvh_attention_params {
     fn default() -> Self {

@@ -22,6 +22,11 @@ pub struct AttentionParams {
     pub io_dtype: DType,
     /// CPU worker threads; 0 = all cores.
     pub threads: u32,
+    /// Streaming (CPU backend; 0 = off): blocks outside the device tier
+    /// are attended this many at a time through the window below.
+    pub stream_chunk_blocks: u32,
+    /// Device-tier slots of the streaming window (at least one chunk).
+    pub stream_window_blocks: u32,
 }
 
 impl Default for AttentionParams {
@@ -31,6 +36,8 @@ impl Default for AttentionParams {
             scale: 0.0,
             io_dtype: DType::F32,
             threads: 0,
+            stream_chunk_blocks: 0,
+            stream_window_blocks: 0,
         }
     }
 }
@@ -49,6 +56,8 @@ impl AttentionParams {
         raw.scale = self.scale;
         raw.io_dtype = self.io_dtype.raw();
         raw.threads = self.threads;
+        raw.stream_chunk_blocks = self.stream_chunk_blocks;
+        raw.stream_window_blocks = self.stream_window_blocks;
         raw.stream = ptr::null_mut();
         Ok(raw)
     }

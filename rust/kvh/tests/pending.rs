@@ -253,3 +253,69 @@ fn attention_prefill_matches_a_reference_or_is_unsupported() {
         }
     }
 }
+
+#[test]
+fn streamed_decode_attends_a_sequence_outside_the_device_tier() {
+    // A device tier of 4 blocks of 4 tokens; 40 tokens, all moved to host.
+    let e = Engine::open(
+        Config::new()
+            .backend(Backend::Cpu)
+            .dtype(DType::F32)
+            .num_layers(2)
+            .num_kv_heads(2)
+            .head_dim(8)
+            .block_tokens(4)
+            .device_bytes(4 * 2 * 2 * 4 * 2 * 8 * 4)
+            .host_bytes(1 << 20),
+    )
+    .unwrap();
+    let g = *e.geometry();
+    let b = batch(&e, &[40]);
+    b.seqs[0]
+        .migrate(.., kvh::Tier::Host)
+        .unwrap()
+        .wait(None)
+        .unwrap();
+    let refs: Vec<&Sequence<'_>> = b.seqs.iter().collect();
+    let dim = g.head_dim as usize;
+    let n = g.num_kv_heads as usize * dim;
+    let q: Vec<f32> = (0..n).map(|i| (i % 5) as f32 / 5.0 - 0.4).collect();
+    let mut out = vec![0f32; n];
+    let bad = AttentionParams {
+        stream_chunk_blocks: 2,
+        stream_window_blocks: 1,
+        ..Default::default()
+    };
+    let err = e
+        .attention_decode(1, &refs, &q, &mut out, Some(&bad))
+        .unwrap_err();
+    assert_eq!(err.status(), Status::InvalidArg, "{err}");
+    let p = AttentionParams {
+        stream_chunk_blocks: 2,
+        stream_window_blocks: 2,
+        ..Default::default()
+    };
+    e.attention_decode(1, &refs, &q, &mut out, Some(&p))
+        .unwrap();
+    // The reference: softmax(q.k / sqrt(dim)) . v per head.
+    let (k, v) = b.seqs[0].read_kv_vec::<f32>(1, 0, 40).unwrap();
+    for h in 0..g.num_kv_heads as usize {
+        let qh = &q[h * dim..(h + 1) * dim];
+        let scores: Vec<f32> = (0..40)
+            .map(|t| {
+                let kt = &k[(t * g.num_kv_heads as usize + h) * dim..][..dim];
+                qh.iter().zip(kt).map(|(a, b)| a * b).sum::<f32>() / (dim as f32).sqrt()
+            })
+            .collect();
+        let mx = scores.iter().cloned().fold(f32::MIN, f32::max);
+        let w: Vec<f32> = scores.iter().map(|s| (s - mx).exp()).collect();
+        let sum: f32 = w.iter().sum();
+        for d in 0..dim {
+            let want: f32 = (0..40)
+                .map(|t| w[t] * v[(t * g.num_kv_heads as usize + h) * dim + d])
+                .sum::<f32>()
+                / sum;
+            assert!((out[h * dim + d] - want).abs() < 1e-4, "head {h} dim {d}");
+        }
+    }
+}
