@@ -19,8 +19,16 @@ paged attention launch (``Engine.attention_prefill`` / ``attention_decode``).
     contiguous range, no block table). Needs an engine opened with ``vmap=True``
     (``Runner.engine(vmap=True)``). Views are refreshed every step and
     released at the end of each forward pass, like the hold.
+``"stream"``
+    kvh's attention launch over the paged cache wherever its blocks lie:
+    nothing is acquired, and the blocks outside the device tier are read
+    chunk by chunk through a window of device-tier slots
+    (``stream_chunk_blocks`` / ``stream_window_blocks``; CPU backend). A
+    context larger than the device tier is decoded this way.
 ``"auto"`` (default)
-    ``kernel``; when the library answers ``UnsupportedError`` the backend
+    ``kernel``; a pass whose sequence does not fit in the device tier
+    (``NoSpaceError`` from the acquire) is streamed instead, on the CPU
+    backend; when the library answers ``UnsupportedError`` the backend
     switches to ``readback`` for the rest of its life and says so in
     :attr:`KvhKV.attention_used`.
 """
@@ -36,7 +44,7 @@ __all__ = ["KvhKV", "CodecKV", "ATTENTION_MODES", "kernel_attention_available"]
 
 log = logging.getLogger("kvh.model")
 
-ATTENTION_MODES = ("auto", "kernel", "readback", "vmap")
+ATTENTION_MODES = ("auto", "kernel", "readback", "vmap", "stream")
 
 
 def _kvh():
@@ -48,9 +56,20 @@ def _kvh():
 class KvhKV:
     """:class:`kvh.model.llama.KVBackend` over ``seq`` of ``engine``.
 
-    ``threads``: CPU worker threads of the attention launch (0 = all)."""
+    ``threads``: CPU worker threads of the attention launch (0 = all).
+    ``stream_chunk_blocks`` / ``stream_window_blocks``: the streaming
+    window (0 = a quarter of the device tier per chunk, two chunks)."""
 
-    def __init__(self, engine, seq=None, *, attention: str = "auto", threads: int = 0) -> None:
+    def __init__(
+        self,
+        engine,
+        seq=None,
+        *,
+        attention: str = "auto",
+        threads: int = 0,
+        stream_chunk_blocks: int = 0,
+        stream_window_blocks: int = 0,
+    ) -> None:
         if attention not in ATTENTION_MODES:
             raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
         self.engine = engine
@@ -60,13 +79,28 @@ class KvhKV:
         self._np_dtype = np.dtype(engine.np_dtype)
         self._hold = None
         self._len = 0
-        self.attention_used: str = {"auto": "kernel?", "kernel": "kernel", "readback": "readback", "vmap": "vmap"}[
-            attention
-        ]
+        self.attention_used: str = {
+            "auto": "kernel?",
+            "kernel": "kernel",
+            "readback": "readback",
+            "vmap": "vmap",
+            "stream": "stream",
+        }[attention]
         self._views: dict = {}
         self.vmap_calls = 0
         self.kernel_calls = 0
         self.readback_calls = 0
+        self.stream_calls = 0
+        self._streaming = attention == "stream"
+        self._stream_blocks = self._window(stream_chunk_blocks, stream_window_blocks)
+
+    def _window(self, chunk: int, window: int):
+        if chunk <= 0:
+            device = self.engine.tier_info("device").capacity_blocks
+            chunk = max(1, device // 4)
+        if window <= 0:
+            window = 2 * chunk
+        return chunk, window
 
     @property
     def length(self) -> int:
@@ -77,13 +111,20 @@ class KvhKV:
         pos0 = self.seq.length
         self.seq.append(np.asarray(tokens, dtype=np.int32))
         self._len = pos0 + len(tokens)
-        if self.mode != "readback":
+        self._streaming = self.mode == "stream"
+        if self.mode not in ("readback", "stream"):
             # The attention launch needs every block resident in the device
             # tier: promote what was demoted and hold it for this pass.
+            kvh = _kvh()
             try:
                 self._hold = self.seq.acquire()
+            except kvh.NoSpaceError:
+                if self.mode != "auto" or self.engine.backend != "cpu":
+                    self.seq.truncate(pos0)  # leave the sequence as it was
+                    raise
+                self._streaming = True  # larger than the device tier: stream this pass
             except BaseException:
-                self.seq.truncate(pos0)  # leave the sequence as it was (e.g. NoSpaceError)
+                self.seq.truncate(pos0)
                 raise
         return pos0
 
@@ -105,6 +146,16 @@ class KvhKV:
                 else:
                     out = self.engine.attention_prefill_vmap([vm], [n], qc, threads=self.threads)
                 self.vmap_calls += 1
+                return out
+            if self._streaming:
+                chunk, window = self._stream_blocks
+                kw = dict(threads=self.threads, stream_chunk_blocks=chunk, stream_window_blocks=window)
+                if n == 1:
+                    out = self.engine.attention_decode(layer, [self.seq], qc, **kw)
+                else:
+                    out = self.engine.attention_prefill(layer, [self.seq], [n], qc, **kw)
+                self.stream_calls += 1
+                self.attention_used = "stream" if self.mode == "stream" else "kernel+stream"
                 return out
             try:
                 if n == 1:
@@ -154,7 +205,15 @@ class KvhKV:
     # ---- conveniences ----
     def fork(self) -> "KvhKV":
         """A backend over a copy-on-write fork of the sequence."""
-        return KvhKV(self.engine, self.seq.fork(), attention=self.mode, threads=self.threads)
+        chunk, window = self._stream_blocks
+        return KvhKV(
+            self.engine,
+            self.seq.fork(),
+            attention=self.mode,
+            threads=self.threads,
+            stream_chunk_blocks=chunk,
+            stream_window_blocks=window,
+        )
 
     def free(self) -> None:
         self._release()
