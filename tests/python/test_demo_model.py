@@ -176,7 +176,9 @@ def test_tiny_run_reports_every_metric(tiny_run):
     assert _row(rows, "itl_vs_sync_offload", "kvh")["baseline"] == _row(rows, "itl", "sync-offload")["value"]
     # the tiers hold more and more
     mc = {c: _row(rows, "max_context", c)["value"] for c in ("monolithic", "sync-offload", "kvh")}
-    assert mc["monolithic"] < mc["sync-offload"] < mc["kvh"]
+    # attending in the device tier caps the first two at its size; kvh
+    # streams the rest from host and disk
+    assert mc["monolithic"] <= mc["sync-offload"] < mc["kvh"]
     assert _row(rows, "max_context", "kvh")["ratio"] > 1
     # paged: only the last block of a sequence is partly empty
     assert 1.0 <= _row(rows, "fragmentation", "kvh")["value"] < 1.2

@@ -124,15 +124,22 @@ def measure(
 
 
 def probe_configurations(runner, kvh_setup: Setup, data_dir: Path, notes: List[str]) -> Dict[str, Dict[str, Any]]:
-    """How much KV each configuration holds before refusing, at kvh's
-    budgets: device only, device + host, and all three tiers."""
+    """The longest sequence each configuration decodes, at kvh's budgets:
+    device only, device + host (attending in the device tier), and all
+    three tiers with kvh's streamed attention."""
     probes: Dict[str, Dict[str, Any]] = {}
     probes["monolithic"] = probe_capacity(runner, kvh_setup.device_bytes, 0)
     probes["sync-offload"] = probe_capacity(runner, kvh_setup.device_bytes, kvh_setup.host_bytes)
     probe_dir = data_dir / "probe-store"
     try:
         probes["kvh"] = probe_capacity(
-            runner, kvh_setup.device_bytes, kvh_setup.host_bytes, kvh_setup.disk_bytes, probe_dir, buffered=True
+            runner,
+            kvh_setup.device_bytes,
+            kvh_setup.host_bytes,
+            kvh_setup.disk_bytes,
+            probe_dir,
+            buffered=True,
+            stream=True,
         )
     except (errors.UnsupportedError, errors.KvhIOError) as exc:
         notes.append(f"max-context probe of the disk tier failed: {exc}")

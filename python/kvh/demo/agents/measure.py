@@ -157,10 +157,21 @@ def fragmentation(eng, seqs, token_bytes: int, reserve_tokens: int) -> Dict[str,
 
 
 def probe_capacity(
-    runner, device: int, host: int, disk: int = 0, disk_dir: Optional[Path] = None, buffered: bool = False
+    runner,
+    device: int,
+    host: int,
+    disk: int = 0,
+    disk_dir: Optional[Path] = None,
+    buffered: bool = False,
+    *,
+    stream: bool = False,
 ) -> Dict[str, Any]:
-    """Appends tokens to one sequence until the engine refuses
-    (NoSpaceError): the most KV tokens the configuration holds."""
+    """The longest single sequence the configuration decodes: appends
+    tokens (with layer 0's K/V) to one sequence until the engine refuses
+    (NoSpaceError), then runs one decode step of layer 0 over the longest
+    sequence it can attend: all of it when ``stream`` (kvh's attention
+    streams from host and disk), else what the device tier holds
+    (acquired, as an engine that attends in GPU memory only must)."""
     kw: Dict[str, Any] = dict(device_bytes=device, host_bytes=host)
     if disk_dir is not None:
         kw.update(disk_path=str(disk_dir), disk_bytes=disk, disk_reset_on_mismatch=True, disk_buffered=buffered)
@@ -170,13 +181,48 @@ def probe_capacity(
     with runner.engine(**kw) as eng:
         bt = eng.block_tokens
         step = 64 * bt
+        H, D = eng.num_kv_heads, eng.head_dim
+        zeros = np.zeros((step, H, D), eng.np_dtype)
         with eng.sequence() as seq:
             while step >= bt:
                 try:
                     seq.append((np.arange(n, n + step) % 30000 + 100).astype(np.int32))
+                    seq.write_kv(0, n, zeros[:step], zeros[:step])
                     n += step
                 except errors.NoSpaceError as exc:
                     refused = exc.message
+                    if seq.length > n:
+                        seq.truncate(n)
                     step //= 2
-        tiers = {t.name.lower(): i.capacity_blocks for t, i in eng.tiers().items()}
-    return {"tokens": n, "refused": refused, "capacity_blocks": tiers, "seconds": time.perf_counter() - t0}
+            tiers = {t.name.lower(): i.capacity_blocks for t, i in eng.tiers().items()}
+            q = np.zeros((1, H, D), np.float32)
+            device_blocks = eng.tier_info("device").capacity_blocks
+            t1 = time.perf_counter()
+            if stream:
+                # The window takes device-tier slots: with every tier full,
+                # the sequence gives up that much room first.
+                chunk = max(1, device_blocks // 4)
+                decodable = n
+                for _ in range(8):
+                    try:
+                        eng.attention_decode(0, [seq], q, stream_chunk_blocks=chunk, stream_window_blocks=2 * chunk)
+                        break
+                    except errors.NoSpaceError:
+                        decodable = max(bt, decodable - 2 * chunk * bt)
+                        seq.truncate(decodable)
+                t1 = time.perf_counter()
+                eng.attention_decode(0, [seq], q, stream_chunk_blocks=chunk, stream_window_blocks=2 * chunk)
+            else:
+                decodable = min(n, device_blocks * bt)
+                seq.truncate(decodable)
+                with seq.acquire():
+                    eng.attention_decode(0, [seq], q)
+            decode_ms = (time.perf_counter() - t1) * 1e3
+    return {
+        "tokens": decodable,
+        "held_tokens": n,
+        "decode_ms": decode_ms,
+        "refused": refused,
+        "capacity_blocks": tiers,
+        "seconds": time.perf_counter() - t0,
+    }

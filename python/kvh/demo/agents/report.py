@@ -598,8 +598,11 @@ def _max_context(s: Dict[str, Any], name: str, c: Dict[str, Any]) -> str:
     p = s["probes"].get(name)
     if not p:
         return "-"
-    where = {"monolithic": "device only", "sync-offload": "device+host", "kvh": "device+host+disk"}[name]
-    return f"{p['tokens']:,} tok ({where})"
+    where = {"monolithic": "device only", "sync-offload": "device+host", "kvh": "device+host+disk, streamed"}[name]
+    held = p.get("held_tokens", p["tokens"])
+    kept = f", {held:,} held" if held != p["tokens"] else ""
+    ms = f", {p['decode_ms']:.0f} ms/step" if "decode_ms" in p else ""
+    return f"{p['tokens']:,} tok ({where}{kept}{ms})"
 
 
 def _ttft(s: Dict[str, Any], name: str, c: Dict[str, Any]) -> str:
@@ -647,7 +650,7 @@ def tradeoff_table(s: Dict[str, Any]) -> str:
     }
     bb = s["model"]["block_bytes"]
     rows = [
-        ["Max context (KV held before refusing)"] + [_cell(s, n, _max_context) for n in names],
+        ["Max context (longest sequence decoded)"] + [_cell(s, n, _max_context) for n in names],
         ["Time to first token (agents, mean)"] + [_cell(s, n, _ttft) for n in names],
         ["Inter-token latency (p50)"] + [_cell(s, n, _itl) for n in names],
         ["Memory it used (peak blocks x " + human_bytes(bb) + ")"] + [_cell(s, n, _memory) for n in names],
@@ -675,8 +678,10 @@ def tradeoff_table(s: Dict[str, Any]) -> str:
             "run itself uses kvh's paged device tier."
         )
     foot.append(
-        "Max context: a probe appends tokens until the engine refuses, at kvh's device/host/disk budgets "
-        "(the monolithic run itself was given a device tier big enough for the whole run). One forward "
-        "pass needs its whole sequence in the device tier (the attention kernel reads it there)."
+        "Max context: the longest single sequence each configuration decoded, at kvh's device/host/disk "
+        "budgets (the monolithic run itself was given a device tier big enough for the whole run): a probe "
+        "appends tokens until the engine refuses, then runs a decode step over what it can attend: the "
+        "device tier's share where attention reads only the device tier, everything for kvh, whose "
+        "attention streams the blocks on host and disk through a window in the device tier."
     )
     return text + "\n" + "\n".join(foot)
