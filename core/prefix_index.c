@@ -66,6 +66,8 @@ void kvhi_prefix_destroy(kvhi_prefix_index *ix)
 
 uint32_t kvhi_prefix_find(const kvhi_prefix_index *ix, uint64_t hash)
 {
+    if (hash == 0) /* the empty key: never stored (a forged record may name it) */
+        return KVHI_PREFIX_MISS;
     for (uint64_t i = hash & ix->mask;; i = (i + 1) & ix->mask) {
         uint64_t k = ix->keys[i];
         if (k == hash)
@@ -77,6 +79,8 @@ uint32_t kvhi_prefix_find(const kvhi_prefix_index *ix, uint64_t hash)
 
 int kvhi_prefix_insert(kvhi_prefix_index *ix, uint64_t hash, uint32_t value)
 {
+    if (hash == 0)
+        return -1;
     uint64_t i = hash & ix->mask;
     for (; ix->keys[i] != 0; i = (i + 1) & ix->mask)
         if (ix->keys[i] == hash)

@@ -42,8 +42,9 @@ uint64_t kvhi_scope_block_salt(uint64_t model_salt, const kvhi_scope *sc, uint64
 
 int kvhi_prefix_init(kvhi_prefix_index *ix, uint64_t max_entries);
 void kvhi_prefix_destroy(kvhi_prefix_index *ix);
+/* Hash 0 (the empty key) is never found and never inserted. */
 uint32_t kvhi_prefix_find(const kvhi_prefix_index *ix, uint64_t hash);
-/* Returns 0, or -1 if the hash is present already. */
+/* Returns 0, or -1 if the hash is present already (or is 0). */
 int kvhi_prefix_insert(kvhi_prefix_index *ix, uint64_t hash, uint32_t value);
 void kvhi_prefix_erase(kvhi_prefix_index *ix, uint64_t hash);
 

@@ -95,6 +95,8 @@ static int open_store(const char *path, kvhi_disk *d)
     free(tk);
     if (max_slot > total)
         total = max_slot;
+    if (total > UINT32_MAX / 2) /* as the engine: slot numbers are 32-bit */
+        total = UINT32_MAX / 2;
     uint64_t per = (1ull << 30) / d->slot_bytes;
     d->slots_per_slab = d->n_slabs > 1 && per ? (uint32_t)per : (uint32_t)(total ? total : 1);
     d->n_slots = (uint32_t)total;
