@@ -399,6 +399,18 @@ class Scope:
             raise TypeError(f"scope must be an int or a kvh.Scope, not {type(value).__name__}")
         return cls(scope=value)
 
+    @staticmethod
+    def value_of(salt: Union[str, bytes]) -> int:
+        """A scope value from a string or bytes salt (vLLM's per-request
+        ``cache_salt``, a user id): the first 8 bytes, little endian, of
+        BLAKE2b keyed with a fixed domain tag, never 0 (the default scope).
+        Equal salts give equal scopes in every process and release."""
+        import hashlib
+
+        data = salt.encode("utf-8") if isinstance(salt, str) else bytes(salt)
+        v = int.from_bytes(hashlib.blake2b(data, digest_size=8, key=b"kvh-scope").digest(), "little")
+        return v or 1
+
     def __post_init__(self) -> None:
         for name in ("scope", "shared_scope", "shared_tokens"):
             v = getattr(self, name)

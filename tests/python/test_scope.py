@@ -120,3 +120,13 @@ def test_scopes_after_reopen(tmp_path):
         assert matched(eng, t, scope=11) == 0
         assert matched(eng, t, scope=12) == 16
         assert matched(eng, t, scope=kvh.Scope(11, 12, 16)) == 48
+
+
+def test_scope_value_of_a_salt():
+    a, b = kvh.Scope.value_of("tenant-a"), kvh.Scope.value_of(b"tenant-a")
+    assert a == b and a != 0 and 0 < a < 1 << 64
+    assert kvh.Scope.value_of("tenant-b") != a
+    assert a == 0x00CE35708214AFC6  # a fixed value: stores keep the hashes made with it
+    with make_engine() as eng:
+        with eng.sequence(scope=kvh.Scope.value_of("tenant-a")) as s:
+            assert s.scope == kvh.Scope(a)

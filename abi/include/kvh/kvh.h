@@ -793,9 +793,9 @@ KVH_API kvh_status kvh_pool_restore(kvh_engine *engine, kvh_pool pool, kvh_block
  * Guarantee: every lookup (kvh_seq_match_prefix, kvh_prefix_lookup*,
  * the dedupe of kvh_pool_offload*) counts a hit only when the block's
  * hash, parent hash and tokens all equal the ones sought; for one parent
- * and tokens the hash is a one-to-one function of the salt (up to the one
- * value that 0 is mapped away from, a 2^-64 event), and the salt a
- * one-to-one function of the scope. Two scopes therefore share no block,
+ * and tokens the hash is a one-to-one function of the salt (save that a
+ * hash of 0 is stored as 1, so two salts may both give 1: a 2^-64
+ * event), and the salt a one-to-one function of the scope. Two scopes therefore share no block,
  * whatever tokens or scope values are chosen, and a hit of another
  * scope's blocks, or a timing difference from one, cannot be observed.
  * Within one scope a hit is faster than a miss by design. */
