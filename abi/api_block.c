@@ -9,6 +9,7 @@
 #include "core/block.h"
 #include "core/migrate.h"
 #include "core/seq.h"
+#include "core/scope.h"
 
 kvh_status kvh_block_info_get(kvh_engine *e, kvh_block block, kvh_block_info *info)
 {
@@ -181,44 +182,55 @@ kvh_status kvh_fence_free(kvh_engine *e, kvh_fence fence)
     return st;
 }
 
-kvh_status kvh_prefix_hash(kvh_engine *e, uint64_t parent, const int32_t *tokens, size_t n, uint64_t *hash)
+static kvh_status prefix_hash(kvh_engine *e, uint64_t salt, uint64_t parent, const int32_t *tokens, size_t n,
+                              uint64_t *hash)
 {
     kvhi_clear_error();
     KVHI_REQUIRE(e && tokens && hash, "engine, tokens and hash must not be NULL");
     if (n != e->cfg.block_tokens)
         return kvhi_fail(KVH_ERR_INVALID_ARG, "a block hash covers block_tokens=%u tokens, got %zu",
                          e->cfg.block_tokens, n);
-    *hash = kvhi_prefix_hash(parent, tokens, n, e->cfg.model_salt);
+    *hash = kvhi_prefix_hash(parent, tokens, n, salt);
     return KVH_OK;
 }
 
-kvh_status kvh_prefix_lookup(kvh_engine *e, const int32_t *tokens, size_t n, kvh_block *out, size_t cap,
-                             size_t *n_blocks)
+kvh_status kvh_prefix_hash(kvh_engine *e, uint64_t parent, const int32_t *tokens, size_t n, uint64_t *hash)
+{
+    return prefix_hash(e, e ? e->cfg.model_salt : 0, parent, tokens, n, hash);
+}
+
+kvh_status kvh_prefix_hash_scoped(kvh_engine *e, uint64_t scope, uint64_t parent, const int32_t *tokens, size_t n,
+                                  uint64_t *hash)
+{
+    return prefix_hash(e, e ? kvhi_scope_salt(e->cfg.model_salt, scope) : 0, parent, tokens, n, hash);
+}
+
+static kvh_status prefix_lookup(kvh_engine *e, const kvhi_scope *sc, const int32_t *tokens, size_t n, kvh_block *out,
+                                size_t cap, size_t *n_blocks)
 {
     KVHI_REQUIRE(tokens || n == 0, "tokens is NULL");
     KVHI_REQUIRE((out || cap == 0) && n_blocks, "out and n_blocks must not be NULL");
     kvh_status st = kvhi_api_enter(e);
     if (st != KVH_OK)
         return st;
-    uint32_t bt = e->cfg.block_tokens;
-    uint64_t parent = 0;
-    size_t i = 0;
-    e->stats.prefix_queries++;
-    for (; i < n / bt && i < cap; i++) {
-        uint64_t h = kvhi_prefix_hash(parent, tokens + i * bt, bt, e->cfg.model_salt);
-        uint32_t b = kvhi_prefix_find(&e->prefix, h);
-        if (b == KVHI_PREFIX_MISS || e->blocks[b].parent_hash != parent ||
-            memcmp(kvhi_block_tokens(e, b), tokens + i * bt, bt * sizeof(int32_t)) != 0)
-            break;
-        kvhi_block_ref_handle(e, b);
-        kvhi_block_touch(e, b);
-        out[i].id = kvhi_block_handle(e, b);
-        kvhi_count_prefix_hit(e, e->blocks[b].tier);
-        parent = h;
-    }
+    size_t found;
+    kvhi_prefix_lookup(e, sc, tokens, n, out, cap, &found);
     kvhi_leave(e);
-    *n_blocks = i;
+    *n_blocks = found;
     return KVH_OK;
+}
+
+kvh_status kvh_prefix_lookup(kvh_engine *e, const int32_t *tokens, size_t n, kvh_block *out, size_t cap,
+                             size_t *n_blocks)
+{
+    return prefix_lookup(e, NULL, tokens, n, out, cap, n_blocks);
+}
+
+kvh_status kvh_prefix_lookup_scoped(kvh_engine *e, uint64_t scope, uint64_t shared_scope, uint64_t shared_tokens,
+                                    const int32_t *tokens, size_t n, kvh_block *out, size_t cap, size_t *n_blocks)
+{
+    kvhi_scope sc = {.scope = scope, .shared_scope = shared_scope, .shared_tokens = shared_tokens};
+    return prefix_lookup(e, &sc, tokens, n, out, cap, n_blocks);
 }
 
 kvh_status kvh_pool_register(kvh_engine *e, const kvh_pool_layout *layout, kvh_pool *pool)
@@ -288,8 +300,8 @@ static kvh_status enter_pool(kvh_engine *e, kvh_pool pool, uint32_t slot, kvhi_e
     return KVH_OK;
 }
 
-kvh_status kvh_pool_offload(kvh_engine *e, kvh_pool pool, uint32_t slot, uint64_t parent_hash, const int32_t *tokens,
-                            size_t n, uint32_t agent, kvh_block *block)
+static kvh_status pool_offload(kvh_engine *e, kvh_pool pool, uint32_t slot, uint64_t scope, uint64_t parent_hash,
+                               const int32_t *tokens, size_t n, uint32_t agent, kvh_block *block)
 {
     KVHI_REQUIRE(tokens && block, "tokens and block must not be NULL");
     kvhi_ext_pool *p;
@@ -299,12 +311,25 @@ kvh_status kvh_pool_offload(kvh_engine *e, kvh_pool pool, uint32_t slot, uint64_
     uint32_t b;
     if (n != e->cfg.block_tokens)
         st = kvhi_fail(KVH_ERR_INVALID_ARG, "offload takes a full block of %u tokens, got %zu", e->cfg.block_tokens, n);
-    else if ((st = kvhi_pool_offload(e, p, slot, parent_hash, tokens, agent, &b)) == KVH_OK) {
+    else if ((st = kvhi_pool_offload(e, p, slot, kvhi_scope_salt(e->cfg.model_salt, scope), parent_hash, tokens, agent,
+                                     &b)) == KVH_OK) {
         e->blocks[b].ext_refs++;
         block->id = kvhi_block_handle(e, b);
     }
     kvhi_leave(e);
     return st;
+}
+
+kvh_status kvh_pool_offload(kvh_engine *e, kvh_pool pool, uint32_t slot, uint64_t parent_hash, const int32_t *tokens,
+                            size_t n, uint32_t agent, kvh_block *block)
+{
+    return pool_offload(e, pool, slot, 0, parent_hash, tokens, n, agent, block);
+}
+
+kvh_status kvh_pool_offload_scoped(kvh_engine *e, kvh_pool pool, uint32_t slot, uint64_t scope, uint64_t parent_hash,
+                                   const int32_t *tokens, size_t n, uint32_t agent, kvh_block *block)
+{
+    return pool_offload(e, pool, slot, scope, parent_hash, tokens, n, agent, block);
 }
 
 kvh_status kvh_pool_restore(kvh_engine *e, kvh_pool pool, kvh_block block, uint32_t slot)

@@ -3,6 +3,7 @@
 #include "core/block.h"
 #include "core/seq.h"
 #include "core/disk_tier.h"
+#include "core/scope.h"
 
 kvh_status kvh_seq_create(kvh_engine *e, uint32_t agent, kvh_seq *seq)
 {
@@ -277,4 +278,34 @@ kvh_status kvh_prefetch(kvh_engine *e, kvh_seq seq, uint64_t first, uint64_t n, 
     if (st == KVH_OK && fence)
         *fence = f;
     return st;
+}
+
+kvh_status kvh_seq_set_scope(kvh_engine *e, kvh_seq seq, uint64_t scope, uint64_t shared_scope, uint64_t shared_tokens)
+{
+    kvhi_seq *s;
+    kvh_status st = kvhi_api_enter_seq_owner(e, seq, &s);
+    if (st != KVH_OK)
+        return st;
+    kvhi_scope sc = {.scope = scope, .shared_scope = shared_scope, .shared_tokens = shared_tokens};
+    st = kvhi_seq_set_scope(e, s, &sc);
+    kvhi_api_leave_seq_owner(e, s);
+    return st;
+}
+
+kvh_status kvh_seq_get_scope(kvh_engine *e, kvh_seq seq, uint64_t *scope, uint64_t *shared_scope,
+                             uint64_t *shared_tokens)
+{
+    kvhi_seq *s;
+    kvh_status st = kvhi_api_enter_seq(e, seq, &s);
+    if (st != KVH_OK)
+        return st;
+    kvhi_scope sc = s->scope;
+    kvhi_leave(e);
+    if (scope)
+        *scope = sc.scope;
+    if (shared_scope)
+        *shared_scope = sc.shared_scope;
+    if (shared_tokens)
+        *shared_tokens = sc.shared_tokens;
+    return KVH_OK;
 }

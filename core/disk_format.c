@@ -237,7 +237,11 @@ int kvhi_index_header_decode(const void *buf, size_t len, kvhi_index_header *h)
     h->geo.dtype = get32(p + 56);
     h->geo.model_salt = get64(p + 64);
     h->geo.block_bytes = get64(p + 72);
-    if (h->geo.block_tokens == 0 || h->geo.block_tokens > 256)
+    /* A header with valid CRCs can still be forged: a geometry no engine
+     * writes is damage, so that no reader sizes anything from it (a block
+     * size near 2^64 would wrap the slot size to 0). */
+    if (h->geo.block_tokens == 0 || h->geo.block_tokens > 256 || h->geo.num_layers == 0 || h->geo.num_kv_heads == 0 ||
+        h->geo.head_dim == 0 || h->geo.block_bytes == 0 || h->geo.block_bytes > KVHI_DISK_MAX_BLOCK_BYTES)
         return -1;
     return 0;
 }

@@ -21,6 +21,9 @@
 #define KVHI_DISK_ALIGN 4096u
 #define KVHI_SLOT_HEADER_BYTES 4096u
 #define KVHI_DISK_VERSION 1u
+/* The largest block an index header may name (1 TiB, far above any
+ * engine's): a slot's size then never wraps. */
+#define KVHI_DISK_MAX_BLOCK_BYTES (1ull << 40)
 
 /* Geometry and identity that a store must match to be reused. */
 typedef struct kvhi_disk_geometry {
@@ -113,6 +116,9 @@ typedef struct kvhi_index_header {
 } kvhi_index_header;
 
 void kvhi_index_header_encode(void *buf, const kvhi_index_header *h);
+/* 0, -2 for another version, -1 for a bad magic or CRC or a geometry no
+ * engine writes (block_tokens outside 1..256, a zero dimension, a block
+ * size of 0 or above KVHI_DISK_MAX_BLOCK_BYTES). */
 int kvhi_index_header_decode(const void *buf, size_t len, kvhi_index_header *h);
 
 #endif

@@ -133,7 +133,8 @@ kvh_status kvhi_disk_tier_recover(kvh_engine *e)
     e->stats.corrupt_blocks += l->bad_records + l->bad_slots;
     for (size_t i = 0; i < l->n; i++) {
         kvhi_index_entry *ent = &l->items[i];
-        if (ent->slot >= t->slots.capacity || used[ent->slot] || ent->n_tokens != bt ||
+        /* Records can be forged with valid CRCs: hash 0 names no block. */
+        if (ent->slot >= t->slots.capacity || used[ent->slot] || ent->n_tokens != bt || ent->hash == 0 ||
             kvhi_prefix_find(&e->prefix, ent->hash) != KVHI_PREFIX_MISS || e->block_free_top == 0) {
             /* A duplicate or unusable record: forget it. */
             kvhi_index_append(e->disk, KVHI_REC_DEL, ent->slot, ent->hash, ent->parent, ent->n_tokens, ent->data_crc,

@@ -73,11 +73,11 @@ kvh_status kvhi_pool_restore(kvh_engine *e, kvhi_ext_pool *p, uint32_t b, uint32
     return st;
 }
 
-kvh_status kvhi_pool_offload(kvh_engine *e, kvhi_ext_pool *p, uint32_t slot, uint64_t parent, const int32_t *tokens,
-                             uint32_t agent, uint32_t *out)
+kvh_status kvhi_pool_offload(kvh_engine *e, kvhi_ext_pool *p, uint32_t slot, uint64_t salt, uint64_t parent,
+                             const int32_t *tokens, uint32_t agent, uint32_t *out)
 {
     uint32_t bt = e->cfg.block_tokens;
-    uint64_t h = kvhi_prefix_hash(parent, tokens, bt, e->cfg.model_salt);
+    uint64_t h = kvhi_prefix_hash(parent, tokens, bt, salt);
     uint32_t b = kvhi_prefix_find(&e->prefix, h);
     if (b != KVHI_PREFIX_MISS && e->blocks[b].parent_hash == parent &&
         memcmp(kvhi_block_tokens(e, b), tokens, bt * sizeof(int32_t)) == 0) {

@@ -19,9 +19,11 @@ void kvhi_pool_unregister(kvh_engine *e, kvhi_ext_pool *p, uint32_t index);
  * when b is read from disk. */
 kvh_status kvhi_pool_restore(kvh_engine *e, kvhi_ext_pool *p, uint32_t b, uint32_t slot);
 /* The block of (parent, tokens), found or made from slot of p: [out] *out
- * with one more reference. May drop the lock (making room for it). */
-kvh_status kvhi_pool_offload(kvh_engine *e, kvhi_ext_pool *p, uint32_t slot, uint64_t parent, const int32_t *tokens,
-                             uint32_t agent, uint32_t *out);
+ * with one more reference. It is published under kvhi_prefix_hash(parent,
+ * tokens, salt), salt the scope's (kvhi_scope_salt), so the dedupe finds
+ * only that scope's blocks. May drop the lock (making room for it). */
+kvh_status kvhi_pool_offload(kvh_engine *e, kvhi_ext_pool *p, uint32_t slot, uint64_t salt, uint64_t parent,
+                             const int32_t *tokens, uint32_t agent, uint32_t *out);
 
 void kvhi_pools_destroy(kvh_engine *e);
 

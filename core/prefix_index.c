@@ -1,5 +1,6 @@
 #include "core/prefix_index.h"
 
+#include <stdbool.h>
 #include <stdlib.h>
 
 static inline uint64_t mix64(uint64_t x)
@@ -26,6 +27,16 @@ uint64_t kvhi_prefix_hash(uint64_t parent, const int32_t *tokens, size_t n, uint
         h = mix64(h ^ (uint64_t)(uint32_t)tokens[i]);
     h = mix64(h);
     return h ? h : 1;
+}
+
+uint64_t kvhi_scope_salt(uint64_t model_salt, uint64_t scope) { return model_salt ^ mix64(scope); }
+
+uint64_t kvhi_scope_block_salt(uint64_t model_salt, const kvhi_scope *sc, uint64_t i, uint32_t bt)
+{
+    if (!sc)
+        return model_salt;
+    bool shared = sc->shared_tokens / bt > i; /* (i + 1) * bt <= shared_tokens, without overflow */
+    return kvhi_scope_salt(model_salt, shared ? sc->shared_scope : sc->scope);
 }
 
 int kvhi_prefix_init(kvhi_prefix_index *ix, uint64_t max_entries)
@@ -55,6 +66,8 @@ void kvhi_prefix_destroy(kvhi_prefix_index *ix)
 
 uint32_t kvhi_prefix_find(const kvhi_prefix_index *ix, uint64_t hash)
 {
+    if (hash == 0) /* the empty key: never stored (a forged record may name it) */
+        return KVHI_PREFIX_MISS;
     for (uint64_t i = hash & ix->mask;; i = (i + 1) & ix->mask) {
         uint64_t k = ix->keys[i];
         if (k == hash)
@@ -66,6 +79,8 @@ uint32_t kvhi_prefix_find(const kvhi_prefix_index *ix, uint64_t hash)
 
 int kvhi_prefix_insert(kvhi_prefix_index *ix, uint64_t hash, uint32_t value)
 {
+    if (hash == 0)
+        return -1;
     uint64_t i = hash & ix->mask;
     for (; ix->keys[i] != 0; i = (i + 1) & ix->mask)
         if (ix->keys[i] == hash)

@@ -22,10 +22,29 @@ typedef struct kvhi_prefix_index {
 /* Never returns 0 (the empty key). */
 uint64_t kvhi_prefix_hash(uint64_t parent, const int32_t *tokens, size_t n, uint64_t salt);
 
+/* Tenant scopes (kvh.h "Tenant scopes"). The salt of scope s is
+ * model_salt ^ mix64(s), mix64 splitmix64's finaliser: a bijection with
+ * mix64(0) = 0, so scope 0 hashes exactly as before scopes existed, and
+ * two scopes of one engine never have the same salt. */
+uint64_t kvhi_scope_salt(uint64_t model_salt, uint64_t scope);
+
+/* What a sequence (or a scoped lookup) hashes in: logical block i, tokens
+ * [i * bt, (i + 1) * bt), is in shared_scope when (i + 1) * bt <=
+ * shared_tokens, else in scope. All zero: the engine's default scope. */
+typedef struct kvhi_scope {
+    uint64_t scope;
+    uint64_t shared_scope;
+    uint64_t shared_tokens;
+} kvhi_scope;
+
+/* Salt of logical block i under sc (sc NULL: the default scope). */
+uint64_t kvhi_scope_block_salt(uint64_t model_salt, const kvhi_scope *sc, uint64_t i, uint32_t bt);
+
 int kvhi_prefix_init(kvhi_prefix_index *ix, uint64_t max_entries);
 void kvhi_prefix_destroy(kvhi_prefix_index *ix);
+/* Hash 0 (the empty key) is never found and never inserted. */
 uint32_t kvhi_prefix_find(const kvhi_prefix_index *ix, uint64_t hash);
-/* Returns 0, or -1 if the hash is present already. */
+/* Returns 0, or -1 if the hash is present already (or is 0). */
 int kvhi_prefix_insert(kvhi_prefix_index *ix, uint64_t hash, uint32_t value);
 void kvhi_prefix_erase(kvhi_prefix_index *ix, uint64_t hash);
 

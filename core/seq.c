@@ -129,6 +129,7 @@ kvh_status kvhi_seq_fork(kvh_engine *e, kvhi_seq *s, uint32_t agent, kvh_seq *ou
     }
     c->n_blocks = s->n_blocks;
     c->n_tokens = s->n_tokens;
+    c->scope = s->scope; /* its new blocks continue the same chains */
     *out = h;
     return KVH_OK;
 }
@@ -220,7 +221,8 @@ kvh_status kvhi_seq_append(kvh_engine *e, kvhi_seq *s, const int32_t *tokens, si
         blk->n_tokens = (uint16_t)(blk->n_tokens + take);
         t += take;
         if (blk->n_tokens == bt) {
-            blk->hash = kvhi_prefix_hash(blk->parent_hash, kvhi_block_tokens(e, b), bt, e->cfg.model_salt);
+            blk->hash = kvhi_prefix_hash(blk->parent_hash, kvhi_block_tokens(e, b), bt,
+                                         kvhi_scope_block_salt(e->cfg.model_salt, &s->scope, li, bt));
             blk->flags |= KVHI_BF_HASHED;
             kvhi_block_try_publish(e, b);
             li++;
@@ -442,7 +444,7 @@ kvh_status kvhi_seq_match_prefix(kvh_engine *e, kvhi_seq *s, const int32_t *toke
     size_t i = 0;
     for (; i < nb; i++) {
         const int32_t *tk = tokens + i * bt;
-        uint64_t h = kvhi_prefix_hash(parent, tk, bt, e->cfg.model_salt);
+        uint64_t h = kvhi_prefix_hash(parent, tk, bt, kvhi_scope_block_salt(e->cfg.model_salt, &s->scope, i, bt));
         uint32_t b = kvhi_prefix_find(&e->prefix, h);
         if (b == KVHI_PREFIX_MISS)
             break;

@@ -26,6 +26,7 @@ typedef struct kvhi_seq {
      * half changed, so it is refused (abi/api_common.h). */
     bool owner_in_call;
     uint64_t n_tokens;
+    kvhi_scope scope; /* what its blocks hash in (kvh_seq_set_scope) */
 } kvhi_seq;
 
 kvh_status kvhi_seq_get(kvh_engine *e, kvh_seq h, kvhi_seq **out);

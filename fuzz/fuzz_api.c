@@ -144,19 +144,41 @@ static void step(state *s, fz_in *in)
     bool want_fence = fz_u8(in) & 1;
     switch (op) {
     case 0:
-    case 1:
-        st = kvh_seq_create(e, fz_u8(in) % 4, &out_s);
+    case 1: {
+        /* An agent byte of 0xF0 or more also gives the sequence a scope
+         * (tenant scopes came after the corpus: no byte of its own). */
+        uint8_t a = fz_u8(in);
+        st = kvh_seq_create(e, a % 4, &out_s);
+        if (st == KVH_OK && a >= 0xF0) {
+            uint64_t scope = 1 + ((a >> 1) & 1), shared = (a & 4) ? 0 : scope, sc = SENT;
+            FZ_CHECK(kvh_seq_set_scope(e, out_s, scope, shared, BT * ((a >> 3) & 1u)) == KVH_OK,
+                     "set_scope of a new sequence: %s", kvh_last_error());
+            FZ_CHECK(kvh_seq_get_scope(e, out_s, &sc, NULL, NULL) == KVH_OK && sc == scope, "get_scope");
+        }
         if (st == KVH_OK)
             keep(s->seqs, NSEQ, in, out_s.id);
         break;
+    }
     case 2:
         st = kvh_seq_free(e, q);
         break;
-    case 3:
-        st = kvh_seq_fork(e, q, fz_u8(in) % 4, &out_s);
+    case 3: {
+        uint8_t a = fz_u8(in);
+        st = kvh_seq_fork(e, q, a % 4, &out_s);
+        if (st == KVH_OK && a >= 0xF0) { /* a scope on the child: only while it is empty */
+            uint64_t len = 0, sc = SENT;
+            FZ_CHECK(kvh_seq_length(e, out_s, &len) == KVH_OK, "length of a new child");
+            FZ_CHECK(kvh_seq_get_scope(e, q, &sc, NULL, NULL) == KVH_OK, "get_scope of a forked sequence");
+            uint64_t csc = ~sc;
+            FZ_CHECK(kvh_seq_get_scope(e, out_s, &csc, NULL, NULL) == KVH_OK && csc == sc, "fork keeps the scope");
+            kvh_status ss = kvh_seq_set_scope(e, out_s, a & 3, a & 3, 0);
+            FZ_CHECK(ss == (len ? KVH_ERR_INVALID_ARG : KVH_OK), "set_scope on a child of %llu tokens: %s",
+                     (unsigned long long)len, kvh_status_name(ss));
+        }
         if (st == KVH_OK)
             keep(s->seqs, NSEQ, in, out_s.id);
         break;
+    }
     case 4:
     case 5: { /* append, then write all layers of what was appended */
         size_t n = tokens_from(in, s, tk);
@@ -334,8 +356,12 @@ static void step(state *s, fz_in *in)
     case 32: {
         size_t n = tokens_from(in, s, tk);
         kvh_block bl[6];
-        size_t cap = fz_u8(in) % 7;
-        st = kvh_prefix_lookup(e, tk, n, bl, cap, &sz);
+        uint8_t c = fz_u8(in);
+        size_t cap = c % 7;
+        if (c >= 0xF0) /* scoped (see case 0) */
+            st = kvh_prefix_lookup_scoped(e, c & 3, (c >> 2) & 1, BT * ((c >> 3) & 1u), tk, n, bl, cap, &sz);
+        else
+            st = kvh_prefix_lookup(e, tk, n, bl, cap, &sz);
         if (st == KVH_OK) {
             FZ_CHECK(sz <= cap && sz <= n / BT, "lookup found %zu (cap %zu, n %zu)", sz, cap, n);
             for (size_t i = 0; i < sz; i++) {
@@ -380,9 +406,16 @@ static void step(state *s, fz_in *in)
                 fill_kv(s, tk, BT, l, &s->pool_mem[pi][2 * l][slot * BT * s->tok],
                         &s->pool_mem[pi][2 * l + 1][slot * BT * s->tok]);
         uint64_t parent = 0;
-        if (fz_u8(in) & 1)
+        uint8_t pb = fz_u8(in);
+        if ((pb & 1) && pb >= 0xF0) /* scoped (see case 0) */
+            kvh_prefix_hash_scoped(e, (pb >> 1) & 3, 0, s->prompts[0], BT, &parent);
+        else if (pb & 1)
             kvh_prefix_hash(e, 0, s->prompts[0], BT, &parent);
-        st = kvh_pool_offload(e, p, slot, parent, tk, n, fz_u8(in) % 4, &out_b);
+        uint8_t ab = fz_u8(in);
+        if (ab >= 0xF0)
+            st = kvh_pool_offload_scoped(e, p, slot, (ab >> 2) & 3, parent, tk, n, ab % 4, &out_b);
+        else
+            st = kvh_pool_offload(e, p, slot, parent, tk, n, ab % 4, &out_b);
         if (st == KVH_OK) {
             keep(s->blocks, NBLK, in, out_b.id);
             own(s, out_b.id);

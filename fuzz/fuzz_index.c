@@ -97,6 +97,13 @@ static void decode_all(const uint8_t *f, size_t len)
         uint32_t crc = (uint32_t)f[80] | (uint32_t)f[81] << 8 | (uint32_t)f[82] << 16 | (uint32_t)f[83] << 24;
         FZ_CHECK(crc == kvhi_crc32c(0, f, 80), "a header with a bad CRC decoded");
         FZ_CHECK(h.geo.block_tokens >= 1 && h.geo.block_tokens <= 256, "block_tokens %u accepted", h.geo.block_tokens);
+        /* A forged header (valid CRC) must not name a geometry that sizes
+         * anything wrongly: no zero dimension, no block size that wraps. */
+        FZ_CHECK(h.geo.num_layers && h.geo.num_kv_heads && h.geo.head_dim, "a zero dimension accepted");
+        FZ_CHECK(h.geo.block_bytes >= 1 && h.geo.block_bytes <= KVHI_DISK_MAX_BLOCK_BYTES, "block size %llu accepted",
+                 (unsigned long long)h.geo.block_bytes);
+        FZ_CHECK(KVHI_SLOT_HEADER_BYTES + kvhi_round_up(h.geo.block_bytes, KVHI_DISK_ALIGN) > h.geo.block_bytes,
+                 "slot size wraps");
     }
     size_t rec = kvhi_index_rec_bytes(BT);
     int32_t tk[BT];

@@ -1,5 +1,6 @@
 /* kvh-store: inspect a kvh disk store without an engine.
- *   kvh-store info DIR     geometry, blocks, bytes, prefix chains
+ *   kvh-store info DIR     geometry, blocks, bytes, prefix chains, and who
+ *                          can read it (directory and file modes)
  *   kvh-store verify DIR   re-checks every block's checksums; exit 0 only
  *                          if all pass, the bad ones are listed */
 #include <dirent.h>
@@ -22,7 +23,7 @@ static void usage(FILE *f)
     fprintf(f, "usage: kvh-store info DIR [--json]\n"
                "       kvh-store verify DIR [--json]\n"
                "Inspects a kvh disk tier directory (kvh_config.disk_path).\n"
-               "  info     geometry, block count, bytes, prefix chains\n"
+               "  info     geometry, block count, bytes, prefix chains, permissions\n"
                "  verify   re-reads every indexed block and checks its checksums;\n"
                "           exits 0 only when all pass, and lists the bad ones\n");
 }
@@ -95,6 +96,8 @@ static int open_store(const char *path, kvhi_disk *d)
     free(tk);
     if (max_slot > total)
         total = max_slot;
+    if (total > UINT32_MAX / 2) /* as the engine: slot numbers are 32-bit */
+        total = UINT32_MAX / 2;
     uint64_t per = (1ull << 30) / d->slot_bytes;
     d->slots_per_slab = d->n_slabs > 1 && per ? (uint32_t)per : (uint32_t)(total ? total : 1);
     d->n_slots = (uint32_t)total;
@@ -109,6 +112,69 @@ static int open_store(const char *path, kvhi_disk *d)
     d->lane_blocks = 1;
     pthread_mutex_init(&d->lane_lock, NULL);
     return 0;
+}
+
+/* Who can read the store: the directory's and every file's mode, against
+ * what the engine makes (core/disk_access.h): 0700 / 0600, or 0750 / 0640
+ * with KVH_DISK_SHARE_GROUP. */
+enum { PERM_OWNER, PERM_GROUP, PERM_EXPOSED };
+static const char *const perm_names[] = {"owner-only", "group", "exposed"};
+
+typedef struct store_perms {
+    int level;          /* the widest of the directory and its files */
+    unsigned dir_mode;  /* permission bits of the directory */
+    bool dir_writable;  /* by group or others: an engine refuses to open it */
+    bool foreign;       /* owned by another user than this process's */
+    char exposed[1024]; /* "name 0644, ..." of what is wider than group */
+} store_perms;
+
+static int perm_level(mode_t m, bool dir)
+{
+    if (!(m & 077))
+        return PERM_OWNER;
+    return (m & (dir ? 027 : 037)) ? PERM_EXPOSED : PERM_GROUP;
+}
+
+static void note_exposed(store_perms *p, const char *name, mode_t m)
+{
+    size_t at = strlen(p->exposed);
+    if (at + 48 < sizeof(p->exposed))
+        snprintf(p->exposed + at, sizeof(p->exposed) - at, "%s%s %04o", at ? ", " : "", name, (unsigned)(m & 07777));
+}
+
+static void store_perms_of(const kvhi_disk *d, store_perms *p)
+{
+    memset(p, 0, sizeof(*p));
+    struct stat st;
+    if (fstat(d->dir_fd, &st) != 0)
+        return;
+    p->dir_mode = st.st_mode & 07777;
+    p->dir_writable = (st.st_mode & (S_IWGRP | S_IWOTH)) != 0;
+    p->foreign = st.st_uid != geteuid();
+    p->level = perm_level(st.st_mode, true);
+    if (p->level == PERM_EXPOSED)
+        note_exposed(p, "(directory)", st.st_mode);
+    int fd = dup(d->dir_fd);
+    DIR *dir = fd >= 0 ? fdopendir(fd) : NULL;
+    if (!dir) {
+        if (fd >= 0)
+            close(fd);
+        return;
+    }
+    rewinddir(dir);
+    for (struct dirent *de; (de = readdir(dir)) != NULL;) {
+        if (de->d_name[0] == '.')
+            continue;
+        if (fstatat(d->dir_fd, de->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISREG(st.st_mode))
+            continue;
+        int lv = perm_level(st.st_mode, false);
+        if (lv > p->level)
+            p->level = lv;
+        if (lv == PERM_EXPOSED)
+            note_exposed(p, de->d_name, st.st_mode);
+        p->foreign |= st.st_uid != geteuid();
+    }
+    closedir(dir);
 }
 
 int main(int argc, char **argv)
@@ -163,28 +229,44 @@ int main(int argc, char **argv)
         free(depth);
         free(stack);
         uint64_t bytes = (uint64_t)list.n * d.block_bytes;
+        store_perms pm;
+        store_perms_of(&d, &pm);
         if (json)
             printf("{\"path\": \"%s\", \"layers\": %u, \"kv_heads\": %u, \"head_dim\": %u, \"block_tokens\": %u, "
                    "\"dtype\": \"%s\", \"model_salt\": %llu, \"block_bytes\": %llu, \"slots\": %u, \"blocks\": %zu, "
                    "\"bytes\": %llu, \"tokens\": %llu, \"prefix_chains\": %llu, \"longest_chain_blocks\": %llu, "
-                   "\"bad_records\": %llu}\n",
+                   "\"bad_records\": %llu, \"permissions\": \"%s\", \"dir_mode\": \"%04o\", "
+                   "\"dir_writable_by_others\": %s, \"other_owner\": %s, \"exposed\": \"%s\"}\n",
                    d.path, d.geo.num_layers, d.geo.num_kv_heads, d.geo.head_dim, d.geo.block_tokens,
                    dtype_name(d.geo.dtype), (unsigned long long)d.geo.model_salt, (unsigned long long)d.block_bytes,
                    d.n_slots, list.n, (unsigned long long)bytes, (unsigned long long)list.n * d.geo.block_tokens,
-                   (unsigned long long)roots, (unsigned long long)longest, (unsigned long long)list.bad_records);
+                   (unsigned long long)roots, (unsigned long long)longest, (unsigned long long)list.bad_records,
+                   perm_names[pm.level], pm.dir_mode, pm.dir_writable ? "true" : "false", pm.foreign ? "true" : "false",
+                   pm.exposed);
         else
-            printf("store         %s\n"
-                   "geometry      %u layers x %u kv heads x %u dim, %u tokens/block, %s\n"
-                   "model salt    0x%016llx\n"
-                   "block bytes   %llu\n"
-                   "slots         %u (%zu used)\n"
-                   "blocks        %zu (%llu tokens, %.1f MiB)\n"
-                   "prefix chains %llu (longest %llu blocks)\n"
-                   "bad records   %llu\n",
-                   d.path, d.geo.num_layers, d.geo.num_kv_heads, d.geo.head_dim, d.geo.block_tokens,
-                   dtype_name(d.geo.dtype), (unsigned long long)d.geo.model_salt, (unsigned long long)d.block_bytes,
-                   d.n_slots, list.n, list.n, (unsigned long long)list.n * d.geo.block_tokens, bytes / 1048576.0,
-                   (unsigned long long)roots, (unsigned long long)longest, (unsigned long long)list.bad_records);
+            printf(
+                "store         %s\n"
+                "geometry      %u layers x %u kv heads x %u dim, %u tokens/block, %s\n"
+                "model salt    0x%016llx\n"
+                "block bytes   %llu\n"
+                "slots         %u (%zu used)\n"
+                "blocks        %zu (%llu tokens, %.1f MiB)\n"
+                "prefix chains %llu (longest %llu blocks)\n"
+                "bad records   %llu\n"
+                "permissions   %s (directory %04o)%s%s%s%s\n",
+                d.path, d.geo.num_layers, d.geo.num_kv_heads, d.geo.head_dim, d.geo.block_tokens,
+                dtype_name(d.geo.dtype), (unsigned long long)d.geo.model_salt, (unsigned long long)d.block_bytes,
+                d.n_slots, list.n, list.n, (unsigned long long)list.n * d.geo.block_tokens, bytes / 1048576.0,
+                (unsigned long long)roots, (unsigned long long)longest, (unsigned long long)list.bad_records,
+                perm_names[pm.level], pm.dir_mode,
+                pm.level == PERM_EXPOSED ? "\n              other users can read cached prompts' KV: " : "", pm.exposed,
+                pm.dir_writable ? "\n              the directory is writable by other users: an engine refuses it" : "",
+                pm.foreign ? "\n              owned by another user than this one" : "");
+        if (pm.level == PERM_EXPOSED)
+            fprintf(stderr,
+                    "kvh-store: %s is readable by other users; an engine narrows it to 0700/0600 on its next open, "
+                    "or: chmod 700 %s && chmod 600 %s/*\n",
+                    d.path, d.path, d.path);
         kvhi_index_list_free(&list);
         kvhi_disk_close(&d);
         return 0;

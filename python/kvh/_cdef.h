@@ -232,6 +232,11 @@ kvh_status kvh_pool_register(kvh_engine *engine, const kvh_pool_layout *layout, 
 kvh_status kvh_pool_unregister(kvh_engine *engine, kvh_pool pool);
 kvh_status kvh_pool_offload(kvh_engine *engine, kvh_pool pool, uint32_t slot, uint64_t parent_hash, const int32_t *tokens, size_t n, uint32_t agent, kvh_block *block);
 kvh_status kvh_pool_restore(kvh_engine *engine, kvh_pool pool, kvh_block block, uint32_t slot);
+kvh_status kvh_seq_set_scope(kvh_engine *engine, kvh_seq seq, uint64_t scope, uint64_t shared_scope, uint64_t shared_tokens);
+kvh_status kvh_seq_get_scope(kvh_engine *engine, kvh_seq seq, uint64_t *scope, uint64_t *shared_scope, uint64_t *shared_tokens);
+kvh_status kvh_prefix_hash_scoped(kvh_engine *engine, uint64_t scope, uint64_t parent, const int32_t *tokens, size_t n, uint64_t *hash);
+kvh_status kvh_prefix_lookup_scoped(kvh_engine *engine, uint64_t scope, uint64_t shared_scope, uint64_t shared_tokens, const int32_t *tokens, size_t n, kvh_block *out, size_t cap, size_t *n_blocks);
+kvh_status kvh_pool_offload_scoped(kvh_engine *engine, kvh_pool pool, uint32_t slot, uint64_t scope, uint64_t parent_hash, const int32_t *tokens, size_t n, uint32_t agent, kvh_block *block);
 typedef struct kvh_attention_params {
     uint32_t struct_size;
     uint32_t num_q_heads;

@@ -3,7 +3,7 @@
     kvh demo                agents answer questions with SmolLM2 over a document library, KV in kvh's tiers
                             (--synthetic: the synthetic-KV workload, no model)
     kvh stats DIR           open a disk store with an engine and print its tiers and counters
-    kvh store info DIR      geometry, blocks and prefix chains of a store (kvh-store)
+    kvh store info DIR      geometry, blocks, prefix chains and permissions of a store (kvh-store)
     kvh store verify DIR    re-check every stored block's checksums (kvh-store)
     kvh bench [SCENARIO]    run kvh-bench scenarios and summarise them
     kvh doctor              check the machine (huge pages, memlock, sysctls, O_DIRECT, NUMA, CUDA)
@@ -211,6 +211,11 @@ def cmd_stats(args: argparse.Namespace) -> int:
                 f"{info.get('prefix_chains', '?')} (longest {info.get('longest_chain_blocks', '?')} blocks)",
             ]
         )
+        if "permissions" in info:
+            perm = f"{info['permissions']} (directory {info.get('dir_mode', '?')})"
+            if info.get("exposed"):
+                perm += f"; readable by others: {info['exposed']}"
+            rows.append(["permissions", perm])
     print(table(rows, ["item", "value"], title="kvh store (opened by an engine)", align="ll"))
     return EXIT_OK
 
@@ -399,7 +404,7 @@ def build_parser() -> argparse.ArgumentParser:
     ssub = sp.add_subparsers(dest="action", metavar="ACTION")
     ssub.required = True
     for action, text in (
-        ("info", "geometry, block count, bytes, prefix chains"),
+        ("info", "geometry, block count, bytes, prefix chains, who can read it (directory and file modes)"),
         ("verify", "re-read every stored block and check its checksums (exit 1 if any is bad)"),
     ):
         ap = ssub.add_parser(action, help=text, description=text)

@@ -1,8 +1,9 @@
 """``kvh doctor``: read-only checks of what the first seed tunes by hand —
 huge pages, the memlock limit for pinned memory, ``vm.max_map_count`` (and
 the other sysctls of the seed), O_DIRECT support and free space on the data
-directory, io_uring, NUMA layout, the CUDA device and driver — and what to
-change, printed as commands and sysctl lines. It never changes anything."""
+directory, who can read the store in it, io_uring, NUMA layout, the CUDA
+device and driver — and what to change, printed as commands and sysctl
+lines. It never changes anything."""
 
 from __future__ import annotations
 
@@ -254,6 +255,83 @@ def check_data_dir(data_dir: Path, disk_budget: int) -> List[Check]:
     return checks
 
 
+def _perm_level(mode: int, is_dir: bool) -> str:
+    """owner-only, group (what KVH_DISK_SHARE_GROUP makes), or exposed."""
+    if not mode & 0o077:
+        return "owner-only"
+    return "exposed" if mode & (0o027 if is_dir else 0o037) else "group"
+
+
+def check_store_permissions(data_dir: Path) -> Check:
+    """Who can read the store: kvh creates its directory 0700 and its files
+    0600 (0750/0640 with KVH_DISK_SHARE_GROUP) whatever the umask, refuses a
+    directory other users can write to, and narrows wider modes when it
+    opens a store; an older store may still be readable by others."""
+    name = "store permissions"
+    d = Path(data_dir)
+    if not d.exists():
+        summary = f"{d} does not exist yet: kvh creates it 0700 (files 0600) whatever the umask"
+        return Check(name, OK, summary, [], {"path": str(d)})
+    try:
+        st = d.stat()
+    except OSError as exc:
+        return Check(name, WARN, f"cannot stat {d}: {exc}", [], {"path": str(d)})
+    if not d.is_dir():
+        return Check(name, FAIL, f"{d} is not a directory", [], {"path": str(d)})
+    mode = st.st_mode & 0o7777
+    levels = [_perm_level(mode, True)]
+    exposed = [f"(directory) {mode:04o}"] if levels[0] == "exposed" else []
+    files: Dict[str, str] = {}
+    foreign = st.st_uid != os.geteuid()
+    try:
+        entries = sorted(os.scandir(d), key=lambda e: e.name)
+    except OSError:
+        entries = []
+    for ent in entries:
+        if ent.name.startswith(".") or not ent.is_file(follow_symlinks=False):
+            continue
+        try:
+            fst = ent.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        fmode = fst.st_mode & 0o7777
+        files[ent.name] = f"{fmode:04o}"
+        lv = _perm_level(fmode, False)
+        levels.append(lv)
+        foreign |= fst.st_uid != os.geteuid()
+        if lv == "exposed":
+            exposed.append(f"{ent.name} {fmode:04o}")
+    order = ["owner-only", "group", "exposed"]
+    level = max(levels, key=order.index)
+    writable = bool(mode & 0o022)
+    data = {
+        "path": str(d),
+        "permissions": level,
+        "dir_mode": f"{mode:04o}",
+        "files": files,
+        "dir_writable_by_others": writable,
+        "other_owner": foreign,
+    }
+    q = shlex.quote(str(d))
+    fix = []
+    problems = []
+    if writable:
+        problems.append(f"the directory is writable by other users (mode {mode:04o}): kvh refuses to open it")
+    if level == "exposed":
+        problems.append("other users can read cached prompts' KV: " + ", ".join(exposed))
+    if foreign:
+        problems.append("owned by another user: kvh opens only a store of its own user")
+    if problems:
+        fix = [
+            "# kvh narrows the modes itself on its next open (not a directory others can write to); or now:",
+            f"chmod 700 {q} && find {q} -maxdepth 1 -type f -exec chmod 600 {{}} +",
+        ]
+        return Check(name, WARN, "; ".join(problems), fix, data)
+    if level == "group":
+        return Check(name, INFO, f"group-readable (KVH_DISK_SHARE_GROUP): directory {mode:04o}", [], data)
+    return Check(name, OK, f"owner only: directory {mode:04o}, {len(files)} files 0600 or narrower", [], data)
+
+
 def check_io_uring() -> Check:
     disabled = _read("/proc/sys/kernel/io_uring_disabled")
     data = {"io_uring_disabled": disabled}
@@ -412,6 +490,7 @@ def run_checks(
         lambda: check_memlock(host_budget),
         check_sysctls,
         lambda: check_data_dir(data_dir, disk_budget),
+        lambda: check_store_permissions(data_dir),
         check_io_uring,
         check_numa,
         check_cuda,
@@ -431,7 +510,7 @@ def run_checks(
 def main_doctor(args) -> int:
     from ._progress import Progress
 
-    with Progress(8, "kvh doctor", enabled=None if not args.json else False, unit="check") as bar:
+    with Progress(9, "kvh doctor", enabled=None if not args.json else False, unit="check") as bar:
         checks = run_checks(
             args.data_dir, args.host_budget, args.disk_budget, progress=lambda name: bar.update(1, name)
         )

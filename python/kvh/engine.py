@@ -39,7 +39,7 @@ import numpy as np
 from . import errors
 from ._ffi import NULL, U64_MAX, check, ffi, kvh_level_for_logger, last_error, lib, raise_status, status_name
 from ._handle import Finalized, GatedHandle, GateUse, HandleGate, OwnedHandle, in_lock_order
-from .types import Backend, BlockInfo, Codec, Config, Eviction, DType, Stats, Tier, TierInfo, numpy_dtype
+from .types import Backend, BlockInfo, Codec, Config, Eviction, DType, Scope, Stats, Tier, TierInfo, numpy_dtype
 
 __all__ = ["Engine", "Sequence", "Block", "Hold", "Fence", "TokenSpan"]
 
@@ -483,13 +483,22 @@ class Engine(OwnedHandle):
 
     # ---- sequences ----
     def sequence(
-        self, agent: int = 0, tokens: Optional[ArrayLike] = None, *, token_budget: int = 0, context: Any = None
+        self,
+        agent: int = 0,
+        tokens: Optional[ArrayLike] = None,
+        *,
+        token_budget: int = 0,
+        context: Any = None,
+        scope: Union[Scope, int, None] = None,
     ) -> "Sequence":
         """A new empty sequence owned by ``agent`` (tokens, if given, are appended).
         ``token_budget`` (expected final length) subjects it to admission
         (see :meth:`admission`; NoSpaceError when its pool is full);
-        ``context`` attaches it to a :class:`kvh.Context`."""
+        ``context`` attaches it to a :class:`kvh.Context`; ``scope`` (an int
+        or a :class:`kvh.Scope`) is its tenant scope (default: the engine's
+        default scope 0)."""
         agent = _index("agent", agent, maximum=_U32)
+        sc = Scope.of(scope)
         token_budget = _index("token_budget", token_budget)
         h = ffi.new("kvh_seq *")
         if token_budget or context is not None:
@@ -511,12 +520,14 @@ class Engine(OwnedHandle):
             with self._call() as p:
                 check(lib.kvh_seq_create(p, agent, h))
         seq = Sequence(self, h, agent)
-        if tokens is not None:
-            try:
+        try:
+            if sc != Scope():
+                seq.set_scope(sc)
+            if tokens is not None:
                 seq.append(tokens)
-            except BaseException:
-                seq.free()
-                raise
+        except BaseException:
+            seq.free()
+            raise
         return seq
 
     # ---- weight contexts and admission (kvh.context) ----
@@ -687,26 +698,38 @@ class Engine(OwnedHandle):
             check(lib.kvh_block_alloc(p, agent, out))
         return Block(self, int(out.id), owned=True)
 
-    def prefix_hash(self, tokens: ArrayLike, parent: int = 0) -> int:
-        """Chained hash of one full block of tokens (n == block_tokens)."""
+    def prefix_hash(self, tokens: ArrayLike, parent: int = 0, *, scope: int = 0) -> int:
+        """Chained hash of one full block of tokens (n == block_tokens) in
+        ``scope`` (a plain scope value; 0, the default scope, is
+        ``kvh_prefix_hash``)."""
         tk = _tokens(tokens)
         if tk.size != self.block_tokens:
             raise ValueError(f"tokens must hold exactly block_tokens={self.block_tokens} ids, got {tk.size}")
         parent = _index("parent", parent)
+        scope = _index("scope", scope)
         out = ffi.new("uint64_t *")
         with self._call() as p:
-            check(lib.kvh_prefix_hash(p, parent, _iptr(tk), tk.size, out))
+            if scope:
+                check(lib.kvh_prefix_hash_scoped(p, scope, parent, _iptr(tk), tk.size, out))
+            else:
+                check(lib.kvh_prefix_hash(p, parent, _iptr(tk), tk.size, out))
         return int(out[0])
 
-    def prefix_lookup(self, tokens: ArrayLike) -> List["Block"]:
-        """Blocks of the longest cached prefix of tokens, each retained for
-        the caller (released when the Block is released or collected)."""
+    def prefix_lookup(self, tokens: ArrayLike, *, scope: Union[Scope, int, None] = None) -> List["Block"]:
+        """Blocks of the longest cached prefix of tokens in ``scope`` (an int
+        or a :class:`kvh.Scope`; default: the default scope), each retained
+        for the caller (released when the Block is released or collected)."""
         tk = _tokens(tokens)
+        sc = Scope.of(scope)
         cap = tk.size // self.block_tokens
         out = ffi.new("kvh_block[]", max(1, cap))
         nb = ffi.new("size_t *")
         with self._call() as p:
-            check(lib.kvh_prefix_lookup(p, _iptr(tk), tk.size, out, cap, nb))
+            check(
+                lib.kvh_prefix_lookup_scoped(
+                    p, sc.scope, sc.shared_scope, sc.shared_tokens, _iptr(tk), tk.size, out, cap, nb
+                )
+            )
         return [Block(self, int(out[i].id), owned=True) for i in range(int(nb[0]))]
 
     def block_table(self, seqs: Seq["Sequence"]) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -1445,6 +1468,31 @@ class Sequence(GatedHandle, OwnedHandle):
         with self._call() as p:
             check(lib.kvh_seq_match_prefix(p, self._h[0], _iptr(tk), tk.size, m))
         return int(m[0])
+
+    def set_scope(
+        self, scope: Union[Scope, int, None] = None, *, shared_scope: int = 0, shared_tokens: int = 0
+    ) -> None:
+        """Sets the tenant scope of an empty sequence (``scope`` an int, with
+        ``shared_scope`` and ``shared_tokens``, or a :class:`kvh.Scope`):
+        its publishes and :meth:`match_prefix` use it from now on, and
+        :meth:`fork` passes it on. InvalidArgumentError when the sequence
+        holds tokens (truncate it to 0 first)."""
+        if isinstance(scope, Scope):
+            if shared_scope or shared_tokens:
+                raise TypeError("pass either a kvh.Scope or shared_scope/shared_tokens, not both")
+            sc = scope
+        else:
+            sc = Scope(Scope.of(scope).scope, shared_scope, shared_tokens)
+        with self._call() as p:
+            check(lib.kvh_seq_set_scope(p, self._h[0], sc.scope, sc.shared_scope, sc.shared_tokens))
+
+    @property
+    def scope(self) -> Scope:
+        """The tenant scope (:class:`kvh.Scope`) its blocks hash in."""
+        out = ffi.new("uint64_t[3]")
+        with self._call_any() as p:
+            check(lib.kvh_seq_get_scope(p, self._h[0], out, out + 1, out + 2))
+        return Scope(int(out[0]), int(out[1]), int(out[2]))
 
     def fork(self, agent: Optional[int] = None) -> "Sequence":
         """Copy-on-write child sharing every block (agent: default the parent's)."""

@@ -19,6 +19,7 @@ __all__ = [
     "Stats",
     "TierInfo",
     "BlockInfo",
+    "Scope",
     "numpy_dtype",
     "bf16_to_f32",
     "f32_to_bf16",
@@ -369,6 +370,54 @@ class TierInfo:
     @property
     def capacity_bytes(self) -> int:
         return self.capacity_blocks * self.block_bytes
+
+
+@dataclass(frozen=True)
+class Scope:
+    """Tenant scope of a sequence or a lookup (kvh.h "Tenant scopes").
+
+    Blocks hash in ``scope``, except the first ``shared_tokens`` tokens
+    (whole blocks only), which hash in ``shared_scope``. Blocks of two
+    scopes never match each other; scope 0 is the engine's default scope,
+    where every sequence starts. A multi-tenant caller gives each tenant
+    (or request) its own scope and puts what it chooses to share (a system
+    prompt) in ``shared_tokens`` of a shared scope (0: shared with
+    everyone)."""
+
+    scope: int = 0
+    shared_scope: int = 0
+    shared_tokens: int = 0
+
+    @classmethod
+    def of(cls, value: "Union[Scope, int, None]") -> "Scope":
+        """A Scope from a Scope, a plain scope value, or None (the default)."""
+        if value is None:
+            return cls()
+        if isinstance(value, Scope):
+            return value
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"scope must be an int or a kvh.Scope, not {type(value).__name__}")
+        return cls(scope=value)
+
+    @staticmethod
+    def value_of(salt: Union[str, bytes]) -> int:
+        """A scope value from a string or bytes salt (vLLM's per-request
+        ``cache_salt``, a user id): the first 8 bytes, little endian, of
+        BLAKE2b keyed with a fixed domain tag, never 0 (the default scope).
+        Equal salts give equal scopes in every process and release."""
+        import hashlib
+
+        data = salt.encode("utf-8") if isinstance(salt, str) else bytes(salt)
+        v = int.from_bytes(hashlib.blake2b(data, digest_size=8, key=b"kvh-scope").digest(), "little")
+        return v or 1
+
+    def __post_init__(self) -> None:
+        for name in ("scope", "shared_scope", "shared_tokens"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"Scope.{name} must be an int, not {type(v).__name__}")
+            if not 0 <= v < 1 << 64:
+                raise ValueError(f"Scope.{name} must be in [0, 2**64), got {v}")
 
 
 @dataclass(frozen=True)

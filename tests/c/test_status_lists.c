@@ -678,6 +678,63 @@ static void test_prefix_and_pools(void **state)
 }
 
 /* ------------------------------------------------------------------ */
+/* Tenant scopes                                                        */
+/* ------------------------------------------------------------------ */
+
+static void test_scopes(void **state)
+{
+    (void)state;
+    kvh_engine *e = open_small(4, 4);
+    kvh_seq s = seq_of(e, 2, 1, false), empty = tu_seq_new(e, 0), gone = stale_seq(e);
+    int32_t toks[BT] = {1, 2, 3, 4};
+    uint64_t hash;
+    size_t n_blocks;
+    kvh_block out[2];
+    assert_kvh(KVH_ERR_INVALID_ARG, kvh_seq_set_scope(e, s, 1, 1, 0)); /* not empty */
+    assert_kvh(KVH_ERR_BAD_HANDLE, kvh_seq_set_scope(e, gone, 1, 1, 0));
+    assert_ok(kvh_seq_set_scope(e, empty, 1, 1, 0));
+    assert_kvh(KVH_ERR_BAD_HANDLE, kvh_seq_get_scope(e, gone, &hash, NULL, NULL));
+    assert_ok(kvh_seq_get_scope(e, empty, &hash, NULL, NULL));
+    assert_kvh(KVH_ERR_INVALID_ARG, kvh_prefix_hash_scoped(e, 1, 0, toks, BT - 1, &hash));
+    assert_kvh(KVH_ERR_INVALID_ARG, kvh_prefix_hash_scoped(e, 1, 0, NULL, BT, &hash));
+    assert_kvh(KVH_ERR_INVALID_ARG, kvh_prefix_hash_scoped(e, 1, 0, toks, BT, NULL));
+    assert_kvh(KVH_ERR_INVALID_ARG, kvh_prefix_lookup_scoped(e, 1, 1, 0, NULL, BT, out, 2, &n_blocks));
+    assert_kvh(KVH_ERR_INVALID_ARG, kvh_prefix_lookup_scoped(e, 1, 1, 0, toks, BT, NULL, 2, &n_blocks));
+    assert_kvh(KVH_ERR_INVALID_ARG, kvh_prefix_lookup_scoped(e, 1, 1, 0, toks, BT, out, 2, NULL));
+
+    uint8_t *mem = tu_alloc(2 * 2 * BT * TOK);
+    void *kbase[L] = {mem}, *vbase[L] = {mem + 2 * BT * TOK};
+    kvh_pool_layout lay = {.struct_size = sizeof(lay),
+                           .memory = KVH_MEMORY_HOST,
+                           .num_slots = 2,
+                           .k_base = kbase,
+                           .v_base = vbase,
+                           .slot_stride = BT * TOK,
+                           .token_stride = TOK,
+                           .head_stride = D * sizeof(float)};
+    kvh_pool pool, pgone;
+    assert_ok(kvh_pool_register(e, &lay, &pgone));
+    assert_ok(kvh_pool_unregister(e, pgone));
+    assert_ok(kvh_pool_register(e, &lay, &pool));
+    kvh_block b;
+    assert_kvh(KVH_ERR_RANGE, kvh_pool_offload_scoped(e, pool, 2, 1, 0, toks, BT, 0, &b));
+    assert_kvh(KVH_ERR_INVALID_ARG, kvh_pool_offload_scoped(e, pool, 0, 1, 0, toks, BT - 1, 0, &b));
+    assert_kvh(KVH_ERR_INVALID_ARG, kvh_pool_offload_scoped(e, pool, 0, 1, 0, NULL, BT, 0, &b));
+    assert_kvh(KVH_ERR_INVALID_ARG, kvh_pool_offload_scoped(e, pool, 0, 1, 0, toks, BT, 0, NULL));
+    assert_kvh(KVH_ERR_BAD_HANDLE, kvh_pool_offload_scoped(e, pgone, 0, 1, 0, toks, BT, 0, &b));
+    assert_ok(kvh_pool_offload_scoped(e, pool, 0, 1, 0, toks, BT, 0, &b));
+    assert_ok(kvh_block_release(e, b));
+
+    /* Both tiers full of referenced blocks: an offload finds no room. */
+    e = open_small(1, 1);
+    assert_ok(kvh_pool_register(e, &lay, &pool));
+    kvh_block held[2];
+    assert_ok(kvh_block_alloc(e, 0, &held[0]));
+    assert_ok(kvh_block_alloc(e, 0, &held[1]));
+    assert_kvh(KVH_ERR_NOSPACE, kvh_pool_offload_scoped(e, pool, 1, 3, 0, toks, BT, 0, &b));
+}
+
+/* ------------------------------------------------------------------ */
 /* Paged attention and plans                                           */
 /* ------------------------------------------------------------------ */
 
@@ -1089,6 +1146,11 @@ static void test_null_engine(void **state)
         kvh_seq_derive_tolerance(NULL, s, 0, 0, 0),
         kvh_pool_unregister(NULL, pool),
         kvh_prefix_lookup(NULL, toks, BT, &b, 1, &sz),
+        kvh_seq_set_scope(NULL, s, 1, 1, 0),
+        kvh_seq_get_scope(NULL, s, &u64, NULL, NULL),
+        kvh_prefix_hash_scoped(NULL, 1, 0, toks, BT, &u64),
+        kvh_prefix_lookup_scoped(NULL, 1, 1, 0, toks, BT, &b, 1, &sz),
+        kvh_pool_offload_scoped(NULL, pool, 0, 1, 0, toks, BT, 0, &b),
     };
     for (size_t i = 0; i < sizeof(got) / sizeof(got[0]); i++)
         if (got[i] != KVH_ERR_INVALID_ARG)
@@ -1111,6 +1173,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_migration_and_fences, setup, teardown),
         cmocka_unit_test_setup_teardown(test_fence_timeout, setup, teardown),
         cmocka_unit_test_setup_teardown(test_prefix_and_pools, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_scopes, setup, teardown),
         cmocka_unit_test_setup_teardown(test_attention, setup, teardown),
         cmocka_unit_test_setup_teardown(test_contexts, setup, teardown),
         cmocka_unit_test_setup_teardown(test_admission, setup, teardown),

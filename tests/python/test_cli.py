@@ -158,6 +158,61 @@ def test_store_info_and_verify(store):
         assert "0 bad" in res.stdout
 
 
+def test_store_info_reports_permissions(store, tmp_path):
+    res = run_kvh("store", "info", str(store), "--json")
+    if not _tool_or_unavailable(res, "kvh-store"):
+        return
+    info = json.loads(res.stdout.strip().splitlines()[-1])
+    assert info["permissions"] == "owner-only" and info["dir_mode"] == "0700", info
+    assert info["exposed"] == "" and info["dir_writable_by_others"] is False
+    # A copy with the modes an older kvh (or a umask) left: reported, with the fix.
+    copy = tmp_path / "old-store"
+    copy.mkdir()
+    for f in store.iterdir():
+        (copy / f.name).write_bytes(f.read_bytes())
+        (copy / f.name).chmod(0o644)
+    copy.chmod(0o755)
+    res = run_kvh("store", "info", str(copy), "--json")
+    assert res.returncode == 0, res.stderr
+    info = json.loads(res.stdout.strip().splitlines()[-1])
+    assert info["permissions"] == "exposed" and info["dir_mode"] == "0755"
+    assert "index 0644" in info["exposed"] and "chmod 700" in res.stderr
+    res = run_kvh("store", "info", str(copy))
+    assert "permissions   exposed" in res.stdout and "other users can read" in res.stdout
+    for f in copy.iterdir():
+        f.chmod(0o640)
+    copy.chmod(0o750)
+    info = json.loads(run_kvh("store", "info", str(copy), "--json").stdout.strip().splitlines()[-1])
+    assert info["permissions"] == "group"
+
+
+def test_doctor_reports_store_permissions(tmp_path):
+    d = tmp_path / "store"
+    checks = {c.name: c for c in doctor.run_checks(d, 1 << 20, 1 << 20)}
+    c = checks["store permissions"]
+    assert c.status == doctor.OK and "does not exist" in c.summary
+    d.mkdir(mode=0o700)
+    (d / "index").write_bytes(b"x")
+    (d / "index").chmod(0o600)
+    c = doctor.check_store_permissions(d)
+    assert c.status == doctor.OK and c.data["permissions"] == "owner-only"
+    (d / "index").chmod(0o644)
+    c = doctor.check_store_permissions(d)
+    assert c.status == doctor.WARN and "index 0644" in c.summary and any("chmod 700" in f for f in c.fix)
+    (d / "index").chmod(0o640)
+    d.chmod(0o750)
+    c = doctor.check_store_permissions(d)
+    assert c.status == doctor.INFO and c.data["permissions"] == "group"
+    d.chmod(0o777)
+    c = doctor.check_store_permissions(d)
+    assert c.status == doctor.WARN and "refuses" in c.summary
+    d.chmod(0o700)
+    res = run_kvh("doctor", "--json", "--data-dir", str(d))
+    assert res.returncode == 0, res.stderr
+    names = {c["name"]: c for c in json.loads(res.stdout)["checks"]}
+    assert names["store permissions"]["data"]["dir_mode"] == "0700"
+
+
 def test_store_missing_dir(tmp_path):
     res = run_kvh("store", "info", str(tmp_path / "nope"))
     assert res.returncode in (1, 3) and res.stderr.strip()

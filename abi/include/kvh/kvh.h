@@ -6,10 +6,11 @@
  * Sections, in reading order:
  *   Status codes; Version and errors; Handles; Configuration; Engine (open,
  *   close, info, stats, quotas); Sequences; Blocks; Migration between tiers
- *   and fences; Hints and prefetch; Prefix index and external pools; Paged
- *   attention; Attention plans (experimental); Weight contexts
- *   (experimental); Admission by token budget (experimental); KV codecs;
- *   Virtual contiguity (experimental); LCTRU tolerance (experimental).
+ *   and fences; Hints and prefetch; Prefix index and external pools; Tenant
+ *   scopes (experimental); Paged attention; Attention plans (experimental);
+ *   Weight contexts (experimental); Admission by token budget
+ *   (experimental); KV codecs; Virtual contiguity (experimental); LCTRU
+ *   tolerance (experimental).
  *
  * Conventions used on every prototype below:
  *   - Every fallible call returns a kvh_status: KVH_OK (0) or a negative
@@ -462,7 +463,7 @@ KVH_API kvh_status kvh_seq_free(kvh_engine *engine, kvh_seq seq);
 
 /* Copy-on-write fork: the new sequence shares every block of seq; the
  * first write into a shared block copies it. agent owns new blocks of the
- * child. [out] *child. Returns KVH_ERR_INVALID_ARG (NULL child),
+ * child, which has seq's scope (kvh_seq_set_scope). [out] *child. Returns KVH_ERR_INVALID_ARG (NULL child),
  * KVH_ERR_BAD_HANDLE, KVH_ERR_NOMEM. @threads handle (seq) */
 KVH_API kvh_status kvh_seq_fork(kvh_engine *engine, kvh_seq seq, uint32_t agent, kvh_seq *child);
 
@@ -524,7 +525,8 @@ KVH_API kvh_status kvh_seq_persist(kvh_engine *engine, kvh_seq seq);
 KVH_API kvh_status kvh_seq_truncate(kvh_engine *engine, kvh_seq seq, uint64_t n_tokens);
 
 /* For an empty sequence: attaches every cached block of the longest cached
- * prefix of tokens (any tier) and appends those tokens. [borrowed] tokens;
+ * prefix of tokens (any tier; in the sequence's scope, see "Tenant
+ * scopes") and appends those tokens. [borrowed] tokens;
  * [out] *matched_tokens (a multiple of block_tokens, possibly 0).
  * KVH_ERR_INVALID_ARG when the sequence is not empty (or NULL tokens with
  * n > 0, NULL matched_tokens); KVH_ERR_BAD_HANDLE, KVH_ERR_NOMEM. A block
@@ -693,15 +695,15 @@ KVH_API kvh_status kvh_seq_hint(kvh_engine *engine, kvh_seq seq, uint64_t first,
 /* Prefix index and external pools                                    */
 /* ------------------------------------------------------------------ */
 
-/* Chained block hash of a full block: H(parent, tokens, model_salt).
- * parent is 0 for the first block. n must equal block_tokens.
+/* Chained block hash of a full block: H(parent, tokens, model_salt), in
+ * the default scope (see "Tenant scopes"). parent is 0 for the first block. n must equal block_tokens.
  * [borrowed] tokens; [out] *hash. Returns KVH_ERR_INVALID_ARG (NULL tokens
  * or hash, n other than block_tokens). @threads any */
 KVH_API kvh_status kvh_prefix_hash(kvh_engine *engine, uint64_t parent, const int32_t *tokens, size_t n,
                                    uint64_t *hash);
 
-/* Longest cached prefix of tokens as retained block handles (release each
- * with kvh_block_release). [borrowed] tokens, out (cap entries);
+/* Longest cached prefix of tokens in the default scope (see "Tenant
+ * scopes") as retained block handles (release each with kvh_block_release). [borrowed] tokens, out (cap entries);
  * [out] *n_blocks. Returns KVH_ERR_INVALID_ARG (NULL tokens with n > 0,
  * NULL out with cap > 0, NULL n_blocks). @threads any */
 KVH_API kvh_status kvh_prefix_lookup(kvh_engine *engine, const int32_t *tokens, size_t n, kvh_block *out, size_t cap,
@@ -738,8 +740,9 @@ KVH_API kvh_status kvh_pool_register(kvh_engine *engine, const kvh_pool_layout *
 KVH_API kvh_status kvh_pool_unregister(kvh_engine *engine, kvh_pool pool);
 
 /* Offloads a full block the inference engine produced in slot: kvh copies
- * it into its own tiers and publishes it under H(parent_hash, tokens).
- * If that hash is already cached no copy is made. [borrowed] tokens
+ * it into its own tiers and publishes it under H(parent_hash, tokens) in
+ * the default scope (kvh_pool_offload_scoped for another). If that hash is
+ * already cached no copy is made. [borrowed] tokens
  * (block_tokens entries); [out] *block, retained for the caller. Returns
  * KVH_ERR_INVALID_ARG (NULL tokens or block, n other than block_tokens),
  * KVH_ERR_RANGE (slot >= num_slots), KVH_ERR_BAD_HANDLE, KVH_ERR_NOSPACE,
@@ -753,6 +756,93 @@ KVH_API kvh_status kvh_pool_offload(kvh_engine *engine, kvh_pool pool, uint32_t 
  * on disk KVH_ERR_CORRUPT, KVH_ERR_IO, KVH_ERR_NOSPACE, KVH_ERR_NOMEM.
  * @threads any */
 KVH_API kvh_status kvh_pool_restore(kvh_engine *engine, kvh_pool pool, kvh_block block, uint32_t slot);
+
+/* ------------------------------------------------------------------ */
+/* Tenant scopes (experimental)                                       */
+/* ------------------------------------------------------------------ */
+
+/* Experimental (version node KVH_0_EXPERIMENTAL of abi/libkvh.map): not
+ * yet run on its target hardware, or its semantics may still change; a
+ * release may change these calls. */
+
+/* A scope is a 64-bit tenant value mixed into the chained prefix hash, so
+ * that the blocks one tenant publishes are never found by another. Block
+ * hashes of scope s are H(parent, tokens, salt(s)) with salt(0) =
+ * model_salt and salt(s) = model_salt ^ m(s), m splitmix64's 64-bit
+ * finaliser (a bijection with m(0) = 0). These values are fixed: a store
+ * written under a scope is found again under it after a reopen.
+ *
+ * Scope 0 is the engine's default scope: its hashes are exactly those of
+ * kvh_prefix_hash, and every sequence, kvh_prefix_lookup and
+ * kvh_pool_offload use it unless told otherwise. One user's agents in one
+ * engine share everything in it; a multi-tenant caller sets a scope per
+ * tenant or per request (e.g. from vLLM's cache_salt) and never lets a
+ * tenant choose another's.
+ *
+ * Shared part: a sequence (or a scoped lookup) carries (scope,
+ * shared_scope, shared_tokens). Its logical block i, tokens
+ * [i * block_tokens, (i + 1) * block_tokens), hashes in shared_scope when
+ * (i + 1) * block_tokens <= shared_tokens (whole blocks only), else in
+ * scope. The chain goes on through the boundary: the first block of the
+ * tenant's own part has the last shared block's hash as its parent. So a
+ * system prompt published to all of one user's agents is shared_tokens of
+ * it in that user's scope (or, for everyone, in scope 0), and what follows
+ * stays in the request's scope. shared_tokens = 0 (or shared_scope ==
+ * scope) puts every block in scope.
+ *
+ * Guarantee: every lookup (kvh_seq_match_prefix, kvh_prefix_lookup*,
+ * the dedupe of kvh_pool_offload*) counts a hit only when the block's
+ * hash, parent hash and tokens all equal the ones sought; for one parent
+ * and tokens the hash is a one-to-one function of the salt (save that a
+ * hash of 0 is stored as 1, so two salts may both give 1: a 2^-64
+ * event), and the salt a one-to-one function of the scope. Two scopes therefore share no block,
+ * whatever tokens or scope values are chosen, and a hit of another
+ * scope's blocks, or a timing difference from one, cannot be observed.
+ * Within one scope a hit is faster than a miss by design. */
+
+/* Sets the scope of an empty sequence (new, or truncated to 0): its
+ * publishes and kvh_seq_match_prefix hash in it from now on, as above;
+ * kvh_seq_fork passes it to the child. A new sequence has (0, 0, 0).
+ * Returns KVH_ERR_INVALID_ARG when the sequence holds tokens (its blocks
+ * were hashed in the old scope; nothing changes), KVH_ERR_BAD_HANDLE.
+ * @threads handle */
+KVH_API kvh_status kvh_seq_set_scope(kvh_engine *engine, kvh_seq seq, uint64_t scope, uint64_t shared_scope,
+                                     uint64_t shared_tokens);
+
+/* The scope of seq as kvh_seq_set_scope set it. [out] *scope,
+ * *shared_scope, *shared_tokens (each may be NULL). Returns
+ * KVH_ERR_BAD_HANDLE. @threads any */
+KVH_API kvh_status kvh_seq_get_scope(kvh_engine *engine, kvh_seq seq, uint64_t *scope, uint64_t *shared_scope,
+                                     uint64_t *shared_tokens);
+
+/* kvh_prefix_hash in scope: H(parent, tokens, salt(scope)); scope 0 gives
+ * kvh_prefix_hash's value. [borrowed] tokens; [out] *hash. Returns
+ * KVH_ERR_INVALID_ARG (NULL tokens or hash, n other than block_tokens).
+ * @threads any */
+KVH_API kvh_status kvh_prefix_hash_scoped(kvh_engine *engine, uint64_t scope, uint64_t parent, const int32_t *tokens,
+                                          size_t n, uint64_t *hash);
+
+/* kvh_prefix_lookup with block i hashed in shared_scope when
+ * (i + 1) * block_tokens <= shared_tokens, else in scope (all 0: the same
+ * as kvh_prefix_lookup). [borrowed] tokens, out (cap entries);
+ * [out] *n_blocks, each block retained (kvh_block_release). Returns
+ * KVH_ERR_INVALID_ARG (NULL tokens with n > 0, NULL out with cap > 0,
+ * NULL n_blocks). @threads any */
+KVH_API kvh_status kvh_prefix_lookup_scoped(kvh_engine *engine, uint64_t scope, uint64_t shared_scope,
+                                            uint64_t shared_tokens, const int32_t *tokens, size_t n, kvh_block *out,
+                                            size_t cap, size_t *n_blocks);
+
+/* kvh_pool_offload in scope: publishes under H(parent_hash, tokens,
+ * salt(scope)) (parent_hash from kvh_prefix_hash_scoped of the block
+ * before, in whichever scope that block was), and reuses a cached block
+ * only of that scope. [borrowed] tokens (block_tokens entries); [out]
+ * *block, retained for the caller. Returns KVH_ERR_INVALID_ARG (NULL
+ * tokens or block, n other than block_tokens), KVH_ERR_RANGE (slot >=
+ * num_slots), KVH_ERR_BAD_HANDLE, KVH_ERR_NOSPACE, KVH_ERR_NOMEM,
+ * KVH_ERR_IO (the copy failed). @threads any */
+KVH_API kvh_status kvh_pool_offload_scoped(kvh_engine *engine, kvh_pool pool, uint32_t slot, uint64_t scope,
+                                           uint64_t parent_hash, const int32_t *tokens, size_t n, uint32_t agent,
+                                           kvh_block *block);
 
 /* ------------------------------------------------------------------ */
 /* Paged attention                                                    */

@@ -2317,6 +2317,60 @@ extern "C" {
         slot: u32,
     ) -> kvh_status;
 }
+extern "C" {
+    pub fn kvh_seq_set_scope(
+        engine: *mut kvh_engine,
+        seq: kvh_seq,
+        scope: u64,
+        shared_scope: u64,
+        shared_tokens: u64,
+    ) -> kvh_status;
+}
+extern "C" {
+    pub fn kvh_seq_get_scope(
+        engine: *mut kvh_engine,
+        seq: kvh_seq,
+        scope: *mut u64,
+        shared_scope: *mut u64,
+        shared_tokens: *mut u64,
+    ) -> kvh_status;
+}
+extern "C" {
+    pub fn kvh_prefix_hash_scoped(
+        engine: *mut kvh_engine,
+        scope: u64,
+        parent: u64,
+        tokens: *const i32,
+        n: usize,
+        hash: *mut u64,
+    ) -> kvh_status;
+}
+extern "C" {
+    pub fn kvh_prefix_lookup_scoped(
+        engine: *mut kvh_engine,
+        scope: u64,
+        shared_scope: u64,
+        shared_tokens: u64,
+        tokens: *const i32,
+        n: usize,
+        out: *mut kvh_block,
+        cap: usize,
+        n_blocks: *mut usize,
+    ) -> kvh_status;
+}
+extern "C" {
+    pub fn kvh_pool_offload_scoped(
+        engine: *mut kvh_engine,
+        pool: kvh_pool,
+        slot: u32,
+        scope: u64,
+        parent_hash: u64,
+        tokens: *const i32,
+        n: usize,
+        agent: u32,
+        block: *mut kvh_block,
+    ) -> kvh_status;
+}
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
 pub struct kvh_attention_params {

@@ -12,7 +12,9 @@ use crate::config::{Config, LogFn};
 use crate::error::{check, invalid, Error, Result, Status};
 use crate::fence::Fence;
 use crate::seq::Sequence;
-use crate::types::{Block, BlockInfo, BlockTable, Geometry, LogLevel, Stats, Tier, TierInfo};
+use crate::types::{
+    Block, BlockInfo, BlockTable, Geometry, LogLevel, Scope, Stats, Tier, TierInfo,
+};
 
 /// A kvh engine (`kvh_engine`): model geometry, tiers, the prefix index and
 /// the migration workers. Closed (`kvh_engine_close`) on drop, after every
@@ -198,6 +200,14 @@ impl Engine {
         Ok(Sequence::from_raw(self, seq))
     }
 
+    /// A new empty sequence of `agent` in `scope` (create, then
+    /// [`Sequence::set_scope`]).
+    pub fn create_sequence_in(&self, agent: u32, scope: Scope) -> Result<Sequence<'_>> {
+        let seq = self.create_sequence(agent)?;
+        seq.set_scope(scope)?;
+        Ok(seq)
+    }
+
     pub(crate) fn check_owner(&self, seqs: &[&Sequence<'_>]) -> Result<Vec<sys::kvh_seq>> {
         seqs.iter()
             .map(|s| {
@@ -312,16 +322,46 @@ impl Engine {
         Ok(hash)
     }
 
+    /// [`Engine::prefix_hash`] in `scope` (`kvh_prefix_hash_scoped`); scope 0
+    /// gives the same value.
+    pub fn prefix_hash_scoped(&self, scope: u64, parent: u64, tokens: &[i32]) -> Result<u64> {
+        let mut hash = 0u64;
+        // SAFETY: tokens is a valid slice of its length.
+        check(unsafe {
+            sys::kvh_prefix_hash_scoped(
+                self.as_ptr(),
+                scope,
+                parent,
+                tokens.as_ptr(),
+                tokens.len(),
+                &mut hash,
+            )
+        })?;
+        Ok(hash)
+    }
+
     /// The longest cached prefix of `tokens` as retained blocks (released
-    /// when dropped).
+    /// when dropped), in the default scope.
     pub fn prefix_lookup(&self, tokens: &[i32]) -> Result<Vec<OwnedBlock<'_>>> {
+        self.prefix_lookup_scoped(Scope::default(), tokens)
+    }
+
+    /// [`Engine::prefix_lookup`] in `scope` (`kvh_prefix_lookup_scoped`).
+    pub fn prefix_lookup_scoped(
+        &self,
+        scope: Scope,
+        tokens: &[i32],
+    ) -> Result<Vec<OwnedBlock<'_>>> {
         let cap = tokens.len() / self.geometry.block_tokens as usize;
         let mut out = vec![sys::kvh_block::default(); cap];
         let mut n = 0usize;
         // SAFETY: tokens and out are valid slices of the lengths passed.
         check(unsafe {
-            sys::kvh_prefix_lookup(
+            sys::kvh_prefix_lookup_scoped(
                 self.as_ptr(),
+                scope.scope,
+                scope.shared_scope,
+                scope.shared_tokens,
                 tokens.as_ptr(),
                 tokens.len(),
                 out.as_mut_ptr(),

@@ -87,7 +87,7 @@ pub use error::{Error, Result, Status};
 pub use fence::Fence;
 pub use seq::{Hold, SeqRef, Sequence};
 pub use types::{
-    Backend, Block, BlockInfo, BlockTable, DType, Geometry, LogLevel, Stats, Tier, TierInfo,
+    Backend, Block, BlockInfo, BlockTable, DType, Geometry, LogLevel, Scope, Stats, Tier, TierInfo,
 };
 pub use vmap::{VMap, VMapInfo};
 

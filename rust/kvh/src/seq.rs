@@ -11,7 +11,7 @@ use crate::element::{check_dtype, Element};
 use crate::engine::Engine;
 use crate::error::{check, invalid, Error, Result, Status};
 use crate::fence::Fence;
-use crate::types::{Block, Tier};
+use crate::types::{Block, Scope, Tier};
 
 /// A sequence (`kvh_seq`): a logical token stream with a block table. It
 /// borrows its [`Engine`], so it cannot outlive it, and is freed
@@ -384,6 +384,39 @@ impl<'e> Sequence<'e> {
         // SAFETY: valid engine and out-handle.
         check(unsafe { sys::kvh_seq_fork(self.engine.as_ptr(), self.raw, agent, &mut child) })?;
         Ok(Sequence::from_raw(self.engine, child))
+    }
+
+    /// Sets the tenant scope of an empty sequence (`kvh_seq_set_scope`):
+    /// its publishes and [`Sequence::match_prefix`] use it from now on and
+    /// [`Sequence::fork`] passes it on. [`Status::InvalidArg`] when the
+    /// sequence holds tokens (truncate it to 0 first).
+    pub fn set_scope(&self, scope: Scope) -> Result<()> {
+        // SAFETY: valid engine.
+        check(unsafe {
+            sys::kvh_seq_set_scope(
+                self.engine.as_ptr(),
+                self.raw,
+                scope.scope,
+                scope.shared_scope,
+                scope.shared_tokens,
+            )
+        })
+    }
+
+    /// The tenant scope its blocks hash in (`kvh_seq_get_scope`).
+    pub fn scope(&self) -> Result<Scope> {
+        let mut sc = Scope::default();
+        // SAFETY: valid engine and three out-pointers.
+        check(unsafe {
+            sys::kvh_seq_get_scope(
+                self.engine.as_ptr(),
+                self.raw,
+                &mut sc.scope,
+                &mut sc.shared_scope,
+                &mut sc.shared_tokens,
+            )
+        })?;
+        Ok(sc)
     }
 
     /// Shortens the sequence to `n_tokens` (≤ its length).

@@ -439,3 +439,38 @@ impl BlockTable {
         &self.indices[a..b]
     }
 }
+
+/// Tenant scope of a sequence or a lookup (kvh.h "Tenant scopes"): blocks
+/// hash in `scope`, except the first `shared_tokens` tokens (whole blocks
+/// only), which hash in `shared_scope`. Blocks of two scopes never match
+/// each other; the default, all zero, is the engine's default scope, where
+/// every sequence starts.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct Scope {
+    /// The tenant's own scope.
+    pub scope: u64,
+    /// Scope of the shared part (0: shared with every default-scope user).
+    pub shared_scope: u64,
+    /// Tokens of the shared part, rounded down to whole blocks.
+    pub shared_tokens: u64,
+}
+
+impl Scope {
+    /// Every block in `scope`, nothing shared.
+    pub const fn new(scope: u64) -> Scope {
+        Scope {
+            scope,
+            shared_scope: 0,
+            shared_tokens: 0,
+        }
+    }
+
+    /// The first `shared_tokens` tokens in `shared_scope`, the rest in `scope`.
+    pub const fn with_shared(scope: u64, shared_scope: u64, shared_tokens: u64) -> Scope {
+        Scope {
+            scope,
+            shared_scope,
+            shared_tokens,
+        }
+    }
+}
