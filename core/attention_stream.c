@@ -241,6 +241,14 @@ kvh_status kvhi_attn_stream_run(kvh_engine *e, kvhi_attn_call *c, const void *q,
         pthread_mutex_lock(&e->lock);
         pthread_mutex_destroy(&r.mu);
         pthread_cond_destroy(&r.cv);
+        /* Counted as staged: the stager stops at the first failure. */
+        for (uint32_t i = 0; i < c->n_stage; i++)
+            if (c->plan.slots[c->stage[i]] >= 0 && c->xs[i].err == 0) {
+                if (c->xs[i].src_tier == KVH_TIER_DISK)
+                    e->stats.blocks_streamed_disk++;
+                else
+                    e->stats.blocks_streamed_host++;
+            }
         if (st == KVH_ERR_CORRUPT && r.bad_block != KVHI_NO_BLOCK)
             kvhi_mark_corrupt(e, r.bad_block, r.why); /* counted; a miss from now on */
         if (st != KVH_OK)

@@ -165,6 +165,8 @@ typedef struct kvh_stats {
     uint64_t blocks_persisted;
     uint64_t disk_copies_written;
     uint64_t bytes_disk_copies_written;
+    uint64_t blocks_streamed_host;
+    uint64_t blocks_streamed_disk;
 } kvh_stats;
 kvh_status kvh_engine_stats(kvh_engine *engine, kvh_stats *stats);
 kvh_status kvh_agent_set_quota(kvh_engine *engine, uint32_t agent, uint64_t device_bytes);

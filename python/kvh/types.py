@@ -311,6 +311,10 @@ class Stats:
     #: (persist, background cleaning), and their bytes as stored.
     disk_copies_written: int = 0
     bytes_disk_copies_written: int = 0
+    #: Blocks copied into a streaming window by streamed attention, by the
+    #: tier they were read from (blocks attended where they lie: none).
+    blocks_streamed_host: int = 0
+    blocks_streamed_disk: int = 0
     #: Counters of a newer library that this version of the package does not
     #: name yet (field name -> value).
     extra: Dict[str, int] = field(default_factory=dict, compare=False)

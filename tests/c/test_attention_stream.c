@@ -180,6 +180,12 @@ static void check_case(uint32_t times, enum placement where, uint32_t codec)
     assert_int_equal(after.blocks_disk_to_host, before.blocks_disk_to_host);
     assert_int_equal(after.blocks_host_to_device, before.blocks_host_to_device);
     assert_int_equal(after.corrupt_blocks, 0);
+    /* Two calls (decode, prefill) stage every block on disk, and the host
+     * blocks too when they cannot be attended in place (a codec). */
+    uint32_t on_disk = blocks_in(e, seqs[0], KVH_TIER_DISK) + blocks_in(e, seqs[1], KVH_TIER_DISK);
+    assert_true(after.blocks_streamed_disk - before.blocks_streamed_disk >= on_disk);
+    if (codec == KVH_CODEC_NONE)
+        assert_int_equal(after.blocks_streamed_host, before.blocks_streamed_host);
     assert_true(dt_tier(e, KVH_TIER_DEVICE).used_bytes <= dev_before.used_bytes);
     free(got);
     free(want);

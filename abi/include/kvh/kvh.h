@@ -434,6 +434,11 @@ typedef struct kvh_stats {
      * their bytes (as stored: encoded under a kv_codec). */
     uint64_t disk_copies_written;
     uint64_t bytes_disk_copies_written;
+    /* Blocks copied into a streaming window by streamed attention
+     * (kvh_attention_params.stream_*), by the tier they were read from;
+     * blocks attended where they lie are not counted. */
+    uint64_t blocks_streamed_host;
+    uint64_t blocks_streamed_disk;
 } kvh_stats;
 
 /* Copies the counters. [out] *stats (set stats->struct_size first; a
@@ -864,7 +869,9 @@ typedef struct kvh_attention_params {
      * window of stream_window_blocks device-tier slots, taken for the call
      * (it may evict to make room) and given back after it. The window must
      * hold at least one chunk; two or more let the next chunk be staged
-     * while one is attended. Blocks that pass through are not promoted. */
+     * while one is attended. Blocks that pass through are not promoted
+     * (kvh_stats.blocks_streamed_*); kvh_prefetch of a sequence's first
+     * chunks brings them into the device tier ahead of its call. */
     uint32_t stream_chunk_blocks;
     uint32_t stream_window_blocks;
 } kvh_attention_params;

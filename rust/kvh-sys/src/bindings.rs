@@ -1023,12 +1023,14 @@ pub struct kvh_stats {
     pub blocks_persisted: u64,
     pub disk_copies_written: u64,
     pub bytes_disk_copies_written: u64,
+    pub blocks_streamed_host: u64,
+    pub blocks_streamed_disk: u64,
 }
 #[test]
 fn bindgen_test_layout_kvh_stats() {
     assert_eq!(
         ::std::mem::size_of::<kvh_stats>(),
-        272usize,
+        288usize,
         concat!("Size of: ", stringify!(kvh_stats))
     );
     assert_eq!(
@@ -1631,6 +1633,40 @@ fn bindgen_test_layout_kvh_stats() {
         );
     }
     test_field_bytes_disk_copies_written();
+    fn test_field_blocks_streamed_host() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_stats>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).blocks_streamed_host) as usize - ptr as usize
+            },
+            272usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_stats),
+                "::",
+                stringify!(blocks_streamed_host)
+            )
+        );
+    }
+    test_field_blocks_streamed_host();
+    fn test_field_blocks_streamed_disk() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_stats>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).blocks_streamed_disk) as usize - ptr as usize
+            },
+            280usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_stats),
+                "::",
+                stringify!(blocks_streamed_disk)
+            )
+        );
+    }
+    test_field_blocks_streamed_disk();
 }
 extern "C" {
     pub fn kvh_engine_stats(engine: *mut kvh_engine, stats: *mut kvh_stats) -> kvh_status;

@@ -257,6 +257,11 @@ pub struct Stats {
     pub disk_copies_written: u64,
     /// Bytes of those copies, as stored (encoded under a codec).
     pub bytes_disk_copies_written: u64,
+    /// Blocks copied into a streaming window by streamed attention, read
+    /// from the host tier (blocks attended where they lie: none).
+    pub blocks_streamed_host: u64,
+    /// The same, read from disk.
+    pub blocks_streamed_disk: u64,
 }
 
 impl Stats {
@@ -295,6 +300,8 @@ impl Stats {
             blocks_persisted: s.blocks_persisted,
             disk_copies_written: s.disk_copies_written,
             bytes_disk_copies_written: s.bytes_disk_copies_written,
+            blocks_streamed_host: s.blocks_streamed_host,
+            blocks_streamed_disk: s.blocks_streamed_disk,
         }
     }
 
