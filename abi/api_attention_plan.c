@@ -23,8 +23,8 @@ kvh_status kvh_attention_plan_create(kvh_engine *e, uint32_t layer, const kvh_se
     KVHI_REQUIRE(rows > 0, "the batch has no query rows");
     if (pr.stream_chunk_blocks)
         return kvhi_fail(KVH_ERR_UNSUPPORTED,
-                         "a plan holds its blocks in the device tier: streaming runs through kvh_attention_decode "
-                         "and kvh_attention_prefill");
+                         "a plan holds its blocks in the device tier: streamed attention runs through the decode "
+                         "and prefill calls, not plans");
     if (!e->backend->attention_run || !e->backend->attention_plan_opts)
         return kvhi_fail(KVH_ERR_UNSUPPORTED, "the %s backend has no attention kernels", e->backend->name);
     if ((st = kvhi_enter(e)) != KVH_OK)
