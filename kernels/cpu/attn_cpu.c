@@ -218,74 +218,13 @@ static kvhi_attn_unit_fn pick(const kvhi_attn_cpu *st, const kvhi_attn_plan *p)
     return D % 4 == 0 ? kvhi_attn_units_generic[dt] : kvhi_attn_units_scalar[dt];
 }
 
-int kvhi_attn_cpu_run(void *ctx, const kvhi_attn_plan *p, const void *q, void *out, void *stream, void (*done)(void *),
-                      void *done_arg, char *msg, size_t msg_len)
+/* Runs units [u0, u1) of p, then (merges) its merge rows, with partials
+ * po / plse, on up to p->threads participants. run_lock held. */
+static int run_locked(kvhi_attn_cpu *st, const kvhi_attn_plan *p, uint32_t u0, uint32_t u1, bool merges, const void *q,
+                      void *out, float *po, float *plse, char *msg, size_t msg_len)
 {
-    kvhi_attn_cpu *st = p->cpu_state;
-    if (!st) {
-        snprintf(msg, msg_len, "CPU attention state missing");
-        return KVH_ERR_INTERNAL;
-    }
-    pthread_mutex_lock(&st->run_lock);
-    if (st->impl == KVHI_ATTN_REFERENCE) {
-        int rc = kvhi_attn_reference(p, q, out);
-        pthread_mutex_unlock(&st->run_lock);
-        if (rc != 0) {
-            snprintf(msg, msg_len, "out of memory for the reference kernel");
-            return KVH_ERR_NOMEM;
-        }
-        done(done_arg);
-        return 0;
-    }
+    uint32_t n = u1 - u0, most = merges && p->n_merges > n ? p->n_merges : n;
     uint32_t want = p->threads && p->threads < st->ncpu ? p->threads : st->ncpu;
-    if (want > p->n_units)
-        want = p->n_units;
-    if (want < 1)
-        want = 1;
-    if (want > 1 && !st->pool)
-        st->pool = kvhi_pool_create(st->ncpu - 1);
-    uint32_t parts = want;
-    if (parts > kvhi_pool_workers(st->pool) + 1)
-        parts = kvhi_pool_workers(st->pool) + 1;
-
-    size_t stride = scratch_floats(p);
-    if (stride < p->head_dim + 16)
-        stride = p->head_dim + 16;
-    if (grow(&st->scratch, &st->scratch_cap, stride * parts) != 0 ||
-        grow(&st->partial, &st->partial_cap, (size_t)p->n_partial_rows * (p->head_dim + 1)) != 0) {
-        pthread_mutex_unlock(&st->run_lock);
-        snprintf(msg, msg_len, "out of memory for attention scratch");
-        return KVH_ERR_NOMEM;
-    }
-    run_job j = {.p = p,
-                 .q = q,
-                 .out = out,
-                 .fn = pick(st, p),
-                 .po = st->partial,
-                 /* no split-K partials: no buffer (NULL + 0 is undefined) */
-                 .plse = st->partial ? st->partial + (size_t)p->n_partial_rows * p->head_dim : NULL,
-                 .scratch = st->scratch,
-                 .scratch_stride = stride,
-                 .end = p->n_units};
-    atomic_init(&j.next, 0);
-    kvhi_pool_run(st->pool, parts, run_units, &j);
-    if (p->n_merges) {
-        uint32_t mparts = parts < p->n_merges ? parts : p->n_merges;
-        atomic_store(&j.next, 0);
-        kvhi_pool_run(st->pool, mparts, run_merges, &j);
-    }
-    pthread_mutex_unlock(&st->run_lock);
-    done(done_arg);
-    return 0;
-}
-
-int kvhi_attn_cpu_run_range(kvhi_attn_cpu *st, const kvhi_attn_plan *p, uint32_t u0, uint32_t u1, bool merges,
-                            const void *q, void *out, float *po, float *plse, char *msg, size_t msg_len)
-{
-    pthread_mutex_lock(&st->run_lock);
-    uint32_t n = u1 - u0;
-    uint32_t want = p->threads && p->threads < st->ncpu ? p->threads : st->ncpu;
-    uint32_t most = n > (merges ? p->n_merges : 0) ? n : (merges ? p->n_merges : 0);
     if (want > most)
         want = most;
     if (want < 1)
@@ -299,7 +238,6 @@ int kvhi_attn_cpu_run_range(kvhi_attn_cpu *st, const kvhi_attn_plan *p, uint32_t
     if (stride < p->head_dim + 16)
         stride = p->head_dim + 16;
     if (grow(&st->scratch, &st->scratch_cap, stride * parts) != 0) {
-        pthread_mutex_unlock(&st->run_lock);
         snprintf(msg, msg_len, "out of memory for attention scratch");
         return KVH_ERR_NOMEM;
     }
@@ -320,6 +258,50 @@ int kvhi_attn_cpu_run_range(kvhi_attn_cpu *st, const kvhi_attn_plan *p, uint32_t
         atomic_store(&j.next, 0);
         kvhi_pool_run(st->pool, mparts, run_merges, &j);
     }
-    pthread_mutex_unlock(&st->run_lock);
     return 0;
+}
+
+int kvhi_attn_cpu_run(void *ctx, const kvhi_attn_plan *p, const void *q, void *out, void *stream, void (*done)(void *),
+                      void *done_arg, char *msg, size_t msg_len)
+{
+    kvhi_attn_cpu *st = p->cpu_state;
+    if (!st) {
+        snprintf(msg, msg_len, "CPU attention state missing");
+        return KVH_ERR_INTERNAL;
+    }
+    pthread_mutex_lock(&st->run_lock);
+    if (st->impl == KVHI_ATTN_REFERENCE) {
+        int rc = kvhi_attn_reference(p, q, out);
+        pthread_mutex_unlock(&st->run_lock);
+        if (rc != 0) {
+            snprintf(msg, msg_len, "out of memory for the reference kernel");
+            return KVH_ERR_NOMEM;
+        }
+        done(done_arg);
+        return 0;
+    }
+    if (grow(&st->partial, &st->partial_cap, (size_t)p->n_partial_rows * (p->head_dim + 1)) != 0) {
+        pthread_mutex_unlock(&st->run_lock);
+        snprintf(msg, msg_len, "out of memory for attention scratch");
+        return KVH_ERR_NOMEM;
+    }
+    /* no split-K partials: no buffer (NULL + 0 is undefined) */
+    float *plse = st->partial ? st->partial + (size_t)p->n_partial_rows * p->head_dim : NULL;
+    int rc = run_locked(st, p, 0, p->n_units, true, q, out, st->partial, plse, msg, msg_len);
+    if (rc != 0) {
+        pthread_mutex_unlock(&st->run_lock);
+        return rc;
+    }
+    pthread_mutex_unlock(&st->run_lock);
+    done(done_arg);
+    return 0;
+}
+
+int kvhi_attn_cpu_run_range(kvhi_attn_cpu *st, const kvhi_attn_plan *p, uint32_t u0, uint32_t u1, bool merges,
+                            const void *q, void *out, float *po, float *plse, char *msg, size_t msg_len)
+{
+    pthread_mutex_lock(&st->run_lock);
+    int rc = run_locked(st, p, u0, u1, merges, q, out, po, plse, msg, msg_len);
+    pthread_mutex_unlock(&st->run_lock);
+    return rc;
 }

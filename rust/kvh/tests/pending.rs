@@ -145,6 +145,10 @@ fn batch<'e>(e: &'e Engine, lens: &[usize]) -> Batch<'e> {
 }
 
 fn attention_engine() -> Engine {
+    attention_engine_with(1 << 20)
+}
+
+fn attention_engine_with(device_bytes: u64) -> Engine {
     Engine::open(
         Config::new()
             .backend(Backend::Cpu)
@@ -153,7 +157,7 @@ fn attention_engine() -> Engine {
             .num_kv_heads(2)
             .head_dim(8)
             .block_tokens(4)
-            .device_bytes(1 << 20)
+            .device_bytes(device_bytes)
             .host_bytes(1 << 20),
     )
     .unwrap()
@@ -257,18 +261,7 @@ fn attention_prefill_matches_a_reference_or_is_unsupported() {
 #[test]
 fn streamed_decode_attends_a_sequence_outside_the_device_tier() {
     // A device tier of 4 blocks of 4 tokens; 40 tokens, all moved to host.
-    let e = Engine::open(
-        Config::new()
-            .backend(Backend::Cpu)
-            .dtype(DType::F32)
-            .num_layers(2)
-            .num_kv_heads(2)
-            .head_dim(8)
-            .block_tokens(4)
-            .device_bytes(4 * 2 * 2 * 4 * 2 * 8 * 4)
-            .host_bytes(1 << 20),
-    )
-    .unwrap();
+    let e = attention_engine_with(4 * 2 * 2 * 4 * 2 * 8 * 4);
     let g = *e.geometry();
     let b = batch(&e, &[40]);
     b.seqs[0]
