@@ -1,13 +1,18 @@
-/* The CUDA backend loader (core/backend_loader.c) without a backend: this
- * program links libkvh statically, so the loader looks beside the program
- * (the directory of /proc/self/exe) and through $KVH_CUDA_BACKEND, and its
- * error and log name every path it tried and why each failed. Where a
- * libkvh_cuda.so loads anyway (installed on the loader's path), the tests
- * that need its absence are skipped. */
+/* The CUDA backend loader (core/backend_loader.c) seen from a program
+ * linked with libkvh statically: the loader looks through
+ * $KVH_CUDA_BACKEND and beside the program (the directory of
+ * /proc/self/exe), and without a backend its error and log name every
+ * path it tried and why each failed. Where a libkvh_cuda.so loads anyway
+ * (installed on the loader's path), the tests that need its absence are
+ * skipped. FAKE_BACKEND is fake_cuda_backend.c built as a module: a
+ * backend whose probe refuses, naming the file it was loaded from. */
+#include <fcntl.h>
 #include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "test_util.h"
@@ -124,11 +129,89 @@ static void test_bad_file_says_why(void **state)
     assert_true(strncmp(at + strlen(want), "absent)", 7) != 0);
 }
 
-int main(void)
+/* $KVH_CUDA_BACKEND names the backend that is loaded. */
+static void test_env_backend_is_loaded(void **state)
 {
+    (void)state;
+    setenv("KVH_CUDA_BACKEND", FAKE_BACKEND, 1);
+    char err[1024];
+    kvh_status st = open_with(KVH_BACKEND_CUDA, err, sizeof(err));
+    unsetenv("KVH_CUDA_BACKEND");
+    assert_int_equal(st, KVH_ERR_UNSUPPORTED);
+    char want[PATH_MAX + 32];
+    snprintf(want, sizeof(want), "fake backend %s: no device 0", FAKE_BACKEND);
+    if (!strstr(err, want))
+        fail_msg("no \"%s\" in \"%s\"", want, err);
+}
+
+static void copy_file(const char *from, const char *to, mode_t mode)
+{
+    int in = open(from, O_RDONLY), out = open(to, O_WRONLY | O_CREAT | O_TRUNC, mode);
+    assert_true(in >= 0 && out >= 0);
+    char buf[1 << 16];
+    ssize_t n;
+    while ((n = read(in, buf, sizeof(buf))) > 0)
+        assert_int_equal(write(out, buf, (size_t)n), n);
+    assert_int_equal(n, 0);
+    close(in);
+    assert_int_equal(close(out), 0);
+}
+
+/* The child of test_backend_beside_program: a copy of this program with
+ * libkvh_cuda.so beside it. 0 when that backend was the one loaded. */
+static int run_beside(void)
+{
+    set_paths();
+    unsetenv("KVH_CUDA_BACKEND");
+    char err[1024];
+    kvh_status st = open_with(KVH_BACKEND_CUDA, err, sizeof(err));
+    char want[PATH_MAX + 64];
+    snprintf(want, sizeof(want), "fake backend %s/libkvh_cuda.so: no device 0", exe_dir);
+    if (st != KVH_ERR_UNSUPPORTED || !strstr(err, want)) {
+        fprintf(stderr, "beside the program: status %d, \"%s\", wanted \"%s\"\n", (int)st, err, want);
+        return 1;
+    }
+    return 0;
+}
+
+/* A program linked statically finds libkvh_cuda.so in its own directory. */
+static void test_backend_beside_program(void **state)
+{
+    (void)state;
+    set_paths();
+    char dir[PATH_MAX + 16], prog[PATH_MAX + 32], lib[PATH_MAX + 48], self[PATH_MAX];
+    snprintf(dir, sizeof(dir), "%s/beside", scratch);
+    mkdir(dir, 0700);
+    snprintf(prog, sizeof(prog), "%s/prog", dir);
+    snprintf(lib, sizeof(lib), "%s/libkvh_cuda.so", dir);
+    ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
+    assert_true(n > 0);
+    self[n] = 0;
+    copy_file(self, prog, 0700);
+    copy_file(FAKE_BACKEND, lib, 0600);
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        execl(prog, prog, "--beside", (char *)NULL);
+        _exit(127);
+    }
+    int status = 0;
+    assert_int_equal(waitpid(pid, &status, 0), pid);
+    unlink(prog);
+    unlink(lib);
+    assert_true(WIFEXITED(status));
+    assert_int_equal(WEXITSTATUS(status), 0);
+}
+
+int main(int argc, char **argv)
+{
+    if (argc > 1 && strcmp(argv[1], "--beside") == 0)
+        return run_beside();
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_no_backend_names_every_path, tu_teardown),
         cmocka_unit_test_teardown(test_bad_file_says_why, tu_teardown),
+        cmocka_unit_test_teardown(test_env_backend_is_loaded, tu_teardown),
+        cmocka_unit_test_teardown(test_backend_beside_program, tu_teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
