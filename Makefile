@@ -198,9 +198,11 @@ endif
 
 ifneq ($(HAVE_RUST),)
 test-rust: build
-	$(call step,[6/9] cargo test --offline and clippy in rust/)
+	$(call step,[6/9] cargo test --offline, clippy, doc and a downstream crate in rust/)
 	cd rust && env $(CARGO_ENV) $(CARGO) test --offline $(CARGO_ARGS)
 	cd rust && env $(CARGO_ENV) $(CARGO) clippy --offline --all-targets -- -D warnings
+	cd rust && env $(CARGO_ENV) RUSTDOCFLAGS='-D warnings' $(CARGO) doc --offline --no-deps --quiet
+	CARGO=$(CARGO) bash scripts/test-rust-downstream.sh $(BUILD_DIR)
 else
 test-rust:
 	$(call step,[6/9] cargo: skipped: no rust/Cargo.toml)

@@ -221,7 +221,7 @@ static bool can_move_in_place(const kvh_engine *e)
 
 static kvh_status select_backend(kvh_engine *e)
 {
-    char msg[256] = "";
+    char msg[768] = ""; /* the loader lists every path it tried */
     e->cpu_kernels = true;
     if (e->cfg.backend == KVH_BACKEND_CPU) {
         e->backend = kvhi_backend_cpu();

@@ -4,7 +4,7 @@
 
 #include "core/engine.h"
 
-static _Thread_local char last_error[512];
+static _Thread_local char last_error[1024]; /* room for the paths the CUDA loader tried */
 
 kvh_status kvhi_fail(kvh_status status, const char *fmt, ...)
 {
@@ -60,7 +60,7 @@ void kvhi_log(kvh_engine *e, int level, const char *fmt, ...)
 {
     if (!e || !e->cfg.log_fn || (uint32_t)level > e->cfg.log_level)
         return;
-    char msg[512];
+    char msg[1024];
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(msg, sizeof(msg), fmt, ap);

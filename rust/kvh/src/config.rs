@@ -104,7 +104,7 @@ impl Config {
         }
     }
 
-    /// Form of KV in the host and disk tiers (default [`Codec::None`]):
+    /// Form of KV in the host and disk tiers (default [`Codec::None`](crate::Codec::None)):
     /// a quantised codec makes those tiers hold more blocks, with the
     /// error bounds documented in [`crate::codec`].
     pub fn kv_codec(mut self, codec: crate::Codec) -> Self {
@@ -112,7 +112,7 @@ impl Config {
         self
     }
 
-    /// Victim order of the memory tiers (default [`Eviction::LruK`]);
+    /// Victim order of the memory tiers (default [`Eviction::LruK`](crate::Eviction::LruK));
     /// `window` is LCTRU's recency a fully tolerant block gives up, in
     /// accesses (0 = the device tier's capacity in blocks).
     pub fn eviction(mut self, policy: crate::Eviction, window: u32) -> Self {

@@ -1,0 +1,65 @@
+# The installed package is relocatable: install BUILD into WORK/installed,
+# move it to WORK/moved, check that no installed CMake or pkg-config file
+# names the build tree, the source tree, the first prefix or a library path
+# of this machine, then configure, build and run tests/c/consumer against
+# the moved prefix with kvh::kvh and with kvh::kvh_static.
+#
+#   cmake -DCMAKE=... -DBUILD=... -DSRC=... -DWORK=... -DGENERATOR=...
+#         -DCC=... -DURING=<liburing path> [-DNUMA=<libnuma path>]
+#         -P check_install.cmake
+foreach(v CMAKE BUILD SRC WORK GENERATOR CC URING)
+  if(NOT DEFINED ${v})
+    message(FATAL_ERROR "check_install.cmake: -D${v}= missing")
+  endif()
+endforeach()
+
+function(run)
+  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)
+  if(NOT rc EQUAL 0)
+    list(JOIN ARGN " " cmd)
+    message(FATAL_ERROR "${cmd}: exit ${rc}\n${out}")
+  endif()
+  set(run_out "${out}" PARENT_SCOPE)
+endfunction()
+
+file(REMOVE_RECURSE ${WORK})
+file(MAKE_DIRECTORY ${WORK})
+run(${CMAKE} --install ${BUILD} --prefix ${WORK}/installed)
+file(RENAME ${WORK}/installed ${WORK}/moved)
+
+file(GLOB_RECURSE config_files ${WORK}/moved/*.cmake ${WORK}/moved/*.pc)
+if(NOT config_files)
+  message(FATAL_ERROR "no CMake package or pkg-config file installed")
+endif()
+set(forbidden ${BUILD} ${SRC} ${WORK}/installed ${URING})
+if(NUMA)
+  list(APPEND forbidden ${NUMA})
+endif()
+foreach(f IN LISTS config_files)
+  file(READ ${f} text)
+  foreach(p IN LISTS forbidden)
+    string(FIND "${text}" "${p}" at)
+    if(NOT at EQUAL -1)
+      message(FATAL_ERROR "${f} names ${p}: not relocatable")
+    endif()
+  endforeach()
+endforeach()
+list(LENGTH config_files n)
+message(STATUS "installed, moved; ${n} package files name no path of this machine")
+
+foreach(mode shared static)
+  set(bin ${WORK}/consumer-${mode})
+  set(static OFF)
+  if(mode STREQUAL "static")
+    set(static ON)
+  endif()
+  run(${CMAKE} -S ${SRC}/tests/c/consumer -B ${bin} -G ${GENERATOR} -DCMAKE_C_COMPILER=${CC}
+      -DCMAKE_PREFIX_PATH=${WORK}/moved -DKVH_CONSUMER_STATIC=${static})
+  run(${CMAKE} --build ${bin})
+  run(${bin}/kvh_consumer)
+  string(STRIP "${run_out}" line)
+  message(STATUS "${mode}: ${line}")
+  if(NOT line MATCHES "40 tokens$")
+    message(FATAL_ERROR "${mode} consumer printed: ${run_out}")
+  endif()
+endforeach()
