@@ -146,19 +146,22 @@ def cmd_stats(args: argparse.Namespace) -> int:
     slabs = sorted(d.glob("slab-*.kvh"))
     disk_bytes = args.disk_bytes or sum(p.stat().st_size for p in slabs) or (1 << 30)
     try:
+        from .config import load
+
+        # The store fixes geometry and path; the rest follows the
+        # configuration rule (environment, $KVH_CONFIG) over these defaults.
         eng = Engine(
-            num_layers=int(geometry["layers"]),
-            num_kv_heads=int(geometry["kv_heads"]),
-            head_dim=int(geometry["head_dim"]),
-            block_tokens=int(geometry["block_tokens"]),
-            dtype=str(geometry["dtype"]),
-            model_salt=int(geometry["model_salt"]),
-            backend="cpu",
-            device_bytes=1 << 20,
-            host_bytes=4 << 20,
-            disk_path=str(d),
-            disk_bytes=disk_bytes,
-            log_level="error",
+            load(
+                num_layers=int(geometry["layers"]),
+                num_kv_heads=int(geometry["kv_heads"]),
+                head_dim=int(geometry["head_dim"]),
+                block_tokens=int(geometry["block_tokens"]),
+                dtype=str(geometry["dtype"]),
+                model_salt=int(geometry["model_salt"]),
+                disk_path=str(d),
+                disk_bytes=disk_bytes,
+                defaults={"backend": "cpu", "device_bytes": 1 << 20, "host_bytes": 4 << 20, "log_level": "error"},
+            )
         )
     except errors.UnsupportedError as exc:
         _err(f"this build cannot open a disk store: {exc.message}")
@@ -169,6 +172,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
     except errors.Error as exc:
         _err(f"cannot open {d}: {exc}")
         return EXIT_FAIL
+    except ValueError as exc:  # a bad $KVH_CONFIG file
+        _err(str(exc))
+        return EXIT_USAGE
     with eng:
         tiers = eng.tiers()
         st = eng.stats()
