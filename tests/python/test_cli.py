@@ -386,7 +386,11 @@ def test_progress_bar_only_on_tty():
     with _progress.Progress(10, "work", stream=tty) as bar:
         for _ in range(10):
             bar.update(1)
-    assert "work [" in tty.getvalue() and "10/10" in tty.getvalue() and tty.getvalue().endswith("\n")
+    assert "work" in tty.getvalue() and "10/10" in tty.getvalue() and tty.getvalue().endswith("\n")
+    noted = _FakeTTY()
+    with _progress.Progress(None, "count", stream=noted, unit="tok") as bar:
+        bar.update(3, "agent 1")
+    assert "3tok" in noted.getvalue() and "agent 1" in noted.getvalue()
     plain = io.StringIO()
     with _progress.Progress(10, "work", stream=plain) as bar:
         bar.update(10)
