@@ -15,6 +15,25 @@ kvh_status kvh_config_init(kvh_config *config, size_t struct_size)
     return kvhi_init_params(config, struct_size, &d, sizeof(d), KVHI_STRUCT_SIZE_MIN, "kvh_config");
 }
 
+kvh_status kvh_config_from_env(kvh_config *config, size_t struct_size, const char *const *envp)
+{
+    kvhi_clear_error();
+    if (!config)
+        return kvhi_fail(KVH_ERR_INVALID_ARG, "config is NULL");
+    kvh_status st = kvhi_struct_size_check(struct_size, KVHI_STRUCT_SIZE_MIN, sizeof(kvh_config), "kvh_config");
+    if (st != KVH_OK)
+        return st;
+    /* Parsed into a copy, so that a bad variable leaves *config as it was. */
+    kvh_config c;
+    kvhi_config_defaults(&c);
+    memcpy(&c, config, struct_size);
+    st = kvhi_config_from_env(&c, struct_size, envp);
+    if (st != KVH_OK)
+        return st;
+    memcpy(config, &c, struct_size);
+    return KVH_OK;
+}
+
 kvh_status kvh_engine_open(const kvh_config *config, kvh_engine **out)
 {
     kvhi_clear_error();

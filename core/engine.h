@@ -182,6 +182,11 @@ void kvhi_log_later(kvh_engine *e, int level, const char *fmt, ...) __attribute_
 uint32_t kvhi_dtype_bytes(uint32_t dtype);
 /* Fills c with every default (struct_size = sizeof(kvh_config)). */
 void kvhi_config_defaults(kvh_config *c);
+/* kvh_config_from_env on a config of the current size whose first size
+ * bytes are the caller's: sets the fields that lie within size from the
+ * KVH_* variables of envp (NULL: the process environment). On failure c
+ * may be partly changed (config_env.c). */
+kvh_status kvhi_config_from_env(kvh_config *c, size_t size, const char *const *envp);
 /* Validates config (of the current size) and opens an engine on it. */
 kvh_status kvhi_engine_open(const kvh_config *config, kvh_engine **out);
 /* Waits for the calls inside e to leave, stops the workers, closes the

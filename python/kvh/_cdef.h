@@ -109,6 +109,7 @@ typedef struct kvh_config {
     uint32_t disk_strict_index;
 } kvh_config;
 kvh_status kvh_config_init(kvh_config *config, size_t struct_size);
+kvh_status kvh_config_from_env(kvh_config *config, size_t struct_size, const char *const *envp);
 kvh_status kvh_engine_open(const kvh_config *config, kvh_engine **engine);
 kvh_status kvh_engine_close(kvh_engine *engine);
 kvh_status kvh_engine_block_bytes(const kvh_engine *engine, uint64_t *bytes);

@@ -1,14 +1,11 @@
-"""Tiny terminal helpers for the CLI: a progress bar (drawn only on a TTY),
-summary tables, human-readable sizes and the size options' parser. No
-dependencies."""
+"""Terminal helpers for the CLI: a progress bar (tqdm, drawn only on a
+TTY), summary tables, human-readable sizes and the size options' parser."""
 
 from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
-import time
 from typing import IO, Any, List, Optional, Sequence
 
 from ._handle import Closable
@@ -17,8 +14,10 @@ __all__ = ["Progress", "table", "human_bytes", "human_rate", "parse_size"]
 
 
 class Progress(Closable):
-    """``with Progress(total, "label") as bar: bar.update(1)``. Draws on
-    ``stream`` (stderr) only when it is a TTY, or never with enabled=False."""
+    """``with Progress(total, "label") as bar: bar.update(1)``. A tqdm bar
+    on ``stream`` (stderr), drawn only when it is a TTY (and TERM is not
+    "dumb"), or never with enabled=False. ``update(n, note)`` shows note
+    after the counts."""
 
     def __init__(
         self,
@@ -38,46 +37,27 @@ class Progress(Closable):
         self.unit = unit
         self.count = 0
         self.note = ""
-        self.start = time.monotonic()
-        self._last_draw = 0.0
-        self._drawn = False
-        self._drawn_count = -1
+        self._bar: Any = None
+        if enabled:
+            from tqdm import tqdm
+
+            self._bar = tqdm(
+                total=total, desc=label, unit=unit, file=self.stream, mininterval=0.1, dynamic_ncols=True, leave=True
+            )
 
     def update(self, n: int = 1, note: Optional[str] = None) -> None:
         self.count += n
-        if note is not None:
+        if note is not None and note != self.note:
             self.note = note
-        if not self.enabled:
-            return
-        now = time.monotonic()
-        if now - self._last_draw >= 0.1 or (self.total is not None and self.count >= self.total):
-            self._last_draw = now
-            self._draw(now)
-
-    def _draw(self, now: float) -> None:
-        width = shutil.get_terminal_size((80, 20)).columns
-        elapsed = max(now - self.start, 1e-9)
-        rate = self.count / elapsed
-        if self.total:
-            frac = min(1.0, self.count / self.total)
-            tail = f" {self.count}/{self.total} {rate:,.0f} {self.unit}/s {self.note}"
-            bar_w = max(10, min(40, width - len(self.label) - len(tail) - 4))
-            fill = int(frac * bar_w)
-            line = f"{self.label} [{'#' * fill}{'.' * (bar_w - fill)}]{tail}"
-        else:
-            line = f"{self.label} {self.count} {self.unit} {rate:,.0f}/s {self.note}"
-        self.stream.write("\r" + line[: width - 1].ljust(width - 1))
-        self.stream.flush()
-        self._drawn = True
-        self._drawn_count = self.count
+            if self._bar is not None:
+                self._bar.set_postfix_str(note, refresh=False)
+        if self._bar is not None:
+            self._bar.update(n)
 
     def close(self) -> None:
-        if self.enabled and self._drawn:
-            if self._drawn_count != self.count:
-                self._draw(time.monotonic())
-            self.stream.write("\n")
-            self.stream.flush()
-        self._drawn = False
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
 
 
 def _isatty(stream: Any) -> bool:

@@ -70,6 +70,12 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--disk-budget", type=parse_size, default=parse_size("16GiB"), help="disk tier bytes you plan (default 16GiB)"
     )
+    p.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help="the TOML configuration file whose effect to show (default $KVH_CONFIG)",
+    )
     p.add_argument("--json", action="store_true", help="print the checks as JSON")
     p.add_argument("--strict", action="store_true", help="exit 1 when a check warns or fails")
 
@@ -510,13 +516,31 @@ def run_checks(
 def main_doctor(args) -> int:
     from ._progress import Progress
 
+    from .config import resolve
+
+    try:
+        resolved = resolve(file=args.config)
+        config_error = None
+    except (ValueError, OSError) as exc:
+        resolved, config_error = None, str(exc)
+    except Exception as exc:  # kvh.Error: a bad KVH_* variable
+        resolved, config_error = None, getattr(exc, "message", None) or str(exc)
     with Progress(9, "kvh doctor", enabled=None if not args.json else False, unit="check") as bar:
         checks = run_checks(
             args.data_dir, args.host_budget, args.disk_budget, progress=lambda name: bar.update(1, name)
         )
     if args.json:
         json.dump(
-            {"checks": [c.to_json() for c in checks], "ok": all(c.status in (OK, INFO) for c in checks)},
+            {
+                "checks": [c.to_json() for c in checks],
+                "ok": all(c.status in (OK, INFO) for c in checks) and config_error is None,
+                "config": (
+                    {name: {"value": value, "source": source} for name, value, source in resolved.rows()}
+                    if resolved
+                    else None
+                ),
+                "config_error": config_error,
+            },
             sys.stdout,
             indent=2,
         )
@@ -531,6 +555,19 @@ def main_doctor(args) -> int:
                 align="lll",
             )
         )
+        print()
+        if resolved is not None:
+            src = f" (file: {resolved.file})" if resolved.file else " (no file: $KVH_CONFIG is unset)"
+            print(
+                table(
+                    list(resolved.rows()),
+                    ["field", "value", "from"],
+                    title="effective configuration: argument > environment > file > default" + src,
+                    align="lll",
+                )
+            )
+        else:
+            print(f"configuration: {config_error}")
         fixes = [c for c in checks if c.fix]
         if fixes:
             print("\nWhat to change:")
@@ -540,5 +577,5 @@ def main_doctor(args) -> int:
                     print(f"  {line}")
         else:
             print("\nNothing to change.")
-    bad = any(c.status in (WARN, FAIL) for c in checks)
+    bad = any(c.status in (WARN, FAIL) for c in checks) or config_error is not None
     return 1 if args.strict and bad else 0

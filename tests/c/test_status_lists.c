@@ -235,6 +235,10 @@ static void test_config_and_engine(void **state)
     kvh_engine *e = NULL;
     assert_kvh(KVH_ERR_INVALID_ARG, kvh_config_init(NULL, sizeof(c)));
     assert_kvh(KVH_ERR_STRUCT_SIZE, kvh_config_init(&c, sizeof(c) - 4));
+    static const char *const bad_env[] = {"KVH_HOST_BYTES=lots", NULL};
+    assert_kvh(KVH_ERR_INVALID_ARG, kvh_config_from_env(NULL, sizeof(c), NULL));
+    assert_kvh(KVH_ERR_INVALID_ARG, kvh_config_from_env(&c, sizeof(c), bad_env));
+    assert_kvh(KVH_ERR_STRUCT_SIZE, kvh_config_from_env(&c, sizeof(c) - 4, NULL));
 
     c = tu_cfg(L, H, D, BT, KVH_DTYPE_F32, 4, 4, 0);
     assert_kvh(KVH_ERR_INVALID_ARG, kvh_engine_open(NULL, &e));

@@ -55,6 +55,9 @@ def test_help_everywhere(cmd):
     assert res.returncode == 0, res.stderr
     assert res.stdout.startswith("usage: kvh")
     assert "--help" in res.stdout
+    # plain text: none of the docstrings' reST or Markdown markup
+    for markup in ("``", ":func:", ":class:", ":mod:", "**", "`"):
+        assert markup not in res.stdout, markup
 
 
 # `python -m MODULE` entry points; kvh.bench_retriever and kvh.bench_offload
@@ -273,6 +276,8 @@ def test_bench():
         return
     assert res.returncode == 0
     scenarios = res.stdout.split()
+    assert "retriever" in scenarios and "offload" in scenarios
+    scenarios = [s for s in scenarios if s not in ("retriever", "offload")]
     assert scenarios
     res = run_kvh("bench", scenarios[0], "--quick", "--json", timeout=300)
     assert res.returncode == 0, res.stderr
@@ -386,7 +391,11 @@ def test_progress_bar_only_on_tty():
     with _progress.Progress(10, "work", stream=tty) as bar:
         for _ in range(10):
             bar.update(1)
-    assert "work [" in tty.getvalue() and "10/10" in tty.getvalue() and tty.getvalue().endswith("\n")
+    assert "work" in tty.getvalue() and "10/10" in tty.getvalue() and tty.getvalue().endswith("\n")
+    noted = _FakeTTY()
+    with _progress.Progress(None, "count", stream=noted, unit="tok") as bar:
+        bar.update(3, "agent 1")
+    assert "3tok" in noted.getvalue() and "agent 1" in noted.getvalue()
     plain = io.StringIO()
     with _progress.Progress(10, "work", stream=plain) as bar:
         bar.update(10)

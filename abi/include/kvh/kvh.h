@@ -315,6 +315,37 @@ typedef struct kvh_config {
  * @threads any */
 KVH_API kvh_status kvh_config_init(kvh_config *config, size_t struct_size);
 
+/* Sets fields of *config from environment variables, over what it already
+ * holds (call kvh_config_init first); never called by the library itself,
+ * so a program's configuration changes only where it asks for this. A
+ * variable is KVH_ and the field's name in capitals (KVH_HOST_BYTES,
+ * KVH_DISK_PATH, ...), for every field but log_fn, log_user and the
+ * reserved ones; unset or empty variables and other KVH_ names are
+ * ignored, and so is a variable whose field lies past struct_size (a
+ * caller built against an older kvh.h). Values:
+ *   sizes (*_bytes): a decimal count with an optional suffix K, M, G, T
+ *     or P (powers of 1024; "KiB", "KB" and "K" mean the same), e.g. 4G;
+ *   model_salt, migration_cpu_mask: decimal, or hex with 0x;
+ *   counts and numa_node, cuda_device: decimal (numa_node -1: none);
+ *   dtype: f32, f16, bf16; backend: auto, cpu, cuda; log_level: error,
+ *     warn, info, debug; kv_codec: none, int8, q4_g32, q4_g64;
+ *     eviction_policy: lru_k, lctru; each also as its number;
+ *   disk_flags: a number, or names joined by commas: reset_on_mismatch,
+ *     buffered, share_group (none: 0);
+ *   vmap, copy_moves, disk_strict_index: 1/0, true/false, yes/no, on/off;
+ *   disk_path: the text as is; config->disk_path then points into the
+ *     environment ([borrowed]: valid while that variable is unchanged).
+ * Names and suffixes are case-insensitive. Ranges are checked here only as
+ * far as the field's type goes; kvh_engine_open checks the rest. envp: a
+ * NULL-terminated array of "NAME=value" strings [borrowed], or NULL for
+ * the process environment. [borrowed] config, of struct_size bytes (its
+ * struct_size field is left as it is). Returns KVH_ERR_INVALID_ARG for a
+ * NULL config or a value that does not parse or does not fit its field
+ * (kvh_last_error names the variable and its value; *config is then
+ * unchanged), KVH_ERR_STRUCT_SIZE for a size this library does not know.
+ * @threads any (but not alongside setenv or putenv with envp NULL) */
+KVH_API kvh_status kvh_config_from_env(kvh_config *config, size_t struct_size, const char *const *envp);
+
 /* ------------------------------------------------------------------ */
 /* Engine: open, close, info, stats, quotas                           */
 /* ------------------------------------------------------------------ */

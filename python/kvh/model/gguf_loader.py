@@ -1,10 +1,11 @@
 """Reads a Llama-family GGUF file: metadata, tokenizer tables, and every
 weight dequantised once to float32 NumPy.
 
-The file is memory-mapped and parsed here directly (the header walk of
+The file is memory-mapped and parsed here directly: the header walk of
 ``gguf.GGUFReader`` builds one NumPy memmap per string of the tokenizer
-tables and takes ~10 s for a 49k-token vocabulary; this parser takes well
-under a second). The ``gguf`` package supplies the tensor type enum, the
+tables. Opening SmolLM2-135M-Instruct.Q4_1.gguf (49k-token vocabulary;
+gguf 0.19, Python 3.11, a shared 2-core x86-64 machine, best of three):
+``gguf.GGUFReader`` 3.9 s, this parser 0.05 s. The ``gguf`` package supplies the tensor type enum, the
 block sizes, and the dequantiser for every type this module does not decode
 itself (Q4_0, Q4_1, Q8_0, F16, BF16 and F32 are decoded here with vectorised
 NumPy; the test suite checks them bit for bit against ``gguf.quants``).
@@ -22,7 +23,7 @@ import dataclasses
 import mmap
 import os
 import struct
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -109,12 +110,17 @@ class GGUFFile(Closable):
         n_tensors, n_kv = struct.unpack_from("<QQ", mm, 8)
         off = 24
         meta: Dict[str, Any] = {}
+        types: Dict[str, Tuple[int, Optional[int]]] = {}
         for _ in range(n_kv):
             key, off = self._str(off)
             (vtype,) = struct.unpack_from("<I", mm, off)
             off += 4
+            types[key] = (vtype, struct.unpack_from("<I", mm, off)[0] if vtype == _ARRAY else None)
             meta[key], off = self._value(vtype, off)
         self.metadata = meta
+        #: key -> (GGUF value type, element type of an array or None), for
+        #: writing the metadata back as it was (kvh.model.requant).
+        self.metadata_types = types
         self.metadata_end = off  # the header and the metadata: file bytes [0, metadata_end)
         qtype, qsizes = _gguf()
         infos: List[Tuple[str, Tuple[int, ...], int, int]] = []

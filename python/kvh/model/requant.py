@@ -2,16 +2,19 @@
 another type (Q8_0 by default), for a second model of the same
 architecture when only one GGUF is at hand (``kvh demo --models``).
 
-The metadata section is copied byte for byte; the tensor table is
-rewritten with the new types and offsets; F32 tensors and tensors already
-in the target type are copied as they are. Re-encoding goes through the
-float32 weights, so a Q4_1 file re-encoded as Q8_0 keeps Q4_1's rounding
-(it is a different file and type, not a more accurate model)."""
+The file is written with ``gguf.GGUFWriter``: the metadata is written
+back with the value types it was read with (the same bytes, in the same
+order, for a file whose first key is ``general.architecture``, as every
+converter writes it; the test suite compares it byte for byte with a
+direct copy), the tensor table gets the new types and offsets, and F32,
+F16 and BF16 tensors and those already in the target type are copied as
+they are. Re-encoding goes through the float32 weights, so a Q4_1 file
+re-encoded as Q8_0 keeps Q4_1's rounding (it is a different file and
+type, not a more accurate model)."""
 
 from __future__ import annotations
 
 import os
-import struct
 from typing import Optional
 
 import numpy as np
@@ -25,41 +28,41 @@ def requantize(src: str, dst: str, qtype: str = "Q8_0", *, progress: Optional[ca
     """Writes ``dst`` (atomically: a temporary file renamed at the end) and
     returns it. Matrices of another quantised type become ``qtype``."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
-    from gguf import quants
+    from gguf import GGUFValueType as V
+    from gguf import GGUFWriter, quants
 
     target = T[qtype]
     blk, tsz = GGML_QUANT_SIZES[target]
+    tmp = dst + ".tmp"
     with GGUFFile(src) as g:
-        align = int(g.metadata.get("general.alignment", 32))
-        meta_end = g.metadata_end
-        plan = []  # (name, numpy shape, type id, payload source)
-        for t in g.tensors.values():
-            keep = t.type_name in ("F32", "F16", "BF16", qtype) or len(t.shape) < 2 or t.shape[-1] % blk
-            plan.append((t, int(t.type_id) if keep else int(target), keep))
-        table = bytearray()
-        offset = 0
-        sizes = []
-        for t, tid, keep in plan:
-            n = t.nbytes if keep else int(np.prod(t.shape)) // blk * tsz
-            name = t.name.encode()
-            table += struct.pack("<Q", len(name)) + name + struct.pack("<I", len(t.shape))
-            table += struct.pack(f"<{len(t.shape)}Q", *reversed(t.shape))
-            table += struct.pack("<IQ", tid, offset)
-            sizes.append(n)
-            offset += (n + align - 1) // align * align
-        tmp = dst + ".tmp"
-        with open(tmp, "wb") as f:
-            f.write(g.read(0, 24))
-            f.write(g.read(24, meta_end))
-            f.write(table)
-            f.write(b"\0" * (-f.tell() % align))
-            for i, ((t, tid, keep), n) in enumerate(zip(plan, sizes)):
-                if keep:
-                    f.write(g.read(t.offset, t.offset + t.nbytes))
-                else:
-                    f.write(quants.quantize(g.tensor(t.name), target).tobytes())
-                f.write(b"\0" * (-n % align))
+        arch = g.metadata.get("general.architecture")
+        if not isinstance(arch, str):
+            raise ValueError(f"{src}: no general.architecture in the metadata")
+        w = GGUFWriter(tmp, arch)  # writes general.architecture first
+        try:
+            w.data_alignment = int(g.metadata.get("general.alignment", w.data_alignment))
+            for key, value in g.metadata.items():
+                if key == "general.architecture":
+                    continue
+                vtype, sub = g.metadata_types[key]
+                if isinstance(value, np.ndarray):
+                    value = value.tolist()
+                w.add_key_value(key, value, V(vtype), V(sub) if sub is not None else None)
+            plan = []  # (tensor info, kept as it is)
+            for t in g.tensors.values():
+                keep = t.type_name in ("F32", "F16", "BF16", qtype) or len(t.shape) < 2 or t.shape[-1] % blk
+                n = t.nbytes if keep else int(np.prod(t.shape)) // blk * tsz
+                w.add_tensor_info(t.name, t.shape, np.dtype(np.float32), n, raw_dtype=T(t.type_id) if keep else target)
+                plan.append((t, keep))
+            w.write_header_to_file()
+            w.write_kv_data_to_file()
+            w.write_ti_data_to_file()
+            for i, (t, keep) in enumerate(plan):
+                data = g.raw(t.name) if keep else quants.quantize(g.tensor(t.name), target)
+                w.write_tensor_data(np.ascontiguousarray(data))
                 if progress:
                     progress(i + 1, len(plan))
+        finally:
+            w.close()
     os.replace(tmp, dst)
     return dst

@@ -793,6 +793,13 @@ extern "C" {
     pub fn kvh_config_init(config: *mut kvh_config, struct_size: usize) -> kvh_status;
 }
 extern "C" {
+    pub fn kvh_config_from_env(
+        config: *mut kvh_config,
+        struct_size: usize,
+        envp: *const *const ::std::os::raw::c_char,
+    ) -> kvh_status;
+}
+extern "C" {
     pub fn kvh_engine_open(config: *const kvh_config, engine: *mut *mut kvh_engine) -> kvh_status;
 }
 extern "C" {

@@ -87,6 +87,65 @@ impl Config {
         }
     }
 
+    /// Sets fields from the `KVH_*` variables of the process environment
+    /// (`kvh_config_from_env`: `KVH_HOST_BYTES=4G`, `KVH_DISK_PATH=...`;
+    /// the names and syntax are in kvh.h and the README), over what this
+    /// config holds. Nothing reads the environment unless this is called.
+    /// A bad value is [`Status::InvalidArg`](crate::Status::InvalidArg)
+    /// naming the variable.
+    ///
+    /// ```
+    /// let config = kvh::Config::new().head_dim(64).apply_env()?;
+    /// # Ok::<(), kvh::Error>(())
+    /// ```
+    pub fn apply_env(self) -> Result<Self> {
+        use std::os::unix::ffi::OsStrExt;
+        let vars = std::env::vars_os().filter(|(k, _)| k.as_bytes().starts_with(b"KVH_"));
+        self.apply_vars(vars)
+    }
+
+    /// [`Config::apply_env`] over the given `(name, value)` pairs instead
+    /// of the process environment.
+    pub fn apply_vars<I, K, V>(mut self, vars: I) -> Result<Self>
+    where
+        I: IntoIterator<Item = (K, V)>,
+        K: AsRef<std::ffi::OsStr>,
+        V: AsRef<std::ffi::OsStr>,
+    {
+        use std::os::unix::ffi::OsStrExt;
+        let mut owned = Vec::new();
+        for (k, v) in vars {
+            let mut text = k.as_ref().as_bytes().to_vec();
+            text.push(b'=');
+            text.extend_from_slice(v.as_ref().as_bytes());
+            // A NUL cannot be in an environment; such a pair is skipped.
+            if let Ok(c) = CString::new(text) {
+                owned.push(c);
+            }
+        }
+        let mut envp: Vec<*const std::os::raw::c_char> = owned.iter().map(|c| c.as_ptr()).collect();
+        envp.push(std::ptr::null());
+        let mut raw = self.raw;
+        // SAFETY: raw is a kvh_config of the size passed; envp is a
+        // NULL-terminated array of NUL-terminated strings that outlive the
+        // call. disk_path, if set, points into `owned` and is copied below.
+        let st = unsafe {
+            sys::kvh_config_from_env(
+                &mut raw,
+                std::mem::size_of::<sys::kvh_config>(),
+                envp.as_ptr(),
+            )
+        };
+        check(st)?;
+        if !raw.disk_path.is_null() {
+            // SAFETY: a NUL-terminated string inside `owned`, still alive.
+            self.disk_path = Some(unsafe { std::ffi::CStr::from_ptr(raw.disk_path) }.to_owned());
+            raw.disk_path = std::ptr::null();
+        }
+        self.raw = raw;
+        Ok(self)
+    }
+
     /// The raw struct (pointer fields are NULL here; `Engine::open` fills
     /// them).
     pub fn as_raw(&self) -> &sys::kvh_config {

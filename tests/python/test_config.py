@@ -1,0 +1,138 @@
+"""kvh.config: argument > environment > file > default, the TOML file, the
+environment's syntax (the C library's kvh_config_from_env), and kvh doctor
+showing where each value came from."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import kvh
+import kvh.config as kc
+from kvh.types import DType
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _toml(tmp_path, text):
+    p = tmp_path / "kvh.toml"
+    p.write_text(text)
+    return p
+
+
+def test_precedence(tmp_path):
+    f = _toml(tmp_path, 'head_dim = 32\nhost_bytes = "2M"\nnum_layers = 3\nlru_k = 3\n')
+    env = {"KVH_CONFIG": str(f), "KVH_HOST_BYTES": "4M", "KVH_NUM_LAYERS": "5"}
+    r = kc.resolve(environ=env, num_layers=7, defaults={"lru_k": 1, "block_tokens": 8})
+    c = r.config
+    assert c.num_layers == 7 and r.sources["num_layers"] == "argument"
+    assert c.host_bytes == 4 << 20 and r.sources["host_bytes"] == "env KVH_HOST_BYTES"
+    assert c.head_dim == 32 and r.sources["head_dim"] == f"file {f}"
+    assert c.lru_k == 3 and r.sources["lru_k"] == f"file {f}"
+    assert c.block_tokens == 8 and r.sources["block_tokens"] == "default"
+    assert c.device_bytes is None and "device_bytes" not in r.sources
+    assert r.file == f
+
+
+def test_config_argument_and_file_keyword(tmp_path):
+    f = _toml(tmp_path, "head_dim = 32\n")
+    r = kc.resolve(kvh.Config(head_dim=16), environ={}, file=f)
+    assert r.config.head_dim == 16 and r.sources["head_dim"] == "argument"
+    assert kc.load(environ={}, file=f).head_dim == 32
+    assert kc.load(environ={}).head_dim is None  # no KVH_CONFIG: no file
+
+
+def test_environment_syntax():
+    env = {
+        "KVH_DEVICE_BYTES": "512K",
+        "KVH_DTYPE": "f32",
+        "KVH_BACKEND": "cpu",
+        "KVH_DISK_FLAGS": "buffered,share_group",
+        "KVH_VMAP": "off",
+        "KVH_NUMA_NODE": "-1",
+        "KVH_DISK_PATH": "/tmp/some store",
+        "KVH_HOST_BYTES": "",  # empty: unset
+    }
+    c = kc.load(environ=env)
+    assert c.device_bytes == 512 << 10
+    assert c.dtype == DType.F32
+    assert c.disk_buffered and c.disk_share_group and not c.disk_reset_on_mismatch
+    assert c.vmap is False and c.numa_node == -1
+    assert c.disk_path == "/tmp/some store"
+    assert c.host_bytes is None
+
+
+def test_bad_variable_is_named():
+    with pytest.raises(kvh.InvalidArgumentError, match=r'KVH_HOST_BYTES="4X"'):
+        kc.load(environ={"KVH_HOST_BYTES": "4X"})
+    with pytest.raises(kvh.InvalidArgumentError, match="KVH_BACKEND"):
+        kc.load(environ={"KVH_BACKEND": "gpu"})
+
+
+def test_bad_file(tmp_path):
+    with pytest.raises(ValueError, match="unknown key 'hots_bytes'"):
+        kc.load(environ={}, file=_toml(tmp_path, "hots_bytes = 1\n"))
+    with pytest.raises(ValueError, match="host_bytes"):
+        kc.load(environ={}, file=_toml(tmp_path, 'host_bytes = "lots"\n'))
+    with pytest.raises(ValueError, match="not valid TOML"):
+        kc.load(environ={}, file=_toml(tmp_path, "head_dim = \n"))
+    with pytest.raises(TypeError, match="hed_dim"):
+        kc.load(environ={}, hed_dim=3)
+
+
+def test_opens_an_engine(tmp_path):
+    f = _toml(tmp_path, 'device_bytes = "256K"\nhost_bytes = "1M"\nbackend = "cpu"\n')
+    cfg = kc.load(environ={"KVH_CONFIG": str(f), "KVH_HEAD_DIM": "32"}, num_layers=2)
+    with kvh.Engine(cfg) as eng:
+        assert eng.head_dim == 32 and eng.num_layers == 2
+        host = eng.tier_info("host")
+        assert 0 < host.capacity_blocks * eng.block_bytes <= 1 << 20
+
+
+def test_every_field_has_a_variable():
+    import dataclasses
+
+    assert set(kc.ENV_VARS) == {f.name for f in dataclasses.fields(kvh.Config)}
+
+
+def test_doctor_shows_sources(tmp_path):
+    f = _toml(tmp_path, "head_dim = 96\n")
+    import os
+
+    env = dict(os.environ, KVH_CONFIG=str(f), KVH_HOST_BYTES="8G")
+    env["PYTHONPATH"] = str(REPO / "python") + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    out = subprocess.run(
+        [sys.executable, "-m", "kvh", "doctor", "--json", "--data-dir", str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    cfg = json.loads(out)["config"]
+    assert cfg["head_dim"] == {"value": "96", "source": f"file {f}"}
+    assert cfg["host_bytes"] == {"value": str(8 << 30), "source": "env KVH_HOST_BYTES"}
+    assert cfg["block_tokens"]["source"] == "default"
+    env["KVH_LRU_K"] = "many"
+    res = subprocess.run(
+        [sys.executable, "-m", "kvh", "doctor", "--data-dir", str(tmp_path)], env=env, capture_output=True, text=True
+    )
+    assert 'KVH_LRU_K="many"' in res.stdout
+
+
+def test_readme_lists_every_variable():
+    import re
+
+    readme = (REPO / "README.md").read_text()
+    listed = set(re.findall(r"`(KVH_[A-Z0-9_]+)`", readme))
+    missing = set(kc.ENV_VARS.values()) - listed
+    # Every variable the C library, the kernels and the Python package read.
+    pattern = re.compile(r"""(?:getenv\(|environ\.get\(|environ\[)\s*["'](KVH_[A-Z0-9_]+)""")
+    for d in ("core", "kernels", "python/kvh"):
+        for path in (REPO / d).rglob("*"):
+            if path.suffix in (".c", ".cu", ".h", ".py"):
+                missing |= set(pattern.findall(path.read_text(errors="replace"))) - listed
+    assert not missing, f"README.md's configuration tables lack {sorted(missing)}"

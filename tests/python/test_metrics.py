@@ -1,0 +1,69 @@
+"""kvh.metrics: the Prometheus exporter, scraped over HTTP on loopback."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import numpy as np
+import pytest
+
+import kvh
+
+prometheus_client = pytest.importorskip("prometheus_client")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+import kvh.metrics  # noqa: E402
+
+
+def _scrape(url):
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def test_scrape_changes_with_activity():
+    with kvh.Engine(
+        num_layers=2, num_kv_heads=2, head_dim=16, dtype="f32", backend="cpu", device_bytes=1 << 20, host_bytes=4 << 20
+    ) as eng:
+        with kvh.metrics.serve(eng, 0) as ex:
+            assert ex.address[0] == "127.0.0.1"
+            before = _scrape(ex.url)
+            assert before[("kvh_engine_up", ())] == 1
+            # Every counter of kvh_stats is published as a *_total counter.
+            for name in kvh.metrics.METRIC_NAMES:
+                assert any(k[0] == name + "_total" for k in before), name
+            assert before[("kvh_blocks_allocated_total", ())] == 0
+            assert before[("kvh_tier_used_bytes", (("tier", "device"),))] == 0
+            assert before[("kvh_block_bytes", ())] == eng.block_bytes
+            assert ("kvh_hits_total", (("tier", "host"),)) in before
+            assert ("kvh_moved_bytes_total", (("dst", "host"), ("src", "device"))) in before
+            assert ("kvh_acquire_stall_seconds_total", ()) in before
+
+            with eng.sequence() as seq:
+                seq.append(np.arange(64))
+                k = v = np.ones((64, 2, 16), np.float32)
+                seq.write_kv(0, 0, k, v)
+                seq.read_kv(0)
+                during = _scrape(ex.url)
+            after = _scrape(ex.url)
+            st = eng.stats()
+        assert during[("kvh_blocks_allocated_total", ())] == st.blocks_allocated > 0
+        assert during[("kvh_tier_used_bytes", (("tier", "device"),))] > 0
+        assert during[("kvh_tier_used_blocks", (("tier", "device"),))] > 0
+        assert after[("kvh_blocks_freed_total", ())] == st.blocks_freed
+        assert after[("kvh_lookups_total", ())] == st.lookups
+        cap = eng.tier_info("host")
+        assert after[("kvh_tier_capacity_bytes", (("tier", "host"),))] == cap.capacity_blocks * cap.block_bytes
+
+
+def test_closed_engine_is_down():
+    eng = kvh.Engine(backend="cpu", device_bytes=1 << 20, host_bytes=1 << 20)
+    with kvh.metrics.serve(eng, 0) as ex:
+        eng.close()
+        got = _scrape(ex.url)
+    assert got[("kvh_engine_up", ())] == 0
+    assert not any(k[0] == "kvh_lookups_total" for k in got)
