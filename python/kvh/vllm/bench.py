@@ -20,6 +20,7 @@ import json
 import os
 import random
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -49,11 +50,13 @@ def default_model() -> Optional[str]:
     return str(p) if p.exists() else None
 
 
-def prompts(n_long: int, seed: int) -> List[List[int]]:
+def prompts(n_long: int, reps: int, seed: int) -> List[List[int]]:
+    """reps distinct long prompts (timed to the first token), then reps
+    short ones (decoded)."""
     rng = random.Random(seed)
-    long = [rng.randrange(1000, 40000) for _ in range(n_long)]
-    short = [rng.randrange(1000, 40000) for _ in range(48)]
-    return [long, short]
+    longs = [[rng.randrange(1000, 40000) for _ in range(n_long)] for _ in range(reps)]
+    shorts = [[rng.randrange(1000, 40000) for _ in range(48)] for _ in range(reps)]
+    return longs + shorts
 
 
 def run_one(py: str, model: str, work: Path, name: str, connector: str, extra: Dict[str, Any], decode: int):
@@ -80,6 +83,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=2000)
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=3, help="prompts timed per configuration (medians reported)")
     ap.add_argument("--quick", action="store_true", help="a 600-token prompt, 32 decoded tokens")
     ap.add_argument("--no-example", action="store_true", help="leave out vLLM's ExampleConnector")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
@@ -92,9 +96,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             "scripts/convert-model-hf.py (or `make bench-vllm`), or pass --python and --model"
         )
     n_long, decode = (600, 32) if args.quick else (args.prompt_tokens, args.decode_tokens)
+    if args.quick:
+        args.reps = 1
     work = Path(tempfile.mkdtemp(prefix="kvh-bench-vllm-"))
     try:
-        (work / "prompts.json").write_text(json.dumps(prompts(n_long, args.seed)))
+        (work / "prompts.json").write_text(json.dumps(prompts(n_long, args.reps, args.seed)))
         kvh_extra = {"disk_path": str(work / "kvh-store"), "disk_bytes": "1G", "host_bytes": "512M"}
         ex_extra = {"shared_storage_path": str(work / "example-store")}
         runs = [
@@ -123,15 +129,22 @@ def main(argv: Optional[List[str]] = None) -> int:
             shutil.rmtree(work, ignore_errors=True)
 
 
+def _median(xs: List[float]) -> float:
+    return statistics.median(xs)
+
+
 def summarize(res: Dict[str, Any], n_long: int, decode: int) -> Dict[str, Any]:
     base = res["plain"]
     out: Dict[str, Any] = {
-        "prompt_tokens": base["prompt_tokens"],
+        "prompt_tokens": base["prompt_tokens"][0],
         "decode_tokens": decode,
+        "reps": len(base["ttft_s"]),
         "runs": {
             k: {
-                "ttft_ms": v["ttft_s"] * 1e3,
-                "decode_tok_s": v["decode_tok_s"],
+                "ttft_ms": _median(v["ttft_s"]) * 1e3,
+                "ttft_ms_all": [round(x * 1e3, 1) for x in v["ttft_s"]],
+                "decode_tok_s": _median(v["decode_tok_s"]),
+                "decode_tok_s_all": [round(x, 2) for x in v["decode_tok_s"]],
                 "tokens_loaded": (v.get("stats") or {}).get("tokens_loaded"),
             }
             for k, v in res.items()
@@ -141,20 +154,26 @@ def summarize(res: Dict[str, Any], n_long: int, decode: int) -> Dict[str, Any]:
             for k, v in res.items()
         },
     }
+    runs = out["runs"]
     r: Dict[str, float] = {}
-    r["ttft_kvh_hit_vs_recompute"] = res["kvh_warm"]["ttft_s"] / base["ttft_s"]
-    r["decode_kvh_vs_plain"] = res["kvh_cold"]["decode_tok_s"] / base["decode_tok_s"]
-    if "example_warm" in res:
-        r["ttft_example_hit_vs_recompute"] = res["example_warm"]["ttft_s"] / base["ttft_s"]
-        r["ttft_kvh_hit_vs_example_hit"] = res["kvh_warm"]["ttft_s"] / res["example_warm"]["ttft_s"]
-        r["decode_kvh_vs_example"] = res["kvh_cold"]["decode_tok_s"] / res["example_cold"]["decode_tok_s"]
-        r["decode_example_vs_plain"] = res["example_cold"]["decode_tok_s"] / base["decode_tok_s"]
+    r["ttft_kvh_hit_vs_recompute"] = runs["kvh_warm"]["ttft_ms"] / runs["plain"]["ttft_ms"]
+    r["ttft_kvh_cold_vs_plain"] = runs["kvh_cold"]["ttft_ms"] / runs["plain"]["ttft_ms"]
+    r["decode_kvh_vs_plain"] = runs["kvh_cold"]["decode_tok_s"] / runs["plain"]["decode_tok_s"]
+    r["decode_kvh_warm_vs_plain"] = runs["kvh_warm"]["decode_tok_s"] / runs["plain"]["decode_tok_s"]
+    if "example_warm" in runs:
+        r["ttft_example_hit_vs_recompute"] = runs["example_warm"]["ttft_ms"] / runs["plain"]["ttft_ms"]
+        r["ttft_kvh_hit_vs_example_hit"] = runs["kvh_warm"]["ttft_ms"] / runs["example_warm"]["ttft_ms"]
+        r["decode_kvh_vs_example"] = runs["kvh_cold"]["decode_tok_s"] / runs["example_cold"]["decode_tok_s"]
+        r["decode_example_vs_plain"] = runs["example_cold"]["decode_tok_s"] / runs["plain"]["decode_tok_s"]
     out["ratios"] = r
     return out
 
 
 def print_table(s: Dict[str, Any]) -> None:
-    print(f"kvh bench vllm: {s['prompt_tokens']}-token returning prompt, {s['decode_tokens']} decoded tokens")
+    print(
+        f"kvh bench vllm: {s['prompt_tokens']}-token returning prompts, {s['decode_tokens']} decoded tokens, "
+        f"medians of {s['reps']}"
+    )
     print(f"{'run':14} {'TTFT ms':>9} {'decode tok/s':>13} {'loaded':>7} {'same':>5}")
     for k, v in s["runs"].items():
         loaded = "-" if v["tokens_loaded"] is None else str(v["tokens_loaded"])

@@ -308,6 +308,12 @@ class KvStore:
 
     # ---- durability ----
     def _persist_loop(self) -> None:
+        # Durability is background work: on a machine whose cores all run
+        # the forward pass, it should take what they leave.
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (AttributeError, OSError):
+            pass
         while True:
             tokens = self._persist_q.get()
             if tokens is None:
