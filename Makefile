@@ -18,8 +18,10 @@
 #   make format   apply clang-format, ruff and rustfmt to the tree
 #   make clean    remove the build trees
 #
-# Single suites: test-c, test-asan, test-tsan, test-python, test-rust,
-# test-drift, test-bench, test-fuzz. Useful overrides: SKIP_DEPS=1 (no root, or offline),
+# Single suites: test-c, test-asan, test-tsan, test-python, test-vllm, test-rust,
+# test-drift, test-bench, test-fuzz. `make bench-vllm` runs `kvh bench vllm`;
+# SKIP_VLLM=1 leaves the vLLM suite out (it installs vLLM once per machine
+# into ~/.cache/kvh, about 6 GB). Useful overrides: SKIP_DEPS=1 (no root, or offline),
 # JOBS=N, CTEST_ARGS='-R prefix', CMAKE_ARGS='-DKVH_WITH_CUDA=OFF'.
 
 SHELL := /bin/bash
@@ -110,7 +112,7 @@ step = @printf '\n==> %s\n' "$(1)"
 
 .PHONY: all deps build demo test test-c test-asan test-tsan test-python test-rust \
         test-drift build-asan build-tsan stress bench test-bench clean help build-fuzz fuzz test-fuzz \
-        test-format format
+        test-format format test-vllm bench-vllm
 
 all: build
 
@@ -158,7 +160,7 @@ endif
 # The committed fuzz corpora are replayed by ctest in every C suite; the
 # last steps smoke-run every benchmark scenario and fuzz each target
 # briefly from a fixed seed.
-test: test-format test-c test-asan test-tsan test-python test-rust test-drift test-bench test-fuzz
+test: test-format test-c test-asan test-tsan test-python test-vllm test-rust test-drift test-bench test-fuzz
 	@printf '\n==> make test: all suites passed\n'
 
 # One formatter per language (clang-format, ruff, rustfmt); `make format`
@@ -190,11 +192,28 @@ endif
 ifneq ($(PY_TESTS),)
 test-python: build
 	$(call step,[5/9] pytest tests/python)
-	env $(PYTEST_ENV) $(PYTHON) -m pytest $(PYTEST_ARGS) tests/python
+	env $(PYTEST_ENV) $(PYTHON) -m pytest $(PYTEST_ARGS) --ignore=tests/python/vllm tests/python
 else
 test-python:
 	$(call step,[5/9] pytest: skipped: no test files in tests/python)
 endif
+
+# vLLM (CPU build) in a venv cached once per machine, SmolLM2 converted to
+# an HF directory (cached), then kvh's vLLM connector under real vLLM runs.
+SKIP_VLLM   ?=
+VLLM_PREP   := vpy="$$(PYTHON=$(PYTHON) bash scripts/install-vllm.sh)"; model="$$("$$vpy" scripts/convert-model-hf.py)"
+ifeq ($(SKIP_VLLM),)
+test-vllm: build
+	$(call step,[5/9] vLLM connector under vLLM (tests/python/vllm))
+	$(VLLM_PREP); env $(PYTEST_ENV) KVH_VLLM_PYTHON="$$vpy" KVH_VLLM_MODEL="$$model" $(PYTHON) -m pytest $(PYTEST_ARGS) tests/python/vllm
+else
+test-vllm:
+	$(call step,[5/9] vLLM connector: skipped (SKIP_VLLM=$(SKIP_VLLM)))
+endif
+
+bench-vllm: build
+	$(call step,kvh bench vllm)
+	$(VLLM_PREP); env $(PYTEST_ENV) KVH_VLLM_PYTHON="$$vpy" KVH_VLLM_MODEL="$$model" $(PYTHON) -m kvh bench vllm
 
 ifneq ($(HAVE_RUST),)
 test-rust: build

@@ -244,6 +244,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
         argv += ["--seed", str(args.seed)] if args.seed is not None else []
         argv += ["--strict"] if args.strict else []
         return bench_retriever.main(argv + list(getattr(args, "extra", [])))
+    if list(args.scenarios) == ["vllm"]:
+        # kvh beneath vLLM: vLLM processes in their own venv, not kvh-bench.
+        from .vllm import bench as bench_vllm
+
+        argv = ["--json"] if args.json else []
+        argv += ["--quick"] if args.quick else []
+        argv += ["--seed", str(args.seed)] if args.seed is not None else []
+        return bench_vllm.main(argv + list(getattr(args, "extra", [])))
     if list(args.scenarios) == ["offload"]:
         # The offload threshold runs the Python model runner, not kvh-bench.
         from .demo import bench_offload
@@ -469,7 +477,8 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="*",
         metavar="SCENARIO",
         help="scenarios (default: all; see --list); `retriever` runs the speculative-prefetch benchmark, "
-        "`offload` the offload threshold (restore vs recompute with the model)",
+        "`offload` the offload threshold (restore vs recompute with the model), `vllm` kvh beneath vLLM "
+        "(TTFT after a restart, decode speed; needs scripts/install-vllm.sh)",
     )
     sp.add_argument("--list", action="store_true", help="list the scenarios")
     sp.add_argument("--quick", action="store_true", help="a few seconds per scenario")

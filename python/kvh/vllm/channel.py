@@ -1,0 +1,219 @@
+"""The lookup channel between vLLM's scheduler and its workers.
+
+vLLM V1 runs the scheduler (engine core) and the model workers in different
+processes, and kvh's prefix index lives in the worker, beside the KV memory
+it copies from and into. The scheduler asks each worker "how many tokens of
+this prompt does kvh hold?" over a Unix stream socket:
+
+* The socket lives in a directory only its user can enter: created 0700,
+  refused when it is a symbolic link, belongs to another user, or group or
+  others have any access to it. Every connection's peer is checked with
+  ``SO_PEERCRED`` and one of another user is dropped. Nothing listens on
+  the network.
+* Its name is derived from vLLM's ``engine_id`` and the worker's data- and
+  tensor-parallel ranks, so the scheduler finds it without a handshake and
+  two vLLM instances on one machine do not meet.
+* A message is a little-endian ``(u32 header length, u32 payload length)``
+  followed by a JSON header and a raw payload (token ids as int32).
+
+Nothing here imports torch or vLLM.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import logging
+import os
+import socket
+import stat
+import struct
+import threading
+from typing import Any, Callable, Dict, Optional, Tuple
+
+log = logging.getLogger("kvh.vllm")
+
+_HDR = struct.Struct("<II")
+_MAX_HEADER = 1 << 20
+_MAX_PAYLOAD = 1 << 28
+
+
+class ChannelError(OSError):
+    pass
+
+
+def private_dir(base: Optional[str] = None) -> str:
+    """``<base>/kvh-vllm-<uid>``, created 0700 and checked to be ours alone.
+    base: ``$XDG_RUNTIME_DIR``, else the system's temporary directory."""
+    base = base or os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
+    uid = os.getuid()
+    path = os.path.join(base, f"kvh-vllm-{uid}")
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise ChannelError(errno.EPERM, f"kvh: {path} is not a directory (a symbolic link?); refusing it")
+    if st.st_uid != uid:
+        raise ChannelError(errno.EPERM, f"kvh: {path} belongs to uid {st.st_uid}, not {uid}; refusing it")
+    if st.st_mode & 0o077:
+        raise ChannelError(
+            errno.EPERM, f"kvh: {path} has mode {stat.S_IMODE(st.st_mode):o}; only its owner may use it (0700)"
+        )
+    return path
+
+
+def socket_path(engine_id: str, dp_rank: int = 0, tp_rank: int = 0, base: Optional[str] = None) -> str:
+    tag = hashlib.sha256(str(engine_id).encode()).hexdigest()[:20]
+    return os.path.join(private_dir(base), f"{tag}-dp{dp_rank}-tp{tp_rank}.sock")
+
+
+def _peer_uid(conn: socket.socket) -> int:
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return uid
+
+
+def _recv_exact(conn: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = conn.recv(n - len(buf))
+        if not chunk:
+            raise EOFError
+        buf += chunk
+    return bytes(buf)
+
+
+def send_msg(conn: socket.socket, header: Dict[str, Any], payload: bytes = b"") -> None:
+    h = json.dumps(header, separators=(",", ":")).encode()
+    conn.sendall(_HDR.pack(len(h), len(payload)) + h + payload)
+
+
+def recv_msg(conn: socket.socket) -> Tuple[Dict[str, Any], bytes]:
+    hl, pl = _HDR.unpack(_recv_exact(conn, _HDR.size))
+    if hl > _MAX_HEADER or pl > _MAX_PAYLOAD:
+        raise ChannelError(errno.EPROTO, f"kvh: oversized message ({hl}, {pl} bytes)")
+    header = json.loads(_recv_exact(conn, hl))
+    payload = _recv_exact(conn, pl) if pl else b""
+    if not isinstance(header, dict):
+        raise ChannelError(errno.EPROTO, "kvh: malformed message")
+    return header, payload
+
+
+Handler = Callable[[Dict[str, Any], bytes], Dict[str, Any]]
+
+
+class Server:
+    """Serves ``handler(header, payload) -> reply`` on a Unix socket, one
+    thread per connection (the scheduler keeps one open)."""
+
+    def __init__(self, path: str, handler: Handler) -> None:
+        self.path = path
+        self._handler = handler
+        self._closed = threading.Event()
+        try:
+            os.unlink(path)  # a socket left by a process that died (our own directory)
+        except FileNotFoundError:
+            pass
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)
+        try:
+            self._sock.bind(path)
+        finally:
+            os.umask(old)
+        self._sock.listen(16)
+        self._thread = threading.Thread(target=self._accept_loop, name="kvh-vllm-lookup", daemon=True)
+        self._thread.start()
+
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            try:
+                uid = _peer_uid(conn)
+            except OSError:
+                uid = -1
+            if uid != os.getuid():
+                log.warning("kvh: lookup channel %s: dropped a connection from uid %d", self.path, uid)
+                conn.close()
+                continue
+            threading.Thread(target=self._serve, args=(conn,), name="kvh-vllm-lookup-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            while not self._closed.is_set():
+                try:
+                    header, payload = recv_msg(conn)
+                except (EOFError, OSError, ValueError):
+                    return
+                try:
+                    reply = self._handler(header, payload)
+                except Exception as exc:  # reported to the caller, never kills the worker
+                    log.exception("kvh: lookup channel: request %r failed", header.get("op"))
+                    reply = {"error": f"{type(exc).__name__}: {exc}"}
+                try:
+                    send_msg(conn, reply)
+                except OSError:
+                    return
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+
+
+class Client:
+    """One connection to a worker's channel, reopened after a failure."""
+
+    def __init__(self, path: str, timeout_s: float = 5.0) -> None:
+        self.path = path
+        self.timeout_s = timeout_s
+        self._sock: Optional[socket.socket] = None
+        self._lock = threading.Lock()
+
+    def _connect(self) -> socket.socket:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(self.timeout_s)
+        try:
+            s.connect(self.path)
+        except OSError:
+            s.close()
+            raise
+        return s
+
+    def call(self, header: Dict[str, Any], payload: bytes = b"") -> Dict[str, Any]:
+        with self._lock:
+            for attempt in (0, 1):
+                if self._sock is None:
+                    self._sock = self._connect()
+                try:
+                    send_msg(self._sock, header, payload)
+                    reply, _ = recv_msg(self._sock)
+                    break
+                except (EOFError, OSError):
+                    self._sock.close()
+                    self._sock = None
+                    if attempt:
+                        raise
+            if "error" in reply:
+                raise ChannelError(errno.EIO, f"kvh: worker at {self.path}: {reply['error']}")
+            return reply
+
+    def close(self) -> None:
+        with self._lock:
+            if self._sock is not None:
+                self._sock.close()
+                self._sock = None

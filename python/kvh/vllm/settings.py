@@ -1,0 +1,123 @@
+"""Settings of the vLLM connector: ``kv_connector_extra_config`` keys, each
+overridable by an environment variable (the variable wins, so a deployment
+can change a setting without editing the command line).
+
+=====================  ========================  ==============================
+extra_config key       environment variable      default
+=====================  ========================  ==============================
+``host_bytes``         ``KVH_VLLM_HOST_BYTES``   1 GiB (host RAM tier)
+``disk_path``          ``KVH_VLLM_DISK_PATH``    ``~/.cache/kvh/vllm-store``
+``disk_bytes``         ``KVH_VLLM_DISK_BYTES``   8 GiB; 0 turns the disk off
+``device_bytes``       ``KVH_VLLM_DEVICE_BYTES`` two blocks (kvh's own device
+                                                 tier; vLLM's memory is the hot
+                                                 copy)
+``runtime_dir``        ``KVH_VLLM_RUNTIME_DIR``  ``$XDG_RUNTIME_DIR`` or /tmp
+``persist``            ``KVH_VLLM_PERSIST``      1: finished requests' blocks
+                                                 are made durable on disk
+``lookup_timeout_s``   ``KVH_VLLM_LOOKUP_TIMEOUT`` 5
+``log_level``          ``KVH_VLLM_LOG_LEVEL``    warn (kvh's own messages)
+=====================  ========================  ==============================
+
+Sizes accept a plain number of bytes or a suffix: ``512M``, ``8G``, ``1T``.
+Nothing here imports torch or vLLM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Mapping, Optional
+
+_SUFFIX = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(value: Any) -> int:
+    """Bytes from an int or a string such as ``"512M"`` / ``"8GiB"``."""
+    if isinstance(value, bool):
+        raise ValueError(f"a size must be a number of bytes, not {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"a size must be >= 0, got {value}")
+        return value
+    s = str(value).strip().lower().replace("_", "")
+    for tail in ("ib", "b"):
+        if s.endswith(tail) and len(s) > len(tail):
+            s = s[: -len(tail)]
+            break
+    unit = s[-1:] if s[-1:] in _SUFFIX and not s[-1:].isdigit() else ""
+    num = s[: -len(unit)] if unit else s
+    try:
+        n = float(num)
+    except ValueError:
+        raise ValueError(f"cannot read {value!r} as a size (bytes, or a number with K, M, G or T)") from None
+    if n < 0:
+        raise ValueError(f"a size must be >= 0, got {value!r}")
+    return int(n * _SUFFIX[unit])
+
+
+def _parse_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    s = str(value).strip().lower()
+    if s in ("1", "true", "yes", "on"):
+        return True
+    if s in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"cannot read {value!r} as a boolean")
+
+
+def default_cache_dir() -> str:
+    base = os.environ.get("KVH_CACHE_DIR")
+    if base:
+        return base
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvh")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    host_bytes: int = 1 << 30
+    disk_path: Optional[str] = None
+    disk_bytes: int = 8 << 30
+    device_bytes: int = 0  # 0: two blocks
+    runtime_dir: Optional[str] = None
+    persist: bool = True
+    lookup_timeout_s: float = 5.0
+    log_level: str = "warn"
+
+    @property
+    def disk_enabled(self) -> bool:
+        return bool(self.disk_bytes) and bool(self.disk_path)
+
+
+_KEYS = {
+    # key: (environment variable, parser)
+    "host_bytes": ("KVH_VLLM_HOST_BYTES", parse_size),
+    "disk_path": ("KVH_VLLM_DISK_PATH", lambda v: os.path.expanduser(str(v)) if str(v) else ""),
+    "disk_bytes": ("KVH_VLLM_DISK_BYTES", parse_size),
+    "device_bytes": ("KVH_VLLM_DEVICE_BYTES", parse_size),
+    "runtime_dir": ("KVH_VLLM_RUNTIME_DIR", lambda v: os.path.expanduser(str(v))),
+    "persist": ("KVH_VLLM_PERSIST", _parse_bool),
+    "lookup_timeout_s": ("KVH_VLLM_LOOKUP_TIMEOUT", float),
+    "log_level": ("KVH_VLLM_LOG_LEVEL", lambda v: str(v).strip().lower()),
+}
+
+
+def load(extra: Optional[Mapping[str, Any]] = None, environ: Optional[Mapping[str, str]] = None) -> Settings:
+    """Settings from ``kv_connector_extra_config`` (keys may carry a
+    ``kvh.`` prefix) and the environment. Unknown ``kvh.`` keys are an
+    error, so that a misspelt setting is not silently ignored."""
+    extra = dict(extra or {})
+    env = os.environ if environ is None else environ
+    values: dict = {}
+    for raw_key, v in extra.items():
+        key = raw_key[4:] if raw_key.startswith("kvh.") else raw_key
+        if key in _KEYS:
+            values[key] = _KEYS[key][1](v)
+        elif raw_key.startswith("kvh."):
+            raise ValueError(f"kvh: unknown kv_connector_extra_config key {raw_key!r}; known: {sorted(_KEYS)}")
+    for key, (var, parse) in _KEYS.items():
+        if var in env:
+            values[key] = parse(env[var])
+    if "disk_path" not in values:
+        values["disk_path"] = os.path.join(default_cache_dir(), "vllm-store")
+    return Settings(**values)

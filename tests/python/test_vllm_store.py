@@ -1,0 +1,218 @@
+"""kvh.vllm without vLLM: settings, the lookup channel, and the worker's
+store over a NumPy array laid out as vLLM's CPU KV cache (num_blocks,
+kv_heads, block_size, 2 * head_dim: per head a block's K rows, then its V
+rows). The connector under a real vLLM is tests/python/vllm/."""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvh.vllm import channel, settings
+from kvh.vllm.store import KvStore, StoreUnavailable, model_salt
+
+L, H, B, D, NB = 3, 2, 32, 16, 8
+ES = 2  # bf16, kept as uint16: kvh only moves the bytes
+
+
+def test_import_kvh_and_kvh_vllm_import_neither_torch_nor_vllm():
+    code = (
+        "import sys, kvh, kvh.vllm, kvh.vllm.store, kvh.vllm.channel, kvh.vllm.settings, kvh.vllm.bench\n"
+        "bad = [m for m in ('torch', 'vllm') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    import kvh
+
+    env = dict(os.environ, PYTHONPATH=str(Path(kvh.__file__).resolve().parents[1]))
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
+
+
+def test_settings_from_extra_config_and_environment(tmp_path):
+    s = settings.load({"host_bytes": "512M", "kvh.disk_path": str(tmp_path), "disk_bytes": 1 << 30}, environ={})
+    assert s.host_bytes == 512 << 20 and s.disk_path == str(tmp_path) and s.disk_bytes == 1 << 30
+    assert s.disk_enabled and s.persist
+    s = settings.load({"host_bytes": "512M"}, environ={"KVH_VLLM_HOST_BYTES": "2GiB", "KVH_VLLM_DISK_BYTES": "0"})
+    assert s.host_bytes == 2 << 30 and not s.disk_enabled
+    assert settings.load({}, environ={"KVH_CACHE_DIR": str(tmp_path)}).disk_path is not None
+    with pytest.raises(ValueError, match="unknown"):
+        settings.load({"kvh.hots_bytes": 1}, environ={})
+    with pytest.raises(ValueError):
+        settings.parse_size("lots")
+    assert settings.parse_size("1.5k") == 1536 and settings.parse_size(7) == 7
+
+
+def test_private_dir_is_owner_only(tmp_path):
+    d = channel.private_dir(str(tmp_path))
+    assert stat.S_IMODE(os.stat(d).st_mode) == 0o700
+    os.chmod(d, 0o755)
+    with pytest.raises(channel.ChannelError, match="0700"):
+        channel.private_dir(str(tmp_path))
+    other = tmp_path / "elsewhere"
+    other.mkdir(mode=0o700)
+    base2 = tmp_path / "b2"
+    base2.mkdir()
+    os.symlink(other, base2 / f"kvh-vllm-{os.getuid()}")
+    with pytest.raises(channel.ChannelError, match="symbolic link"):
+        channel.private_dir(str(base2))
+
+
+def test_channel_round_trip_and_errors(tmp_path):
+    path = channel.socket_path("engine-x", 0, 1, str(tmp_path))
+    assert path.endswith("-dp0-tp1.sock") and path != channel.socket_path("engine-y", 0, 1, str(tmp_path))
+
+    def handler(header, payload):
+        if header["op"] == "boom":
+            raise RuntimeError("no")
+        return {"n": len(np.frombuffer(payload, np.int32)), "req": header["req"]}
+
+    srv = channel.Server(path, handler)
+    try:
+        assert stat.S_ISSOCK(os.stat(path).st_mode)
+        assert stat.S_IMODE(os.stat(path).st_mode) & 0o077 == 0
+        c = channel.Client(path, timeout_s=5)
+        assert c.call({"op": "x", "req": "r1"}, np.arange(5, dtype=np.int32).tobytes()) == {"n": 5, "req": "r1"}
+        with pytest.raises(channel.ChannelError, match="RuntimeError"):
+            c.call({"op": "boom", "req": "r"})
+        assert c.call({"op": "x", "req": "r2"})["n"] == 0  # the connection survives an error
+        c.close()
+    finally:
+        srv.close()
+    assert not os.path.exists(path)
+    with pytest.raises(OSError):
+        channel.Client(path, timeout_s=1).call({"op": "x", "req": "r"})
+
+
+def test_channel_refuses_oversized_messages(tmp_path):
+    path = channel.socket_path("engine-z", 0, 0, str(tmp_path))
+    srv = channel.Server(path, lambda h, p: {"ok": 1})
+    try:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(5)
+        s.connect(path)
+        s.sendall(channel._HDR.pack(1 << 30, 0))
+        assert s.recv(16) == b""  # dropped, the server lives on
+        s.close()
+        assert channel.Client(path).call({"op": "x"}) == {"ok": 1}
+    finally:
+        srv.close()
+
+
+def _store(tmp_path: Path, **kw) -> KvStore:
+    s = settings.Settings(
+        disk_path=str(tmp_path / "store"), disk_bytes=kw.pop("disk_bytes", 64 << 20), host_bytes=16 << 20
+    )
+    return KvStore(s, num_layers=L, num_kv_heads=H, head_dim=D, block_tokens=B, dtype="bf16", identity={"m": "t"}, **kw)
+
+
+def _register(st: KvStore, mem: np.ndarray) -> None:
+    base = [mem[layer].ctypes.data for layer in range(L)]
+    st.register_pool(base, [b + B * D * ES for b in base], NB, H * B * 2 * D * ES, D * ES, B * 2 * D * ES)
+
+
+@pytest.fixture
+def mem():
+    return np.random.default_rng(3).integers(0, 1 << 16, size=(L, NB, H, B, 2 * D), dtype=np.uint16)
+
+
+def test_save_lookup_load_and_restart(tmp_path, mem):
+    toks = np.arange(3 * B + 5, dtype=np.int32)
+    orig = mem.copy()
+    st = _store(tmp_path)
+    _register(st, mem)
+    assert st.save("a", toks, 0, [5, 2]) == 2
+    assert st.save("a", toks, 2, [7]) == 1  # the next block later, chained on the first two
+    assert st.lookup("b", toks) == 3 * B
+    assert st.lookup("b", toks[: 2 * B + 3]) == 2 * B  # whole blocks only
+    assert st.lookup("c", toks + 1) == 0
+    mem[:, [1, 3, 4]] = 0
+    assert st.lookup("b", toks) == 3 * B
+    assert st.load("b", toks, 0, [1, 3, 4]) == []
+    np.testing.assert_array_equal(mem[:, [1, 3, 4]], orig[:, [5, 2, 7]])
+    # kvh read K and V where vLLM's CPU kernels keep them: viewed as
+    # (num_blocks, kv_heads, 2 * block_size, head_dim), K rows then V rows.
+    view = orig.reshape(L, NB, H, 2 * B, D)
+    with st.engine.sequence() as seq:
+        assert seq.match_prefix(toks) == 3 * B
+        for layer in range(L):
+            k, v = seq.read_kv(layer)
+            k, v = np.asarray(k).view(np.uint16), np.asarray(v).view(np.uint16)
+            for blk, slot in enumerate([5, 2, 7]):
+                for t in (0, 7, B - 1):
+                    np.testing.assert_array_equal(k[blk * B + t], view[layer, slot, :, t])
+                    np.testing.assert_array_equal(v[blk * B + t], view[layer, slot, :, B + t])
+    st.forget(["a", "b", "c"])
+    st.flush()
+    assert st.stats()["requests_persisted"] >= 1
+    st.close()
+
+    st = _store(tmp_path)  # a restarted worker
+    _register(st, mem)
+    mem[:] = 0
+    assert st.lookup("d", toks) == 3 * B
+    assert st.load("d", toks, 1, [6, 0]) == []  # blocks 1 and 2 (block 0 held locally)
+    np.testing.assert_array_equal(mem[:, [6, 0]], orig[:, [2, 7]])
+    s = st.stats()
+    assert s["tokens_loaded"] == 2 * B and s["kvh"]["prefix_hit_blocks_disk"] == 3
+    st.close()
+
+
+def test_flipped_byte_on_disk_is_a_counted_miss(tmp_path, mem):
+    toks = np.arange(2 * B, dtype=np.int32) + 100
+    st = _store(tmp_path)
+    _register(st, mem)
+    st.save("a", toks, 0, [0, 1])
+    st.forget(["a"])
+    st.close()
+    (sub,) = (tmp_path / "store").iterdir()
+    slab = sub / "slab-0000.kvh"
+    data = bytearray(slab.read_bytes()[: 1 << 20])
+    first = data.find(b"KVHBLK\x00\x01")
+    assert first >= 0
+    with open(slab, "r+b") as f:
+        f.seek(first + 4096 + 17)
+        b = f.read(1)
+        f.seek(first + 4096 + 17)
+        f.write(bytes([b[0] ^ 1]))
+    st = _store(tmp_path)
+    _register(st, mem)
+    # The lookup trusts the index; the restore reads the slot and checks it,
+    # and the failed slots go back to vLLM to recompute.
+    assert st.lookup("b", toks) == 2 * B
+    failed = st.load("b", toks, 0, [3, 4])
+    assert failed and failed[-1] == 4
+    s = st.stats()
+    assert s["kvh"]["corrupt_blocks"] >= 1 and s["load_errors"] == len(failed)
+    st.close()
+
+
+def test_load_of_blocks_kvh_no_longer_has_fails_cleanly(tmp_path, mem):
+    st = _store(tmp_path)
+    _register(st, mem)
+    toks = np.arange(2 * B, dtype=np.int32)
+    assert st.load("x", toks, 0, [3, 4]) == [3, 4]
+    assert st.stats()["load_errors"] == 2
+    st.close()
+
+
+def test_unusable_configurations(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    s = settings.Settings(disk_path=str(blocker / "store"), disk_bytes=64 << 20)
+    with pytest.raises(StoreUnavailable, match="cannot be created"):
+        KvStore(s, num_layers=L, num_kv_heads=H, head_dim=D, block_tokens=B, dtype="bf16", identity={})
+    with pytest.raises(StoreUnavailable, match="power of two"):
+        KvStore(settings.Settings(disk_bytes=0), num_layers=1, num_kv_heads=1, head_dim=8, block_tokens=48,
+                dtype="f16", identity={})  # fmt: skip
+
+
+def test_salt_separates_models_ranks_and_geometry():
+    a = model_salt({"model": "m", "tp_rank": 0})
+    assert a == model_salt({"tp_rank": 0, "model": "m"})
+    assert a != model_salt({"model": "m", "tp_rank": 1}) and a != model_salt({"model": "n", "tp_rank": 0})
