@@ -241,7 +241,9 @@ def c_messages_naming_c_spellings():
                     continue
                 for m in literal.finditer(line):
                     text = m.group(1)
-                    if C_SPELLING.search(text) and not re.fullmatch(r"\w+", text):
+                    # a bare name (a getenv name, a symbol) or "$NAME" (an
+                    # environment variable: the same through every binding)
+                    if C_SPELLING.search(text) and not re.fullmatch(r"\$?\w+", text):
                         found.append((path.relative_to(REPO), text))
     return found
 
