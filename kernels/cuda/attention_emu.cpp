@@ -228,7 +228,7 @@ static int run_case(int c, uint32_t D, uint32_t bt, uint32_t kvt, uint32_t io, u
     p.block_bytes = block_bytes;
     p.layer_offset = layer * layer_bytes;
     p.kv_base = tier;
-    kvhi_attn_plan_opts o = {16, target_units, 32, 0};
+    kvhi_attn_plan_opts o = {16, target_units, 32, 0, 0};
     if (kvhi_attn_plan_build(&p, &o, kv_len, q_len, n) != 0) {
         fprintf(stderr, "case %d: plan failed\n", c);
         return 1;

@@ -216,3 +216,33 @@ def test_salt_separates_models_ranks_and_geometry():
     a = model_salt({"model": "m", "tp_rank": 0})
     assert a == model_salt({"tp_rank": 0, "model": "m"})
     assert a != model_salt({"model": "m", "tp_rank": 1}) and a != model_salt({"model": "n", "tp_rank": 0})
+
+
+def test_cache_salt_scopes_share_nothing_across_tenants_even_after_a_restart(tmp_path, mem):
+    """vLLM's cache_salt becomes the blocks' tenant scope: the same tokens
+    saved under one salt are not found under another or without one, in
+    the same worker or after a restart; the same salt finds them."""
+    import kvh
+
+    toks = np.arange(2 * B, dtype=np.int32) + 500
+    alice, bob = kvh.Scope.value_of("alice"), kvh.Scope.value_of("bob")
+    orig = mem.copy()
+    st = _store(tmp_path)
+    _register(st, mem)
+    assert st.save("a", toks, 0, [0, 1], alice) == 2
+    assert st.lookup("q1", toks, alice) == 2 * B
+    assert st.lookup("q2", toks, bob) == 0
+    assert st.lookup("q3", toks) == 0  # the default scope: no salt
+    assert st.load("q4", toks, 0, [2, 3], bob) == [2, 3]  # nothing to load for bob
+    st.forget(["a", "q1", "q2", "q3", "q4"])
+    st.flush()
+    st.close()
+
+    st = _store(tmp_path)  # a restarted worker: the scope is in the hash on disk
+    _register(st, mem)
+    assert st.lookup("r1", toks, bob) == 0
+    assert st.lookup("r2", toks) == 0
+    assert st.lookup("r3", toks, alice) == 2 * B
+    assert st.load("r3", toks, 0, [4, 5], alice) == []
+    np.testing.assert_array_equal(mem[:, [4, 5]], orig[:, [0, 1]])
+    st.close()

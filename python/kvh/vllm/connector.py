@@ -17,9 +17,11 @@ lookup channel (a Unix socket in an owner-only directory, see
 must load the same blocks. The worker keeps the matched blocks retained
 until they are loaded or the request ends, so what it promised is there.
 
-Requests with a ``cache_salt`` (vLLM's per-tenant isolation) bypass kvh:
-kvh's prefix lookup has no scope yet, and sharing their blocks across
-tenants is what the salt exists to prevent.
+A request's ``cache_salt`` (vLLM's per-tenant isolation) becomes its kvh
+tenant scope (:meth:`kvh.Scope.value_of`): its blocks are hashed in that
+scope, so they are found only by requests with the same salt, in this
+process and after a restart; requests without a salt share the default
+scope, as in vLLM.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from ..types import Scope
 from . import settings as _settings
 from .channel import ChannelError, Client, Server, socket_path
 from .store import KvStore, StoreUnavailable
@@ -71,6 +74,12 @@ _route_kvh_logs()
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 
 
+def _scope_of(request: Any) -> int:
+    """The kvh tenant scope of a vLLM request: its cache_salt, 0 without."""
+    salt = getattr(request, "cache_salt", None)
+    return Scope.value_of(salt) if salt else 0
+
+
 @dataclass
 class Transfer:
     """Blocks [first_block, first_block + len(block_ids)) of a request,
@@ -80,6 +89,7 @@ class Transfer:
     tokens: np.ndarray
     first_block: int
     block_ids: List[int]
+    scope: int = 0  # tenant scope: the request's cache_salt, 0 without one
 
 
 @dataclass
@@ -242,7 +252,7 @@ class KvhConnector(KVConnectorBase_V1):
         op = header.get("op")
         if op == "lookup":
             tokens = np.frombuffer(payload, dtype=np.int32)
-            return {"tokens": store.lookup(str(header["req"]), tokens)}
+            return {"tokens": store.lookup(str(header["req"]), tokens, int(header.get("scope", 0)))}
         if op == "stats":
             return store.stats()
         raise ValueError(f"unknown op {op!r}")
@@ -254,7 +264,7 @@ class KvhConnector(KVConnectorBase_V1):
         assert isinstance(meta, KvhMetadata)
         for t in meta.loads:
             try:
-                failed = self._store.load(t.req_id, t.tokens, t.first_block, t.block_ids)
+                failed = self._store.load(t.req_id, t.tokens, t.first_block, t.block_ids, t.scope)
             except Exception:
                 logger.exception("kvh: loading request %s failed; vLLM recomputes it", t.req_id)
                 failed = list(t.block_ids)
@@ -277,7 +287,7 @@ class KvhConnector(KVConnectorBase_V1):
         assert isinstance(meta, KvhMetadata)
         for t in meta.saves:
             try:
-                self._store.save(t.req_id, t.tokens, t.first_block, t.block_ids)
+                self._store.save(t.req_id, t.tokens, t.first_block, t.block_ids, t.scope)
             except Exception:
                 logger.exception("kvh: offloading request %s failed", t.req_id)
 
@@ -305,7 +315,7 @@ class KvhConnector(KVConnectorBase_V1):
             self._clients = None
 
     # ==================== scheduler side ====================
-    def _lookup(self, req_id: str, tokens: np.ndarray) -> int:
+    def _lookup(self, req_id: str, tokens: np.ndarray, scope: int) -> int:
         if self._clients is None:
             self._clients = [
                 Client(
@@ -316,7 +326,8 @@ class KvhConnector(KVConnectorBase_V1):
             ]
         payload = tokens.tobytes()
         try:
-            return min(int(c.call({"op": "lookup", "req": req_id}, payload)["tokens"]) for c in self._clients)
+            header = {"op": "lookup", "req": req_id, "scope": scope}
+            return min(int(c.call(header, payload)["tokens"]) for c in self._clients)
         except (OSError, ChannelError, KeyError, ValueError) as exc:
             if not self._channel_warned:
                 self._channel_warned = True
@@ -324,7 +335,7 @@ class KvhConnector(KVConnectorBase_V1):
             return 0
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> Tuple[Optional[int], bool]:
-        if self._disabled or getattr(request, "cache_salt", None):
+        if self._disabled:
             return 0, False
         bs = self._block_size
         tokens = request.all_token_ids
@@ -332,7 +343,7 @@ class KvhConnector(KVConnectorBase_V1):
         n = (len(tokens) - 1) // bs * bs
         if n <= num_computed_tokens:
             return 0, False
-        matched = self._lookup(request.request_id, np.asarray(tokens[:n], dtype=np.int32))
+        matched = self._lookup(request.request_id, np.asarray(tokens[:n], dtype=np.int32), _scope_of(request))
         st = self._reqs.setdefault(request.request_id, _SchedReq(request))
         st.query = (num_computed_tokens, matched)
         if matched <= num_computed_tokens:
@@ -349,7 +360,7 @@ class KvhConnector(KVConnectorBase_V1):
         first, end = local // bs, (local + num_external_tokens) // bs
         block_ids = list(blocks.get_block_ids()[0][first:end])
         tokens = np.asarray(request.all_token_ids[: end * bs], dtype=np.int32)
-        self._loads.append(Transfer(request.request_id, tokens, first, block_ids))
+        self._loads.append(Transfer(request.request_id, tokens, first, block_ids, _scope_of(request)))
         st.saved_blocks = max(st.saved_blocks, end)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
@@ -360,7 +371,7 @@ class KvhConnector(KVConnectorBase_V1):
         bs = self._block_size
         for req_id, n_sched in scheduler_output.num_scheduled_tokens.items():
             st = self._reqs.get(req_id)
-            if st is None or getattr(st.request, "cache_salt", None):
+            if st is None:
                 continue
             r = st.request
             # KV of positions [0, computed + scheduled) exists after this
@@ -375,7 +386,9 @@ class KvhConnector(KVConnectorBase_V1):
             if full <= st.saved_blocks:
                 continue
             tokens = np.asarray(r.all_token_ids[: full * bs], dtype=np.int32)
-            meta.saves.append(Transfer(req_id, tokens, st.saved_blocks, list(ids[st.saved_blocks : full])))
+            meta.saves.append(
+                Transfer(req_id, tokens, st.saved_blocks, list(ids[st.saved_blocks : full]), _scope_of(r))
+            )
             st.saved_blocks = full
         return meta
 

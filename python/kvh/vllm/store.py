@@ -65,6 +65,7 @@ class Counters:
 
 @dataclass
 class _Req:
+    scope: int = 0  # tenant scope of its blocks (vLLM's cache_salt), 0: shared
     hashes: List[int] = field(default_factory=list)
     tokens: Optional[np.ndarray] = None  # the full-block prefix saved or loaded so far
 
@@ -183,7 +184,7 @@ class KvStore:
             for i in range(len(req.hashes), n_blocks):
                 parent = req.hashes[i - 1] if i else 0
                 blk = tokens[i * bt : (i + 1) * bt]
-                st = lib.kvh_prefix_hash(p, parent, ffi.from_buffer("int32_t[]", blk), bt, h)
+                st = lib.kvh_prefix_hash_scoped(p, req.scope, parent, ffi.from_buffer("int32_t[]", blk), bt, h)
                 if st:
                     raise_status(st)
                 req.hashes.append(int(h[0]))
@@ -191,13 +192,14 @@ class KvStore:
         return req.hashes
 
     # ---- lookups (the scheduler's questions) ----
-    def lookup(self, req_id: str, tokens: Sequence[int]) -> int:
-        """Tokens of the longest prefix of tokens (whole blocks) kvh holds.
-        The blocks stay retained for req_id until load() or forget(), so
-        that what was promised cannot be evicted before it is loaded."""
+    def lookup(self, req_id: str, tokens: Sequence[int], scope: int = 0) -> int:
+        """Tokens of the longest prefix of tokens (whole blocks) kvh holds in
+        ``scope`` (a tenant's: blocks of other scopes never match). The
+        blocks stay retained for req_id until load() or forget(), so that
+        what was promised cannot be evicted before it is loaded."""
         tk = np.ascontiguousarray(tokens, dtype=np.int32)
         n = (tk.size // self.block_tokens) * self.block_tokens
-        blocks = self.engine.prefix_lookup(tk[:n]) if n else []
+        blocks = self.engine.prefix_lookup(tk[:n], scope=scope) if n else []
         with self._lock:
             old = self._held.pop(req_id, None)
             self._held[req_id] = blocks
@@ -216,13 +218,23 @@ class KvStore:
             for b in held or ():
                 b.release()
             if req is not None and req.tokens is not None and len(req.hashes) and self._persist_thread is not None:
-                self._persist_q.put(req.tokens[: len(req.hashes) * self.block_tokens])
+                self._persist_q.put((req.tokens[: len(req.hashes) * self.block_tokens], req.scope))
 
     # ---- transfers ----
-    def load(self, req_id: str, tokens: Sequence[int], first_block: int, slots: Sequence[int]) -> List[int]:
+    def _req(self, req_id: str, scope: int) -> _Req:
+        with self._lock:
+            req = self._reqs.get(req_id)
+            if req is None or req.scope != scope:
+                req = self._reqs[req_id] = _Req(scope=scope)
+            return req
+
+    def load(
+        self, req_id: str, tokens: Sequence[int], first_block: int, slots: Sequence[int], scope: int = 0
+    ) -> List[int]:
         """Restores blocks [first_block, first_block + len(slots)) of the
-        prefix into vLLM's slots. Returns the slots that could not be
-        loaded (from the first failure on: vLLM recomputes from there)."""
+        prefix (in ``scope``) into vLLM's slots. Returns the slots that could
+        not be loaded (from the first failure on: vLLM recomputes from
+        there)."""
         t0 = time.perf_counter()
         bt = self.block_tokens
         end = first_block + len(slots)
@@ -232,7 +244,7 @@ class KvStore:
         if blocks is None or len(blocks) < end:
             for b in blocks or ():
                 b.release()
-            blocks = self.engine.prefix_lookup(tk[: end * bt])
+            blocks = self.engine.prefix_lookup(tk[: end * bt], scope=scope)
         failed: List[int] = []
         try:
             with self.engine._call() as p:
@@ -261,14 +273,15 @@ class KvStore:
             c.tokens_loaded += ok * bt
             c.load_errors += len(failed)
             c.load_seconds += time.perf_counter() - t0
-            req = self._reqs.setdefault(req_id, _Req())
+        req = self._req(req_id, scope)
         if ok and not failed:
             self._chain(req, tk, end)
         return failed
 
-    def save(self, req_id: str, tokens: Sequence[int], first_block: int, slots: Sequence[int]) -> int:
+    def save(self, req_id: str, tokens: Sequence[int], first_block: int, slots: Sequence[int], scope: int = 0) -> int:
         """Offloads blocks [first_block, first_block + len(slots)) of the
-        request, computed into vLLM's slots, under their chained hashes.
+        request, computed into vLLM's slots, under their chained hashes in
+        ``scope``.
         Returns how many were offloaded; a failure (no room) is logged and
         leaves the rest unsaved, never raises."""
         if not slots:
@@ -277,8 +290,7 @@ class KvStore:
         bt = self.block_tokens
         tk = np.ascontiguousarray(tokens, dtype=np.int32)
         end = first_block + len(slots)
-        with self._lock:
-            req = self._reqs.setdefault(req_id, _Req())
+        req = self._req(req_id, scope)
         hashes = self._chain(req, tk, end)
         out = ffi.new("kvh_block *")
         done = 0
@@ -287,7 +299,9 @@ class KvStore:
                 bi = first_block + i
                 parent = hashes[bi - 1] if bi else 0
                 blk = tk[bi * bt : (bi + 1) * bt]
-                st = lib.kvh_pool_offload(p, self._pool, slot, parent, ffi.from_buffer("int32_t[]", blk), bt, 0, out)
+                st = lib.kvh_pool_offload_scoped(
+                    p, self._pool, slot, scope, parent, ffi.from_buffer("int32_t[]", blk), bt, 0, out
+                )
                 if st:
                     with self._lock:
                         self.counters.save_errors += 1
@@ -315,18 +329,18 @@ class KvStore:
         except (AttributeError, OSError):
             pass
         while True:
-            tokens = self._persist_q.get()
-            if tokens is None:
+            item = self._persist_q.get()
+            if item is None:
                 self._persist_q.task_done()
                 return
             try:
-                self._persist(tokens)
+                self._persist(*item)
             finally:
                 self._persist_q.task_done()
 
-    def _persist(self, tokens: np.ndarray) -> None:
+    def _persist(self, tokens: np.ndarray, scope: int = 0) -> None:
         try:
-            with self.engine.sequence() as seq:
+            with self.engine.sequence(scope=scope) as seq:
                 if seq.match_prefix(tokens):
                     seq.persist()
             with self._lock:
