@@ -171,6 +171,20 @@ static bool status_name_known(const char *name, size_t len)
 
 /* A prototype's list is the comment right above it, or above the run of
  * prototypes it belongs to (kvh_block_retain / _release share one). */
+/* A host pool of two slots over the caller's K and V bases. */
+static kvh_pool_layout two_slot_pool(void **kbase, void **vbase)
+{
+    kvh_pool_layout lay = {.struct_size = sizeof(lay),
+                           .memory = KVH_MEMORY_HOST,
+                           .num_slots = 2,
+                           .k_base = kbase,
+                           .v_base = vbase,
+                           .slot_stride = BT * TOK,
+                           .token_stride = TOK,
+                           .head_stride = D * sizeof(float)};
+    return lay;
+}
+
 static void test_every_call_has_a_status_list(void **state)
 {
     (void)state;
@@ -631,14 +645,7 @@ static void test_prefix_and_pools(void **state)
 
     uint8_t *mem = tu_alloc(2 * 2 * BT * TOK);
     void *kbase[L] = {mem}, *vbase[L] = {mem + 2 * BT * TOK};
-    kvh_pool_layout lay = {.struct_size = sizeof(lay),
-                           .memory = KVH_MEMORY_HOST,
-                           .num_slots = 2,
-                           .k_base = kbase,
-                           .v_base = vbase,
-                           .slot_stride = BT * TOK,
-                           .token_stride = TOK,
-                           .head_stride = D * sizeof(float)};
+    kvh_pool_layout lay = two_slot_pool(kbase, vbase);
     kvh_pool pool, gone;
     kvh_pool_layout bad = lay;
     bad.struct_size = 8;
@@ -708,14 +715,7 @@ static void test_scopes(void **state)
 
     uint8_t *mem = tu_alloc(2 * 2 * BT * TOK);
     void *kbase[L] = {mem}, *vbase[L] = {mem + 2 * BT * TOK};
-    kvh_pool_layout lay = {.struct_size = sizeof(lay),
-                           .memory = KVH_MEMORY_HOST,
-                           .num_slots = 2,
-                           .k_base = kbase,
-                           .v_base = vbase,
-                           .slot_stride = BT * TOK,
-                           .token_stride = TOK,
-                           .head_stride = D * sizeof(float)};
+    kvh_pool_layout lay = two_slot_pool(kbase, vbase);
     kvh_pool pool, pgone;
     assert_ok(kvh_pool_register(e, &lay, &pgone));
     assert_ok(kvh_pool_unregister(e, pgone));

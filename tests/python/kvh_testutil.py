@@ -7,6 +7,25 @@ import math
 import numpy as np
 
 
+def make_engine(**kw):
+    """A small CPU engine (2 layers, 2 KV heads, head_dim 8, f32, 16-token
+    blocks, 64 device and 256 host blocks), with kw overriding."""
+    import kvh
+
+    base = dict(
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=8,
+        block_tokens=16,
+        dtype="f32",
+        backend="cpu",
+        device_bytes=64 * 4096,
+        host_bytes=256 * 4096,
+    )
+    base.update(kw)
+    return kvh.Engine(**base)
+
+
 def kv_data(n: int, heads: int, dim: int, dtype, seed: int = 0):
     """Random K and V shaped (n, heads, dim); dtype uint16 means bf16 bits."""
     import kvh

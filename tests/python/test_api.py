@@ -12,22 +12,7 @@ import pytest
 
 import kvh
 from kvh._ffi import ffi
-from kvh_testutil import filled_seq, kv_data
-
-
-def make_engine(**kw):
-    base = dict(
-        num_layers=2,
-        num_kv_heads=2,
-        head_dim=8,
-        block_tokens=16,
-        dtype="f32",
-        backend="cpu",
-        device_bytes=64 * 4096,
-        host_bytes=256 * 4096,
-    )
-    base.update(kw)
-    return kvh.Engine(**base)
+from kvh_testutil import filled_seq, kv_data, make_engine
 
 
 # ---- configuration ---------------------------------------------------------------

@@ -6,22 +6,7 @@ import numpy as np
 import pytest
 
 import kvh
-from kvh_testutil import kv_data
-
-
-def make_engine(**kw):
-    base = dict(
-        num_layers=2,
-        num_kv_heads=2,
-        head_dim=8,
-        block_tokens=16,
-        dtype="f32",
-        backend="cpu",
-        device_bytes=64 * 4096,
-        host_bytes=256 * 4096,
-    )
-    base.update(kw)
-    return kvh.Engine(**base)
+from kvh_testutil import kv_data, make_engine
 
 
 def written(eng, tokens, scope=None):

@@ -308,18 +308,8 @@ impl Engine {
     /// Chained hash of a full block: H(parent, tokens, model_salt); `parent`
     /// is 0 for the first block, `tokens.len()` must be `block_tokens`.
     pub fn prefix_hash(&self, parent: u64, tokens: &[i32]) -> Result<u64> {
-        let mut hash = 0u64;
-        // SAFETY: tokens is a valid slice of its length.
-        check(unsafe {
-            sys::kvh_prefix_hash(
-                self.as_ptr(),
-                parent,
-                tokens.as_ptr(),
-                tokens.len(),
-                &mut hash,
-            )
-        })?;
-        Ok(hash)
+        // Scope 0 is the default scope: kvh_prefix_hash's value.
+        self.prefix_hash_scoped(0, parent, tokens)
     }
 
     /// [`Engine::prefix_hash`] in `scope` (`kvh_prefix_hash_scoped`); scope 0
