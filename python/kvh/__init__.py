@@ -16,24 +16,8 @@ from __future__ import annotations
 from ._ffi import BUILT_VERSION, BUILT_VERSION_STRING, LOADED_VERSION, LOADED_VERSION_STRING, ffi, lib  # noqa: F401
 from .context import AdmissionInfo, Context, ContextInfo, WeightStats
 from .engine import Block, Engine, Fence, Hold, Sequence
-from .errors import (
-    BadHandleError,
-    BusyError,
-    ClosedError,
-    CorruptionError,
-    Error,
-    InternalError,
-    InvalidArgumentError,
-    KvhIOError,
-    KvhTimeoutError,
-    MismatchError,
-    NoSpaceError,
-    NotResidentError,
-    OutOfMemoryError,
-    RangeError,
-    StructSizeError,
-    UnsupportedError,
-)
+from . import errors as _errors
+from .errors import *  # noqa: F403 (the exception classes: errors.__all__)
 from .vmap import VMap
 from .attention_plan import AttentionPlan
 from .types import (
@@ -86,24 +70,9 @@ __all__ = [
     "bf16_to_f32",
     "f32_to_bf16",
     "version",
-    "Error",
-    "InvalidArgumentError",
-    "StructSizeError",
-    "BadHandleError",
-    "OutOfMemoryError",
-    "NoSpaceError",
-    "KvhIOError",
-    "CorruptionError",
-    "BusyError",
-    "KvhTimeoutError",
-    "UnsupportedError",
-    "RangeError",
-    "NotResidentError",
-    "ClosedError",
-    "MismatchError",
-    "InternalError",
     "BUILT_VERSION",
     "BUILT_VERSION_STRING",
     "LOADED_VERSION",
     "LOADED_VERSION_STRING",
+    *_errors.__all__,
 ]

@@ -34,10 +34,9 @@ __all__ = [
     "ClosedError",
     "MismatchError",
     "InternalError",
-    "STATUS_CODES",
-    "error_class",
-    "python_hints",
 ]
+# Also public, by name: STATUS_CODES, error_class, python_hints. __all__
+# names the exception classes alone, which the package re-exports.
 
 # Fixed by the ABI (KVH_STATUS_LIST); checked against the header at import.
 STATUS_CODES: Dict[str, int] = {
