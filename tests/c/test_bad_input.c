@@ -3,6 +3,7 @@
  * engine stays usable. */
 #include <unistd.h>
 
+#include "forged_calls.h"
 #include "test_util.h"
 
 enum { L = 2, H = 2, D = 4, BT = 4 };
@@ -329,115 +330,26 @@ static void test_random_handles(void **state)
     uint64_t pools[] = {x->pool.id};
     uint64_t others[] = {x->s.id, x->s2.id, x->b.id, x->sb[0].id, x->f.id, x->pool.id};
     kvh_stats before = tu_stats(e);
-    uint8_t k[4 * 32], v[4 * 32];
-    int32_t toks[8] = {1, 2, 3, 4, 5, 6, 7, 8}, i32 = 0;
-    uint64_t u64 = 0;
-    size_t sz = 0;
-    kvh_seq child;
-    kvh_fence fence;
-    kvh_block blk;
-    kvh_block_info bi = {.struct_size = sizeof(bi)};
-    int32_t indptr[3], indices[8], lpl[2];
-    memset(k, 1, sizeof(k));
-    memset(v, 1, sizeof(v));
+    forged_targets t = {.engine = e,
+                        .seq = x->s,
+                        .block = x->b,
+                        .slot_block = x->sb[0],
+                        .pool = x->pool,
+                        .heads = H,
+                        .head_dim = D,
+                        .block_tokens = BT};
+    const struct {
+        const uint64_t *live;
+        size_t n;
+    } live_of[] = {[FORGED_SEQ] = {seqs, 2},
+                   [FORGED_BLOCK] = {blocks, 4},
+                   [FORGED_FENCE] = {fences, 1},
+                   [FORGED_POOL] = {pools, 1}};
     for (int i = 0; i < 100000; i++) {
-        int fn = i % 27;
-        kvh_status st;
-        if (fn < 16) {
-            kvh_seq h = {make_handle(&r, 0x5A, seqs, 2, others, 6)};
-            switch (fn) {
-            case 0:
-                st = kvh_seq_free(e, h);
-                break;
-            case 1:
-                st = kvh_seq_fork(e, h, 0, &child);
-                break;
-            case 2:
-                st = kvh_seq_append(e, h, toks, 3);
-                break;
-            case 3:
-                st = kvh_seq_length(e, h, &u64);
-                break;
-            case 4:
-                st = kvh_seq_tokens(e, h, 0, 1, toks);
-                break;
-            case 5:
-                st = kvh_seq_write_kv(e, h, 0, 0, 1, k, v);
-                break;
-            case 6:
-                st = kvh_seq_read_kv(e, h, 0, 0, 1, k, v);
-                break;
-            case 7:
-                st = kvh_seq_truncate(e, h, 0);
-                break;
-            case 8:
-                st = kvh_seq_match_prefix(e, h, toks, 8, &sz);
-                break;
-            case 9:
-                st = kvh_seq_acquire(e, h, 0, 1, (i & 1) ? &fence : NULL);
-                break;
-            case 10:
-                st = kvh_seq_release(e, h, 0, 1);
-                break;
-            case 11:
-                st = kvh_seq_pin(e, h, 0, 1, i & 1);
-                break;
-            case 12:
-                st = kvh_seq_blocks(e, h, 0, 1, &blk);
-                break;
-            case 13:
-                st = kvh_seq_migrate(e, h, 0, 1, KVH_TIER_HOST, NULL);
-                break;
-            case 14:
-                st = kvh_prefetch(e, h, 0, 1, 0, NULL);
-                break;
-            default: {
-                kvh_seq batch[2] = {x->s, h};
-                st = kvh_block_table(e, batch, 2, indptr, indices, 8, lpl);
-            }
-            }
-        } else if (fn < 22) {
-            kvh_block h = {make_handle(&r, 0xB1, blocks, 4, others, 6)};
-            switch (fn) {
-            case 16:
-                st = kvh_block_info_get(e, h, &bi);
-                break;
-            case 17:
-                st = kvh_block_retain(e, h);
-                break;
-            case 18:
-                st = kvh_block_release(e, h);
-                break;
-            case 19:
-                st = kvh_block_pin(e, h, i & 1);
-                break;
-            case 20: {
-                kvh_block arr[2] = {x->b, h};
-                st = kvh_migrate(e, arr, 2, KVH_TIER_HOST, NULL);
-                break;
-            }
-            default:
-                st = kvh_pool_restore(e, x->pool, h, 0);
-            }
-        } else if (fn < 25) {
-            kvh_fence h = {make_handle(&r, 0xF3, fences, 1, others, 6)};
-            switch (fn) {
-            case 22:
-                st = kvh_fence_wait(e, h, 0);
-                break;
-            case 23:
-                st = kvh_fence_poll(e, h, &i32);
-                break;
-            default:
-                st = kvh_fence_free(e, h);
-            }
-        } else {
-            kvh_pool h = {make_handle(&r, 0x9C, pools, 1, others, 6)};
-            if (fn == 25)
-                st = kvh_pool_unregister(e, h);
-            else
-                st = (i & 1) ? kvh_pool_offload(e, h, 0, 0, toks, BT, 0, &blk) : kvh_pool_restore(e, h, x->sb[0], 0);
-        }
+        int fn = i % forged_call_count();
+        forged_kind kind = forged_call_kind(fn);
+        uint64_t h = make_handle(&r, forged_kind_tag(kind), live_of[kind].live, live_of[kind].n, others, 6);
+        kvh_status st = forged_call(&t, fn, h, (uint64_t)i);
         if (st != KVH_ERR_BAD_HANDLE) {
             print_error("iteration %d (function %d, seed 0x%" PRIx64 "): %s, expected KVH_ERR_BAD_HANDLE\n", i, fn,
                         seed, kvh_status_name(st));

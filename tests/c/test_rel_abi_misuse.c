@@ -28,6 +28,7 @@
  * 10^6 handle calls in CI and in the stress twin alike (they take about a
  * second); KVH_REL_HANDLE_CALLS overrides.
  */
+#include "forged_calls.h"
 #include "rel_util.h"
 
 enum { L = 2, H = 2, D = 8, BT = 4 };
@@ -339,135 +340,27 @@ static void test_random_handles(void **state)
     for (size_t i = 0; i < sizeof(every) / sizeof(every[0]); i++)
         all_live[n_all_live++] = every[i];
     kvh_stats before = dt_stats(e);
-    uint8_t k[4 * TOK], v[4 * TOK];
-    memset(k, 1, sizeof(k));
-    memset(v, 1, sizeof(v));
-    int32_t toks[8] = {1, 2, 3, 4, 5, 6, 7, 8}, i32 = 0, indptr[3], indices[8], lpl[2];
-    uint64_t u64 = 0;
-    size_t sz = 0;
-    kvh_seq child;
-    kvh_fence fence;
-    kvh_block blk;
-    kvh_block_info bi = {.struct_size = sizeof(bi)};
-    float q[2 * H * D], out[2 * H * D];
-    memset(q, 0, sizeof(q));
-    uint32_t qlens[2] = {1, 1};
+    forged_targets t = {.engine = e,
+                        .seq = X.s,
+                        .block = X.b,
+                        .slot_block = X.sb[0],
+                        .pool = X.pool,
+                        .heads = H,
+                        .head_dim = D,
+                        .block_tokens = BT};
+    const struct {
+        const uint64_t *live;
+        int n;
+    } live_of[] = {[FORGED_SEQ] = {seqs, 2},
+                   [FORGED_BLOCK] = {blocks, 4},
+                   [FORGED_FENCE] = {fences, 1},
+                   [FORGED_POOL] = {pools, 1}};
     double t0 = dt_now();
     for (long i = 0; i < calls; i++) {
-        int fn = (int)(i % 32);
-        kvh_status st;
-        if (fn < 19) {
-            kvh_seq h = {bad_handle(&r, 0x5A, seqs, 2, others, 6)};
-            kvh_seq pair[2] = {X.s, h};
-            switch (fn) {
-            case 0:
-                st = kvh_seq_free(e, h);
-                break;
-            case 1:
-                st = kvh_seq_fork(e, h, 0, &child);
-                break;
-            case 2:
-                st = kvh_seq_append(e, h, toks, 3);
-                break;
-            case 3:
-                st = kvh_seq_length(e, h, &u64);
-                break;
-            case 4:
-                st = kvh_seq_tokens(e, h, 0, 1, toks);
-                break;
-            case 5:
-                st = kvh_seq_write_kv(e, h, 0, 0, 1, k, v);
-                break;
-            case 6:
-                st = kvh_seq_read_kv(e, h, 0, 0, 1, k, v);
-                break;
-            case 7:
-                st = kvh_seq_truncate(e, h, 0);
-                break;
-            case 8:
-                st = kvh_seq_match_prefix(e, h, toks, 8, &sz);
-                break;
-            case 9:
-                st = kvh_seq_acquire(e, h, 0, 1, (i & 1) ? &fence : NULL);
-                break;
-            case 10:
-                st = kvh_seq_release(e, h, 0, 1);
-                break;
-            case 11:
-                st = kvh_seq_pin(e, h, 0, 1, i & 1);
-                break;
-            case 12:
-                st = kvh_seq_blocks(e, h, 0, 1, &blk);
-                break;
-            case 13:
-                st = kvh_seq_migrate(e, h, 0, 1, KVH_TIER_HOST, (i & 1) ? &fence : NULL);
-                break;
-            case 14:
-                st = kvh_prefetch(e, h, 0, 1, 0, (i & 1) ? &fence : NULL);
-                break;
-            case 15:
-                st = kvh_seq_persist(e, h);
-                break;
-            case 16:
-                st = kvh_block_table(e, pair, 2, indptr, indices, 8, lpl);
-                break;
-            case 17:
-                st = kvh_attention_decode(e, 0, pair, 2, q, out, NULL);
-                break;
-            default:
-                st = kvh_attention_prefill(e, 0, pair, qlens, 2, q, out, NULL);
-            }
-        } else if (fn < 25) {
-            kvh_block h = {bad_handle(&r, 0xB1, blocks, 4, others, 6)};
-            switch (fn) {
-            case 19:
-                st = kvh_block_info_get(e, h, &bi);
-                break;
-            case 20:
-                st = kvh_block_retain(e, h);
-                break;
-            case 21:
-                st = kvh_block_release(e, h);
-                break;
-            case 22:
-                st = kvh_block_pin(e, h, i & 1);
-                break;
-            case 23: {
-                kvh_block arr[2] = {X.b, h};
-                st = kvh_migrate(e, arr, 2, KVH_TIER_HOST, (i & 1) ? &fence : NULL);
-                break;
-            }
-            default:
-                st = kvh_pool_restore(e, X.pool, h, 0);
-            }
-        } else if (fn < 28) {
-            kvh_fence h = {bad_handle(&r, 0xF3, fences, 1, others, 6)};
-            switch (fn) {
-            case 25:
-                st = kvh_fence_wait(e, h, i & 1 ? 0 : 1000);
-                break;
-            case 26:
-                st = kvh_fence_poll(e, h, &i32);
-                break;
-            default:
-                st = kvh_fence_free(e, h);
-            }
-        } else {
-            kvh_pool h = {bad_handle(&r, 0x9C, pools, 1, others, 6)};
-            switch (fn) {
-            case 28:
-                st = kvh_pool_unregister(e, h);
-                break;
-            case 29:
-                st = kvh_pool_offload(e, h, 0, 0, toks, BT, 0, &blk);
-                break;
-            case 30:
-                st = kvh_pool_restore(e, h, X.sb[0], 0);
-                break;
-            default:
-                st = kvh_pool_offload(e, h, 1, 0, toks, BT, 3, &blk);
-            }
-        }
+        int fn = (int)(i % forged_call_count());
+        forged_kind kind = forged_call_kind(fn);
+        uint64_t h = bad_handle(&r, forged_kind_tag(kind), live_of[kind].live, live_of[kind].n, others, 6);
+        kvh_status st = forged_call(&t, fn, h, (uint64_t)i);
         if (st != KVH_ERR_BAD_HANDLE)
             fail_msg("call %ld (function %d, seed 0x%" PRIx64 "): %s, expected KVH_ERR_BAD_HANDLE", i, fn, seed,
                      kvh_status_name(st));
