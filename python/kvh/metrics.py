@@ -1,4 +1,4 @@
-"""Prometheus metrics of an engine (``pip install 'kvh[metrics]'``, which
+"""Prometheus metrics of an engine (``pip install 'kvh-cache[metrics]'``, which
 installs ``prometheus-client``)::
 
     import kvh, kvh.metrics
@@ -193,7 +193,7 @@ def serve(engine: Any, port: int, addr: str = "127.0.0.1", *, registry: Optional
         from prometheus_client import CollectorRegistry, start_http_server
     except ModuleNotFoundError as exc:
         raise ModuleNotFoundError(
-            "kvh.metrics needs prometheus-client: pip install prometheus-client", name=exc.name
+            "kvh.metrics needs prometheus-client: pip install 'kvh-cache[metrics]'", name=exc.name
         ) from None
     reg = registry if registry is not None else CollectorRegistry(auto_describe=False)
     reg.register(EngineCollector(engine))
