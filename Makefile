@@ -18,7 +18,7 @@
 #   make format   apply clang-format, ruff and rustfmt to the tree
 #   make clean    remove the build trees
 #
-# Single suites: test-c, test-asan, test-tsan, test-python, test-vllm, test-rust,
+# Single suites: test-c, test-asan, test-tsan, test-python, test-wheel, test-vllm, test-rust,
 # test-drift, test-bench, test-fuzz. `make bench-vllm` runs `kvh bench vllm`;
 # SKIP_VLLM=1 leaves the vLLM suite out (it installs vLLM once per machine
 # into ~/.cache/kvh, about 6 GB). Useful overrides: SKIP_DEPS=1 (no root, or offline),
@@ -112,7 +112,7 @@ step = @printf '\n==> %s\n' "$(1)"
 
 .PHONY: all deps build demo test test-c test-asan test-tsan test-python test-rust \
         test-drift build-asan build-tsan stress bench test-bench clean help build-fuzz fuzz test-fuzz \
-        test-format format test-vllm bench-vllm
+        test-format format test-vllm bench-vllm test-wheel
 
 all: build
 
@@ -160,7 +160,7 @@ endif
 # The committed fuzz corpora are replayed by ctest in every C suite; the
 # last steps smoke-run every benchmark scenario and fuzz each target
 # briefly from a fixed seed.
-test: test-format test-c test-asan test-tsan test-python test-vllm test-rust test-drift test-bench test-fuzz
+test: test-format test-c test-asan test-tsan test-python test-wheel test-vllm test-rust test-drift test-bench test-fuzz
 	@printf '\n==> make test: all suites passed\n'
 
 # One formatter per language (clang-format, ruff, rustfmt); `make format`
@@ -197,6 +197,13 @@ else
 test-python:
 	$(call step,[5/9] pytest: skipped: no test files in tests/python)
 endif
+
+# The release path: sdist and wheel of kvh-cache built as a release would
+# (one compile, from the sdist alone), the wheel repaired to a manylinux tag,
+# each installed into a fresh venv outside the repository and smoke-tested.
+test-wheel: deps
+	$(call step,[5/9] kvh-cache sdist and manylinux wheel in fresh venvs (scripts/test-wheel.sh))
+	PYTHON=$(PYTHON) bash scripts/test-wheel.sh
 
 # vLLM (CPU build) in a venv cached once per machine, SmolLM2 converted to
 # an HF directory (cached), then kvh's vLLM connector under real vLLM runs.

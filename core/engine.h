@@ -24,6 +24,7 @@
 #include "core/backend.h"
 #include "core/disk_index.h"
 #include "core/handles.h"
+#include "core/latency.h"
 #include "core/lruk.h"
 #include "core/prefix_index.h"
 #include "core/slot_pool.h"
@@ -126,6 +127,7 @@ struct kvh_engine {
     bool stop_workers;
 
     kvh_stats stats;
+    kvhi_latency latency; /* core/latency.h: recorded without the lock */
 
     /* Prefetch hints (core/hints.c): a record per hint, oldest first;
      * hints older than two epochs of hint_horizon accesses lapse. */

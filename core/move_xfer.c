@@ -217,7 +217,7 @@ static bool write_batch_in_place(kvh_engine *e, kvhi_disk_lane *lane, kvhi_xfer 
     return true;
 }
 
-void kvhi_xfer_batch(kvh_engine *e, kvhi_xfer *xs, uint32_t n)
+static void xfer_batch(kvh_engine *e, kvhi_xfer *xs, uint32_t n)
 {
     kvhi_assert_unlocked(e);
     kvhi_disk *d = e->disk;
@@ -272,6 +272,14 @@ void kvhi_xfer_batch(kvh_engine *e, kvhi_xfer *xs, uint32_t n)
         kvhi_disk_lane_put(d, lane);
         done += k;
     }
+}
+
+/* Each disk transfer is timed for the latency histograms. */
+void kvhi_xfer_batch(kvh_engine *e, kvhi_xfer *xs, uint32_t n)
+{
+    uint64_t t0 = kvhi_now_ns();
+    xfer_batch(e, xs, n);
+    kvhi_latency_record_xfers(&e->latency, xs, n, kvhi_now_ns() - t0);
 }
 
 void kvhi_xfer_run(kvh_engine *e, kvhi_xfer *x)

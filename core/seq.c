@@ -550,8 +550,11 @@ kvh_status kvhi_seq_acquire(kvh_engine *e, kvhi_seq *s, uint64_t first, uint64_t
     }
     st = kvhi_fence_wait_idx(e, fidx, UINT64_MAX);
     kvhi_fence_drop(e, fidx);
-    if (waited)
-        e->stats.acquire_stall_ns += kvhi_now_ns() - t0;
+    if (waited) {
+        uint64_t stall_ns = kvhi_now_ns() - t0;
+        e->stats.acquire_stall_ns += stall_ns;
+        kvhi_latency_record(&e->latency, KVH_LATENCY_ACQUIRE_STALL, stall_ns);
+    }
     if (st != KVH_OK) {
         for (uint32_t i = b0; i < b1; i++) {
             s->held[i]--;

@@ -33,7 +33,14 @@ EXTRA_CDEF = 'extern "Python" void _kvh_py_log(void *user, int32_t level, const 
 
 
 def repo_root() -> Path:
-    return Path(os.environ.get("KVH_SOURCE_DIR") or HERE.parent).resolve()
+    """The C source tree: $KVH_SOURCE_DIR, else csrc/ beside this file (in
+    an sdist), else the repository around this directory."""
+    env = os.environ.get("KVH_SOURCE_DIR")
+    if env:
+        return Path(env).resolve()
+    if (HERE / "csrc" / "CMakeLists.txt").is_file():
+        return HERE / "csrc"
+    return HERE.parent.resolve()
 
 
 def default_include_dir() -> Path:

@@ -1,17 +1,24 @@
-"""Builds the kvh wheel: libkvh from the C sources (CMake, the repository's
-own build), the CFFI extension kvh._kvh_cffi against it, and everything in
-one package directory, so an installed kvh needs no LD_LIBRARY_PATH:
+"""Builds the kvh-cache wheel: libkvh from the C sources (CMake, the
+repository's own build), the CFFI extension kvh._kvh_cffi against it, and
+everything in one package directory, so an installed kvh needs no
+LD_LIBRARY_PATH:
 
-    kvh/_kvh_cffi.*.so   run path $ORIGIN
+    kvh/_kvh_cffi.*.so   run path $ORIGIN (and nothing of the build machine)
     kvh/libkvh.so.0      the C library
     kvh/libkvh_cuda.so   the CUDA backend, when nvcc was found (loaded by
                          libkvh with dlopen from beside itself)
-    kvh/_bin/kvh-store, kvh/_bin/kvh-bench   the C tools (statically linked)
+    kvh/_bin/kvh-store, kvh/_bin/kvh-bench   the C tools
 
-Run from the kvh repository: `pip install ./python` or
-`python -m build --wheel python`. Environment knobs:
+The C sources are looked for in $KVH_SOURCE_DIR, then csrc/ beside this
+file (where the sdist carries them: `python -m build --sdist python` copies
+them in), then the repository around this directory. So both
+`pip install ./python` in a checkout and `pip install kvh_cache-*.tar.gz`
+anywhere work. The wheel this makes is tagged linux_x86_64 and links the
+system's liburing and libnuma; `auditwheel repair` turns it into a
+manylinux wheel that carries them (scripts/test-wheel.sh does).
+Environment knobs:
 
-    KVH_SOURCE_DIR   repository root (default: the parent of this directory)
+    KVH_SOURCE_DIR   C source tree (default: csrc/, else the parent directory)
     KVH_LIB_DIR      use an already built libkvh from this directory (no CMake)
     KVH_WHEEL_CUDA   auto (default: built when nvcc is found) | 0 | 1
     KVH_CMAKE_ARGS   extra arguments for the CMake configure step
@@ -31,6 +38,7 @@ from pathlib import Path
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.command.sdist import sdist
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -44,8 +52,9 @@ TOOLS = ("kvh-store", "kvh-bench")
 def header_version() -> str:
     if not HEADER.exists():
         raise SystemExit(
-            f"kvh: {HEADER} not found. The wheel builds libkvh from the C sources of the kvh "
-            "repository: run `pip install ./python` from a checkout (or set KVH_SOURCE_DIR)."
+            f"kvh: {HEADER} not found. The wheel builds libkvh from the C sources: install the "
+            "kvh-cache sdist (it carries them in csrc/), run `pip install ./python` from a checkout "
+            "of the kvh repository, or set KVH_SOURCE_DIR to one."
         )
     text = HEADER.read_text()
     parts = [re.search(rf"#define KVH_VERSION_{p}\s+(\d+)", text) for p in ("MAJOR", "MINOR", "PATCH")]
@@ -131,6 +140,13 @@ class BuildExt(build_ext):
                 return p
         return None
 
+    def build_extensions(self) -> None:
+        # Python's own LDSHARED may carry -Wl,-rpath,<its prefix> (pyenv and
+        # other --enable-shared builds): a path of the build machine that
+        # must not end up in the wheel. The extension's run path is $ORIGIN.
+        self.compiler.linker_so = without_rpaths(self.compiler.linker_so)
+        super().build_extensions()
+
     def run(self) -> None:
         lib_dir = self.build_libkvh()
         ffibuilder = build_cffi.make_ffibuilder(ROOT / "abi" / "include", lib_dir, ["$ORIGIN"])
@@ -164,8 +180,69 @@ class BuildExt(build_ext):
                 os.chmod(dest / "_bin" / tool, 0o755)
 
 
+def without_rpaths(args: list[str]) -> list[str]:
+    """`args` less every run path option (-Wl,-rpath,X / -Wl,-R,X, and the
+    -Wl,-rpath -Wl,X pair) that does not start with $ORIGIN."""
+    out: list[str] = []
+    skip_next = False
+    for arg in args:
+        if skip_next:
+            skip_next = False
+            continue
+        if arg in ("-Wl,-rpath", "-Wl,-R"):
+            skip_next = True
+            continue
+        if arg.startswith(("-Wl,-rpath,", "-Wl,-rpath=", "-Wl,-R,")):
+            paths = [p for p in re.split(r"[,=:]", arg.split("-rpath", 1)[-1].split("-R", 1)[-1]) if p]
+            kept = [p for p in paths if p.startswith("$ORIGIN")]
+            if kept:
+                out.append("-Wl,-rpath," + ":".join(kept))
+            continue
+        out.append(arg)
+    return out
+
+
+# The parts of the repository that building libkvh and its tools reads
+# (CMakeLists.txt skips tests/, examples/ and fuzz/ when they are absent or
+# switched off), and the licence files.
+SDIST_C_TREES = ("cmake", "abi", "core", "kernels", "tools")
+SDIST_C_FILES = ("CMakeLists.txt", "LICENSE", "LICENSE-MIT", "LICENSE-APACHE")
+SDIST_SKIP_SUFFIXES = (".pyc", ".o", ".a", ".so")
+
+
+class SdistWithCSources(sdist):
+    """An sdist that builds from itself: the C sources go into csrc/."""
+
+    def make_release_tree(self, base_dir: str, files: list[str]) -> None:
+        super().make_release_tree(base_dir, files)
+        if ROOT == HERE / "csrc":  # an sdist rebuilt from an sdist
+            src_root = ROOT
+        else:
+            src_root = build_cffi.repo_root()
+        dest = Path(base_dir) / "csrc"
+        dest.mkdir(parents=True, exist_ok=True)
+        for name in SDIST_C_FILES:
+            shutil.copyfile(src_root / name, dest / name)
+        for tree in SDIST_C_TREES:
+            copy_sources(src_root / tree, dest / tree)
+        bench = src_root / "benchmarks"
+        if bench.is_dir():  # kvh-bench: its sources only, not the results or plots
+            (dest / "benchmarks").mkdir(exist_ok=True)
+            for f in sorted(bench.iterdir()):
+                if f.is_file() and (f.suffix in (".c", ".h") or f.name == "CMakeLists.txt"):
+                    shutil.copyfile(f, dest / "benchmarks" / f.name)
+
+
+def copy_sources(src: Path, dest: Path) -> None:
+    for f in sorted(src.rglob("*")):
+        if f.is_file() and f.suffix not in SDIST_SKIP_SUFFIXES and "__pycache__" not in f.parts:
+            target = dest / f.relative_to(src)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(f, target)
+
+
 setup(
     version=header_version(),
     ext_modules=[Extension("kvh._kvh_cffi", sources=[])],
-    cmdclass={"build_ext": BuildExt},
+    cmdclass={"build_ext": BuildExt, "sdist": SdistWithCSources},
 )

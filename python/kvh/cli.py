@@ -76,7 +76,7 @@ def _missing_tool(name: str) -> int:
 
     env = {"kvh-store": "KVH_STORE", "kvh-bench": "KVH_BENCH"}[name]
     _err(
-        f"{name} not found. Build it (cmake --build build --target {name}), install the kvh wheel that "
+        f"{name} not found. Build it (cmake --build build --target {name}), install the kvh-cache wheel that "
         f"ships it, put it on PATH, or set ${env}. Searched: "
         + ", ".join(str(p) for p in tool_search_path())
         + ", PATH"

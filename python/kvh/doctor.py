@@ -471,7 +471,8 @@ def check_kvh() -> Check:
         from . import _ffi
         from .tools import find_tool, loaded_library_path
     except ImportError as exc:
-        return Check("kvh library", FAIL, str(exc), ["pip install ./python   # from the kvh repository"])
+        fix = ["pip install --force-reinstall kvh-cache   # or, in a checkout: pip install ./python"]
+        return Check("kvh library", FAIL, str(exc), fix)
     lib = loaded_library_path()
     tools = {t: find_tool(t) for t in ("kvh-store", "kvh-bench")}
     data = {
@@ -484,7 +485,29 @@ def check_kvh() -> Check:
     summary = f"libkvh {_ffi.LOADED_VERSION_STRING} at {lib or '?'} (binding built for {_ffi.BUILT_VERSION_STRING})"
     if missing:
         summary += f"; not found: {', '.join(missing)}"
+    clash = unrelated_kvh_distribution()
+    if clash:
+        data["unrelated_kvh_distribution"] = clash
+        return Check(
+            "kvh library",
+            WARN,
+            f"{summary}; the unrelated PyPI project `kvh` {clash} is installed too, and both install the "
+            "package `kvh`: whichever was installed last overwrote the other's files",
+            ["pip uninstall kvh kvh-cache && pip install kvh-cache   # kvh's distribution is kvh-cache"],
+            data,
+        )
     return Check("kvh library", OK, summary, [], data)
+
+
+def unrelated_kvh_distribution() -> Optional[str]:
+    """The version of the PyPI distribution named `kvh` (a "KVH format"
+    reader, not this project) when it is installed, else None."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("kvh")
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def run_checks(

@@ -575,6 +575,19 @@ class Engine(OwnedHandle):
 
         return weight_stats(self)
 
+    def latency_histogram(self, kind: Union[str, int]) -> Any:
+        """One latency histogram (:class:`kvh.latency.LatencyHistogram`):
+        ``"acquire_stall"``, ``"disk_read"`` or ``"disk_write"``."""
+        from .latency import latency_histogram
+
+        return latency_histogram(self, kind)
+
+    def latency_histograms(self) -> Dict[str, Any]:
+        """Every latency histogram by kind name (:mod:`kvh.latency`)."""
+        from .latency import latency_histograms
+
+        return latency_histograms(self)
+
     def admission(
         self, *, short_max_tokens: int = 4096, short_device_bytes: int = 0, long_device_bytes: int = 0
     ) -> None:

@@ -1,4 +1,4 @@
-"""Prometheus metrics of an engine (``pip install 'kvh[metrics]'``, which
+"""Prometheus metrics of an engine (``pip install 'kvh-cache[metrics]'``, which
 installs ``prometheus-client``)::
 
     import kvh, kvh.metrics
@@ -26,12 +26,12 @@ Published, all prefixed ``kvh_``:
 * ``kvh_engine_up``: 1 while the engine is open, 0 after close (the
   other series are then absent).
 
-Latency histograms: libkvh measures no per-event latencies, only the total
-time acquires waited for copies (``kvh_acquire_stall_seconds_total``; its
-rate over ``kvh_lookups_total`` gives the mean stall per block access).
-Histograms of acquire stall and of disk read time need timing hooks in the
-library (per-acquire and per-io_uring-completion durations) that it does
-not have; they are not published rather than estimated.
+* latency histograms (``kvh_latency_histogram_get``, fixed buckets from
+  1 us doubling to 4.19 s, seconds): ``kvh_acquire_stall_duration_seconds``
+  (synchronous acquires that waited for blocks not in the device tier),
+  ``kvh_disk_read_duration_seconds`` and
+  ``kvh_disk_write_duration_seconds`` (one sample per block), each with
+  ``_bucket{le}``, ``_sum`` and ``_count``.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from __future__ import annotations
 import weakref
 from typing import Any, Iterator, Optional, Tuple
 
-__all__ = ["EngineCollector", "Exporter", "serve", "METRIC_NAMES"]
+__all__ = ["EngineCollector", "Exporter", "serve", "METRIC_NAMES", "HISTOGRAM_NAMES"]
 
 _TIERS = ("device", "host", "disk")
 
@@ -80,6 +80,13 @@ def _stats_fields() -> Tuple[str, ...]:
 #: counters: the name prometheus-client registers).
 METRIC_NAMES = tuple(sorted({"kvh_" + _counter_of(f)[0] for f in _stats_fields()}))
 
+#: Latency histogram kind (kvh.latency.KINDS) -> (series name, help).
+HISTOGRAM_NAMES = {
+    "acquire_stall": ("kvh_acquire_stall_duration_seconds", "Time a synchronous acquire waited for blocks"),
+    "disk_read": ("kvh_disk_read_duration_seconds", "Time to read one block from the disk tier"),
+    "disk_write": ("kvh_disk_write_duration_seconds", "Time to write one block to the disk tier"),
+}
+
 
 class EngineCollector:
     """A prometheus-client collector reading one engine at each scrape.
@@ -105,6 +112,7 @@ class EngineCollector:
             stats = eng.stats()
             tiers = eng.tiers()
             block_bytes = eng.block_bytes
+            histograms = eng.latency_histograms()
         except errors.ClosedError:
             up.add_metric([], 0)
             yield up
@@ -143,6 +151,19 @@ class EngineCollector:
         b = GaugeMetricFamily("kvh_block_bytes", "Bytes of one block for the engine's geometry")
         b.add_metric([], block_bytes)
         yield b
+        yield from _histograms(histograms)
+
+
+def _histograms(histograms: dict) -> Iterator[Any]:
+    from prometheus_client.core import HistogramMetricFamily
+    from prometheus_client.utils import floatToGoString
+
+    for kind, (name, text) in HISTOGRAM_NAMES.items():
+        h = histograms.get(kind)
+        if h is None:
+            continue
+        buckets = [(floatToGoString(le), n) for le, n in h.cumulative()]
+        yield HistogramMetricFamily(name, text, buckets=buckets, sum_value=h.sum_seconds)
 
 
 class Exporter:
@@ -193,7 +214,7 @@ def serve(engine: Any, port: int, addr: str = "127.0.0.1", *, registry: Optional
         from prometheus_client import CollectorRegistry, start_http_server
     except ModuleNotFoundError as exc:
         raise ModuleNotFoundError(
-            "kvh.metrics needs prometheus-client: pip install prometheus-client", name=exc.name
+            "kvh.metrics needs prometheus-client: pip install 'kvh-cache[metrics]'", name=exc.name
         ) from None
     reg = registry if registry is not None else CollectorRegistry(auto_describe=False)
     reg.register(EngineCollector(engine))

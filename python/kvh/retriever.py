@@ -93,7 +93,7 @@ KINDS = ("qdrant",)
 DEFAULT_COLLECTION = "kvh_chunks"
 #: Version of the payload schema of chunk points.
 PAYLOAD_VERSION = 1
-_PIP_HINT = "pip install qdrant-client"
+_PIP_HINT = "pip install qdrant-client (or pip install 'kvh-cache[retriever]')"
 _MASK64 = (1 << 64) - 1
 
 

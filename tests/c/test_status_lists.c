@@ -1087,6 +1087,18 @@ static void test_tolerance(void **state)
     assert_ok(kvh_seq_derive_tolerance(e, cs, 0, BT, 0));
 }
 
+static void test_latency_histograms(void **state)
+{
+    (void)state;
+    kvh_engine *e = open_small(4, 4);
+    kvh_latency_histogram h = {.struct_size = 4};
+    assert_kvh(KVH_ERR_STRUCT_SIZE, kvh_latency_histogram_get(e, KVH_LATENCY_DISK_READ, &h));
+    assert_kvh(KVH_ERR_INVALID_ARG, kvh_latency_histogram_get(e, KVH_LATENCY_DISK_READ, NULL));
+    h.struct_size = sizeof(h);
+    assert_kvh(KVH_ERR_INVALID_ARG, kvh_latency_histogram_get(e, KVH_LATENCY_KIND_COUNT, &h));
+    assert_ok(kvh_latency_histogram_get(e, KVH_LATENCY_DISK_READ, &h));
+}
+
 /* ------------------------------------------------------------------ */
 /* The status common to every call: a NULL engine                      */
 /* ------------------------------------------------------------------ */
@@ -1155,6 +1167,8 @@ static void test_null_engine(void **state)
         kvh_prefix_hash_scoped(NULL, 1, 0, toks, BT, &u64),
         kvh_prefix_lookup_scoped(NULL, 1, 1, 0, toks, BT, &b, 1, &sz),
         kvh_pool_offload_scoped(NULL, pool, 0, 1, 0, toks, BT, 0, &b),
+        kvh_latency_histogram_get(NULL, KVH_LATENCY_ACQUIRE_STALL,
+                                  &(kvh_latency_histogram){.struct_size = sizeof(kvh_latency_histogram)}),
     };
     for (size_t i = 0; i < sizeof(got) / sizeof(got[0]); i++)
         if (got[i] != KVH_ERR_INVALID_ARG)
@@ -1184,6 +1198,7 @@ int main(void)
         cmocka_unit_test(test_codecs),
         cmocka_unit_test_setup_teardown(test_views, setup, teardown),
         cmocka_unit_test_setup_teardown(test_tolerance, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_latency_histograms, setup, teardown),
         cmocka_unit_test(test_null_engine),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

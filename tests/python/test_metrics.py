@@ -67,3 +67,43 @@ def test_closed_engine_is_down():
         got = _scrape(ex.url)
     assert got[("kvh_engine_up", ())] == 0
     assert not any(k[0] == "kvh_lookups_total" for k in got)
+
+
+def test_latency_histograms_move_with_stalls_and_disk_reads(tmp_path):
+    bt = 16
+    with kvh.Engine(
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=16,
+        dtype="f32",
+        block_tokens=bt,
+        backend="cpu",
+        device_bytes=1 << 20,
+        host_bytes=1 << 20,
+        disk_path=str(tmp_path / "store"),
+        disk_bytes=8 << 20,
+    ) as eng:
+        with kvh.metrics.serve(eng, 0) as ex:
+            before = _scrape(ex.url)
+            for name, _help in kvh.metrics.HISTOGRAM_NAMES.values():
+                assert before[(name + "_count", ())] == 0
+                assert before[(name + "_bucket", (("le", "+Inf"),))] == 0
+                assert (name + "_bucket", (("le", "1e-06"),)) in before
+            with eng.sequence() as seq:
+                seq.append(np.arange(4 * bt))
+                kv = np.ones((4 * bt, 2, 16), np.float32)
+                seq.write_kv(0, 0, kv, kv)
+                seq.migrate("disk")
+                with seq.acquire():
+                    pass
+            after = _scrape(ex.url)
+    reads = "kvh_disk_read_duration_seconds"
+    stall = "kvh_acquire_stall_duration_seconds"
+    assert after[(reads + "_count", ())] == 4
+    assert after[(reads + "_bucket", (("le", "+Inf"),))] == 4
+    assert after[(reads + "_sum", ())] > 0
+    assert after[("kvh_disk_write_duration_seconds_count", ())] == 4
+    assert after[(stall + "_count", ())] == 1
+    les = sorted((float(dict(k[1])["le"]), v) for k, v in after.items() if k[0] == stall + "_bucket")
+    assert [v for _le, v in les] == sorted(v for _le, v in les)  # cumulative
+    assert les[-1] == (float("inf"), 1)

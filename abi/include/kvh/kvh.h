@@ -10,7 +10,7 @@
  *   scopes (experimental); Paged attention; Attention plans (experimental);
  *   Weight contexts (experimental); Admission by token budget
  *   (experimental); KV codecs; Virtual contiguity (experimental); LCTRU
- *   tolerance (experimental).
+ *   tolerance (experimental); Latency histograms (experimental).
  *
  * Conventions used on every prototype below:
  *   - Every fallible call returns a kvh_status: KVH_OK (0) or a negative
@@ -1507,6 +1507,55 @@ KVH_API kvh_status kvh_block_set_tolerance(kvh_engine *engine, kvh_block block, 
  * KVH_ERR_RANGE, KVH_ERR_BAD_HANDLE, KVH_ERR_NOMEM. @threads handle */
 KVH_API kvh_status kvh_seq_derive_tolerance(kvh_engine *engine, kvh_seq seq, uint64_t first, uint64_t n,
                                             float max_rel_error);
+
+/* ------------------------------------------------------------------ */
+/* Latency histograms (experimental)                                  */
+/* ------------------------------------------------------------------ */
+
+/* Experimental (version node KVH_0_EXPERIMENTAL of abi/libkvh.map): not
+ * yet run on its target hardware, or its semantics may still change; a
+ * release may change these calls. */
+
+/* What a histogram times. Every engine keeps one histogram per kind from
+ * its open on, always on (two relaxed atomic adds per sample). */
+typedef enum kvh_latency_kind {
+    /* A kvh_seq_acquire without a fence that had to wait for blocks not
+     * yet in the device tier: from the call's start to the last arrival.
+     * Acquires that found every block resident add no sample. */
+    KVH_LATENCY_ACQUIRE_STALL = 0,
+    /* One block read from the disk tier (a promotion, a verification, a
+     * streamed or prefix read): the time of the submission that carried
+     * it, from the first request to the last completion. */
+    KVH_LATENCY_DISK_READ = 1,
+    /* One block written to the disk tier (a demotion, a clean copy, a
+     * persist), timed the same way. */
+    KVH_LATENCY_DISK_WRITE = 2,
+    KVH_LATENCY_KIND_COUNT = 3
+} kvh_latency_kind;
+
+/* Fixed buckets: bucket i counts samples of at most
+ * KVH_LATENCY_BUCKET0_NS << i nanoseconds (1 us, 2 us, 4 us, ... 4.19 s)
+ * and more than bucket i-1's bound; the last bucket has no upper bound. */
+#define KVH_LATENCY_BUCKET0_NS 1000u
+#define KVH_LATENCY_BUCKETS 24u
+
+/* One histogram. count is the sum of counts[]; sum_ns is the total time.
+ * Samples are recorded without a lock, so a copy taken while one arrives
+ * may hold its bucket's count but not yet its time in sum_ns. */
+typedef struct kvh_latency_histogram {
+    uint32_t struct_size;
+    uint32_t kind; /* kvh_latency_kind */
+    uint64_t count;
+    uint64_t sum_ns;
+    uint64_t counts[KVH_LATENCY_BUCKETS]; /* per bucket, not cumulative */
+} kvh_latency_histogram;
+
+/* Copies the histogram of kind. [out] *histogram (set
+ * histogram->struct_size first; a smaller, older struct is filled up to
+ * its size). Returns KVH_ERR_INVALID_ARG (NULL histogram, kind out of
+ * range), KVH_ERR_STRUCT_SIZE. @threads any */
+KVH_API kvh_status kvh_latency_histogram_get(kvh_engine *engine, kvh_latency_kind kind,
+                                             kvh_latency_histogram *histogram);
 
 #ifdef __cplusplus
 }

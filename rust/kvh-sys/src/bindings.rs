@@ -8,6 +8,8 @@ pub const KVH_VERSION_NUMBER: u32 = 100;
 pub const KVH_TIER_COUNT: u32 = 3;
 pub const KVH_TOLERANCE_DEFAULT: u32 = 128;
 pub const KVH_TOLERANCE_MAX: u32 = 255;
+pub const KVH_LATENCY_BUCKET0_NS: u32 = 1000;
+pub const KVH_LATENCY_BUCKETS: u32 = 24;
 pub type __int32_t = ::std::os::raw::c_int;
 pub type __uint32_t = ::std::os::raw::c_uint;
 pub type __uint64_t = ::std::os::raw::c_ulong;
@@ -4399,5 +4401,124 @@ extern "C" {
         first: u64,
         n: u64,
         max_rel_error: f32,
+    ) -> kvh_status;
+}
+pub const KVH_LATENCY_ACQUIRE_STALL: kvh_latency_kind = 0;
+pub const KVH_LATENCY_DISK_READ: kvh_latency_kind = 1;
+pub const KVH_LATENCY_DISK_WRITE: kvh_latency_kind = 2;
+pub const KVH_LATENCY_KIND_COUNT: kvh_latency_kind = 3;
+pub type kvh_latency_kind = ::std::os::raw::c_uint;
+#[repr(C)]
+#[derive(Debug, Default, Copy, Clone)]
+pub struct kvh_latency_histogram {
+    pub struct_size: u32,
+    pub kind: u32,
+    pub count: u64,
+    pub sum_ns: u64,
+    pub counts: [u64; 24usize],
+}
+#[test]
+fn bindgen_test_layout_kvh_latency_histogram() {
+    assert_eq!(
+        ::std::mem::size_of::<kvh_latency_histogram>(),
+        216usize,
+        concat!("Size of: ", stringify!(kvh_latency_histogram))
+    );
+    assert_eq!(
+        ::std::mem::align_of::<kvh_latency_histogram>(),
+        8usize,
+        concat!("Alignment of ", stringify!(kvh_latency_histogram))
+    );
+    fn test_field_struct_size() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_latency_histogram>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).struct_size) as usize - ptr as usize
+            },
+            0usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_latency_histogram),
+                "::",
+                stringify!(struct_size)
+            )
+        );
+    }
+    test_field_struct_size();
+    fn test_field_kind() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_latency_histogram>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).kind) as usize - ptr as usize
+            },
+            4usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_latency_histogram),
+                "::",
+                stringify!(kind)
+            )
+        );
+    }
+    test_field_kind();
+    fn test_field_count() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_latency_histogram>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).count) as usize - ptr as usize
+            },
+            8usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_latency_histogram),
+                "::",
+                stringify!(count)
+            )
+        );
+    }
+    test_field_count();
+    fn test_field_sum_ns() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_latency_histogram>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).sum_ns) as usize - ptr as usize
+            },
+            16usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_latency_histogram),
+                "::",
+                stringify!(sum_ns)
+            )
+        );
+    }
+    test_field_sum_ns();
+    fn test_field_counts() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_latency_histogram>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).counts) as usize - ptr as usize
+            },
+            24usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_latency_histogram),
+                "::",
+                stringify!(counts)
+            )
+        );
+    }
+    test_field_counts();
+}
+extern "C" {
+    pub fn kvh_latency_histogram_get(
+        engine: *mut kvh_engine,
+        kind: kvh_latency_kind,
+        histogram: *mut kvh_latency_histogram,
     ) -> kvh_status;
 }

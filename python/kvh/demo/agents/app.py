@@ -162,7 +162,7 @@ def report(
     if not args.no_plot:
         plot_path = write_plot(args.plot or data_dir / "demo.png", results, restart)
         if plot_path is None:
-            summary["notes"].append("no plot: matplotlib is not installed (pip install matplotlib)")
+            summary["notes"].append("no plot: matplotlib is not installed (pip install 'kvh-cache[plot]')")
     summary["plot"] = str(plot_path) if plot_path else None
     (data_dir / "demo-result.json").write_text(json.dumps(summary, indent=1, default=json_default))
     if args.json:

