@@ -719,10 +719,21 @@ KVH_API kvh_status kvh_prefetch(kvh_engine *engine, kvh_seq seq, uint64_t first,
  * block keeps its two highest distinct priorities; the first access after
  * a hint redeems the higher and the other takes its place (the rest of
  * that use, such as reads of its other layers, redeems nothing; hint again
- * before the next use). A scheduler that hints its whole queue before
- * each request, each request at a priority falling with its place, gets
- * Belady's eviction order within the queue's horizon. Unless renewed, a
- * hint lapses after one to two times max(64, blocks of the memory tiers)
+ * before the next use).
+ *
+ * What a priority means: a rank compared as is among every hinted block of
+ * the engine, whenever each hint was given; it is not relative to the
+ * call. Give priorities that keep their order as the queue advances: the
+ * request's absolute number in the order the scheduler will run them
+ * (e.g. INT32_MAX - n for the n-th request), not its place in the queue.
+ * A place re-hinted at every step does not work: the request hinted at
+ * place 0 a step ago and the one hinted at place 0 now tie, and a block's
+ * second priority, kept from an older hint, can outrank fresh ones. A
+ * scheduler that hints its whole queue, before each request or only when
+ * the queue changes, by absolute number gets Belady's eviction order
+ * within the queue's horizon. How long it lasts: a priority is redeemed by
+ * the first access after its hint, and unless renewed every hint of a
+ * block lapses after one to two times max(64, blocks of the memory tiers)
  * engine accesses (block allocations count as accesses). Returns
  * KVH_ERR_RANGE, KVH_ERR_BAD_HANDLE. @threads any */
 KVH_API kvh_status kvh_seq_hint(kvh_engine *engine, kvh_seq seq, uint64_t first, uint64_t n, int32_t priority);
