@@ -75,7 +75,7 @@ static void emit_result(const bench_ctx *ctx, const char *trace_name, const char
                         const sim_config *c, const sim_result *r, const sim_result *opt, int generated, int adversarial)
 {
     int is_min = !strcmp(policy, "min");
-    int is_engine = !strncmp(policy, "kvh-engine", 10);
+    int is_engine = !strncmp(policy, "kvh-engine", 10) || !strncmp(policy, "kvh-adaptive", 12);
     int is_default = !strcmp(policy, "kvh-engine+hints");
     double dev = rate(r->hits_device, r->accesses), mem = rate(r->hits_device + r->hits_host, r->accesses);
     double opt_dev = rate(opt->hits_device, opt->accesses);
@@ -175,17 +175,21 @@ static int evaluate(const bench_ctx *ctx, const trace_opts *o, const char *trace
                                 .disk_dir = o->disk_dir,
                                 .skip_kv_write = (int)o->skip_kv_write};
             /* Without hints; with hints advising eviction; with hints that
-             * also promote (the default promote_min_hits). */
-            static const char *const names[] = {"kvh-engine", "kvh-engine+hints", "kvh-engine+prefetch"};
-            for (int mode = hinted_only ? 1 : 0; mode < (t->n_hints > 0 ? 3 : 1); mode++) {
-                replay_result rr;
-                rc.hints = mode;
-                if (trace_replay(t, &rc, &rr) != 0)
-                    return 1;
-                const char *name = names[mode];
-                bench_info(ctx, "  %s replay at %llu%%: %.2f s", name, (unsigned long long)pct, rr.seconds);
-                emit_result(ctx, trace_name, name, pct, &c, &rr.sim, &opt, generated, adversarial);
-            }
+             * also promote (the default promote_min_hits); each under the
+             * LRU-K order and the adaptive one. */
+            static const char *const names[2][3] = {{"kvh-engine", "kvh-engine+hints", "kvh-engine+prefetch"},
+                                                    {"kvh-adaptive", "kvh-adaptive+hints", "kvh-adaptive+prefetch"}};
+            for (int adaptive = 0; adaptive < 2; adaptive++)
+                for (int mode = hinted_only ? 1 : 0; mode < (t->n_hints > 0 ? 3 : 1); mode++) {
+                    replay_result rr;
+                    rc.hints = mode;
+                    rc.adaptive = adaptive;
+                    if (trace_replay(t, &rc, &rr) != 0)
+                        return 1;
+                    const char *name = names[adaptive][mode];
+                    bench_info(ctx, "  %s replay at %llu%%: %.2f s", name, (unsigned long long)pct, rr.seconds);
+                    emit_result(ctx, trace_name, name, pct, &c, &rr.sim, &opt, generated, adversarial);
+                }
         }
     }
     return 0;

@@ -25,6 +25,7 @@
 #include "core/disk_index.h"
 #include "core/handles.h"
 #include "core/lruk.h"
+#include "core/adaptive.h"
 #include "core/prefix_index.h"
 #include "core/slot_pool.h"
 
@@ -133,6 +134,8 @@ struct kvh_engine {
     uint32_t hint_head, hint_count, hint_cap;
     uint32_t hint_epoch;
     uint64_t hint_epoch_end; /* clock value that starts the next epoch */
+
+    kvhi_adapt adapt; /* KVH_EVICT_ADAPTIVE's shadows (core/adaptive.c) */
 
     struct kvhi_disk *disk;        /* NULL without a disk tier */
     uint32_t clean_hand;           /* background cleaner's clock hand */

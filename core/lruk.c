@@ -268,6 +268,24 @@ void kvhi_lruk_remove(kvhi_lruk_heap *h, uint32_t item)
         sift_down(h, p);
 }
 
+void kvhi_lruk_rekey(kvhi_lruk_heap *h, kvhi_lruk_current_fn current, void *ctx)
+{
+    for (uint32_t i = 0; i < h->q_len; i++) {
+        kvhi_lruk_entry e = h->queue[q_index(h, i)];
+        if (e.item != KVHI_HEAP_NONE)
+            h->entries[h->size++] = e;
+    }
+    h->q_head = h->q_len = h->q_live = 0;
+    for (uint32_t i = 0; i < h->size; i++) {
+        h->entries[i].key = current(ctx, h->entries[i].item);
+        *pos_of(h, h->entries[i].item) = i;
+    }
+    /* Floyd's construction: sift every parent down, last first. */
+    for (uint32_t i = h->size / KVHI_LRUK_ARITY + 1; i-- > 0;)
+        if (i < h->size)
+            sift_down(h, i);
+}
+
 kvhi_lruk_key kvhi_lruk_key_of(const uint64_t *hist, uint32_t k, int referenced)
 {
     kvhi_lruk_key key;

@@ -101,6 +101,9 @@ static inline const kvhi_lruk_key *kvhi_lruk_top_key(const kvhi_lruk_heap *h)
 const kvhi_lruk_key *kvhi_lruk_stored_key(const kvhi_lruk_heap *h, uint32_t item);
 /* Items present, in the heap and the queue together. */
 uint32_t kvhi_lruk_count(const kvhi_lruk_heap *h);
+/* Gives every present item its current key (the victim order itself has
+ * changed) and restores the heap: O(n). Queued entries join the heap. */
+void kvhi_lruk_rekey(kvhi_lruk_heap *h, kvhi_lruk_current_fn current, void *ctx);
 /* Key of an access history (most recent first, k entries). */
 kvhi_lruk_key kvhi_lruk_key_of(const uint64_t *hist, uint32_t k, int referenced);
 /* Records an access at time now into hist (k entries). */

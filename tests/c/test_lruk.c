@@ -452,6 +452,48 @@ static void test_arrival_queue_churn(void **state)
     kvhi_lruk_destroy(&h);
 }
 
+/* A changed victim order: rekey gives every entry (heap and queue) its
+ * new key and restores the heap, after which victims come in the new
+ * order. */
+static void test_rekey_to_a_new_order(void **state)
+{
+    (void)state;
+    enum { N = 500 };
+    tu_rng r = {tu_seed(0x5e4)};
+    item *items = tu_alloc(sizeof(item) * N);
+    uint8_t *ref = tu_alloc(N), *gone = tu_alloc(N);
+    init_items(items, N);
+    lazy_ctx c = {items, ref};
+    kvhi_lruk_heap h;
+    assert_int_equal(kvhi_lruk_init(&h, N, &items[0].pos, sizeof(item)), 0);
+    uint64_t clock = 0;
+    for (uint32_t i = 0; i < N; i++) {
+        kvhi_lruk_record(items[i].hist, 2, ++clock);
+        kvhi_lruk_upsert_lazy(&h, i, lazy_current(&c, i));
+    }
+    for (int k = 0; k < 2000; k++) {
+        uint32_t i = (uint32_t)tu_below(&r, N);
+        kvhi_lruk_record(items[i].hist, 2, ++clock);
+    }
+    /* The new order: ref[] flips the class of a random half (both ways). */
+    for (uint32_t i = 0; i < N; i++)
+        ref[i] = (uint8_t)tu_below(&r, 2);
+    kvhi_lruk_rekey(&h, lazy_current, &c);
+    assert_int_equal(kvhi_lruk_count(&h), N);
+    assert_int_equal(h.q_len, 0);
+    for (uint32_t i = 0; i < N; i++) {
+        kvhi_lruk_key now = lazy_current(&c, i);
+        assert_true(key_eq(kvhi_lruk_stored_key(&h, i), &now));
+    }
+    for (uint32_t left = N; left > 0; left--) {
+        uint32_t want = lazy_brute_min(&c, gone, N);
+        assert_int_equal(kvhi_lruk_top_current(&h, lazy_current, &c), want);
+        kvhi_lruk_remove(&h, want);
+        gone[want] = 1;
+    }
+    kvhi_lruk_destroy(&h);
+}
+
 /* Past 2 MiB of entries the heap lives in its own huge-page mapping, its
  * entries shifted so that sibling groups start on 32-byte boundaries: the
  * same invariants must hold there. */
@@ -520,6 +562,7 @@ int main(void)
         cmocka_unit_test_teardown(test_victim_order_simulation, tu_teardown),
         cmocka_unit_test_teardown(test_lazy_raise_keeps_exact_victims, tu_teardown),
         cmocka_unit_test_teardown(test_arrival_queue_churn, tu_teardown),
+        cmocka_unit_test_teardown(test_rekey_to_a_new_order, tu_teardown),
         cmocka_unit_test_teardown(test_large_heap, tu_teardown),
         cmocka_unit_test_teardown(test_empty_heap, tu_teardown),
     };

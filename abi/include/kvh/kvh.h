@@ -231,8 +231,13 @@ enum kvh_codec { KVH_CODEC_NONE = 0, KVH_CODEC_INT8 = 1, KVH_CODEC_Q4_G32 = 2, K
  * is ordered exactly as under LRU-K. Unreferenced cached blocks still go
  * before referenced ones under both policies. KVH_EVICT_LCTRU and the
  * tolerance it reads belong to the experimental section "LCTRU tolerance"
- * and may change in a release. */
-enum kvh_eviction { KVH_EVICT_LRU_K = 0, KVH_EVICT_LCTRU = 1 };
+ * and may change in a release. KVH_EVICT_ADAPTIVE (experimental): the
+ * LRU-K order or plain LRU (K = 1), whichever a shadow simulation of the
+ * device tier over a sample of the blocks finds the better on the recent
+ * accesses; it re-decides at most once per as many accesses as the memory
+ * tiers hold blocks. Hinted blocks are ordered by their hints under every
+ * policy. */
+enum kvh_eviction { KVH_EVICT_LRU_K = 0, KVH_EVICT_LCTRU = 1, KVH_EVICT_ADAPTIVE = 2 };
 
 typedef struct kvh_config {
     uint32_t struct_size;
@@ -329,7 +334,7 @@ KVH_API kvh_status kvh_config_init(kvh_config *config, size_t struct_size);
  *   counts and numa_node, cuda_device: decimal (numa_node -1: none);
  *   dtype: f32, f16, bf16; backend: auto, cpu, cuda; log_level: error,
  *     warn, info, debug; kv_codec: none, int8, q4_g32, q4_g64;
- *     eviction_policy: lru_k, lctru; each also as its number;
+ *     eviction_policy: lru_k, lctru, adaptive; each also as its number;
  *   disk_flags: a number, or names joined by commas: reset_on_mismatch,
  *     buffered, share_group (none: 0);
  *   vmap, copy_moves, disk_strict_index: 1/0, true/false, yes/no, on/off;
