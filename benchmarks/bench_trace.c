@@ -4,11 +4,16 @@
  * (policy_sim.h: lru, lru-k, lru-k-hyst, lctru, and Belady's MIN computed
  * exactly) and through the real engine (trace_replay.h, policy
  * "kvh-engine": kvh_seq_acquire on a CPU engine with the default policy
- * knobs) at several device/host budgets. Traces: `agents` (generated:
- * shared system prompt, shared topic documents, topic switches, returning
- * sessions), `adversarial` (the same plus one agent that jumps to a
- * disparate topic every turn), and any recorded trace given with --trace
- * (`kvh demo --record-trace FILE`).
+ * knobs, whose eviction_policy is the adaptive order; `kvh-engine-lruk`:
+ * the same with KVH_EVICT_LRU_K, the default before it, which agrees with
+ * the simulated lru-k to the access) at several device/host budgets.
+ * Traces: `agents` (generated: shared system prompt, shared topic
+ * documents, topic switches, returning sessions, agents in shuffled
+ * rounds), `adversarial` (the same plus one agent that jumps to a
+ * disparate topic every turn), `zipf` (each turn's agent and each topic
+ * switch drawn by Zipf popularity), `bursts` (runs of one agent's turns,
+ * with the adversary), and any recorded trace given with --trace (`kvh
+ * demo --record-trace FILE`).
  *
  * Rows, per trace x budget x policy: hit_rate_device and hit_rate_memory
  * (device or host) with MIN's as the baseline (ratio = ours / MIN, the
@@ -24,8 +29,8 @@
  * one has finished). The hint-reading policies are also reported at the
  * --queues lengths (trace `FAMILY/queue-N`) and with the oracle's hints,
  * the next --hint-turns planned turns whether queueable or not (trace
- * `FAMILY/oracle-N (upper bound)`, no target). The engine is replayed three times: `kvh-engine` ignores them
- * (its victim rule alone), `kvh-engine+hints` passes them to kvh_seq_hint
+ * `FAMILY/oracle-N (upper bound)`, no target). Each engine is replayed
+ * three times: `kvh-engine` ignores them (its victim rule alone), `kvh-engine+hints` passes them to kvh_seq_hint
  * (advice: they rank blocks for eviction and move nothing),
  * `kvh-engine+prefetch` to kvh_prefetch (they also promote; hits are then
  * counted by fetches, policy_sim.h, so a prefetch is never a free hit).
@@ -75,7 +80,7 @@ static void emit_result(const bench_ctx *ctx, const char *trace_name, const char
                         const sim_config *c, const sim_result *r, const sim_result *opt, int generated, int adversarial)
 {
     int is_min = !strcmp(policy, "min");
-    int is_engine = !strncmp(policy, "kvh-engine", 10) || !strncmp(policy, "kvh-adaptive", 12);
+    int is_engine = !strncmp(policy, "kvh-engine", 10);
     int is_default = !strcmp(policy, "kvh-engine+hints");
     double dev = rate(r->hits_device, r->accesses), mem = rate(r->hits_device + r->hits_host, r->accesses);
     double opt_dev = rate(opt->hits_device, opt->accesses);
@@ -176,17 +181,18 @@ static int evaluate(const bench_ctx *ctx, const trace_opts *o, const char *trace
                                 .skip_kv_write = (int)o->skip_kv_write};
             /* Without hints; with hints advising eviction; with hints that
              * also promote (the default promote_min_hits); each under the
-             * LRU-K order and the adaptive one. */
-            static const char *const names[2][3] = {{"kvh-engine", "kvh-engine+hints", "kvh-engine+prefetch"},
-                                                    {"kvh-adaptive", "kvh-adaptive+hints", "kvh-adaptive+prefetch"}};
-            for (int adaptive = 0; adaptive < 2; adaptive++)
+             * default (adaptive) order and the LRU-K one. */
+            static const char *const names[2][3] = {
+                {"kvh-engine", "kvh-engine+hints", "kvh-engine+prefetch"},
+                {"kvh-engine-lruk", "kvh-engine-lruk+hints", "kvh-engine-lruk+prefetch"}};
+            for (int lru_k_order = 0; lru_k_order < 2; lru_k_order++)
                 for (int mode = hinted_only ? 1 : 0; mode < (t->n_hints > 0 ? 3 : 1); mode++) {
                     replay_result rr;
                     rc.hints = mode;
-                    rc.adaptive = adaptive;
+                    rc.lru_k_order = lru_k_order;
                     if (trace_replay(t, &rc, &rr) != 0)
                         return 1;
-                    const char *name = names[adaptive][mode];
+                    const char *name = names[lru_k_order][mode];
                     bench_info(ctx, "  %s replay at %llu%%: %.2f s", name, (unsigned long long)pct, rr.seconds);
                     emit_result(ctx, trace_name, name, pct, &c, &rr.sim, &opt, generated, adversarial);
                 }

@@ -12,12 +12,12 @@
 struct kvh_engine;
 
 typedef struct kvhi_adapt {
-    bool on;          /* the engine's policy is KVH_EVICT_ADAPTIVE */
-    bool recency;     /* the order now: plain LRU (else LRU-K) */
-    uint32_t shift;   /* a block is simulated when its hash's top bits
-                         below this many are zero: a 2^-shift sample */
-    uint32_t cap;     /* shadow capacity: the device tier's, sampled */
-    uint32_t *pos[2]; /* per block: position in each shadow */
+    bool on;                  /* the engine's policy is KVH_EVICT_ADAPTIVE */
+    bool recency;             /* the order now: plain LRU (else LRU-K) */
+    uint32_t shift;           /* a block is simulated when its hash's top bits
+                                 below this many are zero: a 2^-shift sample */
+    uint32_t cap;             /* shadow capacity: the device tier's, sampled */
+    uint32_t *pos[2];         /* per block: position in each shadow */
     kvhi_lruk_heap shadow[2]; /* [0] LRU, [1] LRU-K */
     uint64_t hits[2];         /* shadow hits in the current window */
     double score[2];          /* decayed hits of the past windows */

@@ -98,6 +98,7 @@ void kvhi_config_defaults(kvh_config *c)
     c->numa_node = -1;
     c->migration_threads = 2;
     c->lru_k = 2;
+    c->eviction_policy = KVH_EVICT_ADAPTIVE;
     c->promote_min_hits = 1;
     c->log_level = KVH_LOG_WARN;
     c->disk_queue_depth = 32;

@@ -114,12 +114,14 @@ static void test_adapts_both_ways(void **state)
         assert_ok(kvh_block_release(e, hot[i]));
 }
 
-/* The other policies never run the shadows, and an unknown policy value
- * is refused. */
-static void test_off_unless_chosen(void **state)
+/* The default; an explicit LRU-K never runs the shadows (old tables stay
+ * reproducible), and an unknown policy value is refused. */
+static void test_default_and_explicit_lru_k(void **state)
 {
     (void)state;
     kvh_config c = tu_cfg(1, 1, 4, 1, KVH_DTYPE_F32, DEV, HOST, 0);
+    assert_int_equal(c.eviction_policy, KVH_EVICT_ADAPTIVE);
+    c.eviction_policy = KVH_EVICT_LRU_K;
     kvh_engine *e = tu_open_cfg(&c);
     assert_false(e->adapt.on);
     ring r = {.n = 0};
@@ -138,7 +140,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_adapts_both_ways, tu_teardown),
-        cmocka_unit_test_teardown(test_off_unless_chosen, tu_teardown),
+        cmocka_unit_test_teardown(test_default_and_explicit_lru_k, tu_teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -235,8 +235,8 @@ enum kvh_codec { KVH_CODEC_NONE = 0, KVH_CODEC_INT8 = 1, KVH_CODEC_Q4_G32 = 2, K
  * LRU-K order or plain LRU (K = 1), whichever a shadow simulation of the
  * device tier over a sample of the blocks finds the better on the recent
  * accesses; it re-decides at most once per as many accesses as the memory
- * tiers hold blocks. Hinted blocks are ordered by their hints under every
- * policy. */
+ * tiers hold blocks; it starts as LRU-K. The default. Hinted blocks are
+ * ordered by their hints under every policy. */
 enum kvh_eviction { KVH_EVICT_LRU_K = 0, KVH_EVICT_LCTRU = 1, KVH_EVICT_ADAPTIVE = 2 };
 
 typedef struct kvh_config {
@@ -284,7 +284,8 @@ typedef struct kvh_config {
      * the device has no virtual memory management. */
     uint32_t vmap;
     /* kvh_eviction: victim order in the memory tiers (see enum
-     * kvh_eviction); default KVH_EVICT_LRU_K. */
+     * kvh_eviction); default KVH_EVICT_ADAPTIVE (KVH_EVICT_LRU_K before
+     * kvh 2026-12: set it to keep that order). */
     uint32_t eviction_policy;
     /* LCTRU (experimental, see "LCTRU tolerance"): accesses of recency a
      * fully tolerant block gives up (0 = the device tier's capacity in
