@@ -33,9 +33,13 @@
 
 enum { SHADOW_LRU, SHADOW_LRU_K };
 
+/* The offset keeps the first block records, which a lightly loaded
+ * engine reuses most (its free list hands them out first), out of the
+ * sample: an alloc+free loop on a sampled record pays the shadows'
+ * update on every pair. */
 static bool sampled(const kvhi_adapt *a, uint32_t b)
 {
-    return a->shift == 0 || ((b * 0x9e3779b1u) >> (32 - a->shift)) == 0;
+    return a->shift == 0 || ((b * 0x9e3779b1u + 0x7f4a7c15u) >> (32 - a->shift)) == 0;
 }
 
 static kvhi_lruk_key shadow_key(kvh_engine *e, uint32_t which, uint32_t b)
