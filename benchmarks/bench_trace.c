@@ -4,11 +4,16 @@
  * (policy_sim.h: lru, lru-k, lru-k-hyst, lctru, and Belady's MIN computed
  * exactly) and through the real engine (trace_replay.h, policy
  * "kvh-engine": kvh_seq_acquire on a CPU engine with the default policy
- * knobs) at several device/host budgets. Traces: `agents` (generated:
- * shared system prompt, shared topic documents, topic switches, returning
- * sessions), `adversarial` (the same plus one agent that jumps to a
- * disparate topic every turn), and any recorded trace given with --trace
- * (`kvh demo --record-trace FILE`).
+ * knobs, whose eviction_policy is the adaptive order; `kvh-engine-lruk`:
+ * the same with KVH_EVICT_LRU_K, the default before it, which agrees with
+ * the simulated lru-k to the access) at several device/host budgets.
+ * Traces: `agents` (generated: shared system prompt, shared topic
+ * documents, topic switches, returning sessions, agents in shuffled
+ * rounds), `adversarial` (the same plus one agent that jumps to a
+ * disparate topic every turn), `zipf` (each turn's agent and each topic
+ * switch drawn by Zipf popularity), `bursts` (runs of one agent's turns,
+ * with the adversary), and any recorded trace given with --trace (`kvh
+ * demo --record-trace FILE`).
  *
  * Rows, per trace x budget x policy: hit_rate_device and hit_rate_memory
  * (device or host) with MIN's as the baseline (ratio = ours / MIN, the
@@ -19,9 +24,13 @@
  * blocks for the device tier; the host tier is --host-mult times that.
  *
  * The generated traces carry the hints a scheduler can give (trace_gen.h:
- * before each turn, the contexts of the next --hint-turns turns, soonest
- * first). The engine is replayed three times: `kvh-engine` ignores them
- * (its victim rule alone), `kvh-engine+hints` passes them to kvh_seq_hint
+ * before each turn, the contexts of the turns in a causal queue of --queue
+ * turns, soonest first: a turn is queued once the same agent's previous
+ * one has finished). The hint-reading policies are also reported at the
+ * --queues lengths (trace `FAMILY/queue-N`) and with the oracle's hints,
+ * the next --hint-turns planned turns whether queueable or not (trace
+ * `FAMILY/oracle-N (upper bound)`, no target). Each engine is replayed
+ * three times: `kvh-engine` ignores them (its victim rule alone), `kvh-engine+hints` passes them to kvh_seq_hint
  * (advice: they rank blocks for eviction and move nothing),
  * `kvh-engine+prefetch` to kvh_prefetch (they also promote; hits are then
  * counted by fetches, policy_sim.h, so a prefetch is never a free hit).
@@ -45,8 +54,8 @@
 #define SCEN "trace"
 
 typedef struct trace_opts {
-    uint64_t agents, turns, host_mult, replay, lru_k, skip_kv_write, hint_turns;
-    bench_list device_pct;
+    uint64_t agents, turns, host_mult, replay, lru_k, skip_kv_write, hint_turns, queue;
+    bench_list device_pct, queues;
     const char *trace_file;
     const char *disk_dir;
     const char *save_dir;
@@ -117,8 +126,11 @@ static void emit_result(const bench_ctx *ctx, const char *trace_name, const char
     }
 }
 
+/* hinted_only: a variant of a trace already evaluated, which differs in
+ * its hints alone: only the policies that read hints (and MIN, their
+ * yardstick) are run. */
 static int evaluate(const bench_ctx *ctx, const trace_opts *o, const char *trace_name, const trace *t, int generated,
-                    int adversarial)
+                    int adversarial, int hinted_only)
 {
     bench_info(ctx, "trace %s: %zu accesses, %u blocks, %u sequences", trace_name, t->n, t->n_blocks,
                trace_count_seqs(t));
@@ -143,7 +155,7 @@ static int evaluate(const bench_ctx *ctx, const trace_opts *o, const char *trace
         }
         emit_result(ctx, trace_name, "min", pct, &c, &opt, &opt, generated, adversarial);
         for (int p = 0; p < SIM_POLICY_COUNT; p++) {
-            if (p == SIM_LRU_K_HINTS && t->n_hints == 0)
+            if (p == SIM_LRU_K_HINTS ? t->n_hints == 0 : hinted_only)
                 continue;
             sim_result r;
             if (sim_run(t, (sim_policy)p, &c, &r) != 0) {
@@ -168,47 +180,94 @@ static int evaluate(const bench_ctx *ctx, const trace_opts *o, const char *trace
                                 .disk_dir = o->disk_dir,
                                 .skip_kv_write = (int)o->skip_kv_write};
             /* Without hints; with hints advising eviction; with hints that
-             * also promote (the default promote_min_hits). */
-            static const char *const names[] = {"kvh-engine", "kvh-engine+hints", "kvh-engine+prefetch"};
-            for (int mode = 0; mode < (t->n_hints > 0 ? 3 : 1); mode++) {
-                replay_result rr;
-                rc.hints = mode;
-                if (trace_replay(t, &rc, &rr) != 0)
-                    return 1;
-                const char *name = names[mode];
-                bench_info(ctx, "  %s replay at %llu%%: %.2f s", name, (unsigned long long)pct, rr.seconds);
-                emit_result(ctx, trace_name, name, pct, &c, &rr.sim, &opt, generated, adversarial);
-            }
+             * also promote (the default promote_min_hits); each under the
+             * default (adaptive) order and the LRU-K one. */
+            static const char *const names[2][3] = {
+                {"kvh-engine", "kvh-engine+hints", "kvh-engine+prefetch"},
+                {"kvh-engine-lruk", "kvh-engine-lruk+hints", "kvh-engine-lruk+prefetch"}};
+            for (int lru_k_order = 0; lru_k_order < 2; lru_k_order++)
+                for (int mode = hinted_only ? 1 : 0; mode < (t->n_hints > 0 ? 3 : 1); mode++) {
+                    replay_result rr;
+                    rc.hints = mode;
+                    rc.lru_k_order = lru_k_order;
+                    if (trace_replay(t, &rc, &rr) != 0)
+                        return 1;
+                    const char *name = names[lru_k_order][mode];
+                    bench_info(ctx, "  %s replay at %llu%%: %.2f s", name, (unsigned long long)pct, rr.seconds);
+                    emit_result(ctx, trace_name, name, pct, &c, &rr.sim, &opt, generated, adversarial);
+                }
         }
     }
     return 0;
 }
 
-static int generated_trace(const bench_ctx *ctx, const trace_opts *o, int adversarial)
+/* The generated families: who takes turns, and whether one agent jumps
+ * between disparate topics. */
+typedef struct trace_family {
+    const char *name;
+    trace_agent_choice choice;
+    int adversarial;
+} trace_family;
+
+static const trace_family families[] = {
+    {"agents", TRACE_AGENTS_ROUNDS, 0},
+    {"adversarial", TRACE_AGENTS_ROUNDS, 1},
+    {"zipf", TRACE_AGENTS_ZIPF, 0},
+    {"bursts", TRACE_AGENTS_BURSTS, 1},
+};
+
+/* Generates one variant of a family: hints from a causal queue of
+ * queue_len turns, or (queue_len 0) the oracle's next hint_turns. */
+static int generate(const bench_ctx *ctx, const trace_opts *o, const trace_family *f, uint32_t queue_len, trace *t)
 {
-    const char *name = adversarial ? "adversarial" : "agents";
     trace_gen_params p;
     trace_gen_defaults(&p);
     p.agents = (uint32_t)o->agents;
     p.turns = (uint32_t)o->turns;
-    p.adversarial = adversarial;
-    p.hint_turns = (uint32_t)o->hint_turns;
+    p.adversarial = f->adversarial;
+    p.agent_choice = f->choice;
+    p.queue_len = queue_len;
+    p.hint_turns = queue_len ? 0 : (uint32_t)o->hint_turns;
     p.seed = ctx->seed;
-    trace t;
-    trace_init(&t);
-    if (trace_generate(&t, &p) != 0) {
-        trace_free(&t);
+    trace_init(t);
+    if (trace_generate(t, &p) != 0) {
+        trace_free(t);
         fprintf(stderr, "kvh-bench trace: out of memory\n");
         return 1;
     }
+    return 0;
+}
+
+/* A family at the main queue length (every policy), then at the other
+ * queue lengths and with the oracle's hints (the policies that read them). */
+static int generated_trace(const bench_ctx *ctx, const trace_opts *o, const trace_family *f)
+{
+    trace t;
+    if (generate(ctx, o, f, (uint32_t)o->queue, &t) != 0)
+        return 1;
     if (o->save_dir && *o->save_dir) {
         char path[4096];
-        snprintf(path, sizeof(path), "%s/%s.trace", o->save_dir, name);
+        snprintf(path, sizeof(path), "%s/%s.trace", o->save_dir, f->name);
         if (trace_save(&t, path) != 0)
             perror(path);
     }
-    int rc = evaluate(ctx, o, name, &t, 1, adversarial);
+    int rc = evaluate(ctx, o, f->name, &t, 1, f->adversarial, 0);
     trace_free(&t);
+    for (size_t i = 0; rc == 0 && i <= o->queues.n; i++) {
+        uint32_t q = i < o->queues.n ? (uint32_t)o->queues.v[i] : 0;
+        if (q == o->queue || (q == 0 && o->hint_turns == 0))
+            continue;
+        char name[128];
+        if (q)
+            snprintf(name, sizeof(name), "%s/queue-%u", f->name, q);
+        else
+            snprintf(name, sizeof(name), "%s/oracle-%llu (upper bound)", f->name, (unsigned long long)o->hint_turns);
+        if (generate(ctx, o, f, q, &t) != 0)
+            return 1;
+        /* The oracle's hints see turns no queue can hold yet: no target. */
+        rc = evaluate(ctx, o, name, &t, q != 0, f->adversarial, 1);
+        trace_free(&t);
+    }
     return rc;
 }
 
@@ -222,6 +281,8 @@ int bench_trace(int argc, char **argv, const bench_ctx *ctx)
         .replay = 1,
         .lru_k = 0,
         .hint_turns = ctx->quick ? 4 : 8,
+        .queue = 4,
+        .queues = ctx->quick ? (bench_list){1, {2}} : (bench_list){2, {2, 8}},
         .device_pct = ctx->quick ? (bench_list){2, {5, 20}} : (bench_list){5, {5, 10, 20, 30, 50}},
         .trace_file = "",
         .disk_dir = tmp && *tmp ? tmp : "/tmp",
@@ -236,8 +297,11 @@ int bench_trace(int argc, char **argv, const bench_ctx *ctx)
         {"--lru-k", BENCH_OPT_U64, &o.lru_k, "K of lru-k and of the engine (0: the engine's default, 2)"},
         {"--replay-skip-kv-write", BENCH_OPT_U64, &o.skip_kv_write,
          "1: the engine replay appends new blocks without writing their K/V (diagnosis)"},
+        {"--queue", BENCH_OPT_U64, &o.queue,
+         "causal scheduler queue of the generated traces' hints, turns (0: no hints)"},
+        {"--queues", BENCH_OPT_LIST, &o.queues, "further queue lengths reported for the hint-reading policies"},
         {"--hint-turns", BENCH_OPT_U64, &o.hint_turns,
-         "generated traces hint the contexts of this many queued turns (0: no hints)"},
+         "the oracle rows (upper bound) hint this many next planned turns (0: none)"},
         {"--trace", BENCH_OPT_STR, &o.trace_file, "a recorded trace (kvh demo --record-trace) to add"},
         {"--disk-dir", BENCH_OPT_STR, &o.disk_dir, "where the engine replay makes its disk tier"},
         {"--save-traces", BENCH_OPT_STR, &o.save_dir, "directory to write the generated traces to"},
@@ -256,14 +320,19 @@ int bench_trace(int argc, char **argv, const bench_ctx *ctx)
         fprintf(stderr, "kvh-bench trace: --lru-k is 0..4, --agents and --turns >= 1\n");
         return 2;
     }
+    for (size_t i = 0; i <= o.queues.n; i++)
+        if (o.queue > 64 || (i < o.queues.n && (o.queues.v[i] < 1 || o.queues.v[i] > 64))) {
+            fprintf(stderr, "kvh-bench trace: --queue is 0..64, --queues values 1..64\n");
+            return 2;
+        }
     for (size_t i = 0; i < o.device_pct.n; i++)
         if (o.device_pct.v[i] < 1 || o.device_pct.v[i] > 100) {
             fprintf(stderr, "kvh-bench trace: --device-pct values are 1..100\n");
             return 2;
         }
-    int rc = generated_trace(ctx, &o, 0);
-    if (rc == 0)
-        rc = generated_trace(ctx, &o, 1);
+    int rc = 0;
+    for (size_t i = 0; rc == 0 && i < sizeof(families) / sizeof(families[0]); i++)
+        rc = generated_trace(ctx, &o, &families[i]);
     if (rc == 0 && o.trace_file && *o.trace_file) {
         trace t;
         trace_init(&t);
@@ -276,7 +345,7 @@ int bench_trace(int argc, char **argv, const bench_ctx *ctx)
         const char *base = strrchr(o.trace_file, '/');
         char name[256];
         snprintf(name, sizeof(name), "recorded:%s", base ? base + 1 : o.trace_file);
-        rc = evaluate(ctx, &o, name, &t, 0, 0);
+        rc = evaluate(ctx, &o, name, &t, 0, 0, 0);
         trace_free(&t);
     }
     return rc;

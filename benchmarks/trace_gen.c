@@ -1,5 +1,6 @@
 #include "trace_gen.h"
 
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -20,6 +21,10 @@ void trace_gen_defaults(trace_gen_params *p)
         .adversarial = 0,
         .adversary_topics = 400,
         .hint_turns = 0,
+        .queue_len = 0,
+        .agent_choice = TRACE_AGENTS_ROUNDS,
+        .zipf_s = 1.0,
+        .burst_mean = 4.0,
         .seed = 1,
     };
 }
@@ -34,6 +39,35 @@ static uint64_t next_u64(uint64_t *s)
 }
 static uint32_t below(uint64_t *s, uint32_t n) { return n ? (uint32_t)(next_u64(s) % n) : 0; }
 static double unit(uint64_t *s) { return (double)(next_u64(s) >> 11) * (1.0 / 9007199254740992.0); }
+
+/* Cumulative Zipf weights of ranks 1..n (exponent s), for zipf_draw. */
+static double *zipf_cdf(uint32_t n, double s)
+{
+    double *cdf = malloc((n ? n : 1) * sizeof(*cdf));
+    if (!cdf)
+        return NULL;
+    double sum = 0;
+    for (uint32_t i = 0; i < n; i++)
+        cdf[i] = sum += pow((double)(i + 1), -s);
+    return cdf;
+}
+
+/* An index 0..n-1, index i with weight 1 / (i + 1)^s. */
+static uint32_t zipf_draw(uint64_t *rng, const double *cdf, uint32_t n)
+{
+    if (n == 0)
+        return 0;
+    double x = unit(rng) * cdf[n - 1];
+    uint32_t lo = 0, hi = n - 1;
+    while (lo < hi) {
+        uint32_t mid = lo + (hi - lo) / 2;
+        if (cdf[mid] < x)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo;
+}
 
 /* Sequence ids: 0 the system prompt, 1..topics the shared documents, then
  * the adversary's documents, then sessions as they are created. */
@@ -111,6 +145,35 @@ static int hint_turn(trace *t, const trace_gen_params *p, const uint32_t *doc_le
     return 0;
 }
 
+/* Before turn j of a causal queue: the first queue_len turns from j on
+ * whose agent's previous turn has finished (prev[k] < j; none: UINT64_MAX
+ * never, so a first turn is always queued). */
+static int hint_causal_queue(trace *t, const trace_gen_params *p, const uint32_t *doc_len, const planned_turn *plan,
+                             const size_t *prev, size_t n_turns, size_t j)
+{
+    uint32_t queued = 0;
+    for (size_t k = j; k < n_turns && queued < p->queue_len; k++) {
+        if (prev[k] != SIZE_MAX && prev[k] >= j)
+            continue; /* its agent's previous turn has not run yet */
+        if (hint_turn(t, p, doc_len, &plan[k], k) != 0)
+            return -1;
+        queued++;
+    }
+    return 0;
+}
+
+/* The agent of planned turn `turn` outside rounds. */
+static uint32_t draw_agent(uint64_t *rng, const trace_gen_params *p, const double *agent_cdf, uint32_t adversary,
+                           size_t turn, uint32_t last)
+{
+    if (adversary != UINT32_MAX && turn % (p->agents + 1) == p->agents)
+        return adversary;
+    if (p->agent_choice == TRACE_AGENTS_BURSTS && last < p->agents && p->burst_mean > 1 &&
+        unit(rng) < 1.0 - 1.0 / p->burst_mean)
+        return last;
+    return zipf_draw(rng, agent_cdf, p->agents);
+}
+
 int trace_generate(trace *t, const trace_gen_params *p)
 {
     uint64_t rng = p->seed * 0x2545f4914f6cdd1dull + 7;
@@ -123,9 +186,15 @@ int trace_generate(trace *t, const trace_gen_params *p)
     agent_state *agents = calloc(n_agents, sizeof(*agents));
     uint32_t *order = malloc(n_agents * sizeof(*order));
     planned_turn *plan = malloc((n_turns ? n_turns : 1) * sizeof(*plan));
+    size_t *prev = malloc((n_turns ? n_turns : 1) * sizeof(*prev));
+    size_t *last_turn = malloc(n_agents * sizeof(*last_turn));
+    double *agent_cdf = zipf_cdf(p->agents, p->zipf_s), *topic_cdf = zipf_cdf(p->topics, p->zipf_s);
+    int rounds = p->agent_choice == TRACE_AGENTS_ROUNDS;
     int rc = -1;
-    if (!doc_len || !agents || !order || !plan)
+    if (!doc_len || !agents || !order || !plan || !prev || !last_turn || !agent_cdf || !topic_cdf)
         goto out;
+    for (uint32_t a = 0; a < n_agents; a++)
+        last_turn[a] = SIZE_MAX;
     for (uint32_t d = 1; d < n_docs; d++)
         doc_len[d] = p->doc_blocks_min + below(&rng, span);
     uint32_t next_seq = n_docs;
@@ -133,18 +202,21 @@ int trace_generate(trace *t, const trace_gen_params *p)
         agents[a].topic_seq = 1 + below(&rng, p->topics ? p->topics : 1);
         agents[a].current = (session){.seq = next_seq++, .blocks = 0};
     }
-    /* The schedule: turns in rounds, each round in a shuffled order. */
+    /* The schedule: turns in rounds, each round in a shuffled order, or
+     * one agent at a time drawn by Zipf (with bursts). */
     size_t planned = 0;
+    uint32_t last_agent = UINT32_MAX;
     for (uint32_t turn = 0; turn < p->turns; turn++) {
         for (uint32_t i = 0; i < n_agents; i++)
             order[i] = i;
-        for (uint32_t i = n_agents; i > 1; i--) {
+        for (uint32_t i = n_agents; rounds && i > 1; i--) {
             uint32_t j = below(&rng, i), tmp = order[i - 1];
             order[i - 1] = order[j];
             order[j] = tmp;
         }
         for (uint32_t k = 0; k < n_agents; k++) {
-            uint32_t a = order[k];
+            uint32_t a = rounds ? order[k] : draw_agent(&rng, p, agent_cdf, adversary, planned, last_agent);
+            last_agent = a;
             agent_state *st = &agents[a];
             if (a == adversary) {
                 /* A topic from its own pool each turn; no session reuse. */
@@ -152,7 +224,7 @@ int trace_generate(trace *t, const trace_gen_params *p)
                 st->current = (session){.seq = next_seq++, .blocks = 0};
             } else {
                 if (p->topics && unit(&rng) < p->p_switch_topic)
-                    st->topic_seq = 1 + below(&rng, p->topics);
+                    st->topic_seq = 1 + (rounds ? below(&rng, p->topics) : zipf_draw(&rng, topic_cdf, p->topics));
                 if (unit(&rng) < p->p_leave_session || st->current.blocks >= p->max_history_blocks) {
                     if (park(st) != 0)
                         goto out;
@@ -169,6 +241,8 @@ int trace_generate(trace *t, const trace_gen_params *p)
             }
             uint32_t grow = 1 + below(&rng, p->new_blocks_per_turn ? p->new_blocks_per_turn : 1);
             st->current.blocks += grow;
+            prev[planned] = last_turn[a];
+            last_turn[a] = planned;
             plan[planned++] = (planned_turn){.agent = a,
                                              .topic_seq = st->topic_seq,
                                              .session_seq = st->current.seq,
@@ -177,11 +251,16 @@ int trace_generate(trace *t, const trace_gen_params *p)
     }
     /* The accesses: a turn reads its whole context in order. */
     for (size_t j = 0; j < n_turns; j++) {
-        /* The scheduler's queue: this turn and the next hint_turns - 1,
-         * soonest first, renewed at every turn. */
-        for (size_t k = j; p->hint_turns && k < j + p->hint_turns && k < n_turns; k++)
-            if (hint_turn(t, p, doc_len, &plan[k], k) != 0)
+        /* The scheduler's queue, soonest first, renewed at every turn:
+         * causal, or the oracle's next hint_turns planned turns. */
+        if (p->queue_len) {
+            if (hint_causal_queue(t, p, doc_len, plan, prev, n_turns, j) != 0)
                 goto out;
+        } else {
+            for (size_t k = j; p->hint_turns && k < j + p->hint_turns && k < n_turns; k++)
+                if (hint_turn(t, p, doc_len, &plan[k], k) != 0)
+                    goto out;
+        }
         const planned_turn *pt = &plan[j];
         if (read_seq(t, SYSTEM_SEQ, p->system_blocks, pt->agent, 0.1f) != 0 ||
             read_doc(t, pt->topic_seq, doc_len[pt->topic_seq], pt->agent) != 0 ||
@@ -197,5 +276,9 @@ out:
     free(doc_len);
     free(order);
     free(plan);
+    free(prev);
+    free(last_turn);
+    free(agent_cdf);
+    free(topic_cdf);
     return rc;
 }

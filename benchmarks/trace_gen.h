@@ -10,8 +10,22 @@
  * jumps to a random topic of its own large pool on every turn: a scan of
  * mostly cold blocks, the "agent that jumps between disparate topics".
  *
- * With hint_turns set, each turn is preceded by prefetch hints for the
- * contexts of the turns queued next (trace.h), the sooner the higher.
+ * Who takes the next turn (agent_choice): shuffled rounds (every agent
+ * once per round), a Zipf draw over the agents (a few busy ones, a long
+ * tail), or bursts (the same agent keeps the floor for a geometric run of
+ * turns, then the next one is drawn by Zipf). Outside rounds, topics are
+ * also drawn by Zipf popularity, and the adversary (if any) takes every
+ * (agents + 1)-th turn.
+ *
+ * Hints, what a scheduler knows of its queue, come in two forms. With
+ * queue_len set they follow a causal queue: a turn enters the queue only
+ * once the same agent's previous turn has finished (its request cannot be
+ * made before the answer it continues exists), and before each turn the
+ * first queue_len queued turns, this one included, are hinted in the order
+ * they will run. With hint_turns set instead (the oracle), each turn hints
+ * the next hint_turns planned turns whether or not they could be queued
+ * yet: an upper bound no scheduler reaches. Priorities are the turn's
+ * absolute number, the sooner the higher (trace.h).
  *
  * Compression tolerance per block (read by LCTRU only): system prompt 0.1,
  * documents uniform in [0.3, 0.9], history 0.6. */
@@ -19,6 +33,12 @@
 #define KVH_BENCH_TRACE_GEN_H
 
 #include "trace.h"
+
+typedef enum trace_agent_choice {
+    TRACE_AGENTS_ROUNDS, /* shuffled rounds: every agent once per round */
+    TRACE_AGENTS_ZIPF,   /* each turn's agent drawn by Zipf */
+    TRACE_AGENTS_BURSTS, /* runs of one agent, the next one by Zipf */
+} trace_agent_choice;
 
 typedef struct trace_gen_params {
     uint32_t agents;         /* cooperating agents */
@@ -34,10 +54,14 @@ typedef struct trace_gen_params {
     double p_resume;              /* when leaving: resume a parked session */
     int adversarial;              /* add the topic-jumping agent */
     uint32_t adversary_topics;    /* its pool of disparate topics */
-    uint32_t hint_turns;          /* before each turn, hint the context of
-                                     it and the next hint_turns - 1 turns
-                                     (what a scheduler's queue knows);
-                                     0: no hints */
+    uint32_t hint_turns;          /* oracle: before each turn, hint the
+                                     context of it and the next
+                                     hint_turns - 1 planned turns; 0: none */
+    uint32_t queue_len;           /* causal queue of this many turns (wins
+                                     over hint_turns); 0: none */
+    trace_agent_choice agent_choice;
+    double zipf_s;     /* exponent of the Zipf draws (agents, topics) */
+    double burst_mean; /* mean run of one agent's turns (bursts) */
     uint64_t seed;
 } trace_gen_params;
 

@@ -94,6 +94,7 @@ int trace_replay(const trace *t, const replay_config *c, replay_result *out)
     cfg.copy_moves = 1;
     if (c->lru_k)
         cfg.lru_k = c->lru_k;
+    cfg.eviction_policy = c->lru_k_order ? KVH_EVICT_LRU_K : KVH_EVICT_ADAPTIVE;
     uint64_t block_bytes = 2ull * BLOCK_TOKENS * HEAD_DIM * 2; /* K and V, f16, 1 layer, 1 head */
     cfg.device_bytes = (uint64_t)c->device_blocks * block_bytes;
     cfg.host_bytes = (uint64_t)c->host_blocks * block_bytes;

@@ -25,6 +25,8 @@ typedef struct replay_config {
     int skip_kv_write;    /* 1: a first access only appends (no K/V write),
                              to see what the write's own access costs the
                              policy */
+    int lru_k_order;      /* 1: eviction_policy KVH_EVICT_LRU_K (the
+                             default before the adaptive one) */
     int hints;            /* 1: the trace's hints become kvh_seq_hint
                              calls (advice), 2: kvh_prefetch calls (which
                              also promote); blocks not made yet are left

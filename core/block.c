@@ -90,7 +90,7 @@ kvhi_lruk_key kvhi_block_current_key(void *engine, uint32_t b)
 {
     kvh_engine *e = engine;
     const kvhi_block *blk = kvhi_blk(e, b);
-    kvhi_lruk_key k = kvhi_lruk_key_of(blk->hist, e->cfg.lru_k, blk->refs > 0);
+    kvhi_lruk_key k = kvhi_lruk_key_of(blk->hist, kvhi_adapt_k(&e->adapt, e->cfg.lru_k), blk->refs > 0);
     if (blk->flags & KVHI_BF_HINTED)
         return kvhi_hint_key(blk, k);
     return kvhi_evict_key(e, blk, k);
@@ -133,6 +133,8 @@ void kvhi_block_touch(kvh_engine *e, uint32_t b)
     kvhi_block *blk = kvhi_blk(e, b);
     kvhi_lruk_record(blk->hist, e->cfg.lru_k, ++e->clock);
     blk->hits++;
+    if (e->adapt.on)
+        kvhi_adapt_access(e, b);
     if (blk->flags & KVHI_BF_HINTED)
         kvhi_hint_redeem(e, b); /* the use it predicted came */
     if (e->hint_count && e->clock >= e->hint_epoch_end)
@@ -240,6 +242,8 @@ kvh_status kvhi_block_new(kvh_engine *e, uint32_t agent, uint32_t min_tier, uint
     blk->disk_copy = KVHI_NO_BLOCK;
     kvhi_block_place(e, b, tier, slot);
     kvhi_lruk_record(blk->hist, e->cfg.lru_k, ++e->clock);
+    if (e->adapt.on)
+        kvhi_adapt_access(e, b);
     kvhi_block_update_evictable(e, b);
     e->stats.blocks_allocated++;
     *out = b;
@@ -266,6 +270,8 @@ static void block_destroy(kvh_engine *e, uint32_t b, bool keep_slot)
 {
     kvhi_block *blk = kvhi_blk(e, b);
     heaps_remove(e, b);
+    if (e->adapt.on)
+        kvhi_adapt_forget(e, b);
     if (blk->flags & KVHI_BF_PUBLISHED)
         kvhi_prefix_erase(&e->prefix, blk->hash);
     if (e->disk)

@@ -28,8 +28,11 @@ static const named codecs[] = {{"none", KVH_CODEC_NONE},
                                {"q4_g32", KVH_CODEC_Q4_G32},
                                {"q4_g64", KVH_CODEC_Q4_G64},
                                {NULL, 0}};
-static const named evictions[] = {
-    {"lru_k", KVH_EVICT_LRU_K}, {"lruk", KVH_EVICT_LRU_K}, {"lctru", KVH_EVICT_LCTRU}, {NULL, 0}};
+static const named evictions[] = {{"lru_k", KVH_EVICT_LRU_K},
+                                  {"lruk", KVH_EVICT_LRU_K},
+                                  {"lctru", KVH_EVICT_LCTRU},
+                                  {"adaptive", KVH_EVICT_ADAPTIVE},
+                                  {NULL, 0}};
 static const named disk_flags[] = {{"reset_on_mismatch", KVH_DISK_RESET_ON_MISMATCH},
                                    {"buffered", KVH_DISK_BUFFERED},
                                    {"share_group", KVH_DISK_SHARE_GROUP},

@@ -98,6 +98,7 @@ void kvhi_config_defaults(kvh_config *c)
     c->numa_node = -1;
     c->migration_threads = 2;
     c->lru_k = 2;
+    c->eviction_policy = KVH_EVICT_ADAPTIVE;
     c->promote_min_hits = 1;
     c->log_level = KVH_LOG_WARN;
     c->disk_queue_depth = 32;
@@ -145,7 +146,7 @@ static kvh_status validate(const kvh_config *c)
     CHECK(c->vmap <= 1, "vmap %u is not 0 or 1", c->vmap);
     CHECK(c->copy_moves <= 1, "copy_moves %u is not 0 or 1", c->copy_moves);
     CHECK(c->disk_strict_index <= 1, "disk_strict_index %u is not 0 or 1", c->disk_strict_index);
-    CHECK(c->eviction_policy <= KVH_EVICT_LCTRU, "unknown eviction_policy %u", c->eviction_policy);
+    CHECK(c->eviction_policy <= KVH_EVICT_ADAPTIVE, "unknown eviction_policy %u", c->eviction_policy);
 #undef CHECK
     return KVH_OK;
 }
@@ -275,6 +276,7 @@ static void engine_free(kvh_engine *e)
     kvhi_handles_destroy(&e->fences);
     kvhi_pools_destroy(e);
     kvhi_hints_free(e);
+    kvhi_adapt_free(e);
     kvhi_handles_destroy(&e->pools);
     kvhi_vmap_engine_free(e);
     kvhi_attn_plans_free_all(e);
@@ -395,6 +397,10 @@ kvh_status kvhi_engine_open(const kvh_config *config, kvh_engine **out)
             engine_free(e);
             return kvhi_fail(KVH_ERR_NOMEM, "out of memory for eviction heaps");
         }
+    if (kvhi_adapt_init(e) != 0) {
+        engine_free(e);
+        return kvhi_fail(KVH_ERR_NOMEM, "out of memory for the adaptive policy's shadows");
+    }
     if (e->disk && (st = kvhi_disk_tier_recover(e)) != KVH_OK) {
         engine_free(e);
         return st;

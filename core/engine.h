@@ -26,6 +26,7 @@
 #include "core/handles.h"
 #include "core/latency.h"
 #include "core/lruk.h"
+#include "core/adaptive.h"
 #include "core/prefix_index.h"
 #include "core/slot_pool.h"
 
@@ -135,6 +136,8 @@ struct kvh_engine {
     uint32_t hint_head, hint_count, hint_cap;
     uint32_t hint_epoch;
     uint64_t hint_epoch_end; /* clock value that starts the next epoch */
+
+    kvhi_adapt adapt; /* KVH_EVICT_ADAPTIVE's shadows (core/adaptive.c) */
 
     struct kvhi_disk *disk;        /* NULL without a disk tier */
     uint32_t clean_hand;           /* background cleaner's clock hand */

@@ -76,7 +76,8 @@ enum kvh_codec {
 };
 enum kvh_eviction {
     KVH_EVICT_LRU_K = 0,
-    KVH_EVICT_LCTRU = 1
+    KVH_EVICT_LCTRU = 1,
+    KVH_EVICT_ADAPTIVE = 2
 };
 typedef struct kvh_config {
     uint32_t struct_size;

@@ -212,6 +212,7 @@ class Eviction(enum.IntEnum):
 
     LRU_K = 0
     LCTRU = 1
+    ADAPTIVE = 2  # experimental: LRU-K or plain LRU, chosen by a shadow simulation
 
     @classmethod
     def parse(cls, value: Any) -> "Eviction":
@@ -219,15 +220,21 @@ class Eviction(enum.IntEnum):
             return value
         if isinstance(value, str):
             key = value.strip().lower().replace("-", "_")
-            names = {"lru_k": cls.LRU_K, "lruk": cls.LRU_K, "lru": cls.LRU_K, "lctru": cls.LCTRU}
+            names = {
+                "lru_k": cls.LRU_K,
+                "lruk": cls.LRU_K,
+                "lru": cls.LRU_K,
+                "lctru": cls.LCTRU,
+                "adaptive": cls.ADAPTIVE,
+            }
             if key in names:
                 return names[key]
-            raise ValueError(f"unknown eviction policy {value!r}: expected 'lru_k' or 'lctru'")
+            raise ValueError(f"unknown eviction policy {value!r}: expected 'lru_k', 'lctru' or 'adaptive'")
         if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
             try:
                 return cls(int(value))
             except ValueError:
-                raise ValueError(f"unknown eviction policy {value!r}: expected 0 or 1") from None
+                raise ValueError(f"unknown eviction policy {value!r}: expected 0, 1 or 2") from None
         raise TypeError(f"eviction_policy must be a name or an int, not {type(value).__name__}")
 
 

@@ -131,7 +131,7 @@ static void test_set_tolerance_rules(void **state)
     assert_true(tu_seq_block(e, child, 0).id != b.id);
     assert_int_equal(tu_seq_binfo(e, child, 0).tolerance, 77);
     kvh_config c = tu_cfg(1, 1, D, BT, KVH_DTYPE_F32, 4, 16, 0);
-    c.eviction_policy = 2;
+    c.eviction_policy = 3;
     kvh_engine *bad = NULL;
     assert_kvh(KVH_ERR_INVALID_ARG, kvh_engine_open(&c, &bad));
 }

@@ -348,21 +348,21 @@ static void test_lazy_raise_keeps_exact_victims(void **state)
             /* Unreferenced now: the key drops, below the stored bound
              * when that was current, and the entry must follow at once. */
             kvhi_lruk_key before = lazy_current(&c, i);
-            int was_current = key_eq(&h.entries[items[i].pos].key, &before);
+            int was_current = key_eq(kvhi_lruk_stored_key(&h, i), &before);
             ref[i] = 0;
             kvhi_lruk_upsert_lazy(&h, i, lazy_current(&c, i));
-            kvhi_lruk_key now = lazy_current(&c, i), stored = h.entries[items[i].pos].key;
+            kvhi_lruk_key now = lazy_current(&c, i), stored = *kvhi_lruk_stored_key(&h, i);
             assert_false(kvhi_lruk_less(&now, &stored));
             if (was_current)
                 assert_true(key_eq(&stored, &now));
         } else {
             /* An access (sometimes a new reference): a raise, deferred. */
-            kvhi_lruk_key before = h.entries[items[i].pos].key;
+            kvhi_lruk_key before = *kvhi_lruk_stored_key(&h, i);
             kvhi_lruk_record(items[i].hist, 2, ++clock);
             if (what < 8)
                 ref[i] = 1;
             kvhi_lruk_upsert_lazy(&h, i, lazy_current(&c, i));
-            assert_true(key_eq(&h.entries[items[i].pos].key, &before));
+            assert_true(key_eq(kvhi_lruk_stored_key(&h, i), &before));
             stale_seen++;
         }
     }
@@ -377,6 +377,120 @@ static void test_lazy_raise_keeps_exact_victims(void **state)
         live--;
     }
     assert_int_equal(kvhi_lruk_top_current(&h, lazy_current, &c), KVHI_HEAP_NONE);
+    kvhi_lruk_destroy(&h);
+}
+
+/* Allocation churn through the arrival queue: items arrive with the
+ * newest key (most join the queue), are raised, dropped to the
+ * unreferenced class, freed in any order and re-admitted, so the ring
+ * wraps and squeezes its holes out; every victim is still the exact
+ * minimum of the current keys. */
+static void test_arrival_queue_churn(void **state)
+{
+    (void)state;
+    enum { N = 200 };
+    tu_rng r = {tu_seed(0xa11c)};
+    item *items = tu_alloc(sizeof(item) * N);
+    uint8_t *ref = tu_alloc(N), *gone = tu_alloc(N);
+    init_items(items, N);
+    lazy_ctx c = {items, ref};
+    kvhi_lruk_heap h;
+    assert_int_equal(kvhi_lruk_init(&h, N, &items[0].pos, sizeof(item)), 0);
+    uint64_t clock = 0;
+    uint32_t queued_seen = 0;
+    for (uint32_t i = 0; i < N; i++)
+        gone[i] = 1;
+    for (int step = 0; step < 60000; step++) {
+        uint32_t i = (uint32_t)tu_below(&r, N);
+        uint32_t what = (uint32_t)tu_below(&r, 20);
+        if (gone[i]) {
+            /* A new block: a fresh history, referenced, the newest key. */
+            memset(items[i].hist, 0, sizeof(items[i].hist));
+            ref[i] = 1;
+            kvhi_lruk_record(items[i].hist, 2, ++clock);
+            kvhi_lruk_upsert_lazy(&h, i, lazy_current(&c, i));
+            gone[i] = 0;
+            queued_seen += (items[i].pos & KVHI_LRUK_QUEUED) != 0;
+        } else if (what < 6) {
+            kvhi_lruk_remove(&h, i);
+            assert_int_equal(items[i].pos, KVHI_HEAP_NONE);
+            gone[i] = 1;
+        } else if (what < 8) {
+            ref[i] = 0;
+            kvhi_lruk_upsert_lazy(&h, i, lazy_current(&c, i));
+            kvhi_lruk_key now = lazy_current(&c, i);
+            assert_false(kvhi_lruk_less(&now, kvhi_lruk_stored_key(&h, i)));
+        } else if (what < 10) {
+            uint32_t want = lazy_brute_min(&c, gone, N);
+            uint32_t top = kvhi_lruk_top_current(&h, lazy_current, &c);
+            assert_int_equal(top, want);
+            if (top != KVHI_HEAP_NONE) {
+                assert_int_equal(kvhi_lruk_top(&h), top);
+                kvhi_lruk_remove(&h, top);
+                gone[top] = 1;
+            }
+        } else {
+            kvhi_lruk_record(items[i].hist, 2, ++clock);
+            kvhi_lruk_upsert_lazy(&h, i, lazy_current(&c, i));
+        }
+        uint32_t live = 0;
+        for (uint32_t k = 0; k < N; k++)
+            live += !gone[k];
+        assert_int_equal(kvhi_lruk_count(&h), live);
+    }
+    assert_true(queued_seen > 1000);
+    for (;;) {
+        uint32_t want = lazy_brute_min(&c, gone, N);
+        uint32_t top = kvhi_lruk_top_current(&h, lazy_current, &c);
+        assert_int_equal(top, want);
+        if (top == KVHI_HEAP_NONE)
+            break;
+        kvhi_lruk_remove(&h, top);
+        gone[top] = 1;
+    }
+    assert_int_equal(kvhi_lruk_count(&h), 0);
+    kvhi_lruk_destroy(&h);
+}
+
+/* A changed victim order: rekey gives every entry (heap and queue) its
+ * new key and restores the heap, after which victims come in the new
+ * order. */
+static void test_rekey_to_a_new_order(void **state)
+{
+    (void)state;
+    enum { N = 500 };
+    tu_rng r = {tu_seed(0x5e4)};
+    item *items = tu_alloc(sizeof(item) * N);
+    uint8_t *ref = tu_alloc(N), *gone = tu_alloc(N);
+    init_items(items, N);
+    lazy_ctx c = {items, ref};
+    kvhi_lruk_heap h;
+    assert_int_equal(kvhi_lruk_init(&h, N, &items[0].pos, sizeof(item)), 0);
+    uint64_t clock = 0;
+    for (uint32_t i = 0; i < N; i++) {
+        kvhi_lruk_record(items[i].hist, 2, ++clock);
+        kvhi_lruk_upsert_lazy(&h, i, lazy_current(&c, i));
+    }
+    for (int k = 0; k < 2000; k++) {
+        uint32_t i = (uint32_t)tu_below(&r, N);
+        kvhi_lruk_record(items[i].hist, 2, ++clock);
+    }
+    /* The new order: ref[] flips the class of a random half (both ways). */
+    for (uint32_t i = 0; i < N; i++)
+        ref[i] = (uint8_t)tu_below(&r, 2);
+    kvhi_lruk_rekey(&h, lazy_current, &c);
+    assert_int_equal(kvhi_lruk_count(&h), N);
+    assert_int_equal(h.q_len, 0);
+    for (uint32_t i = 0; i < N; i++) {
+        kvhi_lruk_key now = lazy_current(&c, i);
+        assert_true(key_eq(kvhi_lruk_stored_key(&h, i), &now));
+    }
+    for (uint32_t left = N; left > 0; left--) {
+        uint32_t want = lazy_brute_min(&c, gone, N);
+        assert_int_equal(kvhi_lruk_top_current(&h, lazy_current, &c), want);
+        kvhi_lruk_remove(&h, want);
+        gone[want] = 1;
+    }
     kvhi_lruk_destroy(&h);
 }
 
@@ -447,6 +561,8 @@ int main(void)
         cmocka_unit_test_teardown(test_lru_k_semantics, tu_teardown),
         cmocka_unit_test_teardown(test_victim_order_simulation, tu_teardown),
         cmocka_unit_test_teardown(test_lazy_raise_keeps_exact_victims, tu_teardown),
+        cmocka_unit_test_teardown(test_arrival_queue_churn, tu_teardown),
+        cmocka_unit_test_teardown(test_rekey_to_a_new_order, tu_teardown),
         cmocka_unit_test_teardown(test_large_heap, tu_teardown),
         cmocka_unit_test_teardown(test_empty_heap, tu_teardown),
     };

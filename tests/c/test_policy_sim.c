@@ -421,6 +421,82 @@ static void test_demo_trace_format(void **state)
     trace_free(&t);
 }
 
+/* Hint groups (the hints before one access, three per turn: system
+ * prompt, document, session) in which a session is hinted twice; checks
+ * that no group holds more than max_turns turns. */
+static size_t count_repeated_sessions(const trace *t, size_t max_turns)
+{
+    size_t repeated = 0;
+    for (size_t g = 0; g < t->n_hints;) {
+        size_t end = g;
+        while (end < t->n_hints && t->hints[end].at == t->hints[g].at)
+            end++;
+        assert_int_equal((end - g) % 3, 0);
+        assert_true((end - g) / 3 <= max_turns);
+        int dup = 0;
+        for (size_t i = g + 2; i < end; i += 3)
+            for (size_t k = i + 3; k < end; k += 3)
+                dup |= t->hints[i].seq == t->hints[k].seq;
+        repeated += (size_t)dup;
+        g = end;
+    }
+    return repeated;
+}
+
+/* Causal queues hint only turns a scheduler can hold: never more than
+ * queue_len turns (three hints each), never the same agent's next turn
+ * before its current one has run (which the oracle does); the
+ * accesses are those of the unhinted trace. Zipf and burst choices are
+ * deterministic and skewed. */
+static void test_causal_queue_hints(void **state)
+{
+    (void)state;
+    trace_gen_params p;
+    trace_gen_defaults(&p);
+    p.turns = 12;
+    trace plain, causal, oracle;
+    trace_init(&plain);
+    trace_init(&causal);
+    trace_init(&oracle);
+    assert_int_equal(trace_generate(&plain, &p), 0);
+    p.queue_len = 8;
+    assert_int_equal(trace_generate(&causal, &p), 0);
+    p.queue_len = 0;
+    p.hint_turns = 8;
+    assert_int_equal(trace_generate(&oracle, &p), 0);
+    assert_int_equal(causal.n, plain.n);
+    assert_memory_equal(causal.acc, plain.acc, plain.n * sizeof(*plain.acc));
+    /* Before each turn: at most queue_len turns, and no agent twice (its
+     * later turn waits for the earlier one), which the oracle breaks. */
+    assert_true(count_repeated_sessions(&causal, 8) == 0);
+    assert_true(count_repeated_sessions(&oracle, 8) > 0);
+    trace_free(&plain);
+    trace_free(&causal);
+    trace_free(&oracle);
+    for (int choice = TRACE_AGENTS_ZIPF; choice <= TRACE_AGENTS_BURSTS; choice++) {
+        trace a, b;
+        trace_init(&a);
+        trace_init(&b);
+        trace_gen_defaults(&p);
+        p.turns = 20;
+        p.agent_choice = (trace_agent_choice)choice;
+        p.queue_len = 4;
+        assert_int_equal(trace_generate(&a, &p), 0);
+        assert_int_equal(trace_generate(&b, &p), 0);
+        assert_int_equal(a.n, b.n);
+        assert_memory_equal(a.acc, b.acc, a.n * sizeof(*a.acc));
+        /* Agent 0 is the most popular: more turns than the last one. */
+        size_t first = 0, last = 0;
+        for (size_t i = 0; i < a.n; i++) {
+            first += a.acc[i].agent == 0;
+            last += a.acc[i].agent == p.agents - 1;
+        }
+        assert_true(first > 2 * last);
+        trace_free(&a);
+        trace_free(&b);
+    }
+}
+
 static void test_generator_is_deterministic(void **state)
 {
     (void)state;
@@ -494,6 +570,7 @@ int main(void)
         cmocka_unit_test(test_trace_ids_and_file_round_trip),
         cmocka_unit_test(test_demo_trace_format),
         cmocka_unit_test(test_generator_is_deterministic),
+        cmocka_unit_test(test_causal_queue_hints),
     };
     return cmocka_run_group_tests_name("policy_sim", tests, NULL, NULL);
 }

@@ -231,8 +231,13 @@ enum kvh_codec { KVH_CODEC_NONE = 0, KVH_CODEC_INT8 = 1, KVH_CODEC_Q4_G32 = 2, K
  * is ordered exactly as under LRU-K. Unreferenced cached blocks still go
  * before referenced ones under both policies. KVH_EVICT_LCTRU and the
  * tolerance it reads belong to the experimental section "LCTRU tolerance"
- * and may change in a release. */
-enum kvh_eviction { KVH_EVICT_LRU_K = 0, KVH_EVICT_LCTRU = 1 };
+ * and may change in a release. KVH_EVICT_ADAPTIVE (experimental): the
+ * LRU-K order or plain LRU (K = 1), whichever a shadow simulation of the
+ * device tier over a sample of the blocks finds the better on the recent
+ * accesses; it re-decides at most once per as many accesses as the memory
+ * tiers hold blocks; it starts as LRU-K. The default. Hinted blocks are
+ * ordered by their hints under every policy. */
+enum kvh_eviction { KVH_EVICT_LRU_K = 0, KVH_EVICT_LCTRU = 1, KVH_EVICT_ADAPTIVE = 2 };
 
 typedef struct kvh_config {
     uint32_t struct_size;
@@ -279,7 +284,8 @@ typedef struct kvh_config {
      * the device has no virtual memory management. */
     uint32_t vmap;
     /* kvh_eviction: victim order in the memory tiers (see enum
-     * kvh_eviction); default KVH_EVICT_LRU_K. */
+     * kvh_eviction); default KVH_EVICT_ADAPTIVE (KVH_EVICT_LRU_K before
+     * kvh 2026-12: set it to keep that order). */
     uint32_t eviction_policy;
     /* LCTRU (experimental, see "LCTRU tolerance"): accesses of recency a
      * fully tolerant block gives up (0 = the device tier's capacity in
@@ -329,7 +335,7 @@ KVH_API kvh_status kvh_config_init(kvh_config *config, size_t struct_size);
  *   counts and numa_node, cuda_device: decimal (numa_node -1: none);
  *   dtype: f32, f16, bf16; backend: auto, cpu, cuda; log_level: error,
  *     warn, info, debug; kv_codec: none, int8, q4_g32, q4_g64;
- *     eviction_policy: lru_k, lctru; each also as its number;
+ *     eviction_policy: lru_k, lctru, adaptive; each also as its number;
  *   disk_flags: a number, or names joined by commas: reset_on_mismatch,
  *     buffered, share_group (none: 0);
  *   vmap, copy_moves, disk_strict_index: 1/0, true/false, yes/no, on/off;
@@ -719,10 +725,21 @@ KVH_API kvh_status kvh_prefetch(kvh_engine *engine, kvh_seq seq, uint64_t first,
  * block keeps its two highest distinct priorities; the first access after
  * a hint redeems the higher and the other takes its place (the rest of
  * that use, such as reads of its other layers, redeems nothing; hint again
- * before the next use). A scheduler that hints its whole queue before
- * each request, each request at a priority falling with its place, gets
- * Belady's eviction order within the queue's horizon. Unless renewed, a
- * hint lapses after one to two times max(64, blocks of the memory tiers)
+ * before the next use).
+ *
+ * What a priority means: a rank compared as is among every hinted block of
+ * the engine, whenever each hint was given; it is not relative to the
+ * call. Give priorities that keep their order as the queue advances: the
+ * request's absolute number in the order the scheduler will run them
+ * (e.g. INT32_MAX - n for the n-th request), not its place in the queue.
+ * A place re-hinted at every step does not work: the request hinted at
+ * place 0 a step ago and the one hinted at place 0 now tie, and a block's
+ * second priority, kept from an older hint, can outrank fresh ones. A
+ * scheduler that hints its whole queue, before each request or only when
+ * the queue changes, by absolute number gets Belady's eviction order
+ * within the queue's horizon. How long it lasts: a priority is redeemed by
+ * the first access after its hint, and unless renewed every hint of a
+ * block lapses after one to two times max(64, blocks of the memory tiers)
  * engine accesses (block allocations count as accesses). Returns
  * KVH_ERR_RANGE, KVH_ERR_BAD_HANDLE. @threads any */
 KVH_API kvh_status kvh_seq_hint(kvh_engine *engine, kvh_seq seq, uint64_t first, uint64_t n, int32_t priority);

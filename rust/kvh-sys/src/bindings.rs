@@ -224,6 +224,7 @@ pub const KVH_CODEC_Q4_G64: kvh_codec = 3;
 pub type kvh_codec = ::std::os::raw::c_uint;
 pub const KVH_EVICT_LRU_K: kvh_eviction = 0;
 pub const KVH_EVICT_LCTRU: kvh_eviction = 1;
+pub const KVH_EVICT_ADAPTIVE: kvh_eviction = 2;
 pub type kvh_eviction = ::std::os::raw::c_uint;
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]

@@ -39,6 +39,9 @@ pub enum Eviction {
     LruK,
     /// LRU-K with each block aged by its compression tolerance (LCTRU).
     Lctru,
+    /// Experimental: LRU-K or plain LRU, whichever a shadow simulation of
+    /// the device tier finds the better lately.
+    Adaptive,
 }
 
 impl Eviction {
@@ -47,6 +50,7 @@ impl Eviction {
         match self {
             Eviction::LruK => sys::KVH_EVICT_LRU_K,
             Eviction::Lctru => sys::KVH_EVICT_LCTRU,
+            Eviction::Adaptive => sys::KVH_EVICT_ADAPTIVE,
         }
     }
 }

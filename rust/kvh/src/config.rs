@@ -171,7 +171,7 @@ impl Config {
         self
     }
 
-    /// Victim order of the memory tiers (default [`Eviction::LruK`](crate::Eviction::LruK));
+    /// Victim order of the memory tiers (default [`Eviction::Adaptive`](crate::Eviction::Adaptive));
     /// `window` is LCTRU's recency a fully tolerant block gives up, in
     /// accesses (0 = the device tier's capacity in blocks).
     pub fn eviction(mut self, policy: crate::Eviction, window: u32) -> Self {

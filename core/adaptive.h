@@ -1,0 +1,40 @@
+/* The adaptive victim order (KVH_EVICT_ADAPTIVE, core/adaptive.c): plain
+ * LRU or LRU-K, whichever a shadow simulation of the device tier finds
+ * the better on the recent accesses. */
+#ifndef KVH_CORE_ADAPTIVE_H
+#define KVH_CORE_ADAPTIVE_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "core/lruk.h"
+
+struct kvh_engine;
+
+typedef struct kvhi_adapt {
+    bool on;                  /* the engine's policy is KVH_EVICT_ADAPTIVE */
+    bool recency;             /* the order now: plain LRU (else LRU-K) */
+    uint32_t shift;           /* a block is simulated when its hash's top bits
+                                 below this many are zero: a 2^-shift sample */
+    uint32_t cap;             /* shadow capacity: the device tier's, sampled */
+    uint32_t *pos[2];         /* per block: position in each shadow */
+    kvhi_lruk_heap shadow[2]; /* [0] LRU, [1] LRU-K */
+    uint64_t hits[2];         /* shadow hits in the current window */
+    double score[2];          /* decayed hits of the past windows */
+    uint64_t window_left;     /* accesses until the next decision */
+    uint64_t window;          /* accesses between decisions */
+    uint64_t switches;
+} kvhi_adapt;
+
+/* Sets the policy up for engine e (after its tiers and block records);
+ * 0, or -1 out of memory. Does nothing unless the policy is adaptive. */
+int kvhi_adapt_init(struct kvh_engine *e);
+void kvhi_adapt_free(struct kvh_engine *e);
+/* Block b was accessed (its history already records it). */
+void kvhi_adapt_access(struct kvh_engine *e, uint32_t b);
+/* Block b is gone. */
+void kvhi_adapt_forget(struct kvh_engine *e, uint32_t b);
+/* The K the victim order reads now: 1 for plain LRU. */
+static inline uint32_t kvhi_adapt_k(const kvhi_adapt *a, uint32_t lru_k) { return a->on && a->recency ? 1 : lru_k; }
+
+#endif
