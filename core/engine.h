@@ -135,6 +135,7 @@ struct kvh_engine {
     uint64_t hint_epoch_end; /* clock value that starts the next epoch */
 
     struct kvhi_disk *disk;        /* NULL without a disk tier */
+    struct kvhi_remote *remote;    /* NULL without a remote tier (core/remote_tier.h) */
     uint32_t clean_hand;           /* background cleaner's clock hand */
     uint64_t host_arrivals;        /* blocks placed in the host tier so far */
     uint64_t clean_epoch_seen;     /* host_arrivals at the last empty sweep */

@@ -21,6 +21,9 @@ APT_PACKAGES=(
     libclang-rt-14-dev # LeakSanitizer / TSan runtimes for clang
     llvm               # llvm-symbolizer for sanitizer stack traces
     clang-format       # C formatting (make test-format)
+    libhiredis-dev     # remote tier: Redis client (loaded at run time)
+    redis-server       # remote tier tests: a local Redis Cluster
+    redis-tools        # redis-cli: cluster creation in the tests
 )
 
 # PyPI distribution names (as `pip install` takes them).
