@@ -31,8 +31,8 @@ struct kvhi_cluster {
     node *nodes;
     uint32_t n_nodes, n_seeds;
     uint16_t slot_node[KVHI_CLUSTER_SLOTS];
-    bool standalone;      /* cluster support disabled: node 0 holds every slot */
-    bool refresh_wanted;  /* a MOVED or a failure: the map may be stale */
+    bool standalone;        /* cluster support disabled: node 0 holds every slot */
+    bool refresh_wanted;    /* a MOVED or a failure: the map may be stale */
     uint64_t refresh_after; /* no refresh attempt before then */
 };
 
@@ -87,7 +87,8 @@ static struct timeval tv_of_ns(uint64_t ns)
 {
     if (ns < 1000000)
         ns = 1000000; /* a zero timeval would mean "no timeout" */
-    return (struct timeval){.tv_sec = (time_t)(ns / 1000000000ull), .tv_usec = (suseconds_t)(ns % 1000000000ull / 1000)};
+    return (struct timeval){.tv_sec = (time_t)(ns / 1000000000ull),
+                            .tv_usec = (suseconds_t)(ns % 1000000000ull / 1000)};
 }
 
 /* The node at host:port, added when new; NO_NODE when the table is full. */
@@ -342,14 +343,12 @@ int kvhi_cluster_open(const kvhi_cluster_opts *opts, kvhi_cluster **out, char *e
         if (r)
             c->h->free_reply(r);
         if (refused) {
-            snprintf(err, err_len, "remote tier: %s:%d wants AUTH (NOAUTH): set remote_password", nd->host,
-                     nd->port);
+            snprintf(err, err_len, "remote tier: %s:%d wants AUTH (NOAUTH): set remote_password", nd->host, nd->port);
             kvhi_cluster_close(c);
             return -1;
         }
         refresh_map(c, budget);
-    }
-    else
+    } else
         c->refresh_wanted = true;
     *out = c;
     return 0;

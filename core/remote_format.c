@@ -48,8 +48,8 @@ static int check_value(const uint8_t *v, size_t len, const kvhi_remote_id *id, k
         FAIL(-20, "reader geometry has no valid block size");
     if (len < KVHI_SLOT_HEADER_BYTES || len - KVHI_SLOT_HEADER_BYTES != id->block_bytes)
         FAIL(-21, "value length does not match the block size");
-    int rc = kvhi_slot_check_alone(v, v + KVHI_SLOT_HEADER_BYTES, id->block_bytes, 0, 0, id->block_tokens, m, tokens,
-                                   why);
+    int rc =
+        kvhi_slot_check_alone(v, v + KVHI_SLOT_HEADER_BYTES, id->block_bytes, 0, 0, id->block_tokens, m, tokens, why);
     if (rc != 0)
         return rc;
     if (m->geo_tag != id->geo_tag || m->store_id != id->model_salt)

@@ -28,7 +28,7 @@
 /* Identity a value must match to be used. */
 typedef struct kvhi_remote_id {
     uint64_t model_salt;
-    uint32_t geo_tag;    /* kvhi_disk_geometry_tag of the reader */
+    uint32_t geo_tag;     /* kvhi_disk_geometry_tag of the reader */
     uint64_t block_bytes; /* data bytes after the header (disk form) */
     uint32_t block_tokens;
 } kvhi_remote_id;

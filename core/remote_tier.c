@@ -31,8 +31,8 @@ kvh_status kvhi_remote_validate(const kvh_config *c)
         return kvhi_fail(KVH_ERR_INVALID_ARG, "remote_ttl_s %u not in 1..2147483647", c->remote_ttl_s);
     if (c->remote_breaker_ms < 1 || c->remote_breaker_ms > 3600000)
         return kvhi_fail(KVH_ERR_INVALID_ARG, "remote_breaker_ms %u not in 1..3600000", c->remote_breaker_ms);
-    if (c->remote_upload & ~(uint32_t)(KVH_REMOTE_UPLOAD_PERSIST | KVH_REMOTE_UPLOAD_DEMOTE |
-                                       KVH_REMOTE_UPLOAD_WRITE_THROUGH))
+    if (c->remote_upload &
+        ~(uint32_t)(KVH_REMOTE_UPLOAD_PERSIST | KVH_REMOTE_UPLOAD_DEMOTE | KVH_REMOTE_UPLOAD_WRITE_THROUGH))
         return kvhi_fail(KVH_ERR_INVALID_ARG, "unknown remote_upload bits 0x%x", c->remote_upload);
     if (c->remote_upload & (KVH_REMOTE_UPLOAD_DEMOTE | KVH_REMOTE_UPLOAD_WRITE_THROUGH))
         return kvhi_fail(KVH_ERR_UNSUPPORTED,
@@ -45,10 +45,7 @@ kvh_status kvhi_remote_validate(const kvh_config *c)
     return KVH_OK;
 }
 
-static void cluster_log(void *user, int level, const char *text)
-{
-    kvhi_log(user, level, "%s", text);
-}
+static void cluster_log(void *user, int level, const char *text) { kvhi_log(user, level, "%s", text); }
 
 static kvh_status open_remote(const kvh_config *cfg, kvh_engine *log_to, const kvhi_remote_id *id, kvhi_remote **out)
 {
@@ -74,10 +71,10 @@ static kvh_status open_remote(const kvh_config *cfg, kvh_engine *log_to, const k
     char err[320];
     if (kvhi_cluster_open(&o, &r->cluster, err, sizeof(err)) != 0) {
         free(r);
-        kvh_status code = strstr(err, "AUTH") ? KVH_ERR_IO
-                          : strstr(err, "hiredis")  ? KVH_ERR_UNSUPPORTED
-                          : strstr(err, "memory")   ? KVH_ERR_NOMEM
-                                                    : KVH_ERR_INVALID_ARG;
+        kvh_status code = strstr(err, "AUTH")      ? KVH_ERR_IO
+                          : strstr(err, "hiredis") ? KVH_ERR_UNSUPPORTED
+                          : strstr(err, "memory")  ? KVH_ERR_NOMEM
+                                                   : KVH_ERR_INVALID_ARG;
         return kvhi_fail(code, "%s", err);
     }
     *out = r;
@@ -89,8 +86,9 @@ static kvh_status open_remote(const kvh_config *cfg, kvh_engine *log_to, const k
  * or codecs never mixes their blocks. */
 static kvhi_remote_id id_of(const kvh_config *cfg, uint64_t data_bytes)
 {
-    kvhi_disk_geometry g = {cfg->num_layers, cfg->num_kv_heads, cfg->head_dim, cfg->block_tokens,
-                            cfg->dtype | cfg->kv_codec << 16, cfg->model_salt, data_bytes};
+    kvhi_disk_geometry g = {
+        cfg->num_layers, cfg->num_kv_heads, cfg->head_dim, cfg->block_tokens, cfg->dtype | cfg->kv_codec << 16,
+        cfg->model_salt, data_bytes};
     return (kvhi_remote_id){.model_salt = cfg->model_salt,
                             .geo_tag = kvhi_disk_geometry_tag(&g),
                             .block_bytes = data_bytes,
@@ -120,8 +118,8 @@ kvh_status kvhi_remote_open_client(const kvh_config *cfg, kvhi_remote **out)
     probe.elem_bytes = kvhi_dtype_bytes(cfg->dtype);
     if (!probe.elem_bytes)
         return kvhi_fail(KVH_ERR_INVALID_ARG, "unknown dtype %u", cfg->dtype);
-    probe.block_bytes = 2ull * cfg->num_kv_heads * cfg->block_tokens * cfg->head_dim * probe.elem_bytes *
-                        cfg->num_layers;
+    probe.block_bytes =
+        2ull * cfg->num_kv_heads * cfg->block_tokens * cfg->head_dim * probe.elem_bytes * cfg->num_layers;
     kvh_status st = kvhi_codec_tiers_init(&probe);
     if (st != KVH_OK)
         return st;
@@ -149,10 +147,7 @@ static void cmd_key(kvhi_cluster_cmd *c, const char *verb, const char *key)
     c->argvlen[1] = KVHI_REMOTE_KEY_LEN;
 }
 
-static bool reply_is(const kvhi_cluster_cmd *c, int kind)
-{
-    return kvhi_cluster_reply(c, NULL, NULL, NULL) == kind;
-}
+static bool reply_is(const kvhi_cluster_cmd *c, int kind) { return kvhi_cluster_reply(c, NULL, NULL, NULL) == kind; }
 
 /* Counters of one call, added to the engine's under the lock. */
 typedef struct tally {
@@ -314,8 +309,7 @@ size_t kvhi_remote_match(kvh_engine *e, kvhi_seq *s, const int32_t *tokens, size
                 kvhi_cluster_run(r->cluster, &del, 1, &drep);
                 tally_report(&t, &drep);
                 kvhi_cluster_cmds_clear(r->cluster, &del, 1);
-                kvhi_log(e, KVH_LOG_WARN, "remote tier: %s failed verification (%s): deleted, a miss", keys[k],
-                         why[k]);
+                kvhi_log(e, KVH_LOG_WARN, "remote tier: %s failed verification (%s): deleted, a miss", keys[k], why[k]);
                 break;
             }
         }

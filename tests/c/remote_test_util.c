@@ -34,8 +34,8 @@ static bool port_free(int port)
     int fd = socket(AF_INET, SOCK_STREAM, 0);
     if (fd < 0)
         return false;
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port),
-                            .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    struct sockaddr_in a = {
+        .sin_family = AF_INET, .sin_port = htons((uint16_t)port), .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
     int one = 1;
     setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
     bool ok = bind(fd, (struct sockaddr *)&a, sizeof(a)) == 0;

@@ -181,14 +181,10 @@ static void test_key_slots(void **state)
     static const struct {
         const char *key;
         unsigned slot;
-    } known[] = {{"foo", 12182},
-                 {"somekey", 11058},
-                 {"hello", 866},
-                 {"{user1000}.following", 3443},
-                 {"foo{}{bar}", 8363},
-                 {"foo{{bar}}zap", 4015},
-                 {"foo{bar}{zap}", 5061},
-                 {"kvh:v1:0000000000000001-0000abcd:00000000000000ff", 7588}};
+    } known[] = {{"foo", 12182},          {"somekey", 11058},
+                 {"hello", 866},          {"{user1000}.following", 3443},
+                 {"foo{}{bar}", 8363},    {"foo{{bar}}zap", 4015},
+                 {"foo{bar}{zap}", 5061}, {"kvh:v1:0000000000000001-0000abcd:00000000000000ff", 7588}};
     for (size_t i = 0; i < sizeof(known) / sizeof(known[0]); i++)
         assert_int_equal(kvhi_cluster_key_slot(known[i].key, strlen(known[i].key)), known[i].slot);
     assert_int_equal(kvhi_cluster_key_slot("{user1000}.followers", 20), 3443);
@@ -198,12 +194,9 @@ static void test_key_slots(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_round_trip),
-        cmocka_unit_test(test_reader_expectations),
-        cmocka_unit_test(test_damage),
-        cmocka_unit_test(test_forged_with_valid_checksums),
-        cmocka_unit_test(test_keys),
-        cmocka_unit_test(test_key_slots),
+        cmocka_unit_test(test_round_trip), cmocka_unit_test(test_reader_expectations),
+        cmocka_unit_test(test_damage),     cmocka_unit_test(test_forged_with_valid_checksums),
+        cmocka_unit_test(test_keys),       cmocka_unit_test(test_key_slots),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
