@@ -69,37 +69,49 @@ static kvh_config remote_cfg(uint64_t salt)
 
 static void prefix_tokens(int32_t *t, size_t n, int32_t base) { tu_iota(t, n, base); }
 
-/* Engine A in a child process: writes N_BLOCKS blocks of tag's pattern
- * and persists them; exits 0 when everything went up. */
+/* Engine A: writes N_BLOCKS blocks of tag's pattern at tokens base.. and
+ * persists them; 0 when every upload went through. */
+static int persist_prefix(const kvh_config *c, int32_t base, uint64_t tag)
+{
+    kvh_engine *e;
+    if (kvh_engine_open(c, &e) != KVH_OK)
+        return 2;
+    kvh_seq s;
+    int32_t tokens[N_BLOCKS * BT];
+    prefix_tokens(tokens, N_BLOCKS * BT, base);
+    if (kvh_seq_create(e, 0, &s) != KVH_OK || kvh_seq_append(e, s, tokens, N_BLOCKS * BT) != KVH_OK)
+        return 3;
+    uint8_t k[TOK_BYTES], v[TOK_BYTES];
+    for (uint32_t l = 0; l < LAYERS; l++)
+        for (size_t t = 0; t < N_BLOCKS * BT; t++) {
+            tu_pattern(k, TOK_BYTES, tag, l, t, 0);
+            tu_pattern(v, TOK_BYTES, tag, l, t, 1);
+            if (kvh_seq_write_kv(e, s, l, t, 1, k, v) != KVH_OK)
+                return 4;
+        }
+    if (kvh_seq_persist(e, s) != KVH_OK)
+        return 5;
+    kvh_stats st = {.struct_size = sizeof(st)};
+    kvh_engine_stats(e, &st);
+    kvh_engine_close(e);
+    return st.remote_uploads_dropped == 0 && st.remote_uploads > 0 ? 0 : 6;
+}
+
+/* Runs persist_prefix in another process: this program again, started
+ * with --persist (a fork of a process with engine threads would not do
+ * under TSan, and a fresh process is what another node is). */
 static void persist_in_child(uint64_t salt, int32_t base, uint64_t tag)
 {
+    char args[3][32];
+    snprintf(args[0], sizeof(args[0]), "%llu", (unsigned long long)salt);
+    snprintf(args[1], sizeof(args[1]), "%d", base);
+    snprintf(args[2], sizeof(args[2]), "%llu", (unsigned long long)tag);
     pid_t pid = fork();
     assert_true(pid >= 0);
     if (pid == 0) {
-        kvh_config c = remote_cfg(salt);
-        kvh_engine *e;
-        if (kvh_engine_open(&c, &e) != KVH_OK)
-            _exit(2);
-        kvh_seq s;
-        int32_t tokens[N_BLOCKS * BT];
-        prefix_tokens(tokens, N_BLOCKS * BT, base);
-        if (kvh_seq_create(e, 0, &s) != KVH_OK || kvh_seq_append(e, s, tokens, N_BLOCKS * BT) != KVH_OK)
-            _exit(3);
-        uint8_t k[TOK_BYTES], v[TOK_BYTES];
-        for (uint32_t l = 0; l < LAYERS; l++)
-            for (size_t t = 0; t < N_BLOCKS * BT; t++) {
-                tu_pattern(k, TOK_BYTES, tag, l, t, 0);
-                tu_pattern(v, TOK_BYTES, tag, l, t, 1);
-                if (kvh_seq_write_kv(e, s, l, t, 1, k, v) != KVH_OK)
-                    _exit(4);
-            }
-        if (kvh_seq_persist(e, s) != KVH_OK)
-            _exit(5);
-        kvh_stats st = {.struct_size = sizeof(st)};
-        kvh_engine_stats(e, &st);
-        kvh_engine_close(e);
-        /* _exit: the parent's atexit handler must not stop its servers. */
-        _exit(st.remote_uploads_dropped == 0 && st.remote_uploads > 0 ? 0 : 6);
+        execl("/proc/self/exe", "test_remote_tier", "--persist", rt_addrs(&cluster), args[0], args[1], args[2],
+              (char *)NULL);
+        _exit(127);
     }
     int status;
     assert_int_equal(waitpid(pid, &status, 0), pid);
@@ -393,8 +405,13 @@ static void test_open_errors(void **state)
     assert_true(tu_stats(e).remote_misses >= 1);
 }
 
-int main(void)
+int main(int argc, char **argv)
 {
+    if (argc == 6 && !strcmp(argv[1], "--persist")) {
+        snprintf(cluster.addrs, sizeof(cluster.addrs), "%s", argv[2]);
+        kvh_config c = remote_cfg(strtoull(argv[3], NULL, 10));
+        return persist_prefix(&c, (int32_t)atoi(argv[4]), strtoull(argv[5], NULL, 10));
+    }
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_shared_across_processes, tu_teardown),
         cmocka_unit_test_teardown(test_tampered_value_is_deleted, tu_teardown),

@@ -106,6 +106,7 @@ class KvStore:
             host_bytes=max(settings.host_bytes, 2 * row),
             model_salt=self.salt,
             log_level=settings.log_level,
+            **settings.engine_remote_fields(),
         )
         self.disk_path: Optional[str] = None
         if settings.disk_enabled:
