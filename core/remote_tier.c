@@ -58,6 +58,7 @@ static kvh_status open_remote(const kvh_config *cfg, kvh_engine *log_to, const k
     if (!r)
         return kvhi_fail(KVH_ERR_NOMEM, "out of memory for the remote tier");
     r->id = *id;
+    pthread_mutex_init(&r->spare_lock, NULL);
     r->upload = cfg->remote_upload;
     r->engine = log_to;
     snprintf(r->ttl_text, sizeof(r->ttl_text), "%u", cfg->remote_ttl_s);
@@ -70,6 +71,7 @@ static kvh_status open_remote(const kvh_config *cfg, kvh_engine *log_to, const k
                            .log_user = log_to};
     char err[320];
     if (kvhi_cluster_open(&o, &r->cluster, err, sizeof(err)) != 0) {
+        pthread_mutex_destroy(&r->spare_lock);
         free(r);
         kvh_status code = strstr(err, "AUTH")      ? KVH_ERR_IO
                           : strstr(err, "hiredis") ? KVH_ERR_UNSUPPORTED
@@ -132,7 +134,40 @@ void kvhi_remote_close_client(kvhi_remote *r)
     if (!r)
         return;
     kvhi_cluster_close(r->cluster);
+    for (size_t i = 0; i < r->n_spare; i++)
+        free(r->spare[i]);
+    free(r->spare);
+    pthread_mutex_destroy(&r->spare_lock);
     free(r);
+}
+
+/* The spare buffers, at most cap of them, for one upload (the rest of
+ * vals NULL); given back by put_spares. Lock not needed. */
+static void take_spares(kvhi_remote *r, uint8_t **vals, size_t cap)
+{
+    pthread_mutex_lock(&r->spare_lock);
+    size_t n = r->n_spare < cap ? r->n_spare : cap;
+    r->n_spare -= n;
+    memcpy(vals, r->spare + r->n_spare, n * sizeof(uint8_t *));
+    pthread_mutex_unlock(&r->spare_lock);
+}
+
+/* Keeps up to ROUND_BYTES of vals' buffers for the next upload. */
+static void put_spares(kvhi_remote *r, uint8_t **vals, size_t n)
+{
+    size_t keep = (size_t)(ROUND_BYTES / kvhi_remote_value_bytes(&r->id));
+    keep = keep ? keep : 1;
+    pthread_mutex_lock(&r->spare_lock);
+    if (!r->spare)
+        r->spare = calloc(keep, sizeof(uint8_t *));
+    for (size_t i = 0; i < n; i++) {
+        if (vals[i] && r->spare && r->n_spare < keep)
+            r->spare[r->n_spare++] = vals[i];
+        else
+            free(vals[i]);
+        vals[i] = NULL;
+    }
+    pthread_mutex_unlock(&r->spare_lock);
 }
 
 /* ---- rounds ---- */
@@ -383,6 +418,7 @@ void kvhi_remote_persist(kvh_engine *e, kvhi_seq *s)
         e->stats.remote_uploads_dropped += n_full;
         goto out;
     }
+    take_spares(r, vals, cap);
     for (size_t i0 = 0; i0 < n_full; i0 += cap) {
         size_t n = n_full - i0 < cap ? n_full - i0 : cap;
         for (size_t k = 0; k < n; k++) {
@@ -455,7 +491,6 @@ void kvhi_remote_persist(kvh_engine *e, kvhi_seq *s)
 out:
     tally_add(e, &t);
     if (vals)
-        for (size_t k = 0; k < cap; k++)
-            free(vals[k]);
+        put_spares(r, vals, cap);
     free(keys), free(hashes), free(parents), free(tk), free(present), free(blocks), free(cmds), free(vals);
 }

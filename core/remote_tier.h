@@ -5,6 +5,7 @@
 #ifndef KVH_CORE_REMOTE_TIER_H
 #define KVH_CORE_REMOTE_TIER_H
 
+#include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -18,6 +19,11 @@ typedef struct kvhi_remote {
     uint32_t upload; /* kvh_remote_upload bits */
     char ttl_text[16];
     kvh_engine *engine; /* for log lines */
+    /* Value buffers of finished uploads, kept for the next: a fresh large
+     * allocation costs a page fault per page (a leaf lock). */
+    pthread_mutex_t spare_lock;
+    uint8_t **spare;
+    size_t n_spare;
 } kvhi_remote;
 
 /* Checks the remote settings of cfg (KVH_ERR_INVALID_ARG,
