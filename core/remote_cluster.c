@@ -193,7 +193,7 @@ static int authenticate(kvhi_cluster *c, redisContext *ctx, char *err, size_t er
 }
 
 /* Connects nd when it has no connection. 0, -1 (unreachable: err says
- * why) or -2 (AUTH refused). */
+ * why), -2 (AUTH refused) or -3 (no answer in time). */
 static int ensure_connected(kvhi_cluster *c, node *nd, uint64_t budget_ns, char *err, size_t err_len)
 {
     if (nd->ctx)
@@ -207,9 +207,10 @@ static int ensure_connected(kvhi_cluster *c, node *nd, uint64_t budget_ns, char 
     }
     c->h->set_timeout(ctx, tv_of_ns(budget_ns));
     if (authenticate(c, ctx, err, err_len) != 0) {
-        int lost = ctx->err; /* no answer at all, rather than a refusal */
+        /* No answer at all, rather than a refusal. */
+        int rc = !ctx->err ? -2 : timed_out(ctx) ? -3 : -1;
         c->h->free_ctx(ctx);
-        return lost ? -1 : -2;
+        return rc;
     }
     nd->ctx = ctx;
     return 0;
@@ -460,10 +461,14 @@ static void run_round(kvhi_cluster *c, kvhi_cluster_cmd *cmds, size_t n, uint64_
                 rep->down++;
                 continue;
             }
-            if (ensure_connected(c, nd, deadline - now, err, sizeof(err)) != 0) {
-                node_failed(c, nd, err, rep);
-                cmd->result = KVHI_CMD_DOWN;
-                rep->down++;
+            int crc = ensure_connected(c, nd, deadline - now, err, sizeof(err));
+            if (crc != 0) {
+                node_failed(c, nd, crc == -3 ? "timed out" : err, rep);
+                cmd->result = crc == -3 ? KVHI_CMD_TIMEOUT : KVHI_CMD_DOWN;
+                if (crc == -3)
+                    rep->timeouts++;
+                else
+                    rep->down++;
                 continue;
             }
             c->h->set_timeout(nd->ctx, tv_of_ns(deadline - now));

@@ -273,6 +273,32 @@ static void test_node_killed_and_back(void **state)
     assert_true(tu_check_pattern(e2, s3, LAYERS, TOK_BYTES, 33, 0, m3));
 }
 
+/* A node that stops answering (SIGSTOP: its socket still accepts) makes
+ * a round wait only until the deadline; the blocks it holds are misses. */
+static void test_slow_node_times_out(void **state)
+{
+    (void)state;
+    NEED_CLUSTER();
+    uint64_t salt = test_salt();
+    persist_in_child(salt, 60000, 66);
+    kvh_config c = remote_cfg(salt);
+    kvh_engine *e = tu_open_cfg(&c);
+    kill(cluster.pids[2], SIGSTOP);
+    double t0 = now_ms();
+    kvh_seq s;
+    size_t m = match(e, &s, 60000);
+    double took = now_ms() - t0;
+    kill(cluster.pids[2], SIGCONT);
+    assert_true(m < N_BLOCKS * BT);
+    assert_true(tu_check_pattern(e, s, LAYERS, TOK_BYTES, 66, 0, m));
+    /* An EXISTS round and a GETEX round at most, each within its deadline. */
+    assert_true(took < 2.0 * c.remote_timeout_ms + 300);
+    kvh_stats st = tu_stats(e);
+    assert_true(st.remote_timeouts >= 1);
+    assert_true(st.remote_breaker_opens >= 1);
+    assert_int_equal(rt_wait_ok(&cluster, 20000), 0);
+}
+
 static void test_full_server_is_a_cache(void **state)
 {
     (void)state;
@@ -417,6 +443,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_tampered_value_is_deleted, tu_teardown),
         cmocka_unit_test_teardown(test_slot_migration, tu_teardown),
         cmocka_unit_test_teardown(test_node_killed_and_back, tu_teardown),
+        cmocka_unit_test_teardown(test_slow_node_times_out, tu_teardown),
         cmocka_unit_test_teardown(test_full_server_is_a_cache, tu_teardown),
         cmocka_unit_test_teardown(test_open_errors, tu_teardown),
     };
