@@ -434,7 +434,8 @@ static bool redirect(kvhi_cluster *c, kvhi_cluster_cmd *cmd, const redisReply *r
 
 /* Sends every pending command of the round to its node, then reads the
  * answers node by node: the nodes work on their shares at the same time. */
-static void run_round(kvhi_cluster *c, kvhi_cluster_cmd *cmds, size_t n, uint64_t deadline, kvhi_cluster_report *rep)
+static void run_round(kvhi_cluster *c, kvhi_cluster_cmd *cmds, size_t n, uint64_t deadline, kvhi_cluster_report *rep,
+                      kvhi_cluster_reply_fn on_reply, void *user)
 {
     uint64_t now = now_ns();
     for (uint32_t i = 0; i < c->n_nodes; i++)
@@ -538,10 +539,18 @@ static void run_round(kvhi_cluster *c, kvhi_cluster_cmd *cmds, size_t n, uint64_
         }
         cmd->result = KVHI_CMD_OK;
         cmd->reply = r;
+        if (on_reply)
+            on_reply(user, k, cmd);
     }
 }
 
 void kvhi_cluster_run(kvhi_cluster *c, kvhi_cluster_cmd *cmds, size_t n, kvhi_cluster_report *rep)
+{
+    kvhi_cluster_run_each(c, cmds, n, rep, NULL, NULL);
+}
+
+void kvhi_cluster_run_each(kvhi_cluster *c, kvhi_cluster_cmd *cmds, size_t n, kvhi_cluster_report *rep,
+                           kvhi_cluster_reply_fn on_reply, void *user)
 {
     memset(rep, 0, sizeof(*rep));
     uint64_t deadline = now_ns() + (uint64_t)c->opts.timeout_ms * 1000000ull;
@@ -555,7 +564,7 @@ void kvhi_cluster_run(kvhi_cluster *c, kvhi_cluster_cmd *cmds, size_t n, kvhi_cl
         cmds[k].node = c->slot_node[kvhi_cluster_key_slot(cmds[k].argv[1], cmds[k].argvlen[1])];
     }
     for (int round = 0; round < MAX_ROUNDS; round++) {
-        run_round(c, cmds, n, deadline, rep);
+        run_round(c, cmds, n, deadline, rep, on_reply, user);
         bool pending = false;
         for (size_t k = 0; k < n; k++)
             pending |= cmds[k].result == KVHI_CMD_PENDING;

@@ -268,6 +268,33 @@ static bool attach(kvh_engine *e, kvhi_seq *s, size_t i, const uint8_t *data, ui
     return true;
 }
 
+/* What the checks of one GETEX round need; verdict[k] is 0 for a value
+ * that verified, 1 for none (nil, node down), else its reason code. */
+typedef struct fetch {
+    const kvhi_remote *r;
+    const uint64_t *hashes; /* hashes[k] parent of block k of the round */
+    const int32_t *tokens;  /* block 0's tokens */
+    uint32_t bt;
+    int *verdict;
+    const char **why;
+} fetch;
+
+/* Checks each value as its reply arrives, while later ones are still on
+ * the wire (no engine lock here). */
+static void check_reply(void *user, size_t k, const kvhi_cluster_cmd *cmd)
+{
+    fetch *f = user;
+    const char *val;
+    size_t len;
+    if (kvhi_cluster_reply(cmd, &val, &len, NULL) != KVHI_REPLY_STRING) {
+        f->verdict[k] = 1;
+        return;
+    }
+    kvhi_remote_expect ex = {.hash = f->hashes[k + 1], .parent = f->hashes[k], .tokens = f->tokens + k * f->bt};
+    int rc = kvhi_remote_value_check(val, len, &f->r->id, &ex, &f->why[k]);
+    f->verdict[k] = rc < 0 ? rc : rc ? -100 : 0;
+}
+
 size_t kvhi_remote_match(kvh_engine *e, kvhi_seq *s, const int32_t *tokens, size_t n_blocks, size_t matched)
 {
     kvhi_remote *r = e->remote;
@@ -284,8 +311,9 @@ size_t kvhi_remote_match(kvh_engine *e, kvhi_seq *s, const int32_t *tokens, size
     bool *present = malloc(want);
     kvhi_cluster_cmd *cmds = malloc(sizeof(kvhi_cluster_cmd) * want);
     const char **why = calloc(want, sizeof(*why));
-    if (!hashes || !keys || !present || !cmds || !why) {
-        free(hashes), free(keys), free(present), free(cmds), free(why);
+    int *verdict = malloc(sizeof(int) * want);
+    if (!hashes || !keys || !present || !cmds || !why || !verdict) {
+        free(hashes), free(keys), free(present), free(cmds), free(why), free(verdict);
         return matched;
     }
     /* hashes[k] is the parent of block matched + k. */
@@ -321,21 +349,26 @@ size_t kvhi_remote_match(kvh_engine *e, kvhi_seq *s, const int32_t *tokens, size
             cmds[k].argvlen[3] = strlen(r->ttl_text);
         }
         kvhi_cluster_report rep;
-        kvhi_cluster_run(r->cluster, cmds, n, &rep);
+        for (size_t k = 0; k < n; k++)
+            verdict[k] = 1; /* no reply yet */
+        fetch f = {.r = r,
+                   .hashes = hashes + w0,
+                   .tokens = tokens + (matched + w0) * bt,
+                   .bt = bt,
+                   .verdict = verdict,
+                   .why = why + w0};
+        kvhi_cluster_run_each(r->cluster, cmds, n, &rep, check_reply, &f);
         tally_report(&t, &rep);
         /* The leading values that verify; the first that does not ends
          * the match (evicted since the EXISTS: nil; damaged: deleted). */
         size_t good = 0;
         for (; good < n; good++) {
             size_t k = w0 + good;
-            const char *val;
-            size_t len;
-            if (kvhi_cluster_reply(&cmds[good], &val, &len, NULL) != KVHI_REPLY_STRING) {
+            if (verdict[good] == 1) {
                 t.misses++;
                 break;
             }
-            kvhi_remote_expect ex = {.hash = hashes[k + 1], .parent = hashes[k], .tokens = tokens + (matched + k) * bt};
-            if (kvhi_remote_value_check(val, len, &r->id, &ex, &why[k]) != 0) {
+            if (verdict[good] != 0) {
                 t.misses++;
                 t.corrupt++;
                 kvhi_cluster_cmd del;
@@ -368,7 +401,7 @@ size_t kvhi_remote_match(kvh_engine *e, kvhi_seq *s, const int32_t *tokens, size
     }
     pthread_mutex_lock(&e->lock);
     tally_add(e, &t);
-    free(hashes), free(keys), free(present), free(cmds), free(why);
+    free(hashes), free(keys), free(present), free(cmds), free(why), free(verdict);
     return matched + done;
 }
 
