@@ -148,7 +148,8 @@ static void take_spares(kvhi_remote *r, uint8_t **vals, size_t cap)
     pthread_mutex_lock(&r->spare_lock);
     size_t n = r->n_spare < cap ? r->n_spare : cap;
     r->n_spare -= n;
-    memcpy(vals, r->spare + r->n_spare, n * sizeof(uint8_t *));
+    if (n)
+        memcpy(vals, r->spare + r->n_spare, n * sizeof(uint8_t *));
     pthread_mutex_unlock(&r->spare_lock);
 }
 
