@@ -296,7 +296,10 @@ static void check_reply(void *user, size_t k, const kvhi_cluster_cmd *cmd)
     f->verdict[k] = rc < 0 ? rc : rc ? -100 : 0;
 }
 
-size_t kvhi_remote_match(kvh_engine *e, kvhi_seq *s, const int32_t *tokens, size_t n_blocks, size_t matched)
+/* Attaches to s the blocks [matched, n_blocks) that the store holds, in
+ * scope sc (NULL: the default), the first with parent hash `parent`. */
+static size_t continue_match(kvh_engine *e, kvhi_seq *s, const kvhi_scope *sc, const int32_t *tokens, size_t n_blocks,
+                             size_t matched, uint64_t parent)
 {
     kvhi_remote *r = e->remote;
     uint32_t bt = e->cfg.block_tokens;
@@ -318,15 +321,16 @@ size_t kvhi_remote_match(kvh_engine *e, kvhi_seq *s, const int32_t *tokens, size
         return matched;
     }
     /* hashes[k] is the parent of block matched + k. */
-    hashes[0] = matched ? e->blocks[s->blocks[matched - 1]].hash : 0;
-    kvhi_scope scope = s->scope;
+    hashes[0] = parent;
+    kvhi_scope scope = sc ? *sc : (kvhi_scope){0};
     uint64_t salt = e->cfg.model_salt;
     tally t = {0};
     pthread_mutex_unlock(&e->lock);
 
     for (size_t k = 0; k < want; k++) {
         size_t i = matched + k;
-        hashes[k + 1] = kvhi_prefix_hash(hashes[k], tokens + i * bt, bt, kvhi_scope_block_salt(salt, &scope, i, bt));
+        hashes[k + 1] =
+            kvhi_prefix_hash(hashes[k], tokens + i * bt, bt, kvhi_scope_block_salt(salt, sc ? &scope : NULL, i, bt));
         kvhi_remote_key(keys[k], &r->id, hashes[k + 1]);
     }
     exists_round(r, keys, want, present, cmds, &t);
@@ -404,6 +408,34 @@ size_t kvhi_remote_match(kvh_engine *e, kvhi_seq *s, const int32_t *tokens, size
     tally_add(e, &t);
     free(hashes), free(keys), free(present), free(cmds), free(why), free(verdict);
     return matched + done;
+}
+
+size_t kvhi_remote_match(kvh_engine *e, kvhi_seq *s, const int32_t *tokens, size_t n_blocks, size_t matched)
+{
+    uint64_t parent = matched ? e->blocks[s->blocks[matched - 1]].hash : 0;
+    return continue_match(e, s, &s->scope, tokens, n_blocks, matched, parent);
+}
+
+size_t kvhi_remote_lookup(kvh_engine *e, const kvhi_scope *sc, const int32_t *tokens, size_t n_blocks, size_t found,
+                          uint64_t parent, kvh_block *out)
+{
+    /* The blocks go into a sequence of no one's, then out as handles. */
+    kvhi_seq tmp;
+    memset(&tmp, 0, sizeof(tmp));
+    tmp.blocks = calloc(n_blocks, sizeof(uint32_t));
+    tmp.held = calloc(n_blocks, sizeof(uint32_t));
+    tmp.pins = calloc(n_blocks, sizeof(uint32_t));
+    size_t got = found;
+    if (tmp.blocks && tmp.held && tmp.pins)
+        got = continue_match(e, &tmp, sc, tokens, n_blocks, found, parent);
+    for (size_t i = found; i < got; i++) {
+        uint32_t b = tmp.blocks[i];
+        kvhi_block_ref_handle(e, b); /* before the sequence's reference goes */
+        kvhi_block_unref(e, b);
+        out[i].id = kvhi_block_handle(e, b);
+    }
+    free(tmp.blocks), free(tmp.held), free(tmp.pins);
+    return got;
 }
 
 /* ---- uploads ---- */

@@ -43,6 +43,13 @@ void kvhi_remote_persist(kvh_engine *e, kvhi_seq *s);
  * (lock held; dropped for the network). */
 size_t kvhi_remote_match(kvh_engine *e, kvhi_seq *s, const int32_t *tokens, size_t n_blocks, size_t matched);
 
+/* Continues kvhi_prefix_lookup (core/scope.h) in the store: out[found..]
+ * receive retained handles of the blocks after the `found` local ones
+ * (the last of which has hash `parent`), up to n_blocks in all. Returns
+ * how many out holds (lock held; dropped for the network). */
+size_t kvhi_remote_lookup(kvh_engine *e, const kvhi_scope *sc, const int32_t *tokens, size_t n_blocks, size_t found,
+                          uint64_t parent, kvh_block *out);
+
 /* For tools (kvh store, kvh doctor): a client on cfg's remote settings
  * without an engine, and what it can do. */
 kvh_status kvhi_remote_open_client(const kvh_config *cfg, kvhi_remote **out);

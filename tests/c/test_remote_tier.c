@@ -154,6 +154,22 @@ static void test_shared_across_processes(void **state)
     kvh_seq s2;
     assert_int_equal(match(e, &s2, 1000), N_BLOCKS * BT);
     assert_int_equal(tu_stats(e).remote_hits, N_BLOCKS);
+    /* kvh_prefix_lookup (the vLLM connector's lookup) continues in the
+     * store too; the blocks it brings are then local for a match. */
+    kvh_engine *e4 = tu_open_cfg(&c);
+    int32_t tokens[N_BLOCKS * BT];
+    prefix_tokens(tokens, N_BLOCKS * BT, 1000);
+    kvh_block out[N_BLOCKS];
+    size_t nb = 0;
+    assert_ok(kvh_prefix_lookup(e4, tokens, N_BLOCKS * BT, out, N_BLOCKS, &nb));
+    assert_int_equal(nb, N_BLOCKS);
+    assert_int_equal(tu_stats(e4).remote_hits, N_BLOCKS);
+    kvh_seq s4;
+    assert_int_equal(match(e4, &s4, 1000), N_BLOCKS * BT);
+    assert_true(tu_check_pattern(e4, s4, LAYERS, TOK_BYTES, 77, 0, N_BLOCKS * BT));
+    assert_int_equal(tu_stats(e4).remote_hits, N_BLOCKS);
+    for (size_t i = 0; i < nb; i++)
+        assert_ok(kvh_block_release(e4, out[i]));
     /* Another model (salt) sees none of it. */
     kvh_config other = remote_cfg(salt ^ 1);
     kvh_engine *e2 = tu_open_cfg(&other);

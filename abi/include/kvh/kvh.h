@@ -807,7 +807,9 @@ KVH_API kvh_status kvh_prefix_hash(kvh_engine *engine, uint64_t parent, const in
 
 /* Longest cached prefix of tokens in the default scope (see "Tenant
  * scopes") as retained block handles (release each with kvh_block_release). [borrowed] tokens, out (cap entries);
- * [out] *n_blocks. Returns KVH_ERR_INVALID_ARG (NULL tokens with n > 0,
+ * [out] *n_blocks. With a remote tier the lookup continues there as
+ * kvh_seq_match_prefix does (verified blocks copied in and published).
+ * Returns KVH_ERR_INVALID_ARG (NULL tokens with n > 0,
  * NULL out with cap > 0, NULL n_blocks). @threads any */
 KVH_API kvh_status kvh_prefix_lookup(kvh_engine *engine, const int32_t *tokens, size_t n, kvh_block *out, size_t cap,
                                      size_t *n_blocks);
