@@ -4,6 +4,7 @@
 #include "core/seq.h"
 #include "core/disk_tier.h"
 #include "core/scope.h"
+#include "core/remote_tier.h"
 
 kvh_status kvh_seq_create(kvh_engine *e, uint32_t agent, kvh_seq *seq)
 {
@@ -117,7 +118,10 @@ kvh_status kvh_seq_persist(kvh_engine *e, kvh_seq seq)
     kvh_status st = kvhi_api_enter_seq_owner(e, seq, &s);
     if (st != KVH_OK)
         return st;
-    st = kvhi_disk_persist(e, s);
+    /* With only a remote tier, persisting means uploading. */
+    st = e->disk || !e->remote ? kvhi_disk_persist(e, s) : KVH_OK;
+    if (st == KVH_OK && e->remote)
+        kvhi_remote_persist(e, s);
     kvhi_api_leave_seq_owner(e, s);
     return st;
 }

@@ -73,7 +73,7 @@ step() {
 
 q=()
 [[ $quick == 1 ]] && q=(--quick)
-for s in alloc migrate disk attention scale switch vmap codec; do
+for s in alloc migrate disk attention scale switch vmap codec remote; do
     step "$s" "$out/$s.jsonl" "$bench" "$s" --json "${q[@]}"
 done
 

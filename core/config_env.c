@@ -37,6 +37,10 @@ static const named disk_flags[] = {{"reset_on_mismatch", KVH_DISK_RESET_ON_MISMA
                                    {"buffered", KVH_DISK_BUFFERED},
                                    {"share_group", KVH_DISK_SHARE_GROUP},
                                    {NULL, 0}};
+static const named remote_uploads[] = {{"persist", KVH_REMOTE_UPLOAD_PERSIST},
+                                       {"demote", KVH_REMOTE_UPLOAD_DEMOTE},
+                                       {"write_through", KVH_REMOTE_UPLOAD_WRITE_THROUGH},
+                                       {NULL, 0}};
 
 typedef struct field {
     const char *var;
@@ -78,6 +82,15 @@ static const field fields[] = {
     F(lctru_window, "KVH_LCTRU_WINDOW", K_U32, NULL),
     F(copy_moves, "KVH_COPY_MOVES", K_BOOL, NULL),
     F(disk_strict_index, "KVH_DISK_STRICT_INDEX", K_BOOL, NULL),
+    F(remote_addrs, "KVH_REMOTE_ADDRS", K_PATH, NULL),
+    F(remote_user, "KVH_REMOTE_USER", K_PATH, NULL),
+    F(remote_password, "KVH_REMOTE_PASSWORD", K_PATH, NULL),
+    F(remote_tls_ca, "KVH_REMOTE_TLS_CA", K_PATH, NULL),
+    F(remote_tls, "KVH_REMOTE_TLS", K_BOOL, NULL),
+    F(remote_timeout_ms, "KVH_REMOTE_TIMEOUT_MS", K_U32, NULL),
+    F(remote_ttl_s, "KVH_REMOTE_TTL_S", K_U32, NULL),
+    F(remote_upload, "KVH_REMOTE_UPLOAD", K_FLAGS, remote_uploads),
+    F(remote_breaker_ms, "KVH_REMOTE_BREAKER_MS", K_U32, NULL),
 };
 
 static const char *lookup(const char *const *envp, const char *var)

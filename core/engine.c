@@ -23,6 +23,7 @@
 #include "core/vmap.h"
 #include "core/ext_pool.h"
 #include "core/context.h"
+#include "core/remote_tier.h"
 
 uint64_t kvhi_now_ns(void)
 {
@@ -102,6 +103,10 @@ void kvhi_config_defaults(kvh_config *c)
     c->promote_min_hits = 1;
     c->log_level = KVH_LOG_WARN;
     c->disk_queue_depth = 32;
+    c->remote_timeout_ms = 50;
+    c->remote_ttl_s = 86400;
+    c->remote_upload = KVH_REMOTE_UPLOAD_PERSIST;
+    c->remote_breaker_ms = 2000;
 }
 
 uint32_t kvhi_dtype_bytes(uint32_t dtype)
@@ -148,7 +153,7 @@ static kvh_status validate(const kvh_config *c)
     CHECK(c->disk_strict_index <= 1, "disk_strict_index %u is not 0 or 1", c->disk_strict_index);
     CHECK(c->eviction_policy <= KVH_EVICT_ADAPTIVE, "unknown eviction_policy %u", c->eviction_policy);
 #undef CHECK
-    return KVH_OK;
+    return kvhi_remote_validate(c);
 }
 
 static void bind_to_node(kvh_engine *e, void *p, size_t bytes)
@@ -301,6 +306,7 @@ static void engine_free(kvh_engine *e)
     if (e->attn_state)
         kvhi_attn_cpu_destroy(e->attn_state);
     kvhi_disk_tier_close(e, false);
+    kvhi_remote_tier_close(e);
     if (e->backend && e->backend_ctx)
         e->backend->context_destroy(e->backend_ctx);
     kvhi_backend_cuda_unload(e->backend_dl);
@@ -320,6 +326,7 @@ kvh_status kvhi_engine_open(const kvh_config *config, kvh_engine **out)
         return kvhi_fail(KVH_ERR_NOMEM, "out of memory for the engine");
     e->cfg = *config;
     e->cfg.disk_path = NULL; /* borrowed: never kept */
+    e->cfg.remote_addrs = e->cfg.remote_user = e->cfg.remote_password = e->cfg.remote_tls_ca = NULL;
     pthread_mutex_init(&e->lock, NULL);
     pthread_cond_init(&e->changed, NULL);
     pthread_cond_init(&e->fence_cv, NULL);
@@ -402,6 +409,10 @@ kvh_status kvhi_engine_open(const kvh_config *config, kvh_engine **out)
         return kvhi_fail(KVH_ERR_NOMEM, "out of memory for the adaptive policy's shadows");
     }
     if (e->disk && (st = kvhi_disk_tier_recover(e)) != KVH_OK) {
+        engine_free(e);
+        return st;
+    }
+    if ((st = kvhi_remote_tier_open(e, config)) != KVH_OK) {
         engine_free(e);
         return st;
     }

@@ -140,6 +140,7 @@ struct kvh_engine {
     kvhi_adapt adapt; /* KVH_EVICT_ADAPTIVE's shadows (core/adaptive.c) */
 
     struct kvhi_disk *disk;        /* NULL without a disk tier */
+    struct kvhi_remote *remote;    /* NULL without a remote tier (core/remote_tier.h) */
     uint32_t clean_hand;           /* background cleaner's clock hand */
     uint64_t host_arrivals;        /* blocks placed in the host tier so far */
     uint64_t clean_epoch_seen;     /* host_arrivals at the last empty sweep */

@@ -1,6 +1,7 @@
 /* Tenant scopes (core/scope.h). */
 #include "core/scope.h"
 #include "core/block.h"
+#include "core/remote_tier.h"
 
 #include <string.h>
 
@@ -36,5 +37,8 @@ void kvhi_prefix_lookup(kvh_engine *e, const kvhi_scope *sc, const int32_t *toke
         kvhi_count_prefix_hit(e, e->blocks[b].tier);
         parent = h;
     }
+    size_t want = n / bt < cap ? n / bt : cap;
+    if (e->remote && i < want)
+        i = kvhi_remote_lookup(e, sc, tokens, want, i, parent, out);
     *n_blocks = i;
 }

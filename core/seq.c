@@ -14,6 +14,7 @@
 #include "core/seq.h"
 #include "core/disk_tier.h"
 #include "core/codec_tier.h"
+#include "core/remote_tier.h"
 
 kvh_status kvhi_seq_get(kvh_engine *e, kvh_seq h, kvhi_seq **out)
 {
@@ -505,6 +506,8 @@ kvh_status kvhi_seq_match_prefix(kvh_engine *e, kvhi_seq *s, const int32_t *toke
     for (size_t j = 0; j < i; j++)
         kvhi_count_prefix_hit(e, found_in[j]);
     free(found_in);
+    if (e->remote && i == found)
+        i = kvhi_remote_match(e, s, tokens, nb, i);
     *matched = i * bt;
     return KVH_OK;
 }

@@ -41,6 +41,15 @@ static const char *const vars[] = {
     "KVH_LCTRU_WINDOW",
     "KVH_COPY_MOVES",
     "KVH_DISK_STRICT_INDEX",
+    "KVH_REMOTE_ADDRS",
+    "KVH_REMOTE_USER",
+    "KVH_REMOTE_PASSWORD",
+    "KVH_REMOTE_TLS_CA",
+    "KVH_REMOTE_TLS",
+    "KVH_REMOTE_TIMEOUT_MS",
+    "KVH_REMOTE_TTL_S",
+    "KVH_REMOTE_UPLOAD",
+    "KVH_REMOTE_BREAKER_MS",
 };
 #define NVARS (sizeof(vars) / sizeof(vars[0]))
 #define MAX_VARS 32

@@ -8,7 +8,8 @@
  * fuzz_index and fuzz_slot_header get real metadata and slots of a store
  * written by the engine (the geometry of fuzz_index.c), in the targets'
  * input formats; fuzz_config and fuzz_api get hand-made call plans and a
- * few pseudo-random inputs. */
+ * few pseudo-random inputs; fuzz_remote_value values as the remote tier
+ * writes them (core/remote_format.c). */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
@@ -21,6 +22,8 @@
 #include <unistd.h>
 
 #include "kvh/kvh.h"
+#include "core/remote_format.h"
+#include "fuzz/fuzz_common.h"
 
 static char out_root[512];
 
@@ -649,6 +652,35 @@ static void api_seeds(void)
     newer_api_seeds();
 }
 
+/* fuzz_remote_value: flags, geometry choice 7 (256-byte blocks of 16
+ * tokens), hash, parent, then a value as the remote tier encodes it. */
+static void remote_value_seeds(void)
+{
+    const uint64_t hash = 0x1122334455667788ull, parent = 0x99aabbccddeeff00ull;
+    kvhi_remote_id id = {.model_salt = 0x5a17, .geo_tag = 0xfeedf00d, .block_bytes = 256, .block_tokens = 16};
+    int32_t tokens[16];
+    for (int i = 0; i < 16; i++)
+        tokens[i] = (int32_t)fz_mix(hash + (uint64_t)i);
+    static uint8_t b[18 + KVHI_SLOT_HEADER_BYTES + 256];
+    b[0] = 0;
+    b[1] = 7;
+    for (int i = 0; i < 8; i++) {
+        b[2 + i] = (uint8_t)(hash >> (8 * i));
+        b[10 + i] = (uint8_t)(parent >> (8 * i));
+    }
+    uint8_t *v = b + 18;
+    for (int i = 0; i < 256; i++)
+        v[KVHI_SLOT_HEADER_BYTES + i] = (uint8_t)(i * 13);
+    kvhi_remote_value_encode(v, &id, hash, parent, tokens, v + KVHI_SLOT_HEADER_BYTES);
+    put("fuzz_remote_value", "valid", b, sizeof(b));
+    b[0] = 4; /* checked on its own */
+    put("fuzz_remote_value", "valid-alone", b, sizeof(b));
+    b[0] = 1; /* a changed token count, resealed by the target */
+    v[12] = 0xff;
+    put("fuzz_remote_value", "forged-count", b, sizeof(b));
+    put("fuzz_remote_value", "truncated", b, 18 + 100);
+}
+
 int main(int argc, char **argv)
 {
     if (argc != 2) {
@@ -660,5 +692,6 @@ int main(int argc, char **argv)
     store_seeds();
     config_seeds();
     api_seeds();
+    remote_value_seeds();
     return 0;
 }

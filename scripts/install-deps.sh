@@ -22,6 +22,9 @@ APT_PACKAGES=(
     llvm               # llvm-symbolizer for sanitizer stack traces
     clang-format       # C formatting (make test-format)
     python3-venv       # make test-wheel: fresh venvs (Debian's python3)
+    libhiredis-dev     # remote tier: Redis client (loaded at run time)
+    redis-server       # remote tier tests: a local Redis Cluster
+    redis-tools        # redis-cli: cluster creation in the tests
 )
 
 # PyPI distribution names (as `pip install` takes them).

@@ -2,7 +2,8 @@
  *   kvh-store info DIR     geometry, blocks, bytes, prefix chains, and who
  *                          can read it (directory and file modes)
  *   kvh-store verify DIR   re-checks every block's checksums; exit 0 only
- *                          if all pass, the bad ones are listed */
+ *                          if all pass, the bad ones are listed
+ *   kvh-store remote ...   the remote tier (tools/kvh_store_remote.c) */
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -15,6 +16,7 @@
 
 #include "core/disk_index.h"
 #include "core/prefix_index.h"
+#include "tools/kvh_store_remote.h"
 
 static const char *dtype_name(uint32_t d) { return d == 0 ? "f32" : d == 1 ? "f16" : d == 2 ? "bf16" : "?"; }
 
@@ -25,7 +27,10 @@ static void usage(FILE *f)
                "Inspects a kvh disk tier directory (kvh_config.disk_path).\n"
                "  info     geometry, block count, bytes, prefix chains, permissions\n"
                "  verify   re-reads every indexed block and checks its checksums;\n"
-               "           exits 0 only when all pass, and lists the bad ones\n");
+               "           exits 0 only when all pass, and lists the bad ones\n"
+               "       kvh-store remote ping|count|verify|purge [--sample N] [--json]\n"
+               "           the remote tier's keys of the model the KVH_* environment\n"
+               "           names (KVH_REMOTE_ADDRS, KVH_MODEL_SALT, geometry)\n");
 }
 
 /* Opens DIR read-only: geometry from the index header, slot count from
@@ -183,6 +188,8 @@ int main(int argc, char **argv)
         usage(stdout);
         return 0;
     }
+    if (argc >= 2 && !strcmp(argv[1], "remote"))
+        return kvh_store_remote_main(argc, argv);
     if (argc < 3 || (strcmp(argv[1], "info") && strcmp(argv[1], "verify"))) {
         usage(stderr);
         return 2;

@@ -110,7 +110,22 @@ typedef struct kvh_config {
     uint32_t lctru_window;
     uint32_t copy_moves;
     uint32_t disk_strict_index;
+    const char *remote_addrs;
+    const char *remote_user;
+    const char *remote_password;
+    const char *remote_tls_ca;
+    uint32_t remote_tls;
+    uint32_t remote_timeout_ms;
+    uint32_t remote_ttl_s;
+    uint32_t remote_upload;
+    uint32_t remote_breaker_ms;
+    uint32_t reserved1;
 } kvh_config;
+enum kvh_remote_upload {
+    KVH_REMOTE_UPLOAD_PERSIST = 1u,
+    KVH_REMOTE_UPLOAD_DEMOTE = 2u,
+    KVH_REMOTE_UPLOAD_WRITE_THROUGH = 4u
+};
 kvh_status kvh_config_init(kvh_config *config, size_t struct_size);
 kvh_status kvh_config_from_env(kvh_config *config, size_t struct_size, const char *const *envp);
 kvh_status kvh_engine_open(const kvh_config *config, kvh_engine **engine);
@@ -171,6 +186,13 @@ typedef struct kvh_stats {
     uint64_t bytes_disk_copies_written;
     uint64_t blocks_streamed_host;
     uint64_t blocks_streamed_disk;
+    uint64_t remote_hits;
+    uint64_t remote_misses;
+    uint64_t remote_corrupt;
+    uint64_t remote_uploads;
+    uint64_t remote_uploads_dropped;
+    uint64_t remote_timeouts;
+    uint64_t remote_breaker_opens;
 } kvh_stats;
 kvh_status kvh_engine_stats(kvh_engine *engine, kvh_stats *stats);
 kvh_status kvh_agent_set_quota(kvh_engine *engine, uint32_t agent, uint64_t device_bytes);

@@ -95,6 +95,37 @@ def cmd_store(args: argparse.Namespace) -> int:
     return subprocess.call(cmd)
 
 
+def cmd_store_remote(args: argparse.Namespace) -> int:
+    """kvh-store remote ACTION, with the model and cluster of the resolved
+    configuration (arguments, KVH_* variables, $KVH_CONFIG) in its
+    environment."""
+    from .config import ENV_VARS, resolve
+
+    tool = _store_tool()
+    if not tool:
+        return _missing_tool("kvh-store")
+    env = dict(os.environ)
+    cfg = resolve().config
+    for name, var in ENV_VARS.items():
+        v = getattr(cfg, name)
+        if v is None or var == "KVH_DISK_FLAGS":
+            continue
+        if isinstance(v, bool):
+            v = int(v)
+        elif hasattr(v, "name") and hasattr(v, "value"):
+            v = int(v.value)
+        env[var] = str(v)
+    if not env.get("KVH_REMOTE_ADDRS"):
+        _err("no remote tier configured: set KVH_REMOTE_ADDRS (or remote_addrs in $KVH_CONFIG)")
+        return EXIT_FAIL
+    cmd = [tool, "remote", args.remote_action]
+    if args.remote_action == "verify":
+        cmd += ["--sample", str(args.sample)]
+    if args.json:
+        cmd.append("--json")
+    return subprocess.call(cmd, env=env)
+
+
 def _store_info(directory: Path) -> Optional[Dict[str, Any]]:
     tool = _store_tool()
     if not tool:
@@ -463,6 +494,21 @@ def build_parser() -> argparse.ArgumentParser:
         ap.add_argument("dir", metavar="DIR", help="the disk tier directory")
         ap.add_argument("--json", action="store_true", help="JSON output")
         ap.set_defaults(func=cmd_store)
+    text = (
+        "the remote tier's keys of the configured model (KVH_REMOTE_ADDRS, KVH_MODEL_SALT and the geometry, "
+        "from the environment or $KVH_CONFIG)"
+    )
+    ap = ssub.add_parser("remote", help=text, description=text, formatter_class=_Formatter)
+    ap.add_argument(
+        "remote_action",
+        choices=["ping", "count", "verify", "purge"],
+        metavar="ACTION",
+        help="ping: nodes that answer; count: keys of the model; verify: check a sample of values "
+        "(exit 1 if any is bad); purge: delete every key of the model",
+    )
+    ap.add_argument("--sample", type=int, default=64, help="values verify reads")
+    ap.add_argument("--json", action="store_true", help="JSON output")
+    ap.set_defaults(func=cmd_store_remote)
 
     sp = sub.add_parser(
         "bench",

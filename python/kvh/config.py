@@ -65,7 +65,20 @@ _C_FIELDS = (
     "lctru_window",
     "copy_moves",
     "disk_strict_index",
+    "remote_addrs",
+    "remote_user",
+    "remote_password",
+    "remote_tls_ca",
+    "remote_tls",
+    "remote_timeout_ms",
+    "remote_ttl_s",
+    "remote_upload",
+    "remote_breaker_ms",
 )
+# Text fields: NULL or a C string.
+_STRINGS = ("disk_path", "remote_addrs", "remote_user", "remote_password", "remote_tls_ca")
+# Shown as set or not, never as their value (kvh doctor prints the rest).
+_SECRETS = ("remote_password",)
 _FLAG_FIELDS = ("disk_reset_on_mismatch", "disk_buffered", "disk_share_group")
 
 #: Config field -> the environment variable that sets it.
@@ -73,7 +86,7 @@ ENV_VARS: Dict[str, str] = {name: "KVH_" + name.upper() for name in _C_FIELDS}
 ENV_VARS.update({name: "KVH_DISK_FLAGS" for name in _FLAG_FIELDS})
 
 _ENUMS = {"dtype": DType, "backend": Backend, "kv_codec": Codec, "eviction_policy": Eviction}
-_BOOLS = ("vmap", "copy_moves", "disk_strict_index")
+_BOOLS = ("vmap", "copy_moves", "disk_strict_index", "remote_tls")
 
 
 @dataclass(frozen=True)
@@ -95,6 +108,8 @@ class Resolved:
             v = getattr(self.config, f.name)
             if v is None:
                 v = defaults.get(f.name)
+            if f.name in _SECRETS and v is not None:
+                v = "(set)"
             yield f.name, _show(v), self.sources.get(f.name, "default")
 
 
@@ -121,7 +136,7 @@ def _read_c(c, names) -> Dict[str, Any]:
     out: Dict[str, Any] = {}
     for name in names:
         v = getattr(c, name)
-        if name == "disk_path":
+        if name in _STRINGS:
             out[name] = os.fsdecode(ffi.string(v)) if v != ffi.NULL else None
         elif name in _ENUMS:
             out[name] = _ENUMS[name](int(v))

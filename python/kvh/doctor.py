@@ -510,6 +510,46 @@ def unrelated_kvh_distribution() -> Optional[str]:
         return None
 
 
+_REMOTE_FIELDS = (
+    "remote_addrs",
+    "remote_user",
+    "remote_password",
+    "remote_tls",
+    "remote_tls_ca",
+    "remote_timeout_ms",
+    "model_salt",
+)
+
+
+def check_remote(config) -> Check:
+    """Whether the remote tier's nodes answer (kvh-store remote ping), when
+    the configuration names one; nothing is contacted otherwise."""
+    addrs = getattr(config, "remote_addrs", None) if config is not None else None
+    if not addrs:
+        return Check("remote tier", INFO, "not configured (no remote_addrs): nothing is contacted")
+    from .tools import find_tool
+
+    tool = find_tool("kvh-store")
+    if not tool:
+        return Check("remote tier", WARN, f"{addrs}: kvh-store not found, connectivity not checked")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVH_REMOTE_")}
+    for name in _REMOTE_FIELDS:
+        v = getattr(config, name, None)
+        if v is not None:
+            env["KVH_" + name.upper()] = str(int(v) if isinstance(v, bool) else v)
+    res = subprocess.run([tool, "remote", "ping", "--json"], env=env, capture_output=True, text=True, timeout=60)
+    data: Dict[str, Any] = {"addrs": addrs, "tls": "not available in this build (hiredis 0.14)"}
+    try:
+        data.update(json.loads(res.stdout))
+    except ValueError:
+        return Check("remote tier", FAIL, f"{addrs}: {res.stderr.strip() or 'no answer'}", [], data)
+    auth = "AUTH" if getattr(config, "remote_password", None) else "no AUTH"
+    summary = f"{addrs}: {data.get('answering', 0)} of {data.get('nodes', 0)} node(s) answer ({auth}, no TLS)"
+    status = OK if res.returncode == 0 else FAIL
+    fix = [] if status == OK else ["check remote_addrs, remote_password and that the nodes run"]
+    return Check("remote tier", status, summary, fix, data)
+
+
 def run_checks(
     data_dir: Path, host_budget: int, disk_budget: int, progress: Optional[Callable[[str], None]] = None
 ) -> List[Check]:
@@ -552,6 +592,7 @@ def main_doctor(args) -> int:
         checks = run_checks(
             args.data_dir, args.host_budget, args.disk_budget, progress=lambda name: bar.update(1, name)
         )
+        checks.append(check_remote(resolved.config if resolved else None))
     if args.json:
         json.dump(
             {

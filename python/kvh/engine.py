@@ -353,6 +353,19 @@ class Engine(OwnedHandle):
             c.lctru_window = _index("lctru_window", cfg.lctru_window, maximum=_U32)
         if cfg.copy_moves is not None:
             c.copy_moves = 1 if cfg.copy_moves else 0
+        for name in ("remote_addrs", "remote_user", "remote_password", "remote_tls_ca"):
+            text = getattr(cfg, name)
+            if text is not None:
+                raw = os.fsencode(text)
+                if b"\0" in raw:
+                    raise ValueError(f"{name} must not contain NUL bytes")
+                buf = ffi.new("char[]", raw)
+                keep.append(buf)
+                setattr(c, name, buf)
+        for name in ("remote_timeout_ms", "remote_ttl_s", "remote_upload", "remote_breaker_ms"):
+            setu(name)
+        if cfg.remote_tls is not None:
+            c.remote_tls = 1 if cfg.remote_tls else 0
         c.log_fn = lib._kvh_py_log
         c.log_user = NULL
         return keep
@@ -388,6 +401,15 @@ class Engine(OwnedHandle):
             eviction_policy=Eviction(int(c.eviction_policy)),
             lctru_window=int(c.lctru_window),
             copy_moves=bool(c.copy_moves),
+            remote_addrs=given.remote_addrs,
+            remote_user=given.remote_user,
+            remote_password=given.remote_password,
+            remote_tls=bool(c.remote_tls),
+            remote_tls_ca=given.remote_tls_ca,
+            remote_timeout_ms=int(c.remote_timeout_ms),
+            remote_ttl_s=int(c.remote_ttl_s),
+            remote_upload=int(c.remote_upload),
+            remote_breaker_ms=int(c.remote_breaker_ms),
         )
 
     # ---- lifetime ----

@@ -193,6 +193,25 @@ class Config:
     #: are the same memory (default False: on the CPU backend they are one
     #: arena and a move re-accounts the block in place).
     copy_moves: Optional[bool] = None
+    #: Remote tier (a Redis Cluster shared by several engines): seed nodes
+    #: "host:port,host:port"; None: no remote tier. See the README's
+    #: "Remote tier".
+    remote_addrs: Optional[str] = None
+    #: AUTH user (Redis 6 ACL) and password; None: no AUTH.
+    remote_user: Optional[str] = None
+    remote_password: Optional[str] = None
+    #: TLS to the cluster; True is refused (UnsupportedError): this build's
+    #: client has no TLS.
+    remote_tls: Optional[bool] = None
+    remote_tls_ca: Optional[str] = None
+    #: Deadline of one remote round in ms (default 50).
+    remote_timeout_ms: Optional[int] = None
+    #: Seconds a block lives in the store, renewed on hits (default 86400).
+    remote_ttl_s: Optional[int] = None
+    #: kvh_remote_upload bits (1: on persist, the default).
+    remote_upload: Optional[int] = None
+    #: ms a failed node is left alone before a probe (default 2000).
+    remote_breaker_ms: Optional[int] = None
 
     def replace(self, **changes: Any) -> "Config":
         return dataclasses.replace(self, **changes)
@@ -322,6 +341,17 @@ class Stats:
     #: tier they were read from (blocks attended where they lie: none).
     blocks_streamed_host: int = 0
     blocks_streamed_disk: int = 0
+    #: Remote tier: blocks a prefix match found there (verified, copied into
+    #: a local tier), blocks looked for and not found, values that failed
+    #: verification (deleted), blocks uploaded, uploads dropped, commands
+    #: past the deadline, nodes the circuit breaker left alone.
+    remote_hits: int = 0
+    remote_misses: int = 0
+    remote_corrupt: int = 0
+    remote_uploads: int = 0
+    remote_uploads_dropped: int = 0
+    remote_timeouts: int = 0
+    remote_breaker_opens: int = 0
     #: Counters of a newer library that this version of the package does not
     #: name yet (field name -> value).
     extra: Dict[str, int] = field(default_factory=dict, compare=False)

@@ -43,6 +43,15 @@ static void test_every_field(void **state)
         "KVH_LCTRU_WINDOW=100",
         "KVH_COPY_MOVES=on",
         "KVH_DISK_STRICT_INDEX=true",
+        "KVH_REMOTE_ADDRS=10.0.0.1:7000,10.0.0.2:7000",
+        "KVH_REMOTE_USER=kvh",
+        "KVH_REMOTE_PASSWORD=s3cret",
+        "KVH_REMOTE_TLS_CA=/etc/ca.pem",
+        "KVH_REMOTE_TLS=off",
+        "KVH_REMOTE_TIMEOUT_MS=75",
+        "KVH_REMOTE_TTL_S=3600",
+        "KVH_REMOTE_UPLOAD=persist",
+        "KVH_REMOTE_BREAKER_MS=500",
         "KVH_UNRELATED=whatever",
         NULL,
     };
@@ -76,6 +85,15 @@ static void test_every_field(void **state)
     assert_int_equal(c.lctru_window, 100);
     assert_int_equal(c.copy_moves, 1);
     assert_int_equal(c.disk_strict_index, 1);
+    assert_string_equal(c.remote_addrs, "10.0.0.1:7000,10.0.0.2:7000");
+    assert_string_equal(c.remote_user, "kvh");
+    assert_string_equal(c.remote_password, "s3cret");
+    assert_string_equal(c.remote_tls_ca, "/etc/ca.pem");
+    assert_int_equal(c.remote_tls, 0);
+    assert_int_equal(c.remote_timeout_ms, 75);
+    assert_int_equal(c.remote_ttl_s, 3600);
+    assert_int_equal(c.remote_upload, KVH_REMOTE_UPLOAD_PERSIST);
+    assert_int_equal(c.remote_breaker_ms, 500);
 }
 
 /* Unset and empty variables keep what the config holds; an empty

@@ -48,6 +48,22 @@ def test_settings_from_extra_config_and_environment(tmp_path):
     assert settings.parse_size("1.5k") == 1536 and settings.parse_size(7) == 7
 
 
+def test_remote_settings():
+    assert settings.load({}, environ={}).engine_remote_fields() == {}
+    s = settings.load(
+        {"kvh.remote_addrs": "10.0.0.1:7000", "remote_password": "pw", "remote_timeout_ms": "80"},
+        environ={"KVH_VLLM_REMOTE_TTL_S": "600"},
+    )
+    assert s.engine_remote_fields() == {
+        "remote_addrs": "10.0.0.1:7000",
+        "remote_password": "pw",
+        "remote_timeout_ms": 80,
+        "remote_ttl_s": 600,
+    }
+    s = settings.load({"remote_addrs": "a:1"}, environ={"KVH_VLLM_REMOTE_ADDRS": ""})
+    assert s.engine_remote_fields() == {}
+
+
 def test_private_dir_is_owner_only(tmp_path):
     d = channel.private_dir(str(tmp_path))
     assert stat.S_IMODE(os.stat(d).st_mode) == 0o700

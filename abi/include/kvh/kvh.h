@@ -312,7 +312,48 @@ typedef struct kvh_config {
      * then the index header's, else the journal header's, else the one
      * most of the verified slots carry. */
     uint32_t disk_strict_index;
+    /* ---- remote tier: a Redis Cluster (or Valkey) shared by several
+     * engines; see kvh_remote_upload and the README's "Remote tier". ---- */
+    /* [borrowed] during open. "host:port[,host:port...]": seed nodes of
+     * the cluster (any one suffices; a server without cluster support is
+     * used as one node). NULL or empty: no remote tier (the default;
+     * nothing is contacted unless an address is given). */
+    const char *remote_addrs;
+    /* [borrowed] during open. AUTH password, and user (Redis 6 ACL; NULL:
+     * the default user). NULL: no AUTH. A refused AUTH fails the open. */
+    const char *remote_user;
+    const char *remote_password;
+    /* [borrowed] during open. CA file for remote_tls; NULL: the system's. */
+    const char *remote_tls_ca;
+    /* 1: TLS to the cluster. This build's client (hiredis 0.14) has no
+     * TLS: kvh_engine_open refuses it with KVH_ERR_UNSUPPORTED. Default 0. */
+    uint32_t remote_tls;
+    /* Deadline of one remote round (lookup batch, upload batch) in ms,
+     * 1..60000; default 50. A node that misses it is a miss. */
+    uint32_t remote_timeout_ms;
+    /* Lifetime of a block in the store in seconds (SET ... EX), renewed
+     * on every hit; 1..2^31-1, default 86400. */
+    uint32_t remote_ttl_s;
+    /* kvh_remote_upload bits: when blocks go up; default
+     * KVH_REMOTE_UPLOAD_PERSIST. */
+    uint32_t remote_upload;
+    /* How long a node that failed or missed the deadline is not asked, in
+     * ms, before one probe; 1..3600000, default 2000. */
+    uint32_t remote_breaker_ms;
+    uint32_t reserved1;
 } kvh_config;
+
+/* When blocks reach the remote tier (kvh_config.remote_upload). */
+enum kvh_remote_upload {
+    /* kvh_seq_persist uploads the sequence's full blocks (after the disk
+     * tier made them durable, when there is one). */
+    KVH_REMOTE_UPLOAD_PERSIST = 1u,
+    /* Reserved: on demotion to disk, and on publication (write-through).
+     * Not implemented yet: kvh_engine_open refuses them with
+     * KVH_ERR_UNSUPPORTED. */
+    KVH_REMOTE_UPLOAD_DEMOTE = 2u,
+    KVH_REMOTE_UPLOAD_WRITE_THROUGH = 4u
+};
 
 /* Fills *config with defaults for a struct of struct_size bytes (pass
  * sizeof(kvh_config)); the caller then changes what it needs.
@@ -368,7 +409,11 @@ KVH_API kvh_status kvh_config_from_env(kvh_config *config, size_t struct_size, c
  * store of another geometry or model_salt), KVH_ERR_CORRUPT (a damaged
  * index or journal with disk_strict_index set; otherwise they are rebuilt
  * from the slot headers), KVH_ERR_NOSPACE (no room for its slab files); see
- * KVH_DISK_RESET_ON_MISMATCH. @threads any */
+ * KVH_DISK_RESET_ON_MISMATCH. With a remote tier also KVH_ERR_INVALID_ARG
+ * (an address that is not host:port, remote settings out of range),
+ * KVH_ERR_UNSUPPORTED (remote_tls, an upload policy not implemented, no
+ * libhiredis), KVH_ERR_IO (AUTH refused); a cluster that does not answer
+ * is not an error (its blocks are misses until it does). @threads any */
 KVH_API kvh_status kvh_engine_open(const kvh_config *config, kvh_engine **engine);
 
 /* Waits for migrations in flight, stops the workers and frees everything.
@@ -476,6 +521,20 @@ typedef struct kvh_stats {
      * blocks attended where they lie are not counted. */
     uint64_t blocks_streamed_host;
     uint64_t blocks_streamed_disk;
+    /* Remote tier: blocks a prefix match found there (verified, copied
+     * into a local tier; also in prefix_hit_blocks), blocks it looked for
+     * and did not find (absent, evicted, node down or late), values that
+     * failed verification (each deleted from the store and counted as a
+     * miss too), blocks uploaded, uploads dropped (node down, late, no
+     * memory), commands that missed remote_timeout_ms, and nodes the
+     * circuit breaker started leaving alone. */
+    uint64_t remote_hits;
+    uint64_t remote_misses;
+    uint64_t remote_corrupt;
+    uint64_t remote_uploads;
+    uint64_t remote_uploads_dropped;
+    uint64_t remote_timeouts;
+    uint64_t remote_breaker_opens;
 } kvh_stats;
 
 /* Copies the counters. [out] *stats (set stats->struct_size first; a
@@ -551,7 +610,10 @@ KVH_API kvh_status kvh_seq_read_kv(kvh_engine *engine, kvh_seq seq, uint32_t lay
  * is written if the block lives above it) and returns when they and the
  * index entries naming them are on stable storage: a later process that
  * opens the same disk_path finds them with kvh_seq_match_prefix.
- * KVH_ERR_UNSUPPORTED without a disk tier; KVH_ERR_INVALID_ARG when a full
+ * With a remote tier (KVH_REMOTE_UPLOAD_PERSIST) the full blocks are also
+ * uploaded, those the store lacks, within remote_timeout_ms a batch;
+ * uploads that fail are dropped and counted (kvh_stats), never an error.
+ * KVH_ERR_UNSUPPORTED without a disk or remote tier; KVH_ERR_INVALID_ARG when a full
  * block has K/V that was never written; KVH_ERR_IO (after a failed fsync
  * every later persist fails too), KVH_ERR_NOSPACE (the disk is full),
  * KVH_ERR_CORRUPT (a block to rewrite failed its checksum), KVH_ERR_BUSY
@@ -572,8 +634,13 @@ KVH_API kvh_status kvh_seq_truncate(kvh_engine *engine, kvh_seq seq, uint64_t n_
  * [out] *matched_tokens (a multiple of block_tokens, possibly 0).
  * KVH_ERR_INVALID_ARG when the sequence is not empty (or NULL tokens with
  * n > 0, NULL matched_tokens); KVH_ERR_BAD_HANDLE, KVH_ERR_NOMEM. A block
- * on disk that fails its checksum ends the match there (no error).
- * @threads handle */
+ * on disk that fails its checksum ends the match there (no error). With a
+ * remote tier, a match that runs out of local blocks continues there:
+ * each value found is verified (checksums, geometry, hash, parent,
+ * tokens), copied into a local tier and published like a block read from
+ * disk; one that fails is a miss, counted and deleted from the store. The
+ * remote part waits at most remote_timeout_ms a round (a few rounds for a
+ * long prefix); a node down is a miss. @threads handle */
 KVH_API kvh_status kvh_seq_match_prefix(kvh_engine *engine, kvh_seq seq, const int32_t *tokens, size_t n,
                                         size_t *matched_tokens);
 
@@ -757,7 +824,9 @@ KVH_API kvh_status kvh_prefix_hash(kvh_engine *engine, uint64_t parent, const in
 
 /* Longest cached prefix of tokens in the default scope (see "Tenant
  * scopes") as retained block handles (release each with kvh_block_release). [borrowed] tokens, out (cap entries);
- * [out] *n_blocks. Returns KVH_ERR_INVALID_ARG (NULL tokens with n > 0,
+ * [out] *n_blocks. With a remote tier the lookup continues there as
+ * kvh_seq_match_prefix does (verified blocks copied in and published).
+ * Returns KVH_ERR_INVALID_ARG (NULL tokens with n > 0,
  * NULL out with cap > 0, NULL n_blocks). @threads any */
 KVH_API kvh_status kvh_prefix_lookup(kvh_engine *engine, const int32_t *tokens, size_t n, kvh_block *out, size_t cap,
                                      size_t *n_blocks);

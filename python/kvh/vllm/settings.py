@@ -16,6 +16,13 @@ extra_config key       environment variable      default
                                                  are made durable on disk
 ``lookup_timeout_s``   ``KVH_VLLM_LOOKUP_TIMEOUT`` 5
 ``log_level``          ``KVH_VLLM_LOG_LEVEL``    warn (kvh's own messages)
+``remote_addrs``       ``KVH_VLLM_REMOTE_ADDRS`` none: no remote tier; else
+                                                 ``host:port,...`` of a Redis
+                                                 Cluster the instances share
+``remote_user``        ``KVH_VLLM_REMOTE_USER``  none (AUTH user)
+``remote_password``    ``KVH_VLLM_REMOTE_PASSWORD`` none (AUTH password)
+``remote_timeout_ms``  ``KVH_VLLM_REMOTE_TIMEOUT_MS`` the library's (50)
+``remote_ttl_s``       ``KVH_VLLM_REMOTE_TTL_S`` the library's (86400)
 =====================  ========================  ==============================
 
 Sizes accept a plain number of bytes or a suffix: ``512M``, ``8G``, ``1T``.
@@ -83,6 +90,18 @@ class Settings:
     persist: bool = True
     lookup_timeout_s: float = 5.0
     log_level: str = "warn"
+    remote_addrs: Optional[str] = None
+    remote_user: Optional[str] = None
+    remote_password: Optional[str] = None
+    remote_timeout_ms: Optional[int] = None
+    remote_ttl_s: Optional[int] = None
+
+    def engine_remote_fields(self) -> dict:
+        """The kvh.Config fields of the remote tier (empty without one)."""
+        if not self.remote_addrs:
+            return {}
+        names = ("remote_addrs", "remote_user", "remote_password", "remote_timeout_ms", "remote_ttl_s")
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
     @property
     def disk_enabled(self) -> bool:
@@ -99,6 +118,11 @@ _KEYS = {
     "persist": ("KVH_VLLM_PERSIST", _parse_bool),
     "lookup_timeout_s": ("KVH_VLLM_LOOKUP_TIMEOUT", float),
     "log_level": ("KVH_VLLM_LOG_LEVEL", lambda v: str(v).strip().lower()),
+    "remote_addrs": ("KVH_VLLM_REMOTE_ADDRS", lambda v: str(v).strip() or None),
+    "remote_user": ("KVH_VLLM_REMOTE_USER", lambda v: str(v) or None),
+    "remote_password": ("KVH_VLLM_REMOTE_PASSWORD", lambda v: str(v) or None),
+    "remote_timeout_ms": ("KVH_VLLM_REMOTE_TIMEOUT_MS", int),
+    "remote_ttl_s": ("KVH_VLLM_REMOTE_TTL_S", int),
 }
 
 

@@ -106,6 +106,7 @@ class KvStore:
             host_bytes=max(settings.host_bytes, 2 * row),
             model_salt=self.salt,
             log_level=settings.log_level,
+            **settings.engine_remote_fields(),
         )
         self.disk_path: Optional[str] = None
         if settings.disk_enabled:
@@ -137,7 +138,7 @@ class KvStore:
         self._persist_q: "queue.Queue[Optional[np.ndarray]]" = queue.Queue()
         self._persist_thread: Optional[threading.Thread] = None
         self._persist_warned = False
-        if self.disk_path and settings.persist:
+        if (self.disk_path or settings.remote_addrs) and settings.persist:
             self._persist_thread = threading.Thread(target=self._persist_loop, name="kvh-vllm-persist", daemon=True)
             self._persist_thread.start()
 

@@ -259,12 +259,22 @@ pub struct kvh_config {
     pub lctru_window: u32,
     pub copy_moves: u32,
     pub disk_strict_index: u32,
+    pub remote_addrs: *const ::std::os::raw::c_char,
+    pub remote_user: *const ::std::os::raw::c_char,
+    pub remote_password: *const ::std::os::raw::c_char,
+    pub remote_tls_ca: *const ::std::os::raw::c_char,
+    pub remote_tls: u32,
+    pub remote_timeout_ms: u32,
+    pub remote_ttl_s: u32,
+    pub remote_upload: u32,
+    pub remote_breaker_ms: u32,
+    pub reserved1: u32,
 }
 #[test]
 fn bindgen_test_layout_kvh_config() {
     assert_eq!(
         ::std::mem::size_of::<kvh_config>(),
-        152usize,
+        208usize,
         concat!("Size of: ", stringify!(kvh_config))
     );
     assert_eq!(
@@ -782,6 +792,176 @@ fn bindgen_test_layout_kvh_config() {
         );
     }
     test_field_disk_strict_index();
+    fn test_field_remote_addrs() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_config>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).remote_addrs) as usize - ptr as usize
+            },
+            152usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_config),
+                "::",
+                stringify!(remote_addrs)
+            )
+        );
+    }
+    test_field_remote_addrs();
+    fn test_field_remote_user() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_config>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).remote_user) as usize - ptr as usize
+            },
+            160usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_config),
+                "::",
+                stringify!(remote_user)
+            )
+        );
+    }
+    test_field_remote_user();
+    fn test_field_remote_password() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_config>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).remote_password) as usize - ptr as usize
+            },
+            168usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_config),
+                "::",
+                stringify!(remote_password)
+            )
+        );
+    }
+    test_field_remote_password();
+    fn test_field_remote_tls_ca() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_config>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).remote_tls_ca) as usize - ptr as usize
+            },
+            176usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_config),
+                "::",
+                stringify!(remote_tls_ca)
+            )
+        );
+    }
+    test_field_remote_tls_ca();
+    fn test_field_remote_tls() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_config>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).remote_tls) as usize - ptr as usize
+            },
+            184usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_config),
+                "::",
+                stringify!(remote_tls)
+            )
+        );
+    }
+    test_field_remote_tls();
+    fn test_field_remote_timeout_ms() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_config>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).remote_timeout_ms) as usize - ptr as usize
+            },
+            188usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_config),
+                "::",
+                stringify!(remote_timeout_ms)
+            )
+        );
+    }
+    test_field_remote_timeout_ms();
+    fn test_field_remote_ttl_s() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_config>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).remote_ttl_s) as usize - ptr as usize
+            },
+            192usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_config),
+                "::",
+                stringify!(remote_ttl_s)
+            )
+        );
+    }
+    test_field_remote_ttl_s();
+    fn test_field_remote_upload() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_config>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).remote_upload) as usize - ptr as usize
+            },
+            196usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_config),
+                "::",
+                stringify!(remote_upload)
+            )
+        );
+    }
+    test_field_remote_upload();
+    fn test_field_remote_breaker_ms() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_config>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).remote_breaker_ms) as usize - ptr as usize
+            },
+            200usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_config),
+                "::",
+                stringify!(remote_breaker_ms)
+            )
+        );
+    }
+    test_field_remote_breaker_ms();
+    fn test_field_reserved1() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_config>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).reserved1) as usize - ptr as usize
+            },
+            204usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_config),
+                "::",
+                stringify!(reserved1)
+            )
+        );
+    }
+    test_field_reserved1();
 }
 impl Default for kvh_config {
     fn default() -> Self {
@@ -792,6 +972,10 @@ impl Default for kvh_config {
         }
     }
 }
+pub const KVH_REMOTE_UPLOAD_PERSIST: kvh_remote_upload = 1;
+pub const KVH_REMOTE_UPLOAD_DEMOTE: kvh_remote_upload = 2;
+pub const KVH_REMOTE_UPLOAD_WRITE_THROUGH: kvh_remote_upload = 4;
+pub type kvh_remote_upload = ::std::os::raw::c_uint;
 extern "C" {
     pub fn kvh_config_init(config: *mut kvh_config, struct_size: usize) -> kvh_status;
 }
@@ -1035,12 +1219,19 @@ pub struct kvh_stats {
     pub bytes_disk_copies_written: u64,
     pub blocks_streamed_host: u64,
     pub blocks_streamed_disk: u64,
+    pub remote_hits: u64,
+    pub remote_misses: u64,
+    pub remote_corrupt: u64,
+    pub remote_uploads: u64,
+    pub remote_uploads_dropped: u64,
+    pub remote_timeouts: u64,
+    pub remote_breaker_opens: u64,
 }
 #[test]
 fn bindgen_test_layout_kvh_stats() {
     assert_eq!(
         ::std::mem::size_of::<kvh_stats>(),
-        288usize,
+        344usize,
         concat!("Size of: ", stringify!(kvh_stats))
     );
     assert_eq!(
@@ -1677,6 +1868,125 @@ fn bindgen_test_layout_kvh_stats() {
         );
     }
     test_field_blocks_streamed_disk();
+    fn test_field_remote_hits() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_stats>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).remote_hits) as usize - ptr as usize
+            },
+            288usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_stats),
+                "::",
+                stringify!(remote_hits)
+            )
+        );
+    }
+    test_field_remote_hits();
+    fn test_field_remote_misses() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_stats>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).remote_misses) as usize - ptr as usize
+            },
+            296usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_stats),
+                "::",
+                stringify!(remote_misses)
+            )
+        );
+    }
+    test_field_remote_misses();
+    fn test_field_remote_corrupt() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_stats>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).remote_corrupt) as usize - ptr as usize
+            },
+            304usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_stats),
+                "::",
+                stringify!(remote_corrupt)
+            )
+        );
+    }
+    test_field_remote_corrupt();
+    fn test_field_remote_uploads() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_stats>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).remote_uploads) as usize - ptr as usize
+            },
+            312usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_stats),
+                "::",
+                stringify!(remote_uploads)
+            )
+        );
+    }
+    test_field_remote_uploads();
+    fn test_field_remote_uploads_dropped() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_stats>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).remote_uploads_dropped) as usize - ptr as usize
+            },
+            320usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_stats),
+                "::",
+                stringify!(remote_uploads_dropped)
+            )
+        );
+    }
+    test_field_remote_uploads_dropped();
+    fn test_field_remote_timeouts() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_stats>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).remote_timeouts) as usize - ptr as usize
+            },
+            328usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_stats),
+                "::",
+                stringify!(remote_timeouts)
+            )
+        );
+    }
+    test_field_remote_timeouts();
+    fn test_field_remote_breaker_opens() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_stats>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).remote_breaker_opens) as usize - ptr as usize
+            },
+            336usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_stats),
+                "::",
+                stringify!(remote_breaker_opens)
+            )
+        );
+    }
+    test_field_remote_breaker_opens();
 }
 extern "C" {
     pub fn kvh_engine_stats(engine: *mut kvh_engine, stats: *mut kvh_stats) -> kvh_status;

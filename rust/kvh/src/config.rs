@@ -12,6 +12,33 @@ use crate::types::{Backend, DType, Geometry, LogLevel};
 /// A log sink: called from any kvh thread, never with an engine lock held.
 pub type LogFn = dyn Fn(LogLevel, &str) + Send + Sync + 'static;
 
+/// The text fields of the remote tier in `kvh_config`.
+#[derive(Clone, Copy)]
+pub(crate) enum RemoteText {
+    Addrs = 0,
+    User = 1,
+    Password = 2,
+    TlsCa = 3,
+}
+
+impl RemoteText {
+    pub(crate) const ALL: [RemoteText; 4] = [
+        RemoteText::Addrs,
+        RemoteText::User,
+        RemoteText::Password,
+        RemoteText::TlsCa,
+    ];
+
+    pub(crate) fn field(self, raw: &mut sys::kvh_config) -> &mut *const std::os::raw::c_char {
+        match self {
+            RemoteText::Addrs => &mut raw.remote_addrs,
+            RemoteText::User => &mut raw.remote_user,
+            RemoteText::Password => &mut raw.remote_password,
+            RemoteText::TlsCa => &mut raw.remote_tls_ca,
+        }
+    }
+}
+
 /// Engine configuration: `kvh_config` with the library's defaults
 /// (`kvh_config_init`), changed through builder methods.
 ///
@@ -35,12 +62,15 @@ pub type LogFn = dyn Fn(LogLevel, &str) + Send + Sync + 'static;
 pub struct Config {
     pub(crate) raw: sys::kvh_config,
     pub(crate) disk_path: Option<CString>,
+    /// The remote tier's text settings, in the order of [`RemoteText`].
+    pub(crate) remote: [Option<CString>; 4],
     pub(crate) log: Option<Arc<LogFn>>,
     /// An error found while building (reported by `Engine::open`).
     pub(crate) error: Option<Error>,
 }
 
-// SAFETY: the raw pointers in `raw` (disk_path, log_fn, log_user) are
+// SAFETY: the raw pointers in `raw` (disk_path, the remote_* texts,
+// log_fn, log_user) are
 // always NULL in a Config: the disk path and the log sink are kept as owned
 // Rust values and only written into a copy of `raw` by `Engine::open`.
 unsafe impl Send for Config {}
@@ -66,6 +96,11 @@ impl std::fmt::Debug for Config {
             .field("host_bytes", &c.host_bytes)
             .field("disk_bytes", &c.disk_bytes)
             .field("disk_path", &self.disk_path)
+            .field("remote_addrs", &self.remote[RemoteText::Addrs as usize])
+            .field(
+                "remote_password",
+                &self.remote[RemoteText::Password as usize].is_some(),
+            )
             .field("model_salt", &c.model_salt)
             .field("log", &self.log.is_some())
             .finish_non_exhaustive()
@@ -82,6 +117,7 @@ impl Config {
         Config {
             raw,
             disk_path: None,
+            remote: Default::default(),
             log: None,
             error,
         }
@@ -141,6 +177,15 @@ impl Config {
             // SAFETY: a NUL-terminated string inside `owned`, still alive.
             self.disk_path = Some(unsafe { std::ffi::CStr::from_ptr(raw.disk_path) }.to_owned());
             raw.disk_path = std::ptr::null();
+        }
+        for which in RemoteText::ALL {
+            let p = which.field(&mut raw);
+            if !p.is_null() {
+                // SAFETY: as for disk_path.
+                self.remote[which as usize] =
+                    Some(unsafe { std::ffi::CStr::from_ptr(*p) }.to_owned());
+                *p = std::ptr::null();
+            }
         }
         self.raw = raw;
         Ok(self)
@@ -247,6 +292,62 @@ impl Config {
     /// Host-tier budget in bytes (default 1 GiB; 0: no host tier).
     pub fn host_bytes(mut self, bytes: u64) -> Self {
         self.raw.host_bytes = bytes;
+        self
+    }
+
+    /// Remote tier: the seed nodes of a Redis Cluster (or one server)
+    /// shared by several engines, `"host:port,host:port"` (see the README's
+    /// "Remote tier"; default none: nothing is contacted).
+    pub fn remote(self, addrs: &str) -> Self {
+        self.remote_text(RemoteText::Addrs, addrs)
+    }
+
+    /// AUTH for the remote tier: a password, and a user (Redis 6 ACL;
+    /// `None`: the default user). A refused AUTH fails `Engine::open`.
+    pub fn remote_auth(self, user: Option<&str>, password: &str) -> Self {
+        let c = self.remote_text(RemoteText::Password, password);
+        match user {
+            Some(u) => c.remote_text(RemoteText::User, u),
+            None => c,
+        }
+    }
+
+    /// TLS to the cluster, with a CA file. This build's client has no TLS:
+    /// `Engine::open` refuses it with [`Status::Unsupported`].
+    pub fn remote_tls(mut self, ca_file: Option<&str>) -> Self {
+        self.raw.remote_tls = 1;
+        match ca_file {
+            Some(ca) => self.remote_text(RemoteText::TlsCa, ca),
+            None => self,
+        }
+    }
+
+    /// Deadline of one remote round in ms (default 50), how long a block
+    /// lives in the store in seconds (default 86400, renewed on hits), and
+    /// how long a failed node is left alone in ms (default 2000).
+    pub fn remote_limits(mut self, timeout_ms: u32, ttl_s: u32, breaker_ms: u32) -> Self {
+        self.raw.remote_timeout_ms = timeout_ms;
+        self.raw.remote_ttl_s = ttl_s;
+        self.raw.remote_breaker_ms = breaker_ms;
+        self
+    }
+
+    /// When blocks go up: `kvh_remote_upload` bits (default 1: on persist).
+    pub fn remote_upload(mut self, bits: u32) -> Self {
+        self.raw.remote_upload = bits;
+        self
+    }
+
+    fn remote_text(mut self, which: RemoteText, text: &str) -> Self {
+        match CString::new(text) {
+            Ok(c) => self.remote[which as usize] = Some(c),
+            Err(_) => {
+                self.error = Some(Error::new(
+                    crate::Status::InvalidArg,
+                    "a remote tier setting contains a NUL byte",
+                ))
+            }
+        }
         self
     }
 
@@ -433,5 +534,59 @@ mod tests {
     fn nul_in_disk_path_is_an_error() {
         let c = Config::new().disk("a\0b", 1);
         assert_eq!(c.error.unwrap().status(), crate::Status::InvalidArg);
+    }
+
+    #[test]
+    fn remote_settings() {
+        let c = Config::new()
+            .remote("127.0.0.1:7000,127.0.0.1:7001")
+            .remote_auth(Some("kvh"), "pw")
+            .remote_limits(75, 3600, 500)
+            .remote_upload(1);
+        assert_eq!(c.raw.remote_timeout_ms, 75);
+        assert_eq!(c.raw.remote_ttl_s, 3600);
+        assert_eq!(c.raw.remote_breaker_ms, 500);
+        assert!(c.raw.remote_addrs.is_null()); // owned, set by Engine::open
+        assert_eq!(
+            c.remote[RemoteText::User as usize]
+                .as_deref()
+                .unwrap()
+                .to_str()
+                .unwrap(),
+            "kvh"
+        );
+        assert!(
+            !format!("{c:?}").contains("\"pw\""),
+            "the password stays out of Debug"
+        );
+        let nul = Config::new().remote_auth(None, "a\0b");
+        assert_eq!(nul.error.unwrap().status(), crate::Status::InvalidArg);
+        // TLS is refused by this build's client; a bad address is InvalidArg.
+        let tls = Config::new().remote("127.0.0.1:1").remote_tls(None);
+        assert_eq!(
+            crate::Engine::open(tls).err().unwrap().status(),
+            crate::Status::Unsupported
+        );
+        let bad = Config::new().remote("no-port");
+        assert_eq!(
+            crate::Engine::open(bad).err().unwrap().status(),
+            crate::Status::InvalidArg
+        );
+        let env = Config::new()
+            .apply_vars([
+                ("KVH_REMOTE_ADDRS", "10.0.0.1:7000"),
+                ("KVH_REMOTE_TTL_S", "60"),
+            ])
+            .unwrap();
+        assert_eq!(
+            env.remote[RemoteText::Addrs as usize]
+                .as_deref()
+                .unwrap()
+                .to_str()
+                .unwrap(),
+            "10.0.0.1:7000"
+        );
+        assert!(env.raw.remote_addrs.is_null());
+        assert_eq!(env.raw.remote_ttl_s, 60);
     }
 }

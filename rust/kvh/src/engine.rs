@@ -97,6 +97,11 @@ impl Engine {
             .disk_path
             .as_ref()
             .map_or(ptr::null(), |p| p.as_ptr());
+        for which in crate::config::RemoteText::ALL {
+            *which.field(&mut raw) = config.remote[which as usize]
+                .as_ref()
+                .map_or(ptr::null(), |p| p.as_ptr());
+        }
         let log = config.log.map(Box::new);
         if let Some(sink) = &log {
             raw.log_fn = Some(log_trampoline);

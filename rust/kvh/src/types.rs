@@ -262,6 +262,22 @@ pub struct Stats {
     pub blocks_streamed_host: u64,
     /// The same, read from disk.
     pub blocks_streamed_disk: u64,
+    /// Remote tier: blocks a prefix match found there (verified, copied
+    /// into a local tier; also in `prefix_hit_blocks`).
+    pub remote_hits: u64,
+    /// Remote tier: blocks looked for and not found (absent, evicted, node
+    /// down or late).
+    pub remote_misses: u64,
+    /// Remote tier: values that failed verification (each deleted).
+    pub remote_corrupt: u64,
+    /// Remote tier: blocks uploaded.
+    pub remote_uploads: u64,
+    /// Remote tier: uploads dropped (node down, late, no memory).
+    pub remote_uploads_dropped: u64,
+    /// Remote tier: commands that missed `remote_timeout_ms`.
+    pub remote_timeouts: u64,
+    /// Remote tier: nodes the circuit breaker started leaving alone.
+    pub remote_breaker_opens: u64,
 }
 
 impl Stats {
@@ -302,6 +318,13 @@ impl Stats {
             bytes_disk_copies_written: s.bytes_disk_copies_written,
             blocks_streamed_host: s.blocks_streamed_host,
             blocks_streamed_disk: s.blocks_streamed_disk,
+            remote_hits: s.remote_hits,
+            remote_misses: s.remote_misses,
+            remote_corrupt: s.remote_corrupt,
+            remote_uploads: s.remote_uploads,
+            remote_uploads_dropped: s.remote_uploads_dropped,
+            remote_timeouts: s.remote_timeouts,
+            remote_breaker_opens: s.remote_breaker_opens,
         }
     }
 

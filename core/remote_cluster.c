@@ -1,0 +1,668 @@
+#include "core/remote_cluster.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "core/remote_hiredis.h"
+
+#define NO_NODE UINT16_MAX
+#define MAX_NODES 1024u
+#define MAX_ROUNDS 4 /* a MOVED, then an ASK, then one more, then give up */
+
+typedef struct node {
+    char host[256];
+    int port;
+    redisContext *ctx;
+    uint64_t left_alone_until; /* circuit breaker: open until then */
+    bool breaker_open;
+    bool in_batch; /* has commands in the current round */
+} node;
+
+struct kvhi_cluster {
+    pthread_mutex_t lock;
+    const kvhi_hiredis *h;
+    kvhi_cluster_opts opts;
+    char *user, *password;
+    node *nodes;
+    uint32_t n_nodes, n_seeds;
+    uint16_t slot_node[KVHI_CLUSTER_SLOTS];
+    bool standalone;        /* cluster support disabled: node 0 holds every slot */
+    bool refresh_wanted;    /* a MOVED or a failure: the map may be stale */
+    uint64_t refresh_after; /* no refresh attempt before then */
+};
+
+static uint64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static void say(kvhi_cluster *c, int level, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static void say(kvhi_cluster *c, int level, const char *fmt, ...)
+{
+    if (!c->opts.log)
+        return;
+    char text[320];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(text, sizeof(text), fmt, ap);
+    va_end(ap);
+    c->opts.log(c->opts.log_user, level, text);
+}
+
+/* CRC16-CCITT (XMODEM: polynomial 0x1021, initial 0), as Redis Cluster
+ * defines key slots. */
+static uint16_t crc16(const uint8_t *p, size_t n)
+{
+    uint16_t crc = 0;
+    for (size_t i = 0; i < n; i++) {
+        crc ^= (uint16_t)(p[i] << 8);
+        for (int b = 0; b < 8; b++)
+            crc = (crc & 0x8000) ? (uint16_t)(crc << 1 ^ 0x1021) : (uint16_t)(crc << 1);
+    }
+    return crc;
+}
+
+uint32_t kvhi_cluster_key_slot(const char *key, size_t len)
+{
+    /* Only the part between the first '{' and the next '}' is hashed,
+     * when that part is not empty. */
+    const char *open = memchr(key, '{', len);
+    if (open) {
+        size_t at = (size_t)(open - key) + 1;
+        const char *close = memchr(key + at, '}', len - at);
+        if (close && close > key + at)
+            return crc16((const uint8_t *)key + at, (size_t)(close - (key + at))) % KVHI_CLUSTER_SLOTS;
+    }
+    return crc16((const uint8_t *)key, len) % KVHI_CLUSTER_SLOTS;
+}
+
+static struct timeval tv_of_ns(uint64_t ns)
+{
+    if (ns < 1000000)
+        ns = 1000000; /* a zero timeval would mean "no timeout" */
+    return (struct timeval){.tv_sec = (time_t)(ns / 1000000000ull),
+                            .tv_usec = (suseconds_t)(ns % 1000000000ull / 1000)};
+}
+
+/* The node at host:port, added when new; NO_NODE when the table is full. */
+static uint32_t node_of(kvhi_cluster *c, const char *host, size_t host_len, int port)
+{
+    if (host_len >= sizeof(c->nodes[0].host))
+        return NO_NODE;
+    for (uint32_t i = 0; i < c->n_nodes; i++)
+        if (c->nodes[i].port == port && strlen(c->nodes[i].host) == host_len &&
+            memcmp(c->nodes[i].host, host, host_len) == 0)
+            return i;
+    if (c->n_nodes >= MAX_NODES)
+        return NO_NODE;
+    if ((c->n_nodes & (c->n_nodes - 1)) == 0) { /* grow at powers of two */
+        node *more = realloc(c->nodes, sizeof(node) * (c->n_nodes ? 2 * c->n_nodes : 4));
+        if (!more)
+            return NO_NODE;
+        c->nodes = more;
+    }
+    node *nd = &c->nodes[c->n_nodes];
+    memset(nd, 0, sizeof(*nd));
+    memcpy(nd->host, host, host_len);
+    nd->host[host_len] = '\0';
+    nd->port = port;
+    return c->n_nodes++;
+}
+
+/* Parses "host:port" (the last ':' splits, so bare IPv6 works). */
+static uint32_t node_of_addr(kvhi_cluster *c, const char *addr, size_t len)
+{
+    const char *colon = NULL;
+    for (size_t i = 0; i < len; i++)
+        if (addr[i] == ':')
+            colon = addr + i;
+    if (!colon || colon == addr)
+        return NO_NODE;
+    char port_text[8];
+    size_t plen = len - (size_t)(colon + 1 - addr);
+    if (plen == 0 || plen >= sizeof(port_text))
+        return NO_NODE;
+    memcpy(port_text, colon + 1, plen);
+    port_text[plen] = '\0';
+    char *end;
+    long port = strtol(port_text, &end, 10);
+    if (*end || port <= 0 || port > 65535)
+        return NO_NODE;
+    return node_of(c, addr, (size_t)(colon - addr), (int)port);
+}
+
+static void drop_connection(kvhi_cluster *c, node *nd)
+{
+    if (nd->ctx)
+        c->h->free_ctx(nd->ctx);
+    nd->ctx = NULL;
+}
+
+/* The node failed: its connection is dropped and it is left alone for
+ * breaker_ms (logged when that starts). */
+static void node_failed(kvhi_cluster *c, node *nd, const char *what, kvhi_cluster_report *rep)
+{
+    drop_connection(c, nd);
+    nd->left_alone_until = now_ns() + (uint64_t)c->opts.breaker_ms * 1000000ull;
+    c->refresh_wanted = true; /* a failover may have moved its slots */
+    if (!nd->breaker_open) {
+        nd->breaker_open = true;
+        if (rep)
+            rep->breaker_opens++;
+        say(c, 1, "remote tier: %s:%d %s; not asked again for %u ms", nd->host, nd->port, what, c->opts.breaker_ms);
+    }
+}
+
+static void node_answered(kvhi_cluster *c, node *nd)
+{
+    if (nd->breaker_open) {
+        nd->breaker_open = false;
+        say(c, 2, "remote tier: %s:%d answers again", nd->host, nd->port);
+    }
+}
+
+static bool timed_out(const redisContext *ctx)
+{
+    return ctx->err == REDIS_ERR_IO && (errno == EAGAIN || errno == EWOULDBLOCK || errno == ETIMEDOUT ||
+                                        strstr(ctx->errstr, "temporarily unavailable") != NULL);
+}
+
+/* AUTH on a fresh connection: 0, or -1 with the server's answer in err. */
+static int authenticate(kvhi_cluster *c, redisContext *ctx, char *err, size_t err_len)
+{
+    if (!c->password)
+        return 0;
+    const char *argv[3] = {"AUTH", c->user ? c->user : c->password, c->password};
+    size_t lens[3] = {4, strlen(argv[1]), strlen(c->password)};
+    redisReply *r = c->h->command_argv(ctx, c->user ? 3 : 2, argv, lens);
+    int rc = 0;
+    if (!r || r->type == REDIS_REPLY_ERROR) {
+        snprintf(err, err_len, "%s", r ? r->str : ctx->errstr);
+        rc = -1;
+    }
+    if (r)
+        c->h->free_reply(r);
+    return rc;
+}
+
+/* Connects nd when it has no connection. 0, -1 (unreachable: err says
+ * why), -2 (AUTH refused) or -3 (no answer in time). */
+static int ensure_connected(kvhi_cluster *c, node *nd, uint64_t budget_ns, char *err, size_t err_len)
+{
+    if (nd->ctx)
+        return 0;
+    redisContext *ctx = c->h->connect_timeout(nd->host, nd->port, tv_of_ns(budget_ns));
+    if (!ctx || ctx->err) {
+        snprintf(err, err_len, "%s", ctx ? ctx->errstr : "out of memory");
+        if (ctx)
+            c->h->free_ctx(ctx);
+        return -1;
+    }
+    c->h->set_timeout(ctx, tv_of_ns(budget_ns));
+    if (authenticate(c, ctx, err, err_len) != 0) {
+        /* No answer at all, rather than a refusal. */
+        int rc = !ctx->err ? -2 : timed_out(ctx) ? -3 : -1;
+        c->h->free_ctx(ctx);
+        return rc;
+    }
+    nd->ctx = ctx;
+    return 0;
+}
+
+/* Loads the slot map from the first node that answers CLUSTER SLOTS. */
+static void refresh_map(kvhi_cluster *c, uint64_t budget_ns)
+{
+    uint64_t now = now_ns();
+    if (now < c->refresh_after)
+        return;
+    c->refresh_after = now + 100000000ull; /* at most ten a second */
+    for (uint32_t i = 0; i < c->n_nodes; i++) {
+        node *nd = &c->nodes[i];
+        char err[160];
+        if ((nd->breaker_open && now < nd->left_alone_until) || ensure_connected(c, nd, budget_ns, err, sizeof(err)))
+            continue;
+        c->h->set_timeout(nd->ctx, tv_of_ns(budget_ns));
+        const char *argv[2] = {"CLUSTER", "SLOTS"};
+        size_t lens[2] = {7, 5};
+        redisReply *r = c->h->command_argv(nd->ctx, 2, argv, lens);
+        if (!r) {
+            drop_connection(c, nd);
+            continue;
+        }
+        if (r->type == REDIS_REPLY_ERROR && strstr(r->str, "cluster support disabled")) {
+            c->standalone = true;
+            for (uint32_t s = 0; s < KVHI_CLUSTER_SLOTS; s++)
+                c->slot_node[s] = (uint16_t)i;
+            c->h->free_reply(r);
+            c->refresh_wanted = false;
+            return;
+        }
+        if (r->type != REDIS_REPLY_ARRAY) {
+            c->h->free_reply(r);
+            continue;
+        }
+        /* [[start, end, [host, port, id, ...], replicas...], ...] */
+        for (size_t k = 0; k < r->elements; k++) {
+            redisReply *e = r->element[k];
+            if (e->type != REDIS_REPLY_ARRAY || e->elements < 3 || e->element[0]->type != REDIS_REPLY_INTEGER ||
+                e->element[1]->type != REDIS_REPLY_INTEGER || e->element[2]->type != REDIS_REPLY_ARRAY ||
+                e->element[2]->elements < 2 || e->element[2]->element[0]->type != REDIS_REPLY_STRING ||
+                e->element[2]->element[1]->type != REDIS_REPLY_INTEGER)
+                continue;
+            long long lo = e->element[0]->integer, hi = e->element[1]->integer;
+            redisReply *host = e->element[2]->element[0];
+            long long port = e->element[2]->element[1]->integer;
+            if (lo < 0 || hi >= KVHI_CLUSTER_SLOTS || lo > hi || port <= 0 || port > 65535)
+                continue;
+            /* An empty host means "the address you asked". */
+            uint32_t m = host->len ? node_of(c, host->str, host->len, (int)port)
+                                   : node_of(c, nd->host, strlen(nd->host), (int)port);
+            nd = &c->nodes[i]; /* node_of may have moved the table */
+            if (m == NO_NODE)
+                continue;
+            for (long long s = lo; s <= hi; s++)
+                c->slot_node[s] = (uint16_t)m;
+        }
+        c->h->free_reply(r);
+        c->standalone = false;
+        c->refresh_wanted = false;
+        return;
+    }
+}
+
+int kvhi_cluster_open(const kvhi_cluster_opts *opts, kvhi_cluster **out, char *err, size_t err_len)
+{
+    const char *why = NULL;
+    const kvhi_hiredis *h = kvhi_hiredis_get(&why);
+    if (!h) {
+        snprintf(err, err_len, "%s", why);
+        return -1;
+    }
+    kvhi_cluster *c = calloc(1, sizeof(*c));
+    if (!c) {
+        snprintf(err, err_len, "out of memory for the remote tier");
+        return -1;
+    }
+    pthread_mutex_init(&c->lock, NULL);
+    c->h = h;
+    c->opts = *opts;
+    c->opts.addrs = NULL;
+    c->user = opts->user ? strdup(opts->user) : NULL;
+    c->password = opts->password ? strdup(opts->password) : NULL;
+    memset(c->slot_node, 0xff, sizeof(c->slot_node));
+    for (const char *p = opts->addrs; *p;) {
+        size_t len = strcspn(p, ", ");
+        if (len && node_of_addr(c, p, len) == NO_NODE) {
+            snprintf(err, err_len, "remote address '%.*s' is not host:port", (int)(len > 200 ? 200 : len), p);
+            kvhi_cluster_close(c);
+            return -1;
+        }
+        p += len;
+        p += strspn(p, ", ");
+    }
+    if (c->n_nodes == 0) {
+        snprintf(err, err_len, "no remote address given (remote_addrs is empty)");
+        kvhi_cluster_close(c);
+        return -1;
+    }
+    c->n_seeds = c->n_nodes;
+    /* A refused password is a configuration error, found now; a node that
+     * does not answer is a miss until it does. */
+    uint64_t budget = (uint64_t)c->opts.timeout_ms * 1000000ull;
+    bool reached = false;
+    for (uint32_t i = 0; i < c->n_seeds && !reached; i++) {
+        char why_text[200];
+        int rc = ensure_connected(c, &c->nodes[i], budget, why_text, sizeof(why_text));
+        if (rc == -2) {
+            snprintf(err, err_len, "remote tier: AUTH refused by %s:%d: %s", c->nodes[i].host, c->nodes[i].port,
+                     why_text);
+            kvhi_cluster_close(c);
+            return -1;
+        }
+        if (rc == 0)
+            reached = true;
+        else
+            node_failed(c, &c->nodes[i], why_text, NULL);
+    }
+    if (reached) {
+        /* Without a password, a server that wants one says so now. */
+        node *nd = NULL;
+        for (uint32_t i = 0; i < c->n_seeds && !nd; i++)
+            if (c->nodes[i].ctx)
+                nd = &c->nodes[i];
+        const char *argv[1] = {"PING"};
+        size_t lens[1] = {4};
+        redisReply *r = c->h->command_argv(nd->ctx, 1, argv, lens);
+        bool refused = r && r->type == REDIS_REPLY_ERROR && strncmp(r->str, "NOAUTH", 6) == 0;
+        if (r)
+            c->h->free_reply(r);
+        if (refused) {
+            snprintf(err, err_len, "remote tier: %s:%d wants AUTH (NOAUTH): set remote_password", nd->host, nd->port);
+            kvhi_cluster_close(c);
+            return -1;
+        }
+        refresh_map(c, budget);
+    } else
+        c->refresh_wanted = true;
+    *out = c;
+    return 0;
+}
+
+void kvhi_cluster_close(kvhi_cluster *c)
+{
+    if (!c)
+        return;
+    for (uint32_t i = 0; i < c->n_nodes; i++)
+        drop_connection(c, &c->nodes[i]);
+    free(c->nodes);
+    free(c->user);
+    free(c->password);
+    pthread_mutex_destroy(&c->lock);
+    free(c);
+}
+
+int kvhi_cluster_reply(const kvhi_cluster_cmd *cmd, const char **str, size_t *len, long long *integer)
+{
+    const redisReply *r = cmd->reply;
+    if (cmd->result != KVHI_CMD_OK || !r)
+        return KVHI_REPLY_NONE;
+    if (str) {
+        *str = r->str;
+        *len = r->len;
+    }
+    if (integer)
+        *integer = r->integer;
+    switch (r->type) {
+    case REDIS_REPLY_STRING:
+        return KVHI_REPLY_STRING;
+    case REDIS_REPLY_INTEGER:
+        return KVHI_REPLY_INTEGER;
+    case REDIS_REPLY_STATUS:
+        return KVHI_REPLY_STATUS;
+    case REDIS_REPLY_NIL:
+        return KVHI_REPLY_NIL;
+    case REDIS_REPLY_ERROR:
+        return KVHI_REPLY_ERROR;
+    default:
+        return KVHI_REPLY_OTHER;
+    }
+}
+
+void kvhi_cluster_cmds_clear(kvhi_cluster *c, kvhi_cluster_cmd *cmds, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        if (cmds[i].reply)
+            c->h->free_reply(cmds[i].reply);
+        cmds[i].reply = NULL;
+        cmds[i].result = KVHI_CMD_PENDING;
+    }
+}
+
+/* Follows "MOVED <slot> <host:port>" or "ASK ...": the command's node
+ * changes, and a MOVED also changes the map. False for another error. */
+static bool redirect(kvhi_cluster *c, kvhi_cluster_cmd *cmd, const redisReply *r, kvhi_cluster_report *rep)
+{
+    bool moved = r->len > 6 && memcmp(r->str, "MOVED ", 6) == 0;
+    bool ask = r->len > 4 && memcmp(r->str, "ASK ", 4) == 0;
+    if (!moved && !ask)
+        return false;
+    const char *p = r->str + (moved ? 6 : 4);
+    char *end;
+    unsigned long slot = strtoul(p, &end, 10);
+    if (end == p || *end != ' ' || slot >= KVHI_CLUSTER_SLOTS)
+        return false;
+    const char *addr = end + 1;
+    uint32_t m = node_of_addr(c, addr, strlen(addr));
+    if (m == NO_NODE)
+        return false;
+    cmd->node = m;
+    cmd->asking = ask;
+    if (moved) {
+        c->slot_node[slot] = (uint16_t)m;
+        c->refresh_wanted = true;
+    }
+    rep->redirects++;
+    return true;
+}
+
+/* Sends every pending command of the round to its node, then reads the
+ * answers node by node: the nodes work on their shares at the same time. */
+static void run_round(kvhi_cluster *c, kvhi_cluster_cmd *cmds, size_t n, uint64_t deadline, kvhi_cluster_report *rep,
+                      kvhi_cluster_reply_fn on_reply, void *user)
+{
+    uint64_t now = now_ns();
+    for (uint32_t i = 0; i < c->n_nodes; i++)
+        c->nodes[i].in_batch = false;
+    for (size_t k = 0; k < n; k++) {
+        kvhi_cluster_cmd *cmd = &cmds[k];
+        if (cmd->result != KVHI_CMD_PENDING)
+            continue;
+        if (now >= deadline) {
+            cmd->result = KVHI_CMD_TIMEOUT;
+            rep->timeouts++;
+            continue;
+        }
+        if (cmd->node == NO_NODE || cmd->node >= c->n_nodes) {
+            cmd->result = KVHI_CMD_DOWN;
+            rep->down++;
+            continue;
+        }
+        node *nd = &c->nodes[cmd->node];
+        if (!nd->in_batch) {
+            char err[160];
+            if (nd->breaker_open && now < nd->left_alone_until) {
+                cmd->result = KVHI_CMD_DOWN;
+                rep->down++;
+                continue;
+            }
+            int crc = ensure_connected(c, nd, deadline - now, err, sizeof(err));
+            if (crc != 0) {
+                node_failed(c, nd, crc == -3 ? "timed out" : err, rep);
+                cmd->result = crc == -3 ? KVHI_CMD_TIMEOUT : KVHI_CMD_DOWN;
+                if (crc == -3)
+                    rep->timeouts++;
+                else
+                    rep->down++;
+                continue;
+            }
+            c->h->set_timeout(nd->ctx, tv_of_ns(deadline - now));
+            nd->in_batch = true;
+        }
+        if (cmd->asking) {
+            const char *argv[1] = {"ASKING"};
+            size_t len[1] = {6};
+            c->h->append_argv(nd->ctx, 1, argv, len);
+        }
+        if (c->h->append_argv(nd->ctx, cmd->argc, cmd->argv, cmd->argvlen) != REDIS_OK) {
+            cmd->result = KVHI_CMD_FAILED;
+            continue;
+        }
+    }
+    /* Writes: each node's whole share. */
+    for (uint32_t i = 0; i < c->n_nodes; i++) {
+        node *nd = &c->nodes[i];
+        if (!nd->in_batch)
+            continue;
+        int done = 0;
+        while (!done)
+            if (c->h->buffer_write(nd->ctx, &done) != REDIS_OK) {
+                if (timed_out(nd->ctx))
+                    node_failed(c, nd, "timed out", rep);
+                else
+                    node_failed(c, nd, nd->ctx->errstr, rep);
+                nd->in_batch = false;
+                break;
+            }
+    }
+    /* Reads, in the order each node was sent its commands. */
+    for (size_t k = 0; k < n; k++) {
+        kvhi_cluster_cmd *cmd = &cmds[k];
+        if (cmd->result != KVHI_CMD_PENDING || cmd->node >= c->n_nodes)
+            continue;
+        node *nd = &c->nodes[cmd->node];
+        if (!nd->in_batch || !nd->ctx) {
+            /* Its node failed in this round: not sent, or no answer. */
+            cmd->result = KVHI_CMD_DOWN;
+            rep->down++;
+            continue;
+        }
+        redisReply *r = NULL;
+        bool asking = cmd->asking;
+        if (asking) {
+            void *ok = NULL;
+            if (c->h->get_reply(nd->ctx, &ok) == REDIS_OK && ok)
+                c->h->free_reply(ok);
+        }
+        if (c->h->get_reply(nd->ctx, (void **)&r) != REDIS_OK || !r) {
+            bool slow = timed_out(nd->ctx);
+            node_failed(c, nd, slow ? "timed out" : nd->ctx->errstr, rep);
+            nd->in_batch = false;
+            cmd->result = slow ? KVHI_CMD_TIMEOUT : KVHI_CMD_DOWN;
+            if (slow)
+                rep->timeouts++;
+            else
+                rep->down++;
+            continue;
+        }
+        node_answered(c, nd);
+        cmd->asking = false;
+        if (r->type == REDIS_REPLY_ERROR && redirect(c, cmd, r, rep)) {
+            c->h->free_reply(r); /* pending again, for the next round */
+            continue;
+        }
+        cmd->result = KVHI_CMD_OK;
+        cmd->reply = r;
+        if (on_reply)
+            on_reply(user, k, cmd);
+    }
+}
+
+void kvhi_cluster_run(kvhi_cluster *c, kvhi_cluster_cmd *cmds, size_t n, kvhi_cluster_report *rep)
+{
+    kvhi_cluster_run_each(c, cmds, n, rep, NULL, NULL);
+}
+
+void kvhi_cluster_run_each(kvhi_cluster *c, kvhi_cluster_cmd *cmds, size_t n, kvhi_cluster_report *rep,
+                           kvhi_cluster_reply_fn on_reply, void *user)
+{
+    memset(rep, 0, sizeof(*rep));
+    uint64_t deadline = now_ns() + (uint64_t)c->opts.timeout_ms * 1000000ull;
+    pthread_mutex_lock(&c->lock);
+    if (c->refresh_wanted)
+        refresh_map(c, (uint64_t)c->opts.timeout_ms * 1000000ull / 2);
+    for (size_t k = 0; k < n; k++) {
+        cmds[k].result = KVHI_CMD_PENDING;
+        cmds[k].reply = NULL;
+        cmds[k].asking = false;
+        cmds[k].node = c->slot_node[kvhi_cluster_key_slot(cmds[k].argv[1], cmds[k].argvlen[1])];
+    }
+    for (int round = 0; round < MAX_ROUNDS; round++) {
+        run_round(c, cmds, n, deadline, rep, on_reply, user);
+        bool pending = false;
+        for (size_t k = 0; k < n; k++)
+            pending |= cmds[k].result == KVHI_CMD_PENDING;
+        if (!pending)
+            break;
+    }
+    for (size_t k = 0; k < n; k++)
+        if (cmds[k].result == KVHI_CMD_PENDING)
+            cmds[k].result = KVHI_CMD_FAILED;
+    pthread_mutex_unlock(&c->lock);
+}
+
+int kvhi_cluster_scan(kvhi_cluster *c, const char *prefix, kvhi_cluster_key_fn fn, void *user, char *err,
+                      size_t err_len)
+{
+    pthread_mutex_lock(&c->lock);
+    uint64_t budget = (uint64_t)c->opts.timeout_ms * 1000000ull;
+    refresh_map(c, budget);
+    char pattern[300];
+    snprintf(pattern, sizeof(pattern), "%s*", prefix);
+    int rc = 0;
+    bool stop = false;
+    /* Every node that owns a slot is a master to scan. */
+    bool *owner = calloc(c->n_nodes ? c->n_nodes : 1, sizeof(bool));
+    if (!owner) {
+        pthread_mutex_unlock(&c->lock);
+        snprintf(err, err_len, "out of memory");
+        return -1;
+    }
+    for (uint32_t s = 0; s < KVHI_CLUSTER_SLOTS; s++)
+        if (c->slot_node[s] != NO_NODE && c->slot_node[s] < c->n_nodes)
+            owner[c->slot_node[s]] = true;
+    for (uint32_t i = 0; i < c->n_nodes && !stop; i++) {
+        if (!owner[i])
+            continue;
+        node *nd = &c->nodes[i];
+        char why[160];
+        if (ensure_connected(c, nd, budget, why, sizeof(why)) != 0) {
+            snprintf(err, err_len, "%s:%d: %s", nd->host, nd->port, why);
+            rc = -1;
+            continue;
+        }
+        c->h->set_timeout(nd->ctx, tv_of_ns(budget * 20)); /* a scan step is not on a hot path */
+        char cursor[32] = "0";
+        do {
+            const char *argv[6] = {"SCAN", cursor, "MATCH", pattern, "COUNT", "1000"};
+            size_t lens[6] = {4, strlen(cursor), 5, strlen(pattern), 5, 4};
+            redisReply *r = c->h->command_argv(nd->ctx, 6, argv, lens);
+            if (!r || r->type != REDIS_REPLY_ARRAY || r->elements != 2 || r->element[0]->type != REDIS_REPLY_STRING ||
+                r->element[1]->type != REDIS_REPLY_ARRAY) {
+                snprintf(err, err_len, "%s:%d: SCAN failed: %s", nd->host, nd->port,
+                         r && r->type == REDIS_REPLY_ERROR ? r->str : nd->ctx->errstr);
+                if (r)
+                    c->h->free_reply(r);
+                else
+                    drop_connection(c, nd);
+                rc = -1;
+                break;
+            }
+            snprintf(cursor, sizeof(cursor), "%.*s", (int)r->element[0]->len, r->element[0]->str);
+            redisReply *keys = r->element[1];
+            for (size_t k = 0; k < keys->elements && !stop; k++)
+                if (keys->element[k]->type == REDIS_REPLY_STRING)
+                    stop = fn(user, keys->element[k]->str, keys->element[k]->len) != 0;
+            c->h->free_reply(r);
+        } while (!stop && strcmp(cursor, "0") != 0);
+    }
+    free(owner);
+    pthread_mutex_unlock(&c->lock);
+    return rc;
+}
+
+void kvhi_cluster_health(kvhi_cluster *c, uint32_t *answering, uint32_t *known)
+{
+    pthread_mutex_lock(&c->lock);
+    uint64_t budget = (uint64_t)c->opts.timeout_ms * 1000000ull;
+    refresh_map(c, budget);
+    *answering = *known = 0;
+    for (uint32_t i = 0; i < c->n_nodes; i++) {
+        bool owns = false;
+        for (uint32_t s = 0; s < KVHI_CLUSTER_SLOTS && !owns; s++)
+            owns = c->slot_node[s] == i;
+        if (!owns)
+            continue;
+        (*known)++;
+        node *nd = &c->nodes[i];
+        char why[160];
+        if (ensure_connected(c, nd, budget, why, sizeof(why)) != 0)
+            continue;
+        const char *argv[1] = {"PING"};
+        size_t lens[1] = {4};
+        redisReply *r = c->h->command_argv(nd->ctx, 1, argv, lens);
+        if (r && r->type == REDIS_REPLY_STATUS)
+            (*answering)++;
+        else if (!r)
+            drop_connection(c, nd);
+        if (r)
+            c->h->free_reply(r);
+    }
+    pthread_mutex_unlock(&c->lock);
+}

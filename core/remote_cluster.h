@@ -1,0 +1,110 @@
+/* A Redis Cluster client on hiredis (core/remote_cluster.c): the slot map
+ * from CLUSTER SLOTS, CRC16 key slots with hash tags, MOVED and ASK
+ * redirects, a refresh of the map when the topology changes, pipelined
+ * batches (each node gets all of its commands of a batch in one write and
+ * answers them in one read), AUTH on every connection, a deadline per
+ * batch, and a circuit breaker per node. A server with cluster support
+ * disabled is used as one node holding every slot.
+ *
+ * One client is shared by the engine's threads: its own mutex serialises
+ * batches (a leaf lock: taken without the engine lock held). */
+#ifndef KVH_CORE_REMOTE_CLUSTER_H
+#define KVH_CORE_REMOTE_CLUSTER_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define KVHI_CLUSTER_SLOTS 16384u
+
+typedef struct kvhi_cluster kvhi_cluster;
+
+typedef void (*kvhi_cluster_log_fn)(void *user, int level, const char *text);
+
+typedef struct kvhi_cluster_opts {
+    const char *addrs;    /* "host:port[,host:port...]" */
+    const char *user;     /* AUTH user (Redis 6 ACL); NULL: the default user */
+    const char *password; /* NULL: no AUTH */
+    uint32_t timeout_ms;  /* deadline of one batch; also of a connect */
+    uint32_t breaker_ms;  /* how long a failed node is left alone */
+    kvhi_cluster_log_fn log;
+    void *log_user;
+} kvhi_cluster_opts;
+
+/* Result of one command of a batch. */
+enum kvhi_cmd_result {
+    KVHI_CMD_PENDING = 0,
+    KVHI_CMD_OK,      /* reply holds the server's answer (maybe an error reply) */
+    KVHI_CMD_DOWN,    /* its node is down, unreachable or left alone */
+    KVHI_CMD_TIMEOUT, /* the deadline passed first */
+    KVHI_CMD_FAILED   /* redirected too often, cluster down, no memory */
+};
+
+#define KVHI_CMD_MAX_ARGS 8
+typedef struct kvhi_cluster_cmd {
+    int argc;
+    const char *argv[KVHI_CMD_MAX_ARGS]; /* argv[1] is the key */
+    size_t argvlen[KVHI_CMD_MAX_ARGS];
+    /* out */
+    int result;  /* enum kvhi_cmd_result */
+    void *reply; /* a redisReply with KVHI_CMD_OK; freed by kvhi_cluster_cmds_clear */
+    /* internal */
+    uint32_t node;
+    bool asking;
+} kvhi_cluster_cmd;
+
+/* What a batch met, for the caller's counters. */
+typedef struct kvhi_cluster_report {
+    uint32_t timeouts;      /* commands that ran out of time */
+    uint32_t down;          /* commands whose node was down or left alone */
+    uint32_t breaker_opens; /* nodes newly left alone */
+    uint32_t redirects;     /* MOVED and ASK answers followed */
+} kvhi_cluster_report;
+
+/* Connects to the first reachable node of opts->addrs, authenticates and
+ * loads the slot map. Returns 0, or -1 with a message in err: an address
+ * that does not parse, an AUTH that fails, or hiredis that cannot be
+ * loaded. Unreachable nodes are not an error: they are misses until they
+ * answer. */
+int kvhi_cluster_open(const kvhi_cluster_opts *opts, kvhi_cluster **out, char *err, size_t err_len);
+void kvhi_cluster_close(kvhi_cluster *c);
+
+/* Runs cmds (each naming its key in argv[1]) on their nodes within
+ * timeout_ms of now. Never fails as a whole: each command has its result. */
+void kvhi_cluster_run(kvhi_cluster *c, kvhi_cluster_cmd *cmds, size_t n, kvhi_cluster_report *rep);
+/* The same, calling on_reply(user, i) as soon as command i has its reply,
+ * while later replies are still arriving (so their processing overlaps
+ * the transfer). Called with the client's lock held: it must not use the
+ * client. */
+typedef void (*kvhi_cluster_reply_fn)(void *user, size_t i, const kvhi_cluster_cmd *cmd);
+void kvhi_cluster_run_each(kvhi_cluster *c, kvhi_cluster_cmd *cmds, size_t n, kvhi_cluster_report *rep,
+                           kvhi_cluster_reply_fn on_reply, void *user);
+/* What a command's reply is (KVHI_REPLY_NONE without one), with its text
+ * (string, status, error) or its integer; str and integer may be NULL. */
+enum kvhi_reply_kind {
+    KVHI_REPLY_NONE,
+    KVHI_REPLY_STRING,
+    KVHI_REPLY_INTEGER,
+    KVHI_REPLY_STATUS,
+    KVHI_REPLY_NIL,
+    KVHI_REPLY_ERROR,
+    KVHI_REPLY_OTHER
+};
+int kvhi_cluster_reply(const kvhi_cluster_cmd *cmd, const char **str, size_t *len, long long *integer);
+/* Frees the replies of cmds. */
+void kvhi_cluster_cmds_clear(kvhi_cluster *c, kvhi_cluster_cmd *cmds, size_t n);
+
+/* The key slot of key (CRC16 of the key, or of its {hash tag}). */
+uint32_t kvhi_cluster_key_slot(const char *key, size_t len);
+
+/* Calls fn on every key of every master that starts with prefix
+ * (SCAN MATCH), stopping early when fn returns non-zero. Returns 0, or -1
+ * when a node could not be scanned (err says which). */
+typedef int (*kvhi_cluster_key_fn)(void *user, const char *key, size_t len);
+int kvhi_cluster_scan(kvhi_cluster *c, const char *prefix, kvhi_cluster_key_fn fn, void *user, char *err,
+                      size_t err_len);
+
+/* Masters that answer / are known (for `kvh doctor`). */
+void kvhi_cluster_health(kvhi_cluster *c, uint32_t *answering, uint32_t *known);
+
+#endif

@@ -1,0 +1,58 @@
+/* The remote tier inside the engine (core/remote_tier.c): open and close,
+ * uploads on persist, and the continuation of a prefix match into the
+ * store. Network I/O and value checks run with the engine lock dropped;
+ * the client is core/remote_cluster.h, the values core/remote_format.h. */
+#ifndef KVH_CORE_REMOTE_TIER_H
+#define KVH_CORE_REMOTE_TIER_H
+
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "core/engine.h"
+#include "core/remote_format.h"
+#include "core/seq.h"
+
+typedef struct kvhi_remote {
+    struct kvhi_cluster *cluster;
+    kvhi_remote_id id;
+    uint32_t upload; /* kvh_remote_upload bits */
+    char ttl_text[16];
+    kvh_engine *engine; /* for log lines */
+    /* Value buffers of finished uploads, kept for the next: a fresh large
+     * allocation costs a page fault per page (a leaf lock). */
+    pthread_mutex_t spare_lock;
+    uint8_t **spare;
+    size_t n_spare;
+} kvhi_remote;
+
+/* Checks the remote settings of cfg (KVH_ERR_INVALID_ARG,
+ * KVH_ERR_UNSUPPORTED); called by the config validation. */
+kvh_status kvhi_remote_validate(const kvh_config *cfg);
+/* Opens the remote tier when cfg names addresses (lock not held; the
+ * engine's tiers exist). */
+kvh_status kvhi_remote_tier_open(kvh_engine *e, const kvh_config *cfg);
+void kvhi_remote_tier_close(kvh_engine *e);
+
+/* Uploads the full blocks of s the store lacks (lock held; dropped for
+ * the network). Failures are counted, never returned. */
+void kvhi_remote_persist(kvh_engine *e, kvhi_seq *s);
+
+/* Continues a prefix match of s (which holds `matched` blocks of tokens
+ * and room for n_blocks) in the store; returns the blocks s holds after
+ * (lock held; dropped for the network). */
+size_t kvhi_remote_match(kvh_engine *e, kvhi_seq *s, const int32_t *tokens, size_t n_blocks, size_t matched);
+
+/* Continues kvhi_prefix_lookup (core/scope.h) in the store: out[found..]
+ * receive retained handles of the blocks after the `found` local ones
+ * (the last of which has hash `parent`), up to n_blocks in all. Returns
+ * how many out holds (lock held; dropped for the network). */
+size_t kvhi_remote_lookup(kvh_engine *e, const kvhi_scope *sc, const int32_t *tokens, size_t n_blocks, size_t found,
+                          uint64_t parent, kvh_block *out);
+
+/* For tools (kvh store, kvh doctor): a client on cfg's remote settings
+ * without an engine, and what it can do. */
+kvh_status kvhi_remote_open_client(const kvh_config *cfg, kvhi_remote **out);
+void kvhi_remote_close_client(kvhi_remote *r);
+
+#endif

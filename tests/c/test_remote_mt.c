@@ -1,0 +1,127 @@
+/* The remote tier under threads (run under TSan in `make test`): one
+ * engine, several threads matching a shared prefix through the store while
+ * others persist (upload) prefixes of their own, against one Redis server
+ * without cluster support (the client's single-node mode). The client is
+ * shared: its lock serialises rounds, never under the engine lock. */
+#include "test_util.h"
+
+#include "mt_util.h"
+#include "remote_test_util.h"
+
+#define LAYERS 2
+#define HEADS 2
+#define DIM 32
+#define BT 16
+#define TOK_BYTES (HEADS * DIM * 2)
+#define N_BLOCKS 12
+#define ROUNDS 4
+
+static rt_cluster server;
+static bool have_server;
+static uint64_t salt;
+
+static int group_setup(void **state)
+{
+    (void)state;
+    if (!rt_available())
+        return 0;
+    const char *tmp = getenv("KVH_TEST_TMPDIR");
+    char dir[512];
+    snprintf(dir, sizeof(dir), "%s/redis", tmp ? tmp : "/tmp");
+    have_server = rt_start(&server, 1, NULL, dir) == 0;
+    salt = 0x3700000000000000ull ^ (uint64_t)time(NULL);
+    return have_server ? 0 : -1;
+}
+
+static int group_teardown(void **state)
+{
+    (void)state;
+    if (have_server)
+        rt_stop(&server);
+    return 0;
+}
+
+static kvh_config cfg(void)
+{
+    kvh_config c = tu_cfg(LAYERS, HEADS, DIM, BT, KVH_DTYPE_F16, 32, 256, 1);
+    c.model_salt = salt;
+    c.remote_addrs = rt_addrs(&server);
+    c.remote_timeout_ms = 2000; /* TSan is slow */
+    return c;
+}
+
+/* Writes and persists N_BLOCKS blocks of tag's pattern at tokens base.. */
+static int put_prefix(kvh_engine *e, int32_t base, uint64_t tag)
+{
+    int32_t tokens[N_BLOCKS * BT];
+    tu_iota(tokens, N_BLOCKS * BT, base);
+    kvh_seq s;
+    if (kvh_seq_create(e, 0, &s) != KVH_OK || kvh_seq_append(e, s, tokens, N_BLOCKS * BT) != KVH_OK)
+        return -1;
+    uint8_t k[TOK_BYTES * BT], v[TOK_BYTES * BT];
+    for (uint32_t l = 0; l < LAYERS; l++)
+        for (size_t t0 = 0; t0 < N_BLOCKS * BT; t0 += BT) {
+            for (size_t t = 0; t < BT; t++) {
+                tu_pattern(k + t * TOK_BYTES, TOK_BYTES, tag, l, t0 + t, 0);
+                tu_pattern(v + t * TOK_BYTES, TOK_BYTES, tag, l, t0 + t, 1);
+            }
+            if (kvh_seq_write_kv(e, s, l, t0, BT, k, v) != KVH_OK)
+                return -2;
+        }
+    kvh_status st = kvh_seq_persist(e, s);
+    kvh_seq_free(e, s);
+    return st == KVH_OK ? 0 : -3;
+}
+
+static void *worker(void *arg)
+{
+    mt_worker *w = arg;
+    for (int r = 0; r < ROUNDS && !w->errors; r++) {
+        if (w->t % 2) {
+            int rc = put_prefix(w->e, 100000 * (w->t + 1) + 1000 * r, (uint64_t)(w->t * 100 + r));
+            if (rc != 0)
+                mt_report(w, "persist round %d: %d (%s)", r, rc, kvh_last_error());
+            continue;
+        }
+        int32_t tokens[N_BLOCKS * BT];
+        tu_iota(tokens, N_BLOCKS * BT, 7);
+        kvh_seq s;
+        size_t m = 0;
+        if (kvh_seq_create(w->e, 0, &s) != KVH_OK || kvh_seq_match_prefix(w->e, s, tokens, N_BLOCKS * BT, &m))
+            mt_report(w, "match: %s", kvh_last_error());
+        else if (m != N_BLOCKS * BT)
+            mt_report(w, "round %d matched %zu tokens", r, m);
+        else if (!tu_check_pattern(w->e, s, LAYERS, TOK_BYTES, 5, 0, m))
+            mt_report(w, "round %d read other KV", r);
+        kvh_seq_free(w->e, s);
+    }
+    return NULL;
+}
+
+static void test_threads_share_the_client(void **state)
+{
+    (void)state;
+    if (!have_server)
+        skip();
+    kvh_config c = cfg();
+    kvh_engine *writer = tu_open_cfg(&c);
+    assert_int_equal(put_prefix(writer, 7, 5), 0);
+    /* A second engine with an empty store: every thread's first match
+     * reads the store (or shares what another thread just promoted). */
+    kvh_engine *e = tu_open_cfg(&c);
+    mt_worker w[4];
+    mt_run(e, 4, worker, w);
+    kvh_stats st = tu_stats(e);
+    assert_true(st.remote_hits >= N_BLOCKS);
+    assert_int_equal(st.remote_corrupt, 0);
+    assert_int_equal(st.remote_uploads_dropped, 0);
+    assert_int_equal(st.remote_uploads, 2 * ROUNDS * N_BLOCKS);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_teardown(test_threads_share_the_client, tu_teardown),
+    };
+    return cmocka_run_group_tests(tests, group_setup, group_teardown);
+}

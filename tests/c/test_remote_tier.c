@@ -1,0 +1,467 @@
+/* The remote tier against a live 3-node Redis Cluster started on loopback
+ * ports by the test (tests/c/remote_test_util.h): a prefix persisted by
+ * one process is matched by another with an empty local store and reads
+ * back byte-identical; tampered and forged values are misses and are
+ * deleted; a killed node gives misses within the deadline and its keys
+ * come back with it; a full server keeps working as a cache; a slot
+ * migration (ASK, then MOVED) keeps lookups right; a wrong password, TLS
+ * and bad addresses fail the open clearly. Skipped where redis-server is
+ * not installed (scripts/install-deps.sh installs it). */
+#include "test_util.h"
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "core/engine.h"
+#include "core/remote_cluster.h"
+#include "core/remote_format.h"
+#include "core/remote_tier.h"
+#include "remote_test_util.h"
+
+#define LAYERS 2
+#define HEADS 2
+#define DIM 64
+#define BT 16
+#define TOK_BYTES (HEADS * DIM * 2)
+#define N_BLOCKS 32
+#define PASSWORD "kvh-test-pw"
+
+static rt_cluster cluster;
+static bool have_cluster;
+
+static int group_setup(void **state)
+{
+    (void)state;
+    if (!rt_available())
+        return 0;
+    const char *tmp = getenv("KVH_TEST_TMPDIR");
+    char dir[512];
+    snprintf(dir, sizeof(dir), "%s/redis", tmp ? tmp : "/tmp");
+    have_cluster = rt_start(&cluster, 3, PASSWORD, dir) == 0;
+    return have_cluster ? 0 : -1;
+}
+
+static int group_teardown(void **state)
+{
+    (void)state;
+    if (have_cluster)
+        rt_stop(&cluster);
+    return 0;
+}
+
+#define NEED_CLUSTER()                                                                                                 \
+    do {                                                                                                               \
+        if (!have_cluster)                                                                                             \
+            skip();                                                                                                    \
+    } while (0)
+
+static kvh_config remote_cfg(uint64_t salt)
+{
+    kvh_config c = tu_cfg(LAYERS, HEADS, DIM, BT, KVH_DTYPE_F16, 64, 256, 1);
+    c.model_salt = salt;
+    c.remote_addrs = rt_addrs(&cluster);
+    c.remote_password = PASSWORD;
+    c.remote_timeout_ms = 500; /* a loaded 2-core machine */
+    c.remote_breaker_ms = 300;
+    return c;
+}
+
+static void prefix_tokens(int32_t *t, size_t n, int32_t base) { tu_iota(t, n, base); }
+
+/* Engine A: writes N_BLOCKS blocks of tag's pattern at tokens base.. and
+ * persists them; 0 when every upload went through. */
+static int persist_prefix(const kvh_config *c, int32_t base, uint64_t tag)
+{
+    kvh_engine *e;
+    if (kvh_engine_open(c, &e) != KVH_OK)
+        return 2;
+    kvh_seq s;
+    int32_t tokens[N_BLOCKS * BT];
+    prefix_tokens(tokens, N_BLOCKS * BT, base);
+    if (kvh_seq_create(e, 0, &s) != KVH_OK || kvh_seq_append(e, s, tokens, N_BLOCKS * BT) != KVH_OK)
+        return 3;
+    uint8_t k[TOK_BYTES], v[TOK_BYTES];
+    for (uint32_t l = 0; l < LAYERS; l++)
+        for (size_t t = 0; t < N_BLOCKS * BT; t++) {
+            tu_pattern(k, TOK_BYTES, tag, l, t, 0);
+            tu_pattern(v, TOK_BYTES, tag, l, t, 1);
+            if (kvh_seq_write_kv(e, s, l, t, 1, k, v) != KVH_OK)
+                return 4;
+        }
+    if (kvh_seq_persist(e, s) != KVH_OK)
+        return 5;
+    kvh_stats st = {.struct_size = sizeof(st)};
+    kvh_engine_stats(e, &st);
+    kvh_engine_close(e);
+    return st.remote_uploads_dropped == 0 && st.remote_uploads > 0 ? 0 : 6;
+}
+
+/* Runs persist_prefix in another process: this program again, started
+ * with --persist (a fork of a process with engine threads would not do
+ * under TSan, and a fresh process is what another node is). */
+static void persist_in_child(uint64_t salt, int32_t base, uint64_t tag)
+{
+    char args[3][32];
+    snprintf(args[0], sizeof(args[0]), "%llu", (unsigned long long)salt);
+    snprintf(args[1], sizeof(args[1]), "%d", base);
+    snprintf(args[2], sizeof(args[2]), "%llu", (unsigned long long)tag);
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        execl("/proc/self/exe", "test_remote_tier", "--persist", rt_addrs(&cluster), args[0], args[1], args[2],
+              (char *)NULL);
+        _exit(127);
+    }
+    int status;
+    assert_int_equal(waitpid(pid, &status, 0), pid);
+    assert_true(WIFEXITED(status));
+    assert_int_equal(WEXITSTATUS(status), 0);
+}
+
+static size_t match(kvh_engine *e, kvh_seq *s, int32_t base)
+{
+    int32_t tokens[N_BLOCKS * BT];
+    prefix_tokens(tokens, N_BLOCKS * BT, base);
+    *s = tu_seq_new(e, 0);
+    size_t m = 0;
+    assert_ok(kvh_seq_match_prefix(e, *s, tokens, N_BLOCKS * BT, &m));
+    return m;
+}
+
+static uint64_t test_salt(void)
+{
+    static uint64_t n;
+    return 0x7e57000000000000ull ^ ((uint64_t)getpid() << 16) ^ ++n;
+}
+
+static void test_shared_across_processes(void **state)
+{
+    (void)state;
+    NEED_CLUSTER();
+    uint64_t salt = test_salt();
+    persist_in_child(salt, 1000, 77);
+    kvh_config c = remote_cfg(salt);
+    kvh_engine *e = tu_open_cfg(&c);
+    kvh_seq s;
+    assert_int_equal(match(e, &s, 1000), N_BLOCKS * BT);
+    assert_true(tu_check_pattern(e, s, LAYERS, TOK_BYTES, 77, 0, N_BLOCKS * BT));
+    kvh_stats st = tu_stats(e);
+    assert_int_equal(st.remote_hits, N_BLOCKS);
+    assert_int_equal(st.remote_corrupt, 0);
+    assert_int_equal(st.prefix_hit_blocks, N_BLOCKS);
+    /* Now local: a second match asks nothing of the store. */
+    kvh_seq s2;
+    assert_int_equal(match(e, &s2, 1000), N_BLOCKS * BT);
+    assert_int_equal(tu_stats(e).remote_hits, N_BLOCKS);
+    /* kvh_prefix_lookup (the vLLM connector's lookup) continues in the
+     * store too; the blocks it brings are then local for a match. */
+    kvh_engine *e4 = tu_open_cfg(&c);
+    int32_t tokens[N_BLOCKS * BT];
+    prefix_tokens(tokens, N_BLOCKS * BT, 1000);
+    kvh_block out[N_BLOCKS];
+    size_t nb = 0;
+    assert_ok(kvh_prefix_lookup(e4, tokens, N_BLOCKS * BT, out, N_BLOCKS, &nb));
+    assert_int_equal(nb, N_BLOCKS);
+    assert_int_equal(tu_stats(e4).remote_hits, N_BLOCKS);
+    kvh_seq s4;
+    assert_int_equal(match(e4, &s4, 1000), N_BLOCKS * BT);
+    assert_true(tu_check_pattern(e4, s4, LAYERS, TOK_BYTES, 77, 0, N_BLOCKS * BT));
+    assert_int_equal(tu_stats(e4).remote_hits, N_BLOCKS);
+    for (size_t i = 0; i < nb; i++)
+        assert_ok(kvh_block_release(e4, out[i]));
+    /* Another model (salt) sees none of it. */
+    kvh_config other = remote_cfg(salt ^ 1);
+    kvh_engine *e2 = tu_open_cfg(&other);
+    kvh_seq s3;
+    assert_int_equal(match(e2, &s3, 1000), 0);
+    assert_int_equal(tu_stats(e2).remote_misses, 1);
+}
+
+/* The key of block i of the prefix at base under cfg (through an engine's
+ * identity, as the tier computes it). */
+static void key_of(kvh_engine *e, int32_t base, size_t i, char *key)
+{
+    int32_t tokens[N_BLOCKS * BT];
+    prefix_tokens(tokens, N_BLOCKS * BT, base);
+    uint64_t h = 0;
+    for (size_t j = 0; j <= i; j++)
+        assert_ok(kvh_prefix_hash(e, h, tokens + j * BT, BT, &h));
+    kvhi_remote_key(key, &e->remote->id, h);
+}
+
+static void test_tampered_value_is_deleted(void **state)
+{
+    (void)state;
+    NEED_CLUSTER();
+    uint64_t salt = test_salt();
+    persist_in_child(salt, 5000, 12);
+    kvh_config c = remote_cfg(salt);
+    kvh_engine *e = tu_open_cfg(&c);
+    char key[KVHI_REMOTE_KEY_BYTES], out[256];
+    key_of(e, 5000, 5, key);
+    assert_int_equal(rt_cli(&cluster, 0, out, sizeof(out), "SET %s garbage", key), 0);
+    assert_string_equal(out, "OK");
+    kvh_seq s;
+    assert_int_equal(match(e, &s, 5000), 5 * BT);
+    assert_true(tu_check_pattern(e, s, LAYERS, TOK_BYTES, 12, 0, 5 * BT));
+    kvh_stats st = tu_stats(e);
+    assert_int_equal(st.remote_corrupt, 1);
+    assert_int_equal(st.remote_hits, 5);
+    assert_int_equal(rt_cli(&cluster, 0, out, sizeof(out), "EXISTS %s", key), 0);
+    assert_string_equal(out, "0");
+
+    /* A forged value with valid checksums: block 7's value stored under
+     * block 6's key (right geometry, wrong hash, parent and tokens). */
+    char k6[KVHI_REMOTE_KEY_BYTES], k7[KVHI_REMOTE_KEY_BYTES];
+    key_of(e, 5000, 6, k6);
+    key_of(e, 5000, 7, k7);
+    kvhi_cluster *cl = e->remote->cluster;
+    kvhi_cluster_cmd get = {.argc = 2, .argv = {"GET", k7}, .argvlen = {3, strlen(k7)}};
+    kvhi_cluster_report rep;
+    kvhi_cluster_run(cl, &get, 1, &rep);
+    const char *val;
+    size_t len;
+    assert_int_equal(kvhi_cluster_reply(&get, &val, &len, NULL), KVHI_REPLY_STRING);
+    kvhi_cluster_cmd set = {.argc = 3, .argv = {"SET", k6, val}, .argvlen = {3, strlen(k6), len}};
+    kvhi_cluster_run(cl, &set, 1, &rep);
+    assert_int_equal(kvhi_cluster_reply(&set, NULL, NULL, NULL), KVHI_REPLY_STATUS);
+    kvhi_cluster_cmds_clear(cl, &get, 1);
+    kvhi_cluster_cmds_clear(cl, &set, 1);
+    /* Block 5 comes back from a new persist; 6 is then the forgery. */
+    persist_in_child(salt, 5000, 12);
+    kvh_engine *e2 = tu_open_cfg(&c);
+    kvh_seq s2;
+    assert_int_equal(match(e2, &s2, 5000), 6 * BT);
+    assert_true(tu_check_pattern(e2, s2, LAYERS, TOK_BYTES, 12, 0, 6 * BT));
+    assert_int_equal(tu_stats(e2).remote_corrupt, 1);
+    assert_int_equal(rt_cli(&cluster, 0, out, sizeof(out), "EXISTS %s", k6), 0);
+    assert_string_equal(out, "0");
+}
+
+static double now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
+}
+
+static void test_node_killed_and_back(void **state)
+{
+    (void)state;
+    NEED_CLUSTER();
+    uint64_t salt = test_salt();
+    persist_in_child(salt, 9000, 33);
+    kvh_config c = remote_cfg(salt);
+    kvh_engine *e = tu_open_cfg(&c);
+    rt_kill(&cluster, 1);
+    /* Misses within the deadline: a few rounds at most, never a hang. */
+    double t0 = now_ms();
+    kvh_seq s;
+    size_t m = match(e, &s, 9000);
+    double took = now_ms() - t0;
+    assert_true(m < N_BLOCKS * BT); /* a third of the blocks lived there */
+    assert_true(tu_check_pattern(e, s, LAYERS, TOK_BYTES, 33, 0, m));
+    assert_true(took < 4.0 * c.remote_timeout_ms);
+    kvh_stats st = tu_stats(e);
+    assert_true(st.remote_misses >= 1);
+    assert_true(st.remote_breaker_opens >= 1);
+    /* Left alone now: the next match costs no connect attempt. */
+    t0 = now_ms();
+    kvh_seq s2;
+    assert_int_equal(match(e, &s2, 9000), m);
+    assert_true(now_ms() - t0 < 2.0 * c.remote_timeout_ms);
+    /* Back, with its keys (append-only file). */
+    assert_int_equal(rt_restart(&cluster, 1), 0);
+    assert_int_equal(rt_wait_ok(&cluster, 20000), 0);
+    usleep((useconds_t)c.remote_breaker_ms * 1000 + 100000);
+    kvh_engine *e2 = tu_open_cfg(&c);
+    kvh_seq s3;
+    size_t m3 = 0;
+    for (int tries = 0; tries < 20 && m3 < N_BLOCKS * BT; tries++) {
+        m3 = match(e2, &s3, 9000);
+        if (m3 < N_BLOCKS * BT) {
+            kvh_seq_free(e2, s3);
+            usleep(200000);
+        }
+    }
+    assert_int_equal(m3, N_BLOCKS * BT);
+    assert_true(tu_check_pattern(e2, s3, LAYERS, TOK_BYTES, 33, 0, m3));
+}
+
+/* A node that stops answering (SIGSTOP: its socket still accepts) makes
+ * a round wait only until the deadline; the blocks it holds are misses. */
+static void test_slow_node_times_out(void **state)
+{
+    (void)state;
+    NEED_CLUSTER();
+    uint64_t salt = test_salt();
+    persist_in_child(salt, 60000, 66);
+    kvh_config c = remote_cfg(salt);
+    kvh_engine *e = tu_open_cfg(&c);
+    kill(cluster.pids[2], SIGSTOP);
+    double t0 = now_ms();
+    kvh_seq s;
+    size_t m = match(e, &s, 60000);
+    double took = now_ms() - t0;
+    kill(cluster.pids[2], SIGCONT);
+    assert_true(m < N_BLOCKS * BT);
+    assert_true(tu_check_pattern(e, s, LAYERS, TOK_BYTES, 66, 0, m));
+    /* An EXISTS round and a GETEX round at most, each within its deadline. */
+    assert_true(took < 2.0 * c.remote_timeout_ms + 300);
+    kvh_stats st = tu_stats(e);
+    assert_true(st.remote_timeouts >= 1);
+    assert_true(st.remote_breaker_opens >= 1);
+    assert_int_equal(rt_wait_ok(&cluster, 20000), 0);
+}
+
+static void test_full_server_is_a_cache(void **state)
+{
+    (void)state;
+    NEED_CLUSTER();
+    char out[256];
+    for (int i = 0; i < cluster.n; i++) {
+        assert_int_equal(rt_cli(&cluster, i, out, sizeof(out), "CONFIG SET maxmemory-policy allkeys-lru"), 0);
+        assert_int_equal(rt_cli(&cluster, i, out, sizeof(out), "CONFIG SET maxmemory 3mb"), 0);
+        assert_string_equal(out, "OK");
+    }
+    uint64_t salt = test_salt();
+    /* Four prefixes of 32 blocks (over 2 MiB each) into ~9 MiB. */
+    for (int p = 0; p < 4; p++)
+        persist_in_child(salt, 20000 + 1000 * p, 40 + (uint64_t)p);
+    kvh_config c = remote_cfg(salt);
+    kvh_engine *e = tu_open_cfg(&c);
+    size_t total = 0;
+    for (int p = 0; p < 4; p++) {
+        kvh_seq s;
+        size_t m = match(e, &s, 20000 + 1000 * p);
+        assert_true(tu_check_pattern(e, s, LAYERS, TOK_BYTES, 40 + (uint64_t)p, 0, m));
+        total += m;
+    }
+    /* Evicted blocks are misses; what is served is right. */
+    assert_true(total < 4 * N_BLOCKS * BT);
+    assert_int_equal(tu_stats(e).remote_corrupt, 0);
+    for (int i = 0; i < cluster.n; i++)
+        assert_int_equal(rt_cli(&cluster, i, out, sizeof(out), "CONFIG SET maxmemory 0"), 0);
+}
+
+/* Moves slot of key from its node to the next one: IMPORTING/MIGRATING,
+ * MIGRATE of the key, then (when finish) SETSLOT NODE everywhere. */
+static void node_id(int node, char *id, size_t len)
+{
+    assert_int_equal(rt_cli(&cluster, node, id, len, "CLUSTER MYID"), 0);
+}
+
+static void test_slot_migration(void **state)
+{
+    (void)state;
+    NEED_CLUSTER();
+    uint64_t salt = test_salt();
+    persist_in_child(salt, 40000, 55);
+    kvh_config c = remote_cfg(salt);
+    kvh_engine *e = tu_open_cfg(&c); /* its slot map is now stale-to-be */
+    char key[KVHI_REMOTE_KEY_BYTES], out[256], src_id[64], dst_id[64];
+    key_of(e, 40000, 0, key);
+    unsigned slot = kvhi_cluster_key_slot(key, strlen(key));
+    int src = -1;
+    for (int i = 0; i < cluster.n && src < 0; i++) {
+        /* Only the owner answers without redirecting: ask without -c. */
+        char cmd[400];
+        snprintf(cmd, sizeof(cmd), "redis-cli -p %d -a %s --no-auth-warning CLUSTER GETKEYSINSLOT %u 1 | grep -q .",
+                 cluster.ports[i], PASSWORD, slot);
+        if (system(cmd) == 0)
+            src = i;
+    }
+    assert_true(src >= 0);
+    int dst = (src + 1) % cluster.n;
+    node_id(src, src_id, sizeof(src_id));
+    node_id(dst, dst_id, sizeof(dst_id));
+    assert_int_equal(rt_cli(&cluster, dst, out, sizeof(out), "CLUSTER SETSLOT %u IMPORTING %s", slot, src_id), 0);
+    assert_int_equal(rt_cli(&cluster, src, out, sizeof(out), "CLUSTER SETSLOT %u MIGRATING %s", slot, dst_id), 0);
+    char cmd[600];
+    snprintf(cmd, sizeof(cmd),
+             "redis-cli -p %d -a %s --no-auth-warning MIGRATE 127.0.0.1 %d \"\" 0 5000 AUTH %s KEYS %s | grep -q OK",
+             cluster.ports[src], PASSWORD, cluster.ports[dst], PASSWORD, key);
+    assert_int_equal(system(cmd), 0);
+    /* Mid-migration: the source answers ASK for the key it gave away. */
+    kvh_seq s;
+    assert_int_equal(match(e, &s, 40000), N_BLOCKS * BT);
+    assert_true(tu_check_pattern(e, s, LAYERS, TOK_BYTES, 55, 0, N_BLOCKS * BT));
+    for (int i = 0; i < cluster.n; i++)
+        assert_int_equal(rt_cli(&cluster, i, out, sizeof(out), "CLUSTER SETSLOT %u NODE %s", slot, dst_id), 0);
+    /* Done: the source answers MOVED; a fresh engine reads through it. */
+    kvh_engine *e2 = tu_open_cfg(&c);
+    kvh_seq s2;
+    assert_int_equal(match(e2, &s2, 40000), N_BLOCKS * BT);
+    assert_true(tu_check_pattern(e2, s2, LAYERS, TOK_BYTES, 55, 0, N_BLOCKS * BT));
+    /* The engine that opened before the move still maps the slot to the
+     * source: it is redirected (MOVED) and learns the new owner. */
+    kvhi_cluster_cmd ex = {.argc = 2, .argv = {"EXISTS", key}, .argvlen = {6, strlen(key)}};
+    kvhi_cluster_report rep;
+    long long n = 0;
+    kvhi_cluster_run(e->remote->cluster, &ex, 1, &rep);
+    assert_int_equal(kvhi_cluster_reply(&ex, NULL, NULL, &n), KVHI_REPLY_INTEGER);
+    assert_int_equal(n, 1);
+    assert_int_equal(rep.redirects, 1);
+    kvhi_cluster_cmds_clear(e->remote->cluster, &ex, 1);
+    kvhi_cluster_run(e->remote->cluster, &ex, 1, &rep);
+    assert_int_equal(rep.redirects, 0);
+    kvhi_cluster_cmds_clear(e->remote->cluster, &ex, 1);
+}
+
+static void test_open_errors(void **state)
+{
+    (void)state;
+    NEED_CLUSTER();
+    kvh_config c = remote_cfg(test_salt());
+    kvh_engine *e = NULL;
+    c.remote_password = "wrong";
+    assert_kvh(KVH_ERR_IO, kvh_engine_open(&c, &e));
+    assert_non_null(strstr(kvh_last_error(), "AUTH"));
+    assert_null(e);
+    c.remote_password = NULL;
+    assert_kvh(KVH_ERR_IO, kvh_engine_open(&c, &e));
+    c = remote_cfg(test_salt());
+    c.remote_tls = 1;
+    assert_kvh(KVH_ERR_UNSUPPORTED, kvh_engine_open(&c, &e));
+    assert_non_null(strstr(kvh_last_error(), "TLS"));
+    c = remote_cfg(test_salt());
+    c.remote_addrs = "no-port-here";
+    assert_kvh(KVH_ERR_INVALID_ARG, kvh_engine_open(&c, &e));
+    c.remote_addrs = "127.0.0.1:99999";
+    assert_kvh(KVH_ERR_INVALID_ARG, kvh_engine_open(&c, &e));
+    c = remote_cfg(test_salt());
+    c.remote_timeout_ms = 0;
+    assert_kvh(KVH_ERR_INVALID_ARG, kvh_engine_open(&c, &e));
+    c = remote_cfg(test_salt());
+    c.remote_upload = KVH_REMOTE_UPLOAD_DEMOTE;
+    assert_kvh(KVH_ERR_UNSUPPORTED, kvh_engine_open(&c, &e));
+    c.remote_upload = 0x80;
+    assert_kvh(KVH_ERR_INVALID_ARG, kvh_engine_open(&c, &e));
+    /* Nobody listening: not an error at open, misses after. */
+    c = remote_cfg(test_salt());
+    c.remote_addrs = "127.0.0.1:1";
+    e = tu_open_cfg(&c);
+    kvh_seq s;
+    assert_int_equal(match(e, &s, 1), 0);
+    assert_true(tu_stats(e).remote_misses >= 1);
+}
+
+int main(int argc, char **argv)
+{
+    if (argc == 6 && !strcmp(argv[1], "--persist")) {
+        snprintf(cluster.addrs, sizeof(cluster.addrs), "%s", argv[2]);
+        kvh_config c = remote_cfg(strtoull(argv[3], NULL, 10));
+        return persist_prefix(&c, (int32_t)atoi(argv[4]), strtoull(argv[5], NULL, 10));
+    }
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_teardown(test_shared_across_processes, tu_teardown),
+        cmocka_unit_test_teardown(test_tampered_value_is_deleted, tu_teardown),
+        cmocka_unit_test_teardown(test_slot_migration, tu_teardown),
+        cmocka_unit_test_teardown(test_node_killed_and_back, tu_teardown),
+        cmocka_unit_test_teardown(test_slow_node_times_out, tu_teardown),
+        cmocka_unit_test_teardown(test_full_server_is_a_cache, tu_teardown),
+        cmocka_unit_test_teardown(test_open_errors, tu_teardown),
+    };
+    return cmocka_run_group_tests(tests, group_setup, group_teardown);
+}

@@ -1,0 +1,161 @@
+/* kvh-store remote ACTION [--sample N] [--json]: the remote tier's keys of
+ * the model and geometry the KVH_* environment describes (the variables of
+ * kvh_config_from_env: KVH_REMOTE_ADDRS, KVH_REMOTE_PASSWORD, KVH_NUM_LAYERS,
+ * KVH_MODEL_SALT, KVH_KV_CODEC, ...).
+ *   ping     nodes that own slots, and how many answer
+ *   count    keys of the model
+ *   verify   reads up to N keys (default 64) and checks each value on its
+ *            own (length, checksums, geometry); exit 1 if any is bad
+ *   purge    deletes every key of the model */
+#include "tools/kvh_store_remote.h"
+
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/engine.h"
+#include "core/remote_cluster.h"
+#include "core/remote_tier.h"
+
+#define BATCH 64
+
+typedef struct keys {
+    char (*key)[KVHI_REMOTE_KEY_BYTES];
+    size_t n, cap, limit;
+} keys;
+
+static int collect(void *user, const char *key, size_t len)
+{
+    keys *k = user;
+    if (len != KVHI_REMOTE_KEY_LEN)
+        return 0; /* not one of ours, whatever the prefix says */
+    if (k->n == k->cap) {
+        size_t cap = k->cap ? 2 * k->cap : 256;
+        void *more = realloc(k->key, cap * KVHI_REMOTE_KEY_BYTES);
+        if (!more)
+            return 1;
+        k->key = more;
+        k->cap = cap;
+    }
+    memcpy(k->key[k->n], key, len);
+    k->key[k->n][len] = '\0';
+    k->n++;
+    return k->limit && k->n >= k->limit;
+}
+
+/* Runs one verb over keys [first, first + n): DEL or GET. */
+static void run_keys(kvhi_remote *r, const char *verb, keys *k, size_t first, size_t n, kvhi_cluster_cmd *cmds)
+{
+    for (size_t i = 0; i < n; i++) {
+        memset(&cmds[i], 0, sizeof(cmds[i]));
+        cmds[i].argc = 2;
+        cmds[i].argv[0] = verb;
+        cmds[i].argvlen[0] = strlen(verb);
+        cmds[i].argv[1] = k->key[first + i];
+        cmds[i].argvlen[1] = KVHI_REMOTE_KEY_LEN;
+    }
+    kvhi_cluster_report rep;
+    kvhi_cluster_run(r->cluster, cmds, n, &rep);
+}
+
+int kvh_store_remote_main(int argc, char **argv)
+{
+    const char *action = argc > 2 ? argv[2] : "";
+    bool json = false;
+    size_t sample = 64;
+    for (int i = 3; i < argc; i++) {
+        if (!strcmp(argv[i], "--json"))
+            json = true;
+        else if (!strcmp(argv[i], "--sample") && i + 1 < argc)
+            sample = strtoull(argv[++i], NULL, 10);
+        else {
+            fprintf(stderr, "kvh-store remote: unknown argument %s\n", argv[i]);
+            return 2;
+        }
+    }
+    if (strcmp(action, "ping") && strcmp(action, "count") && strcmp(action, "verify") && strcmp(action, "purge")) {
+        fprintf(stderr, "usage: kvh-store remote ping|count|verify|purge [--sample N] [--json]\n"
+                        "(the cluster and the model from KVH_REMOTE_ADDRS, KVH_MODEL_SALT, ...)\n");
+        return 2;
+    }
+    kvh_config cfg;
+    kvh_config_init(&cfg, sizeof(cfg));
+    if (kvh_config_from_env(&cfg, sizeof(cfg), NULL) != KVH_OK) {
+        fprintf(stderr, "kvh-store remote: %s\n", kvh_last_error());
+        return 2;
+    }
+    if (!cfg.remote_addrs || !cfg.remote_addrs[0]) {
+        fprintf(stderr, "kvh-store remote: set KVH_REMOTE_ADDRS (host:port of a cluster node)\n");
+        return 2;
+    }
+    kvhi_remote *r;
+    if (kvhi_remote_open_client(&cfg, &r) != KVH_OK) {
+        fprintf(stderr, "kvh-store remote: %s\n", kvh_last_error());
+        return 2;
+    }
+    char prefix[KVHI_REMOTE_MODEL_PREFIX_LEN + 1], err[256] = "";
+    kvhi_remote_model_prefix(prefix, &r->id);
+    int rc = 0;
+    if (!strcmp(action, "ping")) {
+        uint32_t up = 0, known = 0;
+        kvhi_cluster_health(r->cluster, &up, &known);
+        rc = known && up == known ? 0 : 1;
+        if (json)
+            printf("{\"nodes\": %u, \"answering\": %u}\n", known, up);
+        else
+            printf("remote tier %s: %u of %u node(s) answer\n", cfg.remote_addrs, up, known);
+        kvhi_remote_close_client(r);
+        return rc;
+    }
+    keys k = {.limit = !strcmp(action, "verify") ? sample : 0};
+    if (kvhi_cluster_scan(r->cluster, prefix, collect, &k, err, sizeof(err)) != 0) {
+        fprintf(stderr, "kvh-store remote: %s\n", err);
+        rc = 2;
+    }
+    kvhi_cluster_cmd cmds[BATCH];
+    size_t bad = 0, deleted = 0;
+    if (!strcmp(action, "verify")) {
+        for (size_t i = 0; i < k.n; i += BATCH) {
+            size_t n = k.n - i < BATCH ? k.n - i : BATCH;
+            run_keys(r, "GET", &k, i, n, cmds);
+            for (size_t j = 0; j < n; j++) {
+                const char *val = NULL, *why = "no answer";
+                size_t len = 0;
+                int kind = kvhi_cluster_reply(&cmds[j], &val, &len, NULL);
+                if (kind == KVHI_REPLY_NIL)
+                    continue; /* expired or evicted since the scan */
+                if (kind != KVHI_REPLY_STRING || kvhi_remote_value_check_alone(val, len, &r->id, NULL, &why) != 0) {
+                    bad++;
+                    if (!json)
+                        printf("bad: %s: %s\n", k.key[i + j], why);
+                }
+            }
+            kvhi_cluster_cmds_clear(r->cluster, cmds, n);
+        }
+        if (bad)
+            rc = rc ? rc : 1;
+    } else if (!strcmp(action, "purge")) {
+        for (size_t i = 0; i < k.n; i += BATCH) {
+            size_t n = k.n - i < BATCH ? k.n - i : BATCH;
+            run_keys(r, "DEL", &k, i, n, cmds);
+            for (size_t j = 0; j < n; j++) {
+                long long v = 0;
+                if (kvhi_cluster_reply(&cmds[j], NULL, NULL, &v) == KVHI_REPLY_INTEGER)
+                    deleted += (size_t)v;
+            }
+            kvhi_cluster_cmds_clear(r->cluster, cmds, n);
+        }
+    }
+    if (json)
+        printf("{\"prefix\": \"%s\", \"keys\": %zu, \"bad\": %zu, \"deleted\": %zu}\n", prefix, k.n, bad, deleted);
+    else if (!strcmp(action, "count"))
+        printf("%s*: %zu key(s)\n", prefix, k.n);
+    else if (!strcmp(action, "verify"))
+        printf("%s*: %zu key(s) checked, %zu bad\n", prefix, k.n, bad);
+    else
+        printf("%s*: %zu key(s) deleted\n", prefix, deleted);
+    free(k.key);
+    kvhi_remote_close_client(r);
+    return rc;
+}
