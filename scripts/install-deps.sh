@@ -21,6 +21,7 @@ APT_PACKAGES=(
     libclang-rt-14-dev # LeakSanitizer / TSan runtimes for clang
     llvm               # llvm-symbolizer for sanitizer stack traces
     clang-format       # C formatting (make test-format)
+    fio                # kvh-bench disk: the disk's own ceiling beside the raw baseline
 )
 
 # PyPI distribution names (as `pip install` takes them).
