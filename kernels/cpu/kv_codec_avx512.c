@@ -29,7 +29,8 @@
 
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
 /* Inlined into the per-dtype loops so the dtype tests fold away. */
-#define AVX512_INLINE static inline __attribute__((always_inline, target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
+#define AVX512_INLINE                                                                                                  \
+    static inline __attribute__((always_inline, target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
 
 /* Distance from a half-integer below which the float code is not trusted
  * (the float and double values differ by less than 2^-15). */
@@ -80,8 +81,8 @@ AVX512_INLINE __m512 load16(uint32_t dtype, const void *src, uint32_t i, __mmask
 AVX512_INLINE __m256i to_bf16(__m512 y)
 {
     __m512i b = _mm512_castps_si512(y);
-    __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(b, _mm512_set1_epi32(0x7fffffff)),
-                                            _mm512_set1_epi32(0x7f800000));
+    __mmask16 nan =
+        _mm512_cmpgt_epu32_mask(_mm512_and_si512(b, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
     __m512i high = _mm512_srli_epi32(b, 16);
     __m512i odd = _mm512_and_si512(high, _mm512_set1_epi32(1));
     __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
@@ -164,11 +165,12 @@ enum { BATCH = 16 };
         __m512i c = _mm512_cvt_roundps_epi32(q, ROUND_NEAREST);                                                        \
         store;                                                                                                         \
     });                                                                                                                \
-    if (_mm512_cmp_ps_mask(worst, _mm512_set1_ps(NEAR_HALF), _CMP_GE_OQ))                                              \
+    if (_mm512_cmp_ps_mask(worst, _mm512_set1_ps(NEAR_HALF), _CMP_GE_OQ)) {                                            \
         FOR_CHUNKS(n, {                                                                                                \
             __m512i c = quantise_exact_finite(load16(dtype, src, i, k), offset, inv);                                  \
             store;                                                                                                     \
-        })
+        });                                                                                                            \
+    }
 
 AVX512_INLINE void int8_codes_finite(uint32_t dtype, uint32_t d, const void *src, float s, float inv_f, int8_t *codes)
 {
@@ -209,8 +211,8 @@ AVX512_INLINE uint32_t max_magnitude16(uint32_t d, const uint16_t *h)
     for (; i + 32 <= d; i += 32)
         m = _mm512_max_epu16(m, _mm512_and_si512(_mm512_loadu_si512(h + i), magnitude));
     if (i < d)
-        m = _mm512_max_epu16(m, _mm512_and_si512(_mm512_maskz_loadu_epi16((__mmask32)((1ull << (d - i)) - 1), h + i),
-                                                 magnitude));
+        m = _mm512_max_epu16(
+            m, _mm512_and_si512(_mm512_maskz_loadu_epi16((__mmask32)((1ull << (d - i)) - 1), h + i), magnitude));
     __m256i a = _mm256_max_epu16(_mm512_castsi512_si256(m), _mm512_extracti64x4_epi64(m, 1));
     __m128i b = _mm_max_epu16(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
     b = _mm_max_epu16(b, _mm_srli_si128(b, 8));
@@ -432,7 +434,8 @@ AVX512_INLINE void encode_q4_batch(uint32_t dtype, uint32_t d, uint32_t g, const
     size_t v = first / gpv, gi = first % gpv;
     for (uint32_t k = 0; k < ng; k++, gi = gi + 1 == gpv ? (v++, 0) : gi + 1) {
         const uint8_t *x = src + (first + k) * g * eb;
-        uint8_t *head = dst + v * rec + gi * 2 * sizeof(float), *gc = dst + v * rec + gpv * 2 * sizeof(float) + gi * g / 2;
+        uint8_t *head = dst + v * rec + gi * 2 * sizeof(float),
+                *gc = dst + v * rec + gpv * 2 * sizeof(float) + gi * g / 2;
         put_f32(head, scale[k]);
         put_f32(head + sizeof(float), lo[k]);
         bool fast = (in_float >> k) & 1;
@@ -488,24 +491,24 @@ AVX512_INLINE void decode_q4(uint32_t dtype, uint32_t d, uint32_t g, const uint8
 /* ---- per-dtype loops over n vectors ---- */
 
 #define CODEC_LOOPS(suffix, dtype, eb)                                                                                 \
-    static AVX512 void encode_int8_##suffix(uint32_t d, const uint8_t *s, size_t n, uint8_t *o)                       \
+    static AVX512 void encode_int8_##suffix(uint32_t d, const uint8_t *s, size_t n, uint8_t *o)                        \
     {                                                                                                                  \
         size_t in = (size_t)d * (eb), out = sizeof(float) + d;                                                         \
         for (size_t v = 0; v < n; v += BATCH)                                                                          \
-            encode_int8_batch(dtype, d, s + v * in, n - v < BATCH ? (uint32_t)(n - v) : BATCH, in, o + v * out, out); \
+            encode_int8_batch(dtype, d, s + v * in, n - v < BATCH ? (uint32_t)(n - v) : BATCH, in, o + v * out, out);  \
     }                                                                                                                  \
-    static AVX512 void decode_int8_##suffix(uint32_t d, const uint8_t *s, size_t n, uint8_t *o)                       \
+    static AVX512 void decode_int8_##suffix(uint32_t d, const uint8_t *s, size_t n, uint8_t *o)                        \
     {                                                                                                                  \
         for (size_t v = 0; v < n; v++)                                                                                 \
-            decode_int8(dtype, d, s + v * (sizeof(float) + d), o + v * d * (eb));                                     \
+            decode_int8(dtype, d, s + v * (sizeof(float) + d), o + v * d * (eb));                                      \
     }                                                                                                                  \
-    static AVX512 void encode_q4_##suffix(uint32_t d, uint32_t g, const uint8_t *s, size_t n, uint8_t *o)             \
+    static AVX512 void encode_q4_##suffix(uint32_t d, uint32_t g, const uint8_t *s, size_t n, uint8_t *o)              \
     {                                                                                                                  \
         size_t groups = n * (d / g);                                                                                   \
         for (size_t k = 0; k < groups; k += BATCH)                                                                     \
             encode_q4_batch(dtype, d, g, s, k, groups - k < BATCH ? (uint32_t)(groups - k) : BATCH, o);                \
     }                                                                                                                  \
-    static AVX512 void decode_q4_##suffix(uint32_t d, uint32_t g, const uint8_t *s, size_t n, uint8_t *o)             \
+    static AVX512 void decode_q4_##suffix(uint32_t d, uint32_t g, const uint8_t *s, size_t n, uint8_t *o)              \
     {                                                                                                                  \
         size_t rec = (size_t)(d / g) * 2 * sizeof(float) + d / 2;                                                      \
         for (size_t v = 0; v < n; v++)                                                                                 \

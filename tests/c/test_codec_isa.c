@@ -114,9 +114,10 @@ static void expect_same(const char *what, int isa, uint32_t codec, uint32_t dt, 
             size_t at = 0;
             while (want[v * per_vector + at] == got[v * per_vector + at])
                 at++;
-            fail_msg("%s on %s differs from scalar: codec %u dtype %u d %u vector %zu (kind %zu) byte %zu: %02x vs %02x",
-                     what, kvhi_codec_isa_name(isa), codec, dt, d, v, v % KINDS, at, got[v * per_vector + at],
-                     want[v * per_vector + at]);
+            fail_msg(
+                "%s on %s differs from scalar: codec %u dtype %u d %u vector %zu (kind %zu) byte %zu: %02x vs %02x",
+                what, kvhi_codec_isa_name(isa), codec, dt, d, v, v % KINDS, at, got[v * per_vector + at],
+                want[v * per_vector + at]);
         }
 }
 
