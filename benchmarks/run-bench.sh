@@ -74,7 +74,12 @@ step() {
 q=()
 [[ $quick == 1 ]] && q=(--quick)
 for s in alloc migrate disk attention scale switch vmap codec remote; do
-    step "$s" "$out/$s.jsonl" "$bench" "$s" --json "${q[@]}"
+    extra=()
+    # every instruction set of the codecs, the one before AVX-512 included;
+    # more rounds, as their medians move with the load of a shared machine
+    [[ $s == codec ]] && extra=(--isa all)
+    [[ $s == codec && $quick == 0 ]] && extra+=(--reps 21)
+    step "$s" "$out/$s.jsonl" "$bench" "$s" --json "${q[@]}" "${extra[@]}"
 done
 
 trace_args=()

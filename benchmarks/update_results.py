@@ -19,6 +19,10 @@ is replaced, by the table NAME built from DIR:
   tradeoff   DIR/demo.jsonl: the seed's trade-off table (monolithic vs
              synchronous offload vs kvh) from `kvh demo --json`
   offload    DIR/offload.jsonl: restore vs recompute per context length
+  codec-isa  DIR/codec.jsonl: encode/decode as ratios to memcpy per codec,
+             dtype and instruction set (`kvh-bench codec --isa all`)
+  disk-ceiling DIR/disk.jsonl: kvh against the raw io_uring ceiling and fio,
+             medians with their ranges
   NAME       any other DIR/NAME.jsonl: the generic median table of
              summarize.py (alloc, migrate, disk, attention)
 
@@ -263,6 +267,68 @@ def offload_table(d: Path) -> Optional[str]:
     return out + "\n"
 
 
+def codec_isa_table(d: Path) -> Optional[str]:
+    rows = [r for r in rows_of(d / "codec.jsonl") if "isa" in r]
+    if not rows:
+        return None
+    isas = [i for i in ("scalar", "avx2", "avx512") if any(r["isa"] == i for r in rows)]
+    by = {(r["codec"], r["dtype"], r["isa"], r["metric"]): r for r in rows}
+    body = []
+    for codec in ("int8", "q4_g32", "q4_g64"):
+        for dtype in ("f16", "bf16", "f32"):
+            cells = [codec, dtype]
+            for metric in ("encode", "decode"):
+                target = ""
+                for isa in isas:
+                    r = by.get((codec, dtype, isa, metric))
+                    cell = f"{num(r['ratio'], 2)} ({num(r['value'], 3)})" if r else ""
+                    if r and "target" in r:
+                        target = r["target"]
+                        if r.get("met") is False:
+                            cell = f"**{cell}** missed"
+                    cells.append(cell)
+                cells.append(target)
+            body.append(cells)
+    head = ["codec", "dtype"]
+    for metric in ("encode", "decode"):
+        head += [f"{metric} {i}" for i in isas] + [f"{metric} target"]
+    return (
+        table(head, body)
+        + "\nCells: ratio to memcpy of the same raw bytes (median of per-round ratios), then GB/s of raw bytes. "
+        "avx2 is the code before the AVX-512 codecs (unchanged), avx512 the one chosen at run time here.\n"
+    )
+
+
+def disk_ceiling_table(d: Path) -> Optional[str]:
+    rows = [r for r in rows_of(d / "disk.jsonl") if "spread" in r]
+    if not rows:
+        return None
+    body = []
+    for r in rows:
+        unit = r["unit"]
+        fio = f"{num(r['fio'], 3)} {unit}" if "fio" in r else "(no fio)"
+        cell = num(r["ratio"], 3)
+        if r.get("met") is False:
+            cell = f"**{cell}** missed"
+        body.append(
+            [
+                r["metric"],
+                f"{r['block_bytes'] >> 10} KiB",
+                f"{num(r['value'], 3)} {unit}",
+                f"{num(r['baseline'], 3)} {unit}",
+                fio,
+                cell,
+                r.get("target", ""),
+                f"{r['spread']} ({r['rounds']} rounds)",
+            ]
+        )
+    return (
+        table(["metric", "block", "kvh", "raw", "fio", "ratio", "target", "ranges"], body)
+        + "\nMedians over rounds; ratio: median of per-round ratios (latency: raw / kvh). raw: io_uring with "
+        "registered file and buffers at the depth kvh reaches; fio: the same file, sizes and depth.\n"
+    )
+
+
 def machine_text(d: Path) -> Optional[str]:
     p = d / "machine.txt"
     if not p.is_file():
@@ -284,6 +350,8 @@ BUILDERS = {
     "scale": scale_table,
     "tradeoff": tradeoff_table,
     "offload": offload_table,
+    "codec-isa": codec_isa_table,
+    "disk-ceiling": disk_ceiling_table,
 }
 
 

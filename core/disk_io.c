@@ -524,16 +524,26 @@ int kvhi_disk_read_scatter(kvhi_disk *d, kvhi_disk_lane *l, uint32_t n, const ui
 int kvhi_disk_write_gather(kvhi_disk *d, kvhi_disk_lane *l, uint32_t n, const uint32_t *slots, uint8_t *const *srcs,
                            int *results)
 {
+    return kvhi_disk_write_gather_prepared(d, l, n, slots, srcs, results, NULL, NULL);
+}
+
+int kvhi_disk_write_gather_prepared(kvhi_disk *d, kvhi_disk_lane *l, uint32_t n, const uint32_t *slots,
+                                    uint8_t *const *srcs, int *results, kvhi_disk_run_done_fn prepare, void *ctx)
+{
     if (d->fatal) {
         for (uint32_t i = 0; i < n; i++)
             results[i] = -EIO;
         return 0;
     }
-    return vector_io(d, l, n, slots, srcs, results, NULL, NULL, true);
+    /* for writes, vector_io's callback prepares each run before it goes */
+    return vector_io(d, l, n, slots, srcs, results, prepare, ctx, true);
 }
 
 /* Both directions of the vectored path: per slot, the header (and any
- * padding) from the lane's staging, the data from or to datas[i]. */
+ * padding) from the lane's staging, the data from or to datas[i]. on_run
+ * is called for a read run once it is in; for a write run before it is
+ * submitted (each write run is submitted on its own, so the device starts
+ * on it while the next is prepared). */
 static int vector_io(kvhi_disk *d, kvhi_disk_lane *l, uint32_t n, const uint32_t *slots, uint8_t *const *datas,
                      int *results, kvhi_disk_run_done_fn on_run, void *ctx, bool write)
 {
@@ -568,6 +578,8 @@ static int vector_io(kvhi_disk *d, kvhi_disk_lane *l, uint32_t n, const uint32_t
     }
     uint32_t pending = 0;
     for (uint32_t r = 0; r < nr; r++) {
+        if (write && on_run) /* even for a failed run: its blocks stay consistent */
+            on_run(ctx, runs[r].first, runs[r].count);
         if (run_err[r])
             continue;
         struct io_uring_sqe *sqe = io_uring_get_sqe(&l->ring);
@@ -585,6 +597,8 @@ static int vector_io(kvhi_disk *d, kvhi_disk_lane *l, uint32_t n, const uint32_t
             io_uring_prep_readv(sqe, runs[r].fd, iov + first_iov[r], n_iov[r], runs[r].offset);
         io_uring_sqe_set_data64(sqe, r);
         pending++;
+        if (write && on_run && r + 1 < nr)
+            io_uring_submit(&l->ring);
     }
     /* Submit and wait for the first completion in one system call. */
     if (pending)
@@ -613,7 +627,7 @@ static int vector_io(kvhi_disk *d, kvhi_disk_lane *l, uint32_t n, const uint32_t
             run_err[r] = res;
         else if ((uint64_t)res < (uint64_t)runs[r].count * sb)
             run_err[r] = write ? -ENOSPC : -ENODATA;
-        else if (on_run) {
+        else if (on_run && !write) {
             for (uint32_t k = 0; k < runs[r].count; k++)
                 results[runs[r].first + k] = 0;
             on_run(ctx, runs[r].first, runs[r].count);

@@ -113,6 +113,12 @@ int kvhi_disk_read_scatter(kvhi_disk *d, kvhi_disk_lane *lane, uint32_t n, const
  * when this path does not apply: stage and use write_staged. */
 int kvhi_disk_write_gather(kvhi_disk *d, kvhi_disk_lane *lane, uint32_t n, const uint32_t *slots, uint8_t *const *srcs,
                            int *results);
+/* The same, with each run's headers (and anything else its blocks need)
+ * prepared by prepare(ctx, first, count) just before that run is
+ * submitted: the device writes the first runs while the later ones are
+ * prepared. */
+int kvhi_disk_write_gather_prepared(kvhi_disk *d, kvhi_disk_lane *lane, uint32_t n, const uint32_t *slots,
+                                    uint8_t *const *srcs, int *results, kvhi_disk_run_done_fn prepare, void *ctx);
 
 /* Reads one slot: its header into the lane's staging (*header_out) and
  * its data straight into dst, in pieces submitted together, returning the

@@ -184,10 +184,31 @@ static bool read_batch_in_place(kvh_engine *e, kvhi_disk_lane *lane, kvhi_xfer *
     return true;
 }
 
+typedef struct write_batch {
+    kvh_engine *e;
+    kvhi_xfer *xs;
+    kvhi_disk_lane *lane;
+    uint8_t *const *srcs;
+} write_batch;
+
+/* The checksums and headers of a run of a batch, just before it is
+ * submitted: the runs before it are already on their way. */
+static void checksum_run(void *ctx, uint32_t first, uint32_t count)
+{
+    write_batch *wb = ctx;
+    kvhi_disk *d = wb->e->disk;
+    for (uint32_t i = first; i < first + count; i++) {
+        kvhi_xfer *x = &wb->xs[i];
+        x->data_crc = kvhi_crc32c(0, wb->srcs[i], d->block_bytes);
+        encode_slot_header(d, x, kvhi_disk_lane_slot(wb->lane, i));
+    }
+}
+
 /* Writes a batch whose blocks all sit in host memory in the disk's form
  * straight from their slots (stable: in flight or being copied): only
- * the header is staged, the data costs one checksum pass and no copy.
- * False when that path does not apply. */
+ * the header is staged, the data costs one checksum pass and no copy,
+ * each run's while the runs before it are written. False when that path
+ * does not apply. */
 static bool write_batch_in_place(kvh_engine *e, kvhi_disk_lane *lane, kvhi_xfer *xs, uint32_t k, const uint32_t *slots,
                                  int *res)
 {
@@ -205,12 +226,8 @@ static bool write_batch_in_place(kvh_engine *e, kvhi_disk_lane *lane, kvhi_xfer 
         if ((uintptr_t)srcs[i] % KVHI_DISK_ALIGN)
             return false;
     }
-    for (uint32_t i = 0; i < k; i++) {
-        kvhi_xfer *x = &xs[i];
-        x->data_crc = kvhi_crc32c(0, srcs[i], d->block_bytes);
-        encode_slot_header(d, x, kvhi_disk_lane_slot(lane, i));
-    }
-    if (kvhi_disk_write_gather(d, lane, k, slots, srcs, res) != 0)
+    write_batch wb = {e, xs, lane, srcs};
+    if (kvhi_disk_write_gather_prepared(d, lane, k, slots, srcs, res, checksum_run, &wb) != 0)
         return false;
     for (uint32_t i = 0; i < k; i++)
         xs[i].err = res[i];

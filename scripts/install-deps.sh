@@ -25,6 +25,7 @@ APT_PACKAGES=(
     libhiredis-dev     # remote tier: Redis client (loaded at run time)
     redis-server       # remote tier tests: a local Redis Cluster
     redis-tools        # redis-cli: cluster creation in the tests
+    fio                # kvh-bench disk: the disk's own ceiling beside the raw baseline
 )
 
 # PyPI distribution names (as `pip install` takes them).

@@ -1,9 +1,11 @@
 /* KV codecs (see kv_codec.h for the formats and error bounds), run on
- * every copy between a raw and an encoded tier. The values are converted
- * through the dtype helpers shared with the attention kernels, a slice at
- * a time; on x86 with AVX2 + F16C the hot loops have vector forms that
- * give the same bytes (tests/c/test_codec.c checks both against the
- * format). */
+ * every copy between a raw and an encoded tier. The scalar form here is
+ * the format's definition: values are converted through the dtype helpers
+ * shared with the attention kernels, a slice at a time. On x86 the AVX2 +
+ * F16C set has vector forms of the hot loops here, and AVX-512 has whole
+ * codecs of its own (kv_codec_avx512.c); all give the same bytes
+ * (tests/c/test_codec.c checks them against the format,
+ * tests/c/test_codec_isa.c against each other). */
 #include "kernels/cpu/kv_codec.h"
 
 #include <math.h>
@@ -11,7 +13,7 @@
 
 #include "kvh/kvh.h"
 #include "kernels/attention_dtype.h"
-#include "kernels/cpu/attn_cpu.h"
+#include "kernels/cpu/kv_codec_simd.h"
 
 static uint32_t elem_bytes(uint32_t dtype)
 {
@@ -91,9 +93,8 @@ static void minmax_finite_scalar(const float *x, uint32_t n, float *lo, float *h
         }
 }
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#ifdef KVH_CODEC_X86_VECTOR
 #include <immintrin.h>
-#define KVH_CODEC_X86_VECTOR 1
 /* f16 <-> f32 eight at a time with the F16C instructions: both directions
  * are exact or correctly rounded to nearest-even, the same results as the
  * scalar helpers (NaNs quieted with their top payload bits kept). */
@@ -150,19 +151,8 @@ __attribute__((target("avx2"))) static void f32_to_bf16_avx2(const float *x, uin
         h[i] = kvhi_f32_to_bf16(x[i]);
 }
 
-/* The vector paths need AVX2 with F16C, the set the AVX2 attention
- * kernel checks for; looked up once (threads racing on the first call
- * store the same value). */
-static int have_vector_paths(void)
-{
-    static int known = -1;
-    int v = __atomic_load_n(&known, __ATOMIC_RELAXED);
-    if (v < 0) {
-        v = kvhi_attn_cpu_supported(KVHI_ATTN_AVX2);
-        __atomic_store_n(&known, v, __ATOMIC_RELAXED);
-    }
-    return v;
-}
+/* The AVX2 forms below run when that set is chosen (kv_codec_isa.c). */
+static int have_vector_paths(void) { return kvhi_codec_active_isa() == KVHI_CODEC_AVX2; }
 
 /* quantise() four elements at a time in double, with the same steps:
  * NaN -> 0, at or beyond an end -> that end, else rounded in the current
@@ -499,6 +489,12 @@ static void decode_q4(uint32_t dtype, uint32_t d, uint32_t g, const uint8_t *rec
 
 void kvhi_codec_encode(uint32_t codec, uint32_t dtype, uint32_t d, const void *src, size_t n, void *dst)
 {
+#ifdef KVH_CODEC_X86_VECTOR
+    if (codec != KVH_CODEC_NONE && kvhi_codec_active_isa() == KVHI_CODEC_AVX512) {
+        kvhi_codec_encode_avx512(codec, dtype, d, kvhi_codec_group(codec, d), src, n, dst);
+        return;
+    }
+#endif
     size_t in = (size_t)d * elem_bytes(dtype), out = kvhi_codec_vector_bytes(codec, dtype, d);
     const uint8_t *s = src;
     uint8_t *o = dst;
@@ -520,6 +516,12 @@ void kvhi_codec_encode(uint32_t codec, uint32_t dtype, uint32_t d, const void *s
 
 void kvhi_codec_decode(uint32_t codec, uint32_t dtype, uint32_t d, const void *src, size_t n, void *dst)
 {
+#ifdef KVH_CODEC_X86_VECTOR
+    if (codec != KVH_CODEC_NONE && kvhi_codec_active_isa() == KVHI_CODEC_AVX512) {
+        kvhi_codec_decode_avx512(codec, dtype, d, kvhi_codec_group(codec, d), src, n, dst);
+        return;
+    }
+#endif
     size_t out = (size_t)d * elem_bytes(dtype), in = kvhi_codec_vector_bytes(codec, dtype, d);
     const uint8_t *s = src;
     uint8_t *o = dst;

@@ -37,4 +37,25 @@ void kvhi_codec_decode(uint32_t codec, uint32_t dtype, uint32_t head_dim, const 
 /* Elements per quantisation group (head_dim for INT8, 0 for NONE). */
 uint32_t kvhi_codec_group(uint32_t codec, uint32_t head_dim);
 
+/* Instruction sets the codecs run on; every one gives the same bytes as
+ * SCALAR. AUTO is the best this CPU runs, or the one KVH_CODEC_ISA names
+ * (`scalar`, `avx2`, `avx512`; ignored where the CPU lacks it). */
+enum kvhi_codec_isa {
+    KVHI_CODEC_AUTO = 0,
+    KVHI_CODEC_SCALAR = 1,
+    KVHI_CODEC_AVX2 = 2,  /* AVX2 + FMA + F16C */
+    KVHI_CODEC_AVX512 = 3 /* AVX-512 F/BW/VL/DQ, with the AVX2 set */
+};
+
+/* 1 when this CPU runs isa. (kv_codec_isa.c) */
+int kvhi_codec_isa_supported(int isa);
+/* Makes every later call of this process run isa (tests, benchmarks);
+ * -1 and nothing changed when the CPU lacks it. Not for use while other
+ * threads encode: they may run either set for a while. */
+int kvhi_codec_set_isa(int isa);
+/* The instruction set calls run on now (never AUTO). */
+int kvhi_codec_active_isa(void);
+/* "scalar", "avx2" or "avx512". */
+const char *kvhi_codec_isa_name(int isa);
+
 #endif

@@ -591,6 +591,77 @@ static void test_vectored_paths(void **state)
     atomic_store(&no_ring, 0);
 }
 
+/* A prepared gather: each run's blocks are prepared once, in order, and
+ * what the callback staged is what lands on disk. */
+typedef struct preparations {
+    kvhi_disk_lane *lane;
+    const uint32_t *slots;
+    uint32_t calls, next;
+} preparations;
+
+static void prepare_run(void *ctx, uint32_t first, uint32_t count)
+{
+    preparations *p = ctx;
+    assert_int_equal(first, p->next); /* in order, each block once */
+    p->next = first + count;
+    p->calls++;
+    for (uint32_t i = first; i < first + count; i++)
+        fill(kvhi_disk_lane_slot(p->lane, i), 4096, p->slots[i], 7); /* the header page */
+}
+
+static void test_prepared_gather(void **state)
+{
+    (void)state;
+    if (!have_io_uring())
+        skip();
+    char dir[PATH_MAX];
+    dt_scratch("prepared", dir, sizeof(dir));
+    uint64_t bb = 64 << 10;
+    kvhi_disk *d = disk_open(dir, bb, 40, 32, 2, true);
+    kvhi_disk_lane *a = kvhi_disk_lane_get(d), *b = kvhi_disk_lane_get(d);
+    /* runs of at most 15 neighbouring 68 KiB slots: {0..14} {15..19} {30} */
+    uint32_t slots[21];
+    uint8_t *src[21], *dst[21];
+    for (uint32_t i = 0; i < 21; i++) {
+        slots[i] = i < 20 ? i : 30;
+        src[i] = aligned(bb);
+        dst[i] = aligned(bb);
+        fill(src[i], bb, slots[i] + 100, 7);
+    }
+    int res[21];
+    preparations p = {.lane = a, .slots = slots};
+    hook_on(-1, 0, 0);
+    assert_int_equal(kvhi_disk_write_gather_prepared(d, a, 21, slots, src, res, prepare_run, &p), 0);
+    assert_int_equal(p.calls, 3);
+    assert_int_equal(p.next, 21);
+    assert_int_equal(calls(KVHI_OP_WRITE), 3);
+    for (uint32_t i = 0; i < 21; i++)
+        assert_int_equal(res[i], 0);
+    arrivals got = {.res = res};
+    assert_int_equal(kvhi_disk_read_scatter(d, b, 21, slots, dst, res, on_run, &got), 0);
+    for (uint32_t i = 0; i < 21; i++) {
+        assert_int_equal(res[i], 0);
+        assert_memory_equal(dst[i], src[i], bb);
+        assert_int_equal(differs(kvhi_disk_lane_slot(b, i), 4096, slots[i], 7), -1);
+    }
+    /* A failed run is still prepared, and fails alone. */
+    p = (preparations){.lane = a, .slots = slots};
+    hook_on(KVHI_OP_WRITE, 2, -EIO);
+    assert_int_equal(kvhi_disk_write_gather_prepared(d, a, 21, slots, src, res, prepare_run, &p), 0);
+    assert_int_equal(p.next, 21);
+    assert_int_equal(res[0], 0);
+    assert_int_equal(res[15], -EIO);
+    assert_int_equal(res[20], 0);
+    hook_on(-1, 0, 0);
+    for (uint32_t i = 0; i < 21; i++) {
+        free(src[i]);
+        free(dst[i]);
+    }
+    kvhi_disk_lane_put(d, a);
+    kvhi_disk_lane_put(d, b);
+    disk_close(d);
+}
+
 /* ---- fatal stores ---- */
 
 static void test_fatal_store(void **state)
@@ -649,6 +720,7 @@ int main(void)
         cmocka_unit_test_teardown(test_short_transfers, teardown),
         cmocka_unit_test_teardown(test_truncated_slab, teardown),
         cmocka_unit_test_teardown(test_vectored_paths, teardown),
+        cmocka_unit_test_teardown(test_prepared_gather, teardown),
         cmocka_unit_test_teardown(test_fatal_store, teardown),
     };
     return cmocka_run_group_tests_name("disk_io", tests, NULL, NULL);
