@@ -7,10 +7,7 @@
 enum { SEQ_CALLS = 19, BLOCK_CALLS = 6, FENCE_CALLS = 3, POOL_CALLS = 4 };
 enum { FIRST_BLOCK = SEQ_CALLS, FIRST_FENCE = FIRST_BLOCK + BLOCK_CALLS, FIRST_POOL = FIRST_FENCE + FENCE_CALLS };
 
-int forged_call_count(void)
-{
-    return FIRST_POOL + POOL_CALLS;
-}
+int forged_call_count(void) { return FIRST_POOL + POOL_CALLS; }
 
 forged_kind forged_call_kind(int call)
 {
@@ -25,7 +22,8 @@ forged_kind forged_call_kind(int call)
 
 uint8_t forged_kind_tag(forged_kind kind)
 {
-    static const uint8_t tags[] = {[FORGED_SEQ] = 0x5A, [FORGED_BLOCK] = 0xB1, [FORGED_FENCE] = 0xF3, [FORGED_POOL] = 0x9C};
+    static const uint8_t tags[] = {
+        [FORGED_SEQ] = 0x5A, [FORGED_BLOCK] = 0xB1, [FORGED_FENCE] = 0xF3, [FORGED_POOL] = 0x9C};
     return tags[kind];
 }
 

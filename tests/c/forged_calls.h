@@ -14,10 +14,10 @@
  * K/V and attention buffers (heads * head_dim <= FORGED_MAX_ROW). */
 typedef struct forged_targets {
     kvh_engine *engine;
-    kvh_seq seq;      /* paired with a forged sequence in batch calls */
-    kvh_block block;  /* paired with a forged block in kvh_migrate */
+    kvh_seq seq;          /* paired with a forged sequence in batch calls */
+    kvh_block block;      /* paired with a forged block in kvh_migrate */
     kvh_block slot_block; /* restored into the pool with a forged pool */
-    kvh_pool pool;    /* a live pool for calls given a forged block */
+    kvh_pool pool;        /* a live pool for calls given a forged block */
     uint32_t heads, head_dim, block_tokens;
 } forged_targets;
 
