@@ -313,7 +313,7 @@ impl Config {
     }
 
     /// TLS to the cluster, with a CA file. This build's client has no TLS:
-    /// `Engine::open` refuses it with [`Status::Unsupported`].
+    /// `Engine::open` refuses it with [`crate::Status::Unsupported`].
     pub fn remote_tls(mut self, ca_file: Option<&str>) -> Self {
         self.raw.remote_tls = 1;
         match ca_file {
