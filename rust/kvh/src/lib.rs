@@ -73,6 +73,7 @@ mod element;
 mod engine;
 mod error;
 mod fence;
+mod pool;
 mod seq;
 mod types;
 mod vmap;
@@ -85,6 +86,7 @@ pub use element::Element;
 pub use engine::{Engine, OwnedBlock};
 pub use error::{Error, Result, Status};
 pub use fence::Fence;
+pub use pool::{OffloadBatch, OffloadItem, Pool, RestoreBatch};
 pub use seq::{Hold, SeqRef, Sequence};
 pub use types::{
     Backend, Block, BlockInfo, BlockTable, DType, Geometry, LogLevel, Scope, Stats, Tier, TierInfo,
