@@ -9,6 +9,8 @@
 #include <string.h>
 
 #include "core/block.h"
+#include "core/block_state.h"
+#include "core/disk_io.h"
 #include "core/disk_tier.h"
 #include "core/migrate.h"
 #include "core/move.h"
@@ -82,8 +84,7 @@ static void item_release(kvh_engine *e, const kvhi_pool_work *w, kvhi_pool_item 
 
 /* Writes the items' statuses (to the caller's memory), gives back the
  * blocks and the pool, completes the fences and frees w. */
-static kvh_status work_end(kvh_engine *e, kvhi_pool_work *w, uint32_t first_fence, kvh_status fence_st,
-                           const char *msg)
+static kvh_status work_end(kvh_engine *e, kvhi_pool_work *w, uint32_t first_fence, kvh_status fence_st, const char *msg)
 {
     for (uint32_t i = 0; i < w->n; i++) {
         if (w->items[i].status)
@@ -155,13 +156,51 @@ static kvh_status run_offload(kvh_engine *e, kvhi_pool_work *w)
     return work_end(e, w, 0, first, msg);
 }
 
+/* Brings the items' blocks that are on disk into a memory tier as batches
+ * of reads (few large I/Os, verified as every read is), the way the
+ * workers batch their moves; what this leaves (a block busy elsewhere, a
+ * failed read) goes through kvhi_block_ensure_memory one by one. */
+static void read_disk_blocks(kvh_engine *e, kvhi_pool_work *w)
+{
+    if (!e->disk)
+        return;
+    enum { MAX = 64 };
+    uint32_t limit = e->disk->lane_blocks < MAX ? e->disk->lane_blocks : MAX;
+    kvhi_xfer *xs = malloc(sizeof(kvhi_xfer) * MAX);
+    if (!xs || limit == 0) {
+        free(xs);
+        return;
+    }
+    uint32_t to = e->tiers[KVH_TIER_HOST].present ? KVH_TIER_HOST : KVH_TIER_DEVICE;
+    for (uint32_t i = 0; i < w->n;) {
+        uint32_t k = 0;
+        for (; i < w->n && k < limit; i++) {
+            kvhi_block *blk = &e->blocks[w->items[i].block];
+            if (blk->tier != KVH_TIER_DISK || kvhi_block_busy(blk) || (blk->flags & KVHI_BF_CORRUPT))
+                continue;
+            if (kvhi_move_begin(e, w->items[i].block, to, &xs[k], false) == 0)
+                k++;
+        }
+        if (k == 0)
+            continue;
+        kvhi_unlock_for_copy(e);
+        kvhi_xfer_batch(e, xs, k);
+        kvhi_relock_after_copy(e);
+        for (uint32_t j = 0; j < k; j++)
+            (void)kvhi_move_end(e, &xs[j], NULL); /* a failure is found again below */
+    }
+    free(xs);
+}
+
 static kvh_status run_restore(kvh_engine *e, kvhi_pool_work *w)
 {
     kvhi_ext_pool *p = w->pool;
     kvh_status first = KVH_OK;
     char msg[192] = "";
-    /* Blocks on disk come into memory first (each read drops the lock);
-     * the spans are taken after all of them, with no drop in between. */
+    /* Blocks on disk come into memory first (reads drop the lock); the
+     * spans are taken after all of them, with no drop in between. */
+    if (!p->unregistered)
+        read_disk_blocks(e, w);
     for (uint32_t i = 0; i < w->n; i++) {
         kvhi_pool_item *it = &w->items[i];
         kvh_status st = p->unregistered ? KVH_ERR_BAD_HANDLE : kvhi_block_ensure_memory(e, it->block);
@@ -272,11 +311,29 @@ void kvhi_pool_work_submit(kvh_engine *e, kvhi_pool_work *w)
     pthread_cond_signal(&e->work_ready);
 }
 
+/* The oldest transfer, else the oldest persist: an inference engine waits
+ * on transfers within a step, while a persist (writes and a sync) is
+ * background work. A persist still follows every offload queued before it
+ * (it may wait for their gathers): those are taken first. */
 static kvhi_pool_work *work_pop(kvh_engine *e)
 {
-    kvhi_pool_work *w = e->pool_work_head;
-    if (w && !(e->pool_work_head = w->next))
-        e->pool_work_tail = NULL;
+    kvhi_pool_work *prev = NULL, *w = e->pool_work_head;
+    while (w && w->kind == KVHI_PW_PERSIST) {
+        prev = w;
+        w = w->next;
+    }
+    if (!w) {
+        prev = NULL;
+        w = e->pool_work_head;
+    }
+    if (!w)
+        return NULL;
+    if (prev)
+        prev->next = w->next;
+    else
+        e->pool_work_head = w->next;
+    if (e->pool_work_tail == w)
+        e->pool_work_tail = prev;
     return w;
 }
 

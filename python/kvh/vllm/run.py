@@ -91,10 +91,17 @@ def main() -> int:
         return bench(args, llm, inputs, init_s, engine_id)
     t0 = time.perf_counter()
     batches = [[x] for x in inputs] if args.one_by_one else [inputs]
+    # One at a time, kvh's counters are read after each request: what it
+    # loaded for that request, and how much came from its disk tier.
+    per_request = args.one_by_one and args.connector == "kvh"
+    loaded = _kvh_loaded(engine_id) if per_request else None
     for batch in batches:
         tb = time.perf_counter()
         outs = llm.generate(batch, sp, use_tqdm=False)
         wall = time.perf_counter() - tb
+        now = _kvh_loaded(engine_id) if per_request else None
+        delta = [b - a for a, b in zip(loaded, now)] if loaded and now else None
+        loaded = now
         for o in outs:
             m = o.metrics
             ttft = getattr(m, "first_token_latency", None) if m is not None else None
@@ -108,6 +115,8 @@ def main() -> int:
                     "num_cached_tokens": getattr(o, "num_cached_tokens", None),
                 }
             )
+            if delta is not None:
+                results[-1]["kvh_tokens_loaded"], results[-1]["kvh_tokens_loaded_disk"] = delta
     gen_s = time.perf_counter() - t0
     stats = None
     if args.connector == "kvh":
@@ -122,6 +131,17 @@ def main() -> int:
         json.dump(out, f, indent=1)
     del llm
     return 0
+
+
+def _kvh_loaded(engine_id: str):
+    """(tokens loaded, of them from disk) so far by the kvh connector."""
+    import kvh.vllm
+
+    try:
+        st = kvh.vllm.query_stats(engine_id)
+        return st.get("tokens_loaded", 0), st.get("tokens_loaded_disk", 0)
+    except OSError:
+        return None
 
 
 def bench(args, llm, inputs, init_s: float, engine_id: str) -> int:
