@@ -40,6 +40,11 @@ def main() -> int:
         action="store_true",
         help="turn vLLM's hybrid KV cache manager off, as vLLM does itself for a connector without HMA support",
     )
+    ap.add_argument(
+        "--request-stats",
+        action="store_true",
+        help="let vLLM keep per-request timings (TTFT, token timestamps: ttft_s and itl_s in the results)",
+    )
     ap.add_argument("--kv-cache-bytes", type=int, default=256 << 20)
     ap.add_argument("--max-model-len", type=int, default=4096)
     args = ap.parse_args()
@@ -81,6 +86,7 @@ def main() -> int:
         kv_cache_memory_bytes=args.kv_cache_bytes,
         enable_prefix_caching=args.prefix_caching,
         disable_hybrid_kv_cache_manager=True if args.disable_hma else None,
+        disable_log_stats=not args.request_stats,
         **kw,
     )
     init_s = time.perf_counter() - t0
@@ -105,6 +111,9 @@ def main() -> int:
         for o in outs:
             m = o.metrics
             ttft = getattr(m, "first_token_latency", None) if m is not None else None
+            n_out = len(o.outputs[0].token_ids)
+            first_ts, last_ts = getattr(m, "first_token_ts", 0.0), getattr(m, "last_token_ts", 0.0)
+            itl = (last_ts - first_ts) / (n_out - 1) if m is not None and n_out > 1 and last_ts > first_ts else None
             results.append(
                 {
                     "prompt_tokens": len(o.prompt_token_ids),
@@ -112,6 +121,7 @@ def main() -> int:
                     "text": o.outputs[0].text,
                     "wall_s": wall,
                     "ttft_s": ttft,
+                    "itl_s": itl,
                     "num_cached_tokens": getattr(o, "num_cached_tokens", None),
                 }
             )
