@@ -24,7 +24,7 @@ typedef struct kvhi_pool_item {
 
 typedef struct kvhi_pool_work {
     struct kvhi_pool_work *next;
-    uint32_t kind; /* enum kvhi_pool_work_kind */
+    uint32_t kind;       /* enum kvhi_pool_work_kind */
     kvhi_ext_pool *pool; /* NULL for a persist */
     uint32_t n;
     kvhi_pool_item *items;

@@ -21,8 +21,8 @@ typedef struct pt_pool {
 
 /* Fills p for layers x slots slots of bt tokens of heads x dim elements of
  * esize bytes, with bytes from seed. */
-static inline void pt_pool_init(pt_pool *p, uint32_t layers, uint32_t slots, uint32_t bt, uint32_t heads,
-                                uint32_t dim, uint32_t esize, uint64_t seed)
+static inline void pt_pool_init(pt_pool *p, uint32_t layers, uint32_t slots, uint32_t bt, uint32_t heads, uint32_t dim,
+                                uint32_t esize, uint64_t seed)
 {
     memset(p, 0, sizeof(*p));
     p->layers = layers;

@@ -15,8 +15,8 @@ enum { L = 4, H = 2, D = 128, BT = 64, SLOTS = 32, N = 12, ROUNDS = 6 };
 
 static pt_pool pool_mem;
 static kvh_pool pool;
-static atomic_int copying;    /* a batch is submitted and its fence not yet seen complete */
-static atomic_int finished;   /* the batch thread is done */
+static atomic_int copying;     /* a batch is submitted and its fence not yet seen complete */
+static atomic_int finished;    /* the batch thread is done */
 static atomic_long overlapped; /* lookups that ran wholly while a batch copied */
 
 static void tokens_of(int32_t *t, uint32_t round, uint32_t i) { pt_tokens(t, BT, 1000 + round, i); }
@@ -31,8 +31,8 @@ static void *batch_thread(void *arg)
         uint64_t parent = 0;
         for (uint32_t i = 0; i < N; i++) {
             tokens_of(tok[i], round, i);
-            x[i] = (kvh_pool_xfer){.struct_size = sizeof(kvh_pool_xfer), .slot = i, .parent_hash = parent,
-                                   .tokens = tok[i]};
+            x[i] = (kvh_pool_xfer){
+                .struct_size = sizeof(kvh_pool_xfer), .slot = i, .parent_hash = parent, .tokens = tok[i]};
             if (kvh_prefix_hash(e, parent, tok[i], BT, &parent) != KVH_OK)
                 mt_report(w, "hash: %s", kvh_last_error());
         }
