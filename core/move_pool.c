@@ -49,6 +49,13 @@ int kvhi_pool_span_copy(kvh_engine *e, const kvhi_ext_pool *p, uint32_t slot, co
 {
     uint32_t H = e->cfg.num_kv_heads, bt = e->cfg.block_tokens;
     size_t row = (size_t)e->cfg.head_dim * e->elem_bytes;
+    /* A head's token rows packed in the pool too (vLLM's CPU layout): one
+     * copy of the whole run instead of one per token. */
+    size_t width = row, height = bt;
+    if (p->layout.token_stride == row) {
+        width = row * bt;
+        height = 1;
+    }
     int failed = 0;
     for (uint32_t l = first_layer; l < first_layer + n_layers; l++)
         for (uint32_t kv = 0; kv < 2; kv++)
@@ -57,10 +64,10 @@ int kvhi_pool_span_copy(kvh_engine *e, const kvhi_ext_pool *p, uint32_t slot, co
                                (uint64_t)h * p->layout.head_stride;
                 uint8_t *mine = s->data + (uint64_t)l * e->layer_bytes + (size_t)(kv * H + h) * bt * row;
                 char why[256];
-                int rc = to_block ? e->backend->copy_2d(e->backend_ctx, mine, row, ext, p->layout.token_stride, row, bt,
-                                                        s->kind, why, sizeof(why))
-                                  : e->backend->copy_2d(e->backend_ctx, ext, p->layout.token_stride, mine, row, row, bt,
-                                                        s->kind, why, sizeof(why));
+                int rc = to_block ? e->backend->copy_2d(e->backend_ctx, mine, width, ext, p->layout.token_stride, width,
+                                                        height, s->kind, why, sizeof(why))
+                                  : e->backend->copy_2d(e->backend_ctx, ext, p->layout.token_stride, mine, width, width,
+                                                        height, s->kind, why, sizeof(why));
                 if (rc != 0 && !failed++)
                     snprintf(msg, msg_len, "pool copy failed: %s", why);
             }
