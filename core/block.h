@@ -13,7 +13,7 @@
 /* Block flags: lasting properties of a block, one bit each. What a copy
  * of its data is doing right now is its move state, a field in the top
  * bits of the same word (core/block_state.h), changed only through that
- * header's transitions. Bit 0x400 is free. */
+ * header's transitions. */
 #define KVHI_BF_LIVE 0x01u      /* meta entry in use */
 #define KVHI_BF_PUBLISHED 0x02u /* in the prefix index (immutable) */
 #define KVHI_BF_HINTED                                                                                                 \
@@ -26,6 +26,7 @@
 #define KVHI_BF_PREFETCHING 0x80u   /* a hint's promotion is queued */
 #define KVHI_BF_JOURNALED 0x100u    /* an index record names its disk slot */
 #define KVHI_BF_DISK_COPY 0x200u    /* disk_copy holds a clean copy */
+#define KVHI_BF_POOL_FILL 0x400u    /* an offload batch is gathering it */
 #define KVHI_BF_CORRUPT 0x800u      /* its disk data failed verification */
 #define KVHI_BF_DISK_HASHED 0x1000u /* its disk header carries its hash */
 #define KVHI_BF_MOVE_SHIFT 13       /* bits 13-15: enum kvhi_move_state */

@@ -453,10 +453,13 @@ bool kvhi_disk_clean_step(kvh_engine *e)
 
 kvh_status kvhi_disk_persist(kvh_engine *e, kvhi_seq *s)
 {
+    return kvhi_disk_persist_blocks(e, s->blocks, (uint32_t)(s->n_tokens / e->cfg.block_tokens), "of the sequence");
+}
+
+kvh_status kvhi_disk_persist_blocks(kvh_engine *e, const uint32_t *blocks, uint32_t n_full, const char *whose)
+{
     if (!e->disk)
         return kvhi_fail(KVH_ERR_UNSUPPORTED, "the engine has no disk tier (set disk_path and disk_bytes)");
-    uint32_t bt = e->cfg.block_tokens;
-    uint32_t n_full = (uint32_t)(s->n_tokens / bt);
     uint32_t *todo = malloc(sizeof(uint32_t) * (n_full ? n_full : 1));
     kvhi_xfer *xs = malloc(sizeof(kvhi_xfer) * 64);
     if (!todo || !xs) {
@@ -471,10 +474,10 @@ kvh_status kvhi_disk_persist(kvh_engine *e, kvhi_seq *s)
      * long sequence would pin memory other callers need. One may move
      * while others are prepared, so rounds repeat until each is recorded. */
     for (uint32_t i = 0; i < n_full && st == KVH_OK; i++) {
-        uint32_t b = s->blocks[i];
+        uint32_t b = blocks[i];
         kvhi_block *blk = &e->blocks[b];
         if (!(blk->flags & KVHI_BF_KV_COMPLETE)) {
-            st = kvhi_fail(KVH_ERR_INVALID_ARG, "block %u of the sequence has KV that was never written", i);
+            st = kvhi_fail(KVH_ERR_INVALID_ARG, "block %u %s has KV that was never written", i, whose);
             break;
         }
         kvhi_block_try_publish(e, b);

@@ -27,6 +27,8 @@ void kvhi_disk_keep_as_copy(kvh_engine *e, uint32_t b, const kvhi_xfer *x);
 /* Makes every full block of s durable (written, journaled, synced).
  * Drops the lock for the writes and the sync. */
 kvh_status kvhi_disk_persist(kvh_engine *e, kvhi_seq *s);
+/* The same for blocks[0..n) (whose names them in messages). */
+kvh_status kvhi_disk_persist_blocks(kvh_engine *e, const uint32_t *blocks, uint32_t n, const char *whose);
 /* One round of background cleaning (lock held, may drop); true if work
  * was done. */
 bool kvhi_disk_clean_step(kvh_engine *e);

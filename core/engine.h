@@ -126,6 +126,9 @@ struct kvh_engine {
      * while some are under way waits for them instead of failing. */
     uint32_t copies_in_progress;
     bool stop_workers;
+    /* Batched pool transfers and persists (core/pool_batch.c), FIFO, run
+     * by the workers before queued moves. */
+    struct kvhi_pool_work *pool_work_head, *pool_work_tail;
 
     kvh_stats stats;
     kvhi_latency latency; /* core/latency.h: recorded without the lock */

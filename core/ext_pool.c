@@ -50,8 +50,12 @@ kvh_status kvhi_pool_register(kvh_engine *e, const kvh_pool_layout *layout, kvh_
 
 void kvhi_pool_unregister(kvh_engine *e, kvhi_ext_pool *p, uint32_t index)
 {
-    /* Pool copies run under the lock, so none is in flight here. */
+    /* The handle goes first, so no new batch finds the pool; queued ones
+     * see it unregistered and fail, a running one finishes its copies. */
     kvhi_handles_remove(&e->pools, index);
+    p->unregistered = true;
+    while (p->batches)
+        pthread_cond_wait(&e->changed, &e->lock);
     free(p->k_base);
     free(p->v_base);
     free(p);
@@ -73,16 +77,39 @@ kvh_status kvhi_pool_restore(kvh_engine *e, kvhi_ext_pool *p, uint32_t b, uint32
     return st;
 }
 
-kvh_status kvhi_pool_offload(kvh_engine *e, kvhi_ext_pool *p, uint32_t slot, uint64_t salt, uint64_t parent,
-                             const int32_t *tokens, uint32_t agent, uint32_t *out)
+uint32_t kvhi_pool_find_cached(kvh_engine *e, uint64_t salt, uint64_t parent, const int32_t *tokens, uint64_t *hash)
 {
     uint32_t bt = e->cfg.block_tokens;
     uint64_t h = kvhi_prefix_hash(parent, tokens, bt, salt);
+    *hash = h;
     uint32_t b = kvhi_prefix_find(&e->prefix, h);
     if (b != KVHI_PREFIX_MISS && e->blocks[b].parent_hash == parent &&
         memcmp(kvhi_block_tokens(e, b), tokens, bt * sizeof(int32_t)) == 0) {
         kvhi_block_ref(e, b);
         kvhi_block_touch(e, b);
+        return b;
+    }
+    return KVHI_PREFIX_MISS;
+}
+
+void kvhi_pool_seal(kvh_engine *e, uint32_t b, uint64_t hash, uint64_t parent, const int32_t *tokens)
+{
+    uint32_t bt = e->cfg.block_tokens;
+    kvhi_block *blk = &e->blocks[b];
+    memcpy(kvhi_block_tokens(e, b), tokens, bt * sizeof(int32_t));
+    blk->n_tokens = (uint16_t)bt;
+    blk->parent_hash = parent;
+    blk->hash = hash;
+    blk->flags |= KVHI_BF_HASHED | KVHI_BF_KV_COMPLETE;
+    kvhi_block_try_publish(e, b);
+}
+
+kvh_status kvhi_pool_offload(kvh_engine *e, kvhi_ext_pool *p, uint32_t slot, uint64_t salt, uint64_t parent,
+                             const int32_t *tokens, uint32_t agent, uint32_t *out)
+{
+    uint64_t h;
+    uint32_t b = kvhi_pool_find_cached(e, salt, parent, tokens, &h);
+    if (b != KVHI_PREFIX_MISS) {
         *out = b;
         return KVH_OK;
     }
@@ -98,13 +125,7 @@ kvh_status kvhi_pool_offload(kvh_engine *e, kvhi_ext_pool *p, uint32_t slot, uin
         kvhi_block_unref(e, b);
         return st;
     }
-    kvhi_block *blk = &e->blocks[b];
-    memcpy(kvhi_block_tokens(e, b), tokens, bt * sizeof(int32_t));
-    blk->n_tokens = (uint16_t)bt;
-    blk->parent_hash = parent;
-    blk->hash = h;
-    blk->flags |= KVHI_BF_HASHED | KVHI_BF_KV_COMPLETE;
-    kvhi_block_try_publish(e, b);
+    kvhi_pool_seal(e, b, h, parent, tokens);
     *out = b;
     return KVH_OK;
 }

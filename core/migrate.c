@@ -18,6 +18,7 @@
 #include "core/tier.h"
 #include "core/migrate.h"
 #include "core/disk_tier.h"
+#include "core/pool_batch.h"
 
 /* ---- fences ---- */
 
@@ -389,6 +390,10 @@ static void *worker_main(void *arg)
     }
     pthread_mutex_lock(&e->lock);
     while (!e->stop_workers) {
+        if (e->pool_work_head) {
+            kvhi_pool_work_run_next(e);
+            continue;
+        }
         if (e->n_jobs == 0) {
             if (e->disk && kvhi_disk_clean_step(e))
                 continue;
@@ -438,6 +443,7 @@ void kvhi_workers_stop(kvh_engine *e)
 {
     pthread_mutex_lock(&e->lock);
     e->stop_workers = true;
+    kvhi_pool_work_cancel_all(e);
     while (e->n_jobs) {
         kvhi_job j = job_pop(e);
         if (j.kind == KVHI_JOB_PREFETCH && (e->blocks[j.block].flags & KVHI_BF_LIVE))

@@ -460,11 +460,15 @@ static bool copy_out(kvh_engine *e, uint32_t b, uint8_t *dst)
 
 void kvhi_remote_persist(kvh_engine *e, kvhi_seq *s)
 {
+    kvhi_remote_persist_blocks(e, s->blocks, (size_t)(s->n_tokens / e->cfg.block_tokens));
+}
+
+void kvhi_remote_persist_blocks(kvh_engine *e, const uint32_t *list, size_t n_full)
+{
     kvhi_remote *r = e->remote;
     if (!r || !(r->upload & KVH_REMOTE_UPLOAD_PERSIST))
         return;
     uint32_t bt = e->cfg.block_tokens;
-    size_t n_full = (size_t)(s->n_tokens / bt);
     uint64_t vbytes = kvhi_remote_value_bytes(&r->id);
     size_t per = ROUND_BYTES / vbytes ? (size_t)(ROUND_BYTES / vbytes) : 1;
     if (per > LOOKUP_MAX)
@@ -488,7 +492,7 @@ void kvhi_remote_persist(kvh_engine *e, kvhi_seq *s)
     for (size_t i0 = 0; i0 < n_full; i0 += cap) {
         size_t n = n_full - i0 < cap ? n_full - i0 : cap;
         for (size_t k = 0; k < n; k++) {
-            uint32_t b = s->blocks[i0 + k];
+            uint32_t b = list[i0 + k];
             kvhi_block *blk = &e->blocks[b];
             blocks[k] = b;
             hashes[k] = blk->hash;

@@ -37,6 +37,9 @@ void kvhi_remote_tier_close(kvh_engine *e);
 /* Uploads the full blocks of s the store lacks (lock held; dropped for
  * the network). Failures are counted, never returned. */
 void kvhi_remote_persist(kvh_engine *e, kvhi_seq *s);
+/* The same for n full, KV-complete blocks by record index; the caller
+ * keeps a reference on each (the lock is dropped in between). */
+void kvhi_remote_persist_blocks(kvh_engine *e, const uint32_t *blocks, size_t n);
 
 /* Continues a prefix match of s (which holds `matched` blocks of tokens
  * and room for n_blocks) in the store; returns the blocks s holds after

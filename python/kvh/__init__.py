@@ -19,6 +19,7 @@ from .engine import Block, Engine, Fence, Hold, Sequence
 from . import errors as _errors
 from .errors import *  # noqa: F403 (the exception classes: errors.__all__)
 from .vmap import VMap
+from .pool import Pool
 from .attention_plan import AttentionPlan
 from .types import (
     Backend,
@@ -51,6 +52,7 @@ __all__ = [
     "Hold",
     "Fence",
     "VMap",
+    "Pool",
     "AttentionPlan",
     "Context",
     "ContextInfo",

@@ -260,6 +260,19 @@ kvh_status kvh_pool_register(kvh_engine *engine, const kvh_pool_layout *layout, 
 kvh_status kvh_pool_unregister(kvh_engine *engine, kvh_pool pool);
 kvh_status kvh_pool_offload(kvh_engine *engine, kvh_pool pool, uint32_t slot, uint64_t parent_hash, const int32_t *tokens, size_t n, uint32_t agent, kvh_block *block);
 kvh_status kvh_pool_restore(kvh_engine *engine, kvh_pool pool, kvh_block block, uint32_t slot);
+typedef struct kvh_pool_xfer {
+    uint32_t struct_size;
+    uint32_t slot;
+    uint64_t scope;
+    uint64_t parent_hash;
+    const int32_t *tokens;
+    kvh_block block;
+    kvh_status status;
+    uint32_t reserved0;
+} kvh_pool_xfer;
+kvh_status kvh_pool_offload_batch(kvh_engine *engine, kvh_pool pool, kvh_pool_xfer *xfers, size_t n, uint32_t agent, kvh_fence *fence);
+kvh_status kvh_pool_restore_batch(kvh_engine *engine, kvh_pool pool, kvh_pool_xfer *xfers, size_t n, uint32_t first_layer, uint32_t n_layers, kvh_fence *layer_fences);
+kvh_status kvh_blocks_persist(kvh_engine *engine, const kvh_block *blocks, size_t n, kvh_fence *fence);
 kvh_status kvh_seq_set_scope(kvh_engine *engine, kvh_seq seq, uint64_t scope, uint64_t shared_scope, uint64_t shared_tokens);
 kvh_status kvh_seq_get_scope(kvh_engine *engine, kvh_seq seq, uint64_t *scope, uint64_t *shared_scope, uint64_t *shared_tokens);
 kvh_status kvh_prefix_hash_scoped(kvh_engine *engine, uint64_t scope, uint64_t parent, const int32_t *tokens, size_t n, uint64_t *hash);

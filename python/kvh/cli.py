@@ -47,6 +47,11 @@ def _version() -> str:
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import synthetic
 
+    if args.engine == "vllm":
+        from .demo import vllm_engine
+
+        return vllm_engine.run(args)
+
     if args.models:
         from .demo import two_models
 
@@ -454,6 +459,16 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="GGUF",
         help="the second agent's model (default: the first re-encoded as Q8_0 under --data-dir)",
     )
+    sp.add_argument(
+        "--engine",
+        choices=("kvh", "vllm"),
+        default="kvh",
+        help="who runs the model: kvh's own runner (default), or vLLM with kvh beneath it as its KV connector "
+        "(the --vllm-* options; needs scripts/install-vllm.sh)",
+    )
+    from .demo import vllm_engine
+
+    vllm_engine.add_arguments(sp)
     sp.set_defaults(func=cmd_demo)
 
     sp = sub.add_parser(

@@ -879,6 +879,98 @@ KVH_API kvh_status kvh_pool_offload(kvh_engine *engine, kvh_pool pool, uint32_t 
  * @threads any */
 KVH_API kvh_status kvh_pool_restore(kvh_engine *engine, kvh_pool pool, kvh_block block, uint32_t slot);
 
+/* Batched, asynchronous pool transfers (experimental: version node
+ * KVH_0_EXPERIMENTAL of abi/libkvh.map).
+ *
+ * Many slots in one call and one fence: the call checks everything and
+ * takes what the batch needs under the engine lock (no copy), queues it
+ * and returns; a migration worker makes the copies without the lock, so
+ * lookups and other calls proceed meanwhile (with migration_threads 0
+ * the batch runs in the call and its fences are complete on return).
+ * A batch references and holds its blocks until its fences complete;
+ * releasing a handle meanwhile is allowed. The caller keeps the pool
+ * slots of a batch as they are until its fence completes (an offload
+ * reads them, a restore writes them): kvh cannot see a slot reused.
+ * kvh_pool_unregister waits for the batches running on the pool; one
+ * still queued then ends with KVH_ERR_BAD_HANDLE in every item's
+ * status, and kvh_engine_close ends queued batches with KVH_ERR_CLOSED
+ * (their fences are gone with the engine; statuses are written). */
+
+/* One slot of a batch. Entries of one call share a struct_size (the array
+ * stride): at least sizeof(kvh_pool_xfer) of this header. */
+typedef struct kvh_pool_xfer {
+    uint32_t struct_size;
+    uint32_t slot;
+    uint64_t scope;        /* offload: tenant scope (0: the default scope) */
+    uint64_t parent_hash;  /* offload: hash of the block before (0: first) */
+    const int32_t *tokens; /* offload: [borrowed] block_tokens ids, copied */
+    kvh_block block;       /* offload: [out] retained (kvh_block_release);
+                              restore: [in] the block to load */
+    kvh_status status;     /* [out] the item's outcome, written before the
+                              batch's (last) fence completes */
+    uint32_t reserved0;
+} kvh_pool_xfer;
+
+/* Offloads n full blocks from pool slots, as kvh_pool_offload_scoped does
+ * for each item (dedupe against cached blocks of the item's scope; a
+ * block found cached is not copied). Each item's block handle is returned
+ * at once; the block is published when its gather is done, and until then
+ * kvh_pool_restore* of it fails with KVH_ERR_INVALID_ARG while
+ * kvh_blocks_persist waits for it. [borrowed] xfers until *fence
+ * completes (kvh writes each status); [out] *fence (kvh_fence_free),
+ * complete when every gather has ended, its status the first failure.
+ * n = 0 gives a complete fence. Item statuses: KVH_OK, KVH_ERR_IO (a copy
+ * failed), KVH_ERR_NOMEM, KVH_ERR_BAD_HANDLE (pool unregistered first),
+ * KVH_ERR_CLOSED. Returns, with nothing queued or retained:
+ * KVH_ERR_INVALID_ARG (NULL xfers with n > 0, NULL fence, NULL tokens,
+ * struct_size below sizeof(kvh_pool_xfer) or unequal, a slot listed
+ * twice, n > num_slots), KVH_ERR_RANGE (slot >= num_slots),
+ * KVH_ERR_BAD_HANDLE (pool), KVH_ERR_NOSPACE (no room for the blocks),
+ * KVH_ERR_NOMEM. @threads any */
+KVH_API kvh_status kvh_pool_offload_batch(kvh_engine *engine, kvh_pool pool, kvh_pool_xfer *xfers, size_t n,
+                                          uint32_t agent, kvh_fence *fence);
+
+/* Restores n blocks (any tier) into pool slots, layers [first_layer,
+ * first_layer + n_layers) of each. Blocks on disk are read and verified
+ * first; then the layers are written in order, and layer_fences[i]
+ * completes once layer first_layer + i is in place in every item that
+ * did not fail, so an inference engine can start layer i's attention
+ * while later layers are still being copied. A failed item's slot is not
+ * written from its failure on. [borrowed] xfers (block and slot read;
+ * status written) until the last layer fence completes; [out]
+ * layer_fences[0..n_layers) (kvh_fence_free each), each with the status
+ * of the batch's first failure so far. Item statuses: KVH_OK,
+ * KVH_ERR_CORRUPT (the disk copy failed verification: counted, never
+ * served again), KVH_ERR_IO, KVH_ERR_NOSPACE (no memory tier could take
+ * a block read from disk), KVH_ERR_NOMEM, KVH_ERR_BAD_HANDLE (pool
+ * unregistered first), KVH_ERR_CLOSED. Returns, with nothing queued:
+ * KVH_ERR_INVALID_ARG (NULL xfers with n > 0, NULL layer_fences,
+ * n_layers 0, struct_size as above, a slot listed twice, n > num_slots,
+ * a block whose KV is not fully written or still being gathered),
+ * KVH_ERR_RANGE (slot, or layers past num_layers), KVH_ERR_BAD_HANDLE
+ * (pool or a block), KVH_ERR_NOMEM. @threads any */
+KVH_API kvh_status kvh_pool_restore_batch(kvh_engine *engine, kvh_pool pool, kvh_pool_xfer *xfers, size_t n,
+                                          uint32_t first_layer, uint32_t n_layers, kvh_fence *layer_fences);
+
+/* Makes blocks durable on the disk tier (written, recorded in the index,
+ * synced), as kvh_seq_persist does for a sequence's full blocks, without
+ * one: e.g. the blocks an offload batch returned, which it waits for.
+ * Blocks must be full and hashed (from kvh_pool_offload* or a prefix
+ * lookup). With fence NULL the call persists before it returns; else it
+ * returns at once and [out] *fence (kvh_fence_free) completes when they
+ * are durable, with the status the call would have returned. With a
+ * remote tier whose remote_upload includes KVH_REMOTE_UPLOAD_PERSIST, the
+ * blocks the store lacks are uploaded too, as kvh_seq_persist does
+ * (failures counted in kvh_stats, never returned).
+ * [borrowed] blocks. Returns KVH_ERR_INVALID_ARG (NULL blocks with n > 0,
+ * a block without full tokens and KV, or one whose offload failed),
+ * KVH_ERR_BAD_HANDLE, KVH_ERR_UNSUPPORTED (no disk tier and no remote
+ * tier), and (in the
+ * call or the fence) KVH_ERR_NOSPACE (the disk is full), KVH_ERR_IO,
+ * KVH_ERR_CORRUPT, KVH_ERR_BUSY (blocks kept moving), KVH_ERR_NOMEM,
+ * KVH_ERR_CLOSED (fence only). @threads any */
+KVH_API kvh_status kvh_blocks_persist(kvh_engine *engine, const kvh_block *blocks, size_t n, kvh_fence *fence);
+
 /* ------------------------------------------------------------------ */
 /* Tenant scopes (experimental)                                       */
 /* ------------------------------------------------------------------ */

@@ -155,6 +155,8 @@ class KvhConnector(KVConnectorBase_V1):
         self._server: Optional[Server] = None
         self._load_errors: set = set()
         self._errors_lock = threading.Lock()
+        self._layer_index: Dict[str, int] = {}
+        self._inflight: List[Any] = []  # this step's loads (kvh.vllm.store.Load)
 
     def _disable(self, why: str) -> None:
         if self._disabled is None:
@@ -235,6 +237,7 @@ class KvhConnector(KVConnectorBase_V1):
             self._disable(f"kvh: cannot start: {exc}")
             return
         self._kv_caches = kv_caches  # kvh holds pointers into them
+        self._layer_index = {n: i for i, n in enumerate(names)}
         self._store = store
         logger.info(
             "kvh: store %s (salt %016x), host %d MiB, disk %s; lookups on %s",
@@ -258,38 +261,68 @@ class KvhConnector(KVConnectorBase_V1):
         raise ValueError(f"unknown op {op!r}")
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
-        if self._store is None or not self.has_connector_metadata():
+        if self._store is None:
+            return
+        # The last step's offloads must have read their slots before this
+        # forward pass may overwrite them (a finished or preempted request's
+        # blocks are reused); they ran meanwhile, so this rarely waits.
+        self._store.wait_saves()
+        if not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvhMetadata)
         for t in meta.loads:
             try:
-                failed = self._store.load(t.req_id, t.tokens, t.first_block, t.block_ids, t.scope)
+                self._inflight.append(self._store.start_load(t.req_id, t.tokens, t.first_block, t.block_ids, t.scope))
             except Exception:
                 logger.exception("kvh: loading request %s failed; vLLM recomputes it", t.req_id)
-                failed = list(t.block_ids)
+                with self._errors_lock:
+                    self._load_errors.update(t.block_ids)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # kvh restores layer by layer: attention of a layer waits only for
+        # that layer's copies.
+        if not self._inflight or self._store is None:
+            return
+        layer = self._layer_index.get(layer_name)
+        for load in self._inflight:
+            if layer is None:
+                if load.batch is not None:
+                    load.batch.wait()
+            else:
+                self._store.wait_layer(load, layer)
+
+    def _finish_loads(self) -> None:
+        loads, self._inflight = self._inflight, []
+        for load in loads:
+            try:
+                failed = self._store.finish_load(load) if self._store is not None else list(load.slots)
+            except Exception:
+                logger.exception("kvh: loading request %s failed; vLLM recomputes it", load.req_id)
+                failed = list(load.slots)
             if failed:
                 with self._errors_lock:
                     self._load_errors.update(failed)
 
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads complete in start_load_kv, before the forward pass
-
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata", **kwargs: Any
     ) -> None:
-        return  # whole blocks, all layers at once, in wait_for_save
+        return  # whole blocks, all layers at once, queued in wait_for_save
 
     def wait_for_save(self) -> None:
-        if self._store is None or not self.has_connector_metadata():
+        if self._store is None:
+            return
+        self._finish_loads()
+        if not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvhMetadata)
-        for t in meta.saves:
-            try:
-                self._store.save(t.req_id, t.tokens, t.first_block, t.block_ids, t.scope)
-            except Exception:
-                logger.exception("kvh: offloading request %s failed", t.req_id)
+        # Queued on kvh's workers; this returns at once (the copies overlap
+        # sampling and the next step's scheduling).
+        try:
+            self._store.save_async([(t.req_id, t.tokens, t.first_block, t.block_ids, t.scope) for t in meta.saves])
+        except Exception:
+            logger.exception("kvh: offloading failed")
 
     def get_finished(self, finished_req_ids: set) -> Tuple[Optional[set], Optional[set]]:
         if self._store is not None and finished_req_ids:
@@ -297,6 +330,8 @@ class KvhConnector(KVConnectorBase_V1):
         return None, None
 
     def get_block_ids_with_load_errors(self) -> set:
+        if self._inflight:
+            self._finish_loads()
         with self._errors_lock:
             out, self._load_errors = self._load_errors, set()
         return out

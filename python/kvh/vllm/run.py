@@ -40,6 +40,11 @@ def main() -> int:
         action="store_true",
         help="turn vLLM's hybrid KV cache manager off, as vLLM does itself for a connector without HMA support",
     )
+    ap.add_argument(
+        "--request-stats",
+        action="store_true",
+        help="let vLLM keep per-request timings (TTFT, token timestamps: ttft_s and itl_s in the results)",
+    )
     ap.add_argument("--kv-cache-bytes", type=int, default=256 << 20)
     ap.add_argument("--max-model-len", type=int, default=4096)
     args = ap.parse_args()
@@ -81,6 +86,7 @@ def main() -> int:
         kv_cache_memory_bytes=args.kv_cache_bytes,
         enable_prefix_caching=args.prefix_caching,
         disable_hybrid_kv_cache_manager=True if args.disable_hma else None,
+        disable_log_stats=not args.request_stats,
         **kw,
     )
     init_s = time.perf_counter() - t0
@@ -91,13 +97,23 @@ def main() -> int:
         return bench(args, llm, inputs, init_s, engine_id)
     t0 = time.perf_counter()
     batches = [[x] for x in inputs] if args.one_by_one else [inputs]
+    # One at a time, kvh's counters are read after each request: what it
+    # loaded for that request, and how much came from its disk tier.
+    per_request = args.one_by_one and args.connector == "kvh"
+    loaded = _kvh_loaded(engine_id) if per_request else None
     for batch in batches:
         tb = time.perf_counter()
         outs = llm.generate(batch, sp, use_tqdm=False)
         wall = time.perf_counter() - tb
+        now = _kvh_loaded(engine_id) if per_request else None
+        delta = [b - a for a, b in zip(loaded, now)] if loaded and now else None
+        loaded = now
         for o in outs:
             m = o.metrics
             ttft = getattr(m, "first_token_latency", None) if m is not None else None
+            n_out = len(o.outputs[0].token_ids)
+            first_ts, last_ts = getattr(m, "first_token_ts", 0.0), getattr(m, "last_token_ts", 0.0)
+            itl = (last_ts - first_ts) / (n_out - 1) if m is not None and n_out > 1 and last_ts > first_ts else None
             results.append(
                 {
                     "prompt_tokens": len(o.prompt_token_ids),
@@ -105,9 +121,12 @@ def main() -> int:
                     "text": o.outputs[0].text,
                     "wall_s": wall,
                     "ttft_s": ttft,
+                    "itl_s": itl,
                     "num_cached_tokens": getattr(o, "num_cached_tokens", None),
                 }
             )
+            if delta is not None:
+                results[-1]["kvh_tokens_loaded"], results[-1]["kvh_tokens_loaded_disk"] = delta
     gen_s = time.perf_counter() - t0
     stats = None
     if args.connector == "kvh":
@@ -122,6 +141,17 @@ def main() -> int:
         json.dump(out, f, indent=1)
     del llm
     return 0
+
+
+def _kvh_loaded(engine_id: str):
+    """(tokens loaded, of them from disk) so far by the kvh connector."""
+    import kvh.vllm
+
+    try:
+        st = kvh.vllm.query_stats(engine_id)
+        return st.get("tokens_loaded", 0), st.get("tokens_loaded_disk", 0)
+    except OSError:
+        return None
 
 
 def bench(args, llm, inputs, init_s: float, engine_id: str) -> int:

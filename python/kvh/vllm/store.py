@@ -14,17 +14,18 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .. import errors
-from .._ffi import ffi, lib, raise_status
-from ..engine import Block, Engine
+from .._ffi import ffi, lib, raise_status, status_name
+from ..engine import Block, Engine, Fence
+from ..types import Tier
+from ..pool import OffloadBatch, Pool, RestoreBatch, persist_blocks
 from .settings import Settings
 
 log = logging.getLogger("kvh.vllm")
@@ -51,6 +52,7 @@ class Counters:
     lookup_hit_tokens: int = 0
     blocks_loaded: int = 0
     tokens_loaded: int = 0
+    tokens_loaded_disk: int = 0  # of tokens_loaded: blocks kvh held on its disk tier
     load_errors: int = 0
     blocks_saved: int = 0
     save_errors: int = 0
@@ -68,6 +70,34 @@ class _Req:
     scope: int = 0  # tenant scope of its blocks (vLLM's cache_salt), 0: shared
     hashes: List[int] = field(default_factory=list)
     tokens: Optional[np.ndarray] = None  # the full-block prefix saved or loaded so far
+    saved: List[Block] = field(default_factory=list)  # its offloaded blocks, persisted when it ends
+
+
+@dataclass
+class _Save:
+    """An offload batch in flight: the (request, block index) of each item."""
+
+    batch: OffloadBatch
+    items: List[Tuple[str, int]]
+    t0: float
+
+
+@dataclass
+class Load:
+    """A restore in flight for one request: blocks [first_block, ...) into
+    ``slots``; :meth:`KvStore.finish_load` turns it into the failed slots."""
+
+    req_id: str
+    scope: int
+    tokens: np.ndarray
+    first_block: int
+    slots: List[int]
+    batch: Optional[RestoreBatch]
+    blocks: List[Block]
+    t0: float
+    missing_from: int  # index into slots of the first block kvh does not hold
+    on_disk: List[bool] = field(default_factory=list)  # per slot: the block was on kvh's disk tier
+    t_ready: Optional[float] = None  # when its last layer was seen in place
 
 
 class KvStore:
@@ -130,17 +160,16 @@ class KvStore:
         except errors.Error as exc:
             raise StoreUnavailable(f"kvh: cannot open an engine for this model: {exc}") from None
         self.block_bytes = self.engine.block_bytes
+        self.num_layers = num_layers
         self.counters = Counters()
-        self._pool = None
+        self._pool: Optional[Pool] = None
         self._reqs: Dict[str, _Req] = {}
         self._held: Dict[str, List[Block]] = {}
         self._lock = threading.Lock()
-        self._persist_q: "queue.Queue[Optional[np.ndarray]]" = queue.Queue()
-        self._persist_thread: Optional[threading.Thread] = None
+        self._saves: List[_Save] = []  # offload batches not yet seen complete
+        self._persists: List[Tuple[Fence, int]] = []  # (fence, blocks) of persists in flight
         self._persist_warned = False
-        if (self.disk_path or settings.remote_addrs) and settings.persist:
-            self._persist_thread = threading.Thread(target=self._persist_loop, name="kvh-vllm-persist", daemon=True)
-            self._persist_thread.start()
+        self._persist = bool((self.disk_path or settings.remote_addrs) and settings.persist)
 
     # ---- the inference engine's memory ----
     def register_pool(
@@ -154,23 +183,7 @@ class KvStore:
     ) -> None:
         """Registers the KV memory (one K and one V base pointer per layer,
         strides in bytes). No copy is made; the memory must outlive close()."""
-        kb = ffi.new("void *[]", [ffi.cast("void *", p) for p in k_ptrs])
-        vb = ffi.new("void *[]", [ffi.cast("void *", p) for p in v_ptrs])
-        lay = ffi.new("kvh_pool_layout *")
-        lay.struct_size = ffi.sizeof("kvh_pool_layout")
-        lay.memory = lib.KVH_MEMORY_HOST
-        lay.num_slots = num_slots
-        lay.k_base = kb
-        lay.v_base = vb
-        lay.slot_stride = slot_stride
-        lay.token_stride = token_stride
-        lay.head_stride = head_stride
-        out = ffi.new("kvh_pool *")
-        with self.engine._call() as p:
-            st = lib.kvh_pool_register(p, lay, out)
-            if st:
-                raise_status(st)
-        self._pool = out[0]
+        self._pool = Pool.from_pointers(self.engine, k_ptrs, v_ptrs, num_slots, slot_stride, token_stride, head_stride)
         self.num_slots = num_slots
 
     # ---- hashes ----
@@ -211,15 +224,33 @@ class KvStore:
         return len(blocks) * self.block_tokens
 
     def forget(self, req_ids) -> None:
-        """Drops the state of finished requests (persisting what they saved)."""
+        """Drops the state of finished requests; the blocks they saved are
+        made durable in the background (``kvh_blocks_persist``: no copy
+        here, no temporary sequence; blocks still being gathered are
+        waited for by kvh)."""
         for rid in req_ids:
             with self._lock:
                 held = self._held.pop(rid, None)
                 req = self._reqs.pop(rid, None)
             for b in held or ():
                 b.release()
-            if req is not None and req.tokens is not None and len(req.hashes) and self._persist_thread is not None:
-                self._persist_q.put((req.tokens[: len(req.hashes) * self.block_tokens], req.scope))
+            if req is None:
+                continue
+            # Blocks of its offloads still gathering are persisted too:
+            # kvh waits for their gathers before writing them.
+            with self._lock:
+                inflight = [b for sv in self._saves for (r, _), b in zip(sv.items, sv.batch.blocks) if r == rid]
+            blocks = req.saved + inflight
+            if self._persist and blocks:
+                try:
+                    fence = persist_blocks(self.engine, blocks, wait=False)
+                    with self._lock:
+                        self._persists.append((fence, len(blocks)))
+                except errors.Error as exc:
+                    self._persist_failed(exc)
+            for b in req.saved:
+                b.release()
+        self.poll()
 
     # ---- transfers ----
     def _req(self, req_id: str, scope: int) -> _Req:
@@ -229,13 +260,13 @@ class KvStore:
                 req = self._reqs[req_id] = _Req(scope=scope)
             return req
 
-    def load(
+    def start_load(
         self, req_id: str, tokens: Sequence[int], first_block: int, slots: Sequence[int], scope: int = 0
-    ) -> List[int]:
-        """Restores blocks [first_block, first_block + len(slots)) of the
-        prefix (in ``scope``) into vLLM's slots. Returns the slots that could
-        not be loaded (from the first failure on: vLLM recomputes from
-        there)."""
+    ) -> Load:
+        """Starts restoring blocks [first_block, first_block + len(slots)) of
+        the prefix (in ``scope``) into vLLM's slots, on kvh's workers, one
+        fence per layer (:meth:`wait_layer`). :meth:`finish_load` gives the
+        slots that could not be loaded."""
         t0 = time.perf_counter()
         bt = self.block_tokens
         end = first_block + len(slots)
@@ -246,128 +277,177 @@ class KvStore:
             for b in blocks or ():
                 b.release()
             blocks = self.engine.prefix_lookup(tk[: end * bt], scope=scope)
-        failed: List[int] = []
-        try:
-            with self.engine._call() as p:
-                for i, slot in enumerate(slots):
-                    bi = first_block + i
-                    if failed or bi >= len(blocks):
-                        failed.append(slot)
-                        continue
-                    st = lib.kvh_pool_restore(p, self._pool, blocks[bi]._h(), slot)
-                    if st:
-                        log.warning(
-                            "kvh: loading block %d of request %s failed (%s: %s); vLLM recomputes it",
-                            bi,
-                            req_id,
-                            ffi.string(lib.kvh_status_name(st)).decode(),
-                            ffi.string(lib.kvh_last_error()).decode(),
-                        )
-                        failed.append(slot)
-        finally:
-            for b in blocks:
-                b.release()
-        ok = len(slots) - len(failed)
+        n = max(0, min(len(blocks), end) - first_block)
+        on_disk = [b.info().tier == Tier.DISK for b in blocks[first_block : first_block + n]]
+        batch = None
+        if n and self._pool is not None:
+            try:
+                batch = self._pool.restore(blocks[first_block : first_block + n], list(slots[:n]))
+            except errors.Error as exc:
+                log.warning("kvh: loading request %s failed (%s); vLLM recomputes it", req_id, exc)
+                n = 0
+        return Load(req_id, scope, tk, first_block, list(slots), batch, blocks, t0, n, on_disk)
+
+    def wait_layer(self, load: Load, layer: int) -> None:
+        if load.batch is not None:
+            load.batch.wait_layer(layer)
+        if load.t_ready is None and layer == self.num_layers - 1:
+            load.t_ready = time.perf_counter()
+
+    def finish_load(self, load: Load) -> List[int]:
+        """Waits for a load; returns the slots that could not be loaded (from
+        the first failure on: vLLM recomputes from there)."""
+        bad = load.missing_from
+        if load.batch is not None:
+            load.batch.wait()
+            for i, st in enumerate(load.batch.statuses()):
+                if st and i < bad:
+                    bad = i
+                    log.warning(
+                        "kvh: loading block %d of request %s failed (%s); vLLM recomputes it",
+                        load.first_block + i,
+                        load.req_id,
+                        status_name(st),
+                    )
+        for b in load.blocks:
+            b.release()
+        load.blocks = []
+        failed = load.slots[bad:]
+        ok = len(load.slots) - len(failed)
+        bt = self.block_tokens
         with self._lock:
             c = self.counters
             c.blocks_loaded += ok
             c.tokens_loaded += ok * bt
+            c.tokens_loaded_disk += sum(load.on_disk[:ok]) * bt
             c.load_errors += len(failed)
-            c.load_seconds += time.perf_counter() - t0
-        req = self._req(req_id, scope)
+            c.load_seconds += (load.t_ready or time.perf_counter()) - load.t0
         if ok and not failed:
-            self._chain(req, tk, end)
+            self._chain(self._req(load.req_id, load.scope), load.tokens, load.first_block + len(load.slots))
         return failed
+
+    def load(
+        self, req_id: str, tokens: Sequence[int], first_block: int, slots: Sequence[int], scope: int = 0
+    ) -> List[int]:
+        """:meth:`start_load` and :meth:`finish_load` in one call."""
+        return self.finish_load(self.start_load(req_id, tokens, first_block, slots, scope))
+
+    def save_async(self, transfers: Sequence[Tuple[str, Sequence[int], int, Sequence[int], int]]) -> int:
+        """Offloads, in one batch on kvh's workers, the blocks of each
+        (req_id, tokens, first_block, slots, scope): blocks [first_block,
+        first_block + len(slots)) computed into vLLM's slots, under their
+        chained hashes in scope. Returns the blocks queued. The slots must
+        stay as they are until :meth:`wait_saves` (vLLM's next forward pass
+        may overwrite a finished request's blocks)."""
+        bt = self.block_tokens
+        items, owners = [], []
+        for req_id, tokens, first_block, slots, scope in transfers:
+            if not len(slots):
+                continue
+            tk = np.ascontiguousarray(tokens, dtype=np.int32)
+            end = first_block + len(slots)
+            hashes = self._chain(self._req(req_id, scope), tk, end)
+            for i, slot in enumerate(slots):
+                bi = first_block + i
+                items.append((int(slot), hashes[bi - 1] if bi else 0, tk[bi * bt : (bi + 1) * bt], scope))
+                owners.append((req_id, bi))
+        if not items or self._pool is None:
+            return 0
+        t0 = time.perf_counter()
+        # One batch per scope (a batch hashes all its items in one scope).
+        for scope in sorted({it[3] for it in items}):
+            part = [(it[:3], ow) for it, ow in zip(items, owners) if it[3] == scope]
+            try:
+                batch = self._pool.offload([p[0] for p in part], scope=scope)
+            except errors.Error as exc:
+                with self._lock:
+                    self.counters.save_errors += len(part)
+                log.warning("kvh: offloading %d blocks failed (%s)", len(part), exc)
+                continue
+            with self._lock:
+                self._saves.append(_Save(batch, [p[1] for p in part], t0))
+        return len(items)
+
+    def wait_saves(self) -> None:
+        """Waits until every queued offload has read its slots (then vLLM
+        may reuse them), and files the saved blocks under their requests."""
+        with self._lock:
+            saves, self._saves = self._saves, []
+        for sv in saves:
+            sv.batch.wait()
+            self._file_save(sv)
+
+    def _file_save(self, sv: _Save) -> None:
+        sts = sv.batch.statuses()
+        done = sum(1 for st in sts if not st)
+        with self._lock:
+            for (rid, _), st, blk in zip(sv.items, sts, sv.batch.blocks):
+                req = self._reqs.get(rid)
+                if st == 0 and req is not None:
+                    req.saved.append(blk)
+                else:
+                    blk.release()
+            self.counters.blocks_saved += done
+            self.counters.save_errors += len(sts) - done
+            self.counters.save_seconds += time.perf_counter() - sv.t0
+        if done < len(sts):
+            log.warning("kvh: offloading %d of %d blocks failed", len(sts) - done, len(sts))
 
     def save(self, req_id: str, tokens: Sequence[int], first_block: int, slots: Sequence[int], scope: int = 0) -> int:
         """Offloads blocks [first_block, first_block + len(slots)) of the
-        request, computed into vLLM's slots, under their chained hashes in
-        ``scope``.
-        Returns how many were offloaded; a failure (no room) is logged and
-        leaves the rest unsaved, never raises."""
-        if not slots:
-            return 0
-        t0 = time.perf_counter()
-        bt = self.block_tokens
-        tk = np.ascontiguousarray(tokens, dtype=np.int32)
-        end = first_block + len(slots)
-        req = self._req(req_id, scope)
-        hashes = self._chain(req, tk, end)
-        out = ffi.new("kvh_block *")
-        done = 0
-        with self.engine._call() as p:
-            for i, slot in enumerate(slots):
-                bi = first_block + i
-                parent = hashes[bi - 1] if bi else 0
-                blk = tk[bi * bt : (bi + 1) * bt]
-                st = lib.kvh_pool_offload_scoped(
-                    p, self._pool, slot, scope, parent, ffi.from_buffer("int32_t[]", blk), bt, 0, out
-                )
-                if st:
-                    with self._lock:
-                        self.counters.save_errors += 1
-                    log.warning(
-                        "kvh: offloading block %d of request %s failed (%s: %s)",
-                        bi,
-                        req_id,
-                        ffi.string(lib.kvh_status_name(st)).decode(),
-                        ffi.string(lib.kvh_last_error()).decode(),
-                    )
-                    break
-                lib.kvh_block_release(p, out[0])
-                done += 1
-        with self._lock:
-            self.counters.blocks_saved += done
-            self.counters.save_seconds += time.perf_counter() - t0
-        return done
+        request and waits for it. Returns how many were offloaded; a
+        failure (no room) is logged and counted, never raised."""
+        before = self.counters.blocks_saved
+        self.save_async([(req_id, tokens, first_block, slots, scope)])
+        self.wait_saves()
+        return self.counters.blocks_saved - before
 
     # ---- durability ----
-    def _persist_loop(self) -> None:
-        # Durability is background work: on a machine whose cores all run
-        # the forward pass, it should take what they leave.
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        except (AttributeError, OSError):
-            pass
-        while True:
-            item = self._persist_q.get()
-            if item is None:
-                self._persist_q.task_done()
-                return
-            try:
-                self._persist(*item)
-            finally:
-                self._persist_q.task_done()
+    def _persist_failed(self, exc: BaseException) -> None:
+        with self._lock:
+            self.counters.persist_errors += 1
+            warned, self._persist_warned = self._persist_warned, True
+        if not warned:
+            log.warning(
+                "kvh: writing blocks to the disk tier at %s failed (%s); they stay in host RAM only "
+                "and a restarted vLLM recomputes them (further failures are counted, not logged)",
+                self.disk_path,
+                exc,
+            )
 
-    def _persist(self, tokens: np.ndarray, scope: int = 0) -> None:
-        try:
-            with self.engine.sequence(scope=scope) as seq:
-                if seq.match_prefix(tokens):
-                    seq.persist()
-            with self._lock:
-                self.counters.requests_persisted += 1
-        except errors.Error as exc:
-            with self._lock:
-                self.counters.persist_errors += 1
-                warned, self._persist_warned = self._persist_warned, True
-            if not warned:
-                log.warning(
-                    "kvh: writing blocks to the disk tier at %s failed (%s); they stay in host RAM only "
-                    "and a restarted vLLM recomputes them (further failures are counted, not logged)",
-                    self.disk_path,
-                    exc,
-                )
+    def poll(self) -> None:
+        """Files the persists that completed (counts them, logs a failure)."""
+        with self._lock:
+            pending, self._persists = self._persists, []
+        keep = []
+        for fence, n in pending:
+            try:
+                if not fence.done():
+                    keep.append((fence, n))
+                    continue
+                fence.result()
+                with self._lock:
+                    self.counters.requests_persisted += 1
+            except errors.Error as exc:
+                self._persist_failed(exc)
+        with self._lock:
+            self._persists[:0] = keep
 
     def flush(self, timeout_s: float = 60.0) -> None:
-        """Waits until queued persists are done."""
-        if self._persist_thread is None:
-            return
+        """Waits until queued saves and persists are done."""
+        self.wait_saves()
         deadline = time.monotonic() + timeout_s
-        while self._persist_q.unfinished_tasks and time.monotonic() < deadline:
-            time.sleep(0.01)
+        while True:
+            with self._lock:
+                fences = [f for f, _ in self._persists]
+            if not fences or time.monotonic() > deadline:
+                break
+            fences[0].wait(max(0.0, deadline - time.monotonic()))
+            self.poll()
 
     # ---- reporting and shutdown ----
     def stats(self) -> Dict[str, Any]:
+        self.poll()
         s = self.engine.stats()
         with self._lock:
             out = self.counters.to_dict()
@@ -377,20 +457,17 @@ class KvStore:
         return out
 
     def close(self) -> None:
-        if self._persist_thread is not None:
-            with self._lock:
-                pending = list(self._reqs)
-            self.forget(pending)
-            self._persist_q.put(None)
-            self._persist_thread.join(timeout=120)
-            self._persist_thread = None
+        self.wait_saves()
+        with self._lock:
+            pending = list(self._reqs)
+        self.forget(pending)
+        self.flush(120)
         with self._lock:
             held, self._held = self._held, {}
         for blocks in held.values():
             for b in blocks:
                 b.release()
         if self._pool is not None:
-            with self.engine._call() as p:
-                lib.kvh_pool_unregister(p, self._pool)
+            self._pool.unregister()
             self._pool = None
         self.engine.close()

@@ -2673,6 +2673,205 @@ extern "C" {
         slot: u32,
     ) -> kvh_status;
 }
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct kvh_pool_xfer {
+    pub struct_size: u32,
+    pub slot: u32,
+    pub scope: u64,
+    pub parent_hash: u64,
+    pub tokens: *const i32,
+    pub block: kvh_block,
+    pub status: kvh_status,
+    pub reserved0: u32,
+}
+#[test]
+fn bindgen_test_layout_kvh_pool_xfer() {
+    assert_eq!(
+        ::std::mem::size_of::<kvh_pool_xfer>(),
+        48usize,
+        concat!("Size of: ", stringify!(kvh_pool_xfer))
+    );
+    assert_eq!(
+        ::std::mem::align_of::<kvh_pool_xfer>(),
+        8usize,
+        concat!("Alignment of ", stringify!(kvh_pool_xfer))
+    );
+    fn test_field_struct_size() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_pool_xfer>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).struct_size) as usize - ptr as usize
+            },
+            0usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_pool_xfer),
+                "::",
+                stringify!(struct_size)
+            )
+        );
+    }
+    test_field_struct_size();
+    fn test_field_slot() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_pool_xfer>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).slot) as usize - ptr as usize
+            },
+            4usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_pool_xfer),
+                "::",
+                stringify!(slot)
+            )
+        );
+    }
+    test_field_slot();
+    fn test_field_scope() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_pool_xfer>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).scope) as usize - ptr as usize
+            },
+            8usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_pool_xfer),
+                "::",
+                stringify!(scope)
+            )
+        );
+    }
+    test_field_scope();
+    fn test_field_parent_hash() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_pool_xfer>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).parent_hash) as usize - ptr as usize
+            },
+            16usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_pool_xfer),
+                "::",
+                stringify!(parent_hash)
+            )
+        );
+    }
+    test_field_parent_hash();
+    fn test_field_tokens() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_pool_xfer>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).tokens) as usize - ptr as usize
+            },
+            24usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_pool_xfer),
+                "::",
+                stringify!(tokens)
+            )
+        );
+    }
+    test_field_tokens();
+    fn test_field_block() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_pool_xfer>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).block) as usize - ptr as usize
+            },
+            32usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_pool_xfer),
+                "::",
+                stringify!(block)
+            )
+        );
+    }
+    test_field_block();
+    fn test_field_status() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_pool_xfer>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).status) as usize - ptr as usize
+            },
+            40usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_pool_xfer),
+                "::",
+                stringify!(status)
+            )
+        );
+    }
+    test_field_status();
+    fn test_field_reserved0() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_pool_xfer>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).reserved0) as usize - ptr as usize
+            },
+            44usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_pool_xfer),
+                "::",
+                stringify!(reserved0)
+            )
+        );
+    }
+    test_field_reserved0();
+}
+impl Default for kvh_pool_xfer {
+    fn default() -> Self {
+        let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+extern "C" {
+    pub fn kvh_pool_offload_batch(
+        engine: *mut kvh_engine,
+        pool: kvh_pool,
+        xfers: *mut kvh_pool_xfer,
+        n: usize,
+        agent: u32,
+        fence: *mut kvh_fence,
+    ) -> kvh_status;
+}
+extern "C" {
+    pub fn kvh_pool_restore_batch(
+        engine: *mut kvh_engine,
+        pool: kvh_pool,
+        xfers: *mut kvh_pool_xfer,
+        n: usize,
+        first_layer: u32,
+        n_layers: u32,
+        layer_fences: *mut kvh_fence,
+    ) -> kvh_status;
+}
+extern "C" {
+    pub fn kvh_blocks_persist(
+        engine: *mut kvh_engine,
+        blocks: *const kvh_block,
+        n: usize,
+        fence: *mut kvh_fence,
+    ) -> kvh_status;
+}
 extern "C" {
     pub fn kvh_seq_set_scope(
         engine: *mut kvh_engine,

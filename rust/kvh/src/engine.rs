@@ -432,6 +432,11 @@ impl std::fmt::Debug for OwnedBlock<'_> {
 }
 
 impl<'e> OwnedBlock<'e> {
+    /// Takes over one reference the library returned for `block`.
+    pub(crate) fn adopt(engine: &'e Engine, block: Block) -> OwnedBlock<'e> {
+        OwnedBlock { engine, block }
+    }
+
     /// The handle (valid at least while `self` lives).
     pub fn block(&self) -> Block {
         self.block

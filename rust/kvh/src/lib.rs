@@ -74,6 +74,7 @@ mod engine;
 mod error;
 mod fence;
 mod latency;
+mod pool;
 mod seq;
 mod types;
 mod vmap;
@@ -87,6 +88,7 @@ pub use engine::{Engine, OwnedBlock};
 pub use error::{Error, Result, Status};
 pub use fence::Fence;
 pub use latency::{LatencyHistogram, LatencyKind, LATENCY_BUCKETS};
+pub use pool::{OffloadBatch, OffloadItem, Pool, RestoreBatch};
 pub use seq::{Hold, SeqRef, Sequence};
 pub use types::{
     Backend, Block, BlockInfo, BlockTable, DType, Geometry, LogLevel, Scope, Stats, Tier, TierInfo,

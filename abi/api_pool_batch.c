@@ -1,0 +1,260 @@
+/* Exported batched pool transfers and block persists (kvh.h, "Batched,
+ * asynchronous pool transfers"): validation and what a batch takes under
+ * the lock; core/pool_batch.c runs it. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "abi/api_common.h"
+#include "core/block.h"
+#include "core/pool_batch.h"
+#include "core/prefix_index.h"
+
+static const kvh_pool_xfer *xfer_at(const kvh_pool_xfer *xfers, size_t stride, size_t i)
+{
+    return (const kvh_pool_xfer *)((const uint8_t *)xfers + stride * i);
+}
+
+/* The stride of xfers[0..n): every entry's struct_size, equal and at
+ * least this header's. */
+static kvh_status xfers_stride(const kvh_pool_xfer *xfers, size_t n, size_t *stride)
+{
+    *stride = sizeof(kvh_pool_xfer);
+    if (n == 0)
+        return KVH_OK;
+    size_t s = xfers[0].struct_size;
+    if (s < sizeof(kvh_pool_xfer) || s % 8 != 0)
+        return kvhi_fail(KVH_ERR_INVALID_ARG, "kvh_pool_xfer struct_size %zu (this kvh needs %zu, a multiple of 8)", s,
+                         sizeof(kvh_pool_xfer));
+    for (size_t i = 1; i < n; i++)
+        if (xfer_at(xfers, s, i)->struct_size != s)
+            return kvhi_fail(KVH_ERR_INVALID_ARG, "xfers[%zu].struct_size %u differs from xfers[0]'s %zu", i,
+                             xfer_at(xfers, s, i)->struct_size, s);
+    *stride = s;
+    return KVH_OK;
+}
+
+/* Enters e, resolves pool and checks the slots (in range, none twice). */
+static kvh_status enter_batch(kvh_engine *e, kvh_pool pool, const kvh_pool_xfer *xfers, size_t n, bool offload,
+                              size_t *stride_out, kvhi_ext_pool **out)
+{
+    KVHI_REQUIRE(xfers || n == 0, "xfers is NULL with n = %zu", n);
+    kvh_status st = kvhi_api_enter(e);
+    if (st != KVH_OK)
+        return st;
+    size_t stride = sizeof(kvh_pool_xfer);
+    kvhi_ext_pool *p = kvhi_handles_get(&e->pools, pool.id, NULL);
+    uint8_t *seen = NULL;
+    if (!p)
+        st = kvhi_fail(KVH_ERR_BAD_HANDLE, "stale or unknown pool 0x%llx", (unsigned long long)pool.id);
+    else if (n > p->layout.num_slots)
+        st = kvhi_fail(KVH_ERR_INVALID_ARG, "%zu transfers for a pool of %u slots (each slot at most once)", n,
+                       p->layout.num_slots);
+    else if ((st = xfers_stride(xfers, n, &stride)) != KVH_OK)
+        ;
+    else if (n && !(seen = calloc(p->layout.num_slots / 8 + 1, 1)))
+        st = kvhi_fail(KVH_ERR_NOMEM, "out of memory checking a batch");
+    for (size_t i = 0; offload && i < n && st == KVH_OK; i++)
+        if (!xfer_at(xfers, stride, i)->tokens)
+            st = kvhi_fail(KVH_ERR_INVALID_ARG, "xfers[%zu].tokens is NULL", i);
+    for (size_t i = 0; i < n && st == KVH_OK; i++) {
+        uint32_t slot = xfer_at(xfers, stride, i)->slot;
+        if (slot >= p->layout.num_slots)
+            st = kvhi_fail(KVH_ERR_RANGE, "xfers[%zu]: slot %u >= num_slots %u", i, slot, p->layout.num_slots);
+        else if (seen[slot / 8] >> (slot % 8) & 1)
+            st = kvhi_fail(KVH_ERR_INVALID_ARG, "xfers[%zu]: slot %u is listed twice in one batch", i, slot);
+        else
+            seen[slot / 8] |= (uint8_t)(1u << (slot % 8));
+    }
+    free(seen);
+    if (st != KVH_OK) {
+        kvhi_leave(e);
+        return st;
+    }
+    *stride_out = stride;
+    *out = p;
+    return KVH_OK;
+}
+
+/* Undoes the first k items of an offload that could not be queued. */
+static void offload_undo(kvh_engine *e, kvhi_pool_work *w, uint32_t k)
+{
+    for (uint32_t i = 0; i < k; i++) {
+        kvhi_pool_item *it = &w->items[i];
+        if (it->copy) {
+            e->blocks[it->block].flags &= (uint16_t)~KVHI_BF_POOL_FILL;
+            kvhi_block_unhold(e, it->block);
+            kvhi_block_unref(e, it->block); /* the work's */
+        }
+        kvhi_block_unref(e, it->block); /* the one meant for the handle */
+    }
+}
+
+kvh_status kvh_pool_offload_batch(kvh_engine *e, kvh_pool pool, kvh_pool_xfer *xfers, size_t n, uint32_t agent,
+                                  kvh_fence *fence)
+{
+    KVHI_REQUIRE(fence, "fence is NULL");
+    size_t stride;
+    kvhi_ext_pool *p;
+    kvh_status st = enter_batch(e, pool, xfers, n, true, &stride, &p);
+    if (st != KVH_OK)
+        return st;
+    kvh_fence f;
+    kvhi_pool_work *w = kvhi_pool_work_new(e, KVHI_PW_OFFLOAD, (uint32_t)n, 1, &f);
+    if (!w) {
+        kvhi_leave(e);
+        return KVH_ERR_NOMEM;
+    }
+    w->pool = p;
+    p->batches++; /* block allocations may drop the lock: unregister waits */
+    uint32_t bt = e->cfg.block_tokens;
+    uint32_t min_tier = e->tiers[KVH_TIER_HOST].present ? KVH_TIER_HOST : KVH_TIER_DEVICE;
+    uint32_t k = 0;
+    for (; k < n && st == KVH_OK; k++) {
+        kvh_pool_xfer *x = (kvh_pool_xfer *)xfer_at(xfers, stride, k);
+        kvhi_pool_item *it = &w->items[k];
+        int32_t *tokens = w->tokens + (size_t)k * bt;
+        memcpy(tokens, x->tokens, sizeof(int32_t) * bt);
+        it->slot = x->slot;
+        it->tokens = tokens;
+        it->parent = x->parent_hash;
+        it->status = &x->status;
+        uint64_t salt = kvhi_scope_salt(e->cfg.model_salt, x->scope);
+        uint32_t b = kvhi_pool_find_cached(e, salt, x->parent_hash, tokens, &it->hash);
+        if (b != KVHI_PREFIX_MISS) {
+            it->block = b;
+            continue;
+        }
+        if ((st = kvhi_block_new(e, agent, min_tier, &b)) != KVH_OK)
+            break;
+        it->block = b;
+        it->copy = true;
+        kvhi_block_ref(e, b); /* the work's, beside the handle's */
+        kvhi_block_hold(e, b);
+        e->blocks[b].flags |= KVHI_BF_POOL_FILL;
+    }
+    p->batches--;
+    if (st == KVH_OK && p->unregistered)
+        st = kvhi_fail(KVH_ERR_BAD_HANDLE, "the pool was unregistered during the call");
+    if (st != KVH_OK) {
+        offload_undo(e, w, k);
+        kvhi_pool_work_discard(e, w);
+        if (p->batches == 0)
+            pthread_cond_broadcast(&e->changed);
+        kvhi_leave(e);
+        return st;
+    }
+    for (size_t i = 0; i < n; i++) {
+        kvh_pool_xfer *x = (kvh_pool_xfer *)xfer_at(xfers, stride, i);
+        e->blocks[w->items[i].block].ext_refs++;
+        x->block.id = kvhi_block_handle(e, w->items[i].block);
+        x->status = KVH_OK;
+    }
+    *fence = f;
+    kvhi_pool_work_submit(e, w);
+    kvhi_leave(e);
+    return KVH_OK;
+}
+
+kvh_status kvh_pool_restore_batch(kvh_engine *e, kvh_pool pool, kvh_pool_xfer *xfers, size_t n, uint32_t first_layer,
+                                  uint32_t n_layers, kvh_fence *layer_fences)
+{
+    KVHI_REQUIRE(layer_fences, "layer_fences is NULL");
+    KVHI_REQUIRE(n_layers > 0, "n_layers is 0");
+    size_t stride;
+    kvhi_ext_pool *p;
+    kvh_status st = enter_batch(e, pool, xfers, n, false, &stride, &p);
+    if (st != KVH_OK)
+        return st;
+    uint32_t L = e->cfg.num_layers;
+    if (first_layer >= L || n_layers > L - first_layer)
+        st = kvhi_fail(KVH_ERR_RANGE, "layers [%u, %u + %u) past num_layers %u", first_layer, first_layer, n_layers, L);
+    uint32_t *blocks = st == KVH_OK ? malloc(sizeof(uint32_t) * (n ? n : 1)) : NULL;
+    if (st == KVH_OK && !blocks)
+        st = kvhi_fail(KVH_ERR_NOMEM, "out of memory for a restore");
+    for (size_t i = 0; i < n && st == KVH_OK; i++) {
+        const kvh_pool_xfer *x = xfer_at(xfers, stride, i);
+        if ((st = kvhi_block_resolve(e, x->block, &blocks[i])) != KVH_OK)
+            break;
+        if (e->blocks[blocks[i]].flags & KVHI_BF_POOL_FILL)
+            st = kvhi_fail(KVH_ERR_INVALID_ARG,
+                           "xfers[%zu]: the block is still being gathered (wait for its offload's fence)", i);
+        else if (!kvhi_block_kv_complete(e, blocks[i]))
+            st = kvhi_fail(KVH_ERR_INVALID_ARG, "xfers[%zu]: the block's KV is not fully written", i);
+    }
+    kvhi_pool_work *w = NULL;
+    if (st == KVH_OK && !(w = kvhi_pool_work_new(e, KVHI_PW_RESTORE, (uint32_t)n, n_layers, layer_fences)))
+        st = KVH_ERR_NOMEM;
+    if (st != KVH_OK) {
+        free(blocks);
+        kvhi_leave(e);
+        return st;
+    }
+    w->pool = p;
+    w->first_layer = first_layer;
+    w->n_layers = n_layers;
+    for (size_t i = 0; i < n; i++) {
+        kvh_pool_xfer *x = (kvh_pool_xfer *)xfer_at(xfers, stride, i);
+        kvhi_pool_item *it = &w->items[i];
+        it->slot = x->slot;
+        it->block = blocks[i];
+        it->status = &x->status;
+        x->status = KVH_OK;
+        kvhi_block_ref(e, it->block);
+        kvhi_block_hold(e, it->block);
+    }
+    free(blocks);
+    kvhi_pool_work_submit(e, w);
+    kvhi_leave(e);
+    return KVH_OK;
+}
+
+kvh_status kvh_blocks_persist(kvh_engine *e, const kvh_block *blocks, size_t n, kvh_fence *fence)
+{
+    KVHI_REQUIRE(blocks || n == 0, "blocks is NULL with n = %zu", n);
+    KVHI_REQUIRE(n <= UINT32_MAX, "n = %zu blocks", n);
+    kvh_status st = kvhi_api_enter(e);
+    if (st != KVH_OK)
+        return st;
+    if (!e->disk && !e->remote)
+        st = kvhi_fail(KVH_ERR_UNSUPPORTED, "the engine has no disk or remote tier (set disk_path and disk_bytes, or "
+                                            "remote_addrs)");
+    uint32_t *idx = st == KVH_OK ? malloc(sizeof(uint32_t) * (n ? n : 1)) : NULL;
+    if (st == KVH_OK && !idx)
+        st = kvhi_fail(KVH_ERR_NOMEM, "out of memory for a persist");
+    uint32_t bt = e->cfg.block_tokens;
+    for (size_t i = 0; i < n && st == KVH_OK; i++) {
+        if ((st = kvhi_block_resolve(e, blocks[i], &idx[i])) != KVH_OK)
+            break;
+        kvhi_block *blk = &e->blocks[idx[i]];
+        bool filling = (blk->flags & KVHI_BF_POOL_FILL) != 0;
+        if (!(blk->flags & KVHI_BF_HASHED) && !filling)
+            st = kvhi_fail(KVH_ERR_INVALID_ARG, "blocks[%zu] holds %u of %u tokens (only full blocks persist)", i,
+                           blk->n_tokens, bt);
+        else if (!filling && !kvhi_block_kv_complete(e, idx[i]))
+            st = kvhi_fail(KVH_ERR_INVALID_ARG, "blocks[%zu] has KV that was never written", i);
+    }
+    kvh_fence f = {0};
+    kvhi_pool_work *w = NULL;
+    if (st == KVH_OK && !(w = kvhi_pool_work_new(e, KVHI_PW_PERSIST, (uint32_t)n, fence ? 1 : 0, &f)))
+        st = KVH_ERR_NOMEM;
+    if (st != KVH_OK) {
+        free(idx);
+        kvhi_leave(e);
+        return st;
+    }
+    for (size_t i = 0; i < n; i++) {
+        w->items[i].block = idx[i];
+        kvhi_block_ref(e, idx[i]);
+    }
+    free(idx);
+    if (fence) {
+        *fence = f;
+        kvhi_pool_work_submit(e, w);
+        kvhi_leave(e);
+        return KVH_OK;
+    }
+    /* In the call: run it here and report what it found. */
+    st = kvhi_pool_work_run_now(e, w);
+    kvhi_leave(e);
+    return st;
+}

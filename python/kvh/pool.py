@@ -1,0 +1,398 @@
+"""External KV pools: an inference engine's own KV memory, which kvh reads
+(offload) and writes (restore) in place by slot number, in batches that
+run on kvh's migration workers.
+
+The memory is described without copying and without importing any array
+library: NumPy arrays through ``__array_interface__``, torch-like tensors
+through ``data_ptr()``/``stride()``/``element_size()``, anything else
+through DLPack (``__dlpack__``). kvh keeps raw pointers: the arrays must
+outlive the pool (the :class:`Pool` keeps references to those it was
+given).
+
+    pool = kvh.Pool.from_arrays(eng, k_layers, v_layers)   # (slots, tokens, heads, dim) each
+    batch = pool.offload([(slot, parent_hash, tokens)], scope=0)
+    batch.wait()
+    blocks = batch.blocks                                  # retained kvh.Block handles
+    load = pool.restore(blocks, slots)                     # one fence per layer
+    load.wait_layer(0); load.wait()
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from . import errors
+from ._ffi import check, ffi, lib, status_name
+from .engine import Block, Engine, Fence
+
+__all__ = ["ArrayDesc", "describe", "Pool", "OffloadBatch", "RestoreBatch", "persist_blocks"]
+
+
+@dataclass(frozen=True)
+class ArrayDesc:
+    """Where an array's elements are: base pointer, shape, strides in bytes,
+    element size, and whether the memory is the host's."""
+
+    ptr: int
+    shape: Tuple[int, ...]
+    strides: Tuple[int, ...]
+    itemsize: int
+    host: bool
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int), ("device_id", ctypes.c_int)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device", _DLDevice),
+        ("ndim", ctypes.c_int),
+        ("dtype", _DLDataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    ]
+
+
+class _DLManagedTensor(ctypes.Structure):
+    pass
+
+
+_DLManagedTensor._fields_ = [
+    ("dl_tensor", _DLTensor),
+    ("manager_ctx", ctypes.c_void_p),
+    ("deleter", ctypes.CFUNCTYPE(None, ctypes.POINTER(_DLManagedTensor))),
+]
+
+
+def _from_dlpack(obj: Any) -> ArrayDesc:
+    capsule = obj.__dlpack__()
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    rename = ctypes.pythonapi.PyCapsule_SetName
+    rename.restype, rename.argtypes = ctypes.c_int, [ctypes.py_object, ctypes.c_char_p]
+    ptr = get(capsule, b"dltensor")
+    m = ctypes.cast(ptr, ctypes.POINTER(_DLManagedTensor)).contents
+    t = m.dl_tensor
+    shape = tuple(int(t.shape[i]) for i in range(t.ndim))
+    itemsize = t.dtype.bits * t.dtype.lanes // 8
+    if t.strides:
+        strides = tuple(int(t.strides[i]) * itemsize for i in range(t.ndim))
+    else:  # compact row-major
+        acc, st = itemsize, []
+        for n in reversed(shape):
+            st.append(acc)
+            acc *= n
+        strides = tuple(reversed(st))
+    desc = ArrayDesc(int(t.data or 0) + int(t.byte_offset), shape, strides, itemsize, t.device.device_type in (1, 3))
+    # Consumed: the producer's memory stays alive through obj, which the
+    # caller holds; the capsule's own reference is given back now.
+    rename(capsule, b"used_dltensor")
+    if m.deleter:
+        m.deleter(ctypes.cast(ptr, ctypes.POINTER(_DLManagedTensor)))
+    return desc
+
+
+def describe(obj: Any) -> ArrayDesc:
+    """The :class:`ArrayDesc` of a NumPy array, a torch-like tensor or any
+    DLPack producer, without copying it or importing its library."""
+    ai = getattr(obj, "__array_interface__", None)
+    if ai is not None:
+        shape = tuple(int(n) for n in ai["shape"])
+        itemsize = np.dtype(ai["typestr"]).itemsize
+        strides = ai.get("strides")
+        if strides is None:  # C-contiguous
+            acc, st = itemsize, []
+            for n in reversed(shape):
+                st.append(acc)
+                acc *= n
+            strides = tuple(reversed(st))
+        return ArrayDesc(int(ai["data"][0]), shape, tuple(int(s) for s in strides), itemsize, True)
+    if callable(getattr(obj, "data_ptr", None)) and callable(getattr(obj, "stride", None)):
+        itemsize = int(obj.element_size())
+        dev = getattr(getattr(obj, "device", None), "type", "cpu")
+        return ArrayDesc(
+            int(obj.data_ptr()),
+            tuple(int(n) for n in obj.shape),
+            tuple(int(s) * itemsize for s in obj.stride()),
+            itemsize,
+            dev == "cpu",
+        )
+    if hasattr(obj, "__dlpack__"):
+        return _from_dlpack(obj)
+    raise TypeError(f"cannot describe a {type(obj).__name__}: no __array_interface__, data_ptr/stride or __dlpack__")
+
+
+# Batches whose fences have not been seen complete, per engine: kvh writes
+# their items' statuses into the xfer arrays, which must live until then
+# even if the caller drops the batch object.
+_inflight: "weakref.WeakKeyDictionary[Engine, List[Any]]" = weakref.WeakKeyDictionary()
+_inflight_lock = threading.Lock()
+
+
+def _track(engine: Engine, batch: Any) -> None:
+    with _inflight_lock:
+        live = _inflight.setdefault(engine, [])
+        if len(live) >= 64:
+            live[:] = [b for b in live if not b._settled()]
+        live.append(batch)
+
+
+def _xfers(n: int):
+    x = ffi.new("kvh_pool_xfer[]", max(1, n))
+    for i in range(n):
+        x[i].struct_size = ffi.sizeof("kvh_pool_xfer")
+    return x
+
+
+class OffloadBatch:
+    """An offload in flight: :attr:`blocks` (retained kvh.Block handles, one
+    per item, usable for persist at once) and :attr:`fence` (complete when
+    every gather has ended). :meth:`statuses` after it completes."""
+
+    def __init__(self, engine: Engine, xfers, n: int, fence: Fence, keep: Any) -> None:
+        self._engine, self._x, self._n, self.fence, self._keep = engine, xfers, n, fence, keep
+        self.blocks: List[Block] = [Block(engine, int(xfers[i].block.id), owned=True) for i in range(n)]
+
+    def done(self) -> bool:
+        return self.fence.done()
+
+    def _settled(self) -> bool:
+        try:
+            return self.fence.done()
+        except errors.Error:
+            return True
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Waits for the gathers; True when done. Item failures do not raise:
+        see :meth:`statuses`."""
+        return self.fence.wait(timeout)
+
+    def statuses(self) -> List[int]:
+        """Each item's kvh_status (0 = ok); raises unless the batch is done."""
+        if not self.fence.done():
+            raise errors.BusyError("the batch is still running", lib.KVH_ERR_BUSY)
+        return [int(self._x[i].status) for i in range(self._n)]
+
+    def release(self) -> None:
+        """Releases the block handles (the batch keeps what it still needs)."""
+        for b in self.blocks:
+            b.release()
+
+
+class RestoreBatch:
+    """A restore in flight: one fence per layer, in order."""
+
+    def __init__(self, xfers, n: int, fences: List[Fence], first_layer: int, keep: Any) -> None:
+        self._x, self._n, self.fences, self.first_layer, self._keep = xfers, n, fences, first_layer, keep
+
+    def wait_layer(self, layer: int, timeout: Optional[float] = None) -> bool:
+        """Waits until ``layer`` (an engine layer index) is in place in every
+        item that did not fail."""
+        return self.fences[layer - self.first_layer].wait(timeout)
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        return all(f.wait(timeout) for f in self.fences)
+
+    def done(self) -> bool:
+        return self.fences[-1].done()
+
+    def _settled(self) -> bool:
+        try:
+            return self.done()
+        except errors.Error:
+            return True
+
+    def statuses(self) -> List[int]:
+        """Each item's kvh_status (0 = ok); raises unless the batch is done."""
+        if not self.done():
+            raise errors.BusyError("the batch is still running", lib.KVH_ERR_BUSY)
+        return [int(self._x[i].status) for i in range(self._n)]
+
+    def failed(self) -> List[int]:
+        """Indices of the items that failed (after :meth:`wait`)."""
+        return [i for i, st in enumerate(self.statuses()) if st]
+
+
+class Pool:
+    """KV memory owned by an inference engine, registered with a kvh engine."""
+
+    def __init__(self, engine: Engine, handle, num_slots: int, keep: Any = None) -> None:
+        self._engine = engine
+        self._h = handle
+        self.num_slots = num_slots
+        self._keep = keep
+
+    @classmethod
+    def from_pointers(
+        cls,
+        engine: Engine,
+        k_ptrs: Sequence[int],
+        v_ptrs: Sequence[int],
+        num_slots: int,
+        slot_stride: int,
+        token_stride: int,
+        head_stride: int,
+        *,
+        keep: Any = None,
+    ) -> "Pool":
+        """Registers host memory given as one K and one V base pointer per
+        layer and byte strides (slot, token, head); ``keep`` is held to keep
+        the memory alive."""
+        if len(k_ptrs) != engine.num_layers or len(v_ptrs) != engine.num_layers:
+            raise ValueError(f"need {engine.num_layers} K and V pointers, got {len(k_ptrs)} and {len(v_ptrs)}")
+        kb = ffi.new("void *[]", [ffi.cast("void *", int(p)) for p in k_ptrs])
+        vb = ffi.new("void *[]", [ffi.cast("void *", int(p)) for p in v_ptrs])
+        lay = ffi.new("kvh_pool_layout *")
+        lay.struct_size = ffi.sizeof("kvh_pool_layout")
+        lay.memory = lib.KVH_MEMORY_HOST
+        lay.num_slots = int(num_slots)
+        lay.k_base, lay.v_base = kb, vb
+        lay.slot_stride, lay.token_stride, lay.head_stride = int(slot_stride), int(token_stride), int(head_stride)
+        out = ffi.new("kvh_pool *")
+        with engine._call() as p:
+            check(lib.kvh_pool_register(p, lay, out))
+        return cls(engine, out[0], int(num_slots), keep)
+
+    @classmethod
+    def from_arrays(cls, engine: Engine, k_layers: Sequence[Any], v_layers: Sequence[Any], *, heads_first=False):
+        """Registers per-layer K and V arrays shaped (slots, tokens, heads,
+        head_dim), or (slots, heads, tokens, head_dim) with
+        ``heads_first=True``; any strides. NumPy arrays, torch tensors or
+        DLPack producers (host memory); no copy."""
+        ks = [describe(a) for a in k_layers]
+        vs = [describe(a) for a in v_layers]
+        d0 = ks[0]
+        for d in ks + vs:
+            if not d.host:
+                raise ValueError("the pool's memory must be host memory here")
+            if len(d.shape) != 4 or d.shape != d0.shape or d.strides != d0.strides:
+                raise ValueError(f"every layer's K and V must share one 4-d shape and strides, got {d.shape}")
+            elems = 2 * engine.num_layers * engine.block_tokens * engine.num_kv_heads * engine.head_dim
+            esize = engine.block_bytes // elems
+            if d.shape[3] != engine.head_dim or d.itemsize != esize:
+                raise ValueError(
+                    f"head_dim {d.shape[3]} of {d.itemsize}-byte elements: the engine has {engine.head_dim} of {esize}"
+                )
+            if d.strides[3] != d.itemsize:
+                raise ValueError("head_dim elements must be contiguous")
+        tok_ax, head_ax = (2, 1) if heads_first else (1, 2)
+        if d0.shape[tok_ax] != engine.block_tokens or d0.shape[head_ax] != engine.num_kv_heads:
+            raise ValueError(
+                f"shape {d0.shape}: need {engine.block_tokens} tokens and {engine.num_kv_heads} heads per slot"
+            )
+        return cls.from_pointers(
+            engine,
+            [d.ptr for d in ks],
+            [d.ptr for d in vs],
+            d0.shape[0],
+            d0.strides[0],
+            d0.strides[tok_ax],
+            d0.strides[head_ax],
+            keep=(list(k_layers), list(v_layers)),
+        )
+
+    def _handle(self):
+        if self._h is None:
+            raise errors.BadHandleError("the pool was unregistered", lib.KVH_ERR_BAD_HANDLE)
+        return self._h
+
+    def offload(self, items: Sequence[Tuple[int, int, Any]], *, scope: int = 0, agent: int = 0) -> OffloadBatch:
+        """Offloads full blocks: items of (slot, parent_hash, tokens), tokens
+        block_tokens ids each, hashed in ``scope``. Returns at once."""
+        bt = self._engine.block_tokens
+        n = len(items)
+        x = _xfers(n)
+        toks = []
+        for i, (slot, parent, tokens) in enumerate(items):
+            tk = np.ascontiguousarray(tokens, dtype=np.int32)
+            if tk.size != bt:
+                raise ValueError(f"items[{i}]: tokens must hold block_tokens={bt} ids, got {tk.size}")
+            toks.append(tk)
+            x[i].slot = int(slot)
+            x[i].parent_hash = int(parent)
+            x[i].scope = int(scope)
+            x[i].tokens = ffi.cast("const int32_t *", ffi.from_buffer(tk))
+        fp = ffi.new("kvh_fence *")
+        with self._engine._call() as p:
+            check(lib.kvh_pool_offload_batch(p, self._handle(), x, n, int(agent), fp))
+        batch = OffloadBatch(self._engine, x, n, Fence(self._engine, fp), toks)
+        _track(self._engine, batch)
+        return batch
+
+    def restore(
+        self, blocks: Sequence[Block], slots: Sequence[int], *, first_layer: int = 0, n_layers: Optional[int] = None
+    ) -> RestoreBatch:
+        """Restores blocks into slots (layers [first_layer, first_layer +
+        n_layers), default all). Returns at once; one fence per layer."""
+        if len(blocks) != len(slots):
+            raise ValueError(f"{len(blocks)} blocks for {len(slots)} slots")
+        n_layers = self._engine.num_layers - first_layer if n_layers is None else n_layers
+        n = len(blocks)
+        x = _xfers(n)
+        for i, (b, s) in enumerate(zip(blocks, slots)):
+            if not isinstance(b, Block):
+                raise TypeError(f"blocks[{i}] must be a kvh.Block, not {type(b).__name__}")
+            b._check_engine(self._engine)
+            x[i].block.id = b.handle
+            x[i].slot = int(s)
+        fences = ffi.new("kvh_fence[]", max(1, n_layers))
+        with self._engine._call() as p:
+            check(lib.kvh_pool_restore_batch(p, self._handle(), x, n, int(first_layer), int(n_layers), fences))
+        fs = []
+        for i in range(n_layers):
+            fp = ffi.new("kvh_fence *")
+            fp[0] = fences[i]
+            fs.append(Fence(self._engine, fp))
+        batch = RestoreBatch(x, n, fs, int(first_layer), list(blocks))
+        _track(self._engine, batch)
+        return batch
+
+    def unregister(self) -> None:
+        """Unregisters (waiting for batches running on it). Idempotent."""
+        if self._h is not None:
+            h, self._h = self._h, None
+            with self._engine._call() as p:
+                check(lib.kvh_pool_unregister(p, h))
+
+    close = unregister
+
+    def __enter__(self) -> "Pool":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.unregister()
+
+
+def persist_blocks(engine: Engine, blocks: Sequence[Block], *, wait: bool = True) -> Optional[Fence]:
+    """Makes blocks durable on the disk tier (``kvh_blocks_persist``): in
+    the call with ``wait=True``, else returns a Fence at once. Blocks of an
+    offload still gathering are waited for."""
+    n = len(blocks)
+    arr = ffi.new("kvh_block[]", max(1, n))
+    for i, b in enumerate(blocks):
+        if not isinstance(b, Block):
+            raise TypeError(f"blocks[{i}] must be a kvh.Block, not {type(b).__name__}")
+        b._check_engine(engine)
+        arr[i].id = b.handle
+    fp = None if wait else ffi.new("kvh_fence *")
+    with engine._call() as p:
+        check(lib.kvh_blocks_persist(p, arr, n, fp if fp is not None else ffi.NULL))
+    return None if fp is None else Fence(engine, fp)
+
+
+def status_names(statuses: Sequence[int]) -> List[str]:
+    """Names of kvh_status values (for messages)."""
+    return [status_name(s) for s in statuses]

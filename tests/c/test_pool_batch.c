@@ -1,0 +1,380 @@
+/* Batched, asynchronous pool transfers (kvh_pool_offload_batch,
+ * kvh_pool_restore_batch) and kvh_blocks_persist: round trips through
+ * memory and disk, per-layer fences, dedupe, misuse from the header's
+ * status lists (nothing taken on a refused call), a pool unregistered and
+ * an engine closed with batches queued. Run with no worker (the batch
+ * runs in the call) and with workers. */
+#include "test_util.h"
+#include "disk_test_util.h"
+#include "pool_test_util.h"
+
+static const dt_geo G = {2, 2, 64, 16, KVH_DTYPE_F16};
+#define BT 16u
+#define SLOTS 16u
+
+static kvh_engine *open_engine(const char *name, uint64_t host_blocks, uint64_t disk_slots, uint32_t threads)
+{
+    char dir[PATH_MAX];
+    dt_scratch(name, dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 4, host_blocks, disk_slots, threads);
+    return dt_open_a(&c);
+}
+
+static void pool_of(pt_pool *p, uint64_t seed) { pt_pool_init(p, G.layers, SLOTS, BT, G.heads, G.dim, 2, seed); }
+
+/* Items for blocks [0, n) of request tag in slots[0, n), chained in scope. */
+static void chain_xfers(kvh_engine *e, kvh_pool_xfer *x, int32_t (*tok)[BT], uint32_t n, const uint32_t *slots,
+                        uint32_t tag, uint64_t scope)
+{
+    uint64_t parent = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        pt_tokens(tok[i], BT, tag, i);
+        memset(&x[i], 0, sizeof(x[i]));
+        x[i].struct_size = sizeof(kvh_pool_xfer);
+        x[i].slot = slots[i];
+        x[i].scope = scope;
+        x[i].parent_hash = parent;
+        x[i].tokens = tok[i];
+        x[i].status = KVH_ERR_INTERNAL;
+        assert_ok(kvh_prefix_hash_scoped(e, scope, parent, tok[i], BT, &parent));
+    }
+}
+
+static void wait_free(kvh_engine *e, kvh_fence f, kvh_status expect)
+{
+    assert_kvh(expect, kvh_fence_wait(e, f, UINT64_MAX));
+    assert_ok(kvh_fence_free(e, f));
+}
+
+static void release_all(kvh_engine *e, kvh_pool_xfer *x, uint32_t n)
+{
+    for (uint32_t i = 0; i < n; i++)
+        assert_ok(kvh_block_release(e, x[i].block));
+}
+
+static void round_trip(uint32_t threads)
+{
+    kvh_engine *e = open_engine("pb-rt", 32, 0, threads);
+    pt_pool p;
+    pool_of(&p, 0x5eed + threads);
+    kvh_pool pool;
+    assert_ok(kvh_pool_register(e, &p.layout, &pool));
+    enum { N = 6 };
+    uint32_t src[N] = {0, 3, 4, 7, 9, 12}, dst[N] = {1, 2, 5, 6, 8, 10};
+    kvh_pool_xfer x[N];
+    int32_t tok[N][BT];
+    chain_xfers(e, x, tok, N, src, 7, 0);
+    kvh_stats s0 = tu_stats(e);
+    kvh_fence f = {0};
+    assert_ok(kvh_pool_offload_batch(e, pool, x, N, 2, &f));
+    wait_free(e, f, KVH_OK);
+    assert_int_equal(tu_stats(e).blocks_allocated - s0.blocks_allocated, N);
+    for (uint32_t i = 0; i < N; i++) {
+        assert_ok(x[i].status);
+        kvh_block_info bi = tu_binfo(e, x[i].block);
+        assert_int_equal(bi.published, 1);
+        assert_int_equal(bi.tokens, BT);
+        assert_int_equal(bi.agent, 2);
+        assert_int_equal(bi.holds, 0);
+        assert_int_equal(bi.refs, 1);
+    }
+    /* Found by tokens, in order. */
+    int32_t all[N * BT];
+    memcpy(all, tok, sizeof(all));
+    kvh_block found[N];
+    size_t nf = 0;
+    assert_ok(kvh_prefix_lookup(e, all, N * BT, found, N, &nf));
+    assert_int_equal(nf, N);
+    for (uint32_t i = 0; i < N; i++) {
+        assert_int_equal(found[i].id, x[i].block.id);
+        assert_ok(kvh_block_release(e, found[i]));
+    }
+    /* The same blocks again: cached, nothing copied or allocated. */
+    kvh_pool_xfer again[N];
+    chain_xfers(e, again, tok, N, src, 7, 0);
+    assert_ok(kvh_pool_offload_batch(e, pool, again, N, 2, &f));
+    wait_free(e, f, KVH_OK);
+    assert_int_equal(tu_stats(e).blocks_allocated - s0.blocks_allocated, N);
+    for (uint32_t i = 0; i < N; i++) {
+        assert_int_equal(again[i].block.id, x[i].block.id);
+        assert_ok(again[i].status);
+    }
+    release_all(e, again, N);
+
+    /* Restore into other slots, one fence per layer. */
+    for (uint32_t i = 0; i < N; i++)
+        for (uint32_t l = 0; l < G.layers; l++)
+            pt_layer_clear(&p, dst[i], l);
+    kvh_pool_xfer r[N];
+    memset(r, 0, sizeof(r));
+    for (uint32_t i = 0; i < N; i++) {
+        r[i].struct_size = sizeof(kvh_pool_xfer);
+        r[i].slot = dst[i];
+        r[i].block = x[i].block;
+    }
+    kvh_fence lf[2];
+    assert_ok(kvh_pool_restore_batch(e, pool, r, N, 0, G.layers, lf));
+    for (uint32_t l = 0; l < G.layers; l++) {
+        wait_free(e, lf[l], KVH_OK);
+        for (uint32_t i = 0; i < N; i++)
+            assert_true(pt_layer_equal(&p, src[i], &p, dst[i], l));
+    }
+    for (uint32_t i = 0; i < N; i++)
+        assert_ok(r[i].status);
+    /* Only the layers asked for are written. */
+    for (uint32_t i = 0; i < N; i++)
+        for (uint32_t l = 0; l < G.layers; l++)
+            pt_layer_clear(&p, dst[i], l);
+    assert_ok(kvh_pool_restore_batch(e, pool, r, N, 1, 1, lf));
+    wait_free(e, lf[0], KVH_OK);
+    for (uint32_t i = 0; i < N; i++) {
+        assert_true(pt_layer_equal(&p, src[i], &p, dst[i], 1));
+        assert_false(pt_layer_equal(&p, src[i], &p, dst[i], 0));
+    }
+    /* Handles released while the restore is queued: the batch keeps them. */
+    assert_ok(kvh_pool_restore_batch(e, pool, r, N, 0, G.layers, lf));
+    release_all(e, x, N);
+    for (uint32_t l = 0; l < G.layers; l++)
+        wait_free(e, lf[l], KVH_OK);
+    assert_ok(kvh_pool_unregister(e, pool));
+    assert_ok(dt_close(e));
+    pt_pool_free(&p);
+}
+
+static void test_round_trip_inline(void **state)
+{
+    (void)state;
+    round_trip(0);
+}
+
+static void test_round_trip_workers(void **state)
+{
+    (void)state;
+    round_trip(2);
+}
+
+static void test_misuse(void **state)
+{
+    (void)state;
+    kvh_engine *e = open_engine("pb-misuse", 8, 0, 1);
+    pt_pool p;
+    pool_of(&p, 11);
+    kvh_pool pool;
+    assert_ok(kvh_pool_register(e, &p.layout, &pool));
+    uint32_t slots[3] = {0, 1, 2};
+    kvh_pool_xfer x[3];
+    int32_t tok[3][BT];
+    chain_xfers(e, x, tok, 3, slots, 1, 0);
+    kvh_fence f = {0};
+    kvh_stats s0 = tu_stats(e);
+    assert_kvh(KVH_ERR_INVALID_ARG, kvh_pool_offload_batch(NULL, pool, x, 3, 0, &f));
+    assert_kvh(KVH_ERR_INVALID_ARG, kvh_pool_offload_batch(e, pool, x, 3, 0, NULL));
+    assert_kvh(KVH_ERR_INVALID_ARG, kvh_pool_offload_batch(e, pool, NULL, 3, 0, &f));
+    x[0].struct_size = 8;
+    assert_kvh(KVH_ERR_INVALID_ARG, kvh_pool_offload_batch(e, pool, x, 3, 0, &f));
+    x[0].struct_size = sizeof(kvh_pool_xfer);
+    x[2].struct_size = sizeof(kvh_pool_xfer) + 8;
+    assert_kvh(KVH_ERR_INVALID_ARG, kvh_pool_offload_batch(e, pool, x, 3, 0, &f));
+    x[2].struct_size = sizeof(kvh_pool_xfer);
+    x[1].tokens = NULL;
+    assert_kvh(KVH_ERR_INVALID_ARG, kvh_pool_offload_batch(e, pool, x, 3, 0, &f));
+    x[1].tokens = tok[1];
+    x[2].slot = 0; /* listed twice */
+    assert_kvh(KVH_ERR_INVALID_ARG, kvh_pool_offload_batch(e, pool, x, 3, 0, &f));
+    x[2].slot = SLOTS;
+    assert_kvh(KVH_ERR_RANGE, kvh_pool_offload_batch(e, pool, x, 3, 0, &f));
+    x[2].slot = 2;
+    assert_kvh(KVH_ERR_INVALID_ARG, kvh_pool_offload_batch(e, pool, x, (size_t)SLOTS + 1, 0, &f));
+    assert_kvh(KVH_ERR_INVALID_ARG, kvh_pool_offload_batch(e, pool, x, SIZE_MAX, 0, &f));
+    kvh_pool stale = {pool.id ^ 0x5a5a0000u};
+    assert_kvh(KVH_ERR_BAD_HANDLE, kvh_pool_offload_batch(e, stale, x, 3, 0, &f));
+    /* Nothing was taken by any refused call. */
+    assert_int_equal(tu_stats(e).blocks_allocated, s0.blocks_allocated);
+    assert_int_equal(f.id, 0);
+    /* No room: the host tier holds 8 blocks, the device tier 4, a batch of
+     * 13 new ones fails whole and gives back what it took. */
+    enum { BIG = 13 };
+    uint32_t bs[BIG];
+    kvh_pool_xfer bx[BIG];
+    int32_t bt[BIG][BT];
+    for (uint32_t i = 0; i < BIG; i++)
+        bs[i] = i;
+    chain_xfers(e, bx, bt, BIG, bs, 9, 0);
+    assert_kvh(KVH_ERR_NOSPACE, kvh_pool_offload_batch(e, pool, bx, BIG, 0, &f));
+    kvh_tier_info host = tu_tier(e, KVH_TIER_HOST), dev = tu_tier(e, KVH_TIER_DEVICE);
+    assert_int_equal(host.used_blocks + dev.used_blocks, 0);
+    /* n = 0: a fence that is already complete. */
+    assert_ok(kvh_pool_offload_batch(e, pool, NULL, 0, 0, &f));
+    int32_t done = 0;
+    assert_ok(kvh_fence_poll(e, f, &done));
+    assert_int_equal(done, 1);
+    assert_ok(kvh_fence_free(e, f));
+
+    /* Restores. */
+    assert_ok(kvh_pool_offload_batch(e, pool, x, 3, 0, &f));
+    wait_free(e, f, KVH_OK);
+    kvh_fence lf[2];
+    kvh_pool_xfer r[2];
+    memset(r, 0, sizeof(r));
+    for (int i = 0; i < 2; i++) {
+        r[i].struct_size = sizeof(kvh_pool_xfer);
+        r[i].slot = 5 + (uint32_t)i;
+        r[i].block = x[i].block;
+    }
+    assert_kvh(KVH_ERR_INVALID_ARG, kvh_pool_restore_batch(e, pool, r, 2, 0, 2, NULL));
+    assert_kvh(KVH_ERR_INVALID_ARG, kvh_pool_restore_batch(e, pool, r, 2, 0, 0, lf));
+    assert_kvh(KVH_ERR_RANGE, kvh_pool_restore_batch(e, pool, r, 2, 1, 2, lf));
+    assert_kvh(KVH_ERR_RANGE, kvh_pool_restore_batch(e, pool, r, 2, UINT32_MAX, 2, lf));
+    r[1].slot = 5;
+    assert_kvh(KVH_ERR_INVALID_ARG, kvh_pool_restore_batch(e, pool, r, 2, 0, 2, lf));
+    r[1].slot = 6;
+    kvh_block keep = r[1].block;
+    r[1].block.id ^= 0x10000u;
+    assert_kvh(KVH_ERR_BAD_HANDLE, kvh_pool_restore_batch(e, pool, r, 2, 0, 2, lf));
+    kvh_block fresh;
+    assert_ok(kvh_block_alloc(e, 0, &fresh)); /* no KV written */
+    r[1].block = fresh;
+    assert_kvh(KVH_ERR_INVALID_ARG, kvh_pool_restore_batch(e, pool, r, 2, 0, 2, lf));
+    r[1].block = keep;
+    kvh_block_info bi = tu_binfo(e, r[0].block);
+    assert_int_equal(bi.holds, 0);
+    assert_int_equal(bi.refs, 1);
+    assert_ok(kvh_block_release(e, fresh));
+
+    /* Persist without a disk tier; bad lists. */
+    assert_kvh(KVH_ERR_UNSUPPORTED, kvh_blocks_persist(e, &x[0].block, 1, NULL));
+    assert_kvh(KVH_ERR_INVALID_ARG, kvh_blocks_persist(e, NULL, 1, NULL));
+    assert_kvh(KVH_ERR_INVALID_ARG, kvh_blocks_persist(NULL, &x[0].block, 1, NULL));
+    release_all(e, x, 3);
+    assert_ok(kvh_pool_unregister(e, pool));
+    assert_kvh(KVH_ERR_BAD_HANDLE, kvh_pool_offload_batch(e, pool, x, 3, 0, &f));
+    assert_ok(dt_close(e));
+    pt_pool_free(&p);
+}
+
+/* Offload, persist at once (the persist waits for the gathers), reopen,
+ * and restore from disk, verified. */
+static void test_persist_and_restore_from_disk(void **state)
+{
+    (void)state;
+    char dir[PATH_MAX];
+    dt_scratch("pb-disk", dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 4, 16, 32, 2);
+    kvh_engine *e = dt_open_a(&c);
+    pt_pool p;
+    pool_of(&p, 99);
+    kvh_pool pool;
+    assert_ok(kvh_pool_register(e, &p.layout, &pool));
+    enum { N = 5 };
+    uint32_t src[N] = {0, 1, 2, 3, 4}, dst[N] = {10, 11, 12, 13, 14};
+    kvh_pool_xfer x[N];
+    int32_t tok[N][BT];
+    chain_xfers(e, x, tok, N, src, 3, 77);
+    kvh_fence f, pf;
+    assert_ok(kvh_pool_offload_batch(e, pool, x, N, 0, &f));
+    kvh_block blocks[N];
+    for (uint32_t i = 0; i < N; i++)
+        blocks[i] = x[i].block;
+    assert_ok(kvh_blocks_persist(e, blocks, N, &pf));
+    wait_free(e, pf, KVH_OK);
+    wait_free(e, f, KVH_OK);
+    assert_int_equal(tu_stats(e).blocks_persisted, N);
+    /* In the call, again: already durable. */
+    assert_ok(kvh_blocks_persist(e, blocks, N, NULL));
+    release_all(e, x, N);
+    assert_ok(kvh_pool_unregister(e, pool));
+    assert_ok(dt_close(e));
+
+    e = dt_open_a(&c);
+    assert_ok(kvh_pool_register(e, &p.layout, &pool));
+    int32_t all[N * BT];
+    memcpy(all, tok, sizeof(all));
+    kvh_block found[N];
+    size_t nf = 0;
+    assert_ok(kvh_prefix_lookup_scoped(e, 77, 0, 0, all, N * BT, found, N, &nf));
+    assert_int_equal(nf, N);
+    kvh_pool_xfer r[N];
+    memset(r, 0, sizeof(r));
+    for (uint32_t i = 0; i < N; i++) {
+        assert_int_equal(tu_binfo(e, found[i]).tier, KVH_TIER_DISK);
+        r[i].struct_size = sizeof(kvh_pool_xfer);
+        r[i].slot = dst[i];
+        r[i].block = found[i];
+    }
+    kvh_fence lf[2];
+    assert_ok(kvh_pool_restore_batch(e, pool, r, N, 0, 2, lf));
+    wait_free(e, lf[0], KVH_OK);
+    wait_free(e, lf[1], KVH_OK);
+    for (uint32_t i = 0; i < N; i++) {
+        assert_ok(r[i].status);
+        for (uint32_t l = 0; l < G.layers; l++)
+            assert_true(pt_layer_equal(&p, src[i], &p, dst[i], l));
+        assert_ok(kvh_block_release(e, found[i]));
+    }
+    assert_ok(kvh_pool_unregister(e, pool));
+    assert_ok(dt_close(e));
+    pt_pool_free(&p);
+}
+
+/* Unregistering a pool and closing the engine with batches queued: every
+ * item ends with a status, nothing is touched after, nothing leaks. */
+static void test_unregister_and_close_with_batches_queued(void **state)
+{
+    (void)state;
+    kvh_engine *e = open_engine("pb-queued", 64, 0, 1);
+    pt_pool p;
+    pool_of(&p, 5);
+    kvh_pool pool;
+    assert_ok(kvh_pool_register(e, &p.layout, &pool));
+    enum { N = SLOTS, ROUNDS = 3 };
+    uint32_t slots[N];
+    for (uint32_t i = 0; i < N; i++)
+        slots[i] = i;
+    kvh_pool_xfer x[ROUNDS][N];
+    int32_t tok[N][BT];
+    kvh_fence f[ROUNDS];
+    for (uint32_t k = 0; k < ROUNDS; k++) {
+        chain_xfers(e, x[k], tok, N, slots, 20 + k, 0);
+        assert_ok(kvh_pool_offload_batch(e, pool, x[k], N, 0, &f[k]));
+    }
+    assert_ok(kvh_pool_unregister(e, pool)); /* waits for them */
+    pt_pool_free(&p);                        /* the memory may go now */
+    for (uint32_t k = 0; k < ROUNDS; k++) {
+        kvh_status st = kvh_fence_wait(e, f[k], UINT64_MAX);
+        assert_true(st == KVH_OK || st == KVH_ERR_BAD_HANDLE);
+        for (uint32_t i = 0; i < N; i++)
+            assert_true(x[k][i].status == KVH_OK || x[k][i].status == KVH_ERR_BAD_HANDLE);
+        assert_ok(kvh_fence_free(e, f[k]));
+        release_all(e, x[k], N);
+    }
+    /* Close with batches queued on another pool. */
+    pool_of(&p, 6);
+    assert_ok(kvh_pool_register(e, &p.layout, &pool));
+    for (uint32_t k = 0; k < ROUNDS; k++) {
+        chain_xfers(e, x[k], tok, N, slots, 40 + k, 0);
+        assert_ok(kvh_pool_offload_batch(e, pool, x[k], N, 0, &f[k]));
+    }
+    assert_ok(dt_close(e));
+    for (uint32_t k = 0; k < ROUNDS; k++)
+        for (uint32_t i = 0; i < N; i++)
+            assert_true(x[k][i].status == KVH_OK || x[k][i].status == KVH_ERR_CLOSED);
+    pt_pool_free(&p);
+}
+
+static int teardown(void **state)
+{
+    dt_teardown(state);
+    return tu_teardown(state);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_teardown(test_round_trip_inline, teardown),
+        cmocka_unit_test_teardown(test_round_trip_workers, teardown),
+        cmocka_unit_test_teardown(test_misuse, teardown),
+        cmocka_unit_test_teardown(test_persist_and_restore_from_disk, teardown),
+        cmocka_unit_test_teardown(test_unregister_and_close_with_batches_queued, teardown),
+    };
+    return cmocka_run_group_tests_name("pool_batch", tests, NULL, NULL);
+}

@@ -1,0 +1,219 @@
+"""kvh.pool: external pools described from NumPy arrays, torch-like
+tensors and DLPack producers without copying; batched offload and
+restore (per-layer fences, statuses), persist, and misuse."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+
+import kvh
+from kvh.pool import Pool, describe, persist_blocks
+
+L, H, D, BT, S = 2, 2, 8, 4, 8
+
+
+def _engine(tmp_path=None, **kw):
+    fields = dict(
+        num_layers=L,
+        num_kv_heads=H,
+        head_dim=D,
+        block_tokens=BT,
+        dtype="f16",
+        device_bytes=4 << 20,
+        host_bytes=4 << 20,
+    )
+    if tmp_path is not None:
+        fields.update(disk_path=str(tmp_path / "store"), disk_bytes=8 << 20)
+    fields.update(kw)
+    return kvh.Engine(**fields)
+
+
+def _arrays(seed=1):
+    rng = np.random.default_rng(seed)
+    ks = [rng.random((S, BT, H, D)).astype(np.float16) for _ in range(L)]
+    vs = [rng.random((S, BT, H, D)).astype(np.float16) for _ in range(L)]
+    return ks, vs
+
+
+def _items(eng, slots, tag=0, scope=0):
+    parent, items = 0, []
+    for i, slot in enumerate(slots):
+        tk = np.arange(BT, dtype=np.int32) + 1000 * tag + i * BT
+        items.append((slot, parent, tk))
+        parent = eng.prefix_hash(tk, parent, scope=scope)
+    return items
+
+
+def _same(ks, vs, a, b):
+    return all((ks[layer][a] == ks[layer][b]).all() and (vs[layer][a] == vs[layer][b]).all() for layer in range(L))
+
+
+class TorchLike:
+    """What kvh reads of a torch tensor: data_ptr, stride (elements),
+    element_size, shape, device."""
+
+    class _Dev:
+        type = "cpu"
+
+    def __init__(self, a: np.ndarray):
+        self._a = a
+        self.shape = a.shape
+        self.device = self._Dev()
+
+    def data_ptr(self):
+        return self._a.__array_interface__["data"][0]
+
+    def stride(self):
+        return tuple(s // self._a.itemsize for s in self._a.strides)
+
+    def element_size(self):
+        return self._a.itemsize
+
+
+class DLPackOnly:
+    def __init__(self, a: np.ndarray):
+        self._a = a
+
+    def __dlpack__(self, **kw):
+        return self._a.__dlpack__(**kw)
+
+    def __dlpack_device__(self):
+        return self._a.__dlpack_device__()
+
+
+@pytest.mark.parametrize("wrap", [lambda a: a, TorchLike, DLPackOnly], ids=["numpy", "torch-like", "dlpack"])
+def test_describe_agrees_with_numpy(wrap):
+    a = np.zeros((S, H, BT, D), np.float16)[:, :, ::2]  # strided, not contiguous
+    d = describe(wrap(a))
+    assert d.ptr == a.__array_interface__["data"][0]
+    assert d.shape == a.shape and d.strides == a.strides and d.itemsize == 2 and d.host
+
+
+def test_describe_refuses_other_objects():
+    with pytest.raises(TypeError):
+        describe([1, 2, 3])
+
+
+@pytest.mark.parametrize("wrap", [lambda a: a, TorchLike, DLPackOnly], ids=["numpy", "torch-like", "dlpack"])
+@pytest.mark.parametrize("threads", [0, 2])
+def test_offload_restore_round_trip(wrap, threads):
+    ks, vs = _arrays()
+    with _engine(migration_threads=threads) as eng:
+        pool = Pool.from_arrays(eng, [wrap(a) for a in ks], [wrap(a) for a in vs])
+        batch = pool.offload(_items(eng, [0, 1, 2]))
+        assert batch.wait(10)
+        assert batch.statuses() == [0, 0, 0]
+        assert all(b.info().published for b in batch.blocks)
+        for slot in (5, 6, 7):
+            for layer in range(L):
+                ks[layer][slot] = 0
+                vs[layer][slot] = 0
+        load = pool.restore(batch.blocks, [5, 6, 7])
+        for layer in range(L):
+            assert load.wait_layer(layer, 10)
+            assert all((ks[layer][i] == ks[layer][5 + i]).all() for i in range(3))
+        assert load.wait(10) and load.failed() == []
+        assert all(_same(ks, vs, i, 5 + i) for i in range(3))
+        batch.release()
+        pool.unregister()
+        pool.unregister()  # idempotent
+
+
+def test_restore_some_layers_only():
+    ks, vs = _arrays(2)
+    with _engine() as eng:
+        pool = Pool.from_arrays(eng, ks, vs)
+        batch = pool.offload(_items(eng, [0]))
+        batch.wait()
+        for layer in range(L):
+            ks[layer][4] = 0
+        pool.restore(batch.blocks, [4], first_layer=1, n_layers=1).wait()
+        assert (ks[1][4] == ks[1][0]).all() and not (ks[0][4] == ks[0][0]).all()
+
+
+def test_heads_first_layout():
+    rng = np.random.default_rng(3)
+    ks = [rng.random((S, H, BT, D)).astype(np.float16) for _ in range(L)]
+    vs = [rng.random((S, H, BT, D)).astype(np.float16) for _ in range(L)]
+    with _engine() as eng:
+        pool = Pool.from_arrays(eng, ks, vs, heads_first=True)
+        b = pool.offload(_items(eng, [1]))
+        b.wait()
+        pool.restore(b.blocks, [3]).wait()
+        assert _same(ks, vs, 1, 3)
+
+
+def test_misuse_raises_typed_errors_and_changes_nothing():
+    ks, vs = _arrays()
+    with _engine() as eng:
+        pool = Pool.from_arrays(eng, ks, vs)
+        before = eng.stats().blocks_allocated
+        with pytest.raises(kvh.InvalidArgumentError):
+            pool.offload(_items(eng, [1, 1]))  # a slot twice
+        with pytest.raises(kvh.RangeError):
+            pool.offload(_items(eng, [S]))
+        with pytest.raises(ValueError):
+            pool.offload([(0, 0, np.arange(BT - 1))])
+        with pytest.raises(kvh.InvalidArgumentError):
+            pool.offload(_items(eng, list(range(S)) * 2))
+        assert eng.stats().blocks_allocated == before
+        b = pool.offload(_items(eng, [0]))
+        b.wait()
+        with pytest.raises(kvh.RangeError):
+            pool.restore(b.blocks, [1], first_layer=L, n_layers=1)
+        with pytest.raises(kvh.InvalidArgumentError):
+            pool.restore(b.blocks, [1], n_layers=0)
+        with pytest.raises(ValueError):
+            pool.restore(b.blocks, [1, 2])
+        with pytest.raises(kvh.UnsupportedError):
+            persist_blocks(eng, b.blocks)  # no disk tier
+        with pytest.raises(ValueError):
+            Pool.from_arrays(eng, ks[:1], vs[:1])
+        with pytest.raises(ValueError):
+            Pool.from_arrays(eng, [a.astype(np.float32) for a in ks], [a.astype(np.float32) for a in vs])
+        b.release()
+        pool.unregister()
+        with pytest.raises(kvh.BadHandleError):
+            pool.offload(_items(eng, [0]))
+
+
+def test_dropped_batches_are_safe():
+    """A batch object dropped before its fence completes: kvh still writes
+    its statuses into memory that is kept alive for it."""
+    ks, vs = _arrays(4)
+    with _engine(migration_threads=1) as eng:
+        pool = Pool.from_arrays(eng, ks, vs)
+        for tag in range(20):
+            pool.offload(_items(eng, [0, 1, 2, 3], tag=tag))
+            gc.collect()
+        pool.unregister()
+
+
+def test_persist_and_reload_after_reopen(tmp_path):
+    ks, vs = _arrays(5)
+    items = None
+    with _engine(tmp_path) as eng:
+        pool = Pool.from_arrays(eng, ks, vs)
+        items = _items(eng, [0, 1, 2], scope=9)
+        b = pool.offload(items, scope=9)
+        fence = persist_blocks(eng, b.blocks, wait=False)  # waits for the gathers itself
+        fence.result(30)
+        assert eng.stats().blocks_persisted == 3
+        b.release()
+        pool.unregister()
+    with _engine(tmp_path) as eng:
+        pool = Pool.from_arrays(eng, ks, vs)
+        found = eng.prefix_lookup(np.concatenate([t for _, _, t in items]), scope=9)
+        assert len(found) == 3
+        assert all(f.info().tier == kvh.Tier.DISK for f in found)
+        for layer in range(L):
+            ks[layer][5:8] = 0
+            vs[layer][5:8] = 0
+        load = pool.restore(found, [5, 6, 7])
+        load.wait(30)
+        assert load.failed() == []
+        assert all(_same(ks, vs, i, 5 + i) for i in range(3))
+        pool.unregister()
