@@ -178,6 +178,43 @@ static void test_shared_across_processes(void **state)
     assert_int_equal(tu_stats(e2).remote_misses, 1);
 }
 
+/* kvh_blocks_persist (the vLLM connector's persist of pool blocks) uploads
+ * like kvh_seq_persist, synchronously and through a fence, also on an
+ * engine whose only lower tier is the remote one. */
+static void test_blocks_persist_uploads(void **state)
+{
+    (void)state;
+    NEED_CLUSTER();
+    uint64_t salt = test_salt();
+    kvh_config c = remote_cfg(salt);
+    kvh_engine *a = tu_open_cfg(&c);
+    int32_t tokens[N_BLOCKS * BT];
+    prefix_tokens(tokens, N_BLOCKS * BT, 3000);
+    kvh_seq s = tu_seq_new(a, 0);
+    assert_ok(kvh_seq_append(a, s, tokens, N_BLOCKS * BT));
+    tu_write_pattern(a, s, LAYERS, TOK_BYTES, 91, 0, N_BLOCKS * BT);
+    kvh_block blocks[N_BLOCKS];
+    assert_ok(kvh_seq_blocks(a, s, 0, N_BLOCKS, blocks));
+    /* The first half in the call, the second through a fence. */
+    assert_ok(kvh_blocks_persist(a, blocks, N_BLOCKS / 2, NULL));
+    assert_int_equal(tu_stats(a).remote_uploads, N_BLOCKS / 2);
+    kvh_fence f;
+    assert_ok(kvh_blocks_persist(a, blocks + N_BLOCKS / 2, N_BLOCKS / 2, &f));
+    assert_ok(kvh_fence_wait(a, f, -1));
+    assert_ok(kvh_fence_free(a, f));
+    kvh_stats st = tu_stats(a);
+    assert_int_equal(st.remote_uploads, N_BLOCKS);
+    assert_int_equal(st.remote_uploads_dropped, 0);
+    /* Persisting again uploads nothing: the store has them all. */
+    assert_ok(kvh_blocks_persist(a, blocks, N_BLOCKS, NULL));
+    assert_int_equal(tu_stats(a).remote_uploads, N_BLOCKS);
+    kvh_engine *b = tu_open_cfg(&c);
+    kvh_seq sb;
+    assert_int_equal(match(b, &sb, 3000), N_BLOCKS * BT);
+    assert_true(tu_check_pattern(b, sb, LAYERS, TOK_BYTES, 91, 0, N_BLOCKS * BT));
+    assert_int_equal(tu_stats(b).remote_hits, N_BLOCKS);
+}
+
 /* The key of block i of the prefix at base under cfg (through an engine's
  * identity, as the tier computes it). */
 static void key_of(kvh_engine *e, int32_t base, size_t i, char *key)
@@ -456,6 +493,7 @@ int main(int argc, char **argv)
     }
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_shared_across_processes, tu_teardown),
+        cmocka_unit_test_teardown(test_blocks_persist_uploads, tu_teardown),
         cmocka_unit_test_teardown(test_tampered_value_is_deleted, tu_teardown),
         cmocka_unit_test_teardown(test_slot_migration, tu_teardown),
         cmocka_unit_test_teardown(test_node_killed_and_back, tu_teardown),
