@@ -80,12 +80,12 @@ CI_FUZZ_SEED        ?= 1
 STRESS_FUZZ_SECONDS ?= 600
 HAVE_FUZZ := $(and $(wildcard fuzz/CMakeLists.txt),$(shell command -v $(FUZZ_CC) 2>/dev/null))
 
-# Demo hook: the C demo now. When the Python package (python/kvh) is ready,
+# Demo hook: the C demo now. When the Python package (python/kvh_cache) is ready,
 # switch to its CLI, e.g.
 #   DEMO_PREP ?= $(PYTHON) -m pip install --quiet ./python
 #   DEMO_CMD  ?= kvh demo
 DEMO_PREP   ?= env KVH_BUILD_DIR=$(abspath $(BUILD_DIR)) $(PYTHON) python/build_cffi.py --quiet
-DEMO_CMD    ?= env $(PYTEST_ENV) $(PYTHON) -m kvh demo
+DEMO_CMD    ?= env $(PYTEST_ENV) $(PYTHON) -m kvh_cache demo
 
 # How pytest and cargo find the freshly built library (hooks for python/, rust/).
 LIB_ENV     := KVH_BUILD_DIR=$(abspath $(BUILD_DIR)) LD_LIBRARY_PATH=$(abspath $(BUILD_DIR))$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH}
@@ -220,7 +220,7 @@ endif
 
 bench-vllm: build
 	$(call step,kvh bench vllm)
-	$(VLLM_PREP); env $(PYTEST_ENV) KVH_VLLM_PYTHON="$$vpy" KVH_VLLM_MODEL="$$model" $(PYTHON) -m kvh bench vllm
+	$(VLLM_PREP); env $(PYTEST_ENV) KVH_VLLM_PYTHON="$$vpy" KVH_VLLM_MODEL="$$model" $(PYTHON) -m kvh_cache bench vllm
 
 ifneq ($(HAVE_RUST),)
 test-rust: build

@@ -19,8 +19,8 @@ import time
 
 import numpy as np
 
-import kvh.model as km
-from kvh.model.texts import PPL_TEXT
+import kvh_cache.model as km
+from kvh_cache.model.texts import PPL_TEXT
 
 
 def _tiers(seq) -> dict:

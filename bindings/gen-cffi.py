@@ -5,9 +5,9 @@ The header `abi/include/kvh/kvh.h` is the single source of the binding: this
 script preprocesses it (X-macros expanded, includes, comments, `KVH_API` and
 attributes removed), keeps the integer `#define`s that name versions and
 counts, normalises the layout so that the output does not depend on the
-compiler's spacing, and writes `python/kvh/_cdef.h` (committed).
+compiler's spacing, and writes `python/kvh_cache/_cdef.h` (committed).
 
-    python3 bindings/gen-cffi.py            # regenerate python/kvh/_cdef.h
+    python3 bindings/gen-cffi.py            # regenerate python/kvh_cache/_cdef.h
     python3 bindings/gen-cffi.py --check    # exit 1 if the committed file drifted
     python3 bindings/gen-cffi.py --stdout   # print the cdef
 
@@ -29,7 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 HEADER = ROOT / "abi" / "include" / "kvh" / "kvh.h"
-OUTPUT = ROOT / "python" / "kvh" / "_cdef.h"
+OUTPUT = ROOT / "python" / "kvh_cache" / "_cdef.h"
 
 # Object-like integer macros that the binding exposes as constants.
 KEEP_DEFINE = re.compile(r"^\s*#\s*define\s+(KVH_[A-Z0-9_]+)\s+(-?(?:0x[0-9A-Fa-f]+|\d+)[uUlL]*)\s*(?:/[*/].*)?$")

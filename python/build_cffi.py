@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
-"""CFFI builder of `kvh._kvh_cffi` (out-of-line API mode).
+"""CFFI builder of `kvh_cache._kvh_cffi` (out-of-line API mode).
 
-The cdef is `kvh/_cdef.h`, generated from `abi/include/kvh/kvh.h` by
+The cdef is `kvh_cache/_cdef.h`, generated from `abi/include/kvh/kvh.h` by
 `bindings/gen-cffi.py`. Two users:
 
 * `setup.py` (wheels): `make_ffibuilder(include_dir, lib_dir, rpaths=["$ORIGIN"])`
   and its own build of libkvh; libkvh.so.0 sits beside the extension.
 * the development tree: `python3 python/build_cffi.py` compiles the extension
-  in place (python/kvh/_kvh_cffi.*.so) against an existing CMake build of
+  in place (python/kvh_cache/_kvh_cffi.*.so) against an existing CMake build of
   libkvh (`$KVH_BUILD_DIR`, default `<repo>/build`), with that directory in
   the extension's run path, so `PYTHONPATH=python` is all that is needed.
   It does nothing when the extension is newer than its inputs (`--force`
@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-PACKAGE = HERE / "kvh"
+PACKAGE = HERE / "kvh_cache"
 CDEF = PACKAGE / "_cdef.h"
 
 # Declared here, not in the header: the Python side of the log sink.
@@ -54,7 +54,7 @@ def make_ffibuilder(include_dir: Path | str, lib_dir: Path | str, rpaths: list[s
     ffibuilder.cdef(CDEF.read_text() + EXTRA_CDEF)
     rpaths = list(rpaths or [])
     ffibuilder.set_source(
-        "kvh._kvh_cffi",
+        "kvh_cache._kvh_cffi",
         "#include <kvh/kvh.h>\n",
         include_dirs=[str(include_dir)],
         library_dirs=[str(lib_dir)],
@@ -87,7 +87,7 @@ def up_to_date(target: Path) -> bool:
 
 
 def build_inplace(force: bool = False, quiet: bool = False) -> Path:
-    """Compiles kvh/_kvh_cffi*.so in the source tree against $KVH_BUILD_DIR."""
+    """Compiles kvh_cache/_kvh_cffi*.so in the source tree against $KVH_BUILD_DIR."""
     lib_dir = build_dir()
     if not (lib_dir / "libkvh.so").exists():
         raise SystemExit(
@@ -122,7 +122,7 @@ def _compile(target: Path, lib_dir: Path, tmp_root: Path, quiet: bool) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Build kvh._kvh_cffi in place for the development tree.")
+    ap = argparse.ArgumentParser(description="Build kvh_cache._kvh_cffi in place for the development tree.")
     ap.add_argument("--force", action="store_true", help="rebuild even when up to date")
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)

@@ -1,13 +1,13 @@
 """Builds the kvh-cache wheel: libkvh from the C sources (CMake, the
-repository's own build), the CFFI extension kvh._kvh_cffi against it, and
+repository's own build), the CFFI extension kvh_cache._kvh_cffi against it, and
 everything in one package directory, so an installed kvh needs no
 LD_LIBRARY_PATH:
 
-    kvh/_kvh_cffi.*.so   run path $ORIGIN (and nothing of the build machine)
-    kvh/libkvh.so.0      the C library
-    kvh/libkvh_cuda.so   the CUDA backend, when nvcc was found (loaded by
+    kvh_cache/_kvh_cffi.*.so   run path $ORIGIN (and nothing of the build machine)
+    kvh_cache/libkvh.so.0      the C library
+    kvh_cache/libkvh_cuda.so   the CUDA backend, when nvcc was found (loaded by
                          libkvh with dlopen from beside itself)
-    kvh/_bin/kvh-store, kvh/_bin/kvh-bench   the C tools
+    kvh_cache/_bin/kvh-store, kvh_cache/_bin/kvh-bench   the C tools
 
 The C sources are looked for in $KVH_SOURCE_DIR, then csrc/ beside this
 file (where the sdist carries them: `python -m build --sdist python` copies
@@ -154,14 +154,14 @@ class BuildExt(build_ext):
         src.parent.mkdir(parents=True, exist_ok=True)
         ffibuilder.emit_c_code(str(src))
         for ext in self.extensions:
-            if ext.name == "kvh._kvh_cffi":
+            if ext.name == "kvh_cache._kvh_cffi":
                 ext.sources = [str(src)]
                 ext.include_dirs = [str(ROOT / "abi" / "include")]
                 ext.library_dirs = [str(lib_dir)]
                 ext.libraries = ["kvh"]
                 ext.extra_link_args = ["-Wl,-rpath,$ORIGIN"]
         super().run()
-        dest = Path(self.get_ext_fullpath("kvh._kvh_cffi")).parent
+        dest = Path(self.get_ext_fullpath("kvh_cache._kvh_cffi")).parent
         dest.mkdir(parents=True, exist_ok=True)
         lib = lib_dir / "libkvh.so.0"
         if not lib.exists():
@@ -243,6 +243,6 @@ def copy_sources(src: Path, dest: Path) -> None:
 
 setup(
     version=header_version(),
-    ext_modules=[Extension("kvh._kvh_cffi", sources=[])],
+    ext_modules=[Extension("kvh_cache._kvh_cffi", sources=[])],
     cmdclass={"build_ext": BuildExt, "sdist": SdistWithCSources},
 )

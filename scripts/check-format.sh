@@ -28,7 +28,7 @@ status=0
 # not yet added count too (--others --exclude-standard), so a format run
 # before the first commit of a file covers it.
 mapfile -t c_files < <(git ls-files --cached --others --exclude-standard -- '*.c' '*.h' '*.cpp' '*.cu' '*.cuh' |
-    grep -v -e '^rust/' -e '^fuzz/corpus/' -e '^python/kvh/_cdef\.h$')
+    grep -v -e '^rust/' -e '^fuzz/corpus/' -e '^python/kvh_cache/_cdef\.h$')
 echo "format: clang-format, ${#c_files[@]} files"
 if ((fix)); then
     clang-format -i "${c_files[@]}"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install vLLM (CPU build) into a virtual environment cached once per machine,
-# for kvh's vLLM connector (python/kvh/vllm) and its tests and benchmark.
+# for kvh's vLLM connector (python/kvh_cache/vllm) and its tests and benchmark.
 #
 #   bash scripts/install-vllm.sh            # prints the venv's python on stdout
 #   VLLM_VENV=/path bash scripts/install-vllm.sh

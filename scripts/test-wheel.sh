@@ -47,7 +47,7 @@ sdist=("$WORK"/dist/kvh_cache-*.tar.gz)
 [[ -f "${sdist[0]}" ]] || die "no kvh_cache-*.tar.gz in dist/"
 listing="$(tar tzf "${sdist[0]}")"
 for part in csrc/CMakeLists.txt csrc/abi/include/kvh/kvh.h csrc/abi/libkvh.map csrc/core/engine.c \
-    csrc/tools/kvh_store.c LICENSE-MIT LICENSE-APACHE kvh/_cdef.h setup.py build_cffi.py; do
+    csrc/tools/kvh_store.c LICENSE-MIT LICENSE-APACHE kvh_cache/_cdef.h setup.py build_cffi.py; do
     grep -q "^kvh_cache-[^/]*/$part\$" <<<"$listing" || die "the sdist lacks $part"
 done
 say "sdist $(basename "${sdist[0]}") ($(du -k "${sdist[0]}" | cut -f1) KiB) carries the C sources"

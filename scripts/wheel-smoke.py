@@ -28,7 +28,7 @@ def fail(msg: str) -> None:
 
 
 def engine(store: Path):
-    import kvh
+    import kvh_cache as kvh
 
     return kvh.Engine(device_bytes=1 << 20, host_bytes=1 << 20, disk_path=str(store), disk_bytes=4 << 20, **GEOMETRY)
 
@@ -57,7 +57,7 @@ def reopen(store: Path) -> None:
 
 
 def where_is_kvh() -> Path:
-    import kvh
+    import kvh_cache as kvh
 
     path = Path(kvh.__file__).resolve().parent
     repo = os.environ.get("KVH_REPO")
@@ -82,7 +82,7 @@ def subcommands(parser: argparse.ArgumentParser, prefix: tuple = ()) -> Iterator
 
 
 def check_cli(store: Path) -> None:
-    from kvh.cli import build_parser
+    from kvh_cache.cli import build_parser
 
     exe = shutil.which("kvh", path=str(Path(sys.executable).parent))
     if not exe:

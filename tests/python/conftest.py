@@ -45,14 +45,14 @@ def pytest_configure(config):
 
 
 def pytest_report_header(config):
-    import kvh
+    import kvh_cache as kvh
 
     return [f"kvh: libkvh {kvh.LOADED_VERSION_STRING} from {BUILD_DIR}, package {Path(kvh.__file__).parent}"]
 
 
 @pytest.fixture
 def engine():
-    import kvh
+    import kvh_cache as kvh
 
     with kvh.Engine(
         num_layers=2,

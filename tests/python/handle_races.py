@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-import kvh
+import kvh_cache as kvh
 
 H, D, BT = 8, 64, 16
 BLOCK_BYTES = H * D * BT * 2 * 4  # one f32 layer

@@ -10,7 +10,7 @@ import numpy as np
 def make_engine(**kw):
     """A small CPU engine (2 layers, 2 KV heads, head_dim 8, f32, 16-token
     blocks, 64 device and 256 host blocks), with kw overriding."""
-    import kvh
+    import kvh_cache as kvh
 
     base = dict(
         num_layers=2,
@@ -28,7 +28,7 @@ def make_engine(**kw):
 
 def kv_data(n: int, heads: int, dim: int, dtype, seed: int = 0):
     """Random K and V shaped (n, heads, dim); dtype uint16 means bf16 bits."""
-    import kvh
+    import kvh_cache as kvh
 
     rng = np.random.default_rng(seed)
     k = rng.standard_normal((n, heads, dim)).astype(np.float32)

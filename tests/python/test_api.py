@@ -10,8 +10,8 @@ import logging
 import numpy as np
 import pytest
 
-import kvh
-from kvh._ffi import ffi
+import kvh_cache as kvh
+from kvh_cache._ffi import ffi
 from kvh_testutil import filled_seq, kv_data, make_engine
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import kvh
+import kvh_cache as kvh
 from kvh_testutil import filled_seq, reference_attention
 
 

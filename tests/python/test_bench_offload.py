@@ -1,4 +1,4 @@
-"""kvh.demo.bench_offload: the crossover arithmetic, and a short run with the
+"""kvh_cache.demo.bench_offload: the crossover arithmetic, and a short run with the
 real model when it is installed (structure only, never timings)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from kvh.demo import bench_offload
-from kvh.demo.bench_offload import crossover
+from kvh_cache.demo import bench_offload
+from kvh_cache.demo.bench_offload import crossover
 
 
 def test_crossover_interpolates_between_measured_lengths():
@@ -64,7 +64,7 @@ def test_bad_arguments_are_refused(capsys):
 
 def _model_available() -> bool:
     try:
-        from kvh.model import runner
+        from kvh_cache.model import runner
 
         runner.default_model_path()
         return True

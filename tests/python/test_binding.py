@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import kvh
-from kvh import _ffi, errors
-from kvh._ffi import ffi, lib
+import kvh_cache as kvh
+from kvh_cache import _ffi, errors
+from kvh_cache._ffi import ffi, lib
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -30,7 +30,8 @@ def test_cdef_matches_header():
 
 def test_cdef_check_detects_drift(tmp_path):
     stale = tmp_path / "_cdef.h"
-    stale.write_text((REPO / "python" / "kvh" / "_cdef.h").read_text().replace("kvh_seq_persist", "kvh_seq_perish"))
+    cdef = (REPO / "python" / "kvh_cache" / "_cdef.h").read_text()
+    stale.write_text(cdef.replace("kvh_seq_persist", "kvh_seq_perish"))
     res = subprocess.run(
         [sys.executable, str(REPO / "bindings" / "gen-cffi.py"), "--check", "--output", str(stale)],
         capture_output=True,
@@ -120,9 +121,9 @@ def test_io_error_errno_parsing():
     assert errors.KvhIOError("something odd", -5).errno is None
 
 
-@pytest.mark.parametrize("module", ["kvh", "kvh.errors"])
+@pytest.mark.parametrize("module", ["kvh_cache", "kvh_cache.errors"])
 def test_star_import_leaves_the_builtins_alone(module):
-    """``from kvh import *`` used to rebind TimeoutError and IOError."""
+    """``from kvh_cache import *`` used to rebind TimeoutError and IOError."""
     namespace: dict = {}
     exec(f"from {module} import *", namespace)
     shadowed = sorted(

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from kvh import _progress, cli, doctor
-from kvh.tools import find_tool
+from kvh_cache import _progress, cli, doctor
+from kvh_cache.tools import find_tool
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -25,7 +25,12 @@ def run_kvh(*args, timeout=120, env_extra=None):
     env["PYTHONPATH"] = str(REPO / "python") + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.update(env_extra or {})
     return subprocess.run(
-        [sys.executable, "-m", "kvh", *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=str(REPO)
+        [sys.executable, "-m", "kvh_cache", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=str(REPO),
     )
 
 
@@ -60,18 +65,18 @@ def test_help_everywhere(cmd):
         assert markup not in res.stdout, markup
 
 
-# `python -m MODULE` entry points; kvh.bench_retriever and kvh.bench_offload
-# are the paths the benchmarks had before they moved to kvh.demo.
+# `python -m MODULE` entry points; kvh_cache.bench_retriever and kvh_cache.bench_offload
+# are the paths the benchmarks had before they moved to kvh_cache.demo.
 @pytest.mark.parametrize(
     "module",
     [
-        "kvh.demo.agents",
-        "kvh.demo.bench_retriever",
-        "kvh.demo.bench_offload",
-        "kvh.bench_retriever",
-        "kvh.bench_offload",
-        "kvh.model",
-        "kvh.codec",
+        "kvh_cache.demo.agents",
+        "kvh_cache.demo.bench_retriever",
+        "kvh_cache.demo.bench_offload",
+        "kvh_cache.bench_retriever",
+        "kvh_cache.bench_offload",
+        "kvh_cache.model",
+        "kvh_cache.codec",
     ],
 )
 def test_module_help(module):
@@ -408,15 +413,3 @@ def test_table_and_sizes():
     assert lines[0] == "T" and lines[1].split() == ["name", "n", "x"]
     assert lines[3].startswith("a ") and lines[4].rstrip().endswith("0.25")
     assert _progress.human_bytes(3 << 20) == "3.0 MiB"
-
-
-def test_doctor_warns_of_the_unrelated_kvh_distribution(monkeypatch):
-    from importlib import metadata
-
-    real = metadata.version
-    assert doctor.check_kvh().status == doctor.OK or doctor.unrelated_kvh_distribution() is not None
-    monkeypatch.setattr(metadata, "version", lambda name: "0.3.7" if name == "kvh" else real(name))
-    check = doctor.check_kvh()
-    assert check.status == doctor.WARN
-    assert "unrelated" in check.summary and "kvh-cache" in " ".join(check.fix)
-    assert check.data["unrelated_kvh_distribution"] == "0.3.7"

@@ -1,4 +1,4 @@
-"""KV codecs from Python: kvh.codec round trips within the documented
+"""KV codecs from Python: kvh_cache.codec round trips within the documented
 bounds, and an engine whose host tier holds quantised blocks."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import kvh
-import kvh.codec as kc
+import kvh_cache as kvh
+import kvh_cache.codec as kc
 
 
 def _bound(x: np.ndarray, codec: kvh.Codec) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""kvh.config: argument > environment > file > default, the TOML file, the
+"""kvh_cache.config: argument > environment > file > default, the TOML file, the
 environment's syntax (the C library's kvh_config_from_env), and kvh doctor
 showing where each value came from."""
 
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-import kvh
-import kvh.config as kc
-from kvh.types import DType
+import kvh_cache as kvh
+import kvh_cache.config as kc
+from kvh_cache.types import DType
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -106,7 +106,7 @@ def test_doctor_shows_sources(tmp_path):
     env = dict(os.environ, KVH_CONFIG=str(f), KVH_HOST_BYTES="8G")
     env["PYTHONPATH"] = str(REPO / "python") + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     out = subprocess.run(
-        [sys.executable, "-m", "kvh", "doctor", "--json", "--data-dir", str(tmp_path)],
+        [sys.executable, "-m", "kvh_cache", "doctor", "--json", "--data-dir", str(tmp_path)],
         env=env,
         capture_output=True,
         text=True,
@@ -118,7 +118,10 @@ def test_doctor_shows_sources(tmp_path):
     assert cfg["block_tokens"]["source"] == "default"
     env["KVH_LRU_K"] = "many"
     res = subprocess.run(
-        [sys.executable, "-m", "kvh", "doctor", "--data-dir", str(tmp_path)], env=env, capture_output=True, text=True
+        [sys.executable, "-m", "kvh_cache", "doctor", "--data-dir", str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
     )
     assert 'KVH_LRU_K="many"' in res.stdout
 
@@ -131,7 +134,7 @@ def test_readme_lists_every_variable():
     missing = set(kc.ENV_VARS.values()) - listed
     # Every variable the C library, the kernels and the Python package read.
     pattern = re.compile(r"""(?:getenv\(|environ\.get\(|environ\[)\s*["'](KVH_[A-Z0-9_]+)""")
-    for d in ("core", "kernels", "python/kvh"):
+    for d in ("core", "kernels", "python/kvh_cache"):
         for path in (REPO / d).rglob("*"):
             if path.suffix in (".c", ".cu", ".h", ".py"):
                 missing |= set(pattern.findall(path.read_text(errors="replace"))) - listed

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import kvh
+import kvh_cache as kvh
 
 
 @pytest.fixture

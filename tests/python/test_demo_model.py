@@ -1,4 +1,4 @@
-"""`kvh demo` on the real model (kvh.demo.agents): the library and its
+"""`kvh demo` on the real model (kvh_cache.demo.agents): the library and its
 retrieval, the command line's routing between the model and synthetic
 demos, and a tiny end-to-end run (2 agents, 1 question each, 4 tokens)
 whose JSON carries every metric of the trade-off table and whose restart
@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvh.demo import agents
-from kvh.retrieval import NumpyChunkIndex
+from kvh_cache.demo import agents
+from kvh_cache.retrieval import NumpyChunkIndex
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -51,7 +51,12 @@ def run_kvh(*args, timeout=300, env_extra=None):
     env["PYTHONPATH"] = str(REPO / "python") + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.update(env_extra or {})
     return subprocess.run(
-        [sys.executable, "-m", "kvh", *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=str(REPO)
+        [sys.executable, "-m", "kvh_cache", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=str(REPO),
     )
 
 

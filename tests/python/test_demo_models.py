@@ -11,12 +11,12 @@ import json
 import numpy as np
 import pytest
 
-pytest.importorskip("gguf", reason="kvh.model needs the gguf package (pip install gguf)")
+pytest.importorskip("gguf", reason="kvh_cache.model needs the gguf package (pip install gguf)")
 
-from kvh.demo import two_models  # noqa: E402
-from kvh.model.gguf_loader import GGUFFile  # noqa: E402
-from kvh.model.requant import requantize  # noqa: E402
-from kvh.model.testing import write_tiny_llama  # noqa: E402
+from kvh_cache.demo import two_models  # noqa: E402
+from kvh_cache.model.gguf_loader import GGUFFile  # noqa: E402
+from kvh_cache.model.requant import requantize  # noqa: E402
+from kvh_cache.model.testing import write_tiny_llama  # noqa: E402
 
 
 def args_for(tmp_path, model, **kw):

@@ -1,4 +1,4 @@
-"""Lifetime of the handle classes (kvh._handle): each native object is
+"""Lifetime of the handle classes (kvh_cache._handle): each native object is
 ended exactly once, whether by a ``with`` block, by ``close()`` (called
 twice), or by the garbage collector, and a context (which the engine frees
 at close) is never ended by the collector."""
@@ -10,11 +10,11 @@ import gc
 
 import pytest
 
-import kvh
-from kvh import attention_plan as attention_plan_mod
-from kvh import context as context_mod
-from kvh import engine as engine_mod
-from kvh import vmap as vmap_mod
+import kvh_cache as kvh
+from kvh_cache import attention_plan as attention_plan_mod
+from kvh_cache import context as context_mod
+from kvh_cache import engine as engine_mod
+from kvh_cache import vmap as vmap_mod
 
 
 class CountingLib:

@@ -1,4 +1,4 @@
-"""kvh.latency: the engine's latency histograms from Python (acquire
+"""kvh_cache.latency: the engine's latency histograms from Python (acquire
 stalls, disk reads and writes), their argument rules, and their counts
 against the operations done."""
 
@@ -9,8 +9,8 @@ import math
 import numpy as np
 import pytest
 
-import kvh
-from kvh.latency import BUCKET_BOUNDS_SECONDS, KINDS
+import kvh_cache as kvh
+from kvh_cache.latency import BUCKET_BOUNDS_SECONDS, KINDS
 
 BT = 16
 BLOCKS = 4

@@ -1,4 +1,4 @@
-"""kvh.metrics: the Prometheus exporter, scraped over HTTP on loopback."""
+"""kvh_cache.metrics: the Prometheus exporter, scraped over HTTP on loopback."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import urllib.request
 import numpy as np
 import pytest
 
-import kvh
+import kvh_cache as kvh
 
 prometheus_client = pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-import kvh.metrics  # noqa: E402
+import kvh_cache.metrics  # noqa: E402
 
 
 def _scrape(url):

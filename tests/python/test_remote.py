@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import kvh
+import kvh_cache as kvh
 from kvh_testutil import filled_seq, make_engine
 
 REPO = Path(__file__).resolve().parents[2]
@@ -95,7 +95,7 @@ def _kvh(*args, env_extra):
     env["PYTHONPATH"] = str(REPO / "python") + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.update(env_extra)
     return subprocess.run(
-        [sys.executable, "-m", "kvh", *args], capture_output=True, text=True, timeout=120, env=env, cwd=str(REPO)
+        [sys.executable, "-m", "kvh_cache", *args], capture_output=True, text=True, timeout=120, env=env, cwd=str(REPO)
     )
 
 

@@ -1,4 +1,4 @@
-"""kvh.model.requant writes through gguf.GGUFWriter exactly the bytes of a
+"""kvh_cache.model.requant writes through gguf.GGUFWriter exactly the bytes of a
 direct copy: the metadata section as it was, a new tensor table, the
 tensors copied or re-encoded (the reference below is the hand-written
 writer it replaced)."""
@@ -11,11 +11,11 @@ import struct
 import numpy as np
 import pytest
 
-pytest.importorskip("gguf", reason="kvh.model needs the gguf package (pip install gguf)")
+pytest.importorskip("gguf", reason="kvh_cache.model needs the gguf package (pip install gguf)")
 
-from kvh.model.gguf_loader import GGUFFile  # noqa: E402
-from kvh.model.requant import requantize  # noqa: E402
-from kvh.model.testing import write_tiny_llama  # noqa: E402
+from kvh_cache.model.gguf_loader import GGUFFile  # noqa: E402
+from kvh_cache.model.requant import requantize  # noqa: E402
+from kvh_cache.model.testing import write_tiny_llama  # noqa: E402
 
 
 def reference_requantize(src: str, dst: str, qtype: str) -> None:

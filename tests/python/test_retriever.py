@@ -1,4 +1,4 @@
-"""The speculative retriever (kvh.retriever, kvh.embed, kvh.demo.bench_retriever):
+"""The speculative retriever (kvh_cache.retriever, kvh_cache.embed, kvh_cache.demo.bench_retriever):
 chunks stored in kvh under their content hash, embeddings in Qdrant (embedded
 local mode) or NumPy, predictions turned into prefetch hints, and the
 accounting (precision / recall, kvh's prefetch counters)."""
@@ -15,11 +15,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import kvh
-from kvh import embed, retrieval, retriever
-from kvh.demo import bench_retriever
-from kvh.retriever import SpeculativeRetriever, SyntheticKV
-from kvh.types import Tier
+import kvh_cache as kvh
+from kvh_cache import embed, retrieval, retriever
+from kvh_cache.demo import bench_retriever
+from kvh_cache.retriever import SpeculativeRetriever, SyntheticKV
+from kvh_cache.types import Tier
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -188,10 +188,10 @@ def test_content_id_is_the_kvh_prefix_chain(corpus):
 
 
 def test_model_kv_fn_with_the_real_model():
-    """Chunks whose K/V the model computes (kvh.model's runner): what kvh
+    """Chunks whose K/V the model computes (kvh_cache.model's runner): what kvh
     holds equals a plain prefill of the chunk's tokens."""
     try:
-        from kvh.model import runner as model_runner
+        from kvh_cache.model import runner as model_runner
 
         run = model_runner.load()
     except (ImportError, FileNotFoundError) as exc:
@@ -439,7 +439,7 @@ def test_qdrant_server_code_path(monkeypatch, corpus, caplog):
 
     monkeypatch.setattr(retriever, "_qdrant", lambda: (ServerStandIn, models))
     monkeypatch.setenv("KVH_QDRANT_API_KEY", "secret")
-    with caplog.at_level("WARNING", logger="kvh.retriever"):
+    with caplog.at_level("WARNING", logger="kvh_cache.retriever"):
         with (
             _engine() as eng,
             SpeculativeRetriever(eng, qdrant_url="http://qdrant.example:6333", top_k=2, collection="kvh_test") as r,
@@ -571,7 +571,7 @@ def test_bench_quick_numpy_in_process():
 def test_bench_help_and_usage():
     env = dict(os.environ, PYTHONPATH=str(REPO / "python"))
     res = subprocess.run(
-        [sys.executable, "-m", "kvh.demo.bench_retriever", "--help"],
+        [sys.executable, "-m", "kvh_cache.demo.bench_retriever", "--help"],
         capture_output=True,
         text=True,
         env=env,
@@ -586,7 +586,7 @@ def test_bench_help_and_usage():
 def test_bench_quick_json_subprocess():
     env = dict(os.environ, PYTHONPATH=str(REPO / "python"))
     res = subprocess.run(
-        [sys.executable, "-m", "kvh.demo.bench_retriever", "--quick", "--json"],
+        [sys.executable, "-m", "kvh_cache.demo.bench_retriever", "--quick", "--json"],
         capture_output=True,
         text=True,
         env=env,

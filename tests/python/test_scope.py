@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import kvh
+import kvh_cache as kvh
 from kvh_testutil import kv_data, make_engine
 
 

@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import kvh
-from kvh import engine as engine_mod
-from kvh._handle import HandleGate
+import kvh_cache as kvh
+from kvh_cache import engine as engine_mod
+from kvh_cache._handle import HandleGate
 from kvh_testutil import filled_seq, kv_data
 
 HERE = Path(__file__).resolve().parent

@@ -10,7 +10,7 @@ import threading
 import numpy as np
 import pytest
 
-import kvh
+import kvh_cache as kvh
 from kvh_testutil import kv_data
 
 

@@ -1,4 +1,4 @@
-"""kvh.vllm without vLLM: settings, the lookup channel, and the worker's
+"""kvh_cache.vllm without vLLM: settings, the lookup channel, and the worker's
 store over a NumPy array laid out as vLLM's CPU KV cache (num_blocks,
 kv_heads, block_size, 2 * head_dim: per head a block's K rows, then its V
 rows). The connector under a real vLLM is tests/python/vllm/."""
@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvh.vllm import channel, settings
-from kvh.vllm.store import KvStore, StoreUnavailable, model_salt
+from kvh_cache.vllm import channel, settings
+from kvh_cache.vllm.store import KvStore, StoreUnavailable, model_salt
 
 L, H, B, D, NB = 3, 2, 32, 16, 8
 ES = 2  # bf16, kept as uint16: kvh only moves the bytes
@@ -24,11 +24,12 @@ ES = 2  # bf16, kept as uint16: kvh only moves the bytes
 
 def test_import_kvh_and_kvh_vllm_import_neither_torch_nor_vllm():
     code = (
-        "import sys, kvh, kvh.vllm, kvh.vllm.store, kvh.vllm.channel, kvh.vllm.settings, kvh.vllm.bench\n"
+        "import sys, kvh_cache, kvh_cache.vllm, kvh_cache.vllm.store, kvh_cache.vllm.channel\n"
+        "import kvh_cache.vllm.settings, kvh_cache.vllm.bench\n"
         "bad = [m for m in ('torch', 'vllm') if m in sys.modules]\n"
         "assert not bad, bad\n"
     )
-    import kvh
+    import kvh_cache as kvh
 
     env = dict(os.environ, PYTHONPATH=str(Path(kvh.__file__).resolve().parents[1]))
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
@@ -238,7 +239,7 @@ def test_cache_salt_scopes_share_nothing_across_tenants_even_after_a_restart(tmp
     """vLLM's cache_salt becomes the blocks' tenant scope: the same tokens
     saved under one salt are not found under another or without one, in
     the same worker or after a restart; the same salt finds them."""
-    import kvh
+    import kvh_cache as kvh
 
     toks = np.arange(2 * B, dtype=np.int32) + 500
     alice, bob = kvh.Scope.value_of("alice"), kvh.Scope.value_of("bob")

@@ -9,7 +9,7 @@ import gc
 import numpy as np
 import pytest
 
-import kvh
+import kvh_cache as kvh
 
 
 def make(**kw):

@@ -2,7 +2,7 @@
 corruption and an unusable disk tier.
 
 Each vLLM run is a subprocess of the vLLM venv's python (``python -m
-kvh.vllm.run``): vLLM
+kvh_cache.vllm.run``): vLLM
 spawns its engine core and worker processes, and a "restart" is simply a
 second run on the same store. Runs only when KVH_VLLM_PYTHON names that
 python and KVH_VLLM_MODEL the converted model (`make test-vllm` sets both,
@@ -68,7 +68,7 @@ def run(tmp_path: Path, name: str, connector: str = "kvh", extra=None, check=Tru
     cmd = [
         VPY,
         "-m",
-        "kvh.vllm.run",
+        "kvh_cache.vllm.run",
         "--one-by-one",
         "--model",
         MODEL,

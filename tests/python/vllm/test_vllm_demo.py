@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(
 def test_quick_demo_serves_returning_agents_from_kvh():
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO / "python") + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    cmd = [sys.executable, "-m", "kvh", "demo", "--engine", "vllm", "--vllm-quick", "--vllm-json"]
+    cmd = [sys.executable, "-m", "kvh_cache", "demo", "--engine", "vllm", "--vllm-quick", "--vllm-json"]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     rows = {r["phase"]: r for r in json.loads(p.stdout)["rows"]}
@@ -49,5 +49,5 @@ def test_quick_demo_serves_returning_agents_from_kvh():
 def test_demo_help_names_the_engine_option():
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO / "python") + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    p = subprocess.run([sys.executable, "-m", "kvh", "demo", "--help"], env=env, capture_output=True, text=True)
+    p = subprocess.run([sys.executable, "-m", "kvh_cache", "demo", "--help"], env=env, capture_output=True, text=True)
     assert p.returncode == 0 and "--engine" in p.stdout and "--vllm-quick" in p.stdout

@@ -1,8 +1,0 @@
-"""``python -m kvh.demo.agents``: the model demo (also the restart's new
-process, ``--returning SPEC``)."""
-
-import sys
-
-from .app import main
-
-sys.exit(main())

@@ -1,0 +1,107 @@
+"""Loads the compiled CFFI module, checks the library version, and turns
+status codes into exceptions. Internal: use the `kvh` package."""
+
+from __future__ import annotations
+
+import logging
+from typing import NoReturn
+
+from . import errors
+
+try:
+    from ._kvh_cffi import ffi, lib  # type: ignore[import-not-found]
+except ImportError as exc:  # pragma: no cover - depends on the install
+    raise ImportError(
+        "kvh: the compiled binding kvh_cache._kvh_cffi could not be loaded "
+        f"({exc}). Installed package: reinstall it (pip install --force-reinstall kvh-cache). "
+        "Development tree: build libkvh (cmake --build build) and run "
+        "`python3 python/build_cffi.py` (tests/python/conftest.py does it)."
+    ) from exc
+
+# The header the binding was compiled against (values baked in by the C
+# compiler) versus the library that the dynamic loader found.
+BUILT_VERSION: int = int(lib.KVH_VERSION_NUMBER)
+BUILT_VERSION_STRING = f"{lib.KVH_VERSION_MAJOR}.{lib.KVH_VERSION_MINOR}.{lib.KVH_VERSION_PATCH}"
+LOADED_VERSION: int = int(lib.kvh_version())
+LOADED_VERSION_STRING: str = ffi.string(lib.kvh_version_string()).decode()
+
+
+def version_compatible(built: int, loaded: int) -> bool:
+    """Same major version, and the library is at least as new as the header
+    the binding was built from (a newer minor only adds)."""
+    return built // 10000 == loaded // 10000 and loaded >= built
+
+
+if not version_compatible(BUILT_VERSION, LOADED_VERSION):
+    raise ImportError(
+        f"kvh: the binding was built for libkvh {BUILT_VERSION_STRING} ({BUILT_VERSION}) but the loaded "
+        f"library is {LOADED_VERSION_STRING} ({LOADED_VERSION}); rebuild the binding or fix LD_LIBRARY_PATH"
+    )
+
+# The status list of the header must agree with the exception table.
+for _name, _code in errors.STATUS_CODES.items():
+    if int(getattr(lib, _name)) != _code:  # pragma: no cover - ABI drift
+        raise ImportError(f"kvh: status {_name} is {getattr(lib, _name)} in the header, {_code} in kvh_cache.errors")
+
+NULL = ffi.NULL
+U64_MAX = (1 << 64) - 1
+
+# ---- log sink -----------------------------------------------------------------
+logger = logging.getLogger("kvh")
+
+LOG_LEVELS = {
+    int(lib.KVH_LOG_ERROR): logging.ERROR,
+    int(lib.KVH_LOG_WARN): logging.WARNING,
+    int(lib.KVH_LOG_INFO): logging.INFO,
+    int(lib.KVH_LOG_DEBUG): logging.DEBUG,
+}
+
+
+@ffi.def_extern()
+def _kvh_py_log(user, level, message):  # pragma: no cover - exercised via C
+    # Runs on any kvh thread (cffi takes the GIL); must never raise into C.
+    try:
+        text = ffi.string(message).decode("utf-8", "replace") if message != ffi.NULL else ""
+        logger.log(LOG_LEVELS.get(int(level), logging.DEBUG), "%s", text)
+    except BaseException:
+        pass
+
+
+def kvh_level_for_logger() -> int:
+    """The highest kvh_log_level worth sending, from the logger's level."""
+    eff = logger.getEffectiveLevel()
+    if eff <= logging.DEBUG:
+        return int(lib.KVH_LOG_DEBUG)
+    if eff <= logging.INFO:
+        return int(lib.KVH_LOG_INFO)
+    if eff <= logging.WARNING:
+        return int(lib.KVH_LOG_WARN)
+    return int(lib.KVH_LOG_ERROR)
+
+
+# ---- errors ------------------------------------------------------------------------
+def last_error() -> str:
+    """The detail of this thread's last failed call, its advice in Python terms."""
+    return errors.python_hints(ffi.string(lib.kvh_last_error()).decode("utf-8", "replace"))
+
+
+def status_name(status: int) -> str:
+    return ffi.string(lib.kvh_status_name(status)).decode()
+
+
+def strerror(status: int) -> str:
+    return ffi.string(lib.kvh_strerror(status)).decode()
+
+
+def raise_status(status: int, detail: str | None = None) -> NoReturn:
+    """Raises the exception for status; call right after the failing C call
+    (kvh_last_error is thread-local and replaced by the next call)."""
+    if detail is None:
+        detail = last_error()
+    cls = errors.error_class(status)
+    raise cls(detail or strerror(status), status, status_name(status))
+
+
+def check(status: int) -> None:
+    if status != 0:
+        raise_status(status)

@@ -1,0 +1,14 @@
+"""``python -m kvh_cache.bench_retriever``, the command the documentation gave before
+the benchmark moved to :mod:`kvh_cache.demo.bench_retriever` (also ``kvh bench
+retriever``); it runs that module's ``main``."""
+
+from __future__ import annotations
+
+import sys
+
+from .demo.bench_retriever import main
+
+__all__ = ["main"]
+
+if __name__ == "__main__":
+    sys.exit(main())

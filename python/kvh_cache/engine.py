@@ -1,0 +1,1756 @@
+"""Engine, Sequence, Block, Hold and Fence: the typed Python API over libkvh.
+
+Lifetime rules
+--------------
+* Every object that owns a C resource frees it deterministically through a
+  context manager or an explicit ``close()``/``free()``/``release()``, and
+  from ``__del__`` as a fallback. Double frees are no-ops.
+* After ``Engine.close()`` every call on the engine or on one of its
+  sequences, blocks, holds or fences raises :class:`kvh.ClosedError`; after
+  ``Sequence.free()`` calls on it raise :class:`kvh.BadHandleError`. Nothing
+  reaches C with a dangling handle or pointer.
+* ``close()`` waits for calls in flight on other threads (e.g. a fence
+  wait). While zero-copy block views are alive, the C engine (and so the
+  memory the views point into) is kept until the last view is collected.
+
+Threads: the binding releases the GIL during every C call and keeps the C
+library's ``@threads`` rules for its user, per object
+(:class:`kvh_cache._handle.HandleGate`): calls that C marks ``@threads handle``
+on one sequence (or view, context, ...) run one at a time, first come
+first served, while ``@threads any`` calls (``Engine.prefetch``,
+``Engine.stats``, ``len(seq)``, fence waits) run beside them. Freeing an
+object waits for the calls in flight on it; later calls raise
+:class:`kvh.BadHandleError` (:class:`kvh.ClosedError` for the engine's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import logging
+import operator
+import os
+import threading
+import weakref
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence as Seq, Tuple, Union
+
+import numpy as np
+
+from . import errors
+from ._ffi import NULL, U64_MAX, check, ffi, kvh_level_for_logger, last_error, lib, raise_status, status_name
+from ._handle import Finalized, GatedHandle, GateUse, HandleGate, OwnedHandle, in_lock_order
+from .types import Backend, BlockInfo, Codec, Config, Eviction, DType, Scope, Stats, Tier, TierInfo, numpy_dtype
+
+__all__ = ["Engine", "Sequence", "Block", "Hold", "Fence", "TokenSpan"]
+
+log = logging.getLogger("kvh")
+
+TokenSpan = Union[range, int, None]
+ArrayLike = Any
+
+_LOG_NAMES = {"error": 0, "warn": 1, "warning": 1, "info": 2, "debug": 3}
+_U32 = (1 << 32) - 1
+
+
+# ---------------------------------------------------------------------------------
+# argument checks (before anything reaches C)
+# ---------------------------------------------------------------------------------
+def _index(name: str, value: Any, *, maximum: int = U64_MAX) -> int:
+    """A non-negative integer argument; TypeError/ValueError naming it."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, not bool")
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, not {type(value).__name__}") from None
+    if v < 0:
+        raise ValueError(f"{name} must be >= 0, got {v}")
+    if v > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {v}")
+    return v
+
+
+def _int(name: str, value: Any, lo: int, hi: int) -> int:
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, not bool")
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, not {type(value).__name__}") from None
+    if not lo <= v <= hi:
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {v}")
+    return v
+
+
+def _tokens(tokens: ArrayLike) -> np.ndarray:
+    """Token ids as a contiguous int32 array shaped (n,)."""
+    if isinstance(tokens, (str, bytes)):
+        raise TypeError("tokens must be a sequence of ints or an integer array shaped (n,), not str/bytes")
+    arr = tokens if isinstance(tokens, np.ndarray) else np.asarray(tokens)
+    if arr.dtype.kind not in "iu":
+        if arr.size == 0 and not isinstance(tokens, np.ndarray):
+            arr = arr.astype(np.int32)
+        else:
+            raise TypeError(f"tokens must be integers (int32 token ids) shaped (n,), got dtype {arr.dtype}")
+    if arr.ndim != 1:
+        raise ValueError(f"tokens must be 1-D, shaped (n,); got shape {arr.shape}")
+    if arr.size and arr.dtype != np.int32:
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < -(1 << 31) or hi >= (1 << 31):
+            raise ValueError(f"token ids must fit in int32; got values in [{lo}, {hi}]")
+    return np.ascontiguousarray(arr, dtype=np.int32)
+
+
+def _ptr(arr: np.ndarray, ctype: str = "char[]"):
+    """Pointer to an array's data (no copy); NULL for an empty array."""
+    return ffi.from_buffer(ctype, arr) if arr.size else NULL
+
+
+def _iptr(arr: np.ndarray):
+    return _ptr(arr, "int32_t[]")
+
+
+# ---------------------------------------------------------------------------------
+# the native engine pointer, its call accounting and deferred release
+# ---------------------------------------------------------------------------------
+class _Native:
+    """Owns the ``kvh_engine *``. Every call passes through ``gate`` (shared:
+    the engine's calls are ``@threads any``), so ``close`` never frees the
+    engine under a running call; live zero-copy views defer the C close
+    until they are gone."""
+
+    def __init__(self, ptr) -> None:
+        self.ptr = ptr
+        self.gate = HandleGate(lambda: errors.ClosedError("the engine is closed", lib.KVH_ERR_CLOSED))
+        self.lock = threading.RLock()  # views and release; re-entrant: finalizers may run anywhere
+        self.views = 0
+        self.release_deferred = False
+        self.released = False
+        self.close_status = 0
+
+    @property
+    def closed(self) -> bool:
+        return self.gate.closed
+
+    def enter(self):
+        self.gate.enter(False)
+        return self.ptr
+
+    def leave(self) -> None:
+        self.gate.leave(False)
+
+    def close(self) -> int:
+        """Waits for calls in flight, then closes the C engine (or leaves
+        that to the last view). Returns its status."""
+        return self.gate.close(self._end) or 0
+
+    def _end(self) -> int:
+        with self.lock:
+            if self.views:
+                log.debug("kvh: engine close deferred until %d block view(s) are collected", self.views)
+                self.release_deferred = True
+                return 0
+            return self._release()
+
+    def _release(self) -> int:
+        if self.released:
+            return 0
+        self.released = True
+        st = lib.kvh_engine_close(self.ptr)
+        self.ptr = NULL
+        self.close_status = st
+        return st
+
+    def add_view(self) -> None:
+        """Keeps the engine's memory until ``drop_view``; ClosedError once
+        that memory is gone."""
+        with self.lock:
+            if self.released:
+                raise errors.ClosedError("the engine is closed", lib.KVH_ERR_CLOSED)
+            self.views += 1
+
+    def drop_view(self) -> None:
+        with self.lock:
+            self.views -= 1
+            if self.views == 0 and self.release_deferred:
+                self._release()
+
+
+_live_engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all_at_exit() -> None:  # stop worker threads before interpreter teardown
+    for eng in list(_live_engines):
+        try:
+            eng.close()
+        except Exception:
+            pass
+
+
+_STATS_FIELDS: Optional[Tuple[Tuple[str, ...], Tuple[str, ...]]] = None
+
+
+def _stats_fields() -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
+    """(fields kvh.Stats names, newer fields it does not) of kvh_stats."""
+    global _STATS_FIELDS
+    if _STATS_FIELDS is None:
+        ours = set(Stats.__dataclass_fields__) - {"extra"}  # type: ignore[attr-defined]
+        names = [n for n, _ in ffi.typeof("kvh_stats").fields if n != "struct_size" and not n.startswith("reserved")]
+        _STATS_FIELDS = (tuple(n for n in names if n in ours), tuple(n for n in names if n not in ours))
+    return _STATS_FIELDS
+
+
+class _Call:
+    """``with engine._call(*uses) as ptr:`` — one C call: through the gates
+    of the handles it names (``gate.exclusive()`` / ``gate.shared()``), then
+    the engine's."""
+
+    __slots__ = ("native", "uses")
+
+    def __init__(self, native: _Native, uses: Tuple[GateUse, ...]) -> None:
+        self.native = native
+        self.uses = in_lock_order(uses)
+
+    def __enter__(self):
+        entered = 0
+        try:
+            for use in self.uses:
+                use.gate.enter(use.exclusive)
+                entered += 1
+            return self.native.enter()
+        except BaseException:
+            for use in reversed(self.uses[:entered]):
+                use.gate.leave(use.exclusive)
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.native.leave()
+        for use in reversed(self.uses):
+            use.gate.leave(use.exclusive)
+
+
+# ---------------------------------------------------------------------------------
+# Engine
+# ---------------------------------------------------------------------------------
+class Engine(OwnedHandle):
+    """One kvh engine (``kvh_engine``): tiers, blocks, sequences, migration.
+
+    ``Engine(config=None, **fields)`` takes a :class:`kvh.Config` and/or its
+    fields as keywords (``num_layers=2, head_dim=64, dtype="f32",
+    device_bytes=1 << 20, ...``). Use it as a context manager::
+
+        with kvh.Engine(num_layers=2, num_kv_heads=4, head_dim=64, dtype="f32") as eng:
+            with eng.sequence() as seq:
+                seq.append(range(32))
+                seq.write_kv(0, 0, k, v)
+
+    Log messages of the library go to ``logging.getLogger("kvh")``.
+    """
+
+    def __init__(self, config: Optional[Config] = None, /, **fields: Any) -> None:
+        self._native: Optional[_Native] = None
+        self._current_context: Any = None  # the kvh.Context last switched in
+        if config is None:
+            config = Config(**fields)
+        elif not isinstance(config, Config):
+            raise TypeError(f"config must be a kvh.Config, not {type(config).__name__}")
+        elif fields:
+            config = config.replace(**fields)
+        c = ffi.new("kvh_config *")
+        check(lib.kvh_config_init(c, ffi.sizeof("kvh_config")))
+        keep = self._fill_config(c, config)
+        out = ffi.new("kvh_engine **")
+        st = lib.kvh_engine_open(c, out)
+        if st != 0:
+            raise_status(st)
+        del keep
+        self._native = _Native(out[0])
+        self._geom = (int(c.num_layers), int(c.num_kv_heads), int(c.head_dim), int(c.block_tokens))
+        self._dtype = DType(int(c.dtype))
+        self._np_dtype = numpy_dtype(self._dtype)
+        bb = ffi.new("uint64_t *")
+        check(lib.kvh_engine_block_bytes(out[0], bb))
+        self._block_bytes = int(bb[0])
+        name = lib.kvh_engine_backend(out[0])
+        self._backend = ffi.string(name).decode() if name != NULL else "unknown"
+        self._config = self._read_config(c, config)
+        _live_engines.add(self)
+
+    # ---- configuration ----
+    @staticmethod
+    def _fill_config(c, cfg: Config) -> list:
+        keep: list = []
+
+        def setu(name: str, bits: int = 32) -> None:
+            v = getattr(cfg, name)
+            if v is not None:
+                setattr(c, name, _index(name, v, maximum=(1 << bits) - 1))
+
+        for name in (
+            "num_layers",
+            "num_kv_heads",
+            "head_dim",
+            "block_tokens",
+            "migration_threads",
+            "lru_k",
+            "promote_min_hits",
+            "disk_queue_depth",
+        ):
+            setu(name)
+        for name in ("device_bytes", "host_bytes", "disk_bytes", "model_salt", "migration_cpu_mask"):
+            setu(name, 64)
+        if cfg.cuda_device is not None:
+            c.cuda_device = _int("cuda_device", cfg.cuda_device, 0, (1 << 31) - 1)
+        if cfg.numa_node is not None:
+            c.numa_node = _int("numa_node", cfg.numa_node, -1, (1 << 31) - 1)
+        if cfg.dtype is not None:
+            c.dtype = int(DType.parse(cfg.dtype))
+        if cfg.backend is not None:
+            c.backend = int(Backend.parse(cfg.backend))
+        if cfg.log_level is None:
+            c.log_level = kvh_level_for_logger()
+        elif isinstance(cfg.log_level, str):
+            key = cfg.log_level.strip().lower()
+            if key not in _LOG_NAMES:
+                raise ValueError(f"log_level must be one of {sorted(_LOG_NAMES)}, got {cfg.log_level!r}")
+            c.log_level = _LOG_NAMES[key]
+        else:
+            c.log_level = _int("log_level", cfg.log_level, 0, 3)
+        if cfg.disk_path is not None:
+            # Without a size the library opens no disk tier, which would only
+            # show when persist() fails; the library refuses it too (the same
+            # InvalidArgumentError).
+            if not c.disk_bytes:
+                raise errors.InvalidArgumentError(
+                    f"disk_path={os.fspath(cfg.disk_path)!r} needs disk_bytes > 0 (the disk tier's size in bytes); "
+                    "pass disk_bytes=..., or leave disk_path unset for no disk tier",
+                    lib.KVH_ERR_INVALID_ARG,
+                )
+            path = os.fsencode(cfg.disk_path)
+            if b"\0" in path:
+                raise ValueError("disk_path must not contain NUL bytes")
+            buf = ffi.new("char[]", path)
+            keep.append(buf)
+            c.disk_path = buf
+        flags = 0
+        if cfg.disk_reset_on_mismatch:
+            flags |= int(lib.KVH_DISK_RESET_ON_MISMATCH)
+        if cfg.disk_buffered:
+            flags |= int(lib.KVH_DISK_BUFFERED)
+        if cfg.disk_share_group:
+            flags |= int(lib.KVH_DISK_SHARE_GROUP)
+        c.disk_flags = flags
+        if cfg.disk_strict_index is not None:
+            c.disk_strict_index = 1 if cfg.disk_strict_index else 0
+        if cfg.kv_codec is not None:
+            c.kv_codec = int(Codec.parse(cfg.kv_codec))
+        if cfg.vmap is not None:
+            c.vmap = 1 if cfg.vmap else 0
+        if cfg.eviction_policy is not None:
+            c.eviction_policy = int(Eviction.parse(cfg.eviction_policy))
+        if cfg.lctru_window is not None:
+            c.lctru_window = _index("lctru_window", cfg.lctru_window, maximum=_U32)
+        if cfg.copy_moves is not None:
+            c.copy_moves = 1 if cfg.copy_moves else 0
+        for name in ("remote_addrs", "remote_user", "remote_password", "remote_tls_ca"):
+            text = getattr(cfg, name)
+            if text is not None:
+                raw = os.fsencode(text)
+                if b"\0" in raw:
+                    raise ValueError(f"{name} must not contain NUL bytes")
+                buf = ffi.new("char[]", raw)
+                keep.append(buf)
+                setattr(c, name, buf)
+        for name in ("remote_timeout_ms", "remote_ttl_s", "remote_upload", "remote_breaker_ms"):
+            setu(name)
+        if cfg.remote_tls is not None:
+            c.remote_tls = 1 if cfg.remote_tls else 0
+        c.log_fn = lib._kvh_py_log
+        c.log_user = NULL
+        return keep
+
+    @staticmethod
+    def _read_config(c, given: Config) -> Config:
+        return Config(
+            num_layers=int(c.num_layers),
+            num_kv_heads=int(c.num_kv_heads),
+            head_dim=int(c.head_dim),
+            block_tokens=int(c.block_tokens),
+            dtype=DType(int(c.dtype)),
+            backend=Backend(int(c.backend)),
+            cuda_device=int(c.cuda_device),
+            device_bytes=int(c.device_bytes),
+            host_bytes=int(c.host_bytes),
+            disk_bytes=int(c.disk_bytes),
+            disk_path=given.disk_path,
+            model_salt=int(c.model_salt),
+            numa_node=int(c.numa_node),
+            migration_threads=int(c.migration_threads),
+            migration_cpu_mask=int(c.migration_cpu_mask),
+            lru_k=int(c.lru_k),
+            promote_min_hits=int(c.promote_min_hits),
+            log_level=int(c.log_level),
+            disk_queue_depth=int(c.disk_queue_depth),
+            disk_reset_on_mismatch=given.disk_reset_on_mismatch,
+            disk_buffered=given.disk_buffered,
+            disk_share_group=given.disk_share_group,
+            disk_strict_index=bool(c.disk_strict_index),
+            kv_codec=Codec(int(c.kv_codec)),
+            vmap=bool(c.vmap),
+            eviction_policy=Eviction(int(c.eviction_policy)),
+            lctru_window=int(c.lctru_window),
+            copy_moves=bool(c.copy_moves),
+            remote_addrs=given.remote_addrs,
+            remote_user=given.remote_user,
+            remote_password=given.remote_password,
+            remote_tls=bool(c.remote_tls),
+            remote_tls_ca=given.remote_tls_ca,
+            remote_timeout_ms=int(c.remote_timeout_ms),
+            remote_ttl_s=int(c.remote_ttl_s),
+            remote_upload=int(c.remote_upload),
+            remote_breaker_ms=int(c.remote_breaker_ms),
+        )
+
+    # ---- lifetime ----
+    def close(self) -> None:
+        """Waits for calls in flight, then closes the C engine (every handle
+        of the engine becomes invalid). Idempotent."""
+        native = self._native
+        if native is None:
+            return
+        st = native.close()
+        _live_engines.discard(self)
+        if st != 0:
+            raise_status(st)
+
+    @property
+    def closed(self) -> bool:
+        return self._native is None or self._native.closed
+
+    def _close_at_gc(self) -> None:
+        # The native close only: no status to raise, no registry to update.
+        if self._native is not None and not self._native.closed:
+            self._native.close()
+
+    def __repr__(self) -> str:
+        if self.closed:
+            return "<kvh.Engine closed>"
+        L, H, D, B = self._geom
+        return (
+            f"<kvh.Engine backend={self._backend} layers={L} kv_heads={H} head_dim={D} "
+            f"block_tokens={B} dtype={self._dtype.short} block_bytes={self._block_bytes}>"
+        )
+
+    def _call(self, *uses: GateUse) -> _Call:
+        """``with engine._call(*uses) as ptr:`` around one C call; ``uses``
+        are the gates of the handles it names (``h._gate.shared()``, ...)."""
+        if self._native is None:
+            raise errors.ClosedError("the engine is closed", lib.KVH_ERR_CLOSED)
+        return _Call(self._native, uses)
+
+    def _check_usable(self) -> None:  # ``with eng:`` on a closed engine raises ClosedError
+        with self._call():
+            pass
+
+    # ---- properties ----
+    @property
+    def config(self) -> Config:
+        """The effective configuration (library defaults filled in)."""
+        return self._config
+
+    @property
+    def num_layers(self) -> int:
+        return self._geom[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self._geom[1]
+
+    @property
+    def head_dim(self) -> int:
+        return self._geom[2]
+
+    @property
+    def block_tokens(self) -> int:
+        return self._geom[3]
+
+    @property
+    def dtype(self) -> DType:
+        return self._dtype
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        """NumPy dtype of K/V arrays: float32, float16, or uint16 for bf16 bits."""
+        return self._np_dtype
+
+    @property
+    def backend(self) -> str:
+        """``"cpu"`` or ``"cuda"``: the backend in use."""
+        return self._backend
+
+    @property
+    def block_bytes(self) -> int:
+        return self._block_bytes
+
+    @property
+    def layer_bytes(self) -> int:
+        """Bytes of K and V of one layer in a block."""
+        return self._block_bytes // self.num_layers
+
+    @property
+    def kv_shape(self) -> Tuple[int, int]:
+        """(num_kv_heads, head_dim): K/V arrays are shaped (n, *kv_shape)."""
+        return (self.num_kv_heads, self.head_dim)
+
+    # ---- sequences ----
+    def sequence(
+        self,
+        agent: int = 0,
+        tokens: Optional[ArrayLike] = None,
+        *,
+        token_budget: int = 0,
+        context: Any = None,
+        scope: Union[Scope, int, None] = None,
+    ) -> "Sequence":
+        """A new empty sequence owned by ``agent`` (tokens, if given, are appended).
+        ``token_budget`` (expected final length) subjects it to admission
+        (see :meth:`admission`; NoSpaceError when its pool is full);
+        ``context`` attaches it to a :class:`kvh.Context`; ``scope`` (an int
+        or a :class:`kvh.Scope`) is its tenant scope (default: the engine's
+        default scope 0)."""
+        agent = _index("agent", agent, maximum=_U32)
+        sc = Scope.of(scope)
+        token_budget = _index("token_budget", token_budget)
+        h = ffi.new("kvh_seq *")
+        if token_budget or context is not None:
+            uses: List[GateUse] = []
+            sp = ffi.new("kvh_seq_params *")
+            check(lib.kvh_seq_params_init(sp, ffi.sizeof("kvh_seq_params")))
+            sp.agent = agent
+            sp.token_budget = token_budget
+            if context is not None:
+                from .context import Context
+
+                if not isinstance(context, Context):
+                    raise TypeError(f"context must be a kvh.Context, not {type(context).__name__}")
+                sp.context.id = context.handle
+                uses.append(context._gate.shared())
+            with self._call(*uses) as p:
+                check(lib.kvh_seq_create_ex(p, sp, h))
+        else:
+            with self._call() as p:
+                check(lib.kvh_seq_create(p, agent, h))
+        seq = Sequence(self, h, agent)
+        try:
+            if sc != Scope():
+                seq.set_scope(sc)
+            if tokens is not None:
+                seq.append(tokens)
+        except BaseException:
+            seq.free()
+            raise
+        return seq
+
+    # ---- weight contexts and admission (kvh_cache.context) ----
+    def context(self, name: str = "", *, kv_policy: str = "keep", chunk_bytes: Optional[int] = None) -> Any:
+        """A new :class:`kvh.Context` for one model's weights. ``kv_policy``:
+        ``"keep"`` leaves its agents' KV in place on a switch away,
+        ``"demote"`` moves it out of the device tier and back with the
+        weights. ``chunk_bytes``: checksum and I/O unit (default 2 MiB)."""
+        from .context import KV_POLICIES, Context
+
+        if kv_policy not in KV_POLICIES:
+            raise ValueError(f"kv_policy must be one of {sorted(KV_POLICIES)}, got {kv_policy!r}")
+        cp = ffi.new("kvh_context_params *")
+        check(lib.kvh_context_params_init(cp, ffi.sizeof("kvh_context_params")))
+        cp.kv_policy = KV_POLICIES[kv_policy]
+        if chunk_bytes is not None:
+            cp.chunk_bytes = _index("chunk_bytes", chunk_bytes)
+        nm = ffi.new("char[]", name.encode("utf-8", "surrogateescape")[:63])
+        cp.name = nm
+        out = ffi.new("kvh_context *")
+        with self._call() as p:
+            check(lib.kvh_context_create(p, cp, out))
+        return Context(self, int(out.id), name)
+
+    @property
+    def current_context(self) -> Any:
+        """The :class:`kvh.Context` last switched in (None if none)."""
+        return self._current_context
+
+    def _switch(self, prev: Any, to: Any, wait: bool) -> Optional["Fence"]:
+        f = ffi.new("kvh_fence *") if not wait else NULL
+        with self._call(*(c._gate.shared() for c in (prev, to) if c is not None)) as p:
+            frm = prev._h[0] if prev is not None else ffi.new("kvh_context *")[0]
+            dst = to._h[0] if to is not None else ffi.new("kvh_context *")[0]
+            check(lib.kvh_context_switch(p, frm, dst, f))
+        if to is not None:
+            self._current_context = to
+        elif prev is self._current_context:
+            self._current_context = None
+        return None if wait else Fence(self, f)
+
+    def weight_stats(self) -> Any:
+        """Weight residency and movement counters (:class:`kvh_cache.context.WeightStats`)."""
+        from .context import weight_stats
+
+        return weight_stats(self)
+
+    def latency_histogram(self, kind: Union[str, int]) -> Any:
+        """One latency histogram (:class:`kvh_cache.latency.LatencyHistogram`):
+        ``"acquire_stall"``, ``"disk_read"`` or ``"disk_write"``."""
+        from .latency import latency_histogram
+
+        return latency_histogram(self, kind)
+
+    def latency_histograms(self) -> Dict[str, Any]:
+        """Every latency histogram by kind name (:mod:`kvh_cache.latency`)."""
+        from .latency import latency_histograms
+
+        return latency_histograms(self)
+
+    def admission(
+        self, *, short_max_tokens: int = 4096, short_device_bytes: int = 0, long_device_bytes: int = 0
+    ) -> None:
+        """Token-budget admission: requests with a budget of at most
+        ``short_max_tokens`` draw on the short pool's device quota, others on
+        the long pool's. Both quotas 0 turns admission off."""
+        ap = ffi.new("kvh_admission_params *")
+        check(lib.kvh_admission_params_init(ap, ffi.sizeof("kvh_admission_params")))
+        ap.short_max_tokens = _index("short_max_tokens", short_max_tokens)
+        ap.short_device_bytes = _index("short_device_bytes", short_device_bytes)
+        ap.long_device_bytes = _index("long_device_bytes", long_device_bytes)
+        with self._call() as p:
+            check(lib.kvh_admission_configure(p, ap))
+
+    def admission_info(self) -> Any:
+        from .context import admission_info
+
+        return admission_info(self)
+
+    # ---- statistics and tiers ----
+    def stats(self) -> Stats:
+        """A snapshot of the engine's monotonic counters."""
+        s = ffi.new("kvh_stats *")
+        s.struct_size = ffi.sizeof("kvh_stats")
+        with self._call() as p:
+            check(lib.kvh_engine_stats(p, s))
+        kw: Dict[str, int] = {}
+        extra: Dict[str, int] = {}
+        known, unknown = _stats_fields()
+        for name in known:
+            kw[name] = getattr(s, name)
+        for name in unknown:
+            extra[name] = getattr(s, name)
+        return Stats(**kw, extra=extra)
+
+    def tier_info(self, tier: Union[Tier, int, str]) -> TierInfo:
+        t = Tier.parse(tier)
+        info = ffi.new("kvh_tier_info *")
+        info.struct_size = ffi.sizeof("kvh_tier_info")
+        with self._call() as p:
+            check(lib.kvh_tier_info_get(p, int(t), info))
+        return TierInfo(
+            tier=t,
+            capacity_blocks=int(info.capacity_blocks),
+            used_blocks=int(info.used_blocks),
+            used_bytes=int(info.used_bytes),
+            block_bytes=int(info.block_bytes),
+            pinned_blocks=int(info.pinned_blocks),
+            base=int(ffi.cast("uintptr_t", info.base)),
+        )
+
+    def tiers(self) -> Dict[Tier, TierInfo]:
+        return {t: self.tier_info(t) for t in Tier}
+
+    def set_agent_quota(self, agent: int, device_bytes: int) -> None:
+        """Per-agent device-tier quota in bytes (0 = unlimited)."""
+        agent = _index("agent", agent, maximum=_U32)
+        device_bytes = _index("device_bytes", device_bytes)
+        with self._call() as p:
+            check(lib.kvh_agent_set_quota(p, agent, device_bytes))
+
+    # ---- migration and prefetch ----
+    def prefetch(
+        self, seq: "Sequence", first: TokenSpan = None, n: Optional[int] = None, *, priority: int = 0
+    ) -> "Fence":
+        """Hint: tokens ``first .. first+n`` (or a ``range``; default: all) of
+        ``seq`` will be needed soon. Returns a future-like :class:`Fence` that
+        completes when the promotions it started are done. Any thread."""
+        if not isinstance(seq, Sequence):
+            raise TypeError(f"seq must be a kvh.Sequence, not {type(seq).__name__}")
+        priority = _int("priority", priority, -(1 << 31), (1 << 31) - 1)
+        seq._check_engine(self)
+        f = ffi.new("kvh_fence *")
+        with self._call(seq._gate.shared()) as p:
+            first_, n_ = seq._span(p, first, n)
+            check(lib.kvh_prefetch(p, seq._h[0], first_, n_, priority, f))
+        return Fence(self, f)
+
+    def hint(self, seq: "Sequence", first: TokenSpan = None, n: Optional[int] = None, *, priority: int = 0) -> None:
+        """Advice, moving nothing: tokens ``first .. first+n`` (or a
+        ``range``; default: all) of ``seq`` will be read, the higher
+        ``priority`` the sooner. Until then their blocks are evicted after
+        every unhinted block, lowest priority first. A block keeps its two
+        highest priorities; the first access after a hint redeems the
+        higher (the rest of that use redeems nothing). Hint a scheduler's
+        queue before each request, each request at a priority falling with
+        its place, and eviction follows the queue. Any thread."""
+        if not isinstance(seq, Sequence):
+            raise TypeError(f"seq must be a kvh.Sequence, not {type(seq).__name__}")
+        priority = _int("priority", priority, -(1 << 31), (1 << 31) - 1)
+        seq._check_engine(self)
+        with self._call(seq._gate.shared()) as p:
+            first_, n_ = seq._span(p, first, n)
+            check(lib.kvh_seq_hint(p, seq._h[0], first_, n_, priority))
+
+    def migrate(
+        self, blocks: Iterable["Block"], tier: Union[Tier, int, str], *, wait: bool = True
+    ) -> Optional["Fence"]:
+        """Moves blocks to ``tier`` (pinned ones are skipped). ``wait=False``
+        returns a Fence instead of waiting."""
+        t = Tier.parse(tier)
+        blist = list(blocks)
+        for b in blist:
+            if not isinstance(b, Block):
+                raise TypeError(f"blocks must be kvh.Block objects, not {type(b).__name__}")
+            b._check_engine(self)
+        arr = ffi.new("kvh_block[]", max(1, len(blist)))
+        for i, b in enumerate(blist):
+            arr[i].id = b.handle
+        f = ffi.new("kvh_fence *") if not wait else NULL
+        with self._call(*(b._gate.shared() for b in blist)) as p:
+            check(lib.kvh_migrate(p, arr, len(blist), int(t), f))
+        return None if wait else Fence(self, f)
+
+    # ---- blocks and the prefix index ----
+    def block_alloc(self, agent: int = 0) -> "Block":
+        """A standalone empty block with one reference owned by the result."""
+        agent = _index("agent", agent, maximum=_U32)
+        out = ffi.new("kvh_block *")
+        with self._call() as p:
+            check(lib.kvh_block_alloc(p, agent, out))
+        return Block(self, int(out.id), owned=True)
+
+    def prefix_hash(self, tokens: ArrayLike, parent: int = 0, *, scope: int = 0) -> int:
+        """Chained hash of one full block of tokens (n == block_tokens) in
+        ``scope`` (a plain scope value; 0, the default scope, is
+        ``kvh_prefix_hash``)."""
+        tk = _tokens(tokens)
+        if tk.size != self.block_tokens:
+            raise ValueError(f"tokens must hold exactly block_tokens={self.block_tokens} ids, got {tk.size}")
+        parent = _index("parent", parent)
+        scope = _index("scope", scope)
+        out = ffi.new("uint64_t *")
+        with self._call() as p:
+            if scope:
+                check(lib.kvh_prefix_hash_scoped(p, scope, parent, _iptr(tk), tk.size, out))
+            else:
+                check(lib.kvh_prefix_hash(p, parent, _iptr(tk), tk.size, out))
+        return int(out[0])
+
+    def prefix_lookup(self, tokens: ArrayLike, *, scope: Union[Scope, int, None] = None) -> List["Block"]:
+        """Blocks of the longest cached prefix of tokens in ``scope`` (an int
+        or a :class:`kvh.Scope`; default: the default scope), each retained
+        for the caller (released when the Block is released or collected)."""
+        tk = _tokens(tokens)
+        sc = Scope.of(scope)
+        cap = tk.size // self.block_tokens
+        out = ffi.new("kvh_block[]", max(1, cap))
+        nb = ffi.new("size_t *")
+        with self._call() as p:
+            check(
+                lib.kvh_prefix_lookup_scoped(
+                    p, sc.scope, sc.shared_scope, sc.shared_tokens, _iptr(tk), tk.size, out, cap, nb
+                )
+            )
+        return [Block(self, int(out[i].id), owned=True) for i in range(int(nb[0]))]
+
+    def block_table(self, seqs: Seq["Sequence"]) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """FlashInfer-style CSR block table of device-tier slots:
+        ``(indptr[n+1], indices[nnz], last_page_len[n])`` as int32 arrays.
+        Raises NotResidentError unless every block is acquired."""
+        hs, uses = self._seq_array(seqs)
+        n = len(seqs)
+        with self._call(*uses) as p:
+            cap = sum((s.num_blocks for s in seqs), 0)
+            indptr = np.zeros(n + 1, np.int32)
+            indices = np.zeros(max(cap, 1), np.int32)
+            last = np.zeros(max(n, 1), np.int32)
+            check(lib.kvh_block_table(p, hs, n, _iptr(indptr), _iptr(indices), cap, _iptr(last)))
+        return indptr, indices[: int(indptr[-1])].copy(), last[:n].copy()
+
+    def _seq_array(self, seqs: Seq["Sequence"]) -> Tuple[Any, List[GateUse]]:
+        """The ``kvh_seq[]`` of a batch and the gate uses of a ``@threads
+        any`` call naming it."""
+        if isinstance(seqs, Sequence):
+            raise TypeError("seqs must be a list of kvh.Sequence objects (wrap a single one in a list)")
+        seqs = list(seqs)
+        arr = ffi.new("kvh_seq[]", max(1, len(seqs)))
+        for i, s in enumerate(seqs):
+            if not isinstance(s, Sequence):
+                raise TypeError(f"seqs[{i}] must be a kvh.Sequence, not {type(s).__name__}")
+            s._check_engine(self)
+            s._check_alive()
+            arr[i].id = s._h.id
+        return arr, [s._gate.shared() for s in seqs]
+
+    # ---- paged attention ----
+    def _attention_arrays(self, what: str, q: Any, rows: int, out: Any, io_dtype: Union[DType, str, None]):
+        H, D = self.num_kv_heads, self.head_dim
+        cuda = hasattr(q, "__cuda_array_interface__")
+        if cuda:
+            if self._backend != "cuda":
+                raise TypeError(f"{what}: q is CUDA memory but the engine uses the {self._backend} backend")
+            iface = q.__cuda_array_interface__
+            shape, typestr = tuple(iface["shape"]), iface["typestr"]
+            if iface.get("strides") not in (None,):
+                raise ValueError(f"{what}: q must be C-contiguous, shaped ({rows}, num_q_heads, {D})")
+            npd = np.dtype(typestr)
+        else:
+            if self._backend == "cuda":
+                raise TypeError(
+                    f"{what}: the cuda backend needs q and out in device memory "
+                    "(objects with __cuda_array_interface__), not NumPy arrays"
+                )
+            if not isinstance(q, np.ndarray):
+                raise TypeError(
+                    f"{what}: q must be a numpy.ndarray shaped ({rows}, num_q_heads, {D}), not {type(q).__name__}"
+                )
+            shape, npd = q.shape, q.dtype
+        if io_dtype is None:
+            if npd == np.float32:
+                io = DType.F32
+            elif npd == np.float16:
+                io = DType.F16
+            else:
+                raise TypeError(
+                    f"{what}: q has dtype {npd}; expected float32 or float16 (bf16: uint16 bits with io_dtype='bf16')"
+                )
+        else:
+            io = DType.parse(io_dtype)
+            if npd != numpy_dtype(io):
+                raise TypeError(f"{what}: q has dtype {npd}, expected {numpy_dtype(io)} for io_dtype={io.short}")
+        if len(shape) != 3 or shape[0] != rows or shape[2] != D or shape[1] == 0 or shape[1] % H:
+            raise ValueError(
+                f"{what}: q has shape {tuple(shape)}, expected ({rows}, num_q_heads, {D}) "
+                f"with num_q_heads a multiple of num_kv_heads={H}"
+            )
+        if not cuda and not q.flags.c_contiguous:
+            raise ValueError(f"{what}: q must be C-contiguous, shaped ({rows}, {shape[1]}, {D})")
+        if out is None:
+            if cuda:
+                raise TypeError(f"{what}: pass out= (device memory) on the cuda backend")
+            out = np.empty(shape, npd)
+        elif cuda:
+            oi = getattr(out, "__cuda_array_interface__", None)
+            if oi is None or tuple(oi["shape"]) != tuple(shape) or np.dtype(oi["typestr"]) != npd:
+                raise ValueError(f"{what}: out must be CUDA memory of dtype {npd} shaped {tuple(shape)}")
+        else:
+            if not isinstance(out, np.ndarray):
+                raise TypeError(f"{what}: out must be a numpy.ndarray shaped {tuple(shape)}")
+            if out.dtype != npd or out.shape != tuple(shape):
+                raise ValueError(
+                    f"{what}: out has dtype {out.dtype} shape {out.shape}, expected {npd} shaped {tuple(shape)}"
+                )
+            if not out.flags.c_contiguous or not out.flags.writeable:
+                raise ValueError(f"{what}: out must be C-contiguous and writeable, shaped {tuple(shape)}")
+        if cuda:
+            qp = ffi.cast("void *", q.__cuda_array_interface__["data"][0])
+            op = ffi.cast("void *", out.__cuda_array_interface__["data"][0])
+        else:
+            qp, op = _ptr(q), _ptr(out)
+        return qp, op, out, int(shape[1]), io
+
+    def _attention_params(
+        self,
+        num_q_heads: int,
+        scale: float,
+        io: DType,
+        threads: int,
+        stream: Any,
+        stream_blocks: Tuple[int, int] = (0, 0),
+    ):
+        prm = ffi.new("kvh_attention_params *")
+        with self._call():
+            check(lib.kvh_attention_params_init(prm, ffi.sizeof("kvh_attention_params")))
+        prm.num_q_heads = num_q_heads
+        prm.scale = float(scale)
+        prm.io_dtype = int(io)
+        prm.threads = _index("threads", threads, maximum=_U32)
+        prm.stream_chunk_blocks = _index("stream_chunk_blocks", stream_blocks[0], maximum=_U32)
+        prm.stream_window_blocks = _index("stream_window_blocks", stream_blocks[1], maximum=_U32)
+        if stream is not None:
+            handle = stream if isinstance(stream, int) else getattr(stream, "cuda_stream", None)
+            if handle is None:
+                handle = getattr(stream, "handle", None)
+            if not isinstance(handle, int):
+                raise TypeError("stream must be an int (cudaStream_t) or have .cuda_stream / .handle")
+            prm.stream = ffi.cast("void *", handle)
+        return prm
+
+    def attention_decode(
+        self,
+        layer: int,
+        seqs: Seq["Sequence"],
+        q: Any,
+        *,
+        out: Any = None,
+        scale: float = 0.0,
+        io_dtype: Union[DType, str, None] = None,
+        threads: int = 0,
+        stream: Any = None,
+        stream_chunk_blocks: int = 0,
+        stream_window_blocks: int = 0,
+    ) -> Any:
+        """One decode step of paged attention for a batch (one layer).
+
+        ``q`` is shaped ``(len(seqs), num_q_heads, head_dim)`` (float32 or
+        float16; bf16 as uint16 with ``io_dtype="bf16"``); every sequence's
+        blocks must be acquired (device tier), unless ``stream_chunk_blocks``
+        is set (CPU backend): blocks elsewhere are then read that many at a
+        time through a window of ``stream_window_blocks`` device-tier slots
+        and stay where they are. Returns ``out`` (allocated when not given).
+        On the CUDA backend q/out are device arrays
+        (``__cuda_array_interface__``) and ``stream`` a cudaStream_t."""
+        layer = _index("layer", layer, maximum=_U32)
+        hs, uses = self._seq_array(seqs)
+        n = len(list(seqs))
+        qp, op, out, hq, io = self._attention_arrays("attention_decode", q, n, out, io_dtype)
+        prm = self._attention_params(hq, scale, io, threads, stream, (stream_chunk_blocks, stream_window_blocks))
+        with self._call(*uses) as p:
+            check(lib.kvh_attention_decode(p, layer, hs, n, qp, op, prm))
+        return out
+
+    def attention_prefill(
+        self,
+        layer: int,
+        seqs: Seq["Sequence"],
+        q_lens: Seq[int],
+        q: Any,
+        *,
+        out: Any = None,
+        scale: float = 0.0,
+        io_dtype: Union[DType, str, None] = None,
+        threads: int = 0,
+        stream: Any = None,
+        stream_chunk_blocks: int = 0,
+        stream_window_blocks: int = 0,
+    ) -> Any:
+        """Chunked causal prefill: sequence i's last ``q_lens[i]`` tokens
+        attend causally; q is shaped ``(sum(q_lens), num_q_heads, head_dim)``.
+        Streaming as for :meth:`attention_decode`."""
+        layer = _index("layer", layer, maximum=_U32)
+        hs, uses = self._seq_array(seqs)
+        n = len(list(seqs))
+        lens = [_index(f"q_lens[{i}]", x, maximum=_U32) for i, x in enumerate(q_lens)]
+        if len(lens) != n:
+            raise ValueError(f"q_lens has {len(lens)} entries, expected one per sequence ({n})")
+        ql = ffi.new("uint32_t[]", lens or [0])
+        qp, op, out, hq, io = self._attention_arrays("attention_prefill", q, sum(lens), out, io_dtype)
+        prm = self._attention_params(hq, scale, io, threads, stream, (stream_chunk_blocks, stream_window_blocks))
+        with self._call(*uses) as p:
+            check(lib.kvh_attention_prefill(p, layer, hs, ql, n, qp, op, prm))
+        return out
+
+    def attention_plan(
+        self,
+        layer: int,
+        seqs: Seq["Sequence"],
+        q_lens: Optional[Seq[int]] = None,
+        *,
+        num_q_heads: Optional[int] = None,
+        io_dtype: Union[DType, str, None] = None,
+        scale: float = 0.0,
+        threads: int = 0,
+    ) -> Any:
+        """Plans decode (``q_lens`` None) or chunked prefill of a batch once
+        (:class:`kvh.AttentionPlan`); ``plan.run(q)`` then only launches the
+        kernels (capturable into a CUDA graph on the cuda backend). Holds the
+        batch's blocks in the device tier until ``plan.destroy()``."""
+        from .attention_plan import AttentionPlan
+
+        lens = None if q_lens is None else [_index(f"q_lens[{i}]", x, maximum=_U32) for i, x in enumerate(q_lens)]
+        hq = self.num_kv_heads if num_q_heads is None else _index("num_q_heads", num_q_heads, maximum=_U32)
+        io = DType.F32 if io_dtype is None else DType.parse(io_dtype)
+        return AttentionPlan(self, _index("layer", layer, maximum=_U32), seqs, lens, hq, io, scale, threads)
+
+    def attention_decode_vmap(
+        self, views: Seq[Any], q: Any, *, out: Any = None, scale: float = 0.0, threads: int = 0
+    ) -> Any:
+        """Decode attention over virtually contiguous views (:class:`kvh.VMap`,
+        from :meth:`Sequence.vmap`): q is ``(len(views), num_q_heads,
+        head_dim)``. Equals :meth:`attention_decode` bit for bit; a stale view
+        raises :class:`kvh.BadHandleError` (refresh it)."""
+        from .vmap import attention_decode_vmap
+
+        return attention_decode_vmap(self, views, q, out=out, scale=scale, threads=threads)
+
+    def attention_prefill_vmap(
+        self, views: Seq[Any], q_lens: Seq[int], q: Any, *, out: Any = None, scale: float = 0.0, threads: int = 0
+    ) -> Any:
+        """Chunked causal prefill over views: view i's last ``q_lens[i]``
+        tokens attend; equals :meth:`attention_prefill` bit for bit."""
+        from .vmap import attention_prefill_vmap
+
+        return attention_prefill_vmap(self, views, q_lens, q, out=out, scale=scale, threads=threads)
+
+
+# ---------------------------------------------------------------------------------
+# Fence: a future-like completion of asynchronous work
+# ---------------------------------------------------------------------------------
+class Fence(GatedHandle, OwnedHandle):
+    """Completion of asynchronous work (prefetch, migrate, acquire with
+    ``wait=False``), shaped like ``concurrent.futures.Future``: ``done()``,
+    ``result(timeout)``, ``exception(timeout)``, ``wait(timeout)``,
+    ``add_done_callback(fn)``; ``await fence`` works in asyncio. The C fence
+    is freed as soon as completion is observed, or on ``close()``/GC (which
+    waits for a wait in flight on another thread)."""
+
+    def __init__(self, engine: Engine, fp) -> None:
+        self._gate = HandleGate(lambda: errors.BadHandleError("the fence was freed", lib.KVH_ERR_BAD_HANDLE))
+        self._engine = engine
+        self._fp = fp
+        self._lock = threading.Lock()
+        self._outcome: Optional[Tuple[int, str]] = None  # (status, detail) once done
+        self._callbacks: List[Callable[["Fence"], Any]] = []
+
+    @property
+    def handle(self) -> int:
+        return int(self._fp.id)
+
+    def _finish(self, st: int, detail: str) -> None:
+        with self._lock:
+            if self._outcome is None:
+                self._outcome = (st, detail)
+            cbs, self._callbacks = self._callbacks, []
+        self._free()
+        for cb in cbs:
+            try:
+                cb(self)
+            except Exception:
+                log.exception("kvh: exception in a Fence done callback")
+
+    def _free(self) -> None:
+        self._gate.close(self._free_native)
+
+    def _free_native(self) -> None:
+        try:
+            with self._engine._call() as p:
+                lib.kvh_fence_free(p, self._fp[0])
+        except errors.ClosedError:
+            pass
+
+    def done(self) -> bool:
+        """True once the work completed (successfully or not)."""
+        if self._outcome is not None:
+            return True
+        d = ffi.new("int32_t *")
+        with self._call_any() as p:
+            st = lib.kvh_fence_poll(p, self._fp[0], d)
+            detail = last_error() if st else ""
+        if st != 0 and not d[0]:
+            raise_status(st, detail)
+        if d[0]:
+            self._finish(st, detail)
+            return True
+        return False
+
+    def _wait(self, timeout: Optional[float]) -> bool:
+        if self._outcome is not None:
+            return True
+        ns = U64_MAX if timeout is None else max(0, int(timeout * 1e9))
+        try:
+            with self._call_any() as p:
+                if self._outcome is not None:
+                    return True
+                st = lib.kvh_fence_wait(p, self._fp[0], ns)
+                detail = last_error() if st else ""
+        except errors.BadHandleError as exc:  # freed before its completion was seen
+            st, detail = exc.status, exc.message
+        if st == lib.KVH_ERR_TIMEOUT and timeout is not None:
+            # Either our deadline or the work's own timeout: poll to tell.
+            try:
+                return self.done()
+            except errors.KvhTimeoutError:
+                return False
+        if st == lib.KVH_ERR_BAD_HANDLE and self._outcome is not None:
+            return True  # completed and freed by another thread meanwhile
+        self._finish(st, detail)
+        return True
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Waits up to ``timeout`` seconds (None: no limit). True when done."""
+        return self._wait(timeout)
+
+    def exception(self, timeout: Optional[float] = None) -> Optional[errors.Error]:
+        if not self._wait(timeout):
+            raise errors.KvhTimeoutError(f"fence not complete after {timeout} s", lib.KVH_ERR_TIMEOUT)
+        st, detail = self._outcome  # type: ignore[misc]
+        if st == 0:
+            return None
+        return errors.error_class(st)(detail or status_name(st), st, status_name(st))
+
+    def result(self, timeout: Optional[float] = None) -> None:
+        """Waits; returns None on success, raises the work's kvh.Error, or
+        kvh.KvhTimeoutError (a builtin TimeoutError) when timeout passes."""
+        exc = self.exception(timeout)
+        if exc is not None:
+            raise exc
+
+    def add_done_callback(self, fn: Callable[["Fence"], Any]) -> None:
+        """Calls ``fn(fence)`` once done (from a helper thread, or now)."""
+        with self._lock:
+            if self._outcome is None:
+                self._callbacks.append(fn)
+                start = len(self._callbacks) == 1
+            else:
+                start = None
+        if start is None:
+            fn(self)
+        elif start:
+            threading.Thread(target=self._wait_quietly, name="kvh-fence-callback", daemon=True).start()
+
+    def _wait_quietly(self) -> None:
+        try:
+            self._wait(None)
+        except errors.Error as exc:
+            self._finish(exc.status, exc.message)
+
+    def __await__(self):
+        loop = asyncio.get_running_loop()
+        return loop.run_in_executor(None, self.result).__await__()
+
+    def close(self) -> None:
+        """Frees the C fence (pending work continues)."""
+        self._free()
+
+    def _close_at_gc(self) -> None:
+        if not self._gate.closed and not self._engine.closed:
+            self._free()
+
+    def __repr__(self) -> str:
+        state = (
+            "pending" if self._outcome is None else ("ok" if self._outcome[0] == 0 else status_name(self._outcome[0]))
+        )
+        return f"<kvh.Fence {state}>"
+
+
+# ---------------------------------------------------------------------------------
+# Block
+# ---------------------------------------------------------------------------------
+class Block(GatedHandle, OwnedHandle):
+    """A block handle. ``owned`` blocks (from ``Engine.prefix_lookup``,
+    ``Engine.block_alloc``, ``Block.retain``) hold one reference, dropped by
+    ``release()``, the context manager, or GC; the object is unusable after
+    that (BadHandleError). Blocks from ``Sequence.blocks()`` are borrowed
+    (the sequence keeps them)."""
+
+    def __init__(self, engine: Engine, handle: int, owned: bool) -> None:
+        self._gate = HandleGate(
+            lambda: errors.BadHandleError(f"block 0x{handle:x} was released", lib.KVH_ERR_BAD_HANDLE)
+        )
+        self._engine = engine
+        self._id = handle
+        self._owned = owned
+
+    @property
+    def handle(self) -> int:
+        return self._id
+
+    @property
+    def owned(self) -> bool:
+        return self._owned and not self._gate.closed
+
+    def _check_engine(self, engine: Engine) -> None:
+        if self._engine is not engine:
+            raise ValueError("the block belongs to another engine")
+
+    def _h(self):
+        h = ffi.new("kvh_block *")
+        h.id = self._id
+        return h[0]
+
+    def info(self) -> BlockInfo:
+        info = ffi.new("kvh_block_info *")
+        info.struct_size = ffi.sizeof("kvh_block_info")
+        with self._call_any() as p:
+            check(lib.kvh_block_info_get(p, self._h(), info))
+        tier_v = int(info.tier)
+        return BlockInfo(
+            tier=Tier(tier_v) if tier_v in (0, 1, 2) else tier_v,  # type: ignore[arg-type]
+            slot=int(info.slot),
+            refs=int(info.refs),
+            pins=int(info.pins),
+            holds=int(info.holds),
+            tokens=int(info.tokens),
+            agent=int(info.agent),
+            published=bool(info.published),
+            in_flight=bool(info.in_flight),
+            hash=int(info.hash),
+            tolerance=int(info.tolerance),
+        )
+
+    def pin(self, pinned: bool = True) -> None:
+        """Pins (or unpins) the block in its current tier."""
+        with self._call_any() as p:
+            check(lib.kvh_block_pin(p, self._h(), 1 if pinned else 0))
+
+    def unpin(self) -> None:
+        self.pin(False)
+
+    def set_tolerance(self, tolerance: int) -> None:
+        """Compression tolerance 0 (intolerant) .. 255 for LCTRU eviction."""
+        tolerance = _index("tolerance", tolerance, maximum=_U32)
+        with self._call_any() as p:
+            check(lib.kvh_block_set_tolerance(p, self._h(), tolerance))
+
+    def retain(self) -> "Block":
+        """A new owned reference to the same block."""
+        with self._call_any() as p:
+            check(lib.kvh_block_retain(p, self._h()))
+        return Block(self._engine, self._id, owned=True)
+
+    def release(self) -> None:
+        """Drops this object's reference (owned blocks only). Idempotent."""
+        if self._owned:
+            self._gate.close(self._release_native)
+
+    def _release_native(self) -> None:
+        with self._engine._call() as p:
+            check(lib.kvh_block_release(p, self._h()))
+
+    def close(self) -> None:
+        """``release()`` unless the engine is closed (which dropped every
+        reference already)."""
+        if not self._engine.closed:
+            self.release()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Block) and other._engine is self._engine and other._id == self._id
+
+    def __hash__(self) -> int:
+        return hash((id(self._engine), self._id))
+
+    def __repr__(self) -> str:
+        return f"<kvh.Block 0x{self._id:x}{' owned' if self.owned else ''}>"
+
+
+# ---------------------------------------------------------------------------------
+# Hold: an acquired range
+# ---------------------------------------------------------------------------------
+class Hold(OwnedHandle):
+    """Tokens ``[first, first + n)`` of a sequence held resident in the
+    device tier (``Sequence.acquire``). Released by ``release()``, the
+    context manager, or GC. With ``wait=False`` the data is resident once
+    ``fence`` completes (``hold.wait()``)."""
+
+    def __init__(self, seq: "Sequence", first: int, n: int, fence: Optional[Fence]) -> None:
+        # The hold names no handle of its own; its gate makes the release happen once.
+        self._gate = HandleGate(lambda: errors.BadHandleError("the hold was released", lib.KVH_ERR_BAD_HANDLE))
+        self._seq = seq
+        self.first = first
+        self.n = n
+        self.fence = fence
+
+    @property
+    def range(self) -> range:
+        return range(self.first, self.first + self.n)
+
+    @property
+    def released(self) -> bool:
+        return self._gate.closed
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        """Waits until the held blocks are resident (no-op for wait=True holds)."""
+        if self.fence is not None:
+            self.fence.result(timeout)
+
+    def covers_block(self, block_index: int) -> bool:
+        bt = self._seq._engine.block_tokens
+        if self.released or self.n == 0:
+            return False
+        return self.first // bt <= block_index <= (self.first + self.n - 1) // bt
+
+    def release(self) -> None:
+        """Ends the hold. Idempotent; a no-op once the sequence or engine is gone."""
+        self._gate.close(self._release_native)
+
+    def _release_native(self) -> None:
+        seq = self._seq
+        if seq.freed or seq.engine.closed:
+            return
+        try:
+            if self.fence is not None:
+                self.fence.wait()
+                self.fence.close()
+            with seq._call() as p:
+                check(lib.kvh_seq_release(p, seq._h[0], self.first, self.n))
+        except (errors.ClosedError, errors.BadHandleError):
+            pass  # the sequence or the engine is gone, and its holds with it
+
+    close = release
+
+    def __repr__(self) -> str:
+        return f"<kvh.Hold tokens [{self.first}, {self.first + self.n}){' released' if self.released else ''}>"
+
+
+class _ViewOwner(Finalized):
+    """Base object of a zero-copy block view: exposes the memory through
+    ``__array_interface__`` and keeps the hold (and the engine's memory)
+    alive for as long as any array derived from it exists."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        hold: Hold,
+        private_hold: bool,
+        addr: int,
+        shape: Tuple[int, ...],
+        dtype: np.dtype,
+        readonly: bool,
+    ) -> None:
+        self.engine = engine
+        self.hold = hold
+        self.private_hold = private_hold
+        self.__array_interface__ = {
+            "version": 3,
+            "shape": shape,
+            "typestr": dtype.str,
+            "data": (addr, readonly),
+            "strides": None,
+        }
+        self._native: Optional[_Native] = None
+        engine._native.add_view()  # type: ignore[union-attr]
+        self._native = engine._native  # counted: the collection drops it
+
+    def _close_at_gc(self) -> None:
+        try:
+            if self.private_hold:
+                self.hold.release()
+        finally:
+            if self._native is not None:
+                self._native.drop_view()
+
+
+# ---------------------------------------------------------------------------------
+# Sequence
+# ---------------------------------------------------------------------------------
+class Sequence(GatedHandle, OwnedHandle):
+    """A logical token stream with its block table (``kvh_seq``). Create with
+    :meth:`Engine.sequence`; free with ``free()``, a ``with`` block, or GC.
+
+    Calls from several threads on one sequence run one at a time (the C
+    rule for a sequence handle); ``free()`` waits for the call in flight and
+    later calls raise BadHandleError."""
+
+    def __init__(self, engine: Engine, h, agent: int) -> None:
+        self._gate = HandleGate(
+            lambda: errors.BadHandleError(f"sequence 0x{int(h.id):x} was freed", lib.KVH_ERR_BAD_HANDLE)
+        )
+        self._engine = engine
+        self._h = h
+        self._agent = agent
+        self._views: List[Tuple["weakref.ref[np.ndarray]", int]] = []
+
+    # ---- lifetime ----
+    @property
+    def engine(self) -> Engine:
+        return self._engine
+
+    @property
+    def agent(self) -> int:
+        return self._agent
+
+    @property
+    def handle(self) -> int:
+        return int(self._h.id)
+
+    @property
+    def freed(self) -> bool:
+        return self._gate.closed
+
+    def _check_alive(self) -> None:
+        if self._gate.closed:
+            raise errors.BadHandleError(f"sequence 0x{int(self._h.id):x} was freed", lib.KVH_ERR_BAD_HANDLE)
+
+    def _check_engine(self, engine: Engine) -> None:
+        if self._engine is not engine:
+            raise ValueError("the sequence belongs to another engine")
+
+    def free(self) -> None:
+        """Releases the sequence's blocks (cached full blocks stay in the
+        prefix index) once calls in flight on other threads are done.
+        Idempotent; a no-op once the engine is closed."""
+        self._gate.close(self._free_native)
+
+    def _free_native(self) -> None:
+        try:
+            with self._engine._call() as p:
+                check(lib.kvh_seq_free(p, self._h[0]))
+        except errors.ClosedError:
+            pass  # the engine's close freed it
+
+    close = free
+    _check_usable = _check_alive  # ``with seq:`` on a freed sequence raises BadHandleError
+
+    def vmap(self, layer: int, capacity_tokens: int = 0) -> Any:
+        """A virtually contiguous view of one layer's K and V
+        (:class:`kvh.VMap`); needs ``Config(vmap=1)`` and every block in the
+        device tier (acquire first)."""
+        from .vmap import VMap
+
+        return VMap(self, _index("layer", layer, maximum=_U32), _index("capacity_tokens", capacity_tokens))
+
+    def __repr__(self) -> str:
+        if self.freed:
+            return f"<kvh.Sequence 0x{int(self._h.id):x} freed>"
+        if self._engine.closed:
+            return f"<kvh.Sequence 0x{int(self._h.id):x} (engine closed)>"
+        try:
+            return f"<kvh.Sequence 0x{int(self._h.id):x} agent={self._agent} tokens={len(self)}>"
+        except errors.Error:
+            return f"<kvh.Sequence 0x{int(self._h.id):x}>"
+
+    # ---- helpers ----
+    def _length(self, p) -> int:
+        n = ffi.new("uint64_t *")
+        check(lib.kvh_seq_length(p, self._h[0], n))
+        return int(n[0])
+
+    def _span(self, p, first: TokenSpan, n: Optional[int]) -> Tuple[int, int]:
+        """(first, n) from a range, (first, n) ints, or None = everything."""
+        if isinstance(first, range):
+            if n is not None:
+                raise TypeError("pass either a range or first and n, not both")
+            if first.step != 1:
+                raise ValueError(f"token range must have step 1, got {first!r}")
+            if first.start < 0 or first.stop < first.start:
+                raise ValueError(f"token range must be non-negative and non-empty-reversed, got {first!r}")
+            return first.start, len(first)
+        f = 0 if first is None else _index("first", first)
+        if n is None:
+            length = self._length(p)
+            return f, max(0, length - f) if f <= length else 1
+        return f, _index("n", n)
+
+    def _kv_check(self, name: str, a: Any, n: Optional[int] = None, out: bool = False) -> np.ndarray:
+        eng = self._engine
+        H, D, dt = eng.num_kv_heads, eng.head_dim, eng.np_dtype
+        expected = f"({'n' if n is None else n}, {H}, {D})"
+        note = " (bf16 K/V are uint16 bit patterns)" if eng.dtype == DType.BF16 else ""
+        if not isinstance(a, np.ndarray):
+            raise TypeError(
+                f"{name} must be a numpy.ndarray of dtype {dt} shaped {expected}{note}, not {type(a).__name__}"
+            )
+        if a.dtype != dt:
+            raise TypeError(f"{name} has dtype {a.dtype}, expected {dt} shaped {expected}{note}")
+        if a.ndim != 3 or a.shape[1:] != (H, D) or (n is not None and a.shape[0] != n):
+            raise ValueError(f"{name} has shape {a.shape}, expected {expected} (tokens, num_kv_heads, head_dim)")
+        if not a.flags.c_contiguous:
+            raise ValueError(
+                f"{name} must be C-contiguous with shape {expected} (got strides {a.strides}; "
+                "use numpy.ascontiguousarray)"
+            )
+        if out and not a.flags.writeable:
+            raise ValueError(f"{name} must be writeable")
+        return a
+
+    # ---- tokens ----
+    def __len__(self) -> int:
+        return self.length
+
+    @property
+    def length(self) -> int:
+        """Length in tokens."""
+        with self._call_any() as p:
+            return self._length(p)
+
+    @property
+    def num_blocks(self) -> int:
+        bt = self._engine.block_tokens
+        return (self.length + bt - 1) // bt
+
+    def tokens(self, first: TokenSpan = None, n: Optional[int] = None) -> np.ndarray:
+        """Token ids (int32) of a range (default: all)."""
+        with self._call() as p:
+            f, cnt = self._span(p, first, n)
+            out = np.empty(cnt, np.int32)
+            check(lib.kvh_seq_tokens(p, self._h[0], f, cnt, _iptr(out)))
+        return out
+
+    def append(self, tokens: ArrayLike) -> None:
+        """Appends token ids (allocating blocks; NoSpaceError leaves the
+        sequence unchanged)."""
+        tk = _tokens(tokens)
+        with self._call() as p:
+            check(lib.kvh_seq_append(p, self._h[0], _iptr(tk), tk.size))
+            self._refresh_views()
+
+    def truncate(self, n_tokens: int) -> None:
+        n_tokens = _index("n_tokens", n_tokens)
+        with self._call() as p:
+            check(lib.kvh_seq_truncate(p, self._h[0], n_tokens))
+            self._refresh_views()
+
+    def match_prefix(self, tokens: ArrayLike) -> int:
+        """For an empty sequence: attaches the longest cached prefix of
+        tokens and returns how many tokens matched (a multiple of
+        block_tokens). Append ``tokens[matched:]`` yourself."""
+        tk = _tokens(tokens)
+        m = ffi.new("size_t *")
+        with self._call() as p:
+            check(lib.kvh_seq_match_prefix(p, self._h[0], _iptr(tk), tk.size, m))
+        return int(m[0])
+
+    def set_scope(
+        self, scope: Union[Scope, int, None] = None, *, shared_scope: int = 0, shared_tokens: int = 0
+    ) -> None:
+        """Sets the tenant scope of an empty sequence (``scope`` an int, with
+        ``shared_scope`` and ``shared_tokens``, or a :class:`kvh.Scope`):
+        its publishes and :meth:`match_prefix` use it from now on, and
+        :meth:`fork` passes it on. InvalidArgumentError when the sequence
+        holds tokens (truncate it to 0 first)."""
+        if isinstance(scope, Scope):
+            if shared_scope or shared_tokens:
+                raise TypeError("pass either a kvh.Scope or shared_scope/shared_tokens, not both")
+            sc = scope
+        else:
+            sc = Scope(Scope.of(scope).scope, shared_scope, shared_tokens)
+        with self._call() as p:
+            check(lib.kvh_seq_set_scope(p, self._h[0], sc.scope, sc.shared_scope, sc.shared_tokens))
+
+    @property
+    def scope(self) -> Scope:
+        """The tenant scope (:class:`kvh.Scope`) its blocks hash in."""
+        out = ffi.new("uint64_t[3]")
+        with self._call_any() as p:
+            check(lib.kvh_seq_get_scope(p, self._h[0], out, out + 1, out + 2))
+        return Scope(int(out[0]), int(out[1]), int(out[2]))
+
+    def fork(self, agent: Optional[int] = None) -> "Sequence":
+        """Copy-on-write child sharing every block (agent: default the parent's)."""
+        agent = self._agent if agent is None else _index("agent", agent, maximum=_U32)
+        h = ffi.new("kvh_seq *")
+        with self._call() as p:
+            check(lib.kvh_seq_fork(p, self._h[0], agent, h))
+            self._refresh_views()
+        return Sequence(self._engine, h, agent)
+
+    # ---- K/V ----
+    def write_kv(self, layer: int, pos: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Writes K and V of tokens ``[pos, pos + n)`` of one layer. ``k``/``v``
+        are C-contiguous arrays shaped ``(n, num_kv_heads, head_dim)`` of the
+        engine's dtype. Shared blocks are copied first (CoW)."""
+        layer = _index("layer", layer, maximum=_U32)
+        pos = _index("pos", pos)
+        self._kv_check("k", k)
+        self._kv_check("v", v, n=k.shape[0])
+        with self._call() as p:
+            check(lib.kvh_seq_write_kv(p, self._h[0], layer, pos, k.shape[0], _ptr(k), _ptr(v)))
+            self._refresh_views()
+
+    def read_kv(
+        self,
+        layer: int,
+        pos: TokenSpan = None,
+        n: Optional[int] = None,
+        *,
+        out: Optional[Tuple[Optional[np.ndarray], Optional[np.ndarray]]] = None,
+    ) -> Tuple[np.ndarray, np.ndarray]:
+        """Copies K and V of tokens ``[pos, pos + n)`` (or a range; default
+        all) of one layer into new arrays shaped ``(n, num_kv_heads,
+        head_dim)`` (or into ``out=(k, v)``). Returns ``(k, v)``."""
+        layer = _index("layer", layer, maximum=_U32)
+        with self._call() as p:
+            f, cnt = self._span(p, pos, n)
+            if out is None:
+                shape = (cnt, self._engine.num_kv_heads, self._engine.head_dim)
+                k = np.empty(shape, self._engine.np_dtype)
+                v = np.empty(shape, self._engine.np_dtype)
+            else:
+                if not isinstance(out, tuple) or len(out) != 2:
+                    raise TypeError("out must be a (k, v) tuple of arrays")
+                k = self._kv_check("out[0]", out[0], n=cnt, out=True)
+                v = self._kv_check("out[1]", out[1], n=cnt, out=True)
+            check(lib.kvh_seq_read_kv(p, self._h[0], layer, f, cnt, _ptr(k), _ptr(v)))
+        return k, v
+
+    # ---- residency ----
+    def acquire(self, first: TokenSpan = None, n: Optional[int] = None, *, wait: bool = True) -> Hold:
+        """Makes tokens ``[first, first + n)`` (or a range; default all)
+        resident in the device tier and holds them there until the returned
+        :class:`Hold` is released. ``wait=False`` returns at once; the hold's
+        ``fence`` completes when the data is resident."""
+        fp = ffi.new("kvh_fence *") if not wait else NULL
+        with self._call() as p:
+            f, cnt = self._span(p, first, n)
+            check(lib.kvh_seq_acquire(p, self._h[0], f, cnt, fp))
+        return Hold(self, f, cnt, Fence(self._engine, fp) if not wait else None)
+
+    def pin(self, first: TokenSpan = None, n: Optional[int] = None) -> None:
+        """Pins the blocks of a token range in their current tier (nests)."""
+        self._pin(first, n, 1)
+
+    def unpin(self, first: TokenSpan = None, n: Optional[int] = None) -> None:
+        self._pin(first, n, 0)
+
+    def set_tolerance(self, tolerance: int, first: TokenSpan = None, n: Optional[int] = None) -> None:
+        """Compression tolerance (0 intolerant .. 255) of the blocks of a token
+        range, used by ``eviction_policy="lctru"``: among blocks of similar
+        recency, tolerant ones leave the device tier (are compressed under a
+        kv_codec) first."""
+        tol = _index("tolerance", tolerance, maximum=_U32)
+        with self._call() as p:
+            f, cnt = self._span(p, first, n)
+            check(lib.kvh_seq_set_tolerance(p, self._h[0], f, cnt, tol))
+
+    def derive_tolerance(self, first: TokenSpan = None, n: Optional[int] = None, *, max_rel_error: float = 0.0) -> None:
+        """Sets the tolerance of the range's device-tier blocks from the
+        engine's kv_codec error on them: 255 * max(0, 1 - err / max_rel_error)
+        (0 = 0.25). Needs ``kv_codec``."""
+        with self._call() as p:
+            f, cnt = self._span(p, first, n)
+            check(lib.kvh_seq_derive_tolerance(p, self._h[0], f, cnt, float(max_rel_error)))
+
+    def _pin(self, first: TokenSpan, n: Optional[int], pinned: int) -> None:
+        with self._call() as p:
+            f, cnt = self._span(p, first, n)
+            check(lib.kvh_seq_pin(p, self._h[0], f, cnt, pinned))
+
+    def migrate(
+        self, tier: Union[Tier, int, str], first: TokenSpan = None, n: Optional[int] = None, *, wait: bool = True
+    ) -> Optional[Fence]:
+        """Moves the blocks of a token range to a tier."""
+        t = Tier.parse(tier)
+        fp = ffi.new("kvh_fence *") if not wait else NULL
+        with self._call_any() as p:
+            f, cnt = self._span(p, first, n)
+            check(lib.kvh_seq_migrate(p, self._h[0], f, cnt, int(t), fp))
+        return None if wait else Fence(self._engine, fp)
+
+    def prefetch(self, first: TokenSpan = None, n: Optional[int] = None, *, priority: int = 0) -> Fence:
+        """Same as ``engine.prefetch(self, ...)``."""
+        return self._engine.prefetch(self, first, n, priority=priority)
+
+    def hint(self, first: TokenSpan = None, n: Optional[int] = None, *, priority: int = 0) -> None:
+        """Same as ``engine.hint(self, ...)``."""
+        self._engine.hint(self, first, n, priority=priority)
+
+    def persist(self) -> None:
+        """Makes every full block durable in the disk tier (UnsupportedError
+        without a disk tier)."""
+        with self._call() as p:
+            check(lib.kvh_seq_persist(p, self._h[0]))
+            self._refresh_views()
+
+    # ---- blocks ----
+    def blocks(self, first_block: int = 0, n: Optional[int] = None) -> List[Block]:
+        """Borrowed handles of logical blocks ``[first_block, first_block + n)``."""
+        first_block = _index("first_block", first_block)
+        with self._call() as p:
+            if n is None:
+                bt = self._engine.block_tokens
+                total = (self._length(p) + bt - 1) // bt
+                n = max(0, total - first_block)
+            n = _index("n", n)
+            out = ffi.new("kvh_block[]", max(1, n))
+            check(lib.kvh_seq_blocks(p, self._h[0], first_block, n, out))
+        return [Block(self._engine, int(out[i].id), owned=False) for i in range(n)]
+
+    def block(self, index: int) -> Block:
+        return self.blocks(_index("index", index), 1)[0]
+
+    def block_info(self, index: int) -> BlockInfo:
+        return self.block(index).info()
+
+    def block_view(self, index: int, layer: int, *, hold: Optional[Hold] = None) -> np.ndarray:
+        """Zero-copy NumPy view of logical block ``index``, one layer, shaped
+        ``(2, num_kv_heads, block_tokens, head_dim)`` (K then V; the block's
+        layout). Writes through a writable view are the block's memory.
+
+        The view is read-only when the block is shared (forked, CoW) or
+        published in the prefix index. Blocks move between tiers, so a view
+        is only valid while the block is held: without ``hold`` the view
+        acquires the block's tokens itself and releases them when the last
+        array derived from it is collected. A write through the sequence
+        into a shared block moves this sequence to a private copy: take a new
+        view after writes, forks or appends (writable views of this sequence
+        are made read-only when that happens). Writes through a view do not
+        mark cells as written for ``read_kv``: write them with ``write_kv``
+        first. Needs host memory (the CPU backend); UnsupportedError on CUDA.
+        """
+        eng = self._engine
+        index = _index("index", index, maximum=_U32)
+        layer = _index("layer", layer, maximum=_U32)
+        if layer >= eng.num_layers:
+            raise errors.RangeError(f"layer {layer} >= num_layers {eng.num_layers}", lib.KVH_ERR_RANGE)
+        if eng.backend != "cpu":
+            raise errors.UnsupportedError(
+                f"block views need host memory; the {eng.backend} backend keeps the device tier in GPU memory",
+                lib.KVH_ERR_UNSUPPORTED,
+            )
+        bt = eng.block_tokens
+        length = self.length
+        if index * bt >= length:
+            raise errors.RangeError(f"block {index} is past the sequence ({length} tokens)", lib.KVH_ERR_RANGE)
+        private = hold is None
+        if hold is None:
+            hold = self.acquire(index * bt, min(bt, length - index * bt))
+        else:
+            if not isinstance(hold, Hold) or hold._seq is not self:
+                raise TypeError("hold must be a kvh.Hold of this sequence")
+            if not hold.covers_block(index):
+                raise ValueError(f"hold {hold!r} does not cover block {index}")
+            hold.wait()
+        try:
+            info = self.block(index).info()
+            if info.tier not in (Tier.DEVICE, Tier.HOST) or info.in_flight:
+                raise errors.NotResidentError(f"block {index} is not resident in memory", lib.KVH_ERR_NOT_RESIDENT)
+            tinfo = eng.tier_info(info.tier)
+            if not tinfo.base:
+                raise errors.NotResidentError(f"tier {info.tier.name.lower()} has no memory", lib.KVH_ERR_NOT_RESIDENT)
+            addr = tinfo.base + info.slot * eng.block_bytes + layer * eng.layer_bytes
+            readonly = info.shared
+            shape = (2, eng.num_kv_heads, bt, eng.head_dim)
+            owner = _ViewOwner(eng, hold, private, addr, shape, eng.np_dtype, readonly)
+        except BaseException:
+            if private:
+                hold.release()
+            raise
+        view = np.asarray(owner)
+        assert view.base is owner or view.base is not None
+        if not readonly:
+            with self._gate.exclusive():  # the calls that refresh the list hold it too
+                self._views = [(r, i) for r, i in self._views if r() is not None]
+                self._views.append((weakref.ref(view), index))
+        return view
+
+    def _refresh_views(self) -> None:
+        """Makes writable views read-only when their block became shared,
+        published or replaced (CoW) — the view no longer is this sequence's
+        private memory. Called inside the call that changed the sequence."""
+        if not self._views:
+            return
+        live = []
+        for ref, index in self._views:
+            view = ref()
+            if view is None or not view.flags.writeable:
+                continue
+            keep = False
+            try:
+                info = self.block(index).info()
+                owner = view.base
+                addr = getattr(owner, "__array_interface__", {}).get("data", (0,))[0]
+                tinfo = self._engine.tier_info(info.tier) if info.tier in (Tier.DEVICE, Tier.HOST) else None
+                expected = (tinfo.base + info.slot * self._engine.block_bytes) if tinfo else -1
+                same = expected >= 0 and 0 <= addr - expected < self._engine.block_bytes
+                keep = same and not info.shared
+            except errors.Error:
+                keep = False
+            if keep:
+                live.append((ref, index))
+            else:
+                view.flags.writeable = False
+        self._views = live

@@ -1,0 +1,432 @@
+"""``KvhConnector``: kvh as vLLM's KV tier (``KVConnectorBase_V1``).
+
+Worker side (one per tensor-parallel rank): vLLM's per-layer KV tensors are
+registered with kvh as one external pool, no copy (kvh reads and writes
+vLLM's blocks in place by slot number, from the tensors' pointers and byte
+strides). After each forward pass the blocks that became full are offloaded
+into kvh's host tier under the chained hash of their tokens, salted with the
+model, dtype, block size and rank; a finished request's blocks are then
+made durable on kvh's disk tier in the background. A matched prefix is
+restored into the slots vLLM allocated, before the forward pass that needs
+it. A block that cannot be restored (checksum, I/O) is reported through
+``get_block_ids_with_load_errors`` and vLLM recomputes it.
+
+Scheduler side: ``get_num_new_matched_tokens`` asks each worker over its
+lookup channel (a Unix socket in an owner-only directory, see
+:mod:`kvh_cache.vllm.channel`) and takes the shortest answer, since every rank
+must load the same blocks. The worker keeps the matched blocks retained
+until they are loaded or the request ends, so what it promised is there.
+
+A request's ``cache_salt`` (vLLM's per-tenant isolation) becomes its kvh
+tenant scope (:meth:`kvh.Scope.value_of`): its blocks are hashed in that
+scope, so they are found only by requests with the same salt, in this
+process and after a restart; requests without a salt share the default
+scope, as in vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.logger import init_logger
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from ..types import Scope
+from . import settings as _settings
+from .channel import ChannelError, Client, Server, socket_path
+from .store import KvStore, StoreUnavailable
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = init_logger("vllm.kvh")
+
+
+def _route_kvh_logs() -> None:
+    """kvh's own messages (logger ``kvh``: the library's log sink and
+    kvh_cache.vllm) go where vLLM's go, unless the application set them up."""
+    ours = logging.getLogger("kvh")
+    if not ours.handlers:
+        for h in logging.getLogger("vllm").handlers:
+            ours.addHandler(h)
+        ours.setLevel(logging.INFO)
+        ours.propagate = False
+
+
+_route_kvh_logs()
+
+_DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
+
+
+def _scope_of(request: Any) -> int:
+    """The kvh tenant scope of a vLLM request: its cache_salt, 0 without."""
+    salt = getattr(request, "cache_salt", None)
+    return Scope.value_of(salt) if salt else 0
+
+
+@dataclass
+class Transfer:
+    """Blocks [first_block, first_block + len(block_ids)) of a request,
+    ``tokens`` covering at least their end."""
+
+    req_id: str
+    tokens: np.ndarray
+    first_block: int
+    block_ids: List[int]
+    scope: int = 0  # tenant scope: the request's cache_salt, 0 without one
+
+
+@dataclass
+class KvhMetadata(KVConnectorMetadata):
+    loads: List[Transfer] = field(default_factory=list)
+    saves: List[Transfer] = field(default_factory=list)
+
+
+@dataclass
+class _SchedReq:
+    request: "Request"
+    saved_blocks: int = 0  # blocks [0, saved_blocks) are in kvh
+    query: Optional[Tuple[int, int]] = None  # (local tokens, kvh tokens) of the last lookup
+
+
+def kv_layout(t: torch.Tensor, head_dim: int, block_size: int) -> Tuple[int, int, int, int, int, int]:
+    """(k_ptr, v_ptr, num_blocks, slot_stride, token_stride, head_stride), in
+    bytes, of one layer's KV tensor, without copying it.
+
+    * CPU backend: (num_blocks, kv_heads, block_size, 2 * head_dim), read by
+      vLLM as (num_blocks, kv_heads, 2 * block_size, head_dim): per head a
+      block's K rows for all its tokens, then its V rows.
+    * (2, num_blocks, block_size, kv_heads, head_dim) and
+      (num_blocks, 2, block_size, kv_heads, head_dim) (the GPU backends' NHD).
+    """
+    es = t.element_size()
+    st = t.stride()
+    base = t.data_ptr()
+    if t.dim() == 4 and t.shape[2] == block_size and t.shape[3] == 2 * head_dim:
+        if st[3] != 1 or st[2] != 2 * head_dim:
+            raise ValueError(f"rows of the KV tensor are not contiguous (strides {st})")
+        return base, base + block_size * head_dim * es, t.shape[0], st[0] * es, head_dim * es, st[1] * es
+    if t.dim() == 5 and t.shape[-1] == head_dim and st[-1] == 1:
+        if t.shape[0] == 2 and t.shape[2] == block_size:
+            return base, base + st[0] * es, t.shape[1], st[1] * es, st[2] * es, st[3] * es
+        if t.shape[1] == 2 and t.shape[2] == block_size:
+            return base, base + st[1] * es, t.shape[0], st[0] * es, st[2] * es, st[3] * es
+    raise ValueError(f"unknown KV cache layout: shape {tuple(t.shape)}, strides {st}")
+
+
+class KvhConnector(KVConnectorBase_V1):
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        self._settings = _settings.load(extra)
+        self._block_size = int(vllm_config.cache_config.block_size)
+        self._engine_id = str(self._kv_transfer_config.engine_id)
+        par = vllm_config.parallel_config
+        self._tp_size = int(par.tensor_parallel_size)
+        self._dp_rank = int(par.data_parallel_rank)
+        self._disabled: Optional[str] = None
+        if int(par.pipeline_parallel_size) > 1:
+            self._disable("pipeline parallelism is not supported by the kvh connector yet")
+        # scheduler side
+        self._reqs: Dict[str, _SchedReq] = {}
+        self._loads: List[Transfer] = []
+        self._clients: Optional[List[Client]] = None
+        self._channel_warned = False
+        # worker side
+        self._store: Optional[KvStore] = None
+        self._server: Optional[Server] = None
+        self._load_errors: set = set()
+        self._errors_lock = threading.Lock()
+        self._layer_index: Dict[str, int] = {}
+        self._inflight: List[Any] = []  # this step's loads (kvh_cache.vllm.store.Load)
+
+    def _disable(self, why: str) -> None:
+        if self._disabled is None:
+            self._disabled = why
+            logger.error("%s; kvh connector disabled, vLLM runs without it", why)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a save that does not happen is a later miss
+
+    # ==================== worker side ====================
+    def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> None:
+        if self._disabled:
+            return
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        tp_rank = int(get_tensor_model_parallel_rank())
+        mc = self._vllm_config.model_config
+        head_dim = int(mc.get_head_size())
+        names = list(kv_caches)
+        tensors = [kv_caches[n] for n in names]
+        if not tensors:
+            self._disable("kvh: vLLM registered no KV caches")
+            return
+        t0 = tensors[0]
+        dtype = _DTYPES.get(t0.dtype)
+        try:
+            if dtype is None:
+                raise ValueError(f"KV dtype {t0.dtype} (kvh keeps f32, f16 or bf16)")
+            if t0.device.type != "cpu":
+                raise ValueError(f"KV on {t0.device} (this connector registers host memory only)")
+            lays = [kv_layout(t, head_dim, self._block_size) for t in tensors]
+        except ValueError as exc:
+            self._disable(f"kvh: cannot use vLLM's KV memory: {exc}")
+            return
+        _, _, nb, slot_stride, token_stride, head_stride = lays[0]
+        if any(lay[2:] != lays[0][2:] for lay in lays):
+            self._disable("kvh: vLLM's layers have different KV layouts")
+            return
+        num_kv_heads = int(t0.shape[1]) if t0.dim() == 4 else int(t0.shape[3])
+        identity = {
+            "model": mc.model,
+            "revision": getattr(mc, "revision", None),
+            "kv_dtype": str(t0.dtype),
+            "cache_dtype": str(self._vllm_config.cache_config.cache_dtype),
+            "tp_rank": tp_rank,
+            "tp_size": self._tp_size,
+        }
+        logger.info(
+            "kvh: %d layers of KV %s, shape %s, strides %s; kvh block = one vLLM block of %d tokens",
+            len(tensors),
+            t0.dtype,
+            tuple(t0.shape),
+            t0.stride(),
+            self._block_size,
+        )
+        try:
+            store = KvStore(
+                self._settings,
+                num_layers=len(tensors),
+                num_kv_heads=num_kv_heads,
+                head_dim=head_dim,
+                block_tokens=self._block_size,
+                dtype=dtype,
+                identity=identity,
+            )
+        except StoreUnavailable as exc:
+            self._disable(str(exc))
+            return
+        try:
+            store.register_pool(
+                [lay[0] for lay in lays], [lay[1] for lay in lays], nb, slot_stride, token_stride, head_stride
+            )
+            path = socket_path(self._engine_id, self._dp_rank, tp_rank, self._settings.runtime_dir)
+            self._server = Server(path, self._handle)
+        except Exception as exc:
+            store.close()
+            self._disable(f"kvh: cannot start: {exc}")
+            return
+        self._kv_caches = kv_caches  # kvh holds pointers into them
+        self._layer_index = {n: i for i, n in enumerate(names)}
+        self._store = store
+        logger.info(
+            "kvh: store %s (salt %016x), host %d MiB, disk %s; lookups on %s",
+            store.disk_path or "(no disk tier)",
+            store.salt,
+            self._settings.host_bytes >> 20,
+            f"{self._settings.disk_bytes >> 20} MiB" if store.disk_path else "off",
+            path,
+        )
+
+    def _handle(self, header: Dict[str, Any], payload: bytes) -> Dict[str, Any]:
+        store = self._store
+        if store is None:
+            return {"tokens": 0}
+        op = header.get("op")
+        if op == "lookup":
+            tokens = np.frombuffer(payload, dtype=np.int32)
+            return {"tokens": store.lookup(str(header["req"]), tokens, int(header.get("scope", 0)))}
+        if op == "stats":
+            return store.stats()
+        raise ValueError(f"unknown op {op!r}")
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        if self._store is None:
+            return
+        # The last step's offloads must have read their slots before this
+        # forward pass may overwrite them (a finished or preempted request's
+        # blocks are reused); they ran meanwhile, so this rarely waits.
+        self._store.wait_saves()
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvhMetadata)
+        for t in meta.loads:
+            try:
+                self._inflight.append(self._store.start_load(t.req_id, t.tokens, t.first_block, t.block_ids, t.scope))
+            except Exception:
+                logger.exception("kvh: loading request %s failed; vLLM recomputes it", t.req_id)
+                with self._errors_lock:
+                    self._load_errors.update(t.block_ids)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # kvh restores layer by layer: attention of a layer waits only for
+        # that layer's copies.
+        if not self._inflight or self._store is None:
+            return
+        layer = self._layer_index.get(layer_name)
+        for load in self._inflight:
+            if layer is None:
+                if load.batch is not None:
+                    load.batch.wait()
+            else:
+                self._store.wait_layer(load, layer)
+
+    def _finish_loads(self) -> None:
+        loads, self._inflight = self._inflight, []
+        for load in loads:
+            try:
+                failed = self._store.finish_load(load) if self._store is not None else list(load.slots)
+            except Exception:
+                logger.exception("kvh: loading request %s failed; vLLM recomputes it", load.req_id)
+                failed = list(load.slots)
+            if failed:
+                with self._errors_lock:
+                    self._load_errors.update(failed)
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata", **kwargs: Any
+    ) -> None:
+        return  # whole blocks, all layers at once, queued in wait_for_save
+
+    def wait_for_save(self) -> None:
+        if self._store is None:
+            return
+        self._finish_loads()
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvhMetadata)
+        # Queued on kvh's workers; this returns at once (the copies overlap
+        # sampling and the next step's scheduling).
+        try:
+            self._store.save_async([(t.req_id, t.tokens, t.first_block, t.block_ids, t.scope) for t in meta.saves])
+        except Exception:
+            logger.exception("kvh: offloading failed")
+
+    def get_finished(self, finished_req_ids: set) -> Tuple[Optional[set], Optional[set]]:
+        if self._store is not None and finished_req_ids:
+            self._store.forget(finished_req_ids)
+        return None, None
+
+    def get_block_ids_with_load_errors(self) -> set:
+        if self._inflight:
+            self._finish_loads()
+        with self._errors_lock:
+            out, self._load_errors = self._load_errors, set()
+        return out
+
+    def shutdown(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        if self._store is not None:
+            store, self._store = self._store, None
+            logger.info("kvh: closing; %s", {k: v for k, v in store.stats().items() if k != "kvh"})
+            store.close()
+        if self._clients:
+            for c in self._clients:
+                c.close()
+            self._clients = None
+
+    # ==================== scheduler side ====================
+    def _lookup(self, req_id: str, tokens: np.ndarray, scope: int) -> int:
+        if self._clients is None:
+            self._clients = [
+                Client(
+                    socket_path(self._engine_id, self._dp_rank, r, self._settings.runtime_dir),
+                    self._settings.lookup_timeout_s,
+                )
+                for r in range(self._tp_size)
+            ]
+        payload = tokens.tobytes()
+        try:
+            header = {"op": "lookup", "req": req_id, "scope": scope}
+            return min(int(c.call(header, payload)["tokens"]) for c in self._clients)
+        except (OSError, ChannelError, KeyError, ValueError) as exc:
+            if not self._channel_warned:
+                self._channel_warned = True
+                logger.warning("kvh: lookup channel unavailable (%s); requests are computed without kvh", exc)
+            return 0
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> Tuple[Optional[int], bool]:
+        if self._disabled:
+            return 0, False
+        bs = self._block_size
+        tokens = request.all_token_ids
+        # The last token is always computed (its logits are needed).
+        n = (len(tokens) - 1) // bs * bs
+        if n <= num_computed_tokens:
+            return 0, False
+        matched = self._lookup(request.request_id, np.asarray(tokens[:n], dtype=np.int32), _scope_of(request))
+        st = self._reqs.setdefault(request.request_id, _SchedReq(request))
+        st.query = (num_computed_tokens, matched)
+        if matched <= num_computed_tokens:
+            return 0, False
+        return matched - num_computed_tokens, False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+        st = self._reqs.setdefault(request.request_id, _SchedReq(request))
+        st.request = request
+        if num_external_tokens <= 0 or st.query is None:
+            return
+        bs = self._block_size
+        local = st.query[0]
+        first, end = local // bs, (local + num_external_tokens) // bs
+        block_ids = list(blocks.get_block_ids()[0][first:end])
+        tokens = np.asarray(request.all_token_ids[: end * bs], dtype=np.int32)
+        self._loads.append(Transfer(request.request_id, tokens, first, block_ids, _scope_of(request)))
+        st.saved_blocks = max(st.saved_blocks, end)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        meta = KvhMetadata(loads=self._loads)
+        self._loads = []
+        if self._disabled:
+            return meta
+        bs = self._block_size
+        for req_id, n_sched in scheduler_output.num_scheduled_tokens.items():
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            r = st.request
+            # KV of positions [0, computed + scheduled) exists after this
+            # step; a block is saved once its tokens are all known.
+            end_tok = min(r.num_computed_tokens + n_sched, len(r.all_token_ids))
+            full = end_tok // bs
+            if full <= st.saved_blocks:
+                continue
+            assert self._kv_cache_manager is not None
+            ids = self._kv_cache_manager.get_block_ids(req_id)[0]
+            full = min(full, len(ids))
+            if full <= st.saved_blocks:
+                continue
+            tokens = np.asarray(r.all_token_ids[: full * bs], dtype=np.int32)
+            meta.saves.append(
+                Transfer(req_id, tokens, st.saved_blocks, list(ids[st.saved_blocks : full]), _scope_of(r))
+            )
+            st.saved_blocks = full
+        return meta
+
+    def request_finished(self, request: "Request", block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        self._reqs.pop(request.request_id, None)
+        return False, None

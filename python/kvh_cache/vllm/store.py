@@ -1,0 +1,473 @@
+"""The worker side of the vLLM connector without vLLM: one kvh engine whose
+external pool is the inference engine's own KV memory, described by raw
+pointers and byte strides (so it can be tested with NumPy arrays and needs
+neither torch nor vLLM).
+
+One pool slot is one vLLM block and kvh's ``block_tokens`` is vLLM's block
+size: vLLM allocates, matches and frees whole blocks, so a finer kvh block
+would only add calls (kvh's block can be any power of two up to 256; vLLM's
+CPU block is 128 tokens by default).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .. import errors
+from .._ffi import ffi, lib, raise_status, status_name
+from ..engine import Block, Engine, Fence
+from ..types import Tier
+from ..pool import OffloadBatch, Pool, RestoreBatch, persist_blocks
+from .settings import Settings
+
+log = logging.getLogger("kvh.vllm")
+
+SALT_VERSION = "kvh_cache.vllm/1"
+
+
+class StoreUnavailable(RuntimeError):
+    """kvh cannot serve this worker (the message says why); the connector
+    then stays out of vLLM's way."""
+
+
+def model_salt(identity: Dict[str, Any]) -> int:
+    """64-bit namespace of the prefix hashes: the model, dtype, block size,
+    geometry and tensor-parallel rank, so a block is only ever found by the
+    same model laid out the same way."""
+    text = SALT_VERSION + "|" + "|".join(f"{k}={identity[k]}" for k in sorted(identity))
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") or 1
+
+
+@dataclass
+class Counters:
+    lookups: int = 0
+    lookup_hit_tokens: int = 0
+    blocks_loaded: int = 0
+    tokens_loaded: int = 0
+    tokens_loaded_disk: int = 0  # of tokens_loaded: blocks kvh held on its disk tier
+    load_errors: int = 0
+    blocks_saved: int = 0
+    save_errors: int = 0
+    requests_persisted: int = 0
+    persist_errors: int = 0
+    load_seconds: float = 0.0
+    save_seconds: float = 0.0
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class _Req:
+    scope: int = 0  # tenant scope of its blocks (vLLM's cache_salt), 0: shared
+    hashes: List[int] = field(default_factory=list)
+    tokens: Optional[np.ndarray] = None  # the full-block prefix saved or loaded so far
+    saved: List[Block] = field(default_factory=list)  # its offloaded blocks, persisted when it ends
+
+
+@dataclass
+class _Save:
+    """An offload batch in flight: the (request, block index) of each item."""
+
+    batch: OffloadBatch
+    items: List[Tuple[str, int]]
+    t0: float
+
+
+@dataclass
+class Load:
+    """A restore in flight for one request: blocks [first_block, ...) into
+    ``slots``; :meth:`KvStore.finish_load` turns it into the failed slots."""
+
+    req_id: str
+    scope: int
+    tokens: np.ndarray
+    first_block: int
+    slots: List[int]
+    batch: Optional[RestoreBatch]
+    blocks: List[Block]
+    t0: float
+    missing_from: int  # index into slots of the first block kvh does not hold
+    on_disk: List[bool] = field(default_factory=list)  # per slot: the block was on kvh's disk tier
+    t_ready: Optional[float] = None  # when its last layer was seen in place
+
+
+class KvStore:
+    """kvh beneath one vLLM worker (one tensor-parallel rank)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_tokens: int,
+        dtype: str,
+        identity: Dict[str, Any],
+    ) -> None:
+        if block_tokens & (block_tokens - 1) or not 1 <= block_tokens <= 256:
+            raise StoreUnavailable(
+                f"kvh: vLLM's block size {block_tokens} is not a power of two up to 256, which kvh's blocks must be; "
+                "run vLLM with --block-size 128 (or 32, 64, 256)"
+            )
+        self.settings = settings
+        self.block_tokens = block_tokens
+        self.salt = model_salt(
+            dict(identity, layers=num_layers, kv_heads=num_kv_heads, head_dim=head_dim, block=block_tokens, dtype=dtype)
+        )
+        row = num_layers * 2 * num_kv_heads * block_tokens * head_dim * {"f32": 4, "f16": 2, "bf16": 2}[dtype]
+        fields: Dict[str, Any] = dict(
+            num_layers=num_layers,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            block_tokens=block_tokens,
+            dtype=dtype,
+            backend="cpu",
+            device_bytes=settings.device_bytes or 2 * row,
+            host_bytes=max(settings.host_bytes, 2 * row),
+            model_salt=self.salt,
+            log_level=settings.log_level,
+            **settings.engine_remote_fields(),
+        )
+        self.disk_path: Optional[str] = None
+        if settings.disk_enabled:
+            # One store per salt: another model (or dtype, block size, rank)
+            # gets its own directory instead of a mismatch.
+            assert settings.disk_path is not None
+            self.disk_path = os.path.join(settings.disk_path, f"{self.salt:016x}")
+            try:
+                os.makedirs(settings.disk_path, mode=0o700, exist_ok=True)
+            except OSError as exc:
+                raise StoreUnavailable(
+                    f"kvh: disk tier at {settings.disk_path} cannot be created ({exc.strerror}); "
+                    "set kv_connector_extra_config disk_path / KVH_VLLM_DISK_PATH to a writable directory, "
+                    "or disk_bytes=0 for no disk tier"
+                ) from None
+            fields.update(disk_path=self.disk_path, disk_bytes=settings.disk_bytes)
+        try:
+            self.engine = Engine(**fields)
+        except (errors.KvhIOError, errors.NoSpaceError, errors.BusyError, errors.MismatchError) as exc:
+            raise StoreUnavailable(f"kvh: disk tier at {self.disk_path} unusable: {exc}") from None
+        except errors.Error as exc:
+            raise StoreUnavailable(f"kvh: cannot open an engine for this model: {exc}") from None
+        self.block_bytes = self.engine.block_bytes
+        self.num_layers = num_layers
+        self.counters = Counters()
+        self._pool: Optional[Pool] = None
+        self._reqs: Dict[str, _Req] = {}
+        self._held: Dict[str, List[Block]] = {}
+        self._lock = threading.Lock()
+        self._saves: List[_Save] = []  # offload batches not yet seen complete
+        self._persists: List[Tuple[Fence, int]] = []  # (fence, blocks) of persists in flight
+        self._persist_warned = False
+        self._persist = bool((self.disk_path or settings.remote_addrs) and settings.persist)
+
+    # ---- the inference engine's memory ----
+    def register_pool(
+        self,
+        k_ptrs: Sequence[int],
+        v_ptrs: Sequence[int],
+        num_slots: int,
+        slot_stride: int,
+        token_stride: int,
+        head_stride: int,
+    ) -> None:
+        """Registers the KV memory (one K and one V base pointer per layer,
+        strides in bytes). No copy is made; the memory must outlive close()."""
+        self._pool = Pool.from_pointers(self.engine, k_ptrs, v_ptrs, num_slots, slot_stride, token_stride, head_stride)
+        self.num_slots = num_slots
+
+    # ---- hashes ----
+    def _chain(self, req: _Req, tokens: np.ndarray, n_blocks: int) -> List[int]:
+        bt = self.block_tokens
+        if req.tokens is not None and len(req.hashes):
+            k = min(len(req.hashes), n_blocks)
+            if not np.array_equal(req.tokens[: k * bt], tokens[: k * bt]):
+                req.hashes = []
+        h = ffi.new("uint64_t *")
+        with self.engine._call() as p:
+            for i in range(len(req.hashes), n_blocks):
+                parent = req.hashes[i - 1] if i else 0
+                blk = tokens[i * bt : (i + 1) * bt]
+                st = lib.kvh_prefix_hash_scoped(p, req.scope, parent, ffi.from_buffer("int32_t[]", blk), bt, h)
+                if st:
+                    raise_status(st)
+                req.hashes.append(int(h[0]))
+        req.tokens = tokens[: max(len(req.hashes), n_blocks) * bt].copy()
+        return req.hashes
+
+    # ---- lookups (the scheduler's questions) ----
+    def lookup(self, req_id: str, tokens: Sequence[int], scope: int = 0) -> int:
+        """Tokens of the longest prefix of tokens (whole blocks) kvh holds in
+        ``scope`` (a tenant's: blocks of other scopes never match). The
+        blocks stay retained for req_id until load() or forget(), so that
+        what was promised cannot be evicted before it is loaded."""
+        tk = np.ascontiguousarray(tokens, dtype=np.int32)
+        n = (tk.size // self.block_tokens) * self.block_tokens
+        blocks = self.engine.prefix_lookup(tk[:n], scope=scope) if n else []
+        with self._lock:
+            old = self._held.pop(req_id, None)
+            self._held[req_id] = blocks
+            self.counters.lookups += 1
+            self.counters.lookup_hit_tokens += len(blocks) * self.block_tokens
+        for b in old or ():
+            b.release()
+        return len(blocks) * self.block_tokens
+
+    def forget(self, req_ids) -> None:
+        """Drops the state of finished requests; the blocks they saved are
+        made durable in the background (``kvh_blocks_persist``: no copy
+        here, no temporary sequence; blocks still being gathered are
+        waited for by kvh)."""
+        for rid in req_ids:
+            with self._lock:
+                held = self._held.pop(rid, None)
+                req = self._reqs.pop(rid, None)
+            for b in held or ():
+                b.release()
+            if req is None:
+                continue
+            # Blocks of its offloads still gathering are persisted too:
+            # kvh waits for their gathers before writing them.
+            with self._lock:
+                inflight = [b for sv in self._saves for (r, _), b in zip(sv.items, sv.batch.blocks) if r == rid]
+            blocks = req.saved + inflight
+            if self._persist and blocks:
+                try:
+                    fence = persist_blocks(self.engine, blocks, wait=False)
+                    with self._lock:
+                        self._persists.append((fence, len(blocks)))
+                except errors.Error as exc:
+                    self._persist_failed(exc)
+            for b in req.saved:
+                b.release()
+        self.poll()
+
+    # ---- transfers ----
+    def _req(self, req_id: str, scope: int) -> _Req:
+        with self._lock:
+            req = self._reqs.get(req_id)
+            if req is None or req.scope != scope:
+                req = self._reqs[req_id] = _Req(scope=scope)
+            return req
+
+    def start_load(
+        self, req_id: str, tokens: Sequence[int], first_block: int, slots: Sequence[int], scope: int = 0
+    ) -> Load:
+        """Starts restoring blocks [first_block, first_block + len(slots)) of
+        the prefix (in ``scope``) into vLLM's slots, on kvh's workers, one
+        fence per layer (:meth:`wait_layer`). :meth:`finish_load` gives the
+        slots that could not be loaded."""
+        t0 = time.perf_counter()
+        bt = self.block_tokens
+        end = first_block + len(slots)
+        tk = np.ascontiguousarray(tokens, dtype=np.int32)
+        with self._lock:
+            blocks = self._held.pop(req_id, None)
+        if blocks is None or len(blocks) < end:
+            for b in blocks or ():
+                b.release()
+            blocks = self.engine.prefix_lookup(tk[: end * bt], scope=scope)
+        n = max(0, min(len(blocks), end) - first_block)
+        on_disk = [b.info().tier == Tier.DISK for b in blocks[first_block : first_block + n]]
+        batch = None
+        if n and self._pool is not None:
+            try:
+                batch = self._pool.restore(blocks[first_block : first_block + n], list(slots[:n]))
+            except errors.Error as exc:
+                log.warning("kvh: loading request %s failed (%s); vLLM recomputes it", req_id, exc)
+                n = 0
+        return Load(req_id, scope, tk, first_block, list(slots), batch, blocks, t0, n, on_disk)
+
+    def wait_layer(self, load: Load, layer: int) -> None:
+        if load.batch is not None:
+            load.batch.wait_layer(layer)
+        if load.t_ready is None and layer == self.num_layers - 1:
+            load.t_ready = time.perf_counter()
+
+    def finish_load(self, load: Load) -> List[int]:
+        """Waits for a load; returns the slots that could not be loaded (from
+        the first failure on: vLLM recomputes from there)."""
+        bad = load.missing_from
+        if load.batch is not None:
+            load.batch.wait()
+            for i, st in enumerate(load.batch.statuses()):
+                if st and i < bad:
+                    bad = i
+                    log.warning(
+                        "kvh: loading block %d of request %s failed (%s); vLLM recomputes it",
+                        load.first_block + i,
+                        load.req_id,
+                        status_name(st),
+                    )
+        for b in load.blocks:
+            b.release()
+        load.blocks = []
+        failed = load.slots[bad:]
+        ok = len(load.slots) - len(failed)
+        bt = self.block_tokens
+        with self._lock:
+            c = self.counters
+            c.blocks_loaded += ok
+            c.tokens_loaded += ok * bt
+            c.tokens_loaded_disk += sum(load.on_disk[:ok]) * bt
+            c.load_errors += len(failed)
+            c.load_seconds += (load.t_ready or time.perf_counter()) - load.t0
+        if ok and not failed:
+            self._chain(self._req(load.req_id, load.scope), load.tokens, load.first_block + len(load.slots))
+        return failed
+
+    def load(
+        self, req_id: str, tokens: Sequence[int], first_block: int, slots: Sequence[int], scope: int = 0
+    ) -> List[int]:
+        """:meth:`start_load` and :meth:`finish_load` in one call."""
+        return self.finish_load(self.start_load(req_id, tokens, first_block, slots, scope))
+
+    def save_async(self, transfers: Sequence[Tuple[str, Sequence[int], int, Sequence[int], int]]) -> int:
+        """Offloads, in one batch on kvh's workers, the blocks of each
+        (req_id, tokens, first_block, slots, scope): blocks [first_block,
+        first_block + len(slots)) computed into vLLM's slots, under their
+        chained hashes in scope. Returns the blocks queued. The slots must
+        stay as they are until :meth:`wait_saves` (vLLM's next forward pass
+        may overwrite a finished request's blocks)."""
+        bt = self.block_tokens
+        items, owners = [], []
+        for req_id, tokens, first_block, slots, scope in transfers:
+            if not len(slots):
+                continue
+            tk = np.ascontiguousarray(tokens, dtype=np.int32)
+            end = first_block + len(slots)
+            hashes = self._chain(self._req(req_id, scope), tk, end)
+            for i, slot in enumerate(slots):
+                bi = first_block + i
+                items.append((int(slot), hashes[bi - 1] if bi else 0, tk[bi * bt : (bi + 1) * bt], scope))
+                owners.append((req_id, bi))
+        if not items or self._pool is None:
+            return 0
+        t0 = time.perf_counter()
+        # One batch per scope (a batch hashes all its items in one scope).
+        for scope in sorted({it[3] for it in items}):
+            part = [(it[:3], ow) for it, ow in zip(items, owners) if it[3] == scope]
+            try:
+                batch = self._pool.offload([p[0] for p in part], scope=scope)
+            except errors.Error as exc:
+                with self._lock:
+                    self.counters.save_errors += len(part)
+                log.warning("kvh: offloading %d blocks failed (%s)", len(part), exc)
+                continue
+            with self._lock:
+                self._saves.append(_Save(batch, [p[1] for p in part], t0))
+        return len(items)
+
+    def wait_saves(self) -> None:
+        """Waits until every queued offload has read its slots (then vLLM
+        may reuse them), and files the saved blocks under their requests."""
+        with self._lock:
+            saves, self._saves = self._saves, []
+        for sv in saves:
+            sv.batch.wait()
+            self._file_save(sv)
+
+    def _file_save(self, sv: _Save) -> None:
+        sts = sv.batch.statuses()
+        done = sum(1 for st in sts if not st)
+        with self._lock:
+            for (rid, _), st, blk in zip(sv.items, sts, sv.batch.blocks):
+                req = self._reqs.get(rid)
+                if st == 0 and req is not None:
+                    req.saved.append(blk)
+                else:
+                    blk.release()
+            self.counters.blocks_saved += done
+            self.counters.save_errors += len(sts) - done
+            self.counters.save_seconds += time.perf_counter() - sv.t0
+        if done < len(sts):
+            log.warning("kvh: offloading %d of %d blocks failed", len(sts) - done, len(sts))
+
+    def save(self, req_id: str, tokens: Sequence[int], first_block: int, slots: Sequence[int], scope: int = 0) -> int:
+        """Offloads blocks [first_block, first_block + len(slots)) of the
+        request and waits for it. Returns how many were offloaded; a
+        failure (no room) is logged and counted, never raised."""
+        before = self.counters.blocks_saved
+        self.save_async([(req_id, tokens, first_block, slots, scope)])
+        self.wait_saves()
+        return self.counters.blocks_saved - before
+
+    # ---- durability ----
+    def _persist_failed(self, exc: BaseException) -> None:
+        with self._lock:
+            self.counters.persist_errors += 1
+            warned, self._persist_warned = self._persist_warned, True
+        if not warned:
+            log.warning(
+                "kvh: writing blocks to the disk tier at %s failed (%s); they stay in host RAM only "
+                "and a restarted vLLM recomputes them (further failures are counted, not logged)",
+                self.disk_path,
+                exc,
+            )
+
+    def poll(self) -> None:
+        """Files the persists that completed (counts them, logs a failure)."""
+        with self._lock:
+            pending, self._persists = self._persists, []
+        keep = []
+        for fence, n in pending:
+            try:
+                if not fence.done():
+                    keep.append((fence, n))
+                    continue
+                fence.result()
+                with self._lock:
+                    self.counters.requests_persisted += 1
+            except errors.Error as exc:
+                self._persist_failed(exc)
+        with self._lock:
+            self._persists[:0] = keep
+
+    def flush(self, timeout_s: float = 60.0) -> None:
+        """Waits until queued saves and persists are done."""
+        self.wait_saves()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                fences = [f for f, _ in self._persists]
+            if not fences or time.monotonic() > deadline:
+                break
+            fences[0].wait(max(0.0, deadline - time.monotonic()))
+            self.poll()
+
+    # ---- reporting and shutdown ----
+    def stats(self) -> Dict[str, Any]:
+        self.poll()
+        s = self.engine.stats()
+        with self._lock:
+            out = self.counters.to_dict()
+        out["kvh"] = {k: getattr(s, k) for k in s.__dataclass_fields__ if k != "extra"}
+        out["block_tokens"] = self.block_tokens
+        out["disk_path"] = self.disk_path
+        return out
+
+    def close(self) -> None:
+        self.wait_saves()
+        with self._lock:
+            pending = list(self._reqs)
+        self.forget(pending)
+        self.flush(120)
+        with self._lock:
+            held, self._held = self._held, {}
+        for blocks in held.values():
+            for b in blocks:
+                b.release()
+        if self._pool is not None:
+            self._pool.unregister()
+            self._pool = None
+        self.engine.close()
