@@ -231,6 +231,11 @@ class SdistWithCSources(sdist):
             for f in sorted(bench.iterdir()):
                 if f.is_file() and (f.suffix in (".c", ".h") or f.name == "CMakeLists.txt"):
                     shutil.copyfile(f, dest / "benchmarks" / f.name)
+            # Its remote scenario starts a Redis server with the tests' helper
+            # (benchmarks/CMakeLists.txt), the one part of tests/ it needs.
+            (dest / "tests" / "c").mkdir(parents=True, exist_ok=True)
+            for name in ("remote_test_util.c", "remote_test_util.h"):
+                shutil.copyfile(src_root / "tests" / "c" / name, dest / "tests" / "c" / name)
 
 
 def copy_sources(src: Path, dest: Path) -> None:
