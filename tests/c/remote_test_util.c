@@ -275,3 +275,11 @@ void rt_stop(rt_cluster *c)
 }
 
 const char *rt_addrs(const rt_cluster *c) { return c->addrs; }
+
+int rt_start_scratch(rt_cluster *c, int n, const char *password)
+{
+    const char *tmp = getenv("KVH_TEST_TMPDIR");
+    char dir[512];
+    snprintf(dir, sizeof(dir), "%s/redis", tmp ? tmp : "/tmp");
+    return rt_start(c, n, password, dir);
+}

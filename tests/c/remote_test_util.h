@@ -34,6 +34,8 @@ typedef struct rt_cluster {
 bool rt_available(void);
 /* 0, or -1 with a message on stderr. dir: scratch directory (created). */
 int rt_start(rt_cluster *c, int n, const char *password, const char *dir);
+/* rt_start in the tests' scratch directory: $KVH_TEST_TMPDIR/redis (or /tmp/redis). */
+int rt_start_scratch(rt_cluster *c, int n, const char *password);
 void rt_stop(rt_cluster *c);
 const char *rt_addrs(const rt_cluster *c);
 void rt_kill(rt_cluster *c, int node);

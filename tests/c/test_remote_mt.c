@@ -25,10 +25,7 @@ static int group_setup(void **state)
     (void)state;
     if (!rt_available())
         return 0;
-    const char *tmp = getenv("KVH_TEST_TMPDIR");
-    char dir[512];
-    snprintf(dir, sizeof(dir), "%s/redis", tmp ? tmp : "/tmp");
-    have_server = rt_start(&server, 1, NULL, dir) == 0;
+    have_server = rt_start_scratch(&server, 1, NULL) == 0;
     salt = 0x3700000000000000ull ^ (uint64_t)time(NULL);
     return have_server ? 0 : -1;
 }

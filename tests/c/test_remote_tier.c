@@ -35,10 +35,7 @@ static int group_setup(void **state)
     (void)state;
     if (!rt_available())
         return 0;
-    const char *tmp = getenv("KVH_TEST_TMPDIR");
-    char dir[512];
-    snprintf(dir, sizeof(dir), "%s/redis", tmp ? tmp : "/tmp");
-    have_cluster = rt_start(&cluster, 3, PASSWORD, dir) == 0;
+    have_cluster = rt_start_scratch(&cluster, 3, PASSWORD) == 0;
     return have_cluster ? 0 : -1;
 }
 
