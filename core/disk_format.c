@@ -135,11 +135,10 @@ int kvhi_slot_verify(const void *header, const void *data, uint64_t block_bytes,
                                 expect_hash, max_tokens, tokens_out, why);
 }
 
-int kvhi_slot_check_alone(const void *header, const void *data, uint64_t block_bytes, uint64_t slot, uint64_t offset,
-                          uint32_t max_tokens, kvhi_slot_meta *m, int32_t *tokens_out, const char **why)
+static int check_alone(const uint8_t *p, const void *data, uint32_t data_crc, uint64_t block_bytes, uint64_t slot,
+                       uint64_t offset, uint32_t max_tokens, kvhi_slot_meta *m, int32_t *tokens_out, const char **why)
 {
-    const uint8_t *p = header;
-    int rc = check_slot(p, data, 0, block_bytes, NULL, slot, offset, NULL, max_tokens, tokens_out, why);
+    int rc = check_slot(p, data, data_crc, block_bytes, NULL, slot, offset, NULL, max_tokens, tokens_out, why);
     if (rc != 0)
         return rc;
     *m = (kvhi_slot_meta){.store_id = get64(p + 16),
@@ -152,6 +151,19 @@ int kvhi_slot_check_alone(const void *header, const void *data, uint64_t block_b
                           .flags = get32(p + SH_FLAGS),
                           .geo_tag = get32(p + SH_GEO)};
     return 0;
+}
+
+int kvhi_slot_check_alone(const void *header, const void *data, uint64_t block_bytes, uint64_t slot, uint64_t offset,
+                          uint32_t max_tokens, kvhi_slot_meta *m, int32_t *tokens_out, const char **why)
+{
+    return check_alone(header, data, 0, block_bytes, slot, offset, max_tokens, m, tokens_out, why);
+}
+
+int kvhi_slot_check_alone_crc(const void *header, uint32_t data_crc, uint64_t block_bytes, uint64_t slot,
+                              uint64_t offset, uint32_t max_tokens, kvhi_slot_meta *m, int32_t *tokens_out,
+                              const char **why)
+{
+    return check_alone(header, NULL, data_crc, block_bytes, slot, offset, max_tokens, m, tokens_out, why);
 }
 
 /* Record layout: 0 magic, 4 kind, 8 seq, 16 slot, 24 hash, 32 parent,

@@ -84,6 +84,10 @@ int kvhi_slot_verify_crc(const void *header, uint32_t data_crc, uint64_t block_b
  * header that passes. 0 or the same reason codes. */
 int kvhi_slot_check_alone(const void *header, const void *data, uint64_t block_bytes, uint64_t slot, uint64_t offset,
                           uint32_t max_tokens, kvhi_slot_meta *m, int32_t *tokens_out, const char **why);
+/* The same, with the CRC32C of the data already computed. */
+int kvhi_slot_check_alone_crc(const void *header, uint32_t data_crc, uint64_t block_bytes, uint64_t slot,
+                              uint64_t offset, uint32_t max_tokens, kvhi_slot_meta *m, int32_t *tokens_out,
+                              const char **why);
 
 /* ---- index records ---- */
 enum { KVHI_REC_ADD = 1, KVHI_REC_DEL = 2 };

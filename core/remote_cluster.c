@@ -23,8 +23,21 @@ typedef struct node {
     bool in_batch; /* has commands in the current round */
 } node;
 
+/* Where a round's bulk strings go (kvhi_cluster_run_strings). Every
+ * connection's reader makes replies with `fns`, hiredis's own functions
+ * but for strings, which go to on_string while a round asks for them. */
+typedef struct reply_sink {
+    redisReplyObjectFunctions fns;
+    void *(*make_string)(const redisReadTask *task, char *str, size_t len); /* hiredis's */
+    const redisReplyObjectFunctions *hiredis_fns;
+    kvhi_cluster_string_fn on_string;
+    void *user;
+    size_t index; /* the command whose reply is being read */
+} reply_sink;
+
 struct kvhi_cluster {
     pthread_mutex_t lock;
+    reply_sink sink;
     const kvhi_hiredis *h;
     kvhi_cluster_opts opts;
     char *user, *password;
@@ -174,6 +187,36 @@ static bool timed_out(const redisContext *ctx)
                                         strstr(ctx->errstr, "temporarily unavailable") != NULL);
 }
 
+static void *sink_string(const redisReadTask *task, char *str, size_t len)
+{
+    reply_sink *sk = task->privdata;
+    if (task->type == REDIS_REPLY_STRING && !task->parent && sk->on_string) {
+        sk->on_string(sk->user, sk->index, str, len);
+        len = 0; /* its bytes were taken where they lay */
+    }
+    return sk->make_string(task, str, len);
+}
+
+/* Makes ctx's replies through the client's sink. A reader whose functions
+ * are not the ones the sink wraps keeps its own (strings are then copied
+ * into replies as usual). */
+static void sink_attach(kvhi_cluster *c, redisContext *ctx)
+{
+    redisReader *rd = ctx->reader;
+    if (!rd || !rd->fn)
+        return;
+    if (!c->sink.hiredis_fns) {
+        c->sink.hiredis_fns = rd->fn;
+        c->sink.make_string = rd->fn->createString;
+        c->sink.fns = *rd->fn;
+        c->sink.fns.createString = sink_string;
+    }
+    if (rd->fn != c->sink.hiredis_fns || !c->sink.make_string)
+        return;
+    rd->fn = &c->sink.fns;
+    rd->privdata = &c->sink;
+}
+
 /* AUTH on a fresh connection: 0, or -1 with the server's answer in err. */
 static int authenticate(kvhi_cluster *c, redisContext *ctx, char *err, size_t err_len)
 {
@@ -206,6 +249,7 @@ static int ensure_connected(kvhi_cluster *c, node *nd, uint64_t budget_ns, char 
         return -1;
     }
     c->h->set_timeout(ctx, tv_of_ns(budget_ns));
+    sink_attach(c, ctx);
     if (authenticate(c, ctx, err, err_len) != 0) {
         /* No answer at all, rather than a refusal. */
         int rc = !ctx->err ? -2 : timed_out(ctx) ? -3 : -1;
@@ -434,8 +478,7 @@ static bool redirect(kvhi_cluster *c, kvhi_cluster_cmd *cmd, const redisReply *r
 
 /* Sends every pending command of the round to its node, then reads the
  * answers node by node: the nodes work on their shares at the same time. */
-static void run_round(kvhi_cluster *c, kvhi_cluster_cmd *cmds, size_t n, uint64_t deadline, kvhi_cluster_report *rep,
-                      kvhi_cluster_reply_fn on_reply, void *user)
+static void run_round(kvhi_cluster *c, kvhi_cluster_cmd *cmds, size_t n, uint64_t deadline, kvhi_cluster_report *rep)
 {
     uint64_t now = now_ns();
     for (uint32_t i = 0; i < c->n_nodes; i++)
@@ -520,6 +563,7 @@ static void run_round(kvhi_cluster *c, kvhi_cluster_cmd *cmds, size_t n, uint64_
             if (c->h->get_reply(nd->ctx, &ok) == REDIS_OK && ok)
                 c->h->free_reply(ok);
         }
+        c->sink.index = k;
         if (c->h->get_reply(nd->ctx, (void **)&r) != REDIS_OK || !r) {
             bool slow = timed_out(nd->ctx);
             node_failed(c, nd, slow ? "timed out" : nd->ctx->errstr, rep);
@@ -539,18 +583,16 @@ static void run_round(kvhi_cluster *c, kvhi_cluster_cmd *cmds, size_t n, uint64_
         }
         cmd->result = KVHI_CMD_OK;
         cmd->reply = r;
-        if (on_reply)
-            on_reply(user, k, cmd);
     }
 }
 
 void kvhi_cluster_run(kvhi_cluster *c, kvhi_cluster_cmd *cmds, size_t n, kvhi_cluster_report *rep)
 {
-    kvhi_cluster_run_each(c, cmds, n, rep, NULL, NULL);
+    kvhi_cluster_run_strings(c, cmds, n, rep, NULL, NULL);
 }
 
-void kvhi_cluster_run_each(kvhi_cluster *c, kvhi_cluster_cmd *cmds, size_t n, kvhi_cluster_report *rep,
-                           kvhi_cluster_reply_fn on_reply, void *user)
+void kvhi_cluster_run_strings(kvhi_cluster *c, kvhi_cluster_cmd *cmds, size_t n, kvhi_cluster_report *rep,
+                              kvhi_cluster_string_fn on_string, void *user)
 {
     memset(rep, 0, sizeof(*rep));
     uint64_t deadline = now_ns() + (uint64_t)c->opts.timeout_ms * 1000000ull;
@@ -563,14 +605,18 @@ void kvhi_cluster_run_each(kvhi_cluster *c, kvhi_cluster_cmd *cmds, size_t n, kv
         cmds[k].asking = false;
         cmds[k].node = c->slot_node[kvhi_cluster_key_slot(cmds[k].argv[1], cmds[k].argvlen[1])];
     }
+    c->sink.on_string = on_string;
+    c->sink.user = user;
     for (int round = 0; round < MAX_ROUNDS; round++) {
-        run_round(c, cmds, n, deadline, rep, on_reply, user);
+        run_round(c, cmds, n, deadline, rep);
         bool pending = false;
         for (size_t k = 0; k < n; k++)
             pending |= cmds[k].result == KVHI_CMD_PENDING;
         if (!pending)
             break;
     }
+    c->sink.on_string = NULL;
+    c->sink.user = NULL;
     for (size_t k = 0; k < n; k++)
         if (cmds[k].result == KVHI_CMD_PENDING)
             cmds[k].result = KVHI_CMD_FAILED;

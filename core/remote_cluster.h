@@ -72,13 +72,15 @@ void kvhi_cluster_close(kvhi_cluster *c);
 /* Runs cmds (each naming its key in argv[1]) on their nodes within
  * timeout_ms of now. Never fails as a whole: each command has its result. */
 void kvhi_cluster_run(kvhi_cluster *c, kvhi_cluster_cmd *cmds, size_t n, kvhi_cluster_report *rep);
-/* The same, calling on_reply(user, i) as soon as command i has its reply,
- * while later replies are still arriving (so their processing overlaps
- * the transfer). Called with the client's lock held: it must not use the
- * client. */
-typedef void (*kvhi_cluster_reply_fn)(void *user, size_t i, const kvhi_cluster_cmd *cmd);
-void kvhi_cluster_run_each(kvhi_cluster *c, kvhi_cluster_cmd *cmds, size_t n, kvhi_cluster_report *rep,
-                           kvhi_cluster_reply_fn on_reply, void *user);
+/* The same, handing each bulk-string reply to on_string(user, i, str,
+ * len) as it is parsed, straight from the connection's read buffer: no
+ * copy of the value is made, and later replies are still arriving while
+ * it runs. Command i's reply is then an empty string (on_string saw its
+ * bytes); other replies (nil, integers, errors) are kept as usual. Called
+ * with the client's lock held: it must not use the client, nor keep str. */
+typedef void (*kvhi_cluster_string_fn)(void *user, size_t i, const char *str, size_t len);
+void kvhi_cluster_run_strings(kvhi_cluster *c, kvhi_cluster_cmd *cmds, size_t n, kvhi_cluster_report *rep,
+                              kvhi_cluster_string_fn on_string, void *user);
 /* What a command's reply is (KVHI_REPLY_NONE without one), with its text
  * (string, status, error) or its integer; str and integer may be NULL. */
 enum kvhi_reply_kind {

@@ -40,16 +40,19 @@ void kvhi_remote_value_encode(void *buf, const kvhi_remote_id *id, uint64_t hash
     } while (0)
 
 /* The checks that need no expectation; the header's tokens go to tokens
- * (block_tokens entries). */
-static int check_value(const uint8_t *v, size_t len, const kvhi_remote_id *id, kvhi_slot_meta *m, int32_t *tokens,
-                       const char **why)
+ * (block_tokens entries). With dst set, the data is copied there and its
+ * checksum taken in the same pass. */
+static int check_value(const uint8_t *v, size_t len, const kvhi_remote_id *id, void *dst, kvhi_slot_meta *m,
+                       int32_t *tokens, const char **why)
 {
     if (id->block_tokens == 0 || id->block_tokens > 256)
         FAIL(-20, "reader geometry has no valid block size");
     if (len < KVHI_SLOT_HEADER_BYTES || len - KVHI_SLOT_HEADER_BYTES != id->block_bytes)
         FAIL(-21, "value length does not match the block size");
-    int rc =
-        kvhi_slot_check_alone(v, v + KVHI_SLOT_HEADER_BYTES, id->block_bytes, 0, 0, id->block_tokens, m, tokens, why);
+    const uint8_t *data = v + KVHI_SLOT_HEADER_BYTES;
+    int rc = dst ? kvhi_slot_check_alone_crc(v, kvhi_crc32c_copy(0, dst, data, id->block_bytes), id->block_bytes, 0, 0,
+                                             id->block_tokens, m, tokens, why)
+                 : kvhi_slot_check_alone(v, data, id->block_bytes, 0, 0, id->block_tokens, m, tokens, why);
     if (rc != 0)
         return rc;
     if (m->geo_tag != id->geo_tag || m->store_id != id->model_salt)
@@ -64,9 +67,15 @@ static int check_value(const uint8_t *v, size_t len, const kvhi_remote_id *id, k
 int kvhi_remote_value_check(const void *val, size_t len, const kvhi_remote_id *id, const kvhi_remote_expect *ex,
                             const char **why)
 {
+    return kvhi_remote_value_check_copy(val, len, NULL, id, ex, why);
+}
+
+int kvhi_remote_value_check_copy(const void *val, size_t len, void *dst, const kvhi_remote_id *id,
+                                 const kvhi_remote_expect *ex, const char **why)
+{
     int32_t tokens[256];
     kvhi_slot_meta m;
-    int rc = check_value(val, len, id, &m, tokens, why);
+    int rc = check_value(val, len, id, dst, &m, tokens, why);
     if (rc != 0)
         return rc;
     if (m.hash != ex->hash)
@@ -83,7 +92,7 @@ int kvhi_remote_value_check_alone(const void *val, size_t len, const kvhi_remote
 {
     int32_t tokens[256];
     kvhi_slot_meta m;
-    int rc = check_value(val, len, id, &m, tokens, why);
+    int rc = check_value(val, len, id, NULL, &m, tokens, why);
     if (rc == 0 && hash_out)
         *hash_out = m.hash;
     return rc;

@@ -65,6 +65,12 @@ typedef struct kvhi_remote_expect {
 int kvhi_remote_value_check(const void *val, size_t len, const kvhi_remote_id *id, const kvhi_remote_expect *ex,
                             const char **why);
 
+/* The same checks, copying the value's data (block_bytes) to dst in the
+ * pass that checksums it. dst is written even when the value fails: it
+ * must be memory nobody reads before this returns 0. */
+int kvhi_remote_value_check_copy(const void *val, size_t len, void *dst, const kvhi_remote_id *id,
+                                 const kvhi_remote_expect *ex, const char **why);
+
 /* Checks a value on its own (no expected hash: `kvh store verify`): all of
  * the above but hash, parent and tokens, which it returns in *hash_out. */
 int kvhi_remote_value_check_alone(const void *val, size_t len, const kvhi_remote_id *id, uint64_t *hash_out,

@@ -1,7 +1,8 @@
-/* The remote tier inside the engine (core/remote_tier.c): open and close,
- * uploads on persist, and the continuation of a prefix match into the
- * store. Network I/O and value checks run with the engine lock dropped;
- * the client is core/remote_cluster.h, the values core/remote_format.h. */
+/* The remote tier inside the engine: open and close (core/remote_tier.c),
+ * uploads (core/remote_upload.c) and the continuation of a prefix match
+ * into the store (core/remote_match.c). Network I/O, value checks and
+ * copies run with the engine lock dropped; the client is
+ * core/remote_cluster.h, the values core/remote_format.h. */
 #ifndef KVH_CORE_REMOTE_TIER_H
 #define KVH_CORE_REMOTE_TIER_H
 
@@ -10,8 +11,16 @@
 #include <stdint.h>
 
 #include "core/engine.h"
+#include "core/remote_cluster.h"
 #include "core/remote_format.h"
 #include "core/seq.h"
+
+/* Blocks asked about (EXISTS) in one round of a match; a 32k-token prefix
+ * of 16-token blocks is 2048. */
+#define KVHI_REMOTE_LOOKUP_MAX 4096u
+/* Value bytes fetched or sent in one round: bounds the memory a round
+ * holds, not the round trips of a short prefix. */
+#define KVHI_REMOTE_ROUND_BYTES (64ull << 20)
 
 typedef struct kvhi_remote {
     struct kvhi_cluster *cluster;
@@ -57,5 +66,26 @@ size_t kvhi_remote_lookup(kvh_engine *e, const kvhi_scope *sc, const int32_t *to
  * without an engine, and what it can do. */
 kvh_status kvhi_remote_open_client(const kvh_config *cfg, kvhi_remote **out);
 void kvhi_remote_close_client(kvhi_remote *r);
+
+/* ---- shared by the remote tier's files ---- */
+
+/* Counters of one call, added to the engine's under the lock. */
+typedef struct kvhi_remote_tally {
+    uint64_t hits, misses, corrupt, uploads, dropped, timeouts, breaker_opens;
+} kvhi_remote_tally;
+void kvhi_remote_tally_report(kvhi_remote_tally *t, const kvhi_cluster_report *rep);
+/* Lock held. */
+void kvhi_remote_tally_add(kvh_engine *e, const kvhi_remote_tally *t);
+
+/* A command on one key (KVHI_REMOTE_KEY_LEN long). */
+void kvhi_remote_cmd_key(kvhi_cluster_cmd *c, const char *verb, const char *key);
+/* How many of keys[0..n) exist; present[i] says which. Lock not held. */
+size_t kvhi_remote_exists_round(kvhi_remote *r, char (*keys)[KVHI_REMOTE_KEY_BYTES], size_t n, bool *present,
+                                kvhi_cluster_cmd *cmds, kvhi_remote_tally *t);
+
+/* Value buffers for an upload: up to cap spares into vals (the rest NULL),
+ * then given back (kept up to a round's bytes, the rest freed). */
+void kvhi_remote_take_spares(kvhi_remote *r, uint8_t **vals, size_t cap);
+void kvhi_remote_put_spares(kvhi_remote *r, uint8_t **vals, size_t n);
 
 #endif

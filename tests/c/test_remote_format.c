@@ -53,6 +53,15 @@ static int check(const value *v, size_t len, uint64_t hash, uint64_t parent, con
     int rc = kvhi_remote_value_check(v->bytes, len, &id, &ex, &why);
     if (rc != 0)
         assert_true(why && *why);
+    /* The copying check (the match's path) agrees, and copies what it passes. */
+    static uint8_t dst[DATA];
+    memset(dst, 0xee, sizeof(dst));
+    const char *why_copy = NULL;
+    assert_int_equal(kvhi_remote_value_check_copy(v->bytes, len, dst, &id, &ex, &why_copy), rc);
+    if (rc == 0)
+        assert_memory_equal(dst, v->bytes + KVHI_SLOT_HEADER_BYTES, DATA);
+    else
+        assert_true(why_copy && *why_copy);
     return rc;
 }
 

@@ -212,6 +212,55 @@ static void test_blocks_persist_uploads(void **state)
     assert_int_equal(tu_stats(b).remote_hits, N_BLOCKS);
 }
 
+/* Reads all KV of s (layers x n tokens, K then V) into out. */
+static void read_all(kvh_engine *e, kvh_seq s, uint8_t *out)
+{
+    for (uint32_t l = 0; l < LAYERS; l++) {
+        uint8_t *k = out + (size_t)l * 2 * N_BLOCKS * BT * TOK_BYTES;
+        assert_ok(kvh_seq_read_kv(e, s, l, 0, N_BLOCKS * BT, k, k + (size_t)N_BLOCKS * BT * TOK_BYTES));
+    }
+}
+
+/* With a codec the values hold encoded blocks: an engine with a host tier
+ * (encoded too) takes them as they are, one with a device tier only (raw)
+ * decodes them; both read the same KV. */
+static void test_codec_into_either_tier(void **state)
+{
+    (void)state;
+    NEED_CLUSTER();
+    uint64_t salt = test_salt();
+    kvh_config c = remote_cfg(salt);
+    c.kv_codec = KVH_CODEC_INT8;
+    kvh_engine *a = tu_open_cfg(&c);
+    int32_t tokens[N_BLOCKS * BT];
+    prefix_tokens(tokens, N_BLOCKS * BT, 5000);
+    kvh_seq s = tu_seq_new(a, 0);
+    assert_ok(kvh_seq_append(a, s, tokens, N_BLOCKS * BT));
+    tu_write_pattern(a, s, LAYERS, TOK_BYTES, 23, 0, N_BLOCKS * BT);
+    assert_ok(kvh_seq_persist(a, s));
+    assert_int_equal(tu_stats(a).remote_uploads, N_BLOCKS);
+    kvh_engine *with_host = tu_open_cfg(&c);
+    kvh_config dev = c;
+    dev.host_bytes = 0;
+    dev.device_bytes = (N_BLOCKS + 8) * tu_block_bytes(a);
+    kvh_engine *device_only = tu_open_cfg(&dev);
+    kvh_seq sh, sd;
+    assert_int_equal(match(with_host, &sh, 5000), N_BLOCKS * BT);
+    assert_int_equal(match(device_only, &sd, 5000), N_BLOCKS * BT);
+    size_t bytes = (size_t)LAYERS * 2 * N_BLOCKS * BT * TOK_BYTES;
+    uint8_t *kv_h = malloc(bytes), *kv_d = malloc(bytes);
+    assert_non_null(kv_h);
+    assert_non_null(kv_d);
+    read_all(with_host, sh, kv_h);
+    read_all(device_only, sd, kv_d);
+    assert_memory_equal(kv_h, kv_d, bytes);
+    assert_int_equal(tu_stats(with_host).remote_hits, N_BLOCKS);
+    assert_int_equal(tu_stats(device_only).remote_hits, N_BLOCKS);
+    assert_int_equal(tu_stats(device_only).remote_corrupt, 0);
+    free(kv_h);
+    free(kv_d);
+}
+
 /* The key of block i of the prefix at base under cfg (through an engine's
  * identity, as the tier computes it). */
 static void key_of(kvh_engine *e, int32_t base, size_t i, char *key)
@@ -492,6 +541,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_shared_across_processes, tu_teardown),
         cmocka_unit_test_teardown(test_blocks_persist_uploads, tu_teardown),
         cmocka_unit_test_teardown(test_tampered_value_is_deleted, tu_teardown),
+        cmocka_unit_test_teardown(test_codec_into_either_tier, tu_teardown),
         cmocka_unit_test_teardown(test_slot_migration, tu_teardown),
         cmocka_unit_test_teardown(test_node_killed_and_back, tu_teardown),
         cmocka_unit_test_teardown(test_slow_node_times_out, tu_teardown),
