@@ -21,11 +21,17 @@ void kvhi_remote_key(char *key, const kvhi_remote_id *id, uint64_t hash)
 void kvhi_remote_value_encode(void *buf, const kvhi_remote_id *id, uint64_t hash, uint64_t parent,
                               const int32_t *tokens, const void *data)
 {
+    kvhi_remote_value_encode_crc(buf, id, hash, parent, tokens, kvhi_crc32c(0, data, id->block_bytes));
+}
+
+void kvhi_remote_value_encode_crc(void *buf, const kvhi_remote_id *id, uint64_t hash, uint64_t parent,
+                                  const int32_t *tokens, uint32_t data_crc)
+{
     kvhi_slot_meta m = {.store_id = id->model_salt,
                         .hash = hash,
                         .parent = parent,
                         .n_tokens = id->block_tokens,
-                        .data_crc = kvhi_crc32c(0, data, id->block_bytes),
+                        .data_crc = data_crc,
                         .flags = KVHI_SLOT_PUBLISHED,
                         .geo_tag = id->geo_tag,
                         .tokens = tokens};

@@ -50,6 +50,10 @@ static inline uint64_t kvhi_remote_value_bytes(const kvhi_remote_id *id)
  * (block_bytes) already placed behind it. */
 void kvhi_remote_value_encode(void *buf, const kvhi_remote_id *id, uint64_t hash, uint64_t parent,
                               const int32_t *tokens, const void *data);
+/* The same with the data's CRC32C already computed (taken while it was
+ * copied into place). */
+void kvhi_remote_value_encode_crc(void *buf, const kvhi_remote_id *id, uint64_t hash, uint64_t parent,
+                                  const int32_t *tokens, uint32_t data_crc);
 
 /* What a reader expects of a value. */
 typedef struct kvhi_remote_expect {

@@ -139,7 +139,7 @@ static void getex_cmd(kvhi_cluster_cmd *c, const char *key, const char *ttl_text
 typedef struct match_bufs {
     uint64_t *hashes;
     char (*keys)[KVHI_REMOTE_KEY_BYTES];
-    bool *present;
+    int8_t *present;
     kvhi_cluster_cmd *cmds;
     const char **why;
     int *verdict;
@@ -262,7 +262,7 @@ static size_t continue_match(kvh_engine *e, kvhi_seq *s, const kvhi_scope *sc, c
     }
     kvhi_remote_exists_round(r, m.keys, want, m.present, m.cmds, &t);
     size_t run = 0;
-    while (run < want && m.present[run])
+    while (run < want && m.present[run] == 1)
         run++;
     if (run < want)
         t.misses++; /* where the prefix stops */

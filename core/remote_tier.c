@@ -190,7 +190,7 @@ void kvhi_remote_tally_add(kvh_engine *e, const kvhi_remote_tally *t)
     e->stats.remote_breaker_opens += t->breaker_opens;
 }
 
-size_t kvhi_remote_exists_round(kvhi_remote *r, char (*keys)[KVHI_REMOTE_KEY_BYTES], size_t n, bool *present,
+size_t kvhi_remote_exists_round(kvhi_remote *r, char (*keys)[KVHI_REMOTE_KEY_BYTES], size_t n, int8_t *present,
                                 kvhi_cluster_cmd *cmds, kvhi_remote_tally *t)
 {
     for (size_t i = 0; i < n; i++)
@@ -201,8 +201,8 @@ size_t kvhi_remote_exists_round(kvhi_remote *r, char (*keys)[KVHI_REMOTE_KEY_BYT
     size_t yes = 0;
     for (size_t i = 0; i < n; i++) {
         long long v = 0;
-        present[i] = kvhi_cluster_reply(&cmds[i], NULL, NULL, &v) == KVHI_REPLY_INTEGER && v == 1;
-        yes += present[i];
+        present[i] = kvhi_cluster_reply(&cmds[i], NULL, NULL, &v) != KVHI_REPLY_INTEGER ? -1 : v == 1;
+        yes += present[i] == 1;
     }
     kvhi_cluster_cmds_clear(r->cluster, cmds, n);
     return yes;

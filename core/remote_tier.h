@@ -79,9 +79,14 @@ void kvhi_remote_tally_add(kvh_engine *e, const kvhi_remote_tally *t);
 
 /* A command on one key (KVHI_REMOTE_KEY_LEN long). */
 void kvhi_remote_cmd_key(kvhi_cluster_cmd *c, const char *verb, const char *key);
-/* How many of keys[0..n) exist; present[i] says which. Lock not held. */
-size_t kvhi_remote_exists_round(kvhi_remote *r, char (*keys)[KVHI_REMOTE_KEY_BYTES], size_t n, bool *present,
+/* How many of keys[0..n) exist; present[i] says which: 1, 0, or -1 when
+ * its node gave no answer. Lock not held. */
+size_t kvhi_remote_exists_round(kvhi_remote *r, char (*keys)[KVHI_REMOTE_KEY_BYTES], size_t n, int8_t *present,
                                 kvhi_cluster_cmd *cmds, kvhi_remote_tally *t);
+/* Uploads the full, KV-complete blocks of list the store lacks (lock held;
+ * dropped for copies, disk reads and the network). Takes its own
+ * references. Failures are counted, never returned. */
+void kvhi_remote_upload_blocks(kvh_engine *e, const uint32_t *list, size_t n);
 
 /* Value buffers for an upload: up to cap spares into vals (the rest NULL),
  * then given back (kept up to a round's bytes, the rest freed). */
