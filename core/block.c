@@ -12,6 +12,7 @@
 #include "core/disk_tier.h"
 #include "core/codec_tier.h"
 #include "core/lctru.h"
+#include "core/remote_tier.h"
 
 uint8_t *kvhi_slot_addr(kvh_engine *e, uint32_t tier, uint32_t slot)
 {
@@ -472,8 +473,10 @@ void kvhi_block_try_publish(kvh_engine *e, uint32_t b)
     if ((blk->flags & need) != need || (blk->flags & (KVHI_BF_PUBLISHED | KVHI_BF_DEAD)))
         return;
     /* A block with the same prefix may be cached already: keep that one. */
-    if (kvhi_prefix_insert(&e->prefix, blk->hash, b) == 0)
+    if (kvhi_prefix_insert(&e->prefix, blk->hash, b) == 0) {
         blk->flags |= KVHI_BF_PUBLISHED;
+        kvhi_remote_queue_upload(e, b, KVH_REMOTE_UPLOAD_WRITE_THROUGH);
+    }
 }
 
 kvh_status kvhi_block_cow(kvh_engine *e, uint32_t b, uint32_t agent, uint32_t *out)

@@ -21,6 +21,7 @@
 #include "core/tier.h"
 #include "core/seq.h"
 #include "core/disk_tier.h"
+#include "core/remote_tier.h"
 
 static kvh_status lock_store(kvhi_disk *d)
 {
@@ -251,8 +252,10 @@ void kvhi_disk_after_move(kvh_engine *e, uint32_t b, const kvhi_xfer *x, bool *k
             blk->flags |= KVHI_BF_DISK_HASHED;
         else
             blk->flags &= (uint16_t)~KVHI_BF_DISK_HASHED;
-        if (immutable(blk) && (blk->flags & KVHI_BF_PUBLISHED))
+        if (immutable(blk) && (blk->flags & KVHI_BF_PUBLISHED)) {
             journal_add(e, b, x->dst_slot);
+            kvhi_remote_queue_upload(e, b, KVH_REMOTE_UPLOAD_DEMOTE);
+        }
     } else if (x->src_tier == KVH_TIER_DISK) {
         if (immutable(blk) && (blk->flags & KVHI_BF_JOURNALED)) {
             /* The disk data stays valid: keep it as a clean copy so the

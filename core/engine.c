@@ -265,7 +265,8 @@ static void note_memory_model(kvh_engine *e)
 
 static void engine_free(kvh_engine *e)
 {
-    kvhi_contexts_free(e); /* weight memory goes back to the backend */
+    kvhi_remote_uploader_stop(e); /* a failed open may have started it */
+    kvhi_contexts_free(e);        /* weight memory goes back to the backend */
     if (e->seqs.ptrs)
         for (uint32_t i = 0; i < e->seqs.cap; i++) {
             kvhi_seq *s = e->seqs.ptrs[i];
@@ -437,6 +438,7 @@ kvh_status kvhi_engine_close(kvh_engine *e)
     while (e->active_calls)
         pthread_cond_wait(&e->changed, &e->lock);
     pthread_mutex_unlock(&e->lock);
+    kvhi_remote_uploader_stop(e); /* its uploads may wait on the workers' moves */
     kvhi_workers_stop(e);
     kvh_status st = kvhi_disk_tier_close(e, true);
     engine_free(e);

@@ -17,6 +17,7 @@
 #include "core/tier.h"
 #include "core/disk_tier.h"
 #include "core/codec_tier.h"
+#include "core/remote_tier.h"
 
 static enum kvhi_copy_kind copy_kind(kvh_engine *e, uint32_t dst_tier, uint32_t src_tier)
 {
@@ -168,6 +169,8 @@ static kvh_status demote_to_copy(kvh_engine *e, uint32_t b, uint32_t *src_slot_o
     else
         kvhi_release_slot(e, src_tier, src_slot);
     kvhi_block_update_evictable(e, b);
+    if (blk->flags & KVHI_BF_PUBLISHED)
+        kvhi_remote_queue_upload(e, b, KVH_REMOTE_UPLOAD_DEMOTE);
     return KVH_OK;
 }
 

@@ -101,7 +101,10 @@ static void attach(kvh_engine *e, kvhi_seq *s, size_t i, uint32_t b, uint64_t ha
         blk->hash = hash;
         blk->parent_hash = parent;
         blk->flags |= KVHI_BF_HASHED | KVHI_BF_KV_COMPLETE;
-        kvhi_block_try_publish(e, b);
+        /* Published as kvhi_block_try_publish does, but not queued for
+         * upload: the store is where it came from. */
+        if (kvhi_prefix_insert(&e->prefix, hash, b) == 0)
+            blk->flags |= KVHI_BF_PUBLISHED;
         kvhi_block_unhold(e, b);
     }
     s->blocks[i] = b;

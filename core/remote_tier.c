@@ -12,8 +12,6 @@
 #include "core/remote_cluster.h"
 #include "core/scope.h"
 
-static const char *const upload_names = "KVH_REMOTE_UPLOAD_PERSIST";
-
 kvh_status kvhi_remote_validate(const kvh_config *c)
 {
     if (!c->remote_addrs || !c->remote_addrs[0])
@@ -27,10 +25,6 @@ kvh_status kvhi_remote_validate(const kvh_config *c)
     if (c->remote_upload &
         ~(uint32_t)(KVH_REMOTE_UPLOAD_PERSIST | KVH_REMOTE_UPLOAD_DEMOTE | KVH_REMOTE_UPLOAD_WRITE_THROUGH))
         return kvhi_fail(KVH_ERR_INVALID_ARG, "unknown remote_upload bits 0x%x", c->remote_upload);
-    if (c->remote_upload & (KVH_REMOTE_UPLOAD_DEMOTE | KVH_REMOTE_UPLOAD_WRITE_THROUGH))
-        return kvhi_fail(KVH_ERR_UNSUPPORTED,
-                         "remote_upload 0x%x: uploads on demotion and write-through are not implemented yet (use %s)",
-                         c->remote_upload, upload_names);
     if (c->remote_tls)
         return kvhi_fail(KVH_ERR_UNSUPPORTED,
                          "remote_tls: this build's Redis client (hiredis 0.14, Debian 12) has no TLS; reach the "
@@ -95,11 +89,17 @@ kvh_status kvhi_remote_tier_open(kvh_engine *e, const kvh_config *cfg)
     if (!cfg->remote_addrs || !cfg->remote_addrs[0])
         return KVH_OK;
     kvhi_remote_id id = id_of(cfg, e->tiers[KVH_TIER_DISK].slot_bytes);
-    return open_remote(cfg, e, &id, &e->remote);
+    kvh_status st = open_remote(cfg, e, &id, &e->remote);
+    if (st == KVH_OK && (st = kvhi_remote_uploader_start(e)) != KVH_OK) {
+        kvhi_remote_close_client(e->remote);
+        e->remote = NULL;
+    }
+    return st;
 }
 
 void kvhi_remote_tier_close(kvh_engine *e)
 {
+    kvhi_remote_uploader_stop(e);
     kvhi_remote_close_client(e->remote);
     e->remote = NULL;
 }

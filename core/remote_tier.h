@@ -33,6 +33,14 @@ typedef struct kvhi_remote {
     pthread_mutex_t spare_lock;
     uint8_t **spare;
     size_t n_spare;
+    /* Background uploads (core/remote_uploader.c): a ring of blocks, each
+     * with a reference, under the engine lock. */
+    uint32_t *queue;
+    size_t q_cap, q_head, q_len;
+    pthread_cond_t q_cv; /* with the engine lock */
+    pthread_t uploader;
+    bool uploader_running, uploader_stop;
+    bool queue_full; /* logged once per state change */
 } kvhi_remote;
 
 /* Checks the remote settings of cfg (KVH_ERR_INVALID_ARG,
@@ -61,6 +69,17 @@ size_t kvhi_remote_match(kvh_engine *e, kvhi_seq *s, const int32_t *tokens, size
  * how many out holds (lock held; dropped for the network). */
 size_t kvhi_remote_lookup(kvh_engine *e, const kvhi_scope *sc, const int32_t *tokens, size_t n_blocks, size_t found,
                           uint64_t parent, kvh_block *out);
+
+/* Queues block b (published, KV-complete) for the uploader when reason
+ * (a kvh_remote_upload bit) is configured; a full queue drops it, counted
+ * (lock held; never waits). */
+void kvhi_remote_queue_upload(kvh_engine *e, uint32_t b, uint32_t reason);
+/* Starts the uploader thread when remote_upload asks for background
+ * uploads (lock not held). */
+kvh_status kvhi_remote_uploader_start(kvh_engine *e);
+/* Uploads what is queued, then ends the thread (lock not held; the
+ * engine's workers still run). Does nothing when it is not running. */
+void kvhi_remote_uploader_stop(kvh_engine *e);
 
 /* For tools (kvh store, kvh doctor): a client on cfg's remote settings
  * without an engine, and what it can do. */

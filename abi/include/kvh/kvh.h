@@ -348,11 +348,22 @@ enum kvh_remote_upload {
     /* kvh_seq_persist uploads the sequence's full blocks (after the disk
      * tier made them durable, when there is one). */
     KVH_REMOTE_UPLOAD_PERSIST = 1u,
-    /* Reserved: on demotion to disk, and on publication (write-through).
-     * Not implemented yet: kvh_engine_open refuses them with
-     * KVH_ERR_UNSUPPORTED. */
+    /* When a published block (full tokens, every KV cell written) moves
+     * from memory to the disk tier (eviction or kvh_seq_migrate), it is
+     * queued for upload; a background thread reads it back from its disk
+     * slot (checked, left on disk) and uploads it if the store lacks it.
+     * Needs a disk tier to act. */
     KVH_REMOTE_UPLOAD_DEMOTE = 2u,
+    /* When a block is published (its last token appended and its last KV
+     * cell written, in either order, or gathered by kvh_pool_offload*), it
+     * is queued for upload the same way; blocks that came from the store
+     * are not sent back. */
     KVH_REMOTE_UPLOAD_WRITE_THROUGH = 4u
+    /* DEMOTE and WRITE_THROUGH never wait: a full queue (a few rounds of
+     * blocks) drops the block and counts it in remote_uploads_dropped, as
+     * does an upload whose node is down or misses remote_timeout_ms. A
+     * queued block keeps a reference (stays in some tier) until sent.
+     * kvh_engine_close sends what is queued first. */
 };
 
 /* Fills *config with defaults for a struct of struct_size bytes (pass
