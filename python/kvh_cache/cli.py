@@ -296,10 +296,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
         argv += ["--quick"] if args.quick else []
         argv += ["--reps", str(args.reps)] if args.reps else []
         return bench_offload.main(argv + list(getattr(args, "extra", [])))
+    if list(args.scenarios) == ["remote-ttft"]:
+        # Node B's time to first token through the remote tier: the model runner.
+        from .demo import bench_remote
+
+        argv = ["--json"] if args.json else []
+        argv += ["--quick"] if args.quick else []
+        argv += ["--reps", str(args.reps)] if args.reps else []
+        return bench_remote.main(argv + list(getattr(args, "extra", [])))
 
     tool = find_tool("kvh-bench")
     if args.list:
-        # kvh-bench's scenarios, then the two this command runs in Python.
+        # kvh-bench's scenarios, then those this command runs in Python.
         rc = EXIT_UNAVAILABLE
         try:
             if tool:
@@ -311,6 +319,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         print("retriever")
         print("offload")
+        print("remote-ttft")
         return EXIT_OK if rc == 0 else rc
     if not tool:
         return _missing_tool("kvh-bench")
@@ -539,7 +548,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SCENARIO",
         help="scenarios (default: all; see --list); `retriever` runs the speculative-prefetch benchmark, "
         "`offload` the offload threshold (restore vs recompute with the model), `vllm` kvh beneath vLLM "
-        "(TTFT after a restart, decode speed; needs scripts/install-vllm.sh)",
+        "(TTFT after a restart, decode speed; needs scripts/install-vllm.sh), `remote-ttft` node B's time to "
+        "first token for a prefix node A uploaded to the remote tier vs recomputing it (needs redis-server)",
     )
     sp.add_argument("--list", action="store_true", help="list the scenarios")
     sp.add_argument("--quick", action="store_true", help="a few seconds per scenario")

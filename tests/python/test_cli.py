@@ -73,6 +73,7 @@ def test_help_everywhere(cmd):
         "kvh_cache.demo.agents",
         "kvh_cache.demo.bench_retriever",
         "kvh_cache.demo.bench_offload",
+        "kvh_cache.demo.bench_remote",
         "kvh_cache.bench_retriever",
         "kvh_cache.bench_offload",
         "kvh_cache.model",
@@ -281,8 +282,8 @@ def test_bench():
         return
     assert res.returncode == 0
     scenarios = res.stdout.split()
-    assert "retriever" in scenarios and "offload" in scenarios
-    scenarios = [s for s in scenarios if s not in ("retriever", "offload")]
+    assert "retriever" in scenarios and "offload" in scenarios and "remote-ttft" in scenarios
+    scenarios = [s for s in scenarios if s not in ("retriever", "offload", "remote-ttft")]
     assert scenarios
     res = run_kvh("bench", scenarios[0], "--quick", "--json", timeout=300)
     assert res.returncode == 0, res.stderr
