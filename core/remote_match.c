@@ -263,7 +263,7 @@ static size_t continue_match(kvh_engine *e, kvhi_seq *s, const kvhi_scope *sc, c
             kvhi_prefix_hash(m.hashes[k], tokens + i * bt, bt, kvhi_scope_block_salt(salt, sc ? &scope : NULL, i, bt));
         kvhi_remote_key(m.keys[k], &r->id, m.hashes[k + 1]);
     }
-    kvhi_remote_exists_round(r, m.keys, want, m.present, m.cmds, &t);
+    kvhi_remote_exists_round(r->cluster, m.keys, want, m.present, m.cmds, &t);
     size_t run = 0;
     while (run < want && m.present[run] == 1)
         run++;

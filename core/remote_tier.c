@@ -57,7 +57,12 @@ static kvh_status open_remote(const kvh_config *cfg, kvh_engine *log_to, const k
                            .log = log_to ? cluster_log : NULL,
                            .log_user = log_to};
     char err[320];
-    if (kvhi_cluster_open(&o, &r->cluster, err, sizeof(err)) != 0) {
+    bool background = cfg->remote_upload & (KVH_REMOTE_UPLOAD_DEMOTE | KVH_REMOTE_UPLOAD_WRITE_THROUGH);
+    /* Background uploads get a client of their own: their rounds (up to
+     * KVHI_REMOTE_ROUND_BYTES) then never hold up a match's. */
+    if (kvhi_cluster_open(&o, &r->cluster, err, sizeof(err)) != 0 ||
+        (background && kvhi_cluster_open(&o, &r->upload_cluster, err, sizeof(err)) != 0)) {
+        kvhi_cluster_close(r->cluster);
         pthread_mutex_destroy(&r->spare_lock);
         free(r);
         kvh_status code = strstr(err, "AUTH")      ? KVH_ERR_IO
@@ -127,6 +132,7 @@ void kvhi_remote_close_client(kvhi_remote *r)
     if (!r)
         return;
     kvhi_cluster_close(r->cluster);
+    kvhi_cluster_close(r->upload_cluster);
     for (size_t i = 0; i < r->n_spare; i++)
         free(r->spare[i]);
     free(r->spare);
@@ -190,13 +196,13 @@ void kvhi_remote_tally_add(kvh_engine *e, const kvhi_remote_tally *t)
     e->stats.remote_breaker_opens += t->breaker_opens;
 }
 
-size_t kvhi_remote_exists_round(kvhi_remote *r, char (*keys)[KVHI_REMOTE_KEY_BYTES], size_t n, int8_t *present,
+size_t kvhi_remote_exists_round(kvhi_cluster *via, char (*keys)[KVHI_REMOTE_KEY_BYTES], size_t n, int8_t *present,
                                 kvhi_cluster_cmd *cmds, kvhi_remote_tally *t)
 {
     for (size_t i = 0; i < n; i++)
         kvhi_remote_cmd_key(&cmds[i], "EXISTS", keys[i]);
     kvhi_cluster_report rep;
-    kvhi_cluster_run(r->cluster, cmds, n, &rep);
+    kvhi_cluster_run(via, cmds, n, &rep);
     kvhi_remote_tally_report(t, &rep);
     size_t yes = 0;
     for (size_t i = 0; i < n; i++) {
@@ -204,6 +210,6 @@ size_t kvhi_remote_exists_round(kvhi_remote *r, char (*keys)[KVHI_REMOTE_KEY_BYT
         present[i] = kvhi_cluster_reply(&cmds[i], NULL, NULL, &v) != KVHI_REPLY_INTEGER ? -1 : v == 1;
         yes += present[i] == 1;
     }
-    kvhi_cluster_cmds_clear(r->cluster, cmds, n);
+    kvhi_cluster_cmds_clear(via, cmds, n);
     return yes;
 }

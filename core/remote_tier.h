@@ -24,6 +24,7 @@
 
 typedef struct kvhi_remote {
     struct kvhi_cluster *cluster;
+    struct kvhi_cluster *upload_cluster; /* the uploader's own; NULL without one */
     kvhi_remote_id id;
     uint32_t upload; /* kvh_remote_upload bits */
     char ttl_text[16];
@@ -100,12 +101,12 @@ void kvhi_remote_tally_add(kvh_engine *e, const kvhi_remote_tally *t);
 void kvhi_remote_cmd_key(kvhi_cluster_cmd *c, const char *verb, const char *key);
 /* How many of keys[0..n) exist; present[i] says which: 1, 0, or -1 when
  * its node gave no answer. Lock not held. */
-size_t kvhi_remote_exists_round(kvhi_remote *r, char (*keys)[KVHI_REMOTE_KEY_BYTES], size_t n, int8_t *present,
+size_t kvhi_remote_exists_round(kvhi_cluster *via, char (*keys)[KVHI_REMOTE_KEY_BYTES], size_t n, int8_t *present,
                                 kvhi_cluster_cmd *cmds, kvhi_remote_tally *t);
-/* Uploads the full, KV-complete blocks of list the store lacks (lock held;
- * dropped for copies, disk reads and the network). Takes its own
- * references. Failures are counted, never returned. */
-void kvhi_remote_upload_blocks(kvh_engine *e, const uint32_t *list, size_t n);
+/* Uploads the full, KV-complete blocks of list the store lacks through
+ * client via (lock held; dropped for copies, disk reads and the network).
+ * Takes its own references. Failures are counted, never returned. */
+void kvhi_remote_upload_blocks(kvh_engine *e, kvhi_cluster *via, const uint32_t *list, size_t n);
 
 /* Value buffers for an upload: up to cap spares into vals (the rest NULL),
  * then given back (kept up to a round's bytes, the rest freed). */

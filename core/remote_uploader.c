@@ -67,7 +67,7 @@ static void *uploader_main(void *arg)
             r->queue_full = false;
             kvhi_log_later(e, KVH_LOG_INFO, "remote tier: upload queue has room again");
         }
-        kvhi_remote_upload_blocks(e, batch, n);
+        kvhi_remote_upload_blocks(e, r->upload_cluster ? r->upload_cluster : r->cluster, batch, n);
         for (size_t k = 0; k < n; k++)
             kvhi_block_unref(e, batch[k]);
     }

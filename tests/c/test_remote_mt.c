@@ -115,10 +115,43 @@ static void test_threads_share_the_client(void **state)
     assert_int_equal(st.remote_uploads, 2 * ROUNDS * N_BLOCKS);
 }
 
+/* The same with write-through on: the uploader thread (its own client)
+ * sends every block as it is published while the threads persist and
+ * match; nothing is dropped and a fresh engine finds every prefix. */
+static void test_threads_with_the_uploader(void **state)
+{
+    (void)state;
+    if (!have_server)
+        skip();
+    salt ^= 0x5a5a;
+    kvh_config c = cfg();
+    kvh_engine *writer = tu_open_cfg(&c);
+    assert_int_equal(put_prefix(writer, 7, 5), 0);
+    c.remote_upload = KVH_REMOTE_UPLOAD_PERSIST | KVH_REMOTE_UPLOAD_WRITE_THROUGH;
+    kvh_engine *e = tu_open_cfg(&c);
+    mt_worker w[4];
+    mt_run(e, 4, worker, w);
+    assert_ok(tu_close(e)); /* sends what is queued */
+    kvh_engine *fresh = tu_open_cfg(&c);
+    for (uint32_t t = 1; t < 4; t += 2)
+        for (int r = 0; r < ROUNDS; r++) {
+            int32_t tokens[N_BLOCKS * BT];
+            tu_iota(tokens, N_BLOCKS * BT, (int32_t)(100000 * (t + 1) + 1000 * r));
+            kvh_seq s = tu_seq_new(fresh, 0);
+            size_t m = 0;
+            assert_ok(kvh_seq_match_prefix(fresh, s, tokens, N_BLOCKS * BT, &m));
+            assert_int_equal(m, N_BLOCKS * BT);
+            assert_true(tu_check_pattern(fresh, s, LAYERS, TOK_BYTES, t * 100 + (uint64_t)r, 0, m));
+            assert_ok(kvh_seq_free(fresh, s));
+        }
+    assert_int_equal(tu_stats(fresh).remote_corrupt, 0);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_threads_share_the_client, tu_teardown),
+        cmocka_unit_test_teardown(test_threads_with_the_uploader, tu_teardown),
     };
     return cmocka_run_group_tests(tests, group_setup, group_teardown);
 }
