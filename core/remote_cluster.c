@@ -13,6 +13,12 @@
 #define NO_NODE UINT16_MAX
 #define MAX_NODES 1024u
 #define MAX_ROUNDS 4 /* a MOVED, then an ASK, then one more, then give up */
+/* A node's share of a round is written whenever this much is waiting:
+ * hiredis grows its output buffer by 1 MiB steps past 1 MiB, each a
+ * realloc that copies it, so a 64 MiB round in one buffer copies it ~32
+ * times over (and faults in fresh pages); the server starts on the first
+ * commands meanwhile. */
+#define FLUSH_BYTES (4u << 20)
 
 typedef struct node {
     char host[256];
@@ -21,6 +27,7 @@ typedef struct node {
     uint64_t left_alone_until; /* circuit breaker: open until then */
     bool breaker_open;
     bool in_batch; /* has commands in the current round */
+    size_t unsent; /* bytes appended since its last write */
 } node;
 
 /* Where a round's bulk strings go (kvhi_cluster_run_strings). Every
@@ -476,6 +483,20 @@ static bool redirect(kvhi_cluster *c, kvhi_cluster_cmd *cmd, const redisReply *r
     return true;
 }
 
+/* Writes what nd has waiting; false (the node failed) when it cannot. */
+static bool flush_node(kvhi_cluster *c, node *nd, kvhi_cluster_report *rep)
+{
+    int done = 0;
+    while (!done)
+        if (c->h->buffer_write(nd->ctx, &done) != REDIS_OK) {
+            node_failed(c, nd, timed_out(nd->ctx) ? "timed out" : nd->ctx->errstr, rep);
+            nd->in_batch = false;
+            return false;
+        }
+    nd->unsent = 0;
+    return true;
+}
+
 /* Sends every pending command of the round to its node, then reads the
  * answers node by node: the nodes work on their shares at the same time. */
 static void run_round(kvhi_cluster *c, kvhi_cluster_cmd *cmds, size_t n, uint64_t deadline, kvhi_cluster_report *rep)
@@ -517,6 +538,7 @@ static void run_round(kvhi_cluster *c, kvhi_cluster_cmd *cmds, size_t n, uint64_
             }
             c->h->set_timeout(nd->ctx, tv_of_ns(deadline - now));
             nd->in_batch = true;
+            nd->unsent = 0;
         }
         if (cmd->asking) {
             const char *argv[1] = {"ASKING"};
@@ -527,23 +549,17 @@ static void run_round(kvhi_cluster *c, kvhi_cluster_cmd *cmds, size_t n, uint64_
             cmd->result = KVHI_CMD_FAILED;
             continue;
         }
+        for (int a = 0; a < cmd->argc; a++)
+            nd->unsent += cmd->argvlen[a];
+        if (nd->unsent >= FLUSH_BYTES) {
+            flush_node(c, nd, rep); /* a failure: its later commands find it left alone */
+            now = now_ns();
+        }
     }
-    /* Writes: each node's whole share. */
-    for (uint32_t i = 0; i < c->n_nodes; i++) {
-        node *nd = &c->nodes[i];
-        if (!nd->in_batch)
-            continue;
-        int done = 0;
-        while (!done)
-            if (c->h->buffer_write(nd->ctx, &done) != REDIS_OK) {
-                if (timed_out(nd->ctx))
-                    node_failed(c, nd, "timed out", rep);
-                else
-                    node_failed(c, nd, nd->ctx->errstr, rep);
-                nd->in_batch = false;
-                break;
-            }
-    }
+    /* Writes: what each node's share still has waiting. */
+    for (uint32_t i = 0; i < c->n_nodes; i++)
+        if (c->nodes[i].in_batch)
+            flush_node(c, &c->nodes[i], rep);
     /* Reads, in the order each node was sent its commands. */
     for (size_t k = 0; k < n; k++) {
         kvhi_cluster_cmd *cmd = &cmds[k];
