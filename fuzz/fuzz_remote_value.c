@@ -7,7 +7,8 @@
  *   flags bit 0: put the right data CRC32C and header CRC into the value
  *                (so the fuzzer reaches the fields behind the checksums)
  *         bit 1: put the right magic
- *         bit 2: check it on its own (kvhi_remote_value_check_alone)
+ *         bit 2: check it on its own (kvhi_remote_value_check_alone);
+ *                otherwise also with kvhi_remote_value_check_copy
  * Properties, beyond memory safety (the value is copied into a buffer of
  * exactly its length, so ASan sees any read past it):
  *   - a value that passes has exactly the length the geometry implies,
@@ -66,6 +67,18 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         rc = kvhi_remote_value_check_alone(val, len, &id, &got, &why);
     } else {
         rc = kvhi_remote_value_check(val, len, &id, &ex, &why);
+        /* The copying check (the match's path) agrees; its destination is
+         * exactly one block of data, so ASan sees any write past it. */
+        uint8_t *dst = malloc(id.block_bytes ? id.block_bytes : 1);
+        if (dst) {
+            const char *why_copy = NULL;
+            int rc_copy = kvhi_remote_value_check_copy(val, len, dst, &id, &ex, &why_copy);
+            FZ_CHECK(rc_copy == rc, "the copying check said %d, the plain one %d", rc_copy, rc);
+            if (rc == 0)
+                FZ_CHECK(memcmp(dst, val + KVHI_SLOT_HEADER_BYTES, id.block_bytes) == 0,
+                         "the copying check passed a value but copied other data");
+            free(dst);
+        }
     }
     if (rc == 0)
         FZ_CHECK(len == KVHI_SLOT_HEADER_BYTES + id.block_bytes, "a value of %zu bytes passed (block %llu)", len,
