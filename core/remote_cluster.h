@@ -6,8 +6,9 @@
  * batch, and a circuit breaker per node. A server with cluster support
  * disabled is used as one node holding every slot.
  *
- * One client is shared by the engine's threads: its own mutex serialises
- * batches (a leaf lock: taken without the engine lock held). */
+ * A client may be shared by threads: its own mutex serialises batches (a
+ * leaf lock: taken without the engine lock held). An engine holds a few
+ * (core/remote_tier.h), so its threads' rounds need not wait in line. */
 #ifndef KVH_CORE_REMOTE_CLUSTER_H
 #define KVH_CORE_REMOTE_CLUSTER_H
 

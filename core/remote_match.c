@@ -122,7 +122,7 @@ static void delete_key(kvhi_remote *r, const char *key, kvhi_remote_tally *t)
     kvhi_cluster_cmd del;
     kvhi_remote_cmd_key(&del, "DEL", key);
     kvhi_cluster_report rep;
-    kvhi_cluster_run(r->cluster, &del, 1, &rep);
+    kvhi_remote_run(r, NULL, &del, 1, &rep, NULL, NULL);
     kvhi_remote_tally_report(t, &rep);
     kvhi_cluster_cmds_clear(r->cluster, &del, 1);
 }
@@ -203,7 +203,7 @@ static size_t fetch_window(kvh_engine *e, kvhi_seq *s, match_bufs *m, const int3
     }
     kvhi_unlock_for_copy(e);
     kvhi_cluster_report rep;
-    kvhi_cluster_run_strings(r->cluster, m->cmds, n, &rep, take_value, &w);
+    kvhi_remote_run(r, NULL, m->cmds, n, &rep, take_value, &w);
     kvhi_remote_tally_report(t, &rep);
     kvhi_cluster_cmds_clear(r->cluster, m->cmds, n);
     size_t good = 0;
@@ -263,7 +263,7 @@ static size_t continue_match(kvh_engine *e, kvhi_seq *s, const kvhi_scope *sc, c
             kvhi_prefix_hash(m.hashes[k], tokens + i * bt, bt, kvhi_scope_block_salt(salt, sc ? &scope : NULL, i, bt));
         kvhi_remote_key(m.keys[k], &r->id, m.hashes[k + 1]);
     }
-    kvhi_remote_exists_round(r->cluster, m.keys, want, m.present, m.cmds, &t);
+    kvhi_remote_exists_round(r, NULL, m.keys, want, m.present, m.cmds, &t);
     size_t run = 0;
     while (run < want && m.present[run] == 1)
         run++;

@@ -58,11 +58,21 @@ static kvh_status open_remote(const kvh_config *cfg, kvh_engine *log_to, const k
                            .log_user = log_to};
     char err[320];
     bool background = cfg->remote_upload & (KVH_REMOTE_UPLOAD_DEMOTE | KVH_REMOTE_UPLOAD_WRITE_THROUGH);
-    /* Background uploads get a client of their own: their rounds (up to
-     * KVHI_REMOTE_ROUND_BYTES) then never hold up a match's. */
-    if (kvhi_cluster_open(&o, &r->cluster, err, sizeof(err)) != 0 ||
-        (background && kvhi_cluster_open(&o, &r->upload_cluster, err, sizeof(err)) != 0)) {
-        kvhi_cluster_close(r->cluster);
+    /* An engine's threads get several clients; background uploads one of
+     * their own: their rounds (up to KVHI_REMOTE_ROUND_BYTES) then never
+     * hold up a match's. */
+    uint32_t want = log_to ? KVHI_REMOTE_CLIENTS : 1;
+    bool failed = false;
+    for (uint32_t i = 0; i < want && !failed; i++)
+        if (kvhi_cluster_open(&o, &r->clients[i], err, sizeof(err)) != 0)
+            failed = true;
+        else
+            r->n_clients++;
+    if (!failed && background && kvhi_cluster_open(&o, &r->upload_cluster, err, sizeof(err)) != 0)
+        failed = true;
+    if (failed) {
+        for (uint32_t i = 0; i < r->n_clients; i++)
+            kvhi_cluster_close(r->clients[i]);
         pthread_mutex_destroy(&r->spare_lock);
         free(r);
         kvh_status code = strstr(err, "AUTH")      ? KVH_ERR_IO
@@ -71,6 +81,10 @@ static kvh_status open_remote(const kvh_config *cfg, kvh_engine *log_to, const k
                                                    : KVH_ERR_INVALID_ARG;
         return kvhi_fail(code, "%s", err);
     }
+    r->cluster = r->clients[0];
+    r->clients_free = (1u << r->n_clients) - 1;
+    pthread_mutex_init(&r->client_lock, NULL);
+    pthread_cond_init(&r->client_cv, NULL);
     *out = r;
     return KVH_OK;
 }
@@ -131,13 +145,46 @@ void kvhi_remote_close_client(kvhi_remote *r)
 {
     if (!r)
         return;
-    kvhi_cluster_close(r->cluster);
+    for (uint32_t i = 0; i < r->n_clients; i++)
+        kvhi_cluster_close(r->clients[i]);
     kvhi_cluster_close(r->upload_cluster);
+    pthread_mutex_destroy(&r->client_lock);
+    pthread_cond_destroy(&r->client_cv);
     for (size_t i = 0; i < r->n_spare; i++)
         free(r->spare[i]);
     free(r->spare);
     pthread_mutex_destroy(&r->spare_lock);
     free(r);
+}
+
+static kvhi_cluster *client_take(kvhi_remote *r)
+{
+    pthread_mutex_lock(&r->client_lock);
+    while (!r->clients_free)
+        pthread_cond_wait(&r->client_cv, &r->client_lock);
+    uint32_t i = (uint32_t)__builtin_ctz(r->clients_free);
+    r->clients_free &= ~(1u << i);
+    pthread_mutex_unlock(&r->client_lock);
+    return r->clients[i];
+}
+
+static void client_give(kvhi_remote *r, kvhi_cluster *c)
+{
+    pthread_mutex_lock(&r->client_lock);
+    for (uint32_t i = 0; i < r->n_clients; i++)
+        if (r->clients[i] == c)
+            r->clients_free |= 1u << i;
+    pthread_cond_signal(&r->client_cv);
+    pthread_mutex_unlock(&r->client_lock);
+}
+
+void kvhi_remote_run(kvhi_remote *r, kvhi_cluster *via, kvhi_cluster_cmd *cmds, size_t n, kvhi_cluster_report *rep,
+                     kvhi_cluster_string_fn on_string, void *user)
+{
+    kvhi_cluster *c = via ? via : client_take(r);
+    kvhi_cluster_run_strings(c, cmds, n, rep, on_string, user);
+    if (!via)
+        client_give(r, c);
 }
 
 void kvhi_remote_take_spares(kvhi_remote *r, uint8_t **vals, size_t cap)
@@ -196,13 +243,13 @@ void kvhi_remote_tally_add(kvh_engine *e, const kvhi_remote_tally *t)
     e->stats.remote_breaker_opens += t->breaker_opens;
 }
 
-size_t kvhi_remote_exists_round(kvhi_cluster *via, char (*keys)[KVHI_REMOTE_KEY_BYTES], size_t n, int8_t *present,
-                                kvhi_cluster_cmd *cmds, kvhi_remote_tally *t)
+size_t kvhi_remote_exists_round(kvhi_remote *r, kvhi_cluster *via, char (*keys)[KVHI_REMOTE_KEY_BYTES], size_t n,
+                                int8_t *present, kvhi_cluster_cmd *cmds, kvhi_remote_tally *t)
 {
     for (size_t i = 0; i < n; i++)
         kvhi_remote_cmd_key(&cmds[i], "EXISTS", keys[i]);
     kvhi_cluster_report rep;
-    kvhi_cluster_run(via, cmds, n, &rep);
+    kvhi_remote_run(r, via, cmds, n, &rep, NULL, NULL);
     kvhi_remote_tally_report(t, &rep);
     size_t yes = 0;
     for (size_t i = 0; i < n; i++) {
@@ -210,6 +257,6 @@ size_t kvhi_remote_exists_round(kvhi_cluster *via, char (*keys)[KVHI_REMOTE_KEY_
         present[i] = kvhi_cluster_reply(&cmds[i], NULL, NULL, &v) != KVHI_REPLY_INTEGER ? -1 : v == 1;
         yes += present[i] == 1;
     }
-    kvhi_cluster_cmds_clear(via, cmds, n);
+    kvhi_cluster_cmds_clear(r->cluster, cmds, n);
     return yes;
 }

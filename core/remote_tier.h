@@ -22,8 +22,17 @@
  * holds, not the round trips of a short prefix. */
 #define KVHI_REMOTE_ROUND_BYTES (64ull << 20)
 
+/* Clients an engine's matches and persists share: a round takes a free
+ * one, so several threads' rounds are in flight at once. */
+#define KVHI_REMOTE_CLIENTS 2u
+
 typedef struct kvhi_remote {
-    struct kvhi_cluster *cluster;
+    struct kvhi_cluster *cluster; /* clients[0]; a tool's only client */
+    struct kvhi_cluster *clients[KVHI_REMOTE_CLIENTS];
+    uint32_t n_clients;
+    uint32_t clients_free; /* bit i: clients[i] is free */
+    pthread_mutex_t client_lock;
+    pthread_cond_t client_cv;
     struct kvhi_cluster *upload_cluster; /* the uploader's own; NULL without one */
     kvhi_remote_id id;
     uint32_t upload; /* kvh_remote_upload bits */
@@ -100,13 +109,21 @@ void kvhi_remote_tally_add(kvh_engine *e, const kvhi_remote_tally *t);
 /* A command on one key (KVHI_REMOTE_KEY_LEN long). */
 void kvhi_remote_cmd_key(kvhi_cluster_cmd *c, const char *verb, const char *key);
 /* How many of keys[0..n) exist; present[i] says which: 1, 0, or -1 when
- * its node gave no answer. Lock not held. */
-size_t kvhi_remote_exists_round(kvhi_cluster *via, char (*keys)[KVHI_REMOTE_KEY_BYTES], size_t n, int8_t *present,
-                                kvhi_cluster_cmd *cmds, kvhi_remote_tally *t);
+ * its node gave no answer. Through via as kvhi_remote_run. Lock not held. */
+size_t kvhi_remote_exists_round(kvhi_remote *r, kvhi_cluster *via, char (*keys)[KVHI_REMOTE_KEY_BYTES], size_t n,
+                                int8_t *present, kvhi_cluster_cmd *cmds, kvhi_remote_tally *t);
 /* Uploads the full, KV-complete blocks of list the store lacks through
- * client via (lock held; dropped for copies, disk reads and the network).
+ * client via (NULL: one taken from the engine's clients) (lock held;
+ * dropped for copies, disk reads and the network).
  * Takes its own references. Failures are counted, never returned. */
 void kvhi_remote_upload_blocks(kvh_engine *e, kvhi_cluster *via, const uint32_t *list, size_t n);
+
+/* Runs one round (kvhi_cluster_run_strings; on_string may be NULL)
+ * through via, or, when via is NULL, through a free client of the engine,
+ * taken for this round only and waited for while all are in use. Engine
+ * lock not held: a client is never held while the engine is waited for. */
+void kvhi_remote_run(kvhi_remote *r, kvhi_cluster *via, kvhi_cluster_cmd *cmds, size_t n, kvhi_cluster_report *rep,
+                     kvhi_cluster_string_fn on_string, void *user);
 
 /* Value buffers for an upload: up to cap spares into vals (the rest NULL),
  * then given back (kept up to a round's bytes, the rest freed). */

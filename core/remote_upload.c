@@ -251,7 +251,7 @@ void kvhi_remote_upload_blocks(kvh_engine *e, kvhi_cluster *via, const uint32_t 
             blk->refs++; /* stays while the lock is dropped */
         }
         pthread_mutex_unlock(&e->lock);
-        kvhi_remote_exists_round(via, u.keys, n, u.present, u.cmds, &t);
+        kvhi_remote_exists_round(r, via, u.keys, n, u.present, u.cmds, &t);
         pthread_mutex_lock(&e->lock);
         size_t m = prepare_values(e, &u, n, &t);
         pthread_mutex_unlock(&e->lock);
@@ -261,7 +261,7 @@ void kvhi_remote_upload_blocks(kvh_engine *e, kvhi_cluster *via, const uint32_t 
         }
         if (m) {
             kvhi_cluster_report rep;
-            kvhi_cluster_run(via, u.cmds, m, &rep);
+            kvhi_remote_run(r, via, u.cmds, m, &rep, NULL, NULL);
             kvhi_remote_tally_report(&t, &rep);
             for (size_t k = 0; k < m; k++) {
                 /* OK, or nil: another engine stored it first. */
@@ -270,7 +270,7 @@ void kvhi_remote_upload_blocks(kvh_engine *e, kvhi_cluster *via, const uint32_t 
                 else
                     t.dropped++;
             }
-            kvhi_cluster_cmds_clear(via, u.cmds, m);
+            kvhi_cluster_cmds_clear(r->cluster, u.cmds, m);
         }
         pthread_mutex_lock(&e->lock);
         for (size_t k = 0; k < n; k++)
@@ -292,5 +292,5 @@ void kvhi_remote_persist_blocks(kvh_engine *e, const uint32_t *list, size_t n_fu
 {
     kvhi_remote *r = e->remote;
     if (r && (r->upload & KVH_REMOTE_UPLOAD_PERSIST))
-        kvhi_remote_upload_blocks(e, r->cluster, list, n_full);
+        kvhi_remote_upload_blocks(e, NULL, list, n_full);
 }
