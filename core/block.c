@@ -244,7 +244,9 @@ kvh_status kvhi_block_new(kvh_engine *e, uint32_t agent, uint32_t min_tier, uint
     blk->data_crc = 0;
     blk->written = NULL;
     blk->deferred_slot = KVHI_NO_BLOCK;
-    for (uint32_t i = 0; i < KVHI_MAX_K; i++)
+    /* Its first access, recorded into an empty history. */
+    blk->hist[0] = ++e->clock;
+    for (uint32_t i = 1; i < KVHI_MAX_K; i++)
         blk->hist[i] = 0;
     blk->agent = agent;
     blk->tolerance = KVH_TOLERANCE_DEFAULT;
@@ -254,7 +256,6 @@ kvh_status kvhi_block_new(kvh_engine *e, uint32_t agent, uint32_t min_tier, uint
     blk->tier = KVHI_NO_TIER;
     blk->disk_copy = KVHI_NO_BLOCK;
     kvhi_block_place(e, b, tier, slot);
-    kvhi_lruk_record(blk->hist, e->cfg.lru_k, ++e->clock);
     kvhi_adapt_access(e, &e->adapt, b);
     kvhi_block_update_evictable(e, b);
     e->stats.blocks_allocated++;
@@ -293,8 +294,10 @@ static void block_destroy(kvh_engine *e, uint32_t b, bool keep_slot)
         agent_count(e, blk->agent, -1);
     if (!keep_slot)
         kvhi_release_slot(e, blk->tier, blk->slot);
-    free(blk->written);
-    blk->written = NULL;
+    if (blk->written) { /* most blocks are freed without one */
+        free(blk->written);
+        blk->written = NULL;
+    }
     blk->flags = 0;
     blk->tier = KVHI_NO_TIER;
     if (block_gen_advance(e, blk))
