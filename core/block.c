@@ -24,16 +24,13 @@ uint8_t *kvhi_block_data(kvh_engine *e, uint32_t b)
     return kvhi_slot_addr(e, blk->tier, blk->slot);
 }
 
-kvh_status kvhi_block_resolve(kvh_engine *e, kvh_block h, uint32_t *out)
+void kvhi_block_resolve_fail(kvh_engine *e, kvh_block h)
 {
     uint32_t i = kvhi_handle_unpack_index(h.id, e->block_index_bits);
     if (kvhi_handle_tag(h.id) != KVHI_TAG_BLOCK || i >= e->block_cap)
-        return kvhi_fail(KVH_ERR_BAD_HANDLE, "not a block handle: 0x%llx", (unsigned long long)h.id);
-    kvhi_block *blk = kvhi_blk(e, i);
-    if (!(blk->flags & KVHI_BF_LIVE) || (blk->flags & KVHI_BF_DEAD) || h.id != kvhi_block_handle(e, i))
-        return kvhi_fail(KVH_ERR_BAD_HANDLE, "stale block handle: 0x%llx", (unsigned long long)h.id);
-    *out = i;
-    return KVH_OK;
+        kvhi_fail(KVH_ERR_BAD_HANDLE, "not a block handle: 0x%llx", (unsigned long long)h.id);
+    else
+        kvhi_fail(KVH_ERR_BAD_HANDLE, "stale block handle: 0x%llx", (unsigned long long)h.id);
 }
 
 kvhi_agent *kvhi_agent_get(kvh_engine *e, uint32_t id, bool create)

@@ -140,7 +140,21 @@ static inline uint64_t kvhi_block_handle(kvh_engine *e, uint32_t b)
 {
     return kvhi_handle_pack(KVHI_TAG_BLOCK, kvhi_block_gen(&e->blocks[b]), b, e->block_index_bits);
 }
-kvh_status kvhi_block_resolve(kvh_engine *e, kvh_block h, uint32_t *out);
+/* Says why kvhi_block_resolve refuses h (the last error). */
+void kvhi_block_resolve_fail(kvh_engine *e, kvh_block h);
+/* The live record a block handle names (inline: every block call starts
+ * here, a release or a retain costing little more). */
+static inline kvh_status kvhi_block_resolve(kvh_engine *e, kvh_block h, uint32_t *out)
+{
+    uint32_t i = kvhi_handle_unpack_index(h.id, e->block_index_bits);
+    const kvhi_block *blk = kvhi_handle_tag(h.id) == KVHI_TAG_BLOCK && i < e->block_cap ? kvhi_blk(e, i) : NULL;
+    if (!blk || !(blk->flags & KVHI_BF_LIVE) || (blk->flags & KVHI_BF_DEAD) || h.id != kvhi_block_handle(e, i)) {
+        kvhi_block_resolve_fail(e, h);
+        return KVH_ERR_BAD_HANDLE;
+    }
+    *out = i;
+    return KVH_OK;
+}
 void kvhi_block_hold(kvh_engine *e, uint32_t b);
 void kvhi_block_unhold(kvh_engine *e, uint32_t b);
 void kvhi_block_pin(kvh_engine *e, uint32_t b, bool pin);
