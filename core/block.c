@@ -106,7 +106,7 @@ void kvhi_block_update_evictable(kvh_engine *e, uint32_t b)
     /* Not in its tier's order yet, or still pending there: it is keyed
      * when a victim is next chosen (most blocks are freed before that). */
     kvhi_lruk_heap *tier_heap = &e->tiers[blk->tier].heap;
-    bool pending = (blk->heap_pos != KVHI_HEAP_NONE && (blk->heap_pos & KVHI_LRUK_PENDING)) ||
+    bool pending = kvhi_lruk_pos_pending(tier_heap, blk->heap_pos) ||
                    (blk->heap_pos == KVHI_HEAP_NONE && kvhi_lruk_add_pending(tier_heap, b));
     if (pending && !quota)
         return;

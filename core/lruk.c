@@ -169,7 +169,7 @@ const kvhi_lruk_entry *kvhi_lruk_min_entry(const kvhi_lruk_heap *h)
 const kvhi_lruk_key *kvhi_lruk_stored_key(const kvhi_lruk_heap *h, uint32_t item)
 {
     uint32_t p = *(const uint32_t *)(h->pos_base + (size_t)item * h->pos_stride);
-    if (p == KVHI_HEAP_NONE || (p & KVHI_LRUK_PENDING))
+    if (p == KVHI_HEAP_NONE || kvhi_lruk_pos_pending(h, p))
         return NULL;
     if (p & KVHI_LRUK_QUEUED)
         return &h->queue[p & ~KVHI_LRUK_QUEUED].key;
@@ -227,7 +227,7 @@ static void heap_insert(kvhi_lruk_heap *h, uint32_t item, kvhi_lruk_key key)
 void kvhi_lruk_upsert(kvhi_lruk_heap *h, uint32_t item, kvhi_lruk_key key)
 {
     uint32_t p = *pos_of(h, item);
-    if (p != KVHI_HEAP_NONE && (p & KVHI_LRUK_PENDING)) {
+    if (kvhi_lruk_pos_pending(h, p)) {
         kvhi_lruk_pending_remove_at(h, p & ~KVHI_LRUK_PENDING);
         p = KVHI_HEAP_NONE;
     } else if (p != KVHI_HEAP_NONE && (p & KVHI_LRUK_QUEUED)) {
@@ -254,7 +254,7 @@ void kvhi_lruk_upsert_lazy(kvhi_lruk_heap *h, uint32_t item, kvhi_lruk_key key)
             heap_insert(h, item, key);
         return;
     }
-    if (p & KVHI_LRUK_PENDING)
+    if (kvhi_lruk_pos_pending(h, p))
         return; /* keyed when drained, by its key then */
     if (!kvhi_lruk_less(&key, kvhi_lruk_stored_key(h, item)))
         return; /* a raise: the stored key stays a lower bound */

@@ -92,6 +92,13 @@ void kvhi_lruk_destroy(kvhi_lruk_heap *h);
  * its positions to carry KVHI_LRUK_PENDING is left without one (0):
  * kvhi_lruk_add_pending then declines. */
 int kvhi_lruk_enable_pending(kvhi_lruk_heap *h);
+/* Whether position p (of an item of h) is in the pending ring. Only a
+ * heap with a ring has such positions; in one without, heap and queue
+ * positions may reach the bit. */
+static inline int kvhi_lruk_pos_pending(const kvhi_lruk_heap *h, uint32_t p)
+{
+    return h->pending && p != KVHI_HEAP_NONE && (p & (KVHI_LRUK_QUEUED | KVHI_LRUK_PENDING)) == KVHI_LRUK_PENDING;
+}
 /* Moves the pending ring's live items to its front (it is full). */
 void kvhi_lruk_pending_squeeze(kvhi_lruk_heap *h);
 static inline uint32_t kvhi_lruk_pending_index(const kvhi_lruk_heap *h, uint32_t i)
@@ -153,7 +160,7 @@ static inline void kvhi_lruk_remove(kvhi_lruk_heap *h, uint32_t item)
     if (p == KVHI_HEAP_NONE)
         return;
     *pos = KVHI_HEAP_NONE;
-    if (p & KVHI_LRUK_PENDING)
+    if (kvhi_lruk_pos_pending(h, p))
         kvhi_lruk_pending_remove_at(h, p & ~KVHI_LRUK_PENDING);
     else
         kvhi_lruk_remove_ordered(h, p);
