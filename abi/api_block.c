@@ -78,6 +78,8 @@ kvh_status kvh_block_release(kvh_engine *e, kvh_block block)
 {
     if (block.id == 0 && e)
         return KVH_OK;
+    if (e) /* a forged index is bounds-checked there and refused below */
+        kvhi_block_prefetch(e, kvhi_handle_unpack_index(block.id, e->block_index_bits));
     kvh_status st = kvhi_api_enter(e);
     if (st != KVH_OK)
         return st;

@@ -15,7 +15,7 @@
 /* Enters e (lock held on success). */
 static inline kvh_status kvhi_api_enter(kvh_engine *e)
 {
-    kvhi_clear_error();
+    /* kvhi_enter clears the last error, and kvhi_fail replaces it. */
     if (!e)
         return kvhi_fail(KVH_ERR_INVALID_ARG, "engine is NULL");
     return kvhi_enter(e);

@@ -33,15 +33,6 @@
 
 enum { SHADOW_LRU, SHADOW_LRU_K };
 
-/* The offset keeps the first block records, which a lightly loaded
- * engine reuses most (its free list hands them out first), out of the
- * sample: an alloc+free loop on a sampled record pays the shadows'
- * update on every pair. */
-static bool sampled(const kvhi_adapt *a, uint32_t b)
-{
-    return a->shift == 0 || ((b * 0x9e3779b1u + 0x7f4a7c15u) >> (32 - a->shift)) == 0;
-}
-
 static kvhi_lruk_key shadow_key(kvh_engine *e, uint32_t which, uint32_t b)
 {
     const kvhi_block *blk = &e->blocks[b];
@@ -120,12 +111,10 @@ static void decide(kvh_engine *e)
     }
 }
 
-void kvhi_adapt_access(kvh_engine *e, uint32_t b)
+void kvhi_adapt_access_slow(kvh_engine *e, uint32_t b)
 {
     kvhi_adapt *a = &e->adapt;
-    if (!a->on)
-        return;
-    if (sampled(a, b)) {
+    if (kvhi_adapt_sampled(a, b)) {
         static const kvhi_lruk_current_fn current[2] = {lru_current, lru_k_current};
         for (uint32_t s = 0; s < 2; s++) {
             kvhi_lruk_heap *h = &a->shadow[s];
@@ -142,11 +131,9 @@ void kvhi_adapt_access(kvh_engine *e, uint32_t b)
         decide(e);
 }
 
-void kvhi_adapt_forget(kvh_engine *e, uint32_t b)
+void kvhi_adapt_forget_sampled(kvh_engine *e, uint32_t b)
 {
     kvhi_adapt *a = &e->adapt;
-    if (!a->on)
-        return;
     for (uint32_t s = 0; s < 2; s++)
         if (a->pos[s][b] != KVHI_HEAP_NONE)
             kvhi_lruk_remove(&a->shadow[s], b);

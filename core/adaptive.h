@@ -30,10 +30,36 @@ typedef struct kvhi_adapt {
  * 0, or -1 out of memory. Does nothing unless the policy is adaptive. */
 int kvhi_adapt_init(struct kvh_engine *e);
 void kvhi_adapt_free(struct kvh_engine *e);
-/* Block b was accessed (its history already records it). */
-void kvhi_adapt_access(struct kvh_engine *e, uint32_t b);
-/* Block b is gone. */
-void kvhi_adapt_forget(struct kvh_engine *e, uint32_t b);
+/* Whether block b is in the simulated sample. The offset keeps the first
+ * block records, which a lightly loaded engine reuses most (its free list
+ * hands them out first), out of it: an alloc+free loop on a sampled record
+ * pays the shadows' update on every pair. */
+static inline bool kvhi_adapt_sampled(const kvhi_adapt *a, uint32_t b)
+{
+    return a->shift == 0 || ((b * 0x9e3779b1u + 0x7f4a7c15u) >> (32 - a->shift)) == 0;
+}
+/* The shadows' part of an access, and the decision a window ends with. */
+void kvhi_adapt_access_slow(struct kvh_engine *e, uint32_t b);
+/* Block b was accessed (its history already records it). Inline: most
+ * accesses only count down the window. */
+static inline void kvhi_adapt_access(struct kvh_engine *e, kvhi_adapt *a, uint32_t b)
+{
+    if (!a->on)
+        return;
+    if (kvhi_adapt_sampled(a, b) || a->window_left == 1)
+        kvhi_adapt_access_slow(e, b);
+    else
+        a->window_left--;
+}
+void kvhi_adapt_forget_sampled(struct kvh_engine *e, uint32_t b);
+/* Block b is gone. Only sampled blocks enter the shadows: the rest need
+ * not touch their position words (two cache misses when frees come at
+ * random). */
+static inline void kvhi_adapt_forget(struct kvh_engine *e, kvhi_adapt *a, uint32_t b)
+{
+    if (a->on && kvhi_adapt_sampled(a, b))
+        kvhi_adapt_forget_sampled(e, b);
+}
 /* The K the victim order reads now: 1 for plain LRU. */
 static inline uint32_t kvhi_adapt_k(const kvhi_adapt *a, uint32_t lru_k) { return a->on && a->recency ? 1 : lru_k; }
 

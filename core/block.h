@@ -82,6 +82,18 @@ _Static_assert(sizeof(kvhi_block) == 128, "kvhi_block: two cache lines");
 static inline uint64_t kvhi_block_gen(const kvhi_block *blk) { return (uint64_t)blk->gen_hi << 32 | blk->gen; }
 
 static inline kvhi_block *kvhi_blk(kvh_engine *e, uint32_t i) { return &e->blocks[i]; }
+/* Starts loading both lines of record i for a write. Records are met in
+ * whatever order callers free them, and at 10^5 blocks and up that is a
+ * cache miss per line, which the lock's atomics would otherwise serialise.
+ * Touches no memory and reads only what engine open fixed, so callers may
+ * issue it before taking the lock. */
+static inline void kvhi_block_prefetch(const kvh_engine *e, uint32_t i)
+{
+    if (i < e->block_cap) {
+        __builtin_prefetch(&e->blocks[i], 1);
+        __builtin_prefetch((const uint8_t *)&e->blocks[i] + 64, 1);
+    }
+}
 static inline int32_t *kvhi_block_tokens(kvh_engine *e, uint32_t i)
 {
     return e->tokens + (uint64_t)i * e->cfg.block_tokens;
@@ -124,8 +136,25 @@ void kvhi_block_touch(kvh_engine *e, uint32_t b);
 void kvhi_block_wait_idle(kvh_engine *e, uint32_t b);
 void kvhi_block_try_publish(kvh_engine *e, uint32_t b);
 bool kvhi_block_kv_complete(kvh_engine *e, uint32_t b);
-uint64_t kvhi_block_handle(kvh_engine *e, uint32_t b);
-kvh_status kvhi_block_resolve(kvh_engine *e, kvh_block h, uint32_t *out);
+static inline uint64_t kvhi_block_handle(kvh_engine *e, uint32_t b)
+{
+    return kvhi_handle_pack(KVHI_TAG_BLOCK, kvhi_block_gen(&e->blocks[b]), b, e->block_index_bits);
+}
+/* Says why kvhi_block_resolve refuses h (the last error). */
+void kvhi_block_resolve_fail(kvh_engine *e, kvh_block h);
+/* The live record a block handle names (inline: every block call starts
+ * here, a release or a retain costing little more). */
+static inline kvh_status kvhi_block_resolve(kvh_engine *e, kvh_block h, uint32_t *out)
+{
+    uint32_t i = kvhi_handle_unpack_index(h.id, e->block_index_bits);
+    const kvhi_block *blk = kvhi_handle_tag(h.id) == KVHI_TAG_BLOCK && i < e->block_cap ? kvhi_blk(e, i) : NULL;
+    if (!blk || !(blk->flags & KVHI_BF_LIVE) || (blk->flags & KVHI_BF_DEAD) || h.id != kvhi_block_handle(e, i)) {
+        kvhi_block_resolve_fail(e, h);
+        return KVH_ERR_BAD_HANDLE;
+    }
+    *out = i;
+    return KVH_OK;
+}
 void kvhi_block_hold(kvh_engine *e, uint32_t b);
 void kvhi_block_unhold(kvh_engine *e, uint32_t b);
 void kvhi_block_pin(kvh_engine *e, uint32_t b, bool pin);

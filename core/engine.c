@@ -46,18 +46,6 @@ int kvhi_lock_held_by_caller(kvh_engine *e)
 }
 #endif
 
-kvh_status kvhi_enter(kvh_engine *e)
-{
-    kvhi_clear_error();
-    pthread_mutex_lock(&e->lock);
-    if (e->closing) {
-        pthread_mutex_unlock(&e->lock);
-        return kvhi_fail(KVH_ERR_CLOSED, "engine is closing");
-    }
-    e->active_calls++;
-    return KVH_OK;
-}
-
 /* Copies queued log lines out (lock held), unlocks, then emits them. */
 void kvhi_unlock_and_log(kvh_engine *e)
 {
@@ -72,16 +60,6 @@ void kvhi_unlock_and_log(kvh_engine *e)
     pthread_mutex_unlock(&e->lock);
     for (uint32_t i = 0; i < n; i++)
         e->cfg.log_fn(e->cfg.log_user, levels[i], lines[i]);
-}
-
-void kvhi_leave(kvh_engine *e)
-{
-    if (--e->active_calls == 0 && e->closing)
-        pthread_cond_broadcast(&e->changed);
-    if (e->n_pending_log)
-        kvhi_unlock_and_log(e);
-    else
-        pthread_mutex_unlock(&e->lock);
 }
 
 void kvhi_config_defaults(kvh_config *c)
@@ -400,8 +378,9 @@ kvh_status kvhi_engine_open(const kvh_config *config, kvh_engine **out)
     }
     e->block_free_top = (uint32_t)cap;
     for (uint32_t t = 0; t < KVH_TIER_COUNT; t++)
-        if (e->tiers[t].present && kvhi_lruk_init(&e->tiers[t].heap, e->tiers[t].slots.capacity, &e->blocks[0].heap_pos,
-                                                  sizeof(kvhi_block)) != 0) {
+        if (e->tiers[t].present && (kvhi_lruk_init(&e->tiers[t].heap, e->tiers[t].slots.capacity,
+                                                   &e->blocks[0].heap_pos, sizeof(kvhi_block)) != 0 ||
+                                    kvhi_lruk_enable_pending(&e->tiers[t].heap) != 0)) {
             engine_free(e);
             return kvhi_fail(KVH_ERR_NOMEM, "out of memory for eviction heaps");
         }

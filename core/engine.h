@@ -205,10 +205,6 @@ kvh_status kvhi_engine_close(kvh_engine *e);
 void kvhi_tier_info(kvh_engine *e, uint32_t tier, kvh_tier_info *info);
 /* Sets the device quota of agent and re-indexes its blocks (lock held). */
 kvh_status kvhi_agent_set_quota(kvh_engine *e, uint32_t agent, uint64_t device_bytes);
-/* Takes the lock and registers an in-flight API call; fails with
- * KVH_ERR_CLOSED when the engine is closing. */
-kvh_status kvhi_enter(kvh_engine *e);
-void kvhi_leave(kvh_engine *e);
 
 /* Debug builds check the lock contract of a function: that the calling
  * thread holds the engine lock (kvhi_assert_locked), or does not (a copy
@@ -224,5 +220,31 @@ int kvhi_lock_held_by_caller(kvh_engine *e);
 #endif
 void kvhi_unlock_and_log(kvh_engine *e);
 uint64_t kvhi_now_ns(void);
+
+/* Takes the lock and registers an in-flight API call; fails with
+ * KVH_ERR_CLOSED when the engine is closing. Inline, as kvhi_leave: every
+ * exported call passes both, and the cheapest ones (an alloc, a release)
+ * cost little more than the lock. */
+static inline kvh_status kvhi_enter(kvh_engine *e)
+{
+    kvhi_clear_error();
+    pthread_mutex_lock(&e->lock);
+    if (e->closing) {
+        pthread_mutex_unlock(&e->lock);
+        return kvhi_fail(KVH_ERR_CLOSED, "engine is closing");
+    }
+    e->active_calls++;
+    return KVH_OK;
+}
+
+static inline void kvhi_leave(kvh_engine *e)
+{
+    if (--e->active_calls == 0 && e->closing)
+        pthread_cond_broadcast(&e->changed);
+    if (e->n_pending_log)
+        kvhi_unlock_and_log(e);
+    else
+        pthread_mutex_unlock(&e->lock);
+}
 
 #endif

@@ -65,7 +65,7 @@ kvh_status kvhi_reserve_slot(kvh_engine *e, uint32_t tier, uint32_t for_agent, u
     if (!t->present)
         return kvhi_fail(KVH_ERR_NOSPACE, "tier %u is not configured", tier);
     for (int attempt = 0; attempt < 1000000; attempt++) {
-        kvhi_agent *qa = tier == KVH_TIER_DEVICE ? kvhi_agent_at_quota(e, for_agent) : NULL;
+        kvhi_agent *qa = tier == KVH_TIER_DEVICE && e->n_agents ? kvhi_agent_at_quota(e, for_agent) : NULL;
         if (!qa && kvhi_slot_pool_alloc(&t->slots, slot) == 0)
             return KVH_OK;
         /* Clean model weights kept in host memory go first: they can be

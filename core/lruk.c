@@ -34,6 +34,8 @@ int kvhi_lruk_init(kvhi_lruk_heap *h, uint32_t cap, void *pos_base, size_t pos_s
     h->mem = cap ? kvhi_huge_alloc(alloc_bytes(cap)) : NULL;
     h->entries = h->mem ? (kvhi_lruk_entry *)((uint8_t *)h->mem + GROUP_SHIFT) : NULL;
     h->q_head = h->q_len = h->q_live = 0;
+    h->pending = NULL;
+    h->p_head = h->p_len = h->p_cap = h->p_live = 0;
     h->q_cap = queue_cap(cap);
     h->q_mem = h->q_cap ? kvhi_huge_alloc(queue_bytes(h->q_cap)) : NULL;
     h->queue = h->q_mem;
@@ -50,10 +52,26 @@ void kvhi_lruk_destroy(kvhi_lruk_heap *h)
         kvhi_huge_free(h->mem, alloc_bytes(h->cap));
     if (h->q_mem)
         kvhi_huge_free(h->q_mem, queue_bytes(h->q_cap));
+    if (h->pending)
+        kvhi_huge_free(h->pending, sizeof(uint32_t) * (size_t)h->p_cap);
     h->mem = h->q_mem = NULL;
     h->entries = h->queue = NULL;
+    h->pending = NULL;
     h->size = h->cap = 0;
     h->q_head = h->q_len = h->q_cap = h->q_live = 0;
+    h->p_head = h->p_len = h->p_cap = h->p_live = 0;
+}
+
+int kvhi_lruk_enable_pending(kvhi_lruk_heap *h)
+{
+    uint32_t p_cap = queue_cap(h->cap);
+    if (h->pending || p_cap == 0 || p_cap >= KVHI_LRUK_PENDING || h->q_cap >= KVHI_LRUK_PENDING)
+        return 0;
+    h->pending = kvhi_huge_alloc(sizeof(uint32_t) * (size_t)p_cap);
+    if (!h->pending)
+        return -1;
+    h->p_cap = p_cap;
+    return 0;
 }
 
 /* ---- arrival queue ---- */
@@ -123,6 +141,22 @@ static void q_remove_at(kvhi_lruk_heap *h, uint32_t at)
         h->q_head = 0;
 }
 
+/* ---- pending ring ---- */
+
+void kvhi_lruk_pending_squeeze(kvhi_lruk_heap *h)
+{
+    uint32_t out = 0;
+    for (uint32_t i = 0; i < h->p_len; i++) {
+        uint32_t item = h->pending[kvhi_lruk_pending_index(h, i)];
+        if (item == KVHI_HEAP_NONE)
+            continue;
+        uint32_t at = kvhi_lruk_pending_index(h, out++);
+        h->pending[at] = item;
+        *pos_of(h, item) = KVHI_LRUK_PENDING | at;
+    }
+    h->p_len = out;
+}
+
 const kvhi_lruk_entry *kvhi_lruk_min_entry(const kvhi_lruk_heap *h)
 {
     const kvhi_lruk_entry *top = h->size ? &h->entries[0] : NULL;
@@ -135,14 +169,14 @@ const kvhi_lruk_entry *kvhi_lruk_min_entry(const kvhi_lruk_heap *h)
 const kvhi_lruk_key *kvhi_lruk_stored_key(const kvhi_lruk_heap *h, uint32_t item)
 {
     uint32_t p = *(const uint32_t *)(h->pos_base + (size_t)item * h->pos_stride);
-    if (p == KVHI_HEAP_NONE)
+    if (p == KVHI_HEAP_NONE || kvhi_lruk_pos_pending(h, p))
         return NULL;
     if (p & KVHI_LRUK_QUEUED)
         return &h->queue[p & ~KVHI_LRUK_QUEUED].key;
     return &h->entries[p].key;
 }
 
-uint32_t kvhi_lruk_count(const kvhi_lruk_heap *h) { return h->size + h->q_live; }
+uint32_t kvhi_lruk_count(const kvhi_lruk_heap *h) { return h->size + h->q_live + h->p_live; }
 
 static void place(kvhi_lruk_heap *h, uint32_t i, kvhi_lruk_entry e)
 {
@@ -193,7 +227,10 @@ static void heap_insert(kvhi_lruk_heap *h, uint32_t item, kvhi_lruk_key key)
 void kvhi_lruk_upsert(kvhi_lruk_heap *h, uint32_t item, kvhi_lruk_key key)
 {
     uint32_t p = *pos_of(h, item);
-    if (p != KVHI_HEAP_NONE && (p & KVHI_LRUK_QUEUED)) {
+    if (kvhi_lruk_pos_pending(h, p)) {
+        kvhi_lruk_pending_remove_at(h, p & ~KVHI_LRUK_PENDING);
+        p = KVHI_HEAP_NONE;
+    } else if (p != KVHI_HEAP_NONE && (p & KVHI_LRUK_QUEUED)) {
         q_remove_at(h, p & ~KVHI_LRUK_QUEUED);
         p = KVHI_HEAP_NONE;
     }
@@ -217,13 +254,31 @@ void kvhi_lruk_upsert_lazy(kvhi_lruk_heap *h, uint32_t item, kvhi_lruk_key key)
             heap_insert(h, item, key);
         return;
     }
+    if (kvhi_lruk_pos_pending(h, p))
+        return; /* keyed when drained, by its key then */
     if (!kvhi_lruk_less(&key, kvhi_lruk_stored_key(h, item)))
         return; /* a raise: the stored key stays a lower bound */
     kvhi_lruk_upsert(h, item, key);
 }
 
+void kvhi_lruk_drain(kvhi_lruk_heap *h, kvhi_lruk_current_fn current, void *ctx)
+{
+    for (uint32_t i = 0; i < h->p_len; i++) {
+        uint32_t item = h->pending[kvhi_lruk_pending_index(h, i)];
+        if (item == KVHI_HEAP_NONE)
+            continue;
+        kvhi_lruk_key key = current(ctx, item);
+        *pos_of(h, item) = KVHI_HEAP_NONE;
+        if (!q_push(h, item, key))
+            heap_insert(h, item, key);
+    }
+    h->p_head = h->p_len = h->p_live = 0;
+}
+
 uint32_t kvhi_lruk_top_current(kvhi_lruk_heap *h, kvhi_lruk_current_fn current, void *ctx)
 {
+    if (h->p_live)
+        kvhi_lruk_drain(h, current, ctx);
     for (;;) {
         kvhi_lruk_entry *top = h->size ? &h->entries[0] : NULL;
         kvhi_lruk_entry *front = q_front(h);
@@ -246,12 +301,8 @@ uint32_t kvhi_lruk_top_current(kvhi_lruk_heap *h, kvhi_lruk_current_fn current, 
     }
 }
 
-void kvhi_lruk_remove(kvhi_lruk_heap *h, uint32_t item)
+void kvhi_lruk_remove_ordered(kvhi_lruk_heap *h, uint32_t p)
 {
-    uint32_t p = *pos_of(h, item);
-    if (p == KVHI_HEAP_NONE)
-        return;
-    *pos_of(h, item) = KVHI_HEAP_NONE;
     if (p & KVHI_LRUK_QUEUED) {
         q_remove_at(h, p & ~KVHI_LRUK_QUEUED);
         return;
@@ -270,6 +321,12 @@ void kvhi_lruk_remove(kvhi_lruk_heap *h, uint32_t item)
 
 void kvhi_lruk_rekey(kvhi_lruk_heap *h, kvhi_lruk_current_fn current, void *ctx)
 {
+    for (uint32_t i = 0; i < h->p_len; i++) {
+        uint32_t item = h->pending[kvhi_lruk_pending_index(h, i)];
+        if (item != KVHI_HEAP_NONE)
+            h->entries[h->size++].item = item; /* keyed below with the rest */
+    }
+    h->p_head = h->p_len = h->p_live = 0;
     for (uint32_t i = 0; i < h->q_len; i++) {
         kvhi_lruk_entry e = h->queue[q_index(h, i)];
         if (e.item != KVHI_HEAP_NONE)

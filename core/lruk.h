@@ -22,7 +22,16 @@
  * victim is the lower of the heap's top and the queue's front; a queued
  * entry whose key was raised meanwhile moves into the heap when it
  * reaches the front, and one whose key falls moves at once. The choice is
- * the same exact minimum as with the heap alone. */
+ * the same exact minimum as with the heap alone.
+ *
+ * A heap may also take items before their keys (kvhi_lruk_add_pending):
+ * they wait, as bare item numbers, in a pending ring that is keyed only
+ * when the order is next consulted (kvhi_lruk_top_current, kvhi_lruk_rekey),
+ * each with its current key then. Most blocks are freed before any victim
+ * is chosen, and those never pay for a key, a queue entry or a sift; one
+ * freed while pending leaves a hole in O(1). Until then an upsert_lazy of
+ * a pending item has nothing to do: whatever its key becomes is read at
+ * the drain. */
 #ifndef KVH_CORE_LRUK_H
 #define KVH_CORE_LRUK_H
 
@@ -59,23 +68,103 @@ typedef struct kvhi_lruk_heap {
     uint32_t q_len;
     uint32_t q_cap;
     uint32_t q_live; /* entries of the ring that are not holes */
+    /* Pending ring (kvhi_lruk_enable_pending): items in arrival order,
+     * holes KVHI_HEAP_NONE, trimmed and squeezed like the queue's. */
+    uint32_t *pending;
+    uint32_t p_head;
+    uint32_t p_len;
+    uint32_t p_cap;
+    uint32_t p_live;
 } kvhi_lruk_heap;
 
 /* A queued item's position: this bit and its ring index. */
 #define KVHI_LRUK_QUEUED 0x80000000u
+/* A pending item's position: this bit and its pending-ring index (heap and
+ * queue positions stay below it where pending is enabled). */
+#define KVHI_LRUK_PENDING 0x40000000u
+
+/* The current key of an item in the heap (what a lazy raise deferred). */
+typedef kvhi_lruk_key (*kvhi_lruk_current_fn)(void *ctx, uint32_t item);
 
 int kvhi_lruk_init(kvhi_lruk_heap *h, uint32_t cap, void *pos_base, size_t pos_stride);
 void kvhi_lruk_destroy(kvhi_lruk_heap *h);
+/* Gives h a pending ring; 0, or -1 out of memory. A heap too large for
+ * its positions to carry KVHI_LRUK_PENDING is left without one (0):
+ * kvhi_lruk_add_pending then declines. */
+int kvhi_lruk_enable_pending(kvhi_lruk_heap *h);
+/* Whether position p (of an item of h) is in the pending ring. Only a
+ * heap with a ring has such positions; in one without, heap and queue
+ * positions may reach the bit. */
+static inline int kvhi_lruk_pos_pending(const kvhi_lruk_heap *h, uint32_t p)
+{
+    return h->pending && p != KVHI_HEAP_NONE && (p & (KVHI_LRUK_QUEUED | KVHI_LRUK_PENDING)) == KVHI_LRUK_PENDING;
+}
+/* Moves the pending ring's live items to its front (it is full). */
+void kvhi_lruk_pending_squeeze(kvhi_lruk_heap *h);
+static inline uint32_t kvhi_lruk_pending_index(const kvhi_lruk_heap *h, uint32_t i)
+{
+    uint32_t r = h->p_head + i;
+    return r >= h->p_cap ? r - h->p_cap : r;
+}
+/* Files an item not present (position KVHI_HEAP_NONE) without a key: it
+ * is keyed through current() at the next top_current or rekey. False
+ * (nothing done) when h has no pending ring: use upsert_lazy. Inline, as
+ * the pending branch of kvhi_lruk_remove: they are what an allocation
+ * and a free of a block cost the victim order. */
+static inline int kvhi_lruk_add_pending(kvhi_lruk_heap *h, uint32_t item)
+{
+    if (!h->pending)
+        return 0;
+    if (h->p_len == h->p_cap)
+        kvhi_lruk_pending_squeeze(h);
+    if (h->p_len == h->p_cap)
+        return 0; /* cannot happen: the ring has room for every item */
+    uint32_t at = kvhi_lruk_pending_index(h, h->p_len++);
+    h->pending[at] = item;
+    h->p_live++;
+    *(uint32_t *)(h->pos_base + (size_t)item * h->pos_stride) = KVHI_LRUK_PENDING | at;
+    return 1;
+}
+/* Leaves a hole at pending index at, and trims holes off both ends so
+ * that they stay live. */
+static inline void kvhi_lruk_pending_remove_at(kvhi_lruk_heap *h, uint32_t at)
+{
+    h->pending[at] = KVHI_HEAP_NONE;
+    h->p_live--;
+    while (h->p_len && h->pending[kvhi_lruk_pending_index(h, h->p_len - 1)] == KVHI_HEAP_NONE)
+        h->p_len--;
+    while (h->p_len && h->pending[h->p_head] == KVHI_HEAP_NONE) {
+        h->p_head = h->p_head + 1 == h->p_cap ? 0 : h->p_head + 1;
+        h->p_len--;
+    }
+    if (!h->p_len)
+        h->p_head = 0;
+}
+/* Keys every pending item with its current key, into the queue or the
+ * heap: O(pending). top_current and rekey do it themselves. */
+void kvhi_lruk_drain(kvhi_lruk_heap *h, kvhi_lruk_current_fn current, void *ctx);
 /* Inserts, or updates the key of an item already present. */
 void kvhi_lruk_upsert(kvhi_lruk_heap *h, uint32_t item, kvhi_lruk_key key);
 /* Like upsert, but a key higher than the stored one is not stored: the
  * entry keeps its lower bound until kvhi_lruk_top_current() meets it.
  * Lowering a key is always applied at once. An item not present joins the
- * arrival queue when its key is at or above the queue's last one. */
+ * arrival queue when its key is at or above the queue's last one. A
+ * pending item stays pending (its key is read when it is drained). */
 void kvhi_lruk_upsert_lazy(kvhi_lruk_heap *h, uint32_t item, kvhi_lruk_key key);
-void kvhi_lruk_remove(kvhi_lruk_heap *h, uint32_t item);
-/* The current key of an item in the heap (what a lazy raise deferred). */
-typedef kvhi_lruk_key (*kvhi_lruk_current_fn)(void *ctx, uint32_t item);
+/* Removes the entry at position p of the heap or the queue. */
+void kvhi_lruk_remove_ordered(kvhi_lruk_heap *h, uint32_t p);
+static inline void kvhi_lruk_remove(kvhi_lruk_heap *h, uint32_t item)
+{
+    uint32_t *pos = (uint32_t *)(h->pos_base + (size_t)item * h->pos_stride);
+    uint32_t p = *pos;
+    if (p == KVHI_HEAP_NONE)
+        return;
+    *pos = KVHI_HEAP_NONE;
+    if (kvhi_lruk_pos_pending(h, p))
+        kvhi_lruk_pending_remove_at(h, p & ~KVHI_LRUK_PENDING);
+    else
+        kvhi_lruk_remove_ordered(h, p);
+}
 /* Lowest item by current keys, or KVHI_HEAP_NONE: stale entries met at the
  * top take their current key and sink. Exact while every key lowering went
  * through upsert or upsert_lazy. */
@@ -84,7 +173,9 @@ static inline int kvhi_lruk_less(const kvhi_lruk_key *a, const kvhi_lruk_key *b)
 {
     return a->primary != b->primary ? a->primary < b->primary : a->secondary < b->secondary;
 }
-/* The entry with the lowest stored key (heap top or queue front), or NULL. */
+/* The entry with the lowest stored key (heap top or queue front), or NULL.
+ * Pending items are not seen here, nor by kvhi_lruk_top, kvhi_lruk_top_key
+ * and kvhi_lruk_stored_key (NULL for them), until drained. */
 const kvhi_lruk_entry *kvhi_lruk_min_entry(const kvhi_lruk_heap *h);
 /* Lowest item by stored keys, or KVHI_HEAP_NONE. */
 static inline uint32_t kvhi_lruk_top(const kvhi_lruk_heap *h)
@@ -99,10 +190,11 @@ static inline const kvhi_lruk_key *kvhi_lruk_top_key(const kvhi_lruk_heap *h)
 }
 /* The stored key of a present item (heap or queue). */
 const kvhi_lruk_key *kvhi_lruk_stored_key(const kvhi_lruk_heap *h, uint32_t item);
-/* Items present, in the heap and the queue together. */
+/* Items present: in the heap, the queue and the pending ring together. */
 uint32_t kvhi_lruk_count(const kvhi_lruk_heap *h);
 /* Gives every present item its current key (the victim order itself has
- * changed) and restores the heap: O(n). Queued entries join the heap. */
+ * changed) and restores the heap: O(n). Queued and pending entries join
+ * the heap. */
 void kvhi_lruk_rekey(kvhi_lruk_heap *h, kvhi_lruk_current_fn current, void *ctx);
 /* Key of an access history (most recent first, k entries). */
 kvhi_lruk_key kvhi_lruk_key_of(const uint64_t *hist, uint32_t k, int referenced);

@@ -43,11 +43,6 @@ int kvhi_copy_bytes(kvh_engine *e, uint32_t dst_tier, void *dst, uint32_t src_ti
     return e->backend->copy(e->backend_ctx, dst, src, n, kind, msg, sizeof(msg));
 }
 
-void kvhi_release_slot(kvh_engine *e, uint32_t tier, uint32_t slot)
-{
-    kvhi_slot_pool_free(&e->tiers[tier].slots, slot);
-}
-
 static void count_move(kvh_engine *e, uint32_t from, uint32_t to)
 {
     uint64_t bytes = e->block_bytes;

@@ -76,7 +76,10 @@ kvh_status kvhi_pool_copy(kvh_engine *e, struct kvhi_ext_pool *p, uint32_t slot,
 
 /* Records that b's disk data failed verification: never served again. */
 kvh_status kvhi_mark_corrupt(kvh_engine *e, uint32_t b, const char *why);
-void kvhi_release_slot(kvh_engine *e, uint32_t tier, uint32_t slot);
+static inline void kvhi_release_slot(kvh_engine *e, uint32_t tier, uint32_t slot)
+{
+    kvhi_slot_pool_free(&e->tiers[tier].slots, slot);
+}
 /* Copies n bytes between two tiers' memory with the backend's copy kind
  * (a plain memcpy between host-addressable memories). */
 int kvhi_copy_bytes(kvh_engine *e, uint32_t dst_tier, void *dst, uint32_t src_tier, const void *src, size_t n);

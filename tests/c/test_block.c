@@ -208,6 +208,72 @@ static void test_last_reference(void **state)
     assert_kvh(KVH_ERR_BAD_HANDLE, kvh_block_info_get(e, ph, &bi));
 }
 
+/* ---- lazy entry into the victim order ---- */
+
+/* A new block joins its tier's order pending (no key yet) and leaves it
+ * in O(1) when freed unchosen; the first victim choice keys it, and the
+ * victim is the block with the oldest history. A release of a forged
+ * handle whose index lies past the records fails cleanly (its record is
+ * prefetched before the lock only within bounds). */
+static void test_new_blocks_enter_the_order_pending(void **state)
+{
+    (void)state;
+    kvh_engine *e = open_engine(4, 8);
+    kvh_block h[4];
+    uint32_t idx[4];
+    for (int i = 0; i < 4; i++) {
+        assert_ok(kvh_block_alloc(e, 0, &h[i]));
+        idx[i] = wb_block_index(e, h[i]); /* takes the lock itself */
+    }
+    wb_lock(e);
+    kvhi_lruk_heap *dev = &e->tiers[KVH_TIER_DEVICE].heap;
+    for (int i = 0; i < 4; i++) {
+        kvhi_block *blk = kvhi_blk(e, idx[i]);
+        assert_true(blk->heap_pos != KVHI_HEAP_NONE && (blk->heap_pos & KVHI_LRUK_PENDING));
+    }
+    assert_int_equal(dev->p_live, 4);
+    assert_int_equal(dev->size + dev->q_live, 0);
+    wb_unlock(e);
+
+    /* Freed unchosen: out of the ring, no key ever made. */
+    assert_ok(kvh_block_release(e, h[3]));
+    wb_lock(e);
+    assert_int_equal(kvhi_blk(e, idx[3])->heap_pos, KVHI_HEAP_NONE);
+    assert_int_equal(dev->p_live, 3);
+    assert_int_equal(dev->p_len, 3); /* the hole at the end was trimmed */
+    wb_unlock(e);
+
+    /* A fifth block in a full tier: the choice keys the pending three and
+     * takes the oldest (h[0]) down to the host tier. */
+    kvh_block h4, h5;
+    assert_ok(kvh_block_alloc(e, 0, &h4));
+    assert_ok(kvh_block_alloc(e, 0, &h5));
+    assert_int_equal(tu_binfo(e, h[0]).tier, KVH_TIER_HOST);
+    assert_int_equal(tu_binfo(e, h[1]).tier, KVH_TIER_DEVICE);
+    wb_lock(e);
+    assert_int_equal(kvhi_lruk_count(dev), 4);
+    kvhi_block *b1 = kvhi_blk(e, idx[1]);
+    assert_false(b1->heap_pos & KVHI_LRUK_PENDING); /* keyed by the choice */
+    wb_unlock(e);
+
+    /* Forged indices, in range and far past the records: refused, and
+     * nothing changes. */
+    kvh_stats before = tu_stats(e);
+    uint64_t tag = (uint64_t)KVHI_TAG_BLOCK << KVHI_HANDLE_TAG_SHIFT;
+    uint64_t forged[] = {tag | 0x3, tag | ((1ull << e->block_index_bits) - 1), tag | KVHI_HANDLE_PAYLOAD_MASK,
+                         h[1].id ^ (1ull << 40), ~0ull};
+    for (size_t i = 0; i < sizeof(forged) / sizeof(forged[0]); i++)
+        assert_kvh(KVH_ERR_BAD_HANDLE, kvh_block_release(e, (kvh_block){forged[i]}));
+    kvh_stats after = tu_stats(e);
+    assert_int_equal(after.blocks_freed, before.blocks_freed);
+    for (int i = 0; i < 3; i++)
+        assert_ok(kvh_block_release(e, h[i]));
+    assert_ok(kvh_block_release(e, h4));
+    assert_ok(kvh_block_release(e, h5));
+    assert_int_equal(tu_tier(e, KVH_TIER_DEVICE).used_blocks, 0);
+    assert_int_equal(tu_tier(e, KVH_TIER_HOST).used_blocks, 0);
+}
+
 /* ---- holds and DEAD blocks ---- */
 
 static void test_holds_and_dead_blocks(void **state)
@@ -505,6 +571,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_move_state_table),
         cmocka_unit_test_teardown(test_last_reference, teardown),
+        cmocka_unit_test_teardown(test_new_blocks_enter_the_order_pending, teardown),
         cmocka_unit_test_teardown(test_holds_and_dead_blocks, teardown),
         cmocka_unit_test_teardown(test_pin_follows_a_moving_block, teardown),
         cmocka_unit_test_teardown(test_publication, teardown),

@@ -452,6 +452,150 @@ static void test_arrival_queue_churn(void **state)
     kvhi_lruk_destroy(&h);
 }
 
+/* What the engine does on any change of an item (kvhi_block_update_
+ * evictable): an item not present goes pending, a pending one stays so,
+ * any other takes its key lazily. */
+static void pending_update(kvhi_lruk_heap *h, lazy_ctx *c, uint32_t i)
+{
+    uint32_t p = c->items[i].pos;
+    if (p != KVHI_HEAP_NONE && (p & KVHI_LRUK_PENDING))
+        return;
+    if (p == KVHI_HEAP_NONE && kvhi_lruk_add_pending(h, i))
+        return;
+    kvhi_lruk_upsert_lazy(h, i, lazy_current(c, i));
+}
+
+/* Items that arrive pending are keyed only when a victim is chosen (or
+ * the order re-keyed), with the keys they have then: the victims are
+ * still the exact minimum of the current keys, whatever happened to a
+ * key while pending (raised, dropped a class), and pending items freed
+ * unchosen leave holes that wrap and squeeze out of the ring. */
+static void test_pending_arrivals_churn(void **state)
+{
+    (void)state;
+    enum { N = 150 };
+    tu_rng r = {tu_seed(0x9e4d)};
+    item *items = tu_alloc(sizeof(item) * N);
+    uint8_t *ref = tu_alloc(N), *gone = tu_alloc(N);
+    init_items(items, N);
+    lazy_ctx c = {items, ref};
+    kvhi_lruk_heap h;
+    assert_int_equal(kvhi_lruk_init(&h, N, &items[0].pos, sizeof(item)), 0);
+    assert_int_equal(kvhi_lruk_add_pending(&h, 0), 0); /* no ring yet: declined, untouched */
+    assert_int_equal(items[0].pos, KVHI_HEAP_NONE);
+    assert_int_equal(kvhi_lruk_enable_pending(&h), 0);
+    uint64_t clock = 0;
+    uint32_t pending_seen = 0, freed_pending = 0, victims = 0;
+    for (uint32_t i = 0; i < N; i++)
+        gone[i] = 1;
+    for (int step = 0; step < 80000; step++) {
+        uint32_t i = (uint32_t)tu_below(&r, N);
+        uint32_t what = (uint32_t)tu_below(&r, 40);
+        if (gone[i]) {
+            memset(items[i].hist, 0, sizeof(items[i].hist));
+            ref[i] = 1;
+            kvhi_lruk_record(items[i].hist, 2, ++clock);
+            pending_update(&h, &c, i);
+            assert_true(items[i].pos & KVHI_LRUK_PENDING);
+            assert_null(kvhi_lruk_stored_key(&h, i));
+            gone[i] = 0;
+            pending_seen++;
+        } else if (what < 14) {
+            freed_pending += (items[i].pos & KVHI_LRUK_PENDING) != 0;
+            kvhi_lruk_remove(&h, i);
+            assert_int_equal(items[i].pos, KVHI_HEAP_NONE);
+            gone[i] = 1;
+        } else if (what < 18) {
+            ref[i] = 0;
+            pending_update(&h, &c, i);
+        } else if (what < 20) {
+            uint32_t want = lazy_brute_min(&c, gone, N);
+            uint32_t top = kvhi_lruk_top_current(&h, lazy_current, &c);
+            assert_int_equal(top, want);
+            assert_int_equal(h.p_live, 0);
+            /* Drained: every stored key is a lower bound of its current one. */
+            for (uint32_t k = 0; k < N; k++)
+                if (!gone[k]) {
+                    kvhi_lruk_key now = lazy_current(&c, k);
+                    assert_false(kvhi_lruk_less(&now, kvhi_lruk_stored_key(&h, k)));
+                }
+            if (top != KVHI_HEAP_NONE) {
+                kvhi_lruk_key now = lazy_current(&c, top);
+                assert_true(key_eq(kvhi_lruk_stored_key(&h, top), &now));
+                kvhi_lruk_remove(&h, top);
+                gone[top] = 1;
+                victims++;
+            }
+        } else if (what == 20) {
+            for (uint32_t k = 0; k < N; k++)
+                if (!gone[k] && tu_below(&r, 2))
+                    ref[k] = (uint8_t)!ref[k]; /* a new order: either way */
+            kvhi_lruk_rekey(&h, lazy_current, &c);
+            assert_int_equal(h.p_live, 0);
+        } else {
+            kvhi_lruk_record(items[i].hist, 2, ++clock);
+            pending_update(&h, &c, i);
+        }
+        uint32_t live = 0;
+        for (uint32_t k = 0; k < N; k++)
+            live += !gone[k];
+        assert_int_equal(kvhi_lruk_count(&h), live);
+    }
+    assert_true(pending_seen > 5000 && freed_pending > 500 && victims > 1000);
+    for (;;) {
+        uint32_t want = lazy_brute_min(&c, gone, N);
+        uint32_t top = kvhi_lruk_top_current(&h, lazy_current, &c);
+        assert_int_equal(top, want);
+        if (top == KVHI_HEAP_NONE)
+            break;
+        kvhi_lruk_remove(&h, top);
+        gone[top] = 1;
+    }
+    assert_int_equal(kvhi_lruk_count(&h), 0);
+    kvhi_lruk_destroy(&h);
+}
+
+/* A pending ring that fills with holes is squeezed, keeping the arrival
+ * order, and its positions stay exact. */
+static void test_pending_ring_squeeze(void **state)
+{
+    (void)state;
+    enum { N = 64 };
+    item *items = tu_alloc(sizeof(item) * N);
+    uint8_t *ref = tu_alloc(N), *gone = tu_alloc(N);
+    init_items(items, N);
+    lazy_ctx c = {items, ref};
+    kvhi_lruk_heap h;
+    assert_int_equal(kvhi_lruk_init(&h, N, &items[0].pos, sizeof(item)), 0);
+    assert_int_equal(kvhi_lruk_enable_pending(&h), 0);
+    uint64_t clock = 0;
+    /* Item 0 stays pending throughout; the others come and go behind it,
+     * so its hole-free end never lets the ring trim. */
+    kvhi_lruk_record(items[0].hist, 2, ++clock);
+    assert_true(kvhi_lruk_add_pending(&h, 0));
+    for (int round = 0; round < 50; round++)
+        for (uint32_t i = 1; i < N; i++) {
+            kvhi_lruk_record(items[i].hist, 2, ++clock);
+            assert_true(kvhi_lruk_add_pending(&h, i));
+            if (i % 2 == 0 || round < 49)
+                kvhi_lruk_remove(&h, i);
+        }
+    assert_true(h.p_len <= h.p_cap);
+    for (uint32_t i = 0; i < N; i++) {
+        gone[i] = !(i == 0 || i % 2 == 1);
+        if (!gone[i])
+            assert_int_equal(h.pending[items[i].pos & ~KVHI_LRUK_PENDING], i);
+        else
+            assert_int_equal(items[i].pos, KVHI_HEAP_NONE);
+    }
+    for (uint32_t want; (want = lazy_brute_min(&c, gone, N)) != UINT32_MAX; gone[want] = 1) {
+        assert_int_equal(kvhi_lruk_top_current(&h, lazy_current, &c), want);
+        kvhi_lruk_remove(&h, want);
+    }
+    assert_int_equal(kvhi_lruk_count(&h), 0);
+    kvhi_lruk_destroy(&h);
+}
+
 /* A changed victim order: rekey gives every entry (heap and queue) its
  * new key and restores the heap, after which victims come in the new
  * order. */
@@ -562,6 +706,8 @@ int main(void)
         cmocka_unit_test_teardown(test_victim_order_simulation, tu_teardown),
         cmocka_unit_test_teardown(test_lazy_raise_keeps_exact_victims, tu_teardown),
         cmocka_unit_test_teardown(test_arrival_queue_churn, tu_teardown),
+        cmocka_unit_test_teardown(test_pending_arrivals_churn, tu_teardown),
+        cmocka_unit_test_teardown(test_pending_ring_squeeze, tu_teardown),
         cmocka_unit_test_teardown(test_rekey_to_a_new_order, tu_teardown),
         cmocka_unit_test_teardown(test_large_heap, tu_teardown),
         cmocka_unit_test_teardown(test_empty_heap, tu_teardown),
