@@ -19,6 +19,10 @@
  * its request read has already redeemed that priority). So a request
  * the caller dropped or moved later cannot keep outranking the requests
  * queued behind it for longer than the step takes to pass its number.
+ * For the same reason an access redeems a priority whose request the
+ * step has reached even without a hint since the last access: a caller
+ * that hinted the request once, when it entered the queue, gets the
+ * redemption that re-hinting before every step would give.
  * Cost: O(log n) per new pair, each popped once. */
 #include "core/hint_queue.h"
 
@@ -111,6 +115,11 @@ kvh_status kvhi_hint_advance(kvh_engine *e, uint64_t steps, uint64_t *step)
     }
     *step = e->qhint_step;
     return KVH_OK;
+}
+
+bool kvhi_hint_queue_due(const kvh_engine *e, int32_t priority)
+{
+    return e->qhint_count && priority != KVHI_HINT_NONE && priority >= request_priority(e->qhint_step);
 }
 
 void kvhi_hint_queue_free(kvh_engine *e)

@@ -3,6 +3,7 @@
 #ifndef KVH_CORE_HINT_QUEUE_H
 #define KVH_CORE_HINT_QUEUE_H
 
+#include <stdbool.h>
 #include <stdint.h>
 
 #include "core/engine.h"
@@ -19,5 +20,9 @@ kvh_status kvhi_hint_queue(kvh_engine *e, kvhi_seq *s, uint64_t first, uint64_t 
  * passed; [out] *step, the step now. */
 kvh_status kvhi_hint_advance(kvh_engine *e, uint64_t steps, uint64_t *step);
 void kvhi_hint_queue_free(kvh_engine *e);
+/* Whether priority is that of a queued request the step has reached
+ * (while any queue hint is filed): an access then redeems it even when
+ * it was hinted only once, before an earlier use. */
+bool kvhi_hint_queue_due(const kvh_engine *e, int32_t priority);
 
 #endif

@@ -31,6 +31,7 @@
 
 #include "core/engine.h"
 #include "core/block.h"
+#include "core/hint_queue.h"
 
 typedef struct kvhi_hint_record {
     uint32_t block, gen, epoch;
@@ -78,7 +79,7 @@ void kvhi_hint_redeem(kvh_engine *e, uint32_t b)
     kvhi_block *blk = kvhi_blk(e, b);
     /* One use per hint: the first access after it redeems, the rest of
      * that use (every layer read, a match then an acquire) does not. */
-    if (!(blk->hint_epoch & HINT_FRESH))
+    if (!(blk->hint_epoch & HINT_FRESH) && !kvhi_hint_queue_due(e, blk->hint_priority))
         return;
     blk->hint_epoch &= (uint8_t)~HINT_FRESH;
     if (blk->hint_next == KVHI_HINT_NONE) {

@@ -139,6 +139,27 @@ static void test_stale_requests_lose(void **state)
     assert_false(hinted(&w, 1, NULL));
 }
 
+/* Hinted once for two requests, a block is redeemed by the read of each,
+ * as it would be if re-hinted before every step. */
+static void test_hinted_once_redeems_each_use(void **state)
+{
+    (void)state;
+    world w;
+    open_world(&w);
+    uint64_t step = 0;
+    assert_ok(kvh_seq_hint_queued(w.e, w.s[0], 0, BT, 0, KVH_HINT_REQUEST));
+    assert_ok(kvh_seq_hint_queued(w.e, w.s[0], 0, BT, 1, KVH_HINT_REQUEST));
+    assert_ok(kvh_seq_acquire(w.e, w.s[0], 0, BT, NULL)); /* request 0 */
+    assert_ok(kvh_seq_release(w.e, w.s[0], 0, BT));
+    int32_t p = 0;
+    assert_true(hinted(&w, 0, &p));
+    assert_ok(kvh_hint_advance(w.e, 1, &step));
+    assert_true(hinted(&w, 0, &p));                       /* request 1 still to come */
+    assert_ok(kvh_seq_acquire(w.e, w.s[0], 0, BT, NULL)); /* request 1 */
+    assert_ok(kvh_seq_release(w.e, w.s[0], 0, BT));
+    assert_false(hinted(&w, 0, NULL)); /* read: nothing left to wait for */
+}
+
 /* Misuse: unknown kinds, out-of-range places and ranges, a freed sequence;
  * none changes the step or any hint. */
 static void test_misuse(void **state)
@@ -170,6 +191,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_three_styles_agree, tu_teardown),
         cmocka_unit_test_teardown(test_stale_requests_lose, tu_teardown),
+        cmocka_unit_test_teardown(test_hinted_once_redeems_each_use, tu_teardown),
         cmocka_unit_test_teardown(test_misuse, tu_teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

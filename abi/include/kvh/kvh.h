@@ -833,10 +833,16 @@ typedef enum kvh_hint_place {
  * hinted as kvh_seq_hint does at priority INT32_MAX - request (request
  * numbers compared modulo 2^31 - 1, so the sooner request ranks higher),
  * and the same rules hold: a block keeps its two soonest requests, and
- * the first access after a hint redeems the sooner. Hinting by position
+ * the first access after a hint redeems the sooner; so does any access
+ * once the step has reached that request, hinted again or not (while
+ * queue hints are in use, a kvh_seq_hint priority at or above
+ * INT32_MAX - step counts as such a request). Hinting by position
  * before every step, by request number, or once when a request enters
  * the queue gives every block the same priority, as long as the caller
- * calls kvh_hint_advance once per request taken.
+ * calls kvh_hint_advance once per request taken; the one difference: a
+ * block named by three or more queued requests keeps the two soonest,
+ * and a request hinted only on entry that was the third is not restored
+ * when one of the two is redeemed (re-hinting restores it).
  *
  * How long a priority lasts: until an access redeems it, or until the
  * step passes its request (kvh_hint_advance drops it then: a request
