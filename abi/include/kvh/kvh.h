@@ -802,7 +802,9 @@ KVH_API kvh_status kvh_prefetch(kvh_engine *engine, kvh_seq seq, uint64_t first,
  * (e.g. INT32_MAX - n for the n-th request), not its place in the queue.
  * A place re-hinted at every step does not work: the request hinted at
  * place 0 a step ago and the one hinted at place 0 now tie, and a block's
- * second priority, kept from an older hint, can outrank fresh ones. A
+ * second priority, kept from an older hint, can outrank fresh ones
+ * (kvh_seq_hint_queued takes places or request numbers and does this
+ * mapping, with a step count that retires passed requests). A
  * scheduler that hints its whole queue, before each request or only when
  * the queue changes, by absolute number gets Belady's eviction order
  * within the queue's horizon. How long it lasts: a priority is redeemed by
