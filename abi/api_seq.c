@@ -2,6 +2,7 @@
 #include "abi/api_common.h"
 #include "core/block.h"
 #include "core/seq.h"
+#include "core/hint_queue.h"
 #include "core/disk_tier.h"
 #include "core/scope.h"
 #include "core/remote_tier.h"
@@ -267,6 +268,39 @@ kvh_status kvh_seq_hint(kvh_engine *e, kvh_seq seq, uint64_t first, uint64_t n, 
         return st;
     st = kvhi_seq_hint(e, s, first, n, priority);
     kvhi_leave(e);
+    return st;
+}
+
+kvh_status kvh_seq_hint_queued(kvh_engine *e, kvh_seq seq, uint64_t first, uint64_t n, uint64_t place,
+                               kvh_hint_place kind)
+{
+    KVHI_REQUIRE(kind == KVH_HINT_POSITION || kind == KVH_HINT_REQUEST, "unknown hint place kind %d", (int)kind);
+    kvhi_seq *s;
+    kvh_status st = kvhi_api_enter_seq(e, seq, &s);
+    if (st != KVH_OK)
+        return st;
+    uint64_t step = e->qhint_step;
+    uint64_t ahead = kind == KVH_HINT_POSITION ? place : place > step ? place - step : 0;
+    if (ahead >= KVHI_HINT_QUEUE_REACH || (kind == KVH_HINT_POSITION && place > UINT64_MAX - step))
+        st = kvhi_fail(KVH_ERR_RANGE, "request %llu places ahead: queue hints reach %u", (unsigned long long)ahead,
+                       KVHI_HINT_QUEUE_REACH);
+    else
+        st = kvhi_hint_queue(e, s, first, n, kind == KVH_HINT_POSITION ? step + place : place);
+    kvhi_leave(e);
+    return st;
+}
+
+kvh_status kvh_hint_advance(kvh_engine *e, uint64_t steps, uint64_t *step)
+{
+    KVHI_REQUIRE(step != NULL, "step is NULL");
+    kvh_status st = kvhi_api_enter(e);
+    if (st != KVH_OK)
+        return st;
+    uint64_t now = 0;
+    st = kvhi_hint_advance(e, steps, &now);
+    kvhi_leave(e);
+    if (st == KVH_OK)
+        *step = now;
     return st;
 }
 

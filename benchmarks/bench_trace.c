@@ -34,6 +34,10 @@
  * (advice: they rank blocks for eviction and move nothing),
  * `kvh-engine+prefetch` to kvh_prefetch (they also promote; hits are then
  * counted by fetches, policy_sim.h, so a prefetch is never a free hit).
+ * On the generated traces the same hints are also given as queue hints
+ * (kvh_seq_hint_queued with kvh_hint_advance once per turn) by queue
+ * position, by request number, and once per request when it enters the
+ * queue (`kvh-engine+queue-position`, `-request`, `-on-entry`).
  * `lru-k+hints` and `lru-k+prefetch` simulate the same two.
  *
  * Targets (issue 8): kvh-engine+hints within 10 % of MIN's hit rates on
@@ -196,6 +200,18 @@ static int evaluate(const bench_ctx *ctx, const trace_opts *o, const char *trace
                     bench_info(ctx, "  %s replay at %llu%%: %.2f s", name, (unsigned long long)pct, rr.seconds);
                     emit_result(ctx, trace_name, name, pct, &c, &rr.sim, &opt, generated, adversarial);
                 }
+            /* The generated traces' hints as a scheduler's queue hints,
+             * given the three ways (trace_replay.h): equal rows. */
+            static const char *const queue_names[3] = {"kvh-engine+queue-position", "kvh-engine+queue-request",
+                                                       "kvh-engine+queue-on-entry"};
+            for (int style = 0; generated && t->n_hints > 0 && style < 3; style++) {
+                replay_result rr;
+                rc.hints = REPLAY_QUEUE_POSITION + style;
+                rc.lru_k_order = 0;
+                if (trace_replay(t, &rc, &rr) != 0)
+                    return 1;
+                emit_result(ctx, trace_name, queue_names[style], pct, &c, &rr.sim, &opt, generated, adversarial);
+            }
         }
     }
     return 0;

@@ -49,6 +49,18 @@ static int remove_entry(const char *path, const struct stat *st, int flag, struc
     return remove(path);
 }
 
+/* On entry: whether turn's hints belong to this batch, the first that
+ * named the turn (0 in first_batch: none yet; a turn past the table,
+ * which generated traces never have, counts as new). */
+static int entered_in(uint64_t *first_batch, size_t n, uint64_t turn, uint64_t batch)
+{
+    if (turn >= n)
+        return 1;
+    if (!first_batch[turn])
+        first_batch[turn] = batch;
+    return first_batch[turn] == batch;
+}
+
 int trace_replay(const trace *t, const replay_config *c, replay_result *out)
 {
     memset(out, 0, sizeof(*out));
@@ -61,12 +73,13 @@ int trace_replay(const trace *t, const replay_config *c, replay_result *out)
     kvh_seq *seqs = calloc(n_seqs ? n_seqs : 1, sizeof(*seqs));
     uint8_t *created = calloc(n_seqs ? n_seqs : 1, 1);
     uint8_t *seen = calloc(t->n_blocks ? t->n_blocks : 1, 1);
+    uint64_t *first_batch = calloc(t->n_hints + 1, sizeof(*first_batch));
     uint64_t *len = calloc(n_seqs ? n_seqs : 1, sizeof(*len));
     uint16_t kv[BLOCK_TOKENS * HEAD_DIM];
     int32_t tokens[BLOCK_TOKENS];
     char store[4096];
     int made_store = 0;
-    if (!seqs || !created || !seen || !len) {
+    if (!seqs || !created || !seen || !len || !first_batch) {
         fprintf(stderr, "trace replay: out of memory\n");
         goto out;
     }
@@ -110,7 +123,15 @@ int trace_replay(const trace *t, const replay_config *c, replay_result *out)
     sim_result *r = &out->sim;
     double t0 = now_sec();
     size_t h = 0;
+    /* Queue hints: the step, and the batch each turn was first hinted in. */
+    uint64_t step = 0, batch = 0;
     for (size_t i = 0; i < t->n; i++) {
+        if (c->hints >= REPLAY_QUEUE_POSITION && h < t->n_hints && t->hints[h].at <= i) {
+            /* A new batch of hints: the turn before it has run. */
+            if (i > 0)
+                CHECK(kvh_hint_advance(e, 1, &step));
+            batch++;
+        }
         for (; h < t->n_hints && t->hints[h].at <= i; h++) {
             const trace_hint *th = &t->hints[h];
             if (!c->hints || th->seq >= n_seqs || !created[th->seq])
@@ -121,10 +142,15 @@ int trace_replay(const trace *t, const replay_config *c, replay_result *out)
             if (th->first >= end)
                 continue;
             uint64_t tok0 = (uint64_t)th->first * BLOCK_TOKENS, ntok = (end - th->first) * BLOCK_TOKENS;
+            uint64_t turn = (uint64_t)(INT32_MAX - th->priority);
             if (c->hints == 1)
                 CHECK(kvh_seq_hint(e, seqs[th->seq], tok0, ntok, th->priority));
-            else
+            else if (c->hints == 2)
                 CHECK(kvh_prefetch(e, seqs[th->seq], tok0, ntok, th->priority, NULL));
+            else if (c->hints == REPLAY_QUEUE_POSITION)
+                CHECK(kvh_seq_hint_queued(e, seqs[th->seq], tok0, ntok, turn - step, KVH_HINT_POSITION));
+            else if (c->hints == REPLAY_QUEUE_REQUEST || entered_in(first_batch, t->n_hints, turn, batch))
+                CHECK(kvh_seq_hint_queued(e, seqs[th->seq], tok0, ntok, turn, KVH_HINT_REQUEST));
         }
         const trace_access *a = &t->acc[i];
         if (!created[a->seq]) {
@@ -183,6 +209,7 @@ out:
     free(seqs);
     free(created);
     free(seen);
+    free(first_batch);
     free(len);
     return rc;
 }

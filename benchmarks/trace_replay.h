@@ -29,9 +29,18 @@ typedef struct replay_config {
                              default before the adaptive one) */
     int hints;            /* 1: the trace's hints become kvh_seq_hint
                              calls (advice), 2: kvh_prefetch calls (which
-                             also promote); blocks not made yet are left
+                             also promote), 3-5: kvh_seq_hint_queued calls
+                             (REPLAY_QUEUE_*); blocks not made yet are left
                              out */
 } replay_config;
+
+/* Queue hints (kvh_seq_hint_queued) in the three ways a scheduler can
+ * give them: the generated traces' priorities are INT32_MAX - turn, and
+ * each batch of hints (one before every turn) starts a new step
+ * (kvh_hint_advance). By position: the place of the turn in the queue
+ * now; by request: the turn's number; on entry: each turn's hints only
+ * the first time the queue shows it. */
+enum { REPLAY_QUEUE_POSITION = 3, REPLAY_QUEUE_REQUEST = 4, REPLAY_QUEUE_ON_ENTRY = 5 };
 
 typedef struct replay_result {
     sim_result sim; /* hits and block transfers as the engine counted */

@@ -81,7 +81,18 @@ def trace_table(d: Path) -> Optional[str]:
     for r in rows:
         if "policy" in r:
             by[(r["trace"], r["budget"], r["policy"])][r["metric"]] = r
-    policies = ["kvh-engine+hints", "kvh-engine+prefetch", "kvh-engine", "lru-k", "lru-k-hyst", "lru", "lctru"]
+    policies = [
+        "kvh-engine+hints",
+        "kvh-engine+queue-position",
+        "kvh-engine+queue-request",
+        "kvh-engine+queue-on-entry",
+        "kvh-engine+prefetch",
+        "kvh-engine",
+        "lru-k",
+        "lru-k-hyst",
+        "lru",
+        "lctru",
+    ]
     traces = sorted({k[0] for k in by}, key=lambda t: (t.startswith("recorded"), t))
     out = []
     for t in traces:

@@ -1,6 +1,6 @@
 /* The adaptive victim order (KVH_EVICT_ADAPTIVE, core/adaptive.c): plain
  * LRU or LRU-K, whichever a shadow simulation of the device tier finds
- * the better on the recent accesses. */
+ * the better over a decayed count of its accesses. */
 #ifndef KVH_CORE_ADAPTIVE_H
 #define KVH_CORE_ADAPTIVE_H
 
@@ -19,10 +19,10 @@ typedef struct kvhi_adapt {
     uint32_t cap;             /* shadow capacity: the device tier's, sampled */
     uint32_t *pos[2];         /* per block: position in each shadow */
     kvhi_lruk_heap shadow[2]; /* [0] LRU, [1] LRU-K */
-    uint64_t hits[2];         /* shadow hits in the current window */
-    double score[2];          /* decayed hits of the past windows */
-    uint64_t window_left;     /* accesses until the next decision */
-    uint64_t window;          /* accesses between decisions */
+    int64_t lead;             /* LRU's shadow hits minus LRU-K's, decayed */
+    uint64_t decay_left;      /* accesses until the lead next decays */
+    uint64_t decay_every;     /* accesses between two decays */
+    uint64_t quiet_left;      /* accesses before another switch may come */
     uint64_t switches;
 } kvhi_adapt;
 

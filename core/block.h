@@ -166,6 +166,11 @@ kvhi_lruk_key kvhi_block_current_key(void *engine, uint32_t b);
 /* Prefetch hints as eviction protection (core/hints.c). */
 /* b is predicted to be needed, at priority (higher: sooner). */
 void kvhi_hint_set(kvh_engine *e, uint32_t b, int32_t priority);
+/* The same without a lapse record: the caller retires the priority
+ * itself (kvhi_hint_drop). True when priority is new among b's two. */
+bool kvhi_hint_set_unlapsing(kvh_engine *e, uint32_t b, int32_t priority);
+/* Removes priority from b's two, if there (the use it named has passed). */
+void kvhi_hint_drop(kvh_engine *e, uint32_t b, int32_t priority);
 /* b was used: its soonest hint is redeemed, the next one (if any) takes
  * its place. */
 void kvhi_hint_redeem(kvh_engine *e, uint32_t b);

@@ -12,6 +12,7 @@
 
 #include "core/attention_call.h"
 #include "core/engine.h"
+#include "core/hint_queue.h"
 #include "core/huge_alloc.h"
 #include "core/vmap_backend.h"
 #include "core/block.h"
@@ -260,6 +261,7 @@ static void engine_free(kvh_engine *e)
     kvhi_handles_destroy(&e->fences);
     kvhi_pools_destroy(e);
     kvhi_hints_free(e);
+    kvhi_hint_queue_free(e);
     kvhi_adapt_free(e);
     kvhi_handles_destroy(&e->pools);
     kvhi_vmap_engine_free(e);

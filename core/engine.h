@@ -139,6 +139,11 @@ struct kvh_engine {
     uint32_t hint_head, hint_count, hint_cap;
     uint32_t hint_epoch;
     uint64_t hint_epoch_end; /* clock value that starts the next epoch */
+    /* Queue hints (core/hint_queue.c): the step count, and a min-heap by
+     * request of the (block, request) pairs still to retire. */
+    uint64_t qhint_step;
+    struct kvhi_queue_hint *qhint_heap;
+    uint32_t qhint_count, qhint_cap;
 
     kvhi_adapt adapt; /* KVH_EVICT_ADAPTIVE's shadows (core/adaptive.c) */
 

@@ -31,6 +31,7 @@
 
 #include "core/engine.h"
 #include "core/block.h"
+#include "core/hint_queue.h"
 
 typedef struct kvhi_hint_record {
     uint32_t block, gen, epoch;
@@ -78,7 +79,7 @@ void kvhi_hint_redeem(kvh_engine *e, uint32_t b)
     kvhi_block *blk = kvhi_blk(e, b);
     /* One use per hint: the first access after it redeems, the rest of
      * that use (every layer read, a match then an acquire) does not. */
-    if (!(blk->hint_epoch & HINT_FRESH))
+    if (!(blk->hint_epoch & HINT_FRESH) && !kvhi_hint_queue_due(e, blk->hint_priority))
         return;
     blk->hint_epoch &= (uint8_t)~HINT_FRESH;
     if (blk->hint_next == KVHI_HINT_NONE) {
@@ -135,7 +136,11 @@ void kvhi_hints_advance(kvh_engine *e)
     retire_lapsed(e);
 }
 
-void kvhi_hint_set(kvh_engine *e, uint32_t b, int32_t priority)
+/* Sets priority among b's two; true when it is new to them. lapses:
+ * leave a record that retires it with its epoch; otherwise the block is
+ * marked with an epoch no record carries (it lapses some other way,
+ * core/hint_queue.c). */
+static bool hint_apply(kvh_engine *e, uint32_t b, int32_t priority, bool lapses)
 {
     kvhi_hints_advance(e);
     if (priority == KVHI_HINT_NONE)
@@ -146,8 +151,9 @@ void kvhi_hint_set(kvh_engine *e, uint32_t b, int32_t priority)
      * ones were retired as the epoch advanced), so seven bits tell them
      * apart. */
     bool renewed = hinted && (blk->hint_epoch & HINT_EPOCH_MASK) == (e->hint_epoch & HINT_EPOCH_MASK);
-    if (!renewed && !ring_push(e, (kvhi_hint_record){.block = b, .gen = blk->gen, .epoch = e->hint_epoch}))
-        return; /* out of memory: a hint is advice, it can be dropped */
+    if (lapses && !renewed && !ring_push(e, (kvhi_hint_record){.block = b, .gen = blk->gen, .epoch = e->hint_epoch}))
+        return false; /* out of memory: a hint is advice, it can be dropped */
+    bool added = true;
     if (!hinted) {
         blk->hint_priority = priority;
         blk->hint_next = KVHI_HINT_NONE;
@@ -156,11 +162,41 @@ void kvhi_hint_set(kvh_engine *e, uint32_t b, int32_t priority)
         blk->hint_priority = priority;
     } else if (priority < blk->hint_priority && priority > blk->hint_next) {
         blk->hint_next = priority;
+    } else {
+        added = false;
     }
-    blk->hint_epoch = (uint8_t)((e->hint_epoch & HINT_EPOCH_MASK) | HINT_FRESH);
+    /* Half the seven-bit range away from this epoch: no live record (this
+     * epoch's or the last's) matches it. */
+    uint32_t epoch = lapses ? e->hint_epoch : e->hint_epoch + (HINT_EPOCH_MASK + 1) / 2;
+    blk->hint_epoch = (uint8_t)((epoch & HINT_EPOCH_MASK) | HINT_FRESH);
     blk->flags |= KVHI_BF_HINTED;
     /* A higher key: the lazy update is exact (core/lruk.h). */
     kvhi_block_update_evictable(e, b);
+    return added;
+}
+
+void kvhi_hint_set(kvh_engine *e, uint32_t b, int32_t priority) { (void)hint_apply(e, b, priority, true); }
+
+bool kvhi_hint_set_unlapsing(kvh_engine *e, uint32_t b, int32_t priority) { return hint_apply(e, b, priority, false); }
+
+void kvhi_hint_drop(kvh_engine *e, uint32_t b, int32_t priority)
+{
+    kvhi_block *blk = kvhi_blk(e, b);
+    if (!(blk->flags & KVHI_BF_HINTED))
+        return;
+    if (blk->hint_next == priority) {
+        blk->hint_next = KVHI_HINT_NONE;
+        return; /* the key reads only the first: unchanged */
+    }
+    if (blk->hint_priority != priority)
+        return;
+    if (blk->hint_next == KVHI_HINT_NONE) {
+        hint_clear(e, b);
+        return;
+    }
+    blk->hint_priority = blk->hint_next;
+    blk->hint_next = KVHI_HINT_NONE;
+    kvhi_block_update_evictable(e, b); /* lower: applied at once */
 }
 
 void kvhi_hints_free(kvh_engine *e)

@@ -327,8 +327,17 @@ static void step(state *s, fz_in *in)
     case 27: { /* prefetch, or a hint (advice only) */
         uint64_t first = fz_u8(in) % 40, n = fz_u8(in) % 40;
         int32_t priority = (int32_t)fz_u32(in);
-        if (fz_u8(in) & 1) {
-            st = kvh_seq_hint(e, q, first, n, priority);
+        uint8_t how = fz_u8(in);
+        if (how & 1) {
+            /* Queue hints share this opcode (no opcode byte is free): the
+             * priority's bits give the place and the kind (2 and 3 are
+             * not kinds), or the steps to advance. */
+            if (how & 2)
+                st = kvh_seq_hint_queued(e, q, first, n, (uint32_t)priority >> 8, (kvh_hint_place)(priority & 3));
+            else if (how & 4)
+                st = kvh_hint_advance(e, (uint32_t)priority & 7, &u64);
+            else
+                st = kvh_seq_hint(e, q, first, n, priority);
             break;
         }
         st = kvh_prefetch(e, q, first, n, priority, want_fence ? &out_f : NULL);

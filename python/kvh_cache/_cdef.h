@@ -239,6 +239,12 @@ kvh_status kvh_fence_poll(kvh_engine *engine, kvh_fence fence, int32_t *done);
 kvh_status kvh_fence_free(kvh_engine *engine, kvh_fence fence);
 kvh_status kvh_prefetch(kvh_engine *engine, kvh_seq seq, uint64_t first, uint64_t n, int32_t priority, kvh_fence *fence);
 kvh_status kvh_seq_hint(kvh_engine *engine, kvh_seq seq, uint64_t first, uint64_t n, int32_t priority);
+typedef enum kvh_hint_place {
+    KVH_HINT_POSITION = 0,
+    KVH_HINT_REQUEST = 1
+} kvh_hint_place;
+kvh_status kvh_seq_hint_queued(kvh_engine *engine, kvh_seq seq, uint64_t first, uint64_t n, uint64_t place, kvh_hint_place kind);
+kvh_status kvh_hint_advance(kvh_engine *engine, uint64_t steps, uint64_t *step);
 kvh_status kvh_prefix_hash(kvh_engine *engine, uint64_t parent, const int32_t *tokens, size_t n, uint64_t *hash);
 kvh_status kvh_prefix_lookup(kvh_engine *engine, const int32_t *tokens, size_t n, kvh_block *out, size_t cap, size_t *n_blocks);
 enum kvh_memory {

@@ -705,6 +705,49 @@ class Engine(OwnedHandle):
             first_, n_ = seq._span(p, first, n)
             check(lib.kvh_seq_hint(p, seq._h[0], first_, n_, priority))
 
+    def hint_queued(
+        self,
+        seq: "Sequence",
+        first: TokenSpan = None,
+        n: Optional[int] = None,
+        *,
+        position: Optional[int] = None,
+        request: Optional[int] = None,
+    ) -> None:
+        """Queue hint (experimental): tokens ``first .. first+n`` (or a
+        ``range``; default: all) of ``seq`` will be read by the request at
+        ``position`` in the scheduler's queue (0: the next one), or by
+        request number ``request`` on the step count of
+        :meth:`hint_advance`; give exactly one. Hinting by position before
+        every step, by number, or once when a request enters the queue
+        gives the same eviction order, provided :meth:`hint_advance` is
+        called once per request taken; a priority lasts until an access
+        redeems it or the step passes its request. A request already taken
+        is ignored; one 2**24 or more ahead raises RangeError. Any thread."""
+        if not isinstance(seq, Sequence):
+            raise TypeError(f"seq must be a kvh.Sequence, not {type(seq).__name__}")
+        if (position is None) == (request is None):
+            raise ValueError("give exactly one of position and request")
+        if position is not None:
+            place, kind = _int("position", position, 0, (1 << 64) - 1), lib.KVH_HINT_POSITION
+        else:
+            place, kind = _int("request", request, 0, (1 << 64) - 1), lib.KVH_HINT_REQUEST
+        seq._check_engine(self)
+        with self._call(seq._gate.shared()) as p:
+            first_, n_ = seq._span(p, first, n)
+            check(lib.kvh_seq_hint_queued(p, seq._h[0], first_, n_, place, kind))
+
+    def hint_advance(self, steps: int = 1) -> int:
+        """Advances the queue-hint step count by ``steps`` (0: only reads
+        it) and returns it: call once per request taken from the queue,
+        after it read its blocks. Queue-hint priorities of the requests it
+        passes are dropped. Any thread."""
+        steps = _int("steps", steps, 0, (1 << 64) - 1)
+        out = ffi.new("uint64_t *")
+        with self._call() as p:
+            check(lib.kvh_hint_advance(p, steps, out))
+        return int(out[0])
+
     def migrate(
         self, blocks: Iterable["Block"], tier: Union[Tier, int, str], *, wait: bool = True
     ) -> Optional["Fence"]:
@@ -1637,6 +1680,17 @@ class Sequence(GatedHandle, OwnedHandle):
     def hint(self, first: TokenSpan = None, n: Optional[int] = None, *, priority: int = 0) -> None:
         """Same as ``engine.hint(self, ...)``."""
         self._engine.hint(self, first, n, priority=priority)
+
+    def hint_queued(
+        self,
+        first: TokenSpan = None,
+        n: Optional[int] = None,
+        *,
+        position: Optional[int] = None,
+        request: Optional[int] = None,
+    ) -> None:
+        """Same as ``engine.hint_queued(self, ...)``."""
+        self._engine.hint_queued(self, first, n, position=position, request=request)
 
     def persist(self) -> None:
         """Makes every full block durable in the disk tier (UnsupportedError

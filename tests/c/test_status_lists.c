@@ -599,6 +599,14 @@ static void test_migration_and_fences(void **state)
     assert_kvh(KVH_ERR_BAD_HANDLE, kvh_prefetch(e, gone, 0, 0, 0, NULL));
     assert_kvh(KVH_ERR_RANGE, kvh_seq_hint(e, first, 5, 0, 0));
     assert_kvh(KVH_ERR_BAD_HANDLE, kvh_seq_hint(e, gone, 0, 0, 0));
+    assert_kvh(KVH_ERR_INVALID_ARG, kvh_seq_hint_queued(e, first, 0, 0, 0, (kvh_hint_place)7));
+    assert_kvh(KVH_ERR_RANGE, kvh_seq_hint_queued(e, first, 5, 0, 0, KVH_HINT_POSITION));
+    assert_kvh(KVH_ERR_RANGE, kvh_seq_hint_queued(e, first, 0, 0, 1u << 24, KVH_HINT_POSITION));
+    assert_kvh(KVH_ERR_BAD_HANDLE, kvh_seq_hint_queued(e, gone, 0, 0, 0, KVH_HINT_POSITION));
+    uint64_t step = 0;
+    assert_kvh(KVH_ERR_INVALID_ARG, kvh_hint_advance(e, 1, NULL));
+    assert_ok(kvh_hint_advance(e, 1, &step));
+    assert_kvh(KVH_ERR_RANGE, kvh_hint_advance(e, UINT64_MAX, &step));
 }
 
 /* A fence whose read is stalled in a migration worker. */
@@ -1133,6 +1141,8 @@ static void test_null_engine(void **state)
     const kvh_status got[] = {
         kvh_seq_persist(NULL, s),
         kvh_seq_hint(NULL, s, 0, 0, 0),
+        kvh_seq_hint_queued(NULL, s, 0, 0, 0, KVH_HINT_POSITION),
+        kvh_hint_advance(NULL, 0, &u64),
         kvh_block_table(NULL, &s, 1, &i32, &i32, 1, &i32),
         kvh_context_create(NULL, NULL, &out_ctx),
         kvh_context_destroy(NULL, x),

@@ -6,7 +6,8 @@
  * Sections, in reading order:
  *   Status codes; Version and errors; Handles; Configuration; Engine (open,
  *   close, info, stats, quotas); Sequences; Blocks; Migration between tiers
- *   and fences; Hints and prefetch; Prefix index and external pools; Tenant
+ *   and fences; Hints and prefetch; Queue hints (experimental); Prefix
+ *   index and external pools; Tenant
  *   scopes (experimental); Paged attention; Attention plans (experimental);
  *   Weight contexts (experimental); Admission by token budget
  *   (experimental); KV codecs; Virtual contiguity (experimental); LCTRU
@@ -812,7 +813,9 @@ KVH_API kvh_status kvh_prefetch(kvh_engine *engine, kvh_seq seq, uint64_t first,
  * (e.g. INT32_MAX - n for the n-th request), not its place in the queue.
  * A place re-hinted at every step does not work: the request hinted at
  * place 0 a step ago and the one hinted at place 0 now tie, and a block's
- * second priority, kept from an older hint, can outrank fresh ones. A
+ * second priority, kept from an older hint, can outrank fresh ones
+ * (kvh_seq_hint_queued takes places or request numbers and does this
+ * mapping, with a step count that retires passed requests). A
  * scheduler that hints its whole queue, before each request or only when
  * the queue changes, by absolute number gets Belady's eviction order
  * within the queue's horizon. How long it lasts: a priority is redeemed by
@@ -821,6 +824,56 @@ KVH_API kvh_status kvh_prefetch(kvh_engine *engine, kvh_seq seq, uint64_t first,
  * engine accesses (block allocations count as accesses). Returns
  * KVH_ERR_RANGE, KVH_ERR_BAD_HANDLE. @threads any */
 KVH_API kvh_status kvh_seq_hint(kvh_engine *engine, kvh_seq seq, uint64_t first, uint64_t n, int32_t priority);
+
+/* ------------------------------------------------------------------ */
+/* Queue hints (experimental)                                         */
+/* ------------------------------------------------------------------ */
+
+/* Experimental (version node KVH_0_EXPERIMENTAL of abi/libkvh.map): not
+ * yet run on its target hardware, or its semantics may still change; a
+ * release may change these calls. */
+
+/* How kvh_seq_hint_queued reads its place argument. */
+typedef enum kvh_hint_place {
+    KVH_HINT_POSITION = 0, /* place in the queue now: 0 is the next request */
+    KVH_HINT_REQUEST = 1   /* the request's number on the step count */
+} kvh_hint_place;
+
+/* A scheduler's queue as hints, without choosing priorities. The engine
+ * counts steps, the requests taken from the caller's queue (0 at open);
+ * the request at position p is request number step + p. Tokens
+ * [first, first + n) of seq will be read by that request. The blocks are
+ * hinted as kvh_seq_hint does at priority INT32_MAX - request (request
+ * numbers compared modulo 2^31 - 1, so the sooner request ranks higher),
+ * and the same rules hold: a block keeps its two soonest requests, and
+ * the first access after a hint redeems the sooner; so does any access
+ * once the step has reached that request, hinted again or not (while
+ * queue hints are in use, a kvh_seq_hint priority at or above
+ * INT32_MAX - step counts as such a request). Hinting by position
+ * before every step, by request number, or once when a request enters
+ * the queue gives every block the same priority, as long as the caller
+ * calls kvh_hint_advance once per request taken; the one difference: a
+ * block named by three or more queued requests keeps the two soonest,
+ * and a request hinted only on entry that was the third is not restored
+ * when one of the two is redeemed (re-hinting restores it).
+ *
+ * How long a priority lasts: until an access redeems it, or until the
+ * step passes its request (kvh_hint_advance drops it then: a request
+ * that was dropped or moved later cannot outrank the ones queued behind
+ * it once its turn has gone). Queue hints do not lapse with engine
+ * accesses as kvh_seq_hint's do. A request before the step (already
+ * taken) is ignored. Returns KVH_ERR_INVALID_ARG (an unknown kind),
+ * KVH_ERR_RANGE (the range is outside seq, or the request is 2^24 or
+ * more past the step), KVH_ERR_BAD_HANDLE. @threads any */
+KVH_API kvh_status kvh_seq_hint_queued(kvh_engine *engine, kvh_seq seq, uint64_t first, uint64_t n, uint64_t place,
+                                       kvh_hint_place kind);
+
+/* Advances the step count by steps (0: only reads it): call it once per
+ * request taken from the queue, after the request has read its blocks.
+ * Queue-hint priorities of requests before the new step are dropped.
+ * [out] *step: the step count now. Returns KVH_ERR_INVALID_ARG (NULL
+ * step), KVH_ERR_RANGE (the count would pass 2^64). @threads any */
+KVH_API kvh_status kvh_hint_advance(kvh_engine *engine, uint64_t steps, uint64_t *step);
 
 /* ------------------------------------------------------------------ */
 /* Prefix index and external pools                                    */

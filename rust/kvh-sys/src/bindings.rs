@@ -2433,6 +2433,22 @@ extern "C" {
         priority: i32,
     ) -> kvh_status;
 }
+pub const KVH_HINT_POSITION: kvh_hint_place = 0;
+pub const KVH_HINT_REQUEST: kvh_hint_place = 1;
+pub type kvh_hint_place = ::std::os::raw::c_uint;
+extern "C" {
+    pub fn kvh_seq_hint_queued(
+        engine: *mut kvh_engine,
+        seq: kvh_seq,
+        first: u64,
+        n: u64,
+        place: u64,
+        kind: kvh_hint_place,
+    ) -> kvh_status;
+}
+extern "C" {
+    pub fn kvh_hint_advance(engine: *mut kvh_engine, steps: u64, step: *mut u64) -> kvh_status;
+}
 extern "C" {
     pub fn kvh_prefix_hash(
         engine: *mut kvh_engine,

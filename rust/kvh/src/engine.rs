@@ -190,6 +190,19 @@ impl Engine {
         Ok(Stats::from_raw(&s))
     }
 
+    /// Advances the queue-hint step count by `steps` (0: only reads it) and
+    /// returns it (`kvh_hint_advance`, experimental): call once per request
+    /// taken from the queue, after it read its blocks. Queue-hint
+    /// priorities of the requests it passes are dropped. `Err` with
+    /// [`Status::Range`](crate::Status::Range) when the count would pass
+    /// `u64::MAX`.
+    pub fn hint_advance(&self, steps: u64) -> Result<u64> {
+        let mut step = 0u64;
+        // SAFETY: valid engine and out-pointer; `@threads any`.
+        check(unsafe { sys::kvh_hint_advance(self.as_ptr(), steps, &mut step) })?;
+        Ok(step)
+    }
+
     /// Per-agent device-tier quota in bytes (0 = unlimited).
     pub fn set_agent_quota(&self, agent: u32, device_bytes: u64) -> Result<()> {
         // SAFETY: valid engine.

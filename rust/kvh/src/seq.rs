@@ -179,6 +179,18 @@ fn hint(engine: &Engine, raw: sys::kvh_seq, first: u64, n: u64, priority: i32) -
     check(unsafe { sys::kvh_seq_hint(engine.as_ptr(), raw, first, n, priority) })
 }
 
+fn hint_queued(
+    engine: &Engine,
+    raw: sys::kvh_seq,
+    first: u64,
+    n: u64,
+    place: u64,
+    kind: sys::kvh_hint_place,
+) -> Result<()> {
+    // SAFETY: valid engine; `@threads any`.
+    check(unsafe { sys::kvh_seq_hint_queued(engine.as_ptr(), raw, first, n, place, kind) })
+}
+
 fn migrate<'e>(
     engine: &'e Engine,
     raw: sys::kvh_seq,
@@ -497,6 +509,26 @@ impl<'e> Sequence<'e> {
         self.shared().hint(range, priority)
     }
 
+    /// Queue hint (experimental): the token range will be read by the
+    /// request at `position` in the scheduler's queue (0: the next one),
+    /// request number [`Engine::hint_advance`]'s step + `position`. Hinting
+    /// by position before every step, by number
+    /// ([`hint_for_request`](Self::hint_for_request)) or once when a
+    /// request enters the queue gives the same eviction order when the
+    /// step advances once per request taken; a priority lasts until an
+    /// access redeems it or the step passes its request. `Err` with
+    /// [`Status::Range`](crate::Status::Range) for a position 2^24 or more
+    /// ahead or a range outside the sequence.
+    pub fn hint_at_position(&self, range: impl RangeBounds<u64>, position: u64) -> Result<()> {
+        self.shared().hint_at_position(range, position)
+    }
+
+    /// As [`hint_at_position`](Self::hint_at_position), naming the request
+    /// by its number on the step count. A request already taken is ignored.
+    pub fn hint_for_request(&self, range: impl RangeBounds<u64>, request: u64) -> Result<()> {
+        self.shared().hint_for_request(range, request)
+    }
+
     /// As [`prefetch`](Self::prefetch), with a fence for the promotions.
     pub fn prefetch_with_fence(
         &self,
@@ -665,6 +697,32 @@ impl<'s> SeqRef<'s> {
     pub fn hint(&self, range: impl RangeBounds<u64>, priority: i32) -> Result<()> {
         let (first, n) = resolve(range, || self.len())?;
         hint(self.engine, self.raw, first, n, priority)
+    }
+
+    /// See [`Sequence::hint_at_position`].
+    pub fn hint_at_position(&self, range: impl RangeBounds<u64>, position: u64) -> Result<()> {
+        let (first, n) = resolve(range, || self.len())?;
+        hint_queued(
+            self.engine,
+            self.raw,
+            first,
+            n,
+            position,
+            sys::KVH_HINT_POSITION,
+        )
+    }
+
+    /// See [`Sequence::hint_for_request`].
+    pub fn hint_for_request(&self, range: impl RangeBounds<u64>, request: u64) -> Result<()> {
+        let (first, n) = resolve(range, || self.len())?;
+        hint_queued(
+            self.engine,
+            self.raw,
+            first,
+            n,
+            request,
+            sys::KVH_HINT_REQUEST,
+        )
     }
 
     /// See [`Sequence::prefetch_with_fence`].

@@ -1,0 +1,130 @@
+/* Queue hints: what a scheduler's queue says about the next reads.
+ *
+ * The engine counts steps: the requests the caller has taken from its
+ * queue (kvh_hint_advance). A queue hint names the request that will read
+ * a range, by its place in the queue (0: the next one, request number
+ * `step`) or by its number; either way it is stored as that request's
+ * number, so a caller that re-hints its queue by place before every
+ * step, one that hints by number, and one that hints a request once when
+ * it enters the queue all give each block the same priority. The
+ * priority is kvh_seq_hint's, with the sooner request the higher
+ * (INT32_MAX - request, modulo 2^31 - 1), so the victim order, the two
+ * priorities a block keeps and their redemption by the next access are
+ * those of core/hints.c.
+ *
+ * What makes a priority stale is its request passing, not time: queue
+ * hints leave no lapse record; instead each new (block, request) pair is
+ * filed in a min-heap by request number, and when the step passes a
+ * request the pairs filed for it are dropped from their blocks (a block
+ * its request read has already redeemed that priority). So a request
+ * the caller dropped or moved later cannot keep outranking the requests
+ * queued behind it for longer than the step takes to pass its number.
+ * For the same reason an access redeems a priority whose request the
+ * step has reached even without a hint since the last access: a caller
+ * that hinted the request once, when it entered the queue, gets the
+ * redemption that re-hinting before every step would give.
+ * Cost: O(log n) per new pair, each popped once. */
+#include "core/hint_queue.h"
+
+#include <stdlib.h>
+
+#include "core/block.h"
+
+typedef struct kvhi_queue_hint {
+    uint64_t request;
+    uint32_t block, gen;
+} kvhi_queue_hint;
+
+static int32_t request_priority(uint64_t request) { return (int32_t)(INT32_MAX - (int64_t)(request % INT32_MAX)); }
+
+static void heap_swap(kvhi_queue_hint *h, uint32_t i, uint32_t j)
+{
+    kvhi_queue_hint t = h[i];
+    h[i] = h[j];
+    h[j] = t;
+}
+
+static bool file_pair(kvh_engine *e, kvhi_queue_hint r)
+{
+    if (e->qhint_count == e->qhint_cap) {
+        uint32_t cap = e->qhint_cap ? e->qhint_cap * 2 : 256;
+        kvhi_queue_hint *h = realloc(e->qhint_heap, (size_t)cap * sizeof(*h));
+        if (!h)
+            return false;
+        e->qhint_heap = h;
+        e->qhint_cap = cap;
+    }
+    kvhi_queue_hint *h = e->qhint_heap;
+    uint32_t i = e->qhint_count++;
+    h[i] = r;
+    while (i > 0 && h[(i - 1) / 2].request > h[i].request) {
+        heap_swap(h, i, (i - 1) / 2);
+        i = (i - 1) / 2;
+    }
+    return true;
+}
+
+static kvhi_queue_hint pop_pair(kvh_engine *e)
+{
+    kvhi_queue_hint *h = e->qhint_heap;
+    kvhi_queue_hint top = h[0];
+    h[0] = h[--e->qhint_count];
+    for (uint32_t i = 0;;) {
+        uint32_t l = 2 * i + 1, m = i;
+        if (l < e->qhint_count && h[l].request < h[m].request)
+            m = l;
+        if (l + 1 < e->qhint_count && h[l + 1].request < h[m].request)
+            m = l + 1;
+        if (m == i)
+            break;
+        heap_swap(h, i, m);
+        i = m;
+    }
+    return top;
+}
+
+kvh_status kvhi_hint_queue(kvh_engine *e, kvhi_seq *s, uint64_t first, uint64_t n, uint64_t request)
+{
+    uint32_t b0 = 0, b1 = 0;
+    kvh_status st = kvhi_seq_block_range(e, s, first, n, &b0, &b1);
+    if (st != KVH_OK)
+        return st;
+    if (request < e->qhint_step)
+        return KVH_OK; /* that request has been taken: nothing left to say */
+    int32_t priority = request_priority(request);
+    for (uint32_t i = b0; i < b1; i++) {
+        uint32_t b = s->blocks[i];
+        if (!kvhi_hint_set_unlapsing(e, b, priority))
+            continue; /* already filed for this request */
+        if (!file_pair(e, (kvhi_queue_hint){.request = request, .block = b, .gen = e->blocks[b].gen}))
+            kvhi_hint_drop(e, b, priority); /* out of memory: advice, dropped */
+    }
+    return KVH_OK;
+}
+
+kvh_status kvhi_hint_advance(kvh_engine *e, uint64_t steps, uint64_t *step)
+{
+    if (steps > UINT64_MAX - e->qhint_step)
+        return kvhi_fail(KVH_ERR_RANGE, "the hint step would pass 2^64");
+    e->qhint_step += steps;
+    while (e->qhint_count && e->qhint_heap[0].request < e->qhint_step) {
+        kvhi_queue_hint r = pop_pair(e);
+        kvhi_block *blk = &e->blocks[r.block];
+        if (blk->gen == r.gen && (blk->flags & KVHI_BF_LIVE))
+            kvhi_hint_drop(e, r.block, request_priority(r.request));
+    }
+    *step = e->qhint_step;
+    return KVH_OK;
+}
+
+bool kvhi_hint_queue_due(const kvh_engine *e, int32_t priority)
+{
+    return e->qhint_count && priority != KVHI_HINT_NONE && priority >= request_priority(e->qhint_step);
+}
+
+void kvhi_hint_queue_free(kvh_engine *e)
+{
+    free(e->qhint_heap);
+    e->qhint_heap = NULL;
+    e->qhint_count = e->qhint_cap = 0;
+}
