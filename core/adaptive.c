@@ -44,7 +44,7 @@
  * queue, no hints) margins of 4, 16, 64 and 1/4 of the shadow capacity
  * left the engine below max(LRU, LRU-2) by a summed 0.029, 0.040, 0.068
  * and 0.066 of MIN over the 20 rows; 4 is the best of them. */
-#define SWITCH_MARGIN 4
+#define SWITCH_MARGIN KVHI_ADAPT_SWITCH_MARGIN
 
 enum { SHADOW_LRU, SHADOW_LRU_K };
 

@@ -38,18 +38,30 @@ static inline bool kvhi_adapt_sampled(const kvhi_adapt *a, uint32_t b)
 {
     return a->shift == 0 || ((b * 0x9e3779b1u + 0x7f4a7c15u) >> (32 - a->shift)) == 0;
 }
-/* The shadows' part of an access, and the decision a window ends with. */
+/* Shadow hits the other order must lead by to take over (see adaptive.c). */
+#define KVHI_ADAPT_SWITCH_MARGIN 4
+/* The shadows' part of an access, the lead's decay and the switch check. */
 void kvhi_adapt_access_slow(struct kvh_engine *e, uint32_t b);
+/* Whether the other order leads by enough to take over now. */
+static inline bool kvhi_adapt_switch_due(const kvhi_adapt *a)
+{
+    return a->quiet_left == 0 &&
+           (a->recency ? a->lead < -KVHI_ADAPT_SWITCH_MARGIN : a->lead > KVHI_ADAPT_SWITCH_MARGIN);
+}
 /* Block b was accessed (its history already records it). Inline: most
- * accesses only count down the window. */
+ * accesses only count down the decay and quiet periods; the slow path
+ * does exactly the same for them otherwise. */
 static inline void kvhi_adapt_access(struct kvh_engine *e, kvhi_adapt *a, uint32_t b)
 {
     if (!a->on)
         return;
-    if (kvhi_adapt_sampled(a, b) || a->window_left == 1)
+    if (kvhi_adapt_sampled(a, b) || a->decay_left == 1 || a->quiet_left == 1 || kvhi_adapt_switch_due(a)) {
         kvhi_adapt_access_slow(e, b);
-    else
-        a->window_left--;
+        return;
+    }
+    a->decay_left--;
+    if (a->quiet_left)
+        a->quiet_left--;
 }
 void kvhi_adapt_forget_sampled(struct kvh_engine *e, uint32_t b);
 /* Block b is gone. Only sampled blocks enter the shadows: the rest need
