@@ -41,7 +41,15 @@ pytestmark = pytest.mark.skipif(
 )
 
 BLOCK = 128
+TAIL_MIN = 32
 MAX_TOKENS = 12
+
+
+def _loadable(prompt_tokens: int) -> int:
+    """Tokens of a returning prompt kvh serves: all but the last one when
+    its tail block is kept, else its full blocks."""
+    n = prompt_tokens - 1
+    return n if n % BLOCK >= TAIL_MIN else n // BLOCK * BLOCK
 
 
 def _prompts():
@@ -134,14 +142,18 @@ def test_restart_loads_prefix_from_kvh(work, baseline, first_run):
     res, log = run(work, "second", extra=store_extra(work / "store"))
     assert tokens_of(res) == tokens_of(baseline)
     st = res["stats"]
-    # The prompts' full blocks, less each prompt's last token (always
-    # computed), came back from kvh's disk tier.
-    expect = sum((r["prompt_tokens"] - 1) // BLOCK * BLOCK for r in baseline["results"])
+    # Each prompt less its last token (always computed) came back from
+    # kvh's disk tier: its full blocks, and its tail block where that
+    # holds at least TAIL_MIN tokens (the connector's default).
+    expect = sum(_loadable(r["prompt_tokens"]) for r in baseline["results"])
     assert expect >= 1024
+    assert expect > sum((r["prompt_tokens"] - 1) // BLOCK * BLOCK for r in baseline["results"])  # a tail among them
     assert st["tokens_loaded"] == expect, st
+    assert st["tokens_loaded_disk"] == expect, st
     assert st["load_errors"] == 0
     # (kvh also counts the matches its background persists make.)
-    assert st["kvh"]["prefix_hit_blocks_disk"] >= expect // BLOCK
+    blocks = sum(-(-_loadable(r["prompt_tokens"]) // BLOCK) for r in baseline["results"])
+    assert st["kvh"]["prefix_hit_blocks_disk"] >= blocks
     assert st["kvh"]["corrupt_blocks"] == 0
 
 
@@ -181,7 +193,7 @@ def test_flipped_byte_is_recomputed(work, baseline, first_run):
     assert tokens_of(res) == tokens_of(baseline)
     st = res["stats"]
     assert st["kvh"]["corrupt_blocks"] >= 1, st["kvh"]
-    full = sum((r["prompt_tokens"] - 1) // BLOCK * BLOCK for r in baseline["results"])
+    full = sum(_loadable(r["prompt_tokens"]) for r in baseline["results"])
     assert st["tokens_loaded"] < full
 
 
