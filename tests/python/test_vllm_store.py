@@ -51,10 +51,10 @@ def test_settings_from_extra_config_and_environment(tmp_path):
 
 def test_tail_and_migration_cpu_settings():
     s = settings.load({}, environ={})
-    assert s.tail_min_tokens == 32 and s.migration_cpus == "inherit" and s.migration_cpu_mask == 0
+    assert s.tail_min_tokens == 0 and s.migration_cpus == "inherit" and s.migration_cpu_mask == 0
     assert settings.load({"migration_cpus": "all"}, environ={}).migration_cpu_mask & 1
-    s = settings.load({"tail_min_tokens": 0, "migration_cpus": "1,3-4"}, environ={"KVH_VLLM_MIGRATION_CPUS": "2"})
-    assert s.tail_min_tokens == 0 and s.migration_cpu_mask == 0b100
+    s = settings.load({"tail_min_tokens": 32, "migration_cpus": "1,3-4"}, environ={"KVH_VLLM_MIGRATION_CPUS": "2"})
+    assert s.tail_min_tokens == 32 and s.migration_cpu_mask == 0b100
     assert settings.load({"migration_cpus": "1,3-4"}, environ={}).migration_cpu_mask == 0b11010
     assert settings.load({"migration_cpus": "inherit"}, environ={}).migration_cpu_mask == 0
     for bad in ("x", "3-1", "64", ""):

@@ -11,10 +11,9 @@ vLLM's own prefix caching is off throughout, so a hit can only come from
 the connector. A hit in either arm is thus a restart hit: kvh's blocks are
 read from its disk tier (O_DIRECT, each block's CRC32C checked), the
 ExampleConnector's safetensors files through the page cache (its cold run
-wrote them moments before). kvh serves all of a returning prompt but its
-last token (whole blocks and the prompt's tail block, see
-kvh_cache.vllm.store); the ExampleConnector serves whole blocks, so vLLM
-computes up to a block of the prompt's tokens on its hits.
+wrote them moments before). Both serve whole blocks, so vLLM computes up
+to a block of a returning prompt; with --tail-min-tokens kvh also serves
+the prompt's tail block and vLLM computes its last token only.
 
     kvh bench vllm [--python VENV_PYTHON] [--model HF_DIR] [--json] [--quick]
 """
@@ -115,6 +114,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         "turn, so that the machine's load hits the arms alike; medians over rounds and prompts",
     )
     ap.add_argument(
+        "--tail-min-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the kvh arms' tail_min_tokens (default: the connector's, 0: whole blocks only)",
+    )
+    ap.add_argument(
         "--trace",
         action="store_true",
         help="time the connectors' hooks inside each run (kvh_cache.vllm.timing) and report medians per run",
@@ -138,7 +144,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="kvh-bench-vllm-"))
     try:
         (work / "prompts.json").write_text(json.dumps(prompts(n_long, args.reps, args.seed)))
-        kvh_extra = {"disk_path": str(work / "kvh-store"), "disk_bytes": "1G", "host_bytes": "512M"}
+        kvh_extra: Dict[str, Any] = {"disk_path": str(work / "kvh-store"), "disk_bytes": "1G", "host_bytes": "512M"}
+        if args.tail_min_tokens is not None:
+            kvh_extra["tail_min_tokens"] = args.tail_min_tokens
         ex_extra = {"shared_storage_path": str(work / "example-store")}
         runs = [
             ("plain", "none", {}),

@@ -16,11 +16,17 @@ extra_config key       environment variable      default
                                                  are made durable on disk
 ``lookup_timeout_s``   ``KVH_VLLM_LOOKUP_TIMEOUT`` 5
 ``log_level``          ``KVH_VLLM_LOG_LEVEL``    warn (kvh's own messages)
-``tail_min_tokens``    ``KVH_VLLM_TAIL_MIN_TOKENS`` 32: a prompt's last, partial
-                                                 block is kept too (found again by
-                                                 the same prompt only) when it
-                                                 holds at least this many tokens;
-                                                 0 keeps full blocks only
+``tail_min_tokens``    ``KVH_VLLM_TAIL_MIN_TOKENS`` 0: full blocks only; N: a
+                                                 prompt's last, partial block is
+                                                 kept too (found again by the
+                                                 same prompt only) when it holds
+                                                 at least N tokens. vLLM then
+                                                 computes one token of the
+                                                 prompt, not up to a block: a
+                                                 different split of the same
+                                                 sums, so greedy outputs may
+                                                 part from a full prefill's on a
+                                                 near-tie
 ``migration_cpus``     ``KVH_VLLM_MIGRATION_CPUS`` inherit: kvh's copy threads
                                                  keep the CPUs vLLM pins its
                                                  worker to (its compute cores);
@@ -135,7 +141,7 @@ class Settings:
     persist: bool = True
     lookup_timeout_s: float = 5.0
     log_level: str = "warn"
-    tail_min_tokens: int = 32
+    tail_min_tokens: int = 0
     migration_cpus: str = "inherit"
     remote_addrs: Optional[str] = None
     remote_user: Optional[str] = None
