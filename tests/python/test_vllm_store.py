@@ -49,6 +49,21 @@ def test_settings_from_extra_config_and_environment(tmp_path):
     assert settings.parse_size("1.5k") == 1536 and settings.parse_size(7) == 7
 
 
+def test_tail_and_migration_cpu_settings():
+    s = settings.load({}, environ={})
+    assert s.tail_min_tokens == 0 and s.migration_cpus == "inherit" and s.migration_cpu_mask == 0
+    assert settings.load({"migration_cpus": "all"}, environ={}).migration_cpu_mask & 1
+    s = settings.load({"tail_min_tokens": 32, "migration_cpus": "1,3-4"}, environ={"KVH_VLLM_MIGRATION_CPUS": "2"})
+    assert s.tail_min_tokens == 32 and s.migration_cpu_mask == 0b100
+    assert settings.load({"migration_cpus": "1,3-4"}, environ={}).migration_cpu_mask == 0b11010
+    assert settings.load({"migration_cpus": "inherit"}, environ={}).migration_cpu_mask == 0
+    for bad in ("x", "3-1", "64", ""):
+        with pytest.raises(ValueError, match="migration_cpus"):
+            settings.load({"migration_cpus": bad}, environ={})
+    with pytest.raises(ValueError, match=">= 0"):
+        settings.load({"tail_min_tokens": -1}, environ={})
+
+
 def test_remote_settings():
     assert settings.load({}, environ={}).engine_remote_fields() == {}
     s = settings.load(
@@ -123,7 +138,10 @@ def test_channel_refuses_oversized_messages(tmp_path):
 
 def _store(tmp_path: Path, **kw) -> KvStore:
     s = settings.Settings(
-        disk_path=str(tmp_path / "store"), disk_bytes=kw.pop("disk_bytes", 64 << 20), host_bytes=16 << 20
+        disk_path=str(tmp_path / "store"),
+        disk_bytes=kw.pop("disk_bytes", 64 << 20),
+        host_bytes=16 << 20,
+        tail_min_tokens=kw.pop("tail_min_tokens", 8),
     )
     return KvStore(s, num_layers=L, num_kv_heads=H, head_dim=D, block_tokens=B, dtype="bf16", identity={"m": "t"}, **kw)
 
@@ -262,4 +280,74 @@ def test_cache_salt_scopes_share_nothing_across_tenants_even_after_a_restart(tmp
     assert st.lookup("r3", toks, alice) == 2 * B
     assert st.load("r3", toks, 0, [4, 5], alice) == []
     np.testing.assert_array_equal(mem[:, [4, 5]], orig[:, [0, 1]])
+    st.close()
+
+
+def test_tail_block_serves_the_same_prompt_only_and_survives_a_restart(tmp_path, mem):
+    """A prompt's partial last block is kept under its padded tokens: the
+    same prefix finds all its tokens (byte-identical in vLLM's slots, from
+    the host tier and, after a restart, from disk); a prefix that differs
+    in the tail, or is longer or shorter, finds the whole blocks only."""
+    toks = np.arange(2 * B + 11, dtype=np.int32) + 900  # two blocks and an 11-token tail
+    orig = mem.copy()
+    st = _store(tmp_path)
+    _register(st, mem)
+    assert st.save("a", toks[: 2 * B], 0, [0, 1]) == 2
+    assert st.lookup("q0", toks) == 2 * B  # no tail saved yet
+    assert st.save("a", toks, 2, [2]) == 1  # the tail, chained on block 1
+    assert st.lookup("q1", toks) == 2 * B + 11
+    other = toks.copy()
+    other[-1] += 1
+    assert st.lookup("q2", other) == 2 * B
+    assert st.lookup("q3", toks[:-1]) == 2 * B
+    assert st.lookup("q4", np.concatenate([toks, [7] * (B - 11)]).astype(np.int32)) == 2 * B
+    mem[:, [3, 4, 5]] = 0
+    assert st.lookup("q5", toks) == 2 * B + 11
+    assert st.load("q5", toks, 0, [3, 4, 5]) == []  # from the host tier
+    np.testing.assert_array_equal(mem[:, [3, 4, 5]], orig[:, [0, 1, 2]])
+    assert st.stats()["tokens_loaded"] == 2 * B + 11
+    st.forget(["a", "q0", "q1", "q2", "q3", "q4", "q5"])
+    st.flush()
+    st.close()
+
+    st = _store(tmp_path)  # a restarted worker: the tail block comes from disk
+    _register(st, mem)
+    mem[:, [6, 7]] = 0
+    assert st.lookup("r", toks) == 2 * B + 11
+    assert st.load("r", toks, 1, [6, 7]) == []  # block 1 and the tail (block 0 held locally)
+    np.testing.assert_array_equal(mem[:, [6, 7]], orig[:, [1, 2]])
+    s = st.stats()
+    assert s["tokens_loaded"] == B + 11 and s["tokens_loaded_disk"] == B + 11
+    st.close()
+
+    st = _store(tmp_path, tail_min_tokens=0)  # tails off: whole blocks only
+    _register(st, mem)
+    assert st.lookup("s", toks) == 2 * B
+    assert st.save("s", toks, 2, [2]) == 0
+    st.close()
+
+
+def test_a_long_restore_is_split_across_migration_threads_and_stays_exact(tmp_path, mem):
+    toks = np.arange(NB * B, dtype=np.int32) + 7000
+    orig = mem.copy()
+    st = _store(tmp_path)
+    _register(st, mem)
+    assert st.restore_threads == 2
+    assert st.save("a", toks, 0, list(range(NB))) == NB
+    st.forget(["a"])
+    st.flush()
+    st.close()
+
+    st = _store(tmp_path)  # restarted: every block comes from disk
+    _register(st, mem)
+    mem[:] = 0
+    slots = list(reversed(range(NB)))
+    assert st.lookup("b", toks) == NB * B
+    load = st.start_load("b", toks, 0, slots)
+    assert len(load.batch.parts) == 2
+    for layer in range(L):
+        st.wait_layer(load, layer)
+    assert st.finish_load(load) == []
+    np.testing.assert_array_equal(mem[:, slots], orig[:, list(range(NB))])
+    assert st.stats()["tokens_loaded_disk"] == NB * B
     st.close()

@@ -8,7 +8,12 @@ prompt to its first token, then decodes a short prompt. A "warm" run is the
 second process on the same store, i.e. a vLLM restart: the long prompt's
 prefix then comes from kvh's disk tier (or the ExampleConnector's files).
 vLLM's own prefix caching is off throughout, so a hit can only come from
-the connector.
+the connector. A hit in either arm is thus a restart hit: kvh's blocks are
+read from its disk tier (O_DIRECT, each block's CRC32C checked), the
+ExampleConnector's safetensors files through the page cache (its cold run
+wrote them moments before). Both serve whole blocks, so vLLM computes up
+to a block of a returning prompt; with --tail-min-tokens kvh also serves
+the prompt's tail block and vLLM computes its last token only.
 
     kvh bench vllm [--python VENV_PYTHON] [--model HF_DIR] [--json] [--quick]
 """
@@ -29,6 +34,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from .settings import default_cache_dir
+from .timing import TRACE_ENV
+from .timing import summarize as summarize_trace
 
 PKG_PARENT = Path(__file__).resolve().parents[2]
 
@@ -59,9 +66,13 @@ def prompts(n_long: int, reps: int, seed: int) -> List[List[int]]:
     return longs + shorts
 
 
-def run_one(py: str, model: str, work: Path, name: str, connector: str, extra: Dict[str, Any], decode: int):
+def run_one(
+    py: str, model: str, work: Path, name: str, connector: str, extra: Dict[str, Any], decode: int, trace: bool = False
+):
     out = work / f"{name}.json"
     env = dict(os.environ)
+    if trace:
+        env[TRACE_ENV] = str(work / f"{name}.trace")
     env["PYTHONPATH"] = str(PKG_PARENT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     cmd = [py, "-m", "kvh_cache.vllm.run", "--bench", "--model", model, "--prompts", str(work / "prompts.json")]
     cmd += ["--out", str(out), "--connector", connector, "--max-tokens", str(decode), "--extra", json.dumps(extra)]
@@ -73,6 +84,8 @@ def run_one(py: str, model: str, work: Path, name: str, connector: str, extra: D
         raise SystemExit(f"kvh bench vllm: the {name} run failed ({p.returncode}); log in {work}/{name}.log")
     res = json.loads(out.read_text())
     res["process_s"] = time.perf_counter() - t
+    if trace:
+        res["trace"] = summarize_trace(str(work / f"{name}.trace"))
     return res
 
 
@@ -92,6 +105,26 @@ def main(argv: Optional[List[str]] = None) -> int:
         help="instead: agents sharing a system prompt return to their documents, with vLLM's KV space too "
         "small for them all; prefix tokens served by vLLM's prefix caching alone vs with kvh beneath it",
     )
+    ap.add_argument(
+        "--decode-rounds",
+        type=int,
+        default=0,
+        metavar="N",
+        help="instead: decode tokens/s only, N rounds of plain, ExampleConnector and kvh (fresh stores) in "
+        "turn, so that the machine's load hits the arms alike; medians over rounds and prompts",
+    )
+    ap.add_argument(
+        "--tail-min-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the kvh arms' tail_min_tokens (default: the connector's, 0: whole blocks only)",
+    )
+    ap.add_argument(
+        "--trace",
+        action="store_true",
+        help="time the connectors' hooks inside each run (kvh_cache.vllm.timing) and report medians per run",
+    )
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     ap.add_argument("--keep", action="store_true", help="keep the work directory (logs, stores)")
     args = ap.parse_args(argv)
@@ -103,13 +136,17 @@ def main(argv: Optional[List[str]] = None) -> int:
         )
     if args.agents:
         return agents(args, py, model)
+    if args.decode_rounds:
+        return decode_rounds(args, py, model)
     n_long, decode = (600, 32) if args.quick else (args.prompt_tokens, args.decode_tokens)
     if args.quick:
         args.reps = 1
     work = Path(tempfile.mkdtemp(prefix="kvh-bench-vllm-"))
     try:
         (work / "prompts.json").write_text(json.dumps(prompts(n_long, args.reps, args.seed)))
-        kvh_extra = {"disk_path": str(work / "kvh-store"), "disk_bytes": "1G", "host_bytes": "512M"}
+        kvh_extra: Dict[str, Any] = {"disk_path": str(work / "kvh-store"), "disk_bytes": "1G", "host_bytes": "512M"}
+        if args.tail_min_tokens is not None:
+            kvh_extra["tail_min_tokens"] = args.tail_min_tokens
         ex_extra = {"shared_storage_path": str(work / "example-store")}
         runs = [
             ("plain", "none", {}),
@@ -122,7 +159,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         res: Dict[str, Any] = {}
         for name, conn, extra in runs:
             print(f"kvh bench vllm: {name} ...", file=sys.stderr, flush=True)
-            res[name] = run_one(py, model, work, name, conn, extra, decode)
+            res[name] = run_one(py, model, work, name, conn, extra, decode, args.trace)
         summary = summarize(res, n_long, decode)
         if args.json:
             print(json.dumps(summary, indent=1))
@@ -130,6 +167,58 @@ def main(argv: Optional[List[str]] = None) -> int:
             print_table(summary)
         same = summary["same_output"]
         return 0 if all(same.values()) else 1
+    finally:
+        if args.keep:
+            print(f"kvh bench vllm: work directory kept: {work}", file=sys.stderr)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def decode_rounds(args, py: str, model: str) -> int:
+    """Decode only: every prompt short (48 tokens), each configuration a
+    fresh vLLM process, the three in turn for --decode-rounds rounds."""
+    rng = random.Random(args.seed)
+    n = 2 * args.reps
+    work = Path(tempfile.mkdtemp(prefix="kvh-bench-vllm-decode-"))
+    try:
+        (work / "prompts.json").write_text(
+            json.dumps([[rng.randrange(1000, 40000) for _ in range(48)] for _ in range(n)])
+        )
+        tok_s: Dict[str, List[float]] = {"plain": [], "example": [], "kvh": []}
+        same = True
+        ref = None
+        for rnd in range(args.decode_rounds):
+            for arm in tok_s:
+                store = work / f"{arm}-store-{rnd}"
+                extra = {}
+                if arm == "kvh":
+                    extra = {"disk_path": str(store), "disk_bytes": "1G", "host_bytes": "512M"}
+                elif arm == "example":
+                    store.mkdir()
+                    extra = {"shared_storage_path": str(store)}
+                conn = "none" if arm == "plain" else arm
+                print(f"kvh bench vllm --decode-rounds: round {rnd + 1}, {arm} ...", file=sys.stderr, flush=True)
+                r = run_one(py, model, work, f"{arm}-{rnd}", conn, extra, args.decode_tokens)
+                # run.py --bench decodes the second half of the prompts.
+                tok_s[arm] += r["decode_tok_s"]
+                ids = r["decode_token_ids"]
+                ref = ids if ref is None else ref
+                same = same and ids == ref
+        med = {k: _median(v) for k, v in tok_s.items()}
+        out = {
+            "rounds": args.decode_rounds,
+            "decode_tokens": args.decode_tokens,
+            "decode_tok_s": {k: round(v, 2) for k, v in med.items()},
+            "decode_tok_s_all": {k: [round(x, 2) for x in v] for k, v in tok_s.items()},
+            "ratios": {
+                "decode_kvh_vs_plain": med["kvh"] / med["plain"],
+                "decode_example_vs_plain": med["example"] / med["plain"],
+                "decode_kvh_vs_example": med["kvh"] / med["example"],
+            },
+            "same_output": same,
+        }
+        print(json.dumps(out, indent=1))
+        return 0 if same else 1
     finally:
         if args.keep:
             print(f"kvh bench vllm: work directory kept: {work}", file=sys.stderr)
@@ -215,6 +304,7 @@ def summarize(res: Dict[str, Any], n_long: int, decode: int) -> Dict[str, Any]:
                 "decode_tok_s": _median(v["decode_tok_s"]),
                 "decode_tok_s_all": [round(x, 2) for x in v["decode_tok_s"]],
                 "tokens_loaded": (v.get("stats") or {}).get("tokens_loaded"),
+                **({"trace": v["trace"]} if v.get("trace") else {}),
             }
             for k, v in res.items()
         },

@@ -102,6 +102,7 @@ class KvhMetadata(KVConnectorMetadata):
 class _SchedReq:
     request: "Request"
     saved_blocks: int = 0  # blocks [0, saved_blocks) are in kvh
+    tail_done: bool = False  # its prompt's tail block was loaded or queued for saving
     query: Optional[Tuple[int, int]] = None  # (local tokens, kvh tokens) of the last lookup
 
 
@@ -372,11 +373,11 @@ class KvhConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> Tuple[Optional[int], bool]:
         if self._disabled:
             return 0, False
-        bs = self._block_size
         tokens = request.all_token_ids
-        # The last token is always computed (its logits are needed).
-        n = (len(tokens) - 1) // bs * bs
-        if n <= num_computed_tokens:
+        # The last token is always computed (its logits are needed); kvh
+        # may hold every token before it (whole blocks and a tail block).
+        n = len(tokens) - 1
+        if n - n % self._block_size <= num_computed_tokens and n - num_computed_tokens < self._tail_min():
             return 0, False
         matched = self._lookup(request.request_id, np.asarray(tokens[:n], dtype=np.int32), _scope_of(request))
         st = self._reqs.setdefault(request.request_id, _SchedReq(request))
@@ -392,11 +393,14 @@ class KvhConnector(KVConnectorBase_V1):
             return
         bs = self._block_size
         local = st.query[0]
-        first, end = local // bs, (local + num_external_tokens) // bs
+        end_tok = local + num_external_tokens
+        # A load that ends inside a block ends with the prompt's tail block.
+        first, end = local // bs, -(-end_tok // bs)
         block_ids = list(blocks.get_block_ids()[0][first:end])
-        tokens = np.asarray(request.all_token_ids[: end * bs], dtype=np.int32)
+        tokens = np.asarray(request.all_token_ids[:end_tok], dtype=np.int32)
         self._loads.append(Transfer(request.request_id, tokens, first, block_ids, _scope_of(request)))
-        st.saved_blocks = max(st.saved_blocks, end)
+        st.saved_blocks = max(st.saved_blocks, end_tok // bs)
+        st.tail_done = st.tail_done or end_tok % bs != 0
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         meta = KvhMetadata(loads=self._loads)
@@ -413,19 +417,39 @@ class KvhConnector(KVConnectorBase_V1):
             # step; a block is saved once its tokens are all known.
             end_tok = min(r.num_computed_tokens + n_sched, len(r.all_token_ids))
             full = end_tok // bs
-            if full <= st.saved_blocks:
+            tail = self._tail_due(st, end_tok)
+            if full <= st.saved_blocks and not tail:
                 continue
             assert self._kv_cache_manager is not None
             ids = self._kv_cache_manager.get_block_ids(req_id)[0]
             full = min(full, len(ids))
-            if full <= st.saved_blocks:
-                continue
-            tokens = np.asarray(r.all_token_ids[: full * bs], dtype=np.int32)
-            meta.saves.append(
-                Transfer(req_id, tokens, st.saved_blocks, list(ids[st.saved_blocks : full]), _scope_of(r))
-            )
-            st.saved_blocks = full
+            if full > st.saved_blocks:
+                tokens = np.asarray(r.all_token_ids[: full * bs], dtype=np.int32)
+                meta.saves.append(
+                    Transfer(req_id, tokens, st.saved_blocks, list(ids[st.saved_blocks : full]), _scope_of(r))
+                )
+                st.saved_blocks = full
+            if tail and tail // bs < len(ids):
+                # The prompt's tail block, for the same prompt coming back.
+                tokens = np.asarray(r.all_token_ids[:tail], dtype=np.int32)
+                meta.saves.append(Transfer(req_id, tokens, tail // bs, [ids[tail // bs]], _scope_of(r)))
+                st.tail_done = True
         return meta
+
+    def _tail_min(self) -> int:
+        m = self._settings.tail_min_tokens
+        return m if m else self._block_size
+
+    def _tail_due(self, st: _SchedReq, end_tok: int) -> int:
+        """Tokens of the prefix whose tail block is to be saved now (its
+        prompt's KV is complete after this step), else 0."""
+        if st.tail_done or not self._settings.tail_min_tokens:
+            return 0
+        n = st.request.num_prompt_tokens - 1  # what a returning prompt can load
+        r = n % self._block_size
+        if end_tok < n or r < self._settings.tail_min_tokens:
+            return 0
+        return n
 
     def request_finished(self, request: "Request", block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
         self._reqs.pop(request.request_id, None)

@@ -65,13 +65,18 @@ def main() -> int:
     kw = {}
     engine_id = args.engine_id or f"kvh-run-{os.getpid()}"
     extra = json.loads(args.extra)
+    # With $KVH_VLLM_TRACE set, both connectors run timed (kvh_cache.vllm.timing).
+    traced = bool(os.environ.get("KVH_VLLM_TRACE"))
     if args.connector == "kvh":
         import kvh_cache.vllm
 
-        kw["kv_transfer_config"] = KVTransferConfig(engine_id=engine_id, **kvh_cache.vllm.transfer_config(extra))
+        names = dict(kv_connector="TimedKvhConnector", kv_connector_module_path="kvh_cache.vllm.timing")
+        cfg = kvh_cache.vllm.transfer_config(extra, **(names if traced else {}))
+        kw["kv_transfer_config"] = KVTransferConfig(engine_id=engine_id, **cfg)
     elif args.connector == "example":
+        names = dict(kv_connector="TimedExampleConnector", kv_connector_module_path="kvh_cache.vllm.timing")
         kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="ExampleConnector",
+            **(names if traced else dict(kv_connector="ExampleConnector")),
             kv_role="kv_both",
             engine_id=engine_id,
             kv_connector_extra_config=extra,

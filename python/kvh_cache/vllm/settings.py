@@ -16,6 +16,22 @@ extra_config key       environment variable      default
                                                  are made durable on disk
 ``lookup_timeout_s``   ``KVH_VLLM_LOOKUP_TIMEOUT`` 5
 ``log_level``          ``KVH_VLLM_LOG_LEVEL``    warn (kvh's own messages)
+``tail_min_tokens``    ``KVH_VLLM_TAIL_MIN_TOKENS`` 0: full blocks only; N: a
+                                                 prompt's last, partial block is
+                                                 kept too (found again by the
+                                                 same prompt only) when it holds
+                                                 at least N tokens. vLLM then
+                                                 computes one token of the
+                                                 prompt, not up to a block: a
+                                                 different split of the same
+                                                 sums, so greedy outputs may
+                                                 part from a full prefill's on a
+                                                 near-tie
+``migration_cpus``     ``KVH_VLLM_MIGRATION_CPUS`` inherit: kvh's copy threads
+                                                 keep the CPUs vLLM pins its
+                                                 worker to (its compute cores);
+                                                 ``all``: any CPU; else a list
+                                                 such as ``1,3`` or ``2-5``
 ``remote_addrs``       ``KVH_VLLM_REMOTE_ADDRS`` none: no remote tier; else
                                                  ``host:port,...`` of a Redis
                                                  Cluster the instances share
@@ -73,6 +89,41 @@ def _parse_bool(value: Any) -> bool:
     raise ValueError(f"cannot read {value!r} as a boolean")
 
 
+def _parse_count(value: Any) -> int:
+    n = int(value)
+    if n < 0:
+        raise ValueError(f"a count must be >= 0, got {value!r}")
+    return n
+
+
+def _cpu_mask(value: Any) -> int:
+    """A CPU bit mask from ``all``, ``inherit`` (0) or a list of CPUs and
+    ranges; raises ValueError on anything else."""
+    s = str(value).strip().lower()
+    if s == "inherit":
+        return 0
+    if s == "all":
+        return (1 << min(os.cpu_count() or 1, 64)) - 1
+    mask = 0
+    try:
+        for part in s.split(","):
+            lo, _, hi = part.strip().partition("-")
+            for c in range(int(lo), int(hi or lo) + 1):
+                if not 0 <= c < 64:
+                    raise ValueError
+                mask |= 1 << c
+    except ValueError:
+        raise ValueError(f"migration_cpus: {value!r} is not 'all', 'inherit' or a CPU list such as '1,3' or '2-5'")
+    if not mask:
+        raise ValueError(f"migration_cpus: {value!r} names no CPU")
+    return mask
+
+
+def _parse_cpus(value: Any) -> str:
+    _cpu_mask(value)  # raises on a bad value
+    return str(value).strip().lower()
+
+
 def default_cache_dir() -> str:
     base = os.environ.get("KVH_CACHE_DIR")
     if base:
@@ -90,6 +141,8 @@ class Settings:
     persist: bool = True
     lookup_timeout_s: float = 5.0
     log_level: str = "warn"
+    tail_min_tokens: int = 0
+    migration_cpus: str = "inherit"
     remote_addrs: Optional[str] = None
     remote_user: Optional[str] = None
     remote_password: Optional[str] = None
@@ -102,6 +155,11 @@ class Settings:
             return {}
         names = ("remote_addrs", "remote_user", "remote_password", "remote_timeout_ms", "remote_ttl_s")
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+
+    @property
+    def migration_cpu_mask(self) -> int:
+        """kvh's migration_cpu_mask for migration_cpus (0: inherit)."""
+        return _cpu_mask(self.migration_cpus)
 
     @property
     def disk_enabled(self) -> bool:
@@ -118,6 +176,8 @@ _KEYS = {
     "persist": ("KVH_VLLM_PERSIST", _parse_bool),
     "lookup_timeout_s": ("KVH_VLLM_LOOKUP_TIMEOUT", float),
     "log_level": ("KVH_VLLM_LOG_LEVEL", lambda v: str(v).strip().lower()),
+    "tail_min_tokens": ("KVH_VLLM_TAIL_MIN_TOKENS", _parse_count),
+    "migration_cpus": ("KVH_VLLM_MIGRATION_CPUS", lambda v: _parse_cpus(v)),
     "remote_addrs": ("KVH_VLLM_REMOTE_ADDRS", lambda v: str(v).strip() or None),
     "remote_user": ("KVH_VLLM_REMOTE_USER", lambda v: str(v) or None),
     "remote_password": ("KVH_VLLM_REMOTE_PASSWORD", lambda v: str(v) or None),

@@ -7,6 +7,14 @@ One pool slot is one vLLM block and kvh's ``block_tokens`` is vLLM's block
 size: vLLM allocates, matches and frees whole blocks, so a finer kvh block
 would only add calls (kvh's block can be any power of two up to 256; vLLM's
 CPU block is 128 tokens by default).
+
+A prompt's last, partial block (its "tail": the tokens after its last full
+block, less the last token, which vLLM always computes) is kept as one more
+block whose tokens are the tail padded with ``TAIL_PAD`` (no real token id
+is negative), chained to the last full block. Only the same prompt asks
+for that padded block again, and then vLLM computes one token instead of up
+to a block of them. Its KV rows past the tail are whatever vLLM's block
+held; vLLM never reads them (it writes them as it computes those tokens).
 """
 
 from __future__ import annotations
@@ -31,6 +39,8 @@ from .settings import Settings
 log = logging.getLogger("kvh.vllm")
 
 SALT_VERSION = "kvh_cache.vllm/1"
+RESTORE_PART_BLOCKS = 4  # a restore is split only into parts of at least this many blocks
+TAIL_PAD = -1
 
 
 class StoreUnavailable(RuntimeError):
@@ -82,6 +92,26 @@ class _Save:
     t0: float
 
 
+class SplitRestore:
+    """One request's restore issued as several batches, so that kvh's
+    migration threads read and scatter its blocks in parallel; waited on
+    and reported as one batch (statuses in block order)."""
+
+    def __init__(self, parts: List[RestoreBatch]) -> None:
+        self.parts = parts
+
+    def wait_layer(self, layer: int) -> None:
+        for part in self.parts:
+            part.wait_layer(layer)
+
+    def wait(self) -> None:
+        for part in self.parts:
+            part.wait()
+
+    def statuses(self) -> List[int]:
+        return [st for part in self.parts for st in part.statuses()]
+
+
 @dataclass
 class Load:
     """A restore in flight for one request: blocks [first_block, ...) into
@@ -92,11 +122,12 @@ class Load:
     tokens: np.ndarray
     first_block: int
     slots: List[int]
-    batch: Optional[RestoreBatch]
+    batch: Optional[SplitRestore]
     blocks: List[Block]
     t0: float
     missing_from: int  # index into slots of the first block kvh does not hold
     on_disk: List[bool] = field(default_factory=list)  # per slot: the block was on kvh's disk tier
+    tail: int = 0  # tokens of the last slot when it is a prompt's partial tail block, else 0
     t_ready: Optional[float] = None  # when its last layer was seen in place
 
 
@@ -136,6 +167,7 @@ class KvStore:
             host_bytes=max(settings.host_bytes, 2 * row),
             model_salt=self.salt,
             log_level=settings.log_level,
+            migration_cpu_mask=settings.migration_cpu_mask,
             **settings.engine_remote_fields(),
         )
         self.disk_path: Optional[str] = None
@@ -170,6 +202,8 @@ class KvStore:
         self._persists: List[Tuple[Fence, int]] = []  # (fence, blocks) of persists in flight
         self._persist_warned = False
         self._persist = bool((self.disk_path or settings.remote_addrs) and settings.persist)
+        self.tail_min_tokens = settings.tail_min_tokens
+        self.restore_threads = max(1, int(self.engine.config.migration_threads or 1))
 
     # ---- the inference engine's memory ----
     def register_pool(
@@ -205,23 +239,43 @@ class KvStore:
         req.tokens = tokens[: max(len(req.hashes), n_blocks) * bt].copy()
         return req.hashes
 
+    # ---- the partial tail block ----
+    def tail_of(self, n_tokens: int) -> int:
+        """Tokens of the tail block kept for a prefix of n_tokens (0: none)."""
+        r = n_tokens % self.block_tokens
+        return r if self.tail_min_tokens and r >= self.tail_min_tokens else 0
+
+    def keyed(self, tokens: np.ndarray) -> np.ndarray:
+        """The token blocks kvh files a prefix under: its full blocks, then
+        its tail (if kept) padded to a block with TAIL_PAD."""
+        bt = self.block_tokens
+        full = tokens.size // bt * bt
+        r = self.tail_of(tokens.size)
+        if not r:
+            return tokens[:full]
+        pad = np.full(bt - r, TAIL_PAD, dtype=np.int32)
+        return np.concatenate([tokens[: full + r], pad])
+
     # ---- lookups (the scheduler's questions) ----
     def lookup(self, req_id: str, tokens: Sequence[int], scope: int = 0) -> int:
-        """Tokens of the longest prefix of tokens (whole blocks) kvh holds in
-        ``scope`` (a tenant's: blocks of other scopes never match). The
-        blocks stay retained for req_id until load() or forget(), so that
-        what was promised cannot be evicted before it is loaded."""
+        """Tokens of the longest prefix of tokens kvh holds in ``scope`` (a
+        tenant's: blocks of other scopes never match): whole blocks, or all
+        of tokens when kvh holds their tail block too. The blocks stay
+        retained for req_id until load() or forget(), so that what was
+        promised cannot be evicted before it is loaded."""
         tk = np.ascontiguousarray(tokens, dtype=np.int32)
-        n = (tk.size // self.block_tokens) * self.block_tokens
-        blocks = self.engine.prefix_lookup(tk[:n], scope=scope) if n else []
+        keyed = self.keyed(tk)
+        blocks = self.engine.prefix_lookup(keyed, scope=scope) if keyed.size else []
+        full = tk.size // self.block_tokens
+        found = tk.size if len(blocks) > full else len(blocks) * self.block_tokens
         with self._lock:
             old = self._held.pop(req_id, None)
             self._held[req_id] = blocks
             self.counters.lookups += 1
-            self.counters.lookup_hit_tokens += len(blocks) * self.block_tokens
+            self.counters.lookup_hit_tokens += found
         for b in old or ():
             b.release()
-        return len(blocks) * self.block_tokens
+        return found
 
     def forget(self, req_ids) -> None:
         """Drops the state of finished requests; the blocks they saved are
@@ -265,28 +319,46 @@ class KvStore:
     ) -> Load:
         """Starts restoring blocks [first_block, first_block + len(slots)) of
         the prefix (in ``scope``) into vLLM's slots, on kvh's workers, one
-        fence per layer (:meth:`wait_layer`). :meth:`finish_load` gives the
-        slots that could not be loaded."""
+        fence per layer (:meth:`wait_layer`). When tokens end inside the
+        last of those blocks, that block is the prefix's tail block.
+        :meth:`finish_load` gives the slots that could not be loaded."""
         t0 = time.perf_counter()
         bt = self.block_tokens
         end = first_block + len(slots)
         tk = np.ascontiguousarray(tokens, dtype=np.int32)
+        tail = self.tail_of(tk.size) if tk.size < end * bt else 0
         with self._lock:
             blocks = self._held.pop(req_id, None)
         if blocks is None or len(blocks) < end:
             for b in blocks or ():
                 b.release()
-            blocks = self.engine.prefix_lookup(tk[: end * bt], scope=scope)
+            blocks = self.engine.prefix_lookup(self.keyed(tk[: end * bt])[: end * bt], scope=scope)
         n = max(0, min(len(blocks), end) - first_block)
         on_disk = [b.info().tier == Tier.DISK for b in blocks[first_block : first_block + n]]
         batch = None
         if n and self._pool is not None:
             try:
-                batch = self._pool.restore(blocks[first_block : first_block + n], list(slots[:n]))
+                batch = self._restore(blocks[first_block : first_block + n], list(slots[:n]))
             except errors.Error as exc:
                 log.warning("kvh: loading request %s failed (%s); vLLM recomputes it", req_id, exc)
                 n = 0
-        return Load(req_id, scope, tk, first_block, list(slots), batch, blocks, t0, n, on_disk)
+        return Load(req_id, scope, tk, first_block, list(slots), batch, blocks, t0, n, on_disk, tail=tail)
+
+    def _restore(self, blocks: List[Block], slots: List[int]) -> SplitRestore:
+        """Issues the restore as one batch per migration thread (at least
+        RESTORE_PART_BLOCKS blocks each): a thread reads, checks and
+        scatters its part while the others do theirs."""
+        parts = max(1, min(self.restore_threads, len(blocks) // RESTORE_PART_BLOCKS))
+        cuts = [len(blocks) * i // parts for i in range(parts + 1)]
+        batches: List[RestoreBatch] = []
+        try:
+            for a, b in zip(cuts, cuts[1:]):
+                batches.append(self._pool.restore(blocks[a:b], slots[a:b]))
+        except errors.Error:
+            for done in batches:  # what was issued still runs: let it end
+                done.wait()
+            raise
+        return SplitRestore(batches)
 
     def wait_layer(self, load: Load, layer: int) -> None:
         if load.batch is not None:
@@ -315,15 +387,20 @@ class KvStore:
         failed = load.slots[bad:]
         ok = len(load.slots) - len(failed)
         bt = self.block_tokens
+        # Tokens of each loaded slot: a tail block holds fewer than a block.
+        sizes = [bt] * len(load.slots)
+        if load.tail and sizes:
+            sizes[-1] = load.tail
         with self._lock:
             c = self.counters
             c.blocks_loaded += ok
-            c.tokens_loaded += ok * bt
-            c.tokens_loaded_disk += sum(load.on_disk[:ok]) * bt
+            c.tokens_loaded += sum(sizes[:ok])
+            c.tokens_loaded_disk += sum(sz for sz, d in zip(sizes[:ok], load.on_disk[:ok]) if d)
             c.load_errors += len(failed)
             c.load_seconds += (load.t_ready or time.perf_counter()) - load.t0
-        if ok and not failed:
-            self._chain(self._req(load.req_id, load.scope), load.tokens, load.first_block + len(load.slots))
+        full_end = load.first_block + len(load.slots) - (1 if load.tail else 0)
+        if ok and not failed and full_end > 0:
+            self._chain(self._req(load.req_id, load.scope), load.tokens, full_end)
         return failed
 
     def load(
@@ -336,9 +413,11 @@ class KvStore:
         """Offloads, in one batch on kvh's workers, the blocks of each
         (req_id, tokens, first_block, slots, scope): blocks [first_block,
         first_block + len(slots)) computed into vLLM's slots, under their
-        chained hashes in scope. Returns the blocks queued. The slots must
-        stay as they are until :meth:`wait_saves` (vLLM's next forward pass
-        may overwrite a finished request's blocks)."""
+        chained hashes in scope; when tokens end inside the last of them,
+        that block is the prefix's tail block (:meth:`keyed`). Returns the
+        blocks queued. The slots must stay as they are until
+        :meth:`wait_saves` (vLLM's next forward pass may overwrite a
+        finished request's blocks)."""
         bt = self.block_tokens
         items, owners = [], []
         for req_id, tokens, first_block, slots, scope in transfers:
@@ -346,10 +425,16 @@ class KvStore:
                 continue
             tk = np.ascontiguousarray(tokens, dtype=np.int32)
             end = first_block + len(slots)
-            hashes = self._chain(self._req(req_id, scope), tk, end)
+            tail = tk.size < end * bt
+            if tail and (end - 1 != tk.size // bt or not self.tail_of(tk.size)):
+                continue
+            # The request's chain holds its full blocks only: a tail block
+            # is a leaf under the last of them.
+            hashes = self._chain(self._req(req_id, scope), tk, end - 1 if tail else end)
+            keyed = self.keyed(tk) if tail else tk
             for i, slot in enumerate(slots):
                 bi = first_block + i
-                items.append((int(slot), hashes[bi - 1] if bi else 0, tk[bi * bt : (bi + 1) * bt], scope))
+                items.append((int(slot), hashes[bi - 1] if bi else 0, keyed[bi * bt : (bi + 1) * bt], scope))
                 owners.append((req_id, bi))
         if not items or self._pool is None:
             return 0

@@ -41,7 +41,16 @@ pytestmark = pytest.mark.skipif(
 )
 
 BLOCK = 128
+TAIL_MIN = 32
 MAX_TOKENS = 12
+
+
+def _loadable(prompt_tokens: int) -> int:
+    """Tokens of a returning prompt kvh serves with tail_min_tokens=TAIL_MIN
+    (as the first and second runs have it): all but the last one when its
+    tail block is kept, else its full blocks."""
+    n = prompt_tokens - 1
+    return n if n % BLOCK >= TAIL_MIN else n // BLOCK * BLOCK
 
 
 def _prompts():
@@ -115,7 +124,7 @@ def store_extra(path: Path, **kw):
 
 @pytest.fixture(scope="module")
 def first_run(work, baseline):
-    res, log = run(work, "first", extra=store_extra(work / "store"))
+    res, log = run(work, "first", extra=store_extra(work / "store", tail_min_tokens=TAIL_MIN))
     return res, log
 
 
@@ -131,17 +140,21 @@ def test_same_output_with_kvh(baseline, first_run):
 
 
 def test_restart_loads_prefix_from_kvh(work, baseline, first_run):
-    res, log = run(work, "second", extra=store_extra(work / "store"))
+    res, log = run(work, "second", extra=store_extra(work / "store", tail_min_tokens=TAIL_MIN))
     assert tokens_of(res) == tokens_of(baseline)
     st = res["stats"]
-    # The prompts' full blocks, less each prompt's last token (always
-    # computed), came back from kvh's disk tier.
-    expect = sum((r["prompt_tokens"] - 1) // BLOCK * BLOCK for r in baseline["results"])
+    # Each prompt less its last token (always computed) came back from
+    # kvh's disk tier: its full blocks, and its tail block where that
+    # holds at least TAIL_MIN tokens.
+    expect = sum(_loadable(r["prompt_tokens"]) for r in baseline["results"])
     assert expect >= 1024
+    assert expect > sum((r["prompt_tokens"] - 1) // BLOCK * BLOCK for r in baseline["results"])  # a tail among them
     assert st["tokens_loaded"] == expect, st
+    assert st["tokens_loaded_disk"] == expect, st
     assert st["load_errors"] == 0
     # (kvh also counts the matches its background persists make.)
-    assert st["kvh"]["prefix_hit_blocks_disk"] >= expect // BLOCK
+    blocks = sum(-(-_loadable(r["prompt_tokens"]) // BLOCK) for r in baseline["results"])
+    assert st["kvh"]["prefix_hit_blocks_disk"] >= blocks
     assert st["kvh"]["corrupt_blocks"] == 0
 
 
