@@ -74,6 +74,19 @@ static void hint_clear(kvh_engine *e, uint32_t b)
     kvhi_block_update_evictable(e, b);
 }
 
+/* Block b's first priority is used up: the second takes its place, or
+ * the hint is gone when there is none. */
+static void hint_pop(kvh_engine *e, uint32_t b, kvhi_block *blk)
+{
+    if (blk->hint_next == KVHI_HINT_NONE) {
+        hint_clear(e, b);
+        return;
+    }
+    blk->hint_priority = blk->hint_next;
+    blk->hint_next = KVHI_HINT_NONE;
+    kvhi_block_update_evictable(e, b); /* lower: applied at once */
+}
+
 void kvhi_hint_redeem(kvh_engine *e, uint32_t b)
 {
     kvhi_block *blk = kvhi_blk(e, b);
@@ -82,13 +95,7 @@ void kvhi_hint_redeem(kvh_engine *e, uint32_t b)
     if (!(blk->hint_epoch & HINT_FRESH) && !kvhi_hint_queue_due(e, blk->hint_priority))
         return;
     blk->hint_epoch &= (uint8_t)~HINT_FRESH;
-    if (blk->hint_next == KVHI_HINT_NONE) {
-        hint_clear(e, b);
-        return;
-    }
-    blk->hint_priority = blk->hint_next;
-    blk->hint_next = KVHI_HINT_NONE;
-    kvhi_block_update_evictable(e, b); /* lower: applied at once */
+    hint_pop(e, b, blk);
 }
 
 static void retire_lapsed(kvh_engine *e)
@@ -190,13 +197,7 @@ void kvhi_hint_drop(kvh_engine *e, uint32_t b, int32_t priority)
     }
     if (blk->hint_priority != priority)
         return;
-    if (blk->hint_next == KVHI_HINT_NONE) {
-        hint_clear(e, b);
-        return;
-    }
-    blk->hint_priority = blk->hint_next;
-    blk->hint_next = KVHI_HINT_NONE;
-    kvhi_block_update_evictable(e, b); /* lower: applied at once */
+    hint_pop(e, b, blk);
 }
 
 void kvhi_hints_free(kvh_engine *e)
