@@ -39,7 +39,20 @@ import numpy as np
 from . import errors
 from ._ffi import NULL, U64_MAX, check, ffi, kvh_level_for_logger, last_error, lib, raise_status, status_name
 from ._handle import Finalized, GatedHandle, GateUse, HandleGate, OwnedHandle, in_lock_order
-from .types import Backend, BlockInfo, Codec, Config, Eviction, DType, Scope, Stats, Tier, TierInfo, numpy_dtype
+from .types import (
+    Backend,
+    BlockInfo,
+    Codec,
+    Config,
+    Eviction,
+    DType,
+    RemoteUpload,
+    Scope,
+    Stats,
+    Tier,
+    TierInfo,
+    numpy_dtype,
+)
 
 __all__ = ["Engine", "Sequence", "Block", "Hold", "Fence", "TokenSpan"]
 
@@ -408,7 +421,7 @@ class Engine(OwnedHandle):
             remote_tls_ca=given.remote_tls_ca,
             remote_timeout_ms=int(c.remote_timeout_ms),
             remote_ttl_s=int(c.remote_ttl_s),
-            remote_upload=int(c.remote_upload),
+            remote_upload=RemoteUpload(c.remote_upload),
             remote_breaker_ms=int(c.remote_breaker_ms),
         )
 

@@ -20,6 +20,7 @@ __all__ = [
     "TierInfo",
     "BlockInfo",
     "Scope",
+    "RemoteUpload",
     "numpy_dtype",
     "bf16_to_f32",
     "f32_to_bf16",
@@ -208,7 +209,8 @@ class Config:
     remote_timeout_ms: Optional[int] = None
     #: Seconds a block lives in the store, renewed on hits (default 86400).
     remote_ttl_s: Optional[int] = None
-    #: kvh_remote_upload bits (1: on persist, the default).
+    #: When blocks go up: :class:`RemoteUpload` flags, or their int bits
+    #: (default PERSIST).
     remote_upload: Optional[int] = None
     #: ms a failed node is left alone before a probe (default 2000).
     remote_breaker_ms: Optional[int] = None
@@ -224,6 +226,14 @@ class Config:
             elif isinstance(v, os.PathLike):
                 d[k] = os.fspath(v)
         return d
+
+
+class RemoteUpload(enum.IntFlag):
+    """When blocks reach the remote tier (kvh_remote_upload); combine with |."""
+
+    PERSIST = 1  # Sequence.persist uploads the full blocks
+    DEMOTE = 2  # a block moved from memory to the disk tier is queued for upload
+    WRITE_THROUGH = 4  # a block is queued for upload once published
 
 
 class Eviction(enum.IntEnum):

@@ -79,7 +79,24 @@ def test_two_engines_share_a_prefix(server):
         assert b.config.remote_timeout_ms == 1000
 
 
+def test_write_through_from_python(server):
+    with make_engine(**_remote(server, 0x52, remote_upload=kvh.RemoteUpload.WRITE_THROUGH)) as a:
+        assert a.config.remote_upload == kvh.RemoteUpload.WRITE_THROUGH
+        assert isinstance(a.config.remote_upload, kvh.RemoteUpload)
+        _, data = filled_seq(a, 64, seed=4)  # published blocks go up; no persist
+    # a closed: what it queued was sent before close returned
+    with make_engine(**_remote(server, 0x52)) as b:
+        s = b.sequence()
+        assert s.match_prefix(np.arange(64)) == 64
+        for layer, (k, v) in data.items():
+            k2, v2 = s.read_kv(layer)
+            assert np.array_equal(k, k2) and np.array_equal(v, v2)
+        assert b.config.remote_upload == kvh.RemoteUpload.PERSIST
+
+
 def test_open_errors(server):
+    with pytest.raises(kvh.Error, match="remote_upload"):
+        make_engine(**_remote(server, 1, remote_upload=8))
     with pytest.raises(kvh.KvhIOError, match="AUTH"):
         make_engine(remote_addrs=server, remote_password="wrong")
     with pytest.raises(kvh.Error, match="TLS"):

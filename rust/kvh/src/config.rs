@@ -332,7 +332,8 @@ impl Config {
         self
     }
 
-    /// When blocks go up: `kvh_remote_upload` bits (default 1: on persist).
+    /// When blocks go up: [`remote_upload`] bits joined with `|` (default
+    /// [`remote_upload::PERSIST`]); unknown bits fail at open.
     pub fn remote_upload(mut self, bits: u32) -> Self {
         self.raw.remote_upload = bits;
         self
@@ -589,4 +590,17 @@ mod tests {
         assert!(env.raw.remote_addrs.is_null());
         assert_eq!(env.raw.remote_ttl_s, 60);
     }
+}
+
+/// When blocks reach the remote tier (`kvh_remote_upload`), for
+/// [`Config::remote_upload`].
+pub mod remote_upload {
+    use kvh_sys as sys;
+
+    /// `Sequence::persist` uploads the sequence's full blocks.
+    pub const PERSIST: u32 = sys::KVH_REMOTE_UPLOAD_PERSIST;
+    /// A block moved from memory to the disk tier is queued for upload.
+    pub const DEMOTE: u32 = sys::KVH_REMOTE_UPLOAD_DEMOTE;
+    /// A block is queued for upload once published (all tokens and KV).
+    pub const WRITE_THROUGH: u32 = sys::KVH_REMOTE_UPLOAD_WRITE_THROUGH;
 }

@@ -81,7 +81,7 @@ mod vmap;
 
 pub use attention::{AttentionParams, AttentionPlan};
 pub use codec::{Codec, Eviction};
-pub use config::{Config, LogFn};
+pub use config::{remote_upload, Config, LogFn};
 pub use context::{AdmissionInfo, Context, ContextInfo, KvPolicy, WeightStats};
 pub use element::Element;
 pub use engine::{Engine, OwnedBlock};

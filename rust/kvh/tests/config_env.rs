@@ -61,3 +61,17 @@ fn process_environment_opens_an_engine() {
     assert!(host.capacity_blocks > 0);
     assert!(host.capacity_blocks * engine.block_bytes() <= 512 << 10);
 }
+
+#[test]
+fn remote_upload_names_match_the_environment() {
+    use kvh::remote_upload;
+    let config = Config::new()
+        .apply_vars([("KVH_REMOTE_UPLOAD", "persist,write_through")])
+        .expect("valid upload names");
+    assert_eq!(
+        config.as_raw().remote_upload,
+        remote_upload::PERSIST | remote_upload::WRITE_THROUGH
+    );
+    let config = Config::new().remote_upload(remote_upload::DEMOTE);
+    assert_eq!(config.as_raw().remote_upload, 2);
+}
