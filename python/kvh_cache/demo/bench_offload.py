@@ -81,7 +81,7 @@ def crossover(
     return None, "never"
 
 
-def _document_tokens(runner, n: int) -> List[int]:
+def document_tokens(runner, n: int) -> List[int]:
     """At least n tokens of the document library (the articles, in order)."""
     text = "\n\n".join(p.read_text(encoding="utf-8") for p in sorted(CORPUS_DIR.glob("*.txt")))
     toks = runner.encode(text)
@@ -134,7 +134,7 @@ def run_bench(args: argparse.Namespace, log=None) -> List[Dict[str, Any]]:
         eng = runner.engine(device_bytes=cap, host_bytes=cap, disk_bytes=2 * cap, disk_path=str(workdir / "store"))
         # Each length reads its own window of the library, so no prefix of
         # one length is a cached prefix of another (the warm-up included).
-        all_toks = _document_tokens(runner, bt + sum(contexts))
+        all_toks = document_tokens(runner, bt + sum(contexts))
         # Warm-up: the first forward pass pays one-time costs (BLAS set-up,
         # first touch of the weights) that belong to no length.
         warm = eng.sequence()

@@ -37,17 +37,9 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from . import CORPUS_DIR
+from .bench_offload import document_tokens
 
 __all__ = ["main", "build_parser"]
-
-
-def _document_tokens(runner, n: int) -> List[int]:
-    text = "\n\n".join(p.read_text(encoding="utf-8") for p in sorted(CORPUS_DIR.glob("*.txt")))
-    toks = runner.encode(text)
-    while len(toks) < n:
-        toks = toks + toks
-    return [int(t) for t in toks[:n]]
 
 
 def _free_port() -> int:
@@ -107,7 +99,7 @@ def _node_a(args: argparse.Namespace) -> int:
     from ..model import runner as model_runner
 
     runner = model_runner.load(args.model)
-    toks = _document_tokens(runner, args.tokens)
+    toks = document_tokens(runner, args.tokens)
     eng = runner.engine(remote_addrs=f"127.0.0.1:{args.node_a}", remote_timeout_ms=30000)
     try:
         seq = eng.sequence()
@@ -131,7 +123,7 @@ def run_bench(args: argparse.Namespace, log=None) -> List[Dict[str, Any]]:
     runner = model_runner.load(args.model)
     bt = runner.block_tokens
     n = max(2 * bt, (args.tokens // bt) * bt)
-    toks = _document_tokens(runner, n)
+    toks = document_tokens(runner, n)
     workdir = Path(tempfile.mkdtemp(prefix="kvh-bench-remote-", dir=args.tmp_dir))
     redis = _Redis(workdir)
     addrs = f"127.0.0.1:{redis.port}"
