@@ -82,7 +82,7 @@ static void offload_undo(kvh_engine *e, kvhi_pool_work *w, uint32_t k)
         kvhi_pool_item *it = &w->items[i];
         if (it->copy) {
             e->blocks[it->block].flags &= (uint16_t)~KVHI_BF_POOL_FILL;
-            kvhi_block_unhold(e, it->block);
+            kvhi_block_unhold_reading(e, it->block);
             kvhi_block_unref(e, it->block); /* the work's */
         }
         kvhi_block_unref(e, it->block); /* the one meant for the handle */
@@ -129,7 +129,7 @@ kvh_status kvh_pool_offload_batch(kvh_engine *e, kvh_pool pool, kvh_pool_xfer *x
         it->block = b;
         it->copy = true;
         kvhi_block_ref(e, b); /* the work's, beside the handle's */
-        kvhi_block_hold(e, b);
+        kvhi_block_hold_reading(e, b);
         e->blocks[b].flags |= KVHI_BF_POOL_FILL;
     }
     p->batches--;
@@ -200,7 +200,7 @@ kvh_status kvh_pool_restore_batch(kvh_engine *e, kvh_pool pool, kvh_pool_xfer *x
         it->status = &x->status;
         x->status = KVH_OK;
         kvhi_block_ref(e, it->block);
-        kvhi_block_hold(e, it->block);
+        kvhi_block_hold_reading(e, it->block);
     }
     free(blocks);
     kvhi_pool_work_submit(e, w);

@@ -47,8 +47,12 @@ void kvhi_attn_call_release_holds(kvh_engine *e, kvhi_attn_call *c)
     for (uint32_t i = 0; i < c->n_held; i++) {
         uint32_t b = c->held[i];
         kvhi_block *blk = &e->blocks[b];
-        if (blk->gen == c->held_gen[i] && (blk->flags & KVHI_BF_LIVE) && blk->holds > 0)
-            kvhi_block_unhold(e, b);
+        if (blk->gen == c->held_gen[i] && (blk->flags & KVHI_BF_LIVE) && blk->holds > 0) {
+            if (c->stream_chunk_blocks)
+                kvhi_block_unhold_reading(e, b);
+            else
+                kvhi_block_unhold(e, b);
+        }
     }
     c->n_held = 0;
 }
@@ -224,7 +228,10 @@ static kvh_status prepare_once(kvh_engine *e, uint32_t layer, const kvh_seq *seq
         kvhi_seq_get(e, seqs[i], &s); /* resolved above, lock held since */
         for (uint32_t j = 0; j < s->n_blocks; j++) {
             uint32_t b = s->blocks[j];
-            kvhi_block_hold(e, b);
+            if (c->stream_chunk_blocks)
+                kvhi_block_hold_reading(e, b); /* the stager reads it where it lies */
+            else
+                kvhi_block_hold(e, b);
             c->held[c->n_held] = b;
             c->held_gen[c->n_held++] = e->blocks[b].gen;
         }

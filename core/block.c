@@ -280,6 +280,7 @@ static bool block_gen_advance(kvh_engine *e, kvhi_block *blk)
 static void block_destroy(kvh_engine *e, uint32_t b, bool keep_slot)
 {
     kvhi_block *blk = kvhi_blk(e, b);
+    assert(e->block_readers[b] == 0); /* a read holds it, so it cannot be destroyed */
     heaps_remove(e, b);
     kvhi_adapt_forget(e, &e->adapt, b);
     if (blk->flags & KVHI_BF_PUBLISHED)
@@ -362,9 +363,48 @@ void kvhi_block_writing_done(kvh_engine *e, uint32_t b)
     kvhi_block *blk = kvhi_blk(e, b);
     kvhi_block_move_event(blk, KVHI_EV_COPY_END);
     if (blk->deferred_slot != KVHI_NO_BLOCK) {
-        kvhi_release_slot(e, blk->deferred_tier, blk->deferred_slot);
+        kvhi_block_release_source(e, b, blk->deferred_tier, blk->deferred_slot);
         blk->deferred_slot = KVHI_NO_BLOCK;
     }
+}
+
+typedef struct kvhi_held_slot {
+    uint32_t block, slot, tier;
+} kvhi_held_slot;
+
+void kvhi_block_release_source(kvh_engine *e, uint32_t b, uint32_t tier, uint32_t slot)
+{
+    if (e->block_readers[b] == 0) {
+        kvhi_release_slot(e, tier, slot);
+        return;
+    }
+    if (e->n_held_slots == e->cap_held_slots) {
+        uint32_t cap = e->cap_held_slots ? e->cap_held_slots * 2 : 16;
+        kvhi_held_slot *grown = realloc(e->held_slots, cap * sizeof(*grown));
+        if (!grown) {
+            /* A slot lost until close is better than one overwritten
+             * while it is read. */
+            kvhi_log_later(e, KVH_LOG_WARN, "out of memory: a slot of tier %u stays taken until close", tier);
+            return;
+        }
+        e->held_slots = grown;
+        e->cap_held_slots = cap;
+    }
+    e->held_slots[e->n_held_slots++] = (kvhi_held_slot){b, slot, tier};
+}
+
+static void release_held_slots(kvh_engine *e, uint32_t b)
+{
+    for (uint32_t i = 0; i < e->n_held_slots;) {
+        kvhi_held_slot *h = &e->held_slots[i];
+        if (h->block != b) {
+            i++;
+            continue;
+        }
+        kvhi_release_slot(e, h->tier, h->slot);
+        *h = e->held_slots[--e->n_held_slots];
+    }
+    pthread_cond_broadcast(&e->changed); /* room appeared */
 }
 
 void kvhi_block_hold(kvh_engine *e, uint32_t b)
@@ -382,6 +422,19 @@ void kvhi_block_unhold(kvh_engine *e, uint32_t b)
         block_destroy(e, b, false);
     else
         kvhi_block_update_evictable(e, b);
+}
+
+void kvhi_block_hold_reading(kvh_engine *e, uint32_t b)
+{
+    e->block_readers[b]++;
+    kvhi_block_hold(e, b);
+}
+
+void kvhi_block_unhold_reading(kvh_engine *e, uint32_t b)
+{
+    if (--e->block_readers[b] == 0 && e->n_held_slots)
+        release_held_slots(e, b);
+    kvhi_block_unhold(e, b);
 }
 
 void kvhi_block_pin(kvh_engine *e, uint32_t b, bool pin)

@@ -155,8 +155,19 @@ static inline kvh_status kvhi_block_resolve(kvh_engine *e, kvh_block h, uint32_t
     *out = i;
     return KVH_OK;
 }
+/* A hold keeps b from being evicted or moved down (an acquire holds the
+ * blocks it then promotes). */
 void kvhi_block_hold(kvh_engine *e, uint32_t b);
 void kvhi_block_unhold(kvh_engine *e, uint32_t b);
+/* A hold for a reader of b's data without the lock, where it is now (a
+ * pool transfer, a streamed chunk, an upload): when another thread
+ * promotes b by a copy meanwhile, the slot b left keeps its bytes and is
+ * given to nothing else until the last such read ends, and b never
+ * trades contents with another block (core/move.c). */
+void kvhi_block_hold_reading(kvh_engine *e, uint32_t b);
+void kvhi_block_unhold_reading(kvh_engine *e, uint32_t b);
+/* Frees slot of tier, which b has just left: now, or after b's reads. */
+void kvhi_block_release_source(kvh_engine *e, uint32_t b, uint32_t tier, uint32_t slot);
 void kvhi_block_pin(kvh_engine *e, uint32_t b, bool pin);
 /* Recompute whether b belongs in an eviction heap. */
 void kvhi_block_update_evictable(kvh_engine *e, uint32_t b);

@@ -282,6 +282,8 @@ static void engine_free(kvh_engine *e)
             free(e->blocks[i].written);
     kvhi_huge_free(e->blocks, (size_t)e->block_cap * sizeof(kvhi_block));
     free(e->block_free);
+    free(e->held_slots);
+    free(e->block_readers);
     free(e->tokens);
     kvhi_prefix_destroy(&e->prefix);
     if (e->attn_state)
@@ -364,8 +366,9 @@ kvh_status kvhi_engine_open(const kvh_config *config, kvh_engine **out)
         e->block_index_bits++;
     e->blocks = kvhi_huge_alloc(cap * sizeof(kvhi_block));
     e->block_free = malloc(cap * sizeof(uint32_t));
+    e->block_readers = calloc(cap, sizeof(uint32_t));
     e->tokens = malloc(cap * e->cfg.block_tokens * sizeof(int32_t));
-    if (!e->blocks || !e->block_free || !e->tokens || kvhi_prefix_init(&e->prefix, cap) != 0) {
+    if (!e->blocks || !e->block_free || !e->block_readers || !e->tokens || kvhi_prefix_init(&e->prefix, cap) != 0) {
         engine_free(e);
         return kvhi_fail(KVH_ERR_NOMEM, "out of memory for %llu block records", (unsigned long long)cap);
     }

@@ -105,6 +105,10 @@ static kvh_status swap_up(kvh_engine *e, uint32_t b, uint32_t tier)
     uint32_t v = kvhi_lruk_top_current(heap, kvhi_block_current_key, e);
     if (v == KVHI_HEAP_NONE || v == b || bb->tier == KVH_TIER_DISK)
         return kvhi_fail(KVH_ERR_NOSPACE, "no block in the target tier can make room");
+    /* Trading contents would overwrite b's slot under its reader. */
+    if (e->block_readers[b] && !e->moves_in_place)
+        return kvhi_fail(KVH_ERR_NOSPACE, "no free slot in the target tier for a held block (a swap would "
+                                          "overwrite it while it is read)");
     kvhi_block *vb = &e->blocks[v];
     uint32_t lo_tier = bb->tier, lo_slot = bb->slot, hi_slot = vb->slot;
     kvhi_block_move_event(vb, KVHI_EV_MOVE_BEGIN);
@@ -291,8 +295,10 @@ kvh_status kvhi_move_end(kvh_engine *e, kvhi_xfer *x, uint32_t *src_slot_out)
         /* A disk copy is still being read from the old slot. */
         blk->deferred_slot = src_slot;
         blk->deferred_tier = (uint8_t)src_tier;
-    } else
-        kvhi_release_slot(e, src_tier, src_slot);
+    } else if (x->in_place)
+        kvhi_release_slot(e, src_tier, src_slot); /* b kept its bytes; the slot traded is empty */
+    else
+        kvhi_block_release_source(e, b, src_tier, src_slot); /* a holder may still read it */
     if (blk->flags & KVHI_BF_DEAD)
         kvhi_block_free_now(e, b);
     else

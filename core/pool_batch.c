@@ -77,7 +77,7 @@ static void item_release(kvh_engine *e, const kvhi_pool_work *w, kvhi_pool_item 
     if (w->kind == KVHI_PW_OFFLOAD)
         blk->flags &= (uint16_t)~KVHI_BF_POOL_FILL;
     if (w->kind != KVHI_PW_PERSIST)
-        kvhi_block_unhold(e, it->block);
+        kvhi_block_unhold_reading(e, it->block);
     if (w->kind == KVHI_PW_RESTORE && it->st == KVH_OK)
         kvhi_block_touch(e, it->block);
     kvhi_block_unref(e, it->block);

@@ -145,7 +145,7 @@ static size_t prepare_values(kvh_engine *e, upload_bufs *u, size_t n, kvhi_remot
                 continue;
             }
         } else if (blk->tier < KVH_TIER_COUNT) {
-            kvhi_block_hold(e, b); /* stays where it is while copied */
+            kvhi_block_hold_reading(e, b); /* its bytes stay where they are while copied */
             u->copy_from[n_mem] = b;
             mem_at[n_mem] = (uint32_t)m;
             tiers[n_mem] = blk->tier;
@@ -178,7 +178,7 @@ static size_t prepare_values(kvh_engine *e, upload_bufs *u, size_t n, kvhi_remot
         kvhi_relock_after_copy(e);
         free(vals), free(crcs);
         for (size_t j = 0; j < n_mem; j++)
-            kvhi_block_unhold(e, u->copy_from[j]);
+            kvhi_block_unhold_reading(e, u->copy_from[j]);
         /* A copy that failed leaves a hole: close it. */
         size_t w = 0, j = 0;
         for (size_t k = 0; k < m; k++) {

@@ -18,7 +18,11 @@
  *   - the swap when both memory tiers are full: the lower block trades
  *     places with the upper tier's least valuable block (their slots on
  *     two arenas, their tiers only on one), and NOSPACE, naming why, when
- *     every upper block is held;
+ *     every upper block is held, or when the lower one is being read on
+ *     two arenas (trading contents would overwrite it under its reader);
+ *   - a block read without the lock and promoted by a copy meanwhile:
+ *     the slot it left keeps its bytes and is given to nothing else until
+ *     the last read ends (a plain hold keeps nothing);
  *   - a failed disk read: the transfer reports a verification failure,
  *     end marks the block corrupt (unpublished, its record deleted,
  *     stats.corrupt_blocks, a warning), it is never moved or served
@@ -424,9 +428,107 @@ static void test_swap_when_both_full(void **state)
         wb_unlock(e);
         assert_int_equal(dt_stats(e).evictions, b.evictions);
         verify_a(e, s, ct, 4 * G.bt);
+
+        /* The lower block read without the lock: two arenas would
+         * overwrite its slot under its reader, so no swap; one arena
+         * trades tiers only. */
+        wb_lock(e);
+        kvhi_block_hold_reading(e, host[1]);
+        rc = kvhi_move_begin(e, host[1], KVH_TIER_DEVICE, &x, false);
+        if (copies) {
+            assert_int_equal(rc, KVH_ERR_NOSPACE);
+            assert_non_null(strstr(kvh_last_error(), "held block"));
+            assert_int_equal(kvhi_blk(e, host[1])->tier, KVH_TIER_HOST);
+            assert_int_equal(kvhi_blk(e, host[1])->slot, slot);
+        } else {
+            assert_int_equal(rc, 1);
+            assert_int_equal(kvhi_blk(e, host[1])->tier, KVH_TIER_DEVICE);
+            assert_int_equal(kvhi_blk(e, host[1])->slot, slot);
+        }
+        kvhi_block_unhold_reading(e, host[1]);
+        wb_unlock(e);
+        verify_a(e, s, ct, 4 * G.bt);
         dt_assert_ok(kvh_seq_free(e, s));
         dt_assert_ok(dt_close(e));
     }
+}
+
+/* ---- a block read without the lock, moved up by a copy ---- */
+
+/* A pool transfer, a streamed chunk or an upload reads a block's bytes
+ * without the lock, from the slot it found the block in. When another
+ * thread promotes the block meanwhile, that slot must not be given to
+ * anything else before the last such read ends. A plain hold (an
+ * acquire's) does not keep the slot. */
+static void test_read_block_keeps_its_source(void **state)
+{
+    (void)state;
+    kvh_config c = dt_cfg(G, NULL, 4, 4, 0, 0);
+    c.copy_moves = 1;
+    kvh_engine *e = dt_open_a(&c);
+    kvh_seq s, t;
+    dt_content ct = dt_plain(1), other = dt_plain(2);
+    dt_assert_ok(dt_build(e, G, ct, G.bt, 0, &s));
+    uint32_t b = wb_seq_block_index(e, s, 0);
+    kvhi_block *blk = kvhi_blk(e, b);
+    size_t bytes = dt_block_bytes(G);
+    uint8_t *before = malloc(bytes);
+    assert_non_null(before);
+
+    wb_lock(e);
+    dt_assert_ok(kvhi_move_block(e, b, KVH_TIER_HOST, 0));
+    assert_int_equal(blk->tier, KVH_TIER_HOST);
+    uint32_t src = blk->slot, host0 = used(e, KVH_TIER_HOST);
+    const uint8_t *read_by_holder = kvhi_block_data(e, b);
+    memcpy(before, read_by_holder, bytes);
+    kvhi_block_hold_reading(e, b);
+    kvhi_block_hold_reading(e, b);                           /* reads nest: the source waits for the last */
+    dt_assert_ok(kvhi_move_block(e, b, KVH_TIER_DEVICE, 0)); /* another thread's promotion */
+    assert_int_equal(blk->tier, KVH_TIER_DEVICE);
+    assert_int_equal(used(e, KVH_TIER_HOST), host0); /* the source is still taken */
+    wb_unlock(e);
+
+    /* New blocks fill the host tier: none gets the held source. */
+    dt_assert_ok(dt_build(e, G, other, 3 * G.bt, 0, &t));
+    uint32_t others[3];
+    for (uint64_t i = 0; i < 3; i++)
+        others[i] = wb_seq_block_index(e, t, i);
+    wb_lock(e);
+    for (uint64_t i = 0; i < 3; i++) {
+        uint32_t o = others[i];
+        if (kvhi_blk(e, o)->tier == KVH_TIER_DEVICE)
+            dt_assert_ok(kvhi_move_block(e, o, KVH_TIER_HOST, 0));
+        assert_int_equal(kvhi_blk(e, o)->tier, KVH_TIER_HOST);
+        assert_int_not_equal(kvhi_blk(e, o)->slot, src);
+    }
+    assert_int_equal(used(e, KVH_TIER_HOST), 4);
+    assert_memory_equal(read_by_holder, before, bytes);
+    kvhi_block_unhold_reading(e, b);
+    assert_int_equal(used(e, KVH_TIER_HOST), 4);
+    kvhi_block_unhold_reading(e, b); /* the last read: the source is free */
+    assert_int_equal(used(e, KVH_TIER_HOST), 3);
+    assert_int_equal(e->n_held_slots, 0);
+    wb_unlock(e);
+    verify_a(e, s, ct, G.bt);
+
+    /* Held as an acquire holds, or not at all: the source is freed with
+     * the move. */
+    for (int hold = 1; hold >= 0; hold--) {
+        wb_lock(e);
+        dt_assert_ok(kvhi_move_block(e, b, KVH_TIER_HOST, 0));
+        uint32_t host1 = used(e, KVH_TIER_HOST);
+        if (hold)
+            kvhi_block_hold(e, b);
+        dt_assert_ok(kvhi_move_block(e, b, KVH_TIER_DEVICE, 0));
+        assert_int_equal(used(e, KVH_TIER_HOST), host1 - 1);
+        if (hold)
+            kvhi_block_unhold(e, b);
+        wb_unlock(e);
+    }
+    free(before);
+    dt_assert_ok(kvh_seq_free(e, s));
+    dt_assert_ok(kvh_seq_free(e, t));
+    dt_assert_ok(dt_close(e));
 }
 
 /* ---- a failed disk read ---- */
@@ -562,6 +664,7 @@ int main(void)
         cmocka_unit_test_teardown(test_counters_of_each_leg, teardown),
         cmocka_unit_test_teardown(test_demotion_to_clean_copy, teardown),
         cmocka_unit_test_teardown(test_swap_when_both_full, teardown),
+        cmocka_unit_test_teardown(test_read_block_keeps_its_source, teardown),
         cmocka_unit_test_teardown(test_failed_read_marks_corrupt, teardown),
     };
     return cmocka_run_group_tests_name("move", tests, NULL, NULL);
