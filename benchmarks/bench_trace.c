@@ -32,8 +32,12 @@
  * `FAMILY/oracle-N (upper bound)`, no target). Each engine is replayed
  * three times: `kvh-engine` ignores them (its victim rule alone), `kvh-engine+hints` passes them to kvh_seq_hint
  * (advice: they rank blocks for eviction and move nothing),
- * `kvh-engine+prefetch` to kvh_prefetch (they also promote; hits are then
- * counted by fetches, policy_sim.h, so a prefetch is never a free hit).
+ * `kvh-engine+prefetch` as advice plus kvh_prefetch of the block
+ * --prefetch-ahead reads ahead when a hint has named it (0: every hint
+ * is a kvh_prefetch; hits are then counted by fetches, policy_sim.h, so a
+ * prefetch is never a free hit). Engine rows also give
+ * acquire_waits_per_access, the accesses whose acquire had to wait for a
+ * move (prefetch against advice: the stall it saves).
  * On the generated traces the same hints are also given as queue hints
  * (kvh_seq_hint_queued with kvh_hint_advance once per turn) by queue
  * position, by request number, and once per request when it enters the
@@ -58,7 +62,7 @@
 #define SCEN "trace"
 
 typedef struct trace_opts {
-    uint64_t agents, turns, host_mult, replay, lru_k, skip_kv_write, hint_turns, queue;
+    uint64_t agents, turns, host_mult, replay, lru_k, skip_kv_write, hint_turns, queue, prefetch_ahead;
     bench_list device_pct, queues;
     const char *trace_file;
     const char *disk_dir;
@@ -130,6 +134,19 @@ static void emit_result(const bench_ctx *ctx, const char *trace_name, const char
     }
 }
 
+/* An engine replay's waits: accesses whose acquire found the block
+ * outside the device tier (a move on the access's path), per access, and
+ * the acquires' stall time per access. A prefetch row's waits against its
+ * advice row's are the stall the prefetch saves. */
+static void emit_waits(const bench_ctx *ctx, const char *trace_name, const char *policy, uint64_t pct,
+                       const sim_config *c, const replay_result *rr)
+{
+    uint64_t n = rr->sim.accesses;
+    bench_emit(ctx, row(trace_name, policy, "acquire_waits_per_access", rate(rr->waits, n), "accesses", pct, c));
+    bench_emit(ctx, row(trace_name, policy, "acquire_stall_ns_per_access", n ? (double)rr->stall_ns / (double)n : 0,
+                        "ns", pct, c));
+}
+
 /* hinted_only: a variant of a trace already evaluated, which differs in
  * its hints alone: only the policies that read hints (and MIN, their
  * yardstick) are run. */
@@ -170,6 +187,7 @@ static int evaluate(const bench_ctx *ctx, const trace_opts *o, const char *trace
             if (p == SIM_LRU_K_HINTS) {
                 sim_config cp = c;
                 cp.hint_promote = 1;
+                cp.prefetch_ahead = (uint32_t)o->prefetch_ahead;
                 if (sim_run(t, (sim_policy)p, &cp, &r) != 0) {
                     fprintf(stderr, "kvh-bench trace: out of memory\n");
                     return 1;
@@ -182,7 +200,8 @@ static int evaluate(const bench_ctx *ctx, const trace_opts *o, const char *trace
                                 .host_blocks = c.host_blocks,
                                 .lru_k = (uint32_t)o->lru_k,
                                 .disk_dir = o->disk_dir,
-                                .skip_kv_write = (int)o->skip_kv_write};
+                                .skip_kv_write = (int)o->skip_kv_write,
+                                .prefetch_ahead = (uint32_t)o->prefetch_ahead};
             /* Without hints; with hints advising eviction; with hints that
              * also promote (the default promote_min_hits); each under the
              * default (adaptive) order and the LRU-K one. */
@@ -199,6 +218,7 @@ static int evaluate(const bench_ctx *ctx, const trace_opts *o, const char *trace
                     const char *name = names[lru_k_order][mode];
                     bench_info(ctx, "  %s replay at %llu%%: %.2f s", name, (unsigned long long)pct, rr.seconds);
                     emit_result(ctx, trace_name, name, pct, &c, &rr.sim, &opt, generated, adversarial);
+                    emit_waits(ctx, trace_name, name, pct, &c, &rr);
                 }
             /* The generated traces' hints as a scheduler's queue hints,
              * given the three ways (trace_replay.h): equal rows. */
@@ -298,6 +318,7 @@ int bench_trace(int argc, char **argv, const bench_ctx *ctx)
         .lru_k = 0,
         .hint_turns = ctx->quick ? 4 : 8,
         .queue = 4,
+        .prefetch_ahead = 2,
         .queues = ctx->quick ? (bench_list){1, {2}} : (bench_list){2, {2, 8}},
         .device_pct = ctx->quick ? (bench_list){2, {5, 20}} : (bench_list){5, {5, 10, 20, 30, 50}},
         .trace_file = "",
@@ -315,6 +336,9 @@ int bench_trace(int argc, char **argv, const bench_ctx *ctx)
          "1: the engine replay appends new blocks without writing their K/V (diagnosis)"},
         {"--queue", BENCH_OPT_U64, &o.queue,
          "causal scheduler queue of the generated traces' hints, turns (0: no hints)"},
+        {"--prefetch-ahead", BENCH_OPT_U64, &o.prefetch_ahead,
+         "prefetch rows: the block this many reads ahead is prefetched when the queue names it (0: every hint "
+         "prefetches at once)"},
         {"--queues", BENCH_OPT_LIST, &o.queues, "further queue lengths reported for the hint-reading policies"},
         {"--hint-turns", BENCH_OPT_U64, &o.hint_turns,
          "the oracle rows (upper bound) hint this many next planned turns (0: none)"},
@@ -332,6 +356,10 @@ int bench_trace(int argc, char **argv, const bench_ctx *ctx)
                           "copies, and each policy's ratio to MIN.");
     if (prc)
         return bench_parse_rc(prc);
+    if (o.prefetch_ahead > 1000000) {
+        fprintf(stderr, "kvh-bench trace: --prefetch-ahead is 0..1000000\n");
+        return 2;
+    }
     if (o.lru_k > 4 || o.agents < 1 || o.turns < 1 || o.device_pct.n == 0) {
         fprintf(stderr, "kvh-bench trace: --lru-k is 0..4, --agents and --turns >= 1\n");
         return 2;

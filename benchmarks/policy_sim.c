@@ -163,6 +163,10 @@ typedef struct sim {
     uint32_t epoch;
     uint64_t epoch_end, clock;
     int32_t *hint_prio, *hint_next; /* hint_next INT32_MIN: none */
+    /* Named by a hint since its last access, and the highest priority
+     * that named it: what a caller prefetching ahead knows (prefetch_ahead). */
+    uint8_t *named;
+    int32_t *named_prio;
     sim_result *r;
 } sim;
 
@@ -303,7 +307,9 @@ static int ring_push(sim *s, uint32_t b)
     return 0;
 }
 
-static void hint_block(sim *s, uint32_t b, int32_t priority)
+/* promote: whether this hint may also promote b (hint_promote: every
+ * hint, or with prefetch_ahead only the window's prefetches). */
+static void hint_block(sim *s, uint32_t b, int32_t priority, int promote)
 {
     uint8_t where = s->where[b];
     if (where == IN_NONE)
@@ -328,7 +334,7 @@ static void hint_block(sim *s, uint32_t b, int32_t priority)
     rekey(s, b);
     if (where == IN_DEVICE)
         return;
-    if (!s->cfg.hint_promote)
+    if (!s->cfg.hint_promote || !promote)
         return;
     if (s->dev.size >= s->cfg.device_blocks && !(s->dev.k[0].primary < key_of(s, b).primary))
         return; /* the device victim is hinted as soon or sooner */
@@ -343,16 +349,20 @@ static void hint_block(sim *s, uint32_t b, int32_t priority)
     heap_push(&s->dev, b, key_of(s, b));
 }
 
+/* A hint from the trace. With prefetch_ahead it is advice: the blocks it
+ * names are noted (named, named_prio) for the window's prefetches. */
 static void apply_hint(sim *s, const trace_hint *h)
 {
-    if (h->block != UINT32_MAX) {
-        hint_block(s, h->block, h->priority);
-        return;
-    }
-    for (uint32_t i = 0; i < h->n; i++) {
-        int64_t b = trace_find(s->t, h->seq, h->first + i);
-        if (b >= 0)
-            hint_block(s, (uint32_t)b, h->priority);
+    int promote = s->cfg.prefetch_ahead == 0;
+    uint32_t n = h->block != UINT32_MAX ? 1 : h->n;
+    for (uint32_t i = 0; i < n; i++) {
+        int64_t b = h->block != UINT32_MAX ? (int64_t)h->block : trace_find(s->t, h->seq, h->first + i);
+        if (b < 0 || s->where[b] == IN_NONE)
+            continue;
+        hint_block(s, (uint32_t)b, h->priority, promote);
+        if (!s->named[b] || h->priority > s->named_prio[b])
+            s->named_prio[b] = h->priority;
+        s->named[b] = 1;
     }
 }
 
@@ -361,6 +371,8 @@ static void access_block(sim *s, uint32_t b, uint64_t now)
     sim_result *r = s->r;
     r->accesses++;
     record(s, b, now);
+    if (s->named)
+        s->named[b] = 0;
     if (s->policy == SIM_LRU_K_HINTS && s->hinted[b] && s->fresh[b]) {
         /* the first access after a hint redeems it: the next one, if any,
          * takes over */
@@ -445,9 +457,11 @@ int sim_run(const trace *t, sim_policy p, const sim_config *c, sim_result *out)
     s.hint_epoch_of = calloc(nb, sizeof(*s.hint_epoch_of));
     s.hint_prio = calloc(nb, sizeof(*s.hint_prio));
     s.hint_next = calloc(nb, sizeof(*s.hint_next));
+    s.named = calloc(nb, 1);
+    s.named_prio = calloc(nb, sizeof(*s.named_prio));
     int rc = -1;
     if (!s.where || !s.hist || !s.pos || !s.scratch || !s.hinted || !s.fresh || !s.hint_prio || !s.hint_next ||
-        !s.hint_epoch_of)
+        !s.hint_epoch_of || !s.named || !s.named_prio)
         goto out;
     memset(s.pos, 0xff, nb * sizeof(*s.pos));
     if (heap_init(&s.dev, s.cfg.device_blocks, s.pos) != 0 || heap_init(&s.host, s.cfg.host_blocks, s.pos) != 0)
@@ -459,6 +473,11 @@ int sim_run(const trace *t, sim_policy p, const sim_config *c, sim_result *out)
         for (; h < t->n_hints && t->hints[h].at <= i; h++)
             if (p == SIM_LRU_K_HINTS)
                 apply_hint(&s, &t->hints[h]);
+        /* The window's far end: prefetched if the queue names it. */
+        size_t ahead = i + s.cfg.prefetch_ahead;
+        if (p == SIM_LRU_K_HINTS && s.cfg.hint_promote && s.cfg.prefetch_ahead && ahead < t->n &&
+            s.named[t->acc[ahead].block])
+            hint_block(&s, t->acc[ahead].block, s.named_prio[t->acc[ahead].block], 1);
         access_block(&s, t->acc[i].block, (uint64_t)i + 1);
     }
     if (p == SIM_LRU_K_HINTS && s.cfg.hint_promote)
@@ -473,6 +492,8 @@ out:
     free(s.scratch);
     free(s.hinted);
     free(s.fresh);
+    free(s.named);
+    free(s.named_prio);
     free(s.hint_epoch_of);
     free(s.ring);
     free(s.hint_prio);

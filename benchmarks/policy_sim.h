@@ -25,7 +25,9 @@
  *               two highest distinct priorities, the first access after a
  *               hint redeems the higher (kvh_seq_hint). With hint_promote, a hint also
  *               promotes the block when the device victim is of a lower
- *               priority class (kvh_prefetch)
+ *               priority class (kvh_prefetch); with prefetch_ahead, only
+ *               the named blocks of a window of the next reads are
+ *               promoted
  *   lctru       least compression-tolerable and recently used: among the
  *               lctru_window least recently used blocks, the one with the
  *               lowest compression tolerance (ties: least recent)
@@ -70,6 +72,13 @@ typedef struct sim_config {
     uint32_t hyst_window;   /* accesses; 0: 4 x device_blocks */
     uint32_t lctru_window;  /* default 8 */
     int hint_promote;       /* lru-k+hints: hints promote; default 0 */
+    /* With hint_promote: 0, every hint promotes (kvh_prefetch given each
+     * hint as it comes); N > 0, hints are advice and, before each access,
+     * the block that the access N later reads is prefetched (hinted again
+     * and promoted by the same rule) when a hint has named it since its
+     * last access: a caller that prefetches a window of N reads ahead,
+     * within what its queue names (trace_replay.h). Default 0. */
+    uint32_t prefetch_ahead;
 } sim_config;
 
 void sim_config_defaults(sim_config *c, uint32_t device_blocks, uint32_t host_blocks);

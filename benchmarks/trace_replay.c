@@ -75,11 +75,16 @@ int trace_replay(const trace *t, const replay_config *c, replay_result *out)
     uint8_t *seen = calloc(t->n_blocks ? t->n_blocks : 1, 1);
     uint64_t *first_batch = calloc(t->n_hints + 1, sizeof(*first_batch));
     uint64_t *len = calloc(n_seqs ? n_seqs : 1, sizeof(*len));
+    /* Prefetching ahead: named by a hint since its last access, and the
+     * highest priority that named it (dense block ids). */
+    int window = c->hints == 2 && c->prefetch_ahead > 0;
+    uint8_t *named = calloc(t->n_blocks ? t->n_blocks : 1, 1);
+    int32_t *named_prio = calloc(t->n_blocks ? t->n_blocks : 1, sizeof(*named_prio));
     uint16_t kv[BLOCK_TOKENS * HEAD_DIM];
     int32_t tokens[BLOCK_TOKENS];
     char store[4096];
     int made_store = 0;
-    if (!seqs || !created || !seen || !len || !first_batch) {
+    if (!seqs || !created || !seen || !len || !first_batch || !named || !named_prio) {
         fprintf(stderr, "trace replay: out of memory\n");
         goto out;
     }
@@ -143,7 +148,16 @@ int trace_replay(const trace *t, const replay_config *c, replay_result *out)
                 continue;
             uint64_t tok0 = (uint64_t)th->first * BLOCK_TOKENS, ntok = (end - th->first) * BLOCK_TOKENS;
             uint64_t turn = (uint64_t)(INT32_MAX - th->priority);
-            if (c->hints == 1)
+            if (window)
+                for (uint64_t k = th->first; k < end; k++) {
+                    int64_t b = trace_find(t, th->seq, (uint32_t)k);
+                    if (b < 0)
+                        continue;
+                    if (!named[b] || th->priority > named_prio[b])
+                        named_prio[b] = th->priority;
+                    named[b] = 1;
+                }
+            if (c->hints == 1 || window)
                 CHECK(kvh_seq_hint(e, seqs[th->seq], tok0, ntok, th->priority));
             else if (c->hints == 2)
                 CHECK(kvh_prefetch(e, seqs[th->seq], tok0, ntok, th->priority, NULL));
@@ -152,7 +166,15 @@ int trace_replay(const trace *t, const replay_config *c, replay_result *out)
             else if (c->hints == REPLAY_QUEUE_REQUEST || entered_in(first_batch, t->n_hints, turn, batch))
                 CHECK(kvh_seq_hint_queued(e, seqs[th->seq], tok0, ntok, turn, KVH_HINT_REQUEST));
         }
+        /* The window's far end: prefetched if the queue names it. */
+        if (window && i + c->prefetch_ahead < t->n) {
+            const trace_access *far = &t->acc[i + c->prefetch_ahead];
+            if (named[far->block] && seen[far->block] && created[far->seq])
+                CHECK(kvh_prefetch(e, seqs[far->seq], (uint64_t)far->index * BLOCK_TOKENS, BLOCK_TOKENS,
+                                   named_prio[far->block], NULL));
+        }
         const trace_access *a = &t->acc[i];
+        named[a->block] = 0;
         if (!created[a->seq]) {
             CHECK(kvh_seq_create(e, a->agent, &seqs[a->seq]));
             created[a->seq] = 1;
@@ -181,15 +203,19 @@ int trace_replay(const trace *t, const replay_config *c, replay_result *out)
         CHECK(kvh_seq_acquire(e, s, first, BLOCK_TOKENS, NULL));
         CHECK(kvh_seq_release(e, s, first, BLOCK_TOKENS));
         CHECK(kvh_engine_stats(e, &after));
-        if (after.hits_device > before.hits_device)
+        if (after.hits_device > before.hits_device) {
             r->hits_device++;
-        else if (after.hits_host > before.hits_host)
+            continue;
+        }
+        out->waits++; /* not in the device tier: the acquire moved it up */
+        if (after.hits_host > before.hits_host)
             r->hits_host++;
         else
             r->misses++;
     }
     out->seconds = now_sec() - t0;
     CHECK(kvh_engine_stats(e, &after));
+    out->stall_ns = after.acquire_stall_ns;
     r->up_dh = after.blocks_host_to_device;
     r->down_dh = after.blocks_device_to_host;
     r->up_sh = after.blocks_disk_to_host;
@@ -211,5 +237,7 @@ out:
     free(seen);
     free(first_batch);
     free(len);
+    free(named);
+    free(named_prio);
     return rc;
 }

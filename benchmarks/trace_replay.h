@@ -32,6 +32,12 @@ typedef struct replay_config {
                              also promote), 3-5: kvh_seq_hint_queued calls
                              (REPLAY_QUEUE_*); blocks not made yet are left
                              out */
+    /* With hints 2: 0, every hint is a kvh_prefetch; N > 0, hints are
+     * advice (kvh_seq_hint) and before each access the block that the
+     * access N later reads is kvh_prefetch-ed when a hint has named it
+     * since its last access: the window a caller prefetches, within what
+     * its queue names (the simulator's prefetch_ahead). */
+    uint32_t prefetch_ahead;
 } replay_config;
 
 /* Queue hints (kvh_seq_hint_queued) in the three ways a scheduler can
@@ -46,6 +52,14 @@ typedef struct replay_result {
     sim_result sim; /* hits and block transfers as the engine counted */
     uint64_t block_bytes;
     double seconds;
+    /* Accesses of blocks made before (not first accesses) whose acquire
+     * found the block outside the device tier and waited for its move,
+     * and the time acquires spent waiting (kvh_stats.acquire_stall_ns;
+     * with the replay's synchronous moves, the copies themselves). With
+     * prefetch, the accesses a prefetch served no longer wait: the stall
+     * it saves is advice's waits minus these. */
+    uint64_t waits;
+    uint64_t stall_ns;
 } replay_result;
 
 /* Returns 0, or 1 after printing why on stderr. */

@@ -279,8 +279,10 @@ static void test_min_bounds_hinted_policies(void **state)
         sim_config_defaults(&c, dev, host);
         sim_result opt;
         assert_int_equal(sim_min(&t, &c, &opt), 0);
-        for (int promote = 0; promote < 2; promote++) {
-            c.hint_promote = promote;
+        /* Advice, a prefetch at every hint, a window of prefetches. */
+        for (int promote = 0; promote < 3; promote++) {
+            c.hint_promote = promote > 0;
+            c.prefetch_ahead = promote == 2 ? 1 + (uint32_t)tu_below(&r, 8) : 0;
             sim_result res;
             assert_int_equal(sim_run(&t, SIM_LRU_K_HINTS, &c, &res), 0);
             assert_int_equal(res.hits_device + res.hits_host + res.misses, t.n);
@@ -320,6 +322,78 @@ static void test_hints_turn_a_loop_into_min(void **state)
      * hit per pass of it. */
     assert_true(hinted.hits_device + 20 >= opt.hits_device);
     assert_true(hinted.hits_device >= 4 * 19);
+    trace_free(&t);
+}
+
+/* Without hints a window of prefetches names nothing: every count equals
+ * the run that only advises. */
+static void test_prefetch_window_moves_nothing_unnamed(void **state)
+{
+    (void)state;
+    tu_rng r = {tu_seed(15)};
+    trace t;
+    random_trace(&t, &r, 4000, 200);
+    sim_config c;
+    sim_config_defaults(&c, 20, 40);
+    sim_result advice, window;
+    assert_int_equal(sim_run(&t, SIM_LRU_K_HINTS, &c, &advice), 0);
+    c.hint_promote = 1;
+    c.prefetch_ahead = 3;
+    assert_int_equal(sim_run(&t, SIM_LRU_K_HINTS, &c, &window), 0);
+    assert_memory_equal(&advice, &window, sizeof(advice));
+    trace_free(&t);
+}
+
+/* One device slot holds b, hinted sooner than a: the window reaches a
+ * (named, later) before b's access, and must not trade b for it. */
+static void test_prefetch_window_spares_a_block_hinted_sooner(void **state)
+{
+    (void)state;
+    trace t;
+    trace_init(&t);
+    assert_int_equal(trace_add(&t, 0, 0, 0, 0.5f), 0); /* a */
+    assert_int_equal(trace_add(&t, 0, 1, 0, 0.5f), 0); /* b: a goes to the host tier */
+    assert_int_equal(trace_add_hint(&t, 0, 1, 1, 10), 0);
+    assert_int_equal(trace_add_hint(&t, 0, 0, 1, 5), 0);
+    assert_int_equal(trace_add(&t, 0, 1, 0, 0.5f), 0);
+    assert_int_equal(trace_add(&t, 0, 0, 0, 0.5f), 0);
+    sim_config c;
+    sim_config_defaults(&c, 1, 2);
+    sim_result advice, window;
+    assert_int_equal(sim_run(&t, SIM_LRU_K_HINTS, &c, &advice), 0);
+    c.hint_promote = 1;
+    c.prefetch_ahead = 1;
+    assert_int_equal(sim_run(&t, SIM_LRU_K_HINTS, &c, &window), 0);
+    assert_int_equal(advice.hits_device, 1);
+    assert_int_equal(window.hits_device, 1);
+    assert_int_equal(window.up_dh, advice.up_dh);
+    trace_free(&t);
+}
+
+/* On a causal-queue trace at small device budgets, prefetching every
+ * hinted block at once (four requests ahead) displaces what demand
+ * fetching keeps; a window of two reads keeps advice's hits. */
+static void test_prefetch_window_keeps_advice_hits(void **state)
+{
+    (void)state;
+    trace_gen_params p;
+    trace_gen_defaults(&p);
+    p.queue_len = 4;
+    trace t;
+    trace_init(&t);
+    assert_int_equal(trace_generate(&t, &p), 0);
+    for (uint32_t pct = 5; pct <= 10; pct += 5) {
+        sim_config c;
+        sim_config_defaults(&c, t.n_blocks * pct / 100, 2 * (t.n_blocks * pct / 100));
+        sim_result advice, at_hint, window;
+        assert_int_equal(sim_run(&t, SIM_LRU_K_HINTS, &c, &advice), 0);
+        c.hint_promote = 1;
+        assert_int_equal(sim_run(&t, SIM_LRU_K_HINTS, &c, &at_hint), 0);
+        c.prefetch_ahead = 2;
+        assert_int_equal(sim_run(&t, SIM_LRU_K_HINTS, &c, &window), 0);
+        assert_true(window.hits_device >= advice.hits_device);
+        assert_true((double)at_hint.hits_device < 0.8 * (double)advice.hits_device);
+    }
     trace_free(&t);
 }
 
@@ -567,6 +641,9 @@ int main(void)
         cmocka_unit_test(test_lctru_prefers_tolerant_blocks),
         cmocka_unit_test(test_min_bounds_hinted_policies),
         cmocka_unit_test(test_hints_turn_a_loop_into_min),
+        cmocka_unit_test(test_prefetch_window_moves_nothing_unnamed),
+        cmocka_unit_test(test_prefetch_window_spares_a_block_hinted_sooner),
+        cmocka_unit_test(test_prefetch_window_keeps_advice_hits),
         cmocka_unit_test(test_trace_ids_and_file_round_trip),
         cmocka_unit_test(test_demo_trace_format),
         cmocka_unit_test(test_generator_is_deterministic),
