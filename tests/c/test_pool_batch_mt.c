@@ -3,7 +3,9 @@
  * others look prefixes up. The copies run on the migration workers
  * without the engine lock, so lookups complete while a batch is still
  * copying (counted: a lookup that began and ended between two polls that
- * saw the batch unfinished), and every restored slot equals its source. */
+ * saw the batch unfinished), and every restored slot equals its source;
+ * restores stay exact while another thread moves their blocks between
+ * two arenas. */
 #include <stdatomic.h>
 
 #include "test_util.h"
@@ -119,10 +121,129 @@ static void test_lookups_proceed_while_batches_copy(void **state)
     pt_pool_free(&pool_mem);
 }
 
+/* ---- restores of blocks another thread moves meanwhile ---- */
+
+/* Two arenas (copy_moves), memory tiers exactly as large as the blocks:
+ * one thread restores the same N blocks round after round and checks
+ * every layer after its fence, while another promotes them and moves N
+ * other blocks down into whatever host slots that frees, and back. A
+ * restore reads its blocks where it found them, so a slot a promotion
+ * leaves must not take another block's bytes before the restore ends. */
+enum { MOVE_ROUNDS = 40 };
+static kvh_block restored[N], churned[N];
+static atomic_int restoring_done;
+
+static void migrate_wait(mt_worker *w, const kvh_block *blocks, uint32_t tier)
+{
+    kvh_fence f;
+    if (kvh_migrate(w->e, blocks, N, tier, &f) != KVH_OK) {
+        mt_report(w, "migrate: %s", kvh_last_error());
+        return;
+    }
+    /* Room may be short while the other thread's blocks are held. */
+    kvh_status st = kvh_fence_wait(w->e, f, UINT64_MAX);
+    if (st != KVH_OK && st != KVH_ERR_NOSPACE && st != KVH_ERR_BUSY)
+        mt_report(w, "migrate fence: %s", kvh_last_error());
+    kvh_fence_free(w->e, f);
+}
+
+static void *restore_rounds(mt_worker *w)
+{
+    kvh_engine *e = w->e;
+    for (uint32_t round = 0; round < MOVE_ROUNDS && !w->errors; round++) {
+        migrate_wait(w, restored, KVH_TIER_HOST); /* each restore starts from the host tier */
+        kvh_pool_xfer r[N];
+        for (uint32_t i = 0; i < N; i++)
+            r[i] = (kvh_pool_xfer){.struct_size = sizeof(kvh_pool_xfer), .slot = N + i, .block = restored[i]};
+        kvh_fence lf[L];
+        if (kvh_pool_restore_batch(e, pool, r, N, 0, L, lf) != KVH_OK) {
+            mt_report(w, "restore: %s", kvh_last_error());
+            break;
+        }
+        for (uint32_t l = 0; l < L; l++) {
+            if (kvh_fence_wait(e, lf[l], UINT64_MAX) != KVH_OK)
+                mt_report(w, "layer fence %u: %s", l, kvh_last_error());
+            kvh_fence_free(e, lf[l]);
+        }
+        for (uint32_t i = 0; i < N; i++) {
+            if (r[i].status != KVH_OK)
+                mt_report(w, "round %u: restore item %u: %s", round, i, kvh_status_name(r[i].status));
+            for (uint32_t l = 0; l < L; l++) {
+                if (!pt_layer_equal(&pool_mem, i, &pool_mem, N + i, l))
+                    mt_report(w, "round %u: slot %u layer %u holds other bytes", round, N + i, l);
+                pt_layer_clear(&pool_mem, N + i, l);
+            }
+        }
+    }
+    atomic_store(&restoring_done, 1);
+    return NULL;
+}
+
+static void *move_rounds(mt_worker *w)
+{
+    while (!atomic_load(&restoring_done) && !w->errors) {
+        migrate_wait(w, restored, KVH_TIER_DEVICE); /* frees host slots... */
+        migrate_wait(w, churned, KVH_TIER_HOST);    /* ...which these take */
+        migrate_wait(w, churned, KVH_TIER_DEVICE);
+    }
+    return NULL;
+}
+
+static void *run_moving(void *arg)
+{
+    mt_worker *w = arg;
+    return w->t == 0 ? restore_rounds(w) : move_rounds(w);
+}
+
+/* N blocks with the content of slots 0..N-1, offloaded under tag. */
+static void offload_set(kvh_engine *e, uint32_t tag, kvh_block *out)
+{
+    kvh_pool_xfer x[N];
+    int32_t tok[N][BT];
+    uint64_t parent = 0;
+    for (uint32_t i = 0; i < N; i++) {
+        pt_tokens(tok[i], BT, tag, i);
+        x[i] =
+            (kvh_pool_xfer){.struct_size = sizeof(kvh_pool_xfer), .slot = i, .parent_hash = parent, .tokens = tok[i]};
+        assert_ok(kvh_prefix_hash(e, parent, tok[i], BT, &parent));
+    }
+    kvh_fence f;
+    assert_ok(kvh_pool_offload_batch(e, pool, x, N, 0, &f));
+    assert_ok(kvh_fence_wait(e, f, UINT64_MAX));
+    assert_ok(kvh_fence_free(e, f));
+    for (uint32_t i = 0; i < N; i++) {
+        assert_ok(x[i].status);
+        out[i] = x[i].block;
+    }
+}
+
+static void test_restores_while_blocks_move(void **state)
+{
+    (void)state;
+    kvh_config c = tu_cfg(L, H, D, BT, KVH_DTYPE_F16, 2 * N, N, 2);
+    c.copy_moves = 1;
+    kvh_engine *e = tu_open_cfg(&c);
+    pt_pool_init(&pool_mem, L, SLOTS, BT, H, D, 2, tu_seed(0x5107));
+    assert_ok(kvh_pool_register(e, &pool_mem.layout, &pool));
+    offload_set(e, 7, restored);
+    offload_set(e, 8, churned); /* same slots: only the restored set is checked */
+    atomic_store(&restoring_done, 0);
+    mt_worker w[2];
+    mt_run(e, 2, run_moving, w);
+    for (uint32_t i = 0; i < N; i++) {
+        assert_ok(kvh_block_release(e, restored[i]));
+        assert_ok(kvh_block_release(e, churned[i]));
+    }
+    assert_ok(kvh_pool_unregister(e, pool));
+    assert_ok(tu_close(e));
+    pt_pool_free(&pool_mem);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_lookups_proceed_while_batches_copy, tu_teardown),
+        cmocka_unit_test_teardown(test_restores_while_blocks_move, tu_teardown),
     };
     return cmocka_run_group_tests_name("pool_batch_mt", tests, NULL, NULL);
 }
