@@ -188,7 +188,16 @@ static void shadows_access(kvh_engine *e, uint32_t b)
                 kvhi_lruk_upsert_lazy(h, b, shadow_key(e, s, b));
             continue;
         }
-        kvhi_lruk_upsert_lazy(h, b, shadow_key(e, s, b));
+        kvhi_lruk_key key = shadow_key(e, s, b);
+        if (kvhi_lruk_count(h) >= a->cap) {
+            /* Below every stored key, so below every current one: it
+             * would be its own victim (a block read once, under LRU-K
+             * and reuse). Skipping it is the same, and O(1). */
+            const kvhi_lruk_entry *min = kvhi_lruk_min_entry(h);
+            if (min && kvhi_lruk_less(&key, &min->key))
+                continue;
+        }
+        kvhi_lruk_upsert_lazy(h, b, key);
         if (kvhi_lruk_count(h) > a->cap)
             kvhi_lruk_remove(h, kvhi_lruk_top_current(h, current[s], e));
     }
