@@ -6,13 +6,14 @@
  * a workload where each request re-reads its whole context once (agents'
  * turns), the block a request just appended is the one its next turn
  * needs: there plain LRU keeps more (0.97 vs 0.89 of MIN at 30 % on the
- * generated agents trace). When the requests' contexts together exceed
- * the tier, both evict each block shortly before its next use, as in any
- * loop larger than the cache; the protected-reuse order (adaptive.h,
- * kvhi_adapt_reuse_key: blocks reused within REUSE_PERIOD_TIERS x the
- * device tier's blocks of accesses go last) keeps a stable protected set
- * instead, as LIRS does, and leads both there (0.64-0.67 vs 0.60 of MIN
- * at 5-10 % on agents). So the engine simulates the three on the device
+ * generated agents trace). Where the tier is smaller than the requests'
+ * contexts, LRU-2 gives up blocks many requests share, read in a burst a
+ * while ago, for context blocks read twice far apart; the protected-reuse
+ * order (adaptive.h, kvhi_adapt_reuse_key: blocks reused within
+ * REUSE_PERIOD_TIERS x the device tier's blocks of accesses go last,
+ * after LIRS's low inter-reference set) keeps them, and leads both there
+ * (0.62-0.64 vs 0.60-0.61 of MIN at 5-10 % on agents). So the engine
+ * simulates the three on the device
  * tier's accesses, each with the tier's capacity, and orders victims by
  * the one with the most hits: each shadow's hits (halved every
  * DECAY_WINDOWS x the memory tiers' blocks of accesses) are compared on
@@ -54,13 +55,14 @@
  * traces (seed 1, causal 4-queue, no hints) margins of 4, 16, 64 and 1/4
  * of the shadow capacity left the engine below max(LRU, LRU-2) by a
  * summed 0.029, 0.040, 0.068 and 0.066 of MIN over the 20 rows; 4 is the
- * best of them, and stays so with the reuse order added (4 and 8 over
- * seeds 1-3: 0.055 and 0.066 summed). */
+ * best of them, and stays so with the reuse order added (4 and 8, in a
+ * simulation of this chooser over seeds 1-3: 0.056 and 0.066 summed). */
 #define SWITCH_MARGIN KVHI_ADAPT_SWITCH_MARGIN
 /* The reuse order protects blocks reused within this many times the
- * device tier's blocks of accesses. Over seeds 1-3 of the generated
- * traces, 1.5, 2, 2.5, 3 and 4 left the adaptive order below max(LRU,
- * LRU-2) by a summed 0.084, 0.070, 0.064, 0.056 and 0.064 of MIN. */
+ * device tier's blocks of accesses. In a simulation of this chooser over
+ * seeds 1-3 of the generated traces, 1.5, 2, 2.5, 3 and 4 left it below
+ * max(LRU, LRU-2) by a summed 0.084, 0.070, 0.064, 0.056 and 0.064 of
+ * MIN. */
 #define REUSE_PERIOD_TIERS 3u
 
 static kvhi_lruk_key shadow_key(kvh_engine *e, uint32_t which, uint32_t b)
