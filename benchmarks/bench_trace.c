@@ -1,7 +1,8 @@
 /* Scenario `trace`: eviction policies against the optimum.
  *
  * Block-access traces are replayed through the policy simulator
- * (policy_sim.h: lru, lru-k, lru-k-hyst, lctru, and Belady's MIN computed
+ * (policy_sim.h: lru, lru-k, lru-k-hyst, lctru, reuse, adaptive (the
+ * engine's default order, simulated), and Belady's MIN computed
  * exactly) and through the real engine (trace_replay.h, policy
  * "kvh-engine": kvh_seq_acquire on a CPU engine with the default policy
  * knobs, whose eviction_policy is the adaptive order; `kvh-engine-lruk`:

@@ -16,6 +16,10 @@ const char *sim_policy_name(sim_policy p)
         return "lctru";
     case SIM_LRU_K_HINTS:
         return "lru-k+hints";
+    case SIM_REUSE:
+        return "reuse";
+    case SIM_ADAPTIVE:
+        return "adaptive";
     default:
         return "?";
     }
@@ -168,13 +172,45 @@ typedef struct sim {
     uint8_t *named;
     int32_t *named_prio;
     sim_result *r;
+    /* reuse and adaptive (core/adaptive.c): the reuse order's period, and
+     * the adaptive order's shadows of a device tier, one per order
+     * (ORDER_*), with their decayed hits. */
+    uint64_t reuse_period;
+    heap shadow[3];
+    uint32_t *shadow_pos[3];
+    int64_t shadow_hits[3];
+    uint32_t n_orders, order, best;
+    uint64_t decay_left, decay_every, quiet_left, blocks_seen;
 } sim;
 
+/* The adaptive order's candidates, as core/adaptive.h numbers them. */
+enum { ORDER_LRU, ORDER_LRU_K, ORDER_REUSE };
+
 static const uint64_t *hist_of(const sim *s, uint32_t b) { return &s->hist[(size_t)b * s->cfg.lru_k]; }
+
+/* core/adaptive.h, kvhi_adapt_reuse_key (without the referenced class:
+ * no block is referenced while a victim is chosen here). */
+static key reuse_key(const uint64_t *h, uint64_t period)
+{
+    uint64_t protect = h[1] != 0 && h[0] - h[1] <= period;
+    return (key){(protect << 61) | h[1], h[0]};
+}
+
+static key order_key(const sim *s, uint32_t order, uint32_t b)
+{
+    const uint64_t *h = hist_of(s, b);
+    if (order == ORDER_REUSE)
+        return reuse_key(h, s->reuse_period);
+    return order == ORDER_LRU ? (key){h[0], h[0]} : (key){h[s->cfg.lru_k - 1], h[0]};
+}
 
 static key key_of(const sim *s, uint32_t b)
 {
     const uint64_t *h = hist_of(s, b);
+    if (s->policy == SIM_REUSE)
+        return reuse_key(h, s->reuse_period);
+    if (s->policy == SIM_ADAPTIVE)
+        return order_key(s, s->order, b);
     if (s->policy == SIM_LRU_K_HINTS && s->hinted[b])
         return (key){(1ull << 62) | ((uint32_t)s->hint_prio[b] ^ 0x80000000u), h[0]};
     if (s->policy == SIM_LRU_K || s->policy == SIM_LRU_K_HYST || s->policy == SIM_LRU_K_HINTS)
@@ -366,6 +402,61 @@ static void apply_hint(sim *s, const trace_hint *h)
     }
 }
 
+static void reheap(sim *s, heap *h)
+{
+    for (uint32_t i = 0; i < h->size; i++)
+        h->k[i] = key_of(s, h->item[i]);
+    for (uint32_t i = h->size / 2 + 1; i-- > 0;)
+        if (i < h->size)
+            heap_down(h, i);
+}
+
+static void adaptive_best(sim *s)
+{
+    uint32_t best = s->order;
+    for (uint32_t o = 0; o < s->n_orders; o++)
+        if (s->shadow_hits[o] > s->shadow_hits[best])
+            best = o;
+    s->best = best;
+}
+
+/* core/adaptive.c, kvhi_adapt_access_slow, on every access: the shadows
+ * (each a device tier of D blocks under one order), the decay, and the
+ * switch, which re-keys both tiers and waits as many accesses as the
+ * engine re-keys entries (every block made so far but the one accessed,
+ * which is held meanwhile). */
+static void adaptive_access(sim *s, uint32_t b)
+{
+    for (uint32_t o = 0; o < s->n_orders; o++) {
+        heap *h = &s->shadow[o];
+        if (s->shadow_pos[o][b] != NO_POS) {
+            s->shadow_hits[o]++;
+            heap_update(h, b, order_key(s, o, b));
+            continue;
+        }
+        heap_push(h, b, order_key(s, o, b));
+        if (h->size > s->cfg.device_blocks)
+            heap_remove(h, h->item[0]);
+    }
+    adaptive_best(s);
+    if (--s->decay_left == 0) {
+        s->decay_left = s->decay_every;
+        for (uint32_t o = 0; o < s->n_orders; o++)
+            s->shadow_hits[o] -= s->shadow_hits[o] / 2;
+        adaptive_best(s);
+    }
+    if (s->quiet_left) {
+        s->quiet_left--;
+        return;
+    }
+    if (s->shadow_hits[s->best] - s->shadow_hits[s->order] <= 4)
+        return;
+    s->order = s->best;
+    reheap(s, &s->dev);
+    reheap(s, &s->host);
+    s->quiet_left = s->blocks_seen - 1;
+}
+
 static void access_block(sim *s, uint32_t b, uint64_t now)
 {
     sim_result *r = s->r;
@@ -373,6 +464,10 @@ static void access_block(sim *s, uint32_t b, uint64_t now)
     record(s, b, now);
     if (s->named)
         s->named[b] = 0;
+    if (s->policy == SIM_ADAPTIVE) {
+        s->blocks_seen += s->where[b] == IN_NONE;
+        adaptive_access(s, b);
+    }
     if (s->policy == SIM_LRU_K_HINTS && s->hinted[b] && s->fresh[b]) {
         /* the first access after a hint redeems it: the next one, if any,
          * takes over */
@@ -445,6 +540,8 @@ int sim_run(const trace *t, sim_policy p, const sim_config *c, sim_result *out)
         s.cfg.device_blocks = 1;
     if (p == SIM_LRU || p == SIM_LCTRU)
         s.cfg.lru_k = 1;
+    if (p == SIM_REUSE && s.cfg.lru_k < 2)
+        s.cfg.lru_k = 2; /* the reuse key reads two accesses */
     if (p == SIM_LRU_K_HYST && s.cfg.lru_k < s.cfg.hyst_hits)
         s.cfg.lru_k = s.cfg.hyst_hits > 4 ? 4 : s.cfg.hyst_hits;
     size_t nb = t->n_blocks ? t->n_blocks : 1;
@@ -468,6 +565,21 @@ int sim_run(const trace *t, sim_policy p, const sim_config *c, sim_result *out)
         goto out;
     if (p == SIM_LCTRU && s.cfg.lctru_window == 0)
         s.cfg.lctru_window = 1;
+    s.reuse_period = 3ull * s.cfg.device_blocks;
+    if (p == SIM_ADAPTIVE) {
+        /* As core/adaptive.c: the reuse order needs K >= 2; it starts as
+         * LRU-K. */
+        s.n_orders = s.cfg.lru_k >= 2 ? 3 : 2;
+        s.order = s.best = ORDER_LRU_K;
+        uint64_t mem = (uint64_t)s.cfg.device_blocks + s.cfg.host_blocks;
+        s.decay_every = s.decay_left = mem * 32;
+        for (uint32_t o = 0; o < s.n_orders; o++) {
+            s.shadow_pos[o] = malloc(nb * sizeof(uint32_t));
+            if (!s.shadow_pos[o] || heap_init(&s.shadow[o], s.cfg.device_blocks + 1, s.shadow_pos[o]) != 0)
+                goto out;
+            memset(s.shadow_pos[o], 0xff, nb * sizeof(uint32_t));
+        }
+    }
     size_t h = 0;
     for (size_t i = 0; i < t->n; i++) {
         for (; h < t->n_hints && t->hints[h].at <= i; h++)
@@ -486,6 +598,10 @@ int sim_run(const trace *t, sim_policy p, const sim_config *c, sim_result *out)
 out:
     heap_free(&s.dev);
     heap_free(&s.host);
+    for (uint32_t o = 0; o < 3; o++) {
+        heap_free(&s.shadow[o]);
+        free(s.shadow_pos[o]);
+    }
     free(s.where);
     free(s.hist);
     free(s.pos);

@@ -31,6 +31,18 @@
  *   lctru       least compression-tolerable and recently used: among the
  *               lctru_window least recently used blocks, the one with the
  *               lowest compression tolerance (ties: least recent)
+ *   reuse       protected reuse (core/adaptive.h, kvhi_adapt_reuse_key): a
+ *               block whose last two accesses came within 3 x D accesses
+ *               of each other goes after every other, then by the second
+ *               last access, then the last (needs lru_k >= 2)
+ *   adaptive    the engine's default (core/adaptive.c): shadows of lru,
+ *               lru-k and reuse on a device tier of D blocks count their
+ *               hits (halved every 32 x (D + H) accesses); the order in
+ *               force (first lru-k) gives way to the one with the most
+ *               once it leads by more than 4, and no other switch comes
+ *               for as many accesses as there are blocks then (what the
+ *               engine re-keys). Exact for D <= 2048 (the engine samples
+ *               larger tiers)
  *
  * Optimum (min): for each tier boundary separately, Belady's MIN with
  * bypass (on a miss, of the cached blocks and the requested one, the one
@@ -60,7 +72,16 @@
 
 #include "trace.h"
 
-typedef enum sim_policy { SIM_LRU, SIM_LRU_K, SIM_LRU_K_HYST, SIM_LCTRU, SIM_LRU_K_HINTS, SIM_POLICY_COUNT } sim_policy;
+typedef enum sim_policy {
+    SIM_LRU,
+    SIM_LRU_K,
+    SIM_LRU_K_HYST,
+    SIM_LCTRU,
+    SIM_LRU_K_HINTS,
+    SIM_REUSE,
+    SIM_ADAPTIVE,
+    SIM_POLICY_COUNT
+} sim_policy;
 
 const char *sim_policy_name(sim_policy p);
 

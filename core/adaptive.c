@@ -1,28 +1,39 @@
-/* Adaptive victim order: plain LRU or LRU-K, chosen by a shadow
- * simulation.
+/* Adaptive victim order: plain LRU, LRU-K or protected reuse, chosen by
+ * a shadow simulation.
  *
- * Neither order wins everywhere. LRU-K keeps what is used often against a
+ * No order wins everywhere. LRU-K keeps what is used often against a
  * scan of cold blocks, but it evicts every block read once first, and in
  * a workload where each request re-reads its whole context once (agents'
  * turns), the block a request just appended is the one its next turn
- * needs: there plain LRU keeps more (0.97 vs 0.93 of MIN at 30 % on the
- * generated agents trace). So the engine simulates both on the device
+ * needs: there plain LRU keeps more (0.97 vs 0.89 of MIN at 30 % on the
+ * generated agents trace). Where the tier is smaller than the requests'
+ * contexts, LRU-2 gives up blocks many requests share, read in a burst a
+ * while ago, for context blocks read twice far apart; the protected-reuse
+ * order (adaptive.h, kvhi_adapt_reuse_key: blocks reused within
+ * REUSE_PERIOD_TIERS x the device tier's blocks of accesses go last,
+ * after LIRS's low inter-reference set) keeps them, and leads both there
+ * (0.62-0.64 vs 0.60-0.61 of MIN at 5-10 % on agents). So the engine
+ * simulates the three on the device
  * tier's accesses, each with the tier's capacity, and orders victims by
- * the one with more hits: the difference of the shadows' hits (halved
- * every DECAY_WINDOWS x the memory tiers' blocks of accesses) is checked
- * on every access, and the other order takes over once it leads by
- * SWITCH_MARGIN hits. It starts as LRU-K. On large tiers only a hashed
- * sample of the blocks is simulated, with the capacity scaled alike
- * (spatial sampling keeps hit ratios), so that the shadows cost O(log n)
- * on one access in 2^shift. A switch re-keys every eviction heap (O(n)
- * for the n entries it re-keys); the next switch waits at least n
+ * the one with the most hits: each shadow's hits (halved every
+ * DECAY_WINDOWS x the memory tiers' blocks of accesses) are compared on
+ * every access, and the best order takes over once it leads the one in
+ * force by SWITCH_MARGIN hits. It starts as LRU-K. On large tiers only a
+ * hashed sample of the blocks is simulated, with the capacity scaled
+ * alike (spatial sampling keeps hit ratios), so that the shadows cost
+ * O(log n) on one access in 2^shift. A switch re-keys every eviction heap
+ * (O(n) for the n entries it re-keys); the next switch waits at least n
  * accesses, so that is O(1) amortised per access.
  *
- * Following whichever order leads cannot promise the hits of the better
- * one in hindsight: a lead that builds late, or turns back and forth,
- * costs the accesses before the switch. On the generated traces this
- * leaves the engine within 0.009 of MIN of max(LRU, LRU-2), not above it
- * everywhere (benchmarks/RESULTS.md). */
+ * The reuse key is not monotone: an access after a long gap ends a
+ * block's protection and lowers its key, which the heaps' lazy raises
+ * (core/lruk.h) would miss. Under that order such an access re-keys the
+ * block at once (O(log n)), and its shadow stores such a hit's key at
+ * once; every other access only raises keys, lazily as in the others.
+ *
+ * Following whichever order leads cannot promise the hits of the best one
+ * in hindsight: a lead that builds late, or turns back and forth, costs
+ * the accesses before the switch (benchmarks/RESULTS.md). */
 #include "core/adaptive.h"
 
 #include <stdlib.h>
@@ -33,29 +44,46 @@
 
 /* Shadows simulate at most about this many blocks each. */
 #define SHADOW_BLOCKS 2048u
-/* The lead halves every this many times the memory tiers' blocks of
+/* The hits halve every this many times the memory tiers' blocks of
  * accesses: long enough that a lead built over many turns is not undone
  * by one noisy turn, short enough to follow a change of workload. */
 #define DECAY_WINDOWS 32u
-/* Shadow hits the other order must lead by to take over. Small: a switch
+/* Shadow hits the best order must lead by to take over. Small: a switch
  * is checked on every access, and the quiet period after one (as many
  * accesses as it re-keyed entries) is what bounds flapping and keeps the
- * re-keying O(1) amortised. On the generated traces (seed 1, causal 4-
- * queue, no hints) margins of 4, 16, 64 and 1/4 of the shadow capacity
- * left the engine below max(LRU, LRU-2) by a summed 0.029, 0.040, 0.068
- * and 0.066 of MIN over the 20 rows; 4 is the best of them. */
+ * re-keying O(1) amortised. With LRU and LRU-2 alone, on the generated
+ * traces (seed 1, causal 4-queue, no hints) margins of 4, 16, 64 and 1/4
+ * of the shadow capacity left the engine below max(LRU, LRU-2) by a
+ * summed 0.029, 0.040, 0.068 and 0.066 of MIN over the 20 rows; 4 is the
+ * best of them, and stays so with the reuse order added (4 and 8, in a
+ * simulation of this chooser over seeds 1-3: 0.056 and 0.066 summed). */
 #define SWITCH_MARGIN KVHI_ADAPT_SWITCH_MARGIN
-
-enum { SHADOW_LRU, SHADOW_LRU_K };
+/* The reuse order protects blocks reused within this many times the
+ * device tier's blocks of accesses. In a simulation of this chooser over
+ * seeds 1-3 of the generated traces, 1.5, 2, 2.5, 3 and 4 left it below
+ * max(LRU, LRU-2) by a summed 0.084, 0.070, 0.064, 0.056 and 0.064 of
+ * MIN. */
+#define REUSE_PERIOD_TIERS 3u
 
 static kvhi_lruk_key shadow_key(kvh_engine *e, uint32_t which, uint32_t b)
 {
     const kvhi_block *blk = &e->blocks[b];
-    return kvhi_lruk_key_of(blk->hist, which == SHADOW_LRU ? 1 : e->cfg.lru_k, 0);
+    if (which == KVHI_ADAPT_REUSE)
+        return kvhi_adapt_reuse_key(blk->hist, e->adapt.reuse_period, 0);
+    return kvhi_lruk_key_of(blk->hist, which == KVHI_ADAPT_LRU ? 1 : e->cfg.lru_k, 0);
 }
 
-static kvhi_lruk_key lru_current(void *engine, uint32_t b) { return shadow_key(engine, SHADOW_LRU, b); }
-static kvhi_lruk_key lru_k_current(void *engine, uint32_t b) { return shadow_key(engine, SHADOW_LRU_K, b); }
+/* Whether b's last access came after a gap longer than the reuse period:
+ * the one case where an access lowers its reuse key. */
+static bool reuse_gap(const kvh_engine *e, uint32_t b)
+{
+    const uint64_t *hist = e->blocks[b].hist;
+    return hist[1] != 0 && hist[0] - hist[1] > e->adapt.reuse_period;
+}
+
+static kvhi_lruk_key lru_current(void *engine, uint32_t b) { return shadow_key(engine, KVHI_ADAPT_LRU, b); }
+static kvhi_lruk_key lru_k_current(void *engine, uint32_t b) { return shadow_key(engine, KVHI_ADAPT_LRU_K, b); }
+static kvhi_lruk_key reuse_current(void *engine, uint32_t b) { return shadow_key(engine, KVHI_ADAPT_REUSE, b); }
 
 int kvhi_adapt_init(kvh_engine *e)
 {
@@ -75,8 +103,13 @@ int kvhi_adapt_init(kvh_engine *e)
     a->decay_every = (mem > a->cap ? mem : a->cap) * DECAY_WINDOWS;
     a->decay_left = a->decay_every;
     a->quiet_left = 0;
-    a->lead = 0;
-    for (uint32_t s = 0; s < 2; s++) {
+    a->order = a->best = KVHI_ADAPT_LRU_K;
+    /* The reuse key reads the last two accesses: a history of one has no
+     * reuse interval. */
+    a->n_orders = e->cfg.lru_k >= 2 ? KVHI_ADAPT_ORDERS : KVHI_ADAPT_REUSE;
+    a->reuse_period = (dev ? dev : 1) * REUSE_PERIOD_TIERS;
+    for (uint32_t s = 0; s < a->n_orders; s++) {
+        a->hits[s] = 0;
         a->pos[s] = malloc(sizeof(uint32_t) * (e->block_cap ? e->block_cap : 1));
         if (!a->pos[s])
             return -1;
@@ -93,7 +126,7 @@ int kvhi_adapt_init(kvh_engine *e)
 void kvhi_adapt_free(kvh_engine *e)
 {
     kvhi_adapt *a = &e->adapt;
-    for (uint32_t s = 0; s < 2; s++) {
+    for (uint32_t s = 0; s < KVHI_ADAPT_ORDERS; s++) {
         kvhi_lruk_destroy(&a->shadow[s]);
         free(a->pos[s]);
         a->pos[s] = NULL;
@@ -125,32 +158,71 @@ static void decide(kvh_engine *e)
         a->quiet_left--;
         return;
     }
-    if (a->recency ? a->lead >= -SWITCH_MARGIN : a->lead <= SWITCH_MARGIN)
+    if (a->hits[a->best] - a->hits[a->order] <= SWITCH_MARGIN)
         return;
-    a->recency = !a->recency;
+    a->order = a->best;
     a->switches++;
     a->quiet_left = rekey_all(e);
+}
+
+/* The order with the most hits; the one in force wins ties. */
+static void find_best(kvhi_adapt *a)
+{
+    uint8_t best = a->order;
+    for (uint8_t s = 0; s < a->n_orders; s++)
+        if (a->hits[s] > a->hits[best])
+            best = s;
+    a->best = best;
+}
+
+static void shadows_access(kvh_engine *e, uint32_t b)
+{
+    kvhi_adapt *a = &e->adapt;
+    static const kvhi_lruk_current_fn current[KVHI_ADAPT_ORDERS] = {lru_current, lru_k_current, reuse_current};
+    for (uint32_t s = 0; s < a->n_orders; s++) {
+        kvhi_lruk_heap *h = &a->shadow[s];
+        if (a->pos[s][b] != KVHI_HEAP_NONE) {
+            a->hits[s]++;
+            /* A raise: the stored key stays a lower bound. Only the reuse
+             * key can fall, when a long gap ends the block's protection:
+             * that is stored at once. */
+            if (s == KVHI_ADAPT_REUSE && reuse_gap(e, b))
+                kvhi_lruk_upsert_lazy(h, b, shadow_key(e, s, b));
+            continue;
+        }
+        kvhi_lruk_key key = shadow_key(e, s, b);
+        if (kvhi_lruk_count(h) >= a->cap) {
+            /* Below every stored key, so below every current one: it
+             * would be its own victim (a block read once, under LRU-K
+             * and reuse). Skipping it is the same, and O(1). */
+            const kvhi_lruk_entry *min = kvhi_lruk_min_entry(h);
+            if (min && kvhi_lruk_less(&key, &min->key))
+                continue;
+        }
+        kvhi_lruk_upsert_lazy(h, b, key);
+        if (kvhi_lruk_count(h) > a->cap)
+            kvhi_lruk_remove(h, kvhi_lruk_top_current(h, current[s], e));
+    }
+    find_best(a);
 }
 
 void kvhi_adapt_access_slow(kvh_engine *e, uint32_t b)
 {
     kvhi_adapt *a = &e->adapt;
-    if (kvhi_adapt_sampled(a, b)) {
-        static const kvhi_lruk_current_fn current[2] = {lru_current, lru_k_current};
-        for (uint32_t s = 0; s < 2; s++) {
-            kvhi_lruk_heap *h = &a->shadow[s];
-            if (a->pos[s][b] != KVHI_HEAP_NONE) {
-                a->lead += s == SHADOW_LRU ? 1 : -1;
-                continue; /* a raise: the stored key stays a lower bound */
-            }
-            kvhi_lruk_upsert_lazy(h, b, shadow_key(e, s, b));
-            if (kvhi_lruk_count(h) > a->cap)
-                kvhi_lruk_remove(h, kvhi_lruk_top_current(h, current[s], e));
-        }
-    }
+    if (kvhi_adapt_sampled(a, b))
+        shadows_access(e, b);
     if (--a->decay_left == 0) {
         a->decay_left = a->decay_every;
-        a->lead -= a->lead / 2;
+        for (uint32_t s = 0; s < a->n_orders; s++)
+            a->hits[s] -= a->hits[s] / 2;
+        find_best(a);
+    }
+    if (a->order == KVHI_ADAPT_REUSE) {
+        /* An access after a gap longer than the period ends the block's
+         * protection: a lower key, which its heap entries take now. */
+        const kvhi_block *blk = &e->blocks[b];
+        if (reuse_gap(e, b) && (blk->heap_pos != KVHI_HEAP_NONE || blk->quota_heap_pos != KVHI_HEAP_NONE))
+            kvhi_block_update_evictable(e, b);
     }
     decide(e);
 }
@@ -158,7 +230,7 @@ void kvhi_adapt_access_slow(kvh_engine *e, uint32_t b)
 void kvhi_adapt_forget_sampled(kvh_engine *e, uint32_t b)
 {
     kvhi_adapt *a = &e->adapt;
-    for (uint32_t s = 0; s < 2; s++)
+    for (uint32_t s = 0; s < a->n_orders; s++)
         if (a->pos[s][b] != KVHI_HEAP_NONE)
             kvhi_lruk_remove(&a->shadow[s], b);
 }

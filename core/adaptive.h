@@ -1,6 +1,6 @@
 /* The adaptive victim order (KVH_EVICT_ADAPTIVE, core/adaptive.c): plain
- * LRU or LRU-K, whichever a shadow simulation of the device tier finds
- * the better over a decayed count of its accesses. */
+ * LRU, LRU-K or the protected-reuse order, whichever a shadow simulation
+ * of the device tier finds the best over a decayed count of its accesses. */
 #ifndef KVH_CORE_ADAPTIVE_H
 #define KVH_CORE_ADAPTIVE_H
 
@@ -11,18 +11,32 @@
 
 struct kvh_engine;
 
+/* The orders the adaptive policy chooses from. */
+enum {
+    KVHI_ADAPT_LRU,   /* plain LRU: by the last access */
+    KVHI_ADAPT_LRU_K, /* LRU-K: by the K-th last access */
+    KVHI_ADAPT_REUSE, /* protected reuse: see kvhi_adapt_reuse_key */
+    KVHI_ADAPT_ORDERS
+};
+
 typedef struct kvhi_adapt {
-    bool on;                  /* the engine's policy is KVH_EVICT_ADAPTIVE */
-    bool recency;             /* the order now: plain LRU (else LRU-K) */
-    uint32_t shift;           /* a block is simulated when its hash's top bits
-                                 below this many are zero: a 2^-shift sample */
-    uint32_t cap;             /* shadow capacity: the device tier's, sampled */
-    uint32_t *pos[2];         /* per block: position in each shadow */
-    kvhi_lruk_heap shadow[2]; /* [0] LRU, [1] LRU-K */
-    int64_t lead;             /* LRU's shadow hits minus LRU-K's, decayed */
-    uint64_t decay_left;      /* accesses until the lead next decays */
-    uint64_t decay_every;     /* accesses between two decays */
-    uint64_t quiet_left;      /* accesses before another switch may come */
+    bool on;          /* the engine's policy is KVH_EVICT_ADAPTIVE */
+    uint8_t order;    /* the order now (KVHI_ADAPT_*) */
+    uint8_t best;     /* the order with the most shadow hits */
+    uint8_t n_orders; /* orders simulated: REUSE needs K >= 2 */
+    /* REUSE: the longest reuse interval that protects a block (accesses). */
+    uint64_t reuse_period;
+    uint32_t shift; /* a block is simulated when its hash's top bits
+                       below this many are zero: a 2^-shift sample */
+    uint32_t cap;   /* shadow capacity: the device tier's, sampled */
+    /* Per order: each block's position in its shadow, the shadow, and its
+     * hits, decayed. */
+    uint32_t *pos[KVHI_ADAPT_ORDERS];
+    kvhi_lruk_heap shadow[KVHI_ADAPT_ORDERS];
+    int64_t hits[KVHI_ADAPT_ORDERS];
+    uint64_t decay_left;  /* accesses until the hits next decay */
+    uint64_t decay_every; /* accesses between two decays */
+    uint64_t quiet_left;  /* accesses before another switch may come */
     uint64_t switches;
 } kvhi_adapt;
 
@@ -38,24 +52,26 @@ static inline bool kvhi_adapt_sampled(const kvhi_adapt *a, uint32_t b)
 {
     return a->shift == 0 || ((b * 0x9e3779b1u + 0x7f4a7c15u) >> (32 - a->shift)) == 0;
 }
-/* Shadow hits the other order must lead by to take over (see adaptive.c). */
+/* Shadow hits another order must lead by to take over (see adaptive.c). */
 #define KVHI_ADAPT_SWITCH_MARGIN 4
-/* The shadows' part of an access, the lead's decay and the switch check. */
+/* The shadows' part of an access, the hits' decay and the switch check. */
 void kvhi_adapt_access_slow(struct kvh_engine *e, uint32_t b);
-/* Whether the other order leads by enough to take over now. */
+/* Whether the best order leads the one in force by enough to take over. */
 static inline bool kvhi_adapt_switch_due(const kvhi_adapt *a)
 {
-    return a->quiet_left == 0 &&
-           (a->recency ? a->lead < -KVHI_ADAPT_SWITCH_MARGIN : a->lead > KVHI_ADAPT_SWITCH_MARGIN);
+    return a->quiet_left == 0 && a->hits[a->best] - a->hits[a->order] > KVHI_ADAPT_SWITCH_MARGIN;
 }
 /* Block b was accessed (its history already records it). Inline: most
  * accesses only count down the decay and quiet periods; the slow path
- * does exactly the same for them otherwise. */
+ * does exactly the same for them otherwise. Under the REUSE order an
+ * access can lower a block's key (a long gap ends its protection), which
+ * the heaps must take at once: the slow path does. */
 static inline void kvhi_adapt_access(struct kvh_engine *e, kvhi_adapt *a, uint32_t b)
 {
     if (!a->on)
         return;
-    if (kvhi_adapt_sampled(a, b) || a->decay_left == 1 || a->quiet_left == 1 || kvhi_adapt_switch_due(a)) {
+    if (kvhi_adapt_sampled(a, b) || a->decay_left == 1 || a->quiet_left == 1 || kvhi_adapt_switch_due(a) ||
+        a->order == KVHI_ADAPT_REUSE) {
         kvhi_adapt_access_slow(e, b);
         return;
     }
@@ -73,6 +89,35 @@ static inline void kvhi_adapt_forget(struct kvh_engine *e, kvhi_adapt *a, uint32
         kvhi_adapt_forget_sampled(e, b);
 }
 /* The K the victim order reads now: 1 for plain LRU. */
-static inline uint32_t kvhi_adapt_k(const kvhi_adapt *a, uint32_t lru_k) { return a->on && a->recency ? 1 : lru_k; }
+static inline uint32_t kvhi_adapt_k(const kvhi_adapt *a, uint32_t lru_k)
+{
+    return a->on && a->order == KVHI_ADAPT_LRU ? 1 : lru_k;
+}
+/* Protected reuse, after LIRS's low inter-reference recency set: a block
+ * whose last two accesses came within `period` accesses of each other is
+ * protected (bit 61, below the hinted bit 62 of core/hints.c), and the
+ * unprotected go first; within a class, by the second last access
+ * (LRU-2), then the last. A block read once is unprotected. Where many
+ * requests share a prefix and each also re-reads its own long context
+ * once per turn, LRU-2 can rank a context block read twice far apart
+ * (a recent second last access) above a shared block read in a burst a
+ * while ago; this ranks the shared block first. Not monotone: an access
+ * after a long gap lowers the key (core/adaptive.c). hist holds at least
+ * two entries. */
+static inline kvhi_lruk_key kvhi_adapt_reuse_key(const uint64_t *hist, uint64_t period, int referenced)
+{
+    uint64_t protect = hist[1] != 0 && hist[0] - hist[1] <= period;
+    kvhi_lruk_key k = {.primary = ((uint64_t)(referenced ? 1 : 0) << 63) | (protect << 61) | hist[1],
+                       .secondary = hist[0]};
+    return k;
+}
+/* The victim key of an access history (k entries) under the order in
+ * force: kvhi_lruk_key_of's, or the REUSE key. */
+static inline kvhi_lruk_key kvhi_adapt_key(const kvhi_adapt *a, const uint64_t *hist, uint32_t lru_k, int referenced)
+{
+    if (a->on && a->order == KVHI_ADAPT_REUSE)
+        return kvhi_adapt_reuse_key(hist, a->reuse_period, referenced);
+    return kvhi_lruk_key_of(hist, kvhi_adapt_k(a, lru_k), referenced);
+}
 
 #endif

@@ -83,7 +83,7 @@ kvhi_lruk_key kvhi_block_current_key(void *engine, uint32_t b)
 {
     kvh_engine *e = engine;
     const kvhi_block *blk = kvhi_blk(e, b);
-    kvhi_lruk_key k = kvhi_lruk_key_of(blk->hist, kvhi_adapt_k(&e->adapt, e->cfg.lru_k), blk->refs > 0);
+    kvhi_lruk_key k = kvhi_adapt_key(&e->adapt, blk->hist, e->cfg.lru_k, blk->refs > 0);
     if (blk->flags & KVHI_BF_HINTED)
         return kvhi_hint_key(blk, k);
     return kvhi_evict_key(e, blk, k);

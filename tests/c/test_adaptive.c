@@ -1,6 +1,7 @@
-/* core/adaptive.c: KVH_EVICT_ADAPTIVE follows whichever of LRU-K and
- * plain LRU its shadows find the better, both ways, and its heaps stay
- * exact across a switch. White-box: blocks are allocated through the API
+/* core/adaptive.c: KVH_EVICT_ADAPTIVE follows whichever of LRU-K, plain
+ * LRU and protected reuse its shadows find the best, every way, and its
+ * heaps stay exact across a switch and under the reuse order's lowered
+ * keys. White-box: blocks are allocated through the API
  * and accessed with kvhi_block_touch under the engine lock. */
 #include <pthread.h>
 
@@ -82,17 +83,18 @@ static void test_adapts_both_ways(void **state)
     kvh_engine *e = tu_open_cfg(&c);
     ring r = {.n = 0};
     assert_true(e->adapt.on);
-    assert_false(e->adapt.recency); /* starts as LRU-K */
+    assert_int_equal(e->adapt.order, KVHI_ADAPT_LRU_K); /* starts as LRU-K */
+    assert_int_equal(e->adapt.n_orders, KVHI_ADAPT_ORDERS);
 
     /* Each new block is read again four steps later, then never: LRU-K
      * evicts the newcomers (one access) first and misses every re-read,
      * plain LRU hits them all. */
-    for (int step = 0; step < 6000 && !e->adapt.recency; step++) {
+    for (int step = 0; step < 6000 && e->adapt.order != KVHI_ADAPT_LRU; step++) {
         push(e, &r);
         if (r.n > 4)
             touch(e, back(&r, 4));
     }
-    assert_true(e->adapt.recency);
+    assert_int_equal(e->adapt.order, KVHI_ADAPT_LRU);
     assert_true(e->adapt.switches >= 1);
     /* The switch re-keyed every heap entry; the next one waits about as
      * many accesses (a step here is at most two), which bounds flapping
@@ -106,20 +108,156 @@ static void test_adapts_both_ways(void **state)
     check_victim(e, 1);
 
     /* A hot set of six blocks among a scan of two new blocks a step: plain
-     * LRU loses the hot set to the scan, LRU-K keeps it. */
+     * LRU loses the hot set to the scan, LRU-K keeps it (and so does the
+     * reuse order: the hot blocks are reused within its period). */
     kvh_block hot[6];
     for (int i = 0; i < 6; i++)
         assert_ok(kvh_block_alloc(e, 0, &hot[i]));
     uint64_t before = e->adapt.switches;
-    for (int step = 0; step < 12000 && e->adapt.recency; step++) {
+    for (int step = 0; step < 12000 && e->adapt.order == KVHI_ADAPT_LRU; step++) {
         touch(e, hot[step % 6]);
         push(e, &r);
         push(e, &r);
     }
-    assert_false(e->adapt.recency);
+    assert_int_not_equal(e->adapt.order, KVHI_ADAPT_LRU);
     assert_true(e->adapt.switches > before);
     check_victim(e, 0);
     for (int i = 0; i < 6; i++)
+        assert_ok(kvh_block_release(e, hot[i]));
+}
+
+/* One step of a mix where protected reuse wins (at DEV 16, a period of
+ * 48 accesses; a step is 2.5 accesses): twelve hot blocks, each read
+ * twice in a row every 48 steps (120 accesses: past the period, but the
+ * pair itself is a reuse within it), among new blocks each read again 24
+ * steps (60 accesses) later, then never. The dead re-read blocks have a
+ * more recent second last access than a hot block near its next pair, so
+ * LRU-2 evicts the hot block first and misses the pair's first read;
+ * plain LRU loses the hot set to the stream; the reuse order protects it
+ * (its pair was a short reuse) and ranks the re-read blocks (a long one)
+ * below it. */
+enum { HOT = 12 };
+
+static void reuse_step(kvh_engine *e, ring *r, const kvh_block *hot, uint64_t step)
+{
+    if (step % 4 == 0) {
+        touch(e, hot[(step / 4) % HOT]);
+        touch(e, hot[(step / 4) % HOT]);
+    }
+    push(e, r);
+    if (r->n > 24)
+        touch(e, back(r, 24));
+}
+
+static void test_reuse_order_takes_over_and_yields(void **state)
+{
+    (void)state;
+    kvh_config c = tu_cfg(1, 1, 4, 1, KVH_DTYPE_F32, DEV, HOST, 0);
+    c.eviction_policy = KVH_EVICT_ADAPTIVE;
+    kvh_engine *e = tu_open_cfg(&c);
+    ring r = {.n = 0};
+    kvh_block hot[HOT];
+    for (int i = 0; i < HOT; i++)
+        assert_ok(kvh_block_alloc(e, 0, &hot[i]));
+    uint64_t step = 0;
+    for (; step < 20000 && e->adapt.order != KVHI_ADAPT_REUSE; step++)
+        reuse_step(e, &r, hot, step);
+    assert_int_equal(e->adapt.order, KVHI_ADAPT_REUSE);
+    check_victim(e, 0);
+    /* It stays while the mix lasts: its lead is real, not noise. */
+    uint64_t switches = e->adapt.switches;
+    for (uint64_t end = step + 4000; step < end; step++)
+        reuse_step(e, &r, hot, step);
+    assert_int_equal(e->adapt.order, KVHI_ADAPT_REUSE);
+    assert_int_equal(e->adapt.switches, switches);
+    assert_true(e->adapt.hits[KVHI_ADAPT_REUSE] > e->adapt.hits[KVHI_ADAPT_LRU_K]);
+    assert_true(e->adapt.hits[KVHI_ADAPT_REUSE] > e->adapt.hits[KVHI_ADAPT_LRU]);
+    check_victim(e, 0);
+
+    /* Back to plain LRU when each new block is read again four steps
+     * later: the reuse order, like LRU-K, evicts the newcomers first. */
+    for (int i = 0; i < HOT; i++)
+        assert_ok(kvh_block_release(e, hot[i]));
+    for (int s = 0; s < 20000 && e->adapt.order != KVHI_ADAPT_LRU; s++) {
+        push(e, &r);
+        touch(e, back(&r, 4));
+    }
+    assert_int_equal(e->adapt.order, KVHI_ADAPT_LRU);
+    check_victim(e, 1);
+}
+
+/* Under the reuse order an access after a long gap lowers a block's key:
+ * its heap entries must take it at once, or the victim would no longer
+ * be the minimum of the current keys. */
+static void test_reuse_order_lowered_key_is_taken(void **state)
+{
+    (void)state;
+    kvh_config c = tu_cfg(1, 1, 4, 1, KVH_DTYPE_F32, DEV, HOST, 0);
+    c.eviction_policy = KVH_EVICT_ADAPTIVE;
+    kvh_engine *e = tu_open_cfg(&c);
+    ring r = {.n = 0};
+    kvh_block hot[HOT];
+    for (int i = 0; i < HOT; i++)
+        assert_ok(kvh_block_alloc(e, 0, &hot[i]));
+    uint64_t step = 0;
+    for (; step < 20000 && e->adapt.order != KVHI_ADAPT_REUSE; step++)
+        reuse_step(e, &r, hot, step);
+    assert_int_equal(e->adapt.order, KVHI_ADAPT_REUSE);
+    /* A hot block is protected after its pair; read it once more past the
+     * period: unprotected, its key falls below the other hot blocks'. */
+    uint32_t b0 = index_of(e, hot[0]);
+    while ((step / 4) % HOT != 1 || step % 4 != 0)
+        reuse_step(e, &r, hot, step++);
+    for (uint64_t end = step + 24; step < end; step++) /* 60 accesses */
+        reuse_step(e, &r, hot, step);
+    /* Every stored key current (as a switch leaves them), hot block 0's
+     * protected: lazy raises alone would keep lower bounds. Asserts come
+     * after the unlock: a failed one must not leave the lock held. */
+    pthread_mutex_lock(&e->lock);
+    for (uint32_t t = 0; t < KVH_TIER_COUNT; t++)
+        if (e->tiers[t].present)
+            kvhi_lruk_rekey(&e->tiers[t].heap, kvhi_block_current_key, e);
+    bool was_protected = (kvhi_block_current_key(e, b0).primary & (1ull << 61)) != 0;
+    pthread_mutex_unlock(&e->lock);
+    assert_true(was_protected);
+    touch(e, hot[0]);
+    pthread_mutex_lock(&e->lock);
+    const kvhi_block *blk = &e->blocks[b0];
+    bool long_gap = blk->hist[0] - blk->hist[1] > e->adapt.reuse_period;
+    kvhi_lruk_key now = kvhi_block_current_key(e, b0);
+    const kvhi_lruk_key *stored = kvhi_lruk_stored_key(&e->tiers[blk->tier].heap, b0);
+    kvhi_lruk_key stored_key = stored ? *stored : now;
+    pthread_mutex_unlock(&e->lock);
+    assert_true(long_gap);
+    assert_int_equal(now.primary & (1ull << 61), 0);
+    /* In its tier's order (not pending): the lowered key, stored. */
+    assert_true(stored != NULL);
+    assert_false(kvhi_lruk_less(&now, &stored_key));
+    check_victim(e, 0);
+    for (int i = 0; i < HOT; i++)
+        assert_ok(kvh_block_release(e, hot[i]));
+}
+
+/* With K = 1 there is no reuse interval: only LRU and LRU-K (equal) are
+ * simulated, and the reuse order is never chosen. */
+static void test_reuse_order_needs_two_accesses(void **state)
+{
+    (void)state;
+    kvh_config c = tu_cfg(1, 1, 4, 1, KVH_DTYPE_F32, DEV, HOST, 0);
+    c.eviction_policy = KVH_EVICT_ADAPTIVE;
+    c.lru_k = 1;
+    kvh_engine *e = tu_open_cfg(&c);
+    assert_int_equal(e->adapt.n_orders, KVHI_ADAPT_REUSE);
+    ring r = {.n = 0};
+    kvh_block hot[HOT];
+    for (int i = 0; i < HOT; i++)
+        assert_ok(kvh_block_alloc(e, 0, &hot[i]));
+    for (uint64_t step = 0; step < 6000; step++)
+        reuse_step(e, &r, hot, step);
+    assert_int_not_equal(e->adapt.order, KVHI_ADAPT_REUSE);
+    assert_int_equal(e->adapt.hits[KVHI_ADAPT_REUSE], 0);
+    check_victim(e, 0);
+    for (int i = 0; i < HOT; i++)
         assert_ok(kvh_block_release(e, hot[i]));
 }
 
@@ -149,6 +287,9 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_adapts_both_ways, tu_teardown),
+        cmocka_unit_test_teardown(test_reuse_order_takes_over_and_yields, tu_teardown),
+        cmocka_unit_test_teardown(test_reuse_order_lowered_key_is_taken, tu_teardown),
+        cmocka_unit_test_teardown(test_reuse_order_needs_two_accesses, tu_teardown),
         cmocka_unit_test_teardown(test_default_and_explicit_lru_k, tu_teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

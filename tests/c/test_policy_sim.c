@@ -180,6 +180,112 @@ static void test_lru_k_resists_a_scan(void **state)
     trace_free(&t);
 }
 
+/* The mix where protected reuse wins (tests/c/test_adaptive.c has its
+ * engine twin): twelve shared blocks, each read twice in a row every 48
+ * steps, among new blocks each read again 24 steps later, then never. A
+ * step is 2.5 accesses, so at D = 16 the pairs are reuses within the
+ * period (3 x D) and the re-reads are not. */
+static void reuse_mix(trace *t, uint32_t steps)
+{
+    trace_init(t);
+    for (uint32_t step = 0; step < steps; step++) {
+        if (step % 4 == 0) {
+            assert_int_equal(trace_add(t, 0, (step / 4) % 12, 0, 0.5f), 0);
+            assert_int_equal(trace_add(t, 0, (step / 4) % 12, 0, 0.5f), 0);
+        }
+        assert_int_equal(trace_add(t, 1, step, 0, 0.5f), 0);
+        if (step >= 24)
+            assert_int_equal(trace_add(t, 1, step - 24, 0, 0.5f), 0);
+    }
+}
+
+/* Each new block read again four steps later, then never: plain LRU hits
+ * every re-read, LRU-2 and the reuse order evict the newcomers first. */
+static void recency_mix(trace *t, uint32_t steps)
+{
+    trace_init(t);
+    for (uint32_t step = 0; step < steps; step++) {
+        assert_int_equal(trace_add(t, 2, step, 0, 0.5f), 0);
+        if (step >= 4)
+            assert_int_equal(trace_add(t, 2, step - 4, 0, 0.5f), 0);
+    }
+}
+
+static void test_reuse_protects_shared_pairs(void **state)
+{
+    (void)state;
+    trace t;
+    reuse_mix(&t, 4000);
+    sim_config c;
+    sim_config_defaults(&c, 16, 0);
+    sim_result lru, lruk, reuse;
+    assert_int_equal(sim_run(&t, SIM_LRU, &c, &lru), 0);
+    assert_int_equal(sim_run(&t, SIM_LRU_K, &c, &lruk), 0);
+    assert_int_equal(sim_run(&t, SIM_REUSE, &c, &reuse), 0);
+    /* Every pair's second read hits under all three; the reuse order
+     * also keeps the shared blocks between pairs (the first read). */
+    assert_true(reuse.hits_device > lruk.hits_device + 500);
+    assert_true(reuse.hits_device > lru.hits_device + 500);
+    assert_true(reuse.hits_device <= sim_min_hits(&t, 16));
+    trace_free(&t);
+}
+
+/* The adaptive twin takes the best order of each mix, and back: within
+ * the cost of noticing (a few hundred accesses here) of it on each, and
+ * ahead of the worst. With K = 1 it has no reuse order to take. */
+static void test_adaptive_follows_the_best_order(void **state)
+{
+    (void)state;
+    sim_config c;
+    sim_config_defaults(&c, 16, 0);
+    trace t;
+    sim_result lru, lruk, reuse, adaptive;
+    reuse_mix(&t, 4000);
+    assert_int_equal(sim_run(&t, SIM_REUSE, &c, &reuse), 0);
+    assert_int_equal(sim_run(&t, SIM_LRU_K, &c, &lruk), 0);
+    assert_int_equal(sim_run(&t, SIM_ADAPTIVE, &c, &adaptive), 0);
+    assert_true(adaptive.hits_device + 100 >= reuse.hits_device);
+    assert_true(adaptive.hits_device > lruk.hits_device + 400);
+    sim_config k1 = c;
+    k1.lru_k = 1;
+    assert_int_equal(sim_run(&t, SIM_ADAPTIVE, &k1, &adaptive), 0);
+    assert_int_equal(sim_run(&t, SIM_LRU, &c, &lru), 0);
+    assert_int_equal(adaptive.hits_device, lru.hits_device); /* LRU-1 is LRU */
+    trace_free(&t);
+
+    recency_mix(&t, 4000);
+    assert_int_equal(sim_run(&t, SIM_LRU, &c, &lru), 0);
+    assert_int_equal(sim_run(&t, SIM_LRU_K, &c, &lruk), 0);
+    assert_int_equal(sim_run(&t, SIM_REUSE, &c, &reuse), 0);
+    assert_int_equal(sim_run(&t, SIM_ADAPTIVE, &c, &adaptive), 0);
+    assert_true(lru.hits_device > lruk.hits_device + 3000);
+    assert_true(adaptive.hits_device + 100 >= lru.hits_device);
+
+    /* One mix after the other: it follows both ways. */
+    trace both;
+    trace_init(&both);
+    for (size_t i = 0; i < t.n; i++)
+        assert_int_equal(trace_add(&both, t.acc[i].seq, t.acc[i].index, 0, 0.5f), 0);
+    trace_free(&t);
+    reuse_mix(&t, 4000);
+    for (size_t i = 0; i < t.n; i++)
+        assert_int_equal(trace_add(&both, t.acc[i].seq + 10, t.acc[i].index, 0, 0.5f), 0);
+    trace_free(&t);
+    sim_result parts[2];
+    recency_mix(&t, 4000);
+    assert_int_equal(sim_run(&t, SIM_LRU, &c, &parts[0]), 0);
+    trace_free(&t);
+    reuse_mix(&t, 4000);
+    assert_int_equal(sim_run(&t, SIM_REUSE, &c, &parts[1]), 0);
+    trace_free(&t);
+    assert_int_equal(sim_run(&both, SIM_ADAPTIVE, &c, &adaptive), 0);
+    assert_true(adaptive.hits_device + 400 >= parts[0].hits_device + parts[1].hits_device);
+    assert_int_equal(sim_run(&both, SIM_LRU_K, &c, &lruk), 0);
+    assert_int_equal(sim_run(&both, SIM_LRU, &c, &lru), 0);
+    assert_true(adaptive.hits_device > lruk.hits_device && adaptive.hits_device > lru.hits_device);
+    trace_free(&both);
+}
+
 static void test_host_tier_catches_device_victims(void **state)
 {
     (void)state;
@@ -636,6 +742,8 @@ int main(void)
         cmocka_unit_test(test_min_is_monotone_in_capacity),
         cmocka_unit_test(test_loop_defeats_lru_not_min),
         cmocka_unit_test(test_lru_k_resists_a_scan),
+        cmocka_unit_test(test_reuse_protects_shared_pairs),
+        cmocka_unit_test(test_adaptive_follows_the_best_order),
         cmocka_unit_test(test_host_tier_catches_device_victims),
         cmocka_unit_test(test_hysteresis_serves_cold_blocks_in_place),
         cmocka_unit_test(test_lctru_prefers_tolerant_blocks),

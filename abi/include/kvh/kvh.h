@@ -233,11 +233,13 @@ enum kvh_codec { KVH_CODEC_NONE = 0, KVH_CODEC_INT8 = 1, KVH_CODEC_Q4_G32 = 2, K
  * before referenced ones under both policies. KVH_EVICT_LCTRU and the
  * tolerance it reads belong to the experimental section "LCTRU tolerance"
  * and may change in a release. KVH_EVICT_ADAPTIVE (experimental): the
- * LRU-K order or plain LRU (K = 1), whichever a shadow simulation of the
- * device tier over a sample of the blocks finds the better on the recent
- * accesses; it re-decides at most once per as many accesses as the memory
- * tiers hold blocks; it starts as LRU-K. The default. Hinted blocks are
- * ordered by their hints under every policy. */
+ * LRU-K order, plain LRU (K = 1) or protected reuse (blocks whose last two
+ * accesses came within 3 x the device tier's blocks of accesses go last;
+ * needs K >= 2), whichever a shadow simulation of the device tier over a
+ * sample of the blocks finds the best on the recent accesses; after a
+ * switch it waits as many accesses as the tiers hold blocks; it starts as
+ * LRU-K. The default. Hinted blocks are ordered by their hints under every
+ * policy. */
 enum kvh_eviction { KVH_EVICT_LRU_K = 0, KVH_EVICT_LCTRU = 1, KVH_EVICT_ADAPTIVE = 2 };
 
 typedef struct kvh_config {
