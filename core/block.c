@@ -140,23 +140,27 @@ void kvhi_block_ref_handle(kvh_engine *e, uint32_t b)
 
 /* The record work of a release that kvhi_block_release_trusted took: the
  * key vouched for a live record with a handle reference left, and nothing
- * but releases (queued after this one) lowers that. */
-static void release_apply(kvh_engine *e, uint32_t b)
+ * but releases (queued after this one) lowers that, nor frees a block
+ * that is still referenced. */
+static void release_apply(kvh_engine *e, uint64_t h)
 {
+    uint32_t b = kvhi_handle_unpack_index(h, e->block_index_bits);
     kvhi_block *blk = kvhi_blk(e, b);
-    assert((blk->flags & (KVHI_BF_LIVE | KVHI_BF_DEAD)) == KVHI_BF_LIVE && blk->ext_refs > 0);
-    if (blk->ext_refs == 0)
-        return; /* cannot happen (see above); never drop another's reference */
+    bool vouched = (blk->flags & (KVHI_BF_LIVE | KVHI_BF_DEAD)) == KVHI_BF_LIVE && blk->ext_refs > 0 &&
+                   kvhi_block_handle(e, b) == h;
+    assert(vouched && "a release in the backlog names a live record");
+    if (!vouched)
+        return; /* never drop a reference of another block */
     blk->ext_refs--;
     kvhi_block_unref(e, b);
 }
 
 void kvhi_block_release_apply_oldest(kvh_engine *e)
 {
-    uint32_t b = e->release_backlog[e->release_backlog_head];
+    uint64_t h = e->release_backlog[e->release_backlog_head];
     e->release_backlog_head = (e->release_backlog_head + 1) % KVHI_RELEASE_BACKLOG;
     e->release_backlog_len--;
-    release_apply(e, b);
+    release_apply(e, h);
 }
 
 void kvhi_block_releases_apply(kvh_engine *e)

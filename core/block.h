@@ -157,7 +157,7 @@ static inline bool kvhi_block_release_trusted(kvh_engine *e, kvh_block h, uint32
     if (e->release_backlog_len == KVHI_RELEASE_BACKLOG)
         kvhi_block_release_apply_oldest(e);
     uint32_t at = e->release_backlog_head + e->release_backlog_len++;
-    e->release_backlog[at % KVHI_RELEASE_BACKLOG] = b;
+    e->release_backlog[at % KVHI_RELEASE_BACKLOG] = h.id;
     return true;
 }
 static inline int32_t *kvhi_block_tokens(kvh_engine *e, uint32_t i)

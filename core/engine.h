@@ -110,7 +110,7 @@ struct kvh_engine {
      * release may take on trust without reading the record, and the
      * releases so checked whose work on the records is still to do. */
     uint64_t *block_release_keys;
-    uint32_t release_backlog[KVHI_RELEASE_BACKLOG];
+    uint64_t release_backlog[KVHI_RELEASE_BACKLOG]; /* the handles released */
     uint32_t release_backlog_head;
     uint32_t release_backlog_len;
     uint32_t block_newest; /* the record kvhi_block_new handed out last */

@@ -300,7 +300,7 @@ static void test_release_waits_in_the_backlog(void **state)
     assert_ok(kvh_block_release(e, a));
     raw_lock(e);
     assert_int_equal(e->release_backlog_len, 1);
-    assert_int_equal(e->release_backlog[e->release_backlog_head], ia);
+    assert_int_equal(e->release_backlog[e->release_backlog_head], a.id);
     assert_true(kvhi_blk(e, ia)->flags & KVHI_BF_LIVE); /* not yet touched */
     assert_int_equal(kvhi_blk(e, ia)->ext_refs, 1);
     assert_int_equal(e->block_release_keys[ia] >> KVHI_RELEASE_COUNT_SHIFT, 0);
