@@ -131,7 +131,9 @@ void kvhi_block_ref_handle(kvh_engine *e, uint32_t b)
     kvhi_block *blk = kvhi_blk(e, b);
     blk->ext_refs++;
     kvhi_block_ref(e, b);
-    /* Callers entered through kvhi_enter, so the backlog is empty here. */
+    /* Callers entered through kvhi_enter, which emptied the backlog; if
+     * the lock was dropped since, releases (of b too) may wait there, and
+     * then the count is not known. */
     if ((blk->flags & (KVHI_BF_LIVE | KVHI_BF_DEAD)) == KVHI_BF_LIVE && !e->release_backlog_len)
         kvhi_block_release_key_set(e, b, kvhi_block_handle(e, b), blk->ext_refs);
     else
