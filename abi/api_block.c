@@ -52,6 +52,7 @@ kvh_status kvh_block_alloc(kvh_engine *e, uint32_t agent, kvh_block *block)
     if ((st = kvhi_block_new(e, agent, KVH_TIER_DEVICE, &b)) == KVH_OK) {
         e->blocks[b].ext_refs = 1;
         block->id = kvhi_block_handle(e, b);
+        kvhi_block_release_key_set(e, b, block->id, 1);
     }
     kvhi_leave(e);
     return st;
@@ -76,21 +77,36 @@ kvh_status kvh_block_retain(kvh_engine *e, kvh_block block)
 
 kvh_status kvh_block_release(kvh_engine *e, kvh_block block)
 {
-    if (block.id == 0 && e)
+    if (!e)
+        return kvhi_api_enter(e); /* refuses a NULL engine */
+    if (block.id == 0)
         return KVH_OK;
-    if (e) /* a forged index is bounds-checked there and refused below */
-        kvhi_block_prefetch(e, kvhi_handle_unpack_index(block.id, e->block_index_bits));
-    kvh_status st = kvhi_api_enter(e);
+    /* A forged index is bounds-checked there and refused below. The
+     * record is needed only when the backlog applies this release
+     * (core/block.h), by which time it has arrived. */
+    uint32_t b = kvhi_handle_unpack_index(block.id, e->block_index_bits);
+    kvhi_block_release_key_prefetch(e, b);
+    kvhi_block_prefetch(e, b);
+    kvh_status st = kvhi_enter_keep_backlog(e);
     if (st != KVH_OK)
         return st;
-    uint32_t b;
+    /* The newest block's record is still in the cache (an alloc and
+     * release in turn): the backlog would only add to its cost. */
+    if (b != e->block_newest && kvhi_block_release_trusted(e, block, b)) {
+        kvhi_leave(e);
+        return KVH_OK;
+    }
+    if (e->release_backlog_len)
+        kvhi_block_releases_apply(e);
     if ((st = kvhi_block_resolve(e, block, &b)) == KVH_OK) {
         /* Only references taken through handles can be released here; the
          * ones sequences hold are theirs. */
-        if (e->blocks[b].ext_refs == 0)
+        kvhi_block *blk = &e->blocks[b];
+        if (blk->ext_refs == 0)
             st = kvhi_fail(KVH_ERR_INVALID_ARG, "no reference taken through a block handle is left to release");
         else {
-            e->blocks[b].ext_refs--;
+            blk->ext_refs--;
+            kvhi_block_release_key_lower(e, b, blk->ext_refs);
             kvhi_block_unref(e, b);
         }
     }

@@ -128,8 +128,49 @@ void kvhi_block_ref(kvh_engine *e, uint32_t b)
 
 void kvhi_block_ref_handle(kvh_engine *e, uint32_t b)
 {
-    e->blocks[b].ext_refs++;
+    kvhi_block *blk = kvhi_blk(e, b);
+    blk->ext_refs++;
     kvhi_block_ref(e, b);
+    /* Callers entered through kvhi_enter, which emptied the backlog; if
+     * the lock was dropped since, releases (of b too) may wait there, and
+     * then the count is not known. */
+    if ((blk->flags & (KVHI_BF_LIVE | KVHI_BF_DEAD)) == KVHI_BF_LIVE && !e->release_backlog_len)
+        kvhi_block_release_key_set(e, b, kvhi_block_handle(e, b), blk->ext_refs);
+    else
+        kvhi_block_release_key_clear(e, b);
+}
+
+/* The record work of a release that kvhi_block_release_trusted took: the
+ * key vouched for a live record with a handle reference left, and nothing
+ * but releases (queued after this one) lowers that, nor frees a block
+ * that is still referenced. */
+static void release_apply(kvh_engine *e, uint64_t h)
+{
+    uint32_t b = kvhi_handle_unpack_index(h, e->block_index_bits);
+    kvhi_block *blk = kvhi_blk(e, b);
+    bool vouched = (blk->flags & (KVHI_BF_LIVE | KVHI_BF_DEAD)) == KVHI_BF_LIVE && blk->ext_refs > 0 &&
+                   kvhi_block_handle(e, b) == h;
+    assert(vouched && "a release in the backlog names a live record");
+    if (!vouched)
+        return; /* never drop a reference of another block */
+    blk->ext_refs--;
+    kvhi_block_unref(e, b);
+}
+
+void kvhi_block_release_apply_oldest(kvh_engine *e)
+{
+    uint64_t h = e->release_backlog[e->release_backlog_head];
+    e->release_backlog_head = (e->release_backlog_head + 1) % KVHI_RELEASE_BACKLOG;
+    e->release_backlog_len--;
+    release_apply(e, h);
+}
+
+void kvhi_block_releases_apply(kvh_engine *e)
+{
+    kvhi_assert_locked(e);
+    while (e->release_backlog_len)
+        kvhi_block_release_apply_oldest(e);
+    e->release_backlog_head = 0;
 }
 
 void kvhi_block_touch(kvh_engine *e, uint32_t b)
@@ -227,8 +268,11 @@ kvh_status kvhi_block_new(kvh_engine *e, uint32_t agent, uint32_t min_tier, uint
     kvhi_block *blk = kvhi_blk(e, b);
     /* A later allocation's record, loading meanwhile: after frees in
      * random order the free list is in random order too. */
-    if (e->block_free_top >= BLOCK_PREFETCH_AHEAD)
-        kvhi_block_prefetch(e, e->block_free[e->block_free_top - BLOCK_PREFETCH_AHEAD]);
+    if (e->block_free_top >= BLOCK_PREFETCH_AHEAD) {
+        uint32_t ahead = e->block_free[e->block_free_top - BLOCK_PREFETCH_AHEAD];
+        kvhi_block_prefetch(e, ahead);
+        kvhi_block_release_key_prefetch(e, ahead); /* kvh_block_alloc sets it */
+    }
     /* Field by field: a memset of the whole record is measurably slower on
      * the allocation path. gen survives; the rest is set here. */
     blk->refs = 1;
@@ -257,6 +301,7 @@ kvh_status kvhi_block_new(kvh_engine *e, uint32_t agent, uint32_t min_tier, uint
     kvhi_adapt_access(e, &e->adapt, b);
     kvhi_block_update_evictable(e, b);
     e->stats.blocks_allocated++;
+    e->block_newest = b;
     *out = b;
     return KVH_OK;
 }
@@ -299,6 +344,7 @@ static void block_destroy(kvh_engine *e, uint32_t b, bool keep_slot)
     }
     blk->flags = 0;
     blk->tier = KVHI_NO_TIER;
+    kvhi_block_release_key_clear(e, b);
     if (block_gen_advance(e, blk))
         e->block_free[e->block_free_top++] = b;
     else
@@ -314,6 +360,7 @@ void kvhi_block_free_now(kvh_engine *e, uint32_t b)
     if (kvhi_block_busy(blk) || blk->holds) {
         /* The mover owns it until its copy ends; it reaps DEAD blocks. */
         blk->flags |= KVHI_BF_DEAD;
+        kvhi_block_release_key_clear(e, b);
         heaps_remove(e, b);
         if (blk->flags & KVHI_BF_PUBLISHED) {
             kvhi_prefix_erase(&e->prefix, blk->hash);

@@ -284,6 +284,7 @@ static void engine_free(kvh_engine *e)
     free(e->block_free);
     free(e->held_slots);
     free(e->block_readers);
+    free(e->block_release_keys);
     free(e->tokens);
     kvhi_prefix_destroy(&e->prefix);
     if (e->attn_state)
@@ -367,8 +368,10 @@ kvh_status kvhi_engine_open(const kvh_config *config, kvh_engine **out)
     e->blocks = kvhi_huge_alloc(cap * sizeof(kvhi_block));
     e->block_free = malloc(cap * sizeof(uint32_t));
     e->block_readers = calloc(cap, sizeof(uint32_t));
+    e->block_release_keys = calloc(cap, sizeof(uint64_t));
     e->tokens = malloc(cap * e->cfg.block_tokens * sizeof(int32_t));
-    if (!e->blocks || !e->block_free || !e->block_readers || !e->tokens || kvhi_prefix_init(&e->prefix, cap) != 0) {
+    if (!e->blocks || !e->block_free || !e->block_readers || !e->block_release_keys || !e->tokens ||
+        kvhi_prefix_init(&e->prefix, cap) != 0) {
         engine_free(e);
         return kvhi_fail(KVH_ERR_NOMEM, "out of memory for %llu block records", (unsigned long long)cap);
     }
@@ -418,6 +421,8 @@ kvh_status kvhi_engine_close(kvh_engine *e)
         return kvhi_fail(KVH_ERR_CLOSED, "engine is already closing");
     }
     e->closing = true;
+    if (e->release_backlog_len)
+        kvhi_block_releases_apply(e); /* calls that returned are done */
     pthread_cond_broadcast(&e->changed);
     while (e->active_calls)
         pthread_cond_wait(&e->changed, &e->lock);

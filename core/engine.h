@@ -33,6 +33,9 @@
 #define KVHI_MAX_K 4
 #define KVHI_NO_BLOCK UINT32_MAX
 #define KVHI_NO_TIER 0xFFu
+/* Block releases checked but not yet applied to their records, at most
+ * (core/block.c): enough calls for a record's prefetch to arrive. */
+#define KVHI_RELEASE_BACKLOG 8u
 
 /* Defined in the module headers that own them (core/block.h,
  * core/tier.h, core/migrate.h, core/seq.h). */
@@ -109,6 +112,14 @@ struct kvh_engine {
     uint32_t n_held_slots, cap_held_slots;
     uint8_t block_index_bits; /* low bits of a block handle naming its record */
     int32_t *tokens;          /* block_cap * block_tokens token ids */
+    /* kvh_block_release's own state (core/block.c): per record, what a
+     * release may take on trust without reading the record, and the
+     * releases so checked whose work on the records is still to do. */
+    uint64_t *block_release_keys;
+    uint64_t release_backlog[KVHI_RELEASE_BACKLOG]; /* the handles released */
+    uint32_t release_backlog_head;
+    uint32_t release_backlog_len;
+    uint32_t block_newest; /* the record kvhi_block_new handed out last */
 
     kvhi_tier tiers[KVH_TIER_COUNT];
     kvhi_prefix_index prefix;
@@ -232,11 +243,13 @@ int kvhi_lock_held_by_caller(kvh_engine *e);
 void kvhi_unlock_and_log(kvh_engine *e);
 uint64_t kvhi_now_ns(void);
 
-/* Takes the lock and registers an in-flight API call; fails with
- * KVH_ERR_CLOSED when the engine is closing. Inline, as kvhi_leave: every
- * exported call passes both, and the cheapest ones (an alloc, a release)
- * cost little more than the lock. */
-static inline kvh_status kvhi_enter(kvh_engine *e)
+/* Does the record work of the block releases still in the backlog
+ * (core/block.c). Lock held. */
+void kvhi_block_releases_apply(kvh_engine *e);
+
+/* kvhi_enter without applying the release backlog: for kvh_block_release
+ * alone, which applies it itself. */
+static inline kvh_status kvhi_enter_keep_backlog(kvh_engine *e)
 {
     kvhi_clear_error();
     pthread_mutex_lock(&e->lock);
@@ -246,6 +259,19 @@ static inline kvh_status kvhi_enter(kvh_engine *e)
     }
     e->active_calls++;
     return KVH_OK;
+}
+
+/* Takes the lock and registers an in-flight API call; fails with
+ * KVH_ERR_CLOSED when the engine is closing. Every call then sees the
+ * releases that returned before it applied. Inline, as kvhi_leave: every
+ * exported call passes both, and the cheapest ones (an alloc, a release)
+ * cost little more than the lock. */
+static inline kvh_status kvhi_enter(kvh_engine *e)
+{
+    kvh_status st = kvhi_enter_keep_backlog(e);
+    if (st == KVH_OK && e->release_backlog_len)
+        kvhi_block_releases_apply(e);
+    return st;
 }
 
 static inline void kvhi_leave(kvh_engine *e)

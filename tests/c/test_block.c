@@ -23,9 +23,15 @@
  *   - copy-on-write: the copy carries data, tokens, hash, completeness and
  *     the written-cell bitmap, is not published, and takes the source's
  *     reference.
+ *   - kvh_block_release's backlog: a release its key vouches for waits,
+ *     its record untouched, until a later release pushes it out or any
+ *     other call enters; stale, forged and double releases, used-up
+ *     counts and references sequences hold still get the error the record
+ *     gives, and releases from several threads lose none.
  * Feature tests cover the same calls through the public API (test_seq.c:
  * forks, CoW, truncate; test_tiers.c: pins, holds); these check the state
  * the calls leave behind. */
+#include <pthread.h>
 #include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
@@ -272,6 +278,188 @@ static void test_new_blocks_enter_the_order_pending(void **state)
     assert_ok(kvh_block_release(e, h5));
     assert_int_equal(tu_tier(e, KVH_TIER_DEVICE).used_blocks, 0);
     assert_int_equal(tu_tier(e, KVH_TIER_HOST).used_blocks, 0);
+}
+
+/* ---- kvh_block_release's backlog (core/block.h) ---- */
+
+/* Under the lock as the engine's own threads take it: the backlog stays. */
+static void raw_lock(kvh_engine *e) { pthread_mutex_lock(&e->lock); }
+static void raw_unlock(kvh_engine *e) { pthread_mutex_unlock(&e->lock); }
+
+/* A release the key vouches for returns at once and leaves its record as
+ * it was; the next call of any other kind sees it done. */
+static void test_release_waits_in_the_backlog(void **state)
+{
+    (void)state;
+    kvh_engine *e = open_engine(8, 0);
+    kvh_block a, b;
+    assert_ok(kvh_block_alloc(e, 0, &a));
+    assert_ok(kvh_block_alloc(e, 0, &b)); /* a is no longer the newest */
+    uint32_t ia = wb_block_index(e, a);
+    kvh_stats before = tu_stats(e);
+    assert_ok(kvh_block_release(e, a));
+    raw_lock(e);
+    assert_int_equal(e->release_backlog_len, 1);
+    assert_int_equal(e->release_backlog[e->release_backlog_head], a.id);
+    assert_true(kvhi_blk(e, ia)->flags & KVHI_BF_LIVE); /* not yet touched */
+    assert_int_equal(kvhi_blk(e, ia)->ext_refs, 1);
+    assert_int_equal(e->block_release_keys[ia] >> KVHI_RELEASE_COUNT_SHIFT, 0);
+    raw_unlock(e);
+    /* Any other call applies it before its own work. */
+    kvh_stats after = tu_stats(e);
+    assert_int_equal(after.blocks_freed, before.blocks_freed + 1);
+    raw_lock(e);
+    assert_int_equal(e->release_backlog_len, 0);
+    assert_false(kvhi_blk(e, ia)->flags & KVHI_BF_LIVE);
+    assert_int_equal(e->block_release_keys[ia], 0);
+    raw_unlock(e);
+    /* The newest block's release is applied at once (its record is hot). */
+    assert_ok(kvh_block_release(e, b));
+    raw_lock(e);
+    assert_int_equal(e->release_backlog_len, 0);
+    raw_unlock(e);
+    assert_int_equal(tu_tier(e, KVH_TIER_DEVICE).used_blocks, 0);
+}
+
+/* The backlog holds at most KVHI_RELEASE_BACKLOG releases: a longer run of
+ * them applies the oldest as it goes, in the order they were made. */
+static void test_release_backlog_is_bounded(void **state)
+{
+    (void)state;
+    enum { N = KVHI_RELEASE_BACKLOG + 5 };
+    kvh_engine *e = open_engine(N + 1, 0);
+    kvh_block h[N + 1];
+    uint32_t idx[N + 1];
+    for (int i = 0; i <= N; i++) {
+        assert_ok(kvh_block_alloc(e, 0, &h[i]));
+        idx[i] = wb_block_index(e, h[i]);
+    }
+    for (int i = 0; i < N; i++)
+        assert_ok(kvh_block_release(e, h[i]));
+    raw_lock(e);
+    assert_int_equal(e->release_backlog_len, KVHI_RELEASE_BACKLOG);
+    for (int i = 0; i < N; i++) {
+        bool applied = i < N - (int)KVHI_RELEASE_BACKLOG;
+        assert_int_equal((kvhi_blk(e, idx[i])->flags & KVHI_BF_LIVE) == 0, applied);
+    }
+    raw_unlock(e);
+    assert_int_equal(tu_tier(e, KVH_TIER_DEVICE).used_blocks, 1);
+    assert_ok(kvh_block_release(e, h[N]));
+}
+
+/* What the key does not vouch for goes to the record, after the backlog:
+ * a double release is a stale handle, a forged one is refused and leaves
+ * the backlog's releases standing, a release past the handle references
+ * is refused while a sequence still holds the block, and retains beyond
+ * what a key's count can hold are all released, no more. */
+static void test_release_errors_through_the_backlog(void **state)
+{
+    (void)state;
+    kvh_engine *e = open_engine(8, 0);
+    kvh_block a, b, newest;
+    assert_ok(kvh_block_alloc(e, 0, &a));
+    assert_ok(kvh_block_alloc(e, 0, &b));
+    assert_ok(kvh_block_alloc(e, 0, &newest));
+    assert_ok(kvh_block_release(e, a));
+    assert_kvh(KVH_ERR_BAD_HANDLE, kvh_block_release(e, a));
+    /* B's generation with the index of a record never handed out, b's
+     * index with another generation, b under another tag: none is taken
+     * on trust. */
+    uint64_t index_mask = (1ull << e->block_index_bits) - 1;
+    uint64_t forged[] = {(b.id & ~index_mask) | ((e->block_cap - 1) & index_mask), b.id ^ (1ull << 40),
+                         (b.id & KVHI_HANDLE_PAYLOAD_MASK) | (uint64_t)KVHI_TAG_SEQ << KVHI_HANDLE_TAG_SHIFT};
+    assert_ok(kvh_block_release(e, b));
+    for (size_t i = 0; i < sizeof(forged) / sizeof(forged[0]); i++)
+        assert_kvh(KVH_ERR_BAD_HANDLE, kvh_block_release(e, (kvh_block){forged[i]}));
+    assert_kvh(KVH_ERR_BAD_HANDLE, kvh_block_release(e, b));
+
+    /* More retains than a key counts (KVHI_RELEASE_COUNT_MAX). */
+    enum { RETAINS = KVHI_RELEASE_COUNT_MAX + 20 };
+    kvh_block c;
+    assert_ok(kvh_block_alloc(e, 0, &c));
+    for (int i = 0; i < RETAINS; i++)
+        assert_ok(kvh_block_retain(e, c));
+    assert_ok(kvh_block_alloc(e, 0, &newest)); /* c is no longer the newest */
+    for (int i = 0; i <= RETAINS; i++)
+        assert_ok(kvh_block_release(e, c));
+    assert_kvh(KVH_ERR_BAD_HANDLE, kvh_block_release(e, c));
+
+    /* A sequence's block, retained once through its handle. */
+    kvh_seq s = make_seq(e, 1, 0, 1);
+    kvh_block sb = {0};
+    assert_ok(kvh_seq_blocks(e, s, 0, 1, &sb));
+    assert_kvh(KVH_ERR_INVALID_ARG, kvh_block_release(e, sb)); /* no handle reference */
+    assert_ok(kvh_block_retain(e, sb));
+    assert_ok(kvh_block_alloc(e, 0, &newest));
+    assert_ok(kvh_block_release(e, sb));
+    assert_kvh(KVH_ERR_INVALID_ARG, kvh_block_release(e, sb));
+    kvh_block_info bi = {.struct_size = sizeof(bi)};
+    assert_ok(kvh_block_info_get(e, sb, &bi));
+    assert_int_equal(bi.refs, 1); /* the sequence's */
+    assert_ok(kvh_seq_free(e, s));
+}
+
+/* Releases from several threads, some waiting in the backlog while the
+ * others allocate and read: every block is freed once, every double
+ * release refused. */
+enum { MT_THREADS = 3, MT_BLOCKS = 24, MT_ROUNDS = 200 };
+
+typedef struct {
+    kvh_engine *e;
+    unsigned seed;
+    int failures;
+} release_worker;
+
+static void *release_thread(void *arg)
+{
+    release_worker *w = arg;
+    kvh_block h[MT_BLOCKS];
+    for (int r = 0; r < MT_ROUNDS; r++) {
+        int n = 0;
+        for (; n < MT_BLOCKS; n++)
+            if (kvh_block_alloc(w->e, 0, &h[n]) != KVH_OK) {
+                w->failures++;
+                break;
+            }
+        for (int i = n - 1; i > 0; i--) { /* release in a random order */
+            int j = (int)(rand_r(&w->seed) % (unsigned)(i + 1));
+            kvh_block t = h[i];
+            h[i] = h[j];
+            h[j] = t;
+        }
+        for (int i = 0; i < n; i++) {
+            if (kvh_block_release(w->e, h[i]) != KVH_OK)
+                w->failures++;
+            if (i % 7 == 0 && kvh_block_release(w->e, h[i]) != KVH_ERR_BAD_HANDLE)
+                w->failures++;
+            kvh_block_info bi = {.struct_size = sizeof(bi)};
+            if (i + 1 < n && kvh_block_info_get(w->e, h[i + 1], &bi) != KVH_OK)
+                w->failures++;
+        }
+    }
+    return NULL;
+}
+
+static void test_releases_from_threads(void **state)
+{
+    (void)state;
+    kvh_engine *e = open_engine(MT_THREADS * MT_BLOCKS, 0);
+    kvh_stats before = tu_stats(e);
+    pthread_t t[MT_THREADS];
+    release_worker w[MT_THREADS];
+    for (int i = 0; i < MT_THREADS; i++) {
+        w[i] = (release_worker){.e = e, .seed = 1234u + (unsigned)i};
+        assert_int_equal(pthread_create(&t[i], NULL, release_thread, &w[i]), 0);
+    }
+    for (int i = 0; i < MT_THREADS; i++) {
+        assert_int_equal(pthread_join(t[i], NULL), 0);
+        assert_int_equal(w[i].failures, 0);
+    }
+    kvh_stats after = tu_stats(e);
+    uint64_t made = (uint64_t)MT_THREADS * MT_BLOCKS * MT_ROUNDS;
+    assert_int_equal(after.blocks_allocated - before.blocks_allocated, made);
+    assert_int_equal(after.blocks_freed - before.blocks_freed, made);
+    assert_int_equal(tu_tier(e, KVH_TIER_DEVICE).used_blocks, 0);
 }
 
 /* ---- holds and DEAD blocks ---- */
@@ -572,6 +760,10 @@ int main(void)
         cmocka_unit_test(test_move_state_table),
         cmocka_unit_test_teardown(test_last_reference, teardown),
         cmocka_unit_test_teardown(test_new_blocks_enter_the_order_pending, teardown),
+        cmocka_unit_test_teardown(test_release_waits_in_the_backlog, teardown),
+        cmocka_unit_test_teardown(test_release_backlog_is_bounded, teardown),
+        cmocka_unit_test_teardown(test_release_errors_through_the_backlog, teardown),
+        cmocka_unit_test_teardown(test_releases_from_threads, teardown),
         cmocka_unit_test_teardown(test_holds_and_dead_blocks, teardown),
         cmocka_unit_test_teardown(test_pin_follows_a_moving_block, teardown),
         cmocka_unit_test_teardown(test_publication, teardown),

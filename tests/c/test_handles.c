@@ -7,6 +7,7 @@
 #include "core/engine.h"
 #include "core/handles.h"
 #include "core/block.h"
+#include "white_box_util.h"
 
 static int dummy[1024];
 
@@ -312,6 +313,7 @@ static void test_block_record_retires_at_wrap(void **state)
     kvh_block first, seen[5];
     assert_ok(kvh_block_alloc(e, 0, &first));
     assert_ok(kvh_block_release(e, first));
+    wb_settle(e); /* the record is written below without the lock */
     uint32_t rec = kvhi_handle_unpack_index(first.id, e->block_index_bits);
     assert_int_equal(kvhi_handle_pack(KVHI_TAG_BLOCK, e->gen_start, rec, 4), first.id);
     kvh_block_info bi = {.struct_size = sizeof(bi)};
@@ -325,6 +327,7 @@ static void test_block_record_retires_at_wrap(void **state)
     assert_int_equal(later.id, first.id | 1ull << (32 + 4));
     assert_kvh(KVH_ERR_BAD_HANDLE, kvh_block_info_get(e, first, &bi));
     assert_ok(kvh_block_release(e, later));
+    wb_settle(e);
     uint64_t near_wrap = e->gen_start + (1ull << gen_bits) - 3;
     if ((uint32_t)near_wrap == 0) /* the low half is never 0 */
         near_wrap--;
@@ -337,6 +340,7 @@ static void test_block_record_retires_at_wrap(void **state)
         assert_int_equal(kvhi_handle_unpack_index(seen[n_seen].id, 4), rec);
         assert_int_equal(seen[n_seen].id, kvhi_handle_pack(KVHI_TAG_BLOCK, kvhi_block_gen(&e->blocks[rec]), rec, 4));
         assert_ok(kvh_block_release(e, seen[n_seen]));
+        wb_settle(e); /* blocks_retired is read without the lock */
         n_seen++;
     }
     assert_kvh(KVH_ERR_BAD_HANDLE, kvh_block_info_get(e, first, &bi));

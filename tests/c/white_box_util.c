@@ -16,6 +16,16 @@ void wb_lock(kvh_engine *e)
 {
     pthread_mutex_lock(&e->lock);
     held = e;
+    /* Show the engine as the next call sees it: releases that returned
+     * are applied (core/block.h). */
+    if (e->release_backlog_len)
+        kvhi_block_releases_apply(e);
+}
+
+void wb_settle(kvh_engine *e)
+{
+    wb_lock(e);
+    wb_unlock(e);
 }
 
 void wb_unlock(kvh_engine *e)
