@@ -152,6 +152,9 @@ def test_restart_loads_prefix_from_kvh(work, baseline, first_run):
     assert st["tokens_loaded"] == expect, st
     assert st["tokens_loaded_disk"] == expect, st
     assert st["load_errors"] == 0
+    # The scheduler's lookups started reading those blocks from disk
+    # before vLLM asked for them (one prefetch per returning prompt).
+    assert st["prefetches"] >= 1 and st["blocks_prefetched"] >= 1 and st["prefetch_errors"] == 0, st
     # (kvh also counts the matches its background persists make.)
     blocks = sum(-(-_loadable(r["prompt_tokens"]) // BLOCK) for r in baseline["results"])
     assert st["kvh"]["prefix_hit_blocks_disk"] >= blocks
