@@ -128,9 +128,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     )
     ap.add_argument(
         "--ab-prefetch",
-        action="store_true",
-        help="also a warm kvh run with the lookup-time prefetch off (kvh_warm_noprefetch, before kvh_warm, "
-        "on the same store), for the ratio of the two in one run",
+        nargs="?",
+        const="first",
+        choices=("first", "last"),
+        default=None,
+        help="also a warm kvh run with the lookup-time prefetch off (kvh_warm_noprefetch, on the same store, "
+        "before kvh_warm or, with 'last', after it), for the ratio of the two in one run",
     )
     ap.add_argument(
         "--trace",
@@ -165,10 +168,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         runs = [
             ("plain", "none", {}),
             ("kvh_cold", "kvh", kvh_extra),
+            ("kvh_warm", "kvh", kvh_extra),
         ]
         if args.ab_prefetch:
-            runs.append(("kvh_warm_noprefetch", "kvh", dict(kvh_extra, prefetch=False)))
-        runs.append(("kvh_warm", "kvh", kvh_extra))
+            runs.insert(
+                2 if args.ab_prefetch == "first" else 3, ("kvh_warm_noprefetch", "kvh", dict(kvh_extra, prefetch=False))
+            )
         if not args.no_example:
             (work / "example-store").mkdir()
             runs += [("example_cold", "example", ex_extra), ("example_warm", "example", ex_extra)]

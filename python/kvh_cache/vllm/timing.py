@@ -44,9 +44,10 @@ def _loaded_tokens(meta: Any) -> int:
     return sum(len(r.slot_mapping) for r in reqs if not r.is_store)
 
 
-def _threads() -> Dict[int, Tuple[int, int]]:
+def _threads() -> Dict[int, Tuple[int, int, int]]:
     """Per thread of this process: (ns on a CPU, ns runnable but waiting
-    for one), from /proc/self/task/*/schedstat."""
+    for one, minor page faults), from /proc/self/task/*/schedstat and
+    stat."""
     out = {}
     try:
         tids = os.listdir("/proc/self/task")
@@ -56,28 +57,31 @@ def _threads() -> Dict[int, Tuple[int, int]]:
         try:
             with open(f"/proc/self/task/{t}/schedstat") as f:
                 run, wait = f.read().split()[:2]
-            out[int(t)] = (int(run), int(wait))
+            with open(f"/proc/self/task/{t}/stat") as f:
+                minflt = f.read().rsplit(")", 1)[1].split()[7]  # field 10
+            out[int(t)] = (int(run), int(wait), int(minflt))
         except (OSError, ValueError):
             continue
     return out
 
 
-def _thread_deltas(before: Dict[int, Tuple[int, int]], main: int, kvh: List[int]) -> Dict[str, float]:
-    """CPU and run-queue time (ms) each group of threads spent since
-    ``before``: the thread running the forward pass, kvh's copy threads,
-    and the rest (OpenMP's, vLLM's, Python's)."""
+def _thread_deltas(before: Dict[int, Tuple[int, int, int]], main: int, kvh: List[int]) -> Dict[str, float]:
+    """CPU and run-queue time (ms) and minor faults of each group of
+    threads since ``before``: the thread running the forward pass, kvh's
+    copy threads, and the rest (OpenMP's, vLLM's, Python's)."""
     after = _threads()
-    groups = {"main": [0, 0], "kvh": [0, 0], "other": [0, 0]}
+    groups = {"main": [0, 0, 0], "kvh": [0, 0, 0], "other": [0, 0, 0]}
     kset = set(kvh)
-    for tid, (run, wait) in after.items():
-        r0, w0 = before.get(tid, (0, 0))
+    for tid, now in after.items():
+        then = before.get(tid, (0, 0, 0))
         g = groups["main" if tid == main else "kvh" if tid in kset else "other"]
-        g[0] += run - r0
-        g[1] += wait - w0
-    out = {}
-    for name, (run, wait) in groups.items():
+        for i in range(3):
+            g[i] += now[i] - then[i]
+    out: Dict[str, float] = {}
+    for name, (run, wait, faults) in groups.items():
         out[f"{name}_cpu_ms"] = round(run / 1e6, 2)
         out[f"{name}_runq_ms"] = round(wait / 1e6, 2)
+        out[f"{name}_minflt"] = faults
     return out
 
 
