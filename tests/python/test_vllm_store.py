@@ -438,8 +438,8 @@ def test_prefetch_off_leaves_blocks_on_disk_until_the_load(tmp_path, mem):
     assert not st._prefetches and _tiers(st, toks) == [Tier.DISK] * 2
     assert st.stats()["prefetches"] == 0
     st.close()
-    assert not settings.load({"prefetch": "0"}, environ={}).prefetch
-    assert settings.load({}, environ={}).prefetch
+    assert not settings.load({}, environ={}).prefetch  # off unless asked for
+    assert settings.load({"prefetch": "1"}, environ={}).prefetch
     assert not settings.load({"prefetch": True}, environ={"KVH_VLLM_PREFETCH": "0"}).prefetch
 
 

@@ -32,12 +32,15 @@ extra_config key       environment variable      default
                                                  worker to (its compute cores);
                                                  ``all``: any CPU; else a list
                                                  such as ``1,3`` or ``2-5``
-``prefetch``           ``KVH_VLLM_PREFETCH``     1: a lookup that finds blocks on
-                                                 kvh's disk starts reading them
-                                                 into its host tier at once, so
-                                                 the restore that follows finds
-                                                 them in RAM (up to a quarter
-                                                 of the host tier per request)
+``prefetch``           ``KVH_VLLM_PREFETCH``     0; 1: a lookup that finds
+                                                 blocks on kvh's disk starts
+                                                 reading them into its host
+                                                 tier at once (up to a quarter
+                                                 of it per request). vLLM asks
+                                                 for the restore 5 to 25 ms
+                                                 after its lookup, too soon
+                                                 for that to pay: measured
+                                                 slower (benchmarks/RESULTS.md)
 ``remote_addrs``       ``KVH_VLLM_REMOTE_ADDRS`` none: no remote tier; else
                                                  ``host:port,...`` of a Redis
                                                  Cluster the instances share
@@ -149,7 +152,7 @@ class Settings:
     log_level: str = "warn"
     tail_min_tokens: int = 0
     migration_cpus: str = "inherit"
-    prefetch: bool = True
+    prefetch: bool = False
     remote_addrs: Optional[str] = None
     remote_user: Optional[str] = None
     remote_password: Optional[str] = None
