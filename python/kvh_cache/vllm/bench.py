@@ -127,6 +127,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         help='more settings of the kvh arms, e.g. \'{"migration_cpus": "all"}\'',
     )
     ap.add_argument(
+        "--ab-extra",
+        default=None,
+        metavar="JSON",
+        help="also a warm kvh run (kvh_warm_ab, after kvh_warm, on the same store) with these settings added, "
+        'e.g. \'{"migration_cpus": "all"}\', for the ratio of the two in one run',
+    )
+    ap.add_argument(
         "--ab-prefetch",
         nargs="?",
         const="first",
@@ -174,6 +181,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             runs.insert(
                 2 if args.ab_prefetch == "first" else 3, ("kvh_warm_prefetch", "kvh", dict(kvh_extra, prefetch=True))
             )
+        if args.ab_extra:
+            runs.append(("kvh_warm_ab", "kvh", dict(kvh_extra, **json.loads(args.ab_extra))))
         if not args.no_example:
             (work / "example-store").mkdir()
             runs += [("example_cold", "example", ex_extra), ("example_warm", "example", ex_extra)]
@@ -349,6 +358,8 @@ def summarize(res: Dict[str, Any], n_long: int, decode: int) -> Dict[str, Any]:
             r["ttft_kvh_prefetch_hit_vs_example_hit"] = (
                 runs["kvh_warm_prefetch"]["ttft_ms"] / runs["example_warm"]["ttft_ms"]
             )
+    if "kvh_warm_ab" in runs:
+        r["ttft_kvh_ab_vs_kvh_warm"] = runs["kvh_warm_ab"]["ttft_ms"] / runs["kvh_warm"]["ttft_ms"]
     if "kvh_warm_prefetch" in runs:
         r["ttft_kvh_prefetch_vs_not"] = runs["kvh_warm_prefetch"]["ttft_ms"] / runs["kvh_warm"]["ttft_ms"]
     out["ratios"] = r
