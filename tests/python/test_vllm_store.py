@@ -140,8 +140,9 @@ def _store(tmp_path: Path, **kw) -> KvStore:
     s = settings.Settings(
         disk_path=str(tmp_path / "store"),
         disk_bytes=kw.pop("disk_bytes", 64 << 20),
-        host_bytes=16 << 20,
+        host_bytes=kw.pop("host_bytes", 16 << 20),
         tail_min_tokens=kw.pop("tail_min_tokens", 8),
+        prefetch=kw.pop("prefetch", True),
     )
     return KvStore(s, num_layers=L, num_kv_heads=H, head_dim=D, block_tokens=B, dtype="bf16", identity={"m": "t"}, **kw)
 
@@ -350,4 +351,171 @@ def test_a_long_restore_is_split_across_migration_threads_and_stays_exact(tmp_pa
     assert st.finish_load(load) == []
     np.testing.assert_array_equal(mem[:, slots], orig[:, list(range(NB))])
     assert st.stats()["tokens_loaded_disk"] == NB * B
+    st.close()
+
+
+# ---- the lookup-time prefetch ----
+
+
+def _persisted(tmp_path: Path, mem: np.ndarray, toks: np.ndarray, n: int) -> None:
+    """A store whose disk holds n blocks of toks from slots 0..n-1, closed."""
+    st = _store(tmp_path)
+    _register(st, mem)
+    assert st.save("a", toks, 0, list(range(n))) == n
+    st.forget(["a"])
+    st.flush()
+    st.close()
+
+
+def _tiers(st: KvStore, toks: np.ndarray):
+    from kvh_cache.types import Tier
+
+    blocks = st.engine.prefix_lookup(toks)
+    try:
+        return [Tier(b.info().tier) for b in blocks]
+    finally:
+        for b in blocks:
+            b.release()
+
+
+def test_lookup_starts_reading_disk_blocks_into_host_and_the_load_stays_exact(tmp_path, mem):
+    from kvh_cache.types import Tier
+
+    toks = np.arange(4 * B, dtype=np.int32) + 300
+    orig = mem.copy()
+    _persisted(tmp_path, mem, toks, 4)
+    st = _store(tmp_path)  # restarted: every block on disk
+    _register(st, mem)
+    assert _tiers(st, toks) == [Tier.DISK] * 4
+    assert st.lookup("b", toks) == 4 * B
+    pf = st._prefetches["b"]
+    assert pf.blocks == 4
+    pf.fence.result(10)  # checksummed reads that succeeded
+    assert _tiers(st, toks) == [Tier.HOST] * 4
+    assert st.lookup("b", toks) == 4 * B  # asked again (vLLM retries): no second prefetch
+    s = st.stats()
+    assert s["prefetches"] == 1 and s["blocks_prefetched"] == 4 and s["prefetch_capped"] == 0
+    mem[:] = 0
+    slots = [6, 1, 3, 0]
+    assert st.load("b", toks, 0, slots) == []
+    np.testing.assert_array_equal(mem[:, slots], orig[:, :4])
+    s = st.stats()
+    # Counted as disk hits: the blocks were on disk when vLLM asked.
+    assert s["tokens_loaded_disk"] == 4 * B and s["load_errors"] == 0
+    assert not st._prefetches and not st._looked_up
+    (rec,) = list(st.load_log)
+    assert rec["prefetched"] == 4 and rec["on_disk"] == 4 and rec["failed"] == 0
+    assert rec["lookup_to_start_s"] is not None and rec["lookup_to_start_s"] >= 0
+    st.close()
+
+
+def test_load_issued_while_the_prefetch_still_reads_is_exact(tmp_path, mem):
+    """vLLM's restore follows its lookup within a step: the restore of a
+    block the prefetch is still reading waits for that read."""
+    toks = np.arange(NB * B, dtype=np.int32) + 900
+    orig = mem.copy()
+    _persisted(tmp_path, mem, toks, NB)
+    for _ in range(3):
+        st = _store(tmp_path)
+        _register(st, mem)
+        mem[:] = 0
+        assert st.lookup("b", toks) == NB * B
+        slots = list(reversed(range(NB)))
+        assert st.load("b", toks, 0, slots) == []  # no wait for the prefetch first
+        np.testing.assert_array_equal(mem[:, slots], orig[:, list(range(NB))])
+        assert st.stats()["tokens_loaded_disk"] == NB * B
+        st.close()
+
+
+def test_prefetch_off_leaves_blocks_on_disk_until_the_load(tmp_path, mem):
+    from kvh_cache.types import Tier
+
+    toks = np.arange(2 * B, dtype=np.int32) + 50
+    _persisted(tmp_path, mem, toks, 2)
+    st = _store(tmp_path, prefetch=False)
+    _register(st, mem)
+    assert st.lookup("b", toks) == 2 * B
+    assert not st._prefetches and _tiers(st, toks) == [Tier.DISK] * 2
+    assert st.stats()["prefetches"] == 0
+    st.close()
+    assert not settings.load({}, environ={}).prefetch  # off unless asked for
+    assert settings.load({"prefetch": "1"}, environ={}).prefetch
+    assert not settings.load({"prefetch": True}, environ={"KVH_VLLM_PREFETCH": "0"}).prefetch
+
+
+def test_a_request_aborted_after_its_prefetch_leaks_nothing(tmp_path, mem):
+    """Looked up, prefetched, then finished without being scheduled: the
+    state goes, the blocks stay cached for the next request with that
+    prefix, and close() does not hang on the reads."""
+    from kvh_cache.types import Tier
+
+    toks = np.arange(3 * B, dtype=np.int32) + 70
+    orig = mem.copy()
+    _persisted(tmp_path, mem, toks, 3)
+    st = _store(tmp_path)
+    _register(st, mem)
+    assert st.lookup("gone", toks) == 3 * B
+    st.forget(["gone"])
+    assert not st._prefetches and not st._held and not st._looked_up
+    st.engine.migrate([], Tier.HOST)  # the queue is served in order: the reads ended
+    st.flush()
+    assert set(_tiers(st, toks)) <= {Tier.HOST, Tier.DISK}
+    mem[:] = 0
+    assert st.lookup("next", toks) == 3 * B
+    assert st.load("next", toks, 0, [4, 5, 6]) == []
+    np.testing.assert_array_equal(mem[:, [4, 5, 6]], orig[:, :3])
+    # Aborted with its reads still in flight, then the engine closed.
+    st.forget(["next"])
+    assert st.lookup("again", toks) == 3 * B
+    st.close()
+
+
+def test_prefetch_takes_at_most_a_quarter_of_the_host_tier(tmp_path, mem):
+    from kvh_cache.types import Tier
+
+    toks = np.arange(NB * B, dtype=np.int32) + 5000
+    orig = mem.copy()
+    _persisted(tmp_path, mem, toks, NB)
+    probe = _store(tmp_path)
+    host = 8 * probe.block_bytes
+    probe.close()
+    st = _store(tmp_path, host_bytes=host)
+    _register(st, mem)
+    assert st.prefetch_cap == 2
+    assert st.lookup("b", toks) == NB * B
+    st._prefetches["b"].fence.result(10)
+    s = st.stats()
+    assert s["blocks_prefetched"] == 2 and s["prefetch_capped"] == NB - 2
+    assert _tiers(st, toks) == [Tier.HOST] * 2 + [Tier.DISK] * (NB - 2)  # the prefix's first blocks
+    mem[:] = 0
+    assert st.load("b", toks, 0, list(range(NB))) == []
+    np.testing.assert_array_equal(mem, orig)
+    st.close()
+
+
+def test_a_corrupt_block_found_by_the_prefetch_fails_its_load_and_is_recomputed(tmp_path, mem):
+    toks = np.arange(2 * B, dtype=np.int32) + 100
+    _persisted(tmp_path, mem, toks, 2)
+    (sub,) = (tmp_path / "store").iterdir()
+    slab = sub / "slab-0000.kvh"
+    data = bytearray(slab.read_bytes()[: 1 << 20])
+    first = data.find(b"KVHBLK\x00\x01")
+    assert first >= 0
+    with open(slab, "r+b") as f:  # a byte of the first block's payload
+        f.seek(first + 4096 + 17)
+        b = f.read(1)
+        f.seek(first + 4096 + 17)
+        f.write(bytes([b[0] ^ 1]))
+    st = _store(tmp_path)
+    _register(st, mem)
+    assert st.lookup("b", toks) == 2 * B  # the index is trusted until the read
+    with pytest.raises(Exception):
+        st._prefetches["b"].fence.result(10)
+    assert st.stats()["kvh"]["corrupt_blocks"] >= 1
+    mem_before = mem.copy()
+    failed = st.load("b", toks, 0, [3, 4])
+    assert failed and failed[-1] == 4  # vLLM recomputes from the first bad block on
+    s = st.stats()
+    assert s["load_errors"] == len(failed)
+    np.testing.assert_array_equal(mem[:, 5:], mem_before[:, 5:])  # nothing written outside the load's slots
     st.close()

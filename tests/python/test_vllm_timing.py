@@ -59,3 +59,53 @@ def test_timed_connector_traces_load_steps_and_lookups(tmp_path, monkeypatch):
     assert s["load_steps"] == 3 and s["lookups"] == 1 and len(s["steps_ms_all"]) == 3
     assert s["step_ms"] is not None and s["lookup_ms"] is not None
     assert timing.summarize(str(tmp_path / "none.trace")) == {}
+
+
+def test_trace_charges_cpu_and_faults_to_the_threads_that_spent_them(tmp_path, monkeypatch):
+    """A step's record says which threads ran (the forward pass's, kvh's,
+    the rest), where they may run, and kvh's load stages."""
+    import collections
+    import os
+    import threading
+
+    path = tmp_path / "run.trace"
+    monkeypatch.setenv(timing.TRACE_ENV, str(path))
+    go, done, leave, tid = threading.Event(), threading.Event(), threading.Event(), []
+
+    def copier():  # stands for a kvh copy thread: touches 32 MiB when told
+        tid.append(threading.get_native_id())
+        go.wait()
+        buf = bytearray(32 << 20)
+        buf[::4096] = b"x" * len(buf[::4096])
+        done.set()
+        leave.wait()  # a thread that ended has no /proc entry left to read
+
+    t = threading.Thread(target=copier)
+    t.start()
+    while not tid:
+        pass
+    store = types.SimpleNamespace(
+        kvh_tids=list(tid),
+        load_log=collections.deque(
+            [{"lookup_to_start_s": 0.004, "ready_s": 0.2, "on_disk": 16, "prefetched": 16, "prefetch_done": False}]
+        ),  # fmt: skip
+        engine=None,  # no latency histograms: left out of the record
+    )
+    c = timing.timed(_Connector)(types.SimpleNamespace(loads=[types.SimpleNamespace(block_ids=[1] * 16)], saves=[]))
+    c._store = store
+    c.start_load_kv(None)
+    go.set()
+    done.wait(10)
+    c.wait_for_save()
+    leave.set()
+    t.join()
+    (rec,) = [json.loads(x) for x in path.read_text().splitlines()]
+    th = rec["threads"]
+    assert th["kvh_minflt"] >= (32 << 20) // (2 << 20)  # at least one fault per huge page
+    assert th["kvh_cpu_ms"] > 0 and th["main_minflt"] < th["kvh_minflt"]
+    assert rec["placement"]["main_cpus"] == sorted(os.sched_getaffinity(0))
+    assert rec["placement"]["kvh_threads"] == 1
+    assert rec["kvh_loads"][0]["prefetched"] == 16 and not store.load_log  # taken, not repeated
+    s = timing.summarize(str(path))
+    assert s["kvh_ready_ms"] == 200.0 and s["kvh_lookup_to_start_ms"] == 4.0 and s["kvh_prefetched"] == 16
+    assert s["threads_kvh_minflt"] == th["kvh_minflt"] and s["placement"]["kvh_threads"] == 1

@@ -121,6 +121,28 @@ def main(argv: Optional[List[str]] = None) -> int:
         help="the kvh arms' tail_min_tokens (default: the connector's, 0: whole blocks only)",
     )
     ap.add_argument(
+        "--kvh-extra",
+        default=None,
+        metavar="JSON",
+        help='more settings of the kvh arms, e.g. \'{"migration_cpus": "all"}\'',
+    )
+    ap.add_argument(
+        "--ab-extra",
+        default=None,
+        metavar="JSON",
+        help="also a warm kvh run (kvh_warm_ab, after kvh_warm, on the same store) with these settings added, "
+        'e.g. \'{"migration_cpus": "all"}\', for the ratio of the two in one run',
+    )
+    ap.add_argument(
+        "--ab-prefetch",
+        nargs="?",
+        const="first",
+        choices=("first", "last"),
+        default=None,
+        help="also a warm kvh run with the lookup-time prefetch on (kvh_warm_prefetch, on the same store, "
+        "before kvh_warm or, with 'last', after it), for the ratio of the two in one run",
+    )
+    ap.add_argument(
         "--trace",
         action="store_true",
         help="time the connectors' hooks inside each run (kvh_cache.vllm.timing) and report medians per run",
@@ -147,12 +169,20 @@ def main(argv: Optional[List[str]] = None) -> int:
         kvh_extra: Dict[str, Any] = {"disk_path": str(work / "kvh-store"), "disk_bytes": "1G", "host_bytes": "512M"}
         if args.tail_min_tokens is not None:
             kvh_extra["tail_min_tokens"] = args.tail_min_tokens
+        if args.kvh_extra:
+            kvh_extra.update(json.loads(args.kvh_extra))
         ex_extra = {"shared_storage_path": str(work / "example-store")}
         runs = [
             ("plain", "none", {}),
             ("kvh_cold", "kvh", kvh_extra),
             ("kvh_warm", "kvh", kvh_extra),
         ]
+        if args.ab_prefetch:
+            runs.insert(
+                2 if args.ab_prefetch == "first" else 3, ("kvh_warm_prefetch", "kvh", dict(kvh_extra, prefetch=True))
+            )
+        if args.ab_extra:
+            runs.append(("kvh_warm_ab", "kvh", dict(kvh_extra, **json.loads(args.ab_extra))))
         if not args.no_example:
             (work / "example-store").mkdir()
             runs += [("example_cold", "example", ex_extra), ("example_warm", "example", ex_extra)]
@@ -324,6 +354,14 @@ def summarize(res: Dict[str, Any], n_long: int, decode: int) -> Dict[str, Any]:
         r["ttft_kvh_hit_vs_example_hit"] = runs["kvh_warm"]["ttft_ms"] / runs["example_warm"]["ttft_ms"]
         r["decode_kvh_vs_example"] = runs["kvh_cold"]["decode_tok_s"] / runs["example_cold"]["decode_tok_s"]
         r["decode_example_vs_plain"] = runs["example_cold"]["decode_tok_s"] / runs["plain"]["decode_tok_s"]
+        if "kvh_warm_prefetch" in runs:
+            r["ttft_kvh_prefetch_hit_vs_example_hit"] = (
+                runs["kvh_warm_prefetch"]["ttft_ms"] / runs["example_warm"]["ttft_ms"]
+            )
+    if "kvh_warm_ab" in runs:
+        r["ttft_kvh_ab_vs_kvh_warm"] = runs["kvh_warm_ab"]["ttft_ms"] / runs["kvh_warm"]["ttft_ms"]
+    if "kvh_warm_prefetch" in runs:
+        r["ttft_kvh_prefetch_vs_not"] = runs["kvh_warm_prefetch"]["ttft_ms"] / runs["kvh_warm"]["ttft_ms"]
     out["ratios"] = r
     return out
 

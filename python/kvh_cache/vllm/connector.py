@@ -15,7 +15,9 @@ Scheduler side: ``get_num_new_matched_tokens`` asks each worker over its
 lookup channel (a Unix socket in an owner-only directory, see
 :mod:`kvh_cache.vllm.channel`) and takes the shortest answer, since every rank
 must load the same blocks. The worker keeps the matched blocks retained
-until they are loaded or the request ends, so what it promised is there.
+until they are loaded or the request ends, so what it promised is there,
+and, with ``prefetch`` on, starts reading those of them that are on its
+disk tier into its host tier at once.
 
 A request's ``cache_salt`` (vLLM's per-tenant isolation) becomes its kvh
 tenant scope (:meth:`kvh.Scope.value_of`): its blocks are hashed in that

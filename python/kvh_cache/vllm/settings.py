@@ -32,6 +32,15 @@ extra_config key       environment variable      default
                                                  worker to (its compute cores);
                                                  ``all``: any CPU; else a list
                                                  such as ``1,3`` or ``2-5``
+``prefetch``           ``KVH_VLLM_PREFETCH``     0; 1: a lookup that finds
+                                                 blocks on kvh's disk starts
+                                                 reading them into its host
+                                                 tier at once (up to a quarter
+                                                 of it per request). vLLM asks
+                                                 for the restore 5 to 25 ms
+                                                 after its lookup, too soon
+                                                 for that to pay: measured
+                                                 slower (benchmarks/RESULTS.md)
 ``remote_addrs``       ``KVH_VLLM_REMOTE_ADDRS`` none: no remote tier; else
                                                  ``host:port,...`` of a Redis
                                                  Cluster the instances share
@@ -143,6 +152,7 @@ class Settings:
     log_level: str = "warn"
     tail_min_tokens: int = 0
     migration_cpus: str = "inherit"
+    prefetch: bool = False
     remote_addrs: Optional[str] = None
     remote_user: Optional[str] = None
     remote_password: Optional[str] = None
@@ -178,6 +188,7 @@ _KEYS = {
     "log_level": ("KVH_VLLM_LOG_LEVEL", lambda v: str(v).strip().lower()),
     "tail_min_tokens": ("KVH_VLLM_TAIL_MIN_TOKENS", _parse_count),
     "migration_cpus": ("KVH_VLLM_MIGRATION_CPUS", lambda v: _parse_cpus(v)),
+    "prefetch": ("KVH_VLLM_PREFETCH", _parse_bool),
     "remote_addrs": ("KVH_VLLM_REMOTE_ADDRS", lambda v: str(v).strip() or None),
     "remote_user": ("KVH_VLLM_REMOTE_USER", lambda v: str(v) or None),
     "remote_password": ("KVH_VLLM_REMOTE_PASSWORD", lambda v: str(v) or None),

@@ -19,13 +19,14 @@ held; vLLM never reads them (it writes them as it computes those tokens).
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import logging
 import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -70,6 +71,10 @@ class Counters:
     persist_errors: int = 0
     load_seconds: float = 0.0
     save_seconds: float = 0.0
+    prefetches: int = 0  # lookups that started reading blocks from disk
+    blocks_prefetched: int = 0  # blocks those reads asked for
+    prefetch_errors: int = 0  # prefetches that could not start
+    prefetch_capped: int = 0  # blocks left on disk by the per-request cap
 
     def to_dict(self) -> Dict[str, Any]:
         return dict(self.__dict__)
@@ -129,6 +134,28 @@ class Load:
     on_disk: List[bool] = field(default_factory=list)  # per slot: the block was on kvh's disk tier
     tail: int = 0  # tokens of the last slot when it is a prompt's partial tail block, else 0
     t_ready: Optional[float] = None  # when its last layer was seen in place
+    t_lookup: Optional[float] = None  # when the lookup that matched it ran (perf_counter)
+    prefetched: int = 0  # of its blocks, how many the lookup had started reading from disk
+    prefetch_done: bool = False  # those reads had all ended when the restore was issued
+    t_issued: float = 0.0  # when the restore was issued
+
+
+@dataclass
+class _Prefetch:
+    """Disk blocks a lookup started reading into the host tier."""
+
+    fence: Fence
+    blocks: int
+    t0: float
+    handles: frozenset  # of the blocks that were on disk at the lookup
+
+
+def task_ids() -> set:
+    """Thread ids of this process (empty where /proc is not there)."""
+    try:
+        return {int(t) for t in os.listdir("/proc/self/task")}
+    except OSError:
+        return set()
 
 
 class KvStore:
@@ -185,18 +212,29 @@ class KvStore:
                     "or disk_bytes=0 for no disk tier"
                 ) from None
             fields.update(disk_path=self.disk_path, disk_bytes=settings.disk_bytes)
+        before = task_ids()
         try:
             self.engine = Engine(**fields)
         except (errors.KvhIOError, errors.NoSpaceError, errors.BusyError, errors.MismatchError) as exc:
             raise StoreUnavailable(f"kvh: disk tier at {self.disk_path} unusable: {exc}") from None
         except errors.Error as exc:
             raise StoreUnavailable(f"kvh: cannot open an engine for this model: {exc}") from None
+        # kvh's own threads (its migration workers), for the timing trace.
+        self.kvh_tids = sorted(task_ids() - before)
         self.block_bytes = self.engine.block_bytes
         self.num_layers = num_layers
         self.counters = Counters()
         self._pool: Optional[Pool] = None
         self._reqs: Dict[str, _Req] = {}
         self._held: Dict[str, List[Block]] = {}
+        self._prefetches: Dict[str, _Prefetch] = {}
+        # Stages of the recent loads, for the timing trace.
+        self.load_log: Deque[Dict[str, Any]] = collections.deque(maxlen=64)
+        self._looked_up: Dict[str, float] = {}  # req_id -> perf_counter of its last lookup
+        self._prefetch = bool(self.disk_path and settings.prefetch)
+        # A request may take a quarter of the host tier by prefetching, so
+        # that one long prompt cannot push everything else out.
+        self.prefetch_cap = max(1, max(settings.host_bytes, 2 * row) // self.block_bytes // 4)
         self._lock = threading.Lock()
         self._saves: List[_Save] = []  # offload batches not yet seen complete
         self._persists: List[Tuple[Fence, int]] = []  # (fence, blocks) of persists in flight
@@ -271,11 +309,55 @@ class KvStore:
         with self._lock:
             old = self._held.pop(req_id, None)
             self._held[req_id] = blocks
+            self._looked_up[req_id] = time.perf_counter()
             self.counters.lookups += 1
             self.counters.lookup_hit_tokens += found
         for b in old or ():
             b.release()
+        if self._prefetch and blocks:
+            self._start_prefetch(req_id, blocks)
         return found
+
+    def _start_prefetch(self, req_id: str, blocks: List[Block]) -> None:
+        """Starts reading the matched blocks that are on disk into the host
+        tier, so that the restore vLLM asks for next finds them in RAM. The
+        reads are kvh's own moves (checksummed as every disk read is: a
+        corrupt block is found here and fails its restore later, which vLLM
+        recomputes). Nothing waits for them: a restore of a block still
+        being read waits for that read, a request that is aborted or never
+        scheduled leaves its blocks cached in the host tier (evicted by
+        policy like any other). Once per request."""
+        with self._lock:
+            if req_id in self._prefetches:
+                return
+        try:
+            on_disk = [b for b in blocks if b.info().tier == Tier.DISK]
+        except errors.Error:
+            return  # a block freed meanwhile: the restore looks it up again
+        if not on_disk:
+            return
+        capped = max(0, len(on_disk) - self.prefetch_cap)
+        on_disk = on_disk[: self.prefetch_cap]
+        try:
+            fence = self.engine.migrate(on_disk, Tier.HOST, wait=False)
+        except errors.Error as exc:
+            with self._lock:
+                self.counters.prefetch_errors += 1
+            log.debug("kvh: prefetching %d blocks of request %s failed (%s)", len(on_disk), req_id, exc)
+            return
+        assert fence is not None
+        with self._lock:
+            self._prefetches[req_id] = _Prefetch(
+                fence, len(on_disk), time.perf_counter(), frozenset(b.handle for b in on_disk)
+            )
+            self.counters.prefetches += 1
+            self.counters.blocks_prefetched += len(on_disk)
+            self.counters.prefetch_capped += capped
+
+    def _drop_prefetch(self, req_id: str) -> Optional[_Prefetch]:
+        with self._lock:
+            self._looked_up.pop(req_id, None)
+            return self._prefetches.pop(req_id, None)
 
     def forget(self, req_ids) -> None:
         """Drops the state of finished requests; the blocks they saved are
@@ -283,6 +365,7 @@ class KvStore:
         here, no temporary sequence; blocks still being gathered are
         waited for by kvh)."""
         for rid in req_ids:
+            self._drop_prefetch(rid)  # its reads end on their own; the blocks stay cached
             with self._lock:
                 held = self._held.pop(rid, None)
                 req = self._reqs.pop(rid, None)
@@ -329,20 +412,40 @@ class KvStore:
         tail = self.tail_of(tk.size) if tk.size < end * bt else 0
         with self._lock:
             blocks = self._held.pop(req_id, None)
+            t_lookup = self._looked_up.get(req_id)
+        pf = self._drop_prefetch(req_id)
         if blocks is None or len(blocks) < end:
             for b in blocks or ():
                 b.release()
             blocks = self.engine.prefix_lookup(self.keyed(tk[: end * bt])[: end * bt], scope=scope)
         n = max(0, min(len(blocks), end) - first_block)
-        on_disk = [b.info().tier == Tier.DISK for b in blocks[first_block : first_block + n]]
+        was_on_disk = pf.handles if pf else frozenset()
+        on_disk = [b.handle in was_on_disk or b.info().tier == Tier.DISK for b in blocks[first_block : first_block + n]]
         batch = None
+        prefetch_done = pf is not None and pf.fence.done()
         if n and self._pool is not None:
             try:
                 batch = self._restore(blocks[first_block : first_block + n], list(slots[:n]))
             except errors.Error as exc:
                 log.warning("kvh: loading request %s failed (%s); vLLM recomputes it", req_id, exc)
                 n = 0
-        return Load(req_id, scope, tk, first_block, list(slots), batch, blocks, t0, n, on_disk, tail=tail)
+        return Load(
+            req_id,
+            scope,
+            tk,
+            first_block,
+            list(slots),
+            batch,
+            blocks,
+            t0,
+            n,
+            on_disk,
+            tail=tail,
+            t_lookup=t_lookup,
+            prefetched=pf.blocks if pf else 0,
+            prefetch_done=prefetch_done,
+            t_issued=time.perf_counter(),
+        )
 
     def _restore(self, blocks: List[Block], slots: List[int]) -> SplitRestore:
         """Issues the restore as one batch per migration thread (at least
@@ -398,6 +501,19 @@ class KvStore:
             c.tokens_loaded_disk += sum(sz for sz, d in zip(sizes[:ok], load.on_disk[:ok]) if d)
             c.load_errors += len(failed)
             c.load_seconds += (load.t_ready or time.perf_counter()) - load.t0
+        now = time.perf_counter()
+        self.load_log.append(
+            {
+                "blocks": len(load.slots),
+                "failed": len(failed),
+                "on_disk": sum(load.on_disk),
+                "prefetched": load.prefetched,
+                "prefetch_done": load.prefetch_done,
+                "lookup_to_start_s": load.t0 - load.t_lookup if load.t_lookup else None,
+                "issue_s": load.t_issued - load.t0 if load.t_issued else None,
+                "ready_s": (load.t_ready or now) - load.t0,
+            }
+        )
         full_end = load.first_block + len(load.slots) - (1 if load.tail else 0)
         if ok and not failed and full_end > 0:
             self._chain(self._req(load.req_id, load.scope), load.tokens, full_end)

@@ -140,7 +140,7 @@ def test_same_output_with_kvh(baseline, first_run):
 
 
 def test_restart_loads_prefix_from_kvh(work, baseline, first_run):
-    res, log = run(work, "second", extra=store_extra(work / "store", tail_min_tokens=TAIL_MIN))
+    res, log = run(work, "second", extra=store_extra(work / "store", tail_min_tokens=TAIL_MIN, prefetch=True))
     assert tokens_of(res) == tokens_of(baseline)
     st = res["stats"]
     # Each prompt less its last token (always computed) came back from
@@ -152,6 +152,9 @@ def test_restart_loads_prefix_from_kvh(work, baseline, first_run):
     assert st["tokens_loaded"] == expect, st
     assert st["tokens_loaded_disk"] == expect, st
     assert st["load_errors"] == 0
+    # With prefetch on, the scheduler's lookups started reading those
+    # blocks from disk before vLLM asked for them.
+    assert st["prefetches"] >= 1 and st["blocks_prefetched"] >= 1 and st["prefetch_errors"] == 0, st
     # (kvh also counts the matches its background persists make.)
     blocks = sum(-(-_loadable(r["prompt_tokens"]) // BLOCK) for r in baseline["results"])
     assert st["kvh"]["prefix_hit_blocks_disk"] >= blocks
