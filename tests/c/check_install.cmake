@@ -7,20 +7,8 @@
 #   cmake -DCMAKE=... -DBUILD=... -DSRC=... -DWORK=... -DGENERATOR=...
 #         -DCC=... -DURING=<liburing path> [-DNUMA=<libnuma path>]
 #         -P check_install.cmake
-foreach(v CMAKE BUILD SRC WORK GENERATOR CC URING)
-  if(NOT DEFINED ${v})
-    message(FATAL_ERROR "check_install.cmake: -D${v}= missing")
-  endif()
-endforeach()
-
-function(run)
-  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)
-  if(NOT rc EQUAL 0)
-    list(JOIN ARGN " " cmd)
-    message(FATAL_ERROR "${cmd}: exit ${rc}\n${out}")
-  endif()
-  set(run_out "${out}" PARENT_SCOPE)
-endfunction()
+include(${CMAKE_CURRENT_LIST_DIR}/check_util.cmake)
+check_require(check_install.cmake CMAKE BUILD SRC WORK GENERATOR CC URING)
 
 file(REMOVE_RECURSE ${WORK})
 file(MAKE_DIRECTORY ${WORK})

@@ -4,20 +4,8 @@
 #
 #   cmake -DCMAKE=... -DSRC=... -DWORK=... -DGENERATOR=... -DCC=...
 #         -P check_remote_absent.cmake
-foreach(v CMAKE SRC WORK GENERATOR CC)
-  if(NOT DEFINED ${v})
-    message(FATAL_ERROR "check_remote_absent.cmake: -D${v}= missing")
-  endif()
-endforeach()
-
-function(run)
-  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)
-  if(NOT rc EQUAL 0)
-    list(JOIN ARGN " " cmd)
-    message(FATAL_ERROR "${cmd}: exit ${rc}\n${out}")
-  endif()
-  set(run_out "${out}" PARENT_SCOPE)
-endfunction()
+include(${CMAKE_CURRENT_LIST_DIR}/check_util.cmake)
+check_require(check_remote_absent.cmake CMAKE SRC WORK GENERATOR CC)
 
 file(MAKE_DIRECTORY ${WORK})
 run(${CMAKE} -S ${SRC} -B ${WORK}/build -G ${GENERATOR} -DCMAKE_C_COMPILER=${CC} -DCMAKE_BUILD_TYPE=Release

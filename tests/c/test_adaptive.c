@@ -149,20 +149,28 @@ static void reuse_step(kvh_engine *e, ring *r, const kvh_block *hot, uint64_t st
         touch(e, back(r, 24));
 }
 
-static void test_reuse_order_takes_over_and_yields(void **state)
+/* An adaptive engine driven by reuse_step until the reuse order is in
+ * force; *step is the next step. */
+static kvh_engine *open_until_reuse_leads(ring *r, kvh_block *hot, uint64_t *step)
 {
-    (void)state;
     kvh_config c = tu_cfg(1, 1, 4, 1, KVH_DTYPE_F32, DEV, HOST, 0);
     c.eviction_policy = KVH_EVICT_ADAPTIVE;
     kvh_engine *e = tu_open_cfg(&c);
-    ring r = {.n = 0};
-    kvh_block hot[HOT];
     for (int i = 0; i < HOT; i++)
         assert_ok(kvh_block_alloc(e, 0, &hot[i]));
-    uint64_t step = 0;
-    for (; step < 20000 && e->adapt.order != KVHI_ADAPT_REUSE; step++)
-        reuse_step(e, &r, hot, step);
+    for (*step = 0; *step < 20000 && e->adapt.order != KVHI_ADAPT_REUSE; (*step)++)
+        reuse_step(e, r, hot, *step);
     assert_int_equal(e->adapt.order, KVHI_ADAPT_REUSE);
+    return e;
+}
+
+static void test_reuse_order_takes_over_and_yields(void **state)
+{
+    (void)state;
+    ring r = {.n = 0};
+    kvh_block hot[HOT];
+    uint64_t step = 0;
+    kvh_engine *e = open_until_reuse_leads(&r, hot, &step);
     check_victim(e, 0);
     /* It stays while the mix lasts: its lead is real, not noise. */
     uint64_t switches = e->adapt.switches;
@@ -192,17 +200,10 @@ static void test_reuse_order_takes_over_and_yields(void **state)
 static void test_reuse_order_lowered_key_is_taken(void **state)
 {
     (void)state;
-    kvh_config c = tu_cfg(1, 1, 4, 1, KVH_DTYPE_F32, DEV, HOST, 0);
-    c.eviction_policy = KVH_EVICT_ADAPTIVE;
-    kvh_engine *e = tu_open_cfg(&c);
     ring r = {.n = 0};
     kvh_block hot[HOT];
-    for (int i = 0; i < HOT; i++)
-        assert_ok(kvh_block_alloc(e, 0, &hot[i]));
     uint64_t step = 0;
-    for (; step < 20000 && e->adapt.order != KVHI_ADAPT_REUSE; step++)
-        reuse_step(e, &r, hot, step);
-    assert_int_equal(e->adapt.order, KVHI_ADAPT_REUSE);
+    kvh_engine *e = open_until_reuse_leads(&r, hot, &step);
     /* A hot block is protected after its pair; read it once more past the
      * period: unprotected, its key falls below the other hot blocks'. */
     uint32_t b0 = index_of(e, hot[0]);

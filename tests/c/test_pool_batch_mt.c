@@ -7,6 +7,7 @@
  * restores stay exact while another thread moves their blocks between
  * two arenas. */
 #include <stdatomic.h>
+#include <stdbool.h>
 
 #include "test_util.h"
 #include "mt_util.h"
@@ -23,6 +24,53 @@ static atomic_long overlapped; /* lookups that ran wholly while a batch copied *
 
 static void tokens_of(int32_t *t, uint32_t round, uint32_t i) { pt_tokens(t, BT, 1000 + round, i); }
 
+/* An offload of slots 0..N-1 as one chain of blocks whose tokens are
+ * pt_tokens(tag, i). */
+static kvh_status offload_items(kvh_engine *e, uint32_t tag, kvh_pool_xfer *x, int32_t (*tok)[BT])
+{
+    uint64_t parent = 0;
+    for (uint32_t i = 0; i < N; i++) {
+        pt_tokens(tok[i], BT, tag, i);
+        x[i] =
+            (kvh_pool_xfer){.struct_size = sizeof(kvh_pool_xfer), .slot = i, .parent_hash = parent, .tokens = tok[i]};
+        kvh_status st = kvh_prefix_hash(e, parent, tok[i], BT, &parent);
+        if (st != KVH_OK)
+            return st;
+    }
+    return KVH_OK;
+}
+
+/* Restores blocks[i] into slot N + i and checks each layer against slot i
+ * as soon as its fence completes, then clears the copies. False when the
+ * batch could not be queued. */
+static bool restore_and_check(mt_worker *w, const kvh_block *blocks, uint32_t round)
+{
+    kvh_engine *e = w->e;
+    kvh_pool_xfer r[N];
+    for (uint32_t i = 0; i < N; i++)
+        r[i] = (kvh_pool_xfer){.struct_size = sizeof(kvh_pool_xfer), .slot = N + i, .block = blocks[i]};
+    kvh_fence lf[L];
+    if (kvh_pool_restore_batch(e, pool, r, N, 0, L, lf) != KVH_OK) {
+        mt_report(w, "restore: %s", kvh_last_error());
+        return false;
+    }
+    for (uint32_t l = 0; l < L; l++) {
+        if (kvh_fence_wait(e, lf[l], UINT64_MAX) != KVH_OK)
+            mt_report(w, "layer fence %u: %s", l, kvh_last_error());
+        kvh_fence_free(e, lf[l]);
+        for (uint32_t i = 0; i < N; i++)
+            if (!pt_layer_equal(&pool_mem, i, &pool_mem, N + i, l))
+                mt_report(w, "round %u: slot %u layer %u differs after its fence", round, N + i, l);
+    }
+    for (uint32_t i = 0; i < N; i++) {
+        if (r[i].status != KVH_OK)
+            mt_report(w, "round %u: restore item %u: %s", round, i, kvh_status_name(r[i].status));
+        for (uint32_t l = 0; l < L; l++)
+            pt_layer_clear(&pool_mem, N + i, l);
+    }
+    return true;
+}
+
 static void *batch_thread(void *arg)
 {
     mt_worker *w = arg;
@@ -30,14 +78,8 @@ static void *batch_thread(void *arg)
     for (uint32_t round = 0; round < ROUNDS && !w->errors; round++) {
         kvh_pool_xfer x[N];
         int32_t tok[N][BT];
-        uint64_t parent = 0;
-        for (uint32_t i = 0; i < N; i++) {
-            tokens_of(tok[i], round, i);
-            x[i] = (kvh_pool_xfer){
-                .struct_size = sizeof(kvh_pool_xfer), .slot = i, .parent_hash = parent, .tokens = tok[i]};
-            if (kvh_prefix_hash(e, parent, tok[i], BT, &parent) != KVH_OK)
-                mt_report(w, "hash: %s", kvh_last_error());
-        }
+        if (offload_items(e, 1000 + round, x, tok) != KVH_OK)
+            mt_report(w, "hash: %s", kvh_last_error());
         kvh_fence f;
         atomic_store(&copying, 1);
         if (kvh_pool_offload_batch(e, pool, x, N, 0, &f) != KVH_OK) {
@@ -48,32 +90,19 @@ static void *batch_thread(void *arg)
             mt_report(w, "offload fence: %s", kvh_last_error());
         atomic_store(&copying, 0);
         kvh_fence_free(e, f);
-        kvh_pool_xfer r[N];
+        kvh_block blocks[N];
         for (uint32_t i = 0; i < N; i++) {
             if (x[i].status != KVH_OK)
                 mt_report(w, "offload item %u: %s", i, kvh_status_name(x[i].status));
-            r[i] = (kvh_pool_xfer){.struct_size = sizeof(kvh_pool_xfer), .slot = N + i, .block = x[i].block};
+            blocks[i] = x[i].block;
         }
-        kvh_fence lf[L];
         atomic_store(&copying, 1);
-        if (kvh_pool_restore_batch(e, pool, r, N, 0, L, lf) != KVH_OK) {
-            mt_report(w, "restore: %s", kvh_last_error());
-            break;
-        }
-        for (uint32_t l = 0; l < L; l++) {
-            if (kvh_fence_wait(e, lf[l], UINT64_MAX) != KVH_OK)
-                mt_report(w, "layer fence %u: %s", l, kvh_last_error());
-            kvh_fence_free(e, lf[l]);
-            for (uint32_t i = 0; i < N; i++)
-                if (!pt_layer_equal(&pool_mem, i, &pool_mem, N + i, l))
-                    mt_report(w, "round %u: slot %u layer %u differs after its fence", round, N + i, l);
-        }
+        bool queued = restore_and_check(w, blocks, round);
         atomic_store(&copying, 0);
-        for (uint32_t i = 0; i < N; i++) {
-            kvh_block_release(e, x[i].block);
-            for (uint32_t l = 0; l < L; l++)
-                pt_layer_clear(&pool_mem, N + i, l);
-        }
+        for (uint32_t i = 0; i < N; i++)
+            kvh_block_release(e, blocks[i]);
+        if (!queued)
+            break;
     }
     atomic_store(&finished, 1);
     return NULL;
@@ -149,31 +178,10 @@ static void migrate_wait(mt_worker *w, const kvh_block *blocks, uint32_t tier)
 
 static void *restore_rounds(mt_worker *w)
 {
-    kvh_engine *e = w->e;
     for (uint32_t round = 0; round < MOVE_ROUNDS && !w->errors; round++) {
         migrate_wait(w, restored, KVH_TIER_HOST); /* each restore starts from the host tier */
-        kvh_pool_xfer r[N];
-        for (uint32_t i = 0; i < N; i++)
-            r[i] = (kvh_pool_xfer){.struct_size = sizeof(kvh_pool_xfer), .slot = N + i, .block = restored[i]};
-        kvh_fence lf[L];
-        if (kvh_pool_restore_batch(e, pool, r, N, 0, L, lf) != KVH_OK) {
-            mt_report(w, "restore: %s", kvh_last_error());
+        if (!restore_and_check(w, restored, round))
             break;
-        }
-        for (uint32_t l = 0; l < L; l++) {
-            if (kvh_fence_wait(e, lf[l], UINT64_MAX) != KVH_OK)
-                mt_report(w, "layer fence %u: %s", l, kvh_last_error());
-            kvh_fence_free(e, lf[l]);
-        }
-        for (uint32_t i = 0; i < N; i++) {
-            if (r[i].status != KVH_OK)
-                mt_report(w, "round %u: restore item %u: %s", round, i, kvh_status_name(r[i].status));
-            for (uint32_t l = 0; l < L; l++) {
-                if (!pt_layer_equal(&pool_mem, i, &pool_mem, N + i, l))
-                    mt_report(w, "round %u: slot %u layer %u holds other bytes", round, N + i, l);
-                pt_layer_clear(&pool_mem, N + i, l);
-            }
-        }
     }
     atomic_store(&restoring_done, 1);
     return NULL;
@@ -200,13 +208,7 @@ static void offload_set(kvh_engine *e, uint32_t tag, kvh_block *out)
 {
     kvh_pool_xfer x[N];
     int32_t tok[N][BT];
-    uint64_t parent = 0;
-    for (uint32_t i = 0; i < N; i++) {
-        pt_tokens(tok[i], BT, tag, i);
-        x[i] =
-            (kvh_pool_xfer){.struct_size = sizeof(kvh_pool_xfer), .slot = i, .parent_hash = parent, .tokens = tok[i]};
-        assert_ok(kvh_prefix_hash(e, parent, tok[i], BT, &parent));
-    }
+    assert_ok(offload_items(e, tag, x, tok));
     kvh_fence f;
     assert_ok(kvh_pool_offload_batch(e, pool, x, N, 0, &f));
     assert_ok(kvh_fence_wait(e, f, UINT64_MAX));
