@@ -81,6 +81,7 @@ static const field fields[] = {
     F(eviction_policy, "KVH_EVICTION_POLICY", K_ENUM, evictions),
     F(lctru_window, "KVH_LCTRU_WINDOW", K_U32, NULL),
     F(copy_moves, "KVH_COPY_MOVES", K_BOOL, NULL),
+    F(prefault_memory, "KVH_PREFAULT_MEMORY", K_BOOL, NULL),
     F(disk_strict_index, "KVH_DISK_STRICT_INDEX", K_BOOL, NULL),
     F(remote_addrs, "KVH_REMOTE_ADDRS", K_PATH, NULL),
     F(remote_user, "KVH_REMOTE_USER", K_PATH, NULL),

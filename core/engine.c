@@ -129,6 +129,7 @@ static kvh_status validate(const kvh_config *c)
     CHECK(!(c->disk_path && c->disk_path[0]) || c->disk_bytes, "disk_path is set but disk_bytes is 0");
     CHECK(c->vmap <= 1, "vmap %u is not 0 or 1", c->vmap);
     CHECK(c->copy_moves <= 1, "copy_moves %u is not 0 or 1", c->copy_moves);
+    CHECK(c->prefault_memory <= 1, "prefault_memory %u is not 0 or 1", c->prefault_memory);
     CHECK(c->disk_strict_index <= 1, "disk_strict_index %u is not 0 or 1", c->disk_strict_index);
     CHECK(c->eviction_policy <= KVH_EVICT_ADAPTIVE, "unknown eviction_policy %u", c->eviction_policy);
 #undef CHECK
@@ -185,6 +186,12 @@ static kvh_status tier_init(kvh_engine *e, uint32_t t, uint64_t budget)
                          (unsigned long long)tier->bytes_mapped, t == KVH_TIER_DEVICE ? "device" : "host");
     if (t == KVH_TIER_HOST)
         bind_to_node(e, tier->base, tier->bytes_mapped);
+    /* After the binding, so that the pages come from its node. */
+    if (e->cfg.prefault_memory && e->cfg.backend == KVH_BACKEND_CPU && !(t == KVH_TIER_DEVICE && e->cfg.vmap) &&
+        kvhi_populate(tier->base, tier->bytes_mapped) != 0)
+        return kvhi_fail(KVH_ERR_NOMEM, "cannot back the %llu bytes of the %s tier (prefault_memory): %s",
+                         (unsigned long long)tier->bytes_mapped, t == KVH_TIER_DEVICE ? "device" : "host",
+                         strerror(errno));
     if (kvhi_slot_pool_init(&tier->slots, (uint32_t)slots) != 0)
         return kvhi_fail(KVH_ERR_NOMEM, "out of memory for slot lists");
     tier->present = true;

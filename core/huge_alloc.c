@@ -1,5 +1,6 @@
 #include "core/huge_alloc.h"
 
+#include <errno.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -26,6 +27,24 @@ void *kvhi_map_anon(size_t bytes)
 #endif
     }
     return p;
+}
+
+int kvhi_populate(void *p, size_t bytes)
+{
+    if (!p || bytes == 0)
+        return 0;
+#ifdef MADV_POPULATE_WRITE
+    if (madvise(p, bytes, MADV_POPULATE_WRITE) == 0)
+        return 0;
+    if (errno != EINVAL) /* EINVAL: a kernel before 5.14 */
+        return -1;
+#endif
+    /* A write per page faults it in; the range is still all zeros and
+     * nobody else uses it yet, so writing a zero changes nothing. */
+    volatile uint8_t *b = p;
+    for (size_t off = 0; off < bytes; off += 4096)
+        b[off] = 0;
+    return 0;
 }
 
 void *kvhi_huge_alloc(size_t bytes)

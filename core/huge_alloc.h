@@ -18,6 +18,12 @@
  * failure or bytes == 0. Release with munmap(p, bytes). */
 void *kvhi_map_anon(size_t bytes);
 
+/* Backs every page of [p, p + bytes) of a fresh kvhi_map_anon mapping
+ * now, so that no later first touch stops for a fault (with huge pages,
+ * possibly for a compaction). Only before anything else uses the range.
+ * Returns 0, or -1 with errno when a page could not be backed. */
+int kvhi_populate(void *p, size_t bytes);
+
 /* Zeroed, 64-byte aligned: kvhi_map_anon from 2 MiB up (where a page of
  * slack is negligible), the C heap below. NULL on failure or bytes == 0. */
 void *kvhi_huge_alloc(size_t bytes);

@@ -40,6 +40,7 @@ static const char *const vars[] = {
     "KVH_EVICTION_POLICY",
     "KVH_LCTRU_WINDOW",
     "KVH_COPY_MOVES",
+    "KVH_PREFAULT_MEMORY",
     "KVH_DISK_STRICT_INDEX",
     "KVH_REMOTE_ADDRS",
     "KVH_REMOTE_USER",

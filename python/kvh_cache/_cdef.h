@@ -120,6 +120,8 @@ typedef struct kvh_config {
     uint32_t remote_upload;
     uint32_t remote_breaker_ms;
     uint32_t reserved1;
+    uint32_t prefault_memory;
+    uint32_t reserved2;
 } kvh_config;
 enum kvh_remote_upload {
     KVH_REMOTE_UPLOAD_PERSIST = 1u,

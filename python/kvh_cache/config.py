@@ -76,6 +76,7 @@ _C_FIELDS = (
     "remote_ttl_s",
     "remote_upload",
     "remote_breaker_ms",
+    "prefault_memory",
 )
 # Text fields: NULL or a C string.
 _STRINGS = ("disk_path", "remote_addrs", "remote_user", "remote_password", "remote_tls_ca")
@@ -88,7 +89,7 @@ ENV_VARS: Dict[str, str] = {name: "KVH_" + name.upper() for name in _C_FIELDS}
 ENV_VARS.update({name: "KVH_DISK_FLAGS" for name in _FLAG_FIELDS})
 
 _ENUMS = {"dtype": DType, "backend": Backend, "kv_codec": Codec, "eviction_policy": Eviction}
-_BOOLS = ("vmap", "copy_moves", "disk_strict_index", "remote_tls")
+_BOOLS = ("vmap", "copy_moves", "disk_strict_index", "remote_tls", "prefault_memory")
 
 
 @dataclass(frozen=True)

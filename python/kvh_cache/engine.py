@@ -366,6 +366,8 @@ class Engine(OwnedHandle):
             c.lctru_window = _index("lctru_window", cfg.lctru_window, maximum=_U32)
         if cfg.copy_moves is not None:
             c.copy_moves = 1 if cfg.copy_moves else 0
+        if cfg.prefault_memory is not None:
+            c.prefault_memory = 1 if cfg.prefault_memory else 0
         for name in ("remote_addrs", "remote_user", "remote_password", "remote_tls_ca"):
             text = getattr(cfg, name)
             if text is not None:
@@ -414,6 +416,7 @@ class Engine(OwnedHandle):
             eviction_policy=Eviction(int(c.eviction_policy)),
             lctru_window=int(c.lctru_window),
             copy_moves=bool(c.copy_moves),
+            prefault_memory=bool(c.prefault_memory),
             remote_addrs=given.remote_addrs,
             remote_user=given.remote_user,
             remote_password=given.remote_password,

@@ -194,6 +194,9 @@ class Config:
     #: are the same memory (default False: on the CPU backend they are one
     #: arena and a move re-accounts the block in place).
     copy_moves: Optional[bool] = None
+    #: Back every page of the CPU backend's tiers at open, so no first copy
+    #: into a slot waits for a page fault (default False; see kvh.h).
+    prefault_memory: Optional[bool] = None
     #: Remote tier (a Redis Cluster shared by several engines): seed nodes
     #: "host:port,host:port"; None: no remote tier. See the README's
     #: "Remote tier".

@@ -52,6 +52,7 @@ static void test_every_field(void **state)
         "KVH_REMOTE_TTL_S=3600",
         "KVH_REMOTE_UPLOAD=persist",
         "KVH_REMOTE_BREAKER_MS=500",
+        "KVH_PREFAULT_MEMORY=1",
         "KVH_UNRELATED=whatever",
         NULL,
     };
@@ -94,6 +95,7 @@ static void test_every_field(void **state)
     assert_int_equal(c.remote_ttl_s, 3600);
     assert_int_equal(c.remote_upload, KVH_REMOTE_UPLOAD_PERSIST);
     assert_int_equal(c.remote_breaker_ms, 500);
+    assert_int_equal(c.prefault_memory, 1);
 }
 
 /* Unset and empty variables keep what the config holds; an empty
@@ -184,6 +186,7 @@ static void test_bad_values(void **state)
     check_bad("KVH_EVICTION_POLICY=fifo");
     check_bad("KVH_VMAP=2");
     check_bad("KVH_COPY_MOVES=maybe");
+    check_bad("KVH_PREFAULT_MEMORY=2");
     check_bad("KVH_DISK_FLAGS=buffered,fast");
     check_bad("KVH_DISK_FLAGS=buffered,");
     check_bad("KVH_MODEL_SALT=salt");

@@ -1,5 +1,7 @@
 /* Public API: configuration, engine lifetime, tier info, stats, status
  * text, version. */
+#include <unistd.h>
+
 #include "test_util.h"
 
 static void test_version(void **state)
@@ -207,6 +209,51 @@ static void test_open_default_config(void **state)
     assert_int_equal(h.capacity_blocks, (1ull << 30) / 4096);
     assert_int_equal(k.capacity_blocks, 0);
     assert_ok(tu_close(e));
+}
+
+/* Resident bytes of this process (/proc/self/statm). */
+static uint64_t resident_bytes(void)
+{
+    FILE *f = fopen("/proc/self/statm", "r");
+    assert_non_null(f);
+    unsigned long long size = 0, resident = 0;
+    assert_int_equal(fscanf(f, "%llu %llu", &size, &resident), 2);
+    fclose(f);
+    return resident * (uint64_t)sysconf(_SC_PAGESIZE);
+}
+
+/* prefault_memory backs the CPU tiers' pages at open (both arenas, and
+ * the one arena of in-place moves); without it an open leaves them
+ * unbacked. Anything but 0 or 1 is refused. */
+static void test_prefault_memory(void **state)
+{
+    (void)state;
+    const uint64_t dev = 32ull << 20, host = 64ull << 20;
+    for (uint32_t copies = 0; copies <= 1; copies++)
+        for (uint32_t prefault = 0; prefault <= 1; prefault++) {
+            kvh_config c = tu_cfg(2, 2, 64, 16, KVH_DTYPE_F16, 1, 1, 0);
+            c.device_bytes = dev;
+            c.host_bytes = host;
+            c.copy_moves = copies;
+            c.prefault_memory = prefault;
+            uint64_t before = resident_bytes();
+            kvh_engine *e = tu_open_cfg(&c);
+            uint64_t grew = resident_bytes() - before;
+            if (prefault)
+                assert_true(grew >= (dev + host) / 10 * 9);
+            else
+                assert_true(grew < (dev + host) / 4);
+            kvh_seq s = tu_seq_new(e, 0);
+            int32_t tok[64] = {0};
+            assert_ok(kvh_seq_append(e, s, tok, 64));
+            assert_ok(tu_close(e));
+        }
+    kvh_config c = tu_cfg(2, 2, 64, 16, KVH_DTYPE_F16, 4, 4, 0);
+    c.prefault_memory = 2;
+    kvh_engine *e = NULL;
+    assert_int_equal(kvh_engine_open(&c, &e), KVH_ERR_INVALID_ARG);
+    assert_non_null(strstr(kvh_last_error(), "prefault_memory"));
+    assert_null(e);
 }
 
 static void test_explicit_cuda(void **state)
@@ -511,6 +558,7 @@ int main(void)
         cmocka_unit_test_teardown(test_open_invalid_geometry, tu_teardown),
         cmocka_unit_test_teardown(test_open_valid_edges, tu_teardown),
         cmocka_unit_test_teardown(test_open_default_config, tu_teardown),
+        cmocka_unit_test_teardown(test_prefault_memory, tu_teardown),
         cmocka_unit_test_teardown(test_explicit_cuda, tu_teardown),
         cmocka_unit_test_teardown(test_close_null_and_misc, tu_teardown),
         cmocka_unit_test_teardown(test_budgets_round_down, tu_teardown),

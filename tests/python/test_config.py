@@ -139,3 +139,14 @@ def test_readme_lists_every_variable():
             if path.suffix in (".c", ".cu", ".h", ".py"):
                 missing |= set(pattern.findall(path.read_text(errors="replace"))) - listed
     assert not missing, f"README.md's configuration tables lack {sorted(missing)}"
+
+
+def test_prefault_memory(tmp_path):
+    c = kc.load(environ={"KVH_PREFAULT_MEMORY": "1", "KVH_BACKEND": "cpu"})
+    assert c.prefault_memory is True
+    with kvh.Engine(c, device_bytes=1 << 20, host_bytes=2 << 20) as eng:
+        assert eng.config.prefault_memory is True
+    with kvh.Engine(backend="cpu", device_bytes=1 << 20, host_bytes=2 << 20) as eng:
+        assert eng.config.prefault_memory is False
+    with pytest.raises(kvh.InvalidArgumentError, match="KVH_PREFAULT_MEMORY"):
+        kc.load(environ={"KVH_PREFAULT_MEMORY": "sometimes"})

@@ -157,6 +157,29 @@ def mem():
     return np.random.default_rng(3).integers(0, 1 << 16, size=(L, NB, H, B, 2 * D), dtype=np.uint16)
 
 
+def test_host_tier_backed_at_start_unless_turned_off(tmp_path):
+    st = _store(tmp_path)
+    try:
+        assert st.engine.config.prefault_memory is True
+    finally:
+        st.close()
+    st = KvStore(
+        settings.Settings(
+            disk_path=str(tmp_path / "store2"), disk_bytes=64 << 20, host_bytes=16 << 20, prefault_memory=False
+        ),
+        num_layers=L,
+        num_kv_heads=H,
+        head_dim=D,
+        block_tokens=B,
+        dtype="bf16",
+        identity={"m": "t"},
+    )
+    try:
+        assert st.engine.config.prefault_memory is False
+    finally:
+        st.close()
+
+
 def test_save_lookup_load_and_restart(tmp_path, mem):
     toks = np.arange(3 * B + 5, dtype=np.int32)
     orig = mem.copy()

@@ -344,6 +344,17 @@ typedef struct kvh_config {
      * ms, before one probe; 1..3600000, default 2000. */
     uint32_t remote_breaker_ms;
     uint32_t reserved1;
+    /* 1: the CPU backend backs every page of its tiers' memory at open
+     * (MADV_POPULATE_WRITE), so the first copy into a slot never stops for
+     * a page fault or a huge-page compaction (measured inside vLLM: a 47 MB
+     * restore into untouched host memory took 23-157 ms of CPU, 10-14 ms
+     * into touched memory). The open then takes time in proportion to
+     * device_bytes + host_bytes and that much memory is resident from the
+     * start; an open that cannot back it fails with KVH_ERR_NOMEM. Other
+     * backends' host memory is pinned, so already backed. Default 0: pages
+     * are backed as slots are first used. */
+    uint32_t prefault_memory;
+    uint32_t reserved2;
 } kvh_config;
 
 /* When blocks reach the remote tier (kvh_config.remote_upload). */

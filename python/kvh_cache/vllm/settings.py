@@ -41,6 +41,11 @@ extra_config key       environment variable      default
                                                  after its lookup, too soon
                                                  for that to pay: measured
                                                  slower (benchmarks/RESULTS.md)
+``prefault_memory``    ``KVH_VLLM_PREFAULT_MEMORY`` 1: kvh's host tier is backed
+                                                 at start (host_bytes resident),
+                                                 so a restore never waits on a
+                                                 first-touch page fault; 0:
+                                                 pages come as slots are used
 ``remote_addrs``       ``KVH_VLLM_REMOTE_ADDRS`` none: no remote tier; else
                                                  ``host:port,...`` of a Redis
                                                  Cluster the instances share
@@ -153,6 +158,7 @@ class Settings:
     tail_min_tokens: int = 0
     migration_cpus: str = "inherit"
     prefetch: bool = False
+    prefault_memory: bool = True
     remote_addrs: Optional[str] = None
     remote_user: Optional[str] = None
     remote_password: Optional[str] = None
@@ -189,6 +195,7 @@ _KEYS = {
     "tail_min_tokens": ("KVH_VLLM_TAIL_MIN_TOKENS", _parse_count),
     "migration_cpus": ("KVH_VLLM_MIGRATION_CPUS", lambda v: _parse_cpus(v)),
     "prefetch": ("KVH_VLLM_PREFETCH", _parse_bool),
+    "prefault_memory": ("KVH_VLLM_PREFAULT_MEMORY", _parse_bool),
     "remote_addrs": ("KVH_VLLM_REMOTE_ADDRS", lambda v: str(v).strip() or None),
     "remote_user": ("KVH_VLLM_REMOTE_USER", lambda v: str(v) or None),
     "remote_password": ("KVH_VLLM_REMOTE_PASSWORD", lambda v: str(v) or None),

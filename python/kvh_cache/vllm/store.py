@@ -195,6 +195,7 @@ class KvStore:
             model_salt=self.salt,
             log_level=settings.log_level,
             migration_cpu_mask=settings.migration_cpu_mask,
+            prefault_memory=settings.prefault_memory,
             **settings.engine_remote_fields(),
         )
         self.disk_path: Optional[str] = None

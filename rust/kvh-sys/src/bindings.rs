@@ -269,12 +269,14 @@ pub struct kvh_config {
     pub remote_upload: u32,
     pub remote_breaker_ms: u32,
     pub reserved1: u32,
+    pub prefault_memory: u32,
+    pub reserved2: u32,
 }
 #[test]
 fn bindgen_test_layout_kvh_config() {
     assert_eq!(
         ::std::mem::size_of::<kvh_config>(),
-        208usize,
+        216usize,
         concat!("Size of: ", stringify!(kvh_config))
     );
     assert_eq!(
@@ -962,6 +964,40 @@ fn bindgen_test_layout_kvh_config() {
         );
     }
     test_field_reserved1();
+    fn test_field_prefault_memory() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_config>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).prefault_memory) as usize - ptr as usize
+            },
+            208usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_config),
+                "::",
+                stringify!(prefault_memory)
+            )
+        );
+    }
+    test_field_prefault_memory();
+    fn test_field_reserved2() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_config>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).reserved2) as usize - ptr as usize
+            },
+            212usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_config),
+                "::",
+                stringify!(reserved2)
+            )
+        );
+    }
+    test_field_reserved2();
 }
 impl Default for kvh_config {
     fn default() -> Self {

@@ -240,6 +240,14 @@ impl Config {
         self
     }
 
+    /// Back every page of the CPU backend's tiers at open, so that no first
+    /// copy into a slot waits for a page fault (default off; the open then
+    /// takes time and memory in proportion to the budgets).
+    pub fn prefault_memory(mut self, on: bool) -> Self {
+        self.raw.prefault_memory = u32::from(on);
+        self
+    }
+
     /// Transformer layers (default 1).
     pub fn num_layers(mut self, n: u32) -> Self {
         self.raw.num_layers = n;

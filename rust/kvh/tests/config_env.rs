@@ -75,3 +75,25 @@ fn remote_upload_names_match_the_environment() {
     let config = Config::new().remote_upload(remote_upload::DEMOTE);
     assert_eq!(config.as_raw().remote_upload, 2);
 }
+
+#[test]
+fn prefault_memory_opens_with_backed_tiers() {
+    let config = Config::new()
+        .backend(Backend::Cpu)
+        .device_bytes(256 << 10)
+        .host_bytes(1 << 20)
+        .prefault_memory(true);
+    assert_eq!(config.as_raw().prefault_memory, 1);
+    let from_env = Config::new()
+        .apply_vars([("KVH_PREFAULT_MEMORY", "1")])
+        .expect("valid variable");
+    assert_eq!(from_env.as_raw().prefault_memory, 1);
+    let engine = Engine::open(config).expect("open");
+    assert!(
+        engine
+            .tier_info(Tier::Host)
+            .expect("host tier")
+            .capacity_blocks
+            > 0
+    );
+}
