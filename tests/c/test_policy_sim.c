@@ -7,6 +7,7 @@
 #include "benchmarks/policy_sim.h"
 #include "benchmarks/trace.h"
 #include "benchmarks/trace_gen.h"
+#include "trace_test_util.h"
 
 static void build(trace *t, const uint32_t *blocks, size_t n)
 {
@@ -482,12 +483,8 @@ static void test_prefetch_window_spares_a_block_hinted_sooner(void **state)
 static void test_prefetch_window_keeps_advice_hits(void **state)
 {
     (void)state;
-    trace_gen_params p;
-    trace_gen_defaults(&p);
-    p.queue_len = 4;
     trace t;
-    trace_init(&t);
-    assert_int_equal(trace_generate(&t, &p), 0);
+    tt_queue_trace(&t, 0, 0, 4);
     for (uint32_t pct = 5; pct <= 10; pct += 5) {
         sim_config c;
         sim_config_defaults(&c, t.n_blocks * pct / 100, 2 * (t.n_blocks * pct / 100));

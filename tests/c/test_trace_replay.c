@@ -9,6 +9,7 @@
 #include "benchmarks/trace.h"
 #include "benchmarks/trace_gen.h"
 #include "benchmarks/trace_replay.h"
+#include "trace_test_util.h"
 
 static const char *scratch(void)
 {
@@ -17,16 +18,7 @@ static const char *scratch(void)
 }
 
 /* A causal-queue trace, small enough to replay in a moment. */
-static void queue_trace(trace *t)
-{
-    trace_gen_params p;
-    trace_gen_defaults(&p);
-    p.agents = 4;
-    p.turns = 12;
-    p.queue_len = 4;
-    trace_init(t);
-    assert_int_equal(trace_generate(t, &p), 0);
-}
+static void queue_trace(trace *t) { tt_queue_trace(t, 4, 12, 4); }
 
 static replay_result replay(const trace *t, uint32_t dev, int hints, uint32_t ahead)
 {
@@ -70,12 +62,8 @@ static void test_window_matches_the_simulator(void **state)
 static void test_window_spares_the_acquires_their_waits(void **state)
 {
     (void)state;
-    trace_gen_params p;
-    trace_gen_defaults(&p);
-    p.queue_len = 4;
     trace t;
-    trace_init(&t);
-    assert_int_equal(trace_generate(&t, &p), 0);
+    tt_queue_trace(&t, 0, 0, 4);
     uint32_t dev = t.n_blocks * 5 / 100;
     replay_result advice = replay(&t, dev, 1, 0);
     replay_result window = replay(&t, dev, 2, 2);
