@@ -187,11 +187,20 @@ static kvh_status tier_init(kvh_engine *e, uint32_t t, uint64_t budget)
     if (t == KVH_TIER_HOST)
         bind_to_node(e, tier->base, tier->bytes_mapped);
     /* After the binding, so that the pages come from its node. */
-    if (e->cfg.prefault_memory && e->cfg.backend == KVH_BACKEND_CPU && !(t == KVH_TIER_DEVICE && e->cfg.vmap) &&
-        kvhi_populate(tier->base, tier->bytes_mapped) != 0)
-        return kvhi_fail(KVH_ERR_NOMEM, "cannot back the %llu bytes of the %s tier (prefault_memory): %s",
-                         (unsigned long long)tier->bytes_mapped, t == KVH_TIER_DEVICE ? "device" : "host",
-                         strerror(errno));
+    if (e->cfg.prefault_memory && e->cfg.backend == KVH_BACKEND_CPU && !(t == KVH_TIER_DEVICE && e->cfg.vmap)) {
+        const char *name = t == KVH_TIER_DEVICE ? "device" : "host";
+        /* More than the system has free would not fail a fault: it would
+         * wake the OOM killer, which may pick this process. */
+        uint64_t available = kvhi_mem_available();
+        if (tier->bytes_mapped > available)
+            return kvhi_fail(KVH_ERR_NOMEM,
+                             "prefault_memory: the %s tier's %llu bytes are more than the %llu bytes the system "
+                             "has available (MemAvailable)",
+                             name, (unsigned long long)tier->bytes_mapped, (unsigned long long)available);
+        if (kvhi_populate(tier->base, tier->bytes_mapped) != 0)
+            return kvhi_fail(KVH_ERR_NOMEM, "cannot back the %llu bytes of the %s tier (prefault_memory): %s",
+                             (unsigned long long)tier->bytes_mapped, name, strerror(errno));
+    }
     if (kvhi_slot_pool_init(&tier->slots, (uint32_t)slots) != 0)
         return kvhi_fail(KVH_ERR_NOMEM, "out of memory for slot lists");
     tier->present = true;

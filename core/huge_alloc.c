@@ -1,7 +1,9 @@
 #include "core/huge_alloc.h"
 
 #include <errno.h>
+#include <stdbool.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -45,6 +47,26 @@ int kvhi_populate(void *p, size_t bytes)
     for (size_t off = 0; off < bytes; off += 4096)
         b[off] = 0;
     return 0;
+}
+
+static uint64_t (*mem_available_hook)(void);
+
+void kvhi_set_mem_available_hook(uint64_t (*hook)(void)) { mem_available_hook = hook; }
+
+uint64_t kvhi_mem_available(void)
+{
+    if (mem_available_hook)
+        return mem_available_hook();
+    FILE *f = fopen("/proc/meminfo", "r");
+    if (!f)
+        return UINT64_MAX;
+    char line[128];
+    unsigned long long kb = 0;
+    bool found = false;
+    while (!found && fgets(line, sizeof(line), f))
+        found = sscanf(line, "MemAvailable: %llu kB", &kb) == 1;
+    fclose(f);
+    return found ? (uint64_t)kb << 10 : UINT64_MAX;
 }
 
 void *kvhi_huge_alloc(size_t bytes)

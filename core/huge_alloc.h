@@ -10,6 +10,7 @@
 #define KVH_CORE_HUGE_ALLOC_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #define KVHI_HUGE_PAGE_BYTES ((size_t)2 << 20)
 
@@ -23,6 +24,12 @@ void *kvhi_map_anon(size_t bytes);
  * possibly for a compaction). Only before anything else uses the range.
  * Returns 0, or -1 with errno when a page could not be backed. */
 int kvhi_populate(void *p, size_t bytes);
+
+/* The memory the system can give without swapping (MemAvailable of
+ * /proc/meminfo) in bytes; UINT64_MAX when it cannot be read. Tests may
+ * stand in for it with kvhi_set_mem_available_hook. */
+uint64_t kvhi_mem_available(void);
+void kvhi_set_mem_available_hook(uint64_t (*hook)(void));
 
 /* Zeroed, 64-byte aligned: kvhi_map_anon from 2 MiB up (where a page of
  * slack is negligible), the C heap below. NULL on failure or bytes == 0. */

@@ -4,6 +4,8 @@
 
 #include "test_util.h"
 
+#include "core/huge_alloc.h"
+
 static void test_version(void **state)
 {
     (void)state;
@@ -222,9 +224,12 @@ static uint64_t resident_bytes(void)
     return resident * (uint64_t)sysconf(_SC_PAGESIZE);
 }
 
+static uint64_t one_mib_available(void) { return 1u << 20; }
+
 /* prefault_memory backs the CPU tiers' pages at open (both arenas, and
  * the one arena of in-place moves); without it an open leaves them
- * unbacked. Anything but 0 or 1 is refused. */
+ * unbacked, and tiers larger than the memory available are refused.
+ * Anything but 0 or 1 is refused. */
 static void test_prefault_memory(void **state)
 {
     (void)state;
@@ -248,6 +253,25 @@ static void test_prefault_memory(void **state)
             assert_ok(kvh_seq_append(e, s, tok, 64));
             assert_ok(tu_close(e));
         }
+    /* Tiers larger than the memory available are refused before a page
+     * is backed (backing them would wake the OOM killer). */
+    uint64_t real = kvhi_mem_available();
+    assert_true(real > 0 && real != UINT64_MAX);
+    kvhi_set_mem_available_hook(one_mib_available);
+    kvh_config big = tu_cfg(2, 2, 64, 16, KVH_DTYPE_F16, 1, 1, 0);
+    big.device_bytes = dev;
+    big.host_bytes = host;
+    big.copy_moves = 1;
+    big.prefault_memory = 1;
+    uint64_t before = resident_bytes();
+    kvh_engine *refused = NULL;
+    kvh_status st = kvh_engine_open(&big, &refused);
+    kvhi_set_mem_available_hook(NULL);
+    assert_int_equal(st, KVH_ERR_NOMEM);
+    assert_non_null(strstr(kvh_last_error(), "MemAvailable"));
+    assert_null(refused);
+    assert_true(resident_bytes() - before < (dev + host) / 4);
+
     kvh_config c = tu_cfg(2, 2, 64, 16, KVH_DTYPE_F16, 4, 4, 0);
     c.prefault_memory = 2;
     kvh_engine *e = NULL;

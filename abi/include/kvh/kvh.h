@@ -350,7 +350,9 @@ typedef struct kvh_config {
      * restore into untouched host memory took 23-157 ms of CPU, 10-14 ms
      * into touched memory). The open then takes time in proportion to
      * device_bytes + host_bytes and that much memory is resident from the
-     * start; an open that cannot back it fails with KVH_ERR_NOMEM. Other
+     * start; an open that cannot back it, or whose tiers are larger than
+     * the memory the system has available (MemAvailable: backing more
+     * would wake the OOM killer), fails with KVH_ERR_NOMEM. Other
      * backends' host memory is pinned, so already backed. Default 0: pages
      * are backed as slots are first used. */
     uint32_t prefault_memory;
