@@ -415,9 +415,9 @@ void kvhi_block_writing_done(kvh_engine *e, uint32_t b)
     }
 }
 
-typedef struct kvhi_held_slot {
+typedef struct kvhi_read_slot {
     uint32_t block, slot, tier;
-} kvhi_held_slot;
+} kvhi_read_slot;
 
 void kvhi_block_release_source(kvh_engine *e, uint32_t b, uint32_t tier, uint32_t slot)
 {
@@ -425,33 +425,36 @@ void kvhi_block_release_source(kvh_engine *e, uint32_t b, uint32_t tier, uint32_
         kvhi_release_slot(e, tier, slot);
         return;
     }
-    if (e->n_held_slots == e->cap_held_slots) {
-        uint32_t cap = e->cap_held_slots ? e->cap_held_slots * 2 : 16;
-        kvhi_held_slot *grown = realloc(e->held_slots, cap * sizeof(*grown));
+    if (e->n_read_slots == e->cap_read_slots) {
+        uint32_t cap = e->cap_read_slots ? e->cap_read_slots * 2 : 16;
+        kvhi_read_slot *grown = realloc(e->read_slots, cap * sizeof(*grown));
         if (!grown) {
             /* A slot lost until close is better than one overwritten
              * while it is read. */
             kvhi_log_later(e, KVH_LOG_WARN, "out of memory: a slot of tier %u stays taken until close", tier);
             return;
         }
-        e->held_slots = grown;
-        e->cap_held_slots = cap;
+        e->read_slots = grown;
+        e->cap_read_slots = cap;
     }
-    e->held_slots[e->n_held_slots++] = (kvhi_held_slot){b, slot, tier};
+    e->read_slots[e->n_read_slots++] = (kvhi_read_slot){b, slot, tier};
 }
 
-static void release_held_slots(kvh_engine *e, uint32_t b)
+static void release_read_slots(kvh_engine *e, uint32_t b)
 {
-    for (uint32_t i = 0; i < e->n_held_slots;) {
-        kvhi_held_slot *h = &e->held_slots[i];
+    bool freed = false;
+    for (uint32_t i = 0; i < e->n_read_slots;) {
+        kvhi_read_slot *h = &e->read_slots[i];
         if (h->block != b) {
             i++;
             continue;
         }
         kvhi_release_slot(e, h->tier, h->slot);
-        *h = e->held_slots[--e->n_held_slots];
+        *h = e->read_slots[--e->n_read_slots];
+        freed = true;
     }
-    pthread_cond_broadcast(&e->changed); /* room appeared */
+    if (freed)
+        pthread_cond_broadcast(&e->changed); /* room appeared */
 }
 
 void kvhi_block_hold(kvh_engine *e, uint32_t b)
@@ -479,8 +482,8 @@ void kvhi_block_hold_reading(kvh_engine *e, uint32_t b)
 
 void kvhi_block_unhold_reading(kvh_engine *e, uint32_t b)
 {
-    if (--e->block_readers[b] == 0 && e->n_held_slots)
-        release_held_slots(e, b);
+    if (--e->block_readers[b] == 0 && e->n_read_slots)
+        release_read_slots(e, b);
     kvhi_block_unhold(e, b);
 }
 

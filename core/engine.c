@@ -298,7 +298,7 @@ static void engine_free(kvh_engine *e)
             free(e->blocks[i].written);
     kvhi_huge_free(e->blocks, (size_t)e->block_cap * sizeof(kvhi_block));
     free(e->block_free);
-    free(e->held_slots);
+    free(e->read_slots);
     free(e->block_readers);
     free(e->block_release_keys);
     free(e->tokens);

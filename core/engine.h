@@ -105,11 +105,11 @@ struct kvh_engine {
     uint32_t block_free_top;
     uint32_t blocks_retired; /* records whose generations ran out */
     /* Per record: threads reading its data without the lock where they
-     * found it (kvhi_block_read_begin); and the slots such blocks moved out
+     * found it (kvhi_block_hold_reading); and the slots such blocks moved out
      * of meanwhile, freed when the last of those reads ends. */
     uint32_t *block_readers;
-    struct kvhi_held_slot *held_slots;
-    uint32_t n_held_slots, cap_held_slots;
+    struct kvhi_read_slot *read_slots;
+    uint32_t n_read_slots, cap_read_slots;
     uint8_t block_index_bits; /* low bits of a block handle naming its record */
     int32_t *tokens;          /* block_cap * block_tokens token ids */
     /* kvh_block_release's own state (core/block.c): per record, what a

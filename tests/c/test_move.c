@@ -507,7 +507,7 @@ static void test_read_block_keeps_its_source(void **state)
     assert_int_equal(used(e, KVH_TIER_HOST), 4);
     kvhi_block_unhold_reading(e, b); /* the last read: the source is free */
     assert_int_equal(used(e, KVH_TIER_HOST), 3);
-    assert_int_equal(e->n_held_slots, 0);
+    assert_int_equal(e->n_read_slots, 0);
     wb_unlock(e);
     verify_a(e, s, ct, G.bt);
 
