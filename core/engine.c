@@ -186,8 +186,10 @@ static kvh_status tier_init(kvh_engine *e, uint32_t t, uint64_t budget)
                          (unsigned long long)tier->bytes_mapped, t == KVH_TIER_DEVICE ? "device" : "host");
     if (t == KVH_TIER_HOST)
         bind_to_node(e, tier->base, tier->bytes_mapped);
-    /* After the binding, so that the pages come from its node. */
-    if (e->cfg.prefault_memory && e->cfg.backend == KVH_BACKEND_CPU && !(t == KVH_TIER_DEVICE && e->cfg.vmap)) {
+    /* After the binding, so that the pages come from its node. The CPU
+     * backend in use (cpu_kernels), named or found by AUTO: other
+     * backends' host memory is pinned, so backed already. */
+    if (e->cfg.prefault_memory && e->cpu_kernels && !(t == KVH_TIER_DEVICE && e->cfg.vmap)) {
         const char *name = t == KVH_TIER_DEVICE ? "device" : "host";
         /* More than the system has free would not fail a fault: it would
          * wake the OOM killer, which may pick this process. */

@@ -280,6 +280,41 @@ static void test_prefault_memory(void **state)
     assert_null(e);
 }
 
+/* The default backend, AUTO, that finds no CUDA device runs on the CPU
+ * backend: prefault_memory then backs its tiers and refuses tiers larger
+ * than the memory available, as with backend CPU named. */
+static void test_prefault_memory_auto_backend(void **state)
+{
+    (void)state;
+    kvh_config c;
+    assert_ok(kvh_config_init(&c, sizeof(c)));
+    c.backend = KVH_BACKEND_AUTO;
+    c.device_bytes = 8ull << 20;
+    c.host_bytes = 16ull << 20;
+    c.copy_moves = 1;
+    c.migration_threads = 0;
+    kvh_engine *probe = tu_open_cfg(&c);
+    int on_cpu = strcmp(kvh_engine_backend(probe), "cpu") == 0;
+    assert_ok(tu_close(probe));
+    if (!on_cpu)
+        skip(); /* AUTO found a CUDA device: its host memory is pinned */
+    c.prefault_memory = 1;
+    uint64_t before = resident_bytes();
+    kvh_engine *e = tu_open_cfg(&c);
+    assert_true(resident_bytes() - before >= (c.device_bytes + c.host_bytes) / 10 * 9);
+    assert_ok(tu_close(e));
+
+    kvhi_set_mem_available_hook(one_mib_available);
+    kvh_engine *refused = NULL;
+    kvh_status st = kvh_engine_open(&c, &refused);
+    kvhi_set_mem_available_hook(NULL);
+    if (st == KVH_OK)
+        tu_track_engine(refused);
+    assert_int_equal(st, KVH_ERR_NOMEM);
+    assert_non_null(strstr(kvh_last_error(), "MemAvailable"));
+    assert_null(refused);
+}
+
 static void test_explicit_cuda(void **state)
 {
     (void)state;
@@ -583,6 +618,7 @@ int main(void)
         cmocka_unit_test_teardown(test_open_valid_edges, tu_teardown),
         cmocka_unit_test_teardown(test_open_default_config, tu_teardown),
         cmocka_unit_test_teardown(test_prefault_memory, tu_teardown),
+        cmocka_unit_test_teardown(test_prefault_memory_auto_backend, tu_teardown),
         cmocka_unit_test_teardown(test_explicit_cuda, tu_teardown),
         cmocka_unit_test_teardown(test_close_null_and_misc, tu_teardown),
         cmocka_unit_test_teardown(test_budgets_round_down, tu_teardown),
