@@ -83,6 +83,21 @@ def _index(name: str, value: Any, *, maximum: int = U64_MAX) -> int:
     return v
 
 
+def _flag(name: str, value: Any) -> int:
+    """An on/off field as the C library's 0 or 1: a bool, or the int 0 or
+    1 (``vmap=1``); anything else is refused rather than read by its truth
+    (``"off"`` would be on)."""
+    if isinstance(value, (bool, np.bool_)):
+        return 1 if value else 0
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be a bool, not {type(value).__name__}") from None
+    if v not in (0, 1):
+        raise ValueError(f"{name} must be a bool (or 0 or 1), got {v}")
+    return v
+
+
 def _int(name: str, value: Any, lo: int, hi: int) -> int:
     if isinstance(value, bool):
         raise TypeError(f"{name} must be an int, not bool")
@@ -355,19 +370,19 @@ class Engine(OwnedHandle):
             flags |= int(lib.KVH_DISK_SHARE_GROUP)
         c.disk_flags = flags
         if cfg.disk_strict_index is not None:
-            c.disk_strict_index = 1 if cfg.disk_strict_index else 0
+            c.disk_strict_index = _flag("disk_strict_index", cfg.disk_strict_index)
         if cfg.kv_codec is not None:
             c.kv_codec = int(Codec.parse(cfg.kv_codec))
         if cfg.vmap is not None:
-            c.vmap = 1 if cfg.vmap else 0
+            c.vmap = _flag("vmap", cfg.vmap)
         if cfg.eviction_policy is not None:
             c.eviction_policy = int(Eviction.parse(cfg.eviction_policy))
         if cfg.lctru_window is not None:
             c.lctru_window = _index("lctru_window", cfg.lctru_window, maximum=_U32)
         if cfg.copy_moves is not None:
-            c.copy_moves = 1 if cfg.copy_moves else 0
+            c.copy_moves = _flag("copy_moves", cfg.copy_moves)
         if cfg.prefault_memory is not None:
-            c.prefault_memory = 1 if cfg.prefault_memory else 0
+            c.prefault_memory = _flag("prefault_memory", cfg.prefault_memory)
         for name in ("remote_addrs", "remote_user", "remote_password", "remote_tls_ca"):
             text = getattr(cfg, name)
             if text is not None:
@@ -380,7 +395,7 @@ class Engine(OwnedHandle):
         for name in ("remote_timeout_ms", "remote_ttl_s", "remote_upload", "remote_breaker_ms"):
             setu(name)
         if cfg.remote_tls is not None:
-            c.remote_tls = 1 if cfg.remote_tls else 0
+            c.remote_tls = _flag("remote_tls", cfg.remote_tls)
         c.log_fn = lib._kvh_py_log
         c.log_user = NULL
         return keep

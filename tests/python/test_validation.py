@@ -124,6 +124,24 @@ def test_bad_config():
         kvh.Engine(disk_path="a\0b", disk_bytes=1 << 20)
 
 
+@pytest.mark.parametrize("field", ["prefault_memory", "vmap", "copy_moves", "disk_strict_index", "remote_tls"])
+def test_bad_on_off_config_is_refused(field):
+    """An on/off field given a string, a float or a count other than 0/1
+    used to be read by its truth: prefault_memory="off" backed the tiers."""
+    for bad in ("off", "0", "", 0.0, [0]):
+        with pytest.raises(TypeError, match=field):
+            kvh.Engine(backend="cpu", device_bytes=1 << 20, host_bytes=1 << 20, **{field: bad})
+    for bad in (2, -1):
+        with pytest.raises(ValueError, match=field):
+            kvh.Engine(backend="cpu", device_bytes=1 << 20, host_bytes=1 << 20, **{field: bad})
+
+
+def test_on_off_config_takes_bools_and_0_1():
+    for value, want in ((False, False), (0, False), (np.bool_(False), False), (True, True), (1, True)):
+        with kvh.Engine(backend="cpu", device_bytes=1 << 20, host_bytes=1 << 20, prefault_memory=value) as eng:
+            assert eng.config.prefault_memory is want
+
+
 @pytest.mark.parametrize("size", [{}, {"disk_bytes": None}, {"disk_bytes": 0}], ids=["unset", "None", "0"])
 def test_disk_path_without_disk_bytes_is_refused(tmp_path, size):
     """It used to open an engine without a disk tier, found out only when
