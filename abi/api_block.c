@@ -79,8 +79,10 @@ kvh_status kvh_block_release(kvh_engine *e, kvh_block block)
 {
     if (!e)
         return kvhi_api_enter(e); /* refuses a NULL engine */
-    if (block.id == 0)
+    if (block.id == 0) {
+        kvhi_clear_error(); /* a success, like any other */
         return KVH_OK;
+    }
     /* A forged index is bounds-checked there and refused below. The
      * record is needed only when the backlog applies this release
      * (core/block.h), by which time it has arrived. */
@@ -188,8 +190,10 @@ kvh_status kvh_fence_poll(kvh_engine *e, kvh_fence fence, int32_t *done)
 
 kvh_status kvh_fence_free(kvh_engine *e, kvh_fence fence)
 {
-    if (fence.id == 0 && e)
+    if (fence.id == 0 && e) {
+        kvhi_clear_error();
         return KVH_OK;
+    }
     kvh_status st = kvhi_api_enter(e);
     if (st != KVH_OK)
         return st;
@@ -285,8 +289,10 @@ kvh_status kvh_pool_register(kvh_engine *e, const kvh_pool_layout *layout, kvh_p
 
 kvh_status kvh_pool_unregister(kvh_engine *e, kvh_pool pool)
 {
-    if (pool.id == 0 && e)
+    if (pool.id == 0 && e) {
+        kvhi_clear_error();
         return KVH_OK;
+    }
     kvh_status st = kvhi_api_enter(e);
     if (st != KVH_OK)
         return st;

@@ -26,8 +26,10 @@ kvh_status kvh_seq_create(kvh_engine *e, uint32_t agent, kvh_seq *seq)
 
 kvh_status kvh_seq_free(kvh_engine *e, kvh_seq seq)
 {
-    if (seq.id == 0 && e)
+    if (seq.id == 0 && e) {
+        kvhi_clear_error();
         return KVH_OK;
+    }
     kvhi_seq *s;
     kvh_status st = kvhi_api_enter_seq_owner(e, seq, &s); /* not while a call of it is inside */
     if (st != KVH_OK)

@@ -453,6 +453,30 @@ static void test_freed_handles(void **state)
 
 /* ---- struct sizes ---- */
 
+static kvh_status null_seq_free(kvh_engine *e) { return kvh_seq_free(e, (kvh_seq){0}); }
+static kvh_status null_block_release(kvh_engine *e) { return kvh_block_release(e, (kvh_block){0}); }
+static kvh_status null_fence_free(kvh_engine *e) { return kvh_fence_free(e, (kvh_fence){0}); }
+static kvh_status null_pool_unregister(kvh_engine *e) { return kvh_pool_unregister(e, (kvh_pool){0}); }
+static kvh_status null_context_destroy(kvh_engine *e) { return kvh_context_destroy(e, (kvh_context){0}); }
+
+/* The null handle is accepted by the free and release calls, and such a
+ * call succeeds like any other: the thread's error detail of an earlier
+ * failure is cleared (kvh_context_destroy always did). */
+static void test_null_handle_success_clears_error(void **state)
+{
+    (void)state;
+    kvh_engine *e = tu_open(L, H, D, BT, KVH_DTYPE_F32, 4, 4, 0);
+    kvh_status (*const calls[])(kvh_engine *) = {null_seq_free, null_block_release, null_fence_free,
+                                                 null_pool_unregister, null_context_destroy};
+    for (size_t i = 0; i < sizeof(calls) / sizeof(calls[0]); i++) {
+        assert_kvh(KVH_ERR_BAD_HANDLE, kvh_block_release(e, (kvh_block){0x1234}));
+        assert_true(kvh_last_error()[0] != '\0');
+        assert_ok(calls[i](e));
+        if (kvh_last_error()[0] != '\0')
+            fail_msg("null-handle call %zu left the error \"%s\"", i, kvh_last_error());
+    }
+}
+
 static void test_wrong_struct_sizes(void **state)
 {
     (void)state;
@@ -542,6 +566,7 @@ int main(void)
         cmocka_unit_test_teardown(test_null_pointers_optional_api, tu_teardown),
         cmocka_unit_test_teardown(test_random_handles, tu_teardown),
         cmocka_unit_test_teardown(test_freed_handles, tu_teardown),
+        cmocka_unit_test_teardown(test_null_handle_success_clears_error, tu_teardown),
         cmocka_unit_test_teardown(test_wrong_struct_sizes, tu_teardown),
         cmocka_unit_test_teardown(test_bad_numbers, tu_teardown),
     };
