@@ -225,8 +225,14 @@ static kvh_status run_job(kvh_engine *e, const kvhi_job *j)
          * block's slot (the slot stays valid until that copy ends). */
         bool writing_only = kvhi_move_state(blk) == KVHI_MS_COPYING;
         if (!kvhi_block_busy(blk) ||
-            (writing_only && j->target_tier < blk->tier && blk->deferred_slot == KVHI_NO_BLOCK))
-            break;
+            (writing_only && j->target_tier < blk->tier && blk->deferred_slot == KVHI_NO_BLOCK)) {
+            /* An offload batch still gathers into its slot without the
+             * lock: a copy made now would leave those bytes behind. */
+            if (!(blk->flags & KVHI_BF_POOL_FILL))
+                break;
+            pthread_cond_wait(&e->changed, &e->lock); /* work_end wakes it */
+            continue;
+        }
         kvhi_block_wait_idle(e, j->block);
     }
     bool moved = false;

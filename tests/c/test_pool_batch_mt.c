@@ -13,6 +13,8 @@
 #include "mt_util.h"
 #include "pool_test_util.h"
 
+#include "core/engine.h"
+
 /* 4 layers x 2 heads x 128 dims x 64 tokens, f16: 256 KiB a block. */
 enum { L = 4, H = 2, D = 128, BT = 64, SLOTS = 32, N = 12, ROUNDS = 6 };
 
@@ -241,11 +243,97 @@ static void test_restores_while_blocks_move(void **state)
     pt_pool_free(&pool_mem);
 }
 
+/* ---- promotions of blocks an offload is still gathering ---- */
+
+/* The caller has each block's handle as soon as kvh_pool_offload_batch
+ * returns, and may migrate it while a worker still gathers into its host
+ * slot. With two arenas (copy_moves) a promotion copies the block: it
+ * must wait for the gather, or the device copy keeps the slot's bytes of
+ * before the gather and the block is published with them. Every restored
+ * layer must equal its source slot. */
+enum { GATHER_ROUNDS = 96 };
+
+static void test_offload_gather_survives_promotion(void **state)
+{
+    (void)state;
+    kvh_config c = tu_cfg(L, H, D, BT, KVH_DTYPE_F16, 2 * N, 2 * N, 2);
+    c.copy_moves = 1;
+    kvh_engine *e = tu_open_cfg(&c);
+    pt_pool_init(&pool_mem, L, SLOTS, BT, H, D, 2, tu_seed(0x6a7e));
+    assert_ok(kvh_pool_register(e, &pool_mem.layout, &pool));
+    int bad = 0;
+    for (uint32_t round = 0; round < GATHER_ROUNDS; round++) {
+        kvh_pool_xfer x[N];
+        int32_t tok[N][BT];
+        assert_ok(offload_items(e, 3000 + round, x, tok));
+        kvh_fence gathered, moved;
+        assert_ok(kvh_pool_offload_batch(e, pool, x, N, 0, &gathered));
+        kvh_block blocks[N];
+        for (uint32_t i = 0; i < N; i++)
+            blocks[i] = x[i].block;
+        /* Until a worker copies without the lock: the gather has taken its
+         * slots (or, rarely, is done already). */
+        for (int32_t done = 0;;) {
+            pthread_mutex_lock(&e->lock);
+            uint32_t copying_now = e->copies_in_progress;
+            pthread_mutex_unlock(&e->lock);
+            if (copying_now)
+                break;
+            assert_ok(kvh_fence_poll(e, gathered, &done));
+            if (done)
+                break;
+        }
+        /* Last first: the gather reaches those last. Even rounds queue
+         * the moves for the workers, odd ones move each block in this
+         * thread (one block, no fence). */
+        kvh_block reversed[N];
+        for (uint32_t i = 0; i < N; i++)
+            reversed[i] = blocks[N - 1 - i];
+        if (round % 2 == 0) {
+            assert_ok(kvh_migrate(e, reversed, N, KVH_TIER_DEVICE, &moved));
+            assert_ok(kvh_fence_wait(e, moved, UINT64_MAX));
+            assert_ok(kvh_fence_free(e, moved));
+        } else {
+            for (uint32_t i = 0; i < N; i++)
+                assert_ok(kvh_migrate(e, &reversed[i], 1, KVH_TIER_DEVICE, NULL));
+        }
+        assert_ok(kvh_fence_wait(e, gathered, UINT64_MAX));
+        assert_ok(kvh_fence_free(e, gathered));
+        for (uint32_t i = 0; i < N; i++)
+            assert_int_equal(tu_binfo(e, blocks[i]).tier, KVH_TIER_DEVICE);
+        kvh_pool_xfer r[N];
+        for (uint32_t i = 0; i < N; i++) {
+            assert_ok(x[i].status);
+            r[i] = (kvh_pool_xfer){.struct_size = sizeof(kvh_pool_xfer), .slot = N + i, .block = blocks[i]};
+        }
+        kvh_fence lf[L];
+        assert_ok(kvh_pool_restore_batch(e, pool, r, N, 0, L, lf));
+        for (uint32_t l = 0; l < L; l++) {
+            assert_ok(kvh_fence_wait(e, lf[l], UINT64_MAX));
+            assert_ok(kvh_fence_free(e, lf[l]));
+        }
+        for (uint32_t i = 0; i < N; i++) {
+            assert_ok(r[i].status);
+            for (uint32_t l = 0; l < L; l++) {
+                if (!pt_layer_equal(&pool_mem, i, &pool_mem, N + i, l) && bad++ == 0)
+                    print_error("round %u: block %u layer %u restored other bytes than were offloaded\n", round, i, l);
+                pt_layer_clear(&pool_mem, N + i, l);
+            }
+            assert_ok(kvh_block_release(e, blocks[i]));
+        }
+    }
+    assert_int_equal(bad, 0);
+    assert_ok(kvh_pool_unregister(e, pool));
+    assert_ok(tu_close(e));
+    pt_pool_free(&pool_mem);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_lookups_proceed_while_batches_copy, tu_teardown),
         cmocka_unit_test_teardown(test_restores_while_blocks_move, tu_teardown),
+        cmocka_unit_test_teardown(test_offload_gather_survives_promotion, tu_teardown),
     };
     return cmocka_run_group_tests_name("pool_batch_mt", tests, NULL, NULL);
 }
