@@ -328,7 +328,9 @@ class Pool:
         fp = ffi.new("kvh_fence *")
         with self._engine._call() as p:
             check(lib.kvh_pool_offload_batch(p, self._handle(), x, n, int(agent), fp))
-        batch = OffloadBatch(self._engine, x, n, Fence(self._engine, fp), toks)
+        # The batch keeps this pool (and so its arrays) alive: a worker
+        # gathers from them until the fence completes.
+        batch = OffloadBatch(self._engine, x, n, Fence(self._engine, fp), (toks, self))
         _track(self._engine, batch)
         return batch
 
@@ -356,7 +358,8 @@ class Pool:
             fp = ffi.new("kvh_fence *")
             fp[0] = fences[i]
             fs.append(Fence(self._engine, fp))
-        batch = RestoreBatch(x, n, fs, int(first_layer), list(blocks))
+        # ... and writes into them until the last layer's fence completes.
+        batch = RestoreBatch(x, n, fs, int(first_layer), (list(blocks), self))
         _track(self._engine, batch)
         return batch
 

@@ -192,6 +192,61 @@ def test_dropped_batches_are_safe():
         pool.unregister()
 
 
+_DROP_POOL_SCRIPT = """
+import gc
+import numpy as np
+import kvh_cache as kvh
+from kvh_cache.pool import Pool
+
+L, H, D, BT, S = 2, 8, 128, 64, 32
+def arrays(seed):
+    rng = np.random.default_rng(seed)
+    return ([rng.random((S, BT, H, D)).astype(np.float16) for _ in range(L)],
+            [rng.random((S, BT, H, D)).astype(np.float16) for _ in range(L)])
+eng = kvh.Engine(backend="cpu", num_layers=L, num_kv_heads=H, head_dim=D, block_tokens=BT, dtype="f16",
+                 device_bytes=64 << 20, host_bytes=64 << 20, migration_threads=1)
+ks, vs = arrays(1)
+src = Pool.from_arrays(eng, ks, vs)
+items, parent = [], 0
+for i in range(S):
+    tk = np.arange(BT, dtype=np.int32) + i * BT
+    items.append((i, parent, tk))
+    parent = eng.prefix_hash(tk, parent)
+off = src.offload(items)
+off.wait()
+busy = [src.restore(off.blocks, list(range(S))) for _ in range(6)]  # the worker has work queued
+dk, dv = arrays(2)
+dst = Pool.from_arrays(eng, dk, dv)
+into_dst = dst.restore(off.blocks, list(range(S)))
+gathering = Pool.from_arrays(eng, *arrays(3)).offload(items, scope=1)
+del dst, dk, dv
+gc.collect()
+into_dst.wait()
+gathering.wait()
+assert not into_dst.failed() and gathering.statuses() == [0] * S
+for b in busy:
+    b.wait()
+print("ok")
+"""
+
+
+def test_batch_keeps_its_pool_memory(tmp_path):
+    """A batch in flight keeps the pool's arrays alive: with the Pool object
+    and the arrays dropped, a restore used to write into freed memory (with
+    every large allocation unmapped on free, the interpreter died of
+    SIGSEGV) and an offload to read from it."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "drop_pool.py"
+    script.write_text(_DROP_POOL_SCRIPT)
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")  # freed arrays are unmapped
+    for _ in range(2):
+        r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stderr[-2000:])
+
+
 def test_persist_and_reload_after_reopen(tmp_path):
     ks, vs = _arrays(5)
     items = None
