@@ -1269,7 +1269,7 @@ class Block(GatedHandle, OwnedHandle):
     def pin(self, pinned: bool = True) -> None:
         """Pins (or unpins) the block in its current tier."""
         with self._call_any() as p:
-            check(lib.kvh_block_pin(p, self._h(), 1 if pinned else 0))
+            check(lib.kvh_block_pin(p, self._h(), _flag("pinned", pinned)))
 
     def unpin(self) -> None:
         self.pin(False)

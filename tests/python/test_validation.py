@@ -142,6 +142,24 @@ def test_on_off_config_takes_bools_and_0_1():
             assert eng.config.prefault_memory is want
 
 
+def test_block_pin_takes_a_bool(engine):
+    """Block.pin("no") used to pin: the argument was read by its truth."""
+    b = engine.block_alloc()
+    for bad in ("no", "", 0.0, None):
+        with pytest.raises(TypeError, match="pinned"):
+            b.pin(bad)
+    with pytest.raises(ValueError, match="pinned"):
+        b.pin(2)
+    assert b.info().pins == 0
+    b.pin(1)
+    b.pin(np.bool_(True))
+    assert b.info().pins == 2
+    b.pin(False)
+    b.unpin()
+    assert b.info().pins == 0
+    b.release()
+
+
 @pytest.mark.parametrize("size", [{}, {"disk_bytes": None}, {"disk_bytes": 0}], ids=["unset", "None", "0"])
 def test_disk_path_without_disk_bytes_is_refused(tmp_path, size):
     """It used to open an engine without a disk tier, found out only when
