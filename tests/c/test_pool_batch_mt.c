@@ -328,12 +328,63 @@ static void test_offload_gather_survives_promotion(void **state)
     pt_pool_free(&pool_mem);
 }
 
+/* Handles released before their gather ends (the work keeps its own
+ * reference): the blocks are still sealed and published, found by a
+ * lookup and restored exact, and nothing stays referenced after. */
+static void test_offload_handles_released_before_the_gather(void **state)
+{
+    (void)state;
+    kvh_engine *e = tu_open(L, H, D, BT, KVH_DTYPE_F16, N, 2 * N, 2);
+    pt_pool_init(&pool_mem, L, SLOTS, BT, H, D, 2, tu_seed(0x7e1e));
+    assert_ok(kvh_pool_register(e, &pool_mem.layout, &pool));
+    kvh_pool_xfer x[N];
+    int32_t tok[N][BT];
+    assert_ok(offload_items(e, 4000, x, tok));
+    kvh_fence gathered;
+    assert_ok(kvh_pool_offload_batch(e, pool, x, N, 0, &gathered));
+    for (uint32_t i = 0; i < N; i++)
+        assert_ok(kvh_block_release(e, x[i].block));
+    assert_ok(kvh_fence_wait(e, gathered, UINT64_MAX));
+    assert_ok(kvh_fence_free(e, gathered));
+    int32_t all[N * BT];
+    for (uint32_t i = 0; i < N; i++) {
+        assert_ok(x[i].status);
+        memcpy(all + i * BT, tok[i], sizeof(tok[i]));
+    }
+    kvh_block found[N];
+    size_t n = 0;
+    assert_ok(kvh_prefix_lookup(e, all, N * BT, found, N, &n));
+    assert_int_equal(n, N);
+    kvh_pool_xfer r[N];
+    for (uint32_t i = 0; i < N; i++)
+        r[i] = (kvh_pool_xfer){.struct_size = sizeof(kvh_pool_xfer), .slot = N + i, .block = found[i]};
+    kvh_fence lf[L];
+    assert_ok(kvh_pool_restore_batch(e, pool, r, N, 0, L, lf));
+    for (uint32_t l = 0; l < L; l++) {
+        assert_ok(kvh_fence_wait(e, lf[l], UINT64_MAX));
+        assert_ok(kvh_fence_free(e, lf[l]));
+    }
+    for (uint32_t i = 0; i < N; i++) {
+        assert_ok(r[i].status);
+        for (uint32_t l = 0; l < L; l++)
+            assert_true(pt_layer_equal(&pool_mem, i, &pool_mem, N + i, l));
+        assert_ok(kvh_block_release(e, found[i]));
+        kvh_block_info bi = tu_binfo(e, found[i]);
+        assert_int_equal(bi.refs, 0);
+        assert_int_equal(bi.holds, 0);
+    }
+    assert_ok(kvh_pool_unregister(e, pool));
+    assert_ok(tu_close(e));
+    pt_pool_free(&pool_mem);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_lookups_proceed_while_batches_copy, tu_teardown),
         cmocka_unit_test_teardown(test_restores_while_blocks_move, tu_teardown),
         cmocka_unit_test_teardown(test_offload_gather_survives_promotion, tu_teardown),
+        cmocka_unit_test_teardown(test_offload_handles_released_before_the_gather, tu_teardown),
     };
     return cmocka_run_group_tests_name("pool_batch_mt", tests, NULL, NULL);
 }
