@@ -995,7 +995,7 @@ typedef struct kvh_pool_xfer {
  * block found cached is not copied). Each item's block handle is returned
  * at once; the block is published when its gather is done, and until then
  * kvh_pool_restore* of it fails with KVH_ERR_INVALID_ARG while
- * kvh_blocks_persist waits for it. [borrowed] xfers until *fence
+ * kvh_blocks_persist and kvh_migrate wait for it. [borrowed] xfers until *fence
  * completes (kvh writes each status); [out] *fence (kvh_fence_free),
  * complete when every gather has ended, its status the first failure.
  * n = 0 gives a complete fence. Item statuses: KVH_OK, KVH_ERR_IO (a copy
