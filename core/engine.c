@@ -197,7 +197,7 @@ static kvh_status tier_init(kvh_engine *e, uint32_t t, uint64_t budget)
         if (tier->bytes_mapped > available)
             return kvhi_fail(KVH_ERR_NOMEM,
                              "prefault_memory: the %s tier's %llu bytes are more than the %llu bytes the system "
-                             "has available (MemAvailable)",
+                             "has available (MemAvailable, or the memory cgroup's limit less its usage)",
                              name, (unsigned long long)tier->bytes_mapped, (unsigned long long)available);
         if (kvhi_populate(tier->base, tier->bytes_mapped) != 0)
             return kvhi_fail(KVH_ERR_NOMEM, "cannot back the %llu bytes of the %s tier (prefault_memory): %s",

@@ -50,23 +50,119 @@ int kvhi_populate(void *p, size_t bytes)
 }
 
 static uint64_t (*mem_available_hook)(void);
+static const char *proc_self_cgroup = "/proc/self/cgroup";
+static const char *cgroup_root = "/sys/fs/cgroup";
 
 void kvhi_set_mem_available_hook(uint64_t (*hook)(void)) { mem_available_hook = hook; }
+
+void kvhi_set_cgroup_paths(const char *proc_cgroup, const char *root)
+{
+    proc_self_cgroup = proc_cgroup ? proc_cgroup : "/proc/self/cgroup";
+    cgroup_root = root ? root : "/sys/fs/cgroup";
+}
+
+/* The number a cgroup file starts with ("max": none); false when it
+ * cannot be read. */
+static bool read_cgroup_value(const char *dir, const char *name, uint64_t *out)
+{
+    char path[4352];
+    snprintf(path, sizeof(path), "%s/%s", dir, name);
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return false;
+    char text[32] = "";
+    bool ok = fgets(text, sizeof(text), f) != NULL;
+    fclose(f);
+    unsigned long long v;
+    if (ok && strncmp(text, "max", 3) == 0)
+        *out = UINT64_MAX;
+    else if (ok && sscanf(text, "%llu", &v) == 1)
+        *out = v;
+    else
+        return false;
+    return true;
+}
+
+/* What this process's memory cgroup and its ancestors still let it
+ * charge: the least limit less usage over the levels that have a limit
+ * (cgroup v2 memory.max / memory.current; v1 memory.limit_in_bytes /
+ * memory.usage_in_bytes, whose "none" is a number near 2^63).
+ * UINT64_MAX when no level limits it or nothing can be read. */
+static uint64_t cgroup_headroom(void)
+{
+    FILE *f = fopen(proc_self_cgroup, "r");
+    if (!f)
+        return UINT64_MAX;
+    char line[4096], v1[4096] = "", v2[4096] = "";
+    bool have_v1 = false, have_v2 = false;
+    while (fgets(line, sizeof(line), f)) {
+        line[strcspn(line, "\n")] = '\0';
+        char *controllers = strchr(line, ':');
+        char *path = controllers ? strchr(controllers + 1, ':') : NULL;
+        if (!path)
+            continue;
+        *path++ = '\0';
+        *controllers++ = '\0'; /* line: the hierarchy id */
+        if (*controllers == '\0' && strcmp(line, "0") == 0) {
+            snprintf(v2, sizeof(v2), "%s", path);
+            have_v2 = true;
+            continue;
+        }
+        char *save = NULL; /* engines may open on several threads at once */
+        for (char *c = strtok_r(controllers, ",", &save); c; c = strtok_r(NULL, ",", &save))
+            if (strcmp(c, "memory") == 0) {
+                snprintf(v1, sizeof(v1), "%s", path);
+                have_v1 = true;
+            }
+    }
+    fclose(f);
+    if (!have_v1 && !have_v2)
+        return UINT64_MAX;
+    const char *limit_name = have_v1 ? "memory.limit_in_bytes" : "memory.max";
+    const char *usage_name = have_v1 ? "memory.usage_in_bytes" : "memory.current";
+    char dir[4352];
+    size_t base = (size_t)snprintf(dir, sizeof(dir), "%s%s", cgroup_root, have_v1 ? "/memory" : "");
+    if (base >= sizeof(dir))
+        return UINT64_MAX;
+    snprintf(dir + base, sizeof(dir) - base, "%s", have_v1 ? v1 : v2);
+    uint64_t least = UINT64_MAX;
+    for (;;) {
+        size_t len = strlen(dir);
+        while (len > base && dir[len - 1] == '/') /* "/": the root itself */
+            dir[--len] = '\0';
+        uint64_t limit, usage;
+        if (read_cgroup_value(dir, limit_name, &limit) && limit < (1ull << 62) &&
+            read_cgroup_value(dir, usage_name, &usage)) {
+            uint64_t room = limit > usage ? limit - usage : 0;
+            if (room < least)
+                least = room;
+        }
+        char *slash = strrchr(dir + base, '/');
+        if (len <= base || !slash)
+            break;
+        *slash = '\0';
+    }
+    return least;
+}
 
 uint64_t kvhi_mem_available(void)
 {
     if (mem_available_hook)
         return mem_available_hook();
+    uint64_t available = UINT64_MAX;
     FILE *f = fopen("/proc/meminfo", "r");
-    if (!f)
-        return UINT64_MAX;
-    char line[128];
-    unsigned long long kb = 0;
-    bool found = false;
-    while (!found && fgets(line, sizeof(line), f))
-        found = sscanf(line, "MemAvailable: %llu kB", &kb) == 1;
-    fclose(f);
-    return found ? (uint64_t)kb << 10 : UINT64_MAX;
+    if (f) {
+        char line[128];
+        unsigned long long kb = 0;
+        bool found = false;
+        while (!found && fgets(line, sizeof(line), f))
+            found = sscanf(line, "MemAvailable: %llu kB", &kb) == 1;
+        fclose(f);
+        if (found)
+            available = (uint64_t)kb << 10;
+    }
+    uint64_t room = cgroup_headroom();
+    return room < available ? room : available;
 }
 
 void *kvhi_huge_alloc(size_t bytes)

@@ -25,11 +25,17 @@ void *kvhi_map_anon(size_t bytes);
  * Returns 0, or -1 with errno when a page could not be backed. */
 int kvhi_populate(void *p, size_t bytes);
 
-/* The memory the system can give without swapping (MemAvailable of
- * /proc/meminfo) in bytes; UINT64_MAX when it cannot be read. Tests may
- * stand in for it with kvhi_set_mem_available_hook. */
+/* The memory this process can be given without swapping or an OOM kill,
+ * in bytes: MemAvailable of /proc/meminfo, or less where its memory
+ * cgroup (or an ancestor) has a limit: that limit less the cgroup's usage
+ * (in a container /proc/meminfo describes the host). UINT64_MAX when
+ * nothing can be read. Tests may stand in for it with
+ * kvhi_set_mem_available_hook, or point the cgroup files elsewhere
+ * (kvhi_set_cgroup_paths: /proc/self/cgroup and /sys/fs/cgroup; NULL
+ * restores each). */
 uint64_t kvhi_mem_available(void);
 void kvhi_set_mem_available_hook(uint64_t (*hook)(void));
+void kvhi_set_cgroup_paths(const char *proc_self_cgroup, const char *cgroup_root);
 
 /* Zeroed, 64-byte aligned: kvhi_map_anon from 2 MiB up (where a page of
  * slack is negligible), the C heap below. NULL on failure or bytes == 0. */

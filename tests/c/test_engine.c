@@ -1,5 +1,6 @@
 /* Public API: configuration, engine lifetime, tier info, stats, status
  * text, version. */
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "test_util.h"
@@ -315,6 +316,94 @@ static void test_prefault_memory_auto_backend(void **state)
     assert_null(refused);
 }
 
+/* A file of text under dir (made with its parents' directories). */
+static void put_file(const char *dir, const char *rel, const char *text)
+{
+    char path[1024];
+    snprintf(path, sizeof(path), "%s/%s", dir, rel);
+    for (char *p = path + strlen(dir) + 1; *p; p++)
+        if (*p == '/') {
+            *p = '\0';
+            mkdir(path, 0700);
+            *p = '/';
+        }
+    FILE *f = fopen(path, "w");
+    assert_non_null(f);
+    fputs(text, f);
+    fclose(f);
+}
+
+/* In a container the memory a process may still use is its cgroup's
+ * limit less its usage, whatever /proc/meminfo says of the host: backing
+ * more wakes the cgroup's OOM killer. The least headroom of the cgroup
+ * and its ancestors counts, under cgroup v2 and v1; no limit, or files
+ * that cannot be read, leave MemAvailable alone. prefault_memory refuses
+ * tiers larger than it. */
+static void test_mem_available_follows_the_cgroup_limit(void **state)
+{
+    (void)state;
+    const char *tmp = getenv("KVH_TEST_TMPDIR");
+    char dir[512], proc[600], root[600];
+    snprintf(dir, sizeof(dir), "%s/cgroup.%d", tmp ? tmp : "/tmp", (int)getpid());
+    mkdir(dir, 0700);
+    snprintf(proc, sizeof(proc), "%s/proc_self_cgroup", dir);
+    snprintf(root, sizeof(root), "%s/sys", dir);
+    uint64_t host = kvhi_mem_available();
+    assert_true(host > (64u << 20) && host != UINT64_MAX);
+
+    /* v2: a 48 MiB limit on the parent, 16 MiB of it used; none on the
+     * process's own cgroup. */
+    put_file(dir, "proc_self_cgroup", "0::/pod/app\n");
+    put_file(dir, "sys/pod/memory.max", "50331648\n");
+    put_file(dir, "sys/pod/memory.current", "16777216\n");
+    put_file(dir, "sys/pod/app/memory.max", "max\n");
+    put_file(dir, "sys/pod/app/memory.current", "4096\n");
+    kvhi_set_cgroup_paths(proc, root);
+    assert_int_equal(kvhi_mem_available(), 32u << 20);
+    /* A tighter own limit wins. */
+    put_file(dir, "sys/pod/app/memory.max", "8392704\n"); /* 8 MiB + 4 KiB */
+    assert_int_equal(kvhi_mem_available(), 8u << 20);
+    /* Usage past the limit leaves nothing. */
+    put_file(dir, "sys/pod/app/memory.current", "9000000\n");
+    assert_int_equal(kvhi_mem_available(), 0);
+
+    /* v1: the memory controller's hierarchy; its "unlimited" is a huge
+     * number, not "max". */
+    put_file(dir, "proc_self_cgroup", "12:pids:/x\n4:cpu,memory:/job\n0::/\n");
+    put_file(dir, "sys/memory/job/memory.limit_in_bytes", "33554432\n");
+    put_file(dir, "sys/memory/job/memory.usage_in_bytes", "1048576\n");
+    put_file(dir, "sys/memory/memory.limit_in_bytes", "9223372036854771712\n");
+    put_file(dir, "sys/memory/memory.usage_in_bytes", "123456789\n");
+    assert_int_equal(kvhi_mem_available(), 31u << 20);
+
+    /* Unlimited, or nothing to read: MemAvailable. */
+    put_file(dir, "sys/memory/job/memory.limit_in_bytes", "9223372036854771712\n");
+    uint64_t unlimited = kvhi_mem_available();
+    assert_true(unlimited > (64u << 20) && unlimited != UINT64_MAX);
+    put_file(dir, "proc_self_cgroup", "0::/nowhere\n");
+    uint64_t unread = kvhi_mem_available();
+    assert_true(unread > (64u << 20) && unread != UINT64_MAX);
+
+    /* The open: 24 MiB of tiers, 8 MiB of cgroup headroom. */
+    put_file(dir, "proc_self_cgroup", "0::/pod/app\n");
+    put_file(dir, "sys/pod/app/memory.current", "4096\n");
+    kvh_config c = tu_cfg(2, 2, 64, 16, KVH_DTYPE_F16, 1, 1, 0);
+    c.device_bytes = 8ull << 20;
+    c.host_bytes = 16ull << 20;
+    c.copy_moves = 1;
+    c.prefault_memory = 1;
+    kvh_engine *refused = NULL;
+    kvh_status st = kvh_engine_open(&c, &refused);
+    kvhi_set_cgroup_paths(NULL, NULL);
+    if (st == KVH_OK)
+        tu_track_engine(refused);
+    assert_int_equal(st, KVH_ERR_NOMEM);
+    assert_non_null(strstr(kvh_last_error(), "cgroup"));
+    assert_null(refused);
+    kvh_engine *e = tu_open_cfg(&c); /* the real limits let it open */
+    assert_ok(tu_close(e));
+}
+
 static void test_explicit_cuda(void **state)
 {
     (void)state;
@@ -619,6 +708,7 @@ int main(void)
         cmocka_unit_test_teardown(test_open_default_config, tu_teardown),
         cmocka_unit_test_teardown(test_prefault_memory, tu_teardown),
         cmocka_unit_test_teardown(test_prefault_memory_auto_backend, tu_teardown),
+        cmocka_unit_test_teardown(test_mem_available_follows_the_cgroup_limit, tu_teardown),
         cmocka_unit_test_teardown(test_explicit_cuda, tu_teardown),
         cmocka_unit_test_teardown(test_close_null_and_misc, tu_teardown),
         cmocka_unit_test_teardown(test_budgets_round_down, tu_teardown),

@@ -351,8 +351,10 @@ typedef struct kvh_config {
      * into touched memory). The open then takes time in proportion to
      * device_bytes + host_bytes and that much memory is resident from the
      * start; an open that cannot back it, or whose tiers are larger than
-     * the memory the system has available (MemAvailable: backing more
-     * would wake the OOM killer), fails with KVH_ERR_NOMEM. Other
+     * the memory the system has available (MemAvailable, or less where
+     * the process's memory cgroup limit, less its usage, leaves less:
+     * backing more would wake the OOM killer), fails with KVH_ERR_NOMEM.
+     * This holds for the CPU backend AUTO chose too. Other
      * backends' host memory is pinned, so already backed. Default 0: pages
      * are backed as slots are first used. */
     uint32_t prefault_memory;
