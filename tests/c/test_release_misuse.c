@@ -17,7 +17,9 @@
  *     between, the count exact after each;
  *   - close with releases just made, then reopen of a persisted store:
  *     what was released is gone, what was kept is found, nothing leaks
- *     (ASan). */
+ *     (ASan);
+ *   - a random run of 20000 calls checked against a model of each
+ *     handle's references (KVH_TEST_SEED picks another run). */
 #include <stdbool.h>
 #include <stdio.h>
 #include <string.h>
@@ -338,6 +340,81 @@ static void test_close_with_releases_then_reopen(void **state)
     }
 }
 
+/* An oracle: a random run of allocs, retains, releases (good, double,
+ * stale, forged) and reads against a model of the references each handle
+ * holds. After every call: its status is the model's, every live block's
+ * references are the model's, the tiers hold exactly the live blocks, and
+ * an alloc fails with NOSPACE exactly when every slot is live (nothing
+ * can be dropped: every block is referenced). */
+enum { ORACLE_STEPS = 20000, ORACLE_DEV = 5, ORACLE_HOST = 3, ORACLE_HANDLES = 4096 };
+
+typedef struct {
+    kvh_block h;
+    uint32_t refs; /* 0: freed (its handle is stale) */
+} oracle_block;
+
+static void test_random_calls_against_a_model(void **state)
+{
+    (void)state;
+    kvh_engine *e = open_mem(ORACLE_DEV, ORACLE_HOST);
+    oracle_block *m = tu_alloc(sizeof(oracle_block) * ORACLE_HANDLES);
+    uint32_t n = 0, live = 0;
+    tu_rng r = {tu_seed(0x0dac1e)};
+    for (int step = 0; step < ORACLE_STEPS; step++) {
+        uint64_t op = tu_below(&r, 100);
+        oracle_block *b = n ? &m[tu_below(&r, n)] : NULL;
+        if (op < 25 || !b) { /* alloc */
+            kvh_block h;
+            kvh_status st = kvh_block_alloc(e, 0, &h);
+            if (live == ORACLE_DEV + ORACLE_HOST) {
+                assert_kvh(KVH_ERR_NOSPACE, st);
+            } else {
+                assert_ok(st);
+                if (n == ORACLE_HANDLES) { /* forget the stale ones */
+                    uint32_t kept = 0;
+                    for (uint32_t i = 0; i < n; i++)
+                        if (m[i].refs)
+                            m[kept++] = m[i];
+                    n = kept;
+                }
+                m[n++] = (oracle_block){h, 1};
+                live++;
+            }
+        } else if (op < 40) { /* retain */
+            kvh_status st = kvh_block_retain(e, b->h);
+            assert_kvh(b->refs ? KVH_OK : KVH_ERR_BAD_HANDLE, st);
+            if (b->refs)
+                b->refs++;
+        } else if (op < 80) { /* release, maybe a double or stale one */
+            kvh_status st = kvh_block_release(e, b->h);
+            assert_kvh(b->refs ? KVH_OK : KVH_ERR_BAD_HANDLE, st);
+            if (b->refs && --b->refs == 0)
+                live--;
+        } else if (op < 85) { /* forged */
+            kvh_block f = {b->h.id ^ (1ull << tu_below(&r, 64))};
+            bool real = false;
+            for (uint32_t i = 0; i < n; i++)
+                real |= m[i].refs && m[i].h.id == f.id;
+            if (!real && f.id != 0)
+                assert_kvh(KVH_ERR_BAD_HANDLE, kvh_block_release(e, f));
+        } else if (op < 95) { /* block info */
+            kvh_block_info bi = {.struct_size = sizeof(bi)};
+            kvh_status st = kvh_block_info_get(e, b->h, &bi);
+            assert_kvh(b->refs ? KVH_OK : KVH_ERR_BAD_HANDLE, st);
+            if (b->refs)
+                assert_int_equal(bi.refs, b->refs);
+        } else { /* every tier, every live block */
+            kvh_tier_info d = tu_tier(e, KVH_TIER_DEVICE), h = tu_tier(e, KVH_TIER_HOST);
+            assert_int_equal(d.used_blocks + h.used_blocks, live);
+            for (uint32_t i = 0; i < n; i++)
+                if (m[i].refs)
+                    assert_int_equal(refs_of(e, m[i].h), m[i].refs);
+        }
+    }
+    kvh_stats s = tu_stats(e);
+    assert_int_equal(s.blocks_allocated - s.blocks_freed, live);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -347,6 +424,7 @@ int main(void)
         cmocka_unit_test_teardown(test_forged_handles_change_nothing, tu_teardown),
         cmocka_unit_test_teardown(test_many_references_released_between_other_calls, tu_teardown),
         cmocka_unit_test_teardown(test_close_with_releases_then_reopen, tu_teardown),
+        cmocka_unit_test_teardown(test_random_calls_against_a_model, tu_teardown),
     };
     return cmocka_run_group_tests_name("release_misuse", tests, NULL, NULL);
 }
