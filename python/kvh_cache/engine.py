@@ -362,11 +362,11 @@ class Engine(OwnedHandle):
             keep.append(buf)
             c.disk_path = buf
         flags = 0
-        if cfg.disk_reset_on_mismatch:
+        if _flag("disk_reset_on_mismatch", cfg.disk_reset_on_mismatch):
             flags |= int(lib.KVH_DISK_RESET_ON_MISMATCH)
-        if cfg.disk_buffered:
+        if _flag("disk_buffered", cfg.disk_buffered):
             flags |= int(lib.KVH_DISK_BUFFERED)
-        if cfg.disk_share_group:
+        if _flag("disk_share_group", cfg.disk_share_group):
             flags |= int(lib.KVH_DISK_SHARE_GROUP)
         c.disk_flags = flags
         if cfg.disk_strict_index is not None:

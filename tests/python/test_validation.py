@@ -124,10 +124,23 @@ def test_bad_config():
         kvh.Engine(disk_path="a\0b", disk_bytes=1 << 20)
 
 
-@pytest.mark.parametrize("field", ["prefault_memory", "vmap", "copy_moves", "disk_strict_index", "remote_tls"])
+@pytest.mark.parametrize(
+    "field",
+    [
+        "prefault_memory",
+        "vmap",
+        "copy_moves",
+        "disk_strict_index",
+        "remote_tls",
+        "disk_reset_on_mismatch",
+        "disk_buffered",
+        "disk_share_group",
+    ],
+)
 def test_bad_on_off_config_is_refused(field):
     """An on/off field given a string, a float or a count other than 0/1
-    used to be read by its truth: prefault_memory="off" backed the tiers."""
+    used to be read by its truth: prefault_memory="off" backed the tiers,
+    disk_reset_on_mismatch="false" emptied a store of another geometry."""
     for bad in ("off", "0", "", 0.0, [0]):
         with pytest.raises(TypeError, match=field):
             kvh.Engine(backend="cpu", device_bytes=1 << 20, host_bytes=1 << 20, **{field: bad})
