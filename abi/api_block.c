@@ -48,12 +48,7 @@ kvh_status kvh_block_alloc(kvh_engine *e, uint32_t agent, kvh_block *block)
     kvh_status st = kvhi_api_enter(e);
     if (st != KVH_OK)
         return st;
-    uint32_t b;
-    if ((st = kvhi_block_new(e, agent, KVH_TIER_DEVICE, &b)) == KVH_OK) {
-        e->blocks[b].ext_refs = 1;
-        block->id = kvhi_block_handle(e, b);
-        kvhi_block_release_key_set(e, b, block->id, 1);
-    }
+    st = kvhi_block_new_handle(e, agent, &block->id);
     kvhi_leave(e);
     return st;
 }

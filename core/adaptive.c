@@ -99,6 +99,7 @@ int kvhi_adapt_init(kvh_engine *e)
     a->shift = 0;
     while (a->shift < 16 && (dev >> a->shift) > SHADOW_BLOCKS)
         a->shift++;
+    a->sample_below = 1ull << (32 - a->shift);
     a->cap = (uint32_t)(dev >> a->shift) ? (uint32_t)(dev >> a->shift) : 1;
     a->decay_every = (mem > a->cap ? mem : a->cap) * DECAY_WINDOWS;
     a->decay_left = a->decay_every;

@@ -26,9 +26,10 @@ typedef struct kvhi_adapt {
     uint8_t n_orders; /* orders simulated: REUSE needs K >= 2 */
     /* REUSE: the longest reuse interval that protects a block (accesses). */
     uint64_t reuse_period;
-    uint32_t shift; /* a block is simulated when its hash's top bits
-                       below this many are zero: a 2^-shift sample */
-    uint32_t cap;   /* shadow capacity: the device tier's, sampled */
+    uint32_t shift;        /* a block is simulated when its hash's top bits
+                              below this many are zero: a 2^-shift sample */
+    uint64_t sample_below; /* the same: its hash is below 2^(32 - shift) */
+    uint32_t cap;          /* shadow capacity: the device tier's, sampled */
     /* Per order: each block's position in its shadow, the shadow, and its
      * hits, decayed. */
     uint32_t *pos[KVHI_ADAPT_ORDERS];
@@ -50,7 +51,7 @@ void kvhi_adapt_free(struct kvh_engine *e);
  * pays the shadows' update on every pair. */
 static inline bool kvhi_adapt_sampled(const kvhi_adapt *a, uint32_t b)
 {
-    return a->shift == 0 || ((b * 0x9e3779b1u + 0x7f4a7c15u) >> (32 - a->shift)) == 0;
+    return (uint64_t)(b * 0x9e3779b1u + 0x7f4a7c15u) < a->sample_below;
 }
 /* Shadow hits another order must lead by to take over (see adaptive.c). */
 #define KVHI_ADAPT_SWITCH_MARGIN 4

@@ -67,7 +67,7 @@ kvhi_agent *kvhi_agent_at_quota(kvh_engine *e, uint32_t id)
     return a && a->quota_blocks && a->device_blocks >= a->quota_blocks ? a : NULL;
 }
 
-static void heaps_remove(kvh_engine *e, uint32_t b)
+static inline void heaps_remove(kvh_engine *e, uint32_t b)
 {
     kvhi_block *blk = kvhi_blk(e, b);
     if (blk->heap_pos != KVHI_HEAP_NONE)
@@ -89,7 +89,10 @@ kvhi_lruk_key kvhi_block_current_key(void *engine, uint32_t b)
     return kvhi_evict_key(e, blk, k);
 }
 
-void kvhi_block_update_evictable(kvh_engine *e, uint32_t b)
+/* Inline bodies of the calls an allocation and a release make, with
+ * their exported names below: the calls themselves (saved registers, a
+ * frame each) cost as much as the work on an alloc+free pair. */
+static inline void block_update_evictable(kvh_engine *e, uint32_t b)
 {
     kvhi_block *blk = kvhi_blk(e, b);
     bool evictable = (blk->flags & KVHI_BF_LIVE) && !kvhi_block_busy(blk) && !(blk->flags & KVHI_BF_DEAD) &&
@@ -120,6 +123,8 @@ void kvhi_block_update_evictable(kvh_engine *e, uint32_t b)
         kvhi_lruk_upsert_lazy(&quota->heap, b, key);
 }
 
+void kvhi_block_update_evictable(kvh_engine *e, uint32_t b) { block_update_evictable(e, b); }
+
 void kvhi_block_ref(kvh_engine *e, uint32_t b)
 {
     if (e->blocks[b].refs++ == 0)
@@ -140,6 +145,8 @@ void kvhi_block_ref_handle(kvh_engine *e, uint32_t b)
         kvhi_block_release_key_clear(e, b);
 }
 
+__attribute__((always_inline)) static inline void block_unref(kvh_engine *e, uint32_t b);
+
 /* The record work of a release that kvhi_block_release_trusted took: the
  * key vouched for a live record with a handle reference left, and nothing
  * but releases (queued after this one) lowers that, nor frees a block
@@ -154,7 +161,7 @@ static void release_apply(kvh_engine *e, uint64_t h)
     if (!vouched)
         return; /* never drop a reference of another block */
     blk->ext_refs--;
-    kvhi_block_unref(e, b);
+    block_unref(e, b);
 }
 
 void kvhi_block_release_apply_oldest(kvh_engine *e)
@@ -205,7 +212,7 @@ static void agent_count(kvh_engine *e, uint32_t agent, int delta)
 }
 
 /* Records that b now occupies (tier, slot). */
-void kvhi_block_place(kvh_engine *e, uint32_t b, uint32_t tier, uint32_t slot)
+static inline void block_place(kvh_engine *e, uint32_t b, uint32_t tier, uint32_t slot)
 {
     kvhi_block *blk = kvhi_blk(e, b);
     if (blk->tier == KVH_TIER_DEVICE)
@@ -229,11 +236,14 @@ void kvhi_block_place(kvh_engine *e, uint32_t b, uint32_t tier, uint32_t slot)
     }
 }
 
+void kvhi_block_place(kvh_engine *e, uint32_t b, uint32_t tier, uint32_t slot) { block_place(e, b, tier, slot); }
+
 /* How many allocations ahead a record is prefetched: one call is shorter
  * than a miss to memory on a loaded machine (scale's memory_read row). */
 #define BLOCK_PREFETCH_AHEAD 4u
 
-kvh_status kvhi_block_new(kvh_engine *e, uint32_t agent, uint32_t min_tier, uint32_t *out)
+__attribute__((always_inline)) static inline kvh_status block_new(kvh_engine *e, uint32_t agent, uint32_t min_tier,
+                                                                  uint32_t *out)
 {
     uint32_t slot = 0, tier = KVH_TIER_COUNT;
     kvh_status st = KVH_ERR_NOSPACE;
@@ -241,10 +251,19 @@ kvh_status kvhi_block_new(kvh_engine *e, uint32_t agent, uint32_t min_tier, uint
      * Block records are never short before a slot is: every live record
      * holds at least one slot, and there are as many records as slots. */
     uint32_t order[KVH_TIER_DISK + 1], n_order = 0;
-    order[n_order++] = min_tier;
-    for (uint32_t t = 0; t < KVH_TIER_DISK; t++)
-        if (t != min_tier)
-            order[n_order++] = t;
+    /* Most often the preferred tier has a free slot and no agent quota to
+     * check: kvhi_reserve_slot's first step, taken here without the call. */
+    kvhi_tier *pref = min_tier < KVH_TIER_DISK ? &e->tiers[min_tier] : NULL;
+    if (pref && pref->present && !(min_tier == KVH_TIER_DEVICE && e->n_agents) &&
+        kvhi_slot_pool_alloc(&pref->slots, &slot) == 0) {
+        tier = min_tier;
+        st = KVH_OK;
+    } else {
+        order[n_order++] = min_tier;
+        for (uint32_t t = 0; t < KVH_TIER_DISK; t++)
+            if (t != min_tier)
+                order[n_order++] = t;
+    }
     for (uint32_t i = 0; i < n_order; i++) {
         uint32_t t = order[i];
         if (t >= KVH_TIER_DISK || !e->tiers[t].present)
@@ -297,13 +316,34 @@ kvh_status kvhi_block_new(kvh_engine *e, uint32_t agent, uint32_t min_tier, uint
     blk->quota_heap_pos = KVHI_HEAP_NONE;
     blk->tier = KVHI_NO_TIER;
     blk->disk_copy = KVHI_NO_BLOCK;
-    kvhi_block_place(e, b, tier, slot);
+    block_place(e, b, tier, slot);
     kvhi_adapt_access(e, &e->adapt, b);
-    kvhi_block_update_evictable(e, b);
+    /* Live, idle and unheld, in no order yet: it joins its tier's pending
+     * (block_update_evictable's first step), unless an agent's quota or a
+     * heap without a ring needs the rest of that path. */
+    if (e->n_agents || !kvhi_lruk_add_pending(&e->tiers[tier].heap, b))
+        block_update_evictable(e, b);
     e->stats.blocks_allocated++;
     e->block_newest = b;
     *out = b;
     return KVH_OK;
+}
+
+kvh_status kvhi_block_new(kvh_engine *e, uint32_t agent, uint32_t min_tier, uint32_t *out)
+{
+    return block_new(e, agent, min_tier, out);
+}
+
+kvh_status kvhi_block_new_handle(kvh_engine *e, uint32_t agent, uint64_t *id)
+{
+    uint32_t b = 0;
+    kvh_status st = block_new(e, agent, KVH_TIER_DEVICE, &b);
+    if (st == KVH_OK) {
+        e->blocks[b].ext_refs = 1;
+        *id = kvhi_block_handle(e, b);
+        kvhi_block_release_key_set(e, b, *id, 1);
+    }
+    return st;
 }
 
 /* Frees b's metadata, and its slot unless keep_slot. Not in flight. */
@@ -322,7 +362,7 @@ static bool block_gen_advance(kvh_engine *e, kvhi_block *blk)
     return (gen - e->gen_start) >> handle_gen_bits == 0;
 }
 
-static void block_destroy(kvh_engine *e, uint32_t b, bool keep_slot)
+__attribute__((always_inline)) static inline void block_destroy(kvh_engine *e, uint32_t b, bool keep_slot)
 {
     kvhi_block *blk = kvhi_blk(e, b);
     assert(e->block_readers[b] == 0); /* a read holds it, so it cannot be destroyed */
@@ -352,7 +392,7 @@ static void block_destroy(kvh_engine *e, uint32_t b, bool keep_slot)
     e->stats.blocks_freed++;
 }
 
-void kvhi_block_free_now(kvh_engine *e, uint32_t b)
+__attribute__((always_inline)) static inline void block_free_now(kvh_engine *e, uint32_t b)
 {
     kvhi_block *blk = kvhi_blk(e, b);
     /* Busy (a copy runs) or held (e.g. attention kernels still queued on a
@@ -370,6 +410,8 @@ void kvhi_block_free_now(kvh_engine *e, uint32_t b)
     }
     block_destroy(e, b, false);
 }
+
+void kvhi_block_free_now(kvh_engine *e, uint32_t b) { block_free_now(e, b); }
 
 uint32_t kvhi_block_drop(kvh_engine *e, uint32_t b)
 {
@@ -393,17 +435,19 @@ bool kvhi_block_recall(kvh_engine *e, uint32_t b)
     return st == KVHI_MS_DEMOTING || st == KVHI_MS_RECALLED;
 }
 
-void kvhi_block_unref(kvh_engine *e, uint32_t b)
+__attribute__((always_inline)) static inline void block_unref(kvh_engine *e, uint32_t b)
 {
     kvhi_assert_locked(e);
     kvhi_block *blk = kvhi_blk(e, b);
     if (--blk->refs > 0)
         return;
     if (blk->flags & KVHI_BF_PUBLISHED)
-        kvhi_block_update_evictable(e, b); /* stays cached, now cheaper to drop */
+        block_update_evictable(e, b); /* stays cached, now cheaper to drop */
     else
-        kvhi_block_free_now(e, b);
+        block_free_now(e, b);
 }
+
+void kvhi_block_unref(kvh_engine *e, uint32_t b) { block_unref(e, b); }
 
 void kvhi_block_writing_done(kvh_engine *e, uint32_t b)
 {

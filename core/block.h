@@ -168,6 +168,10 @@ uint8_t *kvhi_block_data(kvh_engine *e, uint32_t i);
 /* New empty block with refs=1, in the fastest tier at or below min_tier
  * that can make room (may evict; may drop the lock). */
 kvh_status kvhi_block_new(kvh_engine *e, uint32_t agent, uint32_t min_tier, uint32_t *out);
+/* kvh_block_alloc's work: a new device-first block with one handle
+ * reference, its handle in *id (one call, so that kvhi_block_new's body
+ * is inlined where the cheapest public call needs it). */
+kvh_status kvhi_block_new_handle(kvh_engine *e, uint32_t agent, uint64_t *id);
 void kvhi_block_place(kvh_engine *e, uint32_t b, uint32_t tier, uint32_t slot);
 /* Frees now, or marks DEAD for the mover to reap when in flight. */
 void kvhi_block_free_now(kvh_engine *e, uint32_t b);

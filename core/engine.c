@@ -403,10 +403,11 @@ kvh_status kvhi_engine_open(const kvh_config *config, kvh_engine **out)
         e->block_free[i] = (uint32_t)(cap - 1 - i);
     }
     e->block_free_top = (uint32_t)cap;
+    uint32_t ring_position = 0; /* the tier heaps share the records' heap_pos */
     for (uint32_t t = 0; t < KVH_TIER_COUNT; t++)
         if (e->tiers[t].present && (kvhi_lruk_init(&e->tiers[t].heap, e->tiers[t].slots.capacity,
                                                    &e->blocks[0].heap_pos, sizeof(kvhi_block)) != 0 ||
-                                    kvhi_lruk_enable_pending(&e->tiers[t].heap) != 0)) {
+                                    kvhi_lruk_enable_pending(&e->tiers[t].heap, &ring_position) != 0)) {
             engine_free(e);
             return kvhi_fail(KVH_ERR_NOMEM, "out of memory for eviction heaps");
         }

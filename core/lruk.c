@@ -35,7 +35,7 @@ int kvhi_lruk_init(kvhi_lruk_heap *h, uint32_t cap, void *pos_base, size_t pos_s
     h->entries = h->mem ? (kvhi_lruk_entry *)((uint8_t *)h->mem + GROUP_SHIFT) : NULL;
     h->q_head = h->q_len = h->q_live = 0;
     h->pending = NULL;
-    h->p_head = h->p_len = h->p_cap = h->p_live = 0;
+    h->p_base = h->p_head = h->p_len = h->p_cap = h->p_live = 0;
     h->q_cap = queue_cap(cap);
     h->q_mem = h->q_cap ? kvhi_huge_alloc(queue_bytes(h->q_cap)) : NULL;
     h->queue = h->q_mem;
@@ -62,15 +62,18 @@ void kvhi_lruk_destroy(kvhi_lruk_heap *h)
     h->p_head = h->p_len = h->p_cap = h->p_live = 0;
 }
 
-int kvhi_lruk_enable_pending(kvhi_lruk_heap *h)
+int kvhi_lruk_enable_pending(kvhi_lruk_heap *h, uint32_t *next_position)
 {
     uint32_t p_cap = queue_cap(h->cap);
-    if (h->pending || p_cap == 0 || p_cap >= KVHI_LRUK_PENDING || h->q_cap >= KVHI_LRUK_PENDING)
+    if (h->pending || p_cap == 0 || (uint64_t)*next_position + p_cap >= KVHI_LRUK_PENDING ||
+        h->q_cap >= KVHI_LRUK_PENDING)
         return 0;
     h->pending = kvhi_huge_alloc(sizeof(uint32_t) * (size_t)p_cap);
     if (!h->pending)
         return -1;
     h->p_cap = p_cap;
+    h->p_base = *next_position;
+    *next_position += p_cap;
     return 0;
 }
 
@@ -148,11 +151,11 @@ void kvhi_lruk_pending_squeeze(kvhi_lruk_heap *h)
     uint32_t out = 0;
     for (uint32_t i = 0; i < h->p_len; i++) {
         uint32_t item = h->pending[kvhi_lruk_pending_index(h, i)];
-        if (item == KVHI_HEAP_NONE)
+        if (!kvhi_lruk_pending_live(h, kvhi_lruk_pending_index(h, i), item))
             continue;
         uint32_t at = kvhi_lruk_pending_index(h, out++);
         h->pending[at] = item;
-        *pos_of(h, item) = KVHI_LRUK_PENDING | at;
+        *pos_of(h, item) = KVHI_LRUK_PENDING | (h->p_base + at);
     }
     h->p_len = out;
 }
@@ -228,7 +231,7 @@ void kvhi_lruk_upsert(kvhi_lruk_heap *h, uint32_t item, kvhi_lruk_key key)
 {
     uint32_t p = *pos_of(h, item);
     if (kvhi_lruk_pos_pending(h, p)) {
-        kvhi_lruk_pending_remove_at(h, p & ~KVHI_LRUK_PENDING);
+        kvhi_lruk_pending_leave(h); /* stale once heap_insert moves it below */
         p = KVHI_HEAP_NONE;
     } else if (p != KVHI_HEAP_NONE && (p & KVHI_LRUK_QUEUED)) {
         q_remove_at(h, p & ~KVHI_LRUK_QUEUED);
@@ -265,7 +268,7 @@ void kvhi_lruk_drain(kvhi_lruk_heap *h, kvhi_lruk_current_fn current, void *ctx)
 {
     for (uint32_t i = 0; i < h->p_len; i++) {
         uint32_t item = h->pending[kvhi_lruk_pending_index(h, i)];
-        if (item == KVHI_HEAP_NONE)
+        if (!kvhi_lruk_pending_live(h, kvhi_lruk_pending_index(h, i), item))
             continue;
         kvhi_lruk_key key = current(ctx, item);
         *pos_of(h, item) = KVHI_HEAP_NONE;
@@ -323,7 +326,7 @@ void kvhi_lruk_rekey(kvhi_lruk_heap *h, kvhi_lruk_current_fn current, void *ctx)
 {
     for (uint32_t i = 0; i < h->p_len; i++) {
         uint32_t item = h->pending[kvhi_lruk_pending_index(h, i)];
-        if (item != KVHI_HEAP_NONE)
+        if (kvhi_lruk_pending_live(h, kvhi_lruk_pending_index(h, i), item))
             h->entries[h->size++].item = item; /* keyed below with the rest */
     }
     h->p_head = h->p_len = h->p_live = 0;

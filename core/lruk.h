@@ -28,10 +28,14 @@
  * they wait, as bare item numbers, in a pending ring that is keyed only
  * when the order is next consulted (kvhi_lruk_top_current, kvhi_lruk_rekey),
  * each with its current key then. Most blocks are freed before any victim
- * is chosen, and those never pay for a key, a queue entry or a sift; one
- * freed while pending leaves a hole in O(1). Until then an upsert_lazy of
- * a pending item has nothing to do: whatever its key becomes is read at
- * the drain. */
+ * is chosen, and those never pay for a key, a queue entry or a sift. One
+ * freed while pending does not touch the ring at all (frees come in random
+ * order, and a write into the ring there would miss the cache): its ring
+ * entry goes stale, told apart because the item's position no longer
+ * names it, and is skipped when the ring is read; the ring starts over
+ * when no live item is left, and is squeezed when it fills. Until then an
+ * upsert_lazy of a pending item has nothing to do: whatever its key
+ * becomes is read at the drain. */
 #ifndef KVH_CORE_LRUK_H
 #define KVH_CORE_LRUK_H
 
@@ -68,9 +72,11 @@ typedef struct kvhi_lruk_heap {
     uint32_t q_len;
     uint32_t q_cap;
     uint32_t q_live; /* entries of the ring that are not holes */
-    /* Pending ring (kvhi_lruk_enable_pending): items in arrival order,
-     * holes KVHI_HEAP_NONE, trimmed and squeezed like the queue's. */
+    /* Pending ring (kvhi_lruk_enable_pending): items in arrival order;
+     * an entry is live while its item's position names its index
+     * (kvhi_lruk_pending_live), stale otherwise; p_live counts the live. */
     uint32_t *pending;
+    uint32_t p_base; /* positions name ring index at as p_base + at */
     uint32_t p_head;
     uint32_t p_len;
     uint32_t p_cap;
@@ -88,10 +94,13 @@ typedef kvhi_lruk_key (*kvhi_lruk_current_fn)(void *ctx, uint32_t item);
 
 int kvhi_lruk_init(kvhi_lruk_heap *h, uint32_t cap, void *pos_base, size_t pos_stride);
 void kvhi_lruk_destroy(kvhi_lruk_heap *h);
-/* Gives h a pending ring; 0, or -1 out of memory. A heap too large for
- * its positions to carry KVHI_LRUK_PENDING is left without one (0):
- * kvhi_lruk_add_pending then declines. */
-int kvhi_lruk_enable_pending(kvhi_lruk_heap *h);
+/* Gives h a pending ring; 0, or -1 out of memory. Heaps whose items keep
+ * one position field between them (a block's tier heaps) take disjoint
+ * ranges of ring positions, from *next_position on (advanced past h's),
+ * so that no entry left stale in one ring is named by a position in
+ * another. A heap whose range would not fit below KVHI_LRUK_PENDING is
+ * left without one (0): kvhi_lruk_add_pending then declines. */
+int kvhi_lruk_enable_pending(kvhi_lruk_heap *h, uint32_t *next_position);
 /* Whether position p (of an item of h) is in the pending ring. Only a
  * heap with a ring has such positions; in one without, heap and queue
  * positions may reach the bit. */
@@ -106,6 +115,13 @@ static inline uint32_t kvhi_lruk_pending_index(const kvhi_lruk_heap *h, uint32_t
     uint32_t r = h->p_head + i;
     return r >= h->p_cap ? r - h->p_cap : r;
 }
+/* Whether the pending ring's entry at index `at`, naming item, is live:
+ * the item left (or left and came back elsewhere) when its position no
+ * longer names this index. */
+static inline int kvhi_lruk_pending_live(const kvhi_lruk_heap *h, uint32_t at, uint32_t item)
+{
+    return *(const uint32_t *)(h->pos_base + (size_t)item * h->pos_stride) == (KVHI_LRUK_PENDING | (h->p_base + at));
+}
 /* Files an item not present (position KVHI_HEAP_NONE) without a key: it
  * is keyed through current() at the next top_current or rekey. False
  * (nothing done) when h has no pending ring: use upsert_lazy. Inline, as
@@ -115,31 +131,22 @@ static inline int kvhi_lruk_add_pending(kvhi_lruk_heap *h, uint32_t item)
 {
     if (!h->pending)
         return 0;
-    if (h->p_len == h->p_cap)
+    if (h->p_live == 0)
+        h->p_head = h->p_len = 0; /* every entry is stale: start over, unread */
+    else if (h->p_len == h->p_cap)
         kvhi_lruk_pending_squeeze(h);
     if (h->p_len == h->p_cap)
         return 0; /* cannot happen: the ring has room for every item */
     uint32_t at = kvhi_lruk_pending_index(h, h->p_len++);
     h->pending[at] = item;
     h->p_live++;
-    *(uint32_t *)(h->pos_base + (size_t)item * h->pos_stride) = KVHI_LRUK_PENDING | at;
+    *(uint32_t *)(h->pos_base + (size_t)item * h->pos_stride) = KVHI_LRUK_PENDING | (h->p_base + at);
     return 1;
 }
-/* Leaves a hole at pending index at, and trims holes off both ends so
- * that they stay live. */
-static inline void kvhi_lruk_pending_remove_at(kvhi_lruk_heap *h, uint32_t at)
-{
-    h->pending[at] = KVHI_HEAP_NONE;
-    h->p_live--;
-    while (h->p_len && h->pending[kvhi_lruk_pending_index(h, h->p_len - 1)] == KVHI_HEAP_NONE)
-        h->p_len--;
-    while (h->p_len && h->pending[h->p_head] == KVHI_HEAP_NONE) {
-        h->p_head = h->p_head + 1 == h->p_cap ? 0 : h->p_head + 1;
-        h->p_len--;
-    }
-    if (!h->p_len)
-        h->p_head = 0;
-}
+/* The pending item whose position was p leaves the ring: its entry is
+ * stale from the moment the position changes (the caller's next write),
+ * so only the count of live entries is kept. */
+static inline void kvhi_lruk_pending_leave(kvhi_lruk_heap *h) { h->p_live--; }
 /* Keys every pending item with its current key, into the queue or the
  * heap: O(pending). top_current and rekey do it themselves. */
 void kvhi_lruk_drain(kvhi_lruk_heap *h, kvhi_lruk_current_fn current, void *ctx);
@@ -161,7 +168,7 @@ static inline void kvhi_lruk_remove(kvhi_lruk_heap *h, uint32_t item)
         return;
     *pos = KVHI_HEAP_NONE;
     if (kvhi_lruk_pos_pending(h, p))
-        kvhi_lruk_pending_remove_at(h, p & ~KVHI_LRUK_PENDING);
+        kvhi_lruk_pending_leave(h);
     else
         kvhi_lruk_remove_ordered(h, p);
 }

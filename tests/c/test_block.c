@@ -246,7 +246,10 @@ static void test_new_blocks_enter_the_order_pending(void **state)
     wb_lock(e);
     assert_int_equal(kvhi_blk(e, idx[3])->heap_pos, KVHI_HEAP_NONE);
     assert_int_equal(dev->p_live, 3);
-    assert_int_equal(dev->p_len, 3); /* the hole at the end was trimmed */
+    /* The ring itself is not written: its entry stays, stale. */
+    assert_int_equal(dev->p_len, 4);
+    assert_int_equal(dev->pending[3], idx[3]);
+    assert_false(kvhi_lruk_pending_live(dev, 3, idx[3]));
     wb_unlock(e);
 
     /* A fifth block in a full tier: the choice keys the pending three and

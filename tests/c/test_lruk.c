@@ -483,7 +483,7 @@ static void test_pending_arrivals_churn(void **state)
     assert_int_equal(kvhi_lruk_init(&h, N, &items[0].pos, sizeof(item)), 0);
     assert_int_equal(kvhi_lruk_add_pending(&h, 0), 0); /* no ring yet: declined, untouched */
     assert_int_equal(items[0].pos, KVHI_HEAP_NONE);
-    assert_int_equal(kvhi_lruk_enable_pending(&h), 0);
+    assert_int_equal(kvhi_lruk_enable_pending(&h, &(uint32_t){0}), 0);
     uint64_t clock = 0;
     uint32_t pending_seen = 0, freed_pending = 0, victims = 0;
     for (uint32_t i = 0; i < N; i++)
@@ -567,7 +567,7 @@ static void test_pending_ring_squeeze(void **state)
     lazy_ctx c = {items, ref};
     kvhi_lruk_heap h;
     assert_int_equal(kvhi_lruk_init(&h, N, &items[0].pos, sizeof(item)), 0);
-    assert_int_equal(kvhi_lruk_enable_pending(&h), 0);
+    assert_int_equal(kvhi_lruk_enable_pending(&h, &(uint32_t){0}), 0);
     uint64_t clock = 0;
     /* Item 0 stays pending throughout; the others come and go behind it,
      * so its hole-free end never lets the ring trim. */
@@ -594,6 +594,121 @@ static void test_pending_ring_squeeze(void **state)
     }
     assert_int_equal(kvhi_lruk_count(&h), 0);
     kvhi_lruk_destroy(&h);
+}
+
+/* Items that leave the pending ring leave their entries there, stale: an
+ * item that comes back is drained once, with its new key; a ring whose
+ * items all left starts over at its next arrival without reading the
+ * stale entries. */
+static void test_pending_entries_go_stale(void **state)
+{
+    (void)state;
+    enum { N = 8 };
+    item *items = tu_alloc(sizeof(item) * N);
+    uint8_t *ref = tu_alloc(N), *gone = tu_alloc(N);
+    init_items(items, N);
+    lazy_ctx c = {items, ref};
+    kvhi_lruk_heap h;
+    assert_int_equal(kvhi_lruk_init(&h, N, &items[0].pos, sizeof(item)), 0);
+    assert_int_equal(kvhi_lruk_enable_pending(&h, &(uint32_t){0}), 0);
+    uint64_t clock = 0;
+    for (uint32_t i = 0; i < 3; i++) {
+        kvhi_lruk_record(items[i].hist, 2, ++clock);
+        assert_true(kvhi_lruk_add_pending(&h, i));
+    }
+    /* Item 1 leaves and comes back behind item 2: two entries name it. */
+    kvhi_lruk_remove(&h, 1);
+    assert_int_equal(h.p_live, 2);
+    assert_int_equal(h.p_len, 3);
+    assert_false(kvhi_lruk_pending_live(&h, 1, 1));
+    kvhi_lruk_record(items[1].hist, 2, ++clock);
+    assert_true(kvhi_lruk_add_pending(&h, 1));
+    assert_int_equal(h.p_len, 4);
+    assert_true(kvhi_lruk_pending_live(&h, 3, 1));
+    assert_int_equal(kvhi_lruk_count(&h), 3);
+    /* Drained: three entries, item 1 once, last (its newest access). */
+    for (uint32_t i = 0; i < N; i++)
+        gone[i] = i >= 3;
+    uint32_t order[3] = {0, 2, 1};
+    for (int k = 0; k < 3; k++) {
+        assert_int_equal(lazy_brute_min(&c, gone, N), order[k]);
+        assert_int_equal(kvhi_lruk_top_current(&h, lazy_current, &c), order[k]);
+        kvhi_lruk_remove(&h, order[k]);
+        gone[order[k]] = 1;
+        assert_int_equal(kvhi_lruk_count(&h), (uint32_t)(2 - k));
+    }
+    assert_int_equal(kvhi_lruk_top_current(&h, lazy_current, &c), KVHI_HEAP_NONE);
+
+    /* All pending items leave: the next arrival starts the ring over. */
+    for (uint32_t i = 0; i < 5; i++)
+        assert_true(kvhi_lruk_add_pending(&h, i));
+    for (uint32_t i = 0; i < 5; i++)
+        kvhi_lruk_remove(&h, i);
+    assert_int_equal(h.p_live, 0);
+    assert_int_equal(kvhi_lruk_count(&h), 0);
+    assert_true(kvhi_lruk_add_pending(&h, 6));
+    assert_int_equal(h.p_head, 0);
+    assert_int_equal(h.p_len, 1);
+    assert_int_equal(items[6].pos, KVHI_LRUK_PENDING | 0);
+    kvhi_lruk_rekey(&h, lazy_current, &c);
+    assert_int_equal(kvhi_lruk_count(&h), 1);
+    assert_int_equal(items[6].pos, 0);
+    kvhi_lruk_destroy(&h);
+}
+
+/* Two heaps whose items keep one position field between them (a block's
+ * tier heaps): an item that leaves one ring and waits in the other is
+ * never taken for live by the entry it left stale, wherever the two
+ * rings put it. */
+static void test_pending_rings_sharing_positions(void **state)
+{
+    (void)state;
+    enum { N = 8 };
+    item *items = tu_alloc(sizeof(item) * N);
+    uint8_t *ref = tu_alloc(N), *gone = tu_alloc(N);
+    init_items(items, N);
+    lazy_ctx c = {items, ref};
+    kvhi_lruk_heap a, b;
+    uint32_t next = 0;
+    assert_int_equal(kvhi_lruk_init(&a, N, &items[0].pos, sizeof(item)), 0);
+    assert_int_equal(kvhi_lruk_init(&b, N, &items[0].pos, sizeof(item)), 0);
+    assert_int_equal(kvhi_lruk_enable_pending(&a, &next), 0);
+    assert_int_equal(kvhi_lruk_enable_pending(&b, &next), 0);
+    assert_int_equal(b.p_base, a.p_cap);
+    assert_int_equal(next, a.p_cap + b.p_cap);
+    /* Item 3 waits at index 0 of a, moves to index 0 of b. */
+    kvhi_lruk_record(items[3].hist, 2, 1);
+    assert_true(kvhi_lruk_add_pending(&a, 3));
+    kvhi_lruk_remove(&a, 3);
+    assert_true(kvhi_lruk_add_pending(&b, 3));
+    assert_false(kvhi_lruk_pending_live(&a, 0, 3));
+    assert_true(kvhi_lruk_pending_live(&b, 0, 3));
+    /* a keeps an item of its own, so its stale entry is read. */
+    kvhi_lruk_record(items[5].hist, 2, 2);
+    assert_true(kvhi_lruk_add_pending(&a, 5));
+    assert_int_equal(kvhi_lruk_count(&a), 1);
+    assert_int_equal(kvhi_lruk_top_current(&a, lazy_current, &c), 5);
+    assert_int_equal(kvhi_lruk_count(&a), 1);
+    kvhi_lruk_rekey(&a, lazy_current, &c);
+    assert_int_equal(kvhi_lruk_count(&a), 1);
+    assert_int_equal(items[5].pos, 0);
+    /* 3 is still b's, pending, and leaves it cleanly. */
+    assert_true(kvhi_lruk_pos_pending(&b, items[3].pos));
+    assert_int_equal(kvhi_lruk_top_current(&b, lazy_current, &c), 3);
+    kvhi_lruk_remove(&b, 3);
+    assert_int_equal(kvhi_lruk_count(&b), 0);
+    (void)gone;
+    /* A range past the positions' room leaves a heap without a ring. */
+    kvhi_lruk_heap big;
+    uint32_t late = KVHI_LRUK_PENDING - 4;
+    assert_int_equal(kvhi_lruk_init(&big, N, &items[0].pos, sizeof(item)), 0);
+    assert_int_equal(kvhi_lruk_enable_pending(&big, &late), 0);
+    assert_null(big.pending);
+    assert_int_equal(late, KVHI_LRUK_PENDING - 4);
+    assert_int_equal(kvhi_lruk_add_pending(&big, 6), 0);
+    kvhi_lruk_destroy(&big);
+    kvhi_lruk_destroy(&a);
+    kvhi_lruk_destroy(&b);
 }
 
 /* A changed victim order: rekey gives every entry (heap and queue) its
@@ -708,6 +823,8 @@ int main(void)
         cmocka_unit_test_teardown(test_arrival_queue_churn, tu_teardown),
         cmocka_unit_test_teardown(test_pending_arrivals_churn, tu_teardown),
         cmocka_unit_test_teardown(test_pending_ring_squeeze, tu_teardown),
+        cmocka_unit_test_teardown(test_pending_entries_go_stale, tu_teardown),
+        cmocka_unit_test_teardown(test_pending_rings_sharing_positions, tu_teardown),
         cmocka_unit_test_teardown(test_rekey_to_a_new_order, tu_teardown),
         cmocka_unit_test_teardown(test_large_heap, tu_teardown),
         cmocka_unit_test_teardown(test_empty_heap, tu_teardown),
