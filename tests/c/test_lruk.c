@@ -555,19 +555,38 @@ static void test_pending_arrivals_churn(void **state)
     kvhi_lruk_destroy(&h);
 }
 
+/* The pending-ring tests' set-up: n items, none present, and a heap over
+ * them with a ring at ring position 0. */
+typedef struct pending_fixture {
+    item *items;
+    uint8_t *ref, *gone;
+    lazy_ctx c;
+    kvhi_lruk_heap h;
+} pending_fixture;
+
+static void pending_fixture_init(pending_fixture *f, uint32_t n)
+{
+    f->items = tu_alloc(sizeof(item) * n);
+    f->ref = tu_alloc(n);
+    f->gone = tu_alloc(n);
+    init_items(f->items, n);
+    f->c = (lazy_ctx){f->items, f->ref};
+    assert_int_equal(kvhi_lruk_init(&f->h, n, &f->items[0].pos, sizeof(item)), 0);
+    assert_int_equal(kvhi_lruk_enable_pending(&f->h, &(uint32_t){0}), 0);
+}
+
 /* A pending ring that fills with holes is squeezed, keeping the arrival
  * order, and its positions stay exact. */
 static void test_pending_ring_squeeze(void **state)
 {
     (void)state;
     enum { N = 64 };
-    item *items = tu_alloc(sizeof(item) * N);
-    uint8_t *ref = tu_alloc(N), *gone = tu_alloc(N);
-    init_items(items, N);
-    lazy_ctx c = {items, ref};
-    kvhi_lruk_heap h;
-    assert_int_equal(kvhi_lruk_init(&h, N, &items[0].pos, sizeof(item)), 0);
-    assert_int_equal(kvhi_lruk_enable_pending(&h, &(uint32_t){0}), 0);
+    pending_fixture f;
+    pending_fixture_init(&f, N);
+    item *items = f.items;
+    uint8_t *gone = f.gone;
+    lazy_ctx c = f.c;
+    kvhi_lruk_heap h = f.h;
     uint64_t clock = 0;
     /* Item 0 stays pending throughout; the others come and go behind it,
      * so its hole-free end never lets the ring trim. */
@@ -604,13 +623,12 @@ static void test_pending_entries_go_stale(void **state)
 {
     (void)state;
     enum { N = 8 };
-    item *items = tu_alloc(sizeof(item) * N);
-    uint8_t *ref = tu_alloc(N), *gone = tu_alloc(N);
-    init_items(items, N);
-    lazy_ctx c = {items, ref};
-    kvhi_lruk_heap h;
-    assert_int_equal(kvhi_lruk_init(&h, N, &items[0].pos, sizeof(item)), 0);
-    assert_int_equal(kvhi_lruk_enable_pending(&h, &(uint32_t){0}), 0);
+    pending_fixture f;
+    pending_fixture_init(&f, N);
+    item *items = f.items;
+    uint8_t *gone = f.gone;
+    lazy_ctx c = f.c;
+    kvhi_lruk_heap h = f.h;
     uint64_t clock = 0;
     for (uint32_t i = 0; i < 3; i++) {
         kvhi_lruk_record(items[i].hist, 2, ++clock);
@@ -664,15 +682,13 @@ static void test_pending_rings_sharing_positions(void **state)
 {
     (void)state;
     enum { N = 8 };
-    item *items = tu_alloc(sizeof(item) * N);
-    uint8_t *ref = tu_alloc(N), *gone = tu_alloc(N);
-    init_items(items, N);
-    lazy_ctx c = {items, ref};
-    kvhi_lruk_heap a, b;
-    uint32_t next = 0;
-    assert_int_equal(kvhi_lruk_init(&a, N, &items[0].pos, sizeof(item)), 0);
+    pending_fixture f;
+    pending_fixture_init(&f, N);
+    item *items = f.items;
+    lazy_ctx c = f.c;
+    kvhi_lruk_heap a = f.h, b;
+    uint32_t next = a.p_cap;
     assert_int_equal(kvhi_lruk_init(&b, N, &items[0].pos, sizeof(item)), 0);
-    assert_int_equal(kvhi_lruk_enable_pending(&a, &next), 0);
     assert_int_equal(kvhi_lruk_enable_pending(&b, &next), 0);
     assert_int_equal(b.p_base, a.p_cap);
     assert_int_equal(next, a.p_cap + b.p_cap);
@@ -697,7 +713,6 @@ static void test_pending_rings_sharing_positions(void **state)
     assert_int_equal(kvhi_lruk_top_current(&b, lazy_current, &c), 3);
     kvhi_lruk_remove(&b, 3);
     assert_int_equal(kvhi_lruk_count(&b), 0);
-    (void)gone;
     /* A range past the positions' room leaves a heap without a ring. */
     kvhi_lruk_heap big;
     uint32_t late = KVHI_LRUK_PENDING - 4;
