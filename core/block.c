@@ -332,6 +332,7 @@ static void block_destroy(kvh_engine *e, uint32_t b, bool keep_slot)
         kvhi_prefix_erase(&e->prefix, blk->hash);
     if (e->disk)
         kvhi_disk_forget(e, b);
+    kvhi_clean_drop(e, b);
     if (blk->pins)
         e->tiers[blk->tier].pinned--;
     if (blk->tier == KVH_TIER_DEVICE)
