@@ -164,8 +164,6 @@ struct kvh_engine {
     uint32_t qhint_count, qhint_cap;
 
     kvhi_adapt adapt; /* KVH_EVICT_ADAPTIVE's shadows (core/adaptive.c) */
-    /* Host slots kept as clean copies of promoted blocks (core/clean_copy.h). */
-    kvhi_clean_copies clean;
 
     struct kvhi_disk *disk;        /* NULL without a disk tier */
     struct kvhi_remote *remote;    /* NULL without a remote tier (core/remote_tier.h) */
@@ -198,6 +196,8 @@ struct kvh_engine {
     kvhi_handle_table vmaps; /* -> kvhi_vmap * */
     /* Attention plans not yet destroyed (core/attention_plans.c). */
     kvhi_handle_table attn_plans; /* -> kvhi_attention_plan * */
+    /* Host slots kept as clean copies of promoted blocks (core/clean_copy.h). */
+    kvhi_clean_copies clean;
 };
 
 /* ---- errors and logging (status.c) ---- */
