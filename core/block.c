@@ -372,6 +372,7 @@ __attribute__((always_inline)) static inline void block_destroy(kvh_engine *e, u
         kvhi_prefix_erase(&e->prefix, blk->hash);
     if (e->disk)
         kvhi_disk_forget(e, b);
+    kvhi_clean_drop(e, b);
     if (blk->pins)
         e->tiers[blk->tier].pinned--;
     if (blk->tier == KVH_TIER_DEVICE)

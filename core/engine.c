@@ -303,6 +303,7 @@ static void engine_free(kvh_engine *e)
     free(e->read_slots);
     free(e->block_readers);
     free(e->block_release_keys);
+    kvhi_clean_destroy(e);
     free(e->tokens);
     kvhi_prefix_destroy(&e->prefix);
     if (e->attn_state)
@@ -411,6 +412,10 @@ kvh_status kvhi_engine_open(const kvh_config *config, kvh_engine **out)
             engine_free(e);
             return kvhi_fail(KVH_ERR_NOMEM, "out of memory for eviction heaps");
         }
+    if (kvhi_clean_init(e) != 0) {
+        engine_free(e);
+        return kvhi_fail(KVH_ERR_NOMEM, "out of memory for clean host copies");
+    }
     if (kvhi_adapt_init(e) != 0) {
         engine_free(e);
         return kvhi_fail(KVH_ERR_NOMEM, "out of memory for the adaptive policy's shadows");
@@ -461,6 +466,12 @@ void kvhi_tier_info(kvh_engine *e, uint32_t tier, kvh_tier_info *info)
     if (t->present) {
         r.capacity_blocks = t->slots.capacity;
         r.used_blocks = kvhi_slot_pool_used(&t->slots);
+        /* Kept clean copies give their slots to the first block that
+         * needs one: free, as far as a caller can tell. */
+        if (tier == KVH_TIER_HOST) {
+            r.used_blocks -= e->clean.count;
+            r.clean_copies = e->clean.count;
+        }
         r.used_bytes = r.used_blocks * t->slot_bytes;
         r.pinned_blocks = t->pinned;
         r.base = t->base;

@@ -27,6 +27,7 @@
 #include "core/latency.h"
 #include "core/lruk.h"
 #include "core/adaptive.h"
+#include "core/clean_copy.h"
 #include "core/prefix_index.h"
 #include "core/slot_pool.h"
 
@@ -195,6 +196,8 @@ struct kvh_engine {
     kvhi_handle_table vmaps; /* -> kvhi_vmap * */
     /* Attention plans not yet destroyed (core/attention_plans.c). */
     kvhi_handle_table attn_plans; /* -> kvhi_attention_plan * */
+    /* Host slots kept as clean copies of promoted blocks (core/clean_copy.h). */
+    kvhi_clean_copies clean;
 };
 
 /* ---- errors and logging (status.c) ---- */
@@ -246,6 +249,14 @@ uint64_t kvhi_now_ns(void);
 /* Does the record work of the block releases still in the backlog
  * (core/block.c). Lock held. */
 void kvhi_block_releases_apply(kvh_engine *e);
+
+/* b's bytes are about to change (or it leaves for good): its kept clean
+ * host copy, if any, is freed (core/clean_copy.h). Lock held. */
+static inline void kvhi_clean_drop(kvh_engine *e, uint32_t b)
+{
+    if (e->clean.slot_of && e->clean.slot_of[b] != KVHI_NO_BLOCK)
+        kvhi_clean_drop_slow(e, b);
+}
 
 /* kvhi_enter without applying the release backlog: for kvh_block_release
  * alone, which applies it itself. */

@@ -68,7 +68,11 @@ kvh_status kvhi_reserve_slot(kvh_engine *e, uint32_t tier, uint32_t for_agent, u
         kvhi_agent *qa = tier == KVH_TIER_DEVICE && e->n_agents ? kvhi_agent_at_quota(e, for_agent) : NULL;
         if (!qa && kvhi_slot_pool_alloc(&t->slots, slot) == 0)
             return KVH_OK;
-        /* Clean model weights kept in host memory go first: they can be
+        /* Clean host copies of device blocks are spare room: taken back
+         * first, with nothing to write (core/clean_copy.h). */
+        if (tier == KVH_TIER_HOST && kvhi_clean_reclaim(e, slot))
+            return KVH_OK;
+        /* Clean model weights kept in host memory go next: they can be
          * read from their file again, where a block would need a write. */
         if (tier == KVH_TIER_HOST && kvhi_drop_clean_host_region(e, false))
             continue;

@@ -10,7 +10,6 @@
 #include <string.h>
 
 #include "core/block_state.h"
-#include "core/block_state.h"
 #include "core/engine.h"
 #include "core/move.h"
 #include "core/block.h"
@@ -110,6 +109,7 @@ static kvh_status swap_up(kvh_engine *e, uint32_t b, uint32_t tier)
         return kvhi_fail(KVH_ERR_NOSPACE, "no free slot in the target tier for a held block (a swap would "
                                           "overwrite it while it is read)");
     kvhi_block *vb = &e->blocks[v];
+    kvhi_clean_drop(e, v); /* v takes b's place below: a kept copy would be a second slot */
     uint32_t lo_tier = bb->tier, lo_slot = bb->slot, hi_slot = vb->slot;
     kvhi_block_move_event(vb, KVHI_EV_MOVE_BEGIN);
     kvhi_block_update_evictable(e, v); /* out of the old tier's heaps */
@@ -153,6 +153,7 @@ static kvh_status demote_to_copy(kvh_engine *e, uint32_t b, uint32_t *src_slot_o
 {
     kvhi_block *blk = &e->blocks[b];
     uint32_t src_tier = blk->tier, src_slot = blk->slot;
+    kvhi_clean_drop(e, b); /* on disk, b holds no host slot */
     if (blk->flags & KVHI_BF_PREFETCHED) {
         e->stats.prefetch_wasted++;
         blk->flags &= (uint16_t)~KVHI_BF_PREFETCHED;
@@ -171,6 +172,15 @@ static kvh_status demote_to_copy(kvh_engine *e, uint32_t b, uint32_t *src_slot_o
     if (blk->flags & KVHI_BF_PUBLISHED)
         kvhi_remote_queue_upload(e, b, KVH_REMOTE_UPLOAD_DEMOTE);
     return KVH_OK;
+}
+
+/* b goes down to the host tier where it kept a clean copy, and may go now
+ * (a disk copy being written from its device slot waits for a copy). */
+static bool demotes_to_clean_copy(kvh_engine *e, uint32_t b, uint32_t tier)
+{
+    const kvhi_block *blk = &e->blocks[b];
+    return tier == KVH_TIER_HOST && blk->tier == KVH_TIER_DEVICE && e->clean.slot_of &&
+           e->clean.slot_of[b] != KVHI_NO_BLOCK && !kvhi_block_busy(blk);
 }
 
 /* Records that b's disk data failed verification: it is never served. */
@@ -207,6 +217,12 @@ int kvhi_move_begin(kvh_engine *e, uint32_t b, uint32_t tier, kvhi_xfer *x, bool
         demote_to_copy(e, b, NULL);
         return 1;
     }
+    if (demotes_to_clean_copy(e, b, tier)) {
+        kvhi_clean_demote(e, b, NULL);
+        return 1;
+    }
+    /* Going anywhere else, b would hold a second host slot. */
+    kvhi_clean_drop(e, b);
     uint32_t src_tier = blk->tier;
     kvhi_block_move_event(blk, KVHI_EV_MOVE_BEGIN);
     kvhi_block_update_evictable(e, b);
@@ -297,6 +313,8 @@ kvh_status kvhi_move_end(kvh_engine *e, kvhi_xfer *x, uint32_t *src_slot_out)
         blk->deferred_tier = (uint8_t)src_tier;
     } else if (x->in_place)
         kvhi_release_slot(e, src_tier, src_slot); /* b kept its bytes; the slot traded is empty */
+    else if (src_tier == KVH_TIER_HOST && tier == KVH_TIER_DEVICE && kvhi_clean_keep(e, b, src_slot))
+        ; /* the old host slot is now b's clean copy */
     else
         kvhi_block_release_source(e, b, src_tier, src_slot); /* a holder may still read it */
     if (blk->flags & KVHI_BF_DEAD)
@@ -312,6 +330,10 @@ kvh_status kvhi_move_handing_over(kvh_engine *e, uint32_t b, uint32_t tier, uint
     kvhi_block *blk = &e->blocks[b];
     if (src_slot_out && tier == KVH_TIER_DISK && (blk->flags & KVHI_BF_DISK_COPY))
         return demote_to_copy(e, b, src_slot_out);
+    if (src_slot_out && demotes_to_clean_copy(e, b, tier)) {
+        kvhi_clean_demote(e, b, src_slot_out);
+        return KVH_OK;
+    }
     kvhi_xfer x;
     int rc = kvhi_move_begin(e, b, tier, &x, src_slot_out != NULL);
     if (rc != 0)

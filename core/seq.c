@@ -144,6 +144,7 @@ static kvh_status make_private(kvh_engine *e, kvhi_seq *s, uint32_t i)
         kvhi_block *blk = &e->blocks[b];
         if (blk->refs == 1 && !(blk->flags & KVHI_BF_PUBLISHED)) {
             if (!kvhi_block_busy(blk)) {
+                kvhi_clean_drop(e, b); /* so is its clean host copy */
                 if (blk->flags & KVHI_BF_DISK_COPY)
                     kvhi_disk_forget(e, b); /* its disk copy is about to go stale */
                 return KVH_OK;
@@ -352,6 +353,9 @@ kvh_status kvhi_seq_write_kv(kvh_engine *e, kvhi_seq *s, uint32_t layer, uint64_
          * fill counted per layer would make every new block look hot to
          * LRU-K and defeat its resistance to one-off blocks. */
         bool rewrite = kvhi_block_cell_written(e, b, layer, off);
+        /* A move while the lock was dropped may have kept a clean host
+         * copy of the bytes about to change. */
+        kvhi_clean_drop(e, b);
         if (kv_copy(e, b, layer, off, cnt, (uint8_t *)k + skip, (uint8_t *)v + skip, true) != 0)
             st = kvhi_fail(KVH_ERR_IO, "copy into the device tier failed");
         if (st == KVH_OK)

@@ -65,6 +65,9 @@ static kvh_status take_slot(kvh_engine *e, uint32_t tier, enum kvhi_charge_mode 
     for (;;) {
         if (kvhi_slot_pool_alloc(&t->slots, slot) == 0)
             return KVH_OK;
+        /* A kept clean copy of a device block is as good as free. */
+        if (tier == KVH_TIER_HOST && kvhi_clean_reclaim(e, slot))
+            return KVH_OK;
         if (mode == KVHI_CHARGE_FREE_ONLY)
             return KVH_ERR_NOSPACE; /* quietly: the caller has a plan B */
         /* The other side of a switch is about to free room: wait for it

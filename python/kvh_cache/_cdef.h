@@ -148,6 +148,7 @@ typedef struct kvh_tier_info {
     uint64_t block_bytes;
     uint64_t pinned_blocks;
     void *base;
+    uint64_t clean_copies;
 } kvh_tier_info;
 kvh_status kvh_tier_info_get(kvh_engine *engine, uint32_t tier, kvh_tier_info *info);
 typedef struct kvh_stats {
@@ -195,6 +196,9 @@ typedef struct kvh_stats {
     uint64_t remote_uploads_dropped;
     uint64_t remote_timeouts;
     uint64_t remote_breaker_opens;
+    uint64_t clean_copies_kept;
+    uint64_t clean_copy_demotions;
+    uint64_t clean_copies_reclaimed;
 } kvh_stats;
 kvh_status kvh_engine_stats(kvh_engine *engine, kvh_stats *stats);
 kvh_status kvh_agent_set_quota(kvh_engine *engine, uint32_t agent, uint64_t device_bytes);

@@ -690,6 +690,7 @@ class Engine(OwnedHandle):
             block_bytes=int(info.block_bytes),
             pinned_blocks=int(info.pinned_blocks),
             base=int(ffi.cast("uintptr_t", info.base)),
+            clean_copies=int(info.clean_copies),
         )
 
     def tiers(self) -> Dict[Tier, TierInfo]:

@@ -365,6 +365,13 @@ class Stats:
     remote_uploads_dropped: int = 0
     remote_timeouts: int = 0
     remote_breaker_opens: int = 0
+    #: Clean host copies: kept when a block was promoted from the host tier
+    #: into the device tier, used by a demotion that then copied nothing
+    #: (not in blocks_device_to_host), and taken back for room. How many
+    #: are kept now: TierInfo.clean_copies of the host tier.
+    clean_copies_kept: int = 0
+    clean_copy_demotions: int = 0
+    clean_copies_reclaimed: int = 0
     #: Counters of a newer library that this version of the package does not
     #: name yet (field name -> value).
     extra: Dict[str, int] = field(default_factory=dict, compare=False)
@@ -412,6 +419,9 @@ class TierInfo:
     block_bytes: int
     pinned_blocks: int
     base: int
+    #: Host tier: slots kept as clean copies of blocks promoted to the device
+    #: tier. Not in used_blocks: a block that needs a slot takes one back.
+    clean_copies: int = 0
 
     @property
     def present(self) -> bool:

@@ -279,6 +279,27 @@ def test_tier_info_and_spill():
             s.free()
 
 
+def test_clean_host_copy_spares_the_demotion():
+    # Two arenas, as a discrete GPU: a block promoted from the host tier keeps
+    # its host slot, so going down again copies nothing.
+    with make_engine(device_bytes=4 * 4096, host_bytes=8 * 4096, copy_moves=1) as eng:
+        seq, data = filled_seq(eng, 32, seed=4)
+        seq.migrate("host")
+        before = eng.stats()
+        seq.acquire().release()
+        host = eng.tier_info("host")
+        assert host.clean_copies == 2 and host.used_blocks == 0
+        seq.migrate("host")
+        delta = eng.stats() - before
+        assert delta.clean_copies_kept == 2 and delta.clean_copy_demotions == 2
+        assert delta.blocks_host_to_device == 2 and delta.blocks_device_to_host == 0
+        assert eng.tier_info("host").clean_copies == 0
+        k, v = seq.read_kv(1, 0, 32)
+        np.testing.assert_array_equal(k, data[1][0])
+        np.testing.assert_array_equal(v, data[1][1])
+        seq.free()
+
+
 # ---- stats --------------------------------------------------------------------------
 
 

@@ -481,6 +481,10 @@ typedef struct kvh_tier_info {
                    disk. [owned by engine] until close. When device and
                    host tiers are one arena (kvh_config.copy_moves) both
                    report its base, and their slot numbers run across it. */
+    /* Host tier: slots kept as clean copies of blocks promoted to the
+     * device tier (kvh_stats.clean_copies_kept). Not in used_blocks: the
+     * first block that needs a slot takes one back. 0 for other tiers. */
+    uint64_t clean_copies;
 } kvh_tier_info;
 
 /* Occupancy of one tier. [out] *info (set info->struct_size first).
@@ -564,6 +568,15 @@ typedef struct kvh_stats {
     uint64_t remote_uploads_dropped;
     uint64_t remote_timeouts;
     uint64_t remote_breaker_opens;
+    /* Clean host copies: a block promoted from the host tier into the
+     * device tier keeps its host slot while its bytes stay unchanged (only
+     * blocks hashed with every KV cell written; a write drops the copy),
+     * so its demotion copies nothing. Copies kept; demotions to the host
+     * tier that re-used one (not in blocks_device_to_host); copies given up
+     * for room. How many are kept now: kvh_tier_info.clean_copies. */
+    uint64_t clean_copies_kept;
+    uint64_t clean_copy_demotions;
+    uint64_t clean_copies_reclaimed;
 } kvh_stats;
 
 /* Copies the counters. [out] *stats (set stats->struct_size first; a

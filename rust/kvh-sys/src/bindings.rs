@@ -1049,12 +1049,13 @@ pub struct kvh_tier_info {
     pub block_bytes: u64,
     pub pinned_blocks: u64,
     pub base: *mut ::std::os::raw::c_void,
+    pub clean_copies: u64,
 }
 #[test]
 fn bindgen_test_layout_kvh_tier_info() {
     assert_eq!(
         ::std::mem::size_of::<kvh_tier_info>(),
-        56usize,
+        64usize,
         concat!("Size of: ", stringify!(kvh_tier_info))
     );
     assert_eq!(
@@ -1198,6 +1199,23 @@ fn bindgen_test_layout_kvh_tier_info() {
         );
     }
     test_field_base();
+    fn test_field_clean_copies() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_tier_info>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).clean_copies) as usize - ptr as usize
+            },
+            56usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_tier_info),
+                "::",
+                stringify!(clean_copies)
+            )
+        );
+    }
+    test_field_clean_copies();
 }
 impl Default for kvh_tier_info {
     fn default() -> Self {
@@ -1262,12 +1280,15 @@ pub struct kvh_stats {
     pub remote_uploads_dropped: u64,
     pub remote_timeouts: u64,
     pub remote_breaker_opens: u64,
+    pub clean_copies_kept: u64,
+    pub clean_copy_demotions: u64,
+    pub clean_copies_reclaimed: u64,
 }
 #[test]
 fn bindgen_test_layout_kvh_stats() {
     assert_eq!(
         ::std::mem::size_of::<kvh_stats>(),
-        344usize,
+        368usize,
         concat!("Size of: ", stringify!(kvh_stats))
     );
     assert_eq!(
@@ -2023,6 +2044,57 @@ fn bindgen_test_layout_kvh_stats() {
         );
     }
     test_field_remote_breaker_opens();
+    fn test_field_clean_copies_kept() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_stats>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).clean_copies_kept) as usize - ptr as usize
+            },
+            344usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_stats),
+                "::",
+                stringify!(clean_copies_kept)
+            )
+        );
+    }
+    test_field_clean_copies_kept();
+    fn test_field_clean_copy_demotions() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_stats>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).clean_copy_demotions) as usize - ptr as usize
+            },
+            352usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_stats),
+                "::",
+                stringify!(clean_copy_demotions)
+            )
+        );
+    }
+    test_field_clean_copy_demotions();
+    fn test_field_clean_copies_reclaimed() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_stats>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).clean_copies_reclaimed) as usize - ptr as usize
+            },
+            360usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_stats),
+                "::",
+                stringify!(clean_copies_reclaimed)
+            )
+        );
+    }
+    test_field_clean_copies_reclaimed();
 }
 extern "C" {
     pub fn kvh_engine_stats(engine: *mut kvh_engine, stats: *mut kvh_stats) -> kvh_status;

@@ -176,6 +176,7 @@ impl Engine {
             block_bytes: info.block_bytes,
             pinned_blocks: info.pinned_blocks,
             base_addr: info.base as usize,
+            clean_copies: info.clean_copies,
         })
     }
 

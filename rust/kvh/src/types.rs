@@ -278,6 +278,14 @@ pub struct Stats {
     pub remote_timeouts: u64,
     /// Remote tier: nodes the circuit breaker started leaving alone.
     pub remote_breaker_opens: u64,
+    /// Clean host copies kept when a block was promoted from the host tier
+    /// into the device tier.
+    pub clean_copies_kept: u64,
+    /// Demotions to the host tier that re-used a clean copy and copied
+    /// nothing (not in `blocks_device_to_host`).
+    pub clean_copy_demotions: u64,
+    /// Clean host copies taken back for room.
+    pub clean_copies_reclaimed: u64,
 }
 
 impl Stats {
@@ -325,6 +333,9 @@ impl Stats {
             remote_uploads_dropped: s.remote_uploads_dropped,
             remote_timeouts: s.remote_timeouts,
             remote_breaker_opens: s.remote_breaker_opens,
+            clean_copies_kept: s.clean_copies_kept,
+            clean_copy_demotions: s.clean_copy_demotions,
+            clean_copies_reclaimed: s.clean_copies_reclaimed,
         }
     }
 
@@ -357,6 +368,10 @@ pub struct TierInfo {
     /// Address of slot 0 for memory tiers (a device address on CUDA), 0 for
     /// disk or an absent tier. Informational: kvh owns the memory.
     pub base_addr: usize,
+    /// Host tier: slots kept as clean copies of blocks promoted to the
+    /// device tier. Not in `used_blocks`: a block that needs a slot takes
+    /// one back. 0 for other tiers.
+    pub clean_copies: u64,
 }
 
 impl TierInfo {
