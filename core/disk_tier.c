@@ -360,6 +360,25 @@ size_t kvhi_disk_verify(kvh_engine *e, const uint32_t *blocks, size_t n)
 
 /* ---- clean copies ---- */
 
+/* A batch of write_copies in flight, listed in e->disk_copy_batches. */
+struct kvhi_disk_copy_batch {
+    const kvhi_xfer *xs; /* .block is set before the batch is listed and never written after */
+    uint32_t n;
+    struct kvhi_disk_copy_batch *next;
+};
+
+bool kvhi_disk_copying_unreferenced(kvh_engine *e, uint32_t tier, uint32_t agent)
+{
+    for (const struct kvhi_disk_copy_batch *c = e->disk_copy_batches; c; c = c->next)
+        for (uint32_t j = 0; j < c->n; j++) {
+            const kvhi_block *blk = &e->blocks[c->xs[j].block];
+            if (blk->refs == 0 && blk->tier == tier && (agent == KVHI_NO_BLOCK || blk->agent == agent) &&
+                kvhi_move_state(blk) == KVHI_MS_COPYING && !(blk->flags & KVHI_BF_DEAD))
+                return true;
+        }
+    return false;
+}
+
 /* Writes clean disk copies of idle, immutable blocks that are in memory:
  * marks them WRITING (they stay readable and resident), writes them as one
  * batch without the lock, then records each copy in the journal. With
@@ -384,9 +403,15 @@ static kvh_status write_copies(kvh_engine *e, const uint32_t *blocks, uint32_t n
         kvhi_xfer_prepare(e, b, KVH_TIER_DISK, slot, &xs[k++]);
     }
     if (k) {
+        struct kvhi_disk_copy_batch listed = {xs, k, e->disk_copy_batches};
+        e->disk_copy_batches = &listed;
         kvhi_unlock_for_copy(e);
         kvhi_xfer_batch(e, xs, k);
         kvhi_relock_after_copy(e);
+        struct kvhi_disk_copy_batch **at = &e->disk_copy_batches;
+        while (*at != &listed)
+            at = &(*at)->next;
+        *at = listed.next;
     }
     for (uint32_t j = 0; j < k; j++) {
         kvhi_xfer *x = &xs[j];

@@ -32,6 +32,10 @@ kvh_status kvhi_disk_persist_blocks(kvh_engine *e, const uint32_t *blocks, uint3
 /* One round of background cleaning (lock held, may drop); true if work
  * was done. */
 bool kvhi_disk_clean_step(kvh_engine *e);
+/* Whether a disk copy is being written from an unreferenced block of tier
+ * (of agent, where agent is not KVHI_NO_BLOCK): such a block is busy only
+ * until the copy ends, and is then a better victim than any referenced one. */
+bool kvhi_disk_copying_unreferenced(kvh_engine *e, uint32_t tier, uint32_t agent);
 /* Reads and checks blocks on disk without moving them (drops the lock).
  * A block that fails its checks is marked corrupt (counted, never served
  * again); one whose read fails (I/O error, no memory) is left as it is.

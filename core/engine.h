@@ -201,6 +201,11 @@ struct kvh_engine {
     kvhi_handle_table attn_plans; /* -> kvhi_attention_plan * */
     /* Host slots kept as clean copies of promoted blocks (core/clean_copy.h). */
     kvhi_clean_copies clean;
+    /* Disk-copy batches being written with the lock dropped (core/disk_tier.c),
+     * so that the victim choice can tell an unreferenced block that is only
+     * busy for a while from none at all. */
+    struct kvhi_disk_copy_batch *disk_copy_batches;
+    uint64_t victim_copy_waits; /* times a victim choice waited for one such copy */
 };
 
 /* ---- errors and logging (status.c) ---- */

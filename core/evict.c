@@ -7,6 +7,7 @@
 #include "core/block.h"
 #include "core/tier.h"
 #include "core/context.h"
+#include "core/disk_tier.h"
 
 static int tier_below(kvh_engine *e, uint32_t t)
 {
@@ -77,6 +78,16 @@ kvh_status kvhi_reserve_slot(kvh_engine *e, uint32_t tier, uint32_t for_agent, u
         if (tier == KVH_TIER_HOST && kvhi_drop_clean_host_region(e, false))
             continue;
         uint32_t v = pick_victim(e, tier, qa);
+        /* Unreferenced blocks leave before referenced ones (kvh.h). One
+         * busy while its disk copy is written is out of the order only
+         * until the copy ends: wait for it rather than send a referenced
+         * block down in its place. */
+        if (v != KVHI_HEAP_NONE && e->blocks[v].refs > 0 && e->disk_copy_batches &&
+            kvhi_disk_copying_unreferenced(e, tier, qa ? for_agent : KVHI_NO_BLOCK)) {
+            e->victim_copy_waits++;
+            pthread_cond_wait(&e->changed, &e->lock);
+            continue;
+        }
         if (v == KVHI_HEAP_NONE && e->copies_in_progress) {
             /* Blocks of this tier may be busy in a copy: room can appear
              * when it ends, so this is not yet "no space". */

@@ -55,6 +55,18 @@ static int hook(enum kvhi_disk_op op, void *user)
     return op == KVHI_OP_READ && atomic_load(&H.fail_reads) ? -EIO : 0;
 }
 
+/* Writes wait here while hold_writes is set (the cleaner's copy, caught
+ * in flight). */
+static atomic_int hold_writes;
+
+static int holding_hook(enum kvhi_disk_op op, void *user)
+{
+    (void)user;
+    while (op == KVHI_OP_WRITE && atomic_load(&hold_writes))
+        usleep(1000);
+    return 0;
+}
+
 static void hook_on(void)
 {
     for (int i = 0; i < KVHI_OP_COUNT; i++)
@@ -373,6 +385,119 @@ static void test_records_follow_the_blocks(void **state)
 
 /* ---- the cleaner ---- */
 
+/* The cleaner writing the disk copy of an unreferenced host block makes
+ * that block busy, out of the victim order, for the length of the write.
+ * A host slot wanted meanwhile must wait for it, not send a referenced
+ * block to disk in its place (kvh.h: unreferenced blocks leave first). */
+typedef struct clean_run {
+    kvh_engine *e;
+    kvh_seq s;
+    atomic_int done;
+    kvh_status st;
+} clean_run;
+
+static void *run_clean_step(void *arg)
+{
+    clean_run *r = arg;
+    wb_lock(r->e);
+    kvhi_disk_clean_step(r->e);
+    wb_unlock(r->e);
+    atomic_store(&r->done, 1);
+    return NULL;
+}
+
+static void *run_demote_last(void *arg)
+{
+    clean_run *r = arg;
+    r->st = kvh_seq_migrate(r->e, r->s, 16 * G.bt, G.bt, KVH_TIER_HOST, NULL);
+    atomic_store(&r->done, 1);
+    return NULL;
+}
+
+static void test_victim_waits_for_cleaned_unreferenced_block(void **state)
+{
+    (void)state;
+    char dir[PATH_MAX];
+    dt_scratch("victim-wait", dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 2, 16, 64, 0);
+    kvh_engine *e = dt_open_a(&c);
+    kvh_seq s, u;
+    /* 17 referenced blocks: two on the device, 15 on the host, each of
+     * those given its disk copy now. */
+    dt_assert_ok(dt_build(e, G, dt_plain(6), 17 * G.bt, 0, &s));
+    wb_lock(e);
+    assert_true(kvhi_disk_clean_step(e));
+    wb_unlock(e);
+    /* One unreferenced published block in the last free host slot, with
+     * no disk copy yet. */
+    dt_assert_ok(dt_build(e, G, dt_plain(7), G.bt, 0, &u));
+    uint32_t ub = wb_seq_block_index(e, u, 0);
+    dt_assert_ok(kvh_seq_migrate(e, u, 0, G.bt, KVH_TIER_HOST, NULL));
+    dt_assert_ok(kvh_seq_free(e, u));
+    uint32_t b[17];
+    int s_on_disk = 0;
+    for (int i = 0; i < 17; i++)
+        b[i] = wb_seq_block_index(e, s, (uint64_t)i);
+    wb_lock(e);
+    for (int i = 0; i < 17; i++)
+        s_on_disk += kvhi_blk(e, b[i])->tier == KVH_TIER_DISK;
+    kvhi_block *ublk = kvhi_blk(e, ub);
+    assert_int_equal(ublk->tier, KVH_TIER_HOST);
+    assert_int_equal(ublk->refs, 0);
+    assert_true(ublk->flags & KVHI_BF_PUBLISHED);
+    assert_false(ublk->flags & KVHI_BF_DISK_COPY);
+    assert_int_equal(kvhi_blk(e, b[16])->tier, KVH_TIER_DEVICE);
+    assert_int_equal(e->tiers[KVH_TIER_HOST].slots.free_count, 0);
+    wb_unlock(e);
+
+    /* The cleaner starts on the unreferenced block and is held in its write. */
+    atomic_store(&hold_writes, 1);
+    kvhi_disk_set_fault_hook(holding_hook, NULL);
+    clean_run cleaner = {.e = e}, demote = {.e = e, .s = s};
+    pthread_t ct, dt;
+    assert_int_equal(pthread_create(&ct, NULL, run_clean_step, &cleaner), 0);
+    for (int busy = 0; !busy;) {
+        wb_lock(e);
+        busy = kvhi_move_state(ublk) == KVHI_MS_COPYING && e->copies_in_progress > 0;
+        wb_unlock(e);
+        if (!busy)
+            usleep(1000);
+    }
+    /* A host slot is wanted while the write is held: the demotion either
+     * takes a referenced victim and ends, or waits for the copy. */
+    assert_int_equal(pthread_create(&dt, NULL, run_demote_last, &demote), 0);
+    uint64_t waits = 0;
+    for (int i = 0; i < 10000 && !atomic_load(&demote.done) && !waits; i++) {
+        wb_lock(e);
+        waits = e->victim_copy_waits;
+        wb_unlock(e);
+        usleep(1000);
+    }
+    atomic_store(&hold_writes, 0);
+    assert_int_equal(pthread_join(ct, NULL), 0);
+    assert_int_equal(pthread_join(dt, NULL), 0);
+    kvhi_disk_set_fault_hook(NULL, NULL);
+    dt_assert_ok(demote.st);
+
+    wb_lock(e);
+    int s_on_disk_after = 0;
+    for (int i = 0; i < 17; i++)
+        s_on_disk_after += kvhi_blk(e, b[i])->tier == KVH_TIER_DISK;
+    assert_int_equal(kvhi_blk(e, b[16])->tier, KVH_TIER_HOST);
+    /* The unreferenced block left, with the copy just written; no
+     * referenced one did. */
+    assert_int_equal(ublk->tier, KVH_TIER_DISK);
+    assert_int_equal(s_on_disk_after, s_on_disk);
+    assert_null(e->disk_copy_batches);
+    wb_unlock(e);
+    assert_true(waits > 0);
+    char msg[256] = "";
+    if (dt_verify(e, s, G, dt_plain(6), 0, 17 * G.bt, msg, sizeof(msg)) != KVH_OK)
+        fail_msg("%s", msg);
+    dt_assert_ok(kvh_seq_free(e, s));
+    dt_assert_ok(dt_close(e));
+}
+
 static void test_cleaner(void **state)
 {
     (void)state;
@@ -612,6 +737,7 @@ int main(void)
         cmocka_unit_test_teardown(test_persist_journal_snapshot_reopen, teardown),
         cmocka_unit_test_teardown(test_records_follow_the_blocks, teardown),
         cmocka_unit_test_teardown(test_cleaner, teardown),
+        cmocka_unit_test_teardown(test_victim_waits_for_cleaned_unreferenced_block, teardown),
         cmocka_unit_test_teardown(test_long_journal_folds, teardown),
         cmocka_unit_test_teardown(test_verify_in_place, teardown),
     };
