@@ -40,6 +40,7 @@
 #include "core/move.h"
 #include "core/block.h"
 #include "core/disk_tier.h"
+#include "core/clean_copy.h"
 
 static const dt_geo G = {2, 1, 32, 16, KVH_DTYPE_F16}; /* block = 4096 bytes */
 
@@ -604,6 +605,88 @@ static void test_cleaner(void **state)
     dt_assert_ok(dt_close(e));
 }
 
+/* The cleaner's wake-up (block placement in the host tier, core/block.c)
+ * counts kept clean host copies as room, as the cleaner itself does: a
+ * host tier whose slots hold such copies is not running low. The probe
+ * waits on work_ready as a worker would; the engine has none, so the
+ * placement runs with one pretended, under the lock, where no job can be
+ * queued for it. */
+typedef struct wake_probe {
+    kvh_engine *e;
+    atomic_int waiting;
+    bool woken;
+} wake_probe;
+
+static void *wait_for_work_ready(void *arg)
+{
+    wake_probe *p = arg;
+    pthread_mutex_lock(&p->e->lock);
+    atomic_store(&p->waiting, 1);
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += 1;
+    p->woken = pthread_cond_timedwait(&p->e->work_ready, &p->e->lock, &until) == 0;
+    pthread_mutex_unlock(&p->e->lock);
+    return NULL;
+}
+
+/* Demotes b (in the device tier, with a kept host copy) onto its copy and
+ * says whether that woke a worker. */
+static bool clean_demote_wakes_worker(kvh_engine *e, uint32_t b)
+{
+    wake_probe p = {.e = e};
+    pthread_t t;
+    assert_int_equal(pthread_create(&t, NULL, wait_for_work_ready, &p), 0);
+    while (!atomic_load(&p.waiting))
+        usleep(100);
+    wb_lock(e); /* taken once the probe waits */
+    assert_int_equal(kvhi_blk(e, b)->tier, KVH_TIER_DEVICE);
+    assert_int_not_equal(e->clean.slot_of[b], KVHI_NO_BLOCK);
+    uint32_t workers = e->n_workers;
+    e->n_workers = 1;
+    kvhi_clean_demote(e, b, NULL);
+    e->n_workers = workers;
+    assert_int_equal(kvhi_blk(e, b)->tier, KVH_TIER_HOST);
+    wb_unlock(e);
+    assert_int_equal(pthread_join(t, NULL), 0);
+    return p.woken;
+}
+
+static void test_cleaner_wakeup_counts_kept_copies(void **state)
+{
+    (void)state;
+    char dir[PATH_MAX];
+    dt_scratch("cleaner-wakeup", dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 4, 8, 32, 0);
+    c.copy_moves = 1; /* two arenas: promotions keep host copies */
+    kvh_engine *e = dt_open_a(&c);
+    kvh_seq s;
+    dt_assert_ok(dt_build(e, G, dt_plain(8), 8 * G.bt, 0, &s));
+    dt_assert_ok(kvh_seq_migrate(e, s, 0, 8 * G.bt, KVH_TIER_HOST, NULL));
+    uint32_t b0 = wb_seq_block_index(e, s, 0);
+    /* One copy kept, no free slot: the demotion onto it leaves the host
+     * tier with no room at all, and a worker is woken. */
+    dt_assert_ok(kvh_seq_acquire(e, s, 0, G.bt, NULL));
+    dt_assert_ok(kvh_seq_release(e, s, 0, G.bt));
+    assert_int_equal(dt_tier(e, KVH_TIER_HOST).clean_copies, 1);
+    wb_lock(e);
+    assert_int_equal(e->tiers[KVH_TIER_HOST].slots.free_count, 0);
+    wb_unlock(e);
+    assert_true(clean_demote_wakes_worker(e, b0));
+    /* Four copies kept, no free slot: after the demotion three copies are
+     * still room to take back, well above an eighth of the tier. */
+    dt_assert_ok(kvh_seq_acquire(e, s, 0, 4 * G.bt, NULL));
+    dt_assert_ok(kvh_seq_release(e, s, 0, 4 * G.bt));
+    assert_int_equal(dt_tier(e, KVH_TIER_HOST).clean_copies, 4);
+    wb_lock(e);
+    assert_int_equal(e->tiers[KVH_TIER_HOST].slots.free_count, 0);
+    wb_unlock(e);
+    assert_false(clean_demote_wakes_worker(e, b0));
+    assert_int_equal(dt_tier(e, KVH_TIER_HOST).clean_copies, 3);
+    dt_assert_ok(kvh_seq_free(e, s));
+    dt_assert_ok(dt_close(e));
+}
+
 /* ---- a long journal ---- */
 
 static void test_long_journal_folds(void **state)
@@ -738,6 +821,7 @@ int main(void)
         cmocka_unit_test_teardown(test_records_follow_the_blocks, teardown),
         cmocka_unit_test_teardown(test_cleaner, teardown),
         cmocka_unit_test_teardown(test_victim_waits_for_cleaned_unreferenced_block, teardown),
+        cmocka_unit_test_teardown(test_cleaner_wakeup_counts_kept_copies, teardown),
         cmocka_unit_test_teardown(test_long_journal_folds, teardown),
         cmocka_unit_test_teardown(test_verify_in_place, teardown),
     };
