@@ -146,6 +146,19 @@ static void bind_to_node(kvh_engine *e, void *p, size_t bytes)
 #endif
 }
 
+/* The bookkeeping each block of a tier costs besides its slot, allocated
+ * at open (a lower bound): its record, free-list entry, reader count and
+ * release key, its tokens, its prefix-index entry (the table is at least
+ * twice the blocks), its entries in the tier's victim order (heap, arrival
+ * queue, pending ring), its free-slot entry and its clean-copy links. */
+static uint64_t block_metadata_bytes(const kvh_engine *e)
+{
+    return sizeof(kvhi_block) + sizeof(uint32_t) * 2 + sizeof(uint64_t) +
+           (uint64_t)e->cfg.block_tokens * sizeof(int32_t) + 2 * (sizeof(uint64_t) + sizeof(uint32_t)) +
+           2 * sizeof(kvhi_lruk_entry) + sizeof(uint32_t) + sizeof(uint32_t) + sizeof(uint32_t) +
+           sizeof(kvhi_clean_link);
+}
+
 static kvh_status tier_init(kvh_engine *e, uint32_t t, uint64_t budget)
 {
     kvhi_tier *tier = &e->tiers[t];
@@ -194,11 +207,16 @@ static kvh_status tier_init(kvh_engine *e, uint32_t t, uint64_t budget)
         /* More than the system has free would not fail a fault: it would
          * wake the OOM killer, which may pick this process. */
         uint64_t available = kvhi_mem_available();
-        if (tier->bytes_mapped > available)
+        /* The records of the blocks it holds are allocated too: with small
+         * blocks they are a good part of the total. */
+        uint64_t records = tier->bytes_mapped / tier->slot_bytes * block_metadata_bytes(e);
+        if (tier->bytes_mapped > available || records > available - tier->bytes_mapped)
             return kvhi_fail(KVH_ERR_NOMEM,
-                             "prefault_memory: the %s tier's %llu bytes are more than the %llu bytes the system "
-                             "has available (MemAvailable, or the memory cgroup's limit less its usage)",
-                             name, (unsigned long long)tier->bytes_mapped, (unsigned long long)available);
+                             "prefault_memory: the %s tier's %llu bytes and the %llu bytes of its block records "
+                             "are more than the %llu bytes the system has available (MemAvailable, or the memory "
+                             "cgroup's limit less its usage)",
+                             name, (unsigned long long)tier->bytes_mapped, (unsigned long long)records,
+                             (unsigned long long)available);
         if (kvhi_populate(tier->base, tier->bytes_mapped) != 0)
             return kvhi_fail(KVH_ERR_NOMEM, "cannot back the %llu bytes of the %s tier (prefault_memory): %s",
                              (unsigned long long)tier->bytes_mapped, name, strerror(errno));

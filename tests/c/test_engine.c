@@ -227,6 +227,44 @@ static uint64_t resident_bytes(void)
 
 static uint64_t one_mib_available(void) { return 1u << 20; }
 
+static uint64_t nine_mib_available(void) { return 9u << 20; }
+static uint64_t one_gib_available(void) { return 1u << 30; }
+
+/* prefault_memory counts the block records a tier's blocks need, not
+ * only its slots: with 1 KiB blocks, an 8 MiB tier has 8192 blocks whose
+ * records, tokens and victim-order entries are about 2 MiB more. Nine
+ * MiB available holds the slots but not both, and the refusal names
+ * the two sizes; a gigabyte holds them. */
+static void test_prefault_memory_counts_block_records(void **state)
+{
+    (void)state;
+    kvh_config c = tu_cfg(1, 1, 16, 16, KVH_DTYPE_F16, 1, 1, 0);
+    c.device_bytes = 8ull << 20;
+    c.host_bytes = 0;
+    c.prefault_memory = 1;
+    kvhi_set_mem_available_hook(nine_mib_available);
+    kvh_engine *e = NULL;
+    kvh_status st = kvh_engine_open(&c, &e);
+    kvhi_set_mem_available_hook(NULL);
+    assert_int_equal(st, KVH_ERR_NOMEM);
+    assert_null(e);
+    const char *why = kvh_last_error();
+    assert_non_null(strstr(why, "block records"));
+    assert_non_null(strstr(why, "8388608 bytes")); /* the slots */
+    unsigned long long records = 0;
+    const char *at = strstr(why, "and the ");
+    assert_non_null(at);
+    assert_int_equal(sscanf(at, "and the %llu bytes of its block records", &records), 1);
+    assert_true(records >= 8192ull * 200 && records < 8192ull * 1024);
+    assert_non_null(strstr(why, "9437184 bytes")); /* what is available */
+
+    kvhi_set_mem_available_hook(one_gib_available);
+    st = kvh_engine_open(&c, &e);
+    kvhi_set_mem_available_hook(NULL);
+    assert_ok(st);
+    assert_ok(tu_close(e));
+}
+
 /* prefault_memory backs the CPU tiers' pages at open (both arenas, and
  * the one arena of in-place moves); without it an open leaves them
  * unbacked, and tiers larger than the memory available are refused.
@@ -707,6 +745,7 @@ int main(void)
         cmocka_unit_test_teardown(test_open_valid_edges, tu_teardown),
         cmocka_unit_test_teardown(test_open_default_config, tu_teardown),
         cmocka_unit_test_teardown(test_prefault_memory, tu_teardown),
+        cmocka_unit_test_teardown(test_prefault_memory_counts_block_records, tu_teardown),
         cmocka_unit_test_teardown(test_prefault_memory_auto_backend, tu_teardown),
         cmocka_unit_test_teardown(test_mem_available_follows_the_cgroup_limit, tu_teardown),
         cmocka_unit_test_teardown(test_explicit_cuda, tu_teardown),

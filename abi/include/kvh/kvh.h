@@ -350,7 +350,9 @@ typedef struct kvh_config {
      * restore into untouched host memory took 23-157 ms of CPU, 10-14 ms
      * into touched memory). The open then takes time in proportion to
      * device_bytes + host_bytes and that much memory is resident from the
-     * start; an open that cannot back it, or whose tiers are larger than
+     * start; an open that cannot back it, or whose tiers, with the
+     * records of their blocks (a few hundred bytes a block, a good part
+     * of the total with small blocks), are larger than
      * the memory the system has available (MemAvailable, or less where
      * the process's memory cgroup limit, less its usage, leaves less:
      * backing more would wake the OOM killer), fails with KVH_ERR_NOMEM.
