@@ -229,6 +229,7 @@ static uint64_t one_mib_available(void) { return 1u << 20; }
 
 static uint64_t nine_mib_available(void) { return 9u << 20; }
 static uint64_t one_gib_available(void) { return 1u << 30; }
+static uint64_t twenty_mib_available(void) { return 20u << 20; }
 
 /* prefault_memory counts the block records a tier's blocks need, not
  * only its slots: with 1 KiB blocks, an 8 MiB tier has 8192 blocks whose
@@ -263,6 +264,34 @@ static void test_prefault_memory_counts_block_records(void **state)
     kvhi_set_mem_available_hook(NULL);
     assert_ok(st);
     assert_ok(tu_close(e));
+}
+
+/* With vmap = 1 prefault_memory leaves the device tier (the memory file
+ * views map) alone, as kvh.h says: not backed at open and not checked
+ * against the memory available; the host tier still is both. */
+static void test_prefault_memory_skips_the_vmap_device_tier(void **state)
+{
+    (void)state;
+    const uint64_t dev = 32ull << 20, host = 16ull << 20;
+    kvh_config c = tu_cfg(2, 2, 64, 16, KVH_DTYPE_F16, 1, 1, 0);
+    c.device_bytes = dev;
+    c.host_bytes = host;
+    c.vmap = 1;
+    c.prefault_memory = 1;
+    uint64_t before = resident_bytes();
+    kvh_engine *e = tu_open_cfg(&c);
+    uint64_t grew = resident_bytes() - before;
+    assert_true(grew >= host / 10 * 9);
+    assert_true(grew < host + dev / 4);
+    assert_ok(tu_close(e));
+    /* 20 MiB available: the host tier and its records fit, the device
+     * tier would not, and is not checked. */
+    kvhi_set_mem_available_hook(twenty_mib_available);
+    kvh_engine *opened = NULL;
+    kvh_status st = kvh_engine_open(&c, &opened);
+    kvhi_set_mem_available_hook(NULL);
+    assert_ok(st);
+    assert_ok(tu_close(opened));
 }
 
 /* prefault_memory backs the CPU tiers' pages at open (both arenas, and
@@ -746,6 +775,7 @@ int main(void)
         cmocka_unit_test_teardown(test_open_default_config, tu_teardown),
         cmocka_unit_test_teardown(test_prefault_memory, tu_teardown),
         cmocka_unit_test_teardown(test_prefault_memory_counts_block_records, tu_teardown),
+        cmocka_unit_test_teardown(test_prefault_memory_skips_the_vmap_device_tier, tu_teardown),
         cmocka_unit_test_teardown(test_prefault_memory_auto_backend, tu_teardown),
         cmocka_unit_test_teardown(test_mem_available_follows_the_cgroup_limit, tu_teardown),
         cmocka_unit_test_teardown(test_explicit_cuda, tu_teardown),

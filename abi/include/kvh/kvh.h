@@ -357,8 +357,14 @@ typedef struct kvh_config {
      * the process's memory cgroup limit, less its usage, leaves less:
      * backing more would wake the OOM killer), fails with KVH_ERR_NOMEM.
      * This holds for the CPU backend AUTO chose too. Other
-     * backends' host memory is pinned, so already backed. Default 0: pages
-     * are backed as slots are first used. */
+     * backends' host memory is pinned, so already backed. With vmap = 1
+     * the device tier (the shared memory file views map) is neither
+     * backed at open nor checked against the memory available: its pages
+     * are backed as slots are first written, as without prefault_memory
+     * (a view made before that backs the pages it maps, unless
+     * KVH_VMAP_POPULATE=0; hugetlb pages are reserved when the file is
+     * made); the host tier is backed as above. Default 0:
+     * pages are backed as slots are first used. */
     uint32_t prefault_memory;
     uint32_t reserved2;
 } kvh_config;
