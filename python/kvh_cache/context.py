@@ -32,6 +32,7 @@ import numpy as np
 from . import errors
 from ._ffi import U64_MAX, check, ffi, lib
 from ._handle import Closable, GatedHandle, HandleGate
+from .engine import _flag
 
 __all__ = ["Context", "ContextInfo", "WeightStats", "AdmissionInfo", "KV_POLICIES"]
 
@@ -175,6 +176,7 @@ class Context(GatedHandle, Closable):
         ``size``) or from bytes (``data``: bytes-like or a NumPy array, copied
         in). Returns its index."""
         self._check()
+        pinned = _flag("pinned", pinned)
         if (path is None) == (data is None):
             raise ValueError("give exactly one source: path= or data=")
         layer = int(layer)
@@ -187,7 +189,7 @@ class Context(GatedHandle, Closable):
         keep.append(nm)
         p.name = nm
         p.layer = layer
-        p.pinned = 1 if pinned else 0
+        p.pinned = pinned
         if path is not None:
             if size is None:
                 raise ValueError("size= is required with path=")
@@ -221,6 +223,10 @@ class Context(GatedHandle, Closable):
         output. Tensors named in ``pinned`` are pinned. Returns the count."""
         from .model.gguf_loader import GGUFFile
 
+        if isinstance(pinned, (str, bytes)):
+            # A string is a container of its substrings: "output" would pin
+            # every tensor whose name is part of it.
+            raise TypeError("pinned must be a collection of tensor names, not a string")
         with GGUFFile(os.fspath(path)) as g:
             tensors = list(g.tensors.values())
         nblk = 1 + max((int(m.group(1)) for t in tensors if (m := _BLK.match(t.name))), default=-1)
@@ -249,6 +255,7 @@ class Context(GatedHandle, Closable):
         ``wait=False`` returns a :class:`kvh.Fence`; :meth:`wait_layer`
         tells when early layers are usable."""
         self._check()
+        wait = bool(_flag("wait", wait))
         prev = self._engine._current_context if previous is None else previous
         if prev is self:
             prev = None
@@ -257,7 +264,7 @@ class Context(GatedHandle, Closable):
     def unload(self, *, wait: bool = True):
         """Moves this context's weights out of the device tier."""
         self._check()
-        return self._engine._switch(self, None, wait)
+        return self._engine._switch(self, None, bool(_flag("wait", wait)))
 
     def wait_layer(self, layer: int, timeout: Optional[float] = None) -> None:
         """Waits until every region with ``layer <= layer`` is resident.
@@ -272,15 +279,17 @@ class Context(GatedHandle, Closable):
         """(address, size) of a resident region: a device pointer on CUDA.
         ``writable=True`` marks it modified (written back, not dropped)."""
         self._check()
+        writable = _flag("writable", writable)
         data = ffi.new("void **")
         size = ffi.new("uint64_t *")
         with self._call_any() as e:
-            check(lib.kvh_context_region_data(e, self._h[0], int(index), 1 if writable else 0, data, size))
+            check(lib.kvh_context_region_data(e, self._h[0], int(index), writable, data, size))
         return int(ffi.cast("uintptr_t", data[0])), int(size[0])
 
     def region(self, index: Union[int, str], *, writable: bool = False) -> np.ndarray:
         """A uint8 NumPy view of a resident region (CPU backend). The view
         is valid until the next switch away from this context."""
+        writable = _flag("writable", writable)
         if isinstance(index, str):
             index = self.region_index(index)
         if self._engine.backend != "cpu":
@@ -296,8 +305,9 @@ class Context(GatedHandle, Closable):
 
     def pin(self, index: int, pinned: bool = True) -> None:
         self._check()
+        pinned = _flag("pinned", pinned)
         with self._call() as e:
-            check(lib.kvh_context_region_pin(e, self._h[0], int(index), 1 if pinned else 0))
+            check(lib.kvh_context_region_pin(e, self._h[0], int(index), pinned))
 
     def verify(self) -> int:
         """Re-checks the CRC32C of every resident, unmodified chunk; returns

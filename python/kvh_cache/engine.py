@@ -785,6 +785,7 @@ class Engine(OwnedHandle):
     ) -> Optional["Fence"]:
         """Moves blocks to ``tier`` (pinned ones are skipped). ``wait=False``
         returns a Fence instead of waiting."""
+        wait = bool(_flag("wait", wait))
         t = Tier.parse(tier)
         blist = list(blocks)
         for b in blist:
@@ -1658,6 +1659,7 @@ class Sequence(GatedHandle, OwnedHandle):
         resident in the device tier and holds them there until the returned
         :class:`Hold` is released. ``wait=False`` returns at once; the hold's
         ``fence`` completes when the data is resident."""
+        wait = bool(_flag("wait", wait))
         fp = ffi.new("kvh_fence *") if not wait else NULL
         with self._call() as p:
             f, cnt = self._span(p, first, n)
@@ -1698,6 +1700,7 @@ class Sequence(GatedHandle, OwnedHandle):
         self, tier: Union[Tier, int, str], first: TokenSpan = None, n: Optional[int] = None, *, wait: bool = True
     ) -> Optional[Fence]:
         """Moves the blocks of a token range to a tier."""
+        wait = bool(_flag("wait", wait))
         t = Tier.parse(tier)
         fp = ffi.new("kvh_fence *") if not wait else NULL
         with self._call_any() as p:

@@ -29,7 +29,7 @@ import numpy as np
 
 from . import errors
 from ._ffi import check, ffi, lib, status_name
-from .engine import Block, Engine, Fence
+from .engine import Block, Engine, Fence, _flag
 
 __all__ = ["ArrayDesc", "describe", "Pool", "OffloadBatch", "RestoreBatch", "persist_blocks"]
 
@@ -383,6 +383,7 @@ def persist_blocks(engine: Engine, blocks: Sequence[Block], *, wait: bool = True
     """Makes blocks durable on the disk tier (``kvh_blocks_persist``): in
     the call with ``wait=True``, else returns a Fence at once. Blocks of an
     offload still gathering are waited for."""
+    wait = bool(_flag("wait", wait))
     n = len(blocks)
     arr = ffi.new("kvh_block[]", max(1, n))
     for i, b in enumerate(blocks):

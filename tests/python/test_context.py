@@ -175,3 +175,53 @@ def test_admission_pools():
         assert eng.admission_info().long_reserved_blocks == 0
         with pytest.raises(kvh.InvalidArgumentError):
             eng.admission(short_device_bytes=16 * 4096, long_device_bytes=4096)
+
+
+# Read by their truth, "no" or "false" would pin, mark a region written or
+# wait: on/off arguments take a bool or 0/1 only, and a refusal names the
+# argument and changes nothing.
+BAD_FLAGS = [("no", TypeError), ("", TypeError), (0.0, TypeError), (None, TypeError), (2, ValueError), (-1, ValueError)]
+
+
+@pytest.mark.parametrize("value,error", BAD_FLAGS)
+def test_flag_arguments_refuse_non_bools(weights, value, error):
+    (pa, _), _ = weights
+    with make_engine() as eng:
+        a = eng.context("a")
+        with pytest.raises(error, match="pinned"):
+            a.add_region("x", path=pa, size=3000, pinned=value)
+        assert a.regions == []
+        register(a, pa)
+        with pytest.raises(error, match="pinned"):
+            a.pin(0, value)
+        a.switch_to()
+        with pytest.raises(error, match="writable"):
+            a.region_pointer(0, writable=value)
+        with pytest.raises(error, match="writable"):
+            a.region(0, writable=value)
+        with pytest.raises(error, match="wait"):
+            a.unload(wait=value)
+        assert eng.current_context is a
+        with pytest.raises(error, match="wait"):
+            eng.context("b").switch_to(wait=value)
+        assert eng.current_context is a
+        with pytest.raises(TypeError, match="pinned"):
+            a.add_gguf(pa, pinned="output.weight")
+
+
+@pytest.mark.parametrize("on,off", [(True, False), (1, 0), (np.bool_(True), np.bool_(False))])
+def test_flag_arguments_take_bools_and_0_1(weights, on, off):
+    (pa, da), _ = weights
+    with make_engine() as eng:
+        a = eng.context("a")
+        register(a, pa)
+        a.add_region("p", data=np.arange(10, dtype=np.uint8), pinned=on)
+        a.pin(0, on)
+        a.pin(0, off)
+        a.switch_to(wait=on)
+        assert not a.region(1, writable=off).flags.writeable
+        assert a.region(1, writable=on).flags.writeable
+        assert a.region_pointer(0, writable=off)[1] == 3000
+        fence = a.unload(wait=off)
+        fence.wait()
+        assert eng.current_context is None

@@ -272,3 +272,20 @@ def test_persist_and_reload_after_reopen(tmp_path):
         assert load.failed() == []
         assert all(_same(ks, vs, i, 5 + i) for i in range(3))
         pool.unregister()
+
+
+@pytest.mark.parametrize("bad,error", [("no", TypeError), (None, TypeError), (2, ValueError)])
+def test_persist_blocks_wait_takes_a_bool(tmp_path, bad, error):
+    """wait="no" used to persist in the call and return None, not a Fence."""
+    ks, vs = _arrays(5)
+    with _engine(tmp_path) as eng:
+        pool = Pool.from_arrays(eng, ks, vs)
+        b = pool.offload(_items(eng, [0, 1]))
+        b.wait()
+        with pytest.raises(error, match="wait"):
+            persist_blocks(eng, b.blocks, wait=bad)
+        assert eng.stats().blocks_persisted == 0
+        persist_blocks(eng, b.blocks, wait=0).result(30)
+        assert eng.stats().blocks_persisted == 2
+        b.release()
+        pool.unregister()

@@ -311,3 +311,20 @@ def test_close_waits_for_calls_in_flight():
     for t in threads:
         t.join(10)
     assert not errors
+
+
+@pytest.mark.parametrize("bad,error", [("no", TypeError), ("", TypeError), (0.0, TypeError), (2, ValueError)])
+def test_wait_arguments_take_a_bool(engine, seq, bad, error):
+    """wait="no" used to wait and return None where a Fence was expected."""
+    blocks = seq.blocks()
+    with pytest.raises(error, match="wait"):
+        seq.acquire(wait=bad)
+    with pytest.raises(error, match="wait"):
+        seq.migrate("host", wait=bad)
+    with pytest.raises(error, match="wait"):
+        engine.migrate(blocks, "host", wait=bad)
+    assert all(b.info().tier == kvh.Tier.DEVICE for b in blocks)
+    seq.migrate("host", wait=0).result(30)
+    assert all(b.info().tier == kvh.Tier.HOST for b in blocks)
+    assert engine.migrate(blocks, "device", wait=np.bool_(True)) is None
+    seq.acquire(wait=1).release()
