@@ -16,7 +16,12 @@
  *     it drops the copy too, and so does a move straight to disk;
  *   - nothing is kept for a block that is not immutable (a partial one),
  *     nor while a holder still reads the slot the block left, nor on one
- *     arena (moves there copy nothing anyway).
+ *     arena (moves there copy nothing anyway);
+ *   - weights registered into a host tier full of copies take the copies'
+ *     slots (core/weight_chunks.c), evicting nothing;
+ *   - a fork's write copies on write and leaves the parent's copy; a write
+ *     after a trip through disk reaches the disk, never the old bytes;
+ *   - closing with copies kept and moves queued leaks nothing.
  * test_clean_copy_mt.c runs promotions, demotions, writes and reads in
  * threads. */
 #include "disk_test_util.h"
@@ -451,6 +456,291 @@ static void test_free_while_kept_gives_the_slot_back(void **state)
     dt_assert_ok(dt_close(e));
 }
 
+/* ---- weights ---- */
+
+/* Weights registered while every host slot is a kept copy take the
+ * copies' slots (core/weight_chunks.c takes them back first): no KV block
+ * is evicted, nothing goes to disk, and the weight bytes and the blocks
+ * both read back right. */
+static void test_weights_take_room_from_copies(void **state)
+{
+    (void)state;
+    char dir[PATH_MAX];
+    dt_scratch("weights-take-copies", dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 4, 4, 16, 0);
+    c.copy_moves = 1; /* two arenas, as a discrete GPU */
+    kvh_engine *e = dt_open_a(&c);
+    kvh_seq s;
+    dt_content ct = dt_plain(30);
+    dt_assert_ok(dt_build(e, G, ct, 4 * G.bt, 0, &s));
+    dt_assert_ok(kvh_seq_migrate(e, s, 0, 4 * G.bt, KVH_TIER_HOST, NULL));
+    promote(e, s, 0, 4 * G.bt);
+    dt_assert_ok(kvh_seq_pin(e, s, 0, 4 * G.bt, 1));
+    assert_int_equal(dt_tier(e, KVH_TIER_HOST).clean_copies, 4);
+    uint64_t slot_bytes = dt_tier(e, KVH_TIER_HOST).block_bytes;
+
+    kvh_context_params cp;
+    dt_assert_ok(kvh_context_params_init(&cp, sizeof(cp)));
+    kvh_context ctx;
+    dt_assert_ok(kvh_context_create(e, &cp, &ctx));
+    size_t n = (size_t)(2 * slot_bytes); /* two slots' worth */
+    uint8_t *bytes = malloc(n);
+    assert_non_null(bytes);
+    for (size_t i = 0; i < n; i++)
+        bytes[i] = (uint8_t)(i * 131 + 7);
+    kvh_weight_region_params rp;
+    dt_assert_ok(kvh_weight_region_params_init(&rp, sizeof(rp)));
+    rp.bytes = bytes;
+    rp.size = n;
+    uint32_t region;
+    kvh_stats a = dt_stats(e);
+    dt_assert_ok(kvh_context_add_region(e, ctx, &rp, &region));
+    kvh_stats b = dt_stats(e);
+    assert_int_equal(b.clean_copies_reclaimed - a.clean_copies_reclaimed, 2);
+    assert_int_equal(b.evictions, a.evictions);
+    assert_int_equal(b.blocks_host_to_disk, a.blocks_host_to_disk);
+    assert_int_equal(dt_tier(e, KVH_TIER_HOST).clean_copies, 2);
+    assert_int_equal(dt_tier(e, KVH_TIER_HOST).used_blocks, 2); /* the weights */
+    assert_int_equal(host_slots_taken(e), 4);
+    kvh_weight_stats ws = {.struct_size = sizeof(ws)};
+    dt_assert_ok(kvh_weight_stats_get(e, &ws));
+    assert_int_equal(ws.slots_host, 2);
+    assert_int_equal(ws.bytes_disk, 0);
+    /* Every block still reads its own bytes; the two that kept their
+     * copies (the newest) go down for free, first. */
+    verify_a(e, s, ct, 4 * G.bt);
+    dt_assert_ok(kvh_seq_pin(e, s, 0, 4 * G.bt, 0));
+    a = dt_stats(e);
+    for (uint64_t i = 0; i < 4; i++)
+        if (kept_slot(e, s, i) != KVHI_NO_BLOCK)
+            dt_assert_ok(kvh_seq_migrate(e, s, i * G.bt, G.bt, KVH_TIER_HOST, NULL));
+    b = dt_stats(e);
+    assert_int_equal(b.clean_copy_demotions - a.clean_copy_demotions, 2);
+    assert_int_equal(b.blocks_device_to_host, a.blocks_device_to_host);
+    dt_assert_ok(kvh_seq_migrate(e, s, 0, 4 * G.bt, KVH_TIER_HOST, NULL));
+    verify_a(e, s, ct, 4 * G.bt);
+    /* The weights reach the device with their bytes. */
+    dt_assert_ok(kvh_context_switch(e, (kvh_context){0}, ctx, NULL));
+    void *p = NULL;
+    uint64_t got = 0;
+    dt_assert_ok(kvh_context_region_data(e, ctx, region, 0, &p, &got));
+    assert_int_equal(got, n);
+    assert_memory_equal(p, bytes, n);
+    verify_a(e, s, ct, 4 * G.bt);
+    dt_assert_ok(kvh_context_switch(e, ctx, (kvh_context){0}, NULL));
+    dt_assert_ok(kvh_context_destroy(e, ctx));
+    free(bytes);
+    dt_assert_ok(kvh_seq_free(e, s));
+    /* What stays are published blocks, cached: no copy, no weight slot. */
+    assert_int_equal(dt_tier(e, KVH_TIER_HOST).clean_copies, 0);
+    assert_int_equal(host_slots_taken(e), dt_tier(e, KVH_TIER_HOST).used_blocks);
+    ws = (kvh_weight_stats){.struct_size = sizeof(ws)};
+    dt_assert_ok(kvh_weight_stats_get(e, &ws));
+    assert_int_equal(ws.slots_host, 0);
+    dt_assert_ok(dt_close(e));
+}
+
+/* Clean weights leaving the device tier stay in the host tier only where
+ * they find a slot without evicting (core/weight_chunks.c, FREE_ONLY):
+ * a kept copy is such a slot, so they take copies instead of being
+ * dropped, and come back without a read of their file. */
+static void test_departing_clean_weights_take_copies(void **state)
+{
+    (void)state;
+    char dir[PATH_MAX], file[PATH_MAX];
+    dt_scratch("weights-depart", dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 8, 4, 16, 0);
+    c.copy_moves = 1;
+    kvh_engine *e = dt_open_a(&c);
+    uint64_t slot_bytes = dt_tier(e, KVH_TIER_HOST).block_bytes;
+    size_t n = (size_t)(2 * slot_bytes);
+    uint8_t *bytes = malloc(n);
+    assert_non_null(bytes);
+    for (size_t i = 0; i < n; i++)
+        bytes[i] = (uint8_t)(i * 29 + 3);
+    dt_path(file, sizeof(file), dir, "weights.bin");
+    assert_int_equal(dt_write_file(file, bytes, n), 0);
+    kvh_context_params cp;
+    dt_assert_ok(kvh_context_params_init(&cp, sizeof(cp)));
+    kvh_context ctx;
+    dt_assert_ok(kvh_context_create(e, &cp, &ctx));
+    kvh_weight_region_params rp;
+    dt_assert_ok(kvh_weight_region_params_init(&rp, sizeof(rp)));
+    rp.path = file;
+    rp.size = n;
+    uint32_t region;
+    dt_assert_ok(kvh_context_add_region(e, ctx, &rp, &region));
+    dt_assert_ok(kvh_context_switch(e, (kvh_context){0}, ctx, NULL));
+
+    /* Every host slot a kept copy. */
+    kvh_seq s;
+    dt_content ct = dt_plain(34);
+    dt_assert_ok(dt_build(e, G, ct, 4 * G.bt, 0, &s));
+    dt_assert_ok(kvh_seq_migrate(e, s, 0, 4 * G.bt, KVH_TIER_HOST, NULL));
+    promote(e, s, 0, 4 * G.bt);
+    assert_int_equal(dt_tier(e, KVH_TIER_HOST).clean_copies, 4);
+    assert_int_equal(dt_tier(e, KVH_TIER_HOST).used_blocks, 0);
+
+    kvh_stats a = dt_stats(e);
+    kvh_weight_stats wa = {.struct_size = sizeof(wa)};
+    dt_assert_ok(kvh_weight_stats_get(e, &wa));
+    dt_assert_ok(kvh_context_switch(e, ctx, (kvh_context){0}, NULL));
+    kvh_stats b = dt_stats(e);
+    kvh_weight_stats wb = {.struct_size = sizeof(wb)};
+    dt_assert_ok(kvh_weight_stats_get(e, &wb));
+    assert_int_equal(wb.bytes_dropped, wa.bytes_dropped); /* kept, not dropped */
+    assert_int_equal(wb.bytes_host, n);
+    assert_int_equal(wb.slots_host, 2);
+    assert_int_equal(b.clean_copies_reclaimed - a.clean_copies_reclaimed, 2);
+    assert_int_equal(b.evictions, a.evictions);
+    assert_int_equal(dt_tier(e, KVH_TIER_HOST).clean_copies, 2);
+    assert_int_equal(dt_tier(e, KVH_TIER_HOST).used_blocks, 2);
+    /* Back up from the host tier, not from the file. */
+    dt_assert_ok(kvh_context_switch(e, (kvh_context){0}, ctx, NULL));
+    kvh_weight_stats wc = {.struct_size = sizeof(wc)};
+    dt_assert_ok(kvh_weight_stats_get(e, &wc));
+    assert_int_equal(wc.bytes_read_source, wb.bytes_read_source);
+    void *p = NULL;
+    dt_assert_ok(kvh_context_region_data(e, ctx, region, 0, &p, NULL));
+    assert_memory_equal(p, bytes, n);
+    verify_a(e, s, ct, 4 * G.bt);
+    dt_assert_ok(kvh_context_switch(e, ctx, (kvh_context){0}, NULL));
+    dt_assert_ok(kvh_context_destroy(e, ctx));
+    free(bytes);
+    dt_assert_ok(kvh_seq_free(e, s));
+    dt_assert_ok(dt_close(e));
+}
+
+/* ---- other writers ---- */
+
+/* A fork shares the block that kept a copy; the child's write copies it
+ * on write, so the parent's block and its kept copy keep the old bytes
+ * and the child's new block holds the new ones, in every tier. */
+static void test_fork_then_write_keeps_parent_copy(void **state)
+{
+    (void)state;
+    char dir[PATH_MAX];
+    dt_scratch("fork-write", dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 4, 4, 16, 0);
+    c.copy_moves = 1;
+    kvh_engine *e = dt_open_a(&c);
+    kvh_seq first, s, child;
+    dt_content ct = dt_plain(31);
+    dt_assert_ok(dt_build(e, G, ct, G.bt, 0, &first));
+    dt_assert_ok(dt_build(e, G, ct, G.bt, 0, &s)); /* unpublished twin */
+    dt_assert_ok(kvh_seq_migrate(e, s, 0, G.bt, KVH_TIER_HOST, NULL));
+    promote(e, s, 0, G.bt);
+    assert_int_not_equal(kept_slot(e, s, 0), KVHI_NO_BLOCK);
+    dt_assert_ok(kvh_seq_fork(e, s, 0, &child));
+    write_value(e, child, 0, G.bt, 0x4200); /* 3.0 */
+    assert_int_not_equal(wb_seq_block_index(e, child, 0), wb_seq_block_index(e, s, 0));
+    assert_int_not_equal(kept_slot(e, s, 0), KVHI_NO_BLOCK);
+    for (int tier = KVH_TIER_HOST; tier <= KVH_TIER_DISK; tier++) {
+        dt_assert_ok(kvh_seq_migrate(e, s, 0, G.bt, (uint32_t)tier, NULL));
+        dt_assert_ok(kvh_seq_migrate(e, child, 0, G.bt, (uint32_t)tier, NULL));
+        verify_a(e, s, ct, G.bt);
+        assert_true(reads_value(e, child, 0, G.bt, 0x4200));
+    }
+    /* The parent writes in place too now (private again), then goes down. */
+    promote(e, s, 0, G.bt);
+    dt_assert_ok(kvh_seq_migrate(e, s, 0, G.bt, KVH_TIER_HOST, NULL));
+    promote(e, s, 0, G.bt);
+    write_value(e, s, 0, G.bt, 0x4400); /* 4.0 */
+    assert_int_equal(kept_slot(e, s, 0), KVHI_NO_BLOCK);
+    dt_assert_ok(kvh_seq_migrate(e, s, 0, G.bt, KVH_TIER_HOST, NULL));
+    assert_true(reads_value(e, s, 0, G.bt, 0x4400));
+    dt_assert_ok(kvh_seq_migrate(e, s, 0, G.bt, KVH_TIER_DISK, NULL));
+    assert_true(reads_value(e, s, 0, G.bt, 0x4400));
+    assert_true(reads_value(e, child, 0, G.bt, 0x4200));
+    verify_a(e, first, ct, G.bt);
+    dt_assert_ok(kvh_seq_free(e, child));
+    dt_assert_ok(kvh_seq_free(e, s));
+    dt_assert_ok(kvh_seq_free(e, first));
+    assert_int_equal(host_slots_taken(e), 0);
+    dt_assert_ok(dt_close(e));
+}
+
+/* A block back from disk is promoted, keeps its host copy, is written in
+ * place, then goes down to the host tier and on to disk: the disk holds
+ * the written bytes (read back through their checksum), never the old
+ * ones; the published twin, persisted, reads its own after a reopen. */
+static void test_write_after_disk_round_trip_reaches_disk(void **state)
+{
+    (void)state;
+    char dir[PATH_MAX];
+    dt_scratch("persist-write", dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 4, 4, 16, 0);
+    c.copy_moves = 1;
+    kvh_engine *e = dt_open_a(&c);
+    kvh_seq first, s;
+    dt_content ct = dt_plain(32);
+    dt_assert_ok(dt_build(e, G, ct, G.bt, 0, &first));
+    dt_assert_ok(dt_build(e, G, ct, G.bt, 0, &s)); /* unpublished twin */
+    uint32_t b = wb_seq_block_index(e, s, 0);
+    dt_assert_ok(kvh_seq_migrate(e, s, 0, G.bt, KVH_TIER_DISK, NULL));
+    dt_assert_ok(kvh_seq_migrate(e, s, 0, G.bt, KVH_TIER_HOST, NULL));
+    promote(e, s, 0, G.bt);
+    assert_int_not_equal(kept_slot(e, s, 0), KVHI_NO_BLOCK);
+    write_value(e, s, 0, G.bt, 0x4500);
+    wb_lock(e);
+    assert_false(e->blocks[b].flags & KVHI_BF_DISK_COPY);
+    wb_unlock(e);
+    dt_assert_ok(kvh_seq_migrate(e, s, 0, G.bt, KVH_TIER_HOST, NULL));
+    dt_assert_ok(kvh_seq_migrate(e, s, 0, G.bt, KVH_TIER_DISK, NULL));
+    assert_true(reads_value(e, s, 0, G.bt, 0x4500));
+    dt_assert_ok(kvh_seq_migrate(e, s, 0, G.bt, KVH_TIER_DISK, NULL));
+    assert_true(reads_value(e, s, 0, G.bt, 0x4500));
+    /* The published original persisted and reopened keeps its bytes. */
+    dt_assert_ok(kvh_seq_persist(e, first));
+    dt_assert_ok(kvh_seq_free(e, s));
+    dt_assert_ok(kvh_seq_free(e, first));
+    dt_assert_ok(dt_close(e));
+    e = dt_open_a(&c);
+    size_t matched = 0;
+    char msg[256] = "";
+    dt_assert_ok(dt_match_verify(e, G, ct, G.bt, &matched, msg, sizeof(msg)));
+    assert_int_equal(matched, G.bt);
+    dt_assert_ok(dt_close(e));
+}
+
+/* ---- close ---- */
+
+/* Closed with copies kept and demotions and promotions still queued in
+ * the workers: nothing leaks (ASan), nothing crashes, and the persisted
+ * prefix reads back after a reopen. */
+static void test_close_with_copies_and_moves_in_flight(void **state)
+{
+    (void)state;
+    char dir[PATH_MAX];
+    dt_scratch("close-in-flight", dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 4, 4, 16, 2);
+    c.copy_moves = 1;
+    dt_content ct = dt_plain(33);
+    for (int round = 0; round < 8; round++) {
+        kvh_engine *e = dt_open_a(&c);
+        kvh_seq s;
+        size_t matched = 0;
+        dt_assert_ok(dt_match(e, ct, 4 * G.bt, &s, &matched));
+        if (matched < 4 * G.bt)
+            dt_assert_ok(dt_extend(e, s, G, ct, matched, 4 * G.bt - matched));
+        char msg[256] = "";
+        if (dt_verify(e, s, G, ct, 0, 4 * G.bt, msg, sizeof(msg)) != KVH_OK)
+            fail_msg("round %d: %s", round, msg);
+        dt_assert_ok(kvh_seq_persist(e, s));
+        dt_assert_ok(kvh_seq_migrate(e, s, 0, 4 * G.bt, KVH_TIER_HOST, NULL));
+        kvh_fence f[2];
+        dt_assert_ok(kvh_seq_migrate(e, s, 0, 4 * G.bt, KVH_TIER_DEVICE, &f[0]));
+        dt_assert_ok(kvh_fence_wait(e, f[0], UINT64_MAX));
+        dt_assert_ok(kvh_fence_free(e, f[0]));
+        /* Copies kept; now down and up again without waiting. */
+        dt_assert_ok(kvh_seq_migrate(e, s, 0, 4 * G.bt, round & 1 ? KVH_TIER_HOST : KVH_TIER_DISK, &f[0]));
+        dt_assert_ok(kvh_seq_migrate(e, s, 0, 2 * G.bt, KVH_TIER_DEVICE, &f[1]));
+        if (round & 2)
+            dt_assert_ok(kvh_seq_free(e, s));
+        dt_assert_ok(dt_close(e)); /* the fences go with the engine */
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -463,6 +753,11 @@ int main(void)
         cmocka_unit_test_teardown(test_host_full_of_copies_admits_new_blocks, teardown),
         cmocka_unit_test_teardown(test_slot_still_read_is_not_kept, teardown),
         cmocka_unit_test_teardown(test_free_while_kept_gives_the_slot_back, teardown),
+        cmocka_unit_test_teardown(test_weights_take_room_from_copies, teardown),
+        cmocka_unit_test_teardown(test_departing_clean_weights_take_copies, teardown),
+        cmocka_unit_test_teardown(test_fork_then_write_keeps_parent_copy, teardown),
+        cmocka_unit_test_teardown(test_write_after_disk_round_trip_reaches_disk, teardown),
+        cmocka_unit_test_teardown(test_close_with_copies_and_moves_in_flight, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
