@@ -18,9 +18,13 @@
  *     nor while a holder still reads the slot the block left, nor on one
  *     arena (moves there copy nothing anyway);
  *   - weights registered into a host tier full of copies take the copies'
- *     slots (core/weight_chunks.c), evicting nothing;
+ *     slots (core/weight_chunks.c), evicting nothing, and so do clean
+ *     weights leaving the device tier; an agent at its device quota
+ *     evicts its own blocks onto their copies with its count exact;
  *   - a fork's write copies on write and leaves the parent's copy; a write
  *     after a trip through disk reaches the disk, never the old bytes;
+ *   - under a KV codec a demotion onto the copy reads back exactly what
+ *     the device tier read;
  *   - closing with copies kept and moves queued leaks nothing.
  * test_clean_copy_mt.c runs promotions, demotions, writes and reads in
  * threads. */
@@ -30,6 +34,7 @@
 #include "white_box_util.h"
 #include "core/block.h"
 #include "core/move.h"
+#include "core/tier.h"
 
 static const dt_geo G = {2, 1, 32, 16, KVH_DTYPE_F16}; /* block = 4096 bytes */
 #define TOKEN_ELEMS (1 * 32)                           /* heads * dim */
@@ -611,6 +616,45 @@ static void test_departing_clean_weights_take_copies(void **state)
     dt_assert_ok(dt_close(e));
 }
 
+/* An agent at its device quota makes room among its own blocks: those
+ * with copies go down onto them, and the agent's device count follows
+ * (checked white-box against its blocks in the device tier, round after
+ * round, so a miscount would show as drift). */
+static void test_quota_eviction_onto_copies_keeps_counts(void **state)
+{
+    (void)state;
+    char dir[PATH_MAX];
+    dt_scratch("quota", dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 6, 6, 16, 0);
+    c.copy_moves = 1;
+    kvh_engine *e = dt_open_a(&c);
+    dt_assert_ok(kvh_agent_set_quota(e, 1, 2 * dt_block_bytes(G)));
+    kvh_seq s;
+    dt_content ct = dt_plain(36);
+    dt_assert_ok(dt_build(e, G, ct, 4 * G.bt, 1, &s));
+    dt_assert_ok(kvh_seq_migrate(e, s, 0, 4 * G.bt, KVH_TIER_HOST, NULL));
+    kvh_stats a = dt_stats(e);
+    for (int round = 0; round < 6; round++) {
+        uint64_t first = (uint64_t)(round % 2) * 2 * G.bt; /* the two halves in turn */
+        promote(e, s, first, 2 * G.bt);
+        wb_lock(e);
+        uint64_t on_device = 0;
+        for (uint32_t b = 0; b < e->block_cap; b++)
+            if ((e->blocks[b].flags & KVHI_BF_LIVE) && e->blocks[b].tier == KVH_TIER_DEVICE && e->blocks[b].agent == 1)
+                on_device++;
+        kvhi_agent *ag = kvhi_agent_get(e, 1, false);
+        uint64_t counted = ag ? ag->device_blocks : 0;
+        wb_unlock(e);
+        assert_int_equal(on_device, 2);
+        assert_int_equal(counted, on_device);
+        verify_a(e, s, ct, 4 * G.bt);
+    }
+    kvh_stats b = dt_stats(e);
+    assert_true(b.clean_copy_demotions - a.clean_copy_demotions >= 4);
+    dt_assert_ok(kvh_seq_free(e, s));
+    dt_assert_ok(dt_close(e));
+}
+
 /* ---- other writers ---- */
 
 /* A fork shares the block that kept a copy; the child's write copies it
@@ -703,6 +747,61 @@ static void test_write_after_disk_round_trip_reaches_disk(void **state)
     dt_assert_ok(dt_close(e));
 }
 
+/* Under a KV codec the host slot holds the encoded block and the device
+ * slot its decoding: a demotion onto the kept copy must read back exactly
+ * what the device tier read (the copy is the encoding the device bytes
+ * came from), round after round, with no drift from encoding again. */
+static void test_codec_copy_reads_as_the_device_did(void **state)
+{
+    (void)state;
+    char dir[PATH_MAX];
+    dt_scratch("codec", dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 4, 4, 16, 0);
+    c.copy_moves = 1;
+    c.kv_codec = KVH_CODEC_INT8;
+    kvh_engine *e = dt_open_a(&c);
+    kvh_seq s;
+    dt_content ct = dt_plain(35);
+    dt_assert_ok(dt_build(e, G, ct, 2 * G.bt, 0, &s));
+    dt_assert_ok(kvh_seq_migrate(e, s, 0, 2 * G.bt, KVH_TIER_HOST, NULL)); /* encoded */
+    size_t n = (size_t)G.bt * TOKEN_ELEMS;
+    uint16_t first_k[2][16 * TOKEN_ELEMS], k[16 * TOKEN_ELEMS], v[16 * TOKEN_ELEMS];
+    for (int blk = 0; blk < 2; blk++)
+        dt_assert_ok(kvh_seq_read_kv(e, s, 1, (uint64_t)blk * G.bt, G.bt, first_k[blk], v));
+    for (int round = 0; round < 3; round++) {
+        kvh_stats a = dt_stats(e);
+        promote(e, s, 0, 2 * G.bt);
+        assert_int_equal(dt_tier(e, KVH_TIER_HOST).clean_copies, 2);
+        for (int blk = 0; blk < 2; blk++) {
+            dt_assert_ok(kvh_seq_read_kv(e, s, 1, (uint64_t)blk * G.bt, G.bt, k, v));
+            assert_memory_equal(k, first_k[blk], n * sizeof(uint16_t));
+        }
+        dt_assert_ok(kvh_seq_migrate(e, s, 0, 2 * G.bt, KVH_TIER_HOST, NULL));
+        kvh_stats d = dt_stats(e);
+        assert_int_equal(d.clean_copy_demotions - a.clean_copy_demotions, 2);
+        assert_int_equal(d.blocks_device_to_host, a.blocks_device_to_host);
+        for (int blk = 0; blk < 2; blk++) {
+            dt_assert_ok(kvh_seq_read_kv(e, s, 1, (uint64_t)blk * G.bt, G.bt, k, v));
+            assert_memory_equal(k, first_k[blk], n * sizeof(uint16_t));
+        }
+    }
+    /* A write in the device tier drops the copy; the new bytes go down
+     * encoded and read back within the codec's bound of 2.0 (exactly:
+     * a constant vector encodes without error). */
+    kvh_seq t;
+    dt_assert_ok(dt_build(e, G, ct, 2 * G.bt, 0, &t)); /* unpublished twin */
+    dt_assert_ok(kvh_seq_migrate(e, t, 0, G.bt, KVH_TIER_HOST, NULL));
+    promote(e, t, 0, G.bt);
+    assert_int_not_equal(kept_slot(e, t, 0), KVHI_NO_BLOCK);
+    write_value(e, t, 0, G.bt, 0x4000);
+    assert_int_equal(kept_slot(e, t, 0), KVHI_NO_BLOCK);
+    dt_assert_ok(kvh_seq_migrate(e, t, 0, G.bt, KVH_TIER_HOST, NULL));
+    assert_true(reads_value(e, t, 0, G.bt, 0x4000));
+    dt_assert_ok(kvh_seq_free(e, t));
+    dt_assert_ok(kvh_seq_free(e, s));
+    dt_assert_ok(dt_close(e));
+}
+
 /* ---- close ---- */
 
 /* Closed with copies kept and demotions and promotions still queued in
@@ -755,8 +854,10 @@ int main(void)
         cmocka_unit_test_teardown(test_free_while_kept_gives_the_slot_back, teardown),
         cmocka_unit_test_teardown(test_weights_take_room_from_copies, teardown),
         cmocka_unit_test_teardown(test_departing_clean_weights_take_copies, teardown),
+        cmocka_unit_test_teardown(test_quota_eviction_onto_copies_keeps_counts, teardown),
         cmocka_unit_test_teardown(test_fork_then_write_keeps_parent_copy, teardown),
         cmocka_unit_test_teardown(test_write_after_disk_round_trip_reaches_disk, teardown),
+        cmocka_unit_test_teardown(test_codec_copy_reads_as_the_device_did, teardown),
         cmocka_unit_test_teardown(test_close_with_copies_and_moves_in_flight, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
