@@ -10,8 +10,9 @@
  *     demotion copies the written bytes, never the stale ones; a write to a
  *     published block copies it on write and the new block goes down by
  *     a copy too;
- *   - a host tier full of kept copies still takes new blocks: the copies
- *     are taken back (clean_copies_reclaimed), nothing spills to disk;
+ *   - a host tier full of kept copies still takes new blocks (built,
+ *     allocated or offloaded by a pool batch): the copies are taken back
+ *     (clean_copies_reclaimed), nothing spills to disk;
  *   - a block freed while its copy is kept gives the slot back; truncating
  *     it drops the copy too, and so does a move straight to disk;
  *   - nothing is kept for a block that is not immutable (a partial one),
@@ -29,6 +30,7 @@
  * test_clean_copy_mt.c runs promotions, demotions, writes and reads in
  * threads. */
 #include "disk_test_util.h"
+#include "pool_test_util.h"
 
 #include "core/engine.h"
 #include "white_box_util.h"
@@ -461,6 +463,77 @@ static void test_free_while_kept_gives_the_slot_back(void **state)
     dt_assert_ok(dt_close(e));
 }
 
+/* The other ways in: kvh_block_alloc and a pool offload batch land in a
+ * host tier whose every slot is a kept copy (the device tier pinned
+ * full): they take copies back, nothing goes to disk, and the offloaded
+ * bytes restore exactly. */
+static void test_alloc_and_offload_take_copies(void **state)
+{
+    (void)state;
+    char dir[PATH_MAX];
+    dt_scratch("alloc-offload", dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 4, 4, 16, 0);
+    c.copy_moves = 1;
+    kvh_engine *e = dt_open_a(&c);
+    kvh_seq s;
+    dt_content ct = dt_plain(37);
+    dt_assert_ok(dt_build(e, G, ct, 4 * G.bt, 0, &s));
+    dt_assert_ok(kvh_seq_migrate(e, s, 0, 4 * G.bt, KVH_TIER_HOST, NULL));
+    promote(e, s, 0, 4 * G.bt);
+    dt_assert_ok(kvh_seq_pin(e, s, 0, 4 * G.bt, 1));
+    assert_int_equal(dt_tier(e, KVH_TIER_HOST).clean_copies, 4);
+
+    kvh_stats a = dt_stats(e);
+    kvh_block blk;
+    dt_assert_ok(kvh_block_alloc(e, 0, &blk));
+    kvh_block_info bi = {.struct_size = sizeof(bi)};
+    dt_assert_ok(kvh_block_info_get(e, blk, &bi));
+    assert_int_equal(bi.tier, KVH_TIER_HOST);
+
+    pt_pool pm;
+    pt_pool_init(&pm, G.layers, 4, G.bt, G.heads, G.dim, 2, 0x5107);
+    kvh_pool pool;
+    dt_assert_ok(kvh_pool_register(e, &pm.layout, &pool));
+    kvh_pool_xfer x[2];
+    int32_t tok[2][16];
+    uint64_t parent = 0;
+    for (uint32_t i = 0; i < 2; i++) {
+        pt_tokens(tok[i], G.bt, 77, i);
+        x[i] =
+            (kvh_pool_xfer){.struct_size = sizeof(kvh_pool_xfer), .slot = i, .parent_hash = parent, .tokens = tok[i]};
+        dt_assert_ok(kvh_prefix_hash(e, parent, tok[i], G.bt, &parent));
+    }
+    kvh_fence f;
+    dt_assert_ok(kvh_pool_offload_batch(e, pool, x, 2, 0, &f));
+    dt_assert_ok(kvh_fence_wait(e, f, UINT64_MAX));
+    dt_assert_ok(kvh_fence_free(e, f));
+    kvh_stats b = dt_stats(e);
+    assert_int_equal(b.clean_copies_reclaimed - a.clean_copies_reclaimed, 3);
+    assert_int_equal(b.blocks_host_to_disk, a.blocks_host_to_disk);
+    assert_int_equal(dt_tier(e, KVH_TIER_DISK).used_blocks, 0);
+    assert_int_equal(dt_tier(e, KVH_TIER_HOST).clean_copies, 1);
+    assert_int_equal(dt_tier(e, KVH_TIER_HOST).used_blocks, 3);
+    kvh_pool_xfer r[2];
+    for (uint32_t i = 0; i < 2; i++)
+        r[i] = (kvh_pool_xfer){.struct_size = sizeof(kvh_pool_xfer), .slot = 2 + i, .block = x[i].block};
+    kvh_fence lf[2];
+    dt_assert_ok(kvh_pool_restore_batch(e, pool, r, 2, 0, G.layers, lf));
+    for (uint32_t l = 0; l < G.layers; l++) {
+        dt_assert_ok(kvh_fence_wait(e, lf[l], UINT64_MAX));
+        dt_assert_ok(kvh_fence_free(e, lf[l]));
+        for (uint32_t i = 0; i < 2; i++)
+            assert_true(pt_layer_equal(&pm, i, &pm, 2 + i, l));
+    }
+    verify_a(e, s, ct, 4 * G.bt);
+    for (uint32_t i = 0; i < 2; i++)
+        dt_assert_ok(kvh_block_release(e, x[i].block));
+    dt_assert_ok(kvh_block_release(e, blk));
+    dt_assert_ok(kvh_pool_unregister(e, pool));
+    pt_pool_free(&pm);
+    dt_assert_ok(kvh_seq_free(e, s));
+    dt_assert_ok(dt_close(e));
+}
+
 /* ---- weights ---- */
 
 /* Weights registered while every host slot is a kept copy take the
@@ -852,6 +925,7 @@ int main(void)
         cmocka_unit_test_teardown(test_host_full_of_copies_admits_new_blocks, teardown),
         cmocka_unit_test_teardown(test_slot_still_read_is_not_kept, teardown),
         cmocka_unit_test_teardown(test_free_while_kept_gives_the_slot_back, teardown),
+        cmocka_unit_test_teardown(test_alloc_and_offload_take_copies, teardown),
         cmocka_unit_test_teardown(test_weights_take_room_from_copies, teardown),
         cmocka_unit_test_teardown(test_departing_clean_weights_take_copies, teardown),
         cmocka_unit_test_teardown(test_quota_eviction_onto_copies_keeps_counts, teardown),
