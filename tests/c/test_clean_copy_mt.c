@@ -415,11 +415,76 @@ static void test_threads_with_pool_batches_disk_and_forks(void **state)
     pt_pool_free(&pool_mem);
 }
 
+/* ---- a write racing a demotion of its own blocks ---- */
+
+/* kvh_seq_write_kv makes every block of its range private, then writes
+ * them one by one, bringing each into memory; that may drop the lock
+ * (block A read from disk) while a migration worker starts demoting a
+ * later block B of the range to disk. The write recalls B's demotion,
+ * and a recalled immutable block keeps the disk slot just written as a
+ * clean disk copy: the write must drop that copy as it drops a kept host
+ * copy, or B's next demotion reuses the disk bytes from before the
+ * write. Each round checks the written bytes after B went down again. */
+static void test_write_drops_copies_made_while_it_waited(void **state)
+{
+    (void)state;
+    char dir[PATH_MAX];
+    dt_scratch("write-race", dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 6, 6, 64, 1);
+    c.copy_moves = 1;
+    kvh_engine *e = dt_open_a(&c);
+    kvh_seq first, s, other;
+    dt_content ct = dt_plain(500), co = dt_plain(501);
+    dt_assert_ok(dt_build(e, G, ct, 4 * G.bt, 0, &first));
+    dt_assert_ok(dt_build(e, G, ct, 4 * G.bt, 0, &s)); /* the unpublished twin, written in place */
+    dt_assert_ok(dt_build(e, G, co, 2 * G.bt, 0, &other));
+    uint16_t buf[4 * 16 * TOKEN_ELEMS];
+    int stale = 0;
+    for (int round = 0; round < 500 && !stale; round++) {
+        uint16_t v = (uint16_t)(0x3c00 + round);
+        for (size_t i = 0; i < 4 * G.bt * TOKEN_ELEMS; i++)
+            buf[i] = v;
+        /* Every layer but the last first: a later write makes the blocks
+         * private again, which forgets a disk copy anyway. */
+        for (uint32_t l = 0; l + 1 < G.layers; l++)
+            dt_assert_ok(kvh_seq_write_kv(e, s, l, 0, 4 * G.bt, buf, buf));
+        /* A (blocks 0-2) on disk, B (block 3) in the host tier; the worker
+         * first moves other's blocks, then B, so B's demotion starts while
+         * the write below reads A from disk. */
+        dt_assert_ok(kvh_seq_migrate(e, s, 0, 3 * G.bt, KVH_TIER_DISK, NULL));
+        dt_assert_ok(kvh_seq_migrate(e, s, 3 * G.bt, G.bt, KVH_TIER_HOST, NULL));
+        dt_assert_ok(kvh_seq_migrate(e, other, 0, 2 * G.bt, KVH_TIER_DEVICE, NULL));
+        kvh_fence f[2];
+        dt_assert_ok(kvh_seq_migrate(e, other, 0, 2 * G.bt, KVH_TIER_DISK, &f[0]));
+        dt_assert_ok(kvh_seq_migrate(e, s, 3 * G.bt, G.bt, KVH_TIER_DISK, &f[1]));
+        dt_assert_ok(kvh_seq_write_kv(e, s, G.layers - 1, 0, 4 * G.bt, buf, buf));
+        for (int k = 0; k < 2; k++) {
+            kvh_status st = kvh_fence_wait(e, f[k], UINT64_MAX);
+            assert_true(st == KVH_OK || st == KVH_ERR_NOSPACE);
+            dt_assert_ok(kvh_fence_free(e, f[k]));
+        }
+        dt_assert_ok(kvh_seq_migrate(e, s, 0, 4 * G.bt, KVH_TIER_DISK, NULL));
+        for (int b = 0; b < 4; b++) {
+            mt_worker w = {.e = e};
+            if (!block_reads(&w, s, b, v)) {
+                print_error("round %d: block %d: %s\n", round, b, w.msg);
+                stale = 1;
+            }
+        }
+    }
+    assert_int_equal(stale, 0);
+    dt_assert_ok(kvh_seq_free(e, other));
+    dt_assert_ok(kvh_seq_free(e, s));
+    dt_assert_ok(kvh_seq_free(e, first));
+    dt_assert_ok(dt_close(e));
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_threads_promote_demote_write_and_read, teardown),
         cmocka_unit_test_teardown(test_threads_with_pool_batches_disk_and_forks, teardown),
+        cmocka_unit_test_teardown(test_write_drops_copies_made_while_it_waited, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
