@@ -354,8 +354,11 @@ kvh_status kvhi_seq_write_kv(kvh_engine *e, kvhi_seq *s, uint32_t layer, uint64_
          * LRU-K and defeat its resistance to one-off blocks. */
         bool rewrite = kvhi_block_cell_written(e, b, layer, off);
         /* A move while the lock was dropped may have kept a clean host
-         * copy of the bytes about to change. */
+         * copy of the bytes about to change, or a demotion recalled by
+         * kvhi_block_ensure_memory a clean disk copy. */
         kvhi_clean_drop(e, b);
+        if (e->blocks[b].flags & KVHI_BF_DISK_COPY)
+            kvhi_disk_forget(e, b);
         if (kv_copy(e, b, layer, off, cnt, (uint8_t *)k + skip, (uint8_t *)v + skip, true) != 0)
             st = kvhi_fail(KVH_ERR_IO, "copy into the device tier failed");
         if (st == KVH_OK)
