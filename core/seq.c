@@ -343,10 +343,25 @@ kvh_status kvhi_seq_write_kv(kvh_engine *e, kvhi_seq *s, uint32_t layer, uint64_
         uint32_t cnt = bt - off;
         if (cnt > pos + n - t)
             cnt = (uint32_t)(pos + n - t);
-        uint32_t b = s->blocks[bi];
         size_t skip = (size_t)(t - pos) * tok_bytes;
-        /* Bring it in (and let a move of it finish); no unlock follows. */
-        if ((st = kvhi_block_ensure_memory(e, b)) != KVH_OK)
+        /* Bring it in (and let a move of it finish); no unlock follows.
+         * Bringing in this or an earlier block dropped the lock: a persist
+         * meanwhile may have published it (no twin cached) and be writing
+         * its disk copy, so repeat until it is private, in memory and idle
+         * at once, as truncate does. A copy made here is the only way a
+         * failure can leave earlier blocks of the range written. */
+        uint32_t b;
+        for (;;) {
+            b = s->blocks[bi];
+            if ((st = kvhi_block_ensure_memory(e, b)) != KVH_OK)
+                break;
+            kvhi_block *blk = &e->blocks[b];
+            if (blk->refs == 1 && !(blk->flags & KVHI_BF_PUBLISHED) && !kvhi_block_busy(blk))
+                break;
+            if ((st = make_private(e, s, bi)) != KVH_OK)
+                break;
+        }
+        if (st != KVH_OK)
             break;
         /* Filling a block is part of making it (its allocation already
          * counted as its first access); only rewriting cells is a use. A
