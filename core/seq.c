@@ -343,10 +343,25 @@ kvh_status kvhi_seq_write_kv(kvh_engine *e, kvhi_seq *s, uint32_t layer, uint64_
         uint32_t cnt = bt - off;
         if (cnt > pos + n - t)
             cnt = (uint32_t)(pos + n - t);
-        uint32_t b = s->blocks[bi];
         size_t skip = (size_t)(t - pos) * tok_bytes;
-        /* Bring it in (and let a move of it finish); no unlock follows. */
-        if ((st = kvhi_block_ensure_memory(e, b)) != KVH_OK)
+        /* Bring it in (and let a move of it finish); no unlock follows.
+         * Bringing in this or an earlier block dropped the lock: a persist
+         * meanwhile may have published it (no twin cached) and be writing
+         * its disk copy, so repeat until it is private, in memory and idle
+         * at once, as truncate does. A copy made here is the only way a
+         * failure can leave earlier blocks of the range written. */
+        uint32_t b;
+        for (;;) {
+            b = s->blocks[bi];
+            if ((st = kvhi_block_ensure_memory(e, b)) != KVH_OK)
+                break;
+            kvhi_block *blk = &e->blocks[b];
+            if (blk->refs == 1 && !(blk->flags & KVHI_BF_PUBLISHED) && !kvhi_block_busy(blk))
+                break;
+            if ((st = make_private(e, s, bi)) != KVH_OK)
+                break;
+        }
+        if (st != KVH_OK)
             break;
         /* Filling a block is part of making it (its allocation already
          * counted as its first access); only rewriting cells is a use. A
@@ -354,8 +369,11 @@ kvh_status kvhi_seq_write_kv(kvh_engine *e, kvhi_seq *s, uint32_t layer, uint64_
          * LRU-K and defeat its resistance to one-off blocks. */
         bool rewrite = kvhi_block_cell_written(e, b, layer, off);
         /* A move while the lock was dropped may have kept a clean host
-         * copy of the bytes about to change. */
+         * copy of the bytes about to change, or a demotion recalled by
+         * kvhi_block_ensure_memory a clean disk copy. */
         kvhi_clean_drop(e, b);
+        if (e->blocks[b].flags & KVHI_BF_DISK_COPY)
+            kvhi_disk_forget(e, b);
         if (kv_copy(e, b, layer, off, cnt, (uint8_t *)k + skip, (uint8_t *)v + skip, true) != 0)
             st = kvhi_fail(KVH_ERR_IO, "copy into the device tier failed");
         if (st == KVH_OK)

@@ -10,21 +10,33 @@
  *     demotion copies the written bytes, never the stale ones; a write to a
  *     published block copies it on write and the new block goes down by
  *     a copy too;
- *   - a host tier full of kept copies still takes new blocks: the copies
- *     are taken back (clean_copies_reclaimed), nothing spills to disk;
+ *   - a host tier full of kept copies still takes new blocks (built,
+ *     allocated or offloaded by a pool batch): the copies are taken back
+ *     (clean_copies_reclaimed), nothing spills to disk;
  *   - a block freed while its copy is kept gives the slot back; truncating
  *     it drops the copy too, and so does a move straight to disk;
  *   - nothing is kept for a block that is not immutable (a partial one),
  *     nor while a holder still reads the slot the block left, nor on one
- *     arena (moves there copy nothing anyway).
+ *     arena (moves there copy nothing anyway);
+ *   - weights registered into a host tier full of copies take the copies'
+ *     slots (core/weight_chunks.c), evicting nothing, and so do clean
+ *     weights leaving the device tier; an agent at its device quota
+ *     evicts its own blocks onto their copies with its count exact;
+ *   - a fork's write copies on write and leaves the parent's copy; a write
+ *     after a trip through disk reaches the disk, never the old bytes;
+ *   - under a KV codec a demotion onto the copy reads back exactly what
+ *     the device tier read;
+ *   - closing with copies kept and moves queued leaks nothing.
  * test_clean_copy_mt.c runs promotions, demotions, writes and reads in
  * threads. */
 #include "disk_test_util.h"
+#include "pool_test_util.h"
 
 #include "core/engine.h"
 #include "white_box_util.h"
 #include "core/block.h"
 #include "core/move.h"
+#include "core/tier.h"
 
 static const dt_geo G = {2, 1, 32, 16, KVH_DTYPE_F16}; /* block = 4096 bytes */
 #define TOKEN_ELEMS (1 * 32)                           /* heads * dim */
@@ -451,6 +463,456 @@ static void test_free_while_kept_gives_the_slot_back(void **state)
     dt_assert_ok(dt_close(e));
 }
 
+/* The other ways in: kvh_block_alloc and a pool offload batch land in a
+ * host tier whose every slot is a kept copy (the device tier pinned
+ * full): they take copies back, nothing goes to disk, and the offloaded
+ * bytes restore exactly. */
+static void test_alloc_and_offload_take_copies(void **state)
+{
+    (void)state;
+    char dir[PATH_MAX];
+    dt_scratch("alloc-offload", dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 4, 4, 16, 0);
+    c.copy_moves = 1;
+    kvh_engine *e = dt_open_a(&c);
+    kvh_seq s;
+    dt_content ct = dt_plain(37);
+    dt_assert_ok(dt_build(e, G, ct, 4 * G.bt, 0, &s));
+    dt_assert_ok(kvh_seq_migrate(e, s, 0, 4 * G.bt, KVH_TIER_HOST, NULL));
+    promote(e, s, 0, 4 * G.bt);
+    dt_assert_ok(kvh_seq_pin(e, s, 0, 4 * G.bt, 1));
+    assert_int_equal(dt_tier(e, KVH_TIER_HOST).clean_copies, 4);
+
+    kvh_stats a = dt_stats(e);
+    kvh_block blk;
+    dt_assert_ok(kvh_block_alloc(e, 0, &blk));
+    kvh_block_info bi = {.struct_size = sizeof(bi)};
+    dt_assert_ok(kvh_block_info_get(e, blk, &bi));
+    assert_int_equal(bi.tier, KVH_TIER_HOST);
+
+    pt_pool pm;
+    pt_pool_init(&pm, G.layers, 4, G.bt, G.heads, G.dim, 2, 0x5107);
+    kvh_pool pool;
+    dt_assert_ok(kvh_pool_register(e, &pm.layout, &pool));
+    kvh_pool_xfer x[2];
+    int32_t tok[2][16];
+    uint64_t parent = 0;
+    for (uint32_t i = 0; i < 2; i++) {
+        pt_tokens(tok[i], G.bt, 77, i);
+        x[i] =
+            (kvh_pool_xfer){.struct_size = sizeof(kvh_pool_xfer), .slot = i, .parent_hash = parent, .tokens = tok[i]};
+        dt_assert_ok(kvh_prefix_hash(e, parent, tok[i], G.bt, &parent));
+    }
+    kvh_fence f;
+    dt_assert_ok(kvh_pool_offload_batch(e, pool, x, 2, 0, &f));
+    dt_assert_ok(kvh_fence_wait(e, f, UINT64_MAX));
+    dt_assert_ok(kvh_fence_free(e, f));
+    kvh_stats b = dt_stats(e);
+    assert_int_equal(b.clean_copies_reclaimed - a.clean_copies_reclaimed, 3);
+    assert_int_equal(b.blocks_host_to_disk, a.blocks_host_to_disk);
+    assert_int_equal(dt_tier(e, KVH_TIER_DISK).used_blocks, 0);
+    assert_int_equal(dt_tier(e, KVH_TIER_HOST).clean_copies, 1);
+    assert_int_equal(dt_tier(e, KVH_TIER_HOST).used_blocks, 3);
+    kvh_pool_xfer r[2];
+    for (uint32_t i = 0; i < 2; i++)
+        r[i] = (kvh_pool_xfer){.struct_size = sizeof(kvh_pool_xfer), .slot = 2 + i, .block = x[i].block};
+    kvh_fence lf[2];
+    dt_assert_ok(kvh_pool_restore_batch(e, pool, r, 2, 0, G.layers, lf));
+    for (uint32_t l = 0; l < G.layers; l++) {
+        dt_assert_ok(kvh_fence_wait(e, lf[l], UINT64_MAX));
+        dt_assert_ok(kvh_fence_free(e, lf[l]));
+        for (uint32_t i = 0; i < 2; i++)
+            assert_true(pt_layer_equal(&pm, i, &pm, 2 + i, l));
+    }
+    verify_a(e, s, ct, 4 * G.bt);
+    for (uint32_t i = 0; i < 2; i++)
+        dt_assert_ok(kvh_block_release(e, x[i].block));
+    dt_assert_ok(kvh_block_release(e, blk));
+    dt_assert_ok(kvh_pool_unregister(e, pool));
+    pt_pool_free(&pm);
+    dt_assert_ok(kvh_seq_free(e, s));
+    dt_assert_ok(dt_close(e));
+}
+
+/* ---- weights ---- */
+
+/* Weights registered while every host slot is a kept copy take the
+ * copies' slots (core/weight_chunks.c takes them back first): no KV block
+ * is evicted, nothing goes to disk, and the weight bytes and the blocks
+ * both read back right. */
+static void test_weights_take_room_from_copies(void **state)
+{
+    (void)state;
+    char dir[PATH_MAX];
+    dt_scratch("weights-take-copies", dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 4, 4, 16, 0);
+    c.copy_moves = 1; /* two arenas, as a discrete GPU */
+    kvh_engine *e = dt_open_a(&c);
+    kvh_seq s;
+    dt_content ct = dt_plain(30);
+    dt_assert_ok(dt_build(e, G, ct, 4 * G.bt, 0, &s));
+    dt_assert_ok(kvh_seq_migrate(e, s, 0, 4 * G.bt, KVH_TIER_HOST, NULL));
+    promote(e, s, 0, 4 * G.bt);
+    dt_assert_ok(kvh_seq_pin(e, s, 0, 4 * G.bt, 1));
+    assert_int_equal(dt_tier(e, KVH_TIER_HOST).clean_copies, 4);
+    uint64_t slot_bytes = dt_tier(e, KVH_TIER_HOST).block_bytes;
+
+    kvh_context_params cp;
+    dt_assert_ok(kvh_context_params_init(&cp, sizeof(cp)));
+    kvh_context ctx;
+    dt_assert_ok(kvh_context_create(e, &cp, &ctx));
+    size_t n = (size_t)(2 * slot_bytes); /* two slots' worth */
+    uint8_t *bytes = malloc(n);
+    assert_non_null(bytes);
+    for (size_t i = 0; i < n; i++)
+        bytes[i] = (uint8_t)(i * 131 + 7);
+    kvh_weight_region_params rp;
+    dt_assert_ok(kvh_weight_region_params_init(&rp, sizeof(rp)));
+    rp.bytes = bytes;
+    rp.size = n;
+    uint32_t region;
+    kvh_stats a = dt_stats(e);
+    dt_assert_ok(kvh_context_add_region(e, ctx, &rp, &region));
+    kvh_stats b = dt_stats(e);
+    assert_int_equal(b.clean_copies_reclaimed - a.clean_copies_reclaimed, 2);
+    assert_int_equal(b.evictions, a.evictions);
+    assert_int_equal(b.blocks_host_to_disk, a.blocks_host_to_disk);
+    assert_int_equal(dt_tier(e, KVH_TIER_HOST).clean_copies, 2);
+    assert_int_equal(dt_tier(e, KVH_TIER_HOST).used_blocks, 2); /* the weights */
+    assert_int_equal(host_slots_taken(e), 4);
+    kvh_weight_stats ws = {.struct_size = sizeof(ws)};
+    dt_assert_ok(kvh_weight_stats_get(e, &ws));
+    assert_int_equal(ws.slots_host, 2);
+    assert_int_equal(ws.bytes_disk, 0);
+    /* Every block still reads its own bytes; the two that kept their
+     * copies (the newest) go down for free, first. */
+    verify_a(e, s, ct, 4 * G.bt);
+    dt_assert_ok(kvh_seq_pin(e, s, 0, 4 * G.bt, 0));
+    a = dt_stats(e);
+    for (uint64_t i = 0; i < 4; i++)
+        if (kept_slot(e, s, i) != KVHI_NO_BLOCK)
+            dt_assert_ok(kvh_seq_migrate(e, s, i * G.bt, G.bt, KVH_TIER_HOST, NULL));
+    b = dt_stats(e);
+    assert_int_equal(b.clean_copy_demotions - a.clean_copy_demotions, 2);
+    assert_int_equal(b.blocks_device_to_host, a.blocks_device_to_host);
+    dt_assert_ok(kvh_seq_migrate(e, s, 0, 4 * G.bt, KVH_TIER_HOST, NULL));
+    verify_a(e, s, ct, 4 * G.bt);
+    /* The weights reach the device with their bytes. */
+    dt_assert_ok(kvh_context_switch(e, (kvh_context){0}, ctx, NULL));
+    void *p = NULL;
+    uint64_t got = 0;
+    dt_assert_ok(kvh_context_region_data(e, ctx, region, 0, &p, &got));
+    assert_int_equal(got, n);
+    assert_memory_equal(p, bytes, n);
+    verify_a(e, s, ct, 4 * G.bt);
+    dt_assert_ok(kvh_context_switch(e, ctx, (kvh_context){0}, NULL));
+    dt_assert_ok(kvh_context_destroy(e, ctx));
+    free(bytes);
+    dt_assert_ok(kvh_seq_free(e, s));
+    /* What stays are published blocks, cached: no copy, no weight slot. */
+    assert_int_equal(dt_tier(e, KVH_TIER_HOST).clean_copies, 0);
+    assert_int_equal(host_slots_taken(e), dt_tier(e, KVH_TIER_HOST).used_blocks);
+    ws = (kvh_weight_stats){.struct_size = sizeof(ws)};
+    dt_assert_ok(kvh_weight_stats_get(e, &ws));
+    assert_int_equal(ws.slots_host, 0);
+    dt_assert_ok(dt_close(e));
+}
+
+/* Clean weights leaving the device tier stay in the host tier only where
+ * they find a slot without evicting (core/weight_chunks.c, FREE_ONLY):
+ * a kept copy is such a slot, so they take copies instead of being
+ * dropped, and come back without a read of their file. */
+static void test_departing_clean_weights_take_copies(void **state)
+{
+    (void)state;
+    char dir[PATH_MAX], file[PATH_MAX];
+    dt_scratch("weights-depart", dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 8, 4, 16, 0);
+    c.copy_moves = 1;
+    kvh_engine *e = dt_open_a(&c);
+    uint64_t slot_bytes = dt_tier(e, KVH_TIER_HOST).block_bytes;
+    size_t n = (size_t)(2 * slot_bytes);
+    uint8_t *bytes = malloc(n);
+    assert_non_null(bytes);
+    for (size_t i = 0; i < n; i++)
+        bytes[i] = (uint8_t)(i * 29 + 3);
+    dt_path(file, sizeof(file), dir, "weights.bin");
+    assert_int_equal(dt_write_file(file, bytes, n), 0);
+    kvh_context_params cp;
+    dt_assert_ok(kvh_context_params_init(&cp, sizeof(cp)));
+    kvh_context ctx;
+    dt_assert_ok(kvh_context_create(e, &cp, &ctx));
+    kvh_weight_region_params rp;
+    dt_assert_ok(kvh_weight_region_params_init(&rp, sizeof(rp)));
+    rp.path = file;
+    rp.size = n;
+    uint32_t region;
+    dt_assert_ok(kvh_context_add_region(e, ctx, &rp, &region));
+    dt_assert_ok(kvh_context_switch(e, (kvh_context){0}, ctx, NULL));
+
+    /* Every host slot a kept copy. */
+    kvh_seq s;
+    dt_content ct = dt_plain(34);
+    dt_assert_ok(dt_build(e, G, ct, 4 * G.bt, 0, &s));
+    dt_assert_ok(kvh_seq_migrate(e, s, 0, 4 * G.bt, KVH_TIER_HOST, NULL));
+    promote(e, s, 0, 4 * G.bt);
+    assert_int_equal(dt_tier(e, KVH_TIER_HOST).clean_copies, 4);
+    assert_int_equal(dt_tier(e, KVH_TIER_HOST).used_blocks, 0);
+
+    kvh_stats a = dt_stats(e);
+    kvh_weight_stats wa = {.struct_size = sizeof(wa)};
+    dt_assert_ok(kvh_weight_stats_get(e, &wa));
+    dt_assert_ok(kvh_context_switch(e, ctx, (kvh_context){0}, NULL));
+    kvh_stats b = dt_stats(e);
+    kvh_weight_stats wb = {.struct_size = sizeof(wb)};
+    dt_assert_ok(kvh_weight_stats_get(e, &wb));
+    assert_int_equal(wb.bytes_dropped, wa.bytes_dropped); /* kept, not dropped */
+    assert_int_equal(wb.bytes_host, n);
+    assert_int_equal(wb.slots_host, 2);
+    assert_int_equal(b.clean_copies_reclaimed - a.clean_copies_reclaimed, 2);
+    assert_int_equal(b.evictions, a.evictions);
+    assert_int_equal(dt_tier(e, KVH_TIER_HOST).clean_copies, 2);
+    assert_int_equal(dt_tier(e, KVH_TIER_HOST).used_blocks, 2);
+    /* Back up from the host tier, not from the file. */
+    dt_assert_ok(kvh_context_switch(e, (kvh_context){0}, ctx, NULL));
+    kvh_weight_stats wc = {.struct_size = sizeof(wc)};
+    dt_assert_ok(kvh_weight_stats_get(e, &wc));
+    assert_int_equal(wc.bytes_read_source, wb.bytes_read_source);
+    void *p = NULL;
+    dt_assert_ok(kvh_context_region_data(e, ctx, region, 0, &p, NULL));
+    assert_memory_equal(p, bytes, n);
+    verify_a(e, s, ct, 4 * G.bt);
+    dt_assert_ok(kvh_context_switch(e, ctx, (kvh_context){0}, NULL));
+    dt_assert_ok(kvh_context_destroy(e, ctx));
+    free(bytes);
+    dt_assert_ok(kvh_seq_free(e, s));
+    dt_assert_ok(dt_close(e));
+}
+
+/* An agent at its device quota makes room among its own blocks: those
+ * with copies go down onto them, and the agent's device count follows
+ * (checked white-box against its blocks in the device tier, round after
+ * round, so a miscount would show as drift). */
+static void test_quota_eviction_onto_copies_keeps_counts(void **state)
+{
+    (void)state;
+    char dir[PATH_MAX];
+    dt_scratch("quota", dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 6, 6, 16, 0);
+    c.copy_moves = 1;
+    kvh_engine *e = dt_open_a(&c);
+    dt_assert_ok(kvh_agent_set_quota(e, 1, 2 * dt_block_bytes(G)));
+    kvh_seq s;
+    dt_content ct = dt_plain(36);
+    dt_assert_ok(dt_build(e, G, ct, 4 * G.bt, 1, &s));
+    dt_assert_ok(kvh_seq_migrate(e, s, 0, 4 * G.bt, KVH_TIER_HOST, NULL));
+    kvh_stats a = dt_stats(e);
+    for (int round = 0; round < 6; round++) {
+        uint64_t first = (uint64_t)(round % 2) * 2 * G.bt; /* the two halves in turn */
+        promote(e, s, first, 2 * G.bt);
+        wb_lock(e);
+        uint64_t on_device = 0;
+        for (uint32_t b = 0; b < e->block_cap; b++)
+            if ((e->blocks[b].flags & KVHI_BF_LIVE) && e->blocks[b].tier == KVH_TIER_DEVICE && e->blocks[b].agent == 1)
+                on_device++;
+        kvhi_agent *ag = kvhi_agent_get(e, 1, false);
+        uint64_t counted = ag ? ag->device_blocks : 0;
+        wb_unlock(e);
+        assert_int_equal(on_device, 2);
+        assert_int_equal(counted, on_device);
+        verify_a(e, s, ct, 4 * G.bt);
+    }
+    kvh_stats b = dt_stats(e);
+    assert_true(b.clean_copy_demotions - a.clean_copy_demotions >= 4);
+    dt_assert_ok(kvh_seq_free(e, s));
+    dt_assert_ok(dt_close(e));
+}
+
+/* ---- other writers ---- */
+
+/* A fork shares the block that kept a copy; the child's write copies it
+ * on write, so the parent's block and its kept copy keep the old bytes
+ * and the child's new block holds the new ones, in every tier. */
+static void test_fork_then_write_keeps_parent_copy(void **state)
+{
+    (void)state;
+    char dir[PATH_MAX];
+    dt_scratch("fork-write", dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 4, 4, 16, 0);
+    c.copy_moves = 1;
+    kvh_engine *e = dt_open_a(&c);
+    kvh_seq first, s, child;
+    dt_content ct = dt_plain(31);
+    dt_assert_ok(dt_build(e, G, ct, G.bt, 0, &first));
+    dt_assert_ok(dt_build(e, G, ct, G.bt, 0, &s)); /* unpublished twin */
+    dt_assert_ok(kvh_seq_migrate(e, s, 0, G.bt, KVH_TIER_HOST, NULL));
+    promote(e, s, 0, G.bt);
+    assert_int_not_equal(kept_slot(e, s, 0), KVHI_NO_BLOCK);
+    dt_assert_ok(kvh_seq_fork(e, s, 0, &child));
+    write_value(e, child, 0, G.bt, 0x4200); /* 3.0 */
+    assert_int_not_equal(wb_seq_block_index(e, child, 0), wb_seq_block_index(e, s, 0));
+    assert_int_not_equal(kept_slot(e, s, 0), KVHI_NO_BLOCK);
+    for (int tier = KVH_TIER_HOST; tier <= KVH_TIER_DISK; tier++) {
+        dt_assert_ok(kvh_seq_migrate(e, s, 0, G.bt, (uint32_t)tier, NULL));
+        dt_assert_ok(kvh_seq_migrate(e, child, 0, G.bt, (uint32_t)tier, NULL));
+        verify_a(e, s, ct, G.bt);
+        assert_true(reads_value(e, child, 0, G.bt, 0x4200));
+    }
+    /* The parent writes in place too now (private again), then goes down. */
+    promote(e, s, 0, G.bt);
+    dt_assert_ok(kvh_seq_migrate(e, s, 0, G.bt, KVH_TIER_HOST, NULL));
+    promote(e, s, 0, G.bt);
+    write_value(e, s, 0, G.bt, 0x4400); /* 4.0 */
+    assert_int_equal(kept_slot(e, s, 0), KVHI_NO_BLOCK);
+    dt_assert_ok(kvh_seq_migrate(e, s, 0, G.bt, KVH_TIER_HOST, NULL));
+    assert_true(reads_value(e, s, 0, G.bt, 0x4400));
+    dt_assert_ok(kvh_seq_migrate(e, s, 0, G.bt, KVH_TIER_DISK, NULL));
+    assert_true(reads_value(e, s, 0, G.bt, 0x4400));
+    assert_true(reads_value(e, child, 0, G.bt, 0x4200));
+    verify_a(e, first, ct, G.bt);
+    dt_assert_ok(kvh_seq_free(e, child));
+    dt_assert_ok(kvh_seq_free(e, s));
+    dt_assert_ok(kvh_seq_free(e, first));
+    assert_int_equal(host_slots_taken(e), 0);
+    dt_assert_ok(dt_close(e));
+}
+
+/* A block back from disk is promoted, keeps its host copy, is written in
+ * place, then goes down to the host tier and on to disk: the disk holds
+ * the written bytes (read back through their checksum), never the old
+ * ones; the published twin, persisted, reads its own after a reopen. */
+static void test_write_after_disk_round_trip_reaches_disk(void **state)
+{
+    (void)state;
+    char dir[PATH_MAX];
+    dt_scratch("persist-write", dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 4, 4, 16, 0);
+    c.copy_moves = 1;
+    kvh_engine *e = dt_open_a(&c);
+    kvh_seq first, s;
+    dt_content ct = dt_plain(32);
+    dt_assert_ok(dt_build(e, G, ct, G.bt, 0, &first));
+    dt_assert_ok(dt_build(e, G, ct, G.bt, 0, &s)); /* unpublished twin */
+    uint32_t b = wb_seq_block_index(e, s, 0);
+    dt_assert_ok(kvh_seq_migrate(e, s, 0, G.bt, KVH_TIER_DISK, NULL));
+    dt_assert_ok(kvh_seq_migrate(e, s, 0, G.bt, KVH_TIER_HOST, NULL));
+    promote(e, s, 0, G.bt);
+    assert_int_not_equal(kept_slot(e, s, 0), KVHI_NO_BLOCK);
+    write_value(e, s, 0, G.bt, 0x4500);
+    wb_lock(e);
+    assert_false(e->blocks[b].flags & KVHI_BF_DISK_COPY);
+    wb_unlock(e);
+    dt_assert_ok(kvh_seq_migrate(e, s, 0, G.bt, KVH_TIER_HOST, NULL));
+    dt_assert_ok(kvh_seq_migrate(e, s, 0, G.bt, KVH_TIER_DISK, NULL));
+    assert_true(reads_value(e, s, 0, G.bt, 0x4500));
+    dt_assert_ok(kvh_seq_migrate(e, s, 0, G.bt, KVH_TIER_DISK, NULL));
+    assert_true(reads_value(e, s, 0, G.bt, 0x4500));
+    /* The published original persisted and reopened keeps its bytes. */
+    dt_assert_ok(kvh_seq_persist(e, first));
+    dt_assert_ok(kvh_seq_free(e, s));
+    dt_assert_ok(kvh_seq_free(e, first));
+    dt_assert_ok(dt_close(e));
+    e = dt_open_a(&c);
+    size_t matched = 0;
+    char msg[256] = "";
+    dt_assert_ok(dt_match_verify(e, G, ct, G.bt, &matched, msg, sizeof(msg)));
+    assert_int_equal(matched, G.bt);
+    dt_assert_ok(dt_close(e));
+}
+
+/* Under a KV codec the host slot holds the encoded block and the device
+ * slot its decoding: a demotion onto the kept copy must read back exactly
+ * what the device tier read (the copy is the encoding the device bytes
+ * came from), round after round, with no drift from encoding again. */
+static void test_codec_copy_reads_as_the_device_did(void **state)
+{
+    (void)state;
+    char dir[PATH_MAX];
+    dt_scratch("codec", dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 4, 4, 16, 0);
+    c.copy_moves = 1;
+    c.kv_codec = KVH_CODEC_INT8;
+    kvh_engine *e = dt_open_a(&c);
+    kvh_seq s;
+    dt_content ct = dt_plain(35);
+    dt_assert_ok(dt_build(e, G, ct, 2 * G.bt, 0, &s));
+    dt_assert_ok(kvh_seq_migrate(e, s, 0, 2 * G.bt, KVH_TIER_HOST, NULL)); /* encoded */
+    size_t n = (size_t)G.bt * TOKEN_ELEMS;
+    uint16_t first_k[2][16 * TOKEN_ELEMS], k[16 * TOKEN_ELEMS], v[16 * TOKEN_ELEMS];
+    for (int blk = 0; blk < 2; blk++)
+        dt_assert_ok(kvh_seq_read_kv(e, s, 1, (uint64_t)blk * G.bt, G.bt, first_k[blk], v));
+    for (int round = 0; round < 3; round++) {
+        kvh_stats a = dt_stats(e);
+        promote(e, s, 0, 2 * G.bt);
+        assert_int_equal(dt_tier(e, KVH_TIER_HOST).clean_copies, 2);
+        for (int blk = 0; blk < 2; blk++) {
+            dt_assert_ok(kvh_seq_read_kv(e, s, 1, (uint64_t)blk * G.bt, G.bt, k, v));
+            assert_memory_equal(k, first_k[blk], n * sizeof(uint16_t));
+        }
+        dt_assert_ok(kvh_seq_migrate(e, s, 0, 2 * G.bt, KVH_TIER_HOST, NULL));
+        kvh_stats d = dt_stats(e);
+        assert_int_equal(d.clean_copy_demotions - a.clean_copy_demotions, 2);
+        assert_int_equal(d.blocks_device_to_host, a.blocks_device_to_host);
+        for (int blk = 0; blk < 2; blk++) {
+            dt_assert_ok(kvh_seq_read_kv(e, s, 1, (uint64_t)blk * G.bt, G.bt, k, v));
+            assert_memory_equal(k, first_k[blk], n * sizeof(uint16_t));
+        }
+    }
+    /* A write in the device tier drops the copy; the new bytes go down
+     * encoded and read back within the codec's bound of 2.0 (exactly:
+     * a constant vector encodes without error). */
+    kvh_seq t;
+    dt_assert_ok(dt_build(e, G, ct, 2 * G.bt, 0, &t)); /* unpublished twin */
+    dt_assert_ok(kvh_seq_migrate(e, t, 0, G.bt, KVH_TIER_HOST, NULL));
+    promote(e, t, 0, G.bt);
+    assert_int_not_equal(kept_slot(e, t, 0), KVHI_NO_BLOCK);
+    write_value(e, t, 0, G.bt, 0x4000);
+    assert_int_equal(kept_slot(e, t, 0), KVHI_NO_BLOCK);
+    dt_assert_ok(kvh_seq_migrate(e, t, 0, G.bt, KVH_TIER_HOST, NULL));
+    assert_true(reads_value(e, t, 0, G.bt, 0x4000));
+    dt_assert_ok(kvh_seq_free(e, t));
+    dt_assert_ok(kvh_seq_free(e, s));
+    dt_assert_ok(dt_close(e));
+}
+
+/* ---- close ---- */
+
+/* Closed with copies kept and demotions and promotions still queued in
+ * the workers: nothing leaks (ASan), nothing crashes, and the persisted
+ * prefix reads back after a reopen. */
+static void test_close_with_copies_and_moves_in_flight(void **state)
+{
+    (void)state;
+    char dir[PATH_MAX];
+    dt_scratch("close-in-flight", dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 4, 4, 16, 2);
+    c.copy_moves = 1;
+    dt_content ct = dt_plain(33);
+    for (int round = 0; round < 8; round++) {
+        kvh_engine *e = dt_open_a(&c);
+        kvh_seq s;
+        size_t matched = 0;
+        dt_assert_ok(dt_match(e, ct, 4 * G.bt, &s, &matched));
+        if (matched < 4 * G.bt)
+            dt_assert_ok(dt_extend(e, s, G, ct, matched, 4 * G.bt - matched));
+        char msg[256] = "";
+        if (dt_verify(e, s, G, ct, 0, 4 * G.bt, msg, sizeof(msg)) != KVH_OK)
+            fail_msg("round %d: %s", round, msg);
+        dt_assert_ok(kvh_seq_persist(e, s));
+        dt_assert_ok(kvh_seq_migrate(e, s, 0, 4 * G.bt, KVH_TIER_HOST, NULL));
+        kvh_fence f[2];
+        dt_assert_ok(kvh_seq_migrate(e, s, 0, 4 * G.bt, KVH_TIER_DEVICE, &f[0]));
+        dt_assert_ok(kvh_fence_wait(e, f[0], UINT64_MAX));
+        dt_assert_ok(kvh_fence_free(e, f[0]));
+        /* Copies kept; now down and up again without waiting. */
+        dt_assert_ok(kvh_seq_migrate(e, s, 0, 4 * G.bt, round & 1 ? KVH_TIER_HOST : KVH_TIER_DISK, &f[0]));
+        dt_assert_ok(kvh_seq_migrate(e, s, 0, 2 * G.bt, KVH_TIER_DEVICE, &f[1]));
+        if (round & 2)
+            dt_assert_ok(kvh_seq_free(e, s));
+        dt_assert_ok(dt_close(e)); /* the fences go with the engine */
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -463,6 +925,14 @@ int main(void)
         cmocka_unit_test_teardown(test_host_full_of_copies_admits_new_blocks, teardown),
         cmocka_unit_test_teardown(test_slot_still_read_is_not_kept, teardown),
         cmocka_unit_test_teardown(test_free_while_kept_gives_the_slot_back, teardown),
+        cmocka_unit_test_teardown(test_alloc_and_offload_take_copies, teardown),
+        cmocka_unit_test_teardown(test_weights_take_room_from_copies, teardown),
+        cmocka_unit_test_teardown(test_departing_clean_weights_take_copies, teardown),
+        cmocka_unit_test_teardown(test_quota_eviction_onto_copies_keeps_counts, teardown),
+        cmocka_unit_test_teardown(test_fork_then_write_keeps_parent_copy, teardown),
+        cmocka_unit_test_teardown(test_write_after_disk_round_trip_reaches_disk, teardown),
+        cmocka_unit_test_teardown(test_codec_copy_reads_as_the_device_did, teardown),
+        cmocka_unit_test_teardown(test_close_with_copies_and_moves_in_flight, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
