@@ -206,11 +206,12 @@ static void test_persists_waiting_for_a_disk_slot_recheck_their_block(void **sta
         w[t] = (mt_worker){.e = e, .t = t};
         assert_int_equal(pthread_create(&th[t], NULL, persist_once, &w[t]), 0);
     }
-    /* Each persist keeps the lock from taking its reference to its wait:
-     * two references taken means both wait. */
+    /* Each call takes two references (its own, then the persist's) and
+     * keeps the lock from the second to its wait: the sequence's and four
+     * more mean both wait. */
     for (bool waiting = false; !waiting;) {
         wb_lock(e);
-        waiting = e->blocks[b].refs >= 3;
+        waiting = e->blocks[b].refs == 5;
         wb_unlock(e);
         if (!waiting)
             sched_yield();
