@@ -383,6 +383,11 @@ bool kvhi_disk_copying_unreferenced(kvh_engine *e, uint32_t tier, uint32_t agent
  * marks them WRITING (they stay readable and resident), writes them as one
  * batch without the lock, then records each copy in the journal. With
  * may_evict false only free disk slots are used. */
+static bool wants_copy(const kvhi_block *blk)
+{
+    return !kvhi_block_busy(blk) && !(blk->flags & (KVHI_BF_DISK_COPY | KVHI_BF_DEAD)) && blk->tier != KVH_TIER_DISK;
+}
+
 static kvh_status write_copies(kvh_engine *e, const uint32_t *blocks, uint32_t n, kvhi_xfer *xs, bool may_evict)
 {
     kvh_status st = KVH_OK;
@@ -390,11 +395,19 @@ static kvh_status write_copies(kvh_engine *e, const uint32_t *blocks, uint32_t n
     for (uint32_t i = 0; i < n; i++) {
         uint32_t b = blocks[i], slot;
         kvhi_block *blk = &e->blocks[b];
-        if (kvhi_block_busy(blk) || (blk->flags & (KVHI_BF_DISK_COPY | KVHI_BF_DEAD)) || blk->tier == KVH_TIER_DISK)
+        if (!wants_copy(blk))
             continue;
         if (may_evict) {
             if ((st = kvhi_reserve_slot(e, KVH_TIER_DISK, blk->agent, &slot)) != KVH_OK)
                 break;
+            /* The reservation may have waited without the lock: the block
+             * may have started a move or gained a disk copy (another
+             * persist) since. Callers hold a reference, so it is still
+             * the same block. */
+            if (!wants_copy(blk)) {
+                kvhi_release_slot(e, KVH_TIER_DISK, slot);
+                continue;
+            }
         } else if (kvhi_slot_pool_alloc(&e->tiers[KVH_TIER_DISK].slots, &slot) != 0) {
             break;
         }

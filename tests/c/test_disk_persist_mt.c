@@ -6,7 +6,11 @@
  * block is read from disk. A persist in that window publishes a private
  * block that has no cached twin and starts its disk copy: the write must
  * not then change the block in place, or the copy is torn and the block's
- * next demotion reuses it, reading back bytes from before the write. */
+ * next demotion reuses it, reading back bytes from before the write.
+ *
+ * A persist that must wait for a disk slot drops the lock too: the block
+ * it chose may meanwhile have gained a disk copy (or be writing one), and
+ * must be checked again before it is written, or a disk slot leaks. */
 #include <sched.h>
 #include <stdatomic.h>
 
@@ -141,10 +145,101 @@ static void test_write_vs_persist_of_a_block_it_made_private(void **state)
     dt_assert_ok(dt_close(e));
 }
 
+#define FULL_DISK 4 /* the disk's slots */
+
+static kvh_block persisted;
+static kvh_status persist_status[2];
+
+static void *persist_once(void *arg)
+{
+    mt_worker *w = arg;
+    persist_status[w->t] = kvh_blocks_persist(w->e, &persisted, 1, NULL);
+    return NULL;
+}
+
+/* Every disk slot taken is a disk block's or one clean disk copy's, and no
+ * block has both. */
+static void check_disk_slots_accounted(kvh_engine *e)
+{
+    wb_lock(e);
+    uint32_t owned = 0;
+    for (uint32_t b = 0; b < e->block_cap; b++) {
+        const kvhi_block *blk = &e->blocks[b];
+        if (!(blk->flags & KVHI_BF_LIVE))
+            continue;
+        bool on_disk = blk->tier == KVH_TIER_DISK, copy = (blk->flags & KVHI_BF_DISK_COPY) != 0;
+        assert_false(on_disk && copy);
+        assert_false(kvhi_block_busy(blk));
+        owned += on_disk + copy;
+    }
+    assert_int_equal(kvhi_slot_pool_used(&e->tiers[KVH_TIER_DISK].slots), owned);
+    wb_unlock(e);
+}
+
+/* Two persists of one block wait together for a disk slot (the disk full
+ * of referenced blocks while a copy runs); two slots then free at once.
+ * Each checked the block before its wait: the one that resumes second
+ * must see the other's copy (running or done) and give its slot back,
+ * not write a second copy over the first and leak that slot. */
+static void test_persists_waiting_for_a_disk_slot_recheck_their_block(void **state)
+{
+    (void)state;
+    char dir[PATH_MAX];
+    dt_scratch("persist-reserve-race", dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 8, 8, FULL_DISK, 0);
+    kvh_engine *e = dt_open_a(&c);
+    kvh_seq full, s;
+    dt_assert_ok(dt_build(e, G, dt_plain(900), FULL_DISK * G.bt, 0, &full));
+    dt_assert_ok(kvh_seq_migrate(e, full, 0, FULL_DISK * G.bt, KVH_TIER_DISK, NULL));
+    dt_assert_ok(dt_build(e, G, dt_plain(901), G.bt, 0, &s));
+    dt_assert_ok(kvh_seq_blocks(e, s, 0, 1, &persisted));
+    uint32_t b = wb_block_index(e, persisted);
+    /* Stands for a copy running in another thread until both persists
+     * are done: with no disk block to evict, a reservation waits for room
+     * instead of failing. */
+    wb_lock(e);
+    e->copies_in_progress++;
+    wb_unlock(e);
+    mt_worker w[2];
+    pthread_t th[2];
+    for (int t = 0; t < 2; t++) {
+        w[t] = (mt_worker){.e = e, .t = t};
+        assert_int_equal(pthread_create(&th[t], NULL, persist_once, &w[t]), 0);
+    }
+    /* Each call takes two references (its own, then the persist's) and
+     * keeps the lock from the second to its wait: the sequence's and four
+     * more mean both wait. */
+    for (bool waiting = false; !waiting;) {
+        wb_lock(e);
+        waiting = e->blocks[b].refs == 5;
+        wb_unlock(e);
+        if (!waiting)
+            sched_yield();
+    }
+    /* Two disk blocks become evictable (cached); a move wakes the waits,
+     * which end in either order. */
+    dt_assert_ok(kvh_seq_truncate(e, full, 2 * G.bt));
+    dt_assert_ok(kvh_seq_migrate(e, full, 0, G.bt, KVH_TIER_HOST, NULL));
+    for (int t = 0; t < 2; t++)
+        pthread_join(th[t], NULL);
+    wb_lock(e);
+    e->copies_in_progress--;
+    wb_unlock(e);
+    for (int t = 0; t < 2; t++)
+        dt_assert_kvh(KVH_OK, persist_status[t]);
+    check_disk_slots_accounted(e);
+    dt_assert_ok(dt_verify(e, s, G, dt_plain(901), 0, G.bt, NULL, 0));
+    dt_assert_ok(kvh_seq_free(e, s));
+    dt_assert_ok(kvh_seq_free(e, full));
+    check_disk_slots_accounted(e);
+    dt_assert_ok(dt_close(e));
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_write_vs_persist_of_a_block_it_made_private, teardown),
+        cmocka_unit_test_teardown(test_persists_waiting_for_a_disk_slot_recheck_their_block, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
