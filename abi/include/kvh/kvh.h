@@ -639,8 +639,11 @@ KVH_API kvh_status kvh_seq_tokens(kvh_engine *engine, kvh_seq seq, uint64_t firs
  * [borrowed] arrays shaped [n][num_kv_heads][head_dim] of the engine's
  * dtype. Shared blocks are copied first (CoW). Tokens must have been
  * appended (KVH_ERR_RANGE otherwise, and for a layer out of range).
- * Returns KVH_ERR_NOSPACE (no room for a copy; nothing is written),
- * KVH_ERR_INVALID_ARG (NULL k or v with n > 0), KVH_ERR_BAD_HANDLE,
+ * Returns KVH_ERR_NOSPACE (no room for a copy; nothing is written, unless
+ * a kvh_blocks_persist from another thread published a block of the range
+ * while the write waited: then the blocks before it are written, and a
+ * retry of the same write completes it), KVH_ERR_INVALID_ARG (NULL k or v
+ * with n > 0), KVH_ERR_BAD_HANDLE,
  * KVH_ERR_NOMEM, and KVH_ERR_IO or KVH_ERR_CORRUPT when a block read back
  * from disk fails. @threads handle */
 KVH_API kvh_status kvh_seq_write_kv(kvh_engine *engine, kvh_seq seq, uint32_t layer, uint64_t pos, size_t n,
