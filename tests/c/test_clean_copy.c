@@ -96,6 +96,17 @@ static void promote(kvh_engine *e, kvh_seq s, uint64_t first, uint64_t n)
     dt_assert_ok(kvh_seq_release(e, s, first, n));
 }
 
+/* A scratch store and an engine whose device and host tiers are two
+ * arenas (copy_moves, as a discrete GPU's): where copies are kept. */
+static kvh_engine *open_two_arenas(const char *name, char *dir, size_t dir_size, uint64_t dev_blocks,
+                                   uint64_t host_blocks, uint64_t disk_slots, uint32_t threads, kvh_config *c)
+{
+    dt_scratch(name, dir, dir_size);
+    *c = dt_cfg(G, dir, dev_blocks, host_blocks, disk_slots, threads);
+    c->copy_moves = 1;
+    return dt_open_a(c);
+}
+
 /* A failed assertion under wb_lock leaves the lock held: let it go, so
  * that the engine can be closed instead of the test hanging. */
 static int teardown(void **state)
@@ -110,10 +121,8 @@ static void test_round_trip_without_write_copies_nothing(void **state)
 {
     (void)state;
     char dir[PATH_MAX];
-    dt_scratch("round-trip", dir, sizeof(dir));
-    kvh_config c = dt_cfg(G, dir, 4, 4, 16, 0);
-    c.copy_moves = 1; /* two arenas, as a discrete GPU */
-    kvh_engine *e = dt_open_a(&c);
+    kvh_config c;
+    kvh_engine *e = open_two_arenas("round-trip", dir, sizeof(dir), 4, 4, 16, 0, &c);
     kvh_seq s;
     dt_content ct = dt_plain(5);
     dt_assert_ok(dt_build(e, G, ct, 2 * G.bt, 0, &s));
@@ -180,10 +189,9 @@ static void test_demotion_past_the_host_drops_the_copy(void **state)
     /* Written to disk by the move, or onto a clean disk copy (persisted). */
     for (int persisted = 0; persisted < 2; persisted++) {
         char dir[PATH_MAX];
-        dt_scratch(persisted ? "past-host-persisted" : "past-host", dir, sizeof(dir));
-        kvh_config c = dt_cfg(G, dir, 4, 4, 16, 0);
-        c.copy_moves = 1;
-        kvh_engine *e = dt_open_a(&c);
+        kvh_config c;
+        kvh_engine *e =
+            open_two_arenas(persisted ? "past-host-persisted" : "past-host", dir, sizeof(dir), 4, 4, 16, 0, &c);
         kvh_seq s;
         dt_content ct = dt_plain(17);
         dt_assert_ok(dt_build(e, G, ct, G.bt, 0, &s));
@@ -212,10 +220,8 @@ static void test_partial_block_keeps_nothing(void **state)
 {
     (void)state;
     char dir[PATH_MAX];
-    dt_scratch("partial", dir, sizeof(dir));
-    kvh_config c = dt_cfg(G, dir, 4, 4, 0, 0);
-    c.copy_moves = 1; /* two arenas, as a discrete GPU */
-    kvh_engine *e = dt_open_a(&c);
+    kvh_config c;
+    kvh_engine *e = open_two_arenas("partial", dir, sizeof(dir), 4, 4, 0, 0, &c);
     kvh_seq s;
     dt_content ct = dt_plain(7);
     dt_assert_ok(dt_build(e, G, ct, G.bt / 2, 0, &s));
@@ -266,10 +272,8 @@ static void test_write_in_place_drops_the_copy(void **state)
 {
     (void)state;
     char dir[PATH_MAX];
-    dt_scratch("write-in-place", dir, sizeof(dir));
-    kvh_config c = dt_cfg(G, dir, 4, 4, 16, 0);
-    c.copy_moves = 1; /* two arenas, as a discrete GPU */
-    kvh_engine *e = dt_open_a(&c);
+    kvh_config c;
+    kvh_engine *e = open_two_arenas("write-in-place", dir, sizeof(dir), 4, 4, 16, 0, &c);
     kvh_seq first, s;
     dt_content ct = dt_plain(9);
     dt_assert_ok(dt_build(e, G, ct, G.bt, 0, &first));
@@ -307,10 +311,8 @@ static void test_write_to_published_block_copies_it(void **state)
 {
     (void)state;
     char dir[PATH_MAX];
-    dt_scratch("write-published", dir, sizeof(dir));
-    kvh_config c = dt_cfg(G, dir, 4, 4, 16, 0);
-    c.copy_moves = 1; /* two arenas, as a discrete GPU */
-    kvh_engine *e = dt_open_a(&c);
+    kvh_config c;
+    kvh_engine *e = open_two_arenas("write-published", dir, sizeof(dir), 4, 4, 16, 0, &c);
     kvh_seq s, twin;
     dt_content ct = dt_plain(10);
     dt_assert_ok(dt_build(e, G, ct, G.bt, 0, &s));
@@ -344,10 +346,8 @@ static void test_host_full_of_copies_admits_new_blocks(void **state)
 {
     (void)state;
     char dir[PATH_MAX];
-    dt_scratch("full-of-copies", dir, sizeof(dir));
-    kvh_config c = dt_cfg(G, dir, 4, 4, 16, 0);
-    c.copy_moves = 1; /* two arenas, as a discrete GPU */
-    kvh_engine *e = dt_open_a(&c);
+    kvh_config c;
+    kvh_engine *e = open_two_arenas("full-of-copies", dir, sizeof(dir), 4, 4, 16, 0, &c);
     kvh_seq s;
     dt_content ct = dt_plain(11);
     dt_assert_ok(dt_build(e, G, ct, 4 * G.bt, 0, &s));
@@ -397,10 +397,8 @@ static void test_slot_still_read_is_not_kept(void **state)
 {
     (void)state;
     char dir[PATH_MAX];
-    dt_scratch("still-read", dir, sizeof(dir));
-    kvh_config c = dt_cfg(G, dir, 4, 4, 0, 0);
-    c.copy_moves = 1; /* two arenas, as a discrete GPU */
-    kvh_engine *e = dt_open_a(&c);
+    kvh_config c;
+    kvh_engine *e = open_two_arenas("still-read", dir, sizeof(dir), 4, 4, 0, 0, &c);
     kvh_seq s;
     dt_content ct = dt_plain(18);
     dt_assert_ok(dt_build(e, G, ct, G.bt, 0, &s));
@@ -431,10 +429,8 @@ static void test_free_while_kept_gives_the_slot_back(void **state)
 {
     (void)state;
     char dir[PATH_MAX];
-    dt_scratch("free-while-kept", dir, sizeof(dir));
-    kvh_config c = dt_cfg(G, dir, 4, 4, 0, 0);
-    c.copy_moves = 1; /* two arenas, as a discrete GPU */
-    kvh_engine *e = dt_open_a(&c);
+    kvh_config c;
+    kvh_engine *e = open_two_arenas("free-while-kept", dir, sizeof(dir), 4, 4, 0, 0, &c);
     kvh_seq first, s;
     dt_content ct = dt_plain(13);
     dt_assert_ok(dt_build(e, G, ct, G.bt, 0, &first));
@@ -471,10 +467,8 @@ static void test_alloc_and_offload_take_copies(void **state)
 {
     (void)state;
     char dir[PATH_MAX];
-    dt_scratch("alloc-offload", dir, sizeof(dir));
-    kvh_config c = dt_cfg(G, dir, 4, 4, 16, 0);
-    c.copy_moves = 1;
-    kvh_engine *e = dt_open_a(&c);
+    kvh_config c;
+    kvh_engine *e = open_two_arenas("alloc-offload", dir, sizeof(dir), 4, 4, 16, 0, &c);
     kvh_seq s;
     dt_content ct = dt_plain(37);
     dt_assert_ok(dt_build(e, G, ct, 4 * G.bt, 0, &s));
@@ -544,10 +538,8 @@ static void test_weights_take_room_from_copies(void **state)
 {
     (void)state;
     char dir[PATH_MAX];
-    dt_scratch("weights-take-copies", dir, sizeof(dir));
-    kvh_config c = dt_cfg(G, dir, 4, 4, 16, 0);
-    c.copy_moves = 1; /* two arenas, as a discrete GPU */
-    kvh_engine *e = dt_open_a(&c);
+    kvh_config c;
+    kvh_engine *e = open_two_arenas("weights-take-copies", dir, sizeof(dir), 4, 4, 16, 0, &c);
     kvh_seq s;
     dt_content ct = dt_plain(30);
     dt_assert_ok(dt_build(e, G, ct, 4 * G.bt, 0, &s));
@@ -626,10 +618,8 @@ static void test_departing_clean_weights_take_copies(void **state)
 {
     (void)state;
     char dir[PATH_MAX], file[PATH_MAX];
-    dt_scratch("weights-depart", dir, sizeof(dir));
-    kvh_config c = dt_cfg(G, dir, 8, 4, 16, 0);
-    c.copy_moves = 1;
-    kvh_engine *e = dt_open_a(&c);
+    kvh_config c;
+    kvh_engine *e = open_two_arenas("weights-depart", dir, sizeof(dir), 8, 4, 16, 0, &c);
     uint64_t slot_bytes = dt_tier(e, KVH_TIER_HOST).block_bytes;
     size_t n = (size_t)(2 * slot_bytes);
     uint8_t *bytes = malloc(n);
@@ -697,10 +687,8 @@ static void test_quota_eviction_onto_copies_keeps_counts(void **state)
 {
     (void)state;
     char dir[PATH_MAX];
-    dt_scratch("quota", dir, sizeof(dir));
-    kvh_config c = dt_cfg(G, dir, 6, 6, 16, 0);
-    c.copy_moves = 1;
-    kvh_engine *e = dt_open_a(&c);
+    kvh_config c;
+    kvh_engine *e = open_two_arenas("quota", dir, sizeof(dir), 6, 6, 16, 0, &c);
     dt_assert_ok(kvh_agent_set_quota(e, 1, 2 * dt_block_bytes(G)));
     kvh_seq s;
     dt_content ct = dt_plain(36);
@@ -737,10 +725,8 @@ static void test_fork_then_write_keeps_parent_copy(void **state)
 {
     (void)state;
     char dir[PATH_MAX];
-    dt_scratch("fork-write", dir, sizeof(dir));
-    kvh_config c = dt_cfg(G, dir, 4, 4, 16, 0);
-    c.copy_moves = 1;
-    kvh_engine *e = dt_open_a(&c);
+    kvh_config c;
+    kvh_engine *e = open_two_arenas("fork-write", dir, sizeof(dir), 4, 4, 16, 0, &c);
     kvh_seq first, s, child;
     dt_content ct = dt_plain(31);
     dt_assert_ok(dt_build(e, G, ct, G.bt, 0, &first));
@@ -785,10 +771,8 @@ static void test_write_after_disk_round_trip_reaches_disk(void **state)
 {
     (void)state;
     char dir[PATH_MAX];
-    dt_scratch("persist-write", dir, sizeof(dir));
-    kvh_config c = dt_cfg(G, dir, 4, 4, 16, 0);
-    c.copy_moves = 1;
-    kvh_engine *e = dt_open_a(&c);
+    kvh_config c;
+    kvh_engine *e = open_two_arenas("persist-write", dir, sizeof(dir), 4, 4, 16, 0, &c);
     kvh_seq first, s;
     dt_content ct = dt_plain(32);
     dt_assert_ok(dt_build(e, G, ct, G.bt, 0, &first));
