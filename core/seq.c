@@ -135,6 +135,14 @@ kvh_status kvhi_seq_fork(kvh_engine *e, kvhi_seq *s, uint32_t agent, kvh_seq *ou
     return KVH_OK;
 }
 
+/* b's bytes are about to change: its kept clean copies (host, disk) go. */
+static void forget_clean_copies(kvh_engine *e, uint32_t b)
+{
+    kvhi_clean_drop(e, b);
+    if (e->blocks[b].flags & KVHI_BF_DISK_COPY)
+        kvhi_disk_forget(e, b);
+}
+
 /* Replaces logical block i of s by a private copy if it is shared or
  * published (immutable); moves this sequence's holds to the copy. */
 static kvh_status make_private(kvh_engine *e, kvhi_seq *s, uint32_t i)
@@ -144,9 +152,7 @@ static kvh_status make_private(kvh_engine *e, kvhi_seq *s, uint32_t i)
         kvhi_block *blk = &e->blocks[b];
         if (blk->refs == 1 && !(blk->flags & KVHI_BF_PUBLISHED)) {
             if (!kvhi_block_busy(blk)) {
-                kvhi_clean_drop(e, b); /* so is its clean host copy */
-                if (blk->flags & KVHI_BF_DISK_COPY)
-                    kvhi_disk_forget(e, b); /* its disk copy is about to go stale */
+                forget_clean_copies(e, b);
                 return KVH_OK;
             }
             kvhi_block_wait_idle(e, b); /* then check again */
@@ -371,9 +377,7 @@ kvh_status kvhi_seq_write_kv(kvh_engine *e, kvhi_seq *s, uint32_t layer, uint64_
         /* A move while the lock was dropped may have kept a clean host
          * copy of the bytes about to change, or a demotion recalled by
          * kvhi_block_ensure_memory a clean disk copy. */
-        kvhi_clean_drop(e, b);
-        if (e->blocks[b].flags & KVHI_BF_DISK_COPY)
-            kvhi_disk_forget(e, b);
+        forget_clean_copies(e, b);
         if (kv_copy(e, b, layer, off, cnt, (uint8_t *)k + skip, (uint8_t *)v + skip, true) != 0)
             st = kvhi_fail(KVH_ERR_IO, "copy into the device tier failed");
         if (st == KVH_OK)
