@@ -229,10 +229,8 @@ static inline void block_place(kvh_engine *e, uint32_t b, uint32_t tier, uint32_
         agent_count(e, blk->agent, +1);
     else if (tier == KVH_TIER_HOST) {
         e->host_arrivals++;
-        kvhi_tier *h = &e->tiers[KVH_TIER_HOST];
-        /* Wake a worker to clean ahead when the host tier runs low: kept
-         * clean copies are room too (core/clean_copy.h). */
-        if (e->disk && e->n_workers && ((uint64_t)h->slots.free_count + e->clean.count) * 8 < h->slots.capacity)
+        /* Wake a worker to clean ahead when the host tier runs low. */
+        if (e->disk && e->n_workers && kvhi_disk_host_runs_low(e))
             pthread_cond_signal(&e->work_ready);
     }
 }

@@ -463,8 +463,7 @@ bool kvhi_disk_clean_step(kvh_engine *e)
     kvhi_tier *host = &e->tiers[KVH_TIER_HOST];
     if (!e->disk || e->disk->fatal || !host->present || e->tiers[KVH_TIER_DISK].slots.free_count == 0)
         return false;
-    /* Kept clean copies are room too (core/clean_copy.h). */
-    if (((uint64_t)host->slots.free_count + e->clean.count) * 8 >= host->slots.capacity)
+    if (!kvhi_disk_host_runs_low(e))
         return false;
     if (e->clean_epoch_seen == e->host_arrivals)
         return false; /* nothing new arrived since the last empty sweep */

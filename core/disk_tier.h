@@ -32,6 +32,14 @@ kvh_status kvhi_disk_persist_blocks(kvh_engine *e, const uint32_t *blocks, uint3
 /* One round of background cleaning (lock held, may drop); true if work
  * was done. */
 bool kvhi_disk_clean_step(kvh_engine *e);
+/* Whether the host tier runs low enough (under an eighth free) for the
+ * cleaner to write ahead; kept clean copies are room too
+ * (core/clean_copy.h). */
+static inline bool kvhi_disk_host_runs_low(const kvh_engine *e)
+{
+    const kvhi_tier *h = &e->tiers[KVH_TIER_HOST];
+    return ((uint64_t)h->slots.free_count + e->clean.count) * 8 < h->slots.capacity;
+}
 /* Whether a disk copy is being written from an unreferenced block of tier
  * (of agent, where agent is not KVHI_NO_BLOCK): such a block is busy only
  * until the copy ends, and is then a better victim than any referenced one. */
