@@ -116,14 +116,16 @@ static void op_codec(state *s, fz_in *in)
     if (kind >= 192)
         return;
     float x[CODEC_D_MAX];
+    /* one ulp of the returned dtype: relative, or the subnormals' spacing */
     float rounding = dtype == KVH_DTYPE_F32 ? 0 : dtype == KVH_DTYPE_F16 ? 1.0f / 1024 : 1.0f / 128;
+    float spacing = dtype == KVH_DTYPE_F32 ? 0 : dtype == KVH_DTYPE_F16 ? 0x1p-24f : 0x1p-133f;
     for (size_t v = 0; v < n; v++) {
         for (uint32_t i = 0; i < d; i++)
             x[i] = load_elem(dtype, src + v * d * eb, i);
         for (uint32_t i = 0; i < d; i++) {
             float y = load_elem(dtype, dst + v * d * eb, i);
             float bound = codec_bound(codec, x, d, i) * (1 + 1e-5f) + (fabsf(x[i]) + fabsf(y)) * 1e-6f +
-                          fabsf(y) * rounding + 0x1p-143f; /* a subnormal scale's rounding */
+                          fmaxf(fabsf(y) * rounding, spacing) + 0x1p-143f; /* a subnormal scale's rounding */
             FZ_CHECK(isfinite(y) && fabsf(x[i] - y) <= bound,
                      "codec %u dtype %u head_dim %u: element %u of vector %zu: %g decoded as %g (bound %g)", codec,
                      dtype, d, i, v, (double)x[i], (double)y, (double)bound);

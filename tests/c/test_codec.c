@@ -40,12 +40,21 @@ static double half_step(uint32_t codec, uint32_t d, const float *x, uint32_t i)
     return codec == KVH_CODEC_INT8 ? amax / 254.0 : (hi - lo) / 30.0;
 }
 
+/* Half an ulp of dtype at y, at most: relative for normal values, the
+ * subnormals' fixed spacing below them (bf16 keeps f32's exponent range
+ * with 7 fraction bits; f16 goes down to 2^-24). */
+static double half_ulp(uint32_t dtype, double y)
+{
+    double rel = dtype == KVH_DTYPE_F16 ? 0x1p-11 : dtype == KVH_DTYPE_BF16 ? 0x1p-8 : 0x1p-24;
+    double floor = dtype == KVH_DTYPE_F16 ? 0x1p-25 : dtype == KVH_DTYPE_BF16 ? 0x1p-134 : 0x1p-150;
+    return fmax(fabs(y) * rel, floor);
+}
+
 /* Largest error allowed for element i: the bound plus rounding to the
  * dtype. */
 static double allowed(uint32_t codec, uint32_t dtype, uint32_t d, const float *x, uint32_t i, double decoded)
 {
-    double ulp = dtype == KVH_DTYPE_F16 ? 0x1p-11 : dtype == KVH_DTYPE_BF16 ? 0x1p-8 : 0x1p-23;
-    return half_step(codec, d, x, i) * (1 + 1e-5) + fabs(decoded) * ulp + 1e-30;
+    return half_step(codec, d, x, i) * (1 + 1e-5) + half_ulp(dtype, decoded) + 1e-30;
 }
 
 static void test_round_trip_bounds(void **state)
@@ -608,6 +617,54 @@ static void test_int8_decode_rounds_ties_to_even(void **state)
     }
 }
 
+/* A group whose values are subnormal in the returned dtype (found by
+ * fuzz_api in bf16): the decoded value is rounded once to the dtype,
+ * whose spacing there is absolute, so the error may exceed the codec's
+ * bound by half that spacing, and by no more. */
+static void test_subnormal_results_round_once(void **state)
+{
+    (void)state;
+    enum { G = 64 };
+    static const float found[G] = {
+        0x1.2p-130f,  -0x1.cp-131f, 0x1.9p-129f,  -0x1p-133f,   0x1.cp-130f,  0x1.9p-129f,  0x1.ap-130f,  -0x1p-131f,
+        0x1.cp-131f,  0x1.dp-129f,  -0x1p-129f,   -0x1.7p-129f, -0x1.4p-130f, 0x1.ap-129f,  0x1.5p-129f,  0x1p-130f,
+        -0x1.cp-130f, -0x1.cp-130f, -0x1.2p-129f, -0x1.ap-130f, -0x1.8p-130f, -0x1.8p-129f, 0x1.dp-129f,  0x1.4p-131f,
+        0x1.8p-130f,  0x1.ep-130f,  -0x1p-129f,   -0x1p-131f,   0x1.2p-130f,  -0x1.8p-130f, 0x1.ap-130f,  -0x1.4p-131f,
+        0x1.3p-129f,  -0x1p-131f,   0x1.9p-129f,  0x1.4p-131f,  0x1p-129f,    -0x1p-132f,   -0x1.cp-131f, -0x1.5p-129f,
+        0x1p-129f,    -0x1.4p-131f, -0x1.3p-129f, -0x1.8p-131f, 0x1.5p-129f,  0x1.ep-130f,  0x1.6p-129f,  -0x1.5p-129f,
+        0x1p-130f,    -0x1.ep-129f, -0x1.3p-129f, -0x1.6p-130f, -0x1.8p-130f, -0x1.4p-131f, 0x1.1p-129f,  0x1.7p-129f,
+        -0x1.cp-130f, 0x1.9p-129f,  -0x1.4p-130f, 0x1p-129f,    0x1.ep-130f,  0x1.cp-131f,  0x1.4p-129f,  -0x1p-133f};
+    for (size_t ti = 1; ti < 3; ti++)
+        for (size_t ci = 0; ci < 3; ci++) {
+            uint32_t c = codecs[ci], dt = dtypes[ti];
+            float x[G], wide[G];
+            uint16_t src[G], out[G];
+            uint8_t enc[512];
+            for (int i = 0; i < G; i++) { /* f16's subnormals start 2^112 higher */
+                float v = dt == KVH_DTYPE_F16 ? found[i] * 0x1p106f : found[i];
+                src[i] = dt == KVH_DTYPE_F16 ? kvhi_f32_to_f16(v) : kvhi_f32_to_bf16(v);
+                x[i] = dt == KVH_DTYPE_F16 ? kvhi_f16_to_f32(src[i]) : kvhi_bf16_to_f32(src[i]);
+            }
+            assert_ok(kvh_codec_encode(c, dt, G, src, 1, enc));
+            assert_ok(kvh_codec_decode(c, dt, G, enc, 1, out));
+            assert_ok(kvh_codec_decode(c, KVH_DTYPE_F32, G, enc, 1, wide));
+            bool beyond_bound = false;
+            for (int i = 0; i < G; i++) {
+                uint16_t want = dt == KVH_DTYPE_F16 ? kvhi_f32_to_f16(wide[i]) : kvhi_f32_to_bf16(wide[i]);
+                if (out[i] != want)
+                    fail_msg("codec %u dtype %u element %d: %04x, the f32 decode %a rounds to %04x", c, dt, i, out[i],
+                             (double)wide[i], want);
+                double y = dt == KVH_DTYPE_F16 ? kvhi_f16_to_f32(out[i]) : kvhi_bf16_to_f32(out[i]);
+                double err = fabs(y - x[i]), bound = half_step(c, G, x, (uint32_t)i) * (1 + 1e-5);
+                if (!(err <= allowed(c, dt, G, x, (uint32_t)i, y)))
+                    fail_msg("codec %u dtype %u element %d: %a decoded as %a", c, dt, i, (double)x[i], y);
+                beyond_bound |= err > bound + fabs(y) * (dt == KVH_DTYPE_F16 ? 0x1p-11 : 0x1p-8);
+            }
+            if (c == KVH_CODEC_Q4_G64 && dt == KVH_DTYPE_BF16) /* the case fuzz_api found */
+                assert_true(beyond_bound);
+        }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -619,6 +676,7 @@ int main(void)
         cmocka_unit_test_teardown(test_int8_decode_rounds_ties_to_even, tu_teardown),
         cmocka_unit_test_teardown(test_q4_matches_the_format, tu_teardown),
         cmocka_unit_test_teardown(test_q4_zero_extremes, tu_teardown),
+        cmocka_unit_test_teardown(test_subnormal_results_round_once, tu_teardown),
         cmocka_unit_test_teardown(test_engine_host_holds_more, tu_teardown),
         cmocka_unit_test_teardown(test_engine_demote_promote, tu_teardown),
         cmocka_unit_test_teardown(test_engine_write_into_host, tu_teardown),
