@@ -83,7 +83,7 @@ kvhi_lruk_key kvhi_block_current_key(void *engine, uint32_t b)
 {
     kvh_engine *e = engine;
     const kvhi_block *blk = kvhi_blk(e, b);
-    kvhi_lruk_key k = kvhi_adapt_key(&e->adapt, blk->hist, e->cfg.lru_k, blk->refs > 0);
+    kvhi_lruk_key k = kvhi_adapt_key(&e->adapt, blk->hist, e->cfg.lru_k, kvhi_block_referenced(e, blk, b));
     if (blk->flags & KVHI_BF_HINTED)
         return kvhi_hint_key(blk, k);
     return kvhi_evict_key(e, blk, k);
@@ -440,8 +440,12 @@ __attribute__((always_inline)) static inline void block_unref(kvh_engine *e, uin
 {
     kvhi_assert_locked(e);
     kvhi_block *blk = kvhi_blk(e, b);
-    if (--blk->refs > 0)
+    if (--blk->refs > 0) {
+        /* Its last caller reference went; uploads' remain (engine.h). */
+        if (e->upload_refs && blk->refs == e->upload_refs[b])
+            block_update_evictable(e, b);
         return;
+    }
     if (blk->flags & KVHI_BF_PUBLISHED)
         block_update_evictable(e, b); /* stays cached, now cheaper to drop */
     else

@@ -73,6 +73,14 @@ typedef struct __attribute__((aligned(64))) kvhi_block {
     int32_t hint_next;
 } kvhi_block;
 #define KVHI_HINT_NONE INT32_MIN
+
+/* Whether b is referenced as the victim order sees it: by a caller, where
+ * references taken by remote uploads are not counted (engine.h,
+ * upload_refs). */
+static inline bool kvhi_block_referenced(const kvh_engine *e, const kvhi_block *blk, uint32_t b)
+{
+    return blk->refs > (e->upload_refs && blk->tier < e->upload_refs_tier_end ? e->upload_refs[b] : 0);
+}
 _Static_assert(offsetof(kvhi_block, gen) == 64, "kvhi_block: the hot fields fill exactly its first cache line");
 _Static_assert(sizeof(kvhi_block) == 128, "kvhi_block: two cache lines");
 

@@ -372,8 +372,9 @@ bool kvhi_disk_copying_unreferenced(kvh_engine *e, uint32_t tier, uint32_t agent
     for (const struct kvhi_disk_copy_batch *c = e->disk_copy_batches; c; c = c->next)
         for (uint32_t j = 0; j < c->n; j++) {
             const kvhi_block *blk = &e->blocks[c->xs[j].block];
-            if (blk->refs == 0 && blk->tier == tier && (agent == KVHI_NO_BLOCK || blk->agent == agent) &&
-                kvhi_move_state(blk) == KVHI_MS_COPYING && !(blk->flags & KVHI_BF_DEAD))
+            if (!kvhi_block_referenced(e, blk, c->xs[j].block) && blk->tier == tier &&
+                (agent == KVHI_NO_BLOCK || blk->agent == agent) && kvhi_move_state(blk) == KVHI_MS_COPYING &&
+                !(blk->flags & KVHI_BF_DEAD))
                 return true;
         }
     return false;

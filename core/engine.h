@@ -206,6 +206,15 @@ struct kvh_engine {
      * busy for a while from none at all. */
     struct kvhi_disk_copy_batch *disk_copy_batches;
     uint64_t victim_copy_waits; /* times a victim choice waited for one such copy */
+    /* With a remote tier that uploads: per record, the part of refs held by
+     * uploads (core/remote_upload.c). A caller holds none of them, so the
+     * victim order of a memory tier does not count them; in tiers from
+     * upload_refs_tier_end on (the last, where a block with any reference
+     * cannot leave at all) they count. The blocks an upload holds busy
+     * meanwhile are listed in upload_busy, like disk_copy_batches. */
+    uint32_t *upload_refs;
+    uint32_t upload_refs_tier_end;
+    struct kvhi_upload_busy *upload_busy;
 };
 
 /* ---- errors and logging (status.c) ---- */

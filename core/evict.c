@@ -8,6 +8,7 @@
 #include "core/tier.h"
 #include "core/context.h"
 #include "core/disk_tier.h"
+#include "core/remote_tier.h"
 
 static int tier_below(kvh_engine *e, uint32_t t)
 {
@@ -79,11 +80,13 @@ kvh_status kvhi_reserve_slot(kvh_engine *e, uint32_t tier, uint32_t for_agent, u
             continue;
         uint32_t v = pick_victim(e, tier, qa);
         /* Unreferenced blocks leave before referenced ones (kvh.h). One
-         * busy while its disk copy is written is out of the order only
-         * until the copy ends: wait for it rather than send a referenced
-         * block down in its place. */
-        if (v != KVHI_HEAP_NONE && e->blocks[v].refs > 0 && e->disk_copy_batches &&
-            kvhi_disk_copying_unreferenced(e, tier, qa ? for_agent : KVHI_NO_BLOCK)) {
+         * busy while its disk copy is written, or while an upload copies
+         * it, is out of the order only until the copy ends: wait for it
+         * rather than send a referenced block down in its place. */
+        uint32_t of = qa ? for_agent : KVHI_NO_BLOCK;
+        if (v != KVHI_HEAP_NONE && kvhi_block_referenced(e, &e->blocks[v], v) &&
+            ((e->disk_copy_batches && kvhi_disk_copying_unreferenced(e, tier, of)) ||
+             (e->upload_busy && kvhi_remote_busy_unreferenced(e, tier, of)))) {
             e->victim_copy_waits++;
             pthread_cond_wait(&e->changed, &e->lock);
             continue;

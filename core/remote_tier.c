@@ -109,7 +109,19 @@ kvh_status kvhi_remote_tier_open(kvh_engine *e, const kvh_config *cfg)
         return KVH_OK;
     kvhi_remote_id id = id_of(cfg, e->tiers[KVH_TIER_DISK].slot_bytes);
     kvh_status st = open_remote(cfg, e, &id, &e->remote);
-    if (st == KVH_OK && (st = kvhi_remote_uploader_start(e)) != KVH_OK) {
+    if (st == KVH_OK && e->remote->upload) {
+        /* Uploads' references (engine.h): not a caller's, except in the
+         * last tier. */
+        e->upload_refs_tier_end = 0;
+        for (uint32_t t = 0; t < KVH_TIER_COUNT; t++)
+            if (e->tiers[t].present)
+                e->upload_refs_tier_end = t;
+        if (!(e->upload_refs = calloc(e->block_cap, sizeof(uint32_t))))
+            st = kvhi_fail(KVH_ERR_NOMEM, "out of memory for the remote tier's upload references");
+    }
+    if (st == KVH_OK)
+        st = kvhi_remote_uploader_start(e);
+    if (st != KVH_OK && e->remote) {
         kvhi_remote_close_client(e->remote);
         e->remote = NULL;
     }
@@ -121,6 +133,8 @@ void kvhi_remote_tier_close(kvh_engine *e)
     kvhi_remote_uploader_stop(e);
     kvhi_remote_close_client(e->remote);
     e->remote = NULL;
+    free(e->upload_refs);
+    e->upload_refs = NULL;
 }
 
 kvh_status kvhi_remote_open_client(const kvh_config *cfg, kvhi_remote **out)

@@ -84,6 +84,14 @@ size_t kvhi_remote_lookup(kvh_engine *e, const kvhi_scope *sc, const int32_t *to
  * (a kvh_remote_upload bit) is configured; a full queue drops it, counted
  * (lock held; never waits). */
 void kvhi_remote_queue_upload(kvh_engine *e, uint32_t b, uint32_t reason);
+/* A reference of an upload to block b (engine.h, upload_refs): keeps it,
+ * but counts as no caller's in the victim order (lock held). */
+void kvhi_remote_upload_ref(kvh_engine *e, uint32_t b);
+void kvhi_remote_upload_unref(kvh_engine *e, uint32_t b);
+/* Whether an upload holds busy (copying it without the lock) a block of
+ * tier that no caller references, of agent (KVHI_NO_BLOCK: any); it
+ * becomes a victim when that copy ends (lock held). */
+bool kvhi_remote_busy_unreferenced(kvh_engine *e, uint32_t tier, uint32_t agent);
 /* Starts the uploader thread when remote_upload asks for background
  * uploads (lock not held). */
 kvh_status kvhi_remote_uploader_start(kvh_engine *e);

@@ -19,6 +19,54 @@
 
 static bool reply_is(const kvhi_cluster_cmd *c, int kind) { return kvhi_cluster_reply(c, NULL, NULL, NULL) == kind; }
 
+void kvhi_remote_upload_ref(kvh_engine *e, uint32_t b)
+{
+    e->upload_refs[b]++;
+    kvhi_block_ref(e, b);
+}
+
+void kvhi_remote_upload_unref(kvh_engine *e, uint32_t b)
+{
+    e->upload_refs[b]--;
+    kvhi_block_unref(e, b);
+}
+
+/* Blocks an upload holds busy while it copies them without the lock,
+ * listed in e->upload_busy for the victim choice (core/evict.c). */
+struct kvhi_upload_busy {
+    const uint32_t *blocks;
+    size_t n;
+    struct kvhi_upload_busy *next;
+};
+
+static void busy_list(kvh_engine *e, struct kvhi_upload_busy *l, const uint32_t *blocks, size_t n)
+{
+    *l = (struct kvhi_upload_busy){blocks, n, e->upload_busy};
+    e->upload_busy = l;
+}
+
+/* Unlisted after the lock is taken again, with the waiters told. */
+static void busy_unlist(kvh_engine *e, struct kvhi_upload_busy *l)
+{
+    struct kvhi_upload_busy **at = &e->upload_busy;
+    while (*at != l)
+        at = &(*at)->next;
+    *at = l->next;
+    pthread_cond_broadcast(&e->changed);
+}
+
+bool kvhi_remote_busy_unreferenced(kvh_engine *e, uint32_t tier, uint32_t agent)
+{
+    for (const struct kvhi_upload_busy *l = e->upload_busy; l; l = l->next)
+        for (size_t j = 0; j < l->n; j++) {
+            const kvhi_block *blk = &e->blocks[l->blocks[j]];
+            if (blk->tier == tier && !kvhi_block_referenced(e, blk, l->blocks[j]) &&
+                (agent == KVHI_NO_BLOCK || blk->agent == agent) && !(blk->flags & KVHI_BF_DEAD))
+                return true;
+        }
+    return false;
+}
+
 /* Reads block b's data from its disk slot into dst (the disk form), checked
  * against the slot's header; its CRC32C into *crc. Lock held; dropped for
  * the read. The block stays on disk. */
@@ -32,6 +80,8 @@ static bool read_from_disk(kvh_engine *e, uint32_t b, uint8_t *dst, uint32_t *cr
     kvhi_block_update_evictable(e, b);
     uint32_t slot = blk->slot;
     uint64_t hash = blk->hash;
+    struct kvhi_upload_busy busy;
+    busy_list(e, &busy, &b, 1);
     kvhi_unlock_for_copy(e);
     kvhi_disk_lane *lane = kvhi_disk_lane_get(d);
     int res = -1;
@@ -45,6 +95,7 @@ static bool read_from_disk(kvh_engine *e, uint32_t b, uint8_t *dst, uint32_t *cr
     }
     kvhi_disk_lane_put(d, lane);
     kvhi_relock_after_copy(e);
+    busy_unlist(e, &busy);
     kvhi_block_writing_done(e, b);
     if (blk->flags & KVHI_BF_DEAD)
         kvhi_block_free_now(e, b);
@@ -165,6 +216,8 @@ static size_t prepare_values(kvh_engine *e, upload_bufs *u, size_t n, kvhi_remot
     if (n_mem) {
         uint8_t **vals = malloc(sizeof(uint8_t *) * n_mem);
         uint32_t *crcs = malloc(sizeof(uint32_t) * n_mem);
+        struct kvhi_upload_busy busy;
+        busy_list(e, &busy, u->copy_from, n_mem);
         kvhi_unlock_for_copy(e);
         if (vals && crcs) {
             for (size_t j = 0; j < n_mem; j++)
@@ -179,6 +232,7 @@ static size_t prepare_values(kvh_engine *e, upload_bufs *u, size_t n, kvhi_remot
         free(vals), free(crcs);
         for (size_t j = 0; j < n_mem; j++)
             kvhi_block_unhold_reading(e, u->copy_from[j]);
+        busy_unlist(e, &busy);
         /* A copy that failed leaves a hole: close it. */
         size_t w = 0, j = 0;
         for (size_t k = 0; k < m; k++) {
@@ -248,7 +302,7 @@ void kvhi_remote_upload_blocks(kvh_engine *e, kvhi_cluster *via, const uint32_t 
             u.parents[k] = blk->parent_hash;
             memcpy(u.tokens + k * bt, kvhi_block_tokens(e, b), sizeof(int32_t) * bt);
             kvhi_remote_key(u.keys[k], &r->id, blk->hash);
-            blk->refs++; /* stays while the lock is dropped */
+            kvhi_remote_upload_ref(e, b); /* stays while the lock is dropped */
         }
         pthread_mutex_unlock(&e->lock);
         kvhi_remote_exists_round(r, via, u.keys, n, u.present, u.cmds, &t);
@@ -274,7 +328,7 @@ void kvhi_remote_upload_blocks(kvh_engine *e, kvhi_cluster *via, const uint32_t 
         }
         pthread_mutex_lock(&e->lock);
         for (size_t k = 0; k < n; k++)
-            kvhi_block_unref(e, u.blocks[k]);
+            kvhi_remote_upload_unref(e, u.blocks[k]);
     }
 out:
     kvhi_remote_tally_add(e, &t);

@@ -29,7 +29,7 @@ void kvhi_remote_queue_upload(kvh_engine *e, uint32_t b, uint32_t reason)
         }
         return;
     }
-    kvhi_block_ref(e, b);
+    kvhi_remote_upload_ref(e, b);
     r->queue[(r->q_head + r->q_len++) % r->q_cap] = b;
     pthread_cond_signal(&r->q_cv);
 }
@@ -60,7 +60,7 @@ static void *uploader_main(void *arg)
             r->q_head = (r->q_head + 1) % r->q_cap;
             r->q_len--;
             e->stats.remote_uploads_dropped++;
-            kvhi_block_unref(e, b);
+            kvhi_remote_upload_unref(e, b);
             continue;
         }
         if (r->queue_full && r->q_len < r->q_cap / 2) {
@@ -69,7 +69,7 @@ static void *uploader_main(void *arg)
         }
         kvhi_remote_upload_blocks(e, r->upload_cluster ? r->upload_cluster : r->cluster, batch, n);
         for (size_t k = 0; k < n; k++)
-            kvhi_block_unref(e, batch[k]);
+            kvhi_remote_upload_unref(e, batch[k]);
     }
     pthread_mutex_unlock(&e->lock);
     free(batch);

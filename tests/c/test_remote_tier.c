@@ -316,6 +316,63 @@ static void test_write_through(void **state)
     assert_ok(tu_close(a));
 }
 
+/* Blocks waiting for an upload are unreferenced to the caller: the header
+ * promises they leave the device tier before any referenced block, even
+ * while the store is slow to take them (every node stopped here, so each
+ * of them waits in the queue or in a round for the whole test). */
+static void test_blocks_awaiting_upload_leave_first(void **state)
+{
+    (void)state;
+    NEED_CLUSTER();
+    enum { DEV = 8, KEPT = 2, CACHED = 4 };
+    kvh_config c = tu_cfg(LAYERS, HEADS, DIM, BT, KVH_DTYPE_F16, DEV, 64, 1);
+    c.model_salt = test_salt();
+    c.remote_addrs = rt_addrs(&cluster);
+    c.remote_password = PASSWORD;
+    c.remote_timeout_ms = 5000; /* longer than the test: no round gives up */
+    c.remote_upload = KVH_REMOTE_UPLOAD_WRITE_THROUGH;
+    kvh_engine *e = tu_open_cfg(&c);
+    int32_t tokens[(KEPT + CACHED) * BT];
+    prefix_tokens(tokens, (KEPT + CACHED) * BT, 91000);
+    /* kept: referenced, and the oldest in the device tier. */
+    kvh_seq kept = tu_seq_new(e, 0);
+    assert_ok(kvh_seq_append(e, kept, tokens, KEPT * BT));
+    tu_write_pattern(e, kept, LAYERS, TOK_BYTES, 51, 0, KEPT * BT);
+    assert_true(uploads_reach(e, KEPT));
+    for (int i = 0; i < cluster.n; i++)
+        kill(cluster.pids[i], SIGSTOP);
+    /* cached: published (so queued for upload), then let go. */
+    kvh_seq cached = tu_seq_new(e, 0);
+    assert_ok(kvh_seq_append(e, cached, tokens + KEPT * BT, CACHED * BT));
+    tu_write_pattern(e, cached, LAYERS, TOK_BYTES, 52, 0, CACHED * BT);
+    kvh_block cb[CACHED];
+    assert_ok(kvh_seq_blocks(e, cached, 0, CACHED, cb));
+    assert_ok(kvh_seq_free(e, cached));
+    /* New blocks take the last free slots, then CACHED more. */
+    kvh_block fresh[DEV - KEPT];
+    for (int i = 0; i < DEV - KEPT; i++)
+        assert_ok(kvh_block_alloc(e, 0, &fresh[i]));
+    kvh_block kb[KEPT];
+    assert_ok(kvh_seq_blocks(e, kept, 0, KEPT, kb));
+    uint32_t kept_tier[KEPT];
+    for (int i = 0; i < KEPT; i++) {
+        kvh_block_info info = {.struct_size = sizeof(info)};
+        assert_ok(kvh_block_info_get(e, kb[i], &info));
+        kept_tier[i] = info.tier;
+    }
+    for (int i = 0; i < cluster.n; i++)
+        kill(cluster.pids[i], SIGCONT);
+    for (int i = 0; i < KEPT; i++)
+        if (kept_tier[i] != KVH_TIER_DEVICE)
+            fail_msg("referenced block %d left the device tier (to tier %u) before unreferenced ones", i, kept_tier[i]);
+    assert_true(tu_check_pattern(e, kept, LAYERS, TOK_BYTES, 51, 0, KEPT * BT));
+    for (int i = 0; i < DEV - KEPT; i++)
+        assert_ok(kvh_block_release(e, fresh[i]));
+    assert_ok(kvh_seq_free(e, kept));
+    assert_ok(tu_close(e));
+    assert_int_equal(rt_wait_ok(&cluster, 20000), 0);
+}
+
 /* Demotion: blocks go up when they move to the disk tier, read back from
  * their slots (and stay there); none before. */
 static void test_demote_uploads(void **state)
@@ -661,6 +718,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_tampered_value_is_deleted, tu_teardown),
         cmocka_unit_test_teardown(test_codec_into_either_tier, tu_teardown),
         cmocka_unit_test_teardown(test_write_through, tu_teardown),
+        cmocka_unit_test_teardown(test_blocks_awaiting_upload_leave_first, tu_teardown),
         cmocka_unit_test_teardown(test_demote_uploads, tu_teardown),
         cmocka_unit_test_teardown(test_background_uploads_dropped, tu_teardown),
         cmocka_unit_test_teardown(test_slot_migration, tu_teardown),
