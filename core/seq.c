@@ -658,6 +658,30 @@ static bool still_named(kvh_engine *e, named_block nb)
     return blk->gen == nb.gen && (blk->flags & KVHI_BF_LIVE) && !(blk->flags & KVHI_BF_DEAD);
 }
 
+/* Puts the device-tier blocks that kept clean host copies ahead of the
+ * others, in order otherwise. Bound for the host tier, they go down onto
+ * their copies without a copy; queued behind the others, they would find
+ * those copies taken back to make room for them (kvhi_reserve_slot) and
+ * cost a copy each after all. Without memory the order stays. */
+static void copies_first(kvh_engine *e, named_block *named, size_t n)
+{
+    if (!e->clean.count || n < 2)
+        return;
+    named_block *rest = malloc(sizeof(named_block) * n);
+    if (!rest)
+        return;
+    size_t k = 0, r = 0;
+    for (size_t i = 0; i < n; i++) {
+        const kvhi_block *blk = &e->blocks[named[i].block];
+        if (blk->tier == KVH_TIER_DEVICE && e->clean.slot_of[named[i].block] != KVHI_NO_BLOCK)
+            named[k++] = named[i];
+        else
+            rest[r++] = named[i];
+    }
+    memcpy(named + k, rest, sizeof(named_block) * r);
+    free(rest);
+}
+
 kvh_status kvhi_prefetch(kvh_engine *e, kvhi_seq *s, uint64_t first, uint64_t n, int32_t priority, kvh_fence *fence)
 {
     uint32_t b0 = 0, b1 = 0;
@@ -741,6 +765,8 @@ kvh_status kvhi_migrate_blocks(kvh_engine *e, const uint32_t *blocks, size_t n, 
         free(named);
         return st;
     }
+    if (tier == KVH_TIER_HOST)
+        copies_first(e, named, n);
     for (size_t i = 0; i < n; i++)
         if (still_named(e, named[i]) && !e->blocks[named[i].block].pins)
             kvhi_enqueue(e, named[i].block, tier, 0, KVHI_JOB_MOVE, fidx);

@@ -10,6 +10,8 @@
  *     demotion copies the written bytes, never the stale ones; a write to a
  *     published block copies it on write and the new block goes down by
  *     a copy too;
+ *   - a range migrated to a full host tier sends its blocks with copies
+ *     down onto them first, rather than let the others take those slots;
  *   - a host tier full of kept copies still takes new blocks (built,
  *     allocated or offloaded by a pool batch): the copies are taken back
  *     (clean_copies_reclaimed), nothing spills to disk;
@@ -385,6 +387,45 @@ static void test_host_full_of_copies_admits_new_blocks(void **state)
     dt_assert_ok(kvh_seq_free(e, s2));
     dt_assert_ok(kvh_seq_free(e, s));
     dt_assert_ok(dt_close(e));
+}
+
+/* A range sent to a full host tier: the blocks that kept copies go down
+ * onto them first, so that the others' slots are not taken from those
+ * copies (which would cost one copy each twice over). Run inline and by a
+ * worker. */
+static void test_range_migration_uses_its_own_copies(void **state)
+{
+    (void)state;
+    for (uint32_t threads = 0; threads <= 1; threads++) {
+        char dir[PATH_MAX];
+        kvh_config c;
+        kvh_engine *e = open_two_arenas("range-copies", dir, sizeof(dir), 16, 12, 32, threads, &c);
+        kvh_seq s, s2;
+        dt_content ct = dt_plain(21), c2 = dt_plain(22);
+        dt_assert_ok(dt_build(e, G, ct, 8 * G.bt, 0, &s));
+        /* The second half keeps copies; the first half never left. */
+        dt_assert_ok(kvh_seq_migrate(e, s, 4 * G.bt, 4 * G.bt, KVH_TIER_HOST, NULL));
+        promote(e, s, 4 * G.bt, 4 * G.bt);
+        assert_int_equal(dt_tier(e, KVH_TIER_HOST).clean_copies, 4);
+        /* The rest of the host tier taken by cached blocks: the victims. */
+        dt_assert_ok(dt_build(e, G, c2, 8 * G.bt, 0, &s2));
+        dt_assert_ok(kvh_seq_migrate(e, s2, 0, 8 * G.bt, KVH_TIER_HOST, NULL));
+        assert_int_equal(host_slots_taken(e), 12);
+        dt_assert_ok(kvh_seq_free(e, s2));
+        kvh_stats a = dt_stats(e);
+        dt_assert_ok(kvh_seq_migrate(e, s, 0, 8 * G.bt, KVH_TIER_HOST, NULL));
+        kvh_stats b = dt_stats(e);
+        for (uint64_t i = 0; i < 8; i++)
+            assert_int_equal(dt_binfo(e, s, i).tier, KVH_TIER_HOST);
+        if (b.clean_copy_demotions - a.clean_copy_demotions != 4 ||
+            b.blocks_device_to_host - a.blocks_device_to_host != 4)
+            fail_msg("threads %u: %llu demotions onto copies and %llu copies to the host tier, expected 4 and 4",
+                     threads, (unsigned long long)(b.clean_copy_demotions - a.clean_copy_demotions),
+                     (unsigned long long)(b.blocks_device_to_host - a.blocks_device_to_host));
+        verify_a(e, s, ct, 8 * G.bt);
+        dt_assert_ok(kvh_seq_free(e, s));
+        dt_assert_ok(dt_close(e));
+    }
 }
 
 /* ---- readers ---- */
@@ -907,6 +948,7 @@ int main(void)
         cmocka_unit_test_teardown(test_write_in_place_drops_the_copy, teardown),
         cmocka_unit_test_teardown(test_write_to_published_block_copies_it, teardown),
         cmocka_unit_test_teardown(test_host_full_of_copies_admits_new_blocks, teardown),
+        cmocka_unit_test_teardown(test_range_migration_uses_its_own_copies, teardown),
         cmocka_unit_test_teardown(test_slot_still_read_is_not_kept, teardown),
         cmocka_unit_test_teardown(test_free_while_kept_gives_the_slot_back, teardown),
         cmocka_unit_test_teardown(test_alloc_and_offload_take_copies, teardown),
