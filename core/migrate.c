@@ -213,28 +213,34 @@ static bool prefetch_declined(kvh_engine *e, const kvhi_job *j)
     return true;
 }
 
+bool kvhi_block_wait_movable(kvh_engine *e, uint32_t b, uint32_t gen, uint32_t tier)
+{
+    kvhi_block *blk = &e->blocks[b];
+    for (;;) {
+        if (!(blk->flags & KVHI_BF_LIVE) || (blk->flags & KVHI_BF_DEAD) || blk->gen != gen)
+            return false;
+        /* A promotion need not wait for a disk copy being written from the
+         * block's slot (the slot stays valid until that copy ends). */
+        bool writing_only = kvhi_move_state(blk) == KVHI_MS_COPYING;
+        if (!kvhi_block_busy(blk) || (writing_only && tier < blk->tier && blk->deferred_slot == KVHI_NO_BLOCK)) {
+            /* An offload batch still gathers into its slot without the
+             * lock: a copy made now would leave those bytes behind. */
+            if (!(blk->flags & KVHI_BF_POOL_FILL))
+                return true;
+            pthread_cond_wait(&e->changed, &e->lock); /* work_end wakes it */
+            continue;
+        }
+        kvhi_block_wait_idle(e, b);
+    }
+}
+
 /* Runs one move with the lock held (dropped during the copy). */
 static kvh_status run_job(kvh_engine *e, const kvhi_job *j)
 {
     kvhi_block *blk = &e->blocks[j->block];
     kvh_status st = KVH_OK;
-    for (;;) {
-        if (!(blk->flags & KVHI_BF_LIVE) || (blk->flags & KVHI_BF_DEAD) || blk->gen != j->block_gen)
-            return KVH_OK; /* freed meanwhile: nothing left to move */
-        /* A promotion need not wait for a disk copy being written from the
-         * block's slot (the slot stays valid until that copy ends). */
-        bool writing_only = kvhi_move_state(blk) == KVHI_MS_COPYING;
-        if (!kvhi_block_busy(blk) ||
-            (writing_only && j->target_tier < blk->tier && blk->deferred_slot == KVHI_NO_BLOCK)) {
-            /* An offload batch still gathers into its slot without the
-             * lock: a copy made now would leave those bytes behind. */
-            if (!(blk->flags & KVHI_BF_POOL_FILL))
-                break;
-            pthread_cond_wait(&e->changed, &e->lock); /* work_end wakes it */
-            continue;
-        }
-        kvhi_block_wait_idle(e, j->block);
-    }
+    if (!kvhi_block_wait_movable(e, j->block, j->block_gen, j->target_tier))
+        return KVH_OK; /* freed meanwhile: nothing left to move */
     bool moved = false;
     if (blk->tier != j->target_tier) {
         if (blk->holds && j->target_tier > blk->tier)

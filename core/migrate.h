@@ -40,6 +40,11 @@ kvh_status kvhi_workers_start(kvh_engine *e);
 void kvhi_workers_stop(kvh_engine *e);
 /* Queues b -> tier; fence_idx may be KVHI_NO_BLOCK. Drops the lock when
  * no worker runs (the move is then made inline). */
+/* Waits until block b, of generation gen, may start a move to tier: idle
+ * (a promotion may also start while a disk copy is written from its slot)
+ * and with no offload batch gathering into its slot. False when it was
+ * freed meanwhile. Lock held; dropped while waiting. */
+bool kvhi_block_wait_movable(kvh_engine *e, uint32_t b, uint32_t gen, uint32_t tier);
 kvh_status kvhi_enqueue(kvh_engine *e, uint32_t b, uint32_t tier, int32_t priority, kvhi_job_kind kind,
                         uint32_t fence_idx);
 kvh_status kvhi_fence_new(kvh_engine *e, uint32_t *idx, kvh_fence *handle);

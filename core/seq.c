@@ -745,13 +745,8 @@ kvh_status kvhi_migrate_blocks(kvh_engine *e, const uint32_t *blocks, size_t n, 
         kvhi_block *blk = &e->blocks[b];
         if (blk->pins)
             return KVH_OK;
-        uint32_t gen = blk->gen;
-        /* Not while it moves, nor while an offload batch gathers into its
-         * slot without the lock (a copy would leave those bytes behind). */
-        while (kvhi_block_busy(blk) || (blk->flags & KVHI_BF_POOL_FILL))
-            pthread_cond_wait(&e->changed, &e->lock);
-        if (blk->gen != gen || !(blk->flags & KVHI_BF_LIVE) || (blk->flags & KVHI_BF_DEAD) || blk->tier == tier ||
-            blk->pins || (blk->holds && tier > blk->tier))
+        if (!kvhi_block_wait_movable(e, b, blk->gen, tier) || blk->tier == tier || blk->pins ||
+            (blk->holds && tier > blk->tier))
             return KVH_OK; /* freed meanwhile, already there, pinned since, or held above */
         return kvhi_move_block(e, b, tier, blk->agent);
     }
