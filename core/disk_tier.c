@@ -360,6 +360,26 @@ size_t kvhi_disk_verify(kvh_engine *e, const uint32_t *blocks, size_t n)
 
 /* ---- clean copies ---- */
 
+bool kvhi_disk_give_back_copy(kvh_engine *e)
+{
+    /* A clock hand: a full disk asks again and again, and each call
+     * starts where the last one stopped. */
+    for (uint32_t k = 0; k < e->block_cap; k++) {
+        uint32_t b = e->copy_give_back_hand++;
+        if (e->copy_give_back_hand >= e->block_cap)
+            e->copy_give_back_hand = 0;
+        const kvhi_block *blk = &e->blocks[b];
+        /* Any reference keeps it: a caller's, a persist's or an upload's. */
+        if ((blk->flags & (KVHI_BF_LIVE | KVHI_BF_DISK_COPY | KVHI_BF_DEAD)) != (KVHI_BF_LIVE | KVHI_BF_DISK_COPY) ||
+            blk->tier == KVH_TIER_DISK || blk->refs || kvhi_block_busy(blk))
+            continue;
+        kvhi_disk_forget(e, b);
+        e->disk_copies_given_back++;
+        return true;
+    }
+    return false;
+}
+
 /* A batch of write_copies in flight, listed in e->disk_copy_batches. */
 struct kvhi_disk_copy_batch {
     const kvhi_xfer *xs; /* .block is set before the batch is listed and never written after */

@@ -44,6 +44,11 @@ static inline bool kvhi_disk_host_runs_low(const kvh_engine *e)
  * (of agent, where agent is not KVHI_NO_BLOCK): such a block is busy only
  * until the copy ends, and is then a better victim than any referenced one. */
 bool kvhi_disk_copying_unreferenced(kvh_engine *e, uint32_t tier, uint32_t agent);
+/* Gives back the disk slot of one clean disk copy of an unreferenced,
+ * idle block that stays in memory (its index record deleted: the block
+ * stays cached, no longer durable), for a full disk with no victim left.
+ * False when there is none (lock held). */
+bool kvhi_disk_give_back_copy(kvh_engine *e);
 /* Reads and checks blocks on disk without moving them (drops the lock).
  * A block that fails its checks is marked corrupt (counted, never served
  * again); one whose read fails (I/O error, no memory) is left as it is.

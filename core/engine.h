@@ -168,12 +168,14 @@ struct kvh_engine {
 
     kvhi_adapt adapt; /* KVH_EVICT_ADAPTIVE's shadows (core/adaptive.c) */
 
-    struct kvhi_disk *disk;        /* NULL without a disk tier */
-    struct kvhi_remote *remote;    /* NULL without a remote tier (core/remote_tier.h) */
-    uint32_t clean_hand;           /* background cleaner's clock hand */
-    uint64_t host_arrivals;        /* blocks placed in the host tier so far */
-    uint64_t clean_epoch_seen;     /* host_arrivals at the last empty sweep */
-    kvhi_index_list disk_recovery; /* index entries found at open */
+    struct kvhi_disk *disk;          /* NULL without a disk tier */
+    struct kvhi_remote *remote;      /* NULL without a remote tier (core/remote_tier.h) */
+    uint32_t clean_hand;             /* background cleaner's clock hand */
+    uint32_t copy_give_back_hand;    /* kvhi_disk_give_back_copy's clock hand */
+    uint64_t disk_copies_given_back; /* by it, for a full disk */
+    uint64_t host_arrivals;          /* blocks placed in the host tier so far */
+    uint64_t clean_epoch_seen;       /* host_arrivals at the last empty sweep */
+    kvhi_index_list disk_recovery;   /* index entries found at open */
     /* Log lines produced under the lock, emitted by kvhi_leave. */
     char pending_log[4][256];
     int pending_log_level[4];

@@ -91,6 +91,10 @@ kvh_status kvhi_reserve_slot(kvh_engine *e, uint32_t tier, uint32_t for_agent, u
             pthread_cond_wait(&e->changed, &e->lock);
             continue;
         }
+        /* A full disk has clean copies of blocks in memory: those of
+         * unreferenced blocks are room, like unreferenced disk blocks. */
+        if (v == KVHI_HEAP_NONE && tier == KVH_TIER_DISK && kvhi_disk_give_back_copy(e))
+            continue;
         if (v == KVHI_HEAP_NONE && e->copies_in_progress) {
             /* Blocks of this tier may be busy in a copy: room can appear
              * when it ends, so this is not yet "no space". */

@@ -14,6 +14,9 @@
  *   - the last tier (here the disk) only gives up unreferenced blocks,
  *     which are dropped (stats.drops, their index records deleted: gone
  *     after a reopen);
+ *   - a full disk gives back the clean copies of unreferenced blocks
+ *     that stay in memory (their records deleted) before a write fails,
+ *     never those of referenced blocks;
  *   - a victim that cannot go down, because the tier below is full of
  *     referenced blocks or fails its writes, is dropped when unreferenced,
  *     and the reservation fails when it is referenced;
@@ -263,6 +266,63 @@ static void test_last_tier_drops_unreferenced(void **state)
     dt_assert_ok(dt_close(e));
 }
 
+/* A persist leaves clean disk copies of blocks that stay in memory. Once
+ * such a block is unreferenced, its copy is room as an unreferenced block
+ * of the disk tier would be: given back (the block stays cached in
+ * memory, no longer durable: its record goes) before a write to a full
+ * disk fails. A referenced block's copy is kept, as the block itself
+ * would be on disk. */
+static void test_full_disk_takes_back_unreferenced_copies(void **state)
+{
+    (void)state;
+    char dir[PATH_MAX];
+    dt_scratch("disk-copies", dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 8, 8, 4, 0);
+    kvh_engine *e = dt_open_a(&c);
+    kvh_seq r, u, w;
+    dt_content rc = dt_plain(40), uc = dt_plain(41), wc = dt_plain(42);
+    dt_assert_ok(dt_build(e, G, rc, 2 * G.bt, 0, &r));
+    dt_assert_ok(kvh_seq_migrate(e, r, 0, 2 * G.bt, KVH_TIER_DISK, NULL));
+    dt_assert_ok(dt_build(e, G, uc, 2 * G.bt, 0, &u));
+    dt_assert_ok(kvh_seq_persist(e, u));
+    assert_int_equal(dt_binfo(e, u, 0).tier, KVH_TIER_DEVICE);
+    assert_int_equal(dt_tier(e, KVH_TIER_DISK).used_blocks, 4);
+    dt_assert_ok(dt_build(e, G, wc, 2 * G.bt, 0, &w));
+    /* u still referenced: its copies stay, and the disk is full. */
+    assert_int_equal(kvh_seq_persist(e, w), KVH_ERR_NOSPACE);
+    assert_int_equal(dt_binfo(e, u, 0).tier, KVH_TIER_DEVICE);
+    dt_assert_ok(kvh_seq_free(e, u));
+    kvh_stats a = dt_stats(e);
+    dt_assert_ok(kvh_seq_persist(e, w));
+    kvh_stats b = dt_stats(e);
+    assert_int_equal(b.drops, a.drops); /* nothing was lost from the cache */
+    assert_int_equal(e->disk_copies_given_back, 2);
+    assert_int_equal(dt_tier(e, KVH_TIER_DISK).used_blocks, 4);
+    /* u's blocks are still cached, intact. */
+    size_t m = 0;
+    kvh_seq t;
+    dt_assert_ok(dt_match(e, uc, 2 * G.bt, &t, &m));
+    assert_int_equal(m, 2 * G.bt);
+    char msg[256] = "";
+    if (dt_verify(e, t, G, uc, 0, 2 * G.bt, msg, sizeof(msg)) != KVH_OK)
+        fail_msg("%s", msg);
+    dt_assert_ok(kvh_seq_free(e, t));
+    dt_assert_ok(kvh_seq_free(e, w));
+    dt_assert_ok(kvh_seq_free(e, r));
+    dt_assert_ok(dt_close(e));
+    /* w is durable; u was not kept on disk. */
+    e = dt_open_a(&c);
+    dt_assert_ok(dt_match(e, wc, 2 * G.bt, &t, &m));
+    assert_int_equal(m, 2 * G.bt);
+    if (dt_verify(e, t, G, wc, 0, 2 * G.bt, msg, sizeof(msg)) != KVH_OK)
+        fail_msg("%s", msg);
+    dt_assert_ok(kvh_seq_free(e, t));
+    dt_assert_ok(dt_match(e, uc, 2 * G.bt, &t, &m));
+    assert_int_equal(m, 0);
+    dt_assert_ok(kvh_seq_free(e, t));
+    dt_assert_ok(dt_close(e));
+}
+
 /* ---- a victim that cannot go down ---- */
 
 static struct {
@@ -433,6 +493,7 @@ int main(void)
         cmocka_unit_test_teardown(test_lru_k_order, teardown),
         cmocka_unit_test_teardown(test_protected_blocks_stay, teardown),
         cmocka_unit_test_teardown(test_last_tier_drops_unreferenced, teardown),
+        cmocka_unit_test_teardown(test_full_disk_takes_back_unreferenced_copies, teardown),
         cmocka_unit_test_teardown(test_victim_that_cannot_go_down, teardown),
         cmocka_unit_test_teardown(test_quota_makes_room_among_own, teardown),
     };

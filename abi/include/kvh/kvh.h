@@ -662,7 +662,11 @@ KVH_API kvh_status kvh_seq_read_kv(kvh_engine *engine, kvh_seq seq, uint32_t lay
 /* Makes every full block of the sequence durable in the disk tier (a copy
  * is written if the block lives above it) and returns when they and the
  * index entries naming them are on stable storage: a later process that
- * opens the same disk_path finds them with kvh_seq_match_prefix.
+ * opens the same disk_path finds them with kvh_seq_match_prefix. The
+ * disk tier stays a cache: a persisted block is kept there while a
+ * sequence or handle references it; once none does, a full disk may give
+ * its room to other blocks (dropping it, or, where it stays in memory,
+ * only its disk copy), and a later process no longer finds it.
  * With a remote tier (KVH_REMOTE_UPLOAD_PERSIST) the full blocks are also
  * uploaded, those the store lacks, within remote_timeout_ms a batch;
  * uploads that fail are dropped and counted (kvh_stats), never an error.
