@@ -173,6 +173,8 @@ struct kvh_engine {
     uint32_t clean_hand;             /* background cleaner's clock hand */
     uint32_t copy_give_back_hand;    /* kvhi_disk_give_back_copy's clock hand */
     uint64_t disk_copies_given_back; /* by it, for a full disk */
+    uint32_t workers_waiting_room;   /* in kvhi_wait_queued_moves_out */
+    uint64_t queued_move_waits;      /* its waits */
     uint64_t host_arrivals;          /* blocks placed in the host tier so far */
     uint64_t clean_epoch_seen;       /* host_arrivals at the last empty sweep */
     kvhi_index_list disk_recovery;   /* index entries found at open */

@@ -9,6 +9,7 @@
 #include "core/context.h"
 #include "core/disk_tier.h"
 #include "core/remote_tier.h"
+#include "core/migrate.h"
 
 static int tier_below(kvh_engine *e, uint32_t t)
 {
@@ -66,6 +67,7 @@ kvh_status kvhi_reserve_slot(kvh_engine *e, uint32_t tier, uint32_t for_agent, u
     kvhi_tier *t = &e->tiers[tier];
     if (!t->present)
         return kvhi_fail(KVH_ERR_NOSPACE, "tier %u is not configured", tier);
+    struct timespec queued_deadline = {0, 0};
     for (int attempt = 0; attempt < 1000000; attempt++) {
         kvhi_agent *qa = tier == KVH_TIER_DEVICE && e->n_agents ? kvhi_agent_at_quota(e, for_agent) : NULL;
         if (!qa && kvhi_slot_pool_alloc(&t->slots, slot) == 0)
@@ -94,6 +96,11 @@ kvh_status kvhi_reserve_slot(kvh_engine *e, uint32_t tier, uint32_t for_agent, u
         /* A full disk has clean copies of blocks in memory: those of
          * unreferenced blocks are room, like unreferenced disk blocks. */
         if (v == KVHI_HEAP_NONE && tier == KVH_TIER_DISK && kvhi_disk_give_back_copy(e))
+            continue;
+        /* Moves of its blocks up to memory, queued, free slots when a
+         * worker runs them: not yet "no space" either (bounded). */
+        if (v == KVHI_HEAP_NONE && tier == KVH_TIER_DISK && e->n_jobs &&
+            kvhi_wait_queued_moves_out(e, tier, &queued_deadline))
             continue;
         if (v == KVHI_HEAP_NONE && e->copies_in_progress) {
             /* Blocks of this tier may be busy in a copy: room can appear

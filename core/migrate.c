@@ -349,6 +349,51 @@ static void run_batch(kvh_engine *e, kvhi_job first)
     free(xs);
 }
 
+/* A queued move of a block of tier up to memory that will run: a worker
+ * other than this thread, and not itself waiting here, is there to run
+ * it. */
+static bool queued_move_out(kvh_engine *e, uint32_t tier)
+{
+    uint32_t free_workers = e->n_workers - e->workers_waiting_room;
+    for (uint32_t i = 0; i < e->n_workers; i++)
+        if (pthread_equal(e->workers[i], pthread_self())) {
+            free_workers--;
+            break;
+        }
+    if (!free_workers || free_workers > e->n_workers)
+        return false;
+    for (uint32_t i = 0; i < e->n_jobs; i++) {
+        const kvhi_job *j = &e->jobs[i];
+        const kvhi_block *blk = &e->blocks[j->block];
+        if (j->kind != KVHI_JOB_PREFETCH && j->target_tier < tier && blk->tier == tier && blk->gen == j->block_gen &&
+            (blk->flags & (KVHI_BF_LIVE | KVHI_BF_DEAD)) == KVHI_BF_LIVE && !blk->pins)
+            return true;
+    }
+    return false;
+}
+
+bool kvhi_wait_queued_moves_out(kvh_engine *e, uint32_t tier, struct timespec *deadline)
+{
+    if (!queued_move_out(e, tier))
+        return false;
+    struct timespec now;
+    clock_gettime(CLOCK_REALTIME, &now);
+    if (deadline->tv_sec == 0) {
+        *deadline = now;
+        deadline->tv_sec += KVHI_QUEUED_MOVES_WAIT_S;
+    } else if (now.tv_sec > deadline->tv_sec || (now.tv_sec == deadline->tv_sec && now.tv_nsec >= deadline->tv_nsec)) {
+        return false;
+    }
+    bool worker = false;
+    for (uint32_t i = 0; i < e->n_workers && !worker; i++)
+        worker = pthread_equal(e->workers[i], pthread_self());
+    e->workers_waiting_room += worker;
+    e->queued_move_waits++;
+    pthread_cond_timedwait(&e->changed, &e->lock, deadline);
+    e->workers_waiting_room -= worker;
+    return true;
+}
+
 kvh_status kvhi_enqueue(kvh_engine *e, uint32_t b, uint32_t tier, int32_t priority, kvhi_job_kind kind,
                         uint32_t fence_idx)
 {

@@ -17,6 +17,9 @@
  *   - a full disk gives back the clean copies of unreferenced blocks
  *     that stay in memory (their records deleted) before a write fails,
  *     never those of referenced blocks;
+ *   - a full disk whose blocks have moves queued up to memory makes a
+ *     persist wait for them (the worker runs them meanwhile), and fails
+ *     with NOSPACE at once when nothing queued can free a slot;
  *   - a victim that cannot go down, because the tier below is full of
  *     referenced blocks or fails its writes, is dropped when unreferenced,
  *     and the reservation fails when it is referenced;
@@ -34,7 +37,9 @@
 
 #include "core/block_state.h"
 #include "core/disk_io.h"
+#include "core/disk_tier.h"
 #include "core/engine.h"
+#include "core/migrate.h"
 #include "white_box_util.h"
 #include "core/move.h"
 #include "core/block.h"
@@ -323,6 +328,60 @@ static void test_full_disk_takes_back_unreferenced_copies(void **state)
     dt_assert_ok(dt_close(e));
 }
 
+/* A full disk whose blocks are all referenced, some with moves queued
+ * up to memory (partial blocks: their slots are freed when they leave):
+ * a persist waits for those moves rather than fail. The lock is held
+ * from the queueing to the persist, so the worker can run the moves only
+ * once the persist waits. */
+static void test_full_disk_waits_for_queued_moves(void **state)
+{
+    (void)state;
+    char dir[PATH_MAX];
+    dt_scratch("queued-moves", dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 8, 8, 4, 1);
+    kvh_engine *e = dt_open_a(&c);
+    kvh_seq p[4], w;
+    dt_content pc = dt_plain(50), wc = dt_plain(51);
+    for (int i = 0; i < 4; i++) {
+        dt_assert_ok(dt_build(e, G, pc, G.bt / 2, 0, &p[i]));
+        dt_assert_ok(kvh_seq_migrate(e, p[i], 0, G.bt / 2, KVH_TIER_DISK, NULL));
+    }
+    assert_int_equal(dt_tier(e, KVH_TIER_DISK).used_blocks, 4);
+    dt_assert_ok(dt_build(e, G, wc, 2 * G.bt, 0, &w));
+    uint32_t wb[2] = {wb_seq_block_index(e, w, 0), wb_seq_block_index(e, w, 1)};
+    uint32_t pb[2] = {wb_seq_block_index(e, p[0], 0), wb_seq_block_index(e, p[1], 0)};
+    wb_lock(e);
+    for (int i = 0; i < 2; i++)
+        dt_assert_ok(kvhi_enqueue(e, pb[i], KVH_TIER_HOST, 0, KVHI_JOB_MOVE, KVHI_NO_BLOCK));
+    kvh_status st = kvhi_disk_persist_blocks(e, wb, 2, "of w");
+    uint64_t waits = e->queued_move_waits;
+    wb_unlock(e);
+    if (st != KVH_OK)
+        fail_msg("persist with moves queued off the full disk: %s: %s", kvh_status_name(st), kvh_last_error());
+    assert_true(waits >= 1);
+    assert_int_equal(dt_binfo(e, p[0], 0).tier, KVH_TIER_HOST);
+    /* With nothing queued it still fails at once. */
+    kvh_seq x;
+    dt_assert_ok(dt_build(e, G, dt_plain(52), 2 * G.bt, 0, &x));
+    assert_int_equal(kvh_seq_persist(e, x), KVH_ERR_NOSPACE);
+    char msg[256] = "";
+    for (int i = 0; i < 4; i++) {
+        if (dt_verify(e, p[i], G, pc, 0, G.bt / 2, msg, sizeof(msg)) != KVH_OK)
+            fail_msg("%s", msg);
+        dt_assert_ok(kvh_seq_free(e, p[i]));
+    }
+    dt_assert_ok(kvh_seq_free(e, x));
+    dt_assert_ok(kvh_seq_free(e, w));
+    dt_assert_ok(dt_close(e));
+    e = dt_open_a(&c);
+    size_t m = 0;
+    kvh_seq t;
+    dt_assert_ok(dt_match(e, wc, 2 * G.bt, &t, &m));
+    assert_int_equal(m, 2 * G.bt);
+    dt_assert_ok(kvh_seq_free(e, t));
+    dt_assert_ok(dt_close(e));
+}
+
 /* ---- a victim that cannot go down ---- */
 
 static struct {
@@ -494,6 +553,7 @@ int main(void)
         cmocka_unit_test_teardown(test_protected_blocks_stay, teardown),
         cmocka_unit_test_teardown(test_last_tier_drops_unreferenced, teardown),
         cmocka_unit_test_teardown(test_full_disk_takes_back_unreferenced_copies, teardown),
+        cmocka_unit_test_teardown(test_full_disk_waits_for_queued_moves, teardown),
         cmocka_unit_test_teardown(test_victim_that_cannot_go_down, teardown),
         cmocka_unit_test_teardown(test_quota_makes_room_among_own, teardown),
     };
