@@ -100,15 +100,14 @@ static inline void kvhi_block_prefetch(const kvh_engine *e, uint32_t i)
  * A release met in random order misses the cache on its record, and
  * the lock's atomics keep that miss from overlapping the next call's. So
  * a release checks its handle against a dense array of one 4-byte word
- * per record (e->block_release_keys, 256 KiB at 65,536 blocks, a quarter
- * of L2, which the records streaming through evict it from less often
- * than from a wider array), and its
- * work on the record (ext_refs, refs, the free) waits in a short backlog,
- * KVHI_RELEASE_BACKLOG calls, while the record's prefetch arrives. Every
- * other call applies the backlog when it enters (kvhi_enter), so it sees
- * each release that returned before it as done; threads of the engine
- * that take the lock themselves may see it as not yet made, a state the
- * engine was in a moment earlier.
+ * per record (e->block_release_keys: 256 KiB at 65,536 blocks, which the
+ * records streaming through evict from L2 less often than a wider array),
+ * and its work on the record (ext_refs, refs, the free) waits in a short
+ * backlog, KVHI_RELEASE_BACKLOG calls, while the record's prefetch
+ * arrives. Every other call applies the backlog when it enters
+ * (kvhi_enter), so it sees each release that returned before it as done;
+ * threads of the engine that take the lock themselves may see it as not
+ * yet made, a state the engine was in a moment earlier.
  *
  * A key is 0, or a count (top 2 bits) of handle references a release may
  * drop on trust over the record's reuse count: how many generations it is
