@@ -140,7 +140,7 @@ void kvhi_block_ref_handle(kvh_engine *e, uint32_t b)
      * the lock was dropped since, releases (of b too) may wait there, and
      * then the count is not known. */
     if ((blk->flags & (KVHI_BF_LIVE | KVHI_BF_DEAD)) == KVHI_BF_LIVE && !e->release_backlog_len)
-        kvhi_block_release_key_set(e, b, kvhi_block_handle(e, b), blk->ext_refs);
+        kvhi_block_release_key_set(e, b, blk->ext_refs);
     else
         kvhi_block_release_key_clear(e, b);
 }
@@ -151,15 +151,18 @@ __attribute__((always_inline)) static inline void block_unref(kvh_engine *e, uin
  * key vouched for a live record with a handle reference left, and nothing
  * but releases (queued after this one) lowers that, nor frees a block
  * that is still referenced. */
-static void release_apply(kvh_engine *e, uint64_t h)
+__attribute__((always_inline)) static inline void release_apply(kvh_engine *e, uint64_t h)
 {
     uint32_t b = kvhi_handle_unpack_index(h, e->block_index_bits);
     kvhi_block *blk = kvhi_blk(e, b);
-    bool vouched = (blk->flags & (KVHI_BF_LIVE | KVHI_BF_DEAD)) == KVHI_BF_LIVE && blk->ext_refs > 0 &&
-                   kvhi_block_handle(e, b) == h;
+    /* The key named this very record, which the reference still counted
+     * in ext_refs kept alive since: the handle is checked in debug builds
+     * only, the reference always. */
+    assert(kvhi_block_handle(e, b) == h && "a release in the backlog names its record's live handle");
+    bool vouched = (blk->flags & (KVHI_BF_LIVE | KVHI_BF_DEAD)) == KVHI_BF_LIVE && blk->ext_refs > 0;
     assert(vouched && "a release in the backlog names a live record");
     if (!vouched)
-        return; /* never drop a reference of another block */
+        return; /* never drop a reference the record does not have */
     blk->ext_refs--;
     block_unref(e, b);
 }
@@ -341,7 +344,7 @@ kvh_status kvhi_block_new_handle(kvh_engine *e, uint32_t agent, uint64_t *id)
     if (st == KVH_OK) {
         e->blocks[b].ext_refs = 1;
         *id = kvhi_block_handle(e, b);
-        kvhi_block_release_key_set(e, b, *id, 1);
+        kvhi_block_release_key_set(e, b, 1);
     }
     return st;
 }

@@ -107,25 +107,33 @@ static inline void kvhi_block_prefetch(const kvh_engine *e, uint32_t i)
  *
  * A release met in random order misses the cache on its record, and
  * the lock's atomics keep that miss from overlapping the next call's. So
- * a release checks its handle against a dense array of one word per
- * record (e->block_release_keys, 8 bytes against the record's 128), and
- * its work on the record (ext_refs, refs, the free) waits in a short
+ * a release checks its handle against a dense array of one 4-byte word
+ * per record (e->block_release_keys: 256 KiB at 65,536 blocks, which the
+ * records streaming through evict from L2 less often than a wider array),
+ * and its work on the record (ext_refs, refs, the free) waits in a short
  * backlog, KVHI_RELEASE_BACKLOG calls, while the record's prefetch
  * arrives. Every other call applies the backlog when it enters
  * (kvhi_enter), so it sees each release that returned before it as done;
  * threads of the engine that take the lock themselves may see it as not
  * yet made, a state the engine was in a moment earlier.
  *
- * A key is 0, or the record's live handle (low 56 bits) under a count (the
- * top 8) of handle references a release may drop on trust. The count
- * never exceeds the record's ext_refs less its releases in the backlog:
- * a key is set only where ext_refs is known and the backlog empty, the
- * slow path lowers it with ext_refs, and a key is 0 from the moment the
- * record dies. A release the key does not vouch for (a stale, forged or
- * double release, a count used up) applies the backlog and checks the
- * record itself, so every error is exactly the one the record says. */
-#define KVHI_RELEASE_COUNT_SHIFT KVHI_HANDLE_TAG_SHIFT
-#define KVHI_RELEASE_COUNT_MAX 0xFFu
+ * A key is 0, or a count (top 2 bits) of handle references a release may
+ * drop on trust over the record's reuse count: how many generations it is
+ * past the engine's first (kvhi_block_gen - gen_start). That count names
+ * the live handle exactly, for a handle's generation field is gen_start
+ * plus it, modulo the field's width (core/handles.h): a handle whose field
+ * less gen_start is that count is the live one, any other value is not.
+ * A record reused 2^30 times or more gets no key and is checked in full.
+ * The count never exceeds the record's ext_refs less its releases in the
+ * backlog: a key is set only where ext_refs is known and the backlog
+ * empty, the slow path lowers it with ext_refs, and a key is 0 from the
+ * moment the record dies. A release the key does not vouch for (a stale,
+ * forged or double release, a count used up) applies the backlog and
+ * checks the record itself, so every error is exactly the one the record
+ * says. */
+#define KVHI_RELEASE_COUNT_SHIFT 30
+#define KVHI_RELEASE_COUNT_MAX 3u
+#define KVHI_RELEASE_REUSE_MASK ((1u << KVHI_RELEASE_COUNT_SHIFT) - 1)
 
 static inline void kvhi_block_release_key_prefetch(const kvh_engine *e, uint32_t i)
 {
@@ -134,19 +142,22 @@ static inline void kvhi_block_release_key_prefetch(const kvh_engine *e, uint32_t
 }
 /* Nothing may be taken on trust for b (it died, or its count is unknown). */
 static inline void kvhi_block_release_key_clear(kvh_engine *e, uint32_t b) { e->block_release_keys[b] = 0; }
-/* b is live with handle h and ext_refs handle references, and no release
- * of it is in the backlog. */
-static inline void kvhi_block_release_key_set(kvh_engine *e, uint32_t b, uint64_t h, uint32_t ext_refs)
+/* b is live with ext_refs handle references, and no release of it is in
+ * the backlog. */
+static inline void kvhi_block_release_key_set(kvh_engine *e, uint32_t b, uint32_t ext_refs)
 {
-    uint64_t count = ext_refs < KVHI_RELEASE_COUNT_MAX ? ext_refs : KVHI_RELEASE_COUNT_MAX;
-    e->block_release_keys[b] = count << KVHI_RELEASE_COUNT_SHIFT | (h & KVHI_HANDLE_PAYLOAD_MASK);
+    const kvhi_block *blk = &e->blocks[b];
+    uint64_t reuses = ((uint64_t)blk->gen_hi << 32 | blk->gen) - e->gen_start;
+    uint32_t count = ext_refs < KVHI_RELEASE_COUNT_MAX ? ext_refs : KVHI_RELEASE_COUNT_MAX;
+    e->block_release_keys[b] =
+        reuses <= KVHI_RELEASE_REUSE_MASK ? count << KVHI_RELEASE_COUNT_SHIFT | (uint32_t)reuses : 0;
 }
 /* b's ext_refs fell to ext_refs (no release of it in the backlog). */
 static inline void kvhi_block_release_key_lower(kvh_engine *e, uint32_t b, uint32_t ext_refs)
 {
-    uint64_t key = e->block_release_keys[b];
+    uint32_t key = e->block_release_keys[b];
     if (key >> KVHI_RELEASE_COUNT_SHIFT > ext_refs)
-        e->block_release_keys[b] = (uint64_t)ext_refs << KVHI_RELEASE_COUNT_SHIFT | (key & KVHI_HANDLE_PAYLOAD_MASK);
+        e->block_release_keys[b] = ext_refs << KVHI_RELEASE_COUNT_SHIFT | (key & KVHI_RELEASE_REUSE_MASK);
 }
 /* Applies the oldest release of the backlog (lock held, backlog not
  * empty). */
@@ -158,10 +169,14 @@ static inline bool kvhi_block_release_trusted(kvh_engine *e, kvh_block h, uint32
 {
     if (kvhi_handle_tag(h.id) != KVHI_TAG_BLOCK || b >= e->block_cap)
         return false;
-    uint64_t key = e->block_release_keys[b];
-    if (((key ^ h.id) & KVHI_HANDLE_PAYLOAD_MASK) != 0 || key >> KVHI_RELEASE_COUNT_SHIFT == 0)
+    uint32_t key = e->block_release_keys[b];
+    /* The handle's generation field, less gen_start: the reuse count it
+     * was handed out at (the field is as wide as the index leaves). */
+    uint64_t reuses =
+        ((h.id >> e->block_index_bits) - e->gen_start) & (KVHI_HANDLE_PAYLOAD_MASK >> e->block_index_bits);
+    if (key < 1u << KVHI_RELEASE_COUNT_SHIFT || reuses != (key & KVHI_RELEASE_REUSE_MASK))
         return false;
-    e->block_release_keys[b] = key - (1ull << KVHI_RELEASE_COUNT_SHIFT);
+    e->block_release_keys[b] = key - (1u << KVHI_RELEASE_COUNT_SHIFT);
     if (e->release_backlog_len == KVHI_RELEASE_BACKLOG)
         kvhi_block_release_apply_oldest(e);
     uint32_t at = e->release_backlog_head + e->release_backlog_len++;

@@ -405,7 +405,7 @@ kvh_status kvhi_engine_open(const kvh_config *config, kvh_engine **out)
     e->blocks = kvhi_huge_alloc(cap * sizeof(kvhi_block));
     e->block_free = malloc(cap * sizeof(uint32_t));
     e->block_readers = calloc(cap, sizeof(uint32_t));
-    e->block_release_keys = calloc(cap, sizeof(uint64_t));
+    e->block_release_keys = calloc(cap, sizeof(uint32_t));
     e->tokens = malloc(cap * e->cfg.block_tokens * sizeof(int32_t));
     if (!e->blocks || !e->block_free || !e->block_readers || !e->block_release_keys || !e->tokens ||
         kvhi_prefix_init(&e->prefix, cap) != 0) {

@@ -119,7 +119,7 @@ struct kvh_engine {
     /* kvh_block_release's own state (core/block.c): per record, what a
      * release may take on trust without reading the record, and the
      * releases so checked whose work on the records is still to do. */
-    uint64_t *block_release_keys;
+    uint32_t *block_release_keys;
     uint64_t release_backlog[KVHI_RELEASE_BACKLOG]; /* the handles released */
     uint32_t release_backlog_head;
     uint32_t release_backlog_len;

@@ -27,7 +27,10 @@
  *     its record untouched, until a later release pushes it out or any
  *     other call enters; stale, forged and double releases, used-up
  *     counts and references sequences hold still get the error the record
- *     gives, and releases from several threads lose none.
+ *     gives, a key (a reuse count) never vouches for a handle whose
+ *     generation agrees with it only in the key's bits, a record reused
+ *     past what a key holds is checked in full, and releases from several
+ *     threads lose none.
  * Feature tests cover the same calls through the public API (test_seq.c:
  * forks, CoW, truncate; test_tiers.c: pins, holds); these check the state
  * the calls leave behind. */
@@ -402,6 +405,86 @@ static void test_release_errors_through_the_backlog(void **state)
     assert_ok(kvh_seq_free(e, s));
 }
 
+/* A key holds the record's reuse count, not its handle: a handle whose
+ * generation agrees with it in the key's 30 bits but not above (a forged
+ * one, or one of the generations a reuse count of 2^30 more would give)
+ * is not taken on trust, and is refused. */
+static void test_release_key_does_not_alias_generations(void **state)
+{
+    (void)state;
+    kvh_engine *e = open_engine(8, 0);
+    kvh_block a, newest;
+    assert_ok(kvh_block_alloc(e, 0, &a));
+    assert_ok(kvh_block_alloc(e, 0, &newest)); /* a is no longer the newest */
+    uint32_t ia = wb_block_index(e, a);
+    unsigned gen_bits = KVHI_HANDLE_TAG_SHIFT - e->block_index_bits;
+    assert_true(gen_bits > KVHI_RELEASE_COUNT_SHIFT); /* there are bits above the key's */
+    raw_lock(e);
+    assert_int_equal(e->block_release_keys[ia] >> KVHI_RELEASE_COUNT_SHIFT, 1);
+    raw_unlock(e);
+    for (unsigned bit = KVHI_RELEASE_COUNT_SHIFT; bit < gen_bits; bit += 3) {
+        kvh_block alias = {a.id ^ (1ull << (e->block_index_bits + bit))};
+        assert_kvh(KVH_ERR_BAD_HANDLE, kvh_block_release(e, alias));
+    }
+    /* Nothing was taken: a's one reference is still there to release. */
+    raw_lock(e);
+    assert_int_equal(e->release_backlog_len, 0);
+    assert_int_equal(kvhi_blk(e, ia)->ext_refs, 1);
+    raw_unlock(e);
+    assert_ok(kvh_block_release(e, a));
+    assert_kvh(KVH_ERR_BAD_HANDLE, kvh_block_release(e, a));
+    assert_ok(kvh_block_release(e, newest));
+}
+
+/* Records reused 2^30 times or more get no key: their releases are checked
+ * in full, and still succeed once per reference and refuse stale handles.
+ * One reuse short of that, the key still vouches. */
+static void test_release_of_a_much_reused_record(void **state)
+{
+    (void)state;
+    kvh_engine *e = open_engine(8, 0);
+    const uint64_t limit = 1ull << KVHI_RELEASE_COUNT_SHIFT;
+    const uint64_t reuses[2] = {limit - 1, limit + 7};
+    for (int i = 0; i < 2; i++) {
+        /* Every free record jumps to that many reuses past gen_start. */
+        uint64_t gen = e->gen_start + reuses[i];
+        raw_lock(e);
+        for (uint32_t f = 0; f < e->block_free_top; f++) {
+            kvhi_block *blk = kvhi_blk(e, e->block_free[f]);
+            blk->gen = (uint32_t)gen;
+            blk->gen_hi = (uint32_t)(gen >> 32);
+        }
+        raw_unlock(e);
+        kvh_block a, newest;
+        assert_ok(kvh_block_alloc(e, 0, &a));
+        assert_ok(kvh_block_retain(e, a));
+        assert_ok(kvh_block_alloc(e, 0, &newest));
+        uint32_t ia = wb_block_index(e, a);
+        raw_lock(e);
+        uint32_t key = e->block_release_keys[ia];
+        raw_unlock(e);
+        if (reuses[i] < limit) {
+            assert_int_equal(key, 2u << KVHI_RELEASE_COUNT_SHIFT | (uint32_t)reuses[i]);
+        } else {
+            assert_int_equal(key, 0);
+        }
+        /* The handle of the generation before, and the one the key's bits
+         * alone would name. */
+        kvh_block stale = {a.id - (1ull << e->block_index_bits)};
+        kvh_block aliased = {a.id - (limit << e->block_index_bits)};
+        assert_kvh(KVH_ERR_BAD_HANDLE, kvh_block_release(e, stale));
+        assert_kvh(KVH_ERR_BAD_HANDLE, kvh_block_release(e, aliased));
+        assert_ok(kvh_block_release(e, a));
+        raw_lock(e);
+        assert_int_equal(e->release_backlog_len, reuses[i] < limit ? 1 : 0); /* taken on trust or not */
+        raw_unlock(e);
+        assert_ok(kvh_block_release(e, a));
+        assert_kvh(KVH_ERR_BAD_HANDLE, kvh_block_release(e, a));
+        assert_ok(kvh_block_release(e, newest));
+        assert_int_equal(tu_tier(e, KVH_TIER_DEVICE).used_blocks, 0);
+    }
+}
+
 /* Releases from several threads, some waiting in the backlog while the
  * others allocate and read: every block is freed once, every double
  * release refused. */
@@ -766,6 +849,8 @@ int main(void)
         cmocka_unit_test_teardown(test_release_waits_in_the_backlog, teardown),
         cmocka_unit_test_teardown(test_release_backlog_is_bounded, teardown),
         cmocka_unit_test_teardown(test_release_errors_through_the_backlog, teardown),
+        cmocka_unit_test_teardown(test_release_key_does_not_alias_generations, teardown),
+        cmocka_unit_test_teardown(test_release_of_a_much_reused_record, teardown),
         cmocka_unit_test_teardown(test_releases_from_threads, teardown),
         cmocka_unit_test_teardown(test_holds_and_dead_blocks, teardown),
         cmocka_unit_test_teardown(test_pin_follows_a_moving_block, teardown),
