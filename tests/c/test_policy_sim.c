@@ -731,6 +731,62 @@ static void test_generator_is_deterministic(void **state)
     trace_free(&adv);
 }
 
+/* The adaptive twin against the better of LRU and LRU-2 on the four
+ * generated families of `kvh-bench trace` (seed 1, every budget), as
+ * device hits over MIN's. A follower cannot reach the better order on
+ * every row (it pays the accesses before a lead shows and a switch's
+ * turnover: benchmarks/RESULTS.md), so the bounds are what the chooser
+ * reaches, with room for one more switch: no row far below, a small sum,
+ * and the protected-reuse order's lead at 5 %. A default that never
+ * switches misses by 0.08 (agents 30 %); one without the reuse order
+ * loses the lead at 5 %. */
+static void test_adaptive_near_the_better_order_on_generated_traces(void **state)
+{
+    (void)state;
+    static const struct {
+        trace_agent_choice choice;
+        int adversarial;
+    } families[] = {
+        {TRACE_AGENTS_ROUNDS, 0}, {TRACE_AGENTS_ROUNDS, 1}, {TRACE_AGENTS_ZIPF, 0}, {TRACE_AGENTS_BURSTS, 1}};
+    static const uint32_t pcts[] = {5, 10, 20, 30, 50};
+    double summed = 0;
+    for (size_t f = 0; f < sizeof(families) / sizeof(families[0]); f++) {
+        trace_gen_params p;
+        trace_gen_defaults(&p);
+        p.agents = 8;
+        p.turns = 60;
+        p.queue_len = 4;
+        p.seed = 1;
+        p.agent_choice = families[f].choice;
+        p.adversarial = families[f].adversarial;
+        trace t;
+        trace_init(&t);
+        assert_int_equal(trace_generate(&t, &p), 0);
+        for (size_t i = 0; i < sizeof(pcts) / sizeof(pcts[0]); i++) {
+            uint32_t dev = (uint32_t)((uint64_t)t.n_blocks * pcts[i] / 100);
+            sim_config c;
+            sim_config_defaults(&c, dev, 2 * dev);
+            sim_result lru, lruk, adaptive;
+            assert_int_equal(sim_run(&t, SIM_LRU, &c, &lru), 0);
+            assert_int_equal(sim_run(&t, SIM_LRU_K, &c, &lruk), 0);
+            assert_int_equal(sim_run(&t, SIM_ADAPTIVE, &c, &adaptive), 0);
+            uint64_t opt = sim_min_hits(&t, dev);
+            assert_true(opt > 0 && opt != UINT64_MAX);
+            double better =
+                (double)(lru.hits_device > lruk.hits_device ? lru.hits_device : lruk.hits_device) / (double)opt;
+            double ours = (double)adaptive.hits_device / (double)opt;
+            assert_true(ours > better - 0.012);
+            summed += better > ours ? better - ours : 0;
+            /* Where the tier is small, protected reuse leads both (the
+             * bursts family, LRU leads at 5 %). */
+            if (pcts[i] == 5 && f < 3)
+                assert_true(ours > better + 0.02);
+        }
+        trace_free(&t);
+    }
+    assert_true(summed < 0.035);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -741,6 +797,7 @@ int main(void)
         cmocka_unit_test(test_lru_k_resists_a_scan),
         cmocka_unit_test(test_reuse_protects_shared_pairs),
         cmocka_unit_test(test_adaptive_follows_the_best_order),
+        cmocka_unit_test(test_adaptive_near_the_better_order_on_generated_traces),
         cmocka_unit_test(test_host_tier_catches_device_victims),
         cmocka_unit_test(test_hysteresis_serves_cold_blocks_in_place),
         cmocka_unit_test(test_lctru_prefers_tolerant_blocks),
