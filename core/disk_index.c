@@ -587,13 +587,24 @@ int kvhi_index_load(kvhi_disk *d, bool reset, kvhi_index_list *out, char *msg, s
     free(m.at);
     if (d->read_only)
         rc = 0;
+    else if (out->rewrite)
+        /* The rebuilt index goes to disk before anything else changes:
+         * cutting the journal back or creating a fresh one first would, if
+         * the process died before the rebuilt snapshot was written, leave
+         * a sound-looking index and journal that lack every block the
+         * rebuild took back from its slot header, and no damage for the
+         * next open to notice. Snapshot first, then a fresh journal, each
+         * step atomic (the caller's snapshot of the recovered blocks
+         * follows). */
+        rc = kvhi_index_compact(d, m.items, m.n);
     else if (replay)
         rc = open_journal(d, true, (off_t)good);
     else
         rc = fresh_journal(d);
     if (rc != 0) {
         free(m.items), free(m.tokens);
-        snprintf(msg, msg_len, "cannot open %s/journal: %s", d->path, strerror(-rc));
+        snprintf(msg, msg_len, "cannot %s %s/%s: %s", out->rewrite ? "write the rebuilt index to" : "open", d->path,
+                 out->rewrite ? "index" : "journal", strerror(-rc));
         return KVHI_INDEX_IO;
     }
     out->items = m.items;
