@@ -16,7 +16,10 @@ enum { KIND_SNAPSHOT = 1, KIND_JOURNAL = 2 };
 
 static int read_file(const kvhi_disk *d, const char *name, uint8_t **buf, size_t *len)
 {
-    int fd = kvhi_store_openat(d, name, O_RDONLY); /* no link, nothing of another user's */
+    /* No link, nothing of another user's, nothing but a regular file; and
+     * O_NONBLOCK so that a FIFO planted in the store is refused instead of
+     * waited on forever (it changes nothing for a regular file). */
+    int fd = kvhi_store_openat(d, name, O_RDONLY | O_NONBLOCK);
     if (fd < 0)
         return fd;
     struct stat st;

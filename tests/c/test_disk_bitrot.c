@@ -602,6 +602,54 @@ static void test_kill_at_every_step_of_a_rebuild(void **state)
            kills);
 }
 
+/* ---- special files planted in place of store files ---- */
+
+typedef struct special_arg {
+    const char *dir;
+} special_arg;
+
+/* Opens the store under a watchdog: 0 when the open returned KVH_ERR_IO
+ * with a message, 2 for any other status; the alarm (SIGALRM) ends an open
+ * that waits forever. */
+static int special_child(void *p)
+{
+    special_arg *a = p;
+    alarm(10);
+    kvh_config c = cfg_for(a->dir, false);
+    kvh_engine *e = NULL;
+    kvh_status st = kvh_engine_open(&c, &e);
+    if (st == KVH_ERR_IO && kvh_last_error()[0])
+        return 0;
+    fprintf(stderr, "open returned %s (%s)\n", kvh_status_name(st), kvh_last_error());
+    kvh_engine_close(e);
+    return 2;
+}
+
+static void test_special_files_are_refused_not_waited_on(void **state)
+{
+    (void)state;
+    static const char *const names[] = {"index", "journal", "slab-0000.kvh", "LOCK"};
+    for (int kind = 0; kind < 2; kind++)
+        for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
+            restore_in(1);
+            char p[PATH_MAX];
+            dt_path(p, sizeof(p), P.dir, names[i]);
+            assert_int_equal(unlink(p), 0);
+            /* a FIFO blocks an open for reading until a writer comes */
+            assert_int_equal(kind == 0 ? mkfifo(p, 0600) : mkdir(p, 0700), 0);
+            special_arg a = {P.dir};
+            int rc = dt_in_child(special_child, &a);
+            if (rc != 0)
+                fail_msg("a %s planted as %s: the open %s (child status %d)", kind == 0 ? "FIFO" : "directory",
+                         names[i],
+                         rc == 128 + SIGALRM ? "waited for 10 s (killed by the watchdog)" : "did not fail cleanly", rc);
+            if (kind == 0)
+                unlink(p);
+            else
+                rmdir(p);
+        }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -610,6 +658,7 @@ int main(void)
         cmocka_unit_test_teardown(test_transplants_never_serve_wrong_bytes, dt_teardown),
         cmocka_unit_test_teardown(test_kill_while_rebuilding, dt_teardown),
         cmocka_unit_test_teardown(test_kill_at_every_step_of_a_rebuild, dt_teardown),
+        cmocka_unit_test_teardown(test_special_files_are_refused_not_waited_on, dt_teardown),
     };
     return cmocka_run_group_tests(tests, group_setup, group_teardown);
 }
