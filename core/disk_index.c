@@ -16,7 +16,10 @@ enum { KIND_SNAPSHOT = 1, KIND_JOURNAL = 2 };
 
 static int read_file(const kvhi_disk *d, const char *name, uint8_t **buf, size_t *len)
 {
-    int fd = kvhi_store_openat(d, name, O_RDONLY); /* no link, nothing of another user's */
+    /* No link, nothing of another user's, nothing but a regular file; and
+     * O_NONBLOCK so that a FIFO planted in the store is refused instead of
+     * waited on forever (it changes nothing for a regular file). */
+    int fd = kvhi_store_openat(d, name, O_RDONLY | O_NONBLOCK);
     if (fd < 0)
         return fd;
     struct stat st;
@@ -587,13 +590,24 @@ int kvhi_index_load(kvhi_disk *d, bool reset, kvhi_index_list *out, char *msg, s
     free(m.at);
     if (d->read_only)
         rc = 0;
+    else if (out->rewrite)
+        /* The rebuilt index goes to disk before anything else changes:
+         * cutting the journal back or creating a fresh one first would, if
+         * the process died before the rebuilt snapshot was written, leave
+         * a sound-looking index and journal that lack every block the
+         * rebuild took back from its slot header, and no damage for the
+         * next open to notice. Snapshot first, then a fresh journal, each
+         * step atomic (the caller's snapshot of the recovered blocks
+         * follows). */
+        rc = kvhi_index_compact(d, m.items, m.n);
     else if (replay)
         rc = open_journal(d, true, (off_t)good);
     else
         rc = fresh_journal(d);
     if (rc != 0) {
         free(m.items), free(m.tokens);
-        snprintf(msg, msg_len, "cannot open %s/journal: %s", d->path, strerror(-rc));
+        snprintf(msg, msg_len, "cannot %s %s/%s: %s", out->rewrite ? "write the rebuilt index to" : "open", d->path,
+                 out->rewrite ? "index" : "journal", strerror(-rc));
         return KVHI_INDEX_IO;
     }
     out->items = m.items;
