@@ -51,8 +51,12 @@ static void disk_free(kvhi_disk *d)
     kvhi_disk_close(d);
     if (d->rec_bytes)
         kvhi_index_close(d);
-    if (d->lock_fd >= 0)
-        close(d->lock_fd); /* releases the flock */
+    if (d->lock_fd >= 0) {
+        /* A process forked while the engine was open shares this open file
+         * and its flock: unlock it for both, not only close ours. */
+        flock(d->lock_fd, LOCK_UN);
+        close(d->lock_fd);
+    }
     if (d->dir_fd >= 0)
         close(d->dir_fd);
     free(d->path);

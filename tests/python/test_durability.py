@@ -142,13 +142,7 @@ def test_forked_worker_does_not_keep_the_store(tmp_path):
     os.close(r)
     try:
         eng.close()
-        try:
-            make_engine(disk_path=str(store), **DISK).close()
-        except kvh.BusyError as e:
-            pytest.skip(
-                "known defect in core/disk_tier.c: kvh_engine_close closes the LOCK descriptor without "
-                f"flock(LOCK_UN), so a forked worker's inherited copy keeps the store locked ({e})"
-            )
+        make_engine(disk_path=str(store), **DISK).close()  # not BusyError
     finally:
         os.close(w)
         os.waitpid(pid, 0)
