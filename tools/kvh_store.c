@@ -14,6 +14,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "core/disk_access.h"
 #include "core/disk_index.h"
 #include "core/prefix_index.h"
 #include "tools/kvh_store_remote.h"
@@ -33,6 +34,19 @@ static void usage(FILE *f)
                "           names (KVH_REMOTE_ADDRS, KVH_MODEL_SALT, geometry)\n");
 }
 
+/* A store file for reading, as the engine opens it: a regular file only
+ * (a FIFO in its place must not block the tool), no symlink followed.
+ * -1 with errno set when it cannot be used. */
+static int open_store_file(const kvhi_disk *d, const char *name)
+{
+    int fd = kvhi_store_openat(d, name, O_RDONLY | O_NONBLOCK);
+    if (fd < 0) {
+        errno = -fd;
+        return -1;
+    }
+    return fd;
+}
+
 /* Opens DIR read-only: geometry from the index header, slot count from
  * the slab files, a shared lock so a running engine is not disturbed. */
 static int open_store(const char *path, kvhi_disk *d)
@@ -46,7 +60,7 @@ static int open_store(const char *path, kvhi_disk *d)
         fprintf(stderr, "kvh-store: cannot open %s: %s\n", path, strerror(errno));
         return -1;
     }
-    d->lock_fd = openat(d->dir_fd, "LOCK", O_RDONLY | O_CLOEXEC);
+    d->lock_fd = open_store_file(d, "LOCK");
     if (d->lock_fd >= 0 && flock(d->lock_fd, LOCK_SH | LOCK_NB) != 0) {
         char pid[32] = "";
         ssize_t n = pread(d->lock_fd, pid, sizeof(pid) - 1, 0);
@@ -55,7 +69,7 @@ static int open_store(const char *path, kvhi_disk *d)
         fprintf(stderr, "kvh-store: %s is open in process %s; close it first\n", path, pid);
         return -1;
     }
-    int fd = openat(d->dir_fd, "index", O_RDONLY | O_CLOEXEC);
+    int fd = open_store_file(d, "index");
     uint8_t hdr[KVHI_DISK_ALIGN];
     kvhi_index_header h;
     if (fd < 0 || read(fd, hdr, sizeof(hdr)) < 84 || kvhi_index_header_decode(hdr, sizeof(hdr), &h) != 0) {
@@ -85,7 +99,7 @@ static int open_store(const char *path, kvhi_disk *d)
     size_t rb = kvhi_index_rec_bytes(h.geo.block_tokens);
     int32_t *tk = malloc(sizeof(int32_t) * h.geo.block_tokens);
     for (int f = 0; f < 2 && tk; f++) {
-        int rfd = openat(d->dir_fd, files[f], O_RDONLY | O_CLOEXEC);
+        int rfd = open_store_file(d, files[f]);
         uint8_t *rec = malloc(rb);
         if (rfd >= 0 && rec && lseek(rfd, KVHI_DISK_ALIGN, SEEK_SET) == KVHI_DISK_ALIGN)
             while (read(rfd, rec, rb) == (ssize_t)rb) {
@@ -112,7 +126,7 @@ static int open_store(const char *path, kvhi_disk *d)
     for (uint32_t i = 0; i < d->n_slabs; i++) {
         char name[64];
         snprintf(name, sizeof(name), "slab-%04u.kvh", i);
-        d->slab_fds[i] = openat(d->dir_fd, name, O_RDONLY | O_CLOEXEC);
+        d->slab_fds[i] = open_store_file(d, name);
     }
     d->lane_blocks = 1;
     pthread_mutex_init(&d->lane_lock, NULL);

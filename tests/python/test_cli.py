@@ -227,6 +227,25 @@ def test_store_missing_dir(tmp_path):
     assert res.returncode in (1, 3) and res.stderr.strip()
 
 
+def test_store_with_a_fifo_in_place_of_a_file(store, tmp_path):
+    """A FIFO named like a store file must not block the tool."""
+    if find_tool("kvh-store") is None:
+        pytest.skip("kvh-store not built")
+    for name in ("index", "LOCK"):
+        copy = tmp_path / f"fifo-{name}"
+        copy.mkdir(mode=0o700)
+        for f in store.iterdir():
+            if f.name != name:
+                (copy / f.name).write_bytes(f.read_bytes())
+                (copy / f.name).chmod(0o600)
+        os.mkfifo(copy / name, 0o600)
+        res = run_kvh("store", "verify", str(copy), timeout=30)
+        if name == "index":
+            assert res.returncode != 0 and "no readable index" in res.stderr, res.stderr
+        else:  # no usable LOCK: nothing holds the store, it is checked
+            assert res.returncode == 0 and "0 bad" in res.stdout, res.stdout + res.stderr
+
+
 def test_stats(store):
     res = run_kvh("stats", str(store))
     if find_tool("kvh-store") is None:
