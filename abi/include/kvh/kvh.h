@@ -445,7 +445,10 @@ KVH_API kvh_status kvh_config_from_env(kvh_config *config, size_t struct_size, c
  * KVH_ERR_BUSY (another engine has the store open), KVH_ERR_MISMATCH (a
  * store of another geometry or model_salt), KVH_ERR_CORRUPT (a damaged
  * index or journal with disk_strict_index set; otherwise they are rebuilt
- * from the slot headers), KVH_ERR_NOSPACE (no room for its slab files); see
+ * from the slot headers), KVH_ERR_NOSPACE (its slab files cannot even be
+ * sized: where the filesystem refuses to preallocate them they are opened
+ * sparse and grow on demand, and a disk that fills up later shows as
+ * KVH_ERR_NOSPACE from the demotions and persists that need room); see
  * KVH_DISK_RESET_ON_MISMATCH. With a remote tier also KVH_ERR_INVALID_ARG
  * (an address that is not host:port, remote settings out of range),
  * KVH_ERR_UNSUPPORTED (remote_tls, an upload policy not implemented, no
