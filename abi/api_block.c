@@ -27,7 +27,7 @@ kvh_status kvh_block_info_get(kvh_engine *e, kvh_block block, kvh_block_info *in
         kvh_block_info r = {.struct_size = sizeof(kvh_block_info),
                             .tier = blk->tier,
                             .slot = blk->slot,
-                            .refs = blk->refs,
+                            .refs = blk->refs - (e->upload_refs ? e->upload_refs[b] : 0),
                             .pins = blk->pins,
                             .holds = blk->holds,
                             .tokens = blk->n_tokens,

@@ -347,6 +347,12 @@ static void test_blocks_awaiting_upload_leave_first(void **state)
     tu_write_pattern(e, cached, LAYERS, TOK_BYTES, 52, 0, CACHED * BT);
     kvh_block cb[CACHED];
     assert_ok(kvh_seq_blocks(e, cached, 0, CACHED, cb));
+    uint32_t cached_refs[CACHED]; /* checked once the nodes run again */
+    for (int i = 0; i < CACHED; i++) {
+        kvh_block_info info = {.struct_size = sizeof(info)};
+        assert_ok(kvh_block_info_get(e, cb[i], &info));
+        cached_refs[i] = info.refs;
+    }
     assert_ok(kvh_seq_free(e, cached));
     /* New blocks take the last free slots, then CACHED more. */
     kvh_block fresh[DEV - KEPT];
@@ -362,6 +368,9 @@ static void test_blocks_awaiting_upload_leave_first(void **state)
     }
     for (int i = 0; i < cluster.n; i++)
         kill(cluster.pids[i], SIGCONT);
+    for (int i = 0; i < CACHED; i++) /* a pending upload's references are not the caller's */
+        if (cached_refs[i] != 1)
+            fail_msg("block %d of one sequence, its upload pending, reports %u refs", i, cached_refs[i]);
     for (int i = 0; i < KEPT; i++)
         if (kept_tier[i] != KVH_TIER_DEVICE)
             fail_msg("referenced block %d left the device tier (to tier %u) before unreferenced ones", i, kept_tier[i]);
