@@ -413,6 +413,32 @@ static bool wants_copy(const kvhi_block *blk)
     return !kvhi_block_busy(blk) && !(blk->flags & (KVHI_BF_DISK_COPY | KVHI_BF_DEAD)) && blk->tier != KVH_TIER_DISK;
 }
 
+/* A full filesystem is known only by the writes it refuses: the slab
+ * grows on demand, so free slots in the pool do not mean free bytes. */
+#define DISK_FULL_REST_MIN_MS 10
+#define DISK_FULL_REST_MAX_MS 1000
+
+void kvhi_disk_note_write(kvh_engine *e, int err)
+{
+    if (err == 0) {
+        e->disk_full_until = 0;
+        e->disk_full_rest_ms = 0;
+    } else if (err == -ENOSPC) {
+        uint32_t ms = e->disk_full_rest_ms ? 2 * e->disk_full_rest_ms : DISK_FULL_REST_MIN_MS;
+        e->disk_full_rest_ms = ms < DISK_FULL_REST_MAX_MS ? ms : DISK_FULL_REST_MAX_MS;
+        e->disk_full_until = kvhi_now_ns() + (uint64_t)e->disk_full_rest_ms * 1000000u;
+    }
+}
+
+/* After a refusal, retrying at once would fail the same way: the workers
+ * would spin on it, and a caller that finds no idle victim while copies
+ * are in flight waits for them (kvhi_reserve_slot): for ever, when the
+ * workers keep restarting copies of the same blocks.
+ * Room may come back (the filesystem grows, files elsewhere go, a freed
+ * slot is written by an eviction): a later try, or any write that works,
+ * ends the rest. */
+static bool disk_resting_full(kvh_engine *e) { return e->disk_full_until && kvhi_now_ns() < e->disk_full_until; }
+
 static kvh_status write_copies(kvh_engine *e, const uint32_t *blocks, uint32_t n, kvhi_xfer *xs, bool may_evict)
 {
     kvh_status st = KVH_OK;
@@ -451,16 +477,19 @@ static kvh_status write_copies(kvh_engine *e, const uint32_t *blocks, uint32_t n
             at = &(*at)->next;
         *at = listed.next;
     }
+    bool wrote = false, refused = false;
     for (uint32_t j = 0; j < k; j++) {
         kvhi_xfer *x = &xs[j];
         kvhi_block *blk = &e->blocks[x->block];
         kvhi_block_writing_done(e, x->block);
         if (x->err != 0) {
             kvhi_release_slot(e, KVH_TIER_DISK, x->dst_slot);
+            refused |= x->err == -ENOSPC;
             if (st == KVH_OK)
                 st = kvhi_fail(x->err == -ENOSPC ? KVH_ERR_NOSPACE : KVH_ERR_IO, "writing a block to disk: %s",
                                strerror(-x->err));
         } else {
+            wrote = true;
             blk->data_crc = x->data_crc;
             blk->disk_copy = x->dst_slot;
             blk->flags |= KVHI_BF_DISK_COPY | KVHI_BF_DISK_HASHED;
@@ -474,6 +503,10 @@ static kvh_status write_copies(kvh_engine *e, const uint32_t *blocks, uint32_t n
         else
             kvhi_block_update_evictable(e, x->block);
     }
+    if (wrote)
+        kvhi_disk_note_write(e, 0);
+    if (refused)
+        kvhi_disk_note_write(e, -ENOSPC);
     if (k)
         pthread_cond_broadcast(&e->changed);
     return st;
@@ -488,7 +521,7 @@ bool kvhi_disk_clean_step(kvh_engine *e)
     kvhi_tier *host = &e->tiers[KVH_TIER_HOST];
     if (!e->disk || e->disk->fatal || !host->present || e->tiers[KVH_TIER_DISK].slots.free_count == 0)
         return false;
-    if (!kvhi_disk_host_runs_low(e))
+    if (!kvhi_disk_host_runs_low(e) || disk_resting_full(e))
         return false;
     if (e->clean_epoch_seen == e->host_arrivals)
         return false; /* nothing new arrived since the last empty sweep */

@@ -32,6 +32,10 @@ kvh_status kvhi_disk_persist_blocks(kvh_engine *e, const uint32_t *blocks, uint3
 /* One round of background cleaning (lock held, may drop); true if work
  * was done. */
 bool kvhi_disk_clean_step(kvh_engine *e);
+/* Records how a write to a disk slot ended (0 or a negative errno): a
+ * refusal for space (-ENOSPC) makes background cleaning rest; a write that
+ * works ends the rest. */
+void kvhi_disk_note_write(kvh_engine *e, int err);
 /* Whether the host tier runs low enough (under an eighth free) for the
  * cleaner to write ahead; kept clean copies are room too
  * (core/clean_copy.h). */

@@ -177,7 +177,13 @@ struct kvh_engine {
     uint64_t queued_move_waits;      /* its waits */
     uint64_t host_arrivals;          /* blocks placed in the host tier so far */
     uint64_t clean_epoch_seen;       /* host_arrivals at the last empty sweep */
-    kvhi_index_list disk_recovery;   /* index entries found at open */
+    /* The filesystem under the disk tier refused a slab write (ENOSPC):
+     * background cleaning rests until disk_full_until (kvhi_now_ns), the
+     * rest doubling with each refusal (core/disk_tier.c). 0: no refusal
+     * since the last write that worked. */
+    uint64_t disk_full_until;
+    uint32_t disk_full_rest_ms;
+    kvhi_index_list disk_recovery; /* index entries found at open */
     /* Log lines produced under the lock, emitted by kvhi_leave. */
     char pending_log[4][256];
     int pending_log_level[4];

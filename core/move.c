@@ -280,6 +280,8 @@ kvh_status kvhi_move_end(kvh_engine *e, kvhi_xfer *x, uint32_t *src_slot_out)
     if (x->err != 0) {
         kvh_status st;
         kvhi_release_slot(e, tier, x->dst_slot);
+        if (tier == KVH_TIER_DISK)
+            kvhi_disk_note_write(e, x->err);
         if (x->err == 1)
             st = kvhi_mark_corrupt(e, b, x->why);
         else
@@ -295,6 +297,8 @@ kvh_status kvhi_move_end(kvh_engine *e, kvhi_xfer *x, uint32_t *src_slot_out)
         e->stats.prefetch_wasted++;
         blk->flags &= (uint16_t)~KVHI_BF_PREFETCHED;
     }
+    if (tier == KVH_TIER_DISK)
+        kvhi_disk_note_write(e, 0);
     kvhi_block_place(e, b, tier, x->dst_slot);
     if (x->in_place)
         e->stats.blocks_moved_in_place++;
