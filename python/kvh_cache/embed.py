@@ -34,6 +34,8 @@ from typing import Any, Iterable, List, Optional, Protocol, Sequence, runtime_ch
 
 import numpy as np
 
+from .engine import _flag
+
 __all__ = [
     "Embedder",
     "HashedNgramEmbedder",
@@ -114,7 +116,7 @@ class HashedNgramEmbedder:
         self.dim = int(dim)
         self.ngrams = grams
         self.word_weight = float(word_weight)
-        self.lowercase = lowercase
+        self.lowercase = bool(_flag("lowercase", lowercase))
         self.seed = int(seed)
         self.name = f"hash-ngram:{self.dim}:{'-'.join(map(str, grams))}" + (f":s{self.seed}" if self.seed else "")
 

@@ -68,6 +68,7 @@ import numpy as np
 
 from ._handle import Closable, OwnedHandle
 from .embed import DEFAULT_DIM, WordTokenizer, open_embedder
+from .engine import _flag
 from .retrieval import NumpyChunkIndex
 
 __all__ = [
@@ -165,6 +166,8 @@ class QdrantChunkIndex(OwnedHandle):
         timeout: Optional[float] = None,
         batch_size: int = 256,
     ) -> None:
+        recreate = bool(_flag("recreate", recreate))
+        prefer_grpc = bool(_flag("prefer_grpc", prefer_grpc))
         QdrantClient, models = _qdrant()
         self._models = models
         if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)) or dim <= 0:
@@ -342,6 +345,7 @@ class QdrantChunkIndex(OwnedHandle):
     def search_payloads(
         self, vector: np.ndarray, limit: int = 4, *, agent: Optional[int] = None, with_payload: bool = True
     ) -> List[Tuple[int, float, Optional[Dict[str, Any]]]]:
+        with_payload = bool(_flag("with_payload", with_payload))
         q = np.asarray(vector, np.float32).reshape(-1)
         if q.shape[0] != self.dim:
             raise ValueError(f"query must have {self.dim} elements, got {q.shape[0]}")
@@ -787,6 +791,8 @@ class SpeculativeRetriever(Closable):
 
         if not isinstance(engine, Engine):
             raise TypeError(f"engine must be a kvh.Engine, not {type(engine).__name__}")
+        recreate = bool(_flag("recreate", recreate))
+        filter_agents = bool(_flag("filter_agents", filter_agents))
         if top_k <= 0:
             raise ValueError("top_k must be > 0")
         if draft is not None and not callable(draft):

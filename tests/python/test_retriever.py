@@ -522,6 +522,44 @@ def test_argument_checks(corpus):
             assert r.prefetch("").predictions == []
 
 
+@pytest.mark.parametrize(
+    "bad,error", [("false", TypeError), ("", TypeError), (0.0, TypeError), (None, TypeError), (2, ValueError)]
+)
+def test_on_off_arguments_take_a_bool(tmp_path, bad, error):
+    """recreate="false" used to empty a persistent collection, and
+    filter_agents / lowercase / with_payload / prefer_grpc were read by
+    their truth as well."""
+    with pytest.raises(error, match="lowercase"):
+        embed.HashedNgramEmbedder(16, lowercase=bad)
+    with _engine() as eng:
+        with pytest.raises(error, match="filter_agents"):
+            SpeculativeRetriever(eng, index="numpy", filter_agents=bad)
+        with pytest.raises(error, match="recreate"):
+            SpeculativeRetriever(eng, index="numpy", recreate=bad)
+    if not retriever.qdrant_available():
+        return
+    path = str(tmp_path / "q")
+    with retriever.QdrantChunkIndex(4, path=path, collection="t") as idx:
+        idx.add([1], np.ones((1, 4), np.float32), [{"doc": "kept"}])
+        with pytest.raises(error, match="with_payload"):
+            idx.search_payloads(np.ones(4), 1, with_payload=bad)
+    with pytest.raises(error, match="recreate"):
+        retriever.QdrantChunkIndex(4, path=path, collection="t", recreate=bad)
+    with pytest.raises(error, match="prefer_grpc"):
+        retriever.QdrantChunkIndex(4, path=path, collection="t", prefer_grpc=bad)
+    with retriever.QdrantChunkIndex(4, path=path, collection="t", recreate=0) as idx:
+        assert idx.get([1]) == {1: {"doc": "kept"}}
+
+
+def test_on_off_arguments_take_bools_and_0_1():
+    assert (
+        embed.HashedNgramEmbedder(16, lowercase=0).embed(["AB"]).tolist()
+        != embed.HashedNgramEmbedder(16, lowercase=np.bool_(True)).embed(["AB"]).tolist()
+    )
+    with _engine() as eng, SpeculativeRetriever(eng, index="numpy", filter_agents=1) as r:
+        assert r.filter_agents is True
+
+
 def test_add_document_chunks_text(corpus):
     text = " ".join(corpus.chunks[0].words + corpus.chunks[1].words)
     with _engine() as eng, SpeculativeRetriever(eng, index="numpy") as r:
