@@ -1289,13 +1289,17 @@ class Block(GatedHandle, OwnedHandle):
         return Block(self._engine, self._id, owned=True)
 
     def release(self) -> None:
-        """Drops this object's reference (owned blocks only). Idempotent."""
+        """Drops this object's reference (owned blocks only). Idempotent;
+        a no-op once the engine is closed."""
         if self._owned:
             self._gate.close(self._release_native)
 
     def _release_native(self) -> None:
-        with self._engine._call() as p:
-            check(lib.kvh_block_release(p, self._h()))
+        try:
+            with self._engine._call() as p:
+                check(lib.kvh_block_release(p, self._h()))
+        except errors.ClosedError:
+            pass  # the engine's close dropped every reference
 
     def close(self) -> None:
         """``release()`` unless the engine is closed (which dropped every

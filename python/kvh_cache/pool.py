@@ -364,11 +364,15 @@ class Pool:
         return batch
 
     def unregister(self) -> None:
-        """Unregisters (waiting for batches running on it). Idempotent."""
+        """Unregisters (waiting for batches running on it). Idempotent; a
+        no-op once the engine is closed (its close unregistered the pool)."""
         if self._h is not None:
             h, self._h = self._h, None
-            with self._engine._call() as p:
-                check(lib.kvh_pool_unregister(p, h))
+            try:
+                with self._engine._call() as p:
+                    check(lib.kvh_pool_unregister(p, h))
+            except errors.ClosedError:
+                pass
 
     close = unregister
 

@@ -180,6 +180,21 @@ def test_misuse_raises_typed_errors_and_changes_nothing():
             pool.offload(_items(eng, [0]))
 
 
+def test_unregister_after_the_engine_closed_is_a_no_op():
+    """Pool.unregister() (and so ``with pool:``) after the engine's close
+    used to raise ClosedError, unlike every other close."""
+    ks, vs = _arrays()
+    eng = _engine()
+    with Pool.from_arrays(eng, ks, vs) as pool:
+        off = pool.offload(_items(eng, [0]))
+        off.wait()
+        eng.close()
+        off.release()
+    pool.unregister()
+    with pytest.raises(kvh.ClosedError):
+        pool.offload(_items(eng, [1]))
+
+
 def test_dropped_batches_are_safe():
     """A batch object dropped before its fence completes: kvh still writes
     its statuses into memory that is kept alive for it."""

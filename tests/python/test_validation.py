@@ -249,9 +249,14 @@ def test_closed_engine_raises_everywhere():
         with pytest.raises(kvh.ClosedError):
             call()
     # releasing / freeing after close is a quiet no-op, never a crash
+    # (an owned block's release() and a pool's unregister() used to raise
+    # ClosedError there)
     hold.release()
     fence.close()
     seq.free()
+    owned.release()
+    owned.release()
+    assert not owned.owned
     owned = blk = None
     gc.collect()
     assert "closed" in repr(eng)
