@@ -37,13 +37,15 @@ __all__ = ["ArrayDesc", "describe", "Pool", "OffloadBatch", "RestoreBatch", "per
 @dataclass(frozen=True)
 class ArrayDesc:
     """Where an array's elements are: base pointer, shape, strides in bytes,
-    element size, and whether the memory is the host's."""
+    element size, whether the memory is the host's, and whether it may be
+    written (a read-only NumPy array or memory map may not)."""
 
     ptr: int
     shape: Tuple[int, ...]
     strides: Tuple[int, ...]
     itemsize: int
     host: bool
+    writable: bool = True
 
 
 class _DLDevice(ctypes.Structure):
@@ -119,7 +121,8 @@ def describe(obj: Any) -> ArrayDesc:
                 st.append(acc)
                 acc *= n
             strides = tuple(reversed(st))
-        return ArrayDesc(int(ai["data"][0]), shape, tuple(int(s) for s in strides), itemsize, True)
+        read_only = bool(ai["data"][1])
+        return ArrayDesc(int(ai["data"][0]), shape, tuple(int(s) for s in strides), itemsize, True, not read_only)
     if callable(getattr(obj, "data_ptr", None)) and callable(getattr(obj, "stride", None)):
         itemsize = int(obj.element_size())
         dev = getattr(getattr(obj, "device", None), "type", "cpu")
@@ -229,11 +232,13 @@ class RestoreBatch:
 class Pool:
     """KV memory owned by an inference engine, registered with a kvh engine."""
 
-    def __init__(self, engine: Engine, handle, num_slots: int, keep: Any = None) -> None:
+    def __init__(self, engine: Engine, handle, num_slots: int, keep: Any = None, *, writable: bool = True) -> None:
         self._engine = engine
         self._h = handle
         self.num_slots = num_slots
         self._keep = keep
+        #: False when some of the arrays are read-only: offload only.
+        self.writable = writable
 
     @classmethod
     def from_pointers(
@@ -247,10 +252,13 @@ class Pool:
         head_stride: int,
         *,
         keep: Any = None,
+        writable: bool = True,
     ) -> "Pool":
         """Registers host memory given as one K and one V base pointer per
         layer and byte strides (slot, token, head); ``keep`` is held to keep
-        the memory alive."""
+        the memory alive. ``writable=False``: the memory may only be read
+        (offload; a restore is refused)."""
+        writable = bool(_flag("writable", writable))
         if len(k_ptrs) != engine.num_layers or len(v_ptrs) != engine.num_layers:
             raise ValueError(f"need {engine.num_layers} K and V pointers, got {len(k_ptrs)} and {len(v_ptrs)}")
         kb = ffi.new("void *[]", [ffi.cast("void *", int(p)) for p in k_ptrs])
@@ -264,14 +272,15 @@ class Pool:
         out = ffi.new("kvh_pool *")
         with engine._call() as p:
             check(lib.kvh_pool_register(p, lay, out))
-        return cls(engine, out[0], int(num_slots), keep)
+        return cls(engine, out[0], int(num_slots), keep, writable=writable)
 
     @classmethod
     def from_arrays(cls, engine: Engine, k_layers: Sequence[Any], v_layers: Sequence[Any], *, heads_first=False):
         """Registers per-layer K and V arrays shaped (slots, tokens, heads,
         head_dim), or (slots, heads, tokens, head_dim) with
         ``heads_first=True``; any strides. NumPy arrays, torch tensors or
-        DLPack producers (host memory); no copy."""
+        DLPack producers (host memory); no copy. Read-only arrays (e.g. a
+        memory map opened with mode="r") make an offload-only pool."""
         ks = [describe(a) for a in k_layers]
         vs = [describe(a) for a in v_layers]
         d0 = ks[0]
@@ -302,6 +311,7 @@ class Pool:
             d0.strides[tok_ax],
             d0.strides[head_ax],
             keep=(list(k_layers), list(v_layers)),
+            writable=all(d.writable for d in ks + vs),
         )
 
     def _handle(self):
@@ -339,6 +349,9 @@ class Pool:
     ) -> RestoreBatch:
         """Restores blocks into slots (layers [first_layer, first_layer +
         n_layers), default all). Returns at once; one fence per layer."""
+        if not self.writable:
+            # kvh's workers would write into read-only pages (SIGSEGV).
+            raise ValueError("the pool's arrays are read-only: it can offload, not restore")
         if len(blocks) != len(slots):
             raise ValueError(f"{len(blocks)} blocks for {len(slots)} slots")
         n_layers = self._engine.num_layers - first_layer if n_layers is None else n_layers

@@ -180,6 +180,34 @@ def test_misuse_raises_typed_errors_and_changes_nothing():
             pool.offload(_items(eng, [0]))
 
 
+def test_read_only_arrays_make_an_offload_only_pool(tmp_path):
+    """A restore into read-only arrays (a memory map opened with mode="r")
+    used to kill the interpreter with SIGSEGV on kvh's migration worker."""
+    ks, vs = _arrays(5)
+    path = tmp_path / "kv.bin"
+    layer_bytes = ks[0].nbytes
+    with open(path, "wb") as f:
+        for a in ks + vs:
+            f.write(a.tobytes())
+    mapped = [
+        np.memmap(path, dtype=np.float16, mode="r", shape=ks[0].shape, offset=i * layer_bytes) for i in range(2 * L)
+    ]
+    assert not describe(mapped[0]).writable and describe(ks[0]).writable
+    with _engine() as eng:
+        src = Pool.from_arrays(eng, mapped[:L], mapped[L:])
+        assert not src.writable
+        off = src.offload(_items(eng, [0, 1]))  # reading them is fine
+        off.wait()
+        assert off.statuses() == [0, 0]
+        with pytest.raises(ValueError, match="read-only"):
+            src.restore(off.blocks, [2, 3])
+        dst = Pool.from_arrays(eng, ks, vs)
+        assert dst.writable
+        dst.restore(off.blocks, [4, 5]).wait()
+        assert all((ks[layer][4] == mapped[layer][0]).all() for layer in range(L))
+        off.release()
+
+
 def test_unregister_after_the_engine_closed_is_a_no_op():
     """Pool.unregister() (and so ``with pool:``) after the engine's close
     used to raise ClosedError, unlike every other close."""
