@@ -30,9 +30,9 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import numpy as np
 
 from . import errors
-from ._ffi import U64_MAX, check, ffi, lib
+from ._ffi import check, ffi, lib
 from ._handle import Closable, GatedHandle, HandleGate
-from .engine import _flag
+from .engine import _flag, _index, _interruptible, _timeout_ns
 
 __all__ = ["Context", "ContextInfo", "WeightStats", "AdmissionInfo", "KV_POLICIES"]
 
@@ -270,9 +270,21 @@ class Context(GatedHandle, Closable):
         """Waits until every region with ``layer <= layer`` is resident.
         Raises NotResidentError when no switch loads it, KvhTimeoutError."""
         self._check()
-        ns = U64_MAX if timeout is None else max(0, int(timeout * 1e9))
-        with self._call_any() as e:
-            check(lib.kvh_context_wait_layer(e, self._h[0], int(layer), ns))
+        layer = _index("layer", layer, maximum=_U32)
+        ns = _timeout_ns("timeout", timeout)
+
+        def wait_ns(n: int) -> bool:
+            with self._call_any() as e:
+                st = lib.kvh_context_wait_layer(e, self._h[0], layer, n)
+                if st == lib.KVH_ERR_TIMEOUT and n != ns:
+                    return False  # one slice of a longer wait
+                check(st)
+            return True
+
+        if not _interruptible(ns, wait_ns):
+            raise errors.KvhTimeoutError(
+                f"context {self._name!r}: layer {layer} not resident after {timeout} s", lib.KVH_ERR_TIMEOUT
+            )
 
     # ---- access ----
     def region_pointer(self, index: int, *, writable: bool = False) -> Tuple[int, int]:

@@ -26,11 +26,14 @@ object waits for the calls in flight on it; later calls raise
 from __future__ import annotations
 
 import asyncio
+import math
+import numbers
 import atexit
 import logging
 import operator
 import os
 import threading
+import time
 import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence as Seq, Tuple, Union
 
@@ -96,6 +99,46 @@ def _flag(name: str, value: Any) -> int:
     if v not in (0, 1):
         raise ValueError(f"{name} must be a bool (or 0 or 1), got {v}")
     return v
+
+
+def _timeout_ns(name: str, value: Any) -> int:
+    """A timeout in seconds as the C library's nanoseconds: None or +inf
+    is no limit, a negative one polls; anything but a real number (a
+    string, a bool, NaN) is refused rather than misread."""
+    if value is None:
+        return U64_MAX
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number of seconds or None, not {type(value).__name__}")
+    secs = float(value)
+    if math.isnan(secs):
+        raise ValueError(f"{name} must be a number of seconds or None, got nan")
+    if secs <= 0:
+        return 0
+    ns = secs * 1e9
+    return U64_MAX if ns >= U64_MAX else int(ns)
+
+
+# The longest one C wait may hold the main thread: Python runs signal
+# handlers (Ctrl-C's KeyboardInterrupt) only between calls.
+_WAIT_SLICE_NS = 100_000_000
+
+
+def _interruptible(ns: int, wait_ns: Callable[[int], bool]) -> bool:
+    """``wait_ns(ns)`` (True: done, False: timed out), cut into slices on
+    the main thread so a Ctrl-C during a long wait is not held back until
+    the work is done."""
+    if ns <= _WAIT_SLICE_NS or threading.current_thread() is not threading.main_thread():
+        return wait_ns(ns)
+    deadline = None if ns == U64_MAX else time.monotonic_ns() + ns
+    while True:
+        step = _WAIT_SLICE_NS
+        if deadline is not None:
+            left = deadline - time.monotonic_ns()
+            if left <= 0:
+                return wait_ns(0)
+            step = min(step, left)
+        if wait_ns(step):
+            return True
 
 
 def _int(name: str, value: Any, lo: int, hi: int) -> int:
@@ -1136,7 +1179,11 @@ class Fence(GatedHandle, OwnedHandle):
     def _wait(self, timeout: Optional[float]) -> bool:
         if self._outcome is not None:
             return True
-        ns = U64_MAX if timeout is None else max(0, int(timeout * 1e9))
+        return _interruptible(_timeout_ns("timeout", timeout), self._wait_ns)
+
+    def _wait_ns(self, ns: int) -> bool:
+        if self._outcome is not None:
+            return True
         try:
             with self._call_any() as p:
                 if self._outcome is not None:
@@ -1145,12 +1192,14 @@ class Fence(GatedHandle, OwnedHandle):
                 detail = last_error() if st else ""
         except errors.BadHandleError as exc:  # freed before its completion was seen
             st, detail = exc.status, exc.message
-        if st == lib.KVH_ERR_TIMEOUT and timeout is not None:
+        if st == lib.KVH_ERR_TIMEOUT and ns != U64_MAX:
             # Either our deadline or the work's own timeout: poll to tell.
             try:
                 return self.done()
             except errors.KvhTimeoutError:
                 return False
+            except errors.BadHandleError as exc:  # freed by another thread meanwhile
+                st, detail = exc.status, exc.message
         if st == lib.KVH_ERR_BAD_HANDLE and self._outcome is not None:
             return True  # completed and freed by another thread meanwhile
         self._finish(st, detail)
