@@ -632,8 +632,9 @@ class Engine(OwnedHandle):
         ``"keep"`` leaves its agents' KV in place on a switch away,
         ``"demote"`` moves it out of the device tier and back with the
         weights. ``chunk_bytes``: checksum and I/O unit (default 2 MiB)."""
-        from .context import KV_POLICIES, Context
+        from .context import KV_POLICIES, Context, _name
 
+        name = _name("name", name)
         if kv_policy not in KV_POLICIES:
             raise ValueError(f"kv_policy must be one of {sorted(KV_POLICIES)}, got {kv_policy!r}")
         cp = ffi.new("kvh_context_params *")
