@@ -180,6 +180,57 @@ def test_misuse_raises_typed_errors_and_changes_nothing():
             pool.offload(_items(eng, [0]))
 
 
+def test_arguments_are_checked_and_named():
+    """Pool arguments went through int() or straight into cffi: slot=1.5
+    or "1" was used as slot 1, tokens of floats or past int32 were cast
+    (the block stored under the hash of other tokens), a negative value
+    raised a bare OverflowError, and wait_layer(first_layer - 1) waited
+    for the last layer (a negative list index) and returned True."""
+    ks, vs = _arrays()
+    with _engine() as eng:
+        pool = Pool.from_arrays(eng, ks, vs)
+        tk = np.arange(BT)
+        bad_numbers = ((1.5, TypeError), ("1", TypeError), (None, TypeError), (-1, ValueError), (1 << 70, ValueError))
+        for bad, error in bad_numbers:
+            with pytest.raises(error, match="slot"):
+                pool.offload([(bad, 0, tk)])
+            with pytest.raises(error, match="parent_hash"):
+                pool.offload([(0, bad, tk)])
+            with pytest.raises(error, match="scope"):
+                pool.offload([(0, 0, tk)], scope=bad)
+            with pytest.raises(error, match="agent"):
+                pool.offload([(0, 0, tk)], agent=bad)
+        with pytest.raises(TypeError, match="tokens"):
+            pool.offload([(0, 0, tk + 0.5)])
+        with pytest.raises(ValueError, match="int32"):
+            pool.offload([(0, 0, tk + (1 << 40))])
+        with pytest.raises(TypeError, match="items"):
+            pool.offload([(0, 0)])
+        assert eng.stats().blocks_allocated == 0
+        off = pool.offload(_items(eng, [0]))
+        off.wait()
+        for bad, error in ((1.5, TypeError), ("1", TypeError), (-1, ValueError)):
+            with pytest.raises(error, match="slots"):
+                pool.restore(off.blocks, [bad])
+            with pytest.raises(error, match="first_layer"):
+                pool.restore(off.blocks, [1], first_layer=bad)
+            with pytest.raises(error, match="n_layers"):
+                pool.restore(off.blocks, [1], n_layers=bad)
+        batch = pool.restore(off.blocks, [1], first_layer=1, n_layers=1)
+        for bad in (0, 2):
+            with pytest.raises(ValueError, match="layer"):
+                batch.wait_layer(bad)
+        assert batch.wait_layer(1) and batch.failed() == []
+        with pytest.raises(ValueError, match="2 K and V arrays"):
+            Pool.from_arrays(eng, [], [])
+        with pytest.raises(ValueError, match="strides"):
+            Pool.from_arrays(eng, [a[::-1] for a in ks], [a[::-1] for a in vs])
+        with pytest.raises(ValueError, match="num_slots"):
+            Pool.from_pointers(eng, [0] * L, [0] * L, -1, 1, 1, 1)
+        off.release()
+        pool.unregister()
+
+
 def test_read_only_arrays_make_an_offload_only_pool(tmp_path):
     """A restore into read-only arrays (a memory map opened with mode="r")
     used to kill the interpreter with SIGSEGV on kvh's migration worker."""
