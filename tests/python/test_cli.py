@@ -52,7 +52,17 @@ SMALL_DEMO = [
 
 @pytest.mark.parametrize(
     "cmd",
-    [[], ["demo"], ["stats"], ["store"], ["store", "info"], ["store", "verify"], ["bench"], ["doctor"]],
+    [
+        [],
+        ["demo"],
+        ["stats"],
+        ["store"],
+        ["store", "info"],
+        ["store", "verify"],
+        ["store", "remote"],
+        ["bench"],
+        ["doctor"],
+    ],
     ids=lambda c: "-".join(c) or "top",
 )
 def test_help_everywhere(cmd):
@@ -135,6 +145,28 @@ def test_demo_bad_args():
     assert res.returncode == 2 and "size" in res.stderr
     res = run_kvh("demo", "--disk-budget", "0")
     assert res.returncode == 2 and "--disk-budget must be > 0" in res.stderr
+
+
+def test_unwritable_path_is_one_line(tmp_path):
+    """A --data-dir that cannot be created (a file in its path) ended in a
+    NotADirectoryError traceback."""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    res = run_kvh("demo", "--models", "--data-dir", str(blocker / "data"))
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert res.stderr.strip().splitlines() == [f"kvh: Not a directory: {blocker / 'data'}"]
+
+
+def test_bench_unknown_scenario_is_one_line():
+    """kvh-bench's full usage text, once per unknown scenario, then "no
+    results": now one line before anything runs."""
+    res = run_kvh("bench", "nosuch", "--quick")
+    if not _tool_or_unavailable(res, "kvh-bench"):
+        return
+    assert res.returncode == 2 and res.stdout == ""
+    assert res.stderr.strip().splitlines() == ["kvh: bench: unknown scenario 'nosuch'; kvh bench --list shows them"]
+    res = run_kvh("bench", "offload", "retriever")
+    assert res.returncode == 2 and "run alone" in res.stderr
 
 
 @pytest.fixture(scope="module")
