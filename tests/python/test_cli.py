@@ -147,6 +147,36 @@ def test_demo_bad_args():
     assert res.returncode == 2 and "--disk-budget must be > 0" in res.stderr
 
 
+@pytest.mark.parametrize(
+    "args,word",
+    [
+        (["demo", "--synthetic", "--hints", "-1"], "--hints"),
+        (["demo", "--synthetic", "--fork-every", "-1"], "--fork-every"),
+        (["demo", "--synthetic", "--prompt-tokens", "-1"], "--prompt-tokens"),
+        (["demo", "--synthetic", "--layers", "0"], "--layers"),
+        (["demo", "--synthetic", "--block-tokens", "0"], "--block-tokens"),
+        (["demo", "--synthetic", "--intent-noise", "nan"], "--intent-noise"),
+        (["demo", "--models", "--model-b", "{tmp}/missing.gguf", "--data-dir", "{tmp}/data"], "--model-b"),
+        (["stats", "/tmp", "--layers", "x"], "--layers"),
+        (["store", "remote", "bogus"], "ACTION"),
+        (["bench", "--reps", "x"], "--reps"),
+        (["doctor", "--bogus"], "--bogus"),
+    ],
+    ids=lambda a: " ".join(a) if isinstance(a, list) else None,
+)
+def test_bad_flags_are_usage_errors(args, word, tmp_path):
+    """Negative --hints/--fork-every ran the demo anyway (as did a NaN
+    --intent-noise), --layers 0 failed in the engine with exit 1, and a
+    missing --model-b was written there: a 140 MiB model at a mistyped
+    path. Bad flags exit 2 with a one-line message naming the flag."""
+    res = run_kvh(*(a.replace("{tmp}", str(tmp_path)) for a in args), env_extra={"KVH_CONFIG": ""})
+    assert res.returncode == 2, (res.returncode, res.stderr[-2000:])
+    assert "Traceback" not in res.stderr
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("kvh") and word in last, res.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
 def test_unwritable_path_is_one_line(tmp_path):
     """A --data-dir that cannot be created (a file in its path) ended in a
     NotADirectoryError traceback."""
