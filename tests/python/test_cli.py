@@ -100,6 +100,29 @@ def test_module_help(module):
     assert res.stdout.startswith("usage: ") and "--help" in res.stdout
 
 
+@pytest.mark.parametrize(
+    "args,rc,text",
+    [
+        (["kvh_cache.codec", "--head-dim", "-1"], 2, "--head-dim must be"),
+        (["kvh_cache.codec", "--head-dim", "96"], 2, "--head-dim must be"),
+        (["kvh_cache.codec", "--vectors", "0"], 2, "--vectors must be"),
+        (["kvh_cache.model", "info", "--model", "{passwd}"], 1, "not a GGUF file"),
+    ],
+    ids=lambda a: " ".join(a) if isinstance(a, list) else None,
+)
+def test_module_bad_input_is_one_line(args, rc, text, tmp_path):
+    """A negative or odd --head-dim of the codec report and a --model
+    that is not a GGUF file ended in a traceback."""
+    not_gguf = tmp_path / "model.gguf"
+    not_gguf.write_text("root:x:0:0\n")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO / "python") + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    argv = [a.replace("{passwd}", str(not_gguf)) for a in args]
+    res = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode == rc and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert text in res.stderr.strip().splitlines()[-1]
+
+
 def test_version_and_no_command():
     res = run_kvh("--version")
     assert res.returncode == 0 and res.stdout.startswith("kvh ")
