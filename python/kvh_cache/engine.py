@@ -141,6 +141,16 @@ def _interruptible(ns: int, wait_ns: Callable[[int], bool]) -> bool:
             return True
 
 
+def _real(name: str, value: Any, lo: float = -math.inf, hi: float = math.inf) -> float:
+    """A finite real argument in [lo, hi]; TypeError/ValueError naming it."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, not {type(value).__name__}")
+    v = float(value)
+    if not (math.isfinite(v) and lo <= v <= hi):
+        raise ValueError(f"{name} must be a finite number in [{lo}, {hi}], got {v}")
+    return v
+
+
 def _int(name: str, value: Any, lo: int, hi: int) -> int:
     if isinstance(value, bool):
         raise TypeError(f"{name} must be an int, not bool")
