@@ -141,6 +141,17 @@ def _interruptible(ns: int, wait_ns: Callable[[int], bool]) -> bool:
             return True
 
 
+def _path(name: str, value: Any) -> bytes:
+    """A path or text argument as the C library's bytes, without NUL."""
+    try:
+        raw = os.fsencode(value)
+    except TypeError:
+        raise TypeError(f"{name} must be a str, bytes or os.PathLike, not {type(value).__name__}") from None
+    if b"\0" in raw:
+        raise ValueError(f"{name} must not contain NUL bytes")
+    return raw
+
+
 def _real(name: str, value: Any, lo: float = -math.inf, hi: float = math.inf) -> float:
     """A finite real argument in [lo, hi]; TypeError/ValueError naming it."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
@@ -399,6 +410,7 @@ class Engine(OwnedHandle):
         else:
             c.log_level = _int("log_level", cfg.log_level, 0, 3)
         if cfg.disk_path is not None:
+            path = _path("disk_path", cfg.disk_path)
             # Without a size the library opens no disk tier, which would only
             # show when persist() fails; the library refuses it too (the same
             # InvalidArgumentError).
@@ -408,9 +420,6 @@ class Engine(OwnedHandle):
                     "pass disk_bytes=..., or leave disk_path unset for no disk tier",
                     lib.KVH_ERR_INVALID_ARG,
                 )
-            path = os.fsencode(cfg.disk_path)
-            if b"\0" in path:
-                raise ValueError("disk_path must not contain NUL bytes")
             buf = ffi.new("char[]", path)
             keep.append(buf)
             c.disk_path = buf
@@ -439,10 +448,7 @@ class Engine(OwnedHandle):
         for name in ("remote_addrs", "remote_user", "remote_password", "remote_tls_ca"):
             text = getattr(cfg, name)
             if text is not None:
-                raw = os.fsencode(text)
-                if b"\0" in raw:
-                    raise ValueError(f"{name} must not contain NUL bytes")
-                buf = ffi.new("char[]", raw)
+                buf = ffi.new("char[]", _path(name, text))
                 keep.append(buf)
                 setattr(c, name, buf)
         for name in ("remote_timeout_ms", "remote_ttl_s", "remote_upload", "remote_breaker_ms"):
