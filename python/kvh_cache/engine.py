@@ -1012,7 +1012,7 @@ class Engine(OwnedHandle):
         with self._call():
             check(lib.kvh_attention_params_init(prm, ffi.sizeof("kvh_attention_params")))
         prm.num_q_heads = num_q_heads
-        prm.scale = float(scale)
+        prm.scale = _real("scale", scale)
         prm.io_dtype = int(io)
         prm.threads = _index("threads", threads, maximum=_U32)
         prm.stream_chunk_blocks = _index("stream_chunk_blocks", stream_blocks[0], maximum=_U32)
@@ -1107,7 +1107,13 @@ class Engine(OwnedHandle):
         batch's blocks in the device tier until ``plan.destroy()``."""
         from .attention_plan import AttentionPlan
 
+        seqs = list(seqs)
         lens = None if q_lens is None else [_index(f"q_lens[{i}]", x, maximum=_U32) for i, x in enumerate(q_lens)]
+        if lens is not None and len(lens) != len(seqs):
+            # The library reads one entry per sequence: a shorter list was
+            # read past its end (a plan of garbage row counts, or q and out
+            # arrays sized for other rows than the kernels use).
+            raise ValueError(f"q_lens has {len(lens)} entries, expected one per sequence ({len(seqs)})")
         hq = self.num_kv_heads if num_q_heads is None else _index("num_q_heads", num_q_heads, maximum=_U32)
         io = DType.F32 if io_dtype is None else DType.parse(io_dtype)
         return AttentionPlan(self, _index("layer", layer, maximum=_U32), seqs, lens, hq, io, scale, threads)
