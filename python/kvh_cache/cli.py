@@ -325,12 +325,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return _missing_tool("kvh-bench")
     extra = list(getattr(args, "extra", []))
     scenarios = list(args.scenarios)
+    res = subprocess.run([tool, "list"], capture_output=True, text=True)
+    if res.returncode != 0:
+        _err(f"kvh-bench list failed: {res.stderr.strip()}")
+        return EXIT_FAIL
+    known = [s.strip() for s in res.stdout.split() if s.strip()]
     if not scenarios or scenarios == ["all"]:
-        res = subprocess.run([tool, "list"], capture_output=True, text=True)
-        if res.returncode != 0:
-            _err(f"kvh-bench list failed: {res.stderr.strip()}")
-            return EXIT_FAIL
-        scenarios = [s.strip() for s in res.stdout.split() if s.strip()]
+        scenarios = known
+    unknown = [s for s in scenarios if s not in known]
+    if unknown:
+        # kvh-bench would print its whole usage for each; say it once.
+        python_only = ("retriever", "offload", "remote-ttft", "vllm")
+        alone = [s for s in unknown if s in python_only]
+        hint = f" ({', '.join(alone)}: run alone, e.g. kvh bench {alone[0]})" if alone else ""
+        _err(f"bench: unknown scenario {', '.join(map(repr, unknown))}{hint}; kvh bench --list shows them")
+        return EXIT_USAGE
     common = ["--json"]
     if args.quick:
         common.append("--quick")
@@ -604,6 +613,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ImportError as exc:
         _err(str(exc))
         return EXIT_UNAVAILABLE
+    except OSError as exc:
+        # A path that cannot be created, read or written (--data-dir under a
+        # file, a full disk): one line, not a traceback.
+        _err(f"{exc.strerror or exc}: {exc.filename}" if exc.filename else str(exc))
+        return EXIT_FAIL
     except Exception as exc:
         from . import errors
 

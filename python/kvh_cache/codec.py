@@ -117,11 +117,15 @@ def _main() -> None:
     import argparse
     import json
 
-    ap = argparse.ArgumentParser(description="error of kvh's KV codecs on random data")
+    ap = argparse.ArgumentParser(prog="python -m kvh_cache.codec", description="error of the KV codecs on random data")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--vectors", type=int, default=100000)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    if args.head_dim <= 0 or args.head_dim % 64:
+        ap.error("--head-dim must be a positive multiple of 64 (the q4 codecs' group)")
+    if args.vectors <= 0:
+        ap.error("--vectors must be > 0")
     rng = np.random.default_rng(args.seed)
     data = {
         "gaussian": rng.standard_normal((args.vectors, args.head_dim)),

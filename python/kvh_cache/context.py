@@ -30,14 +30,26 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import numpy as np
 
 from . import errors
-from ._ffi import U64_MAX, check, ffi, lib
+from ._ffi import check, ffi, lib
 from ._handle import Closable, GatedHandle, HandleGate
-from .engine import _flag
+from .engine import _flag, _index, _interruptible, _timeout_ns
 
 __all__ = ["Context", "ContextInfo", "WeightStats", "AdmissionInfo", "KV_POLICIES"]
 
 KV_POLICIES = {"keep": 0, "demote": 1}
 _U32 = (1 << 32) - 1
+
+
+def _name(arg: str, value: Any) -> str:
+    """A context or region name: a str without NUL (the C side keeps the
+    first 63 bytes)."""
+    if not isinstance(value, str):
+        raise TypeError(f"{arg} must be a str, not {type(value).__name__}")
+    if "\0" in value:
+        raise ValueError(f"{arg} must not contain NUL characters")
+    return value
+
+
 _BLK = re.compile(r"^blk\.(\d+)\.")
 
 
@@ -176,12 +188,14 @@ class Context(GatedHandle, Closable):
         ``size``) or from bytes (``data``: bytes-like or a NumPy array, copied
         in). Returns its index."""
         self._check()
+        name = _name("name", name)
         pinned = _flag("pinned", pinned)
         if (path is None) == (data is None):
             raise ValueError("give exactly one source: path= or data=")
-        layer = int(layer)
-        if not 0 <= layer <= _U32:
-            raise ValueError(f"layer must be in [0, {_U32}], got {layer}")
+        layer = _index("layer", layer, maximum=_U32)
+        offset = _index("offset", offset)
+        if size is not None:
+            size = _index("size", size)
         p = ffi.new("kvh_weight_region_params *")
         check(lib.kvh_weight_region_params_init(p, ffi.sizeof("kvh_weight_region_params")))
         keep: list = []
@@ -196,15 +210,15 @@ class Context(GatedHandle, Closable):
             buf = ffi.new("char[]", _path_bytes(path))
             keep.append(buf)
             p.path = buf
-            p.file_offset = int(offset)
-            p.size = int(size)
+            p.file_offset = offset
+            p.size = size
         else:
             arr = (
                 np.ascontiguousarray(np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data)
                 .view(np.uint8)
                 .reshape(-1)
             )
-            if size is not None and int(size) != arr.size:
+            if size is not None and size != arr.size:
                 raise ValueError(f"size={size} does not match the {arr.size} bytes of data")
             if arr.size == 0:
                 raise ValueError("data is empty")
@@ -244,6 +258,10 @@ class Context(GatedHandle, Closable):
     def attach(self, seq: Any) -> None:
         """Moves seq's KV with this context (under ``kv_policy="demote"``)."""
         self._check()
+        from .engine import Sequence
+
+        if not isinstance(seq, Sequence):
+            raise TypeError(f"seq must be a kvh.Sequence, not {type(seq).__name__}")
         seq._check_engine(self._engine)
         with self._call(seq._gate.shared()) as e:
             check(lib.kvh_context_attach_seq(e, self._h[0], seq._h[0]))
@@ -256,6 +274,11 @@ class Context(GatedHandle, Closable):
         tells when early layers are usable."""
         self._check()
         wait = bool(_flag("wait", wait))
+        if previous is not None:
+            if not isinstance(previous, Context):
+                raise TypeError(f"previous must be a kvh.Context or None, not {type(previous).__name__}")
+            if previous._engine is not self._engine:
+                raise ValueError("previous belongs to another engine")
         prev = self._engine._current_context if previous is None else previous
         if prev is self:
             prev = None
@@ -270,9 +293,21 @@ class Context(GatedHandle, Closable):
         """Waits until every region with ``layer <= layer`` is resident.
         Raises NotResidentError when no switch loads it, KvhTimeoutError."""
         self._check()
-        ns = U64_MAX if timeout is None else max(0, int(timeout * 1e9))
-        with self._call_any() as e:
-            check(lib.kvh_context_wait_layer(e, self._h[0], int(layer), ns))
+        layer = _index("layer", layer, maximum=_U32)
+        ns = _timeout_ns("timeout", timeout)
+
+        def wait_ns(n: int) -> bool:
+            with self._call_any() as e:
+                st = lib.kvh_context_wait_layer(e, self._h[0], layer, n)
+                if st == lib.KVH_ERR_TIMEOUT and n != ns:
+                    return False  # one slice of a longer wait
+                check(st)
+            return True
+
+        if not _interruptible(ns, wait_ns):
+            raise errors.KvhTimeoutError(
+                f"context {self._name!r}: layer {layer} not resident after {timeout} s", lib.KVH_ERR_TIMEOUT
+            )
 
     # ---- access ----
     def region_pointer(self, index: int, *, writable: bool = False) -> Tuple[int, int]:
@@ -280,10 +315,11 @@ class Context(GatedHandle, Closable):
         ``writable=True`` marks it modified (written back, not dropped)."""
         self._check()
         writable = _flag("writable", writable)
+        index = _index("index", index, maximum=_U32)
         data = ffi.new("void **")
         size = ffi.new("uint64_t *")
         with self._call_any() as e:
-            check(lib.kvh_context_region_data(e, self._h[0], int(index), writable, data, size))
+            check(lib.kvh_context_region_data(e, self._h[0], index, writable, data, size))
         return int(ffi.cast("uintptr_t", data[0])), int(size[0])
 
     def region(self, index: Union[int, str], *, writable: bool = False) -> np.ndarray:
@@ -306,8 +342,9 @@ class Context(GatedHandle, Closable):
     def pin(self, index: int, pinned: bool = True) -> None:
         self._check()
         pinned = _flag("pinned", pinned)
+        index = _index("index", index, maximum=_U32)
         with self._call() as e:
-            check(lib.kvh_context_region_pin(e, self._h[0], int(index), pinned))
+            check(lib.kvh_context_region_pin(e, self._h[0], index, pinned))
 
     def verify(self) -> int:
         """Re-checks the CRC32C of every resident, unmodified chunk; returns

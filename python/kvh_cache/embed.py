@@ -34,6 +34,8 @@ from typing import Any, Iterable, List, Optional, Protocol, Sequence, runtime_ch
 
 import numpy as np
 
+from .engine import _flag, _index, _int, _real
+
 __all__ = [
     "Embedder",
     "HashedNgramEmbedder",
@@ -106,16 +108,16 @@ class HashedNgramEmbedder:
     ) -> None:
         if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)) or dim <= 0:
             raise ValueError(f"dim must be a positive int, got {dim!r}")
-        grams = tuple(int(n) for n in ngrams)
-        if not grams or any(n <= 0 for n in grams):
+        if isinstance(ngrams, (str, bytes)):
+            raise TypeError("ngrams must be a collection of ints, not a string")
+        grams = tuple(_int("ngrams", n, 1, 1 << 16) for n in ngrams)
+        if not grams:
             raise ValueError(f"ngrams must be positive lengths, got {ngrams!r}")
-        if word_weight < 0:
-            raise ValueError("word_weight must be >= 0")
         self.dim = int(dim)
         self.ngrams = grams
-        self.word_weight = float(word_weight)
-        self.lowercase = lowercase
-        self.seed = int(seed)
+        self.word_weight = _real("word_weight", word_weight, 0.0)
+        self.lowercase = bool(_flag("lowercase", lowercase))
+        self.seed = _int("seed", seed, -(1 << 63), (1 << 64) - 1)
         self.name = f"hash-ngram:{self.dim}:{'-'.join(map(str, grams))}" + (f":s{self.seed}" if self.seed else "")
 
     def __repr__(self) -> str:
@@ -248,7 +250,9 @@ class CallableEmbedder:
         if not callable(fn):
             raise TypeError("fn must be callable")
         self._fn = fn
-        self.dim = int(dim)
+        self.dim = _int("dim", dim, 1, 1 << 31)
+        if not isinstance(name, str):
+            raise TypeError(f"name must be a str, not {type(name).__name__}")
         self.name = name
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
@@ -256,6 +260,9 @@ class CallableEmbedder:
         vecs = np.asarray(self._fn(texts), dtype=np.float32)
         if vecs.shape != (len(texts), self.dim):
             raise ValueError(f"embedding function returned shape {vecs.shape}, expected ({len(texts)}, {self.dim})")
+        if not np.all(np.isfinite(vecs)):
+            # A NaN row used to become a zero vector: a text that matches nothing.
+            raise ValueError("embedding function returned non-finite values")
         return _normalise(vecs)
 
 
@@ -279,7 +286,10 @@ def open_embedder(spec: Any = "auto", *, dim: Optional[int] = None) -> Any:
     kind, _, arg = s.partition(":")
     kind = kind.lower()
     if kind in ("hash", "hashed", "ngram"):
-        d = int(arg) if arg else (dim or DEFAULT_DIM)
+        try:
+            d = int(arg) if arg else (dim or DEFAULT_DIM)
+        except ValueError:
+            raise ValueError(f"embedder {spec!r}: the dimension after 'hash:' must be an int") from None
         return HashedNgramEmbedder(d)
     if kind in ("st", "sentence-transformers", "sentence_transformers", "sbert"):
         return SentenceTransformerEmbedder(arg or "all-MiniLM-L6-v2")
@@ -299,10 +309,9 @@ class WordTokenizer:
     _PIECE = re.compile(r"\w+|[^\w\s]", re.UNICODE)
 
     def __init__(self, vocab_size: int = 1 << 20, *, offset: int = 1000) -> None:
-        if vocab_size <= 0 or offset < 0:
-            raise ValueError("vocab_size must be > 0 and offset >= 0")
-        self.vocab_size = vocab_size
-        self.offset = offset
+        # Token ids are int32: offset + vocab_size - 1 must fit.
+        self.vocab_size = _int("vocab_size", vocab_size, 1, (1 << 31) - 1)
+        self.offset = _index("offset", offset, maximum=(1 << 31) - self.vocab_size)
 
     def split(self, text: str) -> List[str]:
         return self._PIECE.findall(text)

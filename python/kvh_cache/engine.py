@@ -26,11 +26,14 @@ object waits for the calls in flight on it; later calls raise
 from __future__ import annotations
 
 import asyncio
+import math
+import numbers
 import atexit
 import logging
 import operator
 import os
 import threading
+import time
 import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence as Seq, Tuple, Union
 
@@ -95,6 +98,67 @@ def _flag(name: str, value: Any) -> int:
         raise TypeError(f"{name} must be a bool, not {type(value).__name__}") from None
     if v not in (0, 1):
         raise ValueError(f"{name} must be a bool (or 0 or 1), got {v}")
+    return v
+
+
+def _timeout_ns(name: str, value: Any) -> int:
+    """A timeout in seconds as the C library's nanoseconds: None or +inf
+    is no limit, a negative one polls; anything but a real number (a
+    string, a bool, NaN) is refused rather than misread."""
+    if value is None:
+        return U64_MAX
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number of seconds or None, not {type(value).__name__}")
+    secs = float(value)
+    if math.isnan(secs):
+        raise ValueError(f"{name} must be a number of seconds or None, got nan")
+    if secs <= 0:
+        return 0
+    ns = secs * 1e9
+    return U64_MAX if ns >= U64_MAX else int(ns)
+
+
+# The longest one C wait may hold the main thread: Python runs signal
+# handlers (Ctrl-C's KeyboardInterrupt) only between calls.
+_WAIT_SLICE_NS = 100_000_000
+
+
+def _interruptible(ns: int, wait_ns: Callable[[int], bool]) -> bool:
+    """``wait_ns(ns)`` (True: done, False: timed out), cut into slices on
+    the main thread so a Ctrl-C during a long wait is not held back until
+    the work is done."""
+    if ns <= _WAIT_SLICE_NS or threading.current_thread() is not threading.main_thread():
+        return wait_ns(ns)
+    deadline = None if ns == U64_MAX else time.monotonic_ns() + ns
+    while True:
+        step = _WAIT_SLICE_NS
+        if deadline is not None:
+            left = deadline - time.monotonic_ns()
+            if left <= 0:
+                return wait_ns(0)
+            step = min(step, left)
+        if wait_ns(step):
+            return True
+
+
+def _path(name: str, value: Any) -> bytes:
+    """A path or text argument as the C library's bytes, without NUL."""
+    try:
+        raw = os.fsencode(value)
+    except TypeError:
+        raise TypeError(f"{name} must be a str, bytes or os.PathLike, not {type(value).__name__}") from None
+    if b"\0" in raw:
+        raise ValueError(f"{name} must not contain NUL bytes")
+    return raw
+
+
+def _real(name: str, value: Any, lo: float = -math.inf, hi: float = math.inf) -> float:
+    """A finite real argument in [lo, hi]; TypeError/ValueError naming it."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, not {type(value).__name__}")
+    v = float(value)
+    if not (math.isfinite(v) and lo <= v <= hi):
+        raise ValueError(f"{name} must be a finite number in [{lo}, {hi}], got {v}")
     return v
 
 
@@ -346,6 +410,7 @@ class Engine(OwnedHandle):
         else:
             c.log_level = _int("log_level", cfg.log_level, 0, 3)
         if cfg.disk_path is not None:
+            path = _path("disk_path", cfg.disk_path)
             # Without a size the library opens no disk tier, which would only
             # show when persist() fails; the library refuses it too (the same
             # InvalidArgumentError).
@@ -355,9 +420,6 @@ class Engine(OwnedHandle):
                     "pass disk_bytes=..., or leave disk_path unset for no disk tier",
                     lib.KVH_ERR_INVALID_ARG,
                 )
-            path = os.fsencode(cfg.disk_path)
-            if b"\0" in path:
-                raise ValueError("disk_path must not contain NUL bytes")
             buf = ffi.new("char[]", path)
             keep.append(buf)
             c.disk_path = buf
@@ -386,10 +448,7 @@ class Engine(OwnedHandle):
         for name in ("remote_addrs", "remote_user", "remote_password", "remote_tls_ca"):
             text = getattr(cfg, name)
             if text is not None:
-                raw = os.fsencode(text)
-                if b"\0" in raw:
-                    raise ValueError(f"{name} must not contain NUL bytes")
-                buf = ffi.new("char[]", raw)
+                buf = ffi.new("char[]", _path(name, text))
                 keep.append(buf)
                 setattr(c, name, buf)
         for name in ("remote_timeout_ms", "remote_ttl_s", "remote_upload", "remote_breaker_ms"):
@@ -589,8 +648,9 @@ class Engine(OwnedHandle):
         ``"keep"`` leaves its agents' KV in place on a switch away,
         ``"demote"`` moves it out of the device tier and back with the
         weights. ``chunk_bytes``: checksum and I/O unit (default 2 MiB)."""
-        from .context import KV_POLICIES, Context
+        from .context import KV_POLICIES, Context, _name
 
+        name = _name("name", name)
         if kv_policy not in KV_POLICIES:
             raise ValueError(f"kv_policy must be one of {sorted(KV_POLICIES)}, got {kv_policy!r}")
         cp = ffi.new("kvh_context_params *")
@@ -952,7 +1012,7 @@ class Engine(OwnedHandle):
         with self._call():
             check(lib.kvh_attention_params_init(prm, ffi.sizeof("kvh_attention_params")))
         prm.num_q_heads = num_q_heads
-        prm.scale = float(scale)
+        prm.scale = _real("scale", scale)
         prm.io_dtype = int(io)
         prm.threads = _index("threads", threads, maximum=_U32)
         prm.stream_chunk_blocks = _index("stream_chunk_blocks", stream_blocks[0], maximum=_U32)
@@ -1047,7 +1107,13 @@ class Engine(OwnedHandle):
         batch's blocks in the device tier until ``plan.destroy()``."""
         from .attention_plan import AttentionPlan
 
+        seqs = list(seqs)
         lens = None if q_lens is None else [_index(f"q_lens[{i}]", x, maximum=_U32) for i, x in enumerate(q_lens)]
+        if lens is not None and len(lens) != len(seqs):
+            # The library reads one entry per sequence: a shorter list was
+            # read past its end (a plan of garbage row counts, or q and out
+            # arrays sized for other rows than the kernels use).
+            raise ValueError(f"q_lens has {len(lens)} entries, expected one per sequence ({len(seqs)})")
         hq = self.num_kv_heads if num_q_heads is None else _index("num_q_heads", num_q_heads, maximum=_U32)
         io = DType.F32 if io_dtype is None else DType.parse(io_dtype)
         return AttentionPlan(self, _index("layer", layer, maximum=_U32), seqs, lens, hq, io, scale, threads)
@@ -1136,7 +1202,11 @@ class Fence(GatedHandle, OwnedHandle):
     def _wait(self, timeout: Optional[float]) -> bool:
         if self._outcome is not None:
             return True
-        ns = U64_MAX if timeout is None else max(0, int(timeout * 1e9))
+        return _interruptible(_timeout_ns("timeout", timeout), self._wait_ns)
+
+    def _wait_ns(self, ns: int) -> bool:
+        if self._outcome is not None:
+            return True
         try:
             with self._call_any() as p:
                 if self._outcome is not None:
@@ -1145,12 +1215,14 @@ class Fence(GatedHandle, OwnedHandle):
                 detail = last_error() if st else ""
         except errors.BadHandleError as exc:  # freed before its completion was seen
             st, detail = exc.status, exc.message
-        if st == lib.KVH_ERR_TIMEOUT and timeout is not None:
+        if st == lib.KVH_ERR_TIMEOUT and ns != U64_MAX:
             # Either our deadline or the work's own timeout: poll to tell.
             try:
                 return self.done()
             except errors.KvhTimeoutError:
                 return False
+            except errors.BadHandleError as exc:  # freed by another thread meanwhile
+                st, detail = exc.status, exc.message
         if st == lib.KVH_ERR_BAD_HANDLE and self._outcome is not None:
             return True  # completed and freed by another thread meanwhile
         self._finish(st, detail)
@@ -1289,13 +1361,17 @@ class Block(GatedHandle, OwnedHandle):
         return Block(self._engine, self._id, owned=True)
 
     def release(self) -> None:
-        """Drops this object's reference (owned blocks only). Idempotent."""
+        """Drops this object's reference (owned blocks only). Idempotent;
+        a no-op once the engine is closed."""
         if self._owned:
             self._gate.close(self._release_native)
 
     def _release_native(self) -> None:
-        with self._engine._call() as p:
-            check(lib.kvh_block_release(p, self._h()))
+        try:
+            with self._engine._call() as p:
+                check(lib.kvh_block_release(p, self._h()))
+        except errors.ClosedError:
+            pass  # the engine's close dropped every reference
 
     def close(self) -> None:
         """``release()`` unless the engine is closed (which dropped every

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Any, Dict, List, Tuple, Union
 
 from . import errors
@@ -57,6 +58,8 @@ def _kind(kind: Union[str, int]) -> Tuple[str, int]:
         if kind not in KINDS:
             raise errors.InvalidArgumentError(f"latency kind {kind!r} is not one of {sorted(KINDS)}")
         return kind, KINDS[kind]
+    if isinstance(kind, bool) or not isinstance(kind, numbers.Integral):
+        raise TypeError(f"kind must be a latency kind name {sorted(KINDS)} or its int, not {type(kind).__name__}")
     value = int(kind)
     if not 0 <= value < 1 << 32:  # the C enum's range; the library checks the rest
         raise errors.InvalidArgumentError(f"latency kind {value} is out of range")

@@ -218,7 +218,17 @@ def serve(engine: Any, port: int, addr: str = "127.0.0.1", *, registry: Optional
         raise ModuleNotFoundError(
             "kvh_cache.metrics needs prometheus-client: pip install 'kvh-cache[metrics]'", name=exc.name
         ) from None
+    from .engine import _int
+
+    port = _int("port", port, 0, 65535)
+    if not isinstance(addr, str):
+        raise TypeError(f"addr must be a str, not {type(addr).__name__}")
     reg = registry if registry is not None else CollectorRegistry(auto_describe=False)
-    reg.register(EngineCollector(engine))
-    server, thread = start_http_server(port, addr=addr, registry=reg)
+    collector = EngineCollector(engine)
+    reg.register(collector)
+    try:
+        server, thread = start_http_server(port, addr=addr, registry=reg)
+    except BaseException:
+        reg.unregister(collector)  # a caller's registry can take the engine again
+        raise
     return Exporter(server, thread, reg)

@@ -29,7 +29,7 @@ import numpy as np
 
 from . import errors
 from ._ffi import check, ffi, lib, status_name
-from .engine import Block, Engine, Fence, _flag
+from .engine import _U32, Block, Engine, Fence, _flag, _index, _tokens
 
 __all__ = ["ArrayDesc", "describe", "Pool", "OffloadBatch", "RestoreBatch", "persist_blocks"]
 
@@ -37,13 +37,15 @@ __all__ = ["ArrayDesc", "describe", "Pool", "OffloadBatch", "RestoreBatch", "per
 @dataclass(frozen=True)
 class ArrayDesc:
     """Where an array's elements are: base pointer, shape, strides in bytes,
-    element size, and whether the memory is the host's."""
+    element size, whether the memory is the host's, and whether it may be
+    written (a read-only NumPy array or memory map may not)."""
 
     ptr: int
     shape: Tuple[int, ...]
     strides: Tuple[int, ...]
     itemsize: int
     host: bool
+    writable: bool = True
 
 
 class _DLDevice(ctypes.Structure):
@@ -119,7 +121,8 @@ def describe(obj: Any) -> ArrayDesc:
                 st.append(acc)
                 acc *= n
             strides = tuple(reversed(st))
-        return ArrayDesc(int(ai["data"][0]), shape, tuple(int(s) for s in strides), itemsize, True)
+        read_only = bool(ai["data"][1])
+        return ArrayDesc(int(ai["data"][0]), shape, tuple(int(s) for s in strides), itemsize, True, not read_only)
     if callable(getattr(obj, "data_ptr", None)) and callable(getattr(obj, "stride", None)):
         itemsize = int(obj.element_size())
         dev = getattr(getattr(obj, "device", None), "type", "cpu")
@@ -201,6 +204,11 @@ class RestoreBatch:
     def wait_layer(self, layer: int, timeout: Optional[float] = None) -> bool:
         """Waits until ``layer`` (an engine layer index) is in place in every
         item that did not fail."""
+        layer = _index("layer", layer)
+        last = self.first_layer + len(self.fences)
+        if not self.first_layer <= layer < last:
+            # An index below first_layer used to wrap to the last fence.
+            raise ValueError(f"layer must be in [{self.first_layer}, {last}) (the batch's layers), got {layer}")
         return self.fences[layer - self.first_layer].wait(timeout)
 
     def wait(self, timeout: Optional[float] = None) -> bool:
@@ -229,11 +237,13 @@ class RestoreBatch:
 class Pool:
     """KV memory owned by an inference engine, registered with a kvh engine."""
 
-    def __init__(self, engine: Engine, handle, num_slots: int, keep: Any = None) -> None:
+    def __init__(self, engine: Engine, handle, num_slots: int, keep: Any = None, *, writable: bool = True) -> None:
         self._engine = engine
         self._h = handle
         self.num_slots = num_slots
         self._keep = keep
+        #: False when some of the arrays are read-only: offload only.
+        self.writable = writable
 
     @classmethod
     def from_pointers(
@@ -247,10 +257,17 @@ class Pool:
         head_stride: int,
         *,
         keep: Any = None,
+        writable: bool = True,
     ) -> "Pool":
         """Registers host memory given as one K and one V base pointer per
         layer and byte strides (slot, token, head); ``keep`` is held to keep
-        the memory alive."""
+        the memory alive. ``writable=False``: the memory may only be read
+        (offload; a restore is refused)."""
+        writable = bool(_flag("writable", writable))
+        num_slots = _index("num_slots", num_slots, maximum=_U32)
+        slot_stride = _index("slot_stride", slot_stride)
+        token_stride = _index("token_stride", token_stride)
+        head_stride = _index("head_stride", head_stride)
         if len(k_ptrs) != engine.num_layers or len(v_ptrs) != engine.num_layers:
             raise ValueError(f"need {engine.num_layers} K and V pointers, got {len(k_ptrs)} and {len(v_ptrs)}")
         kb = ffi.new("void *[]", [ffi.cast("void *", int(p)) for p in k_ptrs])
@@ -258,22 +275,25 @@ class Pool:
         lay = ffi.new("kvh_pool_layout *")
         lay.struct_size = ffi.sizeof("kvh_pool_layout")
         lay.memory = lib.KVH_MEMORY_HOST
-        lay.num_slots = int(num_slots)
+        lay.num_slots = num_slots
         lay.k_base, lay.v_base = kb, vb
-        lay.slot_stride, lay.token_stride, lay.head_stride = int(slot_stride), int(token_stride), int(head_stride)
+        lay.slot_stride, lay.token_stride, lay.head_stride = slot_stride, token_stride, head_stride
         out = ffi.new("kvh_pool *")
         with engine._call() as p:
             check(lib.kvh_pool_register(p, lay, out))
-        return cls(engine, out[0], int(num_slots), keep)
+        return cls(engine, out[0], num_slots, keep, writable=writable)
 
     @classmethod
     def from_arrays(cls, engine: Engine, k_layers: Sequence[Any], v_layers: Sequence[Any], *, heads_first=False):
         """Registers per-layer K and V arrays shaped (slots, tokens, heads,
         head_dim), or (slots, heads, tokens, head_dim) with
         ``heads_first=True``; any strides. NumPy arrays, torch tensors or
-        DLPack producers (host memory); no copy."""
+        DLPack producers (host memory); no copy. Read-only arrays (e.g. a
+        memory map opened with mode="r") make an offload-only pool."""
         ks = [describe(a) for a in k_layers]
         vs = [describe(a) for a in v_layers]
+        if len(ks) != engine.num_layers or len(vs) != engine.num_layers:
+            raise ValueError(f"need {engine.num_layers} K and V arrays, got {len(ks)} and {len(vs)}")
         d0 = ks[0]
         for d in ks + vs:
             if not d.host:
@@ -288,6 +308,8 @@ class Pool:
                 )
             if d.strides[3] != d.itemsize:
                 raise ValueError("head_dim elements must be contiguous")
+            if any(st < 0 for st in d.strides):
+                raise ValueError(f"the arrays' strides must be positive (no reversed views), got {d.strides}")
         tok_ax, head_ax = (2, 1) if heads_first else (1, 2)
         if d0.shape[tok_ax] != engine.block_tokens or d0.shape[head_ax] != engine.num_kv_heads:
             raise ValueError(
@@ -302,6 +324,7 @@ class Pool:
             d0.strides[tok_ax],
             d0.strides[head_ax],
             keep=(list(k_layers), list(v_layers)),
+            writable=all(d.writable for d in ks + vs),
         )
 
     def _handle(self):
@@ -313,21 +336,33 @@ class Pool:
         """Offloads full blocks: items of (slot, parent_hash, tokens), tokens
         block_tokens ids each, hashed in ``scope``. Returns at once."""
         bt = self._engine.block_tokens
+        scope = _index("scope", scope)
+        agent = _index("agent", agent, maximum=_U32)
+        items = list(items)
         n = len(items)
         x = _xfers(n)
         toks = []
-        for i, (slot, parent, tokens) in enumerate(items):
-            tk = np.ascontiguousarray(tokens, dtype=np.int32)
+        for i, item in enumerate(items):
+            if not isinstance(item, (tuple, list)) or len(item) != 3:
+                raise TypeError(f"items[{i}] must be a (slot, parent_hash, tokens) tuple")
+            slot, parent, tokens = item
+            # Token ids are checked like Sequence.append's: a float or an id
+            # past int32 used to be cast, offloading the block under the
+            # hash of other tokens.
+            try:
+                tk = _tokens(tokens)
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"items[{i}]: {exc}") from None
             if tk.size != bt:
                 raise ValueError(f"items[{i}]: tokens must hold block_tokens={bt} ids, got {tk.size}")
             toks.append(tk)
-            x[i].slot = int(slot)
-            x[i].parent_hash = int(parent)
-            x[i].scope = int(scope)
+            x[i].slot = _index(f"items[{i}] slot", slot, maximum=_U32)
+            x[i].parent_hash = _index(f"items[{i}] parent_hash", parent)
+            x[i].scope = scope
             x[i].tokens = ffi.cast("const int32_t *", ffi.from_buffer(tk))
         fp = ffi.new("kvh_fence *")
         with self._engine._call() as p:
-            check(lib.kvh_pool_offload_batch(p, self._handle(), x, n, int(agent), fp))
+            check(lib.kvh_pool_offload_batch(p, self._handle(), x, n, agent, fp))
         # The batch keeps this pool (and so its arrays) alive: a worker
         # gathers from them until the fence completes.
         batch = OffloadBatch(self._engine, x, n, Fence(self._engine, fp), (toks, self))
@@ -339,9 +374,21 @@ class Pool:
     ) -> RestoreBatch:
         """Restores blocks into slots (layers [first_layer, first_layer +
         n_layers), default all). Returns at once; one fence per layer."""
+        if not self.writable:
+            # kvh's workers would write into read-only pages (SIGSEGV).
+            raise ValueError("the pool's arrays are read-only: it can offload, not restore")
+        blocks, slots = list(blocks), list(slots)
         if len(blocks) != len(slots):
             raise ValueError(f"{len(blocks)} blocks for {len(slots)} slots")
-        n_layers = self._engine.num_layers - first_layer if n_layers is None else n_layers
+        first_layer = _index("first_layer", first_layer, maximum=_U32)
+        if n_layers is None:
+            n_layers = max(0, self._engine.num_layers - first_layer)
+        n_layers = _index("n_layers", n_layers, maximum=_U32)
+        if first_layer + n_layers > self._engine.num_layers:
+            raise errors.RangeError(
+                f"layers [{first_layer}, {first_layer + n_layers}) pass num_layers={self._engine.num_layers}",
+                lib.KVH_ERR_RANGE,
+            )
         n = len(blocks)
         x = _xfers(n)
         for i, (b, s) in enumerate(zip(blocks, slots)):
@@ -349,26 +396,30 @@ class Pool:
                 raise TypeError(f"blocks[{i}] must be a kvh.Block, not {type(b).__name__}")
             b._check_engine(self._engine)
             x[i].block.id = b.handle
-            x[i].slot = int(s)
+            x[i].slot = _index(f"slots[{i}]", s, maximum=_U32)
         fences = ffi.new("kvh_fence[]", max(1, n_layers))
         with self._engine._call() as p:
-            check(lib.kvh_pool_restore_batch(p, self._handle(), x, n, int(first_layer), int(n_layers), fences))
+            check(lib.kvh_pool_restore_batch(p, self._handle(), x, n, first_layer, n_layers, fences))
         fs = []
         for i in range(n_layers):
             fp = ffi.new("kvh_fence *")
             fp[0] = fences[i]
             fs.append(Fence(self._engine, fp))
         # ... and writes into them until the last layer's fence completes.
-        batch = RestoreBatch(x, n, fs, int(first_layer), (list(blocks), self))
+        batch = RestoreBatch(x, n, fs, first_layer, (blocks, self))
         _track(self._engine, batch)
         return batch
 
     def unregister(self) -> None:
-        """Unregisters (waiting for batches running on it). Idempotent."""
+        """Unregisters (waiting for batches running on it). Idempotent; a
+        no-op once the engine is closed (its close unregistered the pool)."""
         if self._h is not None:
             h, self._h = self._h, None
-            with self._engine._call() as p:
-                check(lib.kvh_pool_unregister(p, h))
+            try:
+                with self._engine._call() as p:
+                    check(lib.kvh_pool_unregister(p, h))
+            except errors.ClosedError:
+                pass
 
     close = unregister
 

@@ -51,9 +51,9 @@ class NumpyChunkIndex:
     name = "numpy"
 
     def __init__(self, dim: int) -> None:
-        if dim <= 0:
-            raise ValueError(f"dim must be > 0, got {dim}")
-        self.dim = dim
+        from .engine import _int
+
+        self.dim = dim = _int("dim", dim, 1, 1 << 31)
         self._ids: List[int] = []
         self._pos: Dict[int, int] = {}
         self._agents: List[Optional[int]] = []
@@ -63,6 +63,9 @@ class NumpyChunkIndex:
         vecs = np.asarray(vectors, np.float32)
         if vecs.ndim != 2 or vecs.shape[1] != self.dim or vecs.shape[0] != len(ids):
             raise ValueError(f"vectors must be shaped ({len(ids)}, {self.dim}), got {vecs.shape}")
+        if not np.all(np.isfinite(vecs)):
+            # A NaN row scored NaN against every query and broke the ranking.
+            raise ValueError("vectors must be finite")
         norms = np.linalg.norm(vecs, axis=1, keepdims=True)
         vecs = vecs / np.maximum(norms, 1e-12)
         new_rows = []
@@ -80,11 +83,15 @@ class NumpyChunkIndex:
             self._mat = np.vstack([self._mat, np.stack(new_rows)])
 
     def search(self, vector: np.ndarray, limit: int = 4, *, agent: Optional[int] = None) -> List[Tuple[int, float]]:
-        if not self._ids:
-            return []
+        from .engine import _index
+
+        # limit=-1 used to rank all but one point, garbled; 1.5 a NumPy error.
+        limit = _index("limit", limit)
         q = np.asarray(vector, np.float32).reshape(-1)
         if q.shape[0] != self.dim:
             raise ValueError(f"query must have {self.dim} elements, got {q.shape[0]}")
+        if not self._ids or limit == 0 or not np.all(np.isfinite(q)):
+            return []
         q = q / max(float(np.linalg.norm(q)), 1e-12)
         scores = self._mat @ q
         if agent is not None:

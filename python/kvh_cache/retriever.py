@@ -68,6 +68,8 @@ import numpy as np
 
 from ._handle import Closable, OwnedHandle
 from .embed import DEFAULT_DIM, WordTokenizer, open_embedder
+from . import errors
+from .engine import _U32, _flag, _index, _int, _real, _tokens
 from .retrieval import NumpyChunkIndex
 
 __all__ = [
@@ -165,6 +167,8 @@ class QdrantChunkIndex(OwnedHandle):
         timeout: Optional[float] = None,
         batch_size: int = 256,
     ) -> None:
+        recreate = bool(_flag("recreate", recreate))
+        prefer_grpc = bool(_flag("prefer_grpc", prefer_grpc))
         QdrantClient, models = _qdrant()
         self._models = models
         if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)) or dim <= 0:
@@ -342,6 +346,7 @@ class QdrantChunkIndex(OwnedHandle):
     def search_payloads(
         self, vector: np.ndarray, limit: int = 4, *, agent: Optional[int] = None, with_payload: bool = True
     ) -> List[Tuple[int, float, Optional[Dict[str, Any]]]]:
+        with_payload = bool(_flag("with_payload", with_payload))
         q = np.asarray(vector, np.float32).reshape(-1)
         if q.shape[0] != self.dim:
             raise ValueError(f"query must have {self.dim} elements, got {q.shape[0]}")
@@ -787,10 +792,26 @@ class SpeculativeRetriever(Closable):
 
         if not isinstance(engine, Engine):
             raise TypeError(f"engine must be a kvh.Engine, not {type(engine).__name__}")
-        if top_k <= 0:
-            raise ValueError("top_k must be > 0")
+        recreate = bool(_flag("recreate", recreate))
+        filter_agents = bool(_flag("filter_agents", filter_agents))
+        top_k = _int("top_k", top_k, 1, _U32)
+        context_chars = _int("context_chars", context_chars, -(1 << 63), 1 << 63)
+        segment_chars = _int("segment_chars", segment_chars, -(1 << 63), 1 << 63)
+        decay = _real("decay", decay, 0.0, 1.0)
+        draft_weight = _real("draft_weight", draft_weight)
+        base_priority = _int("base_priority", base_priority, -(1 << 31), (1 << 31) - 1)
+        chunk_agent = _index("chunk_agent", chunk_agent, maximum=_U32)
+        if min_score is not None:
+            min_score = _real("min_score", min_score)
         if draft is not None and not callable(draft):
             raise TypeError("draft must be a callable text -> text")
+        if kv_fn is not None and not callable(kv_fn):
+            raise TypeError("kv_fn must be a callable (sequence, tokens) -> None")
+        if tokenizer is not None and not (
+            (hasattr(tokenizer, "encode") and hasattr(tokenizer, "decode"))
+            or (hasattr(tokenizer, "split") and hasattr(tokenizer, "token"))
+        ):
+            raise TypeError("tokenizer must have encode() and decode(), or be a kvh_cache.embed.WordTokenizer")
         self.engine = engine
         self.embedder = open_embedder(embedder)
         self._own_index = isinstance(index, str)
@@ -820,17 +841,15 @@ class SpeculativeRetriever(Closable):
         self.index = index
         self.kv_fn = kv_fn if kv_fn is not None else SyntheticKV(engine)
         self.tokenizer = tokenizer if tokenizer is not None else WordTokenizer()
-        self.top_k = int(top_k)
-        self.context_chars = int(context_chars)
-        self.segment_chars = int(segment_chars)
-        if not 0.0 <= decay <= 1.0:
-            raise ValueError("decay must be in [0, 1]")
-        self.decay = float(decay)
+        self.top_k = top_k
+        self.context_chars = context_chars
+        self.segment_chars = segment_chars
+        self.decay = decay
         self.draft = draft
-        self.draft_weight = float(draft_weight)
-        self.base_priority = int(base_priority)
+        self.draft_weight = draft_weight
+        self.base_priority = base_priority
         self.min_score = min_score
-        self.chunk_agent = int(chunk_agent)
+        self.chunk_agent = chunk_agent
         self.filter_agents = filter_agents
         self.model_salt = int(engine.config.model_salt or 0)
         self._lock = threading.RLock()
@@ -857,13 +876,14 @@ class SpeculativeRetriever(Closable):
         """Waits for background predictions, frees the chunk sequences
         (their full blocks stay cached in kvh's prefix index) and closes
         the index when the retriever opened it. Idempotent."""
-        if self._is_closed:
-            return
-        self._is_closed = True
-        ex, self._executor = self._executor, None
+        with self._lock:  # prefetch_async checks and starts its executor under it
+            if self._is_closed:
+                return
+            self._is_closed = True
+            ex, self._executor = self._executor, None
         if ex is not None:
             ex.shutdown(wait=True)
-        with self._lock:
+        with self._attach_lock, self._lock:  # no chunk is being attached now, nor later
             seqs = list(self._seqs.values())
             self._seqs.clear()
             self._blocks.clear()
@@ -882,6 +902,12 @@ class SpeculativeRetriever(Closable):
             f"index={getattr(self.index, 'name', '?')} embedder={self.embedder.name} top_k={self.top_k}>"
         )
 
+    def _check_open(self) -> None:
+        if self._is_closed:
+            raise errors.ClosedError("the retriever is closed", errors.STATUS_CODES["KVH_ERR_CLOSED"])
+
+    _check_usable = _check_open  # ``with retriever:`` after close raises ClosedError
+
     def __len__(self) -> int:
         return len(self._records)
 
@@ -891,8 +917,9 @@ class SpeculativeRetriever(Closable):
             return list(self._records)
 
     def record(self, chunk_id: int) -> ChunkRecord:
+        chunk_id = _index("chunk_id", chunk_id)
         with self._lock:
-            rec = self._records.get(int(chunk_id))
+            rec = self._records.get(chunk_id)
         if rec is None:
             raise KeyError(f"unknown chunk {chunk_id:#x}")
         return rec
@@ -902,8 +929,8 @@ class SpeculativeRetriever(Closable):
         """The chunk id of ``tokens``: kvh's chained prefix hash of the full
         blocks (the hash kvh stores the last full block under), continued
         over a partial tail block with BLAKE2b."""
-        tk = np.ascontiguousarray(np.asarray(tokens), dtype=np.int32)
-        if tk.ndim != 1 or tk.size == 0:
+        tk = _tokens(tokens)
+        if tk.size == 0:
             raise ValueError("a chunk needs at least one token (1-D token ids)")
         bt = self.engine.block_tokens
         h = 0
@@ -950,10 +977,13 @@ class SpeculativeRetriever(Closable):
         hash), embeds them in one batch and upserts the points the index
         does not have yet. Returns the records in order (an already known
         chunk returns its existing record)."""
+        self._check_open()
         out: List[ChunkRecord] = []
         fresh: List[ChunkRecord] = []
         for it in items:
-            tokens = np.ascontiguousarray(np.asarray(it["tokens"]), dtype=np.int32)
+            # Checked like Sequence.append's: floats or ids past int32 were
+            # cast, storing the chunk under other tokens.
+            tokens = _tokens(it["tokens"])
             cid = self.content_id(tokens)
             with self._lock:
                 known = self._records.get(cid)
@@ -973,6 +1003,7 @@ class SpeculativeRetriever(Closable):
                 meta=dict(it.get("meta") or {}),
             )
             with self._attach_lock:
+                self._check_open()
                 with self._lock:
                     attached = cid in self._seqs
                 if not attached:
@@ -1018,8 +1049,9 @@ class SpeculativeRetriever(Closable):
         findable by content) and adds them. ``tokenizer``: an object with
         ``encode``/``decode`` (a model tokenizer) or a
         :class:`kvh_cache.embed.WordTokenizer` (the default)."""
-        if chunk_tokens <= 0:
-            raise ValueError("chunk_tokens must be > 0")
+        chunk_tokens = _int("chunk_tokens", chunk_tokens, 1, 1 << 63)
+        if not isinstance(text, str):
+            raise TypeError(f"text must be str, not {type(text).__name__}")
         tok = tokenizer if tokenizer is not None else self.tokenizer
         items: List[Dict[str, Any]] = []
         if hasattr(tok, "split") and hasattr(tok, "token"):
@@ -1104,7 +1136,8 @@ class SpeculativeRetriever(Closable):
 
     def sequence(self, chunk_id: int) -> Any:
         """The kvh sequence holding the chunk (attached on first use)."""
-        cid = int(chunk_id)
+        self._check_open()
+        cid = _index("chunk_id", chunk_id)
         with self._lock:
             seq = self._seqs.get(cid)
             if seq is not None:
@@ -1113,6 +1146,7 @@ class SpeculativeRetriever(Closable):
         if rec is None:
             raise KeyError(f"unknown chunk {cid:#x}")
         with self._attach_lock:  # attaching may read from disk: not under the main lock
+            self._check_open()  # a close meanwhile would never free what is attached now
             with self._lock:
                 seq = self._seqs.get(cid)
             if seq is not None:
@@ -1198,7 +1232,8 @@ class SpeculativeRetriever(Closable):
         return self._predict(self.query_vector(context, draft_text), agent, k)
 
     def _predict(self, vec: np.ndarray, agent: Optional[int], k: Optional[int]) -> List[Prediction]:
-        k = self.top_k if k is None else int(k)
+        self._check_open()
+        k = self.top_k if k is None else _int("k", k, 1, _U32)
         if not np.any(vec):
             return []
         hits = self.index.search(vec, k, agent=agent if self.filter_agents else None)
@@ -1278,10 +1313,10 @@ class SpeculativeRetriever(Closable):
         in order). The accounting window opens now, in the caller's
         thread, so the agent's next acquires count against this prediction
         even if it is still running."""
-        if self._is_closed:
-            raise RuntimeError("the retriever is closed")
+        self._check_open()
         window = self._open_window(agent)
         with self._lock:
+            self._check_open()  # a close since would not shut an executor made now down
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvh-retriever")
             # the draft runs on the worker too (it may be a model call)
@@ -1303,7 +1338,9 @@ class SpeculativeRetriever(Closable):
     # ---- use ----
     def note_use(self, chunk_ids: Union[int, Iterable[int]], *, agent: Optional[int] = None) -> None:
         """Records that ``agent`` used chunks (for precision / recall)."""
-        ids = [int(chunk_ids)] if isinstance(chunk_ids, (int, np.integer)) else [int(c) for c in chunk_ids]
+        if isinstance(chunk_ids, (int, np.integer)):
+            chunk_ids = [chunk_ids]
+        ids = [_index("chunk_ids", c) for c in chunk_ids]
         with self._lock:
             w = self._windows.get(agent)
             if w is None:

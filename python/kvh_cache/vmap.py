@@ -172,13 +172,21 @@ class VMap(GatedHandle, OwnedHandle):
     close = release
 
 
+def _views(views: Any) -> list:
+    views = list(views)
+    for i, vm in enumerate(views):
+        if not isinstance(vm, VMap):
+            raise TypeError(f"views[{i}] must be a kvh.VMap, not {type(vm).__name__}")
+    return views
+
+
 def attention_decode_vmap(
     engine: "Engine", views, q: np.ndarray, *, out: Any = None, scale: float = 0.0, threads: int = 0
 ) -> np.ndarray:
     """Decode attention over views (``kvh_attention_decode_vmap``): q is
     ``(len(views), num_q_heads, head_dim)``; equals
     :meth:`Engine.attention_decode` on the same sequences bit for bit."""
-    views = list(views)
+    views = _views(views)
     n = len(views)
     qp, op, out, hq, io = engine._attention_arrays("attention_decode_vmap", q, n, out, None)
     prm = engine._attention_params(hq, scale, io, threads, None)
@@ -195,8 +203,10 @@ def attention_prefill_vmap(
     """Chunked causal prefill over views (``kvh_attention_prefill_vmap``): q
     is ``(sum(q_lens), num_q_heads, head_dim)``; equals
     :meth:`Engine.attention_prefill` bit for bit."""
-    views = list(views)
-    lens = [int(x) for x in q_lens]
+    from .engine import _U32, _index
+
+    views = _views(views)
+    lens = [_index(f"q_lens[{i}]", x, maximum=_U32) for i, x in enumerate(q_lens)]
     if len(lens) != len(views):
         raise ValueError(f"q_lens has {len(lens)} entries, expected one per view ({len(views)})")
     qp, op, out, hq, io = engine._attention_arrays("attention_prefill_vmap", q, sum(lens), out, None)

@@ -114,3 +114,24 @@ def test_streamed_decode_and_prefill_over_a_sequence_larger_than_the_device_tier
         after = eng.stats()
         assert after.blocks_disk_to_host == before.blocks_disk_to_host
         assert after.blocks_host_to_device == before.blocks_host_to_device
+
+
+def test_plan_q_lens_must_match_the_sequences():
+    """attention_plan passed q_lens as given and the sequence count apart:
+    the library read one entry per sequence, past the end of a shorter
+    list (rows of garbage: "sequence 2: 1889 query tokens"), and a longer
+    list sized q and out for rows the kernels never used. scale="x" was a
+    bare float() error and NaN reached the library."""
+    with _engine() as eng:
+        seqs = [filled_seq(eng, 20)[0] for _ in range(4)]
+        for lens in ([1], [1, 1], [1] * 5):
+            with pytest.raises(ValueError, match="q_lens"):
+                eng.attention_plan(0, seqs, lens)
+        with pytest.raises(TypeError, match="scale"):
+            eng.attention_plan(0, seqs, scale="x")
+        with pytest.raises(ValueError, match="scale"):
+            eng.attention_decode(0, seqs, np.ones((4, 2, 16), np.float32), scale=float("nan"))
+        plan = eng.attention_plan(0, seqs, [1, 2, 1, 1])
+        out = plan.run(np.ones((5, 2, 16), np.float32))
+        assert out.shape == (5, 2, 16) and np.isfinite(out).all()
+        plan.destroy()

@@ -52,7 +52,17 @@ SMALL_DEMO = [
 
 @pytest.mark.parametrize(
     "cmd",
-    [[], ["demo"], ["stats"], ["store"], ["store", "info"], ["store", "verify"], ["bench"], ["doctor"]],
+    [
+        [],
+        ["demo"],
+        ["stats"],
+        ["store"],
+        ["store", "info"],
+        ["store", "verify"],
+        ["store", "remote"],
+        ["bench"],
+        ["doctor"],
+    ],
     ids=lambda c: "-".join(c) or "top",
 )
 def test_help_everywhere(cmd):
@@ -88,6 +98,29 @@ def test_module_help(module):
     )
     assert res.returncode == 0, res.stderr
     assert res.stdout.startswith("usage: ") and "--help" in res.stdout
+
+
+@pytest.mark.parametrize(
+    "args,rc,text",
+    [
+        (["kvh_cache.codec", "--head-dim", "-1"], 2, "--head-dim must be"),
+        (["kvh_cache.codec", "--head-dim", "96"], 2, "--head-dim must be"),
+        (["kvh_cache.codec", "--vectors", "0"], 2, "--vectors must be"),
+        (["kvh_cache.model", "info", "--model", "{passwd}"], 1, "not a GGUF file"),
+    ],
+    ids=lambda a: " ".join(a) if isinstance(a, list) else None,
+)
+def test_module_bad_input_is_one_line(args, rc, text, tmp_path):
+    """A negative or odd --head-dim of the codec report and a --model
+    that is not a GGUF file ended in a traceback."""
+    not_gguf = tmp_path / "model.gguf"
+    not_gguf.write_text("root:x:0:0\n")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO / "python") + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    argv = [a.replace("{passwd}", str(not_gguf)) for a in args]
+    res = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode == rc and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert text in res.stderr.strip().splitlines()[-1]
 
 
 def test_version_and_no_command():
@@ -135,6 +168,58 @@ def test_demo_bad_args():
     assert res.returncode == 2 and "size" in res.stderr
     res = run_kvh("demo", "--disk-budget", "0")
     assert res.returncode == 2 and "--disk-budget must be > 0" in res.stderr
+
+
+@pytest.mark.parametrize(
+    "args,word",
+    [
+        (["demo", "--synthetic", "--hints", "-1"], "--hints"),
+        (["demo", "--synthetic", "--fork-every", "-1"], "--fork-every"),
+        (["demo", "--synthetic", "--prompt-tokens", "-1"], "--prompt-tokens"),
+        (["demo", "--synthetic", "--layers", "0"], "--layers"),
+        (["demo", "--synthetic", "--block-tokens", "0"], "--block-tokens"),
+        (["demo", "--synthetic", "--intent-noise", "nan"], "--intent-noise"),
+        (["demo", "--models", "--model-b", "{tmp}/missing.gguf", "--data-dir", "{tmp}/data"], "--model-b"),
+        (["stats", "/tmp", "--layers", "x"], "--layers"),
+        (["store", "remote", "bogus"], "ACTION"),
+        (["bench", "--reps", "x"], "--reps"),
+        (["doctor", "--bogus"], "--bogus"),
+    ],
+    ids=lambda a: " ".join(a) if isinstance(a, list) else None,
+)
+def test_bad_flags_are_usage_errors(args, word, tmp_path):
+    """Negative --hints/--fork-every ran the demo anyway (as did a NaN
+    --intent-noise), --layers 0 failed in the engine with exit 1, and a
+    missing --model-b was written there: a 140 MiB model at a mistyped
+    path. Bad flags exit 2 with a one-line message naming the flag."""
+    res = run_kvh(*(a.replace("{tmp}", str(tmp_path)) for a in args), env_extra={"KVH_CONFIG": ""})
+    assert res.returncode == 2, (res.returncode, res.stderr[-2000:])
+    assert "Traceback" not in res.stderr
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("kvh") and word in last, res.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_unwritable_path_is_one_line(tmp_path):
+    """A --data-dir that cannot be created (a file in its path) ended in a
+    NotADirectoryError traceback."""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    res = run_kvh("demo", "--models", "--data-dir", str(blocker / "data"))
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert res.stderr.strip().splitlines() == [f"kvh: Not a directory: {blocker / 'data'}"]
+
+
+def test_bench_unknown_scenario_is_one_line():
+    """kvh-bench's full usage text, once per unknown scenario, then "no
+    results": now one line before anything runs."""
+    res = run_kvh("bench", "nosuch", "--quick")
+    if not _tool_or_unavailable(res, "kvh-bench"):
+        return
+    assert res.returncode == 2 and res.stdout == ""
+    assert res.stderr.strip().splitlines() == ["kvh: bench: unknown scenario 'nosuch'; kvh bench --list shows them"]
+    res = run_kvh("bench", "offload", "retriever")
+    assert res.returncode == 2 and "run alone" in res.stderr
 
 
 @pytest.fixture(scope="module")

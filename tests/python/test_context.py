@@ -143,6 +143,63 @@ def test_errors(weights, tmp_path):
             a.wait_layer(0, timeout=0)
 
 
+def test_argument_checks_name_the_argument(weights):
+    """Context arguments used to be read with int()/str methods: a float
+    layer or index was truncated (layer=1.5 registered layer 1), a string
+    one parsed, a negative offset, size or layer raised a bare
+    OverflowError, a None name or seq an AttributeError, a NUL in a name
+    cut it short in C, and a NaN or infinite timeout a conversion error."""
+    (pa, _), _ = weights
+    with make_engine() as eng:
+        a = eng.context("a")
+        for kw, error in (
+            (dict(layer=1.5), TypeError),
+            (dict(layer="1"), TypeError),
+            (dict(layer=-1), ValueError),
+            (dict(layer=1 << 32), ValueError),
+            (dict(offset=-1), ValueError),
+            (dict(offset=2.0), TypeError),
+            (dict(size=-3), ValueError),
+            (dict(size=1 << 70), ValueError),
+        ):
+            (name,) = kw
+            args = dict(path=pa, size=10)
+            args.update(kw)
+            with pytest.raises(error, match=name):
+                a.add_region("x", **args)
+        with pytest.raises(TypeError, match="name"):
+            a.add_region(5, data=b"12")
+        with pytest.raises(ValueError, match="name"):
+            a.add_region("a\0b", data=b"12")
+        with pytest.raises(TypeError, match="name"):
+            eng.context(None)
+        with pytest.raises(ValueError, match="name"):
+            eng.context("a\0b")
+        assert a.regions == []
+        register(a, pa)
+        for bad, error in ((-1, ValueError), (1.5, TypeError), ("0", TypeError)):
+            with pytest.raises(error, match="index"):
+                a.region_pointer(bad)
+            with pytest.raises(error, match="index"):
+                a.pin(bad)
+            with pytest.raises(error, match="layer"):
+                a.wait_layer(bad, timeout=0)
+        for bad, error in ((float("nan"), ValueError), ("1", TypeError), (True, TypeError)):
+            with pytest.raises(error, match="timeout"):
+                a.wait_layer(0, timeout=bad)
+        with pytest.raises(TypeError, match="seq"):
+            a.attach(None)
+        with pytest.raises(TypeError, match="previous"):
+            a.switch_to("b")
+        with make_engine() as other:
+            with pytest.raises(ValueError, match="another engine"):
+                a.switch_to(other.context("o"))
+        a.switch_to()
+        a.wait_layer(3, timeout=float("inf"))  # no limit, like None
+        a.wait_layer(3, timeout=1 << 70)
+        assert a.info().bytes_device == 4 * 3000
+
+
 def test_changed_file_is_corrupt(weights):
     (pa, da), (pb, _) = weights
     with make_engine(host_bytes=4096) as eng:  # no room to keep clean weights

@@ -83,6 +83,11 @@ def test_bad_kind_and_closed_engine(tmp_path):
         eng.latency_histogram(len(KINDS))
     with pytest.raises(kvh.InvalidArgumentError):
         eng.latency_histogram(-1)
+    # a float used to be truncated to a kind (1.5 read disk_read)
+    for bad in (1.5, np.float32(1), True, None):
+        with pytest.raises(TypeError, match="kind"):
+            eng.latency_histogram(bad)
+    assert eng.latency_histogram(np.int64(1)).kind == "disk_read"
     eng.close()
     with pytest.raises(kvh.ClosedError):
         eng.latency_histogram("disk_read")

@@ -107,3 +107,24 @@ def test_latency_histograms_move_with_stalls_and_disk_reads(tmp_path):
     les = sorted((float(dict(k[1])["le"]), v) for k, v in after.items() if k[0] == stall + "_bucket")
     assert [v for _le, v in les] == sorted(v for _le, v in les)  # cumulative
     assert les[-1] == (float("inf"), 1)
+
+
+def test_serve_checks_port_and_addr():
+    """port=-1 raised socket.gaierror, 1.5 an OSError "Int or String
+    expected", 70000 an OverflowError from bind(); addr=None bound every
+    interface. A failed start also left the engine registered in the
+    caller's registry, so the next serve() into it was refused."""
+    from prometheus_client import CollectorRegistry
+
+    with kvh.Engine(backend="cpu", device_bytes=1 << 20, host_bytes=1 << 20) as eng:
+        bad_ports = ((-1, ValueError), (70000, ValueError), (1.5, TypeError), ("80", TypeError), (None, TypeError))
+        for bad, error in bad_ports:
+            with pytest.raises(error, match="port"):
+                kvh_cache.metrics.serve(eng, bad)
+        with pytest.raises(TypeError, match="addr"):
+            kvh_cache.metrics.serve(eng, 0, addr=None)
+        reg = CollectorRegistry(auto_describe=False)
+        with pytest.raises(OSError):
+            kvh_cache.metrics.serve(eng, 0, addr="999.1.1.1", registry=reg)
+        with kvh_cache.metrics.serve(eng, 0, registry=reg) as exp:
+            assert exp.port > 0

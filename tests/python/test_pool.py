@@ -180,6 +180,100 @@ def test_misuse_raises_typed_errors_and_changes_nothing():
             pool.offload(_items(eng, [0]))
 
 
+def test_arguments_are_checked_and_named():
+    """Pool arguments went through int() or straight into cffi: slot=1.5
+    or "1" was used as slot 1, tokens of floats or past int32 were cast
+    (the block stored under the hash of other tokens), a negative value
+    raised a bare OverflowError, and wait_layer(first_layer - 1) waited
+    for the last layer (a negative list index) and returned True."""
+    ks, vs = _arrays()
+    with _engine() as eng:
+        pool = Pool.from_arrays(eng, ks, vs)
+        tk = np.arange(BT)
+        bad_numbers = ((1.5, TypeError), ("1", TypeError), (None, TypeError), (-1, ValueError), (1 << 70, ValueError))
+        for bad, error in bad_numbers:
+            with pytest.raises(error, match="slot"):
+                pool.offload([(bad, 0, tk)])
+            with pytest.raises(error, match="parent_hash"):
+                pool.offload([(0, bad, tk)])
+            with pytest.raises(error, match="scope"):
+                pool.offload([(0, 0, tk)], scope=bad)
+            with pytest.raises(error, match="agent"):
+                pool.offload([(0, 0, tk)], agent=bad)
+        with pytest.raises(TypeError, match="tokens"):
+            pool.offload([(0, 0, tk + 0.5)])
+        with pytest.raises(ValueError, match="int32"):
+            pool.offload([(0, 0, tk + (1 << 40))])
+        with pytest.raises(TypeError, match="items"):
+            pool.offload([(0, 0)])
+        assert eng.stats().blocks_allocated == 0
+        off = pool.offload(_items(eng, [0]))
+        off.wait()
+        for bad, error in ((1.5, TypeError), ("1", TypeError), (-1, ValueError)):
+            with pytest.raises(error, match="slots"):
+                pool.restore(off.blocks, [bad])
+            with pytest.raises(error, match="first_layer"):
+                pool.restore(off.blocks, [1], first_layer=bad)
+            with pytest.raises(error, match="n_layers"):
+                pool.restore(off.blocks, [1], n_layers=bad)
+        batch = pool.restore(off.blocks, [1], first_layer=1, n_layers=1)
+        for bad in (0, 2):
+            with pytest.raises(ValueError, match="layer"):
+                batch.wait_layer(bad)
+        assert batch.wait_layer(1) and batch.failed() == []
+        with pytest.raises(ValueError, match="2 K and V arrays"):
+            Pool.from_arrays(eng, [], [])
+        with pytest.raises(ValueError, match="strides"):
+            Pool.from_arrays(eng, [a[::-1] for a in ks], [a[::-1] for a in vs])
+        with pytest.raises(ValueError, match="num_slots"):
+            Pool.from_pointers(eng, [0] * L, [0] * L, -1, 1, 1, 1)
+        off.release()
+        pool.unregister()
+
+
+def test_read_only_arrays_make_an_offload_only_pool(tmp_path):
+    """A restore into read-only arrays (a memory map opened with mode="r")
+    used to kill the interpreter with SIGSEGV on kvh's migration worker."""
+    ks, vs = _arrays(5)
+    path = tmp_path / "kv.bin"
+    layer_bytes = ks[0].nbytes
+    with open(path, "wb") as f:
+        for a in ks + vs:
+            f.write(a.tobytes())
+    mapped = [
+        np.memmap(path, dtype=np.float16, mode="r", shape=ks[0].shape, offset=i * layer_bytes) for i in range(2 * L)
+    ]
+    assert not describe(mapped[0]).writable and describe(ks[0]).writable
+    with _engine() as eng:
+        src = Pool.from_arrays(eng, mapped[:L], mapped[L:])
+        assert not src.writable
+        off = src.offload(_items(eng, [0, 1]))  # reading them is fine
+        off.wait()
+        assert off.statuses() == [0, 0]
+        with pytest.raises(ValueError, match="read-only"):
+            src.restore(off.blocks, [2, 3])
+        dst = Pool.from_arrays(eng, ks, vs)
+        assert dst.writable
+        dst.restore(off.blocks, [4, 5]).wait()
+        assert all((ks[layer][4] == mapped[layer][0]).all() for layer in range(L))
+        off.release()
+
+
+def test_unregister_after_the_engine_closed_is_a_no_op():
+    """Pool.unregister() (and so ``with pool:``) after the engine's close
+    used to raise ClosedError, unlike every other close."""
+    ks, vs = _arrays()
+    eng = _engine()
+    with Pool.from_arrays(eng, ks, vs) as pool:
+        off = pool.offload(_items(eng, [0]))
+        off.wait()
+        eng.close()
+        off.release()
+    pool.unregister()
+    with pytest.raises(kvh.ClosedError):
+        pool.offload(_items(eng, [1]))
+
+
 def test_dropped_batches_are_safe():
     """A batch object dropped before its fence completes: kvh still writes
     its statuses into memory that is kept alive for it."""

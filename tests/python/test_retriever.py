@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import types
 from pathlib import Path
 
@@ -520,6 +521,174 @@ def test_argument_checks(corpus):
             with pytest.raises(TypeError):
                 r.prefetch(b"bytes")
             assert r.prefetch("").predictions == []
+
+
+@pytest.mark.parametrize(
+    "bad,error", [("false", TypeError), ("", TypeError), (0.0, TypeError), (None, TypeError), (2, ValueError)]
+)
+def test_on_off_arguments_take_a_bool(tmp_path, bad, error):
+    """recreate="false" used to empty a persistent collection, and
+    filter_agents / lowercase / with_payload / prefer_grpc were read by
+    their truth as well."""
+    with pytest.raises(error, match="lowercase"):
+        embed.HashedNgramEmbedder(16, lowercase=bad)
+    with _engine() as eng:
+        with pytest.raises(error, match="filter_agents"):
+            SpeculativeRetriever(eng, index="numpy", filter_agents=bad)
+        with pytest.raises(error, match="recreate"):
+            SpeculativeRetriever(eng, index="numpy", recreate=bad)
+    if not retriever.qdrant_available():
+        return
+    path = str(tmp_path / "q")
+    with retriever.QdrantChunkIndex(4, path=path, collection="t") as idx:
+        idx.add([1], np.ones((1, 4), np.float32), [{"doc": "kept"}])
+        with pytest.raises(error, match="with_payload"):
+            idx.search_payloads(np.ones(4), 1, with_payload=bad)
+    with pytest.raises(error, match="recreate"):
+        retriever.QdrantChunkIndex(4, path=path, collection="t", recreate=bad)
+    with pytest.raises(error, match="prefer_grpc"):
+        retriever.QdrantChunkIndex(4, path=path, collection="t", prefer_grpc=bad)
+    with retriever.QdrantChunkIndex(4, path=path, collection="t", recreate=0) as idx:
+        assert idx.get([1]) == {1: {"doc": "kept"}}
+
+
+def test_on_off_arguments_take_bools_and_0_1():
+    assert (
+        embed.HashedNgramEmbedder(16, lowercase=0).embed(["AB"]).tolist()
+        != embed.HashedNgramEmbedder(16, lowercase=np.bool_(True)).embed(["AB"]).tolist()
+    )
+    with _engine() as eng, SpeculativeRetriever(eng, index="numpy", filter_agents=1) as r:
+        assert r.filter_agents is True
+
+
+def test_a_closed_retriever_refuses_work(corpus):
+    """After close() the retriever kept attaching chunks: acquire(),
+    sequence(), add_chunk() and prefetch() made new kvh sequences that
+    nothing freed any more, and a prefetch_async racing the close started
+    an executor that was never shut down."""
+    with _engine() as eng:
+        r = SpeculativeRetriever(eng, index="numpy")
+        cid = r.add_chunks(_items(corpus)[:2])[0].chunk_id
+        r.close()
+        r.close()
+        calls = [
+            lambda: r.acquire(cid),
+            lambda: r.sequence(cid),
+            lambda: r.add_chunk(corpus.tokens(3)),
+            lambda: r.prefetch("anything"),
+            lambda: r.prefetch_async("anything"),
+            lambda: r.predict("anything"),
+            lambda: r.__enter__(),
+        ]
+        for call in calls:
+            with pytest.raises(kvh.ClosedError, match="retriever is closed"):
+                call()
+        assert r._seqs == {} and r._executor is None
+        # many prefetch_async calls racing a close leave no executor behind
+        for _ in range(20):
+            r = SpeculativeRetriever(eng, index="numpy")
+            r.add_chunks(_items(corpus)[:2])
+            errs = []
+
+            def spam(r=r, errs=errs):
+                for _ in range(50):
+                    try:
+                        r.prefetch_async("topic words")
+                    except kvh.ClosedError:
+                        return
+                    except Exception as exc:  # anything else is a defect
+                        errs.append(exc)
+                        return
+
+            t = threading.Thread(target=spam)
+            t.start()
+            r.close()
+            t.join(30)
+            assert not t.is_alive() and not errs and r._executor is None and r._seqs == {}
+
+
+def test_numeric_arguments_are_checked_and_named(corpus):
+    """top_k=2.5 or True, chunk_agent=-1, base_priority=1.5, a string
+    min_score or a non-callable kv_fn were taken (and failed later, or
+    never); chunk tokens of floats or past int32 were cast, storing the
+    chunk under other tokens; predict(k=-1) raised a NumPy error and
+    k="2" was parsed."""
+    with _engine() as eng:
+        for kw, error in (
+            (dict(top_k=2.5), TypeError),
+            (dict(top_k=True), TypeError),
+            (dict(top_k="3"), TypeError),
+            (dict(top_k=0), ValueError),
+            (dict(decay="0.5"), TypeError),
+            (dict(decay=float("nan")), ValueError),
+            (dict(context_chars="x"), TypeError),
+            (dict(base_priority=1.5), TypeError),
+            (dict(chunk_agent=-1), ValueError),
+            (dict(draft_weight="w"), TypeError),
+            (dict(min_score="s"), TypeError),
+            (dict(kv_fn=5), TypeError),
+            (dict(tokenizer=5), TypeError),
+        ):
+            (name,) = kw
+            with pytest.raises(error, match=name):
+                SpeculativeRetriever(eng, index="numpy", **kw)
+        with SpeculativeRetriever(eng, index="numpy") as r:
+            tokens = corpus.tokens(0)
+            with pytest.raises(TypeError, match="tokens"):
+                r.add_chunk(tokens + 0.5)
+            with pytest.raises(ValueError, match="int32"):
+                r.add_chunk(tokens.astype(np.int64) + (1 << 40))
+            with pytest.raises(TypeError, match="chunk_tokens"):
+                r.add_document("d", "a b c", chunk_tokens=1.5)
+            with pytest.raises(TypeError, match="text"):
+                r.add_document("d", None)
+            assert len(r) == 0
+            r.add_chunks(_items(corpus)[:3])
+            for bad, error in ((-1, ValueError), (0, ValueError), (1.5, TypeError), ("2", TypeError)):
+                with pytest.raises(error, match="k"):
+                    r.predict("words", k=bad)
+            with pytest.raises(TypeError, match="chunk_id"):
+                r.record("x")
+            with pytest.raises(TypeError, match="chunk_ids"):
+                r.note_use(["x"])
+
+
+def test_embedder_and_index_arguments_are_checked():
+    """ngrams=(1.5,) became (1,), word_weight=nan made NaN features, a float
+    WordTokenizer vocab_size made float token ids, an offset past int32 ids
+    kvh refuses later, a NaN embedding a zero vector, and NumpyChunkIndex
+    ranked garbage for limit=-1 and kept NaN vectors."""
+    for kw, error in (
+        (dict(ngrams=(1.5,)), TypeError),
+        (dict(ngrams="345"), TypeError),
+        (dict(word_weight="x"), TypeError),
+        (dict(word_weight=float("nan")), ValueError),
+        (dict(seed=1.5), TypeError),
+    ):
+        with pytest.raises(error, match=next(iter(kw))):
+            embed.HashedNgramEmbedder(16, **kw)
+    with pytest.raises(TypeError, match="vocab_size"):
+        embed.WordTokenizer(vocab_size=2.5)
+    with pytest.raises(ValueError, match="offset"):
+        embed.WordTokenizer(offset=1 << 40)
+    assert all(isinstance(t, int) and t < 1 << 31 for t in embed.WordTokenizer((1 << 31) - 1001).encode("a b"))
+    with pytest.raises(TypeError, match="dim"):
+        embed.CallableEmbedder(lambda t: np.ones((len(t), 2)), 2.5)
+    with pytest.raises(ValueError, match="non-finite"):
+        embed.CallableEmbedder(lambda t: np.full((len(t), 2), np.nan), 2).embed(["a"])
+    with pytest.raises(ValueError, match="hash:"):
+        embed.open_embedder("hash:x")
+    with pytest.raises(TypeError, match="dim"):
+        retrieval.NumpyChunkIndex(2.5)
+    idx = retrieval.NumpyChunkIndex(4)
+    idx.add([1, 2], np.eye(4, dtype=np.float32)[:2])
+    with pytest.raises(ValueError, match="finite"):
+        idx.add([3], np.full((1, 4), np.nan))
+    with pytest.raises(ValueError, match="limit"):
+        idx.search(np.ones(4), -1)
+    with pytest.raises(TypeError, match="limit"):
+        idx.search(np.ones(4), 1.5)
+    assert len(idx) == 2 and [i for i, _ in idx.search(np.array([1.0, 0.2, 0, 0]), 2)] == [1, 2]
 
 
 def test_add_document_chunks_text(corpus):

@@ -4,9 +4,11 @@ object (serialised per handle, never a crash)."""
 
 from __future__ import annotations
 
+import _thread
 import asyncio
 import collections
 import concurrent.futures as cf
+import ctypes
 import os
 import random
 import signal
@@ -342,3 +344,83 @@ def test_gate_reopens_when_the_end_fails_if_asked():
     with pytest.raises(kvh.BusyError):
         drop.close(busy)
     assert drop.closed
+
+
+class StuckWaits:
+    """The library as seen when work never completes: kvh_fence_wait and
+    kvh_context_wait_layer hold the thread in C (without the GIL, like the
+    real calls) for their whole timeout, up to 3 s, then report a timeout;
+    kvh_fence_poll says not done. Everything else is the real library."""
+
+    def __init__(self, real):
+        self._real = real
+        self._sleep = ctypes.CDLL(None).usleep
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def _hold(self, ns):
+        self._sleep(min(ns // 1000, 3_000_000))
+        return self._real.KVH_ERR_TIMEOUT
+
+    def kvh_fence_wait(self, engine, fence, ns):
+        return self._hold(ns)
+
+    def kvh_context_wait_layer(self, engine, ctx, layer, ns):
+        return self._hold(ns)
+
+    def kvh_fence_poll(self, engine, fence, done):
+        done[0] = 0
+        return 0
+
+
+def _interrupted_after(seconds, wait):
+    """How long wait() ran before the KeyboardInterrupt of a Ctrl-C
+    pressed ``seconds`` after it began."""
+    timer = threading.Timer(seconds, _thread.interrupt_main)
+    t0 = time.monotonic()
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            wait()
+        return time.monotonic() - t0
+    finally:
+        timer.cancel()
+
+
+def test_ctrl_c_interrupts_waits_without_a_timeout(engine, monkeypatch):
+    """Fence.wait() / result() and Context.wait_layer() with no timeout
+    waited in one C call, where Python cannot raise KeyboardInterrupt: a
+    Ctrl-C was held back until the work completed (forever for work that
+    never does). They now wait in slices on the main thread."""
+    from kvh_cache import context as context_mod
+
+    seq, _ = filled_seq(engine, 32)
+    fence = engine.prefetch(seq)
+    ctx = engine.context("c")
+    ctx.add_region("w", data=np.arange(100, dtype=np.uint8))
+    stuck = StuckWaits(engine_mod.lib)
+    monkeypatch.setattr(engine_mod, "lib", stuck)
+    monkeypatch.setattr(context_mod, "lib", stuck)
+    assert _interrupted_after(0.3, fence.wait) < 2.0
+    assert _interrupted_after(0.3, fence.result) < 2.0
+    assert _interrupted_after(0.3, lambda: ctx.wait_layer(0)) < 2.0
+    assert not fence.wait(0.25)  # a timeout is still a timeout
+    with pytest.raises(kvh.KvhTimeoutError):
+        ctx.wait_layer(0, timeout=0.25)
+    monkeypatch.undo()
+    assert fence.wait(10)  # nothing was lost: the real fence completes
+    seq.free()
+
+
+def test_timeouts_are_seconds_or_none(engine):
+    """timeout=inf or 1e300 raised OverflowError, NaN a ValueError from
+    int(), a string a TypeError about multiplying a sequence."""
+    seq, _ = filled_seq(engine, 32)
+    fence = engine.prefetch(seq)
+    for bad, error in ((float("nan"), ValueError), ("1", TypeError), (True, TypeError), ([1], TypeError)):
+        with pytest.raises(error, match="timeout"):
+            fence.wait(bad)
+    assert fence.wait(float("inf")) and fence.wait(1e300) and fence.wait(-1)
+    assert engine.prefetch(seq).wait(1 << 70)
+    seq.free()

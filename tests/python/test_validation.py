@@ -149,6 +149,19 @@ def test_bad_on_off_config_is_refused(field):
             kvh.Engine(backend="cpu", device_bytes=1 << 20, host_bytes=1 << 20, **{field: bad})
 
 
+@pytest.mark.parametrize("field", ["disk_path", "remote_addrs", "remote_user", "remote_password", "remote_tls_ca"])
+def test_text_config_is_checked_and_named(field):
+    """disk_path=5 (or remote_addrs=5) raised os.fsencode's TypeError, which
+    names no argument; a NUL in disk_path was reported as a missing
+    disk_bytes first."""
+    extra = {"disk_bytes": 1 << 20} if field == "disk_path" else {}
+    for bad, error in ((5, TypeError), (["a"], TypeError), ("a\0b", ValueError)):
+        with pytest.raises(error, match=field):
+            kvh.Engine(backend="cpu", device_bytes=1 << 20, host_bytes=1 << 20, **extra, **{field: bad})
+    with pytest.raises(ValueError, match="disk_path"):
+        kvh.Engine(backend="cpu", device_bytes=1 << 20, host_bytes=1 << 20, disk_path="a\0b")
+
+
 def test_on_off_config_takes_bools_and_0_1():
     for value, want in ((False, False), (0, False), (np.bool_(False), False), (True, True), (1, True)):
         with kvh.Engine(backend="cpu", device_bytes=1 << 20, host_bytes=1 << 20, prefault_memory=value) as eng:
@@ -249,9 +262,14 @@ def test_closed_engine_raises_everywhere():
         with pytest.raises(kvh.ClosedError):
             call()
     # releasing / freeing after close is a quiet no-op, never a crash
+    # (an owned block's release() and a pool's unregister() used to raise
+    # ClosedError there)
     hold.release()
     fence.close()
     seq.free()
+    owned.release()
+    owned.release()
+    assert not owned.owned
     owned = blk = None
     gc.collect()
     assert "closed" in repr(eng)

@@ -103,3 +103,20 @@ def test_attention_plan_matches_one_shot():
             assert np.array_equal(plan.run(pq), eng.attention_prefill(0, [a, b], [5, 2], pq))
         with pytest.raises(kvh.InvalidArgumentError):
             eng.attention_plan(0, [])
+
+
+def test_attention_over_views_checks_its_arguments():
+    """A non-view in views raised AttributeError, and q_lens went through
+    int(): [1.5] ran a prefill of 1 row, [-1] failed on q's shape."""
+    with make() as eng, eng.sequence() as seq:
+        seq.append(range(20))
+        fill(seq, 20)
+        with seq.vmap(0) as vm:
+            q = np.ones((1, 2, 64), np.float32)
+            with pytest.raises(TypeError, match=r"views\[0\]"):
+                eng.attention_decode_vmap([5], q)
+            with pytest.raises(TypeError, match=r"q_lens\[0\]"):
+                eng.attention_prefill_vmap([vm], [1.5], q)
+            with pytest.raises(ValueError, match=r"q_lens\[0\]"):
+                eng.attention_prefill_vmap([vm], [-1], q)
+            assert eng.attention_prefill_vmap([vm], [1], q).shape == (1, 2, 64)

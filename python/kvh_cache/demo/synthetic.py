@@ -320,10 +320,18 @@ def open_engine(args: argparse.Namespace, data_dir: Optional[Path], notes: List[
 
 def run(args: argparse.Namespace, out=None) -> int:
     out = out or sys.stdout
-    for name in ("agents", "steps", "chunks", "chunk_tokens", "gen_tokens"):
+    sizes = ("agents", "steps", "chunks", "chunk_tokens", "gen_tokens")
+    for name in sizes + ("layers", "kv_heads", "head_dim", "block_tokens"):
         if getattr(args, name) <= 0:
             print(f"kvh demo: --{name.replace('_', '-')} must be > 0", file=sys.stderr)
             return 2
+    for name in ("prompt_tokens", "fork_every", "hints"):
+        if getattr(args, name) < 0:
+            print(f"kvh demo: --{name.replace('_', '-')} must be >= 0", file=sys.stderr)
+            return 2
+    if not 0 <= args.intent_noise < float("inf"):  # NaN fails too
+        print("kvh demo: --intent-noise must be a finite number >= 0", file=sys.stderr)
+        return 2
     if not args.no_disk and args.disk_budget <= 0:  # a disk tier needs a size
         print("kvh demo: --disk-budget must be > 0 (--no-disk runs without the disk tier)", file=sys.stderr)
         return 2

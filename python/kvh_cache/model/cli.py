@@ -220,3 +220,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except FileNotFoundError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except (OSError, ValueError) as exc:
+        # A file that is not a GGUF model (or cannot be read): one line.
+        print(f"error: {exc}", file=sys.stderr)
+        return 1

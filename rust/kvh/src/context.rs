@@ -1,7 +1,9 @@
 //! Weight contexts: a model's weights and its agents' KV as one swappable
 //! unit (`kvh_context`), and admission of sequences by token budget.
 
+use std::cell::Cell;
 use std::ffi::CString;
+use std::marker::PhantomData;
 use std::os::raw::c_void;
 use std::path::Path;
 use std::time::Duration;
@@ -58,10 +60,23 @@ fn c_string(what: &str, s: &str) -> Result<CString> {
 /// assert_eq!(a.region_bytes(0)?, &weights[..]);
 /// # Ok::<(), kvh::Error>(())
 /// ```
+///
+/// A context is `Send` but not `Sync`: adding regions, attaching sequences
+/// and pinning are `@threads handle` in the header, and a region's bytes
+/// are only valid until a switch away from the context, so one thread at a
+/// time may use it (the others through a [`Fence`] of its switch).
+///
+/// ```compile_fail
+/// fn shared_between_threads<T: Sync>() {}
+/// shared_between_threads::<kvh::Context<'static>>();
+/// ```
 #[derive(Debug)]
 pub struct Context<'e> {
     engine: &'e Engine,
     raw: sys::kvh_context,
+    // Send but not Sync: `@threads handle` calls, and region_bytes copying
+    // while another thread could switch the context away.
+    _not_sync: PhantomData<Cell<()>>,
 }
 
 impl Engine {
@@ -79,7 +94,11 @@ impl Engine {
         let mut raw = sys::kvh_context::default();
         // SAFETY: valid engine, params (name lives across the call) and out-handle.
         check(unsafe { sys::kvh_context_create(self.as_ptr(), &p, &mut raw) })?;
-        Ok(Context { engine: self, raw })
+        Ok(Context {
+            engine: self,
+            raw,
+            _not_sync: PhantomData,
+        })
     }
 
     fn switch_raw(
@@ -288,7 +307,9 @@ impl<'e> Context<'e> {
         }
         let (p, n) = self.region_ptr(region)?;
         // SAFETY: the CPU backend's region memory is host memory of n bytes,
-        // valid until a switch, which needs this engine (copied out now).
+        // valid until a switch away from this context, which needs a
+        // reference to it: not on another thread (Context is not Sync), and
+        // not on this one during the copy.
         Ok(unsafe { std::slice::from_raw_parts(p, n as usize) }.to_vec())
     }
 

@@ -141,6 +141,7 @@ mod tests {
         assert_send::<crate::Error>();
         assert_sync::<crate::Error>();
         assert_send::<crate::Config>();
+        assert_send::<crate::Context<'static>>();
     }
 
     #[test]
