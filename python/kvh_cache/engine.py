@@ -1473,17 +1473,41 @@ class _ViewOwner(Finalized):
             "data": (addr, readonly),
             "strides": None,
         }
+        self.block: Optional[Block] = None  # the mapped block (borrowed)
+        self.kept: Optional[Block] = None  # a reference and pin once its sequence let it go
         self._native: Optional[_Native] = None
         engine._native.add_view()  # type: ignore[union-attr]
         self._native = engine._native  # counted: the collection drops it
+
+    def keep_block(self) -> None:
+        """Takes a reference and a pin on the mapped block before its
+        sequence releases it (truncate, free): its slot is then neither
+        reused nor moved while the view can read it."""
+        if self.kept is not None or self.block is None:
+            return
+        try:
+            kept = self.block.retain()
+        except errors.BadHandleError:
+            return  # already gone (copied on write, then freed elsewhere)
+        try:
+            kept.pin()
+        except BaseException:
+            kept.release()
+            raise
+        self.kept = kept
 
     def _close_at_gc(self) -> None:
         try:
             if self.private_hold:
                 self.hold.release()
         finally:
-            if self._native is not None:
-                self._native.drop_view()
+            try:
+                if self.kept is not None and not self.engine.closed:
+                    self.kept.unpin()
+                    self.kept.release()
+            finally:
+                if self._native is not None:
+                    self._native.drop_view()
 
 
 # ---------------------------------------------------------------------------------
@@ -1505,6 +1529,9 @@ class Sequence(GatedHandle, OwnedHandle):
         self._h = h
         self._agent = agent
         self._views: List[Tuple["weakref.ref[np.ndarray]", int]] = []
+        # every block view's owner (alive while any array derived from it
+        # is), with its block index: see _keep_viewed_blocks
+        self._view_owners: List[Tuple["weakref.ref[_ViewOwner]", int]] = []
 
     # ---- lifetime ----
     @property
@@ -1534,12 +1561,28 @@ class Sequence(GatedHandle, OwnedHandle):
     def free(self) -> None:
         """Releases the sequence's blocks (cached full blocks stay in the
         prefix index) once calls in flight on other threads are done.
-        Idempotent; a no-op once the engine is closed."""
+        Idempotent; a no-op once the engine is closed. Blocks that block
+        views still map stay, unchanged, until the views are collected."""
         self._gate.close(self._free_native)
+
+    def _keep_viewed_blocks(self, first_block: int) -> None:
+        """Before the sequence gives up blocks first_block on: each live
+        block view of them keeps its block (a reference and a pin), so the
+        slot it reads is not reused for other data or moved."""
+        live = []
+        for ref, index in self._view_owners:
+            owner = ref()
+            if owner is None:
+                continue
+            if index >= first_block:
+                owner.keep_block()
+            live.append((ref, index))
+        self._view_owners = live
 
     def _free_native(self) -> None:
         try:
             with self._engine._call() as p:
+                self._keep_viewed_blocks(0)
                 check(lib.kvh_seq_free(p, self._h[0]))
         except errors.ClosedError:
             pass  # the engine's close freed it
@@ -1643,6 +1686,8 @@ class Sequence(GatedHandle, OwnedHandle):
     def truncate(self, n_tokens: int) -> None:
         n_tokens = _index("n_tokens", n_tokens)
         with self._call() as p:
+            # the block holding the cut may be copied; the ones after it go
+            self._keep_viewed_blocks(n_tokens // self._engine.block_tokens)
             check(lib.kvh_seq_truncate(p, self._h[0], n_tokens))
             self._refresh_views()
 
@@ -1839,7 +1884,9 @@ class Sequence(GatedHandle, OwnedHandle):
         published in the prefix index. Blocks move between tiers, so a view
         is only valid while the block is held: without ``hold`` the view
         acquires the block's tokens itself and releases them when the last
-        array derived from it is collected. A write through the sequence
+        array derived from it is collected. When the sequence gives the
+        block up (``truncate``, ``free``) the view keeps it, pinned and
+        unchanged, until the view is collected. A write through the sequence
         into a shared block moves this sequence to a private copy: take a new
         view after writes, forks or appends (writable views of this sequence
         are made read-only when that happens). Writes through a view do not
@@ -1880,12 +1927,16 @@ class Sequence(GatedHandle, OwnedHandle):
             readonly = info.shared
             shape = (2, eng.num_kv_heads, bt, eng.head_dim)
             owner = _ViewOwner(eng, hold, private, addr, shape, eng.np_dtype, readonly)
+            owner.block = self.block(index)
         except BaseException:
             if private:
                 hold.release()
             raise
         view = np.asarray(owner)
         assert view.base is owner or view.base is not None
+        with self._gate.exclusive():
+            self._view_owners = [(r, i) for r, i in self._view_owners if r() is not None]
+            self._view_owners.append((weakref.ref(owner), index))
         if not readonly:
             with self._gate.exclusive():  # the calls that refresh the list hold it too
                 self._views = [(r, i) for r, i in self._views if r() is not None]

@@ -434,6 +434,41 @@ def test_block_view_keeps_memory_after_close():
     assert native.released
 
 
+def test_block_view_outlives_truncate_and_free():
+    """A view's slot is not handed to other data when its sequence gives
+    the block up: the view keeps showing what it showed."""
+    eng = make_engine(device_bytes=8 * 4096, host_bytes=8 * 4096)
+    with eng:
+        seq, ref = filled_seq(eng, 40)  # blocks 0..2, the last partial
+        tail = seq.block_view(2, 0)  # the partial block past the cut: freed at once
+        head = seq.block_view(0, 1)
+        want_tail, want_head = tail.copy(), head.copy()
+        seq.truncate(8)
+        others = []
+        for i in range(6):  # every free slot of both tiers, with other KV
+            try:
+                o, _ = filled_seq(eng, 16, seed=50 + i, first_token=1000 + 16 * i)
+            except kvh.NoSpaceError:
+                break
+            others.append(o)
+        np.testing.assert_array_equal(tail, want_tail)
+        seq.free()
+        for o in others:
+            o.free()
+        for i in range(6):
+            try:
+                filled_seq(eng, 16, seed=80 + i, first_token=2000 + 16 * i)
+            except kvh.NoSpaceError:
+                break
+        np.testing.assert_array_equal(head, want_head)
+        np.testing.assert_array_equal(tail, want_tail)
+        # the views pin their two blocks until they are collected
+        assert eng.tier_info(kvh.Tier.DEVICE).pinned_blocks == 2
+        del tail, head
+        gc.collect()
+        assert eng.tier_info(kvh.Tier.DEVICE).pinned_blocks == 0
+
+
 def test_block_view_errors(engine):
     with engine.sequence(tokens=range(16)) as seq:
         with pytest.raises(kvh.RangeError):
