@@ -252,11 +252,17 @@ static void order_insert(kvhi_context *x, uint32_t i)
 /* Checks a file source; returns an open descriptor or a failure. */
 static kvh_status open_source(const char *path, uint64_t off, uint64_t size, int *fd_out)
 {
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    /* O_NONBLOCK: a FIFO must be refused, not waited on */
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0)
         return kvhi_fail(KVH_ERR_IO, "cannot open weight file %s: %s", path, strerror(errno));
     struct stat sb;
-    if (fstat(fd, &sb) != 0 || (uint64_t)sb.st_size < off || (uint64_t)sb.st_size - off < size) {
+    bool stated = fstat(fd, &sb) == 0;
+    if (stated && !S_ISREG(sb.st_mode)) {
+        close(fd);
+        return kvhi_fail(KVH_ERR_IO, "weight file %s is not a regular file", path);
+    }
+    if (!stated || (uint64_t)sb.st_size < off || (uint64_t)sb.st_size - off < size) {
         close(fd);
         return kvhi_fail(KVH_ERR_IO, "weight file %s is shorter than offset %llu + size %llu", path,
                          (unsigned long long)off, (unsigned long long)size);

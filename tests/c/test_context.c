@@ -465,6 +465,19 @@ static void bad_arguments(void **state)
     rp.file_offset = FILE_BYTES - 5;
     assert_kvh(KVH_ERR_IO, kvh_context_add_region(e, c, &rp, &idx));
     rp.file_offset = 0;
+    char dir[600]; /* a directory or a FIFO is no weight file (a FIFO would block the open) */
+    scratch("weights.d", dir, sizeof(dir));
+    assert_int_equal(mkdir(dir, 0700), 0);
+    rp.path = dir;
+    assert_kvh(KVH_ERR_IO, kvh_context_add_region(e, c, &rp, &idx));
+    char fifo[600];
+    scratch("weights.fifo", fifo, sizeof(fifo));
+    assert_int_equal(mkfifo(fifo, 0600), 0);
+    rp.path = fifo;
+    assert_kvh(KVH_ERR_IO, kvh_context_add_region(e, c, &rp, &idx));
+    rmdir(dir);
+    unlink(fifo);
+    rp.path = p;
     rp.size = 1ull << 40; /* larger than any tier */
     assert_kvh(KVH_ERR_IO, kvh_context_add_region(e, c, &rp, &idx));
     rp.path = NULL;
