@@ -175,6 +175,7 @@ struct kvh_engine {
     uint64_t disk_copies_given_back; /* by it, for a full disk */
     uint32_t workers_waiting_room;   /* in kvhi_wait_queued_moves_out */
     uint64_t queued_move_waits;      /* its waits */
+    uint64_t queued_moves_run_here;  /* moves it ran itself, no other worker being free */
     uint64_t host_arrivals;          /* blocks placed in the host tier so far */
     uint64_t clean_epoch_seen;       /* host_arrivals at the last empty sweep */
     /* The filesystem under the disk tier refused a slab write (ENOSPC):

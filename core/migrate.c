@@ -155,11 +155,21 @@ static kvh_status job_push(kvh_engine *e, kvhi_job j)
     return KVH_OK;
 }
 
-static kvhi_job job_pop(kvh_engine *e)
+/* Takes the job at heap index i out of the queue. */
+static kvhi_job job_take(kvh_engine *e, uint32_t i)
 {
-    kvhi_job top = e->jobs[0];
+    kvhi_job taken = e->jobs[i];
     kvhi_job last = e->jobs[--e->n_jobs];
-    uint32_t i = 0;
+    if (i == e->n_jobs)
+        return taken;
+    /* last goes where i was: up if it comes before i's parent, else down. */
+    while (i > 0) {
+        uint32_t p = (i - 1) / 2;
+        if (!job_before(&last, &e->jobs[p]))
+            break;
+        e->jobs[i] = e->jobs[p];
+        i = p;
+    }
     for (;;) {
         uint32_t l = 2 * i + 1;
         if (l >= e->n_jobs)
@@ -170,10 +180,11 @@ static kvhi_job job_pop(kvh_engine *e)
         e->jobs[i] = e->jobs[c];
         i = c;
     }
-    if (e->n_jobs)
-        e->jobs[i] = last;
-    return top;
+    e->jobs[i] = last;
+    return taken;
 }
+
+static kvhi_job job_pop(kvh_engine *e) { return job_take(e, 0); }
 
 /* A block a hint brought up; its hint keeps it from being the next victim
  * (core/hints.c) until it is used. */
@@ -349,32 +360,64 @@ static void run_batch(kvh_engine *e, kvhi_job first)
     free(xs);
 }
 
-/* A queued move of a block of tier up to memory that will run: a worker
- * other than this thread, and not itself waiting here, is there to run
- * it. */
-static bool queued_move_out(kvh_engine *e, uint32_t tier)
+/* Set while this thread runs a queued move in kvhi_wait_queued_moves_out:
+ * room that move needs is not made by running another one inside it. */
+static _Thread_local bool running_move_out;
+
+static bool is_worker(const kvh_engine *e)
 {
-    uint32_t free_workers = e->n_workers - e->workers_waiting_room;
     for (uint32_t i = 0; i < e->n_workers; i++)
-        if (pthread_equal(e->workers[i], pthread_self())) {
-            free_workers--;
-            break;
-        }
-    if (!free_workers || free_workers > e->n_workers)
-        return false;
+        if (pthread_equal(e->workers[i], pthread_self()))
+            return true;
+    return false;
+}
+
+/* A worker other than this thread, and not itself waiting for room. */
+static bool other_free_worker(const kvh_engine *e)
+{
+    uint32_t free_workers = e->n_workers - e->workers_waiting_room - (is_worker(e) ? 1 : 0);
+    return free_workers && free_workers <= e->n_workers;
+}
+
+/* The queued move of a block of tier up to memory that frees a slot of
+ * tier when it runs, at heap index *at. idle_only: only one whose block
+ * is idle, which this thread can run without waiting on a move it began
+ * itself. */
+static bool find_move_out(const kvh_engine *e, uint32_t tier, bool idle_only, uint32_t *at)
+{
     for (uint32_t i = 0; i < e->n_jobs; i++) {
         const kvhi_job *j = &e->jobs[i];
         const kvhi_block *blk = &e->blocks[j->block];
         if (j->kind != KVHI_JOB_PREFETCH && j->target_tier < tier && blk->tier == tier && blk->gen == j->block_gen &&
-            (blk->flags & (KVHI_BF_LIVE | KVHI_BF_DEAD)) == KVHI_BF_LIVE && !blk->pins)
+            (blk->flags & (KVHI_BF_LIVE | KVHI_BF_DEAD)) == KVHI_BF_LIVE && !blk->pins &&
+            (!idle_only || (!kvhi_block_busy(blk) && !(blk->flags & KVHI_BF_POOL_FILL)))) {
+            *at = i;
             return true;
+        }
     }
     return false;
 }
 
 bool kvhi_wait_queued_moves_out(kvh_engine *e, uint32_t tier, struct timespec *deadline)
 {
-    if (!queued_move_out(e, tier))
+    uint32_t at;
+    if (!other_free_worker(e)) {
+        /* Nobody else will run it: a lone worker, or a thread whose
+         * workers all wait for room, runs the move itself, as a worker
+         * would, and the caller retries with the slot it freed. */
+        if (running_move_out || !find_move_out(e, tier, true, &at))
+            return false;
+        kvhi_job j = job_take(e, at);
+        running_move_out = true;
+        e->jobs_running++;
+        kvh_status st = run_job(e, &j);
+        e->jobs_running--;
+        running_move_out = false;
+        kvhi_fence_done(e, j.fence, st);
+        e->queued_moves_run_here++;
+        return true;
+    }
+    if (!find_move_out(e, tier, false, &at))
         return false;
     struct timespec now;
     clock_gettime(CLOCK_REALTIME, &now);
@@ -384,9 +427,7 @@ bool kvhi_wait_queued_moves_out(kvh_engine *e, uint32_t tier, struct timespec *d
     } else if (now.tv_sec > deadline->tv_sec || (now.tv_sec == deadline->tv_sec && now.tv_nsec >= deadline->tv_nsec)) {
         return false;
     }
-    bool worker = false;
-    for (uint32_t i = 0; i < e->n_workers && !worker; i++)
-        worker = pthread_equal(e->workers[i], pthread_self());
+    bool worker = is_worker(e);
     e->workers_waiting_room += worker;
     e->queued_move_waits++;
     pthread_cond_timedwait(&e->changed, &e->lock, deadline);

@@ -46,11 +46,15 @@ void kvhi_workers_stop(kvh_engine *e);
  * and with no offload batch gathering into its slot. False when it was
  * freed meanwhile. Lock held; dropped while waiting. */
 bool kvhi_block_wait_movable(kvh_engine *e, uint32_t b, uint32_t gen, uint32_t tier);
-/* For a full tier with no victim: waits (on e->changed, until deadline,
- * set at the first wait to KVHI_QUEUED_MOVES_WAIT_S from then; zero it
- * before) while a move of one of its blocks up to memory is queued that a
- * worker can run, as that move frees a slot. False when there is none or
- * the time is up: then room is not coming. Lock held. */
+/* For a full tier with no victim: while a move of one of its blocks up
+ * to memory is queued, as that move frees a slot, either runs it in this
+ * thread (no other worker is free to: a lone worker, or one whose fellows
+ * all wait so; the move, taken out of the queue, completes its fence) or
+ * waits (on e->changed, until deadline, set at the first wait to
+ * KVHI_QUEUED_MOVES_WAIT_S from then; zero it before) for a worker to run
+ * it. True: try again. False when there is none, the time is up, or this
+ * thread is running such a move already: then room is not coming. Lock
+ * held; dropped while waiting or moving. */
 #define KVHI_QUEUED_MOVES_WAIT_S 5
 bool kvhi_wait_queued_moves_out(kvh_engine *e, uint32_t tier, struct timespec *deadline);
 kvh_status kvhi_enqueue(kvh_engine *e, uint32_t b, uint32_t tier, int32_t priority, kvhi_job_kind kind,

@@ -30,7 +30,7 @@
  *   - the NOSPACE messages.
  * test_tiers.c covers the same policies through the public API (LRU-K
  * with a single victim, pins, holds, quotas, drops without a lower
- * tier). */
+ * tier). test_evict_mt.c: a lone worker that needs disk room. */
 #include <stdatomic.h>
 
 #include "disk_test_util.h"

@@ -1,0 +1,119 @@
+/* Making room with one migration worker (core/evict.c, core/migrate.c),
+ * white-box: a full disk tier whose blocks have moves queued up to memory
+ * frees slots only when a worker runs those moves. When the lone worker
+ * itself needs disk room (a persist, a move down to the disk), no other
+ * worker is there to run them: it runs them itself, at once, and the work
+ * that needed the room completes with the data intact (and durable, for
+ * the persist). test_evict.c covers a caller that waits for the worker. */
+#include "disk_test_util.h"
+
+#include "core/block.h"
+#include "core/engine.h"
+#include "core/migrate.h"
+#include "core/pool_batch.h"
+#include "white_box_util.h"
+
+static const dt_geo G = {2, 1, 32, 16, KVH_DTYPE_F16};
+
+/* A full disk of four referenced partial blocks p (their slots are freed
+ * when they leave) with moves of p[0] and p[1] up to the host tier queued,
+ * queued by the test with the lock held so that the lone worker sees
+ * them only behind work that needs disk room: a persist of w (pool work
+ * runs before queued moves) or a move of w's block 0 down to the disk
+ * (queued at a higher priority). No other worker is there to run the
+ * moves up: the worker runs them itself, and the work that needs room
+ * completes. */
+enum lone_worker_work { LONE_PERSIST, LONE_DEMOTION };
+
+static void lone_worker_case(enum lone_worker_work work)
+{
+    char dir[PATH_MAX];
+    dt_scratch(work == LONE_PERSIST ? "lone-worker-persist" : "lone-worker-demotion", dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 8, 8, 4, 1);
+    kvh_engine *e = dt_open_a(&c);
+    kvh_seq p[4], w;
+    dt_content pc = dt_plain(60), wc = dt_plain(61);
+    for (int i = 0; i < 4; i++) {
+        dt_assert_ok(dt_build(e, G, pc, G.bt / 2, 0, &p[i]));
+        dt_assert_ok(kvh_seq_migrate(e, p[i], 0, G.bt / 2, KVH_TIER_DISK, NULL));
+    }
+    assert_int_equal(dt_tier(e, KVH_TIER_DISK).used_blocks, 4);
+    dt_assert_ok(dt_build(e, G, wc, 2 * G.bt, 0, &w));
+    uint32_t wb[2] = {wb_seq_block_index(e, w, 0), wb_seq_block_index(e, w, 1)};
+    uint32_t pb[2] = {wb_seq_block_index(e, p[0], 0), wb_seq_block_index(e, p[1], 0)};
+    kvh_fence f = {0};
+    wb_lock(e);
+    for (int i = 0; i < 2; i++)
+        dt_assert_ok(kvhi_enqueue(e, pb[i], KVH_TIER_HOST, 0, KVHI_JOB_MOVE, KVHI_NO_BLOCK));
+    if (work == LONE_PERSIST) {
+        kvhi_pool_work *pw = kvhi_pool_work_new(e, KVHI_PW_PERSIST, 2, 1, &f);
+        assert_non_null(pw);
+        for (int i = 0; i < 2; i++) {
+            pw->items[i].block = wb[i];
+            kvhi_block_ref(e, wb[i]);
+        }
+        kvhi_pool_work_submit(e, pw);
+    } else {
+        uint32_t fi = 0;
+        dt_assert_ok(kvhi_fence_new(e, &fi, &f));
+        dt_assert_ok(kvhi_enqueue(e, wb[0], KVH_TIER_DISK, 1, KVHI_JOB_MOVE, fi));
+    }
+    wb_unlock(e);
+    kvh_status st = kvh_fence_wait(e, f, UINT64_MAX);
+    if (st != KVH_OK)
+        fail_msg("%s by the lone worker with moves queued off the full disk: %s: %s",
+                 work == LONE_PERSIST ? "persist" : "demotion", kvh_status_name(st), kvh_last_error());
+    dt_assert_ok(kvh_fence_free(e, f));
+    wb_lock(e);
+    uint64_t run_here = e->queued_moves_run_here, waits = e->queued_move_waits;
+    wb_unlock(e);
+    assert_true(run_here >= 1);
+    assert_int_equal(waits, 0); /* run at once, not waited for */
+    assert_int_equal(dt_binfo(e, p[0], 0).tier, KVH_TIER_HOST);
+    if (work == LONE_PERSIST) {
+        assert_int_equal(dt_binfo(e, p[1], 0).tier, KVH_TIER_HOST);
+        assert_int_equal(dt_binfo(e, w, 0).tier, KVH_TIER_DEVICE);
+    } else {
+        assert_int_equal(dt_binfo(e, w, 0).tier, KVH_TIER_DISK);
+    }
+    char msg[256] = "";
+    for (int i = 0; i < 4; i++) {
+        if (dt_verify(e, p[i], G, pc, 0, G.bt / 2, msg, sizeof(msg)) != KVH_OK)
+            fail_msg("p[%d]: %s", i, msg);
+        dt_assert_ok(kvh_seq_free(e, p[i]));
+    }
+    if (dt_verify(e, w, G, wc, 0, 2 * G.bt, msg, sizeof(msg)) != KVH_OK)
+        fail_msg("w: %s", msg);
+    dt_assert_ok(kvh_seq_free(e, w));
+    dt_assert_ok(dt_close(e));
+    if (work == LONE_PERSIST) { /* w is durable */
+        e = dt_open_a(&c);
+        size_t m = 0;
+        kvh_seq t;
+        dt_assert_ok(dt_match(e, wc, 2 * G.bt, &t, &m));
+        assert_int_equal(m, 2 * G.bt);
+        dt_assert_ok(kvh_seq_free(e, t));
+        dt_assert_ok(dt_close(e));
+    }
+}
+
+static void test_lone_worker_runs_queued_moves_out(void **state)
+{
+    (void)state;
+    lone_worker_case(LONE_PERSIST);
+    lone_worker_case(LONE_DEMOTION);
+}
+
+static int teardown(void **state)
+{
+    wb_release_held_lock();
+    return dt_teardown(state);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_teardown(test_lone_worker_runs_queued_moves_out, teardown),
+    };
+    return cmocka_run_group_tests_name("evict_mt", tests, NULL, NULL);
+}
