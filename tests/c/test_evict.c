@@ -19,7 +19,8 @@
  *     never those of referenced blocks;
  *   - a full disk whose blocks have moves queued up to memory makes a
  *     persist wait for them (the worker runs them meanwhile), and fails
- *     with NOSPACE at once when nothing queued can free a slot;
+ *     with NOSPACE at once when nothing queued can free a slot, also when
+ *     the only queued move is of a pinned block (it will be skipped);
  *   - a victim that cannot go down, because the tier below is full of
  *     referenced blocks or fails its writes, is dropped when unreferenced,
  *     and the reservation fails when it is referenced;
@@ -382,6 +383,51 @@ static void test_full_disk_waits_for_queued_moves(void **state)
     dt_assert_ok(dt_close(e));
 }
 
+/* A full disk whose only queued move up is of a pinned block: that move
+ * will be skipped and frees nothing, so a persist fails with NOSPACE at
+ * once, without waiting KVHI_QUEUED_MOVES_WAIT_S for it. */
+static void test_full_disk_pinned_queued_move_frees_nothing(void **state)
+{
+    (void)state;
+    char dir[PATH_MAX];
+    dt_scratch("pinned-queued-move", dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 8, 8, 4, 1);
+    kvh_engine *e = dt_open_a(&c);
+    kvh_seq p[4], w;
+    dt_content pc = dt_plain(70);
+    for (int i = 0; i < 4; i++) {
+        dt_assert_ok(dt_build(e, G, pc, G.bt / 2, 0, &p[i]));
+        dt_assert_ok(kvh_seq_migrate(e, p[i], 0, G.bt / 2, KVH_TIER_DISK, NULL));
+    }
+    assert_int_equal(dt_tier(e, KVH_TIER_DISK).used_blocks, 4);
+    dt_assert_ok(kvh_seq_pin(e, p[0], 0, G.bt / 2, 1));
+    dt_assert_ok(dt_build(e, G, dt_plain(71), 2 * G.bt, 0, &w));
+    uint32_t wb[2] = {wb_seq_block_index(e, w, 0), wb_seq_block_index(e, w, 1)};
+    uint32_t p0 = wb_seq_block_index(e, p[0], 0);
+    kvh_fence f = {0};
+    uint32_t fi = 0;
+    wb_lock(e);
+    dt_assert_ok(kvhi_fence_new(e, &fi, &f));
+    dt_assert_ok(kvhi_enqueue(e, p0, KVH_TIER_HOST, 0, KVHI_JOB_MOVE, fi));
+    uint64_t waits = e->queued_move_waits, run_here = e->queued_moves_run_here;
+    assert_int_equal(kvhi_disk_persist_blocks(e, wb, 2, "of w"), KVH_ERR_NOSPACE);
+    assert_int_equal(e->queued_move_waits, waits);
+    assert_int_equal(e->queued_moves_run_here, run_here);
+    wb_unlock(e);
+    dt_assert_ok(kvh_fence_wait(e, f, UINT64_MAX));
+    dt_assert_ok(kvh_fence_free(e, f));
+    assert_int_equal(dt_binfo(e, p[0], 0).tier, KVH_TIER_DISK); /* the queued move skipped it */
+    dt_assert_ok(kvh_seq_pin(e, p[0], 0, G.bt / 2, 0));
+    char msg[256] = "";
+    for (int i = 0; i < 4; i++) {
+        if (dt_verify(e, p[i], G, pc, 0, G.bt / 2, msg, sizeof(msg)) != KVH_OK)
+            fail_msg("p[%d]: %s", i, msg);
+        dt_assert_ok(kvh_seq_free(e, p[i]));
+    }
+    dt_assert_ok(kvh_seq_free(e, w));
+    dt_assert_ok(dt_close(e));
+}
+
 /* ---- a victim that cannot go down ---- */
 
 static struct {
@@ -554,6 +600,7 @@ int main(void)
         cmocka_unit_test_teardown(test_last_tier_drops_unreferenced, teardown),
         cmocka_unit_test_teardown(test_full_disk_takes_back_unreferenced_copies, teardown),
         cmocka_unit_test_teardown(test_full_disk_waits_for_queued_moves, teardown),
+        cmocka_unit_test_teardown(test_full_disk_pinned_queued_move_frees_nothing, teardown),
         cmocka_unit_test_teardown(test_victim_that_cannot_go_down, teardown),
         cmocka_unit_test_teardown(test_quota_makes_room_among_own, teardown),
     };
