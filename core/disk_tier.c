@@ -378,7 +378,7 @@ bool kvhi_disk_give_back_copy(kvh_engine *e)
             blk->tier == KVH_TIER_DISK || blk->refs || kvhi_block_busy(blk))
             continue;
         kvhi_disk_forget(e, b);
-        e->disk_copies_given_back++;
+        e->stats.disk_copies_given_back++;
         return true;
     }
     return false;

@@ -168,16 +168,15 @@ struct kvh_engine {
 
     kvhi_adapt adapt; /* KVH_EVICT_ADAPTIVE's shadows (core/adaptive.c) */
 
-    struct kvhi_disk *disk;          /* NULL without a disk tier */
-    struct kvhi_remote *remote;      /* NULL without a remote tier (core/remote_tier.h) */
-    uint32_t clean_hand;             /* background cleaner's clock hand */
-    uint32_t copy_give_back_hand;    /* kvhi_disk_give_back_copy's clock hand */
-    uint64_t disk_copies_given_back; /* by it, for a full disk */
-    uint32_t workers_waiting_room;   /* in kvhi_wait_queued_moves_out */
-    uint64_t queued_move_waits;      /* its waits */
-    uint64_t queued_moves_run_here;  /* moves it ran itself, no other worker being free */
-    uint64_t host_arrivals;          /* blocks placed in the host tier so far */
-    uint64_t clean_epoch_seen;       /* host_arrivals at the last empty sweep */
+    struct kvhi_disk *disk;         /* NULL without a disk tier */
+    struct kvhi_remote *remote;     /* NULL without a remote tier (core/remote_tier.h) */
+    uint32_t clean_hand;            /* background cleaner's clock hand */
+    uint32_t copy_give_back_hand;   /* kvhi_disk_give_back_copy's clock hand */
+    uint32_t workers_waiting_room;  /* in kvhi_wait_queued_moves_out */
+    uint64_t queued_move_waits;     /* its waits */
+    uint64_t queued_moves_run_here; /* moves it ran itself, no other worker being free */
+    uint64_t host_arrivals;         /* blocks placed in the host tier so far */
+    uint64_t clean_epoch_seen;      /* host_arrivals at the last empty sweep */
     /* The filesystem under the disk tier refused a slab write (ENOSPC):
      * background cleaning rests until disk_full_until (kvhi_now_ns), the
      * rest doubling with each refusal (core/disk_tier.c). 0: no refusal

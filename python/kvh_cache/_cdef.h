@@ -199,6 +199,7 @@ typedef struct kvh_stats {
     uint64_t clean_copies_kept;
     uint64_t clean_copy_demotions;
     uint64_t clean_copies_reclaimed;
+    uint64_t disk_copies_given_back;
 } kvh_stats;
 kvh_status kvh_engine_stats(kvh_engine *engine, kvh_stats *stats);
 kvh_status kvh_agent_set_quota(kvh_engine *engine, uint32_t agent, uint64_t device_bytes);

@@ -372,6 +372,10 @@ class Stats:
     clean_copies_kept: int = 0
     clean_copy_demotions: int = 0
     clean_copies_reclaimed: int = 0
+    #: Clean disk copies of unreferenced, idle blocks in memory that a full
+    #: disk tier gave back for room (their records deleted: the blocks stay
+    #: cached, no longer durable).
+    disk_copies_given_back: int = 0
     #: Counters of a newer library that this version of the package does not
     #: name yet (field name -> value).
     extra: Dict[str, int] = field(default_factory=dict, compare=False)

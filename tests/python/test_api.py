@@ -507,6 +507,34 @@ def test_persist_and_reopen(tmp_path):
                 np.testing.assert_array_equal(v, ref[layer][1])
 
 
+def test_full_disk_gives_back_clean_copies(tmp_path):
+    # Four disk slots (a 4 KiB header and a 4 KiB block each): two hold r's
+    # blocks, two the clean copies persist wrote of u's, which stay in memory.
+    with make_engine(disk_path=str(tmp_path / "store"), disk_bytes=4 * 8192) as eng:
+        r, _ = filled_seq(eng, 32, first_token=0)
+        r.migrate("disk")
+        u, udata = filled_seq(eng, 32, seed=1, first_token=1000)
+        u.persist()
+        assert eng.tier_info("disk").used_blocks == 4
+        w, _ = filled_seq(eng, 32, seed=2, first_token=2000)
+        with pytest.raises(kvh.NoSpaceError):  # u still references its blocks
+            w.persist()
+        assert eng.stats().disk_copies_given_back == 0
+        u.free()  # cached now: their copies are room for a full disk
+        before = eng.stats()
+        w.persist()
+        delta = eng.stats() - before
+        assert delta.disk_copies_given_back == 2 and delta.drops == 0
+        with eng.sequence() as s:  # u's blocks stayed cached, intact
+            assert s.match_prefix(np.arange(1000, 1032)) == 32
+            for layer in range(2):
+                k, v = s.read_kv(layer)
+                np.testing.assert_array_equal(k, udata[layer][0])
+                np.testing.assert_array_equal(v, udata[layer][1])
+        w.free()
+        r.free()
+
+
 def test_damaged_index_is_rebuilt_unless_strict(tmp_path):
     store = tmp_path / "store"
     kw = dict(disk_path=str(store), disk_bytes=1 << 22)

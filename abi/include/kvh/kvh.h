@@ -588,6 +588,11 @@ typedef struct kvh_stats {
     uint64_t clean_copies_kept;
     uint64_t clean_copy_demotions;
     uint64_t clean_copies_reclaimed;
+    /* Clean disk copies (see disk_copies_written) of unreferenced, idle
+     * blocks in memory that a full disk tier gave back to make room: each
+     * copy's index record deleted, its block staying cached where it is,
+     * no longer durable (kvh_seq_persist writes it again). */
+    uint64_t disk_copies_given_back;
 } kvh_stats;
 
 /* Copies the counters. [out] *stats (set stats->struct_size first; a

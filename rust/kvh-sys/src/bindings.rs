@@ -1283,12 +1283,13 @@ pub struct kvh_stats {
     pub clean_copies_kept: u64,
     pub clean_copy_demotions: u64,
     pub clean_copies_reclaimed: u64,
+    pub disk_copies_given_back: u64,
 }
 #[test]
 fn bindgen_test_layout_kvh_stats() {
     assert_eq!(
         ::std::mem::size_of::<kvh_stats>(),
-        368usize,
+        376usize,
         concat!("Size of: ", stringify!(kvh_stats))
     );
     assert_eq!(
@@ -2095,6 +2096,23 @@ fn bindgen_test_layout_kvh_stats() {
         );
     }
     test_field_clean_copies_reclaimed();
+    fn test_field_disk_copies_given_back() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<kvh_stats>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).disk_copies_given_back) as usize - ptr as usize
+            },
+            368usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(kvh_stats),
+                "::",
+                stringify!(disk_copies_given_back)
+            )
+        );
+    }
+    test_field_disk_copies_given_back();
 }
 extern "C" {
     pub fn kvh_engine_stats(engine: *mut kvh_engine, stats: *mut kvh_stats) -> kvh_status;

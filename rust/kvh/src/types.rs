@@ -286,6 +286,10 @@ pub struct Stats {
     pub clean_copy_demotions: u64,
     /// Clean host copies taken back for room.
     pub clean_copies_reclaimed: u64,
+    /// Clean disk copies of unreferenced, idle blocks in memory that a
+    /// full disk tier gave back for room (their records deleted: the
+    /// blocks stay cached, no longer durable).
+    pub disk_copies_given_back: u64,
 }
 
 impl Stats {
@@ -336,6 +340,7 @@ impl Stats {
             clean_copies_kept: s.clean_copies_kept,
             clean_copy_demotions: s.clean_copy_demotions,
             clean_copies_reclaimed: s.clean_copies_reclaimed,
+            disk_copies_given_back: s.disk_copies_given_back,
         }
     }
 
