@@ -670,7 +670,13 @@ KVH_API kvh_status kvh_seq_read_kv(kvh_engine *engine, kvh_seq seq, uint32_t lay
 /* Makes every full block of the sequence durable in the disk tier (a copy
  * is written if the block lives above it) and returns when they and the
  * index entries naming them are on stable storage: a later process that
- * opens the same disk_path finds them with kvh_seq_match_prefix. The
+ * opens the same disk_path finds them with kvh_seq_match_prefix. What is
+ * made durable for a full block is the block published in the prefix
+ * index under its prefix hash: the sequence's own block, published by
+ * the call if it was not yet, unless another block of the same prefix
+ * was published first; then that block is made durable, the sequence's
+ * own is not written, and a later match returns the published block's
+ * K/V. The
  * disk tier stays a cache: a persisted block is kept there while a
  * sequence or handle references it; once none does, a full disk may give
  * its room to other blocks (dropping it, or, where it stays in memory,
@@ -1071,7 +1077,10 @@ KVH_API kvh_status kvh_pool_restore_batch(kvh_engine *engine, kvh_pool pool, kvh
 
 /* Makes blocks durable on the disk tier (written, recorded in the index,
  * synced), as kvh_seq_persist does for a sequence's full blocks, without
- * one: e.g. the blocks an offload batch returned, which it waits for.
+ * one: e.g. the blocks an offload batch returned, which it waits for. As
+ * there, the block made durable for each is the one published under its
+ * prefix hash (another block, where one of the same prefix was published
+ * first).
  * Blocks must be full and hashed (from kvh_pool_offload* or a prefix
  * lookup). With fence NULL the call persists before it returns; else it
  * returns at once and [out] *fence (kvh_fence_free) completes when they
