@@ -33,6 +33,11 @@ C = TypeVar("C", bound="Closable")
 
 _OPEN, _CLOSING, _CLOSED = 0, 1, 2
 
+# A KeyboardInterrupt can land inside _wake (the main thread runs signal
+# handlers at any Python call), so a wake-up can be lost: waiters look at
+# the gate again after this long, and a lost one costs no more than that.
+_RECHECK_S = 0.05
+
 
 class HandleGate:
     """Admits the C calls that name one native handle.
@@ -161,7 +166,7 @@ class HandleGate:
             self._cond = threading.Condition(self._lock)
         self._waiting += 1
         try:
-            self._cond.wait()
+            self._cond.wait(_RECHECK_S)
         finally:
             self._waiting -= 1
 

@@ -346,6 +346,55 @@ def test_gate_reopens_when_the_end_fails_if_asked():
     assert drop.closed
 
 
+def test_gate_survives_an_interrupt_inside_its_wake(monkeypatch):
+    """Ctrl-C lands where the thread leaving the gate wakes the next one:
+    the waiter must still get its turn, not sleep until some later call."""
+    gate = HandleGate(lambda: kvh.BadHandleError("closed"))
+    inside = threading.Event()
+    leave = threading.Event()
+    interrupted = []
+
+    def holder():
+        try:
+            with gate.exclusive():
+                inside.set()
+                leave.wait(10)
+        except KeyboardInterrupt:
+            interrupted.append(True)
+
+    t = threading.Thread(target=holder)
+    t.start()
+    assert inside.wait(10)
+    entered = threading.Event()
+
+    def waiter():
+        with gate.exclusive():
+            entered.set()
+
+    t2 = threading.Thread(target=waiter, daemon=True)  # a failed run leaves it asleep
+    t2.start()
+    deadline = time.monotonic() + 10
+    while not gate._waiting and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert gate._waiting == 1  # the waiter sleeps in the gate
+
+    real_wake = HandleGate._wake
+    fired = []
+
+    def interrupted_wake(self):
+        if not fired and threading.current_thread() is t:
+            fired.append(True)
+            raise KeyboardInterrupt  # as a signal handler would, before the notify
+        real_wake(self)
+
+    monkeypatch.setattr(HandleGate, "_wake", interrupted_wake)
+    leave.set()
+    t.join(10)
+    assert interrupted == [True] and fired == [True]
+    assert entered.wait(2), "the waiter slept through its turn"
+    t2.join(10)
+
+
 class StuckWaits:
     """The library as seen when work never completes: kvh_fence_wait and
     kvh_context_wait_layer hold the thread in C (without the GIL, like the
