@@ -347,6 +347,67 @@ static void test_forged_hash_cannot_block_or_probe_a_tenant(void **state)
         fail_msg("a block of scope 2 with the hash of a block of scope 1 changed what either scope finds");
 }
 
+/* The same forgery through the remote tier (parked with the above):
+ * values are keyed by block hash and the first writer wins, so the
+ * forger's upload keeps the victim's out of the store. */
+static rt_cluster cluster;
+static int have_cluster = -1;
+
+static int start_cluster(void)
+{
+    if (have_cluster < 0)
+        have_cluster = rt_available() && rt_start_scratch(&cluster, 1, NULL) == 0;
+    return have_cluster;
+}
+
+static kvh_engine *open_remote(kvh_config *c)
+{
+    *c = tu_cfg(L, H, D, BT, KVH_DTYPE_F16, 16, 16, 1);
+    c->model_salt = 0x7e4a47;
+    c->remote_addrs = rt_addrs(&cluster);
+    c->remote_timeout_ms = 1000;
+    kvh_engine *e;
+    kvh_status st = kvh_engine_open(c, &e);
+    if (st == KVH_ERR_UNSUPPORTED)
+        skip(); /* built without the remote tier */
+    assert_ok(st);
+    return tu_track_engine(e);
+}
+
+static void test_forged_hash_in_the_remote_store(void **state)
+{
+    (void)state;
+    if (!parked_tests_run() || !start_cluster())
+        skip();
+    kvh_config c;
+    kvh_engine *e = open_remote(&c);
+    int32_t t[BT], f[BT];
+    tu_iota(t, BT, 2400);
+    uint64_t hv;
+    assert_ok(kvh_prefix_hash_scoped(e, 1, 0, t, BT, &hv));
+    tu_iota(f, BT, 2500);
+    forge_tokens(scope_salt(c.model_salt, 2), hv, f);
+    /* The forger's engine uploads first; the victim's engine, another
+     * process, never sees the forger's block locally. */
+    kvh_seq forger = tenant(e, 2, 2, 0, f, BT, 22);
+    assert_ok(kvh_seq_persist(e, forger));
+    assert_ok(tu_close(e));
+    e = open_remote(&c);
+    kvh_seq victim = tenant(e, 1, 1, 0, t, BT, 11);
+    assert_int_equal(tu_seq_binfo(e, victim, 0).published, 1);
+    assert_ok(kvh_seq_persist(e, victim));
+    assert_ok(tu_close(e));
+    e = open_remote(&c);
+    size_t v = own_match(e, 1, 1, 0, t, BT, 11);
+    size_t fo = own_match(e, 2, 2, 0, f, BT, 22);
+    kvh_stats st = tu_stats(e);
+    print_message("remote: victim matches %zu, forger %zu; remote hits %" PRIu64 ", corrupt %" PRIu64 "\n", v, fo,
+                  st.remote_hits, st.remote_corrupt);
+    assert_ok(tu_close(e));
+    if (v != BT)
+        fail_msg("the forger's upload kept the victim's block out of the remote store");
+}
+
 /* ---- fork, truncate, re-scope ---- */
 
 static void test_fork_truncate_and_rescope(void **state)
@@ -512,15 +573,10 @@ static void test_offload_batch_mixing_scopes(void **state)
 
 /* ---- the remote tier: a second engine finds each tenant's own ---- */
 
-static rt_cluster cluster;
-static int have_cluster = -1;
-
 static void test_remote_tier_keeps_tenants_apart(void **state)
 {
     (void)state;
-    if (have_cluster < 0)
-        have_cluster = rt_available() && rt_start_scratch(&cluster, 1, NULL) == 0;
-    if (!have_cluster)
+    if (!start_cluster())
         skip();
     kvh_config c = tu_cfg(L, H, D, BT, KVH_DTYPE_F16, 16, 16, 1);
     c.model_salt = 0x7e4a47;
@@ -636,6 +692,7 @@ int main(void)
         BOTH(test_fork_truncate_and_rescope),
         BOTH(test_offload_batch_mixing_scopes),
         cmocka_unit_test_teardown(test_remote_tier_keeps_tenants_apart, teardown),
+        cmocka_unit_test_teardown(test_forged_hash_in_the_remote_store, teardown),
         BOTH(test_scope_misuse_keeps_the_engine_sound),
     };
     return cmocka_run_group_tests(tests, NULL, group_teardown);
