@@ -39,6 +39,12 @@ static kvh_seq blocks_of(kvh_engine *e, size_t nb, uint64_t tag)
 
 static uint32_t tier0(kvh_engine *e, kvh_seq s) { return tu_seq_binfo(e, s, 0).tier; }
 
+static int32_t garbage_priority_fixed(int k)
+{
+    static const int32_t p[] = {INT32_MIN, INT32_MAX, -1, 0, 1, INT32_MIN + 1};
+    return p[k % 6];
+}
+
 /* ---- queue hints across the wrap of the request numbers ---- */
 
 /* Device tier of 4: a and b queue-hinted by position 0 and 1 at step
@@ -338,6 +344,113 @@ static void test_fence_edges(void **state)
     assert_true(tu_check_pattern(e, t, L, TOKB, 2, 0, 6 * BT));
     assert_true(tu_check_pattern(e, u, L, TOKB, 3, 0, 2 * BT));
     assert_ok(dt_close(e));
+}
+
+/* An acquire whose fence is pending while its sequence gives everything
+ * up: release, truncate to 0, free; and block handles migrated while
+ * their last reference goes. Nothing else's bytes change. */
+static void test_holds_and_moves_given_up_under_a_fence(void **state)
+{
+    char dir[PATH_MAX];
+    dt_scratch("hints_giveup", dir, sizeof(dir));
+    dt_rmrf(dir);
+    const dt_geo g = {L, H, D, BT, KVH_DTYPE_F32};
+    kvh_config c = dt_cfg(g, dir, 4, 4, 64, threads_of(state));
+    kvh_engine *e = dt_open_a(&c);
+    kvh_seq keep = blocks_of(e, 3, 1);
+    for (int round = 0; round < 12; round++) {
+        kvh_seq s = blocks_of(e, 4, 10 + (uint64_t)round); /* pushes older blocks to disk */
+        kvh_seq old = blocks_of(e, 2, 50 + (uint64_t)round);
+        kvh_fence f;
+        kvh_status st = kvh_seq_acquire(e, old, 0, 2 * BT, &f);
+        assert_ok(st);
+        switch (round % 3) {
+        case 0:
+            assert_ok(kvh_seq_release(e, old, 0, 2 * BT));
+            assert_ok(kvh_seq_truncate(e, old, 0));
+            break;
+        case 1:
+            assert_ok(kvh_seq_free(e, old));
+            old.id = 0;
+            break;
+        default:
+            assert_ok(kvh_seq_truncate(e, old, BT + 1));
+            break;
+        }
+        st = kvh_fence_wait(e, f, UINT64_MAX);
+        assert_true(st == KVH_OK || st == KVH_ERR_NOSPACE);
+        assert_ok(kvh_fence_free(e, f));
+        if (round % 3 == 2) {
+            assert_true(tu_check_pattern(e, old, L, TOKB, 50 + (uint64_t)round, 0, BT + 1));
+            kvh_status rs = kvh_seq_release(e, old, 0, BT + 1);
+            assert_true(rs == KVH_OK || rs == KVH_ERR_INVALID_ARG);
+        }
+        /* Block handles: retained, migrated with a fence, released at once. */
+        kvh_block b[4];
+        assert_ok(kvh_seq_blocks(e, s, 0, 4, b));
+        for (int i = 0; i < 4; i++)
+            assert_ok(kvh_block_retain(e, b[i]));
+        assert_ok(kvh_migrate(e, b, 4, (uint32_t)(round % 3), &f));
+        assert_ok(kvh_seq_free(e, s));
+        for (int i = 0; i < 4; i++)
+            assert_ok(kvh_block_release(e, b[i]));
+        st = kvh_fence_wait(e, f, UINT64_MAX);
+        assert_true(st == KVH_OK || st == KVH_ERR_NOSPACE || st == KVH_ERR_BAD_HANDLE);
+        assert_ok(kvh_fence_free(e, f));
+        if (old.id)
+            assert_ok(kvh_seq_free(e, old));
+        assert_true(tu_check_pattern(e, keep, L, TOKB, 1, 0, 3 * BT));
+    }
+    assert_ok(dt_close(e));
+}
+
+/* promote_min_hits at its extremes: prefetch never errs, never moves a
+ * byte, and counts what it did. */
+static void test_prefetch_threshold_extremes(void **state)
+{
+    const uint32_t thresholds[] = {0, 1, 2, UINT32_MAX};
+    for (size_t i = 0; i < 4; i++) {
+        kvh_config c = tu_cfg(L, H, D, BT, KVH_DTYPE_F32, 4, 16, threads_of(state));
+        c.promote_min_hits = thresholds[i];
+        kvh_engine *e;
+        kvh_status st = kvh_engine_open(&c, &e);
+        if (st == KVH_ERR_INVALID_ARG)
+            continue; /* refused at open is fine too */
+        assert_ok(st);
+        tu_track_engine(e);
+        kvh_seq s[6];
+        for (int k = 0; k < 6; k++)
+            s[k] = blocks_of(e, 1, 1 + (uint64_t)k); /* s[0], s[1] on the host tier */
+        for (int k = 0; k < 6; k++) {
+            kvh_fence f;
+            assert_ok(kvh_prefetch(e, s[k], 0, BT, garbage_priority_fixed(k), &f));
+            assert_ok(kvh_fence_wait(e, f, UINT64_MAX));
+            assert_ok(kvh_fence_free(e, f));
+        }
+        kvh_stats stt = tu_stats(e);
+        if (thresholds[i] == UINT32_MAX)
+            assert_int_equal(stt.prefetch_issued, 0);
+        assert_true(stt.prefetch_useful <= stt.prefetch_issued);
+        for (int k = 0; k < 6; k++)
+            assert_true(tu_check_pattern(e, s[k], L, TOKB, 1 + (uint64_t)k, 0, BT));
+        tu_close(e);
+    }
+}
+
+/* kvh_seq_hint: INT32_MIN counts as INT32_MIN + 1, still a hint: such a
+ * block outlives every unhinted one. */
+static void test_lowest_priority_is_still_a_hint(void **state)
+{
+    kvh_engine *e = open_lru(state, 4, 16);
+    kvh_seq a = blocks_of(e, 1, 1), b = blocks_of(e, 1, 2), c = blocks_of(e, 1, 3), d = blocks_of(e, 1, 4);
+    assert_ok(kvh_seq_hint(e, a, 0, BT, INT32_MIN));
+    assert_ok(kvh_seq_hint(e, b, 0, BT, INT32_MIN + 1));
+    for (uint64_t k = 0; k < 2; k++)
+        assert_ok(kvh_seq_pin(e, blocks_of(e, 1, 10 + k), 0, BT, 1));
+    assert_int_equal(tier0(e, a), KVH_TIER_DEVICE);
+    assert_int_equal(tier0(e, b), KVH_TIER_DEVICE);
+    assert_int_equal(tier0(e, c), KVH_TIER_HOST);
+    assert_int_equal(tier0(e, d), KVH_TIER_HOST);
 }
 
 /* ---- hints on freed and truncated sequences ---- */
@@ -708,6 +821,9 @@ int main(void)
         BOTH(test_step_count_at_its_end),
         BOTH(test_edges_of_ranges_and_priorities),
         BOTH(test_fence_edges),
+        BOTH(test_holds_and_moves_given_up_under_a_fence),
+        BOTH(test_prefetch_threshold_extremes),
+        BOTH(test_lowest_priority_is_still_a_hint),
         BOTH(test_stale_hints_do_not_follow_freed_blocks),
         BOTH(test_random_mix_keeps_every_byte),
     };
