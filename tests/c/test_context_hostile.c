@@ -281,6 +281,31 @@ static void test_destroy_during_switch_and_after(void **state)
     assert_ok(kvh_context_destroy(e, c3));
 }
 
+/* ---- close with a switch in flight ---- */
+
+static void test_close_during_a_switch(void **state)
+{
+    for (int round = 0; round < 6; round++) {
+        kvh_config cfg = tu_cfg(L, H, D, BT, KVH_DTYPE_F32, 60, 200, threads_of(state));
+        kvh_engine *e;
+        assert_ok(kvh_engine_open(&cfg, &e));
+        char pa[600], pb[600];
+        weights *a = tu_alloc(sizeof(weights)), *b = tu_alloc(sizeof(weights));
+        load_weights(e, a, scratch("close_a.bin", pa, sizeof(pa)), 7);
+        load_weights(e, b, scratch("close_b.bin", pb, sizeof(pb)), 8);
+        kv_of(e, a->c, 1);
+        kvh_fence f;
+        assert_ok(kvh_context_switch(e, (kvh_context){0}, a->c, NULL));
+        /* Leaves the fence and the switch to the close. */
+        assert_ok(kvh_context_switch(e, a->c, b->c, &f));
+        if (round % 2)
+            (void)kvh_context_wait_layer(e, b->c, 0, 0);
+        assert_ok(kvh_engine_close(e));
+        tu_free(a);
+        tu_free(b);
+    }
+}
+
 /* ---- many tiny regions ---- */
 
 static void test_many_tiny_regions(void **state)
@@ -342,6 +367,7 @@ int main(void)
         BOTH(test_file_range_that_wraps_is_refused),
         BOTH(test_ping_pong_keeps_every_byte),
         BOTH(test_destroy_during_switch_and_after),
+        BOTH(test_close_during_a_switch),
         BOTH(test_many_tiny_regions),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
