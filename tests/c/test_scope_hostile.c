@@ -613,6 +613,26 @@ static void test_remote_tier_keeps_tenants_apart(void **state)
     assert_int_equal(own_match(e2, 1, 1, 0, t, NB * BT, 31), NB * BT);
     assert_int_equal(tu_stats(e2).remote_hits, 2 * NB);
     assert_ok(tu_close(e2));
+
+    /* A shared part through the store: tenant 5 publishes a one-block
+     * prompt shared in scope 9, then its own two blocks. */
+    int32_t u[NB * BT];
+    tu_iota(u, NB * BT, 2100);
+    kvh_engine *e3;
+    assert_ok(kvh_engine_open(&c, &e3));
+    tu_track_engine(e3);
+    kvh_seq p = tenant(e3, 5, 9, BT, u, NB * BT, 41);
+    assert_ok(kvh_seq_persist(e3, p));
+    assert_ok(tu_close(e3));
+    kvh_engine *e4;
+    assert_ok(kvh_engine_open(&c, &e4));
+    tu_track_engine(e4);
+    assert_int_equal(own_match(e4, 6, 6, 0, u, NB * BT, 0), 0);
+    assert_int_equal(own_match(e4, 6, 9, BT, u, NB * BT, 41), BT); /* the shared block only */
+    assert_int_equal(own_match(e4, 5, 5, 0, u, NB * BT, 0), 0);    /* without its shared part */
+    assert_int_equal(own_match(e4, 5, 9, BT, u, NB * BT, 41), NB * BT);
+    assert_int_equal(own_match(e4, 9, 9, 0, u, NB * BT, 41), BT);
+    assert_ok(tu_close(e4));
 }
 
 /* ---- misuse ---- */
