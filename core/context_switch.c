@@ -368,12 +368,16 @@ static void *switch_thread(void *argp)
 }
 
 /* Lock held (as an entered call). Waits for the previous switch and joins
- * its threads. */
+ * its threads; returns with no switch running and none left to join. The
+ * join drops the lock, and another caller may start and end a switch
+ * meanwhile: its threads are joined too, before c->threads is reused. */
 static void wait_previous_switch(kvh_engine *e, kvhi_contexts *c)
 {
-    while (c->switch_active)
-        pthread_cond_wait(&c->cv, &e->lock);
-    if (c->joinable) {
+    for (;;) {
+        while (c->switch_active)
+            pthread_cond_wait(&c->cv, &e->lock);
+        if (!c->joinable)
+            return;
         pthread_t t[2] = {c->threads[0], c->threads[1]};
         uint32_t n = c->n_threads;
         c->joinable = false;

@@ -8,9 +8,13 @@
  * step, one that hints by number, and one that hints a request once when
  * it enters the queue all give each block the same priority. The
  * priority is kvh_seq_hint's, with the sooner request the higher
- * (INT32_MAX - request, modulo 2^31 - 1), so the victim order, the two
- * priorities a block keeps and their redemption by the next access are
- * those of core/hints.c.
+ * (INT32_MAX - (request - base), base the step rounded down to a
+ * multiple of 2^30), so the victim order, the two priorities a block
+ * keeps and their redemption by the next access are those of
+ * core/hints.c. Every filed request lies in [step, step + 2^24), so its
+ * offset from base stays below 2^30 + 2^24 and the ranks never wrap; when
+ * the step enters the next 2^30 the filed pairs are re-ranked against the
+ * new base (all of them, once every 2^30 steps).
  *
  * What makes a priority stale is its request passing, not time: queue
  * hints leave no lapse record; instead each new (block, request) pair is
@@ -35,7 +39,18 @@ typedef struct kvhi_queue_hint {
     uint32_t block, gen;
 } kvhi_queue_hint;
 
-static int32_t request_priority(uint64_t request) { return (int32_t)(INT32_MAX - (int64_t)(request % INT32_MAX)); }
+#define RANK_WINDOW (1ull << 30)
+
+static uint64_t rank_base(uint64_t step) { return step & ~(RANK_WINDOW - 1); }
+
+/* request >= base and request - base < 2^30 + 2^24: a positive priority,
+ * falling as the request comes later. */
+static int32_t priority_at(uint64_t base, uint64_t request) { return (int32_t)(INT32_MAX - (int64_t)(request - base)); }
+
+static int32_t request_priority(const kvh_engine *e, uint64_t request)
+{
+    return priority_at(rank_base(e->qhint_step), request);
+}
 
 static void heap_swap(kvhi_queue_hint *h, uint32_t i, uint32_t j)
 {
@@ -83,6 +98,34 @@ static kvhi_queue_hint pop_pair(kvh_engine *e)
     return top;
 }
 
+/* The step entered a new window: every pair still filed (its request not
+ * passed, so at or after new_base) is ranked against new_base instead.
+ * Each priority only rises, by the same amount for every pair, so their
+ * order among themselves is kept and heaps take the higher keys as they
+ * are (core/lruk.h). */
+static void rerank(kvh_engine *e, uint64_t old_base, uint64_t new_base)
+{
+    for (uint32_t i = 0; i < e->qhint_count; i++) {
+        const kvhi_queue_hint *r = &e->qhint_heap[i];
+        kvhi_block *blk = &e->blocks[r->block];
+        if (blk->gen != r->gen || !(blk->flags & KVHI_BF_LIVE) || !(blk->flags & KVHI_BF_HINTED))
+            continue;
+        int32_t was = priority_at(old_base, r->request), now = priority_at(new_base, r->request);
+        if (blk->hint_priority == was)
+            blk->hint_priority = now;
+        else if (blk->hint_next == was)
+            blk->hint_next = now;
+        else
+            continue; /* redeemed, or pushed out by two higher ones */
+        if (blk->hint_next > blk->hint_priority) {
+            int32_t t = blk->hint_priority;
+            blk->hint_priority = blk->hint_next;
+            blk->hint_next = t;
+        }
+        kvhi_block_update_evictable(e, r->block);
+    }
+}
+
 kvh_status kvhi_hint_queue(kvh_engine *e, kvhi_seq *s, uint64_t first, uint64_t n, uint64_t request)
 {
     uint32_t b0 = 0, b1 = 0;
@@ -91,7 +134,7 @@ kvh_status kvhi_hint_queue(kvh_engine *e, kvhi_seq *s, uint64_t first, uint64_t 
         return st;
     if (request < e->qhint_step)
         return KVH_OK; /* that request has been taken: nothing left to say */
-    int32_t priority = request_priority(request);
+    int32_t priority = request_priority(e, request);
     for (uint32_t i = b0; i < b1; i++) {
         uint32_t b = s->blocks[i];
         if (!kvhi_hint_set_unlapsing(e, b, priority))
@@ -106,20 +149,23 @@ kvh_status kvhi_hint_advance(kvh_engine *e, uint64_t steps, uint64_t *step)
 {
     if (steps > UINT64_MAX - e->qhint_step)
         return kvhi_fail(KVH_ERR_RANGE, "the hint step would pass 2^64");
-    e->qhint_step += steps;
-    while (e->qhint_count && e->qhint_heap[0].request < e->qhint_step) {
+    uint64_t old_base = rank_base(e->qhint_step), to = e->qhint_step + steps;
+    while (e->qhint_count && e->qhint_heap[0].request < to) {
         kvhi_queue_hint r = pop_pair(e);
         kvhi_block *blk = &e->blocks[r.block];
         if (blk->gen == r.gen && (blk->flags & KVHI_BF_LIVE))
-            kvhi_hint_drop(e, r.block, request_priority(r.request));
+            kvhi_hint_drop(e, r.block, priority_at(old_base, r.request));
     }
+    e->qhint_step = to;
+    if (rank_base(to) != old_base)
+        rerank(e, old_base, rank_base(to));
     *step = e->qhint_step;
     return KVH_OK;
 }
 
 bool kvhi_hint_queue_due(const kvh_engine *e, int32_t priority)
 {
-    return e->qhint_count && priority != KVHI_HINT_NONE && priority >= request_priority(e->qhint_step);
+    return e->qhint_count && priority != KVHI_HINT_NONE && priority >= request_priority(e, e->qhint_step);
 }
 
 void kvhi_hint_queue_free(kvh_engine *e)

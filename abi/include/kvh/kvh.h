@@ -902,13 +902,15 @@ typedef enum kvh_hint_place {
  * counts steps, the requests taken from the caller's queue (0 at open);
  * the request at position p is request number step + p. Tokens
  * [first, first + n) of seq will be read by that request. The blocks are
- * hinted as kvh_seq_hint does at priority INT32_MAX - request (request
- * numbers compared modulo 2^31 - 1, so the sooner request ranks higher),
- * and the same rules hold: a block keeps its two soonest requests, and
- * the first access after a hint redeems the sooner; so does any access
- * once the step has reached that request, hinted again or not (while
- * queue hints are in use, a kvh_seq_hint priority at or above
- * INT32_MAX - step counts as such a request). Hinting by position
+ * hinted as kvh_seq_hint does at priority INT32_MAX - (request - base),
+ * base the step rounded down to a multiple of 2^30 (when the step enters
+ * the next multiple, the queued requests are ranked again against it, so
+ * at any step count the sooner request ranks higher), and the same rules
+ * hold: a block keeps its two soonest requests, and the first access
+ * after a hint redeems the sooner; so does any access once the step has
+ * reached that request, hinted again or not (while queue hints are in
+ * use, a kvh_seq_hint priority at or above INT32_MAX - (step - base)
+ * counts as such a request). Hinting by position
  * before every step, by request number, or once when a request enters
  * the queue gives every block the same priority, as long as the caller
  * calls kvh_hint_advance once per request taken; the one difference: a
