@@ -347,6 +347,67 @@ static void test_forged_hash_cannot_block_or_probe_a_tenant(void **state)
         fail_msg("a block of scope 2 with the hash of a block of scope 1 changed what either scope finds");
 }
 
+/* The hash of a first block (parent 0) under salt, as kvh.h defines H:
+ * what a tenant computes from a salt it knows or guesses. */
+static uint64_t public_hash(uint64_t salt, const int32_t *tk)
+{
+    const uint64_t golden = 0x9e3779b97f4a7c15ull;
+    uint64_t h = mix64(0 ^ 0x6b7668u) ^ mix64(salt + golden);
+    h = mix64(h + BT);
+    for (size_t i = 0; i + 1 < BT; i += 2) {
+        uint64_t w = (uint64_t)(uint32_t)tk[i] | ((uint64_t)(uint32_t)tk[i + 1] << 32);
+        h = mix64(h ^ w) + golden;
+    }
+    h = mix64(h);
+    return h ? h : 1;
+}
+
+/* kvh.h's remedy: with a secret model_salt, a tenant that knows every
+ * scope value, the victim's tokens and H, but not the salt, aims its
+ * forgery with a guessed salt; it misses, and neither tenant's prefix is
+ * kept out or probed, in memory, on disk and after a reopen. */
+static void test_forgery_without_the_secret_salt_changes_nothing(void **state)
+{
+    static const uint64_t guesses[] = {0, 0x5eed, 1};
+    for (size_t g = 0; g < sizeof(guesses) / sizeof(guesses[0]); g++) {
+        char dir[PATH_MAX];
+        dt_scratch("scope_secret", dir, sizeof(dir));
+        dt_rmrf(dir);
+        kvh_config c = dt_cfg(G, dir, 16, 16, 64, threads_of(state));
+        c.model_salt = 0xc3a5c85c97cb3127ull; /* the secret */
+        kvh_engine *e = dt_open_a(&c);
+        int32_t t[BT], f[BT];
+        tu_iota(t, BT, 1800);
+        tu_iota(f, BT, 1900);
+        /* The forger's arithmetic is right: with the real salt it would
+         * hit (the parked test above shows what that does). */
+        uint64_t hv;
+        assert_ok(kvh_prefix_hash_scoped(e, 1, 0, t, BT, &hv));
+        assert_true(public_hash(scope_salt(c.model_salt, 1), t) == hv);
+        uint64_t aim = public_hash(scope_salt(guesses[g], 1), t);
+        forge_tokens(scope_salt(guesses[g], 2), aim, f);
+        assert_true(public_hash(scope_salt(guesses[g], 2), f) == aim);
+        uint64_t hf;
+        assert_ok(kvh_prefix_hash_scoped(e, 2, 0, f, BT, &hf));
+        assert_true(hf != hv);
+
+        kvh_seq forger = tenant(e, 2, 2, 0, f, BT, 22);
+        kvh_seq victim = tenant(e, 1, 1, 0, t, BT, 11);
+        assert_int_equal(tu_seq_binfo(e, victim, 0).published, 1);
+        assert_int_equal(own_match(e, 1, 1, 0, t, BT, 11), BT);
+        assert_ok(kvh_seq_persist(e, forger));
+        assert_ok(kvh_seq_persist(e, victim));
+        assert_ok(kvh_seq_free(e, forger));
+        assert_ok(kvh_seq_free(e, victim));
+        assert_ok(dt_close(e));
+        e = dt_open_a(&c);
+        assert_int_equal(own_match(e, 1, 1, 0, t, BT, 11), BT);
+        assert_int_equal(own_match(e, 2, 2, 0, f, BT, 22), BT);
+        assert_ok(dt_close(e));
+        dt_rmrf(dir);
+    }
+}
+
 /* The same forgery through the remote tier (parked with the above):
  * values are keyed by block hash and the first writer wins, so the
  * forger's upload keeps the victim's out of the store. */
@@ -709,6 +770,7 @@ int main(void)
         BOTH(test_miss_on_disk_blocks_reads_nothing),
         BOTH(test_miss_does_not_refresh_recency),
         BOTH(test_forged_hash_cannot_block_or_probe_a_tenant),
+        BOTH(test_forgery_without_the_secret_salt_changes_nothing),
         BOTH(test_fork_truncate_and_rescope),
         BOTH(test_offload_batch_mixing_scopes),
         cmocka_unit_test_teardown(test_remote_tier_keeps_tenants_apart, teardown),

@@ -265,7 +265,8 @@ typedef struct kvh_config {
      * or others can write is refused (KVH_ERR_IO), and no store file is
      * opened through a symbolic link. */
     const char *disk_path;
-    uint64_t model_salt;         /* namespace of prefix hashes (model identity) */
+    uint64_t model_salt;         /* namespace of prefix hashes (model identity); secret
+                                    where tenants choose tokens ("Tenant scopes") */
     int32_t numa_node;           /* host tier + workers bound here; -1: none */
     uint32_t migration_threads;  /* default 2; 0 = migrate in caller */
     uint64_t migration_cpu_mask; /* bit i = CPU i for workers; 0 = any */
@@ -1138,9 +1139,23 @@ KVH_API kvh_status kvh_blocks_persist(kvh_engine *engine, const kvh_block *block
  * and tokens the hash is a one-to-one function of the salt (save that a
  * hash of 0 is stored as 1, so two salts may both give 1: a 2^-64
  * event), and the salt a one-to-one function of the scope. Two scopes therefore share no block,
- * whatever tokens or scope values are chosen, and a hit of another
- * scope's blocks, or a timing difference from one, cannot be observed.
- * Within one scope a hit is faster than a miss by design. */
+ * whatever tokens or scope values are chosen: no tenant ever reads
+ * another's K/V. Within one scope a hit is faster than a miss by design.
+ *
+ * H is not a cryptographic hash: whoever knows model_salt can choose the
+ * last tokens of a block so that its hash in one scope equals a given
+ * block's hash in another. The cache keeps one block per hash (in
+ * memory, on disk and in the remote store), so of two such blocks the
+ * one published first keeps the other out: the other's owner misses on
+ * it, and can tell from that miss that the first was cached. A caller
+ * whose tenants choose tokens therefore sets model_salt to a secret
+ * (e.g. 64 random bits kept with its configuration, the same on every
+ * engine that shares a store or a remote tier) and never shows a tenant
+ * a hash (kvh_prefix_hash*, the remote tier's key names, store files):
+ * one hash and its tokens give the salt away. With the salt unknown a
+ * tenant cannot compute any hash, so it cannot aim one at another
+ * tenant's block, and a hit of another scope's blocks, or a timing
+ * difference from one, cannot be observed. */
 
 /* Sets the scope of an empty sequence (new, or truncated to 0): its
  * publishes and kvh_seq_match_prefix hash in it from now on, as above;
