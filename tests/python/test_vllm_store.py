@@ -138,6 +138,7 @@ def test_channel_refuses_oversized_messages(tmp_path):
 
 def _store(tmp_path: Path, **kw) -> KvStore:
     s = settings.Settings(
+        hash_secret=kw.pop("hash_secret", None),
         disk_path=str(tmp_path / "store"),
         disk_bytes=kw.pop("disk_bytes", 64 << 20),
         host_bytes=kw.pop("host_bytes", 16 << 20),
@@ -279,6 +280,44 @@ def test_salt_separates_models_ranks_and_geometry():
     a = model_salt({"model": "m", "tp_rank": 0})
     assert a == model_salt({"tp_rank": 0, "model": "m"})
     assert a != model_salt({"model": "m", "tp_rank": 1}) and a != model_salt({"model": "n", "tp_rank": 0})
+
+
+def test_hash_secret_keys_the_salt_and_stays_out_of_reprs():
+    ident = {"model": "m", "tp_rank": 0}
+    public = model_salt(ident)
+    keyed = model_salt(ident, "s3cret")
+    assert keyed == model_salt(dict(ident), "s3cret")  # every instance with the secret agrees
+    assert keyed not in (public, model_salt(ident, "s3cres"), model_salt({"model": "n", "tp_rank": 0}, "s3cret"))
+    s = settings.load({"hash_secret": "s3cret", "remote_password": "pw"}, environ={})
+    assert s.hash_secret == "s3cret" and "s3cret" not in repr(s) and "pw" not in repr(s)
+    assert settings.load({}, environ={"KVH_VLLM_HASH_SECRET": "e"}).hash_secret == "e"
+    assert settings.load({}, environ={}).hash_secret is None
+
+
+def test_a_store_keyed_by_a_secret_finds_its_blocks_only_with_it(tmp_path, mem):
+    """The secret changes every hash: a restarted worker with the same
+    secret finds what was saved, one without it (or with another) finds
+    nothing and never reads those bytes."""
+    toks = np.arange(2 * B, dtype=np.int32) + 700
+    orig = mem.copy()
+    st = _store(tmp_path, hash_secret="k1")
+    _register(st, mem)
+    assert st.save("a", toks, 0, [0, 1]) == 2
+    st.forget(["a"])
+    st.flush()
+    st.close()
+    for secret, found in ((None, 0), ("k2", 0), ("k1", 2 * B)):
+        st = _store(tmp_path, hash_secret=secret)
+        _register(st, mem)
+        assert st.lookup("q", toks) == found, secret
+        st.forget(["q"])
+        st.close()
+    st = _store(tmp_path, hash_secret="k1")
+    _register(st, mem)
+    assert st.lookup("r", toks) == 2 * B
+    assert st.load("r", toks, 0, [4, 5]) == []
+    np.testing.assert_array_equal(mem[:, [4, 5]], orig[:, [0, 1]])
+    st.close()
 
 
 def test_cache_salt_scopes_share_nothing_across_tenants_even_after_a_restart(tmp_path, mem):

@@ -153,6 +153,7 @@ class KvhConnector(KVConnectorBase_V1):
         self._loads: List[Transfer] = []
         self._clients: Optional[List[Client]] = None
         self._channel_warned = False
+        self._secret_warned = False
         # worker side
         self._store: Optional[KvStore] = None
         self._server: Optional[Server] = None
@@ -243,9 +244,9 @@ class KvhConnector(KVConnectorBase_V1):
         self._layer_index = {n: i for i, n in enumerate(names)}
         self._store = store
         logger.info(
-            "kvh: store %s (salt %016x), host %d MiB, disk %s; lookups on %s",
+            "kvh: store %s (salt %s), host %d MiB, disk %s; lookups on %s",
             store.disk_path or "(no disk tier)",
-            store.salt,
+            "keyed by hash_secret" if self._settings.hash_secret else f"{store.salt:016x}",
             self._settings.host_bytes >> 20,
             f"{self._settings.disk_bytes >> 20} MiB" if store.disk_path else "off",
             path,
@@ -381,7 +382,15 @@ class KvhConnector(KVConnectorBase_V1):
         n = len(tokens) - 1
         if n - n % self._block_size <= num_computed_tokens and n - num_computed_tokens < self._tail_min():
             return 0, False
-        matched = self._lookup(request.request_id, np.asarray(tokens[:n], dtype=np.int32), _scope_of(request))
+        scope = _scope_of(request)
+        if scope and not self._settings.hash_secret and not self._secret_warned:
+            self._secret_warned = True
+            logger.warning(
+                "kvh: requests carry cache_salt but hash_secret is not set: a tenant who knows the model can "
+                "choose tokens whose block hash equals another tenant's and so keep it out of the cache or "
+                "learn that it was cached; set kv_connector_extra_config hash_secret (or KVH_VLLM_HASH_SECRET)"
+            )
+        matched = self._lookup(request.request_id, np.asarray(tokens[:n], dtype=np.int32), scope)
         st = self._reqs.setdefault(request.request_id, _SchedReq(request))
         st.query = (num_computed_tokens, matched)
         if matched <= num_computed_tokens:

@@ -53,6 +53,14 @@ extra_config key       environment variable      default
 ``remote_password``    ``KVH_VLLM_REMOTE_PASSWORD`` none (AUTH password)
 ``remote_timeout_ms``  ``KVH_VLLM_REMOTE_TIMEOUT_MS`` the library's (50)
 ``remote_ttl_s``       ``KVH_VLLM_REMOTE_TTL_S`` the library's (86400)
+``hash_secret``        ``KVH_VLLM_HASH_SECRET``  none; a secret string keys
+                                                 the prefix hashes (HMAC of the
+                                                 model identity), so tenants
+                                                 (``cache_salt``) cannot aim
+                                                 a block's hash at another
+                                                 tenant's (kvh.h "Tenant
+                                                 scopes"); the same on every
+                                                 instance sharing a store
 =====================  ========================  ==============================
 
 Sizes accept a plain number of bytes or a suffix: ``512M``, ``8G``, ``1T``.
@@ -161,9 +169,10 @@ class Settings:
     prefault_memory: bool = True
     remote_addrs: Optional[str] = None
     remote_user: Optional[str] = None
-    remote_password: Optional[str] = None
+    remote_password: Optional[str] = dataclasses.field(default=None, repr=False)
     remote_timeout_ms: Optional[int] = None
     remote_ttl_s: Optional[int] = None
+    hash_secret: Optional[str] = dataclasses.field(default=None, repr=False)
 
     def engine_remote_fields(self) -> dict:
         """The kvh.Config fields of the remote tier (empty without one)."""
@@ -201,6 +210,7 @@ _KEYS = {
     "remote_password": ("KVH_VLLM_REMOTE_PASSWORD", lambda v: str(v) or None),
     "remote_timeout_ms": ("KVH_VLLM_REMOTE_TIMEOUT_MS", int),
     "remote_ttl_s": ("KVH_VLLM_REMOTE_TTL_S", int),
+    "hash_secret": ("KVH_VLLM_HASH_SECRET", lambda v: str(v) or None),
 }
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import hmac
 import logging
 import os
 import threading
@@ -49,12 +50,18 @@ class StoreUnavailable(RuntimeError):
     then stays out of vLLM's way."""
 
 
-def model_salt(identity: Dict[str, Any]) -> int:
+def model_salt(identity: Dict[str, Any], secret: Optional[str] = None) -> int:
     """64-bit namespace of the prefix hashes: the model, dtype, block size,
     geometry and tensor-parallel rank, so a block is only ever found by the
-    same model laid out the same way."""
-    text = SALT_VERSION + "|" + "|".join(f"{k}={identity[k]}" for k in sorted(identity))
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") or 1
+    same model laid out the same way. With a secret the salt is an HMAC of
+    that identity, which a tenant who knows the model cannot compute, so it
+    cannot choose tokens whose hash equals another tenant's block."""
+    text = (SALT_VERSION + "|" + "|".join(f"{k}={identity[k]}" for k in sorted(identity))).encode()
+    if secret:
+        digest = hmac.new(secret.encode(), text, hashlib.sha256).digest()
+    else:
+        digest = hashlib.sha256(text).digest()
+    return int.from_bytes(digest[:8], "little") or 1
 
 
 @dataclass
@@ -179,9 +186,8 @@ class KvStore:
             )
         self.settings = settings
         self.block_tokens = block_tokens
-        self.salt = model_salt(
-            dict(identity, layers=num_layers, kv_heads=num_kv_heads, head_dim=head_dim, block=block_tokens, dtype=dtype)
-        )
+        layout = dict(layers=num_layers, kv_heads=num_kv_heads, head_dim=head_dim, block=block_tokens, dtype=dtype)
+        self.salt = model_salt(dict(identity, **layout), settings.hash_secret)
         row = num_layers * 2 * num_kv_heads * block_tokens * head_dim * {"f32": 4, "f16": 2, "bf16": 2}[dtype]
         fields: Dict[str, Any] = dict(
             num_layers=num_layers,
