@@ -372,7 +372,7 @@ __attribute__((always_inline)) static inline void block_destroy(kvh_engine *e, u
     heaps_remove(e, b);
     kvhi_adapt_forget(e, &e->adapt, b);
     if (blk->flags & KVHI_BF_PUBLISHED)
-        kvhi_prefix_erase(&e->prefix, blk->hash);
+        kvhi_prefix_erase(&e->prefix, blk->hash, b);
     if (e->disk)
         kvhi_disk_forget(e, b);
     kvhi_clean_drop(e, b);
@@ -407,7 +407,7 @@ __attribute__((always_inline)) static inline void block_free_now(kvh_engine *e, 
         kvhi_block_release_key_clear(e, b);
         heaps_remove(e, b);
         if (blk->flags & KVHI_BF_PUBLISHED) {
-            kvhi_prefix_erase(&e->prefix, blk->hash);
+            kvhi_prefix_erase(&e->prefix, blk->hash, b);
             blk->flags &= (uint16_t)~KVHI_BF_PUBLISHED;
         }
         return;
@@ -639,10 +639,31 @@ void kvhi_block_try_publish(kvh_engine *e, uint32_t b)
     if ((blk->flags & need) != need || (blk->flags & (KVHI_BF_PUBLISHED | KVHI_BF_DEAD)))
         return;
     /* A block with the same prefix may be cached already: keep that one. */
-    if (kvhi_prefix_insert(&e->prefix, blk->hash, b) == 0) {
-        blk->flags |= KVHI_BF_PUBLISHED;
+    if (kvhi_block_publish_unique(e, b))
         kvhi_remote_queue_upload(e, b, KVH_REMOTE_UPLOAD_WRITE_THROUGH);
-    }
+}
+
+uint32_t kvhi_block_find_published(kvh_engine *e, uint64_t hash, uint64_t parent, const int32_t *tokens)
+{
+    size_t bytes = e->cfg.block_tokens * sizeof(int32_t);
+    uint64_t pos = 0;
+    for (uint32_t b; (b = kvhi_prefix_next(&e->prefix, hash, &pos)) != KVHI_PREFIX_MISS;)
+        if (e->blocks[b].parent_hash == parent && memcmp(kvhi_block_tokens(e, b), tokens, bytes) == 0)
+            return b;
+    return KVHI_PREFIX_MISS;
+}
+
+bool kvhi_block_publish_unique(kvh_engine *e, uint32_t b)
+{
+    kvhi_block *blk = kvhi_blk(e, b);
+    /* One whose tokens were chosen to give another prefix's hash (or a
+     * true collision) is published beside it, so neither keeps the other
+     * out of the cache (kvh.h "Tenant scopes"). */
+    if (kvhi_block_find_published(e, blk->hash, blk->parent_hash, kvhi_block_tokens(e, b)) != KVHI_PREFIX_MISS ||
+        kvhi_prefix_insert(&e->prefix, blk->hash, b) != 0)
+        return false;
+    blk->flags |= KVHI_BF_PUBLISHED;
+    return true;
 }
 
 kvh_status kvhi_block_cow(kvh_engine *e, uint32_t b, uint32_t agent, uint32_t *out)

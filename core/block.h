@@ -228,6 +228,13 @@ void kvhi_block_touch(kvh_engine *e, uint32_t b);
 /* Blocks until b is not in flight (drops and retakes the lock). */
 void kvhi_block_wait_idle(kvh_engine *e, uint32_t b);
 void kvhi_block_try_publish(kvh_engine *e, uint32_t b);
+/* The published block of the prefix (hash, parent, tokens: a full
+ * block's), or KVHI_PREFIX_MISS. Blocks of other prefixes with the same
+ * hash never answer for it. */
+uint32_t kvhi_block_find_published(kvh_engine *e, uint64_t hash, uint64_t parent, const int32_t *tokens);
+/* Publishes full block b (hash, parent_hash and tokens set) unless a
+ * block of its prefix is published already; true when b is published. */
+bool kvhi_block_publish_unique(kvh_engine *e, uint32_t b);
 bool kvhi_block_kv_complete(kvh_engine *e, uint32_t b);
 static inline uint64_t kvhi_block_handle(kvh_engine *e, uint32_t b)
 {

@@ -140,7 +140,8 @@ kvh_status kvhi_disk_tier_recover(kvh_engine *e)
         kvhi_index_entry *ent = &l->items[i];
         /* Records can be forged with valid CRCs: hash 0 names no block. */
         if (ent->slot >= t->slots.capacity || used[ent->slot] || ent->n_tokens != bt || ent->hash == 0 ||
-            kvhi_prefix_find(&e->prefix, ent->hash) != KVHI_PREFIX_MISS || e->block_free_top == 0) {
+            kvhi_block_find_published(e, ent->hash, ent->parent, ent->tokens) != KVHI_PREFIX_MISS ||
+            e->block_free_top == 0) {
             /* A duplicate or unusable record: forget it. */
             kvhi_index_append(e->disk, KVHI_REC_DEL, ent->slot, ent->hash, ent->parent, ent->n_tokens, ent->data_crc,
                               ent->tokens);
@@ -581,7 +582,7 @@ kvh_status kvhi_disk_persist_blocks(kvh_engine *e, const uint32_t *blocks, uint3
         }
         kvhi_block_try_publish(e, b);
         if (!(blk->flags & KVHI_BF_PUBLISHED)) {
-            uint32_t twin = kvhi_prefix_find(&e->prefix, blk->hash);
+            uint32_t twin = kvhi_block_find_published(e, blk->hash, blk->parent_hash, kvhi_block_tokens(e, b));
             if (twin != KVHI_PREFIX_MISS)
                 b = twin;
         }

@@ -82,9 +82,8 @@ uint32_t kvhi_pool_find_cached(kvh_engine *e, uint64_t salt, uint64_t parent, co
     uint32_t bt = e->cfg.block_tokens;
     uint64_t h = kvhi_prefix_hash(parent, tokens, bt, salt);
     *hash = h;
-    uint32_t b = kvhi_prefix_find(&e->prefix, h);
-    if (b != KVHI_PREFIX_MISS && e->blocks[b].parent_hash == parent &&
-        memcmp(kvhi_block_tokens(e, b), tokens, bt * sizeof(int32_t)) == 0) {
+    uint32_t b = kvhi_block_find_published(e, h, parent, tokens);
+    if (b != KVHI_PREFIX_MISS) {
         kvhi_block_ref(e, b);
         kvhi_block_touch(e, b);
         return b;

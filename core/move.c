@@ -191,7 +191,7 @@ kvh_status kvhi_mark_corrupt(kvh_engine *e, uint32_t b, const char *why)
     e->stats.corrupt_blocks++;
     blk->flags |= KVHI_BF_CORRUPT;
     if (blk->flags & KVHI_BF_PUBLISHED) {
-        kvhi_prefix_erase(&e->prefix, blk->hash);
+        kvhi_prefix_erase(&e->prefix, blk->hash, b);
         blk->flags &= (uint16_t)~KVHI_BF_PUBLISHED;
     }
     if (blk->flags & KVHI_BF_JOURNALED) {

@@ -64,37 +64,25 @@ void kvhi_prefix_destroy(kvhi_prefix_index *ix)
     ix->count = 0;
 }
 
-uint32_t kvhi_prefix_find(const kvhi_prefix_index *ix, uint64_t hash)
-{
-    if (hash == 0) /* the empty key: never stored (a forged record may name it) */
-        return KVHI_PREFIX_MISS;
-    for (uint64_t i = hash & ix->mask;; i = (i + 1) & ix->mask) {
-        uint64_t k = ix->keys[i];
-        if (k == hash)
-            return ix->values[i];
-        if (k == 0)
-            return KVHI_PREFIX_MISS;
-    }
-}
-
 int kvhi_prefix_insert(kvhi_prefix_index *ix, uint64_t hash, uint32_t value)
 {
     if (hash == 0)
         return -1;
     uint64_t i = hash & ix->mask;
-    for (; ix->keys[i] != 0; i = (i + 1) & ix->mask)
-        if (ix->keys[i] == hash)
-            return -1;
+    while (ix->keys[i] != 0)
+        i = (i + 1) & ix->mask;
     ix->keys[i] = hash;
     ix->values[i] = value;
     ix->count++;
     return 0;
 }
 
-void kvhi_prefix_erase(kvhi_prefix_index *ix, uint64_t hash)
+void kvhi_prefix_erase(kvhi_prefix_index *ix, uint64_t hash, uint32_t value)
 {
+    if (hash == 0)
+        return;
     uint64_t i = hash & ix->mask;
-    while (ix->keys[i] != hash) {
+    while (ix->keys[i] != hash || ix->values[i] != value) {
         if (ix->keys[i] == 0)
             return;
         i = (i + 1) & ix->mask;

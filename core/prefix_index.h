@@ -42,10 +42,38 @@ uint64_t kvhi_scope_block_salt(uint64_t model_salt, const kvhi_scope *sc, uint64
 
 int kvhi_prefix_init(kvhi_prefix_index *ix, uint64_t max_entries);
 void kvhi_prefix_destroy(kvhi_prefix_index *ix);
-/* Hash 0 (the empty key) is never found and never inserted. */
-uint32_t kvhi_prefix_find(const kvhi_prefix_index *ix, uint64_t hash);
-/* Returns 0, or -1 if the hash is present already (or is 0). */
+/* Values stored under hash, one per call: *pos starts at 0, and
+ * KVHI_PREFIX_MISS follows the last. One hash may name several values:
+ * blocks of different prefixes whose hashes are equal (a collision, or
+ * one a caller forged by choosing tokens) are kept side by side, and the
+ * caller tells them apart by parent and tokens (kvhi_block_find_published).
+ * Hash 0 (the empty key) is never found and never inserted. */
+static inline uint32_t kvhi_prefix_next(const kvhi_prefix_index *ix, uint64_t hash, uint64_t *pos)
+{
+    if (hash == 0) /* the empty key: never stored (a forged record may name it) */
+        return KVHI_PREFIX_MISS;
+    /* *pos counts the slots of hash's probe run already looked at. */
+    for (;;) {
+        uint64_t i = (hash + *pos) & ix->mask;
+        uint64_t k = ix->keys[i];
+        if (k == 0 || *pos > ix->mask)
+            return KVHI_PREFIX_MISS;
+        (*pos)++;
+        if (k == hash)
+            return ix->values[i];
+    }
+}
+/* The first value stored under hash: white-box tests use it; the engine
+ * looks blocks up by prefix (kvhi_block_find_published). */
+static inline uint32_t kvhi_prefix_find(const kvhi_prefix_index *ix, uint64_t hash)
+{
+    uint64_t pos = 0;
+    return kvhi_prefix_next(ix, hash, &pos);
+}
+/* Adds (hash, value); the caller has checked that no equal prefix is
+ * stored. Returns 0, or -1 for hash 0. */
 int kvhi_prefix_insert(kvhi_prefix_index *ix, uint64_t hash, uint32_t value);
-void kvhi_prefix_erase(kvhi_prefix_index *ix, uint64_t hash);
+/* Removes (hash, value), leaving other values of hash in place. */
+void kvhi_prefix_erase(kvhi_prefix_index *ix, uint64_t hash, uint32_t value);
 
 #endif

@@ -87,9 +87,8 @@ static void unclaim(kvh_engine *e, uint32_t b)
 static void attach(kvh_engine *e, kvhi_seq *s, size_t i, uint32_t b, uint64_t hash, uint64_t parent, const int32_t *tk)
 {
     uint32_t bt = e->cfg.block_tokens;
-    uint32_t have = kvhi_prefix_find(&e->prefix, hash);
-    if (have != KVHI_PREFIX_MISS && e->blocks[have].parent_hash == parent &&
-        memcmp(kvhi_block_tokens(e, have), tk, sizeof(int32_t) * bt) == 0 && e->blocks[have].refs < UINT32_MAX) {
+    uint32_t have = kvhi_block_find_published(e, hash, parent, tk);
+    if (have != KVHI_PREFIX_MISS && e->blocks[have].refs < UINT32_MAX) {
         unclaim(e, b);
         b = have;
         kvhi_block_ref(e, b);
@@ -103,8 +102,7 @@ static void attach(kvh_engine *e, kvhi_seq *s, size_t i, uint32_t b, uint64_t ha
         blk->flags |= KVHI_BF_HASHED | KVHI_BF_KV_COMPLETE;
         /* Published as kvhi_block_try_publish does, but not queued for
          * upload: the store is where it came from. */
-        if (kvhi_prefix_insert(&e->prefix, hash, b) == 0)
-            blk->flags |= KVHI_BF_PUBLISHED;
+        kvhi_block_publish_unique(e, b);
         kvhi_block_unhold(e, b);
     }
     s->blocks[i] = b;

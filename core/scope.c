@@ -26,10 +26,8 @@ void kvhi_prefix_lookup(kvh_engine *e, const kvhi_scope *sc, const int32_t *toke
     e->stats.prefix_queries++;
     for (; i < n / bt && i < cap; i++) {
         uint64_t h = kvhi_prefix_hash(parent, tokens + i * bt, bt, kvhi_scope_block_salt(e->cfg.model_salt, sc, i, bt));
-        uint32_t b = kvhi_prefix_find(&e->prefix, h);
-        /* Guard against hash collisions: the parent and the tokens must agree. */
-        if (b == KVHI_PREFIX_MISS || e->blocks[b].parent_hash != parent ||
-            memcmp(kvhi_block_tokens(e, b), tokens + i * bt, bt * sizeof(int32_t)) != 0)
+        uint32_t b = kvhi_block_find_published(e, h, parent, tokens + i * bt);
+        if (b == KVHI_PREFIX_MISS)
             break;
         kvhi_block_ref_handle(e, b);
         kvhi_block_touch(e, b);

@@ -472,13 +472,10 @@ kvh_status kvhi_seq_match_prefix(kvh_engine *e, kvhi_seq *s, const int32_t *toke
     for (; i < nb; i++) {
         const int32_t *tk = tokens + i * bt;
         uint64_t h = kvhi_prefix_hash(parent, tk, bt, kvhi_scope_block_salt(e->cfg.model_salt, &s->scope, i, bt));
-        uint32_t b = kvhi_prefix_find(&e->prefix, h);
+        uint32_t b = kvhi_block_find_published(e, h, parent, tk);
         if (b == KVHI_PREFIX_MISS)
             break;
         kvhi_block *blk = &e->blocks[b];
-        /* Guard against hash collisions: the parent and the tokens must agree. */
-        if (blk->parent_hash != parent || memcmp(kvhi_block_tokens(e, b), tk, bt * sizeof(int32_t)) != 0)
-            break;
         blk->refs++;            /* not kvhi_block_ref: the touch re-keys it */
         kvhi_block_touch(e, b); /* also re-keys it: referenced now */
         s->blocks[i] = b;

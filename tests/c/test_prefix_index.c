@@ -6,22 +6,33 @@
 
 /* ---- the index against a reference ---- */
 
+/* A multimap: one key may hold several values (blocks of different
+ * prefixes with equal hashes); each (key, value) pair is stored once. */
 typedef struct ref_map {
     uint64_t keys[1024];
     uint32_t vals[1024];
     uint32_t n;
 } ref_map;
 
-static int ref_find(const ref_map *m, uint64_t k)
+static int ref_find(const ref_map *m, uint64_t k, uint32_t v)
 {
     for (uint32_t i = 0; i < m->n; i++)
-        if (m->keys[i] == k)
+        if (m->keys[i] == k && m->vals[i] == v)
             return (int)i;
     return -1;
 }
 
+static uint32_t ref_count(const ref_map *m, uint64_t k)
+{
+    uint32_t c = 0;
+    for (uint32_t i = 0; i < m->n; i++)
+        c += m->keys[i] == k;
+    return c;
+}
+
 /* Linear-probing invariant: every key sits at its home or after it with no
- * empty slot in between; and the table holds exactly the reference. */
+ * empty slot in between; the table holds exactly the reference; and
+ * kvhi_prefix_next gives each key's values, each once. */
 static void check_table(const kvhi_prefix_index *ix, const ref_map *m)
 {
     uint64_t cap = ix->mask + 1, stored = 0;
@@ -30,16 +41,23 @@ static void check_table(const kvhi_prefix_index *ix, const ref_map *m)
         if (!k)
             continue;
         stored++;
-        int r = ref_find(m, k);
-        assert_true(r >= 0);
-        assert_int_equal(ix->values[i], m->vals[r]);
+        assert_true(ref_find(m, k, ix->values[i]) >= 0);
         for (uint64_t j = k & ix->mask; j != i; j = (j + 1) & ix->mask)
             assert_true(ix->keys[j] != 0);
     }
     assert_int_equal(stored, m->n);
     assert_int_equal(ix->count, m->n);
-    for (uint32_t i = 0; i < m->n; i++)
-        assert_int_equal(kvhi_prefix_find(ix, m->keys[i]), m->vals[i]);
+    for (uint32_t i = 0; i < m->n; i++) {
+        uint64_t pos = 0;
+        uint32_t seen = 0, v, mine = 0;
+        while ((v = kvhi_prefix_next(ix, m->keys[i], &pos)) != KVHI_PREFIX_MISS) {
+            assert_true(ref_find(m, m->keys[i], v) >= 0);
+            mine += v == m->vals[i];
+            seen++;
+        }
+        assert_int_equal(mine, 1);
+        assert_int_equal(seen, ref_count(m, m->keys[i]));
+    }
 }
 
 /* Keys whose low bits (the home slot) fall in a few neighbouring values,
@@ -63,39 +81,40 @@ static void run_random(uint64_t seed, uint64_t max_entries, int ops, int collidi
     assert_true(ix.mask + 1 >= 2 * max_entries);
     ref_map *m = tu_alloc(sizeof(ref_map));
     assert_true(max_entries <= 1024);
+    uint32_t next_value = 0;
     for (int op = 0; op < ops; op++) {
         uint32_t what = (uint32_t)tu_below(&r, 10);
-        if (what < 5 && m->n < max_entries) {
-            uint64_t k = colliding ? colliding_key(&r, ix.mask) : (tu_next(&r) | 1);
-            uint32_t v = (uint32_t)tu_next(&r);
-            if (v == KVHI_PREFIX_MISS)
-                v = 0;
-            int exists = ref_find(m, k) >= 0;
-            assert_int_equal(kvhi_prefix_insert(&ix, k, v), exists ? -1 : 0);
-            if (!exists) {
-                m->keys[m->n] = k;
-                m->vals[m->n++] = v;
-            }
-        } else if (what < 6 && m->n) {
-            /* Re-insert of a present key fails and keeps the old value. */
-            uint32_t i = (uint32_t)tu_below(&r, m->n);
-            assert_int_equal(kvhi_prefix_insert(&ix, m->keys[i], 12345), -1);
+        if (what < 6 && m->n < max_entries) {
+            /* A new key, or (one time in three) a present one: equal
+             * hashes of different prefixes sit side by side. */
+            uint64_t k = m->n && what < 2 ? m->keys[tu_below(&r, m->n)]
+                         : colliding      ? colliding_key(&r, ix.mask)
+                                          : (tu_next(&r) | 1);
+            uint32_t v = next_value++;
+            assert_int_equal(kvhi_prefix_insert(&ix, k, v), 0);
+            m->keys[m->n] = k;
+            m->vals[m->n++] = v;
         } else if (what < 9 && m->n) {
             uint32_t i = (uint32_t)tu_below(&r, m->n);
-            kvhi_prefix_erase(&ix, m->keys[i]);
+            /* Another value of the same key is not this pair: nothing goes. */
+            kvhi_prefix_erase(&ix, m->keys[i], next_value + 7);
+            check_table(&ix, m);
+            kvhi_prefix_erase(&ix, m->keys[i], m->vals[i]);
             m->keys[i] = m->keys[m->n - 1];
             m->vals[i] = m->vals[m->n - 1];
             m->n--;
         } else {
             /* Erase / find of an absent key with a popular home slot. */
             uint64_t k = colliding ? colliding_key(&r, ix.mask) : (tu_next(&r) | 1);
-            if (ref_find(m, k) < 0) {
+            if (ref_count(m, k) == 0) {
                 assert_int_equal(kvhi_prefix_find(&ix, k), KVHI_PREFIX_MISS);
-                kvhi_prefix_erase(&ix, k);
+                kvhi_prefix_erase(&ix, k, 0);
             }
         }
         check_table(&ix, m);
     }
+    assert_int_equal(kvhi_prefix_insert(&ix, 0, 1), -1);
+    assert_int_equal(kvhi_prefix_find(&ix, 0), KVHI_PREFIX_MISS);
     kvhi_prefix_destroy(&ix);
     assert_null(ix.keys);
 }
@@ -135,7 +154,7 @@ static void test_backward_shift_wraparound(void **state)
     assert_int_equal(ix.keys[1], d);
     assert_int_equal(ix.keys[2], e);
     assert_int_equal(ix.keys[3], f);
-    kvhi_prefix_erase(&ix, b);
+    kvhi_prefix_erase(&ix, b, 11);
     /* c (home 15) moves to 15, d (home 14) to 0, e (home 0) to 1, f (home 1) to 2. */
     assert_int_equal(ix.keys[15], c);
     assert_int_equal(ix.keys[0], d);
@@ -146,7 +165,7 @@ static void test_backward_shift_wraparound(void **state)
     for (uint32_t i = 0; i < 6; i++)
         if (keys[i] != b)
             assert_int_equal(kvhi_prefix_find(&ix, keys[i]), i + 10);
-    kvhi_prefix_erase(&ix, a);
+    kvhi_prefix_erase(&ix, a, 10);
     /* d (home 14) moves back into 14; c stays at its home; e, f shift. */
     assert_int_equal(ix.keys[14], d);
     assert_int_equal(ix.keys[15], c);
