@@ -517,6 +517,14 @@ static kvh_status write_copies(kvh_engine *e, const uint32_t *blocks, uint32_t n
  * coldest published blocks there get clean disk copies ahead of time, so
  * the eviction that follows costs no write and never makes an acquire wait
  * for one. A clock hand walks the block table; returns true if it wrote. */
+uint64_t kvhi_disk_clean_resumes_ns(kvh_engine *e)
+{
+    if (!e->disk || e->disk->fatal || !e->tiers[KVH_TIER_HOST].present || !disk_resting_full(e) ||
+        !kvhi_disk_host_runs_low(e) || e->clean_epoch_seen == e->host_arrivals)
+        return 0;
+    return e->disk_full_until;
+}
+
 bool kvhi_disk_clean_step(kvh_engine *e)
 {
     kvhi_tier *host = &e->tiers[KVH_TIER_HOST];

@@ -32,6 +32,11 @@ kvh_status kvhi_disk_persist_blocks(kvh_engine *e, const uint32_t *blocks, uint3
 /* One round of background cleaning (lock held, may drop); true if work
  * was done. */
 bool kvhi_disk_clean_step(kvh_engine *e);
+/* When cleaning, resting after the filesystem refused a write, has
+ * copies to try again (kvhi_now_ns); 0 when it does not rest or has
+ * nothing to write. An idle worker sleeps until then, not for good:
+ * no call may come to wake it when room comes back. */
+uint64_t kvhi_disk_clean_resumes_ns(kvh_engine *e);
 /* Records how a write to a disk slot ended (0 or a negative errno): a
  * refusal for space (-ENOSPC) makes background cleaning rest; a write that
  * works ends the rest. */

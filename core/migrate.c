@@ -468,6 +468,25 @@ kvh_status kvhi_enqueue(kvh_engine *e, uint32_t b, uint32_t tier, int32_t priori
 static pthread_mutex_t numa_cache_lock = PTHREAD_MUTEX_INITIALIZER;
 #endif
 
+/* Waits on work_ready until kvhi_now_ns() reaches deadline_ns (the
+ * condition variable keeps CLOCK_REALTIME). */
+static void wait_until_ns(kvh_engine *e, uint64_t deadline_ns)
+{
+    uint64_t now = kvhi_now_ns();
+    if (deadline_ns <= now)
+        return;
+    uint64_t left = deadline_ns - now;
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    ts.tv_sec += (time_t)(left / 1000000000ull);
+    ts.tv_nsec += (long)(left % 1000000000ull);
+    if (ts.tv_nsec >= 1000000000L) {
+        ts.tv_sec++;
+        ts.tv_nsec -= 1000000000L;
+    }
+    pthread_cond_timedwait(&e->work_ready, &e->lock, &ts);
+}
+
 static void *worker_main(void *arg)
 {
     kvh_engine *e = arg;
@@ -495,7 +514,11 @@ static void *worker_main(void *arg)
         if (e->n_jobs == 0) {
             if (e->disk && kvhi_disk_clean_step(e))
                 continue;
-            pthread_cond_wait(&e->work_ready, &e->lock);
+            uint64_t resume = e->disk ? kvhi_disk_clean_resumes_ns(e) : 0;
+            if (resume)
+                wait_until_ns(e, resume);
+            else
+                pthread_cond_wait(&e->work_ready, &e->lock);
             continue;
         }
         kvhi_job j = job_pop(e);

@@ -116,8 +116,33 @@ static int full_child(void *p, int ready_fd)
     if (a->threads && a->close_at_end) {
         /* Room again, with the same engine open: the next persist must
          * work (a refused write is not remembered for good). */
+        /* Blocks that arrive in the host tier while the disk is full
+         * get no clean copy: the workers try, are refused and rest. */
+        kvh_seq fresh;
+        st = dt_build(e, G, dt_plain(0xc1ea4), BLOCKS * G.bt, 0, &fresh);
+        if (st != KVH_OK) {
+            fprintf(stderr, "child: build on the full disk: %s (%s)\n", kvh_status_name(st), kvh_last_error());
+            return 13;
+        }
+        usleep(200 * 1000);
+        kvh_stats before = dt_stats(e);
         if (mount("tmpfs", mnt, "tmpfs", MS_REMOUNT, "size=8m,mode=0700") != 0)
             return 10;
+        /* With no call to wake them, the resting workers must try again
+         * when their rest ends and write the clean copies they could not
+         * (at most a 1 s rest: 3 s is room to spare). */
+        uint64_t written = before.disk_copies_written;
+        for (int waited = 0; waited < 3000 && written == before.disk_copies_written; waited += 50) {
+            usleep(50 * 1000);
+            written = dt_stats(e).disk_copies_written;
+        }
+        fprintf(stderr, "%u workers, room again: %llu clean copies written with no call\n", a->threads,
+                (unsigned long long)(written - before.disk_copies_written));
+        if (written == before.disk_copies_written) {
+            fprintf(stderr, "child: room again, but the resting workers never wrote a clean copy\n");
+            return 12;
+        }
+        kvh_seq_free(e, fresh);
         kvh_seq s;
         st = dt_build(e, G, chain(CHAINS), BLOCKS * G.bt, 0, &s);
         if (st == KVH_OK)
