@@ -4,18 +4,26 @@
 #include <string.h>
 
 #include "core/crc32c.h"
+#include "core/prefix_index.h"
 
 void kvhi_remote_model_prefix(char *out, const kvhi_remote_id *id)
 {
-    snprintf(out, KVHI_REMOTE_MODEL_PREFIX_LEN + 1, "kvh:v1:%016llx-%08x:", (unsigned long long)id->model_salt,
+    snprintf(out, KVHI_REMOTE_MODEL_PREFIX_LEN + 1, "kvh:v2:%016llx-%08x:", (unsigned long long)id->model_salt,
              id->geo_tag);
 }
 
-void kvhi_remote_key(char *key, const kvhi_remote_id *id, uint64_t hash)
+/* Starts of the key's second chain: any constants other than the hash's
+ * own start (core/prefix_index.c) will do; these are fixed by the key
+ * format. */
+#define KEY_CHAIN_PARENT 0x2545f4914f6cdd1dull
+#define KEY_CHAIN_SALT 0xd6e8feb86659fd93ull
+
+void kvhi_remote_key(char *key, const kvhi_remote_id *id, uint64_t hash, uint64_t parent, const int32_t *tokens)
 {
+    uint64_t second = kvhi_prefix_hash(parent ^ KEY_CHAIN_PARENT, tokens, id->block_tokens, hash ^ KEY_CHAIN_SALT);
     kvhi_remote_model_prefix(key, id);
-    snprintf(key + KVHI_REMOTE_MODEL_PREFIX_LEN, KVHI_REMOTE_KEY_BYTES - KVHI_REMOTE_MODEL_PREFIX_LEN, "%016llx",
-             (unsigned long long)hash);
+    snprintf(key + KVHI_REMOTE_MODEL_PREFIX_LEN, KVHI_REMOTE_KEY_BYTES - KVHI_REMOTE_MODEL_PREFIX_LEN,
+             "%016llx-%016llx", (unsigned long long)hash, (unsigned long long)second);
 }
 
 void kvhi_remote_value_encode(void *buf, const kvhi_remote_id *id, uint64_t hash, uint64_t parent,

@@ -1,9 +1,11 @@
 /* The remote tier's keys and values (core/remote_format.c). Pure encode
  * and verify functions on byte buffers, so they can be tested and fuzzed.
  *
- * Key: kvh:v1:<model salt, 16 hex>-<geometry tag, 8 hex>:<prefix hash, 16
- * hex>, one per full block. The prefix hash is the scope-aware chained
- * hash (core/scope.c), so tenant scopes stay apart in the store too.
+ * Key: kvh:v2:<model salt, 16 hex>-<geometry tag, 8 hex>:<prefix hash, 16
+ * hex>-<second chain, 16 hex>, one per full block. The prefix hash is the
+ * scope-aware chained hash (core/scope.c), so tenant scopes stay apart in
+ * the store too; the second chain runs over the same parent and tokens,
+ * so blocks of equal hash and different prefixes have different keys.
  *
  * Value: the disk tier's slot header (core/disk_format.h: magic, version,
  * geometry tag, hash, parent hash, tokens, data CRC32C, header CRC) with
@@ -19,10 +21,10 @@
 
 #include "core/disk_format.h"
 
-/* "kvh:v1:" + 16 + "-" + 8 + ":" + 16, and a NUL. */
-#define KVHI_REMOTE_KEY_BYTES 50u
-#define KVHI_REMOTE_KEY_LEN 49u
-/* The key prefix naming one model and geometry ("kvh:v1:<salt>-<tag>:"). */
+/* "kvh:v2:" + 16 + "-" + 8 + ":" + 16 + "-" + 16, and a NUL. */
+#define KVHI_REMOTE_KEY_BYTES 67u
+#define KVHI_REMOTE_KEY_LEN 66u
+/* The key prefix naming one model and geometry ("kvh:v2:<salt>-<tag>:"). */
 #define KVHI_REMOTE_MODEL_PREFIX_LEN 33u
 
 /* Identity a value must match to be used. */
@@ -33,9 +35,14 @@ typedef struct kvhi_remote_id {
     uint32_t block_tokens;
 } kvhi_remote_id;
 
-/* Writes the key of the block with prefix hash `hash` into key
- * (KVHI_REMOTE_KEY_BYTES). */
-void kvhi_remote_key(char *key, const kvhi_remote_id *id, uint64_t hash);
+/* Writes the key of the full block with prefix hash `hash`, parent hash
+ * `parent` and tokens (id->block_tokens) into key (KVHI_REMOTE_KEY_BYTES):
+ * the hash, then a second 64-bit chain over the same parent and tokens
+ * from another start. Blocks of equal hash and different prefixes (a
+ * collision, or tokens chosen to forge one) get different keys, so the
+ * store keeps them side by side: a forger would have to match both
+ * chains at once. */
+void kvhi_remote_key(char *key, const kvhi_remote_id *id, uint64_t hash, uint64_t parent, const int32_t *tokens);
 /* Writes the key prefix of id's model into out (KVHI_REMOTE_MODEL_PREFIX_LEN
  * + 1 bytes). */
 void kvhi_remote_model_prefix(char *out, const kvhi_remote_id *id);

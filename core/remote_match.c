@@ -259,7 +259,7 @@ static size_t continue_match(kvh_engine *e, kvhi_seq *s, const kvhi_scope *sc, c
         size_t i = matched + k;
         m.hashes[k + 1] =
             kvhi_prefix_hash(m.hashes[k], tokens + i * bt, bt, kvhi_scope_block_salt(salt, sc ? &scope : NULL, i, bt));
-        kvhi_remote_key(m.keys[k], &r->id, m.hashes[k + 1]);
+        kvhi_remote_key(m.keys[k], &r->id, m.hashes[k + 1], m.hashes[k], tokens + i * bt);
     }
     kvhi_remote_exists_round(r, NULL, m.keys, want, m.present, m.cmds, &t);
     size_t run = 0;

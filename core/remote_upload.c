@@ -301,7 +301,7 @@ void kvhi_remote_upload_blocks(kvh_engine *e, kvhi_cluster *via, const uint32_t 
             u.hashes[k] = blk->hash;
             u.parents[k] = blk->parent_hash;
             memcpy(u.tokens + k * bt, kvhi_block_tokens(e, b), sizeof(int32_t) * bt);
-            kvhi_remote_key(u.keys[k], &r->id, blk->hash);
+            kvhi_remote_key(u.keys[k], &r->id, blk->hash, blk->parent_hash, u.tokens + k * bt);
             kvhi_remote_upload_ref(e, b); /* stays while the lock is dropped */
         }
         pthread_mutex_unlock(&e->lock);

@@ -175,12 +175,27 @@ static void test_keys(void **state)
 {
     (void)state;
     char key[KVHI_REMOTE_KEY_BYTES], prefix[KVHI_REMOTE_MODEL_PREFIX_LEN + 1];
-    kvhi_remote_key(key, &id, 0xff);
-    assert_string_equal(key, "kvh:v1:0000000000001234-abcdef01:00000000000000ff");
+    int32_t tokens[BT], other[BT];
+    for (uint32_t i = 0; i < BT; i++)
+        tokens[i] = other[i] = (int32_t)(100 + i);
+    other[BT - 1]++;
+    kvhi_remote_key(key, &id, 0xff, 7, tokens);
+    assert_int_equal(strncmp(key, "kvh:v2:0000000000001234-abcdef01:00000000000000ff-", 50), 0);
     assert_int_equal(strlen(key), KVHI_REMOTE_KEY_LEN);
     kvhi_remote_model_prefix(prefix, &id);
     assert_int_equal(strncmp(key, prefix, KVHI_REMOTE_MODEL_PREFIX_LEN), 0);
     assert_int_equal(strlen(prefix), KVHI_REMOTE_MODEL_PREFIX_LEN);
+    /* The same prefix always names the same key; an equal hash with
+     * another parent or other tokens (a collision, or a forged hash)
+     * names another, so the store keeps both. */
+    char again[KVHI_REMOTE_KEY_BYTES], k2[KVHI_REMOTE_KEY_BYTES], k3[KVHI_REMOTE_KEY_BYTES];
+    kvhi_remote_key(again, &id, 0xff, 7, tokens);
+    kvhi_remote_key(k2, &id, 0xff, 7, other);
+    kvhi_remote_key(k3, &id, 0xff, 8, tokens);
+    assert_string_equal(key, again);
+    assert_string_not_equal(key, k2);
+    assert_string_not_equal(key, k3);
+    assert_int_equal(strncmp(key, k2, 50), 0); /* the hash part is the same */
 }
 
 /* Slots as redis-server 7.0 computes them (CLUSTER KEYSLOT). */

@@ -453,10 +453,12 @@ static void key_of(kvh_engine *e, int32_t base, size_t i, char *key)
 {
     int32_t tokens[N_BLOCKS * BT];
     prefix_tokens(tokens, N_BLOCKS * BT, base);
-    uint64_t h = 0;
-    for (size_t j = 0; j <= i; j++)
+    uint64_t h = 0, parent = 0;
+    for (size_t j = 0; j <= i; j++) {
+        parent = h;
         assert_ok(kvh_prefix_hash(e, h, tokens + j * BT, BT, &h));
-    kvhi_remote_key(key, &e->remote->id, h);
+    }
+    kvhi_remote_key(key, &e->remote->id, h, parent, tokens + i * BT);
 }
 
 static void test_tampered_value_is_deleted(void **state)

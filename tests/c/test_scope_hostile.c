@@ -5,8 +5,8 @@
  * mixing scopes and through the remote tier; a miss in one scope on
  * another's blocks reads, moves, counts and refreshes nothing; a block
  * whose hash another tenant forged cannot keep a tenant's prefix out of
- * memory or disk nor tell the forger whether it was cached (the remote
- * store's variant is parked); misuse gets a
+ * memory, disk or the remote store nor tell the forger whether it was
+ * cached; misuse gets a
  * status. The test_scope.c checks (fixed hash values, the shared part,
  * offload dedupe) are not repeated. */
 #include <limits.h>
@@ -316,15 +316,6 @@ static forged_view forged_round(void **state, forger_order order, int reopen)
     return v;
 }
 
-/* Parked (tests/RELIABILITY.md, finding 28): the remote store keeps one
- * value per 64-bit hash, so its test fails until remote keys name the
- * prefix. KVH_TEST_PARKED=1 runs it. */
-static int parked_tests_run(void)
-{
-    const char *v = getenv("KVH_TEST_PARKED");
-    return v && strcmp(v, "1") == 0;
-}
-
 static void test_forged_hash_cannot_block_or_probe_a_tenant(void **state)
 {
     static const char *const names[] = {"no forger", "forger first", "forger second"};
@@ -407,9 +398,9 @@ static void test_forgery_without_the_secret_salt_changes_nothing(void **state)
     }
 }
 
-/* The same forgery through the remote tier (parked with the above):
- * values are keyed by block hash and the first writer wins, so the
- * forger's upload keeps the victim's out of the store. */
+/* The same forgery through the remote tier: the first writer of a key
+ * wins, so a key that named the hash alone let the forger's upload keep
+ * the victim's out of the store; keys name the whole prefix. */
 static rt_cluster cluster;
 static int have_cluster = -1;
 
@@ -437,7 +428,7 @@ static kvh_engine *open_remote(kvh_config *c)
 static void test_forged_hash_in_the_remote_store(void **state)
 {
     (void)state;
-    if (!parked_tests_run() || !start_cluster())
+    if (!start_cluster())
         skip();
     kvh_config c;
     kvh_engine *e = open_remote(&c);
@@ -464,8 +455,8 @@ static void test_forged_hash_in_the_remote_store(void **state)
     print_message("remote: victim matches %zu, forger %zu; remote hits %" PRIu64 ", corrupt %" PRIu64 "\n", v, fo,
                   st.remote_hits, st.remote_corrupt);
     assert_ok(tu_close(e));
-    if (v != BT)
-        fail_msg("the forger's upload kept the victim's block out of the remote store");
+    if (v != BT || fo != BT || st.remote_hits != 2 || st.remote_corrupt != 0)
+        fail_msg("a forged hash changed what the remote store serves (victim %zu, forger %zu of %u tokens)", v, fo, BT);
 }
 
 /* ---- fork, truncate, re-scope ---- */

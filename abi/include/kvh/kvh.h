@@ -1144,21 +1144,16 @@ KVH_API kvh_status kvh_blocks_persist(kvh_engine *engine, const kvh_block *block
  *
  * H is not a cryptographic hash: whoever knows model_salt can choose the
  * last tokens of a block so that its hash in one scope equals a given
- * block's hash in another. In memory and on disk, blocks of equal hash
- * and different (parent, tokens) are kept side by side, so such a block
- * keeps nothing out and its owner's hits do not depend on the other
- * block. The remote tier keeps one value per hash (the first written):
- * there a forged block keeps the other out of the remote store, and a
- * remote miss tells its owner that the other was uploaded. A caller whose
- * tenants choose tokens and that shares a remote tier therefore sets
- * model_salt to a secret (e.g. 64 random bits kept with its
- * configuration, the same on every engine that shares a store or a
- * remote tier) and never shows a tenant a hash (kvh_prefix_hash*, the
- * remote tier's key names, store files): one hash and its tokens give the
- * salt away. With the salt unknown a tenant cannot compute any hash, so
- * it cannot aim one at another tenant's block, and a hit of another
- * scope's blocks, or a timing difference from one, cannot be observed in
- * any tier. */
+ * block's hash in another. Every tier keeps blocks of equal hash and
+ * different (parent, tokens) side by side (memory and disk by prefix, the
+ * remote store under keys that also carry a second chain over the parent
+ * and tokens), so such a block keeps nothing out and its owner's hits do
+ * not depend on the other block. The hash is still not a secret-keyed
+ * one: a caller whose tenants choose tokens also sets model_salt to a
+ * secret (e.g. 64 random bits kept with its configuration, the same on
+ * every engine that shares a store or a remote tier) and never shows a
+ * tenant a hash (kvh_prefix_hash*, the remote tier's key names, store
+ * files), so that no tenant can compute any hash at all. */
 
 /* Sets the scope of an empty sequence (new, or truncated to 0): its
  * publishes and kvh_seq_match_prefix hash in it from now on, as above;
