@@ -85,6 +85,35 @@ static kvhi_lruk_key lru_current(void *engine, uint32_t b) { return shadow_key(e
 static kvhi_lruk_key lru_k_current(void *engine, uint32_t b) { return shadow_key(engine, KVHI_ADAPT_LRU_K, b); }
 static kvhi_lruk_key reuse_current(void *engine, uint32_t b) { return shadow_key(engine, KVHI_ADAPT_REUSE, b); }
 
+/* How many accesses the inline path may take alone from here: those that
+ * would only count down the decay and quiet periods, that is until either
+ * reaches 1 (the slow path's turn), and none while a switch is due or
+ * under the REUSE order. They are taken off both periods now (neither
+ * reaches 0). */
+static inline void grant_fast(kvhi_adapt *a)
+{
+    uint64_t n = 0;
+    if (a->order != KVHI_ADAPT_REUSE && !kvhi_adapt_switch_due(a)) {
+        n = a->decay_left - 1;
+        if (a->quiet_left && a->quiet_left - 1 < n)
+            n = a->quiet_left - 1;
+    }
+    a->decay_left -= n;
+    if (a->quiet_left)
+        a->quiet_left -= n;
+    a->fast_left = n;
+}
+
+/* Gives the periods back the granted accesses the inline path did not
+ * take. */
+static inline void settle_fast(kvhi_adapt *a)
+{
+    a->decay_left += a->fast_left;
+    if (a->quiet_left)
+        a->quiet_left += a->fast_left;
+    a->fast_left = 0;
+}
+
 int kvhi_adapt_init(kvh_engine *e)
 {
     kvhi_adapt *a = &e->adapt;
@@ -121,6 +150,7 @@ int kvhi_adapt_init(kvh_engine *e)
         if (kvhi_lruk_init(&a->shadow[s], a->cap + 1, a->pos[s], sizeof(uint32_t)) != 0)
             return -1;
     }
+    grant_fast(a);
     return 0;
 }
 
@@ -180,10 +210,12 @@ static void shadows_access(kvh_engine *e, uint32_t b)
 {
     kvhi_adapt *a = &e->adapt;
     static const kvhi_lruk_current_fn current[KVHI_ADAPT_ORDERS] = {lru_current, lru_k_current, reuse_current};
+    bool hit = false;
     for (uint32_t s = 0; s < a->n_orders; s++) {
         kvhi_lruk_heap *h = &a->shadow[s];
         if (a->pos[s][b] != KVHI_HEAP_NONE) {
             a->hits[s]++;
+            hit = true;
             /* A raise: the stored key stays a lower bound. Only the reuse
              * key can fall, when a long gap ends the block's protection:
              * that is stored at once. */
@@ -192,7 +224,8 @@ static void shadows_access(kvh_engine *e, uint32_t b)
             continue;
         }
         kvhi_lruk_key key = shadow_key(e, s, b);
-        if (kvhi_lruk_count(h) >= a->cap) {
+        uint32_t count = kvhi_lruk_count(h);
+        if (count >= a->cap) {
             /* Below every stored key, so below every current one: it
              * would be its own victim (a block read once, under LRU-K
              * and reuse). Skipping it is the same, and O(1). */
@@ -200,16 +233,19 @@ static void shadows_access(kvh_engine *e, uint32_t b)
             if (min && kvhi_lruk_less(&key, &min->key))
                 continue;
         }
-        kvhi_lruk_upsert_lazy(h, b, key);
-        if (kvhi_lruk_count(h) > a->cap)
+        kvhi_lruk_insert_lazy(h, b, key); /* one more present */
+        if (count + 1 > a->cap)
             kvhi_lruk_remove(h, kvhi_lruk_top_current(h, current[s], e));
     }
-    find_best(a);
+    /* Unchanged hits leave the best order as it was. */
+    if (hit)
+        find_best(a);
 }
 
 void kvhi_adapt_access_slow(kvh_engine *e, uint32_t b)
 {
     kvhi_adapt *a = &e->adapt;
+    settle_fast(a);
     if (kvhi_adapt_sampled(a, b))
         shadows_access(e, b);
     if (--a->decay_left == 0) {
@@ -226,12 +262,14 @@ void kvhi_adapt_access_slow(kvh_engine *e, uint32_t b)
             kvhi_block_update_evictable(e, b);
     }
     decide(e);
+    grant_fast(a);
 }
 
 void kvhi_adapt_forget_sampled(kvh_engine *e, uint32_t b)
 {
     kvhi_adapt *a = &e->adapt;
+    /* The shadows have no pending ring (core/lruk.h). */
     for (uint32_t s = 0; s < a->n_orders; s++)
         if (a->pos[s][b] != KVHI_HEAP_NONE)
-            kvhi_lruk_remove(&a->shadow[s], b);
+            kvhi_lruk_remove_present(&a->shadow[s], b);
 }

@@ -28,16 +28,22 @@ typedef struct kvhi_adapt {
     uint64_t reuse_period;
     uint32_t shift;        /* a block is simulated when its hash's top bits
                               below this many are zero: a 2^-shift sample */
-    uint64_t sample_below; /* the same: its hash is below 2^(32 - shift) */
     uint32_t cap;          /* shadow capacity: the device tier's, sampled */
+    uint64_t sample_below; /* the same: its hash is below 2^(32 - shift) */
     /* Per order: each block's position in its shadow, the shadow, and its
      * hits, decayed. */
     uint32_t *pos[KVHI_ADAPT_ORDERS];
     kvhi_lruk_heap shadow[KVHI_ADAPT_ORDERS];
     int64_t hits[KVHI_ADAPT_ORDERS];
+    /* decay_left and quiet_left (where not 0) leave out fast_left: the
+     * slow path takes the accesses it grants the inline path off them
+     * beforehand, and gives back those not taken. */
     uint64_t decay_left;  /* accesses until the hits next decay */
     uint64_t decay_every; /* accesses between two decays */
     uint64_t quiet_left;  /* accesses before another switch may come */
+    /* Accesses the inline path may still take without the slow path:
+     * none sampled, no decay, no end of a quiet period, no switch due. */
+    uint64_t fast_left;
     uint64_t switches;
 } kvhi_adapt;
 
@@ -62,23 +68,26 @@ static inline bool kvhi_adapt_switch_due(const kvhi_adapt *a)
 {
     return a->quiet_left == 0 && a->hits[a->best] - a->hits[a->order] > KVHI_ADAPT_SWITCH_MARGIN;
 }
+/* Accesses before another switch may come, the inline path's counted. */
+static inline uint64_t kvhi_adapt_quiet_left(const kvhi_adapt *a)
+{
+    return a->quiet_left ? a->quiet_left + a->fast_left : 0;
+}
 /* Block b was accessed (its history already records it). Inline: most
- * accesses only count down the decay and quiet periods; the slow path
- * does exactly the same for them otherwise. Under the REUSE order an
- * access can lower a block's key (a long gap ends its protection), which
- * the heaps must take at once: the slow path does. */
+ * accesses only count down the decay and quiet periods, which the slow
+ * path settles (fast_left says how many may come before it must run).
+ * Under the REUSE order an access can lower a block's key (a long gap
+ * ends its protection), which the heaps must take at once: the slow path
+ * does (fast_left is 0 under that order). */
 static inline void kvhi_adapt_access(struct kvh_engine *e, kvhi_adapt *a, uint32_t b)
 {
     if (!a->on)
         return;
-    if (kvhi_adapt_sampled(a, b) || a->decay_left == 1 || a->quiet_left == 1 || kvhi_adapt_switch_due(a) ||
-        a->order == KVHI_ADAPT_REUSE) {
+    if (kvhi_adapt_sampled(a, b) || a->fast_left == 0) {
         kvhi_adapt_access_slow(e, b);
         return;
     }
-    a->decay_left--;
-    if (a->quiet_left)
-        a->quiet_left--;
+    a->fast_left--;
 }
 void kvhi_adapt_forget_sampled(struct kvh_engine *e, uint32_t b);
 /* Block b is gone. Only sampled blocks enter the shadows: the rest need

@@ -179,8 +179,6 @@ const kvhi_lruk_key *kvhi_lruk_stored_key(const kvhi_lruk_heap *h, uint32_t item
     return &h->entries[p].key;
 }
 
-uint32_t kvhi_lruk_count(const kvhi_lruk_heap *h) { return h->size + h->q_live + h->p_live; }
-
 static void place(kvhi_lruk_heap *h, uint32_t i, kvhi_lruk_entry e)
 {
     h->entries[i] = e;
@@ -344,14 +342,6 @@ void kvhi_lruk_rekey(kvhi_lruk_heap *h, kvhi_lruk_current_fn current, void *ctx)
     for (uint32_t i = h->size / KVHI_LRUK_ARITY + 1; i-- > 0;)
         if (i < h->size)
             sift_down(h, i);
-}
-
-kvhi_lruk_key kvhi_lruk_key_of(const uint64_t *hist, uint32_t k, int referenced)
-{
-    kvhi_lruk_key key;
-    key.primary = hist[k - 1] | ((uint64_t)(referenced ? 1 : 0) << 63);
-    key.secondary = hist[0];
-    return key;
 }
 
 void kvhi_lruk_record(uint64_t *hist, uint32_t k, uint64_t now)

@@ -158,6 +158,32 @@ void kvhi_lruk_upsert(kvhi_lruk_heap *h, uint32_t item, kvhi_lruk_key key);
  * arrival queue when its key is at or above the queue's last one. A
  * pending item stays pending (its key is read when it is drained). */
 void kvhi_lruk_upsert_lazy(kvhi_lruk_heap *h, uint32_t item, kvhi_lruk_key key);
+/* upsert_lazy of an item not present (position KVHI_HEAP_NONE). Inline
+ * where it joins the arrival queue's back (room, and a key at or above
+ * the back's): a shadow's arrivals (core/adaptive.c) mostly do. */
+static inline void kvhi_lruk_insert_lazy(kvhi_lruk_heap *h, uint32_t item, kvhi_lruk_key key)
+{
+    uint32_t len = h->q_len;
+    if (len && len < h->q_cap) {
+        uint32_t back = h->q_head + len - 1;
+        if (back >= h->q_cap)
+            back -= h->q_cap;
+        kvhi_lruk_entry *last = &h->queue[back];
+        if (!(key.primary != last->key.primary ? key.primary < last->key.primary
+                                               : key.secondary < last->key.secondary)) {
+            uint32_t at = back + 1 == h->q_cap ? 0 : back + 1;
+            kvhi_lruk_entry *slot = &h->queue[at];
+            slot->key.primary = key.primary;
+            slot->key.secondary = key.secondary;
+            slot->item = item;
+            h->q_len = len + 1;
+            h->q_live++;
+            *(uint32_t *)(h->pos_base + (size_t)item * h->pos_stride) = KVHI_LRUK_QUEUED | at;
+            return;
+        }
+    }
+    kvhi_lruk_upsert_lazy(h, item, key);
+}
 /* Removes the entry at position p of the heap or the queue. */
 void kvhi_lruk_remove_ordered(kvhi_lruk_heap *h, uint32_t p);
 static inline void kvhi_lruk_remove(kvhi_lruk_heap *h, uint32_t item)
@@ -171,6 +197,28 @@ static inline void kvhi_lruk_remove(kvhi_lruk_heap *h, uint32_t item)
         kvhi_lruk_pending_leave(h);
     else
         kvhi_lruk_remove_ordered(h, p);
+}
+/* kvhi_lruk_remove of a present item of a heap without a pending ring.
+ * Inline where the item sits inside the arrival queue, not at either end:
+ * it leaves a hole there and nothing to trim (the ends stay live). A
+ * shadow's frees (core/adaptive.c) mostly do. */
+static inline void kvhi_lruk_remove_present(kvhi_lruk_heap *h, uint32_t item)
+{
+    uint32_t *pos = (uint32_t *)(h->pos_base + (size_t)item * h->pos_stride);
+    uint32_t p = *pos;
+    *pos = KVHI_HEAP_NONE;
+    if (p & KVHI_LRUK_QUEUED) {
+        uint32_t at = p & ~KVHI_LRUK_QUEUED;
+        uint32_t back = h->q_head + h->q_len - 1;
+        if (back >= h->q_cap)
+            back -= h->q_cap;
+        if (at != h->q_head && at != back) {
+            h->queue[at].item = KVHI_HEAP_NONE;
+            h->q_live--;
+            return;
+        }
+    }
+    kvhi_lruk_remove_ordered(h, p);
 }
 /* Lowest item by current keys, or KVHI_HEAP_NONE: stale entries met at the
  * top take their current key and sink. Exact while every key lowering went
@@ -198,13 +246,19 @@ static inline const kvhi_lruk_key *kvhi_lruk_top_key(const kvhi_lruk_heap *h)
 /* The stored key of a present item (heap or queue). */
 const kvhi_lruk_key *kvhi_lruk_stored_key(const kvhi_lruk_heap *h, uint32_t item);
 /* Items present: in the heap, the queue and the pending ring together. */
-uint32_t kvhi_lruk_count(const kvhi_lruk_heap *h);
+static inline uint32_t kvhi_lruk_count(const kvhi_lruk_heap *h) { return h->size + h->q_live + h->p_live; }
 /* Gives every present item its current key (the victim order itself has
  * changed) and restores the heap: O(n). Queued and pending entries join
  * the heap. */
 void kvhi_lruk_rekey(kvhi_lruk_heap *h, kvhi_lruk_current_fn current, void *ctx);
 /* Key of an access history (most recent first, k entries). */
-kvhi_lruk_key kvhi_lruk_key_of(const uint64_t *hist, uint32_t k, int referenced);
+static inline kvhi_lruk_key kvhi_lruk_key_of(const uint64_t *hist, uint32_t k, int referenced)
+{
+    kvhi_lruk_key key;
+    key.primary = hist[k - 1] | ((uint64_t)(referenced ? 1 : 0) << 63);
+    key.secondary = hist[0];
+    return key;
+}
 /* Records an access at time now into hist (k entries). */
 void kvhi_lruk_record(uint64_t *hist, uint32_t k, uint64_t now);
 

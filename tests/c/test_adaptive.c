@@ -103,8 +103,8 @@ static void test_adapts_both_ways(void **state)
     for (uint32_t t = 0; t < KVH_TIER_COUNT; t++)
         if (e->tiers[t].present)
             entries += kvhi_lruk_count(&e->tiers[t].heap);
-    assert_true(e->adapt.quiet_left > 0);
-    assert_true(e->adapt.quiet_left + 2 >= entries);
+    assert_true(kvhi_adapt_quiet_left(&e->adapt) > 0);
+    assert_true(kvhi_adapt_quiet_left(&e->adapt) + 2 >= entries);
     check_victim(e, 1);
 
     /* A hot set of six blocks among a scan of two new blocks a step: plain
@@ -264,6 +264,61 @@ static void test_reuse_order_needs_two_accesses(void **state)
 
 /* The default; an explicit LRU-K never runs the shadows (old tables stay
  * reproducible), and an unknown policy value is refused. */
+/* Accesses the decay period still counts, the inline path's included. */
+static uint64_t decay_left_now(const kvhi_adapt *a) { return a->decay_left + a->fast_left; }
+
+/* On a tier large enough to be sampled, most accesses take the inline
+ * path, which counts them in fast_left alone: the decay period still
+ * ends on exactly every decay_every-th access, sampled or not, and the
+ * hits halve there. */
+static void test_inline_accesses_count_into_the_periods(void **state)
+{
+    (void)state;
+    enum { BIG = 4096 };
+    kvh_config c = tu_cfg(1, 1, 4, 1, KVH_DTYPE_F32, BIG, 0, 0);
+    c.eviction_policy = KVH_EVICT_ADAPTIVE;
+    kvh_engine *e = tu_open_cfg(&c);
+    kvhi_adapt *a = &e->adapt;
+    assert_true(a->on);
+    assert_true(a->shift > 0); /* a sample, not every block */
+    kvh_block *blocks = tu_alloc(sizeof(kvh_block) * BIG);
+    uint64_t accesses = 0, inline_seen = 0, decays = 0;
+    for (uint32_t i = 0; i < BIG; i++) {
+        assert_ok(kvh_block_alloc(e, 0, &blocks[i]));
+        accesses++;
+    }
+    /* Unsampled blocks, so that the slow path runs where the countdown
+     * ends (and for one sampled block now and then). */
+    uint32_t n_plain = 0;
+    kvh_block one_sampled = {0};
+    for (uint32_t i = 0; i < BIG; i++) {
+        if (kvhi_adapt_sampled(a, index_of(e, blocks[i])))
+            one_sampled = blocks[i];
+        else
+            blocks[n_plain++] = blocks[i];
+    }
+    assert_true(n_plain > BIG / 4 && n_plain < BIG);
+    tu_rng r = {tu_seed(0xdeca)};
+    uint64_t every = a->decay_every;
+    int64_t lru_hits = a->hits[KVHI_ADAPT_LRU];
+    while (accesses < every + every / 2) {
+        uint64_t before = decay_left_now(a);
+        uint64_t fast_before = a->fast_left;
+        touch(e, tu_below(&r, 97) ? blocks[tu_below(&r, n_plain)] : one_sampled);
+        accesses++;
+        inline_seen += a->fast_left + 1 == fast_before;
+        assert_int_equal(decay_left_now(a), every - accesses % every);
+        if (before == 1) {
+            decays++;
+            /* Halved (the access itself may have added one). */
+            assert_true(a->hits[KVHI_ADAPT_LRU] <= lru_hits - lru_hits / 2 + 1);
+        }
+        lru_hits = a->hits[KVHI_ADAPT_LRU];
+    }
+    assert_int_equal(decays, 1);
+    assert_true(inline_seen > every / 2);
+}
+
 static void test_default_and_explicit_lru_k(void **state)
 {
     (void)state;
@@ -291,6 +346,7 @@ int main(void)
         cmocka_unit_test_teardown(test_reuse_order_takes_over_and_yields, tu_teardown),
         cmocka_unit_test_teardown(test_reuse_order_lowered_key_is_taken, tu_teardown),
         cmocka_unit_test_teardown(test_reuse_order_needs_two_accesses, tu_teardown),
+        cmocka_unit_test_teardown(test_inline_accesses_count_into_the_periods, tu_teardown),
         cmocka_unit_test_teardown(test_default_and_explicit_lru_k, tu_teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

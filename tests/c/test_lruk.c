@@ -452,6 +452,67 @@ static void test_arrival_queue_churn(void **state)
     kvhi_lruk_destroy(&h);
 }
 
+/* The inline arrival and removal (kvhi_lruk_insert_lazy,
+ * kvhi_lruk_remove_present: a shadow's in core/adaptive.c) leave the heap
+ * exactly as upsert_lazy and remove do: two heaps driven alike, one each
+ * way, match entry for entry, through queue appends, out-of-order
+ * arrivals (heap), removals inside the queue, at its ends and from the
+ * heap, wraps of the ring and squeezes. */
+static void test_inline_arrival_and_removal_match(void **state)
+{
+    (void)state;
+    enum { N = 64 };
+    tu_rng r = {tu_seed(0x5ad0)};
+    item *ref_items = tu_alloc(sizeof(item) * N), *fast_items = tu_alloc(sizeof(item) * N);
+    uint8_t *present = tu_alloc(N);
+    init_items(ref_items, N);
+    init_items(fast_items, N);
+    kvhi_lruk_heap ref, fast;
+    assert_int_equal(kvhi_lruk_init(&ref, N, &ref_items[0].pos, sizeof(item)), 0);
+    assert_int_equal(kvhi_lruk_init(&fast, N, &fast_items[0].pos, sizeof(item)), 0);
+    uint64_t clock = 1000;
+    uint32_t inside = 0, queued = 0;
+    for (int step = 0; step < 40000; step++) {
+        uint32_t i = (uint32_t)tu_below(&r, N);
+        if (!present[i]) {
+            /* Mostly the newest key, as an allocation's; sometimes an old
+             * one, which cannot join the queue's back. */
+            uint64_t t = tu_below(&r, 8) ? ++clock : clock - tu_below(&r, 500);
+            kvhi_lruk_key key = {.primary = t, .secondary = t};
+            kvhi_lruk_upsert_lazy(&ref, i, key);
+            kvhi_lruk_insert_lazy(&fast, i, key);
+            present[i] = 1;
+            queued += (fast_items[i].pos & KVHI_LRUK_QUEUED) != 0;
+        } else {
+            uint32_t p = fast_items[i].pos;
+            inside += (p & KVHI_LRUK_QUEUED) && (p & ~KVHI_LRUK_QUEUED) != fast.q_head;
+            kvhi_lruk_remove(&ref, i);
+            kvhi_lruk_remove_present(&fast, i);
+            present[i] = 0;
+        }
+        assert_int_equal(fast.size, ref.size);
+        assert_int_equal(fast.q_head, ref.q_head);
+        assert_int_equal(fast.q_len, ref.q_len);
+        assert_int_equal(fast.q_live, ref.q_live);
+        for (uint32_t k = 0; k < N; k++)
+            assert_int_equal(fast_items[k].pos, ref_items[k].pos);
+        for (uint32_t k = 0; k < ref.size; k++) {
+            assert_int_equal(fast.entries[k].item, ref.entries[k].item);
+            assert_true(key_eq(&fast.entries[k].key, &ref.entries[k].key));
+        }
+        for (uint32_t k = 0; k < ref.q_len; k++) {
+            uint32_t at = (ref.q_head + k) % ref.q_cap;
+            assert_int_equal(fast.queue[at].item, ref.queue[at].item);
+            if (ref.queue[at].item != KVHI_HEAP_NONE)
+                assert_true(key_eq(&fast.queue[at].key, &ref.queue[at].key));
+        }
+    }
+    assert_true(queued > 1000);
+    assert_true(inside > 1000);
+    kvhi_lruk_destroy(&ref);
+    kvhi_lruk_destroy(&fast);
+}
+
 /* What the engine does on any change of an item (kvhi_block_update_
  * evictable): an item not present goes pending, a pending one stays so,
  * any other takes its key lazily. */
@@ -836,6 +897,7 @@ int main(void)
         cmocka_unit_test_teardown(test_victim_order_simulation, tu_teardown),
         cmocka_unit_test_teardown(test_lazy_raise_keeps_exact_victims, tu_teardown),
         cmocka_unit_test_teardown(test_arrival_queue_churn, tu_teardown),
+        cmocka_unit_test_teardown(test_inline_arrival_and_removal_match, tu_teardown),
         cmocka_unit_test_teardown(test_pending_arrivals_churn, tu_teardown),
         cmocka_unit_test_teardown(test_pending_ring_squeeze, tu_teardown),
         cmocka_unit_test_teardown(test_pending_entries_go_stale, tu_teardown),
