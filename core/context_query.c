@@ -18,10 +18,7 @@ kvh_status kvhi_context_wait_layer(kvh_engine *e, kvh_context h, uint32_t layer,
 {
     struct timespec deadline;
     if (timeout_ns != UINT64_MAX) {
-        clock_gettime(CLOCK_REALTIME, &deadline);
-        uint64_t ns = (uint64_t)deadline.tv_nsec + timeout_ns % 1000000000ull;
-        deadline.tv_sec += (time_t)(timeout_ns / 1000000000ull + ns / 1000000000ull);
-        deadline.tv_nsec = (long)(ns % 1000000000ull);
+        deadline = kvhi_realtime_in_ns(timeout_ns);
     }
     for (;;) {
         /* Re-resolved after each wait: the context may have been destroyed. */

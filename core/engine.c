@@ -33,6 +33,16 @@ uint64_t kvhi_now_ns(void)
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
+struct timespec kvhi_realtime_in_ns(uint64_t ns)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    uint64_t nsec = (uint64_t)ts.tv_nsec + ns % 1000000000ull;
+    ts.tv_sec += (time_t)(ns / 1000000000ull + nsec / 1000000000ull);
+    ts.tv_nsec = (long)(nsec % 1000000000ull);
+    return ts;
+}
+
 #ifndef NDEBUG
 /* glibc records the owner's thread id in the mutex; elsewhere the check
  * passes (it only ever asserts in debug builds). */

@@ -19,6 +19,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <time.h>
 
 #include "kvh/kvh.h"
 #include "core/backend.h"
@@ -272,6 +273,9 @@ int kvhi_lock_held_by_caller(kvh_engine *e);
 #endif
 void kvhi_unlock_and_log(kvh_engine *e);
 uint64_t kvhi_now_ns(void);
+/* The CLOCK_REALTIME time ns from now, as pthread_cond_timedwait takes
+ * it (the engine's condition variables keep that clock). */
+struct timespec kvhi_realtime_in_ns(uint64_t ns);
 
 /* Does the record work of the block releases still in the backlog
  * (core/block.c). Lock held. */

@@ -100,10 +100,7 @@ kvh_status kvhi_fence_wait_idx(kvh_engine *e, uint32_t idx, uint64_t timeout_ns)
     kvhi_fence *f = kvhi_handles_at(&e->fences, idx);
     struct timespec deadline;
     if (timeout_ns != UINT64_MAX) {
-        clock_gettime(CLOCK_REALTIME, &deadline);
-        uint64_t ns = (uint64_t)deadline.tv_nsec + timeout_ns % 1000000000ull;
-        deadline.tv_sec += (time_t)(timeout_ns / 1000000000ull + ns / 1000000000ull);
-        deadline.tv_nsec = (long)(ns % 1000000000ull);
+        deadline = kvhi_realtime_in_ns(timeout_ns);
     }
     kvh_status st = KVH_OK;
     f->waiters++;
@@ -468,22 +465,13 @@ kvh_status kvhi_enqueue(kvh_engine *e, uint32_t b, uint32_t tier, int32_t priori
 static pthread_mutex_t numa_cache_lock = PTHREAD_MUTEX_INITIALIZER;
 #endif
 
-/* Waits on work_ready until kvhi_now_ns() reaches deadline_ns (the
- * condition variable keeps CLOCK_REALTIME). */
+/* Waits on work_ready until kvhi_now_ns() reaches deadline_ns. */
 static void wait_until_ns(kvh_engine *e, uint64_t deadline_ns)
 {
     uint64_t now = kvhi_now_ns();
     if (deadline_ns <= now)
         return;
-    uint64_t left = deadline_ns - now;
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    ts.tv_sec += (time_t)(left / 1000000000ull);
-    ts.tv_nsec += (long)(left % 1000000000ull);
-    if (ts.tv_nsec >= 1000000000L) {
-        ts.tv_sec++;
-        ts.tv_nsec -= 1000000000L;
-    }
+    struct timespec ts = kvhi_realtime_in_ns(deadline_ns - now);
     pthread_cond_timedwait(&e->work_ready, &e->lock, &ts);
 }
 
