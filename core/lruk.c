@@ -89,7 +89,7 @@ static inline kvhi_lruk_entry *q_front(kvhi_lruk_heap *h) { return h->q_len ? &h
 
 static inline kvhi_lruk_entry *q_back(kvhi_lruk_heap *h)
 {
-    return h->q_len ? &h->queue[q_index(h, h->q_len - 1)] : NULL;
+    return h->q_len ? &h->queue[kvhi_lruk_queue_back(h)] : NULL;
 }
 
 /* Moves the live entries to the front of the ring, in order. */

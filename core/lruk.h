@@ -158,6 +158,16 @@ void kvhi_lruk_upsert(kvhi_lruk_heap *h, uint32_t item, kvhi_lruk_key key);
  * arrival queue when its key is at or above the queue's last one. A
  * pending item stays pending (its key is read when it is drained). */
 void kvhi_lruk_upsert_lazy(kvhi_lruk_heap *h, uint32_t item, kvhi_lruk_key key);
+static inline int kvhi_lruk_less(const kvhi_lruk_key *a, const kvhi_lruk_key *b)
+{
+    return a->primary != b->primary ? a->primary < b->primary : a->secondary < b->secondary;
+}
+/* Ring index of the arrival queue's last entry (the queue not empty). */
+static inline uint32_t kvhi_lruk_queue_back(const kvhi_lruk_heap *h)
+{
+    uint32_t back = h->q_head + h->q_len - 1;
+    return back >= h->q_cap ? back - h->q_cap : back;
+}
 /* upsert_lazy of an item not present (position KVHI_HEAP_NONE). Inline
  * where it joins the arrival queue's back (room, and a key at or above
  * the back's): a shadow's arrivals (core/adaptive.c) mostly do. */
@@ -165,17 +175,11 @@ static inline void kvhi_lruk_insert_lazy(kvhi_lruk_heap *h, uint32_t item, kvhi_
 {
     uint32_t len = h->q_len;
     if (len && len < h->q_cap) {
-        uint32_t back = h->q_head + len - 1;
-        if (back >= h->q_cap)
-            back -= h->q_cap;
-        kvhi_lruk_entry *last = &h->queue[back];
-        if (!(key.primary != last->key.primary ? key.primary < last->key.primary
-                                               : key.secondary < last->key.secondary)) {
+        uint32_t back = kvhi_lruk_queue_back(h);
+        if (!kvhi_lruk_less(&key, &h->queue[back].key)) {
             uint32_t at = back + 1 == h->q_cap ? 0 : back + 1;
-            kvhi_lruk_entry *slot = &h->queue[at];
-            slot->key.primary = key.primary;
-            slot->key.secondary = key.secondary;
-            slot->item = item;
+            h->queue[at].key = key;
+            h->queue[at].item = item;
             h->q_len = len + 1;
             h->q_live++;
             *(uint32_t *)(h->pos_base + (size_t)item * h->pos_stride) = KVHI_LRUK_QUEUED | at;
@@ -209,10 +213,7 @@ static inline void kvhi_lruk_remove_present(kvhi_lruk_heap *h, uint32_t item)
     *pos = KVHI_HEAP_NONE;
     if (p & KVHI_LRUK_QUEUED) {
         uint32_t at = p & ~KVHI_LRUK_QUEUED;
-        uint32_t back = h->q_head + h->q_len - 1;
-        if (back >= h->q_cap)
-            back -= h->q_cap;
-        if (at != h->q_head && at != back) {
+        if (at != h->q_head && at != kvhi_lruk_queue_back(h)) {
             h->queue[at].item = KVHI_HEAP_NONE;
             h->q_live--;
             return;
@@ -224,10 +225,6 @@ static inline void kvhi_lruk_remove_present(kvhi_lruk_heap *h, uint32_t item)
  * top take their current key and sink. Exact while every key lowering went
  * through upsert or upsert_lazy. */
 uint32_t kvhi_lruk_top_current(kvhi_lruk_heap *h, kvhi_lruk_current_fn current, void *ctx);
-static inline int kvhi_lruk_less(const kvhi_lruk_key *a, const kvhi_lruk_key *b)
-{
-    return a->primary != b->primary ? a->primary < b->primary : a->secondary < b->secondary;
-}
 /* The entry with the lowest stored key (heap top or queue front), or NULL.
  * Pending items are not seen here, nor by kvhi_lruk_top, kvhi_lruk_top_key
  * and kvhi_lruk_stored_key (NULL for them), until drained. */
