@@ -39,18 +39,7 @@ static const char *scratch(const char *name, char *buf, size_t len)
     return buf;
 }
 
-/* A weight file of pseudo-random bytes; returns its contents. */
-static uint8_t *write_weights(const char *path, uint64_t seed)
-{
-    uint8_t *b = tu_alloc(FILE_BYTES);
-    tu_rng r = {seed};
-    tu_fill(&r, b, FILE_BYTES);
-    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0600);
-    assert_true(fd >= 0);
-    assert_int_equal(write(fd, b, FILE_BYTES), FILE_BYTES);
-    close(fd);
-    return b;
-}
+static uint8_t *write_weights(const char *path, uint64_t seed) { return ct_write_weights(path, seed, FILE_BYTES); }
 
 typedef struct model {
     kvh_context ctx;

@@ -28,18 +28,6 @@ static const char *scratch(const char *name, char *buf, size_t len)
     return buf;
 }
 
-static uint8_t *weight_file(const char *path, uint64_t seed)
-{
-    uint8_t *b = tu_alloc(FILE_BYTES);
-    tu_rng r = {seed};
-    tu_fill(&r, b, FILE_BYTES);
-    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0600);
-    assert_true(fd >= 0);
-    assert_int_equal(write(fd, b, FILE_BYTES), FILE_BYTES);
-    close(fd);
-    return b;
-}
-
 static kvh_context new_ctx(kvh_engine *e, uint32_t policy)
 {
     kvh_context_params cp;
@@ -69,7 +57,7 @@ static void test_file_range_that_wraps_is_refused(void **state)
 {
     kvh_engine *e = tu_open(L, H, D, BT, KVH_DTYPE_F32, 64, 64, threads_of(state));
     char p[600];
-    weight_file(scratch("wrap.bin", p, sizeof(p)), 1);
+    ct_write_weights(scratch("wrap.bin", p, sizeof(p)), 1, FILE_BYTES);
     kvh_context c = new_ctx(e, KVH_CONTEXT_KV_KEEP);
     uint32_t idx = 77;
     /* offset + size wraps to a small number inside the file. */
@@ -107,7 +95,7 @@ typedef struct weights {
 static void load_weights(kvh_engine *e, weights *w, const char *path, uint64_t seed)
 {
     w->c = new_ctx(e, KVH_CONTEXT_KV_DEMOTE);
-    w->file = weight_file(path, seed);
+    w->file = ct_write_weights(path, seed, FILE_BYTES);
     for (uint32_t i = 0; i < REGIONS; i++) {
         uint32_t idx;
         if (i % 2) { /* from bytes */
