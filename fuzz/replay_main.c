@@ -6,12 +6,16 @@
 #define _GNU_SOURCE
 #endif
 #include <dirent.h>
+#include <dlfcn.h>
+#include <execinfo.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <signal.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
+#include <time.h>
 #include <unistd.h>
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
@@ -19,16 +23,80 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) __attribute__((weak));
 
 /* A watchdog: an input that runs longer than this is a hang (the
  * libFuzzer runs use -timeout=25 the same way). KVH_FUZZ_REPLAY_TIMEOUT
- * overrides (seconds). */
+ * overrides (seconds). A hang prints where every thread of the process
+ * stands (a hang seen once, on a loaded machine, cannot be rerun). */
 static const char *current;
 static unsigned limit_s = 30;
+
+#define STACK_DEPTH 24
+static void *stack_frames[STACK_DEPTH];
+static volatile sig_atomic_t stack_depth = -1;
+
+static void on_stack_request(int sig)
+{
+    (void)sig;
+    stack_depth = backtrace(stack_frames, STACK_DEPTH);
+}
+
+static void put(const char *text)
+{
+    if (write(2, text, strlen(text)) < 0)
+        _exit(3);
+}
+
+/* One line per thread: its functions, innermost first (the replay links
+ * with -rdynamic so that static library functions have names). */
+static void print_stack(long tid, int n)
+{
+    char line[2048];
+    int at = snprintf(line, sizeof(line), "replay: thread %ld:", tid);
+    for (int i = 2; i < n && at < (int)sizeof(line) - 80; i++) {
+        Dl_info info;
+        int found = dladdr(stack_frames[i], &info);
+        if (found && info.dli_sname)
+            at += snprintf(line + at, sizeof(line) - (size_t)at, " %s+%#lx", info.dli_sname,
+                           (unsigned long)((char *)stack_frames[i] - (char *)info.dli_saddr));
+        else if (found && info.dli_fname && info.dli_fbase) /* a static function: its file offset, for addr2line */
+            at += snprintf(line + at, sizeof(line) - (size_t)at, " %s@%#lx",
+                           strrchr(info.dli_fname, '/') ? strrchr(info.dli_fname, '/') + 1 : info.dli_fname,
+                           (unsigned long)((char *)stack_frames[i] - (char *)info.dli_fbase));
+        else
+            at += snprintf(line + at, sizeof(line) - (size_t)at, " %p", stack_frames[i]);
+    }
+    snprintf(line + at, sizeof(line) - (size_t)at, "\n");
+    put(line);
+}
+
+static void print_all_stacks(void)
+{
+    DIR *d = opendir("/proc/self/task");
+    if (!d)
+        return;
+    struct dirent *de;
+    while ((de = readdir(d)) != NULL) {
+        long tid = atol(de->d_name);
+        if (tid <= 0)
+            continue;
+        stack_depth = -1;
+        if (syscall(SYS_tgkill, getpid(), (pid_t)tid, SIGUSR2) != 0)
+            continue;
+        for (int waited = 0; stack_depth < 0 && waited < 200; waited++) {
+            struct timespec ms = {0, 1000000};
+            nanosleep(&ms, NULL);
+        }
+        if (stack_depth > 0)
+            print_stack(tid, stack_depth);
+    }
+    closedir(d);
+}
 
 static void on_alarm(int sig)
 {
     (void)sig;
-    static const char head[] = "\nreplay: HANG: this input did not finish in time: ";
-    if (write(2, head, sizeof(head) - 1) < 0 || write(2, current, strlen(current)) < 0 || write(2, "\n", 1) < 0)
-        _exit(3);
+    put("\nreplay: HANG: this input did not finish in time: ");
+    put(current);
+    put("\n");
+    print_all_stacks();
     signal(SIGABRT, SIG_DFL);
     abort();
 }
@@ -69,6 +137,9 @@ int main(int argc, char **argv)
     if (t && atoi(t) > 0)
         limit_s = (unsigned)atoi(t);
     signal(SIGALRM, on_alarm);
+    signal(SIGUSR2, on_stack_request);
+    void *warm[2];
+    backtrace(warm, 2); /* loads the unwinder now, not in a signal handler */
     long files = 0;
     int bad = 0;
     for (int i = 1; i < argc; i++) {
