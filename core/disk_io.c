@@ -11,9 +11,11 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
+#include <time.h>
 #include <unistd.h>
 
 #define LANE_ARENA_MAX (8u << 20) /* staging bytes per lane */
+#define LANE_REFUSALS_MAX 10000   /* 100 us apart: a second of a ring that takes nothing */
 
 static int vector_io(kvhi_disk *d, kvhi_disk_lane *l, uint32_t n, const uint32_t *slots, uint8_t *const *datas,
                      int *results, kvhi_disk_run_done_fn on_run, void *ctx, bool write);
@@ -37,6 +39,30 @@ void kvhi_disk_set_fault_hook(kvhi_disk_fault_fn fn, void *user)
 }
 
 int kvhi_disk_fault(enum kvhi_disk_op op) { return fault_fn ? fault_fn(op, fault_user) : 0; }
+
+/* The next completion of the lane's ring. io_uring_submit may take fewer
+ * requests than were prepared, or none (-EAGAIN, -EBUSY, -EINTR), and a
+ * signal can end a wait early (-EINTR): the requests left in the queue are
+ * submitted again here, and the wait resumed. Giving up instead would
+ * either wait for completions of requests the kernel never saw (a hang)
+ * or leave requests in flight on buffers the caller reuses. A negative
+ * errno only when the ring itself keeps failing. */
+static int lane_wait_cqe(kvhi_disk_lane *l, struct io_uring_cqe **cqe)
+{
+    for (unsigned refused = 0;;) {
+        if (io_uring_peek_cqe(&l->ring, cqe) == 0)
+            return 0;
+        int rc = io_uring_submit_and_wait(&l->ring, 1);
+        if (rc >= 0 || rc == -EINTR)
+            continue;
+        if ((rc != -EAGAIN && rc != -EBUSY) || ++refused > LANE_REFUSALS_MAX)
+            return rc;
+        /* Out of kernel memory for requests, or completions to reap
+         * first: let in-flight requests finish. */
+        struct timespec pause = {0, 100000};
+        nanosleep(&pause, NULL);
+    }
+}
 
 uint64_t kvhi_disk_slot_offset(const kvhi_disk *d, uint32_t slot)
 {
@@ -308,7 +334,7 @@ static void do_runs(kvhi_disk *d, kvhi_disk_lane *l, io_run *runs, uint32_t nr, 
             io_uring_submit(&l->ring);
             for (uint32_t k = 0; k < pending; k++) {
                 struct io_uring_cqe *cqe;
-                int rc = io_uring_wait_cqe(&l->ring, &cqe);
+                int rc = lane_wait_cqe(l, &cqe);
                 if (rc < 0) {
                     for (uint32_t r = 0; r < nr; r++)
                         if (!run_err[r])
@@ -476,9 +502,7 @@ int kvhi_disk_read_into(kvhi_disk *d, kvhi_disk_lane *l, uint32_t slot, uint8_t 
      * the CPU pass overlaps the pieces still on their way. */
     while (outstanding) {
         struct io_uring_cqe *cqe;
-        int rc = io_uring_wait_cqe(&l->ring, &cqe);
-        if (rc == -EINTR)
-            continue;
+        int rc = lane_wait_cqe(l, &cqe);
         if (rc < 0) {
             err = rc; /* the ring is unusable: nothing more will arrive */
             break;
@@ -607,9 +631,7 @@ static int vector_io(kvhi_disk *d, kvhi_disk_lane *l, uint32_t n, const uint32_t
         io_uring_submit(&l->ring);
     while (pending) {
         struct io_uring_cqe *cqe;
-        int rc = io_uring_wait_cqe(&l->ring, &cqe);
-        if (rc == -EINTR)
-            continue;
+        int rc = lane_wait_cqe(l, &cqe);
         if (rc < 0) {
             /* The ring is unusable; nothing more will arrive. */
             for (uint32_t r = 0; r < nr; r++)

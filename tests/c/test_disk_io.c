@@ -1,9 +1,10 @@
 /* Slab files and block I/O (core/disk_io.c), on a kvhi_disk opened by
  * hand, without an engine. The program is linked with
- * -Wl,--wrap=pread,--wrap=pwrite,--wrap=io_uring_queue_init
- * (tests/c/CMakeLists.txt): the wrappers below can refuse io_uring, so
- * that both kinds of lane are tested on any machine that has it, and cut
- * reads and writes short.
+ * -Wl,--wrap=pread,--wrap=pwrite,--wrap=io_uring_queue_init and the
+ * submission and wait calls of liburing (tests/c/CMakeLists.txt): the
+ * wrappers below can refuse io_uring, so that both kinds of lane are
+ * tested on any machine that has it, cut reads and writes short, and
+ * make the ring refuse submissions and interrupt waits.
  *
  *   - geometry: slot size (header + data padded to 4096), slab file size
  *     (preallocated), slot offsets, lane size from the staging limit and
@@ -25,9 +26,13 @@
  *     and into the caller's memory, a single block read in pieces with
  *     its checksum; 1 (use the staged path) for unaligned memory, too
  *     many slots, or a lane without io_uring;
- *   - a fatal store writes nothing; a failed fsync makes it fatal.
+ *   - a fatal store writes nothing; a failed fsync makes it fatal;
+ *   - a ring that takes no request on every other submission and has
+ *     every other wait interrupted by a signal: every io_uring path
+ *     resubmits and resumes, and moves every byte.
  * test_disk_roundtrip.c checks O_DIRECT through an engine; test_rel_faults.c
  * short transfers through a whole scenario. */
+#include <liburing.h>
 #include <stdatomic.h>
 
 #include "disk_test_util.h"
@@ -64,6 +69,49 @@ static size_t cut(size_t n)
 
 ssize_t __wrap_pread(int fd, void *buf, size_t n, off_t off) { return __real_pread(fd, buf, cut(n), off); }
 ssize_t __wrap_pwrite(int fd, const void *buf, size_t n, off_t off) { return __real_pwrite(fd, buf, cut(n), off); }
+
+/* A ring under pressure: while ring_faults is set, every other call of
+ * each kind fails without doing anything, as the kernel answers when it
+ * has no memory for requests (-EAGAIN: nothing submitted, the requests
+ * stay queued) or a signal arrives (-EINTR). */
+int __real_io_uring_submit(struct io_uring *ring);
+int __real_io_uring_submit_and_wait(struct io_uring *ring, unsigned wait_nr);
+int __real___io_uring_get_cqe(struct io_uring *ring, struct io_uring_cqe **cqe, unsigned submit, unsigned wait_nr,
+                              sigset_t *sigmask);
+int __wrap_io_uring_submit(struct io_uring *ring);
+int __wrap_io_uring_submit_and_wait(struct io_uring *ring, unsigned wait_nr);
+int __wrap___io_uring_get_cqe(struct io_uring *ring, struct io_uring_cqe **cqe, unsigned submit, unsigned wait_nr,
+                              sigset_t *sigmask);
+
+static atomic_int ring_faults, refused_submits, interrupted_waits;
+static atomic_uint ring_calls;
+
+static bool ring_fails_now(void) { return atomic_load(&ring_faults) && (atomic_fetch_add(&ring_calls, 1) & 1) == 0; }
+
+int __wrap_io_uring_submit(struct io_uring *ring)
+{
+    if (!ring_fails_now())
+        return __real_io_uring_submit(ring);
+    atomic_fetch_add(&refused_submits, 1);
+    return -EAGAIN;
+}
+
+int __wrap_io_uring_submit_and_wait(struct io_uring *ring, unsigned wait_nr)
+{
+    if (!ring_fails_now())
+        return __real_io_uring_submit_and_wait(ring, wait_nr);
+    atomic_fetch_add(&interrupted_waits, 1);
+    return -EINTR;
+}
+
+int __wrap___io_uring_get_cqe(struct io_uring *ring, struct io_uring_cqe **cqe, unsigned submit, unsigned wait_nr,
+                              sigset_t *sigmask)
+{
+    if (wait_nr == 0 || !ring_fails_now())
+        return __real___io_uring_get_cqe(ring, cqe, submit, wait_nr, sigmask);
+    atomic_fetch_add(&interrupted_waits, 1);
+    return -EINTR;
+}
 
 /* ---- the fault hook: counts calls, may fail the nth of one kind ---- */
 
@@ -137,6 +185,7 @@ static int teardown(void **state)
     kvhi_disk_set_fault_hook(NULL, NULL);
     atomic_store(&no_ring, 0);
     atomic_store(&short_io, 0);
+    atomic_store(&ring_faults, 0);
     for (int i = 0; i < 8; i++)
         if (open_disks[i])
             disk_close(open_disks[i]);
@@ -710,6 +759,95 @@ static void test_fatal_store(void **state)
     atomic_store(&no_ring, 0);
 }
 
+/* ---- a ring that refuses submissions and has its waits interrupted ---- */
+
+static void on_ring_hang(int sig)
+{
+    (void)sig;
+    static const char msg[] = "test_ring_under_pressure: an I/O never completed (a request left unsubmitted?)\n";
+    if (write(2, msg, sizeof(msg) - 1) < 0)
+        _exit(2);
+    _exit(1);
+}
+
+/* Every io_uring path of a lane: staged runs, gather and scatter, one
+ * block read in pieces. */
+static void ring_paths_round_trip(kvhi_disk *d, int round)
+{
+    uint64_t bb = d->block_bytes;
+    kvhi_disk_lane *a = kvhi_disk_lane_get(d), *b = kvhi_disk_lane_get(d);
+    assert_true(kvhi_disk_lane_vectored(a));
+    const uint32_t wslots[4] = {5, 0, 1, 2}, rslots[4] = {2, 1, 5, 0};
+    int res[4] = {1, 1, 1, 1};
+    write_round(d, a, 4, wslots, round, res);
+    for (int i = 0; i < 4; i++)
+        assert_int_equal(res[i], 0);
+    for (int i = 0; i < 4; i++)
+        res[i] = 1;
+    kvhi_disk_read_staged(d, b, 4, rslots, res, NULL, NULL);
+    for (uint32_t i = 0; i < 4; i++) {
+        assert_int_equal(res[i], 0);
+        assert_int_equal(differs(kvhi_disk_lane_slot(b, i), d->slot_bytes, rslots[i], round), -1);
+    }
+    const uint32_t slots[3] = {3, 4, 6};
+    uint8_t *src[3], *dst[3];
+    for (int i = 0; i < 3; i++) {
+        src[i] = aligned(bb);
+        dst[i] = aligned(bb);
+        fill(src[i], bb, slots[i] + 100, round);
+        fill(kvhi_disk_lane_slot(a, (uint32_t)i), 4096, slots[i], round);
+    }
+    assert_int_equal(kvhi_disk_write_gather(d, a, 3, slots, src, res), 0);
+    for (int i = 0; i < 3; i++)
+        assert_int_equal(res[i], 0);
+    assert_int_equal(kvhi_disk_read_scatter(d, b, 3, slots, dst, res, NULL, NULL), 0);
+    for (int i = 0; i < 3; i++) {
+        assert_int_equal(res[i], 0);
+        assert_memory_equal(dst[i], src[i], bb);
+    }
+    memset(dst[0], 0, bb);
+    uint32_t crc = 0;
+    const uint8_t *hdr = NULL;
+    assert_int_equal(kvhi_disk_read_into(d, b, 6, dst[0], &crc, &hdr), 0);
+    assert_memory_equal(dst[0], src[2], bb);
+    assert_int_equal(crc, kvhi_crc32c(0, src[2], bb));
+    for (int i = 0; i < 3; i++) {
+        free(src[i]);
+        free(dst[i]);
+    }
+    kvhi_disk_lane_put(d, a);
+    kvhi_disk_lane_put(d, b);
+}
+
+static void test_ring_under_pressure(void **state)
+{
+    (void)state;
+    if (!have_io_uring())
+        skip();
+    signal(SIGALRM, on_ring_hang);
+    alarm(60);
+    for (int direct = 1; direct >= 0; direct--) {
+        char dir[PATH_MAX];
+        dt_scratch("pressure", dir, sizeof(dir));
+        /* 512 KiB blocks: a read_into goes in eight pieces. */
+        kvhi_disk *d = disk_open(dir, 512 << 10, 8, 32, 2, direct);
+        atomic_store(&refused_submits, 0);
+        atomic_store(&interrupted_waits, 0);
+        atomic_store(&ring_faults, 1);
+        for (int round = 1; round <= 3; round++)
+            ring_paths_round_trip(d, 20 + round);
+        atomic_store(&ring_faults, 0);
+        print_message("direct %d: %d submissions refused, %d waits interrupted\n", direct,
+                      atomic_load(&refused_submits), atomic_load(&interrupted_waits));
+        assert_true(atomic_load(&refused_submits) > 0);
+        if (d->direct) /* buffered requests tend to complete at submission: nothing to wait for */
+            assert_true(atomic_load(&interrupted_waits) > 0);
+        disk_close(d);
+    }
+    alarm(0);
+    signal(SIGALRM, SIG_DFL);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -722,6 +860,7 @@ int main(void)
         cmocka_unit_test_teardown(test_vectored_paths, teardown),
         cmocka_unit_test_teardown(test_prepared_gather, teardown),
         cmocka_unit_test_teardown(test_fatal_store, teardown),
+        cmocka_unit_test_teardown(test_ring_under_pressure, teardown),
     };
     return cmocka_run_group_tests_name("disk_io", tests, NULL, NULL);
 }
