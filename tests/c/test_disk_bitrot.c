@@ -92,7 +92,7 @@ static int group_teardown(void **state)
     dt_store_free(&P.saved);
     dt_rmrf(P.disk_dir);
     if (P.fast)
-        dt_rmrf(P.fast_dir);
+        rl_fast_cleanup(); /* the process's directory on the tmpfs, not only this scratch */
     return 0;
 }
 
