@@ -23,7 +23,8 @@ static int vector_io(kvhi_disk *d, kvhi_disk_lane *l, uint32_t n, const uint32_t
 struct kvhi_disk_lane {
     bool busy;
     uint64_t slot_bytes;
-    bool has_ring;
+    bool has_ring;  /* its ring takes the lane's I/O */
+    bool ring_open; /* its ring exists (to close), even after it failed */
     struct io_uring ring;
     uint8_t *arena;
     uint64_t arena_bytes;
@@ -46,7 +47,9 @@ int kvhi_disk_fault(enum kvhi_disk_op op) { return fault_fn ? fault_fn(op, fault
  * submitted again here, and the wait resumed. Giving up instead would
  * either wait for completions of requests the kernel never saw (a hang)
  * or leave requests in flight on buffers the caller reuses. A negative
- * errno only when the ring itself keeps failing. */
+ * errno only when the ring itself keeps failing: the lane then stops
+ * using it (pread and pwrite from then on), so that the requests still
+ * queued in it are never submitted on behalf of a later batch. */
 static int lane_wait_cqe(kvhi_disk_lane *l, struct io_uring_cqe **cqe)
 {
     for (unsigned refused = 0;;) {
@@ -55,8 +58,10 @@ static int lane_wait_cqe(kvhi_disk_lane *l, struct io_uring_cqe **cqe)
         int rc = io_uring_submit_and_wait(&l->ring, 1);
         if (rc >= 0 || rc == -EINTR)
             continue;
-        if ((rc != -EAGAIN && rc != -EBUSY) || ++refused > LANE_REFUSALS_MAX)
+        if ((rc != -EAGAIN && rc != -EBUSY) || ++refused > LANE_REFUSALS_MAX) {
+            l->has_ring = false;
             return rc;
+        }
         /* Out of kernel memory for requests, or completions to reap
          * first: let in-flight requests finish. */
         struct timespec pause = {0, 100000};
@@ -159,7 +164,7 @@ static void lane_destroy(kvhi_disk_lane *l)
 {
     if (!l)
         return;
-    if (l->has_ring)
+    if (l->ring_open)
         io_uring_queue_exit(&l->ring);
     free(l->arena);
     free(l);
@@ -197,7 +202,7 @@ static kvhi_disk_lane *lane_create(kvhi_disk *d)
     if (io_uring_queue_init(d->queue_depth, &l->ring, 0) == 0) {
         struct iovec iov = {.iov_base = l->arena, .iov_len = l->arena_bytes};
         if (io_uring_register_buffers(&l->ring, &iov, 1) == 0)
-            l->has_ring = true;
+            l->has_ring = l->ring_open = true;
         else
             io_uring_queue_exit(&l->ring);
     }

@@ -70,10 +70,11 @@ static size_t cut(size_t n)
 ssize_t __wrap_pread(int fd, void *buf, size_t n, off_t off) { return __real_pread(fd, buf, cut(n), off); }
 ssize_t __wrap_pwrite(int fd, const void *buf, size_t n, off_t off) { return __real_pwrite(fd, buf, cut(n), off); }
 
-/* A ring under pressure: while ring_faults is set, every other call of
+/* A ring under pressure: while ring_faults is 1, every other call of
  * each kind fails without doing anything, as the kernel answers when it
  * has no memory for requests (-EAGAIN: nothing submitted, the requests
- * stay queued) or a signal arrives (-EINTR). */
+ * stay queued) or a signal arrives (-EINTR); while it is 2, every
+ * submission is refused (-EAGAIN), for good. */
 int __real_io_uring_submit(struct io_uring *ring);
 int __real_io_uring_submit_and_wait(struct io_uring *ring, unsigned wait_nr);
 int __real___io_uring_get_cqe(struct io_uring *ring, struct io_uring_cqe **cqe, unsigned submit, unsigned wait_nr,
@@ -86,7 +87,11 @@ int __wrap___io_uring_get_cqe(struct io_uring *ring, struct io_uring_cqe **cqe, 
 static atomic_int ring_faults, refused_submits, interrupted_waits;
 static atomic_uint ring_calls;
 
-static bool ring_fails_now(void) { return atomic_load(&ring_faults) && (atomic_fetch_add(&ring_calls, 1) & 1) == 0; }
+static bool ring_fails_now(void)
+{
+    int mode = atomic_load(&ring_faults);
+    return mode == 2 || (mode == 1 && (atomic_fetch_add(&ring_calls, 1) & 1) == 0);
+}
 
 int __wrap_io_uring_submit(struct io_uring *ring)
 {
@@ -100,6 +105,10 @@ int __wrap_io_uring_submit_and_wait(struct io_uring *ring, unsigned wait_nr)
 {
     if (!ring_fails_now())
         return __real_io_uring_submit_and_wait(ring, wait_nr);
+    if (atomic_load(&ring_faults) == 2) {
+        atomic_fetch_add(&refused_submits, 1);
+        return -EAGAIN;
+    }
     atomic_fetch_add(&interrupted_waits, 1);
     return -EINTR;
 }
@@ -848,6 +857,48 @@ static void test_ring_under_pressure(void **state)
     signal(SIGALRM, SIG_DFL);
 }
 
+/* A ring that refuses every submission: the lane gives up on it after
+ * about a second, fails that batch, and moves later ones with pwrite and
+ * pread; what the ring still held is never submitted, so it cannot land
+ * over the later writes. */
+static void test_ring_that_never_takes(void **state)
+{
+    (void)state;
+    if (!have_io_uring())
+        skip();
+    char dir[PATH_MAX], p[PATH_MAX + 16];
+    dt_scratch("refused", dir, sizeof(dir));
+    kvhi_disk *d = disk_open(dir, 8192, 4, 32, 1, false);
+    kvhi_disk_lane *l = kvhi_disk_lane_get(d);
+    assert_true(kvhi_disk_lane_vectored(l));
+    const uint32_t slots[2] = {1, 2};
+    int res[2] = {1, 1};
+    atomic_store(&refused_submits, 0);
+    atomic_store(&ring_faults, 2);
+    write_round(d, l, 2, slots, 31, res);
+    atomic_store(&ring_faults, 0);
+    assert_int_equal(res[0], -EAGAIN);
+    assert_int_equal(res[1], -EAGAIN);
+    assert_true(atomic_load(&refused_submits) > 1000);
+    assert_false(kvhi_disk_lane_vectored(l)); /* it stopped using the ring */
+    write_round(d, l, 2, slots, 32, res);
+    assert_int_equal(res[0] + res[1], 0);
+    kvhi_disk_read_staged(d, l, 2, slots, res, NULL, NULL);
+    for (uint32_t k = 0; k < 2; k++) {
+        assert_int_equal(res[k], 0);
+        assert_int_equal(differs(kvhi_disk_lane_slot(l, k), d->slot_bytes, slots[k], 32), -1);
+    }
+    uint64_t sb = d->slot_bytes;
+    kvhi_disk_lane_put(d, l);
+    disk_close(d); /* closes the ring with round 31 still queued in it */
+    size_t len = 0;
+    uint8_t *f = dt_read_file(dt_path(p, sizeof(p), dir, "slab-0000.kvh"), &len);
+    assert_non_null(f);
+    for (uint32_t k = 0; k < 2; k++)
+        assert_int_equal(differs(f + (size_t)slots[k] * sb, sb, slots[k], 32), -1);
+    free(f);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -861,6 +912,7 @@ int main(void)
         cmocka_unit_test_teardown(test_prepared_gather, teardown),
         cmocka_unit_test_teardown(test_fatal_store, teardown),
         cmocka_unit_test_teardown(test_ring_under_pressure, teardown),
+        cmocka_unit_test_teardown(test_ring_that_never_takes, teardown),
     };
     return cmocka_run_group_tests_name("disk_io", tests, NULL, NULL);
 }
