@@ -44,8 +44,9 @@ static void put(const char *text)
         _exit(3);
 }
 
-/* One line per thread: its functions, innermost first (the replay links
- * with -rdynamic so that static library functions have names). */
+/* One line per thread: its functions, innermost first. The replay links
+ * with -rdynamic, so kvh_ and kvhi_ functions have names; static ones
+ * print as offsets into the program, for addr2line. */
 static void print_stack(long tid, int n)
 {
     char line[2048];
@@ -56,7 +57,7 @@ static void print_stack(long tid, int n)
         if (found && info.dli_sname)
             at += snprintf(line + at, sizeof(line) - (size_t)at, " %s+%#lx", info.dli_sname,
                            (unsigned long)((char *)stack_frames[i] - (char *)info.dli_saddr));
-        else if (found && info.dli_fname && info.dli_fbase) /* a static function: its file offset, for addr2line */
+        else if (found && info.dli_fname && info.dli_fbase)
             at += snprintf(line + at, sizeof(line) - (size_t)at, " %s@%#lx",
                            strrchr(info.dli_fname, '/') ? strrchr(info.dli_fname, '/') + 1 : info.dli_fname,
                            (unsigned long)((char *)stack_frames[i] - (char *)info.dli_fbase));

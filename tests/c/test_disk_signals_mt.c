@@ -1,12 +1,12 @@
 /* The disk tier under a storm of signals.
  *
  * A program that embeds kvh gets signals: a profiler's timer, SIGCHLD,
- * Python's SIGINT, a runtime's own. Each one ends the system call the
- * thread it lands on is waiting in, and that call reports EINTR. Here a
- * thread sends SIGUSR1 (a handler without SA_RESTART, as Python installs
- * its own) to every other thread of the process every 100 us while an
- * engine with O_DIRECT slabs and two migration workers spills sequences
- * to disk, persists them, reads them back from disk, matches them after
+ * Python's SIGINT, a runtime's own. Under a handler installed without
+ * SA_RESTART (as Python installs its own) each can end the system call
+ * its thread is waiting in with EINTR. Here a thread sends SIGUSR1 to
+ * every other thread of the process every 100 us while an engine with
+ * O_DIRECT slabs and two migration workers spills sequences to disk,
+ * persists them, reads them back from disk, matches them after
  * reopening and closes. Pass: every call returns KVH_OK, every byte read
  * is the one written, no block is counted corrupt, and the signals did
  * land (thousands of them). core/disk_io.c waits on its io_uring through
