@@ -76,7 +76,7 @@ static int sync_fd(int fd)
     int inj = kvhi_disk_fault(KVHI_OP_FSYNC);
     if (inj)
         return inj;
-    return fsync(fd) == 0 ? 0 : -errno;
+    return kvhi_disk_sync_fd(fd, false);
 }
 
 static int sync_dir(kvhi_disk *d)
@@ -84,7 +84,7 @@ static int sync_dir(kvhi_disk *d)
     int inj = kvhi_disk_fault(KVHI_OP_DIRSYNC);
     if (inj)
         return inj;
-    return fsync(d->dir_fd) == 0 ? 0 : -errno;
+    return kvhi_disk_sync_fd(d->dir_fd, false);
 }
 
 /* Atomically replaces `name` with header + body: temp, fsync, rename,
@@ -723,7 +723,7 @@ int kvhi_index_sync(kvhi_disk *d)
     int rc = flush_locked(d);
     if (rc == 0) {
         int inj = kvhi_disk_fault(KVHI_OP_FSYNC);
-        rc = inj ? inj : (fdatasync(d->journal_fd) == 0 ? 0 : -errno);
+        rc = inj ? inj : kvhi_disk_sync_fd(d->journal_fd, true);
         if (rc != 0)
             d->fatal = true;
     }

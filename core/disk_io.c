@@ -115,7 +115,7 @@ int kvhi_disk_open_slabs(kvhi_disk *d, bool allow_direct)
              * cached; an O_DIRECT write that cannot drop them makes the
              * kernel report a write error on the file (EIO at the next
              * fsync). Write them back and drop them before the first. */
-            fdatasync(fd);
+            kvhi_disk_sync_fd(fd, true);
             posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
         }
         uint32_t slots = i + 1 < d->n_slabs ? d->slots_per_slab : d->n_slots - i * d->slots_per_slab;
@@ -419,17 +419,28 @@ void kvhi_disk_read_staged(kvhi_disk *d, kvhi_disk_lane *lane, uint32_t n, const
     transfer(d, lane, n, slots, results, false, on_run ? &sink : NULL);
 }
 
+int kvhi_disk_sync_fd(int fd, bool data_only)
+{
+    for (;;) {
+        if ((data_only ? fdatasync(fd) : fsync(fd)) == 0)
+            return 0;
+        if (errno != EINTR)
+            return -errno;
+    }
+}
+
 int kvhi_disk_sync_slabs(kvhi_disk *d)
 {
     if (d->fatal)
         return -EIO;
     for (uint32_t i = 0; i < d->n_slabs; i++) {
         int inj = kvhi_disk_fault(KVHI_OP_FSYNC);
-        if (inj || fdatasync(d->slab_fds[i]) != 0) {
+        int rc = inj ? (inj < 0 ? inj : -EIO) : kvhi_disk_sync_fd(d->slab_fds[i], true);
+        if (rc != 0) {
             /* After a failed fsync the page cache state is unknown: never
              * retry and trust it. */
             d->fatal = true;
-            return inj ? (inj < 0 ? inj : -EIO) : -errno;
+            return rc;
         }
     }
     return 0;

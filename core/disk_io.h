@@ -132,6 +132,10 @@ int kvhi_disk_read_into(kvhi_disk *d, kvhi_disk_lane *lane, uint32_t slot, uint8
 uint64_t kvhi_disk_slot_offset(const kvhi_disk *d, uint32_t slot);
 /* fdatasync every slab file; -errno on failure (the store turns fatal). */
 int kvhi_disk_sync_slabs(kvhi_disk *d);
+/* fsync of fd (data_only: fdatasync), again while a signal interrupts
+ * it: EINTR says nothing about the data (it consumes no write error),
+ * unlike a failed sync, which is never retried. 0 or -errno. */
+int kvhi_disk_sync_fd(int fd, bool data_only);
 
 /* Fault injection for tests; NULL disables. Process-wide. */
 void kvhi_disk_set_fault_hook(kvhi_disk_fault_fn fn, void *user);

@@ -26,7 +26,8 @@
  *     and into the caller's memory, a single block read in pieces with
  *     its checksum; 1 (use the staged path) for unaligned memory, too
  *     many slots, or a lane without io_uring;
- *   - a fatal store writes nothing; a failed fsync makes it fatal;
+ *   - a fatal store writes nothing; a failed fsync makes it fatal, an
+ *     interrupted one (EINTR) is made again and is no failure;
  *   - a ring that takes no request on every other submission and has
  *     every other wait interrupted by a signal: every io_uring path
  *     resubmits and resumes, and moves every byte.
@@ -69,6 +70,28 @@ static size_t cut(size_t n)
 
 ssize_t __wrap_pread(int fd, void *buf, size_t n, off_t off) { return __real_pread(fd, buf, cut(n), off); }
 ssize_t __wrap_pwrite(int fd, const void *buf, size_t n, off_t off) { return __real_pwrite(fd, buf, cut(n), off); }
+
+/* Syncs a signal interrupts: while sync_interrupts is set, every other
+ * fsync or fdatasync returns EINTR without syncing. */
+int __real_fdatasync(int fd);
+int __real_fsync(int fd);
+int __wrap_fdatasync(int fd);
+int __wrap_fsync(int fd);
+
+static atomic_int sync_interrupts, syncs_interrupted;
+static atomic_uint sync_calls;
+
+static bool sync_interrupted_now(void)
+{
+    if (!atomic_load(&sync_interrupts) || (atomic_fetch_add(&sync_calls, 1) & 1))
+        return false;
+    atomic_fetch_add(&syncs_interrupted, 1);
+    errno = EINTR;
+    return true;
+}
+
+int __wrap_fdatasync(int fd) { return sync_interrupted_now() ? -1 : __real_fdatasync(fd); }
+int __wrap_fsync(int fd) { return sync_interrupted_now() ? -1 : __real_fsync(fd); }
 
 /* A ring under pressure: while ring_faults is 1, every other call of
  * each kind fails without doing anything, as the kernel answers when it
@@ -195,6 +218,7 @@ static int teardown(void **state)
     atomic_store(&no_ring, 0);
     atomic_store(&short_io, 0);
     atomic_store(&ring_faults, 0);
+    atomic_store(&sync_interrupts, 0);
     for (int i = 0; i < 8; i++)
         if (open_disks[i])
             disk_close(open_disks[i]);
@@ -722,6 +746,34 @@ static void test_prepared_gather(void **state)
 
 /* ---- fatal stores ---- */
 
+/* EINTR from a sync says nothing about the data: the sync is made again
+ * and the store stays usable (a failed one, below, is never retried). */
+static void test_interrupted_sync(void **state)
+{
+    (void)state;
+    char dir[PATH_MAX];
+    dt_scratch("interrupted-sync", dir, sizeof(dir));
+    kvhi_disk *d = disk_open(dir, 8192, 4, 32, 1, false);
+    kvhi_disk_lane *l = kvhi_disk_lane_get(d);
+    const uint32_t slots[2] = {0, 3};
+    int res[2];
+    write_round(d, l, 2, slots, 9, res);
+    assert_int_equal(res[0] + res[1], 0);
+    atomic_store(&syncs_interrupted, 0);
+    atomic_store(&sync_interrupts, 1);
+    for (int i = 0; i < 4; i++)
+        assert_int_equal(kvhi_disk_sync_slabs(d), 0);
+    assert_int_equal(kvhi_disk_sync_fd(d->dir_fd, false), 0);
+    atomic_store(&sync_interrupts, 0);
+    assert_true(atomic_load(&syncs_interrupted) >= 2);
+    assert_false(d->fatal);
+    write_round(d, l, 2, slots, 10, res);
+    assert_int_equal(res[0] + res[1], 0);
+    assert_int_equal(kvhi_disk_sync_slabs(d), 0);
+    kvhi_disk_lane_put(d, l);
+    disk_close(d);
+}
+
 static void test_fatal_store(void **state)
 {
     (void)state;
@@ -910,6 +962,7 @@ int main(void)
         cmocka_unit_test_teardown(test_truncated_slab, teardown),
         cmocka_unit_test_teardown(test_vectored_paths, teardown),
         cmocka_unit_test_teardown(test_prepared_gather, teardown),
+        cmocka_unit_test_teardown(test_interrupted_sync, teardown),
         cmocka_unit_test_teardown(test_fatal_store, teardown),
         cmocka_unit_test_teardown(test_ring_under_pressure, teardown),
         cmocka_unit_test_teardown(test_ring_that_never_takes, teardown),
