@@ -6,6 +6,9 @@
  *   mt_report(w, ...)  records an error (the first message is kept).
  *   mt_run(e, n, fn, w)  starts n threads on fn(&w[i]), joins them all,
  *                    then fails the test with the first thread's error.
+ *   mt_run_for(e, n, fn, w, seconds, stop)  the same, with *stop set
+ *                    once seconds have passed (the calling thread keeps
+ *                    the time); fn returns when it sees it.
  */
 #ifndef KVH_TEST_MT_UTIL_H
 #define KVH_TEST_MT_UTIL_H
@@ -13,9 +16,11 @@
 #include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <time.h>
 
 #include <cmocka.h>
 
@@ -40,19 +45,40 @@ __attribute__((format(printf, 2, 3))) static inline void mt_report(mt_worker *w,
 
 #define MT_MAX_THREADS 64
 
-static inline void mt_run(kvh_engine *e, int n, void *(*fn)(void *), mt_worker *w)
+static inline void mt_start(kvh_engine *e, int n, void *(*fn)(void *), mt_worker *w, pthread_t *th)
 {
-    pthread_t th[MT_MAX_THREADS];
     assert_true(n <= MT_MAX_THREADS);
     for (int t = 0; t < n; t++) {
         w[t] = (mt_worker){.e = e, .t = t};
         assert_int_equal(pthread_create(&th[t], NULL, fn, &w[t]), 0);
     }
+}
+
+static inline void mt_join(int n, const pthread_t *th, const mt_worker *w)
+{
     for (int t = 0; t < n; t++)
         pthread_join(th[t], NULL);
     for (int t = 0; t < n; t++)
         if (w[t].errors)
             fail_msg("%d error(s) in thread %d; first: %s", w[t].errors, t, w[t].msg);
+}
+
+static inline void mt_run(kvh_engine *e, int n, void *(*fn)(void *), mt_worker *w)
+{
+    pthread_t th[MT_MAX_THREADS];
+    mt_start(e, n, fn, w, th);
+    mt_join(n, th, w);
+}
+
+static inline void mt_run_for(kvh_engine *e, int n, void *(*fn)(void *), mt_worker *w, double seconds, atomic_int *stop)
+{
+    pthread_t th[MT_MAX_THREADS];
+    mt_start(e, n, fn, w, th);
+    struct timespec left = {(time_t)seconds, (long)((seconds - (double)(time_t)seconds) * 1e9)};
+    while (nanosleep(&left, &left) != 0) /* a signal: sleep what is left */
+        ;
+    atomic_store(stop, 1);
+    mt_join(n, th, w);
 }
 
 #endif

@@ -182,15 +182,6 @@ static void *worker(void *arg)
     return NULL;
 }
 
-static void *timer(void *arg)
-{
-    double end = tu_now() + *(double *)arg;
-    while (tu_now() < end)
-        dt_sleep_ms(20);
-    atomic_store(&stop, 1);
-    return NULL;
-}
-
 static void check_model(kvh_engine *e, model *m)
 {
     assert_ok(kvh_context_switch(e, (kvh_context){0}, m->c, NULL));
@@ -222,11 +213,8 @@ static void test_switches_race_each_other(void **state)
     atomic_store(&stop, 0);
     atomic_store(&churn_ctx, 0);
     double seconds = (double)dt_env_long("KVH_CONTEXT_MT_MS", 1500) / 1000.0;
-    pthread_t tm;
-    assert_int_equal(pthread_create(&tm, NULL, timer, &seconds), 0);
     mt_worker w[4];
-    mt_run(e, 4, worker, w);
-    pthread_join(tm, NULL);
+    mt_run_for(e, 4, worker, w, seconds, &stop);
     print_message("%" PRIu64 " switches, %" PRIu64 " destroys refused while busy\n", atomic_load(&switches),
                   atomic_load(&busy_destroys));
     assert_true(atomic_load(&switches) > 0);

@@ -330,15 +330,6 @@ static void *worker(void *arg)
     return NULL;
 }
 
-static void *timer(void *arg)
-{
-    double seconds = *(double *)arg, end = tu_now() + seconds;
-    while (tu_now() < end)
-        dt_sleep_ms(20);
-    atomic_store(&G.stop, 1);
-    return NULL;
-}
-
 static void run(void **state, int with_disk)
 {
     (void)state;
@@ -350,11 +341,8 @@ static void run(void **state, int with_disk)
     memset(&G, 0, sizeof(G));
     G.e = dt_open_a(&c);
     double seconds = (double)dt_env_long("KVH_HINTS_MT_MS", 1500) / 1000.0;
-    pthread_t tm;
-    assert_int_equal(pthread_create(&tm, NULL, timer, &seconds), 0);
     mt_worker w[OWNERS + HINTERS + FENCERS];
-    mt_run(G.e, OWNERS + HINTERS + FENCERS, worker, w);
-    pthread_join(tm, NULL);
+    mt_run_for(G.e, OWNERS + HINTERS + FENCERS, worker, w, seconds, &G.stop);
     uint64_t last = atomic_exchange(&G.mailbox, 0);
     if (last)
         assert_ok(kvh_fence_free(G.e, (kvh_fence){last}));

@@ -210,15 +210,6 @@ static void *worker(void *arg)
     return NULL;
 }
 
-static void *timer(void *arg)
-{
-    double end = tu_now() + *(double *)arg;
-    while (tu_now() < end)
-        dt_sleep_ms(20);
-    atomic_store(&stop, 1);
-    return NULL;
-}
-
 static void test_tenants_race_each_other(void **state)
 {
     (void)state;
@@ -230,11 +221,8 @@ static void test_tenants_race_each_other(void **state)
     kvh_engine *e = dt_open_a(&c);
     atomic_store(&stop, 0);
     double seconds = (double)dt_env_long("KVH_SCOPE_MT_MS", 1500) / 1000.0;
-    pthread_t tm;
-    assert_int_equal(pthread_create(&tm, NULL, timer, &seconds), 0);
     mt_worker w[TENANTS + 1];
-    mt_run(e, TENANTS + 1, worker, w);
-    pthread_join(tm, NULL);
+    mt_run_for(e, TENANTS + 1, worker, w, seconds, &stop);
     print_message("%" PRIu64 " matches with a hit, %" PRIu64 " without, %" PRIu64 " probes\n", atomic_load(&hits),
                   atomic_load(&misses), atomic_load(&probes));
     assert_true(atomic_load(&hits) > 0 && atomic_load(&probes) > 0);
