@@ -28,6 +28,7 @@ struct kvhi_disk_lane {
     struct io_uring ring;
     uint8_t *arena;
     uint64_t arena_bytes;
+    unsigned stalls; /* cancels it had to ask for (lane_cancel_unstarted) */
 };
 
 static kvhi_disk_fault_fn fault_fn;
@@ -41,6 +42,37 @@ void kvhi_disk_set_fault_hook(kvhi_disk_fault_fn fn, void *user)
 
 int kvhi_disk_fault(enum kvhi_disk_op op) { return fault_fn ? fault_fn(op, fault_user) : 0; }
 
+/* A request the kernel has held unstarted this long is cancelled and
+ * done by the lane itself with pread or pwrite. Requests on their way to
+ * a device cannot be cancelled and are waited for however slow. */
+#define LANE_STALL_NS_DEFAULT 2000000000ull
+/* Tags the lane's cancel requests, whose completions no caller counts. */
+#define LANE_CANCEL_TAG UINT64_MAX
+
+static _Atomic uint64_t lane_stall_ns = LANE_STALL_NS_DEFAULT;
+
+void kvhi_disk_set_stall_ns(uint64_t ns) { lane_stall_ns = ns ? ns : LANE_STALL_NS_DEFAULT; }
+
+static uint64_t monotonic_ns(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000000ull + (uint64_t)t.tv_nsec;
+}
+
+/* Asks the kernel to cancel every request of the ring that has not
+ * started; each one cancelled completes with -ECANCELED. A ring that sat
+ * on a request is not trusted again (see lane_settle). */
+static void lane_cancel_unstarted(kvhi_disk_lane *l)
+{
+    struct io_uring_sqe *sqe = io_uring_get_sqe(&l->ring);
+    if (!sqe)
+        return; /* the queue is full: the next wait submits it, then again */
+    io_uring_prep_cancel64(sqe, 0, IORING_ASYNC_CANCEL_ANY | IORING_ASYNC_CANCEL_ALL);
+    io_uring_sqe_set_data64(sqe, LANE_CANCEL_TAG);
+    l->stalls++;
+}
+
 /* The next completion of the lane's ring. io_uring_submit may take fewer
  * requests than were prepared, or none (-EAGAIN, -EBUSY, -EINTR), and a
  * signal can end a wait early (-EINTR): the requests left in the queue are
@@ -49,14 +81,28 @@ int kvhi_disk_fault(enum kvhi_disk_op op) { return fault_fn ? fault_fn(op, fault
  * or leave requests in flight on buffers the caller reuses. A negative
  * errno only when the ring itself keeps failing: the lane then stops
  * using it (pread and pwrite from then on), so that the requests still
- * queued in it are never submitted on behalf of a later batch. */
+ * queued in it are never submitted on behalf of a later batch. A wait
+ * with nothing arriving for lane_stall_ns cancels what has not started:
+ * those completions carry -ECANCELED, for the caller to redo (io_redo). */
 static int lane_wait_cqe(kvhi_disk_lane *l, struct io_uring_cqe **cqe)
 {
+    uint64_t stall_ns = lane_stall_ns, since = monotonic_ns();
     for (unsigned refused = 0;;) {
-        if (io_uring_peek_cqe(&l->ring, cqe) == 0)
-            return 0;
-        int rc = io_uring_submit_and_wait(&l->ring, 1);
-        if (rc >= 0 || rc == -EINTR)
+        if (io_uring_peek_cqe(&l->ring, cqe) == 0) {
+            if (io_uring_cqe_get_data64(*cqe) != LANE_CANCEL_TAG)
+                return 0;
+            io_uring_cqe_seen(&l->ring, *cqe);
+            continue;
+        }
+        struct __kernel_timespec wait = {.tv_sec = (long long)(stall_ns / 1000000000ull),
+                                         .tv_nsec = (long long)(stall_ns % 1000000000ull)};
+        struct io_uring_cqe *got = NULL;
+        int rc = io_uring_submit_and_wait_timeout(&l->ring, &got, 1, &wait, NULL);
+        if (!got && monotonic_ns() - since >= stall_ns) {
+            lane_cancel_unstarted(l);
+            since = monotonic_ns();
+        }
+        if (rc >= 0 || rc == -EINTR || rc == -ETIME)
             continue;
         if ((rc != -EAGAIN && rc != -EBUSY) || ++refused > LANE_REFUSALS_MAX) {
             l->has_ring = false;
@@ -67,6 +113,62 @@ static int lane_wait_cqe(kvhi_disk_lane *l, struct io_uring_cqe **cqe)
         struct timespec pause = {0, 100000};
         nanosleep(&pause, NULL);
     }
+}
+
+/* Whether a completion is one to do again without the ring: a request
+ * cancelled unstarted, or interrupted, moved nothing. */
+static bool io_redo(int res) { return res == -ECANCELED || res == -EINTR; }
+
+/* After a batch, with nothing of it left in flight: a ring that sat on a
+ * request is left for pread and pwrite. */
+static void lane_settle(kvhi_disk_lane *l)
+{
+    if (l->stalls)
+        l->has_ring = false;
+}
+
+/* Moves a run's buffers with preadv or pwritev, resuming short
+ * transfers; n_iov is at most 3 * 64 (vector_io). */
+static int sync_iov(int fd, const struct iovec *iov, uint32_t n_iov, uint64_t off, bool write)
+{
+    struct iovec left[3 * 64];
+    memcpy(left, iov, n_iov * sizeof(*iov));
+    struct iovec *v = left;
+    while (n_iov) {
+        ssize_t n = write ? pwritev(fd, v, (int)n_iov, (off_t)off) : preadv(fd, v, (int)n_iov, (off_t)off);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0)
+            return -errno;
+        if (n == 0)
+            return write ? -ENOSPC : -ENODATA;
+        off += (uint64_t)n;
+        size_t got = (size_t)n;
+        for (; n_iov && got >= v->iov_len; v++, n_iov--)
+            got -= v->iov_len;
+        if (n_iov) { /* what remains of the first buffer not yet whole */
+            v->iov_base = (uint8_t *)v->iov_base + got;
+            v->iov_len -= got;
+        }
+    }
+    return 0;
+}
+
+/* Moves len bytes between buf and fd at off with pread or pwrite. */
+static int sync_io(int fd, uint8_t *buf, uint64_t len, uint64_t off, bool write)
+{
+    for (uint64_t done = 0; done < len;) {
+        ssize_t n = write ? pwrite(fd, buf + done, len - done, (off_t)(off + done))
+                          : pread(fd, buf + done, len - done, (off_t)(off + done));
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0)
+            return -errno;
+        if (n == 0)
+            return write ? -ENOSPC : -ENODATA; /* end of file: truncated slab */
+        done += (uint64_t)n;
+    }
+    return 0;
 }
 
 uint64_t kvhi_disk_slot_offset(const kvhi_disk *d, uint32_t slot)
@@ -348,7 +450,7 @@ static void do_runs(kvhi_disk *d, kvhi_disk_lane *l, io_run *runs, uint32_t nr, 
                 }
                 uint32_t r = (uint32_t)io_uring_cqe_get_data64(cqe);
                 if (cqe->res < 0)
-                    run_err[r] = cqe->res;
+                    run_err[r] = cqe->res; /* io_redo ones are done below */
                 else if (cqe->res == 0)
                     run_err[r] = write ? -ENOSPC : -ENODATA; /* end of file: truncated slab */
                 else
@@ -361,24 +463,20 @@ static void do_runs(kvhi_disk *d, kvhi_disk_lane *l, io_run *runs, uint32_t nr, 
                 }
             }
         }
-    } else {
-        for (uint32_t r = 0; r < nr; r++) {
-            uint64_t total = (uint64_t)runs[r].count * sb;
-            while (!run_err[r] && runs[r].done < total) {
-                uint8_t *buf = kvhi_disk_lane_slot(l, runs[r].first) + runs[r].done;
-                ssize_t n = write
-                                ? pwrite(runs[r].fd, buf, total - runs[r].done, (off_t)(runs[r].offset + runs[r].done))
-                                : pread(runs[r].fd, buf, total - runs[r].done, (off_t)(runs[r].offset + runs[r].done));
-                if (n < 0 && errno == EINTR)
-                    continue;
-                if (n < 0)
-                    run_err[r] = -errno;
-                else if (n == 0)
-                    run_err[r] = write ? -ENOSPC : -ENODATA;
-                else
-                    runs[r].done += (uint64_t)n;
-            }
-        }
+        for (uint32_t r = 0; r < nr; r++)
+            if (io_redo(run_err[r]))
+                run_err[r] = 0;
+        lane_settle(l);
+    }
+    /* Without a ring, and whatever the ring left: pread and pwrite. */
+    for (uint32_t r = 0; r < nr; r++) {
+        uint64_t total = (uint64_t)runs[r].count * sb;
+        if (run_err[r] || runs[r].done >= total)
+            continue;
+        run_err[r] = sync_io(runs[r].fd, kvhi_disk_lane_slot(l, runs[r].first) + runs[r].done, total - runs[r].done,
+                             runs[r].offset + runs[r].done, write);
+        if (!run_err[r])
+            runs[r].done = total;
     }
     for (uint32_t r = 0; r < nr; r++)
         for (uint32_t k = 0; k < runs[r].count; k++)
@@ -527,6 +625,11 @@ int kvhi_disk_read_into(kvhi_disk *d, kvhi_disk_lane *l, uint32_t slot, uint8_t 
         int res = cqe->res;
         io_uring_cqe_seen(&l->ring, cqe);
         outstanding--;
+        if (io_redo(res) && !err) {
+            res = sync_io(fd, p[id].buf + p[id].done, p[id].len - p[id].done, p[id].offset + p[id].done, false);
+            if (res == 0)
+                res = (int)(p[id].len - p[id].done);
+        }
         if (res < 0 || res == 0) {
             if (!err)
                 err = res < 0 ? res : -ENODATA; /* end of file: truncated slab */
@@ -546,6 +649,7 @@ int kvhi_disk_read_into(kvhi_disk *d, kvhi_disk_lane *l, uint32_t slot, uint8_t 
             next++;
         }
     }
+    lane_settle(l);
     if (err)
         return err;
     *crc_out = crc;
@@ -640,11 +744,7 @@ static int vector_io(kvhi_disk *d, kvhi_disk_lane *l, uint32_t n, const uint32_t
         if (write && on_run && r + 1 < nr)
             io_uring_submit(&l->ring);
     }
-    /* Submit and wait for the first completion in one system call. */
-    if (pending)
-        io_uring_submit_and_wait(&l->ring, 1);
-    else
-        io_uring_submit(&l->ring);
+    /* The first wait submits what is still queued, in the same call. */
     while (pending) {
         struct io_uring_cqe *cqe;
         int rc = lane_wait_cqe(l, &cqe);
@@ -659,11 +759,16 @@ static int vector_io(kvhi_disk *d, kvhi_disk_lane *l, uint32_t n, const uint32_t
         int res = cqe->res;
         io_uring_cqe_seen(&l->ring, cqe);
         pending--;
+        uint64_t want = (uint64_t)runs[r].count * sb, moved = res > 0 ? (uint64_t)res : 0;
+        if (io_redo(res)) {
+            res = sync_iov(runs[r].fd, iov + first_iov[r], n_iov[r], runs[r].offset, write);
+            moved = res == 0 ? want : 0;
+        }
         /* A regular file reads short only at its end (a truncated slab);
          * a short write means the disk is full. */
         if (res < 0)
             run_err[r] = res;
-        else if ((uint64_t)res < (uint64_t)runs[r].count * sb)
+        else if (moved < want)
             run_err[r] = write ? -ENOSPC : -ENODATA;
         else if (on_run && !write) {
             for (uint32_t k = 0; k < runs[r].count; k++)
@@ -671,6 +776,7 @@ static int vector_io(kvhi_disk *d, kvhi_disk_lane *l, uint32_t n, const uint32_t
             on_run(ctx, runs[r].first, runs[r].count);
         }
     }
+    lane_settle(l);
     for (uint32_t r = 0; r < nr; r++)
         for (uint32_t k = 0; k < runs[r].count; k++)
             results[runs[r].first + k] = run_err[r];

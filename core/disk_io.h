@@ -141,4 +141,9 @@ int kvhi_disk_sync_fd(int fd, bool data_only);
 void kvhi_disk_set_fault_hook(kvhi_disk_fault_fn fn, void *user);
 int kvhi_disk_fault(enum kvhi_disk_op op);
 
+/* How long a lane waits on a ring that completes nothing before it
+ * cancels the requests the kernel has not started and does them with
+ * pread or pwrite (0: the default, 2 s). For tests. Process-wide. */
+void kvhi_disk_set_stall_ns(uint64_t ns);
+
 #endif

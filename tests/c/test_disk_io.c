@@ -30,7 +30,10 @@
  *     interrupted one (EINTR) is made again and is no failure;
  *   - a ring that takes no request on every other submission and has
  *     every other wait interrupted by a signal: every io_uring path
- *     resubmits and resumes, and moves every byte.
+ *     resubmits and resumes, and moves every byte;
+ *   - a ring that sits on requests without starting them: every path
+ *     cancels them after the stall time, moves the bytes with pread or
+ *     pwrite, and leaves the ring.
  * test_disk_roundtrip.c checks O_DIRECT through an engine; test_rel_faults.c
  * short transfers through a whole scenario. */
 #include <liburing.h>
@@ -106,6 +109,10 @@ int __wrap_io_uring_submit(struct io_uring *ring);
 int __wrap_io_uring_submit_and_wait(struct io_uring *ring, unsigned wait_nr);
 int __wrap___io_uring_get_cqe(struct io_uring *ring, struct io_uring_cqe **cqe, unsigned submit, unsigned wait_nr,
                               sigset_t *sigmask);
+int __real_io_uring_submit_and_wait_timeout(struct io_uring *ring, struct io_uring_cqe **cqe, unsigned wait_nr,
+                                            struct __kernel_timespec *ts, sigset_t *sigmask);
+int __wrap_io_uring_submit_and_wait_timeout(struct io_uring *ring, struct io_uring_cqe **cqe, unsigned wait_nr,
+                                            struct __kernel_timespec *ts, sigset_t *sigmask);
 
 static atomic_int ring_faults, refused_submits, interrupted_waits;
 static atomic_uint ring_calls;
@@ -134,6 +141,36 @@ int __wrap_io_uring_submit_and_wait(struct io_uring *ring, unsigned wait_nr)
     }
     atomic_fetch_add(&interrupted_waits, 1);
     return -EINTR;
+}
+
+/* A ring that sits on requests: while stall.armed, the slab file's
+ * descriptor is a pipe that never takes or gives a byte, so requests on
+ * it wait unstarted. The first wait that ends without a completion puts
+ * the file back (the requests keep the pipe): what the lane does again
+ * itself reaches the file. */
+static struct {
+    atomic_int armed, restored;
+    int target, saved;
+} stall;
+
+int __wrap_io_uring_submit_and_wait_timeout(struct io_uring *ring, struct io_uring_cqe **cqe, unsigned wait_nr,
+                                            struct __kernel_timespec *ts, sigset_t *sigmask)
+{
+    if (ring_fails_now()) {
+        if (atomic_load(&ring_faults) == 2) {
+            atomic_fetch_add(&refused_submits, 1);
+            return -EAGAIN;
+        }
+        atomic_fetch_add(&interrupted_waits, 1);
+        return -EINTR;
+    }
+    *cqe = NULL;
+    int rc = __real_io_uring_submit_and_wait_timeout(ring, cqe, wait_nr, ts, sigmask);
+    if (!*cqe && atomic_exchange(&stall.armed, 0)) {
+        assert_true(dup2(stall.saved, stall.target) == stall.target);
+        atomic_fetch_add(&stall.restored, 1);
+    }
+    return rc;
 }
 
 int __wrap___io_uring_get_cqe(struct io_uring *ring, struct io_uring_cqe **cqe, unsigned submit, unsigned wait_nr,
@@ -219,6 +256,8 @@ static int teardown(void **state)
     atomic_store(&short_io, 0);
     atomic_store(&ring_faults, 0);
     atomic_store(&sync_interrupts, 0);
+    atomic_store(&stall.armed, 0);
+    kvhi_disk_set_stall_ns(0);
     for (int i = 0; i < 8; i++)
         if (open_disks[i])
             disk_close(open_disks[i]);
@@ -825,7 +864,7 @@ static void test_fatal_store(void **state)
 static void on_ring_hang(int sig)
 {
     (void)sig;
-    static const char msg[] = "test_ring_under_pressure: an I/O never completed (a request left unsubmitted?)\n";
+    static const char msg[] = "test_disk_io: an I/O never completed (a request left unsubmitted, or never started?)\n";
     if (write(2, msg, sizeof(msg) - 1) < 0)
         _exit(2);
     _exit(1);
@@ -951,6 +990,151 @@ static void test_ring_that_never_takes(void **state)
     free(f);
 }
 
+/* Points the slab file's descriptor at a pipe that neither takes (it is
+ * full) nor gives (it is empty, its writer open) a byte; ends[] are kept
+ * to close after. */
+static void stall_begin(int slab_fd, bool reading, int ends[2])
+{
+    assert_int_equal(pipe(ends), 0);
+    if (!reading) {
+        int fl = fcntl(ends[1], F_GETFL);
+        assert_int_equal(fcntl(ends[1], F_SETFL, fl | O_NONBLOCK), 0);
+        static const uint8_t page[4096];
+        while (write(ends[1], page, sizeof(page)) > 0)
+            ;
+        assert_int_equal(fcntl(ends[1], F_SETFL, fl), 0);
+    }
+    stall.target = slab_fd;
+    stall.saved = dup(slab_fd);
+    assert_true(stall.saved >= 0);
+    assert_true(dup2(ends[reading ? 0 : 1], slab_fd) == slab_fd);
+    atomic_store(&stall.restored, 0);
+    atomic_store(&stall.armed, 1);
+}
+
+static void stall_end(int ends[2])
+{
+    assert_int_equal(atomic_load(&stall.armed), 0);
+    assert_int_equal(atomic_load(&stall.restored), 1);
+    close(stall.saved);
+    close(ends[0]);
+    close(ends[1]);
+}
+
+enum { STALL_STAGED_WRITE, STALL_STAGED_READ, STALL_GATHER, STALL_SCATTER, STALL_READ_INTO, STALL_PATHS };
+
+/* A ring that sits on requests without starting them (the kernel's
+ * worker queue stuck, say): after the stall time each path cancels them,
+ * moves the bytes itself, returns them correct, and the lane leaves the
+ * ring for pread and pwrite. A wait without that would never end. */
+static void test_ring_that_sits_on_requests(void **state)
+{
+    (void)state;
+    if (!have_io_uring())
+        skip();
+    signal(SIGALRM, on_ring_hang);
+    alarm(60);
+    kvhi_disk_set_stall_ns(100 * 1000000ull);
+    for (int path = 0; path < STALL_PATHS; path++) {
+        char dir[PATH_MAX], p[PATH_MAX + 16];
+        dt_scratch("stall", dir, sizeof(dir));
+        /* 512 KiB blocks: a read_into goes in eight pieces. */
+        kvhi_disk *d = disk_open(dir, 512 << 10, 8, 32, 1, false);
+        uint64_t bb = d->block_bytes, sb = d->slot_bytes;
+        kvhi_disk_lane *l = kvhi_disk_lane_get(d);
+        assert_true(kvhi_disk_lane_vectored(l));
+        const uint32_t slots[3] = {4, 5, 1};
+        int res[3] = {1, 1, 1}, ends[2];
+        uint8_t *mem[3];
+        for (int i = 0; i < 3; i++) {
+            mem[i] = aligned(bb);
+            fill(mem[i], bb, slots[i] + 100, 40);
+        }
+        bool reading = path == STALL_STAGED_READ || path == STALL_SCATTER || path == STALL_READ_INTO;
+        if (reading) { /* what the reads must find, written on a ring that works */
+            for (int i = 0; i < 3; i++)
+                fill(kvhi_disk_lane_slot(l, (uint32_t)i), 4096, slots[i], 40);
+            assert_int_equal(kvhi_disk_write_gather(d, l, 3, slots, mem, res), 0);
+            assert_int_equal(res[0] | res[1] | res[2], 0);
+        }
+        double t0 = dt_now();
+        stall_begin(d->slab_fds[0], reading, ends);
+        arrivals a = {.res = res};
+        uint8_t *into[3];
+        switch (path) {
+        case STALL_STAGED_WRITE:
+            write_round(d, l, 3, slots, 41, res);
+            break;
+        case STALL_STAGED_READ:
+            kvhi_disk_read_staged(d, l, 3, slots, res, NULL, NULL);
+            for (uint32_t i = 0; i < 3; i++)
+                assert_memory_equal(kvhi_disk_lane_slot(l, i) + KVHI_SLOT_HEADER_BYTES, mem[i], bb);
+            break;
+        case STALL_GATHER:
+            for (int i = 0; i < 3; i++) {
+                fill(mem[i], bb, slots[i] + 100, 41);
+                fill(kvhi_disk_lane_slot(l, (uint32_t)i), 4096, slots[i], 41);
+            }
+            assert_int_equal(kvhi_disk_write_gather(d, l, 3, slots, mem, res), 0);
+            break;
+        case STALL_SCATTER:
+            for (int i = 0; i < 3; i++)
+                into[i] = aligned(bb);
+            assert_int_equal(kvhi_disk_read_scatter(d, l, 3, slots, into, res, on_run, &a), 0);
+            for (int i = 0; i < 3; i++) {
+                assert_memory_equal(into[i], mem[i], bb);
+                assert_int_equal(a.seen[i], 1); /* handed over as in, as without a stall */
+                free(into[i]);
+            }
+            break;
+        default: {
+            uint32_t crc = 0;
+            const uint8_t *hdr = NULL;
+            into[0] = aligned(bb);
+            res[0] = kvhi_disk_read_into(d, l, slots[1], into[0], &crc, &hdr);
+            res[1] = res[2] = 0;
+            assert_memory_equal(into[0], mem[1], bb);
+            assert_int_equal(crc, kvhi_crc32c(0, mem[1], bb));
+            free(into[0]);
+        }
+        }
+        unsigned took_ms = (unsigned)((dt_now() - t0) * 1000);
+        stall_end(ends);
+        for (int i = 0; i < 3; i++)
+            assert_int_equal(res[i], 0);
+        assert_true(took_ms >= 100);              /* it waited for the stall time, */
+        assert_false(kvhi_disk_lane_vectored(l)); /* then left the ring for good */
+        if (!reading) {                           /* the file holds what was written */
+            size_t len = 0;
+            uint8_t *f = dt_read_file(dt_path(p, sizeof(p), dir, "slab-0000.kvh"), &len);
+            assert_non_null(f);
+            for (int i = 0; i < 3; i++) {
+                const uint8_t *at = f + (size_t)slots[i] * sb;
+                if (path == STALL_STAGED_WRITE)
+                    assert_int_equal(differs(at, sb, slots[i], 41), -1);
+                else
+                    assert_memory_equal(at + KVHI_SLOT_HEADER_BYTES, mem[i], bb);
+            }
+            free(f);
+        }
+        /* The lane goes on without the ring. */
+        write_round(d, l, 3, slots, 42, res);
+        kvhi_disk_read_staged(d, l, 3, slots, res, NULL, NULL);
+        for (uint32_t i = 0; i < 3; i++) {
+            assert_int_equal(res[i], 0);
+            assert_int_equal(differs(kvhi_disk_lane_slot(l, i), sb, slots[i], 42), -1);
+        }
+        print_message("path %d: done again without the ring after %u ms\n", path, took_ms);
+        for (int i = 0; i < 3; i++)
+            free(mem[i]);
+        kvhi_disk_lane_put(d, l);
+        disk_close(d);
+    }
+    kvhi_disk_set_stall_ns(0);
+    alarm(0);
+    signal(SIGALRM, SIG_DFL);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -966,6 +1150,7 @@ int main(void)
         cmocka_unit_test_teardown(test_fatal_store, teardown),
         cmocka_unit_test_teardown(test_ring_under_pressure, teardown),
         cmocka_unit_test_teardown(test_ring_that_never_takes, teardown),
+        cmocka_unit_test_teardown(test_ring_that_sits_on_requests, teardown),
     };
     return cmocka_run_group_tests_name("disk_io", tests, NULL, NULL);
 }
