@@ -68,6 +68,38 @@ static void print_stack(long tid, int n)
     put(line);
 }
 
+/* Reads a small /proc file into out, its lines joined by " | ". */
+static void read_proc(long tid, const char *what, char *out, size_t len)
+{
+    char path[96];
+    snprintf(path, sizeof(path), "/proc/self/task/%ld/%s", tid, what);
+    out[0] = '\0';
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return;
+    size_t n = fread(out, 1, len - 1, f);
+    fclose(f);
+    out[n] = '\0';
+    while (n && out[n - 1] == '\n')
+        out[--n] = '\0';
+    for (char *c = out; (c = strchr(c, '\n')) != NULL;)
+        *c = '|';
+}
+
+/* Where each task waits in the kernel: its name (the kernel's own I/O
+ * workers are tasks of the process too, named iou-wrk-*), the function
+ * it sleeps in, and its kernel stack where the process may read it. */
+static void print_kernel_side(long tid)
+{
+    char comm[64], wchan[128], stack[1536], line[1900];
+    read_proc(tid, "comm", comm, sizeof(comm));
+    read_proc(tid, "wchan", wchan, sizeof(wchan));
+    read_proc(tid, "stack", stack, sizeof(stack));
+    snprintf(line, sizeof(line), "replay: task %ld (%s): sleeps in %s%s%s\n", tid, comm, wchan[0] ? wchan : "-",
+             stack[0] ? "; kernel stack: " : "", stack);
+    put(line);
+}
+
 static void print_all_stacks(void)
 {
     DIR *d = opendir("/proc/self/task");
@@ -78,6 +110,7 @@ static void print_all_stacks(void)
         long tid = atol(de->d_name);
         if (tid <= 0)
             continue;
+        print_kernel_side(tid);
         stack_depth = -1;
         if (syscall(SYS_tgkill, getpid(), (pid_t)tid, SIGUSR2) != 0)
             continue;
