@@ -399,16 +399,23 @@ class StuckWaits:
     """The library as seen when work never completes: kvh_fence_wait and
     kvh_context_wait_layer hold the thread in C (without the GIL, like the
     real calls) for their whole timeout, up to 3 s, then report a timeout;
-    kvh_fence_poll says not done. Everything else is the real library."""
+    kvh_fence_poll says not done. Everything else is the real library.
+    release() ends the stuck work: the waits then report it done."""
 
     def __init__(self, real):
         self._real = real
         self._sleep = ctypes.CDLL(None).usleep
+        self._released = False
 
     def __getattr__(self, name):
         return getattr(self._real, name)
 
+    def release(self):
+        self._released = True
+
     def _hold(self, ns):
+        if self._released:
+            return self._real.KVH_OK
         self._sleep(min(ns // 1000, 3_000_000))
         return self._real.KVH_ERR_TIMEOUT
 
@@ -423,21 +430,36 @@ class StuckWaits:
         return 0
 
 
-def _interrupted_after(seconds, wait):
+def _interrupted_after(seconds, wait, stuck):
     """How long wait() ran before the KeyboardInterrupt of a Ctrl-C
-    pressed ``seconds`` after it began."""
+    pressed ``seconds`` after it began. Should the interrupt never land,
+    the stuck work is released after 10 s, so the test fails instead of
+    waiting for good."""
     timer = threading.Timer(seconds, _thread.interrupt_main)
+    rescue = threading.Timer(10.0, stuck.release)
     t0 = time.monotonic()
     timer.start()
+    rescue.start()
     try:
         with pytest.raises(KeyboardInterrupt):
             wait()
         return time.monotonic() - t0
     finally:
         timer.cancel()
+        rescue.cancel()
 
 
-def test_ctrl_c_interrupts_waits_without_a_timeout(engine, monkeypatch):
+@pytest.fixture
+def ctrl_c_raises():
+    """Python's own Ctrl-C handler for the test: a process started in the
+    background by a shell (as a CI runner may be) inherits SIGINT ignored,
+    and then _thread.interrupt_main() does nothing."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_interrupts_waits_without_a_timeout(engine, monkeypatch, ctrl_c_raises):
     """Fence.wait() / result() and Context.wait_layer() with no timeout
     waited in one C call, where Python cannot raise KeyboardInterrupt: a
     Ctrl-C was held back until the work completed (forever for work that
@@ -451,9 +473,9 @@ def test_ctrl_c_interrupts_waits_without_a_timeout(engine, monkeypatch):
     stuck = StuckWaits(engine_mod.lib)
     monkeypatch.setattr(engine_mod, "lib", stuck)
     monkeypatch.setattr(context_mod, "lib", stuck)
-    assert _interrupted_after(0.3, fence.wait) < 2.0
-    assert _interrupted_after(0.3, fence.result) < 2.0
-    assert _interrupted_after(0.3, lambda: ctx.wait_layer(0)) < 2.0
+    assert _interrupted_after(0.3, fence.wait, stuck) < 2.0
+    assert _interrupted_after(0.3, fence.result, stuck) < 2.0
+    assert _interrupted_after(0.3, lambda: ctx.wait_layer(0), stuck) < 2.0
     assert not fence.wait(0.25)  # a timeout is still a timeout
     with pytest.raises(kvh.KvhTimeoutError):
         ctx.wait_layer(0, timeout=0.25)
