@@ -73,6 +73,48 @@ static void lane_cancel_unstarted(kvhi_disk_lane *l)
     l->stalls++;
 }
 
+/* The ring gave up with `remaining` of the caller's requests not reaped.
+ * Those it still queues never reached the kernel: they become tagged
+ * no-ops, harmless if ever submitted. Those the kernel took are waited
+ * for (cancelled where not started, as in lane_wait_cqe), so that none
+ * lands later in memory the caller reuses. Their results are dropped:
+ * the batch has failed. */
+static void lane_drain(kvhi_disk_lane *l, uint32_t remaining)
+{
+    struct io_uring_sq *sq = &l->ring.sq;
+    for (unsigned at = *sq->khead; at != sq->sqe_tail; at++) {
+        struct io_uring_sqe *sqe = &sq->sqes[at & sq->ring_mask];
+        if (sqe->user_data != LANE_CANCEL_TAG && remaining)
+            remaining--;
+        io_uring_prep_nop(sqe);
+        io_uring_sqe_set_data64(sqe, LANE_CANCEL_TAG);
+    }
+    uint64_t stall_ns = lane_stall_ns, since = monotonic_ns();
+    while (remaining) {
+        struct __kernel_timespec wait = {.tv_sec = (long long)(stall_ns / 1000000000ull),
+                                         .tv_nsec = (long long)(stall_ns % 1000000000ull)};
+        struct io_uring_cqe *cqe = NULL;
+        int rc = io_uring_wait_cqe_timeout(&l->ring, &cqe, &wait);
+        if (rc == 0 && cqe) {
+            if (io_uring_cqe_get_data64(cqe) != LANE_CANCEL_TAG)
+                remaining--;
+            io_uring_cqe_seen(&l->ring, cqe);
+            since = monotonic_ns();
+            continue;
+        }
+        if (rc == -EBADF || rc == -EFAULT || rc == -EINVAL || rc == -ENXIO || rc == -EOPNOTSUPP)
+            return; /* no ring to wait on */
+        if (monotonic_ns() - since >= stall_ns) {
+            lane_cancel_unstarted(l);
+            io_uring_submit(&l->ring); /* may be refused too: tried again next time */
+            since = monotonic_ns();
+        } else if (rc == -EAGAIN || rc == -EBUSY) {
+            struct timespec pause = {0, 100000};
+            nanosleep(&pause, NULL);
+        }
+    }
+}
+
 /* The next completion of the lane's ring. io_uring_submit may take fewer
  * requests than were prepared, or none (-EAGAIN, -EBUSY, -EINTR), and a
  * signal can end a wait early (-EINTR): the requests left in the queue are
@@ -80,11 +122,11 @@ static void lane_cancel_unstarted(kvhi_disk_lane *l)
  * either wait for completions of requests the kernel never saw (a hang)
  * or leave requests in flight on buffers the caller reuses. A negative
  * errno only when the ring itself keeps failing: the lane then stops
- * using it (pread and pwrite from then on), so that the requests still
- * queued in it are never submitted on behalf of a later batch. A wait
+ * using it (pread and pwrite from then on), after lane_drain, given the
+ * caller's `remaining` requests not yet reaped. A wait
  * with nothing arriving for lane_stall_ns cancels what has not started:
  * those completions carry -ECANCELED, for the caller to redo (io_redo). */
-static int lane_wait_cqe(kvhi_disk_lane *l, struct io_uring_cqe **cqe)
+static int lane_wait_cqe(kvhi_disk_lane *l, struct io_uring_cqe **cqe, uint32_t remaining)
 {
     uint64_t stall_ns = lane_stall_ns, since = monotonic_ns();
     for (unsigned refused = 0;;) {
@@ -106,6 +148,7 @@ static int lane_wait_cqe(kvhi_disk_lane *l, struct io_uring_cqe **cqe)
             continue;
         if ((rc != -EAGAIN && rc != -EBUSY) || ++refused > LANE_REFUSALS_MAX) {
             l->has_ring = false;
+            lane_drain(l, remaining);
             return rc;
         }
         /* Out of kernel memory for requests, or completions to reap
@@ -441,7 +484,7 @@ static void do_runs(kvhi_disk *d, kvhi_disk_lane *l, io_run *runs, uint32_t nr, 
             io_uring_submit(&l->ring);
             for (uint32_t k = 0; k < pending; k++) {
                 struct io_uring_cqe *cqe;
-                int rc = lane_wait_cqe(l, &cqe);
+                int rc = lane_wait_cqe(l, &cqe, pending - k);
                 if (rc < 0) {
                     for (uint32_t r = 0; r < nr; r++)
                         if (!run_err[r])
@@ -616,7 +659,7 @@ int kvhi_disk_read_into(kvhi_disk *d, kvhi_disk_lane *l, uint32_t slot, uint8_t 
      * the CPU pass overlaps the pieces still on their way. */
     while (outstanding) {
         struct io_uring_cqe *cqe;
-        int rc = lane_wait_cqe(l, &cqe);
+        int rc = lane_wait_cqe(l, &cqe, outstanding);
         if (rc < 0) {
             err = rc; /* the ring is unusable: nothing more will arrive */
             break;
@@ -747,7 +790,7 @@ static int vector_io(kvhi_disk *d, kvhi_disk_lane *l, uint32_t n, const uint32_t
     /* The first wait submits what is still queued, in the same call. */
     while (pending) {
         struct io_uring_cqe *cqe;
-        int rc = lane_wait_cqe(l, &cqe);
+        int rc = lane_wait_cqe(l, &cqe, pending);
         if (rc < 0) {
             /* The ring is unusable; nothing more will arrive. */
             for (uint32_t r = 0; r < nr; r++)

@@ -33,11 +33,13 @@
  *     resubmits and resumes, and moves every byte;
  *   - a ring that sits on requests without starting them: every path
  *     cancels them after the stall time, moves the bytes with pread or
- *     pwrite, and leaves the ring.
+ *     pwrite, and leaves the ring; a ring that took requests and then
+ *     refuses every call: the failed batch leaves none in flight.
  * test_disk_roundtrip.c checks O_DIRECT through an engine; test_rel_faults.c
  * short transfers through a whole scenario. */
 #include <liburing.h>
 #include <stdatomic.h>
+#include <sys/ioctl.h>
 
 #include "disk_test_util.h"
 
@@ -100,7 +102,8 @@ int __wrap_fsync(int fd) { return sync_interrupted_now() ? -1 : __real_fsync(fd)
  * each kind fails without doing anything, as the kernel answers when it
  * has no memory for requests (-EAGAIN: nothing submitted, the requests
  * stay queued) or a signal arrives (-EINTR); while it is 2, every
- * submission is refused (-EAGAIN), for good. */
+ * submission is refused (-EAGAIN), for good; while it is 3,
+ * io_uring_submit takes what is queued and every wait is refused. */
 int __real_io_uring_submit(struct io_uring *ring);
 int __real_io_uring_submit_and_wait(struct io_uring *ring, unsigned wait_nr);
 int __real___io_uring_get_cqe(struct io_uring *ring, struct io_uring_cqe **cqe, unsigned submit, unsigned wait_nr,
@@ -156,6 +159,10 @@ static struct {
 int __wrap_io_uring_submit_and_wait_timeout(struct io_uring *ring, struct io_uring_cqe **cqe, unsigned wait_nr,
                                             struct __kernel_timespec *ts, sigset_t *sigmask)
 {
+    if (atomic_load(&ring_faults) == 3) { /* io_uring_submit takes, every wait is refused */
+        atomic_fetch_add(&refused_submits, 1);
+        return -EAGAIN;
+    }
     if (ring_fails_now()) {
         if (atomic_load(&ring_faults) == 2) {
             atomic_fetch_add(&refused_submits, 1);
@@ -990,6 +997,63 @@ static void test_ring_that_never_takes(void **state)
     free(f);
 }
 
+/* A ring that takes a batch's reads, which then sit unstarted (on an
+ * empty pipe), and refuses every wait after: the lane gives up after a
+ * second, but first cancels and waits for what the kernel took, so that
+ * nothing of the failed batch lands later in memory the caller reuses. */
+static void test_ring_that_gives_up_drains(void **state)
+{
+    (void)state;
+    if (!have_io_uring())
+        skip();
+    signal(SIGALRM, on_ring_hang);
+    alarm(60);
+    kvhi_disk_set_stall_ns(100 * 1000000ull);
+    char dir[PATH_MAX];
+    dt_scratch("drain", dir, sizeof(dir));
+    kvhi_disk *d = disk_open(dir, 8192, 4, 32, 1, false);
+    kvhi_disk_lane *l = kvhi_disk_lane_get(d);
+    assert_true(kvhi_disk_lane_vectored(l));
+    int ends[2];
+    assert_int_equal(pipe(ends), 0);
+    int slab = d->slab_fds[0], saved = dup(slab);
+    assert_true(saved >= 0 && dup2(ends[0], slab) == slab);
+    const uint32_t slots[2] = {1, 3}; /* two runs */
+    int res[2] = {1, 1};
+    atomic_store(&refused_submits, 0);
+    atomic_store(&ring_faults, 3);
+    kvhi_disk_read_staged(d, l, 2, slots, res, NULL, NULL);
+    atomic_store(&ring_faults, 0);
+    assert_int_equal(res[0], -EAGAIN);
+    assert_int_equal(res[1], -EAGAIN);
+    assert_true(atomic_load(&refused_submits) > 1000);
+    assert_false(kvhi_disk_lane_vectored(l));
+    /* Nothing of the batch still reads from the pipe: bytes put in stay. */
+    static const uint8_t page[4096];
+    assert_int_equal(write(ends[1], page, sizeof(page)), (ssize_t)sizeof(page));
+    struct timespec settle = {0, 50000000};
+    nanosleep(&settle, NULL);
+    int left = -1;
+    assert_int_equal(ioctl(ends[0], FIONREAD, &left), 0);
+    assert_int_equal(left, (int)sizeof(page));
+    assert_true(dup2(saved, slab) == slab);
+    close(saved);
+    close(ends[0]);
+    close(ends[1]);
+    /* The lane goes on with pread and pwrite. */
+    write_round(d, l, 2, slots, 51, res);
+    assert_int_equal(res[0] | res[1], 0);
+    kvhi_disk_read_staged(d, l, 2, slots, res, NULL, NULL);
+    for (uint32_t k = 0; k < 2; k++) {
+        assert_int_equal(res[k], 0);
+        assert_int_equal(differs(kvhi_disk_lane_slot(l, k), d->slot_bytes, slots[k], 51), -1);
+    }
+    kvhi_disk_lane_put(d, l);
+    kvhi_disk_set_stall_ns(0);
+    alarm(0);
+    signal(SIGALRM, SIG_DFL);
+}
+
 /* Points the slab file's descriptor at a pipe that neither takes (it is
  * full) nor gives (it is empty, its writer open) a byte; ends[] are kept
  * to close after. */
@@ -1151,6 +1215,7 @@ int main(void)
         cmocka_unit_test_teardown(test_ring_under_pressure, teardown),
         cmocka_unit_test_teardown(test_ring_that_never_takes, teardown),
         cmocka_unit_test_teardown(test_ring_that_sits_on_requests, teardown),
+        cmocka_unit_test_teardown(test_ring_that_gives_up_drains, teardown),
     };
     return cmocka_run_group_tests_name("disk_io", tests, NULL, NULL);
 }
