@@ -108,8 +108,8 @@ static void lane_drain(kvhi_disk_lane *l, uint32_t remaining)
             lane_cancel_unstarted(l);
             io_uring_submit(&l->ring); /* may be refused too: tried again next time */
             since = monotonic_ns();
-        } else if (rc == -EAGAIN || rc == -EBUSY) {
-            struct timespec pause = {0, 100000};
+        } else if (rc != -ETIME && rc != -EINTR) {
+            struct timespec pause = {0, 100000}; /* refused at once: not a busy loop */
             nanosleep(&pause, NULL);
         }
     }
