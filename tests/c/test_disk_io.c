@@ -877,6 +877,22 @@ static void on_ring_hang(int sig)
     _exit(1);
 }
 
+/* The tests of a misbehaving ring: a 60 s alarm turns a hang into a
+ * failure, and stall_ns (0: the default) is the lanes' stall time. */
+static void ring_watch_begin(uint64_t stall_ns)
+{
+    signal(SIGALRM, on_ring_hang);
+    alarm(60);
+    kvhi_disk_set_stall_ns(stall_ns);
+}
+
+static void ring_watch_end(void)
+{
+    kvhi_disk_set_stall_ns(0);
+    alarm(0);
+    signal(SIGALRM, SIG_DFL);
+}
+
 /* Every io_uring path of a lane: staged runs, gather and scatter, one
  * block read in pieces. */
 static void ring_paths_round_trip(kvhi_disk *d, int round)
@@ -931,8 +947,7 @@ static void test_ring_under_pressure(void **state)
     (void)state;
     if (!have_io_uring())
         skip();
-    signal(SIGALRM, on_ring_hang);
-    alarm(60);
+    ring_watch_begin(0);
     for (int direct = 1; direct >= 0; direct--) {
         char dir[PATH_MAX];
         dt_scratch("pressure", dir, sizeof(dir));
@@ -951,8 +966,7 @@ static void test_ring_under_pressure(void **state)
             assert_true(atomic_load(&interrupted_waits) > 0);
         disk_close(d);
     }
-    alarm(0);
-    signal(SIGALRM, SIG_DFL);
+    ring_watch_end();
 }
 
 /* A ring that refuses every submission: the lane gives up on it after
@@ -1006,9 +1020,7 @@ static void test_ring_that_gives_up_drains(void **state)
     (void)state;
     if (!have_io_uring())
         skip();
-    signal(SIGALRM, on_ring_hang);
-    alarm(60);
-    kvhi_disk_set_stall_ns(100 * 1000000ull);
+    ring_watch_begin(100 * 1000000ull);
     char dir[PATH_MAX];
     dt_scratch("drain", dir, sizeof(dir));
     kvhi_disk *d = disk_open(dir, 8192, 4, 32, 1, false);
@@ -1049,9 +1061,7 @@ static void test_ring_that_gives_up_drains(void **state)
         assert_int_equal(differs(kvhi_disk_lane_slot(l, k), d->slot_bytes, slots[k], 51), -1);
     }
     kvhi_disk_lane_put(d, l);
-    kvhi_disk_set_stall_ns(0);
-    alarm(0);
-    signal(SIGALRM, SIG_DFL);
+    ring_watch_end();
 }
 
 /* Points the slab file's descriptor at a pipe that neither takes (it is
@@ -1096,9 +1106,7 @@ static void test_ring_that_sits_on_requests(void **state)
     (void)state;
     if (!have_io_uring())
         skip();
-    signal(SIGALRM, on_ring_hang);
-    alarm(60);
-    kvhi_disk_set_stall_ns(100 * 1000000ull);
+    ring_watch_begin(100 * 1000000ull);
     for (int path = 0; path < STALL_PATHS; path++) {
         char dir[PATH_MAX], p[PATH_MAX + 16];
         dt_scratch("stall", dir, sizeof(dir));
@@ -1194,9 +1202,7 @@ static void test_ring_that_sits_on_requests(void **state)
         kvhi_disk_lane_put(d, l);
         disk_close(d);
     }
-    kvhi_disk_set_stall_ns(0);
-    alarm(0);
-    signal(SIGALRM, SIG_DFL);
+    ring_watch_end();
 }
 
 int main(void)
