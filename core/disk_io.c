@@ -28,7 +28,7 @@ struct kvhi_disk_lane {
     struct io_uring ring;
     uint8_t *arena;
     uint64_t arena_bytes;
-    unsigned stalls; /* cancels it had to ask for (lane_cancel_unstarted) */
+    unsigned sat_on; /* its requests a stall's cancel found unstarted */
 };
 
 static kvhi_disk_fault_fn fault_fn;
@@ -62,7 +62,8 @@ static uint64_t monotonic_ns(void)
 
 /* Asks the kernel to cancel every request of the ring that has not
  * started; each one cancelled completes with -ECANCELED. A ring that sat
- * on a request is not trusted again (see lane_settle). */
+ * on a request is not trusted again (see lane_settle); one whose requests
+ * were only slow, all under way, keeps its place. */
 static void lane_cancel_unstarted(kvhi_disk_lane *l)
 {
     struct io_uring_sqe *sqe = io_uring_get_sqe(&l->ring);
@@ -70,7 +71,6 @@ static void lane_cancel_unstarted(kvhi_disk_lane *l)
         return; /* the queue is full: the next wait submits it, then again */
     io_uring_prep_cancel64(sqe, 0, IORING_ASYNC_CANCEL_ANY | IORING_ASYNC_CANCEL_ALL);
     io_uring_sqe_set_data64(sqe, LANE_CANCEL_TAG);
-    l->stalls++;
 }
 
 /* The ring gave up with `remaining` of the caller's requests not reaped.
@@ -131,8 +131,11 @@ static int lane_wait_cqe(kvhi_disk_lane *l, struct io_uring_cqe **cqe, uint32_t 
     uint64_t stall_ns = lane_stall_ns, since = monotonic_ns();
     for (unsigned refused = 0;;) {
         if (io_uring_peek_cqe(&l->ring, cqe) == 0) {
-            if (io_uring_cqe_get_data64(*cqe) != LANE_CANCEL_TAG)
+            if (io_uring_cqe_get_data64(*cqe) != LANE_CANCEL_TAG) {
+                if ((*cqe)->res == -ECANCELED)
+                    l->sat_on++; /* only a stall's cancel ends one so */
                 return 0;
+            }
             io_uring_cqe_seen(&l->ring, *cqe);
             continue;
         }
@@ -166,7 +169,7 @@ static bool io_redo(int res) { return res == -ECANCELED || res == -EINTR; }
  * request is left for pread and pwrite. */
 static void lane_settle(kvhi_disk_lane *l)
 {
-    if (l->stalls)
+    if (l->sat_on)
         l->has_ring = false;
 }
 

@@ -126,8 +126,15 @@ static bool ring_fails_now(void)
     return mode == 2 || (mode == 1 && (atomic_fetch_add(&ring_calls, 1) & 1) == 0);
 }
 
+/* A slow device: while slow_wait_ns is set, io_uring_submit takes
+ * nothing (as it may), and the next wait submits, lets every request
+ * complete, then sleeps that long and returns as if nothing had come. */
+static _Atomic uint64_t slow_wait_ns;
+
 int __wrap_io_uring_submit(struct io_uring *ring)
 {
+    if (atomic_load(&slow_wait_ns))
+        return 0;
     if (!ring_fails_now())
         return __real_io_uring_submit(ring);
     atomic_fetch_add(&refused_submits, 1);
@@ -159,6 +166,22 @@ static struct {
 int __wrap_io_uring_submit_and_wait_timeout(struct io_uring *ring, struct io_uring_cqe **cqe, unsigned wait_nr,
                                             struct __kernel_timespec *ts, sigset_t *sigmask)
 {
+    uint64_t slow = atomic_exchange(&slow_wait_ns, 0);
+    if (slow) {
+        /* Every request submitted here completes before the slow wait
+         * ends (however loaded the machine): none is left for the lane's
+         * cancel to find. */
+        unsigned want = io_uring_cq_ready(ring);
+        int rc = __real_io_uring_submit(ring);
+        want += rc > 0 ? (unsigned)rc : 0;
+        struct timespec poll = {0, 1000000};
+        for (int i = 0; i < 30000 && io_uring_cq_ready(ring) < want; i++)
+            nanosleep(&poll, NULL);
+        struct timespec t = {(time_t)(slow / 1000000000ull), (long)(slow % 1000000000ull)};
+        nanosleep(&t, NULL);
+        *cqe = NULL;
+        return rc < 0 ? rc : -ETIME;
+    }
     if (atomic_load(&ring_faults) == 3) { /* io_uring_submit takes, every wait is refused */
         atomic_fetch_add(&refused_submits, 1);
         return -EAGAIN;
@@ -264,6 +287,7 @@ static int teardown(void **state)
     atomic_store(&ring_faults, 0);
     atomic_store(&sync_interrupts, 0);
     atomic_store(&stall.armed, 0);
+    atomic_store(&slow_wait_ns, 0);
     kvhi_disk_set_stall_ns(0);
     for (int i = 0; i < 8; i++)
         if (open_disks[i])
@@ -1064,6 +1088,40 @@ static void test_ring_that_gives_up_drains(void **state)
     ring_watch_end();
 }
 
+/* A wait that outlasts the stall time on requests already under way (a
+ * slow device): the lane's cancel finds nothing to cancel, the requests
+ * complete as they are, and the lane keeps its ring. */
+static void test_slow_ring_keeps_its_place(void **state)
+{
+    (void)state;
+    if (!have_io_uring())
+        skip();
+    ring_watch_begin(50 * 1000000ull);
+    char dir[PATH_MAX];
+    dt_scratch("slow", dir, sizeof(dir));
+    kvhi_disk *d = disk_open(dir, 65536, 8, 32, 1, false);
+    kvhi_disk_lane *l = kvhi_disk_lane_get(d);
+    assert_true(kvhi_disk_lane_vectored(l));
+    const uint32_t slots[3] = {4, 5, 1};
+    int res[3] = {1, 1, 1};
+    for (int read = 0; read < 2; read++) {
+        atomic_store(&slow_wait_ns, 80 * 1000000ull);
+        if (read)
+            kvhi_disk_read_staged(d, l, 3, slots, res, NULL, NULL);
+        else
+            write_round(d, l, 3, slots, 61, res);
+        assert_int_equal(atomic_load(&slow_wait_ns), 0); /* the slow wait came */
+        for (uint32_t i = 0; i < 3; i++) {
+            assert_int_equal(res[i], 0);
+            if (read)
+                assert_int_equal(differs(kvhi_disk_lane_slot(l, i), d->slot_bytes, slots[i], 61), -1);
+        }
+        assert_true(kvhi_disk_lane_vectored(l));
+    }
+    kvhi_disk_lane_put(d, l);
+    ring_watch_end();
+}
+
 /* Points the slab file's descriptor at a pipe that neither takes (it is
  * full) nor gives (it is empty, its writer open) a byte; ends[] are kept
  * to close after. */
@@ -1222,6 +1280,7 @@ int main(void)
         cmocka_unit_test_teardown(test_ring_that_never_takes, teardown),
         cmocka_unit_test_teardown(test_ring_that_sits_on_requests, teardown),
         cmocka_unit_test_teardown(test_ring_that_gives_up_drains, teardown),
+        cmocka_unit_test_teardown(test_slow_ring_keeps_its_place, teardown),
     };
     return cmocka_run_group_tests_name("disk_io", tests, NULL, NULL);
 }
