@@ -380,7 +380,7 @@ static void encode_int8(uint32_t dtype, uint32_t d, const void *src, uint8_t *re
         float a = amax_finite(x, n);
         amax = a > amax ? a : amax;
     }
-    float scale = amax / 127.0f;
+    float scale = kvhi_codec_int8_scale_fit(amax / 127.0f);
     double inv = scale > 0.0f ? 1.0 / scale : 0.0; /* of the scale as stored */
     put_f32(rec, scale);
     int8_t *codes = (int8_t *)(rec + sizeof(float));
@@ -442,7 +442,7 @@ static void encode_q4(uint32_t dtype, uint32_t d, uint32_t g, const void *src, u
         if (lo > hi) /* no finite element */
             lo = hi = 0.0f;
         /* hi - lo may exceed FLT_MAX; the scale (a 15th of it) does not */
-        float scale = (float)(((double)hi - lo) / 15.0);
+        float scale = kvhi_codec_q4_scale_fit((float)(((double)hi - lo) / 15.0), lo);
         double inv = scale > 0.0f ? 1.0 / scale : 0.0;
         put_f32(rec + (size_t)gi * 2 * sizeof(float), scale);
         put_f32(rec + (size_t)gi * 2 * sizeof(float) + sizeof(float), lo);

@@ -4,11 +4,13 @@
  * be encoded or decoded on its own (no neighbour is ever re-quantised).
  *
  *   KVH_CODEC_INT8     [f32 scale][head_dim x int8]; x ~ q * scale,
- *                      scale = max|x| / 127 (symmetric, per token and head)
+ *                      scale = max|x| / 127 (symmetric, per token and head;
+ *                      one ulp lower where 127 x scale overflows a float)
  *   KVH_CODEC_Q4_G32/64 [groups x (f32 scale, f32 min)][head_dim / 2 bytes,
  *                      low nibble first]; x ~ min + q * scale, q in 0..15,
  *                      scale = (max - min) / 15 over each group of 32/64
- *                      elements (asymmetric: the minimum is the zero point)
+ *                      elements (asymmetric: the minimum is the zero point;
+ *                      one ulp lower where min + 15 x scale overflows)
  *
  * Error bound per element (before the decoded value is rounded to the
  * storage dtype): INT8 |x - x'| <= max|x| / 254 of its vector; Q4 |x - x'|
@@ -33,6 +35,22 @@ void kvhi_codec_encode(uint32_t codec, uint32_t dtype, uint32_t head_dim, const 
 
 /* Decodes n records into n raw vectors of dtype. */
 void kvhi_codec_decode(uint32_t codec, uint32_t dtype, uint32_t head_dim, const void *src, size_t n, void *dst);
+
+/* The scales as stored, fitted so that no code of a finite vector decodes
+ * to infinity: where the largest code's value (127 * scale as a float
+ * product, or lo + 15 * scale in double, as decoding computes them) would
+ * round past FLT_MAX, which only a vector or group holding values within
+ * an ulp or so of +-FLT_MAX can reach, the scale is one ulp lower. That
+ * value then decodes just below its input, well inside the error bound;
+ * every other scale is unchanged. */
+static inline float kvhi_codec_int8_scale_fit(float scale)
+{
+    return __builtin_isinf(scale * 127.0f) ? __builtin_nextafterf(scale, 0.0f) : scale;
+}
+static inline float kvhi_codec_q4_scale_fit(float scale, float lo)
+{
+    return __builtin_isinf((float)(lo + 15.0 * (double)scale)) ? __builtin_nextafterf(scale, 0.0f) : scale;
+}
 
 /* Elements per quantisation group (head_dim for INT8, 0 for NONE). */
 uint32_t kvhi_codec_group(uint32_t codec, uint32_t head_dim);

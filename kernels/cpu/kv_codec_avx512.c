@@ -15,6 +15,7 @@
  * possible values: they are computed once per group as the format does
  * (in double, rounded once to float, then to the dtype) and each code
  * looks its value up with a permute. */
+#include "kernels/cpu/kv_codec.h"
 #include "kernels/cpu/kv_codec_simd.h"
 
 #ifdef KVH_CODEC_X86_VECTOR
@@ -270,6 +271,11 @@ AVX512_INLINE void encode_int8_batch(uint32_t dtype, uint32_t d, const uint8_t *
         const uint8_t *x = src + v * in;
         uint8_t *r = rec + v * out;
         int8_t *codes = (int8_t *)(r + sizeof(float));
+        float fitted = kvhi_codec_int8_scale_fit(scale[v]);
+        if (fitted != scale[v]) {
+            scale[v] = fitted;
+            inv[v] = 1.0f / fitted;
+        }
         put_f32(r, scale[v]);
         if (finite[v] && scale[v] >= FLT_MIN)
             int8_codes_finite(dtype, d, x, scale[v], inv[v], codes);
@@ -436,6 +442,11 @@ AVX512_INLINE void encode_q4_batch(uint32_t dtype, uint32_t d, uint32_t g, const
         const uint8_t *x = src + (first + k) * g * eb;
         uint8_t *head = dst + v * rec + gi * 2 * sizeof(float),
                 *gc = dst + v * rec + gpv * 2 * sizeof(float) + gi * g / 2;
+        float fitted = kvhi_codec_q4_scale_fit(scale[k], lo[k]);
+        if (fitted != scale[k]) {
+            scale[k] = fitted;
+            inv[k] = 1.0f / fitted;
+        }
         put_f32(head, scale[k]);
         put_f32(head + sizeof(float), lo[k]);
         bool fast = (in_float >> k) & 1;

@@ -5,11 +5,13 @@
  * with a codec holds more blocks in its host tier, keeps KV within the
  * bounds through demotion to host and disk and promotion back, and a disk
  * store remembers its codec. */
+#include <float.h>
 #include <math.h>
 #include <stdbool.h>
 
 #include "test_util.h"
 #include "kernels/attention_dtype.h"
+#include "kernels/cpu/kv_codec.h"
 
 static const uint32_t codecs[] = {KVH_CODEC_INT8, KVH_CODEC_Q4_G32, KVH_CODEC_Q4_G64};
 static const uint32_t dtypes[] = {KVH_DTYPE_F32, KVH_DTYPE_F16, KVH_DTYPE_BF16};
@@ -188,6 +190,41 @@ static void test_extreme_magnitudes(void **state)
     }
 }
 
+/* Vectors and groups reaching +-FLT_MAX: the top code's value (127 x
+ * scale, or min + 15 x scale) rounded past FLT_MAX, so a finite input
+ * decoded to infinity. Now every element decodes finite and within the
+ * bound, on every instruction set this CPU runs. */
+static void test_values_at_flt_max(void **state)
+{
+    (void)state;
+    static const float lows[] = {0.0f, -0x1.e3c676p+127f, -0x1.c697c8p+126f, 0x1.0ed056p+124f, 1e38f, -FLT_MAX};
+    static const int isas[] = {KVHI_CODEC_SCALAR, KVHI_CODEC_AVX2, KVHI_CODEC_AVX512};
+    for (size_t ii = 0; ii < 3; ii++) {
+        if (kvhi_codec_set_isa(isas[ii]) != 0)
+            continue;
+        for (size_t ci = 0; ci < 3; ci++)
+            for (size_t li = 0; li < sizeof(lows) / sizeof(lows[0]); li++)
+                for (int top = 0; top < 2; top++) {
+                    uint32_t c = codecs[ci];
+                    float x[64], y[64];
+                    uint8_t enc[512];
+                    for (int i = 0; i < 64; i++)
+                        x[i] = i % 7 == 3 ? (top ? FLT_MAX : nextafterf(FLT_MAX, 0.0f)) : lows[li];
+                    x[60] = -x[3]; /* int8's largest magnitude both ways */
+                    if (c != KVH_CODEC_INT8)
+                        x[60] = lows[li];
+                    assert_ok(kvh_codec_encode(c, KVH_DTYPE_F32, 64, x, 1, enc));
+                    assert_ok(kvh_codec_decode(c, KVH_DTYPE_F32, 64, enc, 1, y));
+                    for (int i = 0; i < 64; i++)
+                        if (!isfinite(y[i]) ||
+                            !(fabs((double)y[i] - x[i]) <= allowed(c, KVH_DTYPE_F32, 64, x, (uint32_t)i, y[i])))
+                            fail_msg("%s codec %u, min %a: element %d: %a decoded as %a", kvhi_codec_isa_name(isas[ii]),
+                                     c, (double)lows[li], i, (double)x[i], (double)y[i]);
+                }
+    }
+    kvhi_codec_set_isa(KVHI_CODEC_AUTO);
+}
+
 /* Engine geometry used below: 2 layers, 2 heads, head_dim 64, 16 tokens. */
 enum { L = 2, H = 2, D = 64, BT = 16 };
 
@@ -362,8 +399,9 @@ static void test_disk_store_remembers_codec(void **state)
 /* ---- int8 against a reference written from the format alone ---- */
 
 /* The documented int8 record of x (d floats): scale = max finite |x| / 127
- * as f32; code = x / scale rounded to nearest-even in double, saturated at
- * +-127, NaN 0; a zero scale gives +-127 for infinities, else 0. */
+ * as f32 (one ulp lower where 127 x scale overflows a float); code =
+ * x / scale rounded to nearest-even in double, saturated at +-127, NaN 0;
+ * a zero scale gives +-127 for infinities, else 0. */
 static void int8_reference(const float *x, uint32_t d, uint8_t *rec)
 {
     float amax = 0.0f;
@@ -371,6 +409,8 @@ static void int8_reference(const float *x, uint32_t d, uint8_t *rec)
         if (isfinite(x[i]) && fabsf(x[i]) > amax)
             amax = fabsf(x[i]);
     float scale = amax / 127.0f;
+    if (isinf(scale * 127.0f)) /* the top code would decode to infinity */
+        scale = nextafterf(scale, 0.0f);
     memcpy(rec, &scale, sizeof(scale));
     double inv = scale > 0.0f ? 1.0 / (double)scale : 0.0;
     for (uint32_t i = 0; i < d; i++) {
@@ -487,7 +527,8 @@ static void test_int8_matches_the_format(void **state)
 
 /* The documented q4 record of x (d floats, groups of g): per group
  * [scale, min] over its finite elements (0, 0 when none), scale = (max -
- * min) / 15 computed in double and stored as f32; code = (x - min) /
+ * min) / 15 computed in double and stored as f32 (one ulp lower where
+ * min + 15 x scale would round past FLT_MAX); code = (x - min) /
  * scale rounded to nearest-even in double, saturated to 0..15, NaN 0; a
  * zero scale gives 15 for +inf, else 0; low nibble first. */
 static void q4_reference(const float *x, uint32_t d, uint32_t g, uint8_t *rec)
@@ -506,6 +547,8 @@ static void q4_reference(const float *x, uint32_t d, uint32_t g, uint8_t *rec)
         if (lo > hi)
             lo = hi = 0.0f;
         float scale = (float)(((double)hi - lo) / 15.0);
+        if (isinf((float)(lo + 15.0 * (double)scale))) /* code 15 would decode to infinity */
+            scale = nextafterf(scale, 0.0f);
         memcpy(rec + (size_t)gi * 8, &scale, 4);
         memcpy(rec + (size_t)gi * 8 + 4, &lo, 4);
         double inv = scale > 0.0f ? 1.0 / (double)scale : 0.0;
@@ -672,6 +715,7 @@ int main(void)
         cmocka_unit_test_teardown(test_sizes_and_arguments, tu_teardown),
         cmocka_unit_test_teardown(test_non_finite_and_constant, tu_teardown),
         cmocka_unit_test_teardown(test_extreme_magnitudes, tu_teardown),
+        cmocka_unit_test_teardown(test_values_at_flt_max, tu_teardown),
         cmocka_unit_test_teardown(test_int8_matches_the_format, tu_teardown),
         cmocka_unit_test_teardown(test_int8_decode_rounds_ties_to_even, tu_teardown),
         cmocka_unit_test_teardown(test_q4_matches_the_format, tu_teardown),
