@@ -271,9 +271,28 @@ kvh_status kvh_pool_register(kvh_engine *e, const kvh_pool_layout *layout, kvh_p
         st = kvhi_fail(KVH_ERR_INVALID_ARG, "token_stride and head_stride must be >= head_dim * element size (%zu)",
                        row);
     else {
-        for (uint32_t l = 0; l < e->cfg.num_layers && st == KVH_OK; l++)
+        /* The farthest byte a copy touches, from a base pointer: where
+         * that wraps around the address range, copies would address
+         * other memory than the layout describes. */
+        uint64_t extent = row, part;
+        bool wraps = __builtin_mul_overflow((uint64_t)(layout->num_slots - 1), layout->slot_stride, &part) ||
+                     __builtin_add_overflow(extent, part, &extent) ||
+                     __builtin_mul_overflow((uint64_t)(e->cfg.block_tokens - 1), layout->token_stride, &part) ||
+                     __builtin_add_overflow(extent, part, &extent) ||
+                     __builtin_mul_overflow((uint64_t)(e->cfg.num_kv_heads - 1), layout->head_stride, &part) ||
+                     __builtin_add_overflow(extent, part, &extent);
+        for (uint32_t l = 0; l < e->cfg.num_layers && st == KVH_OK; l++) {
+            uintptr_t end;
             if (!layout->k_base[l] || !layout->v_base[l])
                 st = kvhi_fail(KVH_ERR_INVALID_ARG, "layer %u has a NULL base pointer", l);
+            else if (wraps || __builtin_add_overflow((uintptr_t)layout->k_base[l], (uintptr_t)extent, &end) ||
+                     __builtin_add_overflow((uintptr_t)layout->v_base[l], (uintptr_t)extent, &end) ||
+                     extent > UINTPTR_MAX)
+                st = kvhi_fail(KVH_ERR_INVALID_ARG,
+                               "layer %u: num_slots, slot_stride, token_stride and head_stride wrap around the "
+                               "address range",
+                               l);
+        }
     }
     kvh_pool p;
     if (st == KVH_OK && (st = kvhi_pool_register(e, layout, &p)) == KVH_OK)
@@ -315,8 +334,17 @@ static kvh_status enter_pool(kvh_engine *e, kvh_pool pool, uint32_t slot, kvhi_e
         kvhi_leave(e);
         return st;
     }
+    p->calls++; /* the call may drop the lock: unregister waits (leave_pool) */
     *out = p;
     return KVH_OK;
+}
+
+/* Gives back what enter_pool took and leaves e. */
+static void leave_pool(kvh_engine *e, kvhi_ext_pool *p)
+{
+    if (--p->calls == 0 && p->unregistered)
+        pthread_cond_broadcast(&e->changed);
+    kvhi_leave(e);
 }
 
 static kvh_status pool_offload(kvh_engine *e, kvh_pool pool, uint32_t slot, uint64_t scope, uint64_t parent_hash,
@@ -335,7 +363,7 @@ static kvh_status pool_offload(kvh_engine *e, kvh_pool pool, uint32_t slot, uint
         e->blocks[b].ext_refs++;
         block->id = kvhi_block_handle(e, b);
     }
-    kvhi_leave(e);
+    leave_pool(e, p);
     return st;
 }
 
@@ -360,6 +388,6 @@ kvh_status kvh_pool_restore(kvh_engine *e, kvh_pool pool, kvh_block block, uint3
     uint32_t b;
     if ((st = kvhi_block_resolve(e, block, &b)) == KVH_OK)
         st = kvhi_pool_restore(e, p, b, slot);
-    kvhi_leave(e);
+    leave_pool(e, p);
     return st;
 }

@@ -50,11 +50,13 @@ kvh_status kvhi_pool_register(kvh_engine *e, const kvh_pool_layout *layout, kvh_
 
 void kvhi_pool_unregister(kvh_engine *e, kvhi_ext_pool *p, uint32_t index)
 {
-    /* The handle goes first, so no new batch finds the pool; queued ones
-     * see it unregistered and fail, a running one finishes its copies. */
+    /* The handle goes first, so no new batch or call finds the pool; queued
+     * batches see it unregistered and fail, while a running batch or a
+     * call already inside (kvh_pool_offload*, kvh_pool_restore) finishes
+     * its copies: the caller's memory stays valid until this returns. */
     kvhi_handles_remove(&e->pools, index);
     p->unregistered = true;
-    while (p->batches)
+    while (p->batches || p->calls)
         pthread_cond_wait(&e->changed, &e->lock);
     free(p->k_base);
     free(p->v_base);

@@ -13,15 +13,18 @@ typedef struct kvhi_ext_pool {
     /* Batches queued or running on it (core/pool_batch.c): unregistering
      * waits for them, and one that starts after it fails its items. */
     uint32_t batches;
+    /* Synchronous calls inside with it (kvh_pool_offload*, kvh_pool_restore),
+     * which may drop the lock half way: unregistering waits for them too. */
+    uint32_t calls;
     bool unregistered;
 } kvhi_ext_pool;
 
 kvh_status kvhi_pool_register(kvh_engine *e, const kvh_pool_layout *layout, kvh_pool *out);
-/* Frees p, the pool at index of e->pools, once no batch uses it (drops
- * the lock while waiting). */
+/* Frees p, the pool at index of e->pools, once no batch or call uses it
+ * (drops the lock while waiting). */
 void kvhi_pool_unregister(kvh_engine *e, kvhi_ext_pool *p, uint32_t index);
 /* Copies block b (any tier, KV complete) into slot of p. Drops the lock
- * when b is read from disk. */
+ * when b is read from disk: the caller counts itself in p->calls. */
 kvh_status kvhi_pool_restore(kvh_engine *e, kvhi_ext_pool *p, uint32_t b, uint32_t slot);
 /* The block of (parent, tokens) already cached in salt's scope, with one
  * more reference, or KVHI_PREFIX_MISS. */
@@ -29,7 +32,8 @@ uint32_t kvhi_pool_find_cached(kvh_engine *e, uint64_t salt, uint64_t parent, co
 /* The block of (parent, tokens), found or made from slot of p: [out] *out
  * with one more reference. It is published under kvhi_prefix_hash(parent,
  * tokens, salt), salt the scope's (kvhi_scope_salt), so the dedupe finds
- * only that scope's blocks. May drop the lock (making room for it). */
+ * only that scope's blocks. May drop the lock (making room for it): the
+ * caller counts itself in p->calls. */
 kvh_status kvhi_pool_offload(kvh_engine *e, kvhi_ext_pool *p, uint32_t slot, uint64_t salt, uint64_t parent,
                              const int32_t *tokens, uint32_t agent, uint32_t *out);
 /* Seals block b after its gather: tokens, hashes, KV complete, published. */

@@ -270,6 +270,32 @@ static void test_register_validation(void **state)
     lay = p->layout;
     lay.k_base = holes;
     assert_kvh(KVH_ERR_INVALID_ARG, kvh_pool_register(e, &lay, &pool));
+    /* Strides whose extent from a base pointer wraps around the address
+     * range: refused here rather than copying to wrapped addresses
+     * (slot_stride 2^63 was taken). 5 slot and 3 token steps of 2^63 wrap;
+     * one head step of UINT64_MAX does. */
+    const uint64_t far[] = {1ull << 63, UINT64_MAX / 2, UINT64_MAX};
+    for (size_t i = 0; i < 3; i++) {
+        lay = p->layout;
+        lay.slot_stride = far[i];
+        assert_kvh(KVH_ERR_INVALID_ARG, kvh_pool_register(e, &lay, &pool));
+        lay = p->layout;
+        lay.token_stride = far[i];
+        assert_kvh(KVH_ERR_INVALID_ARG, kvh_pool_register(e, &lay, &pool));
+    }
+    lay = p->layout;
+    lay.head_stride = UINT64_MAX;
+    assert_kvh(KVH_ERR_INVALID_ARG, kvh_pool_register(e, &lay, &pool));
+    void *top[L] = {(void *)(UINTPTR_MAX - 64), (void *)(UINTPTR_MAX - 64)};
+    lay = p->layout;
+    lay.v_base = top;
+    assert_kvh(KVH_ERR_INVALID_ARG, kvh_pool_register(e, &lay, &pool));
+    lay = p->layout;
+    lay.num_slots = 1;
+    lay.slot_stride = UINT64_MAX; /* one slot: its stride is never used */
+    kvh_pool one;
+    assert_ok(kvh_pool_register(e, &lay, &one));
+    assert_ok(kvh_pool_unregister(e, one));
     lay = p->layout;
     uint32_t sizes[] = {0, 8, sizeof(lay) - 8, sizeof(lay) + 8};
     for (size_t i = 0; i < 4; i++) {

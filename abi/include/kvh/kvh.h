@@ -979,7 +979,9 @@ typedef struct kvh_pool_layout {
  * outlive the pool. [out] *pool. Returns KVH_ERR_UNSUPPORTED for CUDA
  * memory without the CUDA backend, KVH_ERR_INVALID_ARG (NULL layout or
  * pool, a NULL base pointer, num_slots 0, an unknown memory, token or head
- * stride below head_dim elements), KVH_ERR_STRUCT_SIZE, KVH_ERR_NOMEM.
+ * stride below head_dim elements, strides whose extent from a base
+ * pointer wraps around the address range), KVH_ERR_STRUCT_SIZE,
+ * KVH_ERR_NOMEM.
  * @threads any */
 KVH_API kvh_status kvh_pool_register(kvh_engine *engine, const kvh_pool_layout *layout, kvh_pool *pool);
 
