@@ -50,7 +50,17 @@ static kvh_status evict_one(kvh_engine *e, uint32_t v, uint32_t *freed)
         /* The move may have dropped the lock: v can have changed. */
         if (!(blk->flags & KVHI_BF_LIVE) || kvhi_block_busy(blk) || (blk->flags & KVHI_BF_DEAD) || blk->pins ||
             blk->holds)
-            return KVH_ERR_NOSPACE;
+            return kvhi_fail(KVH_ERR_NOSPACE,
+                             "the tier below had no room for a victim, which another thread then pinned, held, "
+                             "moved or freed");
+    }
+    /* A victim with a clean disk copy can still leave past a full tier
+     * below, onto that copy, without I/O: dropped instead, it would take
+     * the copy with it (a persisted block lost while the disk has room). */
+    if (below != KVH_TIER_DISK && blk->tier != KVH_TIER_DISK && (blk->flags & KVHI_BF_DISK_COPY) &&
+        kvhi_move_handing_over(e, v, KVH_TIER_DISK, freed) == KVH_OK) {
+        e->stats.evictions++;
+        return KVH_OK;
     }
     if (blk->refs > 0)
         return kvhi_fail(KVH_ERR_NOSPACE, "no tier below can take a referenced block");
@@ -59,6 +69,26 @@ static kvh_status evict_one(kvh_engine *e, uint32_t v, uint32_t *freed)
     *freed = kvhi_block_drop(e, v);
     e->stats.drops++;
     return KVH_OK;
+}
+
+/* A block of memory tier t that can leave for the disk tier below it
+ * without I/O and without a disk slot (its clean disk copy takes it
+ * back), when the heap's top cannot leave: with the disk full of
+ * referenced blocks, such a block is the only room t can still make.
+ * Evictable only (idle, unpinned, unheld); an agent at its quota (agent
+ * not KVHI_NO_BLOCK) gives one of its own. KVHI_HEAP_NONE if none. */
+static uint32_t victim_with_disk_copy(kvh_engine *e, uint32_t t, uint32_t agent)
+{
+    if (tier_below(e, t) != KVH_TIER_DISK)
+        return KVHI_HEAP_NONE;
+    for (uint32_t b = 0; b < e->block_cap; b++) {
+        const kvhi_block *blk = &e->blocks[b];
+        if ((blk->flags & (KVHI_BF_LIVE | KVHI_BF_DISK_COPY | KVHI_BF_DEAD)) == (KVHI_BF_LIVE | KVHI_BF_DISK_COPY) &&
+            blk->tier == t && !kvhi_block_busy(blk) && !blk->pins && !blk->holds &&
+            (agent == KVHI_NO_BLOCK || blk->agent == agent))
+            return b;
+    }
+    return KVHI_HEAP_NONE;
 }
 
 kvh_status kvhi_reserve_slot(kvh_engine *e, uint32_t tier, uint32_t for_agent, uint32_t *slot)
@@ -123,6 +153,10 @@ kvh_status kvhi_reserve_slot(kvh_engine *e, uint32_t tier, uint32_t for_agent, u
             return KVH_OK;
         if (st != KVH_ERR_NOSPACE)
             return st;
+        /* The lock may have been dropped: the block is looked up afresh. */
+        uint32_t c = victim_with_disk_copy(e, tier, of);
+        if (c != KVHI_HEAP_NONE && evict_one(e, c, slot) == KVH_OK)
+            return KVH_OK;
         /* The victim could not leave (everything below is referenced and
          * full): nothing else in this tier can either. */
         return kvhi_fail(KVH_ERR_NOSPACE, "no room below the %s tier for its least valuable block",

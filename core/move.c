@@ -354,8 +354,10 @@ kvh_status kvhi_move_block(kvh_engine *e, uint32_t b, uint32_t tier, uint32_t fo
     return kvhi_move_handing_over(e, b, tier, NULL);
 }
 
-/* Brings a block that lives on disk into a memory tier (host when there
- * is one) and waits until it is there. Drops the lock. */
+/* Brings a block that lives on disk into a memory tier and waits until it
+ * is there: the host tier when there is one and it can make room, else
+ * the device tier (a free device slot must not go unused while the host
+ * tier is full of pinned or held blocks). Drops the lock. */
 kvh_status kvhi_block_ensure_memory(kvh_engine *e, uint32_t b)
 {
     kvhi_assert_locked(e);
@@ -365,6 +367,7 @@ kvh_status kvhi_block_ensure_memory(kvh_engine *e, uint32_t b)
     kvhi_block_recall(e, b); /* no write-then-read-back of a block still in memory */
     while (kvhi_block_in_flight(blk))
         kvhi_block_wait_idle(e, b);
+    bool host_full = !e->tiers[KVH_TIER_HOST].present;
     while (blk->tier == KVH_TIER_DISK) {
         if (blk->flags & KVHI_BF_CORRUPT)
             return kvhi_fail(KVH_ERR_CORRUPT, "block data on disk failed verification");
@@ -372,11 +375,19 @@ kvh_status kvhi_block_ensure_memory(kvh_engine *e, uint32_t b)
             kvhi_block_wait_idle(e, b);
             continue;
         }
-        uint32_t to = e->tiers[KVH_TIER_HOST].present ? KVH_TIER_HOST : KVH_TIER_DEVICE;
+        uint32_t to = host_full ? KVH_TIER_DEVICE : KVH_TIER_HOST;
         kvh_status st = kvhi_move_block(e, b, to, blk->agent);
+        if (st == KVH_ERR_NOSPACE && to == KVH_TIER_HOST && e->tiers[KVH_TIER_DEVICE].present) {
+            /* The lock was dropped: b is looked at afresh before the
+             * device tier is tried. */
+            host_full = true;
+            continue;
+        }
         if (st == KVH_ERR_NOSPACE && e->copies_in_progress) {
             /* Every candidate is busy in another thread's copy: room comes
-             * back when those end, so wait rather than fail. */
+             * back when those end, so wait rather than fail, and try the
+             * host tier first again. */
+            host_full = !e->tiers[KVH_TIER_HOST].present;
             pthread_cond_wait(&e->changed, &e->lock);
             continue;
         }

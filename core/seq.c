@@ -320,55 +320,80 @@ static int kv_copy(kvh_engine *e, uint32_t b, uint32_t layer, uint32_t off, uint
     return 0;
 }
 
-static kvh_status check_layer(kvh_engine *e, uint32_t layer)
+/* Checks layer and tokens [pos, pos + n) of s, which lie in logical
+ * blocks [*b0, *b1). */
+static kvh_status layer_range(kvh_engine *e, kvhi_seq *s, uint32_t layer, uint64_t pos, size_t n, uint32_t *b0,
+                              uint32_t *b1)
 {
     if (layer >= e->cfg.num_layers)
         return kvhi_fail(KVH_ERR_RANGE, "layer %u >= num_layers %u", layer, e->cfg.num_layers);
+    return kvhi_seq_block_range(e, s, pos, n, b0, b1);
+}
+
+/* True when logical block i of s can take a write now: private (only s
+ * refers to it and it is not published), in a memory tier and idle. */
+static bool writable_now(kvh_engine *e, kvhi_seq *s, uint32_t i)
+{
+    const kvhi_block *blk = &e->blocks[s->blocks[i]];
+    return blk->refs == 1 && !(blk->flags & KVHI_BF_PUBLISHED) && blk->tier != KVH_TIER_DISK && !kvhi_block_busy(blk);
+}
+
+/* Brings logical block i of s to the state writable_now names: copies it
+ * (make_private) and reads it back from disk as needed. Each step drops
+ * the lock and may undo the other's work, so it repeats until both hold
+ * at once. */
+static kvh_status make_writable(kvh_engine *e, kvhi_seq *s, uint32_t i)
+{
+    kvh_status st;
+    while (!writable_now(e, s, i)) {
+        if ((st = kvhi_block_ensure_memory(e, s->blocks[i])) != KVH_OK)
+            return st;
+        if (writable_now(e, s, i))
+            break;
+        if ((st = make_private(e, s, i)) != KVH_OK)
+            return st;
+    }
     return KVH_OK;
 }
 
-kvh_status kvhi_seq_write_kv(kvh_engine *e, kvhi_seq *s, uint32_t layer, uint64_t pos, size_t n, const void *k,
-                             const void *v)
+/* Writes tokens [pos, pos + n) of one layer, which lie in logical blocks
+ * [b0, b1) of s (k and v point at token pos). A failure (no room for a
+ * copy, or to bring a block back from disk) must leave the part
+ * unwritten, so every block of it is made private and brought into
+ * memory before the first byte is written. Each is held meanwhile, so
+ * that bringing in the next one cannot evict it again; the hold is
+ * counted in s->held so that make_private moves it to the copy. The
+ * blocks must therefore fit in the memory tiers together (beside what is
+ * pinned or held there), or the part fails with KVH_ERR_NOSPACE, writing
+ * nothing. Every step may drop the lock, and another thread (a persist, a
+ * worker's move) may meanwhile publish, move or start copying a block
+ * already prepared, so the whole part is checked again after the last
+ * step, and prepared again until it passes. */
+static kvh_status write_part(kvh_engine *e, kvhi_seq *s, uint32_t layer, uint64_t pos, uint64_t n, const uint8_t *k,
+                             const uint8_t *v, uint32_t b0, uint32_t b1)
 {
-    uint32_t b0 = 0, b1 = 0;
-    kvh_status st = check_layer(e, layer);
-    if (st == KVH_OK)
-        st = kvhi_seq_block_range(e, s, pos, n, &b0, &b1);
-    if (st != KVH_OK)
-        return st;
     uint32_t bt = e->cfg.block_tokens;
     size_t tok_bytes = (size_t)e->cfg.num_kv_heads * e->cfg.head_dim * e->elem_bytes;
-    /* Make every block of the range private first: the copies are the only
-     * step that can run out of room, and a failure then leaves the content
-     * of the sequence exactly as it was. */
-    for (uint32_t li = b0; li < b1; li++)
-        if ((st = make_private(e, s, li)) != KVH_OK)
-            return st;
+    kvh_status st = KVH_OK;
+    for (uint32_t li = b0; li < b1; li++) {
+        s->held[li]++;
+        kvhi_block_hold(e, s->blocks[li]);
+    }
+    for (bool ready = false; !ready && st == KVH_OK;) {
+        for (uint32_t li = b0; li < b1 && st == KVH_OK; li++)
+            st = make_writable(e, s, li);
+        ready = true;
+        for (uint32_t li = b0; li < b1 && ready; li++)
+            ready = writable_now(e, s, li);
+    }
+    /* From here on the lock is held throughout. */
     for (uint64_t t = pos; t < pos + n && st == KVH_OK;) {
         uint32_t bi = (uint32_t)(t / bt), off = (uint32_t)(t % bt);
         uint32_t cnt = bt - off;
         if (cnt > pos + n - t)
             cnt = (uint32_t)(pos + n - t);
         size_t skip = (size_t)(t - pos) * tok_bytes;
-        /* Bring it in (and let a move of it finish); no unlock follows.
-         * Bringing in this or an earlier block dropped the lock: a persist
-         * meanwhile may have published it (no twin cached) and be writing
-         * its disk copy, so repeat until it is private, in memory and idle
-         * at once, as truncate does. A copy made here is the only way a
-         * failure can leave earlier blocks of the range written. */
-        uint32_t b;
-        for (;;) {
-            b = s->blocks[bi];
-            if ((st = kvhi_block_ensure_memory(e, b)) != KVH_OK)
-                break;
-            kvhi_block *blk = &e->blocks[b];
-            if (blk->refs == 1 && !(blk->flags & KVHI_BF_PUBLISHED) && !kvhi_block_busy(blk))
-                break;
-            if ((st = make_private(e, s, bi)) != KVH_OK)
-                break;
-        }
-        if (st != KVH_OK)
-            break;
+        uint32_t b = s->blocks[bi];
         /* Filling a block is part of making it (its allocation already
          * counted as its first access); only rewriting cells is a use. A
          * fill counted per layer would make every new block look hot to
@@ -386,15 +411,46 @@ kvh_status kvhi_seq_write_kv(kvh_engine *e, kvhi_seq *s, uint32_t layer, uint64_
             note_access(e, b);
         t += cnt;
     }
+    for (uint32_t li = b0; li < b1; li++) {
+        s->held[li]--;
+        kvhi_block_unhold(e, s->blocks[li]);
+    }
+    return st;
+}
+
+kvh_status kvhi_seq_write_kv(kvh_engine *e, kvhi_seq *s, uint32_t layer, uint64_t pos, size_t n, const void *k,
+                             const void *v)
+{
+    uint32_t b0 = 0, b1 = 0;
+    kvh_status st = layer_range(e, s, layer, pos, n, &b0, &b1);
+    if (st != KVH_OK)
+        return st;
+    /* The whole range in one part, so that a failure writes nothing; but a
+     * range of more blocks than the memory tiers hold in all could never
+     * be written so, and goes a block at a time (a failure then leaves the
+     * blocks before it written). */
+    uint64_t memory_blocks = 0;
+    for (uint32_t t = 0; t < KVH_TIER_DISK; t++)
+        if (e->tiers[t].present)
+            memory_blocks += e->tiers[t].slots.capacity;
+    if (b1 - b0 <= memory_blocks)
+        return write_part(e, s, layer, pos, n, k, v, b0, b1);
+    uint32_t bt = e->cfg.block_tokens;
+    size_t tok_bytes = (size_t)e->cfg.num_kv_heads * e->cfg.head_dim * e->elem_bytes;
+    for (uint64_t t = pos; t < pos + n && st == KVH_OK;) {
+        uint64_t end = (t / bt + 1) * bt < pos + n ? (t / bt + 1) * bt : pos + n;
+        size_t skip = (size_t)(t - pos) * tok_bytes;
+        st = write_part(e, s, layer, t, end - t, (const uint8_t *)k + skip, (const uint8_t *)v + skip,
+                        (uint32_t)(t / bt), (uint32_t)(t / bt) + 1);
+        t = end;
+    }
     return st;
 }
 
 kvh_status kvhi_seq_read_kv(kvh_engine *e, kvhi_seq *s, uint32_t layer, uint64_t pos, size_t n, void *k, void *v)
 {
     uint32_t b0 = 0, b1 = 0;
-    kvh_status st = check_layer(e, layer);
-    if (st == KVH_OK)
-        st = kvhi_seq_block_range(e, s, pos, n, &b0, &b1);
+    kvh_status st = layer_range(e, s, layer, pos, n, &b0, &b1);
     if (st != KVH_OK)
         return st;
     uint32_t bt = e->cfg.block_tokens;

@@ -119,6 +119,23 @@ static void test_truncate_shared_block_on_disk(void **state)
     dt_assert_ok(dt_close(e));
 }
 
+/* A write whose range spans more blocks than the memory tiers hold in all
+ * cannot bring them in together: it goes a block at a time, each block
+ * in memory while it is written, and every byte reads back. */
+static void test_write_longer_than_memory(void **state)
+{
+    (void)state;
+    for (uint32_t threads = 0; threads <= 2; threads += 2) {
+        kvh_engine *e = open_engine("long_write", 1, 1, threads);
+        dt_content c = dt_plain(3);
+        kvh_seq s;
+        dt_assert_ok(dt_build(e, GEO, c, 5 * GEO.bt, 0, &s)); /* 5 blocks, 2 in memory */
+        verify_a(e, s, c, 0, 5 * GEO.bt);
+        dt_assert_ok(kvh_seq_free(e, s));
+        dt_assert_ok(dt_close(e));
+    }
+}
+
 /* Random appends, truncates, forks and moves on tiers small enough that
  * blocks keep visiting the disk, checked against the content model after
  * every step: no CORRUPT, no wrong byte. */
@@ -203,6 +220,7 @@ int main(void)
         cmocka_unit_test_teardown(test_truncate_block_on_disk, dt_teardown),
         cmocka_unit_test_teardown(test_truncate_block_with_clean_copy, dt_teardown),
         cmocka_unit_test_teardown(test_truncate_shared_block_on_disk, dt_teardown),
+        cmocka_unit_test_teardown(test_write_longer_than_memory, dt_teardown),
         cmocka_unit_test_teardown(test_random_edits_on_small_tiers, dt_teardown),
     };
     return cmocka_run_group_tests_name("seq_disk", tests, NULL, NULL);

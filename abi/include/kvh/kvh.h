@@ -648,13 +648,15 @@ KVH_API kvh_status kvh_seq_tokens(kvh_engine *engine, kvh_seq seq, uint64_t firs
  * [borrowed] arrays shaped [n][num_kv_heads][head_dim] of the engine's
  * dtype. Shared blocks are copied first (CoW). Tokens must have been
  * appended (KVH_ERR_RANGE otherwise, and for a layer out of range).
- * Returns KVH_ERR_NOSPACE (no room for a copy; nothing is written, unless
- * a kvh_blocks_persist from another thread published a block of the range
- * while the write waited: then the blocks before it are written, and a
- * retry of the same write completes it), KVH_ERR_INVALID_ARG (NULL k or v
- * with n > 0), KVH_ERR_BAD_HANDLE,
- * KVH_ERR_NOMEM, and KVH_ERR_IO or KVH_ERR_CORRUPT when a block read back
- * from disk fails. @threads handle */
+ * Every block of the range is brought into a memory tier (and copied if
+ * shared) before any is written: they must fit there together, beside
+ * what is pinned or held. Returns KVH_ERR_NOSPACE (no room for a copy, or
+ * for the range in memory), KVH_ERR_IO or KVH_ERR_CORRUPT (a block read
+ * back from disk failed), with nothing written; KVH_ERR_INVALID_ARG (NULL
+ * k or v with n > 0), KVH_ERR_BAD_HANDLE, KVH_ERR_NOMEM. A range of more
+ * blocks than the memory tiers hold in all is written a block at a time
+ * instead: a failure then leaves the blocks before it written, and a
+ * retry of the same write completes it. @threads handle */
 KVH_API kvh_status kvh_seq_write_kv(kvh_engine *engine, kvh_seq seq, uint32_t layer, uint64_t pos, size_t n,
                                     const void *k, const void *v);
 
