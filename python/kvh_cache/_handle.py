@@ -138,8 +138,14 @@ class HandleGate:
             self._wake()  # threads queued for their turn give up now
             # A close from inside this thread's own call cannot wait for it.
             own = self._owner_depth if self._owner == me else 0
-            while self._in_flight > own:
-                self._wait()
+            try:
+                while self._in_flight > own:
+                    self._wait()
+            except BaseException:  # Ctrl-C in the wait: not closed, a later close can end it
+                self._state = _OPEN
+                self._closer = None
+                self._wake()
+                raise
         try:
             result = end()
         except BaseException:
@@ -256,7 +262,19 @@ class Finalized:
             pass
 
 
-class OwnedHandle(Closable, Finalized):
+class Uncopyable:
+    """Refuses ``copy.copy`` and ``copy.deepcopy``: a copy would share the
+    native handle, and whichever was closed or collected first would end
+    it for both."""
+
+    def __copy__(self) -> Any:
+        raise TypeError(f"a {type(self).__name__} owns a native handle and cannot be copied")
+
+    def __deepcopy__(self, memo: Any) -> Any:
+        raise TypeError(f"a {type(self).__name__} owns a native handle and cannot be copied")
+
+
+class OwnedHandle(Closable, Finalized, Uncopyable):
     """A :class:`Closable` that the garbage collector also closes.
     Subclasses whose collection must do less than ``close()`` (e.g. skip
     work once the engine is gone) override ``_close_at_gc``."""
@@ -265,4 +283,13 @@ class OwnedHandle(Closable, Finalized):
         self.close()
 
 
-__all__ = ["Closable", "Finalized", "GateUse", "GatedHandle", "HandleGate", "OwnedHandle", "in_lock_order"]
+__all__ = [
+    "Closable",
+    "Finalized",
+    "GateUse",
+    "GatedHandle",
+    "HandleGate",
+    "OwnedHandle",
+    "Uncopyable",
+    "in_lock_order",
+]

@@ -21,6 +21,7 @@ from typing import Any, Union
 import numpy as np
 
 from ._ffi import check, ffi, lib
+from .engine import _U32, _index
 from .types import Codec, DType
 
 CodecLike = Union[Codec, str, int]
@@ -38,17 +39,18 @@ def _dtype_of(x: np.ndarray) -> DType:
 
 def vector_bytes(codec: CodecLike, dtype: Any, head_dim: int) -> int:
     """Bytes of one encoded vector of head_dim elements."""
+    head_dim = _index("head_dim", head_dim, maximum=_U32)
     out = ffi.new("uint64_t *")
-    check(lib.kvh_codec_vector_bytes(int(Codec.parse(codec)), int(DType.parse(dtype)), int(head_dim), out))
+    check(lib.kvh_codec_vector_bytes(int(Codec.parse(codec)), int(DType.parse(dtype)), head_dim, out))
     return int(out[0])
 
 
 def encode(x: Any, codec: CodecLike) -> np.ndarray:
     """Encodes every vector along the last axis of x; returns uint8 records
     shaped x.shape[:-1] + (vector_bytes,)."""
-    a = np.ascontiguousarray(x)
-    if a.ndim < 1:
+    if np.ndim(x) < 1:  # before the copy, which makes a scalar 1-D
         raise ValueError("x must have at least one axis")
+    a = np.ascontiguousarray(x)
     dt = _dtype_of(a)
     c = Codec.parse(codec)
     d = a.shape[-1]
@@ -62,6 +64,7 @@ def encode(x: Any, codec: CodecLike) -> np.ndarray:
 def decode(records: Any, codec: CodecLike, head_dim: int, dtype: Any = np.float32) -> np.ndarray:
     """Decodes uint8 records (last axis: one record) into vectors of head_dim
     elements of dtype (NumPy float32/float16, or "bf16" for uint16 bits)."""
+    head_dim = _index("head_dim", head_dim, maximum=_U32)
     r = np.ascontiguousarray(records, dtype=np.uint8)
     c = Codec.parse(codec)
     kd = DType.parse(dtype)
@@ -71,7 +74,7 @@ def decode(records: Any, codec: CodecLike, head_dim: int, dtype: Any = np.float3
     np_dt = {DType.F32: np.float32, DType.F16: np.float16, DType.BF16: np.uint16}[kd]
     out = np.empty(r.shape[:-1] + (head_dim,), np_dt)
     n = r.size // rec
-    check(lib.kvh_codec_decode(int(c), int(kd), int(head_dim), ffi.from_buffer(r), n, ffi.from_buffer(out)))
+    check(lib.kvh_codec_decode(int(c), int(kd), head_dim, ffi.from_buffer(r), n, ffi.from_buffer(out)))
     return out
 
 

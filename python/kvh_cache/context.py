@@ -15,29 +15,35 @@ unit (``kvh_context``).
 
 Weights are charged to the same tier budgets as KV. Regions read from a
 file are dropped, never written, when they leave memory, and read (and
-checked against their CRC32C) again when they return. Pointers and views
-from :meth:`Context.region` are valid until the next switch away from the
-context.
+checked against their CRC32C) again when they return. Pointers from
+:meth:`Context.region_pointer` are valid until the next switch away from the
+context; a view from :meth:`Context.region` keeps its region pinned in the
+device tier (and its memory, its context's and the engine's alive) until it
+is garbage-collected, so drop it before switching away if the region should
+leave.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
-from typing import Any, Dict, List, Optional, Tuple, Union
+import threading
+from typing import Any, Dict, List, Optional, Set, Tuple, Union
 
 import numpy as np
 
 from . import errors
 from ._ffi import check, ffi, lib
-from ._handle import Closable, GatedHandle, HandleGate
+from ._handle import Closable, Finalized, GatedHandle, HandleGate, Uncopyable
 from .engine import _flag, _index, _interruptible, _timeout_ns
 
 __all__ = ["Context", "ContextInfo", "WeightStats", "AdmissionInfo", "KV_POLICIES"]
 
 KV_POLICIES = {"keep": 0, "demote": 1}
 _U32 = (1 << 32) - 1
+log = logging.getLogger("kvh")
 
 
 def _name(arg: str, value: Any) -> str:
@@ -128,7 +134,36 @@ def gguf_layer(name: str, num_blocks: int) -> int:
     return num_blocks + 1
 
 
-class Context(GatedHandle, Closable):
+class _RegionView(Finalized):
+    """Base object of a region view: exposes the region's memory through
+    ``__array_interface__`` and, while any array derived from it lives,
+    keeps the region pinned and the context and engine from freeing it."""
+
+    def __init__(self, ctx: "Context", index: int, addr: int, size: int, readonly: bool) -> None:
+        self.__array_interface__ = {
+            "version": 3,
+            "shape": (size,),
+            "typestr": "|u1",
+            "data": (addr, readonly),
+            "strides": None,
+        }
+        native = ctx._engine._native
+        native.add_view()  # the engine's close leaves its memory to us
+        self._native = native
+        self._index = index
+        self._ctx = ctx  # set last: a view that was never made drops nothing
+
+    def _close_at_gc(self) -> None:
+        ctx = getattr(self, "_ctx", None)
+        if ctx is None:
+            return
+        try:
+            ctx._view_gone(self._index)
+        finally:
+            self._native.drop_view()
+
+
+class Context(GatedHandle, Closable, Uncopyable):
     """One ``kvh_context``. Create with :meth:`kvh.Engine.context`; free with
     :meth:`destroy`, a ``with`` block, or when the engine closes."""
 
@@ -143,6 +178,17 @@ class Context(GatedHandle, Closable):
         self._h.id = handle
         self._name = name
         self._regions: List[Tuple[str, int, int]] = []  # (name, layer, size)
+        # Region views (see region()): live views per region, the regions
+        # pinned for views, and those the caller pinned. A view's collection
+        # only counts down (it may run inside any call); the pins of regions
+        # left without views are taken back before this context's regions
+        # next leave (_settle_view_pins), under _pin_lock.
+        self._views_lock = threading.Lock()
+        self._pin_lock = threading.RLock()
+        self._view_counts: Dict[int, int] = {}
+        self._view_pins: Set[int] = set()
+        self._user_pins: Set[int] = set()
+        self._destroy_deferred = False
 
     # ---- identity ----
     @property
@@ -171,6 +217,8 @@ class Context(GatedHandle, Closable):
     def _check(self) -> None:
         if self._gate.closed:
             raise errors.BadHandleError(f"context {self._name!r} was destroyed", lib.KVH_ERR_BAD_HANDLE)
+
+    _check_usable = _check
 
     # ---- registration ----
     def add_region(
@@ -229,6 +277,8 @@ class Context(GatedHandle, Closable):
         with self._call() as e:
             check(lib.kvh_context_add_region(e, self._h[0], p, out))
         self._regions.append((name, layer, int(p.size)))
+        if pinned:
+            self._user_pins.add(int(out[0]))
         return int(out[0])
 
     def add_gguf(self, path: Union[str, os.PathLike], *, pinned: Tuple[str, ...] = ()) -> int:
@@ -282,12 +332,16 @@ class Context(GatedHandle, Closable):
         prev = self._engine._current_context if previous is None else previous
         if prev is self:
             prev = None
+        if prev is not None:
+            prev._settle_view_pins()
         return self._engine._switch(prev, self, wait)
 
     def unload(self, *, wait: bool = True):
         """Moves this context's weights out of the device tier."""
         self._check()
-        return self._engine._switch(self, None, bool(_flag("wait", wait)))
+        wait = bool(_flag("wait", wait))
+        self._settle_view_pins()
+        return self._engine._switch(self, None, wait)
 
     def wait_layer(self, layer: int, timeout: Optional[float] = None) -> None:
         """Waits until every region with ``layer <= layer`` is resident.
@@ -323,28 +377,84 @@ class Context(GatedHandle, Closable):
         return int(ffi.cast("uintptr_t", data[0])), int(size[0])
 
     def region(self, index: Union[int, str], *, writable: bool = False) -> np.ndarray:
-        """A uint8 NumPy view of a resident region (CPU backend). The view
-        is valid until the next switch away from this context."""
+        """A uint8 NumPy view of a resident region (CPU backend), no copy.
+        Until the view and every array derived from it are collected, the
+        region stays pinned in the device tier (a switch away leaves it
+        there) and its memory stays mapped, even past :meth:`destroy` or
+        the engine's close, which wait for it."""
+        self._check()
         writable = _flag("writable", writable)
         if isinstance(index, str):
             index = self.region_index(index)
+        index = _index("index", index, maximum=_U32)
         if self._engine.backend != "cpu":
             raise errors.UnsupportedError(
                 "region views need the CPU backend; use region_pointer()", lib.KVH_ERR_UNSUPPORTED
             )
-        addr, size = self.region_pointer(index, writable=writable)
-        buf = ffi.buffer(ffi.cast("char *", addr), size)
-        arr = np.frombuffer(buf, dtype=np.uint8)
-        if not writable:
-            arr.flags.writeable = False
-        return arr
+        with self._views_lock:
+            self._view_counts[index] = self._view_counts.get(index, 0) + 1
+        try:
+            with self._pin_lock:
+                if index not in self._view_pins:
+                    if index not in self._user_pins:
+                        self._pin_native(index, True)
+                    self._view_pins.add(index)
+            addr, size = self.region_pointer(index, writable=writable)
+            owner = _RegionView(self, index, addr, size, not writable)
+        except BaseException:
+            self._view_gone(index)
+            raise
+        return np.asarray(owner)
 
     def pin(self, index: int, pinned: bool = True) -> None:
+        """Pins (or unpins) a region: a pinned region never leaves the
+        device tier once there. A region with live views stays pinned until
+        they are gone."""
         self._check()
         pinned = _flag("pinned", pinned)
         index = _index("index", index, maximum=_U32)
+        with self._pin_lock:
+            self._pin_native(index, pinned or index in self._view_pins)
+            if pinned:
+                self._user_pins.add(index)
+            else:
+                self._user_pins.discard(index)
+
+    def _pin_native(self, index: int, pinned: bool) -> None:
         with self._call() as e:
-            check(lib.kvh_context_region_pin(e, self._h[0], index, pinned))
+            check(lib.kvh_context_region_pin(e, self._h[0], index, 1 if pinned else 0))
+
+    def _view_gone(self, index: int) -> None:
+        """A view of region index was collected (or never made). Runs from
+        finalisers: it only counts, except for a destroy deferred to the
+        last view."""
+        with self._views_lock:
+            left = self._view_counts.get(index, 0) - 1
+            if left > 0:
+                self._view_counts[index] = left
+            else:
+                self._view_counts.pop(index, None)
+            destroy_now = self._destroy_deferred and not self._view_counts
+            if destroy_now:
+                self._destroy_deferred = False
+        if destroy_now:
+            self._destroy_c()
+
+    def _settle_view_pins(self) -> None:
+        """Takes back the pins of regions whose views are all gone (before
+        this context's regions leave the device tier)."""
+        if not self._view_pins or self._gate.closed:
+            return
+        with self._pin_lock:
+            with self._views_lock:
+                idle = [i for i in self._view_pins if i not in self._view_counts]
+            for i in idle:
+                if i not in self._user_pins:
+                    try:
+                        self._pin_native(i, False)
+                    except (errors.BadHandleError, errors.ClosedError):
+                        return
+                self._view_pins.discard(i)
 
     def verify(self) -> int:
         """Re-checks the CRC32C of every resident, unmodified chunk; returns
@@ -370,6 +480,12 @@ class Context(GatedHandle, Closable):
         self._gate.close(self._destroy_native)
 
     def _destroy_native(self) -> None:
+        with self._views_lock:
+            if self._view_counts:  # the last view's collection destroys it
+                self._destroy_deferred = True
+                if self._engine._current_context is self:
+                    self._engine._current_context = None
+                return
         try:
             with self._engine._call() as e:
                 check(lib.kvh_context_destroy(e, self._h[0]))
@@ -377,6 +493,16 @@ class Context(GatedHandle, Closable):
             return  # the engine's close freed it
         if self._engine._current_context is self:
             self._engine._current_context = None
+
+    def _destroy_c(self) -> None:
+        """The destroy deferred to the last view (from its finaliser)."""
+        try:
+            with self._engine._call() as e:
+                st = lib.kvh_context_destroy(e, self._h[0])
+            if st:
+                log.debug("kvh: context %r: deferred destroy: status %d; the engine's close frees it", self._name, st)
+        except errors.ClosedError:
+            pass  # the engine's close freed it
 
     # Not closed by the garbage collector: the engine frees its contexts
     # when it closes.

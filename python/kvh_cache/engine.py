@@ -176,8 +176,11 @@ def _int(name: str, value: Any, lo: int, hi: int) -> int:
 
 def _tokens(tokens: ArrayLike) -> np.ndarray:
     """Token ids as a contiguous int32 array shaped (n,)."""
-    if isinstance(tokens, (str, bytes)):
-        raise TypeError("tokens must be a sequence of ints or an integer array shaped (n,), not str/bytes")
+    if isinstance(tokens, (str, bytes, bytearray, memoryview)):
+        # Bytes would become one token id per byte, silently.
+        raise TypeError(
+            f"tokens must be a sequence of ints or an integer array shaped (n,), not {type(tokens).__name__}"
+        )
     arr = tokens if isinstance(tokens, np.ndarray) else np.asarray(tokens)
     if arr.dtype.kind not in "iu":
         if arr.size == 0 and not isinstance(tokens, np.ndarray):
@@ -1200,9 +1203,10 @@ class Fence(GatedHandle, OwnedHandle):
         return False
 
     def _wait(self, timeout: Optional[float]) -> bool:
+        ns = _timeout_ns("timeout", timeout)  # checked whether or not the fence is done
         if self._outcome is not None:
             return True
-        return _interruptible(_timeout_ns("timeout", timeout), self._wait_ns)
+        return _interruptible(ns, self._wait_ns)
 
     def _wait_ns(self, ns: int) -> bool:
         if self._outcome is not None:
@@ -1405,6 +1409,19 @@ class Hold(OwnedHandle):
         self.first = first
         self.n = n
         self.fence = fence
+        seq._holds.add(self)
+
+    def _truncated(self, n_tokens: int) -> None:
+        """The sequence was cut to n_tokens, which ended the library's holds
+        on the blocks it gave up and kept those on the others. The library
+        names a hold by its range: releasing the old one later would end
+        another hold taken on that range after the cut."""
+        if self.released or self.first + self.n <= n_tokens:
+            return
+        if self.first < n_tokens:
+            self.n = n_tokens - self.first  # the kept blocks' part
+        else:
+            self._gate.close(lambda: None)  # nothing of it is left to release
 
     @property
     def range(self) -> range:
@@ -1532,6 +1549,8 @@ class Sequence(GatedHandle, OwnedHandle):
         # every block view's owner (alive while any array derived from it
         # is), with its block index: see _keep_viewed_blocks
         self._view_owners: List[Tuple["weakref.ref[_ViewOwner]", int]] = []
+        # the live holds on it (a truncation changes what they name)
+        self._holds: "weakref.WeakSet[Hold]" = weakref.WeakSet()
 
     # ---- lifetime ----
     @property
@@ -1623,7 +1642,8 @@ class Sequence(GatedHandle, OwnedHandle):
                 raise ValueError(f"token range must have step 1, got {first!r}")
             if first.start < 0 or first.stop < first.start:
                 raise ValueError(f"token range must be non-negative and non-empty-reversed, got {first!r}")
-            return first.start, len(first)
+            # Not len(): a range longer than sys.maxsize has none.
+            return _index("first", first.start), _index("n", first.stop - first.start)
         f = 0 if first is None else _index("first", first)
         if n is None:
             length = self._length(p)
@@ -1689,6 +1709,8 @@ class Sequence(GatedHandle, OwnedHandle):
             # the block holding the cut may be copied; the ones after it go
             self._keep_viewed_blocks(n_tokens // self._engine.block_tokens)
             check(lib.kvh_seq_truncate(p, self._h[0], n_tokens))
+            for hold in list(self._holds):
+                hold._truncated(n_tokens)
             self._refresh_views()
 
     def match_prefix(self, tokens: ArrayLike) -> int:
@@ -1810,7 +1832,7 @@ class Sequence(GatedHandle, OwnedHandle):
         (0 = 0.25). Needs ``kv_codec``."""
         with self._call() as p:
             f, cnt = self._span(p, first, n)
-            check(lib.kvh_seq_derive_tolerance(p, self._h[0], f, cnt, float(max_rel_error)))
+            check(lib.kvh_seq_derive_tolerance(p, self._h[0], f, cnt, _real("max_rel_error", max_rel_error, 0.0)))
 
     def _pin(self, first: TokenSpan, n: Optional[int], pinned: int) -> None:
         with self._call() as p:
@@ -1860,11 +1882,17 @@ class Sequence(GatedHandle, OwnedHandle):
         """Borrowed handles of logical blocks ``[first_block, first_block + n)``."""
         first_block = _index("first_block", first_block)
         with self._call() as p:
+            bt = self._engine.block_tokens
+            total = (self._length(p) + bt - 1) // bt
             if n is None:
-                bt = self._engine.block_tokens
-                total = (self._length(p) + bt - 1) // bt
                 n = max(0, total - first_block)
             n = _index("n", n)
+            if n and first_block + n > total:
+                # Refused before an array of n handles is made (1 << 62
+                # would not fit), as the library refuses it.
+                raise errors.RangeError(
+                    f"blocks [{first_block}, {first_block + n}) pass the sequence's {total} blocks", lib.KVH_ERR_RANGE
+                )
             out = ffi.new("kvh_block[]", max(1, n))
             check(lib.kvh_seq_blocks(p, self._h[0], first_block, n, out))
         return [Block(self._engine, int(out[i].id), owned=False) for i in range(n)]

@@ -29,6 +29,7 @@ import numpy as np
 
 from . import errors
 from ._ffi import check, ffi, lib, status_name
+from ._handle import OwnedHandle
 from .engine import _U32, Block, Engine, Fence, _flag, _index, _tokens
 
 __all__ = ["ArrayDesc", "describe", "Pool", "OffloadBatch", "RestoreBatch", "persist_blocks"]
@@ -234,11 +235,14 @@ class RestoreBatch:
         return [i for i, st in enumerate(self.statuses()) if st]
 
 
-class Pool:
-    """KV memory owned by an inference engine, registered with a kvh engine."""
+class Pool(OwnedHandle):
+    """KV memory owned by an inference engine, registered with a kvh engine.
+    Unregistered by :meth:`unregister`, a ``with`` block, or when collected
+    (a batch keeps its pool alive until it ends)."""
 
     def __init__(self, engine: Engine, handle, num_slots: int, keep: Any = None, *, writable: bool = True) -> None:
         self._engine = engine
+        self._lock = threading.Lock()  # the handle's swap in unregister
         self._h = handle
         self.num_slots = num_slots
         self._keep = keep
@@ -413,8 +417,9 @@ class Pool:
     def unregister(self) -> None:
         """Unregisters (waiting for batches running on it). Idempotent; a
         no-op once the engine is closed (its close unregistered the pool)."""
-        if self._h is not None:
+        with self._lock:
             h, self._h = self._h, None
+        if h is not None:
             try:
                 with self._engine._call() as p:
                     check(lib.kvh_pool_unregister(p, h))
@@ -423,11 +428,12 @@ class Pool:
 
     close = unregister
 
-    def __enter__(self) -> "Pool":
-        return self
+    def _check_usable(self) -> None:
+        self._handle()
 
-    def __exit__(self, *exc: Any) -> None:
-        self.unregister()
+    def _close_at_gc(self) -> None:
+        if getattr(self, "_h", None) is not None:  # made: the constructor ran
+            self.unregister()
 
 
 def persist_blocks(engine: Engine, blocks: Sequence[Block], *, wait: bool = True) -> Optional[Fence]:

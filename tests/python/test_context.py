@@ -101,6 +101,42 @@ def test_modified_region_survives(weights):
         assert (got[:10] == 42).all() and np.array_equal(got[10:], da[3010:6000])
 
 
+def test_region_view_keeps_its_region_until_collected(weights):
+    """A view's region stays in the device tier while the view (or an array
+    made from it) lives, and leaves at the first switch after it is gone;
+    a view outlives its context's destroy and the engine's close."""
+    (pa, da), (pb, db) = weights
+    eng = make_engine()
+    a, b = eng.context("a"), eng.context("b")
+    register(a, pa)
+    register(b, pb)
+    a.switch_to()
+    part = a.region(1)[100:200]  # a derived array keeps the view's base
+    b.switch_to()
+    assert a.info().bytes_device == 3000  # region 1 only: the others left
+    assert np.array_equal(part, da[3100:3200])
+    a.switch_to()
+    del part
+    b.switch_to()
+    assert a.info().bytes_device == 0
+    a.switch_to()
+    a.pin(2)
+    view = a.region(2)
+    a.pin(2, False)  # the view still pins it
+    b.switch_to()
+    assert a.info().bytes_device == 3000
+    del view
+    a.switch_to()
+    b.switch_to()
+    assert a.info().bytes_device == 0
+    a.switch_to()
+    view = a.region(3)
+    a.destroy()
+    eng.close()
+    assert np.array_equal(view, da[9000:12000])  # memory kept until collected
+    del view
+
+
 def test_modified_region_spills_to_disk(weights, tmp_path):
     (pa, da), (pb, db) = weights
     # No host tier: a modified region that leaves the device has nowhere
@@ -112,6 +148,7 @@ def test_modified_region_spills_to_disk(weights, tmp_path):
         a.switch_to()
         view = a.region(1, writable=True)
         view[:10] = 42
+        del view  # a live view would keep the region pinned in the device tier
         b.switch_to()
         assert np.array_equal(b.region(3), db[9000:12000])
         assert a.info().bytes_disk == 3000
