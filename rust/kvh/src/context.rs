@@ -344,10 +344,18 @@ impl<'e> Context<'e> {
 
 impl Drop for Context<'_> {
     fn drop(&mut self) {
-        // SAFETY: valid engine; destroyed once. A switch still running on
-        // it (only possible through a leaked fence wait) leaves it to close.
-        unsafe {
-            sys::kvh_context_destroy(self.engine.as_ptr(), self.raw);
+        // A switch involving the context may still run (its fence does not
+        // borrow the context): destroy answers Busy until it ends, and
+        // giving up would leave the context and its memory until close.
+        // No other call can use it (this is its only handle), so each
+        // retry waits only for that switch.
+        loop {
+            // SAFETY: valid engine; destroyed once (Busy changes nothing).
+            let st = unsafe { sys::kvh_context_destroy(self.engine.as_ptr(), self.raw) };
+            if st.0 != sys::KVH_ERR_BUSY {
+                break;
+            }
+            std::thread::sleep(Duration::from_micros(200));
         }
     }
 }

@@ -1,9 +1,11 @@
 //! Sequences: token streams with a block table.
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::marker::PhantomData;
 use std::ops::{Bound, RangeBounds};
 use std::ptr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
 
 use kvh_sys as sys;
 
@@ -119,6 +121,13 @@ use crate::types::{Block, Scope, Tier};
 pub struct Sequence<'e> {
     engine: &'e Engine,
     raw: sys::kvh_seq,
+    // Ranges of the live holds: the library names a hold by its range, so
+    // a truncation under one would let its release end a later hold.
+    holds: RefCell<Vec<(u64, u64)>>,
+    // What each live view of it maps: slices of a view show the engine's
+    // own pages, so a write to the tokens a view maps would change memory
+    // under a shared borrow.
+    views: RefCell<Vec<Weak<ViewMark>>>,
     // Send but not Sync: the header's `@threads handle`.
     _not_sync: PhantomData<Cell<()>>,
 }
@@ -209,8 +218,35 @@ impl<'e> Sequence<'e> {
         Sequence {
             engine,
             raw,
+            holds: RefCell::new(Vec::new()),
+            views: RefCell::new(Vec::new()),
             _not_sync: PhantomData,
         }
+    }
+
+    /// Registers a view of `layer` mapping `mapped` tokens; the view keeps
+    /// the mark (and updates it at each refresh).
+    pub(crate) fn add_view(&self, layer: u32, mapped: u64) -> Arc<ViewMark> {
+        let mark = Arc::new(ViewMark {
+            layer,
+            mapped: AtomicU64::new(mapped),
+        });
+        let mut views = self.views.borrow_mut();
+        views.retain(|w| w.strong_count() > 0);
+        views.push(Arc::downgrade(&mark));
+        mark
+    }
+
+    /// The most tokens of `layer` a live view maps.
+    fn mapped_tokens(&self, layer: u32) -> u64 {
+        self.views
+            .borrow()
+            .iter()
+            .filter_map(Weak::upgrade)
+            .filter(|m| m.layer == layer)
+            .map(|m| m.mapped.load(Ordering::Acquire))
+            .max()
+            .unwrap_or(0)
     }
 
     /// The engine this sequence belongs to.
@@ -301,7 +337,18 @@ impl<'e> Sequence<'e> {
     /// copied first (copy-on-write). The tokens must have been appended
     /// ([`Status::Range`] otherwise). Lengths and the element type are
     /// checked before the FFI call ([`Status::InvalidArg`]).
+    ///
+    /// [`Status::Busy`] when `pos` is below the tokens a live
+    /// [`VMap`](crate::VMap) of `layer` maps: its slices show those
+    /// tokens' memory (drop the view first; writing past its end is fine).
     pub fn write_kv<T: Element>(&self, layer: u32, pos: u64, k: &[T], v: &[T]) -> Result<()> {
+        let mapped = self.mapped_tokens(layer);
+        if pos < mapped {
+            return Err(Error::new(
+                Status::Busy,
+                format!("a view of layer {layer} maps tokens 0..{mapped}: drop it before rewriting them"),
+            ));
+        }
         let n = self.tokens_in::<T>("k", k.len())?;
         if v.len() != k.len() {
             return Err(invalid(format!(
@@ -355,13 +402,24 @@ impl<'e> Sequence<'e> {
         self.read_raw(layer, pos, None, Some(v))
     }
 
-    /// Reads K and V of `n` tokens into new vectors.
+    /// Reads K and V of `n` tokens into new vectors ([`Status::Range`]
+    /// past the end, checked before allocating).
     pub fn read_kv_vec<T: Element>(
         &self,
         layer: u32,
         pos: u64,
         n: usize,
     ) -> Result<(Vec<T>, Vec<T>)> {
+        // Tokens past the end are a Range error before anything is
+        // allocated: a huge n must not abort on allocation.
+        let len = self.len()?;
+        let end = u64::try_from(n).ok().and_then(|n| pos.checked_add(n));
+        if end.map_or(true, |end| end > len) {
+            return Err(Error::new(
+                Status::Range,
+                format!("tokens {pos}..{pos}+{n} pass the end of the sequence"),
+            ));
+        }
         let elems = n
             .checked_mul(self.engine.geometry().token_elems())
             .ok_or_else(|| invalid("n too large"))?;
@@ -432,7 +490,23 @@ impl<'e> Sequence<'e> {
     }
 
     /// Shortens the sequence to `n_tokens` (≤ its length).
+    /// [`Status::Busy`] while a [`Hold`] covers tokens at or past
+    /// `n_tokens` (drop it first).
     pub fn truncate(&self, n_tokens: u64) -> Result<()> {
+        if let Some((first, n)) = self
+            .holds
+            .borrow()
+            .iter()
+            .find(|(first, n)| first.saturating_add(*n) > n_tokens)
+        {
+            return Err(Error::new(
+                Status::Busy,
+                format!(
+                    "a hold on tokens {first}..{} is alive",
+                    first.saturating_add(*n)
+                ),
+            ));
+        }
         // SAFETY: valid engine.
         check(unsafe { sys::kvh_seq_truncate(self.engine.as_ptr(), self.raw, n_tokens) })
     }
@@ -470,6 +544,7 @@ impl<'e> Sequence<'e> {
         check(unsafe {
             sys::kvh_seq_acquire(self.engine.as_ptr(), self.raw, first, n, ptr::null_mut())
         })?;
+        self.holds.borrow_mut().push((first, n));
         Ok(Hold {
             seq: self,
             first,
@@ -484,6 +559,7 @@ impl<'e> Sequence<'e> {
         let mut f = sys::kvh_fence::default();
         // SAFETY: valid engine and out-handle.
         check(unsafe { sys::kvh_seq_acquire(self.engine.as_ptr(), self.raw, first, n, &mut f) })?;
+        self.holds.borrow_mut().push((first, n));
         let hold = Hold {
             seq: self,
             first,
@@ -773,6 +849,13 @@ pub struct Hold<'s> {
 }
 
 impl Hold<'_> {
+    fn forget_range(&self) {
+        let mut holds = self.seq.holds.borrow_mut();
+        if let Some(i) = holds.iter().position(|r| *r == (self.first, self.n)) {
+            holds.swap_remove(i);
+        }
+    }
+
     /// The held token range.
     pub fn range(&self) -> std::ops::Range<u64> {
         self.first..self.first + self.n
@@ -781,6 +864,7 @@ impl Hold<'_> {
     /// Releases the hold now, reporting an error instead of ignoring it.
     pub fn release(self) -> Result<()> {
         let this = std::mem::ManuallyDrop::new(self);
+        this.forget_range();
         // SAFETY: valid engine; this hold is released exactly once.
         check(unsafe {
             sys::kvh_seq_release(this.seq.engine.as_ptr(), this.seq.raw, this.first, this.n)
@@ -790,6 +874,7 @@ impl Hold<'_> {
 
 impl Drop for Hold<'_> {
     fn drop(&mut self) {
+        self.forget_range();
         // SAFETY: valid engine; this hold is released exactly once.
         unsafe {
             sys::kvh_seq_release(self.seq.engine.as_ptr(), self.seq.raw, self.first, self.n);
@@ -821,5 +906,18 @@ mod tests {
             resolve(1..2, || -> Result<u64> { panic!("len called") }).unwrap(),
             (1, 1)
         );
+    }
+}
+
+/// What a live view of a sequence maps (see [`Sequence::write_kv`]).
+#[derive(Debug)]
+pub(crate) struct ViewMark {
+    layer: u32,
+    mapped: AtomicU64,
+}
+
+impl ViewMark {
+    pub(crate) fn set_mapped(&self, tokens: u64) {
+        self.mapped.store(tokens, Ordering::Release);
     }
 }

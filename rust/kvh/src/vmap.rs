@@ -3,6 +3,7 @@
 //! backend, an engine opened with [`Config::vmap`](crate::Config::vmap)).
 
 use std::ptr;
+use std::sync::Arc;
 
 use kvh_sys as sys;
 
@@ -10,17 +11,18 @@ use crate::attention::{check_io_len, AttentionParams};
 use crate::element::Element;
 use crate::engine::Engine;
 use crate::error::{check, invalid, Result};
-use crate::seq::Sequence;
+use crate::seq::{Sequence, ViewMark};
 
 /// A view (`kvh_vmap`). It holds its blocks in the device tier until it
 /// drops. Slices borrowed from it cannot outlive a
 /// [`refresh`](Self::refresh), which may remap them. They show the pool's
-/// own pages: do not write the viewed tokens (`Sequence::write_kv`) while
-/// holding one.
+/// own pages: while the view lives, [`Sequence::write_kv`] refuses the
+/// tokens it maps with [`Status::Busy`](crate::Status::Busy).
 #[derive(Debug)]
 pub struct VMap<'e> {
     engine: &'e Engine,
     raw: *mut sys::kvh_vmap,
+    mark: Arc<ViewMark>,
 }
 
 /// Sizes of a view at its last refresh.
@@ -52,10 +54,13 @@ impl<'e> Sequence<'e> {
                 &mut raw,
             )
         })?;
-        Ok(VMap {
+        let view = VMap {
             engine: self.engine(),
             raw,
-        })
+            mark: self.add_view(layer, u64::MAX), // every token, until known
+        };
+        view.mark.set_mapped(view.info()?.n_tokens);
+        Ok(view)
     }
 }
 
@@ -98,6 +103,9 @@ impl VMap<'_> {
         let mut changed = 0i32;
         // SAFETY: the view is live; &mut self: no slice of it is borrowed.
         check(unsafe { sys::kvh_vmap_refresh(self.engine.as_ptr(), self.raw, &mut changed) })?;
+        // Unknown (info failed): every token counts as mapped.
+        self.mark
+            .set_mapped(self.info().map_or(u64::MAX, |i| i.n_tokens));
         Ok(changed != 0)
     }
 
