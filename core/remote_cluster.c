@@ -1,11 +1,14 @@
 #include "core/remote_cluster.h"
 
 #include <errno.h>
+#include <limits.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <time.h>
 
 #include "core/remote_hiredis.h"
@@ -19,6 +22,14 @@
  * times over (and faults in fresh pages); the server starts on the first
  * commands meanwhile. */
 #define FLUSH_BYTES (4u << 20)
+/* The most elements an array reply may have: a CLUSTER SLOTS map (an
+ * entry per slot range, so at most one per slot) and a SCAN page
+ * (COUNT 1000) fit well within it. A larger count comes from a broken or
+ * hostile server: hiredis would allocate and walk that many elements on
+ * the strength of a few bytes of header. */
+#define MAX_ARRAY_ELEMENTS (4 * (int)KVHI_CLUSTER_SLOTS)
+/* Refreshes of the slot map at most this often while the map is whole. */
+#define REFRESH_GAP_NS 100000000ull
 
 typedef struct node {
     char host[256];
@@ -36,6 +47,7 @@ typedef struct node {
 typedef struct reply_sink {
     redisReplyObjectFunctions fns;
     void *(*make_string)(const redisReadTask *task, char *str, size_t len); /* hiredis's */
+    void *(*make_array)(const redisReadTask *task, int elements);           /* hiredis's */
     const redisReplyObjectFunctions *hiredis_fns;
     kvhi_cluster_string_fn on_string;
     void *user;
@@ -54,6 +66,7 @@ struct kvhi_cluster {
     bool standalone;        /* cluster support disabled: node 0 holds every slot */
     bool refresh_wanted;    /* a MOVED or a failure: the map may be stale */
     uint64_t refresh_after; /* no refresh attempt before then */
+    char rbuf[64 << 10];    /* what a read takes off a socket (under lock) */
 };
 
 static uint64_t now_ns(void)
@@ -142,6 +155,8 @@ static void drop_connection(kvhi_cluster *c, node *nd)
  * breaker_ms (logged when that starts). */
 static void node_failed(kvhi_cluster *c, node *nd, const char *what, kvhi_cluster_report *rep)
 {
+    char text[200]; /* `what` may be the context's own error text, freed with it */
+    snprintf(text, sizeof(text), "%s", what);
     drop_connection(c, nd);
     nd->left_alone_until = now_ns() + (uint64_t)c->opts.breaker_ms * 1000000ull;
     c->refresh_wanted = true; /* a failover may have moved its slots */
@@ -149,7 +164,7 @@ static void node_failed(kvhi_cluster *c, node *nd, const char *what, kvhi_cluste
         nd->breaker_open = true;
         if (rep)
             rep->breaker_opens++;
-        say(c, 1, "remote tier: %s:%d %s; not asked again for %u ms", nd->host, nd->port, what, c->opts.breaker_ms);
+        say(c, 1, "remote tier: %s:%d %s; not asked again for %u ms", nd->host, nd->port, text, c->opts.breaker_ms);
     }
 }
 
@@ -177,6 +192,14 @@ static void *sink_string(const redisReadTask *task, char *str, size_t len)
     return sk->make_string(task, str, len);
 }
 
+static void *sink_array(const redisReadTask *task, int elements)
+{
+    reply_sink *sk = task->privdata;
+    if (elements > MAX_ARRAY_ELEMENTS)
+        return NULL; /* hiredis reports it as out of memory: the node fails */
+    return sk->make_array(task, elements);
+}
+
 /* Makes ctx's replies through the client's sink. A reader whose functions
  * are not the ones the sink wraps keeps its own (strings are then copied
  * into replies as usual). */
@@ -188,30 +211,128 @@ static void sink_attach(kvhi_cluster *c, redisContext *ctx)
     if (!c->sink.hiredis_fns) {
         c->sink.hiredis_fns = rd->fn;
         c->sink.make_string = rd->fn->createString;
+        c->sink.make_array = rd->fn->createArray;
         c->sink.fns = *rd->fn;
         c->sink.fns.createString = sink_string;
+        c->sink.fns.createArray = sink_array;
     }
-    if (rd->fn != c->sink.hiredis_fns || !c->sink.make_string)
+    if (rd->fn != c->sink.hiredis_fns || !c->sink.make_string || !c->sink.make_array)
         return;
     rd->fn = &c->sink.fns;
     rd->privdata = &c->sink;
 }
 
-/* AUTH on a fresh connection: 0, or -1 with the server's answer in err. */
-static int authenticate(kvhi_cluster *c, redisContext *ctx, char *err, size_t err_len)
+/* Writes what ctx has waiting, each write bounded by the time left
+ * (SO_SNDTIMEO bounds one write() only). 0, -1 (err says why) or -3 (the
+ * deadline passed first). */
+static int write_all(kvhi_cluster *c, redisContext *ctx, uint64_t deadline, char *err, size_t err_len)
+{
+    uint64_t now = now_ns();
+    for (;;) {
+        int done = 0;
+        c->h->set_timeout(ctx, tv_of_ns(now < deadline ? deadline - now : 0));
+        if (c->h->buffer_write(ctx, &done) != REDIS_OK) {
+            if (timed_out(ctx))
+                return -3;
+            snprintf(err, err_len, "%s", ctx->errstr);
+            return -1;
+        }
+        if (done)
+            return 0;
+        now = now_ns();
+        if (now >= deadline)
+            return -3;
+    }
+}
+
+/* Reads ctx's next reply by deadline. hiredis's own blocking read would
+ * bound each read() only, so a reply that trickles in or never ends would
+ * hold the client past any deadline: this waits on the socket itself.
+ * What already arrived when the deadline passes is still taken. 0 with
+ * the reply in *out; -1 (a broken connection or a reply that is not RESP:
+ * err says which) or -3 (no whole reply in time). After -1 or -3 the
+ * connection must be dropped: the rest of a reply may still come. */
+static int read_reply(kvhi_cluster *c, redisContext *ctx, uint64_t deadline, void **out, char *err, size_t err_len)
+{
+    bool late = false;
+    *out = NULL;
+    for (;;) {
+        if (c->h->reader_get_reply(ctx->reader, out) != REDIS_OK) {
+            snprintf(err, err_len, "%s", ctx->reader->errstr);
+            *out = NULL;
+            return -1;
+        }
+        if (*out)
+            return 0;
+        uint64_t now = now_ns();
+        int wait_ms = 0;
+        if (now < deadline) {
+            uint64_t ms = (deadline - now + 999999) / 1000000;
+            wait_ms = ms > INT_MAX ? INT_MAX : (int)ms;
+        } else if (late)
+            return -3;
+        else
+            late = true; /* one look at what is already there */
+        struct pollfd pf = {.fd = ctx->fd, .events = POLLIN};
+        int pr = poll(&pf, 1, wait_ms);
+        if (pr < 0 && errno != EINTR) {
+            snprintf(err, err_len, "poll: %s", strerror(errno));
+            return -1;
+        }
+        if (pr <= 0)
+            continue;
+        ssize_t got = recv(ctx->fd, c->rbuf, sizeof(c->rbuf), MSG_DONTWAIT);
+        if (got == 0) {
+            snprintf(err, err_len, "closed the connection");
+            return -1;
+        }
+        if (got < 0) {
+            if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)
+                continue;
+            snprintf(err, err_len, "read: %s", strerror(errno));
+            return -1;
+        }
+        if (c->h->reader_feed(ctx->reader, c->rbuf, (size_t)got) != REDIS_OK) {
+            snprintf(err, err_len, "out of memory");
+            return -1;
+        }
+    }
+}
+
+/* One command on ctx, answered by deadline: its reply, or NULL with *rc
+ * -1 (err says why) or -3 (no answer in time); the connection must then
+ * be dropped. */
+static redisReply *ctx_command(kvhi_cluster *c, redisContext *ctx, int argc, const char **argv, const size_t *lens,
+                               uint64_t deadline, char *err, size_t err_len, int *rc)
+{
+    void *r = NULL;
+    int st = -1;
+    if (c->h->append_argv(ctx, argc, argv, lens) != REDIS_OK)
+        snprintf(err, err_len, "out of memory");
+    else if ((st = write_all(c, ctx, deadline, err, err_len)) == 0)
+        st = read_reply(c, ctx, deadline, &r, err, err_len);
+    if (rc)
+        *rc = st;
+    return st == 0 ? r : NULL;
+}
+
+/* AUTH on a fresh connection: 0, -2 (refused: the server's answer in
+ * err), -1 (err says why) or -3 (no answer in time). */
+static int authenticate(kvhi_cluster *c, redisContext *ctx, uint64_t deadline, char *err, size_t err_len)
 {
     if (!c->password)
         return 0;
     const char *argv[3] = {"AUTH", c->user ? c->user : c->password, c->password};
     size_t lens[3] = {4, strlen(argv[1]), strlen(c->password)};
-    redisReply *r = c->h->command_argv(ctx, c->user ? 3 : 2, argv, lens);
     int rc = 0;
-    if (!r || r->type == REDIS_REPLY_ERROR) {
-        snprintf(err, err_len, "%s", r ? r->str : ctx->errstr);
-        rc = -1;
+    redisReply *r = ctx_command(c, ctx, c->user ? 3 : 2, argv, lens, deadline, err, err_len, &rc);
+    if (!r)
+        return rc;
+    if (r->type == REDIS_REPLY_ERROR) {
+        snprintf(err, err_len, "%s", r->str);
+        rc = -2;
     }
-    if (r)
-        c->h->free_reply(r);
+    c->h->free_reply(r);
     return rc;
 }
 
@@ -230,9 +351,8 @@ static int ensure_connected(kvhi_cluster *c, node *nd, uint64_t budget_ns, char 
     }
     c->h->set_timeout(ctx, tv_of_ns(budget_ns));
     sink_attach(c, ctx);
-    if (authenticate(c, ctx, err, err_len) != 0) {
-        /* No answer at all, rather than a refusal. */
-        int rc = !ctx->err ? -2 : timed_out(ctx) ? -3 : -1;
+    int rc = authenticate(c, ctx, now_ns() + budget_ns, err, err_len);
+    if (rc != 0) {
         c->h->free_ctx(ctx);
         return rc;
     }
@@ -240,22 +360,46 @@ static int ensure_connected(kvhi_cluster *c, node *nd, uint64_t budget_ns, char 
     return 0;
 }
 
-/* Loads the slot map from the first node that answers CLUSTER SLOTS. */
+/* How long the map is not asked for again after a refresh that left it
+ * missing or incomplete: long enough that a cluster which does not answer
+ * costs a lookup the refresh's wait only now and then. */
+static uint64_t refresh_retry_ns(const kvhi_cluster *c)
+{
+    uint64_t t = (uint64_t)c->opts.timeout_ms * 1000000ull;
+    return t > REFRESH_GAP_NS ? t : REFRESH_GAP_NS;
+}
+
+/* The map was not loaded, or has slots without a node: it is asked for
+ * again, after a pause (a cluster still loading, or one that did not
+ * answer, is not left without a map for good). */
+static void refresh_later(kvhi_cluster *c)
+{
+    c->refresh_wanted = true;
+    c->refresh_after = now_ns() + refresh_retry_ns(c);
+}
+
+/* Loads the slot map from the first node that answers CLUSTER SLOTS,
+ * within budget_ns in all. */
 static void refresh_map(kvhi_cluster *c, uint64_t budget_ns)
 {
     uint64_t now = now_ns();
     if (now < c->refresh_after)
         return;
-    c->refresh_after = now + 100000000ull; /* at most ten a second */
-    for (uint32_t i = 0; i < c->n_nodes; i++) {
+    c->refresh_after = now + REFRESH_GAP_NS; /* at most ten a second */
+    uint64_t deadline = now + budget_ns;
+    bool loaded = false;
+    for (uint32_t i = 0; i < c->n_nodes && !loaded; i++) {
         node *nd = &c->nodes[i];
         char err[160];
-        if ((nd->breaker_open && now < nd->left_alone_until) || ensure_connected(c, nd, budget_ns, err, sizeof(err)))
+        now = now_ns();
+        if (now >= deadline)
+            break;
+        if ((nd->breaker_open && now < nd->left_alone_until) ||
+            ensure_connected(c, nd, deadline - now, err, sizeof(err)))
             continue;
-        c->h->set_timeout(nd->ctx, tv_of_ns(budget_ns));
         const char *argv[2] = {"CLUSTER", "SLOTS"};
         size_t lens[2] = {7, 5};
-        redisReply *r = c->h->command_argv(nd->ctx, 2, argv, lens);
+        redisReply *r = ctx_command(c, nd->ctx, 2, argv, lens, deadline, err, sizeof(err), NULL);
         if (!r) {
             drop_connection(c, nd);
             continue;
@@ -265,8 +409,8 @@ static void refresh_map(kvhi_cluster *c, uint64_t budget_ns)
             for (uint32_t s = 0; s < KVHI_CLUSTER_SLOTS; s++)
                 c->slot_node[s] = (uint16_t)i;
             c->h->free_reply(r);
-            c->refresh_wanted = false;
-            return;
+            loaded = true;
+            break;
         }
         if (r->type != REDIS_REPLY_ARRAY) {
             c->h->free_reply(r);
@@ -296,9 +440,15 @@ static void refresh_map(kvhi_cluster *c, uint64_t budget_ns)
         }
         c->h->free_reply(r);
         c->standalone = false;
-        c->refresh_wanted = false;
-        return;
+        loaded = true;
     }
+    bool whole = loaded;
+    for (uint32_t s = 0; s < KVHI_CLUSTER_SLOTS && whole; s++)
+        whole = c->slot_node[s] != NO_NODE;
+    if (whole)
+        c->refresh_wanted = false;
+    else
+        refresh_later(c);
 }
 
 int kvhi_cluster_open(const kvhi_cluster_opts *opts, kvhi_cluster **out, char *err, size_t err_len)
@@ -363,7 +513,8 @@ int kvhi_cluster_open(const kvhi_cluster_opts *opts, kvhi_cluster **out, char *e
                 nd = &c->nodes[i];
         const char *argv[1] = {"PING"};
         size_t lens[1] = {4};
-        redisReply *r = c->h->command_argv(nd->ctx, 1, argv, lens);
+        char why_text[160];
+        redisReply *r = ctx_command(c, nd->ctx, 1, argv, lens, now_ns() + budget, why_text, sizeof(why_text), NULL);
         bool refused = r && r->type == REDIS_REPLY_ERROR && strncmp(r->str, "NOAUTH", 6) == 0;
         if (r)
             c->h->free_reply(r);
@@ -372,7 +523,14 @@ int kvhi_cluster_open(const kvhi_cluster_opts *opts, kvhi_cluster **out, char *e
             kvhi_cluster_close(c);
             return -1;
         }
-        refresh_map(c, budget);
+        if (r)
+            refresh_map(c, budget);
+        else {
+            /* No answer: its late one must not be taken for a later
+             * command's; the map is asked for once the node answers. */
+            drop_connection(c, nd);
+            refresh_later(c);
+        }
     } else
         c->refresh_wanted = true;
     *out = c;
@@ -456,16 +614,17 @@ static bool redirect(kvhi_cluster *c, kvhi_cluster_cmd *cmd, const redisReply *r
     return true;
 }
 
-/* Writes what nd has waiting; false (the node failed) when it cannot. */
-static bool flush_node(kvhi_cluster *c, node *nd, kvhi_cluster_report *rep)
+/* Writes what nd has waiting by deadline; false (the node failed) when it
+ * cannot. */
+static bool flush_node(kvhi_cluster *c, node *nd, uint64_t deadline, kvhi_cluster_report *rep)
 {
-    int done = 0;
-    while (!done)
-        if (c->h->buffer_write(nd->ctx, &done) != REDIS_OK) {
-            node_failed(c, nd, timed_out(nd->ctx) ? "timed out" : nd->ctx->errstr, rep);
-            nd->in_batch = false;
-            return false;
-        }
+    char why[160];
+    int rc = write_all(c, nd->ctx, deadline, why, sizeof(why));
+    if (rc != 0) {
+        node_failed(c, nd, rc == -3 ? "timed out" : why, rep);
+        nd->in_batch = false;
+        return false;
+    }
     nd->unsent = 0;
     return true;
 }
@@ -474,26 +633,28 @@ static bool flush_node(kvhi_cluster *c, node *nd, kvhi_cluster_report *rep)
  * answers node by node: the nodes work on their shares at the same time. */
 static void run_round(kvhi_cluster *c, kvhi_cluster_cmd *cmds, size_t n, uint64_t deadline, kvhi_cluster_report *rep)
 {
-    uint64_t now = now_ns();
     for (uint32_t i = 0; i < c->n_nodes; i++)
         c->nodes[i].in_batch = false;
     for (size_t k = 0; k < n; k++) {
         kvhi_cluster_cmd *cmd = &cmds[k];
         if (cmd->result != KVHI_CMD_PENDING)
             continue;
-        if (now >= deadline) {
-            cmd->result = KVHI_CMD_TIMEOUT;
-            rep->timeouts++;
-            continue;
-        }
         if (cmd->node == NO_NODE || cmd->node >= c->n_nodes) {
             cmd->result = KVHI_CMD_DOWN;
             rep->down++;
+            c->refresh_wanted = true; /* the map may know its slot by now */
             continue;
         }
         node *nd = &c->nodes[cmd->node];
         if (!nd->in_batch) {
             char err[160];
+            /* Each connect gets the time left, not the round's. */
+            uint64_t now = now_ns();
+            if (now >= deadline) {
+                cmd->result = KVHI_CMD_TIMEOUT;
+                rep->timeouts++;
+                continue;
+            }
             if (nd->breaker_open && now < nd->left_alone_until) {
                 cmd->result = KVHI_CMD_DOWN;
                 rep->down++;
@@ -509,7 +670,6 @@ static void run_round(kvhi_cluster *c, kvhi_cluster_cmd *cmds, size_t n, uint64_
                     rep->down++;
                 continue;
             }
-            c->h->set_timeout(nd->ctx, tv_of_ns(deadline - now));
             nd->in_batch = true;
             nd->unsent = 0;
         }
@@ -524,15 +684,13 @@ static void run_round(kvhi_cluster *c, kvhi_cluster_cmd *cmds, size_t n, uint64_
         }
         for (int a = 0; a < cmd->argc; a++)
             nd->unsent += cmd->argvlen[a];
-        if (nd->unsent >= FLUSH_BYTES) {
-            flush_node(c, nd, rep); /* a failure: its later commands find it left alone */
-            now = now_ns();
-        }
+        if (nd->unsent >= FLUSH_BYTES)
+            flush_node(c, nd, deadline, rep); /* a failure: its later commands find it left alone */
     }
     /* Writes: what each node's share still has waiting. */
     for (uint32_t i = 0; i < c->n_nodes; i++)
         if (c->nodes[i].in_batch)
-            flush_node(c, &c->nodes[i], rep);
+            flush_node(c, &c->nodes[i], deadline, rep);
     /* Reads, in the order each node was sent its commands. */
     for (size_t k = 0; k < n; k++) {
         kvhi_cluster_cmd *cmd = &cmds[k];
@@ -545,17 +703,28 @@ static void run_round(kvhi_cluster *c, kvhi_cluster_cmd *cmds, size_t n, uint64_
             rep->down++;
             continue;
         }
-        redisReply *r = NULL;
-        bool asking = cmd->asking;
-        if (asking) {
-            void *ok = NULL;
-            if (c->h->get_reply(nd->ctx, &ok) == REDIS_OK && ok)
-                c->h->free_reply(ok);
-        }
+        void *got = NULL;
+        char why[160];
+        int rc = 0;
         c->sink.index = k;
-        if (c->h->get_reply(nd->ctx, (void **)&r) != REDIS_OK || !r) {
-            bool slow = timed_out(nd->ctx);
-            node_failed(c, nd, slow ? "timed out" : nd->ctx->errstr, rep);
+        if (cmd->asking) {
+            /* ASKING's answer is no command's value: on_string is not
+             * handed it, whatever it is. */
+            kvhi_cluster_string_fn on_string = c->sink.on_string;
+            c->sink.on_string = NULL;
+            rc = read_reply(c, nd->ctx, deadline, &got, why, sizeof(why));
+            c->sink.on_string = on_string;
+            if (got)
+                c->h->free_reply(got);
+            got = NULL;
+        }
+        /* Each read waits only for the time left in the round. */
+        if (rc == 0)
+            rc = read_reply(c, nd->ctx, deadline, &got, why, sizeof(why));
+        redisReply *r = got;
+        if (rc != 0) {
+            bool slow = rc == -3;
+            node_failed(c, nd, slow ? "timed out" : why, rep);
             nd->in_batch = false;
             cmd->result = slow ? KVHI_CMD_TIMEOUT : KVHI_CMD_DOWN;
             if (slow)
@@ -691,7 +860,7 @@ void kvhi_cluster_health(kvhi_cluster *c, uint32_t *answering, uint32_t *known)
             continue;
         const char *argv[1] = {"PING"};
         size_t lens[1] = {4};
-        redisReply *r = c->h->command_argv(nd->ctx, 1, argv, lens);
+        redisReply *r = ctx_command(c, nd->ctx, 1, argv, lens, now_ns() + budget, why, sizeof(why), NULL);
         if (r && r->type == REDIS_REPLY_STATUS)
             (*answering)++;
         else if (!r)

@@ -38,6 +38,8 @@ static void load(void)
     *(void **)&calls.buffer_write = sym(lib, "redisBufferWrite", &missing);
     *(void **)&calls.command_argv = sym(lib, "redisCommandArgv", &missing);
     *(void **)&calls.free_reply = sym(lib, "freeReplyObject", &missing);
+    *(void **)&calls.reader_feed = sym(lib, "redisReaderFeed", &missing);
+    *(void **)&calls.reader_get_reply = sym(lib, "redisReaderGetReply", &missing);
     if (missing) {
         load_error = KVHI_HIREDIS_LIB " lacks a call the remote tier uses";
         return;

@@ -17,6 +17,10 @@ typedef struct kvhi_hiredis {
     int (*buffer_write)(redisContext *c, int *done);
     void *(*command_argv)(redisContext *c, int argc, const char **argv, const size_t *argvlen);
     void (*free_reply)(void *reply);
+    /* A context's replies are read through these, so that the client
+     * waits on its socket itself, within a deadline. */
+    int (*reader_feed)(redisReader *r, const char *buf, size_t len);
+    int (*reader_get_reply)(redisReader *r, void **reply);
 } kvhi_hiredis;
 
 /* The loaded library's calls, or NULL with a reason in *why (static text
