@@ -380,6 +380,8 @@ int bench_attention(int argc, char **argv, const bench_ctx *ctx)
         fprintf(stderr, "kvh-bench attention: bad geometry or sizes\n");
         return 2;
     }
+    if (bench_check_list(SCEN, "--blocks", &o.blocks, 1, 256, 1)) /* the engine's block_tokens range */
+        return 2;
     for (size_t i = 0; i < o.contexts.n; i++)
         if (!o.contexts.v[i] || o.contexts.v[i] >= (1u << 31)) {
             fprintf(stderr, "kvh-bench attention: contexts must be in 1..2^31\n");

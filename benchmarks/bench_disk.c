@@ -433,6 +433,19 @@ int bench_disk(int argc, char **argv, const bench_ctx *ctx)
     int rc = bench_parse(argc, argv, opts, "disk", "kvh-bench disk [--dir DIR] [--total-mb N] [--block-bytes LIST]");
     if (rc)
         return bench_parse_rc(rc);
+    /* Blocks are O_DIRECT transfers (4K-aligned, their length an int in a
+     * completion); each of the two raw rings is 2 x qd deep; the recovery
+     * store's tokens are int32. */
+    if (bench_check_list("disk", "--block-bytes", &sizes, 4096, 256ull << 20, 1) ||
+        bench_check_u64("disk", "--total-mb", total_mb, 1, 1ull << 20) ||
+        bench_check_u64("disk", "--qd", qd, 1, 2048) || bench_check_u64("disk", "--context", context, 1, 1ull << 30))
+        return 2;
+    for (size_t i = 0; i < sizes.n; i++)
+        if (sizes.v[i] > total_mb << 20) {
+            fprintf(stderr, "kvh-bench disk: --total-mb %llu is less than one block of --block-bytes %llu\n",
+                    (unsigned long long)total_mb, (unsigned long long)sizes.v[i]);
+            return 2;
+        }
     if (!dir)
         dir = "/var/tmp/kvh-bench-disk";
     mkdir(dir, 0755);

@@ -4,6 +4,7 @@
  *   kvh-bench all [--json] [--quick]
  *   kvh-bench --help | SCENARIO --help
  */
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -56,7 +57,7 @@ static void usage(FILE *f)
                "3 a target was missed (--strict only).\n");
 }
 
-int main(int argc, char **argv)
+static int run_main(int argc, char **argv)
 {
     if (argc < 2) {
         usage(stderr);
@@ -84,10 +85,16 @@ int main(int argc, char **argv)
             ctx.strict = 1;
         else if (!strcmp(argv[i], "--verbose"))
             ctx.verbose = 1;
-        else if ((!strcmp(argv[i], "--reps") || !strcmp(argv[i], "--seed")) && i + 1 < argc) {
+        else if (!strcmp(argv[i], "--reps") || !strcmp(argv[i], "--seed")) {
+            if (i + 1 >= argc) {
+                fprintf(stderr, "kvh-bench: %s needs a value\n", argv[i]);
+                return 2;
+            }
             char *end;
+            errno = 0;
             unsigned long long v = strtoull(argv[i + 1], &end, 0);
-            if (*end || (!strcmp(argv[i], "--reps") && (v < 1 || v > 1000))) {
+            if (*end || end == argv[i + 1] || errno || argv[i + 1][strspn(argv[i + 1], " \t")] == '-' ||
+                (!strcmp(argv[i], "--reps") && (v < 1 || v > 1000))) {
                 fprintf(stderr, "kvh-bench: bad value '%s' for %s\n", argv[i + 1], argv[i]);
                 return 2;
             }
@@ -140,4 +147,19 @@ int main(int argc, char **argv)
             return 3;
     }
     return 0;
+}
+
+int main(int argc, char **argv)
+{
+    int rc = run_main(argc, argv);
+    /* Results that never reached stdout (a full disk, a closed pipe read
+     * to the end) must not look like a successful run. */
+    errno = 0;
+    if (fflush(stdout) != 0 || ferror(stdout)) {
+        fprintf(stderr, "kvh-bench: write error on standard output%s%s\n", errno ? ": " : "",
+                errno ? strerror(errno) : "");
+        if (rc == 0)
+            rc = 1;
+    }
+    return rc;
 }

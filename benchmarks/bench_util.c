@@ -352,22 +352,26 @@ static int parse_u64(const char *s, uint64_t *out)
     unsigned long long v = strtoull(s, &end, 0);
     if (errno || end == s || *s == '-')
         return -1;
+    int shift = 0;
     switch (*end) {
     case 'k':
     case 'K':
-        v <<= 10, end++;
+        shift = 10, end++;
         break;
     case 'm':
     case 'M':
-        v <<= 20, end++;
+        shift = 20, end++;
         break;
     case 'g':
     case 'G':
-        v <<= 30, end++;
+        shift = 30, end++;
         break;
     default:
         break;
     }
+    if (v > (unsigned long long)UINT64_MAX >> shift) /* the suffix would wrap it */
+        return -1;
+    v <<= shift;
     if (*end == 'i' || *end == 'B') /* "64KiB", "1MB" */
         end++;
     if (*end == 'B')
@@ -400,9 +404,11 @@ void bench_print_opts(const bench_opt *opts)
                  : o->type == BENCH_OPT_STR ? "S"
                                             : "N");
         printf("  %-24s %s", lhs, o->help);
-        if (o->type == BENCH_OPT_STR)
-            printf(" (default %s)", *(const char **)o->dst);
-        else if (o->type == BENCH_OPT_U64)
+        if (o->type == BENCH_OPT_STR) {
+            const char *def = *(const char **)o->dst;
+            if (def) /* NULL: the default is chosen at run time, as the help text says */
+                printf(" (default %s)", def);
+        } else if (o->type == BENCH_OPT_U64)
             printf(" (default %llu)", (unsigned long long)*(uint64_t *)o->dst);
         else {
             const bench_list *l = o->dst;
@@ -444,6 +450,29 @@ int bench_parse(int argc, char **argv, const bench_opt *opts, const char *scenar
             rc = o->type == BENCH_OPT_U64 ? parse_u64(val, o->dst) : parse_list(val, o->dst);
         if (rc != 0) {
             fprintf(stderr, "kvh-bench %s: bad value '%s' for %s\n", scenario, val, o->name);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+int bench_check_u64(const char *scenario, const char *flag, uint64_t v, uint64_t lo, uint64_t hi)
+{
+    if (v >= lo && v <= hi)
+        return 0;
+    fprintf(stderr, "kvh-bench %s: %s must be in %llu..%llu, got %llu\n", scenario, flag, (unsigned long long)lo,
+            (unsigned long long)hi, (unsigned long long)v);
+    return -1;
+}
+
+int bench_check_list(const char *scenario, const char *flag, const bench_list *l, uint64_t lo, uint64_t hi, int pow2)
+{
+    for (size_t i = 0; i < l->n; i++) {
+        uint64_t v = l->v[i];
+        if (v < lo || v > hi || (pow2 && (v & (v - 1)))) {
+            fprintf(stderr, "kvh-bench %s: %s values must be %sin %llu..%llu, got %llu\n", scenario, flag,
+                    pow2 ? "powers of two " : "", (unsigned long long)lo, (unsigned long long)hi,
+                    (unsigned long long)v);
             return -1;
         }
     }

@@ -97,6 +97,10 @@ typedef struct bench_opt {
  * (message printed). */
 int bench_parse(int argc, char **argv, const bench_opt *opts, const char *scenario, const char *usage);
 void bench_print_opts(const bench_opt *opts);
+/* Range checks after bench_parse: 0 when every value is in [lo, hi] (and a
+ * power of two with pow2), else -1 with a message naming the flag. */
+int bench_check_u64(const char *scenario, const char *flag, uint64_t v, uint64_t lo, uint64_t hi);
+int bench_check_list(const char *scenario, const char *flag, const bench_list *l, uint64_t lo, uint64_t hi, int pow2);
 
 /* ---- kvh helpers ---- */
 /* Reports a failed kvh call on stderr and returns 1 (so `return

@@ -196,7 +196,7 @@ static void store_perms_of(const kvhi_disk *d, store_perms *p)
     closedir(dir);
 }
 
-int main(int argc, char **argv)
+static int run_main(int argc, char **argv)
 {
     if (argc >= 2 && (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h"))) {
         usage(stdout);
@@ -327,4 +327,18 @@ int main(int argc, char **argv)
     kvhi_index_list_free(&list);
     kvhi_disk_close(&d);
     return bad ? 1 : 0;
+}
+
+int main(int argc, char **argv)
+{
+    int rc = run_main(argc, argv);
+    /* A report that never reached stdout (a full disk) is not a success. */
+    errno = 0;
+    if (fflush(stdout) != 0 || ferror(stdout)) {
+        fprintf(stderr, "kvh-store: write error on standard output%s%s\n", errno ? ": " : "",
+                errno ? strerror(errno) : "");
+        if (rc == 0)
+            rc = 1;
+    }
+    return rc;
 }

@@ -9,7 +9,9 @@
  *   purge    deletes every key of the model */
 #include "tools/kvh_store_remote.h"
 
+#include <errno.h>
 #include <stdbool.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -67,9 +69,23 @@ int kvh_store_remote_main(int argc, char **argv)
     for (int i = 3; i < argc; i++) {
         if (!strcmp(argv[i], "--json"))
             json = true;
-        else if (!strcmp(argv[i], "--sample") && i + 1 < argc)
-            sample = strtoull(argv[++i], NULL, 10);
-        else {
+        else if (!strcmp(argv[i], "--sample")) {
+            if (i + 1 >= argc) {
+                fprintf(stderr, "kvh-store remote: --sample needs a value\n");
+                return 2;
+            }
+            const char *v = argv[++i];
+            char *end;
+            errno = 0;
+            unsigned long long n = strtoull(v, &end, 10);
+            /* strtoull takes "-1" as ULLONG_MAX and 0 is the scan's "no
+             * limit": either would read every key instead of a sample. */
+            if (end == v || *end || errno || v[strspn(v, " \t")] == '-' || n == 0 || n > SIZE_MAX) {
+                fprintf(stderr, "kvh-store remote: --sample must be a whole number >= 1, got '%s'\n", v);
+                return 2;
+            }
+            sample = (size_t)n;
+        } else {
             fprintf(stderr, "kvh-store remote: unknown argument %s\n", argv[i]);
             return 2;
         }
@@ -107,6 +123,18 @@ int kvh_store_remote_main(int argc, char **argv)
             printf("remote tier %s: %u of %u node(s) answer\n", cfg.remote_addrs, up, known);
         kvhi_remote_close_client(r);
         return rc;
+    }
+    /* A scan of no answering node finds no keys: say so rather than
+     * report an empty tier, or a partial count as the whole. */
+    uint32_t up = 0, known = 0;
+    kvhi_cluster_health(r->cluster, &up, &known);
+    if (!known || up != known) {
+        if (!known)
+            fprintf(stderr, "kvh-store remote: no node of %s answers\n", cfg.remote_addrs);
+        else
+            fprintf(stderr, "kvh-store remote: only %u of %u node(s) of %s answer\n", up, known, cfg.remote_addrs);
+        kvhi_remote_close_client(r);
+        return 1;
     }
     keys k = {.limit = !strcmp(action, "verify") ? sample : 0};
     if (kvhi_cluster_scan(r->cluster, prefix, collect, &k, err, sizeof(err)) != 0) {

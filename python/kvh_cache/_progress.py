@@ -4,6 +4,7 @@ TTY), summary tables, human-readable sizes and the size options' parser."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from typing import IO, Any, List, Optional, Sequence
@@ -129,6 +130,9 @@ def human_rate(nbytes: float, seconds: float) -> str:
     return human_bytes(nbytes / seconds) + "/s" if seconds > 0 else "-"
 
 
+_SIZE_MAX = (1 << 64) - 1
+
+
 def parse_size(text: str) -> int:
     """'64MiB', '2M', '1GiB', '4096' -> bytes."""
     s = str(text).strip().lower().replace(" ", "")
@@ -155,6 +159,11 @@ def parse_size(text: str) -> int:
         value = float(num)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a size: {text!r}") from None
+    if not math.isfinite(value):  # "1e400" reads as inf
+        raise argparse.ArgumentTypeError(f"not a finite size: {text!r}")
     if value < 0:
         raise argparse.ArgumentTypeError(f"size must be >= 0: {text!r}")
-    return int(value * units[unit])
+    size = int(value * units[unit])
+    if size > _SIZE_MAX:  # the library takes sizes as uint64_t
+        raise argparse.ArgumentTypeError(f"size too large: {text!r} (at most {_SIZE_MAX} bytes)")
+    return size

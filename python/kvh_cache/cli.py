@@ -104,13 +104,20 @@ def cmd_store_remote(args: argparse.Namespace) -> int:
     """kvh-store remote ACTION, with the model and cluster of the resolved
     configuration (arguments, KVH_* variables, $KVH_CONFIG) in its
     environment."""
+    from . import errors
     from .config import ENV_VARS, resolve
 
     tool = _store_tool()
     if not tool:
         return _missing_tool("kvh-store")
     env = dict(os.environ)
-    cfg = resolve().config
+    try:
+        cfg = resolve().config
+    except errors.Error:
+        raise  # a bad KVH_* variable: main reports it as a failure
+    except ValueError as exc:  # a bad $KVH_CONFIG file
+        _err(str(exc))
+        return EXIT_USAGE
     for name, var in ENV_VARS.items():
         v = getattr(cfg, name)
         if v is None or var == "KVH_DISK_FLAGS":
@@ -445,6 +452,16 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
         return plain_text(super()._expand_help(action))
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1: {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import doctor
     from .demo import agents, synthetic
@@ -539,7 +556,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="ping: nodes that answer; count: keys of the model; verify: check a sample of values "
         "(exit 1 if any is bad); purge: delete every key of the model",
     )
-    ap.add_argument("--sample", type=int, default=64, help="values verify reads")
+    ap.add_argument("--sample", type=_positive_int, default=64, help="values verify reads (>= 1)")
     ap.add_argument("--json", action="store_true", help="JSON output")
     ap.set_defaults(func=cmd_store_remote)
 
@@ -580,6 +597,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    if sys.stdout is None:  # started with fd 1 closed: nowhere to put results
+        if sys.stderr is not None:
+            _err("standard output is closed")
+        return EXIT_FAIL
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     extra: List[str] = []
@@ -621,6 +642,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except Exception as exc:
         from . import errors
 
+        if isinstance(exc, ValueError) and not isinstance(exc, errors.Error):
+            # An argument the parser accepted but the binding rejects (a
+            # budget beyond its range): a usage error, not a traceback.
+            _err(str(exc))
+            return EXIT_USAGE
         if not isinstance(exc, errors.Error):
             raise
         _err(f"{type(exc).__name__}: {exc}")

@@ -292,6 +292,10 @@ def _check_range(seq: Sequence, kv: _KV, kind: int, ident: int, first: int, n: i
     return bool(np.array_equal(k, ek) and np.array_equal(v, ev))
 
 
+class DataDirError(Exception):
+    """The --data-dir given cannot hold the disk tier."""
+
+
 def open_engine(args: argparse.Namespace, data_dir: Optional[Path], notes: List[str]) -> Engine:
     base = dict(
         num_layers=args.layers,
@@ -313,7 +317,11 @@ def open_engine(args: argparse.Namespace, data_dir: Optional[Path], notes: List[
                 disk_buffered=args.buffered_io,
                 disk_reset_on_mismatch=True,
             )
-        except (errors.UnsupportedError, errors.KvhIOError) as exc:
+        except errors.KvhIOError as exc:
+            if args.data_dir is not None:  # the user's own directory: say why it cannot be used
+                raise DataDirError(f"--data-dir {data_dir}: {exc.message}") from None
+            notes.append(f"disk tier unavailable ({exc.message}); running with device + host only")
+        except errors.UnsupportedError as exc:
             notes.append(f"disk tier unavailable ({exc.message}); running with device + host only")
     return Engine(**base)
 
@@ -347,6 +355,9 @@ def run(args: argparse.Namespace, out=None) -> int:
             data_dir = args.data_dir
     try:
         result = _run(args, data_dir, notes)
+    except DataDirError as exc:
+        print(f"kvh demo: {exc}", file=sys.stderr)
+        return 1
     except errors.NoSpaceError as exc:
         print(
             f"kvh demo: the tiers are too small for this workload ({exc.message}); "
@@ -618,7 +629,7 @@ def _restart_check(
     t0 = time.monotonic()
     try:
         eng = open_engine(args, data_dir, [])
-    except errors.Error as exc:
+    except (errors.Error, DataDirError) as exc:
         notes.append(f"restart check failed to open the store: {exc}")
         return {"ok": False, "error": str(exc)}
     with eng:

@@ -1,0 +1,550 @@
+"""The command-line tools under hostile use: bad flags, bad numbers, bad
+paths, bad KVH_* variables, closed or full output, SIGPIPE and Ctrl-C.
+Every failure must be one clear line on stderr and a non-zero exit: no
+traceback, crash, hang, or half-written store."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvh_cache import cli
+from kvh_cache.tools import find_tool
+
+REPO = Path(__file__).resolve().parents[2]
+TIMEOUT = 30  # no probe here should come near this; a hang fails the test
+
+
+def _env(extra=None):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO / "python") + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    # A CI machine's own configuration must not leak into these probes.
+    for k in [k for k in env if k.startswith("KVH_") and k not in ("KVH_BUILD_DIR", "KVH_BENCH", "KVH_STORE")]:
+        del env[k]
+    env.update(extra or {})
+    return env
+
+
+def run_kvh(*args, env_extra=None, stdin=subprocess.DEVNULL, cwd=None, **kw):
+    return subprocess.run(
+        [sys.executable, "-m", "kvh_cache", *map(str, args)],
+        stdout=kw.pop("stdout", subprocess.PIPE),
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=TIMEOUT,
+        env=_env(env_extra),
+        stdin=stdin,
+        cwd=str(cwd or REPO),
+        **kw,
+    )
+
+
+def _bench_tool():
+    tool = find_tool("kvh-bench")
+    if tool is None:
+        pytest.skip("kvh-bench not built")
+    return tool
+
+
+def run_bench(*args, env_extra=None, **kw):
+    return subprocess.run(
+        [_bench_tool(), *map(str, args)],
+        stdout=kw.pop("stdout", subprocess.PIPE),
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=TIMEOUT,
+        env=_env(env_extra),
+        stdin=subprocess.DEVNULL,
+        **kw,
+    )
+
+
+def assert_one_line_error(res, rc=None, word=None):
+    """Failed with a message, not a traceback or a signal."""
+    assert res.returncode > 0, (res.returncode, res.stderr[-2000:])  # < 0: killed by a signal
+    if rc is not None:
+        assert res.returncode == rc, (res.returncode, res.stderr[-2000:])
+    assert "Traceback" not in res.stderr, res.stderr[-2000:]
+    lines = res.stderr.strip().splitlines()
+    assert lines, "no message on stderr"
+    if word is not None:
+        assert word in lines[-1], res.stderr[-2000:]
+
+
+def _tree_digest(d: Path):
+    # LOCK takes the pid of whoever last tried to open the store
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir()) if p.name != "LOCK"}
+
+
+def run_in_process(args, capfd):
+    """cli.main in this process (no interpreter start-up per case): the exit
+    status and stderr. An exception other than SystemExit escapes and fails
+    the test, as a traceback would."""
+    capfd.readouterr()
+    try:
+        rc = cli.main([str(a) for a in args])
+    except SystemExit as exc:
+        rc = exc.code
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess(args, rc, out, err)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """A small synthetic-demo store (geometry 4 x 4 x 64, 16 tokens/block)."""
+    d = tmp_path_factory.mktemp("misuse") / "store"
+    res = run_kvh(
+        "demo",
+        "--synthetic",
+        "--agents",
+        "1",
+        "--steps",
+        "2",
+        "--chunks",
+        "2",
+        "--device-budget",
+        "2MiB",
+        "--host-budget",
+        "1MiB",
+        "--data-dir",
+        d,
+    )
+    assert res.returncode == 0, res.stderr
+    if not (d / "index").exists():
+        pytest.skip("this build has no disk tier")
+    return d
+
+
+# ---------------------------------------------------------------------------------
+# --help everywhere
+# ---------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "cmd",
+    [["-h"], ["demo", "-h"], ["store", "remote", "-h"], ["stats", "--help"], ["bench", "--help"]],
+    ids=" ".join,
+)
+def test_kvh_help_goes_to_stdout(cmd):
+    res = run_kvh(*cmd)
+    assert res.returncode == 0 and res.stderr == "" and res.stdout.startswith("usage: kvh"), res.stderr
+
+
+def test_bench_help_of_every_mode():
+    res = run_bench("list")
+    assert res.returncode == 0
+    modes = res.stdout.split()
+    assert "codec" in modes
+    for args in (["--help"], ["-h"], ["help"], ["all", "--help"]):
+        res = run_bench(*args)
+        assert res.returncode == 0 and res.stdout.startswith("usage: kvh-bench") and res.stderr == "", args
+    for mode in modes:
+        res = run_bench(mode, "--help")
+        assert res.returncode == 0, (mode, res.stderr)
+        assert res.stdout.startswith(f"usage: kvh-bench {mode}") and "options" in res.stdout, mode
+        assert res.stderr == "", (mode, res.stderr)
+
+
+@pytest.mark.parametrize("mode", ["disk", "switch"])
+def test_bench_help_has_no_null_default(mode):
+    res = run_bench(mode, "--help")
+    assert res.returncode == 0
+    assert "(null)" not in res.stdout  # printf("%s", NULL) is undefined behaviour
+
+
+# ---------------------------------------------------------------------------------
+# kvh: usage errors
+# ---------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "args,rc,word",
+    [
+        (["--bogus"], 2, "--bogus"),
+        (["nosuch"], 2, "invalid choice"),
+        (["stats"], 2, "DIR"),
+        (["store", "info"], 2, "DIR"),
+        (["store", "remote", "verify", "--sample", "x"], 2, "--sample"),
+        (["stats", "{store}", "--dtype", "f64"], 2, "--dtype"),
+        (["stats", "{store}", "--model-salt", "zz"], 2, "--model-salt"),
+        (["stats", "{store}", "--layers", "-1"], 2, "num_layers"),
+        (["stats", "{store}", "--disk-bytes", "99999999999999999999999"], 2, "disk_bytes"),
+        (["doctor", "--host-budget", "-1"], 2, "--host-budget"),
+        (["doctor", "--disk-budget", "nan"], 2, "--disk-budget"),
+        (["demo", "--synthetic", "--device-budget", "inf"], 2, "--device-budget"),
+        (["demo", "--synthetic", "--device-budget=-1MiB"], 2, "--device-budget"),
+        (["demo", "--synthetic", "--seed", "nan"], 2, "--seed"),
+        (["demo", "--synthetic", "--steps", "0"], 2, "--steps"),
+        (["demo", "--synthetic", "--intent-noise", "inf"], 2, "--intent-noise"),
+        (["bench", "codec", "--quick", "--reps", "0"], 2, "--reps"),
+        (["bench", "codec", "--quick", "--", "--vectors", "abc"], 2, "--vectors"),
+    ],
+    ids=lambda a: " ".join(a) if isinstance(a, list) else None,
+)
+def test_kvh_bad_input(args, rc, word, store, capfd):
+    before = _tree_digest(store)
+    res = run_in_process([a.replace("{store}", str(store)) for a in args], capfd)
+    assert_one_line_error(res, rc, word)
+    assert _tree_digest(store) == before
+
+
+@pytest.mark.parametrize("cmd", [["demo", "--synthetic", "--host-budget"], ["doctor", "--host-budget"]], ids=" ".join)
+def test_size_overflowing_to_inf(cmd):
+    # float("1e400") is inf: int(inf) raised OverflowError, which argparse does not catch.
+    res = run_kvh(*cmd, "1e400")
+    assert_one_line_error(res, 2, "--host-budget")
+
+
+def test_demo_budget_beyond_u64():
+    res = run_kvh("demo", "--synthetic", "--device-budget", "1e30")
+    assert_one_line_error(res, 2, "device")
+
+
+@pytest.mark.parametrize("what", ["missing", "file", "empty", "garbage"])
+def test_stats_and_store_on_non_stores(what, tmp_path, capfd):
+    p = tmp_path / "x"
+    if what == "file":
+        p.write_text("")
+    elif what in ("empty", "garbage"):
+        p.mkdir()
+    if what == "garbage":
+        (p / "index").write_bytes(os.urandom(4096))
+        (p / "LOCK").write_text("junk")
+    before = _tree_digest(p) if p.is_dir() else None
+    for cmd in (["stats"], ["store", "info"], ["store", "verify"]):
+        res = run_in_process([*cmd, p], capfd)
+        assert_one_line_error(res)
+    if before is not None:
+        assert _tree_digest(p) == before  # read-only tools: the garbage is left as it was
+
+
+def test_stats_other_geometry_leaves_store_alone(store, capfd):
+    before = _tree_digest(store)
+    res = run_in_process(["stats", store, "--layers", "8"], capfd)
+    assert_one_line_error(res, 1, "different num_layers")
+    res = run_in_process(["stats", store, "--disk-bytes", "1"], capfd)
+    assert_one_line_error(res, 1, "disk_bytes")
+    assert _tree_digest(store) == before
+
+
+def test_demo_data_dir_is_a_file(tmp_path):
+    # The disk tier was silently dropped (a note on stdout, exit 0), or the
+    # run failed with "the tiers are too small" when it needed the disk.
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    res = run_kvh("demo", "--synthetic", "--agents", "1", "--steps", "1", "--chunks", "1", "--data-dir", blocker)
+    assert_one_line_error(res, 1, "Not a directory")
+    assert blocker.read_text() == "x"
+
+
+# ---------------------------------------------------------------------------------
+# kvh: KVH_* variables and $KVH_CONFIG
+# ---------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "env,rc,word",
+    [
+        ({"KVH_HOST_BYTES": "lots"}, 1, "KVH_HOST_BYTES"),
+        ({"KVH_NUM_LAYERS": "abc"}, 1, "KVH_NUM_LAYERS"),
+        ({"KVH_DTYPE": "f64"}, 1, "KVH_DTYPE"),
+        ({"KVH_DISK_FLAGS": "bogus"}, 1, "KVH_DISK_FLAGS"),
+        ({"KVH_MIGRATION_THREADS": "100000"}, 1, "migration_threads"),
+        ({"KVH_CONFIG": "/nonexistent/kvh.toml"}, 1, "/nonexistent/kvh.toml"),
+        ({"KVH_CONFIG": "/"}, 1, "Is a directory"),
+        ({"KVH_CONFIG": "{bad}"}, 2, "not valid TOML"),
+        ({"KVH_CONFIG": "{unknown}"}, 2, "unknown key"),
+        ({"KVH_STORE": "/nonexistent/kvh-store"}, 1, "/nonexistent/kvh-store"),
+        ({"KVH_STORE": "/bin/true"}, 1, "printed no JSON"),
+    ],
+    ids=lambda e: ",".join(f"{k}={v}" for k, v in e.items()) if isinstance(e, dict) else None,
+)
+def test_stats_bad_environment(env, rc, word, store, tmp_path, capfd, monkeypatch):
+    (tmp_path / "bad.toml").write_text("this is = = not toml\n")
+    (tmp_path / "unknown.toml").write_text("nosuchkey = 1\n")
+    env = {
+        k: v.replace("{bad}", str(tmp_path / "bad.toml")).replace("{unknown}", str(tmp_path / "unknown.toml"))
+        for k, v in env.items()
+    }
+    before = _tree_digest(store)
+    for k in [k for k in os.environ if k.startswith("KVH_") and k != "KVH_BUILD_DIR"]:
+        monkeypatch.delenv(k)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    res = run_in_process(["stats", store], capfd)
+    assert_one_line_error(res, rc, word)
+    assert _tree_digest(store) == before
+
+
+def test_store_remote_bad_config_file(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("this is = = not toml\n")
+    res = run_kvh("store", "remote", "ping", env_extra={"KVH_CONFIG": str(bad), "KVH_REMOTE_ADDRS": "127.0.0.1:1"})
+    assert_one_line_error(res, 2, "not valid TOML")
+
+
+def test_store_remote_bad_variable():
+    res = run_kvh("store", "remote", "count", env_extra={"KVH_REMOTE_ADDRS": "garbage"})
+    assert_one_line_error(res, word="host:port")
+    res = run_kvh("store", "remote", "ping", env_extra={"KVH_HOST_BYTES": "lots", "KVH_REMOTE_ADDRS": "127.0.0.1:1"})
+    assert_one_line_error(res, 1, "KVH_HOST_BYTES")
+
+
+@pytest.mark.parametrize("action", ["count", "verify", "purge"])
+def test_store_remote_unreachable(action, capfd, monkeypatch):
+    # Nothing listens on port 1: "0 key(s)" with exit 0 reads as an empty, healthy tier.
+    if find_tool("kvh-store") is None:
+        pytest.skip("kvh-store not built")
+    monkeypatch.setenv("KVH_REMOTE_ADDRS", "127.0.0.1:1")
+    res = run_in_process(["store", "remote", action], capfd)
+    assert_one_line_error(res)
+
+
+def test_store_remote_negative_sample(capfd, monkeypatch):
+    # kvh-store reads "-1" with strtoull: every key instead of a sample.
+    monkeypatch.setenv("KVH_REMOTE_ADDRS", "127.0.0.1:1")
+    res = run_in_process(["store", "remote", "verify", "--sample", "-1"], capfd)
+    assert_one_line_error(res, 2, "--sample")
+
+
+# ---------------------------------------------------------------------------------
+# kvh: output that cannot be written, SIGPIPE, closed stdin/stdout
+# ---------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "cmd", [["doctor", "--json"], ["bench", "--list"], ["stats", "{store}", "--json"]], ids=" ".join
+)
+def test_kvh_full_output(cmd, store):
+    with open("/dev/full", "w") as full:
+        res = run_kvh(*(a.replace("{store}", str(store)) for a in cmd), stdout=full)
+    assert_one_line_error(res, 1, "No space left on device")
+
+
+def test_store_info_full_output(store):
+    with open("/dev/full", "w") as full:
+        res = run_kvh("store", "info", store, stdout=full)
+    assert_one_line_error(res)
+
+
+@pytest.mark.parametrize(
+    "cmd",
+    [["--help"], ["doctor"], ["bench", "--list"], ["stats", "{store}"], ["store", "info", "{store}"]],
+    ids=" ".join,
+)
+def test_kvh_sigpipe(cmd, store):
+    # As in `kvh doctor | head -1`: quiet, no "Broken pipe" traceback.
+    p = subprocess.Popen(
+        [sys.executable, "-m", "kvh_cache", *(a.replace("{store}", str(store)) for a in cmd)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        env=_env(),
+        cwd=str(REPO),
+    )
+    p.stdout.readline()
+    p.stdout.close()
+    try:
+        err = p.stderr.read().decode(errors="replace")
+        p.wait(timeout=TIMEOUT)
+    finally:
+        p.kill()
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+    assert p.returncode >= 0 or p.returncode == -signal.SIGPIPE, p.returncode
+
+
+def test_kvh_closed_stdin(store):
+    # Nothing reads stdin: a closed fd 0 changes nothing.
+    for cmd in (["stats", str(store), "--json"], ["doctor", "--json"]):
+        res = subprocess.run(
+            [sys.executable, "-m", "kvh_cache", *cmd],
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+            env=_env(),
+            preexec_fn=lambda: os.close(0),
+        )
+        assert res.returncode == 0 and json.loads(res.stdout), res.stderr
+
+
+def test_kvh_closed_stdout():
+    res = subprocess.run(
+        [sys.executable, "-m", "kvh_cache", "doctor", "--json"],
+        stdout=None,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=TIMEOUT,
+        env=_env(),
+        preexec_fn=lambda: os.close(1),
+    )
+    assert_one_line_error(res, 1)
+
+
+# ---------------------------------------------------------------------------------
+# kvh: Ctrl-C
+# ---------------------------------------------------------------------------------
+def _default_sigint():
+    # A runner started in the background ignores SIGINT, and its children
+    # inherit that: give the command a terminal's Ctrl-C.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _interrupt(argv, after, **kw):
+    p = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+        preexec_fn=_default_sigint,
+        **kw,
+    )
+    time.sleep(after)
+    t0 = time.monotonic()
+    p.send_signal(signal.SIGINT)
+    try:
+        out, err = p.communicate(timeout=10)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.communicate()
+        pytest.fail(f"{argv}: still running 10 s after SIGINT")
+    return p.returncode, err, time.monotonic() - t0
+
+
+def test_demo_sigint_leaves_a_consistent_store(tmp_path):
+    d = tmp_path / "store"
+    argv = [sys.executable, "-m", "kvh_cache", "demo", "--synthetic", "--agents", "2", "--steps", "400"]
+    rc, err, took = _interrupt(argv + ["--chunks", "8", "--data-dir", str(d)], after=2.5, cwd=str(REPO))
+    assert rc == 130 and "Traceback" not in err and err.strip().splitlines()[-1] == "kvh: interrupted", err
+    assert took < 5
+    if find_tool("kvh-store") is not None and d.exists():
+        res = run_kvh("store", "verify", d)
+        assert res.returncode == 0 and " 0 bad" in res.stdout, res.stdout + res.stderr
+
+
+def test_bench_sigint():
+    _bench_tool()
+    rc, err, took = _interrupt([sys.executable, "-m", "kvh_cache", "bench", "trace", "--quick"], after=1.5)
+    assert rc == 130 and "Traceback" not in err and "kvh: interrupted" in err, err
+    rc, err, took = _interrupt([_bench_tool(), "trace", "--quick", "--json"], after=1.0)
+    assert rc != 0 and took < 5
+
+
+# ---------------------------------------------------------------------------------
+# kvh-bench (C)
+# ---------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "args,word",
+    [
+        ([], "usage"),
+        (["nosuch"], "unknown scenario"),
+        (["--bogus"], "unknown scenario"),
+        (["codec", "--reps", "0"], "--reps"),
+        (["codec", "--reps", "1001"], "--reps"),
+        (["codec", "--reps", ""], "--reps"),
+        (["codec", "--seed", "abc"], "--seed"),
+        (["codec", "--bogus"], "--bogus"),
+        (["codec", "--vectors"], "needs a value"),
+        (["codec", "--vectors", "0"], "--vectors"),
+        (["codec", "--vectors", "-1"], "--vectors"),
+        (["codec", "--vectors", "1.5"], "--vectors"),
+        (["codec", "--vectors", "99999999999999999999999"], "--vectors"),
+        (["codec", "--isa", "sse9"], "--isa"),
+        (["all", "--bogus"], "--bogus"),
+        (["alloc", "--blocks", "0"], "range"),
+        (["alloc", "--parts", "nope"], "--parts"),
+        (["migrate", "--sizes", ","], "--sizes"),
+        (["migrate", "--pool-mb", "0"], "--pool-mb"),
+        (["attention", "--contexts", "0"], "contexts"),
+        (["attention", "--dim", "0"], "geometry"),
+        (["scale", "--threads", "0"], "--threads"),
+        (["switch", "--layers", "0"], "--layers"),
+        (["switch", "--mode", "sideways"], "--mode"),
+        (["vmap", "--contexts", "0"], "contexts"),
+        (["remote", "--mib", "0"], "--mib"),
+        (["trace", "--agents", "0"], "--agents"),
+        (["trace", "--device-pct", "101"], "--device-pct"),
+    ],
+    ids=lambda a: " ".join(a) or "none" if isinstance(a, list) else None,
+)
+def test_bench_bad_options(args, word):
+    # the common flags first: "--vectors" with no value must not take one of them
+    res = run_bench(args[0], "--quick", "--json", *args[1:]) if args[:1] not in ([], ["--bogus"]) else run_bench(*args)
+    assert res.returncode == 2, (res.returncode, res.stderr)
+    assert res.stdout == "" and word in res.stderr, res.stderr
+
+
+def test_bench_bad_paths_and_environment(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    res = run_bench("disk", "--quick", "--dir", blocker, "--total-mb", "4", "--block-bytes", "64K")
+    assert res.returncode == 1 and "Not a directory" in res.stderr, res.stderr
+    assert blocker.read_text() == "x"
+    res = run_bench("switch", "--quick", "--model", tmp_path / "missing.gguf")
+    assert res.returncode == 1 and "missing.gguf" in res.stderr, res.stderr
+    res = run_bench("switch", "--quick", "--json", env_extra={"KVH_MODEL": str(tmp_path / "missing.gguf")})
+    assert res.returncode == 1 and "missing.gguf" in res.stderr, res.stderr
+    res = run_bench("vmap", "--quick", "--json", env_extra={"KVH_VMAP_BACKING": "bogus"})
+    assert res.returncode == 1 and "bogus" in res.stderr, res.stderr
+
+
+def test_bench_json_lines():
+    res = run_bench("codec", "--quick", "--json", "--reps", "1", "--seed", "7")
+    assert res.returncode == 0, res.stderr
+    rows = [json.loads(line) for line in res.stdout.splitlines()]
+    assert rows and all({"scenario", "metric", "value", "unit"} <= set(r) for r in rows)
+    assert all(r["scenario"] == "codec" for r in rows)
+    res = run_kvh("bench", "codec", "--quick", "--json", "--reps", "1")
+    assert res.returncode == 0 and [json.loads(line) for line in res.stdout.splitlines()], res.stderr
+
+
+def test_bench_sigpipe():
+    # `kvh-bench codec --json | head -1`: ends (SIGPIPE is its default fate), no hang.
+    p = subprocess.Popen(
+        [_bench_tool(), "codec", "--quick", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env()
+    )
+    json.loads(p.stdout.readline())
+    p.stdout.close()
+    try:
+        p.wait(timeout=TIMEOUT)
+    finally:
+        p.kill()
+    p.stderr.close()
+    assert p.returncode in (0, -signal.SIGPIPE)
+
+
+@pytest.mark.parametrize("args", [["list"], ["scale", "--quick", "--json"]], ids=" ".join)
+def test_bench_full_output(args):
+    # Results written into a full disk were lost with exit 0.
+    with open("/dev/full", "w") as full:
+        res = run_bench(*args, stdout=full)
+    assert res.returncode != 0 and res.stderr.strip()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["disk", "--block-bytes", "0", "--total-mb", "4"],  # bench_disk: (total_mb << 20) / bs
+        ["attention", "--blocks", "0"],  # run_block: max_tokens / bt
+    ],
+    ids=" ".join,
+)
+def test_bench_zero_block_size(args, tmp_path):
+    extra = ["--dir", str(tmp_path)] if args[0] == "disk" else []
+    res = run_bench(*args, *extra, "--quick", "--json")
+    assert res.returncode == 2, (res.returncode, res.stderr)  # not -SIGFPE
+    assert res.stderr.strip()
+
+
+@pytest.mark.parametrize("flag", ["--total-mb", "--qd", "--context"])
+def test_bench_disk_zero_sizes(flag, tmp_path):
+    # Exit 1 with a stale errno ("File exists", "Success") or no message at all.
+    args = ["--total-mb", "4", "--block-bytes", "64K", "--context", "4096", flag, "0"]
+    res = run_bench("disk", "--quick", "--json", "--dir", tmp_path, *args)
+    assert res.returncode == 2 and flag in res.stderr, (res.returncode, res.stderr)
+
+
+def test_bench_suffix_overflow():
+    # 17179869184G is 2^64: it wrapped to 0 (all CPUs) and ran.
+    res = run_bench("vmap", "--quick", "--json", "--contexts", "1024", "--threads", "17179869184G")
+    assert res.returncode == 2 and "--threads" in res.stderr, (res.returncode, res.stderr)
