@@ -333,6 +333,7 @@ static void *switch_thread(void *argp)
     kvhi_switch *sw = arg->sw;
     kvh_engine *e = sw->e;
     kvhi_contexts *c = e->contexts;
+    kvhi_thread_started_for(e);
     pthread_mutex_lock(&e->lock);
     if (arg->roles & ROLE_DEPART)
         run_departures(sw);

@@ -70,7 +70,7 @@ void kvhi_unlock_and_log(kvh_engine *e)
     e->n_pending_log = 0;
     pthread_mutex_unlock(&e->lock);
     for (uint32_t i = 0; i < n; i++)
-        e->cfg.log_fn(e->cfg.log_user, levels[i], lines[i]);
+        kvhi_sink_call(e, levels[i], lines[i]);
 }
 
 void kvhi_config_defaults(kvh_config *c)
@@ -467,6 +467,10 @@ kvh_status kvhi_engine_open(const kvh_config *config, kvh_engine **out)
 
 kvh_status kvhi_engine_close(kvh_engine *e)
 {
+    /* The sink returns into kvh, which then uses e: it must outlive it. */
+    if (kvhi_in_sink_of(e))
+        return kvhi_fail(KVH_ERR_BUSY, "an engine cannot be closed from inside its own log sink: close it after "
+                                       "the sink returns");
     pthread_mutex_lock(&e->lock);
     if (e->closing) {
         pthread_mutex_unlock(&e->lock);

@@ -231,6 +231,17 @@ struct kvh_engine {
 /* ---- errors and logging (status.c) ---- */
 kvh_status kvhi_fail(kvh_status status, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 void kvhi_clear_error(void);
+/* A log sink's calls back into its engine: the sink runs user code, which
+ * may call kvh. Marks the calling thread as one kvh started for e (a
+ * migration worker, a context switch's, the uploader). */
+void kvhi_thread_started_for(kvh_engine *e);
+/* Calls e's sink with the thread marked as inside it. */
+void kvhi_sink_call(kvh_engine *e, int level, const char *message);
+/* Whether this thread is inside e's sink. */
+bool kvhi_in_sink_of(const kvh_engine *e);
+/* Clears the last error; KVH_ERR_BUSY when e's sink, on a thread kvh
+ * started for e, calls into e: the call could wait for that thread. */
+kvh_status kvhi_enter_allowed(kvh_engine *e);
 /* This thread's detail of its last failure ("" after a success). */
 const char *kvhi_last_error(void);
 /* The text and the name of a status (KVH_STATUS_LIST). */
@@ -293,7 +304,9 @@ static inline void kvhi_clean_drop(kvh_engine *e, uint32_t b)
  * alone, which applies it itself. */
 static inline kvh_status kvhi_enter_keep_backlog(kvh_engine *e)
 {
-    kvhi_clear_error();
+    kvh_status st = kvhi_enter_allowed(e);
+    if (st != KVH_OK)
+        return st;
     pthread_mutex_lock(&e->lock);
     if (e->closing) {
         pthread_mutex_unlock(&e->lock);

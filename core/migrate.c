@@ -478,6 +478,7 @@ static void wait_until_ns(kvh_engine *e, uint64_t deadline_ns)
 static void *worker_main(void *arg)
 {
     kvh_engine *e = arg;
+    kvhi_thread_started_for(e);
 #ifdef KVH_HAVE_NUMA
     if (e->cfg.numa_node >= 0 && numa_available() >= 0) {
         pthread_mutex_lock(&numa_cache_lock);

@@ -37,6 +37,7 @@ void kvhi_remote_queue_upload(kvh_engine *e, uint32_t b, uint32_t reason)
 static void *uploader_main(void *arg)
 {
     kvh_engine *e = arg;
+    kvhi_thread_started_for(e);
     kvhi_remote *r = e->remote;
     size_t per = (size_t)(KVHI_REMOTE_ROUND_BYTES / kvhi_remote_value_bytes(&r->id));
     per = per ? per : 1;

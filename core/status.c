@@ -17,6 +17,34 @@ kvh_status kvhi_fail(kvh_status status, const char *fmt, ...)
 
 void kvhi_clear_error(void) { last_error[0] = '\0'; }
 
+/* Where this thread stands for a sink's calls: the engine whose sink it
+ * is inside, and the engine it was started for (NULL: a caller's). */
+static _Thread_local struct {
+    const kvh_engine *sink_of;
+    const kvh_engine *started_for;
+} here;
+
+void kvhi_thread_started_for(kvh_engine *e) { here.started_for = e; }
+
+void kvhi_sink_call(kvh_engine *e, int level, const char *message)
+{
+    const kvh_engine *outer = here.sink_of;
+    here.sink_of = e;
+    e->cfg.log_fn(e->cfg.log_user, level, message);
+    here.sink_of = outer;
+}
+
+bool kvhi_in_sink_of(const kvh_engine *e) { return here.sink_of == e; }
+
+kvh_status kvhi_enter_allowed(kvh_engine *e)
+{
+    last_error[0] = '\0';
+    if (here.sink_of == e && here.started_for == e)
+        return kvhi_fail(KVH_ERR_BUSY, "the engine's log sink, on a thread kvh started, cannot call into the engine "
+                                       "(the call could wait for that thread): call from another thread");
+    return KVH_OK;
+}
+
 const char *kvhi_last_error(void) { return last_error; }
 
 #define KVHI_TEXT_CASE(name, value, text)                                                                              \
@@ -65,5 +93,5 @@ void kvhi_log(kvh_engine *e, int level, const char *fmt, ...)
     va_start(ap, fmt);
     vsnprintf(msg, sizeof(msg), fmt, ap);
     va_end(ap);
-    e->cfg.log_fn(e->cfg.log_user, level, msg);
+    kvhi_sink_call(e, level, msg);
 }

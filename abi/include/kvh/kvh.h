@@ -184,7 +184,12 @@ enum kvh_backend {
 enum kvh_log_level { KVH_LOG_ERROR = 0, KVH_LOG_WARN = 1, KVH_LOG_INFO = 2, KVH_LOG_DEBUG = 3 };
 
 /* Log sink: level is a kvh_log_level, message is [borrowed] for the call.
- * Called from any kvh thread, never with an engine lock held. */
+ * Called from any kvh thread, never with an engine lock held. It may call
+ * kvh, except into the engine that logs where that could wait for itself:
+ * there kvh_engine_close returns KVH_ERR_BUSY (close after the sink has
+ * returned), and on a thread kvh started (a migration worker, a context
+ * switch's, the remote uploader) so does every call taking that engine.
+ * Calls on a caller's own thread, and into other engines, work as usual. */
 typedef void (*kvh_log_fn)(void *user, int32_t level, const char *message);
 
 enum kvh_disk_flags {
