@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from typing import Any, Callable, Deque, Optional, Sequence, Tuple, TypeVar
+from typing import Any, Callable, Deque, Dict, Optional, Sequence, Tuple, TypeVar
 
 T = TypeVar("T")
 C = TypeVar("C", bound="Closable")
@@ -64,6 +64,7 @@ class HandleGate:
         "_owner_depth",
         "_queue",
         "_in_flight",
+        "_shared_by",
     )
 
     def __init__(self, closed_error: Callable[[], BaseException], *, reopen_if_end_fails: bool = False) -> None:
@@ -83,6 +84,9 @@ class HandleGate:
         # leaves and comes straight back must not overtake them.
         self._queue: Deque[object] = collections.deque()
         self._in_flight = 0  # exclusive and shared calls
+        # Shared calls in flight per thread (made on the first): a close from
+        # inside one (a log handler kvh calls) must not wait for itself.
+        self._shared_by: Optional[Dict[int, int]] = None
 
     @property
     def closed(self) -> bool:
@@ -109,8 +113,13 @@ class HandleGate:
                     self._wait_turn()
                 self._owner = me
                 self._owner_depth = 1
-            elif self._state != _OPEN:
-                raise self._closed_error()
+            else:
+                if self._state != _OPEN:
+                    raise self._closed_error()
+                if self._shared_by is None:
+                    self._shared_by = {}
+                me = threading.get_ident()
+                self._shared_by[me] = self._shared_by.get(me, 0) + 1
             self._in_flight += 1
 
     def leave(self, exclusive: bool) -> None:
@@ -120,6 +129,13 @@ class HandleGate:
                 self._owner_depth -= 1
                 if self._owner_depth == 0:
                     self._owner = None
+            elif self._shared_by:
+                me = threading.get_ident()
+                depth = self._shared_by.get(me, 0) - 1
+                if depth > 0:
+                    self._shared_by[me] = depth
+                else:
+                    self._shared_by.pop(me, None)
             self._wake()
 
     def close(self, end: Callable[[], T]) -> Optional[T]:
@@ -136,8 +152,10 @@ class HandleGate:
             self._state = _CLOSING
             self._closer = me
             self._wake()  # threads queued for their turn give up now
-            # A close from inside this thread's own call cannot wait for it.
+            # A close from inside this thread's own calls cannot wait for them.
             own = self._owner_depth if self._owner == me else 0
+            if self._shared_by:
+                own += self._shared_by.get(me, 0)
             try:
                 while self._in_flight > own:
                     self._wait()

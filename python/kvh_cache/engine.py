@@ -216,7 +216,11 @@ class _Native:
 
     def __init__(self, ptr) -> None:
         self.ptr = ptr
-        self.gate = HandleGate(lambda: errors.ClosedError("the engine is closed", lib.KVH_ERR_CLOSED))
+        # A close the library refuses (from the engine's own log sink)
+        # leaves it open.
+        self.gate = HandleGate(
+            lambda: errors.ClosedError("the engine is closed", lib.KVH_ERR_CLOSED), reopen_if_end_fails=True
+        )
         self.lock = threading.RLock()  # views and release; re-entrant: finalizers may run anywhere
         self.views = 0
         self.release_deferred = False
@@ -245,13 +249,18 @@ class _Native:
                 log.debug("kvh: engine close deferred until %d block view(s) are collected", self.views)
                 self.release_deferred = True
                 return 0
-            return self._release()
+            st = self._release()
+        if st == lib.KVH_ERR_BUSY:  # called from its own log sink: still open
+            raise_status(st)
+        return st
 
     def _release(self) -> int:
         if self.released:
             return 0
-        self.released = True
         st = lib.kvh_engine_close(self.ptr)
+        if st == lib.KVH_ERR_BUSY:
+            return st  # refused, and changed nothing: a later close can end it
+        self.released = True
         self.ptr = NULL
         self.close_status = st
         return st

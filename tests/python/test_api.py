@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+import threading
 
 import numpy as np
 import pytest
@@ -584,6 +585,61 @@ def test_log_level_follows_logger():
             assert eng.config.log_level == 3
     finally:
         logger.setLevel(old)
+
+
+@pytest.mark.parametrize("threads", [1, 0])
+def test_log_handler_cannot_close_the_engine_under_its_sink(tmp_path, threads):
+    """A logging handler that closes the engine (or calls it) while kvh
+    logs: the close is refused with BusyError and the engine stays open;
+    on a kvh worker thread every call into the engine is refused, on the
+    caller's own thread the others work."""
+    store = tmp_path / "store"
+    with make_engine(disk_path=str(store), disk_bytes=1 << 20) as eng:
+        seq, _ = filled_seq(eng, 32)
+        seq.persist()
+    slab = store / "slab-0000.kvh"
+    data = bytearray(slab.read_bytes())
+    for off in range(4096 + 100, len(data), 8192):  # one byte of every slot's data
+        data[off] ^= 0x08
+    slab.write_bytes(bytes(data))
+
+    seen = {}
+    done = threading.Event()
+
+    class Closer(logging.Handler):
+        def emit(self, record):
+            if seen:
+                return
+            seen["main"] = threading.current_thread() is threading.main_thread()
+            for name, call in (("close", eng.close), ("stats", eng.stats)):
+                try:
+                    call()
+                    seen[name] = None
+                except BaseException as exc:  # noqa: BLE001 - recorded for the asserts
+                    seen[name] = type(exc)
+            done.set()
+
+    logger = logging.getLogger("kvh")
+    handler = Closer(level=logging.WARNING)
+    logger.addHandler(handler)
+    try:
+        eng = make_engine(disk_path=str(store), disk_bytes=1 << 20, migration_threads=threads)
+        blocks = eng.prefix_lookup(np.arange(32))
+        assert len(blocks) == 2
+        with pytest.raises(kvh.errors.CorruptionError):
+            eng.migrate(blocks, "host")
+        assert done.wait(30)  # a worker's handler may still run
+    finally:
+        logger.removeHandler(handler)
+    assert seen["main"] == (threads == 0)
+    assert seen["close"] is kvh.errors.BusyError
+    assert seen["stats"] is (kvh.errors.BusyError if threads else None)
+    assert not eng.closed
+    assert eng.stats().corrupt_blocks >= 1
+    for b in blocks:
+        b.release()
+    eng.close()
+    assert eng.closed
 
 
 @pytest.mark.parametrize("share, dir_mode, file_mode", [(False, 0o700, 0o600), (True, 0o750, 0o640)])
