@@ -463,7 +463,11 @@ impl Config {
     }
 
     /// Sends library messages up to `level` to `sink`. The sink is called
-    /// from any kvh thread; a panic in it is caught and dropped.
+    /// from any kvh thread; a panic in it is caught and dropped. On a
+    /// thread kvh started (a migration worker), calls from the sink into
+    /// its own engine return [`Status::Busy`](crate::Status::Busy), and
+    /// an engine dropped inside its own sink stays open (leaked) rather
+    /// than close under it.
     pub fn log<F>(mut self, level: LogLevel, sink: F) -> Self
     where
         F: Fn(LogLevel, &str) + Send + Sync + 'static,

@@ -9,6 +9,7 @@ mod common;
 
 use std::ffi::c_void;
 use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -24,6 +25,10 @@ const CHILD_CASES: &[(&str, fn())] = &[
     ("huge_read_kv_vec", child_huge_read_kv_vec),
     ("empty_view_slices", child_empty_view_slices),
     ("log_sink_drops_engine", child_log_sink_drops_engine),
+    (
+        "log_sink_drops_last_engine_on_worker",
+        child_log_sink_drops_last_engine_on_worker,
+    ),
     ("panic_with_guards_alive", child_panic_with_guards_alive),
 ];
 
@@ -207,6 +212,91 @@ fn child_log_sink_drops_engine() {
     slot.lock().unwrap().take();
 }
 
+/// Sets its flag when dropped: the sink's state going away.
+struct Gone(Arc<AtomicBool>);
+
+impl Drop for Gone {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+}
+
+fn child_log_sink_drops_last_engine_on_worker() {
+    // A store whose blocks fail their checksum when read back, so that
+    // moving them logs on the migration worker.
+    let dir = std::env::temp_dir().join(format!("kvh-rust-{}-sink-drop", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = || {
+        Config::new()
+            .backend(Backend::Cpu)
+            .dtype(DType::F32)
+            .head_dim(8)
+            .block_tokens(4)
+            .device_bytes(4 * 256)
+            .host_bytes(4 * 256)
+            .disk(&dir, 16 * 8192)
+            .migration_threads(1)
+    };
+    let tokens: Vec<i32> = (0..8).collect();
+    {
+        let e = Engine::open(config()).unwrap();
+        let s = e.create_sequence(0).unwrap();
+        s.append(&tokens).unwrap();
+        common::fill(&e, &s, 1);
+        s.persist().unwrap();
+    }
+    let slab = dir.join("slab-0000.kvh");
+    let mut bytes = std::fs::read(&slab).unwrap();
+    for off in (4096 + 100..bytes.len()).step_by(8192) {
+        bytes[off] ^= 0x08;
+    }
+    std::fs::write(&slab, bytes).unwrap();
+
+    // The sink holds the only handle of its own engine and drops it, on
+    // the worker: the engine must then stay open with the sink's state.
+    let slot: Arc<Mutex<Option<Engine>>> = Arc::new(Mutex::new(None));
+    let gone = Arc::new(AtomicBool::new(false));
+    let dropped = Arc::new(AtomicBool::new(false));
+    let (in_sink, state, did) = (slot.clone(), Gone(gone.clone()), dropped.clone());
+    let main = std::thread::current().id();
+    let engine = Engine::open(config().log(LogLevel::Warn, move |_, _| {
+        let _keep = &state;
+        if std::thread::current().id() == main {
+            return;
+        }
+        if let Some(e) = in_sink.lock().unwrap().take() {
+            drop(e);
+            did.store(true, Ordering::SeqCst);
+        }
+    }))
+    .unwrap();
+    *slot.lock().unwrap() = Some(engine);
+    {
+        let guard = slot.lock().unwrap();
+        let e = guard.as_ref().unwrap();
+        let blocks = e.prefix_lookup(&tokens).unwrap();
+        assert_eq!(blocks.len(), 2);
+        let raw: Vec<_> = blocks.iter().map(|b| b.block()).collect();
+        let err = e.migrate(&raw, Tier::Host).unwrap().wait(None).unwrap_err();
+        assert_eq!(err.status(), Status::Corrupt);
+    }
+    let start = Instant::now();
+    while !dropped.load(Ordering::SeqCst) {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "the sink never ran"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(
+        !gone.load(Ordering::SeqCst),
+        "the sink's state was freed while its engine runs"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 fn child_panic_with_guards_alive() {
     let e = small();
     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -244,6 +334,7 @@ fn empty_views_give_empty_slices() {
 #[test]
 fn a_log_sink_dropping_its_engine_does_not_crash_or_hang() {
     child_passes("log_sink_drops_engine");
+    child_passes("log_sink_drops_last_engine_on_worker");
 }
 
 #[test]
