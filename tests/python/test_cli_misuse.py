@@ -413,7 +413,8 @@ def _interrupt(argv, after, **kw):
 
 def test_demo_sigint_leaves_a_consistent_store(tmp_path):
     d = tmp_path / "store"
-    argv = [sys.executable, "-m", "kvh_cache", "demo", "--synthetic", "--agents", "2", "--steps", "400"]
+    # Long enough (about 25 s here) that the signal always finds it running.
+    argv = [sys.executable, "-m", "kvh_cache", "demo", "--synthetic", "--agents", "2", "--steps", "4000"]
     rc, err, took = _interrupt(argv + ["--chunks", "8", "--data-dir", str(d)], after=2.5, cwd=str(REPO))
     assert rc == 130 and "Traceback" not in err and err.strip().splitlines()[-1] == "kvh: interrupted", err
     assert took < 5
