@@ -811,20 +811,30 @@ int kvhi_cluster_scan(kvhi_cluster *c, const char *prefix, kvhi_cluster_key_fn f
             rc = -1;
             continue;
         }
-        c->h->set_timeout(nd->ctx, tv_of_ns(budget * 20)); /* a scan step is not on a hot path */
         char cursor[32] = "0";
         do {
             const char *argv[6] = {"SCAN", cursor, "MATCH", pattern, "COUNT", "1000"};
             size_t lens[6] = {4, strlen(cursor), 5, strlen(pattern), 5, 4};
-            redisReply *r = c->h->command_argv(nd->ctx, 6, argv, lens);
-            if (!r || r->type != REDIS_REPLY_ARRAY || r->elements != 2 || r->element[0]->type != REDIS_REPLY_STRING ||
-                r->element[1]->type != REDIS_REPLY_ARRAY) {
-                snprintf(err, err_len, "%s:%d: SCAN failed: %s", nd->host, nd->port,
-                         r && r->type == REDIS_REPLY_ERROR ? r->str : nd->ctx->errstr);
+            /* Each page within its own deadline (a scan is not on a hot
+             * path, so 20 rounds' worth), however its bytes arrive. */
+            redisReply *r = ctx_command(c, nd->ctx, 6, argv, lens, now_ns() + budget * 20, why, sizeof(why), NULL);
+            const char *bad = NULL;
+            if (!r)
+                bad = why;
+            else if (r->type == REDIS_REPLY_ERROR)
+                bad = r->str;
+            else if (r->type != REDIS_REPLY_ARRAY || r->elements != 2 || r->element[0]->type != REDIS_REPLY_STRING ||
+                     r->element[1]->type != REDIS_REPLY_ARRAY || r->element[0]->len >= sizeof(cursor))
+                bad = "a reply that is not a SCAN page";
+            /* A cursor handed back unchanged would be asked for forever. */
+            else if (r->element[0]->len == strlen(cursor) && !memcmp(r->element[0]->str, cursor, strlen(cursor)) &&
+                     strcmp(cursor, "0") != 0)
+                bad = "a SCAN cursor that does not advance";
+            if (bad) {
+                snprintf(err, err_len, "%s:%d: SCAN failed: %s", nd->host, nd->port, bad);
                 if (r)
                     c->h->free_reply(r);
-                else
-                    drop_connection(c, nd);
+                drop_connection(c, nd); /* what it sends next cannot be trusted */
                 rc = -1;
                 break;
             }

@@ -10,6 +10,8 @@
  * uploads are dropped and counted, opens fail with the documented status. */
 #include "test_util.h"
 
+#include "core/remote_cluster.h"
+
 #include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -94,7 +96,7 @@ static struct {
     item items[MAX_ITEMS];
     int n_items;
     /* twists, set by the test between phases (under mu) */
-    int tw_get, tw_exists, tw_set;
+    int tw_get, tw_exists, tw_set, tw_scan;
     char raw[512];
     char slots_raw[4096]; /* CLUSTER SLOTS reply; empty: cluster support disabled */
     int slots_fail_left;  /* CLUSTER SLOTS answered -LOADING this many more times */
@@ -250,6 +252,28 @@ static void stream_reply(int fd, const item *it, int twist)
     }
 }
 
+/* One SCAN page holding every stored key, with cursor 0 (the last). */
+static void scan_page(obuf *o)
+{
+    char line[32];
+    ob_str(o, "*2\r\n$1\r\n0\r\n");
+    snprintf(line, sizeof(line), "*%d\r\n", srv.n_items);
+    ob_str(o, line);
+    for (int i = 0; i < srv.n_items; i++)
+        ob_bulk(o, srv.items[i].key, srv.items[i].klen);
+}
+
+/* Sends p a byte at a time, slowly, until the peer goes or 8 s pass. */
+static void trickle(int fd, const void *p, size_t n)
+{
+    double t0 = tu_now();
+    for (size_t i = 0; tu_now() - t0 < 8.0; i = (i + 1) % n) {
+        if (send_all(fd, (const char *)p + i, 1) != 0)
+            return;
+        sleep_ms(TIMEOUT_MS / 5);
+    }
+}
+
 /* Handles one command; false when the connection is to close. */
 static bool handle(conn *c, int argc, const char **argv, const size_t *lens)
 {
@@ -288,6 +312,19 @@ static bool handle(conn *c, int argc, const char **argv, const size_t *lens)
             ob_str(&o, srv.slots_raw);
         else
             ob_str(&o, "-ERR This instance has cluster support disabled\r\n");
+    } else if (argc >= 2 && is_cmd(argv[0], lens[0], "SCAN")) {
+        if (srv.tw_scan == TW_SILENT)
+            goto out;
+        if (srv.tw_scan == TW_RAW)
+            ob_str(&o, srv.raw);
+        else if (srv.tw_scan == TW_TRICKLE) {
+            obuf page = {0};
+            scan_page(&page);
+            trickle(c->fd, page.p, page.len);
+            free(page.p);
+            keep = false;
+        } else
+            scan_page(&o);
     } else if (argc >= 2 && is_cmd(argv[0], lens[0], "EXISTS")) {
         if (srv.tw_exists == TW_SILENT)
             goto out;
@@ -517,7 +554,7 @@ static void *server_main(void *arg)
 static void srv_reset_twists(void)
 {
     pthread_mutex_lock(&srv.mu);
-    srv.tw_get = srv.tw_exists = srv.tw_set = TW_NONE;
+    srv.tw_get = srv.tw_exists = srv.tw_set = srv.tw_scan = TW_NONE;
     srv.raw[0] = srv.slots_raw[0] = '\0';
     srv.slots_fail_left = 0;
     srv.password = NULL;
@@ -1092,6 +1129,59 @@ static void test_auth_refusals(void **state)
     assert_ok(kvh_engine_close(e));
 }
 
+/* kvh-store's remote count scans every master (SCAN MATCH). */
+static int count_key(void *user, const char *key, size_t len)
+{
+    (void)key;
+    (void)len;
+    ++*(int *)user;
+    return 0;
+}
+
+/* Scans under a twist: the status and how long it took. */
+static int scan_under(int twist, const char *raw, int *keys, double *secs)
+{
+    SRV_SET(srv.tw_scan = twist; snprintf(srv.raw, sizeof(srv.raw), "%s", raw ? raw : ""));
+    kvhi_cluster_opts o = {.addrs = srv.addrs, .timeout_ms = TIMEOUT_MS, .breaker_ms = BREAKER_MS};
+    kvhi_cluster *cl = NULL;
+    char err[256] = "";
+    if (kvhi_cluster_open(&o, &cl, err, sizeof(err)) != 0)
+        fail_msg("cluster open: %s", err);
+    *keys = 0;
+    double t0 = tu_now();
+    int rc = kvhi_cluster_scan(cl, "", count_key, keys, err, sizeof(err));
+    *secs = tu_now() - t0;
+    kvhi_cluster_close(cl);
+    return rc;
+}
+
+/* A page that trickles in, one that never comes, one whose cursor never
+ * advances and one that is not a page: each scan ends in its page's
+ * deadline (20 rounds) with an error, never waits on or loops forever. */
+static void test_scan_of_a_hostile_node_ends(void **state)
+{
+    (void)state;
+    write_usual(); /* skips where the build has no remote tier */
+    int keys, stored;
+    SRV_SET(stored = srv.n_items);
+    assert_true(stored >= NB);
+    double secs, bound = 20.0 * TIMEOUT_MS / 1000.0 + 1.5;
+    assert_int_equal(scan_under(TW_NONE, NULL, &keys, &secs), 0);
+    assert_int_equal(keys, stored);
+    assert_int_equal(scan_under(TW_TRICKLE, NULL, &keys, &secs), -1);
+    assert_true(secs < bound);
+    assert_int_equal(scan_under(TW_SILENT, NULL, &keys, &secs), -1);
+    assert_true(secs < bound);
+    assert_int_equal(scan_under(TW_RAW, "*2\r\n$1\r\n7\r\n*0\r\n", &keys, &secs), -1);
+    assert_true(secs < bound);
+    assert_int_equal(scan_under(TW_RAW, ":12\r\n", &keys, &secs), -1);
+    assert_int_equal(
+        scan_under(TW_RAW, "*2\r\n$40\r\n0123456789012345678901234567890123456789\r\n*0\r\n", &keys, &secs), -1);
+    /* The server answers again: so does the scan. */
+    assert_int_equal(scan_under(TW_NONE, NULL, &keys, &secs), 0);
+    assert_int_equal(keys, stored);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1115,6 +1205,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_all_masters_stall, test_setup, tu_teardown),
         cmocka_unit_test_setup_teardown(test_uploads_dropped_and_counted, test_setup, tu_teardown),
         cmocka_unit_test_setup_teardown(test_auth_refusals, test_setup, tu_teardown),
+        cmocka_unit_test_setup_teardown(test_scan_of_a_hostile_node_ends, test_setup, tu_teardown),
     };
     return cmocka_run_group_tests(tests, group_setup, group_teardown);
 }
