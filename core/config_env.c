@@ -105,12 +105,14 @@ static const char *lookup(const char *const *envp, const char *var)
     return NULL;
 }
 
-/* An unsigned number of the whole text (base 10, or 0 for 0x too): *end
- * is where it stopped. */
+/* An unsigned number of the whole text (base 10, or 0 for decimal or hex
+ * after 0x; a leading zero is never octal): *end is where it stopped. */
 static int parse_u64(const char *s, int base, uint64_t *out, const char **end)
 {
     if (!isdigit((unsigned char)s[0]))
         return 0;
+    if (base == 0)
+        base = s[0] == '0' && (s[1] == 'x' || s[1] == 'X') ? 16 : 10;
     errno = 0;
     char *e;
     unsigned long long v = strtoull(s, &e, base);
