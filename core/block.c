@@ -64,7 +64,7 @@ kvhi_agent *kvhi_agent_get(kvh_engine *e, uint32_t id, bool create)
 kvhi_agent *kvhi_agent_at_quota(kvh_engine *e, uint32_t id)
 {
     kvhi_agent *a = e->n_agents ? kvhi_agent_get(e, id, false) : NULL;
-    return a && a->quota_blocks && a->device_blocks >= a->quota_blocks ? a : NULL;
+    return a && a->quota_blocks && a->device_blocks + a->device_incoming >= a->quota_blocks ? a : NULL;
 }
 
 static inline void heaps_remove(kvh_engine *e, uint32_t b)

@@ -149,6 +149,13 @@ kvh_status kvhi_reserve_slot(kvh_engine *e, uint32_t tier, uint32_t for_agent, u
                              tier_below(e, tier) < 0 ? ", or still referenced with no tier below" : "");
         }
         kvh_status st = evict_one(e, v, slot);
+        if (st == KVH_OK && qa && kvhi_agent_at_quota(e, for_agent)) {
+            /* Still at its quota (lowered below what it holds): the slot
+             * goes back and another of its blocks leaves, rather than a
+             * swap that keeps it over the quota for good. */
+            kvhi_slot_pool_free(&t->slots, *slot);
+            continue;
+        }
         if (st == KVH_OK)
             return KVH_OK;
         if (st != KVH_ERR_NOSPACE)

@@ -230,6 +230,11 @@ int kvhi_move_begin(kvh_engine *e, uint32_t b, uint32_t tier, kvhi_xfer *x, bool
     kvh_status st = kvhi_reserve_slot(e, tier, blk->agent, &dslot);
     if (st == KVH_OK) {
         kvhi_xfer_prepare(e, b, tier, dslot, x);
+        kvhi_agent *a = tier == KVH_TIER_DEVICE && e->n_agents ? kvhi_agent_get(e, blk->agent, false) : NULL;
+        x->incoming = a != NULL;
+        x->agent = blk->agent;
+        if (a)
+            a->device_incoming++;
         if (e->moves_in_place && src_tier != KVH_TIER_DISK && tier != KVH_TIER_DISK) {
             /* One arena: the block keeps its bytes and slot and changes
              * tier; the slot just reserved goes to the source tier in
@@ -267,6 +272,12 @@ kvh_status kvhi_move_end(kvh_engine *e, kvhi_xfer *x, uint32_t *src_slot_out)
     kvhi_block *blk = &e->blocks[b];
     uint32_t src_tier = x->src_tier, src_slot = x->src_slot, tier = x->dst_tier;
     bool recalled = kvhi_move_state(blk) == KVHI_MS_RECALLED;
+    if (x->incoming) {
+        kvhi_agent *a = kvhi_agent_get(e, x->agent, false);
+        if (a && a->device_incoming)
+            a->device_incoming--;
+        x->incoming = false;
+    }
     kvhi_block_move_event(blk, KVHI_EV_MOVE_END);
     pthread_cond_broadcast(&e->changed);
     if (recalled && x->err == 0) {

@@ -22,6 +22,9 @@ typedef struct kvhi_xfer {
     /* Device <-> host on one arena: nothing to transfer; src_slot is then
      * the slot the destination tier gave in exchange (moves_in_place). */
     bool in_place;
+    /* Counted in its agent's device_incoming until kvhi_move_end. */
+    bool incoming;
+    uint32_t agent;
 } kvhi_xfer;
 
 /* The bracket around a copy made without the lock: copies_in_progress

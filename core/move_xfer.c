@@ -27,6 +27,7 @@ void kvhi_xfer_prepare(kvh_engine *e, uint32_t b, uint32_t dst_tier, uint32_t ds
     x->src_slot = blk->slot;
     x->dst_tier = dst_tier;
     x->dst_slot = dst_slot;
+    x->incoming = false;
     /* Writes carry the hash when the block has one; reads expect what the
      * disk copy was written with. */
     bool hashed =

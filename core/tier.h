@@ -13,6 +13,10 @@ typedef struct kvhi_agent {
     uint32_t id;
     uint64_t quota_blocks; /* 0 = unlimited */
     uint64_t device_blocks;
+    /* Device slots reserved for its blocks whose moves there have not
+     * ended: counted against the quota, which moves running in parallel
+     * would otherwise pass together. */
+    uint64_t device_incoming;
     kvhi_lruk_heap heap; /* its evictable device blocks (quota agents) */
 } kvhi_agent;
 
