@@ -65,8 +65,14 @@ kvh_status kvhi_attn_check_args(kvh_engine *e, uint32_t layer, const kvh_seq *se
         return kvhi_fail(KVH_ERR_RANGE, "layer %u >= num_layers %u", layer, c->num_layers);
     uint64_t rows = prefill ? 0 : n_seqs;
     if (prefill)
-        for (size_t i = 0; i < n_seqs; i++)
+        for (size_t i = 0; i < n_seqs; i++) {
+            /* Attention takes sequences of fewer than 2^31 tokens: such a
+             * q_len exceeds its sequence's length whatever it is. */
+            if (q_lens[i] >= (1u << 31))
+                return kvhi_fail(KVH_ERR_RANGE, "q_lens[%zu] = %u is more than any sequence attention takes", i,
+                                 q_lens[i]);
             rows += q_lens[i];
+        }
     KVHI_REQUIRE(rows <= UINT32_MAX, "%llu query rows are too many", (unsigned long long)rows);
     KVHI_REQUIRE(rows == 0 || (q && out), "q and out must not be NULL");
     *total_rows = rows;
