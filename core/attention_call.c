@@ -296,7 +296,16 @@ fail:
 static kvh_status take_window(kvh_engine *e, kvhi_attn_call *c, uint32_t want)
 {
     free(c->window);
+    c->window = NULL;
     c->n_window = 0;
+    /* A window the tier could never hold is refused before any block is
+     * evicted for it (or its table allocated). */
+    const kvhi_tier *t = &e->tiers[KVH_TIER_DEVICE];
+    uint64_t room = t->slots.capacity > t->pinned ? t->slots.capacity - t->pinned : 0;
+    if (want > room)
+        return kvhi_fail(KVH_ERR_NOSPACE,
+                         "no room for a streaming window of %u blocks: the device tier has %llu slots, %llu pinned",
+                         want, (unsigned long long)t->slots.capacity, (unsigned long long)t->pinned);
     c->window = malloc(sizeof(uint32_t) * want);
     if (!c->window)
         return kvhi_fail(KVH_ERR_NOMEM, "out of memory for a streaming window");
