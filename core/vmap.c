@@ -219,11 +219,27 @@ static kvh_status refresh(kvh_engine *e, kvhi_vmap *v, bool *changed)
     if (reserve_entries(v, s->n_blocks) != 0)
         return kvhi_fail(KVH_ERR_NOMEM, "out of memory for a view of %u blocks", s->n_blocks);
     bool any = false;
-    /* Let copies of its blocks finish (the lock is dropped meanwhile),
-     * then find the changed runs. */
-    for (uint32_t i = 0; i < s->n_blocks; i++)
-        while (kvhi_block_in_flight(&e->blocks[s->blocks[i]]))
-            kvhi_block_wait_idle(e, s->blocks[i]);
+    /* Let copies of its blocks finish, then find the changed runs. A wait
+     * drops the lock, and a block already passed may start a move
+     * meanwhile: passes repeat until one finds none in flight, so that
+     * with the lock kept from there no block is mapped and held while a
+     * move of it runs (a hold stops moves only when they begin). */
+    for (bool waited = true; waited;) {
+        waited = false;
+        for (uint32_t i = 0; i < s->n_blocks; i++)
+            while (kvhi_block_in_flight(&e->blocks[s->blocks[i]])) {
+                kvhi_block_wait_idle(e, s->blocks[i]);
+                waited = true;
+            }
+        /* The sequence itself may have changed while the lock was out. */
+        if (waited && ((st = kvhi_seq_get(e, v->seq, &s)) != KVH_OK))
+            return kvhi_fail(st, "the view's sequence was freed");
+        if (waited && (s->n_tokens > v->cap_tokens || reserve_entries(v, s->n_blocks) != 0))
+            return s->n_tokens > v->cap_tokens
+                       ? kvhi_fail(KVH_ERR_RANGE, "the sequence has %llu tokens; the view holds %llu",
+                                   (unsigned long long)s->n_tokens, (unsigned long long)v->cap_tokens)
+                       : kvhi_fail(KVH_ERR_NOMEM, "out of memory for a view of %u blocks", s->n_blocks);
+    }
     for (uint32_t i = 0; i < s->n_blocks && st == KVH_OK;) {
         if (i < v->n_mapped && entry_current(e, v, s, i)) {
             i++;
@@ -326,6 +342,9 @@ kvh_status kvhi_vmap_create(kvh_engine *e, kvhi_seq *s, kvh_seq seq, uint32_t la
         st = kvhi_fail(KVH_ERR_RANGE, "layer %u >= num_layers %u", layer, e->cfg.num_layers);
     else if (capacity_tokens > (1ull << 31))
         st = kvhi_fail(KVH_ERR_RANGE, "capacity_tokens %llu > 2^31", (unsigned long long)capacity_tokens);
+    else if (capacity_tokens && capacity_tokens < s->n_tokens)
+        st = kvhi_fail(KVH_ERR_RANGE, "the sequence has %llu tokens, more than capacity_tokens %llu",
+                       (unsigned long long)s->n_tokens, (unsigned long long)capacity_tokens);
     if (st != KVH_OK)
         goto done;
     uint64_t cap = bt;
