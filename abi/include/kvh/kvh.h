@@ -661,7 +661,11 @@ KVH_API kvh_status kvh_seq_tokens(kvh_engine *engine, kvh_seq seq, uint64_t firs
  * k or v with n > 0), KVH_ERR_BAD_HANDLE, KVH_ERR_NOMEM. A range of more
  * blocks than the memory tiers hold in all is written a block at a time
  * instead: a failure then leaves the blocks before it written, and a
- * retry of the same write completes it. @threads handle */
+ * retry of the same write completes it. A block that is full and fully
+ * written is immutable (it may be shared): a write into it goes to a
+ * copy, as for a shared block. Writing tokens that an attention call
+ * running on another thread reads is the caller's data race, as with any
+ * memory: order the two. @threads handle */
 KVH_API kvh_status kvh_seq_write_kv(kvh_engine *engine, kvh_seq seq, uint32_t layer, uint64_t pos, size_t n,
                                     const void *k, const void *v);
 
@@ -1299,8 +1303,9 @@ KVH_API kvh_status kvh_attention_prefill(kvh_engine *engine, uint32_t layer, con
  * the graph may be replayed any number of times.
  *
  * A plan covers each sequence's tokens as they were at creation: later
- * writes into those tokens are seen by later runs, tokens appended later
- * are not (make a new plan). A change of a sequence's blocks (a
+ * writes into those tokens are seen by later runs where they are written
+ * in place (not into a full, fully written block, which kvh_seq_write_kv
+ * copies), tokens appended later are not (make a new plan). A change of a sequence's blocks (a
  * copy-on-write copy, truncation, freeing) is not seen either: the plan
  * keeps reading the blocks it holds, which are not kept alive; freeing or
  * truncating a sequence while a plan of it exists leaves that plan's
@@ -1656,7 +1661,8 @@ KVH_API kvh_status kvh_codec_decode(uint32_t codec, uint32_t dtype, uint32_t hea
  * mapped (mmap MAP_FIXED of the device tier's memory file on the CPU,
  * cuMemMap of the tier's physical allocations on CUDA) into a reserved
  * address range, so no data is copied and writes through
- * kvh_seq_write_kv are visible in the view at once. On CUDA the view's
+ * kvh_seq_write_kv in place are visible in the view at once (a write into
+ * a full, fully written block goes to a copy: refresh the view). On CUDA the view's
  * addresses are device pointers (kernels read them; the CPU cannot).
  *
  * Layout: K of kv head h, token t, element d is at
