@@ -38,7 +38,7 @@ bool kvhi_in_sink_of(const kvh_engine *e) { return here.sink_of == e; }
 
 kvh_status kvhi_enter_allowed(kvh_engine *e)
 {
-    last_error[0] = '\0';
+    kvhi_clear_error();
     if (here.sink_of == e && here.started_for == e)
         return kvhi_fail(KVH_ERR_BUSY, "the engine's log sink, on a thread kvh started, cannot call into the engine "
                                        "(the call could wait for that thread): call from another thread");

@@ -213,12 +213,6 @@ static kvh_status refresh(kvh_engine *e, kvhi_vmap *v, bool *changed)
     kvh_status st = kvhi_seq_get(e, v->seq, &s);
     if (st != KVH_OK)
         return kvhi_fail(st, "the view's sequence was freed");
-    if (s->n_tokens > v->cap_tokens)
-        return kvhi_fail(KVH_ERR_RANGE, "the sequence has %llu tokens; the view holds %llu",
-                         (unsigned long long)s->n_tokens, (unsigned long long)v->cap_tokens);
-    if (reserve_entries(v, s->n_blocks) != 0)
-        return kvhi_fail(KVH_ERR_NOMEM, "out of memory for a view of %u blocks", s->n_blocks);
-    bool any = false;
     /* Let copies of its blocks finish, then find the changed runs. A wait
      * drops the lock, and a block already passed may start a move
      * meanwhile: passes repeat until one finds none in flight, so that
@@ -231,15 +225,15 @@ static kvh_status refresh(kvh_engine *e, kvhi_vmap *v, bool *changed)
                 kvhi_block_wait_idle(e, s->blocks[i]);
                 waited = true;
             }
-        /* The sequence itself may have changed while the lock was out. */
-        if (waited && ((st = kvhi_seq_get(e, v->seq, &s)) != KVH_OK))
+        if (waited && (st = kvhi_seq_get(e, v->seq, &s)) != KVH_OK) /* looked up afresh after the lock was out */
             return kvhi_fail(st, "the view's sequence was freed");
-        if (waited && (s->n_tokens > v->cap_tokens || reserve_entries(v, s->n_blocks) != 0))
-            return s->n_tokens > v->cap_tokens
-                       ? kvhi_fail(KVH_ERR_RANGE, "the sequence has %llu tokens; the view holds %llu",
-                                   (unsigned long long)s->n_tokens, (unsigned long long)v->cap_tokens)
-                       : kvhi_fail(KVH_ERR_NOMEM, "out of memory for a view of %u blocks", s->n_blocks);
     }
+    if (s->n_tokens > v->cap_tokens)
+        return kvhi_fail(KVH_ERR_RANGE, "the sequence has %llu tokens; the view holds %llu",
+                         (unsigned long long)s->n_tokens, (unsigned long long)v->cap_tokens);
+    if (reserve_entries(v, s->n_blocks) != 0)
+        return kvhi_fail(KVH_ERR_NOMEM, "out of memory for a view of %u blocks", s->n_blocks);
+    bool any = false;
     for (uint32_t i = 0; i < s->n_blocks && st == KVH_OK;) {
         if (i < v->n_mapped && entry_current(e, v, s, i)) {
             i++;
