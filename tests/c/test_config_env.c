@@ -134,6 +134,7 @@ static void test_size_suffixes(void **state)
     check_size("4K", 4096);
     check_size("4KiB", 4096);
     check_size("4KB", 4096);
+    check_size("4Ki", 4096);
     check_size("512M", 512ull << 20);
     check_size("512MiB", 512ull << 20);
     check_size("4G", 4ull << 30);
@@ -142,6 +143,19 @@ static void test_size_suffixes(void **state)
     check_size("1P", 1ull << 50);
     check_size("100B", 100);
     check_size("18446744073709551615", UINT64_MAX);
+}
+
+static void test_log_level_spellings(void **state)
+{
+    (void)state;
+    static const char *const words[] = {"KVH_LOG_LEVEL=warning", "KVH_LOG_LEVEL=WARN", "KVH_LOG_LEVEL=Warning"};
+    for (size_t i = 0; i < sizeof(words) / sizeof(words[0]); i++) {
+        const char *env[] = {words[i], NULL};
+        kvh_config c = defaults();
+        c.log_level = KVH_LOG_DEBUG;
+        assert_ok(kvh_config_from_env(&c, sizeof(c), env));
+        assert_int_equal(c.log_level, KVH_LOG_WARN);
+    }
 }
 
 /* A bad value: KVH_ERR_INVALID_ARG, the message names the variable and
@@ -171,6 +185,8 @@ static void test_bad_values(void **state)
     check_bad("KVH_HOST_BYTES= 4G");
     check_bad("KVH_HOST_BYTES=1.5G");
     check_bad("KVH_HOST_BYTES=G");
+    check_bad("KVH_HOST_BYTES=4BB");
+    check_bad("KVH_HOST_BYTES=4iB");
     check_bad("KVH_HOST_BYTES=16384P");
     check_bad("KVH_DEVICE_BYTES=18446744073709551616");
     check_bad("KVH_HEAD_DIM=4294967296");
@@ -265,10 +281,10 @@ static void test_process_environment(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_every_field),         cmocka_unit_test(test_keeps_what_is_unset),
-        cmocka_unit_test(test_size_suffixes),       cmocka_unit_test(test_bad_values),
-        cmocka_unit_test(test_numbers_for_names),   cmocka_unit_test(test_struct_size),
-        cmocka_unit_test(test_process_environment),
+        cmocka_unit_test(test_every_field),   cmocka_unit_test(test_keeps_what_is_unset),
+        cmocka_unit_test(test_size_suffixes), cmocka_unit_test(test_log_level_spellings),
+        cmocka_unit_test(test_bad_values),    cmocka_unit_test(test_numbers_for_names),
+        cmocka_unit_test(test_struct_size),   cmocka_unit_test(test_process_environment),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

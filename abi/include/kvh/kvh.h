@@ -414,11 +414,12 @@ KVH_API kvh_status kvh_config_init(kvh_config *config, size_t struct_size);
  * ignored, and so is a variable whose field lies past struct_size (a
  * caller built against an older kvh.h). Values:
  *   sizes (*_bytes): a decimal count with an optional suffix K, M, G, T
- *     or P (powers of 1024; "KiB", "KB" and "K" mean the same), e.g. 4G;
+ *     or P (powers of 1024; "KiB", "Ki", "KB" and "K" mean the same), then
+ *     an optional B ("4096B" is 4096 bytes), e.g. 4G;
  *   model_salt, migration_cpu_mask: decimal, or hex with 0x;
  *   counts and numa_node, cuda_device: decimal (numa_node -1: none);
  *   dtype: f32, f16, bf16; backend: auto, cpu, cuda; log_level: error,
- *     warn, info, debug; kv_codec: none, int8, q4_g32, q4_g64;
+ *     warn (or warning), info, debug; kv_codec: none, int8, q4_g32, q4_g64;
  *     eviction_policy: lru_k, lctru, adaptive; each also as its number;
  *   disk_flags: a number, or names joined by commas: reset_on_mismatch,
  *     buffered, share_group (none: 0);
