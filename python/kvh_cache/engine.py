@@ -769,7 +769,12 @@ class Engine(OwnedHandle):
         return {t: self.tier_info(t) for t in Tier}
 
     def set_agent_quota(self, agent: int, device_bytes: int) -> None:
-        """Per-agent device-tier quota in bytes (0 = unlimited)."""
+        """Per-agent device-tier quota in bytes (0 = unlimited).
+
+        Counted in whole blocks (rounded down, at least one). Lowering it
+        below what the agent holds moves nothing by itself: the agent's next
+        device-tier allocations evict its own blocks until it is under.
+        """
         agent = _index("agent", agent, maximum=_U32)
         device_bytes = _index("device_bytes", device_bytes)
         with self._call() as p:

@@ -511,11 +511,53 @@ static void test_agent_quota_holds_under_concurrent_promotions(void **state)
         assert_true(tu_check_pattern(e, s[j], L, TOKB, (uint64_t)j, 0, len[j]));
 }
 
+/* kvh.h: a quota counts whole blocks (rounded down, at least one), and a
+ * lowered quota moves nothing until the agent's next device allocation,
+ * which then brings it under the quota at once. */
+static void test_quota_rounds_down_and_lowering_waits_for_allocation(void **state)
+{
+    (void)state;
+    kvh_config c = tu_cfg(L, H, D, BT, KVH_DTYPE_F16, DEVICE_BLOCKS, HOST_BLOCKS, 0);
+    kvh_engine *e = tu_open_cfg(&c);
+    uint64_t bb = tu_block_bytes(e);
+    assert_ok(kvh_agent_set_quota(e, 1, 4 * bb + bb / 2));
+    kvh_seq s = tu_seq_new(e, 1);
+    uint64_t len = 6 * BT;
+    int32_t tok[7 * BT];
+    tu_iota(tok, 7 * BT, 500);
+    assert_ok(kvh_seq_append(e, s, tok, len));
+    tu_write_pattern(e, s, L, TOKB, 77, 0, len);
+    assert_int_equal(agent_device_blocks(e, &s, &len, 1), 4);
+
+    assert_ok(kvh_agent_set_quota(e, 1, 1));
+    assert_int_equal(agent_device_blocks(e, &s, &len, 1), 4);
+    assert_ok(kvh_seq_append(e, s, tok + len, BT));
+    len += BT;
+    tu_write_pattern(e, s, L, TOKB, 77, len - BT, BT);
+    assert_int_equal(agent_device_blocks(e, &s, &len, 1), 1);
+    assert_int_equal(tu_seq_binfo(e, s, len / BT - 1).tier, KVH_TIER_DEVICE);
+    assert_true(tu_check_pattern(e, s, L, TOKB, 77, 0, len));
+
+    /* The same for a promotion of one of its blocks. */
+    assert_ok(kvh_agent_set_quota(e, 1, 3 * bb));
+    assert_ok(kvh_seq_migrate(e, s, 0, 3 * BT, KVH_TIER_DEVICE, NULL));
+    assert_int_equal(agent_device_blocks(e, &s, &len, 1), 3);
+    assert_ok(kvh_agent_set_quota(e, 1, bb));
+    assert_int_equal(agent_device_blocks(e, &s, &len, 1), 3);
+    assert_int_equal(tu_seq_binfo(e, s, 4).tier, KVH_TIER_HOST);
+    assert_ok(kvh_seq_migrate(e, s, 4 * BT, BT, KVH_TIER_DEVICE, NULL));
+    assert_int_equal(agent_device_blocks(e, &s, &len, 1), 1);
+    assert_int_equal(tu_seq_binfo(e, s, 4).tier, KVH_TIER_DEVICE);
+    assert_true(tu_check_pattern(e, s, L, TOKB, 77, 0, len));
+    assert_ok(kvh_seq_free(e, s));
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_knobs_turned_under_load, tu_teardown),
         cmocka_unit_test_teardown(test_agent_quota_holds_under_concurrent_promotions, tu_teardown),
+        cmocka_unit_test_teardown(test_quota_rounds_down_and_lowering_waits_for_allocation, tu_teardown),
     };
     return cmocka_run_group_tests_name("quota_hostile_mt", tests, NULL, NULL);
 }

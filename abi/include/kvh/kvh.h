@@ -607,10 +607,14 @@ typedef struct kvh_stats {
  * KVH_ERR_INVALID_ARG (NULL stats), KVH_ERR_STRUCT_SIZE. @threads any */
 KVH_API kvh_status kvh_engine_stats(kvh_engine *engine, kvh_stats *stats);
 
-/* Per-agent device-tier quota in bytes (0 = unlimited, the default).
+/* Per-agent device-tier quota in bytes (0 = unlimited, the default),
+ * counted in whole blocks: rounded down, but at least one block.
  * Blocks are charged to the agent of the sequence that allocated them;
- * an agent over its quota evicts its own blocks first. Returns
- * KVH_ERR_NOMEM. @threads any */
+ * an agent at its quota evicts its own blocks first. Lowering a quota
+ * below what the agent holds moves nothing by itself: each of the agent's
+ * next device-tier allocations (and promotions of its blocks) evicts its
+ * own blocks until it is under the quota. Returns KVH_ERR_NOMEM.
+ * @threads any */
 KVH_API kvh_status kvh_agent_set_quota(kvh_engine *engine, uint32_t agent, uint64_t device_bytes);
 
 /* ------------------------------------------------------------------ */

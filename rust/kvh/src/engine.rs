@@ -204,7 +204,10 @@ impl Engine {
         Ok(step)
     }
 
-    /// Per-agent device-tier quota in bytes (0 = unlimited).
+    /// Per-agent device-tier quota in bytes (0 = unlimited), counted in
+    /// whole blocks (rounded down, at least one). Lowering it below what the
+    /// agent holds moves nothing by itself: the agent's next device-tier
+    /// allocations evict its own blocks until it is under.
     pub fn set_agent_quota(&self, agent: u32, device_bytes: u64) -> Result<()> {
         // SAFETY: valid engine.
         check(unsafe { sys::kvh_agent_set_quota(self.as_ptr(), agent, device_bytes) })
