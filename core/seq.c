@@ -15,6 +15,7 @@
 #include "core/disk_tier.h"
 #include "core/codec_tier.h"
 #include "core/remote_tier.h"
+#include "core/vmap.h"
 
 kvh_status kvhi_seq_get(kvh_engine *e, kvh_seq h, kvhi_seq **out)
 {
@@ -418,6 +419,26 @@ static kvh_status write_part(kvh_engine *e, kvhi_seq *s, uint32_t layer, uint64_
     return st;
 }
 
+/* True when [p, p + bytes) overlaps memory the engine's blocks live in (a
+ * memory tier's arena, or a view mapping it): a copy between it and a
+ * block could then overwrite bytes it has still to read (lock held). */
+static bool aliases_engine_memory(kvh_engine *e, const void *p, size_t bytes)
+{
+    if (!p || !bytes)
+        return false;
+    uintptr_t lo = (uintptr_t)p, hi = lo + bytes;
+    for (uint32_t t = 0; t < KVH_TIER_DISK; t++) {
+        const kvhi_tier *tier = &e->tiers[t];
+        if (tier->present && tier->base && lo < (uintptr_t)tier->base + tier->bytes_mapped &&
+            (uintptr_t)tier->base < hi)
+            return true;
+    }
+    return kvhi_vmap_overlaps(e, p, bytes);
+}
+
+static kvh_status write_kv(kvh_engine *e, kvhi_seq *s, uint32_t layer, uint64_t pos, size_t n, const void *k,
+                           const void *v, uint32_t b0, uint32_t b1);
+
 kvh_status kvhi_seq_write_kv(kvh_engine *e, kvhi_seq *s, uint32_t layer, uint64_t pos, size_t n, const void *k,
                              const void *v)
 {
@@ -425,6 +446,30 @@ kvh_status kvhi_seq_write_kv(kvh_engine *e, kvhi_seq *s, uint32_t layer, uint64_
     kvh_status st = layer_range(e, s, layer, pos, n, &b0, &b1);
     if (st != KVH_OK)
         return st;
+    /* Input that lies in the engine's own memory (a block view) is taken
+     * as it is now, before any block it overlaps changes. */
+    size_t bytes = n * (size_t)e->cfg.num_kv_heads * e->cfg.head_dim * e->elem_bytes;
+    void *copy[2] = {NULL, NULL};
+    const void *src[2] = {k, v};
+    for (int i = 0; i < 2; i++)
+        if (aliases_engine_memory(e, src[i], bytes)) {
+            if (!(copy[i] = malloc(bytes))) {
+                free(copy[0]);
+                return kvhi_fail(KVH_ERR_NOMEM, "out of memory for a copy of K/V that overlaps the engine's memory");
+            }
+            memcpy(copy[i], src[i], bytes);
+            src[i] = copy[i];
+        }
+    st = write_kv(e, s, layer, pos, n, src[0], src[1], b0, b1);
+    free(copy[0]);
+    free(copy[1]);
+    return st;
+}
+
+static kvh_status write_kv(kvh_engine *e, kvhi_seq *s, uint32_t layer, uint64_t pos, size_t n, const void *k,
+                           const void *v, uint32_t b0, uint32_t b1)
+{
+    kvh_status st = KVH_OK;
     /* The whole range in one part, so that a failure writes nothing; but a
      * range of more blocks than the memory tiers hold in all could never
      * be written so, and goes a block at a time (a failure then leaves the
@@ -447,12 +492,52 @@ kvh_status kvhi_seq_write_kv(kvh_engine *e, kvhi_seq *s, uint32_t layer, uint64_
     return st;
 }
 
+static kvh_status read_kv(kvh_engine *e, kvhi_seq *s, uint32_t layer, uint64_t pos, size_t n, void *k, void *v);
+
 kvh_status kvhi_seq_read_kv(kvh_engine *e, kvhi_seq *s, uint32_t layer, uint64_t pos, size_t n, void *k, void *v)
 {
     uint32_t b0 = 0, b1 = 0;
     kvh_status st = layer_range(e, s, layer, pos, n, &b0, &b1);
     if (st != KVH_OK)
         return st;
+    /* Output that lies in the engine's own memory (a block view) is
+     * filled only once every byte has been read, so that it cannot
+     * overwrite a block before that block is read. */
+    size_t bytes = n * (size_t)e->cfg.num_kv_heads * e->cfg.head_dim * e->elem_bytes;
+    void *copy[2] = {NULL, NULL}, *dst[2] = {k, v};
+    bool staged = false;
+    for (int i = 0; i < 2; i++)
+        if (aliases_engine_memory(e, dst[i], bytes)) {
+            if (!(copy[i] = malloc(bytes))) {
+                free(copy[0]);
+                return kvhi_fail(KVH_ERR_NOMEM, "out of memory for a copy of K/V that overlaps the engine's memory");
+            }
+            dst[i] = copy[i];
+            staged = true;
+        }
+    /* Both go through copies when either does: one output may be
+     * another's input (V read into where K's block lies). */
+    for (int i = 0; staged && i < 2; i++)
+        if (!copy[i] && dst[i] && !(dst[i] = copy[i] = malloc(bytes))) {
+            free(copy[0]);
+            free(copy[1]);
+            return kvhi_fail(KVH_ERR_NOMEM, "out of memory for a copy of K/V that overlaps the engine's memory");
+        }
+    st = read_kv(e, s, layer, pos, n, dst[0], dst[1]);
+    if (st == KVH_OK && staged) {
+        if (k)
+            memcpy(k, dst[0], bytes);
+        if (v)
+            memcpy(v, dst[1], bytes);
+    }
+    free(copy[0]);
+    free(copy[1]);
+    return st;
+}
+
+static kvh_status read_kv(kvh_engine *e, kvhi_seq *s, uint32_t layer, uint64_t pos, size_t n, void *k, void *v)
+{
+    kvh_status st;
     uint32_t bt = e->cfg.block_tokens;
     for (uint64_t t = pos; t < pos + n; t++)
         if (!kvhi_block_cell_written(e, s->blocks[t / bt], layer, (uint32_t)(t % bt)))

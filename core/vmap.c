@@ -314,6 +314,17 @@ void kvhi_vmap_engine_free(kvh_engine *e)
     kvhi_handles_destroy(&e->vmaps);
 }
 
+bool kvhi_vmap_overlaps(kvh_engine *e, const void *p, size_t bytes)
+{
+    uintptr_t lo = (uintptr_t)p, hi = lo + bytes;
+    for (uint32_t i = 0; i < e->vmaps.cap; i++) {
+        const kvhi_vmap *v = kvhi_handles_at(&e->vmaps, i);
+        if (v && v->base && lo < (uintptr_t)v->base + v->range_bytes && (uintptr_t)v->base < hi)
+            return true;
+    }
+    return false;
+}
+
 kvh_status kvhi_vmap_create(kvh_engine *e, kvhi_seq *s, kvh_seq seq, uint32_t layer, uint64_t capacity_tokens,
                             kvh_vmap **out)
 {

@@ -46,6 +46,10 @@ kvh_status kvhi_vmap_refresh(kvh_engine *e, kvh_vmap *vmap, bool *changed);
 kvh_status kvhi_vmap_view_get(kvh_engine *e, const kvh_vmap *vmap, kvh_vmap_view *view);
 kvh_status kvhi_vmap_release(kvh_engine *e, kvh_vmap *vmap);
 
+/* True when [p, p + bytes) overlaps the address range of a live view
+ * (lock held). */
+bool kvhi_vmap_overlaps(kvh_engine *e, const void *p, size_t bytes);
+
 /* Waits, with the lock dropped meanwhile, until no attention queued over
  * v is running (lock held). */
 void kvhi_vmap_wait_unused(kvh_engine *e, kvhi_vmap *v);

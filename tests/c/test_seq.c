@@ -135,6 +135,55 @@ static void test_read_unwritten_is_range(void **state)
     assert_kvh(KVH_ERR_RANGE, kvh_seq_read_kv(e, s, 0, 7, 1, k, v));
 }
 
+/* ---- K/V buffers inside the engine's own memory ---- */
+
+/* kvh.h: k and v may lie in the engine's memory (here a block's bytes
+ * through kvh_tier_info.base); a read fills them only after every byte
+ * is read and a write takes them as they were when it began, so a range
+ * shifted by one token over its own block moves whole tokens. */
+static void test_kv_buffers_inside_a_block(void **state)
+{
+    (void)state;
+    enum { L = 2, H = 1, D = 4, BT = 8 };
+    kvh_engine *e = tu_open(L, H, D, BT, KVH_DTYPE_F32, 8, 0, 0);
+    kvh_seq s = tu_seq_new(e, 0);
+    int32_t t[BT];
+    tu_iota(t, BT, 0);
+    assert_ok(kvh_seq_append(e, s, t, BT));
+    float k0[BT][D], v0[BT][D], vout[BT][D], kout[BT][D];
+    for (int i = 0; i < BT; i++)
+        for (int d = 0; d < D; d++) {
+            k0[i][d] = (float)(i * 16 + d);
+            v0[i][d] = (float)(1000 + i * 16 + d);
+        }
+    /* Layer 1 stays unwritten: the block is not immutable, so writes land
+     * in place rather than in a copy. */
+    assert_ok(kvh_seq_write_kv(e, s, 0, 0, BT, k0, v0));
+    kvh_block_info bi = tu_seq_binfo(e, s, 0);
+    kvh_tier_info ti = {.struct_size = sizeof(ti)};
+    assert_ok(kvh_tier_info_get(e, bi.tier, &ti));
+    assert_non_null(ti.base);
+    float(*kmem)[D] = (float(*)[D])((uint8_t *)ti.base + (size_t)bi.slot * ti.block_bytes);
+
+    /* Read tokens 0..6 into the block's own tokens 1..7. */
+    assert_ok(kvh_seq_read_kv(e, s, 0, 0, BT - 1, kmem[1], vout));
+    assert_memory_equal(kmem[0], k0[0], sizeof(k0[0]));
+    assert_memory_equal(kmem[1], k0[0], (BT - 1) * sizeof(k0[0]));
+    assert_memory_equal(vout, v0, (BT - 1) * sizeof(v0[0]));
+
+    /* Write tokens 1..7 from the block's own tokens 0..6. */
+    assert_ok(kvh_seq_write_kv(e, s, 0, 0, BT, k0, v0));
+    assert_int_equal(tu_seq_binfo(e, s, 0).slot, bi.slot);
+    assert_ok(kvh_seq_write_kv(e, s, 0, 1, BT - 1, kmem[0], v0));
+    assert_int_equal(tu_seq_binfo(e, s, 0).slot, bi.slot);
+    assert_ok(kvh_seq_read_kv(e, s, 0, 0, BT, kout, vout));
+    assert_memory_equal(kout[0], k0[0], sizeof(k0[0]));
+    assert_memory_equal(kout[1], k0[0], (BT - 1) * sizeof(k0[0]));
+    assert_memory_equal(vout[1], v0[0], (BT - 1) * sizeof(v0[0]));
+    assert_ok(kvh_seq_free(e, s));
+    assert_ok(tu_close(e));
+}
+
 /* ---- truncate ---- */
 
 static void test_truncate_and_regrow(void **state)
@@ -689,6 +738,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_roundtrip_dtypes, tu_teardown),
         cmocka_unit_test_teardown(test_read_unwritten_is_range, tu_teardown),
+        cmocka_unit_test_teardown(test_kv_buffers_inside_a_block, tu_teardown),
         cmocka_unit_test_teardown(test_truncate_and_regrow, tu_teardown),
         cmocka_unit_test_teardown(test_truncate_complete_block_republishes, tu_teardown),
         cmocka_unit_test_teardown(test_fork_cow, tu_teardown),
