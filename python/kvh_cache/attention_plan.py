@@ -36,7 +36,7 @@ class AttentionPlan(GatedHandle, OwnedHandle):
         self._engine = engine
         self._ptr = None  # the kvh_attention_plan *, once made
         hs, uses = engine._seq_array(seqs)
-        n = len(list(seqs))
+        n = len(uses)  # seqs may have been an iterator, now used up
         self._rows = sum(q_lens) if q_lens is not None else n
         self._num_q_heads = num_q_heads
         self._io = io

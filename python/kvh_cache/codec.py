@@ -48,9 +48,7 @@ def vector_bytes(codec: CodecLike, dtype: Any, head_dim: int) -> int:
 def encode(x: Any, codec: CodecLike) -> np.ndarray:
     """Encodes every vector along the last axis of x; returns uint8 records
     shaped x.shape[:-1] + (vector_bytes,)."""
-    if np.ndim(x) < 1:  # before the copy, which makes a scalar 1-D
-        raise ValueError("x must have at least one axis")
-    a = np.ascontiguousarray(x)
+    a = _vectors(x)
     dt = _dtype_of(a)
     c = Codec.parse(codec)
     d = a.shape[-1]
@@ -65,7 +63,7 @@ def decode(records: Any, codec: CodecLike, head_dim: int, dtype: Any = np.float3
     """Decodes uint8 records (last axis: one record) into vectors of head_dim
     elements of dtype (NumPy float32/float16, or "bf16" for uint16 bits)."""
     head_dim = _index("head_dim", head_dim, maximum=_U32)
-    r = np.ascontiguousarray(records, dtype=np.uint8)
+    r = _records(records)
     c = Codec.parse(codec)
     kd = DType.parse(dtype)
     rec = vector_bytes(c, kd, head_dim)
@@ -78,9 +76,26 @@ def decode(records: Any, codec: CodecLike, head_dim: int, dtype: Any = np.float3
     return out
 
 
+def _records(records: Any) -> np.ndarray:
+    """Encoded records as contiguous uint8, without casting other numbers
+    (a float or a value past 255 is not a byte of a record)."""
+    if isinstance(records, (bytes, bytearray, memoryview)):
+        records = np.frombuffer(records, dtype=np.uint8)
+    if not isinstance(records, np.ndarray) or records.dtype != np.uint8:
+        dt = getattr(records, "dtype", type(records).__name__)
+        raise TypeError(f"records must be uint8 (as encode returns them) or bytes, not {dt}")
+    return np.ascontiguousarray(records)
+
+
+def _vectors(x: Any) -> np.ndarray:
+    if np.ndim(x) < 1:  # before the copy, which makes a scalar 1-D
+        raise ValueError("x must have at least one axis")
+    return np.ascontiguousarray(x)
+
+
 def round_trip(x: Any, codec: CodecLike) -> np.ndarray:
     """decode(encode(x)): x as the engine returns it after a demotion."""
-    a = np.ascontiguousarray(x)
+    a = _vectors(x)
     dt = _dtype_of(a)
     return decode(encode(a, codec), codec, a.shape[-1], dt)
 
@@ -93,7 +108,7 @@ def error_figures(x: Any, codec: CodecLike) -> dict:
     error, worst error as a fraction of the documented bound (decoded to f32,
     so before rounding to x's dtype), and the size of an encoded vector
     against the raw one."""
-    a = np.ascontiguousarray(x)
+    a = _vectors(x)
     c = Codec.parse(codec)
     xf = a.astype(np.float32)
     d = a.shape[-1]

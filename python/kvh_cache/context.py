@@ -261,11 +261,12 @@ class Context(GatedHandle, Closable, Uncopyable):
             p.file_offset = offset
             p.size = size
         else:
-            arr = (
-                np.ascontiguousarray(np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data)
-                .view(np.uint8)
-                .reshape(-1)
-            )
+            if not isinstance(data, np.ndarray):
+                try:
+                    data = np.asarray(memoryview(data))  # takes strided buffers as they are
+                except TypeError:
+                    raise TypeError(f"data must be a buffer (bytes, numpy array), not {type(data).__name__}") from None
+            arr = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
             if size is not None and size != arr.size:
                 raise ValueError(f"size={size} does not match the {arr.size} bytes of data")
             if arr.size == 0:

@@ -924,8 +924,10 @@ class Engine(OwnedHandle):
         """FlashInfer-style CSR block table of device-tier slots:
         ``(indptr[n+1], indices[nnz], last_page_len[n])`` as int32 arrays.
         Raises NotResidentError unless every block is acquired."""
+        if not isinstance(seqs, Sequence):
+            seqs = list(seqs)  # read twice below
         hs, uses = self._seq_array(seqs)
-        n = len(seqs)
+        n = len(uses)
         with self._call(*uses) as p:
             cap = sum((s.num_blocks for s in seqs), 0)
             indptr = np.zeros(n + 1, np.int32)
@@ -1069,7 +1071,7 @@ class Engine(OwnedHandle):
         (``__cuda_array_interface__``) and ``stream`` a cudaStream_t."""
         layer = _index("layer", layer, maximum=_U32)
         hs, uses = self._seq_array(seqs)
-        n = len(list(seqs))
+        n = len(uses)  # seqs may have been an iterator, now used up
         qp, op, out, hq, io = self._attention_arrays("attention_decode", q, n, out, io_dtype)
         prm = self._attention_params(hq, scale, io, threads, stream, (stream_chunk_blocks, stream_window_blocks))
         with self._call(*uses) as p:
@@ -1096,7 +1098,7 @@ class Engine(OwnedHandle):
         Streaming as for :meth:`attention_decode`."""
         layer = _index("layer", layer, maximum=_U32)
         hs, uses = self._seq_array(seqs)
-        n = len(list(seqs))
+        n = len(uses)  # seqs may have been an iterator, now used up
         lens = [_index(f"q_lens[{i}]", x, maximum=_U32) for i, x in enumerate(q_lens)]
         if len(lens) != n:
             raise ValueError(f"q_lens has {len(lens)} entries, expected one per sequence ({n})")
@@ -1673,6 +1675,7 @@ class Sequence(GatedHandle, OwnedHandle):
             raise TypeError(
                 f"{name} must be a numpy.ndarray of dtype {dt} shaped {expected}{note}, not {type(a).__name__}"
             )
+        a = a.view(np.ndarray)  # its own shape, as numpy has it
         if a.dtype != dt:
             raise TypeError(f"{name} has dtype {a.dtype}, expected {dt} shaped {expected}{note}")
         if a.ndim != 3 or a.shape[1:] != (H, D) or (n is not None and a.shape[0] != n):
@@ -1778,8 +1781,10 @@ class Sequence(GatedHandle, OwnedHandle):
         engine's dtype. Shared blocks are copied first (CoW)."""
         layer = _index("layer", layer, maximum=_U32)
         pos = _index("pos", pos)
-        self._kv_check("k", k)
-        self._kv_check("v", v, n=k.shape[0])
+        # Plain views, checked once: their shapes cannot change under the
+        # call (another thread reshaping k in place, a subclass's shape).
+        k = self._kv_check("k", k)
+        v = self._kv_check("v", v, n=k.shape[0])
         with self._call() as p:
             check(lib.kvh_seq_write_kv(p, self._h[0], layer, pos, k.shape[0], _ptr(k), _ptr(v)))
             self._refresh_views()
@@ -1805,8 +1810,12 @@ class Sequence(GatedHandle, OwnedHandle):
             else:
                 if not isinstance(out, tuple) or len(out) != 2:
                     raise TypeError("out must be a (k, v) tuple of arrays")
-                k = self._kv_check("out[0]", out[0], n=cnt, out=True)
-                v = self._kv_check("out[1]", out[1], n=cnt, out=True)
+                kv = self._kv_check("out[0]", out[0], n=cnt, out=True)
+                vv = self._kv_check("out[1]", out[1], n=cnt, out=True)
+                if np.may_share_memory(kv, vv):
+                    raise ValueError("out[0] and out[1] overlap: K and V need arrays of their own")
+                check(lib.kvh_seq_read_kv(p, self._h[0], layer, f, cnt, _ptr(kv), _ptr(vv)))
+                return out[0], out[1]
             check(lib.kvh_seq_read_kv(p, self._h[0], layer, f, cnt, _ptr(k), _ptr(v)))
         return k, v
 

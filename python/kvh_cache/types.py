@@ -82,6 +82,8 @@ class DType(enum.IntEnum):
                 return cls(int(value))
             except ValueError:
                 raise ValueError(f"unknown dtype {value!r}: expected 0 (f32), 1 (f16) or 2 (bf16)") from None
+        if value is None:  # np.dtype(None) would be float64
+            raise TypeError("dtype must be 'f32', 'f16', 'bf16' or a NumPy dtype, not None")
         try:
             npd = np.dtype(value)
         except TypeError:
