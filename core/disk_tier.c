@@ -3,6 +3,7 @@
  * after a move (hooks core/move.c calls), verification in place, clean
  * copies and persistence. The transfers themselves are core/move_xfer.c. */
 #include <errno.h>
+#include <signal.h>
 #include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -35,7 +36,13 @@ static kvh_status lock_store(kvhi_disk *d)
         pid[strcspn(pid, "\n")] = '\0';
         close(d->lock_fd);
         d->lock_fd = -1;
-        return kvhi_fail(KVH_ERR_BUSY, "store %s is open in process %s", d->path, pid[0] ? pid : "(unknown)");
+        /* Readers (kvh-store) share the lock without writing their pid:
+         * the one in the file may be a writer long gone. */
+        char *end = NULL;
+        long owner = strtol(pid, &end, 10);
+        if (!pid[0] || *end || owner <= 0 || (kill((pid_t)owner, 0) != 0 && errno == ESRCH))
+            return kvhi_fail(KVH_ERR_BUSY, "store %s is open in another process (a reader such as kvh-store)", d->path);
+        return kvhi_fail(KVH_ERR_BUSY, "store %s is open in process %s", d->path, pid);
     }
     char pid[32];
     int len = snprintf(pid, sizeof(pid), "%ld\n", (long)getpid());

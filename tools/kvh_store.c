@@ -31,7 +31,9 @@ static void usage(FILE *f)
                "           exits 0 only when all pass, and lists the bad ones\n"
                "       kvh-store remote ping|count|verify|purge [--sample N] [--json]\n"
                "           the remote tier's keys of the model the KVH_* environment\n"
-               "           names (KVH_REMOTE_ADDRS, KVH_MODEL_SALT, geometry)\n");
+               "           names (KVH_REMOTE_ADDRS, KVH_MODEL_SALT, geometry)\n"
+               "Exit status: 0 all good; 1 bad blocks or index records found; 2 bad\n"
+               "arguments, or the store cannot be read (missing, damaged, in use).\n");
 }
 
 /* A store file for reading, as the engine opens it: a regular file only
@@ -196,19 +198,45 @@ static void store_perms_of(const kvhi_disk *d, store_perms *p)
     closedir(dir);
 }
 
+/* s as the inside of a JSON string: quotes, backslashes and control
+ * bytes escaped (a directory may be named anything). */
+static void print_json_text(const char *s)
+{
+    for (; *s; s++) {
+        unsigned char c = (unsigned char)*s;
+        if (c == '"' || c == '\\')
+            printf("\\%c", c);
+        else if (c < 0x20)
+            printf("\\u%04x", c);
+        else
+            putchar(c);
+    }
+}
+
+static bool is_help(const char *a) { return !strcmp(a, "--help") || !strcmp(a, "-h"); }
+
 static int run_main(int argc, char **argv)
 {
-    if (argc >= 2 && (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h"))) {
-        usage(stdout);
-        return 0;
-    }
-    if (argc >= 2 && !strcmp(argv[1], "remote"))
+    bool remote = argc >= 2 && !strcmp(argv[1], "remote");
+    for (int i = 1; i < argc && !remote; i++)
+        if (is_help(argv[i])) {
+            usage(stdout);
+            return 0;
+        }
+    if (remote)
         return kvh_store_remote_main(argc, argv);
     if (argc < 3 || (strcmp(argv[1], "info") && strcmp(argv[1], "verify"))) {
         usage(stderr);
         return 2;
     }
-    bool json = argc > 3 && !strcmp(argv[3], "--json");
+    bool json = false;
+    for (int i = 3; i < argc; i++) {
+        if (strcmp(argv[i], "--json") != 0) {
+            fprintf(stderr, "kvh-store: unknown argument %s (kvh-store --help)\n", argv[i]);
+            return 2;
+        }
+        json = true;
+    }
     kvhi_disk d;
     if (open_store(argv[2], &d) != 0)
         return 2;
@@ -252,19 +280,23 @@ static int run_main(int argc, char **argv)
         uint64_t bytes = (uint64_t)list.n * d.block_bytes;
         store_perms pm;
         store_perms_of(&d, &pm);
-        if (json)
-            printf("{\"path\": \"%s\", \"layers\": %u, \"kv_heads\": %u, \"head_dim\": %u, \"block_tokens\": %u, "
+        if (json) {
+            printf("{\"path\": \"");
+            print_json_text(d.path);
+            printf("\", \"layers\": %u, \"kv_heads\": %u, \"head_dim\": %u, \"block_tokens\": %u, "
                    "\"dtype\": \"%s\", \"model_salt\": %llu, \"block_bytes\": %llu, \"slots\": %u, \"blocks\": %zu, "
                    "\"bytes\": %llu, \"tokens\": %llu, \"prefix_chains\": %llu, \"longest_chain_blocks\": %llu, "
                    "\"bad_records\": %llu, \"permissions\": \"%s\", \"dir_mode\": \"%04o\", "
-                   "\"dir_writable_by_others\": %s, \"other_owner\": %s, \"exposed\": \"%s\"}\n",
-                   d.path, d.geo.num_layers, d.geo.num_kv_heads, d.geo.head_dim, d.geo.block_tokens,
-                   dtype_name(d.geo.dtype), (unsigned long long)d.geo.model_salt, (unsigned long long)d.block_bytes,
-                   d.n_slots, list.n, (unsigned long long)bytes, (unsigned long long)list.n * d.geo.block_tokens,
+                   "\"dir_writable_by_others\": %s, \"other_owner\": %s, \"exposed\": \"",
+                   d.geo.num_layers, d.geo.num_kv_heads, d.geo.head_dim, d.geo.block_tokens, dtype_name(d.geo.dtype),
+                   (unsigned long long)d.geo.model_salt, (unsigned long long)d.block_bytes, d.n_slots, list.n,
+                   (unsigned long long)bytes, (unsigned long long)list.n * d.geo.block_tokens,
                    (unsigned long long)roots, (unsigned long long)longest, (unsigned long long)list.bad_records,
-                   perm_names[pm.level], pm.dir_mode, pm.dir_writable ? "true" : "false", pm.foreign ? "true" : "false",
-                   pm.exposed);
-        else
+                   perm_names[pm.level], pm.dir_mode, pm.dir_writable ? "true" : "false",
+                   pm.foreign ? "true" : "false");
+            print_json_text(pm.exposed);
+            printf("\"}\n");
+        } else
             printf(
                 "store         %s\n"
                 "geometry      %u layers x %u kv heads x %u dim, %u tokens/block, %s\n"
@@ -296,7 +328,9 @@ static int run_main(int argc, char **argv)
     uint8_t *buf;
     if (posix_memalign((void **)&buf, KVHI_DISK_ALIGN, d.slot_bytes) != 0)
         return 2;
-    uint64_t bad = list.bad_records;
+    /* Blocks and index records are counted apart: an engine rebuilds a
+     * damaged record from its slot's header, so it loses no block. */
+    uint64_t bad = 0;
     for (size_t i = 0; i < list.n; i++) {
         kvhi_index_entry *ent = &list.items[i];
         uint32_t slab = ent->slot / d.slots_per_slab;
@@ -320,13 +354,15 @@ static int run_main(int argc, char **argv)
     if (list.bad_records && !json)
         printf("BAD %llu index records failed their checksum\n", (unsigned long long)list.bad_records);
     if (json)
-        printf("{\"blocks\": %zu, \"bad\": %llu}\n", list.n, (unsigned long long)bad);
+        printf("{\"blocks\": %zu, \"bad\": %llu, \"bad_records\": %llu}\n", list.n, (unsigned long long)bad,
+               (unsigned long long)list.bad_records);
     else
         printf("%zu blocks checked, %llu bad\n", list.n, (unsigned long long)bad);
     free(buf);
+    uint64_t bad_records = list.bad_records;
     kvhi_index_list_free(&list);
     kvhi_disk_close(&d);
-    return bad ? 1 : 0;
+    return bad || bad_records ? 1 : 0;
 }
 
 int main(int argc, char **argv)

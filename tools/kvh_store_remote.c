@@ -61,8 +61,16 @@ static void run_keys(kvhi_remote *r, const char *verb, keys *k, size_t first, si
     kvhi_cluster_run(r->cluster, cmds, n, &rep);
 }
 
+static const char remote_usage[] = "usage: kvh-store remote ping|count|verify|purge [--sample N] [--json]\n"
+                                   "(the cluster and the model from KVH_REMOTE_ADDRS, KVH_MODEL_SALT, ...)\n";
+
 int kvh_store_remote_main(int argc, char **argv)
 {
+    for (int i = 2; i < argc; i++)
+        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
+            fputs(remote_usage, stdout);
+            return 0;
+        }
     const char *action = argc > 2 ? argv[2] : "";
     bool json = false;
     size_t sample = 64;
@@ -91,8 +99,7 @@ int kvh_store_remote_main(int argc, char **argv)
         }
     }
     if (strcmp(action, "ping") && strcmp(action, "count") && strcmp(action, "verify") && strcmp(action, "purge")) {
-        fprintf(stderr, "usage: kvh-store remote ping|count|verify|purge [--sample N] [--json]\n"
-                        "(the cluster and the model from KVH_REMOTE_ADDRS, KVH_MODEL_SALT, ...)\n");
+        fputs(remote_usage, stderr);
         return 2;
     }
     kvh_config cfg;

@@ -97,7 +97,10 @@ def cmd_store(args: argparse.Namespace) -> int:
         _err(f"{args.dir}: no such directory")
         return EXIT_FAIL
     cmd = [tool, args.action, str(args.dir)] + (["--json"] if args.json else [])
-    return subprocess.call(cmd)
+    rc = subprocess.call(cmd)
+    # kvh-store's 2 means a store it could not read (the arguments were
+    # checked here): for kvh that is a failed check, 1.
+    return EXIT_FAIL if rc == 2 else rc
 
 
 def cmd_store_remote(args: argparse.Namespace) -> int:
@@ -462,6 +465,38 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _int_in(low: int, high: int, power_of_two: bool = False):
+    """An argparse type: an integer in [low, high] (a power of two)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if not low <= value <= high or (power_of_two and value & (value - 1)):
+            kind = "a power of two" if power_of_two else "an integer"
+            raise argparse.ArgumentTypeError(f"must be {kind} in {low}..{high}: {text!r}")
+        return value
+
+    return parse
+
+
+def _salt(text: str) -> int:
+    try:
+        value = int(text, 0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer (decimal or 0x hex): {text!r}") from None
+    if not 0 <= value < 1 << 64:
+        raise argparse.ArgumentTypeError(f"must be in 0..2**64-1: {text!r}")
+    return value
+
+
+def _store_dir(text: str) -> str:
+    if not text:  # Path("") would be the working directory
+        raise argparse.ArgumentTypeError("DIR must not be empty")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import doctor
     from .demo import agents, synthetic
@@ -514,18 +549,20 @@ def build_parser() -> argparse.ArgumentParser:
         "the flags) and prints the disk tier's occupancy and the engine counters. "
         "The store must not be open in another process.",
     )
-    sp.add_argument("dir", metavar="DIR", help="the disk tier directory (kvh_config.disk_path)")
+    sp.add_argument("dir", metavar="DIR", type=_store_dir, help="the disk tier directory (kvh_config.disk_path)")
     sp.add_argument("--json", action="store_true", help="print JSON")
     for flag, typ in (
-        ("--layers", int),
-        ("--kv-heads", int),
-        ("--head-dim", int),
-        ("--block-tokens", int),
-        ("--model-salt", lambda s: int(s, 0)),
+        ("--layers", _int_in(1, 4096)),
+        ("--kv-heads", _int_in(1, 1024)),
+        ("--head-dim", _int_in(1, 1024)),
+        ("--block-tokens", _int_in(1, 256, power_of_two=True)),
+        ("--model-salt", _salt),
     ):
         sp.add_argument(flag, type=typ, default=None, help="store geometry (default: read with kvh-store)")
     sp.add_argument("--dtype", choices=["f32", "f16", "bf16"], default=None, help="store dtype")
-    sp.add_argument("--disk-bytes", type=int, default=None, help="disk tier bytes (default: the slab files' size)")
+    sp.add_argument(
+        "--disk-bytes", type=_positive_int, default=None, help="disk tier bytes (default: the slab files' size)"
+    )
     sp.set_defaults(func=cmd_stats)
 
     sp = sub.add_parser(
@@ -541,7 +578,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("verify", "re-read every stored block and check its checksums (exit 1 if any is bad)"),
     ):
         ap = ssub.add_parser(action, help=text, description=text, formatter_class=_Formatter)
-        ap.add_argument("dir", metavar="DIR", help="the disk tier directory")
+        ap.add_argument("dir", metavar="DIR", type=_store_dir, help="the disk tier directory")
         ap.add_argument("--json", action="store_true", help="JSON output")
         ap.set_defaults(func=cmd_store)
     text = (
@@ -604,7 +641,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     extra: List[str] = []
-    if "--" in argv:  # everything after -- goes to the wrapped tool (kvh bench)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    if command == "bench" and "--" in argv:  # everything after -- goes to kvh-bench
         cut = argv.index("--")
         argv, extra = argv[:cut], argv[cut + 1 :]
     args = parser.parse_args(argv)

@@ -171,7 +171,7 @@ def test_bench_help_has_no_null_default(mode):
         (["store", "remote", "verify", "--sample", "x"], 2, "--sample"),
         (["stats", "{store}", "--dtype", "f64"], 2, "--dtype"),
         (["stats", "{store}", "--model-salt", "zz"], 2, "--model-salt"),
-        (["stats", "{store}", "--layers", "-1"], 2, "num_layers"),
+        (["stats", "{store}", "--layers", "-1"], 2, "--layers"),
         (["stats", "{store}", "--disk-bytes", "99999999999999999999999"], 2, "disk_bytes"),
         (["doctor", "--host-budget", "-1"], 2, "--host-budget"),
         (["doctor", "--disk-budget", "nan"], 2, "--disk-budget"),

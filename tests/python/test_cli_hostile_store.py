@@ -1,0 +1,639 @@
+"""kvh-store, `kvh store` and `kvh stats` against hostile input and
+damaged, locked or crashed stores.
+
+What the help and the README promise, checked from the outside:
+
+* every command and subcommand answers --help with its usage and exit 0;
+* a bad argument is one line on stderr and a non-zero exit (kvh: 2 for
+  usage, 1 for a failed check or tool, 3 for "not available");
+* the store tools are read-only: whatever they are pointed at is left as it
+  was, and a damaged block is listed, never passed as good;
+* a store held by a live engine is refused with the holder named, a second
+  engine is refused rather than let in, and a writer killed with SIGKILL
+  leaves a store that verifies and still holds every block that
+  ``persist()`` acknowledged.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvh_cache.tools import find_tool
+from kvh_testutil import kv_data, make_engine
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+TIMEOUT = 30  # a hang fails the test instead of the run
+
+TOKENS = 48  # three 16-token blocks per chain
+CHAINS = 3
+DISK = 1 << 22  # 512 slots of 8 KiB (4 KiB header + 4 KiB block)
+SLOT_BYTES = 8192
+HEADER_BYTES = 4096
+GEOMETRY = [
+    "--layers",
+    "2",
+    "--kv-heads",
+    "2",
+    "--head-dim",
+    "8",
+    "--block-tokens",
+    "16",
+    "--dtype",
+    "f32",
+    "--model-salt",
+    "0",
+]
+
+
+def _env(extra=None):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "python"), str(HERE), env.get("PYTHONPATH")) if p)
+    for k in [k for k in env if k.startswith("KVH_") and k not in ("KVH_BUILD_DIR", "KVH_BENCH", "KVH_STORE")]:
+        del env[k]
+    env.update(extra or {})
+    return env
+
+
+def _store_tool() -> str:
+    tool = find_tool("kvh-store")
+    if tool is None:
+        pytest.skip("kvh-store not built")
+    return tool
+
+
+def run_store(*args, env_extra=None, cwd=None):
+    return subprocess.run(
+        [_store_tool(), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env=_env(env_extra),
+        stdin=subprocess.DEVNULL,
+        cwd=str(cwd) if cwd else None,
+    )
+
+
+def run_kvh(*args, env_extra=None, cwd=None):
+    return subprocess.run(
+        [sys.executable, "-m", "kvh_cache", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env=_env(env_extra),
+        stdin=subprocess.DEVNULL,
+        cwd=str(cwd or REPO),
+    )
+
+
+def assert_one_line_error(res, rc=None, word=None):
+    """A failure with a message: no traceback, no signal, nothing on stdout."""
+    assert res.returncode > 0, (res.returncode, res.stdout[-1000:], res.stderr[-2000:])
+    if rc is not None:
+        assert res.returncode == rc, (res.returncode, res.stderr[-2000:])
+    assert "Traceback" not in res.stderr, res.stderr[-2000:]
+    lines = res.stderr.strip().splitlines()
+    # argparse puts its usage block before the one line of the error
+    while len(lines) > 1 and (lines[0].startswith("usage:") or lines[0][:1].isspace()):
+        lines.pop(0)
+    assert len(lines) == 1, res.stderr[-2000:]
+    if word is not None:
+        assert word in lines[0], res.stderr[-2000:]
+
+
+def digest(d: Path, skip=()):
+    out = {}
+    for p in sorted(d.iterdir()):
+        if p.name in skip:
+            continue
+        if p.is_file() and not p.is_symlink():
+            out[p.name] = hashlib.sha256(p.read_bytes()).hexdigest()
+        else:
+            out[p.name] = os.readlink(p) if p.is_symlink() else "dir"
+    return out
+
+
+def chain_tokens(i: int) -> np.ndarray:
+    return np.arange(10_000 + 1_000 * i, 10_000 + 1_000 * i + TOKENS)
+
+
+def fill(eng, seq, i: int) -> None:
+    for layer in range(eng.num_layers):
+        k, v = kv_data(TOKENS, eng.num_kv_heads, eng.head_dim, eng.np_dtype, seed=i * 100 + layer)
+        seq.write_kv(layer, 0, k, v)
+
+
+# The writer: persists chain after chain (start, start + 1, ...) and prints an
+# acknowledgement after each persist() returned. With "hold" it opens the
+# store, says R and waits for stdin to close.
+WRITER = textwrap.dedent(
+    """
+    import sys
+    from kvh_testutil import make_engine
+    from test_cli_hostile_store import DISK, chain_tokens, fill
+    store, mode, start, stop = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    eng = make_engine(disk_path=store, disk_bytes=DISK, migration_threads=2)
+    print("R", flush=True)
+    if mode == "hold":
+        sys.stdin.read()
+    else:
+        for i in range(start, stop):
+            seq = eng.sequence(tokens=chain_tokens(i))
+            fill(eng, seq, i)
+            if i % 2:
+                seq.migrate("disk", wait=False).close()
+            seq.persist()
+            print("A", i, flush=True)
+            seq.free()
+        sys.stdin.read()
+    eng.close()
+    """
+)
+
+
+def start_writer(store: Path, mode: str, start: int = 0, stop: int = 0):
+    return subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(store), mode, str(start), str(stop)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+        cwd=str(HERE),
+    )
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory):
+    """A store of CHAINS chains (9 blocks in slots 0..8), written by a
+    process that has exited: its LOCK names a pid that is gone."""
+    d = tmp_path_factory.mktemp("hostile") / "store"
+    try:
+        make_engine(disk_path=str(d), disk_bytes=DISK).close()
+    except Exception as exc:  # noqa: BLE001 - a build without the disk tier
+        pytest.skip(f"no disk tier: {exc}")
+    shutil.rmtree(d)
+    w = start_writer(d, "write", 0, CHAINS)
+    out, err = w.communicate(input="", timeout=TIMEOUT)
+    assert w.returncode == 0, err
+    assert out.split().count("A") == CHAINS
+    return d
+
+
+@pytest.fixture
+def store(pristine, tmp_path):
+    d = tmp_path / "store"
+    shutil.copytree(pristine, d, symlinks=True)
+    return d
+
+
+def info_json(store: Path):
+    res = run_store("info", store, "--json")
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def flip(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def _summary(stdout: str):
+    m = re.search(r"^(\d+) blocks checked, (\d+) bad$", stdout, re.M)
+    assert m, stdout
+    return int(m.group(1)), int(m.group(2))
+
+
+# ---------------------------------------------------------------------------------
+# kvh-store: --help of every subcommand, bad arguments
+# ---------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "args",
+    [["--help"], ["-h"], ["info", "--help"], ["verify", "-h"], ["remote", "--help"], ["remote", "ping", "--help"]],
+    ids=" ".join,
+)
+def test_store_tool_help_of_every_subcommand(args):
+    res = run_store(*args)
+    assert res.returncode == 0, (res.returncode, res.stderr)
+    assert res.stdout.startswith("usage: kvh-store") and res.stderr == "", (res.stdout, res.stderr)
+
+
+@pytest.mark.parametrize(
+    "args,word",
+    [
+        ([], "usage"),
+        (["bogus", "{store}"], "usage"),
+        (["INFO", "{store}"], "usage"),
+        (["remote"], "usage"),
+        (["remote", "bogus"], "usage"),
+        (["remote", "ping", "--bogus"], "--bogus"),
+        (["remote", "verify", "--sample"], "needs a value"),
+        (["remote", "verify", "--sample", ""], "--sample"),
+        (["remote", "verify", "--sample", "0"], "--sample"),
+        (["remote", "verify", "--sample", "-1"], "--sample"),
+        (["remote", "verify", "--sample", "18446744073709551616"], "--sample"),
+        (["remote", "verify", "--sample", "1e99"], "--sample"),
+        (["remote", "verify", "--sample", "12abc"], "--sample"),
+    ],
+    ids=lambda a: " ".join(a) or "none" if isinstance(a, list) else None,
+)
+def test_store_tool_usage_errors(args, word, store):
+    before = digest(store)
+    res = run_store(*(a.replace("{store}", str(store)) for a in args), env_extra={"KVH_REMOTE_ADDRS": "127.0.0.1:1"})
+    assert res.returncode == 2, (res.returncode, res.stderr)
+    assert res.stdout == "" and "Traceback" not in res.stderr and word in res.stderr, res.stderr
+    assert digest(store) == before
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["info", "{store}", "--bogus"], ["verify", "{store}", "--jsonx"], ["info", "{store}", "--json", "extra"]],
+    ids=" ".join,
+)
+def test_store_tool_rejects_unknown_trailing_arguments(args, store):
+    # Only argv[3] is looked at: "--jsonx" prints text and anything after
+    # --json is dropped, with exit 0.
+    res = run_store(*(a.replace("{store}", str(store)) for a in args))
+    assert res.returncode == 2, (res.returncode, res.stdout[-500:])
+    assert res.stdout == "" and res.stderr.strip(), res.stderr
+
+
+@pytest.mark.parametrize(
+    "path", ["", "{file}", "{file}/store", "{missing}"], ids=["empty", "file", "under-a-file", "missing"]
+)
+@pytest.mark.parametrize("action", ["info", "verify"])
+def test_store_tool_on_non_directories(action, path, tmp_path):
+    f = tmp_path / "plain"
+    f.write_bytes(b"not a store")
+    p = path.replace("{file}", str(f)).replace("{missing}", str(tmp_path / "missing"))
+    res = run_store(action, p)
+    assert_one_line_error(res, 2, "kvh-store:")
+    assert res.stdout == ""
+    assert f.read_bytes() == b"not a store" and sorted(os.listdir(tmp_path)) == ["plain"]
+
+
+def test_store_tool_json_survives_odd_directory_names(store, tmp_path):
+    # The path goes into the JSON as is: a quote or backslash in it makes
+    # the line unparsable, and `kvh stats` (which reads it) fails.
+    odd = tmp_path / 'my "kv" \\ store'
+    store.rename(odd)
+    res = run_store("info", odd, "--json")
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout.strip().splitlines()[-1])
+    assert doc["path"] == str(odd) and doc["blocks"] == CHAINS * 3
+    res = run_kvh("stats", odd, "--json")
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["disk"]["used_blocks"] == CHAINS * 3
+
+
+# ---------------------------------------------------------------------------------
+# kvh-store: damaged stores are reported, and left as they were
+# ---------------------------------------------------------------------------------
+def _damage_slab(store: Path, how: str) -> None:
+    slab = store / "slab-0000.kvh"
+    if how == "data-flip":
+        flip(slab, 2 * SLOT_BYTES + HEADER_BYTES + 100)
+    elif how == "header-flip":
+        flip(slab, 1 * SLOT_BYTES + 100)
+    elif how == "cut":
+        os.truncate(slab, 2 * SLOT_BYTES + 100)
+    elif how == "empty":
+        os.truncate(slab, 0)
+    elif how == "missing":
+        slab.unlink()
+    elif how == "directory":
+        slab.unlink()
+        slab.mkdir()
+    elif how == "devzero":
+        slab.unlink()
+        slab.symlink_to("/dev/zero")
+    else:
+        raise AssertionError(how)
+
+
+@pytest.mark.parametrize(
+    "how,bad_slots",
+    [
+        ("data-flip", [2]),
+        ("header-flip", [1]),
+        ("cut", list(range(2, 9))),
+        ("empty", list(range(9))),
+        ("missing", list(range(9))),
+        ("directory", list(range(9))),
+        ("devzero", list(range(9))),
+    ],
+)
+def test_verify_lists_every_damaged_block(how, bad_slots, store):
+    _damage_slab(store, how)
+    before = digest(store)
+    res = run_store("verify", store)
+    assert res.returncode == 1, (res.returncode, res.stdout, res.stderr)
+    listed = sorted(int(m) for m in re.findall(r"^BAD slot (\d+) ", res.stdout, re.M))
+    assert listed == bad_slots, res.stdout
+    assert _summary(res.stdout) == (CHAINS * 3, len(bad_slots))
+    res = run_store("verify", store, "--json")
+    assert res.returncode == 1
+    rows = [json.loads(line) for line in res.stdout.splitlines()]
+    assert sorted(r["slot"] for r in rows[:-1] if r.get("ok") is False) == bad_slots
+    assert rows[-1] == {"blocks": CHAINS * 3, "bad": len(bad_slots), "bad_records": 0}
+    # info still reads the index; neither tool touched a byte
+    assert info_json(store)["blocks"] == CHAINS * 3
+    assert digest(store) == before
+    # kvh store verify passes the verdict on
+    res = run_kvh("store", "verify", store)
+    assert res.returncode == 1 and "BAD slot" in res.stdout, res.stdout + res.stderr
+
+
+def test_verify_damaged_block_is_never_served(store):
+    # The block verify lists is the one an engine refuses (a miss, counted).
+    _damage_slab(store, "data-flip")
+    res = run_store("verify", store)
+    (bad_hash,) = re.findall(r"^BAD slot 2 hash ([0-9a-f]{16}):", res.stdout, re.M)
+    with make_engine(disk_path=str(store), disk_bytes=DISK) as eng:
+        matched = []
+        for i in range(CHAINS):
+            with eng.sequence() as s:
+                m = s.match_prefix(chain_tokens(i))
+                matched.append(m)
+                for layer in range(eng.num_layers):
+                    if m == 0:
+                        break
+                    k, v = s.read_kv(layer)
+                    rk, rv = kv_data(TOKENS, eng.num_kv_heads, eng.head_dim, eng.np_dtype, seed=i * 100 + layer)
+                    np.testing.assert_array_equal(k, rk[:m])
+                    np.testing.assert_array_equal(v, rv[:m])
+        assert eng.stats().corrupt_blocks == 1
+    # the chain through slot 2 ends where it begins; the other chains are whole
+    assert CHAINS * TOKENS - sum(matched) in (16, 32, 48), matched
+    assert sorted(matched)[1:] == [TOKENS] * (CHAINS - 1), matched
+    assert bad_hash
+
+
+@pytest.mark.parametrize("how", ["index-records-cut", "index-record-flip", "journal-garbage"])
+def test_verify_counts_blocks_and_index_records_apart(how, store):
+    # Every slot still verifies (the open rebuilds the index from the slot
+    # headers, README "A damaged index or journal costs no block whose slot
+    # verifies"), yet the summary said "9 blocks checked, 9 bad" with no
+    # block listed: the damaged index records were added to the bad blocks.
+    if how == "index-records-cut":
+        os.truncate(store / "index", 4096)
+    elif how == "index-record-flip":
+        flip(store / "index", 4096 + 100)
+    else:
+        (store / "journal").write_bytes(os.urandom(4096))
+    res = run_store("verify", store)
+    assert res.returncode == 1, res.stdout + res.stderr  # a damaged index is still a failed verification
+    assert re.search(r"^BAD \d+ index records failed their checksum$", res.stdout, re.M), res.stdout
+    listed = re.findall(r"^BAD slot ", res.stdout, re.M)
+    checked, bad = _summary(res.stdout)
+    assert checked == CHAINS * 3
+    assert bad == len(listed) == 0, res.stdout
+
+
+def test_verify_accepts_a_torn_journal_tail(store):
+    # What a crash mid-append leaves: a partial record at the end.
+    with open(store / "journal", "ab") as f:
+        f.write(os.urandom(10))
+    res = run_store("verify", store)
+    assert res.returncode == 0 and _summary(res.stdout) == (CHAINS * 3, 0), res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("how", ["empty", "zeroed", "directory", "journal-copy", "other-format"])
+def test_unreadable_index_is_refused_then_rebuilt_by_an_engine(how, store):
+    idx = store / "index"
+    if how == "empty":
+        idx.write_bytes(b"")
+    elif how == "zeroed":
+        idx.write_bytes(bytes(4096) + idx.read_bytes()[4096:])
+    elif how == "directory":
+        idx.unlink()
+        idx.mkdir()
+    elif how == "journal-copy":
+        idx.write_bytes((store / "journal").read_bytes())
+    else:
+        idx.write_bytes(b"SQLite format 3\x00" + bytes(4080))
+    before = digest(store)
+    for action in ("info", "verify"):
+        res = run_store(action, store)
+        assert "Traceback" not in res.stderr and res.returncode >= 0, res.stderr
+        if res.returncode == 2:  # no geometry to go by: refused, one line
+            assert_one_line_error(res, 2, str(store))
+            assert res.stdout == ""
+        elif action == "info":  # a header that reads: the damage is counted
+            assert res.returncode == 0 and re.search(r"^bad records   [1-9]", res.stdout, re.M), res.stdout
+        else:
+            assert res.returncode == 1 and "BAD" in res.stdout, res.stdout
+    assert digest(store) == before
+    if how == "directory":
+        return  # nothing to rebuild into
+    # An engine open (kvh stats, geometry given) rebuilds the index from the
+    # slot headers: every block is back, and verifies.
+    res = run_kvh("stats", store, *GEOMETRY, "--json")
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["disk"]["used_blocks"] == CHAINS * 3
+    res = run_store("verify", store)
+    assert res.returncode == 0 and _summary(res.stdout) == (CHAINS * 3, 0), res.stdout + res.stderr
+
+
+# ---------------------------------------------------------------------------------
+# kvh store / kvh stats: exit codes and paths
+# ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("what", ["empty-dir", "garbage-index", "plain-file", "under-a-file"])
+@pytest.mark.parametrize("action", ["info", "verify"])
+def test_kvh_store_failure_is_exit_1(action, what, tmp_path):
+    # kvh's help: "Exit status: 0 ok, 1 failed (a check, a verification or
+    # the wrapped tool), 2 usage". A directory that holds no store is not a
+    # usage error, and a missing one already exits 1.
+    _store_tool()
+    p = tmp_path / "x"
+    if what in ("empty-dir", "garbage-index"):
+        p.mkdir()
+    if what == "garbage-index":
+        (p / "index").write_bytes(b"\x00" * 100)
+    if what == "plain-file":
+        p.write_bytes(b"x")
+    if what == "under-a-file":
+        p.write_bytes(b"x")
+        p = p / "store"
+    res = run_kvh("store", action, p)
+    assert_one_line_error(res, 1)
+
+
+def test_kvh_store_on_a_live_store_is_exit_1(pristine, tmp_path):
+    d = tmp_path / "store"
+    shutil.copytree(pristine, d)
+    w = start_writer(d, "hold")
+    try:
+        assert w.stdout.readline().strip() == "R", w.stderr.read()
+        res = run_kvh("store", "verify", d)
+        assert_one_line_error(res, 1, str(w.pid))
+    finally:
+        w.communicate(input="", timeout=TIMEOUT)
+
+
+@pytest.mark.parametrize("cmd", [["stats"], ["store", "info"], ["store", "verify"]], ids=" ".join)
+def test_kvh_empty_dir_argument_is_not_the_current_directory(cmd, store):
+    # Path("") is ".": `kvh stats ""` opened the store in the working
+    # directory with an engine.
+    before = digest(store, skip=("LOCK",))
+    res = run_kvh(*cmd, "", cwd=store)
+    assert_one_line_error(res, 2)
+    assert digest(store, skip=("LOCK",)) == before
+
+
+def test_kvh_store_dir_after_double_dash(store, tmp_path):
+    # The POSIX way to name a path that starts with "-".
+    dashed = tmp_path / "-store"
+    store.rename(dashed)
+    res = run_kvh("store", "info", "--json", "--", "-store", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout.strip().splitlines()[-1])["blocks"] == CHAINS * 3
+
+
+@pytest.mark.parametrize(
+    "flag,value",
+    [("--layers", "0"), ("--kv-heads", "0"), ("--head-dim", "0"), ("--block-tokens", "0"), ("--block-tokens", "17")],
+)
+def test_kvh_stats_out_of_range_geometry_is_usage(flag, value, store):
+    # --layers -1 is a usage error (2); --layers 0 was "cannot open" (1).
+    res = run_kvh("stats", store, flag, value)
+    assert_one_line_error(res, 2, flag)
+
+
+@pytest.mark.parametrize("value", ["0", "", "1e99", "12abc", "-1", "18446744073709551616"])
+def test_kvh_store_remote_bad_sample(value):
+    _store_tool()
+    res = run_kvh("store", "remote", "verify", "--sample", value, env_extra={"KVH_REMOTE_ADDRS": "127.0.0.1:1"})
+    assert_one_line_error(res, 2, "--sample")
+
+
+# ---------------------------------------------------------------------------------
+# locks: a live writer, a reader holding the store
+# ---------------------------------------------------------------------------------
+def test_live_writer_is_named_and_its_store_left_alone(pristine, tmp_path):
+    d = tmp_path / "store"
+    shutil.copytree(pristine, d)
+    w = start_writer(d, "hold")
+    try:
+        assert w.stdout.readline().strip() == "R", w.stderr.read()
+        assert (d / "LOCK").read_text().strip() == str(w.pid)
+        before = digest(d)
+        for action in ("info", "verify"):
+            res = run_store(action, d)
+            assert_one_line_error(res, 2, f"open in process {w.pid}")
+            assert res.stdout == ""
+        res = run_kvh("stats", d)
+        assert_one_line_error(res, 1, str(w.pid))
+        res = run_kvh("stats", d, *GEOMETRY)
+        assert_one_line_error(res, 1, f"open in process {w.pid}")
+        assert digest(d) == before
+        assert w.poll() is None
+    finally:
+        out, err = w.communicate(input="", timeout=TIMEOUT)
+    assert w.returncode == 0, err
+    res = run_store("verify", d)
+    assert res.returncode == 0 and _summary(res.stdout) == (CHAINS * 3, 0), res.stdout + res.stderr
+
+
+def test_engine_refused_while_a_reader_holds_the_store(store):
+    # kvh-store holds LOCK shared while it reads; an engine opened meanwhile
+    # must be refused, naming a holder that exists. LOCK still names the
+    # writer that made the store, which has exited.
+    stale = int((store / "LOCK").read_text().strip())
+    fd = os.open(store / "LOCK", os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        res = run_kvh("stats", store, *GEOMETRY)
+        assert_one_line_error(res, 1, "in use")
+        named = [int(p) for p in re.findall(r"process (\d+)", res.stderr)]
+        assert stale not in named, f"names process {stale}, which has exited: {res.stderr.strip()}"
+        for pid in named:
+            os.kill(pid, 0)  # alive, or ProcessLookupError fails the test
+    finally:
+        os.close(fd)
+    res = run_store("verify", store)
+    assert res.returncode == 0 and _summary(res.stdout) == (CHAINS * 3, 0), res.stdout + res.stderr
+
+
+def test_second_engine_refused_while_writer_lives(pristine, tmp_path):
+    d = tmp_path / "store"
+    shutil.copytree(pristine, d)
+    w = start_writer(d, "hold")
+    try:
+        assert w.stdout.readline().strip() == "R", w.stderr.read()
+        w2 = start_writer(d, "hold")
+        out, err = w2.communicate(input="", timeout=TIMEOUT)
+        assert w2.returncode != 0 and "R" not in out.split()
+        assert f"open in process {w.pid}" in err, err
+        assert (d / "LOCK").read_text().strip() == str(w.pid)
+    finally:
+        w.communicate(input="", timeout=TIMEOUT)
+    assert w.returncode == 0
+
+
+# ---------------------------------------------------------------------------------
+# SIGKILL of a writer, then the tools
+# ---------------------------------------------------------------------------------
+def test_sigkill_writer_then_tools_keep_every_acknowledged_block(tmp_path):
+    store = tmp_path / "store"
+    acked = set()
+    for cycle in range(3):
+        w = start_writer(store, "write", 100 * cycle, 100 * cycle + 40)
+        try:
+            assert w.stdout.readline().strip() == "R", w.stderr.read()
+            lines = [w.stdout.readline() for _ in range(3 + 2 * cycle)]
+            w.send_signal(signal.SIGKILL)
+            w.wait(timeout=TIMEOUT)
+            assert w.returncode == -signal.SIGKILL
+            for line in lines + w.stdout.read().splitlines():
+                if line.startswith("A "):
+                    acked.add(int(line.split()[1]))
+        finally:
+            if w.poll() is None:
+                w.kill()
+                w.wait()
+            w.stdin.close()
+            w.stdout.close()
+            w.stderr.close()
+        # The dead writer's pid is in LOCK; the tools are not held back by it.
+        assert (store / "LOCK").read_text().strip() == str(w.pid)
+        before = digest(store)
+        res = run_store("verify", store)
+        assert res.returncode == 0, res.stdout + res.stderr
+        checked, bad = _summary(res.stdout)
+        assert bad == 0 and checked >= 3 * len(acked), (checked, len(acked))
+        info = info_json(store)
+        assert info["blocks"] >= 3 * len(acked) and info["bad_records"] == 0, info
+        assert digest(store) == before  # read-only, even on a crashed store
+    assert len(acked) >= 3 + 5 + 7
+    res = run_kvh("stats", store, "--json")
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["stats"]["corrupt_blocks"] == 0 and doc["disk"]["used_blocks"] >= 3 * len(acked)
+    with make_engine(disk_path=str(store), disk_bytes=DISK) as eng:
+        for i in sorted(acked):
+            with eng.sequence() as s:
+                assert s.match_prefix(chain_tokens(i)) == TOKENS, f"chain {i} was acknowledged"
+                k, v = s.read_kv(1)
+                rk, rv = kv_data(TOKENS, eng.num_kv_heads, eng.head_dim, eng.np_dtype, seed=i * 100 + 1)
+                np.testing.assert_array_equal(k, rk)
+                np.testing.assert_array_equal(v, rv)
+        assert eng.stats().corrupt_blocks == 0
+    res = run_store("verify", store)
+    assert res.returncode == 0 and _summary(res.stdout)[1] == 0, res.stdout
