@@ -206,8 +206,10 @@ enum kvh_disk_flags {
 /* Quantised forms of KV. A codec encodes each vector of head_dim elements
  * (the K or V of one token in one KV head) on its own into a fixed-size
  * record. With kvh_config.kv_codec set, the host and disk tiers store
- * blocks in that form (their slots shrink to the encoded size, so the same
- * budget holds more blocks): a block is encoded when it leaves the device
+ * blocks in that form (their slots take the encoded size, so the same
+ * budget holds more blocks, except for a head_dim so small that a record
+ * outgrows the raw vector: int8 below 4 elements in f16/bf16, 1 in f32):
+ * a block is encoded when it leaves the device
  * tier, decoded when it comes back, and kvh_seq_write_kv / _read_kv on a
  * block in those tiers encode / decode the touched tokens only. The codec
  * is part of the disk store's geometry (KVH_ERR_MISMATCH on reopening with
@@ -519,7 +521,10 @@ KVH_API kvh_status kvh_tier_info_get(kvh_engine *engine, uint32_t tier, kvh_tier
  * prefix_hit_blocks, and by the tier they were found in there. The
  * blocks_/bytes_ pairs count moves (the block changes tier); copies
  * written to disk while the block stays where it is (persist, background
- * cleaning) are disk_copies_written. */
+ * cleaning) are disk_copies_written. Bytes to and from the host tier are
+ * raw blocks (block_bytes); to and from disk, blocks as stored there
+ * (encoded under a kv_codec). A demotion onto a block's clean disk copy
+ * writes nothing and is counted in none of the pairs. */
 typedef struct kvh_stats {
     uint32_t struct_size;
     uint32_t reserved0;
