@@ -568,11 +568,27 @@ bool kvhi_disk_clean_step(kvh_engine *e)
 
 kvh_status kvhi_disk_persist(kvh_engine *e, kvhi_seq *s)
 {
-    return kvhi_disk_persist_blocks(e, s->blocks, (uint32_t)(s->n_tokens / e->cfg.block_tokens), "of the sequence");
+    if (!e->disk)
+        return kvhi_fail(KVH_ERR_UNSUPPORTED, "the engine has no disk tier (set disk_path and disk_bytes)");
+    uint32_t n_full = (uint32_t)(s->n_tokens / e->cfg.block_tokens);
+    uint32_t *twins = malloc(sizeof(uint32_t) * (n_full ? n_full : 1));
+    if (!twins)
+        return kvhi_fail(KVH_ERR_NOMEM, "out of memory for persist");
+    kvh_status st = kvhi_disk_persist_blocks(e, s->blocks, n_full, "of the sequence", twins);
+    /* A twin made durable for this sequence stays while the sequence
+     * holds the block: its other holders may let it go, and a cached
+     * block nothing references is the first a full tier drops. */
+    kvh_status kst = kvhi_seq_keep_durable_twins(e, s, twins, n_full);
+    free(twins);
+    return st != KVH_OK ? st : kst;
 }
 
-kvh_status kvhi_disk_persist_blocks(kvh_engine *e, const uint32_t *blocks, uint32_t n_full, const char *whose)
+kvh_status kvhi_disk_persist_blocks(kvh_engine *e, const uint32_t *blocks, uint32_t n_full, const char *whose,
+                                    uint32_t *twins)
 {
+    if (twins)
+        for (uint32_t i = 0; i < n_full; i++)
+            twins[i] = KVHI_NO_BLOCK;
     if (!e->disk)
         return kvhi_fail(KVH_ERR_UNSUPPORTED, "the engine has no disk tier (set disk_path and disk_bytes)");
     uint32_t *todo = malloc(sizeof(uint32_t) * (n_full ? n_full : 1));
@@ -657,8 +673,14 @@ kvh_status kvhi_disk_persist_blocks(kvh_engine *e, const uint32_t *blocks, uint3
     if (st == KVH_OK && e->disk->journal_records > 4096 &&
         e->disk->journal_records > 2 * (uint64_t)kvhi_slot_pool_used(&e->tiers[KVH_TIER_DISK].slots))
         st = snapshot(e);
-    for (uint32_t i = 0; i < n_todo; i++)
+    for (uint32_t i = 0; i < n_todo; i++) {
+        /* A twin made durable: its reference goes to the caller. */
+        if (twins && todo[i] != blocks[i] && (e->blocks[todo[i]].flags & KVHI_BF_JOURNALED)) {
+            twins[i] = todo[i];
+            continue;
+        }
         kvhi_block_unref(e, todo[i]);
+    }
     free(todo);
     free(xs);
     return st;

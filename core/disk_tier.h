@@ -28,7 +28,11 @@ void kvhi_disk_keep_as_copy(kvh_engine *e, uint32_t b, const kvhi_xfer *x);
  * Drops the lock for the writes and the sync. */
 kvh_status kvhi_disk_persist(kvh_engine *e, kvhi_seq *s);
 /* The same for blocks[0..n) (whose names them in messages). */
-kvh_status kvhi_disk_persist_blocks(kvh_engine *e, const uint32_t *blocks, uint32_t n, const char *whose);
+/* twins (NULL, or n entries): for each block that a published block of
+ * its prefix stood in for, that block, with a reference the caller then
+ * owns; KVHI_NO_BLOCK for the others. */
+kvh_status kvhi_disk_persist_blocks(kvh_engine *e, const uint32_t *blocks, uint32_t n, const char *whose,
+                                    uint32_t *twins);
 /* One round of background cleaning (lock held, may drop); true if work
  * was done. */
 bool kvhi_disk_clean_step(kvh_engine *e);

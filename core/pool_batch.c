@@ -270,7 +270,7 @@ static kvh_status run_persist(kvh_engine *e, kvhi_pool_work *w)
             blocks[k++] = it->block;
     }
     kvh_status st = !blocks   ? kvhi_fail(KVH_ERR_NOMEM, "out of memory for a persist")
-                    : e->disk ? kvhi_disk_persist_blocks(e, blocks, k, "of the list")
+                    : e->disk ? kvhi_disk_persist_blocks(e, blocks, k, "of the list", NULL)
                               : KVH_OK; /* with only a remote tier, persisting means uploading */
     if (st == KVH_OK && e->remote)
         kvhi_remote_persist_blocks(e, blocks, k);

@@ -37,12 +37,20 @@ kvh_status kvhi_seq_block_range(kvh_engine *e, kvhi_seq *s, uint64_t first, uint
     return KVH_OK;
 }
 
-void kvhi_seq_tables_free(kvhi_seq *s)
+static void free_block_tables(kvhi_seq *s)
 {
     kvhi_huge_free(s->blocks, sizeof(uint32_t) * (size_t)s->cap_blocks);
     kvhi_huge_free(s->held, sizeof(uint32_t) * (size_t)s->cap_blocks);
     kvhi_huge_free(s->pins, sizeof(uint32_t) * (size_t)s->cap_blocks);
     s->blocks = s->held = s->pins = NULL;
+}
+
+void kvhi_seq_tables_free(kvhi_seq *s)
+{
+    free_block_tables(s);
+    free(s->durable_twin);
+    s->durable_twin = NULL;
+    s->n_durable = 0;
 }
 
 /* The block table is read at random, one entry per access: long ones get
@@ -70,7 +78,7 @@ static kvh_status ensure_cap(kvhi_seq *s, uint64_t want)
         memcpy(h, s->held, sizeof(uint32_t) * s->cap_blocks);
         memcpy(p, s->pins, sizeof(uint32_t) * s->cap_blocks);
     }
-    kvhi_seq_tables_free(s);
+    free_block_tables(s); /* not the durable twins: they stay with s */
     s->blocks = b;
     s->held = h;
     s->pins = p;
@@ -102,8 +110,49 @@ static void drop_block(kvh_engine *e, kvhi_seq *s, uint32_t i)
     kvhi_block_unref(e, s->blocks[i]);
 }
 
+/* Drops the durable twins of logical blocks [from, n_durable). */
+static void drop_durable_twins(kvh_engine *e, kvhi_seq *s, uint32_t from)
+{
+    for (uint32_t i = from; i < s->n_durable; i++)
+        if (s->durable_twin[i] != KVHI_NO_BLOCK) {
+            kvhi_block_unref(e, s->durable_twin[i]);
+            s->durable_twin[i] = KVHI_NO_BLOCK;
+        }
+    if (from < s->n_durable)
+        s->n_durable = from;
+}
+
+kvh_status kvhi_seq_keep_durable_twins(kvh_engine *e, kvhi_seq *s, const uint32_t *twins, uint32_t n)
+{
+    if (n > s->n_durable) {
+        uint32_t *t = realloc(s->durable_twin, sizeof(uint32_t) * n);
+        if (!t) {
+            for (uint32_t i = 0; i < n; i++)
+                if (twins[i] != KVHI_NO_BLOCK)
+                    kvhi_block_unref(e, twins[i]);
+            return kvhi_fail(KVH_ERR_NOMEM, "out of memory keeping the persisted blocks of a sequence");
+        }
+        for (uint32_t i = s->n_durable; i < n; i++)
+            t[i] = KVHI_NO_BLOCK;
+        s->durable_twin = t;
+        s->n_durable = n;
+    }
+    for (uint32_t i = 0; i < n; i++) {
+        /* One kept from an earlier persist stays: this one may have
+         * failed before reaching block i. */
+        if (twins[i] == KVHI_NO_BLOCK)
+            continue;
+        uint32_t old = s->durable_twin[i];
+        s->durable_twin[i] = twins[i];
+        if (old != KVHI_NO_BLOCK)
+            kvhi_block_unref(e, old); /* after taking the new one: they may be the same */
+    }
+    return KVH_OK;
+}
+
 void kvhi_seq_destroy(kvh_engine *e, kvhi_seq *s)
 {
+    drop_durable_twins(e, s, 0);
     for (uint32_t i = 0; i < s->n_blocks; i++)
         drop_block(e, s, i);
     kvhi_seq_tables_free(s);
@@ -429,8 +478,14 @@ static bool aliases_engine_memory(kvh_engine *e, const void *p, size_t bytes)
     uintptr_t lo = (uintptr_t)p, hi = lo + bytes;
     for (uint32_t t = 0; t < KVH_TIER_DISK; t++) {
         const kvhi_tier *tier = &e->tiers[t];
-        if (tier->present && tier->base && lo < (uintptr_t)tier->base + tier->bytes_mapped &&
-            (uintptr_t)tier->base < hi)
+        uint64_t arena = tier->bytes_mapped;
+        if (t == KVH_TIER_DEVICE && e->vmap_arena && e->slab.slab_blocks && tier->present) {
+            /* Whole slabs, piece-major: a last partial slab's pieces lie
+             * past slots * slot_bytes. */
+            uint64_t g = e->slab.slab_blocks;
+            arena = (tier->slots.capacity + g - 1) / g * g * tier->slot_bytes;
+        }
+        if (tier->present && tier->base && lo < (uintptr_t)tier->base + arena && (uintptr_t)tier->base < hi)
             return true;
     }
     return kvhi_vmap_overlaps(e, p, bytes);
@@ -590,6 +645,7 @@ kvh_status kvhi_seq_truncate(kvh_engine *e, kvhi_seq *s, uint64_t n_tokens)
         if ((st = kvhi_block_forget_tokens(e, s->blocks[li], tail)) != KVH_OK)
             return st;
     }
+    drop_durable_twins(e, s, (uint32_t)(n_tokens / bt)); /* full blocks kept keep theirs */
     for (uint32_t i = keep_blocks; i < s->n_blocks; i++)
         drop_block(e, s, i);
     s->n_blocks = keep_blocks;

@@ -27,7 +27,19 @@ typedef struct kvhi_seq {
     bool owner_in_call;
     uint64_t n_tokens;
     kvhi_scope scope; /* what its blocks hash in (kvh_seq_set_scope) */
+    /* Per logical block below n_durable: the published block of the same
+     * prefix that kvh_seq_persist made durable in place of this
+     * sequence's own (KVHI_NO_BLOCK: none), with a reference, so that the
+     * persisted prefix stays while the sequence holds the block; dropped
+     * with it (truncate, free). NULL until a persist needs it. */
+    uint32_t *durable_twin;
+    uint32_t n_durable;
 } kvhi_seq;
+
+/* Keeps twins[i] (a reference each, or KVHI_NO_BLOCK: nothing new) as
+ * the durable twin of logical block i of s, for i < n, releasing the one
+ * it replaces. */
+kvh_status kvhi_seq_keep_durable_twins(kvh_engine *e, kvhi_seq *s, const uint32_t *twins, uint32_t n);
 
 kvh_status kvhi_seq_get(kvh_engine *e, kvh_seq h, kvhi_seq **out);
 /* Block range covering tokens [first, first + n). */

@@ -355,7 +355,7 @@ static void test_full_disk_waits_for_queued_moves(void **state)
     wb_lock(e);
     for (int i = 0; i < 2; i++)
         dt_assert_ok(kvhi_enqueue(e, pb[i], KVH_TIER_HOST, 0, KVHI_JOB_MOVE, KVHI_NO_BLOCK));
-    kvh_status st = kvhi_disk_persist_blocks(e, wb, 2, "of w");
+    kvh_status st = kvhi_disk_persist_blocks(e, wb, 2, "of w", NULL);
     uint64_t waits = e->queued_move_waits;
     wb_unlock(e);
     if (st != KVH_OK)
@@ -411,7 +411,7 @@ static void test_full_disk_pinned_queued_move_frees_nothing(void **state)
     dt_assert_ok(kvhi_fence_new(e, &fi, &f));
     dt_assert_ok(kvhi_enqueue(e, p0, KVH_TIER_HOST, 0, KVHI_JOB_MOVE, fi));
     uint64_t waits = e->queued_move_waits, run_here = e->queued_moves_run_here;
-    assert_int_equal(kvhi_disk_persist_blocks(e, wb, 2, "of w"), KVH_ERR_NOSPACE);
+    assert_int_equal(kvhi_disk_persist_blocks(e, wb, 2, "of w", NULL), KVH_ERR_NOSPACE);
     assert_int_equal(e->queued_move_waits, waits);
     assert_int_equal(e->queued_moves_run_here, run_here);
     wb_unlock(e);

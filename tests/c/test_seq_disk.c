@@ -214,10 +214,51 @@ static void test_random_edits_on_small_tiers(void **state)
     dt_assert_ok(dt_close(e));
 }
 
+/* kvh_seq_persist of a sequence whose block is a rewritten copy makes the
+ * published original durable, and the sequence keeps it (a reference)
+ * while it holds its own block of that prefix: through growth of its
+ * block table, until it is truncated below it. */
+static void test_persist_keeps_the_published_twin(void **state)
+{
+    (void)state;
+    kvh_engine *e = open_engine("twin", 8, 8, 0);
+    dt_content c = dt_plain(31);
+    kvh_seq a, f;
+    dt_assert_ok(dt_build(e, GEO, c, GEO.bt, 0, &a));
+    dt_assert_ok(kvh_seq_fork(e, a, 0, &f));
+    uint8_t k[64], v[64];
+    dt_assert_ok(kvh_seq_read_kv(e, a, 0, 0, 1, k, v));
+    dt_assert_ok(kvh_seq_write_kv(e, a, 0, 0, 1, k, v)); /* to a copy: the original is f's */
+    assert_false(dt_binfo(e, a, 0).published);
+    dt_assert_ok(kvh_seq_persist(e, a));
+    int32_t tok[4];
+    dt_assert_ok(kvh_seq_tokens(e, a, 0, GEO.bt, tok));
+    kvh_block twin;
+    size_t nb = 0;
+    dt_assert_ok(kvh_prefix_lookup(e, tok, GEO.bt, &twin, 1, &nb));
+    assert_int_equal(nb, 1);
+    kvh_block_info bi = {.struct_size = sizeof(bi)};
+    dt_assert_ok(kvh_block_info_get(e, twin, &bi));
+    assert_int_equal(bi.refs, 3);                               /* f, a's persist, this handle */
+    dt_assert_ok(dt_extend(e, a, GEO, c, GEO.bt, 15 * GEO.bt)); /* its block table grows */
+    dt_assert_ok(kvh_seq_free(e, f));
+    dt_assert_ok(kvh_block_info_get(e, twin, &bi));
+    assert_int_equal(bi.refs, 2);
+    dt_assert_ok(kvh_seq_truncate(e, a, GEO.bt + 1)); /* still holds block 0 */
+    dt_assert_ok(kvh_block_info_get(e, twin, &bi));
+    assert_int_equal(bi.refs, 2);
+    dt_assert_ok(kvh_seq_truncate(e, a, GEO.bt - 1));
+    dt_assert_ok(kvh_block_info_get(e, twin, &bi));
+    assert_int_equal(bi.refs, 1);
+    dt_assert_ok(kvh_block_release(e, twin));
+    dt_assert_ok(kvh_seq_free(e, a));
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_truncate_block_on_disk, dt_teardown),
+        cmocka_unit_test_teardown(test_persist_keeps_the_published_twin, dt_teardown),
         cmocka_unit_test_teardown(test_truncate_block_with_clean_copy, dt_teardown),
         cmocka_unit_test_teardown(test_truncate_shared_block_on_disk, dt_teardown),
         cmocka_unit_test_teardown(test_write_longer_than_memory, dt_teardown),

@@ -702,7 +702,8 @@ KVH_API kvh_status kvh_seq_read_kv(kvh_engine *engine, kvh_seq seq, uint32_t lay
  * the call if it was not yet, unless another block of the same prefix
  * was published first; then that block is made durable, the sequence's
  * own is not written, and a later match returns the published block's
- * K/V. The
+ * K/V; the sequence then keeps that block (a reference) while it holds
+ * its own block of the prefix (until freed, or truncated below it). The
  * disk tier stays a cache: a persisted block is kept there while a
  * sequence or handle references it; once none does, a full disk may give
  * its room to other blocks (dropping it, or, where it stays in memory,
@@ -795,7 +796,8 @@ typedef struct kvh_block_info {
     uint32_t struct_size;
     uint32_t tier; /* kvh_tier where the data is */
     uint32_t slot; /* slot index in that tier */
-    uint32_t refs; /* sequences and retained handles using it */
+    uint32_t refs; /* sequences and retained handles using it (and
+                      sequences it was persisted for: kvh_seq_persist) */
     uint32_t pins;
     uint32_t holds;     /* acquire holds */
     uint32_t tokens;    /* tokens filled, <= block_tokens */
