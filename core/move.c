@@ -44,9 +44,6 @@ int kvhi_copy_bytes(kvh_engine *e, uint32_t dst_tier, void *dst, uint32_t src_ti
 
 static void count_move(kvh_engine *e, uint32_t from, uint32_t to)
 {
-    /* Moves to and from disk count what is written and read there: the
-     * stored form (encoded under a kv_codec), as disk copies do. */
-    uint64_t bytes = (from == KVH_TIER_DISK || to == KVH_TIER_DISK) && e->disk ? e->disk->block_bytes : e->block_bytes;
     /* Device <-> disk passes through host staging: count both legs. */
     if (from == KVH_TIER_DEVICE && to == KVH_TIER_DISK) {
         count_move(e, KVH_TIER_DEVICE, KVH_TIER_HOST);
@@ -55,6 +52,9 @@ static void count_move(kvh_engine *e, uint32_t from, uint32_t to)
         count_move(e, KVH_TIER_DISK, KVH_TIER_HOST);
         from = KVH_TIER_HOST;
     }
+    /* Moves to and from disk count what is written and read there: the
+     * stored form (encoded under a kv_codec), as disk copies do. */
+    uint64_t bytes = (from == KVH_TIER_DISK || to == KVH_TIER_DISK) && e->disk ? e->disk->block_bytes : e->block_bytes;
     if (from == KVH_TIER_DEVICE && to == KVH_TIER_HOST) {
         e->stats.blocks_device_to_host++;
         e->stats.bytes_device_to_host += bytes;
