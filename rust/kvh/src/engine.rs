@@ -77,8 +77,13 @@ unsafe extern "C" fn log_trampoline(user: *mut c_void, level: i32, message: *con
             CStr::from_ptr(message).to_string_lossy(),
         )
     };
-    // A panic must not unwind into C.
-    let _ = catch_unwind(AssertUnwindSafe(|| sink(LogLevel::from_raw(level), &text)));
+    // A panic must not unwind into C, nor one from dropping its payload.
+    if let Err(payload) = catch_unwind(AssertUnwindSafe(|| sink(LogLevel::from_raw(level), &text)))
+    {
+        if let Err(again) = catch_unwind(AssertUnwindSafe(move || drop(payload))) {
+            std::mem::forget(again); // dropping it could panic once more
+        }
+    }
 }
 
 impl Engine {

@@ -173,6 +173,14 @@ impl<'e> Pool<'e> {
                 ..xfer()
             })
             .collect();
+        // One fence a layer: checked before allocating them.
+        let layers = self.engine.geometry().num_layers;
+        if u64::from(first_layer) + u64::from(n_layers) > u64::from(layers) {
+            return Err(Error::new(
+                Status::Range,
+                format!("layers {first_layer}..+{n_layers} pass num_layers {layers}"),
+            ));
+        }
         let mut fences = vec![sys::kvh_fence::default(); n_layers.max(1) as usize];
         // SAFETY: as in offload_batch; fences has n_layers entries.
         check(unsafe {

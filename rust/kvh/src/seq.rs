@@ -5,7 +5,7 @@ use std::marker::PhantomData;
 use std::ops::{Bound, RangeBounds};
 use std::ptr;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, Mutex, Weak};
 
 use kvh_sys as sys;
 
@@ -230,6 +230,7 @@ impl<'e> Sequence<'e> {
         let mark = Arc::new(ViewMark {
             layer,
             mapped: AtomicU64::new(mapped),
+            keepers: Mutex::new(Vec::new()),
         });
         let mut views = self.views.borrow_mut();
         views.retain(|w| w.strong_count() > 0);
@@ -491,7 +492,8 @@ impl<'e> Sequence<'e> {
 
     /// Shortens the sequence to `n_tokens` (≤ its length).
     /// [`Status::Busy`] while a [`Hold`] covers tokens at or past
-    /// `n_tokens` (drop it first).
+    /// `n_tokens` (drop it first). Blocks a live [`VMap`](crate::VMap)
+    /// maps stay as they are until it drops.
     pub fn truncate(&self, n_tokens: u64) -> Result<()> {
         if let Some((first, n)) = self
             .holds
@@ -506,6 +508,28 @@ impl<'e> Sequence<'e> {
                     first.saturating_add(*n)
                 ),
             ));
+        }
+        // Blocks a live view maps stay referenced by a hidden fork until
+        // the view goes: given up, another fork holding them alone would
+        // write them in place, under the view's slices.
+        let cut: Vec<Arc<ViewMark>> = self
+            .views
+            .borrow()
+            .iter()
+            .filter_map(Weak::upgrade)
+            .filter(|m| m.mapped.load(Ordering::Acquire) > n_tokens)
+            .collect();
+        if !cut.is_empty() && n_tokens < self.len()? {
+            let mut keeper = sys::kvh_seq { id: 0 };
+            // SAFETY: valid engine and handle; keeper is written on success.
+            check(unsafe { sys::kvh_seq_fork(self.engine.as_ptr(), self.raw, 0, &mut keeper) })?;
+            let keeper = Arc::new(OrphanSequence {
+                engine: self.engine.as_ptr(),
+                raw: keeper,
+            });
+            for mark in &cut {
+                mark.keep(&keeper);
+            }
         }
         // SAFETY: valid engine.
         check(unsafe { sys::kvh_seq_truncate(self.engine.as_ptr(), self.raw, n_tokens) })
@@ -710,6 +734,23 @@ impl<'e> Sequence<'e> {
 
 impl Drop for Sequence<'_> {
     fn drop(&mut self) {
+        let live: Vec<Arc<ViewMark>> = self
+            .views
+            .borrow()
+            .iter()
+            .filter_map(Weak::upgrade)
+            .collect();
+        if !live.is_empty() {
+            // Views outlive it: they free it (see OrphanSequence).
+            let orphan = Arc::new(OrphanSequence {
+                engine: self.engine.as_ptr(),
+                raw: self.raw,
+            });
+            for mark in live {
+                mark.keep(&orphan);
+            }
+            return;
+        }
         // SAFETY: valid engine; the sequence is freed exactly once, and no
         // Hold or SeqRef can be alive (they borrow `self`).
         unsafe {
@@ -914,10 +955,48 @@ mod tests {
 pub(crate) struct ViewMark {
     layer: u32,
     mapped: AtomicU64,
+    // Sequences that keep the blocks this view maps (the sequence itself
+    // once dropped, or a fork of it taken before a truncation): freed
+    // with the last view holding them.
+    keepers: Mutex<Vec<Arc<OrphanSequence>>>,
+}
+
+impl ViewMark {
+    fn keep(&self, keeper: &Arc<OrphanSequence>) {
+        self.keepers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(keeper.clone());
+    }
 }
 
 impl ViewMark {
     pub(crate) fn set_mapped(&self, tokens: u64) {
         self.mapped.store(tokens, Ordering::Release);
+    }
+}
+
+/// A sequence dropped while views of it lived. Its references keep the
+/// blocks the views show shared, so a fork's write into one goes to a copy
+/// instead of the pages under the views' slices; it is freed when the last
+/// of those views goes.
+#[derive(Debug)]
+pub(crate) struct OrphanSequence {
+    engine: *mut sys::kvh_engine,
+    raw: sys::kvh_seq,
+}
+
+// SAFETY: the engine outlives every view (they borrow it), and the
+// sequence is freed once, by the last view holding it, when no other call
+// can name it (its Sequence is gone).
+unsafe impl Send for OrphanSequence {}
+unsafe impl Sync for OrphanSequence {}
+
+impl Drop for OrphanSequence {
+    fn drop(&mut self) {
+        // SAFETY: see above.
+        unsafe {
+            sys::kvh_seq_free(self.engine, self.raw);
+        }
     }
 }

@@ -17,7 +17,9 @@ use crate::seq::{Sequence, ViewMark};
 /// drops. Slices borrowed from it cannot outlive a
 /// [`refresh`](Self::refresh), which may remap them. They show the pool's
 /// own pages: while the view lives, [`Sequence::write_kv`] refuses the
-/// tokens it maps with [`Status::Busy`](crate::Status::Busy).
+/// tokens it maps with [`Status::Busy`](crate::Status::Busy), and the blocks
+/// it maps stay referenced (through a truncation, or the sequence's drop)
+/// until it drops, so that no fork writes them in place.
 #[derive(Debug)]
 pub struct VMap<'e> {
     engine: &'e Engine,
