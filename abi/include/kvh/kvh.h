@@ -1724,7 +1724,10 @@ KVH_API kvh_status kvh_codec_decode(uint32_t codec, uint32_t dtype, uint32_t hea
  * blocks that changed and increments generation when anything did;
  * kvh_attention_decode_vmap refuses a stale view with KVH_ERR_BAD_HANDLE.
  * Reading a stale view directly gives the old blocks' data (never a
- * fault while the view exists).
+ * fault while the view exists): their bytes as they are now, so a block
+ * the sequence gave up (truncate, free) that a fork still holds shows
+ * that fork's later writes into it; keep the sequence, or a fork of it,
+ * while reading a view if that matters.
  *
  * A kvh_vmap * is a handle (see "Handles" at the top): a released, forged
  * or foreign one is KVH_ERR_BAD_HANDLE from every call taking it, and no
