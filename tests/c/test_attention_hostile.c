@@ -20,66 +20,6 @@ enum { L = 2, H = 2, D = 64, BT = 16, MAXT = 160, MAXQH = 8 };
 
 /* ---- f16 / bf16 ---- */
 
-static uint16_t f32_to_f16(float f)
-{
-    uint32_t x;
-    memcpy(&x, &f, 4);
-    uint32_t sign = (x >> 16) & 0x8000u, exp = (x >> 23) & 0xffu, man = x & 0x7fffffu;
-    if (exp == 0xff)
-        return (uint16_t)(sign | 0x7c00u | (man ? 0x200u : 0));
-    int e = (int)exp - 127 + 15;
-    if (e >= 31)
-        return (uint16_t)(sign | 0x7c00u);
-    if (e <= 0) {
-        if (e < -10)
-            return (uint16_t)sign;
-        man |= 0x800000u;
-        uint32_t shift = (uint32_t)(14 - e);
-        uint32_t h = man >> shift, rem = man & ((1u << shift) - 1), half = 1u << (shift - 1);
-        if (rem > half || (rem == half && (h & 1)))
-            h++;
-        return (uint16_t)(sign | h);
-    }
-    uint32_t h = ((uint32_t)e << 10) | (man >> 13), rem = man & 0x1fffu;
-    if (rem > 0x1000u || (rem == 0x1000u && (h & 1)))
-        h++;
-    return (uint16_t)(sign | h);
-}
-
-static float f16_to_f32(uint16_t h)
-{
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, x;
-    if (exp == 0) {
-        float f = ldexpf((float)man, -24);
-        return sign ? -f : f;
-    }
-    if (exp == 31)
-        x = sign | 0x7f800000u | (man << 13);
-    else
-        x = sign | ((exp - 15 + 127) << 23) | (man << 13);
-    float f;
-    memcpy(&f, &x, 4);
-    return f;
-}
-
-static uint16_t f32_to_bf16(float f)
-{
-    uint32_t x;
-    memcpy(&x, &f, 4);
-    if ((x & 0x7fffffffu) > 0x7f800000u)
-        return (uint16_t)((x >> 16) | 0x40u);
-    x += 0x7fffu + ((x >> 16) & 1u);
-    return (uint16_t)(x >> 16);
-}
-
-static float bf16_to_f32(uint16_t b)
-{
-    uint32_t x = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &x, 4);
-    return f;
-}
-
 static size_t dsize(uint32_t dt) { return dt == KVH_DTYPE_F32 ? 4 : 2; }
 
 static void to_dtype(uint32_t dt, const float *src, void *dst, size_t n)
@@ -88,9 +28,9 @@ static void to_dtype(uint32_t dt, const float *src, void *dst, size_t n)
         if (dt == KVH_DTYPE_F32)
             ((float *)dst)[i] = src[i];
         else if (dt == KVH_DTYPE_F16)
-            ((uint16_t *)dst)[i] = f32_to_f16(src[i]);
+            ((uint16_t *)dst)[i] = tu_f32_to_f16(src[i]);
         else
-            ((uint16_t *)dst)[i] = f32_to_bf16(src[i]);
+            ((uint16_t *)dst)[i] = tu_f32_to_bf16(src[i]);
     }
 }
 
@@ -99,8 +39,8 @@ static float from_dtype(uint32_t dt, const void *src, size_t i)
     if (dt == KVH_DTYPE_F32)
         return ((const float *)src)[i];
     if (dt == KVH_DTYPE_F16)
-        return f16_to_f32(((const uint16_t *)src)[i]);
-    return bf16_to_f32(((const uint16_t *)src)[i]);
+        return tu_f16_to_f32(((const uint16_t *)src)[i]);
+    return tu_bf16_to_f32(((const uint16_t *)src)[i]);
 }
 
 /* ---- the test's own copy of a sequence's K/V ---- */

@@ -23,62 +23,9 @@ static const uint32_t dtypes[] = {KVH_DTYPE_F32, KVH_DTYPE_F16, KVH_DTYPE_BF16};
 
 /* ---- f16 / bf16, round to nearest even ---- */
 
-static uint16_t f32_to_f16(float f)
-{
-    uint32_t x;
-    memcpy(&x, &f, 4);
-    uint32_t sign = (x >> 16) & 0x8000u, exp = (x >> 23) & 0xffu, man = x & 0x7fffffu;
-    if (exp == 0xff)
-        return (uint16_t)(sign | 0x7c00u | (man ? 0x200u : 0));
-    int e = (int)exp - 127 + 15;
-    if (e >= 31)
-        return (uint16_t)(sign | 0x7c00u);
-    if (e <= 0) {
-        if (e < -10)
-            return (uint16_t)sign;
-        man |= 0x800000u;
-        uint32_t shift = (uint32_t)(14 - e);
-        uint32_t h = man >> shift, rem = man & ((1u << shift) - 1), half = 1u << (shift - 1);
-        if (rem > half || (rem == half && (h & 1)))
-            h++;
-        return (uint16_t)(sign | h);
-    }
-    uint32_t h = ((uint32_t)e << 10) | (man >> 13), rem = man & 0x1fffu;
-    if (rem > 0x1000u || (rem == 0x1000u && (h & 1)))
-        h++;
-    return (uint16_t)(sign | h);
-}
+static double f16_to_d(uint16_t h) { return tu_f16_to_f32(h); } /* exact: f16 is a subset of f32 */
 
-static double f16_to_d(uint16_t h)
-{
-    uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
-    double v;
-    if (exp == 0)
-        v = ldexp((double)man, -24);
-    else if (exp == 31)
-        v = man ? NAN : INFINITY;
-    else
-        v = ldexp((double)(man | 0x400u), (int)exp - 25);
-    return (h & 0x8000u) ? -v : v;
-}
-
-static uint16_t f32_to_bf16(float f)
-{
-    uint32_t x;
-    memcpy(&x, &f, 4);
-    if ((x & 0x7fffffffu) > 0x7f800000u)
-        return (uint16_t)((x >> 16) | 0x40u);
-    x += 0x7fffu + ((x >> 16) & 1u);
-    return (uint16_t)(x >> 16);
-}
-
-static double bf16_to_d(uint16_t b)
-{
-    uint32_t x = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &x, 4);
-    return f;
-}
+static double bf16_to_d(uint16_t b) { return tu_bf16_to_f32(b); }
 
 static size_t dsize(uint32_t dt) { return dt == KVH_DTYPE_F32 ? 4 : 2; }
 
@@ -87,7 +34,7 @@ static void put_elem(uint32_t dt, void *buf, size_t i, float f)
     if (dt == KVH_DTYPE_F32)
         memcpy((uint8_t *)buf + i * 4, &f, 4);
     else {
-        uint16_t h = dt == KVH_DTYPE_F16 ? f32_to_f16(f) : f32_to_bf16(f);
+        uint16_t h = dt == KVH_DTYPE_F16 ? tu_f32_to_f16(f) : tu_f32_to_bf16(f);
         memcpy((uint8_t *)buf + i * 2, &h, 2);
     }
 }
@@ -264,6 +211,19 @@ static void store_path(char *buf, size_t len, const char *name)
         snprintf(stores[n_stores++], sizeof(stores[0]), "%s", buf);
 }
 
+/* c with kv_codec and a disk store of its own named name (emptied when it
+ * holds another geometry). */
+static kvh_config codec_store_cfg(char *dir, size_t len, const char *name, kvh_config c, uint32_t codec,
+                                  uint64_t disk_bytes)
+{
+    store_path(dir, len, name);
+    c.kv_codec = codec;
+    c.disk_path = dir;
+    c.disk_bytes = disk_bytes;
+    c.disk_flags = KVH_DISK_RESET_ON_MISMATCH;
+    return c;
+}
+
 static int rm_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw)
 {
     (void)sb;
@@ -368,12 +328,8 @@ static void test_special_values_through_every_tier(void **state)
         for (size_t ci = 0; ci < 3; ci++) {
             uint32_t dt = dtypes[di], codec = codecs[ci];
             char dir[512];
-            store_path(dir, sizeof(dir), "special");
-            kvh_config c = tu_cfg(L, H, D, BT, dt, 4, 8, 1);
-            c.kv_codec = codec;
-            c.disk_path = dir;
-            c.disk_bytes = 8ull << 20;
-            c.disk_flags = KVH_DISK_RESET_ON_MISMATCH;
+            kvh_config c =
+                codec_store_cfg(dir, sizeof(dir), "special", tu_cfg(L, H, D, BT, dt, 4, 8, 1), codec, 8ull << 20);
             kvh_engine *e = tu_open_cfg(&c);
             kvbuf x = kv_new(dt, L, H, D, n), want = kv_new(dt, L, H, D, n), got = kv_new(dt, L, H, D, n);
             kv_fill_hostile(&r, &x);
@@ -427,12 +383,8 @@ static void test_tiny_geometry_round_trips(void **state)
             uint32_t codec = dim == 32 ? KVH_CODEC_Q4_G32 : dim == 320 ? KVH_CODEC_Q4_G64 : KVH_CODEC_INT8;
             const size_t n = 12;
             char dir[512];
-            store_path(dir, sizeof(dir), "tiny");
-            kvh_config c = tu_cfg(layers, heads, dim, 1, dt, 1, 4, gi % 2);
-            c.kv_codec = codec;
-            c.disk_path = dir;
-            c.disk_bytes = 4ull << 20;
-            c.disk_flags = KVH_DISK_RESET_ON_MISMATCH;
+            kvh_config c = codec_store_cfg(dir, sizeof(dir), "tiny", tu_cfg(layers, heads, dim, 1, dt, 1, 4, gi % 2),
+                                           codec, 4ull << 20);
             c.eviction_policy = KVH_EVICT_LRU_K;
             /* three encoded blocks in the host tier, whatever their size */
             uint64_t rec = 0;
@@ -504,12 +456,8 @@ static void test_partial_write_in_encoded_block(void **state)
         for (size_t di = 0; di < 3; di++) {
             uint32_t codec = codecs[ci], dt = dtypes[di];
             char dir[512];
-            store_path(dir, sizeof(dir), "partial");
-            kvh_config c = tu_cfg(L, H, D, BT, dt, 2, 4, 0);
-            c.kv_codec = codec;
-            c.disk_path = dir;
-            c.disk_bytes = 4ull << 20;
-            c.disk_flags = KVH_DISK_RESET_ON_MISMATCH;
+            kvh_config c =
+                codec_store_cfg(dir, sizeof(dir), "partial", tu_cfg(L, H, D, BT, dt, 2, 4, 0), codec, 4ull << 20);
             kvh_engine *e = tu_open_cfg(&c);
             kvbuf x = kv_new(dt, L, H, D, BT), y = kv_new(dt, L, H, D, BT), got = kv_new(dt, L, H, D, BT),
                   before = kv_new(dt, L, H, D, BT), want = kv_new(dt, L, H, D, BT);
@@ -648,12 +596,7 @@ static void test_fork_and_prefix_of_encoded_blocks(void **state)
     for (size_t ci = 0; ci < 3; ci++) {
         uint32_t codec = codecs[ci], dt = KVH_DTYPE_F16;
         char dir[512];
-        store_path(dir, sizeof(dir), "fork");
-        kvh_config c = tu_cfg(L, H, D, BT, dt, 3, 4, 1);
-        c.kv_codec = codec;
-        c.disk_path = dir;
-        c.disk_bytes = 8ull << 20;
-        c.disk_flags = KVH_DISK_RESET_ON_MISMATCH;
+        kvh_config c = codec_store_cfg(dir, sizeof(dir), "fork", tu_cfg(L, H, D, BT, dt, 3, 4, 1), codec, 8ull << 20);
         kvh_engine *e = tu_open_cfg(&c);
         const size_t n = 2 * BT + 5;
         int32_t tokens[2 * BT + 5];
@@ -1198,12 +1141,7 @@ static void test_pool_restore_from_encoded_tiers(void **state)
     for (size_t ci = 0; ci < 3; ci++) {
         uint32_t codec = codecs[ci], dt = KVH_DTYPE_F16;
         char dir[512];
-        store_path(dir, sizeof(dir), "pool");
-        kvh_config c = tu_cfg(L, H, D, BT, dt, 2, 4, 0);
-        c.kv_codec = codec;
-        c.disk_path = dir;
-        c.disk_bytes = 4ull << 20;
-        c.disk_flags = KVH_DISK_RESET_ON_MISMATCH;
+        kvh_config c = codec_store_cfg(dir, sizeof(dir), "pool", tu_cfg(L, H, D, BT, dt, 2, 4, 0), codec, 4ull << 20);
         kvh_engine *e = tu_open_cfg(&c);
         const size_t es = 2, head_stride = (D + 8) * es, token_stride = H * head_stride + 16,
                      slot_stride = BT * token_stride + 64;
@@ -1378,12 +1316,8 @@ static void test_device_disk_without_host_tier(void **state)
     for (size_t ci = 0; ci < 3; ci++) {
         uint32_t codec = codecs[ci], dt = KVH_DTYPE_F16;
         char dir[512];
-        store_path(dir, sizeof(dir), "nohost");
-        kvh_config c = tu_cfg(L, H, D, BT, dt, 1, 0, ci % 2);
-        c.kv_codec = codec;
-        c.disk_path = dir;
-        c.disk_bytes = 4ull << 20;
-        c.disk_flags = KVH_DISK_RESET_ON_MISMATCH;
+        kvh_config c =
+            codec_store_cfg(dir, sizeof(dir), "nohost", tu_cfg(L, H, D, BT, dt, 1, 0, ci % 2), codec, 4ull << 20);
         kvh_engine *e = NULL;
         kvh_status st = kvh_engine_open(&c, &e);
         if (st != KVH_OK) { /* a budget the engine refuses, with a status */
@@ -1479,12 +1413,8 @@ static void test_disk_byte_counters_count_the_stored_form(void **state)
     (void)state;
     tu_rng r = {tu_seed(0xc0decf)};
     char dir[512];
-    store_path(dir, sizeof(dir), "bytes");
-    kvh_config c = tu_cfg(L, H, D, BT, KVH_DTYPE_F16, 4, 4, 0);
-    c.kv_codec = KVH_CODEC_INT8;
-    c.disk_path = dir;
-    c.disk_bytes = 4ull << 20;
-    c.disk_flags = KVH_DISK_RESET_ON_MISMATCH;
+    kvh_config c = codec_store_cfg(dir, sizeof(dir), "bytes", tu_cfg(L, H, D, BT, KVH_DTYPE_F16, 4, 4, 0),
+                                   KVH_CODEC_INT8, 4ull << 20);
     kvh_engine *e = tu_open_cfg(&c);
     kvh_tier_info dk = tu_tier(e, KVH_TIER_DISK), dv = tu_tier(e, KVH_TIER_DEVICE);
     assert_true(dk.block_bytes < dv.block_bytes);
@@ -1530,12 +1460,8 @@ static void test_move_onto_clean_disk_copy_writes_nothing(void **state)
     (void)state;
     tu_rng r = {tu_seed(0xc0ded0)};
     char dir[512];
-    store_path(dir, sizeof(dir), "copymove");
-    kvh_config c = tu_cfg(1, 1, 64, 4, KVH_DTYPE_F32, 4, 4, 0);
-    c.kv_codec = KVH_CODEC_INT8;
-    c.disk_path = dir;
-    c.disk_bytes = 4ull << 20;
-    c.disk_flags = KVH_DISK_RESET_ON_MISMATCH;
+    kvh_config c = codec_store_cfg(dir, sizeof(dir), "copymove", tu_cfg(1, 1, 64, 4, KVH_DTYPE_F32, 4, 4, 0),
+                                   KVH_CODEC_INT8, 4ull << 20);
     kvh_engine *e = tu_open_cfg(&c);
     kvbuf x = kv_new(KVH_DTYPE_F32, 1, 1, 64, 4), want = kv_new(KVH_DTYPE_F32, 1, 1, 64, 4),
           got = kv_new(KVH_DTYPE_F32, 1, 1, 64, 4);
