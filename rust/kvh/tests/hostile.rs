@@ -8,7 +8,6 @@
 mod common;
 
 use std::ffi::c_void;
-use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -36,90 +35,13 @@ const CHILD_CASES: &[(&str, fn())] = &[
 /// (nothing in a normal run).
 #[test]
 fn child_entry() {
-    let Ok(name) = std::env::var(CHILD_VAR) else {
-        return;
-    };
-    let case = CHILD_CASES
-        .iter()
-        .find(|(n, _)| *n == name)
-        .unwrap_or_else(|| panic!("no child case {name}"));
-    (case.1)();
-}
-
-/// Runs a child case with a deadline; returns (exit code or None for a
-/// signal/timeout, combined output).
-fn run_child(name: &str, deadline: Duration) -> (Option<i32>, String) {
-    let exe = std::env::current_exe().expect("test binary");
-    let mut child = Command::new(exe)
-        .args(["child_entry", "--exact", "--nocapture", "--test-threads=1"])
-        .env(CHILD_VAR, name)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("spawn child");
-    let start = Instant::now();
-    loop {
-        if let Some(_st) = child.try_wait().expect("wait child") {
-            break;
-        }
-        if start.elapsed() > deadline {
-            let _ = child.kill();
-            let out = child.wait_with_output().expect("child output");
-            return (
-                None,
-                format!(
-                    "child {name} hung (killed after {deadline:?})\n{}{}",
-                    String::from_utf8_lossy(&out.stdout),
-                    String::from_utf8_lossy(&out.stderr)
-                ),
-            );
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    let out = child.wait_with_output().expect("child output");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (out.status.code(), text)
-}
-
-/// Asserts that a child case ran to a clean pass.
-fn child_passes(name: &str) {
-    let (code, text) = run_child(name, Duration::from_secs(20));
-    assert_eq!(code, Some(0), "child case {name} failed:\n{text}");
-    assert!(
-        text.contains("1 passed"),
-        "child case {name} did not run:\n{text}"
-    );
-}
-
-fn small() -> Engine {
-    common::engine(2, 2, 8, 4, 64, 256)
-}
-
-fn vmap_engine() -> Engine {
-    // One head's K of a block is 16 * 64 * 4 = 4 KiB, a whole page.
-    Engine::open(
-        Config::new()
-            .backend(Backend::Cpu)
-            .dtype(DType::F32)
-            .num_layers(1)
-            .num_kv_heads(2)
-            .head_dim(64)
-            .block_tokens(16)
-            .device_bytes(8 << 20)
-            .host_bytes(8 << 20)
-            .vmap(true),
-    )
-    .expect("open vmap engine")
+    common::run_child_case(CHILD_VAR, CHILD_CASES);
 }
 
 // ---------------------------------------------------------------- children
 
 fn child_huge_read_kv_vec() {
-    let e = small();
+    let e = common::small();
     let s = e.create_sequence(0).unwrap();
     s.append(&[1, 2, 3]).unwrap();
     common::fill(&e, &s, 1);
@@ -141,7 +63,7 @@ fn child_huge_read_kv_vec() {
 }
 
 fn child_empty_view_slices() {
-    let e = vmap_engine();
+    let e = common::vmap_engine();
     let s = e.create_sequence(0).unwrap();
     // A view of no tokens, made to grow: its slices are empty, not built
     // from a NULL pointer.
@@ -298,7 +220,7 @@ fn child_log_sink_drops_last_engine_on_worker() {
 }
 
 fn child_panic_with_guards_alive() {
-    let e = small();
+    let e = common::small();
     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         let s = e.create_sequence(0).unwrap();
         s.append(&[1; 16]).unwrap();
@@ -323,30 +245,30 @@ fn child_panic_with_guards_alive() {
 
 #[test]
 fn huge_token_counts_are_errors_not_aborts() {
-    child_passes("huge_read_kv_vec");
+    common::child_passes(CHILD_VAR, "huge_read_kv_vec", None);
 }
 
 #[test]
 fn empty_views_give_empty_slices() {
-    child_passes("empty_view_slices");
+    common::child_passes(CHILD_VAR, "empty_view_slices", None);
 }
 
 #[test]
 fn a_log_sink_dropping_its_engine_does_not_crash_or_hang() {
-    child_passes("log_sink_drops_engine");
-    child_passes("log_sink_drops_last_engine_on_worker");
+    common::child_passes(CHILD_VAR, "log_sink_drops_engine", None);
+    common::child_passes(CHILD_VAR, "log_sink_drops_last_engine_on_worker", None);
 }
 
 #[test]
 fn unwinding_with_guards_alive_leaves_the_engine_consistent() {
-    child_passes("panic_with_guards_alive");
+    common::child_passes(CHILD_VAR, "panic_with_guards_alive", None);
 }
 
 // ------------------------------------------------------------ in-process
 
 #[test]
 fn nul_bytes_in_strings_are_invalid_arg() {
-    let e = small();
+    let e = common::small();
     let err = e.create_context("a\0b", KvPolicy::Keep).unwrap_err();
     assert_eq!(err.status(), Status::InvalidArg);
     let c = e.create_context("", KvPolicy::Keep).unwrap();
@@ -386,7 +308,7 @@ fn nul_bytes_in_strings_are_invalid_arg() {
 
 #[test]
 fn kv_slices_of_every_wrong_shape_are_refused() {
-    let e = small();
+    let e = common::small();
     let g = *e.geometry();
     let per = g.token_elems();
     let s = e.create_sequence(0).unwrap();
@@ -497,7 +419,7 @@ fn codec_buffers_of_wrong_sizes_are_refused() {
 
 #[test]
 fn attention_with_bad_shapes_is_refused() {
-    let e = small();
+    let e = common::small();
     let g = *e.geometry();
     let s = e.create_sequence(0).unwrap();
     s.append(&[1; 6]).unwrap();
@@ -571,7 +493,7 @@ fn attention_with_bad_shapes_is_refused() {
         .attention_plan::<f32>(0, &[&s], Some(&[1, 1]), None)
         .is_err());
     // A sequence of another engine.
-    let other = small();
+    let other = common::small();
     let so = other.create_sequence(0).unwrap();
     assert!(e.attention_decode(0, &[&so], &q, &mut out, None).is_err());
     assert!(e.attention_plan::<f32>(0, &[&so], None, None).is_err());
@@ -579,8 +501,8 @@ fn attention_with_bad_shapes_is_refused() {
 
 #[test]
 fn handles_across_engines_are_refused() {
-    let a = small();
-    let b = small();
+    let a = common::small();
+    let b = common::small();
     let sa = a.create_sequence(0).unwrap();
     sa.append(&[1; 8]).unwrap();
     let sb = b.create_sequence(0).unwrap();
@@ -644,7 +566,7 @@ fn a_hold_outliving_a_truncation_does_not_release_a_later_hold() {
 
 #[test]
 fn a_view_slice_does_not_change_while_borrowed() {
-    let e = vmap_engine();
+    let e = common::vmap_engine();
     let s = e.create_sequence(0).unwrap();
     s.append(&[3; 24]).unwrap();
     let kv = vec![0.5f32; 24 * 128];
@@ -849,7 +771,7 @@ fn engine_closed_from_another_thread_after_its_users() {
     // The last Arc is dropped on whichever thread ends last: close runs
     // there, after every handle of every thread was freed.
     for _ in 0..4 {
-        let engine = Arc::new(small());
+        let engine = Arc::new(common::small());
         let mut threads = Vec::new();
         for t in 0..3u32 {
             let e = engine.clone();
@@ -907,7 +829,7 @@ fn fences_shared_between_threads_and_waited_together() {
 
 #[test]
 fn scopes_and_hints_at_the_limits() {
-    let e = small();
+    let e = common::small();
     let s = e.create_sequence(0).unwrap();
     s.set_scope(Scope::with_shared(u64::MAX, u64::MAX, u64::MAX))
         .unwrap_or(());

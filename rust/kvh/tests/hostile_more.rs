@@ -9,10 +9,9 @@
 mod common;
 
 use std::ffi::c_void;
-use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use kvh::{
     AttentionParams, Backend, Block, Config, DType, Engine, KvPolicy, LogLevel, OffloadItem, Pool,
@@ -31,99 +30,7 @@ const CHILD_CASES: &[(&str, fn())] = &[
 /// (nothing in a normal run).
 #[test]
 fn child_entry() {
-    let Ok(name) = std::env::var(CHILD_VAR) else {
-        return;
-    };
-    let case = CHILD_CASES
-        .iter()
-        .find(|(n, _)| *n == name)
-        .unwrap_or_else(|| panic!("no child case {name}"));
-    (case.1)();
-}
-
-/// Runs a child case with a deadline, under `ulimit -v vmem_kib` when
-/// given; returns (exit code, or None for a signal or a timeout, and the
-/// combined output).
-fn run_child(name: &str, deadline: Duration, vmem_kib: Option<u64>) -> (Option<i32>, String) {
-    let exe = std::env::current_exe().expect("test binary");
-    let args = ["child_entry", "--exact", "--nocapture", "--test-threads=1"];
-    let mut cmd = match vmem_kib {
-        None => {
-            let mut c = Command::new(&exe);
-            c.args(args);
-            c
-        }
-        Some(kib) => {
-            let mut c = Command::new("/bin/sh");
-            c.arg("-c")
-                .arg(format!("ulimit -v {kib} && exec \"$0\" \"$@\""))
-                .arg(&exe)
-                .args(args);
-            c
-        }
-    };
-    let mut child = cmd
-        .env(CHILD_VAR, name)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("spawn child");
-    let start = Instant::now();
-    loop {
-        if child.try_wait().expect("wait child").is_some() {
-            break;
-        }
-        if start.elapsed() > deadline {
-            let _ = child.kill();
-            let out = child.wait_with_output().expect("child output");
-            return (
-                None,
-                format!(
-                    "child {name} hung (killed after {deadline:?})\n{}{}",
-                    String::from_utf8_lossy(&out.stdout),
-                    String::from_utf8_lossy(&out.stderr)
-                ),
-            );
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    let out = child.wait_with_output().expect("child output");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (out.status.code(), text)
-}
-
-fn child_passes(name: &str, vmem_kib: Option<u64>) {
-    let (code, text) = run_child(name, Duration::from_secs(20), vmem_kib);
-    assert_eq!(code, Some(0), "child case {name} failed:\n{text}");
-    assert!(
-        text.contains("1 passed"),
-        "child case {name} did not run:\n{text}"
-    );
-}
-
-fn small() -> Engine {
-    common::engine(2, 2, 8, 4, 64, 256)
-}
-
-fn vmap_engine() -> Engine {
-    // One head's K of a block is 16 * 64 * 4 = 4 KiB, a whole page.
-    Engine::open(
-        Config::new()
-            .backend(Backend::Cpu)
-            .dtype(DType::F32)
-            .num_layers(1)
-            .num_kv_heads(2)
-            .head_dim(64)
-            .block_tokens(16)
-            .device_bytes(8 << 20)
-            .host_bytes(8 << 20)
-            .vmap(true),
-    )
-    .expect("open vmap engine")
+    common::run_child_case(CHILD_VAR, CHILD_CASES);
 }
 
 // ---------------------------------------------------------------- children
@@ -212,7 +119,7 @@ fn child_restore_huge_n_layers() {
 
 #[test]
 fn a_log_sink_panicking_with_a_panicking_payload_does_not_abort() {
-    child_passes("panic_payload_drop_panics", None);
+    common::child_passes(CHILD_VAR, "panic_payload_drop_panics", None);
 }
 
 #[test]
@@ -220,7 +127,7 @@ fn restore_batch_with_huge_layer_counts_is_an_error_not_an_abort() {
     // 4 GiB of address space: one fence per layer of u32::MAX layers
     // (32 GiB) cannot be had, so an unchecked count aborts the child
     // instead of taking the machine's memory.
-    child_passes("restore_huge_n_layers", Some(4 << 20));
+    common::child_passes(CHILD_VAR, "restore_huge_n_layers", Some(4 << 20));
 }
 
 // ------------------------------------------------------------------ views
@@ -241,7 +148,7 @@ fn view_setup(e: &Engine) -> Option<(kvh::Sequence<'_>, kvh::VMap<'_>)> {
 
 #[test]
 fn a_view_slice_is_stable_when_a_fork_writes_after_its_parent_is_truncated() {
-    let e = vmap_engine();
+    let e = common::vmap_engine();
     let Some((parent, view)) = view_setup(&e) else {
         return;
     };
@@ -276,7 +183,7 @@ fn a_view_slice_is_stable_when_a_fork_writes_after_its_parent_is_truncated() {
 
 #[test]
 fn a_view_slice_is_stable_when_a_fork_writes_after_its_parent_is_dropped() {
-    let e = vmap_engine();
+    let e = common::vmap_engine();
     let Some((parent, view)) = view_setup(&e) else {
         return;
     };
@@ -376,7 +283,7 @@ fn sixteen_bit_kv_is_bit_exact_through_tiers_and_forks() {
 
 #[test]
 fn f32_nan_payloads_are_bit_exact_through_tiers() {
-    let e = small();
+    let e = common::small();
     let per = e.geometry().token_elems();
     let s = e.create_sequence(0).unwrap();
     s.append(&[9; 6]).unwrap();
@@ -414,7 +321,7 @@ fn f32_nan_payloads_are_bit_exact_through_tiers() {
 
 #[test]
 fn zero_lengths_and_extreme_positions_are_ok_or_documented_errors() {
-    let e = small();
+    let e = common::small();
     let s = e.create_sequence(0).unwrap();
     let range_or_ok = |r: kvh::Result<()>, what: &str| {
         if let Err(err) = r {
@@ -515,7 +422,7 @@ fn zero_lengths_and_extreme_positions_are_ok_or_documented_errors() {
 
 #[test]
 fn attention_plan_with_huge_q_lens_is_an_error_not_a_panic() {
-    let e = small();
+    let e = common::small();
     let s = e.create_sequence(0).unwrap();
     s.append(&[1; 8]).unwrap();
     common::fill(&e, &s, 1);
@@ -528,7 +435,7 @@ fn attention_plan_with_huge_q_lens_is_an_error_not_a_panic() {
             e.attention_plan::<f32>(0, &[&s], Some(&lens), Some(&p))
                 .map(|plan| {
                     let mut out = vec![0f32; 16];
-                    plan.run(&vec![0f32; 16], &mut out)
+                    plan.run(&[0f32; 16], &mut out)
                 })
         }));
         match r {
@@ -562,8 +469,8 @@ fn attention_plan_with_huge_q_lens_is_an_error_not_a_panic() {
 
 #[test]
 fn handles_of_another_engine_are_refused_everywhere() {
-    let a = small();
-    let b = small();
+    let a = common::small();
+    let b = common::small();
     // The first objects of two fresh engines: the raw values are as alike
     // as they get.
     let sa = a.create_sequence(0).unwrap();
@@ -664,7 +571,7 @@ fn shared_views_race_the_owner_and_the_data_stays_exact() {
 
 #[test]
 fn owned_blocks_cloned_and_released_on_many_threads_balance() {
-    let e = small();
+    let e = common::small();
     let s = e.create_sequence(0).unwrap();
     let prompt: Vec<i32> = (0..8).collect();
     s.append(&prompt).unwrap();
@@ -757,7 +664,7 @@ fn contexts_race_switches_on_other_threads_with_their_fences() {
     let (k, v) = seq.read_kv_vec::<f32>(0, 0, 16).unwrap();
     assert_eq!((k, v), common::kv(&e, 4, 0, 0, 16));
     // Foreign contexts are refused.
-    let other = small();
+    let other = common::small();
     let c = other.create_context("c", KvPolicy::Keep).unwrap();
     assert_eq!(
         e.switch_context(None, Some(&c)).unwrap_err().status(),

@@ -1,6 +1,9 @@
 //! Shared helpers of the integration tests.
 #![allow(dead_code)]
 
+use std::process::Command;
+use std::time::{Duration, Instant};
+
 use kvh::{Backend, Config, DType, Engine};
 
 /// A small CPU engine: `layers` x `heads` x `dim`, `bt` tokens per block,
@@ -42,4 +45,110 @@ pub fn fill(engine: &Engine, seq: &kvh::Sequence<'_>, seed: u32) {
         let (k, v) = kv(engine, seed, layer, 0, n);
         seq.write_kv(layer, 0, &k, &v).unwrap();
     }
+}
+
+/// A CPU engine whose views work: one head's K of a block is a whole page.
+pub fn vmap_engine() -> Engine {
+    Engine::open(
+        Config::new()
+            .backend(Backend::Cpu)
+            .dtype(DType::F32)
+            .num_layers(1)
+            .num_kv_heads(2)
+            .head_dim(64)
+            .block_tokens(16)
+            .device_bytes(8 << 20)
+            .host_bytes(8 << 20)
+            .vmap(true),
+    )
+    .expect("open vmap engine")
+}
+
+/// Runs the child case `name` (the test binary again, selected by the
+/// environment variable `var`) with a deadline, under `ulimit -v vmem_kib` when
+/// given; returns (exit code, or None for a signal or a timeout, and the
+/// combined output).
+pub fn run_child(
+    var: &str,
+    name: &str,
+    deadline: Duration,
+    vmem_kib: Option<u64>,
+) -> (Option<i32>, String) {
+    let exe = std::env::current_exe().expect("test binary");
+    let args = ["child_entry", "--exact", "--nocapture", "--test-threads=1"];
+    let mut cmd = match vmem_kib {
+        None => {
+            let mut c = Command::new(&exe);
+            c.args(args);
+            c
+        }
+        Some(kib) => {
+            let mut c = Command::new("/bin/sh");
+            c.arg("-c")
+                .arg(format!("ulimit -v {kib} && exec \"$0\" \"$@\""))
+                .arg(&exe)
+                .args(args);
+            c
+        }
+    };
+    let mut child = cmd
+        .env(var, name)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn child");
+    let start = Instant::now();
+    loop {
+        if child.try_wait().expect("wait child").is_some() {
+            break;
+        }
+        if start.elapsed() > deadline {
+            let _ = child.kill();
+            let out = child.wait_with_output().expect("child output");
+            return (
+                None,
+                format!(
+                    "child {name} hung (killed after {deadline:?})\n{}{}",
+                    String::from_utf8_lossy(&out.stdout),
+                    String::from_utf8_lossy(&out.stderr)
+                ),
+            );
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let out = child.wait_with_output().expect("child output");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.code(), text)
+}
+
+pub fn child_passes(var: &str, name: &str, vmem_kib: Option<u64>) {
+    let (code, text) = run_child(var, name, Duration::from_secs(20), vmem_kib);
+    assert_eq!(code, Some(0), "child case {name} failed:\n{text}");
+    assert!(
+        text.contains("1 passed"),
+        "child case {name} did not run:\n{text}"
+    );
+}
+
+/// A 2-layer, 2-head, 8-dim CPU engine of 4-token blocks with room for
+/// 64 device and 256 host blocks.
+pub fn small() -> Engine {
+    engine(2, 2, 8, 4, 64, 256)
+}
+
+/// In the child process (the variable `var` names a case): runs that case
+/// of `cases`; in a normal run, nothing.
+pub fn run_child_case(var: &str, cases: &[(&str, fn())]) {
+    let Ok(name) = std::env::var(var) else {
+        return;
+    };
+    let case = cases
+        .iter()
+        .find(|(n, _)| *n == name)
+        .unwrap_or_else(|| panic!("no child case {name}"));
+    (case.1)();
 }
