@@ -468,13 +468,17 @@ static kvh_status write_part(kvh_engine *e, kvhi_seq *s, uint32_t layer, uint64_
     return st;
 }
 
-/* True when [p, p + bytes) overlaps memory the engine's blocks live in (a
- * memory tier's arena, or a view mapping it): a copy between it and a
- * block could then overwrite bytes it has still to read (lock held). */
-static bool aliases_engine_memory(kvh_engine *e, const void *p, size_t bytes)
+/* Where [p, p + bytes) lies in memory s's blocks live in: a memory tier's
+ * arena, or a view of s (read-only pages); a copy between it and a block
+ * could then overwrite bytes it has still to read. Cheap when it is
+ * neither: the views are checked one by one only inside the range that
+ * covers all of s's (lock held). */
+enum kv_alias { ALIAS_NONE, ALIAS_TIER, ALIAS_VIEW };
+
+static enum kv_alias aliases_engine_memory(kvh_engine *e, const kvhi_seq *s, const void *p, size_t bytes)
 {
     if (!p || !bytes)
-        return false;
+        return ALIAS_NONE;
     uintptr_t lo = (uintptr_t)p, hi = lo + bytes;
     for (uint32_t t = 0; t < KVH_TIER_DISK; t++) {
         const kvhi_tier *tier = &e->tiers[t];
@@ -486,9 +490,11 @@ static bool aliases_engine_memory(kvh_engine *e, const void *p, size_t bytes)
             arena = (tier->slots.capacity + g - 1) / g * g * tier->slot_bytes;
         }
         if (tier->present && tier->base && lo < (uintptr_t)tier->base + arena && (uintptr_t)tier->base < hi)
-            return true;
+            return ALIAS_TIER;
     }
-    return kvhi_vmap_overlaps(e, p, bytes);
+    if (s->n_views && lo < s->view_hi && s->view_lo < hi && kvhi_vmap_overlaps(e, p, bytes))
+        return ALIAS_VIEW;
+    return ALIAS_NONE;
 }
 
 static kvh_status write_kv(kvh_engine *e, kvhi_seq *s, uint32_t layer, uint64_t pos, size_t n, const void *k,
@@ -507,7 +513,7 @@ kvh_status kvhi_seq_write_kv(kvh_engine *e, kvhi_seq *s, uint32_t layer, uint64_
     void *copy[2] = {NULL, NULL};
     const void *src[2] = {k, v};
     for (int i = 0; i < 2; i++)
-        if (aliases_engine_memory(e, src[i], bytes)) {
+        if (aliases_engine_memory(e, s, src[i], bytes) != ALIAS_NONE) {
             if (!(copy[i] = malloc(bytes))) {
                 free(copy[0]);
                 return kvhi_fail(KVH_ERR_NOMEM, "out of memory for a copy of K/V that overlaps the engine's memory");
@@ -560,9 +566,13 @@ kvh_status kvhi_seq_read_kv(kvh_engine *e, kvhi_seq *s, uint32_t layer, uint64_t
      * overwrite a block before that block is read. */
     size_t bytes = n * (size_t)e->cfg.num_kv_heads * e->cfg.head_dim * e->elem_bytes;
     void *copy[2] = {NULL, NULL}, *dst[2] = {k, v};
+    enum kv_alias where[2] = {aliases_engine_memory(e, s, k, bytes), aliases_engine_memory(e, s, v, bytes)};
+    if (where[0] == ALIAS_VIEW || where[1] == ALIAS_VIEW)
+        return kvhi_fail(KVH_ERR_INVALID_ARG, "%s lies in a view of the sequence, which is read-only",
+                         where[0] == ALIAS_VIEW ? "k" : "v");
     bool staged = false;
     for (int i = 0; i < 2; i++)
-        if (aliases_engine_memory(e, dst[i], bytes)) {
+        if (where[i] != ALIAS_NONE) {
             if (!(copy[i] = malloc(bytes))) {
                 free(copy[0]);
                 return kvhi_fail(KVH_ERR_NOMEM, "out of memory for a copy of K/V that overlaps the engine's memory");

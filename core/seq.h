@@ -34,6 +34,11 @@ typedef struct kvhi_seq {
      * with it (truncate, free). NULL until a persist needs it. */
     uint32_t *durable_twin;
     uint32_t n_durable;
+    /* Live views of it (core/vmap.c) and an address range covering them
+     * all (kept until the last goes): K/V buffers of the caller's inside
+     * it may be the sequence's own blocks (core/seq.c). */
+    uint32_t n_views;
+    uintptr_t view_lo, view_hi;
 } kvhi_seq;
 
 /* Keeps twins[i] (a reference each, or KVHI_NO_BLOCK: nothing new) as

@@ -385,6 +385,12 @@ kvh_status kvhi_vmap_create(kvh_engine *e, kvhi_seq *s, kvh_seq seq, uint32_t la
     if (st == KVH_OK && kvhi_handles_add(&e->vmaps, v, &id, NULL) != 0)
         st = kvhi_fail(KVH_ERR_NOMEM, "out of memory for a view (or 2^24 of them exist)");
     if (st == KVH_OK) {
+        uintptr_t lo = (uintptr_t)v->base, hi = lo + v->range_bytes;
+        if (!s->n_views || lo < s->view_lo)
+            s->view_lo = lo;
+        if (!s->n_views || hi > s->view_hi)
+            s->view_hi = hi;
+        s->n_views++;
         *out = kvhi_handle_to_ptr(id);
         v = NULL;
     }
@@ -443,6 +449,9 @@ kvh_status kvhi_vmap_release(kvh_engine *e, kvh_vmap *vmap)
         return bad_view();
     /* Out of the table first: no new attention call finds the view. */
     kvhi_handles_remove(&e->vmaps, index);
+    kvhi_seq *s = NULL;
+    if (kvhi_seq_get(e, v->seq, &s) == KVH_OK && s->n_views && --s->n_views == 0)
+        s->view_lo = s->view_hi = 0;
     kvhi_vmap_wait_unused(e, v);
     vmap_destroy(e, v);
     return KVH_OK;

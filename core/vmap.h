@@ -47,7 +47,8 @@ kvh_status kvhi_vmap_view_get(kvh_engine *e, const kvh_vmap *vmap, kvh_vmap_view
 kvh_status kvhi_vmap_release(kvh_engine *e, kvh_vmap *vmap);
 
 /* True when [p, p + bytes) overlaps the address range of a live view
- * (lock held). */
+ * (lock held; one view after another: for the rare buffer that may be
+ * one). */
 bool kvhi_vmap_overlaps(kvh_engine *e, const void *p, size_t bytes);
 
 /* Waits, with the lock dropped meanwhile, until no attention queued over

@@ -473,10 +473,50 @@ static void test_view_values_never_repeat(void **state)
     assert_int_equal(tu_seq_binfo(e, s, 0).holds, 0);
 }
 
+/* K/V buffers inside a view of the sequence (kvh.h): a write from one
+ * takes the bytes as they were when it began, though it rewrites pages
+ * the view shows; a read into one is refused (the pages are read-only)
+ * with nothing changed. */
+static void test_kv_buffers_inside_a_view(void **state)
+{
+    (void)state;
+    kvh_engine *e = open_vmap(32, 0);
+    kvh_seq s = new_seq(e, 40); /* block 2 partial: written in place */
+    kvh_vmap *m = NULL;
+    assert_ok(kvh_seq_vmap(e, s, 1, 0, &m));
+    kvh_vmap_view vw = tu_vmap_view(e, m);
+    const float *row32 = (const float *)vw.k + 32 * D; /* head 0, token 32 */
+    enum { N = 3 };
+    float vin[N * H * D], kout[N * H * D], vout[N * H * D];
+    for (size_t i = 0; i < N * H * D; i++)
+        vin[i] = (float)i;
+    /* Tokens 33..35 from head 0's rows 32..37: token t, head h takes row
+     * 32 + t * H + h, while the write rewrites rows 33..35. */
+    assert_ok(kvh_seq_write_kv(e, s, 1, 33, N, row32, vin));
+    assert_ok(kvh_seq_read_kv(e, s, 1, 33, N, kout, vout));
+    for (uint32_t t = 0; t < N; t++)
+        for (uint32_t h = 0; h < H; h++)
+            for (uint32_t d = 0; d < D; d++)
+                if (kout[(t * H + h) * D + d] != val(1, 32 + t * H + h, 0, 0, d, 0))
+                    fail_msg("token %u head %u dim %u: %g, expected %g", 33 + t, h, d, kout[(t * H + h) * D + d],
+                             val(1, 32 + t * H + h, 0, 0, d, 0));
+    assert_memory_equal(vout, vin, sizeof(vin));
+
+    uint8_t before[4 * D * sizeof(float)];
+    memcpy(before, vw.k, sizeof(before));
+    assert_kvh(KVH_ERR_INVALID_ARG, kvh_seq_read_kv(e, s, 1, 0, 1, (void *)(uintptr_t)vw.k, NULL));
+    assert_kvh(KVH_ERR_INVALID_ARG, kvh_seq_read_kv(e, s, 1, 0, 1, kout, (void *)(uintptr_t)vw.v));
+    assert_memory_equal(vw.k, before, sizeof(before));
+    assert_ok(kvh_vmap_release(e, m));
+    /* Once the view is gone, the same address range is no longer one. */
+    assert_ok(kvh_seq_read_kv(e, s, 1, 0, 1, kout, vout));
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_view_equals_paged, tu_teardown),
+        cmocka_unit_test_teardown(test_kv_buffers_inside_a_view, tu_teardown),
         cmocka_unit_test_teardown(test_stale_and_refresh, tu_teardown),
         cmocka_unit_test_teardown(test_views_and_migration, tu_teardown),
         cmocka_unit_test_teardown(test_large_capacity_is_lazy, tu_teardown),

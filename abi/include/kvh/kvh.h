@@ -676,8 +676,9 @@ KVH_API kvh_status kvh_seq_tokens(kvh_engine *engine, kvh_seq seq, uint64_t firs
  * copy, as for a shared block. Writing tokens that an attention call
  * running on another thread reads is the caller's data race, as with any
  * memory: order the two. k and v may lie in the engine's own memory (a
- * block's bytes through kvh_tier_info.base, a vmap view): they are read
- * as they were when the call began. @threads handle */
+ * block's bytes through kvh_tier_info.base, a vmap view of this
+ * sequence): they are read as they were when the call began. @threads
+ * handle */
 KVH_API kvh_status kvh_seq_write_kv(kvh_engine *engine, kvh_seq seq, uint32_t layer, uint64_t pos, size_t n,
                                     const void *k, const void *v);
 
@@ -686,10 +687,11 @@ KVH_API kvh_status kvh_seq_write_kv(kvh_engine *engine, kvh_seq seq, uint32_t la
  * KVH_ERR_RANGE for tokens whose KV was never written (and for a range
  * or layer out of bounds). Returns KVH_ERR_BAD_HANDLE, and for blocks on
  * disk KVH_ERR_CORRUPT (their data failed its checksum), KVH_ERR_IO,
- * KVH_ERR_NOSPACE (no memory tier can take them), KVH_ERR_NOMEM. k and
- * v must not overlap each other; they may lie in the engine's own memory
- * (as for kvh_seq_write_kv), and are then written only after every byte
- * has been read. @threads handle */
+ * KVH_ERR_NOSPACE (no memory tier can take them), KVH_ERR_NOMEM,
+ * KVH_ERR_INVALID_ARG (k or v in a view of the sequence: its pages are
+ * read-only). k and v must not overlap each other; they may lie in a
+ * memory tier (a block's bytes through kvh_tier_info.base), and are then
+ * written only after every byte has been read. @threads handle */
 KVH_API kvh_status kvh_seq_read_kv(kvh_engine *engine, kvh_seq seq, uint32_t layer, uint64_t pos, size_t n, void *k,
                                    void *v);
 
