@@ -570,22 +570,12 @@ kvh_status kvhi_seq_read_kv(kvh_engine *e, kvhi_seq *s, uint32_t layer, uint64_t
     if (where[0] == ALIAS_VIEW || where[1] == ALIAS_VIEW)
         return kvhi_fail(KVH_ERR_INVALID_ARG, "%s lies in a view of the sequence, which is read-only",
                          where[0] == ALIAS_VIEW ? "k" : "v");
-    bool staged = false;
-    for (int i = 0; i < 2; i++)
-        if (where[i] != ALIAS_NONE) {
-            if (!(copy[i] = malloc(bytes))) {
-                free(copy[0]);
-                return kvhi_fail(KVH_ERR_NOMEM, "out of memory for a copy of K/V that overlaps the engine's memory");
-            }
-            dst[i] = copy[i];
-            staged = true;
-        }
-    /* Both go through copies when either does: one output may be
+    /* Both go through copies when either must: one output may be
      * another's input (V read into where K's block lies). */
+    bool staged = where[0] != ALIAS_NONE || where[1] != ALIAS_NONE;
     for (int i = 0; staged && i < 2; i++)
-        if (!copy[i] && dst[i] && !(dst[i] = copy[i] = malloc(bytes))) {
+        if (dst[i] && !(dst[i] = copy[i] = malloc(bytes))) {
             free(copy[0]);
-            free(copy[1]);
             return kvhi_fail(KVH_ERR_NOMEM, "out of memory for a copy of K/V that overlaps the engine's memory");
         }
     st = read_kv(e, s, layer, pos, n, dst[0], dst[1]);
