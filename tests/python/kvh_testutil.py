@@ -3,8 +3,17 @@
 from __future__ import annotations
 
 import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import numpy as np
+import pytest
+
+_HERE = Path(__file__).resolve().parent
 
 
 def make_engine(**kw):
@@ -64,3 +73,21 @@ def reference_attention(k: np.ndarray, v: np.ndarray, q: np.ndarray, scale: floa
         w = np.exp(logits - logits.max())
         out[h] = (w / w.sum()) @ vh
     return out
+
+
+def run_child(code: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """Runs code in a fresh interpreter with the package and the test helpers
+    importable; a signal or a hang fails the calling test with the output."""
+    env = dict(os.environ)
+    paths = [str(_HERE.parent.parent / "python"), str(_HERE), env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    try:
+        res = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout, env=env
+        )
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"hung (no exit in {exc.timeout} s): {exc.stdout!r} {exc.stderr!r}")
+    if res.returncode < 0:
+        pytest.fail(f"killed by {signal.Signals(-res.returncode).name}\n{res.stdout}\n{res.stderr[-3000:]}")
+    assert res.returncode == 0, f"exit {res.returncode}\n{res.stdout}\n{res.stderr[-3000:]}"
+    return res

@@ -8,15 +8,9 @@ from __future__ import annotations
 
 import copy
 import gc
-import os
 import pickle
-import signal
-import subprocess
-import sys
-import textwrap
 import threading
 import weakref
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,29 +18,10 @@ import pytest
 import kvh_cache as kvh
 import kvh_cache.codec as kc
 from kvh_cache.pool import Pool
-from kvh_testutil import filled_seq, kv_data, make_engine
+from kvh_testutil import filled_seq, kv_data, make_engine, run_child
 
-HERE = Path(__file__).resolve().parent
 U64_MAX = (1 << 64) - 1
 TYPED = (kvh.Error, TypeError, ValueError)
-
-
-def run_child(code: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    """Runs code in a fresh interpreter with the package and the test helpers
-    importable; a signal or a hang fails the calling test with the output."""
-    env = dict(os.environ)
-    paths = [str(HERE.parent.parent / "python"), str(HERE), env.get("PYTHONPATH", "")]
-    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
-    try:
-        res = subprocess.run(
-            [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout, env=env
-        )
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"hung (no exit in {exc.timeout} s): {exc.stdout!r} {exc.stderr!r}")
-    if res.returncode < 0:
-        pytest.fail(f"killed by {signal.Signals(-res.returncode).name}\n{res.stdout}\n{res.stderr[-3000:]}")
-    assert res.returncode == 0, f"exit {res.returncode}\n{res.stdout}\n{res.stderr[-3000:]}"
-    return res
 
 
 @pytest.fixture

@@ -10,13 +10,7 @@ memory run in a child process."""
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,30 +18,11 @@ import pytest
 import kvh_cache as kvh
 import kvh_cache.codec as kc
 from kvh_cache.pool import Pool
-from kvh_testutil import filled_seq, make_engine, reference_attention
+from kvh_testutil import filled_seq, make_engine, reference_attention, run_child
 
-HERE = Path(__file__).resolve().parent
 TYPED = (kvh.Error, TypeError, ValueError)
 C_NAME = re.compile(r"\bkvh_(?!cache\b)[a-z0-9_]+|\bsize_t\b|\buint(8|16|32|64)_t\b|\bvoid \*")
 SENTINEL = np.float32(-12345.5)
-
-
-def run_child(code: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    """Runs code in a fresh interpreter (package and test helpers importable);
-    a signal or a hang fails the calling test with the child's output."""
-    env = dict(os.environ)
-    paths = [str(HERE.parent.parent / "python"), str(HERE), env.get("PYTHONPATH", "")]
-    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
-    try:
-        res = subprocess.run(
-            [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout, env=env
-        )
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"hung (no exit in {exc.timeout} s): {exc.stdout!r} {exc.stderr!r}")
-    if res.returncode < 0:
-        pytest.fail(f"killed by {signal.Signals(-res.returncode).name}\n{res.stdout}\n{res.stderr[-3000:]}")
-    assert res.returncode == 0, f"exit {res.returncode}\n{res.stdout}\n{res.stderr[-3000:]}"
-    return res
 
 
 def raises_typed(call, expected=TYPED):

@@ -733,16 +733,7 @@ fn forgotten_batches_views_and_plans_then_close() {
 
 #[test]
 fn a_context_dropped_while_its_switch_runs() {
-    let e = Engine::open(
-        Config::new()
-            .backend(Backend::Cpu)
-            .dtype(DType::F32)
-            .head_dim(8)
-            .block_tokens(4)
-            .device_bytes(256 << 10)
-            .host_bytes(1 << 20),
-    )
-    .unwrap();
+    let e = common::context_engine();
     for _ in 0..5 {
         let a = e.create_context("a", KvPolicy::Demote).unwrap();
         let b = e.create_context("b", KvPolicy::Keep).unwrap();

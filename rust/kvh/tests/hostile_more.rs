@@ -618,16 +618,7 @@ fn owned_blocks_cloned_and_released_on_many_threads_balance() {
 
 #[test]
 fn contexts_race_switches_on_other_threads_with_their_fences() {
-    let e = Engine::open(
-        Config::new()
-            .backend(Backend::Cpu)
-            .dtype(DType::F32)
-            .head_dim(8)
-            .block_tokens(4)
-            .device_bytes(256 << 10)
-            .host_bytes(1 << 20),
-    )
-    .unwrap();
+    let e = common::context_engine();
     let data: Vec<u8> = (0..50_000u32).map(|i| (i * 7 % 253) as u8).collect();
     let a = e.create_context("a", KvPolicy::Keep).unwrap();
     let b = e.create_context("b", KvPolicy::Demote).unwrap();

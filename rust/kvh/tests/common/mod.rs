@@ -152,3 +152,18 @@ pub fn run_child_case(var: &str, cases: &[(&str, fn())]) {
         .unwrap_or_else(|| panic!("no child case {name}"));
     (case.1)();
 }
+
+/// A CPU engine for weight contexts: f32, head_dim 8, 4-token blocks,
+/// 256 KiB of device and 1 MiB of host memory.
+pub fn context_engine() -> Engine {
+    Engine::open(
+        Config::new()
+            .backend(Backend::Cpu)
+            .dtype(DType::F32)
+            .head_dim(8)
+            .block_tokens(4)
+            .device_bytes(256 << 10)
+            .host_bytes(1 << 20),
+    )
+    .expect("open context engine")
+}
