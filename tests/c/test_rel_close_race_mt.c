@@ -319,10 +319,65 @@ static void test_close_races_calls(void **state)
                   R.freed_acks_short);
 }
 
+/* A second close of an engine whose first close is still waiting gets
+ * KVH_ERR_CLOSED and frees nothing: the first then finishes normally. The
+ * first close is held at its first fsync until the second has returned. */
+static struct {
+    pthread_t first;
+    kvh_engine *e;
+    kvh_status first_status;
+    atomic_int first_inside, second_done;
+} C2;
+
+static int second_close_hook(enum kvhi_disk_op op, void *user)
+{
+    (void)user;
+    if (op == KVHI_OP_FSYNC && pthread_equal(pthread_self(), C2.first)) {
+        atomic_store(&C2.first_inside, 1);
+        double t0 = dt_now();
+        while (!atomic_load(&C2.second_done) && dt_now() - t0 < 30)
+            dt_sleep_ms(0.2);
+    }
+    return 0;
+}
+
+static void *first_close_main(void *arg)
+{
+    (void)arg;
+    C2.first_status = kvh_engine_close(C2.e);
+    return NULL;
+}
+
+static void test_second_close_while_first_waits(void **state)
+{
+    (void)state;
+    char dir[512];
+    rl_fast_scratch("second-close", dir, sizeof(dir));
+    dt_rmrf(dir);
+    mkdir(dir, 0755);
+    kvh_config c = dt_cfg(G, dir, 8, 16, 256, 2);
+    C2.e = dt_open_a(&c);
+    C2.first_status = KVH_ERR_INTERNAL;
+    atomic_store(&C2.first_inside, 0);
+    atomic_store(&C2.second_done, 0);
+    kvhi_disk_set_fault_hook(second_close_hook, NULL);
+    assert_int_equal(pthread_create(&C2.first, NULL, first_close_main, NULL), 0);
+    double t0 = dt_now();
+    while (!atomic_load(&C2.first_inside) && dt_now() - t0 < 30)
+        dt_sleep_ms(0.2);
+    assert_true(atomic_load(&C2.first_inside));
+    assert_int_equal(kvh_engine_close(C2.e), KVH_ERR_CLOSED);
+    atomic_store(&C2.second_done, 1);
+    pthread_join(C2.first, NULL);
+    kvhi_disk_set_fault_hook(NULL, NULL);
+    assert_int_equal(C2.first_status, KVH_OK);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_close_races_calls, rl_teardown),
+        cmocka_unit_test_teardown(test_second_close_while_first_waits, rl_teardown),
     };
     return cmocka_run_group_tests_name("rel_close_race", tests, NULL, NULL);
 }

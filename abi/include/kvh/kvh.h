@@ -468,9 +468,12 @@ KVH_API kvh_status kvh_engine_open(const kvh_config *config, kvh_engine **engine
 /* Waits for migrations in flight, stops the workers and frees everything.
  * Every handle of the engine becomes invalid. NULL is accepted (KVH_OK).
  * Calls racing with close on other threads get KVH_ERR_CLOSED. Returns
- * KVH_ERR_CLOSED when another close of it is under way, KVH_ERR_IO or
- * KVH_ERR_NOMEM when the disk tier's index cannot be written (the engine
- * is freed all the same). @threads handle (one close per engine) */
+ * KVH_ERR_IO or KVH_ERR_NOMEM when the disk tier's index cannot be
+ * written (the engine is freed all the same). Close an engine once: a
+ * second close that starts while the first is still waiting gets
+ * KVH_ERR_CLOSED and frees nothing, but one that starts after the first
+ * returned uses freed memory, as any call would. @threads handle (one
+ * close per engine) */
 KVH_API kvh_status kvh_engine_close(kvh_engine *engine);
 
 /* Bytes of one block for this engine's geometry. [out] *bytes. Returns
