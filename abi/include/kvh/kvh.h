@@ -225,7 +225,8 @@ enum kvh_disk_flags {
  * (Plus 2^-143 where the scale is a subnormal f32: a vector or group of
  * magnitudes below about 2^-119, which only f32 and bf16 data can have.)
  * Non-finite inputs are not preserved: +-inf saturate to the extreme code
- * and NaN becomes the zero code; scales use the finite elements only. */
+ * and NaN becomes code 0, which decodes to 0 under int8 and to the group's
+ * minimum under the q4 codecs; scales use the finite elements only. */
 enum kvh_codec { KVH_CODEC_NONE = 0, KVH_CODEC_INT8 = 1, KVH_CODEC_Q4_G32 = 2, KVH_CODEC_Q4_G64 = 3 };
 
 /* Victim order of the memory tiers. KVH_EVICT_LRU_K: by the K-th most
