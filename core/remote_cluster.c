@@ -4,10 +4,12 @@
 #include <limits.h>
 #include <poll.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <time.h>
 
@@ -39,6 +41,9 @@ typedef struct node {
     bool breaker_open;
     bool in_batch; /* has commands in the current round */
     size_t unsent; /* bytes appended since its last write */
+    /* Counts its connections: a command written to one that was dropped
+     * has no answer on the next (kvhi_cluster_cmd.conn). */
+    uint32_t conn;
 } node;
 
 /* Where a round's bulk strings go (kvhi_cluster_run_strings). Every
@@ -222,27 +227,69 @@ static void sink_attach(kvhi_cluster *c, redisContext *ctx)
     rd->privdata = &c->sink;
 }
 
+/* hiredis writes with write(): on a connection the server has closed,
+ * that raises SIGPIPE, whose default action ends the host process. While
+ * kvh writes, the signal is blocked on the writing thread, and one the
+ * writes raised is taken back before it is unblocked (EPIPE reports the
+ * failure). */
+typedef struct pipe_guard {
+    sigset_t pipe, old;
+    bool was_pending;
+} pipe_guard;
+
+static void pipe_guard_enter(pipe_guard *g)
+{
+    sigemptyset(&g->pipe);
+    sigaddset(&g->pipe, SIGPIPE);
+    sigset_t pending;
+    g->was_pending = sigpending(&pending) == 0 && sigismember(&pending, SIGPIPE);
+    pthread_sigmask(SIG_BLOCK, &g->pipe, &g->old);
+}
+
+static void pipe_guard_leave(pipe_guard *g)
+{
+    sigset_t pending;
+    if (!g->was_pending && sigpending(&pending) == 0 && sigismember(&pending, SIGPIPE)) {
+        struct timespec none = {0, 0};
+        while (sigtimedwait(&g->pipe, NULL, &none) < 0 && errno == EINTR)
+            ;
+    }
+    pthread_sigmask(SIG_SETMASK, &g->old, NULL);
+}
+
 /* Writes what ctx has waiting, each write bounded by the time left
  * (SO_SNDTIMEO bounds one write() only). 0, -1 (err says why) or -3 (the
  * deadline passed first). */
 static int write_all(kvhi_cluster *c, redisContext *ctx, uint64_t deadline, char *err, size_t err_len)
 {
+    pipe_guard guard;
+    pipe_guard_enter(&guard);
+    int rc = 0;
     uint64_t now = now_ns();
     for (;;) {
         int done = 0;
         c->h->set_timeout(ctx, tv_of_ns(now < deadline ? deadline - now : 0));
         if (c->h->buffer_write(ctx, &done) != REDIS_OK) {
+            int saved = errno;
             if (timed_out(ctx))
-                return -3;
-            snprintf(err, err_len, "%s", ctx->errstr);
-            return -1;
+                rc = -3;
+            else {
+                snprintf(err, err_len, "%s", ctx->errstr);
+                rc = -1;
+            }
+            errno = saved;
+            break;
         }
         if (done)
-            return 0;
+            break;
         now = now_ns();
-        if (now >= deadline)
-            return -3;
+        if (now >= deadline) {
+            rc = -3;
+            break;
+        }
     }
+    pipe_guard_leave(&guard);
+    return rc;
 }
 
 /* Reads ctx's next reply by deadline. hiredis's own blocking read would
@@ -255,6 +302,7 @@ static int write_all(kvhi_cluster *c, redisContext *ctx, uint64_t deadline, char
 static int read_reply(kvhi_cluster *c, redisContext *ctx, uint64_t deadline, void **out, char *err, size_t err_len)
 {
     bool late = false;
+    size_t late_bytes = 0; /* past the deadline: what had arrived by then */
     *out = NULL;
     for (;;) {
         if (c->h->reader_get_reply(ctx->reader, out) != REDIS_OK) {
@@ -269,29 +317,43 @@ static int read_reply(kvhi_cluster *c, redisContext *ctx, uint64_t deadline, voi
         if (now < deadline) {
             uint64_t ms = (deadline - now + 999999) / 1000000;
             wait_ms = ms > INT_MAX ? INT_MAX : (int)ms;
-        } else if (late)
+        } else if (!late) {
+            /* Whatever had arrived by the deadline is still taken, however
+             * large (a value is MiB), and nothing that comes later. */
+            int avail = 0;
+            late = true;
+            late_bytes = ioctl(ctx->fd, FIONREAD, &avail) == 0 && avail > 0 ? (size_t)avail : 0;
+        }
+        if (late && late_bytes == 0)
             return -3;
-        else
-            late = true; /* one look at what is already there */
         struct pollfd pf = {.fd = ctx->fd, .events = POLLIN};
         int pr = poll(&pf, 1, wait_ms);
         if (pr < 0 && errno != EINTR) {
             snprintf(err, err_len, "poll: %s", strerror(errno));
             return -1;
         }
-        if (pr <= 0)
+        if (pr <= 0) {
+            if (late && pr == 0)
+                return -3;
             continue;
-        ssize_t got = recv(ctx->fd, c->rbuf, sizeof(c->rbuf), MSG_DONTWAIT);
+        }
+        size_t want = late && late_bytes < sizeof(c->rbuf) ? late_bytes : sizeof(c->rbuf);
+        ssize_t got = recv(ctx->fd, c->rbuf, want, MSG_DONTWAIT);
         if (got == 0) {
             snprintf(err, err_len, "closed the connection");
             return -1;
         }
         if (got < 0) {
-            if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)
+            if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) {
+                if (late && errno != EINTR)
+                    return -3;
                 continue;
+            }
             snprintf(err, err_len, "read: %s", strerror(errno));
             return -1;
         }
+        if (late)
+            late_bytes -= (size_t)got < late_bytes ? (size_t)got : late_bytes;
         if (c->h->reader_feed(ctx->reader, c->rbuf, (size_t)got) != REDIS_OK) {
             snprintf(err, err_len, "out of memory");
             return -1;
@@ -307,10 +369,15 @@ static redisReply *ctx_command(kvhi_cluster *c, redisContext *ctx, int argc, con
 {
     void *r = NULL;
     int st = -1;
+    /* Its reply is no round command's value (an AUTH on a connection a
+     * round opens): on_string is not handed it. */
+    kvhi_cluster_string_fn on_string = c->sink.on_string;
+    c->sink.on_string = NULL;
     if (c->h->append_argv(ctx, argc, argv, lens) != REDIS_OK)
         snprintf(err, err_len, "out of memory");
     else if ((st = write_all(c, ctx, deadline, err, err_len)) == 0)
         st = read_reply(c, ctx, deadline, &r, err, err_len);
+    c->sink.on_string = on_string;
     if (rc)
         *rc = st;
     return st == 0 ? r : NULL;
@@ -357,6 +424,7 @@ static int ensure_connected(kvhi_cluster *c, node *nd, uint64_t budget_ns, char 
         return rc;
     }
     nd->ctx = ctx;
+    nd->conn++;
     return 0;
 }
 
@@ -457,12 +525,12 @@ int kvhi_cluster_open(const kvhi_cluster_opts *opts, kvhi_cluster **out, char *e
     const kvhi_hiredis *h = kvhi_hiredis_get(&why);
     if (!h) {
         snprintf(err, err_len, "%s", why);
-        return -1;
+        return KVHI_CLUSTER_NO_CLIENT;
     }
     kvhi_cluster *c = calloc(1, sizeof(*c));
     if (!c) {
         snprintf(err, err_len, "out of memory for the remote tier");
-        return -1;
+        return KVHI_CLUSTER_NO_MEMORY;
     }
     pthread_mutex_init(&c->lock, NULL);
     c->h = h;
@@ -470,13 +538,18 @@ int kvhi_cluster_open(const kvhi_cluster_opts *opts, kvhi_cluster **out, char *e
     c->opts.addrs = NULL;
     c->user = opts->user ? strdup(opts->user) : NULL;
     c->password = opts->password ? strdup(opts->password) : NULL;
+    if ((opts->user && !c->user) || (opts->password && !c->password)) {
+        snprintf(err, err_len, "out of memory for the remote tier");
+        kvhi_cluster_close(c);
+        return KVHI_CLUSTER_NO_MEMORY;
+    }
     memset(c->slot_node, 0xff, sizeof(c->slot_node));
     for (const char *p = opts->addrs; *p;) {
         size_t len = strcspn(p, ", ");
         if (len && node_of_addr(c, p, len) == NO_NODE) {
             snprintf(err, err_len, "remote address '%.*s' is not host:port", (int)(len > 200 ? 200 : len), p);
             kvhi_cluster_close(c);
-            return -1;
+            return KVHI_CLUSTER_BAD_ADDR;
         }
         p += len;
         p += strspn(p, ", ");
@@ -484,7 +557,7 @@ int kvhi_cluster_open(const kvhi_cluster_opts *opts, kvhi_cluster **out, char *e
     if (c->n_nodes == 0) {
         snprintf(err, err_len, "no remote address given (remote_addrs is empty)");
         kvhi_cluster_close(c);
-        return -1;
+        return KVHI_CLUSTER_BAD_ADDR;
     }
     c->n_seeds = c->n_nodes;
     /* A refused password is a configuration error, found now; a node that
@@ -498,7 +571,7 @@ int kvhi_cluster_open(const kvhi_cluster_opts *opts, kvhi_cluster **out, char *e
             snprintf(err, err_len, "remote tier: AUTH refused by %s:%d: %s", c->nodes[i].host, c->nodes[i].port,
                      why_text);
             kvhi_cluster_close(c);
-            return -1;
+            return KVHI_CLUSTER_AUTH_REFUSED;
         }
         if (rc == 0)
             reached = true;
@@ -521,7 +594,7 @@ int kvhi_cluster_open(const kvhi_cluster_opts *opts, kvhi_cluster **out, char *e
         if (refused) {
             snprintf(err, err_len, "remote tier: %s:%d wants AUTH (NOAUTH): set remote_password", nd->host, nd->port);
             kvhi_cluster_close(c);
-            return -1;
+            return KVHI_CLUSTER_AUTH_REFUSED;
         }
         if (r)
             refresh_map(c, budget);
@@ -682,6 +755,7 @@ static void run_round(kvhi_cluster *c, kvhi_cluster_cmd *cmds, size_t n, uint64_
             cmd->result = KVHI_CMD_FAILED;
             continue;
         }
+        cmd->conn = nd->conn;
         for (int a = 0; a < cmd->argc; a++)
             nd->unsent += cmd->argvlen[a];
         if (nd->unsent >= FLUSH_BYTES)
@@ -697,8 +771,10 @@ static void run_round(kvhi_cluster *c, kvhi_cluster_cmd *cmds, size_t n, uint64_
         if (cmd->result != KVHI_CMD_PENDING || cmd->node >= c->n_nodes)
             continue;
         node *nd = &c->nodes[cmd->node];
-        if (!nd->in_batch || !nd->ctx) {
-            /* Its node failed in this round: not sent, or no answer. */
+        if (!nd->in_batch || !nd->ctx || cmd->conn != nd->conn) {
+            /* Its node failed in this round: not sent, or no answer (or
+             * written to a connection dropped since, whose answers the
+             * new one does not carry). */
             cmd->result = KVHI_CMD_DOWN;
             rep->down++;
             continue;
@@ -706,6 +782,10 @@ static void run_round(kvhi_cluster *c, kvhi_cluster_cmd *cmds, size_t n, uint64_
         void *got = NULL;
         char why[160];
         int rc = 0;
+        /* A read that starts after the deadline waits for nothing: if its
+         * answer is not all there, the round's time went to a slower node
+         * read before it, and this node is not left alone for that. */
+        bool started_late = now_ns() >= deadline;
         c->sink.index = k;
         if (cmd->asking) {
             /* ASKING's answer is no command's value: on_string is not
@@ -724,7 +804,10 @@ static void run_round(kvhi_cluster *c, kvhi_cluster_cmd *cmds, size_t n, uint64_
         redisReply *r = got;
         if (rc != 0) {
             bool slow = rc == -3;
-            node_failed(c, nd, slow ? "timed out" : why, rep);
+            if (slow && started_late)
+                drop_connection(c, nd); /* the rest of its answers may still come */
+            else
+                node_failed(c, nd, slow ? "timed out" : why, rep);
             nd->in_batch = false;
             cmd->result = slow ? KVHI_CMD_TIMEOUT : KVHI_CMD_DOWN;
             if (slow)

@@ -51,6 +51,7 @@ typedef struct kvhi_cluster_cmd {
     void *reply; /* a redisReply with KVHI_CMD_OK; freed by kvhi_cluster_cmds_clear */
     /* internal */
     uint32_t node;
+    uint32_t conn; /* its node's connection it was written to */
     bool asking;
 } kvhi_cluster_cmd;
 
@@ -62,11 +63,18 @@ typedef struct kvhi_cluster_report {
     uint32_t redirects;     /* MOVED and ASK answers followed */
 } kvhi_cluster_report;
 
+/* Why kvhi_cluster_open failed (its message in err says more). */
+enum kvhi_cluster_open_error {
+    KVHI_CLUSTER_BAD_ADDR = -1,     /* an address that does not parse, or none */
+    KVHI_CLUSTER_NO_MEMORY = -2,    /* out of memory */
+    KVHI_CLUSTER_AUTH_REFUSED = -3, /* AUTH refused, or wanted and not set */
+    KVHI_CLUSTER_NO_CLIENT = -4,    /* hiredis cannot be loaded or was not built in */
+};
+
 /* Connects to the first reachable node of opts->addrs, authenticates and
- * loads the slot map. Returns 0, or -1 with a message in err: an address
- * that does not parse, an AUTH that fails, or hiredis that cannot be
- * loaded. Unreachable nodes are not an error: they are misses until they
- * answer. */
+ * loads the slot map. Returns 0, or an enum kvhi_cluster_open_error with
+ * a message in err. Unreachable nodes are not an error: they are misses
+ * until they answer. */
 int kvhi_cluster_open(const kvhi_cluster_opts *opts, kvhi_cluster **out, char *err, size_t err_len);
 void kvhi_cluster_close(kvhi_cluster *c);
 

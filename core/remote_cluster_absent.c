@@ -15,7 +15,7 @@ int kvhi_cluster_open(const kvhi_cluster_opts *opts, kvhi_cluster **out, char *e
     snprintf(err, err_len,
              "this libkvh was built without hiredis's headers (Debian: libhiredis-dev), so it "
              "has no remote tier");
-    return -1;
+    return KVHI_CLUSTER_NO_CLIENT;
 }
 
 /* A client is never opened, so nothing below is reached with one. */

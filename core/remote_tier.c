@@ -62,23 +62,21 @@ static kvh_status open_remote(const kvh_config *cfg, kvh_engine *log_to, const k
      * their own: their rounds (up to KVHI_REMOTE_ROUND_BYTES) then never
      * hold up a match's. */
     uint32_t want = log_to ? KVHI_REMOTE_CLIENTS : 1;
-    bool failed = false;
+    int failed = 0;
     for (uint32_t i = 0; i < want && !failed; i++)
-        if (kvhi_cluster_open(&o, &r->clients[i], err, sizeof(err)) != 0)
-            failed = true;
-        else
+        if ((failed = kvhi_cluster_open(&o, &r->clients[i], err, sizeof(err))) == 0)
             r->n_clients++;
-    if (!failed && background && kvhi_cluster_open(&o, &r->upload_cluster, err, sizeof(err)) != 0)
-        failed = true;
+    if (!failed && background)
+        failed = kvhi_cluster_open(&o, &r->upload_cluster, err, sizeof(err));
     if (failed) {
         for (uint32_t i = 0; i < r->n_clients; i++)
             kvhi_cluster_close(r->clients[i]);
         pthread_mutex_destroy(&r->spare_lock);
         free(r);
-        kvh_status code = strstr(err, "AUTH")      ? KVH_ERR_IO
-                          : strstr(err, "hiredis") ? KVH_ERR_UNSUPPORTED
-                          : strstr(err, "memory")  ? KVH_ERR_NOMEM
-                                                   : KVH_ERR_INVALID_ARG;
+        kvh_status code = failed == KVHI_CLUSTER_AUTH_REFUSED ? KVH_ERR_IO
+                          : failed == KVHI_CLUSTER_NO_CLIENT  ? KVH_ERR_UNSUPPORTED
+                          : failed == KVHI_CLUSTER_NO_MEMORY  ? KVH_ERR_NOMEM
+                                                              : KVH_ERR_INVALID_ARG;
         return kvhi_fail(code, "%s", err);
     }
     r->cluster = r->clients[0];

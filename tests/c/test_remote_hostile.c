@@ -19,6 +19,7 @@
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -65,7 +66,8 @@ enum twist {
     TW_MOVED_SELF, /* MOVED to this listener */
     TW_ASK_SELF,   /* ASK to this listener */
     TW_PINGPONG,   /* MOVED to the other listener, which sends it back */
-    TW_SILENT      /* no answer */
+    TW_SILENT,     /* no answer */
+    TW_CLOSE_AFTER /* the right answer, then the connection closes */
 };
 
 #define MAX_LISTEN 2
@@ -101,6 +103,8 @@ static struct {
     char slots_raw[4096]; /* CLUSTER SLOTS reply; empty: cluster support disabled */
     int slots_fail_left;  /* CLUSTER SLOTS answered -LOADING this many more times */
     const char *password;
+    bool auth_bulk;       /* a good AUTH is answered with a bulk string */
+    int slow_listener;    /* TW_SLOW on this listener only (-1: every one) */
     const char *greeting; /* sent on every new connection */
     bool silent;          /* read commands, answer none */
     int closed_port;      /* a port nobody listens on */
@@ -290,7 +294,7 @@ static bool handle(conn *c, int argc, const char **argv, const size_t *lens)
             ob_str(&o, "-ERR Client sent AUTH, but no password is set\r\n");
         else if (user_ok && pl == strlen(srv.password) && !memcmp(pw, srv.password, pl)) {
             c->authed = true;
-            ob_str(&o, "+OK\r\n");
+            ob_str(&o, srv.auth_bulk ? "$2\r\nOK\r\n" : "+OK\r\n");
         } else
             ob_str(&o, "-WRONGPASS invalid username-password pair or user is disabled.\r\n");
         goto out;
@@ -332,6 +336,7 @@ static bool handle(conn *c, int argc, const char **argv, const size_t *lens)
             ob_str(&o, srv.raw);
         else
             ob_str(&o, find_item(argv[1], lens[1], NULL) ? ":1\r\n" : ":0\r\n");
+        keep = srv.tw_exists != TW_CLOSE_AFTER;
     } else if (argc >= 2 && is_cmd(argv[0], lens[0], "DEL")) {
         srv.n_del++;
         int idx;
@@ -378,7 +383,7 @@ static bool handle(conn *c, int argc, const char **argv, const size_t *lens)
         case TW_NONE:
         case TW_EXTRA:
         case TW_SLOW:
-            if (twist == TW_SLOW)
+            if (twist == TW_SLOW && (srv.slow_listener < 0 || srv.slow_listener == c->li))
                 sleep_ms(3 * TIMEOUT_MS);
             if (it)
                 ob_bulk(&o, it->val, it->vlen);
@@ -558,6 +563,8 @@ static void srv_reset_twists(void)
     srv.raw[0] = srv.slots_raw[0] = '\0';
     srv.slots_fail_left = 0;
     srv.password = NULL;
+    srv.auth_bulk = false;
+    srv.slow_listener = -1;
     srv.greeting = NULL;
     srv.silent = false;
     for (int i = 0; i < srv.n_items; i++)
@@ -1182,6 +1189,175 @@ static void test_scan_of_a_hostile_node_ends(void **state)
     assert_int_equal(keys, stored);
 }
 
+/* ---- the cluster client alone ---- */
+
+static kvhi_cluster *cluster_open(const char *password)
+{
+    kvhi_cluster_opts o = {
+        .addrs = srv.addrs, .password = password, .timeout_ms = TIMEOUT_MS, .breaker_ms = BREAKER_MS};
+    kvhi_cluster *cl = NULL;
+    char err[256] = "";
+    int rc = kvhi_cluster_open(&o, &cl, err, sizeof(err));
+    if (rc == KVHI_CLUSTER_NO_CLIENT)
+        skip();
+    if (rc != 0)
+        fail_msg("cluster open: %s", err);
+    return cl;
+}
+
+static kvhi_cluster_cmd command(const char *verb, const char *key, const void *value, size_t value_len)
+{
+    kvhi_cluster_cmd cmd = {.argc = value ? 3 : 2, .argv = {verb, key, value}, .argvlen = {strlen(verb), strlen(key)}};
+    cmd.argvlen[2] = value_len;
+    return cmd;
+}
+
+/* Runs one command; its result. */
+static int run_one(kvhi_cluster *cl, kvhi_cluster_cmd cmd, kvhi_cluster_report *rep)
+{
+    kvhi_cluster_run(cl, &cmd, 1, rep);
+    int result = cmd.result;
+    kvhi_cluster_cmds_clear(cl, &cmd, 1);
+    return result;
+}
+
+typedef struct strings_seen {
+    int values, others;
+    size_t value_len;
+} strings_seen;
+
+static void note_string(void *user, size_t i, const char *str, size_t len)
+{
+    (void)i, (void)str;
+    strings_seen *seen = user;
+    if (len == seen->value_len)
+        seen->values++;
+    else
+        seen->others++;
+}
+
+/* Serves slots 0-8191 from listener 0 and the rest from listener 1, and
+ * names a key of each. */
+static void two_masters(char key_a[16], char key_b[16])
+{
+    char map[512];
+    snprintf(map, sizeof(map),
+             "*2\r\n*3\r\n:0\r\n:8191\r\n*2\r\n$9\r\n127.0.0.1\r\n:%d\r\n"
+             "*3\r\n:8192\r\n:16383\r\n*2\r\n$9\r\n127.0.0.1\r\n:%d\r\n",
+             srv.port[0], srv.port[1]);
+    SRV_SET(snprintf(srv.slots_raw, sizeof(srv.slots_raw), "%s", map));
+    key_a[0] = key_b[0] = '\0';
+    for (int i = 0; !key_a[0] || !key_b[0]; i++) {
+        char k[16];
+        snprintf(k, sizeof(k), "key%d", i);
+        char *dst = kvhi_cluster_key_slot(k, strlen(k)) < 8192 ? key_a : key_b;
+        if (!dst[0])
+            snprintf(dst, 16, "%s", k);
+    }
+}
+
+/* A connection opened inside a round of value reads (the second master's
+ * first) authenticates first: the answer to that AUTH, a bulk string
+ * here, is no command's value (it was handed over as one, with the index
+ * of an earlier round, and written through as a block). */
+static void test_auth_answer_is_no_value(void **state)
+{
+    (void)state;
+    char key_a[16], key_b[16];
+    two_masters(key_a, key_b);
+    SRV_SET(srv.password = "pw"; srv.auth_bulk = true);
+    kvhi_cluster *cl = cluster_open("pw");
+    static char value[4096];
+    memset(value, 0x5a, sizeof(value));
+    kvhi_cluster_report rep;
+    kvhi_cluster_cmd cmds[2] = {command("GETEX", key_a, NULL, 0), command("GETEX", key_b, NULL, 0)};
+    strings_seen seen = {.value_len = sizeof(value)};
+    kvhi_cluster_run_strings(cl, cmds, 2, &rep, note_string, &seen);
+    assert_int_equal(cmds[0].result, KVHI_CMD_OK);
+    assert_int_equal(cmds[1].result, KVHI_CMD_OK);
+    kvhi_cluster_cmds_clear(cl, cmds, 2);
+    assert_int_equal(seen.values, 0); /* neither key is stored */
+    assert_int_equal(seen.others, 0);
+    kvhi_cluster_close(cl);
+}
+
+/* A server that closed the connection while a round had megabytes to
+ * write: the writes fail with EPIPE, and SIGPIPE, whose default action
+ * ends the process, is neither delivered nor left pending. */
+static void test_writes_to_a_closed_connection_raise_no_sigpipe(void **state)
+{
+    (void)state;
+    void (*was)(int) = signal(SIGPIPE, SIG_DFL);
+    sigset_t mask_before, mask_after, pending;
+    pthread_sigmask(SIG_SETMASK, NULL, &mask_before);
+    SRV_SET(srv.tw_exists = TW_CLOSE_AFTER);
+    kvhi_cluster *cl = cluster_open(NULL);
+    kvhi_cluster_report rep;
+    assert_int_equal(run_one(cl, command("EXISTS", "k0", NULL, 0), &rep), KVHI_CMD_OK);
+    enum { N = 6, BYTES = 3 << 20 };
+    char *value = malloc(BYTES);
+    assert_non_null(value);
+    memset(value, 0x33, BYTES);
+    kvhi_cluster_cmd cmds[N];
+    char keys[N][8];
+    for (int i = 0; i < N; i++) {
+        snprintf(keys[i], sizeof(keys[i]), "big%d", i);
+        cmds[i] = command("SET", keys[i], value, BYTES);
+    }
+    kvhi_cluster_run(cl, cmds, N, &rep);
+    int ok = 0;
+    for (int i = 0; i < N; i++)
+        ok += cmds[i].result == KVHI_CMD_OK;
+    kvhi_cluster_cmds_clear(cl, cmds, N);
+    assert_true(ok < N); /* the first ones went to the closed connection */
+    sigpending(&pending);
+    assert_false(sigismember(&pending, SIGPIPE));
+    pthread_sigmask(SIG_SETMASK, NULL, &mask_after);
+    assert_int_equal(sigismember(&mask_after, SIGPIPE), sigismember(&mask_before, SIGPIPE));
+    kvhi_cluster_close(cl);
+    free(value);
+    signal(SIGPIPE, was);
+}
+
+/* Two masters, one slow: the round's time runs out on the slow one, and
+ * the other, read after the deadline, is not left alone for that. */
+static void test_one_slow_master_leaves_only_itself_alone(void **state)
+{
+    (void)state;
+    char key_a[16], key_b[16];
+    two_masters(key_a, key_b);
+    kvhi_cluster *cl = cluster_open(NULL);
+    static char value[1024];
+    memset(value, 0x42, sizeof(value));
+    kvhi_cluster_report rep;
+    assert_int_equal(run_one(cl, command("SET", key_a, value, sizeof(value)), &rep), KVHI_CMD_OK);
+    assert_int_equal(run_one(cl, command("SET", key_b, value, sizeof(value)), &rep), KVHI_CMD_OK);
+    SRV_SET(srv.tw_get = TW_SLOW; srv.slow_listener = 0);
+    kvhi_cluster_cmd cmds[2] = {command("GETEX", key_a, NULL, 0), command("GETEX", key_b, NULL, 0)};
+    kvhi_cluster_run(cl, cmds, 2, &rep);
+    assert_int_equal(cmds[0].result, KVHI_CMD_TIMEOUT);
+    kvhi_cluster_cmds_clear(cl, cmds, 2);
+    assert_int_equal(rep.breaker_opens, 1);
+    sleep_ms(3 * TIMEOUT_MS); /* the server thread is done sleeping */
+    kvhi_cluster_close(cl);
+}
+
+/* An address without a port is KVH_ERR_INVALID_ARG whatever words it
+ * holds (the status was once read off the message, which quotes it). */
+static void test_bad_addresses_are_invalid_whatever_they_say(void **state)
+{
+    (void)state;
+    kvh_engine *e = open_reader(); /* skips without a remote tier */
+    assert_ok(tu_close(e));
+    static const char *const addrs[] = {"redis-0", "memorystore-0", "hiredis-proxy", "AUTHPROXY", "out of memory"};
+    for (size_t i = 0; i < sizeof(addrs) / sizeof(addrs[0]); i++) {
+        kvh_config c = cfg_for(addrs[i], HEADS, DIM, SALT);
+        e = NULL;
+        assert_kvh(KVH_ERR_INVALID_ARG, kvh_engine_open(&c, &e));
+        assert_null(e);
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1206,6 +1382,10 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_uploads_dropped_and_counted, test_setup, tu_teardown),
         cmocka_unit_test_setup_teardown(test_auth_refusals, test_setup, tu_teardown),
         cmocka_unit_test_setup_teardown(test_scan_of_a_hostile_node_ends, test_setup, tu_teardown),
+        cmocka_unit_test_setup_teardown(test_auth_answer_is_no_value, test_setup, tu_teardown),
+        cmocka_unit_test_setup_teardown(test_writes_to_a_closed_connection_raise_no_sigpipe, test_setup, tu_teardown),
+        cmocka_unit_test_setup_teardown(test_one_slow_master_leaves_only_itself_alone, test_setup, tu_teardown),
+        cmocka_unit_test_setup_teardown(test_bad_addresses_are_invalid_whatever_they_say, test_setup, tu_teardown),
     };
     return cmocka_run_group_tests(tests, group_setup, group_teardown);
 }
