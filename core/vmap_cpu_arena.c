@@ -220,7 +220,10 @@ int kvhi_vmap_cpu_map(void *ctx, void *arena, void *dst, uint64_t off, uint64_t 
 int kvhi_vmap_cpu_unmap(void *ctx, void *arena, void *dst, uint64_t bytes, char *msg, size_t len)
 {
     (void)ctx, (void)arena;
-    void *r = mmap(dst, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
+    /* Zero pages, not a hole: addresses handed out before a truncation
+     * (a binding's arrays) read zeros instead of faulting, and see nothing
+     * of the slots' next owners. */
+    void *r = mmap(dst, bytes, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
     if (r == MAP_FAILED) {
         snprintf(msg, len, "unmapping %llu bytes of a view: %s", (unsigned long long)bytes, strerror(errno));
         return KVH_ERR_NOMEM;

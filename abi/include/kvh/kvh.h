@@ -1772,7 +1772,10 @@ KVH_API kvh_status kvh_seq_vmap(kvh_engine *engine, kvh_seq seq, uint32_t layer,
                                 kvh_vmap **vmap);
 
 /* Brings the view up to date with its sequence: maps blocks appended or
- * replaced since, unmaps blocks truncated away, moves the holds.
+ * replaced since, unmaps blocks truncated away, moves the holds. On the
+ * CPU the range of an unmapped block then reads as zeros (addresses taken
+ * before the refresh never fault while the view exists); on CUDA it is
+ * unmapped.
  * [out] *changed (may be NULL): 1 when a mapping changed. Returns
  * KVH_ERR_BAD_HANDLE (the sequence was freed, or vmap released, forged or
  * of another engine), KVH_ERR_NOT_RESIDENT,
