@@ -2,8 +2,11 @@
 many times. A run only launches kernels, so on the CUDA backend it can be
 captured into a CUDA graph and replayed. The plan holds its blocks in the
 device tier until :meth:`AttentionPlan.destroy`; it covers the tokens the
-sequences had when it was made (later writes into them are seen, tokens
-appended later are not)."""
+sequences had when it was made. Later writes into those tokens are seen
+where they are made in place, not where a write goes to a copy (into a
+full block that another sequence shares or that was written whole, the
+copy-on-write of ``write_kv``); tokens appended later are not seen either:
+make a new plan."""
 
 from __future__ import annotations
 

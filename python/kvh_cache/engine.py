@@ -1134,6 +1134,7 @@ class Engine(OwnedHandle):
             # arrays sized for other rows than the kernels use).
             raise ValueError(f"q_lens has {len(lens)} entries, expected one per sequence ({len(seqs)})")
         hq = self.num_kv_heads if num_q_heads is None else _index("num_q_heads", num_q_heads, maximum=_U32)
+        hq = hq or self.num_kv_heads  # 0 is the library's default, as in attention_decode
         io = DType.F32 if io_dtype is None else DType.parse(io_dtype)
         return AttentionPlan(self, _index("layer", layer, maximum=_U32), seqs, lens, hq, io, scale, threads)
 

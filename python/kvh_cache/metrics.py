@@ -90,6 +90,16 @@ HISTOGRAM_NAMES = {
 }
 
 
+#: Tier gauge (kvh_tier_<key>) -> (help, value of a kvh.TierInfo).
+_TIER_GAUGES = {
+    "capacity_bytes": ("Bytes the tier can hold", lambda t: t.capacity_blocks * t.block_bytes),
+    "used_bytes": ("Bytes of blocks in the tier or in flight to it", lambda t: t.used_bytes),
+    "capacity_blocks": ("Block slots of the tier", lambda t: t.capacity_blocks),
+    "used_blocks": ("Slots holding a block or in flight", lambda t: t.used_blocks),
+    "pinned_blocks": ("Blocks pinned in the tier", lambda t: t.pinned_blocks),
+}
+
+
 class EngineCollector:
     """A prometheus-client collector reading one engine at each scrape.
     It holds the engine weakly: a collected or closed engine reports
@@ -98,8 +108,25 @@ class EngineCollector:
     def __init__(self, engine: Any) -> None:
         self._engine = weakref.ref(engine)
 
-    def describe(self):  # registration needs no scrape of the engine
-        return []
+    def describe(self) -> Iterator[Any]:
+        """The families without samples, read off no engine: a registry
+        then refuses a second engine's collector (the same names twice
+        would make an exposition no server accepts)."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+        yield GaugeMetricFamily("kvh_engine_up", "1 while the engine is open")
+        names = []
+        for field in _stats_fields():
+            name = _counter_of(field)[0]
+            if name not in names:
+                names.append(name)
+        for name in names:
+            yield CounterMetricFamily("kvh_" + name, _HELP.get(name, name))
+        for key, (text, _) in _TIER_GAUGES.items():
+            yield GaugeMetricFamily(f"kvh_tier_{key}", text, labels=["tier"])
+        yield GaugeMetricFamily("kvh_block_bytes", "Bytes of one block for the engine's geometry")
+        for name, text in HISTOGRAM_NAMES.values():
+            yield HistogramMetricFamily(name, text)
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -138,14 +165,7 @@ class EngineCollector:
             add(field, value)
         yield from families.values()
 
-        gauges = {
-            "capacity_bytes": ("Bytes the tier can hold", lambda t: t.capacity_blocks * t.block_bytes),
-            "used_bytes": ("Bytes of blocks in the tier or in flight to it", lambda t: t.used_bytes),
-            "capacity_blocks": ("Block slots of the tier", lambda t: t.capacity_blocks),
-            "used_blocks": ("Slots holding a block or in flight", lambda t: t.used_blocks),
-            "pinned_blocks": ("Blocks pinned in the tier", lambda t: t.pinned_blocks),
-        }
-        for key, (text, get) in gauges.items():
+        for key, (text, get) in _TIER_GAUGES.items():
             g = GaugeMetricFamily(f"kvh_tier_{key}", text, labels=["tier"])
             for tier, info in tiers.items():
                 g.add_metric([tier.name.lower()], get(info))
@@ -211,7 +231,8 @@ def serve(engine: Any, port: int, addr: str = "127.0.0.1", *, registry: Optional
     a daemon thread (port 0: any free port, see :attr:`Exporter.port`).
     Loopback by default: pass ``addr="0.0.0.0"`` to be scraped from other
     machines. ``registry``: a ``prometheus_client.CollectorRegistry`` to
-    add the engine to (default: a new one of its own)."""
+    add the engine to (default: a new one of its own); one that already
+    has an engine's metrics is refused (ValueError)."""
     try:
         from prometheus_client import CollectorRegistry, start_http_server
     except ModuleNotFoundError as exc:
@@ -225,7 +246,12 @@ def serve(engine: Any, port: int, addr: str = "127.0.0.1", *, registry: Optional
         raise TypeError(f"addr must be a str, not {type(addr).__name__}")
     reg = registry if registry is not None else CollectorRegistry(auto_describe=False)
     collector = EngineCollector(engine)
-    reg.register(collector)
+    try:
+        reg.register(collector)
+    except ValueError as exc:  # the names are taken: another engine's, most likely
+        raise ValueError(
+            f"the registry already has kvh's metric names ({exc}): give each engine a registry and port of its own"
+        ) from None
     try:
         server, thread = start_http_server(port, addr=addr, registry=reg)
     except BaseException:

@@ -274,8 +274,9 @@ class Pool(OwnedHandle):
         head_stride = _index("head_stride", head_stride)
         if len(k_ptrs) != engine.num_layers or len(v_ptrs) != engine.num_layers:
             raise ValueError(f"need {engine.num_layers} K and V pointers, got {len(k_ptrs)} and {len(v_ptrs)}")
-        kb = ffi.new("void *[]", [ffi.cast("void *", int(p)) for p in k_ptrs])
-        vb = ffi.new("void *[]", [ffi.cast("void *", int(p)) for p in v_ptrs])
+        # Addresses as ints only: int() would take "4096", 4096.5 or True.
+        kb = ffi.new("void *[]", [ffi.cast("void *", _index(f"k_ptrs[{i}]", p)) for i, p in enumerate(k_ptrs)])
+        vb = ffi.new("void *[]", [ffi.cast("void *", _index(f"v_ptrs[{i}]", p)) for i, p in enumerate(v_ptrs)])
         lay = ffi.new("kvh_pool_layout *")
         lay.struct_size = ffi.sizeof("kvh_pool_layout")
         lay.memory = lib.KVH_MEMORY_HOST
@@ -402,7 +403,9 @@ class Pool(OwnedHandle):
             x[i].block.id = b.handle
             x[i].slot = _index(f"slots[{i}]", s, maximum=_U32)
         fences = ffi.new("kvh_fence[]", max(1, n_layers))
-        with self._engine._call() as p:
+        # Through each block's gate: a released Block is BadHandleError,
+        # even where its handle still names a live block.
+        with self._engine._call(*(b._gate.shared() for b in blocks)) as p:
             check(lib.kvh_pool_restore_batch(p, self._handle(), x, n, first_layer, n_layers, fences))
         fs = []
         for i in range(n_layers):
@@ -449,7 +452,7 @@ def persist_blocks(engine: Engine, blocks: Sequence[Block], *, wait: bool = True
         b._check_engine(engine)
         arr[i].id = b.handle
     fp = None if wait else ffi.new("kvh_fence *")
-    with engine._call() as p:
+    with engine._call(*(b._gate.shared() for b in blocks)) as p:
         check(lib.kvh_blocks_persist(p, arr, n, fp if fp is not None else ffi.NULL))
     return None if fp is None else Fence(engine, fp)
 

@@ -216,7 +216,9 @@ impl Engine {
     /// Plans decode (`q_lens` `None`) or chunked prefill of `layer` for a
     /// batch; see `kvh_attention_plan_create`. The plan covers the tokens
     /// the sequences have now; later writes into them are seen by later
-    /// runs.
+    /// runs where they are made in place, not where `write_kv` copies the
+    /// block (a full block shared or written whole); tokens appended later
+    /// are not seen: make a new plan.
     pub fn attention_plan<T: Element>(
         &self,
         layer: u32,
