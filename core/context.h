@@ -54,6 +54,10 @@ typedef struct kvhi_charge {
     uint32_t *slots;
     uint32_t n, cap;
     uint64_t bytes;
+    /* Bytes of charges still taking slots: the two arrival threads of a
+     * switch charge one context at once, and taking a slot may drop the
+     * lock. */
+    uint64_t pending;
 } kvhi_charge;
 
 typedef struct kvhi_context {
@@ -68,6 +72,7 @@ typedef struct kvhi_context {
     uint32_t n_seqs, cap_seqs;
     bool loading;           /* a switch is bringing it in */
     bool switching;         /* a switch (either direction) involves it */
+    bool departing;         /* a switch is moving its unpinned regions out */
     uint32_t holds;         /* other calls using it with the lock dropped
                                (add_region, verify); a switch waits */
     kvh_status load_status; /* of the last switch into it */

@@ -53,6 +53,12 @@ kvh_status kvhi_context_region_data(kvh_engine *e, kvhi_context *x, uint32_t reg
     kvhi_region *r = &x->regions[region];
     if (r->tier != KVH_TIER_DEVICE || r->busy)
         return kvhi_fail(KVH_ERR_NOT_RESIDENT, "weight region '%s' is not resident in the device tier", r->name);
+    /* Its memory may be dropped or handed to the arriving context at any
+     * moment: an address now would not last the caller's first read. */
+    if (x->departing && !r->pinned)
+        return kvhi_fail(KVH_ERR_BUSY,
+                         "weight region '%s' of context '%s' is leaving the device tier (a switch away runs)", r->name,
+                         x->name);
     if (writable)
         r->dirty = r->stale_crc = true;
     *data = r->data;

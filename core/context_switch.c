@@ -209,6 +209,7 @@ static void run_departures(kvhi_switch *sw)
             pthread_cond_broadcast(&c->cv);
         }
     c->departures_left = 0;
+    x->departing = false;
     pthread_cond_broadcast(&c->cv);
     if (x->kv_policy == KVH_CONTEXT_KV_DEMOTE)
         c->stats.kv_blocks_demoted += move_context_kv(e, x, KVH_TIER_HOST);
@@ -351,7 +352,7 @@ static void *switch_thread(void *argp)
     kvhi_region_spares_free(e);
     pthread_mutex_lock(&e->lock);
     if (sw->from)
-        sw->from->switching = false;
+        sw->from->switching = sw->from->departing = false;
     if (sw->to) {
         sw->to->switching = false;
         sw->to->loading = false;
@@ -427,7 +428,7 @@ kvh_status kvhi_context_switch(kvh_engine *e, kvh_context from_h, kvh_context to
         leaving += from->regions[i].tier == KVH_TIER_DEVICE && !from->regions[i].pinned;
     c->departures_left = leaving;
     if (from)
-        from->switching = true;
+        from->switching = from->departing = true;
     if (to) {
         to->switching = true;
         to->loading = true;

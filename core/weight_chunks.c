@@ -47,7 +47,7 @@ static void forget_slot_pages(kvh_engine *e, uint32_t tier, uint32_t slot)
 /* Gives back slots beyond what ch->bytes needs. */
 static void trim(kvh_engine *e, kvhi_charge *ch, uint32_t tier)
 {
-    uint64_t keep = slots_for(e, tier, ch->bytes);
+    uint64_t keep = slots_for(e, tier, ch->bytes + ch->pending);
     bool freed = false;
     while (ch->n > keep) {
         kvhi_release_slot(e, tier, ch->slots[--ch->n]);
@@ -100,27 +100,40 @@ kvh_status kvhi_charge_add(kvh_engine *e, kvhi_context *x, uint32_t tier, uint64
     if (slots_for(e, tier, bytes) > t->slots.capacity)
         return kvhi_fail(KVH_ERR_NOSPACE, "%llu bytes of weights are more than the whole %s tier",
                          (unsigned long long)bytes, name);
-    /* ch->bytes can change while the lock is dropped (a clean region of
-     * this context dropped for room): re-read it on every round. */
-    while (ch->n < slots_for(e, tier, ch->bytes + bytes)) {
+    /* ch->bytes and ch->n can change while the lock is dropped (a clean
+     * region of this context dropped for room, the other arrival thread
+     * charging it too): re-read them on every round, and grow the list
+     * only once a slot is taken, with the lock held. */
+    ch->pending += bytes;
+    kvh_status st = KVH_OK;
+    while (ch->n < slots_for(e, tier, ch->bytes + ch->pending)) {
+        uint32_t slot;
+        if ((st = take_slot(e, tier, mode, &slot)) != KVH_OK)
+            break;
+        if (ch->n >= slots_for(e, tier, ch->bytes + ch->pending)) {
+            /* The other thread took it for us while the lock was dropped. */
+            kvhi_release_slot(e, tier, slot);
+            pthread_cond_broadcast(&e->changed);
+            break;
+        }
         if (ch->n == ch->cap) {
             uint32_t cap = ch->cap ? ch->cap * 2 : 64;
             uint32_t *ns = realloc(ch->slots, sizeof(uint32_t) * cap);
             if (!ns) {
-                trim(e, ch, tier);
-                return kvhi_fail(KVH_ERR_NOMEM, "out of memory for a slot list");
+                kvhi_release_slot(e, tier, slot);
+                st = kvhi_fail(KVH_ERR_NOMEM, "out of memory for a slot list");
+                break;
             }
             ch->slots = ns;
             ch->cap = cap;
         }
-        uint32_t slot;
-        kvh_status st = take_slot(e, tier, mode, &slot);
-        if (st != KVH_OK) {
-            trim(e, ch, tier);
-            return st;
-        }
         forget_slot_pages(e, tier, slot);
         ch->slots[ch->n++] = slot;
+    }
+    ch->pending -= bytes;
+    if (st != KVH_OK) {
+        trim(e, ch, tier);
+        return st;
     }
     ch->bytes += bytes;
     return KVH_OK;

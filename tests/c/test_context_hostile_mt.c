@@ -154,7 +154,7 @@ static void prober(mt_worker *w)
         void *d;
         uint64_t size;
         kvh_status st = kvh_context_region_data(w->e, c, (uint32_t)tu_below(&r, REGIONS + 1), 0, &d, &size);
-        EXPECT(w, st, "region_data", KVH_OK, KVH_ERR_NOT_RESIDENT, KVH_ERR_RANGE, KVH_ERR_BAD_HANDLE);
+        EXPECT(w, st, "region_data", KVH_OK, KVH_ERR_NOT_RESIDENT, KVH_ERR_BUSY, KVH_ERR_RANGE, KVH_ERR_BAD_HANDLE);
         st = kvh_context_wait_layer(w->e, c, (uint32_t)tu_below(&r, REGIONS), tu_below(&r, 2) ? 0 : 100000);
         EXPECT(w, st, "wait_layer", KVH_OK, KVH_ERR_TIMEOUT, KVH_ERR_NOT_RESIDENT, KVH_ERR_BAD_HANDLE, KVH_ERR_NOSPACE);
         uint64_t checked;
@@ -230,10 +230,99 @@ static void test_switches_race_each_other(void **state)
     assert_int_equal(tu_tier(e, KVH_TIER_HOST).used_blocks, 0);
 }
 
+/* Large file regions, a device tier that holds one model and a host tier
+ * too small to keep the leaving one: each switch drops the leaving
+ * model's regions while the arriving one's two threads charge the device
+ * tier (their slot list once overflowed when both grew it). Reads of the
+ * leaving model while it leaves are refused (KVH_ERR_BUSY) or exact,
+ * never bytes of the arriving one. */
+enum { BIG = 1 << 20, BIG_REGIONS = 4 };
+
+static void add_big_regions(kvh_engine *e, kvh_context *ctx, const char *path, const uint8_t *bytes)
+{
+    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    assert_true(fd >= 0);
+    assert_int_equal(write(fd, bytes, (size_t)BIG * BIG_REGIONS), (ssize_t)BIG * BIG_REGIONS);
+    close(fd);
+    kvh_context_params cp;
+    assert_ok(kvh_context_params_init(&cp, sizeof(cp)));
+    assert_ok(kvh_context_create(e, &cp, ctx));
+    for (uint32_t l = 0; l < BIG_REGIONS; l++) {
+        kvh_weight_region_params rp;
+        assert_ok(kvh_weight_region_params_init(&rp, sizeof(rp)));
+        rp.layer = l;
+        rp.size = BIG;
+        rp.path = path;
+        rp.file_offset = (uint64_t)l * BIG;
+        uint32_t idx;
+        assert_ok(kvh_context_add_region(e, *ctx, &rp, &idx));
+    }
+}
+
+static void test_reads_race_a_switch_away(void **state)
+{
+    (void)state;
+    kvh_config c = tu_cfg(1, 1, 8, 4, KVH_DTYPE_F32, 0, 0, 1);
+    c.device_bytes = (uint64_t)BIG * BIG_REGIONS + (64 << 10);
+    c.host_bytes = 16 << 10;
+    kvh_engine *e = tu_open_cfg(&c);
+    const char *dir = getenv("KVH_TEST_TMPDIR");
+    char pa[600], pb[600];
+    snprintf(pa, sizeof(pa), "%s/ctx_big_a.bin", dir && dir[0] ? dir : "/tmp");
+    snprintf(pb, sizeof(pb), "%s/ctx_big_b.bin", dir && dir[0] ? dir : "/tmp");
+    uint8_t *bytes[2] = {tu_alloc((size_t)BIG * BIG_REGIONS), tu_alloc((size_t)BIG * BIG_REGIONS)};
+    for (size_t i = 0; i < (size_t)BIG * BIG_REGIONS; i++) {
+        bytes[0][i] = (uint8_t)(i % 251);
+        bytes[1][i] = (uint8_t)(255 - i % 241);
+    }
+    kvh_context ctx[2];
+    add_big_regions(e, &ctx[0], pa, bytes[0]);
+    add_big_regions(e, &ctx[1], pb, bytes[1]);
+    assert_ok(kvh_context_switch(e, (kvh_context){0}, ctx[0], NULL));
+    long refused = 0, exact = 0;
+    for (int round = 0; round < 200; round++) {
+        int from = round % 2, to = 1 - from;
+        kvh_fence f;
+        assert_ok(kvh_context_switch(e, ctx[from], ctx[to], &f));
+        for (int i = 0; i < 64; i++) {
+            uint32_t region = 3 - (uint32_t)(i % 4);
+            void *d;
+            uint64_t size;
+            kvh_status st = kvh_context_region_data(e, ctx[from], region, 0, &d, &size);
+            if (st == KVH_OK) {
+                assert_memory_equal(d, bytes[from] + (size_t)region * BIG, BIG);
+                exact++;
+            } else {
+                assert_true(st == KVH_ERR_BUSY || st == KVH_ERR_NOT_RESIDENT);
+                refused++;
+            }
+            int32_t done = 0;
+            assert_ok(kvh_fence_poll(e, f, &done));
+            if (done)
+                break;
+        }
+        assert_ok(kvh_fence_wait(e, f, UINT64_MAX));
+        assert_ok(kvh_fence_free(e, f));
+        for (uint32_t region = 0; region < BIG_REGIONS; region++) {
+            void *d;
+            uint64_t size;
+            assert_ok(kvh_context_region_data(e, ctx[to], region, 0, &d, &size));
+            assert_memory_equal(d, bytes[to] + (size_t)region * BIG, BIG);
+        }
+    }
+    print_message("reads during a switch away: %ld refused, %ld exact\n", refused, exact);
+    assert_true(refused > 0);
+    assert_ok(kvh_context_destroy(e, ctx[0]));
+    assert_ok(kvh_context_destroy(e, ctx[1]));
+    tu_free(bytes[0]);
+    tu_free(bytes[1]);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_switches_race_each_other, tu_teardown),
+        cmocka_unit_test_teardown(test_reads_race_a_switch_away, tu_teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

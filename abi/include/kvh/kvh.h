@@ -1505,7 +1505,9 @@ KVH_API kvh_status kvh_context_wait_layer(kvh_engine *engine, kvh_context ctx, u
  * recomputed at that point. [out] *data [owned by engine] valid until a
  * switch away from ctx or its destruction; [out] *size (may be NULL).
  * Returns KVH_ERR_RANGE (no such region), KVH_ERR_NOT_RESIDENT,
- * KVH_ERR_INVALID_ARG (NULL data), KVH_ERR_BAD_HANDLE. @threads any */
+ * KVH_ERR_BUSY (a switch away from ctx is moving its unpinned regions
+ * out: an address now could be gone before it is read), KVH_ERR_INVALID_ARG
+ * (NULL data), KVH_ERR_BAD_HANDLE. @threads any */
 KVH_API kvh_status kvh_context_region_data(kvh_engine *engine, kvh_context ctx, uint32_t region, int32_t writable,
                                            void **data, uint64_t *size);
 
