@@ -307,9 +307,10 @@ impl<'e> Context<'e> {
         }
         let (p, n) = self.region_ptr(region)?;
         // SAFETY: the CPU backend's region memory is host memory of n bytes,
-        // valid until a switch away from this context, which needs a
-        // reference to it: not on another thread (Context is not Sync), and
-        // not on this one during the copy.
+        // valid until a switch away from this context moves it. One that
+        // runs now (started async) made region_ptr refuse (Busy); a new one
+        // needs a reference to this context: not on another thread
+        // (Context is not Sync), and not on this one during the copy.
         Ok(unsafe { std::slice::from_raw_parts(p, n as usize) }.to_vec())
     }
 

@@ -4,7 +4,7 @@ use std::cell::{Cell, RefCell};
 use std::marker::PhantomData;
 use std::ops::{Bound, RangeBounds};
 use std::ptr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
 use kvh_sys as sys;
@@ -230,6 +230,7 @@ impl<'e> Sequence<'e> {
         let mark = Arc::new(ViewMark {
             layer,
             mapped: AtomicU64::new(mapped),
+            kept: AtomicBool::new(false),
             keepers: Mutex::new(Vec::new()),
         });
         let mut views = self.views.borrow_mut();
@@ -248,6 +249,67 @@ impl<'e> Sequence<'e> {
             .map(|m| m.mapped.load(Ordering::Acquire))
             .max()
             .unwrap_or(0)
+    }
+
+    /// Blocks a live view maps stay referenced by a hidden fork until the
+    /// view is refreshed or goes: given up by this sequence (truncated from
+    /// `first_token` on, or copied on write), another fork holding them
+    /// alone would write them in place, under the view's slices. One fork
+    /// serves every view not yet kept, and a view needs one only once.
+    fn keep_views_from(&self, first_token: u64) -> Result<()> {
+        let marks: Vec<Arc<ViewMark>> = self
+            .views
+            .borrow()
+            .iter()
+            .filter_map(Weak::upgrade)
+            .filter(|m| !m.is_kept() && m.mapped.load(Ordering::Acquire) > first_token)
+            .collect();
+        if marks.is_empty() {
+            return Ok(());
+        }
+        let mut keeper = sys::kvh_seq { id: 0 };
+        // SAFETY: valid engine and handle; keeper is written on success.
+        check(unsafe { sys::kvh_seq_fork(self.engine.as_ptr(), self.raw, 0, &mut keeper) })?;
+        let keeper = Arc::new(OrphanSequence {
+            engine: self.engine.as_ptr(),
+            raw: keeper,
+            fork: true,
+        });
+        for mark in &marks {
+            mark.keep(&keeper);
+        }
+        Ok(())
+    }
+
+    /// Before a call that writes tokens `[first, end)`: where one of their
+    /// blocks that a view maps is shared, the call copies it and this
+    /// sequence gives the mapped one up, so the views are kept first. An
+    /// unshared block is written in place, past what the views map.
+    fn keep_views_before_write(&self, first: u64, end: u64) -> Result<()> {
+        let mapped = self
+            .views
+            .borrow()
+            .iter()
+            .filter_map(Weak::upgrade)
+            .filter(|m| !m.is_kept())
+            .map(|m| m.mapped.load(Ordering::Acquire))
+            .max()
+            .unwrap_or(0);
+        let bt = u64::from(self.engine.geometry().block_tokens);
+        let first_block = first / bt;
+        if mapped == 0 || bt == 0 || first_block >= mapped.div_ceil(bt) {
+            return Ok(());
+        }
+        let last_block = end.min(mapped).div_ceil(bt).max(first_block + 1);
+        let len_blocks = self.len()?.div_ceil(bt);
+        for b in first_block..last_block.min(len_blocks) {
+            let mut out = [Block(0)];
+            self.blocks_into(b, &mut out)?;
+            if self.engine.block_info(out[0])?.refs > 1 {
+                return self.keep_views_from(b * bt);
+            }
+        }
+        Ok(())
     }
 
     /// The engine this sequence belongs to.
@@ -284,6 +346,10 @@ impl<'e> Sequence<'e> {
     /// [`Status::NoSpace`] when no tier has room (the sequence is then
     /// unchanged).
     pub fn append(&self, tokens: &[i32]) -> Result<()> {
+        if !tokens.is_empty() && !self.views.borrow().is_empty() {
+            let len = self.len()?;
+            self.keep_views_before_write(len, len.saturating_add(tokens.len() as u64))?;
+        }
         // SAFETY: tokens is a valid slice of its length.
         check(unsafe {
             sys::kvh_seq_append(
@@ -357,6 +423,9 @@ impl<'e> Sequence<'e> {
                 k.len(),
                 v.len()
             )));
+        }
+        if n > 0 && !self.views.borrow().is_empty() {
+            self.keep_views_before_write(pos, pos.saturating_add(n as u64))?;
         }
         // SAFETY: k and v hold n * num_kv_heads * head_dim elements of the
         // engine's element size (checked above).
@@ -509,27 +578,8 @@ impl<'e> Sequence<'e> {
                 ),
             ));
         }
-        // Blocks a live view maps stay referenced by a hidden fork until
-        // the view goes: given up, another fork holding them alone would
-        // write them in place, under the view's slices.
-        let cut: Vec<Arc<ViewMark>> = self
-            .views
-            .borrow()
-            .iter()
-            .filter_map(Weak::upgrade)
-            .filter(|m| m.mapped.load(Ordering::Acquire) > n_tokens)
-            .collect();
-        if !cut.is_empty() && n_tokens < self.len()? {
-            let mut keeper = sys::kvh_seq { id: 0 };
-            // SAFETY: valid engine and handle; keeper is written on success.
-            check(unsafe { sys::kvh_seq_fork(self.engine.as_ptr(), self.raw, 0, &mut keeper) })?;
-            let keeper = Arc::new(OrphanSequence {
-                engine: self.engine.as_ptr(),
-                raw: keeper,
-            });
-            for mark in &cut {
-                mark.keep(&keeper);
-            }
+        if n_tokens < self.len()? {
+            self.keep_views_from(n_tokens)?;
         }
         // SAFETY: valid engine.
         check(unsafe { sys::kvh_seq_truncate(self.engine.as_ptr(), self.raw, n_tokens) })
@@ -745,6 +795,7 @@ impl Drop for Sequence<'_> {
             let orphan = Arc::new(OrphanSequence {
                 engine: self.engine.as_ptr(),
                 raw: self.raw,
+                fork: false,
             });
             for mark in live {
                 mark.keep(&orphan);
@@ -955,9 +1006,12 @@ mod tests {
 pub(crate) struct ViewMark {
     layer: u32,
     mapped: AtomicU64,
+    // A keeper holds every block the view maps now: the sequence may give
+    // them up (truncate, copy-on-write) without another fork.
+    kept: AtomicBool,
     // Sequences that keep the blocks this view maps (the sequence itself
-    // once dropped, or a fork of it taken before a truncation): freed
-    // with the last view holding them.
+    // once dropped, or a fork of it taken before the sequence gave them
+    // up): freed with the last view holding them.
     keepers: Mutex<Vec<Arc<OrphanSequence>>>,
 }
 
@@ -967,12 +1021,21 @@ impl ViewMark {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .push(keeper.clone());
+        self.kept.store(true, Ordering::Release);
     }
-}
 
-impl ViewMark {
+    fn is_kept(&self) -> bool {
+        self.kept.load(Ordering::Acquire)
+    }
+
+    /// The view now maps what the sequence has (a refresh, with no slice
+    /// borrowed): forks kept for the old mapping go; the dropped sequence
+    /// itself, if it is one of them, stays (the view still maps it).
     pub(crate) fn set_mapped(&self, tokens: u64) {
         self.mapped.store(tokens, Ordering::Release);
+        let mut keepers = self.keepers.lock().unwrap_or_else(|p| p.into_inner());
+        keepers.retain(|k| !k.fork);
+        self.kept.store(!keepers.is_empty(), Ordering::Release);
     }
 }
 
@@ -984,6 +1047,7 @@ impl ViewMark {
 pub(crate) struct OrphanSequence {
     engine: *mut sys::kvh_engine,
     raw: sys::kvh_seq,
+    fork: bool, // a hidden fork (else the dropped sequence itself)
 }
 
 // SAFETY: the engine outlives every view (they borrow it), and the
