@@ -9,6 +9,9 @@
  *   mt_run_for(e, n, fn, w, seconds, stop)  the same, with *stop set
  *                    once seconds have passed (the calling thread keeps
  *                    the time); fn returns when it sees it.
+ *   mt_closer, mt_close_thread  kvh_engine_close on a thread of its own
+ *                    (pthread_create(&t, NULL, mt_close_thread, &closer)):
+ *                    its status, and done once it returned.
  */
 #ifndef KVH_TEST_MT_UTIL_H
 #define KVH_TEST_MT_UTIL_H
@@ -79,6 +82,20 @@ static inline void mt_run_for(kvh_engine *e, int n, void *(*fn)(void *), mt_work
         ;
     atomic_store(stop, 1);
     mt_join(n, th, w);
+}
+
+typedef struct mt_closer {
+    kvh_engine *e;
+    kvh_status st;
+    atomic_int done;
+} mt_closer;
+
+static inline void *mt_close_thread(void *arg)
+{
+    mt_closer *c = (mt_closer *)arg;
+    c->st = kvh_engine_close(c->e);
+    atomic_store(&c->done, 1);
+    return NULL;
 }
 
 #endif

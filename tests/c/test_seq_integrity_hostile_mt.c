@@ -35,6 +35,7 @@
 #include <stdbool.h>
 
 #include "test_util.h"
+#include "uffd_gate.h"
 #include "disk_test_util.h"
 #include "mt_util.h"
 
@@ -833,92 +834,10 @@ static void test_integrity_copy_moves(void **state)
     integrity_run(1, tu_seed(0x51c0ffee) ^ 0xc0b1);
 }
 
-/* A gate that holds kvh_engine_close after it has begun, with black-box
- * means only: a pool batch offload whose slot is memory registered with
- * userfaultfd. The migration worker gathering it faults on the untouched
- * page and waits until the test fills it; close, which stops the workers,
- * cannot free the engine before then. So the threads race a close that is
- * under way (their calls must get KVH_ERR_CLOSED), never the free. */
-typedef struct uffd_gate {
-    int fd;
-    void *mem;
-    size_t len;
-    kvh_pool pool;
-    kvh_fence fence;
-    kvh_pool_xfer x;
-    int32_t tok[BT];
-} uffd_gate;
-
-static bool gate_arm(kvh_engine *e, uffd_gate *g)
-{
-    *g = (uffd_gate){.fd = (int)syscall(SYS_userfaultfd, O_CLOEXEC | O_NONBLOCK)};
-    if (g->fd < 0)
-        return false;
-    struct uffdio_api api = {.api = UFFD_API};
-    g->len = (size_t)sysconf(_SC_PAGESIZE);
-    g->mem = mmap(NULL, g->len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    struct uffdio_register reg = {.range = {(uintptr_t)g->mem, g->len}, .mode = UFFDIO_REGISTER_MODE_MISSING};
-    if (ioctl(g->fd, UFFDIO_API, &api) != 0 || g->mem == MAP_FAILED || ioctl(g->fd, UFFDIO_REGISTER, &reg) != 0) {
-        close(g->fd);
-        if (g->mem != MAP_FAILED)
-            munmap(g->mem, g->len);
-        return false;
-    }
-    /* One slot: layer l's K at 2l, V at 2l + 1 (BT x H x D f32 each). */
-    void *kb[L], *vb[L];
-    for (uint32_t l = 0; l < L; l++) {
-        kb[l] = (char *)g->mem + (2 * l) * BT * ROWF * 4;
-        vb[l] = (char *)g->mem + (2 * l + 1) * BT * ROWF * 4;
-    }
-    kvh_pool_layout lay = {.struct_size = sizeof(lay),
-                           .memory = KVH_MEMORY_HOST,
-                           .num_slots = 1,
-                           .k_base = kb,
-                           .v_base = vb,
-                           .slot_stride = 4 * BT * ROWF * 4,
-                           .token_stride = ROWF * 4,
-                           .head_stride = D * 4};
-    assert_ok(kvh_pool_register(e, &lay, &g->pool));
-    for (uint32_t p = 0; p < BT; p++)
-        g->tok[p] = 77000 + (int32_t)p;
-    g->x = (kvh_pool_xfer){.struct_size = sizeof(kvh_pool_xfer), .slot = 0, .tokens = g->tok};
-    assert_ok(kvh_pool_offload_batch(e, g->pool, &g->x, 1, 0, &g->fence));
-    /* Wait for the worker's fault: from then on it is stuck in the gather. */
-    struct pollfd pfd = {.fd = g->fd, .events = POLLIN};
-    if (poll(&pfd, 1, 10000) != 1)
-        fail_msg("the offload batch never read its pool slot");
-    struct uffd_msg msg;
-    assert_true(read(g->fd, &msg, sizeof(msg)) == (ssize_t)sizeof(msg));
-    assert_int_equal(msg.event, UFFD_EVENT_PAGEFAULT);
-    return true;
-}
-
-static void gate_open(uffd_gate *g)
-{
-    struct uffdio_zeropage z = {.range = {(uintptr_t)g->mem, g->len}};
-    assert_int_equal(ioctl(g->fd, UFFDIO_ZEROPAGE, &z), 0);
-}
-
-static void gate_free(uffd_gate *g)
-{
-    close(g->fd);
-    munmap(g->mem, g->len);
-}
-
-typedef struct closer {
-    kvh_engine *e;
-    kvh_status st;
-    atomic_int done;
-} closer;
-
-static void *close_thread(void *arg)
-{
-    closer *c = arg;
-    c->st = kvh_engine_close(c->e);
-    atomic_store(&c->done, 1);
-    return NULL;
-}
-
+/* A uffd_gate holds kvh_engine_close after it has begun, with black-box
+ * means only: close, which stops the workers, cannot free the engine while
+ * the gate holds one. So the threads race a close that is under way (their
+ * calls must get KVH_ERR_CLOSED), never the free. */
 /* Threads run the mix while the main thread closes the engine. A call in
  * flight when close begins completes as usual (close waits for it); one
  * that starts after gets KVH_ERR_CLOSED; nothing else, and every read that
@@ -948,12 +867,12 @@ static void test_close_races_threads(void **state)
         tu_rng r = {seed + (uint64_t)round};
         dt_sleep_ms(50 + (double)tu_below(&r, 300));
         uffd_gate g;
-        bool gate = gate_arm(e, &g);
-        closer c = {.e = e};
+        bool gate = uffd_gate_arm(e, &g, (uffd_gate_geometry){L, BT, H, D}, 77000);
+        mt_closer c = {.e = e};
         pthread_t ct;
         if (!gate)
             atomic_store_explicit(&G.halt, 1, memory_order_release);
-        assert_int_equal(pthread_create(&ct, NULL, close_thread, &c), 0);
+        assert_int_equal(pthread_create(&ct, NULL, mt_close_thread, &c), 0);
         if (gate) {
             gated++;
             /* Every thread ends at its first KVH_ERR_CLOSED (or error). */
@@ -972,10 +891,10 @@ static void test_close_races_threads(void **state)
             if (!all)
                 atomic_store_explicit(&G.halt, 1, memory_order_release);
             bool early = atomic_load(&c.done);
-            gate_open(&g);
+            uffd_gate_open(&g);
             pthread_join(ct, NULL);
             mt_join(NTHR, th, mw);
-            gate_free(&g);
+            uffd_gate_free(&g);
             if (early)
                 fail_msg("round %d: kvh_engine_close returned while a worker was inside a gather", round);
             if (!all)

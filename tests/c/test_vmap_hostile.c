@@ -22,6 +22,8 @@
 #include <unistd.h>
 
 #include "test_util.h"
+#include "kv_cells.h"
+#include "uffd_gate.h"
 #include "disk_test_util.h"
 
 /* f32, head_dim 64, 16 tokens: one head's K of a block is one 4 KiB page. */
@@ -31,37 +33,11 @@ static const dt_geo GEO = {L, H, D, BT, KVH_DTYPE_F32};
 #define VM_SENTINEL ((kvh_vmap *)(uintptr_t)0x5e5e)
 #define FENCE_SENTINEL ((kvh_fence){0x5e5e5e5eull})
 
-static uint64_t mix(uint64_t z)
-{
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
-/* k/128 with |k| < 2^15: exact in f32. */
-static float cell(uint32_t tag, uint32_t l, uint64_t t, uint32_t h, int kv, uint32_t d)
-{
-    uint64_t z = mix(((uint64_t)tag << 48) ^ ((uint64_t)l << 40) ^ (t << 16) ^ ((uint64_t)h << 10) ^
-                     ((uint64_t)kv << 9) ^ d ^ 0x5bd1e995ull);
-    return (float)((int32_t)(z & 0x7fff) - 16384) / 128.0f;
-}
-
-/* K and V of tokens [pos, pos + n) of layer l, shaped [n][H][D]. */
-static void gen(uint32_t tag, uint32_t l, uint64_t pos, size_t n, float *k, float *v)
-{
-    for (size_t t = 0; t < n; t++)
-        for (uint32_t h = 0; h < H; h++)
-            for (uint32_t d = 0; d < D; d++) {
-                k[(t * H + h) * D + d] = cell(tag, l, pos + t, h, 0, d);
-                v[(t * H + h) * D + d] = cell(tag, l, pos + t, h, 1, d);
-            }
-}
-
 static void write_tag(kvh_engine *e, kvh_seq s, uint32_t tag, uint64_t pos, size_t n)
 {
     float *k = tu_alloc(sizeof(float) * n * ROW), *v = tu_alloc(sizeof(float) * n * ROW);
     for (uint32_t l = 0; l < L; l++) {
-        gen(tag, l, pos, n, k, v);
+        kv_cells(tag, l, pos, n, H, D, k, v);
         assert_ok(kvh_seq_write_kv(e, s, l, pos, n, k, v));
     }
     tu_free(k);
@@ -93,7 +69,7 @@ static void expect_read(kvh_engine *e, kvh_seq s, uint32_t tag, uint64_t pos, si
     float *ek = tu_alloc(sizeof(float) * n * ROW), *ev = tu_alloc(sizeof(float) * n * ROW);
     for (uint32_t l = 0; l < L; l++) {
         assert_ok(kvh_seq_read_kv(e, s, l, pos, n, k, v));
-        gen(tag, l, pos, n, ek, ev);
+        kv_cells(tag, l, pos, n, H, D, ek, ev);
         for (size_t i = 0; i < n * ROW; i++)
             if (memcmp(&k[i], &ek[i], 4) || memcmp(&v[i], &ev[i], 4))
                 fail_msg("read_kv layer %u token %" PRIu64 " head %zu dim %zu: K %g V %g, expected K %g V %g", l,
@@ -116,7 +92,7 @@ static void expect_view(kvh_engine *e, kvh_vmap *m, uint32_t tag, uint64_t pos, 
         const float *vv = (const float *)((const uint8_t *)v.v + h * v.head_stride);
         for (uint64_t t = pos; t < pos + n; t++)
             for (uint32_t d = 0; d < D; d++) {
-                float ek = cell(tag, v.layer, t, h, 0, d), ev = cell(tag, v.layer, t, h, 1, d);
+                float ek = kv_cell(tag, v.layer, t, h, 0, d), ev = kv_cell(tag, v.layer, t, h, 1, d);
                 if (memcmp(&vk[t * D + d], &ek, 4) || memcmp(&vv[t * D + d], &ev, 4))
                     fail_msg("view of layer %u, token %" PRIu64 " head %u dim %u: K %g V %g, expected K %g V %g",
                              v.layer, t, h, d, vk[t * D + d], vv[t * D + d], ek, ev);
@@ -150,7 +126,7 @@ static void expect_tiers(kvh_engine *e, kvh_seq s, uint64_t nb, uint32_t tier)
 static void fill_q(float *q, size_t n, uint32_t salt)
 {
     for (size_t i = 0; i < n; i++)
-        q[i] = cell(salt, 0, i, 0, 0, 0) / 8.0f;
+        q[i] = kv_cell(salt, 0, i, 0, 0, 0) / 8.0f;
 }
 
 /* ================================================================== */
@@ -407,7 +383,7 @@ static void test_views_over_scattered_slots(void **state)
             const float *vk = (const float *)((const uint8_t *)w.k + h * w.head_stride) + t * D;
             const float *vv = (const float *)((const uint8_t *)w.v + h * w.head_stride) + t * D;
             for (uint32_t d = 0; d < D; d++) {
-                float ek = cell(tags[t], 1, t, h, 0, d), ev = cell(tags[t], 1, t, h, 1, d);
+                float ek = kv_cell(tags[t], 1, t, h, 0, d), ev = kv_cell(tags[t], 1, t, h, 1, d);
                 if (memcmp(&vk[d], &ek, 4) || memcmp(&vv[d], &ev, 4))
                     fail_msg("token %" PRIu64 " head %u dim %u after copy-on-write: K %g V %g, expected %g %g", t, h, d,
                              vk[d], vv[d], ek, ev);
@@ -461,15 +437,15 @@ static void test_views_over_a_codec_host_tier(void **state)
             uint32_t tag = (t == 36 || t == 37) ? 181 : 180;
             float maxk = 0, maxv = 0;
             for (uint32_t d = 0; d < D; d++) {
-                maxk = fmaxf(maxk, fabsf(cell(tag, 1, t, h, 0, d)));
-                maxv = fmaxf(maxv, fabsf(cell(tag, 1, t, h, 1, d)));
+                maxk = fmaxf(maxk, fabsf(kv_cell(tag, 1, t, h, 0, d)));
+                maxv = fmaxf(maxv, fabsf(kv_cell(tag, 1, t, h, 1, d)));
             }
             for (uint32_t d = 0; d < D; d++) {
                 /* |x - x'| <= max|x| / 254, plus rounding slack */
-                if (fabsf(vk[d] - cell(tag, 1, t, h, 0, d)) > maxk / 254 * 1.001f + 1e-6f ||
-                    fabsf(vv[d] - cell(tag, 1, t, h, 1, d)) > maxv / 254 * 1.001f + 1e-6f)
+                if (fabsf(vk[d] - kv_cell(tag, 1, t, h, 0, d)) > maxk / 254 * 1.001f + 1e-6f ||
+                    fabsf(vv[d] - kv_cell(tag, 1, t, h, 1, d)) > maxv / 254 * 1.001f + 1e-6f)
                     fail_msg("token %" PRIu64 " head %u dim %u: view K %g V %g, written K %g V %g", t, h, d, vk[d],
-                             vv[d], cell(tag, 1, t, h, 0, d), cell(tag, 1, t, h, 1, d));
+                             vv[d], kv_cell(tag, 1, t, h, 0, d), kv_cell(tag, 1, t, h, 1, d));
             }
         }
     float q[H * D], a[H * D], b[H * D];
@@ -618,7 +594,7 @@ static void test_write_from_another_sequences_view(void **state)
     for (uint32_t t = 0; t < 4; t++)
         for (uint32_t h = 0; h < H; h++)
             for (uint32_t d = 0; d < D; d++) {
-                float ek = cell(40, 0, 8 + 2 * t + h, 0, 0, d), ev = cell(40, 0, 8 + 2 * t + h, 0, 1, d);
+                float ek = kv_cell(40, 0, 8 + 2 * t + h, 0, 0, d), ev = kv_cell(40, 0, 8 + 2 * t + h, 0, 1, d);
                 assert_memory_equal(&k[(t * H + h) * D + d], &ek, 4);
                 assert_memory_equal(&v[(t * H + h) * D + d], &ev, 4);
             }
@@ -907,68 +883,6 @@ static void test_fence_reports_the_first_error(void **state)
     expect_read(e, s, 60, 0, 6 * BT);
 }
 
-/* A pool slot in userfaultfd memory: the migration worker gathering it
- * for an offload batch stops on the page fault until the test fills the
- * page, so the batch's fence stays pending as long as the test wants. */
-typedef struct gate {
-    int fd;
-    void *mem;
-    size_t len;
-    kvh_pool pool;
-    kvh_fence fence;
-    kvh_pool_xfer x;
-    int32_t tok[BT];
-} gate;
-
-static bool gate_arm(kvh_engine *e, gate *g)
-{
-    *g = (gate){.fd = (int)syscall(SYS_userfaultfd, O_CLOEXEC | O_NONBLOCK)};
-    if (g->fd < 0)
-        return false;
-    struct uffdio_api api = {.api = UFFD_API};
-    size_t page = (size_t)sysconf(_SC_PAGESIZE), need = 2 * L * BT * ROW * sizeof(float);
-    g->len = (need + page - 1) / page * page;
-    g->mem = mmap(NULL, g->len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    struct uffdio_register reg = {.range = {(uintptr_t)g->mem, g->len}, .mode = UFFDIO_REGISTER_MODE_MISSING};
-    if (g->mem == MAP_FAILED || ioctl(g->fd, UFFDIO_API, &api) != 0 || ioctl(g->fd, UFFDIO_REGISTER, &reg) != 0) {
-        close(g->fd);
-        if (g->mem != MAP_FAILED)
-            munmap(g->mem, g->len);
-        return false;
-    }
-    void *kb[L], *vb[L];
-    for (uint32_t l = 0; l < L; l++) {
-        kb[l] = (char *)g->mem + (2 * l) * BT * ROW * sizeof(float);
-        vb[l] = (char *)g->mem + (2 * l + 1) * BT * ROW * sizeof(float);
-    }
-    kvh_pool_layout lay = {.struct_size = sizeof(lay),
-                           .memory = KVH_MEMORY_HOST,
-                           .num_slots = 1,
-                           .k_base = kb,
-                           .v_base = vb,
-                           .slot_stride = 2 * L * BT * ROW * sizeof(float),
-                           .token_stride = ROW * sizeof(float),
-                           .head_stride = D * sizeof(float)};
-    assert_ok(kvh_pool_register(e, &lay, &g->pool));
-    for (uint32_t p = 0; p < BT; p++)
-        g->tok[p] = 990000 + (int32_t)p;
-    g->x = (kvh_pool_xfer){.struct_size = sizeof(kvh_pool_xfer), .slot = 0, .tokens = g->tok};
-    assert_ok(kvh_pool_offload_batch(e, g->pool, &g->x, 1, 0, &g->fence));
-    struct pollfd pfd = {.fd = g->fd, .events = POLLIN};
-    if (poll(&pfd, 1, 10000) != 1)
-        fail_msg("the offload batch never read its pool slot");
-    struct uffd_msg msg;
-    assert_true(read(g->fd, &msg, sizeof(msg)) == (ssize_t)sizeof(msg));
-    assert_int_equal(msg.event, UFFD_EVENT_PAGEFAULT);
-    return true;
-}
-
-static void gate_open(gate *g)
-{
-    struct uffdio_zeropage z = {.range = {(uintptr_t)g->mem, g->len}};
-    assert_int_equal(ioctl(g->fd, UFFDIO_ZEROPAGE, &z), 0);
-}
-
 /* A fence whose work cannot finish: wait with a deadline is
  * KVH_ERR_TIMEOUT, poll is KVH_OK with done = 0, repeatedly; views of
  * resident blocks are made and used meanwhile; a fence freed while its
@@ -979,8 +893,8 @@ static void test_pending_fences_time_out(void **state)
     kvh_engine *e = open_vmap(16, 16, 1);
     kvh_seq s = mk(e, 160, 40);
     kvh_seq t = mk(e, 161, 40);
-    gate g;
-    if (!gate_arm(e, &g))
+    uffd_gate g;
+    if (!uffd_gate_arm(e, &g, (uffd_gate_geometry){L, BT, H, D}, 990000))
         skip();
     for (int i = 0; i < 3; i++) {
         assert_kvh(KVH_ERR_TIMEOUT, kvh_fence_wait(e, g.fence, 0));
@@ -1006,7 +920,7 @@ static void test_pending_fences_time_out(void **state)
         assert_kvh(KVH_ERR_TIMEOUT, kvh_fence_wait(e, f, 1000 * 1000));
     assert_ok(kvh_fence_free(e, f));
     assert_kvh(KVH_ERR_BAD_HANDLE, kvh_fence_poll(e, f, &done));
-    gate_open(&g);
+    uffd_gate_open(&g);
     assert_ok(kvh_fence_wait(e, g.fence, UINT64_MAX));
     done = 0;
     assert_ok(kvh_fence_poll(e, g.fence, &done));
@@ -1029,7 +943,7 @@ static void test_pending_fences_time_out(void **state)
 static void *open_gate_later(void *arg)
 {
     dt_sleep_ms(60);
-    gate *g = arg;
+    uffd_gate *g = arg;
     struct uffdio_zeropage z = {.range = {(uintptr_t)g->mem, g->len}};
     if (ioctl(g->fd, UFFDIO_ZEROPAGE, &z) != 0)
         fprintf(stderr, "UFFDIO_ZEROPAGE failed\n");
@@ -1045,8 +959,8 @@ static void test_far_deadlines_wait_for_the_work(void **state)
     const uint64_t far[] = {UINT64_MAX - 1, (uint64_t)INT64_MAX + 1, (uint64_t)INT64_MAX, UINT64_MAX / 1000 * 999};
     for (size_t i = 0; i < sizeof(far) / sizeof(far[0]); i++) {
         kvh_engine *e = open_vmap(16, 16, 1);
-        gate g;
-        if (!gate_arm(e, &g))
+        uffd_gate g;
+        if (!uffd_gate_arm(e, &g, (uffd_gate_geometry){L, BT, H, D}, 990000))
             skip();
         pthread_t th;
         assert_int_equal(pthread_create(&th, NULL, open_gate_later, &g), 0);

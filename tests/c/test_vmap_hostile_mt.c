@@ -29,6 +29,8 @@
 #include <unistd.h>
 
 #include "test_util.h"
+#include "kv_cells.h"
+#include "uffd_gate.h"
 #include "disk_test_util.h"
 #include "mt_util.h"
 
@@ -37,36 +39,12 @@ enum { L = 2, H = 2, D = 64, BT = 16, ROW = H * D, MAXB = 12, MAXT = MAXB * BT }
 
 #define BIT(st) (1u << (unsigned)(-(st)))
 
-static uint64_t mix(uint64_t z)
-{
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
-static float cell(uint32_t tag, uint32_t l, uint64_t t, uint32_t h, int kv, uint32_t d)
-{
-    uint64_t z = mix(((uint64_t)tag << 48) ^ ((uint64_t)l << 40) ^ (t << 16) ^ ((uint64_t)h << 10) ^
-                     ((uint64_t)kv << 9) ^ d ^ 0x5bd1e995ull);
-    return (float)((int32_t)(z & 0x7fff) - 16384) / 128.0f;
-}
-
-static void gen(uint32_t tag, uint32_t l, uint64_t pos, size_t n, float *k, float *v)
-{
-    for (size_t t = 0; t < n; t++)
-        for (uint32_t h = 0; h < H; h++)
-            for (uint32_t d = 0; d < D; d++) {
-                k[(t * H + h) * D + d] = cell(tag, l, pos + t, h, 0, d);
-                v[(t * H + h) * D + d] = cell(tag, l, pos + t, h, 1, d);
-            }
-}
-
 /* Writes tag's K/V of [pos, pos + n) in every layer (n <= MAXT). */
 static kvh_status put_kv(kvh_engine *e, kvh_seq s, uint32_t tag, uint64_t pos, size_t n)
 {
     static _Thread_local float k[MAXT * ROW], v[MAXT * ROW];
     for (uint32_t l = 0; l < L; l++) {
-        gen(tag, l, pos, n, k, v);
+        kv_cells(tag, l, pos, n, H, D, k, v);
         kvh_status st = kvh_seq_write_kv(e, s, l, pos, n, k, v);
         if (st != KVH_OK)
             return st;
@@ -96,7 +74,8 @@ static kvh_status read_check(kvh_engine *e, kvh_seq s, const uint32_t *tags, uin
     for (size_t t = 0; t < n; t++)
         for (uint32_t h = 0; h < H; h++)
             for (uint32_t d = 0; d < D; d++) {
-                float ek = cell(tags[pos + t], l, pos + t, h, 0, d), ev = cell(tags[pos + t], l, pos + t, h, 1, d);
+                float ek = kv_cell(tags[pos + t], l, pos + t, h, 0, d),
+                      ev = kv_cell(tags[pos + t], l, pos + t, h, 1, d);
                 size_t i = (t * H + h) * D + d;
                 if (memcmp(&k[i], &ek, 4) || memcmp(&v[i], &ev, 4)) {
                     snprintf(msg, len, "read_kv layer %u token %" PRIu64 " head %u dim %u: K %g V %g, expected %g %g",
@@ -116,7 +95,7 @@ static bool view_check(const kvh_vmap_view *w, const uint32_t *tags, uint64_t po
         const float *vv = (const float *)((const uint8_t *)w->v + h * w->head_stride);
         for (uint64_t t = pos; t < pos + n; t++)
             for (uint32_t d = 0; d < D; d++) {
-                float ek = cell(tags[t], w->layer, t, h, 0, d), ev = cell(tags[t], w->layer, t, h, 1, d);
+                float ek = kv_cell(tags[t], w->layer, t, h, 0, d), ev = kv_cell(tags[t], w->layer, t, h, 1, d);
                 if (memcmp(&vk[t * D + d], &ek, 4) || memcmp(&vv[t * D + d], &ev, 4)) {
                     snprintf(msg, len, "view layer %u token %" PRIu64 " head %u dim %u: K %g V %g, expected %g %g",
                              w->layer, t, h, d, vk[t * D + d], vv[t * D + d], ek, ev);
@@ -139,7 +118,7 @@ static kvh_vmap_view get_view(kvh_engine *e, kvh_vmap *m, kvh_status *st)
 static void fill_q(float *q, size_t n, uint32_t salt)
 {
     for (size_t i = 0; i < n; i++)
-        q[i] = cell(salt, 0, i, 0, 0, 0) / 8.0f;
+        q[i] = kv_cell(salt, 0, i, 0, 0, 0) / 8.0f;
 }
 
 static kvh_engine *open_vmap(uint64_t dev_blocks, uint64_t host_blocks, uint32_t threads)
@@ -892,76 +871,6 @@ static void test_engines_with_views_on_many_threads(void **state)
 /* kvh_engine_close racing view, fence and migration calls            */
 /* ================================================================== */
 
-/* A gate that holds kvh_engine_close after it has begun: a pool batch
- * offload whose slot is userfaultfd memory. The migration worker
- * gathering it waits on the page fault until the test fills the page;
- * close ("Waits for migrations in flight") cannot free the engine before,
- * so the threads race a close under way, never the free. */
-typedef struct gate {
-    int fd;
-    void *mem;
-    size_t len;
-    kvh_pool pool;
-    kvh_fence fence;
-    kvh_pool_xfer x;
-    int32_t tok[BT];
-} gate;
-
-static bool gate_arm(kvh_engine *e, gate *g)
-{
-    *g = (gate){.fd = (int)syscall(SYS_userfaultfd, O_CLOEXEC | O_NONBLOCK)};
-    if (g->fd < 0)
-        return false;
-    struct uffdio_api api = {.api = UFFD_API};
-    size_t page = (size_t)sysconf(_SC_PAGESIZE), need = 2 * L * BT * ROW * sizeof(float);
-    g->len = (need + page - 1) / page * page;
-    g->mem = mmap(NULL, g->len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    struct uffdio_register reg = {.range = {(uintptr_t)g->mem, g->len}, .mode = UFFDIO_REGISTER_MODE_MISSING};
-    if (g->mem == MAP_FAILED || ioctl(g->fd, UFFDIO_API, &api) != 0 || ioctl(g->fd, UFFDIO_REGISTER, &reg) != 0) {
-        close(g->fd);
-        if (g->mem != MAP_FAILED)
-            munmap(g->mem, g->len);
-        return false;
-    }
-    void *kb[L], *vb[L];
-    for (uint32_t l = 0; l < L; l++) {
-        kb[l] = (char *)g->mem + (2 * l) * BT * ROW * sizeof(float);
-        vb[l] = (char *)g->mem + (2 * l + 1) * BT * ROW * sizeof(float);
-    }
-    kvh_pool_layout lay = {.struct_size = sizeof(lay),
-                           .memory = KVH_MEMORY_HOST,
-                           .num_slots = 1,
-                           .k_base = kb,
-                           .v_base = vb,
-                           .slot_stride = 2 * L * BT * ROW * sizeof(float),
-                           .token_stride = ROW * sizeof(float),
-                           .head_stride = D * sizeof(float)};
-    assert_ok(kvh_pool_register(e, &lay, &g->pool));
-    for (uint32_t p = 0; p < BT; p++)
-        g->tok[p] = 880000 + (int32_t)p;
-    g->x = (kvh_pool_xfer){.struct_size = sizeof(kvh_pool_xfer), .slot = 0, .tokens = g->tok};
-    assert_ok(kvh_pool_offload_batch(e, g->pool, &g->x, 1, 0, &g->fence));
-    struct pollfd pfd = {.fd = g->fd, .events = POLLIN};
-    if (poll(&pfd, 1, 10000) != 1)
-        fail_msg("the offload batch never read its pool slot");
-    struct uffd_msg msg;
-    assert_true(read(g->fd, &msg, sizeof(msg)) == (ssize_t)sizeof(msg));
-    assert_int_equal(msg.event, UFFD_EVENT_PAGEFAULT);
-    return true;
-}
-
-static void gate_open(gate *g)
-{
-    struct uffdio_zeropage z = {.range = {(uintptr_t)g->mem, g->len}};
-    assert_int_equal(ioctl(g->fd, UFFDIO_ZEROPAGE, &z), 0);
-}
-
-static void gate_free(gate *g)
-{
-    close(g->fd);
-    munmap(g->mem, g->len);
-}
-
 enum { CLOSERS = 4 };
 
 static struct {
@@ -1095,20 +1004,6 @@ out:
     return NULL;
 }
 
-typedef struct closer {
-    kvh_engine *e;
-    kvh_status st;
-    atomic_int done;
-} closer;
-
-static void *close_thread(void *arg)
-{
-    closer *c = arg;
-    c->st = kvh_engine_close(c->e);
-    atomic_store(&c->done, 1);
-    return NULL;
-}
-
 static void test_close_races_view_and_migration_calls(void **state)
 {
     (void)state;
@@ -1131,15 +1026,15 @@ static void test_close_races_view_and_migration_calls(void **state)
         pthread_t th[CLOSERS];
         mt_start(e, CLOSERS, close_worker, mw, th);
         dt_sleep_ms(30 + 40 * round);
-        gate g;
-        bool armed = gate_arm(e, &g);
+        uffd_gate g;
+        bool armed = uffd_gate_arm(e, &g, (uffd_gate_geometry){L, BT, H, D}, 880000);
         if (!armed) { /* no userfaultfd: stop the threads, then close */
             atomic_store(&C.halt, 1);
             mt_join(CLOSERS, th, mw);
         }
-        closer c = {.e = e};
+        mt_closer c = {.e = e};
         pthread_t ct;
-        assert_int_equal(pthread_create(&ct, NULL, close_thread, &c), 0);
+        assert_int_equal(pthread_create(&ct, NULL, mt_close_thread, &c), 0);
         if (armed) {
             gated++;
             double t0 = dt_now();
@@ -1154,10 +1049,10 @@ static void test_close_races_view_and_migration_calls(void **state)
             if (!all)
                 atomic_store(&C.halt, 1);
             bool early = atomic_load(&c.done);
-            gate_open(&g);
+            uffd_gate_open(&g);
             pthread_join(ct, NULL);
             mt_join(CLOSERS, th, mw);
-            gate_free(&g);
+            uffd_gate_free(&g);
             if (early)
                 fail_msg("round %d: kvh_engine_close returned while the gate held a migration", round);
             if (!all)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -91,3 +92,28 @@ def run_child(code: str, timeout: float = 60) -> subprocess.CompletedProcess:
         pytest.fail(f"killed by {signal.Signals(-res.returncode).name}\n{res.stdout}\n{res.stderr[-3000:]}")
     assert res.returncode == 0, f"exit {res.returncode}\n{res.stdout}\n{res.stderr[-3000:]}"
     return res
+
+
+#: What misuse may raise: a kvh error or Python's own argument errors.
+def typed_errors():
+    import kvh_cache as kvh
+
+    return (kvh.Error, TypeError, ValueError)
+
+
+#: A C identifier in a message meant for Python callers.
+C_NAME = re.compile(r"\bkvh_(?!cache\b)[a-z0-9_]+|\bsize_t\b|\buint(8|16|32|64)_t\b|\bvoid \*")
+
+
+def raises_typed(call, expected=None):
+    """Calls call(), which must raise one of expected (default:
+    typed_errors()); returns the exception after checking that its detail
+    names no C identifier."""
+    import kvh_cache as kvh
+
+    with pytest.raises(expected or typed_errors()) as info:
+        call()
+    exc = info.value
+    detail = exc.message if isinstance(exc, kvh.Error) else str(exc)
+    assert not C_NAME.search(detail), f"message names C: {detail!r}"
+    return exc

@@ -10,7 +10,6 @@ memory run in a child process."""
 
 from __future__ import annotations
 
-import re
 
 import numpy as np
 import pytest
@@ -18,22 +17,10 @@ import pytest
 import kvh_cache as kvh
 import kvh_cache.codec as kc
 from kvh_cache.pool import Pool
-from kvh_testutil import filled_seq, make_engine, reference_attention, run_child
+from kvh_testutil import filled_seq, make_engine, raises_typed, reference_attention, run_child, typed_errors
 
-TYPED = (kvh.Error, TypeError, ValueError)
-C_NAME = re.compile(r"\bkvh_(?!cache\b)[a-z0-9_]+|\bsize_t\b|\buint(8|16|32|64)_t\b|\bvoid \*")
+TYPED = typed_errors()
 SENTINEL = np.float32(-12345.5)
-
-
-def raises_typed(call, expected=TYPED):
-    """Calls call(), which must raise one of expected; returns the exception
-    after checking that its detail names no C identifier."""
-    with pytest.raises(expected) as info:
-        call()
-    exc = info.value
-    detail = exc.message if isinstance(exc, kvh.Error) else str(exc)
-    assert not C_NAME.search(detail), f"message names C: {detail!r}"
-    return exc
 
 
 def assert_intact(seq, data):

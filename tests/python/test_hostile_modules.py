@@ -23,25 +23,13 @@ import pytest
 
 import kvh_cache as kvh
 from kvh_cache.pool import Pool, persist_blocks
-from kvh_testutil import make_engine, reference_attention, run_child
+from kvh_testutil import C_NAME, make_engine, raises_typed, reference_attention, run_child, typed_errors
 
-TYPED = (kvh.Error, TypeError, ValueError)
-C_NAME = re.compile(r"\bkvh_(?!cache\b)[a-z0-9_]+|\bsize_t\b|\buint(8|16|32|64)_t\b|\bvoid \*")
+TYPED = typed_errors()
 
 # One view engine: 2 layers, 2 heads, head_dim 64, f32, 16-token blocks, all
 # device tier (views need their blocks there).
 VMAP = dict(head_dim=64, vmap=True, host_bytes=0, device_bytes=64 * 2 * 2 * 2 * 16 * 64 * 4)
-
-
-def raises_typed(call, expected=TYPED):
-    """Calls call(), which must raise one of expected; returns the exception
-    after checking that its detail names no C identifier."""
-    with pytest.raises(expected) as info:
-        call()
-    exc = info.value
-    detail = exc.message if isinstance(exc, kvh.Error) else str(exc)
-    assert not C_NAME.search(detail), f"message names C: {detail!r}"
-    return exc
 
 
 def kv_values(seq_id, layer, first, n, heads, dim):
