@@ -1299,7 +1299,7 @@ static void test_writes_to_a_closed_connection_raise_no_sigpipe(void **state)
     assert_non_null(value);
     memset(value, 0x33, BYTES);
     kvhi_cluster_cmd cmds[N];
-    char keys[N][8];
+    char keys[N][16];
     for (int i = 0; i < N; i++) {
         snprintf(keys[i], sizeof(keys[i]), "big%d", i);
         cmds[i] = command("SET", keys[i], value, BYTES);
