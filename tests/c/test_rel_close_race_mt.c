@@ -361,6 +361,7 @@ static void test_second_close_while_first_waits(void **state)
     atomic_store(&C2.first_inside, 0);
     atomic_store(&C2.second_done, 0);
     kvhi_disk_set_fault_hook(second_close_hook, NULL);
+    dt_untrack(C2.e); /* closed here, not by the teardown */
     assert_int_equal(pthread_create(&C2.first, NULL, first_close_main, NULL), 0);
     double t0 = dt_now();
     while (!atomic_load(&C2.first_inside) && dt_now() - t0 < 30)
