@@ -82,6 +82,19 @@ def _scope_of(request: Any) -> int:
     return Scope.value_of(salt) if salt else 0
 
 
+def _keyed_by_tokens(request: Any) -> bool:
+    """Whether a request's KV follows from its token ids alone, the only
+    key kvh has: not with a LoRA adapter, images or other multimodal
+    inputs (their placeholder tokens are the same for any input), or
+    prompt embeddings (token ids all 0). Such requests are neither loaded
+    nor saved."""
+    return (
+        getattr(request, "lora_request", None) is None
+        and not getattr(request, "mm_features", None)
+        and getattr(request, "prompt_embeds", None) is None
+    )
+
+
 @dataclass
 class Transfer:
     """Blocks [first_block, first_block + len(block_ids)) of a request,
@@ -264,12 +277,21 @@ class KvhConnector(KVConnectorBase_V1):
             return store.stats()
         raise ValueError(f"unknown op {op!r}")
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        # Called before the step touches any block: the last step's
+        # offloads must have read their slots before a preempted or
+        # finished request's blocks are zeroed, copied into or handed to
+        # another request (whose forward pass may run before start_load_kv
+        # when the step has no synchronous load). They ran meanwhile, so
+        # this rarely waits.
+        if self._store is not None:
+            self._store.wait_saves()
+
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         if self._store is None:
             return
-        # The last step's offloads must have read their slots before this
-        # forward pass may overwrite them (a finished or preempted request's
-        # blocks are reused); they ran meanwhile, so this rarely waits.
+        # Where a vLLM calls no handle_preemptions: its forward pass starts
+        # after this with synchronous loads.
         self._store.wait_saves()
         if not self.has_connector_metadata():
             return
@@ -355,16 +377,19 @@ class KvhConnector(KVConnectorBase_V1):
 
     # ==================== scheduler side ====================
     def _lookup(self, req_id: str, tokens: np.ndarray, scope: int) -> int:
-        if self._clients is None:
-            self._clients = [
-                Client(
-                    socket_path(self._engine_id, self._dp_rank, r, self._settings.runtime_dir),
-                    self._settings.lookup_timeout_s,
-                )
-                for r in range(self._tp_size)
-            ]
         payload = tokens.tobytes()
         try:
+            # A runtime directory that cannot be used (mode, owner, a parent
+            # missing) is a miss, as on the worker side, never an error out
+            # of vLLM's scheduler.
+            if self._clients is None:
+                self._clients = [
+                    Client(
+                        socket_path(self._engine_id, self._dp_rank, r, self._settings.runtime_dir),
+                        self._settings.lookup_timeout_s,
+                    )
+                    for r in range(self._tp_size)
+                ]
             header = {"op": "lookup", "req": req_id, "scope": scope}
             return min(int(c.call(header, payload)["tokens"]) for c in self._clients)
         except (OSError, ChannelError, KeyError, ValueError) as exc:
@@ -374,7 +399,7 @@ class KvhConnector(KVConnectorBase_V1):
             return 0
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> Tuple[Optional[int], bool]:
-        if self._disabled:
+        if self._disabled or not _keyed_by_tokens(request):
             return 0, False
         tokens = request.all_token_ids
         # The last token is always computed (its logits are needed); kvh
@@ -424,6 +449,8 @@ class KvhConnector(KVConnectorBase_V1):
             if st is None:
                 continue
             r = st.request
+            if not _keyed_by_tokens(r):
+                continue
             # KV of positions [0, computed + scheduled) exists after this
             # step; a block is saved once its tokens are all known.
             end_tok = min(r.num_computed_tokens + n_sched, len(r.all_token_ids))

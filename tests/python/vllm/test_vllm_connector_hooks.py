@@ -1,0 +1,91 @@
+"""The connector's hooks one by one, in the vLLM venv's python (the module
+imports vllm and torch), on a connector object built without vLLM around
+it: offloads are waited for before a step touches any block, a runtime
+directory that cannot be used is a miss for the scheduler, and requests
+whose KV does not follow from their token ids alone are neither looked
+up nor saved. Skipped unless KVH_VLLM_PYTHON names that python."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+VPY = os.environ.get("KVH_VLLM_PYTHON")
+
+pytestmark = pytest.mark.skipif(not VPY, reason="runs under `make test-vllm` (KVH_VLLM_PYTHON)")
+
+PRELUDE = """
+import types
+import numpy as np
+from kvh_cache.vllm import connector as c
+
+def bare(**attrs):
+    # A connector without vLLM around it: only what the hook reads.
+    k = object.__new__(c.KvhConnector)
+    for name, value in attrs.items():
+        setattr(k, name, value)
+    return k
+"""
+
+
+def run_in_vllm(body: str) -> None:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO / "python") + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    code = PRELUDE + textwrap.dedent(body) + "\nprint('ok')\n"
+    p = subprocess.run([VPY, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stdout[-3000:] + p.stderr[-3000:]
+
+
+def test_offloads_are_waited_for_before_the_step_touches_blocks():
+    # vLLM calls handle_preemptions before it zeroes, copies or reassigns
+    # blocks, and start_load_kv only after the forward pass when the step
+    # has no synchronous load: the wait must be in the first.
+    run_in_vllm(
+        """
+        class Store:
+            waits = 0
+            def wait_saves(self):
+                Store.waits += 1
+        k = bare(_store=Store())
+        k.handle_preemptions(c.KvhMetadata())
+        assert Store.waits == 1, Store.waits
+        bare(_store=None).handle_preemptions(c.KvhMetadata())
+        """
+    )
+
+
+def test_unusable_runtime_directory_is_a_miss(tmp_path):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    run_in_vllm(
+        f"""
+        settings = types.SimpleNamespace(runtime_dir={str(not_a_dir)!r}, lookup_timeout_s=1.0)
+        k = bare(_clients=None, _engine_id="e", _dp_rank=0, _tp_size=1, _settings=settings, _channel_warned=False)
+        assert k._lookup("r1", np.arange(64, dtype=np.int32), 0) == 0
+        assert k._lookup("r2", np.arange(64, dtype=np.int32), 0) == 0
+        assert k._channel_warned
+        """
+    )
+
+
+def test_requests_not_keyed_by_their_tokens_are_not_cached():
+    run_in_vllm(
+        """
+        plain = types.SimpleNamespace(lora_request=None, mm_features=[], prompt_embeds=None)
+        assert c._keyed_by_tokens(plain)
+        for other in (
+            dict(lora_request=object()),
+            dict(mm_features=[object()]),
+            dict(prompt_embeds=np.zeros((4, 8))),
+        ):
+            r = types.SimpleNamespace(**dict(vars(plain), **other))
+            assert not c._keyed_by_tokens(r), other
+            k = bare(_disabled=False)
+            assert k.get_num_new_matched_tokens(r, 0) == (0, False)
+        """
+    )
