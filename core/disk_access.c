@@ -18,7 +18,13 @@ kvh_status kvhi_store_open_dir(kvhi_disk *d, const char *path)
     mode_t want = kvhi_store_dir_mode(d->disk_flags);
     if (mkdir(path, want) != 0 && errno != EEXIST)
         return kvhi_fail(KVH_ERR_IO, "cannot create %s: %s", path, strerror(errno));
-    d->dir_fd = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    /* Not through a link in the last component: one planted there would
+     * point the engine at a directory it then narrows, locks and writes
+     * its index into. */
+    d->dir_fd = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC | O_NOFOLLOW);
+    struct stat lst;
+    if (d->dir_fd < 0 && (errno == ELOOP || errno == ENOTDIR) && lstat(path, &lst) == 0 && S_ISLNK(lst.st_mode))
+        return kvhi_fail(KVH_ERR_IO, "%s is a symbolic link: give the store's own path", path);
     if (d->dir_fd < 0)
         return kvhi_fail(KVH_ERR_IO, "cannot open %s: %s", path, strerror(errno));
     struct stat st;

@@ -93,6 +93,13 @@ static void verify_read(kvh_engine *e, kvhi_xfer *x, const uint8_t *header, uint
     if (kvhi_slot_verify_crc(header, crc, d->block_bytes, d->store_id, x->src_slot,
                              kvhi_disk_slot_offset(d, x->src_slot), x->hash, e->cfg.block_tokens, NULL, &x->why) != 0)
         x->err = 1;
+    else if (crc != x->data_crc) {
+        /* A whole block of the same prefix, but not the bytes this block
+         * wrote: the slot was reused while the record naming it outlived
+         * its deletion (a journal append lost to a crash). */
+        x->err = 1;
+        x->why = "the slot holds other data than its index record names (a stale record)";
+    }
 }
 
 static void finish_read(kvh_engine *e, kvhi_xfer *x, const uint8_t *staged)

@@ -120,7 +120,9 @@ static int open_store(const char *path, kvhi_disk *d)
     if (total > UINT32_MAX / 2) /* as the engine: slot numbers are 32-bit */
         total = UINT32_MAX / 2;
     uint64_t per = (1ull << 30) / d->slot_bytes;
-    d->slots_per_slab = d->n_slabs > 1 && per ? (uint32_t)per : (uint32_t)(total ? total : 1);
+    /* As the engine lays them out (core/disk_io.c): a slot over 1 GiB is a
+     * slab file of its own. */
+    d->slots_per_slab = !per ? 1 : d->n_slabs > 1 ? (uint32_t)per : (uint32_t)(total ? total : 1);
     d->n_slots = (uint32_t)total;
     d->queue_depth = 8;
     d->max_lanes = 1;
@@ -260,9 +262,13 @@ static int run_main(int argc, char **argv)
         for (size_t i = 0; i < list.n; i++) {
             uint32_t top = 0, cur = (uint32_t)i;
             while (!depth[cur]) {
+                if (top == list.n) { /* parents in a cycle: forged records */
+                    roots++;
+                    break;
+                }
                 stack[top++] = cur;
                 uint32_t p = list.items[cur].parent ? kvhi_prefix_find(&ix, list.items[cur].parent) : KVHI_PREFIX_MISS;
-                if (p == KVHI_PREFIX_MISS || top > list.n) {
+                if (p == KVHI_PREFIX_MISS) {
                     roots++;
                     break;
                 }

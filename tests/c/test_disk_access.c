@@ -170,6 +170,43 @@ static void test_another_users_store_is_refused(void **state)
     assert_int_equal(chown(dir, 0, 0), 0);
 }
 
+/* disk_path itself a link to a directory that is no store (here one with
+ * a file named like the index): refused, and the directory's mode and
+ * files stay as they were (following it, open narrowed it to 0700, wrote
+ * a LOCK and replaced `index` with its own). */
+static void test_store_path_through_a_link_is_refused(void **state)
+{
+    (void)state;
+    char victim[PATH_MAX], link_path[PATH_MAX], index_path[PATH_MAX];
+    dt_scratch("link_victim", victim, sizeof(victim));
+    dt_rmrf(victim);
+    assert_int_equal(mkdir(victim, 0755), 0);
+    assert_int_equal(chmod(victim, 0755), 0);
+    dt_path(index_path, sizeof(index_path), victim, "index");
+    static const char theirs[] = "DIRC: not a kvh index";
+    assert_int_equal(dt_write_file(index_path, theirs, sizeof(theirs)), 0);
+    dt_scratch("link_to_victim", link_path, sizeof(link_path));
+    dt_rmrf(link_path);
+    assert_int_equal(symlink(victim, link_path), 0);
+    kvh_engine *e;
+    dt_assert_kvh(KVH_ERR_IO, open_store(link_path, &e));
+    assert_null(e);
+    if (!strstr(kvh_last_error(), "symbolic link"))
+        fail_msg("%s", kvh_last_error());
+    struct stat st;
+    assert_int_equal(stat(victim, &st), 0);
+    assert_int_equal(st.st_mode & 07777, 0755);
+    size_t len = 0;
+    uint8_t *bytes = dt_read_file(index_path, &len);
+    assert_non_null(bytes);
+    assert_int_equal(len, sizeof(theirs));
+    assert_memory_equal(bytes, theirs, sizeof(theirs));
+    free(bytes);
+    char lock_path[PATH_MAX];
+    dt_path(lock_path, sizeof(lock_path), victim, "LOCK");
+    assert_int_equal(access(lock_path, F_OK), -1);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -178,6 +215,7 @@ int main(void)
         cmocka_unit_test_teardown(test_wider_store_is_narrowed, dt_teardown),
         cmocka_unit_test_teardown(test_writable_by_others_is_refused, dt_teardown),
         cmocka_unit_test_teardown(test_planted_links_are_not_followed, dt_teardown),
+        cmocka_unit_test_teardown(test_store_path_through_a_link_is_refused, dt_teardown),
         cmocka_unit_test_teardown(test_another_users_store_is_refused, dt_teardown),
     };
     return cmocka_run_group_tests_name("disk_access", tests, NULL, NULL);

@@ -244,10 +244,106 @@ static void test_sigkill_during_spill_and_persist(void **state)
                   checked_matched);
 }
 
+/* A crash can lose the journal's record of a deletion while the slot it
+ * freed is already reused (its data goes out with O_DIRECT, the record
+ * with a buffered append): the stale record then names a slot holding
+ * another block of the same prefix. The block read from that slot must
+ * not be served as the persisted one (a miss, counted as corrupt). */
+static void stale_cfg(kvh_config *c, const char *dir)
+{
+    dt_assert_ok(kvh_config_init(c, sizeof(*c)));
+    c->num_layers = 2;
+    c->num_kv_heads = 1;
+    c->head_dim = 64;
+    c->block_tokens = 16;
+    c->dtype = KVH_DTYPE_F32;
+    c->backend = KVH_BACKEND_CPU;
+    c->migration_threads = 0;
+    c->device_bytes = 16384; /* two blocks */
+    c->host_bytes = 16384;
+    c->disk_bytes = 20480; /* one slot */
+    c->disk_path = dir;
+}
+
+static void fill_layer(kvh_engine *e, kvh_seq s, uint32_t layer, float value)
+{
+    float k[16 * 64], v[16 * 64];
+    for (size_t i = 0; i < 16 * 64; i++)
+        k[i] = v[i] = value;
+    dt_assert_ok(kvh_seq_write_kv(e, s, layer, 0, 16, k, v));
+}
+
+static void test_stale_record_of_a_reused_slot_is_a_miss(void **state)
+{
+    (void)state;
+    char dir[512];
+    dt_scratch("stale-record", dir, sizeof(dir));
+    dt_rmrf(dir);
+    kvh_config c;
+    stale_cfg(&c, dir);
+    int32_t tokens[16];
+    for (int i = 0; i < 16; i++)
+        tokens[i] = 100 + i;
+    /* X: persisted, all 1.0; the store as it stood then is kept. */
+    kvh_engine *e = dt_open_a(&c);
+    kvh_seq s;
+    dt_assert_ok(kvh_seq_create(e, 0, &s));
+    dt_assert_ok(kvh_seq_append(e, s, tokens, 16));
+    fill_layer(e, s, 0, 1.0f);
+    fill_layer(e, s, 1, 1.0f);
+    dt_assert_ok(kvh_seq_persist(e, s));
+    dt_assert_ok(kvh_seq_free(e, s));
+    dt_assert_ok(kvh_engine_close(dt_untrack(e)));
+    dt_saved_store saved;
+    assert_int_equal(dt_store_save(dir, &saved), 0);
+    /* Y: the same tokens, layer 0 only, spilled to the one slot (X's
+     * deletion recorded), then a crash. */
+    pid_t pid = dt_fork_child();
+    if (pid == 0) {
+        kvh_engine *ce;
+        kvh_seq cs;
+        if (kvh_engine_open(&c, &ce) || kvh_seq_create(ce, 0, &cs) || kvh_seq_append(ce, cs, tokens, 16))
+            _exit(2);
+        float k[16 * 64], v[16 * 64];
+        for (size_t i = 0; i < 16 * 64; i++)
+            k[i] = v[i] = 2.0f;
+        if (kvh_seq_write_kv(ce, cs, 0, 0, 16, k, v) || kvh_seq_migrate(ce, cs, 0, 16, KVH_TIER_DISK, NULL))
+            _exit(3);
+        _exit(0);
+    }
+    int status = dt_reap(pid);
+    assert_true(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    /* The crash lost the deletion: the index and journal of before. */
+    const char *meta[] = {"index", "journal"};
+    for (int i = 0; i < 2; i++) {
+        const dt_saved_file *f = dt_store_file(&saved, meta[i]);
+        assert_non_null(f);
+        char path[600];
+        snprintf(path, sizeof(path), "%s/%s", dir, meta[i]);
+        assert_int_equal(dt_write_file(path, f->data, f->len), 0);
+    }
+    dt_store_free(&saved);
+    e = dt_open_a(&c);
+    dt_assert_ok(kvh_seq_create(e, 0, &s));
+    size_t matched = 0;
+    kvh_status st = kvh_seq_match_prefix(e, s, tokens, 16, &matched);
+    if (st == KVH_OK && matched == 16) {
+        /* Served only if it is X's bytes, which the slot no longer has. */
+        float k[16 * 64], v[16 * 64];
+        st = kvh_seq_read_kv(e, s, 0, 0, 16, k, v);
+        assert_true(st != KVH_OK || k[0] == 1.0f);
+    } else {
+        dt_assert_ok(st);
+        assert_int_equal(matched, 0);
+    }
+    assert_int_equal(dt_stats(e).corrupt_blocks, 1);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_sigkill_during_spill_and_persist, dt_teardown),
+        cmocka_unit_test_teardown(test_stale_record_of_a_reused_slot_is_a_miss, dt_teardown),
     };
     return cmocka_run_group_tests_name("disk_crash", tests, NULL, NULL);
 }

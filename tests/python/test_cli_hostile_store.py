@@ -23,6 +23,7 @@ import os
 import re
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import textwrap
@@ -637,3 +638,51 @@ def test_sigkill_writer_then_tools_keep_every_acknowledged_block(tmp_path):
         assert eng.stats().corrupt_blocks == 0
     res = run_store("verify", store)
     assert res.returncode == 0 and _summary(res.stdout)[1] == 0, res.stdout
+
+
+def _crc32c(data: bytes) -> int:
+    crc = 0xFFFFFFFF
+    for b in data:
+        crc ^= b
+        for _ in range(8):
+            crc = (crc >> 1) ^ 0x82F63B78 if crc & 1 else crc >> 1
+    return crc ^ 0xFFFFFFFF
+
+
+def _forged_store(d: Path, parents) -> None:
+    """An index of one record per (hash, parent) pair, with valid checksums
+    (they are not keyed): 1 layer, 1 head, head_dim 64, 16-token f16
+    blocks, 4 KiB slots (the layout of core/disk_format.c)."""
+
+    def header(kind: int, seq: int, n: int) -> bytes:
+        h = bytearray(4096)
+        h[0:8] = b"KVHIDX\0\1"
+        struct.pack_into("<IIQQQ", h, 8, 1, kind, 42, seq, n)
+        struct.pack_into("<IIIII", h, 40, 1, 1, 64, 16, 1)
+        struct.pack_into("<QQ", h, 64, 0, 4096)
+        struct.pack_into("<I", h, 80, _crc32c(bytes(h[:80])))
+        return bytes(h)
+
+    def record(slot: int, h: int, parent: int) -> bytes:
+        r = bytearray(48 + 64 + 4)
+        struct.pack_into("<IIQQQQI", r, 0, 0x524A564B, 1, 1, slot, h, parent, 16)
+        struct.pack_into("<I", r, len(r) - 4, _crc32c(bytes(r[:-4])))
+        return bytes(r)
+
+    d.mkdir(mode=0o700)
+    recs = b"".join(record(i, h, p) for i, (h, p) in enumerate(parents))
+    (d / "index").write_bytes(header(1, 1, len(parents)) + recs)
+    (d / "journal").write_bytes(header(2, 2, 0))
+
+
+@pytest.mark.parametrize("parents", [[(0xAAAA, 0xBBBB), (0xBBBB, 0xAAAA)], [(0xCCCC, 0xCCCC)]])
+def test_info_on_forged_parent_cycles_ends(parents, tmp_path):
+    # Parents in a cycle (two records naming each other, or one its own):
+    # the chain walk stopped one push too late (a write past its stack).
+    d = tmp_path / "forged"
+    _forged_store(d, parents)
+    res = run_store("info", d, "--json")
+    assert res.returncode in (0, 1), res.stderr
+    if res.returncode == 0:
+        info = json.loads(res.stdout.strip().splitlines()[-1])
+        assert info["blocks"] == len(parents), info
