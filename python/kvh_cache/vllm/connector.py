@@ -82,6 +82,26 @@ def _scope_of(request: Any) -> int:
     return Scope.value_of(salt) if salt else 0
 
 
+def _store_identity(
+    model_config: Any, kv_dtype: str, cache_dtype: str, tp_rank: int, tp_size: int, dp_rank: int
+) -> Dict[str, Any]:
+    """What a worker's KV depends on, hashed into its store's salt: vLLM's
+    own hash of every setting that changes the computation (quantization,
+    RoPE scaling, ...), so a store of another configuration is never read;
+    the ranks, so that ranks keep stores of their own."""
+    model_hash = getattr(model_config, "compute_hash", None)
+    return {
+        "model": model_config.model,
+        "revision": getattr(model_config, "revision", None),
+        "model_hash": model_hash() if callable(model_hash) else None,
+        "kv_dtype": kv_dtype,
+        "cache_dtype": cache_dtype,
+        "tp_rank": tp_rank,
+        "tp_size": tp_size,
+        "dp_rank": dp_rank,
+    }
+
+
 def _keyed_by_tokens(request: Any) -> bool:
     """Whether a request's KV follows from its token ids alone, the only
     key kvh has: not with a LoRA adapter, images or other multimodal
@@ -161,6 +181,14 @@ class KvhConnector(KVConnectorBase_V1):
         self._disabled: Optional[str] = None
         if int(par.pipeline_parallel_size) > 1:
             self._disable("pipeline parallelism is not supported by the kvh connector yet")
+        if getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute") != "recompute":
+            # A block kvh cannot load (damaged, or gone from a full disk)
+            # then fails its request instead of being computed again.
+            logger.warning(
+                "kvh: kv_load_failure_policy is %r: a block kvh cannot load fails its request; "
+                "kvh_cache.vllm.transfer_config() sets 'recompute'",
+                self._kv_transfer_config.kv_load_failure_policy,
+            )
         # scheduler side
         self._reqs: Dict[str, _SchedReq] = {}
         self._loads: List[Transfer] = []
@@ -214,14 +242,9 @@ class KvhConnector(KVConnectorBase_V1):
             self._disable("kvh: vLLM's layers have different KV layouts")
             return
         num_kv_heads = int(t0.shape[1]) if t0.dim() == 4 else int(t0.shape[3])
-        identity = {
-            "model": mc.model,
-            "revision": getattr(mc, "revision", None),
-            "kv_dtype": str(t0.dtype),
-            "cache_dtype": str(self._vllm_config.cache_config.cache_dtype),
-            "tp_rank": tp_rank,
-            "tp_size": self._tp_size,
-        }
+        identity = _store_identity(
+            mc, str(t0.dtype), str(self._vllm_config.cache_config.cache_dtype), tp_rank, self._tp_size, self._dp_rank
+        )
         logger.info(
             "kvh: %d layers of KV %s, shape %s, strides %s; kvh block = one vLLM block of %d tokens",
             len(tensors),

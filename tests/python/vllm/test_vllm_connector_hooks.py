@@ -89,3 +89,18 @@ def test_requests_not_keyed_by_their_tokens_are_not_cached():
             assert k.get_num_new_matched_tokens(r, 0) == (0, False)
         """
     )
+
+
+def test_store_identity_follows_the_configuration():
+    # Two configurations vLLM hashes apart (e.g. quantization, RoPE
+    # scaling) or two data-parallel ranks never share a store's salt.
+    run_in_vllm(
+        """
+        def mc(h):
+            return types.SimpleNamespace(model="m", revision=None, compute_hash=lambda: h)
+        base = c._store_identity(mc("a"), "torch.bfloat16", "auto", 0, 1, 0)
+        assert base == c._store_identity(mc("a"), "torch.bfloat16", "auto", 0, 1, 0)
+        assert base != c._store_identity(mc("b"), "torch.bfloat16", "auto", 0, 1, 0)
+        assert base != c._store_identity(mc("a"), "torch.bfloat16", "auto", 0, 1, 1)
+        """
+    )
