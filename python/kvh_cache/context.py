@@ -367,7 +367,9 @@ class Context(GatedHandle, Closable, Uncopyable):
     # ---- access ----
     def region_pointer(self, index: int, *, writable: bool = False) -> Tuple[int, int]:
         """(address, size) of a resident region: a device pointer on CUDA.
-        ``writable=True`` marks it modified (written back, not dropped)."""
+        ``writable=True`` marks it modified (written back, not dropped).
+        Raises NotResidentError, or BusyError while a switch away from
+        this context moves its unpinned regions out."""
         self._check()
         writable = _flag("writable", writable)
         index = _index("index", index, maximum=_U32)
