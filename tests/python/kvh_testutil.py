@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -117,3 +118,16 @@ def raises_typed(call, expected=None):
     detail = exc.message if isinstance(exc, kvh.Error) else str(exc)
     assert not C_NAME.search(detail), f"message names C: {detail!r}"
     return exc
+
+
+def close_while_running(eng, threads, started, delay: float) -> None:
+    """Starts threads, waits until one has set the event started, closes
+    eng after delay seconds and joins them all: none may hang."""
+    for t in threads:
+        t.start()
+    started.wait()
+    time.sleep(delay)
+    eng.close()
+    for t in threads:
+        t.join(20)
+    assert not any(t.is_alive() for t in threads), "a thread hung"

@@ -437,7 +437,7 @@ def test_close_while_threads_use_every_kind_of_object():
         import threading, time
         import numpy as np
         import kvh_cache as kvh
-        from kvh_testutil import filled_seq, make_engine
+        from kvh_testutil import close_while_running, filled_seq, make_engine
         for rnd in range(4):
             eng = make_engine(migration_threads=2)
             seqs = [filled_seq(eng, 40, seed=i)[0] for i in range(3)]
@@ -468,15 +468,8 @@ def test_close_while_threads_use_every_kind_of_object():
                     return
                 except BaseException as exc:
                     bad.append(repr(exc))
-            ts = [threading.Thread(target=work, args=(s,)) for s in seqs]
-            for t in ts:
-                t.start()
-            started.wait()
-            time.sleep(0.1 + 0.05 * rnd)
-            eng.close()
-            for t in ts:
-                t.join(20)
-            assert not any(t.is_alive() for t in ts), "a thread hung"
+            threads = [threading.Thread(target=work, args=(s,)) for s in seqs]
+            close_while_running(eng, threads, started, 0.1 + 0.05 * rnd)
             assert not bad, bad
         print("ok")
         """,

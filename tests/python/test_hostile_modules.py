@@ -250,7 +250,7 @@ def test_engine_closed_while_threads_use_views_and_plans():
         import threading, time
         import numpy as np
         import kvh_cache as kvh
-        from kvh_testutil import make_engine
+        from kvh_testutil import close_while_running, make_engine
         from test_hostile_modules import VMAP, kv_values, written_seq
         for rnd in range(3):
             eng = make_engine(**VMAP)
@@ -277,15 +277,8 @@ def test_engine_closed_while_threads_use_views_and_plans():
                     return
                 except BaseException as exc:
                     bad.append(repr(exc))
-            ts = [threading.Thread(target=work, args=(i, s)) for i, s in enumerate(seqs)]
-            for t in ts:
-                t.start()
-            started.wait()
-            time.sleep(0.05 + 0.05 * rnd)
-            eng.close()
-            for t in ts:
-                t.join(20)
-            assert not any(t.is_alive() for t in ts), "a thread hung"
+            threads = [threading.Thread(target=work, args=(i, s)) for i, s in enumerate(seqs)]
+            close_while_running(eng, threads, started, 0.05 + 0.05 * rnd)
             assert not bad, bad
             for i, arr in enumerate(kept[-3:]):
                 float(arr.sum())  # still mapped
@@ -636,7 +629,7 @@ def test_pool_engine_closed_while_batches_run():
         import numpy as np
         import kvh_cache as kvh
         from kvh_cache.pool import Pool
-        from kvh_testutil import make_engine
+        from kvh_testutil import close_while_running, make_engine
         from test_hostile_modules import PBT, PH, PD, PL, PS, pool_values, pool_engine
         for rnd in range(4):
             ks = [np.stack([pool_values(s, layer)[0] for s in range(PS)]) for layer in range(PL)]
@@ -664,15 +657,8 @@ def test_pool_engine_closed_while_batches_run():
                     return
                 except BaseException as exc:
                     bad.append(repr(exc))
-            ts = [threading.Thread(target=work, args=(t,)) for t in range(2)]
-            for t in ts:
-                t.start()
-            started.wait()
-            time.sleep(0.05 + 0.03 * rnd)
-            eng.close()
-            for t in ts:
-                t.join(20)
-            assert not any(t.is_alive() for t in ts), "a thread hung"
+            threads = [threading.Thread(target=work, args=(t,)) for t in range(2)]
+            close_while_running(eng, threads, started, 0.05 + 0.03 * rnd)
             assert not bad, bad[:3]
             for layer in range(PL):
                 assert all(np.array_equal(ks[layer][s], pool_values(s, layer)[0]) for s in range(PS))
@@ -807,7 +793,7 @@ def test_context_switches_while_engine_closes():
         import threading, time
         import numpy as np
         import kvh_cache as kvh
-        from kvh_testutil import make_engine
+        from kvh_testutil import close_while_running, make_engine
         data = [(np.arange(3000) * (i + 3) % 251).astype(np.uint8) for i in range(2)]
         for rnd in range(4):
             eng = make_engine(device_bytes=8 * 4096, host_bytes=64 * 4096)
@@ -842,15 +828,8 @@ def test_context_switches_while_engine_closes():
                     return
                 except BaseException as exc:
                     bad.append(repr(exc))
-            ts = [threading.Thread(target=switcher), threading.Thread(target=reader)]
-            for t in ts:
-                t.start()
-            started.wait()
-            time.sleep(0.05 + 0.05 * rnd)
-            eng.close()
-            for t in ts:
-                t.join(20)
-            assert not any(t.is_alive() for t in ts), "a thread hung"
+            threads = [threading.Thread(target=switcher), threading.Thread(target=reader)]
+            close_while_running(eng, threads, started, 0.05 + 0.05 * rnd)
             assert not bad, bad[:3]
             for view, i in views[-4:]:
                 assert np.array_equal(view, data[i])
