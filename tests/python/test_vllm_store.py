@@ -536,6 +536,33 @@ def test_a_request_aborted_after_its_prefetch_leaks_nothing(tmp_path, mem):
     st.close()
 
 
+def test_a_lookup_after_its_request_was_forgotten_holds_nothing(tmp_path, mem):
+    """A lookup can arrive after forget() (a client gave up, retried, and
+    the first attempt ran on): its blocks must not stay retained until
+    close."""
+    toks = np.arange(2 * B, dtype=np.int32) + 90
+    _persisted(tmp_path, mem, toks, 2)
+    st = _store(tmp_path)
+    _register(st, mem)
+    probe = st.engine.prefix_lookup(st.keyed(toks))  # holds a reference of its own
+    assert len(probe) == 2
+
+    def refs():
+        return [b.info().refs for b in probe]
+
+    base = refs()
+    assert st.lookup("r", toks) == 2 * B
+    assert refs() == [r + 1 for r in base]
+    st.forget(["r"])
+    assert refs() == base
+    assert st.lookup("r", toks) == 2 * B  # the answer still comes back
+    assert "r" not in st._held and "r" not in st._looked_up
+    assert refs() == base
+    for b in probe:
+        b.release()
+    st.close()
+
+
 def test_prefetch_takes_at_most_a_quarter_of_the_host_tier(tmp_path, mem):
     from kvh_cache.types import Tier
 

@@ -43,6 +43,9 @@ log = logging.getLogger("kvh.vllm")
 SALT_VERSION = "kvh_cache.vllm/1"
 RESTORE_PART_BLOCKS = 4  # a restore is split only into parts of at least this many blocks
 TAIL_PAD = -1
+# Forgotten request ids kept to tell a late lookup from a new request:
+# far more than requests in flight, a few MiB at most.
+FORGOTTEN_KEPT = 65536
 
 
 class StoreUnavailable(RuntimeError):
@@ -238,6 +241,10 @@ class KvStore:
         # Stages of the recent loads, for the timing trace.
         self.load_log: Deque[Dict[str, Any]] = collections.deque(maxlen=64)
         self._looked_up: Dict[str, float] = {}  # req_id -> perf_counter of its last lookup
+        # Requests forgotten lately: a lookup for one that arrives after
+        # forget() (a client's retry ran on after its timeout) holds
+        # nothing, or its blocks would stay retained until close.
+        self._forgotten: "collections.OrderedDict[str, None]" = collections.OrderedDict()
         self._prefetch = bool(self.disk_path and settings.prefetch)
         # A request may take a quarter of the host tier by prefetching, so
         # that one long prompt cannot push everything else out.
@@ -314,13 +321,17 @@ class KvStore:
         full = tk.size // self.block_tokens
         found = tk.size if len(blocks) > full else len(blocks) * self.block_tokens
         with self._lock:
-            old = self._held.pop(req_id, None)
-            self._held[req_id] = blocks
-            self._looked_up[req_id] = time.perf_counter()
+            late = req_id in self._forgotten
+            old = None if late else self._held.pop(req_id, None)
+            if not late:
+                self._held[req_id] = blocks
+                self._looked_up[req_id] = time.perf_counter()
             self.counters.lookups += 1
             self.counters.lookup_hit_tokens += found
-        for b in old or ():
+        for b in (blocks if late else old) or ():
             b.release()
+        if late:
+            return found
         if self._prefetch and blocks:
             self._start_prefetch(req_id, blocks)
         return found
@@ -376,6 +387,9 @@ class KvStore:
             with self._lock:
                 held = self._held.pop(rid, None)
                 req = self._reqs.pop(rid, None)
+                self._forgotten[rid] = None
+                while len(self._forgotten) > FORGOTTEN_KEPT:
+                    self._forgotten.popitem(last=False)
             for b in held or ():
                 b.release()
             if req is None:
