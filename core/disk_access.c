@@ -6,12 +6,36 @@
 #include <unistd.h>
 
 #include "core/disk_access.h"
+#include "core/disk_format.h"
 #include "core/disk_io.h"
 #include "core/engine.h"
 
 mode_t kvhi_store_dir_mode(uint32_t disk_flags) { return disk_flags & KVH_DISK_SHARE_GROUP ? 0750 : 0700; }
 
 mode_t kvhi_store_file_mode(uint32_t disk_flags) { return disk_flags & KVH_DISK_SHARE_GROUP ? 0640 : 0600; }
+
+/* The name of an index or journal file in dir that another program wrote
+ * (not kvh's magic), where no slab or lock says a store lives there; NULL
+ * otherwise. Such a directory is refused before anything in it changes
+ * (its mode narrowed, a LOCK written, its `index` replaced). */
+static const char *foreign_store_file(int dir_fd)
+{
+    if (faccessat(dir_fd, "LOCK", F_OK, AT_SYMLINK_NOFOLLOW) == 0 ||
+        faccessat(dir_fd, "slab-0000.kvh", F_OK, AT_SYMLINK_NOFOLLOW) == 0)
+        return NULL;
+    static const char *const names[] = {"index", "journal"};
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
+        int fd = openat(dir_fd, names[i], O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+        if (fd < 0)
+            continue;
+        uint8_t first[8];
+        ssize_t n = pread(fd, first, sizeof(first), 0);
+        close(fd);
+        if (n == (ssize_t)sizeof(first) && !kvhi_index_magic_is_kvh(first))
+            return names[i];
+    }
+    return NULL;
+}
 
 kvh_status kvhi_store_open_dir(kvhi_disk *d, const char *path)
 {
@@ -38,6 +62,12 @@ kvh_status kvhi_store_open_dir(kvhi_disk *d, const char *path)
                          "store %s is writable by other users (mode %04o): another user could replace its "
                          "files; make it %04o",
                          path, (unsigned)(st.st_mode & 07777), (unsigned)want);
+    const char *foreign = d->read_only ? NULL : foreign_store_file(d->dir_fd);
+    if (foreign)
+        return kvhi_fail(KVH_ERR_IO,
+                         "%s holds a file named '%s' that kvh did not write, and no store: not a kvh store "
+                         "directory (give disk_path a directory of its own)",
+                         path, foreign);
     /* Narrow what an older kvh or a umask left readable (the files hold
      * KV that can be inverted back into prompts). */
     if ((st.st_mode & 0777 & ~want) && fchmod(d->dir_fd, st.st_mode & 07777 & want) != 0)

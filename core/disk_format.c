@@ -231,6 +231,8 @@ void kvhi_index_header_encode(void *buf, const kvhi_index_header *h)
     put32(p + 80, kvhi_crc32c(0, p, 80));
 }
 
+bool kvhi_index_magic_is_kvh(const void *first8) { return memcmp(first8, index_magic, 8) == 0; }
+
 int kvhi_index_header_decode(const void *buf, size_t len, kvhi_index_header *h)
 {
     const uint8_t *p = buf;

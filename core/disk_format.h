@@ -16,6 +16,7 @@
 #define KVH_CORE_DISK_FORMAT_H
 
 #include <stddef.h>
+#include <stdbool.h>
 #include <stdint.h>
 
 #define KVHI_DISK_ALIGN 4096u
@@ -124,5 +125,8 @@ void kvhi_index_header_encode(void *buf, const kvhi_index_header *h);
  * engine writes (block_tokens outside 1..256, a zero dimension, a block
  * size of 0 or above KVHI_DISK_MAX_BLOCK_BYTES). */
 int kvhi_index_header_decode(const void *buf, size_t len, kvhi_index_header *h);
+/* Whether the first 8 bytes of an index or journal file are kvh's magic
+ * (a damaged header may still be kvh's; another program's file is not). */
+bool kvhi_index_magic_is_kvh(const void *first8);
 
 #endif

@@ -177,16 +177,16 @@ static void test_another_users_store_is_refused(void **state)
 static void test_store_path_through_a_link_is_refused(void **state)
 {
     (void)state;
-    char victim[PATH_MAX], link_path[PATH_MAX], index_path[PATH_MAX];
+    char victim[PATH_MAX], link_path[PATH_MAX + 8], index_path[PATH_MAX];
     dt_scratch("link_victim", victim, sizeof(victim));
-    dt_rmrf(victim);
-    assert_int_equal(mkdir(victim, 0755), 0);
+    /* Beside the victim, not a scratch directory of its own: clearing
+     * one would follow a link an earlier run left there. */
+    snprintf(link_path, sizeof(link_path), "%s.link", victim);
+    unlink(link_path);
     assert_int_equal(chmod(victim, 0755), 0);
     dt_path(index_path, sizeof(index_path), victim, "index");
     static const char theirs[] = "DIRC: not a kvh index";
     assert_int_equal(dt_write_file(index_path, theirs, sizeof(theirs)), 0);
-    dt_scratch("link_to_victim", link_path, sizeof(link_path));
-    dt_rmrf(link_path);
     assert_int_equal(symlink(victim, link_path), 0);
     kvh_engine *e;
     dt_assert_kvh(KVH_ERR_IO, open_store(link_path, &e));
@@ -207,6 +207,38 @@ static void test_store_path_through_a_link_is_refused(void **state)
     assert_int_equal(access(lock_path, F_OK), -1);
 }
 
+/* disk_path naming a directory of someone else's with a file called
+ * `index` (a web root, a build tree): refused before anything in it
+ * changes, as through a link. An empty directory is made a store. */
+static void test_directory_with_a_foreign_index_is_refused(void **state)
+{
+    (void)state;
+    char dir[PATH_MAX], index_path[PATH_MAX];
+    dt_scratch("foreign_index", dir, sizeof(dir));
+    dt_rmrf(dir);
+    assert_int_equal(mkdir(dir, 0755), 0);
+    assert_int_equal(chmod(dir, 0755), 0);
+    dt_path(index_path, sizeof(index_path), dir, "index");
+    static const char theirs[] = "<html>someone's index page</html>";
+    assert_int_equal(dt_write_file(index_path, theirs, sizeof(theirs)), 0);
+    kvh_engine *e;
+    dt_assert_kvh(KVH_ERR_IO, open_store(dir, &e));
+    if (!strstr(kvh_last_error(), "not a kvh store"))
+        fail_msg("%s", kvh_last_error());
+    struct stat st;
+    assert_int_equal(stat(dir, &st), 0);
+    assert_int_equal(st.st_mode & 07777, 0755);
+    size_t len = 0;
+    uint8_t *bytes = dt_read_file(index_path, &len);
+    assert_non_null(bytes);
+    assert_int_equal(len, sizeof(theirs));
+    assert_memory_equal(bytes, theirs, sizeof(theirs));
+    free(bytes);
+    assert_int_equal(unlink(index_path), 0);
+    dt_assert_ok(open_store(dir, &e));
+    dt_assert_ok(dt_close(e));
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -216,6 +248,7 @@ int main(void)
         cmocka_unit_test_teardown(test_writable_by_others_is_refused, dt_teardown),
         cmocka_unit_test_teardown(test_planted_links_are_not_followed, dt_teardown),
         cmocka_unit_test_teardown(test_store_path_through_a_link_is_refused, dt_teardown),
+        cmocka_unit_test_teardown(test_directory_with_a_foreign_index_is_refused, dt_teardown),
         cmocka_unit_test_teardown(test_another_users_store_is_refused, dt_teardown),
     };
     return cmocka_run_group_tests_name("disk_access", tests, NULL, NULL);

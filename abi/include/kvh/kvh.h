@@ -451,8 +451,9 @@ KVH_API kvh_status kvh_config_from_env(kvh_config *config, size_t struct_size, c
  * KVH_VMAP_BACKING), KVH_ERR_STRUCT_SIZE,
  * KVH_ERR_NOMEM, KVH_ERR_UNSUPPORTED (an explicit CUDA backend that is not
  * available, or vmap where it cannot be had). With a disk tier also
- * KVH_ERR_IO (disk_path cannot be created, opened, read or written, or
- * is itself a symbolic link),
+ * KVH_ERR_IO (disk_path cannot be created, opened, read or written, is
+ * itself a symbolic link, or holds an index or journal file kvh did not
+ * write and no store),
  * KVH_ERR_BUSY (another engine has the store open), KVH_ERR_MISMATCH (a
  * store of another geometry or model_salt), KVH_ERR_CORRUPT (a damaged
  * index or journal with disk_strict_index set; otherwise they are rebuilt
