@@ -333,6 +333,10 @@ int dt_log_count(dt_log *l, int max_level, ...)
 
 int dt_rmrf(const char *path)
 {
+    /* A link is removed, never followed into what it names. */
+    struct stat top;
+    if (lstat(path, &top) == 0 && S_ISLNK(top.st_mode))
+        return unlink(path) == 0 ? 0 : -errno;
     DIR *d = opendir(path);
     if (!d)
         return errno == ENOENT ? 0 : (unlink(path) == 0 ? 0 : -errno);
