@@ -170,6 +170,36 @@ static void test_another_users_store_is_refused(void **state)
     assert_int_equal(chown(dir, 0, 0), 0);
 }
 
+/* A directory of someone else's: mode 0755 and a file called `index`
+ * holding `theirs` (in *index_path). */
+static void plant_foreign_dir(const char *dir, char *index_path, size_t len, const char *theirs, size_t n)
+{
+    assert_int_equal(chmod(dir, 0755), 0);
+    dt_path(index_path, len, dir, "index");
+    assert_int_equal(dt_write_file(index_path, theirs, n), 0);
+}
+
+/* After an open refused with `reason`: the directory's mode, its index
+ * and the absence of a LOCK are as planted. */
+static void expect_foreign_dir_untouched(const char *dir, const char *index_path, const char *theirs, size_t n,
+                                         const char *reason)
+{
+    if (!strstr(kvh_last_error(), reason))
+        fail_msg("%s", kvh_last_error());
+    struct stat st;
+    assert_int_equal(stat(dir, &st), 0);
+    assert_int_equal(st.st_mode & 07777, 0755);
+    size_t len = 0;
+    uint8_t *bytes = dt_read_file(index_path, &len);
+    assert_non_null(bytes);
+    assert_int_equal(len, n);
+    assert_memory_equal(bytes, theirs, n);
+    free(bytes);
+    char lock_path[PATH_MAX];
+    dt_path(lock_path, sizeof(lock_path), dir, "LOCK");
+    assert_int_equal(access(lock_path, F_OK), -1);
+}
+
 /* disk_path itself a link to a directory that is no store (here one with
  * a file named like the index): refused, and the directory's mode and
  * files stay as they were (following it, open narrowed it to 0700, wrote
@@ -183,28 +213,13 @@ static void test_store_path_through_a_link_is_refused(void **state)
      * one would follow a link an earlier run left there. */
     snprintf(link_path, sizeof(link_path), "%s.link", victim);
     unlink(link_path);
-    assert_int_equal(chmod(victim, 0755), 0);
-    dt_path(index_path, sizeof(index_path), victim, "index");
     static const char theirs[] = "DIRC: not a kvh index";
-    assert_int_equal(dt_write_file(index_path, theirs, sizeof(theirs)), 0);
+    plant_foreign_dir(victim, index_path, sizeof(index_path), theirs, sizeof(theirs));
     assert_int_equal(symlink(victim, link_path), 0);
     kvh_engine *e;
     dt_assert_kvh(KVH_ERR_IO, open_store(link_path, &e));
     assert_null(e);
-    if (!strstr(kvh_last_error(), "symbolic link"))
-        fail_msg("%s", kvh_last_error());
-    struct stat st;
-    assert_int_equal(stat(victim, &st), 0);
-    assert_int_equal(st.st_mode & 07777, 0755);
-    size_t len = 0;
-    uint8_t *bytes = dt_read_file(index_path, &len);
-    assert_non_null(bytes);
-    assert_int_equal(len, sizeof(theirs));
-    assert_memory_equal(bytes, theirs, sizeof(theirs));
-    free(bytes);
-    char lock_path[PATH_MAX];
-    dt_path(lock_path, sizeof(lock_path), victim, "LOCK");
-    assert_int_equal(access(lock_path, F_OK), -1);
+    expect_foreign_dir_untouched(victim, index_path, theirs, sizeof(theirs), "symbolic link");
 }
 
 /* disk_path naming a directory of someone else's with a file called
@@ -215,25 +230,11 @@ static void test_directory_with_a_foreign_index_is_refused(void **state)
     (void)state;
     char dir[PATH_MAX], index_path[PATH_MAX];
     dt_scratch("foreign_index", dir, sizeof(dir));
-    dt_rmrf(dir);
-    assert_int_equal(mkdir(dir, 0755), 0);
-    assert_int_equal(chmod(dir, 0755), 0);
-    dt_path(index_path, sizeof(index_path), dir, "index");
     static const char theirs[] = "<html>someone's index page</html>";
-    assert_int_equal(dt_write_file(index_path, theirs, sizeof(theirs)), 0);
+    plant_foreign_dir(dir, index_path, sizeof(index_path), theirs, sizeof(theirs));
     kvh_engine *e;
     dt_assert_kvh(KVH_ERR_IO, open_store(dir, &e));
-    if (!strstr(kvh_last_error(), "not a kvh store"))
-        fail_msg("%s", kvh_last_error());
-    struct stat st;
-    assert_int_equal(stat(dir, &st), 0);
-    assert_int_equal(st.st_mode & 07777, 0755);
-    size_t len = 0;
-    uint8_t *bytes = dt_read_file(index_path, &len);
-    assert_non_null(bytes);
-    assert_int_equal(len, sizeof(theirs));
-    assert_memory_equal(bytes, theirs, sizeof(theirs));
-    free(bytes);
+    expect_foreign_dir_untouched(dir, index_path, theirs, sizeof(theirs), "not a kvh store");
     assert_int_equal(unlink(index_path), 0);
     dt_assert_ok(open_store(dir, &e));
     dt_assert_ok(dt_close(e));

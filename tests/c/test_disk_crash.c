@@ -249,21 +249,7 @@ static void test_sigkill_during_spill_and_persist(void **state)
  * with a buffered append): the stale record then names a slot holding
  * another block of the same prefix. The block read from that slot must
  * not be served as the persisted one (a miss, counted as corrupt). */
-static void stale_cfg(kvh_config *c, const char *dir)
-{
-    dt_assert_ok(kvh_config_init(c, sizeof(*c)));
-    c->num_layers = 2;
-    c->num_kv_heads = 1;
-    c->head_dim = 64;
-    c->block_tokens = 16;
-    c->dtype = KVH_DTYPE_F32;
-    c->backend = KVH_BACKEND_CPU;
-    c->migration_threads = 0;
-    c->device_bytes = 16384; /* two blocks */
-    c->host_bytes = 16384;
-    c->disk_bytes = 20480; /* one slot */
-    c->disk_path = dir;
-}
+static const dt_geo STALE_GEO = {2, 1, 64, 16, KVH_DTYPE_F32}; /* one block = one 16 KiB slot */
 
 static void fill_layer(kvh_engine *e, kvh_seq s, uint32_t layer, float value)
 {
@@ -279,8 +265,7 @@ static void test_stale_record_of_a_reused_slot_is_a_miss(void **state)
     char dir[512];
     dt_scratch("stale-record", dir, sizeof(dir));
     dt_rmrf(dir);
-    kvh_config c;
-    stale_cfg(&c, dir);
+    kvh_config c = dt_cfg(STALE_GEO, dir, 1, 1, 1, 0);
     int32_t tokens[16];
     for (int i = 0; i < 16; i++)
         tokens[i] = 100 + i;
