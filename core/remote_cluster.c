@@ -270,14 +270,12 @@ static int write_all(kvhi_cluster *c, redisContext *ctx, uint64_t deadline, char
         int done = 0;
         c->h->set_timeout(ctx, tv_of_ns(now < deadline ? deadline - now : 0));
         if (c->h->buffer_write(ctx, &done) != REDIS_OK) {
-            int saved = errno;
             if (timed_out(ctx))
                 rc = -3;
             else {
                 snprintf(err, err_len, "%s", ctx->errstr);
                 rc = -1;
             }
-            errno = saved;
             break;
         }
         if (done)
@@ -361,6 +359,19 @@ static int read_reply(kvhi_cluster *c, redisContext *ctx, uint64_t deadline, voi
     }
 }
 
+/* read_reply for a reply that is no round command's value (ASKING's, or
+ * a single command's such as AUTH on a connection a round opens): the
+ * round's on_string is not handed its strings, whatever they are. */
+static int read_reply_no_value(kvhi_cluster *c, redisContext *ctx, uint64_t deadline, void **out, char *err,
+                               size_t err_len)
+{
+    kvhi_cluster_string_fn on_string = c->sink.on_string;
+    c->sink.on_string = NULL;
+    int rc = read_reply(c, ctx, deadline, out, err, err_len);
+    c->sink.on_string = on_string;
+    return rc;
+}
+
 /* One command on ctx, answered by deadline: its reply, or NULL with *rc
  * -1 (err says why) or -3 (no answer in time); the connection must then
  * be dropped. */
@@ -370,14 +381,11 @@ static redisReply *ctx_command(kvhi_cluster *c, redisContext *ctx, int argc, con
     void *r = NULL;
     int st = -1;
     /* Its reply is no round command's value (an AUTH on a connection a
-     * round opens): on_string is not handed it. */
-    kvhi_cluster_string_fn on_string = c->sink.on_string;
-    c->sink.on_string = NULL;
+     * round opens). */
     if (c->h->append_argv(ctx, argc, argv, lens) != REDIS_OK)
         snprintf(err, err_len, "out of memory");
     else if ((st = write_all(c, ctx, deadline, err, err_len)) == 0)
-        st = read_reply(c, ctx, deadline, &r, err, err_len);
-    c->sink.on_string = on_string;
+        st = read_reply_no_value(c, ctx, deadline, &r, err, err_len);
     if (rc)
         *rc = st;
     return st == 0 ? r : NULL;
@@ -788,12 +796,7 @@ static void run_round(kvhi_cluster *c, kvhi_cluster_cmd *cmds, size_t n, uint64_
         bool started_late = now_ns() >= deadline;
         c->sink.index = k;
         if (cmd->asking) {
-            /* ASKING's answer is no command's value: on_string is not
-             * handed it, whatever it is. */
-            kvhi_cluster_string_fn on_string = c->sink.on_string;
-            c->sink.on_string = NULL;
-            rc = read_reply(c, nd->ctx, deadline, &got, why, sizeof(why));
-            c->sink.on_string = on_string;
+            rc = read_reply_no_value(c, nd->ctx, deadline, &got, why, sizeof(why));
             if (got)
                 c->h->free_reply(got);
             got = NULL;
