@@ -110,12 +110,6 @@ kvh_status kvhi_charge_add(kvh_engine *e, kvhi_context *x, uint32_t tier, uint64
         uint32_t slot;
         if ((st = take_slot(e, tier, mode, &slot)) != KVH_OK)
             break;
-        if (ch->n >= slots_for(e, tier, ch->bytes + ch->pending)) {
-            /* The other thread took it for us while the lock was dropped. */
-            kvhi_release_slot(e, tier, slot);
-            pthread_cond_broadcast(&e->changed);
-            break;
-        }
         if (ch->n == ch->cap) {
             uint32_t cap = ch->cap ? ch->cap * 2 : 64;
             uint32_t *ns = realloc(ch->slots, sizeof(uint32_t) * cap);
@@ -131,12 +125,12 @@ kvh_status kvhi_charge_add(kvh_engine *e, kvhi_context *x, uint32_t tier, uint64
         ch->slots[ch->n++] = slot;
     }
     ch->pending -= bytes;
-    if (st != KVH_OK) {
-        trim(e, ch, tier);
-        return st;
-    }
-    ch->bytes += bytes;
-    return KVH_OK;
+    if (st == KVH_OK)
+        ch->bytes += bytes;
+    /* Gives back what a failure leaves, or a slot the other thread took
+     * for these bytes while take_slot had dropped the lock. */
+    trim(e, ch, tier);
+    return st;
 }
 
 void kvhi_charge_sub(kvh_engine *e, kvhi_context *x, uint32_t tier, uint64_t bytes)
