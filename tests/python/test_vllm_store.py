@@ -236,6 +236,44 @@ def test_save_lookup_load_and_restart(tmp_path, mem):
     st.close()
 
 
+def test_instances_of_one_model_each_get_a_store_and_a_restart_finds_the_blocks(tmp_path, mem):
+    toks = np.arange(2 * B, dtype=np.int32) + 7
+    first = _store(tmp_path, disk_bytes=8 << 20)
+    second = _store(tmp_path, disk_bytes=8 << 20)  # a second vLLM instance of the model, running at once
+    try:
+        assert second.disk_path == first.disk_path + ".1"
+        _register(first, mem)
+        _register(second, mem)
+        assert first.save("a", toks, 0, [1, 2]) == 2
+        first.flush()
+        assert second.lookup("b", toks) == 0  # stores are separate
+        assert second.save("c", toks + 1, 0, [3]) == 1
+    finally:
+        first.close()
+        second.close()
+    again = _store(tmp_path, disk_bytes=8 << 20)  # a restart takes the first free store again
+    try:
+        assert again.disk_path == first.disk_path
+        assert again.lookup("d", toks) == 2 * B
+    finally:
+        again.close()
+
+
+def test_when_every_store_of_the_model_is_open_elsewhere_the_store_is_unavailable(tmp_path):
+    from kvh_cache.vllm.store import STORE_INSTANCES
+
+    held = []
+    try:
+        for i in range(STORE_INSTANCES):
+            held.append(_store(tmp_path, disk_bytes=8 << 20, host_bytes=1 << 20))
+        assert len({st.disk_path for st in held}) == STORE_INSTANCES
+        with pytest.raises(StoreUnavailable, match="all open in other processes"):
+            _store(tmp_path, disk_bytes=8 << 20, host_bytes=1 << 20)
+    finally:
+        for st in held:
+            st.close()
+
+
 def test_flipped_byte_on_disk_is_a_counted_miss(tmp_path, mem):
     toks = np.arange(2 * B, dtype=np.int32) + 100
     st = _store(tmp_path)

@@ -41,6 +41,7 @@ from .settings import Settings
 log = logging.getLogger("kvh.vllm")
 
 SALT_VERSION = "kvh_cache.vllm/1"
+STORE_INSTANCES = 8  # store directories per model: vLLM instances that can run it at once
 RESTORE_PART_BLOCKS = 4  # a restore is split only into parts of at least this many blocks
 TAIL_PAD = -1
 # Forgotten request ids kept to tell a late lookup from a new request:
@@ -51,6 +52,31 @@ FORGOTTEN_KEPT = 65536
 class StoreUnavailable(RuntimeError):
     """kvh cannot serve this worker (the message says why); the connector
     then stays out of vLLM's way."""
+
+
+def _open_instance_store(fields: Dict[str, Any], base: str, disk_bytes: int) -> Tuple[Engine, str]:
+    """Opens an engine on the first of the model's store directories that
+    no other process has open: ``base``, then ``base.1`` and on, one per
+    vLLM instance running this model at once (a store has one writer). A
+    restarted instance takes the first free one again, which holds this
+    model's blocks whichever instance wrote them."""
+    for i in range(STORE_INSTANCES):
+        path = base if i == 0 else f"{base}.{i}"
+        try:
+            engine = Engine(**fields, disk_path=path, disk_bytes=disk_bytes)
+        except errors.BusyError:
+            continue  # another instance has it open
+        except (errors.KvhIOError, errors.NoSpaceError, errors.MismatchError) as exc:
+            raise StoreUnavailable(f"kvh: disk tier at {path} unusable: {exc}") from None
+        except errors.Error as exc:
+            raise StoreUnavailable(f"kvh: cannot open an engine for this model: {exc}") from None
+        if i:
+            log.info("kvh: store %s is open in another process; this instance uses %s", base, path)
+        return engine, path
+    raise StoreUnavailable(
+        f"kvh: the {STORE_INSTANCES} stores of this model ({base} and {base}.1 to .{STORE_INSTANCES - 1}) "
+        "are all open in other processes"
+    )
 
 
 def model_salt(identity: Dict[str, Any], secret: Optional[str] = None) -> int:
@@ -208,11 +234,11 @@ class KvStore:
             **settings.engine_remote_fields(),
         )
         self.disk_path: Optional[str] = None
+        before = task_ids()
         if settings.disk_enabled:
             # One store per salt: another model (or dtype, block size, rank)
             # gets its own directory instead of a mismatch.
             assert settings.disk_path is not None
-            self.disk_path = os.path.join(settings.disk_path, f"{self.salt:016x}")
             try:
                 os.makedirs(settings.disk_path, mode=0o700, exist_ok=True)
             except OSError as exc:
@@ -221,14 +247,14 @@ class KvStore:
                     "set kv_connector_extra_config disk_path / KVH_VLLM_DISK_PATH to a writable directory, "
                     "or disk_bytes=0 for no disk tier"
                 ) from None
-            fields.update(disk_path=self.disk_path, disk_bytes=settings.disk_bytes)
-        before = task_ids()
-        try:
-            self.engine = Engine(**fields)
-        except (errors.KvhIOError, errors.NoSpaceError, errors.BusyError, errors.MismatchError) as exc:
-            raise StoreUnavailable(f"kvh: disk tier at {self.disk_path} unusable: {exc}") from None
-        except errors.Error as exc:
-            raise StoreUnavailable(f"kvh: cannot open an engine for this model: {exc}") from None
+            self.engine, self.disk_path = _open_instance_store(
+                fields, os.path.join(settings.disk_path, f"{self.salt:016x}"), settings.disk_bytes
+            )
+        else:
+            try:
+                self.engine = Engine(**fields)
+            except errors.Error as exc:
+                raise StoreUnavailable(f"kvh: cannot open an engine for this model: {exc}") from None
         # kvh's own threads (its migration workers), for the timing trace.
         self.kvh_tids = sorted(task_ids() - before)
         self.block_bytes = self.engine.block_bytes
