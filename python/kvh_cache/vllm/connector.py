@@ -474,6 +474,12 @@ class KvhConnector(KVConnectorBase_V1):
             r = st.request
             if not _keyed_by_tokens(r):
                 continue
+            # Blocks kvh was thought to hold are being computed again: a
+            # load of them failed (vLLM truncates the computed tokens at the
+            # first failed block), or the request was preempted and kvh no
+            # longer had them. They are saved again once recomputed.
+            if r.num_computed_tokens < st.saved_blocks * bs:
+                st.saved_blocks = r.num_computed_tokens // bs
             # KV of positions [0, computed + scheduled) exists after this
             # step; a block is saved once its tokens are all known.
             end_tok = min(r.num_computed_tokens + n_sched, len(r.all_token_ids))

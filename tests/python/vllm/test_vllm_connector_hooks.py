@@ -1,9 +1,10 @@
 """The connector's hooks one by one, in the vLLM venv's python (the module
 imports vllm and torch), on a connector object built without vLLM around
 it: offloads are waited for before a step touches any block, a runtime
-directory that cannot be used is a miss for the scheduler, and requests
+directory that cannot be used is a miss for the scheduler, requests
 whose KV does not follow from their token ids alone are neither looked
-up nor saved. Skipped unless KVH_VLLM_PYTHON names that python."""
+up nor saved, and blocks recomputed after a failed load are saved
+again. Skipped unless KVH_VLLM_PYTHON names that python."""
 
 from __future__ import annotations
 
@@ -102,5 +103,33 @@ def test_store_identity_follows_the_configuration():
         assert base == c._store_identity(mc("a"), "torch.bfloat16", "auto", 0, 1, 0)
         assert base != c._store_identity(mc("b"), "torch.bfloat16", "auto", 0, 1, 0)
         assert base != c._store_identity(mc("a"), "torch.bfloat16", "auto", 0, 1, 1)
+        """
+    )
+
+
+def test_blocks_recomputed_after_a_failed_load_are_saved_again():
+    # vLLM truncates a request's computed tokens at the first block whose
+    # load failed and computes the rest again: kvh no longer holds those
+    # blocks (or holds them corrupt), so the recomputed ones are saved.
+    run_in_vllm(
+        """
+        bs = 4
+        r = types.SimpleNamespace(
+            request_id="r", num_computed_tokens=0, all_token_ids=list(range(40)), num_prompt_tokens=40,
+            lora_request=None, mm_features=[], prompt_embeds=None, cache_salt=None,
+        )
+        manager = types.SimpleNamespace(get_block_ids=lambda req_id: [list(range(100, 110))])
+        settings = types.SimpleNamespace(tail_min_tokens=0)
+        k = bare(_loads=[], _disabled=False, _block_size=bs, _reqs={}, _kv_cache_manager=manager, _settings=settings)
+        k._reqs["r"] = c._SchedReq(r, saved_blocks=8)  # a load of blocks 0-7 was issued
+        r.num_computed_tokens = 32
+        meta = k.build_connector_meta(types.SimpleNamespace(num_scheduled_tokens={"r": 8}))
+        assert [(t.first_block, t.block_ids) for t in meta.saves] == [(8, [108, 109])]
+        r.num_computed_tokens = 3 * bs  # the load failed at block 3: 3-9 are computed again
+        meta = k.build_connector_meta(types.SimpleNamespace(num_scheduled_tokens={"r": 28}))
+        assert [(t.first_block, t.block_ids) for t in meta.saves] == [(3, list(range(103, 110)))]
+        r.num_computed_tokens = 40
+        meta = k.build_connector_meta(types.SimpleNamespace(num_scheduled_tokens={"r": 1}))
+        assert meta.saves == []
         """
     )
