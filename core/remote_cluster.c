@@ -13,6 +13,7 @@
 #include <sys/socket.h>
 #include <time.h>
 
+#include "core/name_resolve.h"
 #include "core/remote_hiredis.h"
 
 #define NO_NODE UINT16_MAX
@@ -417,16 +418,33 @@ static int ensure_connected(kvhi_cluster *c, node *nd, uint64_t budget_ns, char 
 {
     if (nd->ctx)
         return 0;
-    redisContext *ctx = c->h->connect_timeout(nd->host, nd->port, tv_of_ns(budget_ns));
-    if (!ctx || ctx->err) {
-        snprintf(err, err_len, "%s", ctx ? ctx->errstr : "out of memory");
-        if (ctx)
-            c->h->free_ctx(ctx);
-        return -1;
+    /* The name first, within the budget: hiredis would resolve it with
+     * getaddrinfo, which has no timeout, and the client lock is held. */
+    uint64_t deadline = now_ns() + budget_ns;
+    kvhi_resolved addrs;
+    int rc = kvhi_resolve_numeric(nd->host, budget_ns, &addrs, err, err_len);
+    if (rc != 0)
+        return rc;
+    redisContext *ctx = NULL;
+    for (uint32_t i = 0; i < addrs.n && !ctx; i++) {
+        uint64_t now = now_ns();
+        if (now >= deadline) {
+            snprintf(err, err_len, "no connection to %.100s:%d within the timeout", nd->host, nd->port);
+            return -3;
+        }
+        ctx = c->h->connect_timeout(addrs.addr[i], nd->port, tv_of_ns(deadline - now));
+        if (!ctx || ctx->err) {
+            snprintf(err, err_len, "%s", ctx ? ctx->errstr : "out of memory");
+            if (ctx)
+                c->h->free_ctx(ctx);
+            ctx = NULL;
+        }
     }
+    if (!ctx)
+        return -1;
     c->h->set_timeout(ctx, tv_of_ns(budget_ns));
     sink_attach(c, ctx);
-    int rc = authenticate(c, ctx, now_ns() + budget_ns, err, err_len);
+    rc = authenticate(c, ctx, now_ns() + budget_ns, err, err_len);
     if (rc != 0) {
         c->h->free_ctx(ctx);
         return rc;
