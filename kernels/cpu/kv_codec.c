@@ -37,7 +37,7 @@ uint32_t kvhi_codec_group(uint32_t codec, uint32_t head_dim)
 size_t kvhi_codec_vector_bytes(uint32_t codec, uint32_t dtype, uint32_t head_dim)
 {
     uint32_t eb = elem_bytes(dtype);
-    if (eb == 0 || head_dim == 0)
+    if (eb == 0 || head_dim == 0 || head_dim > KVHI_CODEC_MAX_HEAD_DIM)
         return 0;
     switch (codec) {
     case KVH_CODEC_NONE:

@@ -27,6 +27,10 @@
 /* Bytes of one encoded vector; 0 when the codec is unknown or head_dim does
  * not fit it (Q4 needs head_dim to be a multiple of its group). NONE gives
  * the raw size head_dim * sizeof(dtype). */
+/* The longest vector a codec takes: the kernels count elements in 32-bit
+ * indices that step by up to a slice past the current one, which must not
+ * wrap. */
+#define KVHI_CODEC_MAX_HEAD_DIM (1u << 24)
 size_t kvhi_codec_vector_bytes(uint32_t codec, uint32_t dtype, uint32_t head_dim);
 
 /* Encodes n vectors of raw elements (dtype, packed one after another) into

@@ -119,6 +119,17 @@ static void test_sizes_and_arguments(void **state)
     assert_kvh(KVH_ERR_INVALID_ARG, kvh_codec_vector_bytes(KVH_CODEC_INT8, 7, 128, &b));
     assert_kvh(KVH_ERR_INVALID_ARG, kvh_codec_vector_bytes(KVH_CODEC_INT8, KVH_DTYPE_F16, 0, &b));
     assert_kvh(KVH_ERR_INVALID_ARG, kvh_codec_vector_bytes(KVH_CODEC_INT8, KVH_DTYPE_F16, 64, NULL));
+    /* Past 2^24 elements the kernels' 32-bit element counts could wrap
+     * (head_dim near 2^32 encoded for ever): refused before any read. */
+    assert_ok(kvh_codec_vector_bytes(KVH_CODEC_INT8, KVH_DTYPE_F16, 1u << 24, &b));
+    assert_int_equal(b, 4 + (1u << 24));
+    uint8_t small[64] = {0};
+    for (uint32_t c = KVH_CODEC_NONE; c <= KVH_CODEC_Q4_G64; c++) {
+        assert_kvh(KVH_ERR_INVALID_ARG, kvh_codec_vector_bytes(c, KVH_DTYPE_F16, (1u << 24) + 64, &b));
+        assert_kvh(KVH_ERR_INVALID_ARG, kvh_codec_vector_bytes(c, KVH_DTYPE_F16, UINT32_MAX, &b));
+        assert_kvh(KVH_ERR_INVALID_ARG, kvh_codec_encode(c, KVH_DTYPE_F16, UINT32_MAX, small, 1, small + 32));
+        assert_kvh(KVH_ERR_INVALID_ARG, kvh_codec_decode(c, KVH_DTYPE_F16, 0xFFFFFF00u, small, 1, small + 32));
+    }
     assert_kvh(KVH_ERR_INVALID_ARG, kvh_codec_encode(KVH_CODEC_INT8, KVH_DTYPE_F32, 64, NULL, 1, &b));
     assert_kvh(KVH_ERR_INVALID_ARG, kvh_codec_decode(KVH_CODEC_INT8, KVH_DTYPE_F32, 64, &b, 1, NULL));
     assert_ok(kvh_codec_encode(KVH_CODEC_INT8, KVH_DTYPE_F32, 64, NULL, 0, NULL));

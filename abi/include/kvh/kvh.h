@@ -1656,8 +1656,8 @@ KVH_API kvh_status kvh_admission_info_get(kvh_engine *engine, kvh_admission_info
 
 /* Bytes of one encoded vector of head_dim elements of dtype (KVH_CODEC_NONE:
  * the raw size). [out] *bytes. Returns KVH_ERR_INVALID_ARG for an unknown
- * codec or dtype, a NULL bytes, or a head_dim of 0 or that the codec's
- * group does not divide. @threads any */
+ * codec or dtype, a NULL bytes, or a head_dim of 0, above 2^24
+ * (16,777,216), or that the codec's group does not divide. @threads any */
 KVH_API kvh_status kvh_codec_vector_bytes(uint32_t codec, uint32_t dtype, uint32_t head_dim, uint64_t *bytes);
 
 /* Encodes n_vectors vectors of head_dim elements of dtype, packed in src,
