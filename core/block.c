@@ -326,6 +326,8 @@ __attribute__((always_inline)) static inline kvh_status block_new(kvh_engine *e,
      * heap without a ring needs the rest of that path. */
     if (e->n_agents || !kvhi_lruk_add_pending(&e->tiers[tier].heap, b))
         block_update_evictable(e, b);
+    if (e->hint_count && e->clock >= e->hint_epoch_end)
+        kvhi_hints_advance(e); /* allocations count as accesses for hints' lapse */
     e->stats.blocks_allocated++;
     e->block_newest = b;
     *out = b;

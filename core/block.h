@@ -277,13 +277,18 @@ kvhi_lruk_key kvhi_block_current_key(void *engine, uint32_t b);
 /* Prefetch hints as eviction protection (core/hints.c). */
 /* b is predicted to be needed, at priority (higher: sooner). */
 void kvhi_hint_set(kvh_engine *e, uint32_t b, int32_t priority);
-/* The same without a lapse record: the caller retires the priority
- * itself (kvhi_hint_drop). True when priority is new among b's two. */
+/* The same as a queue priority: no lapse record (the caller retires it
+ * with kvhi_hint_drop), redeemed only once due (kvhi_hint_queue_due).
+ * True when b now holds it as a queue priority and did not before. */
 bool kvhi_hint_set_unlapsing(kvh_engine *e, uint32_t b, int32_t priority);
 /* Removes priority from b's two, if there (the use it named has passed). */
 void kvhi_hint_drop(kvh_engine *e, uint32_t b, int32_t priority);
-/* b was used: its soonest hint is redeemed, the next one (if any) takes
- * its place. */
+/* b's priority `was`, if it holds it, is `now` instead (the queue's ranks
+ * moved to a new base). */
+void kvhi_hint_rerank(kvh_engine *e, uint32_t b, int32_t was, int32_t now);
+/* b was used: its sooner lapsing priority is redeemed if a lapsing hint
+ * came since the last such use, and so is a queue priority whose request
+ * the step has reached; the other priority takes its place. */
 void kvhi_hint_redeem(kvh_engine *e, uint32_t b);
 /* The victim-order key of a hinted block (above every unhinted one of its
  * class). */

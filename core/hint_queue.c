@@ -9,9 +9,11 @@
  * it enters the queue all give each block the same priority. The
  * priority is kvh_seq_hint's, with the sooner request the higher
  * (INT32_MAX - (request - base), base the step rounded down to a
- * multiple of 2^30), so the victim order, the two priorities a block
- * keeps and their redemption by the next access are those of
- * core/hints.c. Every filed request lies in [step, step + 2^24), so its
+ * multiple of 2^30), so the victim order and the two priorities a block
+ * keeps are those of core/hints.c; a queue priority is marked as such
+ * there, and only an access once the step has reached its request
+ * redeems it (an access by an earlier request, a prefix match, leaves
+ * it in place, as re-hinting would put it back). Every filed request lies in [step, step + 2^24), so its
  * offset from base stays below 2^30 + 2^24 and the ranks never wrap; when
  * the step enters the next 2^30 the filed pairs are re-ranked against the
  * new base (all of them, once every 2^30 steps).
@@ -23,10 +25,8 @@
  * its request read has already redeemed that priority). So a request
  * the caller dropped or moved later cannot keep outranking the requests
  * queued behind it for longer than the step takes to pass its number.
- * For the same reason an access redeems a priority whose request the
- * step has reached even without a hint since the last access: a caller
- * that hinted the request once, when it entered the queue, gets the
- * redemption that re-hinting before every step would give.
+ * Each (block, request) pair is filed once while the block holds it, so
+ * re-hinting the queue before every step files nothing new.
  * Cost: O(log n) per new pair, each popped once. */
 #include "core/hint_queue.h"
 
@@ -110,19 +110,7 @@ static void rerank(kvh_engine *e, uint64_t old_base, uint64_t new_base)
         kvhi_block *blk = &e->blocks[r->block];
         if (blk->gen != r->gen || !(blk->flags & KVHI_BF_LIVE) || !(blk->flags & KVHI_BF_HINTED))
             continue;
-        int32_t was = priority_at(old_base, r->request), now = priority_at(new_base, r->request);
-        if (blk->hint_priority == was)
-            blk->hint_priority = now;
-        else if (blk->hint_next == was)
-            blk->hint_next = now;
-        else
-            continue; /* redeemed, or pushed out by two higher ones */
-        if (blk->hint_next > blk->hint_priority) {
-            int32_t t = blk->hint_priority;
-            blk->hint_priority = blk->hint_next;
-            blk->hint_next = t;
-        }
-        kvhi_block_update_evictable(e, r->block);
+        kvhi_hint_rerank(e, r->block, priority_at(old_base, r->request), priority_at(new_base, r->request));
     }
 }
 
@@ -138,7 +126,7 @@ kvh_status kvhi_hint_queue(kvh_engine *e, kvhi_seq *s, uint64_t first, uint64_t 
     for (uint32_t i = b0; i < b1; i++) {
         uint32_t b = s->blocks[i];
         if (!kvhi_hint_set_unlapsing(e, b, priority))
-            continue; /* already filed for this request */
+            continue; /* held for this request already (filed), or two sooner ones kept */
         if (!file_pair(e, (kvhi_queue_hint){.request = request, .block = b, .gen = e->blocks[b].gen}))
             kvhi_hint_drop(e, b, priority); /* out of memory: advice, dropped */
     }

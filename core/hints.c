@@ -23,10 +23,17 @@
  * A hint nobody redeems must not protect a block for ever: unless
  * renewed, hints lapse (both priorities together) once the epoch after
  * their own has ended, one to two epochs of hint_horizon ticks of the
- * engine's access clock (accesses and block allocations). Each hint leaves a record
- * in a FIFO ring; the records of a closed epoch are retired in order,
- * clearing the hints not renewed since. Cost: O(1) amortised per hint,
- * one compare per access of an unhinted block. */
+ * engine's access clock (accesses and block allocations, which both
+ * check for the epoch's end). Each hint leaves a record in a FIFO ring;
+ * the records of a closed epoch are retired in order, clearing the hints
+ * not renewed since. Cost: O(1) amortised per hint, one compare per
+ * access of an unhinted block.
+ *
+ * Queue hints (core/hint_queue.c) set the same priorities, marked as
+ * queue priorities: they leave no record and do not lapse (the step
+ * passing their request drops them), and only an access once the step
+ * has reached their request redeems them. A block may hold one of each
+ * kind; each keeps its own rules. */
 #include <stdlib.h>
 
 #include "core/engine.h"
@@ -37,10 +44,16 @@ typedef struct kvhi_hint_record {
     uint32_t block, gen, epoch;
 } kvhi_hint_record;
 
-/* kvhi_block.hint_epoch: the low seven bits of the epoch of the block's
- * newest hint (its records are at most two epochs old, see retire_lapsed)
- * and whether an access has redeemed a priority since that hint. */
-#define HINT_EPOCH_MASK 0x7fu
+/* kvhi_block.hint_epoch: the low five bits of the epoch of the block's
+ * newest lapsing hint (its records are at most two epochs old, see
+ * retire_lapsed), which of its two priorities are queue priorities
+ * (core/hint_queue.c: they do not lapse, an access redeems one only once
+ * the step has reached its request, and the step passing it drops it),
+ * and whether a lapsing hint has come since an access last redeemed one.
+ * A block hinted both ways keeps each priority under its own rules. */
+#define HINT_EPOCH_MASK 0x1fu
+#define HINT_QUEUE_FIRST 0x20u
+#define HINT_QUEUE_NEXT 0x40u
 #define HINT_FRESH 0x80u
 
 /* Accesses per epoch: about the memory tiers' blocks, the span over which
@@ -64,38 +77,96 @@ kvhi_lruk_key kvhi_hint_key(const kvhi_block *blk, kvhi_lruk_key lruk)
     return k;
 }
 
-static void hint_clear(kvh_engine *e, uint32_t b)
+/* A block's two priorities, soonest first, each with whether it is a
+ * queue priority (NONE: no such priority). */
+typedef struct hint_pair {
+    int32_t p[2];
+    bool queue[2];
+} hint_pair;
+
+static hint_pair pair_of(const kvhi_block *blk)
 {
-    kvhi_block *blk = kvhi_blk(e, b);
+    hint_pair h = {{KVHI_HINT_NONE, KVHI_HINT_NONE}, {false, false}};
     if (!(blk->flags & KVHI_BF_HINTED))
-        return;
-    blk->flags &= (uint16_t)~KVHI_BF_HINTED;
-    /* A lower key: heaps take it at once (a lazy entry would overstate it). */
-    kvhi_block_update_evictable(e, b);
+        return h;
+    h.p[0] = blk->hint_priority;
+    h.queue[0] = blk->hint_epoch & HINT_QUEUE_FIRST;
+    h.p[1] = blk->hint_next;
+    h.queue[1] = h.p[1] != KVHI_HINT_NONE && (blk->hint_epoch & HINT_QUEUE_NEXT);
+    return h;
 }
 
-/* Block b's first priority is used up: the second takes its place, or
- * the hint is gone when there is none. */
-static void hint_pop(kvh_engine *e, uint32_t b, kvhi_block *blk)
+static bool has_lapsing(const hint_pair *h)
 {
-    if (blk->hint_next == KVHI_HINT_NONE) {
-        hint_clear(e, b);
-        return;
+    return (h->p[0] != KVHI_HINT_NONE && !h->queue[0]) || (h->p[1] != KVHI_HINT_NONE && !h->queue[1]);
+}
+
+static void pair_remove(hint_pair *h, int i)
+{
+    if (i == 0) {
+        h->p[0] = h->p[1];
+        h->queue[0] = h->queue[1];
     }
-    blk->hint_priority = blk->hint_next;
-    blk->hint_next = KVHI_HINT_NONE;
-    kvhi_block_update_evictable(e, b); /* lower: applied at once */
+    h->p[1] = KVHI_HINT_NONE;
+    h->queue[1] = false;
+}
+
+/* Stores h into b. A block left without a priority leaves the hinted
+ * class. Either way the key fell or rose: heaps take it at once (a lazy
+ * entry would overstate a lower one). */
+static void pair_store(kvh_engine *e, uint32_t b, const hint_pair *h)
+{
+    kvhi_block *blk = kvhi_blk(e, b);
+    uint8_t he = blk->hint_epoch & (uint8_t) ~(HINT_QUEUE_FIRST | HINT_QUEUE_NEXT);
+    if (h->p[0] == KVHI_HINT_NONE) {
+        blk->hint_epoch = he & (uint8_t)~HINT_FRESH;
+        blk->flags &= (uint16_t)~KVHI_BF_HINTED;
+    } else {
+        blk->hint_priority = h->p[0];
+        blk->hint_next = h->p[1];
+        blk->hint_epoch = he | (h->queue[0] ? HINT_QUEUE_FIRST : 0) | (h->queue[1] ? HINT_QUEUE_NEXT : 0);
+        blk->flags |= KVHI_BF_HINTED;
+    }
+    kvhi_block_update_evictable(e, b);
 }
 
 void kvhi_hint_redeem(kvh_engine *e, uint32_t b)
 {
     kvhi_block *blk = kvhi_blk(e, b);
-    /* One use per hint: the first access after it redeems, the rest of
-     * that use (every layer read, a match then an acquire) does not. */
-    if (!(blk->hint_epoch & HINT_FRESH) && !kvhi_hint_queue_due(e, blk->hint_priority))
+    hint_pair h = pair_of(blk);
+    bool changed = false;
+    /* One use per lapsing hint: the first access after it redeems the
+     * sooner lapsing priority, the rest of that use (every layer read, a
+     * match then an acquire) does not. */
+    if (blk->hint_epoch & HINT_FRESH) {
+        blk->hint_epoch &= (uint8_t)~HINT_FRESH;
+        int i = !h.queue[0] ? 0 : (h.p[1] != KVHI_HINT_NONE && !h.queue[1]) ? 1 : -1;
+        if (i >= 0) {
+            pair_remove(&h, i);
+            changed = true;
+        }
+    }
+    /* A priority whose request the step has reached: this is its use,
+     * whether or not it was hinted again since an earlier one. */
+    while (h.p[0] != KVHI_HINT_NONE && kvhi_hint_queue_due(e, h.p[0])) {
+        pair_remove(&h, 0);
+        changed = true;
+    }
+    if (changed)
+        pair_store(e, b, &h);
+}
+
+/* The record's epoch ended with no lapsing hint of its block given since:
+ * the block's lapsing priorities go, its queue priorities stay. */
+static void lapse(kvh_engine *e, uint32_t b)
+{
+    hint_pair h = pair_of(kvhi_blk(e, b));
+    if (!has_lapsing(&h))
         return;
-    blk->hint_epoch &= (uint8_t)~HINT_FRESH;
-    hint_pop(e, b, blk);
+    for (int i = 1; i >= 0; i--)
+        if (h.p[i] != KVHI_HINT_NONE && !h.queue[i])
+            pair_remove(&h, i);
+    pair_store(e, b, &h);
 }
 
 static void retire_lapsed(kvh_engine *e)
@@ -105,11 +176,11 @@ static void retire_lapsed(kvh_engine *e)
         if (e->hint_epoch - r->epoch < 2)
             return;
         kvhi_block *blk = kvhi_blk(e, r->block);
-        /* Only the block's newest hint lapses it: a renewal left a later
-         * record behind this one. */
+        /* Only the block's newest lapsing hint lapses it: a renewal left a
+         * later record behind this one. */
         if (blk->gen == r->gen && (blk->flags & KVHI_BF_LIVE) &&
             (blk->hint_epoch & HINT_EPOCH_MASK) == (r->epoch & HINT_EPOCH_MASK))
-            hint_clear(e, r->block);
+            lapse(e, r->block);
         e->hint_head = (e->hint_head + 1) % e->hint_cap;
         e->hint_count--;
     }
@@ -138,47 +209,61 @@ void kvhi_hints_advance(kvh_engine *e)
 {
     if (e->clock < e->hint_epoch_end)
         return;
-    e->hint_epoch++;
-    e->hint_epoch_end = e->clock + hint_horizon(e);
+    /* As many epochs as whole horizons have passed (accesses that do not
+     * check, such as block allocations, may have run the clock on): a
+     * hint lapses after one to two horizons however the clock got there. */
+    uint64_t horizon = hint_horizon(e), passed = (e->clock - e->hint_epoch_end) / horizon + 1;
+    e->hint_epoch += passed > 2 ? 2 : (uint32_t)passed;
+    e->hint_epoch_end = e->clock + horizon;
     retire_lapsed(e);
 }
 
-/* Sets priority among b's two; true when it is new to them. lapses:
- * leave a record that retires it with its epoch; otherwise the block is
- * marked with an epoch no record carries (it lapses some other way,
- * core/hint_queue.c). */
+/* Sets priority among b's two, as a lapsing priority or a queue one.
+ * Returns whether it is now held as a queue priority and was not before
+ * (the caller files it, core/hint_queue.c); for a lapsing priority,
+ * whether it is new among the two. lapses: a record retires it with its
+ * epoch unless renewed. */
 static bool hint_apply(kvh_engine *e, uint32_t b, int32_t priority, bool lapses)
 {
     kvhi_hints_advance(e);
     if (priority == KVHI_HINT_NONE)
         priority = KVHI_HINT_NONE + 1; /* the lowest rank; INT32_MIN marks "none" */
     kvhi_block *blk = kvhi_blk(e, b);
-    bool hinted = blk->flags & KVHI_BF_HINTED;
-    /* Records of a hinted block are all of this epoch or the last (older
-     * ones were retired as the epoch advanced), so seven bits tell them
-     * apart. */
-    bool renewed = hinted && (blk->hint_epoch & HINT_EPOCH_MASK) == (e->hint_epoch & HINT_EPOCH_MASK);
-    if (lapses && !renewed && !ring_push(e, (kvhi_hint_record){.block = b, .gen = blk->gen, .epoch = e->hint_epoch}))
-        return false; /* out of memory: a hint is advice, it can be dropped */
-    bool added = true;
-    if (!hinted) {
-        blk->hint_priority = priority;
-        blk->hint_next = KVHI_HINT_NONE;
-    } else if (priority > blk->hint_priority) {
-        blk->hint_next = blk->hint_priority;
-        blk->hint_priority = priority;
-    } else if (priority < blk->hint_priority && priority > blk->hint_next) {
-        blk->hint_next = priority;
-    } else {
-        added = false;
+    hint_pair h = pair_of(blk);
+    if (lapses) {
+        /* Records of a block's lapsing hints are all of this epoch or the
+         * last (older ones were retired as the epoch advanced), so five
+         * bits tell them apart. */
+        bool renewed = has_lapsing(&h) && (blk->hint_epoch & HINT_EPOCH_MASK) == (e->hint_epoch & HINT_EPOCH_MASK);
+        if (!renewed && !ring_push(e, (kvhi_hint_record){.block = b, .gen = blk->gen, .epoch = e->hint_epoch}))
+            return false; /* out of memory: a hint is advice, it can be dropped */
     }
-    /* Half the seven-bit range away from this epoch: no live record (this
-     * epoch's or the last's) matches it. */
-    uint32_t epoch = lapses ? e->hint_epoch : e->hint_epoch + (HINT_EPOCH_MASK + 1) / 2;
-    blk->hint_epoch = (uint8_t)((epoch & HINT_EPOCH_MASK) | HINT_FRESH);
-    blk->flags |= KVHI_BF_HINTED;
-    /* A higher key: the lazy update is exact (core/lruk.h). */
-    kvhi_block_update_evictable(e, b);
+    bool changed = true, added = true;
+    int at = priority == h.p[0] ? 0 : priority == h.p[1] ? 1 : -1;
+    if (at >= 0) {
+        added = false;
+        /* The same priority given the other way: a queue priority it is
+         * (the step retires it; it no longer lapses). */
+        changed = !lapses && !h.queue[at];
+        if (changed)
+            h.queue[at] = true;
+        added = changed;
+    } else if (h.p[0] == KVHI_HINT_NONE || priority > h.p[0]) {
+        h.p[1] = h.p[0];
+        h.queue[1] = h.queue[0];
+        h.p[0] = priority;
+        h.queue[0] = !lapses;
+    } else if (priority > h.p[1]) {
+        h.p[1] = priority;
+        h.queue[1] = !lapses;
+    } else {
+        changed = added = false; /* two sooner ones are kept */
+    }
+    if (lapses)
+        blk->hint_epoch =
+            (uint8_t)((blk->hint_epoch & ~HINT_EPOCH_MASK) | (e->hint_epoch & HINT_EPOCH_MASK) | HINT_FRESH);
+    if (changed)
+        pair_store(e, b, &h); /* a higher key, or a lower second: exact either way */
     return added;
 }
 
@@ -188,16 +273,29 @@ bool kvhi_hint_set_unlapsing(kvh_engine *e, uint32_t b, int32_t priority) { retu
 
 void kvhi_hint_drop(kvh_engine *e, uint32_t b, int32_t priority)
 {
-    kvhi_block *blk = kvhi_blk(e, b);
-    if (!(blk->flags & KVHI_BF_HINTED))
+    hint_pair h = pair_of(kvhi_blk(e, b));
+    int at = h.p[0] != KVHI_HINT_NONE && h.p[0] == priority   ? 0
+             : h.p[1] != KVHI_HINT_NONE && h.p[1] == priority ? 1
+                                                              : -1;
+    if (at < 0)
         return;
-    if (blk->hint_next == priority) {
-        blk->hint_next = KVHI_HINT_NONE;
-        return; /* the key reads only the first: unchanged */
+    pair_remove(&h, at);
+    pair_store(e, b, &h);
+}
+
+void kvhi_hint_rerank(kvh_engine *e, uint32_t b, int32_t was, int32_t now)
+{
+    hint_pair h = pair_of(kvhi_blk(e, b));
+    int at = h.p[0] != KVHI_HINT_NONE && h.p[0] == was ? 0 : h.p[1] != KVHI_HINT_NONE && h.p[1] == was ? 1 : -1;
+    if (at < 0)
+        return; /* redeemed, or pushed out by two higher ones */
+    h.p[at] = now;
+    if (h.p[1] != KVHI_HINT_NONE && h.p[1] > h.p[0]) {
+        hint_pair t = h;
+        h.p[0] = t.p[1], h.p[1] = t.p[0];
+        h.queue[0] = t.queue[1], h.queue[1] = t.queue[0];
     }
-    if (blk->hint_priority != priority)
-        return;
-    hint_pop(e, b, blk);
+    pair_store(e, b, &h);
 }
 
 void kvhi_hints_free(kvh_engine *e)

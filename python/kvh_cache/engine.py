@@ -831,7 +831,8 @@ class Engine(OwnedHandle):
         every step, by number, or once when a request enters the queue
         gives the same eviction order, provided :meth:`hint_advance` is
         called once per request taken; a priority lasts until an access
-        redeems it or the step passes its request. A request already taken
+        made once the step has reached its request redeems it, or the step
+        passes its request (earlier reads leave it). A request already taken
         is ignored; one 2**24 or more ahead raises RangeError. Any thread."""
         if not isinstance(seq, Sequence):
             raise TypeError(f"seq must be a kvh.Sequence, not {type(seq).__name__}")

@@ -160,6 +160,91 @@ static void test_hinted_once_redeems_each_use(void **state)
     assert_false(hinted(&w, 0, NULL)); /* read: nothing left to wait for */
 }
 
+/* Block 0 of sequence seq: (hinted, first priority, second priority). */
+static void hint_state(world *w, int seq, int64_t out[3])
+{
+    pthread_mutex_lock(&w->e->lock);
+    kvhi_seq *s = NULL;
+    assert_ok(kvhi_seq_get(w->e, w->s[seq], &s));
+    const kvhi_block *blk = &w->e->blocks[s->blocks[0]];
+    out[0] = (blk->flags & KVHI_BF_HINTED) != 0;
+    out[1] = out[0] ? blk->hint_priority : 0;
+    out[2] = out[0] ? blk->hint_next : 0;
+    pthread_mutex_unlock(&w->e->lock);
+}
+
+static void churn(world *w, int seq, int n)
+{
+    for (int i = 0; i < n; i++) {
+        assert_ok(kvh_seq_acquire(w->e, w->s[seq], 0, BT * BLOCKS, NULL));
+        assert_ok(kvh_seq_release(w->e, w->s[seq], 0, BT * BLOCKS));
+    }
+}
+
+/* One block hinted both ways keeps each priority under its own rules: the
+ * kvh_seq_hint one lapses with engine accesses, the queue one does not
+ * (it waits for its request), whichever came first. */
+static void test_seq_and_queue_hints_on_one_block_keep_their_own_rules(void **state)
+{
+    (void)state;
+    for (int queue_first = 0; queue_first < 2; queue_first++) {
+        world w;
+        open_world(&w);
+        if (queue_first)
+            assert_ok(kvh_seq_hint_queued(w.e, w.s[0], 0, BT, 5, KVH_HINT_REQUEST));
+        assert_ok(kvh_seq_hint(w.e, w.s[0], 0, BT, 1000));
+        if (!queue_first)
+            assert_ok(kvh_seq_hint_queued(w.e, w.s[0], 0, BT, 5, KVH_HINT_REQUEST));
+        int64_t st[3];
+        hint_state(&w, 0, st);
+        assert_int_equal(st[0], 1);
+        int64_t queued = st[1]; /* request 5 ranks above priority 1000 */
+        assert_true(queued > 1000 && st[2] == 1000);
+        churn(&w, 3, 600); /* many hint epochs (a horizon is 128 blocks here) */
+        hint_state(&w, 0, st);
+        assert_int_equal(st[0], 1);
+        assert_int_equal(st[1], queued);
+        assert_int_equal(st[2], KVHI_HINT_NONE); /* the lapsing one went */
+        uint64_t step = 0;
+        assert_ok(kvh_hint_advance(w.e, 6, &step));
+        hint_state(&w, 0, st);
+        assert_int_equal(st[0], 0); /* request 5 passed */
+        tu_close(w.e);
+    }
+}
+
+/* Only its own request's read redeems a queue priority: a read by an
+ * earlier request leaves it, as re-hinting would have put it back, so a
+ * caller that hints once on entry keeps it; and re-hinting the same
+ * request over and over files it once. */
+static void test_an_earlier_read_leaves_a_queue_priority_in_place(void **state)
+{
+    (void)state;
+    world w;
+    open_world(&w);
+    assert_ok(kvh_seq_hint_queued(w.e, w.s[0], 0, BT * BLOCKS, 2, KVH_HINT_REQUEST));
+    int64_t before[3], after[3];
+    hint_state(&w, 0, before);
+    assert_int_equal(before[0], 1);
+    churn(&w, 0, 3); /* requests 0 and 1 read sequence 0 too, unannounced */
+    hint_state(&w, 0, after);
+    assert_memory_equal(before, after, sizeof(before));
+    for (int i = 0; i < 1000; i++) {
+        assert_ok(kvh_seq_hint_queued(w.e, w.s[0], 0, BT * BLOCKS, 2, KVH_HINT_REQUEST));
+        churn(&w, 0, 1);
+    }
+    pthread_mutex_lock(&w.e->lock);
+    uint32_t filed = w.e->qhint_count;
+    pthread_mutex_unlock(&w.e->lock);
+    assert_int_equal(filed, BLOCKS); /* one pair per block, not one per hint */
+    uint64_t step = 0;
+    assert_ok(kvh_hint_advance(w.e, 2, &step));
+    churn(&w, 0, 1); /* request 2's read */
+    hint_state(&w, 0, after);
+    assert_int_equal(after[0], 0);
+    tu_close(w.e);
+}
+
 /* Misuse: unknown kinds, out-of-range places and ranges, a freed sequence;
  * none changes the step or any hint. */
 static void test_misuse(void **state)
@@ -192,6 +277,8 @@ int main(void)
         cmocka_unit_test_teardown(test_three_styles_agree, tu_teardown),
         cmocka_unit_test_teardown(test_stale_requests_lose, tu_teardown),
         cmocka_unit_test_teardown(test_hinted_once_redeems_each_use, tu_teardown),
+        cmocka_unit_test_teardown(test_seq_and_queue_hints_on_one_block_keep_their_own_rules, tu_teardown),
+        cmocka_unit_test_teardown(test_an_earlier_read_leaves_a_queue_priority_in_place, tu_teardown),
         cmocka_unit_test_teardown(test_misuse, tu_teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -174,6 +174,30 @@ static void test_unrenewed_hints_lapse(void **state)
         }
 }
 
+/* Block allocations count as accesses for a hint's lapse: a hint given
+ * before thousands of allocations (a long prefill) is gone after them. */
+static void test_hints_lapse_over_allocations(void **state)
+{
+    kvh_engine *e = open_engine(state);
+    kvh_seq s[4];
+    four(e, s);
+    hint(e, s[0], 9);
+    for (int i = 0; i < 3000; i++) {
+        kvh_block b;
+        assert_ok(kvh_block_alloc(e, 0, &b));
+        assert_ok(kvh_block_release(e, b));
+    }
+    /* The allocations took s[1]'s device slot. With the free slot filled,
+     * bringing s[1] back evicts the oldest unhinted block: s[0] once its
+     * hint has lapsed, s[2] while it holds. */
+    assert_int_equal(tier_of(e, s[1]), KVH_TIER_HOST);
+    one_block(e, 400);
+    use(e, s[1]);
+    assert_int_equal(tier_of(e, s[0]), KVH_TIER_HOST);
+    assert_int_equal(tier_of(e, s[2]), KVH_TIER_DEVICE);
+    tu_close(e);
+}
+
 /* INT32_MIN is the lowest priority, and still a priority: as a second
  * one it is kept. */
 static void test_lowest_priority_is_kept_second(void **state)
@@ -344,6 +368,7 @@ int main(void)
         BOTH(test_access_redeems_the_higher),
         BOTH(test_redeemed_block_ranks_by_next_hint),
         BOTH(test_unrenewed_hints_lapse),
+        BOTH(test_hints_lapse_over_allocations),
         BOTH(test_lowest_priority_is_kept_second),
         BOTH(test_one_use_redeems_one_hint),
         BOTH(test_prefetch_displaces_only_a_lower_class),

@@ -941,12 +941,16 @@ typedef enum kvh_hint_place {
  * hinted as kvh_seq_hint does at priority INT32_MAX - (request - base),
  * base the step rounded down to a multiple of 2^30 (when the step enters
  * the next multiple, the queued requests are ranked again against it, so
- * at any step count the sooner request ranks higher), and the same rules
- * hold: a block keeps its two soonest requests, and the first access
- * after a hint redeems the sooner; so does any access once the step has
- * reached that request, hinted again or not (while queue hints are in
- * use, a kvh_seq_hint priority at or above INT32_MAX - (step - base)
- * counts as such a request). Hinting by position
+ * at any step count the sooner request ranks higher). A block keeps its
+ * two soonest requests; an access redeems a request's priority once the
+ * step has reached that request, hinted again or not, and an access
+ * before then (an earlier request reading a shared block, a prefix
+ * match) leaves it in place (while queue hints are in use, a
+ * kvh_seq_hint priority at or above INT32_MAX - (step - base) is
+ * redeemed so too). On one block, priorities from kvh_seq_hint and
+ * kvh_prefetch keep their own rules beside queue priorities: they lapse,
+ * and the first access after their hint redeems the sooner of them.
+ * Hinting by position
  * before every step, by request number, or once when a request enters
  * the queue gives every block the same priority, as long as the caller
  * calls kvh_hint_advance once per request taken; the one difference: a

@@ -666,7 +666,8 @@ impl<'e> Sequence<'e> {
     /// ([`hint_for_request`](Self::hint_for_request)) or once when a
     /// request enters the queue gives the same eviction order when the
     /// step advances once per request taken; a priority lasts until an
-    /// access redeems it or the step passes its request. `Err` with
+    /// access made once the step has reached its request redeems it, or
+    /// the step passes its request (earlier reads leave it). `Err` with
     /// [`Status::Range`](crate::Status::Range) for a position 2^24 or more
     /// ahead or a range outside the sequence.
     pub fn hint_at_position(&self, range: impl RangeBounds<u64>, position: u64) -> Result<()> {
