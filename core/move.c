@@ -79,16 +79,32 @@ static kvh_status trade_contents(kvh_engine *e, uint32_t tier, uint32_t hi_slot,
     if (!bounce)
         return kvhi_fail(KVH_ERR_NOMEM, "out of memory for a bounce buffer");
     uint8_t *hi = kvhi_slot_addr(e, tier, hi_slot), *lo = kvhi_slot_addr(e, lo_tier, lo_slot);
+    size_t lo_bytes = e->tiers[lo_tier].slot_bytes;
     kvhi_unlock_for_copy(e);
+    /* Each step that fails is undone, so that both blocks keep their own
+     * bytes in their own slots: the upper block's are in the bounce
+     * buffer from the first step on, the lower block's in its slot until
+     * the last, then in the upper slot. */
+    bool undone = true;
     int rc = kvhi_block_copy(e, lo_tier, bounce, tier, hi);
-    if (rc == 0)
+    if (rc == 0) {
         rc = kvhi_block_copy(e, tier, hi, lo_tier, lo);
-    if (rc == 0)
-        rc = kvhi_copy_bytes(e, lo_tier, lo, lo_tier, bounce, e->tiers[lo_tier].slot_bytes);
+        if (rc != 0)
+            undone = kvhi_block_copy(e, tier, hi, lo_tier, bounce) == 0;
+        else if ((rc = kvhi_copy_bytes(e, lo_tier, lo, lo_tier, bounce, lo_bytes)) != 0)
+            undone =
+                kvhi_block_copy(e, lo_tier, lo, tier, hi) == 0 && kvhi_block_copy(e, tier, hi, lo_tier, bounce) == 0;
+    }
     kvhi_relock_after_copy(e);
     free(bounce);
-    /* On failure the two slots may hold mixed data: neither block is valid. */
-    return rc == 0 ? KVH_OK : kvhi_fail(KVH_ERR_IO, "copy during a tier swap failed");
+    if (rc == 0)
+        return KVH_OK;
+    if (!undone)
+        kvhi_log_later(e, KVH_LOG_ERROR,
+                       "a tier swap failed and could not be undone: slot %u of tier %u and slot %u "
+                       "of tier %u may hold mixed data",
+                       hi_slot, tier, lo_slot, lo_tier);
+    return kvhi_fail(KVH_ERR_IO, "copy during a tier swap failed%s", undone ? "" : " and could not be undone");
 }
 
 /* Promotion when both tiers are full of referenced blocks: b (in a lower
@@ -106,10 +122,12 @@ static kvh_status swap_up(kvh_engine *e, uint32_t b, uint32_t tier)
     uint32_t v = kvhi_lruk_top_current(heap, kvhi_block_current_key, e);
     if (v == KVHI_HEAP_NONE || v == b || bb->tier == KVH_TIER_DISK)
         return kvhi_fail(KVH_ERR_NOSPACE, "no block in the target tier can make room");
-    /* Trading contents would overwrite b's slot under its reader. */
-    if (e->block_readers[b] && !e->moves_in_place)
-        return kvhi_fail(KVH_ERR_NOSPACE, "no free slot in the target tier for a held block (a swap would "
-                                          "overwrite it while it is read)");
+    /* Trading contents would overwrite b's slot under its reader, or
+     * under the clean disk copy being written from it (the copy would
+     * take the other block's bytes, with a CRC that vouches for them). */
+    if ((e->block_readers[b] || kvhi_block_copying(bb)) && !e->moves_in_place)
+        return kvhi_fail(KVH_ERR_NOSPACE, "no free slot in the target tier for a block being read or copied (a "
+                                          "swap would overwrite it meanwhile)");
     kvhi_block *vb = &e->blocks[v];
     kvhi_clean_drop(e, v); /* v takes b's place below: a kept copy would be a second slot */
     uint32_t lo_tier = bb->tier, lo_slot = bb->slot, hi_slot = vb->slot;
@@ -127,7 +145,12 @@ static kvh_status swap_up(kvh_engine *e, uint32_t b, uint32_t tier)
     kvhi_block_move_event(vb, KVHI_EV_MOVE_END);
     pthread_cond_broadcast(&e->changed);
     if (st != KVH_OK) {
-        kvhi_block_update_evictable(e, v);
+        /* Freed while its bytes were being traded: reaped now, as a move's
+         * end would. */
+        if (vb->flags & KVHI_BF_DEAD)
+            kvhi_block_free_now(e, v);
+        else
+            kvhi_block_update_evictable(e, v);
         return st;
     }
     if (vb->flags & KVHI_BF_PREFETCHED) {

@@ -60,7 +60,10 @@ static void encode_slot_header(const kvhi_disk *d, const kvhi_xfer *x, uint8_t *
     kvhi_slot_header_encode(staged, &m, d->block_bytes);
 }
 
-static void stage_write(kvh_engine *e, kvhi_xfer *x, uint8_t *staged)
+/* Stages x's block for writing: 0, or -EIO when its bytes could not be
+ * copied out of the source tier (the staging slot then holds whatever it
+ * held before, which must not be written under this block's name). */
+static int stage_write(kvh_engine *e, kvhi_xfer *x, uint8_t *staged)
 {
     kvhi_disk *d = e->disk;
     uint8_t *data = staged + KVHI_SLOT_HEADER_BYTES;
@@ -69,10 +72,12 @@ static void stage_write(kvh_engine *e, kvhi_xfer *x, uint8_t *staged)
     if (same_form && (x->src_tier == KVH_TIER_HOST || e->device_host_addressable)) {
         x->data_crc = kvhi_crc32c_copy(0, data, src, d->block_bytes);
     } else {
-        kvhi_block_copy(e, KVH_TIER_DISK, data, x->src_tier, src); /* encodes if needed */
+        if (kvhi_block_copy(e, KVH_TIER_DISK, data, x->src_tier, src) != 0) /* encodes if needed */
+            return -EIO;
         x->data_crc = kvhi_crc32c(0, data, d->block_bytes);
     }
     encode_slot_header(d, x, staged);
+    return 0;
 }
 
 /* True when a block read from disk can land in its destination slot as it
@@ -279,8 +284,9 @@ static void xfer_batch(kvh_engine *e, kvhi_xfer *xs, uint32_t n)
             done += k;
             continue;
         }
+        int staged[64] = {0};
         for (uint32_t i = 0; write && i < k; i++)
-            stage_write(e, &xs[done + i], kvhi_disk_lane_slot(lane, i));
+            staged[i] = stage_write(e, &xs[done + i], kvhi_disk_lane_slot(lane, i));
         read_batch rb = {e, xs + done, lane, {0}};
         if (write)
             kvhi_disk_write_staged(d, lane, k, slots, res);
@@ -290,7 +296,9 @@ static void xfer_batch(kvh_engine *e, kvhi_xfer *xs, uint32_t n)
             if (rb.finished[i])
                 continue;
             kvhi_xfer *x = &xs[done + i];
-            x->err = res[i];
+            /* A block that could not be staged failed, whatever the write
+             * of its slot did: the move is abandoned and the slot freed. */
+            x->err = staged[i] ? staged[i] : res[i];
             if (!write && res[i] == 0)
                 finish_read(e, x, kvhi_disk_lane_slot(lane, i));
         }

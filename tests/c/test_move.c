@@ -40,6 +40,7 @@
 #include "white_box_util.h"
 #include "core/move.h"
 #include "core/block.h"
+#include "core/backend.h"
 
 static const dt_geo G = {2, 1, 32, 16, KVH_DTYPE_F16}; /* block = 4096 bytes */
 
@@ -437,7 +438,7 @@ static void test_swap_when_both_full(void **state)
         rc = kvhi_move_begin(e, host[1], KVH_TIER_DEVICE, &x, false);
         if (copies) {
             assert_int_equal(rc, KVH_ERR_NOSPACE);
-            assert_non_null(strstr(kvh_last_error(), "held block"));
+            assert_non_null(strstr(kvh_last_error(), "being read or copied"));
             assert_int_equal(kvhi_blk(e, host[1])->tier, KVH_TIER_HOST);
             assert_int_equal(kvhi_blk(e, host[1])->slot, slot);
         } else {
@@ -446,9 +447,159 @@ static void test_swap_when_both_full(void **state)
             assert_int_equal(kvhi_blk(e, host[1])->slot, slot);
         }
         kvhi_block_unhold_reading(e, host[1]);
+        /* A clean disk copy being written from the lower block's slot
+         * (a persist, the cleaner): no swap either, or the copy would take
+         * the other block's bytes under this one's name. */
+        kvhi_block_move_event(kvhi_blk(e, host[1]), KVHI_EV_COPY_BEGIN);
+        rc = kvhi_move_begin(e, host[1], KVH_TIER_DEVICE, &x, false);
+        if (copies) {
+            assert_int_equal(rc, KVH_ERR_NOSPACE);
+            assert_non_null(strstr(kvh_last_error(), "being read or copied"));
+            assert_int_equal(kvhi_blk(e, host[1])->tier, KVH_TIER_HOST);
+            assert_int_equal(kvhi_blk(e, host[1])->slot, slot);
+            kvhi_block_move_event(kvhi_blk(e, host[1]), KVHI_EV_COPY_END);
+        } else {
+            assert_int_equal(rc, 1); /* already in the device tier (above) */
+            kvhi_block_move_event(kvhi_blk(e, host[1]), KVHI_EV_COPY_END);
+        }
         wb_unlock(e);
         verify_a(e, s, ct, 4 * G.bt);
         dt_assert_ok(kvh_seq_free(e, s));
+        dt_assert_ok(dt_close(e));
+    }
+}
+
+/* ---- device copies that fail (a CUDA error) ---- */
+
+/* The backend's copies of one kind fail `fail` times after `skip` good
+ * ones, on a device that is no longer host-addressable (as on CUDA, so
+ * moves go through the backend). The first failure may free a sequence
+ * first, with the lock dropped as the copy runs. */
+static const kvhi_backend_ops *real_ops;
+static kvhi_backend_ops failing_ops;
+static struct {
+    int kind, skip, fail;
+    kvh_engine *e;
+    kvh_seq free_on_fail;
+} F = {.kind = -1};
+
+static int failing_copy(void *ctx, void *dst, const void *src, size_t n, enum kvhi_copy_kind kind, char *msg,
+                        size_t msg_len)
+{
+    if ((int)kind == F.kind && F.skip-- <= 0 && F.fail > 0) {
+        F.fail--;
+        if (F.free_on_fail.id) {
+            kvh_seq gone = F.free_on_fail;
+            F.free_on_fail.id = 0;
+            kvh_seq_free(F.e, gone);
+        }
+        snprintf(msg, msg_len, "simulated device copy failure");
+        return -1;
+    }
+    return real_ops->copy(ctx, dst, src, n, kind, msg, msg_len);
+}
+
+static void fail_device_copies(kvh_engine *e, enum kvhi_copy_kind kind, int skip, int fail)
+{
+    F.kind = (int)kind;
+    F.skip = skip;
+    F.fail = fail;
+    F.e = e;
+    real_ops = e->backend;
+    failing_ops = *real_ops;
+    failing_ops.copy = failing_copy;
+    e->backend = &failing_ops;
+    e->device_host_addressable = false;
+}
+
+static void restore_device(kvh_engine *e)
+{
+    e->backend = real_ops;
+    e->device_host_addressable = true;
+    F.kind = -1;
+    F.free_on_fail.id = 0;
+}
+
+/* A device block written to disk is first staged in host memory; when
+ * that copy fails nothing may be written under the block's name (the
+ * staging buffer holds an earlier block's bytes, and a CRC of them would
+ * vouch for them). */
+static void test_a_failed_staging_copy_writes_nothing(void **state)
+{
+    (void)state;
+    char dir[PATH_MAX];
+    dt_scratch("stage-copy-fault", dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 2, 2, 8, 0);
+    c.copy_moves = 1;
+    kvh_engine *e = dt_open_a(&c);
+    kvh_seq s;
+    dt_content ct = dt_plain(5);
+    dt_assert_ok(dt_build(e, G, ct, G.bt, 0, &s));
+    kvh_block b;
+    dt_assert_ok(kvh_seq_blocks(e, s, 0, 1, &b));
+    fail_device_copies(e, KVHI_COPY_DEVICE_TO_HOST, 0, 1);
+    kvh_status st = kvh_migrate(e, &b, 1, KVH_TIER_DISK, NULL);
+    restore_device(e);
+    assert_int_equal(st, KVH_ERR_IO);
+    kvh_block_info info = {.struct_size = sizeof(info)};
+    dt_assert_ok(kvh_block_info_get(e, b, &info));
+    assert_int_equal(info.tier, KVH_TIER_DEVICE);
+    verify_a(e, s, ct, G.bt);
+    dt_assert_ok(kvh_migrate(e, &b, 1, KVH_TIER_DISK, NULL)); /* and it can still go */
+    verify_a(e, s, ct, G.bt);
+    dt_assert_ok(kvh_seq_free(e, s));
+    dt_assert_ok(dt_close(e));
+}
+
+/* A tier swap whose copies fail is undone: both blocks keep their bytes;
+ * and a block freed while the swap's copies ran is reaped, its slot free
+ * again. */
+static void test_a_failed_swap_is_undone_and_reaps_a_freed_victim(void **state)
+{
+    (void)state;
+    for (int step = 0; step < 3; step++) {
+        kvh_config c = dt_cfg(G, NULL, 1, 1, 0, 0);
+        c.copy_moves = 1;
+        kvh_engine *e = dt_open_a(&c);
+        /* `down` is made first and pushed to the host tier by `up`, which
+         * takes the device slot; at step 2 `up` is a partial block (never
+         * published: freeing its sequence frees it). */
+        kvh_seq up, down;
+        dt_content cu = dt_plain(6), cd = dt_plain(7);
+        size_t up_tokens = step == 2 ? G.bt / 2 : G.bt;
+        dt_assert_ok(dt_build(e, G, cd, G.bt, 0, &down));
+        dt_assert_ok(dt_build(e, G, cu, up_tokens, 0, &up));
+        kvh_block hb;
+        dt_assert_ok(kvh_seq_blocks(e, down, 0, 1, &hb));
+        kvh_block_info info = {.struct_size = sizeof(info)};
+        dt_assert_ok(kvh_block_info_get(e, hb, &info));
+        assert_int_equal(info.tier, KVH_TIER_HOST);
+        /* Bringing `down` up swaps it with `up`: the upper block is copied
+         * to a bounce buffer (device to host), the lower one up (host to
+         * device), then the bounce down (host to host). Step 0: the first
+         * copy fails; 1: the second (undone from the bounce buffer); 2:
+         * the first, with `up` freed while it runs. */
+        if (step == 1)
+            fail_device_copies(e, KVHI_COPY_HOST_TO_DEVICE, 0, 1);
+        else
+            fail_device_copies(e, KVHI_COPY_DEVICE_TO_HOST, 0, 1);
+        if (step == 2)
+            F.free_on_fail = up;
+        kvh_status st = kvh_migrate(e, &hb, 1, KVH_TIER_DEVICE, NULL);
+        restore_device(e);
+        assert_int_equal(st, KVH_ERR_IO);
+        verify_a(e, down, cd, G.bt);
+        if (step < 2) {
+            verify_a(e, up, cu, up_tokens);
+            dt_assert_ok(kvh_seq_free(e, up));
+        }
+        dt_assert_ok(kvh_seq_free(e, down));
+        /* Both slots can be taken again (a freed block's slot was lost). */
+        kvh_block a1, a2;
+        dt_assert_ok(kvh_block_alloc(e, 0, &a1));
+        dt_assert_ok(kvh_block_alloc(e, 0, &a2));
+        dt_assert_ok(kvh_block_release(e, a1));
+        dt_assert_ok(kvh_block_release(e, a2));
         dt_assert_ok(dt_close(e));
     }
 }
@@ -666,6 +817,8 @@ int main(void)
         cmocka_unit_test_teardown(test_counters_of_each_leg, teardown),
         cmocka_unit_test_teardown(test_demotion_to_clean_copy, teardown),
         cmocka_unit_test_teardown(test_swap_when_both_full, teardown),
+        cmocka_unit_test_teardown(test_a_failed_staging_copy_writes_nothing, teardown),
+        cmocka_unit_test_teardown(test_a_failed_swap_is_undone_and_reaps_a_freed_victim, teardown),
         cmocka_unit_test_teardown(test_read_block_keeps_its_source, teardown),
         cmocka_unit_test_teardown(test_failed_read_marks_corrupt, teardown),
     };

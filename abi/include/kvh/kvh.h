@@ -769,8 +769,11 @@ KVH_API kvh_status kvh_seq_acquire(kvh_engine *engine, kvh_seq seq, uint64_t fir
 KVH_API kvh_status kvh_seq_release(kvh_engine *engine, kvh_seq seq, uint64_t first, uint64_t n);
 
 /* Pins (pinned != 0) or unpins the blocks holding tokens [first, first+n)
- * in the tier where they are: pinned blocks never leave their tier. Pins
- * nest. A pin taken through a sequence is the sequence's: unpinning
+ * in the tier where they are: eviction, kvh_migrate, prefetches and
+ * kvh_seq_acquire (KVH_ERR_BUSY) never move a pinned block. A block pinned
+ * in the disk tier that a call must read or change in memory (read_kv,
+ * write_kv, a copy on write, a persist, a pool restore) is still brought
+ * up, and its pins go with it. Pins nest. A pin taken through a sequence is the sequence's: unpinning
  * drops only its own pins, and truncate and kvh_seq_free drop the pins
  * of the blocks the sequence gives up. A block it copies on write keeps
  * them on the copy; a fork starts without pins. Returns
