@@ -287,6 +287,16 @@ static bool batchable(kvh_engine *e, const kvhi_job *j)
     return blk->tier == KVH_TIER_DISK;
 }
 
+/* A job that will not run: a prefetch's block may be prefetched again,
+ * and its fence learns why. */
+static void job_abandon(kvh_engine *e, const kvhi_job *j, kvh_status st)
+{
+    kvhi_block *blk = &e->blocks[j->block];
+    if (j->kind == KVHI_JOB_PREFETCH && blk->gen == j->block_gen && (blk->flags & KVHI_BF_LIVE))
+        blk->flags &= (uint16_t)~KVHI_BF_PREFETCHING;
+    kvhi_fence_done(e, j->fence, st);
+}
+
 /* Runs `first` and the compatible jobs queued behind it as one batch:
  * slots are reserved and marked under the lock, the I/O runs without it
  * as a few large transfers, then each move is committed. */
@@ -309,7 +319,7 @@ static void run_batch(kvh_engine *e, kvhi_job first)
     }
     if (!xs) {
         for (uint32_t i = 0; i < n; i++)
-            kvhi_fence_done(e, jobs[i].fence, kvhi_fail(KVH_ERR_NOMEM, "out of memory for a batch"));
+            job_abandon(e, &jobs[i], kvhi_fail(KVH_ERR_NOMEM, "out of memory for a batch"));
         return;
     }
     uint32_t k = 0, idx[MAX];
@@ -318,7 +328,7 @@ static void run_batch(kvh_engine *e, kvhi_job first)
          * longer batchable (its block started moving elsewhere) goes back. */
         if (i > 0 && !batchable(e, &jobs[i])) {
             if (job_push(e, jobs[i]) != KVH_OK)
-                kvhi_fence_done(e, jobs[i].fence, KVH_ERR_NOMEM);
+                job_abandon(e, &jobs[i], KVH_ERR_NOMEM);
             continue;
         }
         if (prefetch_declined(e, &jobs[i])) {
@@ -556,11 +566,12 @@ void kvhi_workers_stop(kvh_engine *e)
     kvhi_pool_work_cancel_all(e);
     while (e->n_jobs) {
         kvhi_job j = job_pop(e);
-        if (j.kind == KVHI_JOB_PREFETCH && (e->blocks[j.block].flags & KVHI_BF_LIVE))
-            e->blocks[j.block].flags &= (uint16_t)~KVHI_BF_PREFETCHING;
-        kvhi_fence_done(e, j.fence, KVH_ERR_CLOSED);
+        job_abandon(e, &j, KVH_ERR_CLOSED);
     }
     pthread_cond_broadcast(&e->work_ready);
+    /* A worker waiting for a queued move to make room (its wait is timed,
+     * seconds) finds the queue empty now, instead of at its deadline. */
+    pthread_cond_broadcast(&e->changed);
     pthread_mutex_unlock(&e->lock);
     for (uint32_t i = 0; i < e->n_workers; i++)
         pthread_join(e->workers[i], NULL);
