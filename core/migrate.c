@@ -221,6 +221,8 @@ static bool prefetch_declined(kvh_engine *e, const kvhi_job *j)
     return true;
 }
 
+static bool is_worker(const kvh_engine *e);
+
 bool kvhi_block_wait_movable(kvh_engine *e, uint32_t b, uint32_t gen, uint32_t tier)
 {
     kvhi_block *blk = &e->blocks[b];
@@ -238,7 +240,16 @@ bool kvhi_block_wait_movable(kvh_engine *e, uint32_t b, uint32_t gen, uint32_t t
             pthread_cond_wait(&e->changed, &e->lock); /* work_end wakes it */
             continue;
         }
+        /* The block's own move may be waiting for a queued move to make
+         * room, which this worker will not run while it waits here: it
+         * counts as waiting for room, so that thread runs the move itself
+         * (kvhi_wait_queued_moves_out) instead of waiting seconds for it. */
+        bool worker = is_worker(e);
+        e->workers_waiting_room += worker;
+        if (worker)
+            pthread_cond_broadcast(&e->changed);
         kvhi_block_wait_idle(e, b);
+        e->workers_waiting_room -= worker;
     }
 }
 

@@ -249,9 +249,9 @@ kvh_status kvhi_seq_append(kvh_engine *e, kvhi_seq *s, const int32_t *tokens, si
     kvh_status st = ensure_cap(s, (uint64_t)s->n_blocks + need);
     if (st != KVH_OK)
         return st;
-    if (room && (st = make_private(e, s, s->n_blocks - 1)) != KVH_OK)
-        return st;
-    /* Allocate everything first so a failure leaves the sequence as it was. */
+    /* Allocate everything first, then make the last block private (a copy
+     * when it is shared), so that a failure of either leaves the sequence
+     * as it was: the copy, which replaces the block, comes last. */
     uint32_t first_new = s->n_blocks;
     for (uint64_t i = 0; i < need; i++) {
         uint32_t b;
@@ -264,6 +264,11 @@ kvh_status kvhi_seq_append(kvh_engine *e, kvhi_seq *s, const int32_t *tokens, si
         s->blocks[first_new + i] = b;
         s->held[first_new + i] = 0;
         s->pins[first_new + i] = 0;
+    }
+    if (room && (st = make_private(e, s, s->n_blocks - 1)) != KVH_OK) {
+        for (uint32_t j = first_new; j < first_new + need; j++)
+            kvhi_block_unref(e, s->blocks[j]);
+        return st;
     }
     uint32_t li = room ? s->n_blocks - 1 : s->n_blocks;
     s->n_blocks += (uint32_t)need;

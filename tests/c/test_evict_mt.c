@@ -104,6 +104,67 @@ static void test_lone_worker_runs_queued_moves_out(void **state)
     lone_worker_case(LONE_DEMOTION);
 }
 
+static double seconds_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* A caller reading a block up from a nearly full disk, while the lone
+ * worker has a queued move of that same block: the worker waits for the
+ * block, the caller's move waits for a queued move out of the disk. The
+ * caller runs that move itself instead of waiting seconds for a worker
+ * that is waiting for it (reads took 5-10 s each). Public API only. */
+static void test_a_read_does_not_wait_for_a_worker_waiting_for_it(void **state)
+{
+    (void)state;
+    const dt_geo g = {1, 1, 2, 4, KVH_DTYPE_F32};
+    char dir[PATH_MAX];
+    dt_scratch("read-vs-worker", dir, sizeof(dir));
+    kvh_config c = dt_cfg(g, dir, 1, 2, 6, 1);
+    kvh_engine *e = dt_open_a(&c);
+    const uint32_t ntok = (1 + 2 + 6 - 1) * g.bt; /* one disk slot left free */
+    int32_t tok[64];
+    for (uint32_t i = 0; i < ntok; i++)
+        tok[i] = (int32_t)i;
+    float k[128], v[128];
+    for (int i = 0; i < 128; i++)
+        k[i] = (float)i, v[i] = (float)-i;
+    kvh_seq s;
+    dt_assert_ok(kvh_seq_create(e, 0, &s));
+    dt_assert_ok(kvh_seq_append(e, s, tok, ntok));
+    for (uint32_t t = 0; t < ntok; t += g.bt)
+        dt_assert_ok(kvh_seq_write_kv(e, s, 0, t, g.bt, k + 2 * t, v + 2 * t));
+    uint64_t r = 5;
+    double worst = 0, end = seconds_now() + 2.0;
+    int reads = 0;
+    while (seconds_now() < end) {
+        r = r * 6364136223846793005ull + 1;
+        uint64_t first = (r >> 33) % (ntok / g.bt) * g.bt;
+        kvh_fence f;
+        kvh_status ms = kvh_seq_migrate(e, s, first, 2 * g.bt <= ntok - first ? 2 * g.bt : g.bt,
+                                        (r >> 20) % 2 ? KVH_TIER_DEVICE : KVH_TIER_HOST, &f);
+        uint64_t pos = (r >> 40) % ntok;
+        float rk[2], rv[2];
+        double t0 = seconds_now();
+        dt_assert_ok(kvh_seq_read_kv(e, s, 0, pos, 1, rk, rv));
+        double took = seconds_now() - t0;
+        worst = took > worst ? took : worst;
+        assert_true(rk[0] == k[2 * pos] && rv[1] == v[2 * pos + 1]);
+        reads++;
+        if (ms == KVH_OK) { /* a move may find no room: its status is not the point */
+            (void)kvh_fence_wait(e, f, UINT64_MAX);
+            dt_assert_ok(kvh_fence_free(e, f));
+        }
+    }
+    print_message("%d reads, the slowest %.3f s\n", reads, worst);
+    assert_true(reads > 100);
+    assert_true(worst < 3.0); /* a wait for the worker lasted 5 s */
+    dt_assert_ok(kvh_seq_free(e, s));
+    dt_assert_ok(dt_close(e));
+}
+
 static int teardown(void **state)
 {
     wb_release_held_lock();
@@ -114,6 +175,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_lone_worker_runs_queued_moves_out, teardown),
+        cmocka_unit_test_teardown(test_a_read_does_not_wait_for_a_worker_waiting_for_it, teardown),
     };
     return cmocka_run_group_tests_name("evict_mt", tests, NULL, NULL);
 }

@@ -405,6 +405,37 @@ static void test_fork_cow(void **state)
 
 /* A published block is immutable: writing into it, even when only one
  * sequence uses it, copies it, and the cached version stays as it was. */
+/* An append that fails for want of room leaves the sequence as it was,
+ * also where its last block is shared and would have been copied: the
+ * same block, still shared, and no slot taken. */
+static void test_failed_append_keeps_a_shared_last_block(void **state)
+{
+    (void)state;
+    kvh_engine *e = tu_open(1, 1, 2, 4, KVH_DTYPE_F32, 4, 0, 0); /* 4 device blocks, nothing else */
+    int32_t tok[16];
+    tu_iota(tok, 16, 0);
+    kvh_seq a = tu_seq_new(e, 0), b, filler = tu_seq_new(e, 0);
+    assert_ok(kvh_seq_append(e, a, tok, 2));
+    assert_ok(kvh_seq_fork(e, a, 0, &b)); /* its partial block shared */
+    assert_ok(kvh_seq_append(e, filler, tok + 8, 8));
+    kvh_block before, after;
+    assert_ok(kvh_seq_blocks(e, a, 0, 1, &before));
+    uint64_t used = tu_tier(e, KVH_TIER_DEVICE).used_blocks;
+    assert_int_equal(used, 3);
+    /* Needs a copy of the shared block and one new block: one slot free. */
+    assert_kvh(KVH_ERR_NOSPACE, kvh_seq_append(e, a, tok + 2, 6));
+    assert_ok(kvh_seq_blocks(e, a, 0, 1, &after));
+    assert_int_equal(after.id, before.id);
+    assert_int_equal(tu_seq_binfo(e, a, 0).refs, 2);
+    assert_int_equal(tu_tier(e, KVH_TIER_DEVICE).used_blocks, used);
+    uint64_t len = 0;
+    assert_ok(kvh_seq_length(e, a, &len));
+    assert_int_equal(len, 2);
+    assert_ok(kvh_seq_append(e, a, tok + 2, 2)); /* what fits still goes */
+    assert_int_equal(tu_seq_binfo(e, a, 0).refs, 1);
+    assert_ok(kvh_seq_free(e, b));
+}
+
 static void test_write_into_published_block_copies(void **state)
 {
     (void)state;
@@ -746,6 +777,7 @@ int main(void)
         cmocka_unit_test_teardown(test_match_prefix_sharing, tu_teardown),
         cmocka_unit_test_teardown(test_prefix_hash_salt, tu_teardown),
         cmocka_unit_test_teardown(test_block_table, tu_teardown),
+        cmocka_unit_test_teardown(test_failed_append_keeps_a_shared_last_block, tu_teardown),
         cmocka_unit_test_teardown(test_tokens_and_blocks, tu_teardown),
         cmocka_unit_test_teardown(test_long_sequence, tu_teardown),
         cmocka_unit_test_teardown(test_block_table_past_2mib, tu_teardown),
