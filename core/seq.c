@@ -664,7 +664,9 @@ kvh_status kvhi_seq_match_prefix(kvh_engine *e, kvhi_seq *s, const int32_t *toke
         return kvhi_fail(KVH_ERR_INVALID_ARG, "match_prefix needs an empty sequence (length %llu)",
                          (unsigned long long)s->n_tokens);
     uint32_t bt = e->cfg.block_tokens;
-    size_t nb = n / bt;
+    /* No match is longer than the engine has blocks: a longer prompt gets
+     * a table that size, not one for every block it names. */
+    size_t nb = n / bt < e->block_cap ? n / bt : e->block_cap;
     kvh_status st = ensure_cap(s, nb);
     if (st != KVH_OK)
         return st;

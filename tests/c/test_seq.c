@@ -436,6 +436,28 @@ static void test_failed_append_keeps_a_shared_last_block(void **state)
     assert_ok(kvh_seq_free(e, b));
 }
 
+/* A prompt longer than the engine has blocks is matched as far as the
+ * cache goes, with no error and no table sized for the whole prompt (the
+ * match stops at the first miss, so only the tokens it compares are read). */
+static void test_match_of_a_prompt_longer_than_the_engine(void **state)
+{
+    (void)state;
+    kvh_engine *e = tu_open(1, 1, 2, 4, KVH_DTYPE_F32, 8, 0, 0);
+    int32_t tok[16];
+    tu_iota(tok, 16, 0);
+    kvh_seq a = tu_seq_new(e, 0), b = tu_seq_new(e, 0);
+    assert_ok(kvh_seq_append(e, a, tok, 8));
+    tu_write_pattern(e, a, 1, 2 * sizeof(float), 1, 0, 8); /* two published blocks */
+    size_t matched = 99;
+    assert_ok(kvh_seq_match_prefix(e, b, tok, (size_t)1 << 40, &matched));
+    assert_int_equal(matched, 8);
+    kvh_seq c = tu_seq_new(e, 0);
+    int32_t other[16];
+    tu_iota(other, 16, 1000);
+    assert_ok(kvh_seq_match_prefix(e, c, other, SIZE_MAX, &matched));
+    assert_int_equal(matched, 0);
+}
+
 static void test_write_into_published_block_copies(void **state)
 {
     (void)state;
@@ -778,6 +800,7 @@ int main(void)
         cmocka_unit_test_teardown(test_prefix_hash_salt, tu_teardown),
         cmocka_unit_test_teardown(test_block_table, tu_teardown),
         cmocka_unit_test_teardown(test_failed_append_keeps_a_shared_last_block, tu_teardown),
+        cmocka_unit_test_teardown(test_match_of_a_prompt_longer_than_the_engine, tu_teardown),
         cmocka_unit_test_teardown(test_tokens_and_blocks, tu_teardown),
         cmocka_unit_test_teardown(test_long_sequence, tu_teardown),
         cmocka_unit_test_teardown(test_block_table_past_2mib, tu_teardown),
