@@ -639,7 +639,9 @@ KVH_API kvh_status kvh_seq_create(kvh_engine *engine, uint32_t agent, kvh_seq *s
 
 /* Releases the sequence's blocks (cached full blocks stay in the prefix
  * index until evicted). The null handle is accepted; a freed one is
- * KVH_ERR_BAD_HANDLE. No other status. @threads handle */
+ * KVH_ERR_BAD_HANDLE, and a call overlapping another on the same
+ * sequence KVH_ERR_BUSY (see @threads handle). No other status.
+ * @threads handle */
 KVH_API kvh_status kvh_seq_free(kvh_engine *engine, kvh_seq seq);
 
 /* Copy-on-write fork: the new sequence shares every block of seq; the
