@@ -664,6 +664,8 @@ kvh_status kvhi_seq_match_prefix(kvh_engine *e, kvhi_seq *s, const int32_t *toke
         return kvhi_fail(KVH_ERR_INVALID_ARG, "match_prefix needs an empty sequence (length %llu)",
                          (unsigned long long)s->n_tokens);
     uint32_t bt = e->cfg.block_tokens;
+    if (n / bt > UINT32_MAX / 2)
+        return kvhi_fail(KVH_ERR_RANGE, "%zu tokens are more than a sequence can hold", n);
     /* No match is longer than the engine has blocks: a longer prompt gets
      * a table that size, not one for every block it names. */
     size_t nb = n / bt < e->block_cap ? n / bt : e->block_cap;

@@ -438,7 +438,8 @@ static void test_failed_append_keeps_a_shared_last_block(void **state)
 
 /* A prompt longer than the engine has blocks is matched as far as the
  * cache goes, with no error and no table sized for the whole prompt (the
- * match stops at the first miss, so only the tokens it compares are read). */
+ * match stops at the first miss, so only the tokens it compares are read);
+ * one longer than any sequence can be is refused. */
 static void test_match_of_a_prompt_longer_than_the_engine(void **state)
 {
     (void)state;
@@ -449,13 +450,15 @@ static void test_match_of_a_prompt_longer_than_the_engine(void **state)
     assert_ok(kvh_seq_append(e, a, tok, 8));
     tu_write_pattern(e, a, 1, 2 * sizeof(float), 1, 0, 8); /* two published blocks */
     size_t matched = 99;
-    assert_ok(kvh_seq_match_prefix(e, b, tok, (size_t)1 << 40, &matched));
+    assert_ok(kvh_seq_match_prefix(e, b, tok, (size_t)1 << 30, &matched));
     assert_int_equal(matched, 8);
     kvh_seq c = tu_seq_new(e, 0);
     int32_t other[16];
     tu_iota(other, 16, 1000);
-    assert_ok(kvh_seq_match_prefix(e, c, other, SIZE_MAX, &matched));
+    assert_ok(kvh_seq_match_prefix(e, c, other, (size_t)1 << 30, &matched));
     assert_int_equal(matched, 0);
+    /* More tokens than any sequence can hold: refused, nothing read. */
+    assert_kvh(KVH_ERR_RANGE, kvh_seq_match_prefix(e, c, other, SIZE_MAX, &matched));
 }
 
 static void test_write_into_published_block_copies(void **state)

@@ -741,8 +741,11 @@ KVH_API kvh_status kvh_seq_truncate(kvh_engine *engine, kvh_seq seq, uint64_t n_
  * scopes") and appends those tokens. [borrowed] tokens;
  * [out] *matched_tokens (a multiple of block_tokens, possibly 0).
  * KVH_ERR_INVALID_ARG when the sequence is not empty (or NULL tokens with
- * n > 0, NULL matched_tokens); KVH_ERR_BAD_HANDLE, KVH_ERR_NOMEM. A block
- * on disk that fails its checksum ends the match there (no error). With a
+ * n > 0, NULL matched_tokens); KVH_ERR_RANGE when n is more tokens than a
+ * sequence can hold (2^31 blocks); KVH_ERR_BAD_HANDLE, KVH_ERR_NOMEM. A
+ * prompt longer than the engine's blocks is matched as far as the cache
+ * goes. A block on disk that fails its checksum ends the match there (no
+ * error). With a
  * remote tier, a match that runs out of local blocks continues there:
  * each value found is verified (checksums, geometry, hash, parent,
  * tokens), copied into a local tier and published like a block read from
