@@ -89,12 +89,16 @@ def _missing_tool(name: str) -> int:
     return EXIT_UNAVAILABLE
 
 
+def _not_a_directory(p: Path) -> str:
+    return f"{p}: not a directory" if p.exists() else f"{p}: no such directory"
+
+
 def cmd_store(args: argparse.Namespace) -> int:
     tool = _store_tool()
     if not tool:
         return _missing_tool("kvh-store")
     if not Path(args.dir).is_dir():
-        _err(f"{args.dir}: no such directory")
+        _err(_not_a_directory(Path(args.dir)))
         return EXIT_FAIL
     cmd = [tool, args.action, str(args.dir)] + (["--json"] if args.json else [])
     rc = subprocess.call(cmd)
@@ -161,7 +165,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
     d = Path(args.dir)
     if not d.is_dir():
-        _err(f"{d}: no such directory")
+        _err(_not_a_directory(d))
         return EXIT_FAIL
     if not (d / "index").exists():
         _err(f"{d} is not a kvh store (no index file)")
@@ -190,8 +194,19 @@ def cmd_stats(args: argparse.Namespace) -> int:
         ):
             if geometry[ours] is None:
                 geometry[ours] = info[theirs]
-    slabs = sorted(d.glob("slab-*.kvh"))
-    disk_bytes = args.disk_bytes or sum(p.stat().st_size for p in slabs) or (1 << 30)
+    # A store's size is its slab files': opening it at another size would
+    # grow them (preallocated, possibly filling the disk) or drop blocks.
+    slab_bytes = sum(p.stat().st_size for p in sorted(d.glob("slab-*.kvh")))
+    if not slab_bytes:
+        _err(f"{d} has no slab files: kvh stats would create a store there, not read one")
+        return EXIT_FAIL
+    if args.disk_bytes is not None and args.disk_bytes != slab_bytes:
+        _err(
+            f"kvh stats reads a store as it is and never resizes it: {d} holds {slab_bytes} bytes of slab files; "
+            f"leave --disk-bytes out or give {slab_bytes}"
+        )
+        return EXIT_USAGE
+    disk_bytes = slab_bytes
     try:
         from .config import load
 
@@ -444,6 +459,18 @@ def plain_text(text: str) -> str:
     return text
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, but --help and --version text that cannot be
+    written (a full disk) raises instead of passing for printed: argparse
+    drops the error and exits 0."""
+
+    def _print_message(self, message: str, file: Any = None) -> None:
+        if message:
+            out = file if file is not None else sys.stderr
+            out.write(message)
+            out.flush()
+
+
 class _Formatter(argparse.RawDescriptionHelpFormatter):
     """Descriptions as written (docstrings keep their layout) and every
     help text, in plain text."""
@@ -501,7 +528,7 @@ def build_parser() -> argparse.ArgumentParser:
     from . import doctor
     from .demo import agents, synthetic
 
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="kvh", description=__doc__.split("\n\n")[0] + "\n\n" + __doc__.split("\n\n")[1], formatter_class=_Formatter
     )
     p.add_argument("--version", action="version", version=_version())
@@ -561,7 +588,10 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument(flag, type=typ, default=None, help="store geometry (default: read with kvh-store)")
     sp.add_argument("--dtype", choices=["f32", "f16", "bf16"], default=None, help="store dtype")
     sp.add_argument(
-        "--disk-bytes", type=_positive_int, default=None, help="disk tier bytes (default: the slab files' size)"
+        "--disk-bytes",
+        type=_positive_int,
+        default=None,
+        help="the store's size in bytes, checked against its slab files (it is never resized)",
     )
     sp.set_defaults(func=cmd_stats)
 
@@ -645,7 +675,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if command == "bench" and "--" in argv:  # everything after -- goes to kvh-bench
         cut = argv.index("--")
         argv, extra = argv[:cut], argv[cut + 1 :]
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except BrokenPipeError:  # a reader that stopped early (| head): no noise
+        try:
+            sys.stdout = open(os.devnull, "w")
+        except OSError:
+            pass
+        return EXIT_FAIL
+    except OSError as err:  # --help or --version text that could not be written
+        _err(f"write error on standard output: {err.strerror or err}")
+        return EXIT_FAIL
     if extra and getattr(args, "command", None) != "bench":
         parser.error("arguments after -- are only for `kvh bench`")
     args.extra = extra

@@ -563,6 +563,11 @@ def main_doctor(args) -> int:
         resolved = resolve(file=args.config)
         config_error = None
     except (ValueError, OSError) as exc:
+        if args.config:
+            # A file named on the command line that cannot be read or
+            # parsed is the caller's mistake, not a finding.
+            print(f"kvh: --config {args.config}: {exc}", file=sys.stderr)
+            return 2
         resolved, config_error = None, str(exc)
     except Exception as exc:  # kvh.Error: a bad KVH_* variable
         resolved, config_error = None, getattr(exc, "message", None) or str(exc)

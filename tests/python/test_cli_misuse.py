@@ -172,7 +172,7 @@ def test_bench_help_has_no_null_default(mode):
         (["stats", "{store}", "--dtype", "f64"], 2, "--dtype"),
         (["stats", "{store}", "--model-salt", "zz"], 2, "--model-salt"),
         (["stats", "{store}", "--layers", "-1"], 2, "--layers"),
-        (["stats", "{store}", "--disk-bytes", "99999999999999999999999"], 2, "disk_bytes"),
+        (["stats", "{store}", "--disk-bytes", "99999999999999999999999"], 2, "never resizes it"),
         (["doctor", "--host-budget", "-1"], 2, "--host-budget"),
         (["doctor", "--disk-budget", "nan"], 2, "--disk-budget"),
         (["demo", "--synthetic", "--device-budget", "inf"], 2, "--device-budget"),
@@ -226,9 +226,15 @@ def test_stats_other_geometry_leaves_store_alone(store, capfd):
     before = _tree_digest(store)
     res = run_in_process(["stats", store, "--layers", "8"], capfd)
     assert_one_line_error(res, 1, "different num_layers")
-    res = run_in_process(["stats", store, "--disk-bytes", "1"], capfd)
-    assert_one_line_error(res, 1, "disk_bytes")
+    # Neither a smaller size (dropping blocks) nor a larger one (growing the
+    # slab files, up to filling the disk): the store is read as it is.
+    slab_bytes = sum(p.stat().st_size for p in Path(store).glob("slab-*.kvh"))
+    for size in (1, slab_bytes // 2, slab_bytes + 4096, 1 << 40):
+        res = run_in_process(["stats", store, "--disk-bytes", str(size)], capfd)
+        assert_one_line_error(res, 2, "never resizes it")
     assert _tree_digest(store) == before
+    res = run_in_process(["stats", store, "--disk-bytes", str(slab_bytes)], capfd)
+    assert res.returncode == 0, res.stderr
 
 
 def test_demo_data_dir_is_a_file(tmp_path):
@@ -283,6 +289,11 @@ def test_store_remote_bad_config_file(tmp_path):
     bad.write_text("this is = = not toml\n")
     res = run_kvh("store", "remote", "ping", env_extra={"KVH_CONFIG": str(bad), "KVH_REMOTE_ADDRS": "127.0.0.1:1"})
     assert_one_line_error(res, 2, "not valid TOML")
+
+
+def test_store_remote_ping_counts_the_nodes_named_when_none_answers():
+    res = run_kvh("store", "remote", "ping", env_extra={"KVH_REMOTE_ADDRS": "127.0.0.1:1,127.0.0.1:2"})
+    assert res.returncode == 1 and "0 of 2 node(s) answer" in res.stdout, res.stdout + res.stderr
 
 
 def test_store_remote_bad_variable():
@@ -465,6 +476,12 @@ def test_bench_sigint():
         (["remote", "--mib", "0"], "--mib"),
         (["trace", "--agents", "0"], "--agents"),
         (["trace", "--device-pct", "101"], "--device-pct"),
+        (["trace", "--trace", "/nonexistent/kvh.trace"], "/nonexistent/kvh.trace"),
+        (["alloc", "--parts", ""], "--parts"),
+        (["alloc", "--parts", ",,,"], "--parts"),
+        (["alloc", "--blocks", " -1"], "--blocks"),
+        (["alloc", "--blocks", "99999999999"], "range"),
+        (["disk", "--dir", ""], "--dir"),
     ],
     ids=lambda a: " ".join(a) or "none" if isinstance(a, list) else None,
 )
@@ -481,6 +498,8 @@ def test_bench_bad_paths_and_environment(tmp_path):
     res = run_bench("disk", "--quick", "--dir", blocker, "--total-mb", "4", "--block-bytes", "64K")
     assert res.returncode == 1 and "Not a directory" in res.stderr, res.stderr
     assert blocker.read_text() == "x"
+    res = run_bench("trace", "--quick", "--replay", "0", "--save-traces", blocker)
+    assert res.returncode == 1 and "cannot save" in res.stderr, res.stderr
     res = run_bench("switch", "--quick", "--model", tmp_path / "missing.gguf")
     assert res.returncode == 1 and "missing.gguf" in res.stderr, res.stderr
     res = run_bench("switch", "--quick", "--json", env_extra={"KVH_MODEL": str(tmp_path / "missing.gguf")})
@@ -549,3 +568,31 @@ def test_bench_suffix_overflow():
     # 17179869184G is 2^64: it wrapped to 0 (all CPUs) and ran.
     res = run_bench("vmap", "--quick", "--json", "--contexts", "1024", "--threads", "17179869184G")
     assert res.returncode == 2 and "--threads" in res.stderr, (res.returncode, res.stderr)
+
+
+def test_a_file_given_for_a_store_is_named_as_such(tmp_path, capfd):
+    f = tmp_path / "afile"
+    f.write_text("x")
+    for args in (["stats", f], ["store", "info", f]):
+        res = run_in_process(args, capfd)
+        assert_one_line_error(res, 1, "not a directory")
+    res = run_in_process(["stats", tmp_path / "missing"], capfd)
+    assert_one_line_error(res, 1, "no such directory")
+
+
+def test_doctor_with_a_config_file_it_cannot_read(tmp_path, capfd):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("this is = = not toml")
+    for path in (tmp_path / "missing.toml", bad):
+        res = run_in_process(["doctor", "--config", path], capfd)
+        assert_one_line_error(res, 2, "--config")
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_help_and_version_that_cannot_be_written_fail():
+    env = dict(os.environ, PYTHONPATH=str(REPO / "python"))
+    for args in (["--help"], ["--version"], ["stats", "--help"]):
+        with open("/dev/full", "w") as full:
+            p = subprocess.run([sys.executable, "-m", "kvh_cache", *args], stdout=full, stderr=subprocess.PIPE,
+                               text=True, env=env, timeout=60)  # fmt: skip
+        assert p.returncode == 1 and "write error on standard output" in p.stderr, (args, p.returncode, p.stderr)
