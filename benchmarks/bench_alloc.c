@@ -626,7 +626,10 @@ int bench_alloc(int argc, char **argv, const bench_ctx *ctx)
     int prc = bench_parse(argc, argv, opts, SCEN, usage_text);
     if (prc)
         return bench_parse_rc(prc);
-    if (o.blocks < 2 || o.fork_blocks < 1 || o.head_dim < 1 || o.head_dim > 512 || o.block_tokens < 1 ||
+    /* Upper bounds: block handles index at most 2^31 blocks, and a count
+     * past them would only end in an allocation failure naming bytes. */
+    if (o.blocks < 2 || o.blocks > (1ull << 31) || o.fork_blocks < 1 || o.fork_blocks > (1ull << 31) ||
+        o.head_dim < 1 || o.head_dim > 512 || o.block_tokens < 1 || o.block_tokens > 256 ||
         o.prompt_tokens < o.block_tokens || o.admit_tokens < o.block_tokens || o.pairs < 1 || o.forks < 1 ||
         o.matches < 1 || o.touches < 1) {
         fprintf(stderr, "kvh-bench alloc: option out of range (try --help)\n");
@@ -642,6 +645,10 @@ int bench_alloc(int argc, char **argv, const bench_ctx *ctx)
     if (strcmp(o.parts, "all")) {
         char buf[128];
         snprintf(buf, sizeof(buf), "%s", o.parts);
+        if (!strpbrk(buf, "abcdefghijklmnopqrstuvwxyz")) {
+            fprintf(stderr, "kvh-bench alloc: --parts names no part (pairs,bulk,fork,prefix,touch)\n");
+            return 2;
+        }
         for (char *save = NULL, *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
             size_t k = 0;
             while (k < 5 && strcmp(t, known[k]))

@@ -73,6 +73,7 @@ static int run_main(int argc, char **argv)
         return 0;
     }
     bench_ctx ctx = {.seed = 1};
+    int rc = 0;
     /* Strip the common flags; the rest goes to the scenario. */
     char **rest = calloc((size_t)argc, sizeof(char *));
     int nrest = 0;
@@ -88,7 +89,8 @@ static int run_main(int argc, char **argv)
         else if (!strcmp(argv[i], "--reps") || !strcmp(argv[i], "--seed")) {
             if (i + 1 >= argc) {
                 fprintf(stderr, "kvh-bench: %s needs a value\n", argv[i]);
-                return 2;
+                rc = 2;
+                goto out;
             }
             char *end;
             errno = 0;
@@ -96,7 +98,8 @@ static int run_main(int argc, char **argv)
             if (*end || end == argv[i + 1] || errno || argv[i + 1][strspn(argv[i + 1], " \t")] == '-' ||
                 (!strcmp(argv[i], "--reps") && (v < 1 || v > 1000))) {
                 fprintf(stderr, "kvh-bench: bad value '%s' for %s\n", argv[i + 1], argv[i]);
-                return 2;
+                rc = 2;
+                goto out;
             }
             if (!strcmp(argv[i], "--reps"))
                 ctx.reps = (int)v;
@@ -107,16 +110,17 @@ static int run_main(int argc, char **argv)
             rest[nrest++] = argv[i];
     }
 
-    int rc = 0;
     if (!strcmp(argv[1], "all")) {
         for (int i = 0; i < nrest; i++)
             if (!strcmp(rest[i], "--help") || !strcmp(rest[i], "-h")) {
                 usage(stdout);
-                return 0;
+                rc = BENCH_HELP;
+                goto out;
             }
         if (nrest) {
             fprintf(stderr, "kvh-bench all: scenario flags are not accepted with 'all': '%s'\n", rest[0]);
-            return 2;
+            rc = 2;
+            goto out;
         }
         for (size_t i = 0; i < N_SCENARIOS && rc == 0; i++) {
             int r = scenarios[i].run(0, rest, &ctx);
@@ -131,11 +135,13 @@ static int run_main(int argc, char **argv)
         if (i == N_SCENARIOS) {
             fprintf(stderr, "kvh-bench: unknown scenario '%s'\n\n", argv[1]);
             usage(stderr);
-            return 2;
+            rc = 2;
+            goto out;
         }
         rc = scenarios[i].run(nrest, rest, &ctx);
         bench_flush_table(&ctx, scenarios[i].name);
     }
+out:
     free(rest);
     if (rc == BENCH_HELP)
         return 0;

@@ -54,6 +54,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <errno.h>
+#include <stdbool.h>
 #include "bench_scenarios.h"
 #include "policy_sim.h"
 #include "trace.h"
@@ -285,8 +287,11 @@ static int generated_trace(const bench_ctx *ctx, const trace_opts *o, const trac
     if (o->save_dir && *o->save_dir) {
         char path[4096];
         snprintf(path, sizeof(path), "%s/%s.trace", o->save_dir, f->name);
-        if (trace_save(&t, path) != 0)
-            perror(path);
+        if (trace_save(&t, path) != 0) {
+            fprintf(stderr, "kvh-bench trace: cannot save %s: %s\n", path, strerror(errno));
+            trace_free(&t);
+            return 1;
+        }
     }
     int rc = evaluate(ctx, o, f->name, &t, 1, f->adversarial, 0);
     trace_free(&t);
@@ -375,23 +380,28 @@ int bench_trace(int argc, char **argv, const bench_ctx *ctx)
             fprintf(stderr, "kvh-bench trace: --device-pct values are 1..100\n");
             return 2;
         }
+    /* The recorded trace is read first: a path that is wrong fails at
+     * once, not after every generated family has run. */
+    trace recorded;
+    trace_init(&recorded);
+    bool have_recorded = o.trace_file && *o.trace_file;
+    if (have_recorded) {
+        char err[512];
+        if (trace_load(&recorded, o.trace_file, err, sizeof(err)) != 0) {
+            fprintf(stderr, "kvh-bench trace: %s\n", err);
+            trace_free(&recorded);
+            return 2;
+        }
+    }
     int rc = 0;
     for (size_t i = 0; rc == 0 && i < sizeof(families) / sizeof(families[0]); i++)
         rc = generated_trace(ctx, &o, &families[i]);
-    if (rc == 0 && o.trace_file && *o.trace_file) {
-        trace t;
-        trace_init(&t);
-        char err[512];
-        if (trace_load(&t, o.trace_file, err, sizeof(err)) != 0) {
-            fprintf(stderr, "kvh-bench trace: %s\n", err);
-            trace_free(&t);
-            return 2;
-        }
+    if (rc == 0 && have_recorded) {
         const char *base = strrchr(o.trace_file, '/');
         char name[256];
         snprintf(name, sizeof(name), "recorded:%s", base ? base + 1 : o.trace_file);
-        rc = evaluate(ctx, &o, name, &t, 0, 0, 0);
-        trace_free(&t);
+        rc = evaluate(ctx, &o, name, &recorded, 0, 0, 0);
     }
+    trace_free(&recorded);
     return rc;
 }

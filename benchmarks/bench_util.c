@@ -1,5 +1,6 @@
 #include "bench_util.h"
 
+#include <ctype.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <liburing.h>
@@ -348,9 +349,12 @@ void bench_info(const bench_ctx *ctx, const char *fmt, ...)
 static int parse_u64(const char *s, uint64_t *out)
 {
     char *end;
+    /* Digits first: strtoull would skip blanks and take " -1" as 2^64 - 1. */
+    if (!isdigit((unsigned char)*s))
+        return -1;
     errno = 0;
     unsigned long long v = strtoull(s, &end, 0);
-    if (errno || end == s || *s == '-')
+    if (errno || end == s)
         return -1;
     int shift = 0;
     switch (*end) {

@@ -961,9 +961,14 @@ void kvhi_cluster_health(kvhi_cluster *c, uint32_t *answering, uint32_t *known)
     uint64_t budget = (uint64_t)c->opts.timeout_ms * 1000000ull;
     refresh_map(c, budget);
     *answering = *known = 0;
+    /* The nodes that own slots; with no map (nothing answered yet), the
+     * seeds the caller named, so that none answering reads "0 of N". */
+    bool mapped = false;
+    for (uint32_t s = 0; s < KVHI_CLUSTER_SLOTS && !mapped; s++)
+        mapped = c->slot_node[s] != NO_NODE;
     for (uint32_t i = 0; i < c->n_nodes; i++) {
-        bool owns = false;
-        for (uint32_t s = 0; s < KVHI_CLUSTER_SLOTS && !owns; s++)
+        bool owns = !mapped && i < c->n_seeds;
+        for (uint32_t s = 0; s < KVHI_CLUSTER_SLOTS && mapped && !owns; s++)
             owns = c->slot_node[s] == i;
         if (!owns)
             continue;
