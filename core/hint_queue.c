@@ -13,8 +13,9 @@
  * keeps are those of core/hints.c; a queue priority is marked as such
  * there, and only an access once the step has reached its request
  * redeems it (an access by an earlier request, a prefix match, leaves
- * it in place, as re-hinting would put it back). Every filed request lies in [step, step + 2^24), so its
- * offset from base stays below 2^30 + 2^24 and the ranks never wrap; when
+ * it in place, as re-hinting would put it back). Every filed request
+ * lies in [step, step + 2^24), so its offset from base stays below
+ * 2^30 + 2^24 and the ranks never wrap; when
  * the step enters the next 2^30 the filed pairs are re-ranked against the
  * new base (all of them, once every 2^30 steps).
  *

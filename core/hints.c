@@ -96,6 +96,14 @@ static hint_pair pair_of(const kvhi_block *blk)
     return h;
 }
 
+/* Which of the two holds priority p: 0, 1, or -1 for neither. */
+static int pair_find(const hint_pair *h, int32_t p)
+{
+    if (p == KVHI_HINT_NONE)
+        return -1;
+    return h->p[0] == p ? 0 : h->p[1] == p ? 1 : -1;
+}
+
 static bool has_lapsing(const hint_pair *h)
 {
     return (h->p[0] != KVHI_HINT_NONE && !h->queue[0]) || (h->p[1] != KVHI_HINT_NONE && !h->queue[1]);
@@ -219,10 +227,10 @@ void kvhi_hints_advance(kvh_engine *e)
 }
 
 /* Sets priority among b's two, as a lapsing priority or a queue one.
- * Returns whether it is now held as a queue priority and was not before
- * (the caller files it, core/hint_queue.c); for a lapsing priority,
- * whether it is new among the two. lapses: a record retires it with its
- * epoch unless renewed. */
+ * Returns whether b's priorities changed: for a queue priority, whether
+ * b now holds it as one and did not before (the caller files it,
+ * core/hint_queue.c). lapses: a record retires it with its epoch unless
+ * renewed. */
 static bool hint_apply(kvh_engine *e, uint32_t b, int32_t priority, bool lapses)
 {
     kvhi_hints_advance(e);
@@ -238,16 +246,14 @@ static bool hint_apply(kvh_engine *e, uint32_t b, int32_t priority, bool lapses)
         if (!renewed && !ring_push(e, (kvhi_hint_record){.block = b, .gen = blk->gen, .epoch = e->hint_epoch}))
             return false; /* out of memory: a hint is advice, it can be dropped */
     }
-    bool changed = true, added = true;
-    int at = priority == h.p[0] ? 0 : priority == h.p[1] ? 1 : -1;
+    bool changed = true;
+    int at = pair_find(&h, priority);
     if (at >= 0) {
-        added = false;
         /* The same priority given the other way: a queue priority it is
          * (the step retires it; it no longer lapses). */
         changed = !lapses && !h.queue[at];
         if (changed)
             h.queue[at] = true;
-        added = changed;
     } else if (h.p[0] == KVHI_HINT_NONE || priority > h.p[0]) {
         h.p[1] = h.p[0];
         h.queue[1] = h.queue[0];
@@ -257,14 +263,14 @@ static bool hint_apply(kvh_engine *e, uint32_t b, int32_t priority, bool lapses)
         h.p[1] = priority;
         h.queue[1] = !lapses;
     } else {
-        changed = added = false; /* two sooner ones are kept */
+        changed = false; /* two sooner ones are kept */
     }
     if (lapses)
         blk->hint_epoch =
             (uint8_t)((blk->hint_epoch & ~HINT_EPOCH_MASK) | (e->hint_epoch & HINT_EPOCH_MASK) | HINT_FRESH);
     if (changed)
         pair_store(e, b, &h); /* a higher key, or a lower second: exact either way */
-    return added;
+    return changed;
 }
 
 void kvhi_hint_set(kvh_engine *e, uint32_t b, int32_t priority) { (void)hint_apply(e, b, priority, true); }
@@ -274,9 +280,7 @@ bool kvhi_hint_set_unlapsing(kvh_engine *e, uint32_t b, int32_t priority) { retu
 void kvhi_hint_drop(kvh_engine *e, uint32_t b, int32_t priority)
 {
     hint_pair h = pair_of(kvhi_blk(e, b));
-    int at = h.p[0] != KVHI_HINT_NONE && h.p[0] == priority   ? 0
-             : h.p[1] != KVHI_HINT_NONE && h.p[1] == priority ? 1
-                                                              : -1;
+    int at = pair_find(&h, priority);
     if (at < 0)
         return;
     pair_remove(&h, at);
@@ -286,7 +290,7 @@ void kvhi_hint_drop(kvh_engine *e, uint32_t b, int32_t priority)
 void kvhi_hint_rerank(kvh_engine *e, uint32_t b, int32_t was, int32_t now)
 {
     hint_pair h = pair_of(kvhi_blk(e, b));
-    int at = h.p[0] != KVHI_HINT_NONE && h.p[0] == was ? 0 : h.p[1] != KVHI_HINT_NONE && h.p[1] == was ? 1 : -1;
+    int at = pair_find(&h, was);
     if (at < 0)
         return; /* redeemed, or pushed out by two higher ones */
     h.p[at] = now;
