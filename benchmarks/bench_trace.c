@@ -50,12 +50,12 @@
  * thrashing on the adversarial trace: transfers_per_access <= 2 (on
  * average at most one block in and one out per access; the worst case is
  * 4), for every engine row. */
+#include <errno.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include <errno.h>
-#include <stdbool.h>
 #include "bench_scenarios.h"
 #include "policy_sim.h"
 #include "trace.h"

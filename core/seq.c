@@ -55,11 +55,14 @@ void kvhi_seq_tables_free(kvhi_seq *s)
 
 /* The block table is read at random, one entry per access: long ones get
  * huge pages (kvhi_huge_alloc), hence no realloc. */
+/* The most blocks a sequence's table holds. */
+#define SEQ_MAX_BLOCKS (UINT32_MAX / 2)
+
 static kvh_status ensure_cap(kvhi_seq *s, uint64_t want)
 {
     if (want <= s->cap_blocks)
         return KVH_OK;
-    if (want > UINT32_MAX / 2)
+    if (want > SEQ_MAX_BLOCKS)
         return kvhi_fail(KVH_ERR_RANGE, "sequence too long");
     uint32_t ncap = s->cap_blocks ? s->cap_blocks : 8;
     while (ncap < want)
@@ -664,7 +667,7 @@ kvh_status kvhi_seq_match_prefix(kvh_engine *e, kvhi_seq *s, const int32_t *toke
         return kvhi_fail(KVH_ERR_INVALID_ARG, "match_prefix needs an empty sequence (length %llu)",
                          (unsigned long long)s->n_tokens);
     uint32_t bt = e->cfg.block_tokens;
-    if (n / bt > UINT32_MAX / 2)
+    if (n / bt > SEQ_MAX_BLOCKS)
         return kvhi_fail(KVH_ERR_RANGE, "%zu tokens are more than a sequence can hold", n);
     /* No match is longer than the engine has blocks: a longer prompt gets
      * a table that size, not one for every block it names. */
