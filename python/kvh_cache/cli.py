@@ -663,6 +663,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _reader_gone() -> int:
+    """Standard output's reader went away (| head): exit quietly, with
+    nothing left for the interpreter to flush into the closed pipe."""
+    try:
+        sys.stdout = open(os.devnull, "w")
+    except OSError:
+        pass
+    return EXIT_FAIL
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     if sys.stdout is None:  # started with fd 1 closed: nowhere to put results
         if sys.stderr is not None:
@@ -678,11 +688,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         args = parser.parse_args(argv)
     except BrokenPipeError:  # a reader that stopped early (| head): no noise
-        try:
-            sys.stdout = open(os.devnull, "w")
-        except OSError:
-            pass
-        return EXIT_FAIL
+        return _reader_gone()
     except OSError as err:  # --help or --version text that could not be written
         _err(f"write error on standard output: {err.strerror or err}")
         return EXIT_FAIL
@@ -704,11 +710,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         _err("interrupted")
         return 130
     except BrokenPipeError:
-        try:
-            sys.stdout = open(os.devnull, "w")
-        except OSError:
-            pass
-        return EXIT_FAIL
+        return _reader_gone()
     except ImportError as exc:
         _err(str(exc))
         return EXIT_UNAVAILABLE
