@@ -127,9 +127,11 @@ kvh_status kvh_seq_create_ex(kvh_engine *e, const kvh_seq_params *params, kvh_se
             kvhi_handles_remove(&e->seqs, kvhi_handle_index(h.id));
             kvhi_seq_destroy(e, s);
         }
-        if (bound)
+        if (bound) {
+            /* Not admitted after all: the counter says what callers got. */
+            e->contexts->admission.admitted[pool]--;
             kvhi_admission_reclaim(e); /* sweeps the dead handle */
-        else
+        } else
             kvhi_admission_cancel(e, pool, blocks);
     }
     kvhi_leave(e);

@@ -638,12 +638,86 @@ static void test_alloc_failures(void **state)
     run_isolated(sweep_alloc_failures, "allocation failure");
 }
 
+/* kvh_seq_create_ex failing for want of memory at any allocation:
+ * the admission counters and reservations say exactly what was admitted
+ * (a request whose context attachment failed is neither counted nor
+ * reserved). */
+static void test_admission_alloc_failures(void **state)
+{
+    (void)state;
+    kvh_config c;
+    assert_int_equal(kvh_config_init(&c, sizeof(c)), KVH_OK);
+    c.backend = KVH_BACKEND_CPU;
+    c.migration_threads = 0;
+    c.num_layers = 1;
+    c.num_kv_heads = 1;
+    c.head_dim = 8;
+    c.block_tokens = 16;
+    const uint64_t block_bytes = 2 * 16 * 8 * 2;
+    c.device_bytes = 256 * block_bytes;
+    c.host_bytes = 0;
+    /* Enough live sequences that every table grows on the way. */
+    enum { N_SEQS = 40 };
+    uint64_t failed_total = 0, admitted_total = 0;
+    /* A fresh engine for each n: the n-th allocation of every call
+     * fails, so the tables' first growth meets a failure at each of its
+     * allocations (the sequence, its handle, the admission record, the
+     * context's table). */
+    for (long n = 1; n <= 8; n++) {
+        kvh_engine *e = NULL;
+        assert_int_equal(kvh_engine_open(&c, &e), KVH_OK);
+        kvh_admission_params ap;
+        assert_int_equal(kvh_admission_params_init(&ap, sizeof(ap)), KVH_OK);
+        ap.short_device_bytes = 128 * block_bytes;
+        ap.long_device_bytes = 64 * block_bytes;
+        assert_int_equal(kvh_admission_configure(e, &ap), KVH_OK);
+        kvh_context x;
+        assert_int_equal(kvh_context_create(e, NULL, &x), KVH_OK);
+        kvh_seq_params sp;
+        assert_int_equal(kvh_seq_params_init(&sp, sizeof(sp)), KVH_OK);
+        sp.token_budget = 32;
+        sp.context = x;
+        kvh_seq held[N_SEQS];
+        uint64_t admitted = 0, live = 0;
+        for (int i = 0; i < N_SEQS; i++) {
+            rl_alloc_arm(n, false, true);
+            kvh_status st = kvh_seq_create_ex(e, &sp, &held[i]);
+            long fired = rl_alloc_fired();
+            rl_alloc_disarm();
+            if (st == KVH_OK) {
+                admitted++;
+                live++;
+            } else {
+                assert_int_equal(st, KVH_ERR_NOMEM);
+                assert_true(fired > 0);
+                held[i].id = 0;
+                failed_total++;
+            }
+            kvh_admission_info ai = {.struct_size = sizeof(ai)};
+            assert_int_equal(kvh_admission_info_get(e, &ai), KVH_OK);
+            assert_int_equal(ai.short_admitted, admitted);
+            assert_int_equal(ai.short_reserved_blocks, live * 2);
+        }
+        admitted_total += admitted;
+        for (int i = 0; i < N_SEQS; i++)
+            assert_int_equal(kvh_seq_free(e, held[i]), KVH_OK);
+        kvh_admission_info ai = {.struct_size = sizeof(ai)};
+        assert_int_equal(kvh_admission_info_get(e, &ai), KVH_OK);
+        assert_int_equal(ai.short_reserved_blocks, 0);
+        assert_int_equal(kvh_context_destroy(e, x), KVH_OK);
+        kvh_engine_close(e);
+    }
+    assert_true(failed_total > 0);
+    assert_true(admitted_total > 0);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_io_faults, rl_teardown),
         cmocka_unit_test_teardown(test_short_io, rl_teardown),
         cmocka_unit_test_teardown(test_alloc_failures, rl_teardown),
+        cmocka_unit_test(test_admission_alloc_failures),
     };
     return cmocka_run_group_tests_name("rel_faults", tests, group_setup, group_teardown);
 }
