@@ -311,34 +311,54 @@ kvh_status kvhi_context_add_region(kvh_engine *e, kvhi_context *x, const kvh_wei
 {
     if (x->switching || x->holds)
         return kvhi_fail(KVH_ERR_BUSY, "context '%s' is being switched or used", x->name);
-    if (x->n_regions == x->cap_regions) {
+    /* A file source is checked first (a range past its end is KVH_ERR_IO
+     * whatever its size). Then, before anything is read, charged or
+     * allocated: a region no tier can hold is never placed, and near 2^64
+     * its slot and chunk counts would wrap. */
+    int fd = -1;
+    kvh_status st = p->path ? open_source(p->path, p->file_offset, p->size, &fd) : KVH_OK;
+    uint64_t most = kvhi_weight_bytes_max(e), n_chunks = p->size / x->chunk_bytes + (p->size % x->chunk_bytes != 0);
+    if (st == KVH_OK && p->size > most)
+        st = kvhi_fail(KVH_ERR_NOSPACE, "weight region of %llu bytes is larger than any tier (the largest holds %llu)",
+                       (unsigned long long)p->size, (unsigned long long)most);
+    else if (st == KVH_OK && n_chunks > UINT32_MAX)
+        st = kvhi_fail(KVH_ERR_INVALID_ARG,
+                       "weight region of %llu bytes has more than 2^32 - 1 chunks of %llu bytes (the context's "
+                       "chunk_bytes)",
+                       (unsigned long long)p->size, (unsigned long long)x->chunk_bytes);
+    if (st == KVH_OK && x->n_regions == x->cap_regions) {
         uint32_t cap = x->cap_regions ? x->cap_regions * 2 : 8;
         kvhi_region *nr = realloc(x->regions, sizeof(*nr) * cap);
-        if (!nr)
-            return kvhi_fail(KVH_ERR_NOMEM, "out of memory for regions");
-        x->regions = nr;
-        uint32_t *no = realloc(x->load_order, sizeof(*no) * cap);
-        if (!no)
-            return kvhi_fail(KVH_ERR_NOMEM, "out of memory for regions");
-        x->load_order = no;
-        x->cap_regions = cap;
+        uint32_t *no = nr ? realloc(x->load_order, sizeof(*no) * cap) : NULL;
+        if (nr)
+            x->regions = nr;
+        if (no) {
+            x->load_order = no;
+            x->cap_regions = cap;
+        } else
+            st = kvhi_fail(KVH_ERR_NOMEM, "out of memory for regions");
+    }
+    if (st != KVH_OK) {
+        if (fd >= 0)
+            close(fd);
+        return st;
     }
     kvhi_region r = {.layer = p->layer,
                      .size = p->size,
-                     .fd = -1,
+                     .fd = fd,
                      .file_offset = p->file_offset,
                      .pinned = p->pinned != 0,
                      .tier = KVHI_NO_TIER,
                      .alloc_tier = KVHI_NO_TIER};
     snprintf(r.name, sizeof(r.name), "%s", p->name ? p->name : "");
-    r.n_chunks = (uint32_t)((p->size + x->chunk_bytes - 1) / x->chunk_bytes);
+    r.n_chunks = (uint32_t)n_chunks;
     r.chunk_crc = calloc(r.n_chunks, sizeof(uint32_t));
-    if (!r.chunk_crc)
+    if (!r.chunk_crc) {
+        if (fd >= 0)
+            close(fd);
         return kvhi_fail(KVH_ERR_NOMEM, "out of memory for %u chunk checksums", r.n_chunks);
-    kvh_status st = KVH_OK;
-    if (p->path) {
-        st = open_source(p->path, p->file_offset, p->size, &r.fd);
-    } else {
+    }
+    if (!p->path) {
         r.dirty = true; /* no source: the engine holds the only copy */
         uint32_t i = x->n_regions;
         x->regions[i] = r; /* visible (busy) while the lock drops */

@@ -184,6 +184,9 @@ kvh_status kvhi_charge_add(kvh_engine *e, kvhi_context *x, uint32_t tier, uint64
 /* Takes `bytes` off and gives back the slots no longer needed. */
 void kvhi_charge_sub(kvh_engine *e, kvhi_context *x, uint32_t tier, uint64_t bytes);
 void kvhi_charge_free(kvhi_charge *ch);
+/* The most bytes one weight region can occupy: the largest tier's
+ * (memory tiers by their slots, the disk tier by its blocks). Lock held. */
+uint64_t kvhi_weight_bytes_max(const kvh_engine *e);
 /* Allocates / frees region memory with the allocator of `tier`. Call
  * without the lock (CUDA allocators synchronise the device). */
 uint8_t *kvhi_region_mem_alloc(kvh_engine *e, uint32_t tier, uint64_t bytes);

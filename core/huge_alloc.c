@@ -13,6 +13,8 @@ void *kvhi_map_anon(size_t bytes)
     if (bytes == 0)
         return NULL;
     size_t slack = bytes >= KVHI_HUGE_PAGE_BYTES ? KVHI_HUGE_PAGE_BYTES : 0;
+    if (bytes > SIZE_MAX - slack)
+        return NULL; /* bytes + slack would wrap to a small mapping */
     uint8_t *raw = mmap(NULL, bytes + slack, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (raw == MAP_FAILED)
         return NULL;

@@ -26,7 +26,23 @@
 static uint64_t slots_for(kvh_engine *e, uint32_t tier, uint64_t bytes)
 {
     uint64_t sb = e->tiers[tier].slot_bytes;
-    return (bytes + sb - 1) / sb;
+    return bytes / sb + (bytes % sb != 0); /* (bytes + sb - 1) wraps near 2^64 */
+}
+
+uint64_t kvhi_weight_bytes_max(const kvh_engine *e)
+{
+    uint64_t most = 0;
+    for (uint32_t t = 0; t < KVH_TIER_COUNT; t++) {
+        const kvhi_tier *tier = &e->tiers[t];
+        if (!tier->present)
+            continue;
+        uint64_t per_slot = t == KVH_TIER_DISK ? (e->disk ? e->disk->block_bytes : 0) : tier->slot_bytes;
+        uint64_t cap = tier->slots.capacity;
+        uint64_t bytes = per_slot && cap > UINT64_MAX / per_slot ? UINT64_MAX : cap * per_slot;
+        if (bytes > most)
+            most = bytes;
+    }
+    return most;
 }
 
 /* Withheld slots hold no data: on the CPU backend their whole pages go

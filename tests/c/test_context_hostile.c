@@ -84,6 +84,67 @@ static void test_file_range_that_wraps_is_refused(void **state)
     assert_ok(kvh_context_verify(e, c, NULL));
 }
 
+/* ---- a region larger than any tier ---- */
+
+/* Sizes no tier can hold, up to 2^64 - 1 (with chunks of one byte, whose
+ * count would not fit 32 bits): KVH_ERR_NOSPACE before anything is read
+ * from the (shorter) buffer, charged or allocated; the context and the
+ * tiers are as before, and an honest region still goes in. */
+static void test_region_larger_than_any_tier_is_refused(void **state)
+{
+    kvh_engine *e = tu_open(L, H, D, BT, KVH_DTYPE_F32, 64, 64, threads_of(state));
+    uint64_t block_bytes = 2ull * L * BT * TOK, host_bytes = 64 * block_bytes;
+    static uint8_t buf[4096];
+    const uint64_t sizes[] = {host_bytes + 1, 1ull << 40, UINT64_MAX - 100, UINT64_MAX};
+    for (int chunk_one = 0; chunk_one < 2; chunk_one++) {
+        kvh_context_params cp;
+        assert_ok(kvh_context_params_init(&cp, sizeof(cp)));
+        cp.chunk_bytes = chunk_one ? 1 : 4096;
+        kvh_context c;
+        assert_ok(kvh_context_create(e, &cp, &c));
+        for (size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]); i++) {
+            kvh_weight_region_params rp;
+            assert_ok(kvh_weight_region_params_init(&rp, sizeof(rp)));
+            rp.bytes = buf;
+            rp.size = sizes[i];
+            uint32_t idx = 77;
+            kvh_status st = kvh_context_add_region(e, c, &rp, &idx);
+            if (st != KVH_ERR_NOSPACE)
+                fail_msg("a %" PRIu64 "-byte region (chunks of %" PRIu64 "): %s", sizes[i], cp.chunk_bytes,
+                         kvh_status_name(st));
+            assert_true(strlen(kvh_last_error()) > 0);
+            assert_int_equal(idx, 77);
+            kvh_context_info ci = ct_context_info(e, c);
+            assert_int_equal(ci.regions, 0);
+            assert_int_equal(ci.weight_bytes, 0);
+            assert_int_equal(ci.bytes_host, 0);
+            kvh_weight_stats ws = ct_weight_stats(e);
+            assert_int_equal(ws.bytes_host, 0);
+            assert_int_equal(ws.slots_host, 0);
+            assert_int_equal(ws.slots_device, 0);
+        }
+        kvh_weight_region_params rp;
+        assert_ok(kvh_weight_region_params_init(&rp, sizeof(rp)));
+        rp.bytes = buf;
+        rp.size = sizeof(buf);
+        uint32_t idx = 77;
+        assert_ok(kvh_context_add_region(e, c, &rp, &idx));
+        assert_int_equal(idx, 0);
+        kvh_context_info ci = ct_context_info(e, c);
+        assert_int_equal(ci.weight_bytes, sizeof(buf));
+        assert_int_equal(ci.bytes_host, sizeof(buf));
+        assert_ok(kvh_context_switch(e, (kvh_context){0}, c, NULL));
+        void *d = NULL;
+        uint64_t size = 0;
+        assert_ok(kvh_context_region_data(e, c, 0, 0, &d, &size));
+        assert_int_equal(size, sizeof(buf));
+        assert_memory_equal(d, buf, sizeof(buf));
+        assert_ok(kvh_context_switch(e, c, (kvh_context){0}, NULL));
+        assert_ok(kvh_context_destroy(e, c));
+    }
+    assert_int_equal(tu_tier(e, KVH_TIER_HOST).used_blocks, 0);
+}
+
 /* ---- switches that keep every byte ---- */
 
 typedef struct weights {
@@ -353,6 +414,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         BOTH(test_file_range_that_wraps_is_refused),
+        BOTH(test_region_larger_than_any_tier_is_refused),
         BOTH(test_ping_pong_keeps_every_byte),
         BOTH(test_destroy_during_switch_and_after),
         BOTH(test_close_during_a_switch),

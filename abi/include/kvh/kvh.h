@@ -1471,10 +1471,13 @@ KVH_API kvh_status kvh_weight_region_params_init(kvh_weight_region_params *param
  * device tier when there is no host tier), evicting KV by policy, or in the
  * disk tier when memory has no room for them. Returns
  * KVH_ERR_INVALID_ARG (NULL params or region, size 0, neither or both
- * sources, an empty path), KVH_ERR_STRUCT_SIZE, KVH_ERR_BAD_HANDLE,
- * KVH_ERR_IO (the file cannot be opened, is not a regular file or is
- * shorter than file_offset + size; bytes that cannot be placed or written), KVH_ERR_NOSPACE,
- * KVH_ERR_NOMEM, KVH_ERR_BUSY (a switch involving the context runs).
+ * sources, an empty path, more than 2^32 - 1 chunks of the context's
+ * chunk_bytes), KVH_ERR_STRUCT_SIZE, KVH_ERR_BAD_HANDLE, KVH_ERR_IO (the
+ * file cannot be opened, is not a regular file or is shorter than
+ * file_offset + size; bytes that cannot be placed or written),
+ * KVH_ERR_NOSPACE (size above the largest tier's bytes, checked before
+ * anything is read, or no room now), KVH_ERR_NOMEM, KVH_ERR_BUSY (a
+ * switch involving the context runs).
  * @threads handle */
 KVH_API kvh_status kvh_context_add_region(kvh_engine *engine, kvh_context ctx, const kvh_weight_region_params *params,
                                           uint32_t *region);
