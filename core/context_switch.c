@@ -50,37 +50,81 @@ static void switch_fail(kvhi_switch *sw, kvh_status st)
     }
 }
 
+/* A block a switch moves, and the generation it had when picked. */
+typedef struct kv_pick {
+    uint32_t block, gen;
+} kv_pick;
+
+static int pick_cmp(const void *a, const void *b)
+{
+    uint32_t x = ((const kv_pick *)a)->block, y = ((const kv_pick *)b)->block;
+    return (x > y) - (x < y);
+}
+
+static bool kv_wanted(const kvhi_block *b, uint32_t tier)
+{
+    bool wanted = tier == KVH_TIER_DEVICE ? b->tier != KVH_TIER_DEVICE : b->tier == KVH_TIER_DEVICE && !b->holds;
+    return wanted && !b->pins && (b->flags & (KVHI_BF_LIVE | KVHI_BF_DEAD)) == KVHI_BF_LIVE;
+}
+
 /* Moves the context's KV blocks to `tier` through the migration workers
  * and waits (lock held, dropped while waiting). Best effort: blocks that
- * cannot move stay where they are. */
+ * cannot move stay where they are. Returns how many blocks it moved: a
+ * block that attached sequences share is moved and counted once, and one
+ * whose move failed is not counted. */
 static uint64_t move_context_kv(kvh_engine *e, kvhi_context *x, uint32_t tier)
 {
     if (!e->tiers[tier].present)
         return 0;
-    uint32_t fidx;
-    if (kvhi_fence_new(e, &fidx, NULL) != KVH_OK)
-        return 0;
-    kvhi_fence_expect(e, fidx, 1); /* this function's own count, so the fence cannot end early */
-    uint64_t queued = 0;
+    /* Picked before any move: an inline move drops the lock. */
+    uint64_t cap = 0;
     for (uint32_t i = 0; i < x->n_seqs; i++) {
         kvhi_seq *s = kvhi_handles_get(&e->seqs, x->seqs[i], NULL);
-        for (uint32_t j = 0; s && j < s->n_blocks; j++) {
-            kvhi_block *b = &e->blocks[s->blocks[j]];
-            bool wanted =
-                tier == KVH_TIER_DEVICE ? b->tier != KVH_TIER_DEVICE : b->tier == KVH_TIER_DEVICE && !b->holds;
-            if (!wanted || b->pins)
-                continue;
-            if (kvhi_enqueue(e, s->blocks[j], tier, tier == KVH_TIER_DEVICE ? 1 : 0, KVHI_JOB_MOVE, fidx) == KVH_OK)
-                queued++;
-            /* An inline move may drop the lock: the sequence may be gone. */
-            s = kvhi_handles_get(&e->seqs, x->seqs[i], NULL);
-        }
+        cap += s ? s->n_blocks : 0;
+    }
+    kv_pick *picks = cap ? malloc(sizeof(*picks) * cap) : NULL;
+    if (!picks) {
+        kvhi_clear_error();
+        return 0;
+    }
+    uint64_t n = 0;
+    for (uint32_t i = 0; i < x->n_seqs; i++) {
+        kvhi_seq *s = kvhi_handles_get(&e->seqs, x->seqs[i], NULL);
+        for (uint32_t j = 0; s && j < s->n_blocks; j++)
+            if (kv_wanted(&e->blocks[s->blocks[j]], tier))
+                picks[n++] = (kv_pick){s->blocks[j], e->blocks[s->blocks[j]].gen};
+    }
+    qsort(picks, (size_t)n, sizeof(*picks), pick_cmp);
+    uint64_t distinct = 0;
+    for (uint64_t i = 0; i < n; i++)
+        if (distinct == 0 || picks[distinct - 1].block != picks[i].block)
+            picks[distinct++] = picks[i];
+    uint32_t fidx;
+    if (kvhi_fence_new(e, &fidx, NULL) != KVH_OK) {
+        free(picks);
+        kvhi_clear_error();
+        return 0;
+    }
+    kvhi_fence_expect(e, fidx, 1); /* this function's own count, so the fence cannot end early */
+    for (uint64_t i = 0; i < distinct; i++) {
+        const kvhi_block *b = &e->blocks[picks[i].block];
+        if (b->gen != picks[i].gen || !kv_wanted(b, tier) ||
+            kvhi_enqueue(e, picks[i].block, tier, tier == KVH_TIER_DEVICE ? 1 : 0, KVHI_JOB_MOVE, fidx) != KVH_OK)
+            picks[i].gen = 0; /* not moved by this call (gen is never 0) */
     }
     kvhi_fence_done(e, fidx, KVH_OK);
     kvhi_fence_wait_idx(e, fidx, UINT64_MAX);
     kvhi_fence_drop(e, fidx);
     kvhi_clear_error();
-    return queued;
+    uint64_t moved = 0;
+    for (uint64_t i = 0; i < distinct; i++) {
+        const kvhi_block *b = &e->blocks[picks[i].block];
+        if (picks[i].gen && b->gen == picks[i].gen && (b->flags & KVHI_BF_LIVE) &&
+            (tier == KVH_TIER_DEVICE) == (b->tier == KVH_TIER_DEVICE))
+            moved++;
+    }
+    free(picks);
+    return moved;
 }
 
 /* Takes room for r in the host tier from what is free now, waiting for

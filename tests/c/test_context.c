@@ -512,6 +512,47 @@ static void close_with_contexts(void **state)
     assert_ok(tu_close(e)); /* waits for the switch */
 }
 
+/* A KVH_CONTEXT_KV_DEMOTE switch counts the KV blocks it moved: a block
+ * that attached sequences share (a fork) is moved and counted once, so
+ * kv_blocks_demoted and kv_blocks_promoted equal the blocks that changed
+ * tier, with or without migration workers. */
+static void demote_counts_shared_blocks_once(void **state)
+{
+    mode md = MODE(state);
+    enum { NB = 4 };
+    kvh_engine *e = open_engine(md, 64, 64, NULL);
+    kvh_context_params cp;
+    assert_ok(kvh_context_params_init(&cp, sizeof(cp)));
+    cp.kv_policy = KVH_CONTEXT_KV_DEMOTE;
+    kvh_context a, b;
+    assert_ok(kvh_context_create(e, &cp, &a));
+    assert_ok(kvh_context_create(e, NULL, &b));
+    kvh_seq s = kv_seq(e, a, NB, 3), f;
+    assert_ok(kvh_seq_fork(e, s, 0, &f));
+    assert_ok(kvh_context_attach_seq(e, a, f));
+    kvh_context none = {0};
+    assert_ok(kvh_context_switch(e, none, a, NULL));
+    kvh_weight_stats w0 = ct_weight_stats(e);
+    assert_ok(kvh_context_switch(e, a, b, NULL));
+    kvh_weight_stats w1 = ct_weight_stats(e);
+    kvh_block blocks[NB];
+    assert_ok(kvh_seq_blocks(e, s, 0, NB, blocks));
+    for (int i = 0; i < NB; i++)
+        assert_int_equal(tu_binfo(e, blocks[i]).tier, KVH_TIER_HOST);
+    assert_int_equal(w1.kv_blocks_demoted - w0.kv_blocks_demoted, NB);
+    assert_ok(kvh_context_switch(e, b, a, NULL));
+    kvh_weight_stats w2 = ct_weight_stats(e);
+    for (int i = 0; i < NB; i++)
+        assert_int_equal(tu_binfo(e, blocks[i]).tier, KVH_TIER_DEVICE);
+    assert_int_equal(w2.kv_blocks_promoted - w1.kv_blocks_promoted, NB);
+    assert_true(tu_check_pattern(e, s, L, TOK, 3, 0, NB * BT));
+    assert_true(tu_check_pattern(e, f, L, TOK, 3, 0, NB * BT));
+    assert_ok(kvh_seq_free(e, f));
+    assert_ok(kvh_seq_free(e, s));
+    assert_ok(kvh_context_destroy(e, a));
+    assert_ok(kvh_context_destroy(e, b));
+}
+
 #define MODES(fn)                                                                                                      \
     cmocka_unit_test_prestate_setup_teardown(fn, NULL, tu_teardown, &M_UNI0),                                          \
         cmocka_unit_test_prestate_setup_teardown(fn, NULL, tu_teardown, &M_UNI2),                                      \
@@ -529,6 +570,7 @@ int main(void)
         MODES(pinned_regions_stay),
         MODES(switch_under_pressure),
         MODES(close_with_contexts),
+        MODES(demote_counts_shared_blocks_once),
         cmocka_unit_test_teardown(bad_arguments, tu_teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
