@@ -205,13 +205,23 @@ static const char *expected(const field *f)
         return "a size in bytes, e.g. 4096, 512M or 4G";
     case K_BOOL:
         return "1/0, true/false, yes/no or on/off";
-    case K_FLAGS:
-        return "a number, or names joined by commas: reset_on_mismatch, buffered, share_group";
+    case K_FLAGS: /* set_field lists the field's own names */
     case K_ENUM:
     case K_PATH:
         break;
     }
     return "one of its names or numbers";
+}
+
+/* The names a field takes, comma-separated, into list[len]. */
+static void names_of(const field *f, char *list, size_t len)
+{
+    size_t used = 0;
+    list[0] = 0;
+    for (const named *nm = f->names; nm->name && used < len; nm++) {
+        int w = snprintf(list + used, len - used, "%s%s", used ? ", " : "", nm->name);
+        used += w > 0 ? (size_t)w : 0;
+    }
 }
 
 static kvh_status set_field(kvh_config *c, const field *f, const char *s)
@@ -245,6 +255,12 @@ static kvh_status set_field(kvh_config *c, const field *f, const char *s)
         break;
     case K_FLAGS:
         ok = parse_flags(f->names, s, &v);
+        if (!ok) {
+            char list[128];
+            names_of(f, list, sizeof(list));
+            return kvhi_fail(KVH_ERR_INVALID_ARG, "%s=\"%s\": expected a number, or names joined by commas: %s", f->var,
+                             s, list);
+        }
         break;
     case K_ENUM: {
         uint32_t n;
@@ -255,12 +271,8 @@ static kvh_status set_field(kvh_config *c, const field *f, const char *s)
             ok = 1;
         }
         if (!ok) {
-            char list[128] = "";
-            size_t used = 0;
-            for (const named *nm = f->names; nm->name && used < sizeof(list); nm++) {
-                int w = snprintf(list + used, sizeof(list) - used, "%s%s", used ? ", " : "", nm->name);
-                used += w > 0 ? (size_t)w : 0;
-            }
+            char list[128];
+            names_of(f, list, sizeof(list));
             return kvhi_fail(KVH_ERR_INVALID_ARG, "%s=\"%s\": expected one of %s (or its number)", f->var, s, list);
         }
         break;

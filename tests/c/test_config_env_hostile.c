@@ -428,6 +428,22 @@ static void test_garbage_names_and_booleans(void **state)
     assert_int_equal(check_taken("KVH_REMOTE_TLS=Yes").remote_tls, 1);
     assert_int_equal(check_taken("KVH_DISK_FLAGS=Reset_On_Mismatch,BUFFERED").disk_flags,
                      KVH_DISK_RESET_ON_MISMATCH | KVH_DISK_BUFFERED);
+    /* A flags field's refusal lists that field's own names. */
+    static const struct {
+        const char *var, *names, *foreign;
+    } lists[] = {
+        {"KVH_REMOTE_UPLOAD=bogus", "persist, demote, write_through", "buffered"},
+        {"KVH_DISK_FLAGS=bogus", "reset_on_mismatch, buffered, share_group", "write_through"},
+    };
+    for (size_t i = 0; i < ARRAY_LEN(lists); i++) {
+        check_refused(lists[i].var);
+        const char *env[] = {lists[i].var, NULL};
+        kvh_config c = busy_config();
+        assert_int_equal(kvh_config_from_env(&c, sizeof(c), env), KVH_ERR_INVALID_ARG);
+        const char *msg = kvh_last_error();
+        if (!strstr(msg, lists[i].names) || strstr(msg, lists[i].foreign))
+            fail_msg("\"%s\": the message \"%s\" does not list %s alone", lists[i].var, msg, lists[i].names);
+    }
 }
 
 /* ---- very long values and environments ---- */
