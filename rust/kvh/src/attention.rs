@@ -203,6 +203,21 @@ impl Engine {
 /// plan drops. [`run`](Self::run) only launches the kernels. Made by
 /// [`Engine::attention_plan`]; CPU backend through this safe API (CUDA
 /// graphs need device pointers: use `kvh_sys::kvh_attention_run`).
+///
+/// Every run reads its sequences' KV, so the plan borrows them: none can
+/// be moved to another thread (and rewritten there during a run) or
+/// dropped while the plan lives.
+///
+/// ```compile_fail
+/// use kvh::{Backend, Config, DType, Engine};
+/// let engine = Engine::open(Config::new().backend(Backend::Cpu).dtype(DType::F32)).unwrap();
+/// let seq = engine.create_sequence(0).unwrap();
+/// let plan = engine.attention_plan::<f32>(0, &[&seq], None, None).unwrap();
+/// std::thread::scope(|s| {
+///     s.spawn(move || drop(seq)); // seq is borrowed by the plan
+/// });
+/// drop(plan);
+/// ```
 #[derive(Debug)]
 pub struct AttentionPlan<'e> {
     engine: &'e Engine,
@@ -219,13 +234,13 @@ impl Engine {
     /// runs where they are made in place, not where `write_kv` copies the
     /// block (a full block shared or written whole); tokens appended later
     /// are not seen: make a new plan.
-    pub fn attention_plan<T: Element>(
-        &self,
+    pub fn attention_plan<'s, T: Element>(
+        &'s self,
         layer: u32,
-        seqs: &[&Sequence<'_>],
+        seqs: &[&'s Sequence<'_>],
         q_lens: Option<&[u32]>,
         params: Option<&AttentionParams>,
-    ) -> Result<AttentionPlan<'_>> {
+    ) -> Result<AttentionPlan<'s>> {
         let raw_seqs = self.check_owner(seqs)?;
         let per = self.q_token_elems::<T>(params)?;
         let rows = match q_lens {

@@ -717,8 +717,8 @@ fn forgotten_batches_views_and_plans_then_close() {
             1 => {
                 drop(pool); // while the batches are alive
                 std::mem::forget(hold);
+                drop((batch, restore, plan)); // the plan borrows s
                 drop(s);
-                drop((batch, restore, plan));
             }
             _ => {
                 std::mem::forget(pool);
