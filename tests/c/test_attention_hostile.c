@@ -463,6 +463,76 @@ static void test_prefill_matches_reference(void **state)
         }
 }
 
+/* Causal prefill: query row j attends to tokens 0..j only, so an
+ * infinite or NaN V in the last token cannot reach the rows before it
+ * (0 * inf is NaN: a masked token must not enter the sums at all). Rows
+ * 0..n-2 equal, bit for bit, those of the same sequence with that value
+ * finite, and the last row is not finite. Every kernel variant this CPU
+ * has, rows in one tile and across tiles. */
+static void test_prefill_masked_non_finite_values_stay_masked(void **state)
+{
+    (void)state;
+    static const char *const isas[] = {"", "generic", "avx2", "avx512"};
+    const float bad[] = {INFINITY, NAN};
+    const uint32_t lens[] = {8, 40};
+    for (size_t ii = 0; ii < sizeof(isas) / sizeof(isas[0]); ii++)
+        for (size_t bi = 0; bi < 2; bi++)
+            for (size_t li = 0; li < 2; li++) {
+                if (isas[ii][0])
+                    setenv("KVH_ATTN_ISA", isas[ii], 1);
+                else
+                    unsetenv("KVH_ATTN_ISA");
+                kvh_engine *e = open_plain(KVH_DTYPE_F32, 64, 0);
+                unsetenv("KVH_ATTN_ISA");
+                uint32_t n = lens[li];
+                size_t cell = (size_t)H * D;
+                float *k = tu_alloc(n * cell * sizeof(float)), *v = tu_alloc(n * cell * sizeof(float));
+                tu_rng r = {tu_seed(0xa77e10 + li)};
+                make_q(&r, k, n * cell);
+                make_q(&r, v, n * cell);
+                kvh_seq s[2];
+                for (int w = 0; w < 2; w++) {
+                    s[w] = tu_seq_new(e, 0);
+                    int32_t *t = tu_alloc(n * sizeof(int32_t));
+                    tu_iota(t, n, 1 + 1000 * w);
+                    assert_ok(kvh_seq_append(e, s[w], t, n));
+                    tu_free(t);
+                    if (w == 1)
+                        for (size_t d = 0; d < cell; d++)
+                            v[(n - 1) * cell + d] = bad[bi];
+                    for (uint32_t layer = 0; layer < L; layer++)
+                        assert_ok(kvh_seq_write_kv(e, s[w], layer, 0, n, k, v));
+                }
+                uint32_t qh = 2 * H;
+                kvh_attention_params p = params(qh, 0.0f, KVH_DTYPE_F32);
+                float *q = tu_alloc(n * qh * D * sizeof(float));
+                make_q(&r, q, n * qh * D);
+                float *out[2];
+                for (int w = 0; w < 2; w++) {
+                    out[w] = tu_alloc(n * qh * D * sizeof(float));
+                    assert_ok(kvh_attention_prefill(e, 0, &s[w], &n, 1, q, out[w], &p));
+                }
+                size_t before_last = (size_t)(n - 1) * qh * D;
+                for (size_t i = 0; i < before_last; i++)
+                    if (memcmp(&out[0][i], &out[1][i], sizeof(float)) != 0)
+                        fail_msg("isa '%s', V %f in token %u of %u: row %zu element %zu is %f, not %f", isas[ii],
+                                 (double)bad[bi], n - 1, n, i / (qh * D), i % (qh * D), (double)out[1][i],
+                                 (double)out[0][i]);
+                bool last_finite = true;
+                for (size_t i = before_last; i < (size_t)n * qh * D; i++)
+                    last_finite = last_finite && isfinite(out[1][i]);
+                assert_false(last_finite);
+                for (int w = 0; w < 2; w++) {
+                    tu_free(out[w]);
+                    assert_ok(kvh_seq_free(e, s[w]));
+                }
+                tu_free(q);
+                tu_free(k);
+                tu_free(v);
+                assert_ok(tu_close(e));
+            }
+}
+
 /* Fields past the caller's struct_size take their defaults, however much
  * garbage lies there. */
 static void test_params_past_struct_size_are_ignored(void **state)
@@ -1749,6 +1819,7 @@ int main(void)
         cmocka_unit_test_teardown(test_params_init_struct_sizes, teardown),
         cmocka_unit_test_teardown(test_decode_matches_reference_all_dtypes, teardown),
         cmocka_unit_test_teardown(test_prefill_matches_reference, teardown),
+        cmocka_unit_test_teardown(test_prefill_masked_non_finite_values_stay_masked, teardown),
         cmocka_unit_test_teardown(test_params_past_struct_size_are_ignored, teardown),
         cmocka_unit_test_teardown(test_decode_and_prefill_misuse_change_nothing, teardown),
         cmocka_unit_test_teardown(test_extreme_finite_parameters, teardown),
