@@ -533,6 +533,68 @@ static void test_prefill_masked_non_finite_values_stay_masked(void **state)
             }
 }
 
+/* A NaN score (a NaN in one query head, or in one token's K) makes that
+ * head's output NaN, as the reference kernel's, never a silent 0 or an
+ * answer without that token; the other heads are unchanged bit for bit.
+ * Every kernel variant, a short sequence and one long enough for split
+ * chunks. */
+static void test_nan_scores_make_the_row_nan(void **state)
+{
+    (void)state;
+    static const char *const isas[] = {"", "reference", "generic", "avx2", "avx512"};
+    const uint32_t lens[] = {40, 150};
+    for (size_t ii = 0; ii < sizeof(isas) / sizeof(isas[0]); ii++)
+        for (size_t li = 0; li < 2; li++)
+            for (int in_k = 0; in_k < 2; in_k++) {
+                if (isas[ii][0])
+                    setenv("KVH_ATTN_ISA", isas[ii], 1);
+                else
+                    unsetenv("KVH_ATTN_ISA");
+                kvh_engine *e = open_plain(KVH_DTYPE_F32, 64, 0);
+                unsetenv("KVH_ATTN_ISA");
+                uint32_t n = lens[li];
+                size_t cell = (size_t)H * D;
+                float *k = tu_alloc(n * cell * sizeof(float)), *v = tu_alloc(n * cell * sizeof(float));
+                tu_rng r = {tu_seed(0xa77e20 + li)};
+                make_q(&r, k, n * cell);
+                make_q(&r, v, n * cell);
+                uint32_t qh = 2 * H;
+                float *q = tu_alloc(qh * D * sizeof(float));
+                make_q(&r, q, qh * D);
+                kvh_attention_params p = params(qh, 0.0f, KVH_DTYPE_F32);
+                float *out[2];
+                for (int w = 0; w < 2; w++) {
+                    kvh_seq s = tu_seq_new(e, 0);
+                    int32_t *t = tu_alloc(n * sizeof(int32_t));
+                    tu_iota(t, n, 1);
+                    assert_ok(kvh_seq_append(e, s, t, n));
+                    tu_free(t);
+                    if (w == 1 && in_k)
+                        k[0] = NAN; /* token 0, KV head 0: query heads 0 and 1 */
+                    else if (w == 1)
+                        q[0] = NAN; /* query head 0 */
+                    assert_ok(kvh_seq_write_kv(e, s, 0, 0, n, k, v));
+                    out[w] = tu_alloc(qh * D * sizeof(float));
+                    assert_ok(kvh_attention_decode(e, 0, &s, 1, q, out[w], &p));
+                    assert_ok(kvh_seq_free(e, s));
+                }
+                uint32_t nan_heads = in_k ? qh / H : 1;
+                for (uint32_t h = 0; h < qh; h++)
+                    for (uint32_t d = 0; d < D; d++) {
+                        float a = out[0][h * D + d], b = out[1][h * D + d];
+                        if (h < nan_heads ? !isnan(b) : memcmp(&a, &b, sizeof(a)) != 0)
+                            fail_msg("isa '%s', %u tokens, NaN in %s: head %u element %u is %f (without it %f)",
+                                     isas[ii], n, in_k ? "K" : "q", h, d, (double)b, (double)a);
+                    }
+                for (int w = 0; w < 2; w++)
+                    tu_free(out[w]);
+                tu_free(q);
+                tu_free(k);
+                tu_free(v);
+                assert_ok(tu_close(e));
+            }
+}
+
 /* Fields past the caller's struct_size take their defaults, however much
  * garbage lies there. */
 static void test_params_past_struct_size_are_ignored(void **state)
@@ -1820,6 +1882,7 @@ int main(void)
         cmocka_unit_test_teardown(test_decode_matches_reference_all_dtypes, teardown),
         cmocka_unit_test_teardown(test_prefill_matches_reference, teardown),
         cmocka_unit_test_teardown(test_prefill_masked_non_finite_values_stay_masked, teardown),
+        cmocka_unit_test_teardown(test_nan_scores_make_the_row_nan, teardown),
         cmocka_unit_test_teardown(test_params_past_struct_size_are_ignored, teardown),
         cmocka_unit_test_teardown(test_decode_and_prefill_misuse_change_nothing, teardown),
         cmocka_unit_test_teardown(test_extreme_finite_parameters, teardown),
