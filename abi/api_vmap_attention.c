@@ -27,7 +27,11 @@ static kvh_status attention_vmap(kvh_engine *e, kvh_vmap *const *views, const ui
     kvhi_clear_error();
     KVHI_REQUIRE(e, "engine is NULL");
     KVHI_REQUIRE(views || n_views == 0, "views is NULL");
-    KVHI_REQUIRE(n_views == 0 || (q && out), "q and out must not be NULL");
+    /* As the paged calls: q and out may be NULL where there are no rows. */
+    uint64_t rows = q_lens ? 0 : n_views;
+    for (size_t i = 0; q_lens && i < n_views; i++)
+        rows += q_lens[i];
+    KVHI_REQUIRE(rows == 0 || (q && out), "q and out must not be NULL");
     kvh_attention_params pr;
     kvhi_attn_params_defaults(&pr);
     if (params) {

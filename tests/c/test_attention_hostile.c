@@ -1674,6 +1674,16 @@ static void test_empty_chunks_and_mixed_layer_views(void **state)
     ref_attend(ma, 1, q + H * D, H, eff_scale(0), ma->len, ref + H * D);
     ref_attend(mc, 1, q + 2 * H * D, H, eff_scale(0), mc->len, ref + 2 * H * D);
     assert_out_near(out, KVH_DTYPE_F32, ref, 3 * H * D);
+    /* No rows at all: q and out may be NULL, in the paged call and over
+     * views alike, and a sequence without rows may be empty. */
+    uint32_t none[] = {0, 0, 0};
+    assert_ok(kvh_attention_prefill(e, 1, batch, none, 3, NULL, NULL, NULL));
+    assert_ok(kvh_attention_prefill_vmap(e, v, none, 3, NULL, NULL, NULL));
+    kvh_seq empty = tu_seq_new(e, 0);
+    uint32_t zero = 0;
+    assert_ok(kvh_attention_prefill(e, 1, &empty, &zero, 1, NULL, NULL, NULL));
+    assert_int_equal(kvh_attention_prefill_vmap(e, v, ql, 3, NULL, out, NULL), KVH_ERR_INVALID_ARG);
+    assert_ok(kvh_seq_free(e, empty));
     for (int i = 0; i < 3; i++)
         assert_ok(kvh_vmap_release(e, v[i]));
     assert_ok(kvh_vmap_release(e, a0));

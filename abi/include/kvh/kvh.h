@@ -1316,8 +1316,9 @@ KVH_API kvh_status kvh_attention_decode(kvh_engine *engine, uint32_t layer, cons
  * attends to every token up to and including itself. q and out are the
  * chunks concatenated: [sum(q_lens)][num_q_heads][head_dim]. Residency,
  * memory, stream and status rules as kvh_attention_decode (KVH_ERR_RANGE
- * also when q_lens[i] exceeds the length of sequence i). [borrowed] q_lens.
- * @threads any */
+ * also when q_lens[i] exceeds the length of sequence i; a sequence with
+ * q_lens[i] = 0 has no rows and may be empty; q and out may be NULL when
+ * there are no rows at all). [borrowed] q_lens. @threads any */
 KVH_API kvh_status kvh_attention_prefill(kvh_engine *engine, uint32_t layer, const kvh_seq *seqs,
                                          const uint32_t *q_lens, size_t n_seqs, const void *q, void *out,
                                          const kvh_attention_params *params);
@@ -1745,8 +1746,10 @@ KVH_API kvh_status kvh_codec_decode(uint32_t codec, uint32_t dtype, uint32_t hea
  * exists. It shows the blocks the sequence had when it was made or last
  * refreshed; a change of the sequence's block table (tokens appended into
  * a new block, a copy-on-write copy on a write into a shared block,
- * truncation, freeing) makes it stale. kvh_vmap_refresh remaps exactly the
- * blocks that changed and increments generation when anything did;
+ * truncation, freeing) or of its length (an append into its last block
+ * too) makes it stale. kvh_vmap_refresh remaps exactly the blocks that
+ * changed and increments generation when the view changed (a mapping, or
+ * the tokens it covers);
  * kvh_attention_decode_vmap refuses a stale view with KVH_ERR_BAD_HANDLE.
  * Reading a stale view directly gives the old blocks' data (never a
  * fault while the view exists): their bytes as they are now, so a block
@@ -1795,7 +1798,8 @@ KVH_API kvh_status kvh_seq_vmap(kvh_engine *engine, kvh_seq seq, uint32_t layer,
  * CPU the range of an unmapped block then reads as zeros (addresses taken
  * before the refresh never fault while the view exists); on CUDA it is
  * unmapped.
- * [out] *changed (may be NULL): 1 when a mapping changed. Returns
+ * [out] *changed (may be NULL): 1 when the view changed (a mapping, or
+ * the number of tokens it covers). Returns
  * KVH_ERR_BAD_HANDLE (the sequence was freed, or vmap released, forged or
  * of another engine), KVH_ERR_NOT_RESIDENT,
  * KVH_ERR_RANGE (the sequence outgrew capacity_tokens),
@@ -1821,9 +1825,10 @@ KVH_API kvh_status kvh_vmap_release(kvh_engine *engine, kvh_vmap *vmap);
 
 /* kvh_attention_decode over views: view i (a sequence's layer) attends
  * with q[i] over its n_tokens tokens, indexing the contiguous arrays
- * directly (no block table). The result equals kvh_attention_decode's on
- * the same sequence bit for bit (same kernels and work split per
- * sequence). [borrowed] views (n_views), q, out, params as in
+ * directly (no block table). The result for each view equals
+ * kvh_attention_decode's over that sequence alone bit for bit (same
+ * kernels and work split per sequence; a paged batch may split its long
+ * sequences differently, by the batch's total work). [borrowed] views (n_views), q, out, params as in
  * kvh_attention_decode: host memory on the CPU backend, device memory on
  * CUDA, where the kernels are queued on params->stream and the call
  * returns before they finish (kvh_vmap_refresh, kvh_vmap_release and
@@ -1839,9 +1844,10 @@ KVH_API kvh_status kvh_attention_decode_vmap(kvh_engine *engine, kvh_vmap *const
 
 /* kvh_attention_prefill over views: view i's last q_lens[i] tokens attend
  * causally, q and out the chunks concatenated as in kvh_attention_prefill
- * ([borrowed] q_lens). Equal to kvh_attention_prefill bit for bit; status
- * codes as kvh_attention_decode_vmap, and KVH_ERR_RANGE when q_lens[i]
- * exceeds the view's tokens. @threads handle (each view) */
+ * ([borrowed] q_lens). Equal, for each view, to kvh_attention_prefill
+ * over that sequence alone bit for bit; status codes as
+ * kvh_attention_decode_vmap, and KVH_ERR_RANGE when q_lens[i] exceeds the
+ * view's tokens (q and out may be NULL when the q_lens are all 0). @threads handle (each view) */
 KVH_API kvh_status kvh_attention_prefill_vmap(kvh_engine *engine, kvh_vmap *const *views, const uint32_t *q_lens,
                                               size_t n_views, const void *q, void *out,
                                               const kvh_attention_params *params);
