@@ -1509,10 +1509,18 @@ class _ViewOwner(Finalized):
             "strides": None,
         }
         self.block: Optional[Block] = None  # the mapped block (borrowed)
+        self.layer = 0  # the layer it maps
         self.kept: Optional[Block] = None  # a reference and pin once its sequence let it go
         self._native: Optional[_Native] = None
         engine._native.add_view()  # type: ignore[union-attr]
         self._native = engine._native  # counted: the collection drops it
+
+    def make_read_only(self) -> None:
+        """Arrays made from the owner from now on are read-only (arrays made
+        before keep their flags: see Sequence._detach_views)."""
+        iface = dict(self.__array_interface__)
+        iface["data"] = (iface["data"][0], True)
+        self.__array_interface__ = iface
 
     def keep_block(self) -> None:
         """Takes a reference and a pin on the mapped block before its
@@ -1772,6 +1780,7 @@ class Sequence(GatedHandle, OwnedHandle):
         agent = self._agent if agent is None else _index("agent", agent, maximum=_U32)
         h = ffi.new("kvh_seq *")
         with self._call() as p:
+            self._detach_views(p)
             check(lib.kvh_seq_fork(p, self._h[0], agent, h))
             self._refresh_views()
         return Sequence(self._engine, h, agent)
@@ -1788,7 +1797,15 @@ class Sequence(GatedHandle, OwnedHandle):
         k = self._kv_check("k", k)
         v = self._kv_check("v", v, n=k.shape[0])
         with self._call() as p:
-            check(lib.kvh_seq_write_kv(p, self._h[0], layer, pos, k.shape[0], _ptr(k), _ptr(v)))
+            n = k.shape[0]
+            if self._views and n:
+                # A full block this write completes is published (shared
+                # with later prefix matches): its writable views let go of
+                # it first.
+                bt = self._engine.block_tokens
+                full = self._length(p) // bt
+                self._detach_views(p, range(pos // bt, min((pos + n - 1) // bt + 1, full)))
+            check(lib.kvh_seq_write_kv(p, self._h[0], layer, pos, n, _ptr(k), _ptr(v)))
             self._refresh_views()
 
     def read_kv(
@@ -1934,17 +1951,24 @@ class Sequence(GatedHandle, OwnedHandle):
         layout). Writes through a writable view are the block's memory.
 
         The view is read-only when the block is shared (forked, CoW) or
-        published in the prefix index. Blocks move between tiers, so a view
-        is only valid while the block is held: without ``hold`` the view
-        acquires the block's tokens itself and releases them when the last
-        array derived from it is collected. When the sequence gives the
-        block up (``truncate``, ``free``) the view keeps it, pinned and
-        unchanged, until the view is collected. A write through the sequence
-        into a shared block moves this sequence to a private copy: take a new
-        view after writes, forks or appends (writable views of this sequence
-        are made read-only when that happens). Writes through a view do not
-        mark cells as written for ``read_kv``: write them with ``write_kv``
-        first. Needs host memory (the CPU backend); UnsupportedError on CUDA.
+        published in the prefix index. Blocks move between tiers, so the view
+        holds the block's tokens itself (also when ``hold``, a caller's hold
+        covering them, is given: that one may end first) until the last array
+        derived from it is collected. When the sequence gives the block up
+        (``truncate``, ``free``) the view keeps it, pinned and unchanged,
+        until the view is collected. A write through the sequence into a
+        shared block moves this sequence to a private copy: take a new view
+        after writes, forks or appends (writable views of this sequence are
+        made read-only when that happens). Before a ``fork``, or a
+        ``write_kv`` into a full block (which may publish it), the sequence
+        moves to a copy of each block a writable view maps and the view keeps
+        the old one: arrays made from the view earlier keep their NumPy
+        write flag, but what they write reaches no sequence and no prefix
+        match. Writes through a view do not mark cells as written for
+        ``read_kv``: write them with ``write_kv`` first (when nothing of the
+        block was, that move marks the first token's cell of the view's
+        layer). Needs host memory (the CPU backend); UnsupportedError on
+        CUDA.
         """
         eng = self._engine
         index = _index("index", index, maximum=_U32)
@@ -1960,15 +1984,16 @@ class Sequence(GatedHandle, OwnedHandle):
         length = self.length
         if index * bt >= length:
             raise errors.RangeError(f"block {index} is past the sequence ({length} tokens)", lib.KVH_ERR_RANGE)
-        private = hold is None
-        if hold is None:
-            hold = self.acquire(index * bt, min(bt, length - index * bt))
-        else:
+        if hold is not None:
             if not isinstance(hold, Hold) or hold._seq is not self:
                 raise TypeError("hold must be a kvh.Hold of this sequence")
             if not hold.covers_block(index):
                 raise ValueError(f"hold {hold!r} does not cover block {index}")
             hold.wait()
+        # The view's own hold, also beside a caller's: that one may be
+        # released while arrays made from the view live on.
+        private = True
+        hold = self.acquire(index * bt, min(bt, length - index * bt))
         try:
             info = self.block(index).info()
             if info.tier not in (Tier.DEVICE, Tier.HOST) or info.in_flight:
@@ -1981,6 +2006,7 @@ class Sequence(GatedHandle, OwnedHandle):
             shape = (2, eng.num_kv_heads, bt, eng.head_dim)
             owner = _ViewOwner(eng, hold, private, addr, shape, eng.np_dtype, readonly)
             owner.block = self.block(index)
+            owner.layer = layer
         except BaseException:
             if private:
                 hold.release()
@@ -1995,6 +2021,55 @@ class Sequence(GatedHandle, OwnedHandle):
                 self._views = [(r, i) for r, i in self._views if r() is not None]
                 self._views.append((weakref.ref(view), index))
         return view
+
+    def _detach_views(self, p: Any, blocks: Optional[range] = None) -> None:
+        """Before a call that may share or publish blocks (a fork, a write
+        completing a full block): each writable view of those blocks keeps
+        its block (a reference and a pin) and this sequence moves to a copy
+        of it (copy-on-write), so what is written through the view, or
+        through any array made from it before, reaches no sequence and no
+        prefix match. The view is then read-only (take a new one)."""
+        live = []
+        for ref, index in self._views:
+            view = ref()
+            if view is None or not view.flags.writeable:
+                continue
+            if blocks is not None and index not in blocks:
+                live.append((ref, index))
+                continue
+            owner = view.base
+            while owner is not None and not isinstance(owner, _ViewOwner):
+                owner = getattr(owner, "base", None)
+            view.flags.writeable = False
+            if owner is None:
+                continue
+            owner.make_read_only()
+            owner.keep_block()
+            if owner.kept is not None:
+                self._cow_block(p, index, owner)
+        self._views = live
+
+    def _cow_block(self, p: Any, index: int, owner: "_ViewOwner") -> None:
+        """Moves logical block index to a private copy: one cell rewritten
+        with its own bytes (a written one where there is one, so no cell
+        changes its written state)."""
+        eng = self._engine
+        bt, H, D = eng.block_tokens, eng.num_kv_heads, eng.head_dim
+        first = index * bt
+        n = min(bt, self._length(p) - first)
+        k = np.empty((1, H, D), eng.np_dtype)
+        v = np.empty((1, H, D), eng.np_dtype)
+        for layer in range(eng.num_layers):
+            for t in range(first, first + n):
+                if lib.kvh_seq_read_kv(p, self._h[0], layer, t, 1, _ptr(k), _ptr(v)) == lib.KVH_OK:
+                    check(lib.kvh_seq_write_kv(p, self._h[0], layer, t, 1, _ptr(k), _ptr(v)))
+                    return
+        # Nothing written through the sequence: the first token's cell of
+        # the view's layer, from the block's memory, becomes written.
+        mem = np.asarray(owner)  # read-only now; the block is kept
+        k[0] = mem[0][:, 0, :]
+        v[0] = mem[1][:, 0, :]
+        check(lib.kvh_seq_write_kv(p, self._h[0], owner.layer, first, 1, _ptr(k), _ptr(v)))
 
     def _refresh_views(self) -> None:
         """Makes writable views read-only when their block became shared,
@@ -2022,4 +2097,6 @@ class Sequence(GatedHandle, OwnedHandle):
                 live.append((ref, index))
             else:
                 view.flags.writeable = False
+                if isinstance(view.base, _ViewOwner):
+                    view.base.make_read_only()
         self._views = live

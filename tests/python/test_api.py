@@ -412,10 +412,94 @@ def test_block_view_with_explicit_hold(engine):
     seq, _ = filled_seq(engine, 40)
     with seq, seq.acquire() as hold:
         v = seq.block_view(2, 0, hold=hold)
-        assert seq.block_info(2).holds == 1  # no second hold taken
+        # the view takes its own hold too: the caller's may end first
+        assert seq.block_info(2).holds == 2
         with pytest.raises(ValueError):
             seq.block_view(2, 0, hold=seq.acquire(0, 16))
         del v
+
+
+def _tiny_engine(**kw):
+    H, D, BT = 1, 8, 4
+    return kvh.Engine(
+        num_layers=1,
+        num_kv_heads=H,
+        head_dim=D,
+        block_tokens=BT,
+        dtype="f32",
+        backend="cpu",
+        device_bytes=kw.pop("device_bytes", 64 << 10),
+        host_bytes=1 << 20,
+        **kw,
+    )
+
+
+def test_block_view_slices_never_reach_a_fork():
+    # Arrays made from a writable view before a fork keep their flags
+    # (NumPy cannot revoke them): the fork moves the parent to a copy of the
+    # block first, so what they write reaches neither sequence.
+    e = _tiny_engine()
+    with e:
+        s = e.sequence(tokens=range(3))
+        one = np.ones((3, 1, 8), np.float32)
+        s.write_kv(0, 0, one, one)
+        view = s.block_view(0, 0)
+        part = view[0]
+        child = s.fork()
+        assert not view.flags.writeable and not np.asarray(view.base).flags.writeable
+        part[...] = 42.0  # still writable: NumPy keeps a derived array's flag
+        for q in (s, child):
+            k, v = q.read_kv(0)
+            assert np.all(k == 1.0) and np.all(v == 1.0)
+        # the two share the parent's copy: a new view of it is read-only
+        view2 = s.block_view(0, 0)
+        assert not view2.flags.writeable and s.block_info(0).shared
+        del view, part, view2
+        gc.collect()
+
+
+def test_block_view_slices_never_reach_a_published_block():
+    e = _tiny_engine()
+    with e:
+        s = e.sequence(tokens=range(3))
+        one = np.ones((3, 1, 8), np.float32)
+        s.write_kv(0, 0, one, one)
+        view = s.block_view(0, 0)
+        part = view[1]
+        s.append([3])
+        s.write_kv(0, 3, one[:1], one[:1])  # completes the block: published
+        assert s.block_info(0).published and not view.flags.writeable
+        part[...] = -7.0
+        other = e.sequence()
+        assert other.match_prefix(range(4)) == 4
+        k, v = other.read_kv(0)
+        assert np.all(k == 1.0) and np.all(v == 1.0)
+        assert np.all(s.read_kv(0)[1] == 1.0)
+        del view, part
+        gc.collect()
+
+
+def test_block_view_outlives_the_callers_hold():
+    # The view holds its block itself: the caller's hold may end first,
+    # and the block stays where the view maps it.
+    e = _tiny_engine(device_bytes=2 * 2 * 8 * 4 * 4, copy_moves=True, migration_threads=0)
+    with e:
+        a = e.sequence(tokens=range(3))
+        one = np.ones((3, 1, 8), np.float32)
+        a.write_kv(0, 0, one, one)
+        h = a.acquire()
+        view = a.block_view(0, 0, hold=h)
+        where = (a.block_info(0).tier, a.block_info(0).slot)
+        h.release()
+        a.migrate("host")  # best effort: a held block stays
+        assert (a.block_info(0).tier, a.block_info(0).slot) == where
+        b = e.sequence(tokens=range(3))
+        two = np.full((3, 1, 8), 2.0, np.float32)
+        b.write_kv(0, 0, two, two)
+        view[...] = -1.0
+        assert np.all(b.read_kv(0)[0] == 2.0)
+        del view
+        gc.collect()
 
 
 def test_block_view_keeps_memory_after_close():
