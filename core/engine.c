@@ -12,6 +12,7 @@
 
 #include "core/attention_call.h"
 #include "core/engine.h"
+#include "core/process_fork.h"
 #include "core/hint_queue.h"
 #include "core/huge_alloc.h"
 #include "core/vmap_backend.h"
@@ -355,6 +356,8 @@ kvh_status kvhi_engine_open(const kvh_config *config, kvh_engine **out)
     kvh_engine *e = calloc(1, sizeof(*e));
     if (!e)
         return kvhi_fail(KVH_ERR_NOMEM, "out of memory for the engine");
+    kvhi_fork_watch();
+    e->fork_generation = kvhi_fork_generation();
     e->cfg = *config;
     e->cfg.disk_path = NULL; /* borrowed: never kept */
     e->cfg.remote_addrs = e->cfg.remote_user = e->cfg.remote_password = e->cfg.remote_tls_ca = NULL;
@@ -467,6 +470,11 @@ kvh_status kvhi_engine_open(const kvh_config *config, kvh_engine **out)
 
 kvh_status kvhi_engine_close(kvh_engine *e)
 {
+    /* A copy in a child process: its locks may be held by threads that
+     * exist only in the parent, and its workers are not here to stop.
+     * Nothing is freed: the copy goes with the process. */
+    if (e->fork_generation != kvhi_fork_generation())
+        return KVH_OK;
     /* The sink returns into kvh, which then uses e: it must outlive it. */
     if (kvhi_in_sink_of(e))
         return kvhi_fail(KVH_ERR_BUSY, "an engine cannot be closed from inside its own log sink: close it after "

@@ -103,6 +103,9 @@ struct kvh_engine {
                                 per-block wake-ups do not reach them) */
     bool closing;
     uint32_t active_calls;
+    /* kvhi_fork_generation() at open: another value means this is a copy
+     * in a child process (core/process_fork.h). */
+    uint32_t fork_generation;
 
     kvhi_block *blocks;
     uint32_t block_cap;

@@ -3,6 +3,7 @@
 #include <string.h>
 
 #include "core/engine.h"
+#include "core/process_fork.h"
 
 static _Thread_local char last_error[1024]; /* room for the paths the CUDA loader tried */
 
@@ -39,6 +40,10 @@ bool kvhi_in_sink_of(const kvh_engine *e) { return here.sink_of == e; }
 kvh_status kvhi_enter_allowed(kvh_engine *e)
 {
     kvhi_clear_error();
+    if (e->fork_generation != kvhi_fork_generation())
+        return kvhi_fail(KVH_ERR_UNSUPPORTED, "this engine was opened before the process forked: a child process "
+                                              "cannot use it (its worker threads and locks stay in the parent); "
+                                              "open a new engine in the child");
     if (here.sink_of == e && here.started_for == e)
         return kvhi_fail(KVH_ERR_BUSY, "the engine's log sink, on a thread kvh started, cannot call into the engine "
                                        "(the call could wait for that thread): call from another thread");

@@ -581,3 +581,91 @@ def test_a_hold_cut_by_truncate_never_ends_a_later_hold():
         assert [seq.block_info(i).holds for i in range(3)] == [0, 1, 1]
         later.release()
         assert [seq.block_info(i).holds for i in range(3)] == [0, 0, 0]
+
+
+# ---- a process forked with a live engine ----------------------------------------
+
+
+def _run_forked(fn) -> int:
+    """Runs fn in a fork()ed child; its exit status (1 for an exception),
+    or fails the test when the child hangs."""
+    import os
+    import time
+
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            code = fn() or 0
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.02)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child hung")
+
+
+def test_a_forked_child_gets_a_typed_error_and_closes_at_once():
+    eng = kvh.Engine(
+        num_layers=1, num_kv_heads=1, head_dim=8, block_tokens=4, dtype="f32", backend="cpu",
+        device_bytes=4 * 128, host_bytes=64 << 10, copy_moves=True, migration_threads=2,
+    )  # fmt: skip
+    seq = eng.sequence(tokens=range(64))
+    one = np.ones((64, 1, 8), np.float32)
+    seq.write_kv(0, 0, one, one)
+
+    def use_then_close() -> int:
+        try:
+            seq.acquire(0, 64)
+            return 2
+        except kvh.UnsupportedError as err:
+            if "fork" not in str(err):
+                return 3
+        eng.close()
+        return 0
+
+    assert _run_forked(use_then_close) == 0
+    # the parent's engine is untouched
+    k, v = seq.read_kv(0)
+    assert np.all(k == 1.0) and np.all(v == 1.0)
+    eng.close()
+
+
+def test_a_forked_child_exits_normally_with_the_engine_open():
+    # The interpreter's exit closes live engines (atexit): in the child that
+    # close must return at once. Run in its own interpreter (pytest's exit
+    # hooks stay out of the child).
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        """
+        import os, sys, time
+        import kvh_cache as kvh
+        eng = kvh.Engine(num_layers=1, num_kv_heads=1, head_dim=8, block_tokens=4, dtype="f32",
+                         backend="cpu", device_bytes=4 * 128, host_bytes=64 << 10, migration_threads=2)
+        seq = eng.sequence(tokens=range(64))
+        pid = os.fork()
+        if pid == 0:
+            sys.exit(0)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                print("child", os.waitstatus_to_exitcode(status))
+                break
+            time.sleep(0.02)
+        else:
+            os.kill(pid, 9)
+            print("child hung")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "child 0", out.stdout + out.stderr

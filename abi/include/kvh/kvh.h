@@ -475,8 +475,12 @@ KVH_API kvh_status kvh_engine_open(const kvh_config *config, kvh_engine **engine
  * written (the engine is freed all the same). Close an engine once: a
  * second close that starts while the first is still waiting gets
  * KVH_ERR_CLOSED and frees nothing, but one that starts after the first
- * returned uses freed memory, as any call would. @threads handle (one
- * close per engine) */
+ * returned uses freed memory, as any call would. In a child process made
+ * by fork() after the engine opened, the engine is a copy without its
+ * worker threads, its locks as the parent's threads held them: every call
+ * on it there returns KVH_ERR_UNSUPPORTED, and this one returns KVH_OK at
+ * once and frees nothing (the copy goes with the process); open a new
+ * engine in the child. @threads handle (one close per engine) */
 KVH_API kvh_status kvh_engine_close(kvh_engine *engine);
 
 /* Bytes of one block for this engine's geometry. [out] *bytes. Returns

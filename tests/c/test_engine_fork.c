@@ -1,0 +1,99 @@
+/* An engine in a child process made by fork() after it opened (kvh.h,
+ * kvh_engine_open): the child's copy has no worker threads and its locks
+ * are as the parent's threads held them, so every call there returns
+ * KVH_ERR_UNSUPPORTED with a message, kvh_engine_close returns KVH_OK at
+ * once without freeing anything, and a new engine opened in the child
+ * works. The parent's engine is untouched. */
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "test_util.h"
+#include "disk_test_util.h"
+
+enum { L = 2, H = 2, D = 8, BT = 4 };
+static const size_t TOK = H * D * 2;
+
+/* Waits for pid at most secs seconds; kills it and fails if it hangs. */
+static int reap_within(pid_t pid, int secs)
+{
+    for (int i = 0; i < secs * 100; i++) {
+        int ws;
+        pid_t r = waitpid(pid, &ws, WNOHANG);
+        if (r == pid)
+            return WIFEXITED(ws) ? WEXITSTATUS(ws) : 128 + WTERMSIG(ws);
+        usleep(10000);
+    }
+    kill(pid, SIGKILL);
+    (void)dt_reap(pid);
+    fail_msg("the child hung (killed after %d s)", secs);
+    return -1;
+}
+
+/* 0 when every check in the child holds, else the number of the first
+ * that failed. */
+static int child_checks(kvh_engine *e, kvh_seq s)
+{
+    uint64_t n = 0;
+    if (kvh_seq_length(e, s, &n) != KVH_ERR_UNSUPPORTED || !strstr(kvh_last_error(), "fork"))
+        return 1;
+    kvh_block b;
+    if (kvh_block_alloc(e, 0, &b) != KVH_ERR_UNSUPPORTED)
+        return 2;
+    kvh_fence f;
+    if (kvh_seq_migrate(e, s, 0, 4, KVH_TIER_HOST, &f) != KVH_ERR_UNSUPPORTED)
+        return 3;
+    if (kvh_seq_acquire(e, s, 0, 4, NULL) != KVH_ERR_UNSUPPORTED)
+        return 4;
+    if (kvh_engine_close(e) != KVH_OK)
+        return 5;
+    /* A new engine of the child's own works. */
+    kvh_config c = tu_cfg(L, H, D, BT, KVH_DTYPE_F16, 16, 16, 2);
+    kvh_engine *mine = NULL;
+    if (kvh_engine_open(&c, &mine) != KVH_OK)
+        return 6;
+    kvh_seq t;
+    int32_t tok[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+    if (kvh_seq_create(mine, 0, &t) != KVH_OK || kvh_seq_append(mine, t, tok, 8) != KVH_OK)
+        return 7;
+    if (kvh_seq_migrate(mine, t, 0, 8, KVH_TIER_HOST, &f) != KVH_OK || kvh_fence_wait(mine, f, UINT64_MAX) != KVH_OK ||
+        kvh_fence_free(mine, f) != KVH_OK)
+        return 8;
+    if (kvh_engine_close(mine) != KVH_OK)
+        return 9;
+    return 0;
+}
+
+static void test_a_forked_child_cannot_use_the_parents_engine(void **state)
+{
+    (void)state;
+    kvh_engine *e = tu_open(L, H, D, BT, KVH_DTYPE_F16, 16, 16, 2);
+    kvh_seq s = tu_seq_new(e, 0);
+    int32_t tok[12];
+    tu_iota(tok, 12, 1);
+    assert_ok(kvh_seq_append(e, s, tok, 12));
+    tu_write_pattern(e, s, L, TOK, 5, 0, 12);
+    /* Workers busy at the fork: moves queued and in flight. */
+    kvh_fence f;
+    assert_ok(kvh_seq_migrate(e, s, 0, 12, KVH_TIER_HOST, &f));
+    pid_t pid = dt_fork_child();
+    assert_true(pid >= 0);
+    if (pid == 0)
+        _exit(child_checks(e, s));
+    int rc = reap_within(pid, 20);
+    if (rc != 0)
+        fail_msg("check %d failed in the child", rc);
+    /* The parent's engine is as it was. */
+    assert_ok(kvh_fence_wait(e, f, UINT64_MAX));
+    assert_ok(kvh_fence_free(e, f));
+    assert_true(tu_check_pattern(e, s, L, TOK, 5, 0, 12));
+    assert_ok(kvh_seq_free(e, s));
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_teardown(test_a_forked_child_cannot_use_the_parents_engine, tu_teardown),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
