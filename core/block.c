@@ -371,6 +371,8 @@ __attribute__((always_inline)) static inline void block_destroy(kvh_engine *e, u
 {
     kvhi_block *blk = kvhi_blk(e, b);
     assert(e->block_readers[b] == 0); /* a read holds it, so it cannot be destroyed */
+    if (e->handle_twins.count)        /* most engines never keep one */
+        kvhi_twin_drop_slow(e, b);
     heaps_remove(e, b);
     kvhi_adapt_forget(e, &e->adapt, b);
     if (blk->flags & KVHI_BF_PUBLISHED)

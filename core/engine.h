@@ -29,6 +29,7 @@
 #include "core/lruk.h"
 #include "core/adaptive.h"
 #include "core/clean_copy.h"
+#include "core/durable_twin.h"
 #include "core/prefix_index.h"
 #include "core/slot_pool.h"
 
@@ -128,6 +129,8 @@ struct kvh_engine {
     uint32_t release_backlog_head;
     uint32_t release_backlog_len;
     uint32_t block_newest; /* the record kvhi_block_new handed out last */
+    /* Twins kept for blocks persisted through handles (core/durable_twin.h). */
+    kvhi_twin_table handle_twins;
 
     kvhi_tier tiers[KVH_TIER_COUNT];
     kvhi_prefix_index prefix;

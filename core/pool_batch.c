@@ -259,6 +259,7 @@ static kvh_status run_persist(kvh_engine *e, kvhi_pool_work *w)
     kvh_status first = KVH_OK;
     char msg[192] = "";
     uint32_t *blocks = malloc(sizeof(uint32_t) * (w->n ? w->n : 1)), k = 0;
+    uint32_t *twins = malloc(sizeof(uint32_t) * (w->n ? w->n : 1));
     for (uint32_t i = 0; i < w->n; i++) {
         kvhi_pool_item *it = &w->items[i];
         kvhi_block *blk = &e->blocks[it->block];
@@ -269,9 +270,17 @@ static kvh_status run_persist(kvh_engine *e, kvhi_pool_work *w)
         else if (blocks)
             blocks[k++] = it->block;
     }
-    kvh_status st = !blocks   ? kvhi_fail(KVH_ERR_NOMEM, "out of memory for a persist")
-                    : e->disk ? kvhi_disk_persist_blocks(e, blocks, k, "of the list", NULL)
-                              : KVH_OK; /* with only a remote tier, persisting means uploading */
+    kvh_status st = !blocks || !twins ? kvhi_fail(KVH_ERR_NOMEM, "out of memory for a persist")
+                    : e->disk         ? kvhi_disk_persist_blocks(e, blocks, k, "of the list", twins)
+                                      : KVH_OK; /* with only a remote tier, persisting means uploading */
+    /* A twin made durable in a block's place lives as long as the block
+     * (core/durable_twin.h). */
+    for (uint32_t i = 0; e->disk && blocks && twins && i < k; i++)
+        if (twins[i] != KVHI_NO_BLOCK && kvhi_twin_keep(e, blocks[i], twins[i]) != 0) {
+            kvhi_block_unref(e, twins[i]);
+            if (st == KVH_OK)
+                st = kvhi_fail(KVH_ERR_NOMEM, "out of memory keeping a persisted block's twin");
+        }
     if (st == KVH_OK && e->remote)
         kvhi_remote_persist_blocks(e, blocks, k);
     if (st != KVH_OK && first == KVH_OK) {
@@ -279,6 +288,7 @@ static kvh_status run_persist(kvh_engine *e, kvhi_pool_work *w)
         snprintf(msg, sizeof(msg), "%s", kvhi_last_error());
     }
     free(blocks);
+    free(twins);
     return work_end(e, w, 0, first, msg);
 }
 

@@ -254,11 +254,104 @@ static void test_persist_keeps_the_published_twin(void **state)
     dt_assert_ok(kvh_seq_free(e, a));
 }
 
+/* The same through kvh_blocks_persist: a block named by its handle whose
+ * published twin was made durable in its place keeps the twin while it
+ * lives (persisting it again takes no second reference), and lets it go
+ * when it is freed. */
+static void test_blocks_persist_keeps_the_published_twin(void **state)
+{
+    (void)state;
+    kvh_engine *e = open_engine("twin_blocks", 8, 8, 0);
+    dt_content c = dt_plain(32);
+    kvh_seq a, f;
+    dt_assert_ok(dt_build(e, GEO, c, GEO.bt, 0, &a));
+    dt_assert_ok(kvh_seq_fork(e, a, 0, &f));
+    uint8_t k[64], v[64];
+    dt_assert_ok(kvh_seq_read_kv(e, a, 0, 0, 1, k, v));
+    dt_assert_ok(kvh_seq_write_kv(e, a, 0, 0, 1, k, v)); /* to a copy: the original is f's */
+    assert_false(dt_binfo(e, a, 0).published);
+    kvh_block own;
+    dt_assert_ok(kvh_seq_blocks(e, a, 0, 1, &own));
+    dt_assert_ok(kvh_blocks_persist(e, &own, 1, NULL));
+    int32_t tok[4];
+    dt_assert_ok(kvh_seq_tokens(e, a, 0, GEO.bt, tok));
+    kvh_block twin;
+    size_t nb = 0;
+    dt_assert_ok(kvh_prefix_lookup(e, tok, GEO.bt, &twin, 1, &nb));
+    assert_int_equal(nb, 1);
+    assert_true(twin.id != own.id);
+    kvh_block_info bi = {.struct_size = sizeof(bi)};
+    dt_assert_ok(kvh_block_info_get(e, twin, &bi));
+    assert_int_equal(bi.refs, 3); /* f, a's block, this handle */
+    dt_assert_ok(kvh_blocks_persist(e, &own, 1, NULL));
+    dt_assert_ok(kvh_block_info_get(e, twin, &bi));
+    assert_int_equal(bi.refs, 3);
+    dt_assert_ok(kvh_seq_free(e, f));
+    dt_assert_ok(kvh_block_info_get(e, twin, &bi));
+    assert_int_equal(bi.refs, 2);
+    dt_assert_ok(kvh_seq_free(e, a)); /* a's block goes, and its hold on the twin */
+    dt_assert_ok(kvh_block_info_get(e, twin, &bi));
+    assert_int_equal(bi.refs, 1);
+    dt_assert_ok(kvh_block_release(e, twin));
+}
+
+/* Many blocks keeping twins, freed in a shuffled order: each free lets
+ * go of its own twin and no other (the table of kept twins grows and
+ * shrinks through deletions in any order). */
+static void test_many_kept_twins_freed_in_any_order(void **state)
+{
+    (void)state;
+    enum { N = 40 };
+    kvh_engine *e = open_engine("twins_many", 2 * N + 8, 8, 0);
+    kvh_seq a[N], f[N];
+    kvh_block twin[N];
+    for (int i = 0; i < N; i++) {
+        dt_assert_ok(dt_build(e, GEO, dt_plain(100 + (uint64_t)i), GEO.bt, 0, &a[i]));
+        dt_assert_ok(kvh_seq_fork(e, a[i], 0, &f[i]));
+        uint8_t k[64], v[64];
+        dt_assert_ok(kvh_seq_read_kv(e, a[i], 0, 0, 1, k, v));
+        dt_assert_ok(kvh_seq_write_kv(e, a[i], 0, 0, 1, k, v));
+        kvh_block own;
+        dt_assert_ok(kvh_seq_blocks(e, a[i], 0, 1, &own));
+        dt_assert_ok(kvh_blocks_persist(e, &own, 1, NULL));
+        dt_assert_ok(kvh_seq_free(e, f[i]));
+        int32_t tok[4];
+        dt_assert_ok(kvh_seq_tokens(e, a[i], 0, GEO.bt, tok));
+        size_t nb = 0;
+        dt_assert_ok(kvh_prefix_lookup(e, tok, GEO.bt, &twin[i], 1, &nb));
+        assert_int_equal(nb, 1);
+    }
+    int order[N];
+    for (int i = 0; i < N; i++)
+        order[i] = i;
+    dt_rng r = {dt_seed(0x7717)};
+    for (int i = N - 1; i > 0; i--) {
+        int j = (int)dt_below(&r, (uint64_t)(i + 1)), t = order[i];
+        order[i] = order[j];
+        order[j] = t;
+    }
+    bool freed[N] = {false};
+    for (int n = 0; n < N; n++) {
+        dt_assert_ok(kvh_seq_free(e, a[order[n]]));
+        freed[order[n]] = true;
+        for (int i = 0; i < N; i++) {
+            kvh_block_info bi = {.struct_size = sizeof(bi)};
+            dt_assert_ok(kvh_block_info_get(e, twin[i], &bi));
+            if (bi.refs != (freed[i] ? 1u : 2u))
+                fail_msg("after %d frees, twin %d has %u references (freed: %d)", n + 1, i, bi.refs, freed[i]);
+        }
+    }
+    for (int i = 0; i < N; i++)
+        dt_assert_ok(kvh_block_release(e, twin[i]));
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_truncate_block_on_disk, dt_teardown),
         cmocka_unit_test_teardown(test_persist_keeps_the_published_twin, dt_teardown),
+        cmocka_unit_test_teardown(test_blocks_persist_keeps_the_published_twin, dt_teardown),
+        cmocka_unit_test_teardown(test_many_kept_twins_freed_in_any_order, dt_teardown),
         cmocka_unit_test_teardown(test_truncate_block_with_clean_copy, dt_teardown),
         cmocka_unit_test_teardown(test_truncate_shared_block_on_disk, dt_teardown),
         cmocka_unit_test_teardown(test_write_longer_than_memory, dt_teardown),

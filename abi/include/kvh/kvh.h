@@ -1136,7 +1136,8 @@ KVH_API kvh_status kvh_pool_restore_batch(kvh_engine *engine, kvh_pool pool, kvh
  * one: e.g. the blocks an offload batch returned, which it waits for. As
  * there, the block made durable for each is the one published under its
  * prefix hash (another block, where one of the same prefix was published
- * first).
+ * first); that other block is then kept (a reference) as long as the
+ * block named here lives, so the prefix stays durable while it is held.
  * Blocks must be full and hashed (from kvh_pool_offload* or a prefix
  * lookup). With fence NULL the call persists before it returns; else it
  * returns at once and [out] *fence (kvh_fence_free) completes when they
