@@ -1916,6 +1916,10 @@ class Sequence(GatedHandle, OwnedHandle):
         """Makes every full block durable in the disk tier (UnsupportedError
         without a disk tier)."""
         with self._call() as p:
+            if self._views:
+                # A full block may be published here (its twin gone): its
+                # writable views let go of it first.
+                self._detach_views(p, range(self._length(p) // self._engine.block_tokens))
             check(lib.kvh_seq_persist(p, self._h[0]))
             self._refresh_views()
 
@@ -1959,8 +1963,8 @@ class Sequence(GatedHandle, OwnedHandle):
         until the view is collected. A write through the sequence into a
         shared block moves this sequence to a private copy: take a new view
         after writes, forks or appends (writable views of this sequence are
-        made read-only when that happens). Before a ``fork``, or a
-        ``write_kv`` into a full block (which may publish it), the sequence
+        made read-only when that happens). Before a ``fork``, a ``persist``
+        or a ``write_kv`` into a full block (which may publish it), the sequence
         moves to a copy of each block a writable view maps and the view keeps
         the old one: arrays made from the view earlier keep their NumPy
         write flag, but what they write reaches no sequence and no prefix
