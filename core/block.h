@@ -283,6 +283,8 @@ void kvhi_hint_set(kvh_engine *e, uint32_t b, int32_t priority);
 bool kvhi_hint_set_unlapsing(kvh_engine *e, uint32_t b, int32_t priority);
 /* Removes priority from b's two, if there (the use it named has passed). */
 void kvhi_hint_drop(kvh_engine *e, uint32_t b, int32_t priority);
+/* Whether b holds priority as a queue priority now. */
+bool kvhi_hint_holds_queued(const kvh_engine *e, uint32_t b, int32_t priority);
 /* b's priority `was`, if it holds it, is `now` instead (the queue's ranks
  * moved to a new base). */
 void kvhi_hint_rerank(kvh_engine *e, uint32_t b, int32_t was, int32_t now);

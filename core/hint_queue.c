@@ -27,8 +27,13 @@
  * the caller dropped or moved later cannot keep outranking the requests
  * queued behind it for longer than the step takes to pass its number.
  * Each (block, request) pair is filed once while the block holds it, so
- * re-hinting the queue before every step files nothing new.
- * Cost: O(log n) per new pair, each popped once. */
+ * re-hinting the queue before every step files nothing new. A block that
+ * gave a priority up (redeemed by a read once due) and is hinted for the
+ * same request again is filed again; so before the heap grows, the pairs
+ * no block holds any more and the repeats are swept out: what stays is at
+ * most the two priorities each block keeps, and the heap's size follows
+ * that, not the number of hints.
+ * Cost: O(log n) per new pair amortised, each popped once. */
 #include "core/hint_queue.h"
 
 #include <stdlib.h>
@@ -60,15 +65,71 @@ static void heap_swap(kvhi_queue_hint *h, uint32_t i, uint32_t j)
     h[j] = t;
 }
 
+static void sift_down(kvhi_queue_hint *h, uint32_t n, uint32_t i)
+{
+    for (;;) {
+        uint32_t l = 2 * i + 1, m = i;
+        if (l < n && h[l].request < h[m].request)
+            m = l;
+        if (l + 1 < n && h[l + 1].request < h[m].request)
+            m = l + 1;
+        if (m == i)
+            return;
+        heap_swap(h, i, m);
+        i = m;
+    }
+}
+
+static int pair_cmp(const void *a, const void *b)
+{
+    const kvhi_queue_hint *x = a, *y = b;
+    if (x->block != y->block)
+        return x->block < y->block ? -1 : 1;
+    if (x->gen != y->gen)
+        return x->gen < y->gen ? -1 : 1;
+    return (x->request > y->request) - (x->request < y->request);
+}
+
+/* Drops the pairs whose block no longer holds their priority (redeemed,
+ * pushed out, freed) and all but one of each repeated pair, then rebuilds
+ * the heap. */
+static void sweep(kvh_engine *e)
+{
+    kvhi_queue_hint *h = e->qhint_heap;
+    uint64_t base = rank_base(e->qhint_step);
+    uint32_t k = 0;
+    for (uint32_t i = 0; i < e->qhint_count; i++) {
+        const kvhi_block *blk = &e->blocks[h[i].block];
+        if (blk->gen == h[i].gen && (blk->flags & KVHI_BF_LIVE) &&
+            kvhi_hint_holds_queued(e, h[i].block, priority_at(base, h[i].request)))
+            h[k++] = h[i];
+    }
+    qsort(h, k, sizeof(*h), pair_cmp);
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < k; i++)
+        if (n == 0 || pair_cmp(&h[n - 1], &h[i]) != 0)
+            h[n++] = h[i];
+    for (uint32_t i = n / 2; i-- > 0;)
+        sift_down(h, n, i);
+    e->qhint_count = n;
+}
+
 static bool file_pair(kvh_engine *e, kvhi_queue_hint r)
 {
     if (e->qhint_count == e->qhint_cap) {
-        uint32_t cap = e->qhint_cap ? e->qhint_cap * 2 : 256;
-        kvhi_queue_hint *h = realloc(e->qhint_heap, (size_t)cap * sizeof(*h));
-        if (!h)
-            return false;
-        e->qhint_heap = h;
-        e->qhint_cap = cap;
+        /* Full: sweep first, and grow only while over half is still held. */
+        if (e->qhint_cap)
+            sweep(e);
+        if (e->qhint_cap == 0 || e->qhint_count > e->qhint_cap / 2) {
+            if (e->qhint_cap > UINT32_MAX / 2)
+                return false; /* as out of memory: advice, dropped */
+            uint32_t cap = e->qhint_cap ? e->qhint_cap * 2 : 256;
+            kvhi_queue_hint *h = realloc(e->qhint_heap, (size_t)cap * sizeof(*h));
+            if (!h)
+                return false;
+            e->qhint_heap = h;
+            e->qhint_cap = cap;
+        }
     }
     kvhi_queue_hint *h = e->qhint_heap;
     uint32_t i = e->qhint_count++;
@@ -85,17 +146,7 @@ static kvhi_queue_hint pop_pair(kvh_engine *e)
     kvhi_queue_hint *h = e->qhint_heap;
     kvhi_queue_hint top = h[0];
     h[0] = h[--e->qhint_count];
-    for (uint32_t i = 0;;) {
-        uint32_t l = 2 * i + 1, m = i;
-        if (l < e->qhint_count && h[l].request < h[m].request)
-            m = l;
-        if (l + 1 < e->qhint_count && h[l + 1].request < h[m].request)
-            m = l + 1;
-        if (m == i)
-            break;
-        heap_swap(h, i, m);
-        i = m;
-    }
+    sift_down(h, e->qhint_count, 0);
     return top;
 }
 
@@ -146,6 +197,14 @@ kvh_status kvhi_hint_advance(kvh_engine *e, uint64_t steps, uint64_t *step)
             kvhi_hint_drop(e, r.block, priority_at(old_base, r.request));
     }
     e->qhint_step = to;
+    /* Memory follows the pairs filed, down as well as up. */
+    if (e->qhint_cap > 256 && e->qhint_count < e->qhint_cap / 4) {
+        kvhi_queue_hint *h = realloc(e->qhint_heap, (size_t)(e->qhint_cap / 2) * sizeof(*h));
+        if (h) {
+            e->qhint_heap = h;
+            e->qhint_cap /= 2;
+        }
+    }
     if (rank_base(to) != old_base)
         rerank(e, old_base, rank_base(to));
     *step = e->qhint_step;

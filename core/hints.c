@@ -287,6 +287,13 @@ void kvhi_hint_drop(kvh_engine *e, uint32_t b, int32_t priority)
     pair_store(e, b, &h);
 }
 
+bool kvhi_hint_holds_queued(const kvh_engine *e, uint32_t b, int32_t priority)
+{
+    hint_pair h = pair_of(&e->blocks[b]);
+    int at = pair_find(&h, priority);
+    return at >= 0 && h.queue[at];
+}
+
 void kvhi_hint_rerank(kvh_engine *e, uint32_t b, int32_t was, int32_t now)
 {
     hint_pair h = pair_of(kvhi_blk(e, b));

@@ -247,6 +247,43 @@ static void test_an_earlier_read_leaves_a_queue_priority_in_place(void **state)
 
 /* Misuse: unknown kinds, out-of-range places and ranges, a freed sequence;
  * none changes the step or any hint. */
+/* The queue's head re-hinted before every read while the step does not
+ * move (it waits): each read redeems the due priority and each hint puts
+ * it back. The filed pairs stay bounded by what the blocks hold (two
+ * priorities each), whatever the number of rounds, and the heap's memory
+ * shrinks again once the step passes. */
+static void test_rehinting_a_waiting_head_files_a_bounded_heap(void **state)
+{
+    (void)state;
+    world w;
+    open_world(&w);
+    float kv[BT * BLOCKS * 4] = {0};
+    for (int i = 0; i < SEQS; i++)
+        assert_ok(kvh_seq_write_kv(w.e, w.s[i], 0, 0, BT * BLOCKS, kv, kv));
+    kvh_seq reader;
+    assert_ok(kvh_seq_fork(w.e, w.s[0], 1, &reader)); /* a running request sharing the blocks */
+    uint32_t most = 0;
+    for (int round = 0; round < 20000; round++) {
+        for (int i = 0; i < SEQS; i++)
+            assert_ok(kvh_seq_hint_queued(w.e, w.s[i], 0, BT * BLOCKS, (uint64_t)i, KVH_HINT_POSITION));
+        assert_ok(kvh_seq_read_kv(w.e, reader, 0, 0, BT * BLOCKS, kv, kv));
+        pthread_mutex_lock(&w.e->lock);
+        if (w.e->qhint_cap > most)
+            most = w.e->qhint_cap;
+        pthread_mutex_unlock(&w.e->lock);
+    }
+    /* SEQS * BLOCKS blocks hold at most two queue priorities each. */
+    assert_true(most <= 256);
+    int32_t p = 0;
+    assert_true(hinted(&w, 1, &p)); /* its request is still to come */
+    uint64_t step = 0;
+    assert_ok(kvh_hint_advance(w.e, SEQS, &step));
+    pthread_mutex_lock(&w.e->lock);
+    assert_int_equal(w.e->qhint_count, 0);
+    pthread_mutex_unlock(&w.e->lock);
+    assert_ok(kvh_seq_free(w.e, reader));
+}
+
 static void test_misuse(void **state)
 {
     (void)state;
@@ -279,6 +316,7 @@ int main(void)
         cmocka_unit_test_teardown(test_hinted_once_redeems_each_use, tu_teardown),
         cmocka_unit_test_teardown(test_seq_and_queue_hints_on_one_block_keep_their_own_rules, tu_teardown),
         cmocka_unit_test_teardown(test_an_earlier_read_leaves_a_queue_priority_in_place, tu_teardown),
+        cmocka_unit_test_teardown(test_rehinting_a_waiting_head_files_a_bounded_heap, tu_teardown),
         cmocka_unit_test_teardown(test_misuse, tu_teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -1076,7 +1076,8 @@ KVH_API kvh_status kvh_pool_restore(kvh_engine *engine, kvh_pool pool, kvh_block
  * (their fences are gone with the engine; statuses are written). */
 
 /* One slot of a batch. Entries of one call share a struct_size (the array
- * stride): at least sizeof(kvh_pool_xfer) of this header. */
+ * stride): at least sizeof(kvh_pool_xfer) of this header, and a multiple
+ * of 8 (its 64-bit fields stay aligned). */
 typedef struct kvh_pool_xfer {
     uint32_t struct_size;
     uint32_t slot;
@@ -1102,8 +1103,9 @@ typedef struct kvh_pool_xfer {
  * failed), KVH_ERR_NOMEM, KVH_ERR_BAD_HANDLE (pool unregistered first),
  * KVH_ERR_CLOSED. Returns, with nothing queued or retained:
  * KVH_ERR_INVALID_ARG (NULL xfers with n > 0, NULL fence, NULL tokens,
- * struct_size below sizeof(kvh_pool_xfer) or unequal, a slot listed
- * twice, n > num_slots), KVH_ERR_RANGE (slot >= num_slots),
+ * struct_size below sizeof(kvh_pool_xfer), not a multiple of 8 or
+ * unequal, a slot listed twice, n > num_slots), KVH_ERR_RANGE (slot >=
+ * num_slots),
  * KVH_ERR_BAD_HANDLE (pool), KVH_ERR_NOSPACE (no room for the blocks),
  * KVH_ERR_NOMEM. @threads any */
 KVH_API kvh_status kvh_pool_offload_batch(kvh_engine *engine, kvh_pool pool, kvh_pool_xfer *xfers, size_t n,
