@@ -31,7 +31,9 @@ static const char *foreign_store_file(int dir_fd)
         uint8_t first[8];
         ssize_t n = pread(fd, first, sizeof(first), 0);
         close(fd);
-        if (n == (ssize_t)sizeof(first) && !kvhi_index_magic_is_kvh(first))
+        /* Shorter than kvh's magic but not empty is not kvh's either (a
+         * store that has one always has its slabs or LOCK, seen above). */
+        if (n > 0 && (n < (ssize_t)sizeof(first) || !kvhi_index_magic_is_kvh(first)))
             return names[i];
     }
     return NULL;

@@ -235,6 +235,18 @@ static void test_directory_with_a_foreign_index_is_refused(void **state)
     kvh_engine *e;
     dt_assert_kvh(KVH_ERR_IO, open_store(dir, &e));
     expect_foreign_dir_untouched(dir, index_path, theirs, sizeof(theirs), "not a kvh store");
+    /* Files shorter than kvh's 8-byte magic, an index or a journal, are
+     * not kvh's either. */
+    static const char *const names[] = {"index", "journal"};
+    static const char *const short_ones[] = {"todo\n", "x", "KVHIDX"};
+    for (size_t f = 0; f < 2; f++)
+        for (size_t i = 0; i < 3; i++) {
+            assert_int_equal(unlink(index_path), 0);
+            dt_path(index_path, sizeof(index_path), dir, names[f]);
+            assert_int_equal(dt_write_file(index_path, short_ones[i], strlen(short_ones[i])), 0);
+            dt_assert_kvh(KVH_ERR_IO, open_store(dir, &e));
+            expect_foreign_dir_untouched(dir, index_path, short_ones[i], strlen(short_ones[i]), "not a kvh store");
+        }
     assert_int_equal(unlink(index_path), 0);
     dt_assert_ok(open_store(dir, &e));
     dt_assert_ok(dt_close(e));
