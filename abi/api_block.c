@@ -118,10 +118,7 @@ kvh_status kvh_block_pin(kvh_engine *e, kvh_block block, int32_t pinned)
         return st;
     uint32_t b;
     if ((st = kvhi_block_resolve(e, block, &b)) == KVH_OK) {
-        if (!pinned && e->blocks[b].pins == 0)
-            st = kvhi_fail(KVH_ERR_INVALID_ARG, "block is not pinned");
-        else
-            kvhi_block_pin(e, b, pinned != 0);
+        st = kvhi_block_pin_handle(e, b, pinned != 0);
     }
     kvhi_leave(e);
     return st;

@@ -367,12 +367,54 @@ static bool block_gen_advance(kvh_engine *e, kvhi_block *blk)
     return (gen - e->gen_start) >> handle_gen_bits == 0;
 }
 
+/* b is being destroyed: its kept twin's reference goes, and its handle
+ * pins with it (its record's pins count is dropped with the record). */
+static void forget_handle_extras(kvh_engine *e, uint32_t b)
+{
+    uint32_t v;
+    (void)kvhi_block_map_take(&e->handle_pins, b, &v);
+    if (kvhi_block_map_take(&e->handle_twins, b, &v))
+        kvhi_block_unref(e, v);
+}
+
+int kvhi_block_keep_twin(kvh_engine *e, uint32_t b, uint32_t twin)
+{
+    if (kvhi_block_map_find(&e->handle_twins, b)) {
+        kvhi_block_unref(e, twin); /* kept already (persisted twice): one reference is enough */
+        return 0;
+    }
+    return kvhi_block_map_put(&e->handle_twins, b, twin);
+}
+
+kvh_status kvhi_block_pin_handle(kvh_engine *e, uint32_t b, bool pin)
+{
+    uint32_t *mine = kvhi_block_map_find(&e->handle_pins, b);
+    if (!pin) {
+        if (!mine || *mine == 0)
+            return kvhi_fail(KVH_ERR_INVALID_ARG, "no pin taken through a block handle is left to drop "
+                                                  "(a sequence's pins are its own)");
+        if (--*mine == 0) {
+            uint32_t v;
+            (void)kvhi_block_map_take(&e->handle_pins, b, &v);
+        }
+    } else {
+        if (e->blocks[b].pins == UINT32_MAX)
+            return kvhi_fail(KVH_ERR_RANGE, "the block is pinned %u times already", UINT32_MAX);
+        if (mine)
+            ++*mine;
+        else if (kvhi_block_map_put(&e->handle_pins, b, 1) != 0)
+            return kvhi_fail(KVH_ERR_NOMEM, "out of memory for a block's pins");
+    }
+    kvhi_block_pin(e, b, pin);
+    return KVH_OK;
+}
+
 __attribute__((always_inline)) static inline void block_destroy(kvh_engine *e, uint32_t b, bool keep_slot)
 {
     kvhi_block *blk = kvhi_blk(e, b);
-    assert(e->block_readers[b] == 0); /* a read holds it, so it cannot be destroyed */
-    if (e->handle_twins.count)        /* most engines never keep one */
-        kvhi_twin_drop_slow(e, b);
+    assert(e->block_readers[b] == 0);                 /* a read holds it, so it cannot be destroyed */
+    if (e->handle_twins.count | e->handle_pins.count) /* most engines never keep one */
+        forget_handle_extras(e, b);
     heaps_remove(e, b);
     kvhi_adapt_forget(e, &e->adapt, b);
     if (blk->flags & KVHI_BF_PUBLISHED)

@@ -269,6 +269,15 @@ void kvhi_block_unhold_reading(kvh_engine *e, uint32_t b);
 /* Frees slot of tier, which b has just left: now, or after b's reads. */
 void kvhi_block_release_source(kvh_engine *e, uint32_t b, uint32_t tier, uint32_t slot);
 void kvhi_block_pin(kvh_engine *e, uint32_t b, bool pin);
+/* kvh_block_pin's work: pins taken through handles are counted apart
+ * (engine.h, handle_pins), so unpinning drops only one of those;
+ * KVH_ERR_INVALID_ARG when none is left, KVH_ERR_RANGE at 2^32 - 1 pins. */
+kvh_status kvhi_block_pin_handle(kvh_engine *e, uint32_t b, bool pin);
+/* b (named by a handle) keeps twin, a published block of its prefix made
+ * durable in its place, taking over the caller's reference on it (dropped
+ * at once when b keeps one already); the reference goes when b is
+ * destroyed. 0, or -1 out of memory (the reference is the caller's). */
+int kvhi_block_keep_twin(kvh_engine *e, uint32_t b, uint32_t twin);
 /* Recompute whether b belongs in an eviction heap. */
 void kvhi_block_update_evictable(kvh_engine *e, uint32_t b);
 /* b's victim-order key now (a kvhi_lruk_current_fn; engine as ctx). */

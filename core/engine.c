@@ -309,7 +309,8 @@ static void engine_free(kvh_engine *e)
     kvhi_pools_destroy(e);
     kvhi_hints_free(e);
     kvhi_hint_queue_free(e);
-    kvhi_twin_table_free(&e->handle_twins);
+    kvhi_block_map_free(&e->handle_twins);
+    kvhi_block_map_free(&e->handle_pins);
     kvhi_adapt_free(e);
     kvhi_handles_destroy(&e->pools);
     kvhi_vmap_engine_free(e);

@@ -29,7 +29,7 @@
 #include "core/lruk.h"
 #include "core/adaptive.h"
 #include "core/clean_copy.h"
-#include "core/durable_twin.h"
+#include "core/block_map.h"
 #include "core/prefix_index.h"
 #include "core/slot_pool.h"
 
@@ -129,8 +129,13 @@ struct kvh_engine {
     uint32_t release_backlog_head;
     uint32_t release_backlog_len;
     uint32_t block_newest; /* the record kvhi_block_new handed out last */
-    /* Twins kept for blocks persisted through handles (core/durable_twin.h). */
-    kvhi_twin_table handle_twins;
+    /* What blocks named by handles carry beyond their records
+     * (core/block.c): the durable twin each keeps (a published block of
+     * its prefix that kvh_blocks_persist made durable in its place, one
+     * reference per entry), and the pins taken through handles (a
+     * sequence's pins are its own, kvhi_seq.pins). */
+    kvhi_block_map handle_twins;
+    kvhi_block_map handle_pins;
 
     kvhi_tier tiers[KVH_TIER_COUNT];
     kvhi_prefix_index prefix;

@@ -273,10 +273,9 @@ static kvh_status run_persist(kvh_engine *e, kvhi_pool_work *w)
     kvh_status st = !blocks || !twins ? kvhi_fail(KVH_ERR_NOMEM, "out of memory for a persist")
                     : e->disk         ? kvhi_disk_persist_blocks(e, blocks, k, "of the list", twins)
                                       : KVH_OK; /* with only a remote tier, persisting means uploading */
-    /* A twin made durable in a block's place lives as long as the block
-     * (core/durable_twin.h). */
+    /* A twin made durable in a block's place lives as long as the block. */
     for (uint32_t i = 0; e->disk && blocks && twins && i < k; i++)
-        if (twins[i] != KVHI_NO_BLOCK && kvhi_twin_keep(e, blocks[i], twins[i]) != 0) {
+        if (twins[i] != KVHI_NO_BLOCK && kvhi_block_keep_twin(e, blocks[i], twins[i]) != 0) {
             kvhi_block_unref(e, twins[i]);
             if (st == KVH_OK)
                 st = kvhi_fail(KVH_ERR_NOMEM, "out of memory keeping a persisted block's twin");

@@ -750,6 +750,10 @@ kvh_status kvhi_seq_acquire(kvh_engine *e, kvhi_seq *s, uint64_t first, uint64_t
     kvh_status st = kvhi_seq_block_range(e, s, first, n, &b0, &b1);
     if (st != KVH_OK)
         return st;
+    /* Checked first so that a refusal changes nothing. */
+    for (uint32_t i = b0; i < b1; i++)
+        if (s->held[i] == UINT32_MAX || e->blocks[s->blocks[i]].holds == UINT32_MAX)
+            return kvhi_fail(KVH_ERR_RANGE, "block %u of the sequence is held %u times already", i, UINT32_MAX);
     uint32_t fidx;
     kvh_fence fh;
     if ((st = kvhi_fence_new(e, &fidx, &fh)) != KVH_OK)

@@ -834,6 +834,64 @@ static void test_cow_copy(void **state)
     assert_ok(kvh_seq_free(e, s));
 }
 
+/* ---- pins and holds through the public calls: limits, ownership ---- */
+
+/* Record index of a block handle. */
+static uint32_t record_of(kvh_engine *e, kvh_block h) { return kvhi_handle_unpack_index(h.id, e->block_index_bits); }
+
+/* A block's pin count stops at 2^32 - 1 (KVH_ERR_RANGE, nothing
+ * changed); a handle's pins are the handle's (a block destroyed with some
+ * leaves none behind for the record's next block); a sequence's holds
+ * stop at 2^32 - 1 too, with nothing held by the refused call. The counts
+ * are set near their limits directly (2^32 calls take minutes). */
+static void test_pin_and_hold_limits(void **state)
+{
+    (void)state;
+    kvh_engine *e = open_engine(8, 8);
+    kvh_block h;
+    assert_ok(kvh_block_alloc(e, 0, &h));
+    assert_ok(kvh_block_pin(e, h, 1));
+    uint32_t b = record_of(e, h);
+    pthread_mutex_lock(&e->lock);
+    e->blocks[b].pins = UINT32_MAX - 1;
+    *kvhi_block_map_find(&e->handle_pins, b) = UINT32_MAX - 1;
+    pthread_mutex_unlock(&e->lock);
+    assert_ok(kvh_block_pin(e, h, 1));
+    assert_kvh(KVH_ERR_RANGE, kvh_block_pin(e, h, 1));
+    assert_int_equal(tu_binfo(e, h).pins, UINT32_MAX);
+    assert_ok(kvh_block_pin(e, h, 0));
+    pthread_mutex_lock(&e->lock);
+    e->blocks[b].pins = 1;
+    *kvhi_block_map_find(&e->handle_pins, b) = 1;
+    pthread_mutex_unlock(&e->lock);
+    /* Freed while pinned by its handle: the next block of the record has
+     * no handle pin to drop. */
+    assert_ok(kvh_block_release(e, h));
+    kvh_block h2;
+    assert_ok(kvh_block_alloc(e, 0, &h2));
+    assert_int_equal(record_of(e, h2), b);
+    assert_kvh(KVH_ERR_INVALID_ARG, kvh_block_pin(e, h2, 0));
+    assert_int_equal(tu_binfo(e, h2).pins, 0);
+    assert_ok(kvh_block_release(e, h2));
+    assert_int_equal(tu_tier(e, KVH_TIER_DEVICE).pinned_blocks, 0);
+
+    kvh_seq s = make_seq(e, 1, 0, 7);
+    assert_ok(kvh_seq_acquire(e, s, 0, BT, NULL));
+    kvhi_seq *is = NULL;
+    pthread_mutex_lock(&e->lock);
+    assert_ok(kvhi_seq_get(e, s, &is));
+    is->held[0] = UINT32_MAX;
+    pthread_mutex_unlock(&e->lock);
+    assert_kvh(KVH_ERR_RANGE, kvh_seq_acquire(e, s, 0, BT, NULL));
+    assert_int_equal(tu_seq_binfo(e, s, 0).holds, 1);
+    pthread_mutex_lock(&e->lock);
+    is->held[0] = 1;
+    pthread_mutex_unlock(&e->lock);
+    assert_ok(kvh_seq_release(e, s, 0, BT));
+    assert_int_equal(tu_seq_binfo(e, s, 0).holds, 0);
+    assert_ok(kvh_seq_free(e, s));
+}
+
 static int teardown(void **state)
 {
     wb_release_held_lock();
@@ -856,6 +914,7 @@ int main(void)
         cmocka_unit_test_teardown(test_pin_follows_a_moving_block, teardown),
         cmocka_unit_test_teardown(test_publication, teardown),
         cmocka_unit_test_teardown(test_cow_copy, teardown),
+        cmocka_unit_test_teardown(test_pin_and_hold_limits, teardown),
     };
     return cmocka_run_group_tests_name("block", tests, NULL, NULL);
 }

@@ -347,7 +347,17 @@ static void test_pinning(void **state)
     /* Unpinning an unpinned range fails and changes nothing. */
     assert_kvh(KVH_ERR_INVALID_ARG, kvh_seq_pin(e, p, 0, 2 * BT, 0));
     assert_int_equal(tu_seq_binfo(e, p, 0).pins, 1);
+    /* The sequence's pin is its own: a handle cannot drop it, and a
+     * handle's pin is the handle's. */
     kvh_block b0 = tu_seq_block(e, p, 0);
+    assert_kvh(KVH_ERR_INVALID_ARG, kvh_block_pin(e, b0, 0));
+    assert_int_equal(tu_seq_binfo(e, p, 0).pins, 1);
+    assert_ok(kvh_block_pin(e, b0, 1));
+    assert_int_equal(tu_seq_binfo(e, p, 0).pins, 2);
+    assert_ok(kvh_seq_pin(e, p, 0, BT, 0));
+    assert_kvh(KVH_ERR_INVALID_ARG, kvh_seq_pin(e, p, 0, BT, 0));
+    assert_int_equal(tu_seq_binfo(e, p, 0).pins, 1);
+    assert_int_equal(tu_tier(e, KVH_TIER_DEVICE).pinned_blocks, 1);
     assert_ok(kvh_block_pin(e, b0, 0));
     assert_kvh(KVH_ERR_INVALID_ARG, kvh_block_pin(e, b0, 0));
     assert_int_equal(tu_tier(e, KVH_TIER_DEVICE).pinned_blocks, 0);

@@ -764,7 +764,8 @@ KVH_API kvh_status kvh_seq_match_prefix(kvh_engine *engine, kvh_seq seq, const i
  * waits; otherwise [out] *fence completes when they are resident and must
  * be freed with kvh_fence_free. Without a fence a failure (e.g.
  * KVH_ERR_NOSPACE) leaves nothing held; with one, the fence reports it and
- * the holds stay until kvh_seq_release. Returns KVH_ERR_RANGE,
+ * the holds stay until kvh_seq_release. Returns KVH_ERR_RANGE (the range,
+ * or a block already held 2^32 - 1 times: nothing is held then),
  * KVH_ERR_BAD_HANDLE, KVH_ERR_NOMEM; the promotions (the call itself
  * without a fence) report KVH_ERR_NOSPACE, KVH_ERR_BUSY (a block pinned in
  * a lower tier), KVH_ERR_IO, KVH_ERR_CORRUPT, KVH_ERR_NOMEM.
@@ -848,9 +849,12 @@ KVH_API kvh_status kvh_block_alloc(kvh_engine *engine, uint32_t agent, kvh_block
 KVH_API kvh_status kvh_block_retain(kvh_engine *engine, kvh_block block);
 KVH_API kvh_status kvh_block_release(kvh_engine *engine, kvh_block block);
 
-/* Pins or unpins one block in its current tier. Returns KVH_ERR_INVALID_ARG
- * (unpinning a block that is not pinned), KVH_ERR_BAD_HANDLE.
- * @threads any */
+/* Pins or unpins one block in its current tier. Pins nest, and those taken
+ * through block handles are counted apart from a sequence's (kvh_seq_pin):
+ * unpinning here drops one taken here. Returns KVH_ERR_INVALID_ARG
+ * (unpinning when no pin taken through a handle is left),
+ * KVH_ERR_RANGE (the block is pinned 2^32 - 1 times), KVH_ERR_BAD_HANDLE,
+ * KVH_ERR_NOMEM. @threads any */
 KVH_API kvh_status kvh_block_pin(kvh_engine *engine, kvh_block block, int32_t pinned);
 
 /* ------------------------------------------------------------------ */
