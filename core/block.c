@@ -8,6 +8,7 @@
 #include "core/engine.h"
 #include "core/move.h"
 #include "core/block.h"
+#include "core/migrate.h"
 #include "core/tier.h"
 #include "core/disk_tier.h"
 #include "core/codec_tier.h"
@@ -201,8 +202,20 @@ void kvhi_block_touch(kvh_engine *e, uint32_t b)
 
 void kvhi_block_wait_idle(kvh_engine *e, uint32_t b)
 {
+    if (!kvhi_block_busy(&e->blocks[b]))
+        return;
+    /* A worker waiting here runs no queued move meanwhile, and the block's
+     * move may itself wait for one to make room (a full tier below): the
+     * worker counts as waiting for room, so that the thread moving the
+     * block runs the queued move itself (kvhi_wait_queued_moves_out)
+     * instead of waiting seconds for a worker that cannot come. */
+    bool worker = kvhi_is_worker(e);
+    e->workers_waiting_room += worker;
+    if (worker)
+        pthread_cond_broadcast(&e->changed);
     while (kvhi_block_busy(&e->blocks[b]))
         pthread_cond_wait(&e->changed, &e->lock);
+    e->workers_waiting_room -= worker;
 }
 
 static void agent_count(kvh_engine *e, uint32_t agent, int delta)

@@ -221,8 +221,6 @@ static bool prefetch_declined(kvh_engine *e, const kvhi_job *j)
     return true;
 }
 
-static bool is_worker(const kvh_engine *e);
-
 bool kvhi_block_wait_movable(kvh_engine *e, uint32_t b, uint32_t gen, uint32_t tier)
 {
     kvhi_block *blk = &e->blocks[b];
@@ -240,16 +238,7 @@ bool kvhi_block_wait_movable(kvh_engine *e, uint32_t b, uint32_t gen, uint32_t t
             pthread_cond_wait(&e->changed, &e->lock); /* work_end wakes it */
             continue;
         }
-        /* The block's own move may be waiting for a queued move to make
-         * room, which this worker will not run while it waits here: it
-         * counts as waiting for room, so that thread runs the move itself
-         * (kvhi_wait_queued_moves_out) instead of waiting seconds for it. */
-        bool worker = is_worker(e);
-        e->workers_waiting_room += worker;
-        if (worker)
-            pthread_cond_broadcast(&e->changed);
-        kvhi_block_wait_idle(e, b);
-        e->workers_waiting_room -= worker;
+        kvhi_block_wait_idle(e, b); /* counts a worker as waiting for room */
     }
 }
 
@@ -382,7 +371,7 @@ static void run_batch(kvh_engine *e, kvhi_job first)
  * room that move needs is not made by running another one inside it. */
 static _Thread_local bool running_move_out;
 
-static bool is_worker(const kvh_engine *e)
+bool kvhi_is_worker(const kvh_engine *e)
 {
     for (uint32_t i = 0; i < e->n_workers; i++)
         if (pthread_equal(e->workers[i], pthread_self()))
@@ -393,7 +382,7 @@ static bool is_worker(const kvh_engine *e)
 /* A worker other than this thread, and not itself waiting for room. */
 static bool other_free_worker(const kvh_engine *e)
 {
-    uint32_t free_workers = e->n_workers - e->workers_waiting_room - (is_worker(e) ? 1 : 0);
+    uint32_t free_workers = e->n_workers - e->workers_waiting_room - (kvhi_is_worker(e) ? 1 : 0);
     return free_workers && free_workers <= e->n_workers;
 }
 
@@ -445,7 +434,7 @@ bool kvhi_wait_queued_moves_out(kvh_engine *e, uint32_t tier, struct timespec *d
     } else if (now.tv_sec > deadline->tv_sec || (now.tv_sec == deadline->tv_sec && now.tv_nsec >= deadline->tv_nsec)) {
         return false;
     }
-    bool worker = is_worker(e);
+    bool worker = kvhi_is_worker(e);
     e->workers_waiting_room += worker;
     e->queued_move_waits++;
     pthread_cond_timedwait(&e->changed, &e->lock, deadline);

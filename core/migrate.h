@@ -57,6 +57,8 @@ bool kvhi_block_wait_movable(kvh_engine *e, uint32_t b, uint32_t gen, uint32_t t
  * held; dropped while waiting or moving. */
 #define KVHI_QUEUED_MOVES_WAIT_S 5
 bool kvhi_wait_queued_moves_out(kvh_engine *e, uint32_t tier, struct timespec *deadline);
+/* Whether this thread is one of e's migration workers. */
+bool kvhi_is_worker(const kvh_engine *e);
 kvh_status kvhi_enqueue(kvh_engine *e, uint32_t b, uint32_t tier, int32_t priority, kvhi_job_kind kind,
                         uint32_t fence_idx);
 kvh_status kvhi_fence_new(kvh_engine *e, uint32_t *idx, kvh_fence *handle);
