@@ -218,8 +218,9 @@ kvh_status kvh_block_table(kvh_engine *e, const kvh_seq *seqs, size_t n_seqs, in
     kvh_status st = kvhi_api_enter(e);
     if (st != KVH_OK)
         return st;
+    /* Everything is checked before anything is written: out-parameters
+     * are written only on success (the lock keeps the tables as checked). */
     size_t used = 0;
-    indptr[0] = 0;
     for (size_t i = 0; i < n_seqs && st == KVH_OK; i++) {
         kvhi_seq *s;
         if ((st = kvhi_seq_get(e, seqs[i], &s)) != KVH_OK)
@@ -228,16 +229,22 @@ kvh_status kvh_block_table(kvh_engine *e, const kvh_seq *seqs, size_t n_seqs, in
             st = kvhi_fail(KVH_ERR_RANGE, "indices_cap %zu is too small", indices_cap);
             break;
         }
-        for (uint32_t j = 0; j < s->n_blocks; j++) {
-            kvhi_block *blk = &e->blocks[s->blocks[j]];
-            if (!kvhi_block_in_device(e, s->blocks[j])) {
+        for (uint32_t j = 0; j < s->n_blocks && st == KVH_OK; j++)
+            if (!kvhi_block_in_device(e, s->blocks[j]))
                 st = kvhi_fail(KVH_ERR_NOT_RESIDENT, "sequence %zu block %u is not in the device tier", i, j);
-                break;
-            }
-            indices[used++] = (int32_t)blk->slot;
+        used += s->n_blocks;
+    }
+    if (st == KVH_OK) {
+        used = 0;
+        indptr[0] = 0;
+        for (size_t i = 0; i < n_seqs; i++) {
+            kvhi_seq *s;
+            (void)kvhi_seq_get(e, seqs[i], &s);
+            for (uint32_t j = 0; j < s->n_blocks; j++)
+                indices[used++] = (int32_t)e->blocks[s->blocks[j]].slot;
+            indptr[i + 1] = (int32_t)used;
+            last_page_len[i] = s->n_blocks ? e->blocks[s->blocks[s->n_blocks - 1]].n_tokens : 0;
         }
-        indptr[i + 1] = (int32_t)used;
-        last_page_len[i] = s->n_blocks ? e->blocks[s->blocks[s->n_blocks - 1]].n_tokens : 0;
     }
     kvhi_leave(e);
     return st;

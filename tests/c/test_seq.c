@@ -688,6 +688,35 @@ static void test_block_table(void **state)
     /* A freed sequence in the batch. */
     assert_ok(kvh_seq_free(e, s[1]));
     assert_kvh(KVH_ERR_BAD_HANDLE, kvh_block_table(e, s, 3, indptr, idx, 8, lpl));
+    /* Refusals write none of the arrays (s[1] freed, a short index array,
+     * a block not resident), whichever sequence of the batch fails. */
+    int32_t ip[4], ix[8], lp[3];
+    const int32_t mark = -5;
+    kvh_seq later_freed[] = {s[0], s[2], s[1]};
+    for (int round = 0; round < 3; round++) {
+        for (int i = 0; i < 4; i++)
+            ip[i] = mark;
+        for (int i = 0; i < 8; i++)
+            ix[i] = mark;
+        for (int i = 0; i < 3; i++)
+            lp[i] = mark;
+        if (round == 0)
+            assert_kvh(KVH_ERR_BAD_HANDLE, kvh_block_table(e, later_freed, 3, ip, ix, 8, lp));
+        else if (round == 1)
+            assert_kvh(KVH_ERR_RANGE, kvh_block_table(e, s, 1, ip, ix, 2, lp));
+        else {
+            assert_ok(kvh_seq_append(e, s[2], t, BT));
+            assert_ok(kvh_seq_migrate(e, s[2], 0, BT, KVH_TIER_HOST, NULL));
+            kvh_seq last_on_host[] = {s[0], s[2]};
+            assert_kvh(KVH_ERR_NOT_RESIDENT, kvh_block_table(e, last_on_host, 2, ip, ix, 8, lp));
+        }
+        for (int i = 0; i < 4; i++)
+            assert_int_equal(ip[i], mark);
+        for (int i = 0; i < 8; i++)
+            assert_int_equal(ix[i], mark);
+        for (int i = 0; i < 3; i++)
+            assert_int_equal(lp[i], mark);
+    }
 }
 
 /* ---- tokens and block handles ---- */

@@ -478,9 +478,11 @@ KVH_API kvh_status kvh_engine_open(const kvh_config *config, kvh_engine **engine
  * returned uses freed memory, as any call would. In a child process made
  * by fork() after the engine opened, the engine is a copy without its
  * worker threads, its locks as the parent's threads held them: every call
- * on it there returns KVH_ERR_UNSUPPORTED, and this one returns KVH_OK at
- * once and frees nothing (the copy goes with the process); open a new
- * engine in the child. @threads handle (one close per engine) */
+ * there that uses the engine's state returns KVH_ERR_UNSUPPORTED (those
+ * that need none, such as kvh_prefix_hash or a release of a null handle,
+ * answer as anywhere), and this one returns KVH_OK at once and frees
+ * nothing (the copy goes with the process); open a new engine in the
+ * child. @threads handle (one close per engine) */
 KVH_API kvh_status kvh_engine_close(kvh_engine *engine);
 
 /* Bytes of one block for this engine's geometry. [out] *bytes. Returns
@@ -1507,14 +1509,15 @@ KVH_API kvh_status kvh_context_attach_seq(kvh_engine *engine, kvh_context ctx, k
  * the disk budget with KV and are not kept across restarts) while to's weights arrive layer
  * by layer, the two directions overlapped; to's regions are made resident
  * in the device tier, evicting KV by policy when from's departures do not
- * make enough room. Either handle may be null (load only / unload only).
+ * make enough room. Either handle may be null (load only / unload only;
+ * both null: nothing to do, KVH_OK and a fence that is complete).
  * With fence NULL the call waits; otherwise [out] *fence completes when
  * every region of to is resident (free it with kvh_fence_free), and
  * kvh_context_wait_layer can start work on early layers before that.
  * On a unified-memory backend (CPU) device and host tiers are the same
  * memory: a region moving between them is re-accounted, never copied.
  * A switch waits for the previous one to end. Returns KVH_ERR_INVALID_ARG
- * (from == to), KVH_ERR_BAD_HANDLE, KVH_ERR_NOMEM; the work (the call
+ * (from == to, not null), KVH_ERR_BAD_HANDLE, KVH_ERR_NOMEM; the work (the call
  * itself without a fence) reports KVH_ERR_NOSPACE, KVH_ERR_IO,
  * KVH_ERR_NOMEM, KVH_ERR_CORRUPT (a chunk read from its file no longer
  * matches its checksum). Pointers from
