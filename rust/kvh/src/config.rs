@@ -467,7 +467,10 @@ impl Config {
     /// thread kvh started (a migration worker), calls from the sink into
     /// its own engine return [`Status::Busy`](crate::Status::Busy), and
     /// an engine dropped inside its own sink stays open (leaked) rather
-    /// than close under it.
+    /// than close under it. Handles dropped there (sequences, blocks,
+    /// fences, contexts, pools) cannot be freed by that thread either:
+    /// they stay until the engine closes, a [`Pool`](crate::Pool) staying
+    /// registered, so its memory must then outlive the engine.
     pub fn log<F>(mut self, level: LogLevel, sink: F) -> Self
     where
         F: Fn(LogLevel, &str) + Send + Sync + 'static,

@@ -350,10 +350,12 @@ impl Drop for Context<'_> {
         // giving up would leave the context and its memory until close.
         // No other call can use it (this is its only handle), so each
         // retry waits only for that switch.
+        // Inside a log sink on a thread kvh started every call is Busy,
+        // for good: the context stays until the engine closes.
         loop {
             // SAFETY: valid engine; destroyed once (Busy changes nothing).
             let st = unsafe { sys::kvh_context_destroy(self.engine.as_ptr(), self.raw) };
-            if st.0 != sys::KVH_ERR_BUSY {
+            if st.0 != sys::KVH_ERR_BUSY || crate::engine::in_log_sink() {
                 break;
             }
             std::thread::sleep(Duration::from_micros(200));

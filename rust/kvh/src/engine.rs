@@ -65,6 +65,17 @@ impl std::fmt::Debug for Engine {
     }
 }
 
+thread_local! {
+    // Set while this thread runs a log sink: a drop there cannot wait for
+    // anything kvh must do (Context::drop).
+    static IN_LOG_SINK: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether this thread is inside an engine's log sink.
+pub(crate) fn in_log_sink() -> bool {
+    IN_LOG_SINK.with(|f| f.get())
+}
+
 unsafe extern "C" fn log_trampoline(user: *mut c_void, level: i32, message: *const c_char) {
     if user.is_null() || message.is_null() {
         return;
@@ -78,8 +89,10 @@ unsafe extern "C" fn log_trampoline(user: *mut c_void, level: i32, message: *con
         )
     };
     // A panic must not unwind into C, nor one from dropping its payload.
-    if let Err(payload) = catch_unwind(AssertUnwindSafe(|| sink(LogLevel::from_raw(level), &text)))
-    {
+    let outer = IN_LOG_SINK.with(|f| f.replace(true));
+    let result = catch_unwind(AssertUnwindSafe(|| sink(LogLevel::from_raw(level), &text)));
+    IN_LOG_SINK.with(|f| f.set(outer));
+    if let Err(payload) = result {
         if let Err(again) = catch_unwind(AssertUnwindSafe(move || drop(payload))) {
             std::mem::forget(again); // dropping it could panic once more
         }

@@ -55,7 +55,7 @@ impl LatencyHistogram {
     /// Upper bound of bucket `i` in nanoseconds (1 us doubling); `None` for
     /// the last bucket, which has none.
     pub fn bound_ns(i: usize) -> Option<u64> {
-        (i + 1 < LATENCY_BUCKETS).then(|| u64::from(sys::KVH_LATENCY_BUCKET0_NS) << i)
+        (i < LATENCY_BUCKETS - 1).then(|| u64::from(sys::KVH_LATENCY_BUCKET0_NS) << i)
     }
 }
 

@@ -60,8 +60,10 @@ impl<'e> Pool<'e> {
     ///
     /// # Safety
     /// The memory described must stay valid for reads and writes while the
-    /// pool lives, and must not be accessed by anyone else while a batch
-    /// on its slots is running.
+    /// pool lives (and, if the pool is dropped inside the engine's log sink
+    /// on a thread kvh started, where kvh cannot unregister it, until the
+    /// engine closes), and must not be accessed by anyone else while a
+    /// batch on its slots is running.
     pub unsafe fn register(
         engine: &'e Engine,
         k_base: &[*mut c_void],

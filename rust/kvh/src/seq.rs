@@ -128,6 +128,10 @@ pub struct Sequence<'e> {
     // own pages, so a write to the tokens a view maps would change memory
     // under a shared borrow.
     views: RefCell<Vec<Weak<ViewMark>>>,
+    // Held by a write, append or truncate from its check of what the views
+    // map through its C call, and by a view's refresh: a refresh on the
+    // view's thread cannot map tokens between the check and the write.
+    view_gate: Arc<Mutex<()>>,
     // Send but not Sync: the header's `@threads handle`.
     _not_sync: PhantomData<Cell<()>>,
 }
@@ -220,6 +224,7 @@ impl<'e> Sequence<'e> {
             raw,
             holds: RefCell::new(Vec::new()),
             views: RefCell::new(Vec::new()),
+            view_gate: Arc::new(Mutex::new(())),
             _not_sync: PhantomData,
         }
     }
@@ -228,6 +233,7 @@ impl<'e> Sequence<'e> {
     /// the mark (and updates it at each refresh).
     pub(crate) fn add_view(&self, layer: u32, mapped: u64) -> Arc<ViewMark> {
         let mark = Arc::new(ViewMark {
+            gate: self.view_gate.clone(),
             layer,
             mapped: AtomicU64::new(mapped),
             kept: AtomicBool::new(false),
@@ -237,6 +243,15 @@ impl<'e> Sequence<'e> {
         views.retain(|w| w.strong_count() > 0);
         views.push(Arc::downgrade(&mark));
         mark
+    }
+
+    /// The view gate, taken when the sequence has live views (none can be
+    /// made meanwhile: that takes this sequence, which is not Sync).
+    fn gate_if_viewed(&self) -> Option<std::sync::MutexGuard<'_, ()>> {
+        if self.views.borrow().iter().all(|w| w.strong_count() == 0) {
+            return None;
+        }
+        Some(self.view_gate.lock().unwrap_or_else(|p| p.into_inner()))
     }
 
     /// The most tokens of `layer` a live view maps.
@@ -346,6 +361,7 @@ impl<'e> Sequence<'e> {
     /// [`Status::NoSpace`] when no tier has room (the sequence is then
     /// unchanged).
     pub fn append(&self, tokens: &[i32]) -> Result<()> {
+        let _gate = self.gate_if_viewed();
         if !tokens.is_empty() && !self.views.borrow().is_empty() {
             let len = self.len()?;
             self.keep_views_before_write(len, len.saturating_add(tokens.len() as u64))?;
@@ -409,6 +425,7 @@ impl<'e> Sequence<'e> {
     /// [`VMap`](crate::VMap) of `layer` maps: its slices show those
     /// tokens' memory (drop the view first; writing past its end is fine).
     pub fn write_kv<T: Element>(&self, layer: u32, pos: u64, k: &[T], v: &[T]) -> Result<()> {
+        let _gate = self.gate_if_viewed();
         let mapped = self.mapped_tokens(layer);
         if pos < mapped {
             return Err(Error::new(
@@ -568,7 +585,7 @@ impl<'e> Sequence<'e> {
             .holds
             .borrow()
             .iter()
-            .find(|(first, n)| first.saturating_add(*n) > n_tokens)
+            .find(|(first, n)| *n > 0 && first.saturating_add(*n) > n_tokens)
         {
             return Err(Error::new(
                 Status::Busy,
@@ -578,6 +595,7 @@ impl<'e> Sequence<'e> {
                 ),
             ));
         }
+        let _gate = self.gate_if_viewed();
         if n_tokens < self.len()? {
             self.keep_views_from(n_tokens)?;
         }
@@ -1005,6 +1023,8 @@ mod tests {
 /// What a live view of a sequence maps (see [`Sequence::write_kv`]).
 #[derive(Debug)]
 pub(crate) struct ViewMark {
+    // The sequence's view gate (Sequence::view_gate).
+    gate: Arc<Mutex<()>>,
     layer: u32,
     mapped: AtomicU64,
     // A keeper holds every block the view maps now: the sequence may give
@@ -1032,6 +1052,11 @@ impl ViewMark {
     /// The view now maps what the sequence has (a refresh, with no slice
     /// borrowed): forks kept for the old mapping go; the dropped sequence
     /// itself, if it is one of them, stays (the view still maps it).
+    /// Holds the sequence's writes off while the view remaps.
+    pub(crate) fn gate(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.gate.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     pub(crate) fn set_mapped(&self, tokens: u64) {
         self.mapped.store(tokens, Ordering::Release);
         let mut keepers = self.keepers.lock().unwrap_or_else(|p| p.into_inner());

@@ -102,6 +102,8 @@ impl VMap<'_> {
 
     /// Remaps what changed in the sequence; `true` when anything did.
     pub fn refresh(&mut self) -> Result<bool> {
+        let mark = self.mark.clone();
+        let _gate = mark.gate(); // no write of the sequence runs meanwhile
         let mut changed = 0i32;
         // SAFETY: the view is live; &mut self: no slice of it is borrowed.
         check(unsafe { sys::kvh_vmap_refresh(self.engine.as_ptr(), self.raw, &mut changed) })?;
