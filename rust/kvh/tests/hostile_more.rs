@@ -850,3 +850,84 @@ fn degenerate_geometry_is_refused_or_consistent() {
         let _ = e.prefix_lookup(&[1; 64]);
     }
 }
+
+// A view's slice stays as it was while borrowed, even with its sequence on
+// another thread rewriting the tokens just past what the view maps: a
+// refresh cannot land between a write's check of the mapped tokens and
+// the write itself.
+#[test]
+fn a_view_slice_never_changes_while_its_sequence_writes_on_another_thread() {
+    let hd = 64u32;
+    let engine = Engine::open(
+        Config::new()
+            .backend(Backend::Cpu)
+            .vmap(true)
+            .num_layers(1)
+            .num_kv_heads(1)
+            .head_dim(hd)
+            .block_tokens(16)
+            .dtype(DType::F32)
+            .device_bytes(16 << 20)
+            .host_bytes(0),
+    )
+    .unwrap();
+    let seq = engine.create_sequence(0).unwrap();
+    seq.append(&[1; 16]).unwrap();
+    let zero = vec![0f32; 16 * hd as usize];
+    seq.write_kv(0, 0, &zero, &zero).unwrap();
+    let mut view = seq.vmap(0, 16 * 400).unwrap();
+    let stop = AtomicBool::new(false);
+    let mut changed = 0u32;
+    std::thread::scope(|s| {
+        let stop = &stop;
+        s.spawn(move || {
+            let mut val = 1.0f32;
+            for _ in 1..300 {
+                let pos = seq.len().unwrap();
+                seq.append(&[2; 16]).unwrap();
+                loop {
+                    val += 1.0;
+                    let k = vec![val; 16 * hd as usize];
+                    match seq.write_kv(0, pos, &k, &k) {
+                        Ok(()) => {}
+                        Err(e) if e.status() == Status::Busy && e.message().contains("a view") => {
+                            break
+                        }
+                        Err(e) => assert_eq!(e.status(), Status::Busy, "{e}"),
+                    }
+                }
+            }
+            stop.store(true, Ordering::Relaxed);
+        });
+        while !stop.load(Ordering::Relaxed) {
+            if view.refresh().is_err() {
+                continue;
+            }
+            let k: &[f32] = view.k::<f32>(0).unwrap();
+            let before = k.to_vec();
+            for _ in 0..200 {
+                std::hint::spin_loop();
+            }
+            if before != k {
+                changed += 1;
+            }
+        }
+    });
+    assert_eq!(changed, 0, "slices changed while borrowed");
+}
+
+#[test]
+fn small_edges_of_holds_and_histograms() {
+    assert_eq!(kvh::LatencyHistogram::bound_ns(usize::MAX), None);
+    assert_eq!(
+        kvh::LatencyHistogram::bound_ns(kvh::LATENCY_BUCKETS - 1),
+        None
+    );
+    assert!(kvh::LatencyHistogram::bound_ns(0).is_some());
+    let e = common::small();
+    let s = e.create_sequence(0).unwrap();
+    s.append(&[1; 8]).unwrap();
+    let h = s.acquire(8..8).unwrap(); // covers no token
+    s.truncate(4).unwrap();
+    drop(h);
+}
