@@ -117,8 +117,9 @@ kvh_status kvh_seq_create_ex(kvh_engine *e, const kvh_seq_params *params, kvh_se
     bool bound = false;
     if (st == KVH_OK)
         st = kvhi_seq_create(e, p.agent, &h);
+    /* Bound: an admission record was filed (only a request in a pool). */
     if (st == KVH_OK && (st = kvhi_admission_bind(e, pool, blocks, h.id)) == KVH_OK)
-        bound = true;
+        bound = pool >= 0;
     if (st == KVH_OK && x)
         st = kvhi_context_attach(e, x, h.id);
     if (st != KVH_OK) {

@@ -663,50 +663,61 @@ static void test_admission_alloc_failures(void **state)
      * fails, so the tables' first growth meets a failure at each of its
      * allocations (the sequence, its handle, the admission record, the
      * context's table). */
-    for (long n = 1; n <= 8; n++) {
-        kvh_engine *e = NULL;
-        assert_int_equal(kvh_engine_open(&c, &e), KVH_OK);
-        kvh_admission_params ap;
-        assert_int_equal(kvh_admission_params_init(&ap, sizeof(ap)), KVH_OK);
-        ap.short_device_bytes = 128 * block_bytes;
-        ap.long_device_bytes = 64 * block_bytes;
-        assert_int_equal(kvh_admission_configure(e, &ap), KVH_OK);
-        kvh_context x;
-        assert_int_equal(kvh_context_create(e, NULL, &x), KVH_OK);
-        kvh_seq_params sp;
-        assert_int_equal(kvh_seq_params_init(&sp, sizeof(sp)), KVH_OK);
-        sp.token_budget = 32;
-        sp.context = x;
-        kvh_seq held[N_SEQS];
-        uint64_t admitted = 0, live = 0;
-        for (int i = 0; i < N_SEQS; i++) {
-            rl_alloc_arm(n, false, true);
-            kvh_status st = kvh_seq_create_ex(e, &sp, &held[i]);
-            long fired = rl_alloc_fired();
-            rl_alloc_disarm();
-            if (st == KVH_OK) {
-                admitted++;
-                live++;
-            } else {
-                assert_int_equal(st, KVH_ERR_NOMEM);
-                assert_true(fired > 0);
-                held[i].id = 0;
-                failed_total++;
+    /* A budget in the short pool, and none (no admission record: nothing
+     * to count or undo when attaching fails). */
+    for (int budgeted = 1; budgeted >= 0; budgeted--)
+        for (long n = 1; n <= 8; n++) {
+            kvh_engine *e = NULL;
+            assert_int_equal(kvh_engine_open(&c, &e), KVH_OK);
+            kvh_admission_params ap;
+            assert_int_equal(kvh_admission_params_init(&ap, sizeof(ap)), KVH_OK);
+            ap.short_device_bytes = 128 * block_bytes;
+            ap.long_device_bytes = 64 * block_bytes;
+            ap.short_max_tokens = 64;
+            assert_int_equal(kvh_admission_configure(e, &ap), KVH_OK);
+            kvh_context x;
+            assert_int_equal(kvh_context_create(e, NULL, &x), KVH_OK);
+            kvh_seq_params sp;
+            assert_int_equal(kvh_seq_params_init(&sp, sizeof(sp)), KVH_OK);
+            sp.token_budget = budgeted ? 32 : 0;
+            sp.context = x;
+            kvh_seq held[N_SEQS];
+            uint64_t admitted = 0, live = 0;
+            for (int i = 0; i < N_SEQS; i++) {
+                rl_alloc_arm(n, false, true);
+                kvh_status st = kvh_seq_create_ex(e, &sp, &held[i]);
+                long fired = rl_alloc_fired();
+                rl_alloc_disarm();
+                if (st == KVH_OK) {
+                    admitted++;
+                    live++;
+                } else {
+                    assert_int_equal(st, KVH_ERR_NOMEM);
+                    assert_true(fired > 0);
+                    held[i].id = 0;
+                    failed_total++;
+                }
+                kvh_admission_info ai = {.struct_size = sizeof(ai)};
+                assert_int_equal(kvh_admission_info_get(e, &ai), KVH_OK);
+                assert_int_equal(ai.short_admitted, budgeted ? admitted : 0);
+                assert_int_equal(ai.short_reserved_blocks, budgeted ? live * 2 : 0);
+                assert_int_equal(ai.long_admitted, 0);
+                assert_int_equal(ai.long_reserved_blocks, 0);
             }
+            admitted_total += admitted;
+            for (int i = 0; i < N_SEQS; i++)
+                assert_int_equal(kvh_seq_free(e, held[i]), KVH_OK);
             kvh_admission_info ai = {.struct_size = sizeof(ai)};
             assert_int_equal(kvh_admission_info_get(e, &ai), KVH_OK);
-            assert_int_equal(ai.short_admitted, admitted);
-            assert_int_equal(ai.short_reserved_blocks, live * 2);
+            assert_int_equal(ai.short_reserved_blocks, 0);
+            /* The long pool still takes its full quota. */
+            sp.token_budget = 64 * 16;
+            kvh_seq big;
+            assert_int_equal(kvh_seq_create_ex(e, &sp, &big), KVH_OK);
+            assert_int_equal(kvh_seq_free(e, big), KVH_OK);
+            assert_int_equal(kvh_context_destroy(e, x), KVH_OK);
+            kvh_engine_close(e);
         }
-        admitted_total += admitted;
-        for (int i = 0; i < N_SEQS; i++)
-            assert_int_equal(kvh_seq_free(e, held[i]), KVH_OK);
-        kvh_admission_info ai = {.struct_size = sizeof(ai)};
-        assert_int_equal(kvh_admission_info_get(e, &ai), KVH_OK);
-        assert_int_equal(ai.short_reserved_blocks, 0);
-        assert_int_equal(kvh_context_destroy(e, x), KVH_OK);
-        kvh_engine_close(e);
-    }
     assert_true(failed_total > 0);
     assert_true(admitted_total > 0);
 }
