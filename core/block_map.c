@@ -3,7 +3,12 @@
 
 #include <stdlib.h>
 
-static uint32_t home(const kvhi_block_map *m, uint32_t b) { return (b * 0x9e3779b1u) & (m->cap - 1); }
+/* The product's high bits: its low ones repeat for records a power of two
+ * apart (a sequence's blocks often are), which would pile them into runs. */
+static uint32_t home(const kvhi_block_map *m, uint32_t b)
+{
+    return (uint32_t)(((uint64_t)b * 0x9e3779b97f4a7c15ull) >> (64 - m->shift));
+}
 
 static int grow(kvhi_block_map *m)
 {
@@ -16,7 +21,8 @@ static int grow(kvhi_block_map *m)
         free(vals);
         return -1;
     }
-    kvhi_block_map n = {.keys = keys, .vals = vals, .cap = cap, .count = m->count};
+    kvhi_block_map n = {
+        .keys = keys, .vals = vals, .cap = cap, .shift = m->shift ? m->shift + 1 : 6, .count = m->count};
     for (uint32_t i = 0; i < m->cap; i++)
         if (m->keys[i]) {
             uint32_t s = home(&n, m->keys[i] - 1);
@@ -90,5 +96,5 @@ void kvhi_block_map_free(kvhi_block_map *m)
     free(m->keys);
     free(m->vals);
     m->keys = m->vals = NULL;
-    m->cap = m->count = 0;
+    m->cap = m->shift = m->count = 0;
 }

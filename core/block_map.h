@@ -10,7 +10,8 @@
 typedef struct kvhi_block_map {
     uint32_t *keys; /* block index + 1; 0: empty */
     uint32_t *vals;
-    uint32_t cap; /* a power of two, or 0 */
+    uint32_t cap;   /* a power of two, or 0 */
+    uint32_t shift; /* log2(cap) */
     uint32_t count;
 } kvhi_block_map;
 
