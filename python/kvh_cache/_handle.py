@@ -25,6 +25,7 @@ Python threads on one object serialise (or raise) instead of crashing.
 from __future__ import annotations
 
 import collections
+import os
 import threading
 from typing import Any, Callable, Deque, Dict, Optional, Sequence, Tuple, TypeVar
 
@@ -32,6 +33,23 @@ T = TypeVar("T")
 C = TypeVar("C", bound="Closable")
 
 _OPEN, _CLOSING, _CLOSED = 0, 1, 2
+
+# fork()s this process came through. In a child, a gate's lock may be held
+# and its calls counted in flight by threads that stayed in the parent: a
+# gate made before the fork starts afresh on its first use in the child
+# (the calls it then admits get KVH_ERR_UNSUPPORTED from the engine, which
+# refuses a child's calls, and a close returns at once) instead of waiting
+# for those threads for ever.
+_forks = 0
+
+
+def _count_fork() -> None:
+    global _forks
+    _forks += 1
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_count_fork)
 
 # A KeyboardInterrupt can land inside _wake (the main thread runs signal
 # handlers at any Python call), so a wake-up can be lost: waiters look at
@@ -65,6 +83,7 @@ class HandleGate:
         "_queue",
         "_in_flight",
         "_shared_by",
+        "_forks",
     )
 
     def __init__(self, closed_error: Callable[[], BaseException], *, reopen_if_end_fails: bool = False) -> None:
@@ -87,6 +106,23 @@ class HandleGate:
         # Shared calls in flight per thread (made on the first): a close from
         # inside one (a log handler kvh calls) must not wait for itself.
         self._shared_by: Optional[Dict[int, int]] = None
+        self._forks = _forks
+
+    def _after_fork(self) -> None:
+        """First use in a child process: the parent's threads are not here
+        to leave or finish a close (one begun there counts as done)."""
+        self._lock = threading.RLock()
+        self._cond = None
+        self._waiting = 0
+        self._closer = None
+        self._owner = None
+        self._owner_depth = 0
+        self._queue = collections.deque()
+        self._in_flight = 0
+        self._shared_by = None
+        if self._state == _CLOSING:
+            self._state = _CLOSED
+        self._forks = _forks
 
     @property
     def closed(self) -> bool:
@@ -100,6 +136,8 @@ class HandleGate:
         return GateUse(self, False)
 
     def enter(self, exclusive: bool) -> None:
+        if self._forks != _forks:
+            self._after_fork()
         with self._lock:
             if exclusive:
                 me = threading.get_ident()
@@ -123,6 +161,9 @@ class HandleGate:
             self._in_flight += 1
 
     def leave(self, exclusive: bool) -> None:
+        if self._forks != _forks:  # entered before the fork: counted no more
+            self._after_fork()
+            return
         with self._lock:
             self._in_flight -= 1
             if exclusive:
@@ -141,6 +182,8 @@ class HandleGate:
     def close(self, end: Callable[[], T]) -> Optional[T]:
         """Ends the handle with ``end()`` once no call is in flight; returns
         its result (None when the handle was already closed)."""
+        if self._forks != _forks:
+            self._after_fork()
         me = threading.get_ident()
         with self._lock:
             if self._state == _CLOSING and self._closer == me:

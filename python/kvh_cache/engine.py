@@ -41,6 +41,7 @@ import numpy as np
 
 from . import errors
 from ._ffi import NULL, U64_MAX, check, ffi, kvh_level_for_logger, last_error, lib, raise_status, status_name
+from . import _handle
 from ._handle import Finalized, GatedHandle, GateUse, HandleGate, OwnedHandle, in_lock_order
 from .types import (
     Backend,
@@ -221,11 +222,20 @@ class _Native:
         self.gate = HandleGate(
             lambda: errors.ClosedError("the engine is closed", lib.KVH_ERR_CLOSED), reopen_if_end_fails=True
         )
-        self.lock = threading.RLock()  # views and release; re-entrant: finalizers may run anywhere
+        self._lock = threading.RLock()  # views and release; re-entrant: finalizers may run anywhere
+        self._lock_forks = _handle._forks
         self.views = 0
         self.release_deferred = False
         self.released = False
         self.close_status = 0
+
+    @property
+    def lock(self) -> threading.RLock:
+        # A fresh one in a child process: the parent's threads may hold it.
+        if self._lock_forks != _handle._forks:
+            self._lock = threading.RLock()
+            self._lock_forks = _handle._forks
+        return self._lock
 
     @property
     def closed(self) -> bool:

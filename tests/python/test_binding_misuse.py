@@ -669,3 +669,55 @@ def test_a_forked_child_exits_normally_with_the_engine_open():
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "child 0", out.stdout + out.stderr
+
+
+def test_a_child_forked_during_another_threads_call_exits():
+    # A thread of the parent is inside a call (its gates count it in
+    # flight, their locks may be held) when the main thread forks: the
+    # child's exit closes the engine all the same, at once.
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        """
+        import os, sys, threading, time
+        import numpy as np
+        import kvh_cache as kvh
+        eng = kvh.Engine(num_layers=2, num_kv_heads=2, head_dim=32, block_tokens=16, dtype="f32",
+                         backend="cpu", device_bytes=16 << 20, host_bytes=0, migration_threads=1)
+        seq = eng.sequence(tokens=range(2048))
+        kv = np.ones((2048, 2, 32), np.float32)
+        for layer in range(2):
+            seq.write_kv(layer, 0, kv, kv)
+        stop = False
+        def reader():
+            while not stop:
+                seq.read_kv(0)
+        t = threading.Thread(target=reader, daemon=True)
+        t.start()
+        time.sleep(0.1)
+        codes = []
+        for _ in range(6):
+            pid = os.fork()
+            if pid == 0:
+                sys.exit(0)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    codes.append(os.waitstatus_to_exitcode(status))
+                    break
+                time.sleep(0.02)
+            else:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                codes.append("hung")
+        stop = True
+        t.join()
+        print(codes)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[0, 0, 0, 0, 0, 0]", out.stdout + out.stderr
