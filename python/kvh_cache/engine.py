@@ -1532,6 +1532,15 @@ class _ViewOwner(Finalized):
         iface["data"] = (iface["data"][0], True)
         self.__array_interface__ = iface
 
+    def let_block_go(self) -> None:
+        """Undoes keep_block."""
+        kept, self.kept = self.kept, None
+        if kept is not None:
+            try:
+                kept.unpin()
+            finally:
+                kept.release()
+
     def keep_block(self) -> None:
         """Takes a reference and a pin on the mapped block before its
         sequence releases it (truncate, free): its slot is then neither
@@ -2059,8 +2068,15 @@ class Sequence(GatedHandle, OwnedHandle):
                 continue
             owner.make_read_only()
             owner.keep_block()
-            if owner.kept is not None:
+            if owner.kept is None:
+                continue
+            try:
                 self._cow_block(p, index, owner)
+            except errors.Error:
+                # No room for the copy: the call goes on as without the
+                # view's block kept (the view stays read-only), rather
+                # than fail where it needs no room itself.
+                owner.let_block_go()
         self._views = live
 
     def _cow_block(self, p: Any, index: int, owner: "_ViewOwner") -> None:
@@ -2097,6 +2113,7 @@ class Sequence(GatedHandle, OwnedHandle):
             if view is None or not view.flags.writeable:
                 continue
             keep = False
+            same = True  # unknown: a block given up was kept already (_keep_viewed_blocks)
             try:
                 info = self.block(index).info()
                 owner = view.base
@@ -2113,4 +2130,10 @@ class Sequence(GatedHandle, OwnedHandle):
                 view.flags.writeable = False
                 if isinstance(view.base, _ViewOwner):
                     view.base.make_read_only()
+                    if not same:
+                        # Replaced (copied on write while another held it):
+                        # the old block, which arrays made from the view
+                        # still show, is kept until the view goes, so its
+                        # slot is never reused under them.
+                        view.base.keep_block()
         self._views = live

@@ -479,6 +479,61 @@ def test_block_view_slices_never_reach_a_published_block():
         gc.collect()
 
 
+def test_block_view_fork_with_no_room_for_a_copy_still_forks():
+    # A fork needs no room; moving the parent off a viewed block does. With
+    # the tiers full the fork goes on as without the view (which turns
+    # read-only), and leaves no reference or pin behind.
+    block_bytes = 2 * 1 * 4 * 8 * 4
+    e = kvh.Engine(
+        num_layers=1, num_kv_heads=1, head_dim=8, block_tokens=4, dtype="f32", backend="cpu",
+        device_bytes=2 * block_bytes, host_bytes=0, migration_threads=0,
+    )  # fmt: skip
+    with e:
+        s = e.sequence(tokens=range(6))
+        one = np.ones((6, 1, 8), np.float32)
+        s.write_kv(0, 0, one, one)
+        view = s.block_view(1, 0)
+        assert view.flags.writeable
+        child = s.fork()
+        assert not view.flags.writeable
+        info = s.block_info(1)
+        assert (info.refs, info.pins) == (2, 0)
+        child.free()
+        del view
+        gc.collect()
+
+
+def test_block_view_slices_keep_a_block_copied_away_from_under_them():
+    # The sequence's write copies a block another user holds: arrays made
+    # from the view still show the old block, which the view now keeps, so
+    # its slot is never handed to another sequence while they live.
+    e = _tiny_engine()
+    with e:
+        s = e.sequence(tokens=range(3))
+        one = np.ones((3, 1, 8), np.float32)
+        s.write_kv(0, 0, one, one)
+        view = s.block_view(0, 0)
+        part = view[0]
+        old = s.block_info(0)
+        extra = s.block(0).retain()
+        two = np.full((3, 1, 8), 2.0, np.float32)
+        s.write_kv(0, 0, two, two)  # shared: the sequence moves to a copy
+        assert not view.flags.writeable
+        extra.release()
+        three = np.full((3, 1, 8), 3.0, np.float32)
+        others = []
+        for i in range(20):
+            o = e.sequence(tokens=range(100 + 10 * i, 103 + 10 * i))
+            o.write_kv(0, 0, three, three)
+            assert (o.block_info(0).tier, o.block_info(0).slot) != (old.tier, old.slot)
+            others.append(o)
+        part[...] = -5.0
+        assert all(np.all(o.read_kv(0)[0] == 3.0) for o in others)
+        assert np.all(s.read_kv(0)[0] == 2.0)
+        del view, part
+        gc.collect()
+
+
 def test_block_view_outlives_the_callers_hold():
     # The view holds its block itself: the caller's hold may end first,
     # and the block stays where the view maps it.
