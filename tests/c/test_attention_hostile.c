@@ -463,6 +463,18 @@ static void test_prefill_matches_reference(void **state)
         }
 }
 
+/* An f32 engine whose CPU kernels are variant isa ("": the default). */
+static kvh_engine *open_with_isa(const char *isa)
+{
+    if (isa[0])
+        setenv("KVH_ATTN_ISA", isa, 1);
+    else
+        unsetenv("KVH_ATTN_ISA");
+    kvh_engine *e = open_plain(KVH_DTYPE_F32, 64, 0);
+    unsetenv("KVH_ATTN_ISA");
+    return e;
+}
+
 /* Causal prefill: query row j attends to tokens 0..j only, so an
  * infinite or NaN V in the last token cannot reach the rows before it
  * (0 * inf is NaN: a masked token must not enter the sums at all). Rows
@@ -478,12 +490,7 @@ static void test_prefill_masked_non_finite_values_stay_masked(void **state)
     for (size_t ii = 0; ii < sizeof(isas) / sizeof(isas[0]); ii++)
         for (size_t bi = 0; bi < 2; bi++)
             for (size_t li = 0; li < 2; li++) {
-                if (isas[ii][0])
-                    setenv("KVH_ATTN_ISA", isas[ii], 1);
-                else
-                    unsetenv("KVH_ATTN_ISA");
-                kvh_engine *e = open_plain(KVH_DTYPE_F32, 64, 0);
-                unsetenv("KVH_ATTN_ISA");
+                kvh_engine *e = open_with_isa(isas[ii]);
                 uint32_t n = lens[li];
                 size_t cell = (size_t)H * D;
                 float *k = tu_alloc(n * cell * sizeof(float)), *v = tu_alloc(n * cell * sizeof(float));
@@ -546,12 +553,7 @@ static void test_nan_scores_make_the_row_nan(void **state)
     for (size_t ii = 0; ii < sizeof(isas) / sizeof(isas[0]); ii++)
         for (size_t li = 0; li < 2; li++)
             for (int in_k = 0; in_k < 2; in_k++) {
-                if (isas[ii][0])
-                    setenv("KVH_ATTN_ISA", isas[ii], 1);
-                else
-                    unsetenv("KVH_ATTN_ISA");
-                kvh_engine *e = open_plain(KVH_DTYPE_F32, 64, 0);
-                unsetenv("KVH_ATTN_ISA");
+                kvh_engine *e = open_with_isa(isas[ii]);
                 uint32_t n = lens[li];
                 size_t cell = (size_t)H * D;
                 float *k = tu_alloc(n * cell * sizeof(float)), *v = tu_alloc(n * cell * sizeof(float));

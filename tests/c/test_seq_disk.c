@@ -214,6 +214,18 @@ static void test_random_edits_on_small_tiers(void **state)
     dt_assert_ok(dt_close(e));
 }
 
+/* *a: one full block of c, rewritten after a fork (*f) so that a holds
+ * an unpublished copy and the published original is f's. */
+static void make_rewritten_copy(kvh_engine *e, dt_content c, kvh_seq *a, kvh_seq *f)
+{
+    dt_assert_ok(dt_build(e, GEO, c, GEO.bt, 0, a));
+    dt_assert_ok(kvh_seq_fork(e, *a, 0, f));
+    uint8_t k[64], v[64];
+    dt_assert_ok(kvh_seq_read_kv(e, *a, 0, 0, 1, k, v));
+    dt_assert_ok(kvh_seq_write_kv(e, *a, 0, 0, 1, k, v)); /* to a copy: the original is f's */
+    assert_false(dt_binfo(e, *a, 0).published);
+}
+
 /* kvh_seq_persist of a sequence whose block is a rewritten copy makes the
  * published original durable, and the sequence keeps it (a reference)
  * while it holds its own block of that prefix: through growth of its
@@ -224,12 +236,7 @@ static void test_persist_keeps_the_published_twin(void **state)
     kvh_engine *e = open_engine("twin", 8, 8, 0);
     dt_content c = dt_plain(31);
     kvh_seq a, f;
-    dt_assert_ok(dt_build(e, GEO, c, GEO.bt, 0, &a));
-    dt_assert_ok(kvh_seq_fork(e, a, 0, &f));
-    uint8_t k[64], v[64];
-    dt_assert_ok(kvh_seq_read_kv(e, a, 0, 0, 1, k, v));
-    dt_assert_ok(kvh_seq_write_kv(e, a, 0, 0, 1, k, v)); /* to a copy: the original is f's */
-    assert_false(dt_binfo(e, a, 0).published);
+    make_rewritten_copy(e, c, &a, &f);
     dt_assert_ok(kvh_seq_persist(e, a));
     int32_t tok[4];
     dt_assert_ok(kvh_seq_tokens(e, a, 0, GEO.bt, tok));
@@ -262,14 +269,8 @@ static void test_blocks_persist_keeps_the_published_twin(void **state)
 {
     (void)state;
     kvh_engine *e = open_engine("twin_blocks", 8, 8, 0);
-    dt_content c = dt_plain(32);
     kvh_seq a, f;
-    dt_assert_ok(dt_build(e, GEO, c, GEO.bt, 0, &a));
-    dt_assert_ok(kvh_seq_fork(e, a, 0, &f));
-    uint8_t k[64], v[64];
-    dt_assert_ok(kvh_seq_read_kv(e, a, 0, 0, 1, k, v));
-    dt_assert_ok(kvh_seq_write_kv(e, a, 0, 0, 1, k, v)); /* to a copy: the original is f's */
-    assert_false(dt_binfo(e, a, 0).published);
+    make_rewritten_copy(e, dt_plain(32), &a, &f);
     kvh_block own;
     dt_assert_ok(kvh_seq_blocks(e, a, 0, 1, &own));
     dt_assert_ok(kvh_blocks_persist(e, &own, 1, NULL));
@@ -306,11 +307,7 @@ static void test_many_kept_twins_freed_in_any_order(void **state)
     kvh_seq a[N], f[N];
     kvh_block twin[N];
     for (int i = 0; i < N; i++) {
-        dt_assert_ok(dt_build(e, GEO, dt_plain(100 + (uint64_t)i), GEO.bt, 0, &a[i]));
-        dt_assert_ok(kvh_seq_fork(e, a[i], 0, &f[i]));
-        uint8_t k[64], v[64];
-        dt_assert_ok(kvh_seq_read_kv(e, a[i], 0, 0, 1, k, v));
-        dt_assert_ok(kvh_seq_write_kv(e, a[i], 0, 0, 1, k, v));
+        make_rewritten_copy(e, dt_plain(100 + (uint64_t)i), &a[i], &f[i]);
         kvh_block own;
         dt_assert_ok(kvh_seq_blocks(e, a[i], 0, 1, &own));
         dt_assert_ok(kvh_blocks_persist(e, &own, 1, NULL));

@@ -434,15 +434,21 @@ def _tiny_engine(**kw):
     )
 
 
+def _three_tokens_of_ones(e):
+    """A sequence of 3 tokens (one partial block) whose K and V are 1.0."""
+    s = e.sequence(tokens=range(3))
+    one = np.ones((3, 1, 8), np.float32)
+    s.write_kv(0, 0, one, one)
+    return s, one
+
+
 def test_block_view_slices_never_reach_a_fork():
     # Arrays made from a writable view before a fork keep their flags
     # (NumPy cannot revoke them): the fork moves the parent to a copy of the
     # block first, so what they write reaches neither sequence.
     e = _tiny_engine()
     with e:
-        s = e.sequence(tokens=range(3))
-        one = np.ones((3, 1, 8), np.float32)
-        s.write_kv(0, 0, one, one)
+        s, one = _three_tokens_of_ones(e)
         view = s.block_view(0, 0)
         part = view[0]
         child = s.fork()
@@ -461,9 +467,7 @@ def test_block_view_slices_never_reach_a_fork():
 def test_block_view_slices_never_reach_a_published_block():
     e = _tiny_engine()
     with e:
-        s = e.sequence(tokens=range(3))
-        one = np.ones((3, 1, 8), np.float32)
-        s.write_kv(0, 0, one, one)
+        s, one = _three_tokens_of_ones(e)
         view = s.block_view(0, 0)
         part = view[1]
         s.append([3])
@@ -509,9 +513,7 @@ def test_block_view_slices_keep_a_block_copied_away_from_under_them():
     # its slot is never handed to another sequence while they live.
     e = _tiny_engine()
     with e:
-        s = e.sequence(tokens=range(3))
-        one = np.ones((3, 1, 8), np.float32)
-        s.write_kv(0, 0, one, one)
+        s, one = _three_tokens_of_ones(e)
         view = s.block_view(0, 0)
         part = view[0]
         old = s.block_info(0)
@@ -539,9 +541,7 @@ def test_block_view_outlives_the_callers_hold():
     # and the block stays where the view maps it.
     e = _tiny_engine(device_bytes=2 * 2 * 8 * 4 * 4, copy_moves=True, migration_threads=0)
     with e:
-        a = e.sequence(tokens=range(3))
-        one = np.ones((3, 1, 8), np.float32)
-        a.write_kv(0, 0, one, one)
+        a, one = _three_tokens_of_ones(e)
         h = a.acquire()
         view = a.block_view(0, 0, hold=h)
         where = (a.block_info(0).tier, a.block_info(0).slot)
