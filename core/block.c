@@ -392,8 +392,17 @@ static void forget_handle_extras(kvh_engine *e, uint32_t b)
 
 int kvhi_block_keep_twin(kvh_engine *e, uint32_t b, uint32_t twin)
 {
-    if (kvhi_block_map_find(&e->handle_twins, b)) {
+    uint32_t *kept = kvhi_block_map_find(&e->handle_twins, b);
+    if (kept && *kept == twin) {
         kvhi_block_unref(e, twin); /* kept already (persisted twice): one reference is enough */
+        return 0;
+    }
+    if (kept) {
+        /* Another twin stood in this time (the first left the prefix
+         * index): the one just made durable is what must stay. */
+        uint32_t old = *kept;
+        *kept = twin;
+        kvhi_block_unref(e, old);
         return 0;
     }
     return kvhi_block_map_put(&e->handle_twins, b, twin);

@@ -275,8 +275,9 @@ void kvhi_block_pin(kvh_engine *e, uint32_t b, bool pin);
 kvh_status kvhi_block_pin_handle(kvh_engine *e, uint32_t b, bool pin);
 /* b (named by a handle) keeps twin, a published block of its prefix made
  * durable in its place, taking over the caller's reference on it (dropped
- * at once when b keeps one already); the reference goes when b is
- * destroyed. 0, or -1 out of memory (the reference is the caller's). */
+ * at once when b keeps that one already; one b kept before instead is let
+ * go); the reference goes when b is destroyed. 0, or -1 out of memory
+ * (the reference is the caller's). */
 int kvhi_block_keep_twin(kvh_engine *e, uint32_t b, uint32_t twin);
 /* Recompute whether b belongs in an eviction heap. */
 void kvhi_block_update_evictable(kvh_engine *e, uint32_t b);
