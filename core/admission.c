@@ -42,9 +42,9 @@ kvh_status kvhi_admission_reserve(kvh_engine *e, uint64_t token_budget, int *poo
         return KVH_OK;
     kvhi_admission_reclaim(e);
     int pool = token_budget <= a->short_max_tokens ? 0 : 1;
-    /* Rounded up without (budget + block_tokens - 1), which wraps for
-     * budgets near UINT64_MAX (they then reserved nothing). */
-    uint64_t bt = e->cfg.block_tokens, blocks = token_budget / bt + (token_budget % bt != 0);
+    /* Rounded up without wrapping for budgets near UINT64_MAX (they would
+     * reserve nothing). */
+    uint64_t bt = e->cfg.block_tokens, blocks = kvhi_div_ceil(token_budget, bt);
     uint64_t reserved = a->reserved_blocks[pool], quota = a->quota_blocks[pool];
     if (reserved > quota || blocks > quota - reserved) {
         a->rejected[pool]++;

@@ -317,7 +317,7 @@ kvh_status kvhi_context_add_region(kvh_engine *e, kvhi_context *x, const kvh_wei
      * its slot and chunk counts would wrap. */
     int fd = -1;
     kvh_status st = p->path ? open_source(p->path, p->file_offset, p->size, &fd) : KVH_OK;
-    uint64_t most = kvhi_weight_bytes_max(e), n_chunks = p->size / x->chunk_bytes + (p->size % x->chunk_bytes != 0);
+    uint64_t most = kvhi_weight_bytes_max(e), n_chunks = kvhi_div_ceil(p->size, x->chunk_bytes);
     if (st == KVH_OK && p->size > most)
         st = kvhi_fail(KVH_ERR_NOSPACE, "weight region of %llu bytes is larger than any tier (the largest holds %llu)",
                        (unsigned long long)p->size, (unsigned long long)most);

@@ -264,6 +264,8 @@ void kvhi_log_later(kvh_engine *e, int level, const char *fmt, ...) __attribute_
 
 /* ---- engine lifetime, lock and call accounting (engine.c) ---- */
 uint32_t kvhi_dtype_bytes(uint32_t dtype);
+/* x / d rounded up (d > 0), for any x: (x + d - 1) / d wraps near 2^64. */
+static inline uint64_t kvhi_div_ceil(uint64_t x, uint64_t d) { return x / d + (x % d != 0); }
 /* Fills c with every default (struct_size = sizeof(kvh_config)). */
 void kvhi_config_defaults(kvh_config *c);
 /* kvh_config_from_env on a config of the current size whose first size

@@ -26,7 +26,7 @@
 static uint64_t slots_for(kvh_engine *e, uint32_t tier, uint64_t bytes)
 {
     uint64_t sb = e->tiers[tier].slot_bytes;
-    return bytes / sb + (bytes % sb != 0); /* (bytes + sb - 1) wraps near 2^64 */
+    return kvhi_div_ceil(bytes, sb);
 }
 
 uint64_t kvhi_weight_bytes_max(const kvh_engine *e)

@@ -58,8 +58,8 @@ static void stream_feed(chunk_stream *s, const uint8_t *p, uint64_t n)
 static uint32_t slots_needed(const kvhi_disk *d, uint64_t bytes)
 {
     /* Regions are at most the largest tier (kvhi_weight_bytes_max), so
-     * the count fits; the ceiling must not wrap near 2^64 either way. */
-    uint64_t n = bytes / d->block_bytes + (bytes % d->block_bytes != 0);
+     * the count fits. */
+    uint64_t n = kvhi_div_ceil(bytes, d->block_bytes);
     return n > UINT32_MAX ? UINT32_MAX : (uint32_t)n;
 }
 
