@@ -59,29 +59,30 @@ static uint64_t g_block_bytes;
 static uint32_t g_memcap = 1000;
 
 static pthread_mutex_t g_log_mu = PTHREAD_MUTEX_INITIALIZER;
-static void failf(const char *fmt, ...)
+/* One line to stderr, whole, tagged with the kind and the seed. */
+static void say(const char *kind, const char *fmt, va_list ap)
 {
-    va_list ap;
     pthread_mutex_lock(&g_log_mu);
-    fprintf(stderr, "FAIL seed=%llu: ", (unsigned long long)g_seed);
-    va_start(ap, fmt);
+    fprintf(stderr, "%s seed=%llu: ", kind, (unsigned long long)g_seed);
     vfprintf(stderr, fmt, ap);
-    va_end(ap);
     fprintf(stderr, "\n");
     fflush(stderr);
     pthread_mutex_unlock(&g_log_mu);
+}
+static void failf(const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    say("FAIL", fmt, ap);
+    va_end(ap);
     atomic_fetch_add(&g_fail, 1);
 }
 static void notef(const char *fmt, ...)
 {
     va_list ap;
-    pthread_mutex_lock(&g_log_mu);
-    fprintf(stderr, "NOTE seed=%llu: ", (unsigned long long)g_seed);
     va_start(ap, fmt);
-    vfprintf(stderr, fmt, ap);
+    say("NOTE", fmt, ap);
     va_end(ap);
-    fprintf(stderr, "\n");
-    pthread_mutex_unlock(&g_log_mu);
 }
 
 static uint64_t mix64(uint64_t z)

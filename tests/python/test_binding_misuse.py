@@ -636,52 +636,61 @@ def test_a_forked_child_gets_a_typed_error_and_closes_at_once():
     eng.close()
 
 
-def test_a_forked_child_exits_normally_with_the_engine_open():
-    # The interpreter's exit closes live engines (atexit): in the child that
-    # close must return at once. Run in its own interpreter (pytest's exit
-    # hooks stay out of the child).
+# Run in an interpreter of their own (pytest's exit hooks stay out of the
+# children): fork_and_exit() forks a child that leaves through a normal
+# interpreter exit (which closes live engines, atexit) and returns its
+# exit code, or "hung" after timeout seconds.
+_FORK_EXIT_PRELUDE = """
+import os, sys, time
+def fork_and_exit(timeout):
+    pid = os.fork()
+    if pid == 0:
+        sys.exit(0)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.02)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    return "hung"
+"""
+
+
+def _run_fork_script(body: str) -> str:
+    """Runs the prelude and body in a new interpreter; its output."""
     import subprocess
     import sys
     import textwrap
 
-    script = textwrap.dedent(
+    script = _FORK_EXIT_PRELUDE + textwrap.dedent(body)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_a_forked_child_exits_normally_with_the_engine_open():
+    # In the child, the close at exit must return at once.
+    out = _run_fork_script(
         """
-        import os, sys, time
         import kvh_cache as kvh
         eng = kvh.Engine(num_layers=1, num_kv_heads=1, head_dim=8, block_tokens=4, dtype="f32",
                          backend="cpu", device_bytes=4 * 128, host_bytes=64 << 10, migration_threads=2)
         seq = eng.sequence(tokens=range(64))
-        pid = os.fork()
-        if pid == 0:
-            sys.exit(0)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                print("child", os.waitstatus_to_exitcode(status))
-                break
-            time.sleep(0.02)
-        else:
-            os.kill(pid, 9)
-            print("child hung")
+        print("child", fork_and_exit(20))
         """
     )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "child 0", out.stdout + out.stderr
+    assert out == "child 0", out
 
 
 def test_a_child_forked_during_another_threads_call_exits():
     # A thread of the parent is inside a call (its gates count it in
     # flight, their locks may be held) when the main thread forks: the
     # child's exit closes the engine all the same, at once.
-    import subprocess
-    import sys
-    import textwrap
-
-    script = textwrap.dedent(
+    out = _run_fork_script(
         """
-        import os, sys, threading, time
+        import threading
         import numpy as np
         import kvh_cache as kvh
         eng = kvh.Engine(num_layers=2, num_kv_heads=2, head_dim=32, block_tokens=16, dtype="f32",
@@ -697,27 +706,10 @@ def test_a_child_forked_during_another_threads_call_exits():
         t = threading.Thread(target=reader, daemon=True)
         t.start()
         time.sleep(0.1)
-        codes = []
-        for _ in range(6):
-            pid = os.fork()
-            if pid == 0:
-                sys.exit(0)
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline:
-                done, status = os.waitpid(pid, os.WNOHANG)
-                if done:
-                    codes.append(os.waitstatus_to_exitcode(status))
-                    break
-                time.sleep(0.02)
-            else:
-                os.kill(pid, 9)
-                os.waitpid(pid, 0)
-                codes.append("hung")
+        codes = [fork_and_exit(10) for _ in range(6)]
         stop = True
         t.join()
         print(codes)
         """
     )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[0, 0, 0, 0, 0, 0]", out.stdout + out.stderr
+    assert out == "[0, 0, 0, 0, 0, 0]", out
