@@ -185,7 +185,29 @@ static kvhi_job job_pop(kvh_engine *e) { return job_take(e, 0); }
 
 /* A block a hint brought up; its hint keeps it from being the next victim
  * (core/hints.c) until it is used. */
-static void mark_prefetched(kvh_engine *e, uint32_t b) { e->blocks[b].flags |= KVHI_BF_PREFETCHED; }
+/* A queued prefetch (PREFETCHING) that starts its promotion is counted
+ * as issued then, and carries PREFETCHED from then on: an acquire that
+ * meets it still in flight counts it late, one that meets it arrived
+ * counts it useful, and a move out of the device tier before either
+ * counts it wasted. An acquire that meets it still queued takes the block
+ * over (clears PREFETCHING), and the job then does nothing. */
+static void prefetch_start(kvh_engine *e, uint32_t b)
+{
+    kvhi_block *blk = &e->blocks[b];
+    e->stats.prefetch_issued++;
+    blk->flags = (uint16_t)((blk->flags & ~KVHI_BF_PREFETCHING) | KVHI_BF_PREFETCHED);
+}
+
+/* The promotion a prefetch started did not land (an I/O error, no room
+ * after all): issued, and of no use. */
+static void prefetch_failed(kvh_engine *e, uint32_t b)
+{
+    kvhi_block *blk = &e->blocks[b];
+    if (!(blk->flags & KVHI_BF_PREFETCHED) || blk->tier == KVH_TIER_DEVICE)
+        return; /* claimed late by an acquire, or up after all */
+    blk->flags &= (uint16_t)~KVHI_BF_PREFETCHED;
+    e->stats.prefetch_wasted++;
+}
 
 /* A prefetch is worth its move only if the device tier has a free slot or
  * a victim of a lower class than the hinted block (unhinted, or hinted for
@@ -249,25 +271,29 @@ static kvh_status run_job(kvh_engine *e, const kvhi_job *j)
     kvh_status st = KVH_OK;
     if (!kvhi_block_wait_movable(e, j->block, j->block_gen, j->target_tier))
         return KVH_OK; /* freed meanwhile: nothing left to move */
-    bool moved = false;
+    bool prefetch = j->kind == KVHI_JOB_PREFETCH, started = false, moved = false;
     if (blk->tier != j->target_tier) {
         if (blk->holds && j->target_tier > blk->tier)
             st = KVH_OK; /* held blocks never move down */
-        else if (blk->pins)
-            st = j->kind == KVHI_JOB_NEED ? kvhi_fail(KVH_ERR_BUSY, "block is pinned in another tier")
-                                          : KVH_OK; /* pinned since it was queued: skipped, as at queueing */
-        else if (!prefetch_declined(e, j)) {
+        else if (prefetch && !(blk->flags & KVHI_BF_PREFETCHING))
+            st = KVH_OK; /* an acquire took the block over while this waited */
+        else if (blk->pins) {
+            st = j->kind == KVHI_JOB_NEED ? kvhi_fail(KVH_ERR_BUSY, "block is pinned in another tier") : KVH_OK;
+            e->stats.prefetch_skipped += prefetch; /* pinned since it was queued: skipped, as at queueing */
+        } else if (!prefetch_declined(e, j)) {
+            if (prefetch)
+                prefetch_start(e, j->block);
+            started = prefetch;
             st = kvhi_move_block(e, j->block, j->target_tier, blk->agent);
             moved = st == KVH_OK && blk->gen == j->block_gen && (blk->flags & KVHI_BF_LIVE);
         }
     }
-    if (j->kind == KVHI_JOB_PREFETCH) {
-        /* Only a promotion this hint made, and that no acquire has claimed
-         * yet (acquire clears PREFETCHING), counts as prefetched. */
-        if (moved && (blk->flags & KVHI_BF_PREFETCHING) && blk->tier == KVH_TIER_DEVICE)
-            mark_prefetched(e, j->block);
-        if (blk->gen == j->block_gen)
+    if (prefetch) {
+        if (blk->gen == j->block_gen) {
+            if (started && !moved)
+                prefetch_failed(e, j->block);
             blk->flags &= (uint16_t)~KVHI_BF_PREFETCHING;
+        }
         st = KVH_OK; /* a hint that cannot be honoured is not an error */
     }
     return st;
@@ -331,13 +357,17 @@ static void run_batch(kvh_engine *e, kvhi_job first)
                 job_abandon(e, &jobs[i], KVH_ERR_NOMEM);
             continue;
         }
-        if (prefetch_declined(e, &jobs[i])) {
+        bool prefetch = jobs[i].kind == KVHI_JOB_PREFETCH;
+        if (prefetch && (!(e->blocks[jobs[i].block].flags & KVHI_BF_PREFETCHING) || prefetch_declined(e, &jobs[i]))) {
+            /* taken over by an acquire meanwhile, or no room */
             e->blocks[jobs[i].block].flags &= (uint16_t)~KVHI_BF_PREFETCHING;
             kvhi_fence_done(e, jobs[i].fence, KVH_OK);
             continue;
         }
         int rc = kvhi_move_begin(e, jobs[i].block, jobs[i].target_tier, &xs[k], false);
         if (rc == 0) {
+            if (prefetch)
+                prefetch_start(e, jobs[i].block);
             idx[k++] = i;
             continue;
         }
@@ -355,11 +385,8 @@ static void run_batch(kvh_engine *e, kvhi_job first)
         kvh_status st = kvhi_move_end(e, &xs[i], NULL);
         if (j->kind == KVHI_JOB_PREFETCH) {
             kvhi_block *blk = &e->blocks[j->block];
-            if (st == KVH_OK && blk->gen == j->block_gen && (blk->flags & KVHI_BF_PREFETCHING) &&
-                blk->tier == KVH_TIER_DEVICE)
-                mark_prefetched(e, j->block);
-            if (blk->gen == j->block_gen)
-                blk->flags &= (uint16_t)~KVHI_BF_PREFETCHING;
+            if (blk->gen == j->block_gen && (st != KVH_OK || !(blk->flags & KVHI_BF_LIVE)))
+                prefetch_failed(e, j->block);
             st = KVH_OK;
         }
         kvhi_fence_done(e, j->fence, st);

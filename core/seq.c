@@ -773,10 +773,13 @@ kvh_status kvhi_seq_acquire(kvh_engine *e, kvhi_seq *s, uint64_t first, uint64_t
          * one still in the device tier is usable at once. */
         kvhi_block_recall(e, b);
         bool resident = kvhi_block_in_device(e, b);
-        if (!resident && (blk->flags & KVHI_BF_PREFETCHING)) {
+        if (!resident && (blk->flags & KVHI_BF_PREFETCHED)) {
+            /* A prefetch's promotion in flight (core/migrate.c): waited for. */
             e->stats.prefetch_late++;
-            blk->flags &= (uint16_t)~KVHI_BF_PREFETCHING; /* its arrival is not "prefetched, unused" */
+            blk->flags &= (uint16_t)~KVHI_BF_PREFETCHED; /* its arrival is not "prefetched, unused" */
         }
+        if (!resident)
+            blk->flags &= (uint16_t)~KVHI_BF_PREFETCHING; /* a queued prefetch gives way to this fetch */
         note_access(e, b);
         if (!resident) {
             waited = true;
@@ -919,15 +922,17 @@ kvh_status kvhi_prefetch(kvh_engine *e, kvhi_seq *s, uint64_t first, uint64_t n,
         kvhi_hint_set(e, b, priority);
         if (blk->tier == KVH_TIER_DEVICE && !kvhi_block_in_flight(blk))
             continue;
-        if (blk->flags & KVHI_BF_PREFETCHING)
-            continue;
+        if (blk->flags & (KVHI_BF_PREFETCHING | KVHI_BF_PREFETCHED))
+            continue; /* queued, or on its way up */
         if (++blk->hits < min_hits || blk->pins) {
             e->stats.prefetch_skipped++;
             continue;
         }
+        /* Counted as issued when its promotion starts (core/migrate.c). */
+        uint32_t gen = blk->gen;
         blk->flags |= KVHI_BF_PREFETCHING;
-        e->stats.prefetch_issued++;
-        kvhi_enqueue(e, b, KVH_TIER_DEVICE, priority, KVHI_JOB_PREFETCH, fidx);
+        if (kvhi_enqueue(e, b, KVH_TIER_DEVICE, priority, KVHI_JOB_PREFETCH, fidx) != KVH_OK && blk->gen == gen)
+            blk->flags &= (uint16_t)~KVHI_BF_PREFETCHING; /* not queued: a later prefetch may try again */
     }
     free(named);
     return KVH_OK;

@@ -437,6 +437,42 @@ static void test_prefetch_threshold_extremes(void **state)
     }
 }
 
+/* A prefetch that finds no room it may take (both device blocks hinted
+ * above it) is skipped, not issued: it starts no promotion. Every issued
+ * prefetch ends useful, wasted or late. */
+static void test_declined_prefetch_is_skipped_not_issued(void **state)
+{
+    kvh_engine *e = open_lru(state, 2, 16);
+    kvh_seq a = blocks_of(e, 1, 1), b = blocks_of(e, 1, 2), c = blocks_of(e, 1, 3);
+    assert_int_equal(tier0(e, a), KVH_TIER_HOST);
+    assert_ok(kvh_seq_hint(e, b, 0, BT, 100));
+    assert_ok(kvh_seq_hint(e, c, 0, BT, 100));
+    kvh_fence f;
+    assert_ok(kvh_prefetch(e, a, 0, BT, 50, &f));
+    assert_ok(kvh_fence_wait(e, f, UINT64_MAX));
+    assert_ok(kvh_fence_free(e, f));
+    kvh_stats st = tu_stats(e);
+    assert_int_equal(tier0(e, a), KVH_TIER_HOST);
+    assert_int_equal(st.prefetch_skipped, 1);
+    assert_int_equal(st.prefetch_issued, 0);
+    /* Room now (c freed): the same prefetch promotes a, and its use counts. */
+    assert_ok(kvh_seq_free(e, c));
+    assert_ok(kvh_prefetch(e, a, 0, BT, 50, &f));
+    assert_ok(kvh_fence_wait(e, f, UINT64_MAX));
+    assert_ok(kvh_fence_free(e, f));
+    assert_int_equal(tier0(e, a), KVH_TIER_DEVICE);
+    kvh_seq seqs[2] = {a, b};
+    for (int k = 0; k < 2; k++) {
+        assert_ok(kvh_seq_acquire(e, seqs[k], 0, BT, NULL));
+        assert_ok(kvh_seq_release(e, seqs[k], 0, BT));
+    }
+    st = tu_stats(e);
+    assert_int_equal(st.prefetch_issued, 1);
+    assert_int_equal(st.prefetch_useful, 1);
+    assert_int_equal(st.prefetch_issued, st.prefetch_useful + st.prefetch_wasted + st.prefetch_late);
+    assert_true(tu_check_pattern(e, a, L, TOKB, 1, 0, BT));
+}
+
 /* kvh_seq_hint: INT32_MIN counts as INT32_MIN + 1, still a hint: such a
  * block outlives every unhinted one. */
 static void test_lowest_priority_is_still_a_hint(void **state)
@@ -823,6 +859,7 @@ int main(void)
         BOTH(test_fence_edges),
         BOTH(test_holds_and_moves_given_up_under_a_fence),
         BOTH(test_prefetch_threshold_extremes),
+        BOTH(test_declined_prefetch_is_skipped_not_issued),
         BOTH(test_lowest_priority_is_still_a_hint),
         BOTH(test_stale_hints_do_not_follow_freed_blocks),
         BOTH(test_random_mix_keeps_every_byte),
