@@ -456,6 +456,13 @@ kvh_status kvhi_context_switch(kvh_engine *e, kvh_context from_h, kvh_context to
             break;
         pthread_cond_wait(&c->cv, &e->lock);
     }
+    if (!from && !to) {
+        /* Nothing to move: no switch starts, and the fence is complete. */
+        if (!fence)
+            return KVH_OK;
+        uint32_t idx;
+        return kvhi_fence_new(e, &idx, fence);
+    }
     kvhi_switch *sw = calloc(1, sizeof(*sw));
     if (!sw)
         return kvhi_fail(KVH_ERR_NOMEM, "out of memory for a switch");

@@ -406,6 +406,27 @@ static void test_many_tiny_regions(void **state)
     assert_int_equal(tu_tier(e, KVH_TIER_HOST).used_blocks, 0);
 }
 
+/* Both handles null: nothing to do, and the fence says so at once, every
+ * time, before and after real switches. */
+static void test_null_switch_fence_is_complete_at_once(void **state)
+{
+    kvh_engine *e = tu_open(L, H, D, BT, KVH_DTYPE_F32, 64, 2048, threads_of(state));
+    kvh_context c = new_ctx(e, KVH_CONTEXT_KV_KEEP);
+    for (int round = 0; round < 40; round++) {
+        if (round == 20)
+            assert_ok(kvh_context_switch(e, (kvh_context){0}, c, NULL));
+        kvh_fence f;
+        assert_ok(kvh_context_switch(e, (kvh_context){0}, (kvh_context){0}, &f));
+        int32_t done = 0;
+        assert_ok(kvh_fence_poll(e, f, &done));
+        assert_int_equal(done, 1);
+        assert_ok(kvh_fence_wait(e, f, 0));
+        assert_ok(kvh_fence_free(e, f));
+        assert_ok(kvh_context_switch(e, (kvh_context){0}, (kvh_context){0}, NULL));
+    }
+    assert_ok(kvh_context_destroy(e, c));
+}
+
 #define BOTH(fn)                                                                                                       \
     cmocka_unit_test_prestate_setup_teardown(fn, NULL, tu_teardown, (void *)(uintptr_t)0),                             \
         cmocka_unit_test_prestate_setup_teardown(fn, NULL, tu_teardown, (void *)(uintptr_t)2)
@@ -419,6 +440,7 @@ int main(void)
         BOTH(test_destroy_during_switch_and_after),
         BOTH(test_close_during_a_switch),
         BOTH(test_many_tiny_regions),
+        BOTH(test_null_switch_fence_is_complete_at_once),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
