@@ -274,8 +274,11 @@ int kvhi_disk_open_slabs(kvhi_disk *d, bool allow_direct)
             d->slab_bytes_found += (uint64_t)st.st_size;
         if (sized && st.st_size < want) {
             /* Preallocate so a later write does not find the disk full;
-             * where that is refused, the file grows on demand. */
-            if (posix_fallocate(fd, 0, want) != 0 && ftruncate(fd, want) != 0)
+             * where that is refused, the file grows on demand. A file
+             * system that runs out of room midway (ext4) keeps what it
+             * allocated so far: that goes back first, or the store would
+             * hold the whole disk and find no room for its index. */
+            if (posix_fallocate(fd, 0, want) != 0 && (ftruncate(fd, st.st_size) != 0 || ftruncate(fd, want) != 0))
                 return -errno;
         }
     }
