@@ -24,25 +24,37 @@
 #include "core/disk_tier.h"
 #include "core/remote_tier.h"
 
+/* Another engine or reader holds the store: say which, from its LOCK. */
+static kvh_status store_busy(kvhi_disk *d)
+{
+    char pid[32] = "";
+    ssize_t n = pread(d->lock_fd, pid, sizeof(pid) - 1, 0);
+    pid[n > 0 ? n : 0] = '\0';
+    pid[strcspn(pid, "\n")] = '\0';
+    close(d->lock_fd);
+    d->lock_fd = -1;
+    /* Readers (kvh-store) share the lock without writing their pid:
+     * the one in the file may be a writer long gone. */
+    char *end = NULL;
+    long owner = strtol(pid, &end, 10);
+    if (!pid[0] || *end || owner <= 0 || (kill((pid_t)owner, 0) != 0 && errno == ESRCH))
+        return kvhi_fail(KVH_ERR_BUSY, "store %s is open in another process (a reader such as kvh-store)", d->path);
+    return kvhi_fail(KVH_ERR_BUSY, "store %s is open in process %s", d->path, pid);
+}
+
 static kvh_status lock_store(kvhi_disk *d)
 {
     d->lock_fd = kvhi_store_openat(d, "LOCK", O_RDWR | O_CREAT);
     if (d->lock_fd < 0)
         return kvhi_fail(KVH_ERR_IO, "cannot create %s/LOCK: %s", d->path, strerror(-d->lock_fd));
+    /* The directory is locked as well as LOCK: a LOCK file deleted under
+     * a running engine (a cleaner of old files) would let the next one
+     * create and lock a new file, and two engines would write one store. */
+    if (flock(d->dir_fd, LOCK_EX | LOCK_NB) != 0)
+        return store_busy(d);
     if (flock(d->lock_fd, LOCK_EX | LOCK_NB) != 0) {
-        char pid[32] = "";
-        ssize_t n = pread(d->lock_fd, pid, sizeof(pid) - 1, 0);
-        pid[n > 0 ? n : 0] = '\0';
-        pid[strcspn(pid, "\n")] = '\0';
-        close(d->lock_fd);
-        d->lock_fd = -1;
-        /* Readers (kvh-store) share the lock without writing their pid:
-         * the one in the file may be a writer long gone. */
-        char *end = NULL;
-        long owner = strtol(pid, &end, 10);
-        if (!pid[0] || *end || owner <= 0 || (kill((pid_t)owner, 0) != 0 && errno == ESRCH))
-            return kvhi_fail(KVH_ERR_BUSY, "store %s is open in another process (a reader such as kvh-store)", d->path);
-        return kvhi_fail(KVH_ERR_BUSY, "store %s is open in process %s", d->path, pid);
+        flock(d->dir_fd, LOCK_UN);
+        return store_busy(d);
     }
     char pid[32];
     int len = snprintf(pid, sizeof(pid), "%ld\n", (long)getpid());
@@ -64,8 +76,10 @@ static void disk_free(kvhi_disk *d)
         flock(d->lock_fd, LOCK_UN);
         close(d->lock_fd);
     }
-    if (d->dir_fd >= 0)
+    if (d->dir_fd >= 0) {
+        flock(d->dir_fd, LOCK_UN); /* as LOCK's */
         close(d->dir_fd);
+    }
     free(d->path);
     free(d);
 }
@@ -107,8 +121,7 @@ kvh_status kvhi_disk_tier_open(kvh_engine *e, const kvh_config *cfg, const char 
     d->n_slots = (uint32_t)slots;
     int rc = kvhi_disk_open_slabs(d, !(cfg->disk_flags & KVH_DISK_BUFFERED));
     if (rc != 0)
-        return kvhi_fail(rc == -ENOSPC ? KVH_ERR_NOSPACE : KVH_ERR_IO, "cannot open slab files in %s: %s", path,
-                         strerror(-rc));
+        return kvhi_fail(kvhi_io_status(rc), "cannot open slab files in %s: %s", path, strerror(-rc));
     char msg[256];
     int ir = kvhi_index_load(d, false, &e->disk_recovery, msg, sizeof(msg));
     if (ir == KVHI_INDEX_MISMATCH || ir == KVHI_INDEX_CORRUPT) {
@@ -494,8 +507,7 @@ static kvh_status write_copies(kvh_engine *e, const uint32_t *blocks, uint32_t n
             kvhi_release_slot(e, KVH_TIER_DISK, x->dst_slot);
             refused |= x->err == -ENOSPC;
             if (st == KVH_OK)
-                st = kvhi_fail(x->err == -ENOSPC ? KVH_ERR_NOSPACE : KVH_ERR_IO, "writing a block to disk: %s",
-                               strerror(-x->err));
+                st = kvhi_fail(kvhi_io_status(x->err), "writing a block to disk: %s", strerror(-x->err));
         } else {
             wrote = true;
             blk->data_crc = x->data_crc;

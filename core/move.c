@@ -321,8 +321,7 @@ kvh_status kvhi_move_end(kvh_engine *e, kvhi_xfer *x, uint32_t *src_slot_out)
         if (x->err == 1)
             st = kvhi_mark_corrupt(e, b, x->why);
         else
-            st = kvhi_fail(x->err == -ENOSPC ? KVH_ERR_NOSPACE : KVH_ERR_IO, "moving a block between tiers: %s",
-                           strerror(-x->err));
+            st = kvhi_fail(kvhi_io_status(x->err), "moving a block between tiers: %s", strerror(-x->err));
         if ((blk->flags & KVHI_BF_DEAD) || ((blk->flags & KVHI_BF_CORRUPT) && blk->refs == 0))
             kvhi_block_free_now(e, b);
         else

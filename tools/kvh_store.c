@@ -63,12 +63,15 @@ static int open_store(const char *path, kvhi_disk *d)
         return -1;
     }
     d->lock_fd = open_store_file(d, "LOCK");
-    if (d->lock_fd >= 0 && flock(d->lock_fd, LOCK_SH | LOCK_NB) != 0) {
+    /* An engine locks the directory too (its LOCK file may have been
+     * deleted and made anew). */
+    if (flock(d->dir_fd, LOCK_SH | LOCK_NB) != 0 || (d->lock_fd >= 0 && flock(d->lock_fd, LOCK_SH | LOCK_NB) != 0)) {
         char pid[32] = "";
         ssize_t n = pread(d->lock_fd, pid, sizeof(pid) - 1, 0);
         pid[n > 0 ? n : 0] = '\0';
         pid[strcspn(pid, "\n")] = '\0';
-        fprintf(stderr, "kvh-store: %s is open in process %s; close it first\n", path, pid);
+        fprintf(stderr, "kvh-store: %s is open in %s%s; close it first\n", path,
+                pid[0] ? "process " : "another process", pid);
         return -1;
     }
     int fd = open_store_file(d, "index");

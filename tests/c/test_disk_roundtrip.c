@@ -593,6 +593,14 @@ static void test_second_engine_busy(void **state)
     busy_arg a = {dir, (long)getpid()};
     assert_int_equal(dt_in_child(busy_child, &a), 0);
 
+    /* LOCK deleted under the owner (a cleaner of old files): a second
+     * engine would make and lock a new one, and still gets BUSY. */
+    char lock[600];
+    snprintf(lock, sizeof(lock), "%s/LOCK", dir);
+    assert_int_equal(unlink(lock), 0);
+    dt_assert_kvh(KVH_ERR_BUSY, kvh_engine_open(&c, &x));
+    assert_null(x);
+
     /* the failed opens did not disturb the owner */
     dt_content ct = dt_plain(99);
     kvh_seq s;
