@@ -14,6 +14,7 @@
  * Views are populated at map time (MAP_POPULATE) unless
  * KVH_VMAP_POPULATE=0: the first read then takes no fault per page. */
 #include <errno.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -50,13 +51,16 @@ static uint64_t free_huge_2mb_pages(void)
     if (!f)
         return 0;
     char line[128];
-    unsigned long long free_pages = 0, size_kb = 0;
+    unsigned long long free_pages = 0, reserved = 0, size_kb = 0;
     while (fgets(line, sizeof(line), f)) {
         sscanf(line, "HugePages_Free: %llu", &free_pages);
+        sscanf(line, "HugePages_Rsvd: %llu", &reserved);
         sscanf(line, "Hugepagesize: %llu kB", &size_kb);
     }
     fclose(f);
-    return size_kb == 2048 ? free_pages : 0;
+    /* Free pages include those other mappings have reserved but not yet
+     * touched: those are not ours to take. */
+    return size_kb == 2048 && free_pages > reserved ? free_pages - reserved : 0;
 }
 
 /* The kernel's shmem THP setting is the bracketed word. */
@@ -111,6 +115,38 @@ static int pick_backing(const kvhi_slab_layout *l, uint64_t bytes, const char *w
     return 0;
 }
 
+/* The tier's memory file under backing b, mapped: 0, or a status with
+ * msg filled. */
+static int map_arena(cpu_arena *a, enum backing b, uint64_t bytes, char *msg, size_t len)
+{
+    a->backing = b;
+    a->bytes = bytes;
+    a->unit = b == BACKING_HUGETLB ? HUGE_2MB : (uint64_t)sysconf(_SC_PAGESIZE);
+    a->fd = memfd_create("kvh-device-tier", MFD_CLOEXEC | (b == BACKING_HUGETLB ? MFD_HUGETLB | MFD_HUGE_2MB : 0));
+    if (a->fd < 0) {
+        snprintf(msg, len, "memfd_create for the device tier failed: %s", strerror(errno));
+        return KVH_ERR_NOMEM;
+    }
+    if (ftruncate(a->fd, (off_t)bytes) != 0) {
+        snprintf(msg, len, "cannot size the device tier file to %llu bytes: %s", (unsigned long long)bytes,
+                 strerror(errno));
+        close(a->fd);
+        return KVH_ERR_NOMEM;
+    }
+    void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, a->fd, 0);
+    if (p == MAP_FAILED) {
+        snprintf(msg, len, "cannot map the device tier file (%s pages): %s", backing_names[b], strerror(errno));
+        close(a->fd);
+        return KVH_ERR_NOMEM;
+    }
+#ifdef MADV_HUGEPAGE
+    if (b == BACKING_THP)
+        madvise(p, bytes, MADV_HUGEPAGE);
+#endif
+    a->base = p;
+    return 0;
+}
+
 int kvhi_vmap_cpu_arena_create(void *ctx, const kvhi_slab_layout *layout, uint64_t bytes, const char *backing,
                                void **arena, void **base, uint64_t *map_unit, const char **backing_used, char *msg,
                                size_t len)
@@ -127,36 +163,21 @@ int kvhi_vmap_cpu_arena_create(void *ctx, const kvhi_slab_layout *layout, uint64
     }
     const char *pop = getenv("KVH_VMAP_POPULATE");
     a->populate = !(pop && !strcmp(pop, "0"));
-    a->backing = b;
-    a->bytes = bytes;
-    a->unit = b == BACKING_HUGETLB ? HUGE_2MB : (uint64_t)sysconf(_SC_PAGESIZE);
-    a->fd = memfd_create("kvh-device-tier", MFD_CLOEXEC | (b == BACKING_HUGETLB ? MFD_HUGETLB | MFD_HUGE_2MB : 0));
-    if (a->fd < 0) {
-        snprintf(msg, len, "memfd_create for the device tier failed: %s", strerror(errno));
-        free(a);
-        return KVH_ERR_NOMEM;
+    bool chosen = (backing && *backing) || (getenv("KVH_VMAP_BACKING") && *getenv("KVH_VMAP_BACKING"));
+    rc = map_arena(a, b, bytes, msg, len);
+    if (rc != 0 && b == BACKING_HUGETLB && !chosen) {
+        /* The free huge pages were counted a moment ago; another process
+         * may have taken them since. Picked here, not asked for: the next
+         * best backing will do. */
+        b = shmem_thp_allowed() ? BACKING_THP : BACKING_4K;
+        rc = map_arena(a, b, bytes, msg, len);
     }
-    if (ftruncate(a->fd, (off_t)bytes) != 0) {
-        snprintf(msg, len, "cannot size the device tier file to %llu bytes: %s", (unsigned long long)bytes,
-                 strerror(errno));
-        close(a->fd);
+    if (rc != 0) {
         free(a);
-        return KVH_ERR_NOMEM;
+        return rc;
     }
-    void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, a->fd, 0);
-    if (p == MAP_FAILED) {
-        snprintf(msg, len, "cannot map the device tier file: %s", strerror(errno));
-        close(a->fd);
-        free(a);
-        return KVH_ERR_NOMEM;
-    }
-#ifdef MADV_HUGEPAGE
-    if (b == BACKING_THP)
-        madvise(p, bytes, MADV_HUGEPAGE);
-#endif
-    a->base = p;
     *arena = a;
-    *base = p;
+    *base = a->base;
     *map_unit = a->unit;
     *backing_used = backing_names[b];
     return 0;
