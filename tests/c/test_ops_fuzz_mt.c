@@ -1458,6 +1458,60 @@ static const fuzz_run runs[] = {
     {3055, 6, 1, 0, 1, 1, 1}, {7, 4, 3, 2, 1, 0, 1}, {8, 5, 1, 1, 0, 1, 1},   {9, 4, 1, 0, 1, 1, 0},
 };
 
+/* Runs one configuration in a child process; 1 when it failed or stalled. */
+static int run_in_child(const fuzz_run *fr, double secs, double stall_slack, const char *scratch)
+{
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    fflush(stdout);
+    fflush(stderr);
+    pid_t pid = fork();
+    if (pid < 0) {
+        perror("fork");
+        exit(1);
+    }
+    if (pid == 0)
+        _exit(run_one(fr, secs, scratch));
+    int ws = 0;
+    while (waitpid(pid, &ws, 0) < 0)
+        ;
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    double wall = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) / 1e9;
+    bool ok = WIFEXITED(ws) && WEXITSTATUS(ws) == 0;
+    /* A run takes about a second here (its threads, then the final
+     * checks and a reopen), a few under a sanitizer; a stall takes
+     * five and more (fences waiting out a 5 s round, chained). */
+    bool stalled = wall > secs + stall_slack;
+    printf("seed %llu, %d threads, %d workers, codec %u, disk %d, others' %d, tiny %d: %s in %.1f s\n",
+           (unsigned long long)fr->seed, fr->threads, fr->workers, fr->codec, fr->disk, fr->intrude, fr->tiny,
+           !ok       ? "FAILED"
+           : stalled ? "STALLED"
+                     : "ok",
+           wall);
+    return !ok || stalled;
+}
+
+/* A configuration drawn from a seed, for soaks beyond the fixed set. */
+static fuzz_run drawn_run(uint64_t seed)
+{
+    uint64_t x = seed * 0x9e3779b97f4a7c15ull + 0x632be59bd9b4e019ull;
+    x ^= x >> 31;
+    x *= 0xbf58476d1ce4e5b9ull;
+    x ^= x >> 29;
+    fuzz_run fr = {.seed = seed,
+                   .threads = 3 + (int)(x % 4),
+                   .workers = (int)((x >> 8) % 4),
+                   .codec = (uint32_t)((x >> 16) % 3),
+                   .disk = (int)(x >> 24) & 1,
+                   .intrude = (int)(x >> 25) & 1,
+                   .tiny = (int)(x >> 26) & 1};
+    return fr;
+}
+
+/* KVH_OPS_FUZZ_SECONDS: how long each configuration runs (0.4 s).
+ * KVH_OPS_FUZZ_RUNS=N: N more configurations drawn from the seeds after
+ * KVH_OPS_FUZZ_SEED (default 1000), for soaks; KVH_OPS_FUZZ_ONLY_DRAWN=1
+ * skips the fixed set. */
 int main(void)
 {
     const char *s = getenv("KVH_OPS_FUZZ_SECONDS");
@@ -1465,6 +1519,9 @@ int main(void)
     const char *sl = getenv("KVH_OPS_FUZZ_STALL_SECONDS");
     double stall_slack = sl && *sl ? atof(sl) : 4.5;
     const char *base = getenv("KVH_TEST_TMPDIR");
+    const char *nr = getenv("KVH_OPS_FUZZ_RUNS"), *sd = getenv("KVH_OPS_FUZZ_SEED");
+    const char *only = getenv("KVH_OPS_FUZZ_ONLY_DRAWN");
+    uint64_t drawn = nr && *nr ? strtoull(nr, NULL, 10) : 0, first = sd && *sd ? strtoull(sd, NULL, 10) : 1000;
     char scratch[512];
     snprintf(scratch, sizeof(scratch), "%s/kvh-ops-fuzz-XXXXXX", base && *base ? base : "/tmp");
     if (!mkdtemp(scratch)) {
@@ -1472,36 +1529,11 @@ int main(void)
         return 1;
     }
     int failed = 0;
-    for (size_t i = 0; i < sizeof(runs) / sizeof(runs[0]); i++) {
-        const fuzz_run *fr = &runs[i];
-        struct timespec t0, t1;
-        clock_gettime(CLOCK_MONOTONIC, &t0);
-        fflush(stdout);
-        fflush(stderr);
-        pid_t pid = fork();
-        if (pid < 0) {
-            perror("fork");
-            return 1;
-        }
-        if (pid == 0)
-            _exit(run_one(fr, secs, scratch));
-        int ws = 0;
-        while (waitpid(pid, &ws, 0) < 0)
-            ;
-        clock_gettime(CLOCK_MONOTONIC, &t1);
-        double wall = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) / 1e9;
-        bool ok = WIFEXITED(ws) && WEXITSTATUS(ws) == 0;
-        /* A run takes about a second here (its threads, then the final
-         * checks and a reopen), a few under a sanitizer; a stall takes
-         * five and more (fences waiting out a 5 s round, chained). */
-        bool stalled = wall > secs + stall_slack;
-        printf("seed %llu, %d threads, %d workers, codec %u, disk %d, others' %d, tiny %d: %s in %.1f s\n",
-               (unsigned long long)fr->seed, fr->threads, fr->workers, fr->codec, fr->disk, fr->intrude, fr->tiny,
-               !ok       ? "FAILED"
-               : stalled ? "STALLED"
-                         : "ok",
-               wall);
-        failed += !ok || stalled;
+    for (size_t i = 0; !(only && *only == '1') && i < sizeof(runs) / sizeof(runs[0]); i++)
+        failed += run_in_child(&runs[i], secs, stall_slack, scratch);
+    for (uint64_t i = 0; i < drawn; i++) {
+        fuzz_run fr = drawn_run(first + i);
+        failed += run_in_child(&fr, secs, stall_slack, scratch);
     }
     char cmd[600];
     snprintf(cmd, sizeof(cmd), "rm -rf '%s'", scratch);
