@@ -134,7 +134,7 @@ def gguf_layer(name: str, num_blocks: int) -> int:
     return num_blocks + 1
 
 
-class _RegionView(Finalized):
+class _RegionView(Finalized, Uncopyable):
     """Base object of a region view: exposes the region's memory through
     ``__array_interface__`` and, while any array derived from it lives,
     keeps the region pinned and the context and engine from freeing it."""

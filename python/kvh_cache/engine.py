@@ -42,7 +42,7 @@ import numpy as np
 from . import errors
 from ._ffi import NULL, U64_MAX, check, ffi, kvh_level_for_logger, last_error, lib, raise_status, status_name
 from . import _handle
-from ._handle import Finalized, GatedHandle, GateUse, HandleGate, OwnedHandle, in_lock_order
+from ._handle import Finalized, GatedHandle, GateUse, HandleGate, OwnedHandle, Uncopyable, in_lock_order
 from .types import (
     Backend,
     BlockInfo,
@@ -1493,7 +1493,7 @@ class Hold(OwnedHandle):
         return f"<kvh.Hold tokens [{self.first}, {self.first + self.n}){' released' if self.released else ''}>"
 
 
-class _ViewOwner(Finalized):
+class _ViewOwner(Finalized, Uncopyable):
     """Base object of a zero-copy block view: exposes the memory through
     ``__array_interface__`` and keeps the hold (and the engine's memory)
     alive for as long as any array derived from it exists."""

@@ -19,13 +19,13 @@ import numpy as np
 
 from . import errors
 from ._ffi import check, ffi, lib
-from ._handle import Finalized, GatedHandle, HandleGate, OwnedHandle
+from ._handle import Finalized, GatedHandle, HandleGate, OwnedHandle, Uncopyable
 
 if TYPE_CHECKING:  # pragma: no cover
     from .engine import Engine, Sequence
 
 
-class _ArrayOwner(Finalized):
+class _ArrayOwner(Finalized, Uncopyable):
     """Base object of a view array: keeps the VMap mapped while it lives."""
 
     def __init__(self, vm: "VMap", addr: int, shape: Tuple[int, ...], strides: Tuple[int, ...]) -> None:

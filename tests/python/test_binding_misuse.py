@@ -339,6 +339,35 @@ def test_native_objects_do_not_pickle(engine, filled):
     assert type(err) is kvh.RangeError and err.status == -10 and err.message == "detail"
 
 
+@pytest.mark.parametrize("kind", ["block", "vmap", "region"])
+def test_owner_of_a_zero_copy_array_cannot_be_copied(kind):
+    """A copy of the object behind a view's array would run its finaliser a
+    second time: the engine or mapping would go while the array lives."""
+    if kind == "block":
+        eng = make_engine()
+        seq, _ = filled_seq(eng, 32)
+        arr = seq.block_view(0, 0)
+    elif kind == "vmap":
+        eng = make_engine(head_dim=64, vmap=True, host_bytes=0, device_bytes=64 * 2 * 2 * 2 * 16 * 64 * 4)
+        seq, _ = filled_seq(eng, 32)
+        seq.acquire()
+        arr = seq.vmap(0).k
+    else:
+        eng = make_engine(device_bytes=128 * 4096, host_bytes=256 * 4096)
+        ctx = eng.context("a")
+        ctx.add_region("r", data=(np.arange(200000) % 251).astype(np.uint8))
+        ctx.switch_to()
+        arr = ctx.region(0)
+    expect = np.array(arr)
+    for dup in (copy.copy, copy.deepcopy):
+        with pytest.raises(TypeError, match="cannot be copied"):
+            dup(arr.base)
+    gc.collect()
+    assert np.array_equal(arr, expect)
+    del arr
+    eng.close()
+
+
 @pytest.mark.parametrize("kind", ["engine", "sequence", "block"])
 def test_a_dropped_shallow_copy_leaves_the_original_usable(kind):
     with make_engine() as eng:
