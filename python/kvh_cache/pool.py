@@ -20,6 +20,7 @@ given).
 from __future__ import annotations
 
 import ctypes
+import gc
 import threading
 import weakref
 from dataclasses import dataclass
@@ -149,9 +150,53 @@ _inflight_lock = threading.Lock()
 def _track(engine: Engine, batch: Any) -> None:
     with _inflight_lock:
         live = _inflight.setdefault(engine, [])
-        if len(live) >= 64:
-            live[:] = [b for b in live if not b._settled()]
+        live[:] = [b for b in live if not b._settled()]
         live.append(batch)
+
+
+def _untrack(engine: Engine, batch: Any) -> None:
+    """A batch seen complete: its arrays are kvh's no more. A settled batch
+    left here would keep its engine (through its fence and blocks) alive
+    after the caller dropped both."""
+    with _inflight_lock:
+        live = _inflight.get(engine)
+        if live is not None:
+            live[:] = [b for b in live if b is not batch]
+            if not live:
+                del _inflight[engine]
+
+
+def _prune_after_gc(phase: str, info: Any) -> None:
+    """Batches that ended unseen keep their engines until something looks:
+    every collection does, so that a dropped engine goes at the next one."""
+    if phase != "stop" or not _inflight or not _inflight_lock.acquire(blocking=False):
+        return
+    try:
+        for engine in list(_inflight.keys()):
+            live = [b for b in _inflight.get(engine, []) if not _surely_settled(b)]
+            if live:
+                _inflight[engine] = live
+            else:
+                _inflight.pop(engine, None)
+    except Exception:  # nothing may escape a collector callback
+        pass
+    finally:
+        _inflight_lock.release()
+
+
+def _surely_settled(batch: Any) -> bool:
+    """Settled, where a refused look (a collection inside a log handler, say)
+    counts as not yet: arrays kvh may still write stay."""
+    fences = batch.fences if isinstance(batch, RestoreBatch) else [batch.fence]
+    try:
+        return all(f.done() for f in fences)
+    except errors.ClosedError:
+        return True  # the engine is closed: its transfers ended with it
+    except Exception:
+        return False
+
+
+gc.callbacks.append(_prune_after_gc)
 
 
 def _xfers(n: int):
@@ -171,7 +216,7 @@ class OffloadBatch:
         self.blocks: List[Block] = [Block(engine, int(xfers[i].block.id), owned=True) for i in range(n)]
 
     def done(self) -> bool:
-        return self.fence.done()
+        return self._seen(self.fence.done())
 
     def _settled(self) -> bool:
         try:
@@ -179,10 +224,15 @@ class OffloadBatch:
         except errors.Error:
             return True
 
+    def _seen(self, done: bool) -> bool:
+        if done:
+            _untrack(self._engine, self)
+        return done
+
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Waits for the gathers; True when done. Item failures do not raise:
         see :meth:`statuses`."""
-        return self.fence.wait(timeout)
+        return self._seen(self.fence.wait(timeout))
 
     def statuses(self) -> List[int]:
         """Each item's kvh_status (0 = ok); raises unless the batch is done."""
@@ -199,8 +249,9 @@ class OffloadBatch:
 class RestoreBatch:
     """A restore in flight: one fence per layer, in order."""
 
-    def __init__(self, xfers, n: int, fences: List[Fence], first_layer: int, keep: Any) -> None:
+    def __init__(self, xfers, n: int, fences: List[Fence], first_layer: int, keep: Any, engine: Any = None) -> None:
         self._x, self._n, self.fences, self.first_layer, self._keep = xfers, n, fences, first_layer, keep
+        self._engine = engine
 
     def wait_layer(self, layer: int, timeout: Optional[float] = None) -> bool:
         """Waits until ``layer`` (an engine layer index) is in place in every
@@ -213,14 +264,19 @@ class RestoreBatch:
         return self.fences[layer - self.first_layer].wait(timeout)
 
     def wait(self, timeout: Optional[float] = None) -> bool:
-        return all(f.wait(timeout) for f in self.fences)
+        return self._seen(all(f.wait(timeout) for f in self.fences))
 
     def done(self) -> bool:
-        return self.fences[-1].done()
+        return self._seen(self.fences[-1].done())
+
+    def _seen(self, done: bool) -> bool:
+        if done and self._engine is not None:
+            _untrack(self._engine, self)
+        return done
 
     def _settled(self) -> bool:
         try:
-            return self.done()
+            return self.fences[-1].done()
         except errors.Error:
             return True
 
@@ -413,7 +469,7 @@ class Pool(OwnedHandle):
             fp[0] = fences[i]
             fs.append(Fence(self._engine, fp))
         # ... and writes into them until the last layer's fence completes.
-        batch = RestoreBatch(x, n, fs, first_layer, (blocks, self))
+        batch = RestoreBatch(x, n, fs, first_layer, (blocks, self), self._engine)
         _track(self._engine, batch)
         return batch
 

@@ -286,6 +286,34 @@ def test_dropped_batches_are_safe():
         pool.unregister()
 
 
+@pytest.mark.parametrize("wait", [True, False], ids=["waited", "dropped-unseen"])
+def test_an_engine_dropped_after_transfers_is_collected(wait):
+    """Batches kept for kvh's writes must not keep their engine (and its
+    worker threads) once they have ended, seen or not."""
+    import time
+    import weakref
+
+    def run():
+        ks, vs = _arrays(5)
+        eng = _engine(migration_threads=2)
+        pool = Pool.from_arrays(eng, ks, vs)
+        b = pool.offload(_items(eng, [0, 1]))
+        r = pool.restore(b.blocks[:1], [2]) if wait and b.wait() else None
+        if r is not None:
+            assert r.wait()
+        if wait:
+            b.release()
+        pool.unregister()
+        return weakref.ref(eng)
+
+    refs = [run() for _ in range(3)]
+    deadline = time.monotonic() + 10
+    while any(r() is not None for r in refs) and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.01)
+    assert all(r() is None for r in refs)
+
+
 _DROP_POOL_SCRIPT = """
 import gc
 import numpy as np
