@@ -209,8 +209,11 @@ class HandleGate:
                 raise
         try:
             result = end()
-        except BaseException:
-            self._closed(_OPEN if self._reopen_if_end_fails else _CLOSED)
+        except BaseException as exc:
+            # A refusal (KVH_ERR_BUSY: a call from the engine's own log sink)
+            # ended nothing: the handle stays usable and a later close ends it.
+            refused = type(exc).__name__ == "BusyError"
+            self._closed(_OPEN if self._reopen_if_end_fails or refused else _CLOSED)
             raise
         self._closed(_CLOSED)
         return result

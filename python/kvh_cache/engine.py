@@ -228,6 +228,9 @@ class _Native:
         self.release_deferred = False
         self.released = False
         self.close_status = 0
+        # Frees the library refused where a collection ran them (inside the
+        # engine's log sink on a kvh thread): made by the next call that may.
+        self.deferred: List[Callable[[], Any]] = []
 
     @property
     def lock(self) -> threading.RLock:
@@ -243,10 +246,31 @@ class _Native:
 
     def enter(self):
         self.gate.enter(False)
+        if self.deferred:
+            self._run_deferred()
         return self.ptr
 
     def leave(self) -> None:
         self.gate.leave(False)
+
+    def defer(self, free: Callable[[], Any]) -> None:
+        """``free()``, refused here with BusyError, runs again at the next
+        call that may make it; the engine's close frees what is left."""
+        with self.lock:
+            self.deferred.append(free)
+
+    def _run_deferred(self) -> None:
+        with self.lock:
+            todo, self.deferred = self.deferred, []
+        for i, free in enumerate(todo):
+            try:
+                free()
+            except errors.BusyError:  # still inside the sink
+                with self.lock:
+                    self.deferred.extend(todo[i:])
+                return
+            except Exception:  # a free that cannot be made: nothing left to do
+                pass
 
     def close(self) -> int:
         """Waits for calls in flight, then closes the C engine (or leaves
@@ -293,6 +317,26 @@ class _Native:
 _live_engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
 
 
+# Engines collected where the library refused their close (inside their
+# own log sink on a kvh thread): closed by the next engine opened, or at exit.
+_orphans: List["_Native"] = []
+_orphans_lock = threading.Lock()
+
+
+def _close_orphans() -> None:
+    with _orphans_lock:
+        todo = _orphans[:]
+        _orphans.clear()
+    for native in todo:
+        try:
+            native.close()
+        except errors.BusyError:
+            with _orphans_lock:
+                _orphans.append(native)
+        except Exception:
+            pass
+
+
 @atexit.register
 def _close_all_at_exit() -> None:  # stop worker threads before interpreter teardown
     for eng in list(_live_engines):
@@ -300,6 +344,7 @@ def _close_all_at_exit() -> None:  # stop worker threads before interpreter tear
             eng.close()
         except Exception:
             pass
+    _close_orphans()
 
 
 _STATS_FIELDS: Optional[Tuple[Tuple[str, ...], Tuple[str, ...]]] = None
@@ -390,6 +435,8 @@ class Engine(OwnedHandle):
         self._backend = ffi.string(name).decode() if name != NULL else "unknown"
         self._config = self._read_config(c, config)
         _live_engines.add(self)
+        if _orphans:
+            _close_orphans()
 
     # ---- configuration ----
     @staticmethod
@@ -543,7 +590,11 @@ class Engine(OwnedHandle):
     def _close_at_gc(self) -> None:
         # The native close only: no status to raise, no registry to update.
         if self._native is not None and not self._native.closed:
-            self._native.close()
+            try:
+                self._native.close()
+            except errors.BusyError:
+                with _orphans_lock:
+                    _orphans.append(self._native)
 
     def __repr__(self) -> str:
         if self.closed:
@@ -1320,6 +1371,16 @@ class Fence(GatedHandle, OwnedHandle):
 # ---------------------------------------------------------------------------------
 # Block
 # ---------------------------------------------------------------------------------
+def _end_at_gc(obj: Any, end: Callable[[], Any]) -> None:
+    """A collected handle's ``end()``; one the library refuses (a collection
+    inside the engine's log sink on a kvh thread) waits for a call that may
+    make it, instead of leaking the native object."""
+    try:
+        end()
+    except errors.BusyError:
+        obj._engine._native.defer(end)
+
+
 class Block(GatedHandle, OwnedHandle):
     """A block handle. ``owned`` blocks (from ``Engine.prefix_lookup``,
     ``Engine.block_alloc``, ``Block.retain``) hold one reference, dropped by
@@ -1410,6 +1471,9 @@ class Block(GatedHandle, OwnedHandle):
         reference already)."""
         if not self._engine.closed:
             self.release()
+
+    def _close_at_gc(self) -> None:
+        _end_at_gc(self, self.close)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Block) and other._engine is self._engine and other._id == self._id
@@ -1653,6 +1717,9 @@ class Sequence(GatedHandle, OwnedHandle):
 
     close = free
     _check_usable = _check_alive  # ``with seq:`` on a freed sequence raises BadHandleError
+
+    def _close_at_gc(self) -> None:
+        _end_at_gc(self, self.free)
 
     def vmap(self, layer: int, capacity_tokens: int = 0) -> Any:
         """A virtually contiguous view of one layer's K and V

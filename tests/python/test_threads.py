@@ -340,9 +340,18 @@ def test_gate_reopens_when_the_end_fails_if_asked():
     assert not keep.closed
     with keep.exclusive():
         pass
+    # Without the flag a refusal (BusyError: nothing was ended) reopens too,
+    # and any other failure closes.
     drop = HandleGate(lambda: kvh.BadHandleError("closed"))
     with pytest.raises(kvh.BusyError):
         drop.close(busy)
+    assert not drop.closed
+
+    def gone():
+        raise kvh.BadHandleError("already freed")
+
+    with pytest.raises(kvh.BadHandleError):
+        drop.close(gone)
     assert drop.closed
 
 
@@ -495,3 +504,90 @@ def test_timeouts_are_seconds_or_none(engine):
     assert fence.wait(float("inf")) and fence.wait(1e300) and fence.wait(-1)
     assert engine.prefetch(seq).wait(1 << 70)
     seq.free()
+
+
+def _engine_whose_worker_logs(tmp_path):
+    """An engine with one migration worker and a store whose blocks fail
+    their checksums: each migration of one makes the worker log a warning,
+    so a logging handler runs on a kvh thread (where kvh refuses calls
+    into the engine with KVH_ERR_BUSY)."""
+    from kvh_testutil import make_engine
+
+    store = str(tmp_path / "store")
+    with make_engine(disk_path=store, disk_bytes=1 << 20) as eng:
+        seq, _ = filled_seq(eng, 64)
+        seq.persist()
+    slab = tmp_path / "store" / "slab-0000.kvh"
+    data = bytearray(slab.read_bytes())
+    for off in range(4096 + 100, len(data), 8192):
+        data[off] ^= 0x08
+    slab.write_bytes(bytes(data))
+    eng = make_engine(disk_path=store, disk_bytes=1 << 20, migration_threads=1)
+    return eng, eng.prefix_lookup(np.arange(64))
+
+
+@pytest.mark.parametrize("how", ["free", "collect"])
+def test_frees_refused_inside_a_worker_log_handler_are_not_lost(tmp_path, how):
+    """A free the library refuses (inside the log sink, on its worker) leaves
+    the sequence usable and freeable later; sequences the garbage collector
+    takes there are freed by the next call that may."""
+    import gc
+    import logging
+
+    eng, blocks = _engine_whose_worker_logs(tmp_path)
+
+    def used():
+        return eng.tier_info("device").used_blocks + eng.tier_info("host").used_blocks
+
+    u0 = used()
+    victim, _ = filled_seq(eng, 8, first_token=7000)  # one partial block: freed, not cached
+    outcome = []
+    fired = threading.Event()
+
+    class Handler(logging.Handler):
+        def emit(self, record):
+            if fired.is_set():
+                return
+            if how == "free":
+                try:
+                    victim.free()
+                    outcome.append("freed")
+                except kvh.BusyError:
+                    outcome.append("busy")
+            else:
+                outcome.append(gc.collect())
+            fired.set()
+
+    handler = Handler(level=logging.WARNING)
+    logging.getLogger("kvh").addHandler(handler)
+    try:
+        if how == "collect":
+            gc.disable()
+            for i in range(4):  # garbage cycles holding sequences
+                s, _ = filled_seq(eng, 8, seed=i, first_token=5000 + 100 * i)
+                box = [s]
+                box.append(box)
+            del s, box, victim
+            assert used() - u0 == 4  # the garbage cycles only
+        fences = [eng.migrate([b], "host", wait=False) for b in blocks]
+        assert fired.wait(10)
+        for f in fences:
+            try:
+                f.wait()
+            except kvh.Error:
+                pass  # the block failed its checksum: what makes the worker log
+    finally:
+        gc.enable()
+        logging.getLogger("kvh").removeHandler(handler)
+    if how == "free":
+        assert outcome == ["busy"] and not victim.freed
+        victim.free()
+        assert victim.freed
+        with pytest.raises(kvh.BadHandleError):
+            victim.tokens()
+    else:
+        gc.collect()
+    for b in blocks:
+        b.release()
+    assert used() - u0 == 0
+    eng.close()
