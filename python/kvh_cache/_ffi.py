@@ -4,6 +4,7 @@ status codes into exceptions. Internal: use the `kvh` package."""
 from __future__ import annotations
 
 import logging
+import threading
 from typing import NoReturn
 
 from . import errors
@@ -57,12 +58,35 @@ LOG_LEVELS = {
 }
 
 
+# The engine (its log token, the sink's user value) whose log message this
+# thread is handling, 0 when none.
+_sink = threading.local()
+
+
+def in_sink_of(token: int) -> bool:
+    """Whether this thread is inside the log sink of the engine with this
+    token (where kvh refuses that engine's close, and on a kvh thread every
+    call into it)."""
+    return token != 0 and getattr(_sink, "token", 0) == token
+
+
+def on_kvh_thread() -> bool:
+    """Whether this thread was started by kvh (a migration worker, a switch
+    or uploader thread), not by Python."""
+    return isinstance(threading.current_thread(), threading._DummyThread)
+
+
 @ffi.def_extern()
 def _kvh_py_log(user, level, message):  # pragma: no cover - exercised via C
     # Runs on any kvh thread (cffi takes the GIL); must never raise into C.
     try:
-        text = ffi.string(message).decode("utf-8", "replace") if message != ffi.NULL else ""
-        logger.log(LOG_LEVELS.get(int(level), logging.DEBUG), "%s", text)
+        outer = getattr(_sink, "token", 0)
+        _sink.token = int(ffi.cast("uintptr_t", user))
+        try:
+            text = ffi.string(message).decode("utf-8", "replace") if message != ffi.NULL else ""
+            logger.log(LOG_LEVELS.get(int(level), logging.DEBUG), "%s", text)
+        finally:
+            _sink.token = outer
     except BaseException:
         pass
 

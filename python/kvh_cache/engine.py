@@ -26,6 +26,7 @@ object waits for the calls in flight on it; later calls raise
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import numbers
 import atexit
@@ -40,7 +41,19 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence as Se
 import numpy as np
 
 from . import errors
-from ._ffi import NULL, U64_MAX, check, ffi, kvh_level_for_logger, last_error, lib, raise_status, status_name
+from ._ffi import (
+    NULL,
+    U64_MAX,
+    check,
+    ffi,
+    in_sink_of,
+    kvh_level_for_logger,
+    last_error,
+    lib,
+    on_kvh_thread,
+    raise_status,
+    status_name,
+)
 from . import _handle
 from ._handle import Finalized, GatedHandle, GateUse, HandleGate, OwnedHandle, Uncopyable, in_lock_order
 from .types import (
@@ -231,6 +244,7 @@ class _Native:
         # Frees the library refused where a collection ran them (inside the
         # engine's log sink on a kvh thread): made by the next call that may.
         self.deferred: List[Callable[[], Any]] = []
+        self.log_token = 0  # the log sink's user value (_ffi.in_sink_of)
 
     @property
     def lock(self) -> threading.RLock:
@@ -275,7 +289,24 @@ class _Native:
     def close(self) -> int:
         """Waits for calls in flight, then closes the C engine (or leaves
         that to the last view). Returns its status."""
+        if in_sink_of(self.log_token):
+            # kvh refuses it; waiting for the calls in flight first could
+            # wait for this very thread (a worker that completes their fences).
+            raise errors.BusyError(
+                "an engine cannot be closed from inside its own log handler: close it after the handler returns",
+                lib.KVH_ERR_BUSY,
+            )
         return self.gate.close(self._end) or 0
+
+    def refuse_in_own_sink(self) -> None:
+        """kvh refuses every call into an engine from its log sink on a kvh
+        thread; a gate taken first could wait for that thread itself."""
+        if in_sink_of(self.log_token) and on_kvh_thread():
+            raise errors.BusyError(
+                "the engine's log handler, on a thread kvh started, cannot call into the engine (the call "
+                "could wait for that thread): call from another thread",
+                lib.KVH_ERR_BUSY,
+            )
 
     def _end(self) -> int:
         with self.lock:
@@ -315,6 +346,7 @@ class _Native:
 
 
 _live_engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+_log_tokens = itertools.count(1)  # each engine's log sink user value
 
 
 # Engines collected where the library refused their close (inside their
@@ -372,6 +404,7 @@ class _Call:
         self.uses = in_lock_order(uses)
 
     def __enter__(self):
+        self.native.refuse_in_own_sink()
         entered = 0
         try:
             for use in self.uses:
@@ -419,12 +452,15 @@ class Engine(OwnedHandle):
         c = ffi.new("kvh_config *")
         check(lib.kvh_config_init(c, ffi.sizeof("kvh_config")))
         keep = self._fill_config(c, config)
+        token = next(_log_tokens)
+        c.log_user = ffi.cast("void *", token)
         out = ffi.new("kvh_engine **")
         st = lib.kvh_engine_open(c, out)
         if st != 0:
             raise_status(st)
         del keep
         self._native = _Native(out[0])
+        self._native.log_token = token
         self._geom = (int(c.num_layers), int(c.num_kv_heads), int(c.head_dim), int(c.block_tokens))
         self._dtype = DType(int(c.dtype))
         self._np_dtype = numpy_dtype(self._dtype)
@@ -1457,6 +1493,7 @@ class Block(GatedHandle, OwnedHandle):
         """Drops this object's reference (owned blocks only). Idempotent;
         a no-op once the engine is closed."""
         if self._owned:
+            self._engine._native.refuse_in_own_sink()
             self._gate.close(self._release_native)
 
     def _release_native(self) -> None:
@@ -1691,6 +1728,7 @@ class Sequence(GatedHandle, OwnedHandle):
         prefix index) once calls in flight on other threads are done.
         Idempotent; a no-op once the engine is closed. Blocks that block
         views still map stay, unchanged, until the views are collected."""
+        self._engine._native.refuse_in_own_sink()
         self._gate.close(self._free_native)
 
     def _keep_viewed_blocks(self, first_block: int) -> None:

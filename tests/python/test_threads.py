@@ -591,3 +591,55 @@ def test_frees_refused_inside_a_worker_log_handler_are_not_lost(tmp_path, how):
         b.release()
     assert used() - u0 == 0
     eng.close()
+
+
+def test_close_from_a_worker_log_handler_is_refused_at_once(tmp_path):
+    """kvh refuses an engine's close from its own log sink; the binding must
+    say so at once, not first wait for calls in flight on other threads
+    (whose fences the logging worker itself would complete), and must not
+    refuse those calls meanwhile."""
+    import logging
+
+    eng, blocks = _engine_whose_worker_logs(tmp_path)
+    outcome = []
+    fired = threading.Event()
+
+    class Handler(logging.Handler):
+        def emit(self, record):
+            if fired.is_set():
+                return
+            for call in (eng.close, lambda: eng.tier_info("host")):
+                try:
+                    call()
+                    outcome.append("ok")
+                except kvh.BusyError:
+                    outcome.append("busy")
+            fired.set()
+
+    handler = Handler(level=logging.WARNING)
+    logging.getLogger("kvh").addHandler(handler)
+    errors = []
+
+    def waiter():
+        fences = [eng.migrate([b], "host", wait=False) for b in blocks]
+        for f in fences:
+            try:
+                f.wait(20)
+            except kvh.CorruptionError:
+                pass  # the block that made the worker log
+            except kvh.Error as exc:
+                errors.append(exc)
+
+    t = threading.Thread(target=waiter)
+    try:
+        t.start()
+        t.join(30)
+    finally:
+        logging.getLogger("kvh").removeHandler(handler)
+    assert not t.is_alive() and fired.is_set()
+    assert outcome == ["busy", "busy"] and errors == []
+    assert not eng.closed
+    for b in blocks:
+        b.release()
+    eng.close()
+    assert eng.closed
