@@ -2141,11 +2141,18 @@ class Sequence(GatedHandle, OwnedHandle):
             raise
         view = np.asarray(owner)
         assert view.base is owner or view.base is not None
-        with self._gate.exclusive():
+        with self._gate.exclusive():  # the calls that share or publish blocks hold it too
             self._view_owners = [(r, i) for r, i in self._view_owners if r() is not None]
             self._view_owners.append((weakref.ref(owner), index))
-        if not readonly:
-            with self._gate.exclusive():  # the calls that refresh the list hold it too
+            if not readonly:
+                # A fork, persist or write on another thread since the look
+                # above did not see this view: look again, now that they wait.
+                now = self.block(index)
+                if now.handle != owner.block.handle or now.info().shared:
+                    view.flags.writeable = False
+                    owner.make_read_only()
+                    readonly = True
+            if not readonly:
                 self._views = [(r, i) for r, i in self._views if r() is not None]
                 self._views.append((weakref.ref(view), index))
         return view

@@ -643,3 +643,46 @@ def test_close_from_a_worker_log_handler_is_refused_at_once(tmp_path):
         b.release()
     eng.close()
     assert eng.closed
+
+
+def test_a_fork_racing_a_new_block_view_never_sees_its_writes():
+    """A view taken on one thread while another forks: the fork must not see
+    what is written through the view later (the view is read-only once its
+    block is shared, or the sequence has moved to a copy)."""
+    from kvh_testutil import make_engine
+
+    eng = make_engine(device_bytes=256 * 4096, host_bytes=512 * 4096)
+    seq = eng.sequence(tokens=np.arange(8))  # one partial, private block
+    zeros = np.zeros((8, 2, 8), np.float32)
+    seq.write_kv(0, 0, zeros, zeros)
+    stop = threading.Event()
+
+    def writer():
+        c = 0.0
+        while not stop.is_set():
+            try:
+                v = seq.block_view(0, 0)
+            except kvh.Error:
+                continue
+            if v.flags.writeable:
+                c += 1.0
+                v[0, 0, 0, 0] = c
+            del v
+
+    t = threading.Thread(target=writer)
+    t.start()
+    changed = forks = 0
+    try:
+        end = time.monotonic() + 2.0
+        while time.monotonic() < end:
+            f = seq.fork()
+            before = f.read_kv(0, 0, 1)[0].copy()
+            time.sleep(0.001)
+            changed += not np.array_equal(before, f.read_kv(0, 0, 1)[0])
+            f.free()
+            forks += 1
+    finally:
+        stop.set()
+        t.join()
+    eng.close()
+    assert forks > 50 and changed == 0
