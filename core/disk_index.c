@@ -724,6 +724,12 @@ int kvhi_index_sync(kvhi_disk *d)
     if (rc == 0) {
         int inj = kvhi_disk_fault(KVHI_OP_FSYNC);
         rc = inj ? inj : kvhi_disk_sync_fd(d->journal_fd, true);
+        /* Records synced into a journal (or a directory) someone removed
+         * are durable nowhere a later open looks: say so, once and for all. */
+        struct stat js, ds;
+        if (rc == 0 && ((fstat(d->journal_fd, &js) == 0 && js.st_nlink == 0) ||
+                        (d->dir_fd >= 0 && fstat(d->dir_fd, &ds) == 0 && ds.st_nlink == 0)))
+            rc = -ENOENT;
         if (rc != 0)
             d->fatal = true;
     }

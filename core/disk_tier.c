@@ -677,6 +677,11 @@ kvh_status kvhi_disk_persist_blocks(kvh_engine *e, const uint32_t *blocks, uint3
         if (rc == -ENOSPC && !e->disk->fatal)
             st = kvhi_fail(KVH_ERR_NOSPACE, "the disk is full: the index records of the persisted blocks could "
                                             "not be written (they stay pending)");
+        else if (rc == -ENOENT)
+            st = kvhi_fail(KVH_ERR_IO,
+                           "the store's directory or journal in %s was removed while open: nothing "
+                           "persisted now would be found; the store accepts no more writes",
+                           e->disk->path);
         else if (rc != 0)
             st = kvhi_fail(KVH_ERR_IO, "fsync of the disk tier failed (%s); the store accepts no more writes",
                            strerror(-rc));

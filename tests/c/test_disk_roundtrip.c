@@ -684,6 +684,25 @@ static void test_persist_rules(void **state)
     dt_assert_ok(dt_close(e));
 
     char dir[512];
+    /* The store's directory removed under the engine: a persist would be
+     * durable nowhere a later open looks, so it fails, and so do later
+     * ones. */
+    dt_scratch("persist-removed", dir, sizeof(dir));
+    c = dt_cfg(g, dir, 4, 4, 16, 2);
+    e = open_a(&c);
+    dt_assert_ok(dt_build(e, g, dt_plain(4), 2 * g.bt, 0, &s));
+    dt_assert_ok(kvh_seq_persist(e, s));
+    assert_int_equal(dt_rmrf(dir), 0);
+    kvh_seq s2;
+    dt_assert_ok(dt_build(e, g, dt_plain(5), 2 * g.bt, 0, &s2));
+    dt_assert_kvh(KVH_ERR_IO, kvh_seq_persist(e, s2));
+    assert_non_null(strstr(kvh_last_error(), "removed"));
+    dt_assert_kvh(KVH_ERR_IO, kvh_seq_persist(e, s));
+    dt_assert_ok(kvh_seq_free(e, s));
+    dt_assert_ok(kvh_seq_free(e, s2));
+    kvh_status closed = dt_close(e);
+    assert_true(closed == KVH_OK || closed == KVH_ERR_IO);
+
     dt_scratch("persist-rules", dir, sizeof(dir));
     c = dt_cfg(g, dir, 4, 4, 16, 2);
     e = open_a(&c);

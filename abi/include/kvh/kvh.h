@@ -276,7 +276,7 @@ typedef struct kvh_config {
     uint64_t model_salt;         /* namespace of prefix hashes (model identity); secret
                                     where tenants choose tokens ("Tenant scopes") */
     int32_t numa_node;           /* host tier + workers bound here; -1: none */
-    uint32_t migration_threads;  /* default 2; 0 = migrate in caller */
+    uint32_t migration_threads;  /* default 2, at most 64; 0 = migrate in caller */
     uint64_t migration_cpu_mask; /* bit i = CPU i for workers; 0 = any */
     uint32_t lru_k;              /* LRU-K history depth, 1..4; default 2 */
     uint32_t promote_min_hits;   /* hysteresis for prefetch; default 1 */
@@ -728,8 +728,9 @@ KVH_API kvh_status kvh_seq_read_kv(kvh_engine *engine, kvh_seq seq, uint32_t lay
  * uploaded, those the store lacks, within remote_timeout_ms a batch;
  * uploads that fail are dropped and counted (kvh_stats), never an error.
  * KVH_ERR_UNSUPPORTED without a disk or remote tier; KVH_ERR_INVALID_ARG when a full
- * block has K/V that was never written; KVH_ERR_IO (after a failed fsync
- * every later persist fails too), KVH_ERR_NOSPACE (the disk is full),
+ * block has K/V that was never written; KVH_ERR_IO (after a failed fsync,
+ * or once the store's directory or journal was removed while open, every
+ * later persist fails too), KVH_ERR_NOSPACE (the disk is full),
  * KVH_ERR_CORRUPT (a block to rewrite failed its checksum), KVH_ERR_BUSY
  * (blocks kept moving; retry), KVH_ERR_BAD_HANDLE, KVH_ERR_NOMEM.
  * @threads handle */
