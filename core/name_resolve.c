@@ -26,8 +26,28 @@ typedef struct lookup {
     int gai;       /* getaddrinfo's result */
     int gai_errno; /* errno with EAI_SYSTEM */
     kvhi_resolved found;
+    struct lookup *next_running; /* in `running` until its answer came */
     char host[];
 } lookup;
+
+/* Lookups still waiting for the name service, by host: a caller that
+ * gave up leaves its thread behind until the resolver's own timeout, and
+ * engines opened and closed in a loop against a name that never answers
+ * would pile up a thread each. Callers of a name being looked up wait on
+ * that lookup instead. Lock order: running_lock, then a lookup's lock. */
+static pthread_mutex_t running_lock = PTHREAD_MUTEX_INITIALIZER;
+static lookup *running;
+
+static void running_remove(lookup *l)
+{
+    pthread_mutex_lock(&running_lock);
+    for (lookup **at = &running; *at; at = &(*at)->next_running)
+        if (*at == l) {
+            *at = l->next_running;
+            break;
+        }
+    pthread_mutex_unlock(&running_lock);
+}
 
 /* Lock held; releases it. */
 static void lookup_let_go(lookup *l)
@@ -59,6 +79,7 @@ static void *lookup_run(void *arg)
     kvhi_resolved found = {0};
     int gai = kvhi_resolver_getaddrinfo(l->host, NULL, &hints, &res);
     int gai_errno = errno;
+    running_remove(l); /* later callers ask again */
     if (gai == 0) {
         for (const struct addrinfo *p = res; p && found.n < KVHI_RESOLVE_MAX; p = p->ai_next)
             if (p->ai_addr && numeric_of(p->ai_addr, found.addr[found.n]))
@@ -147,18 +168,34 @@ int kvhi_resolve_numeric(const char *host, uint64_t budget_ns, kvhi_resolved *ou
         out->n = 1;
         return 0;
     }
-    lookup *l = lookup_new(host);
-    if (!l) {
-        snprintf(err, err_len, "out of memory looking up %s", host);
-        return -1;
-    }
-    int rc = lookup_start(l);
-    if (rc != 0) {
-        l->refs = 1;
+    pthread_mutex_lock(&running_lock);
+    lookup *l = running;
+    while (l && strcmp(l->host, host) != 0)
+        l = l->next_running;
+    if (l) { /* asked already and not answered yet: wait for that answer */
         pthread_mutex_lock(&l->lock);
-        lookup_let_go(l);
-        snprintf(err, err_len, "cannot start a thread to look up %s: %s", host, strerror(rc));
-        return -1;
+        l->refs++;
+        pthread_mutex_unlock(&l->lock);
+        pthread_mutex_unlock(&running_lock);
+    } else {
+        l = lookup_new(host);
+        if (!l) {
+            pthread_mutex_unlock(&running_lock);
+            snprintf(err, err_len, "out of memory looking up %s", host);
+            return -1;
+        }
+        int rc = lookup_start(l);
+        if (rc != 0) {
+            pthread_mutex_unlock(&running_lock);
+            l->refs = 1;
+            pthread_mutex_lock(&l->lock);
+            lookup_let_go(l);
+            snprintf(err, err_len, "cannot start a thread to look up %s: %s", host, strerror(rc));
+            return -1;
+        }
+        l->next_running = running;
+        running = l;
+        pthread_mutex_unlock(&running_lock);
     }
     struct timespec deadline = monotonic_in(budget_ns);
     pthread_mutex_lock(&l->lock);
