@@ -73,7 +73,9 @@ kvh_status kvhi_attn_check_args(kvh_engine *e, uint32_t layer, const kvh_seq *se
                                  q_lens[i]);
             rows += q_lens[i];
         }
-    KVHI_REQUIRE(rows <= UINT32_MAX, "%llu query rows are too many", (unsigned long long)rows);
+    /* More than 2^32 - 1 rows is refused once the sequences are known
+     * (kvhi_attn_call_prepare): a q_len past its sequence is KVH_ERR_RANGE
+     * first, whatever the total. */
     KVHI_REQUIRE(rows == 0 || (q && out), "q and out must not be NULL");
     *total_rows = rows;
     return KVH_OK;

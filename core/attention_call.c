@@ -173,6 +173,9 @@ static kvh_status prepare_once(kvh_engine *e, uint32_t layer, const kvh_seq *seq
         q_len[i] = ql;
         n_blocks += s->n_blocks;
     }
+    if (st == KVH_OK && total_rows > UINT32_MAX)
+        st = kvhi_fail(KVH_ERR_INVALID_ARG, "%llu query rows are too many (at most 2^32 - 1)",
+                       (unsigned long long)total_rows);
     if (st != KVH_OK || total_rows == 0)
         goto fail;
     if (e->cpu_kernels && !kvhi_attn_state(e)) {

@@ -1755,6 +1755,12 @@ static void test_prefill_q_lens_past_2_32_rows_are_range(void **state)
     MISUSE(&sc, KVH_ERR_RANGE, kvh_attention_prefill(e, 0, three, wrap, 3, q, out, NULL));
     MISUSE(&sc, KVH_ERR_RANGE, kvh_attention_plan_create(e, 0, three, wrap, 3, NULL, &pl));
     assert_ptr_equal(pl, PLAN_SENTINEL);
+    /* Each below 2^31 (a length attention takes), the sum past 2^32. */
+    uint32_t each[] = {INT32_MAX, INT32_MAX, INT32_MAX};
+    MISUSE(&sc, KVH_ERR_RANGE, kvh_attention_prefill_vmap(e, views, each, 3, q, out, NULL));
+    MISUSE(&sc, KVH_ERR_RANGE, kvh_attention_prefill(e, 0, three, each, 3, q, out, NULL));
+    MISUSE(&sc, KVH_ERR_RANGE, kvh_attention_plan_create(e, 0, three, each, 3, NULL, &pl));
+    assert_ptr_equal(pl, PLAN_SENTINEL);
     assert_ok(kvh_vmap_release(e, v));
 }
 
