@@ -152,8 +152,12 @@ static const char *geo_diff(const kvhi_disk_geometry *a, const kvhi_disk_geometr
         return "head_dim";
     if (a->block_tokens != b->block_tokens)
         return "block_tokens";
-    if (a->dtype != b->dtype)
+    /* The field holds the dtype and, above bit 16, the KV codec
+     * (core/disk_tier.c). */
+    if ((a->dtype & 0xffffu) != (b->dtype & 0xffffu))
         return "dtype";
+    if (a->dtype >> 16 != b->dtype >> 16)
+        return "kv_codec";
     if (a->model_salt != b->model_salt)
         return "model_salt";
     if (a->block_bytes != b->block_bytes)

@@ -467,15 +467,20 @@ static void test_mismatch_and_reset(void **state)
         const char *field;
         dt_geo g;
         uint64_t salt;
+        uint32_t codec;
     } variants[] = {
-        {"num_layers", {3, 2, 32, 16, KVH_DTYPE_F16}, 0x5eed}, {"num_kv_heads", {2, 1, 32, 16, KVH_DTYPE_F16}, 0x5eed},
-        {"head_dim", {2, 2, 64, 16, KVH_DTYPE_F16}, 0x5eed},   {"block_tokens", {2, 2, 32, 32, KVH_DTYPE_F16}, 0x5eed},
-        {"dtype", {2, 2, 32, 16, KVH_DTYPE_BF16}, 0x5eed}, /* same size, other type */
-        {"model_salt", {2, 2, 32, 16, KVH_DTYPE_F16}, 0x5eee},
+        {"num_layers", {3, 2, 32, 16, KVH_DTYPE_F16}, 0x5eed, KVH_CODEC_NONE},
+        {"num_kv_heads", {2, 1, 32, 16, KVH_DTYPE_F16}, 0x5eed, KVH_CODEC_NONE},
+        {"head_dim", {2, 2, 64, 16, KVH_DTYPE_F16}, 0x5eed, KVH_CODEC_NONE},
+        {"block_tokens", {2, 2, 32, 32, KVH_DTYPE_F16}, 0x5eed, KVH_CODEC_NONE},
+        {"dtype", {2, 2, 32, 16, KVH_DTYPE_BF16}, 0x5eed, KVH_CODEC_NONE}, /* same size, other type */
+        {"model_salt", {2, 2, 32, 16, KVH_DTYPE_F16}, 0x5eee, KVH_CODEC_NONE},
+        {"kv_codec", {2, 2, 32, 16, KVH_DTYPE_F16}, 0x5eed, KVH_CODEC_INT8}, /* not "dtype": it did not change */
     };
     for (size_t i = 0; i < sizeof(variants) / sizeof(variants[0]); i++) {
         kvh_config c = dt_cfg(variants[i].g, dir, 4, 4, 32, 2);
         c.model_salt = variants[i].salt;
+        c.kv_codec = variants[i].codec;
         kvh_engine *x = NULL;
         kvh_status st = kvh_engine_open(&c, &x);
         if (st != KVH_ERR_MISMATCH) {
