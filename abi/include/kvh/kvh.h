@@ -261,7 +261,9 @@ typedef struct kvh_config {
     uint32_t dtype;        /* kvh_dtype; default KVH_DTYPE_F16 */
     uint32_t backend;      /* kvh_backend; default KVH_BACKEND_AUTO */
     int32_t cuda_device;   /* default 0 */
-    /* Tier budgets in bytes; rounded down to whole blocks. */
+    /* Tier budgets in bytes; rounded down to whole blocks. On disk each
+     * block takes a slot: its stored form (encoded under a kv_codec)
+     * rounded up to 4 KiB, plus a 4 KiB header; disk_bytes counts slots. */
     uint64_t device_bytes; /* default 256 MiB */
     uint64_t host_bytes;   /* default 1 GiB */
     /* Both or neither: one without the other is KVH_ERR_INVALID_ARG. */
@@ -506,7 +508,8 @@ typedef struct kvh_tier_info {
     uint64_t capacity_blocks; /* 0 when the tier is absent */
     uint64_t used_blocks;     /* slots holding a block or in flight */
     uint64_t used_bytes;      /* == used_blocks * block_bytes, always */
-    uint64_t block_bytes;
+    uint64_t block_bytes;     /* a block's form in this tier (disk: the stored
+                                 form, without its slot's padding and header) */
     uint64_t pinned_blocks;
     void *base; /* memory tiers: address of slot 0 (device pointer on
                    CUDA); slot i is at base + i * block_bytes. NULL for
