@@ -287,7 +287,15 @@ int kvhi_attn_cpu_run(void *ctx, const kvhi_attn_plan *p, const void *q, void *o
     }
     /* no split-K partials: no buffer (NULL + 0 is undefined) */
     float *plse = st->partial ? st->partial + (size_t)p->n_partial_rows * p->head_dim : NULL;
+    __atomic_store_n(&st->score_overflow, 0, __ATOMIC_RELAXED);
     int rc = run_locked(st, p, 0, p->n_units, true, q, out, st->partial, plse, msg, msg_len);
+    /* Finite inputs whose scores overflowed float (|q . k| x scale above
+     * 3.4e38): their rows came out NaN where the answer is finite. Such
+     * calls are redone in double, as the reference kernel computes. */
+    if (rc == 0 && __atomic_load_n(&st->score_overflow, __ATOMIC_RELAXED) && kvhi_attn_reference(p, q, out) != 0) {
+        snprintf(msg, msg_len, "out of memory for attention scores past the float range");
+        rc = KVH_ERR_NOMEM;
+    }
     if (rc != 0) {
         pthread_mutex_unlock(&st->run_lock);
         return rc;

@@ -56,6 +56,10 @@ typedef struct kvhi_attn_cpu {
     size_t partial_cap; /* floats */
     float *scratch;     /* per-participant unit scratch, grow-only */
     size_t scratch_cap; /* floats */
+    /* Set (__atomic, by any unit) when a row's largest score is +inf:
+     * finite inputs whose scores pass the float range, which the run then
+     * computes again in double (kvhi_attn_cpu_run). */
+    int score_overflow;
 } kvhi_attn_cpu;
 
 kvhi_attn_cpu *kvhi_attn_cpu_create(void);

@@ -758,7 +758,8 @@ static void test_extreme_finite_parameters(void **state)
     kvh_engine *e = open_plain(KVH_DTYPE_F32, 16, 0);
     kv_model *m;
     kvh_seq s = seq_make(e, KVH_DTYPE_F32, &m, 45, 10);
-    const float scales[] = {1e30f, -1e30f, 1e-30f, FLT_MIN, 1e-45f};
+    /* FLT_MAX: scores past the float range, from finite inputs (done in double). */
+    const float scales[] = {1e30f, -1e30f, 1e-30f, FLT_MIN, 1e-45f, 1e38f, FLT_MAX, -FLT_MAX};
     float q[H * D], out[H * D];
     double ref[H * D];
     for (size_t i = 0; i < sizeof(scales) / sizeof(scales[0]); i++) {

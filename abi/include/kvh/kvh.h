@@ -1306,7 +1306,10 @@ KVH_API kvh_status kvh_attention_params_init(kvh_attention_params *params, size_
  * then read chunk by chunk through a window of device-tier slots and stay
  * where they are. The call holds its blocks while it runs. On CUDA the
  * kernels are queued on
- * params->stream and the call returns before they finish.
+ * params->stream and the call returns before they finish. On the CPU,
+ * scores are float; a call whose scores pass the float range from finite
+ * inputs (|q . k| x scale above 3.4e38) is computed again in double, but
+ * for streamed calls, whose such rows are NaN.
  * [borrowed] seqs (n_seqs), params (NULL = defaults).
  * Returns KVH_ERR_INVALID_ARG (NULL pointers, unknown io_dtype, a
  * non-finite scale, num_q_heads not a multiple of num_kv_heads or above
