@@ -480,6 +480,8 @@ __attribute__((always_inline)) static inline void block_free_now(kvh_engine *e, 
         }
         return;
     }
+    if (blk->flags & KVHI_BF_PREFETCHED) /* freed before its first use */
+        e->stats.prefetch_wasted++;
     block_destroy(e, b, false);
 }
 

@@ -773,8 +773,9 @@ kvh_status kvhi_seq_acquire(kvh_engine *e, kvhi_seq *s, uint64_t first, uint64_t
          * one still in the device tier is usable at once. */
         kvhi_block_recall(e, b);
         bool resident = kvhi_block_in_device(e, b);
-        if (!resident && (blk->flags & KVHI_BF_PREFETCHED)) {
-            /* A prefetch's promotion in flight (core/migrate.c): waited for. */
+        if (!resident && (blk->flags & KVHI_BF_PREFETCHED) && blk->tier != KVH_TIER_DEVICE) {
+            /* A prefetch's promotion in flight (core/migrate.c): waited for.
+             * (One that arrived and is leaving again is used: note_access.) */
             e->stats.prefetch_late++;
             blk->flags &= (uint16_t)~KVHI_BF_PREFETCHED; /* its arrival is not "prefetched, unused" */
         }
@@ -922,8 +923,10 @@ kvh_status kvhi_prefetch(kvh_engine *e, kvhi_seq *s, uint64_t first, uint64_t n,
         kvhi_hint_set(e, b, priority);
         if (blk->tier == KVH_TIER_DEVICE && !kvhi_block_in_flight(blk))
             continue;
-        if (blk->flags & (KVHI_BF_PREFETCHING | KVHI_BF_PREFETCHED))
-            continue; /* queued, or on its way up */
+        /* Queued, or on its way up (a prefetched block arrived unused and
+         * now leaving the device tier may be prefetched again). */
+        if ((blk->flags & KVHI_BF_PREFETCHING) || ((blk->flags & KVHI_BF_PREFETCHED) && blk->tier != KVH_TIER_DEVICE))
+            continue;
         if (++blk->hits < min_hits || blk->pins) {
             e->stats.prefetch_skipped++;
             continue;

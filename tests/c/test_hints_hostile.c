@@ -473,6 +473,33 @@ static void test_declined_prefetch_is_skipped_not_issued(void **state)
     assert_true(tu_check_pattern(e, a, L, TOKB, 1, 0, BT));
 }
 
+/* A prefetched block freed before any use was prefetched for nothing:
+ * wasted, so that issued still equals useful + wasted + late. */
+static void test_prefetched_block_freed_unused_is_wasted(void **state)
+{
+    kvh_engine *e = open_lru(state, 2, 16);
+    /* a: one partial block (a full one stays cached when freed). */
+    kvh_seq a = tu_seq_new(e, 0);
+    int32_t t[BT];
+    tu_iota(t, BT - 1, 1000);
+    assert_ok(kvh_seq_append(e, a, t, BT - 1));
+    tu_write_pattern(e, a, L, TOKB, 1, 0, BT - 1);
+    kvh_seq b = blocks_of(e, 1, 2), c = blocks_of(e, 1, 3);
+    assert_int_equal(tier0(e, a), KVH_TIER_HOST);
+    assert_ok(kvh_seq_free(e, c)); /* room for the prefetch */
+    kvh_fence f;
+    assert_ok(kvh_prefetch(e, a, 0, BT - 1, 50, &f));
+    assert_ok(kvh_fence_wait(e, f, UINT64_MAX));
+    assert_ok(kvh_fence_free(e, f));
+    assert_int_equal(tier0(e, a), KVH_TIER_DEVICE);
+    assert_ok(kvh_seq_free(e, a));
+    kvh_stats st = tu_stats(e);
+    assert_int_equal(st.prefetch_issued, 1);
+    assert_int_equal(st.prefetch_wasted, 1);
+    assert_int_equal(st.prefetch_issued, st.prefetch_useful + st.prefetch_wasted + st.prefetch_late);
+    assert_true(tu_check_pattern(e, b, L, TOKB, 2, 0, BT));
+}
+
 /* kvh_seq_hint: INT32_MIN counts as INT32_MIN + 1, still a hint: such a
  * block outlives every unhinted one. */
 static void test_lowest_priority_is_still_a_hint(void **state)
@@ -860,6 +887,7 @@ int main(void)
         BOTH(test_holds_and_moves_given_up_under_a_fence),
         BOTH(test_prefetch_threshold_extremes),
         BOTH(test_declined_prefetch_is_skipped_not_issued),
+        BOTH(test_prefetched_block_freed_unused_is_wasted),
         BOTH(test_lowest_priority_is_still_a_hint),
         BOTH(test_stale_hints_do_not_follow_freed_blocks),
         BOTH(test_random_mix_keeps_every_byte),
