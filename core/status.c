@@ -1,4 +1,5 @@
 /* Status text, thread-local error detail and the log sink. */
+#include <pthread.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -25,7 +26,13 @@ static _Thread_local struct {
     const kvh_engine *started_for;
 } here;
 
-void kvhi_thread_started_for(kvh_engine *e) { here.started_for = e; }
+void kvhi_thread_started_for(kvh_engine *e)
+{
+    here.started_for = e;
+    /* Named, so that a binding's log handler (and top, gdb) can tell the
+     * threads kvh started from its caller's. */
+    pthread_setname_np(pthread_self(), "kvh-worker");
+}
 
 void kvhi_sink_call(kvh_engine *e, int level, const char *message)
 {

@@ -1395,7 +1395,7 @@ class Fence(GatedHandle, OwnedHandle):
 
     def _close_at_gc(self) -> None:
         if not self._gate.closed and not self._engine.closed:
-            self._free()
+            _end_at_gc(self, self._free)
 
     def __repr__(self) -> str:
         state = (
@@ -1407,14 +1407,14 @@ class Fence(GatedHandle, OwnedHandle):
 # ---------------------------------------------------------------------------------
 # Block
 # ---------------------------------------------------------------------------------
-def _end_at_gc(obj: Any, end: Callable[[], Any]) -> None:
+def _end_at_gc(obj: Any, end: Callable[[], Any], native: Optional["_Native"] = None) -> None:
     """A collected handle's ``end()``; one the library refuses (a collection
     inside the engine's log sink on a kvh thread) waits for a call that may
     make it, instead of leaking the native object."""
     try:
         end()
     except errors.BusyError:
-        obj._engine._native.defer(end)
+        (native or obj._engine._native).defer(end)
 
 
 class Block(GatedHandle, OwnedHandle):
@@ -1590,6 +1590,9 @@ class Hold(OwnedHandle):
 
     close = release
 
+    def _close_at_gc(self) -> None:
+        _end_at_gc(self, self.release, self._seq._engine._native)
+
     def __repr__(self) -> str:
         return f"<kvh.Hold tokens [{self.first}, {self.first + self.n}){' released' if self.released else ''}>"
 
@@ -1659,18 +1662,30 @@ class _ViewOwner(Finalized, Uncopyable):
             raise
         self.kept = kept
 
-    def _close_at_gc(self) -> None:
+    def _let_go(self) -> None:
+        """Ends the view's own hold and the block it kept, then lets the
+        engine's memory go."""
         try:
             if self.private_hold:
                 self.hold.release()
-        finally:
-            try:
-                if self.kept is not None and not self.engine.closed:
-                    self.kept.unpin()
-                    self.kept.release()
-            finally:
-                if self._native is not None:
-                    self._native.drop_view()
+            if self.kept is not None and not self.engine.closed:
+                self.kept.unpin()
+                self.kept.release()
+                self.kept = None
+        except errors.BusyError:
+            raise  # refused here (the engine's log sink): retried later, memory kept meanwhile
+        except BaseException:
+            self._drop_view()
+            raise
+        self._drop_view()
+
+    def _drop_view(self) -> None:
+        native, self._native = self._native, None
+        if native is not None:
+            native.drop_view()
+
+    def _close_at_gc(self) -> None:
+        _end_at_gc(self, self._let_go, self._native)
 
 
 # ---------------------------------------------------------------------------------

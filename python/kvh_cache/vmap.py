@@ -145,17 +145,31 @@ class VMap(GatedHandle, OwnedHandle):
         if ptr is None:
             return
         native = self._engine._native
+        refused = False
         try:
             if not native.released:  # type: ignore[union-attr]
                 p = native.enter()  # type: ignore[union-attr]
                 try:
-                    lib.kvh_vmap_release(p, ptr)
+                    st = lib.kvh_vmap_release(p, ptr)
                 finally:
                     native.leave()  # type: ignore[union-attr]
+                if st == lib.KVH_ERR_BUSY:
+                    # Refused inside the engine's log sink on a kvh thread:
+                    # still mapped, so the engine's memory stays; the next
+                    # call that may unmaps it.
+                    refused = True
+                    with self._lock:
+                        self._ptr = ptr
+                    native.defer(self._unmap)  # type: ignore[union-attr]
+                    raise errors.BusyError(
+                        "a view cannot be released inside the engine's log handler on a kvh thread",
+                        lib.KVH_ERR_BUSY,
+                    )
         except errors.ClosedError:
             pass  # the engine's close releases it
         finally:
-            native.drop_view()  # type: ignore[union-attr]
+            if not refused:
+                native.drop_view()  # type: ignore[union-attr]
 
     def release(self) -> None:
         """Unmaps the view (once no array taken from it is alive) and drops

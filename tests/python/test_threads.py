@@ -506,7 +506,7 @@ def test_timeouts_are_seconds_or_none(engine):
     seq.free()
 
 
-def _engine_whose_worker_logs(tmp_path):
+def _engine_whose_worker_logs(tmp_path, workers=1):
     """An engine with one migration worker and a store whose blocks fail
     their checksums: each migration of one makes the worker log a warning,
     so a logging handler runs on a kvh thread (where kvh refuses calls
@@ -522,7 +522,7 @@ def _engine_whose_worker_logs(tmp_path):
     for off in range(4096 + 100, len(data), 8192):
         data[off] ^= 0x08
     slab.write_bytes(bytes(data))
-    eng = make_engine(disk_path=store, disk_bytes=1 << 20, migration_threads=1)
+    eng = make_engine(disk_path=store, disk_bytes=1 << 20, migration_threads=workers)
     return eng, eng.prefix_lookup(np.arange(64))
 
 
@@ -686,3 +686,82 @@ def test_a_fork_racing_a_new_block_view_never_sees_its_writes():
         t.join()
     eng.close()
     assert forks > 50 and changed == 0
+
+
+def test_holds_and_views_collected_in_a_worker_log_handler_are_released(tmp_path):
+    """A hold and a block view whose last references go inside the log
+    handler on a kvh worker (where kvh refuses their release): the next
+    call that may releases them."""
+    import gc
+    import logging
+
+    eng, blocks = _engine_whose_worker_logs(tmp_path)
+    seq, _ = filled_seq(eng, 32, first_token=7000)
+    box = {"hold": seq.acquire(0, 16), "view": seq.block_view(1, 0)}
+    assert seq.block(0).info().holds == 1 and seq.block(1).info().holds == 1
+    fired = threading.Event()
+
+    class Handler(logging.Handler):
+        def emit(self, record):
+            if not fired.is_set():
+                box.clear()  # the last references: collected here
+                fired.set()
+
+    handler = Handler(level=logging.WARNING)
+    logging.getLogger("kvh").addHandler(handler)
+    try:
+        fences = [eng.migrate([b], "host", wait=False) for b in blocks]
+        assert fired.wait(10)
+        for f in fences:
+            try:
+                f.wait()
+            except kvh.Error:
+                pass
+    finally:
+        logging.getLogger("kvh").removeHandler(handler)
+    gc.collect()
+    eng.tier_info("host")  # a call that may release them
+    assert seq.block(0).info().holds == 0 and seq.block(1).info().holds == 0
+    for b in blocks:
+        b.release()
+    seq.free()
+    eng.close()
+
+
+def test_a_log_handler_on_a_foreign_thread_may_call_the_engine(tmp_path):
+    """kvh refuses calls from its log sink only on threads kvh started; a
+    thread started outside Python's threading module (``_thread``, other C
+    code) is a caller's own, where calls work as usual."""
+    import _thread
+    import logging
+
+    eng, blocks = _engine_whose_worker_logs(tmp_path, workers=0)  # logs on the calling thread
+    outcome = []
+
+    class Handler(logging.Handler):
+        def emit(self, record):
+            try:
+                eng.tier_info("host")
+                outcome.append("ok")
+            except kvh.BusyError:
+                outcome.append("busy")
+
+    def body(b, done):
+        try:
+            eng.migrate([b], "host")
+        except kvh.Error:
+            pass  # the block that made kvh log
+        done.set()
+
+    handler = Handler(level=logging.WARNING)
+    logging.getLogger("kvh").addHandler(handler)
+    try:
+        done = threading.Event()
+        _thread.start_new_thread(body, (blocks[0], done))
+        assert done.wait(20)
+    finally:
+        logging.getLogger("kvh").removeHandler(handler)
+    assert outcome and set(outcome) == {"ok"}
+    for b in blocks:
+        b.release()
+    eng.close()
