@@ -37,9 +37,14 @@ void kvhi_thread_started_for(kvh_engine *e)
 void kvhi_sink_call(kvh_engine *e, int level, const char *message)
 {
     const kvh_engine *outer = here.sink_of;
+    /* A sink may call kvh, which clears this thread's error detail: the
+     * failed call whose messages are flushed here must keep its own. */
+    char saved[sizeof(last_error)];
+    memcpy(saved, last_error, strnlen(last_error, sizeof(last_error) - 1) + 1);
     here.sink_of = e;
     e->cfg.log_fn(e->cfg.log_user, level, message);
     here.sink_of = outer;
+    memcpy(last_error, saved, strnlen(saved, sizeof(saved) - 1) + 1);
 }
 
 bool kvhi_in_sink_of(const kvh_engine *e) { return here.sink_of == e; }
