@@ -281,10 +281,22 @@ impl Engine {
     pub fn block_table(&self, seqs: &[&Sequence<'_>]) -> Result<BlockTable> {
         let raw = self.check_owner(seqs)?;
         let bt = u64::from(self.geometry.block_tokens);
+        // kvh_block_table refuses more than i32::MAX indices whatever the
+        // room: a table that large is refused before anything is allocated.
+        const MOST: usize = i32::MAX as usize;
+        let too_many = || {
+            Error::new(
+                Status::Range,
+                "the sequences hold more than 2^31 - 1 blocks in all",
+            )
+        };
         let mut cap = 0usize;
         for s in seqs {
-            cap +=
-                usize::try_from(s.len()?.div_ceil(bt)).map_err(|_| invalid("too many blocks"))?;
+            let n = usize::try_from(s.len()?.div_ceil(bt)).map_err(|_| too_many())?;
+            cap = cap
+                .checked_add(n)
+                .filter(|&c| c <= MOST)
+                .ok_or_else(too_many)?;
         }
         loop {
             let mut table = BlockTable {
@@ -313,8 +325,8 @@ impl Engine {
                 }
                 // A sequence grew on another thread between the sizing and
                 // the call: size again.
-                Err(e) if e.status() == Status::Range && cap < usize::MAX / 2 => {
-                    cap = cap.max(1) * 2;
+                Err(e) if e.status() == Status::Range && cap < MOST => {
+                    cap = (cap.max(1) * 2).min(MOST);
                 }
                 Err(e) => return Err(e),
             }

@@ -112,6 +112,14 @@ impl<'e> Pool<'e> {
     /// (`kvh_pool_offload_batch`); returns at once.
     pub fn offload_batch(&self, items: &[OffloadItem<'_>], agent: u32) -> Result<OffloadBatch<'e>> {
         let bt = self.engine.geometry().block_tokens as usize;
+        // Refused by kvh too; checked first, before the tokens are copied.
+        if items.len() > self.num_slots as usize {
+            return Err(invalid(format!(
+                "{} transfers for a pool of {} slots (at most one per slot)",
+                items.len(),
+                self.num_slots
+            )));
+        }
         let mut tokens = Vec::with_capacity(items.len() * bt);
         for (i, it) in items.iter().enumerate() {
             if it.tokens.len() != bt {
@@ -167,6 +175,13 @@ impl<'e> Pool<'e> {
         first_layer: u32,
         n_layers: u32,
     ) -> Result<RestoreBatch<'e>> {
+        if items.len() > self.num_slots as usize {
+            return Err(invalid(format!(
+                "{} transfers for a pool of {} slots (at most one per slot)",
+                items.len(),
+                self.num_slots
+            )));
+        }
         let mut xfers: Box<[sys::kvh_pool_xfer]> = items
             .iter()
             .map(|(b, slot)| sys::kvh_pool_xfer {

@@ -931,3 +931,67 @@ fn small_edges_of_holds_and_histograms() {
     s.truncate(4).unwrap();
     drop(h);
 }
+
+/// A batch whose tables would pass i32::MAX blocks is Err(Range) at once,
+/// never doubled allocations until one fails (kvh_block_table refuses it
+/// whatever the room).
+#[test]
+fn a_block_table_past_i32_max_blocks_is_range_without_allocating() {
+    let blocks: u64 = 1 << 16;
+    let e = Engine::open(
+        Config::new()
+            .backend(Backend::Cpu)
+            .dtype(DType::F16)
+            .num_layers(1)
+            .num_kv_heads(1)
+            .head_dim(1)
+            .block_tokens(1)
+            .device_bytes(blocks * 64)
+            .host_bytes(0),
+    )
+    .unwrap();
+    let s = e.create_sequence(0).unwrap();
+    s.append(&vec![7i32; blocks as usize]).unwrap();
+    let repeats = (i32::MAX as u64 / blocks + 1) as usize;
+    let batch: Vec<&kvh::Sequence<'_>> = vec![&s; repeats];
+    let t = std::time::Instant::now();
+    let err = e
+        .block_table(&batch)
+        .expect_err("a table past i32::MAX blocks");
+    assert_eq!(err.status(), Status::Range, "{err}");
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "took {:?}",
+        t.elapsed()
+    );
+    assert_eq!(e.block_table(&[&s]).unwrap().indices.len(), blocks as usize);
+}
+
+/// More transfers than the pool has slots: refused before the tokens of
+/// every item are copied (InvalidArg, as kvh.h says for n > num_slots).
+#[test]
+fn pool_batches_with_more_items_than_slots_are_refused_first() {
+    const BT: u32 = 4;
+    let e = common::engine(1, 1, 4, BT, 16, 16);
+    let mut k = vec![0f32; (BT * 4) as usize];
+    let mut v = vec![0f32; (BT * 4) as usize];
+    let kp = [k.as_mut_ptr().cast::<c_void>()];
+    let vp = [v.as_mut_ptr().cast::<c_void>()];
+    // SAFETY: the vectors outlive the pool and nothing else touches them.
+    let pool = unsafe { Pool::register(&e, &kp, &vp, 1, u64::from(BT) * 16, 16, 16) }.unwrap();
+    let tokens = [1i32, 2, 3, 4];
+    let items: Vec<OffloadItem<'_>> = (0..3)
+        .map(|_| OffloadItem {
+            slot: 0,
+            scope: 0,
+            parent_hash: 0,
+            tokens: &tokens,
+        })
+        .collect();
+    let err = pool
+        .offload_batch(&items, 0)
+        .expect_err("3 items for 1 slot");
+    assert_eq!(err.status(), Status::InvalidArg, "{err}");
+    let err = pool.restore_batch(&[], 0, 1).map(|_| ()).err();
+    assert!(err.is_none(), "an empty restore is fine: {err:?}");
+}
