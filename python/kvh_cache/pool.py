@@ -371,6 +371,10 @@ class Pool(OwnedHandle):
                 raise ValueError("head_dim elements must be contiguous")
             if any(st < 0 for st in d.strides):
                 raise ValueError(f"the arrays' strides must be positive (no reversed views), got {d.strides}")
+        if not isinstance(heads_first, (bool, np.bool_)):
+            # Read by truth, "False" or [0] would be on: the layout would be
+            # transposed without a word.
+            raise TypeError(f"heads_first must be a bool, not {type(heads_first).__name__}")
         tok_ax, head_ax = (2, 1) if heads_first else (1, 2)
         if d0.shape[tok_ax] != engine.block_tokens or d0.shape[head_ax] != engine.num_kv_heads:
             raise ValueError(

@@ -69,13 +69,18 @@ class NumpyChunkIndex:
         norms = np.linalg.norm(vecs, axis=1, keepdims=True)
         vecs = vecs / np.maximum(norms, 1e-12)
         new_rows = []
+        base = len(self._ids)  # rows already in the matrix
         for i, cid in enumerate(ids):
             agent = payloads[i].get("agent") if payloads else None
-            if cid in self._pos:
-                self._mat[self._pos[cid]] = vecs[i]
-                self._agents[self._pos[cid]] = agent
+            if cid in self._pos:  # an upsert: of a stored row, or of one added just now
+                at = self._pos[cid]
+                if at < base:
+                    self._mat[at] = vecs[i]
+                else:
+                    new_rows[at - base] = vecs[i]
+                self._agents[at] = agent
             else:
-                self._pos[cid] = len(self._ids) + len(new_rows)
+                self._pos[cid] = len(self._ids)  # the row it gets: after those before it
                 new_rows.append(vecs[i])
                 self._ids.append(cid)
                 self._agents.append(agent)

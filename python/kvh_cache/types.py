@@ -477,7 +477,12 @@ class Scope:
         Equal salts give equal scopes in every process and release."""
         import hashlib
 
-        data = salt.encode("utf-8") if isinstance(salt, str) else bytes(salt)
+        if isinstance(salt, str):
+            data = salt.encode("utf-8")
+        elif isinstance(salt, (bytes, bytearray, memoryview)):
+            data = bytes(salt)
+        else:  # bytes(3) would be three zero bytes, bytes([1, 2]) two bytes
+            raise TypeError(f"a scope salt is a str or bytes, not {type(salt).__name__}")
         v = int.from_bytes(hashlib.blake2b(data, digest_size=8, key=b"kvh-scope").digest(), "little")
         return v or 1
 

@@ -252,3 +252,21 @@ def test_tiny_run_trace_and_second_run(tiny_run):
     assert "found in the store" in res.stdout and "use --fresh" in res.stdout
     doc = json.loads((d / "demo-result.json").read_text())
     assert doc["configs"]["kvh"]["ingest"]["reused_tokens"] > 0
+
+
+def test_numpy_chunk_index_adds_and_upserts_in_place():
+    """Rows land where their ids say, an id re-added (later or in the same
+    call) replaces its own vector only."""
+    x, y = np.array([1, 0], np.float32), np.array([0, 1], np.float32)
+    idx = NumpyChunkIndex(2)
+    idx.add([1, 2, 3], np.stack([x, y, y]))
+    idx.add([2], x[None])  # chunk 2 now along x: chunk 3 keeps y
+    assert [c for c, _ in idx.search(y, 1)] == [3]
+    assert sorted(c for c, s in idx.search(x, 3) if s > 0.5) == [1, 2]
+    small = NumpyChunkIndex(2)
+    small.add([1, 2], np.stack([x, y]))
+    small.add([2], x[None])  # was an IndexError
+    assert sorted(c for c, s in small.search(x, 2) if s > 0.5) == [1, 2]
+    twice = NumpyChunkIndex(2)
+    twice.add([7, 7], np.stack([x, y]))  # the last vector wins
+    assert len(twice) == 1 and twice.search(y, 1)[0][0] == 7 and twice.search(y, 1)[0][1] > 0.5

@@ -411,3 +411,12 @@ def test_persist_blocks_wait_takes_a_bool(tmp_path, bad, error):
         assert eng.stats().blocks_persisted == 2
         b.release()
         pool.unregister()
+
+
+@pytest.mark.parametrize("value", ["False", "no", [0], 1, None])
+def test_heads_first_must_be_a_bool(value):
+    """Read by truth, "False" would be on: the layout transposed silently."""
+    ks, vs = _arrays(6)
+    with _engine() as eng:
+        with pytest.raises(TypeError, match="heads_first must be a bool"):
+            Pool.from_arrays(eng, ks, vs, heads_first=value)

@@ -115,3 +115,11 @@ def test_scope_value_of_a_salt():
     with make_engine() as eng:
         with eng.sequence(scope=kvh.Scope.value_of("tenant-a")) as s:
             assert s.scope == kvh.Scope(a)
+
+
+def test_scope_value_of_takes_text_or_bytes_only():
+    assert kvh.Scope.value_of("user-1") == kvh.Scope.value_of(b"user-1")
+    assert kvh.Scope.value_of(bytearray(b"x")) == kvh.Scope.value_of(b"x")
+    for bad in (3, [1, 2], True, 1 << 63, None, 1.5):
+        with pytest.raises(TypeError, match="str or bytes"):
+            kvh.Scope.value_of(bad)

@@ -33,7 +33,7 @@ import numpy as np
 
 from .. import errors
 from .._ffi import ffi, lib, raise_status, status_name
-from ..engine import Block, Engine, Fence
+from ..engine import Block, Engine, Fence, _tokens
 from ..types import Tier
 from ..pool import OffloadBatch, Pool, RestoreBatch, persist_blocks
 from .settings import Settings
@@ -341,7 +341,7 @@ class KvStore:
         of tokens when kvh holds their tail block too. The blocks stay
         retained for req_id until load() or forget(), so that what was
         promised cannot be evicted before it is loaded."""
-        tk = np.ascontiguousarray(tokens, dtype=np.int32)
+        tk = _tokens(tokens)
         keyed = self.keyed(tk)
         blocks = self.engine.prefix_lookup(keyed, scope=scope) if keyed.size else []
         full = tk.size // self.block_tokens
@@ -455,7 +455,7 @@ class KvStore:
         t0 = time.perf_counter()
         bt = self.block_tokens
         end = first_block + len(slots)
-        tk = np.ascontiguousarray(tokens, dtype=np.int32)
+        tk = _tokens(tokens)
         tail = self.tail_of(tk.size) if tk.size < end * bt else 0
         with self._lock:
             blocks = self._held.pop(req_id, None)
@@ -586,7 +586,7 @@ class KvStore:
         for req_id, tokens, first_block, slots, scope in transfers:
             if not len(slots):
                 continue
-            tk = np.ascontiguousarray(tokens, dtype=np.int32)
+            tk = _tokens(tokens)
             end = first_block + len(slots)
             tail = tk.size < end * bt
             if tail and (end - 1 != tk.size // bt or not self.tail_of(tk.size)):
