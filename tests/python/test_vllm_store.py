@@ -641,3 +641,24 @@ def test_a_corrupt_block_found_by_the_prefetch_fails_its_load_and_is_recomputed(
     assert s["load_errors"] == len(failed)
     np.testing.assert_array_equal(mem[:, 5:], mem_before[:, 5:])  # nothing written outside the load's slots
     st.close()
+
+
+def test_timeouts_and_counts_are_checked_not_truncated():
+    for bad in ("inf", "nan", "-1", "0", "1e9"):
+        with pytest.raises(ValueError, match="timeout"):
+            settings.load({}, environ={"KVH_VLLM_LOOKUP_TIMEOUT": bad})
+    assert settings.load({}, environ={"KVH_VLLM_LOOKUP_TIMEOUT": "0.5"}).lookup_timeout_s == 0.5
+    for bad in (1.7, "1.5", True):
+        with pytest.raises(ValueError):
+            settings.load({"tail_min_tokens": bad}, environ={})
+    assert settings.load({"tail_min_tokens": 3.0}, environ={}).tail_min_tokens == 3
+
+
+def test_token_ids_must_be_int32_integers(tmp_path):
+    st = _store(tmp_path)
+    try:
+        for bad in ([0.5, 1.5] * 24, [1 << 40] * 48, "abc"):
+            with pytest.raises((TypeError, ValueError)):
+                st.lookup("r", bad)
+    finally:
+        st.close()

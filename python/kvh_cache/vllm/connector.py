@@ -415,7 +415,7 @@ class KvhConnector(KVConnectorBase_V1):
                 ]
             header = {"op": "lookup", "req": req_id, "scope": scope}
             return min(int(c.call(header, payload)["tokens"]) for c in self._clients)
-        except (OSError, ChannelError, KeyError, ValueError) as exc:
+        except (OSError, ChannelError, KeyError, ValueError, OverflowError) as exc:
             if not self._channel_warned:
                 self._channel_warned = True
                 logger.warning("kvh: lookup channel unavailable (%s); requests are computed without kvh", exc)

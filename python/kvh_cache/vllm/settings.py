@@ -70,6 +70,7 @@ Nothing here imports torch or vLLM.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Any, Mapping, Optional
 
@@ -112,10 +113,20 @@ def _parse_bool(value: Any) -> bool:
 
 
 def _parse_count(value: Any) -> int:
-    n = int(value)
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        raise ValueError(f"a count must be a whole number, got {value!r}")
+    n = int(str(value).strip()) if isinstance(value, str) else int(value)
     if n < 0:
         raise ValueError(f"a count must be >= 0, got {value!r}")
     return n
+
+
+def _parse_seconds(value: Any) -> float:
+    """A timeout in seconds: finite and above 0 (a socket takes no other)."""
+    s = float(value)
+    if not math.isfinite(s) or s <= 0 or s > 86400:
+        raise ValueError(f"a timeout must be a number of seconds in (0, 86400], got {value!r}")
+    return s
 
 
 def _cpu_mask(value: Any) -> int:
@@ -199,7 +210,7 @@ _KEYS = {
     "device_bytes": ("KVH_VLLM_DEVICE_BYTES", parse_size),
     "runtime_dir": ("KVH_VLLM_RUNTIME_DIR", lambda v: os.path.expanduser(str(v))),
     "persist": ("KVH_VLLM_PERSIST", _parse_bool),
-    "lookup_timeout_s": ("KVH_VLLM_LOOKUP_TIMEOUT", float),
+    "lookup_timeout_s": ("KVH_VLLM_LOOKUP_TIMEOUT", _parse_seconds),
     "log_level": ("KVH_VLLM_LOG_LEVEL", lambda v: str(v).strip().lower()),
     "tail_min_tokens": ("KVH_VLLM_TAIL_MIN_TOKENS", _parse_count),
     "migration_cpus": ("KVH_VLLM_MIGRATION_CPUS", lambda v: _parse_cpus(v)),
