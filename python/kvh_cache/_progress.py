@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import pathlib
 import sys
 from typing import IO, Any, List, Optional, Sequence
 
@@ -131,6 +132,14 @@ def human_rate(nbytes: float, seconds: float) -> str:
 
 
 _SIZE_MAX = (1 << 64) - 1
+
+
+def parse_dir(text: str) -> pathlib.Path:
+    """A directory argument; an empty one would be the working directory
+    (Path("") is "."), where a store would be written and its mode narrowed."""
+    if not text:
+        raise argparse.ArgumentTypeError("DIR must not be empty")
+    return pathlib.Path(text)
 
 
 def parse_size(text: str) -> int:

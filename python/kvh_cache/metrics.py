@@ -208,7 +208,9 @@ class Exporter:
 
     @property
     def url(self) -> str:
-        host, port = self.address
+        host, port = self.address[:2]
+        if ":" in host:  # an IPv6 address goes in brackets
+            host = f"[{host}]"
         return f"http://{host}:{port}/metrics"
 
     def close(self) -> None:

@@ -596,3 +596,30 @@ def test_help_and_version_that_cannot_be_written_fail():
             p = subprocess.run([sys.executable, "-m", "kvh_cache", *args], stdout=full, stderr=subprocess.PIPE,
                                text=True, env=env, timeout=60)  # fmt: skip
         assert p.returncode == 1 and "write error on standard output" in p.stderr, (args, p.returncode, p.stderr)
+
+
+def test_demo_refuses_an_empty_data_dir_and_huge_agent_counts(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    r = run_kvh("demo", "--synthetic", "--no-progress", "--steps", "1", "--agents", "1", "--data-dir", "", cwd=tmp_path)
+    assert r.returncode == 2 and "must not be empty" in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+    r = run_kvh("demo", "--synthetic", "--no-progress", "--agents", str(10**20), "--data-dir", tmp_path / "d")
+    assert r.returncode == 2 and "--agents must be at most" in r.stderr
+
+
+@pytest.mark.parametrize("prompt_tokens", [0, 8])
+def test_demo_with_a_prompt_shorter_than_a_block_passes(tmp_path, prompt_tokens):
+    r = run_kvh(
+        "demo",
+        "--synthetic",
+        "--no-progress",
+        "--steps",
+        "1",
+        "--agents",
+        "1",
+        "--prompt-tokens",
+        prompt_tokens,
+        "--data-dir",
+        tmp_path / "d",
+    )
+    assert r.returncode == 0, r.stdout + r.stderr

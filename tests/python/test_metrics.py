@@ -128,3 +128,19 @@ def test_serve_checks_port_and_addr():
             kvh_cache.metrics.serve(eng, 0, addr="999.1.1.1", registry=reg)
         with kvh_cache.metrics.serve(eng, 0, registry=reg) as exp:
             assert exp.port > 0
+
+
+def test_url_brackets_an_ipv6_address():
+    import socket
+    import urllib.parse
+
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 here")
+    with kvh.Engine(num_layers=1, num_kv_heads=1, head_dim=16, backend="cpu", device_bytes=1 << 20) as eng:
+        try:
+            ex = kvh.metrics.serve(eng, 0, addr="::1")
+        except OSError:
+            pytest.skip("cannot listen on ::1 here")
+        with ex:
+            assert ex.url.startswith("http://[::1]:")
+            assert urllib.parse.urlsplit(ex.url).port == ex.port

@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from ..._progress import parse_size
+from ..._progress import parse_dir, parse_size
 from .loading import MODEL_NAME
 
 __all__ = ["BASELINES", "DEFAULTS", "add_arguments", "chosen_baselines", "fill_defaults", "parse_budget", "validate"]
@@ -132,7 +132,7 @@ def add_arguments(p: argparse.ArgumentParser, *, shared_defaults: bool = True) -
     )
     g.add_argument(
         "--data-dir",
-        type=Path,
+        type=parse_dir,
         default=d["data_dir"],
         metavar="DIR",
         help="where everything goes: the store (DIR/store), the plot, the result JSON "
