@@ -5,7 +5,7 @@ use std::marker::PhantomData;
 use std::ops::{Bound, RangeBounds};
 use std::ptr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Condvar, Mutex, Weak};
 
 use kvh_sys as sys;
 
@@ -128,10 +128,13 @@ pub struct Sequence<'e> {
     // own pages, so a write to the tokens a view maps would change memory
     // under a shared borrow.
     views: RefCell<Vec<Weak<ViewMark>>>,
-    // Held by a write, append or truncate from its check of what the views
-    // map through its C call, and by a view's refresh: a refresh on the
-    // view's thread cannot map tokens between the check and the write.
-    view_gate: Arc<Mutex<()>>,
+    // Held, while the sequence has live views, by each call on it (a write,
+    // append or truncate from its check of what the views map through its
+    // C call), and by a view's refresh: a refresh on the view's thread
+    // neither maps tokens between such a check and the write nor overlaps
+    // a call on the sequence's thread (kvh.h: `@threads handle (vmap and
+    // seq)`), which would fail with Busy.
+    view_gate: Arc<ViewGate>,
     // Send but not Sync: the header's `@threads handle`.
     _not_sync: PhantomData<Cell<()>>,
 }
@@ -224,7 +227,7 @@ impl<'e> Sequence<'e> {
             raw,
             holds: RefCell::new(Vec::new()),
             views: RefCell::new(Vec::new()),
-            view_gate: Arc::new(Mutex::new(())),
+            view_gate: Arc::new(ViewGate::default()),
             _not_sync: PhantomData,
         }
     }
@@ -247,11 +250,11 @@ impl<'e> Sequence<'e> {
 
     /// The view gate, taken when the sequence has live views (none can be
     /// made meanwhile: that takes this sequence, which is not Sync).
-    fn gate_if_viewed(&self) -> Option<std::sync::MutexGuard<'_, ()>> {
+    fn gate_if_viewed(&self) -> Option<ViewGateGuard<'_>> {
         if self.views.borrow().iter().all(|w| w.strong_count() == 0) {
             return None;
         }
-        Some(self.view_gate.lock().unwrap_or_else(|p| p.into_inner()))
+        Some(self.view_gate.enter())
     }
 
     /// The most tokens of `layer` a live view maps.
@@ -380,7 +383,8 @@ impl<'e> Sequence<'e> {
     /// Token ids `[first, first + out.len())` into `out`
     /// ([`Status::Range`] past the end).
     pub fn tokens_into(&self, first: u64, out: &mut [i32]) -> Result<()> {
-        // SAFETY: out is a valid mutable slice of its length.
+        let _gate = self.gate_if_viewed(); // no refresh of a view overlaps the call
+                                           // SAFETY: out is a valid mutable slice of its length.
         check(unsafe {
             sys::kvh_seq_tokens(
                 self.engine.as_ptr(),
@@ -523,6 +527,7 @@ impl<'e> Sequence<'e> {
         k: Option<&mut [T]>,
         v: Option<&mut [T]>,
     ) -> Result<()> {
+        let _gate = self.gate_if_viewed(); // no refresh of a view overlaps the call
         let len = k.as_ref().or(v.as_ref()).map_or(0, |s| s.len());
         let n = self.tokens_in::<T>("output", len)?;
         let kp = k.map_or(ptr::null_mut(), |s| s.as_mut_ptr().cast());
@@ -537,6 +542,7 @@ impl<'e> Sequence<'e> {
     /// Copy-on-write fork: the child shares every block; the first write to
     /// a shared block copies it. `agent` owns the child's new blocks.
     pub fn fork(&self, agent: u32) -> Result<Sequence<'e>> {
+        let _gate = self.gate_if_viewed(); // no refresh of a view overlaps the call
         let mut child = sys::kvh_seq::default();
         // SAFETY: valid engine and out-handle.
         check(unsafe { sys::kvh_seq_fork(self.engine.as_ptr(), self.raw, agent, &mut child) })?;
@@ -548,7 +554,8 @@ impl<'e> Sequence<'e> {
     /// [`Sequence::fork`] passes it on. [`Status::InvalidArg`] when the
     /// sequence holds tokens (truncate it to 0 first).
     pub fn set_scope(&self, scope: Scope) -> Result<()> {
-        // SAFETY: valid engine.
+        let _gate = self.gate_if_viewed(); // no refresh of a view overlaps the call
+                                           // SAFETY: valid engine.
         check(unsafe {
             sys::kvh_seq_set_scope(
                 self.engine.as_ptr(),
@@ -562,6 +569,7 @@ impl<'e> Sequence<'e> {
 
     /// The tenant scope its blocks hash in (`kvh_seq_get_scope`).
     pub fn scope(&self) -> Result<Scope> {
+        let _gate = self.gate_if_viewed(); // no refresh of a view overlaps the call
         let mut sc = Scope::default();
         // SAFETY: valid engine and three out-pointers.
         check(unsafe {
@@ -609,6 +617,7 @@ impl<'e> Sequence<'e> {
     /// the caller appends the rest. [`Status::InvalidArg`] when the
     /// sequence is not empty.
     pub fn match_prefix(&self, tokens: &[i32]) -> Result<usize> {
+        let _gate = self.gate_if_viewed(); // no refresh of a view overlaps the call
         let mut matched = 0usize;
         // SAFETY: tokens is a valid slice of its length.
         check(unsafe {
@@ -631,6 +640,7 @@ impl<'e> Sequence<'e> {
     /// holds them there until the returned [`Hold`] drops. Waits for the
     /// copies. [`Status::NoSpace`] when they do not fit (nothing held).
     pub fn acquire(&self, range: impl RangeBounds<u64>) -> Result<Hold<'_>> {
+        let _gate = self.gate_if_viewed(); // no refresh of a view overlaps the call
         let (first, n) = self.range(range)?;
         // SAFETY: valid engine; NULL fence: the call waits.
         check(unsafe {
@@ -647,6 +657,7 @@ impl<'e> Sequence<'e> {
     /// As [`acquire`](Self::acquire) without waiting: the hold is taken at
     /// once and the fence completes when the blocks are resident.
     pub fn acquire_async(&self, range: impl RangeBounds<u64>) -> Result<(Hold<'_>, Fence<'e>)> {
+        let _gate = self.gate_if_viewed(); // no refresh of a view overlaps the call
         let (first, n) = self.range(range)?;
         let mut f = sys::kvh_fence::default();
         // SAFETY: valid engine and out-handle.
@@ -734,6 +745,7 @@ impl<'e> Sequence<'e> {
     /// among blocks of similar recency, tolerant ones leave the device tier
     /// (and are compressed under a KV codec) first.
     pub fn set_tolerance(&self, range: impl RangeBounds<u64>, tolerance: u32) -> Result<()> {
+        let _gate = self.gate_if_viewed(); // no refresh of a view overlaps the call
         let (first, n) = self.range(range)?;
         // SAFETY: valid engine.
         check(unsafe {
@@ -745,6 +757,7 @@ impl<'e> Sequence<'e> {
     /// engine's KV codec error on them (`kvh_seq_derive_tolerance`;
     /// `max_rel_error` 0 = 0.25).
     pub fn derive_tolerance(&self, range: impl RangeBounds<u64>, max_rel_error: f32) -> Result<()> {
+        let _gate = self.gate_if_viewed(); // no refresh of a view overlaps the call
         let (first, n) = self.range(range)?;
         // SAFETY: valid engine.
         check(unsafe {
@@ -753,6 +766,7 @@ impl<'e> Sequence<'e> {
     }
 
     fn set_pinned(&self, range: impl RangeBounds<u64>, pinned: bool) -> Result<()> {
+        let _gate = self.gate_if_viewed(); // no refresh of a view overlaps the call
         let (first, n) = self.range(range)?;
         // SAFETY: valid engine.
         check(unsafe {
@@ -763,6 +777,7 @@ impl<'e> Sequence<'e> {
     /// Handles of logical blocks `[first_block, first_block + out.len())`
     /// (not retained: they may go stale).
     pub fn blocks_into(&self, first_block: u64, out: &mut [Block]) -> Result<()> {
+        let _gate = self.gate_if_viewed(); // no refresh of a view overlaps the call
         let mut raw = vec![sys::kvh_block::default(); out.len()];
         // SAFETY: raw is a valid mutable slice of its length.
         check(unsafe {
@@ -796,7 +811,8 @@ impl<'e> Sequence<'e> {
     /// [`match_prefix`](Self::match_prefix). [`Status::Unsupported`]
     /// without a disk tier; [`Status::Io`], [`Status::NoSpace`].
     pub fn persist(&self) -> Result<()> {
-        // SAFETY: valid engine.
+        let _gate = self.gate_if_viewed(); // no refresh of a view overlaps the call
+                                           // SAFETY: valid engine.
         check(unsafe { sys::kvh_seq_persist(self.engine.as_ptr(), self.raw) })
     }
 }
@@ -975,6 +991,7 @@ impl Hold<'_> {
     /// Releases the hold now, reporting an error instead of ignoring it.
     pub fn release(self) -> Result<()> {
         let this = std::mem::ManuallyDrop::new(self);
+        let _gate = this.seq.gate_if_viewed(); // no refresh of a view overlaps the release
         this.forget_range();
         // SAFETY: valid engine; this hold is released exactly once.
         check(unsafe {
@@ -985,6 +1002,9 @@ impl Hold<'_> {
 
 impl Drop for Hold<'_> {
     fn drop(&mut self) {
+        // A refresh of a view on another thread would make the release fail
+        // with Busy, and the blocks would stay held for good.
+        let _gate = self.seq.gate_if_viewed();
         self.forget_range();
         // SAFETY: valid engine; this hold is released exactly once.
         unsafe {
@@ -1020,11 +1040,60 @@ mod tests {
     }
 }
 
+/// The view gate of a sequence: one thread at a time, and re-entrant on
+/// that thread. kvh hands queued log messages to the sink as a call
+/// leaves, on the caller's thread, so a sink may call the sequence again
+/// inside a gated call: that nested call then meets the library's own
+/// check of overlapping calls (Busy), not a deadlock.
+#[derive(Debug, Default)]
+pub(crate) struct ViewGate {
+    // The thread holding it and how many times.
+    state: Mutex<(Option<std::thread::ThreadId>, u32)>,
+    free: Condvar,
+}
+
+/// A hold of a [`ViewGate`], released when dropped.
+pub(crate) struct ViewGateGuard<'g> {
+    gate: &'g ViewGate,
+}
+
+impl ViewGate {
+    pub(crate) fn enter(&self) -> ViewGateGuard<'_> {
+        let me = std::thread::current().id();
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            match st.0 {
+                None => {
+                    *st = (Some(me), 1);
+                    break;
+                }
+                Some(t) if t == me => {
+                    st.1 += 1;
+                    break;
+                }
+                Some(_) => st = self.free.wait(st).unwrap_or_else(|p| p.into_inner()),
+            }
+        }
+        ViewGateGuard { gate: self }
+    }
+}
+
+impl Drop for ViewGateGuard<'_> {
+    fn drop(&mut self) {
+        let mut st = self.gate.state.lock().unwrap_or_else(|p| p.into_inner());
+        st.1 -= 1;
+        if st.1 == 0 {
+            st.0 = None;
+            self.gate.free.notify_all();
+        }
+    }
+}
+
 /// What a live view of a sequence maps (see [`Sequence::write_kv`]).
 #[derive(Debug)]
 pub(crate) struct ViewMark {
     // The sequence's view gate (Sequence::view_gate).
-    gate: Arc<Mutex<()>>,
+    gate: Arc<ViewGate>,
     layer: u32,
     mapped: AtomicU64,
     // A keeper holds every block the view maps now: the sequence may give
@@ -1053,8 +1122,8 @@ impl ViewMark {
     /// borrowed): forks kept for the old mapping go; the dropped sequence
     /// itself, if it is one of them, stays (the view still maps it).
     /// Holds the sequence's writes off while the view remaps.
-    pub(crate) fn gate(&self) -> std::sync::MutexGuard<'_, ()> {
-        self.gate.lock().unwrap_or_else(|p| p.into_inner())
+    pub(crate) fn gate(&self) -> ViewGateGuard<'_> {
+        self.gate.enter()
     }
 
     pub(crate) fn set_mapped(&self, tokens: u64) {
