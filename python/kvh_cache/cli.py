@@ -44,6 +44,22 @@ def _version() -> str:
 # ---------------------------------------------------------------------------------
 # demo
 # ---------------------------------------------------------------------------------
+# Options of `kvh demo` that only the model demo (demo/agents) reads.
+_MODEL_DEMO_ONLY = (
+    "questions",
+    "docs_per_question",
+    "ingest",
+    "model",
+    "qdrant_url",
+    "baseline",
+    "no_restart",
+    "plot",
+    "no_plot",
+    "record_trace",
+    "returning",
+)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import synthetic
 
@@ -59,6 +75,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if args.synthetic or synthetic.synthetic_requested(args):
         if not args.synthetic:
             _err("options of the synthetic demo given: running `kvh demo --synthetic`")
+        # Options only the model demo reads would be ignored without a word.
+        given = [f"--{k.replace('_', '-')}" for k in _MODEL_DEMO_ONLY if getattr(args, k, None) not in (None, False)]
+        if given:
+            _err(f"{', '.join(given)}: an option of the model demo; the synthetic demo does not take it")
+            return 2
         synthetic.fill_defaults(args)
         return synthetic.run(args)
     from .demo import agents
