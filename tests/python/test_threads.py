@@ -7,8 +7,10 @@ from __future__ import annotations
 import _thread
 import asyncio
 import collections
+import contextlib
 import concurrent.futures as cf
 import ctypes
+import logging
 import os
 import random
 import signal
@@ -526,13 +528,49 @@ def _engine_whose_worker_logs(tmp_path, workers=1):
     return eng, eng.prefix_lookup(np.arange(64))
 
 
+@contextlib.contextmanager
+def _kvh_log_handler(once):
+    """Runs once() in a logging handler of "kvh", at its first warning (on
+    whichever thread logs it); yields the event set after it ran."""
+    fired = threading.Event()
+
+    class Handler(logging.Handler):
+        def emit(self, record):
+            if not fired.is_set():
+                try:
+                    once()
+                finally:
+                    fired.set()
+
+    handler = Handler(level=logging.WARNING)
+    logging.getLogger("kvh").addHandler(handler)
+    try:
+        yield fired
+    finally:
+        logging.getLogger("kvh").removeHandler(handler)
+
+
+def _migrate_and_wait(eng, blocks, timeout=None):
+    """Migrates each block to the host tier and waits: the corrupt ones fail
+    their checksums, which is what makes the worker log. Other errors are
+    returned."""
+    others = []
+    for f in [eng.migrate([b], "host", wait=False) for b in blocks]:
+        try:
+            f.wait(timeout)
+        except kvh.CorruptionError:
+            pass
+        except kvh.Error as exc:
+            others.append(exc)
+    return others
+
+
 @pytest.mark.parametrize("how", ["free", "collect"])
 def test_frees_refused_inside_a_worker_log_handler_are_not_lost(tmp_path, how):
     """A free the library refuses (inside the log sink, on its worker) leaves
     the sequence usable and freeable later; sequences the garbage collector
     takes there are freed by the next call that may."""
     import gc
-    import logging
 
     eng, blocks = _engine_whose_worker_logs(tmp_path)
 
@@ -542,43 +580,30 @@ def test_frees_refused_inside_a_worker_log_handler_are_not_lost(tmp_path, how):
     u0 = used()
     victim, _ = filled_seq(eng, 8, first_token=7000)  # one partial block: freed, not cached
     outcome = []
-    fired = threading.Event()
 
-    class Handler(logging.Handler):
-        def emit(self, record):
-            if fired.is_set():
-                return
-            if how == "free":
-                try:
-                    victim.free()
-                    outcome.append("freed")
-                except kvh.BusyError:
-                    outcome.append("busy")
-            else:
-                outcome.append(gc.collect())
-            fired.set()
-
-    handler = Handler(level=logging.WARNING)
-    logging.getLogger("kvh").addHandler(handler)
-    try:
-        if how == "collect":
-            gc.disable()
-            for i in range(4):  # garbage cycles holding sequences
-                s, _ = filled_seq(eng, 8, seed=i, first_token=5000 + 100 * i)
-                box = [s]
-                box.append(box)
-            del s, box, victim
-            assert used() - u0 == 4  # the garbage cycles only
-        fences = [eng.migrate([b], "host", wait=False) for b in blocks]
-        assert fired.wait(10)
-        for f in fences:
+    def once():
+        if how == "free":
             try:
-                f.wait()
-            except kvh.Error:
-                pass  # the block failed its checksum: what makes the worker log
-    finally:
-        gc.enable()
-        logging.getLogger("kvh").removeHandler(handler)
+                victim.free()
+                outcome.append("freed")
+            except kvh.BusyError:
+                outcome.append("busy")
+        else:
+            outcome.append(gc.collect())
+
+    with _kvh_log_handler(once) as fired:
+        try:
+            if how == "collect":
+                gc.disable()
+                for i in range(4):  # garbage cycles holding sequences
+                    s, _ = filled_seq(eng, 8, seed=i, first_token=5000 + 100 * i)
+                    box = [s]
+                    box.append(box)
+                del s, box, victim
+                assert used() - u0 == 4  # the garbage cycles only
+            assert _migrate_and_wait(eng, blocks) == [] and fired.wait(10)
+        finally:
+            gc.enable()
     if how == "free":
         assert outcome == ["busy"] and not victim.freed
         victim.free()
@@ -598,45 +623,23 @@ def test_close_from_a_worker_log_handler_is_refused_at_once(tmp_path):
     say so at once, not first wait for calls in flight on other threads
     (whose fences the logging worker itself would complete), and must not
     refuse those calls meanwhile."""
-    import logging
 
     eng, blocks = _engine_whose_worker_logs(tmp_path)
-    outcome = []
-    fired = threading.Event()
+    outcome, errors = [], []
 
-    class Handler(logging.Handler):
-        def emit(self, record):
-            if fired.is_set():
-                return
-            for call in (eng.close, lambda: eng.tier_info("host")):
-                try:
-                    call()
-                    outcome.append("ok")
-                except kvh.BusyError:
-                    outcome.append("busy")
-            fired.set()
-
-    handler = Handler(level=logging.WARNING)
-    logging.getLogger("kvh").addHandler(handler)
-    errors = []
-
-    def waiter():
-        fences = [eng.migrate([b], "host", wait=False) for b in blocks]
-        for f in fences:
+    def once():
+        for call in (eng.close, lambda: eng.tier_info("host")):
             try:
-                f.wait(20)
-            except kvh.CorruptionError:
-                pass  # the block that made the worker log
-            except kvh.Error as exc:
-                errors.append(exc)
+                call()
+                outcome.append("ok")
+            except kvh.BusyError:
+                outcome.append("busy")
 
-    t = threading.Thread(target=waiter)
-    try:
+    with _kvh_log_handler(once) as fired:
+        t = threading.Thread(target=lambda: errors.extend(_migrate_and_wait(eng, blocks, 20)))
         t.start()
         t.join(30)
-    finally:
-        logging.getLogger("kvh").removeHandler(handler)
-    assert not t.is_alive() and fired.is_set()
+    assert not t.is_alive() and fired.wait(10)
     assert outcome == ["busy", "busy"] and errors == []
     assert not eng.closed
     for b in blocks:
@@ -693,32 +696,14 @@ def test_holds_and_views_collected_in_a_worker_log_handler_are_released(tmp_path
     handler on a kvh worker (where kvh refuses their release): the next
     call that may releases them."""
     import gc
-    import logging
 
     eng, blocks = _engine_whose_worker_logs(tmp_path)
     seq, _ = filled_seq(eng, 32, first_token=7000)
     box = {"hold": seq.acquire(0, 16), "view": seq.block_view(1, 0)}
     assert seq.block(0).info().holds == 1 and seq.block(1).info().holds == 1
-    fired = threading.Event()
-
-    class Handler(logging.Handler):
-        def emit(self, record):
-            if not fired.is_set():
-                box.clear()  # the last references: collected here
-                fired.set()
-
-    handler = Handler(level=logging.WARNING)
-    logging.getLogger("kvh").addHandler(handler)
-    try:
-        fences = [eng.migrate([b], "host", wait=False) for b in blocks]
+    with _kvh_log_handler(box.clear) as fired:  # the last references: collected there
+        _migrate_and_wait(eng, blocks)
         assert fired.wait(10)
-        for f in fences:
-            try:
-                f.wait()
-            except kvh.Error:
-                pass
-    finally:
-        logging.getLogger("kvh").removeHandler(handler)
     gc.collect()
     eng.tier_info("host")  # a call that may release them
     assert seq.block(0).info().holds == 0 and seq.block(1).info().holds == 0
@@ -733,35 +718,26 @@ def test_a_log_handler_on_a_foreign_thread_may_call_the_engine(tmp_path):
     thread started outside Python's threading module (``_thread``, other C
     code) is a caller's own, where calls work as usual."""
     import _thread
-    import logging
 
     eng, blocks = _engine_whose_worker_logs(tmp_path, workers=0)  # logs on the calling thread
     outcome = []
 
-    class Handler(logging.Handler):
-        def emit(self, record):
-            try:
-                eng.tier_info("host")
-                outcome.append("ok")
-            except kvh.BusyError:
-                outcome.append("busy")
-
-    def body(b, done):
+    def once():
         try:
-            eng.migrate([b], "host")
-        except kvh.Error:
-            pass  # the block that made kvh log
+            eng.tier_info("host")
+            outcome.append("ok")
+        except kvh.BusyError:
+            outcome.append("busy")
+
+    def body(done):
+        _migrate_and_wait(eng, blocks[:1])
         done.set()
 
-    handler = Handler(level=logging.WARNING)
-    logging.getLogger("kvh").addHandler(handler)
-    try:
+    with _kvh_log_handler(once):
         done = threading.Event()
-        _thread.start_new_thread(body, (blocks[0], done))
+        _thread.start_new_thread(body, (done,))
         assert done.wait(20)
-    finally:
-        logging.getLogger("kvh").removeHandler(handler)
-    assert outcome and set(outcome) == {"ok"}
+    assert outcome == ["ok"]
     for b in blocks:
         b.release()
     eng.close()
