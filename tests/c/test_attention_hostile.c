@@ -776,6 +776,42 @@ static void test_extreme_finite_parameters(void **state)
     }
 }
 
+/* Finite inputs whose scores all leave the float range, upwards or
+ * downwards, or whose q . k does before the scale brings it back: the
+ * softmax of the exact scores (K {2, 3}, V {10, 20}). */
+static void test_scores_past_the_float_range_either_way(void **state)
+{
+    (void)state;
+    enum { D1 = 4 };
+    kvh_config c = tu_cfg(1, 1, D1, BT, KVH_DTYPE_F32, 16, 16, 0);
+    kvh_engine *e = tu_open_cfg(&c);
+    kvh_seq s = tu_seq_new(e, 0);
+    int32_t t[2] = {1, 2};
+    assert_ok(kvh_seq_append(e, s, t, 2));
+    float k[2 * D1] = {0}, v[2 * D1] = {0};
+    k[0] = 2, k[D1] = 3, v[0] = 10, v[D1] = 20;
+    assert_ok(kvh_seq_write_kv(e, s, 0, 0, 2, k, v));
+    const struct {
+        float q, scale, k0, k1;
+        double want;
+    } cases[] = {
+        {1, FLT_MAX, 2, 3, 20},
+        {1, -FLT_MAX, 2, 3, 10},
+        {-1, FLT_MAX, 2, 3, 10},
+        {1e20f, 1e-40f, 1e20f, 2e20f, (10 + 20 * M_E) / (1 + M_E)},
+        {-1e20f, 1e-40f, 1e20f, 2e20f, (10 * M_E + 20) / (1 + M_E)},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        k[0] = cases[i].k0, k[D1] = cases[i].k1;
+        assert_ok(kvh_seq_write_kv(e, s, 0, 0, 2, k, v));
+        float q[D1] = {cases[i].q}, out[D1];
+        kvh_attention_params p = params(1, cases[i].scale, KVH_DTYPE_F32);
+        assert_ok(kvh_attention_decode(e, 0, &s, 1, q, out, &p));
+        if (!(fabs(out[0] - cases[i].want) <= 1e-4 * cases[i].want))
+            fail_msg("case %zu: %g, the softmax of the exact scores is %g", i, (double)out[0], cases[i].want);
+    }
+}
+
 /* out == q: the header does not forbid it (q is only read), and a caller
  * that attends in place must get the same numbers. */
 static void test_output_aliasing_the_query(void **state)
@@ -1905,6 +1941,7 @@ int main(void)
         cmocka_unit_test_teardown(test_params_past_struct_size_are_ignored, teardown),
         cmocka_unit_test_teardown(test_decode_and_prefill_misuse_change_nothing, teardown),
         cmocka_unit_test_teardown(test_extreme_finite_parameters, teardown),
+        cmocka_unit_test_teardown(test_scores_past_the_float_range_either_way, teardown),
         cmocka_unit_test_teardown(test_output_aliasing_the_query, teardown),
         cmocka_unit_test_teardown(test_streaming_from_host_and_disk, teardown),
         cmocka_unit_test_teardown(test_plan_create_misuse_change_nothing, teardown),
