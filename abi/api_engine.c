@@ -66,6 +66,8 @@ kvh_status kvh_engine_block_bytes(const kvh_engine *e, uint64_t *bytes)
 
 const char *kvh_engine_backend(const kvh_engine *e) { return e ? e->backend->name : NULL; }
 
+int32_t kvh_engine_owns_thread(const kvh_engine *e) { return kvhi_thread_is_engines(e) ? 1 : 0; }
+
 kvh_status kvh_tier_info_get(kvh_engine *e, uint32_t tier, kvh_tier_info *info)
 {
     kvhi_clear_error();

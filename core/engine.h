@@ -251,6 +251,8 @@ void kvhi_thread_started_for(kvh_engine *e);
 void kvhi_sink_call(kvh_engine *e, int level, const char *message);
 /* Whether this thread is inside e's sink. */
 bool kvhi_in_sink_of(const kvh_engine *e);
+/* Whether this thread is one kvh started for e (kvhi_thread_started_for). */
+bool kvhi_thread_is_engines(const kvh_engine *e);
 /* Clears the last error; KVH_ERR_BUSY when e's sink, on a thread kvh
  * started for e, calls into e: the call could wait for that thread. */
 kvh_status kvhi_enter_allowed(kvh_engine *e);

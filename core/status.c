@@ -49,6 +49,8 @@ void kvhi_sink_call(kvh_engine *e, int level, const char *message)
 
 bool kvhi_in_sink_of(const kvh_engine *e) { return here.sink_of == e; }
 
+bool kvhi_thread_is_engines(const kvh_engine *e) { return e && here.started_for == e; }
+
 kvh_status kvhi_enter_allowed(kvh_engine *e)
 {
     kvhi_clear_error();

@@ -134,6 +134,7 @@ kvh_status kvh_engine_open(const kvh_config *config, kvh_engine **engine);
 kvh_status kvh_engine_close(kvh_engine *engine);
 kvh_status kvh_engine_block_bytes(const kvh_engine *engine, uint64_t *bytes);
 const char *kvh_engine_backend(const kvh_engine *engine);
+int32_t kvh_engine_owns_thread(const kvh_engine *engine);
 enum kvh_tier {
     KVH_TIER_DEVICE = 0,
     KVH_TIER_HOST = 1,

@@ -70,19 +70,6 @@ def in_sink_of(token: int) -> bool:
     return token != 0 and getattr(_sink, "token", 0) == token
 
 
-def on_kvh_thread() -> bool:
-    """Whether this thread was started by kvh (a migration worker, a switch
-    or uploader thread): one Python did not start, which kvh names
-    ``kvh-worker`` (other C code's threads, and ``_thread``'s, are not)."""
-    if not isinstance(threading.current_thread(), threading._DummyThread):
-        return False
-    try:
-        with open(f"/proc/self/task/{threading.get_native_id()}/comm") as f:
-            return f.read().startswith("kvh-worker")
-    except OSError:
-        return False  # cannot tell: the library refuses the call itself
-
-
 @ffi.def_extern()
 def _kvh_py_log(user, level, message):  # pragma: no cover - exercised via C
     # Runs on any kvh thread (cffi takes the GIL); must never raise into C.

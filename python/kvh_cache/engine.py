@@ -50,7 +50,6 @@ from ._ffi import (
     kvh_level_for_logger,
     last_error,
     lib,
-    on_kvh_thread,
     raise_status,
     status_name,
 )
@@ -261,7 +260,11 @@ class _Native:
     def enter(self):
         self.gate.enter(False)
         if self.deferred:
-            self._run_deferred()
+            try:
+                self._run_deferred()
+            except BaseException:  # Ctrl-C in a deferred release: not entered
+                self.gate.leave(False)
+                raise
         return self.ptr
 
     def leave(self) -> None:
@@ -285,6 +288,10 @@ class _Native:
                 return
             except Exception:  # a free that cannot be made: nothing left to do
                 pass
+            except BaseException:  # Ctrl-C: the rest wait for the next call
+                with self.lock:
+                    self.deferred.extend(todo[i + 1 :])
+                raise
 
     def close(self) -> int:
         """Waits for calls in flight, then closes the C engine (or leaves
@@ -296,12 +303,17 @@ class _Native:
                 "an engine cannot be closed from inside its own log handler: close it after the handler returns",
                 lib.KVH_ERR_BUSY,
             )
+        if self.deferred and not self.gate.closed:
+            # Releases a log handler could not make (of views, whose count
+            # would otherwise keep the C engine open for good): made now.
+            self.enter()
+            self.leave()
         return self.gate.close(self._end) or 0
 
     def refuse_in_own_sink(self) -> None:
         """kvh refuses every call into an engine from its log sink on a kvh
         thread; a gate taken first could wait for that thread itself."""
-        if in_sink_of(self.log_token) and on_kvh_thread():
+        if in_sink_of(self.log_token) and self.ptr != NULL and lib.kvh_engine_owns_thread(self.ptr):
             raise errors.BusyError(
                 "the engine's log handler, on a thread kvh started, cannot call into the engine (the call "
                 "could wait for that thread): call from another thread",

@@ -741,3 +741,57 @@ def test_a_log_handler_on_a_foreign_thread_may_call_the_engine(tmp_path):
     for b in blocks:
         b.release()
     eng.close()
+
+
+def test_a_view_collected_in_a_worker_log_handler_does_not_keep_a_closed_engine(tmp_path):
+    """The view's release, refused inside the sink, is made by the close:
+    the C engine really closes (its store can be opened again)."""
+    from kvh_testutil import make_engine
+
+    eng, blocks = _engine_whose_worker_logs(tmp_path)
+    seq, _ = filled_seq(eng, 32, first_token=7000)
+    box = {"view": seq.block_view(1, 0)}
+    with _kvh_log_handler(box.clear) as fired:
+        _migrate_and_wait(eng, blocks)
+        assert fired.wait(10)
+    del blocks, seq
+    eng.close()
+    assert eng._native.released and eng._native.views == 0
+    make_engine(disk_path=str(tmp_path / "store"), disk_bytes=1 << 20).close()  # not BusyError
+
+
+def test_a_thread_started_from_a_kvh_worker_is_the_callers(tmp_path):
+    """A thread made inside a handler on kvh's worker inherits its OS name,
+    but it is not kvh's: its own log handler may call its engine."""
+    import _thread
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    eng_a, blocks_a = _engine_whose_worker_logs(tmp_path / "a")  # logs on its worker
+    eng_b, blocks_b = _engine_whose_worker_logs(tmp_path / "b", workers=0)  # logs on the caller's thread
+    outcome, done = [], threading.Event()
+
+    def body():
+        _migrate_and_wait(eng_b, blocks_b[:1])
+        done.set()
+
+    def once():
+        if isinstance(threading.current_thread(), threading._DummyThread):
+            _thread.start_new_thread(body, ())
+
+    def on_b():
+        if not done.is_set():
+            try:
+                eng_b.tier_info("host")
+                outcome.append("ok")
+            except kvh.BusyError:
+                outcome.append("busy")
+
+    with _kvh_log_handler(on_b), _kvh_log_handler(once):
+        _migrate_and_wait(eng_a, blocks_a)
+        assert done.wait(20)
+    assert outcome and set(outcome) == {"ok"}
+    for b in blocks_a + blocks_b:
+        b.release()
+    eng_a.close()
+    eng_b.close()

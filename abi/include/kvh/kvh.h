@@ -495,6 +495,13 @@ KVH_API kvh_status kvh_engine_block_bytes(const kvh_engine *engine, uint64_t *by
  * NULL engine. @threads any */
 KVH_API const char *kvh_engine_backend(const kvh_engine *engine);
 
+/* 1 when the calling thread is one kvh started for engine (a migration
+ * worker, a context switch's or the remote uploader's thread), where the
+ * engine's log sink may not call into it (kvh_log_fn); else 0 (also for a
+ * NULL engine). For bindings that must refuse such calls before taking
+ * locks of their own. @threads any */
+KVH_API int32_t kvh_engine_owns_thread(const kvh_engine *engine);
+
 enum kvh_tier {
     KVH_TIER_DEVICE = 0, /* CUDA memory, or the CPU backend's compute arena */
     KVH_TIER_HOST = 1,   /* host RAM (page-locked when CUDA is active) */

@@ -1034,6 +1034,9 @@ extern "C" {
 extern "C" {
     pub fn kvh_engine_backend(engine: *const kvh_engine) -> *const ::std::os::raw::c_char;
 }
+extern "C" {
+    pub fn kvh_engine_owns_thread(engine: *const kvh_engine) -> i32;
+}
 pub const KVH_TIER_DEVICE: kvh_tier = 0;
 pub const KVH_TIER_HOST: kvh_tier = 1;
 pub const KVH_TIER_DISK: kvh_tier = 2;
