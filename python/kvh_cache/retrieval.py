@@ -66,12 +66,18 @@ class NumpyChunkIndex:
         if not np.all(np.isfinite(vecs)):
             # A NaN row scored NaN against every query and broke the ranking.
             raise ValueError("vectors must be finite")
+        if payloads is not None and len(payloads) != len(ids):
+            raise ValueError(f"{len(payloads)} payloads for {len(ids)} ids")
+        # Everything that can fail, before anything changes: a failed add
+        # leaves the index as it was.
+        agents = [p.get("agent") for p in payloads] if payloads else [None] * len(ids)
+        keys = [int(cid) for cid in ids]
         norms = np.linalg.norm(vecs, axis=1, keepdims=True)
         vecs = vecs / np.maximum(norms, 1e-12)
         new_rows = []
         base = len(self._ids)  # rows already in the matrix
-        for i, cid in enumerate(ids):
-            agent = payloads[i].get("agent") if payloads else None
+        for i, cid in enumerate(keys):
+            agent = agents[i]
             if cid in self._pos:  # an upsert: of a stored row, or of one added just now
                 at = self._pos[cid]
                 if at < base:

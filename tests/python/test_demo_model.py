@@ -267,6 +267,12 @@ def test_numpy_chunk_index_adds_and_upserts_in_place():
     small.add([1, 2], np.stack([x, y]))
     small.add([2], x[None])  # was an IndexError
     assert sorted(c for c, s in small.search(x, 2) if s > 0.5) == [1, 2]
+    bad = NumpyChunkIndex(2)
+    with pytest.raises(ValueError, match="payloads"):
+        bad.add([1, 2], np.stack([x, y]), payloads=[{"agent": 1}])
+    assert len(bad) == 0  # a refused add changed nothing
+    bad.add([3], y[None])
+    assert bad.search(y, 4) == [(3, pytest.approx(1.0))]
     twice = NumpyChunkIndex(2)
     twice.add([7, 7], np.stack([x, y]))  # the last vector wins
     assert len(twice) == 1 and twice.search(y, 1)[0][0] == 7 and twice.search(y, 1)[0][1] > 0.5
