@@ -121,8 +121,15 @@ kvh_status kvh_seq_persist(kvh_engine *e, kvh_seq seq)
     kvh_status st = kvhi_api_enter_seq_owner(e, seq, &s);
     if (st != KVH_OK)
         return st;
-    /* With only a remote tier, persisting means uploading. */
-    st = e->disk || !e->remote ? kvhi_disk_persist(e, s) : KVH_OK;
+    /* With only a remote tier, persisting means uploading: of blocks
+     * whose K/V is whole, as the disk tier's persist requires. */
+    if (!e->disk && e->remote)
+        for (uint64_t i = 0; i < s->n_tokens / e->cfg.block_tokens && st == KVH_OK; i++)
+            if (!(e->blocks[s->blocks[i]].flags & KVHI_BF_KV_COMPLETE))
+                st = kvhi_fail(KVH_ERR_INVALID_ARG, "block %llu of the sequence has KV that was never written",
+                               (unsigned long long)i);
+    if (st == KVH_OK)
+        st = e->disk || !e->remote ? kvhi_disk_persist(e, s) : KVH_OK;
     if (st == KVH_OK && e->remote)
         kvhi_remote_persist(e, s);
     kvhi_api_leave_seq_owner(e, s);

@@ -748,6 +748,28 @@ static void test_open_errors(void **state)
     assert_true(tu_stats(e).remote_misses >= 1);
 }
 
+/* With only a remote tier, a persist of a sequence whose full blocks'
+ * K/V was not all written is refused, as with a disk tier (kvh.h:
+ * KVH_ERR_INVALID_ARG), and uploads nothing. */
+static void test_persist_refuses_unwritten_kv_without_a_disk(void **state)
+{
+    (void)state;
+    NEED_CLUSTER();
+    kvh_config c = remote_cfg(test_salt());
+    kvh_engine *e = tu_open_cfg(&c);
+    kvh_seq s = tu_seq_new(e, 0);
+    int32_t t[4 * BT];
+    prefix_tokens(t, 4 * BT, 52000);
+    assert_ok(kvh_seq_append(e, s, t, 4 * BT));
+    tu_write_pattern(e, s, LAYERS, TOK_BYTES, 91, 0, 2 * BT);
+    assert_kvh(KVH_ERR_INVALID_ARG, kvh_seq_persist(e, s));
+    assert_non_null(strstr(kvh_last_error(), "never written"));
+    assert_int_equal(tu_stats(e).remote_uploads, 0);
+    tu_write_pattern(e, s, LAYERS, TOK_BYTES, 91, 2 * BT, 2 * BT);
+    assert_ok(kvh_seq_persist(e, s));
+    assert_int_equal(tu_stats(e).remote_uploads, 4);
+}
+
 int main(int argc, char **argv)
 {
     if (argc == 6 && !strcmp(argv[1], "--persist")) {
@@ -769,6 +791,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_slow_node_times_out, tu_teardown),
         cmocka_unit_test_teardown(test_full_server_is_a_cache, tu_teardown),
         cmocka_unit_test_teardown(test_open_errors, tu_teardown),
+        cmocka_unit_test_teardown(test_persist_refuses_unwritten_kv_without_a_disk, tu_teardown),
     };
     return cmocka_run_group_tests(tests, group_setup, group_teardown);
 }
