@@ -19,7 +19,19 @@
 #include "core/prefix_index.h"
 #include "tools/kvh_store_remote.h"
 
-static const char *dtype_name(uint32_t d) { return d == 0 ? "f32" : d == 1 ? "f16" : d == 2 ? "bf16" : "?"; }
+/* The geometry's dtype field holds the dtype and, above bit 16, the KV
+ * codec (core/disk_tier.c). */
+static const char *dtype_name(uint32_t d)
+{
+    d &= 0xffffu;
+    return d == 0 ? "f32" : d == 1 ? "f16" : d == 2 ? "bf16" : "?";
+}
+
+static const char *codec_name(uint32_t d)
+{
+    d >>= 16;
+    return d == 0 ? "none" : d == 1 ? "int8" : d == 2 ? "q4_g32" : d == 3 ? "q4_g64" : "?";
+}
 
 static void usage(FILE *f)
 {
@@ -292,23 +304,23 @@ static int run_main(int argc, char **argv)
         if (json) {
             printf("{\"path\": \"");
             print_json_text(d.path);
-            printf("\", \"layers\": %u, \"kv_heads\": %u, \"head_dim\": %u, \"block_tokens\": %u, "
-                   "\"dtype\": \"%s\", \"model_salt\": %llu, \"block_bytes\": %llu, \"slots\": %u, \"blocks\": %zu, "
-                   "\"bytes\": %llu, \"tokens\": %llu, \"prefix_chains\": %llu, \"longest_chain_blocks\": %llu, "
-                   "\"bad_records\": %llu, \"permissions\": \"%s\", \"dir_mode\": \"%04o\", "
-                   "\"dir_writable_by_others\": %s, \"other_owner\": %s, \"exposed\": \"",
-                   d.geo.num_layers, d.geo.num_kv_heads, d.geo.head_dim, d.geo.block_tokens, dtype_name(d.geo.dtype),
-                   (unsigned long long)d.geo.model_salt, (unsigned long long)d.block_bytes, d.n_slots, list.n,
-                   (unsigned long long)bytes, (unsigned long long)list.n * d.geo.block_tokens,
-                   (unsigned long long)roots, (unsigned long long)longest, (unsigned long long)list.bad_records,
-                   perm_names[pm.level], pm.dir_mode, pm.dir_writable ? "true" : "false",
-                   pm.foreign ? "true" : "false");
+            printf(
+                "\", \"layers\": %u, \"kv_heads\": %u, \"head_dim\": %u, \"block_tokens\": %u, "
+                "\"dtype\": \"%s\", \"kv_codec\": \"%s\", \"model_salt\": %llu, \"block_bytes\": %llu, \"slots\": %u, \"blocks\": %zu, "
+                "\"bytes\": %llu, \"tokens\": %llu, \"prefix_chains\": %llu, \"longest_chain_blocks\": %llu, "
+                "\"bad_records\": %llu, \"permissions\": \"%s\", \"dir_mode\": \"%04o\", "
+                "\"dir_writable_by_others\": %s, \"other_owner\": %s, \"exposed\": \"",
+                d.geo.num_layers, d.geo.num_kv_heads, d.geo.head_dim, d.geo.block_tokens, dtype_name(d.geo.dtype),
+                codec_name(d.geo.dtype), (unsigned long long)d.geo.model_salt, (unsigned long long)d.block_bytes,
+                d.n_slots, list.n, (unsigned long long)bytes, (unsigned long long)list.n * d.geo.block_tokens,
+                (unsigned long long)roots, (unsigned long long)longest, (unsigned long long)list.bad_records,
+                perm_names[pm.level], pm.dir_mode, pm.dir_writable ? "true" : "false", pm.foreign ? "true" : "false");
             print_json_text(pm.exposed);
             printf("\"}\n");
         } else
             printf(
                 "store         %s\n"
-                "geometry      %u layers x %u kv heads x %u dim, %u tokens/block, %s\n"
+                "geometry      %u layers x %u kv heads x %u dim, %u tokens/block, %s, kv codec %s\n"
                 "model salt    0x%016llx\n"
                 "block bytes   %llu\n"
                 "slots         %u (%zu used)\n"
@@ -317,10 +329,10 @@ static int run_main(int argc, char **argv)
                 "bad records   %llu\n"
                 "permissions   %s (directory %04o)%s%s%s%s\n",
                 d.path, d.geo.num_layers, d.geo.num_kv_heads, d.geo.head_dim, d.geo.block_tokens,
-                dtype_name(d.geo.dtype), (unsigned long long)d.geo.model_salt, (unsigned long long)d.block_bytes,
-                d.n_slots, list.n, list.n, (unsigned long long)list.n * d.geo.block_tokens, bytes / 1048576.0,
-                (unsigned long long)roots, (unsigned long long)longest, (unsigned long long)list.bad_records,
-                perm_names[pm.level], pm.dir_mode,
+                dtype_name(d.geo.dtype), codec_name(d.geo.dtype), (unsigned long long)d.geo.model_salt,
+                (unsigned long long)d.block_bytes, d.n_slots, list.n, list.n,
+                (unsigned long long)list.n * d.geo.block_tokens, bytes / 1048576.0, (unsigned long long)roots,
+                (unsigned long long)longest, (unsigned long long)list.bad_records, perm_names[pm.level], pm.dir_mode,
                 pm.level == PERM_EXPOSED ? "\n              other users can read cached prompts' KV: " : "", pm.exposed,
                 pm.dir_writable ? "\n              the directory is writable by other users: an engine refuses it" : "",
                 pm.foreign ? "\n              owned by another user than this one" : "");
@@ -360,13 +372,22 @@ static int run_main(int argc, char **argv)
                 printf("BAD slot %u hash %016llx: %s\n", ent->slot, (unsigned long long)ent->hash, why);
         }
     }
+    /* Slots a rebuild of the index (damaged index, missing journal, torn
+     * tail) dropped because they failed their check are bad blocks too,
+     * though no list entry names them any more. */
+    bad += list.bad_slots;
+    if (list.bad_slots && !json)
+        printf("BAD %llu blocks failed their checks while the index was rebuilt from the slots\n",
+               (unsigned long long)list.bad_slots);
     if (list.bad_records && !json)
         printf("BAD %llu index records failed their checksum\n", (unsigned long long)list.bad_records);
     if (json)
-        printf("{\"blocks\": %zu, \"bad\": %llu, \"bad_records\": %llu}\n", list.n, (unsigned long long)bad,
+        printf("{\"blocks\": %llu, \"bad\": %llu, \"bad_records\": %llu}\n",
+               (unsigned long long)(list.n + list.bad_slots), (unsigned long long)bad,
                (unsigned long long)list.bad_records);
     else
-        printf("%zu blocks checked, %llu bad\n", list.n, (unsigned long long)bad);
+        printf("%llu blocks checked, %llu bad\n", (unsigned long long)(list.n + list.bad_slots),
+               (unsigned long long)bad);
     free(buf);
     uint64_t bad_records = list.bad_records;
     kvhi_index_list_free(&list);

@@ -215,6 +215,14 @@ def cmd_stats(args: argparse.Namespace) -> int:
         ):
             if geometry[ours] is None:
                 geometry[ours] = info[theirs]
+    # The KV codec is part of the store's geometry too (kvh-store info says
+    # which); opening with another would be refused as a mismatch.
+    if info is None:
+        try:
+            info = _store_info(d)
+        except (RuntimeError, ValueError):
+            info = None
+    codec = (info or {}).get("kv_codec", "none")
     # A store's size is its slab files': opening it at another size would
     # grow them (preallocated, possibly filling the disk) or drop blocks.
     slab_bytes = sum(p.stat().st_size for p in sorted(d.glob("slab-*.kvh")))
@@ -241,6 +249,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
                 block_tokens=int(geometry["block_tokens"]),
                 dtype=str(geometry["dtype"]),
                 model_salt=int(geometry["model_salt"]),
+                kv_codec=None if codec == "none" else codec,
                 disk_path=str(d),
                 disk_bytes=disk_bytes,
                 defaults={"backend": "cpu", "device_bytes": 1 << 20, "host_bytes": 4 << 20, "log_level": "error"},

@@ -686,3 +686,30 @@ def test_info_on_forged_parent_cycles_ends(parents, tmp_path):
     if res.returncode == 0:
         info = json.loads(res.stdout.strip().splitlines()[-1])
         assert info["blocks"] == len(parents), info
+
+
+@pytest.mark.parametrize("index_damage", ["journal removed", "torn journal tail"])
+def test_verify_counts_damaged_blocks_when_the_index_is_rebuilt(store, index_damage):
+    """Where the index must be rebuilt from the slots, a slot that fails its
+    check is dropped from the list: verify must still count it bad."""
+    flip(store / "slab-0000.kvh", 1 * SLOT_BYTES + 4096 + 2)  # slot 1's data
+    if index_damage == "journal removed":
+        (store / "journal").unlink()
+    else:
+        with open(store / "journal", "ab") as f:
+            f.write(os.urandom(10))
+    res = run_store("verify", store)
+    checked, bad = _summary(res.stdout)
+    assert res.returncode == 1 and bad >= 1, res.stdout + res.stderr
+
+
+def test_info_and_stats_read_a_codec_store(tmp_path):
+    d = tmp_path / "store"
+    with make_engine(disk_path=str(d), disk_bytes=DISK, kv_codec="int8") as eng:
+        seq = eng.sequence(tokens=chain_tokens(0))
+        fill(eng, seq, 0)
+        seq.persist()
+    info = info_json(d)
+    assert info["kv_codec"] == "int8" and info["dtype"] in ("f32", "f16", "bf16")
+    res = run_kvh("stats", d)
+    assert res.returncode == 0, res.stdout + res.stderr
