@@ -69,7 +69,10 @@ struct kvhi_cluster {
     node *nodes;
     uint32_t n_nodes, n_seeds;
     uint16_t slot_node[KVHI_CLUSTER_SLOTS];
-    bool standalone;        /* cluster support disabled: node 0 holds every slot */
+    bool standalone; /* cluster support disabled: node 0 holds every slot */
+    /* A node's refusal of CLUSTER SLOTS (an ACL user without it: NOPERM),
+     * which leaves the map empty and every command down. */
+    char map_refused[256];
     bool refresh_wanted;    /* a MOVED or a failure: the map may be stale */
     uint64_t refresh_after; /* no refresh attempt before then */
     char rbuf[64 << 10];    /* what a read takes off a socket (under lock) */
@@ -507,6 +510,9 @@ static void refresh_map(kvhi_cluster *c, uint64_t budget_ns)
             break;
         }
         if (r->type != REDIS_REPLY_ARRAY) {
+            if (r->type == REDIS_REPLY_ERROR)
+                snprintf(c->map_refused, sizeof(c->map_refused), "%.60s:%d answered CLUSTER SLOTS with %.120s",
+                         nd->host, nd->port, r->str);
             c->h->free_reply(r);
             continue;
         }
@@ -622,9 +628,19 @@ int kvhi_cluster_open(const kvhi_cluster_opts *opts, kvhi_cluster **out, char *e
             kvhi_cluster_close(c);
             return KVHI_CLUSTER_AUTH_REFUSED;
         }
-        if (r)
+        if (r) {
             refresh_map(c, budget);
-        else {
+            bool any = false;
+            for (uint32_t sl = 0; sl < KVHI_CLUSTER_SLOTS && !any; sl++)
+                any = c->slot_node[sl] != NO_NODE;
+            if (!any && c->map_refused[0]) {
+                /* A user the server will not tell where slots live can
+                 * reach none: a configuration error, as a refused AUTH. */
+                snprintf(err, err_len, "remote tier: %s (the user needs +cluster|slots, or +@slow)", c->map_refused);
+                kvhi_cluster_close(c);
+                return KVHI_CLUSTER_AUTH_REFUSED;
+            }
+        } else {
             /* No answer: its late one must not be taken for a later
              * command's; the map is asked for once the node answers. */
             drop_connection(c, nd);

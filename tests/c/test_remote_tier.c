@@ -739,6 +739,23 @@ static void test_open_errors(void **state)
     c = remote_cfg(test_salt());
     c.remote_upload = 0x80;
     assert_kvh(KVH_ERR_INVALID_ARG, kvh_engine_open(&c, &e));
+    /* A user the servers will not tell where slots live (no
+     * cluster|slots) could reach nothing: refused at open, saying why. */
+    char out[256];
+    for (int i = 0; i < cluster.n; i++) {
+        assert_int_equal(rt_cli(&cluster, i, out, sizeof(out),
+                                "ACL SETUSER kvhnoslots on '>pw' '~kvh:*' +get +getex +set +exists +del +ping"),
+                         0);
+        assert_string_equal(out, "OK");
+    }
+    c = remote_cfg(test_salt());
+    c.remote_user = "kvhnoslots";
+    c.remote_password = "pw";
+    assert_kvh(KVH_ERR_IO, kvh_engine_open(&c, &e));
+    assert_non_null(strstr(kvh_last_error(), "CLUSTER SLOTS"));
+    assert_null(e);
+    for (int i = 0; i < cluster.n; i++)
+        assert_int_equal(rt_cli(&cluster, i, out, sizeof(out), "ACL DELUSER kvhnoslots"), 0);
     /* Nobody listening: not an error at open, misses after. */
     c = remote_cfg(test_salt());
     c.remote_addrs = "127.0.0.1:1";

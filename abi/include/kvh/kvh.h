@@ -334,7 +334,8 @@ typedef struct kvh_config {
      * nothing is contacted unless an address is given). */
     const char *remote_addrs;
     /* [borrowed] during open. AUTH password, and user (Redis 6 ACL; NULL:
-     * the default user). NULL: no AUTH. A refused AUTH fails the open. */
+     * the default user). NULL: no AUTH. A refused AUTH fails the open, as
+     * does a user the servers refuse CLUSTER SLOTS (KVH_ERR_IO). */
     const char *remote_user;
     const char *remote_password;
     /* [borrowed] during open. CA file for remote_tls; NULL: the system's. */
