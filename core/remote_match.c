@@ -203,6 +203,19 @@ static size_t fetch_window(kvh_engine *e, kvhi_seq *s, match_bufs *m, const int3
     kvhi_cluster_report rep;
     kvhi_remote_run(r, NULL, m->cmds, n, &rep, take_value, &w);
     kvhi_remote_tally_report(t, &rep);
+    /* A key of another type (a list, say, set by another client) answers
+     * GETEX with WRONGTYPE: not a value, and it would stay (no TTL) and
+     * stop every match of this prefix there. Deleted and counted as any
+     * value that fails verification. */
+    for (size_t k = 0; k < n; k++) {
+        const char *msg = NULL;
+        size_t len = 0;
+        if (m->verdict[k] == VALUE_ABSENT && kvhi_cluster_reply(&m->cmds[k], &msg, &len, NULL) == KVHI_REPLY_ERROR &&
+            msg && len >= 9 && !strncmp(msg, "WRONGTYPE", 9)) {
+            m->verdict[k] = -100;
+            m->why[w0 + k] = "the key holds another type than a string";
+        }
+    }
     kvhi_cluster_cmds_clear(r->cluster, m->cmds, n);
     size_t good = 0;
     while (good < n && m->verdict[good] == VALUE_OK)

@@ -787,6 +787,33 @@ static void test_persist_refuses_unwritten_kv_without_a_disk(void **state)
     assert_int_equal(tu_stats(e).remote_uploads, 4);
 }
 
+/* A key of another type in a chain (a list another client pushed): a
+ * miss counted as corrupt and deleted, so the next persist heals the
+ * chain (it stopped every match there for good before). */
+static void test_key_of_another_type_is_deleted(void **state)
+{
+    (void)state;
+    NEED_CLUSTER();
+    uint64_t salt = test_salt();
+    persist_in_child(salt, 6000, 13);
+    kvh_config c = remote_cfg(salt);
+    kvh_engine *e = tu_open_cfg(&c);
+    char key[KVHI_REMOTE_KEY_BYTES], out[256];
+    key_of(e, 6000, 3, key);
+    assert_int_equal(rt_cli(&cluster, 0, out, sizeof(out), "DEL %s", key), 0);
+    assert_int_equal(rt_cli(&cluster, 0, out, sizeof(out), "RPUSH %s x", key), 0);
+    kvh_seq s;
+    assert_int_equal(match(e, &s, 6000), 3 * BT);
+    assert_int_equal(tu_stats(e).remote_corrupt, 1);
+    assert_int_equal(rt_cli(&cluster, 0, out, sizeof(out), "EXISTS %s", key), 0);
+    assert_string_equal(out, "0");
+    persist_in_child(salt, 6000, 13);
+    kvh_engine *e2 = tu_open_cfg(&c);
+    kvh_seq s2;
+    assert_int_equal(match(e2, &s2, 6000), N_BLOCKS * BT);
+    assert_true(tu_check_pattern(e2, s2, LAYERS, TOK_BYTES, 13, 0, N_BLOCKS * BT));
+}
+
 int main(int argc, char **argv)
 {
     if (argc == 6 && !strcmp(argv[1], "--persist")) {
@@ -809,6 +836,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_full_server_is_a_cache, tu_teardown),
         cmocka_unit_test_teardown(test_open_errors, tu_teardown),
         cmocka_unit_test_teardown(test_persist_refuses_unwritten_kv_without_a_disk, tu_teardown),
+        cmocka_unit_test_teardown(test_key_of_another_type_is_deleted, tu_teardown),
     };
     return cmocka_run_group_tests(tests, group_setup, group_teardown);
 }
