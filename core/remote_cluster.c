@@ -70,8 +70,8 @@ struct kvhi_cluster {
     uint32_t n_nodes, n_seeds;
     uint16_t slot_node[KVHI_CLUSTER_SLOTS];
     bool standalone; /* cluster support disabled: node 0 holds every slot */
-    /* A node's refusal of CLUSTER SLOTS (an ACL user without it: NOPERM),
-     * which leaves the map empty and every command down. */
+    /* A node's refusal of CLUSTER SLOTS to this user (NOPERM), which
+     * leaves the map empty and every command down. */
     char map_refused[256];
     bool refresh_wanted;    /* a MOVED or a failure: the map may be stale */
     uint64_t refresh_after; /* no refresh attempt before then */
@@ -510,7 +510,8 @@ static void refresh_map(kvhi_cluster *c, uint64_t budget_ns)
             break;
         }
         if (r->type != REDIS_REPLY_ARRAY) {
-            if (r->type == REDIS_REPLY_ERROR)
+            /* A lasting refusal (not a passing one such as LOADING). */
+            if (r->type == REDIS_REPLY_ERROR && !strncmp(r->str, "NOPERM", 6))
                 snprintf(c->map_refused, sizeof(c->map_refused), "%.60s:%d answered CLUSTER SLOTS with %.120s",
                          nd->host, nd->port, r->str);
             c->h->free_reply(r);
