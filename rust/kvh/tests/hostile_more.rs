@@ -859,14 +859,7 @@ fn degenerate_geometry_is_refused_or_consistent() {
 fn a_view_slice_never_changes_while_its_sequence_writes_on_another_thread() {
     let hd = 64u32;
     let engine = Engine::open(
-        Config::new()
-            .backend(Backend::Cpu)
-            .vmap(true)
-            .num_layers(1)
-            .num_kv_heads(1)
-            .head_dim(hd)
-            .block_tokens(16)
-            .dtype(DType::F32)
+        common::one_head_view_config()
             .device_bytes(16 << 20)
             .host_bytes(0),
     )

@@ -9,7 +9,7 @@ use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
-use kvh::{Backend, Config, DType, Engine, LogLevel, Sequence, Status, Tier};
+use kvh::{Engine, LogLevel, Sequence, Status, Tier};
 
 const CHILD_VAR: &str = "KVH_VIEW_GATE_CHILD";
 const CHILD_CASES: &[(&str, fn())] = &[("sink_reenters_a_viewed_sequence", child_sink_reenters)];
@@ -23,14 +23,7 @@ fn child_entry() {
 fn refreshes_on_the_views_thread_never_make_sequence_calls_busy() {
     let hd = 64u32;
     let engine = Engine::open(
-        Config::new()
-            .backend(Backend::Cpu)
-            .vmap(true)
-            .num_layers(1)
-            .num_kv_heads(1)
-            .head_dim(hd)
-            .block_tokens(16)
-            .dtype(DType::F32)
+        common::one_head_view_config()
             .device_bytes(16 << 20)
             .host_bytes(16 << 20)
             .copy_moves(true)
@@ -125,14 +118,7 @@ fn child_sink_reenters() {
     let hd = 64usize;
     let engine: &'static Engine = Box::leak(Box::new(
         Engine::open(
-            Config::new()
-                .backend(Backend::Cpu)
-                .vmap(true)
-                .dtype(DType::F32)
-                .num_layers(1)
-                .num_kv_heads(1)
-                .head_dim(hd as u32)
-                .block_tokens(16)
+            common::one_head_view_config()
                 .device_bytes(1 << 20)
                 .host_bytes(1 << 20)
                 .disk(&dir, 4 << 20)

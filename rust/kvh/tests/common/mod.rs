@@ -47,6 +47,20 @@ pub fn fill(engine: &Engine, seq: &kvh::Sequence<'_>, seed: u32) {
     }
 }
 
+/// One layer of one 64-dim f32 head in 16-token blocks on the CPU, views
+/// on (one head's K of a block is a whole 4 KiB page); budgets, threads
+/// and the rest are the caller's.
+pub fn one_head_view_config() -> Config {
+    Config::new()
+        .backend(Backend::Cpu)
+        .vmap(true)
+        .num_layers(1)
+        .num_kv_heads(1)
+        .head_dim(64)
+        .block_tokens(16)
+        .dtype(DType::F32)
+}
+
 /// A CPU engine whose views work: one head's K of a block is a whole page.
 pub fn vmap_engine() -> Engine {
     Engine::open(
