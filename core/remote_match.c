@@ -7,6 +7,7 @@
  * without the lock (no reply object holds a copy of it); the
  * leading blocks that verified are published under the lock. A block
  * whose value failed is never seen by anyone: it is given back. */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -115,14 +116,24 @@ static void attach(kvh_engine *e, kvhi_seq *s, size_t i, uint32_t b, uint64_t ha
 }
 
 /* Deletes the key of a value that failed verification (no lock). */
-static void delete_key(kvhi_remote *r, const char *key, kvhi_remote_tally *t)
+/* Deletes key; false when the store refused (an ACL user without DEL,
+ * say) or did not answer, with why. */
+static bool delete_key(kvhi_remote *r, const char *key, kvhi_remote_tally *t, char *why, size_t why_len)
 {
     kvhi_cluster_cmd del;
     kvhi_remote_cmd_key(&del, "DEL", key);
     kvhi_cluster_report rep;
     kvhi_remote_run(r, NULL, &del, 1, &rep, NULL, NULL);
     kvhi_remote_tally_report(t, &rep);
+    const char *text = NULL;
+    size_t len = 0;
+    int kind = kvhi_cluster_reply(&del, &text, &len, NULL);
+    bool done = kind == KVHI_REPLY_INTEGER;
+    if (!done)
+        snprintf(why, why_len, "%.*s", kind == KVHI_REPLY_ERROR && text ? (int)(len < 120 ? len : 120) : 11,
+                 kind == KVHI_REPLY_ERROR && text ? text : "no answer");
     kvhi_cluster_cmds_clear(r->cluster, &del, 1);
+    return done;
 }
 
 static void getex_cmd(kvhi_cluster_cmd *c, const char *key, const char *ttl_text)
@@ -224,9 +235,13 @@ static size_t fetch_window(kvh_engine *e, kvhi_seq *s, match_bufs *m, const int3
         t->misses++;
         if (m->verdict[good] < 0) {
             t->corrupt++;
-            delete_key(r, m->keys[w0 + good], t);
-            kvhi_log(e, KVH_LOG_WARN, "remote tier: %s failed verification (%s): deleted, a miss", m->keys[w0 + good],
-                     m->why[w0 + good]);
+            char refused[160];
+            if (delete_key(r, m->keys[w0 + good], t, refused, sizeof(refused)))
+                kvhi_log(e, KVH_LOG_WARN, "remote tier: %s failed verification (%s): deleted, a miss",
+                         m->keys[w0 + good], m->why[w0 + good]);
+            else
+                kvhi_log(e, KVH_LOG_WARN, "remote tier: %s failed verification (%s): a miss; deleting it failed (%s)",
+                         m->keys[w0 + good], m->why[w0 + good], refused);
         }
     }
     kvhi_relock_after_copy(e);

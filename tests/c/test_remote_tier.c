@@ -814,6 +814,48 @@ static void test_key_of_another_type_is_deleted(void **state)
     assert_true(tu_check_pattern(e2, s2, LAYERS, TOK_BYTES, 13, 0, N_BLOCKS * BT));
 }
 
+static char last_warning[512];
+
+static void keep_warning(void *user, int32_t level, const char *message)
+{
+    (void)user;
+    if (level == KVH_LOG_WARN && strstr(message, "failed verification"))
+        snprintf(last_warning, sizeof(last_warning), "%s", message);
+}
+
+/* A user the store refuses DEL: a value that fails verification is a
+ * miss, and the log says the delete failed instead of "deleted". */
+static void test_refused_delete_is_said(void **state)
+{
+    (void)state;
+    NEED_CLUSTER();
+    uint64_t salt = test_salt();
+    persist_in_child(salt, 7000, 14);
+    char out[256];
+    for (int i = 0; i < cluster.n; i++)
+        assert_int_equal(rt_cli(&cluster, i, out, sizeof(out),
+                                "ACL SETUSER kvhnodel on '>pw' '~kvh:*' +get +getex +set +exists +ping "
+                                "'+cluster|slots'"),
+                         0);
+    kvh_config c = remote_cfg(salt);
+    c.remote_user = "kvhnodel";
+    c.remote_password = "pw";
+    c.log_fn = keep_warning;
+    last_warning[0] = '\0';
+    kvh_engine *e = tu_open_cfg(&c);
+    char key[KVHI_REMOTE_KEY_BYTES];
+    key_of(e, 7000, 2, key);
+    assert_int_equal(rt_cli(&cluster, 0, out, sizeof(out), "SET %s garbage", key), 0);
+    kvh_seq s;
+    assert_int_equal(match(e, &s, 7000), 2 * BT);
+    assert_int_equal(tu_stats(e).remote_corrupt, 1);
+    assert_non_null(strstr(last_warning, "deleting it failed"));
+    assert_int_equal(rt_cli(&cluster, 0, out, sizeof(out), "EXISTS %s", key), 0);
+    assert_string_equal(out, "1"); /* refused: still there */
+    for (int i = 0; i < cluster.n; i++)
+        assert_int_equal(rt_cli(&cluster, i, out, sizeof(out), "ACL DELUSER kvhnodel"), 0);
+}
+
 int main(int argc, char **argv)
 {
     if (argc == 6 && !strcmp(argv[1], "--persist")) {
@@ -837,6 +879,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_open_errors, tu_teardown),
         cmocka_unit_test_teardown(test_persist_refuses_unwritten_kv_without_a_disk, tu_teardown),
         cmocka_unit_test_teardown(test_key_of_another_type_is_deleted, tu_teardown),
+        cmocka_unit_test_teardown(test_refused_delete_is_said, tu_teardown),
     };
     return cmocka_run_group_tests(tests, group_setup, group_teardown);
 }
