@@ -47,6 +47,9 @@ def test_settings_from_extra_config_and_environment(tmp_path):
     with pytest.raises(ValueError):
         settings.parse_size("lots")
     assert settings.parse_size("1.5k") == 1536 and settings.parse_size(7) == 7
+    for bad in ("1.5", "inf", "nan", "-1", "1e400k"):
+        with pytest.raises(ValueError):
+            settings.parse_size(bad)
 
 
 def test_tail_and_migration_cpu_settings():

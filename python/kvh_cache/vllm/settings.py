@@ -96,8 +96,10 @@ def parse_size(value: Any) -> int:
         n = float(num)
     except ValueError:
         raise ValueError(f"cannot read {value!r} as a size (bytes, or a number with K, M, G or T)") from None
-    if n < 0:
-        raise ValueError(f"a size must be >= 0, got {value!r}")
+    if not math.isfinite(n) or n < 0:
+        raise ValueError(f"a size must be a finite number >= 0, got {value!r}")
+    if not unit and not n.is_integer():  # "1.5" bytes would be 1
+        raise ValueError(f"a size in bytes must be a whole number, got {value!r}")
     return int(n * _SUFFIX[unit])
 
 
