@@ -404,6 +404,15 @@ static void test_holds_and_moves_given_up_under_a_fence(void **state)
     assert_ok(dt_close(e));
 }
 
+/* kvh_prefetch of tokens [0, n) of s at priority, waited for. */
+static void prefetch_waited(kvh_engine *e, kvh_seq s, uint64_t n, int32_t priority)
+{
+    kvh_fence f;
+    assert_ok(kvh_prefetch(e, s, 0, n, priority, &f));
+    assert_ok(kvh_fence_wait(e, f, UINT64_MAX));
+    assert_ok(kvh_fence_free(e, f));
+}
+
 /* promote_min_hits at its extremes: prefetch never errs, never moves a
  * byte, and counts what it did. */
 static void test_prefetch_threshold_extremes(void **state)
@@ -422,10 +431,7 @@ static void test_prefetch_threshold_extremes(void **state)
         for (int k = 0; k < 6; k++)
             s[k] = blocks_of(e, 1, 1 + (uint64_t)k); /* s[0], s[1] on the host tier */
         for (int k = 0; k < 6; k++) {
-            kvh_fence f;
-            assert_ok(kvh_prefetch(e, s[k], 0, BT, garbage_priority_fixed(k), &f));
-            assert_ok(kvh_fence_wait(e, f, UINT64_MAX));
-            assert_ok(kvh_fence_free(e, f));
+            prefetch_waited(e, s[k], BT, garbage_priority_fixed(k));
         }
         kvh_stats stt = tu_stats(e);
         if (thresholds[i] == UINT32_MAX)
@@ -447,19 +453,14 @@ static void test_declined_prefetch_is_skipped_not_issued(void **state)
     assert_int_equal(tier0(e, a), KVH_TIER_HOST);
     assert_ok(kvh_seq_hint(e, b, 0, BT, 100));
     assert_ok(kvh_seq_hint(e, c, 0, BT, 100));
-    kvh_fence f;
-    assert_ok(kvh_prefetch(e, a, 0, BT, 50, &f));
-    assert_ok(kvh_fence_wait(e, f, UINT64_MAX));
-    assert_ok(kvh_fence_free(e, f));
+    prefetch_waited(e, a, BT, 50);
     kvh_stats st = tu_stats(e);
     assert_int_equal(tier0(e, a), KVH_TIER_HOST);
     assert_int_equal(st.prefetch_skipped, 1);
     assert_int_equal(st.prefetch_issued, 0);
     /* Room now (c freed): the same prefetch promotes a, and its use counts. */
     assert_ok(kvh_seq_free(e, c));
-    assert_ok(kvh_prefetch(e, a, 0, BT, 50, &f));
-    assert_ok(kvh_fence_wait(e, f, UINT64_MAX));
-    assert_ok(kvh_fence_free(e, f));
+    prefetch_waited(e, a, BT, 50);
     assert_int_equal(tier0(e, a), KVH_TIER_DEVICE);
     kvh_seq seqs[2] = {a, b};
     for (int k = 0; k < 2; k++) {
@@ -487,10 +488,7 @@ static void test_prefetched_block_freed_unused_is_wasted(void **state)
     kvh_seq b = blocks_of(e, 1, 2), c = blocks_of(e, 1, 3);
     assert_int_equal(tier0(e, a), KVH_TIER_HOST);
     assert_ok(kvh_seq_free(e, c)); /* room for the prefetch */
-    kvh_fence f;
-    assert_ok(kvh_prefetch(e, a, 0, BT - 1, 50, &f));
-    assert_ok(kvh_fence_wait(e, f, UINT64_MAX));
-    assert_ok(kvh_fence_free(e, f));
+    prefetch_waited(e, a, BT - 1, 50);
     assert_int_equal(tier0(e, a), KVH_TIER_DEVICE);
     assert_ok(kvh_seq_free(e, a));
     kvh_stats st = tu_stats(e);
