@@ -43,6 +43,7 @@ __all__ = ["Context", "ContextInfo", "WeightStats", "AdmissionInfo", "KV_POLICIE
 
 KV_POLICIES = {"keep": 0, "demote": 1}
 _U32 = (1 << 32) - 1
+_NAMES_SHOWN = 8  # region names an unknown-name error lists
 log = logging.getLogger("kvh")
 
 
@@ -205,10 +206,22 @@ class Context(GatedHandle, Closable, Uncopyable):
         return list(self._regions)
 
     def region_index(self, name: str) -> int:
+        """Index of the region registered as ``name`` (the first, if several
+        share it); :class:`kvh.KvhKeyError` (a ``KeyError``) when none is."""
         for i, (n, _, _) in enumerate(self._regions):
             if n == name:
                 return i
-        raise KeyError(name)
+        names = [n for n, _, _ in self._regions]
+        if not names:
+            known = "it has no regions"
+        elif len(names) <= _NAMES_SHOWN:
+            known = "its regions: " + ", ".join(map(repr, names))
+        else:
+            shown = ", ".join(map(repr, names[:_NAMES_SHOWN]))
+            known = f"its regions: {shown} and {len(names) - _NAMES_SHOWN} more"
+        raise errors.KvhKeyError(
+            f"context {self._name!r} has no region named {name!r} ({known})", lib.KVH_ERR_INVALID_ARG
+        )
 
     @property
     def destroyed(self) -> bool:
@@ -219,6 +232,10 @@ class Context(GatedHandle, Closable, Uncopyable):
             raise errors.BadHandleError(f"context {self._name!r} was destroyed", lib.KVH_ERR_BAD_HANDLE)
 
     _check_usable = _check
+
+    def _check_engine(self, engine: Any) -> None:
+        if self._engine is not engine:
+            raise ValueError("the context belongs to another engine")
 
     # ---- registration ----
     def add_region(
@@ -328,8 +345,7 @@ class Context(GatedHandle, Closable, Uncopyable):
         if previous is not None:
             if not isinstance(previous, Context):
                 raise TypeError(f"previous must be a kvh.Context or None, not {type(previous).__name__}")
-            if previous._engine is not self._engine:
-                raise ValueError("previous belongs to another engine")
+            previous._check_engine(self._engine)
         prev = self._engine._current_context if previous is None else previous
         if prev is self:
             prev = None

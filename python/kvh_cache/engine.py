@@ -745,6 +745,7 @@ class Engine(OwnedHandle):
 
                 if not isinstance(context, Context):
                     raise TypeError(f"context must be a kvh.Context, not {type(context).__name__}")
+                context._check_engine(self)
                 sp.context.id = context.handle
                 uses.append(context._gate.shared())
             with self._call(*uses) as p:

@@ -5,9 +5,10 @@ status code (``.status``), its name (``.name``, e.g. ``"KVH_ERR_NOSPACE"``)
 and the thread-local detail of ``kvh_last_error()`` (``.message``).
 Several classes also derive from the matching builtin, so ordinary
 ``except ValueError`` / ``except IndexError`` / ``except OSError`` /
-``except TimeoutError`` / ``except MemoryError`` code keeps working. No
-name here is a builtin's (``KvhIOError``, ``KvhTimeoutError``), so
-``from kvh import *`` leaves the builtins alone.
+``except TimeoutError`` / ``except MemoryError`` / ``except KeyError`` code
+keeps working. No name here is a builtin's (``KvhIOError``,
+``KvhTimeoutError``, ``KvhKeyError``), so ``from kvh import *`` leaves the
+builtins alone.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Dict, Optional, Type
 __all__ = [
     "Error",
     "InvalidArgumentError",
+    "KvhKeyError",
     "StructSizeError",
     "BadHandleError",
     "OutOfMemoryError",
@@ -80,7 +82,11 @@ class Error(Exception):
 
     @classmethod
     def default_status(cls) -> int:
-        return _DEFAULT_STATUS.get(cls, -999)
+        # A refinement of a family (KvhKeyError) has the status of its family.
+        for klass in cls.__mro__:
+            if klass in _DEFAULT_STATUS:
+                return _DEFAULT_STATUS[klass]
+        return -999
 
     def __reduce__(self):  # picklable (e.g. through concurrent.futures)
         return (_rebuild, (type(self), self.message, self.status, self.name))
@@ -92,6 +98,14 @@ def _rebuild(cls, message, status, name):
 
 class InvalidArgumentError(Error, ValueError):
     """KVH_ERR_INVALID_ARG: the library rejected an argument."""
+
+
+class KvhKeyError(InvalidArgumentError, KeyError):
+    """KVH_ERR_INVALID_ARG: an unknown name (e.g. a region's); also a
+    ``KeyError``."""
+
+    def __str__(self) -> str:  # KeyError.__str__ would quote the message
+        return Exception.__str__(self)
 
 
 class StructSizeError(InvalidArgumentError):

@@ -32,15 +32,18 @@ from . import errors
 from ._ffi import check, ffi, lib, status_name
 from ._handle import OwnedHandle
 from .engine import _U32, Block, Engine, Fence, _flag, _index, _tokens
+from .types import DType
 
-__all__ = ["ArrayDesc", "describe", "Pool", "OffloadBatch", "RestoreBatch", "persist_blocks"]
+__all__ = ["ArrayDesc", "describe", "Pool", "PoolDTypeError", "OffloadBatch", "RestoreBatch", "persist_blocks"]
 
 
 @dataclass(frozen=True)
 class ArrayDesc:
     """Where an array's elements are: base pointer, shape, strides in bytes,
-    element size, whether the memory is the host's, and whether it may be
-    written (a read-only NumPy array or memory map may not)."""
+    element size, whether the memory is the host's, whether it may be
+    written (a read-only NumPy array or memory map may not), and the
+    element type in NumPy's spelling (``"float16"``, ``"bfloat16"``,
+    ``"int16"``, ...; None where the producer does not say)."""
 
     ptr: int
     shape: Tuple[int, ...]
@@ -48,6 +51,27 @@ class ArrayDesc:
     itemsize: int
     host: bool
     writable: bool = True
+    dtype: Optional[str] = None
+
+
+# DLPack's type codes (DLDataTypeCode) by the name they give with the bit width.
+_DLPACK_KINDS = {0: "int", 1: "uint", 2: "float", 4: "bfloat", 5: "complex"}
+_DLPACK_BOOL = 6
+
+# Element types a pool of each engine dtype takes: bf16 as uint16 bit
+# patterns (what the binding uses for bf16 NumPy arrays) or a bfloat16 type
+# (torch.bfloat16, ml_dtypes.bfloat16, DLPack's bfloat).
+_POOL_DTYPES = {
+    DType.F32: frozenset({"float32"}),
+    DType.F16: frozenset({"float16"}),
+    DType.BF16: frozenset({"uint16", "bfloat16"}),
+}
+
+
+class PoolDTypeError(TypeError, ValueError):
+    """Arrays whose element type is not the engine's. A TypeError, like a
+    wrong dtype elsewhere in the binding; also a ValueError, which an
+    element of the wrong size raised before element types were checked."""
 
 
 class _DLDevice(ctypes.Structure):
@@ -81,6 +105,31 @@ _DLManagedTensor._fields_ = [
 ]
 
 
+def _dlpack_dtype(code: int, bits: int, lanes: int) -> Optional[str]:
+    if lanes != 1:
+        return None
+    if code == _DLPACK_BOOL:
+        return "bool"
+    kind = _DLPACK_KINDS.get(code)
+    return f"{kind}{bits}" if kind else None
+
+
+def _element_type(dtype: Any) -> Optional[str]:
+    """NumPy's name of a producer's dtype object: a NumPy dtype, or a
+    torch-like one whose str() is "torch.float16"."""
+    if dtype is None:
+        return None
+    if isinstance(dtype, (np.dtype, type)):
+        try:
+            npd = np.dtype(dtype)
+        except TypeError:
+            return None
+        # Raw bytes ("void16") name no element type; extension types such
+        # as ml_dtypes.bfloat16 name theirs.
+        return None if npd.name.startswith("void") else npd.name
+    return str(dtype).rsplit(".", 1)[-1] or None
+
+
 def _from_dlpack(obj: Any) -> ArrayDesc:
     capsule = obj.__dlpack__()
     get = ctypes.pythonapi.PyCapsule_GetPointer
@@ -100,7 +149,14 @@ def _from_dlpack(obj: Any) -> ArrayDesc:
             st.append(acc)
             acc *= n
         strides = tuple(reversed(st))
-    desc = ArrayDesc(int(t.data or 0) + int(t.byte_offset), shape, strides, itemsize, t.device.device_type in (1, 3))
+    desc = ArrayDesc(
+        int(t.data or 0) + int(t.byte_offset),
+        shape,
+        strides,
+        itemsize,
+        t.device.device_type in (1, 3),
+        dtype=_dlpack_dtype(t.dtype.code, t.dtype.bits, t.dtype.lanes),
+    )
     # Consumed: the producer's memory stays alive through obj, which the
     # caller holds; the capsule's own reference is given back now.
     rename(capsule, b"used_dltensor")
@@ -124,7 +180,12 @@ def describe(obj: Any) -> ArrayDesc:
                 acc *= n
             strides = tuple(reversed(st))
         read_only = bool(ai["data"][1])
-        return ArrayDesc(int(ai["data"][0]), shape, tuple(int(s) for s in strides), itemsize, True, not read_only)
+        # An ndarray's own dtype names extension types (ml_dtypes.bfloat16)
+        # that its typestr shows as raw bytes ("<V2").
+        dtype = _element_type(obj.dtype if isinstance(obj, np.ndarray) else np.dtype(ai["typestr"]))
+        return ArrayDesc(
+            int(ai["data"][0]), shape, tuple(int(s) for s in strides), itemsize, True, not read_only, dtype
+        )
     if callable(getattr(obj, "data_ptr", None)) and callable(getattr(obj, "stride", None)):
         itemsize = int(obj.element_size())
         dev = getattr(getattr(obj, "device", None), "type", "cpu")
@@ -134,6 +195,7 @@ def describe(obj: Any) -> ArrayDesc:
             tuple(int(s) * itemsize for s in obj.stride()),
             itemsize,
             dev == "cpu",
+            dtype=_element_type(getattr(obj, "dtype", None)),
         )
     if hasattr(obj, "__dlpack__"):
         return _from_dlpack(obj)
@@ -350,7 +412,10 @@ class Pool(OwnedHandle):
         head_dim), or (slots, heads, tokens, head_dim) with
         ``heads_first=True``; any strides. NumPy arrays, torch tensors or
         DLPack producers (host memory); no copy. Read-only arrays (e.g. a
-        memory map opened with mode="r") make an offload-only pool."""
+        memory map opened with mode="r") make an offload-only pool. Elements
+        are the engine's dtype: float32, float16, or for bf16 uint16 bit
+        patterns or a bfloat16 type; another raises :class:`PoolDTypeError`
+        (a TypeError)."""
         ks = [describe(a) for a in k_layers]
         vs = [describe(a) for a in v_layers]
         if len(ks) != engine.num_layers or len(vs) != engine.num_layers:
@@ -359,6 +424,12 @@ class Pool(OwnedHandle):
         for d in ks + vs:
             if not d.host:
                 raise ValueError("the pool's memory must be host memory here")
+            accepted = _POOL_DTYPES[engine.dtype]
+            if d.dtype is not None and d.dtype not in accepted:
+                raise PoolDTypeError(
+                    f"the arrays' dtype is {d.dtype}; the engine's dtype {engine.dtype.short} takes "
+                    + " or ".join(sorted(accepted))
+                )
             if len(d.shape) != 4 or d.shape != d0.shape or d.strides != d0.strides:
                 raise ValueError(f"every layer's K and V must share one 4-d shape and strides, got {d.shape}")
             elems = 2 * engine.num_layers * engine.block_tokens * engine.num_kv_heads * engine.head_dim

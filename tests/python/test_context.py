@@ -319,3 +319,47 @@ def test_flag_arguments_take_bools_and_0_1(weights, on, off):
         fence = a.unload(wait=off)
         fence.wait()
         assert eng.current_context is None
+
+
+def test_unknown_region_name_raises_a_typed_key_error(weights):
+    """An unknown region name used to raise a bare KeyError(name)."""
+    import pickle
+
+    (pa, _), _ = weights
+    with make_engine() as eng:
+        a = eng.context("a")
+        with pytest.raises(kvh.KvhKeyError, match="no regions"):
+            a.region_index("w0")
+        register(a, pa)
+        a.switch_to()
+        for lookup in (a.region_index, a.region):
+            with pytest.raises(kvh.KvhKeyError, match="'nope'.*'w0', 'w1', 'w2', 'w3'") as info:
+                lookup("nope")
+            exc = info.value
+            assert isinstance(exc, KeyError) and isinstance(exc, kvh.InvalidArgumentError)
+            assert exc.name == "KVH_ERR_INVALID_ARG" and str(exc).startswith("KVH_ERR_INVALID_ARG: context 'a'")
+        again = pickle.loads(pickle.dumps(exc))
+        assert type(again) is kvh.KvhKeyError and again.message == exc.message
+        assert kvh.KvhKeyError("x").status == kvh.InvalidArgumentError("x").status
+        assert a.region_index("w2") == 2 and a.region("w1").size == 3000
+        many = eng.context("many")
+        for i in range(12):
+            many.add_region(f"r{i}", data=b"x" * 16)
+        with pytest.raises(KeyError, match="'r7' and 4 more"):
+            many.region_index("r12")
+
+
+def test_a_context_of_another_engine_is_refused(weights):
+    """Like a sequence or block of another engine: a ValueError before any
+    C call (it used to reach C, where its handle is another engine's)."""
+    with make_engine() as eng, make_engine() as other:
+        eng.context("mine")  # a context of eng whose handle the other's may repeat
+        theirs = other.context("theirs")
+        with pytest.raises(ValueError, match="another engine"):
+            eng.sequence(context=theirs)
+        with pytest.raises(ValueError, match="another engine"):
+            eng.sequence(context=theirs, token_budget=16)
+        with pytest.raises(ValueError, match="another engine"):
+            eng.context("a").switch_to(theirs)
+        with other.sequence(context=theirs) as seq:
+            assert not seq.freed

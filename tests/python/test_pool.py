@@ -336,7 +336,8 @@ for i in range(S):
     parent = eng.prefix_hash(tk, parent)
 off = src.offload(items)
 off.wait()
-busy = [src.restore(off.blocks, list(range(S))) for _ in range(6)]  # the worker has work queued
+# The worker has work queued (each restore into pools of its own: two may not write one slot).
+busy = [Pool.from_arrays(eng, *arrays(10 + k)).restore(off.blocks, list(range(S))) for k in range(6)]
 dk, dv = arrays(2)
 dst = Pool.from_arrays(eng, dk, dv)
 into_dst = dst.restore(off.blocks, list(range(S)))
@@ -420,3 +421,83 @@ def test_heads_first_must_be_a_bool(value):
     with _engine() as eng:
         with pytest.raises(TypeError, match="heads_first must be a bool"):
             Pool.from_arrays(eng, ks, vs, heads_first=value)
+
+
+class _TorchDType:
+    """str() of a torch dtype: "torch.float16"."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __str__(self):
+        return f"torch.{self._name}"
+
+
+class TorchLikeTyped(TorchLike):
+    """A torch-like tensor that also names its dtype (real tensors do)."""
+
+    def __init__(self, a: np.ndarray, dtype_name=None):
+        super().__init__(a)
+        self.dtype = _TorchDType(dtype_name or a.dtype.name)
+
+
+_WRAPS = [lambda a: a, TorchLikeTyped, DLPackOnly]
+_WRAP_IDS = ["numpy", "torch-like", "dlpack"]
+
+
+@pytest.mark.parametrize("wrap", _WRAPS, ids=_WRAP_IDS)
+@pytest.mark.parametrize(
+    "engine_dtype,wrong",
+    [
+        ("f16", np.int16),
+        ("f16", np.uint16),
+        ("f16", np.float32),
+        ("bf16", np.float16),
+        ("bf16", np.int16),
+        ("f32", np.int32),
+        ("f32", np.uint32),
+    ],
+)
+def test_from_arrays_refuses_another_dtype(engine_dtype, wrong, wrap):
+    """Only the element size used to be checked: int16 arrays were taken as
+    f16 K/V, float16 as bf16, int32 as f32."""
+    with _engine(dtype=engine_dtype) as eng:
+        arrays = [np.zeros((S, BT, H, D), wrong) for _ in range(2 * L)]
+        with pytest.raises(TypeError) as info:
+            Pool.from_arrays(eng, [wrap(a) for a in arrays[:L]], [wrap(a) for a in arrays[L:]])
+        message = str(info.value)
+        assert np.dtype(wrong).name in message and engine_dtype in message
+        assert isinstance(info.value, ValueError)  # what a wrong element size raised before
+        # One layer of the wrong dtype among good ones is refused too.
+        good = [np.zeros((S, BT, H, D), eng.np_dtype) for _ in range(2 * L)]
+        with pytest.raises(TypeError):
+            Pool.from_arrays(eng, good[:L], [wrap(good[L]), wrap(arrays[0])])
+
+
+@pytest.mark.parametrize(
+    "engine_dtype,make",
+    [
+        ("f32", lambda a: a.astype(np.float32)),
+        ("f16", lambda a: a.astype(np.float16)),
+        ("bf16", lambda a: a.astype(np.uint16)),  # the binding's bf16 arrays: bit patterns
+        ("bf16", lambda a: TorchLikeTyped(a.astype(np.uint16), "bfloat16")),
+        ("bf16", lambda a: DLPackOnly(a.astype(np.uint16))),
+        ("f16", lambda a: TorchLike(a.astype(np.float16))),  # no dtype given: the element size decides
+    ],
+    ids=["f32", "f16", "bf16-bits", "bf16-torch", "bf16-dlpack", "f16-untyped"],
+)
+def test_from_arrays_takes_the_engine_dtype(engine_dtype, make):
+    with _engine(dtype=engine_dtype) as eng:
+        arrays = [make(np.zeros((S, BT, H, D))) for _ in range(2 * L)]
+        pool = Pool.from_arrays(eng, arrays[:L], arrays[L:])
+        batch = pool.offload(_items(eng, [0]))
+        assert batch.wait(10) and batch.statuses() == [0]
+        batch.release()
+        pool.unregister()
+
+
+def test_describe_names_the_element_type():
+    a = np.zeros((2, 3), np.int16)
+    assert describe(a).dtype == describe(DLPackOnly(a)).dtype == describe(TorchLikeTyped(a)).dtype == "int16"
+    assert describe(TorchLike(a)).dtype is None
+    assert describe(np.zeros(4, "V2")).dtype is None
