@@ -54,6 +54,18 @@ impl<'e> Fence<'e> {
         check(unsafe { sys::kvh_fence_wait(self.engine.as_ptr(), self.raw, ns) })
     }
 
+    /// Waits without a time limit; `true` once the work is complete,
+    /// whether it failed or not. `false` where kvh refused the wait: inside
+    /// the engine's log sink on a thread kvh started, which may be the one
+    /// the work is queued for.
+    pub(crate) fn wait_until_complete(&self) -> bool {
+        let _ = self.wait(None);
+        let mut done = 0i32;
+        // SAFETY: valid engine and out-pointer; done is left 0 by a refusal.
+        let _ = unsafe { sys::kvh_fence_poll(self.engine.as_ptr(), self.raw, &mut done) };
+        done != 0
+    }
+
     /// `true` once the work is complete (then `Err` with its first error,
     /// if it failed). Never blocks.
     pub fn poll(&self) -> Result<bool> {

@@ -232,7 +232,9 @@ impl Drop for Pool<'_> {
 }
 
 /// An offload in flight. Dropping it waits for its gathers (kvh writes the
-/// items' statuses into memory the batch owns).
+/// items' statuses into memory the batch owns); where kvh refuses the wait
+/// (in the engine's log sink on a thread kvh started) that memory is
+/// leaked instead.
 #[derive(Debug)]
 pub struct OffloadBatch<'e> {
     fence: Option<Fence<'e>>,
@@ -271,13 +273,16 @@ impl<'e> OffloadBatch<'e> {
 impl Drop for OffloadBatch<'_> {
     fn drop(&mut self) {
         if let Some(f) = self.fence.take() {
-            let _ = f.wait(None);
+            if !f.wait_until_complete() {
+                // kvh writes the statuses into xfers when the batch runs.
+                std::mem::forget(std::mem::take(&mut self.xfers));
+            }
         }
     }
 }
 
 /// A restore in flight: one fence per layer. Dropping it waits for the
-/// last layer.
+/// last layer (or leaks the statuses' memory, as [`OffloadBatch`] does).
 #[derive(Debug)]
 pub struct RestoreBatch<'e> {
     fences: Vec<Fence<'e>>,
@@ -315,7 +320,10 @@ impl RestoreBatch<'_> {
 impl Drop for RestoreBatch<'_> {
     fn drop(&mut self) {
         if let Some(f) = self.fences.last() {
-            let _ = f.wait(None);
+            if !f.wait_until_complete() {
+                // kvh writes the statuses into xfers when the batch runs.
+                std::mem::forget(std::mem::take(&mut self.xfers));
+            }
         }
     }
 }

@@ -250,7 +250,7 @@ impl<'e> Sequence<'e> {
 
     /// The view gate, taken when the sequence has live views (none can be
     /// made meanwhile: that takes this sequence, which is not Sync).
-    fn gate_if_viewed(&self) -> Option<ViewGateGuard<'_>> {
+    pub(crate) fn gate_if_viewed(&self) -> Option<ViewGateGuard<'_>> {
         if self.views.borrow().iter().all(|w| w.strong_count() == 0) {
             return None;
         }

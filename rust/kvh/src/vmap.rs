@@ -45,6 +45,9 @@ impl<'e> Sequence<'e> {
     /// A view of `layer`'s K and V able to grow to `capacity_tokens`
     /// (0 = the current length); every block must be in the device tier.
     pub fn vmap(&self, layer: u32, capacity_tokens: u64) -> Result<VMap<'e>> {
+        // A call on the sequence: a refresh of another view of it on that
+        // view's thread must not overlap it (Busy for one of the two).
+        let _gate = self.gate_if_viewed();
         let mut raw = ptr::null_mut();
         // SAFETY: valid engine and handle; raw is written on success only.
         check(unsafe {

@@ -3,9 +3,74 @@
 
 mod common;
 
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::RefCell;
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU8, AtomicUsize, Ordering};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
 
-use kvh::{OffloadItem, Pool, Status};
+use kvh::{
+    Backend, Block, Config, DType, Engine, LogLevel, OffloadItem, Pool, RestoreBatch, Status, Tier,
+};
+
+const CHILD_VAR: &str = "KVH_POOL_CHILD";
+const CHILD_CASES: &[(&str, fn())] = &[(
+    "batch_dropped_in_its_engines_sink",
+    child_batch_dropped_in_its_engines_sink,
+)];
+
+#[test]
+fn child_entry() {
+    common::run_child_case(CHILD_VAR, CHILD_CASES);
+}
+
+/// The allocator of this test binary: once armed, blocks the size of one
+/// item's transfer record are not freed but filled with a pattern and
+/// kept, so that a later write into one shows.
+struct Quarantine;
+
+const XFER_BYTES: usize = std::mem::size_of::<kvh_sys::kvh_pool_xfer>();
+const POISON: u8 = 0xA5;
+static ARMED: AtomicBool = AtomicBool::new(false);
+static KEPT: [AtomicPtr<u8>; 4096] = [const { AtomicPtr::new(std::ptr::null_mut()) }; 4096];
+static N_KEPT: AtomicUsize = AtomicUsize::new(0);
+
+// SAFETY: every call goes to System, except deallocations kept for good.
+unsafe impl GlobalAlloc for Quarantine {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        unsafe { System.alloc(layout) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        if ARMED.load(Ordering::Relaxed) && layout.size() == XFER_BYTES {
+            let i = N_KEPT.fetch_add(1, Ordering::Relaxed);
+            if i < KEPT.len() {
+                unsafe { std::ptr::write_bytes(ptr, POISON, XFER_BYTES) };
+                KEPT[i].store(ptr, Ordering::Release);
+                return;
+            }
+        }
+        unsafe { System.dealloc(ptr, layout) }
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Quarantine = Quarantine;
+
+/// Kept blocks written after they were freed.
+fn written_after_free() -> usize {
+    KEPT.iter()
+        .map(|p| p.load(Ordering::Acquire))
+        .filter(|p| !p.is_null())
+        // SAFETY: kept blocks are never freed or reused.
+        .filter(|&p| {
+            unsafe { std::slice::from_raw_parts(p, XFER_BYTES) }
+                .iter()
+                .any(|&b| b != POISON)
+        })
+        .count()
+}
 
 const L: u32 = 2;
 const H: u32 = 2;
@@ -182,4 +247,166 @@ fn misuse_is_an_error_and_changes_nothing() {
         pool.offload_batch(&[OffloadItem { slot: 2, ..item }], 0)
             .unwrap(),
     );
+}
+
+#[test]
+fn a_batch_dropped_where_kvh_refuses_the_wait_leaks_its_statuses_memory() {
+    let (code, text) = common::run_child(
+        CHILD_VAR,
+        "batch_dropped_in_its_engines_sink",
+        Duration::from_secs(60),
+        None,
+    );
+    assert_eq!(code, Some(0), "{text}");
+    assert!(text.contains("batch dropped:"), "{text}");
+}
+
+thread_local! {
+    static PARKED: RefCell<Option<RestoreBatch<'static>>> = const { RefCell::new(None) };
+}
+
+/// The pool and a restorable block of the engine whose sink drops a batch.
+static RESTORE: OnceLock<(Pool<'static>, Block)> = OnceLock::new();
+/// Where the pool's only slot is: K of layer 0.
+static SLOT_K: AtomicPtr<f32> = AtomicPtr::new(std::ptr::null_mut());
+/// 0: the sink did not act yet; 1: no batch was made (skipped); 2: the
+/// batch was dropped before it ran; 3: the batch had run.
+static OUTCOME: AtomicU8 = AtomicU8::new(0);
+
+fn slot_untouched() -> bool {
+    let k = SLOT_K.load(Ordering::Acquire);
+    // SAFETY: the slot's memory is leaked; the only writer is kvh's
+    // worker, which is this thread in the sink, or done by then.
+    (0..8).all(|i| unsafe { k.add(i).read_volatile() } == 7.0)
+}
+
+/// The engine's own worker runs its log sink (a block on disk fails its
+/// checksum), where every call on that engine is refused with Busy, the
+/// fence wait of a batch's drop included. The sink opens a second engine
+/// whose sink, run on the same thread, makes a restore batch on the first
+/// engine (allowed there), queued behind the running sink; the first
+/// sink then drops it: kvh writes its status later, and the memory it
+/// writes must still be the batch's.
+fn child_batch_dropped_in_its_engines_sink() {
+    let dir = std::env::temp_dir().join(format!("kvh-rust-{}-pool-sink", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = || {
+        Config::new()
+            .backend(Backend::Cpu)
+            .dtype(DType::F32)
+            .head_dim(8)
+            .block_tokens(4)
+            .device_bytes(4 * 256)
+            .host_bytes(4 * 256)
+            .disk(&dir, 16 * 8192)
+            .migration_threads(1)
+    };
+    let tokens: Vec<i32> = (0..8).collect();
+    {
+        let e = Engine::open(config()).unwrap();
+        let s = e.create_sequence(0).unwrap();
+        s.append(&tokens).unwrap();
+        common::fill(&e, &s, 1);
+        s.persist().unwrap();
+    }
+    let slab = dir.join("slab-0000.kvh");
+    let mut bytes = std::fs::read(&slab).unwrap();
+    for off in (4096 + 100..bytes.len()).step_by(8192) {
+        bytes[off] ^= 0x08;
+    }
+    std::fs::write(&slab, bytes).unwrap();
+
+    let main = std::thread::current().id();
+    let engine: &'static Engine = Box::leak(Box::new(
+        Engine::open(config().log(LogLevel::Warn, move |_, _| {
+            if std::thread::current().id() == main || OUTCOME.load(Ordering::Acquire) != 0 {
+                return;
+            }
+            let other = Engine::open(Config::new().host_bytes(0).log(LogLevel::Info, |_, _| {
+                let (pool, block) = RESTORE.get().unwrap();
+                if PARKED.with(|p| p.borrow().is_none()) {
+                    let batch = pool.restore_batch(&[(*block, 0)], 0, 1).unwrap();
+                    PARKED.with(|p| *p.borrow_mut() = Some(batch));
+                }
+            }));
+            drop(other);
+            let Some(batch) = PARKED.with(|p| p.borrow_mut().take()) else {
+                OUTCOME.store(1, Ordering::Release);
+                return;
+            };
+            drop(batch);
+            let state = if slot_untouched() { 2 } else { 3 };
+            OUTCOME.store(state, Ordering::Release);
+        }))
+        .unwrap(),
+    ));
+    let g = engine.geometry();
+    assert_eq!((g.num_layers, g.num_kv_heads), (1, 1));
+    let slot_elems = (g.block_tokens * g.head_dim) as usize;
+    let k: &'static mut [f32] = Box::leak(vec![7.0f32; slot_elems].into_boxed_slice());
+    let v: &'static mut [f32] = Box::leak(vec![7.0f32; slot_elems].into_boxed_slice());
+    SLOT_K.store(k.as_mut_ptr(), Ordering::Release);
+    let row = u64::from(g.head_dim) * 4;
+    // SAFETY: the slot's memory is leaked, and read only as slot_untouched
+    // says.
+    let pool = unsafe {
+        Pool::register(
+            engine,
+            &[k.as_mut_ptr().cast()],
+            &[v.as_mut_ptr().cast()],
+            1,
+            slot_elems as u64 * 4,
+            row,
+            row,
+        )
+    }
+    .unwrap();
+    let seq = Box::leak(Box::new(engine.create_sequence(0).unwrap()));
+    seq.append(&[100, 101, 102, 103]).unwrap();
+    common::fill(engine, seq, 3);
+    let block = seq.blocks().unwrap()[0];
+    assert!(RESTORE.set((pool, block)).is_ok());
+
+    ARMED.store(true, Ordering::SeqCst);
+    let cached = engine.prefix_lookup(&tokens).unwrap();
+    let raw: Vec<Block> = cached.iter().map(|b| b.block()).collect();
+    let err = engine
+        .migrate(&raw, Tier::Host)
+        .unwrap()
+        .wait(None)
+        .unwrap_err();
+    assert_eq!(err.status(), Status::Corrupt);
+    let start = Instant::now();
+    while OUTCOME.load(Ordering::Acquire) == 0 {
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "the sink never ran"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let outcome = OUTCOME.load(Ordering::Acquire);
+    if outcome == 1 {
+        // The second engine logged nothing (CUDA answered): no batch.
+        eprintln!("batch dropped: skipped");
+        return;
+    }
+    // Dropped before it ran: it runs once the sink returns.
+    assert_eq!(outcome, 2, "the batch ran before its drop");
+    while slot_untouched() {
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "the batch never ran"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    std::thread::sleep(Duration::from_millis(50));
+    ARMED.store(false, Ordering::SeqCst);
+    assert_eq!(
+        written_after_free(),
+        0,
+        "kvh wrote a status into freed memory"
+    );
+    eprintln!("batch dropped: its memory outlived it");
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -93,6 +93,70 @@ fn refreshes_on_the_views_thread_never_make_sequence_calls_busy() {
 }
 
 #[test]
+fn views_made_on_the_sequences_thread_never_overlap_a_refresh() {
+    let hd = 64usize;
+    let engine = Engine::open(
+        common::one_head_view_config()
+            .device_bytes(16 << 20)
+            .host_bytes(16 << 20)
+            .copy_moves(true)
+            .migration_threads(2),
+    )
+    .unwrap();
+    let seq = engine.create_sequence(0).unwrap();
+    seq.append(&[1; 64]).unwrap();
+    let z = vec![0f32; 64 * hd];
+    seq.write_kv(0, 0, &z, &z).unwrap();
+    let mut view = match seq.vmap(0, 1024) {
+        Ok(v) => v,
+        Err(e) if e.status() == Status::Unsupported => return,
+        Err(e) => panic!("{e}"),
+    };
+    let busy = AtomicU64::new(0);
+    let count_busy = |what: &str, e: kvh::Error| match e.status() {
+        Status::Busy => {
+            busy.fetch_add(1, Ordering::Relaxed);
+        }
+        // Blocks moved to the host tier cannot be mapped: that is all.
+        Status::NotResident => {}
+        _ => panic!("{what}: {e}"),
+    };
+    let seq = std::thread::scope(|s| {
+        let h = s.spawn(|| {
+            for _ in 0..2000 {
+                if seq.len().unwrap() >= 900 {
+                    seq.truncate(64).unwrap();
+                }
+                // A block in flight: making a view waits for it with the
+                // lock dropped, as a refresh does.
+                seq.append(&[3; 16]).unwrap();
+                let l = seq.len().unwrap();
+                let _ = seq.migrate(l - 16.., Tier::Host);
+                match seq.vmap(0, 1024) {
+                    Ok(v) => drop(v),
+                    Err(e) => count_busy("vmap", e),
+                }
+            }
+            seq
+        });
+        while !h.is_finished() {
+            if let Err(e) = view.refresh() {
+                count_busy("refresh", e);
+            }
+        }
+        h.join().unwrap()
+    });
+    drop(view);
+    assert_eq!(
+        busy.load(Ordering::Relaxed),
+        0,
+        "making a view overlapped a refresh"
+    );
+    assert_eq!(engine.tier_info(Tier::Device).unwrap().pinned_blocks, 0);
+    drop(seq);
+}
+
+#[test]
 fn a_sink_calling_a_viewed_sequence_inside_its_call_does_not_hang() {
     let (code, text) = common::run_child(
         CHILD_VAR,
