@@ -317,7 +317,8 @@ kvh_status kvh_pool_unregister(kvh_engine *e, kvh_pool pool)
     return st;
 }
 
-static kvh_status enter_pool(kvh_engine *e, kvh_pool pool, uint32_t slot, kvhi_ext_pool **out)
+/* Enters e for a transfer that reads (write false) or writes slot of pool. */
+static kvh_status enter_pool(kvh_engine *e, kvh_pool pool, uint32_t slot, bool write, kvhi_ext_pool **out)
 {
     kvh_status st = kvhi_api_enter(e);
     if (st != KVH_OK)
@@ -327,18 +328,22 @@ static kvh_status enter_pool(kvh_engine *e, kvh_pool pool, uint32_t slot, kvhi_e
         st = kvhi_fail(KVH_ERR_BAD_HANDLE, "stale or unknown pool 0x%llx", (unsigned long long)pool.id);
     else if (slot >= p->layout.num_slots)
         st = kvhi_fail(KVH_ERR_RANGE, "slot %u >= num_slots %u", slot, p->layout.num_slots);
+    else
+        st = kvhi_pool_slot_check(p, slot, write, 0);
     if (st != KVH_OK) {
         kvhi_leave(e);
         return st;
     }
     p->calls++; /* the call may drop the lock: unregister waits (leave_pool) */
+    kvhi_pool_slot_enter(p, slot, write);
     *out = p;
     return KVH_OK;
 }
 
 /* Gives back what enter_pool took and leaves e. */
-static void leave_pool(kvh_engine *e, kvhi_ext_pool *p)
+static void leave_pool(kvh_engine *e, kvhi_ext_pool *p, uint32_t slot, bool write)
 {
+    kvhi_pool_slot_leave(p, slot, write);
     if (--p->calls == 0 && p->unregistered)
         pthread_cond_broadcast(&e->changed);
     kvhi_leave(e);
@@ -349,7 +354,7 @@ static kvh_status pool_offload(kvh_engine *e, kvh_pool pool, uint32_t slot, uint
 {
     KVHI_REQUIRE(tokens && block, "tokens and block must not be NULL");
     kvhi_ext_pool *p;
-    kvh_status st = enter_pool(e, pool, slot, &p);
+    kvh_status st = enter_pool(e, pool, slot, false, &p);
     if (st != KVH_OK)
         return st;
     uint32_t b;
@@ -360,7 +365,7 @@ static kvh_status pool_offload(kvh_engine *e, kvh_pool pool, uint32_t slot, uint
         e->blocks[b].ext_refs++;
         block->id = kvhi_block_handle(e, b);
     }
-    leave_pool(e, p);
+    leave_pool(e, p, slot, false);
     return st;
 }
 
@@ -379,12 +384,12 @@ kvh_status kvh_pool_offload_scoped(kvh_engine *e, kvh_pool pool, uint32_t slot, 
 kvh_status kvh_pool_restore(kvh_engine *e, kvh_pool pool, kvh_block block, uint32_t slot)
 {
     kvhi_ext_pool *p;
-    kvh_status st = enter_pool(e, pool, slot, &p);
+    kvh_status st = enter_pool(e, pool, slot, true, &p);
     if (st != KVH_OK)
         return st;
     uint32_t b;
     if ((st = kvhi_block_resolve(e, block, &b)) == KVH_OK)
         st = kvhi_pool_restore(e, p, b, slot);
-    leave_pool(e, p);
+    leave_pool(e, p, slot, true);
     return st;
 }

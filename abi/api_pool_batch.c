@@ -65,6 +65,9 @@ static kvh_status enter_batch(kvh_engine *e, kvh_pool pool, const kvh_pool_xfer 
         else
             seen[slot / 8] |= (uint8_t)(1u << (slot % 8));
     }
+    /* Another transfer still on a slot: refused before anything is taken. */
+    for (size_t i = 0; i < n && st == KVH_OK; i++)
+        st = kvhi_pool_slot_check(p, xfer_at(xfers, stride, i)->slot, !offload, i);
     free(seen);
     if (st != KVH_OK) {
         kvhi_leave(e);
@@ -135,6 +138,10 @@ kvh_status kvh_pool_offload_batch(kvh_engine *e, kvh_pool pool, kvh_pool_xfer *x
     p->batches--;
     if (st == KVH_OK && p->unregistered)
         st = kvhi_fail(KVH_ERR_BAD_HANDLE, "the pool was unregistered during the call");
+    /* Making room may have dropped the lock: a restore may have taken a
+     * slot since the first check. */
+    for (size_t i = 0; i < n && st == KVH_OK; i++)
+        st = kvhi_pool_slot_check(p, xfer_at(xfers, stride, i)->slot, false, i);
     if (st != KVH_OK) {
         offload_undo(e, w, k);
         kvhi_pool_work_discard(e, w);
@@ -148,6 +155,7 @@ kvh_status kvh_pool_offload_batch(kvh_engine *e, kvh_pool pool, kvh_pool_xfer *x
         e->blocks[w->items[i].block].ext_refs++;
         x->block.id = kvhi_block_handle(e, w->items[i].block);
         x->status = KVH_OK;
+        kvhi_pool_slot_enter(p, x->slot, false);
     }
     *fence = f;
     kvhi_pool_work_submit(e, w);
@@ -201,6 +209,7 @@ kvh_status kvh_pool_restore_batch(kvh_engine *e, kvh_pool pool, kvh_pool_xfer *x
         x->status = KVH_OK;
         kvhi_block_ref(e, it->block);
         kvhi_block_hold_reading(e, it->block);
+        kvhi_pool_slot_enter(p, it->slot, true);
     }
     free(blocks);
     kvhi_pool_work_submit(e, w);

@@ -15,6 +15,7 @@ void kvhi_pools_destroy(kvh_engine *e)
         if (p) {
             free(p->k_base);
             free(p->v_base);
+            free(p->slot_use);
             free(p);
         }
     }
@@ -60,7 +61,37 @@ void kvhi_pool_unregister(kvh_engine *e, kvhi_ext_pool *p, uint32_t index)
         pthread_cond_wait(&e->changed, &e->lock);
     free(p->k_base);
     free(p->v_base);
+    free(p->slot_use);
     free(p);
+}
+
+kvh_status kvhi_pool_slot_check(kvhi_ext_pool *p, uint32_t slot, bool write, size_t item)
+{
+    if (!p->slot_use && !(p->slot_use = calloc(p->layout.num_slots, sizeof(uint32_t))))
+        return kvhi_fail(KVH_ERR_NOMEM, "out of memory for a pool's slot table (%u slots)", p->layout.num_slots);
+    uint32_t use = p->slot_use[slot];
+    if (use & KVHI_SLOT_WRITING)
+        return kvhi_fail(KVH_ERR_BUSY,
+                         "item %zu: slot %u is being written by a restore that has not completed (wait for its "
+                         "last fence)",
+                         item, slot);
+    if (write && use)
+        return kvhi_fail(KVH_ERR_BUSY,
+                         "item %zu: slot %u is being read by an offload that has not completed (wait for its fence)",
+                         item, slot);
+    if (!write && use == KVHI_SLOT_WRITING - 1)
+        return kvhi_fail(KVH_ERR_BUSY, "item %zu: slot %u has too many offloads running", item, slot);
+    return KVH_OK;
+}
+
+void kvhi_pool_slot_enter(kvhi_ext_pool *p, uint32_t slot, bool write)
+{
+    p->slot_use[slot] = write ? KVHI_SLOT_WRITING : p->slot_use[slot] + 1;
+}
+
+void kvhi_pool_slot_leave(kvhi_ext_pool *p, uint32_t slot, bool write)
+{
+    p->slot_use[slot] = write ? 0 : p->slot_use[slot] - 1;
 }
 
 kvh_status kvhi_pool_restore(kvh_engine *e, kvhi_ext_pool *p, uint32_t b, uint32_t slot)

@@ -7,6 +7,7 @@
 #include "test_util.h"
 #include "disk_test_util.h"
 #include "pool_test_util.h"
+#include "uffd_gate.h"
 
 static const dt_geo G = {2, 2, 64, 16, KVH_DTYPE_F16};
 #define BT 16u
@@ -361,6 +362,104 @@ static void test_unregister_and_close_with_batches_queued(void **state)
     pt_pool_free(&p);
 }
 
+static kvh_pool_xfer restore_item(uint32_t slot, kvh_block b)
+{
+    kvh_pool_xfer x = {.struct_size = sizeof(kvh_pool_xfer), .slot = slot, .block = b};
+    return x;
+}
+
+/* A transfer on a slot that a running batch reads or writes would tear
+ * one of the two copies: it is refused with KVH_ERR_BUSY, taking nothing,
+ * and accepted once that batch is done. The one worker is held in a
+ * gather (uffd_gate), so that a batch queued behind it stays running; the
+ * statuses are checked once the gate is open (a failed check with the
+ * worker held would leave the engine unable to close). */
+static void test_slot_in_use_refused(void **state)
+{
+    (void)state;
+    enum { GL = 2, GH = 2, GD = 64 };
+    kvh_config c = tu_cfg(GL, GH, GD, BT, KVH_DTYPE_F32, 16, 16, 1);
+    kvh_engine *e = tu_open_cfg(&c);
+    pt_pool p;
+    pt_pool_init(&p, GL, SLOTS, BT, GH, GD, 4, 91);
+    kvh_pool pool;
+    assert_ok(kvh_pool_register(e, &p.layout, &pool));
+    int32_t tok[BT], other[BT];
+    pt_tokens(tok, BT, 3, 0);
+    pt_tokens(other, BT, 4, 0);
+    kvh_block src;
+    assert_ok(kvh_pool_offload(e, pool, 1, 0, tok, BT, 0, &src));
+    uffd_gate g;
+    if (!uffd_gate_arm(e, &g, (uffd_gate_geometry){GL, BT, GH, GD}, 500000)) {
+        assert_ok(kvh_block_release(e, src));
+        pt_pool_free(&p);
+        skip();
+    }
+    /* Queued behind the held worker: it writes slot 3 until it has run. */
+    kvh_pool_xfer r = restore_item(3, src), r4 = restore_item(4, src), again = restore_item(3, src);
+    kvh_pool_xfer gr = restore_item(0, src);
+    kvh_pool_xfer o = {.struct_size = sizeof(kvh_pool_xfer), .slot = 3, .tokens = other};
+    kvh_pool_xfer go = {.struct_size = sizeof(kvh_pool_xfer), .slot = 0, .tokens = other};
+    kvh_fence rf[GL], rf4[GL], none[GL], of, gof;
+    kvh_status queued = kvh_pool_restore_batch(e, pool, &r, 1, 0, GL, rf);
+    kvh_stats s0 = tu_stats(e);
+    uint32_t refs0 = tu_binfo(e, src).refs;
+    enum { OFFLOAD_BATCH, OFFLOAD, RESTORE, RESTORE_BATCH, GATED_RESTORE_BATCH, REFUSALS };
+    kvh_status refused[REFUSALS];
+    char first_error[256];
+    refused[OFFLOAD_BATCH] = kvh_pool_offload_batch(e, pool, &o, 1, 0, &of);
+    snprintf(first_error, sizeof(first_error), "%s", kvh_last_error());
+    kvh_block b = {0};
+    refused[OFFLOAD] = kvh_pool_offload(e, pool, 3, 0, other, BT, 0, &b);
+    refused[RESTORE] = kvh_pool_restore(e, pool, src, 3);
+    refused[RESTORE_BATCH] = kvh_pool_restore_batch(e, pool, &again, 1, 0, GL, none);
+    /* The gathered slot may be read again, not written (a restore in the
+     * call would fault on the held page itself: only the batch is tried). */
+    refused[GATED_RESTORE_BATCH] = kvh_pool_restore_batch(e, g.pool, &gr, 1, 0, GL, none);
+    kvh_stats s1 = tu_stats(e);
+    uint32_t refs1 = tu_binfo(e, src).refs;
+    kvh_status other_slot = kvh_pool_restore_batch(e, pool, &r4, 1, 0, GL, rf4);
+    kvh_status second_reader = kvh_pool_offload_batch(e, g.pool, &go, 1, 0, &gof);
+    uffd_gate_open(&g);
+
+    assert_ok(queued);
+    for (int i = 0; i < REFUSALS; i++)
+        if (refused[i] != KVH_ERR_BUSY)
+            fail_msg("transfer %d on a slot in use returned %s, expected KVH_ERR_BUSY", i, kvh_status_name(refused[i]));
+    assert_non_null(strstr(first_error, "slot 3"));
+    assert_int_equal(s1.blocks_allocated, s0.blocks_allocated);
+    assert_int_equal(refs1, refs0);
+    assert_ok(other_slot);
+    assert_ok(second_reader);
+    wait_free(e, g.fence, KVH_OK);
+    wait_free(e, gof, KVH_OK);
+    for (uint32_t l = 0; l < GL; l++) {
+        wait_free(e, rf[l], KVH_OK);
+        wait_free(e, rf4[l], KVH_OK);
+    }
+    assert_ok(r.status);
+    assert_ok(r4.status);
+    for (uint32_t l = 0; l < GL; l++) {
+        assert_true(pt_layer_equal(&p, 1, &p, 3, l));
+        assert_true(pt_layer_equal(&p, 1, &p, 4, l));
+    }
+    /* Done: the slots take any transfer again. */
+    assert_ok(kvh_pool_restore(e, g.pool, src, 0));
+    assert_ok(kvh_pool_offload(e, pool, 3, 0, other, BT, 0, &b));
+    assert_ok(kvh_pool_restore_batch(e, pool, &again, 1, 0, GL, rf));
+    for (uint32_t l = 0; l < GL; l++)
+        wait_free(e, rf[l], KVH_OK);
+    assert_ok(kvh_block_release(e, b));
+    assert_ok(kvh_block_release(e, go.block));
+    assert_ok(kvh_block_release(e, g.x.block));
+    assert_ok(kvh_block_release(e, src));
+    assert_ok(kvh_pool_unregister(e, g.pool));
+    assert_ok(kvh_pool_unregister(e, pool));
+    assert_ok(tu_close(e));
+    uffd_gate_free(&g);
+    pt_pool_free(&p);
+}
+
 static int teardown(void **state)
 {
     dt_teardown(state);
@@ -375,6 +474,7 @@ int main(void)
         cmocka_unit_test_teardown(test_misuse, teardown),
         cmocka_unit_test_teardown(test_persist_and_restore_from_disk, teardown),
         cmocka_unit_test_teardown(test_unregister_and_close_with_batches_queued, teardown),
+        cmocka_unit_test_teardown(test_slot_in_use_refused, teardown),
     };
     return cmocka_run_group_tests_name("pool_batch", tests, NULL, NULL);
 }

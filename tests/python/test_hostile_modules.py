@@ -634,10 +634,12 @@ def test_pool_engine_closed_while_batches_run():
         for rnd in range(4):
             ks = [np.stack([pool_values(s, layer)[0] for s in range(PS)]) for layer in range(PL)]
             vs = [np.stack([pool_values(s, layer)[1] for s in range(PS)]) for layer in range(PL)]
-            dk = [np.zeros_like(k) for k in ks]
-            dv = [np.zeros_like(v) for v in vs]
+            # One destination per thread: two restores may not write one slot at once.
+            dk = [[np.zeros_like(k) for k in ks] for _ in range(2)]
+            dv = [[np.zeros_like(v) for v in vs] for _ in range(2)]
             eng = pool_engine(migration_threads=2)
-            src, dst = Pool.from_arrays(eng, ks, vs), Pool.from_arrays(eng, dk, dv)
+            src = Pool.from_arrays(eng, ks, vs)
+            dst = [Pool.from_arrays(eng, dk[t], dv[t]) for t in range(2)]
             bad, started = [], threading.Barrier(3)
             def work(tag):
                 started.wait()
@@ -646,11 +648,11 @@ def test_pool_engine_closed_while_batches_run():
                         items = [(s, 0, np.arange(PBT) + 1000 * (tag * 100_000 + i) + PBT * s) for s in range(PS)]
                         off = src.offload(items)
                         off.wait(5)
-                        load = dst.restore(off.blocks, list(range(PS)))
+                        load = dst[tag].restore(off.blocks, list(range(PS)))
                         load.wait(5)
                         if not load.failed():
                             for layer in range(PL):
-                                if not np.array_equal(dk[layer], ks[layer]):
+                                if not np.array_equal(dk[tag][layer], ks[layer]):
                                     bad.append("restored other data")
                         off.release()
                 except (kvh.ClosedError, kvh.BadHandleError):

@@ -1064,15 +1064,17 @@ KVH_API kvh_status kvh_pool_unregister(kvh_engine *engine, kvh_pool pool);
  * already cached no copy is made. [borrowed] tokens
  * (block_tokens entries); [out] *block, retained for the caller. Returns
  * KVH_ERR_INVALID_ARG (NULL tokens or block, n other than block_tokens),
- * KVH_ERR_RANGE (slot >= num_slots), KVH_ERR_BAD_HANDLE, KVH_ERR_NOSPACE,
- * KVH_ERR_NOMEM, KVH_ERR_IO (the copy failed). @threads any */
+ * KVH_ERR_RANGE (slot >= num_slots), KVH_ERR_BAD_HANDLE, KVH_ERR_BUSY (a
+ * restore still running writes the slot), KVH_ERR_NOSPACE, KVH_ERR_NOMEM,
+ * KVH_ERR_IO (the copy failed). @threads any */
 KVH_API kvh_status kvh_pool_offload(kvh_engine *engine, kvh_pool pool, uint32_t slot, uint64_t parent_hash,
                                     const int32_t *tokens, size_t n, uint32_t agent, kvh_block *block);
 
 /* Restores a block's KV into slot of the pool (from any tier). Returns
  * KVH_ERR_INVALID_ARG (the block's K/V is not fully written),
- * KVH_ERR_RANGE (slot), KVH_ERR_BAD_HANDLE (pool or block), and for a block
- * on disk KVH_ERR_CORRUPT, KVH_ERR_IO, KVH_ERR_NOSPACE, KVH_ERR_NOMEM.
+ * KVH_ERR_RANGE (slot), KVH_ERR_BAD_HANDLE (pool or block), KVH_ERR_BUSY
+ * (another transfer still running reads or writes the slot), and for a
+ * block on disk KVH_ERR_CORRUPT, KVH_ERR_IO, KVH_ERR_NOSPACE, KVH_ERR_NOMEM.
  * @threads any */
 KVH_API kvh_status kvh_pool_restore(kvh_engine *engine, kvh_pool pool, kvh_block block, uint32_t slot);
 
@@ -1087,7 +1089,11 @@ KVH_API kvh_status kvh_pool_restore(kvh_engine *engine, kvh_pool pool, kvh_block
  * A batch references and holds its blocks until its fences complete;
  * releasing a handle meanwhile is allowed. The caller keeps the pool
  * slots of a batch as they are until its fence completes (an offload
- * reads them, a restore writes them): kvh cannot see a slot reused.
+ * reads them, a restore writes them): kvh cannot see the caller's own
+ * writes, but refuses with KVH_ERR_BUSY, before taking anything, a
+ * transfer (batched or not) that would read a slot a running restore
+ * writes, or write a slot a running offload or restore reads or writes:
+ * one of the two would copy torn KV.
  * kvh_pool_unregister waits for the batches running on the pool; one
  * still queued then ends with KVH_ERR_BAD_HANDLE in every item's
  * status, and kvh_engine_close ends queued batches with KVH_ERR_CLOSED
@@ -1124,8 +1130,9 @@ typedef struct kvh_pool_xfer {
  * struct_size below sizeof(kvh_pool_xfer), not a multiple of 8 or
  * unequal, a slot listed twice, n > num_slots), KVH_ERR_RANGE (slot >=
  * num_slots),
- * KVH_ERR_BAD_HANDLE (pool), KVH_ERR_NOSPACE (no room for the blocks),
- * KVH_ERR_NOMEM. @threads any */
+ * KVH_ERR_BAD_HANDLE (pool), KVH_ERR_BUSY (a restore still running writes
+ * a slot), KVH_ERR_NOSPACE (no room for the blocks), KVH_ERR_NOMEM.
+ * @threads any */
 KVH_API kvh_status kvh_pool_offload_batch(kvh_engine *engine, kvh_pool pool, kvh_pool_xfer *xfers, size_t n,
                                           uint32_t agent, kvh_fence *fence);
 
@@ -1147,7 +1154,8 @@ KVH_API kvh_status kvh_pool_offload_batch(kvh_engine *engine, kvh_pool pool, kvh
  * n_layers 0, struct_size as above, a slot listed twice, n > num_slots,
  * a block whose KV is not fully written or still being gathered),
  * KVH_ERR_RANGE (slot, or layers past num_layers), KVH_ERR_BAD_HANDLE
- * (pool or a block), KVH_ERR_NOMEM. @threads any */
+ * (pool or a block), KVH_ERR_BUSY (a transfer still running reads or
+ * writes a slot), KVH_ERR_NOMEM. @threads any */
 KVH_API kvh_status kvh_pool_restore_batch(kvh_engine *engine, kvh_pool pool, kvh_pool_xfer *xfers, size_t n,
                                           uint32_t first_layer, uint32_t n_layers, kvh_fence *layer_fences);
 
