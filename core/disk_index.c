@@ -705,8 +705,8 @@ static int flush_locked(kvhi_disk *d)
         return -EIO;
     off_t end = lseek(d->journal_fd, 0, SEEK_CUR);
     int rc = end < 0 ? -errno : write_all(d->journal_fd, buf, len);
-    if (rc == -ENOSPC && end >= 0 && ftruncate(d->journal_fd, end) == 0 && lseek(d->journal_fd, end, SEEK_SET) == end &&
-        requeue(d, buf, len))
+    if ((rc == -ENOSPC || rc == -EDQUOT) && end >= 0 && ftruncate(d->journal_fd, end) == 0 &&
+        lseek(d->journal_fd, end, SEEK_SET) == end && requeue(d, buf, len))
         return rc;
     if (rc != 0)
         d->fatal = true; /* a partial record is a torn tail: replay stops before it */

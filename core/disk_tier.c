@@ -444,7 +444,7 @@ void kvhi_disk_note_write(kvh_engine *e, int err)
     if (err == 0) {
         e->disk_full_until = 0;
         e->disk_full_rest_ms = 0;
-    } else if (err == -ENOSPC) {
+    } else if (kvhi_err_disk_full(err)) {
         uint32_t ms = e->disk_full_rest_ms ? 2 * e->disk_full_rest_ms : DISK_FULL_REST_MIN_MS;
         e->disk_full_rest_ms = ms < DISK_FULL_REST_MAX_MS ? ms : DISK_FULL_REST_MAX_MS;
         e->disk_full_until = kvhi_now_ns() + (uint64_t)e->disk_full_rest_ms * 1000000u;
@@ -505,7 +505,7 @@ static kvh_status write_copies(kvh_engine *e, const uint32_t *blocks, uint32_t n
         kvhi_block_writing_done(e, x->block);
         if (x->err != 0) {
             kvhi_release_slot(e, KVH_TIER_DISK, x->dst_slot);
-            refused |= x->err == -ENOSPC;
+            refused |= kvhi_err_disk_full(x->err);
             if (st == KVH_OK)
                 st = kvhi_fail(kvhi_io_status(x->err), "writing a block to disk: %s", strerror(-x->err));
         } else {
@@ -674,7 +674,7 @@ kvh_status kvhi_disk_persist_blocks(kvh_engine *e, const uint32_t *blocks, uint3
         if (rc == 0)
             rc = kvhi_index_sync(e->disk);
         pthread_mutex_lock(&e->lock);
-        if (rc == -ENOSPC && !e->disk->fatal)
+        if (kvhi_err_disk_full(rc) && !e->disk->fatal)
             st = kvhi_fail(KVH_ERR_NOSPACE, "the disk is full: the index records of the persisted blocks could "
                                             "not be written (they stay pending)");
         else if (rc == -ENOENT)

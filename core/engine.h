@@ -269,11 +269,15 @@ void kvhi_log_later(kvh_engine *e, int level, const char *fmt, ...) __attribute_
 uint32_t kvhi_dtype_bytes(uint32_t dtype);
 /* x / d rounded up (d > 0), for any x: (x + d - 1) / d wraps near 2^64. */
 static inline uint64_t kvhi_div_ceil(uint64_t x, uint64_t d) { return x / d + (x % d != 0); }
+/* Whether an I/O failed with -err for want of room: the file system is
+ * full, or the user's disk quota is (EDQUOT), which a caller meets the
+ * same way (free space, or wait). */
+static inline bool kvhi_err_disk_full(int err) { return err == -ENOSPC || err == -EDQUOT; }
 /* The status of an I/O that failed with -err: a full disk and a lack of
  * memory (buffers, rings) are said as such, the rest is KVH_ERR_IO. */
 static inline kvh_status kvhi_io_status(int err)
 {
-    return err == -ENOSPC ? KVH_ERR_NOSPACE : err == -ENOMEM ? KVH_ERR_NOMEM : KVH_ERR_IO;
+    return kvhi_err_disk_full(err) ? KVH_ERR_NOSPACE : err == -ENOMEM ? KVH_ERR_NOMEM : KVH_ERR_IO;
 }
 /* Fills c with every default (struct_size = sizeof(kvh_config)). */
 void kvhi_config_defaults(kvh_config *c);

@@ -387,6 +387,18 @@ static void test_nospace_injected_filesystem_full(void **state)
     disarm();
 }
 
+/* The same with the user's disk quota used up (EDQUOT): a full disk too. */
+static void test_nospace_injected_quota_full(void **state)
+{
+    (void)state;
+    char dir[512];
+    dt_scratch("nospace-injected-quota", dir, sizeof(dir));
+    arm(KVHI_OP_WRITE, 60, -EDQUOT, true);
+    persists_seen = 0;
+    fill_until_nospace(dir, 512, make_room, NULL);
+    disarm();
+}
+
 /* ------------------------------------------------------------------ */
 /* fsync failure is fatal                                              */
 /* ------------------------------------------------------------------ */
@@ -574,6 +586,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_nospace_full_filesystem, setup, teardown_tmpfs),
         cmocka_unit_test_setup_teardown(test_nospace_injected_write_error, setup, teardown),
         cmocka_unit_test_setup_teardown(test_nospace_injected_filesystem_full, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_nospace_injected_quota_full, setup, teardown),
         cmocka_unit_test_setup_teardown(test_fsync_failure_is_fatal, setup, teardown),
         cmocka_unit_test_setup_teardown(test_fault_sweep, setup, teardown),
         cmocka_unit_test_setup_teardown(test_transient_read_error_keeps_durable_blocks, setup, teardown),

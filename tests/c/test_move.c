@@ -152,8 +152,8 @@ static void test_begin_end(void **state)
     static const struct {
         int err;
         kvh_status want;
-    } fails[] = {{-EIO, KVH_ERR_IO}, {-ENOSPC, KVH_ERR_NOSPACE}};
-    for (int i = 0; i < 2; i++) {
+    } fails[] = {{-EIO, KVH_ERR_IO}, {-ENOSPC, KVH_ERR_NOSPACE}, {-EDQUOT, KVH_ERR_NOSPACE}};
+    for (size_t i = 0; i < sizeof(fails) / sizeof(fails[0]); i++) {
         wb_lock(e);
         uint32_t slot = blk->slot;
         dev0 = used(e, KVH_TIER_DEVICE), host0 = used(e, KVH_TIER_HOST);
