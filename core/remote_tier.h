@@ -47,6 +47,9 @@ typedef struct kvhi_remote {
      * with a reference, under the engine lock. */
     uint32_t *queue;
     size_t q_cap, q_head, q_len;
+    /* Blocks of the round being uploaded, and the most the queue and the
+     * round may reference together (see kvhi_remote_uploader_start). */
+    size_t in_round, hold_max;
     pthread_cond_t q_cv; /* with the engine lock */
     pthread_t uploader;
     bool uploader_running, uploader_stop;

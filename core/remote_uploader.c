@@ -21,11 +21,12 @@ void kvhi_remote_queue_upload(kvh_engine *e, uint32_t b, uint32_t reason)
     if (!r || !(r->upload & reason) || !r->queue || r->uploader_stop)
         return;
     kvhi_block *blk = &e->blocks[b];
-    if (r->q_len == r->q_cap || blk->refs == UINT32_MAX) {
+    if (r->q_len == r->q_cap || r->q_len + r->in_round >= r->hold_max || blk->refs == UINT32_MAX) {
         e->stats.remote_uploads_dropped++;
         if (!r->queue_full) {
             r->queue_full = true;
-            kvhi_log_later(e, KVH_LOG_WARN, "remote tier: upload queue full (%zu blocks): uploads dropped", r->q_cap);
+            kvhi_log_later(e, KVH_LOG_WARN, "remote tier: upload queue full (%zu blocks waiting): uploads dropped",
+                           r->q_len + r->in_round);
         }
         return;
     }
@@ -68,9 +69,11 @@ static void *uploader_main(void *arg)
             r->queue_full = false;
             kvhi_log_later(e, KVH_LOG_INFO, "remote tier: upload queue has room again");
         }
+        r->in_round = n;
         kvhi_remote_upload_blocks(e, r->upload_cluster ? r->upload_cluster : r->cluster, batch, n);
         for (size_t k = 0; k < n; k++)
             kvhi_remote_upload_unref(e, batch[k]);
+        r->in_round = 0;
     }
     pthread_mutex_unlock(&e->lock);
     free(batch);
@@ -84,6 +87,15 @@ kvh_status kvhi_remote_uploader_start(kvh_engine *e)
         return KVH_OK;
     uint64_t cap = QUEUE_BYTES / kvhi_remote_value_bytes(&r->id);
     cap = cap < QUEUE_MIN ? QUEUE_MIN : cap > QUEUE_MAX ? QUEUE_MAX : cap;
+    /* The blocks an upload references cannot leave the last tier
+     * (engine.h, upload_refs_tier_end): the queue and the round taken
+     * from it hold half of that tier at most, so that a store that stops
+     * answering cannot fill it and make allocations fail; what does not
+     * fit is dropped and counted. */
+    uint64_t half = e->tiers[e->upload_refs_tier_end].slots.capacity / 2;
+    r->hold_max = half ? (size_t)half : 1;
+    if (cap > r->hold_max)
+        cap = r->hold_max;
     r->queue = malloc(sizeof(uint32_t) * cap);
     if (!r->queue)
         return kvhi_fail(KVH_ERR_NOMEM, "out of memory for the remote upload queue");

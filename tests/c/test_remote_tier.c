@@ -388,6 +388,46 @@ static void test_blocks_awaiting_upload_leave_first(void **state)
     assert_int_equal(rt_wait_ok(&cluster, 20000), 0);
 }
 
+/* A store that stops answering cannot fill the local tiers with blocks
+ * waiting to go up: the queue keeps part of the last tier at most, what
+ * does not fit is dropped and counted, and allocations go on. */
+static void test_stalled_store_leaves_room(void **state)
+{
+    (void)state;
+    NEED_CLUSTER();
+    enum { DEV = 8, HOST = 16, SEQS = 4 * (DEV + HOST) };
+    kvh_config c = tu_cfg(LAYERS, HEADS, DIM, BT, KVH_DTYPE_F16, DEV, HOST, 1);
+    c.model_salt = test_salt();
+    c.remote_addrs = rt_addrs(&cluster);
+    c.remote_password = PASSWORD;
+    c.remote_timeout_ms = 5000; /* longer than the test: no round gives up */
+    c.remote_upload = KVH_REMOTE_UPLOAD_WRITE_THROUGH;
+    kvh_engine *e = tu_open_cfg(&c);
+    for (int i = 0; i < cluster.n; i++)
+        kill(cluster.pids[i], SIGSTOP);
+    int32_t tokens[BT];
+    kvh_status failed = KVH_OK;
+    char why[256] = "";
+    int at = 0;
+    for (; at < SEQS && failed == KVH_OK; at++) {
+        prefix_tokens(tokens, BT, 95000 + at * BT);
+        kvh_seq s = tu_seq_new(e, 0);
+        failed = kvh_seq_append(e, s, tokens, BT);
+        snprintf(why, sizeof(why), "%s", kvh_last_error());
+        if (failed == KVH_OK)
+            tu_write_pattern(e, s, LAYERS, TOK_BYTES, 61, 0, BT);
+        assert_ok(kvh_seq_free(e, s));
+    }
+    kvh_stats st = tu_stats(e);
+    for (int i = 0; i < cluster.n; i++)
+        kill(cluster.pids[i], SIGCONT);
+    if (failed != KVH_OK)
+        fail_msg("sequence %d of %d, the store stalled: %s (%s)", at, SEQS, kvh_status_name(failed), why);
+    assert_true(st.remote_uploads_dropped > 0);
+    assert_ok(tu_close(e));
+    assert_int_equal(rt_wait_ok(&cluster, 20000), 0);
+}
+
 /* Demotion: blocks go up when they move to the disk tier, read back from
  * their slots (and stay there); none before. */
 static void test_demote_uploads(void **state)
@@ -870,6 +910,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_codec_into_either_tier, tu_teardown),
         cmocka_unit_test_teardown(test_write_through, tu_teardown),
         cmocka_unit_test_teardown(test_blocks_awaiting_upload_leave_first, tu_teardown),
+        cmocka_unit_test_teardown(test_stalled_store_leaves_room, tu_teardown),
         cmocka_unit_test_teardown(test_demote_uploads, tu_teardown),
         cmocka_unit_test_teardown(test_background_uploads_dropped, tu_teardown),
         cmocka_unit_test_teardown(test_slot_migration, tu_teardown),
