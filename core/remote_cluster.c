@@ -73,6 +73,7 @@ struct kvhi_cluster {
     /* A node's refusal of CLUSTER SLOTS to this user (NOPERM), which
      * leaves the map empty and every command down. */
     char map_refused[256];
+    int32_t seed_answered;  /* kvhi_cluster_seed_answered */
     bool refresh_wanted;    /* a MOVED or a failure: the map may be stale */
     uint64_t refresh_after; /* no refresh attempt before then */
     char rbuf[64 << 10];    /* what a read takes off a socket (under lock) */
@@ -597,7 +598,11 @@ int kvhi_cluster_open(const kvhi_cluster_opts *opts, kvhi_cluster **out, char *e
      * does not answer is a miss until it does. */
     uint64_t budget = (uint64_t)c->opts.timeout_ms * 1000000ull;
     bool reached = false;
-    for (uint32_t i = 0; i < c->n_seeds && !reached; i++) {
+    c->seed_answered = -1;
+    uint32_t tries = opts->first_seed == KVHI_CLUSTER_SEEDS_LATER ? 0 : c->n_seeds;
+    uint32_t first = opts->first_seed > 0 ? (uint32_t)opts->first_seed % c->n_seeds : 0;
+    for (uint32_t k = 0; k < tries && !reached; k++) {
+        uint32_t i = (first + k) % c->n_seeds;
         char why_text[200];
         int rc = ensure_connected(c, &c->nodes[i], budget, why_text, sizeof(why_text));
         if (rc == -2) {
@@ -630,6 +635,7 @@ int kvhi_cluster_open(const kvhi_cluster_opts *opts, kvhi_cluster **out, char *e
             return KVHI_CLUSTER_AUTH_REFUSED;
         }
         if (r) {
+            c->seed_answered = (int32_t)(nd - c->nodes);
             refresh_map(c, budget);
             bool any = false;
             for (uint32_t sl = 0; sl < KVHI_CLUSTER_SLOTS && !any; sl++)
@@ -652,6 +658,8 @@ int kvhi_cluster_open(const kvhi_cluster_opts *opts, kvhi_cluster **out, char *e
     *out = c;
     return 0;
 }
+
+int32_t kvhi_cluster_seed_answered(const kvhi_cluster *c) { return c->seed_answered; }
 
 void kvhi_cluster_close(kvhi_cluster *c)
 {

@@ -30,7 +30,14 @@ typedef struct kvhi_cluster_opts {
     uint32_t breaker_ms;  /* how long a failed node is left alone */
     kvhi_cluster_log_fn log;
     void *log_user;
+    /* The seed an open tries first (the others follow in order), or
+     * KVHI_CLUSTER_SEEDS_LATER: none at open, as if none had answered
+     * (they are tried on first use). For the clients opened after one
+     * that found which seed answers, or that none does. */
+    int32_t first_seed;
 } kvhi_cluster_opts;
+
+#define KVHI_CLUSTER_SEEDS_LATER (-1)
 
 /* Result of one command of a batch. */
 enum kvhi_cmd_result {
@@ -114,6 +121,10 @@ uint32_t kvhi_cluster_key_slot(const char *key, size_t len);
 typedef int (*kvhi_cluster_key_fn)(void *user, const char *key, size_t len);
 int kvhi_cluster_scan(kvhi_cluster *c, const char *prefix, kvhi_cluster_key_fn fn, void *user, char *err,
                       size_t err_len);
+
+/* The seed that answered the open's PING, or -1 (none did, or none was
+ * tried). */
+int32_t kvhi_cluster_seed_answered(const kvhi_cluster *c);
 
 /* Masters that answer / are known (for `kvh doctor`). */
 void kvhi_cluster_health(kvhi_cluster *c, uint32_t *answering, uint32_t *known);

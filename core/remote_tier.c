@@ -63,9 +63,18 @@ static kvh_status open_remote(const kvh_config *cfg, kvh_engine *log_to, const k
      * hold up a match's. */
     uint32_t want = log_to ? KVHI_REMOTE_CLIENTS : 1;
     int failed = 0;
-    for (uint32_t i = 0; i < want && !failed; i++)
-        if ((failed = kvhi_cluster_open(&o, &r->clients[i], err, sizeof(err))) == 0)
-            r->n_clients++;
+    for (uint32_t i = 0; i < want && !failed; i++) {
+        if ((failed = kvhi_cluster_open(&o, &r->clients[i], err, sizeof(err))) != 0)
+            break;
+        r->n_clients++;
+        /* The others start where the first found an answer, or wait for
+         * first use where it found none: seeds that stall cost one
+         * deadline each at open, not one per client. */
+        if (i == 0) {
+            int32_t seed = kvhi_cluster_seed_answered(r->clients[0]);
+            o.first_seed = seed >= 0 ? seed : KVHI_CLUSTER_SEEDS_LATER;
+        }
+    }
     if (!failed && background)
         failed = kvhi_cluster_open(&o, &r->upload_cluster, err, sizeof(err));
     if (failed) {
