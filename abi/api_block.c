@@ -317,6 +317,13 @@ kvh_status kvh_pool_unregister(kvh_engine *e, kvh_pool pool)
     return st;
 }
 
+/* A call's use of its slot: every layer, read or written. */
+static kvhi_slot_use slot_use_of(const kvh_engine *e, bool write)
+{
+    kvhi_slot_use u = {.write = write, .first_layer = 0, .n_layers = e->cfg.num_layers};
+    return u;
+}
+
 /* Enters e for a transfer that reads (write false) or writes slot of pool. */
 static kvh_status enter_pool(kvh_engine *e, kvh_pool pool, uint32_t slot, bool write, kvhi_ext_pool **out)
 {
@@ -329,13 +336,13 @@ static kvh_status enter_pool(kvh_engine *e, kvh_pool pool, uint32_t slot, bool w
     else if (slot >= p->layout.num_slots)
         st = kvhi_fail(KVH_ERR_RANGE, "slot %u >= num_slots %u", slot, p->layout.num_slots);
     else
-        st = kvhi_pool_slot_check(p, slot, write, 0);
+        st = kvhi_pool_slot_check(p, slot, slot_use_of(e, write), 0);
     if (st != KVH_OK) {
         kvhi_leave(e);
         return st;
     }
     p->calls++; /* the call may drop the lock: unregister waits (leave_pool) */
-    kvhi_pool_slot_enter(p, slot, write);
+    kvhi_pool_slot_enter(p, slot, slot_use_of(e, write));
     *out = p;
     return KVH_OK;
 }
@@ -343,7 +350,7 @@ static kvh_status enter_pool(kvh_engine *e, kvh_pool pool, uint32_t slot, bool w
 /* Gives back what enter_pool took and leaves e. */
 static void leave_pool(kvh_engine *e, kvhi_ext_pool *p, uint32_t slot, bool write)
 {
-    kvhi_pool_slot_leave(p, slot, write);
+    kvhi_pool_slot_leave(p, slot, slot_use_of(e, write));
     if (--p->calls == 0 && p->unregistered)
         pthread_cond_broadcast(&e->changed);
     kvhi_leave(e);

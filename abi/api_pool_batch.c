@@ -33,10 +33,15 @@ static kvh_status xfers_stride(const kvh_pool_xfer *xfers, size_t n, size_t *str
     return KVH_OK;
 }
 
-/* Enters e, resolves pool and checks the slots (in range, none twice). */
-static kvh_status enter_batch(kvh_engine *e, kvh_pool pool, const kvh_pool_xfer *xfers, size_t n, bool offload,
-                              size_t *stride_out, kvhi_ext_pool **out)
+/* Enters e, resolves pool, and copies and checks the slots: in range,
+ * none twice, none used by another transfer in a way use conflicts with
+ * (and use's layers in range). [out] *slots_out (n entries, the caller
+ * frees): the values checked, which the batch uses from then on, the
+ * caller's array being the caller's to change meanwhile. */
+static kvh_status enter_batch(kvh_engine *e, kvh_pool pool, const kvh_pool_xfer *xfers, size_t n, kvhi_slot_use use,
+                              size_t *stride_out, kvhi_ext_pool **out, uint32_t **slots_out)
 {
+    bool offload = !use.write;
     KVHI_REQUIRE(xfers || n == 0, "xfers is NULL with n = %zu", n);
     kvh_status st = kvhi_api_enter(e);
     if (st != KVH_OK)
@@ -44,20 +49,26 @@ static kvh_status enter_batch(kvh_engine *e, kvh_pool pool, const kvh_pool_xfer 
     size_t stride = sizeof(kvh_pool_xfer);
     kvhi_ext_pool *p = kvhi_handles_get(&e->pools, pool.id, NULL);
     uint8_t *seen = NULL;
-    if (!p)
+    uint32_t *slots = NULL;
+    uint32_t L = e->cfg.num_layers;
+    if (use.write && (use.first_layer >= L || use.n_layers > L - use.first_layer))
+        st = kvhi_fail(KVH_ERR_RANGE, "layers [%u, %u + %u) past num_layers %u", use.first_layer, use.first_layer,
+                       use.n_layers, L);
+    else if (!p)
         st = kvhi_fail(KVH_ERR_BAD_HANDLE, "stale or unknown pool 0x%llx", (unsigned long long)pool.id);
     else if (n > p->layout.num_slots)
         st = kvhi_fail(KVH_ERR_INVALID_ARG, "%zu transfers for a pool of %u slots (each slot at most once)", n,
                        p->layout.num_slots);
     else if ((st = xfers_stride(xfers, n, &stride)) != KVH_OK)
         ;
-    else if (n && !(seen = calloc(p->layout.num_slots / 8 + 1, 1)))
+    else if (!(slots = malloc(sizeof(uint32_t) * (n ? n : 1))) ||
+             (n && !(seen = calloc(p->layout.num_slots / 8 + 1, 1))))
         st = kvhi_fail(KVH_ERR_NOMEM, "out of memory checking a batch");
     for (size_t i = 0; offload && i < n && st == KVH_OK; i++)
         if (!xfer_at(xfers, stride, i)->tokens)
             st = kvhi_fail(KVH_ERR_INVALID_ARG, "xfers[%zu].tokens is NULL", i);
     for (size_t i = 0; i < n && st == KVH_OK; i++) {
-        uint32_t slot = xfer_at(xfers, stride, i)->slot;
+        uint32_t slot = slots[i] = xfer_at(xfers, stride, i)->slot;
         if (slot >= p->layout.num_slots)
             st = kvhi_fail(KVH_ERR_RANGE, "xfers[%zu]: slot %u >= num_slots %u", i, slot, p->layout.num_slots);
         else if (seen[slot / 8] >> (slot % 8) & 1)
@@ -67,14 +78,16 @@ static kvh_status enter_batch(kvh_engine *e, kvh_pool pool, const kvh_pool_xfer 
     }
     /* Another transfer still on a slot: refused before anything is taken. */
     for (size_t i = 0; i < n && st == KVH_OK; i++)
-        st = kvhi_pool_slot_check(p, xfer_at(xfers, stride, i)->slot, !offload, i);
+        st = kvhi_pool_slot_check(p, slots[i], use, i);
     free(seen);
     if (st != KVH_OK) {
+        free(slots);
         kvhi_leave(e);
         return st;
     }
     *stride_out = stride;
     *out = p;
+    *slots_out = slots;
     return KVH_OK;
 }
 
@@ -98,12 +111,15 @@ kvh_status kvh_pool_offload_batch(kvh_engine *e, kvh_pool pool, kvh_pool_xfer *x
     KVHI_REQUIRE(fence, "fence is NULL");
     size_t stride;
     kvhi_ext_pool *p;
-    kvh_status st = enter_batch(e, pool, xfers, n, true, &stride, &p);
+    uint32_t *slots;
+    const kvhi_slot_use read = {.write = false};
+    kvh_status st = enter_batch(e, pool, xfers, n, read, &stride, &p, &slots);
     if (st != KVH_OK)
         return st;
     kvh_fence f;
     kvhi_pool_work *w = kvhi_pool_work_new(e, KVHI_PW_OFFLOAD, (uint32_t)n, 1, &f);
     if (!w) {
+        free(slots);
         kvhi_leave(e);
         return KVH_ERR_NOMEM;
     }
@@ -116,8 +132,13 @@ kvh_status kvh_pool_offload_batch(kvh_engine *e, kvh_pool pool, kvh_pool_xfer *x
         kvh_pool_xfer *x = (kvh_pool_xfer *)xfer_at(xfers, stride, k);
         kvhi_pool_item *it = &w->items[k];
         int32_t *tokens = w->tokens + (size_t)k * bt;
-        memcpy(tokens, x->tokens, sizeof(int32_t) * bt);
-        it->slot = x->slot;
+        const int32_t *given = x->tokens; /* read once: checked, then copied */
+        if (!given) {
+            st = kvhi_fail(KVH_ERR_INVALID_ARG, "xfers[%u].tokens is NULL", k);
+            break;
+        }
+        memcpy(tokens, given, sizeof(int32_t) * bt);
+        it->slot = slots[k];
         it->tokens = tokens;
         it->parent = x->parent_hash;
         it->status = &x->status;
@@ -141,7 +162,8 @@ kvh_status kvh_pool_offload_batch(kvh_engine *e, kvh_pool pool, kvh_pool_xfer *x
     /* Making room may have dropped the lock: a restore may have taken a
      * slot since the first check. */
     for (size_t i = 0; i < n && st == KVH_OK; i++)
-        st = kvhi_pool_slot_check(p, xfer_at(xfers, stride, i)->slot, false, i);
+        st = kvhi_pool_slot_check(p, slots[i], read, i);
+    free(slots);
     if (st != KVH_OK) {
         offload_undo(e, w, k);
         kvhi_pool_work_discard(e, w);
@@ -155,7 +177,7 @@ kvh_status kvh_pool_offload_batch(kvh_engine *e, kvh_pool pool, kvh_pool_xfer *x
         e->blocks[w->items[i].block].ext_refs++;
         x->block.id = kvhi_block_handle(e, w->items[i].block);
         x->status = KVH_OK;
-        kvhi_pool_slot_enter(p, x->slot, false);
+        kvhi_pool_slot_enter(p, w->items[i].slot, read);
     }
     *fence = f;
     kvhi_pool_work_submit(e, w);
@@ -170,13 +192,12 @@ kvh_status kvh_pool_restore_batch(kvh_engine *e, kvh_pool pool, kvh_pool_xfer *x
     KVHI_REQUIRE(n_layers > 0, "n_layers is 0");
     size_t stride;
     kvhi_ext_pool *p;
-    kvh_status st = enter_batch(e, pool, xfers, n, false, &stride, &p);
+    uint32_t *slots;
+    const kvhi_slot_use write = {.write = true, .first_layer = first_layer, .n_layers = n_layers};
+    kvh_status st = enter_batch(e, pool, xfers, n, write, &stride, &p, &slots);
     if (st != KVH_OK)
         return st;
-    uint32_t L = e->cfg.num_layers;
-    if (first_layer >= L || n_layers > L - first_layer)
-        st = kvhi_fail(KVH_ERR_RANGE, "layers [%u, %u + %u) past num_layers %u", first_layer, first_layer, n_layers, L);
-    uint32_t *blocks = st == KVH_OK ? malloc(sizeof(uint32_t) * (n ? n : 1)) : NULL;
+    uint32_t *blocks = malloc(sizeof(uint32_t) * (n ? n : 1));
     if (st == KVH_OK && !blocks)
         st = kvhi_fail(KVH_ERR_NOMEM, "out of memory for a restore");
     for (size_t i = 0; i < n && st == KVH_OK; i++) {
@@ -194,6 +215,7 @@ kvh_status kvh_pool_restore_batch(kvh_engine *e, kvh_pool pool, kvh_pool_xfer *x
         st = KVH_ERR_NOMEM;
     if (st != KVH_OK) {
         free(blocks);
+        free(slots);
         kvhi_leave(e);
         return st;
     }
@@ -203,15 +225,16 @@ kvh_status kvh_pool_restore_batch(kvh_engine *e, kvh_pool pool, kvh_pool_xfer *x
     for (size_t i = 0; i < n; i++) {
         kvh_pool_xfer *x = (kvh_pool_xfer *)xfer_at(xfers, stride, i);
         kvhi_pool_item *it = &w->items[i];
-        it->slot = x->slot;
+        it->slot = slots[i];
         it->block = blocks[i];
         it->status = &x->status;
         x->status = KVH_OK;
         kvhi_block_ref(e, it->block);
         kvhi_block_hold_reading(e, it->block);
-        kvhi_pool_slot_enter(p, it->slot, true);
+        kvhi_pool_slot_enter(p, it->slot, write);
     }
     free(blocks);
+    free(slots);
     kvhi_pool_work_submit(e, w);
     kvhi_leave(e);
     return KVH_OK;

@@ -15,7 +15,8 @@ void kvhi_pools_destroy(kvh_engine *e)
         if (p) {
             free(p->k_base);
             free(p->v_base);
-            free(p->slot_use);
+            free(p->slot_readers);
+            free(p->slot_writing);
             free(p);
         }
     }
@@ -28,6 +29,7 @@ kvh_status kvhi_pool_register(kvh_engine *e, const kvh_pool_layout *layout, kvh_
     if (!p)
         return kvhi_fail(KVH_ERR_NOMEM, "out of memory for a pool");
     p->layout = *layout;
+    p->num_layers = L;
     p->k_base = malloc(sizeof(void *) * L);
     p->v_base = malloc(sizeof(void *) * L);
     if (!p->k_base || !p->v_base) {
@@ -61,37 +63,69 @@ void kvhi_pool_unregister(kvh_engine *e, kvhi_ext_pool *p, uint32_t index)
         pthread_cond_wait(&e->changed, &e->lock);
     free(p->k_base);
     free(p->v_base);
-    free(p->slot_use);
+    free(p->slot_readers);
+    free(p->slot_writing);
     free(p);
 }
 
-kvh_status kvhi_pool_slot_check(kvhi_ext_pool *p, uint32_t slot, bool write, size_t item)
+/* The bits of layers [first, first + n) in a slot's write mask: one per
+ * layer up to 64 layers, else per group of adjacent layers (two writes
+ * of one group are refused, as of one layer). */
+static uint64_t layer_bits(const kvhi_ext_pool *p, uint32_t first, uint32_t n)
 {
-    if (!p->slot_use && !(p->slot_use = calloc(p->layout.num_slots, sizeof(uint32_t))))
-        return kvhi_fail(KVH_ERR_NOMEM, "out of memory for a pool's slot table (%u slots)", p->layout.num_slots);
-    uint32_t use = p->slot_use[slot];
-    if (use & KVHI_SLOT_WRITING)
+    uint32_t lo = (uint32_t)((uint64_t)first * 64 / p->num_layers);
+    uint32_t hi = (uint32_t)((uint64_t)(first + n - 1) * 64 / p->num_layers);
+    uint64_t upto_hi = hi >= 63 ? ~0ull : (2ull << hi) - 1;
+    return upto_hi & ~((1ull << lo) - 1);
+}
+
+kvh_status kvhi_pool_slot_check(kvhi_ext_pool *p, uint32_t slot, kvhi_slot_use u, size_t item)
+{
+    if (!p->slot_readers) {
+        p->slot_readers = calloc(p->layout.num_slots, sizeof(uint32_t));
+        p->slot_writing = calloc(p->layout.num_slots, sizeof(uint64_t));
+        if (!p->slot_readers || !p->slot_writing) {
+            free(p->slot_readers);
+            free(p->slot_writing);
+            p->slot_readers = NULL;
+            p->slot_writing = NULL;
+            return kvhi_fail(KVH_ERR_NOMEM, "out of memory for a pool's slot table (%u slots)", p->layout.num_slots);
+        }
+    }
+    uint64_t writing = p->slot_writing[slot];
+    if (!u.write && writing)
         return kvhi_fail(KVH_ERR_BUSY,
                          "item %zu: slot %u is being written by a restore that has not completed (wait for its "
                          "last fence)",
                          item, slot);
-    if (write && use)
+    if (u.write && p->slot_readers[slot])
         return kvhi_fail(KVH_ERR_BUSY,
                          "item %zu: slot %u is being read by an offload that has not completed (wait for its fence)",
                          item, slot);
-    if (!write && use == KVHI_SLOT_WRITING - 1)
+    if (u.write && (writing & layer_bits(p, u.first_layer, u.n_layers)))
+        return kvhi_fail(KVH_ERR_BUSY,
+                         "item %zu: layers %u..%u of slot %u are being written by a restore that has not completed "
+                         "(wait for its last fence)",
+                         item, u.first_layer, u.first_layer + u.n_layers - 1, slot);
+    if (!u.write && p->slot_readers[slot] == UINT32_MAX)
         return kvhi_fail(KVH_ERR_BUSY, "item %zu: slot %u has too many offloads running", item, slot);
     return KVH_OK;
 }
 
-void kvhi_pool_slot_enter(kvhi_ext_pool *p, uint32_t slot, bool write)
+void kvhi_pool_slot_enter(kvhi_ext_pool *p, uint32_t slot, kvhi_slot_use u)
 {
-    p->slot_use[slot] = write ? KVHI_SLOT_WRITING : p->slot_use[slot] + 1;
+    if (u.write)
+        p->slot_writing[slot] |= layer_bits(p, u.first_layer, u.n_layers);
+    else
+        p->slot_readers[slot]++;
 }
 
-void kvhi_pool_slot_leave(kvhi_ext_pool *p, uint32_t slot, bool write)
+void kvhi_pool_slot_leave(kvhi_ext_pool *p, uint32_t slot, kvhi_slot_use u)
 {
-    p->slot_use[slot] = write ? 0 : p->slot_use[slot] - 1;
+    if (u.write)
+        p->slot_writing[slot] &= ~layer_bits(p, u.first_layer, u.n_layers);
+    else
+        p->slot_readers[slot]--;
 }
 
 kvh_status kvhi_pool_restore(kvh_engine *e, kvhi_ext_pool *p, uint32_t b, uint32_t slot)

@@ -16,23 +16,31 @@ typedef struct kvhi_ext_pool {
     /* Synchronous calls inside with it (kvh_pool_offload*, kvh_pool_restore),
      * which may drop the lock half way: unregistering waits for them too. */
     uint32_t calls;
-    /* Per slot, the transfers running on it: readers (offloads) in the low
-     * bits, KVHI_SLOT_WRITING while a restore writes it; NULL until the
-     * first transfer. A transfer that would read a slot being written, or
-     * write one being read or written, is refused: its copy would tear
-     * the other's KV, and a torn offload would be published. */
-    uint32_t *slot_use;
+    /* Per slot, the transfers running on it: how many read it (offloads,
+     * every layer), and which layers restores write (a bit per layer, or
+     * per group of adjacent layers past 64); NULL until the first
+     * transfer. A transfer that would read a slot being written, or write
+     * layers being read or written, is refused: its copy would tear the
+     * other's KV, and a torn offload would be published. */
+    uint32_t *slot_readers;
+    uint64_t *slot_writing;
+    uint32_t num_layers;
     bool unregistered;
 } kvhi_ext_pool;
 
-#define KVHI_SLOT_WRITING 0x80000000u
+/* A transfer on one slot: a read of every layer, or a write of layers
+ * [first_layer, first_layer + n_layers). */
+typedef struct kvhi_slot_use {
+    bool write;
+    uint32_t first_layer, n_layers;
+} kvhi_slot_use;
 
-/* KVH_OK when a transfer may read (write false) or write slot of p now;
- * else KVH_ERR_BUSY naming it as item (KVH_ERR_NOMEM: no slot table). */
-kvh_status kvhi_pool_slot_check(kvhi_ext_pool *p, uint32_t slot, bool write, size_t item);
-/* Counts a transfer on slot in (checked first) or out. */
-void kvhi_pool_slot_enter(kvhi_ext_pool *p, uint32_t slot, bool write);
-void kvhi_pool_slot_leave(kvhi_ext_pool *p, uint32_t slot, bool write);
+/* KVH_OK when transfer u may run on slot of p now; else KVH_ERR_BUSY
+ * naming it as item (KVH_ERR_NOMEM: no slot table). */
+kvh_status kvhi_pool_slot_check(kvhi_ext_pool *p, uint32_t slot, kvhi_slot_use u, size_t item);
+/* Counts transfer u on slot in (checked first) or out. */
+void kvhi_pool_slot_enter(kvhi_ext_pool *p, uint32_t slot, kvhi_slot_use u);
+void kvhi_pool_slot_leave(kvhi_ext_pool *p, uint32_t slot, kvhi_slot_use u);
 
 kvh_status kvhi_pool_register(kvh_engine *e, const kvh_pool_layout *layout, kvh_pool *out);
 /* Frees p, the pool at index of e->pools, once no batch or call uses it

@@ -91,8 +91,11 @@ static kvh_status work_end(kvh_engine *e, kvhi_pool_work *w, uint32_t first_fenc
         if (w->items[i].status)
             *w->items[i].status = w->items[i].st;
         item_release(e, w, &w->items[i]);
-        if (w->pool)
-            kvhi_pool_slot_leave(w->pool, w->items[i].slot, w->kind == KVHI_PW_RESTORE);
+        if (w->pool) {
+            kvhi_slot_use u = {
+                .write = w->kind == KVHI_PW_RESTORE, .first_layer = w->first_layer, .n_layers = w->n_layers};
+            kvhi_pool_slot_leave(w->pool, w->items[i].slot, u);
+        }
     }
     if (w->pool && --w->pool->batches == 0)
         pthread_cond_broadcast(&e->changed);

@@ -65,15 +65,17 @@ static void *uploader_main(void *arg)
             kvhi_remote_upload_unref(e, b);
             continue;
         }
-        if (r->queue_full && r->q_len < r->q_cap / 2) {
-            r->queue_full = false;
-            kvhi_log_later(e, KVH_LOG_INFO, "remote tier: upload queue has room again");
-        }
         r->in_round = n;
         kvhi_remote_upload_blocks(e, r->upload_cluster ? r->upload_cluster : r->cluster, batch, n);
         for (size_t k = 0; k < n; k++)
             kvhi_remote_upload_unref(e, batch[k]);
         r->in_round = 0;
+        /* Room again once a round has gone and at most half the queue
+         * waits (an empty one, where it holds a single block). */
+        if (r->queue_full && r->q_len <= r->q_cap / 2) {
+            r->queue_full = false;
+            kvhi_log_later(e, KVH_LOG_INFO, "remote tier: upload queue has room again");
+        }
     }
     pthread_mutex_unlock(&e->lock);
     free(batch);

@@ -419,6 +419,13 @@ static void test_slot_in_use_refused(void **state)
     kvh_stats s1 = tu_stats(e);
     uint32_t refs1 = tu_binfo(e, src).refs;
     kvh_status other_slot = kvh_pool_restore_batch(e, pool, &r4, 1, 0, GL, rf4);
+    /* Restores of other layers of one slot may run together; the same
+     * layer twice may not. */
+    kvh_pool_xfer l0 = restore_item(5, src), l1 = restore_item(5, src), l01 = restore_item(5, src);
+    kvh_fence f0[1], f1[1];
+    kvh_status first_layer = kvh_pool_restore_batch(e, pool, &l0, 1, 0, 1, f0);
+    kvh_status second_layer = kvh_pool_restore_batch(e, pool, &l1, 1, 1, 1, f1);
+    kvh_status both_layers = kvh_pool_restore_batch(e, pool, &l01, 1, 0, GL, none);
     kvh_status second_reader = kvh_pool_offload_batch(e, g.pool, &go, 1, 0, &gof);
     uffd_gate_open(&g);
 
@@ -431,6 +438,13 @@ static void test_slot_in_use_refused(void **state)
     assert_int_equal(refs1, refs0);
     assert_ok(other_slot);
     assert_ok(second_reader);
+    assert_ok(first_layer);
+    assert_ok(second_layer);
+    assert_int_equal(both_layers, KVH_ERR_BUSY);
+    wait_free(e, f0[0], KVH_OK);
+    wait_free(e, f1[0], KVH_OK);
+    assert_ok(l0.status);
+    assert_ok(l1.status);
     wait_free(e, g.fence, KVH_OK);
     wait_free(e, gof, KVH_OK);
     for (uint32_t l = 0; l < GL; l++) {
@@ -442,6 +456,7 @@ static void test_slot_in_use_refused(void **state)
     for (uint32_t l = 0; l < GL; l++) {
         assert_true(pt_layer_equal(&p, 1, &p, 3, l));
         assert_true(pt_layer_equal(&p, 1, &p, 4, l));
+        assert_true(pt_layer_equal(&p, 1, &p, 5, l));
     }
     /* Done: the slots take any transfer again. */
     assert_ok(kvh_pool_restore(e, g.pool, src, 0));

@@ -8,6 +8,8 @@
  * elements of its slot and layers and no other byte; unregistering and
  * closing leave the blocks and the caller's memory sound. */
 #include <limits.h>
+#include <pthread.h>
+#include <stdatomic.h>
 
 #include "test_util.h"
 #include "disk_test_util.h"
@@ -932,6 +934,76 @@ static void test_blocks_outlive_their_pool(void **state)
     assert_true(hp_same(c, &want));
 }
 
+/* A caller thread that rewrites its own xfers[0].slot and .tokens while
+ * batches read them (a race of the caller's making): kvh takes each
+ * value once, so every slot is free again once the batches are done
+ * (none counted in and out under two values), and a NULL tokens pointer
+ * seen late is refused, not read. */
+static kvh_pool_xfer flipped[4];
+static atomic_int flipping;
+static int32_t flip_tokens[BT];
+
+static void *flip_slot(void *arg)
+{
+    (void)arg;
+    while (atomic_load(&flipping)) {
+        __atomic_store_n(&flipped[0].slot, 6, __ATOMIC_RELAXED);
+        __atomic_store_n(&flipped[0].tokens, NULL, __ATOMIC_RELAXED);
+        __atomic_store_n(&flipped[0].slot, 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&flipped[0].tokens, flip_tokens, __ATOMIC_RELAXED);
+    }
+    return NULL;
+}
+
+static void test_slots_rewritten_during_a_batch(void **state)
+{
+    kvh_engine *e = mem_engine(64, 64, threads_of(state));
+    hp_pool p;
+    hp_padded(&p, 8, 17);
+    kvh_pool pool;
+    assert_ok(kvh_pool_register(e, &p.layout, &pool));
+    int32_t tok[4][BT], src_tok[BT];
+    tokens_of(src_tok, 999, 0);
+    kvh_block src;
+    assert_ok(kvh_pool_offload(e, pool, 7, 0, src_tok, BT, 0, &src));
+    tokens_of(flip_tokens, 998, 0);
+    atomic_store(&flipping, 1);
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, flip_slot, NULL), 0);
+    /* Nothing asserts while the thread runs: a failure stops the loop. */
+    int ran = 0;
+    char failed[320] = "";
+    for (int round = 0; round < 400 && !failed[0]; round++) {
+        for (uint32_t i = 0; i < 4; i++) {
+            tokens_of(tok[i], (uint32_t)round + 1, i);
+            xfer_init(&flipped[i], i);
+            flipped[i].tokens = tok[i];
+        }
+        kvh_fence f;
+        kvh_status st = kvh_pool_offload_batch(e, pool, flipped, 4, 0, &f);
+        if (st == KVH_OK) {
+            ran++;
+            kvh_status done = kvh_fence_wait(e, f, UINT64_MAX);
+            kvh_fence_free(e, f);
+            for (uint32_t i = 0; i < 4; i++)
+                if (kvh_block_release(e, flipped[i].block) != KVH_OK || done != KVH_OK)
+                    snprintf(failed, sizeof(failed), "round %d: the batch or its blocks: %s", round, kvh_last_error());
+        } else if (st != KVH_ERR_INVALID_ARG)
+            snprintf(failed, sizeof(failed), "round %d: %s (%s)", round, kvh_status_name(st), kvh_last_error());
+        for (uint32_t s = 0; s < 7 && !failed[0]; s++)
+            if (kvh_pool_restore(e, pool, src, s) == KVH_ERR_BUSY)
+                snprintf(failed, sizeof(failed), "round %d: slot %u refused with nothing running: %s", round, s,
+                         kvh_last_error());
+    }
+    atomic_store(&flipping, 0);
+    pthread_join(th, NULL);
+    if (failed[0])
+        fail_msg("%s", failed);
+    assert_true(ran > 0);
+    assert_ok(kvh_block_release(e, src));
+    assert_ok(kvh_pool_unregister(e, pool));
+}
+
 /* Closing with pools registered, blocks referenced and batches queued:
  * every status written, nothing leaked (ASan), and no pool byte written
  * after close returns. */
@@ -1007,6 +1079,7 @@ int main(void)
         cmocka_unit_test_teardown(test_stale_and_double_released_handles, teardown),
         BOTH(test_blocks_outlive_their_pool),
         BOTH(test_close_with_pools_registered),
+        BOTH(test_slots_rewritten_during_a_batch),
     };
     return cmocka_run_group_tests_name("pool_hostile", tests, NULL, NULL);
 }

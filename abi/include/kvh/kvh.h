@@ -1092,8 +1092,10 @@ KVH_API kvh_status kvh_pool_restore(kvh_engine *engine, kvh_pool pool, kvh_block
  * reads them, a restore writes them): kvh cannot see the caller's own
  * writes, but refuses with KVH_ERR_BUSY, before taking anything, a
  * transfer (batched or not) that would read a slot a running restore
- * writes, or write a slot a running offload or restore reads or writes:
- * one of the two would copy torn KV.
+ * writes, or write a slot a running offload reads, or layers of a slot a
+ * running restore writes (restores of other layers of one slot may run
+ * together; past 64 layers, adjacent layers may count as one): one of
+ * the two would copy torn KV.
  * kvh_pool_unregister waits for the batches running on the pool; one
  * still queued then ends with KVH_ERR_BAD_HANDLE in every item's
  * status, and kvh_engine_close ends queued batches with KVH_ERR_CLOSED
@@ -1154,8 +1156,8 @@ KVH_API kvh_status kvh_pool_offload_batch(kvh_engine *engine, kvh_pool pool, kvh
  * n_layers 0, struct_size as above, a slot listed twice, n > num_slots,
  * a block whose KV is not fully written or still being gathered),
  * KVH_ERR_RANGE (slot, or layers past num_layers), KVH_ERR_BAD_HANDLE
- * (pool or a block), KVH_ERR_BUSY (a transfer still running reads or
- * writes a slot), KVH_ERR_NOMEM. @threads any */
+ * (pool or a block), KVH_ERR_BUSY (a transfer still running reads a
+ * slot, or writes its layers), KVH_ERR_NOMEM. @threads any */
 KVH_API kvh_status kvh_pool_restore_batch(kvh_engine *engine, kvh_pool pool, kvh_pool_xfer *xfers, size_t n,
                                           uint32_t first_layer, uint32_t n_layers, kvh_fence *layer_fences);
 
