@@ -374,29 +374,27 @@ static void make_room(void *arg)
     disarm();
 }
 
-static int persists_seen;
+/* Every write from the 60th on fails with -err: the "filesystem" is full. */
+static void fill_with_writes_failing(const char *name, int err)
+{
+    char dir[512];
+    dt_scratch(name, dir, sizeof(dir));
+    arm(KVHI_OP_WRITE, 60, err, true);
+    fill_until_nospace(dir, 512, make_room, NULL);
+    disarm();
+}
+
 static void test_nospace_injected_filesystem_full(void **state)
 {
     (void)state;
-    char dir[512];
-    dt_scratch("nospace-injected-fs", dir, sizeof(dir));
-    /* every write from the 60th on fails: the "filesystem" is full */
-    arm(KVHI_OP_WRITE, 60, -ENOSPC, true);
-    persists_seen = 0;
-    fill_until_nospace(dir, 512, make_room, NULL);
-    disarm();
+    fill_with_writes_failing("nospace-injected-fs", -ENOSPC);
 }
 
 /* The same with the user's disk quota used up (EDQUOT): a full disk too. */
 static void test_nospace_injected_quota_full(void **state)
 {
     (void)state;
-    char dir[512];
-    dt_scratch("nospace-injected-quota", dir, sizeof(dir));
-    arm(KVHI_OP_WRITE, 60, -EDQUOT, true);
-    persists_seen = 0;
-    fill_until_nospace(dir, 512, make_room, NULL);
-    disarm();
+    fill_with_writes_failing("nospace-injected-quota", -EDQUOT);
 }
 
 /* ------------------------------------------------------------------ */

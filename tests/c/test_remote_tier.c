@@ -322,6 +322,20 @@ static void test_write_through(void **state)
     assert_ok(tu_close(a));
 }
 
+/* A small engine (dev and host blocks, one worker) writing every block
+ * through to the cluster, with a deadline longer than any test: no round
+ * gives up while the cluster is stopped. */
+static kvh_config write_through_cfg(uint64_t dev, uint64_t host)
+{
+    kvh_config c = tu_cfg(LAYERS, HEADS, DIM, BT, KVH_DTYPE_F16, dev, host, 1);
+    c.model_salt = test_salt();
+    c.remote_addrs = rt_addrs(&cluster);
+    c.remote_password = PASSWORD;
+    c.remote_timeout_ms = 5000;
+    c.remote_upload = KVH_REMOTE_UPLOAD_WRITE_THROUGH;
+    return c;
+}
+
 /* Blocks waiting for an upload are unreferenced to the caller: the header
  * promises they leave the device tier before any referenced block, even
  * while the store is slow to take them (every node stopped here, so each
@@ -331,12 +345,7 @@ static void test_blocks_awaiting_upload_leave_first(void **state)
     (void)state;
     NEED_CLUSTER();
     enum { DEV = 8, KEPT = 2, CACHED = 4 };
-    kvh_config c = tu_cfg(LAYERS, HEADS, DIM, BT, KVH_DTYPE_F16, DEV, 64, 1);
-    c.model_salt = test_salt();
-    c.remote_addrs = rt_addrs(&cluster);
-    c.remote_password = PASSWORD;
-    c.remote_timeout_ms = 5000; /* longer than the test: no round gives up */
-    c.remote_upload = KVH_REMOTE_UPLOAD_WRITE_THROUGH;
+    kvh_config c = write_through_cfg(DEV, 64);
     kvh_engine *e = tu_open_cfg(&c);
     int32_t tokens[(KEPT + CACHED) * BT];
     prefix_tokens(tokens, (KEPT + CACHED) * BT, 91000);
@@ -396,12 +405,7 @@ static void test_stalled_store_leaves_room(void **state)
     (void)state;
     NEED_CLUSTER();
     enum { DEV = 8, HOST = 16, SEQS = 4 * (DEV + HOST) };
-    kvh_config c = tu_cfg(LAYERS, HEADS, DIM, BT, KVH_DTYPE_F16, DEV, HOST, 1);
-    c.model_salt = test_salt();
-    c.remote_addrs = rt_addrs(&cluster);
-    c.remote_password = PASSWORD;
-    c.remote_timeout_ms = 5000; /* longer than the test: no round gives up */
-    c.remote_upload = KVH_REMOTE_UPLOAD_WRITE_THROUGH;
+    kvh_config c = write_through_cfg(DEV, HOST);
     kvh_engine *e = tu_open_cfg(&c);
     for (int i = 0; i < cluster.n; i++)
         kill(cluster.pids[i], SIGSTOP);

@@ -146,34 +146,8 @@ impl Drop for Gone {
 fn child_log_sink_drops_last_engine_on_worker() {
     // A store whose blocks fail their checksum when read back, so that
     // moving them logs on the migration worker.
-    let dir = std::env::temp_dir().join(format!("kvh-rust-{}-sink-drop", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let config = || {
-        Config::new()
-            .backend(Backend::Cpu)
-            .dtype(DType::F32)
-            .head_dim(8)
-            .block_tokens(4)
-            .device_bytes(4 * 256)
-            .host_bytes(4 * 256)
-            .disk(&dir, 16 * 8192)
-            .migration_threads(1)
-    };
     let tokens: Vec<i32> = (0..8).collect();
-    {
-        let e = Engine::open(config()).unwrap();
-        let s = e.create_sequence(0).unwrap();
-        s.append(&tokens).unwrap();
-        common::fill(&e, &s, 1);
-        s.persist().unwrap();
-    }
-    let slab = dir.join("slab-0000.kvh");
-    let mut bytes = std::fs::read(&slab).unwrap();
-    for off in (4096 + 100..bytes.len()).step_by(8192) {
-        bytes[off] ^= 0x08;
-    }
-    std::fs::write(&slab, bytes).unwrap();
+    let (dir, config) = common::store_failing_checksums("sink-drop", &tokens);
 
     // The sink holds the only handle of its own engine and drops it, on
     // the worker: the engine must then stay open with the sink's state.

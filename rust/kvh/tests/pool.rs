@@ -10,9 +10,7 @@ use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU8, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use kvh::{
-    Backend, Block, Config, DType, Engine, LogLevel, OffloadItem, Pool, RestoreBatch, Status, Tier,
-};
+use kvh::{Block, Config, Engine, LogLevel, OffloadItem, Pool, RestoreBatch, Status, Tier};
 
 const CHILD_VAR: &str = "KVH_POOL_CHILD";
 const CHILD_CASES: &[(&str, fn())] = &[(
@@ -288,34 +286,8 @@ fn slot_untouched() -> bool {
 /// sink then drops it: kvh writes its status later, and the memory it
 /// writes must still be the batch's.
 fn child_batch_dropped_in_its_engines_sink() {
-    let dir = std::env::temp_dir().join(format!("kvh-rust-{}-pool-sink", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let config = || {
-        Config::new()
-            .backend(Backend::Cpu)
-            .dtype(DType::F32)
-            .head_dim(8)
-            .block_tokens(4)
-            .device_bytes(4 * 256)
-            .host_bytes(4 * 256)
-            .disk(&dir, 16 * 8192)
-            .migration_threads(1)
-    };
     let tokens: Vec<i32> = (0..8).collect();
-    {
-        let e = Engine::open(config()).unwrap();
-        let s = e.create_sequence(0).unwrap();
-        s.append(&tokens).unwrap();
-        common::fill(&e, &s, 1);
-        s.persist().unwrap();
-    }
-    let slab = dir.join("slab-0000.kvh");
-    let mut bytes = std::fs::read(&slab).unwrap();
-    for off in (4096 + 100..bytes.len()).step_by(8192) {
-        bytes[off] ^= 0x08;
-    }
-    std::fs::write(&slab, bytes).unwrap();
+    let (dir, config) = common::store_failing_checksums("pool-sink", &tokens);
 
     let main = std::thread::current().id();
     let engine: &'static Engine = Box::leak(Box::new(

@@ -19,17 +19,23 @@ fn child_entry() {
     common::run_child_case(CHILD_VAR, CHILD_CASES);
 }
 
-#[test]
-fn refreshes_on_the_views_thread_never_make_sequence_calls_busy() {
-    let hd = 64u32;
-    let engine = Engine::open(
+/// Views on 16 MiB device and host tiers whose moves copy, with two
+/// workers: a view's blocks move while other threads use them.
+fn moving_view_engine() -> Engine {
+    Engine::open(
         common::one_head_view_config()
             .device_bytes(16 << 20)
             .host_bytes(16 << 20)
             .copy_moves(true)
             .migration_threads(2),
     )
-    .unwrap();
+    .unwrap()
+}
+
+#[test]
+fn refreshes_on_the_views_thread_never_make_sequence_calls_busy() {
+    let hd = 64u32;
+    let engine = moving_view_engine();
     let seq = engine.create_sequence(0).unwrap();
     seq.append(&[1; 64]).unwrap();
     let z = vec![0f32; 64 * hd as usize];
@@ -95,14 +101,7 @@ fn refreshes_on_the_views_thread_never_make_sequence_calls_busy() {
 #[test]
 fn views_made_on_the_sequences_thread_never_overlap_a_refresh() {
     let hd = 64usize;
-    let engine = Engine::open(
-        common::one_head_view_config()
-            .device_bytes(16 << 20)
-            .host_bytes(16 << 20)
-            .copy_moves(true)
-            .migration_threads(2),
-    )
-    .unwrap();
+    let engine = moving_view_engine();
     let seq = engine.create_sequence(0).unwrap();
     seq.append(&[1; 64]).unwrap();
     let z = vec![0f32; 64 * hd];

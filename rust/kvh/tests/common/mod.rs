@@ -47,6 +47,47 @@ pub fn fill(engine: &Engine, seq: &kvh::Sequence<'_>, seed: u32) {
     }
 }
 
+/// A disk store under the temp directory (named for this process and
+/// `name`) holding one persisted sequence of `tokens` whose blocks fail
+/// their checksum when read back, so that moving them logs a warning on
+/// the migration worker: its directory (the caller removes it) and the
+/// configuration that opens it (one worker, f32, 8-dim heads of 4-token
+/// blocks).
+pub fn store_failing_checksums(
+    name: &str,
+    tokens: &[i32],
+) -> (std::path::PathBuf, impl Fn() -> Config) {
+    let dir = std::env::temp_dir().join(format!("kvh-rust-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let slab = dir.join("slab-0000.kvh");
+    let store = dir.clone();
+    let config = move || {
+        Config::new()
+            .backend(Backend::Cpu)
+            .dtype(DType::F32)
+            .head_dim(8)
+            .block_tokens(4)
+            .device_bytes(4 * 256)
+            .host_bytes(4 * 256)
+            .disk(&store, 16 * 8192)
+            .migration_threads(1)
+    };
+    {
+        let e = Engine::open(config()).unwrap();
+        let s = e.create_sequence(0).unwrap();
+        s.append(tokens).unwrap();
+        fill(&e, &s, 1);
+        s.persist().unwrap();
+    }
+    let mut bytes = std::fs::read(&slab).unwrap();
+    for off in (4096 + 100..bytes.len()).step_by(8192) {
+        bytes[off] ^= 0x08;
+    }
+    std::fs::write(&slab, bytes).unwrap();
+    (dir, config)
+}
+
 /// One layer of one 64-dim f32 head in 16-token blocks on the CPU, views
 /// on (one head's K of a block is a whole 4 KiB page); budgets, threads
 /// and the rest are the caller's.
