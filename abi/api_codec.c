@@ -34,6 +34,10 @@ static kvh_status check_transcode(uint32_t codec, uint32_t dtype, uint32_t head_
     if (st != KVH_OK)
         return st;
     KVHI_REQUIRE(n_vectors == 0 || (src && dst), "src and dst must not be NULL");
+    /* No buffer of that many vectors fits in the address space. */
+    size_t raw = (size_t)head_dim * (dtype == KVH_DTYPE_F32 ? 4 : 2), widest = n > raw ? n : raw;
+    KVHI_REQUIRE(n_vectors <= PTRDIFF_MAX / widest, "%zu vectors of %zu bytes pass the address space", n_vectors,
+                 widest);
     return KVH_OK;
 }
 

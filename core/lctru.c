@@ -56,7 +56,8 @@ kvh_status kvhi_seq_set_tolerance(kvh_engine *e, kvhi_seq *s, uint64_t first, ui
 {
     uint32_t b0 = 0, b1 = 0;
     kvh_status st = KVH_OK;
-    if (n > 0 && (st = kvhi_seq_block_range(e, s, first, n, &b0, &b1)) == KVH_OK)
+    /* An empty range past the end is refused too, as every range call does. */
+    if ((st = kvhi_seq_block_range(e, s, first, n, &b0, &b1)) == KVH_OK)
         for (uint32_t i = b0; i < b1; i++)
             set_tolerance(e, s->blocks[i], tolerance);
     return st;
@@ -118,7 +119,7 @@ kvh_status kvhi_seq_derive_tolerance(kvh_engine *e, kvhi_seq *s, uint64_t first,
     float *y = NULL;
     if (e->cfg.kv_codec == KVH_CODEC_NONE)
         st = kvhi_fail(KVH_ERR_UNSUPPORTED, "the engine has no kv_codec to measure");
-    else if (n > 0)
+    else
         st = kvhi_seq_block_range(e, s, first, n, &b0, &b1);
     if (st == KVH_OK && b1 > b0) {
         raw = malloc(e->block_bytes);

@@ -63,10 +63,10 @@ def decode(records: Any, codec: CodecLike, head_dim: int, dtype: Any = np.float3
     """Decodes uint8 records (last axis: one record) into vectors of head_dim
     elements of dtype (NumPy float32/float16, or "bf16" for uint16 bits)."""
     head_dim = _index("head_dim", head_dim, maximum=_U32)
-    r = _records(records)
     c = Codec.parse(codec)
     kd = DType.parse(dtype)
     rec = vector_bytes(c, kd, head_dim)
+    r = _records(records, rec)
     if r.ndim < 1 or r.shape[-1] != rec:
         raise ValueError(f"records must end in an axis of {rec} bytes for this codec and head_dim")
     np_dt = {DType.F32: np.float32, DType.F16: np.float16, DType.BF16: np.uint16}[kd]
@@ -76,11 +76,14 @@ def decode(records: Any, codec: CodecLike, head_dim: int, dtype: Any = np.float3
     return out
 
 
-def _records(records: Any) -> np.ndarray:
+def _records(records: Any, rec: int) -> np.ndarray:
     """Encoded records as contiguous uint8, without casting other numbers
-    (a float or a value past 255 is not a byte of a record)."""
+    (a float or a value past 255 is not a byte of a record); bytes hold
+    one record, or several one after another (then one row each)."""
     if isinstance(records, (bytes, bytearray, memoryview)):
         records = np.frombuffer(records, dtype=np.uint8)
+        if records.size > rec and records.size % rec == 0:
+            records = records.reshape(-1, rec)
     if not isinstance(records, np.ndarray) or records.dtype != np.uint8:
         dt = getattr(records, "dtype", type(records).__name__)
         raise TypeError(f"records must be uint8 (as encode returns them) or bytes, not {dt}")
@@ -110,11 +113,14 @@ def error_figures(x: Any, codec: CodecLike) -> dict:
     against the raw one."""
     a = _vectors(x)
     c = Codec.parse(codec)
-    xf = a.astype(np.float32)
+    # bfloat16 comes as uint16 bits: their values, not the integers.
+    xf = (a.astype(np.uint32) << 16).view(np.float32) if _dtype_of(a) == DType.BF16 else a.astype(np.float32)
     d = a.shape[-1]
     # Decoded to f32: the bound is stated before rounding to the dtype.
     yf = decode(encode(a, c), c, d, np.float32)
-    if c == Codec.INT8:
+    if c == Codec.NONE:
+        bound = np.zeros_like(xf)  # stored as it is: no error to bound
+    elif c == Codec.INT8:
         bound = np.abs(xf).max(axis=-1, keepdims=True) / 254.0
     else:
         g = 32 if c == Codec.Q4_G32 else 64

@@ -283,6 +283,8 @@ class Context(GatedHandle, Closable, Uncopyable):
                     data = np.asarray(memoryview(data))  # takes strided buffers as they are
                 except TypeError:
                     raise TypeError(f"data must be a buffer (bytes, numpy array), not {type(data).__name__}") from None
+            if data.dtype.hasobject:  # references, not bytes
+                raise TypeError(f"data must hold plain numbers or bytes, not {data.dtype} (Python objects)")
             arr = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
             if size is not None and size != arr.size:
                 raise ValueError(f"size={size} does not match the {arr.size} bytes of data")

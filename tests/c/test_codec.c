@@ -133,6 +133,13 @@ static void test_sizes_and_arguments(void **state)
     assert_kvh(KVH_ERR_INVALID_ARG, kvh_codec_encode(KVH_CODEC_INT8, KVH_DTYPE_F32, 64, NULL, 1, &b));
     assert_kvh(KVH_ERR_INVALID_ARG, kvh_codec_decode(KVH_CODEC_INT8, KVH_DTYPE_F32, 64, &b, 1, NULL));
     assert_ok(kvh_codec_encode(KVH_CODEC_INT8, KVH_DTYPE_F32, 64, NULL, 0, NULL));
+    /* A count no buffer can hold is refused before anything is touched
+     * (it read and wrote far past small before). */
+    const size_t huge[] = {SIZE_MAX, SIZE_MAX / 2, (size_t)PTRDIFF_MAX / 64 + 1};
+    for (size_t i = 0; i < sizeof(huge) / sizeof(huge[0]); i++) {
+        assert_kvh(KVH_ERR_INVALID_ARG, kvh_codec_encode(KVH_CODEC_INT8, KVH_DTYPE_F16, 64, small, huge[i], small));
+        assert_kvh(KVH_ERR_INVALID_ARG, kvh_codec_decode(KVH_CODEC_Q4_G64, KVH_DTYPE_F32, 64, small, huge[i], small));
+    }
 }
 
 static void test_non_finite_and_constant(void **state)

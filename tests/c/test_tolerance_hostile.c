@@ -210,6 +210,8 @@ static void test_seq_set_tolerance_misuse(void **state)
         {BT, UINT64_MAX - BT + 1},       /* first + n wraps to 0 */
         {UINT64_MAX - 2, 4},             /* wraps to 1 */
         {(uint64_t)BT << 40, BT},
+        {len + 1, 0}, /* empty, but past the end: refused as every range call does */
+        {UINT64_MAX, 0},
     };
     for (size_t i = 0; i < sizeof(out) / sizeof(out[0]); i++) {
         kvh_status st = kvh_seq_set_tolerance(e, s, out[i].first, out[i].n, 200);
@@ -331,6 +333,8 @@ static void test_derive_tolerance_refuses_bad_bounds(void **state)
     assert_fails(KVH_ERR_RANGE, kvh_seq_derive_tolerance(e, s, 0, 2 * BT + 1, 0));
     assert_fails(KVH_ERR_RANGE, kvh_seq_derive_tolerance(e, s, 2 * BT - 1, UINT64_MAX - 2 * BT + 3, 0));
     assert_fails(KVH_ERR_RANGE, kvh_seq_derive_tolerance(e, s, UINT64_MAX, 1, 0));
+    assert_fails(KVH_ERR_RANGE, kvh_seq_derive_tolerance(e, s, 2 * BT + 1, 0, 0));
+    assert_ok(kvh_seq_derive_tolerance(e, s, 2 * BT, 0, 0)); /* empty, at the end */
     assert_fails(KVH_ERR_BAD_HANDLE, kvh_seq_derive_tolerance(e, freed, 0, 1, 0));
     assert_fails(KVH_ERR_BAD_HANDLE, kvh_seq_derive_tolerance(e, (kvh_seq){0}, 0, 1, 0));
     assert_fails(KVH_ERR_BAD_HANDLE, kvh_seq_derive_tolerance(e, (kvh_seq){b[0].id}, 0, 1, 0));

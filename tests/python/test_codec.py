@@ -46,6 +46,35 @@ def test_sizes_and_errors():
         kc.decode(np.zeros((2, 5), np.uint8), "int8", 64)
 
 
+@pytest.mark.parametrize("codec", ["int8", "q4_g32", "q4_g64"])
+def test_error_figures_read_bf16_bits_as_values(codec):
+    """bfloat16 arrives as uint16 bits: the figures compare values, as for
+    the same data in f32 (the bits read as integers gave an RMS error of
+    1.0 and 254 bounds)."""
+    x = np.random.default_rng(3).standard_normal((64, 128)).astype(np.float32)
+    bits = (x.view(np.uint32) >> 16).astype(np.uint16)  # truncated to bf16
+    as_bf16 = kc.error_figures(bits, codec)
+    as_f32 = kc.error_figures((bits.astype(np.uint32) << 16).view(np.float32), codec)
+    assert as_bf16["max_error_over_bound"] <= 1.0 + 1e-5
+    assert as_bf16["rel_rms_error"] == pytest.approx(as_f32["rel_rms_error"], rel=1e-6)
+    assert as_bf16["raw_bytes_per_vector"] == 2 * 128
+
+
+def test_error_figures_of_no_codec():
+    f = kc.error_figures(np.ones((2, 48), np.float32), "none")
+    assert f["rel_rms_error"] == 0.0 and f["max_error_over_bound"] == 0.0
+    assert f["bytes_per_vector"] == f["raw_bytes_per_vector"] == 48 * 4
+
+
+def test_decode_takes_bytes_of_several_records():
+    x = np.random.default_rng(4).standard_normal((3, 64)).astype(np.float32)
+    enc = kc.encode(x, "int8")
+    assert np.array_equal(kc.decode(enc.tobytes(), "int8", 64), kc.decode(enc, "int8", 64))
+    assert np.array_equal(kc.decode(enc[0].tobytes(), "int8", 64), kc.decode(enc[0], "int8", 64))
+    with pytest.raises(ValueError):
+        kc.decode(enc.tobytes()[:-1], "int8", 64)
+
+
 @pytest.mark.parametrize("codec", ["int8", "q4_g32"])
 def test_engine_host_tier_holds_quantised_blocks(codec):
     layers, heads, dim, bt = 2, 2, 64, 16

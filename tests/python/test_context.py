@@ -212,6 +212,10 @@ def test_argument_checks_name_the_argument(weights):
             eng.context(None)
         with pytest.raises(ValueError, match="name"):
             eng.context("a\0b")
+        with pytest.raises(TypeError, match="kv_policy"):
+            eng.context("p", kv_policy=["keep"])  # was "unhashable type: 'list'"
+        with pytest.raises(TypeError, match="data"):
+            a.add_region("o", data=np.array([object()], dtype=object))  # was NumPy's own message
         assert a.regions == []
         register(a, pa)
         for bad, error in ((-1, ValueError), (1.5, TypeError), ("0", TypeError)):

@@ -1718,8 +1718,8 @@ KVH_API kvh_status kvh_codec_vector_bytes(uint32_t codec, uint32_t dtype, uint32
 /* Encodes n_vectors vectors of head_dim elements of dtype, packed in src,
  * into n_vectors records packed in dst (kvh_codec_vector_bytes each).
  * [borrowed] src, dst (must not overlap). Returns KVH_ERR_INVALID_ARG as
- * kvh_codec_vector_bytes, or for NULL src/dst with n_vectors > 0.
- * @threads any */
+ * kvh_codec_vector_bytes, for NULL src/dst with n_vectors > 0, or for
+ * n_vectors whose bytes pass the address space. @threads any */
 KVH_API kvh_status kvh_codec_encode(uint32_t codec, uint32_t dtype, uint32_t head_dim, const void *src,
                                     size_t n_vectors, void *dst);
 
