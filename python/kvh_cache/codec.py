@@ -106,6 +106,11 @@ def round_trip(x: Any, codec: CodecLike) -> np.ndarray:
 __all__ = ["Codec", "vector_bytes", "encode", "decode", "round_trip"]
 
 
+def _as_f32(a: np.ndarray, dt: DType) -> np.ndarray:
+    """Values as float32: bfloat16 comes as uint16 bits, not integers."""
+    return (a.astype(np.uint32) << 16).view(np.float32) if dt == DType.BF16 else a.astype(np.float32)
+
+
 def error_figures(x: Any, codec: CodecLike) -> dict:
     """Error of one codec on x (vectors along the last axis): relative RMS
     error, worst error as a fraction of the documented bound (decoded to f32,
@@ -113,11 +118,12 @@ def error_figures(x: Any, codec: CodecLike) -> dict:
     against the raw one."""
     a = _vectors(x)
     c = Codec.parse(codec)
-    # bfloat16 comes as uint16 bits: their values, not the integers.
-    xf = (a.astype(np.uint32) << 16).view(np.float32) if _dtype_of(a) == DType.BF16 else a.astype(np.float32)
+    dt = _dtype_of(a)
     d = a.shape[-1]
     # Decoded to f32: the bound is stated before rounding to the dtype.
-    yf = decode(encode(a, c), c, d, np.float32)
+    # Without a codec a record is the input's own bytes, decoded as such.
+    y = decode(encode(a, c), c, d, dt if c == Codec.NONE else np.float32)
+    xf, yf = _as_f32(a, dt), _as_f32(y, dt if c == Codec.NONE else DType.F32)
     if c == Codec.NONE:
         bound = np.zeros_like(xf)  # stored as it is: no error to bound
     elif c == Codec.INT8:

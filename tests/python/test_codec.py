@@ -60,10 +60,11 @@ def test_error_figures_read_bf16_bits_as_values(codec):
     assert as_bf16["raw_bytes_per_vector"] == 2 * 128
 
 
-def test_error_figures_of_no_codec():
-    f = kc.error_figures(np.ones((2, 48), np.float32), "none")
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.uint16])
+def test_error_figures_of_no_codec(dtype):
+    f = kc.error_figures(np.full((2, 48), 0x3F80 if dtype == np.uint16 else 1, dtype), "none")
     assert f["rel_rms_error"] == 0.0 and f["max_error_over_bound"] == 0.0
-    assert f["bytes_per_vector"] == f["raw_bytes_per_vector"] == 48 * 4
+    assert f["bytes_per_vector"] == f["raw_bytes_per_vector"] == 48 * np.dtype(dtype).itemsize
 
 
 def test_decode_takes_bytes_of_several_records():
