@@ -380,6 +380,15 @@ int bench_attention(int argc, char **argv, const bench_ctx *ctx)
         fprintf(stderr, "kvh-bench attention: bad geometry or sizes\n");
         return 2;
     }
+    /* bw_mb << 20 must fit a size_t; the thread count goes to a uint32_t. */
+    if (o.bw_mb > (1u << 20)) {
+        fprintf(stderr, "kvh-bench attention: --bw-mb must be in 16..%u\n", 1u << 20);
+        return 2;
+    }
+    if (o.threads > 1024) {
+        fprintf(stderr, "kvh-bench attention: --threads must be in 0..1024\n");
+        return 2;
+    }
     if (bench_check_list(SCEN, "--blocks", &o.blocks, 1, 256, 1)) /* the engine's block_tokens range */
         return 2;
     for (size_t i = 0; i < o.contexts.n; i++)

@@ -351,8 +351,9 @@ int bench_migrate(int argc, char **argv, const bench_ctx *ctx)
     int prc = bench_parse(argc, argv, opts, SCEN, usage_text);
     if (prc)
         return bench_parse_rc(prc);
-    if (o.pool_mb < 1) {
-        fprintf(stderr, "kvh-bench migrate: --pool-mb must be >= 1\n");
+    /* The bound keeps pool_mb << 20 within 64 bits (16 TiB is beyond any machine). */
+    if (o.pool_mb < 1 || o.pool_mb > (1u << 24)) {
+        fprintf(stderr, "kvh-bench migrate: --pool-mb must be in 1..%u\n", 1u << 24);
         return 2;
     }
     for (size_t i = 0; i < o.threads.n; i++)

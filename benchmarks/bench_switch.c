@@ -197,6 +197,10 @@ int bench_switch(int argc, char **argv, const bench_ctx *ctx)
             fprintf(stderr, "kvh-bench switch: cannot stat %s\n", model);
             return 1;
         }
+        if (!S_ISREG(sb.st_mode)) { /* a directory would "reload" in no time and fail later */
+            fprintf(stderr, "kvh-bench switch: --model %s: not a regular file\n", model);
+            return 1;
+        }
         bytes = (uint64_t)sb.st_size;
     } else {
         bytes = ctx->quick ? SMOLLM2_Q4_1_BYTES / 8 : SMOLLM2_Q4_1_BYTES;

@@ -193,6 +193,10 @@ int bench_vmap(int argc, char **argv, const bench_ctx *ctx)
     int prc = bench_parse(argc, argv, opts, SCEN, usage_text);
     if (prc)
         return bench_parse_rc(prc);
+    if (threads > 1024) { /* the plan takes a uint32_t */
+        fprintf(stderr, "kvh-bench vmap: --threads must be in 0..1024\n");
+        return 2;
+    }
     int reps = ctx->reps ? ctx->reps : 5;
     for (size_t i = 0; i < contexts.n; i++) {
         if (!contexts.v[i] || contexts.v[i] > (1u << 24)) {

@@ -158,6 +158,7 @@ def parse_size(text: str) -> int:
         "gb": 1000**3,
         "gib": 1 << 30,
         "t": 1 << 40,
+        "tb": 1000**4,
         "tib": 1 << 40,
     }
     num = s.rstrip("abcdefghijklmnopqrstuvwxyz")

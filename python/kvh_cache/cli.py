@@ -10,7 +10,9 @@
 
 Every command takes --help; the long ones show a progress bar on a TTY and
 take --json. Exit status: 0 ok, 1 failed (a check, a verification or the
-wrapped tool), 2 usage, 3 not available in this build or machine.
+wrapped tool), 2 usage, 3 not available in this build or machine, 130
+interrupted (Ctrl-C), 128+N when a wrapped tool was killed by signal N (as a
+shell reports it).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import json
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -30,6 +33,25 @@ EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
 
 def _err(msg: str) -> None:
     print(f"kvh: {msg}", file=sys.stderr)
+
+
+def _tool_status(name: str, rc: int) -> int:
+    """A wrapped tool's exit status as kvh's own. subprocess reports a death
+    by signal N as -N, which sys.exit would turn into 256-N: give 128+N, as a
+    shell does, and say so unless the signal was SIGPIPE (a reader that
+    stopped early, no news to the user)."""
+    if rc >= 0:
+        return rc
+    if -rc != signal.SIGPIPE:
+        _err(f"{name} was killed by {_signal_name(-rc)}")
+    return 128 - rc
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return f"signal {number} ({signal.Signals(number).name})"
+    except ValueError:
+        return f"signal {number}"
 
 
 def _version() -> str:
@@ -122,7 +144,7 @@ def cmd_store(args: argparse.Namespace) -> int:
         _err(_not_a_directory(Path(args.dir)))
         return EXIT_FAIL
     cmd = [tool, args.action, str(args.dir)] + (["--json"] if args.json else [])
-    rc = subprocess.call(cmd)
+    rc = _tool_status("kvh-store", subprocess.call(cmd))
     # kvh-store's 2 means a store it could not read (the arguments were
     # checked here): for kvh that is a failed check, 1.
     return EXIT_FAIL if rc == 2 else rc
@@ -163,14 +185,16 @@ def cmd_store_remote(args: argparse.Namespace) -> int:
         cmd += ["--sample", str(args.sample)]
     if args.json:
         cmd.append("--json")
-    return subprocess.call(cmd, env=env)
+    return _tool_status("kvh-store", subprocess.call(cmd, env=env))
 
 
 def _store_info(directory: Path) -> Optional[Dict[str, Any]]:
-    tool = _store_tool()
+    tool = _store_tool()  # a bad $KVH_STORE raises BadToolVariable, a RuntimeError
     if not tool:
         return None
     res = subprocess.run([tool, "info", str(directory), "--json"], capture_output=True, text=True)
+    if res.returncode < 0:
+        raise RuntimeError(f"kvh-store info was killed by {_signal_name(-res.returncode)}")
     if res.returncode != 0:
         raise RuntimeError(res.stderr.strip() or f"kvh-store info exited with {res.returncode}")
     for line in res.stdout.splitlines():
@@ -178,6 +202,37 @@ def _store_info(directory: Path) -> Optional[Dict[str, Any]]:
         if line.startswith("{"):
             return json.loads(line)
     raise RuntimeError("kvh-store info printed no JSON")
+
+
+# The store's geometry as the library's mismatch message names it, and the
+# option of `kvh stats` that gives it.
+_GEOMETRY_OPTIONS = {
+    "num_layers": "layers",
+    "num_kv_heads": "kv_heads",
+    "head_dim": "head_dim",
+    "block_tokens": "block_tokens",
+    "dtype": "dtype",
+    "kv_codec": "kv_codec",
+    "model_salt": "model_salt",
+}
+_CODECS = ("none", "int8", "q4_g32", "q4_g64")
+
+
+def _mismatch_message(d: Path, exc: Exception, args: argparse.Namespace) -> str:
+    """The library's mismatch message worded for `kvh stats`, which opens a
+    store read as it is and never resets it: which option to pass."""
+    text = str(exc)
+    m = re.search(r"was made with a different (\w+)", text)
+    field = m.group(1) if m else None
+    dest = _GEOMETRY_OPTIONS.get(field or "")
+    if dest is None:
+        return f"cannot open {d}: {text.split(' (pass ')[0]}; pass the store's geometry (kvh store info {d} shows it)"
+    option = "--" + dest.replace("_", "-")
+    if getattr(args, dest, None) is not None:
+        advice = f"give the store's own {option} or leave it out to read it with kvh-store"
+    else:
+        advice = f"pass the store's {option} (kvh store info {d} shows it)"
+    return f"{d} was made with a different {field}: {advice}"
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
@@ -202,7 +257,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
         if info is None:
             _err(
                 "kvh-store (which reads the store's geometry) was not found; pass --layers --kv-heads --head-dim "
-                "--block-tokens --dtype --model-salt, or build kvh-store"
+                "--block-tokens --dtype --model-salt --kv-codec, or build kvh-store"
             )
             return EXIT_UNAVAILABLE
         for ours, theirs in (
@@ -216,16 +271,21 @@ def cmd_stats(args: argparse.Namespace) -> int:
             if geometry[ours] is None:
                 geometry[ours] = info[theirs]
     # The KV codec is part of the store's geometry too (kvh-store info says
-    # which); opening with another would be refused as a mismatch.
-    if info is None:
+    # which); opening with another is refused as a mismatch.
+    if info is None and args.kv_codec is None:
         try:
             info = _store_info(d)
         except (RuntimeError, ValueError):
             info = None
-    codec = (info or {}).get("kv_codec", "none")
+    codec = args.kv_codec or (info or {}).get("kv_codec", "none")
     # A store's size is its slab files': opening it at another size would
     # grow them (preallocated, possibly filling the disk) or drop blocks.
-    slab_bytes = sum(p.stat().st_size for p in sorted(d.glob("slab-*.kvh")))
+    slabs = sorted(d.glob("slab-*.kvh"))
+    odd = next((p for p in slabs if not p.is_file()), None)
+    if odd is not None:
+        _err(f"{odd}: not a regular file: a damaged store (run `kvh store verify {d}`)")
+        return EXIT_FAIL
+    slab_bytes = sum(p.stat().st_size for p in slabs)
     if not slab_bytes:
         _err(f"{d} has no slab files: kvh stats would create a store there, not read one")
         return EXIT_FAIL
@@ -249,7 +309,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
                 block_tokens=int(geometry["block_tokens"]),
                 dtype=str(geometry["dtype"]),
                 model_salt=int(geometry["model_salt"]),
-                kv_codec=None if codec == "none" else codec,
+                kv_codec=codec,
                 disk_path=str(d),
                 disk_bytes=disk_bytes,
                 defaults={"backend": "cpu", "device_bytes": 1 << 20, "host_bytes": 4 << 20, "log_level": "error"},
@@ -260,6 +320,19 @@ def cmd_stats(args: argparse.Namespace) -> int:
         return EXIT_UNAVAILABLE
     except errors.BusyError as exc:
         _err(f"the store is in use by another process: {exc.message}")
+        return EXIT_FAIL
+    except errors.MismatchError as exc:
+        _err(_mismatch_message(d, exc, args))
+        return EXIT_FAIL
+    except errors.InvalidArgumentError as exc:
+        if "holds no block slot" not in str(exc):
+            _err(f"cannot open {d}: {exc}")
+            return EXIT_FAIL
+        # disk_bytes is the slab files' size here, not the user's: a truncated slab.
+        _err(
+            f"{d}: its slab files hold {slab_bytes} bytes, less than one block slot: "
+            f"a damaged store (run `kvh store verify {d}`)"
+        )
         return EXIT_FAIL
     except errors.Error as exc:
         _err(f"cannot open {d}: {exc}")
@@ -321,6 +394,25 @@ def cmd_stats(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------
 # bench (kvh-bench)
 # ---------------------------------------------------------------------------------
+_STOP_GRACE_S = 5.0
+
+
+def _stop_process_group(proc: "subprocess.Popen[str]") -> None:
+    """SIGTERM to the process group of proc, SIGKILL after a grace period,
+    then reap proc."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(timeout=_STOP_GRACE_S)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    proc.wait()
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from ._progress import Progress, table
     from .tools import find_tool
@@ -331,7 +423,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         argv = ["--json"] if args.json else []
         argv += ["--quick"] if args.quick else []
-        argv += ["--reps", str(args.reps)] if args.reps else []
+        argv += ["--reps", str(args.reps)] if args.reps is not None else []
         argv += ["--seed", str(args.seed)] if args.seed is not None else []
         argv += ["--strict"] if args.strict else []
         return bench_retriever.main(argv + list(getattr(args, "extra", [])))
@@ -341,6 +433,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         argv = ["--json"] if args.json else []
         argv += ["--quick"] if args.quick else []
+        argv += ["--reps", str(args.reps)] if args.reps is not None else []
         argv += ["--seed", str(args.seed)] if args.seed is not None else []
         return bench_vllm.main(argv + list(getattr(args, "extra", [])))
     if list(args.scenarios) == ["offload"]:
@@ -349,7 +442,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         argv = ["--json"] if args.json else []
         argv += ["--quick"] if args.quick else []
-        argv += ["--reps", str(args.reps)] if args.reps else []
+        argv += ["--reps", str(args.reps)] if args.reps is not None else []
         return bench_offload.main(argv + list(getattr(args, "extra", [])))
     if list(args.scenarios) == ["remote-ttft"]:
         # Node B's time to first token through the remote tier: the model runner.
@@ -357,7 +450,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         argv = ["--json"] if args.json else []
         argv += ["--quick"] if args.quick else []
-        argv += ["--reps", str(args.reps)] if args.reps else []
+        argv += ["--reps", str(args.reps)] if args.reps is not None else []
         return bench_remote.main(argv + list(getattr(args, "extra", [])))
 
     tool = find_tool("kvh-bench")
@@ -366,7 +459,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         rc = EXIT_UNAVAILABLE
         try:
             if tool:
-                rc = subprocess.call([tool, "list"])
+                rc = _tool_status("kvh-bench", subprocess.call([tool, "list"]))
         except OSError as exc:
             _err(f"cannot run {tool}: {exc}")
         if rc == EXIT_UNAVAILABLE:
@@ -410,26 +503,39 @@ def cmd_bench(args: argparse.Namespace) -> int:
         for name in scenarios:
             bar.update(0, name)
             cmd = [tool, name] + common + extra
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                line = line.strip()
-                if not line:
-                    continue
-                if args.json:
-                    print(line, flush=True)
+            # Its own process group, so that stopping it stops what it
+            # started too (fio).
+            with subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+            ) as proc:
                 try:
-                    obj = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(obj, dict):
-                    rows.append(obj)
-                    bar.update(0, f"{name}: {obj.get('metric', '')}")
-            err = proc.stderr.read() if proc.stderr else ""
-            code = proc.wait()
+                    assert proc.stdout is not None
+                    for line in proc.stdout:
+                        line = line.strip()
+                        if not line:
+                            continue
+                        if args.json:
+                            print(line, flush=True)
+                        try:
+                            obj = json.loads(line)
+                        except ValueError:
+                            continue
+                        if isinstance(obj, dict):
+                            rows.append(obj)
+                            bar.update(0, f"{name}: {obj.get('metric', '')}")
+                    err = proc.stderr.read() if proc.stderr else ""
+                    code = proc.wait()
+                except BaseException:  # Ctrl-C or a closed stdout included: no benchmark left running
+                    _stop_process_group(proc)
+                    raise
+            if code == EXIT_USAGE:
+                # A usage error (a bad option after --) is every scenario's: say it once.
+                _err(err.strip().splitlines()[-1] if err.strip() else f"kvh-bench {name}: usage error")
+                return EXIT_USAGE
             if code != 0:
-                rc = code if rc == EXIT_OK else rc
-                _err(f"kvh-bench {name} exited with {code}" + (f":\n{err.strip()}" if err.strip() else ""))
+                what = f"was killed by {_signal_name(-code)}" if code < 0 else f"exited with {code}"
+                rc = (128 - code if code < 0 else code) if rc == EXIT_OK else rc
+                _err(f"kvh-bench {name} {what}" + (f":\n{err.strip()}" if err.strip() else ""))
             bar.update(1, name)
     if not args.json:
         if rows:
@@ -618,6 +724,9 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument(flag, type=typ, default=None, help="store geometry (default: read with kvh-store)")
     sp.add_argument("--dtype", choices=["f32", "f16", "bf16"], default=None, help="store dtype")
     sp.add_argument(
+        "--kv-codec", choices=_CODECS, default=None, help="the store's KV codec (default: read with kvh-store)"
+    )
+    sp.add_argument(
         "--disk-bytes",
         type=_positive_int,
         default=None,
@@ -676,8 +785,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sp.add_argument("--list", action="store_true", help="list the scenarios")
     sp.add_argument("--quick", action="store_true", help="a few seconds per scenario")
-    sp.add_argument("--reps", type=int, default=None, help="rounds per measurement")
-    sp.add_argument("--seed", type=int, default=None, help="RNG seed")
+    sp.add_argument("--reps", type=_int_in(1, 1000), default=None, help="rounds per measurement (1..1000)")
+    sp.add_argument("--seed", type=_int_in(0, (1 << 64) - 1), default=None, help="RNG seed (0..2^64-1)")
     sp.add_argument("--strict", action="store_true", help="fail when a target is missed")
     sp.add_argument("--json", action="store_true", help="print kvh-bench's JSON lines")
     sp.set_defaults(func=cmd_bench)
@@ -704,6 +813,8 @@ def _reader_gone() -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    from .tools import BadToolVariable
+
     if sys.stdout is None:  # started with fd 1 closed: nowhere to put results
         if sys.stderr is not None:
             _err("standard output is closed")
@@ -748,6 +859,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # A path that cannot be created, read or written (--data-dir under a
         # file, a full disk): one line, not a traceback.
         _err(f"{exc.strerror or exc}: {exc.filename}" if exc.filename else str(exc))
+        return EXIT_FAIL
+    except BadToolVariable as exc:
+        _err(str(exc))
         return EXIT_FAIL
     except Exception as exc:
         from . import errors

@@ -469,12 +469,19 @@ def check_cuda() -> Check:
 def check_kvh() -> Check:
     try:
         from . import _ffi
-        from .tools import find_tool, loaded_library_path
+        from .tools import BadToolVariable, find_tool, loaded_library_path
     except ImportError as exc:
         fix = ["pip install --force-reinstall kvh-cache   # or, in a checkout: pip install ./python"]
         return Check("kvh library", FAIL, str(exc), fix)
     lib = loaded_library_path()
-    tools = {t: find_tool(t) for t in ("kvh-store", "kvh-bench")}
+    tools: Dict[str, Optional[str]] = {}
+    bad_variables: List[str] = []
+    for t in ("kvh-store", "kvh-bench"):
+        try:
+            tools[t] = find_tool(t)
+        except BadToolVariable as exc:
+            tools[t] = None
+            bad_variables.append(str(exc))
     data = {
         "library": str(lib) if lib else None,
         "version": _ffi.LOADED_VERSION_STRING,
@@ -485,6 +492,9 @@ def check_kvh() -> Check:
     summary = f"libkvh {_ffi.LOADED_VERSION_STRING} at {lib or '?'} (binding built for {_ffi.BUILT_VERSION_STRING})"
     if missing:
         summary += f"; not found: {', '.join(missing)}"
+    if bad_variables:
+        summary += "; " + "; ".join(bad_variables)
+        return Check("kvh library", WARN, summary, ["unset the variable or point it at the built tool"], data)
     return Check("kvh library", OK, summary, [], data)
 
 
@@ -505,9 +515,12 @@ def check_remote(config) -> Check:
     addrs = getattr(config, "remote_addrs", None) if config is not None else None
     if not addrs:
         return Check("remote tier", INFO, "not configured (no remote_addrs): nothing is contacted")
-    from .tools import find_tool
+    from .tools import BadToolVariable, find_tool
 
-    tool = find_tool("kvh-store")
+    try:
+        tool = find_tool("kvh-store")
+    except BadToolVariable as exc:
+        return Check("remote tier", WARN, f"{addrs}: {exc}, connectivity not checked")
     if not tool:
         return Check("remote tier", WARN, f"{addrs}: kvh-store not found, connectivity not checked")
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVH_REMOTE_")}

@@ -7,10 +7,14 @@ import shutil
 from pathlib import Path
 from typing import List, Optional
 
-__all__ = ["find_tool", "tool_search_path", "loaded_library_path"]
+__all__ = ["BadToolVariable", "find_tool", "tool_search_path", "loaded_library_path"]
 
 _ENV = {"kvh-store": "KVH_STORE", "kvh-bench": "KVH_BENCH"}
 _SUBDIRS = ("", "tools", "benchmarks", "bin")
+
+
+class BadToolVariable(RuntimeError):
+    """``$KVH_STORE`` / ``$KVH_BENCH`` names something that cannot be run."""
 
 
 def loaded_library_path() -> Optional[Path]:
@@ -51,10 +55,16 @@ def tool_search_path() -> List[Path]:
 def find_tool(name: str) -> Optional[str]:
     """``$KVH_STORE`` / ``$KVH_BENCH``, then the package's ``_bin/``, the
     build directory (``$KVH_BUILD_DIR``, beside the loaded libkvh, the
-    repository's ``build/``), then ``PATH``."""
+    repository's ``build/``), then ``PATH``. Raises :class:`BadToolVariable`
+    when the variable is set to something that is not an executable file."""
     env = _ENV.get(name)
     if env and os.environ.get(env):
-        return os.environ[env]
+        given = os.environ[env]
+        # A bare name is looked up on PATH, as the shell would.
+        path = given if os.sep in given else shutil.which(given)
+        if path is None or not os.path.isfile(path) or not os.access(path, os.X_OK):
+            raise BadToolVariable(f"${env}={given}: not an executable file")
+        return path
     for d in tool_search_path():
         p = d / name
         if p.is_file() and os.access(p, os.X_OK):

@@ -179,6 +179,20 @@ def test_demo_bad_args():
         (["demo", "--synthetic", "--layers", "0"], "--layers"),
         (["demo", "--synthetic", "--block-tokens", "0"], "--block-tokens"),
         (["demo", "--synthetic", "--intent-noise", "nan"], "--intent-noise"),
+        # numpy's or the engine's words, naming no option or a config field
+        (["demo", "--synthetic", "--seed", "-1"], "--seed"),
+        (["demo", "--synthetic", "--seed", "99999999999999999999999"], "--seed"),
+        (["demo", "--synthetic", "--layers", "100000"], "--layers"),
+        (["demo", "--synthetic", "--kv-heads", "100000"], "--kv-heads"),
+        (["demo", "--synthetic", "--head-dim", "100000"], "--head-dim"),
+        (["demo", "--synthetic", "--block-tokens", "3"], "--block-tokens"),
+        (["demo", "--synthetic", "--device-budget", "0"], "--device-budget"),
+        (["demo", "--model", "{tmp}"], "a directory"),
+        (["demo", "--models", "--model", "{tmp}", "--data-dir", "{tmp}/data"], "a directory"),
+        # refused before vLLM starts
+        (["demo", "--engine", "vllm", "--vllm-kv-mib", "-1"], "--vllm-kv-mib"),
+        (["demo", "--engine", "vllm", "--vllm-agents", "0"], "--vllm-agents"),
+        (["demo", "--engine", "vllm", "--vllm-doc-tokens", "-5"], "--vllm-doc-tokens"),
         (["demo", "--models", "--model-b", "{tmp}/missing.gguf", "--data-dir", "{tmp}/data"], "--model-b"),
         (["stats", "/tmp", "--layers", "x"], "--layers"),
         (["store", "remote", "bogus"], "ACTION"),
@@ -198,6 +212,19 @@ def test_bad_flags_are_usage_errors(args, word, tmp_path):
     last = res.stderr.strip().splitlines()[-1]
     assert last.startswith("kvh") and word in last, res.stderr
     assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_synthetic_demo_puts_the_store_in_data_dir_store(tmp_path):
+    # --data-dir's help says DIR/store (the model demo's layout); the
+    # synthetic demo wrote the store into DIR itself.
+    res = run_kvh("demo", *SMALL_DEMO, "--no-progress", "--data-dir", str(tmp_path / "data"))
+    assert res.returncode == 0, res.stderr
+    if not (tmp_path / "data" / "store" / "index").exists():
+        assert not (tmp_path / "data" / "index").exists()
+        pytest.skip("this build has no disk tier")
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["store"]
+    res = run_kvh("demo", "--help")
+    assert "DIR/store" in res.stdout
 
 
 def test_unwritable_path_is_one_line(tmp_path):
@@ -224,8 +251,9 @@ def test_bench_unknown_scenario_is_one_line():
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    d = tmp_path_factory.mktemp("kvh-store") / "store"
-    res = run_kvh("demo", *SMALL_DEMO, "--json", "--data-dir", str(d))
+    data = tmp_path_factory.mktemp("kvh-store") / "data"
+    d = data / "store"  # as --data-dir's help says
+    res = run_kvh("demo", *SMALL_DEMO, "--json", "--data-dir", str(data))
     assert res.returncode == 0, res.stderr
     if not (d / "index").exists():
         pytest.skip("this build has no disk tier")
@@ -518,3 +546,6 @@ def test_table_and_sizes():
     assert lines[0] == "T" and lines[1].split() == ["name", "n", "x"]
     assert lines[3].startswith("a ") and lines[4].rstrip().endswith("0.25")
     assert _progress.human_bytes(3 << 20) == "3.0 MiB"
+    # decimal and binary forms of every unit, terabytes included
+    assert _progress.parse_size("1GB") == 10**9 and _progress.parse_size("1GiB") == 1 << 30
+    assert _progress.parse_size("1TB") == 10**12 and _progress.parse_size("1TiB") == 1 << 40

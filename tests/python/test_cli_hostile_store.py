@@ -715,3 +715,46 @@ def test_info_and_stats_read_a_codec_store(tmp_path):
     assert info["kv_codec"] == "int8" and info["dtype"] in ("f32", "f16", "bf16")
     res = run_kvh("stats", d)
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_stats_of_a_codec_store_without_kvh_store(tmp_path):
+    # With kvh-store failing, the codec fell back to "none" and the engine's
+    # refusal told a CLI user to "pass disk_reset_on_mismatch=True".
+    d = tmp_path / "store"
+    with make_engine(disk_path=str(d), disk_bytes=DISK, kv_codec="int8") as eng:
+        seq = eng.sequence(tokens=chain_tokens(0))
+        fill(eng, seq, 0)
+        seq.persist()
+    failing = {"KVH_STORE": shutil.which("false") or "/bin/false"}
+    res = run_kvh("stats", d, *GEOMETRY, env_extra=failing)
+    assert_one_line_error(res, 1, "--kv-codec")
+    assert "disk_reset_on_mismatch" not in res.stderr
+    res = run_kvh("stats", d, *GEOMETRY, "--kv-codec", "int8", env_extra=failing)
+    assert res.returncode == 0, res.stdout + res.stderr
+    res = run_kvh("stats", d, "--kv-codec", "none")
+    assert_one_line_error(res, 1, "--kv-codec")
+    res = run_kvh("stats", d, "--kv-codec", "q8_bogus")
+    assert_one_line_error(res, 2, "--kv-codec")
+
+
+def test_stats_geometry_mismatch_names_the_option(store):
+    res = run_kvh("stats", store, "--model-salt", "7")
+    assert_one_line_error(res, 1, "--model-salt")
+    assert "disk_reset_on_mismatch" not in res.stderr
+
+
+@pytest.mark.parametrize("damage", ["truncated", "directory"])
+def test_stats_on_a_slab_smaller_than_a_slot(damage, store):
+    # "disk_bytes 4096 holds no block slot": disk_bytes was never the user's.
+    slab = store / "slab-0000.kvh"
+    if damage == "truncated":
+        os.truncate(slab, HEADER_BYTES)
+    else:
+        slab.unlink()
+        slab.mkdir()
+        (slab / "filler").write_bytes(b"x" * SLOT_BYTES)
+    before = digest(store, skip=("LOCK",))
+    res = run_kvh("stats", store)
+    assert_one_line_error(res, 1, "kvh store verify")
+    assert "disk_bytes" not in res.stderr
+    assert digest(store, skip=("LOCK",)) == before

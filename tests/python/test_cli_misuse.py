@@ -100,7 +100,8 @@ def run_in_process(args, capfd):
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     """A small synthetic-demo store (geometry 4 x 4 x 64, 16 tokens/block)."""
-    d = tmp_path_factory.mktemp("misuse") / "store"
+    data = tmp_path_factory.mktemp("misuse") / "data"
+    d = data / "store"
     res = run_kvh(
         "demo",
         "--synthetic",
@@ -115,7 +116,7 @@ def store(tmp_path_factory):
         "--host-budget",
         "1MiB",
         "--data-dir",
-        d,
+        data,
     )
     assert res.returncode == 0, res.stderr
     if not (d / "index").exists():
@@ -181,6 +182,13 @@ def test_bench_help_has_no_null_default(mode):
         (["demo", "--synthetic", "--steps", "0"], 2, "--steps"),
         (["demo", "--synthetic", "--intent-noise", "inf"], 2, "--intent-noise"),
         (["bench", "codec", "--quick", "--reps", "0"], 2, "--reps"),
+        # refused before any scenario runs (kvh-bench said it once per scenario)
+        (["bench", "--reps", "0"], 2, "argument --reps"),
+        (["bench", "--reps", "1001"], 2, "argument --reps"),
+        (["bench", "--seed", "-1"], 2, "argument --seed"),
+        (["bench", "--seed", str(1 << 64)], 2, "argument --seed"),
+        (["bench", "retriever", "--reps", "0"], 2, "argument --reps"),  # was dropped: `if args.reps`
+        (["bench", "offload", "--reps", "0"], 2, "argument --reps"),
         (["bench", "codec", "--quick", "--", "--vectors", "abc"], 2, "--vectors"),
     ],
     ids=lambda a: " ".join(a) if isinstance(a, list) else None,
@@ -262,7 +270,9 @@ def test_demo_data_dir_is_a_file(tmp_path):
         ({"KVH_CONFIG": "/"}, 1, "Is a directory"),
         ({"KVH_CONFIG": "{bad}"}, 2, "not valid TOML"),
         ({"KVH_CONFIG": "{unknown}"}, 2, "unknown key"),
-        ({"KVH_STORE": "/nonexistent/kvh-store"}, 1, "/nonexistent/kvh-store"),
+        ({"KVH_STORE": "/nonexistent/kvh-store"}, 1, "$KVH_STORE=/nonexistent/kvh-store: not an executable file"),
+        ({"KVH_STORE": "/"}, 1, "$KVH_STORE=/: not an executable file"),
+        ({"KVH_STORE": "{plain}"}, 1, "not an executable file"),
         ({"KVH_STORE": "/bin/true"}, 1, "printed no JSON"),
     ],
     ids=lambda e: ",".join(f"{k}={v}" for k, v in e.items()) if isinstance(e, dict) else None,
@@ -270,10 +280,12 @@ def test_demo_data_dir_is_a_file(tmp_path):
 def test_stats_bad_environment(env, rc, word, store, tmp_path, capfd, monkeypatch):
     (tmp_path / "bad.toml").write_text("this is = = not toml\n")
     (tmp_path / "unknown.toml").write_text("nosuchkey = 1\n")
-    env = {
-        k: v.replace("{bad}", str(tmp_path / "bad.toml")).replace("{unknown}", str(tmp_path / "unknown.toml"))
-        for k, v in env.items()
-    }
+    (tmp_path / "plain").write_text("not a program\n")
+    places = {"{bad}": "bad.toml", "{unknown}": "unknown.toml", "{plain}": "plain"}
+    for key, value in list(env.items()):
+        for mark, name in places.items():
+            value = value.replace(mark, str(tmp_path / name))
+        env[key] = value
     before = _tree_digest(store)
     for k in [k for k in os.environ if k.startswith("KVH_") and k != "KVH_BUILD_DIR"]:
         monkeypatch.delenv(k)
@@ -426,7 +438,7 @@ def test_demo_sigint_leaves_a_consistent_store(tmp_path):
     d = tmp_path / "store"
     # Long enough (about 25 s here) that the signal always finds it running.
     argv = [sys.executable, "-m", "kvh_cache", "demo", "--synthetic", "--agents", "2", "--steps", "4000"]
-    rc, err, took = _interrupt(argv + ["--chunks", "8", "--data-dir", str(d)], after=2.5, cwd=str(REPO))
+    rc, err, took = _interrupt(argv + ["--chunks", "8", "--data-dir", str(tmp_path)], after=2.5, cwd=str(REPO))
     assert rc == 130 and "Traceback" not in err and err.strip().splitlines()[-1] == "kvh: interrupted", err
     assert took < 5
     if find_tool("kvh-store") is not None and d.exists():
@@ -482,6 +494,11 @@ def test_bench_sigint():
         (["alloc", "--blocks", " -1"], "--blocks"),
         (["alloc", "--blocks", "99999999999"], "range"),
         (["disk", "--dir", ""], "--dir"),
+        # values that wrapped or were truncated in the arithmetic after parsing
+        (["migrate", "--pool-mb", "17592186044417"], "--pool-mb"),
+        (["attention", "--bw-mb", "17592186044417"], "--bw-mb"),
+        (["attention", "--threads", "100000"], "--threads"),
+        (["vmap", "--threads", "4294967297"], "--threads"),
     ],
     ids=lambda a: " ".join(a) or "none" if isinstance(a, list) else None,
 )
@@ -500,12 +517,65 @@ def test_bench_bad_paths_and_environment(tmp_path):
     assert blocker.read_text() == "x"
     res = run_bench("trace", "--quick", "--replay", "0", "--save-traces", blocker)
     assert res.returncode == 1 and "cannot save" in res.stderr, res.stderr
+    # A directory "reloaded" in no time: a bogus reload_ms row before the failure.
+    res = run_bench("switch", "--quick", "--json", "--model", tmp_path)
+    assert res.returncode == 1 and "not a regular file" in res.stderr and res.stdout == "", res.stdout + res.stderr
     res = run_bench("switch", "--quick", "--model", tmp_path / "missing.gguf")
     assert res.returncode == 1 and "missing.gguf" in res.stderr, res.stderr
     res = run_bench("switch", "--quick", "--json", env_extra={"KVH_MODEL": str(tmp_path / "missing.gguf")})
     assert res.returncode == 1 and "missing.gguf" in res.stderr, res.stderr
     res = run_bench("vmap", "--quick", "--json", env_extra={"KVH_VMAP_BACKING": "bogus"})
     assert res.returncode == 1 and "bogus" in res.stderr, res.stderr
+
+
+def test_bench_usage_error_stops_at_the_first_scenario():
+    # Every scenario ran, printed the same error, and then "no results".
+    _bench_tool()
+    res = run_kvh("bench", "--quick", "--", "--no-such-option")
+    assert_one_line_error(res, 2, "--no-such-option")
+    assert res.stderr.count("--no-such-option") == 1 and "no results" not in res.stdout, res.stderr
+
+
+def _children(pid):
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(c) for c in f.read().split()]
+    except OSError:
+        return []
+
+
+def _running(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_bench_sigint_to_kvh_alone_stops_kvh_bench():
+    # SIGINT to the kvh process only (kill -INT, a supervisor) left kvh-bench running.
+    _bench_tool()
+    p = subprocess.Popen(
+        [sys.executable, "-m", "kvh_cache", "bench", "trace", "--quick"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+        preexec_fn=_default_sigint,
+    )
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while not _children(p.pid) and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        children = _children(p.pid)
+        assert children, "kvh bench started no kvh-bench"
+        time.sleep(0.5)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=15)
+    finally:
+        p.kill()
+    assert p.returncode == 130 and "Traceback" not in err, (p.returncode, err)
+    assert not [c for c in children if _running(c)], children
 
 
 def test_bench_json_lines():
@@ -568,6 +638,62 @@ def test_bench_suffix_overflow():
     # 17179869184G is 2^64: it wrapped to 0 (all CPUs) and ran.
     res = run_bench("vmap", "--quick", "--json", "--contexts", "1024", "--threads", "17179869184G")
     assert res.returncode == 2 and "--threads" in res.stderr, (res.returncode, res.stderr)
+
+
+@pytest.mark.parametrize("variable", ["/nonexistent/kvh-store", "{plain}"])
+def test_store_info_with_a_bad_kvh_store_variable(variable, store, tmp_path, capfd, monkeypatch):
+    (tmp_path / "plain").write_text("not a program\n")
+    monkeypatch.setenv("KVH_STORE", variable.replace("{plain}", str(tmp_path / "plain")))
+    res = run_in_process(["store", "info", store], capfd)
+    assert_one_line_error(res, 1, "$KVH_STORE=")
+    assert "not an executable file" in res.stderr
+
+
+def test_stats_with_a_bad_kvh_store_variable_and_the_whole_geometry(store, capfd, monkeypatch):
+    # The flags say all kvh-store would have: no reason to fail.
+    monkeypatch.setenv("KVH_STORE", "/nonexistent/kvh-store")
+    geometry = ["--layers", "4", "--kv-heads", "4", "--head-dim", "64", "--block-tokens", "16", "--dtype", "f16"]
+    salt = ["--model-salt", str(0x6B7668 + 1)]  # the synthetic demo's, for --seed 1
+    res = run_in_process(["stats", store, *geometry, *salt, "--json"], capfd)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["disk"]["used_blocks"] > 0
+
+
+def _write_script(path: Path, body: str) -> Path:
+    path.write_text("#!/bin/sh\n" + body + "\n")
+    path.chmod(0o755)
+    return path
+
+
+def test_a_tool_killed_by_a_signal_gives_128_plus_the_signal(store, tmp_path):
+    # subprocess gives -11 for SIGSEGV, and sys.exit(-11) exited 245.
+    segv = _write_script(tmp_path / "segv", "kill -SEGV $$")
+    res = run_kvh("store", "info", store, env_extra={"KVH_STORE": str(segv)})
+    assert res.returncode == 128 + signal.SIGSEGV, (res.returncode, res.stderr)
+    assert "signal 11" in res.stderr and "Traceback" not in res.stderr, res.stderr
+    res = run_kvh("store", "verify", store, env_extra={"KVH_STORE": str(segv)})
+    assert res.returncode == 128 + signal.SIGSEGV, (res.returncode, res.stderr)
+    bench = _write_script(tmp_path / "bench", 'if [ "$1" = list ]; then echo codec; exit 0; fi; kill -SEGV $$')
+    res = run_kvh("bench", "codec", "--quick", env_extra={"KVH_BENCH": str(bench)})
+    assert res.returncode == 128 + signal.SIGSEGV and "signal 11" in res.stderr, (res.returncode, res.stderr)
+
+
+def test_store_info_into_a_closed_pipe_exits_128_plus_sigpipe(store):
+    # `kvh store info DIR | head -c0` exited 243 (sys.exit(-13)).
+    p = subprocess.Popen(
+        [sys.executable, "-m", "kvh_cache", "store", "info", str(store)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=_env(),
+        cwd=str(REPO),
+    )
+    p.stdout.close()
+    try:
+        err = p.stderr.read().decode(errors="replace")
+        p.wait(timeout=TIMEOUT)
+    finally:
+        p.kill()
+    assert p.returncode == 128 + signal.SIGPIPE and err == "", (p.returncode, err)
 
 
 def test_a_file_given_for_a_store_is_named_as_such(tmp_path, capfd):

@@ -48,6 +48,13 @@ from ..types import DType, Tier, f32_to_bf16
 
 # Agents a run may have: each keeps a report, so far fewer than the 2^32 ids.
 MAX_AGENTS = 1 << 16
+# The engine's model_salt is this plus --seed, a 64-bit value.
+SALT_BASE = 0x6B7668
+MAX_SEED = (1 << 64) - 1 - SALT_BASE
+# The engine's geometry limits, checked here to name the option rather than
+# the kvh_config field.
+GEOMETRY_LIMITS = {"layers": 4096, "kv_heads": 1024, "head_dim": 1024, "block_tokens": 256}
+DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
 
 __all__ = ["add_arguments", "run", "DemoResult"]
 
@@ -98,7 +105,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--data-dir",
         type=parse_dir,
         default=None,
-        help="disk tier directory (kept; default: a temporary directory, removed at the end)",
+        help="where the disk store goes: DIR/store, as in the model demo (kept; default: a temporary "
+        "directory, removed at the end)",
     )
     g.add_argument("--no-disk", action="store_true", help="run without the disk tier")
     g.add_argument("--buffered-io", action="store_true", help="disk tier without O_DIRECT")
@@ -309,7 +317,7 @@ def open_engine(args: argparse.Namespace, data_dir: Optional[Path], notes: List[
         backend=args.backend,
         device_bytes=args.device_budget,
         host_bytes=args.host_budget,
-        model_salt=0x6B7668 + args.seed,
+        model_salt=SALT_BASE + args.seed,
     )
     if data_dir is not None:
         try:
@@ -322,7 +330,7 @@ def open_engine(args: argparse.Namespace, data_dir: Optional[Path], notes: List[
             )
         except errors.KvhIOError as exc:
             if args.data_dir is not None:  # the user's own directory: say why it cannot be used
-                raise DataDirError(f"--data-dir {data_dir}: {exc.message}") from None
+                raise DataDirError(f"--data-dir {args.data_dir}: {exc.message}") from None
             notes.append(f"disk tier unavailable ({exc.message}); running with device + host only")
         except errors.UnsupportedError as exc:
             notes.append(f"disk tier unavailable ({exc.message}); running with device + host only")
@@ -338,6 +346,23 @@ def run(args: argparse.Namespace, out=None) -> int:
             return 2
     if args.agents > MAX_AGENTS:  # a report each is kept; ids are 32-bit
         print(f"kvh demo: --agents must be at most {MAX_AGENTS}", file=sys.stderr)
+        return 2
+    for name, most in GEOMETRY_LIMITS.items():
+        if getattr(args, name) > most:
+            print(f"kvh demo: --{name.replace('_', '-')} must be at most {most}", file=sys.stderr)
+            return 2
+    if args.block_tokens & (args.block_tokens - 1):
+        print("kvh demo: --block-tokens must be a power of two", file=sys.stderr)
+        return 2
+    if not 0 <= args.seed <= MAX_SEED:
+        print(f"kvh demo: --seed must be in 0..{MAX_SEED}", file=sys.stderr)
+        return 2
+    block_bytes = 2 * args.layers * args.kv_heads * args.head_dim * args.block_tokens * DTYPE_BYTES[args.dtype]
+    if args.device_budget < block_bytes:  # the engine needs room for one block
+        print(
+            f"kvh demo: --device-budget must hold at least one block ({block_bytes} bytes with this geometry)",
+            file=sys.stderr,
+        )
         return 2
     for name in ("prompt_tokens", "fork_every", "hints"):
         if getattr(args, name) < 0:
@@ -358,7 +383,11 @@ def run(args: argparse.Namespace, out=None) -> int:
             tmp = tempfile.mkdtemp(prefix="kvh-demo-")
             data_dir = Path(tmp) / "store"
         else:
-            data_dir = args.data_dir
+            problem = _make_data_dir(Path(args.data_dir))
+            if problem:
+                print(f"kvh demo: --data-dir {args.data_dir}: {problem}", file=sys.stderr)
+                return 1
+            data_dir = Path(args.data_dir) / "store"
     try:
         result = _run(args, data_dir, notes)
     except DataDirError as exc:
@@ -381,6 +410,17 @@ def run(args: argparse.Namespace, out=None) -> int:
     else:
         out.write(render(result) + "\n")
     return 0 if result.ok else 1
+
+
+def _make_data_dir(path: Path) -> Optional[str]:
+    """Creates the data directory (the store goes in it); why not, if not."""
+    if path.exists() and not path.is_dir():
+        return "Not a directory"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
 
 
 def _run(args: argparse.Namespace, data_dir: Optional[Path], notes: List[str]) -> DemoResult:

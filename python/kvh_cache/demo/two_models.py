@@ -118,6 +118,9 @@ def run(args: argparse.Namespace, out: Optional[IO[str]] = None) -> int:
     from ..model.tokenizer import Tokenizer
 
     out = out or sys.stdout
+    if args.model and os.path.isdir(args.model):
+        print(f"kvh demo --models: --model {args.model}: a directory, not a GGUF file", file=sys.stderr)
+        return 2
     if args.model_b and not os.path.isfile(args.model_b):
         # Not written there: a mistyped path would get a model-sized file.
         print(f"kvh demo --models: --model-b {args.model_b}: no such file", file=sys.stderr)

@@ -124,6 +124,11 @@ def render(rows: List[Dict[str, Any]], agents: int) -> str:
 def run(args: argparse.Namespace) -> int:
     from ..vllm.bench import default_model, default_python
 
+    # Checked before vLLM starts: a bad value would surface minutes later, from vLLM.
+    for name in ("vllm_agents", "vllm_system_tokens", "vllm_doc_tokens", "vllm_max_tokens", "vllm_kv_mib"):
+        if getattr(args, name) <= 0:
+            print(f"kvh demo --engine vllm: --{name.replace('_', '-')} must be > 0", file=sys.stderr)
+            return 2
     py = args.vllm_python or default_python()
     model = args.vllm_model or default_model()
     if not py or not model:

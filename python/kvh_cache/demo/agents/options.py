@@ -208,6 +208,8 @@ def chosen_baselines(args: argparse.Namespace) -> List[str]:
 
 
 def validate(args: argparse.Namespace) -> Optional[str]:
+    if args.model and Path(args.model).is_dir():
+        return f"--model {args.model}: a directory, not a GGUF file"
     for name in ("agents", "questions", "gen_tokens"):
         if getattr(args, name) <= 0:
             return f"--{name.replace('_', '-')} must be > 0"
