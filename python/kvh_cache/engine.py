@@ -773,9 +773,8 @@ class Engine(OwnedHandle):
         from .context import KV_POLICIES, Context, _name
 
         name = _name("name", name)
-        if not isinstance(kv_policy, str):
-            raise TypeError(f"kv_policy must be a str ({sorted(KV_POLICIES)}), not {type(kv_policy).__name__}")
-        if kv_policy not in KV_POLICIES:
+        # Not hashed unless a str: a list would raise "unhashable type".
+        if not isinstance(kv_policy, str) or kv_policy not in KV_POLICIES:
             raise ValueError(f"kv_policy must be one of {sorted(KV_POLICIES)}, got {kv_policy!r}")
         cp = ffi.new("kvh_context_params *")
         check(lib.kvh_context_params_init(cp, ffi.sizeof("kvh_context_params")))
