@@ -410,7 +410,9 @@ static void test_tiny_geometry_round_trips(void **state)
                 kv_write(e, s, &x, t, 1);
             }
             kvh_stats st = tu_stats(e);
-            assert_true(st.blocks_host_to_disk > 0);
+            /* Some went to disk: moved down, or (with a worker) written
+             * ahead as clean copies that their eviction then took. */
+            assert_true(st.blocks_host_to_disk + st.disk_copies_written > 0);
             /* every block encoded once (the newest was still raw) */
             assert_ok(kvh_seq_migrate(e, s, 0, n, KVH_TIER_DISK, NULL));
             kv_read(e, s, &first, 0, n);
