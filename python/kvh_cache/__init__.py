@@ -15,37 +15,96 @@ See ``help(kvh.Engine)`` and ``help(kvh.Sequence)``; the CLI is ``kvh --help``.
 
 from __future__ import annotations
 
-from ._ffi import BUILT_VERSION, BUILT_VERSION_STRING, LOADED_VERSION, LOADED_VERSION_STRING, ffi, lib  # noqa: F401
-from .context import AdmissionInfo, Context, ContextInfo, WeightStats
-from .engine import Block, Engine, Fence, Hold, Sequence
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from . import errors as _errors
 from .errors import *  # noqa: F403 (the exception classes: errors.__all__)
-from .vmap import VMap
-from .pool import Pool
-from .attention_plan import AttentionPlan
-from .types import (
-    Backend,
-    BlockInfo,
-    Codec,
-    Config,
-    Eviction,
-    DType,
-    RemoteUpload,
-    Scope,
-    Stats,
-    Tier,
-    TierInfo,
-    bf16_to_f32,
-    f32_to_bf16,
-    numpy_dtype,
-)
 
-__version__ = LOADED_VERSION_STRING
+# The public names and the module each lives in. They load on first use
+# (PEP 562), so that `kvh --help`, `kvh doctor` and the error classes work
+# where the compiled binding is missing or does not match the library: the
+# first use of the binding then raises the ImportError that says why.
+_LAZY = {
+    "BUILT_VERSION": "._ffi",
+    "BUILT_VERSION_STRING": "._ffi",
+    "LOADED_VERSION": "._ffi",
+    "LOADED_VERSION_STRING": "._ffi",
+    "ffi": "._ffi",
+    "lib": "._ffi",
+    "AdmissionInfo": ".context",
+    "Context": ".context",
+    "ContextInfo": ".context",
+    "WeightStats": ".context",
+    "Block": ".engine",
+    "Engine": ".engine",
+    "Fence": ".engine",
+    "Hold": ".engine",
+    "Sequence": ".engine",
+    "VMap": ".vmap",
+    "Pool": ".pool",
+    "AttentionPlan": ".attention_plan",
+    "Backend": ".types",
+    "BlockInfo": ".types",
+    "Codec": ".types",
+    "Config": ".types",
+    "Eviction": ".types",
+    "DType": ".types",
+    "RemoteUpload": ".types",
+    "Scope": ".types",
+    "Stats": ".types",
+    "Tier": ".types",
+    "TierInfo": ".types",
+    "bf16_to_f32": ".types",
+    "f32_to_bf16": ".types",
+    "numpy_dtype": ".types",
+}
+
+if TYPE_CHECKING:  # what static checkers see: the eager imports
+    from ._ffi import BUILT_VERSION, BUILT_VERSION_STRING, LOADED_VERSION, LOADED_VERSION_STRING, ffi, lib  # noqa: F401
+    from .attention_plan import AttentionPlan
+    from .context import AdmissionInfo, Context, ContextInfo, WeightStats
+    from .engine import Block, Engine, Fence, Hold, Sequence
+    from .pool import Pool
+    from .types import (
+        Backend,
+        BlockInfo,
+        Codec,
+        Config,
+        DType,
+        Eviction,
+        RemoteUpload,
+        Scope,
+        Stats,
+        Tier,
+        TierInfo,
+        bf16_to_f32,
+        f32_to_bf16,
+        numpy_dtype,
+    )
+    from .vmap import VMap
+
+    __version__: str
+
+
+def __getattr__(name: str) -> Any:
+    if name == "__version__":
+        value: Any = importlib.import_module("._ffi", __name__).LOADED_VERSION_STRING
+    elif name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value  # later uses skip this function
+    return value
+
+
+def __dir__() -> list:
+    return sorted(set(globals()) | set(_LAZY) | {"__version__"})
 
 
 def version() -> str:
     """Version of the loaded libkvh ("MAJOR.MINOR.PATCH")."""
-    return LOADED_VERSION_STRING
+    return importlib.import_module("._ffi", __name__).LOADED_VERSION_STRING
 
 
 __all__ = [

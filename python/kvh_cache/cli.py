@@ -853,7 +853,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except BrokenPipeError:
         return _reader_gone()
     except ImportError as exc:
-        _err(str(exc))
+        text = str(exc)
+        _err(text[len("kvh: ") :] if text.startswith("kvh: ") else text)
         return EXIT_UNAVAILABLE
     except OSError as exc:
         # A path that cannot be created, read or written (--data-dir under a

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -755,3 +756,41 @@ def test_demo_with_a_prompt_shorter_than_a_block_passes(tmp_path, prompt_tokens)
 def test_the_synthetic_demo_refuses_options_it_would_ignore(tmp_path, option):
     r = run_kvh("demo", "--synthetic", "--no-progress", "--steps", "1", "--data-dir", tmp_path / "d", *option)
     assert r.returncode == 2 and "an option of the model demo" in r.stderr, r.stderr
+
+
+def test_without_the_compiled_binding_commands_say_why(tmp_path):
+    # A package whose CFFI module is missing (a broken install) printed a
+    # traceback for every command, `kvh --help` included.
+    import kvh_cache
+
+    shutil.copytree(
+        Path(kvh_cache.__file__).parent,
+        tmp_path / "kvh_cache",
+        ignore=shutil.ignore_patterns("_kvh_cffi*", "__pycache__"),
+    )
+    env = dict(_env(), PYTHONPATH=str(tmp_path))
+
+    def kvh(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "kvh_cache", *map(str, args)],
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+            env=env,
+            cwd=str(tmp_path),
+        )
+
+    res = kvh("--help")
+    assert res.returncode == 0 and "usage: kvh" in res.stdout, res.stderr[-2000:]
+    assert "not loadable" in kvh("--version").stdout
+    for args in (["stats", tmp_path / "store"], ["demo", "--synthetic", "--data-dir", tmp_path / "data"]):
+        res = kvh(*args)
+        assert_one_line_error(res, 3, "kvh_cache._kvh_cffi could not be loaded")
+        assert not res.stderr.startswith("kvh: kvh:"), res.stderr
+    probe = (
+        "import kvh_cache as k\n"
+        "assert issubclass(k.NoSpaceError, k.Error)\n"
+        "try:\n    k.Engine\nexcept ImportError as e:\n    print('ImportError', e)\n"
+    )
+    res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=TIMEOUT, env=env)
+    assert res.returncode == 0 and res.stdout.startswith("ImportError kvh: the compiled binding"), res.stderr

@@ -36,15 +36,17 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 import numpy as np
 
 from .. import errors
 from .._progress import Progress, human_bytes, human_rate, parse_dir, parse_size, table
-from ..engine import Engine, Sequence
 from ..retrieval import PrefetchPlanner, available_kinds, open_chunk_index
 from ..types import DType, Tier, f32_to_bf16
+
+if TYPE_CHECKING:  # the binding loads when an engine opens, so `kvh --help` works without it
+    from ..engine import Engine, Sequence
 
 # Agents a run may have: each keeps a report, so far fewer than the 2^32 ids.
 MAX_AGENTS = 1 << 16
@@ -308,6 +310,8 @@ class DataDirError(Exception):
 
 
 def open_engine(args: argparse.Namespace, data_dir: Optional[Path], notes: List[str]) -> Engine:
+    from ..engine import Engine
+
     base = dict(
         num_layers=args.layers,
         num_kv_heads=args.kv_heads,
