@@ -337,7 +337,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     except errors.Error as exc:
         _err(f"cannot open {d}: {exc}")
         return EXIT_FAIL
-    except ValueError as exc:  # a bad $KVH_CONFIG file
+    except (ValueError, TypeError) as exc:  # a bad $KVH_CONFIG file
         _err(str(exc))
         return EXIT_USAGE
     with eng:

@@ -201,17 +201,33 @@ def from_file(path: Union[str, os.PathLike]) -> Dict[str, Any]:
     for key, value in data.items():
         if key not in known:
             raise ValueError(f"{p}: unknown key {key!r} (expected kvh.Config fields: {', '.join(sorted(known))})")
-        if isinstance(value, str) and key in _C_FIELDS and key != "disk_path":
-            from .errors import Error
-
-            try:
-                value = _parse_c({ENV_VARS[key]: value})[key]
-            except Error as exc:
-                raise ValueError(f"{p}: {key} = {value!r}: {exc.message}") from None
-        elif not isinstance(value, (str, int, bool)):
-            raise ValueError(f"{p}: {key} must be a string, an integer or a boolean, not {type(value).__name__}")
-        out[key] = value
+        out[key] = _file_value(p, key, value)
     return out
+
+
+def _file_value(p: Path, key: str, value: Any) -> Any:
+    """A file's value of one field, checked as the environment's would be:
+    the C parser reads numbers and names, so a value out of range is
+    refused here, naming the file, and not when an engine opens."""
+    from .errors import Error
+
+    if key in _FLAG_FIELDS:
+        if not isinstance(value, bool):
+            raise ValueError(f"{p}: {key} must be true or false, not {value!r}")
+        return value
+    if key in _STRINGS:
+        if not isinstance(value, str):
+            raise ValueError(f"{p}: {key} must be a string, not {type(value).__name__}")
+        return value
+    if key in _BOOLS and isinstance(value, bool):
+        return value
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        kind = "true, false or a string" if key in _BOOLS else "an integer or a string"
+        raise ValueError(f"{p}: {key} must be {kind}, not {value!r}")
+    try:
+        return _parse_c({ENV_VARS[key]: str(value)})[key]
+    except Error as exc:
+        raise ValueError(f"{p}: {key} = {value!r}: {exc.message}") from None
 
 
 def resolve(

@@ -84,6 +84,55 @@ def test_bad_file(tmp_path):
         kc.load(environ={}, hed_dim=3)
 
 
+@pytest.mark.parametrize(
+    "line, word",
+    [
+        ("lru_k = true", "lru_k must be an integer"),
+        ("migration_threads = -1", "migration_threads = -1"),
+        ("head_dim = 1.5", "head_dim must be an integer"),
+        ("disk_buffered = 'yes'", "disk_buffered must be true or false"),
+        ("disk_path = 7", "disk_path must be a string"),
+        ("vmap = 2.0", "vmap must be true, false or a string"),
+        ("host_bytes = 36893488147419103232", "host_bytes"),
+    ],
+)
+def test_bad_values_in_a_file_are_named(tmp_path, line, word):
+    # A value of the wrong type, or a number the library refuses, passed the
+    # file and failed later: a TypeError traceback from `kvh stats`.
+    f = _toml(tmp_path, line + "\n")
+    with pytest.raises(ValueError, match=word) as err:
+        kc.load(environ={}, file=f)
+    assert str(f) in str(err.value)
+
+
+def test_file_values_of_every_kind_are_read(tmp_path):
+    f = _toml(tmp_path, "lru_k = 3\nvmap = true\ncopy_moves = '1'\ndtype = 1\ndisk_buffered = true\n")
+    cfg = kc.load(environ={}, file=f)
+    assert (cfg.lru_k, cfg.vmap, cfg.copy_moves, cfg.dtype, cfg.disk_buffered) == (3, True, True, DType.F16, True)
+
+
+def test_stats_with_a_bad_value_in_the_config_file(tmp_path):
+    f = _toml(tmp_path, "lru_k = true\n")
+    store = tmp_path / "store"
+    with kvh.Engine(
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=8,
+        block_tokens=8,
+        disk_path=str(store),
+        disk_bytes=1 << 20,
+        backend="cpu",
+    ):
+        pass
+    env = dict(__import__("os").environ, KVH_CONFIG=str(f), PYTHONPATH=str(REPO / "python"))
+    res = subprocess.run(
+        [sys.executable, "-m", "kvh_cache", "stats", str(store)], capture_output=True, text=True, env=env
+    )
+    assert res.returncode == 2 and "Traceback" not in res.stderr and "lru_k must be an integer" in res.stderr, (
+        res.stderr
+    )
+
+
 def test_opens_an_engine(tmp_path):
     f = _toml(tmp_path, 'device_bytes = "256K"\nhost_bytes = "1M"\nbackend = "cpu"\n')
     cfg = kc.load(environ={"KVH_CONFIG": str(f), "KVH_HEAD_DIM": "32"}, num_layers=2)
