@@ -7,6 +7,7 @@ lines. It never changes anything."""
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import ctypes.util
 import errno
@@ -54,11 +55,18 @@ class Check:
         return {"name": self.name, "status": self.status, "summary": self.summary, "fix": self.fix, "data": self.data}
 
 
+def _data_dir(text: str) -> Path:
+    if not text:  # Path("") would be the working directory
+        raise argparse.ArgumentTypeError("DIR must not be empty")
+    return Path(text)
+
+
 def add_arguments(p) -> None:
     p.add_argument(
         "--data-dir",
-        type=Path,
-        default=Path(os.environ.get("KVH_DATA_DIR", "kvh-data")),
+        type=_data_dir,
+        # An empty variable counts as unset, as for every KVH_* variable.
+        default=Path(os.environ.get("KVH_DATA_DIR") or "kvh-data"),
         help="the disk tier directory to check (default $KVH_DATA_DIR or ./kvh-data)",
     )
     p.add_argument(
@@ -284,6 +292,10 @@ def check_store_permissions(data_dir: Path) -> Check:
         return Check(name, WARN, f"cannot stat {d}: {exc}", [], {"path": str(d)})
     if not d.is_dir():
         return Check(name, FAIL, f"{d} is not a directory", [], {"path": str(d)})
+    if not any((d / n).exists() for n in ("LOCK", "index", "journal", "slab-0000.kvh")):
+        # Another program's directory: its files are not kvh's to judge.
+        summary = f"{d} holds no kvh store yet: kvh narrows it to 0700 and creates its files 0600 when it opens one"
+        return Check(name, OK, summary, [], {"path": str(d)})
     mode = st.st_mode & 0o7777
     levels = [_perm_level(mode, True)]
     exposed = [f"(directory) {mode:04o}"] if levels[0] == "exposed" else []

@@ -335,6 +335,22 @@ def test_doctor_reports_store_permissions(tmp_path):
     assert names["store permissions"]["data"]["dir_mode"] == "0700"
 
 
+def test_doctor_leaves_a_directory_without_a_store_alone(tmp_path):
+    # The user's own files in a directory that holds no store were listed as
+    # exposed, with chmod advice for them.
+    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "notes.txt").chmod(0o644)
+    tmp_path.chmod(0o755)
+    c = doctor.check_store_permissions(tmp_path)
+    assert c.status == doctor.OK and "no kvh store" in c.summary and not c.fix, c
+    res = run_kvh("doctor", "--json", "--data-dir", "")
+    assert res.returncode == 2 and "must not be empty" in res.stderr, (res.returncode, res.stderr)
+    res = run_kvh("doctor", "--json", env_extra={"KVH_DATA_DIR": ""})
+    assert res.returncode == 0, res.stderr
+    names = {c["name"]: c for c in json.loads(res.stdout)["checks"]}
+    assert names["store permissions"]["data"]["path"] == "kvh-data", names["store permissions"]
+
+
 def test_store_missing_dir(tmp_path):
     res = run_kvh("store", "info", str(tmp_path / "nope"))
     assert res.returncode in (1, 3) and res.stderr.strip()
