@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import os
+import sys
 import threading
 from typing import Any, Callable, Deque, Dict, Optional, Sequence, Tuple, TypeVar
 
@@ -57,6 +58,14 @@ if hasattr(os, "register_at_fork"):
 _RECHECK_S = 0.05
 
 
+def _on_stack(frame: Any, top: Any) -> bool:
+    while top is not None:
+        if top is frame:
+            return True
+        top = top.f_back
+    return False
+
+
 class HandleGate:
     """Admits the C calls that name one native handle.
 
@@ -83,6 +92,7 @@ class HandleGate:
         "_queue",
         "_in_flight",
         "_shared_by",
+        "_entered_in",
         "_forks",
     )
 
@@ -106,6 +116,9 @@ class HandleGate:
         # Shared calls in flight per thread (made on the first): a close from
         # inside one (a log handler kvh calls) must not wait for itself.
         self._shared_by: Optional[Dict[int, int]] = None
+        # Per thread with calls in flight, the frame its first call was
+        # made from (made on the first): see _drop_abandoned.
+        self._entered_in: Optional[Dict[int, Any]] = None
         self._forks = _forks
 
     def _after_fork(self) -> None:
@@ -120,6 +133,7 @@ class HandleGate:
         self._queue = collections.deque()
         self._in_flight = 0
         self._shared_by = None
+        self._entered_in = None
         if self._state == _CLOSING:
             self._state = _CLOSED
         self._forks = _forks
@@ -135,12 +149,18 @@ class HandleGate:
     def shared(self) -> "GateUse":
         return GateUse(self, False)
 
-    def enter(self, exclusive: bool) -> None:
+    def enter(self, exclusive: bool, frame: Any = None) -> None:
+        """Counts a call made from ``frame`` (by default the caller's: the
+        frame whose ``with`` or ``try`` ends the call with ``leave``)."""
         if self._forks != _forks:
             self._after_fork()
+        if frame is None:
+            frame = sys._getframe(1)
         with self._lock:
+            me = threading.get_ident()
+            if self._entered_in and me in self._entered_in and not _on_stack(self._entered_in[me], frame):
+                self._drop_thread(me)  # its earlier calls are over: counts an interrupt left
             if exclusive:
-                me = threading.get_ident()
                 if self._owner == me:  # a call nested in this thread's call
                     self._owner_depth += 1
                     self._in_flight += 1
@@ -156,9 +176,12 @@ class HandleGate:
                     raise self._closed_error()
                 if self._shared_by is None:
                     self._shared_by = {}
-                me = threading.get_ident()
                 self._shared_by[me] = self._shared_by.get(me, 0) + 1
             self._in_flight += 1
+            if self._entered_in is None:
+                self._entered_in = {}
+            if me not in self._entered_in:  # this thread's first call in flight
+                self._entered_in[me] = frame
 
     def leave(self, exclusive: bool) -> None:
         if self._forks != _forks:  # entered before the fork: counted no more
@@ -177,6 +200,7 @@ class HandleGate:
                     self._shared_by[me] = depth
                 else:
                     self._shared_by.pop(me, None)
+            self._forget_frame(threading.get_ident())
             self._wake()
 
     def close(self, end: Callable[[], T]) -> Optional[T]:
@@ -236,9 +260,45 @@ class HandleGate:
             self._cond = threading.Condition(self._lock)
         self._waiting += 1
         try:
-            self._cond.wait(_RECHECK_S)
+            woken = self._cond.wait(_RECHECK_S)
         finally:
             self._waiting -= 1
+        if not woken:
+            self._drop_abandoned()
+
+    def _drop_abandoned(self) -> None:
+        """Takes back the counts of threads whose calls are over: a
+        KeyboardInterrupt raised at the entry of a call's ``__exit__`` (the
+        main thread runs signal handlers at any Python call) skips its
+        ``leave``, and the count left behind would keep other threads out
+        of the handle, and its close waiting, for good. A thread is in a
+        call while the frame it entered the gate from is on its stack."""
+        holders = set(self._shared_by or ())
+        if self._owner is not None:
+            holders.add(self._owner)
+        holders.discard(threading.get_ident())
+        if not holders or not self._entered_in:
+            return
+        frames = sys._current_frames()
+        for thread in holders:
+            entered_in = self._entered_in.get(thread)
+            if entered_in is not None and not _on_stack(entered_in, frames.get(thread)):
+                self._drop_thread(thread)
+
+    def _drop_thread(self, thread: int) -> None:
+        if self._owner == thread:
+            self._in_flight -= self._owner_depth
+            self._owner = None
+            self._owner_depth = 0
+        if self._shared_by and thread in self._shared_by:
+            self._in_flight -= self._shared_by.pop(thread)
+        if self._entered_in:
+            self._entered_in.pop(thread, None)
+        self._wake()
+
+    def _forget_frame(self, me: int) -> None:
+        if self._entered_in and (self._owner != me) and not (self._shared_by and me in self._shared_by):
+            self._entered_in.pop(me, None)
 
     def _wake(self) -> None:
         if self._waiting:
@@ -261,7 +321,7 @@ class GateUse:
         self.exclusive = exclusive
 
     def __enter__(self) -> None:
-        self.gate.enter(self.exclusive)
+        self.gate.enter(self.exclusive, sys._getframe(1))
 
     def __exit__(self, *exc: Any) -> None:
         self.gate.leave(self.exclusive)

@@ -33,6 +33,7 @@ import atexit
 import logging
 import operator
 import os
+import sys
 import threading
 import time
 import weakref
@@ -257,8 +258,9 @@ class _Native:
     def closed(self) -> bool:
         return self.gate.closed
 
-    def enter(self):
-        self.gate.enter(False)
+    def enter(self, frame: Any = None):
+        """Counts a call made from ``frame`` (by default the caller's)."""
+        self.gate.enter(False, frame or sys._getframe(1))
         if self.deferred:
             try:
                 self._run_deferred()
@@ -418,11 +420,12 @@ class _Call:
     def __enter__(self):
         self.native.refuse_in_own_sink()
         entered = 0
+        frame = sys._getframe(1)  # the call's ``with``: see HandleGate.enter
         try:
             for use in self.uses:
-                use.gate.enter(use.exclusive)
+                use.gate.enter(use.exclusive, frame)
                 entered += 1
-            return self.native.enter()
+            return self.native.enter(frame)
         except BaseException:
             for use in reversed(self.uses[:entered]):
                 use.gate.leave(use.exclusive)

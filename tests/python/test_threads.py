@@ -272,8 +272,9 @@ def test_calls_naming_one_sequence_never_overlap(engine, monkeypatch):
     assert probe.most_overall == 2
 
 
-def test_gate_serialises_exclusive_and_admits_shared():
-    gate = HandleGate(lambda: kvh.BadHandleError("closed"))
+def _held_exclusively(gate):
+    """A thread inside an exclusive call on gate until the returned event
+    is set: (thread, leave)."""
     inside = threading.Event()
     leave = threading.Event()
 
@@ -285,6 +286,12 @@ def test_gate_serialises_exclusive_and_admits_shared():
     t = threading.Thread(target=holder)
     t.start()
     assert inside.wait(10)
+    return t, leave
+
+
+def test_gate_serialises_exclusive_and_admits_shared():
+    gate = HandleGate(lambda: kvh.BadHandleError("closed"))
+    t, leave = _held_exclusively(gate)
     with gate.shared():  # a @threads any call runs beside it
         pass
     entered = threading.Event()
@@ -403,6 +410,48 @@ def test_gate_survives_an_interrupt_inside_its_wake(monkeypatch):
     t.join(10)
     assert interrupted == [True] and fired == [True]
     assert entered.wait(2), "the waiter slept through its turn"
+    t2.join(10)
+
+
+def test_a_count_left_by_an_interrupted_exit_does_not_shut_others_out():
+    """A Ctrl-C raised at the entry of a call's __exit__ skips its leave:
+    once that thread is in no call, its counts must not keep another
+    thread out of the handle nor its close waiting."""
+    for exclusive in (True, False):
+        gate = HandleGate(lambda: kvh.BadHandleError("closed"))
+
+        def call_interrupted_at_its_exit():
+            gate.enter(exclusive)
+            raise KeyboardInterrupt  # before leave, as at the entry of __exit__
+
+        with pytest.raises(KeyboardInterrupt):
+            call_interrupted_at_its_exit()
+        done = threading.Event()
+
+        def other():
+            with gate.exclusive():
+                pass
+            gate.close(lambda: None)
+            done.set()
+
+        t = threading.Thread(target=other, daemon=True)  # a failed run leaves it asleep
+        t.start()
+        assert done.wait(10), f"another thread waited for good on a count left behind (exclusive={exclusive})"
+        assert gate.closed and gate._in_flight == 0
+
+
+def test_a_count_of_a_thread_still_in_its_call_is_kept():
+    gate = HandleGate(lambda: kvh.BadHandleError("closed"))
+    t, leave = _held_exclusively(gate)
+    got_in = threading.Event()
+    t2 = threading.Thread(target=lambda: (gate.enter(True), got_in.set(), gate.leave(True)), daemon=True)
+    t2.start()
+    # holder sleeps inside its `with`: its count must stand past the waits
+    # that look for counts left behind
+    assert not got_in.wait(0.5)
+    leave.set()
+    t.join(10)
+    assert got_in.wait(10)
     t2.join(10)
 
 
