@@ -1832,6 +1832,16 @@ class Sequence(GatedHandle, OwnedHandle):
             return f, max(0, length - f) if f <= length else 1
         return f, _index("n", n)
 
+    def _span_to_read(self, p, first: TokenSpan, n: Optional[int]) -> Tuple[int, int]:
+        """_span of tokens to be copied out: a range past the end is refused
+        before an array of its size is made (2**40 tokens would not fit), as
+        the library refuses it."""
+        f, cnt = self._span(p, first, n)
+        length = self._length(p)
+        if cnt and f + cnt > length:
+            raise errors.RangeError(f"tokens [{f}, {f + cnt}) pass the sequence's {length} tokens", lib.KVH_ERR_RANGE)
+        return f, cnt
+
     def _kv_check(self, name: str, a: Any, n: Optional[int] = None, out: bool = False) -> np.ndarray:
         eng = self._engine
         H, D, dt = eng.num_kv_heads, eng.head_dim, eng.np_dtype
@@ -1873,7 +1883,7 @@ class Sequence(GatedHandle, OwnedHandle):
     def tokens(self, first: TokenSpan = None, n: Optional[int] = None) -> np.ndarray:
         """Token ids (int32) of a range (default: all)."""
         with self._call() as p:
-            f, cnt = self._span(p, first, n)
+            f, cnt = self._span_to_read(p, first, n)
             out = np.empty(cnt, np.int32)
             check(lib.kvh_seq_tokens(p, self._h[0], f, cnt, _iptr(out)))
         return out
@@ -1977,7 +1987,7 @@ class Sequence(GatedHandle, OwnedHandle):
         head_dim)`` (or into ``out=(k, v)``). Returns ``(k, v)``."""
         layer = _index("layer", layer, maximum=_U32)
         with self._call() as p:
-            f, cnt = self._span(p, pos, n)
+            f, cnt = self._span_to_read(p, pos, n)
             if out is None:
                 shape = (cnt, self._engine.num_kv_heads, self._engine.head_dim)
                 k = np.empty(shape, self._engine.np_dtype)

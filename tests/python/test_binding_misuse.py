@@ -70,12 +70,15 @@ def test_positions_past_u64_reach_c_as_range_errors(filled):
 
 
 def test_huge_counts_never_reach_an_allocation_unchecked(filled):
-    """A count far past the sequence is refused: by NumPy's own size check
-    or by the library, never with a crash."""
+    """A count past the sequence is refused as the library refuses it, and
+    before an array of that size is made: 2**40 tokens raised NumPy's
+    MemoryError (4 TiB), 2**62 its ValueError."""
     seq, data = filled
-    for call in (lambda: seq.tokens(0, 1 << 62), lambda: seq.read_kv(0, 0, 1 << 62)):
-        with pytest.raises((ValueError, MemoryError, kvh.RangeError)):
-            call()
+    for n in (41, 1 << 33, 1 << 40, 1 << 62):
+        for call in (lambda: seq.tokens(0, n), lambda: seq.read_kv(0, 0, n), lambda: seq.read_kv(1, 39, n - 39)):
+            with pytest.raises(kvh.RangeError, match="pass the sequence's 40 tokens"):
+                call()
+    assert len(seq.tokens(40, 0)) == 0 and len(seq.read_kv(0, 40, 0)[0]) == 0
     assert_intact(seq, data)
 
 
