@@ -1650,8 +1650,9 @@ typedef struct kvh_admission_params {
     uint32_t struct_size;
     uint32_t reserved0;
     uint64_t short_max_tokens;   /* default 4096 */
-    uint64_t short_device_bytes; /* quota of each pool; both 0 (default):
-                                    no admission control */
+    uint64_t short_device_bytes; /* quota of each pool, in whole blocks
+                                    (rounded down); both 0 (default): no
+                                    admission control */
     uint64_t long_device_bytes;
 } kvh_admission_params;
 
@@ -1660,8 +1661,8 @@ typedef struct kvh_admission_params {
 KVH_API kvh_status kvh_admission_params_init(kvh_admission_params *params, size_t struct_size);
 
 /* Sets the pools. Requests already admitted keep their reservations.
- * [borrowed] params. KVH_ERR_INVALID_ARG when the two quotas together
- * exceed the device tier (or params is NULL); KVH_ERR_STRUCT_SIZE,
+ * [borrowed] params. KVH_ERR_INVALID_ARG when the two quotas' whole
+ * blocks together exceed the device tier's (or params is NULL); KVH_ERR_STRUCT_SIZE,
  * KVH_ERR_NOMEM. @threads any */
 KVH_API kvh_status kvh_admission_configure(kvh_engine *engine, const kvh_admission_params *params);
 
