@@ -70,10 +70,14 @@ kvh_status kvhi_store_open_dir(kvhi_disk *d, const char *path)
                          "%s holds a file named '%s' that kvh did not write, and no store: not a kvh store "
                          "directory (give disk_path a directory of its own)",
                          path, foreign);
-    /* Narrow what an older kvh or a umask left readable (the files hold
-     * KV that can be inverted back into prompts). */
-    if ((st.st_mode & 0777 & ~want) && fchmod(d->dir_fd, st.st_mode & 07777 & want) != 0)
-        return kvhi_fail(KVH_ERR_IO, "cannot restrict %s to mode %04o: %s", path, (unsigned)want, strerror(errno));
+    /* Exactly the store's mode: narrow what an older kvh or a umask left
+     * readable (the files hold KV that can be inverted back into prompts),
+     * and widen what mkdir's umask trimmed (0500 leaves no room for LOCK;
+     * 0700 under KVH_DISK_SHARE_GROUP shares nothing). A setgid bit stays:
+     * it only picks the group new files get. */
+    mode_t keep = st.st_mode & S_ISGID;
+    if ((st.st_mode & 07777) != (keep | want) && fchmod(d->dir_fd, keep | want) != 0)
+        return kvhi_fail(KVH_ERR_IO, "cannot set %s to mode %04o: %s", path, (unsigned)want, strerror(errno));
     return KVH_OK;
 }
 

@@ -18,8 +18,9 @@ typedef struct kvhi_disk kvhi_disk;
 mode_t kvhi_store_dir_mode(uint32_t disk_flags);
 mode_t kvhi_store_file_mode(uint32_t disk_flags);
 /* Creates the directory (if missing) and opens it; refuses one owned by
- * another user or writable by group or others, and narrows a wider mode
- * to the store's. Fills d->dir_fd; KVH_ERR_IO with the reason. */
+ * another user or writable by group or others, and sets its mode to the
+ * store's whatever the umask (a setgid bit stays). Fills d->dir_fd;
+ * KVH_ERR_IO with the reason. */
 kvh_status kvhi_store_open_dir(kvhi_disk *d, const char *path);
 /* openat(d->dir_fd, name, flags) for a store file: never follows a link,
  * only a regular file of this user, created (with O_CREAT) or narrowed to

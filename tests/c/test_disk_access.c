@@ -2,7 +2,9 @@
  * umask, group sharing only when asked, narrowing what an older store
  * left open, refusing a directory other users can write to, and never
  * following a link planted in place of a store file. */
+#include <grp.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 
 #include "disk_test_util.h"
 
@@ -69,6 +71,107 @@ static void test_group_share_when_asked(void **state)
     assert_int_equal(mode_of(dir, NULL), 0750);
     for (size_t i = 0; i < sizeof(FILES) / sizeof(FILES[0]); i++)
         assert_int_equal(mode_of(dir, FILES[i]), 0640);
+}
+
+static unsigned dir_mode_for(uint32_t flags) { return flags & KVH_DISK_SHARE_GROUP ? 0750 : 0700; }
+static unsigned file_mode_for(uint32_t flags) { return flags & KVH_DISK_SHARE_GROUP ? 0640 : 0600; }
+
+static void expect_store_modes(const char *what, const char *dir, uint32_t flags)
+{
+    if (mode_of(dir, NULL) != dir_mode_for(flags))
+        fail_msg("%s: directory has mode %04o, want %04o", what, mode_of(dir, NULL), dir_mode_for(flags));
+    for (size_t i = 0; i < sizeof(FILES) / sizeof(FILES[0]); i++)
+        if (mode_of(dir, FILES[i]) != file_mode_for(flags))
+            fail_msg("%s: %s has mode %04o, want %04o", what, FILES[i], mode_of(dir, FILES[i]), file_mode_for(flags));
+}
+
+static mode_t ambient_umask;
+
+/* The umask a test started with, back even when a case failed midway. */
+static int restore_umask(void **state)
+{
+    umask(ambient_umask);
+    return dt_teardown(state);
+}
+
+/* Hardened umasks trim what mkdir asks for (077 takes the group's r-x of
+ * a shared store, 0277 the owner's own write bit, which leaves no room for
+ * LOCK): the directory still gets exactly the store's mode, new or not. */
+static void test_exact_modes_under_narrow_umasks(void **state)
+{
+    (void)state;
+    char dir[PATH_MAX], what[128];
+    dt_scratch("umask", dir, sizeof(dir));
+    ambient_umask = umask(022);
+    umask(ambient_umask);
+    const mode_t umasks[] = {077, 0277};
+    const uint32_t flag_sets[] = {0, KVH_DISK_SHARE_GROUP};
+    for (size_t u = 0; u < 2; u++)
+        for (size_t f = 0; f < 2; f++) {
+            snprintf(what, sizeof(what), "new store, umask %04o, flags %u", (unsigned)umasks[u], flag_sets[f]);
+            dt_rmrf(dir);
+            mode_t old = umask(umasks[u]);
+            make_store(dir, flag_sets[f]);
+            umask(old);
+            expect_store_modes(what, dir, flag_sets[f]);
+            /* An existing store made under the other flags, and one a
+             * umask of 0277 left read-only to its owner: opened with these
+             * flags, it takes their modes. */
+            for (size_t g = 0; g < 2; g++)
+                for (int was_read_only = 0; was_read_only < 2; was_read_only++) {
+                    snprintf(what, sizeof(what), "existing store of flags %u%s, umask %04o, flags %u", flag_sets[g],
+                             was_read_only ? " left 0500" : "", (unsigned)umasks[u], flag_sets[f]);
+                    make_store(dir, flag_sets[g]);
+                    if (was_read_only)
+                        assert_int_equal(chmod(dir, 0500), 0);
+                    old = umask(umasks[u]);
+                    make_store(dir, flag_sets[f]);
+                    umask(old);
+                    expect_store_modes(what, dir, flag_sets[f]);
+                }
+        }
+    assert_int_equal(chmod(dir, 0700), 0);
+}
+
+/* As a user without root's override of the directory's mode, under a
+ * umask of 0277: the store opens (it could not create its LOCK in the
+ * dr-x------ directory mkdir left) and is 0700 / 0600. */
+static void test_unprivileged_open_under_umask_0277(void **state)
+{
+    (void)state;
+    if (geteuid() != 0)
+        skip(); /* the other test covers a non-root run; only root can become another user here */
+    const uid_t nobody = 65534;
+    char parent[PATH_MAX], dir[PATH_MAX];
+    dt_scratch("umask_user", parent, sizeof(parent));
+    assert_int_equal(chown(parent, nobody, nobody), 0);
+    dt_path(dir, sizeof(dir), parent, "store");
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        if (setgroups(0, NULL) != 0 || setgid(nobody) != 0 || setuid(nobody) != 0)
+            _exit(100);
+        if (access(parent, W_OK | X_OK) != 0)
+            _exit(77); /* the build tree is out of that user's reach */
+        umask(0277);
+        kvh_config c = dt_cfg(G, dir, 4, 4, 16, 0);
+        kvh_engine *e = NULL;
+        kvh_status st = kvh_engine_open(&c, &e);
+        if (st != KVH_OK) {
+            fprintf(stderr, "open as uid %u: %s: %s\n", (unsigned)nobody, kvh_status_name(st), kvh_last_error());
+            _exit(101);
+        }
+        _exit(kvh_engine_close(e) == KVH_OK ? 0 : 102);
+    }
+    int status = 0;
+    assert_int_equal(waitpid(pid, &status, 0), pid);
+    if (WIFEXITED(status) && WEXITSTATUS(status) == 77)
+        skip();
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
+        fail_msg("the store did not open as uid %u under umask 0277 (status %#x)", (unsigned)nobody, status);
+    assert_int_equal(mode_of(dir, NULL), 0700);
+    assert_int_equal(mode_of(dir, "LOCK"), 0600);
+    assert_int_equal(mode_of(dir, "index"), 0600);
 }
 
 /* A store an older kvh made readable by everyone is narrowed at open,
@@ -257,6 +360,8 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_owner_only_whatever_the_umask, dt_teardown),
         cmocka_unit_test_teardown(test_group_share_when_asked, dt_teardown),
+        cmocka_unit_test_teardown(test_exact_modes_under_narrow_umasks, restore_umask),
+        cmocka_unit_test_teardown(test_unprivileged_open_under_umask_0277, dt_teardown),
         cmocka_unit_test_teardown(test_wider_store_is_narrowed, dt_teardown),
         cmocka_unit_test_teardown(test_writable_by_others_is_refused, dt_teardown),
         cmocka_unit_test_teardown(test_planted_links_are_not_followed, dt_teardown),
