@@ -3,6 +3,7 @@
 #include <string.h>
 
 #include "core/crc32c.h"
+#include "kvh/kvh.h"
 
 static const char slot_magic[8] = {'K', 'V', 'H', 'B', 'L', 'K', 0, 1};
 static const char index_magic[8] = {'K', 'V', 'H', 'I', 'D', 'X', 0, 1};
@@ -257,5 +258,39 @@ int kvhi_index_header_decode(const void *buf, size_t len, kvhi_index_header *h)
     if (h->geo.block_tokens == 0 || h->geo.block_tokens > 256 || h->geo.num_layers == 0 || h->geo.num_kv_heads == 0 ||
         h->geo.head_dim == 0 || h->geo.block_bytes == 0 || h->geo.block_bytes > KVHI_DISK_MAX_BLOCK_BYTES)
         return -1;
+    /* So is a dtype or KV codec no engine has: no engine could ever open
+     * such a store, nor a tool name its type. */
+    if (!kvhi_disk_dtype_name(h->geo.dtype) || !kvhi_disk_codec_name(h->geo.dtype))
+        return -1;
     return 0;
+}
+
+const char *kvhi_disk_dtype_name(uint32_t packed)
+{
+    switch (packed & 0xffffu) {
+    case KVH_DTYPE_F32:
+        return "f32";
+    case KVH_DTYPE_F16:
+        return "f16";
+    case KVH_DTYPE_BF16:
+        return "bf16";
+    default:
+        return NULL;
+    }
+}
+
+const char *kvhi_disk_codec_name(uint32_t packed)
+{
+    switch (packed >> 16) {
+    case KVH_CODEC_NONE:
+        return "none";
+    case KVH_CODEC_INT8:
+        return "int8";
+    case KVH_CODEC_Q4_G32:
+        return "q4_g32";
+    case KVH_CODEC_Q4_G64:
+        return "q4_g64";
+    default:
+        return NULL;
+    }
 }

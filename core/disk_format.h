@@ -123,8 +123,14 @@ typedef struct kvhi_index_header {
 void kvhi_index_header_encode(void *buf, const kvhi_index_header *h);
 /* 0, -2 for another version, -1 for a bad magic or CRC or a geometry no
  * engine writes (block_tokens outside 1..256, a zero dimension, a block
- * size of 0 or above KVHI_DISK_MAX_BLOCK_BYTES). */
+ * size of 0 or above KVHI_DISK_MAX_BLOCK_BYTES, an unknown kvh_dtype or
+ * kvh_codec in geo.dtype). */
 int kvhi_index_header_decode(const void *buf, size_t len, kvhi_index_header *h);
+/* Names of the kvh_dtype (low 16 bits) and kvh_codec (the bits above) that
+ * a geometry's dtype field packs (core/disk_tier.c); NULL for one no engine
+ * has, which kvhi_index_header_decode refuses. */
+const char *kvhi_disk_dtype_name(uint32_t packed);
+const char *kvhi_disk_codec_name(uint32_t packed);
 /* Whether the first 8 bytes of an index or journal file are kvh's magic
  * (a damaged header may still be kvh's; another program's file is not). */
 bool kvhi_index_magic_is_kvh(const void *first8);

@@ -15,23 +15,10 @@
 #include <unistd.h>
 
 #include "core/disk_access.h"
+#include "core/disk_format.h"
 #include "core/disk_index.h"
 #include "core/prefix_index.h"
 #include "tools/kvh_store_remote.h"
-
-/* The geometry's dtype field holds the dtype and, above bit 16, the KV
- * codec (core/disk_tier.c). */
-static const char *dtype_name(uint32_t d)
-{
-    d &= 0xffffu;
-    return d == 0 ? "f32" : d == 1 ? "f16" : d == 2 ? "bf16" : "?";
-}
-
-static const char *codec_name(uint32_t d)
-{
-    d >>= 16;
-    return d == 0 ? "none" : d == 1 ? "int8" : d == 2 ? "q4_g32" : d == 3 ? "q4_g64" : "?";
-}
 
 static void usage(FILE *f)
 {
@@ -310,11 +297,12 @@ static int run_main(int argc, char **argv)
                 "\"bytes\": %llu, \"tokens\": %llu, \"prefix_chains\": %llu, \"longest_chain_blocks\": %llu, "
                 "\"bad_records\": %llu, \"permissions\": \"%s\", \"dir_mode\": \"%04o\", "
                 "\"dir_writable_by_others\": %s, \"other_owner\": %s, \"exposed\": \"",
-                d.geo.num_layers, d.geo.num_kv_heads, d.geo.head_dim, d.geo.block_tokens, dtype_name(d.geo.dtype),
-                codec_name(d.geo.dtype), (unsigned long long)d.geo.model_salt, (unsigned long long)d.block_bytes,
-                d.n_slots, list.n, (unsigned long long)bytes, (unsigned long long)list.n * d.geo.block_tokens,
-                (unsigned long long)roots, (unsigned long long)longest, (unsigned long long)list.bad_records,
-                perm_names[pm.level], pm.dir_mode, pm.dir_writable ? "true" : "false", pm.foreign ? "true" : "false");
+                d.geo.num_layers, d.geo.num_kv_heads, d.geo.head_dim, d.geo.block_tokens,
+                kvhi_disk_dtype_name(d.geo.dtype), kvhi_disk_codec_name(d.geo.dtype),
+                (unsigned long long)d.geo.model_salt, (unsigned long long)d.block_bytes, d.n_slots, list.n,
+                (unsigned long long)bytes, (unsigned long long)list.n * d.geo.block_tokens, (unsigned long long)roots,
+                (unsigned long long)longest, (unsigned long long)list.bad_records, perm_names[pm.level], pm.dir_mode,
+                pm.dir_writable ? "true" : "false", pm.foreign ? "true" : "false");
             print_json_text(pm.exposed);
             printf("\"}\n");
         } else
@@ -329,8 +317,8 @@ static int run_main(int argc, char **argv)
                 "bad records   %llu\n"
                 "permissions   %s (directory %04o)%s%s%s%s\n",
                 d.path, d.geo.num_layers, d.geo.num_kv_heads, d.geo.head_dim, d.geo.block_tokens,
-                dtype_name(d.geo.dtype), codec_name(d.geo.dtype), (unsigned long long)d.geo.model_salt,
-                (unsigned long long)d.block_bytes, d.n_slots, list.n, list.n,
+                kvhi_disk_dtype_name(d.geo.dtype), kvhi_disk_codec_name(d.geo.dtype),
+                (unsigned long long)d.geo.model_salt, (unsigned long long)d.block_bytes, d.n_slots, list.n, list.n,
                 (unsigned long long)list.n * d.geo.block_tokens, bytes / 1048576.0, (unsigned long long)roots,
                 (unsigned long long)longest, (unsigned long long)list.bad_records, perm_names[pm.level], pm.dir_mode,
                 pm.level == PERM_EXPOSED ? "\n              other users can read cached prompts' KV: " : "", pm.exposed,

@@ -18,6 +18,9 @@
  *   - index headers: a hostile geometry (block_tokens 0 or 257, a block
  *     size of 0 or one that wraps the slot size): the open is
  *     KVH_ERR_MISMATCH (or a rebuild), kvh-store refuses the store;
+ *   - index headers naming a dtype or KV codec no engine has: damage like
+ *     any header that fails its checks (rebuilt from the slot headers, or
+ *     KVH_ERR_CORRUPT under disk_strict_index), kvh-store refuses it;
  *   - slot headers: a token count past the header, a slot number, offset
  *     or block size other than the slot's: that block is a miss (counted
  *     corrupt), also when the index is gone and the store is rebuilt from
@@ -361,6 +364,71 @@ static void test_hostile_geometry(void **state)
     }
 }
 
+/* The geometry's dtype field packs the kvh_dtype (low 16 bits) and the
+ * kvh_codec (above): one no engine has is a damaged header, not a store of
+ * another geometry that no engine could ever open. */
+static void test_unknown_dtype_or_codec(void **state)
+{
+    (void)state;
+    struct {
+        const char *what;
+        uint32_t dtype; /* as packed in the header */
+    } cases[] = {
+        {"dtype 7", 7},
+        {"dtype 3", KVH_DTYPE_BF16 + 1},
+        {"dtype 0xffff", 0xffff},
+        {"codec 4", KVH_DTYPE_F16 | (KVH_CODEC_Q4_G64 + 1) << 16},
+        {"codec 0xffff", KVH_DTYPE_F16 | 0xffffu << 16},
+    };
+    char tool[600], out[4096];
+    bool have_tool = dt_store_tool(tool, sizeof(tool));
+    for (size_t k = 0; k < sizeof(cases) / sizeof(cases[0]); k++)
+        for (int both = 0; both < 2; both++) {
+            char what[128];
+            snprintf(what, sizeof(what), "%s in the index header%s", cases[k].what, both ? " and the journal's" : "");
+            restore();
+            kvhi_index_header h = get_header("index");
+            h.geo.dtype = cases[k].dtype;
+            uint8_t page[KVHI_DISK_ALIGN];
+            kvhi_index_header_encode(page, &h);
+            kvhi_index_header back;
+            if (kvhi_index_header_decode(page, sizeof(page), &back) != -1)
+                fail_msg("%s: the header decodes", what);
+            put_header("index", &h);
+            if (both) {
+                kvhi_index_header j = get_header("journal");
+                j.geo.dtype = cases[k].dtype;
+                put_header("journal", &j);
+            }
+            /* kvh-store reads the index header alone: damaged, exit 2. */
+            if (have_tool) {
+                const char *cmds[2] = {"info", "verify"};
+                for (int i = 0; i < 2; i++) {
+                    int rc = dt_run_tool(tool, cmds[i], S.dir, NULL, out, sizeof(out));
+                    if (rc != 2 || !strstr(out, "header is damaged"))
+                        fail_msg("%s: kvh-store %s ended with %d, expected 2 (header damaged): %s", what, cmds[i], rc,
+                                 out);
+                }
+            }
+            kvh_config c = cfg();
+            c.disk_strict_index = 1;
+            kvh_engine *e = NULL;
+            kvh_status st = kvh_engine_open(&c, &e);
+            if (st != KVH_ERR_CORRUPT || !strstr(kvh_last_error(), "header is damaged")) {
+                dt_track(e);
+                fail_msg("%s: strict open returned %s (%s), expected KVH_ERR_CORRUPT for a damaged header", what,
+                         kvh_status_name(st), kvh_last_error());
+            }
+            /* Without disk_strict_index: rebuilt from the slot headers,
+             * which carry the true geometry; the chain is all there. */
+            uint64_t used = 0;
+            if (open_and_match(what, &used, NULL) != NB * G.bt || used != NB)
+                fail_msg("%s: the rebuilt store lost blocks (%llu on disk)", what, (unsigned long long)used);
+            /* The rebuild rewrote the header: the store is whole again. */
+            assert_int_equal(get_header("index").geo.dtype, G.dtype);
+        }
+}
+
 /* Slot headers with valid CRCs but another slot's place, a block size or
  * a token count out of range: that block is a miss, with or without an
  * index to name it. */
@@ -410,6 +478,7 @@ int main(void)
         cmocka_unit_test(test_forged_records),
         cmocka_unit_test(test_hostile_header_counts),
         cmocka_unit_test(test_hostile_geometry),
+        cmocka_unit_test(test_unknown_dtype_or_codec),
         cmocka_unit_test(test_forged_slot_headers),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
