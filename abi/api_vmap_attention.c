@@ -11,11 +11,10 @@
  * active calls until the backend's completion callback (on CUDA a host
  * callback queued on the caller's stream after the kernels, so the call
  * returns before they finish), and refresh, release and close wait. */
-#include <math.h>
 #include <stdlib.h>
 
 #include "abi/api_attention.h"
-#include "abi/api_params.h"
+#include "abi/api_common.h"
 #include "core/attention_call.h"
 #include "core/vmap.h"
 #include "kernels/attention_plan.h"
@@ -25,29 +24,21 @@ static kvh_status attention_vmap(kvh_engine *e, kvh_vmap *const *views, const ui
                                  const void *q, void *out, const kvh_attention_params *params)
 {
     kvhi_clear_error();
-    KVHI_REQUIRE(e, "engine is NULL");
+    /* The engine and params are checked by the paged calls' own checks, so
+     * that the views refuse exactly what kvh_attention_decode refuses
+     * (given no sequences, that is all they check). */
+    kvh_attention_params pr;
+    uint64_t no_rows = 0;
+    kvh_status st = kvhi_attn_check_args(e, 0, NULL, NULL, 0, false, NULL, NULL, params, &pr, &no_rows);
+    if (st != KVH_OK)
+        return st;
+    const kvh_config *c = &e->cfg;
     KVHI_REQUIRE(views || n_views == 0, "views is NULL");
     /* As the paged calls: q and out may be NULL where there are no rows. */
     uint64_t rows = q_lens ? 0 : n_views;
     for (size_t i = 0; q_lens && i < n_views; i++)
         rows += q_lens[i];
     KVHI_REQUIRE(rows == 0 || (q && out), "q and out must not be NULL");
-    kvh_attention_params pr;
-    kvhi_attn_params_defaults(&pr);
-    if (params) {
-        kvh_status st = kvhi_read_params(&pr, sizeof(pr), params, KVHI_STRUCT_SIZE_MIN, "kvh_attention_params");
-        if (st != KVH_OK)
-            return st;
-    }
-    const kvh_config *c = &e->cfg;
-    KVHI_REQUIRE(pr.io_dtype <= KVH_DTYPE_BF16, "unknown io_dtype %u", pr.io_dtype);
-    if (pr.num_q_heads == 0)
-        pr.num_q_heads = c->num_kv_heads;
-    KVHI_REQUIRE(pr.num_q_heads % c->num_kv_heads == 0 && pr.num_q_heads <= KVHI_ATTN_MAX_Q_HEADS,
-                 "num_q_heads %u is not a multiple of num_kv_heads %u (or too many)", pr.num_q_heads, c->num_kv_heads);
-    KVHI_REQUIRE(isfinite(pr.scale), "scale is not finite");
-    if (pr.scale == 0.0f)
-        pr.scale = 1.0f / sqrtf((float)c->head_dim);
     for (size_t i = 0; i < n_views; i++)
         KVHI_REQUIRE(views[i], "views[%zu] is NULL", i);
 
@@ -59,7 +50,7 @@ static kvh_status attention_vmap(kvh_engine *e, kvh_vmap *const *views, const ui
     kvhi_vmap *few[8], **vs = n_views <= 8 ? few : malloc(sizeof(*vs) * n_views);
     if (!vs)
         return kvhi_fail(KVH_ERR_NOMEM, "out of memory for %zu views", n_views);
-    kvh_status st = kvhi_enter(e);
+    st = kvhi_enter(e);
     if (st != KVH_OK) {
         if (vs != few)
             free(vs);

@@ -6,6 +6,7 @@
  * address space, not memory; migration works around views; unsupported
  * setups are refused; a released, forged or foreign view (or a plan passed
  * as one) is KVH_ERR_BAD_HANDLE, and no view value is handed out twice. */
+#include <math.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -141,6 +142,79 @@ static void test_view_equals_paged(void **state)
     }
     assert_ok(kvh_vmap_release(e, m));
     assert_ok(kvh_vmap_release(e, NULL));
+}
+
+/* The paged calls and the view calls with the same params: the view calls
+ * return what kvh_attention_decode / _prefill return and, when refused,
+ * write nothing. want: the paged calls' status, or -1 to take theirs. */
+static void params_as_paged(kvh_engine *e, kvh_seq s, kvh_vmap *m, const kvh_attention_params *p, int want)
+{
+    static float q[8 * D], out[8 * D], untouched[8 * D];
+    uint32_t one = 1;
+    kvh_status paged = kvh_attention_decode(e, 0, &s, 1, q, out, p);
+    if (want >= 0)
+        assert_int_equal(paged, want);
+    assert_kvh(paged, kvh_attention_prefill(e, 0, &s, &one, 1, q, out, p));
+    memset(out, 0x5a, sizeof(out));
+    memset(untouched, 0x5a, sizeof(untouched));
+    assert_kvh(paged, kvh_attention_decode_vmap(e, &m, 1, q, out, p));
+    assert_kvh(paged, kvh_attention_prefill_vmap(e, &m, &one, 1, q, out, p));
+    if (paged != KVH_OK)
+        assert_memory_equal(out, untouched, sizeof(out));
+}
+
+/* kvh.h: the view calls take params as kvh_attention_decode does, so they
+ * refuse every params value it refuses, with the same status. */
+static void test_params_refused_as_paged(void **state)
+{
+    (void)state;
+    kvh_engine *e = open_vmap(32, 0);
+    kvh_seq s = new_seq(e, 40);
+    kvh_vmap *m = NULL;
+    assert_ok(kvh_seq_vmap(e, s, 0, 0, &m));
+    kvh_attention_params p;
+    assert_ok(kvh_attention_params_init(&p, sizeof(p)));
+    params_as_paged(e, s, m, &p, KVH_OK);
+
+    const uint32_t bad_io[] = {3, 4, 0x80000000u, UINT32_MAX};
+    for (size_t i = 0; i < sizeof(bad_io) / sizeof(bad_io[0]); i++) {
+        assert_ok(kvh_attention_params_init(&p, sizeof(p)));
+        p.io_dtype = bad_io[i];
+        params_as_paged(e, s, m, &p, KVH_ERR_INVALID_ARG);
+    }
+    const float bad_scale[] = {NAN, -NAN, INFINITY, -INFINITY};
+    for (size_t i = 0; i < sizeof(bad_scale) / sizeof(bad_scale[0]); i++) {
+        assert_ok(kvh_attention_params_init(&p, sizeof(p)));
+        p.scale = bad_scale[i];
+        params_as_paged(e, s, m, &p, KVH_ERR_INVALID_ARG);
+    }
+    /* not a multiple of num_kv_heads (2), or above the kernels' limit */
+    const uint32_t bad_qh[] = {1, 3, 5, 1u << 20, 0x80000000u, UINT32_MAX};
+    for (size_t i = 0; i < sizeof(bad_qh) / sizeof(bad_qh[0]); i++) {
+        assert_ok(kvh_attention_params_init(&p, sizeof(p)));
+        p.num_q_heads = bad_qh[i];
+        params_as_paged(e, s, m, &p, KVH_ERR_INVALID_ARG);
+    }
+    const uint32_t bad_size[] = {0, 4, 12, 20, 41, sizeof(kvh_attention_params) + 8, 1u << 16, UINT32_MAX};
+    for (size_t i = 0; i < sizeof(bad_size) / sizeof(bad_size[0]); i++) {
+        assert_ok(kvh_attention_params_init(&p, sizeof(p)));
+        p.struct_size = bad_size[i];
+        params_as_paged(e, s, m, &p, KVH_ERR_STRUCT_SIZE);
+    }
+    /* A streaming window smaller than one chunk, or one without a chunk. */
+    const uint32_t bad_stream[][2] = {{2, 1}, {0, 1}, {5, 4}, {UINT32_MAX, UINT32_MAX - 1}};
+    for (size_t i = 0; i < sizeof(bad_stream) / sizeof(bad_stream[0]); i++) {
+        assert_ok(kvh_attention_params_init(&p, sizeof(p)));
+        p.stream_chunk_blocks = bad_stream[i][0];
+        p.stream_window_blocks = bad_stream[i][1];
+        params_as_paged(e, s, m, &p, KVH_ERR_INVALID_ARG);
+    }
+    /* A valid window: whatever the paged call says of it on this backend. */
+    assert_ok(kvh_attention_params_init(&p, sizeof(p)));
+    p.stream_chunk_blocks = 1;
+    p.stream_window_blocks = 2;
+    params_as_paged(e, s, m, &p, -1);
+    assert_ok(kvh_vmap_release(e, m));
 }
 
 static void test_stale_and_refresh(void **state)
@@ -525,6 +599,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_view_equals_paged, tu_teardown),
+        cmocka_unit_test_teardown(test_params_refused_as_paged, tu_teardown),
         cmocka_unit_test_teardown(test_kv_buffers_inside_a_view, tu_teardown),
         cmocka_unit_test_teardown(test_stale_and_refresh, tu_teardown),
         cmocka_unit_test_teardown(test_views_and_migration, tu_teardown),
