@@ -635,11 +635,14 @@ int bench_alloc(int argc, char **argv, const bench_ctx *ctx)
         fprintf(stderr, "kvh-bench alloc: option out of range (try --help)\n");
         return 2;
     }
-    for (size_t i = 0; i < o.touch_blocks.n; i++)
-        if (o.touch_blocks.v[i] < 1) {
-            fprintf(stderr, "kvh-bench alloc: --touch-blocks must be >= 1\n");
-            return 2;
-        }
+    /* The touch part's sequences take --blocks' bound and the prompts as
+     * many tokens: far beyond them, tokens x 4 bytes, blocks x block bytes
+     * and --matches x 8 bytes of timings wrap to small allocations. */
+    if (bench_check_list(SCEN, "--touch-blocks", &o.touch_blocks, 1, 1ull << 31, 0) ||
+        bench_check_u64(SCEN, "--prompt-tokens", o.prompt_tokens, o.block_tokens, 1ull << 31) ||
+        bench_check_u64(SCEN, "--admit-tokens", o.admit_tokens, o.block_tokens, 1ull << 31) ||
+        bench_check_u64(SCEN, "--matches", o.matches, 1, UINT32_MAX))
+        return 2;
     int rounds = ctx->reps ? ctx->reps : (ctx->quick ? 3 : 7);
     static const char *known[] = {"pairs", "bulk", "fork", "prefix", "touch"};
     if (strcmp(o.parts, "all")) {

@@ -375,8 +375,13 @@ int bench_attention(int argc, char **argv, const bench_ctx *ctx)
     int prc = bench_parse(argc, argv, opts, SCEN, usage_text);
     if (prc)
         return bench_parse_rc(prc);
-    if (!o.kv_heads || !o.q_heads || o.q_heads % o.kv_heads || !o.dim || o.dim > 1024 || !o.total_tokens ||
-        o.bw_mb < 16) {
+    /* Heads and the batch (up to --total-tokens, at a context of 1) are
+     * 32-bit values; the heads take the engine's and the kernels' limits. */
+    if (bench_check_u64(SCEN, "--kv-heads", o.kv_heads, 1, 1024) ||
+        bench_check_u64(SCEN, "--q-heads", o.q_heads, 1, KVHI_ATTN_MAX_Q_HEADS) ||
+        bench_check_u64(SCEN, "--total-tokens", o.total_tokens, 1, UINT32_MAX))
+        return 2;
+    if (o.q_heads % o.kv_heads || !o.dim || o.dim > 1024 || o.bw_mb < 16) {
         fprintf(stderr, "kvh-bench attention: bad geometry or sizes\n");
         return 2;
     }

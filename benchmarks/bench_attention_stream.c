@@ -21,8 +21,10 @@
 #include "bench_scenarios.h"
 
 #include "../kernels/attention_dtype.h"
+#include "../kernels/attention_plan.h"
 
 #define SCEN "attention"
+#define STREAM_MAX_BLOCKS ((1ull << 31) / 16 - 1) /* blocks of 16 tokens under 2^31 tokens */
 
 typedef struct stream_opts {
     bench_list times;
@@ -157,9 +159,7 @@ static int run_size(const stream_opts *o, const bench_ctx *ctx, uint64_t times, 
         c.host_bytes = (w == HOST ? n_blocks + 8 : w == MIXED ? n_blocks / 2 : 8) * bb;
         c.disk_path = store;
         c.disk_bytes = (n_blocks + 64) * slot;
-        char cmd[700];
-        snprintf(cmd, sizeof(cmd), "rm -rf '%s'", store);
-        if (system(cmd) != 0)
+        if (bench_remove_tree(store) != 0)
             return 1;
         BENCH_CHECK(kvh_engine_open(&c, &e));
         if (fill(e, bt, n_blocks, per_token, &rng, &s))
@@ -201,7 +201,7 @@ static int run_size(const stream_opts *o, const bench_ctx *ctx, uint64_t times, 
                    (unsigned long long)times, t * 1e3, bound * 1e3);
         BENCH_CHECK(kvh_seq_free(e, s));
         BENCH_CHECK(kvh_engine_close(e));
-        if (system(cmd) != 0)
+        if (bench_remove_tree(store) != 0)
             rc = 1;
     }
     unlink(raw);
@@ -229,7 +229,6 @@ int bench_attention_stream(int argc, char **argv, const bench_ctx *ctx)
         .dim = 128,
         .threads = 0,
     };
-    snprintf(o.dir, sizeof(o.dir), "%s", getenv("KVH_BENCH_DIR") ? getenv("KVH_BENCH_DIR") : ".");
     if (ctx->quick) {
         o.times = (bench_list){.n = 1, .v = {8}};
         o.device_blocks = 32;
@@ -250,8 +249,35 @@ int bench_attention_stream(int argc, char **argv, const bench_ctx *ctx)
     int prc = bench_parse(argc, argv, opts, SCEN " --stream", usage_text);
     if (prc)
         return bench_parse_rc(prc);
-    if (!o.kv_heads || !o.q_heads || o.q_heads % o.kv_heads || !o.dim || o.dim > 1024 || !o.chunk_blocks ||
-        o.window_blocks < o.chunk_blocks || o.window_blocks >= o.device_blocks) {
+    const char *dir = getenv("KVH_BENCH_DIR") ? getenv("KVH_BENCH_DIR") : ".";
+    /* Empty, the files would go to the root directory; cut short, to
+     * another directory than the one named. */
+    if (!*dir || strlen(dir) >= sizeof(o.dir)) {
+        fprintf(stderr, "kvh-bench attention --stream: $KVH_BENCH_DIR is %s\n",
+                *dir ? "longer than 511 bytes" : "empty (its files would go to the root directory)");
+        return 2;
+    }
+    snprintf(o.dir, sizeof(o.dir), "%s", dir);
+    /* Heads, threads and the stream's chunk and window become 32-bit
+     * values; the sequence, --times x --device-blocks blocks of 16 tokens,
+     * must stay under the 2^31 tokens attention takes. */
+    if (bench_check_u64(SCEN " --stream", "--kv-heads", o.kv_heads, 1, 1024) ||
+        bench_check_u64(SCEN " --stream", "--q-heads", o.q_heads, 1, KVHI_ATTN_MAX_Q_HEADS) ||
+        bench_check_u64(SCEN " --stream", "--threads", o.threads, 0, 1024) ||
+        bench_check_u64(SCEN " --stream", "--chunk-blocks", o.chunk_blocks, 1, UINT32_MAX) ||
+        bench_check_u64(SCEN " --stream", "--window-blocks", o.window_blocks, 1, UINT32_MAX) ||
+        bench_check_u64(SCEN " --stream", "--device-blocks", o.device_blocks, 2, STREAM_MAX_BLOCKS) ||
+        bench_check_list(SCEN " --stream", "--times", &o.times, 0, STREAM_MAX_BLOCKS, 0))
+        return 2;
+    for (size_t i = 0; i < o.times.n; i++)
+        if ((o.times.v[i] ? o.times.v[i] : 1) * o.device_blocks > STREAM_MAX_BLOCKS) {
+            fprintf(stderr,
+                    "kvh-bench attention --stream: --times %llu x --device-blocks %llu is more than %llu blocks\n",
+                    (unsigned long long)o.times.v[i], (unsigned long long)o.device_blocks, STREAM_MAX_BLOCKS);
+            return 2;
+        }
+    if (o.q_heads % o.kv_heads || !o.dim || o.dim > 1024 || o.window_blocks < o.chunk_blocks ||
+        o.window_blocks >= o.device_blocks) {
         fprintf(stderr, "kvh-bench attention --stream: bad geometry, or a window not between one chunk and the "
                         "device tier\n");
         return 2;

@@ -329,9 +329,7 @@ int bench_remote(int argc, char **argv, const bench_ctx *ctx)
     if (!rc)
         rc = lookup(ctx, ctx->quick ? 4096 : (size_t)prefix, reps);
     rt_stop(&server);
-    char rm[300];
-    snprintf(rm, sizeof(rm), "rm -rf '%s'", dir);
-    if (system(rm) != 0)
+    if (bench_remove_tree(dir) != 0)
         fprintf(stderr, "kvh-bench remote: could not remove %s\n", dir);
     bench_flush_table(ctx, "Remote tier (one loopback Redis server)");
     return rc;

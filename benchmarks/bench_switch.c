@@ -190,6 +190,10 @@ int bench_switch(int argc, char **argv, const bench_ctx *ctx)
         return 2;
     }
     char synth[512] = "";
+    if (!*dir) {
+        fprintf(stderr, "kvh-bench switch: --dir is empty (its files would go to the root directory)\n");
+        return 2;
+    }
     uint64_t bytes;
     if (model && model[0]) {
         struct stat sb;
@@ -204,7 +208,11 @@ int bench_switch(int argc, char **argv, const bench_ctx *ctx)
         bytes = (uint64_t)sb.st_size;
     } else {
         bytes = ctx->quick ? SMOLLM2_Q4_1_BYTES / 8 : SMOLLM2_Q4_1_BYTES;
-        snprintf(synth, sizeof synth, "%s/kvh-bench-switch.%d.bin", dir, (int)getpid());
+        /* Cut short, the path would name another directory than --dir. */
+        if (snprintf(synth, sizeof synth, "%s/kvh-bench-switch.%d.bin", dir, (int)getpid()) >= (int)sizeof synth) {
+            fprintf(stderr, "kvh-bench switch: --dir is too long\n");
+            return 2;
+        }
         if (make_synthetic(synth, bytes) != 0) {
             fprintf(stderr, "kvh-bench switch: cannot write %s\n", synth);
             return 1;

@@ -63,6 +63,7 @@
 #include "trace_replay.h"
 
 #define SCEN "trace"
+#define TRACE_MAX_TURNS (1ull << 30)
 
 typedef struct trace_opts {
     uint64_t agents, turns, host_mult, replay, lru_k, skip_kv_write, hint_turns, queue, prefetch_ahead;
@@ -150,12 +151,31 @@ static void emit_waits(const bench_ctx *ctx, const char *trace_name, const char 
                         "ns", pct, c));
 }
 
+/* The device budget of pct % of the trace's distinct blocks, at least 4. */
+static uint32_t device_budget(const trace *t, uint64_t pct)
+{
+    uint32_t dev = (uint32_t)((uint64_t)t->n_blocks * pct / 100);
+    return dev < 4 ? 4 : dev;
+}
+
 /* hinted_only: a variant of a trace already evaluated, which differs in
  * its hints alone: only the policies that read hints (and MIN, their
  * yardstick) are run. */
 static int evaluate(const bench_ctx *ctx, const trace_opts *o, const char *trace_name, const trace *t, int generated,
                     int adversarial, int hinted_only)
 {
+    /* The simulator and the replay count device + host blocks in 32 bits:
+     * a larger host budget would wrap (checked before this trace's rows). */
+    for (size_t bi = 0; bi < o->device_pct.n; bi++) {
+        uint64_t dev = device_budget(t, o->device_pct.v[bi]);
+        if (dev * (o->host_mult + 1) > UINT32_MAX) {
+            fprintf(stderr,
+                    "kvh-bench trace: --host-mult %llu with a device budget of %llu blocks (trace %s) makes more "
+                    "than %u blocks\n",
+                    (unsigned long long)o->host_mult, (unsigned long long)dev, trace_name, UINT32_MAX);
+            return 2;
+        }
+    }
     bench_info(ctx, "trace %s: %zu accesses, %u blocks, %u sequences", trace_name, t->n, t->n_blocks,
                trace_count_seqs(t));
     bench_row *info = bench_row_new(SCEN, "trace_accesses", (double)t->n, "accesses");
@@ -165,11 +185,9 @@ static int evaluate(const bench_ctx *ctx, const trace_opts *o, const char *trace
     bench_emit(ctx, info);
     for (size_t bi = 0; bi < o->device_pct.n; bi++) {
         uint64_t pct = o->device_pct.v[bi];
-        uint32_t dev = (uint32_t)((uint64_t)t->n_blocks * pct / 100);
-        if (dev < 4)
-            dev = 4;
+        uint32_t dev = device_budget(t, pct);
         sim_config c;
-        sim_config_defaults(&c, dev, (uint32_t)(dev * o->host_mult));
+        sim_config_defaults(&c, dev, (uint32_t)(dev * o->host_mult)); /* fits: checked above */
         if (o->lru_k)
             c.lru_k = (uint32_t)o->lru_k;
         sim_result opt;
@@ -366,8 +384,28 @@ int bench_trace(int argc, char **argv, const bench_ctx *ctx)
         fprintf(stderr, "kvh-bench trace: --prefetch-ahead is 0..1000000\n");
         return 2;
     }
-    if (o.lru_k > 4 || o.agents < 1 || o.turns < 1 || o.device_pct.n == 0) {
-        fprintf(stderr, "kvh-bench trace: --lru-k is 0..4, --agents and --turns >= 1\n");
+    if (!*o.disk_dir) {
+        fprintf(stderr, "kvh-bench trace: --disk-dir is empty (the replay's store would go to the root directory)\n");
+        return 2;
+    }
+    if (o.lru_k > 4 || o.device_pct.n == 0) {
+        fprintf(stderr, "kvh-bench trace: --lru-k is 0..4\n");
+        return 2;
+    }
+    /* The generator takes agents, turns and hinted turns as 32-bit counts
+     * and numbers the trace's blocks and sequences in 32 bits; each turn
+     * adds at most two of each, so the turns in all (the adversary's
+     * included) stay within 2^30. The device budget is at least 4 blocks,
+     * and device + host blocks are 32-bit counts too. */
+    if (bench_check_u64(SCEN, "--agents", o.agents, 1, TRACE_MAX_TURNS - 1) ||
+        bench_check_u64(SCEN, "--turns", o.turns, 1, TRACE_MAX_TURNS / 2) ||
+        bench_check_u64(SCEN, "--hint-turns", o.hint_turns, 0, UINT32_MAX) ||
+        bench_check_u64(SCEN, "--host-mult", o.host_mult, 0, UINT32_MAX / 4 - 1) ||
+        bench_check_u64(SCEN, "--replay-skip-kv-write", o.skip_kv_write, 0, 1))
+        return 2;
+    if ((o.agents + 1) * o.turns > TRACE_MAX_TURNS) {
+        fprintf(stderr, "kvh-bench trace: (--agents + 1) x --turns must be at most %llu, got %llu x %llu\n",
+                TRACE_MAX_TURNS, (unsigned long long)(o.agents + 1), (unsigned long long)o.turns);
         return 2;
     }
     for (size_t i = 0; i <= o.queues.n; i++)

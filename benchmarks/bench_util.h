@@ -119,4 +119,8 @@ const char *bench_fmt_bytes(uint64_t n, char *buf, size_t len);
 /* Keeps the compiler from optimising a value away. */
 void bench_sink(uint64_t v);
 
+/* Removes path and everything below it, never following a link (no
+ * shell: a path may hold any character). 0 when it is gone. */
+int bench_remove_tree(const char *path);
+
 #endif

@@ -794,3 +794,100 @@ def test_without_the_compiled_binding_commands_say_why(tmp_path):
     )
     res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=TIMEOUT, env=env)
     assert res.returncode == 0 and res.stdout.startswith("ImportError kvh: the compiled binding"), res.stderr
+
+
+@pytest.mark.parametrize(
+    "args, word",
+    [
+        # each wrapped to 32 bits and ran: an empty trace, no host tier, no hints
+        (["trace", "--agents", "4294967296"], "--agents"),
+        (["trace", "--turns", "4294967296"], "--turns"),
+        (["trace", "--hint-turns", "4294967296"], "--hint-turns"),
+        (["trace", "--replay-skip-kv-write", "4294967296"], "--replay-skip-kv-write"),
+        (["trace", "--host-mult", "4611686018427387904"], "--host-mult"),
+        # a multiple the smallest budget holds, but not this trace's budget
+        (["trace", "--agents", "1", "--turns", "1", "--host-mult", "1073741822"], "--host-mult"),
+        # more turns than the trace's 32-bit block and sequence numbers hold
+        (["trace", "--agents", "100000", "--turns", "100000"], "--turns"),
+        # "num_kv_heads 0", a value never given; q-heads 2^32 ran with as many as kv-heads
+        (["attention", "--kv-heads", "4294967296", "--q-heads", "4294967296"], "--kv-heads"),
+        (["attention", "--q-heads", "4294967296"], "--q-heads"),
+        (["attention", "--total-tokens", "4294967296", "--contexts", "1"], "--total-tokens"),
+        (["attention", "--stream", "--kv-heads", "4294967296", "--q-heads", "4294967296"], "--kv-heads"),
+        (["attention", "--stream", "--threads", "4294967296"], "--threads"),
+        (["attention", "--stream", "--device-blocks", "4294967296"], "--device-blocks"),
+        # blocks x block bytes and tokens x 4 bytes wrapped to small allocations
+        (["alloc", "--parts", "touch", "--touch-blocks", "36028797018968064"], "--touch-blocks"),
+        (["alloc", "--parts", "prefix", "--prompt-tokens", "4611686018427387904"], "--prompt-tokens"),
+        (["alloc", "--parts", "prefix", "--matches", "2305843009213693952"], "--matches"),
+    ],
+    ids=lambda a: " ".join(a) if isinstance(a, list) else None,
+)
+def test_bench_values_past_what_the_scenario_holds(args, word, tmp_path):
+    # Small runs where the value is not refused; the options given last win.
+    small = {
+        "trace": ["--replay", "0", "--device-pct", "50"],
+        "attention": ["--bw-mb", "16", "--blocks", "16", "--contexts", "1024"],
+    }.get(args[0], [])
+    if args[:2] == ["attention", "--stream"]:
+        small = ["--kv-heads", "1", "--q-heads", "1", "--dim", "8"]
+    res = run_bench(
+        args[0],
+        "--quick",
+        "--json",
+        "--reps",
+        "1",
+        *small,
+        *args[1:],
+        env_extra={"KVH_BENCH_DIR": str(tmp_path)},
+        cwd=tmp_path,
+    )
+    assert_one_line_error(res, 2, word)
+    assert res.stdout == "", res.stdout[:2000]
+
+
+def _kvh_files_in_root():
+    return {n for n in os.listdir("/") if n.startswith(("kvh-", "raw-read", "stream-store"))}
+
+
+@pytest.mark.parametrize(
+    "args, env, word",
+    [
+        (["switch", "--mode", "file", "--dir", ""], {}, "--dir"),
+        (["trace", "--agents", "1", "--turns", "1", "--device-pct", "50", "--disk-dir", ""], {}, "--disk-dir"),
+        (["attention", "--stream", "--kv-heads", "1", "--q-heads", "1", "--dim", "8"], {"KVH_BENCH_DIR": ""}, "empty"),
+    ],
+    ids=["switch --dir", "trace --disk-dir", "attention --stream KVH_BENCH_DIR"],
+)
+def test_bench_empty_directory_is_refused(args, env, word, tmp_path):
+    # An empty directory made the paths "/kvh-bench-switch.PID.bin",
+    # "/kvh-replay-XXXXXX", "/raw-read.bin": files in the root directory.
+    before = _kvh_files_in_root()
+    res = run_bench(args[0], "--quick", "--json", "--reps", "1", *args[1:], env_extra=env, cwd=tmp_path)
+    assert_one_line_error(res, 2, word)
+    assert res.stdout == "", res.stdout[:2000]
+    assert _kvh_files_in_root() <= before
+    assert not list(tmp_path.iterdir())
+
+
+def test_bench_directory_too_long_for_its_path_is_refused(tmp_path):
+    # Cut short to fit a buffer, the path named another directory.
+    long_dir = tmp_path / ("d" * 200) / ("d" * 200) / ("d" * 200)
+    long_dir.mkdir(parents=True)
+    res = run_bench("switch", "--quick", "--json", "--reps", "1", "--mode", "file", "--dir", long_dir, cwd=tmp_path)
+    assert_one_line_error(res, 2, "--dir")
+    assert res.stdout == "", res.stdout[:2000]
+    stream = ["--stream", "--kv-heads", "1", "--q-heads", "1", "--dim", "8"]
+    res = run_bench(
+        "attention",
+        "--quick",
+        "--json",
+        "--reps",
+        "1",
+        *stream,
+        env_extra={"KVH_BENCH_DIR": str(long_dir)},
+        cwd=tmp_path,
+    )
+    assert_one_line_error(res, 2, "KVH_BENCH_DIR")
+    assert res.stdout == "", res.stdout[:2000]
+    assert [p.name for p in tmp_path.rglob("*")] == ["d" * 200] * 3
