@@ -705,12 +705,18 @@ def test_verify_counts_damaged_blocks_when_the_index_is_rebuilt(store, index_dam
     assert res.returncode == 1 and bad >= 1, res.stdout + res.stderr
 
 
-def test_info_and_stats_read_a_codec_store(tmp_path):
+def _int8_store(tmp_path):
+    """A store of one persisted chain under the int8 codec."""
     d = tmp_path / "store"
     with make_engine(disk_path=str(d), disk_bytes=DISK, kv_codec="int8") as eng:
         seq = eng.sequence(tokens=chain_tokens(0))
         fill(eng, seq, 0)
         seq.persist()
+    return d
+
+
+def test_info_and_stats_read_a_codec_store(tmp_path):
+    d = _int8_store(tmp_path)
     info = info_json(d)
     assert info["kv_codec"] == "int8" and info["dtype"] in ("f32", "f16", "bf16")
     res = run_kvh("stats", d)
@@ -720,11 +726,7 @@ def test_info_and_stats_read_a_codec_store(tmp_path):
 def test_stats_of_a_codec_store_without_kvh_store(tmp_path):
     # With kvh-store failing, the codec fell back to "none" and the engine's
     # refusal told a CLI user to "pass disk_reset_on_mismatch=True".
-    d = tmp_path / "store"
-    with make_engine(disk_path=str(d), disk_bytes=DISK, kv_codec="int8") as eng:
-        seq = eng.sequence(tokens=chain_tokens(0))
-        fill(eng, seq, 0)
-        seq.persist()
+    d = _int8_store(tmp_path)
     failing = {"KVH_STORE": shutil.which("false") or "/bin/false"}
     res = run_kvh("stats", d, *GEOMETRY, env_extra=failing)
     assert_one_line_error(res, 1, "--kv-codec")

@@ -351,6 +351,18 @@ def test_store_info_full_output(store):
     assert_one_line_error(res)
 
 
+def _stderr_once_stdout_closed(p):
+    """Closes p's stdout (a reader that stopped), waits for p, returns its
+    stderr."""
+    p.stdout.close()
+    try:
+        err = p.stderr.read().decode(errors="replace")
+        p.wait(timeout=TIMEOUT)
+    finally:
+        p.kill()
+    return err
+
+
 @pytest.mark.parametrize(
     "cmd",
     [["--help"], ["doctor"], ["bench", "--list"], ["stats", "{store}"], ["store", "info", "{store}"]],
@@ -367,12 +379,7 @@ def test_kvh_sigpipe(cmd, store):
         cwd=str(REPO),
     )
     p.stdout.readline()
-    p.stdout.close()
-    try:
-        err = p.stderr.read().decode(errors="replace")
-        p.wait(timeout=TIMEOUT)
-    finally:
-        p.kill()
+    err = _stderr_once_stdout_closed(p)
     assert "Traceback" not in err and "BrokenPipe" not in err, err
     assert p.returncode >= 0 or p.returncode == -signal.SIGPIPE, p.returncode
 
@@ -688,12 +695,7 @@ def test_store_info_into_a_closed_pipe_exits_128_plus_sigpipe(store):
         env=_env(),
         cwd=str(REPO),
     )
-    p.stdout.close()
-    try:
-        err = p.stderr.read().decode(errors="replace")
-        p.wait(timeout=TIMEOUT)
-    finally:
-        p.kill()
+    err = _stderr_once_stdout_closed(p)
     assert p.returncode == 128 + signal.SIGPIPE and err == "", (p.returncode, err)
 
 
