@@ -45,11 +45,16 @@ typedef struct kvhi_region {
     uint32_t n_disk_slots;
 } kvhi_region;
 
+/* Each region is an allocation of its own: it is charged its size in
+ * whole pages of this many bytes. */
+#define KVHI_REGION_PAGE_BYTES 4096u
+
 /* What a context's weights hold in one memory tier: slots withheld from
- * the tier for `bytes` of resident regions, ceil(bytes / block_bytes) of
- * them once a change completes. Charging per context rather than per
- * region keeps the rounding under one block per context and tier (a GGUF
- * has hundreds of small tensors; KV blocks can be near a megabyte). */
+ * the tier for `bytes` (its resident regions' sizes, each rounded up to
+ * whole pages), ceil(bytes / block_bytes) of them once a change
+ * completes. Charging per context rather than per region keeps the
+ * rounding under one block per context and tier (a GGUF has hundreds of
+ * small tensors; KV blocks can be near a megabyte). */
 typedef struct kvhi_charge {
     uint32_t *slots;
     uint32_t n, cap;

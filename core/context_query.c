@@ -145,15 +145,20 @@ void kvhi_weight_stats(kvh_engine *e, kvh_weight_stats *out)
             kvhi_context *x = kvhi_handles_at(&c->table, i);
             if (!x)
                 continue;
-            s.bytes_device += x->charge[KVH_TIER_DEVICE].bytes;
+            /* The charges count whole slots per region; the bytes are the
+             * regions' own. */
             s.slots_device += x->charge[KVH_TIER_DEVICE].n;
-            s.bytes_host += x->charge[KVH_TIER_HOST].bytes;
             s.slots_host += x->charge[KVH_TIER_HOST].n;
             for (uint32_t j = 0; j < x->n_regions; j++) {
-                if (x->regions[j].tier != KVH_TIER_DISK)
-                    continue;
-                s.bytes_disk += x->regions[j].size;
-                s.slots_disk += x->regions[j].n_disk_slots;
+                const kvhi_region *r = &x->regions[j];
+                if (r->tier == KVH_TIER_DEVICE)
+                    s.bytes_device += r->size;
+                else if (r->tier == KVH_TIER_HOST)
+                    s.bytes_host += r->size;
+                else if (r->tier == KVH_TIER_DISK) {
+                    s.bytes_disk += r->size;
+                    s.slots_disk += r->n_disk_slots;
+                }
             }
         }
     }

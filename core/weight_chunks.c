@@ -60,6 +60,18 @@ static void forget_slot_pages(kvh_engine *e, uint32_t tier, uint32_t slot)
         madvise((void *)lo, hi - lo, MADV_DONTNEED);
 }
 
+/* What one region of `bytes` is charged: whole pages. Each region is an
+ * allocation of its own (kvhi_region_mem_alloc), so its memory is its
+ * size rounded up to pages; the context's charge, the sum, is then
+ * rounded up to slots once (a GGUF has hundreds of small tensors, and
+ * a slot each would nearly double a small model's charge). Adding and
+ * taking off a region's charge both go through here, so what is given
+ * back equals what was taken. */
+static uint64_t region_charge(uint64_t bytes)
+{
+    return (bytes + KVHI_REGION_PAGE_BYTES - 1) & ~(uint64_t)(KVHI_REGION_PAGE_BYTES - 1);
+}
+
 /* Gives back slots beyond what ch->bytes needs. */
 static void trim(kvh_engine *e, kvhi_charge *ch, uint32_t tier)
 {
@@ -106,6 +118,8 @@ static kvh_status take_slot(kvh_engine *e, uint32_t tier, enum kvhi_charge_mode 
     }
 }
 
+/* bytes: the size of one region, charged in whole pages (region_charge);
+ * kvhi_charge_sub takes the same size off. */
 kvh_status kvhi_charge_add(kvh_engine *e, kvhi_context *x, uint32_t tier, uint64_t bytes, enum kvhi_charge_mode mode)
 {
     kvhi_tier *t = &e->tiers[tier];
@@ -113,14 +127,16 @@ kvh_status kvhi_charge_add(kvh_engine *e, kvhi_context *x, uint32_t tier, uint64
     const char *name = tier == KVH_TIER_DEVICE ? "device" : "host";
     if (!t->present)
         return kvhi_fail(KVH_ERR_NOSPACE, "the %s tier is not configured", name);
-    if (slots_for(e, tier, bytes) > t->slots.capacity)
+    /* Raw bytes first: a size near 2^64 would wrap when rounded. */
+    if (slots_for(e, tier, bytes) > t->slots.capacity || slots_for(e, tier, region_charge(bytes)) > t->slots.capacity)
         return kvhi_fail(KVH_ERR_NOSPACE, "%llu bytes of weights are more than the whole %s tier",
                          (unsigned long long)bytes, name);
+    uint64_t charge = region_charge(bytes);
     /* ch->bytes and ch->n can change while the lock is dropped (a clean
      * region of this context dropped for room, the other arrival thread
      * charging it too): re-read them on every round, and grow the list
      * only once a slot is taken, with the lock held. */
-    ch->pending += bytes;
+    ch->pending += charge;
     kvh_status st = KVH_OK;
     while (ch->n < slots_for(e, tier, ch->bytes + ch->pending)) {
         uint32_t slot;
@@ -140,9 +156,9 @@ kvh_status kvhi_charge_add(kvh_engine *e, kvhi_context *x, uint32_t tier, uint64
         forget_slot_pages(e, tier, slot);
         ch->slots[ch->n++] = slot;
     }
-    ch->pending -= bytes;
+    ch->pending -= charge;
     if (st == KVH_OK)
-        ch->bytes += bytes;
+        ch->bytes += charge;
     /* Gives back what a failure leaves, or a slot the other thread took
      * for these bytes while take_slot had dropped the lock. */
     trim(e, ch, tier);
@@ -152,7 +168,7 @@ kvh_status kvhi_charge_add(kvh_engine *e, kvhi_context *x, uint32_t tier, uint64
 void kvhi_charge_sub(kvh_engine *e, kvhi_context *x, uint32_t tier, uint64_t bytes)
 {
     kvhi_charge *ch = &x->charge[tier];
-    ch->bytes -= bytes;
+    ch->bytes -= region_charge(bytes);
     trim(e, ch, tier);
 }
 

@@ -109,19 +109,28 @@ static void check_model(kvh_engine *e, model *m)
 
 static uint64_t slots_of(uint64_t bytes, uint64_t bb) { return (bytes + bb - 1) / bb; }
 
-/* Slots one model takes when each region is charged on its own: what
- * make_model registers, counted before it does. */
+/* kvh.h: each region is charged its size in whole 4096-byte pages, and a
+ * context the slots of its regions' pages together. */
+enum { PAGE = 4096 };
+static uint64_t pages_of(uint64_t bytes) { return (bytes + PAGE - 1) / PAGE * PAGE; }
+
+/* Slots a context with the one region of `bytes` resident in a tier takes
+ * there. */
+static uint64_t region_slots(uint64_t bytes, uint64_t bb) { return slots_of(pages_of(bytes), bb); }
+
+/* Slots one model takes: what make_model registers, counted before it
+ * does. */
 static uint64_t slots_per_model(uint64_t bb)
 {
-    return slots_of(BIG, bb) * LAYERS + slots_of(SMALL, bb) * LAYERS + slots_of(sizeof(((model *)0)->extra), bb);
+    return slots_of(pages_of(BIG) * LAYERS + pages_of(SMALL) * LAYERS + pages_of(sizeof(((model *)0)->extra)), bb);
 }
 
 static uint64_t model_slots(model *m, uint64_t bb)
 {
-    uint64_t n = 0;
+    uint64_t pages = 0;
     for (uint32_t i = 0; i < m->n_regions; i++)
-        n += slots_of(m->size[i], bb);
-    return n;
+        pages += pages_of(m->size[i]);
+    return slots_of(pages, bb);
 }
 
 static kvh_engine *open_engine(mode md, uint64_t dev_blocks, uint64_t host_blocks, const char *disk_dir)
@@ -209,11 +218,10 @@ static void switch_preserves_everything(void **state)
     assert_true(ws.kv_blocks_demoted > 0);
     /* Accounting: the device tier's used slots include the weights. */
     kvh_tier_info dev = tu_tier(e, KVH_TIER_DEVICE);
-    /* A context is charged whole slots for all its resident bytes
-     * together, not per region. */
+    /* The context is charged the slots of its regions' pages together;
+     * the bytes are the regions' own. */
     assert_int_equal(ws.bytes_device, LAYERS * (BIG + SMALL) + sizeof(a->extra));
-    assert_int_equal(ws.slots_device, slots_of(ws.bytes_device, bb));
-    assert_true(ws.slots_device < per_model);
+    assert_int_equal(ws.slots_device, per_model);
     assert_true(dev.used_blocks >= ws.slots_device);
     assert_true(dev.used_blocks <= dev.capacity_blocks);
     assert_ok(kvh_seq_free(e, sa));
@@ -238,8 +246,8 @@ static void clean_weights_never_written(void **state)
     uint8_t *fb = write_weights(scratch("cb.bin", pb, sizeof(pb)), 44);
     uint64_t bb = tu_block_bytes_of(L, H, D, BT, KVH_DTYPE_F32);
     uint64_t per_model = slots_per_model(bb);
-    /* Host: room for the two byte-sourced regions only. */
-    kvh_engine *e = open_engine(md, per_model + 2, 2 * slots_of(700, bb), NULL);
+    /* Host: room for the two byte-sourced regions only (a page each). */
+    kvh_engine *e = open_engine(md, per_model + 2, 2 * region_slots(sizeof(((model *)0)->extra), bb), NULL);
     model *a = tu_alloc(sizeof(model)), *b = tu_alloc(sizeof(model));
     make_model(e, a, pa, fa, KVH_CONTEXT_KV_KEEP, 3);
     make_model(e, b, pb, fb, KVH_CONTEXT_KV_KEEP, 4);
@@ -274,7 +282,10 @@ static void modified_weights_written_back(void **state)
     char pa[600], pb[600];
     uint8_t *fa = write_weights(scratch("ma.bin", pa, sizeof(pa)), 55);
     uint8_t *fb = write_weights(scratch("mb.bin", pb, sizeof(pb)), 66);
-    kvh_engine *e = open_engine(md, 64, 200, NULL);
+    /* The device tier holds one model with room to spare, not two; the
+     * host tier both with room to spare, so the departure goes to RAM. */
+    uint64_t per_model = slots_per_model(tu_block_bytes_of(L, H, D, BT, KVH_DTYPE_F32));
+    kvh_engine *e = open_engine(md, per_model + per_model / 2, 3 * per_model, NULL);
     model *a = tu_alloc(sizeof(model)), *b = tu_alloc(sizeof(model));
     make_model(e, a, pa, fa, KVH_CONTEXT_KV_KEEP, 5);
     make_model(e, b, pb, fb, KVH_CONTEXT_KV_KEEP, 6);
@@ -310,7 +321,8 @@ static void changed_source_is_corrupt(void **state)
     uint8_t *fb = write_weights(scratch("xb.bin", pb, sizeof(pb)), 88);
     uint64_t bb = tu_block_bytes_of(L, H, D, BT, KVH_DTYPE_F32);
     uint64_t per_model = slots_per_model(bb);
-    kvh_engine *e = open_engine(md, per_model + 2, 2 * slots_of(700, bb), NULL);
+    /* Host: room for the two byte-sourced regions only (a page each). */
+    kvh_engine *e = open_engine(md, per_model + 2, 2 * region_slots(sizeof(((model *)0)->extra), bb), NULL);
     model *a = tu_alloc(sizeof(model)), *b = tu_alloc(sizeof(model));
     make_model(e, a, pa, fa, KVH_CONTEXT_KV_KEEP, 7);
     make_model(e, b, pb, fb, KVH_CONTEXT_KV_KEEP, 8);
@@ -340,7 +352,9 @@ static void layers_ready_in_order(void **state)
     mode md = MODE(state);
     char pa[600];
     uint8_t *fa = write_weights(scratch("la.bin", pa, sizeof(pa)), 99);
-    kvh_engine *e = open_engine(md, 64, 64, NULL);
+    /* Each memory tier holds the model with room to spare. */
+    uint64_t per_model = slots_per_model(tu_block_bytes_of(L, H, D, BT, KVH_DTYPE_F32));
+    kvh_engine *e = open_engine(md, per_model + per_model / 2, per_model + per_model / 2, NULL);
     model *a = tu_alloc(sizeof(model));
     make_model(e, a, pa, fa, KVH_CONTEXT_KV_KEEP, 9);
     assert_kvh(KVH_ERR_NOT_RESIDENT, kvh_context_wait_layer(e, a->ctx, 0, 0));
@@ -503,7 +517,10 @@ static void close_with_contexts(void **state)
     mode md = MODE(state);
     char pa[600];
     uint8_t *fa = write_weights(scratch("za.bin", pa, sizeof(pa)), 5);
-    kvh_engine *e = open_engine(md, 64, 64, NULL);
+    /* Room for the whole model: the switch in flight at the close is one
+     * that would complete. */
+    uint64_t per_model = slots_per_model(tu_block_bytes_of(L, H, D, BT, KVH_DTYPE_F32));
+    kvh_engine *e = open_engine(md, per_model + per_model / 2, per_model + per_model / 2, NULL);
     model *a = tu_alloc(sizeof(model));
     make_model(e, a, pa, fa, KVH_CONTEXT_KV_KEEP, 14);
     kvh_context none = {0};
@@ -553,6 +570,165 @@ static void demote_counts_shared_blocks_once(void **state)
     assert_ok(kvh_context_destroy(e, b));
 }
 
+/* The weight slots of each memory tier, in kvh_weight_stats and in the
+ * tier's used_blocks alike (no KV here), and the weight bytes resident. */
+static void expect_weights(kvh_engine *e, uint64_t dev_slots, uint64_t dev_bytes, uint64_t host_slots,
+                           uint64_t host_bytes)
+{
+    kvh_weight_stats ws = ct_weight_stats(e);
+    assert_int_equal(ws.slots_device, dev_slots);
+    assert_int_equal(ws.bytes_device, dev_bytes);
+    assert_int_equal(ws.slots_host, host_slots);
+    assert_int_equal(ws.bytes_host, host_bytes);
+    assert_int_equal(tu_tier(e, KVH_TIER_DEVICE).used_blocks, dev_slots);
+    if (tu_tier(e, KVH_TIER_HOST).capacity_blocks)
+        assert_int_equal(tu_tier(e, KVH_TIER_HOST).used_blocks, host_slots);
+}
+
+static void add_byte_region(kvh_engine *e, kvh_context c, const uint8_t *byte)
+{
+    kvh_weight_region_params rp;
+    assert_ok(kvh_weight_region_params_init(&rp, sizeof(rp)));
+    rp.size = 1;
+    rp.bytes = byte;
+    uint32_t idx;
+    assert_ok(kvh_context_add_region(e, c, &rp, &idx));
+}
+
+/* kvh.h: each region is its own allocation, charged whole pages, however
+ * small and however many its context has. Two 1-byte regions take two
+ * pages' slots in every tier they visit (registration, switch in, a
+ * pinned one staying behind, clean ones kept in the host tier) and give
+ * every slot back. */
+static void tiny_regions_take_a_page_each(void **state)
+{
+    mode md = MODE(state);
+    const uint64_t ps = PAGE / tu_block_bytes_of(L, H, D, BT, KVH_DTYPE_F32); /* slots a page */
+    kvh_engine *e = open_engine(md, 4 * ps, 4 * ps, NULL);
+    kvh_context c, f, none = {0};
+    assert_ok(kvh_context_create(e, NULL, &c));
+    const uint8_t bytes[2] = {0x11, 0x22};
+    add_byte_region(e, c, &bytes[0]);
+    add_byte_region(e, c, &bytes[1]);
+    expect_weights(e, 0, 0, 2 * ps, 2);
+    assert_ok(kvh_context_switch(e, none, c, NULL));
+    expect_weights(e, 2 * ps, 2, 0, 0);
+    for (uint32_t i = 0; i < 2; i++) {
+        void *p = NULL;
+        assert_ok(kvh_context_region_data(e, c, i, 0, &p, NULL));
+        assert_int_equal(*(uint8_t *)p, bytes[i]);
+    }
+    assert_ok(kvh_context_region_pin(e, c, 0, 1));
+    assert_ok(kvh_context_switch(e, c, none, NULL));
+    expect_weights(e, 1 * ps, 1, 1 * ps, 1);
+    assert_ok(kvh_context_switch(e, none, c, NULL));
+    expect_weights(e, 2 * ps, 2, 0, 0);
+    assert_ok(kvh_context_region_pin(e, c, 0, 0));
+
+    /* Clean 1-byte regions from a file: kept in the host tier on the way
+     * out (there is room), one slot each there too. */
+    char path[600];
+    uint8_t *file = write_weights(scratch("tiny.bin", path, sizeof(path)), 5);
+    assert_ok(kvh_context_create(e, NULL, &f));
+    for (uint32_t i = 0; i < 2; i++) {
+        kvh_weight_region_params rp;
+        assert_ok(kvh_weight_region_params_init(&rp, sizeof(rp)));
+        rp.size = 1;
+        rp.path = path;
+        rp.file_offset = 100 * i;
+        uint32_t idx;
+        assert_ok(kvh_context_add_region(e, f, &rp, &idx));
+    }
+    expect_weights(e, 2 * ps, 2, 0, 0); /* nothing of f placed yet */
+    assert_ok(kvh_context_switch(e, c, f, NULL));
+    expect_weights(e, 2 * ps, 2, 2 * ps, 2);
+    assert_ok(kvh_context_switch(e, f, c, NULL));
+    expect_weights(e, 2 * ps, 2, 2 * ps, 2);
+    assert_int_equal(ct_context_info(e, f).bytes_host, 2);
+    assert_ok(kvh_context_switch(e, c, f, NULL));
+    for (uint32_t i = 0; i < 2; i++) {
+        void *p = NULL;
+        assert_ok(kvh_context_region_data(e, f, i, 0, &p, NULL));
+        assert_int_equal(*(uint8_t *)p, file[100 * i]);
+    }
+    assert_ok(kvh_context_destroy(e, c));
+    expect_weights(e, 2 * ps, 2, 0, 0);
+    assert_ok(kvh_context_destroy(e, f));
+    expect_weights(e, 0, 0, 0, 0);
+}
+
+/* A page a region is a budget: registration takes no more regions than
+ * the tier they land in has pages, a switch brings in no more than the
+ * device tier has (KVH_ERR_NOSPACE, the rest stays where it was), and
+ * every slot comes back. */
+static void regions_beyond_the_pages_are_refused(void **state)
+{
+    mode md = MODE(state);
+    enum { DEV = 6, HOST = 10 };                                              /* pages */
+    const uint64_t ps = PAGE / tu_block_bytes_of(L, H, D, BT, KVH_DTYPE_F32); /* slots a page */
+    kvh_engine *e = open_engine(md, DEV * ps, HOST * ps, NULL);
+    kvh_context c, none = {0};
+    assert_ok(kvh_context_create(e, NULL, &c));
+    uint8_t bytes[HOST + 1];
+    for (uint32_t i = 0; i <= HOST; i++)
+        bytes[i] = (uint8_t)(i * 37 + 1);
+    for (uint32_t i = 0; i < HOST; i++)
+        add_byte_region(e, c, &bytes[i]);
+    kvh_weight_region_params rp;
+    assert_ok(kvh_weight_region_params_init(&rp, sizeof(rp)));
+    rp.size = 1;
+    rp.bytes = &bytes[HOST];
+    uint32_t idx;
+    assert_kvh(KVH_ERR_NOSPACE, kvh_context_add_region(e, c, &rp, &idx));
+    assert_int_equal(ct_context_info(e, c).regions, HOST);
+    expect_weights(e, 0, 0, HOST * ps, HOST);
+    assert_kvh(KVH_ERR_NOSPACE, kvh_context_switch(e, none, c, NULL));
+    expect_weights(e, DEV * ps, DEV, (HOST - DEV) * ps, HOST - DEV);
+    kvh_context_info ci = ct_context_info(e, c);
+    assert_int_equal(ci.bytes_device, DEV);
+    assert_int_equal(ci.layers_ready, DEV);
+    for (uint32_t i = 0; i < DEV; i++) {
+        void *p = NULL;
+        assert_ok(kvh_context_region_data(e, c, i, 0, &p, NULL));
+        assert_int_equal(*(uint8_t *)p, bytes[i]);
+    }
+    /* Back down: every region fits the host tier again. */
+    assert_ok(kvh_context_switch(e, c, none, NULL));
+    expect_weights(e, 0, 0, HOST * ps, HOST);
+    assert_ok(kvh_context_destroy(e, c));
+    expect_weights(e, 0, 0, 0, 0);
+
+    /* From a file nothing is placed until the switch, which stops at the
+     * device tier's slots. */
+    char path[600];
+    write_weights(scratch("budget.bin", path, sizeof(path)), 6);
+    assert_ok(kvh_context_create(e, NULL, &c));
+    rp.bytes = NULL;
+    rp.path = path;
+    for (uint32_t i = 0; i < 3 * DEV; i++) {
+        rp.file_offset = i;
+        assert_ok(kvh_context_add_region(e, c, &rp, &idx));
+    }
+    expect_weights(e, 0, 0, 0, 0);
+    assert_kvh(KVH_ERR_NOSPACE, kvh_context_switch(e, none, c, NULL));
+    expect_weights(e, DEV * ps, DEV, 0, 0);
+    assert_ok(kvh_context_destroy(e, c));
+    expect_weights(e, 0, 0, 0, 0);
+
+    /* Without a host tier, bytes are placed in the device tier: as many
+     * regions as it has slots. */
+    kvh_engine *d = open_engine(md, DEV * ps, 0, NULL);
+    assert_ok(kvh_context_create(d, NULL, &c));
+    for (uint32_t i = 0; i < DEV; i++)
+        add_byte_region(d, c, &bytes[i]);
+    rp.path = NULL;
+    rp.bytes = &bytes[DEV];
+    assert_kvh(KVH_ERR_NOSPACE, kvh_context_add_region(d, c, &rp, &idx));
+    expect_weights(d, DEV * ps, DEV, 0, 0);
+    assert_ok(kvh_context_destroy(d, c));
+    expect_weights(d, 0, 0, 0, 0);
+}
+
 #define MODES(fn)                                                                                                      \
     cmocka_unit_test_prestate_setup_teardown(fn, NULL, tu_teardown, &M_UNI0),                                          \
         cmocka_unit_test_prestate_setup_teardown(fn, NULL, tu_teardown, &M_UNI2),                                      \
@@ -571,6 +747,8 @@ int main(void)
         MODES(switch_under_pressure),
         MODES(close_with_contexts),
         MODES(demote_counts_shared_blocks_once),
+        MODES(tiny_regions_take_a_page_each),
+        MODES(regions_beyond_the_pages_are_refused),
         cmocka_unit_test_teardown(bad_arguments, tu_teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

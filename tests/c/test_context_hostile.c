@@ -201,9 +201,16 @@ static kvh_seq kv_of(kvh_engine *e, kvh_context c, uint64_t tag)
 
 static void test_ping_pong_keeps_every_byte(void **state)
 {
-    /* Slots of 256 bytes: a region takes 6; each context 36 slots. The
-     * device tier holds one context and some KV, not both contexts. */
-    kvh_engine *e = tu_open(L, H, D, BT, KVH_DTYPE_F32, 60, 200, threads_of(state));
+    /* kvh.h: each region is charged its size in whole 4096-byte pages, a
+     * context the slots of its regions' pages together: with slots of 512
+     * bytes a region takes 8 and a context 48. A switch away leaves the
+     * pinned regions in the device tier, and the test pins at random (all
+     * of a context's regions, with some seeds), so the device tier holds
+     * the arriving context, every region of the other one and 12 slots of
+     * KV; the host tier holds both contexts and all the KV. */
+    const uint64_t bb = tu_block_bytes_of(L, H, D, BT, KVH_DTYPE_F32);
+    const uint64_t ctx_slots = (REGIONS * ((RSIZE + 4095) / 4096 * 4096) + bb - 1) / bb;
+    kvh_engine *e = tu_open(L, H, D, BT, KVH_DTYPE_F32, 2 * ctx_slots + 12, 200, threads_of(state));
     char pa[600], pb[600];
     weights *a = tu_alloc(sizeof(weights)), *b = tu_alloc(sizeof(weights));
     load_weights(e, a, scratch("pp_a.bin", pa, sizeof(pa)), 3);
@@ -357,39 +364,41 @@ static void test_close_during_a_switch(void **state)
 
 /* ---- many tiny regions ---- */
 
+/* kvh.h: each region is an allocation of its own, charged whole 4096-byte
+ * pages, so 1-byte regions take a page each: all of them fit the host
+ * tier, and a switch brings in as many as the device tier has pages, then
+ * reports NOSPACE with the rest left in the host tier. */
 static void test_many_tiny_regions(void **state)
 {
-    kvh_engine *e = tu_open(L, H, D, BT, KVH_DTYPE_F32, 64, 2048, threads_of(state));
+    enum { N = 1500, PAGE = 4096 };
+    const uint64_t ps = PAGE / tu_block_bytes_of(L, H, D, BT, KVH_DTYPE_F32); /* slots a page */
+    kvh_engine *e = tu_open(L, H, D, BT, KVH_DTYPE_F32, 64 * ps, (N + 100) * ps, threads_of(state));
     kvh_context c = new_ctx(e, KVH_CONTEXT_KV_KEEP);
-    enum { N = 1500 };
     uint8_t *src = tu_alloc(N);
     tu_rng r = {9};
     tu_fill(&r, src, N);
     kvh_weight_region_params rp;
     assert_ok(kvh_weight_region_params_init(&rp, sizeof(rp)));
     rp.size = 1;
-    uint32_t n = 0;
     for (uint32_t i = 0; i < N; i++) {
         rp.bytes = src + i;
         rp.layer = (uint32_t)tu_below(&r, 5);
         uint32_t idx;
-        kvh_status st = kvh_context_add_region(e, c, &rp, &idx);
-        if (st == KVH_ERR_NOSPACE)
-            break; /* one slot a region: the tiers are full */
-        assert_ok(st);
+        assert_ok(kvh_context_add_region(e, c, &rp, &idx));
         assert_int_equal(idx, i);
-        n++;
     }
-    assert_true(n > 64);
     kvh_context_info ci = ct_context_info(e, c);
-    assert_int_equal(ci.regions, n);
-    assert_int_equal(ci.weight_bytes, n);
-    /* More than the device tier holds: the switch reports NOSPACE; the
-     * regions are still the caller's bytes wherever they are. */
-    kvh_status st = kvh_context_switch(e, (kvh_context){0}, c, NULL);
-    assert_true(st == KVH_OK || st == KVH_ERR_NOSPACE);
+    assert_int_equal(ci.regions, N);
+    assert_int_equal(ci.weight_bytes, N);
+    assert_int_equal(ct_weight_stats(e).slots_host, N * ps);
+    assert_int_equal(tu_tier(e, KVH_TIER_HOST).used_blocks, N * ps);
+    /* More regions than the device tier has pages: the switch reports
+     * NOSPACE; the regions are still the caller's bytes wherever they
+     * are. */
+    assert_kvh(KVH_ERR_NOSPACE, kvh_context_switch(e, (kvh_context){0}, c, NULL));
+    uint64_t dev_pages = tu_tier(e, KVH_TIER_DEVICE).capacity_blocks / ps;
     uint32_t resident = 0;
-    for (uint32_t i = 0; i < n; i++) {
+    for (uint32_t i = 0; i < N; i++) {
         void *d;
         uint64_t size;
         kvh_status ds = kvh_context_region_data(e, c, i, 0, &d, &size);
@@ -400,7 +409,13 @@ static void test_many_tiny_regions(void **state)
         assert_int_equal(*(uint8_t *)d, src[i]);
         resident++;
     }
-    assert_true(resident > 0);
+    assert_int_equal(resident, dev_pages);
+    kvh_weight_stats ws = ct_weight_stats(e);
+    assert_int_equal(ws.slots_device, resident * ps);
+    assert_int_equal(ws.slots_host, (N - resident) * ps);
+    assert_int_equal(ws.bytes_device, resident);
+    assert_int_equal(tu_tier(e, KVH_TIER_DEVICE).used_blocks, resident * ps);
+    assert_int_equal(tu_tier(e, KVH_TIER_HOST).used_blocks, (N - resident) * ps);
     assert_ok(kvh_context_destroy(e, c));
     assert_int_equal(tu_tier(e, KVH_TIER_DEVICE).used_blocks, 0);
     assert_int_equal(tu_tier(e, KVH_TIER_HOST).used_blocks, 0);

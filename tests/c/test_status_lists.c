@@ -819,13 +819,14 @@ static void test_contexts(void **state)
     char dir[512], file[600];
     dt_scratch("contexts", dir, sizeof(dir));
     dt_path(file, sizeof(file), dir, "weights.bin");
-    uint8_t bytes[2048];
+    uint8_t bytes[2 * 4096];
     memset(bytes, 0x3C, sizeof(bytes));
     assert_int_equal(dt_write_file(file, bytes, sizeof(bytes)), 0);
 
-    /* device tier 4 blocks (1 KiB), host tier 16 (4 KiB), no disk; a 2 KiB
-     * weight file */
-    kvh_engine *e = open_small(4, 16);
+    /* kvh.h: a region is charged its size in whole 4096-byte pages. Device
+     * tier 16 blocks (4 KiB: one page), host tier 64 (16 KiB: four pages),
+     * no disk; an 8 KiB (two-page) weight file */
+    kvh_engine *e = open_small(16, 64);
     kvh_context_params cp;
     kvh_context ctx, gone;
     uint32_t region;
@@ -867,8 +868,8 @@ static void test_contexts(void **state)
     assert_kvh(KVH_ERR_IO, kvh_context_add_region(e, ctx, &rp, &region));
     rp = region_of(NULL, file, sizeof(bytes) + 1); /* longer than the file */
     assert_kvh(KVH_ERR_IO, kvh_context_add_region(e, ctx, &rp, &region));
-    uint8_t *big = tu_alloc(8192); /* more than the whole host tier */
-    rp = region_of(big, NULL, 8192);
+    uint8_t *big = tu_alloc(5 * 4096); /* more than the whole host tier */
+    rp = region_of(big, NULL, 5 * 4096);
     assert_kvh(KVH_ERR_NOSPACE, kvh_context_add_region(e, ctx, &rp, &region));
 
     kvh_seq s = tu_seq_new(e, 0);
@@ -912,7 +913,7 @@ static void test_contexts(void **state)
      * so does kvh_context_wait_layer afterwards. */
     kvh_context too_big, shrunk;
     assert_ok(kvh_context_create(e, NULL, &too_big));
-    rp = region_of(NULL, file, sizeof(bytes)); /* more than the whole device tier */
+    rp = region_of(NULL, file, sizeof(bytes)); /* two pages: more than the whole device tier */
     assert_ok(kvh_context_add_region(e, too_big, &rp, &region));
     assert_kvh(KVH_ERR_NOSPACE, kvh_context_switch(e, ctx, too_big, NULL));
     assert_kvh(KVH_ERR_NOSPACE, kvh_context_wait_layer(e, too_big, 0, 0));

@@ -37,6 +37,11 @@ static const char *scratch(const char *name, char *buf, size_t len)
 
 static uint64_t slots_of(uint64_t bytes, uint64_t bb) { return (bytes + bb - 1) / bb; }
 
+/* kvh.h: each region is charged its size in whole 4096-byte pages, and a
+ * context the slots of its regions' pages together in each memory tier. */
+enum { PAGE = 4096 };
+static uint64_t pages_of(uint64_t bytes) { return (bytes + PAGE - 1) / PAGE * PAGE; }
+
 /* One region read from a file and one registered from bytes. */
 typedef struct model {
     kvh_context ctx;
@@ -103,7 +108,7 @@ static uint64_t disk_bytes_of(kvh_engine *e, kvh_context c) { return ct_context_
 static kvh_engine *open_tight(bool copies, const char *disk_dir)
 {
     uint64_t bb = tu_block_bytes_of(L, H, D, BT, KVH_DTYPE_F32);
-    uint64_t model_slots = slots_of(FILE_REGION + BYTES_REGION, bb);
+    uint64_t model_slots = slots_of(pages_of(FILE_REGION) + pages_of(BYTES_REGION), bb);
     kvh_config c = tu_cfg(L, H, D, BT, KVH_DTYPE_F32, model_slots + 1, 2, 0);
     if (disk_dir) {
         mkdir(disk_dir, 0700);
@@ -218,7 +223,8 @@ static void no_disk_tier_keeps_region(void **state)
     uint64_t bb = tu_block_bytes_of(L, H, D, BT, KVH_DTYPE_F32);
     /* The device tier holds both models' byte regions (no disk for them)
      * and one file region. */
-    kvh_config c = tu_cfg(L, H, D, BT, KVH_DTYPE_F32, slots_of(FILE_REGION + 2 * BYTES_REGION, bb) + 1, 0, 0);
+    kvh_config c =
+        tu_cfg(L, H, D, BT, KVH_DTYPE_F32, slots_of(pages_of(FILE_REGION) + 2 * pages_of(BYTES_REGION), bb) + 1, 0, 0);
     kvh_engine *e = tu_open_cfg(&c);
     assert_int_equal(kvhi_context_copy_on_unified(e, copies), 0);
     model *a = tu_alloc(sizeof(model)), *b = tu_alloc(sizeof(model));

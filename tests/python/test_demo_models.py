@@ -67,8 +67,13 @@ def test_budget_that_holds_one_model(tmp_path):
     other = requantize(model, str(tmp_path / "m8.gguf"))
     # KV blocks of this geometry: 2 layers x 2 KV heads x 64 dims x 16 tokens x f32 x K,V
     block = 2 * 2 * 2 * 64 * 16 * 4
-    slots = [sum(-(-t.nbytes // block) for t in GGUFFile(p).tensors.values()) for p in (model, other)]
-    device = (max(slots) + 30) * block  # room for the active agent's whole conversation
+    # kvh.h: each tensor is a region charged its size in whole 4096-byte
+    # pages; a context takes the blocks of its regions' pages together.
+    page = 4096
+    slots = [
+        -(-sum(-(-t.nbytes // page) * page for t in GGUFFile(p).tensors.values()) // block) for p in (model, other)
+    ]
+    device = (max(slots) + 20) * block  # room for the active agent's whole conversation
     assert device < sum(slots) * block
     out = io.StringIO()
     rc = two_models.run(

@@ -1437,10 +1437,12 @@ KVH_API kvh_status kvh_attention_plan_destroy(kvh_engine *engine, kvh_attention_
  * A context groups one model's weight regions with the sequences of the
  * agents that use it, so weights and KV move between tiers as one unit.
  * Weights live in the device and host tiers and are charged against the
- * same byte budgets as KV: a resident region withholds
- * ceil(size / slot size) slots of its tier (kvh_tier_info.block_bytes is
- * the slot size; kvh_tier_info.used_blocks
- * counts them; kvh_weight_stats_get splits them out). Each region is
+ * same byte budgets as KV. Each region is an allocation of its own, its
+ * size rounded up to whole 4096-byte pages; a context withholds
+ * ceil(P / slot size) slots of each memory tier, P the pages of its
+ * regions resident there (kvh_tier_info.block_bytes is the slot size;
+ * kvh_tier_info.used_blocks counts them; kvh_weight_stats_get splits them
+ * out, and its bytes are the regions' own sizes). Each region is
  * checked in chunks of chunk_bytes with CRC32C. A region whose contents
  * are still those of its source file is dropped, never written, when it
  * leaves memory, and read again from the file when it returns.

@@ -43,6 +43,9 @@ QUESTIONS = {
 }
 DEFAULT_HOST_BYTES = 64 << 20
 DEFAULT_KV_BLOCKS = 48
+# kvh.h: each weight region is an allocation of its own, charged its size
+# rounded up to whole pages of this many bytes.
+REGION_PAGE_BYTES = 4096
 
 
 def _say(out: IO[str], args: argparse.Namespace, text: str) -> None:
@@ -79,6 +82,9 @@ class ModelFile:
             self.tensors = dict(g.tensors)
             self.metadata = dict(g.metadata)
         self.weight_bytes = sum(t.nbytes for t in self.tensors.values())
+        # What the tiers charge for them: one region a tensor (add_gguf),
+        # each rounded up to whole pages.
+        self.charged_bytes = sum(-(-t.nbytes // REGION_PAGE_BYTES) * REGION_PAGE_BYTES for t in self.tensors.values())
 
 
 def build_model(ctx: Any, mf: ModelFile, on_layer: Any = None):
@@ -148,8 +154,9 @@ def run(args: argparse.Namespace, out: Optional[IO[str]] = None) -> int:
     tokenizer = Tokenizer.from_gguf_metadata(files["A"].metadata)
     block_tokens = 16
     block_bytes = 2 * ca.n_layers * ca.n_kv_heads * ca.head_dim * block_tokens * 4
-    biggest = max(f.weight_bytes for f in files.values())
-    # A context's weights are charged in whole blocks (one of rounding).
+    # Each tensor is a region charged in whole pages, and a context the
+    # blocks of its regions' pages together (one block of rounding).
+    biggest = max(f.charged_bytes for f in files.values())
     device = args.device_budget or biggest + (DEFAULT_KV_BLOCKS + 1) * block_bytes
     host = args.host_budget or DEFAULT_HOST_BYTES
     both = files["A"].weight_bytes + files["B"].weight_bytes
