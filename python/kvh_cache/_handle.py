@@ -219,12 +219,11 @@ class HandleGate:
             self._state = _CLOSING
             self._closer = me
             self._wake()  # threads queued for their turn give up now
-            # A close from inside this thread's own calls cannot wait for them.
-            own = self._owner_depth if self._owner == me else 0
-            if self._shared_by:
-                own += self._shared_by.get(me, 0)
             try:
-                while self._in_flight > own:
+                # A close from inside this thread's own calls cannot wait
+                # for them. Counted again each round: another waiter may
+                # take back this thread's abandoned ones meanwhile.
+                while self._in_flight > self._own_counts(me):
                     self._wait()
             except BaseException:  # Ctrl-C in the wait: not closed, a later close can end it
                 self._state = _OPEN
@@ -243,6 +242,12 @@ class HandleGate:
         return result
 
     # ---- lock held ----
+    def _own_counts(self, me: int) -> int:
+        own = self._owner_depth if self._owner == me else 0
+        if self._shared_by:
+            own += self._shared_by.get(me, 0)
+        return own
+
     def _wait_turn(self) -> None:
         turn = object()
         self._queue.append(turn)

@@ -440,6 +440,41 @@ def test_a_count_left_by_an_interrupted_exit_does_not_shut_others_out():
         assert gate.closed and gate._in_flight == 0
 
 
+def test_a_close_with_its_own_abandoned_count_still_waits_for_other_calls():
+    """The closing thread holds an abandoned count, another thread is in a
+    call, and a second closer's waits take the abandoned count back: the
+    first close must still wait for the call in flight."""
+    gate = HandleGate(lambda: kvh.BadHandleError("closed"))
+
+    def call_interrupted_at_its_exit():
+        gate.enter(False)
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        call_interrupted_at_its_exit()
+    in_call, call_over = threading.Event(), threading.Event()
+    ended_during_call = []
+
+    def caller():
+        with gate.shared():
+            in_call.set()
+            time.sleep(0.6)
+            ended_during_call.append(bool(ended))
+        call_over.set()
+
+    ended = []
+    t = threading.Thread(target=caller)
+    t.start()
+    assert in_call.wait(10)
+    second = threading.Thread(target=lambda: (time.sleep(0.1), gate.close(lambda: None)))
+    second.start()
+    gate.close(lambda: ended.append(True))
+    assert call_over.is_set(), "the close ended the handle while a call was in flight"
+    t.join(10)
+    second.join(10)
+    assert ended == [True] and ended_during_call == [False] and gate._in_flight == 0
+
+
 def test_a_count_of_a_thread_still_in_its_call_is_kept():
     gate = HandleGate(lambda: kvh.BadHandleError("closed"))
     t, leave = _held_exclusively(gate)
