@@ -93,7 +93,14 @@ def __getattr__(name: str) -> Any:
     elif name in _LAZY:
         value = getattr(importlib.import_module(_LAZY[name], __name__), name)
     else:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        # A submodule (kvh_cache.engine, .types, ...), as `import kvh_cache`
+        # made them attributes before it loaded lazily.
+        try:
+            value = importlib.import_module("." + name, __name__)
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
     globals()[name] = value  # later uses skip this function
     return value
 

@@ -305,3 +305,23 @@ def test_real_closed():
     with pytest.raises(kvh.ClosedError) as info:
         seq.append([1])
     assert info.value.status == lib.KVH_ERR_CLOSED
+
+
+def test_the_package_loads_its_names_and_submodules_on_first_use():
+    # The package's public names load on first use; its submodules are its
+    # attributes after `import kvh_cache` alone, as they were when every
+    # name was imported eagerly.
+    probe = (
+        "import types, kvh_cache as k\n"
+        "for m in ('engine', 'types', 'vmap', 'context', 'pool', 'attention_plan', 'errors', 'config'):\n"
+        "    assert isinstance(getattr(k, m), types.ModuleType), m\n"
+        "assert k.Engine is k.engine.Engine and k.Tier is k.types.Tier\n"
+        "assert set(k.__all__) <= set(dir(k))\n"
+        "ns = {}\n"
+        "exec('from kvh_cache import *', ns)\n"
+        "assert all(name in ns for name in k.__all__)\n"
+        "try:\n    k.no_such_name\nexcept AttributeError:\n    pass\nelse:\n    raise SystemExit('no AttributeError')\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2] / "python"))
+    res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=60)
+    assert res.returncode == 0, res.stderr
