@@ -228,6 +228,8 @@ def _file_value(p: Path, key: str, value: Any) -> Any:
         return _parse_c({ENV_VARS[key]: str(value)})[key]
     except Error as exc:
         raise ValueError(f"{p}: {key} = {value!r}: {exc.message}") from None
+    except ValueError as exc:  # a number no member of the field's enum has
+        raise ValueError(f"{p}: {key} = {value!r}: {exc}") from None
 
 
 def resolve(

@@ -94,6 +94,8 @@ def test_bad_file(tmp_path):
         ("disk_path = 7", "disk_path must be a string"),
         ("vmap = 2.0", "vmap must be true, false or a string"),
         ("host_bytes = 36893488147419103232", "host_bytes"),
+        ("dtype = 99", "dtype = 99"),
+        ("kv_codec = 7", "kv_codec = 7"),
     ],
 )
 def test_bad_values_in_a_file_are_named(tmp_path, line, word):
