@@ -29,9 +29,10 @@ scope, as in vLLM.
 from __future__ import annotations
 
 import logging
+import platform
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 import torch
@@ -83,12 +84,22 @@ def _scope_of(request: Any) -> int:
 
 
 def _store_identity(
-    model_config: Any, kv_dtype: str, cache_dtype: str, tp_rank: int, tp_size: int, dp_rank: int
+    model_config: Any,
+    kv_dtype: str,
+    cache_dtype: str,
+    tp_rank: int,
+    tp_size: int,
+    dp_rank: int,
+    attn_isa: Optional[str] = None,
+    cpu_arch: Optional[str] = None,
 ) -> Dict[str, Any]:
     """What a worker's KV depends on, hashed into its store's salt: vLLM's
     own hash of every setting that changes the computation (quantization,
     RoPE scaling, ...), so a store of another configuration is never read;
-    the ranks, so that ranks keep stores of their own."""
+    the ranks, so that ranks keep stores of their own; on the CPU backend
+    the attention kernel family and the CPU architecture, which decide how
+    a block's bytes are packed (a store on a shared disk or remote tier may
+    be read on another host)."""
     model_hash = getattr(model_config, "compute_hash", None)
     return {
         "model": model_config.model,
@@ -99,7 +110,21 @@ def _store_identity(
         "tp_rank": tp_rank,
         "tp_size": tp_size,
         "dp_rank": dp_rank,
+        "attn_isa": attn_isa,
+        "cpu_arch": cpu_arch,
     }
+
+
+def _cpu_attn_isa(model_config: Any, block_size: int, head_dim: int, cache_dtype: str) -> str:
+    """The kernel family ('amx', 'vec', 'neon', ...) vLLM's CPU attention
+    packs KV blocks for, chosen as its metadata builder chooses it."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        return str(_get_attn_isa(model_config.dtype, block_size, head_dim, cache_dtype))
+    except Exception as exc:
+        # Without it kvh cannot tell one block layout from another.
+        raise ValueError(f"cannot tell how vLLM's CPU attention packs KV blocks ({exc!r})") from None
 
 
 def _keyed_by_tokens(request: Any) -> bool:
@@ -131,6 +156,10 @@ class Transfer:
 class KvhMetadata(KVConnectorMetadata):
     loads: List[Transfer] = field(default_factory=list)
     saves: List[Transfer] = field(default_factory=list)
+    # Requests admitted, or whose computed tokens fell back (a failed load,
+    # a preemption), since the last step: the KV they compute from here on
+    # no longer rests on a failed load.
+    recomputing: List[str] = field(default_factory=list)
 
 
 @dataclass
@@ -138,6 +167,7 @@ class _SchedReq:
     request: "Request"
     saved_blocks: int = 0  # blocks [0, saved_blocks) are in kvh
     tail_done: bool = False  # its prompt's tail block was loaded or queued for saving
+    computed_end: int = 0  # tokens whose KV exists after its last scheduled step
     query: Optional[Tuple[int, int]] = None  # (local tokens, kvh tokens) of the last lookup
 
 
@@ -192,6 +222,7 @@ class KvhConnector(KVConnectorBase_V1):
         # scheduler side
         self._reqs: Dict[str, _SchedReq] = {}
         self._loads: List[Transfer] = []
+        self._recomputing: List[str] = []
         self._clients: Optional[List[Client]] = None
         self._channel_warned = False
         self._secret_warned = False
@@ -202,6 +233,11 @@ class KvhConnector(KVConnectorBase_V1):
         self._errors_lock = threading.Lock()
         self._layer_index: Dict[str, int] = {}
         self._inflight: List[Any] = []  # this step's loads (kvh_cache.vllm.store.Load)
+        # Loads that failed since the last wait_for_save: (req_id, first failed block, failed slots).
+        self._failed_loads: List[Tuple[str, int, List[int]]] = []
+        # req_id -> first block whose KV was computed over a failed load:
+        # never saved (kvh keeps the first copy of a hash it is given).
+        self._unsound_from: Dict[str, int] = {}
 
     def _disable(self, why: str) -> None:
         if self._disabled is None:
@@ -234,6 +270,8 @@ class KvhConnector(KVConnectorBase_V1):
             if t0.device.type != "cpu":
                 raise ValueError(f"KV on {t0.device} (this connector registers host memory only)")
             lays = [kv_layout(t, head_dim, self._block_size) for t in tensors]
+            cache_dtype = str(self._vllm_config.cache_config.cache_dtype)
+            attn_isa = _cpu_attn_isa(mc, self._block_size, head_dim, cache_dtype)
         except ValueError as exc:
             self._disable(f"kvh: cannot use vLLM's KV memory: {exc}")
             return
@@ -243,14 +281,15 @@ class KvhConnector(KVConnectorBase_V1):
             return
         num_kv_heads = int(t0.shape[1]) if t0.dim() == 4 else int(t0.shape[3])
         identity = _store_identity(
-            mc, str(t0.dtype), str(self._vllm_config.cache_config.cache_dtype), tp_rank, self._tp_size, self._dp_rank
+            mc, str(t0.dtype), cache_dtype, tp_rank, self._tp_size, self._dp_rank, attn_isa, platform.machine()
         )
         logger.info(
-            "kvh: %d layers of KV %s, shape %s, strides %s; kvh block = one vLLM block of %d tokens",
+            "kvh: %d layers of KV %s, shape %s, strides %s, attention %s; kvh block = one vLLM block of %d tokens",
             len(tensors),
             t0.dtype,
             tuple(t0.shape),
             t0.stride(),
+            attn_isa,
             self._block_size,
         )
         try:
@@ -325,8 +364,14 @@ class KvhConnector(KVConnectorBase_V1):
                 self._inflight.append(self._store.start_load(t.req_id, t.tokens, t.first_block, t.block_ids, t.scope))
             except Exception:
                 logger.exception("kvh: loading request %s failed; vLLM recomputes it", t.req_id)
+                self._failed_loads.append((t.req_id, t.first_block, list(t.block_ids)))
                 with self._errors_lock:
                     self._load_errors.update(t.block_ids)
+        # vLLM's CPU backend writes a layer's new KV before its attention
+        # waits for that layer's load: the row of the last prompt token,
+        # in a restored tail block, must not be overwritten after that.
+        for load in self._inflight:
+            self._store.wait_tail(load)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         # kvh restores layer by layer: attention of a layer waits only for
@@ -350,8 +395,41 @@ class KvhConnector(KVConnectorBase_V1):
                 logger.exception("kvh: loading request %s failed; vLLM recomputes it", load.req_id)
                 failed = list(load.slots)
             if failed:
+                first_failed = load.first_block + len(load.slots) - len(failed)
+                self._failed_loads.append((load.req_id, first_failed, list(failed)))
                 with self._errors_lock:
                     self._load_errors.update(failed)
+
+    def _mark_unsound(self, req_id: str, block: int) -> None:
+        self._unsound_from[req_id] = min(block, self._unsound_from.get(req_id, block))
+
+    def _sound_saves(self, meta: KvhMetadata) -> List[Transfer]:
+        """This step's saves less the blocks computed over a failed load: a
+        loading request's from its first failed block on, and those of a
+        request that shares a failed slot (vLLM's prefix cache) from that
+        slot on, in this step and later ones until vLLM computes them again."""
+        for req_id in meta.recomputing:
+            self._unsound_from.pop(req_id, None)
+        failures, self._failed_loads = self._failed_loads, []
+        failed_slots: Set[int] = set()
+        for req_id, first_failed, slots in failures:
+            self._mark_unsound(req_id, first_failed)
+            failed_slots.update(slots)
+        if failed_slots:
+            for t in meta.saves:
+                at = next((i for i, slot in enumerate(t.block_ids) if slot in failed_slots), None)
+                if at is not None:
+                    self._mark_unsound(t.req_id, t.first_block + at)
+        if not self._unsound_from:
+            return meta.saves
+        sound = []
+        for t in meta.saves:
+            cut = self._unsound_from.get(t.req_id)
+            if cut is None or cut >= t.first_block + len(t.block_ids):
+                sound.append(t)
+            elif cut > t.first_block:
+                sound.append(Transfer(t.req_id, t.tokens, t.first_block, t.block_ids[: cut - t.first_block], t.scope))
+        return sound
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata", **kwargs: Any
@@ -366,16 +444,19 @@ class KvhConnector(KVConnectorBase_V1):
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvhMetadata)
+        saves = self._sound_saves(meta)
         # Queued on kvh's workers; this returns at once (the copies overlap
         # sampling and the next step's scheduling).
         try:
-            self._store.save_async([(t.req_id, t.tokens, t.first_block, t.block_ids, t.scope) for t in meta.saves])
+            self._store.save_async([(t.req_id, t.tokens, t.first_block, t.block_ids, t.scope) for t in saves])
         except Exception:
             logger.exception("kvh: offloading failed")
 
     def get_finished(self, finished_req_ids: set) -> Tuple[Optional[set], Optional[set]]:
         if self._store is not None and finished_req_ids:
             self._store.forget(finished_req_ids)
+        for req_id in finished_req_ids or ():
+            self._unsound_from.pop(req_id, None)
         return None, None
 
     def get_block_ids_with_load_errors(self) -> set:
@@ -448,6 +529,7 @@ class KvhConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
         st = self._reqs.setdefault(request.request_id, _SchedReq(request))
         st.request = request
+        self._recomputing.append(request.request_id)
         if num_external_tokens <= 0 or st.query is None:
             return
         bs = self._block_size
@@ -462,8 +544,8 @@ class KvhConnector(KVConnectorBase_V1):
         st.tail_done = st.tail_done or end_tok % bs != 0
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        meta = KvhMetadata(loads=self._loads)
-        self._loads = []
+        meta = KvhMetadata(loads=self._loads, recomputing=self._recomputing)
+        self._loads, self._recomputing = [], []
         if self._disabled:
             return meta
         bs = self._block_size
@@ -474,6 +556,10 @@ class KvhConnector(KVConnectorBase_V1):
             r = st.request
             if not _keyed_by_tokens(r):
                 continue
+            if r.num_computed_tokens < st.computed_end:
+                meta.recomputing.append(req_id)
+                if r.num_computed_tokens < r.num_prompt_tokens - 1:
+                    st.tail_done = False  # computed again: kvh may hold none of it (a failed load)
             # Blocks kvh was thought to hold are being computed again: a
             # load of them failed (vLLM truncates the computed tokens at the
             # first failed block), or the request was preempted and kvh no
@@ -483,6 +569,7 @@ class KvhConnector(KVConnectorBase_V1):
             # KV of positions [0, computed + scheduled) exists after this
             # step; a block is saved once its tokens are all known.
             end_tok = min(r.num_computed_tokens + n_sched, len(r.all_token_ids))
+            st.computed_end = end_tok
             full = end_tok // bs
             tail = self._tail_due(st, end_tok)
             if full <= st.saved_blocks and not tail:
@@ -508,13 +595,15 @@ class KvhConnector(KVConnectorBase_V1):
         return m if m else self._block_size
 
     def _tail_due(self, st: _SchedReq, end_tok: int) -> int:
-        """Tokens of the prefix whose tail block is to be saved now (its
-        prompt's KV is complete after this step), else 0."""
+        """Tokens of the prefix whose tail block is to be saved now, else 0.
+        It is saved once the last prompt token's KV is in it too (end_tok
+        past n): a restore writes the whole block, and that row is what
+        vLLM computes in the step the restore runs."""
         if st.tail_done or not self._settings.tail_min_tokens:
             return 0
         n = st.request.num_prompt_tokens - 1  # what a returning prompt can load
         r = n % self._block_size
-        if end_tok < n or r < self._settings.tail_min_tokens:
+        if end_tok <= n or r < self._settings.tail_min_tokens:
             return 0
         return n
 

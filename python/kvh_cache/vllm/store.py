@@ -510,6 +510,12 @@ class KvStore:
             raise
         return SplitRestore(batches)
 
+    def wait_tail(self, load: Load) -> None:
+        """Waits until a load's tail block (if it has one) is in place: the
+        rest of the block is vLLM's to write, in the step the load runs."""
+        if load.tail and load.batch is not None:
+            load.batch.parts[-1].wait()  # the tail is the last block of the last part
+
     def wait_layer(self, load: Load, layer: int) -> None:
         if load.batch is not None:
             load.batch.wait_layer(layer)
@@ -573,7 +579,7 @@ class KvStore:
         return self.finish_load(self.start_load(req_id, tokens, first_block, slots, scope))
 
     def save_async(self, transfers: Sequence[Tuple[str, Sequence[int], int, Sequence[int], int]]) -> int:
-        """Offloads, in one batch on kvh's workers, the blocks of each
+        """Offloads, in batches on kvh's workers, the blocks of each
         (req_id, tokens, first_block, slots, scope): blocks [first_block,
         first_block + len(slots)) computed into vLLM's slots, under their
         chained hashes in scope; when tokens end inside the last of them,
@@ -602,9 +608,8 @@ class KvStore:
         if not items or self._pool is None:
             return 0
         t0 = time.perf_counter()
-        # One batch per scope (a batch hashes all its items in one scope).
-        for scope in sorted({it[3] for it in items}):
-            part = [(it[:3], ow) for it, ow in zip(items, owners) if it[3] == scope]
+        queued = 0
+        for scope, part in self._offload_batches(items, owners):
             try:
                 batch = self._pool.offload([p[0] for p in part], scope=scope)
             except errors.Error as exc:
@@ -612,9 +617,33 @@ class KvStore:
                     self.counters.save_errors += len(part)
                 log.warning("kvh: offloading %d blocks failed (%s)", len(part), exc)
                 continue
+            queued += len(part)
             with self._lock:
                 self._saves.append(_Save(batch, [p[1] for p in part], t0))
-        return len(items)
+        return queued
+
+    @staticmethod
+    def _offload_batches(
+        items: List[Tuple[int, int, np.ndarray, int]], owners: List[Tuple[str, int]]
+    ) -> List[Tuple[int, List[Tuple[Tuple[int, int, np.ndarray], Tuple[str, int]]]]]:
+        """Splits a step's offloads into batches kvh accepts: one scope per
+        batch (it hashes all its items in one), each slot at most once (kvh
+        refuses the whole batch otherwise). The same block offered twice
+        (two requests sharing vLLM's cached prefix) is offloaded once; a
+        slot offered under two keys (a prompt's last full block and its
+        tail block) goes into a further batch."""
+        keys_of_slot: Dict[int, List[Tuple[int, int, bytes]]] = {}
+        batches: Dict[Tuple[int, int], List[Tuple[Tuple[int, int, np.ndarray], Tuple[str, int]]]] = {}
+        for (slot, parent, tokens, scope), owner in zip(items, owners):
+            keys = keys_of_slot.setdefault(slot, [])
+            key = (scope, parent, tokens.tobytes())
+            if key in keys:
+                continue
+            # The n-th distinct key of a slot goes into the scope's n-th batch.
+            round_ = sum(1 for k in keys if k[0] == scope)
+            batches.setdefault((scope, round_), []).append(((slot, parent, tokens), owner))
+            keys.append(key)
+        return [(scope, batches[(scope, round_)]) for scope, round_ in sorted(batches)]
 
     def wait_saves(self) -> None:
         """Waits until every queued offload has read its slots (then vLLM

@@ -120,7 +120,10 @@ def test_blocks_recomputed_after_a_failed_load_are_saved_again():
         )
         manager = types.SimpleNamespace(get_block_ids=lambda req_id: [list(range(100, 110))])
         settings = types.SimpleNamespace(tail_min_tokens=0)
-        k = bare(_loads=[], _disabled=False, _block_size=bs, _reqs={}, _kv_cache_manager=manager, _settings=settings)
+        k = bare(
+            _loads=[], _recomputing=[], _disabled=False, _block_size=bs, _reqs={}, _kv_cache_manager=manager,
+            _settings=settings,
+        )
         k._reqs["r"] = c._SchedReq(r, saved_blocks=8)  # a load of blocks 0-7 was issued
         r.num_computed_tokens = 32
         meta = k.build_connector_meta(types.SimpleNamespace(num_scheduled_tokens={"r": 8}))
