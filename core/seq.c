@@ -170,6 +170,14 @@ kvh_status kvhi_seq_fork(kvh_engine *e, kvhi_seq *s, uint32_t agent, kvh_seq *ou
         return st;
     kvhi_seq *c = kvhi_handles_get(&e->seqs, h.id, NULL);
     st = ensure_cap(c, s->n_blocks);
+    /* The published blocks persist made durable in place of seq's own
+     * are kept by the child too, while it holds its copy of those blocks:
+     * a fork of a persisted sequence keeps its prefix durable. */
+    if (st == KVH_OK && s->n_durable) {
+        c->durable_twin = malloc(sizeof(uint32_t) * s->n_durable);
+        if (!c->durable_twin)
+            st = kvhi_fail(KVH_ERR_NOMEM, "out of memory forking a sequence");
+    }
     if (st != KVH_OK) {
         kvhi_handles_remove(&e->seqs, kvhi_handle_index(h.id));
         kvhi_seq_destroy(e, c);
@@ -181,6 +189,12 @@ kvh_status kvhi_seq_fork(kvh_engine *e, kvhi_seq *s, uint32_t agent, kvh_seq *ou
         c->pins[i] = 0; /* pins stay the parent's */
         kvhi_block_ref(e, s->blocks[i]);
     }
+    for (uint32_t i = 0; i < s->n_durable; i++) {
+        c->durable_twin[i] = s->durable_twin[i];
+        if (c->durable_twin[i] != KVHI_NO_BLOCK)
+            kvhi_block_ref(e, c->durable_twin[i]);
+    }
+    c->n_durable = s->n_durable;
     c->n_blocks = s->n_blocks;
     c->n_tokens = s->n_tokens;
     c->scope = s->scope; /* its new blocks continue the same chains */

@@ -261,6 +261,40 @@ static void test_persist_keeps_the_published_twin(void **state)
     dt_assert_ok(kvh_seq_free(e, a));
 }
 
+/* A fork of a sequence that keeps a published twin keeps it too, while
+ * it holds its own block of that prefix: the branch's prefix stays
+ * durable once the parent and the twin's other holders are gone. */
+static void test_fork_keeps_the_published_twin(void **state)
+{
+    (void)state;
+    kvh_engine *e = open_engine("twin_fork", 8, 8, 0);
+    dt_content c = dt_plain(33);
+    kvh_seq a, f, g;
+    make_rewritten_copy(e, c, &a, &f);
+    dt_assert_ok(kvh_seq_persist(e, a));
+    int32_t tok[4];
+    dt_assert_ok(kvh_seq_tokens(e, a, 0, GEO.bt, tok));
+    kvh_block twin;
+    size_t nb = 0;
+    dt_assert_ok(kvh_prefix_lookup(e, tok, GEO.bt, &twin, 1, &nb));
+    assert_int_equal(nb, 1);
+    kvh_block_info bi = {.struct_size = sizeof(bi)};
+    dt_assert_ok(kvh_block_info_get(e, twin, &bi));
+    assert_int_equal(bi.refs, 3); /* f, a's persist, this handle */
+    dt_assert_ok(kvh_seq_fork(e, a, 0, &g));
+    dt_assert_ok(kvh_block_info_get(e, twin, &bi));
+    assert_int_equal(bi.refs, 4); /* and g's */
+    dt_assert_ok(kvh_seq_free(e, f));
+    dt_assert_ok(kvh_seq_free(e, a));
+    dt_assert_ok(kvh_block_info_get(e, twin, &bi));
+    assert_int_equal(bi.refs, 2); /* g's, this handle */
+    dt_assert_ok(kvh_seq_truncate(e, g, GEO.bt - 1));
+    dt_assert_ok(kvh_block_info_get(e, twin, &bi));
+    assert_int_equal(bi.refs, 1);
+    dt_assert_ok(kvh_block_release(e, twin));
+    dt_assert_ok(kvh_seq_free(e, g));
+}
+
 /* The same through kvh_blocks_persist: a block named by its handle whose
  * published twin was made durable in its place keeps the twin while it
  * lives (persisting it again takes no second reference), and lets it go
@@ -347,6 +381,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_truncate_block_on_disk, dt_teardown),
         cmocka_unit_test_teardown(test_persist_keeps_the_published_twin, dt_teardown),
+        cmocka_unit_test_teardown(test_fork_keeps_the_published_twin, dt_teardown),
         cmocka_unit_test_teardown(test_blocks_persist_keeps_the_published_twin, dt_teardown),
         cmocka_unit_test_teardown(test_many_kept_twins_freed_in_any_order, dt_teardown),
         cmocka_unit_test_teardown(test_truncate_block_with_clean_copy, dt_teardown),

@@ -663,7 +663,9 @@ KVH_API kvh_status kvh_seq_free(kvh_engine *engine, kvh_seq seq);
 
 /* Copy-on-write fork: the new sequence shares every block of seq; the
  * first write into a shared block copies it. agent owns new blocks of the
- * child, which has seq's scope (kvh_seq_set_scope). [out] *child. Returns KVH_ERR_INVALID_ARG (NULL child),
+ * child, which has seq's scope (kvh_seq_set_scope) and keeps the blocks
+ * kvh_seq_persist made durable in seq's place as seq does (see there).
+ * [out] *child. Returns KVH_ERR_INVALID_ARG (NULL child),
  * KVH_ERR_BAD_HANDLE, KVH_ERR_NOMEM. @threads handle (seq) */
 KVH_API kvh_status kvh_seq_fork(kvh_engine *engine, kvh_seq seq, uint32_t agent, kvh_seq *child);
 
@@ -729,8 +731,9 @@ KVH_API kvh_status kvh_seq_read_kv(kvh_engine *engine, kvh_seq seq, uint32_t lay
  * the call if it was not yet, unless another block of the same prefix
  * was published first; then that block is made durable, the sequence's
  * own is not written, and a later match returns the published block's
- * K/V; the sequence then keeps that block (a reference) while it holds
- * its own block of the prefix (until freed, or truncated below it). The
+ * K/V; the sequence (and a fork of it) then keeps that block (a
+ * reference) while it holds its own block of the prefix (until freed, or
+ * truncated below it). The
  * disk tier stays a cache: a persisted block is kept there while a
  * sequence or handle references it; once none does, a full disk may give
  * its room to other blocks (dropping it, or, where it stays in memory,
