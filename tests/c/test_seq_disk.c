@@ -226,6 +226,25 @@ static void make_rewritten_copy(kvh_engine *e, dt_content c, kvh_seq *a, kvh_seq
     assert_false(dt_binfo(e, *a, 0).published);
 }
 
+/* *a and *f as make_rewritten_copy leaves them, *a persisted: the
+ * published original that persist made durable in a's place (a handle
+ * of the caller's), checked to be held by f, a and the handle. */
+static kvh_block persist_rewritten_copy(kvh_engine *e, dt_content c, kvh_seq *a, kvh_seq *f)
+{
+    make_rewritten_copy(e, c, a, f);
+    dt_assert_ok(kvh_seq_persist(e, *a));
+    int32_t tok[4];
+    dt_assert_ok(kvh_seq_tokens(e, *a, 0, GEO.bt, tok));
+    kvh_block twin;
+    size_t nb = 0;
+    dt_assert_ok(kvh_prefix_lookup(e, tok, GEO.bt, &twin, 1, &nb));
+    assert_int_equal(nb, 1);
+    kvh_block_info bi = {.struct_size = sizeof(bi)};
+    dt_assert_ok(kvh_block_info_get(e, twin, &bi));
+    assert_int_equal(bi.refs, 3); /* f, a's persist, this handle */
+    return twin;
+}
+
 /* kvh_seq_persist of a sequence whose block is a rewritten copy makes the
  * published original durable, and the sequence keeps it (a reference)
  * while it holds its own block of that prefix: through growth of its
@@ -236,17 +255,8 @@ static void test_persist_keeps_the_published_twin(void **state)
     kvh_engine *e = open_engine("twin", 8, 8, 0);
     dt_content c = dt_plain(31);
     kvh_seq a, f;
-    make_rewritten_copy(e, c, &a, &f);
-    dt_assert_ok(kvh_seq_persist(e, a));
-    int32_t tok[4];
-    dt_assert_ok(kvh_seq_tokens(e, a, 0, GEO.bt, tok));
-    kvh_block twin;
-    size_t nb = 0;
-    dt_assert_ok(kvh_prefix_lookup(e, tok, GEO.bt, &twin, 1, &nb));
-    assert_int_equal(nb, 1);
+    kvh_block twin = persist_rewritten_copy(e, c, &a, &f);
     kvh_block_info bi = {.struct_size = sizeof(bi)};
-    dt_assert_ok(kvh_block_info_get(e, twin, &bi));
-    assert_int_equal(bi.refs, 3);                               /* f, a's persist, this handle */
     dt_assert_ok(dt_extend(e, a, GEO, c, GEO.bt, 15 * GEO.bt)); /* its block table grows */
     dt_assert_ok(kvh_seq_free(e, f));
     dt_assert_ok(kvh_block_info_get(e, twin, &bi));
@@ -268,19 +278,9 @@ static void test_fork_keeps_the_published_twin(void **state)
 {
     (void)state;
     kvh_engine *e = open_engine("twin_fork", 8, 8, 0);
-    dt_content c = dt_plain(33);
     kvh_seq a, f, g;
-    make_rewritten_copy(e, c, &a, &f);
-    dt_assert_ok(kvh_seq_persist(e, a));
-    int32_t tok[4];
-    dt_assert_ok(kvh_seq_tokens(e, a, 0, GEO.bt, tok));
-    kvh_block twin;
-    size_t nb = 0;
-    dt_assert_ok(kvh_prefix_lookup(e, tok, GEO.bt, &twin, 1, &nb));
-    assert_int_equal(nb, 1);
+    kvh_block twin = persist_rewritten_copy(e, dt_plain(33), &a, &f);
     kvh_block_info bi = {.struct_size = sizeof(bi)};
-    dt_assert_ok(kvh_block_info_get(e, twin, &bi));
-    assert_int_equal(bi.refs, 3); /* f, a's persist, this handle */
     dt_assert_ok(kvh_seq_fork(e, a, 0, &g));
     dt_assert_ok(kvh_block_info_get(e, twin, &bi));
     assert_int_equal(bi.refs, 4); /* and g's */

@@ -17,6 +17,7 @@ import pytest
 
 from kvh_cache.vllm import channel, settings
 from kvh_cache.vllm.store import KvStore, StoreUnavailable, model_salt
+from store_damage import flip_first_block_byte
 
 L, H, B, D, NB = 3, 2, 32, 16, 8
 ES = 2  # bf16, kept as uint16: kvh only moves the bytes
@@ -151,19 +152,6 @@ def _store(tmp_path: Path, **kw) -> KvStore:
     return KvStore(s, num_layers=L, num_kv_heads=H, head_dim=D, block_tokens=B, dtype="bf16", identity={"m": "t"}, **kw)
 
 
-def _flip_first_block_byte(tmp_path: Path) -> None:
-    """Flips a byte of the payload of the first block in the store's slab."""
-    (sub,) = (tmp_path / "store").iterdir()
-    slab = sub / "slab-0000.kvh"
-    first = bytearray(slab.read_bytes()[: 1 << 20]).find(b"KVHBLK\x00\x01")
-    assert first >= 0
-    with open(slab, "r+b") as f:
-        f.seek(first + 4096 + 17)
-        b = f.read(1)
-        f.seek(first + 4096 + 17)
-        f.write(bytes([b[0] ^ 1]))
-
-
 def _register(st: KvStore, mem: np.ndarray) -> None:
     base = [mem[layer].ctypes.data for layer in range(L)]
     st.register_pool(base, [b + B * D * ES for b in base], NB, H * B * 2 * D * ES, D * ES, B * 2 * D * ES)
@@ -284,7 +272,7 @@ def test_flipped_byte_on_disk_is_a_counted_miss(tmp_path, mem):
     st.save("a", toks, 0, [0, 1])
     st.forget(["a"])
     st.close()
-    _flip_first_block_byte(tmp_path)
+    flip_first_block_byte(tmp_path)
     st = _store(tmp_path)
     _register(st, mem)
     # The lookup trusts the index; the restore reads the slot and checks it,
@@ -630,7 +618,7 @@ def test_prefetch_takes_at_most_a_quarter_of_the_host_tier(tmp_path, mem):
 def test_a_corrupt_block_found_by_the_prefetch_fails_its_load_and_is_recomputed(tmp_path, mem):
     toks = np.arange(2 * B, dtype=np.int32) + 100
     _persisted(tmp_path, mem, toks, 2)
-    _flip_first_block_byte(tmp_path)
+    flip_first_block_byte(tmp_path)
     st = _store(tmp_path)
     _register(st, mem)
     assert st.lookup("b", toks) == 2 * B  # the index is trusted until the read

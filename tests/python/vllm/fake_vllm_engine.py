@@ -231,16 +231,3 @@ class Engine:
         self.worker.shutdown()
         self.scheduler.shutdown()
         shutil.rmtree(self.runtime, ignore_errors=True)
-
-
-def flip_first_block_byte(root: Path) -> None:
-    """Damages the payload of the first block in the disk store's slab."""
-    (sub,) = [d for d in (root / "store").iterdir() if d.is_dir()]
-    slab = sub / "slab-0000.kvh"
-    first = bytearray(slab.read_bytes()[: 1 << 20]).find(b"KVHBLK\x00\x01")
-    assert first >= 0
-    with open(slab, "r+b") as f:
-        f.seek(first + 4096 + 17)
-        b = f.read(1)
-        f.seek(first + 4096 + 17)
-        f.write(bytes([b[0] ^ 1]))

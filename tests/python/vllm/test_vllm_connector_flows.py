@@ -24,12 +24,13 @@ PRELUDE = """
 from pathlib import Path
 import numpy as np
 import fake_vllm_engine as fake
+from store_damage import flip_first_block_byte
 """
 
 
 def run_flow(tmp_path: Path, body: str) -> None:
     env = dict(os.environ)
-    paths = [str(REPO / "python"), str(HERE)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    paths = [str(REPO / "python"), str(HERE), str(HERE.parent)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
     env["PYTHONPATH"] = os.pathsep.join(paths)
     code = PRELUDE + f"root = Path({str(tmp_path)!r})\n" + textwrap.dedent(body) + "\nprint('ok')\n"
     p = subprocess.run([VPY, "-c", code], env=env, capture_output=True, text=True, timeout=300)
@@ -57,7 +58,7 @@ def test_kv_computed_over_a_failed_load_is_never_saved(tmp_path):
         e.finish(a)
         e.store.flush()
         e.close()
-        fake.flip_first_block_byte(root)
+        flip_first_block_byte(root)
 
         e = fake.Engine(root, block_size=bs, disk=True)
         for layer in e.kv.values():
