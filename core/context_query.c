@@ -145,8 +145,8 @@ void kvhi_weight_stats(kvh_engine *e, kvh_weight_stats *out)
             kvhi_context *x = kvhi_handles_at(&c->table, i);
             if (!x)
                 continue;
-            /* The charges count whole slots per region; the bytes are the
-             * regions' own. */
+            /* The charges hold whole slots for their regions' pages; the
+             * bytes are the regions' own sizes. */
             s.slots_device += x->charge[KVH_TIER_DEVICE].n;
             s.slots_host += x->charge[KVH_TIER_HOST].n;
             for (uint32_t j = 0; j < x->n_regions; j++) {

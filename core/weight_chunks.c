@@ -60,14 +60,14 @@ static void forget_slot_pages(kvh_engine *e, uint32_t tier, uint32_t slot)
         madvise((void *)lo, hi - lo, MADV_DONTNEED);
 }
 
-/* What one region of `bytes` is charged: whole pages. Each region is an
- * allocation of its own (kvhi_region_mem_alloc), so its memory is its
- * size rounded up to pages; the context's charge, the sum, is then
- * rounded up to slots once (a GGUF has hundreds of small tensors, and
- * a slot each would nearly double a small model's charge). Adding and
- * taking off a region's charge both go through here, so what is given
- * back equals what was taken. */
-static uint64_t region_charge(uint64_t bytes)
+/* A region's memory: its size in whole pages, as each region is an
+ * allocation of its own (kvhi_region_mem_alloc). It is what the region is
+ * charged (the context's charge, the sum, is then rounded up to slots
+ * once: a GGUF has hundreds of small tensors, and a slot each would
+ * nearly double a small model's charge; adding and taking off a region's
+ * charge both go through here, so what is given back equals what was
+ * taken), and the size by which freed region memory is recycled. */
+static uint64_t region_pages(uint64_t bytes)
 {
     return (bytes + KVHI_REGION_PAGE_BYTES - 1) & ~(uint64_t)(KVHI_REGION_PAGE_BYTES - 1);
 }
@@ -118,7 +118,7 @@ static kvh_status take_slot(kvh_engine *e, uint32_t tier, enum kvhi_charge_mode 
     }
 }
 
-/* bytes: the size of one region, charged in whole pages (region_charge);
+/* bytes: the size of one region, charged in whole pages (region_pages);
  * kvhi_charge_sub takes the same size off. */
 kvh_status kvhi_charge_add(kvh_engine *e, kvhi_context *x, uint32_t tier, uint64_t bytes, enum kvhi_charge_mode mode)
 {
@@ -128,10 +128,10 @@ kvh_status kvhi_charge_add(kvh_engine *e, kvhi_context *x, uint32_t tier, uint64
     if (!t->present)
         return kvhi_fail(KVH_ERR_NOSPACE, "the %s tier is not configured", name);
     /* Raw bytes first: a size near 2^64 would wrap when rounded. */
-    if (slots_for(e, tier, bytes) > t->slots.capacity || slots_for(e, tier, region_charge(bytes)) > t->slots.capacity)
+    if (slots_for(e, tier, bytes) > t->slots.capacity || slots_for(e, tier, region_pages(bytes)) > t->slots.capacity)
         return kvhi_fail(KVH_ERR_NOSPACE, "%llu bytes of weights are more than the whole %s tier",
                          (unsigned long long)bytes, name);
-    uint64_t charge = region_charge(bytes);
+    uint64_t charge = region_pages(bytes);
     /* ch->bytes and ch->n can change while the lock is dropped (a clean
      * region of this context dropped for room, the other arrival thread
      * charging it too): re-read them on every round, and grow the list
@@ -168,7 +168,7 @@ kvh_status kvhi_charge_add(kvh_engine *e, kvhi_context *x, uint32_t tier, uint64
 void kvhi_charge_sub(kvh_engine *e, kvhi_context *x, uint32_t tier, uint64_t bytes)
 {
     kvhi_charge *ch = &x->charge[tier];
-    ch->bytes -= region_charge(bytes);
+    ch->bytes -= region_pages(bytes);
     trim(e, ch, tier);
 }
 
@@ -204,15 +204,13 @@ void kvhi_region_mem_free(kvh_engine *e, uint32_t tier, uint8_t *p, uint64_t byt
 
 enum { SPARES_MAX = 256 };
 
-static uint64_t spare_size(uint64_t bytes) { return (bytes + 4095) & ~(uint64_t)4095; }
-
 uint8_t *kvhi_region_mem_take(kvh_engine *e, uint32_t tier, uint64_t bytes)
 {
     kvhi_contexts *c = e->contexts;
     uint8_t *p = NULL;
     pthread_mutex_lock(&c->spare_lock);
     for (uint32_t i = c->n_spares; i-- > 0;) {
-        if (c->spares[i].tier != tier || spare_size(c->spares[i].bytes) != spare_size(bytes))
+        if (c->spares[i].tier != tier || region_pages(c->spares[i].bytes) != region_pages(bytes))
             continue;
         p = c->spares[i].p;
         c->spares[i] = c->spares[--c->n_spares];
