@@ -9,6 +9,7 @@
 #include <string.h>
 #include <strings.h>
 
+#include "core/config_names.h"
 #include "core/engine.h"
 
 enum kind { K_U32, K_I32, K_U64, K_SIZE, K_ENUM, K_BOOL, K_FLAGS, K_PATH };
@@ -41,6 +42,18 @@ static const named remote_uploads[] = {{"persist", KVH_REMOTE_UPLOAD_PERSIST},
                                        {"demote", KVH_REMOTE_UPLOAD_DEMOTE},
                                        {"write_through", KVH_REMOTE_UPLOAD_WRITE_THROUGH},
                                        {NULL, 0}};
+
+static const char *name_of(const named *names, uint32_t value)
+{
+    for (const named *n = names; n->name; n++)
+        if (n->value == value)
+            return n->name;
+    return NULL;
+}
+
+const char *kvhi_dtype_name(uint32_t dtype) { return name_of(dtypes, dtype); }
+
+const char *kvhi_codec_name(uint32_t codec) { return name_of(codecs, codec); }
 
 typedef struct field {
     const char *var;

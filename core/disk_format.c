@@ -2,8 +2,8 @@
 
 #include <string.h>
 
+#include "core/config_names.h"
 #include "core/crc32c.h"
-#include "kvh/kvh.h"
 
 static const char slot_magic[8] = {'K', 'V', 'H', 'B', 'L', 'K', 0, 1};
 static const char index_magic[8] = {'K', 'V', 'H', 'I', 'D', 'X', 0, 1};
@@ -265,32 +265,6 @@ int kvhi_index_header_decode(const void *buf, size_t len, kvhi_index_header *h)
     return 0;
 }
 
-const char *kvhi_disk_dtype_name(uint32_t packed)
-{
-    switch (packed & 0xffffu) {
-    case KVH_DTYPE_F32:
-        return "f32";
-    case KVH_DTYPE_F16:
-        return "f16";
-    case KVH_DTYPE_BF16:
-        return "bf16";
-    default:
-        return NULL;
-    }
-}
+const char *kvhi_disk_dtype_name(uint32_t packed) { return kvhi_dtype_name(packed & 0xffffu); }
 
-const char *kvhi_disk_codec_name(uint32_t packed)
-{
-    switch (packed >> 16) {
-    case KVH_CODEC_NONE:
-        return "none";
-    case KVH_CODEC_INT8:
-        return "int8";
-    case KVH_CODEC_Q4_G32:
-        return "q4_g32";
-    case KVH_CODEC_Q4_G64:
-        return "q4_g64";
-    default:
-        return NULL;
-    }
-}
+const char *kvhi_disk_codec_name(uint32_t packed) { return kvhi_codec_name(packed >> 16); }
