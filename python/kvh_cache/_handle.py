@@ -302,7 +302,7 @@ class HandleGate:
         self._wake()
 
     def _forget_frame(self, me: int) -> None:
-        if self._entered_in and (self._owner != me) and not (self._shared_by and me in self._shared_by):
+        if self._entered_in and not self._own_counts(me):
             self._entered_in.pop(me, None)
 
     def _wake(self) -> None:
