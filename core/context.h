@@ -46,8 +46,9 @@ typedef struct kvhi_region {
 } kvhi_region;
 
 /* Each region is an allocation of its own: it is charged its size in
- * whole pages of this many bytes. */
-#define KVHI_REGION_PAGE_BYTES 4096u
+ * whole pages of the system's page size (4096 bytes on x86-64, often
+ * 16 or 64 KiB on arm64), a power of two (weight_chunks.c). */
+uint64_t kvhi_region_page_bytes(void);
 
 /* What a context's weights hold in one memory tier: slots withheld from
  * the tier for `bytes` (its resident regions' sizes, each rounded up to

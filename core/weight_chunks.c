@@ -60,6 +60,19 @@ static void forget_slot_pages(kvh_engine *e, uint32_t tier, uint32_t slot)
         madvise((void *)lo, hi - lo, MADV_DONTNEED);
 }
 
+uint64_t kvhi_region_page_bytes(void)
+{
+    /* Read once; threads racing here store the same value. */
+    static uint64_t cached;
+    uint64_t page = __atomic_load_n(&cached, __ATOMIC_RELAXED);
+    if (page)
+        return page;
+    long sys = sysconf(_SC_PAGESIZE);
+    page = sys > 0 && ((uint64_t)sys & ((uint64_t)sys - 1)) == 0 ? (uint64_t)sys : 4096u;
+    __atomic_store_n(&cached, page, __ATOMIC_RELAXED);
+    return page;
+}
+
 /* A region's memory: its size in whole pages, as each region is an
  * allocation of its own (kvhi_region_mem_alloc). It is what the region is
  * charged (the context's charge, the sum, is then rounded up to slots
@@ -69,7 +82,8 @@ static void forget_slot_pages(kvh_engine *e, uint32_t tier, uint32_t slot)
  * taken), and the size by which freed region memory is recycled. */
 static uint64_t region_pages(uint64_t bytes)
 {
-    return (bytes + KVHI_REGION_PAGE_BYTES - 1) & ~(uint64_t)(KVHI_REGION_PAGE_BYTES - 1);
+    uint64_t page = kvhi_region_page_bytes();
+    return (bytes + page - 1) & ~(page - 1);
 }
 
 /* Gives back slots beyond what ch->bytes needs. */

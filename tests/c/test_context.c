@@ -109,10 +109,10 @@ static void check_model(kvh_engine *e, model *m)
 
 static uint64_t slots_of(uint64_t bytes, uint64_t bb) { return (bytes + bb - 1) / bb; }
 
-/* kvh.h: each region is charged its size in whole 4096-byte pages, and a
- * context the slots of its regions' pages together. */
-enum { PAGE = 4096 };
-static uint64_t pages_of(uint64_t bytes) { return (bytes + PAGE - 1) / PAGE * PAGE; }
+/* kvh.h: each region is charged its size in whole pages of the system's
+ * page size, and a context the slots of its regions' pages together. */
+static uint64_t page_bytes(void) { return (uint64_t)sysconf(_SC_PAGESIZE); }
+static uint64_t pages_of(uint64_t bytes) { return (bytes + page_bytes() - 1) / page_bytes() * page_bytes(); }
 
 /* Slots a context with the one region of `bytes` resident in a tier takes
  * there. */
@@ -603,7 +603,7 @@ static void add_byte_region(kvh_engine *e, kvh_context c, const uint8_t *byte)
 static void tiny_regions_take_a_page_each(void **state)
 {
     mode md = MODE(state);
-    const uint64_t ps = PAGE / tu_block_bytes_of(L, H, D, BT, KVH_DTYPE_F32); /* slots a page */
+    const uint64_t ps = page_bytes() / tu_block_bytes_of(L, H, D, BT, KVH_DTYPE_F32); /* slots a page */
     kvh_engine *e = open_engine(md, 4 * ps, 4 * ps, NULL);
     kvh_context c, f, none = {0};
     assert_ok(kvh_context_create(e, NULL, &c));
@@ -664,8 +664,8 @@ static void tiny_regions_take_a_page_each(void **state)
 static void regions_beyond_the_pages_are_refused(void **state)
 {
     mode md = MODE(state);
-    enum { DEV = 6, HOST = 10 };                                              /* pages */
-    const uint64_t ps = PAGE / tu_block_bytes_of(L, H, D, BT, KVH_DTYPE_F32); /* slots a page */
+    enum { DEV = 6, HOST = 10 };                                                      /* pages */
+    const uint64_t ps = page_bytes() / tu_block_bytes_of(L, H, D, BT, KVH_DTYPE_F32); /* slots a page */
     kvh_engine *e = open_engine(md, DEV * ps, HOST * ps, NULL);
     kvh_context c, none = {0};
     assert_ok(kvh_context_create(e, NULL, &c));

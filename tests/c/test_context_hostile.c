@@ -201,15 +201,16 @@ static kvh_seq kv_of(kvh_engine *e, kvh_context c, uint64_t tag)
 
 static void test_ping_pong_keeps_every_byte(void **state)
 {
-    /* kvh.h: each region is charged its size in whole 4096-byte pages, a
-     * context the slots of its regions' pages together: with slots of 512
-     * bytes a region takes 8 and a context 48. A switch away leaves the
+    /* kvh.h: each region is charged its size in whole pages, a context
+     * the slots of its regions' pages together: with 4096-byte pages and
+     * slots of 512 bytes a region takes 8 and a context 48. A switch away leaves the
      * pinned regions in the device tier, and the test pins at random (all
      * of a context's regions, with some seeds), so the device tier holds
      * the arriving context, every region of the other one and 12 slots of
      * KV; the host tier holds both contexts and all the KV. */
     const uint64_t bb = tu_block_bytes_of(L, H, D, BT, KVH_DTYPE_F32);
-    const uint64_t ctx_slots = (REGIONS * ((RSIZE + 4095) / 4096 * 4096) + bb - 1) / bb;
+    const uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE);
+    const uint64_t ctx_slots = (REGIONS * ((RSIZE + page - 1) / page * page) + bb - 1) / bb;
     kvh_engine *e = tu_open(L, H, D, BT, KVH_DTYPE_F32, 2 * ctx_slots + 12, 200, threads_of(state));
     char pa[600], pb[600];
     weights *a = tu_alloc(sizeof(weights)), *b = tu_alloc(sizeof(weights));
@@ -364,14 +365,15 @@ static void test_close_during_a_switch(void **state)
 
 /* ---- many tiny regions ---- */
 
-/* kvh.h: each region is an allocation of its own, charged whole 4096-byte
- * pages, so 1-byte regions take a page each: all of them fit the host
+/* kvh.h: each region is an allocation of its own, charged whole pages of
+ * the system's page size, so 1-byte regions take a page each: all of them fit the host
  * tier, and a switch brings in as many as the device tier has pages, then
  * reports NOSPACE with the rest left in the host tier. */
 static void test_many_tiny_regions(void **state)
 {
-    enum { N = 1500, PAGE = 4096 };
-    const uint64_t ps = PAGE / tu_block_bytes_of(L, H, D, BT, KVH_DTYPE_F32); /* slots a page */
+    enum { N = 1500 };
+    const uint64_t ps =
+        (uint64_t)sysconf(_SC_PAGESIZE) / tu_block_bytes_of(L, H, D, BT, KVH_DTYPE_F32); /* slots a page */
     kvh_engine *e = tu_open(L, H, D, BT, KVH_DTYPE_F32, 64 * ps, (N + 100) * ps, threads_of(state));
     kvh_context c = new_ctx(e, KVH_CONTEXT_KV_KEEP);
     uint8_t *src = tu_alloc(N);

@@ -188,9 +188,10 @@ static void switch_races_kv(void **state)
     char path[2][600];
     const char *dir = getenv("KVH_TEST_TMPDIR");
     uint64_t bb = tu_block_bytes_of(L, H, D, BT, KVH_DTYPE_F32);
-    /* kvh.h: each region is charged its size in whole 4096-byte pages, a
-     * context the slots of its regions' pages together. */
-    uint64_t per_model = (LAYERS * ((REGION + 4095) / 4096 * 4096) + bb - 1) / bb;
+    /* kvh.h: each region is charged its size in whole pages, a context
+     * the slots of its regions' pages together. */
+    const uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE);
+    uint64_t per_model = (LAYERS * ((REGION + page - 1) / page * page) + bb - 1) / bb;
     kvh_config c = tu_cfg(L, H, D, BT, KVH_DTYPE_F32, per_model + 12, per_model + 40, threads);
     sh.e = tu_open_cfg(&c);
     for (int m = 0; m < 2; m++) {

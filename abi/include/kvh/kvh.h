@@ -1441,7 +1441,8 @@ KVH_API kvh_status kvh_attention_plan_destroy(kvh_engine *engine, kvh_attention_
  * agents that use it, so weights and KV move between tiers as one unit.
  * Weights live in the device and host tiers and are charged against the
  * same byte budgets as KV. Each region is an allocation of its own, its
- * size rounded up to whole 4096-byte pages; a context withholds
+ * size rounded up to whole pages of the system's page size
+ * (sysconf(_SC_PAGESIZE): 4096 bytes on x86-64); a context withholds
  * ceil(P / slot size) slots of each memory tier, P the pages of its
  * regions resident there (kvh_tier_info.block_bytes is the slot size;
  * kvh_tier_info.used_blocks counts them; kvh_weight_stats_get splits them

@@ -44,8 +44,8 @@ QUESTIONS = {
 DEFAULT_HOST_BYTES = 64 << 20
 DEFAULT_KV_BLOCKS = 48
 # kvh.h: each weight region is an allocation of its own, charged its size
-# rounded up to whole pages of this many bytes.
-REGION_PAGE_BYTES = 4096
+# rounded up to whole pages of the system's page size.
+REGION_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 
 
 def _say(out: IO[str], args: argparse.Namespace, text: str) -> None:
