@@ -33,6 +33,7 @@
 #include "core/block_map.h"
 #include "core/prefix_index.h"
 #include "core/slot_pool.h"
+#include "core/process_fork.h"
 
 #define KVHI_MAX_K 4
 #define KVHI_NO_BLOCK UINT32_MAX
@@ -242,7 +243,11 @@ struct kvh_engine {
 
 /* ---- errors and logging (status.c) ---- */
 kvh_status kvhi_fail(kvh_status status, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-void kvhi_clear_error(void);
+/* This thread's detail of its last failure (kvhi_last_error). */
+extern _Thread_local char kvhi_error_detail[1024] __attribute__((visibility("hidden")));
+/* Inline: every call clears it on entry, and a shared library reaches a
+ * thread-local through a call to the C library each time. */
+static inline void kvhi_clear_error(void) { kvhi_error_detail[0] = '\0'; }
 /* A log sink's calls back into its engine: the sink runs user code, which
  * may call kvh. Marks the calling thread as one kvh started for e (a
  * migration worker, a context switch's, the uploader). */
@@ -253,9 +258,22 @@ void kvhi_sink_call(kvh_engine *e, int level, const char *message);
 bool kvhi_in_sink_of(const kvh_engine *e);
 /* Whether this thread is one kvh started for e (kvhi_thread_started_for). */
 bool kvhi_thread_is_engines(const kvh_engine *e);
-/* Clears the last error; KVH_ERR_BUSY when e's sink, on a thread kvh
- * started for e, calls into e: the call could wait for that thread. */
-kvh_status kvhi_enter_allowed(kvh_engine *e);
+/* Why kvhi_enter_allowed refuses e: a copy in a child process
+ * (KVH_ERR_UNSUPPORTED), or e's sink, on a thread kvh started for e,
+ * calling into e (KVH_ERR_BUSY: the call could wait for that thread);
+ * KVH_OK when neither. */
+kvh_status kvhi_enter_refused(kvh_engine *e);
+/* Clears the last error and refuses what kvhi_enter_refused says. Inline,
+ * and the sink's thread-locals are read only for an engine with a sink:
+ * this runs on every call, the cheapest of which (an alloc, a release)
+ * cost little more than the lock. */
+static inline kvh_status kvhi_enter_allowed(kvh_engine *e)
+{
+    kvhi_clear_error();
+    if (__builtin_expect(e->fork_generation != kvhi_fork_generation() || e->cfg.log_fn, 0))
+        return kvhi_enter_refused(e);
+    return KVH_OK;
+}
 /* This thread's detail of its last failure ("" after a success). */
 const char *kvhi_last_error(void);
 /* The text and the name of a status (KVH_STATUS_LIST). */

@@ -6,18 +6,17 @@
 #include "core/engine.h"
 #include "core/process_fork.h"
 
-static _Thread_local char last_error[1024]; /* room for the paths the CUDA loader tried */
+/* Room for the paths the CUDA loader tried. */
+_Thread_local char kvhi_error_detail[1024];
 
 kvh_status kvhi_fail(kvh_status status, const char *fmt, ...)
 {
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(last_error, sizeof(last_error), fmt, ap);
+    vsnprintf(kvhi_error_detail, sizeof(kvhi_error_detail), fmt, ap);
     va_end(ap);
     return status;
 }
-
-void kvhi_clear_error(void) { last_error[0] = '\0'; }
 
 /* Where this thread stands for a sink's calls: the engine whose sink it
  * is inside, and the engine it was started for (NULL: a caller's). */
@@ -39,21 +38,20 @@ void kvhi_sink_call(kvh_engine *e, int level, const char *message)
     const kvh_engine *outer = here.sink_of;
     /* A sink may call kvh, which clears this thread's error detail: the
      * failed call whose messages are flushed here must keep its own. */
-    char saved[sizeof(last_error)];
-    memcpy(saved, last_error, strnlen(last_error, sizeof(last_error) - 1) + 1);
+    char saved[sizeof(kvhi_error_detail)];
+    memcpy(saved, kvhi_error_detail, strnlen(kvhi_error_detail, sizeof(kvhi_error_detail) - 1) + 1);
     here.sink_of = e;
     e->cfg.log_fn(e->cfg.log_user, level, message);
     here.sink_of = outer;
-    memcpy(last_error, saved, strnlen(saved, sizeof(saved) - 1) + 1);
+    memcpy(kvhi_error_detail, saved, strnlen(saved, sizeof(saved) - 1) + 1);
 }
 
 bool kvhi_in_sink_of(const kvh_engine *e) { return here.sink_of == e; }
 
 bool kvhi_thread_is_engines(const kvh_engine *e) { return e && here.started_for == e; }
 
-kvh_status kvhi_enter_allowed(kvh_engine *e)
+kvh_status kvhi_enter_refused(kvh_engine *e)
 {
-    kvhi_clear_error();
     if (e->fork_generation != kvhi_fork_generation())
         return kvhi_fail(KVH_ERR_UNSUPPORTED, "this engine was opened before the process forked: a child process "
                                               "cannot use it (its worker threads and locks stay in the parent); "
@@ -64,7 +62,7 @@ kvh_status kvhi_enter_allowed(kvh_engine *e)
     return KVH_OK;
 }
 
-const char *kvhi_last_error(void) { return last_error; }
+const char *kvhi_last_error(void) { return kvhi_error_detail; }
 
 #define KVHI_TEXT_CASE(name, value, text)                                                                              \
     case value:                                                                                                        \
