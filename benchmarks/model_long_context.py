@@ -19,9 +19,6 @@ import time
 
 import numpy as np
 
-import kvh_cache.model as km
-from kvh_cache.model.texts import PPL_TEXT
-
 
 def _tiers(seq) -> dict:
     counts: dict = {}
@@ -63,6 +60,10 @@ def main(argv=None) -> int:
     p.add_argument("--disk", action="store_true", help="keep the context on disk instead of in the host tier")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     a = p.parse_args(argv)
+    # Imported once the arguments are read: --help needs no model package.
+    import kvh_cache.model as km
+    from kvh_cache.model.texts import PPL_TEXT
+
     runner = km.load()
     text = PPL_TEXT
     ids = runner.encode(text)

@@ -9,6 +9,7 @@
 # Extra arguments are passed to every kvh-bench call. The machine is shared
 # and noisy: the 1-minute load average is printed before each run.
 set -euo pipefail
+case ${1:-} in -h | --help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;; esac
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 BENCH="${BENCH:-$here/../build/benchmarks/kvh-bench}"

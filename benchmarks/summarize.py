@@ -83,6 +83,9 @@ def main(paths):
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] in (["-h"], ["--help"]):
+        print(__doc__.strip())
+        sys.exit(0)
     if len(sys.argv) < 2:
         sys.exit(__doc__)
     main(sys.argv[1:])

@@ -8,6 +8,7 @@
 #
 # Exits non-zero if anything cannot be installed.
 set -euo pipefail
+case ${1:-} in -h | --help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;; esac
 
 APT_PACKAGES=(
     build-essential    # gcc, g++, make, libc headers

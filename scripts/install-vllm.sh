@@ -22,6 +22,7 @@
 # test-vllm). Its dependencies (numpy, cffi) are installed. A user who wants
 # kvh in the venv runs `<venv>/bin/pip install './python[vllm]'`.
 set -euo pipefail
+case ${1:-} in -h | --help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;; esac
 
 VLLM_VERSION="${VLLM_VERSION:-0.32.0}"
 TORCH_VERSION="${TORCH_VERSION:-2.13.0}"

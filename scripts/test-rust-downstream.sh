@@ -15,6 +15,7 @@
 #
 # KEEP=1 keeps the temporary projects. CARGO names cargo.
 set -euo pipefail
+case ${1:-} in -h | --help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;; esac
 
 repo=$(cd "$(dirname "$0")/.." && pwd)
 cargo=${CARGO:-cargo}

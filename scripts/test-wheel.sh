@@ -17,6 +17,7 @@
 #   KVH_WHEEL_CUDA=1 bash scripts/test-wheel.sh   # also the CUDA backend (slow)
 #   KVH_WHEEL_KEEP=DIR bash scripts/test-wheel.sh # keep the sdist and wheels in DIR
 set -euo pipefail
+case ${1:-} in -h | --help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;; esac
 
 PYTHON="${PYTHON:-python3}"
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

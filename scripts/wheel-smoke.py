@@ -102,6 +102,9 @@ def check_cli(store: Path) -> None:
 
 
 def main() -> None:
+    if sys.argv[1:2] in (["-h"], ["--help"]):
+        print(__doc__.strip())
+        return
     if len(sys.argv) < 2:
         fail("usage: wheel-smoke.py DIR [--reopen]")
     store = Path(sys.argv[1]) / "store"

@@ -27,6 +27,7 @@
 # CUDA_ARCH for gpu_bench (default: native, else 90), SKIP_BUILD=1 to reuse
 # a build.
 set -uo pipefail
+case ${1:-} in -h | --help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;; esac
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 BUILD=${BUILD:-$ROOT/build-gpu}
