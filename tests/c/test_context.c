@@ -6,6 +6,8 @@
  * memory (the CPU backend: moves are remaps) and with copies forced (the
  * path of a discrete GPU), with 0 and 2 migration threads. */
 #include <fcntl.h>
+#include <ftw.h>
+#include <stdio.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -26,6 +28,12 @@ static mode M_UNI0 = {0, false}, M_UNI2 = {2, false}, M_COPY0 = {0, true}, M_COP
 #define MODE(state) (*(mode *)*(state))
 
 static char tmpdir[512];
+
+static int remove_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw)
+{
+    (void)st, (void)flag, (void)ftw;
+    return remove(path);
+}
 
 static const char *scratch(const char *name, char *buf, size_t len)
 {
@@ -751,5 +759,9 @@ int main(void)
         MODES(regions_beyond_the_pages_are_refused),
         cmocka_unit_test_teardown(bad_arguments, tu_teardown),
     };
-    return cmocka_run_group_tests(tests, NULL, NULL);
+    int failed = cmocka_run_group_tests(tests, NULL, NULL);
+    /* Outside ctest (no KVH_TEST_TMPDIR) the scratch directory is ours. */
+    if (tmpdir[0])
+        nftw(tmpdir, remove_entry, 8, FTW_DEPTH | FTW_PHYS);
+    return failed;
 }
