@@ -43,16 +43,13 @@ typedef struct freelist {
     uint32_t top;
 } freelist;
 
-static int freelist_init(freelist *f, uint32_t n)
+static void freelist_init(freelist *f, uint32_t n)
 {
     pthread_mutex_init(&f->lock, NULL);
-    f->stack = malloc(sizeof(uint32_t) * n);
-    if (!f->stack)
-        return -1;
+    f->stack = bench_xmalloc(sizeof(uint32_t) * n);
     for (uint32_t i = 0; i < n; i++)
         f->stack[i] = n - 1 - i;
     f->top = n;
-    return 0;
 }
 
 static void freelist_destroy(freelist *f)
@@ -134,7 +131,7 @@ static int cmp_rate(double ours, double base) { return ours >= base; }
 static void emit_rate(const bench_ctx *ctx, const char *metric, double *ours, double *base, int rounds,
                       const char *unit, void (*params)(bench_row *, const void *), const void *arg, double target)
 {
-    double *ratio = malloc(sizeof(double) * (size_t)rounds);
+    double *ratio = bench_xmalloc(sizeof(double) * (size_t)rounds);
     for (int r = 0; r < rounds; r++)
         ratio[r] = ours[r] / base[r];
     bench_row *row = bench_row_new(SCEN, metric, bench_median(ours, (size_t)rounds), unit);
@@ -239,11 +236,10 @@ static int part_alloc(const alloc_opts *o, const bench_ctx *ctx, int rounds)
     BENCH_CHECK(kvh_tier_info_get(e, KVH_TIER_DEVICE, &ti));
     uint64_t n = ti.capacity_blocks;
     freelist fl;
-    if (freelist_init(&fl, (uint32_t)n) != 0)
-        return 1;
-    double *ours = calloc((size_t)rounds, sizeof(double)), *base = calloc((size_t)rounds, sizeof(double));
-    kvh_block *held = calloc(n, sizeof(kvh_block));
-    uint32_t *held_idx = calloc(n, sizeof(uint32_t)), *perm = calloc(n, sizeof(uint32_t));
+    freelist_init(&fl, (uint32_t)n);
+    double *ours = bench_xcalloc((size_t)rounds, sizeof(double)), *base = bench_xcalloc((size_t)rounds, sizeof(double));
+    kvh_block *held = bench_xcalloc(n, sizeof(kvh_block));
+    uint32_t *held_idx = bench_xcalloc(n, sizeof(uint32_t)), *perm = bench_xcalloc(n, sizeof(uint32_t));
     int rc = 0;
     bench_info(ctx, "alloc: %llu-block device tier, %llu pairs per round, %d rounds", (unsigned long long)n,
                (unsigned long long)o->pairs, rounds);
@@ -326,12 +322,13 @@ static int part_fork(const alloc_opts *o, const bench_ctx *ctx, int rounds)
     kvh_engine *e = NULL;
     BENCH_CHECK(open_small(o, o->fork_blocks + 16, &e));
     size_t nt = (size_t)(o->fork_blocks * o->block_tokens);
-    int32_t *tok = malloc(sizeof(int32_t) * nt);
+    int32_t *tok = bench_xmalloc(sizeof(int32_t) * nt);
     fill_tokens(tok, nt, 1);
     kvh_seq s;
     BENCH_CHECK(kvh_seq_create(e, 0, &s));
     BENCH_CHECK(kvh_seq_append(e, s, tok, nt));
-    double *fork_us = calloc((size_t)rounds, sizeof(double)), *free_us = calloc((size_t)rounds, sizeof(double));
+    double *fork_us = bench_xcalloc((size_t)rounds, sizeof(double)),
+           *free_us = bench_xcalloc((size_t)rounds, sizeof(double));
     bench_info(ctx, "fork: %llu-block sequence, %llu forks per round", (unsigned long long)o->fork_blocks,
                (unsigned long long)o->forks);
     for (int r = -1; r < rounds; r++) { /* round -1 warms up */
@@ -399,11 +396,9 @@ static int part_prefix(const alloc_opts *o, const bench_ctx *ctx)
     kvh_engine *e = NULL;
     BENCH_CHECK(open_small(o, 2 * cached_blocks + 64, &e));
     size_t n = (size_t)(cached_blocks * bt);
-    int32_t *tok = malloc(sizeof(int32_t) * n), *cold = malloc(sizeof(int32_t) * n);
+    int32_t *tok = bench_xmalloc(sizeof(int32_t) * n), *cold = bench_xmalloc(sizeof(int32_t) * n);
     size_t row_elems = (size_t)n * o->head_dim;
-    uint16_t *k = malloc(row_elems * 2), *v = malloc(row_elems * 2);
-    if (!tok || !cold || !k || !v)
-        return 1;
+    uint16_t *k = bench_xmalloc(row_elems * 2), *v = bench_xmalloc(row_elems * 2);
     fill_tokens(tok, n, 3);
     for (size_t i = 0; i < row_elems; i++) {
         k[i] = (uint16_t)(i * 3);
@@ -431,7 +426,7 @@ static int part_prefix(const alloc_opts *o, const bench_ctx *ctx)
     } cases[2] = {{prompt_blocks * bt, o->matches, 0}, {admit_blocks * bt, o->matches / 4 + 1, 2000.0}};
     for (int c = 0; c < 2; c++) {
         uint64_t it = cases[c].iters;
-        double *mu = malloc(sizeof(double) * it), *fu = malloc(sizeof(double) * it);
+        double *mu = bench_xmalloc(sizeof(double) * it), *fu = bench_xmalloc(sizeof(double) * it);
         if (match_times(e, tok, (size_t)cases[c].tokens, it < 3 ? it : 3, mu, fu) != 0 || /* warm-up */
             match_times(e, tok, (size_t)cases[c].tokens, it, mu, fu) != 0)
             return 1;
@@ -453,7 +448,7 @@ static int part_prefix(const alloc_opts *o, const bench_ctx *ctx)
      * prompt through the public kvh_prefix_hash (one call per block). */
     {
         uint64_t it = o->matches / 4 + 1;
-        double *hu = malloc(sizeof(double) * it);
+        double *hu = bench_xmalloc(sizeof(double) * it);
         for (uint64_t i = 0; i < it; i++) {
             uint64_t t0 = bench_ns(), parent = 0;
             for (uint64_t b = 0; b < admit_blocks; b++)
@@ -473,7 +468,7 @@ static int part_prefix(const alloc_opts *o, const bench_ctx *ctx)
      * sequence (block allocation + hashing; no KV). */
     {
         uint64_t it = ctx->quick ? 5 : 30;
-        double *au = malloc(sizeof(double) * it), *fu = malloc(sizeof(double) * it);
+        double *au = bench_xmalloc(sizeof(double) * it), *fu = bench_xmalloc(sizeof(double) * it);
         size_t na = (size_t)(admit_blocks * bt);
         for (uint64_t i = 0; i < it; i++) {
             fill_tokens(cold, na, (uint32_t)(100 + i));
@@ -521,9 +516,9 @@ static int part_touch(const alloc_opts *o, const bench_ctx *ctx, int rounds)
         kvh_engine *e = NULL;
         BENCH_CHECK(open_small(o, nb, &e));
         size_t n = (size_t)(nb * o->block_tokens);
-        int32_t *tok = malloc(sizeof(int32_t) * n);
+        int32_t *tok = bench_xmalloc(sizeof(int32_t) * n);
         size_t elems = n * o->head_dim;
-        uint16_t *k = calloc(elems, 2), *v = calloc(elems, 2);
+        uint16_t *k = bench_xcalloc(elems, 2), *v = bench_xcalloc(elems, 2);
         fill_tokens(tok, n, 9);
         kvh_seq s;
         BENCH_CHECK(kvh_seq_create(e, 0, &s));
@@ -534,13 +529,13 @@ static int part_touch(const alloc_opts *o, const bench_ctx *ctx, int rounds)
         free(tok);
 
         enum { NPOS = 1 << 16 };
-        uint64_t *pos = malloc(sizeof(uint64_t) * NPOS);
+        uint64_t *pos = bench_xmalloc(sizeof(uint64_t) * NPOS);
         bench_rng rng;
         bench_rng_seed(&rng, ctx->seed + nb);
         for (size_t i = 0; i < NPOS; i++)
             pos[i] = bench_rng_below(&rng, n);
         uint16_t kk[1024], vv[1024];
-        double *rd = calloc((size_t)rounds, sizeof(double)), *aq = calloc((size_t)rounds, sizeof(double));
+        double *rd = bench_xcalloc((size_t)rounds, sizeof(double)), *aq = bench_xcalloc((size_t)rounds, sizeof(double));
         for (int r = -1; r < rounds; r++) {
             uint64_t t0 = bench_ns();
             for (uint64_t i = 0; i < o->touches; i++)

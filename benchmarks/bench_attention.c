@@ -148,7 +148,7 @@ static int contig_setup(contig *c, uint32_t B, uint32_t C, uint32_t Hkv, uint32_
     kvhi_attn_plan_opts o = {0};
     kvhi_attn_cpu_plan_opts(NULL, threads, &o);
     o.chunk_quantum = 16; /* split-K as fine as the paged run's */
-    uint32_t *kvl = malloc(sizeof(uint32_t) * B), *ql = malloc(sizeof(uint32_t) * B);
+    uint32_t *kvl = bench_xmalloc(sizeof(uint32_t) * B), *ql = bench_xmalloc(sizeof(uint32_t) * B);
     for (uint32_t b = 0; b < B; b++)
         kvl[b] = C, ql[b] = 1;
     int rc = kvhi_attn_plan_build(p, &o, kvl, ql, B);
@@ -204,10 +204,8 @@ static int run_block(const attn_opts *o, const bench_ctx *ctx, uint32_t bt, doub
     bench_rng rng;
     bench_rng_seed(&rng, ctx->seed);
     size_t src_elems = (size_t)chunk * Hkv * D;
-    uint16_t *kbuf = malloc(src_elems * 2), *vbuf = malloc(src_elems * 2);
-    int32_t *tok = malloc(sizeof(int32_t) * chunk);
-    if (!kbuf || !vbuf || !tok)
-        return 1;
+    uint16_t *kbuf = bench_xmalloc(src_elems * 2), *vbuf = bench_xmalloc(src_elems * 2);
+    int32_t *tok = bench_xmalloc(sizeof(int32_t) * chunk);
     for (size_t i = 0; i < src_elems; i++) {
         kbuf[i] = kvhi_f32_to_f16((float)((int)bench_rng_below(&rng, 255) - 127) / 64.0f);
         vbuf[i] = kvhi_f32_to_f16((float)((int)bench_rng_below(&rng, 255) - 127) / 64.0f);
@@ -221,11 +219,9 @@ static int run_block(const attn_opts *o, const bench_ctx *ctx, uint32_t bt, doub
     for (size_t ci = 0; ci < o->contexts.n && !rc; ci++) {
         uint32_t C = (uint32_t)o->contexts.v[ci];
         uint32_t B = o->total_tokens / C ? (uint32_t)(o->total_tokens / C) : 1;
-        kvh_seq *seqs = calloc(B, sizeof(kvh_seq));
-        float *q = malloc(sizeof(float) * B * Hq * D), *out = malloc(sizeof(float) * B * Hq * D);
-        float *out2 = malloc(sizeof(float) * B * Hq * D);
-        if (!seqs || !q || !out || !out2)
-            return 1;
+        kvh_seq *seqs = bench_xcalloc(B, sizeof(kvh_seq));
+        float *q = bench_xmalloc(sizeof(float) * B * Hq * D), *out = bench_xmalloc(sizeof(float) * B * Hq * D);
+        float *out2 = bench_xmalloc(sizeof(float) * B * Hq * D);
         for (size_t i = 0; i < (size_t)B * Hq * D; i++)
             q[i] = (float)((int)bench_rng_below(&rng, 255) - 127) / 64.0f;
         /* An engine per context, so each starts from an empty tier (the
@@ -251,8 +247,8 @@ static int run_block(const attn_opts *o, const bench_ctx *ctx, uint32_t bt, doub
         bench_info(ctx, "attention: block %u, context %u x batch %u: filled in %.2f s", bt, C, B,
                    (double)(bench_ns() - t0) * 1e-9);
         double bytes = 2.0 * B * C * Hkv * D * 2;
-        double *ours = calloc((size_t)reps, sizeof(double)), *base = calloc((size_t)reps, sizeof(double));
-        double *ratio = calloc((size_t)reps, sizeof(double));
+        double *ours = bench_xcalloc((size_t)reps, sizeof(double)), *base = bench_xcalloc((size_t)reps, sizeof(double));
+        double *ratio = bench_xcalloc((size_t)reps, sizeof(double));
         /* one warm-up of each, then interleaved rounds */
         BENCH_CHECK(kvh_attention_decode(e, 0, seqs, B, q, out, &pr));
         if (contig_run(&cg, q, out2))
@@ -405,8 +401,11 @@ int bench_attention(int argc, char **argv, const bench_ctx *ctx)
     uint32_t threads = o.threads ? (uint32_t)o.threads : kvhi_cpu_count();
     size_t bwb = (size_t)o.bw_mb << 20;
     uint8_t *bwbuf = aligned_alloc(4096, bwb);
-    if (!bwbuf)
+    if (!bwbuf) {
+        fprintf(stderr, "kvh-bench attention: out of memory for the %llu MiB of --bw-mb\n",
+                (unsigned long long)o.bw_mb);
         return 1;
+    }
     memset(bwbuf, 1, bwb);
     double bws[16];
     int nbw = reps < 16 ? reps : 16;

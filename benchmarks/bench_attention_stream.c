@@ -18,6 +18,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "bench_fs.h"
 #include "bench_scenarios.h"
 
 #include "../kernels/attention_dtype.h"
@@ -38,10 +39,8 @@ static const char *where_name[] = {"host", "disk", "mixed"};
 /* A sequence of n_blocks full blocks of f16 K/V in [-2, 2]. */
 static int fill(kvh_engine *e, uint32_t bt, uint64_t n_blocks, size_t per_token, bench_rng *rng, kvh_seq *s)
 {
-    uint16_t *k = malloc(per_token * bt * 2), *v = malloc(per_token * bt * 2);
-    int32_t *tok = malloc(sizeof(int32_t) * bt);
-    if (!k || !v || !tok)
-        return 1;
+    uint16_t *k = bench_xmalloc(per_token * bt * 2), *v = bench_xmalloc(per_token * bt * 2);
+    int32_t *tok = bench_xmalloc(sizeof(int32_t) * bt);
     for (size_t i = 0; i < per_token * bt; i++) {
         k[i] = kvhi_f32_to_f16((float)((int)bench_rng_below(rng, 255) - 127) / 64.0f);
         v[i] = kvhi_f32_to_f16((float)((int)bench_rng_below(rng, 255) - 127) / 64.0f);
@@ -101,9 +100,7 @@ static int run_size(const stream_opts *o, const bench_ctx *ctx, uint64_t times, 
     const uint64_t n_blocks = times * o->device_blocks;
     bench_rng rng;
     bench_rng_seed(&rng, ctx->seed);
-    float *q = malloc(sizeof(float) * Hq * D), *out = malloc(sizeof(float) * Hq * D);
-    if (!q || !out)
-        return 1;
+    float *q = bench_xmalloc(sizeof(float) * Hq * D), *out = bench_xmalloc(sizeof(float) * Hq * D);
     for (size_t i = 0; i < (size_t)Hq * D; i++)
         q[i] = (float)((int)bench_rng_below(&rng, 255) - 127) / 64.0f;
     kvh_attention_params sp;

@@ -66,11 +66,9 @@ static int run_one(const bench_ctx *ctx, uint32_t codec, uint32_t dtype, uint64_
     BENCH_CHECK(kvh_codec_vector_bytes(KVH_CODEC_NONE, dtype, HEAD_DIM, &raw_bytes));
     BENCH_CHECK(kvh_codec_vector_bytes(codec, dtype, HEAD_DIM, &enc_bytes));
     size_t raw = raw_bytes * vectors, enc = enc_bytes * vectors, per = (size_t)reps * (size_t)n_isas;
-    uint8_t *src = malloc(raw), *out = malloc(raw), *code = malloc(enc);
+    uint8_t *src = bench_xmalloc(raw), *out = bench_xmalloc(raw), *code = bench_xmalloc(enc);
     /* per set and round: encode, decode, memcpy rates; ratios */
-    double *t = malloc(sizeof(double) * per * 5);
-    if (!src || !out || !code || !t)
-        return 1;
+    double *t = bench_xmalloc(sizeof(double) * per * 5);
     bench_rng r;
     bench_rng_seed(&r, ctx->seed);
     fill(dtype, src, (size_t)vectors * HEAD_DIM, &r);

@@ -246,7 +246,7 @@ static int run_kvh(const char *dir, const char *raw_path, uint64_t bs, uint32_t 
     kvh_seq s;
     BENCH_CHECK(kvh_seq_create(e, 0, &s));
     uint64_t tokens = (uint64_t)n * 16;
-    int32_t *t = malloc(sizeof(int32_t) * tokens);
+    int32_t *t = bench_xmalloc(sizeof(int32_t) * tokens);
     for (uint64_t i = 0; i < tokens; i++)
         t[i] = (int32_t)(i * 7 + seed);
     BENCH_CHECK(kvh_seq_append(e, s, t, tokens));
@@ -266,7 +266,7 @@ static int run_kvh(const char *dir, const char *raw_path, uint64_t bs, uint32_t 
     /* Random cold blocks: all on disk again, then restored in shuffled
      * order with one call (the workers keep qd of them in flight). */
     BENCH_CHECK(kvh_seq_migrate(e, s, 0, tokens, KVH_TIER_DISK, NULL));
-    kvh_block *blocks = malloc(sizeof(kvh_block) * n);
+    kvh_block *blocks = bench_xmalloc(sizeof(kvh_block) * n);
     BENCH_CHECK(kvh_seq_blocks(e, s, 0, n, blocks));
     bench_rng r;
     bench_rng_seed(&r, seed);
@@ -284,7 +284,7 @@ static int run_kvh(const char *dir, const char *raw_path, uint64_t bs, uint32_t 
      * the same size: alternating cancels the drift of a shared disk. */
     BENCH_CHECK(kvh_seq_migrate(e, s, 0, tokens, KVH_TIER_DISK, NULL));
     uint32_t lat_n = n < 64 ? n : 64;
-    double *lat = malloc(sizeof(double) * lat_n * 2), *raw = lat + lat_n;
+    double *lat = bench_xmalloc(sizeof(double) * lat_n * 2), *raw = lat + lat_n;
     raw_reader rr;
     if (raw_reader_open(&rr, raw_path, bs, n, seed) != 0) {
         fprintf(stderr, "kvh-bench disk: cannot read %s with O_DIRECT and io_uring\n", raw_path);
@@ -379,8 +379,8 @@ static int recovery(const bench_ctx *ctx, const char *dir, uint64_t context)
     kvh_seq s;
     BENCH_CHECK(kvh_seq_create(e, 0, &s));
     uint64_t chunk = 1 << 16;
-    int32_t *t = malloc(sizeof(int32_t) * chunk);
-    uint16_t *kv = calloc(chunk * 8, sizeof(uint16_t));
+    int32_t *t = bench_xmalloc(sizeof(int32_t) * chunk);
+    uint16_t *kv = bench_xcalloc(chunk * 8, sizeof(uint16_t));
     /* The last chunk is what is left of the context, so that the disk
      * sized for it above holds it. */
     for (uint64_t done = 0; done < context; done += chunk) {

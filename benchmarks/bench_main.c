@@ -75,7 +75,7 @@ static int run_main(int argc, char **argv)
     bench_ctx ctx = {.seed = 1};
     int rc = 0;
     /* Strip the common flags; the rest goes to the scenario. */
-    char **rest = calloc((size_t)argc, sizeof(char *));
+    char **rest = bench_xcalloc((size_t)argc, sizeof(char *));
     int nrest = 0;
     for (int i = 2; i < argc; i++) {
         if (!strcmp(argv[i], "--json"))

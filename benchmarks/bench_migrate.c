@@ -175,11 +175,7 @@ static int run_one(const migrate_opts *o, const bench_ctx *ctx, uint64_t bb, uin
                    uint64_t pool, int reps, uint64_t seed)
 {
     geometry g;
-    if (pick_geometry(bb, &g) != 0) {
-        fprintf(stderr, "kvh-bench migrate: no f16 geometry gives %llu-byte blocks (use a multiple of 4096)\n",
-                (unsigned long long)bb);
-        return 2;
-    }
+    pick_geometry(bb, &g); /* bench_migrate checked every size */
     kvh_config c;
     BENCH_CHECK(kvh_config_init(&c, sizeof(c)));
     c.backend = KVH_BACKEND_CPU;
@@ -223,14 +219,13 @@ static int run_one(const migrate_opts *o, const bench_ctx *ctx, uint64_t bb, uin
                (unsigned long long)bb, g.layers, g.heads, g.tokens, g.dim, (unsigned long long)m.n, threads,
                (double)(bench_ns() - t0) * 1e-9);
 
-    m.h = calloc(m.n, sizeof(kvh_block));
-    m.src = calloc(m.n, sizeof(uint32_t));
-    m.dst = calloc(m.n, sizeof(uint32_t));
+    m.h = bench_xcalloc(m.n, sizeof(kvh_block));
+    m.src = bench_xcalloc(m.n, sizeof(uint32_t));
+    m.dst = bench_xcalloc(m.n, sizeof(uint32_t));
     uint64_t batch = o->batch ? o->batch : m.n;
-    m.fences = calloc(m.n / batch + 2, sizeof(kvh_fence));
-    double *ours = calloc((size_t)reps * 2, sizeof(double)), *base = calloc((size_t)reps * 2, sizeof(double));
-    if (!m.h || !m.src || !m.dst || !m.fences || !ours || !base)
-        return 1;
+    m.fences = bench_xcalloc(m.n / batch + 2, sizeof(kvh_fence));
+    double *ours = bench_xcalloc((size_t)reps * 2, sizeof(double)),
+           *base = bench_xcalloc((size_t)reps * 2, sizeof(double));
     bench_rng rng;
     bench_rng_seed(&rng, seed);
     int rc = 0;
@@ -243,8 +238,8 @@ static int run_one(const migrate_opts *o, const bench_ctx *ctx, uint64_t bb, uin
     write_tags(&m, m.src, KVH_TIER_DEVICE, seed);
     /* Tags follow the handle, so keep a permutation instead of shuffling
      * the handles themselves. */
-    uint64_t *perm = malloc(sizeof(uint64_t) * m.n);
-    kvh_block *orig = malloc(sizeof(kvh_block) * m.n);
+    uint64_t *perm = bench_xmalloc(sizeof(uint64_t) * m.n);
+    kvh_block *orig = bench_xmalloc(sizeof(kvh_block) * m.n);
     memcpy(orig, m.h, sizeof(kvh_block) * m.n);
     for (uint64_t i = 0; i < m.n; i++)
         perm[i] = i;
@@ -281,7 +276,7 @@ static int run_one(const migrate_opts *o, const bench_ctx *ctx, uint64_t bb, uin
 
     /* ---- kvh_seq_migrate of a sequence spanning the tier ---- */
     uint64_t ntok = m.n * g.tokens;
-    int32_t *tok = malloc(sizeof(int32_t) * ntok);
+    int32_t *tok = bench_xmalloc(sizeof(int32_t) * ntok);
     for (uint64_t i = 0; i < ntok; i++)
         tok[i] = (int32_t)(i & 0x7fffffff);
     kvh_seq s;
@@ -365,6 +360,20 @@ int bench_migrate(int argc, char **argv, const bench_ctx *ctx)
     if (reps > 64)
         reps = 64;
     uint64_t pool = o.pool_mb << 20;
+    /* Every size before the first run: a bad one must not come after rows. */
+    for (size_t i = 0; i < o.sizes.n; i++) {
+        geometry g;
+        if (pick_geometry(o.sizes.v[i], &g) != 0) {
+            fprintf(stderr, "kvh-bench migrate: --sizes values must be multiples of 4096 in 4096..16777216, got %llu\n",
+                    (unsigned long long)o.sizes.v[i]);
+            return 2;
+        }
+        if (pool / o.sizes.v[i] < 2) {
+            fprintf(stderr, "kvh-bench migrate: --pool-mb %llu holds fewer than two blocks of --sizes %llu\n",
+                    (unsigned long long)o.pool_mb, (unsigned long long)o.sizes.v[i]);
+            return 2;
+        }
+    }
     /* Baseline buffers: plain malloc, pre-faulted once. */
     uint8_t *bufs[2] = {malloc(pool), malloc(pool)};
     if (!bufs[0] || !bufs[1]) {

@@ -23,6 +23,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "bench_fs.h"
 #include "bench_scenarios.h"
 #include "core/remote_hiredis.h"
 #include "remote_test_util.h"
@@ -56,10 +57,8 @@ static int fill(kvh_engine *e, kvh_seq *s, uint64_t scope, size_t n_blocks, uint
                 double *write_s)
 {
     size_t n = n_blocks * 16;
-    int32_t *tokens = malloc(sizeof(int32_t) * n);
-    uint8_t *kv = malloc(tok_bytes * n);
-    if (!tokens || !kv)
-        return 1;
+    int32_t *tokens = bench_xmalloc(sizeof(int32_t) * n);
+    uint8_t *kv = bench_xmalloc(tok_bytes * n);
     for (size_t i = 0; i < n; i++)
         tokens[i] = (int32_t)(i * 7 + 3);
     for (size_t i = 0; i < tok_bytes * n; i++)
@@ -80,9 +79,7 @@ static int fill(kvh_engine *e, kvh_seq *s, uint64_t scope, size_t n_blocks, uint
 static int match(kvh_engine *e, uint64_t scope, size_t n_blocks, size_t *matched, kvh_seq *out)
 {
     size_t n = n_blocks * 16;
-    int32_t *tokens = malloc(sizeof(int32_t) * n);
-    if (!tokens)
-        return 1;
+    int32_t *tokens = bench_xmalloc(sizeof(int32_t) * n);
     for (size_t i = 0; i < n; i++)
         tokens[i] = (int32_t)(i * 7 + 3);
     BENCH_CHECK(kvh_seq_create(e, 0, out));
@@ -139,9 +136,9 @@ static int throughput(const bench_ctx *ctx, uint32_t layers, size_t n_blocks, in
     }
     struct timeval tv = {30, 0};
     redisContext *rc = h->connect_timeout("127.0.0.1", server.ports[0], tv);
-    uint8_t *val = malloc(value);
-    double *t = malloc(sizeof(double) * (size_t)reps * 6);
-    if (!rc || rc->err || !val || !t)
+    uint8_t *val = bench_xmalloc(value);
+    double *t = bench_xmalloc(sizeof(double) * (size_t)reps * 6);
+    if (!rc || rc->err)
         return 1;
     memset(val, 0x5a, value);
     double *tput = t, *tget = t + reps, *rput = t + 2 * reps, *rget = t + 3 * reps;
@@ -225,9 +222,7 @@ static int lookup(const bench_ctx *ctx, size_t prefix_tokens, int reps)
     const uint32_t layers = 1, heads = 1, dim = 64; /* 4 KiB blocks */
     size_t n_blocks = prefix_tokens / 16, tok_bytes = (size_t)heads * dim * 2;
     uint64_t block = (uint64_t)layers * 2 * 16 * tok_bytes;
-    double *t = malloc(sizeof(double) * (size_t)reps * 4);
-    if (!t)
-        return 1;
+    double *t = bench_xmalloc(sizeof(double) * (size_t)reps * 4);
     double *hit = t, *miss = t + reps, *reuse = t + 2 * reps, *write = t + 3 * reps;
     for (int k = -1; k < reps; k++) {
         uint64_t salt = 0xb100000000000000ull ^ ((uint64_t)getpid() << 20) ^ ++salt_seq;

@@ -79,9 +79,7 @@ static kvh_status open_engine(uint64_t device_blocks, uint64_t host_blocks, kvh_
 static int fill(kvh_engine *e, kvh_seq s, uint64_t n, int32_t first_token)
 {
     enum { CHUNK = 4096 };
-    int32_t *tok = malloc(CHUNK * sizeof(*tok));
-    if (!tok)
-        return 1;
+    int32_t *tok = bench_xmalloc(CHUNK * sizeof(*tok));
     for (uint64_t done = 0; done < n;) {
         size_t k = n - done < CHUNK ? (size_t)(n - done) : CHUNK;
         for (size_t i = 0; i < k; i++)
@@ -101,9 +99,7 @@ static int fill(kvh_engine *e, kvh_seq s, uint64_t n, int32_t first_token)
 static int write_all(kvh_engine *e, kvh_seq s, uint64_t n)
 {
     enum { CHUNK = 4096 };
-    uint16_t *kv = calloc(CHUNK * 8, sizeof(uint16_t));
-    if (!kv)
-        return 1;
+    uint16_t *kv = bench_xcalloc(CHUNK * 8, sizeof(uint16_t));
     for (uint64_t done = 0; done < n;) {
         size_t k = n - done < CHUNK ? (size_t)(n - done) : CHUNK;
         kvh_status st = kvh_seq_write_kv(e, s, 0, done, k, kv, kv);
@@ -186,11 +182,7 @@ static int measure_n(const bench_ctx *ctx, uint64_t n, uint64_t calls, scale_poi
         goto out;
     bench_rng rng;
     bench_rng_seed(&rng, ctx->seed ^ n);
-    kvh_block *handles = malloc(4096 * sizeof(*handles));
-    if (!handles) {
-        rc = 1;
-        goto out;
-    }
+    kvh_block *handles = bench_xmalloc(4096 * sizeof(*handles));
     for (int i = 0; i < 4096; i++)
         kvh_seq_blocks(e, s, bench_rng_below(&rng, n), 1, &handles[i]);
 
@@ -386,14 +378,10 @@ static int measure_threads(const bench_ctx *ctx, uint64_t threads, uint64_t tota
     kvh_engine *e = NULL;
     /* Every agent's context (1-token blocks) plus its appended token. */
     BENCH_CHECK(open_engine(threads * (AGENT_CONTEXT + 4) + 64, 0, &e));
-    worker *w = calloc(threads, sizeof(*w));
-    pthread_t *tid = calloc(threads, sizeof(*tid));
+    worker *w = bench_xcalloc(threads, sizeof(*w));
+    pthread_t *tid = bench_xcalloc(threads, sizeof(*tid));
     pthread_barrier_t start;
     int rc = 0;
-    if (!w || !tid) {
-        rc = 1;
-        goto out;
-    }
     pthread_barrier_init(&start, NULL, (unsigned)threads + 1);
     uint64_t per = total_ops / threads;
     for (uint64_t i = 0; i < threads; i++) {
@@ -413,7 +401,6 @@ static int measure_threads(const bench_ctx *ctx, uint64_t threads, uint64_t tota
     *ops_per_s = (double)(per * threads) / ((double)(bench_ns() - t0) * 1e-9);
     *ops_per_cpu_s = (double)(per * threads) / (cpu_seconds() - c0);
     pthread_barrier_destroy(&start);
-out:
     free(w);
     free(tid);
     kvh_engine_close(e);
@@ -461,9 +448,7 @@ int bench_scale(int argc, char **argv, const bench_ctx *ctx)
         reps = 16;
     /* Rounds outside, sizes inside: load that comes and goes on a shared
      * machine hits every size alike instead of one of them. */
-    scale_point *runs = calloc(o.blocks.n * (size_t)reps, sizeof(*runs));
-    if (!runs)
-        return 1;
+    scale_point *runs = bench_xcalloc(o.blocks.n * (size_t)reps, sizeof(*runs));
     for (int r = 0; r < reps; r++)
         for (size_t i = 0; i < o.blocks.n; i++)
             if (measure_n(ctx, o.blocks.v[i], o.calls, &runs[i * (size_t)reps + (size_t)r])) {

@@ -38,7 +38,7 @@ static int make_synthetic(const char *path, uint64_t bytes)
     int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
     if (fd < 0)
         return -1;
-    uint8_t *buf = malloc(1 << 20);
+    uint8_t *buf = bench_xmalloc(1 << 20);
     bench_rng r;
     bench_rng_seed(&r, 42);
     for (uint64_t off = 0; off < bytes;) {
@@ -133,7 +133,7 @@ static int run_mode(const char *mode, const char *path, uint64_t bytes, uint32_t
     /* Untimed warm-up: both models loaded once (first touch of memory). */
     BENCH_CHECK(kvh_context_switch(e, none, m[1], NULL));
     BENCH_CHECK(kvh_context_switch(e, m[1], m[0], NULL));
-    double *full = malloc(sizeof(double) * (size_t)reps), *first = malloc(sizeof(double) * (size_t)reps);
+    double *full = bench_xmalloc(sizeof(double) * (size_t)reps), *first = bench_xmalloc(sizeof(double) * (size_t)reps);
     int cur = 0;
     kvh_weight_stats before = {.struct_size = sizeof before}, after = {.struct_size = sizeof after};
     for (int i = 0; i < reps; i++) {
@@ -225,7 +225,7 @@ int bench_switch(int argc, char **argv, const bench_ctx *ctx)
                synth[0] ? "synthetic" : model, reps);
     /* Warm the page cache, then the baseline. */
     reload_once(model, bytes);
-    double *rl = malloc(sizeof(double) * (size_t)reps);
+    double *rl = bench_xmalloc(sizeof(double) * (size_t)reps);
     for (int i = 0; i < reps; i++)
         rl[i] = reload_once(model, bytes);
     double reload = bench_median(rl, (size_t)reps);

@@ -151,10 +151,11 @@ static void emit_waits(const bench_ctx *ctx, const char *trace_name, const char 
                         "ns", pct, c));
 }
 
-/* The device budget of pct % of the trace's distinct blocks, at least 4. */
-static uint32_t device_budget(const trace *t, uint64_t pct)
+/* The device budget of pct % of a trace's n_blocks distinct blocks, at
+ * least 4. */
+static uint32_t device_budget(uint32_t n_blocks, uint64_t pct)
 {
-    uint32_t dev = (uint32_t)((uint64_t)t->n_blocks * pct / 100);
+    uint32_t dev = (uint32_t)((uint64_t)n_blocks * pct / 100);
     return dev < 4 ? 4 : dev;
 }
 
@@ -164,18 +165,6 @@ static uint32_t device_budget(const trace *t, uint64_t pct)
 static int evaluate(const bench_ctx *ctx, const trace_opts *o, const char *trace_name, const trace *t, int generated,
                     int adversarial, int hinted_only)
 {
-    /* The simulator and the replay count device + host blocks in 32 bits:
-     * a larger host budget would wrap (checked before this trace's rows). */
-    for (size_t bi = 0; bi < o->device_pct.n; bi++) {
-        uint64_t dev = device_budget(t, o->device_pct.v[bi]);
-        if (dev * (o->host_mult + 1) > UINT32_MAX) {
-            fprintf(stderr,
-                    "kvh-bench trace: --host-mult %llu with a device budget of %llu blocks (trace %s) makes more "
-                    "than %u blocks\n",
-                    (unsigned long long)o->host_mult, (unsigned long long)dev, trace_name, UINT32_MAX);
-            return 2;
-        }
-    }
     bench_info(ctx, "trace %s: %zu accesses, %u blocks, %u sequences", trace_name, t->n, t->n_blocks,
                trace_count_seqs(t));
     bench_row *info = bench_row_new(SCEN, "trace_accesses", (double)t->n, "accesses");
@@ -185,9 +174,9 @@ static int evaluate(const bench_ctx *ctx, const trace_opts *o, const char *trace
     bench_emit(ctx, info);
     for (size_t bi = 0; bi < o->device_pct.n; bi++) {
         uint64_t pct = o->device_pct.v[bi];
-        uint32_t dev = device_budget(t, pct);
+        uint32_t dev = device_budget(t->n_blocks, pct);
         sim_config c;
-        sim_config_defaults(&c, dev, (uint32_t)(dev * o->host_mult)); /* fits: checked above */
+        sim_config_defaults(&c, dev, (uint32_t)(dev * o->host_mult)); /* fits: check_budgets */
         if (o->lru_k)
             c.lru_k = (uint32_t)o->lru_k;
         sim_result opt;
@@ -291,6 +280,38 @@ static int generate(const bench_ctx *ctx, const trace_opts *o, const trace_famil
         trace_free(t);
         fprintf(stderr, "kvh-bench trace: out of memory\n");
         return 1;
+    }
+    return 0;
+}
+
+/* The simulator and the replay count device + host blocks in 32 bits: a
+ * host budget that would wrap them at some trace and --device-pct is
+ * refused before the first trace's rows. The largest trace has the
+ * largest budgets; a family's variants differ in their hints alone, so
+ * its main one stands for them. 0, 1 when out of memory, 2 when refused. */
+static int check_budgets(const bench_ctx *ctx, const trace_opts *o, const trace *recorded)
+{
+    uint32_t most_blocks = recorded ? recorded->n_blocks : 0;
+    const char *largest = recorded ? o->trace_file : "";
+    for (size_t i = 0; i < sizeof(families) / sizeof(families[0]); i++) {
+        trace t;
+        if (generate(ctx, o, &families[i], (uint32_t)o->queue, &t) != 0)
+            return 1;
+        if (t.n_blocks > most_blocks) {
+            most_blocks = t.n_blocks;
+            largest = families[i].name;
+        }
+        trace_free(&t);
+    }
+    for (size_t bi = 0; bi < o->device_pct.n; bi++) {
+        uint64_t dev = device_budget(most_blocks, o->device_pct.v[bi]);
+        if (dev * (o->host_mult + 1) > UINT32_MAX) {
+            fprintf(stderr,
+                    "kvh-bench trace: --host-mult %llu with a device budget of %llu blocks (trace %s) makes more "
+                    "than %u blocks\n",
+                    (unsigned long long)o->host_mult, (unsigned long long)dev, largest, UINT32_MAX);
+            return 2;
+        }
     }
     return 0;
 }
@@ -431,7 +452,7 @@ int bench_trace(int argc, char **argv, const bench_ctx *ctx)
             return 2;
         }
     }
-    int rc = 0;
+    int rc = check_budgets(ctx, &o, have_recorded ? &recorded : NULL);
     for (size_t i = 0; rc == 0 && i < sizeof(families) / sizeof(families[0]); i++)
         rc = generated_trace(ctx, &o, &families[i]);
     if (rc == 0 && have_recorded) {

@@ -3,16 +3,43 @@
 #include <ctype.h>
 #include <errno.h>
 #include <fcntl.h>
-#include <ftw.h>
 #include <liburing.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
+
+/* ------------------------------------------------------------------ */
+/* memory                                                               */
+/* ------------------------------------------------------------------ */
+
+static _Noreturn void out_of_memory(size_t n, size_t size)
+{
+    if (n == 1)
+        fprintf(stderr, "kvh-bench: out of memory for %zu bytes\n", size);
+    else
+        fprintf(stderr, "kvh-bench: out of memory for %zu x %zu bytes\n", n, size);
+    exit(1);
+}
+
+void *bench_xmalloc(size_t size)
+{
+    void *p = malloc(size);
+    if (!p && size)
+        out_of_memory(1, size);
+    return p;
+}
+
+void *bench_xcalloc(size_t n, size_t size)
+{
+    void *p = calloc(n, size);
+    if (!p && n && size)
+        out_of_memory(n, size);
+    return p;
+}
 
 /* ------------------------------------------------------------------ */
 /* time and statistics                                                 */
@@ -37,9 +64,7 @@ double bench_median(const double *v, size_t n)
 {
     if (n == 0)
         return NAN;
-    double *c = malloc(n * sizeof(double));
-    if (!c)
-        abort();
+    double *c = bench_xmalloc(n * sizeof(double));
     memcpy(c, v, n * sizeof(double));
     qsort(c, n, sizeof(double), cmp_double);
     double m = n % 2 ? c[n / 2] : 0.5 * (c[n / 2 - 1] + c[n / 2]);
@@ -149,9 +174,7 @@ static void copy_str(char *dst, size_t cap, const char *src) { snprintf(dst, cap
 
 bench_row *bench_row_new(const char *scenario, const char *metric, double value, const char *unit)
 {
-    bench_row *r = calloc(1, sizeof(*r));
-    if (!r)
-        abort();
+    bench_row *r = bench_xcalloc(1, sizeof(*r));
     copy_str(r->scenario, sizeof(r->scenario), scenario);
     copy_str(r->metric, sizeof(r->metric), metric);
     copy_str(r->unit, sizeof(r->unit), unit);
@@ -274,9 +297,7 @@ void bench_flush_table(const bench_ctx *ctx, const char *title)
     int n = 0;
     for (bench_row *r = table_head; r; r = r->next)
         n++;
-    char(*cells)[NC][200] = calloc((size_t)n, sizeof(*cells));
-    if (!cells)
-        abort();
+    char(*cells)[NC][200] = bench_xcalloc((size_t)n, sizeof(*cells));
     int i = 0;
     for (bench_row *r = table_head; r; r = r->next, i++) {
         snprintf(cells[i][0], 200, "%s", r->metric);
@@ -535,7 +556,7 @@ double bench_raw_io(const char *path, uint64_t bs, uint32_t n, int write, int ra
         return -1;
     }
     memset(buf, 0x5a, bs * qd);
-    uint32_t *order = malloc(sizeof(uint32_t) * n);
+    uint32_t *order = bench_xmalloc(sizeof(uint32_t) * n);
     for (uint32_t i = 0; i < n; i++)
         order[i] = i;
     if (random) {
@@ -573,20 +594,4 @@ double bench_raw_io(const char *path, uint64_t bs, uint32_t n, int write, int ra
     io_uring_queue_exit(&ring);
     close(fd);
     return err ? -1 : t;
-}
-
-static int remove_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw)
-{
-    (void)st;
-    (void)flag;
-    (void)ftw;
-    return remove(path);
-}
-
-int bench_remove_tree(const char *path)
-{
-    struct stat st;
-    if (lstat(path, &st) != 0)
-        return errno == ENOENT ? 0 : -1;
-    return nftw(path, remove_entry, 16, FTW_DEPTH | FTW_PHYS);
 }

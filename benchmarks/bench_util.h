@@ -23,6 +23,12 @@ typedef struct bench_ctx {
     uint64_t seed;
 } bench_ctx;
 
+/* ---- memory ---- */
+/* malloc and calloc that do not return NULL: out of memory, they say so on
+ * stderr and end the program with status 1. */
+void *bench_xmalloc(size_t size);
+void *bench_xcalloc(size_t n, size_t size);
+
 /* ---- time ---- */
 uint64_t bench_ns(void); /* CLOCK_MONOTONIC, nanoseconds */
 double bench_sec(void);  /* the same, seconds */
@@ -118,9 +124,5 @@ const char *bench_fmt_bytes(uint64_t n, char *buf, size_t len);
 
 /* Keeps the compiler from optimising a value away. */
 void bench_sink(uint64_t v);
-
-/* Removes path and everything below it, never following a link (no
- * shell: a path may hold any character). 0 when it is gone. */
-int bench_remove_tree(const char *path);
 
 #endif

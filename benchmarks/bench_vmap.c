@@ -61,11 +61,9 @@ static int run_context(const bench_ctx *ctx, uint32_t C, int reps, uint64_t thre
     kvh_seq s;
     BENCH_CHECK(kvh_seq_create(e, 0, &s));
     uint32_t chunk = 1024;
-    int32_t *tok = malloc(sizeof(int32_t) * chunk);
-    uint16_t *kv = malloc((size_t)chunk * HKV * D * 2);
-    float *q = malloc(sizeof(float) * HQ * D), *out = malloc(sizeof(float) * HQ * D);
-    if (!tok || !kv || !q || !out)
-        return 1;
+    int32_t *tok = bench_xmalloc(sizeof(int32_t) * chunk);
+    uint16_t *kv = bench_xmalloc((size_t)chunk * HKV * D * 2);
+    float *q = bench_xmalloc(sizeof(float) * HQ * D), *out = bench_xmalloc(sizeof(float) * HQ * D);
     bench_rng r;
     bench_rng_seed(&r, ctx->seed);
     for (size_t i = 0; i < (size_t)chunk * HKV * D; i++)
@@ -79,10 +77,10 @@ static int run_context(const bench_ctx *ctx, uint32_t C, int reps, uint64_t thre
         BENCH_CHECK(kvh_seq_append(e, s, tok, n));
         BENCH_CHECK(kvh_seq_write_kv(e, s, 0, t, n, kv, kv));
     }
-    double *map = calloc((size_t)reps, sizeof(double)), *refresh = calloc((size_t)reps, sizeof(double));
-    double *rel = calloc((size_t)reps, sizeof(double)), *virt = calloc((size_t)reps, sizeof(double));
-    double *paged = calloc((size_t)reps, sizeof(double)), *ratio = calloc((size_t)reps, sizeof(double));
-    double *touched = calloc((size_t)reps, sizeof(double));
+    double *map = bench_xcalloc((size_t)reps, sizeof(double)), *refresh = bench_xcalloc((size_t)reps, sizeof(double));
+    double *rel = bench_xcalloc((size_t)reps, sizeof(double)), *virt = bench_xcalloc((size_t)reps, sizeof(double));
+    double *paged = bench_xcalloc((size_t)reps, sizeof(double)), *ratio = bench_xcalloc((size_t)reps, sizeof(double));
+    double *touched = bench_xcalloc((size_t)reps, sizeof(double));
     char backing[16] = "";
     uint64_t sink = 0;
     kvh_attention_params p;
@@ -197,12 +195,11 @@ int bench_vmap(int argc, char **argv, const bench_ctx *ctx)
         fprintf(stderr, "kvh-bench vmap: --threads must be in 0..1024\n");
         return 2;
     }
+    /* Every context before the first: a bad one must not come after rows. */
+    if (bench_check_list(SCEN, "--contexts", &contexts, 1, 1u << 24, 0))
+        return 2;
     int reps = ctx->reps ? ctx->reps : 5;
     for (size_t i = 0; i < contexts.n; i++) {
-        if (!contexts.v[i] || contexts.v[i] > (1u << 24)) {
-            fprintf(stderr, "kvh-bench vmap: contexts must be in 1..16M\n");
-            return 2;
-        }
         for (int populate = 1; populate >= 0; populate--) {
             int rc = run_context(ctx, (uint32_t)contexts.v[i], reps, threads, populate);
             if (rc)

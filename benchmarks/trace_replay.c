@@ -4,9 +4,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-#include <ftw.h>
 #include <unistd.h>
 
+#include "bench_fs.h"
 #include "kvh/kvh.h"
 
 #define BLOCK_TOKENS 16u
@@ -39,14 +39,6 @@ static double now_sec(void)
 static int32_t token_of(uint32_t seq, uint64_t pos)
 {
     return (int32_t)((((uint64_t)seq * 1000003u) + pos) & 0x3fffffff);
-}
-
-static int remove_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw)
-{
-    (void)st;
-    (void)flag;
-    (void)ftw;
-    return remove(path);
 }
 
 /* On entry: whether turn's hints belong to this batch, the first that
@@ -231,7 +223,7 @@ out:
         kvh_engine_close(e);
     }
     if (made_store)
-        nftw(store, remove_entry, 16, FTW_DEPTH | FTW_PHYS);
+        bench_remove_tree(store);
     free(seqs);
     free(created);
     free(seen);

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -515,6 +516,67 @@ def test_bench_bad_options(args, word):
     res = run_bench(args[0], "--quick", "--json", *args[1:]) if args[:1] not in ([], ["--bogus"]) else run_bench(*args)
     assert res.returncode == 2, (res.returncode, res.stderr)
     assert res.stdout == "" and word in res.stderr, res.stderr
+
+
+@pytest.mark.parametrize("table", [False, True], ids=["json", "table"])
+@pytest.mark.parametrize(
+    "args, word",
+    [
+        # each value was checked when the run reached it, after the rows of those before it
+        (["vmap", "--contexts", "1024,0"], "--contexts"),
+        (["migrate", "--sizes", "64K,1000"], "--sizes"),
+        (["migrate", "--pool-mb", "8", "--sizes", "64K,8M"], "--pool-mb"),
+    ],
+    ids=lambda a: " ".join(a) if isinstance(a, list) else None,
+)
+def test_bench_bad_list_value_is_refused_before_any_row(args, word, table):
+    res = run_bench(args[0], "--quick", "--reps", "1", *([] if table else ["--json"]), *args[1:])
+    assert_one_line_error(res, 2, word)
+    assert res.stdout == "", res.stdout[:2000]
+
+
+def test_bench_trace_budget_past_a_later_trace_is_refused_before_any_row(tmp_path):
+    # The host budget was checked trace by trace: one that only the recorded
+    # trace (evaluated last, 1 % of its 100,000 blocks on the device) makes
+    # wrap came after every generated trace's rows.
+    recorded = tmp_path / "wide.trace"
+    recorded.write_text("".join(f"0 {block}\n" for block in range(100_000)))
+    host_mult = (1 << 32) // 500  # 4 device blocks (the least) x this fits 32 bits, 1,000 x this does not
+    res = run_bench(
+        "trace",
+        "--quick",
+        "--json",
+        "--replay",
+        "0",
+        "--agents",
+        "1",
+        "--turns",
+        "1",
+        "--device-pct",
+        "1",
+        "--host-mult",
+        host_mult,
+        "--trace",
+        recorded,
+    )
+    assert_one_line_error(res, 2, "--host-mult")
+    assert res.stdout == "", res.stdout[:2000]
+
+
+def _two_gib_of_address_space():
+    resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["codec", "--vectors", "16M"], ["attention", "--bw-mb", "4096"]],  # 4 GiB buffers
+    ids=" ".join,
+)
+def test_bench_out_of_memory_says_so(args):
+    # Exit 1 and not a word on stderr.
+    res = run_bench(args[0], "--quick", "--json", "--reps", "1", *args[1:], preexec_fn=_two_gib_of_address_space)
+    assert_one_line_error(res, 1, "out of memory")
+    assert res.stdout == "", res.stdout[:2000]
 
 
 def test_bench_bad_paths_and_environment(tmp_path):
