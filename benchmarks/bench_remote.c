@@ -138,8 +138,11 @@ static int throughput(const bench_ctx *ctx, uint32_t layers, size_t n_blocks, in
     redisContext *rc = h->connect_timeout("127.0.0.1", server.ports[0], tv);
     uint8_t *val = bench_xmalloc(value);
     double *t = bench_xmalloc(sizeof(double) * (size_t)reps * 6);
-    if (!rc || rc->err)
+    if (!rc || rc->err) {
+        fprintf(stderr, "kvh-bench remote: cannot connect to redis-server on 127.0.0.1:%d: %s\n", server.ports[0],
+                rc ? rc->errstr : "out of memory");
         return 1;
+    }
     memset(val, 0x5a, value);
     double *tput = t, *tget = t + reps, *rput = t + 2 * reps, *rget = t + 3 * reps;
     double *qput = t + 4 * reps, *qget = t + 5 * reps; /* each round's kvh / raw */
@@ -253,8 +256,12 @@ static int lookup(const bench_ctx *ctx, size_t prefix_tokens, int reps)
             return 1;
         double miss_s = bench_sec() - t0;
         kvh_engine_close(b);
-        if (m != n_blocks * 16 || m3 != 0)
+        if (m != n_blocks * 16 || m3 != 0) {
+            fprintf(stderr,
+                    "kvh-bench remote: matched %zu of %zu tokens from the remote tier, %zu under another salt\n", m,
+                    n_blocks * 16, m3);
             return 1;
+        }
         if (k >= 0) {
             hit[k] = hit_s * 1e3;
             miss[k] = miss_s * 1e3;
@@ -309,8 +316,10 @@ int bench_remote(int argc, char **argv, const bench_ctx *ctx)
     }
     char dir[256];
     snprintf(dir, sizeof(dir), "/tmp/kvh-bench-remote-%d", (int)getpid());
-    if (rt_start(&server, 1, NULL, dir) != 0)
+    if (rt_start(&server, 1, NULL, dir) != 0) {
+        fprintf(stderr, "kvh-bench remote: could not start redis-server on loopback (scratch directory %s)\n", dir);
         return 1;
+    }
     /* Room for the values; no persistence: a cache. */
     char out[128];
     rt_cli(&server, 0, out, sizeof(out), "CONFIG SET appendonly no");
