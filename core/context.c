@@ -58,7 +58,9 @@ bool kvhi_drop_clean_host_region(kvh_engine *e, bool allow_loading)
     kvhi_contexts *c = e->contexts;
     for (uint32_t i = 0; c && i < c->table.cap; i++) {
         kvhi_context *x = kvhi_handles_at(&c->table, i);
-        if (!x || (x->loading && !allow_loading))
+        /* A holder may be reading its regions without the lock (a verify,
+         * a region being added): their memory stays until it lets go. */
+        if (!x || (x->loading && !allow_loading) || x->holds)
             continue;
         for (uint32_t j = 0; j < x->n_regions; j++) {
             kvhi_region *r = &x->regions[j];

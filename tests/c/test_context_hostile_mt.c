@@ -318,11 +318,98 @@ static void test_reads_race_a_switch_away(void **state)
     tu_free(bytes[1]);
 }
 
+/* kvh_context_verify reads a region with the lock dropped; KV taking
+ * host room on another thread drops clean host copies of weights, which
+ * must not free the one being verified (it did: a read of freed memory,
+ * or a false KVH_ERR_CORRUPT). */
+enum { VERIFY_REGION = 64 << 10 };
+static kvh_engine *verify_engine;
+static kvh_context verify_ctx;
+static _Atomic long verify_ok;
+
+static void *verify_in_a_loop(void *arg)
+{
+    (void)arg;
+    while (!atomic_load(&stop)) {
+        uint64_t chunks = 0;
+        kvh_status st = kvh_context_verify(verify_engine, verify_ctx, &chunks);
+        if (st == KVH_OK)
+            atomic_fetch_add(&verify_ok, 1);
+        else if (st != KVH_ERR_BUSY)
+            fail_msg("verify of an unchanged region: %s (%s)", kvh_status_name(st), kvh_last_error());
+    }
+    return NULL;
+}
+
+static void test_verify_races_kv_taking_host_room(void **state)
+{
+    (void)state;
+    /* 1 KiB blocks: 8 sequences of 128 tokens want 256 KiB, all of both
+     * tiers. */
+    kvh_config c = tu_cfg(2, 2, 8, 4, KVH_DTYPE_F32, 0, 0, 1);
+    c.device_bytes = 128 << 10;
+    c.host_bytes = 128 << 10;
+    verify_engine = tu_open_cfg(&c);
+    const char *dir = getenv("KVH_TEST_TMPDIR");
+    char path[600];
+    snprintf(path, sizeof(path), "%s/ctx_verify.bin", dir && dir[0] ? dir : "/tmp");
+    uint8_t *bytes = tu_alloc(VERIFY_REGION);
+    for (size_t i = 0; i < VERIFY_REGION; i++)
+        bytes[i] = (uint8_t)(i * 13);
+    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    assert_true(fd >= 0);
+    assert_int_equal(write(fd, bytes, VERIFY_REGION), VERIFY_REGION);
+    close(fd);
+    kvh_context_params cp;
+    assert_ok(kvh_context_params_init(&cp, sizeof(cp)));
+    cp.chunk_bytes = 4096;
+    assert_ok(kvh_context_create(verify_engine, &cp, &verify_ctx));
+    kvh_weight_region_params rp;
+    assert_ok(kvh_weight_region_params_init(&rp, sizeof(rp)));
+    rp.size = VERIFY_REGION;
+    rp.path = path; /* clean and file-backed: dropped for room, never written */
+    uint32_t idx;
+    assert_ok(kvh_context_add_region(verify_engine, verify_ctx, &rp, &idx));
+    atomic_store(&stop, 0);
+    atomic_store(&verify_ok, 0);
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, verify_in_a_loop, NULL), 0);
+    double until = tu_now() + 3.0;
+    long rounds = 0;
+    while (tu_now() < until || atomic_load(&verify_ok) < 10) {
+        /* In and away again: the clean copy stays in the host tier... */
+        kvh_status st = kvh_context_switch(verify_engine, (kvh_context){0}, verify_ctx, NULL);
+        assert_true(st == KVH_OK || st == KVH_ERR_NOSPACE);
+        st = kvh_context_switch(verify_engine, verify_ctx, (kvh_context){0}, NULL);
+        assert_true(st == KVH_OK || st == KVH_ERR_NOSPACE);
+        /* ...until KV wanting all of memory drops it. */
+        kvh_seq s[8];
+        for (int i = 0; i < 8; i++) {
+            assert_ok(kvh_seq_create(verify_engine, 0, &s[i]));
+            int32_t t[128];
+            for (int j = 0; j < 128; j++)
+                t[j] = (int32_t)(rounds * 100000 + i * 1000 + j);
+            st = kvh_seq_append(verify_engine, s[i], t, 128);
+            assert_true(st == KVH_OK || st == KVH_ERR_NOSPACE);
+        }
+        for (int i = 0; i < 8; i++)
+            assert_ok(kvh_seq_free(verify_engine, s[i]));
+        rounds++;
+    }
+    atomic_store(&stop, 1);
+    assert_int_equal(pthread_join(th, NULL), 0);
+    print_message("%ld rounds, %ld verifies passed\n", rounds, atomic_load(&verify_ok));
+    assert_ok(kvh_context_destroy(verify_engine, verify_ctx));
+    unlink(path);
+    tu_free(bytes);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_switches_race_each_other, tu_teardown),
         cmocka_unit_test_teardown(test_reads_race_a_switch_away, tu_teardown),
+        cmocka_unit_test_teardown(test_verify_races_kv_taking_host_room, tu_teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
