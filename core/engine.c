@@ -289,7 +289,9 @@ static void note_memory_model(kvh_engine *e)
                  e->backend->name, unified == 2 ? ", which is host RAM" : "");
 }
 
-static void engine_free(kvh_engine *e)
+/* Frees everything of e but the struct itself, its lock and its
+ * condition variables. */
+static void engine_free_state(kvh_engine *e)
 {
     kvhi_remote_uploader_stop(e); /* a failed open may have started it */
     kvhi_contexts_free(e);        /* weight memory goes back to the backend */
@@ -344,10 +346,55 @@ static void engine_free(kvh_engine *e)
     if (e->backend && e->backend_ctx)
         e->backend->context_destroy(e->backend_ctx);
     kvhi_backend_cuda_unload(e->backend_dl);
+}
+
+static void engine_free_struct(kvh_engine *e)
+{
     pthread_cond_destroy(&e->changed);
     pthread_cond_destroy(&e->fence_cv);
     pthread_mutex_destroy(&e->lock);
     free(e);
+}
+
+static void engine_free(kvh_engine *e)
+{
+    engine_free_state(e);
+    engine_free_struct(e);
+}
+
+/* The structs of the engines closed last, kept with their lock and
+ * `closing` set: a call that entered as close was ending, before its
+ * lock (where it would have seen `closing`), or that saw `closing` and is
+ * still letting go of the lock, reads and locks memory that is still
+ * there, and returns KVH_ERR_CLOSED. Close cannot wait for such calls,
+ * which are not counted in active_calls; a call has to be held off the
+ * processor through this many closes to miss the struct. */
+enum { CLOSED_ENGINES_KEPT = 16 };
+static pthread_mutex_t closed_engines_lock = PTHREAD_MUTEX_INITIALIZER;
+static kvh_engine *closed_engines[CLOSED_ENGINES_KEPT];
+static uint32_t closed_engines_next;
+
+void kvhi_engine_forget_closed(void)
+{
+    pthread_mutex_lock(&closed_engines_lock);
+    kvh_engine *kept[CLOSED_ENGINES_KEPT];
+    memcpy(kept, closed_engines, sizeof(kept));
+    memset(closed_engines, 0, sizeof(closed_engines));
+    pthread_mutex_unlock(&closed_engines_lock);
+    for (uint32_t i = 0; i < CLOSED_ENGINES_KEPT; i++)
+        if (kept[i])
+            engine_free_struct(kept[i]);
+}
+
+static void keep_closed_engine(kvh_engine *e)
+{
+    pthread_mutex_lock(&closed_engines_lock);
+    kvh_engine *oldest = closed_engines[closed_engines_next];
+    closed_engines[closed_engines_next] = e;
+    closed_engines_next = (closed_engines_next + 1) % CLOSED_ENGINES_KEPT;
+    pthread_mutex_unlock(&closed_engines_lock);
+    if (oldest)
+        engine_free_struct(oldest);
 }
 
 kvh_status kvhi_engine_open(const kvh_config *config, kvh_engine **out)
@@ -496,7 +543,8 @@ kvh_status kvhi_engine_close(kvh_engine *e)
     kvhi_remote_uploader_stop(e); /* its uploads may wait on the workers' moves */
     kvhi_workers_stop(e);
     kvh_status st = kvhi_disk_tier_close(e, true);
-    engine_free(e);
+    engine_free_state(e);
+    keep_closed_engine(e);
     return st;
 }
 

@@ -309,6 +309,9 @@ kvh_status kvhi_engine_open(const kvh_config *config, kvh_engine **out);
 /* Waits for the calls inside e to leave, stops the workers, closes the
  * disk tier and frees e (lock not held). */
 kvh_status kvhi_engine_close(kvh_engine *e);
+/* Frees the structs close keeps of the engines closed last (for a check
+ * that counts allocations; no call may still be racing a close). */
+void kvhi_engine_forget_closed(void);
 /* Tier `tier` (< KVH_TIER_COUNT) as the caller sees it (lock held). */
 void kvhi_tier_info(kvh_engine *e, uint32_t tier, kvh_tier_info *info);
 /* Sets the device quota of agent and re-indexes its blocks (lock held). */

@@ -46,6 +46,7 @@
 #include "rel_util.h"
 
 #include "core/disk_io.h"
+#include "core/engine.h"
 
 static const dt_geo G = {2, 1, 32, 16, KVH_DTYPE_F16}; /* block = 4096 bytes */
 #define DISK_SLOTS 64
@@ -336,6 +337,7 @@ static void check_run(run *r, const char *dir, long live_before, tally *t)
         } else
             problem("the failure during %s was not reported: it returned KVH_OK", step_name[r->fired_step]);
     }
+    kvhi_engine_forget_closed(); /* close keeps the last engines' structs */
     long live = rl_alloc_live();
     if (live >= 0 && live != live_before)
         problem("%ld allocation(s) leaked (%ld live before the run, %ld after)", live - live_before, live_before, live);
@@ -422,6 +424,7 @@ static void do_run(run *r, tally *t)
     cur_run = r;
     cur_step = -1;
     const char *dir = fresh_store(t);
+    kvhi_engine_forget_closed();
     long live_before = rl_alloc_live();
     if (r->k == K_IO)
         io_arm(r->op, r->err, r->nth, r->persistent);
