@@ -15,9 +15,11 @@ Scheduler side: ``get_num_new_matched_tokens`` asks each worker over its
 lookup channel (a Unix socket in an owner-only directory, see
 :mod:`kvh_cache.vllm.channel`) and takes the shortest answer, since every rank
 must load the same blocks. The worker keeps the matched blocks retained
-until they are loaded or the request ends, so what it promised is there,
-and, with ``prefetch`` on, starts reading those of them that are on its
-disk tier into its host tier at once.
+until they are loaded, so what it promised is there, and, with
+``prefetch`` on, starts reading those of them that are on its disk tier
+into its host tier at once. A match vLLM does not load (the request was
+not scheduled in that step, or scheduled without it) is let go in the
+next step, as it is when the request ends.
 
 A request's ``cache_salt`` (vLLM's per-tenant isolation) becomes its kvh
 tenant scope (:meth:`kvh.Scope.value_of`): its blocks are hashed in that
@@ -28,6 +30,7 @@ scope, as in vLLM.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import platform
 import threading
@@ -157,9 +160,16 @@ class KvhMetadata(KVConnectorMetadata):
     loads: List[Transfer] = field(default_factory=list)
     saves: List[Transfer] = field(default_factory=list)
     # Requests admitted, or whose computed tokens fell back (a failed load,
-    # a preemption), since the last step: the KV they compute from here on
-    # no longer rests on a failed load.
-    recomputing: List[str] = field(default_factory=list)
+    # a preemption), since the last step, each with the tokens whose KV it
+    # keeps: it computes again from there.
+    recomputing: Dict[str, int] = field(default_factory=dict)
+    # Requests admitted in this step whose kept KV includes blocks another
+    # request loads in this step (vLLM's prefix cache hands a block out as
+    # soon as it is allocated): the slots of those blocks.
+    reads_loads: Dict[str, List[int]] = field(default_factory=dict)
+    # (request, lookup) of lookups whose match vLLM did not load: the
+    # worker lets go of the blocks they hold.
+    released_lookups: List[Tuple[str, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -222,7 +232,12 @@ class KvhConnector(KVConnectorBase_V1):
         # scheduler side
         self._reqs: Dict[str, _SchedReq] = {}
         self._loads: List[Transfer] = []
-        self._recomputing: List[str] = []
+        self._admitted: List[str] = []  # allocated since the last step
+        self._lookup_ids = itertools.count(1)
+        # req_id -> lookup of this step whose blocks some worker holds and
+        # no load has taken yet.
+        self._unused_lookups: Dict[str, int] = {}
+        self._released_lookups: List[Tuple[str, int]] = []
         self._clients: Optional[List[Client]] = None
         self._channel_warned = False
         self._secret_warned = False
@@ -235,8 +250,9 @@ class KvhConnector(KVConnectorBase_V1):
         self._inflight: List[Any] = []  # this step's loads (kvh_cache.vllm.store.Load)
         # Loads that failed since the last wait_for_save: (req_id, first failed block, failed slots).
         self._failed_loads: List[Tuple[str, int, List[int]]] = []
-        # req_id -> first block whose KV was computed over a failed load:
-        # never saved (kvh keeps the first copy of a hash it is given).
+        # req_id -> first token whose KV rests on a failed load: its block
+        # and those after it are never saved (kvh keeps the first copy of
+        # a hash it is given) until the request computes that token again.
         self._unsound_from: Dict[str, int] = {}
 
     def _disable(self, why: str) -> None:
@@ -334,7 +350,10 @@ class KvhConnector(KVConnectorBase_V1):
         op = header.get("op")
         if op == "lookup":
             tokens = np.frombuffer(payload, dtype=np.int32)
-            return {"tokens": store.lookup(str(header["req"]), tokens, int(header.get("scope", 0)))}
+            lookup_id = header.get("lookup")
+            if lookup_id is not None and not isinstance(lookup_id, int):
+                raise ValueError(f"lookup id must be an integer, got {lookup_id!r}")
+            return {"tokens": store.lookup(str(header["req"]), tokens, int(header.get("scope", 0)), lookup_id)}
         if op == "stats":
             return store.stats()
         raise ValueError(f"unknown op {op!r}")
@@ -359,6 +378,11 @@ class KvhConnector(KVConnectorBase_V1):
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvhMetadata)
+        for req_id, lookup_id in meta.released_lookups:
+            try:
+                self._store.release_lookup(req_id, lookup_id)
+            except Exception:
+                logger.exception("kvh: letting go of the blocks matched for request %s failed", req_id)
         for t in meta.loads:
             try:
                 self._inflight.append(self._store.start_load(t.req_id, t.tokens, t.first_block, t.block_ids, t.scope))
@@ -400,32 +424,51 @@ class KvhConnector(KVConnectorBase_V1):
                 with self._errors_lock:
                     self._load_errors.update(failed)
 
-    def _mark_unsound(self, req_id: str, block: int) -> None:
-        self._unsound_from[req_id] = min(block, self._unsound_from.get(req_id, block))
+    def _mark_unsound(self, req_id: str, token: int) -> None:
+        self._unsound_from[req_id] = min(token, self._unsound_from.get(req_id, token))
 
     def _sound_saves(self, meta: KvhMetadata) -> List[Transfer]:
-        """This step's saves less the blocks computed over a failed load: a
-        loading request's from its first failed block on, and those of a
-        request that shares a failed slot (vLLM's prefix cache) from that
-        slot on, in this step and later ones until vLLM computes them again."""
-        for req_id in meta.recomputing:
-            self._unsound_from.pop(req_id, None)
+        """This step's saves less the blocks whose KV rests on a failed load:
+        a loading request's from its first failed block on; those of a
+        request that read a failed slot (vLLM's prefix cache), from the
+        first token it computed in that step; and the failed slots
+        themselves. A request's hold ends once it computes again from at or
+        before its first such token: not when its computed tokens fall back
+        to a point past it, nor when it is admitted again with more than
+        that kept (vLLM's prefix cache may keep blocks computed over the
+        failed load)."""
+        bs = self._block_size
+        for req_id, kept in meta.recomputing.items():
+            first_unsound = self._unsound_from.get(req_id)
+            if first_unsound is not None and kept <= first_unsound:
+                del self._unsound_from[req_id]
         failures, self._failed_loads = self._failed_loads, []
         failed_slots: Set[int] = set()
         for req_id, first_failed, slots in failures:
-            self._mark_unsound(req_id, first_failed)
+            self._mark_unsound(req_id, first_failed * bs)
             failed_slots.update(slots)
+        # Index in meta.saves -> the first block of it not saved in this step.
+        cuts: Dict[int, int] = {}
         if failed_slots:
-            for t in meta.saves:
-                at = next((i for i, slot in enumerate(t.block_ids) if slot in failed_slots), None)
+            for req_id, slots in meta.reads_loads.items():
+                if not failed_slots.isdisjoint(slots):
+                    # All it computed in this step attended to a stale slot.
+                    self._mark_unsound(req_id, meta.recomputing.get(req_id, 0))
+            for i, t in enumerate(meta.saves):
+                at = next((j for j, slot in enumerate(t.block_ids) if slot in failed_slots), None)
                 if at is not None:
-                    self._mark_unsound(t.req_id, t.first_block + at)
+                    cuts[i] = t.first_block + at
+                    self._mark_unsound(t.req_id, meta.recomputing.get(t.req_id, cuts[i] * bs))
         if not self._unsound_from:
             return meta.saves
         sound = []
-        for t in meta.saves:
-            cut = self._unsound_from.get(t.req_id)
-            if cut is None or cut >= t.first_block + len(t.block_ids):
+        for i, t in enumerate(meta.saves):
+            end = t.first_block + len(t.block_ids)
+            cut = cuts.get(i, end)
+            first_unsound = self._unsound_from.get(t.req_id)
+            if first_unsound is not None:
+                cut = min(cut, first_unsound // bs)
+            if cut >= end:
                 sound.append(t)
             elif cut > t.first_block:
                 sound.append(Transfer(t.req_id, t.tokens, t.first_block, t.block_ids[: cut - t.first_block], t.scope))
@@ -480,7 +523,9 @@ class KvhConnector(KVConnectorBase_V1):
             self._clients = None
 
     # ==================== scheduler side ====================
-    def _lookup(self, req_id: str, tokens: np.ndarray, scope: int) -> int:
+    def _lookup(self, req_id: str, tokens: np.ndarray, scope: int, lookup_id: int) -> Tuple[int, bool]:
+        """(tokens every rank holds, whether any rank may now hold blocks
+        for this lookup)."""
         payload = tokens.tobytes()
         try:
             # A runtime directory that cannot be used (mode, owner, a parent
@@ -494,13 +539,15 @@ class KvhConnector(KVConnectorBase_V1):
                     )
                     for r in range(self._tp_size)
                 ]
-            header = {"op": "lookup", "req": req_id, "scope": scope}
-            return min(int(c.call(header, payload)["tokens"]) for c in self._clients)
+            header = {"op": "lookup", "req": req_id, "scope": scope, "lookup": lookup_id}
+            found = [int(c.call(header, payload)["tokens"]) for c in self._clients]
+            return min(found), max(found) > 0
         except (OSError, ChannelError, KeyError, ValueError, OverflowError) as exc:
             if not self._channel_warned:
                 self._channel_warned = True
                 logger.warning("kvh: lookup channel unavailable (%s); requests are computed without kvh", exc)
-            return 0
+            # A rank that answered, or answers after the timeout, may hold blocks.
+            return 0, self._clients is not None
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> Tuple[Optional[int], bool]:
         if self._disabled or not _keyed_by_tokens(request):
@@ -510,6 +557,7 @@ class KvhConnector(KVConnectorBase_V1):
         # may hold every token before it (whole blocks and a tail block).
         n = len(tokens) - 1
         if n - n % self._block_size <= num_computed_tokens and n - num_computed_tokens < self._tail_min():
+            self._lookup_unused(request.request_id)
             return 0, False
         scope = _scope_of(request)
         if scope and not self._settings.hash_secret and not self._secret_warned:
@@ -519,19 +567,32 @@ class KvhConnector(KVConnectorBase_V1):
                 "choose tokens whose block hash equals another tenant's and so keep it out of the cache or "
                 "learn that it was cached; set kv_connector_extra_config hash_secret (or KVH_VLLM_HASH_SECRET)"
             )
-        matched = self._lookup(request.request_id, np.asarray(tokens[:n], dtype=np.int32), scope)
+        lookup_id = next(self._lookup_ids)
+        matched, held = self._lookup(request.request_id, np.asarray(tokens[:n], dtype=np.int32), scope, lookup_id)
+        # The workers' new lookup replaced what an earlier one held.
+        self._unused_lookups.pop(request.request_id, None)
+        if held:
+            self._unused_lookups[request.request_id] = lookup_id
         st = self._reqs.setdefault(request.request_id, _SchedReq(request))
         st.query = (num_computed_tokens, matched)
         if matched <= num_computed_tokens:
             return 0, False
         return matched - num_computed_tokens, False
 
+    def _lookup_unused(self, req_id: str) -> None:
+        """What the request's lookup in this step holds will not be loaded."""
+        lookup_id = self._unused_lookups.pop(req_id, None)
+        if lookup_id is not None:
+            self._released_lookups.append((req_id, lookup_id))
+
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
         st = self._reqs.setdefault(request.request_id, _SchedReq(request))
         st.request = request
-        self._recomputing.append(request.request_id)
+        self._admitted.append(request.request_id)
         if num_external_tokens <= 0 or st.query is None:
+            self._lookup_unused(request.request_id)
             return
+        self._unused_lookups.pop(request.request_id, None)  # the load takes what it holds
         bs = self._block_size
         local = st.query[0]
         end_tok = local + num_external_tokens
@@ -544,8 +605,11 @@ class KvhConnector(KVConnectorBase_V1):
         st.tail_done = st.tail_done or end_tok % bs != 0
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        meta = KvhMetadata(loads=self._loads, recomputing=self._recomputing)
-        self._loads, self._recomputing = [], []
+        # Lookups of this step that vLLM did not schedule are not loaded either.
+        released = self._released_lookups + list(self._unused_lookups.items())
+        meta = KvhMetadata(loads=self._loads, released_lookups=released)
+        admitted = set(self._admitted)
+        self._loads, self._admitted, self._released_lookups, self._unused_lookups = [], [], [], {}
         if self._disabled:
             return meta
         bs = self._block_size
@@ -556,10 +620,11 @@ class KvhConnector(KVConnectorBase_V1):
             r = st.request
             if not _keyed_by_tokens(r):
                 continue
-            if r.num_computed_tokens < st.computed_end:
-                meta.recomputing.append(req_id)
-                if r.num_computed_tokens < r.num_prompt_tokens - 1:
-                    st.tail_done = False  # computed again: kvh may hold none of it (a failed load)
+            fell_back = r.num_computed_tokens < st.computed_end
+            if fell_back or req_id in admitted:
+                meta.recomputing[req_id] = r.num_computed_tokens
+            if fell_back and r.num_computed_tokens < r.num_prompt_tokens - 1:
+                st.tail_done = False  # computed again: kvh may hold none of it (a failed load)
             # Blocks kvh was thought to hold are being computed again: a
             # load of them failed (vLLM truncates the computed tokens at the
             # first failed block), or the request was preempted and kvh no
@@ -588,7 +653,24 @@ class KvhConnector(KVConnectorBase_V1):
                 tokens = np.asarray(r.all_token_ids[:tail], dtype=np.int32)
                 meta.saves.append(Transfer(req_id, tokens, tail // bs, [ids[tail // bs]], _scope_of(r)))
                 st.tail_done = True
+        if meta.loads:
+            self._note_reads_of_loads(meta, admitted)
         return meta
+
+    def _note_reads_of_loads(self, meta: KvhMetadata, admitted: Set[str]) -> None:
+        """Fills meta.reads_loads: only a request admitted in this step can
+        be handed a block another request loads in it."""
+        loader = {slot: t.req_id for t in meta.loads for slot in t.block_ids}
+        assert self._kv_cache_manager is not None
+        for req_id in admitted:
+            st = self._reqs.get(req_id)
+            if st is None or not _keyed_by_tokens(st.request):
+                continue
+            kept_blocks = -(-st.request.num_computed_tokens // self._block_size)
+            ids = self._kv_cache_manager.get_block_ids(req_id)[0][:kept_blocks]
+            read = [slot for slot in ids if loader.get(slot, req_id) != req_id]
+            if read:
+                meta.reads_loads[req_id] = read
 
     def _tail_min(self) -> int:
         m = self._settings.tail_min_tokens
@@ -609,4 +691,6 @@ class KvhConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: "Request", block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
         self._reqs.pop(request.request_id, None)
+        # The worker lets go of what it holds for the request when it ends.
+        self._unused_lookups.pop(request.request_id, None)
         return False, None

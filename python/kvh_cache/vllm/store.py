@@ -125,6 +125,15 @@ class _Req:
 
 
 @dataclass
+class _Held:
+    """The blocks a request's last lookup found, retained until they are
+    loaded or it is known that they will not be."""
+
+    lookup_id: Optional[int]  # the scheduler's number for that lookup
+    blocks: List[Block]
+
+
+@dataclass
 class _Save:
     """An offload batch in flight: the (request, block index) of each item."""
 
@@ -262,7 +271,7 @@ class KvStore:
         self.counters = Counters()
         self._pool: Optional[Pool] = None
         self._reqs: Dict[str, _Req] = {}
-        self._held: Dict[str, List[Block]] = {}
+        self._held: Dict[str, _Held] = {}
         self._prefetches: Dict[str, _Prefetch] = {}
         # Stages of the recent loads, for the timing trace.
         self.load_log: Deque[Dict[str, Any]] = collections.deque(maxlen=64)
@@ -335,12 +344,13 @@ class KvStore:
         return np.concatenate([tokens[: full + r], pad])
 
     # ---- lookups (the scheduler's questions) ----
-    def lookup(self, req_id: str, tokens: Sequence[int], scope: int = 0) -> int:
+    def lookup(self, req_id: str, tokens: Sequence[int], scope: int = 0, lookup_id: Optional[int] = None) -> int:
         """Tokens of the longest prefix of tokens kvh holds in ``scope`` (a
         tenant's: blocks of other scopes never match): whole blocks, or all
         of tokens when kvh holds their tail block too. The blocks stay
-        retained for req_id until load() or forget(), so that what was
-        promised cannot be evicted before it is loaded."""
+        retained for req_id until load(), release_lookup(lookup_id), the
+        request's next lookup or forget(), so that what was promised cannot
+        be evicted before it is loaded."""
         tk = _tokens(tokens)
         keyed = self.keyed(tk)
         blocks = self.engine.prefix_lookup(keyed, scope=scope) if keyed.size else []
@@ -350,11 +360,14 @@ class KvStore:
             late = req_id in self._forgotten
             old = None if late else self._held.pop(req_id, None)
             if not late:
-                self._held[req_id] = blocks
+                if blocks:
+                    self._held[req_id] = _Held(lookup_id, blocks)
                 self._looked_up[req_id] = time.perf_counter()
             self.counters.lookups += 1
             self.counters.lookup_hit_tokens += found
-        for b in (blocks if late else old) or ():
+        # A late lookup holds nothing; a new one replaces what the last held.
+        dropped = blocks if late else old.blocks if old else []
+        for b in dropped:
             b.release()
         if late:
             return found
@@ -398,6 +411,20 @@ class KvStore:
             self.counters.blocks_prefetched += len(on_disk)
             self.counters.prefetch_capped += capped
 
+    def release_lookup(self, req_id: str, lookup_id: Optional[int]) -> int:
+        """Ends what lookup ``lookup_id`` of req_id holds, once vLLM will not
+        load it (the request was not scheduled, or scheduled without it).
+        What a later lookup of the request holds, or what a load took
+        already, is left alone. Returns the blocks released."""
+        with self._lock:
+            held = self._held.get(req_id)
+            if held is None or held.lookup_id != lookup_id:
+                return 0
+            del self._held[req_id]
+        for b in held.blocks:
+            b.release()
+        return len(held.blocks)
+
     def _drop_prefetch(self, req_id: str) -> Optional[_Prefetch]:
         with self._lock:
             self._looked_up.pop(req_id, None)
@@ -416,7 +443,7 @@ class KvStore:
                 self._forgotten[rid] = None
                 while len(self._forgotten) > FORGOTTEN_KEPT:
                     self._forgotten.popitem(last=False)
-            for b in held or ():
+            for b in held.blocks if held else ():
                 b.release()
             if req is None:
                 continue
@@ -458,8 +485,9 @@ class KvStore:
         tk = _tokens(tokens)
         tail = self.tail_of(tk.size) if tk.size < end * bt else 0
         with self._lock:
-            blocks = self._held.pop(req_id, None)
+            held = self._held.pop(req_id, None)
             t_lookup = self._looked_up.get(req_id)
+        blocks = held.blocks if held else None
         pf = self._drop_prefetch(req_id)
         if blocks is None or len(blocks) < end:
             for b in blocks or ():
@@ -472,7 +500,9 @@ class KvStore:
         prefetch_done = pf is not None and pf.fence.done()
         if n and self._pool is not None:
             try:
-                batch = self._restore(blocks[first_block : first_block + n], list(slots[:n]))
+                batch = self._restore(
+                    blocks[first_block : first_block + n], list(slots[:n]), bool(tail) and n == len(slots)
+                )
             except errors.Error as exc:
                 log.warning("kvh: loading request %s failed (%s); vLLM recomputes it", req_id, exc)
                 n = 0
@@ -494,27 +524,36 @@ class KvStore:
             t_issued=time.perf_counter(),
         )
 
-    def _restore(self, blocks: List[Block], slots: List[int]) -> SplitRestore:
+    def _restore(self, blocks: List[Block], slots: List[int], ends_with_tail: bool = False) -> SplitRestore:
         """Issues the restore as one batch per migration thread (at least
         RESTORE_PART_BLOCKS blocks each): a thread reads, checks and
-        scatters its part while the others do theirs."""
-        parts = max(1, min(self.restore_threads, len(blocks) // RESTORE_PART_BLOCKS))
-        cuts = [len(blocks) * i // parts for i in range(parts + 1)]
+        scatters its part while the others do theirs. A prompt's tail block
+        (the last of blocks when ends_with_tail) is a batch of its own,
+        issued first and listed last: the forward pass waits for all of it
+        before its first layer (:meth:`wait_tail`), and for the other
+        blocks only layer by layer."""
+        tail_batch: Optional[RestoreBatch] = None
         batches: List[RestoreBatch] = []
         try:
+            if ends_with_tail and len(blocks) > 1:
+                tail_batch = self._pool.restore(blocks[-1:], slots[-1:])
+                blocks, slots = blocks[:-1], slots[:-1]
+            parts = max(1, min(self.restore_threads, len(blocks) // RESTORE_PART_BLOCKS))
+            cuts = [len(blocks) * i // parts for i in range(parts + 1)]
             for a, b in zip(cuts, cuts[1:]):
                 batches.append(self._pool.restore(blocks[a:b], slots[a:b]))
         except errors.Error:
-            for done in batches:  # what was issued still runs: let it end
+            for done in batches + ([tail_batch] if tail_batch else []):  # what was issued still runs: let it end
                 done.wait()
             raise
-        return SplitRestore(batches)
+        return SplitRestore(batches + ([tail_batch] if tail_batch else []))
 
     def wait_tail(self, load: Load) -> None:
         """Waits until a load's tail block (if it has one) is in place: the
-        rest of the block is vLLM's to write, in the step the load runs."""
+        rest of the block is vLLM's to write, in the step the load runs, and
+        vLLM writes a layer's rows before it waits for that layer's load."""
         if load.tail and load.batch is not None:
-            load.batch.parts[-1].wait()  # the tail is the last block of the last part
+            load.batch.parts[-1].wait()  # the tail block's own batch (see _restore)
 
     def wait_layer(self, load: Load, layer: int) -> None:
         if load.batch is not None:
@@ -728,6 +767,8 @@ class KvStore:
         s = self.engine.stats()
         with self._lock:
             out = self.counters.to_dict()
+            # Retained for lookups not loaded yet: they cannot be evicted.
+            out["held_blocks"] = sum(len(h.blocks) for h in self._held.values())
         out["kvh"] = {k: getattr(s, k) for k in s.__dataclass_fields__ if k != "extra"}
         out["block_tokens"] = self.block_tokens
         out["disk_path"] = self.disk_path
@@ -741,8 +782,8 @@ class KvStore:
         self.flush(120)
         with self._lock:
             held, self._held = self._held, {}
-        for blocks in held.values():
-            for b in blocks:
+        for h in held.values():
+            for b in h.blocks:
                 b.release()
         if self._pool is not None:
             self._pool.unregister()

@@ -9,7 +9,9 @@ A fake forward pass writes, for each position, one value over the whole
 row of each layer; the value follows from the tokens up to it and, past
 the first layer, from the previous layer's KV before it, as attention
 would, so KV computed over a slot that holds the wrong content comes out
-wrong too.
+wrong too. Every block offered to kvh is checked against that computation
+from scratch (``wrong_offloads``), and a request's next restore can be made
+to fail from a given block on (``fail_load``).
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ import shutil
 import tempfile
 import types
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional, Tuple
 
+import numpy as np
 import torch
 import vllm.distributed.parallel_state as parallel_state
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -147,6 +150,60 @@ class Engine:
         self.worker.register_kv_caches(self.kv)
         assert self.worker._store is not None, self.worker._disabled
         self.store = self.worker._store
+        # (request, block) of each block offered to kvh whose KV was not
+        # what computing its tokens from scratch gives.
+        self.wrong_offloads: List[Tuple[str, int]] = []
+        # req_id -> first block of its next load that fails.
+        self.failing_loads: Dict[str, int] = {}
+        self._wrap_store()
+
+    def _wrap_store(self) -> None:
+        store = self.store
+        start_load, save_async = store.start_load, store.save_async
+
+        def failing_start_load(req_id, tokens, first_block, slots, scope=0):
+            # As an unreadable block does: the blocks before it are restored,
+            # it and those after it are reported failed and their slots keep
+            # what they held.
+            cut = self.failing_loads.pop(req_id, None)
+            if cut is None:
+                return start_load(req_id, tokens, first_block, slots, scope)
+            load = start_load(req_id, tokens, first_block, list(slots)[: max(0, cut - first_block)], scope)
+            load.slots = list(slots)
+            return load
+
+        def checked_save_async(transfers):
+            for req_id, tokens, first_block, slots, _ in transfers:
+                self.wrong_offloads += self._wrong_blocks(req_id, list(tokens), first_block, slots)
+            return save_async(transfers)
+
+        store.start_load = failing_start_load
+        store.save_async = checked_save_async
+
+    def _wrong_blocks(self, req_id: str, tokens: List[int], first_block: int, slots) -> List[Tuple[str, int]]:
+        bs = self.block_size
+        want = expected_kv(tokens, len(tokens))
+        wrong = []
+        for i, slot in enumerate(slots):
+            rows = range((first_block + i) * bs, min((first_block + i + 1) * bs, len(tokens)))
+            layers = zip(self.kv.values(), want)
+            if any(float(layer[slot, 0, p % bs, 0]) != w[p] for layer, w in layers for p in rows):
+                wrong.append((req_id, first_block + i))
+        return wrong
+
+    def fail_load(self, req_id: str, from_block: int) -> None:
+        """Makes the request's next load fail from block from_block on."""
+        self.failing_loads[req_id] = from_block
+
+    def refs(self, tokens: List[int]) -> List[int]:
+        """kvh's references to the blocks it holds of a prefix (those of
+        requests' lookups, saves and loads), less this probe's own."""
+        blocks = self.store.engine.prefix_lookup(self.store.keyed(np.asarray(tokens, dtype=np.int32)))
+        try:
+            return [b.info().refs - 1 for b in blocks]
+        finally:
+            for b in blocks:
+                b.release()
 
     # ---- scheduler ----
     def admit(self, req: Request, block_ids: List[int], local_tokens: int = 0) -> int:

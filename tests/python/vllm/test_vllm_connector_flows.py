@@ -237,3 +237,218 @@ def test_store_salt_follows_the_cpu_attention_kernel(tmp_path):
         assert native == salts[real(torch.bfloat16, bs, fake.HEAD_DIM, "auto")]
         """,
     )
+
+
+def test_a_match_vllm_does_not_load_is_let_go(tmp_path):
+    # kvh retains the blocks a lookup found until they are loaded. A match
+    # vLLM does not load (no room in that step, a load of zero tokens, a
+    # preempted request asked again) must be let go in the next step, not
+    # kept, unevictable, until the request ends; a later lookup's hold must
+    # survive the release of an earlier one.
+    run_flow(
+        tmp_path,
+        """
+        import types
+
+        bs = 32
+        prompt = list(range(100, 100 + 2 * bs)) + [1]
+        prefix = prompt[:-1]
+        e = fake.Engine(root, block_size=bs)
+        a = fake.Request("a", prompt)
+        e.admit(a, [1, 2, 3])
+        e.step({"a": a})
+        e.finish(a)
+        e.store.wait_saves()
+        assert e.refs(prefix) == [0, 0]
+
+        def idle_step(finished=()):
+            e.start_step({})
+            e.end_step(finished=finished)
+
+        # Not scheduled in the step of its lookup (no room for its blocks).
+        b = fake.Request("b", prompt)
+        assert e.scheduler.get_num_new_matched_tokens(b, 0) == (2 * bs, False)
+        assert e.refs(prefix) == [1, 1]
+        idle_step()
+        assert e.refs(prefix) == [0, 0], "not scheduled"
+
+        # Scheduled with no external tokens (vLLM kept its own, shorter hit).
+        c = fake.Request("c", prompt)
+        assert e.scheduler.get_num_new_matched_tokens(c, 0) == (2 * bs, False)
+        e.tables.table["c"] = [4, 5, 6]
+        e.scheduler.update_state_after_alloc(c, fake.Blocks([4, 5, 6]), 0)
+        e.step({"c": (c, 5)})
+        assert e.refs(prefix) == [0, 0], "scheduled without the match"
+
+        # Asked again before the worker ran the step that lets the first
+        # lookup go: the second lookup's hold stays, and its load takes it.
+        d = fake.Request("d", prompt)
+        e.scheduler.get_num_new_matched_tokens(d, 0)
+        meta = e.scheduler.build_connector_meta(types.SimpleNamespace(num_scheduled_tokens={}))
+        assert [rid for rid, _ in meta.released_lookups] == ["d"], meta.released_lookups
+        assert e.scheduler.get_num_new_matched_tokens(d, 0) == (2 * bs, False)
+        e.worker.bind_connector_metadata(meta)
+        e.worker.start_load_kv(None)
+        e.end_step()
+        assert e.refs(prefix) == [1, 1], "a later lookup's hold was let go"
+        e.tables.table["d"] = [7, 8, 9]
+        e.scheduler.update_state_after_alloc(d, fake.Blocks([7, 8, 9]), 2 * bs)
+        d.num_computed_tokens = 2 * bs
+        e.step({"d": d})
+        assert e.wrong_positions(d, d.num_tokens) == []
+        assert e.refs(prefix) == [0, 0], "the load's blocks"
+
+        # Preempted after its load, then asked again and not scheduled.
+        d.num_computed_tokens = 0
+        assert e.scheduler.get_num_new_matched_tokens(d, 0) == (2 * bs, False)
+        idle_step()
+        assert e.refs(prefix) == [0, 0], "preempted, asked again"
+
+        # Aborted while waiting: let go when the worker hears it ended.
+        f = fake.Request("f", prompt)
+        e.scheduler.get_num_new_matched_tokens(f, 0)
+        e.scheduler.request_finished(f, [])
+        idle_step(finished={"f"})
+        assert e.refs(prefix) == [0, 0], "aborted"
+        assert e.store.stats()["held_blocks"] == 0
+        assert e.wrong_offloads == []
+        e.close()
+        """,
+    )
+
+
+def test_a_hold_on_saves_ends_only_when_the_failed_block_is_computed_again(tmp_path):
+    # A load fails from block 2; vLLM truncates the request there, but it is
+    # preempted before computing it again, and when it comes back vLLM's
+    # prefix cache still holds its blocks from before, the stale ones
+    # included (vLLM keeps them under the "recompute" policy). What it then
+    # computes rests on the failed load: being admitted again with more
+    # than block 2 kept must not end the hold on its saves, as a fall back
+    # of its computed tokens that stops short of block 2 must not.
+    run_flow(
+        tmp_path,
+        """
+        bs = 32
+        tokens = list(range(2000, 2000 + 8 * bs)) + [5]
+        e = fake.Engine(root, block_size=bs)
+        a = fake.Request("a", tokens[: 6 * bs] + [1])
+        e.admit(a, [1, 2, 3, 4, 5, 6, 7])
+        e.step({"a": a})
+        e.finish(a)
+        e.store.wait_saves()
+
+        ids = list(range(10, 19))
+        for layer in e.kv.values():
+            layer[ids] = 3.0  # what the slots' previous owner left
+        b = fake.Request("b", tokens)
+        assert e.admit(b, ids) == 6 * bs
+        e.fail_load("b", 2)
+        meta, failed = e.step({"b": (b, bs)})  # a chunk: block 6, over the stale slots
+        assert failed == set(ids[2:6]), failed
+        b.num_computed_tokens = 2 * bs  # vLLM truncates b at the failed block
+        b.num_computed_tokens = 0  # ... and preempts it before it runs again
+
+        # Back, with vLLM's cached blocks 0-6 (2-6 stale) as its own hit.
+        assert e.admit(b, ids, local_tokens=7 * bs) == 0
+        e.step({"b": b})
+        e.store.wait_saves()
+        assert e.wrong_offloads == [], e.wrong_offloads
+        e.close()
+        """,
+    )
+
+
+def test_a_request_reading_a_failed_load_it_does_not_save_holds_its_saves(tmp_path):
+    # x is handed b's blocks 0-1 by vLLM's prefix cache in the step that
+    # loads them, loads its own blocks 2-3 and computes 4-5 over them all.
+    # b's load fails: x's blocks 4-5 are computed over stale slots although
+    # none of the blocks x saves is a failed one; vLLM sends x back to
+    # what it held before the step and both compute again.
+    run_flow(
+        tmp_path,
+        """
+        bs = 32
+        shared = list(range(7000, 7000 + 2 * bs))
+        x_tokens = shared + list(range(5000, 5000 + 4 * bs)) + [43]
+        e = fake.Engine(root, block_size=bs)
+        a = fake.Request("a", x_tokens[: 4 * bs] + [1])
+        e.admit(a, [1, 2, 3, 4, 5])
+        e.step({"a": a})
+        e.finish(a)
+        e.store.wait_saves()
+
+        for layer in e.kv.values():
+            layer[:] = 3.0
+        b = fake.Request("b", shared + list(range(9000, 9000 + 2 * bs)) + [42])
+        x = fake.Request("x", x_tokens)
+        assert e.admit(b, [10, 11, 12, 13, 14]) == 2 * bs
+        assert e.admit(x, [10, 11, 15, 16, 17, 18, 19], local_tokens=2 * bs) == 2 * bs
+        e.fail_load("b", 0)
+        meta, failed = e.step({"b": b, "x": x})
+        assert failed == {10, 11}, failed
+        assert meta.reads_loads == {"x": [10, 11]}, meta.reads_loads
+        assert any(t.req_id == "x" and t.first_block == 4 for t in meta.saves), meta.saves
+        b.num_computed_tokens = 0
+        x.num_computed_tokens = 4 * bs
+        e.step({"b": b, "x": x})
+        assert e.wrong_positions(x, x.num_tokens) == []
+        e.finish(b)
+        e.finish(x)
+        e.store.wait_saves()
+        assert e.wrong_offloads == [], e.wrong_offloads
+
+        y = fake.Request("y", x_tokens)
+        assert e.admit(y, [20, 21, 22, 23, 24, 25, 26]) == 6 * bs
+        e.step({"y": y})
+        wrong = e.wrong_positions(y, y.num_tokens)
+        assert wrong == [], (len(wrong), wrong[:3])
+        e.close()
+        """,
+    )
+
+
+def test_the_forward_pass_waits_for_a_restored_tail_block_alone(tmp_path):
+    # vLLM writes the last prompt token's row into the restored tail block
+    # before it waits for that layer's load, so the tail block must be in
+    # place before the forward pass starts; the prompt's other blocks need
+    # only be there layer by layer. The tail block is restored as a batch
+    # of its own, issued first, and it alone is waited for up front.
+    run_flow(
+        tmp_path,
+        """
+        bs = 32
+        tokens = list(range(3000, 3000 + 6 * bs + 21))
+        n = len(tokens) - 1
+        e = fake.Engine(root, block_size=bs, extra=dict(tail_min_tokens=8))
+        a = fake.Request("a", tokens)
+        e.admit(a, list(range(1, 8)))
+        e.step({"a": a})
+        e.finish(a)
+        e.store.wait_saves()
+
+        pool, issued = e.store._pool, []
+        restore = pool.restore
+
+        def recorded_restore(blocks, slots, **kw):
+            issued.append(list(slots))
+            return restore(blocks, slots, **kw)
+
+        pool.restore = recorded_restore
+        b = fake.Request("b", tokens)
+        ids = list(range(10, 17))
+        assert e.admit(b, ids) == n
+        e.start_step({"b": 1})
+        assert issued[0] == [16] and sorted(s for part in issued[1:] for s in part) == ids[:-1], issued
+        (load,) = e.worker._inflight
+        assert load.batch.parts[-1].done()  # the tail block, before the first layer
+        fresh = 99.0
+        for name, layer in e.kv.items():
+            layer[16, :, n % bs, :] = fresh
+            e.worker.wait_for_layer_load(name)
+        rows = [float(layer[16, 0, n % bs, 0]) for layer in e.kv.values()]
+        assert e.end_step() == set()
+        assert rows == [fresh] * fake.LAYERS, rows
+        assert e.wrong_positions(b, n) == []
+        e.close()
+        """,
+    )

@@ -67,8 +67,8 @@ def test_unusable_runtime_directory_is_a_miss(tmp_path):
         f"""
         settings = types.SimpleNamespace(runtime_dir={str(not_a_dir)!r}, lookup_timeout_s=1.0)
         k = bare(_clients=None, _engine_id="e", _dp_rank=0, _tp_size=1, _settings=settings, _channel_warned=False)
-        assert k._lookup("r1", np.arange(64, dtype=np.int32), 0) == 0
-        assert k._lookup("r2", np.arange(64, dtype=np.int32), 0) == 0
+        assert k._lookup("r1", np.arange(64, dtype=np.int32), 0, 1) == (0, False)
+        assert k._lookup("r2", np.arange(64, dtype=np.int32), 0, 2) == (0, False)
         assert k._channel_warned
         """
     )
@@ -121,8 +121,8 @@ def test_blocks_recomputed_after_a_failed_load_are_saved_again():
         manager = types.SimpleNamespace(get_block_ids=lambda req_id: [list(range(100, 110))])
         settings = types.SimpleNamespace(tail_min_tokens=0)
         k = bare(
-            _loads=[], _recomputing=[], _disabled=False, _block_size=bs, _reqs={}, _kv_cache_manager=manager,
-            _settings=settings,
+            _loads=[], _admitted=[], _unused_lookups={}, _released_lookups=[], _disabled=False, _block_size=bs,
+            _reqs={}, _kv_cache_manager=manager, _settings=settings,
         )
         k._reqs["r"] = c._SchedReq(r, saved_blocks=8)  # a load of blocks 0-7 was issued
         r.num_computed_tokens = 32
@@ -134,5 +134,28 @@ def test_blocks_recomputed_after_a_failed_load_are_saved_again():
         r.num_computed_tokens = 40
         meta = k.build_connector_meta(types.SimpleNamespace(num_scheduled_tokens={"r": 1}))
         assert meta.saves == []
+        """
+    )
+
+
+def test_a_fall_back_short_of_the_failed_block_keeps_the_hold():
+    # After a failed load the worker holds back a request's saves from its
+    # first failed block on. Its computed tokens falling back (rejected
+    # draft tokens) to a point past that block is no recompute of it: the
+    # hold ends only when the request computes again from that block.
+    run_in_vllm(
+        """
+        bs = 4
+        tokens = np.arange(64, dtype=np.int32)
+
+        def sound(first, n, **recomputing):
+            saves = [c.Transfer("r", tokens, first, list(range(100 + first, 100 + first + n)))]
+            meta = c.KvhMetadata(saves=saves, recomputing=recomputing)
+            return [(t.first_block, t.block_ids) for t in k._sound_saves(meta)]
+
+        k = bare(_block_size=bs, _failed_loads=[("r", 2, [102, 103])], _unsound_from={})
+        assert sound(0, 5) == [(0, [100, 101])]  # the step whose load failed
+        assert sound(4, 1, r=4 * bs + 1) == []  # fell back, past block 2
+        assert sound(2, 3, r=2 * bs) == [(2, [102, 103, 104])]  # computed again from block 2
         """
     )
