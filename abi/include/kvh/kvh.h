@@ -1337,7 +1337,8 @@ KVH_API kvh_status kvh_attention_params_init(kvh_attention_params *params, size_
  * the kernels' limit), KVH_ERR_STRUCT_SIZE, KVH_ERR_RANGE (layer out of
  * range, an empty sequence, one of 2^31 tokens or more),
  * KVH_ERR_BAD_HANDLE, KVH_ERR_NOT_RESIDENT, KVH_ERR_NOMEM, and when
- * streaming KVH_ERR_INVALID_ARG (a window smaller than one chunk),
+ * streaming KVH_ERR_INVALID_ARG (a window smaller than one chunk, or a
+ * window given with stream_chunk_blocks 0),
  * KVH_ERR_NOSPACE (no room for the window in the device tier),
  * KVH_ERR_CORRUPT (a block failed its checksum: nothing of the output may
  * be used, and the block is a miss from then on), KVH_ERR_IO, KVH_ERR_BUSY;
