@@ -185,6 +185,7 @@ kvh_status kvhi_disk_tier_recover(kvh_engine *e)
         blk->hash = ent->hash;
         blk->parent_hash = ent->parent;
         blk->data_crc = ent->data_crc;
+        blk->tolerance = KVH_TOLERANCE_DEFAULT; /* not stored: as a new block's */
         memcpy(kvhi_block_tokens(e, b), ent->tokens, sizeof(int32_t) * bt);
         kvhi_block_try_publish(e, b);
         kvhi_block_update_evictable(e, b);

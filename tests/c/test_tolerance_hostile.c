@@ -10,6 +10,7 @@
  * tolerance. */
 #include <float.h>
 #include <math.h>
+#include <unistd.h>
 
 #include "test_util.h"
 
@@ -607,6 +608,52 @@ static void test_derived_tolerance_changes_the_victim_order(void **state)
             assert_true(k[t * D + d] == exact_int8(t, d));
 }
 
+static uint32_t first_block_tolerance(kvh_engine *e, kvh_seq s)
+{
+    kvh_block b;
+    assert_ok(kvh_seq_blocks(e, s, 0, 1, &b));
+    kvh_block_info bi = {.struct_size = sizeof(bi)};
+    assert_ok(kvh_block_info_get(e, b, &bi));
+    return bi.tolerance;
+}
+
+/* kvh.h: a store does not keep tolerance; blocks found again in a
+ * reopened disk tier start at KVH_TOLERANCE_DEFAULT (they started at 0,
+ * the most intolerant, and so did their copy-on-write copies). */
+static void test_blocks_of_a_reopened_store_start_at_the_default(void **state)
+{
+    (void)state;
+    const char *tmp = getenv("KVH_TEST_TMPDIR");
+    char dir[600];
+    snprintf(dir, sizeof(dir), "%s/tolerance-store-%d", tmp && *tmp ? tmp : "/tmp", (int)getpid());
+    kvh_config c = tu_cfg(1, 1, D, BT, KVH_DTYPE_F32, 16, 16, 0);
+    c.eviction_policy = KVH_EVICT_LCTRU;
+    c.disk_path = dir;
+    c.disk_bytes = 64 * 8192;
+    c.disk_flags = KVH_DISK_RESET_ON_MISMATCH;
+    kvh_engine *e = tu_open_cfg(&c);
+    kvh_seq s = tu_seq_new(e, 0);
+    int32_t tok[BT];
+    for (uint32_t i = 0; i < BT; i++)
+        tok[i] = (int32_t)(7000 + i);
+    float kv[BT * D];
+    for (uint32_t i = 0; i < BT * D; i++)
+        kv[i] = (float)i;
+    assert_ok(kvh_seq_append(e, s, tok, BT));
+    assert_ok(kvh_seq_write_kv(e, s, 0, 0, BT, kv, kv));
+    assert_ok(kvh_seq_set_tolerance(e, s, 0, BT, 7));
+    assert_ok(kvh_seq_persist(e, s));
+    assert_ok(tu_close(e));
+    e = tu_open_cfg(&c);
+    s = tu_seq_new(e, 0);
+    size_t matched = 0;
+    assert_ok(kvh_seq_match_prefix(e, s, tok, BT, &matched));
+    assert_int_equal(matched, BT);
+    assert_int_equal(first_block_tolerance(e, s), KVH_TOLERANCE_DEFAULT);
+    assert_ok(kvh_seq_write_kv(e, s, 0, 0, 1, kv, kv)); /* copy on write */
+    assert_int_equal(first_block_tolerance(e, s), KVH_TOLERANCE_DEFAULT);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -617,6 +664,7 @@ int main(void)
         cmocka_unit_test_teardown(test_derive_tolerance_hostile_data, tu_teardown),
         cmocka_unit_test_teardown(test_tolerance_changes_the_victim_order, tu_teardown),
         cmocka_unit_test_teardown(test_derived_tolerance_changes_the_victim_order, tu_teardown),
+        cmocka_unit_test_teardown(test_blocks_of_a_reopened_store_start_at_the_default, tu_teardown),
     };
     return cmocka_run_group_tests_name("tolerance_hostile", tests, NULL, NULL);
 }

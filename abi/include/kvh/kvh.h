@@ -1916,7 +1916,8 @@ KVH_API kvh_status kvh_attention_prefill_vmap(kvh_engine *engine, kvh_vmap *cons
 /* Sets the compression tolerance (0 = intolerant .. KVH_TOLERANCE_MAX) of
  * the blocks holding tokens [first, first + n) of seq; blocks appended
  * later start at KVH_TOLERANCE_DEFAULT, and a copy-on-write copy inherits
- * its source's. Shared blocks change for every sequence using them. Has
+ * its source's. A store does not keep it: blocks found again in a
+ * reopened disk tier start at KVH_TOLERANCE_DEFAULT too. Shared blocks change for every sequence using them. Has
  * an effect on victim order only under KVH_EVICT_LCTRU. Returns
  * KVH_ERR_INVALID_ARG (tolerance > KVH_TOLERANCE_MAX), KVH_ERR_RANGE,
  * KVH_ERR_BAD_HANDLE. @threads handle */
