@@ -95,12 +95,15 @@ static double codec_error(kvh_engine *e, uint32_t b, uint8_t *raw, uint8_t *enc,
                 for (uint32_t h = 0; h < H; h++) {
                     const uint8_t *cell = data + kvhi_cell_offset(e, KVH_TIER_DEVICE, l, kv, h, t);
                     kvhi_codec_encode(e->cfg.kv_codec, e->cfg.dtype, D, cell, 1, enc);
-                    kvhi_codec_decode(e->cfg.kv_codec, KVH_DTYPE_F32, D, enc, 1, y);
+                    /* Decoded to the engine's dtype, as a demotion's round
+                     * trip rounds it: the error it would really cause. */
+                    kvhi_codec_decode(e->cfg.kv_codec, e->cfg.dtype, D, enc, 1, y);
                     for (uint32_t d = 0; d < D; d++) {
                         double xv = kvhi_load_as_f32(e->cfg.dtype, cell, d);
+                        double yv = kvhi_load_as_f32(e->cfg.dtype, (const uint8_t *)y, d);
                         if (!isfinite(xv))
                             continue;
-                        num += (xv - y[d]) * (xv - y[d]);
+                        num += (xv - yv) * (xv - yv);
                         den += xv * xv;
                     }
                 }

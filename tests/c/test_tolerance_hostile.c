@@ -654,6 +654,57 @@ static void test_blocks_of_a_reopened_store_start_at_the_default(void **state)
     assert_int_equal(first_block_tolerance(e, s), KVH_TOLERANCE_DEFAULT);
 }
 
+static void migrate_seq(kvh_engine *e, kvh_seq s, uint64_t n, uint32_t tier)
+{
+    kvh_fence f;
+    assert_ok(kvh_seq_migrate(e, s, 0, n, tier, &f));
+    assert_ok(kvh_fence_wait(e, f, UINT64_MAX));
+    assert_ok(kvh_fence_free(e, f));
+}
+
+/* kvh.h: e is the error of an encode and decode on the side, which a
+ * demotion's round trip rounds to the engine's dtype. A bf16 block that
+ * went to the host tier and back lies on the codec's grid: a second
+ * round trip changes no value, so e = 0 and the tolerance is 255 at any
+ * max_rel_error (it was measured against the unrounded decode: 32 at
+ * 0.002). */
+static void test_derived_tolerance_of_a_block_the_codec_keeps_exactly(void **state)
+{
+    (void)state;
+    enum { DB = 64, TB = 2 };
+    kvh_config c = tu_cfg(1, 1, DB, TB, KVH_DTYPE_BF16, 4, 64, 0);
+    c.kv_codec = KVH_CODEC_Q4_G64;
+    kvh_engine *e = tu_open_cfg(&c);
+    kvh_seq s = tu_seq_new(e, 0);
+    int32_t tok[TB] = {1, 2};
+    assert_ok(kvh_seq_append(e, s, tok, TB));
+    uint16_t k[TB * DB], v[TB * DB], k1[TB * DB], v1[TB * DB], k2[TB * DB], v2[TB * DB];
+    tu_rng r = {11};
+    for (int i = 0; i < TB * DB; i++) {
+        float kf = (float)((int)(tu_next(&r) % 2000) - 1000) / 137.0f;
+        float vf = (float)((int)(tu_next(&r) % 2000) - 1000) / 91.0f;
+        uint32_t ku, vu;
+        memcpy(&ku, &kf, 4);
+        memcpy(&vu, &vf, 4);
+        k[i] = (uint16_t)(ku >> 16);
+        v[i] = (uint16_t)(vu >> 16);
+    }
+    assert_ok(kvh_seq_write_kv(e, s, 0, 0, TB, k, v));
+    migrate_seq(e, s, TB, KVH_TIER_HOST);
+    migrate_seq(e, s, TB, KVH_TIER_DEVICE);
+    assert_ok(kvh_seq_read_kv(e, s, 0, 0, TB, k1, v1));
+    migrate_seq(e, s, TB, KVH_TIER_HOST);
+    migrate_seq(e, s, TB, KVH_TIER_DEVICE);
+    assert_ok(kvh_seq_read_kv(e, s, 0, 0, TB, k2, v2));
+    assert_memory_equal(k1, k2, sizeof(k1));
+    assert_memory_equal(v1, v2, sizeof(v1));
+    const float bounds[] = {0.0f, 0.01f, 0.002f};
+    for (size_t i = 0; i < sizeof(bounds) / sizeof(bounds[0]); i++) {
+        assert_ok(kvh_seq_derive_tolerance(e, s, 0, TB, bounds[i]));
+        assert_int_equal(first_block_tolerance(e, s), KVH_TOLERANCE_MAX);
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -665,6 +716,7 @@ int main(void)
         cmocka_unit_test_teardown(test_tolerance_changes_the_victim_order, tu_teardown),
         cmocka_unit_test_teardown(test_derived_tolerance_changes_the_victim_order, tu_teardown),
         cmocka_unit_test_teardown(test_blocks_of_a_reopened_store_start_at_the_default, tu_teardown),
+        cmocka_unit_test_teardown(test_derived_tolerance_of_a_block_the_codec_keeps_exactly, tu_teardown),
     };
     return cmocka_run_group_tests_name("tolerance_hostile", tests, NULL, NULL);
 }
