@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bench_fs.h"
 #include "bench_scenarios.h"
 #include "bench_util.h"
 
@@ -157,6 +158,7 @@ out:
 
 int main(int argc, char **argv)
 {
+    bench_scratch_on_signals();
     int rc = run_main(argc, argv);
     /* Results that never reached stdout (a full disk, a closed pipe read
      * to the end) must not look like a successful run. */

@@ -75,7 +75,7 @@ int trace_replay(const trace *t, const replay_config *c, replay_result *out)
     uint16_t kv[BLOCK_TOKENS * HEAD_DIM];
     int32_t tokens[BLOCK_TOKENS];
     char store[4096];
-    int made_store = 0;
+    int made_store = 0, scratch_slot = -1;
     if (!seqs || !created || !seen || !len || !first_batch || !named || !named_prio) {
         fprintf(stderr, "trace replay: out of memory\n");
         goto out;
@@ -90,6 +90,7 @@ int trace_replay(const trace *t, const replay_config *c, replay_result *out)
         goto out;
     }
     made_store = 1;
+    scratch_slot = bench_scratch_add(store); /* gone too if a signal ends the run */
 
     kvh_config cfg;
     kvh_config_init(&cfg, sizeof(cfg));
@@ -224,6 +225,7 @@ out:
     }
     if (made_store)
         bench_remove_tree(store);
+    bench_scratch_drop(scratch_slot);
     free(seqs);
     free(created);
     free(seen);
