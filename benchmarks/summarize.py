@@ -84,6 +84,7 @@ def main(paths):
 
 if __name__ == "__main__":
     if sys.argv[1:2] in (["-h"], ["--help"]):
+        print("usage: summarize.py RUN.jsonl [RUN.jsonl ...]\n")
         print(__doc__.strip())
         sys.exit(0)
     if len(sys.argv) < 2:

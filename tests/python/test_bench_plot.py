@@ -156,8 +156,6 @@ def test_scripts_have_help():
         res = subprocess.run(
             [sys.executable, str(REPO / "benchmarks" / script), "--help"], capture_output=True, text=True, timeout=60
         )
-        if script == "summarize.py" and res.returncode != 0:
-            continue  # older script: usage on stderr
         assert res.returncode == 0, res.stderr
         assert "usage" in res.stdout.lower()
     res = subprocess.run(
