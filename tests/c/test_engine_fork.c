@@ -30,6 +30,23 @@ static int reap_within(pid_t pid, int secs)
     return -1;
 }
 
+/* ASan's allocator (GCC 12's libsanitizer) takes no locks around fork():
+ * a child forked while one of the parent's workers was inside malloc
+ * waits forever on that size class's lock at its first malloc of the
+ * same size (seen: the child's new worker threads, at their start).
+ * glibc's malloc is safe there, so the new engine is checked without
+ * ASan only. */
+#if defined(__SANITIZE_ADDRESS__)
+#define CHILD_CAN_MALLOC 0
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define CHILD_CAN_MALLOC 0
+#endif
+#endif
+#ifndef CHILD_CAN_MALLOC
+#define CHILD_CAN_MALLOC 1
+#endif
+
 /* 0 when every check in the child holds, else the number of the first
  * that failed. */
 static int child_checks(kvh_engine *e, kvh_seq s)
@@ -47,6 +64,8 @@ static int child_checks(kvh_engine *e, kvh_seq s)
         return 4;
     if (kvh_engine_close(e) != KVH_OK)
         return 5;
+    if (!CHILD_CAN_MALLOC)
+        return 0;
     /* A new engine of the child's own works. */
     kvh_config c = tu_cfg(L, H, D, BT, KVH_DTYPE_F16, 16, 16, 2);
     kvh_engine *mine = NULL;
