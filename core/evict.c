@@ -37,7 +37,8 @@ static uint32_t pick_victim(kvh_engine *e, uint32_t t, kvhi_agent *quota_agent)
 static kvh_status evict_one(kvh_engine *e, uint32_t v, uint32_t *freed)
 {
     kvhi_block *blk = &e->blocks[v];
-    int below = tier_below(e, blk->tier);
+    uint32_t from = blk->tier;
+    int below = tier_below(e, from);
     if (below >= 0) {
         kvh_status st = kvhi_move_handing_over(e, v, (uint32_t)below, freed);
         if (st == KVH_OK) {
@@ -49,18 +50,28 @@ static kvh_status evict_one(kvh_engine *e, uint32_t v, uint32_t *freed)
             return st;
         /* The move may have dropped the lock: v can have changed. */
         if (!(blk->flags & KVHI_BF_LIVE) || kvhi_block_busy(blk) || (blk->flags & KVHI_BF_DEAD) || blk->pins ||
-            blk->holds)
+            blk->holds || blk->tier != from)
             return kvhi_fail(KVH_ERR_NOSPACE,
                              "the tier below had no room for a victim, which another thread then pinned, held, "
                              "moved or freed");
     }
-    /* A victim with a clean disk copy can still leave past a full tier
-     * below, onto that copy, without I/O: dropped instead, it would take
-     * the copy with it (a persisted block lost while the disk has room). */
-    if (below != KVH_TIER_DISK && blk->tier != KVH_TIER_DISK && (blk->flags & KVHI_BF_DISK_COPY) &&
-        kvhi_move_handing_over(e, v, KVH_TIER_DISK, freed) == KVH_OK) {
-        e->stats.evictions++;
-        return KVH_OK;
+    /* A victim can still leave past a full tier below (the host tier
+     * full of pinned or held blocks) straight to the disk: onto its clean
+     * disk copy without I/O, or written there. Dropped instead, it would
+     * lose a persisted copy, or KV still referenced, while the disk has
+     * room. */
+    if (below >= 0 && below != KVH_TIER_DISK && e->disk && from != KVH_TIER_DISK) {
+        kvh_status st = kvhi_move_handing_over(e, v, KVH_TIER_DISK, freed);
+        if (st == KVH_OK) {
+            e->stats.evictions++;
+            return KVH_OK;
+        }
+        if (st != KVH_ERR_NOSPACE && st != KVH_ERR_IO)
+            return st;
+        if (!(blk->flags & KVHI_BF_LIVE) || kvhi_block_busy(blk) || (blk->flags & KVHI_BF_DEAD) || blk->pins ||
+            blk->holds || blk->tier != from)
+            return kvhi_fail(KVH_ERR_NOSPACE, "no tier below had room for a victim, which another thread then "
+                                              "pinned, held, moved or freed");
     }
     if (blk->refs > 0)
         return kvhi_fail(KVH_ERR_NOSPACE, "no tier below can take a referenced block");

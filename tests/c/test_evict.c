@@ -24,6 +24,8 @@
  *   - a victim that cannot go down, because the tier below is full of
  *     referenced blocks or fails its writes, is dropped when unreferenced,
  *     and the reservation fails when it is referenced;
+ *   - a device victim passes a host tier full of pinned blocks straight
+ *     to the disk, referenced or cached (not dropped);
  *   - an agent at its device quota makes room among its own blocks, its
  *     least valuable first, even with free slots; with none of its own
  *     evictable it gets NOSPACE (new blocks then go to the host tier),
@@ -531,6 +533,67 @@ static void test_victim_that_cannot_go_down(void **state)
     dt_assert_ok(kvh_seq_free(e, r));
 }
 
+/* With the host tier full of pinned blocks, a device victim goes past it
+ * straight to the disk: a referenced one with half its KV written (the
+ * written cells intact, the others still never written), and an
+ * unreferenced cached one (still found by its prefix, not dropped). */
+static void test_victim_passes_a_pinned_host_tier(void **state)
+{
+    (void)state;
+    char dir[PATH_MAX];
+    dt_scratch("pinned-host", dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 2, 2, 16, 0);
+    c.copy_moves = 1;
+    kvh_engine *e = dt_open_a(&c);
+    kvh_seq p, a, b, q;
+    dt_assert_ok(dt_build(e, G, dt_plain(50), 2 * G.bt, 0, &p));
+    dt_assert_ok(kvh_seq_migrate(e, p, 0, 2 * G.bt, KVH_TIER_HOST, NULL));
+    dt_assert_ok(kvh_seq_pin(e, p, 0, 2 * G.bt, 1));
+    assert_int_equal(dt_tier(e, KVH_TIER_HOST).used_blocks, 2);
+    uint32_t cached = cached_block(e, 51);
+    /* A: one block with layer 0's KV written, layer 1's never. */
+    int32_t toks[16];
+    dt_tokens(dt_plain(52), 0, G.bt, toks);
+    uint8_t k[16 * 64], v[16 * 64], k2[16 * 64], v2[16 * 64];
+    assert_int_equal(sizeof(k), G.bt * dt_tok_bytes(G));
+    for (size_t i = 0; i < sizeof(k); i++) {
+        k[i] = (uint8_t)(i * 7 + 1);
+        v[i] = (uint8_t)(i * 13 + 5);
+    }
+    dt_assert_ok(kvh_seq_create(e, 0, &a));
+    dt_assert_ok(kvh_seq_append(e, a, toks, G.bt));
+    dt_assert_ok(kvh_seq_write_kv(e, a, 0, 0, G.bt, k, v));
+    kvh_stats before = dt_stats(e);
+    /* Two more device blocks: the cached one and A's leave for the disk. */
+    dt_assert_ok(dt_build(e, G, dt_plain(53), 2 * G.bt, 0, &b));
+    assert_int_equal(kvhi_blk(e, cached)->tier, KVH_TIER_DISK);
+    assert_int_equal(dt_binfo(e, a, 0).tier, KVH_TIER_DISK);
+    kvh_stats after = dt_stats(e);
+    assert_int_equal(after.drops, before.drops);
+    assert_int_equal(after.evictions - before.evictions, 2);
+    dt_assert_ok(kvh_seq_read_kv(e, a, 0, 0, G.bt, k2, v2));
+    assert_memory_equal(k2, k, sizeof(k));
+    assert_memory_equal(v2, v, sizeof(v));
+    dt_assert_kvh(KVH_ERR_RANGE, kvh_seq_read_kv(e, a, 1, 0, G.bt, k2, v2));
+    char msg[256] = "";
+    if (dt_verify(e, b, G, dt_plain(53), 0, 2 * G.bt, msg, sizeof(msg)) != KVH_OK)
+        fail_msg("B: %s", msg);
+    dt_assert_ok(kvh_seq_free(e, b));
+    dt_tokens(dt_plain(51), 0, G.bt, toks);
+    size_t matched = 0;
+    dt_assert_ok(kvh_seq_create(e, 0, &q));
+    dt_assert_ok(kvh_seq_match_prefix(e, q, toks, G.bt, &matched));
+    assert_int_equal(matched, G.bt);
+    if (dt_verify(e, q, G, dt_plain(51), 0, G.bt, msg, sizeof(msg)) != KVH_OK)
+        fail_msg("cached: %s", msg);
+    if (dt_verify(e, p, G, dt_plain(50), 0, 2 * G.bt, msg, sizeof(msg)) != KVH_OK)
+        fail_msg("pinned: %s", msg);
+    dt_assert_ok(kvh_seq_free(e, q));
+    dt_assert_ok(kvh_seq_free(e, a));
+    dt_assert_ok(kvh_seq_pin(e, p, 0, 2 * G.bt, 0));
+    dt_assert_ok(kvh_seq_free(e, p));
+}
+
 /* ---- agent quotas ---- */
 
 static void test_quota_makes_room_among_own(void **state)
@@ -603,6 +666,7 @@ int main(void)
         cmocka_unit_test_teardown(test_full_disk_waits_for_queued_moves, teardown),
         cmocka_unit_test_teardown(test_full_disk_pinned_queued_move_frees_nothing, teardown),
         cmocka_unit_test_teardown(test_victim_that_cannot_go_down, teardown),
+        cmocka_unit_test_teardown(test_victim_passes_a_pinned_host_tier, teardown),
         cmocka_unit_test_teardown(test_quota_makes_room_among_own, teardown),
     };
     return cmocka_run_group_tests_name("evict", tests, NULL, NULL);
