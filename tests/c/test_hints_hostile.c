@@ -409,8 +409,7 @@ static void prefetch_waited(kvh_engine *e, kvh_seq s, uint64_t n, int32_t priori
 {
     kvh_fence f;
     assert_ok(kvh_prefetch(e, s, 0, n, priority, &f));
-    assert_ok(kvh_fence_wait(e, f, UINT64_MAX));
-    assert_ok(kvh_fence_free(e, f));
+    tu_fence_finish(e, f);
 }
 
 /* promote_min_hits at its extremes: prefetch never errs, never moves a

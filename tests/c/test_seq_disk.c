@@ -5,6 +5,7 @@
  * record and the disk in agreement: no read may report KVH_ERR_CORRUPT
  * where nothing on disk was damaged. */
 #include "disk_test_util.h"
+#include "test_util.h"
 
 static const dt_geo GEO = {2, 2, 8, 4, KVH_DTYPE_F16};
 
@@ -27,14 +28,6 @@ static kvh_engine *open_engine(const char *name, uint64_t dev, uint64_t host, ui
     return dt_open_a(&c);
 }
 
-static void migrate_wait(kvh_engine *e, kvh_seq s, uint64_t first, uint64_t n, uint32_t tier)
-{
-    kvh_fence f = {0};
-    dt_assert_ok(kvh_seq_migrate(e, s, first, n, tier, &f));
-    dt_assert_ok(kvh_fence_wait(e, f, UINT64_MAX));
-    dt_assert_ok(kvh_fence_free(e, f));
-}
-
 /* The reported case: B duplicates A's two published blocks, goes to disk,
  * then loses half of its second block. */
 static void truncate_duplicate_on_disk(uint32_t threads)
@@ -44,7 +37,7 @@ static void truncate_duplicate_on_disk(uint32_t threads)
     kvh_seq a, b;
     dt_assert_ok(dt_build(e, GEO, c, 8, 0, &a));
     dt_assert_ok(dt_build(e, GEO, c, 8, 0, &b));
-    migrate_wait(e, b, 0, 8, KVH_TIER_DISK);
+    tu_seq_migrate_wait(e, b, 0, 8, KVH_TIER_DISK);
     assert_int_equal(dt_binfo(e, b, 1).tier, KVH_TIER_DISK);
     uint64_t corrupt = dt_stats(e).corrupt_blocks;
     dt_assert_ok(kvh_seq_truncate(e, b, 6));
@@ -52,7 +45,7 @@ static void truncate_duplicate_on_disk(uint32_t threads)
     /* Regrow past the cut with the same tokens and K/V. */
     dt_assert_ok(dt_extend(e, b, GEO, c, 6, 6));
     verify_a(e, b, c, 0, 12);
-    migrate_wait(e, b, 0, 12, KVH_TIER_DISK);
+    tu_seq_migrate_wait(e, b, 0, 12, KVH_TIER_DISK);
     verify_a(e, b, c, 0, 12);
     assert_int_equal(dt_stats(e).corrupt_blocks, corrupt);
     verify_a(e, a, c, 0, 8);
@@ -78,14 +71,14 @@ static void test_truncate_block_with_clean_copy(void **state)
     kvh_seq s;
     dt_assert_ok(dt_build(e, GEO, c, 8, 0, &s));
     dt_assert_ok(kvh_seq_persist(e, s));
-    migrate_wait(e, s, 0, 8, KVH_TIER_DISK);
-    migrate_wait(e, s, 0, 8, KVH_TIER_HOST);
+    tu_seq_migrate_wait(e, s, 0, 8, KVH_TIER_DISK);
+    tu_seq_migrate_wait(e, s, 0, 8, KVH_TIER_HOST);
     dt_assert_ok(kvh_seq_truncate(e, s, 5));
     verify_a(e, s, c, 0, 5);
     /* Other tokens after the cut: the old copy's bytes would be wrong. */
     dt_content d = {12, 5, 99};
     dt_assert_ok(dt_extend(e, s, GEO, d, 5, 3));
-    migrate_wait(e, s, 0, 8, KVH_TIER_DISK);
+    tu_seq_migrate_wait(e, s, 0, 8, KVH_TIER_DISK);
     verify_a(e, s, d, 0, 8);
     assert_int_equal(dt_stats(e).corrupt_blocks, 0);
     dt_assert_ok(kvh_seq_free(e, s));
@@ -102,16 +95,16 @@ static void test_truncate_shared_block_on_disk(void **state)
     kvh_seq s, f;
     dt_assert_ok(dt_build(e, GEO, c, 10, 0, &s));
     dt_assert_ok(kvh_seq_fork(e, s, 0, &f));
-    migrate_wait(e, s, 0, 10, KVH_TIER_DISK);
+    tu_seq_migrate_wait(e, s, 0, 10, KVH_TIER_DISK);
     dt_assert_ok(kvh_seq_truncate(e, f, 7));
     verify_a(e, f, c, 0, 7);
     verify_a(e, s, c, 0, 10);
     /* And the partial last block: cut it further while it is on disk. */
-    migrate_wait(e, s, 0, 10, KVH_TIER_DISK);
+    tu_seq_migrate_wait(e, s, 0, 10, KVH_TIER_DISK);
     dt_assert_ok(kvh_seq_truncate(e, s, 9));
     verify_a(e, s, c, 0, 9);
     dt_assert_ok(dt_extend(e, s, GEO, c, 9, 3));
-    migrate_wait(e, s, 0, 12, KVH_TIER_DISK);
+    tu_seq_migrate_wait(e, s, 0, 12, KVH_TIER_DISK);
     verify_a(e, s, c, 0, 12);
     assert_int_equal(dt_stats(e).corrupt_blocks, 0);
     dt_assert_ok(kvh_seq_free(e, s));

@@ -654,14 +654,6 @@ static void test_blocks_of_a_reopened_store_start_at_the_default(void **state)
     assert_int_equal(first_block_tolerance(e, s), KVH_TOLERANCE_DEFAULT);
 }
 
-static void migrate_seq(kvh_engine *e, kvh_seq s, uint64_t n, uint32_t tier)
-{
-    kvh_fence f;
-    assert_ok(kvh_seq_migrate(e, s, 0, n, tier, &f));
-    assert_ok(kvh_fence_wait(e, f, UINT64_MAX));
-    assert_ok(kvh_fence_free(e, f));
-}
-
 /* kvh.h: e is the error of an encode and decode on the side, which a
  * demotion's round trip rounds to the engine's dtype. A bf16 block that
  * went to the host tier and back lies on the codec's grid: a second
@@ -690,11 +682,11 @@ static void test_derived_tolerance_of_a_block_the_codec_keeps_exactly(void **sta
         v[i] = (uint16_t)(vu >> 16);
     }
     assert_ok(kvh_seq_write_kv(e, s, 0, 0, TB, k, v));
-    migrate_seq(e, s, TB, KVH_TIER_HOST);
-    migrate_seq(e, s, TB, KVH_TIER_DEVICE);
+    tu_seq_migrate_wait(e, s, 0, TB, KVH_TIER_HOST);
+    tu_seq_migrate_wait(e, s, 0, TB, KVH_TIER_DEVICE);
     assert_ok(kvh_seq_read_kv(e, s, 0, 0, TB, k1, v1));
-    migrate_seq(e, s, TB, KVH_TIER_HOST);
-    migrate_seq(e, s, TB, KVH_TIER_DEVICE);
+    tu_seq_migrate_wait(e, s, 0, TB, KVH_TIER_HOST);
+    tu_seq_migrate_wait(e, s, 0, TB, KVH_TIER_DEVICE);
     assert_ok(kvh_seq_read_kv(e, s, 0, 0, TB, k2, v2));
     assert_memory_equal(k1, k2, sizeof(k1));
     assert_memory_equal(v1, v2, sizeof(v1));

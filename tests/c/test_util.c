@@ -204,6 +204,20 @@ uint64_t tu_seq_len_at(const char *file, int line, kvh_engine *e, kvh_seq s)
     return n;
 }
 
+void tu_fence_finish_at(const char *file, int line, kvh_engine *e, kvh_fence f)
+{
+    tu_check_at(file, line, KVH_OK, kvh_fence_wait(e, f, UINT64_MAX), "kvh_fence_wait");
+    tu_check_at(file, line, KVH_OK, kvh_fence_free(e, f), "kvh_fence_free");
+}
+
+void tu_seq_migrate_wait_at(const char *file, int line, kvh_engine *e, kvh_seq s, uint64_t first, uint64_t n,
+                            uint32_t tier)
+{
+    kvh_fence f = {0};
+    tu_check_at(file, line, KVH_OK, kvh_seq_migrate(e, s, first, n, tier, &f), "kvh_seq_migrate");
+    tu_fence_finish_at(file, line, e, f);
+}
+
 kvh_seq tu_seq_new_at(const char *file, int line, kvh_engine *e, uint32_t agent)
 {
     kvh_seq s = {0};

@@ -150,6 +150,14 @@ uint64_t tu_seq_len_at(const char *file, int line, kvh_engine *e, kvh_seq s);
 #define tu_seq_new(e, agent) tu_seq_new_at(__FILE__, __LINE__, e, agent)
 kvh_seq tu_seq_new_at(const char *file, int line, kvh_engine *e, uint32_t agent);
 
+/* Waits for fence f and frees it, both asserted to succeed. */
+#define tu_fence_finish(e, f) tu_fence_finish_at(__FILE__, __LINE__, e, f)
+void tu_fence_finish_at(const char *file, int line, kvh_engine *e, kvh_fence f);
+/* Migrates tokens [first, first+n) of seq to tier and waits for it. */
+#define tu_seq_migrate_wait(e, s, first, n, tier) tu_seq_migrate_wait_at(__FILE__, __LINE__, e, s, first, n, tier)
+void tu_seq_migrate_wait_at(const char *file, int line, kvh_engine *e, kvh_seq s, uint64_t first, uint64_t n,
+                            uint32_t tier);
+
 /* Tokens base, base+1, ... */
 void tu_iota(int32_t *t, size_t n, int32_t base);
 
