@@ -32,6 +32,27 @@ static uint32_t pick_victim(kvh_engine *e, uint32_t t, kvhi_agent *quota_agent)
     return v;
 }
 
+/* Moves victim v (of tier `from`) down to tier `to`, handing its slot to
+ * *freed. KVH_ERR_NOSPACE when `to` has no room or fails its writes and v
+ * may still try elsewhere: *still_here then says whether v is still an
+ * idle, unprotected block of `from` (the move may have dropped the lock,
+ * and another thread pinned, held, moved or freed it meanwhile). */
+static kvh_status leave_to(kvh_engine *e, uint32_t v, uint32_t from, uint32_t to, uint32_t *freed, bool *still_here)
+{
+    kvhi_block *blk = &e->blocks[v];
+    kvh_status st = kvhi_move_handing_over(e, v, to, freed);
+    if (st == KVH_OK) {
+        e->stats.evictions++;
+        return KVH_OK;
+    }
+    /* A disk that fails writes is treated like a full one. */
+    if (st == KVH_ERR_IO)
+        st = KVH_ERR_NOSPACE;
+    *still_here = (blk->flags & KVHI_BF_LIVE) && !kvhi_block_busy(blk) && !(blk->flags & KVHI_BF_DEAD) && !blk->pins &&
+                  !blk->holds && blk->tier == from;
+    return st;
+}
+
 /* Frees b's slot in its tier, by demotion or (unreferenced) by dropping;
  * the freed slot is handed to the caller. */
 static kvh_status evict_one(kvh_engine *e, uint32_t v, uint32_t *freed)
@@ -39,40 +60,22 @@ static kvh_status evict_one(kvh_engine *e, uint32_t v, uint32_t *freed)
     kvhi_block *blk = &e->blocks[v];
     uint32_t from = blk->tier;
     int below = tier_below(e, from);
-    if (below >= 0) {
-        kvh_status st = kvhi_move_handing_over(e, v, (uint32_t)below, freed);
-        if (st == KVH_OK) {
-            e->stats.evictions++;
-            return KVH_OK;
-        }
-        /* A disk that fails writes is treated like a full one. */
-        if (st != KVH_ERR_NOSPACE && st != KVH_ERR_IO)
-            return st;
-        /* The move may have dropped the lock: v can have changed. */
-        if (!(blk->flags & KVHI_BF_LIVE) || kvhi_block_busy(blk) || (blk->flags & KVHI_BF_DEAD) || blk->pins ||
-            blk->holds || blk->tier != from)
-            return kvhi_fail(KVH_ERR_NOSPACE,
-                             "the tier below had no room for a victim, which another thread then pinned, held, "
-                             "moved or freed");
-    }
+    bool still_here = true;
+    kvh_status st = KVH_ERR_NOSPACE;
+    if (below >= 0)
+        st = leave_to(e, v, from, (uint32_t)below, freed, &still_here);
     /* A victim can still leave past a full tier below (the host tier
      * full of pinned or held blocks) straight to the disk: onto its clean
      * disk copy without I/O, or written there. Dropped instead, it would
      * lose a persisted copy, or KV still referenced, while the disk has
      * room. */
-    if (below >= 0 && below != KVH_TIER_DISK && e->disk && from != KVH_TIER_DISK) {
-        kvh_status st = kvhi_move_handing_over(e, v, KVH_TIER_DISK, freed);
-        if (st == KVH_OK) {
-            e->stats.evictions++;
-            return KVH_OK;
-        }
-        if (st != KVH_ERR_NOSPACE && st != KVH_ERR_IO)
-            return st;
-        if (!(blk->flags & KVHI_BF_LIVE) || kvhi_block_busy(blk) || (blk->flags & KVHI_BF_DEAD) || blk->pins ||
-            blk->holds || blk->tier != from)
-            return kvhi_fail(KVH_ERR_NOSPACE, "no tier below had room for a victim, which another thread then "
-                                              "pinned, held, moved or freed");
-    }
+    if (st == KVH_ERR_NOSPACE && still_here && below >= 0 && below != KVH_TIER_DISK && e->disk)
+        st = leave_to(e, v, from, KVH_TIER_DISK, freed, &still_here);
+    if (st != KVH_ERR_NOSPACE)
+        return st;
+    if (!still_here)
+        return kvhi_fail(KVH_ERR_NOSPACE, "no tier below had room for a victim, which another thread then pinned, "
+                                          "held, moved or freed");
     if (blk->refs > 0)
         return kvhi_fail(KVH_ERR_NOSPACE, "no tier below can take a referenced block");
     if (blk->flags & KVHI_BF_PREFETCHED)
