@@ -9,7 +9,9 @@ model, dtype, block size and rank; a finished request's blocks are then
 made durable on kvh's disk tier in the background. A matched prefix is
 restored into the slots vLLM allocated, before the forward pass that needs
 it. A block that cannot be restored (checksum, I/O) is reported through
-``get_block_ids_with_load_errors`` and vLLM recomputes it.
+``get_block_ids_with_load_errors`` and vLLM recomputes it; what was
+computed over it is not saved, on any tensor-parallel rank (the ranks
+share their failed loads in each step that loads).
 
 Scheduler side: ``get_num_new_matched_tokens`` asks each worker over its
 lookup channel (a Unix socket in an owner-only directory, see
@@ -181,6 +183,26 @@ class _SchedReq:
     query: Optional[Tuple[int, int]] = None  # (local tokens, kvh tokens) of the last lookup
 
 
+def all_reduce_min(values: List[int], group: Any) -> List[int]:
+    """The element-wise minimum of ``values`` over the ranks of ``group``
+    (a torch.distributed process group), which every rank calls alike."""
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return [int(x) for x in t.tolist()]
+
+
+def _tp_group_min(values: List[int]) -> List[int]:
+    from vllm.distributed.parallel_state import get_tp_group
+
+    return all_reduce_min(values, get_tp_group().cpu_group)
+
+
+# A load's first failed block where it failed on no rank.
+_NO_FAILURE = 1 << 62
+
+
 def kv_layout(t: torch.Tensor, head_dim: int, block_size: int) -> Tuple[int, int, int, int, int, int]:
     """(k_ptr, v_ptr, num_blocks, slot_stride, token_stride, head_stride), in
     bytes, of one layer's KV tensor, without copying it.
@@ -254,6 +276,8 @@ class KvhConnector(KVConnectorBase_V1):
         # and those after it are never saved (kvh keeps the first copy of
         # a hash it is given) until the request computes that token again.
         self._unsound_from: Dict[str, int] = {}
+        # The minimum over the tensor-parallel ranks, element-wise.
+        self._ranks_min = _tp_group_min
 
     def _disable(self, why: str) -> None:
         if self._disabled is None:
@@ -424,6 +448,43 @@ class KvhConnector(KVConnectorBase_V1):
                 with self._errors_lock:
                     self._load_errors.update(failed)
 
+    def _share_failed_loads(self, meta: KvhMetadata) -> None:
+        """Under tensor parallelism each rank loads only its own heads, but
+        every layer's output is summed over the ranks: what any rank
+        computes in a step over another rank's failed load is unsound too.
+        Each rank therefore takes, for every request loading in this step,
+        the first block any rank failed to load. Every rank runs this for
+        the same metadata (with or without a store), so the collective
+        never waits on a rank that skipped it."""
+        if int(getattr(self, "_tp_size", 1)) <= 1 or not meta.loads:
+            return
+        order = list(dict.fromkeys(t.req_id for t in meta.loads))
+        first_block = {}
+        for t in meta.loads:
+            first_block[t.req_id] = min(t.first_block, first_block.get(t.req_id, t.first_block))
+        mine = dict.fromkeys(order, _NO_FAILURE)
+        if self._store is None:
+            mine = dict(first_block)  # it restored nothing
+        for req_id, first_failed, _ in self._failed_loads:
+            if req_id in mine:
+                mine[req_id] = min(mine[req_id], first_failed)
+        try:
+            merged = self._ranks_min([mine[r] for r in order])
+        except Exception:
+            logger.exception("kvh: could not share failed loads with the other ranks; holding this step's saves")
+            merged = [first_block[r] for r in order]
+        for req_id, first in zip(order, merged):
+            if first >= mine[req_id]:
+                continue
+            slots = [
+                slot
+                for t in meta.loads
+                if t.req_id == req_id
+                for j, slot in enumerate(t.block_ids)
+                if t.first_block + j >= first
+            ]
+            self._failed_loads.append((req_id, first, slots))
+
     def _mark_unsound(self, req_id: str, token: int) -> None:
         self._unsound_from[req_id] = min(token, self._unsound_from.get(req_id, token))
 
@@ -480,13 +541,15 @@ class KvhConnector(KVConnectorBase_V1):
         return  # whole blocks, all layers at once, queued in wait_for_save
 
     def wait_for_save(self) -> None:
-        if self._store is None:
-            return
-        self._finish_loads()
+        if self._store is not None:
+            self._finish_loads()
         if not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvhMetadata)
+        self._share_failed_loads(meta)
+        if self._store is None:
+            return
         saves = self._sound_saves(meta)
         # Queued on kvh's workers; this returns at once (the copies overlap
         # sampling and the next step's scheduling).

@@ -3,8 +3,10 @@ imports vllm and torch), on a connector object built without vLLM around
 it: offloads are waited for before a step touches any block, a runtime
 directory that cannot be used is a miss for the scheduler, requests
 whose KV does not follow from their token ids alone are neither looked
-up nor saved, and blocks recomputed after a failed load are saved
-again. Skipped unless KVH_VLLM_PYTHON names that python."""
+up nor saved, blocks recomputed after a failed load are saved again, and
+a load that failed on one tensor-parallel rank holds back every rank's
+saves computed over it. Skipped unless KVH_VLLM_PYTHON names that
+python."""
 
 from __future__ import annotations
 
@@ -157,5 +159,106 @@ def test_a_fall_back_short_of_the_failed_block_keeps_the_hold():
         assert sound(0, 5) == [(0, [100, 101])]  # the step whose load failed
         assert sound(4, 1, r=4 * bs + 1) == []  # fell back, past block 2
         assert sound(2, 3, r=2 * bs) == [(2, [102, 103, 104])]  # computed again from block 2
+        """
+    )
+
+
+def test_a_load_failed_on_another_rank_holds_this_ranks_saves():
+    # Tensor parallelism: every rank restores its own heads, and every
+    # layer's output is summed over the ranks, so KV this rank computed
+    # over another rank's failed load is unsound here too. The step's
+    # failures are merged (the first failed block of each load) before
+    # any rank decides what it saves.
+    run_in_vllm(
+        """
+        bs = 4
+        tokens = np.arange(64, dtype=np.int32)
+        T = c.Transfer
+        none = c._NO_FAILURE
+
+        def step():
+            return c.KvhMetadata(
+                loads=[T("r", tokens, 0, [100, 101, 102, 103]), T("q", tokens, 0, [200, 201])],
+                saves=[T("r", tokens, 4, [104, 105]), T("q", tokens, 2, [202]), T("s", tokens, 1, [301])],
+                recomputing={"s": bs},
+                reads_loads={"s": [100, 101, 102]},  # s's prompt shares r's loaded blocks
+            )
+
+        sent = []
+
+        def other_rank_failed_r_at_block_2(values):
+            sent.append(list(values))
+            return [min(v, o) for v, o in zip(values, [2, none])]
+
+        def rank(**attrs):
+            base = dict(_block_size=bs, _failed_loads=[], _unsound_from={}, _tp_size=2, _store=object())
+            base.update(attrs)
+            return bare(**base)
+
+        def saved(k):
+            meta = step()
+            k._share_failed_loads(meta)
+            return [(t.req_id, t.first_block, t.block_ids) for t in k._sound_saves(meta)]
+
+        everything = [("r", 4, [104, 105]), ("q", 2, [202]), ("s", 1, [301])]
+        # Alone (one rank), or with no rank failing, every save goes.
+        assert saved(rank(_tp_size=1, _ranks_min=other_rank_failed_r_at_block_2)) == everything
+        assert sent == []
+        assert saved(rank(_ranks_min=lambda values: values)) == everything
+        # r computed over its failed block 2, s attended to it: only q saves.
+        k = rank(_ranks_min=other_rank_failed_r_at_block_2)
+        assert saved(k) == [("q", 2, [202])]
+        assert sent == [[none, none]]
+        assert k._unsound_from == {"r": 2 * bs, "s": bs}
+        # This rank's own earlier failure stands.
+        sent.clear()
+        k = rank(_ranks_min=other_rank_failed_r_at_block_2, _failed_loads=[("r", 1, [101])])
+        assert saved(k) == [("q", 2, [202])]
+        assert sent == [[1, none]] and k._unsound_from["r"] == bs
+        # A rank without a store restored nothing, and says so.
+        sent.clear()
+        k = rank(_ranks_min=other_rank_failed_r_at_block_2, _store=None)
+        k._share_failed_loads(step())
+        assert sent == [[0, 0]]
+        # The ranks cannot be asked: the step's saves over its loads are held.
+        def unreachable(values):
+            raise RuntimeError("no process group")
+
+        assert saved(rank(_ranks_min=unreachable)) == []
+        """
+    )
+
+
+def test_ranks_share_their_failed_loads_through_a_process_group():
+    # The collective itself, over a real two-process gloo group on
+    # loopback: each rank gets the element-wise minimum of both.
+    run_in_vllm(
+        """
+        import multiprocessing as mp
+        import socket
+
+        import torch.distributed as dist
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        none = c._NO_FAILURE
+        mine = {0: [5, none, 7, none], 1: [9, 3, none, none]}
+
+        def rank(r, out):
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=r, world_size=2)
+            out.put((r, c.all_reduce_min(mine[r], dist.group.WORLD)))
+            dist.destroy_process_group()
+
+        ctx = mp.get_context("fork")
+        out = ctx.Queue()
+        procs = [ctx.Process(target=rank, args=(r, out)) for r in (0, 1)]
+        for p in procs:
+            p.start()
+        got = dict(out.get(timeout=60) for _ in procs)
+        for p in procs:
+            p.join(60)
+            assert p.exitcode == 0
+        assert got == {0: [5, 3, 7, none], 1: [5, 3, 7, none]}
         """
     )
