@@ -35,6 +35,7 @@ from __future__ import annotations
 import itertools
 import logging
 import platform
+import sys
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
@@ -278,6 +279,7 @@ class KvhConnector(KVConnectorBase_V1):
         self._unsound_from: Dict[str, int] = {}
         # The minimum over the tensor-parallel ranks, element-wise.
         self._ranks_min = _tp_group_min
+        self._ranks_unreachable = False
 
     def _disable(self, why: str) -> None:
         if self._disabled is None:
@@ -455,7 +457,10 @@ class KvhConnector(KVConnectorBase_V1):
         Each rank therefore takes, for every request loading in this step,
         the first block any rank failed to load. Every rank runs this for
         the same metadata (with or without a store), so the collective
-        never waits on a rank that skipped it."""
+        never waits on a rank that skipped it; this holds with vLLM's one
+        scheduler for all ranks, not with one scheduler per rank
+        (``external_launcher``), where a rank out of step waits up to the
+        process group's timeout."""
         if int(getattr(self, "_tp_size", 1)) <= 1 or not meta.loads:
             return
         order = list(dict.fromkeys(t.req_id for t in meta.loads))
@@ -468,11 +473,19 @@ class KvhConnector(KVConnectorBase_V1):
         for req_id, first_failed, _ in self._failed_loads:
             if req_id in mine:
                 mine[req_id] = min(mine[req_id], first_failed)
-        try:
-            merged = self._ranks_min([mine[r] for r in order])
-        except Exception:
-            logger.exception("kvh: could not share failed loads with the other ranks; holding this step's saves")
-            merged = [first_block[r] for r in order]
+        merged = [first_block[r] for r in order]  # every load failed, for all this rank knows
+        if not self._ranks_unreachable:
+            try:
+                merged = self._ranks_min([mine[r] for r in order])
+            except Exception:
+                # A process group whose collective failed (a timeout) fails
+                # every later one: asked no more, the ranks' saves computed
+                # over a load are held from now on.
+                logger.exception(
+                    "kvh: could not share failed loads with the other tensor-parallel ranks; "
+                    "KV computed over a load is no longer saved"
+                )
+                self._ranks_unreachable = True
         for req_id, first in zip(order, merged):
             if first >= mine[req_id]:
                 continue
@@ -544,6 +557,12 @@ class KvhConnector(KVConnectorBase_V1):
         if self._store is not None:
             self._finish_loads()
         if not self.has_connector_metadata():
+            return
+        if sys.exc_info()[0] is not None:
+            # vLLM calls this from a `finally` while the step's exception
+            # propagates: the step's KV is not worth saving, and a rank
+            # that failed alone must not wait in the exchange below for
+            # ranks still inside the forward pass's own collectives.
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvhMetadata)

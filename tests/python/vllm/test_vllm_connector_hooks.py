@@ -191,7 +191,10 @@ def test_a_load_failed_on_another_rank_holds_this_ranks_saves():
             return [min(v, o) for v, o in zip(values, [2, none])]
 
         def rank(**attrs):
-            base = dict(_block_size=bs, _failed_loads=[], _unsound_from={}, _tp_size=2, _store=object())
+            base = dict(
+                _block_size=bs, _failed_loads=[], _unsound_from={}, _tp_size=2, _store=object(),
+                _ranks_unreachable=False,
+            )
             base.update(attrs)
             return bare(**base)
 
@@ -224,7 +227,47 @@ def test_a_load_failed_on_another_rank_holds_this_ranks_saves():
         def unreachable(values):
             raise RuntimeError("no process group")
 
-        assert saved(rank(_ranks_min=unreachable)) == []
+        k = rank(_ranks_min=unreachable)
+        assert saved(k) == []
+        # Such a group fails every later collective: it is asked no more.
+        k._ranks_min = other_rank_failed_r_at_block_2
+        sent.clear()
+        assert saved(k) == []
+        assert sent == []
+
+        # A step that raised: vLLM calls wait_for_save from a `finally`.
+        # Neither the exchange (the other ranks may be inside the forward
+        # pass's collectives) nor the saves run.
+        import contextlib
+
+        class Store:
+            saved = []
+
+            def save_async(self, items):
+                self.saved.extend(items)
+
+        meta = step()
+        k = rank(_ranks_min=other_rank_failed_r_at_block_2, _store=Store(), _inflight=[])
+        k.has_connector_metadata = lambda: True
+        k._get_connector_metadata = lambda: meta
+        sent.clear()
+
+        @contextlib.contextmanager
+        def forward_step():
+            try:
+                yield
+            finally:
+                k.wait_for_save()
+
+        try:
+            with forward_step():
+                raise RuntimeError("the forward pass failed")
+        except RuntimeError:
+            pass
+        assert sent == [] and Store.saved == []
+        with forward_step():
+            pass
+        assert sent == [[none, none]] and [item[0] for item in Store.saved] == ["q"]
         """
     )
 
