@@ -117,9 +117,12 @@ kvh_status kvh_block_pin(kvh_engine *e, kvh_block block, int32_t pinned)
     if (st != KVH_OK)
         return st;
     uint32_t b;
-    if ((st = kvhi_block_resolve(e, block, &b)) == KVH_OK) {
-        st = kvhi_block_pin_handle(e, b, pinned != 0);
+    if ((st = kvhi_block_resolve(e, block, &b)) == KVH_OK && pinned) {
+        kvhi_block_settle_for_pin(e, b);
+        st = kvhi_block_resolve(e, block, &b); /* the lock may have been dropped */
     }
+    if (st == KVH_OK)
+        st = kvhi_block_pin_handle(e, b, pinned != 0);
     kvhi_leave(e);
     return st;
 }

@@ -146,6 +146,12 @@ void kvhi_block_ref_handle(kvh_engine *e, uint32_t b)
         kvhi_block_release_key_clear(e, b);
 }
 
+void kvhi_block_settle_for_pin(kvh_engine *e, uint32_t b)
+{
+    while (!kvhi_block_recall(e, b) && kvhi_block_in_flight(&e->blocks[b]))
+        kvhi_block_wait_idle(e, b);
+}
+
 __attribute__((always_inline)) static inline void block_unref(kvh_engine *e, uint32_t b);
 
 /* The record work of a release that kvhi_block_release_trusted took: the
@@ -234,7 +240,8 @@ static inline void block_place(kvh_engine *e, uint32_t b, uint32_t tier, uint32_
     if (blk->tier == KVH_TIER_DEVICE)
         agent_count(e, blk->agent, -1);
     if (blk->pins && blk->tier < KVH_TIER_COUNT) {
-        /* Pinned while its move was already in flight: the pin follows. */
+        /* A pinned block that a call must read or change in memory is
+         * brought up (kvh.h, kvh_seq_pin): the pin follows. */
         e->tiers[blk->tier].pinned--;
         e->tiers[tier].pinned++;
     }

@@ -213,6 +213,11 @@ bool kvhi_block_in_device(const kvh_engine *e, uint32_t b);
  * the move then commits as a clean disk copy (or nothing). False when b
  * is not in such a move. */
 bool kvhi_block_recall(kvh_engine *e, uint32_t b);
+/* Before b is pinned: a demotion to disk in flight is called back, and
+ * any other move in flight (an eviction) is waited for, so that the pin
+ * holds b in the tier it is in when the pin is taken. May drop the lock:
+ * b may have been freed meanwhile (callers holding no reference check). */
+void kvhi_block_settle_for_pin(kvh_engine *e, uint32_t b);
 /* Takes one reference (the caller has checked refs < UINT32_MAX); a
  * cached block (none before) is re-filed as referenced. */
 void kvhi_block_ref(kvh_engine *e, uint32_t b);

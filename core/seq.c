@@ -835,10 +835,21 @@ kvh_status kvhi_seq_pin(kvh_engine *e, kvhi_seq *s, uint64_t first, uint64_t n, 
             return kvhi_fail(KVH_ERR_RANGE, "block %u of the sequence is pinned %u times already", i, UINT32_MAX);
     }
     for (uint32_t i = b0; i < b1; i++) {
-        if (pin)
+        if (pin) {
+            /* Each block is pinned as soon as it has settled: pinned, it
+             * is no victim while the next one's move is waited for. */
+            kvhi_block_settle_for_pin(e, s->blocks[i]);
+            if (e->blocks[s->blocks[i]].pins == UINT32_MAX) { /* another sequence's pins, meanwhile */
+                for (uint32_t j = b0; j < i; j++) {
+                    s->pins[j]--;
+                    kvhi_block_pin(e, s->blocks[j], false);
+                }
+                return kvhi_fail(KVH_ERR_RANGE, "block %u of the sequence is pinned %u times already", i, UINT32_MAX);
+            }
             s->pins[i]++;
-        else
+        } else {
             s->pins[i]--;
+        }
         kvhi_block_pin(e, s->blocks[i], pin);
     }
     return KVH_OK;

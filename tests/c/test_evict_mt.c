@@ -4,10 +4,16 @@
  * itself needs disk room (a persist, a move down to the disk), no other
  * worker is there to run them: it runs them itself, at once, and the work
  * that needed the room completes with the data intact (and durable, for
- * the persist). test_evict.c covers a caller that waits for the worker. */
+ * the persist). A pin taken while its block's eviction is in flight
+ * waits for it and holds the block where it arrived; one taken while a
+ * demotion to disk is in flight calls it back. test_evict.c covers a
+ * caller that waits for the worker. */
+#include <stdatomic.h>
+
 #include "disk_test_util.h"
 
 #include "core/block.h"
+#include "core/disk_io.h"
 #include "core/engine.h"
 #include "core/migrate.h"
 #include "core/pool_batch.h"
@@ -165,8 +171,152 @@ static void test_a_read_does_not_wait_for_a_worker_waiting_for_it(void **state)
     dt_assert_ok(dt_close(e));
 }
 
+/* Disk writes stall in the fault hook while `stall` is set, saying so. */
+static struct {
+    atomic_int stall, writing;
+} W;
+
+static int stalling_hook(enum kvhi_disk_op op, void *user)
+{
+    (void)user;
+    if (op == KVHI_OP_WRITE && atomic_load(&W.stall)) {
+        atomic_store(&W.writing, 1);
+        while (atomic_load(&W.stall))
+            usleep(1000);
+    }
+    return 0;
+}
+
+static void wait_until_writing(void)
+{
+    for (int i = 0; i < 10000 && !atomic_load(&W.writing); i++)
+        usleep(1000);
+    assert_true(atomic_load(&W.writing));
+}
+
+typedef struct pin_call {
+    kvh_engine *e;
+    kvh_seq s;
+    bool by_handle; /* kvh_block_pin on its first block, not kvh_seq_pin */
+    kvh_status st;
+    uint32_t tier_at_return;
+    atomic_int done;
+} pin_call;
+
+static void *pin_thread(void *arg)
+{
+    pin_call *p = arg;
+    kvh_block h = {0};
+    p->st = p->by_handle ? kvh_seq_blocks(p->e, p->s, 0, 1, &h) : KVH_OK;
+    if (p->st == KVH_OK)
+        p->st = p->by_handle ? kvh_block_pin(p->e, h, 1) : kvh_seq_pin(p->e, p->s, 0, G.bt, 1);
+    p->tier_at_return = dt_binfo(p->e, p->s, 0).tier;
+    atomic_store(&p->done, 1);
+    return NULL;
+}
+
+typedef struct build_call {
+    kvh_engine *e;
+    kvh_seq s;
+    kvh_status st;
+} build_call;
+
+static void *build_thread(void *arg)
+{
+    build_call *b = arg;
+    b->st = dt_build(b->e, G, dt_plain(72), G.bt, 0, &b->s);
+    return NULL;
+}
+
+static void *migrate_thread(void *arg)
+{
+    pin_call *p = arg; /* reused: st is the migration's */
+    p->st = kvh_seq_migrate(p->e, p->s, 0, G.bt, KVH_TIER_DISK, NULL);
+    return NULL;
+}
+
+static void test_a_pin_holds_a_block_where_its_move_leaves_it(void **state)
+{
+    (void)state;
+    char dir[PATH_MAX];
+    dt_scratch("pin-in-flight", dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 2, 2, 16, 0);
+    kvh_engine *e = dt_open_a(&c);
+    kvh_seq p, x, y;
+    /* The host tier full of pinned blocks, the device tier of X and a
+     * pinned Y: X is the only victim, and it goes straight to disk. */
+    dt_assert_ok(dt_build(e, G, dt_plain(70), 2 * G.bt, 0, &p));
+    dt_assert_ok(kvh_seq_migrate(e, p, 0, 2 * G.bt, KVH_TIER_HOST, NULL));
+    dt_assert_ok(kvh_seq_pin(e, p, 0, 2 * G.bt, 1));
+    dt_assert_ok(dt_build(e, G, dt_plain(71), G.bt, 0, &x));
+    dt_assert_ok(dt_build(e, G, dt_plain(73), G.bt, 0, &y));
+    dt_assert_ok(kvh_seq_pin(e, y, 0, G.bt, 1));
+    kvhi_disk_set_fault_hook(stalling_hook, NULL);
+
+    /* (a) An eviction in flight: the pin waits for it. */
+    atomic_store(&W.stall, 1);
+    atomic_store(&W.writing, 0);
+    build_call z = {.e = e};
+    pthread_t tz, tp;
+    assert_int_equal(pthread_create(&tz, NULL, build_thread, &z), 0);
+    wait_until_writing();
+    pin_call pc = {.e = e, .s = x};
+    assert_int_equal(pthread_create(&tp, NULL, pin_thread, &pc), 0);
+    usleep(100000);
+    assert_false(atomic_load(&pc.done)); /* waiting for the eviction */
+    atomic_store(&W.stall, 0);
+    pthread_join(tz, NULL);
+    pthread_join(tp, NULL);
+    dt_assert_ok(z.st);
+    dt_assert_ok(pc.st);
+    assert_int_equal(pc.tier_at_return, KVH_TIER_DISK);
+    kvh_block_info xi = dt_binfo(e, x, 0);
+    assert_int_equal(xi.tier, KVH_TIER_DISK);
+    assert_int_equal(xi.pins, 1);
+    char msg[256] = "";
+    if (dt_verify(e, x, G, dt_plain(71), 0, G.bt, msg, sizeof(msg)) != KVH_OK)
+        fail_msg("X: %s", msg);
+    dt_assert_ok(kvh_seq_pin(e, x, 0, G.bt, 0));
+    dt_assert_ok(kvh_seq_free(e, z.s));
+
+    /* (b) A demotion to disk in flight (of Y, which has no disk copy
+     * yet): the pin, through a block handle, calls it back, and Y stays
+     * in the device tier. */
+    dt_assert_ok(kvh_seq_pin(e, y, 0, G.bt, 0));
+    assert_int_equal(dt_binfo(e, y, 0).tier, KVH_TIER_DEVICE);
+    atomic_store(&W.stall, 1);
+    atomic_store(&W.writing, 0);
+    pin_call mc = {.e = e, .s = y};
+    pthread_t tm;
+    assert_int_equal(pthread_create(&tm, NULL, migrate_thread, &mc), 0);
+    wait_until_writing();
+    pc = (pin_call){.e = e, .s = y, .by_handle = true};
+    assert_int_equal(pthread_create(&tp, NULL, pin_thread, &pc), 0);
+    for (int i = 0; i < 5000 && !atomic_load(&pc.done); i++)
+        usleep(1000);
+    assert_true(atomic_load(&pc.done)); /* no wait for the write */
+    atomic_store(&W.stall, 0);
+    pthread_join(tm, NULL);
+    pthread_join(tp, NULL);
+    dt_assert_ok(pc.st);
+    assert_int_equal(pc.tier_at_return, KVH_TIER_DEVICE);
+    assert_int_equal(dt_binfo(e, y, 0).tier, KVH_TIER_DEVICE);
+    kvhi_disk_set_fault_hook(NULL, NULL);
+    if (dt_verify(e, y, G, dt_plain(73), 0, G.bt, msg, sizeof(msg)) != KVH_OK)
+        fail_msg("Y after the recall: %s", msg);
+    kvh_block yb = {0};
+    dt_assert_ok(kvh_seq_blocks(e, y, 0, 1, &yb));
+    dt_assert_ok(kvh_block_pin(e, yb, 0));
+    dt_assert_ok(kvh_seq_pin(e, p, 0, 2 * G.bt, 0));
+    dt_assert_ok(kvh_seq_free(e, x));
+    dt_assert_ok(kvh_seq_free(e, y));
+    dt_assert_ok(kvh_seq_free(e, p));
+}
+
 static int teardown(void **state)
 {
+    atomic_store(&W.stall, 0);
+    kvhi_disk_set_fault_hook(NULL, NULL);
     wb_release_held_lock();
     return dt_teardown(state);
 }
@@ -176,6 +326,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_lone_worker_runs_queued_moves_out, teardown),
         cmocka_unit_test_teardown(test_a_read_does_not_wait_for_a_worker_waiting_for_it, teardown),
+        cmocka_unit_test_teardown(test_a_pin_holds_a_block_where_its_move_leaves_it, teardown),
     };
     return cmocka_run_group_tests_name("evict_mt", tests, NULL, NULL);
 }

@@ -797,7 +797,10 @@ KVH_API kvh_status kvh_seq_release(kvh_engine *engine, kvh_seq seq, uint64_t fir
 
 /* Pins (pinned != 0) or unpins the blocks holding tokens [first, first+n)
  * in the tier where they are: eviction, kvh_migrate, prefetches and
- * kvh_seq_acquire (KVH_ERR_BUSY) never move a pinned block. A block pinned
+ * kvh_seq_acquire (KVH_ERR_BUSY) never move a pinned block. A block
+ * already on its way to another tier (an eviction in flight) is pinned
+ * where it arrives: the call waits for that move; a demotion to disk
+ * that can still be called back is, and the block stays. A block pinned
  * in the disk tier that a call must read or change in memory (read_kv,
  * write_kv, a copy on write, a persist, a pool restore) is still brought
  * up, and its pins go with it. Pins nest. A pin taken through a sequence is the sequence's: unpinning
@@ -866,7 +869,8 @@ KVH_API kvh_status kvh_block_alloc(kvh_engine *engine, uint32_t agent, kvh_block
 KVH_API kvh_status kvh_block_retain(kvh_engine *engine, kvh_block block);
 KVH_API kvh_status kvh_block_release(kvh_engine *engine, kvh_block block);
 
-/* Pins or unpins one block in its current tier. Pins nest, and those taken
+/* Pins or unpins one block in its current tier (a move in flight as in
+ * kvh_seq_pin). Pins nest, and those taken
  * through block handles are counted apart from a sequence's (kvh_seq_pin):
  * unpinning here drops one taken here. Returns KVH_ERR_INVALID_ARG
  * (unpinning when no pin taken through a handle is left),
