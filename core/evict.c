@@ -54,8 +54,10 @@ static kvh_status leave_to(kvh_engine *e, uint32_t v, uint32_t from, uint32_t to
 }
 
 /* Frees b's slot in its tier, by demotion or (unreferenced) by dropping;
- * the freed slot is handed to the caller. */
-static kvh_status evict_one(kvh_engine *e, uint32_t v, uint32_t *freed)
+ * the freed slot is handed to the caller. *changed: failed with
+ * KVH_ERR_NOSPACE because v changed while the lock was dropped (another
+ * victim may do). */
+static kvh_status evict_one(kvh_engine *e, uint32_t v, uint32_t *freed, bool *changed)
 {
     kvhi_block *blk = &e->blocks[v];
     uint32_t from = blk->tier;
@@ -73,6 +75,7 @@ static kvh_status evict_one(kvh_engine *e, uint32_t v, uint32_t *freed)
         st = leave_to(e, v, from, KVH_TIER_DISK, freed, &still_here);
     if (st != KVH_ERR_NOSPACE)
         return st;
+    *changed = !still_here;
     if (!still_here)
         return kvhi_fail(KVH_ERR_NOSPACE, "no tier below had room for a victim, which another thread then pinned, "
                                           "held, moved or freed");
@@ -162,7 +165,8 @@ kvh_status kvhi_reserve_slot(kvh_engine *e, uint32_t tier, uint32_t for_agent, u
                                                      : "disk",
                              tier_below(e, tier) < 0 ? ", or still referenced with no tier below" : "");
         }
-        kvh_status st = evict_one(e, v, slot);
+        bool changed = false;
+        kvh_status st = evict_one(e, v, slot, &changed);
         if (st == KVH_OK && qa && kvhi_agent_at_quota(e, for_agent)) {
             /* Still at its quota (lowered below what it holds): the slot
              * goes back and another of its blocks leaves, rather than a
@@ -174,9 +178,14 @@ kvh_status kvhi_reserve_slot(kvh_engine *e, uint32_t tier, uint32_t for_agent, u
             return KVH_OK;
         if (st != KVH_ERR_NOSPACE)
             return st;
+        /* The victim was pinned, held, moved or freed by another thread
+         * while its move had the lock dropped: the tier is looked at
+         * afresh (bounded by the attempts). */
+        if (changed)
+            continue;
         /* The lock may have been dropped: the block is looked up afresh. */
         uint32_t c = victim_with_disk_copy(e, tier, of);
-        if (c != KVHI_HEAP_NONE && evict_one(e, c, slot) == KVH_OK)
+        if (c != KVHI_HEAP_NONE && evict_one(e, c, slot, &changed) == KVH_OK)
             return KVH_OK;
         /* The victim could not leave (everything below is referenced and
          * full): nothing else in this tier can either. */
