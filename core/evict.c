@@ -32,6 +32,14 @@ static uint32_t pick_victim(kvh_engine *e, uint32_t t, kvhi_agent *quota_agent)
     return v;
 }
 
+/* Whether blk is a live block no thread is moving, copying, pinning or
+ * holding: one that may leave its tier now. */
+static bool free_to_leave(const kvhi_block *blk)
+{
+    return (blk->flags & (KVHI_BF_LIVE | KVHI_BF_DEAD)) == KVHI_BF_LIVE && !kvhi_block_busy(blk) && !blk->pins &&
+           !blk->holds;
+}
+
 /* Moves victim v (of tier `from`) down to tier `to`, handing its slot to
  * *freed. KVH_ERR_NOSPACE when `to` has no room or fails its writes and v
  * may still try elsewhere: *still_here then says whether v is still an
@@ -48,8 +56,7 @@ static kvh_status leave_to(kvh_engine *e, uint32_t v, uint32_t from, uint32_t to
     /* A disk that fails writes is treated like a full one. */
     if (st == KVH_ERR_IO)
         st = KVH_ERR_NOSPACE;
-    *still_here = (blk->flags & KVHI_BF_LIVE) && !kvhi_block_busy(blk) && !(blk->flags & KVHI_BF_DEAD) && !blk->pins &&
-                  !blk->holds && blk->tier == from;
+    *still_here = free_to_leave(blk) && blk->tier == from;
     return st;
 }
 
@@ -100,8 +107,7 @@ static uint32_t victim_with_disk_copy(kvh_engine *e, uint32_t t, uint32_t agent)
         return KVHI_HEAP_NONE;
     for (uint32_t b = 0; b < e->block_cap; b++) {
         const kvhi_block *blk = &e->blocks[b];
-        if ((blk->flags & (KVHI_BF_LIVE | KVHI_BF_DISK_COPY | KVHI_BF_DEAD)) == (KVHI_BF_LIVE | KVHI_BF_DISK_COPY) &&
-            blk->tier == t && !kvhi_block_busy(blk) && !blk->pins && !blk->holds &&
+        if ((blk->flags & KVHI_BF_DISK_COPY) && blk->tier == t && free_to_leave(blk) &&
             (agent == KVHI_NO_BLOCK || blk->agent == agent))
             return b;
     }
