@@ -114,8 +114,11 @@ static inline void kvhi_block_prefetch(const kvh_engine *e, uint32_t i)
  * backlog, KVHI_RELEASE_BACKLOG calls, while the record's prefetch
  * arrives. Every other call applies the backlog when it enters
  * (kvhi_enter), so it sees each release that returned before it as done;
- * threads of the engine that take the lock themselves may see it as not
- * yet made, a state the engine was in a moment earlier.
+ * so do the migration workers before each piece of work, and a slot
+ * reservation before it waits or gives up for want of a victim (room a
+ * release made is never reported missing). Elsewhere a thread of the
+ * engine may see a release as not yet made, a state the engine was in a
+ * moment earlier.
  *
  * A key is 0, or a count (top 2 bits) of handle references a release may
  * drop on trust over the record's reuse count: how many generations it is

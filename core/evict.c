@@ -155,6 +155,12 @@ kvh_status kvhi_reserve_slot(kvh_engine *e, uint32_t tier, uint32_t for_agent, u
         if (v == KVHI_HEAP_NONE && tier == KVH_TIER_DISK && e->n_jobs &&
             kvhi_wait_queued_moves_out(e, tier, &queued_deadline))
             continue;
+        /* Releases that returned while the lock was dropped, not yet
+         * applied: their blocks may be the room. */
+        if (v == KVHI_HEAP_NONE && e->release_backlog_len) {
+            kvhi_block_releases_apply(e);
+            continue;
+        }
         if (v == KVHI_HEAP_NONE && e->copies_in_progress) {
             /* Blocks of this tier may be busy in a copy: room can appear
              * when it ends, so this is not yet "no space". */

@@ -533,6 +533,11 @@ static void *worker_main(void *arg)
     }
     pthread_mutex_lock(&e->lock);
     while (!e->stop_workers) {
+        /* Releases that returned to their callers are done before any
+         * work here counts references (core/block.h: no caller may have
+         * entered since). */
+        if (e->release_backlog_len)
+            kvhi_block_releases_apply(e);
         if (e->pool_work_head) {
             kvhi_pool_work_run_next(e);
             continue;

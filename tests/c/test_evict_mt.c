@@ -313,6 +313,56 @@ static void test_a_pin_holds_a_block_where_its_move_leaves_it(void **state)
     dt_assert_ok(kvh_seq_free(e, p));
 }
 
+/* A release that returned is room for a move the worker runs next, though
+ * no call entered the engine in between: a host block's move down to a
+ * full disk, queued behind one whose write stalls, finds the slot of a
+ * disk block released meanwhile. */
+static void test_a_release_is_room_for_the_next_queued_move(void **state)
+{
+    (void)state;
+    char dir[PATH_MAX];
+    dt_scratch("release-room", dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 2, 2, 5, 1);
+    kvh_engine *e = dt_open_a(&c);
+    kvh_block h[8];
+    int host[2], n_host = 0, on_disk = -1;
+    for (int i = 0; i < 8; i++)
+        dt_assert_ok(kvh_block_alloc(e, 0, &h[i]));
+    for (int i = 0; i < 7; i++) { /* not the newest: its release takes the fast path */
+        kvh_block_info bi = {.struct_size = sizeof(bi)};
+        dt_assert_ok(kvh_block_info_get(e, h[i], &bi));
+        if (bi.tier == KVH_TIER_HOST && n_host < 2)
+            host[n_host++] = i;
+        else if (bi.tier == KVH_TIER_DISK && on_disk < 0)
+            on_disk = i;
+    }
+    assert_int_equal(n_host, 2);
+    assert_true(on_disk >= 0);
+    assert_int_equal(dt_tier(e, KVH_TIER_DISK).used_blocks, 4);
+
+    kvhi_disk_set_fault_hook(stalling_hook, NULL);
+    atomic_store(&W.stall, 1);
+    atomic_store(&W.writing, 0);
+    kvh_fence first = {0}, second = {0};
+    dt_assert_ok(kvh_migrate(e, &h[host[0]], 1, KVH_TIER_DISK, &first)); /* the last free disk slot */
+    wait_until_writing();
+    dt_assert_ok(kvh_migrate(e, &h[host[1]], 1, KVH_TIER_DISK, &second));
+    dt_assert_ok(kvh_block_release(e, h[on_disk]));
+    atomic_store(&W.stall, 0);
+    usleep(300000); /* the worker runs both moves; no call enters meanwhile */
+    dt_assert_ok(kvh_fence_wait(e, first, UINT64_MAX));
+    dt_assert_ok(kvh_fence_wait(e, second, UINT64_MAX));
+    kvhi_disk_set_fault_hook(NULL, NULL);
+    dt_assert_ok(kvh_fence_free(e, first));
+    dt_assert_ok(kvh_fence_free(e, second));
+    assert_int_equal(dt_tier(e, KVH_TIER_DISK).used_blocks, 5);
+    for (int i = 0; i < 8; i++)
+        if (i != on_disk)
+            dt_assert_ok(kvh_block_release(e, h[i]));
+    assert_int_equal(dt_tier(e, KVH_TIER_DISK).used_blocks, 0);
+    dt_assert_ok(dt_close(e));
+}
+
 static int teardown(void **state)
 {
     atomic_store(&W.stall, 0);
@@ -327,6 +377,7 @@ int main(void)
         cmocka_unit_test_teardown(test_lone_worker_runs_queued_moves_out, teardown),
         cmocka_unit_test_teardown(test_a_read_does_not_wait_for_a_worker_waiting_for_it, teardown),
         cmocka_unit_test_teardown(test_a_pin_holds_a_block_where_its_move_leaves_it, teardown),
+        cmocka_unit_test_teardown(test_a_release_is_room_for_the_next_queued_move, teardown),
     };
     return cmocka_run_group_tests_name("evict_mt", tests, NULL, NULL);
 }
