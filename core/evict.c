@@ -11,6 +11,18 @@
 #include "core/remote_tier.h"
 #include "core/migrate.h"
 
+static _Thread_local uint32_t victim_ceiling = KVHI_NO_BLOCK;
+
+void kvhi_victim_ceiling_set(uint32_t b) { victim_ceiling = b; }
+
+bool kvhi_victim_under_ceiling(kvh_engine *e, uint32_t tier, uint32_t v)
+{
+    /* By the primary key (class, hint priority or K-th access time), as
+     * the prefetch's own check (core/migrate.c prefetch_has_room). */
+    return tier != KVH_TIER_DEVICE || victim_ceiling == KVHI_NO_BLOCK ||
+           kvhi_block_current_key(e, v).primary < kvhi_block_current_key(e, victim_ceiling).primary;
+}
+
 static int tier_below(kvh_engine *e, uint32_t t)
 {
     for (uint32_t u = t + 1; u < KVH_TIER_COUNT; u++)
@@ -177,6 +189,8 @@ kvh_status kvhi_reserve_slot(kvh_engine *e, uint32_t tier, uint32_t for_agent, u
                                                      : "disk",
                              tier_below(e, tier) < 0 ? ", or still referenced with no tier below" : "");
         }
+        if (!kvhi_victim_under_ceiling(e, tier, v))
+            return kvhi_fail(KVH_ERR_NOSPACE, "no device block ranks below the prefetched one");
         bool changed = false;
         kvh_status st = evict_one(e, v, slot, &changed);
         if (st == KVH_OK && qa && kvhi_agent_at_quota(e, for_agent)) {
@@ -197,7 +211,7 @@ kvh_status kvhi_reserve_slot(kvh_engine *e, uint32_t tier, uint32_t for_agent, u
             continue;
         /* The lock may have been dropped: the block is looked up afresh. */
         uint32_t c = victim_with_disk_copy(e, tier, of);
-        if (c != KVHI_HEAP_NONE && evict_one(e, c, slot, &changed) == KVH_OK)
+        if (c != KVHI_HEAP_NONE && kvhi_victim_under_ceiling(e, tier, c) && evict_one(e, c, slot, &changed) == KVH_OK)
             return KVH_OK;
         /* The victim could not leave (everything below is referenced and
          * full): nothing else in this tier can either. */

@@ -29,5 +29,12 @@ kvhi_agent *kvhi_agent_at_quota(kvh_engine *e, uint32_t id);
  * and retaken. `for_agent` applies that agent's device quota. */
 kvh_status kvhi_reserve_slot(kvh_engine *e, uint32_t tier, uint32_t for_agent, uint32_t *slot);
 uint8_t *kvhi_slot_addr(kvh_engine *e, uint32_t tier, uint32_t slot);
+/* While this thread moves block b up for a prefetch (KVHI_NO_BLOCK: none),
+ * a block may leave the device tier for it only if it ranks below b, as
+ * kvh_prefetch promises: checked on every victim, also one picked again
+ * after the lock was dropped, and on a tier swap. */
+void kvhi_victim_ceiling_set(uint32_t b);
+/* Whether v may leave tier `tier` under this thread's ceiling (lock held). */
+bool kvhi_victim_under_ceiling(kvh_engine *e, uint32_t tier, uint32_t v);
 
 #endif

@@ -8,6 +8,7 @@
  * waits for it and holds the block where it arrived; one taken while a
  * demotion to disk is in flight calls it back. test_evict.c covers a
  * caller that waits for the worker. */
+#include <errno.h>
 #include <stdatomic.h>
 
 #include "disk_test_util.h"
@@ -173,7 +174,7 @@ static void test_a_read_does_not_wait_for_a_worker_waiting_for_it(void **state)
 
 /* Disk writes stall in the fault hook while `stall` is set, saying so. */
 static struct {
-    atomic_int stall, writing;
+    atomic_int stall, writing, fail_next;
 } W;
 
 static int stalling_hook(enum kvhi_disk_op op, void *user)
@@ -183,6 +184,20 @@ static int stalling_hook(enum kvhi_disk_op op, void *user)
         atomic_store(&W.writing, 1);
         while (atomic_load(&W.stall))
             usleep(1000);
+    }
+    return 0;
+}
+
+/* The first disk write while `fail_next` is set stalls like one above,
+ * then fails. */
+static int failing_hook(enum kvhi_disk_op op, void *user)
+{
+    (void)user;
+    if (op == KVHI_OP_WRITE && atomic_exchange(&W.fail_next, 0)) {
+        atomic_store(&W.writing, 1);
+        while (atomic_load(&W.stall))
+            usleep(1000);
+        return -EIO;
     }
     return 0;
 }
@@ -363,9 +378,86 @@ static void test_a_release_is_room_for_the_next_queued_move(void **state)
     dt_assert_ok(dt_close(e));
 }
 
+typedef struct range_call {
+    kvh_engine *e;
+    kvh_seq s;
+    size_t n;
+    kvh_status st;
+} range_call;
+
+static void *prefetch_at_50(void *arg)
+{
+    range_call *r = arg;
+    r->st = kvh_prefetch(r->e, r->s, 0, r->n, 50, NULL);
+    return NULL;
+}
+
+static void *acquire_thread(void *arg)
+{
+    range_call *r = arg;
+    r->st = kvh_seq_acquire(r->e, r->s, 0, r->n, NULL);
+    return NULL;
+}
+
+/* kvh_prefetch moves a block up only into a free device slot or in place
+ * of a block of a lower class. Device: V (unhinted) and H (hinted at
+ * 100); host full of W and Z; a prefetch of Z at 50 may take only V. V's
+ * way down needs a host slot, so W is written to disk; an acquire holds V
+ * while that write stalls, and the write fails. The eviction looks for
+ * another victim, and it must not be H. */
+static void test_a_prefetch_takes_no_victim_hinted_above_it(void **state)
+{
+    (void)state;
+    char dir[PATH_MAX];
+    dt_scratch("prefetch-ceiling", dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 2, 2, 16, 0);
+    c.eviction_policy = KVH_EVICT_LRU_K;
+    kvh_engine *e = dt_open_a(&c);
+    const size_t n = G.bt - 1; /* partial blocks: no clean disk copies */
+    kvh_seq v, h, w, z;
+    dt_assert_ok(dt_build(e, G, dt_plain(80), n, 0, &w));
+    dt_assert_ok(dt_build(e, G, dt_plain(81), n, 0, &z));
+    dt_assert_ok(kvh_seq_migrate(e, w, 0, n, KVH_TIER_HOST, NULL));
+    dt_assert_ok(kvh_seq_migrate(e, z, 0, n, KVH_TIER_HOST, NULL));
+    dt_assert_ok(dt_build(e, G, dt_plain(82), n, 0, &v));
+    dt_assert_ok(dt_build(e, G, dt_plain(83), n, 0, &h));
+    dt_assert_ok(kvh_seq_hint(e, h, 0, n, 100));
+
+    kvhi_disk_set_fault_hook(failing_hook, NULL);
+    atomic_store(&W.stall, 1);
+    atomic_store(&W.writing, 0);
+    atomic_store(&W.fail_next, 1);
+    range_call pf = {.e = e, .s = z, .n = n}, acq = {.e = e, .s = v, .n = n};
+    pthread_t tp, ta;
+    assert_int_equal(pthread_create(&tp, NULL, prefetch_at_50, &pf), 0);
+    wait_until_writing();
+    assert_int_equal(pthread_create(&ta, NULL, acquire_thread, &acq), 0);
+    usleep(200000); /* the acquire holds V, waiting on its move */
+    atomic_store(&W.stall, 0);
+    pthread_join(tp, NULL);
+    pthread_join(ta, NULL);
+    kvhi_disk_set_fault_hook(NULL, NULL);
+    dt_assert_ok(pf.st);
+    dt_assert_ok(acq.st);
+    assert_int_equal(dt_binfo(e, h, 0).tier, KVH_TIER_DEVICE);
+    assert_int_equal(dt_binfo(e, v, 0).tier, KVH_TIER_DEVICE);
+    assert_int_not_equal(dt_binfo(e, z, 0).tier, KVH_TIER_DEVICE);
+    dt_assert_ok(kvh_seq_release(e, v, 0, n));
+    const dt_content want[4] = {dt_plain(82), dt_plain(83), dt_plain(80), dt_plain(81)};
+    const kvh_seq seqs[4] = {v, h, w, z};
+    for (int i = 0; i < 4; i++) {
+        char msg[256] = "";
+        if (dt_verify(e, seqs[i], G, want[i], 0, n, msg, sizeof(msg)) != KVH_OK)
+            fail_msg("sequence %d: %s", i, msg);
+        dt_assert_ok(kvh_seq_free(e, seqs[i]));
+    }
+    dt_assert_ok(dt_close(e));
+}
+
 static int teardown(void **state)
 {
     atomic_store(&W.stall, 0);
+    atomic_store(&W.fail_next, 0);
     kvhi_disk_set_fault_hook(NULL, NULL);
     wb_release_held_lock();
     return dt_teardown(state);
@@ -378,6 +470,7 @@ int main(void)
         cmocka_unit_test_teardown(test_a_read_does_not_wait_for_a_worker_waiting_for_it, teardown),
         cmocka_unit_test_teardown(test_a_pin_holds_a_block_where_its_move_leaves_it, teardown),
         cmocka_unit_test_teardown(test_a_release_is_room_for_the_next_queued_move, teardown),
+        cmocka_unit_test_teardown(test_a_prefetch_takes_no_victim_hinted_above_it, teardown),
     };
     return cmocka_run_group_tests_name("evict_mt", tests, NULL, NULL);
 }
