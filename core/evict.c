@@ -107,23 +107,31 @@ static kvh_status evict_one(kvh_engine *e, uint32_t v, uint32_t *freed, bool *ch
     return KVH_OK;
 }
 
-/* A block of memory tier t that can leave for the disk tier below it
+/* The block of memory tier t that can leave for the disk tier below it
  * without I/O and without a disk slot (its clean disk copy takes it
  * back), when the heap's top cannot leave: with the disk full of
- * referenced blocks, such a block is the only room t can still make.
+ * referenced blocks, such blocks are the only room t can still make.
  * Evictable only (idle, unpinned, unheld); an agent at its quota (agent
- * not KVHI_NO_BLOCK) gives one of its own. KVHI_HEAP_NONE if none. */
+ * not KVHI_NO_BLOCK) gives one of its own. The first in the victim order
+ * (hints, class, recency) of them; KVHI_HEAP_NONE if none. */
 static uint32_t victim_with_disk_copy(kvh_engine *e, uint32_t t, uint32_t agent)
 {
     if (tier_below(e, t) != KVH_TIER_DISK)
         return KVHI_HEAP_NONE;
+    uint32_t best = KVHI_HEAP_NONE;
+    kvhi_lruk_key best_key = {0, 0};
     for (uint32_t b = 0; b < e->block_cap; b++) {
         const kvhi_block *blk = &e->blocks[b];
-        if ((blk->flags & KVHI_BF_DISK_COPY) && blk->tier == t && free_to_leave(blk) &&
-            (agent == KVHI_NO_BLOCK || blk->agent == agent))
-            return b;
+        if (!(blk->flags & KVHI_BF_DISK_COPY) || blk->tier != t || !free_to_leave(blk) ||
+            (agent != KVHI_NO_BLOCK && blk->agent != agent))
+            continue;
+        kvhi_lruk_key key = kvhi_block_current_key(e, b);
+        if (best == KVHI_HEAP_NONE || kvhi_lruk_less(&key, &best_key)) {
+            best = b;
+            best_key = key;
+        }
     }
-    return KVHI_HEAP_NONE;
+    return best;
 }
 
 kvh_status kvhi_reserve_slot(kvh_engine *e, uint32_t tier, uint32_t for_agent, uint32_t *slot)

@@ -26,6 +26,8 @@
  *     and the reservation fails when it is referenced;
  *   - a device victim passes a host tier full of pinned blocks straight
  *     to the disk, referenced or cached (not dropped);
+ *   - a victim leaving onto its clean disk copy, when the heap's top has
+ *     no disk slot to go to, is the first such block in the victim order;
  *   - an agent at its device quota makes room among its own blocks, its
  *     least valuable first, even with free slots; with none of its own
  *     evictable it gets NOSPACE (new blocks then go to the host tier),
@@ -596,6 +598,45 @@ static void test_victim_passes_a_pinned_host_tier(void **state)
 
 /* ---- agent quotas ---- */
 
+/* When the heap's top cannot leave (no disk slot for it), the block that
+ * leaves onto its clean disk copy instead is the first such block in the
+ * victim order, not the first in the block table: a hinted block stays,
+ * an unhinted one goes. */
+static void test_victim_with_a_disk_copy_follows_the_order(void **state)
+{
+    (void)state;
+    char dir[PATH_MAX];
+    dt_scratch("disk-copy-order", dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 3, 0, 6, 0);
+    c.eviction_policy = KVH_EVICT_LRU_K;
+    kvh_engine *e = dt_open_a(&c);
+    kvh_seq fill[4], h, x, u, n;
+    for (int i = 0; i < 4; i++) { /* the disk: referenced partial blocks */
+        dt_assert_ok(dt_build(e, G, dt_plain(90 + (uint64_t)i), G.bt / 2, 0, &fill[i]));
+        dt_assert_ok(kvh_seq_migrate(e, fill[i], 0, G.bt / 2, KVH_TIER_DISK, NULL));
+    }
+    dt_assert_ok(dt_build(e, G, dt_plain(95), G.bt, 0, &h));     /* first in the block table */
+    dt_assert_ok(dt_build(e, G, dt_plain(96), G.bt / 2, 0, &x)); /* the heap's top, no disk copy */
+    dt_assert_ok(dt_build(e, G, dt_plain(97), G.bt, 0, &u));
+    dt_assert_ok(kvh_seq_persist(e, h));
+    dt_assert_ok(kvh_seq_persist(e, u));
+    dt_assert_ok(kvh_seq_hint(e, h, 0, G.bt, 100));
+    assert_int_equal(dt_tier(e, KVH_TIER_DISK).used_blocks, 6);
+    dt_assert_ok(dt_build(e, G, dt_plain(98), G.bt / 2, 0, &n));
+    assert_int_equal(dt_binfo(e, h, 0).tier, KVH_TIER_DEVICE);
+    assert_int_equal(dt_binfo(e, x, 0).tier, KVH_TIER_DEVICE);
+    assert_int_equal(dt_binfo(e, u, 0).tier, KVH_TIER_DISK);
+    const kvh_seq seqs[3] = {h, u, n};
+    const dt_content want[3] = {dt_plain(95), dt_plain(97), dt_plain(98)};
+    const size_t len[3] = {G.bt, G.bt, G.bt / 2};
+    for (int i = 0; i < 3; i++) {
+        char msg[256] = "";
+        if (dt_verify(e, seqs[i], G, want[i], 0, len[i], msg, sizeof(msg)) != KVH_OK)
+            fail_msg("sequence %d: %s", i, msg);
+    }
+    dt_assert_ok(dt_close(e));
+}
+
 static void test_quota_makes_room_among_own(void **state)
 {
     (void)state;
@@ -667,6 +708,7 @@ int main(void)
         cmocka_unit_test_teardown(test_full_disk_pinned_queued_move_frees_nothing, teardown),
         cmocka_unit_test_teardown(test_victim_that_cannot_go_down, teardown),
         cmocka_unit_test_teardown(test_victim_passes_a_pinned_host_tier, teardown),
+        cmocka_unit_test_teardown(test_victim_with_a_disk_copy_follows_the_order, teardown),
         cmocka_unit_test_teardown(test_quota_makes_room_among_own, teardown),
     };
     return cmocka_run_group_tests_name("evict", tests, NULL, NULL);
