@@ -13,7 +13,12 @@
 
 static _Thread_local uint32_t victim_ceiling = KVHI_NO_BLOCK;
 
-void kvhi_victim_ceiling_set(uint32_t b) { victim_ceiling = b; }
+uint32_t kvhi_victim_ceiling_set(uint32_t b)
+{
+    uint32_t was = victim_ceiling;
+    victim_ceiling = b;
+    return was;
+}
 
 bool kvhi_victim_under_ceiling(kvh_engine *e, uint32_t tier, uint32_t v)
 {

@@ -281,13 +281,12 @@ static kvh_status run_job(kvh_engine *e, const kvhi_job *j)
             st = j->kind == KVHI_JOB_NEED ? kvhi_fail(KVH_ERR_BUSY, "block is pinned in another tier") : KVH_OK;
             e->stats.prefetch_skipped += prefetch; /* pinned since it was queued: skipped, as at queueing */
         } else if (!prefetch_declined(e, j)) {
-            if (prefetch) {
+            if (prefetch)
                 prefetch_start(e, j->block);
-                kvhi_victim_ceiling_set(j->block);
-            }
             started = prefetch;
+            uint32_t outer = kvhi_victim_ceiling_set(prefetch ? j->block : KVHI_NO_BLOCK);
             st = kvhi_move_block(e, j->block, j->target_tier, blk->agent);
-            kvhi_victim_ceiling_set(KVHI_NO_BLOCK);
+            kvhi_victim_ceiling_set(outer);
             moved = st == KVH_OK && blk->gen == j->block_gen && (blk->flags & KVHI_BF_LIVE);
         }
     }
@@ -367,9 +366,9 @@ static void run_batch(kvh_engine *e, kvhi_job first)
             kvhi_fence_done(e, jobs[i].fence, KVH_OK);
             continue;
         }
-        kvhi_victim_ceiling_set(prefetch ? jobs[i].block : KVHI_NO_BLOCK);
+        uint32_t outer = kvhi_victim_ceiling_set(prefetch ? jobs[i].block : KVHI_NO_BLOCK);
         int rc = kvhi_move_begin(e, jobs[i].block, jobs[i].target_tier, &xs[k], false);
-        kvhi_victim_ceiling_set(KVHI_NO_BLOCK);
+        kvhi_victim_ceiling_set(outer);
         if (rc == 0) {
             if (prefetch)
                 prefetch_start(e, jobs[i].block);

@@ -33,7 +33,7 @@ uint8_t *kvhi_slot_addr(kvh_engine *e, uint32_t tier, uint32_t slot);
  * a block may leave the device tier for it only if it ranks below b, as
  * kvh_prefetch promises: checked on every victim, also one picked again
  * after the lock was dropped, and on a tier swap. */
-void kvhi_victim_ceiling_set(uint32_t b);
+uint32_t kvhi_victim_ceiling_set(uint32_t b); /* returns the one it replaces */
 /* Whether v may leave tier `tier` under this thread's ceiling (lock held). */
 bool kvhi_victim_under_ceiling(kvh_engine *e, uint32_t tier, uint32_t v);
 
