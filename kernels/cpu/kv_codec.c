@@ -14,6 +14,13 @@
 #include "kvh/kvh.h"
 #include "kernels/attention_dtype.h"
 #include "kernels/cpu/kv_codec_simd.h"
+#include "kernels/cpu/codec_fp_env.h"
+
+/* Caller buffers carry no alignment (kvh.h): their elements are read and
+ * written through these one-byte-aligned types, the same loads and stores
+ * on x86. */
+typedef uint16_t u16_any __attribute__((aligned(1), may_alias));
+typedef float f32_any __attribute__((aligned(1), may_alias));
 
 static uint32_t elem_bytes(uint32_t dtype)
 {
@@ -98,7 +105,7 @@ static void minmax_finite_scalar(const float *x, uint32_t n, float *lo, float *h
 /* f16 <-> f32 eight at a time with the F16C instructions: both directions
  * are exact or correctly rounded to nearest-even, the same results as the
  * scalar helpers (NaNs quieted with their top payload bits kept). */
-__attribute__((target("f16c,avx"))) static void f16_to_f32_f16c(const uint16_t *h, uint32_t n, float *x)
+__attribute__((target("f16c,avx"))) static void f16_to_f32_f16c(const u16_any *h, uint32_t n, float *x)
 {
     uint32_t i = 0;
     for (; i + 8 <= n; i += 8)
@@ -107,7 +114,7 @@ __attribute__((target("f16c,avx"))) static void f16_to_f32_f16c(const uint16_t *
         x[i] = kvhi_f16_to_f32(h[i]);
 }
 
-__attribute__((target("f16c,avx"))) static void f32_to_f16_f16c(const float *x, uint32_t n, uint16_t *h)
+__attribute__((target("f16c,avx"))) static void f32_to_f16_f16c(const float *x, uint32_t n, u16_any *h)
 {
     uint32_t i = 0;
     for (; i + 8 <= n; i += 8)
@@ -118,7 +125,7 @@ __attribute__((target("f16c,avx"))) static void f32_to_f16_f16c(const float *x, 
 
 /* bf16 <-> f32 eight at a time: widening is exact; narrowing rounds to
  * nearest-even and quiets NaNs exactly as kvhi_f32_to_bf16. */
-__attribute__((target("avx2"))) static void bf16_to_f32_avx2(const uint16_t *h, uint32_t n, float *x)
+__attribute__((target("avx2"))) static void bf16_to_f32_avx2(const u16_any *h, uint32_t n, float *x)
 {
     uint32_t i = 0;
     for (; i + 8 <= n; i += 8) {
@@ -129,7 +136,7 @@ __attribute__((target("avx2"))) static void bf16_to_f32_avx2(const uint16_t *h, 
         x[i] = kvhi_bf16_to_f32(h[i]);
 }
 
-__attribute__((target("avx2"))) static void f32_to_bf16_avx2(const float *x, uint32_t n, uint16_t *h)
+__attribute__((target("avx2"))) static void f32_to_bf16_avx2(const float *x, uint32_t n, u16_any *h)
 {
     const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7fff);
     const __m256i magnitude = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
@@ -243,7 +250,7 @@ __attribute__((target("avx2"))) static void minmax_finite_avx2(const float *x, u
  * the scalar loop: the product is exact in double, the sum rounds once in
  * double and once to float. */
 __attribute__((target("avx2"))) static void dequantise_q4_avx2(const uint8_t *gc, uint32_t g, float scale, float lo,
-                                                               float *y)
+                                                               f32_any *y)
 {
     const __m256d vs = _mm256_set1_pd(scale), vlo = _mm256_set1_pd(lo);
     const __m256i shifts = _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4), nibble = _mm256_set1_epi32(0xf);
@@ -256,8 +263,8 @@ __attribute__((target("avx2"))) static void dequantise_q4_avx2(const uint8_t *gc
         q = _mm256_and_si256(_mm256_srlv_epi32(q, shifts), nibble);
         __m256d r0 = _mm256_add_pd(_mm256_mul_pd(_mm256_cvtepi32_pd(_mm256_castsi256_si128(q)), vs), vlo);
         __m256d r1 = _mm256_add_pd(_mm256_mul_pd(_mm256_cvtepi32_pd(_mm256_extracti128_si256(q, 1)), vs), vlo);
-        _mm_storeu_ps(y + i, _mm256_cvtpd_ps(r0));
-        _mm_storeu_ps(y + i + 4, _mm256_cvtpd_ps(r1));
+        _mm_storeu_ps((float *)(y + i), _mm256_cvtpd_ps(r0));
+        _mm_storeu_ps((float *)(y + i + 4), _mm256_cvtpd_ps(r1));
     }
 }
 
@@ -279,9 +286,9 @@ __attribute__((target("avx2,f16c"))) static void dequantise_int8_avx2(const int8
     for (; i < n; i++) {
         float y = (float)codes[i] * scale;
         if (dtype == KVH_DTYPE_F16)
-            ((uint16_t *)dst)[i] = kvhi_f32_to_f16(y);
+            ((u16_any *)dst)[i] = kvhi_f32_to_f16(y);
         else
-            ((float *)dst)[i] = y;
+            ((f32_any *)dst)[i] = y;
     }
 }
 #endif
@@ -290,20 +297,20 @@ static void load_slice(uint32_t dtype, const void *src, uint32_t from, uint32_t 
 {
 #ifdef KVH_CODEC_X86_VECTOR
     if (dtype == KVH_DTYPE_F16 && have_vector_paths()) {
-        f16_to_f32_f16c((const uint16_t *)src + from, n, x);
+        f16_to_f32_f16c((const u16_any *)src + from, n, x);
         return;
     }
     if (dtype == KVH_DTYPE_BF16 && have_vector_paths()) {
-        bf16_to_f32_avx2((const uint16_t *)src + from, n, x);
+        bf16_to_f32_avx2((const u16_any *)src + from, n, x);
         return;
     }
 #endif
     if (dtype == KVH_DTYPE_F16) {
-        const uint16_t *h = (const uint16_t *)src + from;
+        const u16_any *h = (const u16_any *)src + from;
         for (uint32_t i = 0; i < n; i++)
             x[i] = kvhi_f16_to_f32(h[i]);
     } else if (dtype == KVH_DTYPE_BF16) {
-        const uint16_t *h = (const uint16_t *)src + from;
+        const u16_any *h = (const u16_any *)src + from;
         for (uint32_t i = 0; i < n; i++)
             x[i] = kvhi_bf16_to_f32(h[i]);
     } else {
@@ -315,20 +322,20 @@ static void store_slice(uint32_t dtype, void *dst, uint32_t from, uint32_t n, co
 {
 #ifdef KVH_CODEC_X86_VECTOR
     if (dtype == KVH_DTYPE_F16 && have_vector_paths()) {
-        f32_to_f16_f16c(x, n, (uint16_t *)dst + from);
+        f32_to_f16_f16c(x, n, (u16_any *)dst + from);
         return;
     }
     if (dtype == KVH_DTYPE_BF16 && have_vector_paths()) {
-        f32_to_bf16_avx2(x, n, (uint16_t *)dst + from);
+        f32_to_bf16_avx2(x, n, (u16_any *)dst + from);
         return;
     }
 #endif
     if (dtype == KVH_DTYPE_F16) {
-        uint16_t *h = (uint16_t *)dst + from;
+        u16_any *h = (u16_any *)dst + from;
         for (uint32_t i = 0; i < n; i++)
             h[i] = kvhi_f32_to_f16(x[i]);
     } else if (dtype == KVH_DTYPE_BF16) {
-        uint16_t *h = (uint16_t *)dst + from;
+        u16_any *h = (u16_any *)dst + from;
         for (uint32_t i = 0; i < n; i++)
             h[i] = kvhi_f32_to_bf16(x[i]);
     } else {
@@ -414,7 +421,7 @@ static void decode_int8(uint32_t dtype, uint32_t d, const uint8_t *rec, void *ds
     for (uint32_t at = 0; at < d; at += SLICE) {
         uint32_t n = d - at < SLICE ? d - at : SLICE;
         /* f32 is written in place; other dtypes go through the slice. */
-        float *y = dtype == KVH_DTYPE_F32 ? (float *)dst + at : x;
+        f32_any *y = dtype == KVH_DTYPE_F32 ? (f32_any *)dst + at : x;
         /* code * scale is exact in double, so rounding it once to float is
          * what a float multiply gives: the same value, vectorisable. */
         for (uint32_t i = 0; i < n; i++)
@@ -472,7 +479,7 @@ static void decode_q4(uint32_t dtype, uint32_t d, uint32_t g, const uint8_t *rec
         float scale = get_f32(rec + (size_t)gi * 2 * sizeof(float));
         float lo = get_f32(rec + (size_t)gi * 2 * sizeof(float) + sizeof(float));
         const uint8_t *gc = codes + (size_t)gi * g / 2;
-        float *y = dtype == KVH_DTYPE_F32 ? (float *)dst + gi * g : x;
+        f32_any *y = dtype == KVH_DTYPE_F32 ? (f32_any *)dst + gi * g : x;
 #ifdef KVH_CODEC_X86_VECTOR
         if (g % 8 == 0 && have_vector_paths())
             dequantise_q4_avx2(gc, g, scale, lo, y);
@@ -487,7 +494,7 @@ static void decode_q4(uint32_t dtype, uint32_t d, uint32_t g, const uint8_t *rec
     }
 }
 
-void kvhi_codec_encode(uint32_t codec, uint32_t dtype, uint32_t d, const void *src, size_t n, void *dst)
+static void encode_vectors(uint32_t codec, uint32_t dtype, uint32_t d, const void *src, size_t n, void *dst)
 {
 #ifdef KVH_CODEC_X86_VECTOR
     if (codec != KVH_CODEC_NONE && kvhi_codec_active_isa() == KVHI_CODEC_AVX512) {
@@ -514,7 +521,7 @@ void kvhi_codec_encode(uint32_t codec, uint32_t dtype, uint32_t d, const void *s
     }
 }
 
-void kvhi_codec_decode(uint32_t codec, uint32_t dtype, uint32_t d, const void *src, size_t n, void *dst)
+static void decode_vectors(uint32_t codec, uint32_t dtype, uint32_t d, const void *src, size_t n, void *dst)
 {
 #ifdef KVH_CODEC_X86_VECTOR
     if (codec != KVH_CODEC_NONE && kvhi_codec_active_isa() == KVHI_CODEC_AVX512) {
@@ -539,4 +546,18 @@ void kvhi_codec_decode(uint32_t codec, uint32_t dtype, uint32_t d, const void *s
             break;
         }
     }
+}
+
+void kvhi_codec_encode(uint32_t codec, uint32_t dtype, uint32_t d, const void *src, size_t n, void *dst)
+{
+    kvhi_codec_fp_env env = kvhi_codec_fp_enter();
+    encode_vectors(codec, dtype, d, src, n, dst);
+    kvhi_codec_fp_leave(env);
+}
+
+void kvhi_codec_decode(uint32_t codec, uint32_t dtype, uint32_t d, const void *src, size_t n, void *dst)
+{
+    kvhi_codec_fp_env env = kvhi_codec_fp_enter();
+    decode_vectors(codec, dtype, d, src, n, dst);
+    kvhi_codec_fp_leave(env);
 }

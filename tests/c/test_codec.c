@@ -56,7 +56,7 @@ static double half_ulp(uint32_t dtype, double y)
  * dtype. */
 static double allowed(uint32_t codec, uint32_t dtype, uint32_t d, const float *x, uint32_t i, double decoded)
 {
-    return half_step(codec, d, x, i) * (1 + 1e-5) + half_ulp(dtype, decoded) + 1e-30;
+    return half_step(codec, d, x, i) * (1 + 0x1p-23) + half_ulp(dtype, decoded) + 1e-30;
 }
 
 static void test_round_trip_bounds(void **state)
@@ -188,7 +188,7 @@ static void test_extreme_magnitudes(void **state)
             assert_ok(kvh_codec_decode(c, KVH_DTYPE_F32, 64, enc, 1, y));
             for (int i = 0; i < 64; i++) /* no absolute slack here but 2^-143 */
                 if (!(fabs((double)y[i] - x[i]) <=
-                      half_step(c, 64, x, (uint32_t)i) * (1 + 1e-5) + fabs(y[i]) * 0x1p-23 + 0x1p-143))
+                      half_step(c, 64, x, (uint32_t)i) * (1 + 0x1p-23) + fabs(y[i]) * 0x1p-23 + 0x1p-143))
                     fail_msg("codec %u, magnitude %g: element %d: %g decoded as %g", c, (double)tiny[ti], i,
                              (double)x[i], (double)y[i]);
         }
@@ -716,7 +716,7 @@ static void test_subnormal_results_round_once(void **state)
                     fail_msg("codec %u dtype %u element %d: %04x, the f32 decode %a rounds to %04x", c, dt, i, out[i],
                              (double)wide[i], want);
                 double y = dt == KVH_DTYPE_F16 ? kvhi_f16_to_f32(out[i]) : kvhi_bf16_to_f32(out[i]);
-                double err = fabs(y - x[i]), bound = half_step(c, G, x, (uint32_t)i) * (1 + 1e-5);
+                double err = fabs(y - x[i]), bound = half_step(c, G, x, (uint32_t)i) * (1 + 0x1p-23);
                 if (!(err <= allowed(c, dt, G, x, (uint32_t)i, y)))
                     fail_msg("codec %u dtype %u element %d: %a decoded as %a", c, dt, i, (double)x[i], y);
                 beyond_bound |= err > bound + fabs(y) * (dt == KVH_DTYPE_F16 ? 0x1p-11 : 0x1p-8);

@@ -3,11 +3,16 @@
  * the scalar codecs, on random and adversarial inputs (NaN, infinities,
  * denormals, all-equal vectors, ranges beyond FLT_MAX, subnormal scales,
  * elements at and near the halfway points between codes, arbitrary bit
- * patterns, lengths with tails) and on arbitrary records; the selection
- * hook and KVH_CODEC_ISA choose the set. test_codec.c checks the default
+ * patterns, lengths with tails) and on arbitrary records, whatever the
+ * caller's rounding mode or flush-to-zero setting, and from buffers at any
+ * byte offset; the selection hook and KVH_CODEC_ISA choose the set. test_codec.c checks the default
  * set against the format itself. */
+#include <fenv.h>
 #include <float.h>
 #include <math.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+#endif
 #include <stdbool.h>
 #include <stdlib.h>
 
@@ -259,6 +264,154 @@ static void test_q4_decode_rounds_twice(void **state)
     assert_true(found > 0);
 }
 
+/* The caller's floating-point environment: a directed rounding mode, or
+ * flush-to-zero with denormals-are-zero. */
+enum fp_env { FP_UPWARD, FP_DOWNWARD, FP_TOWARDZERO, FP_FTZ_DAZ, FP_ENVS };
+
+static void fp_env_set(enum fp_env env)
+{
+    switch (env) {
+    case FP_UPWARD:
+        assert_int_equal(fesetround(FE_UPWARD), 0);
+        break;
+    case FP_DOWNWARD:
+        assert_int_equal(fesetround(FE_DOWNWARD), 0);
+        break;
+    case FP_TOWARDZERO:
+        assert_int_equal(fesetround(FE_TOWARDZERO), 0);
+        break;
+    default:
+#if defined(__x86_64__) || defined(__i386__)
+        _mm_setcsr(_mm_getcsr() | 0x8040u); /* FTZ | DAZ */
+#endif
+        break;
+    }
+}
+
+static bool fp_env_is(enum fp_env env)
+{
+    switch (env) {
+    case FP_UPWARD:
+        return fegetround() == FE_UPWARD;
+    case FP_DOWNWARD:
+        return fegetround() == FE_DOWNWARD;
+    case FP_TOWARDZERO:
+        return fegetround() == FE_TOWARDZERO;
+    default:
+#if defined(__x86_64__) || defined(__i386__)
+        return (_mm_getcsr() & 0x8040u) == 0x8040u;
+#else
+        return true;
+#endif
+    }
+}
+
+static void fp_env_reset(void)
+{
+    fesetround(FE_TONEAREST);
+#if defined(__x86_64__) || defined(__i386__)
+    _mm_setcsr(_mm_getcsr() & ~0x8040u);
+#endif
+}
+
+/* A codec's bytes do not depend on the caller's floating-point
+ * environment, on any set: under every directed rounding mode and under
+ * FTZ/DAZ they are the scalar codec's bytes in the default one (which
+ * then differed between sets, and flushed a subnormal scale to zero so
+ * that normal values decoded to 0). The caller's environment is given
+ * back. */
+static void test_every_isa_ignores_the_callers_fp_env(void **state)
+{
+    (void)state;
+    tu_rng r = {tu_seed(95)};
+    static const int isas[] = {KVHI_CODEC_SCALAR, KVHI_CODEC_AVX2, KVHI_CODEC_AVX512};
+    static const uint32_t dims[] = {17, 64, 128};
+    for (size_t ci = 0; ci < 3; ci++)
+        for (size_t ti = 0; ti < 3; ti++)
+            for (size_t di = 0; di < 3; di++) {
+                uint32_t codec = codecs[ci], dt = dtypes[ti], d = dims[di];
+                size_t rec = kvhi_codec_vector_bytes(codec, dt, d), rb = (size_t)d * elem_size(dt);
+                if (!rec || (codec != KVH_CODEC_INT8 && d % kvhi_codec_group(codec, d)))
+                    continue;
+                uint8_t *raw = tu_alloc(rb * VECTORS), *want = tu_alloc(rec * VECTORS), *got = tu_alloc(rec * VECTORS);
+                uint8_t *want_back = tu_alloc(rb * VECTORS), *back = tu_alloc(rb * VECTORS);
+                fill(&r, dt, d, kvhi_codec_group(codec, d), raw);
+                set_isa(KVHI_CODEC_SCALAR);
+                kvhi_codec_encode(codec, dt, d, raw, VECTORS, want);
+                kvhi_codec_decode(codec, dt, d, want, VECTORS, want_back);
+                for (size_t k = 0; k < sizeof(isas) / sizeof(isas[0]); k++) {
+                    if (!kvhi_codec_isa_supported(isas[k]))
+                        continue;
+                    set_isa(isas[k]);
+                    for (int env = 0; env < FP_ENVS; env++) {
+                        fp_env_set((enum fp_env)env);
+                        kvhi_codec_encode(codec, dt, d, raw, VECTORS, got);
+                        kvhi_codec_decode(codec, dt, d, want, VECTORS, back);
+                        bool kept = fp_env_is((enum fp_env)env);
+                        fp_env_reset();
+                        assert_true(kept);
+                        if (memcmp(want, got, rec * VECTORS) != 0 || memcmp(want_back, back, rb * VECTORS) != 0)
+                            fail_msg("%s in environment %d: codec %u dtype %u d %u differs from the default",
+                                     kvhi_codec_isa_name(isas[k]), env, codec, dt, d);
+                    }
+                }
+                tu_free(raw);
+                tu_free(want);
+                tu_free(got);
+                tu_free(want_back);
+                tu_free(back);
+            }
+    set_isa(KVHI_CODEC_AUTO);
+}
+
+/* Buffers at any byte offset (kvh.h asks no alignment): the same bytes
+ * as aligned ones, on every set, with no misaligned typed access (the
+ * sanitizer build stops at one). */
+static void test_every_isa_takes_unaligned_buffers(void **state)
+{
+    (void)state;
+    tu_rng r = {tu_seed(96)};
+    static const int isas[] = {KVHI_CODEC_SCALAR, KVHI_CODEC_AVX2, KVHI_CODEC_AVX512};
+    static const uint32_t dims[] = {17, 64};
+    for (size_t ci = 0; ci < 3; ci++)
+        for (size_t ti = 0; ti < 3; ti++)
+            for (size_t di = 0; di < 2; di++) {
+                uint32_t codec = codecs[ci], dt = dtypes[ti], d = dims[di];
+                size_t rec = kvhi_codec_vector_bytes(codec, dt, d), rb = (size_t)d * elem_size(dt);
+                if (!rec || (codec != KVH_CODEC_INT8 && d % kvhi_codec_group(codec, d)))
+                    continue;
+                uint8_t *raw = tu_alloc(rb * VECTORS), *want = tu_alloc(rec * VECTORS);
+                uint8_t *want_back = tu_alloc(rb * VECTORS);
+                uint8_t *raw_at = tu_alloc(rb * VECTORS + 8), *enc_at = tu_alloc(rec * VECTORS + 8);
+                uint8_t *back_at = tu_alloc(rb * VECTORS + 8);
+                fill(&r, dt, d, kvhi_codec_group(codec, d), raw);
+                set_isa(KVHI_CODEC_SCALAR);
+                kvhi_codec_encode(codec, dt, d, raw, VECTORS, want);
+                kvhi_codec_decode(codec, dt, d, want, VECTORS, want_back);
+                for (size_t k = 0; k < sizeof(isas) / sizeof(isas[0]); k++) {
+                    if (!kvhi_codec_isa_supported(isas[k]))
+                        continue;
+                    set_isa(isas[k]);
+                    for (size_t off = 1; off < 8; off += 2) {
+                        memcpy(raw_at + off, raw, rb * VECTORS);
+                        kvhi_codec_encode(codec, dt, d, raw_at + off, VECTORS, enc_at + off);
+                        kvhi_codec_decode(codec, dt, d, enc_at + off, VECTORS, back_at + off);
+                        if (memcmp(want, enc_at + off, rec * VECTORS) != 0 ||
+                            memcmp(want_back, back_at + off, rb * VECTORS) != 0)
+                            fail_msg("%s at offset %zu: codec %u dtype %u d %u differs from aligned",
+                                     kvhi_codec_isa_name(isas[k]), off, codec, dt, d);
+                    }
+                }
+                tu_free(raw);
+                tu_free(want);
+                tu_free(want_back);
+                tu_free(raw_at);
+                tu_free(enc_at);
+                tu_free(back_at);
+            }
+    set_isa(KVHI_CODEC_AUTO);
+}
+
 static void test_selection(void **state)
 {
     (void)state;
@@ -292,6 +445,8 @@ int main(void)
         cmocka_unit_test_teardown(test_q4_every_isa_matches_scalar, tu_teardown),
         cmocka_unit_test_teardown(test_batches_match_scalar, tu_teardown),
         cmocka_unit_test_teardown(test_q4_decode_rounds_twice, tu_teardown),
+        cmocka_unit_test_teardown(test_every_isa_ignores_the_callers_fp_env, tu_teardown),
+        cmocka_unit_test_teardown(test_every_isa_takes_unaligned_buffers, tu_teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

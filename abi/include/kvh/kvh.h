@@ -222,8 +222,11 @@ enum kvh_disk_flags {
  *                      the zero point, per group + head_dim/2 bytes of
  *                      4-bit codes); head_dim must be a multiple of the
  *                      group.
- * (Plus 2^-143 where the scale is a subnormal f32: a vector or group of
- * magnitudes below about 2^-119, which only f32 and bf16 data can have.)
+ * Each bound is times 1 + 2^-23, the rounding of the scale stored as an
+ * f32. (Plus 2^-143 where the scale is a subnormal f32: a vector or group
+ * of magnitudes below about 2^-119, which only f32 and bf16 data can
+ * have.) The bytes do not depend on the caller's floating-point
+ * environment (rounding mode, flush-to-zero), nor the buffers' alignment.
  * Non-finite inputs are not preserved: +-inf saturate to the extreme code
  * and NaN becomes code 0, which decodes to 0 under int8 and to the group's
  * minimum under the q4 codecs; scales use the finite elements only. */
