@@ -14,6 +14,7 @@
 
 #include "kvh/kvh.h"
 #include "kernels/cpu/attn_cpu.h"
+#include "kernels/cpu/fp_env.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <cpuid.h>
@@ -93,6 +94,7 @@ void kvhi_attn_cpu_destroy(void *state)
         return;
     kvhi_pool_destroy(st->pool);
     free(st->partial);
+    free(st->rows_past);
     free(st->scratch);
     pthread_mutex_destroy(&st->run_lock);
     free(st);
@@ -220,6 +222,42 @@ static kvhi_attn_unit_fn pick(const kvhi_attn_cpu *st, const kvhi_attn_plan *p)
 
 /* Runs units [u0, u1) of p, then (merges) its merge rows, with partials
  * po / plse, on up to p->threads participants. run_lock held. */
+/* Makes st->rows_past cover p's output rows, zeroed; NULL if it cannot. */
+static void rows_past_prepare(kvhi_attn_cpu *st, const kvhi_attn_plan *p)
+{
+    size_t rows = (size_t)p->total_rows * p->num_q_heads;
+    if (st->rows_past && st->rows_past_cap >= rows) {
+        if (st->rows_past_dirty)
+            memset(st->rows_past, 0, st->rows_past_cap);
+    } else {
+        free(st->rows_past);
+        st->rows_past = calloc(rows ? rows : 1, 1);
+        st->rows_past_cap = st->rows_past ? rows : 0;
+    }
+    st->rows_past_dirty = false;
+}
+
+/* The rows marked in st->rows_past (all when it is NULL) computed again in
+ * double; the others keep their bits. 0, or KVH_ERR_NOMEM. */
+static int redo_rows_past(kvhi_attn_cpu *st, const kvhi_attn_plan *p, const void *q, void *out)
+{
+    st->rows_past_dirty = true;
+    if (!st->rows_past)
+        return kvhi_attn_reference(p, q, out);
+    size_t rows = (size_t)p->total_rows * p->num_q_heads;
+    size_t row_bytes = (size_t)p->head_dim * (p->io_dtype == KVH_DTYPE_F32 ? 4 : 2);
+    uint8_t *exact = malloc(rows * row_bytes);
+    if (!exact || kvhi_attn_reference(p, q, exact) != 0) {
+        free(exact);
+        return KVH_ERR_NOMEM;
+    }
+    for (size_t i = 0; i < rows; i++)
+        if (st->rows_past[i])
+            memcpy((uint8_t *)out + i * row_bytes, exact + i * row_bytes, row_bytes);
+    free(exact);
+    return 0;
+}
+
 static int run_locked(kvhi_attn_cpu *st, const kvhi_attn_plan *p, uint32_t u0, uint32_t u1, bool merges, const void *q,
                       void *out, float *po, float *plse, char *msg, size_t msg_len)
 {
@@ -261,8 +299,8 @@ static int run_locked(kvhi_attn_cpu *st, const kvhi_attn_plan *p, uint32_t u0, u
     return 0;
 }
 
-int kvhi_attn_cpu_run(void *ctx, const kvhi_attn_plan *p, const void *q, void *out, void *stream, void (*done)(void *),
-                      void *done_arg, char *msg, size_t msg_len)
+static int run_call(const kvhi_attn_plan *p, const void *q, void *out, void (*done)(void *), void *done_arg, char *msg,
+                    size_t msg_len)
 {
     kvhi_attn_cpu *st = p->cpu_state;
     if (!st) {
@@ -288,11 +326,13 @@ int kvhi_attn_cpu_run(void *ctx, const kvhi_attn_plan *p, const void *q, void *o
     /* no split-K partials: no buffer (NULL + 0 is undefined) */
     float *plse = st->partial ? st->partial + (size_t)p->n_partial_rows * p->head_dim : NULL;
     __atomic_store_n(&st->score_overflow, 0, __ATOMIC_RELAXED);
+    rows_past_prepare(st, p);
     int rc = run_locked(st, p, 0, p->n_units, true, q, out, st->partial, plse, msg, msg_len);
-    /* Finite inputs whose scores overflowed float (|q . k| x scale above
-     * 3.4e38): their rows came out NaN where the answer is finite. Such
-     * calls are redone in double, as the reference kernel computes. */
-    if (rc == 0 && __atomic_load_n(&st->score_overflow, __ATOMIC_RELAXED) && kvhi_attn_reference(p, q, out) != 0) {
+    /* Rows past the float range (|q . k| x scale, q x scale or the sum of
+     * weighted values above 3.4e38): from finite inputs they came out
+     * inf or NaN where the answer is finite. They are computed again in
+     * double, as the reference kernel does. */
+    if (rc == 0 && __atomic_load_n(&st->score_overflow, __ATOMIC_RELAXED) && redo_rows_past(st, p, q, out) != 0) {
         snprintf(msg, msg_len, "out of memory for attention scores past the float range");
         rc = KVH_ERR_NOMEM;
     }
@@ -305,11 +345,29 @@ int kvhi_attn_cpu_run(void *ctx, const kvhi_attn_plan *p, const void *q, void *o
     return 0;
 }
 
+int kvhi_attn_cpu_run(void *ctx, const kvhi_attn_plan *p, const void *q, void *out, void *stream, void (*done)(void *),
+                      void *done_arg, char *msg, size_t msg_len)
+{
+    (void)ctx;
+    (void)stream;
+    kvhi_fp_env env = kvhi_fp_default_enter(); /* the caller's rounding and flush-to-zero set aside */
+    int rc = run_call(p, q, out, done, done_arg, msg, msg_len);
+    kvhi_fp_leave(env);
+    return rc;
+}
+
 int kvhi_attn_cpu_run_range(kvhi_attn_cpu *st, const kvhi_attn_plan *p, uint32_t u0, uint32_t u1, bool merges,
                             const void *q, void *out, float *po, float *plse, char *msg, size_t msg_len)
 {
+    kvhi_fp_env env = kvhi_fp_default_enter();
     pthread_mutex_lock(&st->run_lock);
+    /* Not computed again (such rows of a streamed call are NaN): no row
+     * marks are kept. */
+    uint8_t *marks = st->rows_past;
+    st->rows_past = NULL;
     int rc = run_locked(st, p, u0, u1, merges, q, out, po, plse, msg, msg_len);
+    st->rows_past = marks;
     pthread_mutex_unlock(&st->run_lock);
+    kvhi_fp_leave(env);
     return rc;
 }

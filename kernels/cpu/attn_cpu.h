@@ -3,6 +3,7 @@
 #ifndef KVH_KERNELS_CPU_ATTN_CPU_H
 #define KVH_KERNELS_CPU_ATTN_CPU_H
 
+#include <float.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdbool.h>
@@ -56,10 +57,17 @@ typedef struct kvhi_attn_cpu {
     size_t partial_cap; /* floats */
     float *scratch;     /* per-participant unit scratch, grow-only */
     size_t scratch_cap; /* floats */
-    /* Set (__atomic, by any unit) when a row's largest score is +inf:
-     * finite inputs whose scores pass the float range, which the run then
-     * computes again in double (kvhi_attn_cpu_run). */
+    /* Set (__atomic, by any unit) when a row passed the float range
+     * (attn_body.inc): finite inputs whose answer is finite, or
+     * non-finite ones. kvhi_attn_cpu_run computes such rows again in
+     * double; the other rows keep their bits. */
     int score_overflow;
+    /* One byte per output row (q row x query head) of the run, set for
+     * the rows above; NULL when it could not be had (the whole call is
+     * then computed again). Zero between runs unless rows_past_dirty. */
+    uint8_t *rows_past;
+    size_t rows_past_cap;
+    bool rows_past_dirty;
 } kvhi_attn_cpu;
 
 kvhi_attn_cpu *kvhi_attn_cpu_create(void);

@@ -14,7 +14,7 @@
 #include "kvh/kvh.h"
 #include "kernels/attention_dtype.h"
 #include "kernels/cpu/kv_codec_simd.h"
-#include "kernels/cpu/codec_fp_env.h"
+#include "kernels/cpu/fp_env.h"
 
 /* Caller buffers carry no alignment (kvh.h): their elements are read and
  * written through these one-byte-aligned types, the same loads and stores
@@ -550,14 +550,14 @@ static void decode_vectors(uint32_t codec, uint32_t dtype, uint32_t d, const voi
 
 void kvhi_codec_encode(uint32_t codec, uint32_t dtype, uint32_t d, const void *src, size_t n, void *dst)
 {
-    kvhi_codec_fp_env env = kvhi_codec_fp_enter();
+    kvhi_fp_env env = kvhi_fp_default_enter();
     encode_vectors(codec, dtype, d, src, n, dst);
-    kvhi_codec_fp_leave(env);
+    kvhi_fp_leave(env);
 }
 
 void kvhi_codec_decode(uint32_t codec, uint32_t dtype, uint32_t d, const void *src, size_t n, void *dst)
 {
-    kvhi_codec_fp_env env = kvhi_codec_fp_enter();
+    kvhi_fp_env env = kvhi_fp_default_enter();
     decode_vectors(codec, dtype, d, src, n, dst);
-    kvhi_codec_fp_leave(env);
+    kvhi_fp_leave(env);
 }

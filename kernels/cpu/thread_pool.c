@@ -12,6 +12,7 @@
 #include <stdlib.h>
 
 #include "kernels/cpu/thread_pool.h"
+#include "kernels/cpu/fp_env.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -50,6 +51,9 @@ static void *worker_main(void *varg)
     kvhi_pool *p = wa->pool;
     uint32_t index = wa->index;
     free(wa);
+    /* The kernels compute in the default floating-point environment,
+     * whatever the thread that started the pool had set (kvhi_fp_env). */
+    (void)kvhi_fp_default_enter();
     uint64_t seen = 0;
     for (;;) {
         for (int i = 0; i < SPIN_ROUNDS && atomic_load_explicit(&p->gen_a, memory_order_acquire) == seen; i++)

@@ -13,6 +13,7 @@
 
 #include "test_util.h"
 #include "disk_test_util.h"
+#include "kernels/attention_dtype.h"
 
 /* f32, head_dim 64, 16 tokens: one head's K of a block is one 4 KiB page,
  * as views need. */
@@ -811,6 +812,155 @@ static void test_scores_past_the_float_range_either_way(void **state)
             fail_msg("case %zu: %g, the softmax of the exact scores is %g", i, (double)out[0], cases[i].want);
     }
 }
+
+/* One f32 sequence of 4 tokens (head_dim 4, one head) with the given K
+ * and V on every kernel variant, decoded with q and scale: the softmax of
+ * the exact scores, though q x scale, a product or the weighted sum of V
+ * passes FLT_MAX on the way (finite inputs, finite answer: kvh.h redoes
+ * such calls in double). */
+static void expect_decode_near(const char *isa, const float *k, const float *v, const float *q, float scale,
+                               double want, const char *what)
+{
+    enum { D1 = 4, N = 4 };
+    if (isa[0])
+        setenv("KVH_ATTN_ISA", isa, 1);
+    kvh_config c = tu_cfg(1, 1, D1, BT, KVH_DTYPE_F32, 16, 16, 0);
+    kvh_engine *e = tu_open_cfg(&c);
+    unsetenv("KVH_ATTN_ISA");
+    kvh_seq s = tu_seq_new(e, 0);
+    int32_t t[N] = {1, 2, 3, 4};
+    assert_ok(kvh_seq_append(e, s, t, N));
+    assert_ok(kvh_seq_write_kv(e, s, 0, 0, N, k, v));
+    float out[D1];
+    kvh_attention_params p = params(1, scale, KVH_DTYPE_F32);
+    assert_ok(kvh_attention_decode(e, 0, &s, 1, q, out, &p));
+    if (!(fabs(out[0] - want) <= 1e-5 * fabs(want)))
+        fail_msg("isa '%s', %s: %g, the softmax of the exact scores gives %g", isa, what, (double)out[0], want);
+    assert_ok(tu_close(e));
+}
+
+static void test_finite_inputs_past_the_float_range_on_every_kernel(void **state)
+{
+    (void)state;
+    static const char *const isas[] = {"", "reference", "generic", "avx2", "avx512"};
+    enum { D1 = 4, N = 4 };
+    for (size_t ii = 0; ii < sizeof(isas) / sizeof(isas[0]); ii++) {
+        /* Equal scores, V of 2e38 everywhere: the unnormalised sum is 8e38. */
+        float k[N * D1] = {0}, v[N * D1], q[D1] = {1, 0, 0, 0};
+        for (int i = 0; i < N * D1; i++)
+            v[i] = 2e38f;
+        expect_decode_near(isas[ii], k, v, q, 1.0f, 2e38, "V sum past FLT_MAX");
+        /* q x scale overflows (3e38 x 4), against K of 0 in that element:
+         * scores t = 0..3. */
+        double num = 0, den = 0;
+        for (int t = 0; t < N; t++) {
+            k[t * D1] = 0, k[t * D1 + 1] = (float)t / 4;
+            v[t * D1] = 10.0f * (float)t;
+            num += 10.0 * t * exp(t), den += exp(t);
+        }
+        float q4[D1] = {3e38f, 1, 0, 0};
+        expect_decode_near(isas[ii], k, v, q4, 4.0f, num / den, "q x scale past FLT_MAX");
+        /* Two products past FLT_MAX that cancel: scores t / 8. */
+        num = den = 0;
+        for (int t = 0; t < N; t++) {
+            k[t * D1] = 2, k[t * D1 + 1] = -2, k[t * D1 + 2] = (float)t / 8;
+            num += 10.0 * t * exp(t / 8.0), den += exp(t / 8.0);
+        }
+        float q3[D1] = {3e38f, 3e38f, 1, 0};
+        expect_decode_near(isas[ii], k, v, q3, 1.0f, num / den, "products past FLT_MAX that cancel");
+    }
+}
+
+/* A streamed call is not redone in double: a row whose scores all pass
+ * the float range downwards is NaN (kvh.h), not a row of zeros. */
+static void test_streamed_rows_past_the_float_range_are_nan(void **state)
+{
+    (void)state;
+    enum { D1 = 16, N = 40 };
+    kvh_config c = tu_cfg(1, 1, D1, BT, KVH_DTYPE_F32, 16, 4, 0);
+    kvh_engine *e = tu_open_cfg(&c);
+    kvh_seq s = tu_seq_new(e, 0);
+    int32_t t[N] = {0};
+    assert_ok(kvh_seq_append(e, s, t, N));
+    float *k = tu_alloc(N * D1 * sizeof(float)), *v = tu_alloc(N * D1 * sizeof(float));
+    for (uint32_t i = 0; i < N; i++)
+        for (uint32_t d = 0; d < D1; d++) {
+            k[i * D1 + d] = d == 0 ? -1e30f * (1 + (float)i / 64.0f) : 0;
+            v[i * D1 + d] = (float)(i + d);
+        }
+    assert_ok(kvh_seq_write_kv(e, s, 0, 0, N, k, v));
+    float q[D1] = {1e30f}, out[D1];
+    kvh_attention_params p = params(1, 1.0f, KVH_DTYPE_F32);
+    assert_ok(kvh_attention_decode(e, 0, &s, 1, q, out, &p)); /* redone in double: token 0 */
+    for (uint32_t d = 0; d < D1; d++)
+        assert_true(fabsf(out[d] - (float)d) <= 1e-6f);
+    p.stream_chunk_blocks = 1;
+    p.stream_window_blocks = 1;
+    assert_ok(kvh_attention_decode(e, 0, &s, 1, q, out, &p));
+    for (uint32_t d = 0; d < D1; d++)
+        if (!isnan(out[d]))
+            fail_msg("streamed: element %u is %g, not NaN", d, (double)out[d]);
+    tu_free(k);
+    tu_free(v);
+    assert_ok(tu_close(e));
+}
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+/* A caller running with flush-to-zero and denormals-are-zero (a -ffast-math
+ * binary, torch.set_flush_denormal) gets the same output, bit for bit,
+ * as in the default environment, on every kernel, and keeps its setting:
+ * f16 K/V below 6.1e-5 are subnormal and read as zeros under DAZ. */
+static void test_callers_flush_to_zero_changes_nothing(void **state)
+{
+    (void)state;
+    static const char *const isas[] = {"", "reference", "generic", "avx2", "avx512"};
+    static const uint32_t dims[] = {16, 17, 20};
+    for (size_t ii = 0; ii < sizeof(isas) / sizeof(isas[0]); ii++)
+        for (size_t di = 0; di < sizeof(dims) / sizeof(dims[0]); di++) {
+            uint32_t d1 = dims[di], n = 24;
+            if (isas[ii][0])
+                setenv("KVH_ATTN_ISA", isas[ii], 1);
+            kvh_config c = tu_cfg(1, 1, d1, BT, KVH_DTYPE_F16, 16, 0, 0);
+            kvh_engine *e = tu_open_cfg(&c);
+            unsetenv("KVH_ATTN_ISA");
+            kvh_seq s = tu_seq_new(e, 0);
+            int32_t *t = tu_alloc(n * sizeof(int32_t));
+            tu_iota(t, n, 1);
+            assert_ok(kvh_seq_append(e, s, t, n));
+            uint16_t *k = tu_alloc((size_t)n * d1 * 2), *v = tu_alloc((size_t)n * d1 * 2);
+            tu_rng r = {tu_seed(0xa77e30 + di)};
+            for (size_t i = 0; i < (size_t)n * d1; i++) {
+                k[i] = kvhi_f32_to_f16((float)((double)(tu_next(&r) % 2001) / 1000.0 - 1.0));
+                v[i] = (uint16_t)((tu_next(&r) & 0x83ffu) | 1u); /* subnormal, either sign */
+            }
+            assert_ok(kvh_seq_write_kv(e, s, 0, 0, n, k, v));
+            float q[20], out[2][20];
+            for (uint32_t d = 0; d < d1; d++)
+                q[d] = (float)d / 8.0f - 1.0f;
+            kvh_attention_params p = params(1, 0.0f, KVH_DTYPE_F32);
+            assert_ok(kvh_attention_decode(e, 0, &s, 1, q, out[0], &p));
+            unsigned int csr = _mm_getcsr();
+            _mm_setcsr(csr | 0x8040u); /* FTZ | DAZ */
+            kvh_status st = kvh_attention_decode(e, 0, &s, 1, q, out[1], &p);
+            unsigned int after = _mm_getcsr();
+            _mm_setcsr(csr);
+            assert_ok(st);
+            assert_int_equal(after & 0x8040u, 0x8040u);
+            if (memcmp(out[0], out[1], d1 * sizeof(float)) != 0)
+                fail_msg("isa '%s', head_dim %u: under FTZ|DAZ element 0 is %g, not %g", isas[ii], d1,
+                         (double)out[1][0], (double)out[0][0]);
+            bool any = false;
+            for (uint32_t d = 0; d < d1; d++)
+                any |= out[0][d] != 0;
+            assert_true(any); /* subnormal V are not zeros */
+            tu_free(t);
+            tu_free(k);
+            tu_free(v);
+            assert_ok(tu_close(e));
+        }
+}
+#endif
 
 /* out == q: the header does not forbid it (q is only read), and a caller
  * that attends in place must get the same numbers. */
@@ -1937,6 +2087,11 @@ int main(void)
         cmocka_unit_test_teardown(test_decode_matches_reference_all_dtypes, teardown),
         cmocka_unit_test_teardown(test_prefill_matches_reference, teardown),
         cmocka_unit_test_teardown(test_prefill_masked_non_finite_values_stay_masked, teardown),
+        cmocka_unit_test_teardown(test_finite_inputs_past_the_float_range_on_every_kernel, teardown),
+        cmocka_unit_test_teardown(test_streamed_rows_past_the_float_range_are_nan, teardown),
+#if defined(__x86_64__) || defined(__i386__)
+        cmocka_unit_test_teardown(test_callers_flush_to_zero_changes_nothing, teardown),
+#endif
         cmocka_unit_test_teardown(test_nan_scores_make_the_row_nan, teardown),
         cmocka_unit_test_teardown(test_params_past_struct_size_are_ignored, teardown),
         cmocka_unit_test_teardown(test_decode_and_prefill_misuse_change_nothing, teardown),

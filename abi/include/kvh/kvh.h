@@ -1335,9 +1335,11 @@ KVH_API kvh_status kvh_attention_params_init(kvh_attention_params *params, size_
  * where they are. The call holds its blocks while it runs. On CUDA the
  * kernels are queued on
  * params->stream and the call returns before they finish. On the CPU,
- * scores are float; a call whose scores pass the float range from finite
- * inputs (|q . k| x scale above 3.4e38) is computed again in double, but
- * for streamed calls, whose such rows are NaN.
+ * scores are float; an output row that passes the float range on the way
+ * (|q . k| x scale, q x scale, or the weighted sum of V above 3.4e38) is
+ * computed again in double, the other rows keeping their bits, but for
+ * streamed calls, whose such rows are NaN. The caller's floating-point
+ * environment (rounding mode, flush-to-zero) does not change the output.
  * [borrowed] seqs (n_seqs), params (NULL = defaults).
  * Returns KVH_ERR_INVALID_ARG (NULL pointers, unknown io_dtype, a
  * non-finite scale, num_q_heads not a multiple of num_kv_heads or above
