@@ -314,6 +314,41 @@ static void fp_env_reset(void)
 #endif
 }
 
+/* Inputs for one codec, dtype and head_dim, with the scalar codec's
+ * encoding and its decoding as the reference. */
+typedef struct ref_case {
+    uint32_t codec, dt, d;
+    size_t rec, raw_bytes; /* all VECTORS vectors */
+    uint8_t *raw, *want, *want_back;
+} ref_case;
+
+static const int every_isa[] = {KVHI_CODEC_SCALAR, KVHI_CODEC_AVX2, KVHI_CODEC_AVX512};
+
+/* False (nothing allocated) when the codec does not take that head_dim. */
+static bool ref_case_open(tu_rng *r, uint32_t codec, uint32_t dt, uint32_t d, ref_case *c)
+{
+    size_t rec = kvhi_codec_vector_bytes(codec, dt, d);
+    if (!rec || (codec != KVH_CODEC_INT8 && d % kvhi_codec_group(codec, d)))
+        return false;
+    *c = (ref_case){
+        .codec = codec, .dt = dt, .d = d, .rec = rec * VECTORS, .raw_bytes = (size_t)d * elem_size(dt) * VECTORS};
+    c->raw = tu_alloc(c->raw_bytes);
+    c->want = tu_alloc(c->rec);
+    c->want_back = tu_alloc(c->raw_bytes);
+    fill(r, dt, d, kvhi_codec_group(codec, d), c->raw);
+    set_isa(KVHI_CODEC_SCALAR);
+    kvhi_codec_encode(codec, dt, d, c->raw, VECTORS, c->want);
+    kvhi_codec_decode(codec, dt, d, c->want, VECTORS, c->want_back);
+    return true;
+}
+
+static void ref_case_close(ref_case *c)
+{
+    tu_free(c->raw);
+    tu_free(c->want);
+    tu_free(c->want_back);
+}
+
 /* A codec's bytes do not depend on the caller's floating-point
  * environment, on any set: under every directed rounding mode and under
  * FTZ/DAZ they are the scalar codec's bytes in the default one (which
@@ -324,42 +359,33 @@ static void test_every_isa_ignores_the_callers_fp_env(void **state)
 {
     (void)state;
     tu_rng r = {tu_seed(95)};
-    static const int isas[] = {KVHI_CODEC_SCALAR, KVHI_CODEC_AVX2, KVHI_CODEC_AVX512};
     static const uint32_t dims[] = {17, 64, 128};
     for (size_t ci = 0; ci < 3; ci++)
         for (size_t ti = 0; ti < 3; ti++)
             for (size_t di = 0; di < 3; di++) {
-                uint32_t codec = codecs[ci], dt = dtypes[ti], d = dims[di];
-                size_t rec = kvhi_codec_vector_bytes(codec, dt, d), rb = (size_t)d * elem_size(dt);
-                if (!rec || (codec != KVH_CODEC_INT8 && d % kvhi_codec_group(codec, d)))
+                ref_case c;
+                if (!ref_case_open(&r, codecs[ci], dtypes[ti], dims[di], &c))
                     continue;
-                uint8_t *raw = tu_alloc(rb * VECTORS), *want = tu_alloc(rec * VECTORS), *got = tu_alloc(rec * VECTORS);
-                uint8_t *want_back = tu_alloc(rb * VECTORS), *back = tu_alloc(rb * VECTORS);
-                fill(&r, dt, d, kvhi_codec_group(codec, d), raw);
-                set_isa(KVHI_CODEC_SCALAR);
-                kvhi_codec_encode(codec, dt, d, raw, VECTORS, want);
-                kvhi_codec_decode(codec, dt, d, want, VECTORS, want_back);
-                for (size_t k = 0; k < sizeof(isas) / sizeof(isas[0]); k++) {
-                    if (!kvhi_codec_isa_supported(isas[k]))
+                uint8_t *got = tu_alloc(c.rec), *back = tu_alloc(c.raw_bytes);
+                for (size_t k = 0; k < sizeof(every_isa) / sizeof(every_isa[0]); k++) {
+                    if (!kvhi_codec_isa_supported(every_isa[k]))
                         continue;
-                    set_isa(isas[k]);
+                    set_isa(every_isa[k]);
                     for (int env = 0; env < FP_ENVS; env++) {
                         fp_env_set((enum fp_env)env);
-                        kvhi_codec_encode(codec, dt, d, raw, VECTORS, got);
-                        kvhi_codec_decode(codec, dt, d, want, VECTORS, back);
+                        kvhi_codec_encode(c.codec, c.dt, c.d, c.raw, VECTORS, got);
+                        kvhi_codec_decode(c.codec, c.dt, c.d, c.want, VECTORS, back);
                         bool kept = fp_env_is((enum fp_env)env);
                         fp_env_reset();
                         assert_true(kept);
-                        if (memcmp(want, got, rec * VECTORS) != 0 || memcmp(want_back, back, rb * VECTORS) != 0)
+                        if (memcmp(c.want, got, c.rec) != 0 || memcmp(c.want_back, back, c.raw_bytes) != 0)
                             fail_msg("%s in environment %d: codec %u dtype %u d %u differs from the default",
-                                     kvhi_codec_isa_name(isas[k]), env, codec, dt, d);
+                                     kvhi_codec_isa_name(every_isa[k]), env, c.codec, c.dt, c.d);
                     }
                 }
-                tu_free(raw);
-                tu_free(want);
                 tu_free(got);
-                tu_free(want_back);
                 tu_free(back);
+                ref_case_close(&c);
             }
     set_isa(KVHI_CODEC_AUTO);
 }
@@ -371,43 +397,33 @@ static void test_every_isa_takes_unaligned_buffers(void **state)
 {
     (void)state;
     tu_rng r = {tu_seed(96)};
-    static const int isas[] = {KVHI_CODEC_SCALAR, KVHI_CODEC_AVX2, KVHI_CODEC_AVX512};
     static const uint32_t dims[] = {17, 64};
     for (size_t ci = 0; ci < 3; ci++)
         for (size_t ti = 0; ti < 3; ti++)
             for (size_t di = 0; di < 2; di++) {
-                uint32_t codec = codecs[ci], dt = dtypes[ti], d = dims[di];
-                size_t rec = kvhi_codec_vector_bytes(codec, dt, d), rb = (size_t)d * elem_size(dt);
-                if (!rec || (codec != KVH_CODEC_INT8 && d % kvhi_codec_group(codec, d)))
+                ref_case c;
+                if (!ref_case_open(&r, codecs[ci], dtypes[ti], dims[di], &c))
                     continue;
-                uint8_t *raw = tu_alloc(rb * VECTORS), *want = tu_alloc(rec * VECTORS);
-                uint8_t *want_back = tu_alloc(rb * VECTORS);
-                uint8_t *raw_at = tu_alloc(rb * VECTORS + 8), *enc_at = tu_alloc(rec * VECTORS + 8);
-                uint8_t *back_at = tu_alloc(rb * VECTORS + 8);
-                fill(&r, dt, d, kvhi_codec_group(codec, d), raw);
-                set_isa(KVHI_CODEC_SCALAR);
-                kvhi_codec_encode(codec, dt, d, raw, VECTORS, want);
-                kvhi_codec_decode(codec, dt, d, want, VECTORS, want_back);
-                for (size_t k = 0; k < sizeof(isas) / sizeof(isas[0]); k++) {
-                    if (!kvhi_codec_isa_supported(isas[k]))
+                uint8_t *raw_at = tu_alloc(c.raw_bytes + 8), *enc_at = tu_alloc(c.rec + 8);
+                uint8_t *back_at = tu_alloc(c.raw_bytes + 8);
+                for (size_t k = 0; k < sizeof(every_isa) / sizeof(every_isa[0]); k++) {
+                    if (!kvhi_codec_isa_supported(every_isa[k]))
                         continue;
-                    set_isa(isas[k]);
+                    set_isa(every_isa[k]);
                     for (size_t off = 1; off < 8; off += 2) {
-                        memcpy(raw_at + off, raw, rb * VECTORS);
-                        kvhi_codec_encode(codec, dt, d, raw_at + off, VECTORS, enc_at + off);
-                        kvhi_codec_decode(codec, dt, d, enc_at + off, VECTORS, back_at + off);
-                        if (memcmp(want, enc_at + off, rec * VECTORS) != 0 ||
-                            memcmp(want_back, back_at + off, rb * VECTORS) != 0)
+                        memcpy(raw_at + off, c.raw, c.raw_bytes);
+                        kvhi_codec_encode(c.codec, c.dt, c.d, raw_at + off, VECTORS, enc_at + off);
+                        kvhi_codec_decode(c.codec, c.dt, c.d, enc_at + off, VECTORS, back_at + off);
+                        if (memcmp(c.want, enc_at + off, c.rec) != 0 ||
+                            memcmp(c.want_back, back_at + off, c.raw_bytes) != 0)
                             fail_msg("%s at offset %zu: codec %u dtype %u d %u differs from aligned",
-                                     kvhi_codec_isa_name(isas[k]), off, codec, dt, d);
+                                     kvhi_codec_isa_name(every_isa[k]), off, c.codec, c.dt, c.d);
                     }
                 }
-                tu_free(raw);
-                tu_free(want);
-                tu_free(want_back);
                 tu_free(raw_at);
                 tu_free(enc_at);
                 tu_free(back_at);
+                ref_case_close(&c);
             }
     set_isa(KVHI_CODEC_AUTO);
 }
