@@ -19,6 +19,7 @@
 #include "core/block.h"
 #include "core/tier.h"
 #include "core/migrate.h"
+#include "core/numa_place.h"
 #include "core/seq.h"
 #include "core/disk_tier.h"
 #include "core/codec_tier.h"
@@ -151,7 +152,7 @@ static void bind_to_node(kvh_engine *e, void *p, size_t bytes)
 {
 #ifdef KVH_HAVE_NUMA
     if (e->cfg.numa_node >= 0 && numa_available() >= 0 && numa_max_node() > 0 && e->cfg.numa_node <= numa_max_node())
-        numa_tonode_memory(p, bytes, e->cfg.numa_node);
+        kvhi_numa_bind(p, bytes, e->cfg.numa_node);
 #else
     (void)e, (void)p, (void)bytes;
 #endif

@@ -15,6 +15,7 @@
 
 #include <assert.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdarg.h>
 #include <stdbool.h>
 #include <stddef.h>
@@ -98,7 +99,7 @@ struct kvh_engine {
      * nothing else is held when it is taken. Below it (docs/ARCHITECTURE.md
      * section 5): lock -> journal_lock -> pending_lock, lock ->
      * pending_lock, lock -> run_lock -> the CPU pool's lock; lane_lock,
-     * spare_lock, numa_cache_lock and the CUDA locks are leaves. Debug
+     * spare_lock and the CUDA locks are leaves. Debug
      * builds check who holds it (kvhi_assert_locked). */
     pthread_mutex_t lock;
     pthread_cond_t changed;  /* in-flight flags cleared, room appeared */
@@ -152,6 +153,8 @@ struct kvh_engine {
     /* migration workers */
     pthread_t *workers;
     uint32_t n_workers;
+    cpu_set_t numa_cpus; /* kvh_config.numa_node's CPUs, for the workers */
+    bool numa_cpus_known;
     pthread_cond_t work_ready;
     kvhi_job *jobs; /* binary heap by (priority desc, order asc) */
     uint32_t n_jobs, cap_jobs;

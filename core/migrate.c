@@ -7,15 +7,13 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-#ifdef KVH_HAVE_NUMA
-#include <numa.h>
-#endif
 
 #include "core/block_state.h"
 #include "core/engine.h"
 #include "core/move.h"
 #include "core/block.h"
 #include "core/tier.h"
+#include "core/numa_place.h"
 #include "core/migrate.h"
 #include "core/disk_tier.h"
 #include "core/pool_batch.h"
@@ -500,12 +498,6 @@ kvh_status kvhi_enqueue(kvh_engine *e, uint32_t b, uint32_t tier, int32_t priori
 
 /* ---- workers ---- */
 
-#ifdef KVH_HAVE_NUMA
-/* libnuma fills a per-node CPU-mask cache without a lock; workers starting
- * together would race on it (and leak the loser's mask), so they take turns. */
-static pthread_mutex_t numa_cache_lock = PTHREAD_MUTEX_INITIALIZER;
-#endif
-
 /* Waits on work_ready until kvhi_now_ns() reaches deadline_ns. */
 static void wait_until_ns(kvh_engine *e, uint64_t deadline_ns)
 {
@@ -520,13 +512,8 @@ static void *worker_main(void *arg)
 {
     kvh_engine *e = arg;
     kvhi_thread_started_for(e);
-#ifdef KVH_HAVE_NUMA
-    if (e->cfg.numa_node >= 0 && numa_available() >= 0) {
-        pthread_mutex_lock(&numa_cache_lock);
-        numa_run_on_node(e->cfg.numa_node);
-        pthread_mutex_unlock(&numa_cache_lock);
-    }
-#endif
+    if (e->numa_cpus_known)
+        pthread_setaffinity_np(pthread_self(), sizeof(e->numa_cpus), &e->numa_cpus);
     if (e->cfg.migration_cpu_mask) {
         cpu_set_t set;
         CPU_ZERO(&set);
@@ -581,6 +568,7 @@ kvh_status kvhi_workers_start(kvh_engine *e)
     e->n_workers = 0;
     if (e->cfg.migration_threads == 0)
         return KVH_OK;
+    e->numa_cpus_known = e->cfg.numa_node >= 0 && kvhi_numa_node_cpus(e->cfg.numa_node, &e->numa_cpus);
     e->workers = calloc(e->cfg.migration_threads, sizeof(pthread_t));
     if (!e->workers)
         return kvhi_fail(KVH_ERR_NOMEM, "out of memory for workers");
