@@ -313,13 +313,18 @@ static bool batchable(kvh_engine *e, const kvhi_job *j)
     return blk->tier == KVH_TIER_DISK;
 }
 
-/* A job that will not run: a prefetch's block may be prefetched again,
- * and its fence learns why. */
+/* A job that will not run: its fence learns why, but for a prefetch,
+ * which is skipped (kvh.h: not an error), and whose block may be
+ * prefetched again. */
 static void job_abandon(kvh_engine *e, const kvhi_job *j, kvh_status st)
 {
     kvhi_block *blk = &e->blocks[j->block];
-    if (j->kind == KVHI_JOB_PREFETCH && blk->gen == j->block_gen && (blk->flags & KVHI_BF_LIVE))
-        blk->flags &= (uint16_t)~KVHI_BF_PREFETCHING;
+    if (j->kind == KVHI_JOB_PREFETCH) {
+        if (blk->gen == j->block_gen && (blk->flags & KVHI_BF_LIVE))
+            blk->flags &= (uint16_t)~KVHI_BF_PREFETCHING;
+        e->stats.prefetch_skipped++;
+        st = KVH_OK;
+    }
     kvhi_fence_done(e, j->fence, st);
 }
 
@@ -489,7 +494,9 @@ kvh_status kvhi_enqueue(kvh_engine *e, uint32_t b, uint32_t tier, int32_t priori
     }
     kvh_status st = job_push(e, j);
     if (st != KVH_OK) {
-        kvhi_fence_done(e, fence_idx, st);
+        /* A prefetch not queued is skipped: its fence is not failed. */
+        kvhi_fence_done(e, fence_idx, kind == KVHI_JOB_PREFETCH ? KVH_OK : st);
+        e->stats.prefetch_skipped += kind == KVHI_JOB_PREFETCH;
         return st;
     }
     pthread_cond_signal(&e->work_ready);

@@ -891,7 +891,9 @@ KVH_API kvh_status kvh_block_pin(kvh_engine *engine, kvh_block block, int32_t pi
  * the queue. Returns KVH_ERR_INVALID_ARG (NULL blocks with n > 0, a tier
  * the engine does not have), KVH_ERR_BAD_HANDLE (nothing is moved),
  * KVH_ERR_NOMEM; the moves (the call itself without a fence) report
- * KVH_ERR_NOSPACE (no room in tier), KVH_ERR_IO, KVH_ERR_CORRUPT.
+ * KVH_ERR_NOSPACE (no room in tier), KVH_ERR_IO, KVH_ERR_CORRUPT,
+ * KVH_ERR_NOMEM (no memory to queue or run a move: the block stays where
+ * it was, intact).
  * @threads any */
 KVH_API kvh_status kvh_migrate(kvh_engine *engine, const kvh_block *blocks, size_t n, uint32_t tier, kvh_fence *fence);
 
