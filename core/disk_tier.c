@@ -335,8 +335,15 @@ size_t kvhi_disk_verify(kvh_engine *e, const uint32_t *blocks, size_t n)
 {
     size_t good = n; /* blocks before the first that failed */
     kvhi_xfer *xs = malloc(sizeof(kvhi_xfer) * 64);
-    if (!xs)
-        return 0; /* nothing checked: a miss, not damage */
+    if (!xs) {
+        /* Nothing read: the blocks up to the first still on disk (or
+         * corrupt) need no check, the rest are a miss, not damage. */
+        size_t in_memory = 0;
+        while (in_memory < n && e->blocks[blocks[in_memory]].tier != KVH_TIER_DISK &&
+               !(e->blocks[blocks[in_memory]].flags & KVHI_BF_CORRUPT))
+            in_memory++;
+        return in_memory;
+    }
     for (size_t i = 0; i < n;) {
         uint32_t k = 0;
         for (; i < n && k < 64; i++) {

@@ -725,6 +725,53 @@ static void test_admission_alloc_failures(void **state)
     assert_true(admitted_total > 0);
 }
 
+/* A prefix match on a reopened store, its n-th allocation failing (this
+ * thread, no workers): KVH_ERR_NOMEM, or every persisted token matched
+ * with the bytes written, never a silent miss of blocks that had already
+ * reached memory (the check of blocks left on disk could not allocate and
+ * dropped every block found). */
+static void test_match_prefix_alloc_failures(void **state)
+{
+    (void)state;
+    char dir[PATH_MAX];
+    dt_scratch("match-nomem", dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 16, 16, 32, 0);
+    const dt_content a = dt_plain(7);
+    const size_t len = 4 * G.bt;
+    kvh_engine *e = dt_open_a(&c);
+    kvh_seq s;
+    assert_int_equal(dt_build(e, G, a, len, 0, &s), KVH_OK);
+    assert_int_equal(kvh_seq_persist(e, s), KVH_OK);
+    assert_int_equal(dt_close(e), KVH_OK);
+    long failed = 0;
+    for (long n = 1;; n++) {
+        e = dt_open_a(&c);
+        int32_t tok[4 * 16];
+        dt_tokens(a, 0, len, tok);
+        kvh_seq m;
+        assert_int_equal(kvh_seq_create(e, 0, &m), KVH_OK);
+        size_t matched = 0;
+        rl_alloc_arm(n, false, true);
+        kvh_status st = kvh_seq_match_prefix(e, m, tok, len, &matched);
+        long fired = rl_alloc_fired();
+        rl_alloc_disarm();
+        if (st == KVH_OK) {
+            if (matched != len)
+                fail_msg("allocation %ld failed: the match found %zu of %zu persisted tokens", n, matched, len);
+            char msg[256] = "";
+            if (dt_verify(e, m, G, a, 0, len, msg, sizeof(msg)) != KVH_OK)
+                fail_msg("allocation %ld failed: %s", n, msg);
+        } else {
+            assert_int_equal(st, KVH_ERR_NOMEM);
+        }
+        failed += fired > 0;
+        assert_int_equal(dt_close(e), KVH_OK);
+        if (!fired)
+            break; /* past the call's last allocation */
+    }
+    assert_true(failed > 0);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -732,6 +779,7 @@ int main(void)
         cmocka_unit_test_teardown(test_short_io, rl_teardown),
         cmocka_unit_test_teardown(test_alloc_failures, rl_teardown),
         cmocka_unit_test(test_admission_alloc_failures),
+        cmocka_unit_test_teardown(test_match_prefix_alloc_failures, rl_teardown),
     };
     return cmocka_run_group_tests_name("rel_faults", tests, group_setup, group_teardown);
 }
