@@ -8,6 +8,7 @@
 #include "abi/api_attention.h"
 #include "abi/api_params.h"
 #include "core/attention_call.h"
+#include "kernels/cpu/fp_env.h"
 
 void kvhi_attn_params_defaults(kvh_attention_params *p)
 {
@@ -47,8 +48,16 @@ kvh_status kvhi_attn_check_args(kvh_engine *e, uint32_t layer, const kvh_seq *se
     KVHI_REQUIRE(pr->num_q_heads <= KVHI_ATTN_MAX_Q_HEADS, "num_q_heads %u > %u", pr->num_q_heads,
                  KVHI_ATTN_MAX_Q_HEADS);
     KVHI_REQUIRE(isfinite(pr->scale), "scale is not finite");
-    if (pr->scale == 0.0f)
-        pr->scale = 1.0f / sqrtf((float)c->head_dim);
+    if (pr->scale == 0.0f) {
+        /* Rounded as in the default floating-point environment, whatever
+         * the caller's (kvh.h). The volatiles keep the arithmetic between
+         * the two switches. */
+        kvhi_fp_env env = kvhi_fp_default_enter();
+        volatile float dim = (float)c->head_dim;
+        volatile float scale = 1.0f / sqrtf(dim);
+        kvhi_fp_leave(env);
+        pr->scale = scale;
+    }
     if (pr->stream_chunk_blocks || pr->stream_window_blocks) {
         KVHI_REQUIRE(pr->stream_chunk_blocks, "stream_window_blocks is set but stream_chunk_blocks is 0");
         KVHI_REQUIRE(pr->stream_window_blocks >= pr->stream_chunk_blocks,

@@ -325,6 +325,18 @@ static int run_call(const kvhi_attn_plan *p, const void *q, void *out, void (*do
     }
     /* no split-K partials: no buffer (NULL + 0 is undefined) */
     float *plse = st->partial ? st->partial + (size_t)p->n_partial_rows * p->head_dim : NULL;
+    /* In place (out over q): rows computed again below read q, which this
+     * pass overwrites first; they read a copy. */
+    size_t bytes = (size_t)p->total_rows * p->num_q_heads * p->head_dim * (p->io_dtype == KVH_DTYPE_F32 ? 4 : 2);
+    void *q_kept = NULL;
+    if ((const uint8_t *)q < (const uint8_t *)out + bytes && (const uint8_t *)out < (const uint8_t *)q + bytes) {
+        if (!(q_kept = malloc(bytes ? bytes : 1))) {
+            pthread_mutex_unlock(&st->run_lock);
+            snprintf(msg, msg_len, "out of memory for a copy of q (out overlaps it)");
+            return KVH_ERR_NOMEM;
+        }
+        memcpy(q_kept, q, bytes);
+    }
     __atomic_store_n(&st->score_overflow, 0, __ATOMIC_RELAXED);
     rows_past_prepare(st, p);
     int rc = run_locked(st, p, 0, p->n_units, true, q, out, st->partial, plse, msg, msg_len);
@@ -332,10 +344,12 @@ static int run_call(const kvhi_attn_plan *p, const void *q, void *out, void (*do
      * weighted values above 3.4e38): from finite inputs they came out
      * inf or NaN where the answer is finite. They are computed again in
      * double, as the reference kernel does. */
-    if (rc == 0 && __atomic_load_n(&st->score_overflow, __ATOMIC_RELAXED) && redo_rows_past(st, p, q, out) != 0) {
+    if (rc == 0 && __atomic_load_n(&st->score_overflow, __ATOMIC_RELAXED) &&
+        redo_rows_past(st, p, q_kept ? q_kept : q, out) != 0) {
         snprintf(msg, msg_len, "out of memory for attention scores past the float range");
         rc = KVH_ERR_NOMEM;
     }
+    free(q_kept);
     if (rc != 0) {
         pthread_mutex_unlock(&st->run_lock);
         return rc;

@@ -813,29 +813,35 @@ static void test_scores_past_the_float_range_either_way(void **state)
     }
 }
 
-/* One f32 sequence of 4 tokens (head_dim 4, one head) with the given K
- * and V on every kernel variant, decoded with q and scale: the softmax of
- * the exact scores, though q x scale, a product or the weighted sum of V
- * passes FLT_MAX on the way (finite inputs, finite answer: kvh.h redoes
- * such calls in double). */
+/* One f32 sequence of 4 tokens (head_dim 16, one head: every kernel
+ * variant takes it) with the given K and V on kernel variant isa, decoded
+ * with q and scale, into a separate buffer and in place (out over q): the
+ * softmax of the exact scores, though q x scale, a product or the
+ * weighted sum of V passes FLT_MAX on the way (finite inputs, finite
+ * answer: kvh.h computes such rows again in double). */
+enum { PD = 16, PN = 4 };
+
 static void expect_decode_near(const char *isa, const float *k, const float *v, const float *q, float scale,
                                double want, const char *what)
 {
-    enum { D1 = 4, N = 4 };
     if (isa[0])
         setenv("KVH_ATTN_ISA", isa, 1);
-    kvh_config c = tu_cfg(1, 1, D1, BT, KVH_DTYPE_F32, 16, 16, 0);
+    kvh_config c = tu_cfg(1, 1, PD, BT, KVH_DTYPE_F32, 16, 16, 0);
     kvh_engine *e = tu_open_cfg(&c);
     unsetenv("KVH_ATTN_ISA");
     kvh_seq s = tu_seq_new(e, 0);
-    int32_t t[N] = {1, 2, 3, 4};
-    assert_ok(kvh_seq_append(e, s, t, N));
-    assert_ok(kvh_seq_write_kv(e, s, 0, 0, N, k, v));
-    float out[D1];
+    int32_t t[PN] = {1, 2, 3, 4};
+    assert_ok(kvh_seq_append(e, s, t, PN));
+    assert_ok(kvh_seq_write_kv(e, s, 0, 0, PN, k, v));
     kvh_attention_params p = params(1, scale, KVH_DTYPE_F32);
-    assert_ok(kvh_attention_decode(e, 0, &s, 1, q, out, &p));
-    if (!(fabs(out[0] - want) <= 1e-5 * fabs(want)))
-        fail_msg("isa '%s', %s: %g, the softmax of the exact scores gives %g", isa, what, (double)out[0], want);
+    for (int in_place = 0; in_place < 2; in_place++) {
+        float out[PD];
+        memcpy(out, q, sizeof(out));
+        assert_ok(kvh_attention_decode(e, 0, &s, 1, in_place ? out : q, out, &p));
+        if (!(fabs(out[0] - want) <= 1e-5 * fabs(want)))
+            fail_msg("isa '%s', %s%s: %g, the softmax of the exact scores gives %g", isa, what,
+                     in_place ? " (in place)" : "", (double)out[0], want);
+    }
     assert_ok(tu_close(e));
 }
 
@@ -843,32 +849,93 @@ static void test_finite_inputs_past_the_float_range_on_every_kernel(void **state
 {
     (void)state;
     static const char *const isas[] = {"", "reference", "generic", "avx2", "avx512"};
-    enum { D1 = 4, N = 4 };
     for (size_t ii = 0; ii < sizeof(isas) / sizeof(isas[0]); ii++) {
         /* Equal scores, V of 2e38 everywhere: the unnormalised sum is 8e38. */
-        float k[N * D1] = {0}, v[N * D1], q[D1] = {1, 0, 0, 0};
-        for (int i = 0; i < N * D1; i++)
+        float k[PN * PD] = {0}, v[PN * PD], q[PD] = {1};
+        for (int i = 0; i < PN * PD; i++)
             v[i] = 2e38f;
         expect_decode_near(isas[ii], k, v, q, 1.0f, 2e38, "V sum past FLT_MAX");
         /* q x scale overflows (3e38 x 4), against K of 0 in that element:
          * scores t = 0..3. */
         double num = 0, den = 0;
-        for (int t = 0; t < N; t++) {
-            k[t * D1] = 0, k[t * D1 + 1] = (float)t / 4;
-            v[t * D1] = 10.0f * (float)t;
+        for (int t = 0; t < PN; t++) {
+            k[t * PD] = 0, k[t * PD + 1] = (float)t / 4;
+            v[t * PD] = 10.0f * (float)t;
             num += 10.0 * t * exp(t), den += exp(t);
         }
-        float q4[D1] = {3e38f, 1, 0, 0};
+        float q4[PD] = {3e38f, 1};
         expect_decode_near(isas[ii], k, v, q4, 4.0f, num / den, "q x scale past FLT_MAX");
         /* Two products past FLT_MAX that cancel: scores t / 8. */
         num = den = 0;
-        for (int t = 0; t < N; t++) {
-            k[t * D1] = 2, k[t * D1 + 1] = -2, k[t * D1 + 2] = (float)t / 8;
+        for (int t = 0; t < PN; t++) {
+            k[t * PD] = 2, k[t * PD + 1] = -2, k[t * PD + 2] = (float)t / 8;
             num += 10.0 * t * exp(t / 8.0), den += exp(t / 8.0);
         }
-        float q3[D1] = {3e38f, 3e38f, 1, 0};
+        float q3[PD] = {3e38f, 3e38f, 1};
         expect_decode_near(isas[ii], k, v, q3, 1.0f, num / den, "products past FLT_MAX that cancel");
     }
+}
+
+/* A prefill of two sequences (3 and 2 query rows, 4 query heads over 2 KV
+ * heads, contexts long enough for split chunks, 4 threads) with one
+ * (row, head) pushed past the float range: that row is computed again,
+ * bit for bit as the double reference kernel computes it, and every other
+ * row keeps its bits. */
+enum { RP_HK = 2, RP_HQ = 4, RP_D = 16, RP_ROWS = 5 };
+
+static void prefill_two(const char *isa, const float *q, float *out)
+{
+    static const uint32_t lens[2] = {1100, 900}, ql[2] = {3, 2};
+    if (isa[0])
+        setenv("KVH_ATTN_ISA", isa, 1);
+    kvh_config c = tu_cfg(1, RP_HK, RP_D, BT, KVH_DTYPE_F32, 160, 0, 0);
+    kvh_engine *e = tu_open_cfg(&c);
+    unsetenv("KVH_ATTN_ISA");
+    kvh_seq s[2];
+    for (int i = 0; i < 2; i++) {
+        s[i] = tu_seq_new(e, 0);
+        int32_t *t = tu_alloc(lens[i] * sizeof(int32_t));
+        tu_iota(t, lens[i], 1 + 5000 * (uint32_t)i);
+        assert_ok(kvh_seq_append(e, s[i], t, lens[i]));
+        tu_free(t);
+        size_t n = (size_t)lens[i] * RP_HK * RP_D;
+        float *k = tu_alloc(n * sizeof(float)), *v = tu_alloc(n * sizeof(float));
+        for (size_t x = 0; x < n; x++) {
+            k[x] = (float)((x * 31 + (size_t)i) % 19) / 8.0f - 1.0f;
+            v[x] = (float)((x * 13 + (size_t)i) % 23) / 8.0f - 1.0f;
+        }
+        assert_ok(kvh_seq_write_kv(e, s[i], 0, 0, lens[i], k, v));
+        tu_free(k);
+        tu_free(v);
+    }
+    kvh_attention_params p = params(RP_HQ, 1.0f, KVH_DTYPE_F32);
+    p.threads = 4;
+    assert_ok(kvh_attention_prefill(e, 0, s, ql, 2, q, out, &p));
+    assert_ok(tu_close(e));
+}
+
+static void test_only_rows_past_the_float_range_are_redone(void **state)
+{
+    (void)state;
+    enum { N = RP_ROWS * RP_HQ * RP_D };
+    float q[N], before[N], after[N], exact[N];
+    for (int x = 0; x < N; x++)
+        q[x] = (float)(x % 9) / 4.0f - 1.0f;
+    prefill_two("", q, before);
+    const int pr = 4, ph = 3; /* sequence 1, its second row; query head 3 */
+    float *qp = q + ((size_t)pr * RP_HQ + ph) * RP_D;
+    for (int d = 0; d < RP_D; d++)
+        qp[d] *= 1e38f; /* scores past FLT_MAX */
+    prefill_two("", q, after);
+    prefill_two("reference", q, exact);
+    for (int r = 0; r < RP_ROWS; r++)
+        for (int h = 0; h < RP_HQ; h++) {
+            size_t at = ((size_t)r * RP_HQ + h) * RP_D;
+            const float *want = r == pr && h == ph ? exact + at : before + at;
+            if (memcmp(want, after + at, RP_D * sizeof(float)) != 0)
+                fail_msg("row %d head %d: element 0 is %g, not %g (%s)", r, h, (double)after[at], (double)want[0],
+                         r == pr && h == ph ? "the double reference" : "as before");
+        }
 }
 
 /* A streamed call is not redone in double: a row whose scores all pass
@@ -908,14 +975,16 @@ static void test_streamed_rows_past_the_float_range_are_nan(void **state)
 #if defined(__x86_64__) || defined(__i386__)
 #include <xmmintrin.h>
 /* A caller running with flush-to-zero and denormals-are-zero (a -ffast-math
- * binary, torch.set_flush_denormal) gets the same output, bit for bit,
- * as in the default environment, on every kernel, and keeps its setting:
- * f16 K/V below 6.1e-5 are subnormal and read as zeros under DAZ. */
-static void test_callers_flush_to_zero_changes_nothing(void **state)
+ * binary, torch.set_flush_denormal) or a directed rounding mode gets the
+ * same output, bit for bit, as in the default environment, on every
+ * kernel and with the default scale 1/sqrt(head_dim), and keeps its
+ * setting: f16 K/V below 6.1e-5 are subnormal and read as zeros under
+ * DAZ. */
+static void test_callers_fp_environment_changes_nothing(void **state)
 {
     (void)state;
     static const char *const isas[] = {"", "reference", "generic", "avx2", "avx512"};
-    static const uint32_t dims[] = {16, 17, 20};
+    static const uint32_t dims[] = {16, 17, 20, 96};
     for (size_t ii = 0; ii < sizeof(isas) / sizeof(isas[0]); ii++)
         for (size_t di = 0; di < sizeof(dims) / sizeof(dims[0]); di++) {
             uint32_t d1 = dims[di], n = 24;
@@ -935,21 +1004,25 @@ static void test_callers_flush_to_zero_changes_nothing(void **state)
                 v[i] = (uint16_t)((tu_next(&r) & 0x83ffu) | 1u); /* subnormal, either sign */
             }
             assert_ok(kvh_seq_write_kv(e, s, 0, 0, n, k, v));
-            float q[20], out[2][20];
+            float q[96], out[2][96];
             for (uint32_t d = 0; d < d1; d++)
                 q[d] = (float)d / 8.0f - 1.0f;
             kvh_attention_params p = params(1, 0.0f, KVH_DTYPE_F32);
             assert_ok(kvh_attention_decode(e, 0, &s, 1, q, out[0], &p));
-            unsigned int csr = _mm_getcsr();
-            _mm_setcsr(csr | 0x8040u); /* FTZ | DAZ */
-            kvh_status st = kvh_attention_decode(e, 0, &s, 1, q, out[1], &p);
-            unsigned int after = _mm_getcsr();
-            _mm_setcsr(csr);
-            assert_ok(st);
-            assert_int_equal(after & 0x8040u, 0x8040u);
-            if (memcmp(out[0], out[1], d1 * sizeof(float)) != 0)
-                fail_msg("isa '%s', head_dim %u: under FTZ|DAZ element 0 is %g, not %g", isas[ii], d1,
-                         (double)out[1][0], (double)out[0][0]);
+            /* FTZ | DAZ, then each directed rounding mode (MXCSR bits 13-14) */
+            static const unsigned int envs[] = {0x8040u, 0x4000u, 0x2000u, 0x6000u};
+            for (size_t ei = 0; ei < sizeof(envs) / sizeof(envs[0]); ei++) {
+                unsigned int csr = _mm_getcsr();
+                _mm_setcsr(csr | envs[ei]);
+                kvh_status st = kvh_attention_decode(e, 0, &s, 1, q, out[1], &p);
+                unsigned int after = _mm_getcsr();
+                _mm_setcsr(csr);
+                assert_ok(st);
+                assert_int_equal(after & 0xe040u, envs[ei]);
+                if (memcmp(out[0], out[1], d1 * sizeof(float)) != 0)
+                    fail_msg("isa '%s', head_dim %u, MXCSR | %#x: element 0 is %g, not %g", isas[ii], d1, envs[ei],
+                             (double)out[1][0], (double)out[0][0]);
+            }
             bool any = false;
             for (uint32_t d = 0; d < d1; d++)
                 any |= out[0][d] != 0;
@@ -2088,9 +2161,10 @@ int main(void)
         cmocka_unit_test_teardown(test_prefill_matches_reference, teardown),
         cmocka_unit_test_teardown(test_prefill_masked_non_finite_values_stay_masked, teardown),
         cmocka_unit_test_teardown(test_finite_inputs_past_the_float_range_on_every_kernel, teardown),
+        cmocka_unit_test_teardown(test_only_rows_past_the_float_range_are_redone, teardown),
         cmocka_unit_test_teardown(test_streamed_rows_past_the_float_range_are_nan, teardown),
 #if defined(__x86_64__) || defined(__i386__)
-        cmocka_unit_test_teardown(test_callers_flush_to_zero_changes_nothing, teardown),
+        cmocka_unit_test_teardown(test_callers_fp_environment_changes_nothing, teardown),
 #endif
         cmocka_unit_test_teardown(test_nan_scores_make_the_row_nan, teardown),
         cmocka_unit_test_teardown(test_params_past_struct_size_are_ignored, teardown),
