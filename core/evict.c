@@ -147,6 +147,10 @@ kvh_status kvhi_reserve_slot(kvh_engine *e, uint32_t tier, uint32_t for_agent, u
         return kvhi_fail(KVH_ERR_NOSPACE, "tier %u is not configured", tier);
     struct timespec queued_deadline = {0, 0};
     for (int attempt = 0; attempt < 1000000; attempt++) {
+        /* Releases that returned while the lock was dropped, not yet
+         * applied: their blocks may be the room, or the victim. */
+        if (e->release_backlog_len)
+            kvhi_block_releases_apply(e);
         kvhi_agent *qa = tier == KVH_TIER_DEVICE && e->n_agents ? kvhi_agent_at_quota(e, for_agent) : NULL;
         if (!qa && kvhi_slot_pool_alloc(&t->slots, slot) == 0)
             return KVH_OK;
@@ -180,12 +184,6 @@ kvh_status kvhi_reserve_slot(kvh_engine *e, uint32_t tier, uint32_t for_agent, u
         if (v == KVHI_HEAP_NONE && tier == KVH_TIER_DISK && e->n_jobs &&
             kvhi_wait_queued_moves_out(e, tier, &queued_deadline))
             continue;
-        /* Releases that returned while the lock was dropped, not yet
-         * applied: their blocks may be the room. */
-        if (v == KVHI_HEAP_NONE && e->release_backlog_len) {
-            kvhi_block_releases_apply(e);
-            continue;
-        }
         if (v == KVHI_HEAP_NONE && e->copies_in_progress) {
             /* Blocks of this tier may be busy in a copy: room can appear
              * when it ends, so this is not yet "no space". */

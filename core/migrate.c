@@ -313,17 +313,20 @@ static bool batchable(kvh_engine *e, const kvhi_job *j)
     return blk->tier == KVH_TIER_DISK;
 }
 
-/* A job that will not run: its fence learns why, but for a prefetch,
- * which is skipped (kvh.h: not an error), and whose block may be
- * prefetched again. */
+/* A job that will not run: its fence learns why (KVH_ERR_CLOSED at
+ * close), but for a prefetch that could not be queued or batched, which
+ * is skipped (kvh.h: not an error). A prefetch's block may be prefetched
+ * again. */
 static void job_abandon(kvh_engine *e, const kvhi_job *j, kvh_status st)
 {
     kvhi_block *blk = &e->blocks[j->block];
     if (j->kind == KVHI_JOB_PREFETCH) {
         if (blk->gen == j->block_gen && (blk->flags & KVHI_BF_LIVE))
             blk->flags &= (uint16_t)~KVHI_BF_PREFETCHING;
-        e->stats.prefetch_skipped++;
-        st = KVH_OK;
+        if (st != KVH_ERR_CLOSED) {
+            e->stats.prefetch_skipped++;
+            st = KVH_OK;
+        }
     }
     kvhi_fence_done(e, j->fence, st);
 }

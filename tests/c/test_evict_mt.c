@@ -432,7 +432,7 @@ static void test_a_prefetch_takes_no_victim_hinted_above_it(void **state)
     assert_int_equal(pthread_create(&tp, NULL, prefetch_at_50, &pf), 0);
     wait_until_writing();
     assert_int_equal(pthread_create(&ta, NULL, acquire_thread, &acq), 0);
-    usleep(200000); /* the acquire holds V, waiting on its move */
+    usleep(300000); /* the acquire waits on V's move (it holds V once the move ends) */
     atomic_store(&W.stall, 0);
     pthread_join(tp, NULL);
     pthread_join(ta, NULL);
