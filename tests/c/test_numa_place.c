@@ -1,8 +1,10 @@
 /* NUMA placement without libnuma's allocating helpers (core/numa_place.c):
  * the sysfs CPU-list parser against well-formed and hostile lists, the
- * node lookup on this machine, the memory binding on any range, and an
+ * node lookup on this machine, the memory binding (read back with
+ * get_mempolicy) and its refusals, and an
  * engine bound to node 0 whose migration workers move blocks. */
 #include <sys/mman.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include "test_util.h"
@@ -43,6 +45,14 @@ static void test_node_cpus_and_binding(void **state)
     uint8_t *p = mmap(NULL, (size_t)page * 4, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     assert_true(p != MAP_FAILED);
     kvhi_numa_bind(p, (size_t)page * 4, 0);
+    /* The range's policy is now "node 0 only" (linux/mempolicy.h: MPOL_BIND
+     * is 2, MPOL_F_ADDR 2). */
+    int mode = -1;
+    unsigned long mask[16] = {0};
+    if (syscall(SYS_get_mempolicy, &mode, mask, 16 * 8 * sizeof(unsigned long), p, 2ul) == 0) {
+        assert_int_equal(mode, 2);
+        assert_int_equal(mask[0] & 1ul, 1ul);
+    }
     kvhi_numa_bind(p, (size_t)page * 4, 5000); /* beyond the mask: nothing */
     kvhi_numa_bind(p + 1, 10, 0);              /* unaligned: the kernel refuses, nothing breaks */
     memset(p, 0x5a, (size_t)page * 4);
