@@ -20,12 +20,14 @@ uint32_t kvhi_victim_ceiling_set(uint32_t b)
     return was;
 }
 
+bool kvhi_ranks_below(kvh_engine *e, uint32_t v, uint32_t b)
+{
+    return kvhi_block_current_key(e, v).primary < kvhi_block_current_key(e, b).primary;
+}
+
 bool kvhi_victim_under_ceiling(kvh_engine *e, uint32_t tier, uint32_t v)
 {
-    /* By the primary key (class, hint priority or K-th access time), as
-     * the prefetch's own check (core/migrate.c prefetch_has_room). */
-    return tier != KVH_TIER_DEVICE || victim_ceiling == KVHI_NO_BLOCK ||
-           kvhi_block_current_key(e, v).primary < kvhi_block_current_key(e, victim_ceiling).primary;
+    return tier != KVH_TIER_DEVICE || victim_ceiling == KVHI_NO_BLOCK || kvhi_ranks_below(e, v, victim_ceiling);
 }
 
 static int tier_below(kvh_engine *e, uint32_t t)

@@ -225,10 +225,7 @@ static bool prefetch_has_room(kvh_engine *e, uint32_t b)
     uint32_t v = kvhi_lruk_top_current(heap, kvhi_block_current_key, e);
     if (v == KVHI_HEAP_NONE)
         return false;
-    /* By the primary key (class, hint priority or K-th access time), not
-     * by recency: two blocks hinted alike would otherwise displace each
-     * other in turn. */
-    return kvhi_block_current_key(e, v).primary < kvhi_block_current_key(e, b).primary;
+    return kvhi_ranks_below(e, v, b);
 }
 
 /* A prefetch to the device tier that would find no room it may take: it
