@@ -172,14 +172,17 @@ static void test_a_read_does_not_wait_for_a_worker_waiting_for_it(void **state)
     dt_assert_ok(dt_close(e));
 }
 
-/* Disk writes stall in the fault hook while `stall` is set, saying so. */
+/* Disk writes stall in the fault hook while `stall` is set, saying so;
+ * `writes` counts the data writes that reached the hook. */
 static struct {
-    atomic_int stall, writing, fail_next;
+    atomic_int stall, writing, fail_next, writes;
 } W;
 
 static int stalling_hook(enum kvhi_disk_op op, void *user)
 {
     (void)user;
+    if (op == KVHI_OP_WRITE)
+        atomic_fetch_add(&W.writes, 1);
     if (op == KVHI_OP_WRITE && atomic_load(&W.stall)) {
         atomic_store(&W.writing, 1);
         while (atomic_load(&W.stall))
@@ -216,11 +219,13 @@ typedef struct pin_call {
     kvh_status st;
     uint32_t tier_at_return;
     atomic_int done;
+    atomic_int tid; /* the pinning thread, once it runs */
 } pin_call;
 
 static void *pin_thread(void *arg)
 {
     pin_call *p = arg;
+    atomic_store(&p->tid, wb_thread_id());
     kvh_block h = {0};
     p->st = p->by_handle ? kvh_seq_blocks(p->e, p->s, 0, 1, &h) : KVH_OK;
     if (p->st == KVH_OK)
@@ -277,7 +282,9 @@ static void test_a_pin_holds_a_block_where_its_move_leaves_it(void **state)
     wait_until_writing();
     pin_call pc = {.e = e, .s = x};
     assert_int_equal(pthread_create(&tp, NULL, pin_thread, &pc), 0);
-    usleep(100000);
+    while (!atomic_load(&pc.tid))
+        usleep(1000);
+    wb_wait_blocked_on(atomic_load(&pc.tid), &e->changed, sizeof(e->changed));
     assert_false(atomic_load(&pc.done)); /* waiting for the eviction */
     atomic_store(&W.stall, 0);
     pthread_join(tz, NULL);
@@ -355,6 +362,7 @@ static void test_a_release_is_room_for_the_next_queued_move(void **state)
     assert_true(on_disk >= 0);
     assert_int_equal(dt_tier(e, KVH_TIER_DISK).used_blocks, 4);
 
+    atomic_store(&W.writes, 0);
     kvhi_disk_set_fault_hook(stalling_hook, NULL);
     atomic_store(&W.stall, 1);
     atomic_store(&W.writing, 0);
@@ -364,7 +372,12 @@ static void test_a_release_is_room_for_the_next_queued_move(void **state)
     dt_assert_ok(kvh_migrate(e, &h[host[1]], 1, KVH_TIER_DISK, &second));
     dt_assert_ok(kvh_block_release(e, h[on_disk]));
     atomic_store(&W.stall, 0);
-    usleep(300000); /* the worker runs both moves; no call enters meanwhile */
+    /* No call may enter until the worker has written the second block (one
+     * write a move): an entering call would apply the release itself. */
+    for (int i = 0; i < 10000 && atomic_load(&W.writes) < 2; i++)
+        usleep(1000);
+    if (atomic_load(&W.writes) < 2)
+        fail_msg("the second move wrote nothing in 10 s: the worker did not see the release");
     dt_assert_ok(kvh_fence_wait(e, first, UINT64_MAX));
     dt_assert_ok(kvh_fence_wait(e, second, UINT64_MAX));
     kvhi_disk_set_fault_hook(NULL, NULL);
@@ -383,6 +396,7 @@ typedef struct range_call {
     kvh_seq s;
     size_t n;
     kvh_status st;
+    atomic_int tid; /* the calling thread, once it runs */
 } range_call;
 
 static void *prefetch_at_50(void *arg)
@@ -395,6 +409,7 @@ static void *prefetch_at_50(void *arg)
 static void *acquire_thread(void *arg)
 {
     range_call *r = arg;
+    atomic_store(&r->tid, wb_thread_id());
     r->st = kvh_seq_acquire(r->e, r->s, 0, r->n, NULL);
     return NULL;
 }
@@ -432,7 +447,10 @@ static void test_a_prefetch_takes_no_victim_hinted_above_it(void **state)
     assert_int_equal(pthread_create(&tp, NULL, prefetch_at_50, &pf), 0);
     wait_until_writing();
     assert_int_equal(pthread_create(&ta, NULL, acquire_thread, &acq), 0);
-    usleep(300000); /* the acquire waits on V's move (it holds V once the move ends) */
+    while (!atomic_load(&acq.tid))
+        usleep(1000);
+    /* The acquire waits on V's move (it holds V once the move ends). */
+    wb_wait_blocked_on(atomic_load(&acq.tid), &e->changed, sizeof(e->changed));
     atomic_store(&W.stall, 0);
     pthread_join(tp, NULL);
     pthread_join(ta, NULL);

@@ -1,8 +1,12 @@
 /* Helpers of the white-box tests (white_box_util.h). */
+#include <inttypes.h>
 #include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
+#include <stdio.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <cmocka.h>
 
@@ -55,4 +59,34 @@ uint32_t wb_seq_block_index(kvh_engine *e, kvh_seq s, uint64_t i)
     kvh_block h = {0};
     assert_int_equal(kvh_seq_blocks(e, s, i, 1, &h), KVH_OK);
     return wb_block_index(e, h);
+}
+
+pid_t wb_thread_id(void) { return (pid_t)syscall(SYS_gettid); }
+
+/* Whether tid is in futex(2) on an address inside [obj, obj + size). The
+ * file gives the syscall number and its arguments while a thread is
+ * blocked in one, "running" otherwise. */
+static int blocked_on(pid_t tid, const void *obj, size_t size)
+{
+    char path[64], line[256];
+    snprintf(path, sizeof(path), "/proc/self/task/%d/syscall", (int)tid);
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return 0;
+    long nr = -1;
+    uintptr_t addr = 0;
+    int got = fgets(line, sizeof(line), f) && sscanf(line, "%ld %" SCNxPTR, &nr, &addr) == 2;
+    fclose(f);
+    uintptr_t lo = (uintptr_t)obj;
+    return got && nr == SYS_futex && addr >= lo && addr < lo + size;
+}
+
+void wb_wait_blocked_on(pid_t tid, const void *obj, size_t size)
+{
+    for (int i = 0; i < 10000; i++) {
+        if (blocked_on(tid, obj, size))
+            return;
+        usleep(1000);
+    }
+    fail_msg("thread %d did not block on %p in 10 s", (int)tid, obj);
 }

@@ -3,7 +3,9 @@
 #ifndef KVH_WHITE_BOX_UTIL_H
 #define KVH_WHITE_BOX_UTIL_H
 
+#include <stddef.h>
 #include <stdint.h>
+#include <sys/types.h>
 
 #include "kvh/kvh.h"
 
@@ -21,5 +23,13 @@ void wb_release_held_lock(void);
 /* The record index of block handle h, and of logical block i of s. */
 uint32_t wb_block_index(kvh_engine *e, kvh_block h);
 uint32_t wb_seq_block_index(kvh_engine *e, kvh_seq s, uint64_t i);
+
+/* The calling thread's id, for wb_wait_blocked_on. */
+pid_t wb_thread_id(void);
+/* Waits (10 s at most, then fails the test) until thread tid sleeps in a
+ * futex wait on a word of [obj, obj + size), e.g. in pthread_cond_wait
+ * on the condition variable obj: a test orders threads by what they are
+ * waiting on instead of by sleeps (/proc/self/task/tid/syscall). */
+void wb_wait_blocked_on(pid_t tid, const void *obj, size_t size);
 
 #endif
