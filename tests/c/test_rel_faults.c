@@ -772,6 +772,60 @@ static void test_match_prefix_alloc_failures(void **state)
     assert_true(failed > 0);
 }
 
+/* A prefetch of blocks on disk, with a migration worker, every
+ * allocation from the n-th on failing in any thread: kvh.h lets the call
+ * fail only for its fence, and a promotion that cannot be made (its job
+ * not queued, or not batched by the worker) is skipped, not an error:
+ * the fence completes with KVH_OK, each skip is counted, and every block
+ * keeps its bytes wherever it stays. */
+static void test_prefetch_alloc_failures(void **state)
+{
+    (void)state;
+    char dir[PATH_MAX];
+    dt_scratch("prefetch-nomem", dir, sizeof(dir));
+    const dt_content a = dt_plain(9);
+    const size_t len = 6 * G.bt;
+    long failed = 0, skipped_runs = 0;
+    for (long n = 1;; n++) {
+        kvh_config c = dt_cfg(G, dir, 16, 16, 32, 1);
+        kvh_engine *e = dt_open_a(&c);
+        kvh_seq s;
+        assert_int_equal(dt_build(e, G, a, len, 0, &s), KVH_OK);
+        assert_int_equal(kvh_seq_migrate(e, s, 0, len, KVH_TIER_DISK, NULL), KVH_OK);
+        kvh_stats before = {.struct_size = sizeof(before)};
+        assert_int_equal(kvh_engine_stats(e, &before), KVH_OK);
+        kvh_fence f = {0};
+        rl_alloc_arm(n, true, false);
+        kvh_status st = kvh_prefetch(e, s, 0, len, 10, &f);
+        kvh_status fst = st == KVH_OK ? kvh_fence_wait(e, f, UINT64_MAX) : KVH_OK;
+        long fired = rl_alloc_fired();
+        rl_alloc_disarm();
+        if (st != KVH_OK) {
+            assert_int_equal(st, KVH_ERR_NOMEM); /* only for the fence */
+            assert_int_equal(f.id, 0);
+        } else {
+            if (fst != KVH_OK)
+                fail_msg("allocations from %ld failing: the prefetch fence reported %s (%s)", n, kvh_status_name(fst),
+                         kvh_last_error());
+            assert_int_equal(kvh_fence_free(e, f), KVH_OK);
+        }
+        kvh_stats after = {.struct_size = sizeof(after)};
+        assert_int_equal(kvh_engine_stats(e, &after), KVH_OK);
+        skipped_runs += after.prefetch_skipped > before.prefetch_skipped;
+        char msg[256] = "";
+        if (dt_verify(e, s, G, a, 0, len, msg, sizeof(msg)) != KVH_OK)
+            fail_msg("allocations from %ld failing: %s", n, msg);
+        assert_int_equal(kvh_seq_free(e, s), KVH_OK);
+        assert_int_equal(dt_close(e), KVH_OK);
+        failed += fired > 0;
+        if (!fired)
+            break; /* past the prefetch's last allocation */
+    }
+    print_message("%ld runs with a failed allocation, %ld of them with a skipped promotion\n", failed, skipped_runs);
+    assert_true(failed > 0);
+    assert_true(skipped_runs > 0);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -780,6 +834,7 @@ int main(void)
         cmocka_unit_test_teardown(test_alloc_failures, rl_teardown),
         cmocka_unit_test(test_admission_alloc_failures),
         cmocka_unit_test_teardown(test_match_prefix_alloc_failures, rl_teardown),
+        cmocka_unit_test_teardown(test_prefetch_alloc_failures, rl_teardown),
     };
     return cmocka_run_group_tests_name("rel_faults", tests, group_setup, group_teardown);
 }
