@@ -1,8 +1,11 @@
 /* NUMA placement without libnuma's allocating helpers (core/numa_place.c):
  * the sysfs CPU-list parser against well-formed and hostile lists, the
  * node lookup on this machine, the memory binding (read back with
- * get_mempolicy) and its refusals, and an
- * engine bound to node 0 whose migration workers move blocks. */
+ * get_mempolicy) and its refusals, an engine bound to node 0 whose
+ * migration workers move blocks, and those workers' CPU affinity. */
+#include <dirent.h>
+#include <stdio.h>
+#include <string.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -86,12 +89,74 @@ static void test_engine_on_node_zero(void **state)
     assert_ok(kvh_seq_free(e, s));
 }
 
+/* Whether every thread named kvh-worker may run on exactly the CPUs of
+ * want (/proc/self/task/TID/comm names it); *n counts them. */
+static bool workers_on(const cpu_set_t *want, int *n)
+{
+    *n = 0;
+    DIR *d = opendir("/proc/self/task");
+    assert_non_null(d);
+    bool all = true;
+    for (struct dirent *de; (de = readdir(d));) {
+        if (de->d_name[0] == '.')
+            continue;
+        char path[300], comm[32] = "";
+        snprintf(path, sizeof(path), "/proc/self/task/%s/comm", de->d_name);
+        FILE *f = fopen(path, "r");
+        if (!f)
+            continue;
+        bool named = fgets(comm, sizeof(comm), f) && strncmp(comm, "kvh-worker", 10) == 0;
+        fclose(f);
+        if (!named)
+            continue;
+        cpu_set_t has;
+        CPU_ZERO(&has);
+        all = all && sched_getaffinity((pid_t)atoi(de->d_name), sizeof(has), &has) == 0 && CPU_EQUAL(&has, want);
+        (*n)++;
+    }
+    closedir(d);
+    return all;
+}
+
+/* Workers started by a thread confined to one CPU of node 0 run on all
+ * of node 0's CPUs: they set their own affinity, they do not inherit the
+ * caller's. Needs a node 0 of two CPUs or more that this process may use. */
+static void test_workers_run_on_the_node_cpus(void **state)
+{
+    (void)state;
+    cpu_set_t node, mine, one;
+    if (!kvhi_numa_node_cpus(0, &node) || sched_getaffinity(0, sizeof(mine), &mine) != 0)
+        skip();
+    cpu_set_t usable;
+    CPU_AND(&usable, &node, &mine);
+    if (CPU_COUNT(&usable) < 2 || !CPU_EQUAL(&usable, &node))
+        skip();
+    CPU_ZERO(&one);
+    for (int cpu = 0; cpu < CPU_SETSIZE; cpu++)
+        if (CPU_ISSET(cpu, &node)) {
+            CPU_SET(cpu, &one);
+            break;
+        }
+    assert_int_equal(sched_setaffinity(0, sizeof(one), &one), 0);
+    kvh_config c = tu_cfg(2, 1, 32, 16, KVH_DTYPE_F32, 8, 8, 2);
+    c.numa_node = 0;
+    (void)tu_open_cfg(&c); /* closed by the teardown */
+    assert_int_equal(sched_setaffinity(0, sizeof(mine), &mine), 0);
+    int n = 0;
+    bool on_node = false;
+    for (int i = 0; i < 5000 && !(on_node = workers_on(&node, &n) && n >= 2); i++)
+        usleep(1000);
+    if (!on_node)
+        fail_msg("%d kvh-worker threads found; not all on node 0's %d CPUs", n, CPU_COUNT(&node));
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_cpulist_parse),
         cmocka_unit_test(test_node_cpus_and_binding),
         cmocka_unit_test_teardown(test_engine_on_node_zero, tu_teardown),
+        cmocka_unit_test_teardown(test_workers_run_on_the_node_cpus, tu_teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
