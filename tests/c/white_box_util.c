@@ -88,5 +88,13 @@ void wb_wait_blocked_on(pid_t tid, const void *obj, size_t size)
             return;
         usleep(1000);
     }
-    fail_msg("thread %d did not block on %p in 10 s", (int)tid, obj);
+    char path[64], line[256] = "(unreadable)";
+    snprintf(path, sizeof(path), "/proc/self/task/%d/syscall", (int)tid);
+    FILE *f = fopen(path, "r");
+    if (f) {
+        if (!fgets(line, sizeof(line), f))
+            snprintf(line, sizeof(line), "(empty)");
+        fclose(f);
+    }
+    fail_msg("thread %d did not block on %p in 10 s; its system call: %s", (int)tid, obj, line);
 }
