@@ -79,7 +79,7 @@ const kvhi_backend_ops *kvhi_backend_cuda_load(int device, char *msg, size_t msg
     tried_list t = {tried_buf, sizeof(tried_buf), 0};
     void *dl = NULL;
 
-    const char *env = getenv("KVH_CUDA_BACKEND");
+    const char *env = secure_getenv("KVH_CUDA_BACKEND");
     if (env && *env)
         dl = try_open(&t, "$KVH_CUDA_BACKEND", env);
 

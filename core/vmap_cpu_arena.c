@@ -92,7 +92,7 @@ static int pick_backing(const kvhi_slab_layout *l, uint64_t bytes, const char *w
                         size_t len)
 {
     if (!want || !*want)
-        want = getenv("KVH_VMAP_BACKING");
+        want = secure_getenv("KVH_VMAP_BACKING");
     if (want && *want) {
         for (int b = 0; b < 3; b++)
             if (!strcmp(want, backing_names[b])) {
@@ -161,9 +161,9 @@ int kvhi_vmap_cpu_arena_create(void *ctx, const kvhi_slab_layout *layout, uint64
         snprintf(msg, len, "out of memory");
         return KVH_ERR_NOMEM;
     }
-    const char *pop = getenv("KVH_VMAP_POPULATE");
+    const char *pop = secure_getenv("KVH_VMAP_POPULATE");
     a->populate = !(pop && !strcmp(pop, "0"));
-    bool chosen = (backing && *backing) || (getenv("KVH_VMAP_BACKING") && *getenv("KVH_VMAP_BACKING"));
+    bool chosen = (backing && *backing) || (secure_getenv("KVH_VMAP_BACKING") && *secure_getenv("KVH_VMAP_BACKING"));
     rc = map_arena(a, b, bytes, msg, len);
     if (rc != 0 && b == BACKING_HUGETLB && !chosen) {
         /* The free huge pages were counted a moment ago; another process

@@ -71,7 +71,7 @@ kvhi_attn_cpu *kvhi_attn_cpu_create(void)
     pthread_mutex_init(&st->run_lock, NULL);
     st->ncpu = kvhi_cpu_count();
     st->impl = KVHI_ATTN_AUTO;
-    const char *env = getenv("KVH_ATTN_ISA");
+    const char *env = secure_getenv("KVH_ATTN_ISA");
     if (env) {
         static const struct {
             const char *name;

@@ -29,7 +29,7 @@ const char *kvhi_codec_isa_name(int isa)
 
 static int best_isa(void)
 {
-    const char *env = getenv("KVH_CODEC_ISA");
+    const char *env = secure_getenv("KVH_CODEC_ISA");
     if (env)
         for (int isa = KVHI_CODEC_SCALAR; isa <= KVHI_CODEC_AVX512; isa++)
             if (strcmp(env, kvhi_codec_isa_name(isa)) == 0 && kvhi_codec_isa_supported(isa))

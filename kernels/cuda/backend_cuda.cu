@@ -156,7 +156,7 @@ void *cuda_context_create(int device, char *msg, size_t len)
     (void)cudaDeviceGetAttribute(&integrated, cudaDevAttrIntegrated, device);
     (void)cudaDeviceGetAttribute(&host_tables, cudaDevAttrPageableMemoryAccessUsesHostPageTables, device);
     (void)cudaGetLastError();
-    ctx->unified = kvhc_memory_is_unified(integrated, host_tables, getenv("KVH_CUDA_UNIFIED"));
+    ctx->unified = kvhc_memory_is_unified(integrated, host_tables, secure_getenv("KVH_CUDA_UNIFIED"));
     ctx->attn = kvhc_attn_create(device, msg, len);
     if (!ctx->attn) {
         free(ctx);

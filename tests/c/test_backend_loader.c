@@ -4,14 +4,16 @@
  * /proc/self/exe), and without a backend its error and log name every
  * path it tried and why each failed. Where a libkvh_cuda.so loads anyway
  * (installed on the loader's path), the tests that need its absence are
- * skipped. FAKE_BACKEND is fake_cuda_backend.c built as a module: a
- * backend whose probe refuses, naming the file it was loaded from. */
+ * skipped. A set-user-ID program ignores $KVH_CUDA_BACKEND.
+ * FAKE_BACKEND is fake_cuda_backend.c built as a module: a backend whose
+ * probe refuses, naming the file it was loaded from. */
 #include <fcntl.h>
 #include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -203,15 +205,83 @@ static void test_backend_beside_program(void **state)
     assert_int_equal(WEXITSTATUS(status), 0);
 }
 
+/* The child of test_setuid_program_ignores_the_variable: a set-user-ID
+ * copy of this program, started with $KVH_CUDA_BACKEND naming the fake
+ * backend. 0 when the variable was ignored. */
+static int run_secure(void)
+{
+    char err[1024];
+    kvh_status st = open_with(KVH_BACKEND_CUDA, err, sizeof(err));
+    if (st == KVH_OK || strstr(err, "fake backend") || strstr(err, "KVH_CUDA_BACKEND")) {
+        fprintf(stderr, "set-user-ID: status %d, \"%s\"\n", (int)st, err);
+        return 1;
+    }
+    return 0;
+}
+
+/* A set-user-ID program linked with libkvh loads no code named by its
+ * caller's environment (secure_getenv). Needs root, to give the copy
+ * another owner; skipped elsewhere, on a nosuid file system and in
+ * sanitizer builds. */
+static void test_setuid_program_ignores_the_variable(void **state)
+{
+    (void)state;
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+    skip(); /* the sanitizers' runtimes cannot trace a set-user-ID process */
+#endif
+    if (geteuid() != 0)
+        skip();
+    set_paths();
+    char dir[PATH_MAX + 16], prog[PATH_MAX + 32], self[PATH_MAX];
+    snprintf(dir, sizeof(dir), "%s/setuid", scratch);
+    mkdir(dir, 0755);
+    struct statvfs fs;
+    if (statvfs(dir, &fs) == 0 && (fs.f_flag & ST_NOSUID))
+        skip();
+    assert_int_equal(chmod(dir, 0755), 0);
+    snprintf(prog, sizeof(prog), "%s/prog", dir);
+    ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
+    assert_true(n > 0);
+    self[n] = 0;
+    copy_file(self, prog, 0755);
+    assert_int_equal(chown(prog, 65534, 65534), 0);
+    assert_int_equal(chmod(prog, 04755), 0);
+    int pipefd[2];
+    assert_int_equal(pipe(pipefd), 0);
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        close(pipefd[0]);
+        dup2(pipefd[1], 2);
+        setenv("KVH_CUDA_BACKEND", FAKE_BACKEND, 1);
+        execl(prog, prog, "--secure", (char *)NULL);
+        _exit(127);
+    }
+    close(pipefd[1]);
+    char out[2048] = "";
+    size_t got = 0;
+    for (ssize_t r; got < sizeof(out) - 1 && (r = read(pipefd[0], out + got, sizeof(out) - 1 - got)) > 0;)
+        got += (size_t)r;
+    close(pipefd[0]);
+    int status = 0;
+    assert_int_equal(waitpid(pid, &status, 0), pid);
+    unlink(prog);
+    if (!(WIFEXITED(status) && WEXITSTATUS(status) == 0))
+        fail_msg("the set-user-ID copy used $KVH_CUDA_BACKEND: %s", out);
+}
+
 int main(int argc, char **argv)
 {
     if (argc > 1 && strcmp(argv[1], "--beside") == 0)
         return run_beside();
+    if (argc > 1 && strcmp(argv[1], "--secure") == 0)
+        return run_secure();
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_no_backend_names_every_path, tu_teardown),
         cmocka_unit_test_teardown(test_bad_file_says_why, tu_teardown),
         cmocka_unit_test_teardown(test_env_backend_is_loaded, tu_teardown),
         cmocka_unit_test_teardown(test_backend_beside_program, tu_teardown),
+        cmocka_unit_test_teardown(test_setuid_program_ignores_the_variable, tu_teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
