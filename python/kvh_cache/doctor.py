@@ -11,6 +11,7 @@ import argparse
 import ctypes
 import ctypes.util
 import errno
+import fcntl
 import json
 import mmap
 import os
@@ -224,9 +225,11 @@ def check_data_dir(data_dir: Path, disk_budget: int) -> List[Check]:
         fd = -1
         name = None
         try:
-            fdt, name = tempfile.mkstemp(prefix=".kvh-doctor-", dir=where)
-            os.close(fdt)
-            fd = os.open(name, os.O_RDWR | o_direct)
+            # The write goes through mkstemp's own descriptor: reopening
+            # the name would follow whatever another user of a shared
+            # directory put there meanwhile (a symlink to any file).
+            fd, name = tempfile.mkstemp(prefix=".kvh-doctor-", dir=where)
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | o_direct)
             buf = mmap.mmap(-1, 4096)
             buf.write(b"k" * 4096)
             os.pwrite(fd, buf, 0)
