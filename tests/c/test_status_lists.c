@@ -169,8 +169,6 @@ static bool status_name_known(const char *name, size_t len)
     return false;
 }
 
-/* A prototype's list is the comment right above it, or above the run of
- * prototypes it belongs to (kvh_block_retain / _release share one). */
 /* A host pool of two slots over the caller's K and V bases. */
 static kvh_pool_layout two_slot_pool(void **kbase, void **vbase)
 {
@@ -185,6 +183,10 @@ static kvh_pool_layout two_slot_pool(void **kbase, void **vbase)
     return lay;
 }
 
+/* A prototype's list is the comment right above it, or above the run of
+ * prototypes it belongs to (kvh_block_retain / _release share one). Every
+ * prototype's comment also names the threads that may call it ("@threads",
+ * the header's conventions). */
 static void test_every_call_has_a_status_list(void **state)
 {
     (void)state;
@@ -203,6 +205,17 @@ static void test_every_call_has_a_status_list(void **state)
         if (!strncmp(p, "KVH_API ", 8) && (p == h || p[-1] == '\n')) {
             const char *semi = strchr(p, ';');
             assert_non_null(semi);
+            bool threads = false;
+            for (const char *c = comment; c && c < comment_end && !threads; c++)
+                threads = !strncmp(c, "@threads", 8);
+            if (!threads) {
+                const char *paren = strchr(p, '(');
+                const char *name = paren;
+                while (name > p && (isalnum((unsigned char)name[-1]) || name[-1] == '_'))
+                    name--;
+                print_error("%.*s: no @threads in its comment\n", (int)(paren - name), name);
+                missing++;
+            }
             if (!strncmp(p + 8, "kvh_status ", 11)) {
                 const char *name = p + 19, *paren = strchr(name, '(');
                 prototypes++;

@@ -1067,7 +1067,7 @@ typedef struct kvh_pool_layout {
 KVH_API kvh_status kvh_pool_register(kvh_engine *engine, const kvh_pool_layout *layout, kvh_pool *pool);
 
 /* Unregisters (waits for copies touching it). Null accepted; a stale
- * handle is KVH_ERR_BAD_HANDLE. No other status. */
+ * handle is KVH_ERR_BAD_HANDLE. No other status. @threads any */
 KVH_API kvh_status kvh_pool_unregister(kvh_engine *engine, kvh_pool pool);
 
 /* Offloads a full block the inference engine produced in slot: kvh copies
