@@ -5,6 +5,8 @@ rows). The connector under a real vLLM is tests/python/vllm/."""
 
 from __future__ import annotations
 
+import fcntl
+import logging
 import os
 import socket
 import stat
@@ -347,6 +349,62 @@ def test_a_store_keyed_by_a_secret_finds_its_blocks_only_with_it(tmp_path, mem):
     assert st.load("r", toks, 0, [4, 5]) == []
     np.testing.assert_array_equal(mem[:, [4, 5]], orig[:, [0, 1]])
     st.close()
+
+
+def test_a_keyed_salt_is_not_in_the_store_directory_or_the_log(tmp_path, mem, caplog):
+    """The store directory is named by a one-way digest of a keyed salt:
+    whoever can list disk_path (or read the log) cannot learn the salt."""
+    caplog.set_level(logging.DEBUG, logger="kvh_cache")
+    st = _store(tmp_path, hash_secret="s3cret")
+    try:
+        salt = f"{st.salt:016x}"
+        names = os.listdir(tmp_path / "store")
+        assert names and not any(salt in n for n in names), names
+        assert salt not in st.disk_path
+        assert all(salt not in r.getMessage() for r in caplog.records)
+    finally:
+        st.close()
+    st = _store(tmp_path)  # unkeyed: the salt is public, the name unchanged
+    try:
+        assert os.path.basename(st.disk_path) == f"{st.salt:016x}"
+    finally:
+        st.close()
+
+
+def test_an_older_keyed_store_is_renamed_with_its_blocks(tmp_path, mem):
+    """A keyed store written under the salt's plain name (before names
+    were digests) is renamed on the next start, blocks and all, unless
+    another process has it open."""
+    toks = np.arange(2 * B, dtype=np.int32) + 900
+    orig = mem.copy()
+    st = _store(tmp_path, hash_secret="k1")
+    _register(st, mem)
+    assert st.save("a", toks, 0, [0, 1]) == 2
+    st.forget(["a"])
+    st.flush()
+    salt, new_dir = st.salt, st.disk_path
+    st.close()
+    old_dir = os.path.join(tmp_path / "store", f"{salt:016x}")
+    os.rename(new_dir, old_dir)
+    st = _store(tmp_path, hash_secret="k1")
+    try:
+        assert st.disk_path == new_dir and not os.path.exists(old_dir)
+        _register(st, mem)
+        assert st.lookup("r", toks) == 2 * B
+        assert st.load("r", toks, 0, [4, 5]) == []
+        np.testing.assert_array_equal(mem[:, [4, 5]], orig[:, [0, 1]])
+    finally:
+        st.close()
+    # Held open by another process (its flock): left where it is.
+    os.rename(new_dir, old_dir)
+    holder = os.open(old_dir, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    try:
+        st = _store(tmp_path, hash_secret="k1")
+        st.close()
+        assert os.path.isdir(old_dir)
+    finally:
+        os.close(holder)
 
 
 def test_cache_salt_scopes_share_nothing_across_tenants_even_after_a_restart(tmp_path, mem):

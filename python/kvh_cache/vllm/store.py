@@ -20,6 +20,7 @@ held; vLLM never reads them (it writes them as it computes those tokens).
 from __future__ import annotations
 
 import collections
+import fcntl
 import hashlib
 import hmac
 import logging
@@ -77,6 +78,43 @@ def _open_instance_store(fields: Dict[str, Any], base: str, disk_bytes: int) -> 
         f"kvh: the {STORE_INSTANCES} stores of this model ({base} and {base}.1 to .{STORE_INSTANCES - 1}) "
         "are all open in other processes"
     )
+
+
+def store_dir_name(salt: int, keyed: bool) -> str:
+    """The name of a model's store directory under disk_path. A salt keyed
+    by hash_secret must stay secret (it makes hashes uncomputable), and a
+    directory name is seen by whoever can list disk_path: the name is then
+    a one-way digest of the salt. An unkeyed salt is computable from the
+    model anyway, and keeps its plain name."""
+    if not keyed:
+        return f"{salt:016x}"
+    digest = hashlib.blake2b(salt.to_bytes(8, "little"), digest_size=8, person=b"kvh-store-dir").hexdigest()
+    return "k" + digest
+
+
+def _rename_old_keyed_stores(disk_path: str, salt: int) -> None:
+    """Stores of a keyed salt made before their names were digests are
+    renamed to the new names, each only while no process has it open (its
+    directory's flock, which an open engine holds), so that nothing is
+    lost and the salt leaves the listing."""
+    old_base = os.path.join(disk_path, store_dir_name(salt, False))
+    new_base = os.path.join(disk_path, store_dir_name(salt, True))
+    for i in range(STORE_INSTANCES):
+        old = old_base if i == 0 else f"{old_base}.{i}"
+        new = new_base if i == 0 else f"{new_base}.{i}"
+        if os.path.lexists(new):
+            continue
+        try:
+            fd = os.open(old, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError:
+            continue  # absent (or not a directory of ours)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.rename(old, new)
+        except OSError:
+            log.warning("kvh: an older store of this model is in use by another process; it keeps its old name")
+        finally:
+            os.close(fd)
 
 
 def model_salt(identity: Dict[str, Any], secret: Optional[str] = None) -> int:
@@ -256,8 +294,11 @@ class KvStore:
                     "set kv_connector_extra_config disk_path / KVH_VLLM_DISK_PATH to a writable directory, "
                     "or disk_bytes=0 for no disk tier"
                 ) from None
+            keyed = bool(settings.hash_secret)
+            if keyed:
+                _rename_old_keyed_stores(settings.disk_path, self.salt)
             self.engine, self.disk_path = _open_instance_store(
-                fields, os.path.join(settings.disk_path, f"{self.salt:016x}"), settings.disk_bytes
+                fields, os.path.join(settings.disk_path, store_dir_name(self.salt, keyed)), settings.disk_bytes
             )
         else:
             try:
