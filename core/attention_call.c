@@ -309,6 +309,20 @@ static kvh_status take_window(kvh_engine *e, kvhi_attn_call *c, uint32_t want)
         return kvhi_fail(KVH_ERR_NOSPACE,
                          "no room for a streaming window of %u blocks: the device tier has %llu slots, %llu pinned",
                          want, (unsigned long long)t->slots.capacity, (unsigned long long)t->pinned);
+    /* Nor one that the free slots and the blocks that may leave (those in
+     * the tier's victim order: not pinned, held or busy) cannot make. A
+     * copy under way may be a block leaving (busy meanwhile): its end is
+     * waited for before the count is final. */
+    while ((uint64_t)t->slots.free_count + kvhi_lruk_count(&t->heap) < want) {
+        if (!e->copies_in_progress)
+            return kvhi_fail(KVH_ERR_NOSPACE,
+                             "no room for a streaming window of %u blocks: the device tier has %u free slots and %u "
+                             "blocks that may leave (the others are pinned, held or in use)",
+                             want, t->slots.free_count, kvhi_lruk_count(&t->heap));
+        pthread_cond_wait(&e->changed, &e->lock);
+        if (e->closing)
+            return kvhi_fail(KVH_ERR_CLOSED, "the engine is closing");
+    }
     c->window = malloc(sizeof(uint32_t) * want);
     if (!c->window)
         return kvhi_fail(KVH_ERR_NOMEM, "out of memory for a streaming window");

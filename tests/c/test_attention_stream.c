@@ -359,6 +359,44 @@ static void test_argument_rules(void **state)
     dt_assert_ok(dt_close(e));
 }
 
+/* A window that the free slots and the blocks that may leave cannot make
+ * (the rest held by another sequence's acquire) is refused before any
+ * block is evicted for it: another sequence's resident blocks stay. */
+static void test_a_refused_window_evicts_nothing(void **state)
+{
+    (void)state;
+    kvh_engine *e = open_tiers("stream-held", 2 * DEV_BLOCKS, 16, 64, KVH_CODEC_NONE);
+    kvh_seq held, resident, longer;
+    dt_assert_ok(build(e, 97, 12 * G.bt, &longer));
+    dt_assert_ok(kvh_seq_migrate(e, longer, 0, 12 * G.bt, KVH_TIER_DISK, NULL));
+    dt_assert_ok(build(e, 98, DEV_BLOCKS * G.bt, &resident));
+    dt_assert_ok(build(e, 99, DEV_BLOCKS * G.bt, &held));
+    dt_assert_ok(kvh_seq_acquire(e, held, 0, DEV_BLOCKS * G.bt, NULL));
+    dt_assert_ok(kvh_seq_acquire(e, resident, 0, DEV_BLOCKS * G.bt, NULL));
+    dt_assert_ok(kvh_seq_release(e, resident, 0, DEV_BLOCKS * G.bt));
+    float *q = queries(1, 7), *out = calloc(HQ * G.dim, sizeof(float));
+    kvh_stats before = {.struct_size = sizeof(before)}, after = {.struct_size = sizeof(after)};
+    dt_assert_ok(kvh_engine_stats(e, &before));
+    kvh_attention_params p = params(CHUNK, DEV_BLOCKS + 2); /* fits the tier, not beside the held blocks */
+    assert_int_equal(kvh_attention_decode(e, 0, &longer, 1, q, out, &p), KVH_ERR_NOSPACE);
+    char why[512];
+    snprintf(why, sizeof(why), "%s", kvh_last_error());
+    dt_assert_ok(kvh_engine_stats(e, &after));
+    assert_int_equal(after.evictions, before.evictions);
+    assert_non_null(strstr(why, "may leave"));
+    for (uint64_t b = 0; b < DEV_BLOCKS; b++)
+        assert_int_equal(dt_binfo(e, resident, b).tier, KVH_TIER_DEVICE);
+    /* Once the hold is gone the same window is taken. */
+    dt_assert_ok(kvh_seq_release(e, held, 0, DEV_BLOCKS * G.bt));
+    dt_assert_ok(kvh_attention_decode(e, 0, &longer, 1, q, out, &p));
+    free(q);
+    free(out);
+    dt_assert_ok(kvh_seq_free(e, held));
+    dt_assert_ok(kvh_seq_free(e, resident));
+    dt_assert_ok(kvh_seq_free(e, longer));
+    dt_assert_ok(dt_close(e));
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -368,6 +406,7 @@ int main(void)
         cmocka_unit_test_teardown(test_blocks_in_flight, dt_teardown),
         cmocka_unit_test_teardown(test_corrupt_block_mid_stream, dt_teardown),
         cmocka_unit_test_teardown(test_argument_rules, dt_teardown),
+        cmocka_unit_test_teardown(test_a_refused_window_evicts_nothing, dt_teardown),
     };
     if (getenv("KVH_TEST_FILTER"))
         cmocka_set_test_filter(getenv("KVH_TEST_FILTER"));
