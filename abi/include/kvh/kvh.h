@@ -672,10 +672,12 @@ KVH_API kvh_status kvh_seq_free(kvh_engine *engine, kvh_seq seq);
  * KVH_ERR_BAD_HANDLE, KVH_ERR_NOMEM. @threads handle (seq) */
 KVH_API kvh_status kvh_seq_fork(kvh_engine *engine, kvh_seq seq, uint32_t agent, kvh_seq *child);
 
-/* Appends n token ids, allocating blocks in the fastest tier with room.
- * [borrowed] tokens. Returns KVH_ERR_NOSPACE when no tier has room (the
- * sequence is unchanged; also when a shared last block cannot be copied
- * first), KVH_ERR_INVALID_ARG (NULL tokens with n > 0), KVH_ERR_BAD_HANDLE,
+/* Appends n token ids, allocating blocks in the fastest memory tier with
+ * room (never on disk: a full memory tier evicts its victims there).
+ * [borrowed] tokens. Returns KVH_ERR_NOSPACE when no memory tier can make
+ * room, every block being pinned, held or in use (the sequence is
+ * unchanged; also when a shared last block cannot be copied first),
+ * KVH_ERR_INVALID_ARG (NULL tokens with n > 0), KVH_ERR_BAD_HANDLE,
  * KVH_ERR_NOMEM, and KVH_ERR_IO or KVH_ERR_CORRUPT when a shared last block
  * read back from disk to be copied fails. @threads handle */
 KVH_API kvh_status kvh_seq_append(kvh_engine *engine, kvh_seq seq, const int32_t *tokens, size_t n);
@@ -1317,7 +1319,13 @@ typedef struct kvh_attention_params {
      * hold at least one chunk; two or more let the next chunk be staged
      * while one is attended. Blocks that pass through are not promoted
      * (kvh_stats.blocks_streamed_*); kvh_prefetch of a sequence's first
-     * chunks brings them into the device tier ahead of its call. */
+     * chunks brings them into the device tier ahead of its call. Every
+     * block of the batch stays held where it lies for the whole call, so
+     * the memory blocks it reads make no room meanwhile: with the memory
+     * tiers full of them, other calls' allocations (kvh_seq_append, which
+     * places new blocks in memory tiers only) get KVH_ERR_NOSPACE until
+     * it returns. A window that the free slots and the blocks that may
+     * leave cannot make is refused before anything is evicted. */
     uint32_t stream_chunk_blocks;
     uint32_t stream_window_blocks;
 } kvh_attention_params;

@@ -360,9 +360,9 @@ impl<'e> Sequence<'e> {
         Ok(self.len()? == 0)
     }
 
-    /// Appends token ids, allocating blocks in the fastest tier with room.
-    /// [`Status::NoSpace`] when no tier has room (the sequence is then
-    /// unchanged).
+    /// Appends token ids, allocating blocks in the fastest memory tier
+    /// with room (never on disk). [`Status::NoSpace`] when no memory tier
+    /// can make room (the sequence is then unchanged).
     pub fn append(&self, tokens: &[i32]) -> Result<()> {
         let _gate = self.gate_if_viewed();
         if !tokens.is_empty() && !self.views.borrow().is_empty() {
