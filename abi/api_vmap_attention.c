@@ -64,7 +64,7 @@ static kvh_status attention_vmap(kvh_engine *e, kvh_vmap *const *views, const ui
             st = kvhi_fail(KVH_ERR_BAD_HANDLE, "view %zu is released, forged or of another engine", i);
         else if (!kvhi_vmap_current(e, v))
             st = kvhi_fail(KVH_ERR_BAD_HANDLE, "view %zu is stale: the sequence changed (kvh_vmap_refresh it)", i);
-        else if (v->n_tokens == 0 || v->n_tokens >= (1ull << 31))
+        else if ((v->n_tokens == 0 && (!q_lens || q_lens[i])) || v->n_tokens >= (1ull << 31))
             st = kvhi_fail(KVH_ERR_RANGE, "view %zu maps %llu tokens", i, (unsigned long long)v->n_tokens);
         else if (q_lens && q_lens[i] > v->n_tokens)
             st = kvhi_fail(KVH_ERR_RANGE, "view %zu: %u query tokens but only %llu tokens", i, q_lens[i],

@@ -1798,6 +1798,10 @@ static void test_vmap_attention_misuse_change_nothing(void **state)
     kvh_vmap *vv[] = {v, v};
     MISUSE(c, KVH_ERR_RANGE, kvh_attention_prefill_vmap(e, vv, wrap, 2, q, out, &p));
     MISUSE(c, KVH_ERR_RANGE, kvh_attention_prefill_vmap(e, &ve, &ql1, 1, q, out, &p));
+    /* No query over no tokens: nothing to do, as kvh_attention_prefill of
+     * an empty sequence (q and out may be NULL). */
+    uint32_t ql0 = 0;
+    assert_ok(kvh_attention_prefill_vmap(e, &ve, &ql0, 1, NULL, NULL, &p));
     {
         kvh_attention_params b = params(3, 0, KVH_DTYPE_F32);
         MISUSE(c, KVH_ERR_INVALID_ARG, kvh_attention_decode_vmap(e, &v, 1, q, out, &b));

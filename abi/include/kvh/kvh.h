@@ -1913,7 +1913,9 @@ KVH_API kvh_status kvh_attention_decode_vmap(kvh_engine *engine, kvh_vmap *const
  * ([borrowed] q_lens). Equal, for each view, to kvh_attention_prefill
  * over that sequence alone bit for bit; status codes as
  * kvh_attention_decode_vmap, and KVH_ERR_RANGE when q_lens[i] exceeds the
- * view's tokens (q and out may be NULL when the q_lens are all 0). @threads handle (each view) */
+ * view's tokens (q and out may be NULL when the q_lens are all 0; a view
+ * of no tokens with q_lens[i] 0 is accepted, as kvh_attention_prefill
+ * accepts an empty sequence). @threads handle (each view) */
 KVH_API kvh_status kvh_attention_prefill_vmap(kvh_engine *engine, kvh_vmap *const *views, const uint32_t *q_lens,
                                               size_t n_views, const void *q, void *out,
                                               const kvh_attention_params *params);
