@@ -437,6 +437,36 @@ def test_cache_salt_scopes_share_nothing_across_tenants_even_after_a_restart(tmp
     st.close()
 
 
+def test_a_repeated_request_id_never_loads_what_another_lookup_held(tmp_path, mem):
+    """Request ids come from clients (vLLM takes X-Request-Id): a load
+    under an id whose last lookup was another tenant's, or other tokens,
+    does not restore the blocks that lookup held."""
+    import kvh_cache as kvh
+
+    toks = np.arange(2 * B, dtype=np.int32) + 300
+    other = toks + 7
+    alice, bob = kvh.Scope.value_of("alice"), kvh.Scope.value_of("bob")
+    orig = mem.copy()
+    st = _store(tmp_path)
+    try:
+        _register(st, mem)
+        assert st.save("a", toks, 0, [0, 1], alice) == 2
+        st.forget(["a"])
+        assert st.lookup("same", toks, alice) == 2 * B  # alice's lookup holds her blocks
+        assert st.load("same", toks, 0, [2, 3], bob) == [2, 3]  # bob gets none of them
+        np.testing.assert_array_equal(mem[:, [2, 3]], orig[:, [2, 3]])
+        assert st.lookup("same", toks, alice) == 2 * B
+        assert st.load("same", other, 0, [4, 5], alice) == [4, 5]  # other tokens: none either
+        np.testing.assert_array_equal(mem[:, [4, 5]], orig[:, [4, 5]])
+        assert st.lookup("same", toks, alice) == 2 * B
+        assert st.load("same", toks, 0, [6, 7], alice) == []  # her own load still works
+        np.testing.assert_array_equal(mem[:, [6, 7]], orig[:, [0, 1]])
+        st.forget(["same"])
+        assert st.stats()["held_blocks"] == 0
+    finally:
+        st.close()
+
+
 def test_tail_block_serves_the_same_prompt_only_and_survives_a_restart(tmp_path, mem):
     """A prompt's partial last block is kept under its padded tokens: the
     same prefix finds all its tokens (byte-identical in vLLM's slots, from

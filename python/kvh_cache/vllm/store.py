@@ -169,6 +169,10 @@ class _Held:
 
     lookup_id: Optional[int]  # the scheduler's number for that lookup
     blocks: List[Block]
+    # What they were found for: a load uses them only for the same tokens
+    # in the same scope (request ids come from clients, and may repeat).
+    scope: int = 0
+    keyed: Optional[np.ndarray] = None
 
 
 @dataclass
@@ -402,7 +406,7 @@ class KvStore:
             old = None if late else self._held.pop(req_id, None)
             if not late:
                 if blocks:
-                    self._held[req_id] = _Held(lookup_id, blocks)
+                    self._held[req_id] = _Held(lookup_id, blocks, scope, keyed)
                 self._looked_up[req_id] = time.perf_counter()
             self.counters.lookups += 1
             self.counters.lookup_hit_tokens += found
@@ -465,6 +469,15 @@ class KvStore:
         for b in held.blocks:
             b.release()
         return len(held.blocks)
+
+    def _held_matches(self, held: _Held, tokens: np.ndarray, end: int, scope: int) -> bool:
+        """Whether what a lookup held was found for these tokens' first
+        ``end`` blocks in this scope."""
+        if held.scope != scope or held.keyed is None:
+            return False
+        want = self.keyed(tokens[: end * self.block_tokens])[: end * self.block_tokens]
+        have = held.keyed[: want.size]
+        return have.size == want.size and bool(np.array_equal(have, want))
 
     def _drop_prefetch(self, req_id: str) -> Optional[_Prefetch]:
         with self._lock:
@@ -529,6 +542,10 @@ class KvStore:
             held = self._held.pop(req_id, None)
             t_lookup = self._looked_up.get(req_id)
         blocks = held.blocks if held else None
+        if held is not None and not self._held_matches(held, tk, end, scope):
+            for b in held.blocks:
+                b.release()  # found for other tokens or another tenant
+            blocks = None
         pf = self._drop_prefetch(req_id)
         if blocks is None or len(blocks) < end:
             for b in blocks or ():
