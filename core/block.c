@@ -260,26 +260,6 @@ static inline void block_place(kvh_engine *e, uint32_t b, uint32_t tier, uint32_
 
 void kvhi_block_place(kvh_engine *e, uint32_t b, uint32_t tier, uint32_t slot) { block_place(e, b, tier, slot); }
 
-void kvhi_block_charge(kvh_engine *e, uint32_t b, uint32_t agent)
-{
-    kvhi_block *blk = kvhi_blk(e, b);
-    if (blk->agent == agent)
-        return;
-    if (blk->quota_heap_pos != KVHI_HEAP_NONE) {
-        kvhi_agent *was = kvhi_agent_get(e, blk->agent, false);
-        if (was)
-            kvhi_lruk_remove(&was->heap, b);
-    }
-    /* A move under way into the device tier stays counted as incoming to
-     * the agent it was started for, which its end uncounts (core/move.c). */
-    if (blk->tier == KVH_TIER_DEVICE) {
-        agent_count(e, blk->agent, -1);
-        agent_count(e, agent, +1);
-    }
-    blk->agent = agent;
-    block_update_evictable(e, b);
-}
-
 /* How many allocations ahead a record is prefetched: a miss to memory
  * lasts several calls (scale's memory_read row, 170-290 ns here, against
  * about 25 ns an allocation). */

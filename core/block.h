@@ -199,10 +199,6 @@ kvh_status kvhi_block_new(kvh_engine *e, uint32_t agent, uint32_t min_tier, uint
  * is inlined where the cheapest public call needs it). */
 kvh_status kvhi_block_new_handle(kvh_engine *e, uint32_t agent, uint64_t *id);
 void kvhi_block_place(kvh_engine *e, uint32_t b, uint32_t tier, uint32_t slot);
-/* Charges b to agent from now on (device-tier quotas, kvh_agent_set_quota):
- * a block a sequence of another agent acquires or pins counts against
- * that agent, not the one that allocated it (lock held). */
-void kvhi_block_charge(kvh_engine *e, uint32_t b, uint32_t agent);
 /* Frees now, or marks DEAD for the mover to reap when in flight. */
 void kvhi_block_free_now(kvh_engine *e, uint32_t b);
 /* Destroys an idle block but hands its slot to the caller. */

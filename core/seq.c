@@ -778,7 +778,6 @@ kvh_status kvhi_seq_acquire(kvh_engine *e, kvhi_seq *s, uint64_t first, uint64_t
     for (uint32_t i = b0; i < b1; i++) {
         s->held[i]++;
         kvhi_block_hold(e, s->blocks[i]);
-        kvhi_block_charge(e, s->blocks[i], s->agent); /* its promotion too */
     }
     bool waited = false;
     for (uint32_t i = b0; i < b1; i++) {
@@ -848,7 +847,6 @@ kvh_status kvhi_seq_pin(kvh_engine *e, kvhi_seq *s, uint64_t first, uint64_t n, 
                 return kvhi_fail(KVH_ERR_RANGE, "block %u of the sequence is pinned %u times already", i, UINT32_MAX);
             }
             s->pins[i]++;
-            kvhi_block_charge(e, s->blocks[i], s->agent);
         } else {
             s->pins[i]--;
         }

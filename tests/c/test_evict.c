@@ -697,66 +697,6 @@ static void test_quota_makes_room_among_own(void **state)
     dt_assert_ok(kvh_seq_free(e, z));
 }
 
-/* A block shared by two agents counts against the agent whose sequence
- * acquired or pinned it last, not the one that allocated it: another
- * agent holding a shared prefix uses up no quota of the agent that
- * computed it, and its promotions of that prefix evict none of that
- * agent's blocks. */
-static void test_a_shared_block_counts_against_who_holds_it(void **state)
-{
-    (void)state;
-    kvh_engine *e = open_mem(8, 16, 2);
-    dt_assert_ok(kvh_agent_set_quota(e, 1, 2 * dt_block_bytes(G)));
-    kvh_seq first, shared, own;
-    dt_assert_ok(dt_build(e, G, dt_plain(60), 2 * G.bt, 1, &first)); /* agent 1's two blocks */
-    dt_assert_ok(kvh_seq_fork(e, first, 2, &shared));
-    dt_assert_ok(kvh_seq_free(e, first));
-    for (int pin = 0; pin < 2; pin++) {
-        /* Agent 2 holds them (an acquire, then a pin): agent 1 has room. */
-        if (pin)
-            dt_assert_ok(kvh_seq_pin(e, shared, 0, 2 * G.bt, 1));
-        else
-            dt_assert_ok(kvh_seq_acquire(e, shared, 0, 2 * G.bt, NULL));
-        dt_assert_ok(dt_build(e, G, dt_plain(61), 2 * G.bt, 1, &own));
-        dt_assert_ok(kvh_seq_acquire(e, own, 0, 2 * G.bt, NULL));
-        for (uint64_t b = 0; b < 2; b++) {
-            assert_int_equal(dt_binfo(e, own, b).tier, KVH_TIER_DEVICE);
-            assert_int_equal(dt_binfo(e, shared, b).tier, KVH_TIER_DEVICE);
-        }
-        dt_assert_ok(kvh_seq_release(e, own, 0, 2 * G.bt));
-        dt_assert_ok(kvh_seq_free(e, own));
-        if (pin)
-            dt_assert_ok(kvh_seq_pin(e, shared, 0, 2 * G.bt, 0));
-        else
-            dt_assert_ok(kvh_seq_release(e, shared, 0, 2 * G.bt));
-    }
-
-    /* Agent 1 at its quota with its own blocks; a prefix it allocated
-     * waits in the host tier, and agent 2's acquire brings it up. */
-    dt_assert_ok(kvh_agent_set_quota(e, 1, 3 * dt_block_bytes(G)));
-    kvh_seq prefix, other;
-    dt_assert_ok(dt_build(e, G, dt_plain(62), 2 * G.bt, 1, &prefix));
-    dt_assert_ok(kvh_seq_migrate(e, prefix, 0, 2 * G.bt, KVH_TIER_HOST, NULL));
-    dt_assert_ok(kvh_seq_fork(e, prefix, 2, &other));
-    dt_assert_ok(dt_build(e, G, dt_plain(63), 3 * G.bt, 1, &own));
-    for (uint64_t b = 0; b < 3; b++)
-        assert_int_equal(dt_binfo(e, own, b).tier, KVH_TIER_DEVICE);
-    dt_assert_ok(kvh_seq_acquire(e, other, 0, 2 * G.bt, NULL));
-    for (uint64_t b = 0; b < 3; b++)
-        assert_int_equal(dt_binfo(e, own, b).tier, KVH_TIER_DEVICE); /* none evicted for agent 2 */
-    assert_int_equal(dt_binfo(e, other, 0).tier, KVH_TIER_DEVICE);
-    dt_assert_ok(kvh_seq_release(e, other, 0, 2 * G.bt));
-    const kvh_seq seqs[4] = {shared, prefix, other, own};
-    const dt_content want[4] = {dt_plain(60), dt_plain(62), dt_plain(62), dt_plain(63)};
-    const size_t len[4] = {2 * G.bt, 2 * G.bt, 2 * G.bt, 3 * G.bt};
-    for (int i = 0; i < 4; i++) {
-        char msg[256] = "";
-        if (dt_verify(e, seqs[i], G, want[i], 0, len[i], msg, sizeof(msg)) != KVH_OK)
-            fail_msg("sequence %d: %s", i, msg);
-        dt_assert_ok(kvh_seq_free(e, seqs[i]));
-    }
-}
-
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -770,7 +710,6 @@ int main(void)
         cmocka_unit_test_teardown(test_victim_passes_a_pinned_host_tier, teardown),
         cmocka_unit_test_teardown(test_victim_with_a_disk_copy_follows_the_order, teardown),
         cmocka_unit_test_teardown(test_quota_makes_room_among_own, teardown),
-        cmocka_unit_test_teardown(test_a_shared_block_counts_against_who_holds_it, teardown),
     };
     return cmocka_run_group_tests_name("evict", tests, NULL, NULL);
 }

@@ -641,10 +641,11 @@ KVH_API kvh_status kvh_engine_stats(kvh_engine *engine, kvh_stats *stats);
 /* Per-agent device-tier quota in bytes (0 = unlimited, the default),
  * counted in whole blocks: rounded down, but at least one block.
  * Blocks are charged to the agent of the sequence that allocated them,
- * and move to the agent of a sequence that acquires or pins them (a
- * prefix shared by several agents counts against the one holding it
- * last, never against an agent only because it computed it first); an
- * agent at its quota evicts its own blocks first. Lowering a quota
+ * for as long as they live: a prefix shared with other agents' sequences
+ * (a fork, a prefix match) keeps counting against the agent that computed
+ * it, also while only other agents hold it, and their promotions of it
+ * evict that agent's blocks. An agent at its quota evicts its own blocks
+ * first. Lowering a quota
  * below what the agent holds moves nothing by itself: each of the agent's
  * next device-tier allocations (and promotions of its blocks) evicts its
  * own blocks until it is under the quota. Returns KVH_ERR_NOMEM.
