@@ -18,8 +18,10 @@
  * release skips blocks whose generation changed). Blocks are not
  * referenced either, so a write_kv racing with queued kernels does not
  * force a copy-on-write of the last block. */
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <time.h>
 
 #include "core/attention_call.h"
 #include "core/block_state.h"
@@ -294,6 +296,37 @@ fail:
     return st;
 }
 
+/* Device-tier slots a window could take now (lock held): the free ones,
+ * each block in the tier's victim order that no sequence references (it
+ * is moved down or dropped), and as many referenced ones as the tiers
+ * below have room for: their free slots and their own blocks that may
+ * leave, in the last tier only unreferenced ones (referenced blocks are
+ * never dropped). One pass over the block records: a streamed call reads
+ * more than that. */
+static uint64_t window_room(kvh_engine *e)
+{
+    uint64_t unref[KVH_TIER_COUNT] = {0}, ref[KVH_TIER_COUNT] = {0};
+    for (uint32_t b = 0; b < e->block_cap; b++) {
+        const kvhi_block *blk = &e->blocks[b];
+        if (blk->tier >= KVH_TIER_COUNT || blk->heap_pos == KVHI_HEAP_NONE || !(blk->flags & KVHI_BF_LIVE))
+            continue;
+        if (kvhi_block_referenced(e, blk, b))
+            ref[blk->tier]++;
+        else
+            unref[blk->tier]++;
+    }
+    /* Room in tier t and below for blocks coming down, from the last tier up. */
+    uint64_t below = 0;
+    for (int t = KVH_TIER_COUNT - 1; t > KVH_TIER_DEVICE; t--) {
+        if (!e->tiers[t].present)
+            continue;
+        below += e->tiers[t].slots.free_count + unref[t] + (ref[t] < below ? ref[t] : below);
+    }
+    const kvhi_tier *dev = &e->tiers[KVH_TIER_DEVICE];
+    return dev->slots.free_count + unref[KVH_TIER_DEVICE] +
+           (ref[KVH_TIER_DEVICE] < below ? ref[KVH_TIER_DEVICE] : below);
+}
+
 /* Takes the streaming window: stream_window_blocks device-tier slots
  * (may evict, dropping the lock). */
 static kvh_status take_window(kvh_engine *e, kvhi_attn_call *c, uint32_t want)
@@ -309,17 +342,25 @@ static kvh_status take_window(kvh_engine *e, kvhi_attn_call *c, uint32_t want)
         return kvhi_fail(KVH_ERR_NOSPACE,
                          "no room for a streaming window of %u blocks: the device tier has %llu slots, %llu pinned",
                          want, (unsigned long long)t->slots.capacity, (unsigned long long)t->pinned);
-    /* Nor one that the free slots and the blocks that may leave (those in
-     * the tier's victim order: not pinned, held or busy) cannot make. A
-     * copy under way may be a block leaving (busy meanwhile): its end is
-     * waited for before the count is final. */
-    while ((uint64_t)t->slots.free_count + kvhi_lruk_count(&t->heap) < want) {
-        if (!e->copies_in_progress)
+    /* Nor one that the free slots and the blocks that may leave cannot
+     * make. A copy under way may be a block leaving (busy meanwhile): the
+     * count is taken again when one ends, for a short while only, since
+     * most copies (host to disk, uploads) free no device slot. */
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_nsec += 200 * 1000000L; /* far longer than a block's copy */
+    if (until.tv_nsec >= 1000000000L) {
+        until.tv_sec++;
+        until.tv_nsec -= 1000000000L;
+    }
+    uint64_t could;
+    while ((could = window_room(e)) < want) {
+        if (!e->copies_in_progress || pthread_cond_timedwait(&e->changed, &e->lock, &until) == ETIMEDOUT)
             return kvhi_fail(KVH_ERR_NOSPACE,
-                             "no room for a streaming window of %u blocks: the device tier has %u free slots and %u "
-                             "blocks that may leave (the others are pinned, held or in use)",
-                             want, t->slots.free_count, kvhi_lruk_count(&t->heap));
-        pthread_cond_wait(&e->changed, &e->lock);
+                             "no room for a streaming window of %u blocks: the device tier can make %llu (free slots, "
+                             "and blocks that may leave: not pinned, held or in use, and with room below when "
+                             "referenced)",
+                             want, (unsigned long long)could);
         if (e->closing)
             return kvhi_fail(KVH_ERR_CLOSED, "the engine is closing");
     }

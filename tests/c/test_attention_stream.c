@@ -395,6 +395,46 @@ static void test_a_refused_window_evicts_nothing(void **state)
     dt_assert_ok(kvh_seq_free(e, resident));
     dt_assert_ok(kvh_seq_free(e, longer));
     dt_assert_ok(dt_close(e));
+
+    /* Referenced device blocks cannot leave when the tiers below have no
+     * room (host full of pinned blocks, disk full of a referenced
+     * sequence): a window that only they could make is refused before a
+     * cached block is dropped for it. */
+    e = open_tiers("stream-no-room-below", 2 * DEV_BLOCKS, 4, 6, KVH_CODEC_NONE);
+    kvh_seq pinned, cached, referenced;
+    dt_assert_ok(build(e, 101, 6 * G.bt, &longer));
+    dt_assert_ok(kvh_seq_migrate(e, longer, 0, 6 * G.bt, KVH_TIER_DISK, NULL));
+    dt_assert_ok(build(e, 102, 4 * G.bt, &pinned));
+    dt_assert_ok(kvh_seq_migrate(e, pinned, 0, 4 * G.bt, KVH_TIER_HOST, NULL));
+    dt_assert_ok(kvh_seq_pin(e, pinned, 0, 4 * G.bt, 1));
+    dt_assert_ok(build(e, 103, 2 * G.bt, &cached));
+    int32_t tk[2 * 16];
+    dt_assert_ok(kvh_seq_tokens(e, cached, 0, 2 * G.bt, tk));
+    dt_assert_ok(kvh_seq_free(e, cached)); /* its blocks stay, unreferenced */
+    dt_assert_ok(build(e, 104, 4 * G.bt, &referenced));
+    dt_assert_ok(build(e, 105, 2 * G.bt, &held));
+    dt_assert_ok(kvh_seq_acquire(e, held, 0, 2 * G.bt, NULL));
+    dt_assert_ok(kvh_engine_stats(e, &before));
+    p = params(CHUNK, 6);
+    assert_int_equal(
+        kvh_attention_decode(e, 0, &longer, 1, q = queries(1, 8), out = calloc(HQ * G.dim, sizeof(float)), &p),
+        KVH_ERR_NOSPACE);
+    dt_assert_ok(kvh_engine_stats(e, &after));
+    assert_int_equal(after.evictions, before.evictions);
+    assert_int_equal(after.drops, before.drops);
+    kvh_seq again;
+    size_t matched = 0;
+    dt_assert_ok(kvh_seq_create(e, 0, &again));
+    dt_assert_ok(kvh_seq_match_prefix(e, again, tk, 2 * G.bt, &matched));
+    assert_int_equal(matched, 2 * G.bt);
+    free(q);
+    free(out);
+    const kvh_seq all[] = {again, held, referenced, pinned, longer};
+    dt_assert_ok(kvh_seq_release(e, held, 0, 2 * G.bt));
+    dt_assert_ok(kvh_seq_pin(e, pinned, 0, 4 * G.bt, 0));
+    for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++)
+        dt_assert_ok(kvh_seq_free(e, all[i]));
+    dt_assert_ok(dt_close(e));
 }
 
 int main(void)

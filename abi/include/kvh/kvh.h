@@ -1328,8 +1328,13 @@ typedef struct kvh_attention_params {
      * the memory blocks it reads make no room meanwhile: with the memory
      * tiers full of them, other calls' allocations (kvh_seq_append, which
      * places new blocks in memory tiers only) get KVH_ERR_NOSPACE until
-     * it returns. A window that the free slots and the blocks that may
-     * leave cannot make is refused before anything is evicted. */
+     * it returns. A window that the device tier's free slots and the
+     * blocks that may leave it cannot make (referenced ones only as far
+     * as the tiers below have room for them) is refused before anything
+     * is evicted or dropped; copies under way that may free a slot are
+     * waited for, 200 ms at most. Room taken by other threads while the
+     * window is being made can still end it with KVH_ERR_NOSPACE after
+     * some blocks moved. */
     uint32_t stream_chunk_blocks;
     uint32_t stream_window_blocks;
 } kvh_attention_params;
