@@ -395,16 +395,25 @@ def test_an_older_keyed_store_is_renamed_with_its_blocks(tmp_path, mem):
         np.testing.assert_array_equal(mem[:, [4, 5]], orig[:, [0, 1]])
     finally:
         st.close()
-    # Held open by another process (its flock): left where it is.
+    # Held open by another process (its directory's flock, or only its
+    # LOCK file's, as older kvh versions took): left where it is.
     os.rename(new_dir, old_dir)
-    holder = os.open(old_dir, os.O_RDONLY | os.O_DIRECTORY)
-    fcntl.flock(holder, fcntl.LOCK_EX)
-    try:
-        st = _store(tmp_path, hash_secret="k1")
-        st.close()
-        assert os.path.isdir(old_dir)
-    finally:
-        os.close(holder)
+    for held in (old_dir, os.path.join(old_dir, "LOCK")):
+        holder = os.open(held, os.O_RDONLY)
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        try:
+            st = _store(tmp_path, hash_secret="k1")
+            st.close()
+            assert os.path.isdir(old_dir), held
+        finally:
+            os.close(holder)
+    # Free again at a later start: renamed to a free store name, though a
+    # new store took the first one meanwhile; the salt leaves the listing.
+    st = _store(tmp_path, hash_secret="k1")
+    st.close()
+    names = sorted(os.listdir(tmp_path / "store"))
+    assert not any(f"{salt:016x}" in n for n in names), names
+    assert names == [os.path.basename(new_dir), os.path.basename(new_dir) + ".1"]
 
 
 def test_cache_salt_scopes_share_nothing_across_tenants_even_after_a_restart(tmp_path, mem):

@@ -20,6 +20,7 @@ held; vLLM never reads them (it writes them as it computes those tokens).
 from __future__ import annotations
 
 import collections
+import ctypes
 import fcntl
 import hashlib
 import hmac
@@ -92,29 +93,67 @@ def store_dir_name(salt: int, keyed: bool) -> str:
     return "k" + digest
 
 
+def _rename_noreplace(src: str, dst: str) -> bool:
+    """rename(2) that never replaces dst (renameat2 RENAME_NOREPLACE): a
+    plain rename would silently replace an empty directory another
+    instance has just made there. False when dst exists or the call
+    is unavailable."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn = getattr(libc, "renameat2", None)
+    if fn is None:
+        return False
+    at_fdcwd, rename_noreplace = -100, 1
+    return fn(at_fdcwd, os.fsencode(src), at_fdcwd, os.fsencode(dst), rename_noreplace) == 0
+
+
+def _unused_by_any_kvh(path: str) -> Optional[List[int]]:
+    """Takes the flocks an open engine holds on a store (its directory,
+    and its LOCK file, the only one older kvh versions took) without
+    waiting; None when either is held by another process. The caller
+    closes the descriptors returned, which lets the locks go."""
+    fds: List[int] = []
+    try:
+        fds.append(os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW))
+        try:
+            fds.append(os.open(os.path.join(path, "LOCK"), os.O_RDONLY | os.O_NOFOLLOW))
+        except FileNotFoundError:
+            pass
+        for fd in fds:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return fds
+    except OSError:
+        for fd in fds:
+            os.close(fd)
+        return None
+
+
 def _rename_old_keyed_stores(disk_path: str, salt: int) -> None:
     """Stores of a keyed salt made before their names were digests are
-    renamed to the new names, each only while no process has it open (its
-    directory's flock, which an open engine holds), so that nothing is
-    lost and the salt leaves the listing."""
+    renamed to digest names, each while no process has it open (the flocks
+    an engine holds), so that the salt leaves the listing. Each goes to
+    its own instance number if that name is free, else to the first free
+    one of the model's (a store opened meanwhile under the new name is
+    never replaced); one still in use is tried again at the next start."""
     old_base = os.path.join(disk_path, store_dir_name(salt, False))
     new_base = os.path.join(disk_path, store_dir_name(salt, True))
+    names = [new_base if i == 0 else f"{new_base}.{i}" for i in range(STORE_INSTANCES)]
     for i in range(STORE_INSTANCES):
         old = old_base if i == 0 else f"{old_base}.{i}"
-        new = new_base if i == 0 else f"{new_base}.{i}"
-        if os.path.lexists(new):
+        if not os.path.isdir(old) or os.path.islink(old):
+            continue
+        fds = _unused_by_any_kvh(old)
+        if fds is None:
+            log.warning("kvh: an older store of this model is in use by another process; it keeps its old name")
             continue
         try:
-            fd = os.open(old, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-        except OSError:
-            continue  # absent (or not a directory of ours)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            os.rename(old, new)
-        except OSError:
-            log.warning("kvh: an older store of this model is in use by another process; it keeps its old name")
+            for new in [names[i]] + names:
+                if _rename_noreplace(old, new):
+                    break
+            else:
+                log.warning("kvh: an older store of this model could not be renamed (no free store name)")
         finally:
-            os.close(fd)
+            for fd in fds:
+                os.close(fd)
 
 
 def model_salt(identity: Dict[str, Any], secret: Optional[str] = None) -> int:
