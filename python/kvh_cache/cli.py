@@ -312,6 +312,11 @@ def cmd_stats(args: argparse.Namespace) -> int:
                 kv_codec=codec,
                 disk_path=str(d),
                 disk_bytes=disk_bytes,
+                # Never reset on a mismatch (whatever the environment or
+                # file says), and keep a group-shared store's modes: the
+                # library narrows a store opened without the flag.
+                disk_reset_on_mismatch=False,
+                disk_share_group=bool(d.stat().st_mode & 0o070),
                 defaults={"backend": "cpu", "device_bytes": 1 << 20, "host_bytes": 4 << 20, "log_level": "error"},
             )
         )

@@ -182,6 +182,9 @@ def from_env(environ: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
     return _parse_c({n: env[n] for n in names if env.get(n)})
 
 
+CONFIG_FILE_MAX = 1 << 20  # bytes of a configuration file read at most
+
+
 def from_file(path: Union[str, os.PathLike]) -> Dict[str, Any]:
     """The Config fields of a TOML file (top-level keys). ValueError names
     the file and key of an unknown field or a bad value."""
@@ -192,10 +195,17 @@ def from_file(path: Union[str, os.PathLike]) -> Dict[str, Any]:
 
     p = Path(path)
     with open(p, "rb") as f:
-        try:
-            data = tomllib.load(f)
-        except tomllib.TOMLDecodeError as exc:
-            raise ValueError(f"{p}: not valid TOML: {exc}") from None
+        # Read at most a bound: a path such as /dev/zero must not fill the
+        # memory (a pipe, `--config <(...)`, still works).
+        raw = f.read(CONFIG_FILE_MAX + 1)
+    if len(raw) > CONFIG_FILE_MAX:
+        raise ValueError(f"{p}: larger than {CONFIG_FILE_MAX >> 20} MiB: not a kvh configuration file")
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{p}: not valid TOML: not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"{p}: not valid TOML: {exc}") from None
     known = {f.name for f in dataclasses.fields(Config)}
     out: Dict[str, Any] = {}
     for key, value in data.items():

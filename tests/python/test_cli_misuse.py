@@ -11,6 +11,7 @@ import os
 import resource
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -245,6 +246,41 @@ def test_stats_other_geometry_leaves_store_alone(store, capfd):
     assert _tree_digest(store) == before
     res = run_in_process(["stats", store, "--disk-bytes", str(slab_bytes)], capfd)
     assert res.returncode == 0, res.stderr
+
+
+def test_stats_never_resets_whatever_the_environment_says(store, capfd, monkeypatch):
+    """KVH_DISK_FLAGS=reset_on_mismatch (a server's setting) made `kvh
+    stats` with another geometry reset the store it was asked to read."""
+    before = _tree_digest(store)
+    monkeypatch.setenv("KVH_DISK_FLAGS", "reset_on_mismatch")
+    res = run_in_process(["stats", store, "--layers", "3"], capfd)
+    assert_one_line_error(res, 1, "different num_layers")
+    assert _tree_digest(store) == before
+
+
+def test_stats_keeps_a_group_shared_store_shared(tmp_path, capfd):
+    import kvh_cache as kvh
+
+    d = tmp_path / "shared"
+    eng = kvh.Engine(
+        backend="cpu",
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=8,
+        block_tokens=16,
+        dtype="f16",
+        device_bytes=1 << 20,
+        host_bytes=1 << 20,
+        disk_path=str(d),
+        disk_bytes=1 << 20,
+        disk_share_group=True,
+    )
+    eng.close()
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in [d, *d.iterdir()]}
+    assert modes["shared"] & 0o070
+    res = run_in_process(["stats", d], capfd)
+    assert res.returncode == 0, res.stderr
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in [d, *d.iterdir()]} == modes
 
 
 def test_demo_data_dir_is_a_file(tmp_path):

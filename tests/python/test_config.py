@@ -82,6 +82,14 @@ def test_bad_file(tmp_path):
         kc.load(environ={}, file=_toml(tmp_path, "head_dim = \n"))
     with pytest.raises(TypeError, match="hed_dim"):
         kc.load(environ={}, hed_dim=3)
+    # An endless file (/dev/zero) is refused after a bound, not read into
+    # all memory; a file that is not UTF-8 is not TOML.
+    with pytest.raises(ValueError, match="larger than 1 MiB"):
+        kc.load(environ={}, file="/dev/zero")
+    bad = tmp_path / "latin1.toml"
+    bad.write_bytes(b"disk_path = '\xff'\n")
+    with pytest.raises(ValueError, match="not UTF-8"):
+        kc.load(environ={}, file=bad)
 
 
 @pytest.mark.parametrize(
