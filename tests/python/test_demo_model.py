@@ -276,3 +276,51 @@ def test_numpy_chunk_index_adds_and_upserts_in_place():
     twice = NumpyChunkIndex(2)
     twice.add([7, 7], np.stack([x, y]))  # the last vector wins
     assert len(twice) == 1 and twice.search(y, 1)[0][0] == 7 and twice.search(y, 1)[0][1] > 0.5
+
+
+def test_fresh_removes_only_a_kvh_store(tmp_path):
+    """`kvh demo --fresh` deleted data_dir/store whatever it held (a
+    user's folder of notes went with it): only a store's own files go."""
+    from kvh_cache.demo.agents.app import remove_store
+
+    user = tmp_path / "store"
+    (user / "src").mkdir(parents=True)
+    (user / "src" / "notes.txt").write_text("mine")
+    (user / "index").write_text("x")
+    assert "not removed" in remove_store(user)
+    assert (user / "src" / "notes.txt").read_text() == "mine"
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "a.txt").write_text("a")
+    assert "not removed" in remove_store(plain)
+    link = tmp_path / "link"
+    link.symlink_to(user)
+    assert "not a directory" in remove_store(link)
+    store = tmp_path / "kvh"
+    store.mkdir()
+    for name in ("index", "journal", "LOCK", "slab-0000.kvh", "slab-0001.kvh", "index.tmp"):
+        (store / name).write_bytes(b"")
+    assert remove_store(store) is None and not store.exists()
+
+
+def test_the_capacity_probe_uses_a_directory_of_its_own(tmp_path, monkeypatch):
+    """The probe's store went to data_dir/probe-store and was removed with
+    whatever was there: it now gets a new directory, removed after."""
+    from kvh_cache.demo.agents import app
+
+    mine = tmp_path / "probe-store"
+    mine.mkdir()
+    (mine / "a.txt").write_text("mine")
+    seen = []
+
+    def fake_probe(runner, device, host, disk=0, path=None, **kw):
+        if path is not None:
+            seen.append(Path(path))
+            assert Path(path).is_dir() and Path(path) != mine
+        return {"tokens": 1}
+
+    monkeypatch.setattr(app, "probe_capacity", fake_probe)
+    setup = type("S", (), {"device_bytes": 1, "host_bytes": 1, "disk_bytes": 1})()
+    app.probe_configurations(None, setup, tmp_path, [])
+    assert seen and not seen[0].exists()
+    assert (mine / "a.txt").read_text() == "mine"

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import tempfile
+import re
 import sys
 import time
 from pathlib import Path
@@ -51,7 +53,10 @@ def run(args: argparse.Namespace, out: Optional[IO[str]] = None) -> int:
     notes: List[str] = []
     data_dir = Path(args.data_dir)
     if args.fresh and (data_dir / "store").exists():
-        shutil.rmtree(data_dir / "store")
+        problem = remove_store(data_dir / "store")
+        if problem:
+            print(f"kvh demo: --fresh: {problem}", file=sys.stderr)
+            return 1
     data_dir.mkdir(parents=True, exist_ok=True)
     corpus = load_corpus()
     try:
@@ -123,6 +128,25 @@ def measure(
     return results, restart, probes
 
 
+def remove_store(store: Path) -> Optional[str]:
+    """Deletes a kvh store's own files (index, journal, LOCK, slab files)
+    and then its directory, if that leaves it empty; anything else in it
+    is the user's and stays, and so does the store. None when removed,
+    else why not."""
+    if store.is_symlink() or not store.is_dir():
+        return f"{store} is not a directory; not removed"
+    own = {"index", "journal", "LOCK"}
+    names = [p.name for p in store.iterdir()]
+    foreign = [n for n in names if n not in own and not re.fullmatch(r"slab-\d+\.kvh|(index|journal)\.tmp", n)]
+    if foreign or "index" not in names:
+        shown = ", ".join(sorted(foreign)[:3]) or "no index file"
+        return f"{store} does not hold only a kvh store ({shown}); not removed"
+    for n in names:
+        (store / n).unlink()
+    store.rmdir()
+    return None
+
+
 def probe_configurations(runner, kvh_setup: Setup, data_dir: Path, notes: List[str]) -> Dict[str, Dict[str, Any]]:
     """The longest sequence each configuration decodes, at kvh's budgets:
     device only, device + host (attending in the device tier), and all
@@ -130,7 +154,8 @@ def probe_configurations(runner, kvh_setup: Setup, data_dir: Path, notes: List[s
     probes: Dict[str, Dict[str, Any]] = {}
     probes["monolithic"] = probe_capacity(runner, kvh_setup.device_bytes, 0)
     probes["sync-offload"] = probe_capacity(runner, kvh_setup.device_bytes, kvh_setup.host_bytes)
-    probe_dir = data_dir / "probe-store"
+    # A directory of its own: a fixed name could be the user's.
+    probe_dir = Path(tempfile.mkdtemp(prefix="probe-store-", dir=data_dir))
     try:
         probes["kvh"] = probe_capacity(
             runner,
