@@ -12,6 +12,7 @@
  * blocks are attended where they lie, at the kernels' speed; blocks on
  * disk are read into the window while the previous chunk is attended.
  * Target: bound / time >= 0.8. */
+#include <errno.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -254,7 +255,10 @@ int bench_attention_stream(int argc, char **argv, const bench_ctx *ctx)
                 *dir ? "longer than 511 bytes" : "empty (its files would go to the root directory)");
         return 2;
     }
-    snprintf(o.dir, sizeof(o.dir), "%s", dir);
+    if (snprintf(o.dir, sizeof(o.dir), "%s/kvh-bench-stream-XXXXXX", dir) >= (int)sizeof(o.dir)) {
+        fprintf(stderr, "kvh-bench attention --stream: $KVH_BENCH_DIR is longer than 480 bytes\n");
+        return 2;
+    }
     /* Heads, threads and the stream's chunk and window become 32-bit
      * values; the sequence, --times x --device-blocks blocks of 16 tokens,
      * must stay under the 2^31 tokens attention takes. */
@@ -279,9 +283,18 @@ int bench_attention_stream(int argc, char **argv, const bench_ctx *ctx)
                         "device tier\n");
         return 2;
     }
+    /* A new directory of its own under $KVH_BENCH_DIR: the files it
+     * writes by fixed names (a store, a raw file) could be the user's. */
+    if (!mkdtemp(o.dir)) {
+        fprintf(stderr, "kvh-bench attention --stream: cannot make a scratch directory in %s (%s)\n", dir,
+                strerror(errno));
+        return 1;
+    }
     int reps = ctx->reps ? ctx->reps : 5;
     int rc = 0;
     for (size_t i = 0; i < o.times.n && !rc; i++)
         rc = run_size(&o, ctx, o.times.v[i] ? o.times.v[i] : 1, reps);
+    if (bench_remove_tree(o.dir) != 0)
+        fprintf(stderr, "kvh-bench attention --stream: could not remove %s\n", o.dir);
     return rc;
 }

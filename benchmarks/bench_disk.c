@@ -427,7 +427,8 @@ int bench_disk(int argc, char **argv, const bench_ctx *ctx)
     uint64_t total_mb = ctx->quick ? 32 : 256, qd = 32, context = ctx->quick ? 131072 : 1048576;
     bench_list sizes = {3, {64 << 10, 256 << 10, 1 << 20}};
     const bench_opt opts[] = {
-        {"--dir", BENCH_OPT_STR, &dir, "directory on the drive to measure (default /var/tmp/kvh-bench-disk)"},
+        {"--dir", BENCH_OPT_STR, &dir,
+         "directory on the drive to measure, where a scratch directory of its own is made and removed (default /var/tmp/kvh-bench-disk)"},
         {"--total-mb", BENCH_OPT_U64, &total_mb, "bytes moved per measurement, MiB"},
         {"--block-bytes", BENCH_OPT_LIST, &sizes, "block sizes (default 64K,256K,1M)"},
         {"--qd", BENCH_OPT_U64, &qd,
@@ -457,9 +458,19 @@ int bench_disk(int argc, char **argv, const bench_ctx *ctx)
         return 2;
     }
     mkdir(dir, 0755);
-    char store[4096], raw[4096];
-    snprintf(store, sizeof(store), "%s/store", dir);
-    snprintf(raw, sizeof(raw), "%s/raw.bin", dir);
+    /* Everything goes to a new directory of its own under dir: files of
+     * fixed names there (raw.bin, a store) could be the user's, and two
+     * runs in one dir would share them. */
+    char base[4096];
+    if (snprintf(base, sizeof(base), "%s/kvh-bench-disk-XXXXXX", dir) >= (int)sizeof(base) || !mkdtemp(base)) {
+        fprintf(stderr, "kvh-bench disk: cannot make a scratch directory in %s (%s)\n", dir, strerror(errno));
+        return 1;
+    }
+    rc = 0;
+    char store[4200], raw[4200], rec[4200];
+    snprintf(store, sizeof(store), "%s/store", base);
+    snprintf(raw, sizeof(raw), "%s/raw.bin", base);
+    snprintf(rec, sizeof(rec), "%s/recovery", base);
     int reps = ctx->reps ? ctx->reps : (ctx->quick ? 1 : 5);
     if (reps > 16)
         reps = 16;
@@ -474,7 +485,8 @@ int bench_disk(int argc, char **argv, const bench_ctx *ctx)
         uint32_t raw_qd = (uint32_t)qd * KVH_BENCH_DISK_THREADS;
         if (raw_prepare(raw, bs, n, raw_qd) != 0) {
             fprintf(stderr, "kvh-bench disk: raw O_DIRECT io_uring writes failed in %s (%s)\n", dir, strerror(errno));
-            return 1;
+            rc = 1;
+            goto out;
         }
         double sp[16], re[16], ra[16], la[16], wsp[16], wre[16], wra[16], wla[16];
         double fw[16], fr[16], frr[16], fl[16]; /* fio, right after the raw passes */
@@ -491,7 +503,8 @@ int bench_disk(int argc, char **argv, const bench_ctx *ctx)
                     if (w < 0 || r < 0 || rr < 0) {
                         fprintf(stderr, "kvh-bench disk: raw O_DIRECT io_uring I/O failed in %s (%s)\n", dir,
                                 strerror(errno));
-                        return 1;
+                        rc = 1;
+                        goto out;
                     }
                     if (fio_ok) {
                         fw[k] = fio_figure(raw, bs, n, "write", raw_qd, false);
@@ -501,7 +514,8 @@ int bench_disk(int argc, char **argv, const bench_ctx *ctx)
                         fio_ok = fw[k] > 0 && fr[k] > 0 && frr[k] > 0 && fl[k] > 0;
                     }
                 } else if (run_kvh(store, raw, bs, n, (uint32_t)qd, ctx->seed + (uint64_t)k, &d) != 0) {
-                    return 1;
+                    rc = 1;
+                    goto out;
                 }
             sp[k] = bytes / d.spill / 1e9;
             re[k] = bytes / d.restore / 1e9;
@@ -526,13 +540,14 @@ int bench_disk(int argc, char **argv, const bench_ctx *ctx)
         unlink(raw);
     }
     bench_flush_table(ctx, "disk");
-    char rec[4096];
-    snprintf(rec, sizeof(rec), "%s/recovery", dir);
     bench_info(ctx, "disk: recovery of a %llu-token store", (unsigned long long)context);
-    int rrc = recovery(ctx, rec, context);
+    rc = recovery(ctx, rec, context) != 0;
+    if (rc == 0)
+        bench_flush_table(ctx, "disk recovery");
+out:
+    unlink(raw);
+    remove_store(store);
     remove_store(rec);
-    if (rrc != 0)
-        return 1;
-    bench_flush_table(ctx, "disk recovery");
-    return 0;
+    rmdir(base);
+    return rc;
 }

@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 void trace_init(trace *t) { memset(t, 0, sizeof(*t)); }
 
@@ -209,11 +210,24 @@ int trace_load(trace *t, const char *path, char *err, size_t err_len)
         snprintf(err, err_len, "%s: %s", path, strerror(errno));
         return -1;
     }
+    /* A file or a pipe: a directory reads as nothing, a device such as
+     * /dev/zero as endless empty lines. */
+    struct stat st;
+    if (fstat(fileno(f), &st) != 0 || !(S_ISREG(st.st_mode) || S_ISFIFO(st.st_mode))) {
+        snprintf(err, err_len, "%s: %s", path, S_ISDIR(st.st_mode) ? "is a directory" : "not a regular file or a pipe");
+        fclose(f);
+        return -1;
+    }
     char line[512];
     size_t lineno = 0;
     int rc = 0;
     while (fgets(line, sizeof(line), f)) {
         lineno++;
+        if (line[0] == '\0') { /* fgets stopped after a NUL byte */
+            snprintf(err, err_len, "%s:%zu: not text (a NUL byte)", path, lineno);
+            rc = -1;
+            break;
+        }
         char *p = line;
         while (*p == ' ' || *p == '\t')
             p++;

@@ -536,6 +536,8 @@ def test_bench_sigint(tmp_path):
         (["trace", "--agents", "0"], "--agents"),
         (["trace", "--device-pct", "101"], "--device-pct"),
         (["trace", "--trace", "/nonexistent/kvh.trace"], "/nonexistent/kvh.trace"),
+        (["trace", "--trace", "/dev/zero"], "not a regular file"),  # endless empty lines
+        (["trace", "--trace", "/"], "is a directory"),
         (["alloc", "--parts", ""], "--parts"),
         (["alloc", "--parts", ",,,"], "--parts"),
         (["alloc", "--blocks", " -1"], "--blocks"),
@@ -571,6 +573,36 @@ def test_bench_bad_list_value_is_refused_before_any_row(args, word, table):
     res = run_bench(args[0], "--quick", "--reps", "1", *([] if table else ["--json"]), *args[1:])
     assert_one_line_error(res, 2, word)
     assert res.stdout == "", res.stdout[:2000]
+
+
+def test_bench_disk_and_stream_leave_their_directory_as_they_found_it(tmp_path):
+    """kvh-bench disk --dir truncated and deleted DIR/raw.bin and reset a
+    store at DIR/store; attention --stream removed ./stream-store with
+    its contents and ./raw-read.bin. Both now work in a scratch directory
+    of their own, removed after."""
+    for name, data in (("raw.bin", b"mine"), ("raw-read.bin", b"mine"), ("store/notes", b"keep")):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(data)
+    (tmp_path / "stream-store" / "sub").mkdir(parents=True)
+    (tmp_path / "stream-store" / "sub" / "keep.txt").write_bytes(b"keep")
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    res = run_bench("disk", "--quick", "--json", "--dir", tmp_path, "--total-mb", "4", "--block-bytes", "65536")
+    assert res.returncode in (0, 3), res.stderr[-2000:]
+    res = run_bench(
+        "attention",
+        "--stream",
+        "--quick",
+        "--json",
+        "--times",
+        "2",
+        "--reps",
+        "1",
+        env_extra={"KVH_BENCH_DIR": str(tmp_path)},
+    )
+    assert res.returncode in (0, 3), res.stderr[-2000:]
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    assert (tmp_path / "raw.bin").read_bytes() == b"mine" and (tmp_path / "raw-read.bin").read_bytes() == b"mine"
+    assert (tmp_path / "stream-store" / "sub" / "keep.txt").read_bytes() == b"keep"
 
 
 def test_bench_trace_budget_past_a_later_trace_is_refused_before_any_row(tmp_path):
