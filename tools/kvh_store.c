@@ -202,18 +202,39 @@ static void store_perms_of(const kvhi_disk *d, store_perms *p)
     closedir(dir);
 }
 
-/* s as the inside of a JSON string: quotes, backslashes and control
- * bytes escaped (a directory may be named anything). */
-static void print_json_text(const char *s)
+/* Length of the well-formed UTF-8 sequence at s (1-4), or 0 (RFC 3629:
+ * no overlong forms, no surrogates, nothing past U+10FFFF). */
+static int utf8_length(const unsigned char *s)
 {
-    for (; *s; s++) {
-        unsigned char c = (unsigned char)*s;
+    unsigned char c = s[0];
+    int n = c < 0x80 ? 1 : c >= 0xC2 && c <= 0xDF ? 2 : c >= 0xE0 && c <= 0xEF ? 3 : c >= 0xF0 && c <= 0xF4 ? 4 : 0;
+    for (int i = 1; i < n; i++)
+        if ((s[i] & 0xC0) != 0x80)
+            return 0;
+    if ((c == 0xE0 && s[1] < 0xA0) || (c == 0xED && s[1] >= 0xA0) || (c == 0xF0 && s[1] < 0x90) ||
+        (c == 0xF4 && s[1] >= 0x90))
+        return 0;
+    return n;
+}
+
+/* s as the inside of a JSON string: quotes, backslashes and control
+ * bytes escaped, and a byte that is not UTF-8 (a directory may be named
+ * anything) written as U+FFFD, so that the output stays JSON. */
+static void print_json_text(const char *text)
+{
+    const unsigned char *s = (const unsigned char *)text;
+    while (*s) {
+        unsigned char c = *s;
+        int n = utf8_length(s);
         if (c == '"' || c == '\\')
             printf("\\%c", c);
         else if (c < 0x20)
             printf("\\u%04x", c);
+        else if (n == 0)
+            fputs("\\ufffd", stdout);
         else
-            putchar(c);
+            fwrite(s, 1, (size_t)n, stdout);
+        s += n ? n : 1;
     }
 }
 

@@ -192,7 +192,11 @@ def _store_info(directory: Path) -> Optional[Dict[str, Any]]:
     tool = _store_tool()  # a bad $KVH_STORE raises BadToolVariable, a RuntimeError
     if not tool:
         return None
-    res = subprocess.run([tool, "info", str(directory), "--json"], capture_output=True, text=True)
+    # A store named by bytes that are not UTF-8 is still read (kvh-store
+    # writes them as U+FFFD in its JSON; its messages may hold them raw).
+    res = subprocess.run(
+        [tool, "info", os.fsencode(directory), "--json"], capture_output=True, text=True, errors="replace"
+    )
     if res.returncode < 0:
         raise RuntimeError(f"kvh-store info was killed by {_signal_name(-res.returncode)}")
     if res.returncode != 0:

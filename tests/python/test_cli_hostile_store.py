@@ -723,6 +723,26 @@ def test_info_and_stats_read_a_codec_store(tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
 
 
+def test_a_store_named_by_bytes_that_are_not_utf8(tmp_path):
+    """kvh-store info --json wrote the name's raw 0xff byte (not JSON) and
+    kvh stats failed decoding it: the name is U+FFFD in JSON now, and
+    stats reads the store."""
+    d = _int8_store(tmp_path)
+    odd = Path(os.fsdecode(os.fsencode(str(tmp_path)) + b"/st\xffore"))
+    os.rename(d, odd)
+    info = info_json(odd)
+    assert info["kv_codec"] == "int8" and "\ufffd" in json.dumps(info, ensure_ascii=False)
+    # (it prints the name as the bytes it is, as ls does)
+    res = subprocess.run(
+        [sys.executable, "-m", "kvh_cache", "stats", odd],
+        capture_output=True,
+        timeout=TIMEOUT,
+        env=_env(None),
+        cwd=REPO,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
 def test_stats_of_a_codec_store_without_kvh_store(tmp_path):
     # With kvh-store failing, the codec fell back to "none" and the engine's
     # refusal told a CLI user to "pass disk_reset_on_mismatch=True".
