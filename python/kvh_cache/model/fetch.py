@@ -13,6 +13,7 @@ found through its distribution metadata, without importing it (its
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
 import sys
 import tempfile
@@ -61,8 +62,15 @@ def installed_path() -> Optional[Path]:
 
 
 def cached_path() -> Optional[Path]:
+    """The cached GGUF: a regular file of this user's at its own name, not
+    a symlink or a file someone else put in a shared cache (the model's
+    bytes are loaded and run)."""
     path = cache_dir() / FILE
-    return path if path.is_file() else None
+    try:
+        st = path.lstat()
+    except OSError:
+        return None
+    return path if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() else None
 
 
 Downloader = Callable[[Path], None]
