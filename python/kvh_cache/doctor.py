@@ -1,9 +1,11 @@
-"""``kvh doctor``: read-only checks of what the first seed tunes by hand —
-huge pages, the memlock limit for pinned memory, ``vm.max_map_count`` (and
-the other sysctls of the seed), O_DIRECT support and free space on the data
-directory, who can read the store in it, io_uring, NUMA layout, the CUDA
-device and driver — and what to change, printed as commands and sysctl
-lines. It never changes anything."""
+"""``kvh doctor``: checks of what an operator tunes by hand for kvh — huge
+pages, the memlock limit for pinned memory, ``vm.max_map_count`` and the
+other sysctls, O_DIRECT support and free space on the data directory, who
+can read the store in it, io_uring, NUMA layout, the CUDA device and driver
+— and what to change, printed as commands and sysctl lines. It changes
+nothing; its O_DIRECT probe writes a temporary file in the data directory
+(or its nearest existing parent) and removes it. Exit status 1 when a check
+failed (with --strict, also when one warns)."""
 
 from __future__ import annotations
 
@@ -86,7 +88,7 @@ def add_arguments(p) -> None:
         help="the TOML configuration file whose effect to show (default $KVH_CONFIG)",
     )
     p.add_argument("--json", action="store_true", help="print the checks as JSON")
-    p.add_argument("--strict", action="store_true", help="exit 1 when a check warns or fails")
+    p.add_argument("--strict", action="store_true", help="exit 1 when a check warns, too (a failed check always does)")
 
 
 def _read(path: str) -> Optional[str]:
@@ -652,5 +654,7 @@ def main_doctor(args) -> int:
                     print(f"  {line}")
         else:
             print("\nNothing to change.")
-    bad = any(c.status in (WARN, FAIL) for c in checks) or config_error is not None
-    return 1 if args.strict and bad else 0
+    # kvh's exit statuses: 1 when a check failed; --strict, also on a warning.
+    failed = any(c.status == FAIL for c in checks) or config_error is not None
+    warned = any(c.status == WARN for c in checks)
+    return 1 if failed or (args.strict and warned) else 0

@@ -496,7 +496,9 @@ def test_doctor_advice_keeps_every_sysctl_it_sets(tmp_path, monkeypatch, capsys)
         monkeypatch.setattr(doctor, name, lambda name=name: doctor.Check(name, doctor.OK, "not checked here"))
     data_dir = tmp_path / "data"
     data_dir.mkdir()
-    args = argparse.Namespace(data_dir=data_dir, host_budget=1 << 30, disk_budget=1 << 20, json=False, strict=False)
+    args = argparse.Namespace(
+        data_dir=data_dir, host_budget=1 << 30, disk_budget=1 << 20, json=False, strict=False, config=None
+    )
     assert doctor.main_doctor(args) == 0
     advice = [line.strip() for line in capsys.readouterr().out.splitlines() if line.startswith("  ")]
 

@@ -38,3 +38,16 @@ def test_o_direct_probe_result_on_this_directory(tmp_path):
     assert probe.status in (doctor.OK, doctor.WARN)
     assert str(tmp_path) in probe.data["checked_at"]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_check_is_exit_status_1(tmp_path, monkeypatch, capsys):
+    """kvh's exit statuses say 1 for a failed check; doctor returned 0
+    unless --strict. --strict adds warnings."""
+    monkeypatch.setattr(doctor, "run_checks", lambda *a, **k: [doctor.Check("x", doctor.FAIL, "broken")])
+    from kvh_cache import cli
+
+    assert cli.main(["doctor", "--data-dir", str(tmp_path)]) == 1
+    monkeypatch.setattr(doctor, "run_checks", lambda *a, **k: [doctor.Check("x", doctor.WARN, "meh")])
+    assert cli.main(["doctor", "--data-dir", str(tmp_path)]) == 0
+    assert cli.main(["doctor", "--strict", "--data-dir", str(tmp_path)]) == 1
+    capsys.readouterr()
