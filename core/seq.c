@@ -210,8 +210,34 @@ static void forget_clean_copies(kvh_engine *e, uint32_t b)
         kvhi_disk_forget(e, b);
 }
 
+/* Keeps the sequence's reference on b, a block it is replacing at logical
+ * position i, as i's durable twin when b is persisted (an index record
+ * names it) and i has none: kvh.h keeps a persisted prefix while a
+ * sequence holds its own blocks of it, and the blocks after i stay
+ * reachable only through b. False when b is not kept (not persisted, a
+ * twin already there, or no memory for the table). */
+static bool keep_replaced_durable(kvh_engine *e, kvhi_seq *s, uint32_t i, uint32_t b)
+{
+    if (!(e->blocks[b].flags & KVHI_BF_JOURNALED))
+        return false;
+    if (i < s->n_durable && s->durable_twin[i] != KVHI_NO_BLOCK)
+        return false;
+    if (i >= s->n_durable) {
+        uint32_t *t = realloc(s->durable_twin, sizeof(uint32_t) * (i + 1));
+        if (!t)
+            return false;
+        for (uint32_t k = s->n_durable; k <= i; k++)
+            t[k] = KVHI_NO_BLOCK;
+        s->durable_twin = t;
+        s->n_durable = i + 1;
+    }
+    s->durable_twin[i] = b;
+    return true;
+}
+
 /* Replaces logical block i of s by a private copy if it is shared or
- * published (immutable); moves this sequence's holds to the copy. */
+ * published (immutable); moves this sequence's holds to the copy. A
+ * persisted block replaced is kept as the sequence's durable twin. */
 static kvh_status make_private(kvh_engine *e, kvhi_seq *s, uint32_t i)
 {
     for (;;) {
@@ -246,7 +272,8 @@ static kvh_status make_private(kvh_engine *e, kvhi_seq *s, uint32_t i)
             kvhi_block_pin(e, nb, true);
         }
         s->blocks[i] = nb;
-        kvhi_block_unref(e, b); /* the sequence's own reference */
+        if (!keep_replaced_durable(e, s, i, b))
+            kvhi_block_unref(e, b); /* the sequence's own reference */
     }
 }
 
