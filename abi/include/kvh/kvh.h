@@ -591,8 +591,8 @@ typedef struct kvh_stats {
      * in the device tier. */
     uint64_t prefix_hit_blocks_host;
     uint64_t prefix_hit_blocks_disk;
-    /* Full blocks kvh_seq_persist made durable, whether it wrote them now
-     * or found them on disk already. */
+    /* Full blocks kvh_seq_persist and kvh_blocks_persist made durable,
+     * whether they wrote them now or found them on disk already. */
     uint64_t blocks_persisted;
     /* Clean copies written to disk, the block staying in its tier, and
      * their bytes (as stored: encoded under a kv_codec). */
