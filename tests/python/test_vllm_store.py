@@ -325,18 +325,24 @@ def test_hash_secret_keys_the_salt_and_stays_out_of_reprs():
     assert settings.load({}, environ={}).hash_secret is None
 
 
+def _saved_two_blocks(tmp_path, mem, toks, **kw) -> KvStore:
+    """A store (kw as _store) that saved toks' two blocks from vLLM slots 0
+    and 1, flushed to disk; still open."""
+    st = _store(tmp_path, **kw)
+    _register(st, mem)
+    assert st.save("a", toks, 0, [0, 1]) == 2
+    st.forget(["a"])
+    st.flush()
+    return st
+
+
 def test_a_store_keyed_by_a_secret_finds_its_blocks_only_with_it(tmp_path, mem):
     """The secret changes every hash: a restarted worker with the same
     secret finds what was saved, one without it (or with another) finds
     nothing and never reads those bytes."""
     toks = np.arange(2 * B, dtype=np.int32) + 700
     orig = mem.copy()
-    st = _store(tmp_path, hash_secret="k1")
-    _register(st, mem)
-    assert st.save("a", toks, 0, [0, 1]) == 2
-    st.forget(["a"])
-    st.flush()
-    st.close()
+    _saved_two_blocks(tmp_path, mem, toks, hash_secret="k1").close()
     for secret, found in ((None, 0), ("k2", 0), ("k1", 2 * B)):
         st = _store(tmp_path, hash_secret=secret)
         _register(st, mem)
@@ -377,11 +383,7 @@ def test_an_older_keyed_store_is_renamed_with_its_blocks(tmp_path, mem):
     another process has it open."""
     toks = np.arange(2 * B, dtype=np.int32) + 900
     orig = mem.copy()
-    st = _store(tmp_path, hash_secret="k1")
-    _register(st, mem)
-    assert st.save("a", toks, 0, [0, 1]) == 2
-    st.forget(["a"])
-    st.flush()
+    st = _saved_two_blocks(tmp_path, mem, toks, hash_secret="k1")
     salt, new_dir = st.salt, st.disk_path
     st.close()
     old_dir = os.path.join(tmp_path / "store", f"{salt:016x}")
