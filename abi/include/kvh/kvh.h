@@ -892,6 +892,10 @@ KVH_API kvh_status kvh_block_pin(kvh_engine *engine, kvh_block block, int32_t pi
 /* ------------------------------------------------------------------ */
 
 /* Moves blocks to tier asynchronously (evicting by policy to make room).
+ * Each block is moved on its own and a move is not a use: with the tier
+ * full, a later move of the same call may evict an earlier one (LRU-K
+ * ranks a block that was moved but never used first), and the call still
+ * says KVH_OK. kvh_seq_acquire holds what it brings up.
  * [borrowed] blocks (n). fence as in kvh_seq_acquire. Pinned blocks are
  * skipped, also those pinned after the call while their move waits in
  * the queue. Returns KVH_ERR_INVALID_ARG (NULL blocks with n > 0, a tier
