@@ -614,7 +614,7 @@ int bench_alloc(int argc, char **argv, const bench_ctx *ctx)
         {"--touches", BENCH_OPT_U64, &o.touches, "read_kv touches per round"},
         {"--touch-blocks", BENCH_OPT_LIST, &o.touch_blocks, "sequence sizes (blocks) for the touch part"},
         {"--head-dim", BENCH_OPT_U64, &o.head_dim, "head_dim of the geometry (1..8 keeps memory out)"},
-        {"--block-tokens", BENCH_OPT_U64, &o.block_tokens, "block_tokens of the geometry"},
+        {"--block-tokens", BENCH_OPT_U64, &o.block_tokens, "block_tokens of the geometry (a power of two, 1..256)"},
         {"--parts", BENCH_OPT_STR, &o.parts, "comma-separated subset of pairs,bulk,fork,prefix,touch"},
         {NULL, BENCH_OPT_U64, NULL, NULL},
     };
@@ -625,6 +625,7 @@ int bench_alloc(int argc, char **argv, const bench_ctx *ctx)
      * past them would only end in an allocation failure naming bytes. */
     if (o.blocks < 2 || o.blocks > (1ull << 31) || o.fork_blocks < 1 || o.fork_blocks > (1ull << 31) ||
         o.head_dim < 1 || o.head_dim > 512 || o.block_tokens < 1 || o.block_tokens > 256 ||
+        (o.block_tokens & (o.block_tokens - 1)) != 0 || /* kvh_config.block_tokens: a power of two */
         o.prompt_tokens < o.block_tokens || o.admit_tokens < o.block_tokens || o.pairs < 1 || o.forks < 1 ||
         o.matches < 1 || o.touches < 1) {
         fprintf(stderr, "kvh-bench alloc: option out of range (try --help)\n");

@@ -416,7 +416,7 @@ int bench_scale(int argc, char **argv, const bench_ctx *ctx)
         .calls = ctx->quick ? 20000 : 200000,
     };
     const bench_opt opts[] = {
-        {"--blocks", BENCH_OPT_LIST, &o.blocks, "live block counts N (ascending; up to 10000000)"},
+        {"--blocks", BENCH_OPT_LIST, &o.blocks, "live block counts N (ascending, within 100..20000000)"},
         {"--calls", BENCH_OPT_U64, &o.calls, "calls per operation and N"},
         {"--threads", BENCH_OPT_LIST, &o.threads, "agent thread counts (1..256)"},
         {"--ops", BENCH_OPT_U64, &o.ops, "operations per thread-count point, split over the threads"},

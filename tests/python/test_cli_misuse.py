@@ -523,6 +523,7 @@ def test_bench_sigint(tmp_path):
         (["codec", "--isa", "sse9"], "--isa"),
         (["all", "--bogus"], "--bogus"),
         (["alloc", "--blocks", "0"], "range"),
+        (["alloc", "--block-tokens", "3"], "range"),  # not a power of two: a usage error, not a failed run
         (["alloc", "--parts", "nope"], "--parts"),
         (["migrate", "--sizes", ","], "--sizes"),
         (["migrate", "--pool-mb", "0"], "--pool-mb"),
