@@ -21,7 +21,6 @@
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
-#include <time.h>
 
 #include "core/attention_call.h"
 #include "core/block_state.h"
@@ -346,13 +345,7 @@ static kvh_status take_window(kvh_engine *e, kvhi_attn_call *c, uint32_t want)
      * make. A copy under way may be a block leaving (busy meanwhile): the
      * count is taken again when one ends, for a short while only, since
      * most copies (host to disk, uploads) free no device slot. */
-    struct timespec until;
-    clock_gettime(CLOCK_REALTIME, &until);
-    until.tv_nsec += 200 * 1000000L; /* far longer than a block's copy */
-    if (until.tv_nsec >= 1000000000L) {
-        until.tv_sec++;
-        until.tv_nsec -= 1000000000L;
-    }
+    struct timespec until = kvhi_realtime_in_ns(200 * 1000000ull); /* far longer than a block's copy */
     uint64_t could;
     while ((could = window_room(e)) < want) {
         if (!e->copies_in_progress || pthread_cond_timedwait(&e->changed, &e->lock, &until) == ETIMEDOUT)

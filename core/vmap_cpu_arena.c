@@ -163,7 +163,8 @@ int kvhi_vmap_cpu_arena_create(void *ctx, const kvhi_slab_layout *layout, uint64
     }
     const char *pop = secure_getenv("KVH_VMAP_POPULATE");
     a->populate = !(pop && !strcmp(pop, "0"));
-    bool chosen = (backing && *backing) || (secure_getenv("KVH_VMAP_BACKING") && *secure_getenv("KVH_VMAP_BACKING"));
+    const char *env_backing = secure_getenv("KVH_VMAP_BACKING");
+    bool chosen = (backing && *backing) || (env_backing && *env_backing);
     rc = map_arena(a, b, bytes, msg, len);
     if (rc != 0 && b == BACKING_HUGETLB && !chosen) {
         /* The free huge pages were counted a moment ago; another process
