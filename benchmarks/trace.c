@@ -213,8 +213,12 @@ int trace_load(trace *t, const char *path, char *err, size_t err_len)
     /* A file or a pipe: a directory reads as nothing, a device such as
      * /dev/zero as endless empty lines. */
     struct stat st;
-    if (fstat(fileno(f), &st) != 0 || !(S_ISREG(st.st_mode) || S_ISFIFO(st.st_mode))) {
-        snprintf(err, err_len, "%s: %s", path, S_ISDIR(st.st_mode) ? "is a directory" : "not a regular file or a pipe");
+    const char *why = fstat(fileno(f), &st) != 0                      ? strerror(errno)
+                      : S_ISDIR(st.st_mode)                           ? "is a directory"
+                      : !S_ISREG(st.st_mode) && !S_ISFIFO(st.st_mode) ? "not a regular file or a pipe"
+                                                                      : NULL;
+    if (why) {
+        snprintf(err, err_len, "%s: %s", path, why);
         fclose(f);
         return -1;
     }
