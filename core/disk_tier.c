@@ -288,6 +288,7 @@ void kvhi_disk_after_move(kvh_engine *e, uint32_t b, const kvhi_xfer *x, bool *k
              * next demotion costs no write and the record stays true. */
             blk->disk_copy = x->src_slot;
             blk->flags |= KVHI_BF_DISK_COPY;
+            e->disk_copy_count++;
             *keep_src_slot = true;
         } else if (blk->flags & KVHI_BF_JOURNALED) {
             kvhi_index_append(e->disk, KVHI_REC_DEL, x->src_slot, blk->hash, blk->parent_hash, blk->n_tokens,
@@ -307,6 +308,7 @@ void kvhi_disk_keep_as_copy(kvh_engine *e, uint32_t b, const kvhi_xfer *x)
     blk->data_crc = x->data_crc;
     blk->disk_copy = x->dst_slot;
     blk->flags |= KVHI_BF_DISK_COPY | KVHI_BF_DISK_HASHED;
+    e->disk_copy_count++;
     e->stats.disk_copies_written++;
     e->stats.bytes_disk_copies_written += e->disk->block_bytes;
     if (blk->flags & KVHI_BF_PUBLISHED)
@@ -328,6 +330,7 @@ void kvhi_disk_forget(kvh_engine *e, uint32_t b)
         kvhi_release_slot(e, KVH_TIER_DISK, blk->disk_copy);
         blk->flags &= (uint16_t)~KVHI_BF_DISK_COPY;
         blk->disk_copy = KVHI_NO_BLOCK;
+        e->disk_copy_count--;
     }
 }
 
@@ -521,6 +524,7 @@ static kvh_status write_copies(kvh_engine *e, const uint32_t *blocks, uint32_t n
             blk->data_crc = x->data_crc;
             blk->disk_copy = x->dst_slot;
             blk->flags |= KVHI_BF_DISK_COPY | KVHI_BF_DISK_HASHED;
+            e->disk_copy_count++;
             e->stats.disk_copies_written++;
             e->stats.bytes_disk_copies_written += e->disk->block_bytes;
             if (!journal_add(e, x->block, x->dst_slot) && st == KVH_OK)

@@ -562,6 +562,8 @@ void kvhi_tier_info(kvh_engine *e, uint32_t tier, kvh_tier_info *info)
         if (tier == KVH_TIER_HOST) {
             r.used_blocks -= e->clean.count;
             r.clean_copies = e->clean.count;
+        } else if (tier == KVH_TIER_DISK) {
+            r.clean_copies = e->disk_copy_count; /* in used_blocks: most cannot be given back */
         }
         r.used_bytes = r.used_blocks * t->slot_bytes;
         r.pinned_blocks = t->pinned;

@@ -189,6 +189,7 @@ struct kvh_engine {
     struct kvhi_remote *remote;     /* NULL without a remote tier (core/remote_tier.h) */
     uint32_t clean_hand;            /* background cleaner's clock hand */
     uint32_t copy_give_back_hand;   /* kvhi_disk_give_back_copy's clock hand */
+    uint64_t disk_copy_count;       /* blocks with KVHI_BF_DISK_COPY (kvh_tier_info) */
     uint32_t workers_waiting_room;  /* in kvhi_wait_queued_moves_out or waiting for a busy block */
     uint64_t queued_move_waits;     /* its waits */
     uint64_t queued_moves_run_here; /* moves it ran itself, no other worker being free */

@@ -427,6 +427,8 @@ class TierInfo:
     base: int
     #: Host tier: slots kept as clean copies of blocks promoted to the device
     #: tier. Not in used_blocks: a block that needs a slot takes one back.
+    #: Disk tier: slots copying a block that lives in memory (persisted or
+    #: cleaned ahead), counted in used_blocks.
     clean_copies: int = 0
 
     @property

@@ -529,7 +529,12 @@ typedef struct kvh_tier_info {
                    report its base, and their slot numbers run across it. */
     /* Host tier: slots kept as clean copies of blocks promoted to the
      * device tier (kvh_stats.clean_copies_kept). Not in used_blocks: the
-     * first block that needs a slot takes one back. 0 for other tiers. */
+     * first block that needs a slot takes one back.
+     * Disk tier: slots holding a copy of a block that lives in a memory
+     * tier (persisted, or written ahead by background cleaning). Counted
+     * in used_blocks, so used_blocks - clean_copies blocks are on disk
+     * alone; a full disk takes back those no sequence or handle refers
+     * to (kvh_stats.disk_copies_given_back). 0 for the device tier. */
     uint64_t clean_copies;
 } kvh_tier_info;
 
@@ -542,7 +547,9 @@ KVH_API kvh_status kvh_tier_info_get(kvh_engine *engine, uint32_t tier, kvh_tier
  * acquire, a read_kv, or a write_kv over cells already written; filling
  * cells for the first time is making the block, not a use, and counts
  * none. Each lookup is a hit in the tier where the block was at that
- * moment, so lookups == hits_device + hits_host + hits_disk. Blocks
+ * moment, so lookups == hits_device + hits_host + hits_disk. A block is
+ * counted when the call asks for it, also when the call then fails (an
+ * acquire that finds no room: KVH_ERR_NOSPACE). Blocks
  * attached by kvh_seq_match_prefix / kvh_prefix_lookup are counted in
  * prefix_hit_blocks, and by the tier they were found in there. The
  * blocks_/bytes_ pairs count moves (the block changes tier); copies

@@ -375,7 +375,9 @@ pub struct TierInfo {
     pub base_addr: usize,
     /// Host tier: slots kept as clean copies of blocks promoted to the
     /// device tier. Not in `used_blocks`: a block that needs a slot takes
-    /// one back. 0 for other tiers.
+    /// one back. Disk tier: slots copying a block that lives in memory
+    /// (persisted or cleaned ahead), counted in `used_blocks`. 0 for the
+    /// device tier.
     pub clean_copies: u64,
 }
 
