@@ -295,35 +295,48 @@ fail:
     return st;
 }
 
-/* Device-tier slots a window could take now (lock held): the free ones,
- * each block in the tier's victim order that no sequence references (it
- * is moved down or dropped), and as many referenced ones as the tiers
- * below have room for: their free slots and their own blocks that may
- * leave, in the last tier only unreferenced ones (referenced blocks are
- * never dropped). One pass over the block records: a streamed call reads
- * more than that. */
-static uint64_t window_room(kvh_engine *e)
+/* Device-tier slots a window could take now (lock held), as a lower
+ * bound, so that a window this allows can always be made:
+ * - the free ones, and each block in the tier's victim order that no
+ *   sequence references (it is moved down or dropped);
+ * - referenced ones, as far as the tiers below have room: their free
+ *   slots, their unreferenced blocks (moved down or dropped) and, in the
+ *   host tier, kept clean copies and referenced blocks that go back onto
+ *   a clean disk copy. A referenced block moved down a tier frees a slot
+ *   there only by taking one below: no room. A referenced device block
+ *   with a clean disk copy can go onto it once the room below is gone,
+ *   but it may take that room first: so max(room below, such blocks).
+ * Counting takes one pass over the block records (a streamed call reads
+ * more than that), skipped when the free slots are enough. */
+static uint64_t window_room(kvh_engine *e, uint64_t want)
 {
-    uint64_t unref[KVH_TIER_COUNT] = {0}, ref[KVH_TIER_COUNT] = {0};
+    const kvhi_tier *dev = &e->tiers[KVH_TIER_DEVICE];
+    if (dev->slots.free_count >= want)
+        return dev->slots.free_count;
+    uint64_t unref[KVH_TIER_COUNT] = {0}, ref[KVH_TIER_COUNT] = {0}, ref_copied[KVH_TIER_COUNT] = {0};
     for (uint32_t b = 0; b < e->block_cap; b++) {
         const kvhi_block *blk = &e->blocks[b];
         if (blk->tier >= KVH_TIER_COUNT || blk->heap_pos == KVHI_HEAP_NONE || !(blk->flags & KVHI_BF_LIVE))
             continue;
-        if (kvhi_block_referenced(e, blk, b))
-            ref[blk->tier]++;
-        else
+        if (!kvhi_block_referenced(e, blk, b))
             unref[blk->tier]++;
+        else if (blk->flags & KVHI_BF_DISK_COPY)
+            ref_copied[blk->tier]++;
+        else
+            ref[blk->tier]++;
     }
-    /* Room in tier t and below for blocks coming down, from the last tier up. */
     uint64_t below = 0;
     for (int t = KVH_TIER_COUNT - 1; t > KVH_TIER_DEVICE; t--) {
         if (!e->tiers[t].present)
             continue;
-        below += e->tiers[t].slots.free_count + unref[t] + (ref[t] < below ? ref[t] : below);
+        below += e->tiers[t].slots.free_count + unref[t];
+        if (t == KVH_TIER_HOST)
+            below += e->clean.count + (e->disk ? ref_copied[t] : 0);
     }
-    const kvhi_tier *dev = &e->tiers[KVH_TIER_DEVICE];
-    return dev->slots.free_count + unref[KVH_TIER_DEVICE] +
-           (ref[KVH_TIER_DEVICE] < below ? ref[KVH_TIER_DEVICE] : below);
+    uint64_t copied = e->disk ? ref_copied[KVH_TIER_DEVICE] : 0;
+    uint64_t referenced = ref[KVH_TIER_DEVICE] + ref_copied[KVH_TIER_DEVICE];
+    uint64_t can_leave = below > copied ? below : copied;
+    return dev->slots.free_count + unref[KVH_TIER_DEVICE] + (referenced < can_leave ? referenced : can_leave);
 }
 
 /* Takes the streaming window: stream_window_blocks device-tier slots
@@ -347,7 +360,7 @@ static kvh_status take_window(kvh_engine *e, kvhi_attn_call *c, uint32_t want)
      * most copies (host to disk, uploads) free no device slot. */
     struct timespec until = kvhi_realtime_in_ns(200 * 1000000ull); /* far longer than a block's copy */
     uint64_t could;
-    while ((could = window_room(e)) < want) {
+    while ((could = window_room(e, want)) < want) {
         if (!e->copies_in_progress || pthread_cond_timedwait(&e->changed, &e->lock, &until) == ETIMEDOUT)
             return kvhi_fail(KVH_ERR_NOSPACE,
                              "no room for a streaming window of %u blocks: the device tier can make %llu (free slots, "

@@ -437,6 +437,50 @@ static void test_a_refused_window_evicts_nothing(void **state)
     dt_assert_ok(dt_close(e));
 }
 
+/* The tiers below share their room: a referenced host block moved to
+ * disk to make room for a device block takes a disk slot that device
+ * block could have taken itself. Host full of referenced blocks, disk
+ * with 2 free slots, device full of referenced blocks: a window of 4 is
+ * refused before anything leaves, one of 2 is made. */
+static void test_lower_tiers_room_is_counted_once(void **state)
+{
+    (void)state;
+    kvh_engine *e = open_tiers("stream-room-once", 8, 4, 8, KVH_CODEC_NONE);
+    kvh_seq longer, host_refs, device_refs;
+    dt_assert_ok(build(e, 201, 6 * G.bt, &longer));
+    dt_assert_ok(kvh_seq_migrate(e, longer, 0, 6 * G.bt, KVH_TIER_DISK, NULL));
+    /* Tokens only, KV never written: never published, so no clean disk
+     * copy is written ahead for them. */
+    int32_t tk[4 * 16];
+    dt_tokens(dt_plain(202), 0, 4 * G.bt, tk);
+    dt_assert_ok(kvh_seq_create(e, 0, &host_refs));
+    dt_assert_ok(kvh_seq_append(e, host_refs, tk, 4 * G.bt));
+    dt_assert_ok(kvh_seq_migrate(e, host_refs, 0, 4 * G.bt, KVH_TIER_HOST, NULL));
+    dt_assert_ok(build(e, 203, 8 * G.bt, &device_refs));
+    for (uint64_t b = 0; b < 8; b++)
+        assert_int_equal(dt_binfo(e, device_refs, b).tier, KVH_TIER_DEVICE);
+    for (uint64_t b = 0; b < 4; b++)
+        assert_int_equal(dt_binfo(e, host_refs, b).tier, KVH_TIER_HOST);
+    kvh_stats before = {.struct_size = sizeof(before)}, after = {.struct_size = sizeof(after)};
+    dt_assert_ok(kvh_engine_stats(e, &before));
+    float *q = queries(1, 9), *out = calloc(HQ * G.dim, sizeof(float));
+    kvh_attention_params p = params(CHUNK, 4);
+    assert_int_equal(kvh_attention_decode(e, 0, &longer, 1, q, out, &p), KVH_ERR_NOSPACE);
+    assert_non_null(strstr(kvh_last_error(), "can make 2"));
+    dt_assert_ok(kvh_engine_stats(e, &after));
+    assert_int_equal(after.evictions, before.evictions);
+    for (uint64_t b = 0; b < 8; b++)
+        assert_int_equal(dt_binfo(e, device_refs, b).tier, KVH_TIER_DEVICE);
+    p = params(1, 2);
+    dt_assert_ok(kvh_attention_decode(e, 0, &longer, 1, q, out, &p));
+    free(q);
+    free(out);
+    dt_assert_ok(kvh_seq_free(e, longer));
+    dt_assert_ok(kvh_seq_free(e, host_refs));
+    dt_assert_ok(kvh_seq_free(e, device_refs));
+    dt_assert_ok(dt_close(e));
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -447,6 +491,7 @@ int main(void)
         cmocka_unit_test_teardown(test_corrupt_block_mid_stream, dt_teardown),
         cmocka_unit_test_teardown(test_argument_rules, dt_teardown),
         cmocka_unit_test_teardown(test_a_refused_window_evicts_nothing, dt_teardown),
+        cmocka_unit_test_teardown(test_lower_tiers_room_is_counted_once, dt_teardown),
     };
     if (getenv("KVH_TEST_FILTER"))
         cmocka_set_test_filter(getenv("KVH_TEST_FILTER"));
