@@ -387,6 +387,25 @@ void kvhi_engine_forget_closed(void)
             engine_free_struct(kept[i]);
 }
 
+/* A fork while another thread holds the list's lock would leave it held
+ * for good in the child, whose first close of its own engine would then
+ * wait forever: fork takes it first and both sides let go. */
+static void closed_list_lock(void) { pthread_mutex_lock(&closed_engines_lock); }
+static void closed_list_unlock(void) { pthread_mutex_unlock(&closed_engines_lock); }
+static pthread_once_t closed_list_fork_once = PTHREAD_ONCE_INIT;
+static void closed_list_survives_fork(void)
+{
+    (void)pthread_atfork(closed_list_lock, closed_list_unlock, closed_list_unlock);
+}
+
+void kvhi_engine_closed_list_hold(bool hold)
+{
+    if (hold)
+        closed_list_lock();
+    else
+        closed_list_unlock();
+}
+
 static void keep_closed_engine(kvh_engine *e)
 {
     pthread_mutex_lock(&closed_engines_lock);
@@ -407,6 +426,7 @@ kvh_status kvhi_engine_open(const kvh_config *config, kvh_engine **out)
     if (!e)
         return kvhi_fail(KVH_ERR_NOMEM, "out of memory for the engine");
     kvhi_fork_watch();
+    (void)pthread_once(&closed_list_fork_once, closed_list_survives_fork);
     e->fork_generation = kvhi_fork_generation();
     e->cfg = *config;
     e->cfg.disk_path = NULL; /* borrowed: never kept */

@@ -316,6 +316,9 @@ kvh_status kvhi_engine_close(kvh_engine *e);
 /* Frees the structs close keeps of the engines closed last (for a check
  * that counts allocations; no call may still be racing a close). */
 void kvhi_engine_forget_closed(void);
+/* Takes (hold) or lets go of the lock of those kept structs: a test's
+ * stand-in for a thread caught in a close when another forks. */
+void kvhi_engine_closed_list_hold(bool hold);
 /* Tier `tier` (< KVH_TIER_COUNT) as the caller sees it (lock held). */
 void kvhi_tier_info(kvh_engine *e, uint32_t tier, kvh_tier_info *info);
 /* Sets the device quota of agent and re-indexes its blocks (lock held). */

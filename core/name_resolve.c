@@ -38,6 +38,23 @@ typedef struct lookup {
 static pthread_mutex_t running_lock = PTHREAD_MUTEX_INITIALIZER;
 static lookup *running;
 
+/* A fork takes running_lock first, so that the child does not inherit it
+ * held by a thread it does not have. The child has none of the lookup
+ * threads either: their lookups, never to be answered there, are
+ * forgotten (left allocated), and the child asks afresh. */
+static void running_lock_take(void) { pthread_mutex_lock(&running_lock); }
+static void running_lock_let_go(void) { pthread_mutex_unlock(&running_lock); }
+static void running_forget_in_child(void)
+{
+    running = NULL;
+    pthread_mutex_unlock(&running_lock);
+}
+static pthread_once_t fork_once = PTHREAD_ONCE_INIT;
+static void running_survives_fork(void)
+{
+    (void)pthread_atfork(running_lock_take, running_lock_let_go, running_forget_in_child);
+}
+
 static void running_remove(lookup *l)
 {
     pthread_mutex_lock(&running_lock);
@@ -168,6 +185,7 @@ int kvhi_resolve_numeric(const char *host, uint64_t budget_ns, kvhi_resolved *ou
         out->n = 1;
         return 0;
     }
+    (void)pthread_once(&fork_once, running_survives_fork);
     pthread_mutex_lock(&running_lock);
     lookup *l = running;
     while (l && strcmp(l->host, host) != 0)

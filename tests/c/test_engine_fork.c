@@ -4,12 +4,15 @@
  * KVH_ERR_UNSUPPORTED with a message, kvh_engine_close returns KVH_OK at
  * once without freeing anything, and a new engine opened in the child
  * works. The parent's engine is untouched. */
+#include <pthread.h>
+#include <semaphore.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include "test_util.h"
 #include "disk_test_util.h"
+#include "core/engine.h"
 
 enum { L = 2, H = 2, D = 8, BT = 4 };
 static const size_t TOK = H * D * 2;
@@ -109,10 +112,50 @@ static void test_a_forked_child_cannot_use_the_parents_engine(void **state)
     assert_ok(kvh_seq_free(e, s));
 }
 
+/* Another thread holds the list of closed engines' structs (it is in a
+ * close) for a while after the fork is called: the fork waits for it, or
+ * the child would inherit the lock held and its first close would never
+ * return. */
+static void *hold_closed_list_briefly(void *started)
+{
+    kvhi_engine_closed_list_hold(true);
+    sem_post(started);
+    usleep(200 * 1000);
+    kvhi_engine_closed_list_hold(false);
+    return NULL;
+}
+
+static void test_a_fork_during_another_threads_close(void **state)
+{
+    (void)state;
+    if (!CHILD_CAN_MALLOC)
+        skip();
+    kvh_engine *first = tu_open(L, H, D, BT, KVH_DTYPE_F16, 16, 16, 2);
+    assert_ok(kvh_engine_close(first)); /* the fork handlers are in place from the first open */
+    sem_t started;
+    sem_init(&started, 0, 0);
+    pthread_t t;
+    assert_int_equal(pthread_create(&t, NULL, hold_closed_list_briefly, &started), 0);
+    sem_wait(&started);
+    pid_t pid = dt_fork_child();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        kvh_config c = tu_cfg(L, H, D, BT, KVH_DTYPE_F16, 16, 16, 2);
+        kvh_engine *mine = NULL;
+        if (kvh_engine_open(&c, &mine) != KVH_OK)
+            _exit(1);
+        _exit(kvh_engine_close(mine) == KVH_OK ? 0 : 2);
+    }
+    pthread_join(t, NULL);
+    sem_destroy(&started);
+    assert_int_equal(reap_within(pid, 10), 0);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_a_forked_child_cannot_use_the_parents_engine, tu_teardown),
+        cmocka_unit_test(test_a_fork_during_another_threads_close),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
