@@ -89,7 +89,9 @@ static int sync_dir(kvhi_disk *d)
 
 /* Atomically replaces `name` with header + body: temp, fsync, rename,
  * fsync of the directory. */
-static int replace_file(kvhi_disk *d, const char *name, const void *header, const void *body, size_t body_len)
+/* *renamed (may be NULL) is set once the new file stands under name. */
+static int replace_file(kvhi_disk *d, const char *name, const void *header, const void *body, size_t body_len,
+                        bool *renamed)
 {
     char tmp[64];
     snprintf(tmp, sizeof(tmp), "%s.tmp", name);
@@ -106,6 +108,8 @@ static int replace_file(kvhi_disk *d, const char *name, const void *header, cons
     if (rc == 0) {
         int inj = kvhi_disk_fault(KVHI_OP_RENAME);
         rc = inj ? inj : (renameat(d->dir_fd, tmp, d->dir_fd, name) == 0 ? 0 : -errno);
+        if (rc == 0 && renamed)
+            *renamed = true;
     }
     if (rc == 0)
         rc = sync_dir(d);
@@ -135,7 +139,7 @@ static int fresh_journal(kvhi_disk *d)
         close(d->journal_fd);
         d->journal_fd = -1;
     }
-    int rc = replace_file(d, "journal", hdr, NULL, 0);
+    int rc = replace_file(d, "journal", hdr, NULL, 0, NULL);
     if (rc == 0)
         rc = open_journal(d, false, 0);
     d->journal_records = 0;
@@ -220,7 +224,7 @@ static int create_store(kvhi_disk *d, char *msg, size_t msg_len)
     uint8_t hdr[KVHI_DISK_ALIGN];
     kvhi_index_header h = {.kind = KIND_SNAPSHOT, .store_id = d->store_id, .seq = 0, .geo = d->geo};
     kvhi_index_header_encode(hdr, &h);
-    int rc = replace_file(d, "index", hdr, NULL, 0);
+    int rc = replace_file(d, "index", hdr, NULL, 0, NULL);
     if (rc == 0)
         rc = fresh_journal(d);
     if (rc != 0) {
@@ -745,12 +749,8 @@ int kvhi_index_compact(kvhi_disk *d, const kvhi_index_entry *entries, size_t n)
 {
     uint32_t bt = d->geo.block_tokens;
     pthread_mutex_lock(&d->journal_lock);
-    /* The snapshot is taken from the engine's state, which already holds
-     * the effect of every pending record: they are superseded. */
-    pthread_mutex_lock(&d->pending_lock);
-    d->pending_len = 0;
-    pthread_mutex_unlock(&d->pending_lock);
     int rc = d->fatal ? -EIO : 0;
+    bool replaced = false;
     uint8_t *body = rc == 0 ? malloc(n * d->rec_bytes + 1) : NULL;
     if (rc == 0 && !body)
         rc = -ENOMEM;
@@ -770,13 +770,24 @@ int kvhi_index_compact(kvhi_disk *d, const kvhi_index_entry *entries, size_t n)
         kvhi_index_header h = {
             .kind = KIND_SNAPSHOT, .store_id = d->store_id, .seq = d->next_seq - 1, .n_records = n, .geo = d->geo};
         kvhi_index_header_encode(hdr, &h);
-        rc = replace_file(d, "index", hdr, body, n * d->rec_bytes);
+        rc = replace_file(d, "index", hdr, body, n * d->rec_bytes, &replaced);
         /* Records up to seq are in the snapshot now; an old journal left by
          * a crash here is skipped on replay because its seqs are older. */
         if (rc == 0)
             rc = fresh_journal(d);
-        if (rc != 0)
+        /* Until the new index stands, the old index and journal are the
+         * store, unchanged: a failure there (a full disk writing the new
+         * one) leaves it usable, and the fold is tried again later. */
+        if (rc != 0 && replaced)
             d->fatal = true;
+    }
+    /* The snapshot was taken from the engine's state, which holds the
+     * effect of every pending record (the caller holds the engine lock):
+     * they are superseded, once it stands. */
+    if (rc == 0) {
+        pthread_mutex_lock(&d->pending_lock);
+        d->pending_len = 0;
+        pthread_mutex_unlock(&d->pending_lock);
     }
     free(body);
     pthread_mutex_unlock(&d->journal_lock);

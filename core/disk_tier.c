@@ -698,10 +698,16 @@ kvh_status kvhi_disk_persist_blocks(kvh_engine *e, const uint32_t *blocks, uint3
             st = kvhi_fail(KVH_ERR_IO, "fsync of the disk tier failed (%s); the store accepts no more writes",
                            strerror(-rc));
     }
-    /* Keep replay time bounded: fold a long journal into a new snapshot. */
+    /* Keep replay time bounded: fold a long journal into a new snapshot.
+     * The blocks are durable already (their records synced): a fold that
+     * fails is tried again by the next persist, and fails none. */
     if (st == KVH_OK && e->disk->journal_records > 4096 &&
-        e->disk->journal_records > 2 * (uint64_t)kvhi_slot_pool_used(&e->tiers[KVH_TIER_DISK].slots))
-        st = snapshot(e);
+        e->disk->journal_records > 2 * (uint64_t)kvhi_slot_pool_used(&e->tiers[KVH_TIER_DISK].slots) &&
+        snapshot(e) != KVH_OK) {
+        kvhi_log_later(e, KVH_LOG_WARN, "persist: the journal could not be folded into a new index (%s); kept as it is",
+                       kvhi_last_error());
+        kvhi_clear_error();
+    }
     for (uint32_t i = 0; i < n_todo; i++) {
         /* A twin made durable: its reference goes to the caller. */
         if (twins && todo[i] != blocks[i] && (e->blocks[todo[i]].flags & KVHI_BF_JOURNALED)) {

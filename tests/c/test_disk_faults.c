@@ -576,6 +576,47 @@ static void test_transient_read_error_keeps_durable_blocks(void **state)
     }
 }
 
+/* A persist folds a long journal into a new index (past 4,096 records,
+ * twice the blocks on disk). The blocks are durable before the fold:
+ * a fold that fails does not fail the persist, which is found after a
+ * reopen, and the next fold succeeds. */
+static void test_a_failed_fold_does_not_fail_the_persist(void **state)
+{
+    (void)state;
+    char dir[512];
+    dt_scratch("fold-fails", dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 2, 2, 4, 2);
+    c.migration_threads = 0;
+    dt_log log;
+    dt_log_init(&log);
+    dt_log_attach(&c, &log);
+    kvh_engine *e = dt_open_a(&c);
+    /* Only a fold renames (its new index over the old): the first rename
+     * fails. Each persist of a new one-block sequence on a disk of 4 slots
+     * adds a record and, once the disk is full, deletes one. */
+    arm(KVHI_OP_RENAME, 1, -EIO, false);
+    int i, folded_at = -1;
+    for (i = 0; i < 6000 && atomic_load(&H.count) < 2; i++) {
+        kvh_seq s;
+        dt_assert_ok(dt_build(e, G, dt_plain(1000 + (uint32_t)i), G.bt, 0, &s));
+        kvh_status st = kvh_seq_persist(e, s);
+        if (atomic_load(&H.fired) && folded_at < 0)
+            folded_at = i;
+        if (st != KVH_OK)
+            fail_msg("persist %d (%s a fold that failed) returned %s: %s", i, folded_at == i ? "with" : "without",
+                     kvh_status_name(st), kvh_last_error());
+        dt_assert_ok(kvh_seq_free(e, s));
+    }
+    disarm();
+    if (folded_at < 0 || atomic_load(&H.count) < 2)
+        fail_msg("%d persists folded %d times", i, atomic_load(&H.count));
+    assert_true(dt_log_count(&log, KVH_LOG_WARN, "could not be folded", NULL) >= 1);
+    dt_assert_ok(dt_close(e));
+    e = dt_open_a(&c);
+    assert_int_equal(match_len(e, dt_plain(1000 + (uint32_t)folded_at), G.bt, "the persist of the failed fold"), G.bt);
+    dt_assert_ok(dt_close(e));
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -588,6 +629,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_fsync_failure_is_fatal, setup, teardown),
         cmocka_unit_test_setup_teardown(test_fault_sweep, setup, teardown),
         cmocka_unit_test_setup_teardown(test_transient_read_error_keeps_durable_blocks, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_a_failed_fold_does_not_fail_the_persist, setup, teardown),
     };
     return cmocka_run_group_tests_name("disk_faults", tests, NULL, group_teardown);
 }
