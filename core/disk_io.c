@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
 #include <time.h>
@@ -171,6 +172,19 @@ static void lane_settle(kvhi_disk_lane *l)
 {
     if (l->sat_on)
         l->has_ring = false;
+}
+
+/* The error of a write that ends at byte end and failed with err: a file
+ * size limit (RLIMIT_FSIZE) cuts a write short, and its rest then fails
+ * with EFBIG, or with EINVAL under O_DIRECT where it resumes unaligned;
+ * said as EFBIG, not as a full disk or a bad argument. */
+static int write_error(int err, uint64_t end)
+{
+    struct rlimit rl;
+    if ((err == -ENOSPC || err == -EINVAL) && getrlimit(RLIMIT_FSIZE, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY &&
+        end > (uint64_t)rl.rlim_cur)
+        return -EFBIG;
+    return err;
 }
 
 /* Moves a run's buffers with preadv or pwritev, resuming short
@@ -411,6 +425,14 @@ typedef struct io_run {
     uint64_t done; /* bytes transferred so far */
 } io_run;
 
+/* The errors of runs [0, nr) of a write, through write_error. */
+static void explain_write_errors(const io_run *runs, uint32_t nr, int *run_err, uint64_t slot_bytes)
+{
+    for (uint32_t r = 0; r < nr; r++)
+        if (run_err[r])
+            run_err[r] = write_error(run_err[r], runs[r].offset + (uint64_t)runs[r].count * slot_bytes);
+}
+
 /* Neighbouring slots are merged into runs of at most this many bytes: large
  * enough to cost one system call per run, small enough that a batch is in
  * flight as several requests, so the device works on them in parallel and
@@ -527,6 +549,8 @@ static void do_runs(kvhi_disk *d, kvhi_disk_lane *l, io_run *runs, uint32_t nr, 
         if (!run_err[r])
             runs[r].done = total;
     }
+    if (write)
+        explain_write_errors(runs, nr, run_err, sb);
     for (uint32_t r = 0; r < nr; r++)
         for (uint32_t k = 0; k < runs[r].count; k++)
             results[runs[r].first + k] = run_err[r];
@@ -826,6 +850,8 @@ static int vector_io(kvhi_disk *d, kvhi_disk_lane *l, uint32_t n, const uint32_t
         }
     }
     lane_settle(l);
+    if (write)
+        explain_write_errors(runs, nr, run_err, sb);
     for (uint32_t r = 0; r < nr; r++)
         for (uint32_t k = 0; k < runs[r].count; k++)
             results[runs[r].first + k] = run_err[r];

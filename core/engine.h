@@ -292,9 +292,10 @@ uint32_t kvhi_dtype_bytes(uint32_t dtype);
 /* x / d rounded up (d > 0), for any x: (x + d - 1) / d wraps near 2^64. */
 static inline uint64_t kvhi_div_ceil(uint64_t x, uint64_t d) { return x / d + (x % d != 0); }
 /* Whether an I/O failed with -err for want of room: the file system is
- * full, or the user's disk quota is (EDQUOT), which a caller meets the
- * same way (free space, or wait). */
-static inline bool kvhi_err_disk_full(int err) { return err == -ENOSPC || err == -EDQUOT; }
+ * full, the user's disk quota is (EDQUOT), or a slab would pass the
+ * process's file size limit (EFBIG, RLIMIT_FSIZE), which a caller meets
+ * the same way (free space, or wait). */
+static inline bool kvhi_err_disk_full(int err) { return err == -ENOSPC || err == -EDQUOT || err == -EFBIG; }
 /* The status of an I/O that failed with -err: a full disk and a lack of
  * memory (buffers, rings) are said as such, the rest is KVH_ERR_IO. */
 static inline kvh_status kvhi_io_status(int err)

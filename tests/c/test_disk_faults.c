@@ -21,7 +21,9 @@
  */
 #include "disk_test_util.h"
 
+#include <signal.h>
 #include <stdatomic.h>
+#include <sys/resource.h>
 
 #include "core/disk_io.h"
 
@@ -576,6 +578,61 @@ static void test_transient_read_error_keeps_durable_blocks(void **state)
     }
 }
 
+/* A file size limit (RLIMIT_FSIZE) stops a slab's growth: persist says
+ * NOSPACE with "File too large" (not "No space left on device", nor
+ * "Invalid argument" where O_DIRECT resumed a short write unaligned),
+ * and works again, in the same engine, once the limit is lifted. Run in
+ * a child: the limit and SIGXFSZ's disposition are the process's. */
+static int persist_under_file_size_limit(void *arg)
+{
+    uint32_t flags = *(const uint32_t *)arg;
+    char dir[512];
+    dt_scratch(flags ? "fsize-buffered" : "fsize-direct", dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 2, 2, 256, 2);
+    c.disk_flags = flags;
+    kvh_engine *e = NULL;
+    if (kvh_engine_open(&c, &e) != KVH_OK)
+        return 1;
+    signal(SIGXFSZ, SIG_IGN);                                                     /* else the limit kills the process */
+    struct rlimit rl = {.rlim_cur = 300 * 1000 + 123, .rlim_max = RLIM_INFINITY}; /* not 4 KiB-aligned */
+    if (setrlimit(RLIMIT_FSIZE, &rl) != 0)
+        return 2;
+    kvh_status st = KVH_OK;
+    int i;
+    for (i = 0; i < 200 && st == KVH_OK; i++) {
+        kvh_seq s;
+        if (dt_build(e, G, dt_plain(3000 + (uint32_t)i), 2 * G.bt, 0, &s) != KVH_OK)
+            return 3;
+        st = kvh_seq_persist(e, s);
+        if (st != KVH_OK && (st != KVH_ERR_NOSPACE || !strstr(kvh_last_error(), "File too large"))) {
+            fprintf(stderr, "persist %d under the limit: %s: %s\n", i, kvh_status_name(st), kvh_last_error());
+            return 4;
+        }
+        if (kvh_seq_free(e, s) != KVH_OK)
+            return 5;
+    }
+    if (st == KVH_OK)
+        return 6; /* the limit never bit */
+    rl.rlim_cur = RLIM_INFINITY;
+    if (setrlimit(RLIMIT_FSIZE, &rl) != 0)
+        return 7;
+    kvh_seq s;
+    if (dt_build(e, G, dt_plain(2999), 2 * G.bt, 0, &s) != KVH_OK || kvh_seq_persist(e, s) != KVH_OK)
+        return 8;
+    return kvh_engine_close(e) == KVH_OK ? 0 : 9;
+}
+
+static void test_a_file_size_limit_is_said_as_such(void **state)
+{
+    (void)state;
+    const uint32_t modes[] = {0, KVH_DISK_BUFFERED};
+    for (size_t m = 0; m < 2; m++) {
+        int rc = dt_in_child(persist_under_file_size_limit, (void *)&modes[m]);
+        if (rc != 0)
+            fail_msg("%s: check %d failed", modes[m] ? "buffered" : "O_DIRECT", rc);
+    }
+}
+
 /* A persist folds a long journal into a new index (past 4,096 records,
  * twice the blocks on disk). The blocks are durable before the fold:
  * a fold that fails does not fail the persist, which is found after a
@@ -630,6 +687,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_fault_sweep, setup, teardown),
         cmocka_unit_test_setup_teardown(test_transient_read_error_keeps_durable_blocks, setup, teardown),
         cmocka_unit_test_setup_teardown(test_a_failed_fold_does_not_fail_the_persist, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_a_file_size_limit_is_said_as_such, setup, teardown),
     };
     return cmocka_run_group_tests_name("disk_faults", tests, NULL, group_teardown);
 }

@@ -466,7 +466,9 @@ KVH_API kvh_status kvh_config_from_env(kvh_config *config, size_t struct_size, c
  * from the slot headers), KVH_ERR_NOSPACE (its slab files cannot even be
  * sized: where the filesystem refuses to preallocate them they are opened
  * sparse and grow on demand, and a disk that fills up later shows as
- * KVH_ERR_NOSPACE from the demotions and persists that need room); see
+ * KVH_ERR_NOSPACE from the demotions and persists that need room, as
+ * does a slab write past the process's file size limit, RLIMIT_FSIZE:
+ * "File too large", where the process ignores SIGXFSZ); see
  * KVH_DISK_RESET_ON_MISMATCH. With a remote tier also KVH_ERR_INVALID_ARG
  * (an address that is not host:port, remote settings out of range),
  * KVH_ERR_UNSUPPORTED (remote_tls, an upload policy not implemented, no
