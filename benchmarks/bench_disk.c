@@ -18,13 +18,17 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <liburing.h>
+#include <signal.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include "bench_fs.h"
 #include "bench_scenarios.h"
 
 /* kvh's migration threads here; each has a disk ring of the queue depth. */
@@ -198,20 +202,69 @@ static int raw_prepare(const char *path, uint64_t bs, uint32_t n, uint32_t qd)
  * fails. */
 static double fio_figure(const char *path, uint64_t bs, uint32_t n, const char *rw, uint32_t qd, bool latency)
 {
-    if (strchr(path, '\'') || system("command -v fio >/dev/null 2>&1") != 0)
+    if (system("command -v fio >/dev/null 2>&1") != 0)
         return -1;
-    char cmd[8192];
-    snprintf(cmd, sizeof(cmd),
-             "fio --name=kvh-raw --filename='%s' --size=%llu --bs=%llu --iodepth=%u --ioengine=io_uring --direct=1 "
-             "--fixedbufs --registerfiles --rw=%s --output-format=terse --terse-version=3 2>/dev/null",
-             path, (unsigned long long)(bs * n), (unsigned long long)bs, qd, rw);
-    FILE *p = popen(cmd, "r");
-    if (!p)
+    char filename[4200], size[64], bsz[64], depth[32], mode[32];
+    snprintf(filename, sizeof(filename), "--filename=%s", path);
+    snprintf(size, sizeof(size), "--size=%llu", (unsigned long long)(bs * n));
+    snprintf(bsz, sizeof(bsz), "--bs=%llu", (unsigned long long)bs);
+    snprintf(depth, sizeof(depth), "--iodepth=%u", qd);
+    snprintf(mode, sizeof(mode), "--rw=%s", rw);
+    char *const argv[] = {"fio",
+                          "--name=kvh-raw",
+                          filename,
+                          size,
+                          bsz,
+                          depth,
+                          "--ioengine=io_uring",
+                          "--direct=1",
+                          "--fixedbufs",
+                          "--registerfiles",
+                          mode,
+                          "--output-format=terse",
+                          "--terse-version=3",
+                          NULL};
+    /* Run directly (no shell: the path may hold any character), and known
+     * to the signal handler, which stops it before removing its file. */
+    int out[2];
+    if (pipe2(out, O_CLOEXEC) != 0)
         return -1;
+    pid_t parent = getpid();
+    pid_t pid = fork();
+    if (pid == 0) {
+        setpgid(0, 0); /* fio forks its jobs: the handler stops the whole group */
+        /* And goes with kvh-bench if it dies of a signal it cannot catch. */
+        if (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 || getppid() != parent)
+            _exit(127);
+        int null = open("/dev/null", O_WRONLY);
+        if (dup2(out[1], STDOUT_FILENO) < 0 || null < 0 || dup2(null, STDERR_FILENO) < 0)
+            _exit(127);
+        execvp("fio", argv);
+        _exit(127);
+    }
+    close(out[1]);
+    if (pid > 0)
+        setpgid(pid, pid); /* also here: the handler may run before the child gets to it */
+    if (pid < 0) {
+        close(out[0]);
+        return -1;
+    }
+    int slot = bench_child_add(pid);
     static char line[16384];
-    size_t len = fread(line, 1, sizeof(line) - 1, p);
-    pclose(p);
+    size_t len = 0;
+    for (ssize_t got; len < sizeof(line) - 1 && (got = read(out[0], line + len, sizeof(line) - 1 - len)) != 0;)
+        if (got > 0)
+            len += (size_t)got;
+        else if (errno != EINTR)
+            break;
+    close(out[0]);
+    int status = 0;
+    while (waitpid(pid, &status, 0) < 0 && errno == EINTR)
+        ;
+    bench_child_drop(slot);
     line[len] = '\0';
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
+        return -1;
     /* terse v3: field 7 read KiB/s, 48 write KiB/s, 18.. read completion
      * latency percentiles "P%=usec" */
     double v = -1;
@@ -428,7 +481,7 @@ int bench_disk(int argc, char **argv, const bench_ctx *ctx)
     bench_list sizes = {3, {64 << 10, 256 << 10, 1 << 20}};
     const bench_opt opts[] = {
         {"--dir", BENCH_OPT_STR, &dir,
-         "directory on the drive to measure, where a scratch directory of its own is made and removed (default /var/tmp/kvh-bench-disk)"},
+         "directory on the drive to measure, where a scratch directory of its own is made and removed (default /var/tmp)"},
         {"--total-mb", BENCH_OPT_U64, &total_mb, "bytes moved per measurement, MiB"},
         {"--block-bytes", BENCH_OPT_LIST, &sizes, "block sizes (default 64K,256K,1M)"},
         {"--qd", BENCH_OPT_U64, &qd,
@@ -452,12 +505,16 @@ int bench_disk(int argc, char **argv, const bench_ctx *ctx)
             return 2;
         }
     if (!dir)
-        dir = "/var/tmp/kvh-bench-disk";
+        dir = "/var/tmp"; /* on the drive more often than /tmp (tmpfs), and sticky */
     if (!*dir) {
         fprintf(stderr, "kvh-bench disk: --dir is empty (its files would go to the root directory)\n");
         return 2;
     }
-    mkdir(dir, 0755);
+    char why[4300];
+    if (bench_dir_check(dir, why, sizeof(why)) != 0) {
+        fprintf(stderr, "kvh-bench disk: --dir: %s\n", why);
+        return 1;
+    }
     /* Everything goes to a new directory of its own under dir: files of
      * fixed names there (raw.bin, a store) could be the user's, and two
      * runs in one dir would share them. */
@@ -466,6 +523,7 @@ int bench_disk(int argc, char **argv, const bench_ctx *ctx)
         fprintf(stderr, "kvh-bench disk: cannot make a scratch directory in %s (%s)\n", dir, strerror(errno));
         return 1;
     }
+    int scratch = bench_scratch_add(base); /* gone too if a signal ends the run */
     rc = 0;
     char store[4200], raw[4200], rec[4200];
     snprintf(store, sizeof(store), "%s/store", base);
@@ -549,5 +607,6 @@ out:
     remove_store(store);
     remove_store(rec);
     rmdir(base);
+    bench_scratch_drop(scratch);
     return rc;
 }

@@ -20,6 +20,7 @@
  * each round uses fresh keys (a new model salt). */
 #include <stdio.h>
 #include <stdlib.h>
+#include <errno.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -315,9 +316,17 @@ int bench_remote(int argc, char **argv, const bench_ctx *ctx)
         return 1;
     }
     char dir[256];
-    snprintf(dir, sizeof(dir), "/tmp/kvh-bench-remote-%d", (int)getpid());
+    /* A name no other user can have taken first (rt_start makes it anew). */
+    snprintf(dir, sizeof(dir), "%s/kvh-bench-remote-XXXXXX", "/tmp");
+    if (!mkdtemp(dir)) {
+        fprintf(stderr, "kvh-bench remote: cannot make a scratch directory in /tmp (%s)\n", strerror(errno));
+        return 1;
+    }
+    int scratch = bench_scratch_add(dir); /* gone too if a signal ends the run (the server dies with us) */
     if (rt_start(&server, 1, NULL, dir) != 0) {
         fprintf(stderr, "kvh-bench remote: could not start redis-server on loopback (scratch directory %s)\n", dir);
+        bench_remove_tree(dir);
+        bench_scratch_drop(scratch);
         return 1;
     }
     /* Room for the values; no persistence: a cache. */
@@ -335,6 +344,7 @@ int bench_remote(int argc, char **argv, const bench_ctx *ctx)
     rt_stop(&server);
     if (bench_remove_tree(dir) != 0)
         fprintf(stderr, "kvh-bench remote: could not remove %s\n", dir);
+    bench_scratch_drop(scratch);
     bench_flush_table(ctx, "Remote tier (one loopback Redis server)");
     return rc;
 }

@@ -17,6 +17,7 @@
  * Also time to first layer ready (kvh_context_wait_layer(0)) against the
  * full switch. Regions are the file cut in --layers equal slices, one per
  * layer, loaded in order. */
+#include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -24,6 +25,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "bench_fs.h"
 #include "bench_scenarios.h"
 
 /* Internal (core/context.c, reached through the static library): moves
@@ -33,11 +35,9 @@ int kvhi_context_copy_on_unified(kvh_engine *e, _Bool on);
 
 #define SMOLLM2_Q4_1_BYTES 98362432ull
 
-static int make_synthetic(const char *path, uint64_t bytes)
+/* Fills fd (a new file of its own, from mkstemp) and closes it. */
+static int make_synthetic(int fd, uint64_t bytes)
 {
-    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    if (fd < 0)
-        return -1;
     uint8_t *buf = bench_xmalloc(1 << 20);
     bench_rng r;
     bench_rng_seed(&r, 42);
@@ -190,6 +190,7 @@ int bench_switch(int argc, char **argv, const bench_ctx *ctx)
         return 2;
     }
     char synth[512] = "";
+    int scratch = -1;
     if (!*dir) {
         fprintf(stderr, "kvh-bench switch: --dir is empty (its files would go to the root directory)\n");
         return 2;
@@ -209,12 +210,27 @@ int bench_switch(int argc, char **argv, const bench_ctx *ctx)
     } else {
         bytes = ctx->quick ? SMOLLM2_Q4_1_BYTES / 8 : SMOLLM2_Q4_1_BYTES;
         /* Cut short, the path would name another directory than --dir. */
-        if (snprintf(synth, sizeof synth, "%s/kvh-bench-switch.%d.bin", dir, (int)getpid()) >= (int)sizeof synth) {
+        if (snprintf(synth, sizeof synth, "%s/kvh-bench-switch-XXXXXX", dir) >= (int)sizeof synth) {
             fprintf(stderr, "kvh-bench switch: --dir is too long\n");
             return 2;
         }
-        if (make_synthetic(synth, bytes) != 0) {
+        char why[4300];
+        if (bench_dir_check(dir, why, sizeof(why)) != 0) {
+            fprintf(stderr, "kvh-bench switch: --dir: %s\n", why);
+            return 1;
+        }
+        /* A name of its own (mkstemp: created here, never a link), removed
+         * also if a signal ends the run. */
+        int fd = mkstemp(synth);
+        if (fd < 0) {
+            fprintf(stderr, "kvh-bench switch: cannot create a file in %s (%s)\n", dir, strerror(errno));
+            return 1;
+        }
+        scratch = bench_scratch_add(synth);
+        if (make_synthetic(fd, bytes) != 0) {
             fprintf(stderr, "kvh-bench switch: cannot write %s\n", synth);
+            unlink(synth);
+            bench_scratch_drop(scratch);
             return 1;
         }
         model = synth;
@@ -268,5 +284,6 @@ int bench_switch(int argc, char **argv, const bench_ctx *ctx)
     }
     if (synth[0])
         unlink(synth);
+    bench_scratch_drop(scratch);
     return rc;
 }

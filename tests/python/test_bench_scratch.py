@@ -1,0 +1,143 @@
+"""kvh-bench's scratch files and child processes (benchmarks/bench_fs.c):
+a run ended by a signal (Ctrl-C, kill, a closed pipe) removes what it wrote
+and stops the fio it started; a directory other users could tamper with is
+refused."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from kvh_cache.tools import find_tool
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _bench():
+    tool = find_tool("kvh-bench")
+    if tool is None:
+        pytest.skip("kvh-bench not built")
+    return tool
+
+
+def _env(extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVH_") or k == "KVH_BUILD_DIR"}
+    env.update(extra)
+    return env
+
+
+def _default_signals():
+    # A runner started in the background ignores SIGINT, one started by
+    # nohup SIGHUP; the tool keeps a signal its caller ignores, so give it
+    # a terminal's dispositions.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE):
+        signal.signal(sig, signal.SIG_DFL)
+
+
+def _wait_for(pred, what, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = pred()
+        if found:
+            return found
+        time.sleep(0.02)
+    pytest.fail(f"{what} never appeared in {timeout} s")
+
+
+def _fio_pids(path: Path):
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if cmd and cmd[0].endswith(b"fio") and any(str(path).encode() in a for a in cmd):
+            pids.append(int(proc.name))
+    return pids
+
+
+def _stop(p, sig):
+    p.send_signal(sig)
+    try:
+        p.communicate(timeout=10)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.communicate()
+        pytest.fail("still running 10 s after the signal")
+    assert p.returncode == -sig, p.returncode
+
+
+def _start(args, env_extra=None, cwd=None):
+    return subprocess.Popen(
+        [_bench(), *map(str, args)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        env=_env(env_extra or {}),
+        cwd=cwd,
+        preexec_fn=_default_signals,
+    )
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGPIPE], ids=lambda s: s.name)
+def test_disk_removes_its_scratch_on_a_signal(tmp_path, sig):
+    p = _start(["disk", "--quick", "--json", "--dir", tmp_path, "--total-mb", "64", "--block-bytes", "65536"])
+    _wait_for(lambda: any(d.name.startswith("kvh-bench-disk-") for d in tmp_path.iterdir()), "the scratch directory")
+    _wait_for(lambda: any(tmp_path.glob("kvh-bench-disk-*/raw.bin")), "the raw file")
+    _stop(p, sig)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_disk_stops_fio_on_a_signal(tmp_path):
+    if shutil.which("fio") is None:
+        pytest.skip("fio is not installed")
+    p = _start(["disk", "--quick", "--json", "--dir", tmp_path, "--total-mb", "64", "--block-bytes", "65536"])
+    fio = _wait_for(lambda: _fio_pids(tmp_path), "fio on the raw file")
+    _stop(p, signal.SIGINT)
+    deadline = time.monotonic() + 5
+    while _fio_pids(tmp_path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _fio_pids(tmp_path) == [], f"fio {fio} outlived kvh-bench"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_switch_removes_its_weight_file_on_a_signal(tmp_path):
+    p = _start(["switch", "--dir", tmp_path])
+    _wait_for(lambda: list(tmp_path.glob("kvh-bench-switch-*")), "the synthetic weight file")
+    _stop(p, signal.SIGTERM)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_attention_stream_removes_its_scratch_on_a_signal(tmp_path):
+    p = _start(["attention", "--stream", "--quick"], env_extra={"KVH_BENCH_DIR": str(tmp_path)})
+    _wait_for(lambda: list(tmp_path.glob("kvh-bench-stream-*/*")), "the scratch store")
+    _stop(p, signal.SIGHUP)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("mode,refused", [(0o777, True), (0o1777, False), (0o775, True), (0o755, False)])
+def test_a_directory_others_may_tamper_with_is_refused(tmp_path, mode, refused):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(mode)
+    res = subprocess.run(
+        [_bench(), "switch", "--quick", "--reps", "1", "--layers", "2", "--mode", "file", "--dir", str(shared)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_env({}),
+        stdin=subprocess.DEVNULL,
+    )
+    if refused:
+        assert res.returncode == 1 and "writable by other users and not sticky" in res.stderr, res.stderr
+    else:
+        assert res.returncode in (0, 3), res.stderr[-2000:]
+    assert list(shared.iterdir()) == []
