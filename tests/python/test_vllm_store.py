@@ -5,6 +5,7 @@ rows). The connector under a real vLLM is tests/python/vllm/."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
@@ -416,6 +417,33 @@ def test_an_older_keyed_store_is_renamed_with_its_blocks(tmp_path, mem):
     names = sorted(os.listdir(tmp_path / "store"))
     assert not any(f"{salt:016x}" in n for n in names), names
     assert names == [os.path.basename(new_dir), os.path.basename(new_dir) + ".1"]
+
+
+def test_a_file_system_without_exclusive_rename_is_said_as_such(tmp_path, mem, monkeypatch, caplog):
+    """Where renameat2(RENAME_NOREPLACE) is refused (EINVAL: some network
+    and overlay file systems), the older store stays where it is and the
+    warning says why, instead of "no free store name" after trying every
+    name."""
+    from kvh_cache.vllm import store as store_module
+
+    toks = np.arange(2 * B, dtype=np.int32) + 950
+    st = _saved_two_blocks(tmp_path, mem, toks, hash_secret="k1")
+    salt, new_dir = st.salt, st.disk_path
+    st.close()
+    old_dir = os.path.join(tmp_path / "store", f"{salt:016x}")
+    os.rename(new_dir, old_dir)
+    tried = []
+
+    def refused(src, dst):
+        tried.append(dst)
+        return errno.EINVAL
+
+    monkeypatch.setattr(store_module, "_rename_noreplace", refused)
+    with caplog.at_level(logging.WARNING, logger=store_module.log.name):
+        _store(tmp_path, hash_secret="k1").close()
+    assert os.path.isdir(old_dir) and len(tried) == 1, tried
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert os.strerror(errno.EINVAL) in said and "no free store name" not in said, said
 
 
 def test_cache_salt_scopes_share_nothing_across_tenants_even_after_a_restart(tmp_path, mem):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import errno
 import fcntl
 import hashlib
 import hmac
@@ -93,17 +94,20 @@ def store_dir_name(salt: int, keyed: bool) -> str:
     return "k" + digest
 
 
-def _rename_noreplace(src: str, dst: str) -> bool:
+def _rename_noreplace(src: str, dst: str) -> int:
     """rename(2) that never replaces dst (renameat2 RENAME_NOREPLACE): a
     plain rename would silently replace an empty directory another
-    instance has just made there. False when dst exists or the call
-    is unavailable."""
+    instance has just made there. 0, or the errno: EEXIST when dst
+    exists, EINVAL or ENOSYS where the file system or the C library
+    cannot rename that way."""
     libc = ctypes.CDLL(None, use_errno=True)
     fn = getattr(libc, "renameat2", None)
     if fn is None:
-        return False
+        return errno.ENOSYS
     at_fdcwd, rename_noreplace = -100, 1
-    return fn(at_fdcwd, os.fsencode(src), at_fdcwd, os.fsencode(dst), rename_noreplace) == 0
+    if fn(at_fdcwd, os.fsencode(src), at_fdcwd, os.fsencode(dst), rename_noreplace) == 0:
+        return 0
+    return ctypes.get_errno()
 
 
 def _unused_by_any_kvh(path: str) -> Optional[List[int]]:
@@ -147,8 +151,19 @@ def _rename_old_keyed_stores(disk_path: str, salt: int) -> None:
             continue
         try:
             for new in [names[i]] + names:
-                if _rename_noreplace(old, new):
+                err = _rename_noreplace(old, new)
+                if err == 0:
                     break
+                if err in (errno.EEXIST, errno.ENOTEMPTY):
+                    continue
+                # Not a taken name: no other name would do better.
+                log.warning(
+                    "kvh: an older store of this model keeps its old name, which shows the keyed salt in the "
+                    "directory listing: renaming it without replacing another failed (%s); rename it by hand "
+                    "while no engine has it open",
+                    os.strerror(err),
+                )
+                break
             else:
                 log.warning("kvh: an older store of this model could not be renamed (no free store name)")
         finally:
