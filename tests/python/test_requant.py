@@ -68,3 +68,29 @@ def test_same_bytes_as_a_direct_copy(tmp_path, qtype):
     with GGUFFile(src) as s, GGUFFile(ours) as o:
         assert s.metadata_types == o.metadata_types
         assert list(s.metadata) == list(o.metadata)
+
+
+def test_a_link_at_the_old_temporary_name_is_not_written_through(tmp_path):
+    """The copy was written at dst + ".tmp" by name: a link planted there
+    by someone who may write the directory sent the bytes to the link's
+    target, a file of the user's own."""
+    src = write_tiny_llama(str(tmp_path / "a.gguf"), qtype="Q4_1", seed=4)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"MINE")
+    dst = tmp_path / "b.gguf"
+    os.symlink(victim, str(dst) + ".tmp")
+    requantize(src, str(dst), "Q8_0")
+    assert victim.read_bytes() == b"MINE"
+    with GGUFFile(str(dst)) as g:
+        assert g.tensors
+
+
+def test_a_copy_stopped_midway_leaves_no_temporary_file(tmp_path):
+    src = write_tiny_llama(str(tmp_path / "a.gguf"), qtype="Q4_1", seed=5)
+
+    def stop(done, total):
+        raise RuntimeError("stopped")
+
+    with pytest.raises(RuntimeError, match="stopped"):
+        requantize(src, str(tmp_path / "b.gguf"), "Q8_0", progress=stop)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.gguf"]

@@ -15,6 +15,7 @@ type, not a more accurate model)."""
 from __future__ import annotations
 
 import os
+import tempfile
 from typing import Optional
 
 import numpy as np
@@ -27,13 +28,26 @@ __all__ = ["requantize"]
 def requantize(src: str, dst: str, qtype: str = "Q8_0", *, progress: Optional[callable] = None) -> str:
     """Writes ``dst`` (atomically: a temporary file renamed at the end) and
     returns it. Matrices of another quantised type become ``qtype``."""
+    # A name of its own (mkstemp), not dst + ".tmp", which someone who may
+    # write the directory could have made a link to one of this user's files.
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(dst)), prefix=os.path.basename(dst) + ".")
+    os.close(fd)
+    try:
+        _write(src, tmp, qtype, progress)
+        os.replace(tmp, dst)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return dst
+
+
+def _write(src: str, tmp: str, qtype: str, progress: Optional[callable]) -> None:
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
     from gguf import GGUFValueType as V
     from gguf import GGUFWriter, quants
 
     target = T[qtype]
     blk, tsz = GGML_QUANT_SIZES[target]
-    tmp = dst + ".tmp"
     with GGUFFile(src) as g:
         arch = g.metadata.get("general.architecture")
         if not isinstance(arch, str):
@@ -64,5 +78,3 @@ def requantize(src: str, dst: str, qtype: str = "Q8_0", *, progress: Optional[ca
                     progress(i + 1, len(plan))
         finally:
             w.close()
-    os.replace(tmp, dst)
-    return dst
