@@ -754,7 +754,12 @@ KVH_API kvh_status kvh_seq_read_kv(kvh_engine *engine, kvh_seq seq, uint32_t lay
  * own is not written, and a later match returns the published block's
  * K/V; the sequence (and a fork of it) then keeps that block (a
  * reference) while it holds its own block of the prefix (until freed, or
- * truncated below it). The
+ * truncated below it). So is a block of the sequence that a write then
+ * replaces by a private copy, when it was durable (persisted, or a
+ * published block that kvh wrote to disk on its own: demoted, or
+ * cleaned ahead): the original keeps its disk slot, and counts against
+ * the device quota of the agent that made it while in memory, until the
+ * sequence is freed or truncated below it. The
  * disk tier stays a cache: a persisted block is kept there while a
  * sequence or handle references it; once none does, a full disk may give
  * its room to other blocks (dropping it, or, where it stays in memory,
