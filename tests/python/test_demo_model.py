@@ -299,8 +299,40 @@ def test_fresh_removes_only_a_kvh_store(tmp_path):
     store = tmp_path / "kvh"
     store.mkdir()
     for name in ("index", "journal", "LOCK", "slab-0000.kvh", "slab-0001.kvh", "index.tmp"):
-        (store / name).write_bytes(b"")
+        (store / name).write_bytes(KVH_INDEX_MAGIC if name in ("index", "journal") else b"")
     assert remove_store(store) is None and not store.exists()
+
+
+KVH_INDEX_MAGIC = b"KVHIDX\x00\x01"  # core/disk_format.c: index_magic
+
+
+def test_fresh_needs_a_store_s_own_magic_not_its_file_names(tmp_path):
+    """A directory holding only a user's file named `index` or `journal`
+    passed for a kvh store and was deleted by `kvh demo --fresh`."""
+    from kvh_cache.demo.agents.app import remove_store
+
+    cases = {
+        "plain-index": {"index": b"my notes\n"},
+        "plain-journal": {"index": KVH_INDEX_MAGIC, "journal": b"dear diary\n"},
+        "plain-index-with-lock": {"index": b"my notes\n", "LOCK": b"123\n", "slab-0000.kvh": b""},
+        "magic-but-no-lock-or-slab": {"index": KVH_INDEX_MAGIC, "journal": KVH_INDEX_MAGIC},
+        "empty-index": {"index": b"", "LOCK": b""},
+    }
+    for case, files in cases.items():
+        d = tmp_path / case
+        d.mkdir()
+        for name, data in files.items():
+            (d / name).write_bytes(data)
+        problem = remove_store(d)
+        assert problem and "not a kvh store" in problem and "not removed" in problem, (case, problem)
+        assert {p.name: p.read_bytes() for p in d.iterdir()} == files, case
+    # a store kvh made goes
+    import kvh_cache as kvh
+
+    real = tmp_path / "real"
+    kvh.Engine(backend="cpu", num_layers=1, num_kv_heads=1, head_dim=8, block_tokens=16, dtype="f16",
+               device_bytes=1 << 20, host_bytes=1 << 20, disk_path=str(real), disk_bytes=1 << 20).close()  # fmt: skip
+    assert remove_store(real) is None and not real.exists()
 
 
 def test_the_capacity_probe_uses_a_directory_of_its_own(tmp_path, monkeypatch):

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import stat
 import tempfile
 import re
 import sys
@@ -141,10 +143,34 @@ def remove_store(store: Path) -> Optional[str]:
     if foreign or "index" not in names:
         shown = ", ".join(sorted(foreign)[:3]) or "no index file"
         return f"{store} does not hold only a kvh store ({shown}); not removed"
+    # Names prove nothing (a user's notes may be called `index`): kvh's
+    # magic heads its index and journal, and a store has a LOCK or a slab.
+    if not {"LOCK", "slab-0000.kvh"} & set(names):
+        return f"{store} has no LOCK or slab-0000.kvh: not a kvh store; not removed"
+    for n in ("index", "journal"):
+        if n in names and not _starts_with_kvh_magic(store / n):
+            return f"{store / n} was not written by kvh: not a kvh store; not removed"
     for n in names:
         (store / n).unlink()
     store.rmdir()
     return None
+
+
+# The first bytes of a kvh index or journal file (core/disk_format.c).
+_INDEX_MAGIC = b"KVHIDX\x00\x01"
+
+
+def _starts_with_kvh_magic(path: Path) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        return stat.S_ISREG(os.fstat(fd).st_mode) and os.pread(fd, len(_INDEX_MAGIC), 0) == _INDEX_MAGIC
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def probe_configurations(runner, kvh_setup: Setup, data_dir: Path, notes: List[str]) -> Dict[str, Dict[str, Any]]:
