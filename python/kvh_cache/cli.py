@@ -23,6 +23,7 @@ import logging
 import os
 import re
 import signal
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -239,6 +240,16 @@ def _mismatch_message(d: Path, exc: Exception, args: argparse.Namespace) -> str:
     return f"{d} was made with a different {field}: {advice}"
 
 
+def _group_shared(d: Path) -> bool:
+    """Whether the store is group-shared as kvh makes it (directory 0750,
+    setgid or not; files 0640). The library sets those modes when opened
+    to share: any other store opened so would be widened to them."""
+    if stat.S_IMODE(d.stat().st_mode) & ~stat.S_ISGID != 0o750:
+        return False
+    modes = [p.lstat().st_mode for p in d.iterdir() if re.fullmatch(r"index|journal|LOCK|slab-\d+\.kvh", p.name)]
+    return bool(modes) and all(stat.S_ISREG(m) and stat.S_IMODE(m) == 0o640 for m in modes)
+
+
 def cmd_stats(args: argparse.Namespace) -> int:
     from . import Engine, Tier, errors
     from ._progress import human_bytes, table
@@ -320,7 +331,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
                 # file says), and keep a group-shared store's modes: the
                 # library narrows a store opened without the flag.
                 disk_reset_on_mismatch=False,
-                disk_share_group=bool(d.stat().st_mode & 0o070),
+                disk_share_group=_group_shared(d),
                 defaults={"backend": "cpu", "device_bytes": 1 << 20, "host_bytes": 4 << 20, "log_level": "error"},
             )
         )

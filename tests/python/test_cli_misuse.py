@@ -283,6 +283,25 @@ def test_stats_keeps_a_group_shared_store_shared(tmp_path, capfd):
     assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in [d, *d.iterdir()]} == modes
 
 
+@pytest.mark.parametrize("dir_mode", [0o710, 0o711, 0o750], ids=oct)
+def test_stats_never_widens_an_owner_only_store(dir_mode, tmp_path, capfd):
+    # Any group bit on the directory opened the store group-shared: the
+    # library then set the directory to 0750 and its 0600 files to 0640.
+    import kvh_cache as kvh
+
+    d = tmp_path / "own"
+    kvh.Engine(backend="cpu", num_layers=1, num_kv_heads=1, head_dim=8, block_tokens=16, dtype="f16",
+               device_bytes=1 << 20, host_bytes=1 << 20, disk_path=str(d), disk_bytes=1 << 20).close()  # fmt: skip
+    d.chmod(dir_mode)
+    files = {p.name: stat.S_IMODE(p.stat().st_mode) for p in d.iterdir()}
+    assert set(files.values()) == {0o600}, files
+    res = run_in_process(["stats", d], capfd)
+    assert res.returncode == 0, res.stderr
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in d.iterdir()} == files
+    # The library may narrow an owner-only store's directory (to 0700); it never widens it.
+    assert stat.S_IMODE(d.stat().st_mode) & ~dir_mode == 0, oct(d.stat().st_mode)
+
+
 def test_demo_data_dir_is_a_file(tmp_path):
     # The disk tier was silently dropped (a note on stdout, exit 0), or the
     # run failed with "the tiers are too small" when it needed the disk.
