@@ -833,6 +833,16 @@ def _reader_gone() -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    # Ctrl-C while the parser is built (it imports the demos) is as
+    # much an interrupt as one while a command runs.
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        _err("interrupted")
+        return 130
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
     from .tools import BadToolVariable
 
     if sys.stdout is None:  # started with fd 1 closed: nowhere to put results
@@ -867,9 +877,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s: %(message)s")
     try:
         return int(args.func(args) or 0)
-    except KeyboardInterrupt:
-        _err("interrupted")
-        return 130
     except BrokenPipeError:
         return _reader_gone()
     except ImportError as exc:

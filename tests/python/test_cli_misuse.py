@@ -498,6 +498,21 @@ def _interrupt(argv, after, **kw):
     return p.returncode, err, time.monotonic() - t0
 
 
+@pytest.mark.parametrize("where", ["build_parser", "_version"])
+def test_ctrl_c_while_the_parser_is_built(where, capfd, monkeypatch):
+    # Ctrl-C in the first moments of any kvh command (the parser imports
+    # the demos) gave a KeyboardInterrupt traceback, not exit 130.
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, where, interrupted)
+    try:
+        res = run_in_process(["doctor"], capfd)
+    except KeyboardInterrupt:
+        pytest.fail("KeyboardInterrupt escaped kvh's main (a traceback)")
+    assert res.returncode == 130 and res.stderr == "kvh: interrupted\n" and res.stdout == "", res
+
+
 def test_demo_sigint_leaves_a_consistent_store(tmp_path):
     d = tmp_path / "store"
     # Long enough (about 25 s here) that the signal always finds it running.
