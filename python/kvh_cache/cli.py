@@ -11,8 +11,9 @@
 Every command takes --help; the long ones show a progress bar on a TTY and
 take --json. Exit status: 0 ok, 1 failed (a check, a verification or the
 wrapped tool), 2 usage, 3 not available in this build or machine, 130
-interrupted (Ctrl-C), 128+N when a wrapped tool was killed by signal N (as a
-shell reports it).
+interrupted (Ctrl-C), 128+N when kvh was stopped by signal N (SIGTERM,
+SIGHUP: what it started is stopped and removed first) or a wrapped tool was
+killed by it (as a shell reports it).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -832,7 +834,38 @@ def _reader_gone() -> int:
     return EXIT_FAIL
 
 
+class _Stopped(BaseException):
+    """SIGTERM or SIGHUP, raised in the main thread: it unwinds as Ctrl-C
+    does, so that what a command started (kvh-bench's process group, a
+    temporary store) is stopped and removed on the way out."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _catch_stop_signals() -> Dict[int, Any]:
+    """Turns SIGTERM and SIGHUP into _Stopped; the handlers replaced. A
+    signal ignored by whoever started kvh (nohup) stays ignored."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    fired: List[int] = []
+
+    def stop(signum: int, frame: Any) -> None:
+        if fired:  # once: a second signal would cut the clean-up short
+            return
+        fired.append(signum)
+        raise _Stopped(signum)
+
+    previous = {}
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) == signal.SIG_DFL:
+            previous[sig] = signal.signal(sig, stop)
+    return previous
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    previous = _catch_stop_signals()
     # Ctrl-C while the parser is built (it imports the demos) is as
     # much an interrupt as one while a command runs.
     try:
@@ -840,6 +873,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         _err("interrupted")
         return 130
+    except _Stopped as exc:
+        _err(f"stopped by {_signal_name(exc.signum)}")
+        return 128 + exc.signum
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _main(argv: Optional[Sequence[str]]) -> int:

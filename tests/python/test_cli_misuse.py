@@ -525,6 +525,35 @@ def test_demo_sigint_leaves_a_consistent_store(tmp_path):
         assert res.returncode == 0 and " 0 bad" in res.stdout, res.stdout + res.stderr
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
+def test_synthetic_demo_stopped_by_sigterm_or_sighup_leaves_no_temporary_store(sig, tmp_path):
+    # Without --data-dir the store (hundreds of MiB) and the Qdrant
+    # directory go under $TMPDIR; only Ctrl-C removed them.
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    p = subprocess.Popen(
+        [sys.executable, "-m", "kvh_cache", "demo", "--synthetic", "--no-progress", "--agents", "2", "--steps", "4000"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env({"TMPDIR": str(tmp)}),
+        cwd=str(REPO),
+        preexec_fn=_default_stop_signals,
+    )
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while not list(tmp.glob("kvh-demo-*/store/index")) and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert p.poll() is None and list(tmp.glob("kvh-demo-*/store/index")), p.poll()
+        time.sleep(1.0)  # into the agents' steps
+        p.send_signal(sig)
+        out, err = p.communicate(timeout=15)
+    finally:
+        p.kill()
+    assert p.returncode == 128 + sig and "Traceback" not in err, (p.returncode, err)
+    assert sorted(x.name for x in tmp.iterdir()) == []
+
+
 def test_bench_sigint(tmp_path):
     _bench_tool()
     rc, err, took = _interrupt([sys.executable, "-m", "kvh_cache", "bench", "trace", "--quick"], after=1.5)
@@ -751,6 +780,48 @@ def test_bench_sigint_to_kvh_alone_stops_kvh_bench():
         p.kill()
     assert p.returncode == 130 and "Traceback" not in err, (p.returncode, err)
     assert not [c for c in children if _running(c)], children
+
+
+def _default_stop_signals():
+    # A runner started by nohup ignores SIGHUP, and its children inherit that.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
+def test_bench_sigterm_or_sighup_to_kvh_stops_kvh_bench(sig):
+    # kvh-bench runs in a process group of its own, stopped only on
+    # Ctrl-C: SIGTERM or SIGHUP to kvh left it running, orphaned.
+    _bench_tool()
+    p = subprocess.Popen(
+        [sys.executable, "-m", "kvh_cache", "bench", "trace", "--quick"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+        preexec_fn=_default_stop_signals,
+    )
+    children = []
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while not _children(p.pid) and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        children = _children(p.pid)
+        assert children, "kvh bench started no kvh-bench"
+        time.sleep(0.5)
+        p.send_signal(sig)
+        out, err = p.communicate(timeout=15)
+        running = [c for c in children if _running(c)]
+    finally:
+        p.kill()
+        for c in children:  # no benchmark left behind by a failed run
+            try:
+                os.killpg(c, signal.SIGKILL)
+            except OSError:
+                pass
+    assert not running, (running, p.returncode, err)
+    assert p.returncode == 128 + sig and "Traceback" not in err, (p.returncode, err)
+    assert err.strip().splitlines()[-1] == f"kvh: stopped by signal {int(sig)} ({sig.name})", err
 
 
 def test_bench_json_lines():
