@@ -864,7 +864,21 @@ def _catch_stop_signals() -> Dict[int, Any]:
     return previous
 
 
+def _stderr_to_devnull() -> None:
+    """Started with fd 2 closed, Python's sys.stderr is None, and print()
+    and argparse then write messages to standard output (into --json
+    results) or fail: give them /dev/null, as fd 2 too, so that what
+    kvh starts cannot write its messages into a file opened there."""
+    fd = os.open(os.devnull, os.O_WRONLY)
+    if fd != 2:
+        os.dup2(fd, 2)
+        os.close(fd)
+    sys.stderr = open(2, "w", closefd=False)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    if sys.stderr is None:
+        _stderr_to_devnull()
     previous = _catch_stop_signals()
     # Ctrl-C while the parser is built (it imports the demos) is as
     # much an interrupt as one while a command runs.

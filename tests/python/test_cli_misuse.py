@@ -467,6 +467,27 @@ def test_kvh_closed_stdout():
     assert_one_line_error(res, 1)
 
 
+@pytest.mark.parametrize(
+    "args,rc",
+    [(["stats", "/nonexistent", "--json"], 1), (["stats"], 2), (["--bogus"], 2), (["bench", "--reps", "0"], 2)],
+    ids=lambda a: " ".join(a) if isinstance(a, list) else str(a),
+)
+def test_kvh_closed_stderr(args, rc):
+    # With fd 2 closed, messages went to stdout (into --json output) and
+    # usage errors exited 1 (argparse wrote to a None stderr).
+    res = subprocess.run(
+        [sys.executable, "-m", "kvh_cache", *args],
+        stdout=subprocess.PIPE,
+        stderr=None,
+        text=True,
+        timeout=TIMEOUT,
+        env=_env(),
+        stdin=subprocess.DEVNULL,
+        preexec_fn=lambda: os.close(2),
+    )
+    assert (res.returncode, res.stdout) == (rc, ""), (res.returncode, res.stdout)
+
+
 # ---------------------------------------------------------------------------------
 # kvh: Ctrl-C
 # ---------------------------------------------------------------------------------
