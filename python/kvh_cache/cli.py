@@ -13,7 +13,8 @@ take --json. Exit status: 0 ok, 1 failed (a check, a verification or the
 wrapped tool), 2 usage, 3 not available in this build or machine, 130
 interrupted (Ctrl-C), 128+N when kvh was stopped by signal N (SIGTERM,
 SIGHUP: what it started is stopped and removed first) or a wrapped tool was
-killed by it (as a shell reports it).
+killed by it (as a shell reports it), 141 (SIGPIPE) when the reader of its
+output went away (| head).
 """
 
 from __future__ import annotations
@@ -826,12 +827,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _reader_gone() -> int:
     """Standard output's reader went away (| head): exit quietly, with
-    nothing left for the interpreter to flush into the closed pipe."""
+    nothing left for the interpreter to flush into the closed pipe, and
+    with 128+SIGPIPE, as a wrapped tool's death by SIGPIPE gives (Python
+    ignores the signal and sees EPIPE instead)."""
     try:
         sys.stdout = open(os.devnull, "w")
     except OSError:
         pass
-    return EXIT_FAIL
+    return 128 + signal.SIGPIPE
 
 
 class _Stopped(BaseException):

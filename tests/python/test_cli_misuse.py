@@ -440,6 +440,38 @@ def test_kvh_sigpipe(cmd, store):
     assert p.returncode >= 0 or p.returncode == -signal.SIGPIPE, p.returncode
 
 
+@pytest.mark.parametrize(
+    "cmd",
+    [
+        ["--help"],
+        ["doctor", "--json"],
+        ["bench", "--list"],
+        ["stats", "{store}", "--json"],
+        ["store", "info", "{store}"],
+    ],
+    ids=" ".join,
+)
+def test_kvh_into_a_closed_pipe_exits_128_plus_sigpipe(cmd, store):
+    # kvh's own writes exited 1 (EPIPE), a wrapped tool's 141 (SIGPIPE):
+    # a reader gone before anything is written makes it certain.
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        res = subprocess.run(
+            [sys.executable, "-m", "kvh_cache", *(a.replace("{store}", str(store)) for a in cmd)],
+            stdout=w,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            timeout=TIMEOUT,
+            env=_env(),
+            cwd=str(REPO),
+        )
+    finally:
+        os.close(w)
+    assert res.returncode == 128 + signal.SIGPIPE and "Traceback" not in res.stderr, (res.returncode, res.stderr)
+
+
 def test_kvh_closed_stdin(store):
     # Nothing reads stdin: a closed fd 0 changes nothing.
     for cmd in (["stats", str(store), "--json"], ["doctor", "--json"]):
