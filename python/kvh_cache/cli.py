@@ -368,7 +368,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
         st = eng.stats()
     disk = tiers[Tier.DISK]
     result = {
-        "path": str(d),
+        # Bytes that are not UTF-8 as U+FFFD, as kvh-store writes them: a
+        # lone surrogate is not JSON a strict parser takes.
+        "path": os.fsencode(d).decode("utf-8", "replace"),
         "store": info,
         "geometry": geometry,
         "block_bytes": eng.block_bytes,

@@ -302,6 +302,24 @@ def test_stats_never_widens_an_owner_only_store(dir_mode, tmp_path, capfd):
     assert stat.S_IMODE(d.stat().st_mode) & ~dir_mode == 0, oct(d.stat().st_mode)
 
 
+def test_stats_json_of_a_path_that_is_not_utf8_is_strict_json(store, tmp_path):
+    # The path was written as a lone surrogate escape ("bad\\udcff"),
+    # which strict JSON parsers reject.
+    d = tmp_path / os.fsdecode(b"bad\xff") / "store"
+    shutil.copytree(store, d)
+    res = subprocess.run(
+        [sys.executable, "-m", "kvh_cache", "stats", os.fsencode(d), "--json"],
+        capture_output=True,
+        timeout=TIMEOUT,
+        env=_env(),
+        stdin=subprocess.DEVNULL,
+    )
+    assert res.returncode == 0, res.stderr
+    text = res.stdout.decode("utf-8")  # strict
+    assert "\\ud" not in text.lower() and "\udcff" not in text, text[:200]
+    assert json.loads(text)["path"] == os.fsencode(d).decode("utf-8", "replace")
+
+
 def test_demo_data_dir_is_a_file(tmp_path):
     # The disk tier was silently dropped (a note on stdout, exit 0), or the
     # run failed with "the tiers are too small" when it needed the disk.
