@@ -250,8 +250,14 @@ static int run_main(int argc, char **argv)
         }
     if (remote)
         return kvh_store_remote_main(argc, argv);
-    if (argc < 3 || (strcmp(argv[1], "info") && strcmp(argv[1], "verify"))) {
+    if (argc < 2 || (strcmp(argv[1], "info") && strcmp(argv[1], "verify"))) {
+        if (argc >= 2)
+            fprintf(stderr, "kvh-store: unknown action %s\n", argv[1]);
         usage(stderr);
+        return 2;
+    }
+    if (argc < 3) {
+        fprintf(stderr, "kvh-store: %s needs the store's directory (kvh-store --help)\n", argv[1]);
         return 2;
     }
     bool json = false;

@@ -481,18 +481,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
     tool = find_tool("kvh-bench")
     if args.list:
         # kvh-bench's scenarios, then those this command runs in Python.
-        rc = EXIT_UNAVAILABLE
+        rc, names = EXIT_UNAVAILABLE, []
         try:
             if tool:
-                rc = _tool_status("kvh-bench", subprocess.call([tool, "list"]))
+                res = subprocess.run([tool, "list"], stdout=subprocess.PIPE, text=True)
+                rc = _tool_status("kvh-bench", res.returncode)
+                names = res.stdout.split()
         except OSError as exc:
             _err(f"cannot run {tool}: {exc}")
         if rc == EXIT_UNAVAILABLE:
             _err("kvh-bench was not run: only the Python scenarios are listed")
-        sys.stdout.flush()
-        print("retriever")
-        print("offload")
-        print("remote-ttft")
+        names += ["retriever", "offload", "remote-ttft"]
+        print(json.dumps(names) if args.json else "\n".join(names))
         return EXIT_OK if rc == 0 else rc
     if not tool:
         return _missing_tool("kvh-bench")

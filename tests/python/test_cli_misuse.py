@@ -407,6 +407,26 @@ def test_store_remote_negative_sample(capfd, monkeypatch):
     assert_one_line_error(res, 2, "--sample")
 
 
+@pytest.mark.parametrize(
+    "args,word", [(["frob", "/tmp"], "unknown action frob"), (["info"], "info needs the store's directory")]
+)
+def test_store_tool_says_which_argument_is_wrong(args, word):
+    # Only the usage text was printed: nothing said what was wrong with the line.
+    tool = find_tool("kvh-store")
+    if tool is None:
+        pytest.skip("kvh-store not built")
+    res = subprocess.run([tool, *args], capture_output=True, text=True, timeout=TIMEOUT)
+    assert res.returncode == 2 and res.stderr.splitlines()[0].startswith("kvh-store: " + word), res.stderr
+
+
+def test_bench_list_json_is_json():
+    # --json was accepted and the names came out as text lines.
+    res = run_kvh("bench", "--list", "--json")
+    assert res.returncode in (0, 3), res.stderr
+    names = json.loads(res.stdout)
+    assert "retriever" in names and (res.returncode == 3 or "alloc" in names), names
+
+
 # ---------------------------------------------------------------------------------
 # kvh: output that cannot be written, SIGPIPE, closed stdin/stdout
 # ---------------------------------------------------------------------------------

@@ -167,7 +167,11 @@ def add_arguments(p: argparse.ArgumentParser, *, shared_defaults: bool = True) -
         help="write the block-access trace of the kvh run (one line per access: time, agent, "
         "sequence, block id, block hash, tier, kind)",
     )
-    p.add_argument("--json", action="store_true", help="print JSON lines (scenario, metric, value, unit, ...)")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print JSON lines (scenario, metric, value, unit, ...); with --synthetic one JSON object",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar even on a TTY")
     p.add_argument("--returning", type=Path, default=None, help=argparse.SUPPRESS)
 
