@@ -3,6 +3,7 @@ status codes into exceptions. Internal: use the `kvh` package."""
 
 from __future__ import annotations
 
+import _thread
 import logging
 import threading
 from typing import NoReturn
@@ -81,6 +82,16 @@ def _kvh_py_log(user, level, message):  # pragma: no cover - exercised via C
             logger.log(LOG_LEVELS.get(int(level), logging.DEBUG), "%s", text)
         finally:
             _sink.token = outer
+    except KeyboardInterrupt:
+        # Ctrl-C met in a handler cannot go through C. On the main thread
+        # (kvh logs on the calling thread) it is raised by the status
+        # check once the call has returned; elsewhere, sent to the main
+        # thread as Ctrl-C would have been.
+        if threading.current_thread() is threading.main_thread():
+            global _interrupt_pending
+            _interrupt_pending = True
+        else:
+            _thread.interrupt_main()
     except BaseException:
         pass
 
@@ -116,10 +127,21 @@ def raise_status(status: int, detail: str | None = None) -> NoReturn:
     (kvh_last_error is thread-local and replaced by the next call)."""
     if detail is None:
         detail = last_error()
+    global _interrupt_pending
+    if _interrupt_pending:
+        _interrupt_pending = False
+        raise KeyboardInterrupt
     cls = errors.error_class(status)
     raise cls(detail or strerror(status), status, status_name(status))
 
 
+_interrupt_pending = False  # a Ctrl-C a log handler met on the main thread
+
+
 def check(status: int) -> None:
+    global _interrupt_pending
+    if _interrupt_pending:
+        _interrupt_pending = False
+        raise KeyboardInterrupt
     if status != 0:
         raise_status(status)

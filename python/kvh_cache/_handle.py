@@ -30,6 +30,8 @@ import sys
 import threading
 from typing import Any, Callable, Deque, Dict, Optional, Sequence, Tuple, TypeVar
 
+from . import _interrupts
+
 T = TypeVar("T")
 C = TypeVar("C", bound="Closable")
 
@@ -230,15 +232,19 @@ class HandleGate:
                 self._closer = None
                 self._wake()
                 raise
-        try:
-            result = end()
-        except BaseException as exc:
-            # A refusal (KVH_ERR_BUSY: a call from the engine's own log sink)
-            # ended nothing: the handle stays usable and a later close ends it.
-            refused = type(exc).__name__ == "BusyError"
-            self._closed(_OPEN if self._reopen_if_end_fails or refused else _CLOSED)
-            raise
-        self._closed(_CLOSED)
+        # Ctrl-C waits until the state says what end() did: raised between
+        # its C call and the bookkeeping, it would reopen a handle whose
+        # native object is gone.
+        with _interrupts.deferred():
+            try:
+                result = end()
+            except BaseException as exc:
+                # A refusal (KVH_ERR_BUSY: a call from the engine's own log sink)
+                # ended nothing: the handle stays usable and a later close ends it.
+                refused = type(exc).__name__ == "BusyError"
+                self._closed(_OPEN if self._reopen_if_end_fails or refused else _CLOSED)
+                raise
+            self._closed(_CLOSED)
         return result
 
     # ---- lock held ----
@@ -401,6 +407,14 @@ class Uncopyable:
 
     def __deepcopy__(self, memo: Any) -> Any:
         raise TypeError(f"a {type(self).__name__} owns a native handle and cannot be copied")
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # Pickled (multiprocessing spawn, a process pool), it would name
+        # memory of this process only.
+        raise TypeError(
+            f"a {type(self).__name__} owns a native handle of this process and cannot be pickled: "
+            "open an engine in the other process"
+        )
 
 
 class OwnedHandle(Closable, Finalized, Uncopyable):

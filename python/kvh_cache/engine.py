@@ -54,7 +54,7 @@ from ._ffi import (
     raise_status,
     status_name,
 )
-from . import _handle
+from . import _handle, _interrupts
 from ._handle import Finalized, GatedHandle, GateUse, HandleGate, OwnedHandle, Uncopyable, in_lock_order
 from .types import (
     Backend,
@@ -470,12 +470,13 @@ class Engine(OwnedHandle):
         token = next(_log_tokens)
         c.log_user = ffi.cast("void *", token)
         out = ffi.new("kvh_engine **")
-        st = lib.kvh_engine_open(c, out)
-        if st != 0:
-            raise_status(st)
+        with _interrupts.deferred():  # an engine opened is always owned
+            st = lib.kvh_engine_open(c, out)
+            if st != 0:
+                raise_status(st)
+            self._native = _Native(out[0])
+            self._native.log_token = token
         del keep
-        self._native = _Native(out[0])
-        self._native.log_token = token
         self._geom = (int(c.num_layers), int(c.num_kv_heads), int(c.head_dim), int(c.block_tokens))
         self._dtype = DType(int(c.dtype))
         self._np_dtype = numpy_dtype(self._dtype)
@@ -1901,9 +1902,10 @@ class Sequence(GatedHandle, OwnedHandle):
         with self._call() as p:
             # the block holding the cut may be copied; the ones after it go
             self._keep_viewed_blocks(n_tokens // self._engine.block_tokens)
-            check(lib.kvh_seq_truncate(p, self._h[0], n_tokens))
-            for hold in list(self._holds):
-                hold._truncated(n_tokens)
+            with _interrupts.deferred():  # the holds must follow the cut
+                check(lib.kvh_seq_truncate(p, self._h[0], n_tokens))
+                for hold in list(self._holds):
+                    hold._truncated(n_tokens)
             self._refresh_views()
 
     def match_prefix(self, tokens: ArrayLike) -> int:

@@ -1,0 +1,158 @@
+"""Ctrl-C around C calls (kvh_cache._interrupts): KeyboardInterrupt
+reaches the caller once a call's result is recorded, never between the C
+call and Python's bookkeeping of it; one met by a log handler is not lost."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import pickle
+import signal
+import time
+
+import numpy as np
+import pytest
+
+import kvh_cache as kvh
+import kvh_cache.engine as em
+from kvh_testutil import filled_seq, make_engine
+
+
+@pytest.fixture
+def ctrl_c():
+    # A runner started in the background ignores SIGINT: give the test a
+    # terminal's Ctrl-C, and put back what was there.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+class _CtrlCDuring:
+    """em.lib, with Ctrl-C arriving while the named C call runs (it lands
+    right after it returns, the first moment Python can raise it)."""
+
+    def __init__(self, real, name):
+        self.real, self.name, self.armed = real, name, True
+
+    def __getattr__(self, attr):
+        fn = getattr(self.real, attr)
+        if attr != self.name or not self.armed:
+            return fn
+
+        def call(*args):
+            st = fn(*args)
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.01)  # delivered to this thread's handler by now
+            return st
+
+        return call
+
+
+@pytest.fixture
+def lib_with_ctrl_c(monkeypatch, ctrl_c):
+    def arm(name):
+        wrapped = _CtrlCDuring(em.lib, name)
+        monkeypatch.setattr(em, "lib", wrapped)
+        return wrapped
+
+    return arm
+
+
+def test_ctrl_c_during_close_leaves_the_engine_closed(lib_with_ctrl_c):
+    """The engine came back open with its freed pointer: its calls read freed
+    memory once 16 more engines had closed, and a second close freed it
+    again."""
+    eng = make_engine()
+    lib_with_ctrl_c("kvh_engine_close")
+    with pytest.raises(KeyboardInterrupt):
+        eng.close()
+    assert eng.closed
+    with pytest.raises(kvh.ClosedError):
+        eng.stats()
+    eng.close()  # a second close does nothing
+
+
+def test_ctrl_c_during_truncate_still_cuts_the_holds(lib_with_ctrl_c):
+    """The holds past the cut stayed as they were: releasing one later ended
+    a hold taken after the truncation on the same range."""
+    eng = make_engine()
+    seq = eng.sequence(tokens=range(48))
+    gone = seq.acquire(range(16, 48))
+    wrapped = lib_with_ctrl_c("kvh_seq_truncate")
+    with pytest.raises(KeyboardInterrupt):
+        seq.truncate(16)
+    wrapped.armed = False
+    assert len(seq) == 16 and gone.released
+    seq.append(range(100, 132))
+    later = seq.acquire(range(16, 48))
+    gone.release()
+    assert [seq.block_info(i).holds for i in range(3)] == [0, 1, 1] and not later.released
+    later.release()
+    eng.close()
+
+
+def test_ctrl_c_during_open_leaves_no_engine_behind(lib_with_ctrl_c, tmp_path):
+    """The opened engine was never owned: its store stayed locked for the
+    rest of the process (BusyError on every reopen)."""
+    store = str(tmp_path / "store")
+    lib_with_ctrl_c("kvh_engine_open")
+    with pytest.raises(KeyboardInterrupt):
+        make_engine(disk_path=store, disk_bytes=8 << 20)
+    em.lib.armed = False
+    gc.collect()
+    make_engine(disk_path=store, disk_bytes=8 << 20).close()
+
+
+def _store_with_corrupt_blocks(tmp_path, n_tokens=64):
+    """Each block's bytes flipped on disk: moving one makes kvh log."""
+    store = str(tmp_path / "store")
+    with make_engine(disk_path=store, disk_bytes=1 << 20) as eng:
+        seq, _ = filled_seq(eng, n_tokens)
+        seq.persist()
+    slab = os.path.join(store, "slab-0000.kvh")
+    data = bytearray(open(slab, "rb").read())
+    for off in range(4096 + 100, len(data), 8192):
+        data[off] ^= 0x08
+    open(slab, "wb").write(bytes(data))
+    return store
+
+
+def test_a_log_handlers_ctrl_c_reaches_the_caller(ctrl_c, tmp_path):
+    """A KeyboardInterrupt raised in a log handler on the calling thread
+    (migration_threads 0: kvh logs there) was dropped without a trace."""
+    store = _store_with_corrupt_blocks(tmp_path)
+    eng = make_engine(disk_path=store, disk_bytes=1 << 20, migration_threads=0)
+    blocks = eng.prefix_lookup(np.arange(64))
+    assert blocks
+    raised = []
+
+    class Interrupting(logging.Handler):
+        def emit(self, record):
+            raised.append(record.getMessage())
+            raise KeyboardInterrupt
+
+    handler = Interrupting()
+    logger = logging.getLogger("kvh")
+    logger.addHandler(handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            for b in blocks:
+                try:
+                    eng.migrate([b], "host")
+                except kvh.Error:
+                    pass
+        assert raised
+    finally:
+        logger.removeHandler(handler)
+    eng.stats()  # nothing pending any more
+    eng.close()
+
+
+def test_pickling_a_handle_says_why_it_cannot(tmp_path):
+    eng = make_engine()
+    seq = eng.sequence(tokens=np.arange(16))
+    for obj in (eng, seq):
+        with pytest.raises(TypeError, match="cannot be pickled"):
+            pickle.dumps(obj)
+    eng.close()
