@@ -162,7 +162,7 @@ static void *stager(void *arg)
 
 /* Attends wave by wave; the stager (or this thread, when there is room for
  * one chunk only or the thread cannot start) fills the window ahead. */
-static kvh_status run_waves(stream_run *r, const void *q, void *out, float *po, float *plse)
+static kvh_status run_waves(stream_run *r, const void *q, void *out, float *po, float *pml)
 {
     kvhi_attn_call *c = r->c;
     kvhi_attn_plan *p = &c->plan;
@@ -187,7 +187,7 @@ static kvh_status run_waves(stream_run *r, const void *q, void *out, float *po, 
         }
         if (run_failed(r))
             break;
-        int rc = kvhi_attn_cpu_run_range(cpu, p, w->u0, w->u1, false, q, out, po, plse, msg, sizeof(msg));
+        int rc = kvhi_attn_cpu_run_range(cpu, p, w->u0, w->u1, false, q, out, po, pml, msg, sizeof(msg));
         if (rc != 0) {
             pthread_mutex_lock(&r->mu);
             fail_run(r, rc, KVHI_NO_BLOCK, "attention kernels");
@@ -210,7 +210,7 @@ static kvh_status run_waves(stream_run *r, const void *q, void *out, float *po, 
     }
     /* The stager has ended: r is this thread's alone. */
     if (r->st == KVH_OK && p->n_merges) {
-        int rc = kvhi_attn_cpu_run_range(cpu, p, 0, 0, true, q, out, po, plse, msg, sizeof(msg));
+        int rc = kvhi_attn_cpu_run_range(cpu, p, 0, 0, true, q, out, po, pml, msg, sizeof(msg));
         if (rc != 0)
             fail_run(r, rc, KVHI_NO_BLOCK, "attention merges");
     }
@@ -227,7 +227,7 @@ kvh_status kvhi_attn_stream_run(kvh_engine *e, kvhi_attn_call *c, const void *q,
     float *po = NULL;
     kvh_status st = make_waves(c, &r.waves, &r.n_waves);
     if (st == KVH_OK && p->n_partial_rows) {
-        po = malloc(sizeof(float) * p->n_partial_rows * (p->head_dim + 1));
+        po = malloc(sizeof(float) * p->n_partial_rows * (p->head_dim + 2)); /* outputs, then (m, l) pairs */
         if (!po)
             st = kvhi_fail(KVH_ERR_NOMEM, "out of memory for the partial results of a streamed call");
     }

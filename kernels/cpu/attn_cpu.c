@@ -128,7 +128,7 @@ typedef struct run_job {
     const void *q;
     void *out;
     kvhi_attn_unit_fn fn;
-    float *po, *plse, *scratch;
+    float *po, *pml, *scratch;
     size_t scratch_stride;
     uint32_t end; /* units [next, end) */
     _Atomic uint32_t next;
@@ -142,13 +142,15 @@ static void run_units(void *arg, uint32_t who)
         uint32_t i = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
         if (i >= j->end)
             break;
-        j->fn(j->p, &j->p->units[i], j->q, j->out, j->po, j->plse, ws);
+        j->fn(j->p, &j->p->units[i], j->q, j->out, j->po, j->pml, ws);
     }
 }
 
-/* out row = sum_c w_c o_c / sum_c w_c, w_c = e^(lse_c - max lse), over the
- * chunks that hold tokens the row sees. */
-static void merge_row(const kvhi_attn_plan *p, const kvhi_attn_merge *mg, const float *po, const float *plse, void *out,
+/* out row = sum_c w_c o_c / sum_c w_c, w_c = l_c e^(m_c - max m), over the
+ * chunks that hold tokens the row sees (m_c, l_c: chunk c's score maximum
+ * and sum of e^(score - m_c); o_c its normalised output). A chunk past
+ * the float range (NaN) makes the row NaN. */
+static void merge_row(const kvhi_attn_plan *p, const kvhi_attn_merge *mg, const float *po, const float *pml, void *out,
                       float *tmp)
 {
     const kvhi_attn_seq *s = &p->seqs[mg->seq];
@@ -159,16 +161,16 @@ static void merge_row(const kvhi_attn_plan *p, const kvhi_attn_merge *mg, const 
         uint64_t idx0 = s->partial0 + (uint64_t)mg->row * Hq + qh, step = (uint64_t)s->q_len * Hq;
         float mx = -INFINITY;
         for (uint32_t c = 0; c < nc; c++)
-            if (plse[idx0 + c * step] > mx)
-                mx = plse[idx0 + c * step];
+            if (pml[2 * (idx0 + c * step)] > mx)
+                mx = pml[2 * (idx0 + c * step)];
         for (uint32_t d = 0; d < D; d++)
             tmp[d] = 0;
         float wsum = 0;
         for (uint32_t c = 0; c < nc; c++) {
-            float lse = plse[idx0 + c * step];
-            if (lse == -INFINITY)
+            float m = pml[2 * (idx0 + c * step)], l = pml[2 * (idx0 + c * step) + 1];
+            if (l == 0) /* no token of the chunk seen */
                 continue;
-            float w = expf(lse - mx);
+            float w = l * expf(m - mx);
             const float *o = po + (idx0 + c * step) * D;
             wsum += w;
             for (uint32_t d = 0; d < D; d++)
@@ -187,7 +189,7 @@ static void run_merges(void *arg, uint32_t who)
         uint32_t i = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
         if (i >= j->p->n_merges)
             break;
-        merge_row(j->p, &j->p->merges[i], j->po, j->plse, j->out, tmp);
+        merge_row(j->p, &j->p->merges[i], j->po, j->pml, j->out, tmp);
     }
 }
 
@@ -221,7 +223,7 @@ static kvhi_attn_unit_fn pick(const kvhi_attn_cpu *st, const kvhi_attn_plan *p)
 }
 
 /* Runs units [u0, u1) of p, then (merges) its merge rows, with partials
- * po / plse, on up to p->threads participants. run_lock held. */
+ * po / pml, on up to p->threads participants. run_lock held. */
 /* Makes st->rows_past cover p's output rows, zeroed; NULL if it cannot. */
 static void rows_past_prepare(kvhi_attn_cpu *st, const kvhi_attn_plan *p)
 {
@@ -259,7 +261,7 @@ static int redo_rows_past(kvhi_attn_cpu *st, const kvhi_attn_plan *p, const void
 }
 
 static int run_locked(kvhi_attn_cpu *st, const kvhi_attn_plan *p, uint32_t u0, uint32_t u1, bool merges, const void *q,
-                      void *out, float *po, float *plse, char *msg, size_t msg_len)
+                      void *out, float *po, float *pml, char *msg, size_t msg_len)
 {
     uint32_t n = u1 - u0, most = merges && p->n_merges > n ? p->n_merges : n;
     uint32_t want = p->threads && p->threads < st->ncpu ? p->threads : st->ncpu;
@@ -284,7 +286,7 @@ static int run_locked(kvhi_attn_cpu *st, const kvhi_attn_plan *p, uint32_t u0, u
                  .out = out,
                  .fn = pick(st, p),
                  .po = po,
-                 .plse = plse,
+                 .pml = pml,
                  .scratch = st->scratch,
                  .scratch_stride = stride,
                  .end = u1};
@@ -318,13 +320,13 @@ static int run_call(const kvhi_attn_plan *p, const void *q, void *out, void (*do
         done(done_arg);
         return 0;
     }
-    if (grow(&st->partial, &st->partial_cap, (size_t)p->n_partial_rows * (p->head_dim + 1)) != 0) {
+    if (grow(&st->partial, &st->partial_cap, (size_t)p->n_partial_rows * (p->head_dim + 2)) != 0) {
         pthread_mutex_unlock(&st->run_lock);
         snprintf(msg, msg_len, "out of memory for attention scratch");
         return KVH_ERR_NOMEM;
     }
     /* no split-K partials: no buffer (NULL + 0 is undefined) */
-    float *plse = st->partial ? st->partial + (size_t)p->n_partial_rows * p->head_dim : NULL;
+    float *pml = st->partial ? st->partial + (size_t)p->n_partial_rows * p->head_dim : NULL;
     /* In place (out over q): rows computed again below read q, which this
      * pass overwrites first; they read a copy. */
     size_t bytes = (size_t)p->total_rows * p->num_q_heads * p->head_dim * (p->io_dtype == KVH_DTYPE_F32 ? 4 : 2);
@@ -339,7 +341,7 @@ static int run_call(const kvhi_attn_plan *p, const void *q, void *out, void (*do
     }
     __atomic_store_n(&st->score_overflow, 0, __ATOMIC_RELAXED);
     rows_past_prepare(st, p);
-    int rc = run_locked(st, p, 0, p->n_units, true, q, out, st->partial, plse, msg, msg_len);
+    int rc = run_locked(st, p, 0, p->n_units, true, q, out, st->partial, pml, msg, msg_len);
     /* Rows past the float range (|q . k| x scale, q x scale or the sum of
      * weighted values above 3.4e38): from finite inputs they came out
      * inf or NaN where the answer is finite. They are computed again in
@@ -371,7 +373,7 @@ int kvhi_attn_cpu_run(void *ctx, const kvhi_attn_plan *p, const void *q, void *o
 }
 
 int kvhi_attn_cpu_run_range(kvhi_attn_cpu *st, const kvhi_attn_plan *p, uint32_t u0, uint32_t u1, bool merges,
-                            const void *q, void *out, float *po, float *plse, char *msg, size_t msg_len)
+                            const void *q, void *out, float *po, float *pml, char *msg, size_t msg_len)
 {
     kvhi_fp_env env = kvhi_fp_default_enter();
     pthread_mutex_lock(&st->run_lock);
@@ -379,7 +381,7 @@ int kvhi_attn_cpu_run_range(kvhi_attn_cpu *st, const kvhi_attn_plan *p, uint32_t
      * marks are kept. */
     uint8_t *marks = st->rows_past;
     st->rows_past = NULL;
-    int rc = run_locked(st, p, u0, u1, merges, q, out, po, plse, msg, msg_len);
+    int rc = run_locked(st, p, u0, u1, merges, q, out, po, pml, msg, msg_len);
     st->rows_past = marks;
     pthread_mutex_unlock(&st->run_lock);
     kvhi_fp_leave(env);

@@ -72,11 +72,12 @@ typedef struct kvhi_attn_cpu {
 
 kvhi_attn_cpu *kvhi_attn_cpu_create(void);
 /* Runs units [u0, u1) of p, then (merges) its merge rows, with the
- * caller's split-K partials po (n_partial_rows x head_dim floats) and plse
- * (n_partial_rows): a streamed call runs its chunks one range at a time.
+ * caller's split-K partials po (n_partial_rows x head_dim floats) and pml
+ * (n_partial_rows pairs: each chunk's score maximum and exponential sum):
+ * a streamed call runs its chunks one range at a time.
  * Returns 0, or KVH_ERR_NOMEM with msg. */
 int kvhi_attn_cpu_run_range(kvhi_attn_cpu *st, const kvhi_attn_plan *p, uint32_t u0, uint32_t u1, bool merges,
-                            const void *q, void *out, float *po, float *plse, char *msg, size_t msg_len);
+                            const void *q, void *out, float *po, float *pml, char *msg, size_t msg_len);
 void kvhi_attn_cpu_destroy(void *state);
 /* 1 when this CPU (and OS) runs the implementation. */
 int kvhi_attn_cpu_supported(int impl);

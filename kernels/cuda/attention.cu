@@ -308,8 +308,8 @@ int kvhc_attn_run(kvhc_attn *st, const kvhi_attn_plan *p, const void *q, void *o
     /* Workspace: plan arrays, then the split-K partials. */
     const size_t plan_bytes = align256((size_t)p->mem_bytes);
     const size_t po_bytes = align256((size_t)p->n_partial_rows * a.D * sizeof(float));
-    const size_t lse_bytes = align256((size_t)p->n_partial_rows * sizeof(float));
-    workspace *ws = ws_get(st, plan_bytes, plan_bytes + po_bytes + lse_bytes, &err);
+    const size_t ml_bytes = align256((size_t)p->n_partial_rows * 2 * sizeof(float)); /* (m, l) pairs */
+    workspace *ws = ws_get(st, plan_bytes, plan_bytes + po_bytes + ml_bytes, &err);
     if (!ws)
         return fail(msg, len, KVH_ERR_NOMEM, "attention workspace", err);
     memcpy(ws->host, p->mem, p->mem_bytes);
@@ -327,7 +327,7 @@ int kvhc_attn_run(kvhc_attn *st, const kvhi_attn_plan *p, const void *q, void *o
     a.q = q;
     a.out = out;
     a.po = (float *)(ws->dev + plan_bytes);
-    a.plse = (float *)(ws->dev + plan_bytes + po_bytes);
+    a.pml = (float *)(ws->dev + plan_bytes + po_bytes);
 
     const char *what = "attention kernel launch";
     switch (p->kv_dtype) {
@@ -393,8 +393,8 @@ int kvhc_attn_plan_upload(kvhc_attn *st, const kvhi_attn_plan *p, void **handle,
     }
     const size_t plan_bytes = align256((size_t)p->mem_bytes);
     const size_t po_bytes = align256((size_t)p->n_partial_rows * u->args.D * sizeof(float));
-    const size_t lse_bytes = align256((size_t)p->n_partial_rows * sizeof(float));
-    cudaError_t err = cudaMalloc(&u->dev, plan_bytes + po_bytes + lse_bytes);
+    const size_t ml_bytes = align256((size_t)p->n_partial_rows * 2 * sizeof(float)); /* (m, l) pairs */
+    cudaError_t err = cudaMalloc(&u->dev, plan_bytes + po_bytes + ml_bytes);
     if (err == cudaSuccess && p->mem_bytes)
         err = cudaMemcpy(u->dev, p->mem, p->mem_bytes, cudaMemcpyHostToDevice);
     if (err != cudaSuccess) {
@@ -411,7 +411,7 @@ int kvhc_attn_plan_upload(kvhc_attn *st, const kvhi_attn_plan *p, void **handle,
     a.units = (const kvhi_attn_unit *)(u->dev + p->off_units);
     a.merges = (const kvhi_attn_merge *)(u->dev + p->off_merges);
     a.po = (float *)(u->dev + plan_bytes);
-    a.plse = (float *)(u->dev + plan_bytes + po_bytes);
+    a.pml = (float *)(u->dev + plan_bytes + po_bytes);
     u->n_units = p->n_units;
     u->n_merges = p->n_merges;
     u->kv_dtype = p->kv_dtype;

@@ -252,9 +252,9 @@ static int run_case(int c, uint32_t D, uint32_t bt, uint32_t kvt, uint32_t io, u
         return 1;
     }
     size_t np = p.n_partial_rows ? p.n_partial_rows : 1;
-    float *po = (float *)malloc(np * D * sizeof(float)), *plse = (float *)malloc(np * sizeof(float));
+    float *po = (float *)malloc(np * D * sizeof(float)), *pml = (float *)malloc(np * 2 * sizeof(float));
     memset(po, 0xff, np * D * sizeof(float));
-    memset(plse, 0xff, np * sizeof(float));
+    memset(pml, 0xff, np * 2 * sizeof(float));
     a.kv = (const uint8_t *)p.kv_base + p.layer_offset;
     a.block_bytes = p.block_bytes;
     a.seqs = p.seqs;
@@ -264,7 +264,7 @@ static int run_case(int c, uint32_t D, uint32_t bt, uint32_t kvt, uint32_t io, u
     a.q = q;
     a.out = out;
     a.po = po;
-    a.plse = plse;
+    a.pml = pml;
     void (*fn)(const attn_args &) = kvt == 1   ? pick_attn<__half>(io)
                                     : kvt == 2 ? pick_attn<__nv_bfloat16>(io)
                                                : pick_attn<float>(io);
@@ -297,7 +297,7 @@ static int run_case(int c, uint32_t D, uint32_t bt, uint32_t kvt, uint32_t io, u
     free(ref);
     free(out);
     free(po);
-    free(plse);
+    free(pml);
     return bad != 0;
 }
 

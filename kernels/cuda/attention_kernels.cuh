@@ -34,8 +34,8 @@ struct attn_args {
     const kvhi_attn_merge *merges;
     const void *q;
     void *out;
-    float *po;   /* partial outputs, n_partial_rows x D */
-    float *plse; /* partial log2-sum-exp */
+    float *po;  /* partial outputs, n_partial_rows x D */
+    float *pml; /* per partial row: the chunk's score maximum (log2 units) and sum */
     uint32_t Hq, Hkv, G, D, DP, bt, bshift;
     uint32_t row_bytes; /* D * element bytes (global rows) */
     uint32_t srow;      /* shared-memory row stride in bytes */
@@ -353,12 +353,16 @@ template <typename KT, typename IT> __global__ void __launch_bounds__(NT) attn_k
     if (s.n_chunks > 1 && tid < nq) {
         uint32_t n = tid, r = u.q0 + n / ng, qh = u.kv_head * a.G + u.g0 + n % ng;
         size_t idx = s.partial0 + ((size_t)u.chunk * s.q_len + r) * a.Hq + qh;
-        a.plse[idx] = l_s[n] > 0.0f ? m_s[n] + log2f(l_s[n]) : -INFINITY;
+        /* Apart, not m + log2(l): at large scores log2(l) falls below a
+         * float's step at m, and chunks of different lengths would weigh
+         * alike in the merge. */
+        a.pml[2 * idx] = l_s[n] > 0.0f ? m_s[n] : -INFINITY;
+        a.pml[2 * idx + 1] = l_s[n];
     }
 }
 
-/* out[row][head] = sum_c 2^(lse_c - M) o_c / sum_c 2^(lse_c - M) over the
- * chunks holding tokens the row sees; grid (merges, heads). */
+/* out[row][head] = sum_c w_c o_c / sum_c w_c, w_c = l_c 2^(m_c - M), over
+ * the chunks holding tokens the row sees; grid (merges, heads). */
 template <typename IT> __global__ void __launch_bounds__(NT) merge_kernel(attn_args a)
 {
     const kvhi_attn_merge mg = a.merges[blockIdx.x];
@@ -369,15 +373,19 @@ template <typename IT> __global__ void __launch_bounds__(NT) merge_kernel(attn_a
     const size_t idx0 = s.partial0 + (size_t)mg.row * a.Hq + qh, step = (size_t)s.q_len * a.Hq;
     float mx = -INFINITY;
     for (uint32_t c = 0; c < nc; c++)
-        mx = fmaxf(mx, a.plse[idx0 + c * step]);
+        mx = fmaxf(mx, a.pml[2 * (idx0 + c * step)]);
     float wsum = 0.0f;
-    for (uint32_t c = 0; c < nc; c++)
-        wsum += exp2f(a.plse[idx0 + c * step] - mx);
+    for (uint32_t c = 0; c < nc; c++) {
+        const float l = a.pml[2 * (idx0 + c * step) + 1];
+        if (l > 0.0f)
+            wsum += l * exp2f(a.pml[2 * (idx0 + c * step)] - mx);
+    }
     const float inv = wsum > 0.0f ? 1.0f / wsum : 0.0f;
     for (uint32_t col = threadIdx.x; col < a.D; col += NT) {
         float o = 0.0f;
         for (uint32_t c = 0; c < nc; c++) {
-            float w = exp2f(a.plse[idx0 + c * step] - mx);
+            const float l = a.pml[2 * (idx0 + c * step) + 1];
+            float w = l > 0.0f ? l * exp2f(a.pml[2 * (idx0 + c * step)] - mx) : 0.0f;
             if (w > 0.0f)
                 o += w * a.po[(idx0 + c * step) * a.D + col];
         }
