@@ -84,16 +84,23 @@ def _kvh_py_log(user, level, message):  # pragma: no cover - exercised via C
             _sink.token = outer
     except KeyboardInterrupt:
         # Ctrl-C met in a handler cannot go through C. On the main thread
-        # (kvh logs on the calling thread) it is raised by the status
-        # check once the call has returned; elsewhere, sent to the main
-        # thread as Ctrl-C would have been.
+        # (kvh logs on the calling thread) it is raised once the call and
+        # its bookkeeping are done (take_pending_interrupt); elsewhere, sent
+        # to the main thread as Ctrl-C would have been.
         if threading.current_thread() is threading.main_thread():
-            global _interrupt_pending
-            _interrupt_pending = True
+            _sink.interrupted = True
         else:
             _thread.interrupt_main()
     except BaseException:
         pass
+
+
+def take_pending_interrupt() -> bool:
+    """Whether a log handler met Ctrl-C on this thread since the last ask."""
+    if getattr(_sink, "interrupted", False):
+        _sink.interrupted = False
+        return True
+    return False
 
 
 def kvh_level_for_logger() -> int:
@@ -127,21 +134,10 @@ def raise_status(status: int, detail: str | None = None) -> NoReturn:
     (kvh_last_error is thread-local and replaced by the next call)."""
     if detail is None:
         detail = last_error()
-    global _interrupt_pending
-    if _interrupt_pending:
-        _interrupt_pending = False
-        raise KeyboardInterrupt
     cls = errors.error_class(status)
     raise cls(detail or strerror(status), status, status_name(status))
 
 
-_interrupt_pending = False  # a Ctrl-C a log handler met on the main thread
-
-
 def check(status: int) -> None:
-    global _interrupt_pending
-    if _interrupt_pending:
-        _interrupt_pending = False
-        raise KeyboardInterrupt
     if status != 0:
         raise_status(status)

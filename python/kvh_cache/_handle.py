@@ -28,9 +28,7 @@ import collections
 import os
 import sys
 import threading
-from typing import Any, Callable, Deque, Dict, Optional, Sequence, Tuple, TypeVar
-
-from . import _interrupts
+from typing import Any, Callable, Deque, Dict, Optional, Sequence, Tuple, TypeVar, Union
 
 T = TypeVar("T")
 C = TypeVar("C", bound="Closable")
@@ -98,7 +96,12 @@ class HandleGate:
         "_forks",
     )
 
-    def __init__(self, closed_error: Callable[[], BaseException], *, reopen_if_end_fails: bool = False) -> None:
+    def __init__(
+        self,
+        closed_error: Callable[[], BaseException],
+        *,
+        reopen_if_end_fails: Union[bool, Callable[[], bool]] = False,
+    ) -> None:
         # Re-entrant: a finaliser may run on a thread that is inside the gate.
         self._lock = threading.RLock()
         # Made on the first wait: most handles never see two threads, and
@@ -106,7 +109,8 @@ class HandleGate:
         self._cond: Optional[threading.Condition] = None
         self._waiting = 0
         self._closed_error = closed_error
-        self._reopen_if_end_fails = reopen_if_end_fails  # a failed end left the handle alive
+        # A failed end left the handle alive (or says whether it did).
+        self._reopen_if_end_fails = reopen_if_end_fails
         self._state = _OPEN
         self._closer: Optional[int] = None  # thread running close
         self._owner: Optional[int] = None  # thread in an exclusive call
@@ -232,19 +236,18 @@ class HandleGate:
                 self._closer = None
                 self._wake()
                 raise
-        # Ctrl-C waits until the state says what end() did: raised between
-        # its C call and the bookkeeping, it would reopen a handle whose
-        # native object is gone.
-        with _interrupts.deferred():
-            try:
-                result = end()
-            except BaseException as exc:
-                # A refusal (KVH_ERR_BUSY: a call from the engine's own log sink)
-                # ended nothing: the handle stays usable and a later close ends it.
-                refused = type(exc).__name__ == "BusyError"
-                self._closed(_OPEN if self._reopen_if_end_fails or refused else _CLOSED)
-                raise
-            self._closed(_CLOSED)
+        try:
+            result = end()
+        except BaseException as exc:
+            # A refusal (KVH_ERR_BUSY: a call from the engine's own log sink)
+            # ended nothing: the handle stays usable and a later close ends it.
+            # Anything else (Ctrl-C, a signal handler's exception) may have
+            # come before or after the native end: the handle says which.
+            refused = type(exc).__name__ == "BusyError"
+            reopen = self._reopen_if_end_fails
+            self._closed(_OPEN if refused or (reopen() if callable(reopen) else reopen) else _CLOSED)
+            raise
+        self._closed(_CLOSED)
         return result
 
     # ---- lock held ----

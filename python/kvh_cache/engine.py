@@ -53,8 +53,9 @@ from ._ffi import (
     lib,
     raise_status,
     status_name,
+    take_pending_interrupt,
 )
-from . import _handle, _interrupts
+from . import _handle
 from ._handle import Finalized, GatedHandle, GateUse, HandleGate, OwnedHandle, Uncopyable, in_lock_order
 from .types import (
     Backend,
@@ -230,10 +231,11 @@ class _Native:
 
     def __init__(self, ptr) -> None:
         self.ptr = ptr
-        # A close the library refuses (from the engine's own log sink)
-        # leaves it open.
+        # A close the library refuses (from the engine's own log sink), or
+        # one cut short before the C call, leaves it open.
         self.gate = HandleGate(
-            lambda: errors.ClosedError("the engine is closed", lib.KVH_ERR_CLOSED), reopen_if_end_fails=True
+            lambda: errors.ClosedError("the engine is closed", lib.KVH_ERR_CLOSED),
+            reopen_if_end_fails=lambda: not self.released,
         )
         self._lock = threading.RLock()  # views and release; re-entrant: finalizers may run anywhere
         self._lock_forks = _handle._forks
@@ -336,11 +338,14 @@ class _Native:
     def _release(self) -> int:
         if self.released:
             return 0
-        st = lib.kvh_engine_close(self.ptr)
-        if st == lib.KVH_ERR_BUSY:
-            return st  # refused, and changed nothing: a later close can end it
-        self.released = True
-        self.ptr = NULL
+        # Forgotten before the call: Python raises a Ctrl-C (or a signal
+        # handler's exception) right after a C call returns, and the pointer
+        # kept past a close that ran would be used again, freed.
+        ptr, self.ptr, self.released = self.ptr, NULL, True
+        st = lib.kvh_engine_close(ptr)
+        if st == lib.KVH_ERR_BUSY:  # refused, and changed nothing: a later close can end it
+            self.ptr, self.released = ptr, False
+            return st
         self.close_status = st
         return st
 
@@ -435,6 +440,10 @@ class _Call:
         self.native.leave()
         for use in reversed(self.uses):
             use.gate.leave(use.exclusive)
+        # Ctrl-C met by a log handler during the call: it wins over the
+        # call's own error, as it would have outside a handler.
+        if take_pending_interrupt() and exc[0] is not KeyboardInterrupt:
+            raise KeyboardInterrupt
 
 
 # ---------------------------------------------------------------------------------
@@ -470,12 +479,16 @@ class Engine(OwnedHandle):
         token = next(_log_tokens)
         c.log_user = ffi.cast("void *", token)
         out = ffi.new("kvh_engine **")
-        with _interrupts.deferred():  # an engine opened is always owned
+        try:
             st = lib.kvh_engine_open(c, out)
-            if st != 0:
-                raise_status(st)
-            self._native = _Native(out[0])
-            self._native.log_token = token
+        finally:
+            # Owned even when a Ctrl-C comes right after the call returned
+            # (its status then unread): the engine closes with this object.
+            if out[0] != NULL:
+                self._native = _Native(out[0])
+                self._native.log_token = token
+        if st != 0:
+            raise_status(st)
         del keep
         self._geom = (int(c.num_layers), int(c.num_kv_heads), int(c.head_dim), int(c.block_tokens))
         self._dtype = DType(int(c.dtype))
@@ -1902,10 +1915,16 @@ class Sequence(GatedHandle, OwnedHandle):
         with self._call() as p:
             # the block holding the cut may be copied; the ones after it go
             self._keep_viewed_blocks(n_tokens // self._engine.block_tokens)
-            with _interrupts.deferred():  # the holds must follow the cut
-                check(lib.kvh_seq_truncate(p, self._h[0], n_tokens))
-                for hold in list(self._holds):
-                    hold._truncated(n_tokens)
+            try:
+                st = lib.kvh_seq_truncate(p, self._h[0], n_tokens)
+            finally:
+                # The holds follow the cut the library made, even when a
+                # Ctrl-C comes right after the call (its status then unread).
+                now = ffi.new("uint64_t *")
+                if lib.kvh_seq_length(p, self._h[0], now) == 0 and now[0] <= n_tokens:
+                    for hold in list(self._holds):
+                        hold._truncated(n_tokens)
+            check(st)
             self._refresh_views()
 
     def match_prefix(self, tokens: ArrayLike) -> int:

@@ -1,6 +1,6 @@
-"""Ctrl-C around C calls (kvh_cache._interrupts): KeyboardInterrupt
-reaches the caller once a call's result is recorded, never between the C
-call and Python's bookkeeping of it; one met by a log handler is not lost."""
+"""Ctrl-C, or a signal handler's exception, right after a C call returns
+(where Python raises it): the binding's bookkeeping still matches what the
+call did; one met by a log handler is not lost."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ class _CtrlCDuring:
     right after it returns, the first moment Python can raise it)."""
 
     def __init__(self, real, name):
-        self.real, self.name, self.armed = real, name, True
+        self.real, self.name, self.armed, self.sig = real, name, True, signal.SIGINT
 
     def __getattr__(self, attr):
         fn = getattr(self.real, attr)
@@ -42,7 +42,7 @@ class _CtrlCDuring:
 
         def call(*args):
             st = fn(*args)
-            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), self.sig)
             time.sleep(0.01)  # delivered to this thread's handler by now
             return st
 
@@ -71,6 +71,42 @@ def test_ctrl_c_during_close_leaves_the_engine_closed(lib_with_ctrl_c):
     with pytest.raises(kvh.ClosedError):
         eng.stats()
     eng.close()  # a second close does nothing
+
+
+def test_a_signal_handlers_exception_during_close_leaves_it_closed(monkeypatch):
+    """The same through a program's own SIGTERM handler (sys.exit in it, as
+    servers do), which no deferral of Ctrl-C alone covers."""
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        eng = make_engine()
+        wrapped = _CtrlCDuring(em.lib, "kvh_engine_close")
+        wrapped.sig = signal.SIGTERM
+        monkeypatch.setattr(em, "lib", wrapped)
+        with pytest.raises(SystemExit):
+            eng.close()
+        assert eng.closed
+        with pytest.raises(kvh.ClosedError):
+            eng.stats()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_the_binding_leaves_signal_handlers_alone(monkeypatch, tmp_path):
+    """An embedding program's own SIGINT handler (or SIG_DFL, or one set in
+    C, which Python cannot put back) is never swapped, even for a moment."""
+
+    def refuse(*args):
+        raise AssertionError(f"signal.signal{args} called")
+
+    monkeypatch.setattr(signal, "signal", refuse)
+    eng = make_engine(disk_path=str(tmp_path / "store"), disk_bytes=8 << 20)
+    seq = eng.sequence(tokens=range(48))
+    seq.truncate(16)
+    eng.close()
 
 
 def test_ctrl_c_during_truncate_still_cuts_the_holds(lib_with_ctrl_c):
