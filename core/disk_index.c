@@ -709,7 +709,9 @@ static int flush_locked(kvhi_disk *d)
         return -EIO;
     off_t end = lseek(d->journal_fd, 0, SEEK_CUR);
     int rc = end < 0 ? -errno : write_all(d->journal_fd, buf, len);
-    if ((rc == -ENOSPC || rc == -EDQUOT) && end >= 0 && ftruncate(d->journal_fd, end) == 0 &&
+    /* No room (a full disk, a quota, the process's file size limit): the
+     * records wait for room, the journal as it was. */
+    if ((rc == -ENOSPC || rc == -EDQUOT || rc == -EFBIG) && end >= 0 && ftruncate(d->journal_fd, end) == 0 &&
         lseek(d->journal_fd, end, SEEK_SET) == end && requeue(d, buf, len))
         return rc;
     if (rc != 0)

@@ -687,8 +687,9 @@ kvh_status kvhi_disk_persist_blocks(kvh_engine *e, const uint32_t *blocks, uint3
             rc = kvhi_index_sync(e->disk);
         pthread_mutex_lock(&e->lock);
         if (kvhi_err_disk_full(rc) && !e->disk->fatal)
-            st = kvhi_fail(KVH_ERR_NOSPACE, "the disk is full: the index records of the persisted blocks could "
-                                            "not be written (they stay pending)");
+            st = kvhi_fail(KVH_ERR_NOSPACE,
+                           "no room for the index records of the persisted blocks (%s): they stay pending",
+                           strerror(-rc));
         else if (rc == -ENOENT)
             st = kvhi_fail(KVH_ERR_IO,
                            "the store's directory or journal in %s was removed while open: nothing "

@@ -622,6 +622,58 @@ static int persist_under_file_size_limit(void *arg)
     return kvh_engine_close(e) == KVH_OK ? 0 : 9;
 }
 
+/* The journal meets the limit first (a small disk: every slab write lies
+ * below it): its records wait, as on a full disk, and the store takes
+ * writes again once the limit is lifted. */
+static int journal_under_file_size_limit(void *arg)
+{
+    (void)arg;
+    char dir[512];
+    dt_scratch("fsize-journal", dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 2, 2, 4, 2);
+    c.migration_threads = 0;
+    kvh_engine *e = NULL;
+    if (kvh_engine_open(&c, &e) != KVH_OK)
+        return 1;
+    signal(SIGXFSZ, SIG_IGN);
+    struct rlimit rl = {.rlim_cur = 96 * 1024, .rlim_max = RLIM_INFINITY}; /* slabs: 4 slots, 32 KiB */
+    if (setrlimit(RLIMIT_FSIZE, &rl) != 0)
+        return 2;
+    kvh_status st = KVH_OK;
+    int i;
+    for (i = 0; i < 3000 && st == KVH_OK; i++) {
+        kvh_seq s;
+        if (dt_build(e, G, dt_plain(5000 + (uint32_t)i), G.bt, 0, &s) != KVH_OK)
+            return 3;
+        st = kvh_seq_persist(e, s);
+        if (st != KVH_OK && (st != KVH_ERR_NOSPACE || !strstr(kvh_last_error(), "File too large"))) {
+            fprintf(stderr, "persist %d under the limit: %s: %s\n", i, kvh_status_name(st), kvh_last_error());
+            return 4;
+        }
+        if (kvh_seq_free(e, s) != KVH_OK)
+            return 5;
+    }
+    if (st == KVH_OK)
+        return 6; /* the limit never bit */
+    rl.rlim_cur = RLIM_INFINITY;
+    if (setrlimit(RLIMIT_FSIZE, &rl) != 0)
+        return 7;
+    kvh_seq s;
+    if (dt_build(e, G, dt_plain(4999), G.bt, 0, &s) != KVH_OK || (st = kvh_seq_persist(e, s)) != KVH_OK) {
+        fprintf(stderr, "persist after the limit: %s: %s\n", kvh_status_name(st), kvh_last_error());
+        return 8;
+    }
+    if (kvh_engine_close(e) != KVH_OK)
+        return 9;
+    if (kvh_engine_open(&c, &e) != KVH_OK)
+        return 10;
+    size_t m = 0;
+    char msg[256];
+    if (dt_match_verify(e, G, dt_plain(4999), G.bt, &m, msg, sizeof(msg)) != KVH_OK || m != G.bt)
+        return 11;
+    return kvh_engine_close(e) == KVH_OK ? 0 : 12;
+}
+
 static void test_a_file_size_limit_is_said_as_such(void **state)
 {
     (void)state;
@@ -631,6 +683,9 @@ static void test_a_file_size_limit_is_said_as_such(void **state)
         if (rc != 0)
             fail_msg("%s: check %d failed", modes[m] ? "buffered" : "O_DIRECT", rc);
     }
+    int rc = dt_in_child(journal_under_file_size_limit, NULL);
+    if (rc != 0)
+        fail_msg("journal: check %d failed", rc);
 }
 
 /* A persist folds a long journal into a new index (past 4,096 records,
