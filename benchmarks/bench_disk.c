@@ -258,10 +258,15 @@ static double fio_figure(const char *path, uint64_t bs, uint32_t n, const char *
         else if (errno != EINTR)
             break;
     close(out[0]);
+    /* Known to the handler until reaped: waited for first without reaping,
+     * so that its pid cannot name another process when the handler kills. */
+    siginfo_t ended;
+    while (waitid(P_PID, (id_t)pid, &ended, WEXITED | WNOWAIT) < 0 && errno == EINTR)
+        ;
+    bench_child_drop(slot);
     int status = 0;
     while (waitpid(pid, &status, 0) < 0 && errno == EINTR)
         ;
-    bench_child_drop(slot);
     line[len] = '\0';
     if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
         return -1;

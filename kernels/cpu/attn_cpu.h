@@ -40,7 +40,7 @@ kvh_status kvhi_attention_set_impl(kvh_engine *e, int impl);
 
 /* Runs one unit; scratch holds kvhi_attn_cpu_scratch_floats() floats. */
 typedef void (*kvhi_attn_unit_fn)(const kvhi_attn_plan *p, const kvhi_attn_unit *u, const void *q, void *out,
-                                  float *partial_o, float *partial_lse, float *scratch);
+                                  float *partial_o, float *partial_m_l, float *scratch);
 
 /* Per-ISA tables indexed by kv dtype; NULL entries where not built. */
 extern const kvhi_attn_unit_fn kvhi_attn_units_generic[3]; /* head_dim % 4 == 0 */
