@@ -493,11 +493,6 @@ static kvh_status write_part(kvh_engine *e, kvhi_seq *s, uint32_t layer, uint64_
             cnt = (uint32_t)(pos + n - t);
         size_t skip = (size_t)(t - pos) * tok_bytes;
         uint32_t b = s->blocks[bi];
-        /* Filling a block is part of making it (its allocation already
-         * counted as its first access); only rewriting cells is a use. A
-         * fill counted per layer would make every new block look hot to
-         * LRU-K and defeat its resistance to one-off blocks. */
-        bool rewrite = kvhi_block_cell_written(e, b, layer, off);
         /* A move while the lock was dropped may have kept a clean host
          * copy of the bytes about to change, or a demotion recalled by
          * kvhi_block_ensure_memory a clean disk copy. */
@@ -506,8 +501,6 @@ static kvh_status write_part(kvh_engine *e, kvhi_seq *s, uint32_t layer, uint64_
             st = kvhi_fail(KVH_ERR_IO, "copy into the device tier failed");
         if (st == KVH_OK)
             st = kvhi_block_mark_written(e, b, layer, off, off + cnt);
-        if (rewrite)
-            note_access(e, b);
         t += cnt;
     }
     for (uint32_t li = b0; li < b1; li++) {
@@ -580,6 +573,16 @@ static kvh_status write_kv(kvh_engine *e, kvhi_seq *s, uint32_t layer, uint64_t 
                            const void *v, uint32_t b0, uint32_t b1)
 {
     kvh_status st = KVH_OK;
+    uint32_t bt = e->cfg.block_tokens;
+    /* Each block is counted (kvh_stats) in the tier it is in as the call
+     * asks for it, before a copy or a move for the write, and also when
+     * the write then fails. Filling a block is part of making it (its
+     * allocation already counted as its first access); only rewriting
+     * cells is a use. A fill counted per layer would make every new block
+     * look hot to LRU-K and defeat its resistance to one-off blocks. */
+    for (uint64_t t = pos; t < pos + n; t = (t / bt + 1) * bt)
+        if (kvhi_block_cell_written(e, s->blocks[t / bt], layer, (uint32_t)(t % bt)))
+            note_access(e, s->blocks[t / bt]);
     /* The whole range in one part, so that a failure writes nothing; but a
      * range of more blocks than the memory tiers hold in all could never
      * be written so, and goes a block at a time (a failure then leaves the
@@ -590,7 +593,6 @@ static kvh_status write_kv(kvh_engine *e, kvhi_seq *s, uint32_t layer, uint64_t 
             memory_blocks += e->tiers[t].slots.capacity;
     if (b1 - b0 <= memory_blocks)
         return write_part(e, s, layer, pos, n, k, v, b0, b1);
-    uint32_t bt = e->cfg.block_tokens;
     size_t tok_bytes = (size_t)e->cfg.num_kv_heads * e->cfg.head_dim * e->elem_bytes;
     for (uint64_t t = pos; t < pos + n && st == KVH_OK;) {
         uint64_t end = (t / bt + 1) * bt < pos + n ? (t / bt + 1) * bt : pos + n;
@@ -648,6 +650,11 @@ static kvh_status read_kv(kvh_engine *e, kvhi_seq *s, uint32_t layer, uint64_t p
             return kvhi_fail(KVH_ERR_RANGE, "KV of token %llu in layer %u was never written", (unsigned long long)t,
                              layer);
     size_t tok_bytes = (size_t)e->cfg.num_kv_heads * e->cfg.head_dim * e->elem_bytes;
+    /* Each block counted in the tier it is in as the call asks for it:
+     * bringing one in may move another of the range, and a failure may
+     * come before the last. */
+    for (uint64_t t = pos; t < pos + n; t = (t / bt + 1) * bt)
+        note_access(e, s->blocks[t / bt]);
     for (uint64_t t = pos; t < pos + n;) {
         uint32_t li = (uint32_t)(t / bt), off = (uint32_t)(t % bt);
         uint32_t cnt = bt - off;
@@ -655,7 +662,6 @@ static kvh_status read_kv(kvh_engine *e, kvhi_seq *s, uint32_t layer, uint64_t p
             cnt = (uint32_t)(pos + n - t);
         uint32_t b = s->blocks[li];
         size_t skip = (size_t)(t - pos) * tok_bytes;
-        note_access(e, b);
         if ((st = kvhi_block_ensure_memory(e, b)) != KVH_OK)
             return st;
         if (kv_copy(e, b, layer, off, cnt, k ? (uint8_t *)k + skip : NULL, v ? (uint8_t *)v + skip : NULL, false) != 0)

@@ -1,6 +1,7 @@
 /* Engine counters (kvh_stats) mean what their names and kvh.h say: what
  * persist wrote, where a matched prefix was found, which accesses are
  * lookups, and that an older, shorter struct is still filled. */
+#include <limits.h>
 #include <stddef.h>
 
 #include "disk_test_util.h"
@@ -120,6 +121,63 @@ static void test_lookups_count_uses(void **state)
     dt_assert_ok(dt_close(e));
 }
 
+/* A block is counted in the tier it is in when the call asks for it, also
+ * when the call then fails: reads and writes counted them after their own
+ * moves (a block read back from disk as a host hit, a copy-on-write of a
+ * host block as a device hit), and not at all past a failure. */
+static void test_lookups_count_the_tier_asked_in_and_failed_calls(void **state)
+{
+    (void)state;
+    char dir[PATH_MAX];
+    dt_scratch("stats-asked", dir, sizeof(dir));
+    kvh_config c = dt_cfg(GEO, dir, 2, 2, 32, 0);
+    kvh_engine *e = dt_open_a(&c);
+    kvh_seq d, pinned_dev, pinned_host;
+    dt_assert_ok(dt_build(e, GEO, dt_plain(11), 2 * GEO.bt, 0, &d));
+    dt_assert_ok(kvh_seq_migrate(e, d, 0, 2 * GEO.bt, KVH_TIER_DISK, NULL));
+    int32_t tk[2 * 4];
+    dt_tokens(dt_plain(12), 0, 2 * GEO.bt, tk);
+    dt_assert_ok(kvh_seq_create(e, 0, &pinned_host));
+    dt_assert_ok(kvh_seq_append(e, pinned_host, tk, 2 * GEO.bt));
+    dt_assert_ok(kvh_seq_migrate(e, pinned_host, 0, 2 * GEO.bt, KVH_TIER_HOST, NULL));
+    dt_assert_ok(kvh_seq_pin(e, pinned_host, 0, 2 * GEO.bt, 1));
+    dt_tokens(dt_plain(13), 0, 2 * GEO.bt, tk);
+    dt_assert_ok(kvh_seq_create(e, 0, &pinned_dev));
+    dt_assert_ok(kvh_seq_append(e, pinned_dev, tk, 2 * GEO.bt));
+    dt_assert_ok(kvh_seq_pin(e, pinned_dev, 0, 2 * GEO.bt, 1));
+    size_t tb = dt_tok_bytes(GEO);
+    uint8_t *k = calloc(2 * GEO.bt, tb), *v = calloc(2 * GEO.bt, tb);
+    assert_non_null(k);
+    assert_non_null(v);
+    /* Both memory tiers full of pinned blocks: every call fails, and
+     * counts both blocks, on disk. */
+    for (int call = 0; call < 3; call++) {
+        kvh_stats a = dt_stats(e);
+        kvh_status st = call == 0   ? kvh_seq_acquire(e, d, 0, 2 * GEO.bt, NULL)
+                        : call == 1 ? kvh_seq_read_kv(e, d, 0, 0, 2 * GEO.bt, k, v)
+                                    : kvh_seq_write_kv(e, d, 0, 0, 2 * GEO.bt, k, v);
+        assert_int_equal(st, KVH_ERR_NOSPACE);
+        kvh_stats b = dt_stats(e);
+        assert_int_equal(b.lookups - a.lookups, 2);
+        assert_int_equal(b.hits_disk - a.hits_disk, 2);
+    }
+    /* Room again: a write over the blocks on disk counts them there,
+     * before it brings them in (and copies them, published). */
+    dt_assert_ok(kvh_seq_pin(e, pinned_dev, 0, 2 * GEO.bt, 0));
+    dt_assert_ok(kvh_seq_pin(e, pinned_host, 0, 2 * GEO.bt, 0));
+    kvh_stats a = dt_stats(e);
+    dt_assert_ok(kvh_seq_write_kv(e, d, 1, 0, 2 * GEO.bt, k, v));
+    kvh_stats b = dt_stats(e);
+    assert_int_equal(b.lookups - a.lookups, 2);
+    assert_int_equal(b.hits_disk - a.hits_disk, 2);
+    free(k);
+    free(v);
+    dt_assert_ok(kvh_seq_free(e, d));
+    dt_assert_ok(kvh_seq_free(e, pinned_dev));
+    dt_assert_ok(kvh_seq_free(e, pinned_host));
+    dt_assert_ok(dt_close(e));
+}
+
 /* A caller built against the previous kvh_stats gets its fields filled
  * and nothing written past its size. */
 static void test_older_struct_size(void **state)
@@ -148,6 +206,7 @@ int main(void)
         cmocka_unit_test_teardown(test_persist_counts_what_it_wrote, dt_teardown),
         cmocka_unit_test_teardown(test_prefix_found_on_disk, dt_teardown),
         cmocka_unit_test_teardown(test_lookups_count_uses, dt_teardown),
+        cmocka_unit_test_teardown(test_lookups_count_the_tier_asked_in_and_failed_calls, dt_teardown),
         cmocka_unit_test_teardown(test_older_struct_size, dt_teardown),
     };
     return cmocka_run_group_tests_name("stats", tests, NULL, NULL);
