@@ -343,6 +343,8 @@ static int ring_push(sim *s, uint32_t b)
     return 0;
 }
 
+static void promote_block(sim *s, uint32_t b);
+
 /* promote: whether this hint may also promote b (hint_promote: every
  * hint, or with prefetch_ahead only the window's prefetches). */
 static void hint_block(sim *s, uint32_t b, int32_t priority, int promote)
@@ -368,9 +370,16 @@ static void hint_block(sim *s, uint32_t b, int32_t priority, int promote)
         s->hint_next[b] = priority;
     }
     rekey(s, b);
-    if (where == IN_DEVICE)
-        return;
-    if (!s->cfg.hint_promote || !promote)
+    if (promote)
+        promote_block(s, b);
+}
+
+/* A hinted block's promotion (hint_promote): into a free device slot, or
+ * in place of a device block of a lower class. */
+static void promote_block(sim *s, uint32_t b)
+{
+    uint8_t where = s->where[b];
+    if (where == IN_DEVICE || where == IN_NONE || !s->cfg.hint_promote)
         return;
     if (s->dev.size >= s->cfg.device_blocks && !(s->dev.k[0].primary < key_of(s, b).primary))
         return; /* the device victim is hinted as soon or sooner */
@@ -391,14 +400,21 @@ static void apply_hint(sim *s, const trace_hint *h)
 {
     int promote = s->cfg.prefetch_ahead == 0;
     uint32_t n = h->block != UINT32_MAX ? 1 : h->n;
+    /* As kvh_prefetch: the whole range is hinted before any of it is
+     * promoted, so that no promotion takes the place of a block of it. */
     for (uint32_t i = 0; i < n; i++) {
         int64_t b = h->block != UINT32_MAX ? (int64_t)h->block : trace_find(s->t, h->seq, h->first + i);
         if (b < 0 || s->where[b] == IN_NONE)
             continue;
-        hint_block(s, (uint32_t)b, h->priority, promote);
+        hint_block(s, (uint32_t)b, h->priority, 0);
         if (!s->named[b] || h->priority > s->named_prio[b])
             s->named_prio[b] = h->priority;
         s->named[b] = 1;
+    }
+    for (uint32_t i = 0; i < n && promote; i++) {
+        int64_t b = h->block != UINT32_MAX ? (int64_t)h->block : trace_find(s->t, h->seq, h->first + i);
+        if (b >= 0)
+            promote_block(s, (uint32_t)b);
     }
 }
 

@@ -972,13 +972,17 @@ kvh_status kvhi_prefetch(kvh_engine *e, kvhi_seq *s, uint64_t first, uint64_t n,
             kvhi_fence_drop(e, fidx);
         return kvhi_fail(KVH_ERR_NOMEM, "out of memory queueing a prefetch");
     }
+    /* Predicted: kept above unhinted blocks until used (core/hints.c).
+     * Every block of the range first: a promotion run here drops the lock
+     * and makes room, and must not take it from a block of the range not
+     * yet hinted. */
+    for (uint32_t i = 0; i < b1 - b0; i++)
+        kvhi_hint_set(e, named[i].block, priority);
     for (uint32_t i = 0; i < b1 - b0; i++) {
         if (!still_named(e, named[i]))
             continue;
         uint32_t b = named[i].block;
         kvhi_block *blk = &e->blocks[b];
-        /* Predicted: kept above unhinted blocks until used (core/hints.c). */
-        kvhi_hint_set(e, b, priority);
         if (blk->tier == KVH_TIER_DEVICE && !kvhi_block_in_flight(blk))
             continue;
         /* Queued, or on its way up (a prefetched block arrived unused and

@@ -277,6 +277,42 @@ static void test_prefetch_displaces_only_a_lower_class(void **state)
     tu_close(e);
 }
 
+/* A prefetch of a range whose other blocks fill the device tier: its
+ * first promotion took the place of a block of the same range, not yet
+ * hinted, which the next one then brought back (3 promotions and 3
+ * evictions for 1), or which stayed out. The whole range is hinted first:
+ * only the unhinted block of another sequence leaves, once. */
+static void test_prefetch_does_not_displace_its_own_range(void **state)
+{
+    for (int other_pinned = 0; other_pinned < 2; other_pinned++) {
+        kvh_engine *e = tu_open(L, H, D, BT, KVH_DTYPE_F32, 3, HOST, threads_of(state));
+        kvh_seq q = tu_seq_new(e, 0);
+        int32_t t[3 * BT];
+        tu_iota(t, 3 * BT, 7000);
+        assert_ok(kvh_seq_append(e, q, t, 3 * BT));
+        tu_write_pattern(e, q, L, TOK, 70, 0, 3 * BT);
+        assert_ok(kvh_seq_migrate(e, q, 0, BT, KVH_TIER_HOST, NULL));
+        kvh_seq other = one_block(e, 71);
+        if (other_pinned)
+            assert_ok(kvh_seq_pin(e, other, 0, BT, 1));
+        assert_int_equal(tu_seq_binfo(e, q, 0).tier, KVH_TIER_HOST);
+        kvh_stats a = tu_stats(e);
+        kvh_fence f;
+        assert_ok(kvh_prefetch(e, q, 0, 3 * BT, 5, &f));
+        assert_ok(kvh_fence_wait(e, f, UINT64_MAX));
+        assert_ok(kvh_fence_free(e, f));
+        kvh_stats b = tu_stats(e);
+        for (uint64_t i = 1; i < 3; i++)
+            assert_int_equal(tu_seq_binfo(e, q, i).tier, KVH_TIER_DEVICE);
+        assert_int_equal(tu_seq_binfo(e, q, 0).tier, other_pinned ? KVH_TIER_HOST : KVH_TIER_DEVICE);
+        assert_int_equal(b.prefetch_issued - a.prefetch_issued, other_pinned ? 0 : 1);
+        assert_int_equal(b.evictions - a.evictions, other_pinned ? 0 : 1);
+        if (other_pinned)
+            assert_ok(kvh_seq_pin(e, other, 0, BT, 0));
+        tu_close(e);
+    }
+}
+
 /* An agent at its device quota makes room among its own blocks, so its
  * prefetch may not displace them unless it outranks them, free device
  * slots or not. */
@@ -372,6 +408,7 @@ int main(void)
         BOTH(test_lowest_priority_is_kept_second),
         BOTH(test_one_use_redeems_one_hint),
         BOTH(test_prefetch_displaces_only_a_lower_class),
+        BOTH(test_prefetch_does_not_displace_its_own_range),
         BOTH(test_prefetch_under_quota),
         BOTH(test_prefetch_from_disk_displaces_only_a_lower_class),
         BOTH(test_hint_bad_input),
