@@ -557,7 +557,11 @@ KVH_API kvh_status kvh_tier_info_get(kvh_engine *engine, uint32_t tier, kvh_tier
  * acquire that finds no room: KVH_ERR_NOSPACE). Blocks
  * attached by kvh_seq_match_prefix / kvh_prefix_lookup are counted in
  * prefix_hit_blocks, and by the tier they were found in there. The
- * blocks_/bytes_ pairs count moves (the block changes tier); copies
+ * blocks_/bytes_ pairs count moves (the block changes tier); a move
+ * between the device and disk tiers goes through host memory and counts
+ * in both pairs on its way (device_to_host and host_to_disk, or
+ * disk_to_host and host_to_device), though the block never is in the
+ * host tier; copies
  * written to disk while the block stays where it is (persist, background
  * cleaning) are disk_copies_written. Bytes to and from the host tier are
  * raw blocks (block_bytes); to and from disk, blocks as stored there
