@@ -578,6 +578,27 @@ static void test_transient_read_error_keeps_durable_blocks(void **state)
     }
 }
 
+/* Persists new sequences of `blocks` blocks (contents from tag on) until
+ * one fails, which must be NOSPACE with "File too large": 0, or the number
+ * of the check that failed (3-6; 6: the limit never bit). */
+static int persist_until_the_limit_bites(kvh_engine *e, uint32_t tag, uint32_t blocks, int most)
+{
+    kvh_status st = KVH_OK;
+    for (int i = 0; i < most && st == KVH_OK; i++) {
+        kvh_seq s;
+        if (dt_build(e, G, dt_plain(tag + (uint32_t)i), blocks * G.bt, 0, &s) != KVH_OK)
+            return 3;
+        st = kvh_seq_persist(e, s);
+        if (st != KVH_OK && (st != KVH_ERR_NOSPACE || !strstr(kvh_last_error(), "File too large"))) {
+            fprintf(stderr, "persist %d under the limit: %s: %s\n", i, kvh_status_name(st), kvh_last_error());
+            return 4;
+        }
+        if (kvh_seq_free(e, s) != KVH_OK)
+            return 5;
+    }
+    return st == KVH_OK ? 6 : 0;
+}
+
 /* A file size limit (RLIMIT_FSIZE) stops a slab's growth: persist says
  * NOSPACE with "File too large" (not "No space left on device", nor
  * "Invalid argument" where O_DIRECT resumed a short write unaligned),
@@ -597,22 +618,9 @@ static int persist_under_file_size_limit(void *arg)
     struct rlimit rl = {.rlim_cur = 300 * 1000 + 123, .rlim_max = RLIM_INFINITY}; /* not 4 KiB-aligned */
     if (setrlimit(RLIMIT_FSIZE, &rl) != 0)
         return 2;
-    kvh_status st = KVH_OK;
-    int i;
-    for (i = 0; i < 200 && st == KVH_OK; i++) {
-        kvh_seq s;
-        if (dt_build(e, G, dt_plain(3000 + (uint32_t)i), 2 * G.bt, 0, &s) != KVH_OK)
-            return 3;
-        st = kvh_seq_persist(e, s);
-        if (st != KVH_OK && (st != KVH_ERR_NOSPACE || !strstr(kvh_last_error(), "File too large"))) {
-            fprintf(stderr, "persist %d under the limit: %s: %s\n", i, kvh_status_name(st), kvh_last_error());
-            return 4;
-        }
-        if (kvh_seq_free(e, s) != KVH_OK)
-            return 5;
-    }
-    if (st == KVH_OK)
-        return 6; /* the limit never bit */
+    int rc = persist_until_the_limit_bites(e, 3000, 2, 200);
+    if (rc != 0)
+        return rc;
     rl.rlim_cur = RLIM_INFINITY;
     if (setrlimit(RLIMIT_FSIZE, &rl) != 0)
         return 7;
@@ -639,22 +647,10 @@ static int journal_under_file_size_limit(void *arg)
     struct rlimit rl = {.rlim_cur = 96 * 1024, .rlim_max = RLIM_INFINITY}; /* slabs: 4 slots, 32 KiB */
     if (setrlimit(RLIMIT_FSIZE, &rl) != 0)
         return 2;
+    int rc = persist_until_the_limit_bites(e, 5000, 1, 3000);
+    if (rc != 0)
+        return rc;
     kvh_status st = KVH_OK;
-    int i;
-    for (i = 0; i < 3000 && st == KVH_OK; i++) {
-        kvh_seq s;
-        if (dt_build(e, G, dt_plain(5000 + (uint32_t)i), G.bt, 0, &s) != KVH_OK)
-            return 3;
-        st = kvh_seq_persist(e, s);
-        if (st != KVH_OK && (st != KVH_ERR_NOSPACE || !strstr(kvh_last_error(), "File too large"))) {
-            fprintf(stderr, "persist %d under the limit: %s: %s\n", i, kvh_status_name(st), kvh_last_error());
-            return 4;
-        }
-        if (kvh_seq_free(e, s) != KVH_OK)
-            return 5;
-    }
-    if (st == KVH_OK)
-        return 6; /* the limit never bit */
     rl.rlim_cur = RLIM_INFINITY;
     if (setrlimit(RLIMIT_FSIZE, &rl) != 0)
         return 7;

@@ -847,8 +847,10 @@ def _running(pid):
         return False
 
 
-def test_bench_sigint_to_kvh_alone_stops_kvh_bench():
-    # SIGINT to the kvh process only (kill -INT, a supervisor) left kvh-bench running.
+def _stop_kvh_bench_through_kvh(sig, preexec):
+    """Starts `kvh bench trace --quick`, waits for its kvh-bench, sends sig
+    to kvh alone; returns (kvh's status, its stderr, the kvh-bench pids
+    still running)."""
     _bench_tool()
     p = subprocess.Popen(
         [sys.executable, "-m", "kvh_cache", "bench", "trace", "--quick"],
@@ -856,41 +858,7 @@ def test_bench_sigint_to_kvh_alone_stops_kvh_bench():
         stderr=subprocess.PIPE,
         text=True,
         env=_env(),
-        preexec_fn=_default_sigint,
-    )
-    try:
-        deadline = time.monotonic() + TIMEOUT
-        while not _children(p.pid) and p.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        children = _children(p.pid)
-        assert children, "kvh bench started no kvh-bench"
-        time.sleep(0.5)
-        p.send_signal(signal.SIGINT)
-        out, err = p.communicate(timeout=15)
-    finally:
-        p.kill()
-    assert p.returncode == 130 and "Traceback" not in err, (p.returncode, err)
-    assert not [c for c in children if _running(c)], children
-
-
-def _default_stop_signals():
-    # A runner started by nohup ignores SIGHUP, and its children inherit that.
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, signal.SIG_DFL)
-
-
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
-def test_bench_sigterm_or_sighup_to_kvh_stops_kvh_bench(sig):
-    # kvh-bench runs in a process group of its own, stopped only on
-    # Ctrl-C: SIGTERM or SIGHUP to kvh left it running, orphaned.
-    _bench_tool()
-    p = subprocess.Popen(
-        [sys.executable, "-m", "kvh_cache", "bench", "trace", "--quick"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=_env(),
-        preexec_fn=_default_stop_signals,
+        preexec_fn=preexec,
     )
     children = []
     try:
@@ -910,8 +878,29 @@ def test_bench_sigterm_or_sighup_to_kvh_stops_kvh_bench(sig):
                 os.killpg(c, signal.SIGKILL)
             except OSError:
                 pass
-    assert not running, (running, p.returncode, err)
-    assert p.returncode == 128 + sig and "Traceback" not in err, (p.returncode, err)
+    return p.returncode, err, running
+
+
+def test_bench_sigint_to_kvh_alone_stops_kvh_bench():
+    # SIGINT to the kvh process only (kill -INT, a supervisor) left kvh-bench running.
+    rc, err, running = _stop_kvh_bench_through_kvh(signal.SIGINT, _default_sigint)
+    assert rc == 130 and "Traceback" not in err, (rc, err)
+    assert not running, running
+
+
+def _default_stop_signals():
+    # A runner started by nohup ignores SIGHUP, and its children inherit that.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
+def test_bench_sigterm_or_sighup_to_kvh_stops_kvh_bench(sig):
+    # kvh-bench runs in a process group of its own, stopped only on
+    # Ctrl-C: SIGTERM or SIGHUP to kvh left it running, orphaned.
+    rc, err, running = _stop_kvh_bench_through_kvh(sig, _default_stop_signals)
+    assert not running, (running, rc, err)
+    assert rc == 128 + sig and "Traceback" not in err, (rc, err)
     assert err.strip().splitlines()[-1] == f"kvh: stopped by signal {int(sig)} ({sig.name})", err
 
 
