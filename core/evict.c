@@ -206,10 +206,12 @@ kvh_status kvhi_reserve_slot(kvh_engine *e, uint32_t tier, uint32_t for_agent, u
             return kvhi_fail(KVH_ERR_NOSPACE, "no device block ranks below the prefetched one");
         bool changed = false;
         kvh_status st = evict_one(e, v, slot, &changed);
-        if (st == KVH_OK && qa && kvhi_agent_at_quota(e, for_agent)) {
-            /* Still at its quota (lowered below what it holds): the slot
-             * goes back and another of its blocks leaves, rather than a
-             * swap that keeps it over the quota for good. */
+        if (st == KVH_OK && tier == KVH_TIER_DEVICE && e->n_agents && kvhi_agent_at_quota(e, for_agent)) {
+            /* At its quota now: still (lowered below what it holds), or
+             * reached while the victim's move had the lock dropped, by
+             * another thread's move for it. The slot goes back and one of
+             * its own blocks leaves, rather than a swap that keeps it over
+             * the quota for good. */
             kvhi_slot_pool_free(&t->slots, *slot);
             continue;
         }
@@ -224,8 +226,13 @@ kvh_status kvhi_reserve_slot(kvh_engine *e, uint32_t tier, uint32_t for_agent, u
             continue;
         /* The lock may have been dropped: the block is looked up afresh. */
         uint32_t c = victim_with_disk_copy(e, tier, of);
-        if (c != KVHI_HEAP_NONE && kvhi_victim_under_ceiling(e, tier, c) && evict_one(e, c, slot, &changed) == KVH_OK)
+        if (c != KVHI_HEAP_NONE && kvhi_victim_under_ceiling(e, tier, c) && evict_one(e, c, slot, &changed) == KVH_OK) {
+            if (tier == KVH_TIER_DEVICE && e->n_agents && kvhi_agent_at_quota(e, for_agent)) {
+                kvhi_slot_pool_free(&t->slots, *slot); /* as above */
+                continue;
+            }
             return KVH_OK;
+        }
         /* The victim could not leave (everything below is referenced and
          * full): nothing else in this tier can either. */
         return kvhi_fail(KVH_ERR_NOSPACE, "no room below the %s tier for its least valuable block",

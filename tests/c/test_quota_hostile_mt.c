@@ -8,11 +8,14 @@
  * still bounds its agent after the churn. A second test moves one quota'd
  * agent's blocks up and down through the migration workers and checks
  * the quota after every call. Runs under TSan (label concurrency). */
+#include <limits.h>
 #include <sched.h>
+#include <stdbool.h>
 #include <stdatomic.h>
 
 #include "test_util.h"
 #include "mt_util.h"
+#include "disk_test_util.h"
 
 enum { L = 2, H = 2, D = 8, BT = 4, TOKB = H * D * 2 };
 enum { DEVICE_BLOCKS = 24, HOST_BLOCKS = 160 };
@@ -462,14 +465,31 @@ static uint64_t agent_device_blocks(kvh_engine *e, const kvh_seq *s, const uint6
  * the host tier and brought back up (kvh_seq_migrate, kvh_seq_acquire)
  * through two migration workers, each call waiting for its moves. After
  * every call the agent must be within its quota: two promotions of its
- * blocks in flight at once must not both pass the quota check. */
-static void test_agent_quota_holds_under_concurrent_promotions(void **state)
+ * blocks in flight at once must not both pass the quota check, also where
+ * each must first evict another agent's block (the device tier full of
+ * them), dropping the lock while it moves. */
+static void quota_holds_under_concurrent_promotions(bool device_full_of_others)
 {
-    (void)state;
-    enum { NS = 3, QUOTA = 3, ROUNDS = 3000 };
-    kvh_config c = tu_cfg(L, H, D, BT, KVH_DTYPE_F16, DEVICE_BLOCKS, HOST_BLOCKS, 2);
+    enum { NS = 3, QUOTA = 3, ROUNDS = 3000, SMALL_HOST = 8, OTHERS = DEVICE_BLOCKS + SMALL_HOST };
+    kvh_config c =
+        tu_cfg(L, H, D, BT, KVH_DTYPE_F16, DEVICE_BLOCKS, device_full_of_others ? SMALL_HOST : HOST_BLOCKS, 2);
+    char dir[PATH_MAX];
+    if (device_full_of_others) {
+        /* Memory full of another agent's blocks: each room made for a
+         * promotion moves one down, to disk in the end, the lock dropped. */
+        dt_scratch("quota-evicting", dir, sizeof(dir));
+        c.disk_path = dir;
+        c.disk_bytes = 256ull << 20;
+    }
     kvh_engine *e = tu_open_cfg(&c);
     assert_ok(kvh_agent_set_quota(e, 1, QUOTA * tu_block_bytes(e)));
+    kvh_seq others = tu_seq_new(e, 2);
+    if (device_full_of_others) {
+        int32_t tok[OTHERS * BT];
+        tu_iota(tok, OTHERS * BT, 90000);
+        assert_ok(kvh_seq_append(e, others, tok, OTHERS * BT));
+        tu_write_pattern(e, others, L, TOKB, 99, 0, OTHERS * BT);
+    }
     tu_rng r = {tu_seed(0x9a07a)};
     kvh_seq s[NS];
     uint64_t len[NS];
@@ -509,6 +529,16 @@ static void test_agent_quota_holds_under_concurrent_promotions(void **state)
     }
     for (int j = 0; j < NS; j++)
         assert_true(tu_check_pattern(e, s[j], L, TOKB, (uint64_t)j, 0, len[j]));
+    if (device_full_of_others)
+        assert_true(tu_check_pattern(e, others, L, TOKB, 99, 0, OTHERS * BT));
+    tu_close(e);
+}
+
+static void test_agent_quota_holds_under_concurrent_promotions(void **state)
+{
+    (void)state;
+    quota_holds_under_concurrent_promotions(false);
+    quota_holds_under_concurrent_promotions(true);
 }
 
 /* kvh.h: a quota counts whole blocks (rounded down, at least one), and a
