@@ -141,6 +141,20 @@ static uint32_t victim_with_disk_copy(kvh_engine *e, uint32_t t, uint32_t agent)
     return best;
 }
 
+/* After an eviction made slot free for for_agent: true when the agent is
+ * at its device quota now, the slot then given back. It may be at its
+ * quota still (lowered below what it holds), or have reached it while the
+ * victim's move had the lock dropped, by another thread's move for it;
+ * one of its own blocks leaves instead, rather than a swap that keeps it
+ * over the quota for good. */
+static bool gave_back_over_quota(kvh_engine *e, uint32_t tier, uint32_t for_agent, uint32_t slot)
+{
+    if (tier != KVH_TIER_DEVICE || !e->n_agents || !kvhi_agent_at_quota(e, for_agent))
+        return false;
+    kvhi_slot_pool_free(&e->tiers[tier].slots, slot);
+    return true;
+}
+
 kvh_status kvhi_reserve_slot(kvh_engine *e, uint32_t tier, uint32_t for_agent, uint32_t *slot)
 {
     kvhi_assert_locked(e);
@@ -206,15 +220,8 @@ kvh_status kvhi_reserve_slot(kvh_engine *e, uint32_t tier, uint32_t for_agent, u
             return kvhi_fail(KVH_ERR_NOSPACE, "no device block ranks below the prefetched one");
         bool changed = false;
         kvh_status st = evict_one(e, v, slot, &changed);
-        if (st == KVH_OK && tier == KVH_TIER_DEVICE && e->n_agents && kvhi_agent_at_quota(e, for_agent)) {
-            /* At its quota now: still (lowered below what it holds), or
-             * reached while the victim's move had the lock dropped, by
-             * another thread's move for it. The slot goes back and one of
-             * its own blocks leaves, rather than a swap that keeps it over
-             * the quota for good. */
-            kvhi_slot_pool_free(&t->slots, *slot);
+        if (st == KVH_OK && gave_back_over_quota(e, tier, for_agent, *slot))
             continue;
-        }
         if (st == KVH_OK)
             return KVH_OK;
         if (st != KVH_ERR_NOSPACE)
@@ -227,10 +234,8 @@ kvh_status kvhi_reserve_slot(kvh_engine *e, uint32_t tier, uint32_t for_agent, u
         /* The lock may have been dropped: the block is looked up afresh. */
         uint32_t c = victim_with_disk_copy(e, tier, of);
         if (c != KVHI_HEAP_NONE && kvhi_victim_under_ceiling(e, tier, c) && evict_one(e, c, slot, &changed) == KVH_OK) {
-            if (tier == KVH_TIER_DEVICE && e->n_agents && kvhi_agent_at_quota(e, for_agent)) {
-                kvhi_slot_pool_free(&t->slots, *slot); /* as above */
+            if (gave_back_over_quota(e, tier, for_agent, *slot))
                 continue;
-            }
             return KVH_OK;
         }
         /* The victim could not leave (everything below is referenced and
