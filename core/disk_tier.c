@@ -286,9 +286,7 @@ void kvhi_disk_after_move(kvh_engine *e, uint32_t b, const kvhi_xfer *x, bool *k
         if (immutable(blk) && (blk->flags & KVHI_BF_JOURNALED)) {
             /* The disk data stays valid: keep it as a clean copy so the
              * next demotion costs no write and the record stays true. */
-            blk->disk_copy = x->src_slot;
-            blk->flags |= KVHI_BF_DISK_COPY;
-            e->disk_copy_count++;
+            kvhi_disk_copy_set(e, b, x->src_slot);
             *keep_src_slot = true;
         } else if (blk->flags & KVHI_BF_JOURNALED) {
             kvhi_index_append(e->disk, KVHI_REC_DEL, x->src_slot, blk->hash, blk->parent_hash, blk->n_tokens,
@@ -306,9 +304,8 @@ void kvhi_disk_keep_as_copy(kvh_engine *e, uint32_t b, const kvhi_xfer *x)
         return;
     }
     blk->data_crc = x->data_crc;
-    blk->disk_copy = x->dst_slot;
-    blk->flags |= KVHI_BF_DISK_COPY | KVHI_BF_DISK_HASHED;
-    e->disk_copy_count++;
+    kvhi_disk_copy_set(e, b, x->dst_slot);
+    blk->flags |= KVHI_BF_DISK_HASHED;
     e->stats.disk_copies_written++;
     e->stats.bytes_disk_copies_written += e->disk->block_bytes;
     if (blk->flags & KVHI_BF_PUBLISHED)
@@ -326,12 +323,26 @@ void kvhi_disk_forget(kvh_engine *e, uint32_t b)
                           kvhi_block_tokens(e, b));
         blk->flags &= (uint16_t)~KVHI_BF_JOURNALED;
     }
-    if (blk->flags & KVHI_BF_DISK_COPY) {
-        kvhi_release_slot(e, KVH_TIER_DISK, blk->disk_copy);
-        blk->flags &= (uint16_t)~KVHI_BF_DISK_COPY;
-        blk->disk_copy = KVHI_NO_BLOCK;
-        e->disk_copy_count--;
-    }
+    if (blk->flags & KVHI_BF_DISK_COPY)
+        kvhi_release_slot(e, KVH_TIER_DISK, kvhi_disk_copy_clear(e, b));
+}
+
+void kvhi_disk_copy_set(kvh_engine *e, uint32_t b, uint32_t slot)
+{
+    kvhi_block *blk = &e->blocks[b];
+    blk->disk_copy = slot;
+    blk->flags |= KVHI_BF_DISK_COPY;
+    e->disk_copy_count++;
+}
+
+uint32_t kvhi_disk_copy_clear(kvh_engine *e, uint32_t b)
+{
+    kvhi_block *blk = &e->blocks[b];
+    uint32_t slot = blk->disk_copy;
+    blk->disk_copy = KVHI_NO_BLOCK;
+    blk->flags &= (uint16_t)~KVHI_BF_DISK_COPY;
+    e->disk_copy_count--;
+    return slot;
 }
 
 size_t kvhi_disk_verify(kvh_engine *e, const uint32_t *blocks, size_t n)
@@ -522,9 +533,8 @@ static kvh_status write_copies(kvh_engine *e, const uint32_t *blocks, uint32_t n
         } else {
             wrote = true;
             blk->data_crc = x->data_crc;
-            blk->disk_copy = x->dst_slot;
-            blk->flags |= KVHI_BF_DISK_COPY | KVHI_BF_DISK_HASHED;
-            e->disk_copy_count++;
+            kvhi_disk_copy_set(e, x->block, x->dst_slot);
+            blk->flags |= KVHI_BF_DISK_HASHED;
             e->stats.disk_copies_written++;
             e->stats.bytes_disk_copies_written += e->disk->block_bytes;
             if (!journal_add(e, x->block, x->dst_slot) && st == KVH_OK)

@@ -20,6 +20,11 @@ kvh_status kvhi_disk_tier_close(kvh_engine *e, bool flush);
 void kvhi_disk_after_move(kvh_engine *e, uint32_t b, const kvhi_xfer *x, bool *keep_src_slot);
 /* Forgets b's disk record (DEL record) and clean copy, if any. */
 void kvhi_disk_forget(kvh_engine *e, uint32_t b);
+/* Makes disk slot `slot` b's clean copy, or takes it away and returns the
+ * slot (which the caller keeps or frees); the engine's count of clean
+ * disk copies (kvh_tier_info) follows. Lock held. */
+void kvhi_disk_copy_set(kvh_engine *e, uint32_t b, uint32_t slot);
+uint32_t kvhi_disk_copy_clear(kvh_engine *e, uint32_t b);
 /* A recalled demotion finished writing: b stays in memory and the slot it
  * was written to becomes its clean copy when it may be one (immutable,
  * written with its hash), else the slot is freed. */

@@ -185,10 +185,7 @@ static kvh_status demote_to_copy(kvh_engine *e, uint32_t b, uint32_t *src_slot_o
     }
     kvhi_block_move_event(blk, KVHI_EV_MOVE_BEGIN);
     kvhi_block_update_evictable(e, b); /* out of the old tier's heaps */
-    kvhi_block_place(e, b, KVH_TIER_DISK, blk->disk_copy);
-    blk->disk_copy = KVHI_NO_BLOCK;
-    blk->flags &= (uint16_t)~KVHI_BF_DISK_COPY;
-    e->disk_copy_count--;
+    kvhi_block_place(e, b, KVH_TIER_DISK, kvhi_disk_copy_clear(e, b));
     kvhi_block_move_event(blk, KVHI_EV_MOVE_END);
     if (src_slot_out)
         *src_slot_out = src_slot;
