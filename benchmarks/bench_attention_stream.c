@@ -286,22 +286,16 @@ int bench_attention_stream(int argc, char **argv, const bench_ctx *ctx)
     /* A new directory of its own under $KVH_BENCH_DIR: the files it
      * writes by fixed names (a store, a raw file) could be the user's. */
     char why[600];
-    if (bench_dir_check(dir, why, sizeof(why)) != 0) {
+    int scratch = bench_scratch_dir_make(dir, "kvh-bench-stream", o.dir, sizeof(o.dir), why, sizeof(why));
+    if (scratch < -1) {
         fprintf(stderr, "kvh-bench attention --stream: $KVH_BENCH_DIR: %s\n", why);
         return 1;
     }
-    if (!mkdtemp(o.dir)) {
-        fprintf(stderr, "kvh-bench attention --stream: cannot make a scratch directory in %s (%s)\n", dir,
-                strerror(errno));
-        return 1;
-    }
-    int scratch = bench_scratch_add(o.dir); /* gone too if a signal ends the run */
     int reps = ctx->reps ? ctx->reps : 5;
     int rc = 0;
     for (size_t i = 0; i < o.times.n && !rc; i++)
         rc = run_size(&o, ctx, o.times.v[i] ? o.times.v[i] : 1, reps);
-    if (bench_remove_tree(o.dir) != 0)
+    if (bench_scratch_dir_remove(o.dir, scratch) != 0)
         fprintf(stderr, "kvh-bench attention --stream: could not remove %s\n", o.dir);
-    bench_scratch_drop(scratch);
     return rc;
 }

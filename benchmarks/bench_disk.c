@@ -243,12 +243,11 @@ static double fio_figure(const char *path, uint64_t bs, uint32_t n, const char *
         _exit(127);
     }
     close(out[1]);
-    if (pid > 0)
-        setpgid(pid, pid); /* also here: the handler may run before the child gets to it */
     if (pid < 0) {
         close(out[0]);
         return -1;
     }
+    setpgid(pid, pid); /* also here: the handler may run before the child gets to it */
     int slot = bench_child_add(pid);
     static char line[16384];
     size_t len = 0;
@@ -399,26 +398,8 @@ static void emit(const bench_ctx *ctx, const char *metric, const double *ours, c
     bench_emit(ctx, r);
 }
 
-/* Removes a store directory kvh created (its files are all known). */
-static void remove_store(const char *dir)
-{
-    char p[4200];
-    const char *names[] = {"LOCK", "index", "journal", "index.tmp", "journal.tmp"};
-    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
-        snprintf(p, sizeof(p), "%s/%s", dir, names[i]);
-        unlink(p);
-    }
-    for (int i = 0;; i++) {
-        snprintf(p, sizeof(p), "%s/slab-%04d.kvh", dir, i);
-        if (unlink(p) != 0)
-            break;
-    }
-    rmdir(dir);
-}
-
 static int recovery(const bench_ctx *ctx, const char *dir, uint64_t context)
 {
-    remove_store(dir); /* a store left by an earlier run would hold duplicates */
     kvh_config c;
     BENCH_CHECK(kvh_config_init(&c, sizeof c));
     c.num_layers = 1;
@@ -515,20 +496,15 @@ int bench_disk(int argc, char **argv, const bench_ctx *ctx)
         fprintf(stderr, "kvh-bench disk: --dir is empty (its files would go to the root directory)\n");
         return 2;
     }
-    char why[4300];
-    if (bench_dir_check(dir, why, sizeof(why)) != 0) {
-        fprintf(stderr, "kvh-bench disk: --dir: %s\n", why);
-        return 1;
-    }
     /* Everything goes to a new directory of its own under dir: files of
      * fixed names there (raw.bin, a store) could be the user's, and two
      * runs in one dir would share them. */
-    char base[4096];
-    if (snprintf(base, sizeof(base), "%s/kvh-bench-disk-XXXXXX", dir) >= (int)sizeof(base) || !mkdtemp(base)) {
-        fprintf(stderr, "kvh-bench disk: cannot make a scratch directory in %s (%s)\n", dir, strerror(errno));
+    char base[4096], why[4300];
+    int scratch = bench_scratch_dir_make(dir, "kvh-bench-disk", base, sizeof(base), why, sizeof(why));
+    if (scratch < -1) {
+        fprintf(stderr, "kvh-bench disk: --dir: %s\n", why);
         return 1;
     }
-    int scratch = bench_scratch_add(base); /* gone too if a signal ends the run */
     rc = 0;
     char store[4200], raw[4200], rec[4200];
     snprintf(store, sizeof(store), "%s/store", base);
@@ -608,10 +584,6 @@ int bench_disk(int argc, char **argv, const bench_ctx *ctx)
     if (rc == 0)
         bench_flush_table(ctx, "disk recovery");
 out:
-    unlink(raw);
-    remove_store(store);
-    remove_store(rec);
-    rmdir(base);
-    bench_scratch_drop(scratch);
+    bench_scratch_dir_remove(base, scratch);
     return rc;
 }

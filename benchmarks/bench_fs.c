@@ -6,6 +6,7 @@
 #include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -158,4 +159,27 @@ int bench_dir_check(const char *dir, char *why, size_t why_len)
         return -1;
     }
     return 0;
+}
+
+int bench_scratch_dir_make(const char *parent, const char *prefix, char *out, size_t out_len, char *why, size_t why_len)
+{
+    if (bench_dir_check(parent, why, why_len) != 0)
+        return -2;
+    /* Cut short, the path would name another directory than parent. */
+    if (snprintf(out, out_len, "%s/%s-XXXXXX", parent, prefix) >= (int)out_len) {
+        snprintf(why, why_len, "%s is too long", parent);
+        return -2;
+    }
+    if (!mkdtemp(out)) {
+        snprintf(why, why_len, "cannot make a scratch directory in %s (%s)", parent, strerror(errno));
+        return -2;
+    }
+    return bench_scratch_add(out);
+}
+
+int bench_scratch_dir_remove(const char *path, int slot)
+{
+    int rc = bench_remove_tree(path);
+    bench_scratch_drop(slot);
+    return rc;
 }

@@ -30,4 +30,12 @@ void bench_scratch_on_signals(void);
  * (or root's), not writable by others unless sticky. Else -1 and why. */
 int bench_dir_check(const char *dir, char *why, size_t why_len);
 
+/* A new scratch directory of its own under parent (checked as above),
+ * named prefix-XXXXXX, in out; removed if a signal ends the program.
+ * Returns its scratch slot (>= -1), or -2 with why. */
+int bench_scratch_dir_make(const char *parent, const char *prefix, char *out, size_t out_len, char *why,
+                           size_t why_len);
+/* Removes it and forgets it: 0 when it is gone. */
+int bench_scratch_dir_remove(const char *path, int slot);
+
 #endif

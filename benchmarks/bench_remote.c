@@ -315,18 +315,17 @@ int bench_remote(int argc, char **argv, const bench_ctx *ctx)
         fprintf(stderr, "kvh-bench remote: redis-server and redis-cli are needed (scripts/install-deps.sh)\n");
         return 1;
     }
-    char dir[256];
-    /* A name no other user can have taken first (rt_start makes it anew). */
-    snprintf(dir, sizeof(dir), "%s/kvh-bench-remote-XXXXXX", "/tmp");
-    if (!mkdtemp(dir)) {
-        fprintf(stderr, "kvh-bench remote: cannot make a scratch directory in /tmp (%s)\n", strerror(errno));
+    /* A name no other user can have taken first (rt_start makes it anew);
+     * the server dies with us. */
+    char dir[256], why[300];
+    int scratch = bench_scratch_dir_make("/tmp", "kvh-bench-remote", dir, sizeof(dir), why, sizeof(why));
+    if (scratch < -1) {
+        fprintf(stderr, "kvh-bench remote: %s\n", why);
         return 1;
     }
-    int scratch = bench_scratch_add(dir); /* gone too if a signal ends the run (the server dies with us) */
     if (rt_start(&server, 1, NULL, dir) != 0) {
         fprintf(stderr, "kvh-bench remote: could not start redis-server on loopback (scratch directory %s)\n", dir);
-        bench_remove_tree(dir);
-        bench_scratch_drop(scratch);
+        bench_scratch_dir_remove(dir, scratch);
         return 1;
     }
     /* Room for the values; no persistence: a cache. */
@@ -342,9 +341,8 @@ int bench_remote(int argc, char **argv, const bench_ctx *ctx)
     if (!rc)
         rc = lookup(ctx, ctx->quick ? 4096 : (size_t)prefix, reps);
     rt_stop(&server);
-    if (bench_remove_tree(dir) != 0)
+    if (bench_scratch_dir_remove(dir, scratch) != 0)
         fprintf(stderr, "kvh-bench remote: could not remove %s\n", dir);
-    bench_scratch_drop(scratch);
     bench_flush_table(ctx, "Remote tier (one loopback Redis server)");
     return rc;
 }
