@@ -24,11 +24,15 @@ Python threads on one object serialise (or raise) instead of crashing.
 
 from __future__ import annotations
 
+import _thread
 import collections
 import os
+import signal
 import sys
 import threading
-from typing import Any, Callable, Deque, Dict, Optional, Sequence, Tuple, TypeVar, Union
+import time
+import weakref
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple, TypeVar, Union
 
 T = TypeVar("T")
 C = TypeVar("C", bound="Closable")
@@ -394,10 +398,84 @@ class Finalized:
         raise NotImplementedError
 
     def __del__(self) -> None:
-        try:
-            self._close_at_gc()
-        except Exception:  # nothing may escape a finaliser
-            pass
+        # The interpreter prints and drops what a finaliser raises: a
+        # Ctrl-C or a signal handler's exception met here would be lost and
+        # the close left half done. The close is finished first; Ctrl-C is
+        # then sent again, and anything else a signal handler raised goes
+        # on to sys.unraisablehook, where the application can act on it.
+        stopped: Optional[BaseException] = None
+        for _ in range(2):
+            try:
+                self._close_at_gc()
+                break
+            except Exception:  # nothing else may escape a finaliser
+                break
+            except BaseException as exc:
+                stopped = stopped or exc
+        if isinstance(stopped, KeyboardInterrupt):
+            try:
+                interrupt_again()
+            except Exception:  # at interpreter shutdown, with globals gone
+                pass
+        elif stopped is not None:
+            raise stopped
+
+
+def interrupt_again(signum: int = signal.SIGINT) -> None:
+    """Sends a signal to the main thread again, for one whose exception
+    code run by the interpreter itself (a finaliser, a weakref or gc
+    callback) met and cannot pass on. Sent from a thread a moment later:
+    set from here, the interpreter's flag would be seen, and the
+    exception raised and dropped again, before that code returns."""
+    if signum == signal.SIGINT and not callable(signal.getsignal(signal.SIGINT)):
+        return  # Ctrl-C does not raise here: nothing to send again
+
+    def deliver() -> None:
+        time.sleep(_SEND_AGAIN_AFTER_S)
+        if sys.version_info >= (3, 10):
+            _thread.interrupt_main(signum)
+        elif signum == signal.SIGINT:
+            _thread.interrupt_main()
+        else:
+            os.kill(os.getpid(), signum)
+
+    threading.Thread(target=deliver, name="kvh-signal-again", daemon=True).start()
+
+
+# Long enough for the code that dropped the exception to return; landing
+# in another such place sends it again.
+_SEND_AGAIN_AFTER_S = 0.002
+
+
+class WeakBag:
+    """The live ones of the objects added, held weakly. Unlike a
+    weakref.WeakSet it runs no Python code when one of them dies: a
+    Ctrl-C met there would be dropped by the interpreter."""
+
+    __slots__ = ("_refs", "_prune_at", "_lock")
+
+    def __init__(self) -> None:
+        self._refs: Dict[int, "weakref.ref[Any]"] = {}
+        self._prune_at = 16
+        self._lock = threading.Lock()
+
+    def add(self, obj: Any) -> None:
+        with self._lock:
+            self._refs[id(obj)] = weakref.ref(obj)  # a dead one's id may be reused
+            if len(self._refs) >= self._prune_at:
+                self._refs = {k: r for k, r in self._refs.items() if r() is not None}
+                self._prune_at = max(16, 2 * len(self._refs))
+
+    def discard(self, obj: Any) -> None:
+        with self._lock:
+            ref = self._refs.get(id(obj))
+            if ref is not None and ref() is obj:
+                del self._refs[id(obj)]
+
+    def live(self) -> List[Any]:
+        with self._lock:
+            refs = list(self._refs.values())
+        return [obj for obj in (r() for r in refs) if obj is not None]
 
 
 class Uncopyable:
@@ -437,5 +515,7 @@ __all__ = [
     "HandleGate",
     "OwnedHandle",
     "Uncopyable",
+    "WeakBag",
     "in_lock_order",
+    "interrupt_again",
 ]

@@ -28,9 +28,10 @@ import signal
 import stat
 import subprocess
 import sys
-import threading
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
+
+from ._cli_signals import SignalUnwind, Stopped
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
 
@@ -839,36 +840,6 @@ def _reader_gone() -> int:
     return 128 + signal.SIGPIPE
 
 
-class _Stopped(BaseException):
-    """SIGTERM or SIGHUP, raised in the main thread: it unwinds as Ctrl-C
-    does, so that what a command started (kvh-bench's process group, a
-    temporary store) is stopped and removed on the way out."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
-def _catch_stop_signals() -> Dict[int, Any]:
-    """Turns SIGTERM and SIGHUP into _Stopped; the handlers replaced. A
-    signal ignored by whoever started kvh (nohup) stays ignored."""
-    if threading.current_thread() is not threading.main_thread():
-        return {}
-    fired: List[int] = []
-
-    def stop(signum: int, frame: Any) -> None:
-        if fired:  # once: a second signal would cut the clean-up short
-            return
-        fired.append(signum)
-        raise _Stopped(signum)
-
-    previous = {}
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        if signal.getsignal(sig) == signal.SIG_DFL:
-            previous[sig] = signal.signal(sig, stop)
-    return previous
-
-
 def _stderr_to_devnull() -> None:
     """Started with fd 2 closed, Python's sys.stderr is None, and print()
     and argparse then write messages to standard output (into --json
@@ -884,7 +855,7 @@ def _stderr_to_devnull() -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     if sys.stderr is None:
         _stderr_to_devnull()
-    previous = _catch_stop_signals()
+    unwind = SignalUnwind().install()
     # Ctrl-C while the parser is built (it imports the demos) is as
     # much an interrupt as one while a command runs.
     try:
@@ -892,12 +863,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         _err("interrupted")
         return 130
-    except _Stopped as exc:
+    except Stopped as exc:
         _err(f"stopped by {_signal_name(exc.signum)}")
         return 128 + exc.signum
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        unwind.restore()
 
 
 def _main(argv: Optional[Sequence[str]]) -> int:

@@ -56,7 +56,16 @@ from ._ffi import (
     take_pending_interrupt,
 )
 from . import _handle
-from ._handle import Finalized, GatedHandle, GateUse, HandleGate, OwnedHandle, Uncopyable, in_lock_order
+from ._handle import (
+    Finalized,
+    GatedHandle,
+    GateUse,
+    HandleGate,
+    OwnedHandle,
+    Uncopyable,
+    WeakBag,
+    in_lock_order,
+)
 from .types import (
     Backend,
     BlockInfo,
@@ -364,7 +373,7 @@ class _Native:
                 self._release()
 
 
-_live_engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+_live_engines = WeakBag()
 _log_tokens = itertools.count(1)  # each engine's log sink user value
 
 
@@ -390,7 +399,7 @@ def _close_orphans() -> None:
 
 @atexit.register
 def _close_all_at_exit() -> None:  # stop worker threads before interpreter teardown
-    for eng in list(_live_engines):
+    for eng in _live_engines.live():
         try:
             eng.close()
         except Exception:
@@ -1742,7 +1751,7 @@ class Sequence(GatedHandle, OwnedHandle):
         # is), with its block index: see _keep_viewed_blocks
         self._view_owners: List[Tuple["weakref.ref[_ViewOwner]", int]] = []
         # the live holds on it (a truncation changes what they name)
-        self._holds: "weakref.WeakSet[Hold]" = weakref.WeakSet()
+        self._holds = WeakBag()
 
     # ---- lifetime ----
     @property
@@ -1922,7 +1931,7 @@ class Sequence(GatedHandle, OwnedHandle):
                 # Ctrl-C comes right after the call (its status then unread).
                 now = ffi.new("uint64_t *")
                 if lib.kvh_seq_length(p, self._h[0], now) == 0 and now[0] <= n_tokens:
-                    for hold in list(self._holds):
+                    for hold in self._holds.live():
                         hold._truncated(n_tokens)
             check(st)
             self._refresh_views()

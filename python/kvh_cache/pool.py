@@ -30,7 +30,7 @@ import numpy as np
 
 from . import errors
 from ._ffi import check, ffi, lib, status_name
-from ._handle import OwnedHandle
+from ._handle import OwnedHandle, interrupt_again
 from .engine import _U32, Block, Engine, Fence, _flag, _index, _tokens
 from .types import DType
 
@@ -240,6 +240,8 @@ def _prune_after_gc(phase: str, info: Any) -> None:
                 _inflight[engine] = live
             else:
                 _inflight.pop(engine, None)
+    except KeyboardInterrupt:  # the interpreter would drop it here
+        interrupt_again()
     except Exception:  # nothing may escape a collector callback
         pass
     finally:

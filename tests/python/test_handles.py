@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import collections
 import gc
+import sys
 
 import pytest
+from kvh_testutil import run_child
 
 import kvh_cache as kvh
 from kvh_cache import attention_plan as attention_plan_mod
@@ -186,3 +188,86 @@ def test_finalizer_lets_nothing_escape():
     del f
     gc.collect()
     assert ended == [1]
+
+
+def test_ctrl_c_in_a_finalizer_finishes_the_close_and_is_sent_again():
+    # The interpreter drops what a __del__ raises: a Ctrl-C landing in a
+    # handle's close at collection was lost (the program ran on) and the
+    # close left half done.
+    res = run_child(
+        """
+        import gc, time
+        import kvh_cache as kvh
+
+        ended = []
+
+        class Interrupted(kvh._handle.Finalized):
+            def _close_at_gc(self):
+                ended.append(1)
+                if len(ended) == 1:
+                    raise KeyboardInterrupt
+
+        try:
+            f = Interrupted()
+            del f
+            gc.collect()
+            for _ in range(100000):
+                time.sleep(0)
+            print("ran on", ended)
+        except KeyboardInterrupt:
+            print("interrupted", ended)
+        """
+    )
+    assert res.stdout.strip() == "interrupted [1, 1]", res.stdout + res.stderr
+    assert "Exception ignored" not in res.stderr, res.stderr
+
+
+def test_a_signal_handlers_exception_in_a_finalizer_reaches_the_hook(monkeypatch):
+    # SystemExit from a SIGTERM handler, say: the close is finished and
+    # the application's sys.unraisablehook sees the exception.
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(type(u.exc_value)))
+    ended = []
+
+    class Exiting(kvh._handle.Finalized):
+        def _close_at_gc(self):
+            ended.append(1)
+            if len(ended) == 1:
+                raise SystemExit(143)
+
+    f = Exiting()
+    del f
+    gc.collect()
+    assert ended == [1, 1] and seen == [SystemExit]
+
+
+class _Item:
+    pass
+
+
+def test_weak_bag_holds_the_live_ones_only():
+    bag = kvh._handle.WeakBag()
+    items = [_Item() for _ in range(100)]
+    for it in items:
+        bag.add(it)
+    del items[::2]  # dead ones are pruned as the bag grows
+    for _ in range(100):
+        bag.add(_Item())  # each dies at once
+    assert sorted(map(id, bag.live())) == sorted(map(id, items))
+    bag.discard(items[0])
+    bag.discard(_Item())  # not in the bag: nothing happens
+    assert len(bag.live()) == 49 and items[0] not in bag.live()
+
+
+def test_weak_bag_runs_no_python_code_when_an_item_dies():
+    # A Ctrl-C met in such code would be dropped by the interpreter.
+    bag = kvh._handle.WeakBag()
+    it = _Item()
+    bag.add(it)
+    called = []
+    sys.setprofile(lambda frame, event, arg: called.append(frame.f_code.co_name) if event == "call" else None)
+    try:
+        del it
+    finally:
+        sys.setprofile(None)
+    assert [c for c in called if c != "<lambda>"] == [] and bag.live() == []

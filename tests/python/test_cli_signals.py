@@ -1,0 +1,104 @@
+"""How a kvh command unwinds on signals (kvh_cache._cli_signals): a Ctrl-C
+or SIGTERM that Python drops (raised inside a finaliser or a weakref
+callback) is sent again and ends the command as any other would."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+# A command whose every collected object raises its signal inside
+# __del__ (as a handler does when the signal lands there): without a
+# second delivery it runs its 5 s to the end and exits 0.
+_SCRIPT = """
+import signal, sys, time
+from kvh_cache import cli
+
+class Bomb:
+    def __del__(self):
+        signal.raise_signal(signal.{sig})
+
+def work(args):
+    Bomb()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        time.sleep(0.01)
+    print("ran on")
+    return 0
+
+cli.cmd_doctor = work
+sys.exit(cli.main(["doctor"]))
+"""
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "python"), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def _run(sig: str) -> subprocess.CompletedProcess:
+    def default_signals():
+        # A runner in the background ignores SIGINT; its children inherit that.
+        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(s, signal.SIG_DFL)
+
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_SCRIPT.format(sig=sig))],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=str(REPO),
+        env=_env(),
+        preexec_fn=default_signals,
+    )
+
+
+@pytest.mark.parametrize(
+    "sig, rc, message",
+    [
+        ("SIGINT", 130, "kvh: interrupted"),
+        ("SIGTERM", 143, "kvh: stopped by signal 15 (SIGTERM)"),
+        ("SIGHUP", 129, "kvh: stopped by signal 1 (SIGHUP)"),
+    ],
+)
+def test_a_signal_dropped_in_a_finalizer_still_ends_the_command(sig, rc, message):
+    res = _run(sig)
+    assert res.returncode == rc and res.stdout == "", res.stdout + res.stderr
+    assert res.stderr.strip().splitlines() == [message], res.stderr
+
+
+def test_other_exceptions_in_finalizers_are_still_reported():
+    script = """
+    import sys
+    from kvh_cache import cli
+
+    class Broken:
+        def __del__(self):
+            raise ValueError("reported as before")
+
+    def work(args):
+        Broken()
+        print("ran on")
+        return 0
+
+    cli.cmd_doctor = work
+    sys.exit(cli.main(["doctor"]))
+    """
+    res = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=_env(),
+    )
+    assert res.returncode == 0 and res.stdout == "ran on\n", res.stdout + res.stderr
+    assert "Exception ignored" in res.stderr and "reported as before" in res.stderr, res.stderr
