@@ -84,6 +84,7 @@ _MODEL_DEMO_ONLY = (
     "no_plot",
     "record_trace",
     "returning",
+    "queue_hints",
 )
 
 

@@ -1072,7 +1072,9 @@ def test_demo_with_a_prompt_shorter_than_a_block_passes(tmp_path, prompt_tokens)
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-@pytest.mark.parametrize("option", [["--record-trace", "t.json"], ["--questions", "3"], ["--no-restart"]])
+@pytest.mark.parametrize(
+    "option", [["--record-trace", "t.json"], ["--questions", "3"], ["--no-restart"], ["--queue-hints", "-1"]]
+)
 def test_the_synthetic_demo_refuses_options_it_would_ignore(tmp_path, option):
     r = run_kvh("demo", "--synthetic", "--no-progress", "--steps", "1", "--data-dir", tmp_path / "d", *option)
     assert r.returncode == 2 and "an option of the model demo" in r.stderr, r.stderr
