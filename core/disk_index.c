@@ -224,9 +224,13 @@ static int create_store(kvhi_disk *d, char *msg, size_t msg_len)
     uint8_t hdr[KVHI_DISK_ALIGN];
     kvhi_index_header h = {.kind = KIND_SNAPSHOT, .store_id = d->store_id, .seq = 0, .geo = d->geo};
     kvhi_index_header_encode(hdr, &h);
-    int rc = replace_file(d, "index", hdr, NULL, 0, NULL);
+    /* The journal first: a crash between the two leaves a new store's
+     * empty journal alone, which reads as a creation cut short, while an
+     * index without its journal is always damage (the journal may have
+     * held every record of a store never folded into its index). */
+    int rc = fresh_journal(d);
     if (rc == 0)
-        rc = fresh_journal(d);
+        rc = replace_file(d, "index", hdr, NULL, 0, NULL);
     if (rc != 0) {
         snprintf(msg, msg_len, "cannot create the index in %s: %s", d->path, strerror(-rc));
         return KVHI_INDEX_IO;
@@ -474,6 +478,12 @@ int kvhi_index_load(kvhi_disk *d, bool reset, kvhi_index_list *out, char *msg, s
     kvhi_index_header sh, jh;
     bool snap_ok = have_index && kvhi_index_header_decode(snap, snap_len, &sh) == 0 && sh.kind == KIND_SNAPSHOT;
     bool journal_ok = have_journal && kvhi_index_header_decode(jr, jr_len, &jh) == 0 && jh.kind == KIND_JOURNAL;
+    /* A new store's journal alone, no record ever taken (its first seq
+     * is 1): made by a creation cut short, before the index. */
+    if (!have_index && journal_ok && jh.seq <= 1 && jr_len == KVHI_DISK_ALIGN) {
+        free(jr);
+        return create_store(d, msg, msg_len);
+    }
     /* The journal header names the same geometry and store when the index
      * header cannot be read. */
     const kvhi_disk_geometry *store_geo = snap_ok ? &sh.geo : journal_ok ? &jh.geo : NULL;
@@ -537,7 +547,7 @@ int kvhi_index_load(kvhi_disk *d, bool reset, kvhi_index_list *out, char *msg, s
         out->bad_records++;
         damaged(&dm, "the journal header is damaged");
     }
-    if (!have_journal && have_index && (!snap_ok || sh.seq > 0 || sh.n_records > 0))
+    if (!have_journal && have_index)
         damaged(&dm, "the journal file is missing");
     else if (have_journal && jr_len < KVHI_DISK_ALIGN)
         damaged(&dm, "the journal is cut inside its header page"); /* it never is shorter */

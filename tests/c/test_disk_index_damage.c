@@ -26,7 +26,10 @@
  *     not taken; a damaged slot named by an intact record is dropped and
  *     counted;
  *   - a block that went to disk before its KV was complete (so never
- *     published) is not taken back from its slot header.
+ *     published) is not taken back from its slot header;
+ *   - a store whose index was never folded (every record in its journal)
+ *     and whose journal is missing: damage, not a new store; a new
+ *     store's empty journal alone (a crash while it was made) starts empty.
  *
  * On a tmpfs when there is one (fsync is free there); every bit in about
  * 2,500 opens, every byte (one bit of each) on a real disk.
@@ -358,6 +361,72 @@ static void test_truncated_zeroed_missing(void **state)
     }
 }
 
+/* A new store that a process persisted into and left without closing:
+ * its index is still the header creation wrote, every record is in the
+ * journal. */
+static int persist_and_leave(void *dir)
+{
+    kvh_config c = cfg_for(dir);
+    kvh_engine *e = NULL;
+    kvh_seq s;
+    if (kvh_engine_open(&c, &e) != KVH_OK || dt_build(e, G, chain(0), NB * G.bt, 0, &s) != KVH_OK ||
+        kvh_seq_persist(e, s) != KVH_OK)
+        return 1;
+    return 0; /* no close: as a process killed here */
+}
+
+/* Opens dir; returns how many tokens of chain 0 it matches (verified),
+ * or fails the test when the open returns something other than want. */
+static size_t open_and_match(const kvh_config *c, kvh_status want, const char *what)
+{
+    kvh_engine *e = NULL;
+    kvh_status st = kvh_engine_open(c, &e);
+    dt_track(e);
+    if (st != want)
+        fail_msg("%s: open returned %s (%s), expected %s", what, kvh_status_name(st), kvh_last_error(),
+                 kvh_status_name(want));
+    if (st != KVH_OK)
+        return 0;
+    size_t m = 0;
+    char msg[256] = "";
+    if (dt_match_verify(e, G, chain(0), NB * G.bt, &m, msg, sizeof(msg)) != KVH_OK)
+        fail_msg("%s: %s", what, msg);
+    dt_assert_ok(dt_close(e));
+    return m;
+}
+
+/* An index never folded says nothing of the journal it goes with: the
+ * journal missing beside it is damage (every record was there), not a
+ * new store. A new store's empty journal alone is what a crash while the
+ * store was made leaves (the journal is made first): it starts empty,
+ * strict or not. */
+static void test_journal_of_a_store_never_folded(void **state)
+{
+    (void)state;
+    char dir[512];
+    dt_scratch("never-folded", dir, sizeof(dir));
+    assert_int_equal(dt_in_child(persist_and_leave, dir), 0);
+    char path[600];
+    assert_int_equal(unlink(dt_path(path, sizeof(path), dir, "journal")), 0);
+    kvh_config strict = cfg_for(dir);
+    strict.disk_strict_index = 1;
+    open_and_match(&strict, KVH_ERR_CORRUPT, "journal missing beside a new index, strict");
+    kvh_config c = cfg_for(dir);
+    size_t m = open_and_match(&c, KVH_OK, "journal missing beside a new index");
+    if (m != NB * G.bt)
+        fail_msg("journal missing beside a new index: %zu of %u tokens found", m, NB * G.bt);
+
+    dt_scratch("creation-cut", dir, sizeof(dir));
+    dt_rmrf(dir); /* the store makes it */
+    c = cfg_for(dir);
+    kvh_engine *e = dt_open_a(&c);
+    dt_assert_ok(dt_close(e));
+    assert_int_equal(unlink(dt_path(path, sizeof(path), dir, "index")), 0);
+    strict = cfg_for(dir);
+    strict.disk_strict_index = 1;
+    assert_int_equal(open_and_match(&strict, KVH_OK, "a new store's journal alone, strict"), 0);
+}
+
 /* Rewrites the slot header of block k of chain c with another store id
  * (still a valid, published header). */
 static void make_foreign(int c, int k)
@@ -506,6 +575,7 @@ int main(void)
         cmocka_unit_test_teardown(test_truncated_zeroed_missing, dt_teardown),
         cmocka_unit_test_teardown(test_store_id_and_dropped_slots, dt_teardown),
         cmocka_unit_test_teardown(test_unpublished_slot_is_not_taken, dt_teardown),
+        cmocka_unit_test_teardown(test_journal_of_a_store_never_folded, dt_teardown),
     };
     return cmocka_run_group_tests_name("disk_index_damage", tests, NULL, group_teardown);
 }

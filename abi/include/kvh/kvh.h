@@ -320,8 +320,9 @@ typedef struct kvh_config {
      * `journal` failing its checksum, a snapshot shorter than its header
      * says, or one of the two files missing while the other is there. A
      * journal ending in a torn record, as a crash can leave it, is cut
-     * there; both files missing is a store whose creation was cut short,
-     * which starts empty. Default 0: the open rebuilds the index from the
+     * there; both files missing, or a new store's journal alone (no
+     * record ever taken), is a store whose creation was cut short, which
+     * starts empty. Default 0: the open rebuilds the index from the
      * slot headers, each slot checked in full (data included), in all of
      * these cases: every block whose slot verifies is kept, the ones
      * dropped and the damaged records are counted in kvh_stats
