@@ -14,6 +14,7 @@
 #include <stdint.h>
 
 #include "core/disk_format.h"
+#include "core/store_locks.h"
 
 typedef struct kvhi_disk_lane kvhi_disk_lane;
 
@@ -26,6 +27,7 @@ typedef struct kvhi_disk {
     char *path;
     int dir_fd;
     int lock_fd;
+    kvhi_store_lock held; /* dir_fd and lock_fd, while they hold the store's lock */
     uint64_t store_id;
     kvhi_disk_geometry geo;
     uint32_t geo_tag; /* kvhi_disk_geometry_tag(&geo), for slot headers */

@@ -56,6 +56,7 @@ static kvh_status lock_store(kvhi_disk *d)
         flock(d->dir_fd, LOCK_UN);
         return store_busy(d);
     }
+    kvhi_store_lock_add(&d->held, &d->dir_fd, &d->lock_fd);
     char pid[32];
     int len = snprintf(pid, sizeof(pid), "%ld\n", (long)getpid());
     if (ftruncate(d->lock_fd, 0) != 0 || pwrite(d->lock_fd, pid, (size_t)len, 0) != len)
@@ -70,6 +71,7 @@ static void disk_free(kvhi_disk *d)
     kvhi_disk_close(d);
     if (d->rec_bytes)
         kvhi_index_close(d);
+    kvhi_store_lock_remove(&d->held);
     if (d->lock_fd >= 0) {
         /* A process forked while the engine was open shares this open file
          * and its flock: unlock it for both, not only close ours. */

@@ -13,7 +13,8 @@
  *     same store, so KVH_ERR_BUSY while it is open;
  *   - a process forked while an engine is open (a worker pool, say) that
  *     never touches the engine: once the engine is closed, no engine has
- *     the store open, so a new open must succeed.
+ *     the store open, so a new open must succeed; also once the process
+ *     that opened it was killed, the worker still running.
  */
 #include <sys/mman.h>
 
@@ -204,12 +205,92 @@ static void test_forked_process_does_not_keep_the_store(void **state)
     dt_rmrf(dir);
 }
 
+/* The same worker outliving its parent, killed with the engine open: no
+ * engine has the store open, so another process's open succeeds, and so
+ * does the worker's own (kvh.h: a child opens a new engine). While the
+ * parent lives, its lock holds: the worker gave up only its copies. */
+static char worker_after_parent(int go_fd, const char *dir)
+{
+    char ch;
+    if (read(go_fd, &ch, 1) != 1)
+        return 'r';
+    kvh_config c = lock_cfg(dir);
+    kvh_engine *e = NULL;
+    kvh_status st = kvh_engine_open(&c, &e);
+    if (e)
+        kvh_engine_close(e);
+    return st == KVH_OK ? 'y' : 'n';
+}
+
+static void test_forked_worker_outliving_its_killed_parent(void **state)
+{
+    (void)state;
+    char dir[512];
+    dt_scratch("lock-orphan", dir, sizeof(dir));
+    /* ready: the parent says the store is open; go: the test lets the
+     * worker open it; done: the worker's answer (it is the killed
+     * parent's child, not the test's, so no exit status comes back). */
+    int ready[2], go[2], done[2];
+    assert_int_equal(pipe(ready), 0);
+    assert_int_equal(pipe(go), 0);
+    assert_int_equal(pipe(done), 0);
+    pid_t parent = dt_fork_child();
+    assert_true(parent >= 0);
+    if (parent == 0) {
+        kvh_config c = lock_cfg(dir);
+        kvh_engine *e = NULL;
+        if (kvh_engine_open(&c, &e) != KVH_OK)
+            _exit(1);
+        if (fork() == 0) {
+            char answer = worker_after_parent(go[0], dir);
+            _exit(write(done[1], &answer, 1) == 1 ? 0 : 1);
+        }
+        if (write(ready[1], "o", 1) != 1)
+            _exit(1);
+        pause();
+        _exit(0);
+    }
+    close(ready[1]);
+    close(go[0]);
+    close(done[1]);
+    char ch;
+    assert_int_equal(read(ready[0], &ch, 1), 1);
+    close(ready[0]);
+    kvh_config c = lock_cfg(dir);
+    kvh_engine *x = NULL;
+    kvh_status while_alive = kvh_engine_open(&c, &x);
+    if (x)
+        kvh_engine_close(x);
+    kill(parent, SIGKILL);
+    dt_reap(parent);
+    x = NULL;
+    kvh_status after = kvh_engine_open(&c, &x);
+    char err[256];
+    snprintf(err, sizeof(err), "%s", kvh_last_error());
+    if (x)
+        kvh_engine_close(x);
+    assert_int_equal(write(go[1], "g", 1), 1);
+    close(go[1]);
+    struct pollfd pfd = {.fd = done[0], .events = POLLIN};
+    char answer = '?';
+    if (poll(&pfd, 1, 20000) != 1 || read(done[0], &answer, 1) != 1)
+        answer = '?';
+    close(done[0]);
+    assert_int_equal(while_alive, KVH_ERR_BUSY);
+    if (after != KVH_OK)
+        fail_msg("open after the parent was killed, its forked worker alive: %s (%s)", kvh_status_name(after), err);
+    if (answer != 'y')
+        fail_msg("the orphaned worker's own open: %s", answer == 'n' ? "refused" : "no answer");
+    dt_rmrf(dir);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_racing_opens_one_engine_at_a_time, dt_teardown),
         cmocka_unit_test_teardown(test_other_spellings_are_the_same_store, dt_teardown),
         cmocka_unit_test_teardown(test_forked_process_does_not_keep_the_store, dt_teardown),
+        cmocka_unit_test_teardown(test_forked_worker_outliving_its_killed_parent, dt_teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
