@@ -70,18 +70,38 @@ kvh_status kvhi_store_open_dir(kvhi_disk *d, const char *path)
                          "%s holds a file named '%s' that kvh did not write, and no store: not a kvh store "
                          "directory (give disk_path a directory of its own)",
                          path, foreign);
-    /* Exactly the store's mode: narrow what an older kvh or a umask left
-     * readable (the files hold KV that can be inverted back into prompts),
-     * and widen what mkdir's umask trimmed (0500 leaves no room for LOCK;
-     * 0700 under KVH_DISK_SHARE_GROUP shares nothing). A setgid bit stays:
-     * it only picks the group new files get. */
-    mode_t keep = st.st_mode & S_ISGID;
-    if ((st.st_mode & 07777) != (keep | want) && fchmod(d->dir_fd, keep | want) != 0)
+    /* The owner's access only, before the store is locked: LOCK cannot
+     * be made in a directory mkdir's umask left at 0500. The exact mode
+     * waits for the lock (kvhi_store_set_modes): an open refused because
+     * another engine holds the store must not change its modes. */
+    if ((st.st_mode & S_IRWXU) != S_IRWXU && fchmod(d->dir_fd, (st.st_mode & 07777) | S_IRWXU) != 0)
         return kvhi_fail(KVH_ERR_IO, "cannot set %s to mode %04o: %s", path, (unsigned)want, strerror(errno));
     return KVH_OK;
 }
 
-int kvhi_store_openat(const kvhi_disk *d, const char *name, int flags)
+kvh_status kvhi_store_set_modes(kvhi_disk *d)
+{
+    /* Exactly the store's mode: narrow what an older kvh or a umask left
+     * readable (the files hold KV that can be inverted back into prompts),
+     * and widen what mkdir's umask trimmed (0700 under
+     * KVH_DISK_SHARE_GROUP shares nothing). A setgid bit stays: it only
+     * picks the group new files get. */
+    mode_t want = kvhi_store_dir_mode(d->disk_flags);
+    struct stat st;
+    if (fstat(d->dir_fd, &st) != 0)
+        return kvhi_fail(KVH_ERR_IO, "cannot stat %s: %s", d->path, strerror(errno));
+    mode_t keep = st.st_mode & S_ISGID;
+    if ((st.st_mode & 07777) != (keep | want) && fchmod(d->dir_fd, keep | want) != 0)
+        return kvhi_fail(KVH_ERR_IO, "cannot set %s to mode %04o: %s", d->path, (unsigned)want, strerror(errno));
+    mode_t file_want = kvhi_store_file_mode(d->disk_flags);
+    if (d->lock_fd >= 0 && fstat(d->lock_fd, &st) == 0 && (st.st_mode & 0777) != file_want &&
+        fchmod(d->lock_fd, file_want) != 0)
+        return kvhi_fail(KVH_ERR_IO, "cannot set %s/LOCK to mode %04o: %s", d->path, (unsigned)file_want,
+                         strerror(errno));
+    return KVH_OK;
+}
+
+static int store_openat(const kvhi_disk *d, const char *name, int flags, bool set_mode)
 {
     mode_t want = kvhi_store_file_mode(d->disk_flags);
     int fd = openat(d->dir_fd, name, flags | O_NOFOLLOW | O_CLOEXEC, want);
@@ -93,11 +113,18 @@ int kvhi_store_openat(const kvhi_disk *d, const char *name, int flags)
         rc = -errno;
     else if (!S_ISREG(st.st_mode) || (st.st_uid != geteuid() && !d->read_only))
         rc = -EPERM; /* inspection (read_only) may read another user's store it can open */
-    else if ((st.st_mode & 0777) != want && !d->read_only && fchmod(fd, want) != 0)
+    else if (set_mode && (st.st_mode & 0777) != want && !d->read_only && fchmod(fd, want) != 0)
         rc = -errno;
     if (rc != 0) {
         close(fd);
         return rc;
     }
     return fd;
+}
+
+int kvhi_store_openat(const kvhi_disk *d, const char *name, int flags) { return store_openat(d, name, flags, true); }
+
+int kvhi_store_openat_as_found(const kvhi_disk *d, const char *name, int flags)
+{
+    return store_openat(d, name, flags, false);
 }

@@ -18,14 +18,20 @@ typedef struct kvhi_disk kvhi_disk;
 mode_t kvhi_store_dir_mode(uint32_t disk_flags);
 mode_t kvhi_store_file_mode(uint32_t disk_flags);
 /* Creates the directory (if missing) and opens it; refuses one owned by
- * another user or writable by group or others, and sets its mode to the
- * store's whatever the umask (a setgid bit stays). Fills d->dir_fd;
- * KVH_ERR_IO with the reason. */
+ * another user or writable by group or others, and gives its owner full
+ * access (room for LOCK). Fills d->dir_fd; KVH_ERR_IO with the reason. */
 kvh_status kvhi_store_open_dir(kvhi_disk *d, const char *path);
+/* Once the store is locked: the directory's and LOCK's modes set to the
+ * store's whatever the umask (a setgid bit stays). KVH_ERR_IO with the
+ * reason. */
+kvh_status kvhi_store_set_modes(kvhi_disk *d);
 /* openat(d->dir_fd, name, flags) for a store file: never follows a link,
  * only a regular file of this user, created (with O_CREAT) or narrowed to
  * the store's file mode. Returns the fd or -errno (-ELOOP for a link,
  * -EPERM for another user's or a non-regular file). */
 int kvhi_store_openat(const kvhi_disk *d, const char *name, int flags);
+/* The same, leaving the mode of a file that exists as it is (LOCK,
+ * opened before the store is known to be this engine's). */
+int kvhi_store_openat_as_found(const kvhi_disk *d, const char *name, int flags);
 
 #endif

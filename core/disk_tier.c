@@ -44,7 +44,7 @@ static kvh_status store_busy(kvhi_disk *d)
 
 static kvh_status lock_store(kvhi_disk *d)
 {
-    d->lock_fd = kvhi_store_openat(d, "LOCK", O_RDWR | O_CREAT);
+    d->lock_fd = kvhi_store_openat_as_found(d, "LOCK", O_RDWR | O_CREAT);
     if (d->lock_fd < 0)
         return kvhi_fail(KVH_ERR_IO, "cannot create %s/LOCK: %s", d->path, strerror(-d->lock_fd));
     /* The directory is locked as well as LOCK: a LOCK file deleted under
@@ -101,6 +101,8 @@ kvh_status kvhi_disk_tier_open(kvh_engine *e, const kvh_config *cfg, const char 
     if (st != KVH_OK)
         return st;
     st = lock_store(d);
+    if (st == KVH_OK)
+        st = kvhi_store_set_modes(d);
     if (st != KVH_OK)
         return st;
     /* The KV codec is part of the stored form: a store written with another

@@ -1,7 +1,8 @@
 /* Who may read a store (core/disk_access.c): owner-only modes whatever the
  * umask, group sharing only when asked, narrowing what an older store
  * left open, refusing a directory other users can write to, and never
- * following a link planted in place of a store file. */
+ * following a link planted in place of a store file; an open refused
+ * because the store is held changes none of its modes. */
 #include <grp.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -355,6 +356,32 @@ static void test_directory_with_a_foreign_index_is_refused(void **state)
     dt_assert_ok(dt_close(e));
 }
 
+/* An open refused because another engine holds the store changes
+ * nothing of it: not the modes the holder's KVH_DISK_SHARE_GROUP asked
+ * for (its group readers would lose the store), nor those of an
+ * owner-only one. */
+static void test_a_refused_open_changes_no_modes(void **state)
+{
+    (void)state;
+    uint32_t holder_flags[] = {KVH_DISK_SHARE_GROUP, 0};
+    for (size_t i = 0; i < 2; i++) {
+        char dir[PATH_MAX];
+        dt_scratch(i ? "refused-owner" : "refused-group", dir, sizeof(dir));
+        make_store(dir, holder_flags[i]);
+        kvh_config held = dt_cfg(G, dir, 4, 4, 16, 0);
+        held.disk_flags = holder_flags[i];
+        kvh_engine *a = dt_open_a(&held);
+        kvh_config other = held;
+        other.disk_flags = holder_flags[i] ^ KVH_DISK_SHARE_GROUP;
+        kvh_engine *b = NULL;
+        kvh_status st = kvh_engine_open(&other, &b);
+        dt_track(b);
+        assert_int_equal(st, KVH_ERR_BUSY);
+        expect_store_modes("refused open", dir, holder_flags[i]);
+        dt_assert_ok(dt_close(dt_untrack(a)));
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -368,6 +395,7 @@ int main(void)
         cmocka_unit_test_teardown(test_store_path_through_a_link_is_refused, dt_teardown),
         cmocka_unit_test_teardown(test_directory_with_a_foreign_index_is_refused, dt_teardown),
         cmocka_unit_test_teardown(test_another_users_store_is_refused, dt_teardown),
+        cmocka_unit_test_teardown(test_a_refused_open_changes_no_modes, dt_teardown),
     };
     return cmocka_run_group_tests_name("disk_access", tests, NULL, NULL);
 }
