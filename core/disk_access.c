@@ -1,6 +1,7 @@
 /* Owner-only store directories and files (core/disk_access.h). */
 #include <errno.h>
 #include <fcntl.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -39,11 +40,42 @@ static const char *foreign_store_file(int dir_fd)
     return NULL;
 }
 
+/* fsync of the directory holding path: a directory just made is on
+ * stable storage only once its parent's entry for it is, and every file
+ * made durable in it would be lost with it. */
+static int sync_parent_dir(const char *path)
+{
+    size_t n = strlen(path);
+    char *parent = malloc(n + 2);
+    if (!parent)
+        return -ENOMEM;
+    memcpy(parent, path, n + 1);
+    while (n > 1 && parent[n - 1] == '/')
+        parent[--n] = '\0';
+    char *slash = strrchr(parent, '/');
+    if (!slash)
+        strcpy(parent, ".");
+    else
+        slash[slash == parent ? 1 : 0] = '\0';
+    int fd = open(parent, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    free(parent);
+    if (fd < 0)
+        return -errno;
+    int inj = kvhi_disk_fault(KVHI_OP_DIRSYNC);
+    int rc = inj ? inj : kvhi_disk_sync_fd(fd, false);
+    close(fd);
+    return rc == -EINVAL ? 0 : rc; /* a file system that syncs no directories */
+}
+
 kvh_status kvhi_store_open_dir(kvhi_disk *d, const char *path)
 {
     mode_t want = kvhi_store_dir_mode(d->disk_flags);
-    if (mkdir(path, want) != 0 && errno != EEXIST)
+    bool made = mkdir(path, want) == 0;
+    if (!made && errno != EEXIST)
         return kvhi_fail(KVH_ERR_IO, "cannot create %s: %s", path, strerror(errno));
+    int synced = made ? sync_parent_dir(path) : 0;
+    if (synced != 0)
+        return kvhi_fail(KVH_ERR_IO, "cannot sync the directory holding %s: %s", path, strerror(-synced));
     /* Not through a link in the last component: one planted there would
      * point the engine at a directory it then narrows, locks and writes
      * its index into. */

@@ -245,9 +245,15 @@ kvh_status kvhi_disk_tier_close(kvh_engine *e, bool flush)
     if (!e->disk)
         return KVH_OK;
     kvh_status st = KVH_OK;
-    if (flush && e->disk->rec_bytes && e->tiers[KVH_TIER_DISK].present && !e->disk->fatal)
+    if (flush && e->disk->rec_bytes && e->tiers[KVH_TIER_DISK].present) {
+        /* After a fatal journal failure (the journal removed, a write that
+         * failed half way) the engine's own state is still whole: a new
+         * index written from it keeps every block made durable before, and
+         * the journal's damaged tail no longer matters. Where even that
+         * cannot be written (the directory gone), close says so. */
+        e->disk->fatal = false;
         st = snapshot(e);
-    else if (e->disk->rec_bytes)
+    } else if (e->disk->rec_bytes)
         kvhi_index_flush(e->disk); /* best effort: what was recorded so far */
     kvhi_index_list_free(&e->disk_recovery);
     disk_free(e->disk);

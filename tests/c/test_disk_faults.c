@@ -17,7 +17,11 @@
  *     read once, at every n in a range, during persist, spill and close:
  *     a persist that returned KVH_OK is always found after a reopen, and
  *     nothing wrong is ever served;
- *   - a transient read error does not cost a durable block its record.
+ *   - a transient read error does not cost a durable block its record;
+ *   - the journal removed while open: close writes the index from the
+ *     engine's state (every block durable before is kept); the directory
+ *     removed: close returns KVH_ERR_IO;
+ *   - a new store's directory entry is synced (its failure fails the open).
  */
 #include "disk_test_util.h"
 
@@ -725,6 +729,69 @@ static void test_a_failed_fold_does_not_fail_the_persist(void **state)
     dt_assert_ok(dt_close(e));
 }
 
+/* The journal removed under a running engine: the persists after it
+ * fail, and close writes an index from the engine's state, so what was
+ * durable before stays durable. With the whole directory removed, close
+ * says the index could not be written. */
+static void test_close_after_the_journal_was_removed(void **state)
+{
+    (void)state;
+    char dir[512], path[600];
+    dt_scratch("journal-removed", dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 16, 8, 64, 0);
+    kvh_engine *e = dt_open_a(&c);
+    kvh_seq s;
+    dt_assert_ok(dt_build(e, G, dt_plain(901), 2 * G.bt, 0, &s));
+    dt_assert_ok(kvh_seq_persist(e, s));
+    assert_int_equal(unlink(dt_path(path, sizeof(path), dir, "journal")), 0);
+    dt_assert_ok(dt_build(e, G, dt_plain(902), 2 * G.bt, 0, &s));
+    assert_int_equal(kvh_seq_persist(e, s), KVH_ERR_IO);
+    dt_assert_ok(dt_close(dt_untrack(e)));
+    dt_log log;
+    dt_log_init(&log);
+    kvh_config logged = c;
+    dt_log_attach(&logged, &log);
+    e = dt_open_a(&logged);
+    size_t m = 0;
+    char msg[256] = "";
+    if (dt_match_verify(e, G, dt_plain(901), 2 * G.bt, &m, msg, sizeof(msg)) != KVH_OK)
+        fail_msg("%s", msg);
+    assert_int_equal(m, 2 * G.bt);
+    /* found through the index close wrote, not a rebuild from the slots */
+    assert_int_equal(dt_log_count(&log, KVH_LOG_WARN, "rebuilt the index", NULL), 0);
+    dt_assert_ok(dt_build(e, G, dt_plain(903), 2 * G.bt, 0, &s));
+    dt_assert_ok(kvh_seq_persist(e, s));
+    dt_rmrf(dir);
+    dt_assert_ok(dt_build(e, G, dt_plain(904), 2 * G.bt, 0, &s));
+    assert_int_equal(kvh_seq_persist(e, s), KVH_ERR_IO);
+    assert_int_equal(kvh_engine_close(dt_untrack(e)), KVH_ERR_IO);
+    pthread_mutex_destroy(&log.mu);
+}
+
+/* A store directory kvh makes is durable only once its parent's entry
+ * for it is: that fsync comes first, and its failure fails the open. */
+static void test_a_new_store_syncs_the_directory_holding_it(void **state)
+{
+    (void)state;
+    char dir[512];
+    dt_scratch("new-dir-sync", dir, sizeof(dir));
+    dt_rmrf(dir); /* the store makes it */
+    kvh_config c = dt_cfg(G, dir, 16, 8, 64, 0);
+    arm(KVHI_OP_DIRSYNC, 1, -EIO, false);
+    kvh_engine *e = NULL;
+    kvh_status st = kvh_engine_open(&c, &e);
+    dt_track(e);
+    char err[256];
+    snprintf(err, sizeof(err), "%s", kvh_last_error());
+    disarm();
+    assert_int_equal(st, KVH_ERR_IO);
+    if (!strstr(err, "cannot sync the directory holding"))
+        fail_msg("open with the first directory sync failing: %s", err);
+    dt_rmrf(dir);
+    e = dt_open_a(&c); /* once it can, the store is made */
+    dt_assert_ok(dt_close(dt_untrack(e)));
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -739,6 +806,8 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_transient_read_error_keeps_durable_blocks, setup, teardown),
         cmocka_unit_test_setup_teardown(test_a_failed_fold_does_not_fail_the_persist, setup, teardown),
         cmocka_unit_test_setup_teardown(test_a_file_size_limit_is_said_as_such, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_close_after_the_journal_was_removed, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_a_new_store_syncs_the_directory_holding_it, setup, teardown),
     };
     return cmocka_run_group_tests_name("disk_faults", tests, NULL, group_teardown);
 }
