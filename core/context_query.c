@@ -49,7 +49,7 @@ kvh_status kvhi_context_region_data(kvh_engine *e, kvhi_context *x, uint32_t reg
                                     uint64_t *size)
 {
     if (region >= x->n_regions)
-        return kvhi_fail(KVH_ERR_RANGE, "context '%s' has %u regions, not %u", x->name, x->n_regions, region + 1);
+        return kvhi_fail(KVH_ERR_RANGE, "context '%s' has %u regions: no region %u", x->name, x->n_regions, region);
     kvhi_region *r = &x->regions[region];
     if (r->tier != KVH_TIER_DEVICE || r->busy)
         return kvhi_fail(KVH_ERR_NOT_RESIDENT, "weight region '%s' is not resident in the device tier", r->name);
@@ -70,7 +70,7 @@ kvh_status kvhi_context_region_data(kvh_engine *e, kvhi_context *x, uint32_t reg
 kvh_status kvhi_context_region_pin(kvh_engine *e, kvhi_context *x, uint32_t region, bool pinned)
 {
     if (region >= x->n_regions)
-        return kvhi_fail(KVH_ERR_RANGE, "context '%s' has %u regions, not %u", x->name, x->n_regions, region + 1);
+        return kvhi_fail(KVH_ERR_RANGE, "context '%s' has %u regions: no region %u", x->name, x->n_regions, region);
     x->regions[region].pinned = pinned;
     return KVH_OK;
 }

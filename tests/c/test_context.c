@@ -737,6 +737,33 @@ static void regions_beyond_the_pages_are_refused(void **state)
     expect_weights(d, 0, 0, 0, 0);
 }
 
+/* The error for a region past the context's names the index asked for,
+ * also UINT32_MAX, where one more would wrap to 0. */
+static void a_missing_region_is_named_as_asked(void **state)
+{
+    (void)state;
+    kvh_engine *e = open_engine(M_UNI0, 64, 64, NULL);
+    kvh_context c;
+    assert_ok(kvh_context_create(e, NULL, &c));
+    uint8_t byte = 1;
+    add_byte_region(e, c, &byte);
+    const uint32_t asked[] = {1, 7, UINT32_MAX};
+    for (size_t i = 0; i < sizeof(asked) / sizeof(asked[0]); i++) {
+        char want[64];
+        snprintf(want, sizeof(want), "no region %u", asked[i]);
+        void *p;
+        assert_kvh(KVH_ERR_RANGE, kvh_context_region_data(e, c, asked[i], 0, &p, NULL));
+        const char *msg = kvh_last_error();
+        assert_true(strlen(msg) >= strlen(want));
+        assert_string_equal(msg + strlen(msg) - strlen(want), want);
+        assert_kvh(KVH_ERR_RANGE, kvh_context_region_pin(e, c, asked[i], 1));
+        msg = kvh_last_error();
+        assert_true(strlen(msg) >= strlen(want));
+        assert_string_equal(msg + strlen(msg) - strlen(want), want);
+    }
+    assert_ok(kvh_context_destroy(e, c));
+}
+
 #define MODES(fn)                                                                                                      \
     cmocka_unit_test_prestate_setup_teardown(fn, NULL, tu_teardown, &M_UNI0),                                          \
         cmocka_unit_test_prestate_setup_teardown(fn, NULL, tu_teardown, &M_UNI2),                                      \
@@ -758,6 +785,7 @@ int main(void)
         MODES(tiny_regions_take_a_page_each),
         MODES(regions_beyond_the_pages_are_refused),
         cmocka_unit_test_teardown(bad_arguments, tu_teardown),
+        cmocka_unit_test_teardown(a_missing_region_is_named_as_asked, tu_teardown),
     };
     int failed = cmocka_run_group_tests(tests, NULL, NULL);
     /* Outside ctest (no KVH_TEST_TMPDIR) the scratch directory is ours. */
