@@ -299,10 +299,12 @@ impl<'e> Sequence<'e> {
         Ok(())
     }
 
-    /// Before a call that writes tokens `[first, end)`: where one of their
-    /// blocks that a view maps is shared, the call copies it and this
-    /// sequence gives the mapped one up, so the views are kept first. An
-    /// unshared block is written in place, past what the views map.
+    /// Before a call that writes tokens `[first, end)` (or, with `first ==
+    /// end`, copies the block holding `first`, as a truncation does): where
+    /// one of their blocks that a view maps is shared, the call copies it
+    /// and this sequence gives the mapped one up, so the views are kept
+    /// first. An unshared block is written in place, past what the views
+    /// map.
     fn keep_views_before_write(&self, first: u64, end: u64) -> Result<()> {
         let mapped = self
             .views
@@ -606,6 +608,12 @@ impl<'e> Sequence<'e> {
         let _gate = self.gate_if_viewed();
         if n_tokens < self.len()? {
             self.keep_views_from(n_tokens)?;
+            // A shared block holding the cut is copied (kvh_seq_truncate),
+            // so the mapped one is given up even where views end before
+            // the cut.
+            if n_tokens % u64::from(self.engine.geometry().block_tokens) != 0 {
+                self.keep_views_before_write(n_tokens, n_tokens)?;
+            }
         }
         // SAFETY: valid engine.
         check(unsafe { sys::kvh_seq_truncate(self.engine.as_ptr(), self.raw, n_tokens) })

@@ -593,6 +593,39 @@ fn a_view_slice_is_stable_when_its_sequence_copies_a_shared_block() {
 }
 
 #[test]
+fn a_view_slice_is_stable_when_truncate_copies_a_shared_last_block() {
+    let e = view_engine();
+    let g = *e.geometry();
+    // 20 tokens mapped: a full block and 4 tokens of the second.
+    let s = filled(&e, 7, 20);
+    let Some(vw) = view(&s, 0, 64) else {
+        return;
+    };
+    let k = heads(&vw, false);
+    let v = heads(&vw, true);
+    // Tokens past the view, then a fork sharing both blocks. Cutting
+    // inside the shared second block copies it for the viewed sequence,
+    // which leaves the fork the only owner of the block the view shows,
+    // though the cut lies past every mapped token.
+    s.append(&[7; 4]).unwrap();
+    write(&s, 7, 20, 4);
+    let child = s.fork(1).unwrap();
+    s.truncate(22).unwrap();
+    // The fork rewrites the mapped tokens of that block: it must get a
+    // copy, not write the pages under the view's slices.
+    let (ck, cv) = kv(&g, 9, 0, 16, 4);
+    child.write_kv(0, 16, &ck, &cv).unwrap();
+    check_view_slices(&k, &v, &g, 7, 0, 20);
+    drop(vw);
+    check(&s, 7, 0, 22, "the viewed sequence");
+    let (k2, v2) = child.read_kv_vec::<f32>(0, 16, 4).unwrap();
+    assert!(
+        bits(&k2) == bits(&ck) && bits(&v2) == bits(&cv),
+        "the fork's write was lost"
+    );
+}
+
+#[test]
 fn view_slices_read_on_threads_while_the_owner_appends_truncates_and_frees() {
     let e = view_engine();
     let g = *e.geometry();
