@@ -587,7 +587,9 @@ void kvhi_tier_info(kvh_engine *e, uint32_t tier, kvh_tier_info *info)
         }
         r.used_bytes = r.used_blocks * t->slot_bytes;
         r.pinned_blocks = t->pinned;
-        r.base = t->base;
+        /* With vmap the device tier is laid out by head (kernels/slab_layout.h):
+         * no slot's block lies at base + slot * block_bytes. */
+        r.base = tier == KVH_TIER_DEVICE && e->cfg.vmap ? NULL : t->base;
     }
     *info = r;
 }

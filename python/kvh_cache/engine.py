@@ -2168,7 +2168,8 @@ class Sequence(GatedHandle, OwnedHandle):
         ``read_kv``: write them with ``write_kv`` first (when nothing of the
         block was, that move marks the first token's cell of the view's
         layer). Needs host memory (the CPU backend); UnsupportedError on
-        CUDA.
+        CUDA and on a ``vmap`` engine (its device tier is laid out by
+        head: read blocks through :meth:`vmap`).
         """
         eng = self._engine
         index = _index("index", index, maximum=_U32)
@@ -2178,6 +2179,11 @@ class Sequence(GatedHandle, OwnedHandle):
         if eng.backend != "cpu":
             raise errors.UnsupportedError(
                 f"block views need host memory; the {eng.backend} backend keeps the device tier in GPU memory",
+                lib.KVH_ERR_UNSUPPORTED,
+            )
+        if eng.config.vmap:  # the view's hold brings the block to the device tier
+            raise errors.UnsupportedError(
+                "with vmap the device tier is laid out by head, not block by block: read blocks through Sequence.vmap",
                 lib.KVH_ERR_UNSUPPORTED,
             )
         bt = eng.block_tokens

@@ -595,6 +595,23 @@ static void test_kv_buffers_inside_a_view(void **state)
     assert_ok(kvh_seq_read_kv(e, s, 1, 0, 1, kout, vout));
 }
 
+/* kvh.h: slot i of a memory tier is at base + i * block_bytes. With vmap
+ * the device tier is laid out by head, so it gives no base (a caller
+ * reading a block there would read other blocks' heads); the host tier's
+ * layout is the usual one. */
+static void test_device_tier_gives_no_block_base(void **state)
+{
+    (void)state;
+    kvh_engine *e = open_vmap(8, 4);
+    kvh_tier_info ti = {.struct_size = sizeof(ti)};
+    assert_ok(kvh_tier_info_get(e, KVH_TIER_DEVICE, &ti));
+    assert_true(ti.capacity_blocks > 0);
+    assert_null(ti.base);
+    kvh_tier_info hi = {.struct_size = sizeof(hi)};
+    assert_ok(kvh_tier_info_get(e, KVH_TIER_HOST, &hi));
+    assert_non_null(hi.base);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -611,6 +628,7 @@ int main(void)
         cmocka_unit_test_teardown(test_view_of_another_engine_is_bad, tu_teardown),
         cmocka_unit_test_teardown(test_view_after_close_is_bad, tu_teardown),
         cmocka_unit_test_teardown(test_view_values_never_repeat, tu_teardown),
+        cmocka_unit_test_teardown(test_device_tier_gives_no_block_base, tu_teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

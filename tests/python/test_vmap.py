@@ -120,3 +120,15 @@ def test_attention_over_views_checks_its_arguments():
             with pytest.raises(ValueError, match=r"q_lens\[0\]"):
                 eng.attention_prefill_vmap([vm], [-1], q)
             assert eng.attention_prefill_vmap([vm], [1], q).shape == (1, 2, 64)
+
+
+def test_block_view_of_a_vmap_engine_is_refused():
+    # Laid out by head, the device tier holds no block at base + slot *
+    # block_bytes: such a view showed (and, writable, wrote) other
+    # blocks' heads.
+    with make() as eng, eng.sequence() as seq:
+        seq.append(range(16))
+        fill(seq, 16)
+        assert eng.tier_info(kvh.Tier.DEVICE).base == 0
+        with pytest.raises(kvh.UnsupportedError, match="through Sequence.vmap$"):
+            seq.block_view(0, 0)

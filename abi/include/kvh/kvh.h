@@ -530,9 +530,12 @@ typedef struct kvh_tier_info {
     uint64_t pinned_blocks;
     void *base; /* memory tiers: address of slot 0 (device pointer on
                    CUDA); slot i is at base + i * block_bytes. NULL for
-                   disk. [owned by engine] until close. When device and
-                   host tiers are one arena (kvh_config.copy_moves) both
-                   report its base, and their slot numbers run across it. */
+                   disk, and for the device tier with kvh_config.vmap = 1
+                   (laid out by head, see kvh_seq_vmap: read its blocks
+                   through a vmap view). [owned by engine] until close.
+                   When device and host tiers are one arena
+                   (kvh_config.copy_moves) both report its base, and their
+                   slot numbers run across it. */
     /* Host tier: slots kept as clean copies of blocks promoted to the
      * device tier (kvh_stats.clean_copies_kept). Not in used_blocks: the
      * first block that needs a slot takes one back.

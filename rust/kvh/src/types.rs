@@ -371,7 +371,8 @@ pub struct TierInfo {
     /// Pinned blocks in the tier.
     pub pinned_blocks: u64,
     /// Address of slot 0 for memory tiers (a device address on CUDA), 0 for
-    /// disk or an absent tier. Informational: kvh owns the memory.
+    /// disk, an absent tier, or the device tier of a vmap engine (laid out
+    /// by head). Informational: kvh owns the memory.
     pub base_addr: usize,
     /// Host tier: slots kept as clean copies of blocks promoted to the
     /// device tier. Not in `used_blocks`: a block that needs a slot takes
