@@ -648,7 +648,12 @@ class Engine(OwnedHandle):
     # ---- lifetime ----
     def close(self) -> None:
         """Waits for calls in flight, then closes the C engine (every handle
-        of the engine becomes invalid). Idempotent."""
+        of the engine becomes invalid). Idempotent. While block views of
+        its memory live (arrays made by :meth:`Sequence.block_view`), the
+        C close waits for the last of them to be collected: the engine is
+        closed to every call at once, but its memory, its worker threads
+        and its disk store (locked against other engines) stay until then.
+        Drop the views first to have the store back at once."""
         native = self._native
         if native is None:
             return
@@ -2210,6 +2215,7 @@ class Sequence(GatedHandle, OwnedHandle):
             addr = tinfo.base + info.slot * eng.block_bytes + layer * eng.layer_bytes
             readonly = info.shared
             shape = (2, eng.num_kv_heads, bt, eng.head_dim)
+            self._clear_unwritten_cells(index, layer, addr, shape, shared=readonly)
             owner = _ViewOwner(eng, hold, private, addr, shape, eng.np_dtype, readonly)
             owner.block = self.block(index)
             owner.layer = layer
@@ -2234,6 +2240,39 @@ class Sequence(GatedHandle, OwnedHandle):
                 self._views = [(r, i) for r, i in self._views if r() is not None]
                 self._views.append((weakref.ref(view), index))
         return view
+
+    def _clear_unwritten_cells(
+        self, index: int, layer: int, addr: int, shape: Tuple[int, ...], *, shared: bool
+    ) -> None:
+        """Zeroes the cells of block ``index``, layer ``layer``, that were
+        never written: a slot is not cleared when a block takes it, and a
+        view would show what an earlier block there held (another
+        tenant's KV). Their written state does not change, and nothing a
+        caller can read through kvh does either, so a shared block is
+        cleared too (it is copied before any in-place write); past the
+        sequence's end only a private block is (those cells are its own)."""
+        eng = self._engine
+        bt, heads, dim = eng.block_tokens, eng.num_kv_heads, eng.head_dim
+        first = index * bt
+        k = np.empty((bt, heads, dim), eng.np_dtype)
+        v = np.empty((bt, heads, dim), eng.np_dtype)
+        cells = np.frombuffer(
+            ffi.buffer(ffi.cast("char *", addr), int(np.prod(shape)) * eng.np_dtype.itemsize), dtype=eng.np_dtype
+        ).reshape(shape)
+        with self._call() as p:
+            n = min(bt, self._length(p) - first)
+            # One read when every cell is written (the usual case), a
+            # read a cell otherwise (each read counts as a lookup).
+            whole = lib.kvh_seq_read_kv(p, self._h[0], layer, first, n, _ptr(k), _ptr(v)) == lib.KVH_OK
+            for t in range(n if whole else 0, bt):
+                if t < n:
+                    never = (
+                        lib.kvh_seq_read_kv(p, self._h[0], layer, first + t, 1, _ptr(k), _ptr(v)) == lib.KVH_ERR_RANGE
+                    )
+                else:
+                    never = not shared
+                if never:
+                    cells[:, :, t, :] = 0
 
     def _detach_views(self, p: Any, blocks: Optional[range] = None) -> None:
         """Before a call that may share or publish blocks (a fork, a write

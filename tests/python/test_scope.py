@@ -123,3 +123,36 @@ def test_scope_value_of_takes_text_or_bytes_only():
     for bad in (3, [1, 2], True, 1 << 63, None, 1.5):
         with pytest.raises(TypeError, match="str or bytes"):
             kvh.Scope.value_of(bad)
+
+
+def test_a_block_view_shows_no_other_tenants_leftovers():
+    # A slot is not cleared when a block takes it: a view of a block whose
+    # cells were never written showed the freed block's KV of another
+    # scope, and a fork then made a cell "written" with it.
+    dim = 8
+    eng = kvh.Engine(num_layers=1, num_kv_heads=1, head_dim=dim, block_tokens=4, dtype="f32", backend="cpu")
+    with eng:
+        for written_cell in (2, None):
+            theirs = eng.sequence(scope=1)
+            theirs.append([1, 2, 3, 4])
+            k = np.full((4, 1, dim), 1234.5, np.float32)
+            theirs.write_kv(0, 0, k, -k)
+            theirs.free()
+            ours = eng.sequence(scope=2)
+            ours.append([7, 8, 9])
+            if written_cell is not None:
+                ours.write_kv(
+                    0, written_cell, np.full((1, 1, dim), 5.0, np.float32), np.full((1, 1, dim), 6.0, np.float32)
+                )
+            view = ours.block_view(0, 0)
+            others = [t for t in range(4) if t != written_cell]
+            assert not np.any(view[:, :, others, :]), view[:, 0, :, 0]
+            ours.fork().free()  # moves the viewed block to a copy
+            if written_cell is None:
+                kk, vv = ours.read_kv(0, 0, 1)  # the copy's one cell made written
+                assert not np.any(kk) and not np.any(vv)
+            else:
+                kk, vv = ours.read_kv(0, written_cell, 1)
+                assert np.all(kk == 5.0) and np.all(vv == 6.0)
+            del view
+            ours.free()
