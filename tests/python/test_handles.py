@@ -211,8 +211,9 @@ def test_ctrl_c_in_a_finalizer_finishes_the_close_and_is_sent_again():
             f = Interrupted()
             del f
             gc.collect()
-            for _ in range(100000):
-                time.sleep(0)
+            deadline = time.monotonic() + 10  # sent again a moment later, from a thread
+            while time.monotonic() < deadline:
+                time.sleep(0.001)
             print("ran on", ended)
         except KeyboardInterrupt:
             print("interrupted", ended)
