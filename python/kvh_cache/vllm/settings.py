@@ -63,6 +63,9 @@ extra_config key       environment variable      default
                                                  instance sharing a store
 =====================  ========================  ==============================
 
+A key given as JSON ``null`` is unset: it takes its default (or the
+environment variable's value), as if it were left out.
+
 Sizes accept a plain number of bytes or a suffix: ``512M``, ``8G``, ``1T``.
 Nothing here imports torch or vLLM.
 """
@@ -237,6 +240,8 @@ def load(extra: Optional[Mapping[str, Any]] = None, environ: Optional[Mapping[st
     for raw_key, v in extra.items():
         key = raw_key[4:] if raw_key.startswith("kvh.") else raw_key
         if key in _KEYS:
+            if v is None:
+                continue  # JSON null: unset, not the text "None"
             values[key] = _KEYS[key][1](v)
         elif raw_key.startswith("kvh."):
             raise ValueError(f"kvh: unknown kv_connector_extra_config key {raw_key!r}; known: {sorted(_KEYS)}")
