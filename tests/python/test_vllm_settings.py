@@ -23,3 +23,59 @@ def test_json_null_leaves_the_environment_variable_in_force(tmp_path):
     s = settings.load({"disk_path": None, "tail_min_tokens": None}, environ={"KVH_VLLM_DISK_PATH": str(tmp_path)})
     assert s.disk_path == str(tmp_path) and s.tail_min_tokens == 0
     assert settings.load({"hash_secret": None}, environ={"KVH_VLLM_HASH_SECRET": "s"}).hash_secret == "s"
+
+
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("log_level", "loud"),
+        ("remote_timeout_ms", -5),
+        ("remote_timeout_ms", "x"),
+        ("remote_timeout_ms", 1 << 32),
+        ("remote_ttl_s", -1),
+        ("remote_ttl_s", 2.7),
+        ("remote_ttl_s", "2.7"),
+        ("tail_min_tokens", "eight"),
+        ("tail_min_tokens", [8]),
+        ("lookup_timeout_s", "fast"),
+        ("lookup_timeout_s", [1]),
+    ],
+)
+def test_a_value_that_cannot_be_used_is_refused_naming_key_and_value(key, value):
+    with pytest.raises(ValueError) as info:
+        settings.load({key: value}, environ={})
+    assert key in str(info.value) and repr(value) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "var,value",
+    [
+        ("KVH_VLLM_TAIL_MIN_TOKENS", "eight"),
+        ("KVH_VLLM_LOG_LEVEL", "loud"),
+        ("KVH_VLLM_REMOTE_TIMEOUT_MS", "-5"),
+        ("KVH_VLLM_REMOTE_TTL_S", "2.7"),
+        ("KVH_VLLM_LOOKUP_TIMEOUT", "fast"),
+    ],
+)
+def test_an_environment_value_that_cannot_be_used_names_the_variable(var, value):
+    with pytest.raises(ValueError) as info:
+        settings.load({}, environ={var: value})
+    assert var in str(info.value) and repr(value) in str(info.value)
+
+
+def test_secrets_stay_out_of_the_messages(monkeypatch):
+    def refuse(value):
+        raise ValueError("unusable")
+
+    monkeypatch.setitem(settings._KEYS, "remote_password", ("KVH_VLLM_REMOTE_PASSWORD", refuse))
+    with pytest.raises(ValueError) as info:
+        settings.load({"remote_password": "hunter2"}, environ={})
+    assert "hunter2" not in str(info.value) and "remote_password" in str(info.value)
+
+
+def test_usable_engine_values_are_kept():
+    s = settings.load(
+        {"log_level": " Info ", "remote_timeout_ms": "80", "remote_ttl_s": 600.0, "tail_min_tokens": "8"}, environ={}
+    )
+    assert (s.log_level, s.remote_timeout_ms, s.remote_ttl_s, s.tail_min_tokens) == ("info", 80, 600, 8)
+    assert settings.load({}, environ={"KVH_VLLM_LOG_LEVEL": "debug"}).log_level == "debug"

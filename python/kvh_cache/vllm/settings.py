@@ -117,18 +117,42 @@ def _parse_bool(value: Any) -> bool:
     raise ValueError(f"cannot read {value!r} as a boolean")
 
 
-def _parse_count(value: Any) -> int:
+def _parse_count(value: Any, maximum: Optional[int] = None) -> int:
     if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
         raise ValueError(f"a count must be a whole number, got {value!r}")
-    n = int(str(value).strip()) if isinstance(value, str) else int(value)
+    try:
+        n = int(str(value).strip()) if isinstance(value, str) else int(value)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"a count must be a whole number, got {value!r}") from None
     if n < 0:
         raise ValueError(f"a count must be >= 0, got {value!r}")
+    if maximum is not None and n > maximum:
+        raise ValueError(f"a count must be <= {maximum}, got {value!r}")
     return n
+
+
+def _parse_u32(value: Any) -> int:
+    """A whole number kvh.Config keeps in 32 bits (the remote tier's)."""
+    return _parse_count(value, (1 << 32) - 1)
+
+
+# kvh.Config's names for its log levels.
+LOG_LEVELS = ("error", "warn", "warning", "info", "debug")
+
+
+def _parse_log_level(value: Any) -> str:
+    s = str(value).strip().lower()
+    if s not in LOG_LEVELS:
+        raise ValueError(f"a log level must be one of {', '.join(LOG_LEVELS)}, got {value!r}")
+    return s
 
 
 def _parse_seconds(value: Any) -> float:
     """A timeout in seconds: finite and above 0 (a socket takes no other)."""
-    s = float(value)
+    try:
+        s = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"a timeout must be a number of seconds, got {value!r}") from None
     if not math.isfinite(s) or s <= 0 or s > 86400:
         raise ValueError(f"a timeout must be a number of seconds in (0, 86400], got {value!r}")
     return s
@@ -216,7 +240,7 @@ _KEYS = {
     "runtime_dir": ("KVH_VLLM_RUNTIME_DIR", lambda v: os.path.expanduser(str(v))),
     "persist": ("KVH_VLLM_PERSIST", _parse_bool),
     "lookup_timeout_s": ("KVH_VLLM_LOOKUP_TIMEOUT", _parse_seconds),
-    "log_level": ("KVH_VLLM_LOG_LEVEL", lambda v: str(v).strip().lower()),
+    "log_level": ("KVH_VLLM_LOG_LEVEL", _parse_log_level),
     "tail_min_tokens": ("KVH_VLLM_TAIL_MIN_TOKENS", _parse_count),
     "migration_cpus": ("KVH_VLLM_MIGRATION_CPUS", lambda v: _parse_cpus(v)),
     "prefetch": ("KVH_VLLM_PREFETCH", _parse_bool),
@@ -224,16 +248,31 @@ _KEYS = {
     "remote_addrs": ("KVH_VLLM_REMOTE_ADDRS", lambda v: str(v).strip() or None),
     "remote_user": ("KVH_VLLM_REMOTE_USER", lambda v: str(v) or None),
     "remote_password": ("KVH_VLLM_REMOTE_PASSWORD", lambda v: str(v) or None),
-    "remote_timeout_ms": ("KVH_VLLM_REMOTE_TIMEOUT_MS", int),
-    "remote_ttl_s": ("KVH_VLLM_REMOTE_TTL_S", int),
+    "remote_timeout_ms": ("KVH_VLLM_REMOTE_TIMEOUT_MS", _parse_u32),
+    "remote_ttl_s": ("KVH_VLLM_REMOTE_TTL_S", _parse_u32),
     "hash_secret": ("KVH_VLLM_HASH_SECRET", lambda v: str(v) or None),
 }
+# Never shown in an error message.
+_SECRET_KEYS = ("remote_password", "hash_secret")
+
+
+def _parse(key: str, value: Any, source: str) -> Any:
+    """The key's value, or a ValueError naming where it came from (the
+    extra_config key or the environment variable) and what it was."""
+    try:
+        return _KEYS[key][1](value)
+    except (TypeError, ValueError, OverflowError) as exc:
+        shown = "(hidden)" if key in _SECRET_KEYS else repr(value)
+        raise ValueError(f"kvh: {source}={shown}: {exc}") from None
 
 
 def load(extra: Optional[Mapping[str, Any]] = None, environ: Optional[Mapping[str, str]] = None) -> Settings:
     """Settings from ``kv_connector_extra_config`` (keys may carry a
     ``kvh.`` prefix) and the environment. Unknown ``kvh.`` keys are an
-    error, so that a misspelt setting is not silently ignored."""
+    error, so that a misspelt setting is not silently ignored, and so is
+    a value that cannot be used (a ValueError naming the key or the
+    environment variable, and the value): the scheduler and every worker
+    load the same settings, so each refuses them before it starts."""
     extra = dict(extra or {})
     env = os.environ if environ is None else environ
     values: dict = {}
@@ -242,12 +281,12 @@ def load(extra: Optional[Mapping[str, Any]] = None, environ: Optional[Mapping[st
         if key in _KEYS:
             if v is None:
                 continue  # JSON null: unset, not the text "None"
-            values[key] = _KEYS[key][1](v)
+            values[key] = _parse(key, v, f"kv_connector_extra_config {raw_key!r}")
         elif raw_key.startswith("kvh."):
             raise ValueError(f"kvh: unknown kv_connector_extra_config key {raw_key!r}; known: {sorted(_KEYS)}")
-    for key, (var, parse) in _KEYS.items():
+    for key, (var, _) in _KEYS.items():
         if var in env:
-            values[key] = parse(env[var])
+            values[key] = _parse(key, env[var], var)
     if "disk_path" not in values:
         values["disk_path"] = os.path.join(default_cache_dir(), "vllm-store")
     return Settings(**values)
