@@ -308,6 +308,21 @@ def test_unusable_configurations(tmp_path):
                 dtype="f16", identity={})  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    "bad",
+    [dict(log_level="loud"), dict(remote_addrs="127.0.0.1:1", remote_timeout_ms=-5), dict(migration_cpus="x")],
+)
+@pytest.mark.parametrize("disk", [False, True])
+def test_settings_the_engine_refuses_make_the_store_unavailable(tmp_path, bad, disk):
+    # Settings made without settings.load (which refuses these): the worker
+    # reports them as it reports any store it cannot open, and the
+    # connector stays out of vLLM's way, instead of an exception out of
+    # vLLM's register_kv_caches.
+    s = settings.Settings(disk_path=str(tmp_path / "store"), disk_bytes=(64 << 20) if disk else 0, **bad)
+    with pytest.raises(StoreUnavailable, match="kvh: "):
+        KvStore(s, num_layers=L, num_kv_heads=H, head_dim=D, block_tokens=B, dtype="bf16", identity={})
+
+
 def test_salt_separates_models_ranks_and_geometry():
     a = model_salt({"model": "m", "tp_rank": 0})
     assert a == model_salt({"tp_rank": 0, "model": "m"})

@@ -57,6 +57,11 @@ class StoreUnavailable(RuntimeError):
     then stays out of vLLM's way."""
 
 
+# What opening an engine raises for a configuration it refuses: kvh's own
+# errors, and kvh.Config's checks of a field's type or range.
+_ENGINE_REFUSALS = (errors.Error, ValueError, TypeError)
+
+
 def _open_instance_store(fields: Dict[str, Any], base: str, disk_bytes: int) -> Tuple[Engine, str]:
     """Opens an engine on the first of the model's store directories that
     no other process has open: ``base``, then ``base.1`` and on, one per
@@ -71,7 +76,7 @@ def _open_instance_store(fields: Dict[str, Any], base: str, disk_bytes: int) -> 
             continue  # another instance has it open
         except (errors.KvhIOError, errors.NoSpaceError, errors.MismatchError) as exc:
             raise StoreUnavailable(f"kvh: disk tier at {path} unusable: {exc}") from None
-        except errors.Error as exc:
+        except _ENGINE_REFUSALS as exc:
             raise StoreUnavailable(f"kvh: cannot open an engine for this model: {exc}") from None
         if i:
             log.info("kvh: store %s is open in another process; this instance uses %s", base, path)
@@ -323,6 +328,10 @@ class KvStore:
         layout = dict(layers=num_layers, kv_heads=num_kv_heads, head_dim=head_dim, block=block_tokens, dtype=dtype)
         self.salt = model_salt(dict(identity, **layout), settings.hash_secret)
         row = num_layers * 2 * num_kv_heads * block_tokens * head_dim * {"f32": 4, "f16": 2, "bf16": 2}[dtype]
+        try:
+            cpu_mask = settings.migration_cpu_mask
+        except ValueError as exc:  # Settings made without settings.load, which checks it
+            raise StoreUnavailable(f"kvh: {exc}") from None
         fields: Dict[str, Any] = dict(
             num_layers=num_layers,
             num_kv_heads=num_kv_heads,
@@ -334,7 +343,7 @@ class KvStore:
             host_bytes=max(settings.host_bytes, 2 * row),
             model_salt=self.salt,
             log_level=settings.log_level,
-            migration_cpu_mask=settings.migration_cpu_mask,
+            migration_cpu_mask=cpu_mask,
             prefault_memory=settings.prefault_memory,
             **settings.engine_remote_fields(),
         )
@@ -361,7 +370,7 @@ class KvStore:
         else:
             try:
                 self.engine = Engine(**fields)
-            except errors.Error as exc:
+            except _ENGINE_REFUSALS as exc:
                 raise StoreUnavailable(f"kvh: cannot open an engine for this model: {exc}") from None
         # kvh's own threads (its migration workers), for the timing trace.
         self.kvh_tids = sorted(task_ids() - before)
