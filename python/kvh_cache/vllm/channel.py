@@ -102,6 +102,31 @@ def recv_msg(conn: socket.socket) -> Tuple[Dict[str, Any], bytes]:
     return header, payload
 
 
+def _remove_stale_socket(path: str) -> None:
+    """Removes the socket at path when nothing listens on it any more (a
+    process that died left it); raises ChannelError when a live server
+    answers there: another worker with the same engine_id and ranks."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(2.0)
+    try:
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        return
+    except socket.timeout:
+        pass  # its backlog is full: alive, and busy
+    finally:
+        probe.close()
+    raise ChannelError(
+        errno.EADDRINUSE,
+        f"kvh: a live lookup channel is at {path}: another vLLM instance with this engine_id "
+        "(and these ranks) is running; give each instance its own engine_id",
+    )
+
+
 Handler = Callable[[Dict[str, Any], bytes], Dict[str, Any]]
 
 
@@ -113,19 +138,29 @@ class Server:
         self.path = path
         self._handler = handler
         self._closed = threading.Event()
-        try:
-            os.unlink(path)  # a socket left by a process that died (our own directory)
-        except FileNotFoundError:
-            pass
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o177)
         try:
-            self._sock.bind(path)
-        finally:
-            os.umask(old)
+            self._bind(path)
+        except OSError:
+            self._sock.close()
+            raise
         self._sock.listen(16)
         self._thread = threading.Thread(target=self._accept_loop, name="kvh-vllm-lookup", daemon=True)
         self._thread.start()
+
+    def _bind(self, path: str) -> None:
+        old = os.umask(0o177)
+        try:
+            try:
+                self._sock.bind(path)
+                return
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE:
+                    raise
+            _remove_stale_socket(path)
+            self._sock.bind(path)
+        finally:
+            os.umask(old)
 
     def _accept_loop(self) -> None:
         while not self._closed.is_set():
