@@ -30,6 +30,7 @@ import socket
 import stat
 import struct
 import threading
+import time
 from typing import Any, Callable, Dict, Optional, Tuple
 
 log = logging.getLogger("kvh.vllm")
@@ -76,9 +77,14 @@ def _peer_uid(conn: socket.socket) -> int:
     return uid
 
 
-def _recv_exact(conn: socket.socket, n: int) -> bytes:
+def _recv_exact(conn: socket.socket, n: int, deadline: Optional[float] = None) -> bytes:
     buf = bytearray()
     while len(buf) < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout("timed out")
+            conn.settimeout(left)
         chunk = conn.recv(n - len(buf))
         if not chunk:
             raise EOFError
@@ -91,12 +97,14 @@ def send_msg(conn: socket.socket, header: Dict[str, Any], payload: bytes = b"") 
     conn.sendall(_HDR.pack(len(h), len(payload)) + h + payload)
 
 
-def recv_msg(conn: socket.socket) -> Tuple[Dict[str, Any], bytes]:
-    hl, pl = _HDR.unpack(_recv_exact(conn, _HDR.size))
+def recv_msg(conn: socket.socket, deadline: Optional[float] = None) -> Tuple[Dict[str, Any], bytes]:
+    """One message; by ``deadline`` (time.monotonic()) if given, else
+    socket.timeout."""
+    hl, pl = _HDR.unpack(_recv_exact(conn, _HDR.size, deadline))
     if hl > _MAX_HEADER or pl > _MAX_PAYLOAD:
         raise ChannelError(errno.EPROTO, f"kvh: oversized message ({hl}, {pl} bytes)")
-    header = json.loads(_recv_exact(conn, hl))
-    payload = _recv_exact(conn, pl) if pl else b""
+    header = json.loads(_recv_exact(conn, hl, deadline))
+    payload = _recv_exact(conn, pl, deadline) if pl else b""
     if not isinstance(header, dict):
         raise ChannelError(errno.EPROTO, "kvh: malformed message")
     return header, payload
@@ -211,7 +219,9 @@ class Server:
 
 
 class Client:
-    """One connection to a worker's channel, reopened after a failure."""
+    """One connection to a worker's channel, reopened after a failure.
+    A call takes at most ``timeout_s``: one that times out is not sent
+    again (its worker is slow, and would be asked twice as long)."""
 
     def __init__(self, path: str, timeout_s: float = 5.0) -> None:
         self.path = path
@@ -219,9 +229,9 @@ class Client:
         self._sock: Optional[socket.socket] = None
         self._lock = threading.Lock()
 
-    def _connect(self) -> socket.socket:
+    def _connect(self, deadline: float) -> socket.socket:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.settimeout(self.timeout_s)
+        s.settimeout(max(deadline - time.monotonic(), 1e-3))
         try:
             s.connect(self.path)
         except OSError:
@@ -231,17 +241,22 @@ class Client:
 
     def call(self, header: Dict[str, Any], payload: bytes = b"") -> Dict[str, Any]:
         with self._lock:
+            deadline = time.monotonic() + self.timeout_s
             for attempt in (0, 1):
                 if self._sock is None:
-                    self._sock = self._connect()
+                    self._sock = self._connect(deadline)
                 try:
+                    self._sock.settimeout(max(deadline - time.monotonic(), 1e-3))
                     send_msg(self._sock, header, payload)
-                    reply, _ = recv_msg(self._sock)
+                    reply, _ = recv_msg(self._sock, deadline)
                     break
-                except (EOFError, OSError):
+                except (EOFError, OSError) as exc:
+                    # Its reply may still come: the connection cannot be reused.
                     self._sock.close()
                     self._sock = None
-                    if attempt:
+                    # A connection that broke (a worker restarted since it was
+                    # opened) is tried once more; a timeout is not.
+                    if attempt or isinstance(exc, socket.timeout):
                         raise
             if "error" in reply:
                 raise ChannelError(errno.EIO, f"kvh: worker at {self.path}: {reply['error']}")
