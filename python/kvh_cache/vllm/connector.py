@@ -35,8 +35,10 @@ from __future__ import annotations
 import itertools
 import logging
 import platform
+import socket
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
@@ -203,6 +205,12 @@ def _tp_group_min(values: List[int]) -> List[int]:
 # A load's first failed block where it failed on no rank.
 _NO_FAILURE = 1 << 62
 
+# After a worker's lookup timed out, lookups are misses for this long (s),
+# doubled at each further timeout up to LOOKUP_BACKOFF_MAX_S: a stuck
+# worker must not cost every request lookup_timeout_s.
+LOOKUP_BACKOFF_S = 10.0
+LOOKUP_BACKOFF_MAX_S = 300.0
+
 
 def kv_layout(t: torch.Tensor, head_dim: int, block_size: int) -> Tuple[int, int, int, int, int, int]:
     """(k_ptr, v_ptr, num_blocks, slot_stride, token_stride, head_stride), in
@@ -263,6 +271,9 @@ class KvhConnector(KVConnectorBase_V1):
         self._released_lookups: List[Tuple[str, int]] = []
         self._clients: Optional[List[Client]] = None
         self._channel_warned = False
+        self._lookups_paused_until = 0.0  # time.monotonic(): lookups are misses until then
+        self._lookup_backoff_s = LOOKUP_BACKOFF_S
+        self._timeout_warned = False
         self._secret_warned = False
         # worker side
         self._store: Optional[KvStore] = None
@@ -608,6 +619,8 @@ class KvhConnector(KVConnectorBase_V1):
     def _lookup(self, req_id: str, tokens: np.ndarray, scope: int, lookup_id: int) -> Tuple[int, bool]:
         """(tokens every rank holds, whether any rank may now hold blocks
         for this lookup)."""
+        if time.monotonic() < self._lookups_paused_until:
+            return 0, False
         payload = tokens.tobytes()
         try:
             # A runtime directory that cannot be used (mode, owner, a parent
@@ -623,13 +636,33 @@ class KvhConnector(KVConnectorBase_V1):
                 ]
             header = {"op": "lookup", "req": req_id, "scope": scope, "lookup": lookup_id}
             found = [int(c.call(header, payload)["tokens"]) for c in self._clients]
+            self._lookup_backoff_s = LOOKUP_BACKOFF_S
             return min(found), max(found) > 0
+        except socket.timeout:
+            self._pause_lookups()
+            return 0, True  # the worker's lookup may still run and hold blocks
         except (OSError, ChannelError, KeyError, ValueError, OverflowError) as exc:
             if not self._channel_warned:
                 self._channel_warned = True
                 logger.warning("kvh: lookup channel unavailable (%s); requests are computed without kvh", exc)
             # A rank that answered, or answers after the timeout, may hold blocks.
             return 0, self._clients is not None
+
+    def _pause_lookups(self) -> None:
+        """A worker did not answer within lookup_timeout_s: lookups are
+        misses for a while, then tried again (a longer while after each
+        further timeout)."""
+        self._lookups_paused_until = time.monotonic() + self._lookup_backoff_s
+        if not self._timeout_warned:
+            self._timeout_warned = True
+            logger.warning(
+                "kvh: a worker did not answer a lookup within lookup_timeout_s=%s s; requests are computed "
+                "without kvh for %.0f s, then lookups are tried again (up to %.0f s apart while they time out)",
+                self._settings.lookup_timeout_s,
+                self._lookup_backoff_s,
+                LOOKUP_BACKOFF_MAX_S,
+            )
+        self._lookup_backoff_s = min(2 * self._lookup_backoff_s, LOOKUP_BACKOFF_MAX_S)
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> Tuple[Optional[int], bool]:
         if self._disabled or not _keyed_by_tokens(request):

@@ -452,3 +452,54 @@ def test_the_forward_pass_waits_for_a_restored_tail_block_alone(tmp_path):
         e.close()
         """,
     )
+
+
+def test_a_worker_that_times_out_is_not_asked_again_until_a_back_off_ends(tmp_path):
+    # lookup_timeout_s bounds one lookup; a stuck worker must not cost it
+    # to every request: once a lookup timed out, lookups are misses for a
+    # while (said once in the log), then the worker is asked again.
+    run_flow(
+        tmp_path,
+        """
+        import logging
+        import time
+
+        class Records(logging.Handler):
+            def __init__(self):
+                super().__init__()
+                self.messages = []
+
+            def emit(self, record):
+                self.messages.append(record.getMessage())
+
+        records = Records()
+        logging.getLogger("vllm.kvh").addHandler(records)
+        bs = 32
+        prompt = list(range(100, 100 + 2 * bs)) + [1]
+        e = fake.Engine(root, block_size=bs, extra=dict(lookup_timeout_s=0.3))
+        a = fake.Request("a", prompt)
+        e.admit(a, [1, 2, 3])
+        e.step({"a": a})
+        e.finish(a)
+        e.store.wait_saves()
+        lookup = e.store.lookup
+        e.store.lookup = lambda *args, **kw: (time.sleep(1.0), lookup(*args, **kw))[1]
+        took = []
+        for i in range(3):
+            t0 = time.monotonic()
+            assert e.scheduler.get_num_new_matched_tokens(fake.Request(f"slow{i}", prompt), 0) == (0, False)
+            took.append(time.monotonic() - t0)
+        assert took[0] < 0.6 and max(took[1:]) < 0.05, took
+        assert sum("did not answer a lookup" in m for m in records.messages) == 1, records.messages
+        time.sleep(1.0)  # the late lookup ends on the worker
+        e.store.lookup = lookup
+        e.scheduler._lookups_paused_until = 0.0  # the back-off is over
+        assert e.scheduler.get_num_new_matched_tokens(fake.Request("b", prompt), 0) == (2 * bs, False)
+        assert e.scheduler._lookup_backoff_s == fake.kvh_connector.LOOKUP_BACKOFF_S
+        assert sum("did not answer a lookup" in m for m in records.messages) == 1
+        e.start_step({})
+        e.end_step()
+        assert e.store.stats()["held_blocks"] == 0, "the late lookup's hold was let go"
+        e.close()
+        """,
+    )

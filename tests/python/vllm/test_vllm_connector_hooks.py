@@ -68,7 +68,15 @@ def test_unusable_runtime_directory_is_a_miss(tmp_path):
     run_in_vllm(
         f"""
         settings = types.SimpleNamespace(runtime_dir={str(not_a_dir)!r}, lookup_timeout_s=1.0)
-        k = bare(_clients=None, _engine_id="e", _dp_rank=0, _tp_size=1, _settings=settings, _channel_warned=False)
+        k = bare(
+            _clients=None,
+            _engine_id="e",
+            _dp_rank=0,
+            _tp_size=1,
+            _settings=settings,
+            _channel_warned=False,
+            _lookups_paused_until=0.0,
+        )
         assert k._lookup("r1", np.arange(64, dtype=np.int32), 0, 1) == (0, False)
         assert k._lookup("r2", np.arange(64, dtype=np.int32), 0, 2) == (0, False)
         assert k._channel_warned
