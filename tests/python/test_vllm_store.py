@@ -707,10 +707,10 @@ def test_a_request_aborted_after_its_prefetch_leaks_nothing(tmp_path, mem):
     st.close()
 
 
-def test_a_lookup_after_its_request_was_forgotten_holds_nothing(tmp_path, mem):
-    """A lookup can arrive after forget() (a client gave up, retried, and
-    the first attempt ran on): its blocks must not stay retained until
-    close."""
+def test_a_late_lookup_holds_nothing(tmp_path, mem):
+    """A lookup can arrive after its request was forgotten or the lookup
+    released (its caller timed out and the worker ran it on): its blocks
+    must not stay retained until close."""
     toks = np.arange(2 * B, dtype=np.int32) + 90
     _persisted(tmp_path, mem, toks, 2)
     st = _store(tmp_path)
@@ -722,16 +722,69 @@ def test_a_lookup_after_its_request_was_forgotten_holds_nothing(tmp_path, mem):
         return [b.info().refs for b in probe]
 
     base = refs()
-    assert st.lookup("r", toks) == 2 * B
+    assert st.lookup("r", toks, lookup_id=1) == 2 * B
     assert refs() == [r + 1 for r in base]
-    st.forget(["r"])
+    st.forget(["r"], {"r": 2})  # lookup 2 of it never arrived in time
     assert refs() == base
-    assert st.lookup("r", toks) == 2 * B  # the answer still comes back
+    assert st.lookup("r", toks, lookup_id=2) == 2 * B  # the answer still comes back
     assert "r" not in st._held and "r" not in st._looked_up
+    assert refs() == base
+    st.release_lookup("q", 7)  # released before it arrived
+    assert st.lookup("q", toks, lookup_id=7) == 2 * B and refs() == base
+    assert st.lookup("q", toks, lookup_id=9) == 2 * B and refs() == [r + 1 for r in base]
+    assert st.lookup("q", toks, lookup_id=8) == 2 * B  # older than the hold it would replace
+    assert st._held["q"].lookup_id == 9 and refs() == [r + 1 for r in base]
+    st.forget(["q"], {"q": 9})
     assert refs() == base
     for b in probe:
         b.release()
     st.close()
+
+
+@pytest.mark.parametrize("lookup_ids", [(None, None), (3, 4)])
+def test_a_request_id_used_again_after_it_ended_holds_its_lookup_until_the_load(tmp_path, mem, lookup_ids):
+    """Request ids come from clients and repeat: a new request under the
+    id of one that ended is a new request, whose lookup keeps what it
+    promised until the load, whatever is saved meanwhile."""
+    ended, new = lookup_ids
+    toks = np.arange(2 * B, dtype=np.int32) + 70
+    orig = mem.copy()
+    st = _store(tmp_path, disk_bytes=0, host_bytes=4 * (L * 2 * H * B * D * ES))
+    try:
+        _register(st, mem)
+        assert st.save("w", toks, 0, [0, 1]) == 2
+        st.forget(["w"])
+        assert st.lookup("again", toks, lookup_id=ended) == 2 * B  # the request that ended
+        if ended is None:
+            st.forget(["again"])
+        else:
+            st.forget(["again"], {"again": ended})
+        assert st.lookup("again", toks, lookup_id=new) == 2 * B
+        assert st.stats()["held_blocks"] == 2
+        for i in range(3):  # other requests' blocks fill the host tier
+            other = np.arange(2 * B, dtype=np.int32) + 10000 * (i + 1)
+            assert st.save(f"o{i}", other, 0, [2, 3]) == 2
+            st.forget([f"o{i}"])
+        assert st.load("again", toks, 0, [6, 7]) == []
+        np.testing.assert_array_equal(mem[:, [6, 7]], orig[:, [0, 1]])
+    finally:
+        st.close()
+
+
+def test_a_request_ending_keeps_the_lookup_of_a_new_request_under_its_id(tmp_path, mem):
+    # vLLM may look up a new request reusing an id before the worker hears
+    # that the old one ended: that lookup's hold stays.
+    toks = np.arange(2 * B, dtype=np.int32) + 50
+    st = _store(tmp_path, disk_bytes=0)
+    try:
+        _register(st, mem)
+        assert st.save("x", toks, 0, [0, 1]) == 2
+        assert st.lookup("x", toks, lookup_id=5) == 2 * B
+        st.forget(["x"], {"x": 4})
+        assert st.stats()["held_blocks"] == 2
+        assert st.load("x", toks, 0, [2, 3]) == []
+    finally:
+        st.close()
 
 
 def test_prefetch_takes_at_most_a_quarter_of_the_host_tier(tmp_path, mem):

@@ -47,9 +47,9 @@ SALT_VERSION = "kvh_cache.vllm/1"
 STORE_INSTANCES = 8  # store directories per model: vLLM instances that can run it at once
 RESTORE_PART_BLOCKS = 4  # a restore is split only into parts of at least this many blocks
 TAIL_PAD = -1
-# Forgotten request ids kept to tell a late lookup from a new request:
-# far more than requests in flight, a few MiB at most.
-FORGOTTEN_KEPT = 65536
+# Requests whose ended lookups are kept to tell a late lookup from a new
+# one: far more than requests in flight, a few MiB at most.
+ENDED_LOOKUPS_KEPT = 65536
 
 
 class StoreUnavailable(RuntimeError):
@@ -384,10 +384,12 @@ class KvStore:
         # Stages of the recent loads, for the timing trace.
         self.load_log: Deque[Dict[str, Any]] = collections.deque(maxlen=64)
         self._looked_up: Dict[str, float] = {}  # req_id -> perf_counter of its last lookup
-        # Requests forgotten lately: a lookup for one that arrives after
-        # forget() (a client's retry ran on after its timeout) holds
-        # nothing, or its blocks would stay retained until close.
-        self._forgotten: "collections.OrderedDict[str, None]" = collections.OrderedDict()
+        # req_id -> the newest of its lookup ids that ended (released, or
+        # its request finished). A lookup arriving with that id or an
+        # older one ran on after its caller timed out: it holds nothing,
+        # or its blocks could stay retained until close. A request id
+        # used again gets newer lookup ids, which hold as any do.
+        self._ended_lookups: "collections.OrderedDict[str, int]" = collections.OrderedDict()
         self._prefetch = bool(self.disk_path and settings.prefetch)
         # A request may take a quarter of the host tier by prefetching, so
         # that one long prompt cannot push everything else out.
@@ -465,7 +467,14 @@ class KvStore:
         full = tk.size // self.block_tokens
         found = tk.size if len(blocks) > full else len(blocks) * self.block_tokens
         with self._lock:
-            late = req_id in self._forgotten
+            ended = self._ended_lookups.get(req_id)
+            held = self._held.get(req_id)
+            # Lookup ids grow: one older than what ended, or than the hold
+            # it would replace, ran on after its caller gave up on it.
+            late = lookup_id is not None and (
+                (ended is not None and lookup_id <= ended)
+                or (held is not None and held.lookup_id is not None and lookup_id < held.lookup_id)
+            )
             old = None if late else self._held.pop(req_id, None)
             if not late:
                 if blocks:
@@ -520,18 +529,36 @@ class KvStore:
             self.counters.prefetch_capped += capped
 
     def release_lookup(self, req_id: str, lookup_id: Optional[int]) -> int:
-        """Ends what lookup ``lookup_id`` of req_id holds, once vLLM will not
-        load it (the request was not scheduled, or scheduled without it).
-        What a later lookup of the request holds, or what a load took
-        already, is left alone. Returns the blocks released."""
+        """Ends what lookup ``lookup_id`` of req_id, or an older one, holds,
+        once vLLM will not load it (the request was not scheduled, or
+        scheduled without it, or it finished); such a lookup arriving
+        later holds nothing. What a later lookup of the request holds, or
+        what a load took already, is left alone. Returns the blocks
+        released."""
         with self._lock:
+            if lookup_id is not None:
+                self._end_lookup(req_id, lookup_id)
             held = self._held.get(req_id)
-            if held is None or held.lookup_id != lookup_id:
+            if held is None or not self._ended(held, lookup_id):
                 return 0
             del self._held[req_id]
         for b in held.blocks:
             b.release()
         return len(held.blocks)
+
+    def _end_lookup(self, req_id: str, lookup_id: int) -> None:
+        """Notes that req_id's lookups up to lookup_id ended (under _lock)."""
+        newest = max(lookup_id, self._ended_lookups.pop(req_id, lookup_id))
+        self._ended_lookups[req_id] = newest
+        while len(self._ended_lookups) > ENDED_LOOKUPS_KEPT:
+            self._ended_lookups.popitem(last=False)
+
+    @staticmethod
+    def _ended(held: _Held, lookup_id: Optional[int]) -> bool:
+        """Whether a hold is that of lookup_id or an older lookup."""
+        if held.lookup_id is None or lookup_id is None:
+            return held.lookup_id == lookup_id
+        return held.lookup_id <= lookup_id
 
     def _held_matches(self, held: _Held, tokens: np.ndarray, end: int, scope: int) -> bool:
         """Whether what a lookup held was found for these tokens' first
@@ -547,19 +574,30 @@ class KvStore:
             self._looked_up.pop(req_id, None)
             return self._prefetches.pop(req_id, None)
 
-    def forget(self, req_ids) -> None:
+    def forget(self, req_ids, last_lookups: Optional[Dict[str, Optional[int]]] = None) -> None:
         """Drops the state of finished requests; the blocks they saved are
         made durable in the background (``kvh_blocks_persist``: no copy
         here, no temporary sequence; blocks still being gathered are
-        waited for by kvh)."""
+        waited for by kvh). ``last_lookups``: a request's last lookup id,
+        where known: that lookup or an older one arriving later holds
+        nothing, while what a newer one holds (a new request under the
+        same id) is kept. A request id used again after this is a new
+        request."""
+        last_lookups = last_lookups or {}
         for rid in req_ids:
-            self._drop_prefetch(rid)  # its reads end on their own; the blocks stay cached
+            last = last_lookups.get(rid)
             with self._lock:
-                held = self._held.pop(rid, None)
+                if last is not None:
+                    self._end_lookup(rid, last)
+                held = self._held.get(rid)
+                newer = held is not None and last is not None and not self._ended(held, last)
+                if held is not None and not newer:
+                    del self._held[rid]
+                else:
+                    held = None
                 req = self._reqs.pop(rid, None)
-                self._forgotten[rid] = None
-                while len(self._forgotten) > FORGOTTEN_KEPT:
-                    self._forgotten.popitem(last=False)
+            if not newer:
+                self._drop_prefetch(rid)  # its reads end on their own; the blocks stay cached
             for b in held.blocks if held else ():
                 b.release()
             if req is None:
