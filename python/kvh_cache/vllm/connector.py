@@ -175,6 +175,11 @@ class KvhMetadata(KVConnectorMetadata):
     # (request, lookup) of lookups whose match vLLM did not load: the
     # worker lets go of the blocks they hold.
     released_lookups: List[Tuple[str, int]] = field(default_factory=list)
+    # Requests that ended since the last step, each with its last lookup
+    # (None: it had none). The worker drops their state before this
+    # step's loads and saves, which may be a new request's under the same
+    # id (ids come from clients).
+    finished: Dict[str, Optional[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -184,6 +189,7 @@ class _SchedReq:
     tail_done: bool = False  # its prompt's tail block was loaded or queued for saving
     computed_end: int = 0  # tokens whose KV exists after its last scheduled step
     query: Optional[Tuple[int, int]] = None  # (local tokens, kvh tokens) of the last lookup
+    last_lookup: Optional[int] = None  # the id of its last lookup
 
 
 def all_reduce_min(values: List[int], group: Any) -> List[int]:
@@ -269,6 +275,7 @@ class KvhConnector(KVConnectorBase_V1):
         # no load has taken yet.
         self._unused_lookups: Dict[str, int] = {}
         self._released_lookups: List[Tuple[str, int]] = []
+        self._finished: Dict[str, Optional[int]] = {}  # ended since the last step
         self._clients: Optional[List[Client]] = None
         self._channel_warned = False
         self._lookups_paused_until = 0.0  # time.monotonic(): lookups are misses until then
@@ -415,6 +422,11 @@ class KvhConnector(KVConnectorBase_V1):
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvhMetadata)
+        if meta.finished:
+            # Before this step's loads and saves: a request reusing an ended
+            # one's id is new, and its state must not be dropped with the
+            # old one's (get_finished hears of the old one only after them).
+            self._forget(meta.finished)
         for req_id, lookup_id in meta.released_lookups:
             try:
                 self._store.release_lookup(req_id, lookup_id)
@@ -588,11 +600,21 @@ class KvhConnector(KVConnectorBase_V1):
         except Exception:
             logger.exception("kvh: offloading failed")
 
-    def get_finished(self, finished_req_ids: set) -> Tuple[Optional[set], Optional[set]]:
-        if self._store is not None and finished_req_ids:
-            self._store.forget(finished_req_ids)
-        for req_id in finished_req_ids or ():
+    def _forget(self, last_lookups: Dict[str, Optional[int]]) -> None:
+        """Drops the state of ended requests (each with its last lookup id)."""
+        if self._store is not None:
+            self._store.forget(list(last_lookups), last_lookups)
+        for req_id in last_lookups:
             self._unsound_from.pop(req_id, None)
+
+    def get_finished(self, finished_req_ids: set) -> Tuple[Optional[set], Optional[set]]:
+        # Those the step's metadata listed were forgotten when it started
+        # (start_load_kv does nothing without a store).
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        done = meta.finished if isinstance(meta, KvhMetadata) and self._store is not None else {}
+        rest = {req_id: None for req_id in finished_req_ids or () if req_id not in done}
+        if rest:
+            self._forget(rest)
         return None, None
 
     def get_block_ids_with_load_errors(self) -> set:
@@ -690,6 +712,7 @@ class KvhConnector(KVConnectorBase_V1):
             self._unused_lookups[request.request_id] = lookup_id
         st = self._reqs.setdefault(request.request_id, _SchedReq(request))
         st.query = (num_computed_tokens, matched)
+        st.last_lookup = lookup_id
         if matched <= num_computed_tokens:
             return 0, False
         return matched - num_computed_tokens, False
@@ -722,9 +745,10 @@ class KvhConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         # Lookups of this step that vLLM did not schedule are not loaded either.
         released = self._released_lookups + list(self._unused_lookups.items())
-        meta = KvhMetadata(loads=self._loads, released_lookups=released)
+        meta = KvhMetadata(loads=self._loads, released_lookups=released, finished=self._finished)
         admitted = set(self._admitted)
         self._loads, self._admitted, self._released_lookups, self._unused_lookups = [], [], [], {}
+        self._finished = {}
         if self._disabled:
             return meta
         bs = self._block_size
@@ -805,7 +829,8 @@ class KvhConnector(KVConnectorBase_V1):
         return n
 
     def request_finished(self, request: "Request", block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
-        self._reqs.pop(request.request_id, None)
+        st = self._reqs.pop(request.request_id, None)
         # The worker lets go of what it holds for the request when it ends.
         self._unused_lookups.pop(request.request_id, None)
+        self._finished[request.request_id] = st.last_lookup if st else None
         return False, None

@@ -503,3 +503,48 @@ def test_a_worker_that_times_out_is_not_asked_again_until_a_back_off_ends(tmp_pa
         e.close()
         """,
     )
+
+
+def test_a_request_id_used_again_keeps_its_state_when_the_old_request_ends(tmp_path):
+    # Request ids come from clients. A request "b" ends and a new "b" is
+    # admitted, loads and fails its load in the step that tells the worker
+    # that the old one ended (get_finished, after the forward pass): the
+    # new request's hold on saves computed over the failed load must
+    # survive the old one's end, or a later step saves stale KV.
+    run_flow(
+        tmp_path,
+        """
+        bs = 32
+        tokens = list(range(2000, 2000 + 8 * bs)) + [5]
+        e = fake.Engine(root, block_size=bs)
+        a = fake.Request("a", tokens[: 6 * bs] + [1])
+        e.admit(a, [1, 2, 3, 4, 5, 6, 7])
+        e.step({"a": a})
+        e.finish(a)
+        e.store.wait_saves()
+
+        old = fake.Request("b", list(range(9000, 9000 + bs)) + [2])
+        e.admit(old, [20, 21])
+        e.step({"b": old})
+        e.scheduler.request_finished(old, [20, 21])  # the worker hears of it with the next step
+
+        ids = list(range(10, 19))
+        for layer in e.kv.values():
+            layer[ids] = 3.0  # what the slots' previous owner left
+        b = fake.Request("b", tokens)
+        assert e.admit(b, ids) == 6 * bs
+        e.fail_load("b", 2)
+        e.start_step({"b": bs})
+        e.forward(b, b.num_computed_tokens, b.num_computed_tokens + bs)  # block 6, over the stale slots
+        failed = e.end_step(finished={"b"})
+        assert failed == set(ids[2:6]), failed
+        b.num_computed_tokens = 0  # vLLM truncates b at the failed block, then preempts it
+
+        # Back, with vLLM's cached blocks 0-6 (2-6 stale) as its own hit.
+        assert e.admit(b, ids, local_tokens=7 * bs) == 0
+        e.step({"b": b})
+        e.store.wait_saves()
+        assert e.wrong_offloads == [], e.wrong_offloads
+        e.close()
+        """,
+    )

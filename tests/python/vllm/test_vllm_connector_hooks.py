@@ -131,8 +131,8 @@ def test_blocks_recomputed_after_a_failed_load_are_saved_again():
         manager = types.SimpleNamespace(get_block_ids=lambda req_id: [list(range(100, 110))])
         settings = types.SimpleNamespace(tail_min_tokens=0)
         k = bare(
-            _loads=[], _admitted=[], _unused_lookups={}, _released_lookups=[], _disabled=False, _block_size=bs,
-            _reqs={}, _kv_cache_manager=manager, _settings=settings,
+            _loads=[], _admitted=[], _unused_lookups={}, _released_lookups=[], _finished={}, _disabled=False,
+            _block_size=bs, _reqs={}, _kv_cache_manager=manager, _settings=settings,
         )
         k._reqs["r"] = c._SchedReq(r, saved_blocks=8)  # a load of blocks 0-7 was issued
         r.num_computed_tokens = 32
