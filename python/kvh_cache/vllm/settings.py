@@ -14,7 +14,10 @@ extra_config key       environment variable      default
 ``runtime_dir``        ``KVH_VLLM_RUNTIME_DIR``  ``$XDG_RUNTIME_DIR`` or /tmp
 ``persist``            ``KVH_VLLM_PERSIST``      1: finished requests' blocks
                                                  are made durable on disk
-``lookup_timeout_s``   ``KVH_VLLM_LOOKUP_TIMEOUT`` 5
+``lookup_timeout_s``   ``KVH_VLLM_LOOKUP_TIMEOUT`` 5; after a timeout the
+                                                 scheduler's lookups are misses
+                                                 for 10 s (doubling up to 300 s
+                                                 while they time out)
 ``log_level``          ``KVH_VLLM_LOG_LEVEL``    warn (kvh's own messages)
 ``tail_min_tokens``    ``KVH_VLLM_TAIL_MIN_TOKENS`` 0: full blocks only; N: a
                                                  prompt's last, partial block is
