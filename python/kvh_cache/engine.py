@@ -1879,6 +1879,10 @@ class Sequence(GatedHandle, OwnedHandle):
             raise TypeError(
                 f"{name} must be a numpy.ndarray of dtype {dt} shaped {expected}{note}, not {type(a).__name__}"
             )
+        if isinstance(a, np.ma.MaskedArray):
+            # Its mask would be ignored: masked entries written (or read
+            # into) as whatever bytes lie under them.
+            raise TypeError(f"{name} is a numpy.ma.MaskedArray, whose mask kvh cannot honour: pass {name}.filled(...)")
         a = a.view(np.ndarray)  # its own shape, as numpy has it
         if a.dtype != dt:
             raise TypeError(f"{name} has dtype {a.dtype}, expected {dt} shaped {expected}{note}")

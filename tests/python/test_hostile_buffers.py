@@ -81,6 +81,8 @@ BAD_WRITE_INPUTS = {
     "transposed": (np.ones((8, 2, 4), np.float32).transpose(2, 1, 0), ValueError),
     "fortran": (np.asfortranarray(np.ones((4, 2, 8), np.float32)), ValueError),
     "numpy-scalar": (np.float32(1.0), TypeError),
+    # its mask would be ignored: the bytes under masked entries written
+    "masked": (np.ma.masked_array(_K, mask=np.eye(8, dtype=bool)[None, :2, :].repeat(4, 0)), TypeError),
 }
 
 
