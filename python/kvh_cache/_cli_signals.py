@@ -6,7 +6,8 @@ and removed on the way out. Python runs a signal's handler wherever the
 main thread is, and an exception raised inside a ``__del__`` or a weakref
 callback is printed as "Exception ignored" and dropped: the command would
 go on as if nothing had been asked. Such a signal is sent again, to be
-raised at a point where it unwinds.
+raised at a point where it unwinds, and one still on its way when the
+command's work returns is raised there.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from __future__ import annotations
 import signal
 import sys
 import threading
-from typing import Any, Callable, Dict, List
+import time
+from typing import Any, Callable, Dict, List, Optional
 
-from ._handle import interrupt_again
+from ._handle import SignalAgain
 
 
 class Stopped(BaseException):
@@ -25,6 +27,10 @@ class Stopped(BaseException):
     def __init__(self, signum: int) -> None:
         super().__init__(signum)
         self.signum = signum
+
+
+def _exception_for(signum: int) -> BaseException:
+    return KeyboardInterrupt() if signum == signal.SIGINT else Stopped(signum)
 
 
 class SignalUnwind:
@@ -38,11 +44,15 @@ class SignalUnwind:
         self._previous_hook: Callable[[Any], None] = sys.unraisablehook
         self._installed = False
         self._in_hook = 0
+        self._again: Optional[SignalAgain] = None  # a dropped signal on its way back
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if self._in_hook:  # raised here it would be dropped once more
-            interrupt_again(signum)
+            self._send_again(signum)
             return
+        if self._again is not None:  # this one unwinds: the one on its way is not needed
+            self._again.cancel()
+            self._again = None
         if signum == signal.SIGINT:
             raise KeyboardInterrupt
         if self._fired:  # once: a second signal would cut the clean-up short
@@ -50,19 +60,42 @@ class SignalUnwind:
         self._fired.append(signum)
         raise Stopped(signum)
 
+    def _send_again(self, signum: int) -> None:
+        if self._again is not None:
+            self._again.cancel()
+        self._again = SignalAgain(signum)
+
     def _unraisable(self, unraisable: Any) -> None:
         self._in_hook += 1
         try:
             exc = unraisable.exc_value
             if isinstance(exc, Stopped):
                 self._fired.clear()
-                interrupt_again(exc.signum)
-            elif isinstance(exc, KeyboardInterrupt):
-                interrupt_again(signal.SIGINT)
+                self._send_again(exc.signum)
+            elif isinstance(exc, KeyboardInterrupt) and signal.getsignal(signal.SIGINT) in (
+                self._on_signal,
+                signal.default_int_handler,
+            ):
+                # Under another handler (a host running kvh's main in its
+                # own process) a second call would count a second Ctrl-C.
+                self._send_again(signal.SIGINT)
             else:
                 self._previous_hook(unraisable)
         finally:
             self._in_hook -= 1
+
+    def raise_pending(self) -> None:
+        """Raises a dropped signal still on its way: the command's work
+        returned before it came back."""
+        again = self._again
+        if again is None:
+            return
+        if again.cancel():
+            self._again = None
+            raise _exception_for(again.signum)
+        deadline = time.monotonic() + 1.0
+        while self._again is again and time.monotonic() < deadline:
+            time.sleep(0.001)  # sent: the handler runs at the next check and raises
 
     def install(self) -> "SignalUnwind":
         if threading.current_thread() is not threading.main_thread():
@@ -78,6 +111,9 @@ class SignalUnwind:
         return self
 
     def restore(self) -> None:
+        if self._again is not None:  # the command is ending through another exception
+            self._again.cancel()
+            self._again = None
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()

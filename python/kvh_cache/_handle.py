@@ -24,7 +24,6 @@ Python threads on one object serialise (or raise) instead of crashing.
 
 from __future__ import annotations
 
-import _thread
 import collections
 import os
 import signal
@@ -401,8 +400,8 @@ class Finalized:
         # The interpreter prints and drops what a finaliser raises: a
         # Ctrl-C or a signal handler's exception met here would be lost and
         # the close left half done. The close is finished first; Ctrl-C is
-        # then sent again, and anything else a signal handler raised goes
-        # on to sys.unraisablehook, where the application can act on it.
+        # then sent again (under Python's own handler), and anything else
+        # goes on to sys.unraisablehook, where the application can act on it.
         stopped: Optional[BaseException] = None
         for _ in range(2):
             try:
@@ -414,32 +413,53 @@ class Finalized:
                 stopped = stopped or exc
         if isinstance(stopped, KeyboardInterrupt):
             try:
-                interrupt_again()
+                if interrupt_again() is not None:
+                    return
             except Exception:  # at interpreter shutdown, with globals gone
-                pass
-        elif stopped is not None:
+                return
+        if stopped is not None:
             raise stopped
 
 
-def interrupt_again(signum: int = signal.SIGINT) -> None:
-    """Sends a signal to the main thread again, for one whose exception
-    code run by the interpreter itself (a finaliser, a weakref or gc
-    callback) met and cannot pass on. Sent from a thread a moment later:
-    set from here, the interpreter's flag would be seen, and the
-    exception raised and dropped again, before that code returns."""
-    if signum == signal.SIGINT and not callable(signal.getsignal(signal.SIGINT)):
-        return  # Ctrl-C does not raise here: nothing to send again
+class SignalAgain:
+    """A signal sent to the main thread again, a moment from now, for one
+    whose exception code run by the interpreter itself (a finaliser, a
+    weakref or gc callback) met and could not pass on. Sent from a
+    thread: set from that code, it would be raised and dropped there
+    once more. A real signal (pthread_kill), so that a sleep or a wait
+    the main thread is in ends as it would have."""
 
-    def deliver() -> None:
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        self._lock = threading.Lock()
+        self._cancelled = False
+        self._sent = False
+        threading.Thread(target=self._send, name="kvh-signal-again", daemon=True).start()
+
+    def _send(self) -> None:
         time.sleep(_SEND_AGAIN_AFTER_S)
-        if sys.version_info >= (3, 10):
-            _thread.interrupt_main(signum)
-        elif signum == signal.SIGINT:
-            _thread.interrupt_main()
-        else:
-            os.kill(os.getpid(), signum)
+        with self._lock:
+            if self._cancelled:
+                return
+            self._sent = True
+            signal.pthread_kill(threading.main_thread().ident, self.signum)  # type: ignore[arg-type]
 
-    threading.Thread(target=deliver, name="kvh-signal-again", daemon=True).start()
+    def cancel(self) -> bool:
+        """Stops it; False when it was already sent."""
+        with self._lock:
+            self._cancelled = True
+            return not self._sent
+
+
+def interrupt_again() -> Optional[SignalAgain]:
+    """Sends Ctrl-C again where Python's own handler has it raise
+    KeyboardInterrupt: that exception, and only it, was lost. Under a
+    handler of the application's, a second call would count a second
+    Ctrl-C: None then, and the caller passes the exception on to
+    sys.unraisablehook instead."""
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        return None
+    return SignalAgain(signal.SIGINT)
 
 
 # Long enough for the code that dropped the exception to return; landing
@@ -515,6 +535,7 @@ __all__ = [
     "HandleGate",
     "OwnedHandle",
     "Uncopyable",
+    "SignalAgain",
     "WeakBag",
     "in_lock_order",
     "interrupt_again",

@@ -860,7 +860,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # Ctrl-C while the parser is built (it imports the demos) is as
     # much an interrupt as one while a command runs.
     try:
-        return _main(argv)
+        rc = _main(argv)
+        unwind.raise_pending()
+        return rc
     except KeyboardInterrupt:
         _err("interrupted")
         return 130

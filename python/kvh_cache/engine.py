@@ -399,11 +399,17 @@ def _close_orphans() -> None:
 
 @atexit.register
 def _close_all_at_exit() -> None:  # stop worker threads before interpreter teardown
+    # Every engine, also when a Ctrl-C comes meanwhile: the process is
+    # ending anyway, and an engine left open loses its index snapshot.
     for eng in _live_engines.live():
-        try:
-            eng.close()
-        except Exception:
-            pass
+        for _ in range(2):
+            try:
+                eng.close()
+                break
+            except KeyboardInterrupt:
+                continue
+            except Exception:
+                break
     _close_orphans()
 
 
@@ -2176,7 +2182,12 @@ class Sequence(GatedHandle, OwnedHandle):
         match. Writes through a view do not mark cells as written for
         ``read_kv``: write them with ``write_kv`` first (when nothing of the
         block was, that move marks the first token's cell of the view's
-        layer). Needs host memory (the CPU backend); UnsupportedError on
+        layer). Cells never written read as zeros in the view (the slot
+        may hold what an earlier block left; another live view of the same
+        block and layer keeps them as its writes left them). Taking a view
+        reads the block's cells to tell which were written: kvh_stats counts
+        that as one lookup, or one a cell when some were not. Needs host
+        memory (the CPU backend); UnsupportedError on
         CUDA and on a ``vmap`` engine (its device tier is laid out by
         head: read blocks through :meth:`vmap`).
         """
@@ -2264,6 +2275,12 @@ class Sequence(GatedHandle, OwnedHandle):
             ffi.buffer(ffi.cast("char *", addr), int(np.prod(shape)) * eng.np_dtype.itemsize), dtype=eng.np_dtype
         ).reshape(shape)
         with self._call() as p:
+            for ref, viewed in self._view_owners:
+                other = ref()
+                if viewed == index and other is not None and other.layer == layer:
+                    # Cells written through that view but not yet with
+                    # write_kv read as never written: they stay.
+                    return
             n = min(bt, self._length(p) - first)
             # One read when every cell is written (the usual case), a
             # read a cell otherwise (each read counts as a lookup).

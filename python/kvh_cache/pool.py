@@ -241,7 +241,8 @@ def _prune_after_gc(phase: str, info: Any) -> None:
             else:
                 _inflight.pop(engine, None)
     except KeyboardInterrupt:  # the interpreter would drop it here
-        interrupt_again()
+        if interrupt_again() is None:
+            raise  # to sys.unraisablehook
     except Exception:  # nothing may escape a collector callback
         pass
     finally:

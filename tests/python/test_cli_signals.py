@@ -15,11 +15,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
-# A command whose every collected object raises its signal inside
-# __del__ (as a handler does when the signal lands there): without a
-# second delivery it runs its 5 s to the end and exits 0.
+# A command whose collected object raises its signal inside __del__ (as a
+# handler does when the signal lands there), then goes on with `{after}`:
+# without a second delivery it runs to the end and exits 0.
 _SCRIPT = """
-import signal, sys, time
+import signal, sys, threading, time
 from kvh_cache import cli
 
 class Bomb:
@@ -28,15 +28,25 @@ class Bomb:
 
 def work(args):
     Bomb()
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        time.sleep(0.01)
+    {after}
     print("ran on")
     return 0
 
 cli.cmd_doctor = work
-sys.exit(cli.main(["doctor"]))
+t0 = time.monotonic()
+rc = cli.main(["doctor"])
+print(f"took {{time.monotonic() - t0:.2f}}", file=sys.stderr)
+sys.exit(rc)
 """
+
+_AFTER = {
+    # polls: the signal comes back at its next check
+    "busy": "deadline = time.monotonic() + 5\n    while time.monotonic() < deadline:\n        time.sleep(0.01)",
+    # blocks: a real signal ends the wait, as the first one would have
+    "waiting": "threading.Event().wait(5)",
+    # returns at once: the signal still on its way is raised there
+    "returning": "pass",
+}
 
 
 def _env():
@@ -45,14 +55,14 @@ def _env():
     return env
 
 
-def _run(sig: str) -> subprocess.CompletedProcess:
+def _run(sig: str, after: str) -> subprocess.CompletedProcess:
     def default_signals():
         # A runner in the background ignores SIGINT; its children inherit that.
         for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(s, signal.SIG_DFL)
 
     return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(_SCRIPT.format(sig=sig))],
+        [sys.executable, "-c", textwrap.dedent(_SCRIPT.format(sig=sig, after=_AFTER[after]))],
         capture_output=True,
         text=True,
         timeout=60,
@@ -70,10 +80,14 @@ def _run(sig: str) -> subprocess.CompletedProcess:
         ("SIGHUP", 129, "kvh: stopped by signal 1 (SIGHUP)"),
     ],
 )
-def test_a_signal_dropped_in_a_finalizer_still_ends_the_command(sig, rc, message):
-    res = _run(sig)
-    assert res.returncode == rc and res.stdout == "", res.stdout + res.stderr
-    assert res.stderr.strip().splitlines() == [message], res.stderr
+@pytest.mark.parametrize("after", sorted(_AFTER))
+def test_a_signal_dropped_in_a_finalizer_still_ends_the_command(sig, rc, message, after):
+    res = _run(sig, after)
+    ran_on = "ran on\n" if after == "returning" else ""  # its work was done when the signal came back
+    assert res.returncode == rc and res.stdout == ran_on, res.stdout + res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert lines[:-1] == [message] and lines[-1].startswith("took "), res.stderr
+    assert float(lines[-1].split()[1]) < 2.5, res.stderr
 
 
 def test_other_exceptions_in_finalizers_are_still_reported():

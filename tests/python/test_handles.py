@@ -272,3 +272,62 @@ def test_weak_bag_runs_no_python_code_when_an_item_dies():
     finally:
         sys.setprofile(None)
     assert [c for c in called if c != "<lambda>"] == [] and bag.live() == []
+
+
+def test_a_finalizers_ctrl_c_under_the_applications_handler_goes_to_the_hook():
+    # An application's own SIGINT handler counts presses: sending the
+    # signal again would call it a second time for one Ctrl-C. The
+    # exception goes to sys.unraisablehook instead, the close finished.
+    res = run_child(
+        """
+        import gc, signal, sys, time
+        import kvh_cache as kvh
+
+        calls, seen, ended = [], [], []
+
+        def handler(signum, frame):
+            calls.append(signum)
+            raise KeyboardInterrupt
+
+        signal.signal(signal.SIGINT, handler)
+        sys.unraisablehook = lambda u: seen.append(type(u.exc_value).__name__)
+
+        class Interrupted(kvh._handle.Finalized):
+            def _close_at_gc(self):
+                ended.append(1)
+                if len(ended) == 1:
+                    raise KeyboardInterrupt
+
+        f = Interrupted()
+        del f
+        gc.collect()
+        time.sleep(0.2)
+        print(len(calls), ended, seen)
+        """
+    )
+    assert res.stdout.strip() == "0 [1, 1] ['KeyboardInterrupt']", res.stdout + res.stderr
+
+
+def test_engines_open_at_exit_are_closed_through_a_ctrl_c():
+    res = run_child(
+        """
+        import kvh_cache as kvh
+        from kvh_cache import engine as engine_mod
+        from kvh_testutil import make_engine
+
+        engines = [make_engine() for _ in range(3)]
+        real_close = kvh.Engine.close
+        interrupted = []
+
+        def close(self):
+            if not interrupted:
+                interrupted.append(self)
+                raise KeyboardInterrupt
+            real_close(self)
+
+        kvh.Engine.close = close
+        engine_mod._close_all_at_exit()
+        print([e.closed for e in engines])
+        """
+    )
+    assert res.stdout.strip() == "[True, True, True]", res.stdout + res.stderr
