@@ -10,6 +10,7 @@
 #include "core/disk_format.h"
 #include "core/disk_io.h"
 #include "core/engine.h"
+#include "core/store_locks.h"
 
 mode_t kvhi_store_dir_mode(uint32_t disk_flags) { return disk_flags & KVH_DISK_SHARE_GROUP ? 0750 : 0700; }
 
@@ -58,9 +59,10 @@ static int sync_parent_dir(const char *path)
     else
         slash[slash == parent ? 1 : 0] = '\0';
     int fd = open(parent, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    int open_errno = errno;
     free(parent);
     if (fd < 0)
-        return -errno;
+        return open_errno == EACCES ? 0 : -open_errno; /* a parent this user may only search: nothing to sync with */
     int inj = kvhi_disk_fault(KVHI_OP_DIRSYNC);
     int rc = inj ? inj : kvhi_disk_sync_fd(fd, false);
     close(fd);
@@ -74,12 +76,18 @@ kvh_status kvhi_store_open_dir(kvhi_disk *d, const char *path)
     if (!made && errno != EEXIST)
         return kvhi_fail(KVH_ERR_IO, "cannot create %s: %s", path, strerror(errno));
     int synced = made ? sync_parent_dir(path) : 0;
-    if (synced != 0)
+    if (synced != 0) {
+        rmdir(path); /* empty, just made: the next open makes it, and syncs, again */
         return kvhi_fail(KVH_ERR_IO, "cannot sync the directory holding %s: %s", path, strerror(-synced));
+    }
     /* Not through a link in the last component: one planted there would
      * point the engine at a directory it then narrows, locks and writes
      * its index into. */
+    kvhi_store_locks_hold();
     d->dir_fd = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC | O_NOFOLLOW);
+    int open_errno = errno;
+    kvhi_store_locks_let_go();
+    errno = open_errno;
     struct stat lst;
     if (d->dir_fd < 0 && (errno == ELOOP || errno == ENOTDIR) && lstat(path, &lst) == 0 && S_ISLNK(lst.st_mode))
         return kvhi_fail(KVH_ERR_IO, "%s is a symbolic link: give the store's own path", path);
@@ -102,11 +110,13 @@ kvh_status kvhi_store_open_dir(kvhi_disk *d, const char *path)
                          "%s holds a file named '%s' that kvh did not write, and no store: not a kvh store "
                          "directory (give disk_path a directory of its own)",
                          path, foreign);
-    /* The owner's access only, before the store is locked: LOCK cannot
-     * be made in a directory mkdir's umask left at 0500. The exact mode
-     * waits for the lock (kvhi_store_set_modes): an open refused because
-     * another engine holds the store must not change its modes. */
-    if ((st.st_mode & S_IRWXU) != S_IRWXU && fchmod(d->dir_fd, (st.st_mode & 07777) | S_IRWXU) != 0)
+    /* The owner's access only, before the store is locked, and only
+     * where no engine can hold it (no LOCK yet): LOCK cannot be made in a
+     * directory mkdir's umask left at 0500. The exact mode waits for the
+     * lock (kvhi_store_set_modes): an open refused because another engine
+     * holds the store must not change its modes. */
+    bool held_maybe = !made && faccessat(d->dir_fd, "LOCK", F_OK, AT_SYMLINK_NOFOLLOW) == 0;
+    if (!held_maybe && (st.st_mode & S_IRWXU) != S_IRWXU && fchmod(d->dir_fd, (st.st_mode & 07777) | S_IRWXU) != 0)
         return kvhi_fail(KVH_ERR_IO, "cannot set %s to mode %04o: %s", path, (unsigned)want, strerror(errno));
     return KVH_OK;
 }

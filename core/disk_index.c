@@ -227,8 +227,15 @@ static int create_store(kvhi_disk *d, char *msg, size_t msg_len)
     /* The journal first: a crash between the two leaves a new store's
      * empty journal alone, which reads as a creation cut short, while an
      * index without its journal is always damage (the journal may have
-     * held every record of a store never folded into its index). */
-    int rc = fresh_journal(d);
+     * held every record of a store never folded into its index). A reset
+     * removes the old index before anything: cut short there, the old
+     * journal alone is damage (or an empty store's), never the old index
+     * served beside a new journal. */
+    int rc = unlinkat(d->dir_fd, "index", 0) == 0 || errno == ENOENT ? 0 : -errno;
+    if (rc == 0)
+        rc = sync_dir(d);
+    if (rc == 0)
+        rc = fresh_journal(d);
     if (rc == 0)
         rc = replace_file(d, "index", hdr, NULL, 0, NULL);
     if (rc != 0) {
@@ -763,6 +770,14 @@ int kvhi_index_compact(kvhi_disk *d, const kvhi_index_entry *entries, size_t n)
     pthread_mutex_lock(&d->journal_lock);
     int rc = d->fatal ? -EIO : 0;
     bool replaced = false;
+    /* A snapshot with records is at seq 1 or later, so that the journal
+     * made beside it starts past 1: a journal starting at 1 alone then
+     * only ever means a new store (creation cut short), whose loss of an
+     * index loses nothing. */
+    pthread_mutex_lock(&d->pending_lock);
+    if (n > 0 && d->next_seq < 2)
+        d->next_seq = 2;
+    pthread_mutex_unlock(&d->pending_lock);
     uint8_t *body = rc == 0 ? malloc(n * d->rec_bytes + 1) : NULL;
     if (rc == 0 && !body)
         rc = -ENOMEM;

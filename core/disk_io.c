@@ -610,6 +610,7 @@ int kvhi_disk_sync_slabs(kvhi_disk *d)
         if (rc != 0) {
             /* After a failed fsync the page cache state is unknown: never
              * retry and trust it. */
+            d->slabs_untrusted = true;
             d->fatal = true;
             return rc;
         }

@@ -41,6 +41,9 @@ typedef struct kvhi_disk {
     /* An fsync or journal write failed: nothing written since is trusted.
      * Atomic: set by writers outside the engine lock, read under it. */
     _Atomic bool fatal;
+    /* A slab fsync failed: what its slots hold since is not known to be on
+     * disk, and no index may name them (close then writes none). */
+    _Atomic bool slabs_untrusted;
     bool read_only;      /* inspection: never create, truncate or write */
     uint32_t disk_flags; /* kvh_disk_flags of the config (modes: core/disk_access.h) */
     /* A damaged index or journal fails the open (kvh_config

@@ -31,8 +31,10 @@ static kvh_status store_busy(kvhi_disk *d)
     ssize_t n = pread(d->lock_fd, pid, sizeof(pid) - 1, 0);
     pid[n > 0 ? n : 0] = '\0';
     pid[strcspn(pid, "\n")] = '\0';
+    kvhi_store_locks_hold();
     close(d->lock_fd);
     d->lock_fd = -1;
+    kvhi_store_locks_let_go();
     /* Readers (kvh-store) share the lock without writing their pid:
      * the one in the file may be a writer long gone. */
     char *end = NULL;
@@ -44,7 +46,9 @@ static kvh_status store_busy(kvhi_disk *d)
 
 static kvh_status lock_store(kvhi_disk *d)
 {
+    kvhi_store_locks_hold();
     d->lock_fd = kvhi_store_openat_as_found(d, "LOCK", O_RDWR | O_CREAT);
+    kvhi_store_locks_let_go();
     if (d->lock_fd < 0)
         return kvhi_fail(KVH_ERR_IO, "cannot create %s/LOCK: %s", d->path, strerror(-d->lock_fd));
     /* The directory is locked as well as LOCK: a LOCK file deleted under
@@ -56,7 +60,6 @@ static kvh_status lock_store(kvhi_disk *d)
         flock(d->dir_fd, LOCK_UN);
         return store_busy(d);
     }
-    kvhi_store_lock_add(&d->held, &d->dir_fd, &d->lock_fd);
     char pid[32];
     int len = snprintf(pid, sizeof(pid), "%ld\n", (long)getpid());
     if (ftruncate(d->lock_fd, 0) != 0 || pwrite(d->lock_fd, pid, (size_t)len, 0) != len)
@@ -71,17 +74,21 @@ static void disk_free(kvhi_disk *d)
     kvhi_disk_close(d);
     if (d->rec_bytes)
         kvhi_index_close(d);
-    kvhi_store_lock_remove(&d->held);
+    kvhi_store_locks_hold();
     if (d->lock_fd >= 0) {
         /* A process forked while the engine was open shares this open file
          * and its flock: unlock it for both, not only close ours. */
         flock(d->lock_fd, LOCK_UN);
         close(d->lock_fd);
+        d->lock_fd = -1;
     }
     if (d->dir_fd >= 0) {
         flock(d->dir_fd, LOCK_UN); /* as LOCK's */
         close(d->dir_fd);
+        d->dir_fd = -1;
     }
+    kvhi_store_locks_let_go();
+    kvhi_store_lock_remove(&d->held);
     free(d->path);
     free(d);
 }
@@ -92,6 +99,7 @@ kvh_status kvhi_disk_tier_open(kvh_engine *e, const kvh_config *cfg, const char 
     if (!d)
         return kvhi_fail(KVH_ERR_NOMEM, "out of memory for the disk tier");
     d->dir_fd = d->lock_fd = d->journal_fd = -1;
+    kvhi_store_lock_add(&d->held, &d->dir_fd, &d->lock_fd);
     d->path = strdup(path);
     e->disk = d;
     if (!d->path)
@@ -245,7 +253,12 @@ kvh_status kvhi_disk_tier_close(kvh_engine *e, bool flush)
     if (!e->disk)
         return KVH_OK;
     kvh_status st = KVH_OK;
-    if (flush && e->disk->rec_bytes && e->tiers[KVH_TIER_DISK].present) {
+    if (flush && e->disk->rec_bytes && e->tiers[KVH_TIER_DISK].present && e->disk->slabs_untrusted) {
+        /* The index stays as it was: a new one would name slots whose
+         * data a failed fsync may have lost. */
+        kvhi_index_flush(e->disk);
+        st = kvhi_fail(KVH_ERR_IO, "the disk index was not rewritten: a slab file failed to sync");
+    } else if (flush && e->disk->rec_bytes && e->tiers[KVH_TIER_DISK].present) {
         /* After a fatal journal failure (the journal removed, a write that
          * failed half way) the engine's own state is still whole: a new
          * index written from it keeps every block made durable before, and

@@ -34,6 +34,10 @@ static void locks_give_up_in_child(void)
 
 static void watch_forks(void) { (void)pthread_atfork(locks_take, locks_let_go, locks_give_up_in_child); }
 
+void kvhi_store_locks_hold(void) { pthread_mutex_lock(&locks_lock); }
+
+void kvhi_store_locks_let_go(void) { pthread_mutex_unlock(&locks_lock); }
+
 void kvhi_store_lock_add(kvhi_store_lock *l, int *dir_fd, int *lock_fd)
 {
     (void)pthread_once(&fork_once, watch_forks);

@@ -14,8 +14,14 @@ typedef struct kvhi_store_lock {
     struct kvhi_store_lock *prev, *next;
 } kvhi_store_lock;
 
-/* Both while the store is locked: add once it is, remove before unlocking. */
+/* Add before either descriptor is opened (both -1), remove once both are
+ * closed: a fork between an open and its flock would give the child the
+ * open file the flock then locks. */
 void kvhi_store_lock_add(kvhi_store_lock *l, int *dir_fd, int *lock_fd);
 void kvhi_store_lock_remove(kvhi_store_lock *l);
+/* Around each open or close of a listed descriptor and the store of its
+ * number in the field: no fork sees one without the other. */
+void kvhi_store_locks_hold(void);
+void kvhi_store_locks_let_go(void);
 
 #endif

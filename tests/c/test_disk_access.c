@@ -378,6 +378,14 @@ static void test_a_refused_open_changes_no_modes(void **state)
         dt_track(b);
         assert_int_equal(st, KVH_ERR_BUSY);
         expect_store_modes("refused open", dir, holder_flags[i]);
+        /* nor a mode the holder's owner set meanwhile */
+        assert_int_equal(chmod(dir, 0500), 0);
+        b = NULL;
+        st = kvh_engine_open(&other, &b);
+        dt_track(b);
+        assert_int_equal(st, KVH_ERR_BUSY);
+        assert_int_equal(mode_of(dir, NULL), 0500);
+        assert_int_equal(chmod(dir, dir_mode_for(holder_flags[i])), 0);
         dt_assert_ok(dt_close(dt_untrack(a)));
     }
 }

@@ -21,7 +21,11 @@
  *   - the journal removed while open: close writes the index from the
  *     engine's state (every block durable before is kept); the directory
  *     removed: close returns KVH_ERR_IO;
- *   - a new store's directory entry is synced (its failure fails the open).
+ *   - a new store's directory entry is synced (its failure fails the open
+ *     and removes the directory just made);
+ *   - after a failed slab fsync close writes no index (KVH_ERR_IO);
+ *   - a reset cut short between its new journal and its new index leaves
+ *     the new, empty store.
  */
 #include "disk_test_util.h"
 
@@ -787,8 +791,79 @@ static void test_a_new_store_syncs_the_directory_holding_it(void **state)
     assert_int_equal(st, KVH_ERR_IO);
     if (!strstr(err, "cannot sync the directory holding"))
         fail_msg("open with the first directory sync failing: %s", err);
-    dt_rmrf(dir);
+    /* Removed again: the next open makes it, and syncs its entry, anew. */
+    struct stat st_dir;
+    assert_int_equal(stat(dir, &st_dir), -1);
+    arm(KVHI_OP_DIRSYNC, 1, -EIO, false);
+    e = NULL;
+    st = kvh_engine_open(&c, &e);
+    dt_track(e);
+    disarm();
+    assert_int_equal(st, KVH_ERR_IO);
     e = dt_open_a(&c); /* once it can, the store is made */
+    dt_assert_ok(dt_close(dt_untrack(e)));
+}
+
+/* A slab that failed to sync may have lost what its slots were given:
+ * close writes no index naming them (it says so), and the store keeps
+ * what was durable before. */
+static void test_close_after_a_failed_slab_sync_writes_no_index(void **state)
+{
+    (void)state;
+    char dir[512];
+    dt_scratch("slab-sync-failed", dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 16, 8, 64, 0);
+    kvh_engine *e = dt_open_a(&c);
+    kvh_seq s;
+    dt_assert_ok(dt_build(e, G, dt_plain(911), 2 * G.bt, 0, &s));
+    dt_assert_ok(kvh_seq_persist(e, s));
+    dt_assert_ok(dt_build(e, G, dt_plain(912), 2 * G.bt, 0, &s));
+    arm(KVHI_OP_FSYNC, 1, -EIO, false); /* the slab's, first in a persist */
+    assert_int_equal(kvh_seq_persist(e, s), KVH_ERR_IO);
+    disarm();
+    assert_int_equal(kvh_engine_close(dt_untrack(e)), KVH_ERR_IO);
+    e = dt_open_a(&c);
+    size_t m = 0;
+    char msg[256] = "";
+    if (dt_match_verify(e, G, dt_plain(911), 2 * G.bt, &m, msg, sizeof(msg)) != KVH_OK)
+        fail_msg("%s", msg);
+    assert_int_equal(m, 2 * G.bt);
+    assert_int_equal(dt_stats(e).corrupt_blocks, 0);
+    dt_assert_ok(dt_close(dt_untrack(e)));
+}
+
+/* A reset (KVH_DISK_RESET_ON_MISMATCH over a damaged index) cut short
+ * after its new journal, before its new index: the store is the new
+ * empty one, never the old index served beside a journal of another
+ * store. */
+static void test_a_reset_cut_short_serves_nothing_of_the_old_store(void **state)
+{
+    (void)state;
+    char dir[512], path[600];
+    dt_scratch("reset-cut", dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 16, 8, 64, 0);
+    kvh_engine *e = dt_open_a(&c);
+    kvh_seq s;
+    dt_assert_ok(dt_build(e, G, dt_plain(921), 2 * G.bt, 0, &s));
+    dt_assert_ok(kvh_seq_persist(e, s));
+    dt_assert_ok(dt_close(dt_untrack(e)));
+    assert_int_equal(dt_flip_bit(dt_path(path, sizeof(path), dir, "journal"), 20, 3), 0);
+    kvh_config reset = c;
+    reset.disk_strict_index = 1;
+    reset.disk_flags |= KVH_DISK_RESET_ON_MISMATCH;
+    arm(KVHI_OP_RENAME, 2, -EIO, false); /* the new index's, after the new journal's */
+    e = NULL;
+    kvh_status st = kvh_engine_open(&reset, &e);
+    dt_track(e);
+    disarm();
+    assert_int_equal(st, KVH_ERR_IO);
+    kvh_config strict = c;
+    strict.disk_strict_index = 1;
+    e = dt_open_a(&strict);
+    size_t m = 0;
+    kvh_seq found;
+    dt_assert_ok(dt_match(e, dt_plain(921), 2 * G.bt, &found, &m));
+    assert_int_equal(m, 0);
     dt_assert_ok(dt_close(dt_untrack(e)));
 }
 
@@ -808,6 +883,8 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_a_file_size_limit_is_said_as_such, setup, teardown),
         cmocka_unit_test_setup_teardown(test_close_after_the_journal_was_removed, setup, teardown),
         cmocka_unit_test_setup_teardown(test_a_new_store_syncs_the_directory_holding_it, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_close_after_a_failed_slab_sync_writes_no_index, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_a_reset_cut_short_serves_nothing_of_the_old_store, setup, teardown),
     };
     return cmocka_run_group_tests_name("disk_faults", tests, NULL, group_teardown);
 }

@@ -416,6 +416,15 @@ static void test_journal_of_a_store_never_folded(void **state)
     if (m != NB * G.bt)
         fail_msg("journal missing beside a new index: %zu of %u tokens found", m, NB * G.bt);
 
+    /* That rebuild wrote an index of the found blocks and a journal with
+     * no record yet: the index missing next is damage again, not a
+     * creation cut short. */
+    assert_int_equal(unlink(dt_path(path, sizeof(path), dir, "index")), 0);
+    open_and_match(&strict, KVH_ERR_CORRUPT, "index missing after a rebuild, strict");
+    m = open_and_match(&c, KVH_OK, "index missing after a rebuild");
+    if (m != NB * G.bt)
+        fail_msg("index missing after a rebuild: %zu of %u tokens found", m, NB * G.bt);
+
     dt_scratch("creation-cut", dir, sizeof(dir));
     dt_rmrf(dir); /* the store makes it */
     c = cfg_for(dir);

@@ -14,8 +14,11 @@
  *   - a process forked while an engine is open (a worker pool, say) that
  *     never touches the engine: once the engine is closed, no engine has
  *     the store open, so a new open must succeed; also once the process
- *     that opened it was killed, the worker still running.
+ *     that opened it was killed, the worker still running; and no child
+ *     forked while other threads open and close engines gets a store's
+ *     descriptor.
  */
+#include <stdatomic.h>
 #include <sys/mman.h>
 
 #include "disk_test_util.h"
@@ -284,6 +287,87 @@ static void test_forked_worker_outliving_its_killed_parent(void **state)
     dt_rmrf(dir);
 }
 
+/* Forks while other threads open and close engines: a child that gets a
+ * store's directory or LOCK at any moment of an open or a close would hold
+ * its flock past its parent. None may. */
+#define CHURN_THREADS 4
+#define CHURN_FORKS 300
+
+typedef struct churn_arg {
+    char dir[512];
+    atomic_bool *stop;
+} churn_arg;
+
+static void *churn_engines(void *p)
+{
+    churn_arg *a = p;
+    kvh_config c = lock_cfg(a->dir);
+    while (!atomic_load(a->stop)) {
+        kvh_engine *e = NULL;
+        if (kvh_engine_open(&c, &e) == KVH_OK)
+            kvh_engine_close(e);
+    }
+    return NULL;
+}
+
+/* In the child: 1 when a descriptor names a store directory under root or
+ * a LOCK file (the two that hold the store's flock; slabs and journals
+ * hold none). */
+static int holds_something_under(const char *root)
+{
+    DIR *fds = opendir("/proc/self/fd");
+    if (!fds)
+        return 2;
+    int found = 0;
+    struct dirent *de;
+    size_t n = strlen(root);
+    while (!found && (de = readdir(fds)) != NULL) {
+        char link[320], target[PATH_MAX];
+        snprintf(link, sizeof(link), "/proc/self/fd/%s", de->d_name);
+        ssize_t len = readlink(link, target, sizeof(target) - 1);
+        if (len > 0) {
+            target[len] = '\0';
+            const char *rest = target + n;
+            found = strncmp(target, root, n) == 0 &&
+                    ((rest[0] == '/' && !strchr(rest + 1, '/')) || (len >= 5 && !strcmp(target + len - 5, "/LOCK")));
+        }
+    }
+    closedir(fds);
+    return found;
+}
+
+static void test_no_fork_inherits_a_store_being_opened_or_closed(void **state)
+{
+    (void)state;
+    char root[512];
+    dt_scratch("lock-churn", root, sizeof(root));
+    atomic_bool stop = false;
+    static churn_arg args[CHURN_THREADS];
+    pthread_t threads[CHURN_THREADS];
+    for (int i = 0; i < CHURN_THREADS; i++) {
+        if (snprintf(args[i].dir, sizeof(args[i].dir), "%.400s/s%d", root, i) >= (int)sizeof(args[i].dir))
+            fail_msg("scratch path too long");
+        args[i].stop = &stop;
+        assert_int_equal(pthread_create(&threads[i], NULL, churn_engines, &args[i]), 0);
+    }
+    int holders = 0, odd = 0;
+    for (int i = 0; i < CHURN_FORKS; i++) {
+        pid_t pid = fork();
+        if (pid == 0)
+            _exit(holds_something_under(root));
+        int ws = dt_reap(pid);
+        int rc = ws >= 0 && WIFEXITED(ws) ? WEXITSTATUS(ws) : 3;
+        holders += rc == 1;
+        odd += rc > 1;
+    }
+    atomic_store(&stop, true);
+    for (int i = 0; i < CHURN_THREADS; i++)
+        pthread_join(threads[i], NULL);
+    if (holders || odd)
+        fail_msg("%d of %d children held a store's descriptor (%d could not look)", holders, CHURN_FORKS, odd);
+    dt_rmrf(root);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -291,6 +375,7 @@ int main(void)
         cmocka_unit_test_teardown(test_other_spellings_are_the_same_store, dt_teardown),
         cmocka_unit_test_teardown(test_forked_process_does_not_keep_the_store, dt_teardown),
         cmocka_unit_test_teardown(test_forked_worker_outliving_its_killed_parent, dt_teardown),
+        cmocka_unit_test_teardown(test_no_fork_inherits_a_store_being_opened_or_closed, dt_teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
