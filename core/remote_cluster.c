@@ -107,6 +107,14 @@ static struct timeval tv_of_ns(uint64_t ns)
                             .tv_usec = (suseconds_t)(ns % 1000000000ull / 1000)};
 }
 
+/* A deadline's failure text: how long the wait lasted and what it was for
+ * (a caller may print it, so every failure leaves one). */
+static void say_timed_out(char *err, size_t err_len, uint64_t started, const char *waiting_for)
+{
+    snprintf(err, err_len, "timed out after %llu ms %s", (unsigned long long)((now_ns() - started) / 1000000ull),
+             waiting_for);
+}
+
 /* The node at host:port, added when new; NO_NODE when the table is full. */
 static uint32_t node_of(kvhi_cluster *c, const char *host, size_t host_len, int port)
 {
@@ -263,21 +271,22 @@ static void pipe_guard_leave(pipe_guard *g)
 }
 
 /* Writes what ctx has waiting, each write bounded by the time left
- * (SO_SNDTIMEO bounds one write() only). 0, -1 (err says why) or -3 (the
- * deadline passed first). */
+ * (SO_SNDTIMEO bounds one write() only). 0, -1 or -3 (the deadline passed
+ * first); err says why either way. */
 static int write_all(kvhi_cluster *c, redisContext *ctx, uint64_t deadline, char *err, size_t err_len)
 {
     pipe_guard guard;
     pipe_guard_enter(&guard);
     int rc = 0;
-    uint64_t now = now_ns();
+    uint64_t now = now_ns(), started = now;
     for (;;) {
         int done = 0;
         c->h->set_timeout(ctx, tv_of_ns(now < deadline ? deadline - now : 0));
         if (c->h->buffer_write(ctx, &done) != REDIS_OK) {
-            if (timed_out(ctx))
+            if (timed_out(ctx)) {
+                say_timed_out(err, err_len, started, "writing to the server");
                 rc = -3;
-            else {
+            } else {
                 snprintf(err, err_len, "%s", ctx->errstr);
                 rc = -1;
             }
@@ -287,6 +296,7 @@ static int write_all(kvhi_cluster *c, redisContext *ctx, uint64_t deadline, char
             break;
         now = now_ns();
         if (now >= deadline) {
+            say_timed_out(err, err_len, started, "writing to the server");
             rc = -3;
             break;
         }
@@ -299,11 +309,12 @@ static int write_all(kvhi_cluster *c, redisContext *ctx, uint64_t deadline, char
  * bound each read() only, so a reply that trickles in or never ends would
  * hold the client past any deadline: this waits on the socket itself.
  * What already arrived when the deadline passes is still taken. 0 with
- * the reply in *out; -1 (a broken connection or a reply that is not RESP:
- * err says which) or -3 (no whole reply in time). After -1 or -3 the
+ * the reply in *out; -1 (a broken connection or a reply that is not RESP)
+ * or -3 (no whole reply in time), err saying which. After -1 or -3 the
  * connection must be dropped: the rest of a reply may still come. */
 static int read_reply(kvhi_cluster *c, redisContext *ctx, uint64_t deadline, void **out, char *err, size_t err_len)
 {
+    uint64_t started = now_ns();
     bool late = false;
     size_t late_bytes = 0; /* past the deadline: what had arrived by then */
     *out = NULL;
@@ -327,8 +338,10 @@ static int read_reply(kvhi_cluster *c, redisContext *ctx, uint64_t deadline, voi
             late = true;
             late_bytes = ioctl(ctx->fd, FIONREAD, &avail) == 0 && avail > 0 ? (size_t)avail : 0;
         }
-        if (late && late_bytes == 0)
+        if (late && late_bytes == 0) {
+            say_timed_out(err, err_len, started, "waiting for a reply");
             return -3;
+        }
         struct pollfd pf = {.fd = ctx->fd, .events = POLLIN};
         int pr = poll(&pf, 1, wait_ms);
         if (pr < 0 && errno != EINTR) {
@@ -336,8 +349,10 @@ static int read_reply(kvhi_cluster *c, redisContext *ctx, uint64_t deadline, voi
             return -1;
         }
         if (pr <= 0) {
-            if (late && pr == 0)
+            if (late && pr == 0) {
+                say_timed_out(err, err_len, started, "waiting for a reply");
                 return -3;
+            }
             continue;
         }
         size_t want = late && late_bytes < sizeof(c->rbuf) ? late_bytes : sizeof(c->rbuf);
@@ -348,8 +363,10 @@ static int read_reply(kvhi_cluster *c, redisContext *ctx, uint64_t deadline, voi
         }
         if (got < 0) {
             if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) {
-                if (late && errno != EINTR)
+                if (late && errno != EINTR) {
+                    say_timed_out(err, err_len, started, "waiting for a reply");
                     return -3;
+                }
                 continue;
             }
             snprintf(err, err_len, "read: %s", strerror(errno));
@@ -378,8 +395,8 @@ static int read_reply_no_value(kvhi_cluster *c, redisContext *ctx, uint64_t dead
 }
 
 /* One command on ctx, answered by deadline: its reply, or NULL with *rc
- * -1 (err says why) or -3 (no answer in time); the connection must then
- * be dropped. */
+ * -1 or -3 (no answer in time) and err saying why; the connection must
+ * then be dropped. */
 static redisReply *ctx_command(kvhi_cluster *c, redisContext *ctx, int argc, const char **argv, const size_t *lens,
                                uint64_t deadline, char *err, size_t err_len, int *rc)
 {
@@ -397,7 +414,7 @@ static redisReply *ctx_command(kvhi_cluster *c, redisContext *ctx, int argc, con
 }
 
 /* AUTH on a fresh connection: 0, -2 (refused: the server's answer in
- * err), -1 (err says why) or -3 (no answer in time). */
+ * err), -1 or -3 (no answer in time), err saying why. */
 static int authenticate(kvhi_cluster *c, redisContext *ctx, uint64_t deadline, char *err, size_t err_len)
 {
     if (!c->password)
@@ -416,8 +433,8 @@ static int authenticate(kvhi_cluster *c, redisContext *ctx, uint64_t deadline, c
     return rc;
 }
 
-/* Connects nd when it has no connection. 0, -1 (unreachable: err says
- * why), -2 (AUTH refused) or -3 (no answer in time). */
+/* Connects nd when it has no connection. 0, -1 (unreachable), -2 (AUTH
+ * refused) or -3 (no answer in time), err saying why. */
 static int ensure_connected(kvhi_cluster *c, node *nd, uint64_t budget_ns, char *err, size_t err_len)
 {
     if (nd->ctx)
@@ -430,6 +447,7 @@ static int ensure_connected(kvhi_cluster *c, node *nd, uint64_t budget_ns, char 
     if (rc != 0)
         return rc;
     redisContext *ctx = NULL;
+    snprintf(err, err_len, "%.100s has no address to connect to", nd->host);
     for (uint32_t i = 0; i < addrs.n && !ctx; i++) {
         uint64_t now = now_ns();
         if (now >= deadline) {
@@ -745,7 +763,7 @@ static bool flush_node(kvhi_cluster *c, node *nd, uint64_t deadline, kvhi_cluste
     char why[160];
     int rc = write_all(c, nd->ctx, deadline, why, sizeof(why));
     if (rc != 0) {
-        node_failed(c, nd, rc == -3 ? "timed out" : why, rep);
+        node_failed(c, nd, why, rep);
         nd->in_batch = false;
         return false;
     }
@@ -786,7 +804,7 @@ static void run_round(kvhi_cluster *c, kvhi_cluster_cmd *cmds, size_t n, uint64_
             }
             int crc = ensure_connected(c, nd, deadline - now, err, sizeof(err));
             if (crc != 0) {
-                node_failed(c, nd, crc == -3 ? "timed out" : err, rep);
+                node_failed(c, nd, err, rep);
                 cmd->result = crc == -3 ? KVHI_CMD_TIMEOUT : KVHI_CMD_DOWN;
                 if (crc == -3)
                     rep->timeouts++;
@@ -853,7 +871,7 @@ static void run_round(kvhi_cluster *c, kvhi_cluster_cmd *cmds, size_t n, uint64_
             if (slow && started_late)
                 drop_connection(c, nd); /* the rest of its answers may still come */
             else
-                node_failed(c, nd, slow ? "timed out" : why, rep);
+                node_failed(c, nd, why, rep);
             nd->in_batch = false;
             cmd->result = slow ? KVHI_CMD_TIMEOUT : KVHI_CMD_DOWN;
             if (slow)

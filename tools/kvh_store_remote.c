@@ -144,7 +144,10 @@ int kvh_store_remote_main(int argc, char **argv)
         return 1;
     }
     keys k = {.limit = !strcmp(action, "verify") ? sample : 0};
-    if (kvhi_cluster_scan(r->cluster, prefix, collect, &k, err, sizeof(err)) != 0) {
+    /* A node that could not be scanned leaves its keys out: what follows
+     * covers the keys found, and says it is partial. */
+    bool partial = kvhi_cluster_scan(r->cluster, prefix, collect, &k, err, sizeof(err)) != 0;
+    if (partial) {
         fprintf(stderr, "kvh-store remote: %s\n", err);
         rc = 2;
     }
@@ -182,14 +185,16 @@ int kvh_store_remote_main(int argc, char **argv)
             kvhi_cluster_cmds_clear(r->cluster, cmds, n);
         }
     }
+    const char *scope = partial ? " (partial: a node could not be scanned)" : "";
     if (json)
-        printf("{\"prefix\": \"%s\", \"keys\": %zu, \"bad\": %zu, \"deleted\": %zu}\n", prefix, k.n, bad, deleted);
+        printf("{\"prefix\": \"%s\", \"keys\": %zu, \"bad\": %zu, \"deleted\": %zu, \"partial\": %s}\n", prefix, k.n,
+               bad, deleted, partial ? "true" : "false");
     else if (!strcmp(action, "count"))
-        printf("%s*: %zu key(s)\n", prefix, k.n);
+        printf("%s*: %zu key(s)%s\n", prefix, k.n, scope);
     else if (!strcmp(action, "verify"))
-        printf("%s*: %zu key(s) checked, %zu bad\n", prefix, k.n, bad);
+        printf("%s*: %zu key(s) checked, %zu bad%s\n", prefix, k.n, bad, scope);
     else
-        printf("%s*: %zu key(s) deleted\n", prefix, deleted);
+        printf("%s*: %zu key(s) deleted%s\n", prefix, deleted, scope);
     free(k.key);
     kvhi_remote_close_client(r);
     return rc;

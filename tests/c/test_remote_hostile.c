@@ -10,6 +10,8 @@
  * uploads are dropped and counted, opens fail with the documented status. */
 #include "test_util.h"
 
+#include "disk_test_util.h"
+
 #include "core/remote_cluster.h"
 
 #include <arpa/inet.h>
@@ -1214,6 +1216,37 @@ static void test_scan_of_a_hostile_node_ends(void **state)
     assert_int_equal(keys, stored);
 }
 
+/* kvh-store remote count whose scan fails part way (a page that never
+ * comes): it says why, calls its tally partial and exits non-zero, in
+ * text and in JSON. */
+static void test_store_tool_calls_a_failed_scan_partial(void **state)
+{
+    (void)state;
+    write_usual(); /* skips where the build has no remote tier */
+    char tool[4096], out[8192];
+    if (!dt_store_tool(tool, sizeof(tool)))
+        skip();
+    SRV_SET(srv.tw_scan = TW_SILENT);
+    char salt[32];
+    snprintf(salt, sizeof(salt), "%llu", (unsigned long long)SALT);
+    setenv("KVH_REMOTE_ADDRS", srv.addrs, 1);
+    setenv("KVH_REMOTE_TIMEOUT_MS", "100", 1);
+    setenv("KVH_MODEL_SALT", salt, 1);
+    int rc = dt_run_tool(tool, "remote", "count", NULL, out, sizeof(out));
+    int json_rc = 0;
+    char json[8192];
+    if (rc != 0 && rc != -1)
+        json_rc = dt_run_tool(tool, "remote", "count", "--json", json, sizeof(json));
+    unsetenv("KVH_REMOTE_ADDRS");
+    unsetenv("KVH_REMOTE_TIMEOUT_MS");
+    unsetenv("KVH_MODEL_SALT");
+    assert_int_not_equal(rc, 0);
+    assert_non_null(strstr(out, "SCAN failed: timed out after"));
+    assert_non_null(strstr(out, "partial"));
+    assert_int_not_equal(json_rc, 0);
+    assert_non_null(strstr(json, "\"partial\": true"));
+}
+
 /* ---- the cluster client alone ---- */
 
 static kvhi_cluster *cluster_open(const char *password)
@@ -1408,6 +1441,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_uploads_dropped_and_counted, test_setup, tu_teardown),
         cmocka_unit_test_setup_teardown(test_auth_refusals, test_setup, tu_teardown),
         cmocka_unit_test_setup_teardown(test_scan_of_a_hostile_node_ends, test_setup, tu_teardown),
+        cmocka_unit_test_setup_teardown(test_store_tool_calls_a_failed_scan_partial, test_setup, tu_teardown),
         cmocka_unit_test_setup_teardown(test_auth_answer_is_no_value, test_setup, tu_teardown),
         cmocka_unit_test_setup_teardown(test_writes_to_a_closed_connection_raise_no_sigpipe, test_setup, tu_teardown),
         cmocka_unit_test_setup_teardown(test_one_slow_master_leaves_only_itself_alone, test_setup, tu_teardown),

@@ -11,6 +11,7 @@
 
 #include "disk_test_util.h"
 
+#include <pthread.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -900,6 +901,80 @@ static void test_refused_delete_is_said(void **state)
         assert_int_equal(rt_cli(&cluster, i, out, sizeof(out), "ACL DELUSER kvhnodel"), 0);
 }
 
+static pthread_mutex_t remote_lines_lock = PTHREAD_MUTEX_INITIALIZER;
+static char remote_lines[8][512];
+static int n_remote_lines;
+
+static void keep_remote_lines(void *user, int32_t level, const char *message)
+{
+    (void)user;
+    (void)level;
+    pthread_mutex_lock(&remote_lines_lock);
+    if (strstr(message, "remote tier") && n_remote_lines < 8)
+        snprintf(remote_lines[n_remote_lines++], sizeof(remote_lines[0]), "%s", message);
+    pthread_mutex_unlock(&remote_lines_lock);
+}
+
+static bool printable(const char *text)
+{
+    for (const unsigned char *p = (const unsigned char *)text; *p; p++)
+        if (*p < 0x20 || *p > 0x7e)
+            return false;
+    return true;
+}
+
+static int count_keys(void *user, const char *key, size_t len)
+{
+    (void)key;
+    (void)len;
+    ++*(size_t *)user;
+    return 0;
+}
+
+/* A node that stops answering (SIGSTOP) is reported with the reason: the
+ * open's log line for the seed whose AUTH timed out, and a scan's error
+ * for the node whose connect (AUTH) timed out. */
+static void test_timeouts_say_why(void **state)
+{
+    (void)state;
+    NEED_CLUSTER();
+    kvh_config c = remote_cfg(test_salt());
+    c.remote_timeout_ms = 200;
+    c.log_fn = keep_remote_lines;
+    n_remote_lines = 0;
+    kill(cluster.pids[0], SIGSTOP); /* the first seed */
+    tu_open_cfg(&c);
+    kvhi_cluster_opts o = {
+        .addrs = rt_addrs(&cluster), .password = PASSWORD, .timeout_ms = 200, .breaker_ms = c.remote_breaker_ms};
+    kvhi_cluster *cl = NULL;
+    char err[256] = "";
+    int open_rc = kvhi_cluster_open(&o, &cl, err, sizeof(err));
+    size_t keys = 0;
+    int scan_rc = open_rc == 0 ? kvhi_cluster_scan(cl, "kvh:", count_keys, &keys, err, sizeof(err)) : 0;
+    kvhi_cluster_close(cl);
+    kill(cluster.pids[0], SIGCONT);
+
+    char node0[32];
+    snprintf(node0, sizeof(node0), ":%d ", cluster.ports[0]);
+    pthread_mutex_lock(&remote_lines_lock);
+    int found = -1;
+    for (int i = 0; i < n_remote_lines; i++) {
+        assert_true(printable(remote_lines[i]));
+        if (strstr(remote_lines[i], node0))
+            found = i;
+    }
+    assert_true(found >= 0);
+    assert_non_null(strstr(remote_lines[found], "timed out after"));
+    pthread_mutex_unlock(&remote_lines_lock);
+    assert_int_equal(open_rc, 0);
+    assert_int_equal(scan_rc, -1);
+    assert_true(printable(err));
+    snprintf(node0, sizeof(node0), ":%d:", cluster.ports[0]);
+    assert_non_null(strstr(err, node0));
+    assert_non_null(strstr(err, "timed out after"));
+    assert_int_equal(rt_wait_ok(&cluster, 20000), 0);
+}
+
 int main(int argc, char **argv)
 {
     if (argc == 6 && !strcmp(argv[1], "--persist")) {
@@ -925,6 +1000,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(test_persist_refuses_unwritten_kv_without_a_disk, tu_teardown),
         cmocka_unit_test_teardown(test_key_of_another_type_is_deleted, tu_teardown),
         cmocka_unit_test_teardown(test_refused_delete_is_said, tu_teardown),
+        cmocka_unit_test_teardown(test_timeouts_say_why, tu_teardown),
     };
     return cmocka_run_group_tests(tests, group_setup, group_teardown);
 }
