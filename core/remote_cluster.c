@@ -31,6 +31,9 @@
  * hostile server: hiredis would allocate and walk that many elements on
  * the strength of a few bytes of header. */
 #define MAX_ARRAY_ELEMENTS (4 * (int)KVHI_CLUSTER_SLOTS)
+/* A batch that starts with less of its timeout left than this (tenths)
+ * is short (kvhi_cluster.short_round). */
+#define SHORT_ROUND_TENTHS 9u
 /* Refreshes of the slot map at most this often while the map is whole. */
 #define REFRESH_GAP_NS 100000000ull
 
@@ -76,7 +79,11 @@ struct kvhi_cluster {
     int32_t seed_answered;  /* kvhi_cluster_seed_answered */
     bool refresh_wanted;    /* a MOVED or a failure: the map may be stale */
     uint64_t refresh_after; /* no refresh attempt before then */
-    char rbuf[64 << 10];    /* what a read takes off a socket (under lock) */
+    /* The batch running began its I/O with under SHORT_ROUND_SHARE of its
+     * timeout left (the rest went waiting for a client): a node that
+     * misses its deadline then is not left alone for it. */
+    bool short_round;
+    char rbuf[64 << 10]; /* what a read takes off a socket (under lock) */
 };
 
 static uint64_t now_ns(void)
@@ -184,6 +191,17 @@ static void node_failed(kvhi_cluster *c, node *nd, const char *what, kvhi_cluste
             rep->breaker_opens++;
         say(c, 1, "remote tier: %s:%d %s; not asked again for %u ms", nd->host, nd->port, text, c->opts.breaker_ms);
     }
+}
+
+/* nd missed the batch's deadline (connect, write or read): left alone as
+ * failed, unless the batch was short; its connection is dropped either
+ * way, since the rest of its answers may still come. */
+static void node_timed_out(kvhi_cluster *c, node *nd, const char *what, kvhi_cluster_report *rep)
+{
+    if (c->short_round)
+        drop_connection(c, nd);
+    else
+        node_failed(c, nd, what, rep);
 }
 
 static void node_answered(kvhi_cluster *c, node *nd)
@@ -466,7 +484,7 @@ static int ensure_connected(kvhi_cluster *c, node *nd, uint64_t budget_ns, char 
         return -1;
     c->h->set_timeout(ctx, tv_of_ns(budget_ns));
     sink_attach(c, ctx);
-    rc = authenticate(c, ctx, now_ns() + budget_ns, err, err_len);
+    rc = authenticate(c, ctx, deadline, err, err_len); /* the connect's budget covers its AUTH too */
     if (rc != 0) {
         c->h->free_ctx(ctx);
         return rc;
@@ -763,7 +781,10 @@ static bool flush_node(kvhi_cluster *c, node *nd, uint64_t deadline, kvhi_cluste
     char why[160];
     int rc = write_all(c, nd->ctx, deadline, why, sizeof(why));
     if (rc != 0) {
-        node_failed(c, nd, why, rep);
+        if (rc == -3)
+            node_timed_out(c, nd, why, rep);
+        else
+            node_failed(c, nd, why, rep);
         nd->in_batch = false;
         return false;
     }
@@ -804,7 +825,10 @@ static void run_round(kvhi_cluster *c, kvhi_cluster_cmd *cmds, size_t n, uint64_
             }
             int crc = ensure_connected(c, nd, deadline - now, err, sizeof(err));
             if (crc != 0) {
-                node_failed(c, nd, err, rep);
+                if (crc == -3)
+                    node_timed_out(c, nd, err, rep);
+                else
+                    node_failed(c, nd, err, rep);
                 cmd->result = crc == -3 ? KVHI_CMD_TIMEOUT : KVHI_CMD_DOWN;
                 if (crc == -3)
                     rep->timeouts++;
@@ -870,6 +894,8 @@ static void run_round(kvhi_cluster *c, kvhi_cluster_cmd *cmds, size_t n, uint64_
             bool slow = rc == -3;
             if (slow && started_late)
                 drop_connection(c, nd); /* the rest of its answers may still come */
+            else if (slow)
+                node_timed_out(c, nd, why, rep);
             else
                 node_failed(c, nd, why, rep);
             nd->in_batch = false;
@@ -891,19 +917,32 @@ static void run_round(kvhi_cluster *c, kvhi_cluster_cmd *cmds, size_t n, uint64_
     }
 }
 
+uint64_t kvhi_cluster_deadline(const kvhi_cluster *c) { return now_ns() + (uint64_t)c->opts.timeout_ms * 1000000ull; }
+
 void kvhi_cluster_run(kvhi_cluster *c, kvhi_cluster_cmd *cmds, size_t n, kvhi_cluster_report *rep)
 {
-    kvhi_cluster_run_strings(c, cmds, n, rep, NULL, NULL);
+    kvhi_cluster_run_strings(c, cmds, n, rep, NULL, NULL, kvhi_cluster_deadline(c));
+}
+
+void kvhi_cluster_time_out(kvhi_cluster_cmd *cmds, size_t n, kvhi_cluster_report *rep)
+{
+    memset(rep, 0, sizeof(*rep));
+    for (size_t k = 0; k < n; k++) {
+        cmds[k].result = KVHI_CMD_TIMEOUT;
+        cmds[k].reply = NULL;
+    }
+    rep->timeouts = (uint32_t)n;
 }
 
 void kvhi_cluster_run_strings(kvhi_cluster *c, kvhi_cluster_cmd *cmds, size_t n, kvhi_cluster_report *rep,
-                              kvhi_cluster_string_fn on_string, void *user)
+                              kvhi_cluster_string_fn on_string, void *user, uint64_t deadline)
 {
     memset(rep, 0, sizeof(*rep));
-    uint64_t deadline = now_ns() + (uint64_t)c->opts.timeout_ms * 1000000ull;
     pthread_mutex_lock(&c->lock);
-    if (c->refresh_wanted)
-        refresh_map(c, (uint64_t)c->opts.timeout_ms * 1000000ull / 2);
+    uint64_t now = now_ns(), timeout = (uint64_t)c->opts.timeout_ms * 1000000ull;
+    c->short_round = now >= deadline || (deadline - now) * 10 < timeout * SHORT_ROUND_TENTHS;
+    if (c->refresh_wanted && now < deadline) /* half the round at most, and never past its deadline */
+        refresh_map(c, deadline - now < timeout / 2 ? deadline - now : timeout / 2);
     for (size_t k = 0; k < n; k++) {
         cmds[k].result = KVHI_CMD_PENDING;
         cmds[k].reply = NULL;
@@ -922,6 +961,7 @@ void kvhi_cluster_run_strings(kvhi_cluster *c, kvhi_cluster_cmd *cmds, size_t n,
     }
     c->sink.on_string = NULL;
     c->sink.user = NULL;
+    c->short_round = false;
     for (size_t k = 0; k < n; k++)
         if (cmds[k].result == KVHI_CMD_PENDING)
             cmds[k].result = KVHI_CMD_FAILED;

@@ -85,18 +85,28 @@ enum kvhi_cluster_open_error {
 int kvhi_cluster_open(const kvhi_cluster_opts *opts, kvhi_cluster **out, char *err, size_t err_len);
 void kvhi_cluster_close(kvhi_cluster *c);
 
+/* The deadline of a batch that starts now: timeout_ms from now, in
+ * CLOCK_MONOTONIC nanoseconds. */
+uint64_t kvhi_cluster_deadline(const kvhi_cluster *c);
+
 /* Runs cmds (each naming its key in argv[1]) on their nodes within
  * timeout_ms of now. Never fails as a whole: each command has its result. */
 void kvhi_cluster_run(kvhi_cluster *c, kvhi_cluster_cmd *cmds, size_t n, kvhi_cluster_report *rep);
-/* The same, handing each bulk-string reply to on_string(user, i, str,
- * len) as it is parsed, straight from the connection's read buffer: no
- * copy of the value is made, and later replies are still arriving while
- * it runs. Command i's reply is then an empty string (on_string saw its
- * bytes); other replies (nil, integers, errors) are kept as usual. Called
- * with the client's lock held: it must not use the client, nor keep str. */
+/* The same by deadline (kvhi_cluster_deadline, taken before the caller
+ * waited for the client, so that the wait counts), handing each
+ * bulk-string reply to on_string(user, i, str, len) as it is parsed,
+ * straight from the connection's read buffer: no copy of the value is
+ * made, and later replies are still arriving while it runs. Command i's
+ * reply is then an empty string (on_string saw its bytes); other replies
+ * (nil, integers, errors) are kept as usual. Called with the client's
+ * lock held: it must not use the client, nor keep str. on_string may be
+ * NULL. */
 typedef void (*kvhi_cluster_string_fn)(void *user, size_t i, const char *str, size_t len);
 void kvhi_cluster_run_strings(kvhi_cluster *c, kvhi_cluster_cmd *cmds, size_t n, kvhi_cluster_report *rep,
-                              kvhi_cluster_string_fn on_string, void *user);
+                              kvhi_cluster_string_fn on_string, void *user, uint64_t deadline);
+/* Settles cmds as timed out without running them (the deadline passed
+ * before a client was free), counted in rep. */
+void kvhi_cluster_time_out(kvhi_cluster_cmd *cmds, size_t n, kvhi_cluster_report *rep);
 /* What a command's reply is (KVHI_REPLY_NONE without one), with its text
  * (string, status, error) or its integer; str and integer may be NULL. */
 enum kvhi_reply_kind {

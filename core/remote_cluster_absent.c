@@ -35,12 +35,26 @@ void kvhi_cluster_run(kvhi_cluster *c, kvhi_cluster_cmd *cmds, size_t n, kvhi_cl
         cmds[i].result = KVHI_CMD_FAILED;
 }
 
+uint64_t kvhi_cluster_deadline(const kvhi_cluster *c)
+{
+    (void)c;
+    return 0;
+}
+
 void kvhi_cluster_run_strings(kvhi_cluster *c, kvhi_cluster_cmd *cmds, size_t n, kvhi_cluster_report *rep,
-                              kvhi_cluster_string_fn on_string, void *user)
+                              kvhi_cluster_string_fn on_string, void *user, uint64_t deadline)
 {
     (void)on_string;
     (void)user;
+    (void)deadline;
     kvhi_cluster_run(c, cmds, n, rep);
+}
+
+void kvhi_cluster_time_out(kvhi_cluster_cmd *cmds, size_t n, kvhi_cluster_report *rep)
+{
+    (void)rep;
+    for (size_t i = 0; i < n; i++)
+        cmds[i].result = KVHI_CMD_TIMEOUT;
 }
 
 int kvhi_cluster_reply(const kvhi_cluster_cmd *cmd, const char **str, size_t *len, long long *integer)

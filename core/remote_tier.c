@@ -1,9 +1,11 @@
 /* The remote tier inside the engine (core/remote_tier.h). */
 #include "core/remote_tier.h"
 
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "core/block.h"
 #include "core/codec_tier.h"
@@ -91,7 +93,13 @@ static kvh_status open_remote(const kvh_config *cfg, kvh_engine *log_to, const k
     r->cluster = r->clients[0];
     r->clients_free = (1u << r->n_clients) - 1;
     pthread_mutex_init(&r->client_lock, NULL);
-    pthread_cond_init(&r->client_cv, NULL);
+    /* Waits for a client end at a round's deadline, a CLOCK_MONOTONIC
+     * time (kvhi_cluster_deadline). */
+    pthread_condattr_t monotonic;
+    pthread_condattr_init(&monotonic);
+    pthread_condattr_setclock(&monotonic, CLOCK_MONOTONIC);
+    pthread_cond_init(&r->client_cv, &monotonic);
+    pthread_condattr_destroy(&monotonic);
     *out = r;
     return KVH_OK;
 }
@@ -178,15 +186,23 @@ void kvhi_remote_close_client(kvhi_remote *r)
     free(r);
 }
 
-static kvhi_cluster *client_take(kvhi_remote *r)
+/* A free client, waited for until deadline; NULL when none was free by
+ * then (the round has used up its time in line). */
+static kvhi_cluster *client_take(kvhi_remote *r, uint64_t deadline)
 {
+    struct timespec until = {.tv_sec = (time_t)(deadline / 1000000000ull), .tv_nsec = (long)(deadline % 1000000000ull)};
     pthread_mutex_lock(&r->client_lock);
-    while (!r->clients_free)
-        pthread_cond_wait(&r->client_cv, &r->client_lock);
-    uint32_t i = (uint32_t)__builtin_ctz(r->clients_free);
-    r->clients_free &= ~(1u << i);
+    int rc = 0;
+    while (!r->clients_free && rc != ETIMEDOUT)
+        rc = pthread_cond_timedwait(&r->client_cv, &r->client_lock, &until);
+    kvhi_cluster *c = NULL;
+    if (r->clients_free) {
+        uint32_t i = (uint32_t)__builtin_ctz(r->clients_free);
+        r->clients_free &= ~(1u << i);
+        c = r->clients[i];
+    }
     pthread_mutex_unlock(&r->client_lock);
-    return r->clients[i];
+    return c;
 }
 
 static void client_give(kvhi_remote *r, kvhi_cluster *c)
@@ -202,8 +218,15 @@ static void client_give(kvhi_remote *r, kvhi_cluster *c)
 void kvhi_remote_run(kvhi_remote *r, kvhi_cluster *via, kvhi_cluster_cmd *cmds, size_t n, kvhi_cluster_report *rep,
                      kvhi_cluster_string_fn on_string, void *user)
 {
-    kvhi_cluster *c = via ? via : client_take(r);
-    kvhi_cluster_run_strings(c, cmds, n, rep, on_string, user);
+    /* The round's time starts now: a wait for a client spends it, as
+     * kvh.h's remote_timeout_ms promises. */
+    uint64_t deadline = kvhi_cluster_deadline(r->cluster);
+    kvhi_cluster *c = via ? via : client_take(r, deadline);
+    if (!c) {
+        kvhi_cluster_time_out(cmds, n, rep);
+        return;
+    }
+    kvhi_cluster_run_strings(c, cmds, n, rep, on_string, user, deadline);
     if (!via)
         client_give(r, c);
 }

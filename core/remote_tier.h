@@ -131,8 +131,10 @@ void kvhi_remote_upload_blocks(kvh_engine *e, kvhi_cluster *via, const uint32_t 
 
 /* Runs one round (kvhi_cluster_run_strings; on_string may be NULL)
  * through via, or, when via is NULL, through a free client of the engine,
- * taken for this round only and waited for while all are in use. Engine
- * lock not held: a client is never held while the engine is waited for. */
+ * taken for this round only and waited for while all are in use. The wait
+ * counts against the round's deadline: when no client is free by then,
+ * every command is settled as timed out (rep counts them). Engine lock
+ * not held: a client is never held while the engine is waited for. */
 void kvhi_remote_run(kvhi_remote *r, kvhi_cluster *via, kvhi_cluster_cmd *cmds, size_t n, kvhi_cluster_report *rep,
                      kvhi_cluster_string_fn on_string, void *user);
 

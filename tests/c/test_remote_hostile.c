@@ -1330,7 +1330,7 @@ static void test_auth_answer_is_no_value(void **state)
     kvhi_cluster_report rep;
     kvhi_cluster_cmd cmds[2] = {command("GETEX", key_a, NULL, 0), command("GETEX", key_b, NULL, 0)};
     strings_seen seen = {.value_len = sizeof(value)};
-    kvhi_cluster_run_strings(cl, cmds, 2, &rep, note_string, &seen);
+    kvhi_cluster_run_strings(cl, cmds, 2, &rep, note_string, &seen, kvhi_cluster_deadline(cl));
     assert_int_equal(cmds[0].result, KVHI_CMD_OK);
     assert_int_equal(cmds[1].result, KVHI_CMD_OK);
     kvhi_cluster_cmds_clear(cl, cmds, 2);
