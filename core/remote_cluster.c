@@ -37,14 +37,28 @@
 /* Refreshes of the slot map at most this often while the map is whole. */
 #define REFRESH_GAP_NS 100000000ull
 
+/* A node's circuit breaker (kvhi_breakers): `open` is read without the
+ * lock on the way to every answer, so it is accessed atomically. */
+typedef struct breaker {
+    char host[256];
+    int port;
+    bool open;
+    uint64_t left_alone_until; /* while open: no one asks it before then */
+} breaker;
+
+struct kvhi_breakers {
+    pthread_mutex_t lock;
+    breaker **all; /* each allocated apart: nodes keep pointers */
+    uint32_t n, cap;
+};
+
 typedef struct node {
     char host[256];
     int port;
     redisContext *ctx;
-    uint64_t left_alone_until; /* circuit breaker: open until then */
-    bool breaker_open;
-    bool in_batch; /* has commands in the current round */
-    size_t unsent; /* bytes appended since its last write */
+    breaker *breaker; /* shared with the other clients on this address */
+    bool in_batch;    /* has commands in the current round */
+    size_t unsent;    /* bytes appended since its last write */
     /* Counts its connections: a command written to one that was dropped
      * has no answer on the next (kvhi_cluster_cmd.conn). */
     uint32_t conn;
@@ -68,6 +82,8 @@ struct kvhi_cluster {
     reply_sink sink;
     const kvhi_hiredis *h;
     kvhi_cluster_opts opts;
+    kvhi_breakers *breakers;
+    bool own_breakers; /* opts named none: freed with the client */
     char *user, *password;
     node *nodes;
     uint32_t n_nodes, n_seeds;
@@ -122,7 +138,53 @@ static void say_timed_out(char *err, size_t err_len, uint64_t started, const cha
              waiting_for);
 }
 
-/* The node at host:port, added when new; NO_NODE when the table is full. */
+kvhi_breakers *kvhi_breakers_new(void)
+{
+    kvhi_breakers *b = calloc(1, sizeof(*b));
+    if (b)
+        pthread_mutex_init(&b->lock, NULL);
+    return b;
+}
+
+void kvhi_breakers_free(kvhi_breakers *b)
+{
+    if (!b)
+        return;
+    for (uint32_t i = 0; i < b->n; i++)
+        free(b->all[i]);
+    free(b->all);
+    pthread_mutex_destroy(&b->lock);
+    free(b);
+}
+
+/* The breaker of host:port (NUL-terminated host), added closed when new;
+ * NULL without memory. */
+static breaker *breaker_of(kvhi_breakers *b, const char *host, int port)
+{
+    pthread_mutex_lock(&b->lock);
+    breaker *found = NULL;
+    for (uint32_t i = 0; i < b->n && !found; i++)
+        if (b->all[i]->port == port && !strcmp(b->all[i]->host, host))
+            found = b->all[i];
+    if (!found && b->n == b->cap) {
+        uint32_t cap = b->cap ? 2 * b->cap : 8;
+        breaker **more = realloc(b->all, sizeof(*more) * cap);
+        if (more) {
+            b->all = more;
+            b->cap = cap;
+        }
+    }
+    if (!found && b->n < b->cap && (found = calloc(1, sizeof(*found)))) {
+        snprintf(found->host, sizeof(found->host), "%s", host);
+        found->port = port;
+        b->all[b->n++] = found;
+    }
+    pthread_mutex_unlock(&b->lock);
+    return found;
+}
+
+/* The node at host:port, added when new; NO_NODE when the table is full
+ * (or no memory). */
 static uint32_t node_of(kvhi_cluster *c, const char *host, size_t host_len, int port)
 {
     if (host_len >= sizeof(c->nodes[0].host))
@@ -144,6 +206,8 @@ static uint32_t node_of(kvhi_cluster *c, const char *host, size_t host_len, int 
     memcpy(nd->host, host, host_len);
     nd->host[host_len] = '\0';
     nd->port = port;
+    if (!(nd->breaker = breaker_of(c->breakers, nd->host, port)))
+        return NO_NODE;
     return c->n_nodes++;
 }
 
@@ -176,17 +240,38 @@ static void drop_connection(kvhi_cluster *c, node *nd)
     nd->ctx = NULL;
 }
 
+/* Whether nd is left alone now. Once its time is up, the first caller to
+ * ask probes it: the others leave it alone for another breaker_ms, or
+ * until the probe finds it answering (node_answered). */
+static bool node_left_alone(kvhi_cluster *c, node *nd, uint64_t now)
+{
+    breaker *b = nd->breaker;
+    if (!__atomic_load_n(&b->open, __ATOMIC_ACQUIRE))
+        return false;
+    pthread_mutex_lock(&c->breakers->lock);
+    bool alone = __atomic_load_n(&b->open, __ATOMIC_RELAXED) && now < b->left_alone_until;
+    if (!alone)
+        b->left_alone_until = now + (uint64_t)c->opts.breaker_ms * 1000000ull; /* this caller probes */
+    pthread_mutex_unlock(&c->breakers->lock);
+    return alone;
+}
+
 /* The node failed: its connection is dropped and it is left alone for
- * breaker_ms (logged when that starts). */
+ * breaker_ms by every client sharing its breaker (counted and logged by
+ * the one that opened it). */
 static void node_failed(kvhi_cluster *c, node *nd, const char *what, kvhi_cluster_report *rep)
 {
     char text[200]; /* `what` may be the context's own error text, freed with it */
     snprintf(text, sizeof(text), "%s", what);
     drop_connection(c, nd);
-    nd->left_alone_until = now_ns() + (uint64_t)c->opts.breaker_ms * 1000000ull;
     c->refresh_wanted = true; /* a failover may have moved its slots */
-    if (!nd->breaker_open) {
-        nd->breaker_open = true;
+    breaker *b = nd->breaker;
+    pthread_mutex_lock(&c->breakers->lock);
+    b->left_alone_until = now_ns() + (uint64_t)c->opts.breaker_ms * 1000000ull;
+    bool opened = !__atomic_load_n(&b->open, __ATOMIC_RELAXED);
+    __atomic_store_n(&b->open, true, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&c->breakers->lock);
+    if (opened) {
         if (rep)
             rep->breaker_opens++;
         say(c, 1, "remote tier: %s:%d %s; not asked again for %u ms", nd->host, nd->port, text, c->opts.breaker_ms);
@@ -206,10 +291,15 @@ static void node_timed_out(kvhi_cluster *c, node *nd, const char *what, kvhi_clu
 
 static void node_answered(kvhi_cluster *c, node *nd)
 {
-    if (nd->breaker_open) {
-        nd->breaker_open = false;
+    breaker *b = nd->breaker;
+    if (!__atomic_load_n(&b->open, __ATOMIC_ACQUIRE))
+        return;
+    pthread_mutex_lock(&c->breakers->lock);
+    bool closed = __atomic_load_n(&b->open, __ATOMIC_RELAXED);
+    __atomic_store_n(&b->open, false, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&c->breakers->lock);
+    if (closed)
         say(c, 2, "remote tier: %s:%d answers again", nd->host, nd->port);
-    }
 }
 
 static bool timed_out(const redisContext *ctx)
@@ -528,8 +618,7 @@ static void refresh_map(kvhi_cluster *c, uint64_t budget_ns)
         now = now_ns();
         if (now >= deadline)
             break;
-        if ((nd->breaker_open && now < nd->left_alone_until) ||
-            ensure_connected(c, nd, deadline - now, err, sizeof(err)))
+        if (node_left_alone(c, nd, now) || ensure_connected(c, nd, deadline - now, err, sizeof(err)))
             continue;
         const char *argv[2] = {"CLUSTER", "SLOTS"};
         size_t lens[2] = {7, 5};
@@ -538,6 +627,7 @@ static void refresh_map(kvhi_cluster *c, uint64_t budget_ns)
             drop_connection(c, nd);
             continue;
         }
+        node_answered(c, nd); /* whatever it said: a probe that found it back */
         if (r->type == REDIS_REPLY_ERROR && strstr(r->str, "cluster support disabled")) {
             c->standalone = true;
             for (uint32_t s = 0; s < KVHI_CLUSTER_SLOTS; s++)
@@ -606,6 +696,15 @@ int kvhi_cluster_open(const kvhi_cluster_opts *opts, kvhi_cluster **out, char *e
     c->h = h;
     c->opts = *opts;
     c->opts.addrs = NULL;
+    c->breakers = opts->breakers;
+    if (!c->breakers) {
+        c->own_breakers = true;
+        if (!(c->breakers = kvhi_breakers_new())) {
+            snprintf(err, err_len, "out of memory for the remote tier");
+            kvhi_cluster_close(c);
+            return KVHI_CLUSTER_NO_MEMORY;
+        }
+    }
     c->user = opts->user ? strdup(opts->user) : NULL;
     c->password = opts->password ? strdup(opts->password) : NULL;
     if ((opts->user && !c->user) || (opts->password && !c->password)) {
@@ -706,6 +805,8 @@ void kvhi_cluster_close(kvhi_cluster *c)
     free(c->nodes);
     free(c->user);
     free(c->password);
+    if (c->own_breakers)
+        kvhi_breakers_free(c->breakers);
     pthread_mutex_destroy(&c->lock);
     free(c);
 }
@@ -818,7 +919,7 @@ static void run_round(kvhi_cluster *c, kvhi_cluster_cmd *cmds, size_t n, uint64_
                 rep->timeouts++;
                 continue;
             }
-            if (nd->breaker_open && now < nd->left_alone_until) {
+            if (node_left_alone(c, nd, now)) {
                 cmd->result = KVHI_CMD_DOWN;
                 rep->down++;
                 continue;

@@ -3,7 +3,8 @@
  * redirects, a refresh of the map when the topology changes, pipelined
  * batches (each node gets all of its commands of a batch in one write and
  * answers them in one read), AUTH on every connection, a deadline per
- * batch, and a circuit breaker per node. A server with cluster support
+ * batch, and a circuit breaker per node (kvhi_breakers: one for all the
+ * clients that share it). A server with cluster support
  * disabled is used as one node holding every slot.
  *
  * A client may be shared by threads: its own mutex serialises batches (a
@@ -20,6 +21,14 @@
 
 typedef struct kvhi_cluster kvhi_cluster;
 
+/* Circuit breakers by node address, shared by the clients opened on them
+ * (an engine's few): a node that fails is left alone, counted and logged
+ * once for all of them, and probed by one when its time is up. A leaf
+ * lock of its own, taken under a client's. NULL from new: no memory. */
+typedef struct kvhi_breakers kvhi_breakers;
+kvhi_breakers *kvhi_breakers_new(void);
+void kvhi_breakers_free(kvhi_breakers *b);
+
 typedef void (*kvhi_cluster_log_fn)(void *user, int level, const char *text);
 
 typedef struct kvhi_cluster_opts {
@@ -28,6 +37,8 @@ typedef struct kvhi_cluster_opts {
     const char *password; /* NULL: no AUTH */
     uint32_t timeout_ms;  /* deadline of one batch; also of a connect */
     uint32_t breaker_ms;  /* how long a failed node is left alone */
+    /* The breakers to share (outliving the client); NULL: its own. */
+    kvhi_breakers *breakers;
     kvhi_cluster_log_fn log;
     void *log_user;
     /* The seed an open tries first (the others follow in order), or

@@ -51,13 +51,22 @@ static kvh_status open_remote(const kvh_config *cfg, kvh_engine *log_to, const k
     r->upload = cfg->remote_upload;
     r->engine = log_to;
     snprintf(r->ttl_text, sizeof(r->ttl_text), "%u", cfg->remote_ttl_s);
+    /* One breaker a node for all the clients below: a node that fails is
+     * counted, logged and probed once for the engine. */
+    r->breakers = kvhi_breakers_new();
+    if (!r->breakers) {
+        pthread_mutex_destroy(&r->spare_lock);
+        free(r);
+        return kvhi_fail(KVH_ERR_NOMEM, "out of memory for the remote tier");
+    }
     kvhi_cluster_opts o = {.addrs = cfg->remote_addrs,
                            .user = cfg->remote_user,
                            .password = cfg->remote_password,
                            .timeout_ms = cfg->remote_timeout_ms,
                            .breaker_ms = cfg->remote_breaker_ms,
                            .log = log_to ? cluster_log : NULL,
-                           .log_user = log_to};
+                           .log_user = log_to,
+                           .breakers = r->breakers};
     char err[320];
     bool background = cfg->remote_upload & (KVH_REMOTE_UPLOAD_DEMOTE | KVH_REMOTE_UPLOAD_WRITE_THROUGH);
     /* An engine's threads get several clients; background uploads one of
@@ -82,6 +91,7 @@ static kvh_status open_remote(const kvh_config *cfg, kvh_engine *log_to, const k
     if (failed) {
         for (uint32_t i = 0; i < r->n_clients; i++)
             kvhi_cluster_close(r->clients[i]);
+        kvhi_breakers_free(r->breakers);
         pthread_mutex_destroy(&r->spare_lock);
         free(r);
         kvh_status code = failed == KVHI_CLUSTER_AUTH_REFUSED ? KVH_ERR_IO
@@ -177,6 +187,7 @@ void kvhi_remote_close_client(kvhi_remote *r)
     for (uint32_t i = 0; i < r->n_clients; i++)
         kvhi_cluster_close(r->clients[i]);
     kvhi_cluster_close(r->upload_cluster);
+    kvhi_breakers_free(r->breakers); /* after the clients that share it */
     pthread_mutex_destroy(&r->client_lock);
     pthread_cond_destroy(&r->client_cv);
     for (size_t i = 0; i < r->n_spare; i++)

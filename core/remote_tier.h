@@ -34,6 +34,7 @@ typedef struct kvhi_remote {
     pthread_mutex_t client_lock;
     pthread_cond_t client_cv;
     struct kvhi_cluster *upload_cluster; /* the uploader's own; NULL without one */
+    kvhi_breakers *breakers;             /* shared by all of the above */
     kvhi_remote_id id;
     uint32_t upload; /* kvh_remote_upload bits */
     char ttl_text[16];

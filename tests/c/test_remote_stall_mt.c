@@ -3,7 +3,10 @@
  *   - behind a proxy in this test that holds every chunk a while, so each
  *     round answers well within remote_timeout_ms but the engine's few
  *     clients are always busy: a call still waits at most
- *     remote_timeout_ms a round, its wait for a client included.
+ *     remote_timeout_ms a round, its wait for a client included;
+ *   - stopped (SIGSTOP) while threads call through all of the engine's
+ *     clients: the node's circuit breaker opens once for the engine (one
+ *     count, one log line), and once it answers again one line says so.
  */
 #include "test_util.h"
 
@@ -13,6 +16,7 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <signal.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -278,10 +282,95 @@ static void test_wait_for_a_client_counts_against_the_deadline(void **state)
     assert_int_equal(st.remote_breaker_opens, 0);
 }
 
+/* ---- one breaker a node for the engine's clients ---- */
+
+static pthread_mutex_t lines_lock = PTHREAD_MUTEX_INITIALIZER;
+static int lines_left_alone, lines_answers_again;
+
+static void count_breaker_lines(void *user, int32_t level, const char *message)
+{
+    (void)user;
+    (void)level;
+    pthread_mutex_lock(&lines_lock);
+    lines_left_alone += strstr(message, "not asked again") != NULL;
+    lines_answers_again += strstr(message, "answers again") != NULL;
+    pthread_mutex_unlock(&lines_lock);
+}
+
+static int stop_calling; /* __atomic */
+
+/* Matches prefixes the store lacks (an EXISTS round each) until told to
+ * stop. */
+static void *calling_worker(void *arg)
+{
+    mt_worker *w = arg;
+    enum { BLOCKS = 2 };
+    for (int r = 0; !__atomic_load_n(&stop_calling, __ATOMIC_ACQUIRE) && !w->errors; r++) {
+        int32_t tokens[BLOCKS * BT];
+        tu_iota(tokens, BLOCKS * BT, 1000000 * (int32_t)(w->t + 1) + 100 * (r % 1000));
+        kvh_seq s;
+        size_t m = 0;
+        if (kvh_seq_create(w->e, 0, &s) != KVH_OK || kvh_seq_match_prefix(w->e, s, tokens, BLOCKS * BT, &m) != KVH_OK)
+            mt_report(w, "round %d: match: %s", r, kvh_last_error());
+        kvh_seq_free(w->e, s);
+        usleep(2000);
+    }
+    return NULL;
+}
+
+static void sleep_s(double s) { usleep((useconds_t)(s * 1e6)); }
+
+/* 8 threads keep both of the engine's clients busy; the server stops for
+ * 0.6 s (less than remote_breaker_ms), then answers again. Each client
+ * has its rounds time out, but the node is one: one breaker open, one
+ * line saying it is left alone, and after remote_breaker_ms one probe
+ * finds it back, said once. */
+static void test_a_node_opens_one_breaker_for_all_clients(void **state)
+{
+    (void)state;
+    if (!have_server)
+        skip();
+    enum { THREADS = 8, TIMEOUT_MS = 200, BREAKER_MS = 1000 };
+    kvh_config c = tu_cfg(LAYERS, HEADS, DIM, BT, KVH_DTYPE_F16, 256, 512, 1);
+    c.model_salt = salt ^ 0x2222;
+    c.remote_addrs = rt_addrs(&server);
+    c.remote_timeout_ms = TIMEOUT_MS;
+    c.remote_breaker_ms = BREAKER_MS;
+    c.log_fn = count_breaker_lines;
+    c.log_level = KVH_LOG_INFO; /* "answers again" */
+    lines_left_alone = lines_answers_again = 0;
+    kvh_engine *e = tu_open_cfg(&c);
+    __atomic_store_n(&stop_calling, 0, __ATOMIC_RELEASE);
+    mt_worker w[THREADS];
+    pthread_t th[THREADS];
+    mt_start(e, THREADS, calling_worker, w, th);
+    sleep_s(0.2);
+    kill(server.pids[0], SIGSTOP);
+    sleep_s(0.6);
+    kill(server.pids[0], SIGCONT);
+    /* Past the breaker's time, and some rounds after its probe. */
+    sleep_s(BREAKER_MS / 1e3 + 0.5);
+    __atomic_store_n(&stop_calling, 1, __ATOMIC_RELEASE);
+    mt_join(THREADS, th, w);
+    kvh_stats st = tu_stats(e);
+    assert_ok(tu_close(e));
+    pthread_mutex_lock(&lines_lock);
+    int left_alone = lines_left_alone, answers_again = lines_answers_again;
+    pthread_mutex_unlock(&lines_lock);
+    print_message("%llu timeouts, %llu breaker opens; %d 'not asked again' and %d 'answers again' lines\n",
+                  (unsigned long long)st.remote_timeouts, (unsigned long long)st.remote_breaker_opens, left_alone,
+                  answers_again);
+    assert_true(st.remote_timeouts >= 1);
+    assert_int_equal(st.remote_breaker_opens, 1);
+    assert_int_equal(left_alone, 1);
+    assert_int_equal(answers_again, 1);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_wait_for_a_client_counts_against_the_deadline, tu_teardown),
+        cmocka_unit_test_teardown(test_a_node_opens_one_breaker_for_all_clients, tu_teardown),
     };
     return cmocka_run_group_tests(tests, group_setup, group_teardown);
 }
