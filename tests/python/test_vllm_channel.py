@@ -83,3 +83,80 @@ def test_a_socket_left_by_a_process_that_died_is_replaced(tmp_path):
         assert channel.Client(path, timeout_s=5).call({"op": "x"}) == {"who": "new"}
     finally:
         srv.close()
+
+
+def test_workers_starting_at_once_take_the_path_once(tmp_path):
+    # Two workers given the same engine_id, started together over a socket
+    # a dead one left: one serves, the other is refused, never both.
+    path = channel.socket_path("engine-race", 0, 0, str(tmp_path))
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dead.bind(path)
+    dead.close()
+    results = {}
+    go = threading.Event()
+
+    def start(name):
+        go.wait(5)
+        try:
+            results[name] = channel.Server(path, lambda h, p, n=name: {"who": n})
+        except channel.ChannelError as exc:
+            results[name] = exc
+
+    threads = [threading.Thread(target=start, args=(n,)) for n in ("a", "b")]
+    for t in threads:
+        t.start()
+    go.set()
+    for t in threads:
+        t.join(10)
+    servers = {n: r for n, r in results.items() if isinstance(r, channel.Server)}
+    try:
+        assert len(servers) == 1 and len(results) == 2, results
+        (who,) = servers
+        assert channel.Client(path, timeout_s=5).call({"op": "x"}) == {"who": who}
+    finally:
+        for s in servers.values():
+            s.close()
+
+
+def test_a_worker_starting_as_the_old_one_closes_keeps_its_socket(tmp_path):
+    # The new worker waits for the old one's close, and that close does
+    # not remove the new worker's socket.
+    path = channel.socket_path("engine-handover", 0, 0, str(tmp_path))
+    old = channel.Server(path, lambda h, p: {"who": "old"})
+    got = {}
+    t = threading.Thread(target=lambda: got.setdefault("new", channel.Server(path, lambda h, p: {"who": "new"})))
+    t.start()
+    time.sleep(0.2)  # the new one waits for the path
+    old.close()
+    t.join(10)
+    new = got["new"]
+    try:
+        assert channel.Client(path, timeout_s=5).call({"op": "x"}) == {"who": "new"}
+    finally:
+        new.close()
+
+
+def test_a_busy_worker_is_a_timeout_to_the_caller(tmp_path):
+    # A Unix socket whose queue is full refuses a connect at once (EAGAIN):
+    # the worker is alive and busy, and the scheduler backs off on timeouts.
+    path = channel.socket_path("engine-busy", 0, 0, str(tmp_path))
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(0)  # never accepts
+    fill = []
+    for _ in range(8):
+        c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        c.setblocking(False)
+        try:
+            c.connect(path)
+        except BlockingIOError:
+            c.close()
+            break
+        fill.append(c)
+    try:
+        with pytest.raises(socket.timeout, match="busy"):
+            channel.Client(path, timeout_s=0.5).call({"op": "lookup"})
+    finally:
+        for c in fill:
+            c.close()
+        srv.close()

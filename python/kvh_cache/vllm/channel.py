@@ -22,6 +22,7 @@ Nothing here imports torch or vLLM.
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import json
 import logging
@@ -110,29 +111,36 @@ def recv_msg(conn: socket.socket, deadline: Optional[float] = None) -> Tuple[Dic
     return header, payload
 
 
-def _remove_stale_socket(path: str) -> None:
-    """Removes the socket at path when nothing listens on it any more (a
-    process that died left it); raises ChannelError when a live server
-    answers there: another worker with the same engine_id and ranks."""
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.settimeout(2.0)
+def _claim_path(path: str, wait_s: float = 2.0) -> int:
+    """An flock on ``path + ".lock"`` held for the server's life: the one
+    that holds it owns the socket path, so two workers starting at once,
+    or one starting while an old one closes, never both take it, and a
+    socket left there without its lock is a dead process's. Waits up to
+    wait_s (an old worker closing); raises ChannelError when another live
+    worker with the same engine_id and ranks holds it. Returns the lock's
+    descriptor."""
+    old = os.umask(0o177)
     try:
-        probe.connect(path)
-    except (ConnectionRefusedError, FileNotFoundError):
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-        return
-    except socket.timeout:
-        pass  # its backlog is full: alive, and busy
+        fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     finally:
-        probe.close()
-    raise ChannelError(
-        errno.EADDRINUSE,
-        f"kvh: a live lookup channel is at {path}: another vLLM instance with this engine_id "
-        "(and these ranks) is running; give each instance its own engine_id",
-    )
+        os.umask(old)
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                raise ChannelError(
+                    errno.EADDRINUSE,
+                    f"kvh: a live lookup channel is at {path}: another vLLM instance with this engine_id "
+                    "(and these ranks) is running; give each instance its own engine_id",
+                ) from None
+            time.sleep(0.02)
+        except BaseException:
+            os.close(fd)
+            raise
 
 
 Handler = Callable[[Dict[str, Any], bytes], Dict[str, Any]]
@@ -146,26 +154,27 @@ class Server:
         self.path = path
         self._handler = handler
         self._closed = threading.Event()
+        self._lock_fd = _claim_path(path)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._bind(path)
-        except OSError:
+            self._sock.listen(16)
+        except BaseException:
             self._sock.close()
+            os.close(self._lock_fd)
             raise
-        self._sock.listen(16)
         self._thread = threading.Thread(target=self._accept_loop, name="kvh-vllm-lookup", daemon=True)
         self._thread.start()
 
     def _bind(self, path: str) -> None:
+        # The path is this server's (_claim_path): a socket there is one a
+        # process that died left.
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
         old = os.umask(0o177)
         try:
-            try:
-                self._sock.bind(path)
-                return
-            except OSError as exc:
-                if exc.errno != errno.EADDRINUSE:
-                    raise
-            _remove_stale_socket(path)
             self._sock.bind(path)
         finally:
             os.umask(old)
@@ -212,10 +221,11 @@ class Server:
         except OSError:
             pass
         self._sock.close()
-        try:
+        try:  # still this server's: the lock is held until after
             os.unlink(self.path)
         except OSError:
             pass
+        os.close(self._lock_fd)  # lets a new worker claim the path
 
 
 class Client:
@@ -234,6 +244,11 @@ class Client:
         s.settimeout(max(deadline - time.monotonic(), 1e-3))
         try:
             s.connect(self.path)
+        except BlockingIOError:
+            # A Unix socket whose queue is full refuses at once: the worker
+            # is alive and busy, which is a timeout to the caller.
+            s.close()
+            raise socket.timeout(f"kvh: worker at {self.path} is busy (its connection queue is full)") from None
         except OSError:
             s.close()
             raise

@@ -832,5 +832,7 @@ class KvhConnector(KVConnectorBase_V1):
         st = self._reqs.pop(request.request_id, None)
         # The worker lets go of what it holds for the request when it ends.
         self._unused_lookups.pop(request.request_id, None)
-        self._finished[request.request_id] = st.last_lookup if st else None
+        # 0 when it made no lookup (ids start at 1): anything held under its
+        # id then is a newer request's, and stays.
+        self._finished[request.request_id] = st.last_lookup if st and st.last_lookup is not None else 0
         return False, None

@@ -548,3 +548,43 @@ def test_a_request_id_used_again_keeps_its_state_when_the_old_request_ends(tmp_p
         e.close()
         """,
     )
+
+
+def test_a_request_id_used_again_after_one_that_made_no_lookup_keeps_its_hold(tmp_path):
+    # The old "x" was shorter than a block and never looked up: its end
+    # (told to the worker with the next step) must not let go of what the
+    # new "x", looked up meanwhile, holds for its load.
+    run_flow(
+        tmp_path,
+        """
+        bs = 32
+        prompt = list(range(100, 100 + 2 * bs)) + [1]
+        e = fake.Engine(root, block_size=bs)
+        a = fake.Request("a", prompt)
+        e.admit(a, [1, 2, 3])
+        e.step({"a": a})
+        e.finish(a)
+        e.store.wait_saves()
+
+        old = fake.Request("x", [7, 8, 9])
+        e.admit(old, [20])
+        e.step({"x": old})
+        e.scheduler.request_finished(old, [20])
+
+        new = fake.Request("x", prompt)
+        assert e.scheduler.get_num_new_matched_tokens(new, 0) == (2 * bs, False)
+        assert e.store.stats()["held_blocks"] == 2
+        seen = {}
+        start_load = e.store.start_load
+        def spy(req_id, *a, **kw):
+            seen.setdefault("held_at_load", e.store.stats()["held_blocks"])
+            return start_load(req_id, *a, **kw)
+        e.store.start_load = spy
+        e.tables.table["x"] = [4, 5, 6]
+        e.scheduler.update_state_after_alloc(new, fake.Blocks([4, 5, 6]), 2 * bs)
+        e.start_step({"x": 1})
+        assert seen["held_at_load"] == 2, seen
+        e.end_step()
+        e.close()
+        """,
+    )
