@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import collections
 import gc
+import os
+import signal
 import sys
+import time
 
 import pytest
 from kvh_testutil import run_child
@@ -331,3 +334,29 @@ def test_engines_open_at_exit_are_closed_through_a_ctrl_c():
         """
     )
     assert res.stdout.strip() == "[True, True, True]", res.stdout + res.stderr
+
+
+def test_a_weak_bag_locked_by_another_thread_at_fork_is_free_in_the_child():
+    bag = kvh._handle.WeakBag()
+    item = _Item()
+    bag._lock.acquire()  # as another thread inside add() when the fork came
+    try:
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            try:
+                bag.add(item)
+                os._exit(0 if bag.live() == [item] else 1)
+            finally:
+                os._exit(2)
+        deadline = time.monotonic() + 10
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        if not done:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        assert done and os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, "the child waited on the parent's lock"
+    finally:
+        bag._lock.release()
