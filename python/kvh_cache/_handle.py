@@ -442,7 +442,10 @@ class SignalAgain:
             if self._cancelled:
                 return
             self._sent = True
-            signal.pthread_kill(threading.main_thread().ident, self.signum)  # type: ignore[arg-type]
+            try:
+                signal.pthread_kill(threading.main_thread().ident, self.signum)  # type: ignore[arg-type]
+            except (OSError, TypeError):
+                pass  # the main thread is gone: the process is ending
 
     def cancel(self) -> bool:
         """Stops it; False when it was already sent."""
