@@ -66,6 +66,19 @@ impl<'e> Fence<'e> {
         done != 0
     }
 
+    /// Whether the work is complete, failed or not: `Ok(true)`, `Ok(false)`
+    /// while it runs, `Err` only where kvh refused to say (a bad handle; the
+    /// engine's log sink on a thread kvh started). Never blocks.
+    pub(crate) fn is_complete(&self) -> Result<bool> {
+        let mut done = 0i32;
+        // SAFETY: valid engine and out-pointer; done is left 0 by a refusal.
+        let st = unsafe { sys::kvh_fence_poll(self.engine.as_ptr(), self.raw, &mut done) };
+        if done != 0 {
+            return Ok(true);
+        }
+        check(st).map(|()| false)
+    }
+
     /// `true` once the work is complete (then `Err` with its first error,
     /// if it failed). Never blocks.
     pub fn poll(&self) -> Result<bool> {

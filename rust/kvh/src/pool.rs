@@ -48,6 +48,16 @@ fn xfer() -> sys::kvh_pool_xfer {
     }
 }
 
+/// The statuses once the batch's (last) fence says it completed; kvh
+/// writes them into xfers as the batch runs, so they are read only then.
+fn completed_statuses(fence: &Fence<'_>, xfers: &[sys::kvh_pool_xfer]) -> Result<Vec<Status>> {
+    if fence.is_complete()? {
+        Ok(statuses(xfers))
+    } else {
+        Err(Error::new(Status::Busy, "the batch is still running"))
+    }
+}
+
 fn statuses(xfers: &[sys::kvh_pool_xfer]) -> Vec<Status> {
     xfers.iter().map(|x| Status::from(x.status)).collect()
 }
@@ -249,11 +259,13 @@ impl<'e> OffloadBatch<'e> {
         self.fence.as_ref().map_or(Ok(()), |f| f.wait(timeout))
     }
 
-    /// Each item's outcome; `Err(Busy)` while the batch runs.
+    /// Each item's outcome; `Err(Busy)` while the batch runs, or where kvh
+    /// cannot say whether it ran (the engine's log sink on a thread kvh
+    /// started): kvh writes the statuses as the batch runs.
     pub fn statuses(&self) -> Result<Vec<Status>> {
-        match self.fence.as_ref().map(|f| f.poll()) {
-            Some(Ok(false)) => Err(Error::new(Status::Busy, "the batch is still running")),
-            _ => Ok(statuses(&self.xfers)),
+        match &self.fence {
+            Some(f) => completed_statuses(f, &self.xfers),
+            None => Ok(statuses(&self.xfers)),
         }
     }
 
@@ -263,7 +275,10 @@ impl<'e> OffloadBatch<'e> {
         &self.blocks
     }
 
-    /// Waits for the batch and hands over its blocks.
+    /// Waits for the batch and hands over its blocks. Where kvh refuses the
+    /// wait (the engine's log sink on a thread kvh started) they come at
+    /// once, their gathers perhaps still running: a persist of them waits
+    /// for those, a read through the pool does not.
     pub fn into_blocks(mut self) -> Vec<OwnedBlock<'e>> {
         let _ = self.wait(None);
         std::mem::take(&mut self.blocks)
@@ -308,11 +323,12 @@ impl RestoreBatch<'_> {
         self.fences.iter().try_for_each(|f| f.wait(timeout))
     }
 
-    /// Each item's outcome; `Err(Busy)` while the batch runs.
+    /// Each item's outcome; `Err(Busy)` while the batch runs, or where kvh
+    /// cannot say whether it ran (as [`OffloadBatch::statuses`]).
     pub fn statuses(&self) -> Result<Vec<Status>> {
-        match self.fences.last().map(|f| f.poll()) {
-            Some(Ok(false)) => Err(Error::new(Status::Busy, "the batch is still running")),
-            _ => Ok(statuses(&self.xfers)),
+        match self.fences.last() {
+            Some(f) => completed_statuses(f, &self.xfers),
+            None => Ok(statuses(&self.xfers)),
         }
     }
 }

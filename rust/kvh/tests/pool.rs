@@ -270,6 +270,8 @@ static SLOT_K: AtomicPtr<f32> = AtomicPtr::new(std::ptr::null_mut());
 /// 0: the sink did not act yet; 1: no batch was made (skipped); 2: the
 /// batch was dropped before it ran; 3: the batch had run.
 static OUTCOME: AtomicU8 = AtomicU8::new(0);
+/// What the batch's statuses() said in the sink, before it ran.
+static STATUSES_IN_SINK: std::sync::Mutex<Option<String>> = std::sync::Mutex::new(None);
 
 fn slot_untouched() -> bool {
     let k = SLOT_K.load(Ordering::Acquire);
@@ -307,6 +309,8 @@ fn child_batch_dropped_in_its_engines_sink() {
                 OUTCOME.store(1, Ordering::Release);
                 return;
             };
+            let said = batch.statuses();
+            *STATUSES_IN_SINK.lock().unwrap() = Some(format!("{said:?}"));
             drop(batch);
             let state = if slot_untouched() { 2 } else { 3 };
             OUTCOME.store(state, Ordering::Release);
@@ -365,6 +369,13 @@ fn child_batch_dropped_in_its_engines_sink() {
     }
     // Dropped before it ran: it runs once the sink returns.
     assert_eq!(outcome, 2, "the batch ran before its drop");
+    // Its statuses were not written yet: not all OK, as kvh's first value
+    // in them read.
+    let said = STATUSES_IN_SINK.lock().unwrap().clone().unwrap();
+    assert!(
+        said.starts_with("Err("),
+        "statuses() of a batch not run: {said}"
+    );
     while slot_untouched() {
         assert!(
             start.elapsed() < Duration::from_secs(20),
