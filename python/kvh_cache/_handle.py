@@ -470,6 +470,38 @@ def interrupt_again() -> Optional[SignalAgain]:
 _SEND_AGAIN_AFTER_S = 0.002
 
 
+class ForkSafeLock:
+    """A lock (re-entrant if asked) made anew on its first use in a forked
+    child: a copy another thread of the parent held at the fork would stay
+    held there for good. Use it with ``with``."""
+
+    __slots__ = ("_lock", "_reentrant", "_forks")
+
+    def __init__(self, reentrant: bool = False) -> None:
+        self._reentrant = reentrant
+        self._lock: Any = threading.RLock() if reentrant else threading.Lock()
+        self._forks = _forks
+
+    def _current(self) -> Any:
+        if self._forks != _forks:
+            self._lock = threading.RLock() if self._reentrant else threading.Lock()
+            self._forks = _forks
+        return self._lock
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        return bool(self._current().acquire(blocking, timeout))
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def __enter__(self) -> "ForkSafeLock":
+        self._current().acquire()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._lock.release()
+
+
 class WeakBag:
     """The live ones of the objects added, held weakly. Unlike a
     weakref.WeakSet it runs no Python code when one of them dies: a
@@ -542,6 +574,7 @@ class OwnedHandle(Closable, Finalized, Uncopyable):
 __all__ = [
     "Closable",
     "Finalized",
+    "ForkSafeLock",
     "GateUse",
     "GatedHandle",
     "HandleGate",

@@ -29,14 +29,13 @@ import dataclasses
 import logging
 import os
 import re
-import threading
 from typing import Any, Dict, List, Optional, Set, Tuple, Union
 
 import numpy as np
 
 from . import errors
 from ._ffi import check, ffi, lib
-from ._handle import Closable, Finalized, GatedHandle, HandleGate, Uncopyable
+from ._handle import Closable, Finalized, ForkSafeLock, GatedHandle, HandleGate, Uncopyable
 from .engine import _flag, _index, _interruptible, _timeout_ns
 
 __all__ = ["Context", "ContextInfo", "WeightStats", "AdmissionInfo", "KV_POLICIES"]
@@ -184,8 +183,8 @@ class Context(GatedHandle, Closable, Uncopyable):
         # only counts down (it may run inside any call); the pins of regions
         # left without views are taken back before this context's regions
         # next leave (_settle_view_pins), under _pin_lock.
-        self._views_lock = threading.Lock()
-        self._pin_lock = threading.RLock()
+        self._views_lock = ForkSafeLock()
+        self._pin_lock = ForkSafeLock(reentrant=True)
         self._view_counts: Dict[int, int] = {}
         self._view_pins: Set[int] = set()
         self._user_pins: Set[int] = set()

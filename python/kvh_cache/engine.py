@@ -58,6 +58,7 @@ from ._ffi import (
 from . import _handle
 from ._handle import (
     Finalized,
+    ForkSafeLock,
     GatedHandle,
     GateUse,
     HandleGate,
@@ -380,7 +381,7 @@ _log_tokens = itertools.count(1)  # each engine's log sink user value
 # Engines collected where the library refused their close (inside their
 # own log sink on a kvh thread): closed by the next engine opened, or at exit.
 _orphans: List["_Native"] = []
-_orphans_lock = threading.Lock()
+_orphans_lock = ForkSafeLock()
 
 
 def _close_orphans() -> None:
@@ -1323,7 +1324,7 @@ class Fence(GatedHandle, OwnedHandle):
         self._gate = HandleGate(lambda: errors.BadHandleError("the fence was freed", lib.KVH_ERR_BAD_HANDLE))
         self._engine = engine
         self._fp = fp
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()
         self._outcome: Optional[Tuple[int, str]] = None  # (status, detail) once done
         self._callbacks: List[Callable[["Fence"], Any]] = []
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
@@ -30,7 +29,7 @@ import numpy as np
 
 from . import errors
 from ._ffi import check, ffi, lib, status_name
-from ._handle import OwnedHandle, interrupt_again
+from ._handle import ForkSafeLock, OwnedHandle, Uncopyable, interrupt_again
 from .engine import _U32, Block, Engine, Fence, _flag, _index, _tokens
 from .types import DType
 
@@ -206,13 +205,18 @@ def describe(obj: Any) -> ArrayDesc:
 # their items' statuses into the xfer arrays, which must live until then
 # even if the caller drops the batch object.
 _inflight: "weakref.WeakKeyDictionary[Engine, List[Any]]" = weakref.WeakKeyDictionary()
-_inflight_lock = threading.Lock()
+_inflight_lock = ForkSafeLock()
 
 
 def _track(engine: Engine, batch: Any) -> None:
+    # The looks run outside the lock: a fence seen done runs its
+    # callbacks, which may offload or restore again.
+    with _inflight_lock:
+        seen = list(_inflight.get(engine, ()))
+    settled = {id(b) for b in seen if b._settled()}
     with _inflight_lock:
         live = _inflight.setdefault(engine, [])
-        live[:] = [b for b in live if not b._settled()]
+        live[:] = [b for b in live if id(b) not in settled]
         live.append(batch)
 
 
@@ -234,19 +238,28 @@ def _prune_after_gc(phase: str, info: Any) -> None:
     if phase != "stop" or not _inflight or not _inflight_lock.acquire(blocking=False):
         return
     try:
-        for engine in list(_inflight.keys()):
-            live = [b for b in _inflight.get(engine, []) if not _surely_settled(b)]
-            if live:
-                _inflight[engine] = live
-            else:
-                _inflight.pop(engine, None)
+        seen = {engine: list(batches) for engine, batches in _inflight.items()}
+    finally:
+        _inflight_lock.release()
+    try:
+        # Outside the lock, as in _track: a fence's callbacks may run here.
+        settled = {id(b) for batches in seen.values() for b in batches if _surely_settled(b)}
+        if not _inflight_lock.acquire(blocking=False):
+            return
+        try:
+            for engine in seen:
+                live = [b for b in _inflight.get(engine, []) if id(b) not in settled]
+                if live:
+                    _inflight[engine] = live
+                else:
+                    _inflight.pop(engine, None)
+        finally:
+            _inflight_lock.release()
     except KeyboardInterrupt:  # the interpreter would drop it here
         if interrupt_again() is None:
             raise  # to sys.unraisablehook
     except Exception:  # nothing may escape a collector callback
         pass
-    finally:
-        _inflight_lock.release()
 
 
 def _surely_settled(batch: Any) -> bool:
@@ -271,7 +284,7 @@ def _xfers(n: int):
     return x
 
 
-class OffloadBatch:
+class OffloadBatch(Uncopyable):
     """An offload in flight: :attr:`blocks` (retained kvh.Block handles, one
     per item, usable for persist at once) and :attr:`fence` (complete when
     every gather has ended). :meth:`statuses` after it completes."""
@@ -311,7 +324,7 @@ class OffloadBatch:
             b.release()
 
 
-class RestoreBatch:
+class RestoreBatch(Uncopyable):
     """A restore in flight: one fence per layer, in order."""
 
     def __init__(self, xfers, n: int, fences: List[Fence], first_layer: int, keep: Any, engine: Any = None) -> None:
@@ -363,7 +376,7 @@ class Pool(OwnedHandle):
 
     def __init__(self, engine: Engine, handle, num_slots: int, keep: Any = None, *, writable: bool = True) -> None:
         self._engine = engine
-        self._lock = threading.Lock()  # the handle's swap in unregister
+        self._lock = ForkSafeLock()  # the handle's swap in unregister
         self._h = handle
         self.num_slots = num_slots
         self._keep = keep

@@ -12,14 +12,13 @@ unmapping waits for them).
 
 from __future__ import annotations
 
-import threading
 from typing import TYPE_CHECKING, Any, Tuple
 
 import numpy as np
 
 from . import errors
 from ._ffi import check, ffi, lib
-from ._handle import Finalized, GatedHandle, HandleGate, OwnedHandle, Uncopyable
+from ._handle import Finalized, ForkSafeLock, GatedHandle, HandleGate, OwnedHandle, Uncopyable
 
 if TYPE_CHECKING:  # pragma: no cover
     from .engine import Engine, Sequence
@@ -51,7 +50,7 @@ class VMap(GatedHandle, OwnedHandle):
         self._engine: Engine = seq.engine
         self._seq = seq
         self._np_dtype = self._engine.np_dtype
-        self._lock = threading.Lock()  # the array count and the unmapping
+        self._lock = ForkSafeLock()  # the array count and the unmapping
         self._arrays = 0
         self._released = False  # release() was called
         self._ptr = None  # the kvh_vmap *, until unmapped

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import kvh_cache as kvh
+from kvh_testutil import run_child
 
 
 @pytest.fixture
@@ -367,3 +368,47 @@ def test_a_context_of_another_engine_is_refused(weights):
             eng.context("a").switch_to(theirs)
         with other.sequence(context=theirs) as seq:
             assert not seq.freed
+
+
+def test_a_child_forked_while_a_thread_pins_gets_unsupported_not_a_hang():
+    # The context's locks, held by another thread at the fork, stayed
+    # held in the child: its pin, region and unload waited for ever.
+    res = run_child(
+        """
+        import os, threading, time
+        import numpy as np
+        import kvh_cache as kvh
+
+        eng = kvh.Engine(num_layers=2, num_kv_heads=2, head_dim=8, block_tokens=16, dtype="f32",
+                         backend="cpu", device_bytes=1 << 22, host_bytes=1 << 20)
+        ctx = eng.context("c")
+        idx = ctx.add_region("w", data=np.arange(8192, dtype=np.uint8))
+        ctx.switch_to()
+        stop = []
+        def pin_loop():
+            i = 0
+            while not stop:
+                ctx.pin(idx, i % 2 == 0)
+                i += 1
+        t = threading.Thread(target=pin_loop, daemon=True)
+        t.start()
+        time.sleep(0.1)
+        outcomes = []
+        for _ in range(10):
+            pid = os.fork()
+            if pid == 0:
+                signal_alarm = __import__("signal")
+                signal_alarm.alarm(5)  # a hang ends the child with SIGALRM
+                try:
+                    ctx.pin(idx, True)
+                    os._exit(1)
+                except kvh.UnsupportedError:
+                    os._exit(0)
+            outcomes.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+        stop.append(1)
+        t.join()
+        print(outcomes)
+        """,
+        timeout=120,
+    )
+    assert res.stdout.strip() == str([0] * 10), res.stdout + res.stderr

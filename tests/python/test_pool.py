@@ -11,6 +11,7 @@ import pytest
 
 import kvh_cache as kvh
 from kvh_cache.pool import Pool, describe, persist_blocks
+from kvh_testutil import make_engine, run_child
 
 L, H, D, BT, S = 2, 2, 8, 4, 8
 
@@ -501,3 +502,54 @@ def test_describe_names_the_element_type():
     assert describe(a).dtype == describe(DLPackOnly(a)).dtype == describe(TorchLikeTyped(a)).dtype == "int16"
     assert describe(TorchLike(a)).dtype is None
     assert describe(np.zeros(4, "V2")).dtype is None
+
+
+def test_a_fence_callback_that_offloads_again_does_not_deadlock():
+    # The bookkeeping of batches in flight looked at their fences under
+    # its lock, and a fence seen done ran its callbacks there: one that
+    # offloaded again waited on that lock in its own thread.
+    res = run_child(
+        """
+        import numpy as np
+        import kvh_cache as kvh
+        from kvh_cache.pool import Pool
+
+        eng = kvh.Engine(num_layers=2, num_kv_heads=2, head_dim=8, block_tokens=16, dtype="f32",
+                         backend="cpu", device_bytes=4096 * 1024, host_bytes=4096 * 1024, migration_threads=1)
+        ks = [np.zeros((8, 16, 2, 8), np.float32) for _ in range(2)]
+        pool = Pool.from_arrays(eng, ks, ks)
+        n = [0]
+        def items():
+            n[0] += 1
+            return [(i, 0, np.arange(16, dtype=np.int32) + 16 * i + 1000 * n[0]) for i in range(8)]
+        again = []
+        def offload_again(fence):
+            again.append(1)
+            pool.offload(items()).release()
+        for _ in range(300):
+            b = pool.offload(items())
+            b.fence.add_done_callback(offload_again)
+            b.release()
+        print("done", len(again) > 0)
+        """,
+        timeout=120,
+    )
+    assert res.stdout.strip() == "done True", res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("how", ["copy", "deepcopy", "pickle"])
+def test_batches_refuse_copies_and_pickling(how):
+    import copy
+    import pickle
+
+    with make_engine() as eng:
+        ks = [np.zeros((4, eng.block_tokens, eng.num_kv_heads, eng.head_dim), np.float32) for _ in range(2)]
+        pool = Pool.from_arrays(eng, ks, ks)
+        batch = pool.offload([(0, 0, np.arange(eng.block_tokens, dtype=np.int32))])
+        try:
+            act = {"copy": copy.copy, "deepcopy": copy.deepcopy, "pickle": pickle.dumps}[how]
+            with pytest.raises(TypeError, match="OffloadBatch"):
+                act(batch)
+        finally:
+            batch.release()
+        pool.close()
