@@ -199,9 +199,11 @@ def test_ctrl_c_in_a_finalizer_finishes_the_close_and_is_sent_again():
     # close left half done.
     res = run_child(
         """
-        import gc, time
+        import gc, signal, time
         import kvh_cache as kvh
 
+        # Python's own Ctrl-C, also where the test runner ignores SIGINT.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         ended = []
 
         class Interrupted(kvh._handle.Finalized):

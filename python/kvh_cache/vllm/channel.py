@@ -53,6 +53,7 @@ def private_dir(base: Optional[str] = None) -> str:
     path = os.path.join(base, f"kvh-vllm-{uid}")
     try:
         os.mkdir(path, 0o700)
+        os.chmod(path, 0o700)  # whatever the umask: made here, ours to set
     except FileExistsError:
         pass
     st = os.lstat(path)
@@ -119,11 +120,9 @@ def _claim_path(path: str, wait_s: float = 2.0) -> int:
     wait_s (an old worker closing); raises ChannelError when another live
     worker with the same engine_id and ranks holds it. Returns the lock's
     descriptor."""
-    old = os.umask(0o177)
-    try:
-        fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    finally:
-        os.umask(old)
+    # Owner-only from its mode (a umask only takes bits away; the umask is
+    # the process's, and another thread may be making files meanwhile).
+    fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     deadline = time.monotonic() + wait_s
     while True:
         try:
@@ -173,11 +172,11 @@ class Server:
             os.unlink(path)
         except FileNotFoundError:
             pass
-        old = os.umask(0o177)
-        try:
-            self._sock.bind(path)
-        finally:
-            os.umask(old)
+        # Not through the umask, which is the process's (another thread
+        # making a file meanwhile would get it): the private directory
+        # keeps others out until the mode is set.
+        self._sock.bind(path)
+        os.chmod(path, 0o600)
 
     def _accept_loop(self) -> None:
         while not self._closed.is_set():
