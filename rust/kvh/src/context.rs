@@ -245,10 +245,10 @@ impl<'e> Context<'e> {
         offset: u64,
         size: u64,
     ) -> Result<u32> {
-        let path = c_string(
-            "path",
-            path.to_str().ok_or_else(|| invalid("path is not UTF-8"))?,
-        )?;
+        // A path is bytes on Linux, UTF-8 or not.
+        use std::os::unix::ffi::OsStrExt;
+        let path = CString::new(path.as_os_str().as_bytes())
+            .map_err(|_| invalid("path contains a NUL byte"))?;
         let mut p = Self::params()?;
         p.path = path.as_ptr();
         p.file_offset = offset;

@@ -1209,9 +1209,17 @@ fn context_misuse_is_refused_and_the_engine_stays_usable() {
     e.switch_context(None, Some(&a)).unwrap();
     assert_eq!(a.region_bytes(0).unwrap(), data);
     let f = a.add_region_file("f", 1, &file, 100, 5_000).unwrap();
+    // A file name that is not UTF-8 is still a Linux path.
+    let odd = {
+        use std::os::unix::ffi::OsStrExt;
+        dir.join(std::ffi::OsStr::from_bytes(b"w\xff.bin"))
+    };
+    std::fs::write(&odd, &data).unwrap();
+    let g = a.add_region_file("g", 1, &odd, 0, 100).unwrap();
     e.switch_context(Some(&a), None).unwrap();
     e.switch_context(None, Some(&a)).unwrap();
     assert_eq!(a.region_bytes(f).unwrap(), &data[100..5_100]);
+    assert_eq!(a.region_bytes(g).unwrap(), &data[..100]);
     assert!(a.verify().unwrap() >= 2);
     let s = e.create_sequence(0).unwrap();
     s.append(&[1; 8]).unwrap();
