@@ -507,37 +507,28 @@ class WeakBag:
     weakref.WeakSet it runs no Python code when one of them dies: a
     Ctrl-C met there would be dropped by the interpreter."""
 
-    __slots__ = ("_refs", "_prune_at", "_lock", "_forks")
+    __slots__ = ("_refs", "_prune_at", "_lock")
 
     def __init__(self) -> None:
         self._refs: Dict[int, "weakref.ref[Any]"] = {}
         self._prune_at = 16
-        self._lock = threading.Lock()
-        self._forks = _forks
-
-    def _locked(self) -> "threading.Lock":
-        # A fork while another thread held the lock leaves the child's copy
-        # held for good: the child starts with a new one.
-        if self._forks != _forks:
-            self._lock = threading.Lock()
-            self._forks = _forks
-        return self._lock
+        self._lock = ForkSafeLock()
 
     def add(self, obj: Any) -> None:
-        with self._locked():
+        with self._lock:
             self._refs[id(obj)] = weakref.ref(obj)  # a dead one's id may be reused
             if len(self._refs) >= self._prune_at:
                 self._refs = {k: r for k, r in self._refs.items() if r() is not None}
                 self._prune_at = max(16, 2 * len(self._refs))
 
     def discard(self, obj: Any) -> None:
-        with self._locked():
+        with self._lock:
             ref = self._refs.get(id(obj))
             if ref is not None and ref() is obj:
                 del self._refs[id(obj)]
 
     def live(self) -> List[Any]:
-        with self._locked():
+        with self._lock:
             refs = list(self._refs.values())
         return [obj for obj in (r() for r in refs) if obj is not None]
 

@@ -55,7 +55,6 @@ from ._ffi import (
     status_name,
     take_pending_interrupt,
 )
-from . import _handle
 from ._handle import (
     Finalized,
     ForkSafeLock,
@@ -247,8 +246,8 @@ class _Native:
             lambda: errors.ClosedError("the engine is closed", lib.KVH_ERR_CLOSED),
             reopen_if_end_fails=lambda: not self.released,
         )
-        self._lock = threading.RLock()  # views and release; re-entrant: finalizers may run anywhere
-        self._lock_forks = _handle._forks
+        # Views and release; re-entrant: finalizers may run anywhere.
+        self.lock = ForkSafeLock(reentrant=True)
         self.views = 0
         self.release_deferred = False
         self.released = False
@@ -257,14 +256,6 @@ class _Native:
         # engine's log sink on a kvh thread): made by the next call that may.
         self.deferred: List[Callable[[], Any]] = []
         self.log_token = 0  # the log sink's user value (_ffi.in_sink_of)
-
-    @property
-    def lock(self) -> threading.RLock:
-        # A fresh one in a child process: the parent's threads may hold it.
-        if self._lock_forks != _handle._forks:
-            self._lock = threading.RLock()
-            self._lock_forks = _handle._forks
-        return self._lock
 
     @property
     def closed(self) -> bool:
