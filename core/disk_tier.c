@@ -253,12 +253,13 @@ kvh_status kvhi_disk_tier_close(kvh_engine *e, bool flush)
     if (!e->disk)
         return KVH_OK;
     kvh_status st = KVH_OK;
-    if (flush && e->disk->rec_bytes && e->tiers[KVH_TIER_DISK].present && e->disk->slabs_untrusted) {
+    bool snapshot_due = flush && e->disk->rec_bytes && e->tiers[KVH_TIER_DISK].present;
+    if (snapshot_due && e->disk->slabs_untrusted) {
         /* The index stays as it was: a new one would name slots whose
          * data a failed fsync may have lost. */
         kvhi_index_flush(e->disk);
         st = kvhi_fail(KVH_ERR_IO, "the disk index was not rewritten: a slab file failed to sync");
-    } else if (flush && e->disk->rec_bytes && e->tiers[KVH_TIER_DISK].present) {
+    } else if (snapshot_due) {
         /* After a fatal journal failure (the journal removed, a write that
          * failed half way) the engine's own state is still whole: a new
          * index written from it keeps every block made durable before, and
