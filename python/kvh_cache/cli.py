@@ -52,6 +52,34 @@ def _tool_status(name: str, rc: int) -> int:
     return 128 - rc
 
 
+def _call_tool(name: str, cmd: List[Any], env: Optional[Dict[str, str]] = None) -> int:
+    """Runs a wrapped tool with its output passed through, as kvh's own
+    status (_tool_status). Its stderr goes through this process, so that a
+    tool that fails without a word ($KVH_STORE naming some other program)
+    is still reported."""
+    with subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE) as proc:
+        assert proc.stderr is not None
+        said = False
+        try:
+            while True:
+                chunk = os.read(proc.stderr.fileno(), 65536)
+                if not chunk:
+                    break
+                said = True
+                try:
+                    sys.stderr.flush()
+                    os.write(sys.stderr.fileno(), chunk)
+                except (OSError, ValueError):
+                    pass  # our stderr is closed: the tool's words go nowhere, as they would have
+            rc = proc.wait()
+        except BaseException:
+            proc.kill()  # as subprocess.call does when interrupted
+            raise
+    if rc > 0 and not said:
+        _err(f"{name} ({cmd[0]}) exited with status {rc} and gave no reason")
+    return _tool_status(name, rc)
+
+
 def _signal_name(number: int) -> str:
     try:
         return f"signal {number} ({signal.Signals(number).name})"
@@ -150,7 +178,7 @@ def cmd_store(args: argparse.Namespace) -> int:
         _err(_not_a_directory(Path(args.dir)))
         return EXIT_FAIL
     cmd = [tool, args.action, str(args.dir)] + (["--json"] if args.json else [])
-    rc = _tool_status("kvh-store", subprocess.call(cmd))
+    rc = _call_tool("kvh-store", cmd)
     # kvh-store's 2 means a store it could not read (the arguments were
     # checked here): for kvh that is a failed check, 1.
     return EXIT_FAIL if rc == 2 else rc
@@ -191,7 +219,7 @@ def cmd_store_remote(args: argparse.Namespace) -> int:
         cmd += ["--sample", str(args.sample)]
     if args.json:
         cmd.append("--json")
-    return _tool_status("kvh-store", subprocess.call(cmd, env=env))
+    return _call_tool("kvh-store", cmd, env)
 
 
 def _store_info(directory: Path) -> Optional[Dict[str, Any]]:

@@ -975,6 +975,25 @@ def test_store_info_with_a_bad_kvh_store_variable(variable, store, tmp_path, cap
     assert "not an executable file" in res.stderr
 
 
+@pytest.mark.parametrize("action", ["info", "verify"])
+def test_store_tool_that_fails_without_a_word_is_reported(action, store, capfd, monkeypatch):
+    # $KVH_STORE naming some other program that fails silently: kvh exited
+    # 1 and printed nothing at all.
+    monkeypatch.setenv("KVH_STORE", shutil.which("false") or "/bin/false")
+    res = run_in_process(["store", action, store], capfd)
+    assert_one_line_error(res, 1, "gave no reason")
+
+
+def test_store_tool_words_pass_through_alone(store, tmp_path, capfd, monkeypatch):
+    # A tool that says why it failed is not talked over.
+    tool = _write_script(tmp_path / "tool", "echo 'out line'; echo 'why it failed' >&2; exit 3")
+    monkeypatch.setenv("KVH_STORE", str(tool))
+    res = run_in_process(["store", "info", store], capfd)
+    assert res.returncode == 3, (res.returncode, res.stderr)
+    assert res.stdout == "out line\n"
+    assert res.stderr == "why it failed\n"
+
+
 def test_stats_with_a_bad_kvh_store_variable_and_the_whole_geometry(store, capfd, monkeypatch):
     # The flags say all kvh-store would have: no reason to fail.
     monkeypatch.setenv("KVH_STORE", "/nonexistent/kvh-store")
