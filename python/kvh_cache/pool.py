@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
@@ -28,9 +29,9 @@ from typing import Any, List, Optional, Sequence, Tuple
 import numpy as np
 
 from . import errors
-from ._ffi import check, ffi, lib, status_name
+from ._ffi import U64_MAX, check, ffi, lib, status_name
 from ._handle import ForkSafeLock, OwnedHandle, Uncopyable, interrupt_again
-from .engine import _U32, Block, Engine, Fence, _flag, _index, _tokens
+from .engine import _U32, Block, Engine, Fence, _flag, _index, _timeout_ns, _tokens
 from .types import DType
 
 __all__ = ["ArrayDesc", "describe", "Pool", "PoolDTypeError", "OffloadBatch", "RestoreBatch", "persist_blocks"]
@@ -342,7 +343,12 @@ class RestoreBatch(Uncopyable):
         return self.fences[layer - self.first_layer].wait(timeout)
 
     def wait(self, timeout: Optional[float] = None) -> bool:
-        return self._seen(all(f.wait(timeout) for f in self.fences))
+        """Waits for every layer, ``timeout`` seconds in all (not per layer)."""
+        ns = _timeout_ns("timeout", timeout)
+        if ns == U64_MAX:
+            return self._seen(all(f.wait(None) for f in self.fences))
+        deadline = time.monotonic_ns() + ns
+        return self._seen(all(f.wait(max(0, deadline - time.monotonic_ns()) / 1e9) for f in self.fences))
 
     def done(self) -> bool:
         return self._seen(self.fences[-1].done())

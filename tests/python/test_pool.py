@@ -5,6 +5,7 @@ restore (per-layer fences, statuses), persist, and misuse."""
 from __future__ import annotations
 
 import gc
+import time
 
 import numpy as np
 import pytest
@@ -553,3 +554,30 @@ def test_batches_refuse_copies_and_pickling(how):
         finally:
             batch.release()
         pool.close()
+
+
+def test_restore_wait_shares_one_timeout_among_its_layers():
+    # Each layer's fence was given the whole timeout again: a batch of 8
+    # layers, each finishing just in time, took 8 timeouts.
+    from kvh_cache.pool import RestoreBatch
+
+    class StandIn:
+        def __init__(self, given):
+            self.given = given
+
+        def wait(self, timeout):
+            self.given.append(timeout)
+            time.sleep(0.01)
+            return True
+
+    given = []
+    batch = RestoreBatch(None, 0, [StandIn(given) for _ in range(8)], 0, None)
+    assert batch.wait(0.2)
+    assert all(later < earlier for earlier, later in zip(given, given[1:])), given
+    assert given[-1] <= 0.2 - 0.07, given
+    given.clear()
+    assert batch.wait(None) and given == [None] * 8
+    with pytest.raises(ValueError):
+        batch.wait(float("nan"))
+    with pytest.raises(TypeError):
+        batch.wait("1")

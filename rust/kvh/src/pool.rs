@@ -3,7 +3,7 @@
 //! migration workers (`kvh_pool_*_batch`), and persists of block lists.
 
 use std::ffi::c_void;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kvh_sys as sys;
 
@@ -318,9 +318,9 @@ impl RestoreBatch<'_> {
         self.fences[i as usize].wait(timeout)
     }
 
-    /// Waits for every layer.
+    /// Waits for every layer, `timeout` in all (not per layer).
     pub fn wait(&self, timeout: Option<Duration>) -> Result<()> {
-        self.fences.iter().try_for_each(|f| f.wait(timeout))
+        wait_each(&self.fences, timeout, |f, t| f.wait(t))
     }
 
     /// Each item's outcome; `Err(Busy)` while the batch runs, or where kvh
@@ -331,6 +331,22 @@ impl RestoreBatch<'_> {
             None => Ok(statuses(&self.xfers)),
         }
     }
+}
+
+/// Waits for each of `items` in turn with `wait`, sharing one `timeout`
+/// among them: each gets what the ones before it left.
+fn wait_each<T>(
+    items: &[T],
+    timeout: Option<Duration>,
+    mut wait: impl FnMut(&T, Option<Duration>) -> Result<()>,
+) -> Result<()> {
+    let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
+    items.iter().try_for_each(|item| match (timeout, deadline) {
+        (None, _) => wait(item, None),
+        // Too far off to name as an instant: no practical limit.
+        (Some(t), None) => wait(item, Some(t)),
+        (Some(_), Some(d)) => wait(item, Some(d.saturating_duration_since(Instant::now()))),
+    })
 }
 
 impl Drop for RestoreBatch<'_> {
@@ -366,5 +382,60 @@ impl Engine {
             sys::kvh_blocks_persist(self.as_ptr(), raw.as_ptr(), raw.len(), &mut fence)
         })?;
         Ok(Fence::from_raw(self, fence))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::wait_each;
+    use crate::{Error, Status};
+    use std::time::{Duration, Instant};
+
+    #[test]
+    fn one_timeout_is_shared_by_every_layer() {
+        // Each stand-in fence takes all the time it is given and times
+        // out: the layers together must not take more than the timeout.
+        let layers = [(); 8];
+        let start = Instant::now();
+        let mut given = Vec::new();
+        let res = wait_each(&layers, Some(Duration::from_millis(80)), |_, t| {
+            let t = t.unwrap();
+            given.push(t);
+            std::thread::sleep(t);
+            Err(Error::new(Status::Timeout, "stand-in"))
+        });
+        assert_eq!(res.unwrap_err().status(), Status::Timeout);
+        assert!(
+            start.elapsed() < Duration::from_millis(80 * 4),
+            "{:?}",
+            start.elapsed()
+        );
+        assert_eq!(given.len(), 1, "a timed-out layer ends the wait");
+
+        // Layers that finish leave the rest to the later ones.
+        let mut given = Vec::new();
+        wait_each(&layers, Some(Duration::from_millis(200)), |_, t| {
+            given.push(t.unwrap());
+            std::thread::sleep(Duration::from_millis(10));
+            Ok(())
+        })
+        .unwrap();
+        assert!(given.windows(2).all(|w| w[1] < w[0]), "{given:?}");
+        assert!(
+            *given.last().unwrap() <= Duration::from_millis(200 - 70),
+            "{given:?}"
+        );
+
+        // No limit stays no limit; a timeout past any instant is passed on.
+        wait_each(&layers, None, |_, t| {
+            assert!(t.is_none());
+            Ok(())
+        })
+        .unwrap();
+        wait_each(&layers, Some(Duration::MAX), |_, t| {
+            assert_eq!(t, Some(Duration::MAX));
+            Ok(())
+        })
+        .unwrap();
     }
 }
