@@ -339,8 +339,10 @@ class Context(GatedHandle, Closable, Uncopyable):
     def switch_to(self, previous: Optional["Context"] = None, *, wait: bool = True):
         """Makes this context's weights resident in the device tier, moving
         ``previous`` (default: the engine's current context) out. With
-        ``wait=False`` returns a :class:`kvh.Fence`; :meth:`wait_layer`
-        tells when early layers are usable."""
+        ``wait=False`` returns a :class:`kvh.Fence` without waiting for
+        this switch's own moves; :meth:`wait_layer` tells when early layers
+        are usable. A switch already in flight is waited for first, with
+        ``wait=False`` too."""
         self._check()
         wait = bool(_flag("wait", wait))
         if previous is not None:

@@ -1605,7 +1605,8 @@ KVH_API kvh_status kvh_context_attach_seq(kvh_engine *engine, kvh_context ctx, k
  * kvh_context_wait_layer can start work on early layers before that.
  * On a unified-memory backend (CPU) device and host tiers are the same
  * memory: a region moving between them is re-accounted, never copied.
- * A switch waits for the previous one to end. Returns KVH_ERR_INVALID_ARG
+ * A switch waits for the previous one to end: the call itself, fence or
+ * not, returns only once a switch already in flight has ended. Returns KVH_ERR_INVALID_ARG
  * (from == to, not null), KVH_ERR_BAD_HANDLE, KVH_ERR_NOMEM; the work (the call
  * itself without a fence) reports KVH_ERR_NOSPACE, KVH_ERR_IO,
  * KVH_ERR_NOMEM, KVH_ERR_CORRUPT (a chunk read from its file no longer

@@ -128,8 +128,10 @@ impl Engine {
         self.switch_raw(from, to, std::ptr::null_mut())
     }
 
-    /// As [`switch_context`](Self::switch_context), returning at once with
-    /// a fence; [`Context::wait_layer`] tells when early layers are usable.
+    /// As [`switch_context`](Self::switch_context), returning with a fence
+    /// without waiting for this switch's own moves; [`Context::wait_layer`]
+    /// tells when early layers are usable. A switch already in flight is
+    /// waited for first: the call returns only once that one has ended.
     pub fn switch_context_async(
         &self,
         from: Option<&Context<'_>>,
