@@ -2017,11 +2017,11 @@ class Sequence(GatedHandle, OwnedHandle):
         pos: TokenSpan = None,
         n: Optional[int] = None,
         *,
-        out: Optional[Tuple[Optional[np.ndarray], Optional[np.ndarray]]] = None,
+        out: Optional[Tuple[np.ndarray, np.ndarray]] = None,
     ) -> Tuple[np.ndarray, np.ndarray]:
         """Copies K and V of tokens ``[pos, pos + n)`` (or a range; default
         all) of one layer into new arrays shaped ``(n, num_kv_heads,
-        head_dim)`` (or into ``out=(k, v)``). Returns ``(k, v)``."""
+        head_dim)`` (or into ``out=(k, v)``, both arrays). Returns ``(k, v)``."""
         layer = _index("layer", layer, maximum=_U32)
         with self._call() as p:
             f, cnt = self._span_to_read(p, pos, n)
@@ -2162,11 +2162,14 @@ class Sequence(GatedHandle, OwnedHandle):
         holds the block's tokens itself (also when ``hold``, a caller's hold
         covering them, is given: that one may end first) until the last array
         derived from it is collected. When the sequence gives the block up
-        (``truncate``, ``free``) the view keeps it, pinned and unchanged,
-        until the view is collected. A write through the sequence into a
-        shared block moves this sequence to a private copy: take a new view
-        after writes, forks or appends (writable views of this sequence are
-        made read-only when that happens). Before a ``fork``, a ``persist``
+        (``truncate``, ``free``, or a copy on write) the view keeps it,
+        pinned and unchanged, until the view is collected; a read-only view
+        keeps its block from the start, so while it lives the block counts
+        as shared and later views of it are read-only too. A write or an
+        append into a shared block moves this sequence to a private copy:
+        take a new view after writes, forks or appends (writable views of
+        this sequence are made read-only once their block is no longer its
+        private memory). Before a ``fork``, a ``persist``
         or a ``write_kv`` into a full block (which may publish it), the sequence
         moves to a copy of each block a writable view maps and the view keeps
         the old one: arrays made from the view earlier keep their NumPy
@@ -2208,41 +2211,53 @@ class Sequence(GatedHandle, OwnedHandle):
             if not hold.covers_block(index):
                 raise ValueError(f"hold {hold!r} does not cover block {index}")
             hold.wait()
-        # The view's own hold, also beside a caller's: that one may be
-        # released while arrays made from the view live on.
-        private = True
-        hold = self.acquire(index * bt, min(bt, length - index * bt))
-        try:
-            info = self.block(index).info()
-            if info.tier not in (Tier.DEVICE, Tier.HOST) or info.in_flight:
-                raise errors.NotResidentError(f"block {index} is not resident in memory", lib.KVH_ERR_NOT_RESIDENT)
-            tinfo = eng.tier_info(info.tier)
-            if not tinfo.base:
-                raise errors.NotResidentError(f"tier {info.tier.name.lower()} has no memory", lib.KVH_ERR_NOT_RESIDENT)
-            addr = tinfo.base + info.slot * eng.block_bytes + layer * eng.layer_bytes
-            readonly = info.shared
-            shape = (2, eng.num_kv_heads, bt, eng.head_dim)
-            self._clear_unwritten_cells(index, layer, addr, shape, shared=readonly)
-            owner = _ViewOwner(eng, hold, private, addr, shape, eng.np_dtype, readonly)
-            owner.block = self.block(index)
-            owner.layer = layer
-        except BaseException:
-            if private:
-                hold.release()
-            raise
-        view = np.asarray(owner)
-        assert view.base is owner or view.base is not None
-        with self._gate.exclusive():  # the calls that share or publish blocks hold it too
+        # The look at the block, its address and the view's registration
+        # happen with the sequence's calls held off: a fork, persist or
+        # write on another thread in between moved the sequence to a copy
+        # of the block, and the view showed the old block's slot while its
+        # hold and handle named the new one.
+        with self._gate.exclusive():
+            # The view's own hold, also beside a caller's: that one may be
+            # released while arrays made from the view live on.
+            private = True
+            length = self.length  # a truncate may have come since the check above
+            if index * bt >= length:
+                raise errors.RangeError(f"block {index} is past the sequence ({length} tokens)", lib.KVH_ERR_RANGE)
+            hold = self.acquire(index * bt, min(bt, length - index * bt))
+            try:
+                block = self.block(index)
+                info = block.info()
+                if info.tier not in (Tier.DEVICE, Tier.HOST) or info.in_flight:
+                    raise errors.NotResidentError(f"block {index} is not resident in memory", lib.KVH_ERR_NOT_RESIDENT)
+                tinfo = eng.tier_info(info.tier)
+                if not tinfo.base:
+                    raise errors.NotResidentError(
+                        f"tier {info.tier.name.lower()} has no memory", lib.KVH_ERR_NOT_RESIDENT
+                    )
+                addr = tinfo.base + info.slot * eng.block_bytes + layer * eng.layer_bytes
+                readonly = info.shared
+                shape = (2, eng.num_kv_heads, bt, eng.head_dim)
+                self._clear_unwritten_cells(index, layer, addr, shape, shared=readonly)
+                owner = _ViewOwner(eng, hold, private, addr, shape, eng.np_dtype, readonly)
+                owner.block = block
+                owner.layer = layer
+                if readonly:
+                    # Its own reference and pin on the shared (or published)
+                    # block: the hold follows the sequence's tokens to a
+                    # copy (a write, an append, a detaching fork), and the
+                    # slot must not be reused while the view can read it.
+                    # A writable view's block is private, where a reference
+                    # more would make the next write copy it; it is kept
+                    # when the sequence leaves it (_detach_views).
+                    owner.keep_block()
+            except BaseException:
+                if private:
+                    hold.release()
+                raise
+            view = np.asarray(owner)
+            assert view.base is owner or view.base is not None
             self._view_owners = [(r, i) for r, i in self._view_owners if r() is not None]
             self._view_owners.append((weakref.ref(owner), index))
-            if not readonly:
-                # A fork, persist or write on another thread since the look
-                # above did not see this view: look again, now that they wait.
-                now = self.block(index)
-                if now.handle != owner.block.handle or now.info().shared:
-                    view.flags.writeable = False
-                    owner.make_read_only()
-                    readonly = True
             if not readonly:
                 self._views = [(r, i) for r, i in self._views if r() is not None]
                 self._views.append((weakref.ref(view), index))

@@ -156,3 +156,48 @@ def test_a_block_view_shows_no_other_tenants_leftovers():
                 assert np.all(kk == 5.0) and np.all(vv == 6.0)
             del view
             ours.free()
+
+
+@pytest.mark.parametrize("moved_by", ["write", "append"])
+def test_a_view_keeps_its_slot_after_its_sequence_moves_to_a_copy(moved_by):
+    # A read-only view (its block shared with a fork) kept only a hold on
+    # its sequence's tokens. A write or an append into the shared block
+    # moved the sequence, and the hold, to a copy; once the fork was freed
+    # the view's slot went to the next block, another scope's KV included.
+    dim, bt = 4, 4
+    eng = kvh.Engine(
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=dim,
+        block_tokens=bt,
+        dtype="f32",
+        backend="cpu",
+        device_bytes=8 * 2 * bt * dim * 4,
+        host_bytes=0,
+    )
+    with eng:
+        ours = eng.sequence(tokens=np.arange(6), scope=2)  # block 1 partial: never published
+        kk = np.arange(6 * dim, dtype=np.float32).reshape(6, 1, dim)
+        ours.write_kv(0, 0, kk, kk)
+        child = ours.fork()
+        view = ours.block_view(1, 0)  # shared: read-only
+        assert not view.flags.writeable
+        seen = view.copy()
+        if moved_by == "write":
+            ours.write_kv(0, 4, -kk[:1], -kk[:1])
+        else:
+            ours.append([6])
+        assert ours.block_info(1).slot != child.block_info(1).slot  # the sequence moved to a copy
+        child.free()
+        theirs = []
+        try:
+            for _ in range(8):
+                t = eng.sequence(tokens=np.arange(4), scope=1)
+                theirs.append(t)
+                t.write_kv(0, 0, np.full((4, 1, dim), 99, np.float32), np.full((4, 1, dim), 99, np.float32))
+        except kvh.NoSpaceError:
+            pass  # the view's block is kept: the tier fills sooner
+        assert np.array_equal(view, seen), view[0, 0, :, 0]
+        del view
+        for t in theirs:
+            t.free()

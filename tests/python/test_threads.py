@@ -775,6 +775,55 @@ def test_a_fork_racing_a_new_block_view_never_sees_its_writes():
     assert forks > 50 and changed == 0
 
 
+def test_views_taken_beside_forks_map_their_own_block():
+    """Views taken on threads while another forks and writes the child: a
+    view mapped the slot of the block the sequence had just left (the
+    child's copy of another block showed through it), and a look at the
+    block met a stale handle on a live sequence."""
+    old_interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    eng = kvh.Engine(num_layers=2, num_kv_heads=2, head_dim=8, dtype="f32", block_tokens=4, device_bytes=64 << 10)
+    seq = eng.sequence(tokens=np.arange(64))
+    kk = np.arange(64 * 2 * 8, dtype=np.float32).reshape(64, 2, 8)
+    seq.write_kv(0, 0, kk, -kk)
+    stop = time.monotonic() + 3.0
+    wrong, errors = [], []
+
+    def viewer(i):
+        rng = np.random.default_rng(i)
+        while time.monotonic() < stop and not wrong:
+            p = int(rng.integers(16))
+            try:
+                v = seq.block_view(p, 0)
+            except kvh.NoSpaceError:
+                continue  # views keep blocks the forks' copies need
+            except kvh.Error as exc:
+                errors.append(repr(exc))
+                continue
+            if not np.array_equal(v[0], kk[4 * p : 4 * p + 4].transpose(1, 0, 2)):
+                wrong.append((p, v[0, 0, :, 0].tolist()))
+
+    def forker():
+        while time.monotonic() < stop and not wrong:
+            try:
+                with seq.fork() as c:
+                    c.write_kv(0, 0, kk[:1] + 1, kk[:1])
+            except kvh.NoSpaceError:
+                pass
+
+    threads = [threading.Thread(target=viewer, args=(i,)) for i in range(3)] + [threading.Thread(target=forker)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(old_interval)
+    eng.close()
+    assert not wrong, wrong[:3]
+    assert not errors, errors[:3]
+
+
 def test_holds_and_views_collected_in_a_worker_log_handler_are_released(tmp_path):
     """A hold and a block view whose last references go inside the log
     handler on a kvh worker (where kvh refuses their release): the next
