@@ -175,7 +175,8 @@ static kvh_status tier_init(kvh_engine *e, uint32_t t, uint64_t budget)
 {
     kvhi_tier *tier = &e->tiers[t];
     uint64_t slots = budget / tier->slot_bytes;
-    if (slots > UINT32_MAX - 1)
+    const bool capped = slots > UINT32_MAX - 1;
+    if (capped)
         slots = UINT32_MAX - 1;
     if (slots == 0)
         return KVH_OK;
@@ -207,8 +208,9 @@ static kvh_status tier_init(kvh_engine *e, uint32_t t, uint64_t budget)
                                           : e->backend->host_alloc(e->backend_ctx, tier->bytes_mapped);
     }
     if (!tier->base)
-        return kvhi_fail(KVH_ERR_NOMEM, "cannot allocate %llu bytes for the %s tier",
-                         (unsigned long long)tier->bytes_mapped, t == KVH_TIER_DEVICE ? "device" : "host");
+        return kvhi_fail(KVH_ERR_NOMEM, "cannot allocate %llu bytes for the %s tier%s",
+                         (unsigned long long)tier->bytes_mapped, t == KVH_TIER_DEVICE ? "device" : "host",
+                         capped ? " (its budget cut to the most blocks a tier holds, 4294967294)" : "");
     if (t == KVH_TIER_HOST)
         bind_to_node(e, tier->base, tier->bytes_mapped);
     /* After the binding, so that the pages come from its node. The CPU

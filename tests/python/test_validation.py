@@ -346,3 +346,10 @@ def test_wait_arguments_take_a_bool(engine, seq, bad, error):
     assert all(b.info().tier == kvh.Tier.HOST for b in blocks)
     assert engine.migrate(blocks, "device", wait=np.bool_(True)) is None
     seq.acquire(wait=1).release()
+
+
+def test_a_tier_budget_past_the_block_limit_says_it_was_cut():
+    # The message named 16 TiB for device_bytes=2**63 without saying why.
+    with pytest.raises(kvh.OutOfMemoryError) as info:
+        kvh.Engine(device_bytes=2**63)
+    assert "most blocks a tier holds" in str(info.value)
