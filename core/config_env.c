@@ -61,11 +61,13 @@ typedef struct field {
     size_t size;
     enum kind kind;
     const named *names; /* K_ENUM, K_FLAGS */
+    int32_t lowest;     /* K_I32: the least value the field takes */
 } field;
 
-#define F(name, var, kind, names)                                                                                      \
+#define F(name, var, kind, names) F_FROM(name, var, kind, names, INT32_MIN)
+#define F_FROM(name, var, kind, names, lowest)                                                                         \
     {                                                                                                                  \
-        var, offsetof(kvh_config, name), sizeof(((kvh_config *)0)->name), kind, names                                  \
+        var, offsetof(kvh_config, name), sizeof(((kvh_config *)0)->name), kind, names, lowest                          \
     }
 
 static const field fields[] = {
@@ -75,13 +77,13 @@ static const field fields[] = {
     F(block_tokens, "KVH_BLOCK_TOKENS", K_U32, NULL),
     F(dtype, "KVH_DTYPE", K_ENUM, dtypes),
     F(backend, "KVH_BACKEND", K_ENUM, backends),
-    F(cuda_device, "KVH_CUDA_DEVICE", K_I32, NULL),
+    F_FROM(cuda_device, "KVH_CUDA_DEVICE", K_I32, NULL, 0),
     F(device_bytes, "KVH_DEVICE_BYTES", K_SIZE, NULL),
     F(host_bytes, "KVH_HOST_BYTES", K_SIZE, NULL),
     F(disk_bytes, "KVH_DISK_BYTES", K_SIZE, NULL),
     F(disk_path, "KVH_DISK_PATH", K_PATH, NULL),
     F(model_salt, "KVH_MODEL_SALT", K_U64, NULL),
-    F(numa_node, "KVH_NUMA_NODE", K_I32, NULL),
+    F_FROM(numa_node, "KVH_NUMA_NODE", K_I32, NULL, -1), /* -1: none */
     F(migration_threads, "KVH_MIGRATION_THREADS", K_U32, NULL),
     F(migration_cpu_mask, "KVH_MIGRATION_CPU_MASK", K_U64, NULL),
     F(lru_k, "KVH_LRU_K", K_U32, NULL),
@@ -187,8 +189,12 @@ static int parse_bool(const char *s, uint64_t *out)
 static int parse_flags(const named *names, const char *s, uint64_t *out)
 {
     const char *e;
-    if (isdigit((unsigned char)s[0]))
-        return parse_u64(s, 0, out, &e) && !*e && *out <= UINT32_MAX;
+    if (isdigit((unsigned char)s[0])) {
+        uint64_t known = 0; /* a bit no name stands for is refused, as the engine would */
+        for (const named *n = names; n->name; n++)
+            known |= n->value;
+        return parse_u64(s, 0, out, &e) && !*e && (*out & ~known) == 0;
+    }
     uint64_t v = 0;
     if (strcasecmp(s, "none") != 0)
         for (const char *p = s;;) {
@@ -250,6 +256,9 @@ static kvh_status set_field(kvh_config *c, const field *f, const char *s)
     case K_I32: {
         const char *d = s[0] == '-' ? s + 1 : s;
         ok = parse_u64(d, 10, &v, &e) && !*e && v <= (d == s ? (uint64_t)INT32_MAX : (uint64_t)INT32_MAX + 1);
+        if (ok && d != s && -(int64_t)v < f->lowest)
+            return kvhi_fail(KVH_ERR_INVALID_ARG, "%s=\"%s\": expected a decimal integer from %d to 2147483647", f->var,
+                             s, (int)f->lowest);
         if (ok) {
             int32_t i = d == s ? (int32_t)v : (int32_t)(-(int64_t)v);
             memcpy(p, &i, sizeof(i));

@@ -195,6 +195,15 @@ static void test_bad_values(void **state)
     check_bad("KVH_NUMA_NODE=2147483648");
     check_bad("KVH_NUMA_NODE=-2147483649");
     check_bad("KVH_NUMA_NODE=--1");
+    /* Below what the field takes (the engine refused them later, naming
+     * the field rather than the variable). */
+    check_bad("KVH_NUMA_NODE=-2");
+    check_bad("KVH_NUMA_NODE=-2147483648");
+    check_bad("KVH_CUDA_DEVICE=-1");
+    /* Bits no name stands for. */
+    check_bad("KVH_DISK_FLAGS=8");
+    check_bad("KVH_DISK_FLAGS=0xffffffff");
+    check_bad("KVH_REMOTE_UPLOAD=0x10");
     check_bad("KVH_DTYPE=f64");
     check_bad("KVH_BACKEND=gpu");
     check_bad("KVH_LOG_LEVEL=loud");
@@ -211,15 +220,15 @@ static void test_bad_values(void **state)
 static void test_numbers_for_names(void **state)
 {
     (void)state;
-    static const char *const env[] = {"KVH_DTYPE=0",       "KVH_LOG_LEVEL=2",           "KVH_DISK_FLAGS=1",
-                                      "KVH_KV_CODEC=none", "KVH_NUMA_NODE=-2147483648", NULL};
+    static const char *const env[] = {"KVH_DTYPE=0",       "KVH_LOG_LEVEL=2",  "KVH_DISK_FLAGS=1",
+                                      "KVH_KV_CODEC=none", "KVH_NUMA_NODE=-1", NULL};
     kvh_config c = defaults();
     assert_ok(kvh_config_from_env(&c, sizeof(c), env));
     assert_int_equal(c.dtype, KVH_DTYPE_F32);
     assert_int_equal(c.log_level, KVH_LOG_INFO);
     assert_int_equal(c.disk_flags, KVH_DISK_RESET_ON_MISMATCH);
     assert_int_equal(c.kv_codec, KVH_CODEC_NONE);
-    assert_int_equal(c.numa_node, INT32_MIN);
+    assert_int_equal(c.numa_node, -1);
     static const char *const none_flags[] = {"KVH_DISK_FLAGS=none", NULL};
     c.disk_flags = 3;
     assert_ok(kvh_config_from_env(&c, sizeof(c), none_flags));

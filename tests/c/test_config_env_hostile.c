@@ -249,10 +249,13 @@ static void test_negative_values(void **state)
     };
     for (size_t i = 0; i < ARRAY_LEN(refused); i++)
         check_refused(refused[i]);
-    /* Signed fields take negative numbers down to INT32_MIN. */
+    /* Signed fields take negative numbers down to their least value: -1
+     * ("none") for the NUMA node, none for a CUDA device. */
     assert_int_equal(check_taken("KVH_NUMA_NODE=-1").numa_node, -1);
-    assert_int_equal(check_taken("KVH_CUDA_DEVICE=-7").cuda_device, -7);
-    assert_int_equal(check_taken("KVH_CUDA_DEVICE=-2147483648").cuda_device, INT32_MIN);
+    check_refused("KVH_NUMA_NODE=-2");
+    check_refused("KVH_CUDA_DEVICE=-7");
+    check_refused("KVH_CUDA_DEVICE=-2147483648");
+    assert_int_equal(check_taken("KVH_CUDA_DEVICE=0").cuda_device, 0);
 }
 
 static void test_overflowing_values(void **state)
@@ -651,7 +654,7 @@ static void test_process_environment_hostile(void **state)
     kvh_status st = kvh_config_from_env(&c, sizeof(c), NULL);
     const int numa_refused = st == KVH_ERR_INVALID_ARG && strstr(kvh_last_error(), "KVH_NUMA_NODE") != NULL;
     const int unchanged = memcmp(&c, &before, sizeof(c)) == 0;
-    setenv("KVH_NUMA_NODE", "-3", 1);
+    setenv("KVH_NUMA_NODE", "-1", 1);
     setenv("KVH_DTYPE", "bf16", 1);
     c = busy_config();
     kvh_status st2 = kvh_config_from_env(&c, sizeof(c), NULL);
@@ -662,7 +665,7 @@ static void test_process_environment_hostile(void **state)
     assert_true(unchanged);
     assert_ok(st2);
     assert_int_equal(got.head_dim, 128);
-    assert_int_equal(got.numa_node, -3);
+    assert_int_equal(got.numa_node, -1);
     assert_int_equal(got.dtype, KVH_DTYPE_BF16);
     assert_int_equal(got.host_bytes, before.host_bytes);
 }
