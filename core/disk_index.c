@@ -554,6 +554,13 @@ int kvhi_index_load(kvhi_disk *d, bool reset, kvhi_index_list *out, char *msg, s
         out->bad_records++;
         damaged(&dm, "the journal header is damaged");
     }
+    /* A journal is begun right after the snapshot before it (its seq is
+     * that snapshot's plus one), and a crash between the two leaves an
+     * older journal, never a newer one: an index older than its journal
+     * is a lost snapshot (an older copy put back), whose records since
+     * are nowhere else but in the slot headers. */
+    if (snap_ok && journal_ok && jh.store_id == sh.store_id && jh.seq > sh.seq + 1)
+        damaged(&dm, "the index is older than its journal (a snapshot is missing)");
     if (!have_journal && have_index)
         damaged(&dm, "the journal file is missing");
     else if (have_journal && jr_len < KVHI_DISK_ALIGN)

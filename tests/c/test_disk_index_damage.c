@@ -27,6 +27,8 @@
  *     counted;
  *   - a block that went to disk before its KV was complete (so never
  *     published) is not taken back from its slot header;
+ *   - the index of an earlier close put back (older than its journal):
+ *     damage, every chain found from the slot headers;
  *   - a store whose index was never folded (every record in its journal)
  *     and whose journal is missing: damage, not a new store; a new
  *     store's empty journal alone (a crash while it was made) starts empty.
@@ -567,6 +569,42 @@ static void test_unpublished_slot_is_not_taken(void **state)
     dt_rmrf(dir);
 }
 
+/* The index of an earlier close put back beside the journal of a later
+ * one (an older copy restored): a well-formed index whose seq is short of
+ * its journal's, so the records folded in between are in neither file.
+ * The open returned KVH_OK with those chains gone and no warning. The
+ * default open now rebuilds from the slot headers (every chain found);
+ * a strict one refuses. */
+static void test_an_older_index_put_back(void **state)
+{
+    (void)state;
+    build_pristine();
+    restore();
+    kvh_config cfg = cfg_for(P.dir);
+    size_t old_len = 0;
+    uint8_t *old_index = dt_read_file(file_path("index"), &old_len);
+    assert_non_null(old_index);
+    /* A clean close folds the journal's chains into a newer snapshot. */
+    expect_store(&cfg, NULL, 0, "before the index is put back");
+    size_t ilen = 0, jlen = 0;
+    uint8_t *index = dt_read_file(file_path("index"), &ilen), *journal = dt_read_file(file_path("journal"), &jlen);
+    kvhi_index_header old_h, new_h, journal_h;
+    assert_int_equal(kvhi_index_header_decode(old_index, old_len, &old_h), 0);
+    assert_int_equal(kvhi_index_header_decode(index, ilen, &new_h), 0);
+    assert_int_equal(kvhi_index_header_decode(journal, jlen, &journal_h), 0);
+    free(index), free(journal);
+    assert_true(new_h.seq > old_h.seq);
+    assert_int_equal(journal_h.seq, new_h.seq + 1);
+
+    assert_int_equal(dt_write_file(file_path("index"), old_index, old_len), 0);
+    free(old_index);
+    expect_strict_refusal("an older index put back");
+    if (expect_store(&cfg, NULL, 0, "an older index put back") == 0)
+        fail_msg("an older index put back: no warning says the index was rebuilt");
+    if (expect_store(&cfg, NULL, 0, "an older index put back, reopened") != 0)
+        fail_msg("an older index put back: rebuilt again");
+}
+
 static int group_teardown(void **state)
 {
     (void)state;
@@ -585,6 +623,7 @@ int main(void)
         cmocka_unit_test_teardown(test_store_id_and_dropped_slots, dt_teardown),
         cmocka_unit_test_teardown(test_unpublished_slot_is_not_taken, dt_teardown),
         cmocka_unit_test_teardown(test_journal_of_a_store_never_folded, dt_teardown),
+        cmocka_unit_test_teardown(test_an_older_index_put_back, dt_teardown),
     };
     return cmocka_run_group_tests_name("disk_index_damage", tests, NULL, group_teardown);
 }
