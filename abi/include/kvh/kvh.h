@@ -257,9 +257,9 @@ typedef struct kvh_config {
     uint32_t struct_size;
     /* Model geometry. A block holds K and V of block_tokens consecutive
      * tokens for all layers, laid out [layer][K,V][kv_head][token][dim]. */
-    uint32_t num_layers;   /* default 1 */
-    uint32_t num_kv_heads; /* default 1 */
-    uint32_t head_dim;     /* default 64 */
+    uint32_t num_layers;   /* 1..4096; default 1 */
+    uint32_t num_kv_heads; /* 1..1024; default 1 */
+    uint32_t head_dim;     /* 1..1024; default 64 */
     uint32_t block_tokens; /* power of two, 1..256; default 16 */
     uint32_t dtype;        /* kvh_dtype; default KVH_DTYPE_F16 */
     uint32_t backend;      /* kvh_backend; default KVH_BACKEND_AUTO */
