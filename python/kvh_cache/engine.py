@@ -326,12 +326,18 @@ class _Native:
             )
 
     def _end(self) -> int:
+        views = 0
         with self.lock:
             if self.views:
-                log.debug("kvh: engine close deferred until %d block view(s) are collected", self.views)
+                views = self.views
                 self.release_deferred = True
-                return 0
-            st = self._release()
+            else:
+                st = self._release()
+        if views:
+            # Logged with the lock let go: a handler may call into kvh,
+            # whose calls can wait for a thread that waits for this lock.
+            log.debug("kvh: engine close deferred until %d block view(s) are collected", views)
+            return 0
         if st == lib.KVH_ERR_BUSY:  # called from its own log sink: still open
             raise_status(st)
         return st
@@ -2237,7 +2243,7 @@ class Sequence(GatedHandle, OwnedHandle):
                 addr = tinfo.base + info.slot * eng.block_bytes + layer * eng.layer_bytes
                 readonly = info.shared
                 shape = (2, eng.num_kv_heads, bt, eng.head_dim)
-                self._clear_unwritten_cells(index, layer, addr, shape, shared=readonly)
+                self._clear_unwritten_cells(index, layer, block, addr, shape, shared=readonly)
                 owner = _ViewOwner(eng, hold, private, addr, shape, eng.np_dtype, readonly)
                 owner.block = block
                 owner.layer = layer
@@ -2264,7 +2270,7 @@ class Sequence(GatedHandle, OwnedHandle):
         return view
 
     def _clear_unwritten_cells(
-        self, index: int, layer: int, addr: int, shape: Tuple[int, ...], *, shared: bool
+        self, index: int, layer: int, block: Block, addr: int, shape: Tuple[int, ...], *, shared: bool
     ) -> None:
         """Zeroes the cells of block ``index``, layer ``layer``, that were
         never written: a slot is not cleared when a block takes it, and a
@@ -2284,9 +2290,17 @@ class Sequence(GatedHandle, OwnedHandle):
         with self._call() as p:
             for ref, viewed in self._view_owners:
                 other = ref()
-                if viewed == index and other is not None and other.layer == layer:
-                    # Cells written through that view but not yet with
-                    # write_kv read as never written: they stay.
+                if (
+                    viewed == index
+                    and other is not None
+                    and other.layer == layer
+                    and other.block is not None
+                    and other.block.handle == block.handle
+                ):
+                    # Cells written through that view of this very block
+                    # but not yet with write_kv read as never written: they
+                    # stay. (A view of a block the sequence has left, kept
+                    # at the same index, maps another slot.)
                     return
             n = min(bt, self._length(p) - first)
             # One read when every cell is written (the usual case), a

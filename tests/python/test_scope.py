@@ -201,3 +201,35 @@ def test_a_view_keeps_its_slot_after_its_sequence_moves_to_a_copy(moved_by):
         del view
         for t in theirs:
             t.free()
+
+
+def test_a_new_block_at_a_viewed_index_shows_no_other_tenants_leftovers():
+    # A live view of a block the sequence had left (kept across truncate)
+    # made a view of the new block at the same index skip clearing its
+    # never-written cells: it showed another scope's KV from the slot.
+    dim, bt = 4, 4
+    eng = kvh.Engine(
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=dim,
+        block_tokens=bt,
+        dtype="f32",
+        backend="cpu",
+        device_bytes=4 * 2 * bt * dim * 4,
+        host_bytes=0,
+    )
+    with eng:
+        ours = eng.sequence(tokens=np.arange(4), scope=2)
+        ours.write_kv(0, 0, np.ones((4, 1, dim), np.float32), np.ones((4, 1, dim), np.float32))
+        old = ours.block_view(0, 0)
+        ours.truncate(0)  # the view keeps the old block
+        theirs = eng.sequence(tokens=np.arange(3) + 100, scope=9)  # partial: never published
+        theirs.write_kv(0, 0, np.full((3, 1, dim), 999, np.float32), np.full((3, 1, dim), 999, np.float32))
+        slot = theirs.block_info(0).slot
+        theirs.free()
+        ours.append(np.arange(4) + 50)  # a new block 0, nothing written
+        assert ours.block_info(0).slot == slot  # the other scope's slot
+        new = ours.block_view(0, 0)
+        assert not np.any(new), new[:, 0, :, 0]
+        assert np.all(old == 1)
+        del old, new

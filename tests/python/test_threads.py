@@ -824,6 +824,60 @@ def test_views_taken_beside_forks_map_their_own_block():
     assert not errors, errors[:3]
 
 
+def test_a_close_deferred_by_views_logs_without_its_lock(monkeypatch):
+    """Engine.close deferred by a live view logged that at DEBUG while
+    holding the engine's view lock; a handler calling into a sequence then
+    waited for a block_view in flight, which waited for that lock."""
+    eng = kvh.Engine(num_layers=1, num_kv_heads=1, head_dim=4, block_tokens=4, dtype="f32", device_bytes=1 << 16)
+    seq = eng.sequence(tokens=np.arange(8))
+    seq.write_kv(0, 0, np.ones((8, 1, 4), np.float32), np.ones((8, 1, 4), np.float32))
+    live = seq.block_view(1, 0)  # defers the close, which logs it
+    clear = engine_mod.Sequence._clear_unwritten_cells
+
+    def slow_clear(self, *args, **kwargs):
+        clear(self, *args, **kwargs)
+        time.sleep(0.5)  # inside block_view's hold on the sequence, before its view is counted
+
+    monkeypatch.setattr(engine_mod.Sequence, "_clear_unwritten_cells", slow_clear)
+    seen = []
+
+    class CallsIn(logging.Handler):
+        def emit(self, record):
+            if "deferred" in record.getMessage():
+                try:
+                    seq.tokens()
+                except kvh.Error as exc:
+                    seen.append(type(exc).__name__)
+
+    logger = logging.getLogger("kvh")
+    handler = CallsIn()
+    old_level = logger.level
+    logger.setLevel(logging.DEBUG)
+    logger.addHandler(handler)
+    result = {}
+    try:
+        viewer = threading.Thread(target=lambda: result.setdefault("view", _try(lambda: seq.block_view(0, 0))))
+        viewer.daemon = True
+        viewer.start()
+        time.sleep(0.2)
+        closer = threading.Thread(target=eng.close, daemon=True)
+        closer.start()
+        viewer.join(10)
+        closer.join(10)
+        assert not viewer.is_alive() and not closer.is_alive(), "block_view and close wait for each other"
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+    del live
+
+
+def _try(fn):
+    try:
+        return fn()
+    except kvh.Error as exc:
+        return exc
+
+
 def test_holds_and_views_collected_in_a_worker_log_handler_are_released(tmp_path):
     """A hold and a block view whose last references go inside the log
     handler on a kvh worker (where kvh refuses their release): the next
