@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import re
+import select
 import signal
 import stat
 import subprocess
@@ -59,18 +60,35 @@ def _call_tool(name: str, cmd: List[Any], env: Optional[Dict[str, str]] = None) 
     is still reported."""
     with subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE) as proc:
         assert proc.stderr is not None
+        fd = proc.stderr.fileno()
+        os.set_blocking(fd, False)
         said = False
-        try:
+
+        def pass_on() -> bool:
+            """Passes on what the pipe holds now; False at its end."""
+            nonlocal said
             while True:
-                chunk = os.read(proc.stderr.fileno(), 65536)
+                try:
+                    chunk = os.read(fd, 65536)
+                except BlockingIOError:
+                    return True
                 if not chunk:
-                    break
+                    return False
                 said = True
                 try:
                     sys.stderr.flush()
                     os.write(sys.stderr.fileno(), chunk)
                 except (OSError, ValueError):
                     pass  # our stderr is closed: the tool's words go nowhere, as they would have
+
+        try:
+            # Until the pipe ends or the tool exits: a process the tool left
+            # behind may hold the pipe open long after.
+            while pass_on():
+                if proc.poll() is not None:
+                    pass_on()
+                    break
+                select.select([fd], [], [], 0.1)
             rc = proc.wait()
         except BaseException:
             proc.kill()  # as subprocess.call does when interrupted

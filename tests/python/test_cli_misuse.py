@@ -994,6 +994,17 @@ def test_store_tool_words_pass_through_alone(store, tmp_path, capfd, monkeypatch
     assert res.stderr == "why it failed\n"
 
 
+def test_store_tool_done_is_not_waited_past(store, tmp_path, capfd, monkeypatch):
+    # A tool that leaves a process holding its stderr: kvh waited for that
+    # process (5 s) instead of the tool.
+    tool = _write_script(tmp_path / "tool", "(sleep 5) & echo 'why it failed' >&2; exit 4")
+    monkeypatch.setenv("KVH_STORE", str(tool))
+    start = time.monotonic()
+    res = run_in_process(["store", "info", store], capfd)
+    assert time.monotonic() - start < 3.0
+    assert res.returncode == 4 and res.stderr == "why it failed\n", (res.returncode, res.stderr)
+
+
 def test_stats_with_a_bad_kvh_store_variable_and_the_whole_geometry(store, capfd, monkeypatch):
     # The flags say all kvh-store would have: no reason to fail.
     monkeypatch.setenv("KVH_STORE", "/nonexistent/kvh-store")
