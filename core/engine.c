@@ -127,6 +127,7 @@ static kvh_status validate(const kvh_config *c)
           "block_tokens %u is not a power of two in 1..256", c->block_tokens);
     CHECK(kvhi_dtype_bytes(c->dtype) != 0, "unknown dtype %u", c->dtype);
     CHECK(c->backend <= KVH_BACKEND_CUDA, "unknown backend %u", c->backend);
+    CHECK(c->cuda_device >= 0, "cuda_device %d is negative", (int)c->cuda_device);
     CHECK(c->lru_k >= 1 && c->lru_k <= KVHI_MAX_K, "lru_k %u not in 1..%d", c->lru_k, KVHI_MAX_K);
     CHECK(c->migration_threads <= 64, "migration_threads %u > 64", c->migration_threads);
     CHECK(c->numa_node >= -1, "numa_node %d invalid", c->numa_node);

@@ -285,6 +285,8 @@ static void test_config_and_engine(void **state)
     assert_kvh(KVH_ERR_INVALID_ARG, kvh_engine_open(&bad, &e));
     bad = c, bad.kv_codec = KVH_CODEC_Q4_G32; /* head_dim 4: no whole group */
     assert_kvh(KVH_ERR_INVALID_ARG, kvh_engine_open(&bad, &e));
+    bad = c, bad.cuda_device = -5; /* as KVH_CUDA_DEVICE=-5 is refused */
+    assert_kvh(KVH_ERR_INVALID_ARG, kvh_engine_open(&bad, &e));
     assert_null(e);
     /* An explicit CUDA backend: UNSUPPORTED where none answers. */
     bad = c, bad.backend = KVH_BACKEND_CUDA;

@@ -263,7 +263,7 @@ typedef struct kvh_config {
     uint32_t block_tokens; /* power of two, 1..256; default 16 */
     uint32_t dtype;        /* kvh_dtype; default KVH_DTYPE_F16 */
     uint32_t backend;      /* kvh_backend; default KVH_BACKEND_AUTO */
-    int32_t cuda_device;   /* default 0 */
+    int32_t cuda_device;   /* 0 or more; default 0 */
     /* Tier budgets in bytes; rounded down to whole blocks. On disk each
      * block takes a slot: its stored form (encoded under a kv_codec)
      * rounded up to 4 KiB, plus a 4 KiB header; disk_bytes counts slots. */
@@ -427,17 +427,19 @@ KVH_API kvh_status kvh_config_init(kvh_config *config, size_t struct_size);
  *     or P (powers of 1024; "KiB", "Ki", "KB" and "K" mean the same), then
  *     an optional B ("4096B" is 4096 bytes), e.g. 4G;
  *   model_salt, migration_cpu_mask: decimal, or hex with 0x;
- *   counts and numa_node, cuda_device: decimal (numa_node -1: none);
+ *   counts and numa_node, cuda_device: decimal (numa_node -1: none, the
+ *     least it takes; cuda_device 0 or more);
  *   dtype: f32, f16, bf16; backend: auto, cpu, cuda; log_level: error,
  *     warn (or warning), info, debug; kv_codec: none, int8, q4_g32, q4_g64;
  *     eviction_policy: lru_k, lctru, adaptive; each also as its number;
- *   disk_flags: a number, or names joined by commas: reset_on_mismatch,
- *     buffered, share_group (none: 0);
+ *   disk_flags: a number (of named bits only), or names joined by commas:
+ *     reset_on_mismatch, buffered, share_group (none: 0);
  *   vmap, copy_moves, disk_strict_index: 1/0, true/false, yes/no, on/off;
  *   disk_path: the text as is; config->disk_path then points into the
  *     environment ([borrowed]: valid while that variable is unchanged).
- * Names and suffixes are case-insensitive. Ranges are checked here only as
- * far as the field's type goes; kvh_engine_open checks the rest. envp: a
+ * Names and suffixes are case-insensitive. Ranges are checked here as far
+ * as the field's type and the bounds above go; kvh_engine_open checks the
+ * rest. envp: a
  * NULL-terminated array of "NAME=value" strings [borrowed], or NULL for
  * the process environment. [borrowed] config, of struct_size bytes (its
  * struct_size field is left as it is). Returns KVH_ERR_INVALID_ARG for a
