@@ -212,6 +212,7 @@ static double fio_figure(const char *path, uint64_t bs, uint32_t n, const char *
     snprintf(mode, sizeof(mode), "--rw=%s", rw);
     char *const argv[] = {"fio",
                           "--name=kvh-raw",
+                          "--thread",
                           filename,
                           size,
                           bsz,
@@ -225,14 +226,19 @@ static double fio_figure(const char *path, uint64_t bs, uint32_t n, const char *
                           "--terse-version=3",
                           NULL};
     /* Run directly (no shell: the path may hold any character), and known
-     * to the signal handler, which stops it before removing its file. */
+     * to the signal handler, which stops it before removing its file.
+     * --thread: the job runs as a thread of this one process. Forked, the
+     * job process starts a session of its own, which neither the group
+     * kill nor the death signal below reaches: fio killed while it set the
+     * job up left the job waiting for it forever. The I/O (engine, depth,
+     * buffers, file) is the same. */
     int out[2];
     if (pipe2(out, O_CLOEXEC) != 0)
         return -1;
     pid_t parent = getpid();
     pid_t pid = fork();
     if (pid == 0) {
-        setpgid(0, 0); /* fio forks its jobs: the handler stops the whole group */
+        setpgid(0, 0); /* the handler stops the whole group */
         /* And goes with kvh-bench if it dies of a signal it cannot catch. */
         if (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 || getppid() != parent)
             _exit(127);

@@ -109,6 +109,49 @@ def test_disk_stops_fio_on_a_signal(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def _fio_job_setting_up(path: Path):
+    """fio processes on the raw file while fio's job is set up: the job
+    exists (a task beside fio's main and helper threads: a thread, or a
+    forked process) and the file is not open yet. A forked job waits here
+    for its parent's go, in a session of its own."""
+    pids = _fio_pids(path)
+    tasks = 0
+    for pid in pids:
+        try:
+            if any(os.readlink(fd).endswith("raw.bin") for fd in Path(f"/proc/{pid}/fd").iterdir()):
+                return []
+            tasks += len(list(Path(f"/proc/{pid}/task").iterdir()))
+        except OSError:
+            return []
+    return pids if tasks >= 3 else []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGKILL], ids=lambda s: s.name)
+def test_disk_leaves_no_fio_when_stopped_during_a_fio_job(tmp_path, sig):
+    # Killed while fio set up its job, kvh-bench left the job (a forked
+    # process in a session of its own) waiting forever under init.
+    if shutil.which("fio") is None:
+        pytest.skip("fio is not installed")
+    p = _start(["disk", "--quick", "--json", "--dir", tmp_path, "--total-mb", "64", "--block-bytes", "65536"])
+    try:
+        fio = _wait_for(lambda: _fio_job_setting_up(tmp_path), "fio setting up its job", timeout=60)
+    finally:
+        if p.poll() is None:
+            _stop(p, sig)
+    deadline = time.monotonic() + 5
+    while _fio_pids(tmp_path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = _fio_pids(tmp_path)
+    for pid in left:  # not to leave it behind the failure
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert left == [], f"fio {left} (of {fio}) outlived kvh-bench"
+    if sig != signal.SIGKILL:  # which no handler sees
+        assert list(tmp_path.iterdir()) == []
+
+
 def test_switch_removes_its_weight_file_on_a_signal(tmp_path):
     p = _start(["switch", "--dir", tmp_path])
     _wait_for(lambda: list(tmp_path.glob("kvh-bench-switch-*")), "the synthetic weight file")
