@@ -603,6 +603,8 @@ int kvhi_index_load(kvhi_disk *d, bool reset, kvhi_index_list *out, char *msg, s
                  dm.what);
         return KVHI_INDEX_CORRUPT;
     }
+    if (dm.found)
+        snprintf(out->damage, sizeof(out->damage), "%s", dm.what);
     if (dm.found || (dm.torn_tail && !d->strict_index)) {
         size_t named = m.n;
         rc = rebuild_from_slots(d, &m, id_known, out);

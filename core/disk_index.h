@@ -24,6 +24,8 @@ typedef struct kvhi_index_list {
     uint64_t rescued;     /* blocks a rebuild took from their slot headers alone */
     bool rewrite;         /* the index was rebuilt: write a snapshot right away */
     char note[512];       /* what was damaged and rebuilt, for the log */
+    char damage[96];      /* the first damage that d->strict_index refuses
+                             (KVHI_INDEX_CORRUPT), when not set; "" when none */
 } kvhi_index_list;
 
 enum kvhi_index_result {

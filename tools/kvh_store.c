@@ -396,18 +396,32 @@ static int run_main(int argc, char **argv)
                (unsigned long long)list.bad_slots);
     if (list.bad_records && !json)
         printf("BAD %llu index records failed their checksum\n", (unsigned long long)list.bad_records);
-    if (json)
-        printf("{\"blocks\": %llu, \"bad\": %llu, \"bad_records\": %llu}\n",
-               (unsigned long long)(list.n + list.bad_slots), (unsigned long long)bad,
-               (unsigned long long)list.bad_records);
-    else
+    /* Damage to the index files that no record count shows (the journal
+     * missing beside the index, or cut inside its header page): the load
+     * rebuilt the index from the slots, as an engine does, but one with
+     * disk_strict_index refuses the store. */
+    bool damaged = list.damage[0] != '\0';
+    if (damaged && !json)
+        printf("BAD %s (an engine with disk_strict_index=1 refuses the store; with 0 it rebuilds the index "
+               "from the slot headers)\n",
+               list.damage);
+    if (json) {
+        printf("{\"blocks\": %llu, \"bad\": %llu, \"bad_records\": %llu", (unsigned long long)(list.n + list.bad_slots),
+               (unsigned long long)bad, (unsigned long long)list.bad_records);
+        if (damaged) {
+            printf(", \"damage\": \"");
+            print_json_text(list.damage);
+            printf("\"");
+        }
+        printf("}\n");
+    } else
         printf("%llu blocks checked, %llu bad\n", (unsigned long long)(list.n + list.bad_slots),
                (unsigned long long)bad);
     free(buf);
     uint64_t bad_records = list.bad_records;
     kvhi_index_list_free(&list);
     kvhi_disk_close(&d);
-    return bad || bad_records ? 1 : 0;
+    return bad || bad_records || damaged ? 1 : 0;
 }
 
 int main(int argc, char **argv)

@@ -705,6 +705,35 @@ def test_verify_counts_damaged_blocks_when_the_index_is_rebuilt(store, index_dam
     assert res.returncode == 1 and bad >= 1, res.stdout + res.stderr
 
 
+@pytest.mark.parametrize("journal", ["removed", 100, 2000, 4095], ids=lambda j: f"cut at {j}" if j != "removed" else j)
+def test_verify_fails_on_a_journal_a_strict_open_refuses(journal, store, tmp_path):
+    """The journal gone beside the index, or cut inside its header page (its
+    header still reads): every block verifies, and verify said "9 blocks
+    checked, 0 bad" with exit 0, while an engine with disk_strict_index
+    refuses the store as damaged."""
+    if journal == "removed":
+        (store / "journal").unlink()
+    else:
+        os.truncate(store / "journal", journal)
+    what = "the journal file is missing" if journal == "removed" else "the journal is cut inside its header page"
+    strict = tmp_path / "strict"
+    shutil.copytree(store, strict, symlinks=True)
+    import kvh_cache as kvh
+
+    with pytest.raises(kvh.CorruptionError, match=what):
+        make_engine(disk_path=str(strict), disk_bytes=DISK, disk_strict_index=True)
+    before = digest(store)
+    res = run_store("verify", store)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert re.search(rf"^BAD {what} \(.*disk_strict_index", res.stdout, re.M), res.stdout
+    assert _summary(res.stdout) == (CHAINS * 3, 0), res.stdout
+    res = run_store("verify", store, "--json")
+    assert res.returncode == 1, res.stdout + res.stderr
+    summary = json.loads(res.stdout.strip().splitlines()[-1])
+    assert summary == {"blocks": CHAINS * 3, "bad": 0, "bad_records": 0, "damage": what}, summary
+    assert digest(store) == before
+
+
 def _int8_store(tmp_path):
     """A store of one persisted chain under the int8 codec."""
     d = tmp_path / "store"
