@@ -56,6 +56,7 @@ const char *kvhi_dtype_name(uint32_t dtype) { return name_of(dtypes, dtype); }
 const char *kvhi_codec_name(uint32_t codec) { return name_of(codecs, codec); }
 
 typedef struct field {
+    const char *name; /* of the kvh_config field */
     const char *var;
     size_t offset;
     size_t size;
@@ -67,7 +68,7 @@ typedef struct field {
 #define F(name, var, kind, names) F_FROM(name, var, kind, names, INT32_MIN)
 #define F_FROM(name, var, kind, names, lowest)                                                                         \
     {                                                                                                                  \
-        var, offsetof(kvh_config, name), sizeof(((kvh_config *)0)->name), kind, names, lowest                          \
+#name, var, offsetof(kvh_config, name), sizeof(((kvh_config *)0)->name), kind, names, lowest                   \
     }
 
 static const field fields[] = {
@@ -108,6 +109,14 @@ static const field fields[] = {
     F(remote_upload, "KVH_REMOTE_UPLOAD", K_FLAGS, remote_uploads),
     F(remote_breaker_ms, "KVH_REMOTE_BREAKER_MS", K_U32, NULL),
 };
+
+const char *kvhi_config_env_var(const char *name)
+{
+    for (size_t i = 0; i < sizeof(fields) / sizeof(fields[0]); i++)
+        if (!strcmp(fields[i].name, name))
+            return fields[i].var;
+    return NULL;
+}
 
 static const char *lookup(const char *const *envp, const char *var)
 {

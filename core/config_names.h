@@ -9,5 +9,8 @@
  * has. */
 const char *kvhi_dtype_name(uint32_t dtype);
 const char *kvhi_codec_name(uint32_t codec);
+/* The KVH_* variable that sets the kvh_config field of that name
+ * ("block_tokens": "KVH_BLOCK_TOKENS"); NULL for a field none sets. */
+const char *kvhi_config_env_var(const char *name);
 
 #endif

@@ -113,6 +113,28 @@ uint32_t kvhi_dtype_bytes(uint32_t dtype)
     }
 }
 
+kvh_status kvhi_config_check_geometry(const kvh_config *c, const char **field)
+{
+#define GEO(name, cond, ...)                                                                                           \
+    do {                                                                                                               \
+        if (!(cond)) {                                                                                                 \
+            if (field)                                                                                                 \
+                *field = name;                                                                                         \
+            return kvhi_fail(KVH_ERR_INVALID_ARG, __VA_ARGS__);                                                        \
+        }                                                                                                              \
+    } while (0)
+    GEO("num_layers", c->num_layers >= 1 && c->num_layers <= 4096, "num_layers %u not in 1..4096", c->num_layers);
+    GEO("num_kv_heads", c->num_kv_heads >= 1 && c->num_kv_heads <= 1024, "num_kv_heads %u not in 1..1024",
+        c->num_kv_heads);
+    GEO("head_dim", c->head_dim >= 1 && c->head_dim <= 1024, "head_dim %u not in 1..1024", c->head_dim);
+    GEO("block_tokens",
+        c->block_tokens >= 1 && c->block_tokens <= 256 && (c->block_tokens & (c->block_tokens - 1)) == 0,
+        "block_tokens %u is not a power of two in 1..256", c->block_tokens);
+    GEO("dtype", kvhi_dtype_bytes(c->dtype) != 0, "unknown dtype %u", c->dtype);
+#undef GEO
+    return KVH_OK;
+}
+
 static kvh_status validate(const kvh_config *c)
 {
 #define CHECK(cond, ...)                                                                                               \
@@ -120,12 +142,9 @@ static kvh_status validate(const kvh_config *c)
         if (!(cond))                                                                                                   \
             return kvhi_fail(KVH_ERR_INVALID_ARG, __VA_ARGS__);                                                        \
     } while (0)
-    CHECK(c->num_layers >= 1 && c->num_layers <= 4096, "num_layers %u not in 1..4096", c->num_layers);
-    CHECK(c->num_kv_heads >= 1 && c->num_kv_heads <= 1024, "num_kv_heads %u not in 1..1024", c->num_kv_heads);
-    CHECK(c->head_dim >= 1 && c->head_dim <= 1024, "head_dim %u not in 1..1024", c->head_dim);
-    CHECK(c->block_tokens >= 1 && c->block_tokens <= 256 && (c->block_tokens & (c->block_tokens - 1)) == 0,
-          "block_tokens %u is not a power of two in 1..256", c->block_tokens);
-    CHECK(kvhi_dtype_bytes(c->dtype) != 0, "unknown dtype %u", c->dtype);
+    kvh_status st = kvhi_config_check_geometry(c, NULL);
+    if (st != KVH_OK)
+        return st;
     CHECK(c->backend <= KVH_BACKEND_CUDA, "unknown backend %u", c->backend);
     CHECK(c->cuda_device >= 0, "cuda_device %d is negative", (int)c->cuda_device);
     CHECK(c->lru_k >= 1 && c->lru_k <= KVHI_MAX_K, "lru_k %u not in 1..%d", c->lru_k, KVHI_MAX_K);

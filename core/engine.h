@@ -304,6 +304,11 @@ static inline kvh_status kvhi_io_status(int err)
 }
 /* Fills c with every default (struct_size = sizeof(kvh_config)). */
 void kvhi_config_defaults(kvh_config *c);
+/* The checks an engine open makes of the geometry (num_layers,
+ * num_kv_heads, head_dim, block_tokens, dtype), for tools that use one
+ * without an engine: KVH_OK, or KVH_ERR_INVALID_ARG with kvh_last_error()
+ * saying why and *field (when field is not NULL) naming the field. */
+kvh_status kvhi_config_check_geometry(const kvh_config *c, const char **field);
 /* kvh_config_from_env on a config of the current size whose first size
  * bytes are the caller's: sets the fields that lie within size from the
  * KVH_* variables of envp (NULL: the process environment). On failure c

@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/config_names.h"
 #include "core/engine.h"
 #include "core/remote_cluster.h"
 #include "core/remote_tier.h"
@@ -106,6 +107,15 @@ int kvh_store_remote_main(int argc, char **argv)
     kvh_config_init(&cfg, sizeof(cfg));
     if (kvh_config_from_env(&cfg, sizeof(cfg), NULL) != KVH_OK) {
         fprintf(stderr, "kvh-store remote: %s\n", kvh_last_error());
+        return 2;
+    }
+    /* The geometry names the model's keys: one no engine opens with
+     * (block_tokens 3, 0 layers) names none, and "0 key(s)" would read as
+     * an empty tier. ping looks at the nodes only. */
+    const char *field = NULL;
+    if (strcmp(action, "ping") && kvhi_config_check_geometry(&cfg, &field) != KVH_OK) {
+        const char *var = field ? kvhi_config_env_var(field) : NULL;
+        fprintf(stderr, "kvh-store remote: %s%s%s\n", var ? var : "", var ? ": " : "", kvh_last_error());
         return 2;
     }
     if (!cfg.remote_addrs || !cfg.remote_addrs[0]) {

@@ -391,6 +391,30 @@ def test_store_remote_bad_variable():
 
 
 @pytest.mark.parametrize("action", ["count", "verify", "purge"])
+@pytest.mark.parametrize(
+    "var,value",
+    [("KVH_BLOCK_TOKENS", "3"), ("KVH_BLOCK_TOKENS", "512"), ("KVH_NUM_LAYERS", "0"), ("KVH_HEAD_DIM", "1025")],
+)
+def test_store_remote_geometry_no_engine_opens_with(action, var, value):
+    # The geometry names the model's keys: with one an engine refuses,
+    # count said "0 key(s)" with exit 0, as of an empty tier. Refused
+    # before any connection, naming the variable.
+    tool = find_tool("kvh-store")
+    if tool is None:
+        pytest.skip("kvh-store not built")
+    res = subprocess.run(
+        [tool, "remote", action],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env=_env({"KVH_REMOTE_ADDRS": "127.0.0.1:1", var: value}),
+        stdin=subprocess.DEVNULL,
+    )
+    assert_one_line_error(res, 2, var)
+    assert res.stdout == ""
+
+
+@pytest.mark.parametrize("action", ["count", "verify", "purge"])
 def test_store_remote_unreachable(action, capfd, monkeypatch):
     # Nothing listens on port 1: "0 key(s)" with exit 0 reads as an empty, healthy tier.
     if find_tool("kvh-store") is None:
