@@ -227,6 +227,7 @@ int bench_attention_stream(int argc, char **argv, const bench_ctx *ctx)
         .dim = 128,
         .threads = 0,
     };
+    const char *dir_opt = NULL; /* --dir */
     if (ctx->quick) {
         o.times = (bench_list){.n = 1, .v = {8}};
         o.device_blocks = 32;
@@ -242,21 +243,25 @@ int bench_attention_stream(int argc, char **argv, const bench_ctx *ctx)
         {"--q-heads", BENCH_OPT_U64, &o.q_heads, "query heads (a multiple of --kv-heads)"},
         {"--dim", BENCH_OPT_U64, &o.dim, "head_dim"},
         {"--threads", BENCH_OPT_U64, &o.threads, "attention threads (0 = all CPUs)"},
+        {"--dir", BENCH_OPT_STR, &dir_opt,
+         "directory on the drive to measure, where a scratch directory of its own is made and removed "
+         "(default $KVH_BENCH_DIR, else the current directory)"},
         {NULL, BENCH_OPT_U64, NULL, NULL},
     };
     int prc = bench_parse(argc, argv, opts, SCEN " --stream", usage_text);
     if (prc)
         return bench_parse_rc(prc);
-    const char *dir = getenv("KVH_BENCH_DIR") ? getenv("KVH_BENCH_DIR") : ".";
+    const char *dir = dir_opt ? dir_opt : getenv("KVH_BENCH_DIR") ? getenv("KVH_BENCH_DIR") : ".";
+    const char *dir_name = !dir_opt && getenv("KVH_BENCH_DIR") ? "$KVH_BENCH_DIR" : "--dir";
     /* Empty, the files would go to the root directory; cut short, to
      * another directory than the one named. */
     if (!*dir || strlen(dir) >= sizeof(o.dir)) {
-        fprintf(stderr, "kvh-bench attention --stream: $KVH_BENCH_DIR is %s\n",
+        fprintf(stderr, "kvh-bench attention --stream: %s is %s\n", dir_name,
                 *dir ? "longer than 511 bytes" : "empty (its files would go to the root directory)");
         return 2;
     }
     if (snprintf(o.dir, sizeof(o.dir), "%s/kvh-bench-stream-XXXXXX", dir) >= (int)sizeof(o.dir)) {
-        fprintf(stderr, "kvh-bench attention --stream: $KVH_BENCH_DIR is longer than 480 bytes\n");
+        fprintf(stderr, "kvh-bench attention --stream: %s is longer than 480 bytes\n", dir_name);
         return 2;
     }
     /* Heads, threads and the stream's chunk and window become 32-bit
@@ -283,12 +288,12 @@ int bench_attention_stream(int argc, char **argv, const bench_ctx *ctx)
                         "device tier\n");
         return 2;
     }
-    /* A new directory of its own under $KVH_BENCH_DIR: the files it
+    /* A new directory of its own under --dir: the files it
      * writes by fixed names (a store, a raw file) could be the user's. */
     char why[600];
     int scratch = bench_scratch_dir_make(dir, "kvh-bench-stream", o.dir, sizeof(o.dir), why, sizeof(why));
     if (scratch < -1) {
-        fprintf(stderr, "kvh-bench attention --stream: $KVH_BENCH_DIR: %s\n", why);
+        fprintf(stderr, "kvh-bench attention --stream: %s: %s\n", dir_name, why);
         return 1;
     }
     int reps = ctx->reps ? ctx->reps : 5;

@@ -166,6 +166,17 @@ def test_attention_stream_removes_its_scratch_on_a_signal(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_attention_stream_puts_its_scratch_in_its_dir_option(tmp_path):
+    # --dir was refused as an unknown option; it wins over $KVH_BENCH_DIR.
+    given, env_dir = tmp_path / "given", tmp_path / "env"
+    given.mkdir()
+    env_dir.mkdir()
+    p = _start(["attention", "--stream", "--quick", "--dir", given], env_extra={"KVH_BENCH_DIR": str(env_dir)})
+    _wait_for(lambda: list(given.glob("kvh-bench-stream-*/*")), "the scratch store under --dir")
+    _stop(p, signal.SIGHUP)
+    assert list(given.iterdir()) == [] and list(env_dir.iterdir()) == []
+
+
 @pytest.mark.parametrize("mode,refused", [(0o777, True), (0o1777, False), (0o775, True), (0o755, False)])
 def test_a_directory_others_may_tamper_with_is_refused(tmp_path, mode, refused):
     shared = tmp_path / "shared"

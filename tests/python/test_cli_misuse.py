@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import resource
 import shutil
 import signal
@@ -153,6 +154,15 @@ def test_bench_help_of_every_mode():
         assert res.returncode == 0, (mode, res.stderr)
         assert res.stdout.startswith(f"usage: kvh-bench {mode}") and "options" in res.stdout, mode
         assert res.stderr == "", (mode, res.stderr)
+
+
+def test_bench_attention_stream_help_names_its_directory():
+    # The help said the raw read is measured "in --dir", --dir was refused
+    # as an unknown option, and $KVH_BENCH_DIR, which set it, went unnamed.
+    res = run_bench("attention", "--stream", "--help")
+    assert res.returncode == 0, res.stderr
+    options = res.stdout.split("options", 1)[1]
+    assert re.search(r"^  --dir S +.*\$KVH_BENCH_DIR", options, re.M), res.stdout
 
 
 @pytest.mark.parametrize("mode", ["disk", "switch"])
@@ -1232,8 +1242,13 @@ def _kvh_files_in_root():
         (["switch", "--mode", "file", "--dir", ""], {}, "--dir"),
         (["trace", "--agents", "1", "--turns", "1", "--device-pct", "50", "--disk-dir", ""], {}, "--disk-dir"),
         (["attention", "--stream", "--kv-heads", "1", "--q-heads", "1", "--dim", "8"], {"KVH_BENCH_DIR": ""}, "empty"),
+        (
+            ["attention", "--stream", "--kv-heads", "1", "--q-heads", "1", "--dim", "8", "--dir", ""],
+            {"KVH_BENCH_DIR": "/nonexistent"},
+            "--dir is empty",
+        ),
     ],
-    ids=["switch --dir", "trace --disk-dir", "attention --stream KVH_BENCH_DIR"],
+    ids=["switch --dir", "trace --disk-dir", "attention --stream KVH_BENCH_DIR", "attention --stream --dir"],
 )
 def test_bench_empty_directory_is_refused(args, env, word, tmp_path):
     # An empty directory made the paths "/kvh-bench-switch.PID.bin",
