@@ -22,8 +22,8 @@
 
 static void usage(FILE *f)
 {
-    fprintf(f, "usage: kvh-store info DIR [--json]\n"
-               "       kvh-store verify DIR [--json]\n"
+    fprintf(f, "usage: kvh-store info [--json] [--] DIR\n"
+               "       kvh-store verify [--json] [--] DIR\n"
                "Inspects a kvh disk tier directory (kvh_config.disk_path).\n"
                "  info     geometry, block count, bytes, prefix chains, permissions\n"
                "  verify   re-reads every indexed block and checks its checksums;\n"
@@ -243,7 +243,7 @@ static bool is_help(const char *a) { return !strcmp(a, "--help") || !strcmp(a, "
 static int run_main(int argc, char **argv)
 {
     bool remote = argc >= 2 && !strcmp(argv[1], "remote");
-    for (int i = 1; i < argc && !remote; i++)
+    for (int i = 1; i < argc && !remote && strcmp(argv[i], "--"); i++)
         if (is_help(argv[i])) {
             usage(stdout);
             return 0;
@@ -256,20 +256,29 @@ static int run_main(int argc, char **argv)
         usage(stderr);
         return 2;
     }
-    if (argc < 3) {
+    /* Options before or after DIR; after "--", DIR even if it starts
+     * with "-". */
+    const char *dir = NULL;
+    bool json = false, options = true;
+    for (int i = 2; i < argc; i++) {
+        const char *a = argv[i];
+        if (options && !strcmp(a, "--"))
+            options = false;
+        else if (options && !strcmp(a, "--json"))
+            json = true;
+        else if (!dir && (!options || a[0] != '-' || !a[1]))
+            dir = a;
+        else {
+            fprintf(stderr, "kvh-store: unknown argument %s (kvh-store --help)\n", a);
+            return 2;
+        }
+    }
+    if (!dir) {
         fprintf(stderr, "kvh-store: %s needs the store's directory (kvh-store --help)\n", argv[1]);
         return 2;
     }
-    bool json = false;
-    for (int i = 3; i < argc; i++) {
-        if (strcmp(argv[i], "--json") != 0) {
-            fprintf(stderr, "kvh-store: unknown argument %s (kvh-store --help)\n", argv[i]);
-            return 2;
-        }
-        json = true;
-    }
     kvhi_disk d;
-    if (open_store(argv[2], &d) != 0)
+    if (open_store(dir, &d) != 0)
         return 2;
     char msg[256];
     kvhi_index_list list;

@@ -72,11 +72,15 @@ int kvh_store_remote_main(int argc, char **argv)
             fputs(remote_usage, stdout);
             return 0;
         }
-    const char *action = argc > 2 ? argv[2] : "";
+    /* The action is the first argument that is not an option: options
+     * may come before or after it. */
+    const char *action = NULL;
     bool json = false;
     size_t sample = 64;
-    for (int i = 3; i < argc; i++) {
-        if (!strcmp(argv[i], "--json"))
+    for (int i = 2; i < argc; i++) {
+        if (!action && argv[i][0] != '-')
+            action = argv[i];
+        else if (!strcmp(argv[i], "--json"))
             json = true;
         else if (!strcmp(argv[i], "--sample")) {
             if (i + 1 >= argc) {
@@ -99,6 +103,8 @@ int kvh_store_remote_main(int argc, char **argv)
             return 2;
         }
     }
+    if (!action)
+        action = "";
     if (strcmp(action, "ping") && strcmp(action, "count") && strcmp(action, "verify") && strcmp(action, "purge")) {
         fputs(remote_usage, stderr);
         return 2;

@@ -195,7 +195,8 @@ def cmd_store(args: argparse.Namespace) -> int:
     if not Path(args.dir).is_dir():
         _err(_not_a_directory(Path(args.dir)))
         return EXIT_FAIL
-    cmd = [tool, args.action, str(args.dir)] + (["--json"] if args.json else [])
+    # "--": a directory whose name starts with "-" is not an option.
+    cmd = [tool, args.action] + (["--json"] if args.json else []) + ["--", str(args.dir)]
     rc = _call_tool("kvh-store", cmd)
     # kvh-store's 2 means a store it could not read (the arguments were
     # checked here): for kvh that is a failed check, 1.
@@ -247,7 +248,7 @@ def _store_info(directory: Path) -> Optional[Dict[str, Any]]:
     # A store named by bytes that are not UTF-8 is still read (kvh-store
     # writes them as U+FFFD in its JSON; its messages may hold them raw).
     res = subprocess.run(
-        [tool, "info", os.fsencode(directory), "--json"], capture_output=True, text=True, errors="replace"
+        [tool, "info", "--json", "--", os.fsencode(directory)], capture_output=True, text=True, errors="replace"
     )
     if res.returncode < 0:
         raise RuntimeError(f"kvh-store info was killed by {_signal_name(-res.returncode)}")

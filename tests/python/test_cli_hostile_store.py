@@ -276,6 +276,31 @@ def test_store_tool_rejects_unknown_trailing_arguments(args, store):
     assert res.stdout == "" and res.stderr.strip(), res.stderr
 
 
+@pytest.mark.parametrize("action", ["info", "verify"])
+def test_store_tool_takes_options_before_or_after_the_directory(action, store, tmp_path):
+    # "kvh-store info --json DIR" said "unknown argument DIR".
+    after = run_store(action, store, "--json")
+    assert after.returncode == 0, after.stderr
+    for args in (["--json", store], ["--json", "--", store]):
+        res = run_store(action, *args)
+        assert (res.returncode, res.stdout, res.stderr) == (0, after.stdout, ""), (args, res.stderr)
+    # After "--", a directory named like an option is a directory.
+    dashed = tmp_path / "--json"
+    shutil.copytree(store, dashed, symlinks=True)
+    res = run_store(action, "--", "--json", cwd=tmp_path)
+    assert res.returncode == 0 and not res.stdout.startswith("{"), (res.stdout, res.stderr)
+    res = run_store(action, "--json", "--", "--json", cwd=tmp_path)
+    assert res.returncode == 0 and res.stdout.startswith("{"), (res.stdout, res.stderr)
+
+
+def test_store_tool_remote_takes_options_before_the_action():
+    # "kvh-store remote --json count" was a usage error (the action had to
+    # come first); nothing answers on port 1: exit 1, JSON or not.
+    for args in (["--json", "count"], ["--sample", "3", "verify"], ["count", "--json"]):
+        res = run_store("remote", *args, env_extra={"KVH_REMOTE_ADDRS": "127.0.0.1:1"})
+        assert res.returncode == 1 and "answer" in res.stderr, (args, res.returncode, res.stderr)
+
+
 @pytest.mark.parametrize(
     "path", ["", "{file}", "{file}/store", "{missing}"], ids=["empty", "file", "under-a-file", "missing"]
 )
