@@ -227,6 +227,36 @@ def test_synthetic_demo_puts_the_store_in_data_dir_store(tmp_path):
     assert "DIR/store" in res.stdout
 
 
+def _digest(d: Path, skip=("LOCK",)):
+    import hashlib
+
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir()) if p.name not in skip}
+
+
+def test_synthetic_demo_keeps_a_store_of_another_geometry(tmp_path):
+    """A store under --data-dir made with another geometry was emptied
+    (the library's "starting an empty store" warning, exit 0): refused now,
+    naming --fresh and what differs; --fresh starts over."""
+    data = tmp_path / "data"
+    res = run_kvh("demo", "--synthetic", *SMALL_DEMO, "--no-progress", "--data-dir", str(data))
+    assert res.returncode == 0, res.stderr
+    store = data / "store"
+    if not (store / "index").exists():
+        pytest.skip("this build has no disk tier")
+    before = _digest(store)
+    res = run_kvh("demo", "--synthetic", *SMALL_DEMO, "--no-progress", "--layers", "2", "--data-dir", str(data))
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    last = res.stderr.strip().splitlines()
+    assert len(last) == 1 and "--fresh" in last[0] and "num_layers" in last[0], res.stderr
+    assert "empty store" not in res.stderr
+    assert _digest(store) == before
+    res = run_kvh(
+        "demo", "--synthetic", *SMALL_DEMO, "--no-progress", "--layers", "2", "--fresh", "--data-dir", str(data)
+    )
+    assert res.returncode == 0, res.stderr
+    assert _digest(store) != before
+
+
 def test_unwritable_path_is_one_line(tmp_path):
     """A --data-dir that cannot be created (a file in its path) ended in a
     NotADirectoryError traceback."""

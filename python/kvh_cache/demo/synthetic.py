@@ -309,6 +309,18 @@ class DataDirError(Exception):
     """The --data-dir given cannot hold the disk tier."""
 
 
+def _mismatch_message(args: argparse.Namespace, store: Path, exc: Exception) -> str:
+    """Why the store under --data-dir was not opened: made with another
+    geometry (which field, as the library names it), and what to do."""
+    text = str(exc)
+    field = text.split("was made with a different ", 1)[1].split()[0] if "was made with a different " in text else ""
+    what = f"a different {field.rstrip('.,;:()')}" if field else "a different geometry"
+    return (
+        f"--data-dir {args.data_dir}: the store there ({store}) was made with {what}; "
+        "pass --fresh to empty it and start over, or use another --data-dir"
+    )
+
+
 def open_engine(args: argparse.Namespace, data_dir: Optional[Path], notes: List[str]) -> Engine:
     from ..engine import Engine
 
@@ -330,8 +342,12 @@ def open_engine(args: argparse.Namespace, data_dir: Optional[Path], notes: List[
                 disk_path=str(data_dir),
                 disk_bytes=args.disk_budget,
                 disk_buffered=args.buffered_io,
-                disk_reset_on_mismatch=True,
+                # The user's own store is never emptied for another
+                # geometry: --fresh removes it first (see run()).
+                disk_reset_on_mismatch=args.data_dir is None,
             )
+        except errors.MismatchError as exc:
+            raise DataDirError(_mismatch_message(args, data_dir, exc)) from None
         except errors.KvhIOError as exc:
             if args.data_dir is not None:  # the user's own directory: say why it cannot be used
                 raise DataDirError(f"--data-dir {args.data_dir}: {exc.message}") from None
@@ -392,6 +408,13 @@ def run(args: argparse.Namespace, out=None) -> int:
                 print(f"kvh demo: --data-dir {args.data_dir}: {problem}", file=sys.stderr)
                 return 1
             data_dir = Path(args.data_dir) / "store"
+            if getattr(args, "fresh", False) and (data_dir.exists() or data_dir.is_symlink()):
+                from .agents.app import remove_store
+
+                problem = remove_store(data_dir)
+                if problem:
+                    print(f"kvh demo: --fresh: {problem}", file=sys.stderr)
+                    return 1
     try:
         result = _run(args, data_dir, notes)
     except DataDirError as exc:

@@ -74,6 +74,13 @@ def run(args: argparse.Namespace, out: Optional[IO[str]] = None) -> int:
     tracer = Tracer(args.record_trace)
     try:
         results, restart, probes = measure(work, kvh_setup, base_setups, sizing, data_dir, tracer, notes)
+    except errors.MismatchError as exc:
+        print(
+            f"kvh demo: --data-dir {data_dir}: the store there was made with another model or geometry "
+            f"({exc.message}); pass --fresh to empty it and start over, or use another --data-dir",
+            file=sys.stderr,
+        )
+        return 1
     except errors.NoSpaceError as exc:
         print(
             f"kvh demo: the tiers are too small for this workload ({exc.message}); raise --device-budget / "

@@ -33,7 +33,9 @@ class Setup:
             kw.update(
                 disk_path=str(self.disk_path),
                 disk_bytes=self.disk_bytes,
-                disk_reset_on_mismatch=True,
+                # A store of another model or geometry under --data-dir is
+                # refused, not emptied: --fresh removes it first.
+                disk_reset_on_mismatch=False,
                 disk_buffered=buffered,
             )
         if self.migration_threads is not None:
