@@ -302,6 +302,29 @@ def _group_shared(d: Path) -> bool:
     return bool(modes) and all(stat.S_ISREG(m) and stat.S_IMODE(m) == 0o640 for m in modes)
 
 
+def _store_damage(d: Path, info: Dict[str, Any]) -> Optional[str]:
+    """What kvh-store info's figures say is damaged in the store, if
+    anything: index records that fail their checksum, or records naming
+    slots past the end of the slab files (a truncated or missing slab),
+    which an engine would drop. Slots are laid out as kvh-store and the
+    engine lay them out: a 4 KiB header and the block, 4 KiB aligned."""
+    bad = int(info.get("bad_records") or 0)
+    if bad:
+        return f"{bad} index record{'s' if bad != 1 else ''} fail their checksum"
+    align = 4096
+    slot_bytes = align + -(-int(info["block_bytes"]) // align) * align
+    slots = 0
+    for i in range(1 << 20):
+        try:
+            slots += os.stat(d / f"slab-{i:04d}.kvh").st_size // slot_bytes
+        except OSError:
+            break
+    indexed = int(info.get("slots") or 0)
+    if indexed > slots:
+        return f"its index names slot {indexed - 1}, its slab files hold {slots} slots"
+    return None
+
+
 def cmd_stats(args: argparse.Namespace) -> int:
     from . import Engine, Tier, errors
     from ._progress import human_bytes, table
@@ -314,36 +337,40 @@ def cmd_stats(args: argparse.Namespace) -> int:
         _err(f"{d} is not a kvh store (no index file)")
         return EXIT_FAIL
     geometry = {k: getattr(args, k) for k in ("layers", "kv_heads", "head_dim", "block_tokens", "dtype", "model_salt")}
-    info = None
-    if any(v is None for v in geometry.values()):
-        try:
-            info = _store_info(d)
-        except (RuntimeError, ValueError) as exc:
-            _err(f"cannot read the store's geometry: {exc}")
-            return EXIT_FAIL
-        if info is None:
-            _err(
-                "kvh-store (which reads the store's geometry) was not found; pass --layers --kv-heads --head-dim "
-                "--block-tokens --dtype --model-salt --kv-codec, or build kvh-store"
-            )
-            return EXIT_UNAVAILABLE
-        for ours, theirs in (
-            ("layers", "layers"),
-            ("kv_heads", "kv_heads"),
-            ("head_dim", "head_dim"),
-            ("block_tokens", "block_tokens"),
-            ("dtype", "dtype"),
-            ("model_salt", "model_salt"),
-        ):
-            if geometry[ours] is None:
-                geometry[ours] = info[theirs]
+    # kvh-store reads the store without changing it: its geometry, and
+    # whether it is intact. An engine opening a damaged store repairs it
+    # (drops the records it cannot trust and rewrites the index), which a
+    # command that only reports must not do, so the store is checked first.
+    try:
+        info = _store_info(d)
+    except (RuntimeError, ValueError) as exc:
+        _err(f"cannot read the store with kvh-store (kvh stats checks it before opening it): {exc}")
+        return EXIT_FAIL
+    if info is None:
+        _err(
+            "kvh-store (which reads the store's geometry and checks it before kvh stats opens it) was not "
+            "found; build kvh-store or install the kvh-cache wheel that ships it"
+        )
+        return EXIT_UNAVAILABLE
+    for ours, theirs in (
+        ("layers", "layers"),
+        ("kv_heads", "kv_heads"),
+        ("head_dim", "head_dim"),
+        ("block_tokens", "block_tokens"),
+        ("dtype", "dtype"),
+        ("model_salt", "model_salt"),
+    ):
+        if geometry[ours] is None:
+            geometry[ours] = info[theirs]
+    damage = _store_damage(d, info)
+    if damage:
+        _err(
+            f"{d} is a damaged store ({damage}); kvh stats does not open it, as an engine would repair it: "
+            f"run `kvh store verify {d}`"
+        )
+        return EXIT_FAIL
     # The KV codec is part of the store's geometry too (kvh-store info says
     # which); opening with another is refused as a mismatch.
-    if info is None and args.kv_codec is None:
-        try:
-            info = _store_info(d)
-        except (RuntimeError, ValueError):
-            info = None
     codec = args.kv_codec or (info or {}).get("kv_codec", "none")
     # A store's size is its slab files': opening it at another size would
     # grow them (preallocated, possibly filling the disk) or drop blocks.
@@ -384,6 +411,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
                 # library narrows a store opened without the flag.
                 disk_reset_on_mismatch=False,
                 disk_share_group=_group_shared(d),
+                # A damaged index or journal is an error, not rebuilt.
+                disk_strict_index=True,
                 defaults={"backend": "cpu", "device_bytes": 1 << 20, "host_bytes": 4 << 20, "log_level": "error"},
             )
         )
@@ -395,6 +424,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
         return EXIT_FAIL
     except errors.MismatchError as exc:
         _err(_mismatch_message(d, exc, args))
+        return EXIT_FAIL
+    except errors.CorruptionError as exc:
+        _err(f"{d} is a damaged store ({exc.message}); kvh stats does not repair it: run `kvh store verify {d}`")
         return EXIT_FAIL
     except errors.InvalidArgumentError as exc:
         if "holds no block slot" not in str(exc):
@@ -784,7 +816,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="open a disk store with an engine and print its tiers and counters",
         description="Opens the disk store DIR with an engine (geometry from kvh-store info, or "
         "the flags) and prints the disk tier's occupancy and the engine counters. "
-        "The store must not be open in another process.",
+        "The store must not be open in another process. It is checked with kvh-store first: "
+        "a damaged store is refused (exit 1), never repaired (kvh store verify lists the damage).",
     )
     sp.add_argument("dir", metavar="DIR", type=_store_dir, help="the disk tier directory (kvh_config.disk_path)")
     sp.add_argument("--json", action="store_true", help="print JSON")

@@ -467,13 +467,16 @@ def test_unreadable_index_is_refused_then_rebuilt_by_an_engine(how, store):
         else:
             assert res.returncode == 1 and "BAD" in res.stdout, res.stdout
     assert digest(store) == before
+    # kvh stats only reports: it refuses the damaged store, which it leaves as it was.
+    res = run_kvh("stats", store, *GEOMETRY, "--json")
+    assert_one_line_error(res, 1)
+    assert digest(store) == before
     if how == "directory":
         return  # nothing to rebuild into
-    # An engine open (kvh stats, geometry given) rebuilds the index from the
-    # slot headers: every block is back, and verifies.
-    res = run_kvh("stats", store, *GEOMETRY, "--json")
-    assert res.returncode == 0, res.stderr
-    assert json.loads(res.stdout)["disk"]["used_blocks"] == CHAINS * 3
+    # An engine open rebuilds the index from the slot headers: every block
+    # is back, and verifies.
+    with make_engine(disk_path=str(store), disk_bytes=DISK) as eng:
+        assert eng.tier_info("disk").used_blocks == CHAINS * 3
     res = run_store("verify", store)
     assert res.returncode == 0 and _summary(res.stdout) == (CHAINS * 3, 0), res.stdout + res.stderr
 
@@ -799,13 +802,18 @@ def test_a_store_named_by_bytes_that_are_not_utf8(tmp_path):
 
 def test_stats_of_a_codec_store_without_kvh_store(tmp_path):
     # With kvh-store failing, the codec fell back to "none" and the engine's
-    # refusal told a CLI user to "pass disk_reset_on_mismatch=True".
+    # refusal told a CLI user to "pass disk_reset_on_mismatch=True". kvh
+    # stats checks the store with kvh-store before opening it: without it,
+    # it opens nothing.
     d = _int8_store(tmp_path)
+    before = digest(d)
     failing = {"KVH_STORE": shutil.which("false") or "/bin/false"}
-    res = run_kvh("stats", d, *GEOMETRY, env_extra=failing)
-    assert_one_line_error(res, 1, "--kv-codec")
-    assert "disk_reset_on_mismatch" not in res.stderr
-    res = run_kvh("stats", d, *GEOMETRY, "--kv-codec", "int8", env_extra=failing)
+    for codec in ([], ["--kv-codec", "int8"]):
+        res = run_kvh("stats", d, *GEOMETRY, *codec, env_extra=failing)
+        assert_one_line_error(res, 1, "kvh-store")
+        assert "disk_reset_on_mismatch" not in res.stderr
+    assert digest(d) == before
+    res = run_kvh("stats", d, *GEOMETRY, "--kv-codec", "int8")
     assert res.returncode == 0, res.stdout + res.stderr
     res = run_kvh("stats", d, "--kv-codec", "none")
     assert_one_line_error(res, 1, "--kv-codec")
@@ -817,6 +825,32 @@ def test_stats_geometry_mismatch_names_the_option(store):
     res = run_kvh("stats", store, "--model-salt", "7")
     assert_one_line_error(res, 1, "--model-salt")
     assert "disk_reset_on_mismatch" not in res.stderr
+
+
+@pytest.mark.parametrize("damage", ["none", "truncated-slab", "bad-record"])
+def test_stats_never_rewrites_the_store(damage, store):
+    """kvh stats opened a store whose slab was cut short with an engine,
+    whose recovery dropped the index records past the slab's end and
+    rewrote the index, then reported 0 corrupt blocks and exit 0. It
+    refuses a damaged store now, and leaves every file as it was; a sound
+    store is read, and only its LOCK (the holder's pid) is written."""
+    slab = store / "slab-0000.kvh"
+    if damage == "truncated-slab":
+        os.truncate(slab, 4 * SLOT_BYTES)  # the 9 blocks are in slots 0..8
+    elif damage == "bad-record":
+        flip(store / "index", HEADER_BYTES + 20)  # the first record's body
+    before = digest(store)
+    res = run_kvh("stats", store)
+    if damage == "none":
+        assert res.returncode == 0, res.stderr
+        assert digest(store, skip=("LOCK",)) == {k: v for k, v in before.items() if k != "LOCK"}
+        return
+    assert_one_line_error(res, 1, "kvh store verify")
+    assert "damaged" in res.stderr and res.stdout == ""
+    assert digest(store) == before
+    res = run_kvh("stats", store, *GEOMETRY, "--json")
+    assert_one_line_error(res, 1, "damaged")
+    assert digest(store) == before
 
 
 @pytest.mark.parametrize("damage", ["truncated", "directory"])
@@ -852,10 +886,11 @@ def test_unknown_dtype_or_codec_is_a_damaged_header(forged, store):
         res = run_store(action, store)
         assert_one_line_error(res, 2, "header is damaged")
         assert res.stdout == "", res.stdout
+    res = run_kvh("stats", store, *GEOMETRY, "--json")
+    assert_one_line_error(res, 1)
     assert digest(store) == before
     # An engine of the store's true geometry rebuilds it from the slot headers.
-    res = run_kvh("stats", store, *GEOMETRY, "--json")
-    assert res.returncode == 0, res.stderr
-    assert json.loads(res.stdout)["disk"]["used_blocks"] == CHAINS * 3
+    with make_engine(disk_path=str(store), disk_bytes=DISK) as eng:
+        assert eng.tier_info("disk").used_blocks == CHAINS * 3
     res = run_store("verify", store)
     assert res.returncode == 0 and _summary(res.stdout) == (CHAINS * 3, 0), res.stdout + res.stderr

@@ -1040,10 +1040,18 @@ def test_store_tool_done_is_not_waited_past(store, tmp_path, capfd, monkeypatch)
 
 
 def test_stats_with_a_bad_kvh_store_variable_and_the_whole_geometry(store, capfd, monkeypatch):
-    # The flags say all kvh-store would have: no reason to fail.
+    # The flags say all kvh-store would have about the geometry, but kvh
+    # stats also checks with it that the store is intact before an engine
+    # opens it (an engine repairs a damaged store): without it, nothing
+    # is opened, one line says why, and the store is as it was.
+    before = _tree_digest(store)
     monkeypatch.setenv("KVH_STORE", "/nonexistent/kvh-store")
     geometry = ["--layers", "4", "--kv-heads", "4", "--head-dim", "64", "--block-tokens", "16", "--dtype", "f16"]
     salt = ["--model-salt", str(0x6B7668 + 1)]  # the synthetic demo's, for --seed 1
+    res = run_in_process(["stats", store, *geometry, *salt, "--json"], capfd)
+    assert_one_line_error(res, 1, "$KVH_STORE=/nonexistent/kvh-store")
+    assert res.stdout == "" and _tree_digest(store) == before
+    monkeypatch.delenv("KVH_STORE")
     res = run_in_process(["stats", store, *geometry, *salt, "--json"], capfd)
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["disk"]["used_blocks"] > 0
