@@ -523,6 +523,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from ._progress import Progress, table
     from .tools import find_tool
 
+    # The Python scenarios take only the common options they have a use for:
+    # one given to a scenario that would ignore it is refused, not dropped.
+    unused = {"offload": ("seed", "strict"), "remote-ttft": ("seed",), "vllm": ("strict",)}
+    if len(args.scenarios) == 1 and args.scenarios[0] in unused:
+        name = args.scenarios[0]
+        given = [f"--{k}" for k in unused[name] if getattr(args, k) not in (None, False)]
+        if given:
+            what = {"--seed": "no random input", "--strict": "no target"}
+            _err(f"bench {name}: {', '.join(given)} not taken by this scenario ({'; '.join(what[g] for g in given)})")
+            return EXIT_USAGE
     if list(args.scenarios) == ["retriever"]:
         # The retriever scenario is Python (it drives Qdrant), not kvh-bench.
         from .demo import bench_retriever
@@ -532,7 +542,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         argv += ["--reps", str(args.reps)] if args.reps is not None else []
         argv += ["--seed", str(args.seed)] if args.seed is not None else []
         argv += ["--strict"] if args.strict else []
-        return bench_retriever.main(argv + list(getattr(args, "extra", [])))
+        # A missed target is a failure (1) for kvh; 3 stays "not available".
+        return bench_retriever.main(argv + list(getattr(args, "extra", [])), missed_status=EXIT_FAIL)
     if list(args.scenarios) == ["vllm"]:
         # kvh beneath vLLM: vLLM processes in their own venv, not kvh-bench.
         from .vllm import bench as bench_vllm
@@ -557,6 +568,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         argv = ["--json"] if args.json else []
         argv += ["--quick"] if args.quick else []
         argv += ["--reps", str(args.reps)] if args.reps is not None else []
+        argv += ["--strict"] if args.strict else []
         return bench_remote.main(argv + list(getattr(args, "extra", [])))
 
     tool = find_tool("kvh-bench")
@@ -638,7 +650,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 # A usage error (a bad option after --) is every scenario's: say it once.
                 _err(err.strip().splitlines()[-1] if err.strip() else f"kvh-bench {name}: usage error")
                 return EXIT_USAGE
-            if code != 0:
+            if code == 3 and args.strict:
+                # kvh-bench's 3 is a missed target (--strict only); kvh's 3
+                # means "not available", and a missed target is a failure.
+                rc = EXIT_FAIL if rc == EXIT_OK else rc
+                _err(f"kvh-bench {name}: a target was missed (--strict)" + (f":\n{err.strip()}" if err.strip() else ""))
+            elif code != 0:
                 what = f"was killed by {_signal_name(-code)}" if code < 0 else f"exited with {code}"
                 rc = (128 - code if code < 0 else code) if rc == EXIT_OK else rc
                 _err(f"kvh-bench {name} {what}" + (f":\n{err.strip()}" if err.strip() else ""))
@@ -893,8 +910,15 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--list", action="store_true", help="list the scenarios")
     sp.add_argument("--quick", action="store_true", help="a few seconds per scenario")
     sp.add_argument("--reps", type=_int_in(1, 1000), default=None, help="rounds per measurement (1..1000)")
-    sp.add_argument("--seed", type=_int_in(0, (1 << 64) - 1), default=None, help="RNG seed (0..2^64-1)")
-    sp.add_argument("--strict", action="store_true", help="fail when a target is missed")
+    sp.add_argument(
+        "--seed",
+        type=_int_in(0, (1 << 64) - 1),
+        default=None,
+        help="RNG seed (0..2^64-1; not for offload, remote-ttft)",
+    )
+    sp.add_argument(
+        "--strict", action="store_true", help="fail (exit 1) when a target is missed (not for offload, vllm)"
+    )
     sp.add_argument("--json", action="store_true", help="print kvh-bench's JSON lines")
     sp.set_defaults(func=cmd_bench)
 

@@ -1290,3 +1290,73 @@ def test_bench_directory_too_long_for_its_path_is_refused(tmp_path):
     assert_one_line_error(res, 2, "KVH_BENCH_DIR")
     assert res.stdout == "", res.stdout[:2000]
     assert [p.name for p in tmp_path.rglob("*")] == ["d" * 200] * 3
+
+
+def test_bench_strict_missed_target_is_exit_1(tmp_path, monkeypatch, capfd):
+    """kvh-bench --strict exits 3 for a missed target, and kvh passed that
+    through, though kvh's 3 means "not available": a missed target is a
+    failed run, 1. The retriever scenario (Python) did the same."""
+    row = '{"scenario": "codec", "metric": "m", "value": 1, "unit": "x", "met": false}'
+    bench = _write_script(
+        tmp_path / "bench",
+        'if [ "$1" = list ]; then echo codec; exit 0; fi\n'
+        f"echo '{row}'\n"
+        'for a; do if [ "$a" = --strict ]; then echo "kvh-bench: 1 target(s) missed" >&2; exit 3; fi; done',
+    )
+    res = run_kvh("bench", "codec", "--quick", "--strict", env_extra={"KVH_BENCH": str(bench)})
+    assert res.returncode == 1, (res.returncode, res.stderr)
+    assert "target was missed" in res.stderr and "Traceback" not in res.stderr, res.stderr
+    res = run_kvh("bench", "codec", "--quick", env_extra={"KVH_BENCH": str(bench)})
+    assert res.returncode == 0, (res.returncode, res.stderr)
+
+    from kvh_cache.demo import bench_retriever
+
+    missed = {"scenario": "retriever", "metric": "stall", "value": 2, "target": "<= 1", "met": False}
+    monkeypatch.setattr(bench_retriever, "run_bench", lambda args, log: ([missed], True, []))
+    res = run_in_process(["bench", "retriever", "--quick", "--strict", "--json"], capfd)
+    assert res.returncode == 1 and "target missed" in res.stderr, (res.returncode, res.stderr)
+    assert bench_retriever.main(["--quick", "--strict", "--json"]) == 3  # the module's own status, as documented
+
+
+@pytest.mark.parametrize(
+    "args, word",
+    [
+        (["offload", "--quick", "--strict", "--seed", "7"], "--seed, --strict"),
+        (["offload", "--seed", "7"], "--seed"),
+        (["remote-ttft", "--seed", "7"], "--seed"),
+        (["vllm", "--strict"], "--strict"),
+    ],
+    ids=lambda a: " ".join(a) if isinstance(a, list) else "",
+)
+def test_bench_python_scenario_refuses_options_it_would_ignore(args, word, monkeypatch, capfd):
+    """kvh bench offload took --seed and --strict and never passed them on
+    (nor --seed to remote-ttft, nor --strict to vllm): refused now, exit 2,
+    before anything runs."""
+    from kvh_cache.demo import bench_offload, bench_remote
+    from kvh_cache.vllm import bench as bench_vllm
+
+    def ran(argv=None):
+        raise AssertionError(f"the scenario ran: {argv}")
+
+    for mod in (bench_offload, bench_remote, bench_vllm):
+        monkeypatch.setattr(mod, "main", ran)
+    res = run_in_process(["bench", *args], capfd)
+    assert_one_line_error(res, 2, word)
+
+
+def test_bench_remote_ttft_strict(monkeypatch, capfd):
+    """--strict reaches the remote-ttft scenario, which fails (1) when its
+    target is missed."""
+    from kvh_cache.demo import bench_remote
+
+    seen = []
+    real = bench_remote.main
+    monkeypatch.setattr(bench_remote, "main", lambda argv=None: seen.append(list(argv)) or 0)
+    assert run_in_process(["bench", "remote-ttft", "--quick", "--strict"], capfd).returncode == 0
+    assert "--strict" in seen[0]
+    row = {"prefix_tokens": 256, "value": 9, "baseline": 10, "ratio": 0.9, "target": "ratio <= 0.3", "met": False}
+    row["reps"] = 1
+    monkeypatch.setattr(bench_remote, "run_bench", lambda args, log: [row])
+    assert real(["--quick", "--json"]) == 0
+    assert real(["--quick", "--json", "--strict"]) == 1
+    assert "target missed" in capfd.readouterr().err

@@ -198,6 +198,7 @@ def build_parser(prog: str = "python -m kvh_cache.demo.bench_remote") -> argpars
     p.add_argument("--reps", type=int, default=None, help="rounds (default 3; --quick 1)")
     p.add_argument("--quick", action="store_true", help="a short prefix, one round")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
+    p.add_argument("--strict", action="store_true", help="exit 1 when the target is missed")
     p.add_argument("--model", default=None, help="GGUF path (default: SmolLM2-135M-Instruct)")
     p.add_argument("--tmp-dir", default=None, help="where the server's directory goes")
     p.add_argument("--node-a", type=int, default=None, help=argparse.SUPPRESS)
@@ -225,6 +226,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 f"recompute {row['baseline']} ms, ratio {row['ratio']} ({row['target']}: "
                 f"{'met' if row['met'] else 'MISSED'}); medians of {row['reps']}"
             )
+    missed = [r for r in rows if "met" in r and not r["met"]]
+    if missed and args.strict:
+        print("bench remote: target missed: " + ", ".join(str(r["target"]) for r in missed), file=sys.stderr)
+        return 1
     return 0
 
 
