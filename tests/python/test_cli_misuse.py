@@ -1360,3 +1360,28 @@ def test_bench_remote_ttft_strict(monkeypatch, capfd):
     assert real(["--quick", "--json"]) == 0
     assert real(["--quick", "--json", "--strict"]) == 1
     assert "target missed" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("what", ["truncated", "random", "empty", "/dev/zero", "/dev/null", "fifo"])
+def test_demo_model_that_is_not_a_usable_gguf(what, tmp_path):
+    """A GGUF cut after its version (or random bytes after the magic) ended
+    in a struct.error traceback, and /dev/zero, /dev/null or a FIFO "did
+    not exist" (exit 3): one line naming the file, exit 1."""
+    pytest.importorskip("gguf")
+    pytest.importorskip("regex")
+    path = tmp_path / "model.gguf"
+    if what == "truncated":
+        path.write_bytes(b"GGUF\x03\x00\x00\x00")
+    elif what == "random":
+        path.write_bytes(b"GGUF" + bytes((i * 97 + 13) % 256 for i in range(300)))
+    elif what == "empty":
+        path.write_bytes(b"")
+    elif what == "fifo":
+        os.mkfifo(path)
+    else:
+        path = Path(what)
+    res = run_kvh("demo", "--model", path, "--data-dir", tmp_path / "data", "--no-progress")
+    assert_one_line_error(res, 1, str(path))
+    last = res.stderr.strip().splitlines()[-1]
+    assert ("not a regular file" if what in ("/dev/zero", "/dev/null", "fifo") else "GGUF") in last, last
+    assert "does not exist" not in res.stderr

@@ -4,6 +4,7 @@ tiny random Llama GGUF through kvh versus the NumPy reference."""
 
 from __future__ import annotations
 
+import os
 
 import numpy as np
 import pytest
@@ -85,6 +86,33 @@ def test_not_a_gguf_file(tmp_path):
     p.write_bytes(b"NOPE" + b"\0" * 64)
     with pytest.raises(ValueError, match="not a GGUF file"):
         km.GGUFFile(str(p))
+
+
+@pytest.mark.parametrize("cut", [8, 24, 60, 200, -1])
+def test_cut_or_damaged_gguf_is_a_value_error_naming_the_file(cut, tiny_path, tmp_path):
+    """A GGUF cut inside its header (or with random bytes after the magic)
+    raised struct.error from the parser: a ValueError naming the file now."""
+    p = tmp_path / "bad.gguf"
+    data = open(tiny_path, "rb").read()
+    rng = np.random.default_rng(abs(cut))
+    p.write_bytes(data[:cut] if cut > 0 else b"GGUF" + rng.integers(0, 256, 300, dtype=np.uint8).tobytes())
+    with pytest.raises(ValueError, match="not a valid or complete GGUF file") as info:
+        km.GGUFFile(str(p))
+    assert str(p) in str(info.value)
+
+
+def test_model_path_that_is_not_a_regular_file(tmp_path):
+    """/dev/null, /dev/zero or a FIFO "did not exist" (and a FIFO would
+    block the open): they are not regular files."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for path in ("/dev/null", "/dev/zero", str(fifo), str(tmp_path)):
+        with pytest.raises(runner_mod.ModelFileError, match="not a regular file"):
+            km.load(path, cache=False)
+        with pytest.raises(ValueError, match="not a regular file"):
+            km.GGUFFile(path)
+    with pytest.raises(km.ModelNotFoundError, match="does not exist"):
+        km.load(str(tmp_path / "missing.gguf"), cache=False)
 
 
 def test_non_llama_architecture_is_refused(tmp_path):

@@ -25,7 +25,7 @@ from .gguf_loader import GGUFFile, ModelConfig, dequantize, load_config
 from .kvh_kv import ATTENTION_MODES, CodecKV, KvhKV, kernel_attention_available
 from .llama import KVBackend, LlamaModel
 from .reference import ContiguousKV, QuantizedKV, causal_attention, quantize_dequantize
-from .runner import Generation, ModelNotFoundError, Runner, default_model_path, load, mean_nll
+from .runner import Generation, ModelFileError, ModelNotFoundError, Runner, default_model_path, load, mean_nll
 from .tokenizer import SpmTokenizer, Tokenizer
 
 __all__ = [
@@ -35,6 +35,7 @@ __all__ = [
     "Generation",
     "default_model_path",
     "ModelNotFoundError",
+    "ModelFileError",
     "LlamaModel",
     "KVBackend",
     "KvhKV",

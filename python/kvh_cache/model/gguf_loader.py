@@ -83,6 +83,13 @@ class TensorInfo:
     nbytes: int
 
 
+def _file_size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
 class GGUFFile(Closable):
     """A parsed GGUF file: ``metadata`` (key → Python value; arrays of
     strings as lists of str, numeric arrays as NumPy arrays) and
@@ -91,10 +98,28 @@ class GGUFFile(Closable):
 
     def __init__(self, path: str) -> None:
         self.path = os.fspath(path)
+        # A FIFO would block the open, a device map nothing: regular files only.
+        if os.path.exists(self.path) and not os.path.isfile(self.path):
+            raise ValueError(f"{self.path}: not a regular file, not a GGUF model")
         with open(self.path, "rb") as f:
+            if os.fstat(f.fileno()).st_size == 0:
+                raise ValueError(f"{self.path}: an empty file, not a GGUF model")
             self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         try:
             self._parse()
+        except (struct.error, OverflowError, MemoryError, IndexError) as exc:
+            # Counts and lengths read from a cut or damaged header run past
+            # the end of the file: one message, not the unpacker's.
+            self.close()
+            raise ValueError(
+                f"{self.path}: not a valid or complete GGUF file (its header runs past the end of the "
+                f"{_file_size(self.path)}-byte file: truncated or damaged)"
+            ) from exc
+        except ValueError as exc:
+            self.close()
+            if str(exc).startswith(self.path):
+                raise
+            raise ValueError(f"{self.path}: not a valid or complete GGUF file ({exc})") from exc
         except Exception:
             self.close()
             raise

@@ -19,13 +19,19 @@ from .llama import KVBackend, LlamaModel, ProgressFn
 from .reference import ContiguousKV
 from .tokenizer import Tokenizer
 
-__all__ = ["Runner", "Generation", "load", "default_model_path", "ModelNotFoundError"]
+__all__ = ["Runner", "Generation", "load", "default_model_path", "ModelNotFoundError", "ModelFileError"]
 
 ENV_MODEL = "KVH_MODEL"
 
 
 class ModelNotFoundError(FileNotFoundError):
     pass
+
+
+class ModelFileError(ValueError):
+    """The model path names something that is not a usable GGUF file: not
+    a regular file (a device, a FIFO, a directory), or not a valid or
+    complete GGUF."""
 
 
 def default_model_path() -> str:
@@ -387,6 +393,8 @@ def load(path: Optional[str] = None, *, attention: str = "auto", cache: bool = T
     float32 once; with ``cache`` the runner is kept per path for this
     process (a second ``load`` of the same file is free)."""
     p = os.path.abspath(path if path is not None else default_model_path())
+    if os.path.exists(p) and not os.path.isfile(p):
+        raise ModelFileError(f"model file {p!r} is not a regular file")
     if not os.path.isfile(p):
         raise ModelNotFoundError(f"model file {p!r} does not exist")
     key = p
@@ -402,7 +410,12 @@ def load(path: Optional[str] = None, *, attention: str = "auto", cache: bool = T
             decode_blas_threads=r.decode_blas_threads,
             prefill_blas_threads=r.prefill_blas_threads,
         )
-    model = LlamaModel.from_gguf(p)
+    try:
+        model = LlamaModel.from_gguf(p)
+    except ModelFileError:
+        raise
+    except ValueError as exc:
+        raise ModelFileError(str(exc)) from exc
     tok = Tokenizer.from_gguf_metadata(model.metadata)
     r = Runner(model, tok, attention=attention)
     if cache:

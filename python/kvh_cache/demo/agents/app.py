@@ -19,7 +19,7 @@ from ... import errors
 from ..._progress import human_bytes
 from .configs import Setup, SetupResult, choose_setups
 from .corpus import RetrieverUnavailable, load_corpus
-from .loading import ModelUnavailable, load_runner
+from .loading import BadModelFile, ModelUnavailable, load_runner
 from .measure import probe_capacity
 from .options import add_arguments, chosen_baselines, fill_defaults, validate
 from .plot import write_plot
@@ -51,6 +51,9 @@ def run(args: argparse.Namespace, out: Optional[IO[str]] = None) -> int:
     except ModelUnavailable as exc:
         print(f"kvh demo: {exc}", file=sys.stderr)
         return 3
+    except BadModelFile as exc:
+        print(f"kvh demo: --model: {exc}", file=sys.stderr)
+        return 1
     load_s = time.perf_counter() - t_all
     notes: List[str] = []
     data_dir = Path(args.data_dir)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
-__all__ = ["MODEL_NAME", "ModelUnavailable", "load_runner"]
+__all__ = ["MODEL_NAME", "BadModelFile", "ModelUnavailable", "load_runner"]
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -15,6 +15,11 @@ class ModelUnavailable(Exception):
     message says what to install (``kvh demo`` exits with status 3)."""
 
 
+class BadModelFile(Exception):
+    """--model names something that is not a usable GGUF file (not a
+    regular file, not a valid or complete GGUF): ``kvh demo`` exits 1."""
+
+
 def load_runner(model: Any, log: Callable[[str], None]) -> Any:
     """The :class:`kvh_cache.model.Runner` of ``model`` (a GGUF path, or None: the
     default model, downloaded on first use by :func:`kvh_cache.model.fetch.fetch`).
@@ -22,7 +27,7 @@ def load_runner(model: Any, log: Callable[[str], None]) -> Any:
     try:
         import kvh_cache.model
         from ...model import fetch
-        from ...model.runner import ModelNotFoundError
+        from ...model.runner import ModelFileError, ModelNotFoundError
     except ImportError as exc:
         raise ModelUnavailable(
             f"the model runner needs optional packages ({exc}): pip install 'kvh-cache[model]' "
@@ -40,6 +45,8 @@ def load_runner(model: Any, log: Callable[[str], None]) -> Any:
     log(f"loading {MODEL_NAME if model is None else model} ...")
     try:
         return kvh_cache.model.load(model)
+    except ModelFileError as exc:
+        raise BadModelFile(str(exc)) from exc
     except (ModelNotFoundError, FileNotFoundError) as exc:
         raise ModelUnavailable(f"{exc}\nkvh demo: pass --model PATH or run `kvh demo --synthetic` (no model)") from exc
     except ImportError as exc:
