@@ -1,8 +1,9 @@
 """``kvh doctor``: checks of what an operator tunes by hand for kvh — huge
 pages, the memlock limit for pinned memory, ``vm.max_map_count`` and the
 other sysctls, O_DIRECT support and free space on the data directory, who
-can read the store in it, io_uring, NUMA layout, the CUDA device and driver
-— and what to change, printed as commands and sysctl lines. It changes
+can read the store in it, io_uring, NUMA layout, the CUDA device and driver,
+the effective configuration as the engine judges it (a tiny engine, no disk
+or remote tier) — and what to change, printed as commands and sysctl lines. It changes
 nothing; its O_DIRECT probe writes a temporary file in the data directory
 (or its nearest existing parent) and removes it. Exit status 1 when a check
 failed (with --strict, also when one warns)."""
@@ -204,6 +205,17 @@ def _existing(path: Path) -> Path:
     return p
 
 
+def _not_creatable(data_dir: Path) -> Optional[str]:
+    """Why data_dir can be neither used nor created, if so: it, or the
+    nearest existing path above it, is not a directory."""
+    where = _existing(data_dir)
+    if where.is_dir():
+        return None
+    if where == data_dir.resolve():
+        return f"{data_dir} is not a directory"
+    return f"{data_dir} cannot be created: {where} is not a directory"
+
+
 def check_data_dir(data_dir: Path, disk_budget: int) -> List[Check]:
     where = _existing(data_dir)
     mnt = _mount_of(where)
@@ -211,6 +223,14 @@ def check_data_dir(data_dir: Path, disk_budget: int) -> List[Check]:
     # O_DIRECT: write and read one aligned block in a temporary file.
     o_direct = getattr(os, "O_DIRECT", 0)
     data: Dict[str, Any] = {"path": str(data_dir), "checked_at": str(where), **mnt}
+    problem = _not_creatable(data_dir)
+    if problem:
+        # Nothing to probe: the store could not be made there at all.
+        return [
+            Check(
+                "data dir", FAIL, problem, ["# pass a directory, or a path that can be created: --data-dir DIR"], data
+            )
+        ]
     if not os.access(where, os.W_OK):
         checks.append(
             Check(
@@ -239,7 +259,7 @@ def check_data_dir(data_dir: Path, disk_budget: int) -> List[Check]:
             checks.append(Check("O_DIRECT", OK, f"works on {mnt['fstype']} ({mnt['mount']})", [], data))
         except OSError as exc:
             fix = [
-                "# kvh falls back to buffered pread/pwrite (or set disk_buffered=True / KVH_DISK_BUFFERED);",
+                "# kvh falls back to buffered pread/pwrite (or set disk_buffered=True / KVH_DISK_FLAGS=buffered);",
                 "# for direct I/O put the data directory on ext4/xfs on an NVMe drive, e.g.:",
                 "kvh demo --data-dir /mnt/nvme/kvh-data",
             ]
@@ -288,6 +308,9 @@ def check_store_permissions(data_dir: Path) -> Check:
     opens a store; an older store may still be readable by others."""
     name = "store permissions"
     d = Path(data_dir)
+    problem = _not_creatable(d)
+    if problem:
+        return Check(name, INFO, f"not checked: {problem}", [], {"path": str(d)})
     if not d.exists():
         summary = f"{d} does not exist yet: kvh creates it 0700 (files 0600) whatever the umask"
         return Check(name, OK, summary, [], {"path": str(d)})
@@ -558,30 +581,105 @@ def check_remote(config) -> Check:
     return Check("remote tier", status, summary, fix, data)
 
 
+# Budgets a validating engine is opened with at most: its geometry and
+# settings are the configuration's, its memory a token amount.
+_PROBE_BYTES = 64 << 20
+
+
+def _where(resolved, name: str) -> str:
+    """Where a field's value came from, as the user set it."""
+    source = resolved.sources.get(name, "default")
+    if source.startswith("env "):
+        return f"{name}, from ${source[4:]}"
+    if source.startswith("file "):
+        return f"{name}, from {source[5:]}"
+    return f"{name} ({source})"
+
+
+def check_config(resolved) -> Check:
+    """The resolved configuration as the engine judges it: a tiny engine
+    is opened with it (no disk tier, which would create the store, and no
+    remote tier, which would be contacted; budgets capped), so a setting
+    the engine refuses is found here rather than when a server starts."""
+    import dataclasses
+
+    from . import errors
+    from .config import ENV_VARS
+    from .engine import Engine
+
+    name = "configuration"
+    cfg = resolved.config
+    data: Dict[str, Any] = {}
+    if (cfg.disk_bytes is None) != (cfg.disk_path is None):
+        have, lack = ("disk_bytes", "disk_path") if cfg.disk_path is None else ("disk_path", "disk_bytes")
+        return Check(
+            name,
+            FAIL,
+            f"{_where(resolved, have)} is set without {lack}: the engine refuses a disk tier with only one of them",
+            [f"# set {ENV_VARS[lack]} too, or unset {ENV_VARS[have]}"],
+            {"field": have},
+        )
+    probe = dataclasses.replace(
+        cfg,
+        disk_path=None,
+        disk_bytes=None,
+        remote_addrs=None,
+        log_level="error",
+        device_bytes=min(cfg.device_bytes, _PROBE_BYTES) if cfg.device_bytes is not None else _PROBE_BYTES,
+        host_bytes=min(cfg.host_bytes, _PROBE_BYTES) if cfg.host_bytes is not None else _PROBE_BYTES,
+    )
+    try:
+        Engine(probe).close()
+    except errors.UnsupportedError as exc:
+        return Check(name, WARN, f"not checked in full: {exc.message}", [], data)
+    except errors.Error as exc:
+        field = exc.message.split()[0] if exc.message else ""
+        if field in ENV_VARS:
+            where = _where(resolved, field)
+            return Check(
+                name,
+                FAIL,
+                f"the engine refuses {where}: {exc.message}",
+                [f"# change or unset {ENV_VARS[field]}"],
+                {"field": field},
+            )
+        return Check(name, FAIL, f"the engine refuses it: {exc.message}", [], data)
+    return Check(name, OK, "the engine accepts it (geometry, policies, budgets)", [], data)
+
+
 def run_checks(
     data_dir: Path, host_budget: int, disk_budget: int, progress: Optional[Callable[[str], None]] = None
 ) -> List[Check]:
-    steps: List[Callable[[], Any]] = [
-        check_kvh,
-        lambda: check_hugepages(host_budget),
-        lambda: check_memlock(host_budget),
-        check_sysctls,
-        lambda: check_data_dir(data_dir, disk_budget),
-        lambda: check_store_permissions(data_dir),
-        check_io_uring,
-        check_numa,
-        check_cuda,
+    # Each check under the name it reports, which a check that crashes
+    # is reported under too.
+    steps: List[Any] = [
+        ("kvh library", check_kvh),
+        ("huge pages", lambda: check_hugepages(host_budget)),
+        ("memlock limit", lambda: check_memlock(host_budget)),
+        ("sysctl", check_sysctls),
+        ("O_DIRECT", lambda: check_data_dir(data_dir, disk_budget)),
+        ("store permissions", lambda: check_store_permissions(data_dir)),
+        ("io_uring", check_io_uring),
+        ("NUMA", check_numa),
+        ("CUDA", check_cuda),
     ]
     out: List[Check] = []
-    for step in steps:
-        try:
-            res = step()
-        except Exception as exc:  # a check must never take the others down
-            res = Check(getattr(step, "__name__", "check"), WARN, f"check failed: {exc!r}")
-        out.extend(res if isinstance(res, list) else [res])
+    for name, step in steps:
+        out.extend(run_check(name, step))
         if progress:
             progress(out[-1].name)
     return out
+
+
+def run_check(name: str, step: Callable[[], Any]) -> List[Check]:
+    """One check's results; a check that crashes (an OSError included) is
+    a failed check under its name: what it was to look at is unknown, and
+    it must never take the others down."""
+    try:
+        res = step()
+    except Exception as exc:
+        return [Check(name, FAIL, f"the check itself failed: {type(exc).__name__}: {exc}")]
+    return res if isinstance(res, list) else [res]
 
 
 def main_doctor(args) -> int:
@@ -605,7 +703,9 @@ def main_doctor(args) -> int:
         checks = run_checks(
             args.data_dir, args.host_budget, args.disk_budget, progress=lambda name: bar.update(1, name)
         )
-        checks.append(check_remote(resolved.config if resolved else None))
+        checks.extend(run_check("remote tier", lambda: check_remote(resolved.config if resolved else None)))
+        if resolved is not None:
+            checks.extend(run_check("configuration", lambda: check_config(resolved)))
     if args.json:
         json.dump(
             {

@@ -1,7 +1,11 @@
 """kvh doctor's checks (kvh_cache.doctor) against a hostile data directory."""
 
+import errno
+import json
 import os
 import tempfile
+
+import pytest
 
 from kvh_cache import doctor
 
@@ -51,3 +55,87 @@ def test_a_failed_check_is_exit_status_1(tmp_path, monkeypatch, capsys):
     assert cli.main(["doctor", "--data-dir", str(tmp_path)]) == 0
     assert cli.main(["doctor", "--strict", "--data-dir", str(tmp_path)]) == 1
     capsys.readouterr()
+
+
+def test_a_data_dir_under_a_file_fails(tmp_path, capsys):
+    """--data-dir /etc/passwd/x exited 0: the store permissions said it
+    would be created, and O_DIRECT was blamed (ENOTDIR). A path under a
+    non-directory is a failed check naming the file."""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    checks = doctor.check_data_dir(blocker / "x", 1 << 20)
+    assert [(c.name, c.status) for c in checks] == [("data dir", doctor.FAIL)]
+    assert f"{blocker} is not a directory" in checks[0].summary
+    perm = doctor.check_store_permissions(blocker / "x")
+    assert perm.status != doctor.OK and "will be created" not in perm.summary and "creates it" not in perm.summary
+    from kvh_cache import cli
+
+    assert cli.main(["doctor", "--json", "--data-dir", str(blocker / "x")]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert not any(c["name"] == "O_DIRECT" for c in out["checks"])
+    assert blocker.read_text() == "x"
+
+
+def test_a_crashed_check_fails_under_its_name(tmp_path, monkeypatch):
+    """A check that raised was reported as `<lambda>` (the lambda's
+    __name__) and, for an OSError, only as a warning."""
+
+    def boom(*args):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(doctor, "check_hugepages", boom)
+    monkeypatch.setattr(doctor, "check_numa", boom)
+    checks = doctor.run_checks(tmp_path / "kvh-data", 1 << 20, 1 << 20)
+    crashed = [c for c in checks if "Input/output error" in c.summary]
+    assert [(c.name, c.status) for c in crashed] == [("huge pages", doctor.FAIL), ("NUMA", doctor.FAIL)]
+    assert not any("lambda" in c.name for c in checks)
+
+
+def test_o_direct_advice_names_a_variable_that_exists(tmp_path, monkeypatch):
+    """The advice named KVH_DISK_BUFFERED, which nothing reads; the
+    documented setting is KVH_DISK_FLAGS=buffered."""
+
+    def refuse(fd, cmd, arg=0):
+        if cmd == doctor.fcntl.F_SETFL:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, cmd, arg)
+
+    real = doctor.fcntl.fcntl
+    monkeypatch.setattr(doctor.fcntl, "fcntl", refuse)
+    checks = doctor.check_data_dir(tmp_path / "kvh-data", 1 << 20)
+    probe = next(c for c in checks if c.name == "O_DIRECT")
+    assert probe.status == doctor.WARN
+    advice = "\n".join(probe.fix)
+    assert "KVH_DISK_FLAGS=buffered" in advice and "KVH_DISK_BUFFERED" not in advice
+
+
+@pytest.mark.parametrize(
+    "env, field",
+    [
+        ({"KVH_BLOCK_TOKENS": "3"}, "KVH_BLOCK_TOKENS"),
+        ({"KVH_LRU_K": "9"}, "KVH_LRU_K"),
+        ({"KVH_HEAD_DIM": "0"}, "KVH_HEAD_DIM"),
+        ({"KVH_DISK_BYTES": "1G"}, "KVH_DISK_BYTES"),
+    ],
+    ids=lambda v: " ".join(f"{k}={x}" for k, x in v.items()) if isinstance(v, dict) else "",
+)
+def test_settings_the_engine_refuses_fail(env, field, tmp_path, monkeypatch, capsys):
+    """Settings the engine refuses at open passed kvh doctor with exit 0:
+    a configuration check opens a tiny engine with them and fails, naming
+    the variable."""
+    for k in [k for k in os.environ if k.startswith("KVH_") and k not in ("KVH_BUILD_DIR",)]:
+        monkeypatch.delenv(k)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    from kvh_cache import cli
+
+    assert cli.main(["doctor", "--json", "--data-dir", str(tmp_path / "d")]) == 1
+    out = json.loads(capsys.readouterr().out)
+    (check,) = [c for c in out["checks"] if c["name"] == "configuration"]
+    assert check["status"] == doctor.FAIL and field in check["summary"], check
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.delenv(next(iter(env)))
+    checks = doctor.run_check(
+        "configuration", lambda: doctor.check_config(__import__("kvh_cache.config").config.resolve())
+    )
+    assert checks[0].status == doctor.OK, checks[0]
