@@ -4,9 +4,9 @@ TTY), summary tables, human-readable sizes and the size options' parser."""
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import pathlib
+import re
 import sys
 from typing import IO, Any, List, Optional, Sequence
 
@@ -142,38 +142,31 @@ def parse_dir(text: str) -> pathlib.Path:
     return pathlib.Path(text)
 
 
+# What the library's KVH_* parser takes as a size (core/config_env.c): a
+# decimal count, then optionally K, M, G, T or P, optionally "i", then
+# optionally "B"; case-insensitive. "KiB", "Ki" and "K" are powers of 1024;
+# here "KB", "MB", ... are powers of 1000, as they have always been on
+# the command line.
+_SIZE_RE = re.compile(r"([0-9]+)(?:([kmgtp])(i?))?(b?)", re.IGNORECASE)
+_SIZE_UNITS = "kmgtp"
+
+
 def parse_size(text: str) -> int:
-    """'64MiB', '2M', '1GiB', '4096' -> bytes."""
-    s = str(text).strip().lower().replace(" ", "")
-    units = {
-        "": 1,
-        "b": 1,
-        "k": 1 << 10,
-        "kb": 1000,
-        "kib": 1 << 10,
-        "m": 1 << 20,
-        "mb": 1000**2,
-        "mib": 1 << 20,
-        "g": 1 << 30,
-        "gb": 1000**3,
-        "gib": 1 << 30,
-        "t": 1 << 40,
-        "tb": 1000**4,
-        "tib": 1 << 40,
-    }
-    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = s[len(num) :]
-    if unit not in units or not num:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 4MiB, 512K, 1G)")
-    try:
-        value = float(num)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r}") from None
-    if not math.isfinite(value):  # "1e400" reads as inf
-        raise argparse.ArgumentTypeError(f"not a finite size: {text!r}")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"size must be >= 0: {text!r}")
-    size = int(value * units[unit])
+    """'64MiB', '2M', '1GiB', '1P', '4096' -> bytes: a whole number with an
+    optional K, M, G, T or P suffix, as the library's KVH_* variables take
+    ('1.5G' is refused there and here); 'KB', 'MB', ... are decimal."""
+    s = str(text)
+    m = _SIZE_RE.fullmatch(s)
+    if m is None:
+        if s.strip().startswith("-"):
+            raise argparse.ArgumentTypeError(f"size must be >= 0: {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"not a size: {text!r} (a whole number of bytes, optionally with K, M, G, T or P: 4MiB, 512K, 1G)"
+        )
+    num, unit, binary, b = m.groups()
+    power = _SIZE_UNITS.index(unit.lower()) + 1 if unit else 0
+    base = 1000 if unit and b and not binary else 1024
+    size = int(num) * base**power
     if size > _SIZE_MAX:  # the library takes sizes as uint64_t
-        raise argparse.ArgumentTypeError(f"size too large: {text!r} (at most {_SIZE_MAX} bytes)")
+        raise argparse.ArgumentTypeError(f"size too large: {text!r} (at most {_SIZE_MAX} bytes, 16 EiB)")
     return size

@@ -597,3 +597,42 @@ def test_table_and_sizes():
     # decimal and binary forms of every unit, terabytes included
     assert _progress.parse_size("1GB") == 10**9 and _progress.parse_size("1GiB") == 1 << 30
     assert _progress.parse_size("1TB") == 10**12 and _progress.parse_size("1TiB") == 1 << 40
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["0", "4096", "4096B", "4k", "4K", "4Ki", "4KiB", "4kib", "2M", "2MiB", "1G", "1GiB", "1T", "1TiB", "1P", "1PiB",
+     "1pi", "16383P", "1.5G", "1e3", "inf", "nan", " 4G", "4 G", "4G ", "+4", "-1", "1iB", "4X", "G", "", "4GBB",
+     "99999P", "16384P", "18446744073709551616"],
+)  # fmt: skip
+def test_sizes_are_read_as_the_library_reads_them(text):
+    """The command line refused 1P and 1PiB, which KVH_HOST_BYTES takes,
+    took 1.5G, which it refuses, and called 99999P "not a size": it takes
+    what the library takes now (KB, MB, ... stay decimal), and says when a
+    size is too large."""
+    import argparse
+
+    from kvh_cache import config, errors
+
+    try:
+        lib = config.from_env({"KVH_HOST_BYTES": text}).get("host_bytes")
+    except errors.Error:
+        lib = None
+    if lib is None and text.strip() == "":
+        lib = None  # an empty variable is unset
+    try:
+        ours = _progress.parse_size(text)
+    except argparse.ArgumentTypeError as exc:
+        ours = None
+        if text in ("99999P", "16384P", "18446744073709551616"):
+            assert "too large" in str(exc), exc
+    assert ours == lib, (text, ours, lib)
+
+
+def test_size_options_take_petabytes():
+    res = run_kvh("doctor", "--json", "--disk-budget", "1P", "--data-dir", "/nonexistent-kvh-dir/x")
+    assert res.returncode in (0, 1) and "not a size" not in res.stderr, res.stderr
+    res = run_kvh("doctor", "--disk-budget", "99999P")
+    assert res.returncode == 2 and "too large" in res.stderr.strip().splitlines()[-1], res.stderr
+    res = run_kvh("doctor", "--disk-budget", "1.5G")
+    assert res.returncode == 2 and "--disk-budget" in res.stderr, res.stderr
