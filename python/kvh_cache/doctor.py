@@ -65,6 +65,12 @@ def _data_dir(text: str) -> Path:
     return Path(text)
 
 
+def _config_file(text: str) -> Path:
+    if not text:  # Path("") would be the working directory
+        raise argparse.ArgumentTypeError("must not be empty (leave --config out to use $KVH_CONFIG)")
+    return Path(text)
+
+
 def add_arguments(p) -> None:
     p.add_argument(
         "--data-dir",
@@ -84,7 +90,7 @@ def add_arguments(p) -> None:
     )
     p.add_argument(
         "--config",
-        type=Path,
+        type=_config_file,
         default=None,
         help="the TOML configuration file whose effect to show (default $KVH_CONFIG)",
     )

@@ -1385,3 +1385,25 @@ def test_demo_model_that_is_not_a_usable_gguf(what, tmp_path):
     last = res.stderr.strip().splitlines()[-1]
     assert ("not a regular file" if what in ("/dev/zero", "/dev/null", "fifo") else "GGUF") in last, last
     assert "does not exist" not in res.stderr
+
+
+@pytest.mark.parametrize(
+    "args, word",
+    [
+        (["demo", "--synthetic", "--disk-budget", "1", "--data-dir", "{tmp}/data"], "--disk-budget 1"),
+        (["demo", "--synthetic", "--disk-budget", "65536", "--data-dir", "{tmp}/data"], "--disk-budget 65536"),
+        (["demo", "--synthetic", "--disk-budget", "1"], "--disk-budget 1"),
+        (["doctor", "--config", ""], "--config: must not be empty"),
+    ],
+    ids=lambda a: " ".join(a) if isinstance(a, list) else "",
+)
+def test_option_values_the_engine_would_refuse_are_usage_errors(args, word, tmp_path):
+    """--disk-budget 1 reached the engine and ended as "InvalidArgumentError:
+    KVH_ERR_INVALID_ARG: disk_bytes 1 holds no block slot", exit 1, after
+    the store's directory and LOCK were made; kvh doctor --config "" said
+    "--config .: Is a directory". Usage errors naming the option now, with
+    nothing written."""
+    res = run_kvh(*(a.replace("{tmp}", str(tmp_path)) for a in args), cwd=tmp_path)
+    assert_one_line_error(res, 2, word)
+    assert "InvalidArgumentError" not in res.stderr and "Is a directory" not in res.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -309,6 +309,24 @@ class DataDirError(Exception):
     """The --data-dir given cannot hold the disk tier."""
 
 
+class BudgetError(Exception):
+    """A tier budget the engine refuses (too small for one block): a usage
+    error naming the option."""
+
+
+# The engine's words for a budget, and the option that sets it.
+_BUDGET_OPTIONS = {"device_bytes": "--device-budget", "host_bytes": "--host-budget", "disk_bytes": "--disk-budget"}
+
+
+def _budget_error(exc: "errors.Error") -> Optional[BudgetError]:
+    field, _, rest = exc.message.partition(" ")
+    option = _BUDGET_OPTIONS.get(field)
+    if option is None:
+        return None
+    value, _, why = rest.partition(" ")
+    return BudgetError(f"{option} {value}: {why or exc.message}")
+
+
 def _mismatch_message(args: argparse.Namespace, store: Path, exc: Exception) -> str:
     """Why the store under --data-dir was not opened: made with another
     geometry (which field, as the library names it), and what to do."""
@@ -348,13 +366,24 @@ def open_engine(args: argparse.Namespace, data_dir: Optional[Path], notes: List[
             )
         except errors.MismatchError as exc:
             raise DataDirError(_mismatch_message(args, data_dir, exc)) from None
+        except errors.InvalidArgumentError as exc:
+            bad = _budget_error(exc)
+            if bad is None:
+                raise
+            raise bad from None
         except errors.KvhIOError as exc:
             if args.data_dir is not None:  # the user's own directory: say why it cannot be used
                 raise DataDirError(f"--data-dir {args.data_dir}: {exc.message}") from None
             notes.append(f"disk tier unavailable ({exc.message}); running with device + host only")
         except errors.UnsupportedError as exc:
             notes.append(f"disk tier unavailable ({exc.message}); running with device + host only")
-    return Engine(**base)
+    try:
+        return Engine(**base)
+    except errors.InvalidArgumentError as exc:
+        bad = _budget_error(exc)
+        if bad is None:
+            raise
+        raise bad from None
 
 
 def run(args: argparse.Namespace, out=None) -> int:
@@ -394,6 +423,16 @@ def run(args: argparse.Namespace, out=None) -> int:
     if not args.no_disk and args.disk_budget <= 0:  # a disk tier needs a size
         print("kvh demo: --disk-budget must be > 0 (--no-disk runs without the disk tier)", file=sys.stderr)
         return 2
+    # A disk slot is a 4 KiB header and the block, 4 KiB aligned (as the
+    # engine lays it out): refused before anything is created.
+    slot_bytes = 4096 + -(-block_bytes // 4096) * 4096
+    if not args.no_disk and args.disk_budget < slot_bytes:
+        print(
+            f"kvh demo: --disk-budget {args.disk_budget}: holds no block slot of {slot_bytes} bytes with this "
+            "geometry (--no-disk runs without the disk tier)",
+            file=sys.stderr,
+        )
+        return 2
     t0 = time.monotonic()
     notes: List[str] = []
     tmp: Optional[str] = None
@@ -420,6 +459,9 @@ def run(args: argparse.Namespace, out=None) -> int:
     except DataDirError as exc:
         print(f"kvh demo: {exc}", file=sys.stderr)
         return 1
+    except BudgetError as exc:
+        print(f"kvh demo: {exc}", file=sys.stderr)
+        return 2
     except errors.NoSpaceError as exc:
         print(
             f"kvh demo: the tiers are too small for this workload ({exc.message}); "
