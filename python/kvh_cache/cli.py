@@ -426,7 +426,10 @@ def cmd_stats(args: argparse.Namespace) -> int:
         _err(_mismatch_message(d, exc, args))
         return EXIT_FAIL
     except errors.CorruptionError as exc:
-        _err(f"{d} is a damaged store ({exc.message}); kvh stats does not repair it: run `kvh store verify {d}`")
+        _err(
+            f"{d} is a damaged store ({errors.without_reset_advice(exc.message)}); kvh stats does not repair it: "
+            f"run `kvh store verify {d}`"
+        )
         return EXIT_FAIL
     except errors.InvalidArgumentError as exc:
         if "holds no block slot" not in str(exc):
@@ -439,7 +442,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
         )
         return EXIT_FAIL
     except errors.Error as exc:
-        _err(f"cannot open {d}: {exc}")
+        _err(f"cannot open {d}: {errors.without_reset_advice(str(exc))}")
         return EXIT_FAIL
     except (ValueError, TypeError) as exc:  # a bad $KVH_CONFIG file
         _err(str(exc))

@@ -223,6 +223,18 @@ def python_hints(message: str) -> str:
     return message
 
 
+_RESET_ADVICE = re.compile(
+    r"\s*\((?:pass disk_reset_on_mismatch=True|set KVH_DISK_RESET_ON_MISMATCH) to start it empty\)"
+)
+
+
+def without_reset_advice(message: str) -> str:
+    """A library message without its advice to open the store with the
+    reset flag: a command-line tool that never resets a user's store says
+    what to do in its own words (``kvh store verify``, ``--fresh``)."""
+    return _RESET_ADVICE.sub("", message)
+
+
 _ERRNO_PATTERNS = [
     re.compile(r"\berrno\s*[=:]?\s*(\d+)", re.I),
     re.compile(r"\[Errno\s+(\d+)\]"),

@@ -894,3 +894,15 @@ def test_unknown_dtype_or_codec_is_a_damaged_header(forged, store):
         assert eng.tier_info("disk").used_blocks == CHAINS * 3
     res = run_store("verify", store)
     assert res.returncode == 0 and _summary(res.stdout) == (CHAINS * 3, 0), res.stdout + res.stderr
+
+
+def test_stats_of_a_store_without_its_journal_gives_cli_advice(store):
+    """With its journal removed, kvh stats said "(pass
+    disk_reset_on_mismatch=True to start it empty)": advice for the Python
+    API, which kvh stats never takes. It points at kvh store verify."""
+    (store / "journal").unlink()
+    for extra in ([], ["--json"]):
+        res = run_kvh("stats", store, *extra)
+        assert_one_line_error(res, 1, "kvh store verify")
+        assert "disk_reset_on_mismatch" not in res.stderr and "KVH_DISK_RESET_ON_MISMATCH" not in res.stderr
+

@@ -80,7 +80,8 @@ def run(args: argparse.Namespace, out: Optional[IO[str]] = None) -> int:
     except errors.MismatchError as exc:
         print(
             f"kvh demo: --data-dir {data_dir}: the store there was made with another model or geometry "
-            f"({exc.message}); pass --fresh to empty it and start over, or use another --data-dir",
+            f"({errors.without_reset_advice(exc.message)}); pass --fresh to empty it and start over, "
+            "or use another --data-dir",
             file=sys.stderr,
         )
         return 1
