@@ -1407,3 +1407,25 @@ def test_option_values_the_engine_would_refuse_are_usage_errors(args, word, tmp_
     assert_one_line_error(res, 2, word)
     assert "InvalidArgumentError" not in res.stderr and "Is a directory" not in res.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def _tiny_model(tmp_path_factory):
+    pytest.importorskip("gguf")
+    from kvh_cache.model.testing import write_tiny_llama
+
+    return write_tiny_llama(str(tmp_path_factory.mktemp("model") / "tiny.Q4_1.gguf"), qtype="Q4_1", seed=4)
+
+
+@pytest.mark.parametrize("demo", [[], ["--models"]], ids=["model-demo", "models"])
+@pytest.mark.parametrize("budget", ["1", "12287"])  # the tiny model's slot: 4 KiB + 8 KiB
+def test_demo_disk_budget_below_one_slot_is_a_usage_error(demo, budget, tmp_path, tmp_path_factory):
+    """Only the synthetic demo checked --disk-budget against one block slot:
+    the model demo and --models reached the engine (InvalidArgumentError,
+    exit 1) after making the data directory (and, for --models, writing
+    the second model). Exit 2 naming --disk-budget, nothing created."""
+    pytest.importorskip("regex")
+    model = _tiny_model(tmp_path_factory)
+    res = run_kvh("demo", *demo, "--model", model, "--disk-budget", budget, "--no-progress", cwd=tmp_path)
+    assert_one_line_error(res, 2, f"--disk-budget {budget}")
+    assert "InvalidArgumentError" not in res.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -85,3 +85,71 @@ def test_budget_that_holds_one_model(tmp_path):
         r = json.loads(line)
         metrics[r["metric"]] = r["value"]
     assert metrics["switches"] == 4 and metrics["bytes_dropped"] > 0
+
+
+def _digest(d, sizes=None):
+    """sha256 of each file of store d but LOCK (of the first sizes[name]
+    bytes where given)."""
+    import hashlib
+
+    sizes = sizes or {}
+    return {
+        p.name: hashlib.sha256(p.read_bytes()[: sizes.get(p.name)]).hexdigest()
+        for p in sorted(d.iterdir())
+        if p.name != "LOCK"
+    }
+
+
+def test_store_of_another_geometry_is_kept(tmp_path, capsys):
+    """DATA_DIR/models-store made with another geometry was emptied (the
+    engine's reset, exit 0): refused now, exit 1, naming the mismatch and
+    --fresh, the store left as it was; --fresh starts over."""
+    model = write_tiny_llama(str(tmp_path / "tiny.Q4_1.gguf"), qtype="Q4_1", seed=4)
+    assert two_models.run(args_for(tmp_path, model, questions=1), io.StringIO()) == 0
+    store = tmp_path / "data" / "models-store"
+    sizes = {p.name: p.stat().st_size for p in store.iterdir()}
+    before = _digest(store)
+    other = write_tiny_llama(str(tmp_path / "other.Q4_1.gguf"), qtype="Q4_1", seed=4, n_layers=3)
+    capsys.readouterr()
+    rc = two_models.run(args_for(tmp_path, other, questions=1), io.StringIO())
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1, err
+    assert len(err) == 1 and "--fresh" in err[0] and "num_layers" in err[0], err
+    assert "disk_reset_on_mismatch" not in err[0]
+    # Every block and record kept (the engine may have preallocated the
+    # slab file to the other geometry's size before reading the index).
+    assert _digest(store, sizes) == before
+    assert two_models.run(args_for(tmp_path, other, questions=1, fresh=True), io.StringIO()) == 0
+    assert _digest(store) != before
+
+
+@pytest.mark.parametrize("budget", [0, 1, 4096])
+def test_disk_budget_below_one_slot_is_a_usage_error(budget, tmp_path, capsys):
+    """--disk-budget 1 reached the engine (InvalidArgumentError, exit 1)
+    after the data directory, the second model and the store were made:
+    exit 2 naming --disk-budget now, nothing created."""
+    model = write_tiny_llama(str(tmp_path / "tiny.Q4_1.gguf"), qtype="Q4_1", seed=4)
+    rc = two_models.run(args_for(tmp_path, model, disk_budget=budget), io.StringIO())
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and f"--disk-budget {budget}" in err[0], err
+    assert not (tmp_path / "data").exists()
+
+
+@pytest.mark.parametrize("what", ["truncated", "/dev/null", "fifo"])
+def test_damaged_model_fails_with_1(what, tmp_path, capsys):
+    """A cut GGUF, /dev/null or a FIFO as --model ended as a bare
+    ValueError (a usage error, 2): a file that cannot be used is a failure
+    (1), named in one line, with nothing created."""
+    import os
+
+    path = tmp_path / "cut.gguf"
+    if what == "truncated":
+        path.write_bytes(b"GGUF\x03\x00\x00\x00")
+    elif what == "fifo":
+        os.mkfifo(path)
+    else:
+        path = what
+    rc = two_models.run(args_for(tmp_path, path), io.StringIO())
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and len(err) == 1 and str(path) in err[0] and "--model" in err[0], err
+    assert not (tmp_path / "data").exists()

@@ -309,6 +309,13 @@ class DataDirError(Exception):
     """The --data-dir given cannot hold the disk tier."""
 
 
+def disk_slot_bytes(block_bytes: int) -> int:
+    """The bytes of one disk slot for blocks of block_bytes, as the engine
+    lays them out (core/disk_tier.c): a 4 KiB header and the block, 4 KiB
+    aligned. A disk budget below it holds no block: the engine refuses it."""
+    return 4096 + -(-block_bytes // 4096) * 4096
+
+
 class BudgetError(Exception):
     """A tier budget the engine refuses (too small for one block): a usage
     error naming the option."""
@@ -425,7 +432,7 @@ def run(args: argparse.Namespace, out=None) -> int:
         return 2
     # A disk slot is a 4 KiB header and the block, 4 KiB aligned (as the
     # engine lays it out): refused before anything is created.
-    slot_bytes = 4096 + -(-block_bytes // 4096) * 4096
+    slot_bytes = disk_slot_bytes(block_bytes)
     if not args.no_disk and args.disk_budget < slot_bytes:
         print(
             f"kvh demo: --disk-budget {args.disk_budget}: holds no block slot of {slot_bytes} bytes with this "

@@ -43,6 +43,7 @@ QUESTIONS = {
 }
 DEFAULT_HOST_BYTES = 64 << 20
 DEFAULT_KV_BLOCKS = 48
+DEFAULT_DISK_BYTES = 512 << 20
 # kvh.h: each weight region is an allocation of its own, charged its size
 # rounded up to whole pages of the system's page size.
 REGION_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
@@ -119,41 +120,75 @@ def build_model(ctx: Any, mf: ModelFile, on_layer: Any = None):
 def run(args: argparse.Namespace, out: Optional[IO[str]] = None) -> int:
     import kvh_cache as kvh
 
+    from .. import errors
+    from ..errors import without_reset_advice
     from ..model.requant import requantize
     from ..model.runner import ModelNotFoundError, Runner, default_model_path
     from ..model.tokenizer import Tokenizer
+    from .synthetic import disk_slot_bytes
 
     out = out or sys.stdout
     if args.model and os.path.isdir(args.model):
         print(f"kvh demo --models: --model {args.model}: a directory, not a GGUF file", file=sys.stderr)
         return 2
-    if args.model_b and not os.path.isfile(args.model_b):
+    if args.model_b and os.path.isdir(args.model_b):
+        print(f"kvh demo --models: --model-b {args.model_b}: a directory, not a GGUF file", file=sys.stderr)
+        return 2
+    if args.model_b and not os.path.exists(args.model_b):
         # Not written there: a mistyped path would get a model-sized file.
         print(f"kvh demo --models: --model-b {args.model_b}: no such file", file=sys.stderr)
         return 2
-    data_dir = Path(args.data_dir or "kvh-data")
-    data_dir.mkdir(parents=True, exist_ok=True)
     try:
         path_a = os.path.abspath(args.model or default_model_path())
     except ModelNotFoundError as exc:
         print(f"kvh demo --models: {exc}", file=sys.stderr)
         return 1
+    # The first model gives the KV geometry the budgets are checked
+    # against: read (and a damaged file refused) before anything is made.
+    try:
+        file_a = ModelFile(path_a)
+    except ValueError as exc:
+        print(f"kvh demo --models: --model: {exc}", file=sys.stderr)
+        return 1
+    ca = file_a.config
+    block_tokens = 16
+    block_bytes = 2 * ca.n_layers * ca.n_kv_heads * ca.head_dim * block_tokens * 4
+    disk_bytes = DEFAULT_DISK_BYTES if args.disk_budget is None else args.disk_budget
+    slot_bytes = disk_slot_bytes(block_bytes)
+    if disk_bytes < slot_bytes:
+        print(
+            f"kvh demo --models: --disk-budget {disk_bytes}: holds no block slot of {slot_bytes} bytes with this model",
+            file=sys.stderr,
+        )
+        return 2
+    data_dir = Path(args.data_dir or "kvh-data")
+    store = data_dir / "models-store"
+    if getattr(args, "fresh", False) and (store.exists() or store.is_symlink()):
+        from .agents.app import remove_store
+
+        problem = remove_store(store)
+        if problem:
+            print(f"kvh demo --models: --fresh: {problem}", file=sys.stderr)
+            return 1
+    data_dir.mkdir(parents=True, exist_ok=True)
     path_b = args.model_b or str(second_model_path(path_a, data_dir))
     if not os.path.isfile(path_b):
         _say(out, args, f"writing the second model: {path_b} (the first one re-encoded as Q8_0) ...")
         t0 = time.perf_counter()
         requantize(path_a, path_b, "Q8_0")
         _say(out, args, f"  done in {time.perf_counter() - t0:.1f} s")
-    files = {"A": ModelFile(path_a), "B": ModelFile(path_b)}
-    ca, cb = files["A"].config, files["B"].config
+    try:
+        files = {"A": file_a, "B": ModelFile(path_b)}
+    except ValueError as exc:
+        print(f"kvh demo --models: --model-b: {exc}", file=sys.stderr)
+        return 1
+    cb = files["B"].config
     if (ca.n_layers, ca.n_kv_heads, ca.head_dim) != (cb.n_layers, cb.n_kv_heads, cb.head_dim):
         print(
             "kvh demo --models: the two models need the same KV geometry (layers, KV heads, head dim)", file=sys.stderr
         )
         return 2
     tokenizer = Tokenizer.from_gguf_metadata(files["A"].metadata)
-    block_tokens = 16
-    block_bytes = 2 * ca.n_layers * ca.n_kv_heads * ca.head_dim * block_tokens * 4
     # Each tensor is a region charged in whole pages, and a context the
     # blocks of its regions' pages together (one block of rounding).
     biggest = max(f.charged_bytes for f in files.values())
@@ -169,21 +204,39 @@ def run(args: argparse.Namespace, out: Optional[IO[str]] = None) -> int:
         f"device budget {device / mib:.1f} MiB (both models: {both / mib:.1f} MiB), "
         f"host budget {host / mib:.1f} MiB, KV blocks of {block_bytes // 1024} KiB",
     )
-    store = data_dir / "models-store"
     store.mkdir(exist_ok=True)
-    eng = kvh.Engine(
-        num_layers=ca.n_layers,
-        num_kv_heads=ca.n_kv_heads,
-        head_dim=ca.head_dim,
-        block_tokens=block_tokens,
-        dtype="f32",
-        backend="cpu",
-        device_bytes=device,
-        host_bytes=host,
-        disk_path=str(store),
-        disk_bytes=args.disk_budget or (512 << 20),
-        disk_reset_on_mismatch=True,
-    )
+    try:
+        eng = kvh.Engine(
+            num_layers=ca.n_layers,
+            num_kv_heads=ca.n_kv_heads,
+            head_dim=ca.head_dim,
+            block_tokens=block_tokens,
+            dtype="f32",
+            backend="cpu",
+            device_bytes=device,
+            host_bytes=host,
+            disk_path=str(store),
+            disk_bytes=disk_bytes,
+            # A store of another geometry is the user's: refused, never
+            # emptied (--fresh removes it first).
+            disk_reset_on_mismatch=False,
+        )
+    except errors.MismatchError as exc:
+        print(
+            f"kvh demo --models: --data-dir {data_dir}: the store there ({store}) was made with another "
+            f"geometry ({without_reset_advice(exc.message)}); pass --fresh to empty it and start over, "
+            "or use another --data-dir",
+            file=sys.stderr,
+        )
+        return 1
+    except errors.CorruptionError as exc:
+        print(
+            f"kvh demo --models: --data-dir {data_dir}: the store there ({store}) is damaged "
+            f"({without_reset_advice(exc.message)}); `kvh store verify {store}` lists the damage, "
+            "--fresh empties it and starts over",
+            file=sys.stderr,
+        )
+        return 1
     rc = 0
     try:
         ctxs = {}

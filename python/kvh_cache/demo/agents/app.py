@@ -55,6 +55,18 @@ def run(args: argparse.Namespace, out: Optional[IO[str]] = None) -> int:
         print(f"kvh demo: --model: {exc}", file=sys.stderr)
         return 1
     load_s = time.perf_counter() - t_all
+    # The disk budget must hold one slot of this model's blocks (f32 K and
+    # V of every layer): refused before the data directory is touched.
+    from ..synthetic import disk_slot_bytes
+
+    c = runner.config
+    slot_bytes = disk_slot_bytes(2 * c.n_layers * c.n_kv_heads * c.head_dim * 4 * runner.block_tokens)
+    if args.disk_budget < slot_bytes:
+        print(
+            f"kvh demo: --disk-budget {args.disk_budget}: holds no block slot of {slot_bytes} bytes with this model",
+            file=sys.stderr,
+        )
+        return 2
     notes: List[str] = []
     data_dir = Path(args.data_dir)
     if args.fresh and (data_dir / "store").exists():
