@@ -1429,3 +1429,30 @@ def test_demo_disk_budget_below_one_slot_is_a_usage_error(demo, budget, tmp_path
     assert_one_line_error(res, 2, f"--disk-budget {budget}")
     assert "InvalidArgumentError" not in res.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("what", ["truncated", "/dev/null", "fifo"])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["demo", "--models", "--model", "{model}", "--data-dir", "{tmp}/data"],
+        ["bench", "offload", "--quick", "--", "--model", "{model}"],
+        ["bench", "remote-ttft", "--quick", "--", "--model", "{model}"],
+    ],
+    ids=["demo-models", "bench-offload", "bench-remote-ttft"],
+)
+def test_model_that_is_not_a_usable_gguf_fails_with_1(args, what, tmp_path, capfd):
+    """Outside kvh demo, a cut GGUF, /dev/null or a FIFO as --model was a
+    bare ValueError that kvh reported as a usage error (2): a bad input
+    file fails (1), in one line naming it, as kvh demo does."""
+    pytest.importorskip("gguf")
+    path = tmp_path / "cut.gguf"
+    if what == "truncated":
+        path.write_bytes(b"GGUF\x03\x00\x00\x00")
+    elif what == "fifo":
+        os.mkfifo(path)
+    else:
+        path = Path(what)
+    res = run_in_process([a.replace("{model}", str(path)).replace("{tmp}", str(tmp_path)) for a in args], capfd)
+    assert_one_line_error(res, 1, str(path))
+    assert "--model" in res.stderr.strip().splitlines()[-1]

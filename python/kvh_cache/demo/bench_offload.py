@@ -291,13 +291,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.reps < 1 or args.recompute_reps < 1 or not args.contexts or min(args.contexts) < 1:
         print("kvh bench offload: --reps, --recompute-reps and contexts must be >= 1", file=sys.stderr)
         return 2
-    from ..model.runner import ModelNotFoundError
+    from ..model.runner import ModelFileError, ModelNotFoundError
 
     try:
         rows = run_bench(args, log=lambda m: print(m, file=sys.stderr))
     except ModelNotFoundError as e:
         print(f"kvh bench offload: {e}", file=sys.stderr)
         return 3
+    except ModelFileError as e:  # a file that is not a usable GGUF: a failure, not a usage error
+        print(f"kvh bench offload: --model: {e}", file=sys.stderr)
+        return 1
     if args.json:
         for r in rows:
             print(json.dumps(r))

@@ -216,7 +216,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.reps < 1 or args.tokens < 1:
         print("bench remote: --reps and --tokens must be >= 1", file=sys.stderr)
         return 2
-    rows = run_bench(args, log=None if args.json else lambda s: print(s, file=sys.stderr))
+    from ..model.runner import ModelFileError
+
+    try:
+        rows = run_bench(args, log=None if args.json else lambda s: print(s, file=sys.stderr))
+    except ModelFileError as exc:  # a file that is not a usable GGUF: a failure, not a usage error
+        print(f"bench remote: --model: {exc}", file=sys.stderr)
+        return 1
     for row in rows:
         if args.json:
             print(json.dumps(row))
