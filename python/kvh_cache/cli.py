@@ -531,7 +531,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     unused = {"offload": ("seed", "strict"), "remote-ttft": ("seed",), "vllm": ("strict",)}
     if len(args.scenarios) == 1 and args.scenarios[0] in unused:
         name = args.scenarios[0]
-        given = [f"--{k}" for k in unused[name] if getattr(args, k) not in (None, False)]
+        # --seed 0 is a seed given (0 == False): only None means left out.
+        given = [f"--{k}" for k in unused[name] if getattr(args, k) is not None and getattr(args, k) is not False]
         if given:
             what = {"--seed": "no random input", "--strict": "no target"}
             _err(f"bench {name}: {', '.join(given)} not taken by this scenario ({'; '.join(what[g] for g in given)})")

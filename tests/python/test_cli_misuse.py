@@ -1324,6 +1324,9 @@ def test_bench_strict_missed_target_is_exit_1(tmp_path, monkeypatch, capfd):
         (["offload", "--quick", "--strict", "--seed", "7"], "--seed, --strict"),
         (["offload", "--seed", "7"], "--seed"),
         (["remote-ttft", "--seed", "7"], "--seed"),
+        # 0 is a seed given, not one left out (0 == False)
+        (["offload", "--quick", "--seed", "0"], "--seed"),
+        (["remote-ttft", "--seed", "0"], "--seed"),
         (["vllm", "--strict"], "--strict"),
     ],
     ids=lambda a: " ".join(a) if isinstance(a, list) else "",
