@@ -906,3 +906,17 @@ def test_stats_of_a_store_without_its_journal_gives_cli_advice(store):
         assert_one_line_error(res, 1, "kvh store verify")
         assert "disk_reset_on_mismatch" not in res.stderr and "KVH_DISK_RESET_ON_MISMATCH" not in res.stderr
 
+
+def test_stats_of_a_store_named_with_a_leading_dash(pristine, tmp_path):
+    """A store directory whose name starts with "-" is read after --, as a
+    directory and not as an option, with and without --json."""
+    shutil.copytree(pristine, tmp_path / "-store", symlinks=True)
+    res = run_kvh("stats", "--", "-store", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert "-store" in res.stdout and "disk slots" in res.stdout
+    res = run_kvh("stats", "--json", "--", "-store", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["path"] == "-store" and out["disk"]["used_blocks"] == CHAINS * TOKENS // 16
+    res = run_kvh("stats", "--", "-nostore", cwd=tmp_path)
+    assert_one_line_error(res, 1, "-nostore")
