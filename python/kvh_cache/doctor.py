@@ -590,6 +590,22 @@ def check_remote(config) -> Check:
 # Budgets a validating engine is opened with at most: its geometry and
 # settings are the configuration's, its memory a token amount.
 _PROBE_BYTES = 64 << 20
+# ... but no less than this many blocks of the configuration's geometry.
+_PROBE_BLOCKS = 4
+
+
+def _block_bytes(cfg) -> int:
+    """The bytes of one block of cfg's geometry, uncompressed, as the
+    engine sizes it (K and V of every layer; a vector's bytes as the
+    library gives them); 0 for a geometry the library refuses (the
+    engine's open then says why)."""
+    from .codec import vector_bytes
+
+    try:
+        vector = vector_bytes("none", cfg.dtype, cfg.head_dim)
+        return 2 * int(cfg.num_layers) * int(cfg.num_kv_heads) * int(cfg.block_tokens) * vector
+    except Exception:  # noqa: BLE001 - any refusal is the engine's to report
+        return 0
 
 
 def _where(resolved, name: str) -> str:
@@ -625,15 +641,13 @@ def check_config(resolved) -> Check:
             [f"# set {ENV_VARS[lack]} too, or unset {ENV_VARS[have]}"],
             {"field": have},
         )
-    probe = dataclasses.replace(
-        cfg,
-        disk_path=None,
-        disk_bytes=None,
-        remote_addrs=None,
-        log_level="error",
-        device_bytes=min(cfg.device_bytes, _PROBE_BYTES) if cfg.device_bytes is not None else _PROBE_BYTES,
-        host_bytes=min(cfg.host_bytes, _PROBE_BYTES) if cfg.host_bytes is not None else _PROBE_BYTES,
-    )
+    # The budgets are capped, but never below a few blocks of this
+    # geometry: a cap under one block would fail a setup that works.
+    cap = max(_PROBE_BYTES, _PROBE_BLOCKS * _block_bytes(cfg))
+    budgets = {
+        k: min(getattr(cfg, k), cap) if getattr(cfg, k) is not None else cap for k in ("device_bytes", "host_bytes")
+    }
+    probe = dataclasses.replace(cfg, disk_path=None, disk_bytes=None, remote_addrs=None, log_level="error", **budgets)
     try:
         Engine(probe).close()
     except errors.UnsupportedError as exc:
@@ -642,10 +656,18 @@ def check_config(resolved) -> Check:
         field = exc.message.split()[0] if exc.message else ""
         if field in ENV_VARS:
             where = _where(resolved, field)
+            message = exc.message
+            if field in budgets and budgets[field] != getattr(cfg, field):
+                # The engine judged the capped budget, not the user's:
+                # its number is doctor's, and is said to be.
+                message = (
+                    f"{message} (checked at the {budgets[field]} bytes kvh doctor opens it with, "
+                    f"of the {getattr(cfg, field)} set)"
+                )
             return Check(
                 name,
                 FAIL,
-                f"the engine refuses {where}: {exc.message}",
+                f"the engine refuses {where}: {message}",
                 [f"# change or unset {ENV_VARS[field]}"],
                 {"field": field},
             )

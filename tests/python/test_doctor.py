@@ -139,3 +139,38 @@ def test_settings_the_engine_refuses_fail(env, field, tmp_path, monkeypatch, cap
         "configuration", lambda: doctor.check_config(__import__("kvh_cache.config").config.resolve())
     )
     assert checks[0].status == doctor.OK, checks[0]
+
+
+BIG_BLOCKS = {  # blocks of 80 MiB: 80 layers x 8 KV heads x 128 x 256 tokens, f16
+    "KVH_NUM_LAYERS": "80",
+    "KVH_NUM_KV_HEADS": "8",
+    "KVH_HEAD_DIM": "128",
+    "KVH_BLOCK_TOKENS": "256",
+    "KVH_DTYPE": "f16",
+}
+
+
+@pytest.mark.parametrize(
+    "budgets, status, word",
+    [
+        ({"KVH_DEVICE_BYTES": "80G", "KVH_HOST_BYTES": "256G"}, doctor.OK, None),
+        ({"KVH_DEVICE_BYTES": "1M", "KVH_HOST_BYTES": "256G"}, doctor.FAIL, "device_bytes 1048576 holds no block"),
+    ],
+    ids=["fits", "too-small"],
+)
+def test_configuration_of_blocks_larger_than_the_probe_cap(budgets, status, word, monkeypatch):
+    """The configuration check capped the budgets at 64 MiB, so a geometry
+    whose block is larger (80 MiB here) failed with "device_bytes 67108864
+    holds no block", a number the user never set. The cap is at least a
+    few blocks now, and a refusal quotes the user's own budget."""
+    for k in [k for k in os.environ if k.startswith("KVH_") and k not in ("KVH_BUILD_DIR",)]:
+        monkeypatch.delenv(k)
+    for k, v in {**BIG_BLOCKS, **budgets}.items():
+        monkeypatch.setenv(k, v)
+    from kvh_cache.config import resolve
+
+    (check,) = doctor.run_check("configuration", lambda: doctor.check_config(resolve()))
+    assert check.status == status, check
+    assert str(64 << 20) not in check.summary, check
+    if word:
+        assert word in check.summary, check
