@@ -1,8 +1,12 @@
 /* kvh-store: inspect a kvh disk store without an engine.
  *   kvh-store info DIR     geometry, blocks, bytes, prefix chains, and who
  *                          can read it (directory and file modes)
- *   kvh-store verify DIR   re-checks every block's checksums; exit 0 only
- *                          if all pass, the bad ones are listed
+ *   kvh-store verify DIR   re-checks every block's checksums and the index
+ *                          files; exit 0 only if all pass and a strict open
+ *                          (disk_strict_index) takes the store: a missing
+ *                          journal, a journal cut inside its header or an
+ *                          index older than its journal fail it too, even
+ *                          with no bad block or record; what is bad is listed
  *   kvh-store remote ...   the remote tier (tools/kvh_store_remote.c) */
 #include <dirent.h>
 #include <errno.h>
@@ -26,13 +30,18 @@ static void usage(FILE *f)
                "       kvh-store verify [--json] [--] DIR\n"
                "Inspects a kvh disk tier directory (kvh_config.disk_path).\n"
                "  info     geometry, block count, bytes, prefix chains, permissions\n"
-               "  verify   re-reads every indexed block and checks its checksums;\n"
-               "           exits 0 only when all pass, and lists the bad ones\n"
+               "  verify   re-reads every indexed block and checks its checksums and\n"
+               "           the index files; exits 0 only when all pass and a strict\n"
+               "           open (disk_strict_index) takes the store, and lists what\n"
+               "           is bad\n"
                "       kvh-store remote ping|count|verify|purge [--sample N] [--json]\n"
                "           the remote tier's keys of the model the KVH_* environment\n"
                "           names (KVH_REMOTE_ADDRS, KVH_MODEL_SALT, geometry)\n"
-               "Exit status: 0 all good; 1 bad blocks or index records found; 2 bad\n"
-               "arguments, or the store cannot be read (missing, damaged, in use).\n");
+               "Exit status: 0 all good; 1 bad blocks or index records found, or\n"
+               "index files a strict open refuses (a missing journal, a journal cut\n"
+               "inside its header, an index older than its journal), even with 0 bad\n"
+               "blocks and records; 2 bad arguments, or the store cannot be read\n"
+               "(missing, damaged, in use).\n");
 }
 
 /* A store file for reading, as the engine opens it: a regular file only

@@ -872,7 +872,12 @@ def build_parser() -> argparse.ArgumentParser:
     ssub.required = True
     for action, text in (
         ("info", "geometry, block count, bytes, prefix chains, who can read it (directory and file modes)"),
-        ("verify", "re-read every stored block and check its checksums (exit 1 if any is bad)"),
+        (
+            "verify",
+            "re-read every stored block and check its checksums and the index files (exit 1 if a block or index "
+            "record is bad, or if a strict open would refuse the store: a missing journal, a journal cut inside its "
+            "header, an index older than its journal)",
+        ),
     ):
         ap = ssub.add_parser(action, help=text, description=text, formatter_class=_Formatter)
         ap.add_argument("dir", metavar="DIR", type=_store_dir, help="the disk tier directory")

@@ -236,6 +236,22 @@ def test_store_tool_help_of_every_subcommand(args):
     assert res.stdout.startswith("usage: kvh-store") and res.stderr == "", (res.stdout, res.stderr)
 
 
+def test_verify_help_says_what_fails_it():
+    """kvh-store verify exits 1 for index files a strict open refuses (a
+    missing journal, a journal cut inside its header, an index older than
+    its journal) with 0 bad blocks and records; its usage text and kvh
+    store verify's help said it failed only for bad blocks or records."""
+    res = run_store("--help")
+    text = " ".join(res.stdout.split())
+    assert "strict open" in text and "a missing journal" in text, res.stdout
+    assert "an index older than its journal" in text and "1 bad blocks or index records found;" not in text
+    res = run_kvh("store", "verify", "--help")
+    assert res.returncode == 0, res.stderr
+    text = " ".join(res.stdout.split())
+    assert "strict open" in text and "a missing journal" in text and "index older than its journal" in text, text
+    assert "exit 1 if any is bad" not in text
+
+
 @pytest.mark.parametrize(
     "args,word",
     [
