@@ -252,7 +252,10 @@ int bench_attention_stream(int argc, char **argv, const bench_ctx *ctx)
     if (prc)
         return bench_parse_rc(prc);
     const char *dir = dir_opt ? dir_opt : getenv("KVH_BENCH_DIR") ? getenv("KVH_BENCH_DIR") : ".";
-    const char *dir_name = !dir_opt && getenv("KVH_BENCH_DIR") ? "$KVH_BENCH_DIR" : "--dir";
+    /* What gave the directory, for the messages about it. */
+    const char *dir_name = dir_opt                   ? "--dir"
+                           : getenv("KVH_BENCH_DIR") ? "$KVH_BENCH_DIR"
+                                                     : "the current directory (neither --dir nor $KVH_BENCH_DIR set)";
     /* Empty, the files would go to the root directory; cut short, to
      * another directory than the one named. */
     if (!*dir || strlen(dir) >= sizeof(o.dir)) {
@@ -288,7 +291,7 @@ int bench_attention_stream(int argc, char **argv, const bench_ctx *ctx)
                         "device tier\n");
         return 2;
     }
-    /* A new directory of its own under --dir: the files it
+    /* A new directory of its own under that directory: the files it
      * writes by fixed names (a store, a raw file) could be the user's. */
     char why[600];
     int scratch = bench_scratch_dir_make(dir, "kvh-bench-stream", o.dir, sizeof(o.dir), why, sizeof(why));

@@ -1292,6 +1292,28 @@ def test_bench_directory_too_long_for_its_path_is_refused(tmp_path):
     assert [p.name for p in tmp_path.rglob("*")] == ["d" * 200] * 3
 
 
+def test_bench_attention_stream_names_the_current_directory(tmp_path):
+    """With neither --dir nor $KVH_BENCH_DIR, the stream scenario works in
+    the current directory, and a failure to use it blamed --dir, which
+    was never given: it names the current directory now."""
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    stream = ["--stream", "--kv-heads", "1", "--q-heads", "1", "--dim", "8"]
+    res = run_bench(
+        "attention",
+        "--quick",
+        "--json",
+        "--reps",
+        "1",
+        *stream,
+        cwd=gone,
+        preexec_fn=lambda: os.rmdir(os.getcwd()),  # runs in the child, after its chdir
+    )
+    assert_one_line_error(res, 1, "the current directory")
+    last = res.stderr.strip().splitlines()[-1]
+    assert "--dir" not in last.replace("neither --dir nor", ""), last
+
+
 def test_bench_strict_missed_target_is_exit_1(tmp_path, monkeypatch, capfd):
     """kvh-bench --strict exits 3 for a missed target, and kvh passed that
     through, though kvh's 3 means "not available": a missed target is a
