@@ -280,21 +280,9 @@ int kvhi_disk_open_slabs(kvhi_disk *d, bool allow_direct)
             kvhi_disk_sync_fd(fd, true);
             posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
         }
-        uint32_t slots = i + 1 < d->n_slabs ? d->slots_per_slab : d->n_slots - i * d->slots_per_slab;
-        off_t want = (off_t)slots * (off_t)d->slot_bytes;
         struct stat st;
-        bool sized = fstat(fd, &st) == 0;
-        if (sized)
+        if (fstat(fd, &st) == 0)
             d->slab_bytes_found += (uint64_t)st.st_size;
-        if (sized && st.st_size < want) {
-            /* Preallocate so a later write does not find the disk full;
-             * where that is refused, the file grows on demand. A file
-             * system that runs out of room midway (ext4) keeps what it
-             * allocated so far: that goes back first, or the store would
-             * hold the whole disk and find no room for its index. */
-            if (posix_fallocate(fd, 0, want) != 0 && (ftruncate(fd, st.st_size) != 0 || ftruncate(fd, want) != 0))
-                return -errno;
-        }
     }
     if (d->direct) {
         /* Some filesystems accept the flag but fail aligned I/O later. */
@@ -323,6 +311,26 @@ int kvhi_disk_open_slabs(kvhi_disk *d, bool allow_direct)
     pthread_cond_init(&d->lane_free, NULL);
     d->lanes = calloc(d->max_lanes, sizeof(*d->lanes));
     return d->lanes ? 0 : -ENOMEM;
+}
+
+int kvhi_disk_size_slabs(kvhi_disk *d)
+{
+    for (uint32_t i = 0; i < d->n_slabs; i++) {
+        uint32_t slots = i + 1 < d->n_slabs ? d->slots_per_slab : d->n_slots - i * d->slots_per_slab;
+        off_t want = (off_t)slots * (off_t)d->slot_bytes;
+        struct stat st;
+        if (fstat(d->slab_fds[i], &st) != 0 || st.st_size >= want)
+            continue;
+        /* Preallocate so a later write does not find the disk full; where
+         * that is refused, the file grows on demand. A file system that
+         * runs out of room midway (ext4) keeps what it allocated so far:
+         * that goes back first, or the store would hold the whole disk and
+         * find no room for its index. */
+        if (posix_fallocate(d->slab_fds[i], 0, want) != 0 &&
+            (ftruncate(d->slab_fds[i], st.st_size) != 0 || ftruncate(d->slab_fds[i], want) != 0))
+            return -errno;
+    }
+    return 0;
 }
 
 static void lane_destroy(kvhi_disk_lane *l)

@@ -78,8 +78,11 @@ typedef struct kvhi_disk {
 } kvhi_disk;
 
 /* Opens (creating) the slab files of a store with n_slots slots under an
- * already locked directory. Returns 0 or -errno. */
+ * already locked directory, as they are. Returns 0 or -errno. */
 int kvhi_disk_open_slabs(kvhi_disk *d, bool allow_direct);
+/* Grows each slab file to its slots (preallocated where the file system
+ * can), once the store's index is this engine's. Returns 0 or -errno. */
+int kvhi_disk_size_slabs(kvhi_disk *d);
 void kvhi_disk_close(kvhi_disk *d);
 
 /* Takes a lane for exclusive use (waits when all are busy). */

@@ -146,6 +146,12 @@ kvh_status kvhi_disk_tier_open(kvh_engine *e, const kvh_config *cfg, const char 
     }
     if (ir != KVHI_INDEX_OK)
         return kvhi_fail(KVH_ERR_IO, "%s", msg);
+    /* Only once the store is known to be this engine's: an open refused
+     * above (another geometry, damage under strict) leaves its files as
+     * they were. */
+    rc = kvhi_disk_size_slabs(d);
+    if (rc != 0)
+        return kvhi_fail(kvhi_io_status(rc), "cannot size slab files in %s: %s", path, strerror(-rc));
     if (d->warning[0])
         kvhi_log(e, KVH_LOG_WARN, "%s", d->warning);
     kvhi_tier *t = &e->tiers[KVH_TIER_DISK];

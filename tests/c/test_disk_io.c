@@ -259,6 +259,9 @@ static kvhi_disk *disk_open(const char *dir, uint64_t block_bytes, uint32_t n_sl
     int rc = kvhi_disk_open_slabs(d, direct);
     if (rc != 0)
         fail_msg("kvhi_disk_open_slabs(%s): %s", dir, strerror(-rc));
+    rc = kvhi_disk_size_slabs(d); /* as the tier does once the index is its own */
+    if (rc != 0)
+        fail_msg("kvhi_disk_size_slabs(%s): %s", dir, strerror(-rc));
     for (int i = 0; i < 8; i++)
         if (!open_disks[i]) {
             open_disks[i] = d;

@@ -477,6 +477,11 @@ static void test_mismatch_and_reset(void **state)
         {"model_salt", {2, 2, 32, 16, KVH_DTYPE_F16}, 0x5eee, KVH_CODEC_NONE},
         {"kv_codec", {2, 2, 32, 16, KVH_DTYPE_F16}, 0x5eed, KVH_CODEC_INT8}, /* not "dtype": it did not change */
     };
+    /* A refused open grew the slab to its own geometry's size first. */
+    char slab_path[600];
+    size_t slab_len = 0;
+    uint8_t *slab = dt_read_file(dt_path(slab_path, sizeof(slab_path), dir, "slab-0000.kvh"), &slab_len);
+    assert_non_null(slab);
     for (size_t i = 0; i < sizeof(variants) / sizeof(variants[0]); i++) {
         kvh_config c = dt_cfg(variants[i].g, dir, 4, 4, 32, 2);
         c.model_salt = variants[i].salt;
@@ -491,7 +496,15 @@ static void test_mismatch_and_reset(void **state)
         assert_null(x);
         if (!strstr(kvh_last_error(), variants[i].field))
             fail_msg("%s differs: last error does not name it: \"%s\"", variants[i].field, kvh_last_error());
+        size_t now_len = 0;
+        uint8_t *now = dt_read_file(slab_path, &now_len);
+        bool same = now && now_len == slab_len && memcmp(now, slab, slab_len) == 0;
+        free(now);
+        if (!same)
+            fail_msg("%s differs: the refused open changed the slab (%zu bytes, was %zu)", variants[i].field, now_len,
+                     slab_len);
     }
+    free(slab);
 
     /* The refused opens left the store alone. */
     e = open_a(&base);
