@@ -131,3 +131,21 @@ def close_while_running(eng, threads, started, delay: float) -> None:
     for t in threads:
         t.join(20)
     assert not any(t.is_alive() for t in threads), "a thread hung"
+
+
+def unusable_model(what: str, tmp_path: Path) -> Path:
+    """A --model that cannot be used: "truncated" (a GGUF cut after its
+    version), "random" (bytes after the magic), "empty", "fifo", or a path
+    such as /dev/null as it is."""
+    path = tmp_path / "cut.gguf"
+    if what == "truncated":
+        path.write_bytes(b"GGUF\x03\x00\x00\x00")
+    elif what == "random":
+        path.write_bytes(b"GGUF" + bytes((i * 97 + 13) % 256 for i in range(300)))
+    elif what == "empty":
+        path.write_bytes(b"")
+    elif what == "fifo":
+        os.mkfifo(path)
+    else:
+        path = Path(what)
+    return path

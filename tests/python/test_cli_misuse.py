@@ -22,6 +22,7 @@ import pytest
 
 from kvh_cache import cli
 from kvh_cache.tools import find_tool
+from kvh_testutil import unusable_model
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT = 30  # no probe here should come near this; a hang fails the test
@@ -1269,6 +1270,12 @@ def test_bench_empty_directory_is_refused(args, env, word, tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+def _run_small_stream_bench(*extra, **kw):
+    """kvh-bench attention --stream at its smallest: one round, one head of 8."""
+    stream = ["--stream", "--kv-heads", "1", "--q-heads", "1", "--dim", "8"]
+    return run_bench("attention", "--quick", "--json", "--reps", "1", *stream, *extra, **kw)
+
+
 def test_bench_directory_too_long_for_its_path_is_refused(tmp_path):
     # Cut short to fit a buffer, the path named another directory.
     long_dir = tmp_path / ("d" * 200) / ("d" * 200) / ("d" * 200)
@@ -1276,17 +1283,7 @@ def test_bench_directory_too_long_for_its_path_is_refused(tmp_path):
     res = run_bench("switch", "--quick", "--json", "--reps", "1", "--mode", "file", "--dir", long_dir, cwd=tmp_path)
     assert_one_line_error(res, 2, "--dir")
     assert res.stdout == "", res.stdout[:2000]
-    stream = ["--stream", "--kv-heads", "1", "--q-heads", "1", "--dim", "8"]
-    res = run_bench(
-        "attention",
-        "--quick",
-        "--json",
-        "--reps",
-        "1",
-        *stream,
-        env_extra={"KVH_BENCH_DIR": str(long_dir)},
-        cwd=tmp_path,
-    )
+    res = _run_small_stream_bench(env_extra={"KVH_BENCH_DIR": str(long_dir)}, cwd=tmp_path)
     assert_one_line_error(res, 2, "KVH_BENCH_DIR")
     assert res.stdout == "", res.stdout[:2000]
     assert [p.name for p in tmp_path.rglob("*")] == ["d" * 200] * 3
@@ -1298,17 +1295,8 @@ def test_bench_attention_stream_names_the_current_directory(tmp_path):
     was never given: it names the current directory now."""
     gone = tmp_path / "gone"
     gone.mkdir()
-    stream = ["--stream", "--kv-heads", "1", "--q-heads", "1", "--dim", "8"]
-    res = run_bench(
-        "attention",
-        "--quick",
-        "--json",
-        "--reps",
-        "1",
-        *stream,
-        cwd=gone,
-        preexec_fn=lambda: os.rmdir(os.getcwd()),  # runs in the child, after its chdir
-    )
+    # preexec_fn runs in the child, after its chdir
+    res = _run_small_stream_bench(cwd=gone, preexec_fn=lambda: os.rmdir(os.getcwd()))
     assert_one_line_error(res, 1, "the current directory")
     last = res.stderr.strip().splitlines()[-1]
     assert "--dir" not in last.replace("neither --dir nor", ""), last
@@ -1394,17 +1382,7 @@ def test_demo_model_that_is_not_a_usable_gguf(what, tmp_path):
     not exist" (exit 3): one line naming the file, exit 1."""
     pytest.importorskip("gguf")
     pytest.importorskip("regex")
-    path = tmp_path / "model.gguf"
-    if what == "truncated":
-        path.write_bytes(b"GGUF\x03\x00\x00\x00")
-    elif what == "random":
-        path.write_bytes(b"GGUF" + bytes((i * 97 + 13) % 256 for i in range(300)))
-    elif what == "empty":
-        path.write_bytes(b"")
-    elif what == "fifo":
-        os.mkfifo(path)
-    else:
-        path = Path(what)
+    path = unusable_model(what, tmp_path)
     res = run_kvh("demo", "--model", path, "--data-dir", tmp_path / "data", "--no-progress")
     assert_one_line_error(res, 1, str(path))
     last = res.stderr.strip().splitlines()[-1]
@@ -1471,13 +1449,7 @@ def test_model_that_is_not_a_usable_gguf_fails_with_1(args, what, tmp_path, capf
     bare ValueError that kvh reported as a usage error (2): a bad input
     file fails (1), in one line naming it, as kvh demo does."""
     pytest.importorskip("gguf")
-    path = tmp_path / "cut.gguf"
-    if what == "truncated":
-        path.write_bytes(b"GGUF\x03\x00\x00\x00")
-    elif what == "fifo":
-        os.mkfifo(path)
-    else:
-        path = Path(what)
+    path = unusable_model(what, tmp_path)
     res = run_in_process([a.replace("{model}", str(path)).replace("{tmp}", str(tmp_path)) for a in args], capfd)
     assert_one_line_error(res, 1, str(path))
     assert "--model" in res.stderr.strip().splitlines()[-1]

@@ -17,6 +17,7 @@ from kvh_cache.demo import two_models  # noqa: E402
 from kvh_cache.model.gguf_loader import GGUFFile  # noqa: E402
 from kvh_cache.model.requant import requantize  # noqa: E402
 from kvh_cache.model.testing import write_tiny_llama  # noqa: E402
+from kvh_testutil import unusable_model  # noqa: E402
 
 
 def args_for(tmp_path, model, **kw):
@@ -140,15 +141,7 @@ def test_damaged_model_fails_with_1(what, tmp_path, capsys):
     """A cut GGUF, /dev/null or a FIFO as --model ended as a bare
     ValueError (a usage error, 2): a file that cannot be used is a failure
     (1), named in one line, with nothing created."""
-    import os
-
-    path = tmp_path / "cut.gguf"
-    if what == "truncated":
-        path.write_bytes(b"GGUF\x03\x00\x00\x00")
-    elif what == "fifo":
-        os.mkfifo(path)
-    else:
-        path = what
+    path = unusable_model(what, tmp_path)
     rc = two_models.run(args_for(tmp_path, path), io.StringIO())
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 1 and len(err) == 1 and str(path) in err[0] and "--model" in err[0], err

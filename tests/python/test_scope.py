@@ -158,23 +158,30 @@ def test_a_block_view_shows_no_other_tenants_leftovers():
             ours.free()
 
 
-@pytest.mark.parametrize("moved_by", ["write", "append"])
-def test_a_view_keeps_its_slot_after_its_sequence_moves_to_a_copy(moved_by):
-    # A read-only view (its block shared with a fork) kept only a hold on
-    # its sequence's tokens. A write or an append into the shared block
-    # moved the sequence, and the hold, to a copy; once the fork was freed
-    # the view's slot went to the next block, another scope's KV included.
-    dim, bt = 4, 4
-    eng = kvh.Engine(
+def _tiny_device_engine(dim: int, blocks: int) -> kvh.Engine:
+    """f32, one layer and head, 4-token blocks, a device tier of `blocks`
+    blocks and no host tier: a freed slot is the next one taken."""
+    bt = 4
+    return kvh.Engine(
         num_layers=1,
         num_kv_heads=1,
         head_dim=dim,
         block_tokens=bt,
         dtype="f32",
         backend="cpu",
-        device_bytes=8 * 2 * bt * dim * 4,
+        device_bytes=blocks * 2 * bt * dim * 4,
         host_bytes=0,
     )
+
+
+@pytest.mark.parametrize("moved_by", ["write", "append"])
+def test_a_view_keeps_its_slot_after_its_sequence_moves_to_a_copy(moved_by):
+    # A read-only view (its block shared with a fork) kept only a hold on
+    # its sequence's tokens. A write or an append into the shared block
+    # moved the sequence, and the hold, to a copy; once the fork was freed
+    # the view's slot went to the next block, another scope's KV included.
+    dim = 4
+    eng = _tiny_device_engine(dim, blocks=8)
     with eng:
         ours = eng.sequence(tokens=np.arange(6), scope=2)  # block 1 partial: never published
         kk = np.arange(6 * dim, dtype=np.float32).reshape(6, 1, dim)
@@ -207,17 +214,8 @@ def test_a_new_block_at_a_viewed_index_shows_no_other_tenants_leftovers():
     # A live view of a block the sequence had left (kept across truncate)
     # made a view of the new block at the same index skip clearing its
     # never-written cells: it showed another scope's KV from the slot.
-    dim, bt = 4, 4
-    eng = kvh.Engine(
-        num_layers=1,
-        num_kv_heads=1,
-        head_dim=dim,
-        block_tokens=bt,
-        dtype="f32",
-        backend="cpu",
-        device_bytes=4 * 2 * bt * dim * 4,
-        host_bytes=0,
-    )
+    dim = 4
+    eng = _tiny_device_engine(dim, blocks=4)
     with eng:
         ours = eng.sequence(tokens=np.arange(4), scope=2)
         ours.write_kv(0, 0, np.ones((4, 1, dim), np.float32), np.ones((4, 1, dim), np.float32))
