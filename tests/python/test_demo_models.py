@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 
 import numpy as np
 import pytest
@@ -88,17 +89,11 @@ def test_budget_that_holds_one_model(tmp_path):
     assert metrics["switches"] == 4 and metrics["bytes_dropped"] > 0
 
 
-def _digest(d, sizes=None):
-    """sha256 of each file of store d but LOCK (of the first sizes[name]
-    bytes where given)."""
+def _digest(d):
+    """sha256 of each file of store d but LOCK (its opener's pid)."""
     import hashlib
 
-    sizes = sizes or {}
-    return {
-        p.name: hashlib.sha256(p.read_bytes()[: sizes.get(p.name)]).hexdigest()
-        for p in sorted(d.iterdir())
-        if p.name != "LOCK"
-    }
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir()) if p.name != "LOCK"}
 
 
 def test_store_of_another_geometry_is_kept(tmp_path, capsys):
@@ -108,7 +103,6 @@ def test_store_of_another_geometry_is_kept(tmp_path, capsys):
     model = write_tiny_llama(str(tmp_path / "tiny.Q4_1.gguf"), qtype="Q4_1", seed=4)
     assert two_models.run(args_for(tmp_path, model, questions=1), io.StringIO()) == 0
     store = tmp_path / "data" / "models-store"
-    sizes = {p.name: p.stat().st_size for p in store.iterdir()}
     before = _digest(store)
     other = write_tiny_llama(str(tmp_path / "other.Q4_1.gguf"), qtype="Q4_1", seed=4, n_layers=3)
     capsys.readouterr()
@@ -117,9 +111,7 @@ def test_store_of_another_geometry_is_kept(tmp_path, capsys):
     assert rc == 1, err
     assert len(err) == 1 and "--fresh" in err[0] and "num_layers" in err[0], err
     assert "disk_reset_on_mismatch" not in err[0]
-    # Every block and record kept (the engine may have preallocated the
-    # slab file to the other geometry's size before reading the index).
-    assert _digest(store, sizes) == before
+    assert _digest(store) == before  # every file as it was, its size included
     assert two_models.run(args_for(tmp_path, other, questions=1, fresh=True), io.StringIO()) == 0
     assert _digest(store) != before
 
@@ -145,4 +137,19 @@ def test_damaged_model_fails_with_1(what, tmp_path, capsys):
     rc = two_models.run(args_for(tmp_path, path), io.StringIO())
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 1 and len(err) == 1 and str(path) in err[0] and "--model" in err[0], err
+    assert not (tmp_path / "data").exists()
+
+
+def test_a_non_regular_model_b_is_read_never_written_over(tmp_path, capsys):
+    """--model-b naming a FIFO (or a device such as /dev/null) was taken
+    for a missing second model and replaced by the re-encoded one, exit 0:
+    it is refused, left as it was, with nothing created."""
+    import stat
+
+    model = write_tiny_llama(str(tmp_path / "a.gguf"), qtype="Q4_1", seed=3)
+    fifo = unusable_model("fifo", tmp_path)
+    rc = two_models.run(args_for(tmp_path, model, model_b=str(fifo)), io.StringIO())
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and len(err) == 1 and "--model-b" in err[0] and "not a regular file" in err[0], err
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
     assert not (tmp_path / "data").exists()

@@ -138,6 +138,11 @@ def run(args: argparse.Namespace, out: Optional[IO[str]] = None) -> int:
         # Not written there: a mistyped path would get a model-sized file.
         print(f"kvh demo --models: --model-b {args.model_b}: no such file", file=sys.stderr)
         return 2
+    if args.model_b and not os.path.isfile(args.model_b):
+        # A FIFO or a device is read as a model, never written over (the
+        # second model is written only where --model-b is not given).
+        print(f"kvh demo --models: --model-b {args.model_b}: not a regular file", file=sys.stderr)
+        return 1
     try:
         path_a = os.path.abspath(args.model or default_model_path())
     except ModelNotFoundError as exc:
@@ -172,7 +177,7 @@ def run(args: argparse.Namespace, out: Optional[IO[str]] = None) -> int:
             return 1
     data_dir.mkdir(parents=True, exist_ok=True)
     path_b = args.model_b or str(second_model_path(path_a, data_dir))
-    if not os.path.isfile(path_b):
+    if not args.model_b and not os.path.isfile(path_b):
         _say(out, args, f"writing the second model: {path_b} (the first one re-encoded as Q8_0) ...")
         t0 = time.perf_counter()
         requantize(path_a, path_b, "Q8_0")
