@@ -238,6 +238,28 @@ uint64_t kvhi_disk_slot_offset(const kvhi_disk *d, uint32_t slot)
 
 static int slab_fd(const kvhi_disk *d, uint32_t slot) { return d->slab_fds[slot / d->slots_per_slab]; }
 
+/* Some filesystems accept O_DIRECT but fail aligned I/O later: a read of
+ * the first slab's first page tells (an empty file tells nothing, so this
+ * runs again once the slabs are sized). */
+static void probe_direct(kvhi_disk *d)
+{
+    if (!d->direct || d->n_slabs == 0)
+        return;
+    uint8_t *probe;
+    if (posix_memalign((void **)&probe, KVHI_DISK_ALIGN, KVHI_DISK_ALIGN) != 0)
+        return;
+    ssize_t r = pread(d->slab_fds[0], probe, KVHI_DISK_ALIGN, 0);
+    free(probe);
+    if (r < 0 && errno == EINVAL) {
+        for (uint32_t i = 0; i < d->n_slabs; i++) {
+            int fl = fcntl(d->slab_fds[i], F_GETFL);
+            fcntl(d->slab_fds[i], F_SETFL, fl & ~O_DIRECT);
+        }
+        d->direct = false;
+        snprintf(d->warning, sizeof(d->warning), "disk tier: O_DIRECT reads fail on %s; using buffered I/O", d->path);
+    }
+}
+
 int kvhi_disk_open_slabs(kvhi_disk *d, bool allow_direct)
 {
     d->slot_bytes = KVHI_SLOT_HEADER_BYTES + kvhi_round_up(d->block_bytes, KVHI_DISK_ALIGN);
@@ -284,23 +306,7 @@ int kvhi_disk_open_slabs(kvhi_disk *d, bool allow_direct)
         if (fstat(fd, &st) == 0)
             d->slab_bytes_found += (uint64_t)st.st_size;
     }
-    if (d->direct) {
-        /* Some filesystems accept the flag but fail aligned I/O later. */
-        uint8_t *probe;
-        if (posix_memalign((void **)&probe, KVHI_DISK_ALIGN, KVHI_DISK_ALIGN) == 0) {
-            ssize_t r = pread(d->slab_fds[0], probe, KVHI_DISK_ALIGN, 0);
-            free(probe);
-            if (r < 0 && errno == EINVAL) {
-                for (uint32_t i = 0; i < d->n_slabs; i++) {
-                    int fl = fcntl(d->slab_fds[i], F_GETFL);
-                    fcntl(d->slab_fds[i], F_SETFL, fl & ~O_DIRECT);
-                }
-                d->direct = false;
-                snprintf(d->warning, sizeof(d->warning), "disk tier: O_DIRECT reads fail on %s; using buffered I/O",
-                         d->path);
-            }
-        }
-    }
+    probe_direct(d);
     uint64_t lb = LANE_ARENA_MAX / d->slot_bytes;
     if (lb < 1)
         lb = 1;
@@ -330,6 +336,7 @@ int kvhi_disk_size_slabs(kvhi_disk *d)
             (ftruncate(d->slab_fds[i], st.st_size) != 0 || ftruncate(d->slab_fds[i], want) != 0))
             return -errno;
     }
+    probe_direct(d);
     return 0;
 }
 
