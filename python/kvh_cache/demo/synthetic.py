@@ -309,11 +309,15 @@ class DataDirError(Exception):
     """The --data-dir given cannot hold the disk tier."""
 
 
-def disk_slot_bytes(block_bytes: int) -> int:
-    """The bytes of one disk slot for blocks of block_bytes, as the engine
-    lays them out (core/disk_tier.c): a 4 KiB header and the block, 4 KiB
-    aligned. A disk budget below it holds no block: the engine refuses it."""
-    return 4096 + -(-block_bytes // 4096) * 4096
+def disk_budget_refusal(budget: int, block_bytes: int, what: str) -> Optional[str]:
+    """Why a --disk-budget of budget bytes holds no block of block_bytes
+    (the engine would refuse it), or None. A disk slot is a 4 KiB header
+    and the block, 4 KiB aligned, as the engine lays it out
+    (core/disk_tier.c); what ends the message ("this model", ...)."""
+    slot_bytes = 4096 + -(-block_bytes // 4096) * 4096
+    if budget >= slot_bytes:
+        return None
+    return f"--disk-budget {budget}: holds no block slot of {slot_bytes} bytes with {what}"
 
 
 class BudgetError(Exception):
@@ -430,15 +434,10 @@ def run(args: argparse.Namespace, out=None) -> int:
     if not args.no_disk and args.disk_budget <= 0:  # a disk tier needs a size
         print("kvh demo: --disk-budget must be > 0 (--no-disk runs without the disk tier)", file=sys.stderr)
         return 2
-    # A disk slot is a 4 KiB header and the block, 4 KiB aligned (as the
-    # engine lays it out): refused before anything is created.
-    slot_bytes = disk_slot_bytes(block_bytes)
-    if not args.no_disk and args.disk_budget < slot_bytes:
-        print(
-            f"kvh demo: --disk-budget {args.disk_budget}: holds no block slot of {slot_bytes} bytes with this "
-            "geometry (--no-disk runs without the disk tier)",
-            file=sys.stderr,
-        )
+    # Refused before anything is created.
+    refusal = disk_budget_refusal(args.disk_budget, block_bytes, "this geometry (--no-disk runs without the disk tier)")
+    if not args.no_disk and refusal:
+        print(f"kvh demo: {refusal}", file=sys.stderr)
         return 2
     t0 = time.monotonic()
     notes: List[str] = []

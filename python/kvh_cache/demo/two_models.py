@@ -125,7 +125,7 @@ def run(args: argparse.Namespace, out: Optional[IO[str]] = None) -> int:
     from ..model.requant import requantize
     from ..model.runner import ModelNotFoundError, Runner, default_model_path
     from ..model.tokenizer import Tokenizer
-    from .synthetic import disk_slot_bytes
+    from .synthetic import disk_budget_refusal
 
     out = out or sys.stdout
     if args.model and os.path.isdir(args.model):
@@ -159,12 +159,9 @@ def run(args: argparse.Namespace, out: Optional[IO[str]] = None) -> int:
     block_tokens = 16
     block_bytes = 2 * ca.n_layers * ca.n_kv_heads * ca.head_dim * block_tokens * 4
     disk_bytes = DEFAULT_DISK_BYTES if args.disk_budget is None else args.disk_budget
-    slot_bytes = disk_slot_bytes(block_bytes)
-    if disk_bytes < slot_bytes:
-        print(
-            f"kvh demo --models: --disk-budget {disk_bytes}: holds no block slot of {slot_bytes} bytes with this model",
-            file=sys.stderr,
-        )
+    refusal = disk_budget_refusal(disk_bytes, block_bytes, "this model")
+    if refusal:
+        print(f"kvh demo --models: {refusal}", file=sys.stderr)
         return 2
     data_dir = Path(args.data_dir or "kvh-data")
     store = data_dir / "models-store"

@@ -57,15 +57,13 @@ def run(args: argparse.Namespace, out: Optional[IO[str]] = None) -> int:
     load_s = time.perf_counter() - t_all
     # The disk budget must hold one slot of this model's blocks (f32 K and
     # V of every layer): refused before the data directory is touched.
-    from ..synthetic import disk_slot_bytes
+    from ..synthetic import disk_budget_refusal
 
     c = runner.config
-    slot_bytes = disk_slot_bytes(2 * c.n_layers * c.n_kv_heads * c.head_dim * 4 * runner.block_tokens)
-    if args.disk_budget < slot_bytes:
-        print(
-            f"kvh demo: --disk-budget {args.disk_budget}: holds no block slot of {slot_bytes} bytes with this model",
-            file=sys.stderr,
-        )
+    block_bytes = 2 * c.n_layers * c.n_kv_heads * c.head_dim * 4 * runner.block_tokens
+    refusal = disk_budget_refusal(args.disk_budget, block_bytes, "this model")
+    if refusal:
+        print(f"kvh demo: {refusal}", file=sys.stderr)
         return 2
     notes: List[str] = []
     data_dir = Path(args.data_dir)
