@@ -3,6 +3,7 @@ worker's socket."""
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -131,6 +132,36 @@ def test_a_worker_starting_as_the_old_one_closes_keeps_its_socket(tmp_path):
     t.join(10)
     new = got["new"]
     try:
+        assert channel.Client(path, timeout_s=5).call({"op": "x"}) == {"who": "new"}
+    finally:
+        new.close()
+
+
+def test_a_closed_worker_leaves_neither_socket_nor_lock_file(tmp_path):
+    # One lock file for every engine id ever served would pile up in the
+    # runtime directory.
+    path = channel.socket_path("engine-tidy", 0, 0, str(tmp_path))
+    before = set(os.listdir(os.path.dirname(path)))
+    channel.Server(path, lambda h, p: {}).close()
+    assert set(os.listdir(os.path.dirname(path))) == before
+
+
+def test_a_worker_that_waited_on_a_removed_lock_file_does_not_share_the_path(tmp_path):
+    # The new worker waited on the old lock file, which the old worker's
+    # close removed: it must own the path alone, so a third worker with
+    # the same engine_id is refused rather than taking a new lock file.
+    path = channel.socket_path("engine-relock", 0, 0, str(tmp_path))
+    old = channel.Server(path, lambda h, p: {"who": "old"})
+    got = {}
+    t = threading.Thread(target=lambda: got.setdefault("new", channel.Server(path, lambda h, p: {"who": "new"})))
+    t.start()
+    time.sleep(0.2)  # the new one waits on the old lock file
+    old.close()
+    t.join(10)
+    new = got["new"]
+    try:
+        with pytest.raises(channel.ChannelError, match="another vLLM instance"):
+            channel.Server(path, lambda h, p: {"who": "third"})
         assert channel.Client(path, timeout_s=5).call({"op": "x"}) == {"who": "new"}
     finally:
         new.close()

@@ -119,27 +119,42 @@ def _claim_path(path: str, wait_s: float = 2.0) -> int:
     socket left there without its lock is a dead process's. Waits up to
     wait_s (an old worker closing); raises ChannelError when another live
     worker with the same engine_id and ranks holds it. Returns the lock's
-    descriptor."""
-    # Owner-only from its mode (a umask only takes bits away; the umask is
-    # the process's, and another thread may be making files meanwhile).
-    fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    descriptor. The holder removes the lock file when it closes, so a lock
+    taken on a file no longer at its path is let go and taken again."""
+    lock_path = path + ".lock"
     deadline = time.monotonic() + wait_s
     while True:
+        # Owner-only from its mode (a umask only takes bits away; the umask
+        # is the process's, and another thread may be making files meanwhile).
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return fd
-        except BlockingIOError:
-            if time.monotonic() >= deadline:
-                os.close(fd)
-                raise ChannelError(
-                    errno.EADDRINUSE,
-                    f"kvh: a live lookup channel is at {path}: another vLLM instance with this engine_id "
-                    "(and these ranks) is running; give each instance its own engine_id",
-                ) from None
-            time.sleep(0.02)
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        raise ChannelError(
+                            errno.EADDRINUSE,
+                            f"kvh: a live lookup channel is at {path}: another vLLM instance with this "
+                            "engine_id (and these ranks) is running; give each instance its own engine_id",
+                        ) from None
+                    time.sleep(0.02)
+            if _same_file(fd, lock_path):
+                return fd
         except BaseException:
             os.close(fd)
             raise
+        os.close(fd)  # its holder closed and removed it meanwhile: take the new one
+
+
+def _same_file(fd: int, path: str) -> bool:
+    try:
+        on_path = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (held.st_dev, held.st_ino) == (on_path.st_dev, on_path.st_ino)
 
 
 Handler = Callable[[Dict[str, Any], bytes], Dict[str, Any]]
@@ -220,11 +235,13 @@ class Server:
         except OSError:
             pass
         self._sock.close()
-        try:  # still this server's: the lock is held until after
-            os.unlink(self.path)
-        except OSError:
-            pass
-        os.close(self._lock_fd)  # lets a new worker claim the path
+        # Both paths are still this server's: the lock is held until after.
+        for leftover in (self.path, self.path + ".lock"):
+            try:
+                os.unlink(leftover)
+            except OSError:
+                pass
+        os.close(self._lock_fd)  # a worker waiting on the removed file takes a new one
 
 
 class Client:
