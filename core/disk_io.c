@@ -243,7 +243,7 @@ static int slab_fd(const kvhi_disk *d, uint32_t slot) { return d->slab_fds[slot 
  * runs again once the slabs are sized). */
 static void probe_direct(kvhi_disk *d)
 {
-    if (!d->direct || d->n_slabs == 0)
+    if (!d->direct || d->n_slabs == 0 || d->slab_fds[0] < 0)
         return;
     uint8_t *probe;
     if (posix_memalign((void **)&probe, KVHI_DISK_ALIGN, KVHI_DISK_ALIGN) != 0)
@@ -260,6 +260,44 @@ static void probe_direct(kvhi_disk *d)
     }
 }
 
+/* Opens slab file i, or makes it when create: its descriptor, or -errno
+ * (-ENOENT for a missing file not to be made). */
+static int open_slab(kvhi_disk *d, uint32_t i, bool create)
+{
+    char name[64];
+    snprintf(name, sizeof(name), "slab-%04u.kvh", i);
+    int flags = O_RDWR | (create ? O_CREAT : 0);
+    bool tried_direct = d->direct;
+    int fd = tried_direct ? kvhi_store_openat(d, name, flags | O_DIRECT) : -ENOENT;
+    if (fd == -ELOOP || fd == -EPERM || (fd == -ENOENT && tried_direct && !create))
+        return fd; /* a link or a file not ours stands in its place, or none is there */
+    if (fd < 0 && tried_direct) {
+        /* tmpfs and some overlays refuse O_DIRECT: buffered I/O instead. */
+        d->direct = false;
+        snprintf(d->warning, sizeof(d->warning),
+                 "disk tier: the filesystem of %s refuses O_DIRECT (%s); using buffered I/O", d->path, strerror(-fd));
+        for (uint32_t k = 0; k < d->n_slabs; k++)
+            if (d->slab_fds[k] >= 0)
+                fcntl(d->slab_fds[k], F_SETFL, fcntl(d->slab_fds[k], F_GETFL) & ~O_DIRECT);
+    }
+    if (fd < 0)
+        fd = kvhi_store_openat(d, name, flags);
+    if (fd < 0)
+        return fd;
+    if (d->direct) {
+        /* A process that used the store buffered may have left its pages
+         * cached; an O_DIRECT write that cannot drop them makes the
+         * kernel report a write error on the file (EIO at the next
+         * fsync). Write them back and drop them before the first. */
+        kvhi_disk_sync_fd(fd, true);
+        posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+    }
+    return fd;
+}
+
+/* The slab files there are opened; the ones missing are made only once
+ * the store is known to be this engine's (kvhi_disk_size_slabs), so an
+ * open refused as another store leaves no file behind. */
 int kvhi_disk_open_slabs(kvhi_disk *d, bool allow_direct)
 {
     d->slot_bytes = KVHI_SLOT_HEADER_BYTES + kvhi_round_up(d->block_bytes, KVHI_DISK_ALIGN);
@@ -275,33 +313,12 @@ int kvhi_disk_open_slabs(kvhi_disk *d, bool allow_direct)
         d->slab_fds[i] = -1;
     d->direct = allow_direct;
     for (uint32_t i = 0; i < d->n_slabs; i++) {
-        char name[64];
-        snprintf(name, sizeof(name), "slab-%04u.kvh", i);
-        int flags = O_RDWR | O_CREAT;
-        bool tried_direct = d->direct;
-        int fd = tried_direct ? kvhi_store_openat(d, name, flags | O_DIRECT) : -ENOENT;
-        if (fd == -ELOOP || fd == -EPERM)
-            return fd; /* a link or a file not ours stands in its place */
-        if (fd < 0 && tried_direct) {
-            /* tmpfs and some overlays refuse O_DIRECT: buffered I/O instead. */
-            d->direct = false;
-            snprintf(d->warning, sizeof(d->warning),
-                     "disk tier: the filesystem of %s refuses O_DIRECT (%s); using buffered I/O", d->path,
-                     strerror(-fd));
-        }
-        if (fd < 0)
-            fd = kvhi_store_openat(d, name, flags);
+        int fd = open_slab(d, i, false);
+        if (fd == -ENOENT)
+            continue;
         if (fd < 0)
             return fd;
         d->slab_fds[i] = fd;
-        if (d->direct) {
-            /* A process that used the store buffered may have left its pages
-             * cached; an O_DIRECT write that cannot drop them makes the
-             * kernel report a write error on the file (EIO at the next
-             * fsync). Write them back and drop them before the first. */
-            kvhi_disk_sync_fd(fd, true);
-            posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
-        }
         struct stat st;
         if (fstat(fd, &st) == 0)
             d->slab_bytes_found += (uint64_t)st.st_size;
@@ -321,6 +338,14 @@ int kvhi_disk_open_slabs(kvhi_disk *d, bool allow_direct)
 
 int kvhi_disk_size_slabs(kvhi_disk *d)
 {
+    for (uint32_t i = 0; i < d->n_slabs; i++) {
+        if (d->slab_fds[i] < 0) {
+            int fd = open_slab(d, i, true);
+            if (fd < 0)
+                return fd;
+            d->slab_fds[i] = fd;
+        }
+    }
     for (uint32_t i = 0; i < d->n_slabs; i++) {
         uint32_t slots = i + 1 < d->n_slabs ? d->slots_per_slab : d->n_slots - i * d->slots_per_slab;
         off_t want = (off_t)slots * (off_t)d->slot_bytes;

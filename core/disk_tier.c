@@ -148,8 +148,8 @@ kvh_status kvhi_disk_tier_open(kvh_engine *e, const kvh_config *cfg, const char 
         return kvhi_fail(KVH_ERR_IO, "%s", msg);
     /* Only once the store is known to be this engine's: an open refused
      * above (another geometry, damage under strict) leaves the slab files
-     * it found as they were (a slab file the engine's size adds may have
-     * been made, empty). The O_DIRECT probe runs again on the sized files. */
+     * it found as they were and makes none. The O_DIRECT probe runs again
+     * on the sized files. */
     rc = kvhi_disk_size_slabs(d);
     if (rc != 0)
         return kvhi_fail(kvhi_io_status(rc), "cannot size slab files in %s: %s", path, strerror(-rc));

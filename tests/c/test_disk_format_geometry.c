@@ -200,10 +200,41 @@ static void test_other_geometry_never_served(void **state)
     dt_rmrf(dir);
 }
 
+/* A refused open makes no file: an engine whose size adds a slab file
+ * to a store of another geometry leaves the directory as it found it,
+ * and the store's own engine, opening with that size, makes the file. */
+static void test_refused_open_makes_no_slab_file(void **state)
+{
+    (void)state;
+    char dir[512], p0[600], p1[600];
+    dt_scratch("geometry-noslab", dir, sizeof(dir));
+    dt_path(p0, sizeof(p0), dir, "slab-0000.kvh");
+    dt_path(p1, sizeof(p1), dir, "slab-0001.kvh");
+    const dt_geo A = {1, 1, 64, 16, KVH_DTYPE_F16}, B = {1, 1, 64, 16, KVH_DTYPE_BF16};
+    const uint64_t per_slab = (1ull << 30) / dt_slot_bytes(A); /* slots a slab file holds */
+    kvh_config small = dt_cfg(A, dir, 8, 8, 64, 0);
+    dt_assert_ok(dt_close(dt_open_a(&small)));
+    struct stat before, after;
+    assert_int_equal(stat(p0, &before), 0);
+    kvh_config other = dt_cfg(B, dir, 8, 8, per_slab + 64, 0);
+    kvh_engine *x = NULL;
+    assert_int_equal(kvh_engine_open(&other, &x), KVH_ERR_MISMATCH);
+    assert_int_equal(stat(p0, &after), 0);
+    assert_int_equal(after.st_size, before.st_size);
+    if (access(p1, F_OK) == 0)
+        fail_msg("the refused open made %s", p1);
+    kvh_config grown = dt_cfg(A, dir, 8, 8, per_slab + 64, 0);
+    dt_assert_ok(dt_close(dt_open_a(&grown)));
+    assert_int_equal(stat(p1, &after), 0);
+    assert_int_equal((uint64_t)after.st_size, 64 * dt_slot_bytes(A));
+    dt_rmrf(dir);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_other_geometry_never_served, dt_teardown),
+        cmocka_unit_test_teardown(test_refused_open_makes_no_slab_file, dt_teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
