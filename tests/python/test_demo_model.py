@@ -281,7 +281,7 @@ def test_numpy_chunk_index_adds_and_upserts_in_place():
 def test_fresh_removes_only_a_kvh_store(tmp_path):
     """`kvh demo --fresh` deleted data_dir/store whatever it held (a
     user's folder of notes went with it): only a store's own files go."""
-    from kvh_cache.demo.agents.app import remove_store
+    from kvh_cache.demo.store_files import remove_store
 
     user = tmp_path / "store"
     (user / "src").mkdir(parents=True)
@@ -309,7 +309,7 @@ KVH_INDEX_MAGIC = b"KVHIDX\x00\x01"  # core/disk_format.c: index_magic
 def test_fresh_needs_a_store_s_own_magic_not_its_file_names(tmp_path):
     """A directory holding only a user's file named `index` or `journal`
     passed for a kvh store and was deleted by `kvh demo --fresh`."""
-    from kvh_cache.demo.agents.app import remove_store
+    from kvh_cache.demo.store_files import remove_store
 
     cases = {
         "plain-index": {"index": b"my notes\n"},

@@ -44,6 +44,7 @@ from .. import errors
 from .._progress import Progress, human_bytes, human_rate, parse_dir, parse_size, table
 from ..retrieval import PrefetchPlanner, available_kinds, open_chunk_index
 from ..types import DType, Tier, f32_to_bf16
+from .store_files import empty_for_fresh
 
 if TYPE_CHECKING:  # the binding loads when an engine opens, so `kvh --help` works without it
     from ..engine import Engine, Sequence
@@ -453,13 +454,8 @@ def run(args: argparse.Namespace, out=None) -> int:
                 print(f"kvh demo: --data-dir {args.data_dir}: {problem}", file=sys.stderr)
                 return 1
             data_dir = Path(args.data_dir) / "store"
-            if getattr(args, "fresh", False) and (data_dir.exists() or data_dir.is_symlink()):
-                from .agents.app import remove_store
-
-                problem = remove_store(data_dir)
-                if problem:
-                    print(f"kvh demo: --fresh: {problem}", file=sys.stderr)
-                    return 1
+            if getattr(args, "fresh", False) and not empty_for_fresh(data_dir, "kvh demo"):
+                return 1
     try:
         result = _run(args, data_dir, notes)
     except DataDirError as exc:

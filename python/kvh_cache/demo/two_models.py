@@ -37,6 +37,8 @@ from typing import IO, Any, List, Optional
 
 import numpy as np
 
+from .store_files import empty_for_fresh
+
 QUESTIONS = {
     "A": ["What is a cache?", "Why do computers keep data in layers of memory?", "Name one thing a disk is good for."],
     "B": ["What is a language model?", "What does quantisation do to numbers?", "Why are small models useful?"],
@@ -123,7 +125,7 @@ def run(args: argparse.Namespace, out: Optional[IO[str]] = None) -> int:
     from .. import errors
     from ..errors import without_reset_advice
     from ..model.requant import requantize
-    from ..model.runner import ModelNotFoundError, Runner, default_model_path
+    from ..model.runner import ModelNotFoundError, Runner, default_model_path, kv_block_bytes
     from ..model.tokenizer import Tokenizer
     from .synthetic import disk_budget_refusal
 
@@ -157,7 +159,7 @@ def run(args: argparse.Namespace, out: Optional[IO[str]] = None) -> int:
         return 1
     ca = file_a.config
     block_tokens = 16
-    block_bytes = 2 * ca.n_layers * ca.n_kv_heads * ca.head_dim * block_tokens * 4
+    block_bytes = kv_block_bytes(ca, block_tokens)
     disk_bytes = DEFAULT_DISK_BYTES if args.disk_budget is None else args.disk_budget
     refusal = disk_budget_refusal(disk_bytes, block_bytes, "this model")
     if refusal:
@@ -165,13 +167,8 @@ def run(args: argparse.Namespace, out: Optional[IO[str]] = None) -> int:
         return 2
     data_dir = Path(args.data_dir or "kvh-data")
     store = data_dir / "models-store"
-    if getattr(args, "fresh", False) and (store.exists() or store.is_symlink()):
-        from .agents.app import remove_store
-
-        problem = remove_store(store)
-        if problem:
-            print(f"kvh demo --models: --fresh: {problem}", file=sys.stderr)
-            return 1
+    if getattr(args, "fresh", False) and not empty_for_fresh(store, "kvh demo --models"):
+        return 1
     data_dir.mkdir(parents=True, exist_ok=True)
     path_b = args.model_b or str(second_model_path(path_a, data_dir))
     if not args.model_b and not os.path.isfile(path_b):

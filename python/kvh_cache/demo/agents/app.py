@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import stat
 import tempfile
-import re
 import sys
 import time
 from pathlib import Path
@@ -17,6 +14,7 @@ from typing import Any, Dict, IO, List, Optional, Sequence as Seq, Tuple
 
 from ... import errors
 from ..._progress import human_bytes
+from ..store_files import empty_for_fresh
 from .configs import Setup, SetupResult, choose_setups
 from .corpus import RetrieverUnavailable, load_corpus
 from .loading import BadModelFile, ModelUnavailable, load_runner
@@ -59,19 +57,14 @@ def run(args: argparse.Namespace, out: Optional[IO[str]] = None) -> int:
     # V of every layer): refused before the data directory is touched.
     from ..synthetic import disk_budget_refusal
 
-    c = runner.config
-    block_bytes = 2 * c.n_layers * c.n_kv_heads * c.head_dim * 4 * runner.block_tokens
-    refusal = disk_budget_refusal(args.disk_budget, block_bytes, "this model")
+    refusal = disk_budget_refusal(args.disk_budget, runner.block_bytes, "this model")
     if refusal:
         print(f"kvh demo: {refusal}", file=sys.stderr)
         return 2
     notes: List[str] = []
     data_dir = Path(args.data_dir)
-    if args.fresh and (data_dir / "store").exists():
-        problem = remove_store(data_dir / "store")
-        if problem:
-            print(f"kvh demo: --fresh: {problem}", file=sys.stderr)
-            return 1
+    if args.fresh and not empty_for_fresh(data_dir / "store", "kvh demo"):
+        return 1
     data_dir.mkdir(parents=True, exist_ok=True)
     corpus = load_corpus()
     try:
@@ -149,49 +142,6 @@ def measure(
     log("probing how much KV each configuration holds before refusing ...")
     probes = probe_configurations(work.runner, kvh_setup, data_dir, notes)
     return results, restart, probes
-
-
-def remove_store(store: Path) -> Optional[str]:
-    """Deletes a kvh store's own files (index, journal, LOCK, slab files)
-    and then its directory, if that leaves it empty; anything else in it
-    is the user's and stays, and so does the store. None when removed,
-    else why not."""
-    if store.is_symlink() or not store.is_dir():
-        return f"{store} is not a directory; not removed"
-    own = {"index", "journal", "LOCK"}
-    names = [p.name for p in store.iterdir()]
-    foreign = [n for n in names if n not in own and not re.fullmatch(r"slab-\d+\.kvh|(index|journal)\.tmp", n)]
-    if foreign or "index" not in names:
-        shown = ", ".join(sorted(foreign)[:3]) or "no index file"
-        return f"{store} does not hold only a kvh store ({shown}); not removed"
-    # Names prove nothing (a user's notes may be called `index`): kvh's
-    # magic heads its index and journal, and a store has a LOCK or a slab.
-    if not {"LOCK", "slab-0000.kvh"} & set(names):
-        return f"{store} has no LOCK or slab-0000.kvh: not a kvh store; not removed"
-    for n in ("index", "journal"):
-        if n in names and not _starts_with_kvh_magic(store / n):
-            return f"{store / n} was not written by kvh: not a kvh store; not removed"
-    for n in names:
-        (store / n).unlink()
-    store.rmdir()
-    return None
-
-
-# The first bytes of a kvh index or journal file (core/disk_format.c).
-_INDEX_MAGIC = b"KVHIDX\x00\x01"
-
-
-def _starts_with_kvh_magic(path: Path) -> bool:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return False
-    try:
-        return stat.S_ISREG(os.fstat(fd).st_mode) and os.pread(fd, len(_INDEX_MAGIC), 0) == _INDEX_MAGIC
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
 
 
 def probe_configurations(runner, kvh_setup: Setup, data_dir: Path, notes: List[str]) -> Dict[str, Dict[str, Any]]:

@@ -137,7 +137,7 @@ def _recomputed(
     """The same prompt recomputed from nothing (an engine without a store);
     its time to first token goes into ``result``."""
     need = -(-(len(tokens) + gen) // runner.block_tokens) + 4
-    eng = runner.engine(device_bytes=need * _block_bytes(runner), host_bytes=0)
+    eng = runner.engine(device_bytes=need * runner.block_bytes, host_bytes=0)
     try:
         seq = eng.sequence(agent=agent)
         t0 = time.perf_counter()
@@ -161,11 +161,6 @@ def _baseline_prefixes(runner, engines: Dict[str, Dict[str, Any]], tokens: List[
             with beng.sequence() as s:
                 surv[name] = s.match_prefix(tokens)
     return surv
-
-
-def _block_bytes(runner) -> int:
-    c = runner.config
-    return 2 * c.n_layers * c.n_kv_heads * c.head_dim * 4 * runner.block_tokens
 
 
 # ---------------------------------------------------------------------------------

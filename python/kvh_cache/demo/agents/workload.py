@@ -191,9 +191,8 @@ class Workload:
         )
         self.index_name = getattr(self.index, "name", type(self.index).__name__)
         self.bt = runner.block_tokens
-        c = runner.config
-        self.token_bytes = 2 * c.n_layers * c.n_kv_heads * c.head_dim * 4  # f32 K and V, every layer
-        self.block_bytes = self.token_bytes * self.bt
+        self.block_bytes = runner.block_bytes
+        self.token_bytes = self.block_bytes // self.bt
         self.stops = set(int(t) for t in runner.tokenizer.stop_ids)
         # retrieval is deterministic: resolve the plan once for sizing
         self.plan = plan_requests(args)
