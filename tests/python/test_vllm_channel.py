@@ -119,18 +119,24 @@ def test_workers_starting_at_once_take_the_path_once(tmp_path):
             s.close()
 
 
-def test_a_worker_starting_as_the_old_one_closes_keeps_its_socket(tmp_path):
-    # The new worker waits for the old one's close, and that close does
-    # not remove the new worker's socket.
-    path = channel.socket_path("engine-handover", 0, 0, str(tmp_path))
+def _started_as_the_old_one_closes(path):
+    """A server answering {"who": "new"}, started while one answering
+    "old" held the path, which then closed."""
     old = channel.Server(path, lambda h, p: {"who": "old"})
     got = {}
     t = threading.Thread(target=lambda: got.setdefault("new", channel.Server(path, lambda h, p: {"who": "new"})))
     t.start()
-    time.sleep(0.2)  # the new one waits for the path
+    time.sleep(0.2)  # the new one waits on the old one's lock file
     old.close()
     t.join(10)
-    new = got["new"]
+    return got["new"]
+
+
+def test_a_worker_starting_as_the_old_one_closes_keeps_its_socket(tmp_path):
+    # The new worker waits for the old one's close, and that close does
+    # not remove the new worker's socket.
+    path = channel.socket_path("engine-handover", 0, 0, str(tmp_path))
+    new = _started_as_the_old_one_closes(path)
     try:
         assert channel.Client(path, timeout_s=5).call({"op": "x"}) == {"who": "new"}
     finally:
@@ -151,14 +157,7 @@ def test_a_worker_that_waited_on_a_removed_lock_file_does_not_share_the_path(tmp
     # close removed: it must own the path alone, so a third worker with
     # the same engine_id is refused rather than taking a new lock file.
     path = channel.socket_path("engine-relock", 0, 0, str(tmp_path))
-    old = channel.Server(path, lambda h, p: {"who": "old"})
-    got = {}
-    t = threading.Thread(target=lambda: got.setdefault("new", channel.Server(path, lambda h, p: {"who": "new"})))
-    t.start()
-    time.sleep(0.2)  # the new one waits on the old lock file
-    old.close()
-    t.join(10)
-    new = got["new"]
+    new = _started_as_the_old_one_closes(path)
     try:
         with pytest.raises(channel.ChannelError, match="another vLLM instance"):
             channel.Server(path, lambda h, p: {"who": "third"})
