@@ -68,7 +68,8 @@ void kvhi_xfer_prepare(kvh_engine *e, uint32_t b, uint32_t dst_tier, uint32_t ds
 /* Copies, writes or reads one block as x says; x->err reports failure. */
 void kvhi_xfer_run(kvh_engine *e, kvhi_xfer *x);
 /* Runs transfers that all go to, or all come from, the disk tier as
- * batches of neighbouring slots. */
+ * batches of neighbouring slots, one lane submission at a time; each
+ * block's latency sample is the time of its own submission. */
 void kvhi_xfer_batch(kvh_engine *e, kvhi_xfer *xs, uint32_t n);
 
 /* ---- external pools (core/move_pool.c) ---- */

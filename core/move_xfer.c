@@ -247,12 +247,15 @@ static bool write_batch_in_place(kvh_engine *e, kvhi_disk_lane *lane, kvhi_xfer 
     return true;
 }
 
-static void xfer_batch(kvh_engine *e, kvhi_xfer *xs, uint32_t n)
+void kvhi_xfer_batch(kvh_engine *e, kvhi_xfer *xs, uint32_t n)
 {
     kvhi_assert_unlocked(e);
     kvhi_disk *d = e->disk;
-    if (n == 1 && read_one_direct(e, &xs[0]))
+    uint64_t t0 = kvhi_now_ns();
+    if (n == 1 && read_one_direct(e, &xs[0])) {
+        kvhi_latency_record_xfers(&e->latency, xs, 1, kvhi_now_ns() - t0);
         return;
+    }
     /* A slot being rewritten may have been freed by a DEL record that is
      * still in memory: the record goes to the file before the new data. */
     if (n && xs[0].dst_tier == KVH_TIER_DISK) {
@@ -278,8 +281,12 @@ static void xfer_batch(kvh_engine *e, kvhi_xfer *xs, uint32_t n)
         bool write = xs[done].dst_tier == KVH_TIER_DISK; /* else a read (or a verify) */
         for (uint32_t i = 0; i < k; i++)
             slots[i] = write ? xs[done + i].dst_slot : xs[done + i].src_slot;
+        /* Each block's sample is its own submission's time (kvh.h), not
+         * the whole batch's, nor the wait for a lane. */
+        t0 = kvhi_now_ns();
         if (write ? write_batch_in_place(e, lane, xs + done, k, slots, res)
                   : read_batch_in_place(e, lane, xs + done, k, slots, res)) {
+            kvhi_latency_record_xfers(&e->latency, xs + done, k, kvhi_now_ns() - t0);
             kvhi_disk_lane_put(d, lane);
             done += k;
             continue;
@@ -287,6 +294,7 @@ static void xfer_batch(kvh_engine *e, kvhi_xfer *xs, uint32_t n)
         int staged[64] = {0};
         for (uint32_t i = 0; write && i < k; i++)
             staged[i] = stage_write(e, &xs[done + i], kvhi_disk_lane_slot(lane, i));
+        t0 = kvhi_now_ns();
         read_batch rb = {e, xs + done, lane, {0}};
         if (write)
             kvhi_disk_write_staged(d, lane, k, slots, res);
@@ -302,17 +310,10 @@ static void xfer_batch(kvh_engine *e, kvhi_xfer *xs, uint32_t n)
             if (!write && res[i] == 0)
                 finish_read(e, x, kvhi_disk_lane_slot(lane, i));
         }
+        kvhi_latency_record_xfers(&e->latency, xs + done, k, kvhi_now_ns() - t0);
         kvhi_disk_lane_put(d, lane);
         done += k;
     }
-}
-
-/* Each disk transfer is timed for the latency histograms. */
-void kvhi_xfer_batch(kvh_engine *e, kvhi_xfer *xs, uint32_t n)
-{
-    uint64_t t0 = kvhi_now_ns();
-    xfer_batch(e, xs, n);
-    kvhi_latency_record_xfers(&e->latency, xs, n, kvhi_now_ns() - t0);
 }
 
 void kvhi_xfer_run(kvh_engine *e, kvhi_xfer *x)

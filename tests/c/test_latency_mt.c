@@ -1,7 +1,7 @@
 /* Latency histograms (kvh_latency_histogram_get, core/latency.c): bucket
  * bounds, argument rules, older struct sizes, counts that match the
  * operations done (demotions to disk, reads back, acquires that stalled or
- * did not), and recording from several threads at once (TSan). */
+ * did not), samples that time their own submission, and recording from several threads at once (TSan). */
 #include <pthread.h>
 #include <stddef.h>
 #include <string.h>
@@ -115,6 +115,33 @@ static void test_counts_match_the_operations(void **state)
     dt_assert_ok(dt_close(e));
 }
 
+/* A persist of more blocks than one disk submission carries: each
+ * block's sample is its own submission's time (kvh.h), so the samples
+ * add up to at most the blocks a submission carries times the call's
+ * time; as the whole batch's time each, they added up to 64 times it. */
+static void test_samples_time_their_own_submission(void **state)
+{
+    (void)state;
+    enum { N = 64, PER_SUBMISSION = 4 };
+    char dir[PATH_MAX];
+    dt_scratch("latency-persist", dir, sizeof(dir));
+    kvh_config c = dt_cfg(GEO, dir, 2 * N, 2 * N, 4 * N, 0);
+    c.disk_queue_depth = PER_SUBMISSION; /* a lane carries this many blocks */
+    kvh_engine *e = dt_open_a(&c);
+    kvh_seq s;
+    dt_assert_ok(dt_build(e, GEO, dt_plain(5), N * GEO.bt, 0, &s));
+    double t0 = dt_now();
+    dt_assert_ok(kvh_seq_persist(e, s));
+    uint64_t call_ns = (uint64_t)((dt_now() - t0) * 1e9) + 1;
+    kvh_latency_histogram w = hist(e, KVH_LATENCY_DISK_WRITE);
+    assert_int_equal(w.count, N);
+    if (w.sum_ns > PER_SUBMISSION * call_ns)
+        fail_msg("%d samples add up to %llu ns against a %llu ns persist", N, (unsigned long long)w.sum_ns,
+                 (unsigned long long)call_ns);
+    dt_assert_ok(kvh_seq_free(e, s));
+    dt_assert_ok(dt_close(e));
+}
+
 #define THREADS 4
 #define SAMPLES 20000
 
@@ -160,6 +187,7 @@ int main(void)
         cmocka_unit_test(test_bucket_bounds),
         cmocka_unit_test_teardown(test_bad_arguments_change_nothing, dt_teardown),
         cmocka_unit_test_teardown(test_counts_match_the_operations, dt_teardown),
+        cmocka_unit_test_teardown(test_samples_time_their_own_submission, dt_teardown),
         cmocka_unit_test_teardown(test_concurrent_records_all_count, dt_teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
