@@ -343,7 +343,8 @@ class Stats:
     #: Device <-> host moves made without a copy (one arena).
     blocks_moved_in_place: int = 0
     #: Of prefix_hit_blocks: found in the host tier, or only on disk (read
-    #: back and verified); the rest were in the device tier.
+    #: back and verified); the rest were in the device tier or came from
+    #: the remote tier (remote_hits).
     prefix_hit_blocks_host: int = 0
     prefix_hit_blocks_disk: int = 0
     #: Full blocks persist() made durable (written now or already on disk).

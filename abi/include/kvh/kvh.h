@@ -610,7 +610,9 @@ typedef struct kvh_stats {
     uint64_t blocks_moved_in_place;
     /* Of prefix_hit_blocks, those found in the host tier and those found
      * only on disk (read back and verified by the match); the rest were
-     * in the device tier. */
+     * in the device tier, or came from the remote tier (remote_hits):
+     * device-tier hits are prefix_hit_blocks - prefix_hit_blocks_host -
+     * prefix_hit_blocks_disk - remote_hits. */
     uint64_t prefix_hit_blocks_host;
     uint64_t prefix_hit_blocks_disk;
     /* Full blocks kvh_seq_persist and kvh_blocks_persist made durable,
@@ -2017,8 +2019,10 @@ KVH_API kvh_status kvh_seq_derive_tolerance(kvh_engine *engine, kvh_seq seq, uin
  * its open on, always on (two relaxed atomic adds per sample). */
 typedef enum kvh_latency_kind {
     /* A kvh_seq_acquire without a fence that had to wait for blocks not
-     * yet in the device tier: from the call's start to the last arrival.
-     * Acquires that found every block resident add no sample. */
+     * yet in the device tier: from the call's start to the last arrival,
+     * or to the failure that ended the wait (the caller stalled either
+     * way; acquire_stall_ns counts the same time). Acquires that found
+     * every block resident add no sample. */
     KVH_LATENCY_ACQUIRE_STALL = 0,
     /* One block read from the disk tier (a promotion, a verification, a
      * streamed or prefix read): the time of the submission that carried
