@@ -19,14 +19,17 @@ Published, all prefixed ``kvh_``:
   ``kvh_moved_bytes_total{src,dst}``; ``acquire_stall_ns`` is
   ``kvh_acquire_stall_seconds_total`` (base unit); byte counts end in
   ``_bytes_total``; the others keep their field name
-  (``kvh_evictions_total``, ``kvh_prefetch_useful_total``, ...), and a
-  counter of a newer library that this package does not name yet is
-  published under its field name too;
+  (``kvh_evictions_total``, ``kvh_prefetch_useful_total``, ...): the
+  counters of the ``kvh_stats`` this package was built with (a newer
+  library's further counters are read by a newer package);
 * tier gauges ``kvh_tier_capacity_bytes``, ``kvh_tier_used_bytes``,
   ``kvh_tier_capacity_blocks``, ``kvh_tier_used_blocks``,
   ``kvh_tier_pinned_blocks`` (label ``tier``), and ``kvh_block_bytes``;
 * ``kvh_engine_up``: 1 while the engine is open, 0 after close (the
   other series are then absent).
+
+An exporter serves until :meth:`Exporter.close` (or the end of the
+process), like any server: dropping it does not stop it.
 
 * latency histograms (``kvh_latency_histogram_get``, fixed buckets from
   1 us doubling to 4.19 s, seconds): ``kvh_acquire_stall_duration_seconds``
@@ -38,6 +41,7 @@ Published, all prefixed ``kvh_``:
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Any, Iterator, Optional, Tuple
 
@@ -107,6 +111,12 @@ class EngineCollector:
 
     def __init__(self, engine: Any) -> None:
         self._engine = weakref.ref(engine)
+
+    def detach(self) -> None:
+        """Reads the engine no more: every later scrape says
+        ``kvh_engine_up 0`` (a request still in flight when its exporter
+        closed)."""
+        self._engine = lambda: None
 
     def describe(self) -> Iterator[Any]:
         """The families without samples, read off no engine: a registry
@@ -191,15 +201,26 @@ def _histograms(histograms: dict) -> Iterator[Any]:
 class Exporter:
     """A running HTTP endpoint (``/metrics``) from :func:`serve`."""
 
-    def __init__(self, server: Any, thread: Any, registry: Any) -> None:
+    def __init__(self, server: Any, thread: Any, registry: Any, collector: Optional[EngineCollector] = None) -> None:
         self._server = server
         self._thread = thread
+        self._collector = collector
+        self._lock = threading.Lock()
         self.registry = registry
+
+    @property
+    def closed(self) -> bool:
+        return self._server is None
 
     @property
     def address(self) -> Tuple[str, int]:
         """(host, port) it listens on (the port chosen when 0 was asked)."""
-        host, port = self._server.server_address[:2]
+        server = self._server
+        if server is None:
+            from . import errors
+
+            raise errors.ClosedError("the metrics exporter is closed")
+        host, port = server.server_address[:2]
         return host, port
 
     @property
@@ -214,12 +235,24 @@ class Exporter:
         return f"http://{host}:{port}/metrics"
 
     def close(self) -> None:
-        """Stops the server and waits for its thread."""
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
+        """Stops the server and waits for its thread, and takes the
+        engine's collector out of the registry (which can then take
+        another engine's). A request already being served reads the
+        engine no more. Closing again does nothing."""
+        with self._lock:
+            server, self._server = self._server, None
+            if server is None:
+                return
+            collector, self._collector = self._collector, None
+            if collector is not None:
+                collector.detach()
+                try:
+                    self.registry.unregister(collector)
+                except KeyError:  # the caller took it out already
+                    pass
+            server.shutdown()
+            server.server_close()
             self._thread.join()
-            self._server = None
 
     def __enter__(self) -> "Exporter":
         return self
@@ -241,8 +274,10 @@ def serve(engine: Any, port: int, addr: str = "127.0.0.1", *, registry: Optional
         raise ModuleNotFoundError(
             "kvh_cache.metrics needs prometheus-client: pip install 'kvh-cache[metrics]'", name=exc.name
         ) from None
-    from .engine import _int
+    from .engine import Engine, _int
 
+    if not isinstance(engine, Engine):
+        raise TypeError(f"engine must be a kvh_cache.Engine, not {type(engine).__name__}")
     port = _int("port", port, 0, 65535)
     if not isinstance(addr, str):
         raise TypeError(f"addr must be a str, not {type(addr).__name__}")
@@ -259,4 +294,4 @@ def serve(engine: Any, port: int, addr: str = "127.0.0.1", *, registry: Optional
     except BaseException:
         reg.unregister(collector)  # a caller's registry can take the engine again
         raise
-    return Exporter(server, thread, reg)
+    return Exporter(server, thread, reg, collector)
