@@ -838,7 +838,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Opens the disk store DIR with an engine (geometry from kvh-store info, or "
         "the flags) and prints the disk tier's occupancy and the engine counters. "
         "The store must not be open in another process. It is checked with kvh-store first: "
-        "a damaged store is refused (exit 1), never repaired (kvh store verify lists the damage).",
+        "a damaged store is refused (exit 1), never repaired (kvh store verify lists the damage). "
+        "A store a crashed process left is recovered as any open recovers it: the records its journal "
+        "holds are folded into its index, and its blocks stay as they were.",
     )
     sp.add_argument("dir", metavar="DIR", type=_store_dir, help="the disk tier directory (kvh_config.disk_path)")
     sp.add_argument("--json", action="store_true", help="print JSON")
