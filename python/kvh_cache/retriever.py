@@ -854,6 +854,7 @@ class SpeculativeRetriever(Closable):
         self.model_salt = int(engine.config.model_salt or 0)
         self._lock = threading.RLock()
         self._attach_lock = threading.Lock()
+        self._add_lock = threading.RLock()  # adds of one chunk must not race (one record, one payload)
         self._records: Dict[int, ChunkRecord] = {}
         self._seqs: Dict[int, Any] = {}
         self._blocks: Dict[int, List[Any]] = {}
@@ -974,49 +975,63 @@ class SpeculativeRetriever(Closable):
         optionally ``text`` (what is embedded; default: the tokens as
         text), ``doc``, ``index``, ``agent``, ``meta``. Computes the KV of
         new chunks (reusing whatever kvh has cached under their content
-        hash), embeds them in one batch and upserts the points the index
-        does not have yet. Returns the records in order (an already known
-        chunk returns its existing record)."""
+        hash), embeds them in one batch and upserts their points. Returns
+        the records in order (an already known chunk returns its existing
+        record). All or nothing: when any step fails (kv_fn, the embedder,
+        the index, no space), the new chunks of the call are dropped again
+        and their sequences freed, so a retry adds them afresh. Adds are
+        serialised: concurrent adds of one chunk get the same record."""
         self._check_open()
+        with self._add_lock:
+            return self._add_chunks(items)
+
+    def _add_chunks(self, items: Iterable[Mapping[str, Any]]) -> List[ChunkRecord]:
         out: List[ChunkRecord] = []
-        fresh: List[ChunkRecord] = []
-        for it in items:
-            # Checked like Sequence.append's: floats or ids past int32 were
-            # cast, storing the chunk under other tokens.
-            tokens = _tokens(it["tokens"])
-            cid = self.content_id(tokens)
-            with self._lock:
-                known = self._records.get(cid)
-                if known is not None and cid in self._seqs:
+        new: Dict[int, Tuple[ChunkRecord, Any, List[Any]]] = {}
+        try:
+            for it in items:
+                # Checked like Sequence.append's: floats or ids past int32 were
+                # cast, storing the chunk under other tokens.
+                tokens = _tokens(it["tokens"])
+                cid = self.content_id(tokens)
+                if cid in new:
+                    out.append(new[cid][0])
+                    continue
+                known = self._known(cid)
+                if known is not None:
+                    self.sequence(cid)  # attach a loaded chunk (kept on failure: it is indexed already)
                     out.append(known)
                     continue
-            text = it.get("text")
-            if text is None:
-                text = " ".join(map(str, tokens.tolist()))
-            rec = known or ChunkRecord(
-                chunk_id=cid,
-                tokens=tokens,
-                text=str(text),
-                doc=it.get("doc"),
-                index=it.get("index"),
-                agent=it.get("agent"),
-                meta=dict(it.get("meta") or {}),
-            )
-            with self._attach_lock:
-                self._check_open()
-                with self._lock:
-                    attached = cid in self._seqs
-                if not attached:
+                text = it.get("text")
+                if text is None:
+                    text = " ".join(map(str, tokens.tolist()))
+                rec = ChunkRecord(
+                    chunk_id=cid,
+                    tokens=tokens,
+                    text=str(text),
+                    doc=it.get("doc"),
+                    index=it.get("index"),
+                    agent=it.get("agent"),
+                    meta=dict(it.get("meta") or {}),
+                )
+                with self._attach_lock:
+                    self._check_open()
                     seq, blocks = self._materialise(rec)
-                    with self._lock:
-                        self._records[cid] = rec
-                        self._seqs[cid] = seq
-                        self._blocks[cid] = blocks
-            out.append(rec)
-            if known is None:
-                fresh.append(rec)
-        if fresh:
-            self._index_records(fresh)
+                new[cid] = (rec, seq, blocks)
+                out.append(rec)
+            if new:
+                self._index_records([rec for rec, _, _ in new.values()])
+            with self._attach_lock, self._lock:
+                self._check_open()  # a close meanwhile freed what it knew of: these are not known yet
+                for cid, (rec, seq, blocks) in new.items():
+                    self._records[cid] = rec
+                    self._seqs[cid] = seq
+                    self._blocks[cid] = blocks
+        except BaseException:
+            for _, seq, _ in new.values():
+                if not self.engine.closed:
+                    seq.free()
+            raise
         return out
 
     def add_chunk(
@@ -1080,15 +1095,25 @@ class SpeculativeRetriever(Closable):
         return self.add_chunks(items)
 
     def _index_records(self, recs: List[ChunkRecord]) -> None:
-        has = getattr(self.index, "has", None)
-        present = has([r.chunk_id for r in recs]) if has is not None else set()
-        todo = [r for r in recs if r.chunk_id not in present]
-        if not todo:
-            return
-        vecs = self.embedder.embed([r.text for r in todo])
-        bt = self.engine.block_tokens
-        payloads = [r.payload(model_salt=self.model_salt, block_tokens=bt, embedder=self.embedder.name) for r in todo]
-        self.index.add([r.chunk_id for r in todo], vecs, payloads)
+        """Embeds and upserts recs (a point of the same id that is not a
+        record of this model and embedder is replaced). On failure the
+        points this call created are deleted again where the index can."""
+        ids = [r.chunk_id for r in recs]
+        has, delete = getattr(self.index, "has", None), getattr(self.index, "delete", None)
+        before = has(ids) if has is not None and delete is not None else None
+        try:
+            vecs = self.embedder.embed([r.text for r in recs])
+            bt = self.engine.block_tokens
+            name = self.embedder.name
+            payloads = [r.payload(model_salt=self.model_salt, block_tokens=bt, embedder=name) for r in recs]
+            self.index.add(ids, vecs, payloads)
+        except BaseException:
+            if before is not None:
+                try:
+                    delete([i for i in ids if i not in before])
+                except Exception as exc:  # noqa: BLE001 - the first error is the one to report
+                    log.debug("kvh_cache.retriever: cannot delete the points of a failed add: %s", exc)
+            raise
 
     def load(self) -> int:
         """Reads the chunk records of this model (same model_salt and

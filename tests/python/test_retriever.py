@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 import types
 from pathlib import Path
 
@@ -708,6 +709,98 @@ def test_add_document_chunks_text(corpus):
 
         recs = r.add_document("doc-b", "abcdefghij" * 5, chunk_tokens=32, tokenizer=Tok())
         assert [x.n_tokens for x in recs] == [32, 18] and recs[1].text == ("abcdefghij" * 5)[32:]
+
+
+def test_failed_add_leaves_nothing_behind_and_a_retry_indexes(corpus):
+    inner = embed.HashedNgramEmbedder(256)
+    outage = [1]
+
+    def flaky(texts):  # an embedding service that fails once
+        if outage[0]:
+            outage[0] -= 1
+            raise ConnectionError("embedding service unavailable")
+        return inner.embed(texts)
+
+    items = _items(corpus)[:4]
+    with _engine() as eng, SpeculativeRetriever(eng, index="numpy", embedder=embed.CallableEmbedder(flaky, 256)) as r:
+        with pytest.raises(ConnectionError):
+            r.add_chunks(items)
+        assert len(r) == 0 and len(r.index) == 0
+        recs = r.add_chunks(items)
+        assert len(r) == 4 and len(r.index) == 4
+        assert r.predict(corpus.chunks[2].text, k=1)[0].chunk_id == recs[2].chunk_id
+
+    with _engine() as eng:
+        kv, calls = SyntheticKV(eng), [0]
+
+        def kv_fn(seq, tokens):  # a prefill failing on the third chunk
+            calls[0] += 1
+            if calls[0] == 3:
+                raise RuntimeError("prefill failed")
+            kv(seq, tokens)
+
+        with SpeculativeRetriever(eng, index="numpy", kv_fn=kv_fn) as r:
+            with pytest.raises(RuntimeError, match="prefill failed"):
+                r.add_chunks(items)
+            assert len(r) == 0 and len(r.index) == 0
+            recs = r.add_chunks(items)
+            assert len(r) == 4 and len(r.index) == 4
+            assert r.predict(corpus.chunks[0].text, k=1)[0].chunk_id == recs[0].chunk_id
+
+
+def test_add_document_past_the_room_frees_what_it_added():
+    big = bench_retriever.make_corpus(4, 4, 2, CHUNK_TOKENS, seed=3)  # 128 blocks > the 96 of the engine
+    words = [w for c in big.chunks for w in c.words]
+    with _engine() as eng, SpeculativeRetriever(eng, index="numpy") as r:
+        with pytest.raises(kvh.NoSpaceError):
+            r.add_document("manual", " ".join(words), chunk_tokens=CHUNK_TOKENS)
+        assert len(r) == 0 and len(r.index) == 0
+        recs = r.add_document("manual", " ".join(words[: 20 * CHUNK_TOKENS]), chunk_tokens=CHUNK_TOKENS)
+        assert len(recs) == 20 and len(r.index) == 20
+
+
+@needs_qdrant
+def test_failed_upsert_is_retried(corpus):
+    with _engine() as eng, SpeculativeRetriever(eng) as r:
+        add, fails = r.index.add, [1]
+
+        def failing_add(ids, vectors, payloads=None):
+            if fails[0]:
+                fails[0] -= 1
+                raise RuntimeError("upsert failed")
+            add(ids, vectors, payloads)
+
+        r.index.add = failing_add
+        with pytest.raises(RuntimeError, match="upsert failed"):
+            r.add_chunks(_items(corpus)[:3])
+        assert len(r) == 0 and r.index.count() == 0
+        recs = r.add_chunks(_items(corpus)[:3])
+        assert len(r) == 3 and r.index.count() == 3
+        assert r.predict(corpus.chunks[1].text, k=1)[0].chunk_id == recs[1].chunk_id
+
+
+def test_concurrent_adds_of_one_chunk_get_one_record(corpus):
+    with _engine() as eng:
+        kv, started = SyntheticKV(eng), threading.Event()
+
+        def slow_kv(seq, tokens):  # a prefill long enough for a second add to arrive
+            started.set()
+            time.sleep(0.2)
+            kv(seq, tokens)
+
+        with SpeculativeRetriever(eng, index="numpy", kv_fn=slow_kv) as r:
+            out = [None, None]
+
+            def add(k):
+                out[k] = r.add_chunk(corpus.tokens(0), corpus.chunks[0].text, agent=k + 1)
+
+            first = threading.Thread(target=add, args=(0,))
+            first.start()
+            assert started.wait(5)
+            add(1)
+            first.join()
+            assert out[0] is out[1] is r.record(out[0].chunk_id)
+            assert r.computed_tokens == CHUNK_TOKENS
 
 
 # ---------------------------------------------------------------------------------
