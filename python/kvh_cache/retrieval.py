@@ -38,7 +38,8 @@ class ChunkIndex(Protocol):
 
     def search(self, vector: np.ndarray, limit: int = 4, *, agent: Optional[int] = None) -> List[Tuple[int, float]]:
         """The ``limit`` nearest chunks as (id, score), best first; ``agent``
-        restricts to chunks whose payload has that agent (or no agent)."""
+        restricts to chunks whose payload has that agent, a list holding it,
+        or no agent."""
 
     def close(self) -> None:
         """Releases the index (connections, files)."""
@@ -56,7 +57,7 @@ class NumpyChunkIndex:
         self.dim = dim = _int("dim", dim, 1, 1 << 31)
         self._ids: List[int] = []
         self._pos: Dict[int, int] = {}
-        self._agents: List[Optional[int]] = []
+        self._agents: List[Optional[frozenset]] = []
         self._mat = np.zeros((0, dim), np.float32)
 
     def add(self, ids: Seq[int], vectors: np.ndarray, payloads: Optional[Seq[Mapping[str, Any]]] = None) -> None:
@@ -70,7 +71,7 @@ class NumpyChunkIndex:
             raise ValueError(f"{len(payloads)} payloads for {len(ids)} ids")
         # Everything that can fail, before anything changes: a failed add
         # leaves the index as it was.
-        agents = [p.get("agent") for p in payloads] if payloads else [None] * len(ids)
+        agents = [_agent_set(p.get("agent")) for p in payloads] if payloads else [None] * len(ids)
         keys = [int(cid) for cid in ids]
         norms = np.linalg.norm(vecs, axis=1, keepdims=True)
         vecs = vecs / np.maximum(norms, 1e-12)
@@ -106,7 +107,7 @@ class NumpyChunkIndex:
         q = q / max(float(np.linalg.norm(q)), 1e-12)
         scores = self._mat @ q
         if agent is not None:
-            mask = np.array([a is None or a == agent for a in self._agents])
+            mask = np.array([a is None or agent in a for a in self._agents])
             scores = np.where(mask, scores, -np.inf)
         k = min(limit, len(self._ids))
         top = np.argpartition(-scores, k - 1)[:k]
@@ -121,6 +122,17 @@ class NumpyChunkIndex:
 
     def __len__(self) -> int:
         return len(self._ids)
+
+
+def _agent_set(agent: Any) -> Optional[frozenset]:
+    """The agents a payload's ``agent`` (an int, a list of them, or None: shared) names."""
+    if agent is None:
+        return None
+    return (
+        frozenset(int(a) for a in agent)
+        if isinstance(agent, (list, tuple, set, frozenset))
+        else frozenset([int(agent)])
+    )
 
 
 def _plugin():

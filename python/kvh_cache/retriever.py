@@ -52,6 +52,7 @@ Environment: ``KVH_QDRANT_URL`` (a server used when neither ``url`` nor
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -540,7 +541,10 @@ def model_kv_fn(runner: Any, *, chunk: int = 64) -> Callable[[Any, np.ndarray], 
 class ChunkRecord:
     """One chunk: its content id (the kvh prefix-hash chain of its tokens),
     token ids, text and origin. ``block_hashes``: kvh prefix hashes of its
-    full blocks (0 for a partial tail block)."""
+    full blocks (0 for a partial tail block). ``agent``: the agent that
+    added it first (None: shared); ``agents``: every agent that added it
+    privately, the agents whose filtered searches keep it (empty once any
+    add was without an agent: shared)."""
 
     chunk_id: int
     tokens: np.ndarray
@@ -550,6 +554,11 @@ class ChunkRecord:
     agent: Optional[int] = None
     block_hashes: List[int] = field(default_factory=list)
     meta: Dict[str, Any] = field(default_factory=dict)
+    agents: List[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.agent is not None and not self.agents:
+            self.agents = [self.agent]
 
     @property
     def n_tokens(self) -> int:
@@ -572,8 +581,8 @@ class ChunkRecord:
                 "embedder": embedder,
             }
         )
-        if self.agent is not None:
-            p["agent"] = int(self.agent)
+        if self.agents:  # one agent as an int (as before), several as a list: filters match either
+            p["agent"] = int(self.agents[0]) if len(self.agents) == 1 else sorted(int(a) for a in self.agents)
         else:
             p.pop("agent", None)
         return p
@@ -594,13 +603,16 @@ class ChunkRecord:
             "embedder",
             "agent",
         }
+        agent = payload.get("agent")
+        agents = [int(a) for a in agent] if isinstance(agent, list) else [] if agent is None else [int(agent)]
         return cls(
             chunk_id=int(chunk_id),
             tokens=np.asarray(payload.get("tokens", []), np.int32),
             text=str(payload.get("text") or ""),
             doc=payload.get("doc"),
             index=payload.get("index"),
-            agent=payload.get("agent"),
+            agent=agents[0] if agents else None,
+            agents=agents,
             block_hashes=[int(h, 16) for h in payload.get("block_hashes", [])],
             meta={k: v for k, v in payload.items() if k not in known},
         )
@@ -728,6 +740,18 @@ _KVH_COUNTERS = (
 # ---------------------------------------------------------------------------------
 # the retriever
 # ---------------------------------------------------------------------------------
+def _share(rec: ChunkRecord, agent: Optional[int]) -> bool:
+    """Widens who sees rec for an add of it by ``agent`` (None: everyone).
+    True when that changed anything."""
+    if not rec.agents or (agent is not None and agent in rec.agents):
+        return False
+    if agent is None:
+        rec.agent, rec.agents = None, []
+    else:
+        rec.agents = rec.agents + [agent]
+    return True
+
+
 class SpeculativeRetriever(Closable):
     """Chunks in kvh + embeddings in a chunk index + prefetch hints.
 
@@ -749,7 +773,8 @@ class SpeculativeRetriever(Closable):
     ``min_score``: predictions scoring below are dropped.
     ``chunk_agent``: kvh agent the chunk sequences are charged to.
     ``filter_agents``: searches keep chunks added with that ``agent`` or
-    with none (default: every chunk is shared). ``tokenizer``: for
+    with none (default: every chunk is shared); a chunk several agents
+    add is kept for each of them, and for all once it is added without one. ``tokenizer``: for
     :meth:`add_document` (default :class:`kvh_cache.embed.WordTokenizer`).
 
     The default ``kv_fn`` writes deterministic stand-in values (tests,
@@ -988,18 +1013,24 @@ class SpeculativeRetriever(Closable):
     def _add_chunks(self, items: Iterable[Mapping[str, Any]]) -> List[ChunkRecord]:
         out: List[ChunkRecord] = []
         new: Dict[int, Tuple[ChunkRecord, Any, List[Any]]] = {}
+        shared: Dict[int, ChunkRecord] = {}  # known chunks more agents see now: their payload changes
         try:
             for it in items:
                 # Checked like Sequence.append's: floats or ids past int32 were
                 # cast, storing the chunk under other tokens.
                 tokens = _tokens(it["tokens"])
                 cid = self.content_id(tokens)
+                agent = it.get("agent")
                 if cid in new:
+                    _share(new[cid][0], agent)
                     out.append(new[cid][0])
                     continue
                 known = self._known(cid)
                 if known is not None:
                     self.sequence(cid)  # attach a loaded chunk (kept on failure: it is indexed already)
+                    wider = shared.get(cid) or dataclasses.replace(known, agents=list(known.agents))
+                    if _share(wider, agent):
+                        shared[cid] = wider
                     out.append(known)
                     continue
                 text = it.get("text")
@@ -1019,10 +1050,12 @@ class SpeculativeRetriever(Closable):
                     seq, blocks = self._materialise(rec)
                 new[cid] = (rec, seq, blocks)
                 out.append(rec)
-            if new:
-                self._index_records([rec for rec, _, _ in new.values()])
+            if new or shared:
+                self._index_records([rec for rec, _, _ in new.values()] + list(shared.values()))
             with self._attach_lock, self._lock:
                 self._check_open()  # a close meanwhile freed what it knew of: these are not known yet
+                for cid, wider in shared.items():
+                    self._records[cid].agent, self._records[cid].agents = wider.agent, wider.agents
                 for cid, (rec, seq, blocks) in new.items():
                     self._records[cid] = rec
                     self._seqs[cid] = seq

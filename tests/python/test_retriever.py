@@ -779,6 +779,27 @@ def test_failed_upsert_is_retried(corpus):
         assert r.predict(corpus.chunks[1].text, k=1)[0].chunk_id == recs[1].chunk_id
 
 
+@pytest.mark.parametrize("kind", ["numpy", pytest.param("qdrant", marks=needs_qdrant)])
+def test_a_chunk_added_by_two_agents_is_found_by_both(tmp_path, corpus, kind):
+    t, text = corpus.tokens(3), corpus.chunks[3].text
+    kw = {"index": "numpy"} if kind == "numpy" else {"qdrant_path": str(tmp_path / "q")}
+
+    def found(r, agent):
+        return cid in [p.chunk_id for p in r.predict(text, agent=agent)]
+
+    with _engine() as eng, SpeculativeRetriever(eng, filter_agents=True, **kw) as r:
+        cid = r.add_chunk(t, text, agent=1).chunk_id
+        assert r.add_chunk(t, text, agent=2) is r.record(cid)
+        assert r.record(cid).agents == [1, 2]
+        assert found(r, 1) and found(r, 2) and not found(r, 3)
+        r.add_chunk(t, text)  # added for everyone
+        assert r.record(cid).agents == [] and r.record(cid).agent is None and found(r, 3)
+    if kind == "qdrant":
+        with _engine() as eng, SpeculativeRetriever(eng, filter_agents=True, **kw) as r:
+            r.load()
+            assert r.record(cid).agents == [] and found(r, 3)
+
+
 def test_concurrent_adds_of_one_chunk_get_one_record(corpus):
     with _engine() as eng:
         kv, started = SyntheticKV(eng), threading.Event()
