@@ -894,6 +894,8 @@ class SpeculativeRetriever(Closable):
         self._pending: List[Future] = []
         self.reused_tokens = 0
         self.computed_tokens = 0
+        #: Points of the index left out as not this model's, embedder's or payload version's, or malformed.
+        self.skipped_points = 0
         self._stats0 = engine.stats()
         self._is_closed = False
 
@@ -1149,32 +1151,65 @@ class SpeculativeRetriever(Closable):
             raise
 
     def load(self) -> int:
-        """Reads the chunk records of this model (same model_salt and
-        block_tokens) back from a persistent index (e.g. a Qdrant path or
-        server after a restart). Their KV is attached lazily, on the first
-        prediction or acquire, from wherever kvh has it (disk included) and
-        recomputed with kv_fn where it is gone. Returns how many records
-        are known now. Needs an index with ``scroll`` (Qdrant)."""
+        """Reads the chunk records of this model and embedder (same
+        model_salt, block_tokens and embedder name) back from a persistent
+        index (e.g. a Qdrant path or server after a restart). Their KV is
+        attached lazily, on the first prediction or acquire, from wherever
+        kvh has it (disk included) and recomputed with kv_fn where it is
+        gone. Points of other versions, models or embedders are left out,
+        and so are points whose payload does not parse or whose tokens do
+        not hash to their id (counted in :attr:`skipped_points`, logged).
+        Returns how many records are known now. Needs an index with
+        ``scroll`` (Qdrant)."""
         scroll = getattr(self.index, "scroll", None)
         if scroll is None:
             raise TypeError(f"the {getattr(self.index, 'name', 'given')} index cannot list its points (no scroll)")
         with self._lock:
+            bad = 0
             for pid, payload in scroll():
                 rec = self._record_from_payload(pid, payload)
-                if rec is not None and pid not in self._records:
+                if rec is None:
+                    bad += 1
+                elif pid not in self._records:
                     self._records[pid] = rec
+            if bad:
+                log.info("kvh_cache.retriever: load left out %d points of other models/embedders or malformed", bad)
             return len(self._records)
 
     def _record_from_payload(self, pid: int, payload: Mapping[str, Any]) -> Optional[ChunkRecord]:
-        if payload.get("kvh") != PAYLOAD_VERSION or "tokens" not in payload:
-            return None
+        """The record of a point, or None (counted in skipped_points) when
+        it is not a chunk of this model and embedder or does not parse."""
+        why = self._foreign(payload)
+        rec = None
+        if why is None:
+            try:
+                tokens = _tokens(payload["tokens"])  # checked as given: not cast to int32
+                rec = ChunkRecord.from_payload(pid, payload)
+                rec.tokens = tokens
+                if self.content_id(tokens) != pid:
+                    why, rec = "tokens that do not hash to its id", None
+            except (TypeError, ValueError, OverflowError, AttributeError) as exc:
+                why = f"a payload that does not parse ({exc})"
+        if rec is None:
+            with self._lock:
+                self.skipped_points += 1
+            log.debug("kvh_cache.retriever: point %#x left out: %s", pid, why)
+        return rec
+
+    def _foreign(self, payload: Mapping[str, Any]) -> Optional[str]:
+        """Why a point belongs to another version, model or embedder (None: it is ours)."""
+        if not isinstance(payload, Mapping) or payload.get("kvh") != PAYLOAD_VERSION or "tokens" not in payload:
+            return "another payload version"
         try:
             salt = int(str(payload.get("model_salt", "0")), 16)
-        except ValueError:
-            return None
-        if salt != self.model_salt & _MASK64 or int(payload.get("block_tokens", 0)) != self.engine.block_tokens:
-            return None
-        return ChunkRecord.from_payload(pid, payload)
+            bt = int(payload.get("block_tokens", 0))
+        except (TypeError, ValueError):
+            return "a payload that does not parse"
+        if salt != self.model_salt & _MASK64 or bt != self.engine.block_tokens:
+            return "another model salt or block size"
+        if payload.get("embedder") != self.embedder.name:
+            return f"another embedder ({payload.get('embedder')!r})"
+        return None
 
     def _known(self, cid: int) -> Optional[ChunkRecord]:
         """Record of cid, fetched from the index when not loaded yet."""

@@ -800,6 +800,40 @@ def test_a_chunk_added_by_two_agents_is_found_by_both(tmp_path, corpus, kind):
             assert r.record(cid).agents == [] and found(r, 3)
 
 
+@needs_qdrant
+def test_load_leaves_out_points_of_another_embedder(tmp_path, corpus):
+    q = str(tmp_path / "q")
+    with _engine() as eng, SpeculativeRetriever(eng, qdrant_path=q, embedder="hash:256") as r:
+        ids = [x.chunk_id for x in r.add_chunks(_items(corpus))]
+    other = embed.HashedNgramEmbedder(256, ngrams=(2, 3), seed=7)  # same width, other vectors
+    with _engine() as eng, SpeculativeRetriever(eng, qdrant_path=q, embedder=other, top_k=1) as r:
+        assert r.load() == 0 and r.skipped_points == len(ids)
+        assert r.predict(corpus.chunks[0].text) == []
+        r.add_chunks(_items(corpus))  # re-embedded by this embedder
+        assert r.index.get([ids[0]])[ids[0]]["embedder"] == other.name
+        assert all(r.predict(c.text)[0].chunk_id == ids[i] for i, c in enumerate(corpus.chunks))
+
+
+@needs_qdrant
+def test_load_skips_malformed_points_and_ids_that_are_not_the_tokens(tmp_path, corpus):
+    q = str(tmp_path / "q")
+    with _engine() as eng, SpeculativeRetriever(eng, qdrant_path=q) as r:
+        recs = r.add_chunks(_items(corpus)[:4])
+        good = r.index.get([recs[0].chunk_id])[recs[0].chunk_id]
+        bad = dict(good, block_hashes=["not-hex"])
+        huge = dict(good, tokens=[1 << 40] * 4)
+        fake = dict(good, tokens=[int(t) for t in corpus.tokens(9)])  # another chunk's tokens
+        vecs = r.embedder.embed([corpus.chunks[0].text + " draft"] * 3)
+        r.index.add([0xBAD, 0xB16, 0xF00], vecs, [bad, huge, fake])
+    with _engine() as eng, SpeculativeRetriever(eng, qdrant_path=q, top_k=3) as r:
+        assert r.load() == 4 and r.skipped_points == 3
+        hits = [p.chunk_id for p in r.prefetch(corpus.chunks[0].text, agent=1).predictions]
+        assert hits[0] == recs[0].chunk_id and not {0xBAD, 0xB16, 0xF00} & set(hits)
+    with _engine() as eng, SpeculativeRetriever(eng, qdrant_path=q, top_k=4) as r:  # no load: found by search
+        hits = [p.chunk_id for p in r.predict(corpus.chunks[0].text)]
+        assert hits[0] == recs[0].chunk_id and not {0xBAD, 0xB16, 0xF00} & set(hits)
+
+
 def test_concurrent_adds_of_one_chunk_get_one_record(corpus):
     with _engine() as eng:
         kv, started = SyntheticKV(eng), threading.Event()
