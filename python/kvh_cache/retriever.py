@@ -956,7 +956,11 @@ class SpeculativeRetriever(Closable):
     def content_id(self, tokens: Any) -> int:
         """The chunk id of ``tokens``: kvh's chained prefix hash of the full
         blocks (the hash kvh stores the last full block under), continued
-        over a partial tail block with BLAKE2b."""
+        over a partial tail block with BLAKE2b (over the block size too: a
+        chunk shorter than a block has no full block to tell the engines
+        of two block sizes apart). Ids of chunks with a partial tail made
+        before the block size was hashed no longer match their tokens, so
+        :meth:`load` leaves those points out and an add upserts them anew."""
         tk = _tokens(tokens)
         if tk.size == 0:
             raise ValueError("a chunk needs at least one token (1-D token ids)")
@@ -969,6 +973,7 @@ class SpeculativeRetriever(Closable):
             d = hashlib.blake2b(digest_size=8, person=b"kvh-chunk-tail")
             d.update(h.to_bytes(8, "little"))
             d.update((self.model_salt & _MASK64).to_bytes(8, "little"))
+            d.update(int(bt).to_bytes(8, "little"))
             d.update(tk[full * bt :].tobytes())
             h = int.from_bytes(d.digest(), "little")
         return h
@@ -1329,14 +1334,22 @@ class SpeculativeRetriever(Closable):
         k = self.top_k if k is None else _int("k", k, 1, _U32)
         if not np.any(vec):
             return []
-        hits = self.index.search(vec, k, agent=agent if self.filter_agents else None)
-        out: List[Prediction] = []
-        for cid, score in hits:
-            if self.min_score is not None and score < self.min_score:
-                continue
-            if self._known(int(cid)) is None:
-                continue  # a point that is not a chunk of this model
-            out.append(Prediction(int(cid), float(score), len(out)))
+        limit = k
+        for _ in range(4):  # points of other models or embedders must not crowd ours out of the top k
+            hits = self.index.search(vec, limit, agent=agent if self.filter_agents else None)
+            out: List[Prediction] = []
+            foreign = 0
+            for cid, score in hits:
+                if self.min_score is not None and score < self.min_score:
+                    continue
+                if self._known(int(cid)) is None:
+                    foreign += 1  # a point that is not a chunk of this model
+                    continue
+                if len(out) < k:
+                    out.append(Prediction(int(cid), float(score), len(out)))
+            if len(out) == k or not foreign or len(hits) < limit:
+                break
+            limit = min(limit * 4, _U32)
         return out
 
     def _open_window(self, agent: Optional[int]) -> _Window:

@@ -834,6 +834,20 @@ def test_load_skips_malformed_points_and_ids_that_are_not_the_tokens(tmp_path, c
         assert hits[0] == recs[0].chunk_id and not {0xBAD, 0xB16, 0xF00} & set(hits)
 
 
+@needs_qdrant
+def test_a_chunk_shorter_than_a_block_survives_a_new_block_size(tmp_path, corpus):
+    q, short = str(tmp_path / "q"), corpus.tokens(0)[:12]
+    bt32 = dict(block_tokens=32, device_bytes=32 * 8192, host_bytes=64 * 8192)
+    with _engine() as eng, SpeculativeRetriever(eng, qdrant_path=q) as r:
+        old = r.add_chunk(short, "short heading").chunk_id
+    with _engine(**bt32) as eng, SpeculativeRetriever(eng, qdrant_path=q) as r:
+        cid = r.add_chunk(short, "short heading").chunk_id
+        assert cid != old and r.index.get([cid])[cid]["block_tokens"] == 32
+    with _engine(**bt32) as eng, SpeculativeRetriever(eng, qdrant_path=q, top_k=1) as r:
+        assert r.load() == 1 and r.chunk_ids == [cid]
+        assert r.predict("short heading")[0].chunk_id == cid
+
+
 def test_concurrent_adds_of_one_chunk_get_one_record(corpus):
     with _engine() as eng:
         kv, started = SyntheticKV(eng), threading.Event()
