@@ -740,6 +740,14 @@ _KVH_COUNTERS = (
 # ---------------------------------------------------------------------------------
 # the retriever
 # ---------------------------------------------------------------------------------
+def _agent_arg(agent: Any) -> Optional[int]:
+    """An agent argument: None or an unsigned 32-bit int (1.5 or 'z' named a window no agent has)."""
+    return None if agent is None else _index("agent", agent, maximum=_U32)
+
+
+_PRIORITY_MIN, _PRIORITY_MAX = -(1 << 31), (1 << 31) - 1
+
+
 def _share(rec: ChunkRecord, agent: Optional[int]) -> bool:
     """Widens who sees rec for an add of it by ``agent`` (None: everyone).
     True when that changed anything."""
@@ -769,7 +777,8 @@ class SpeculativeRetriever(Closable):
     segment). ``draft(text) -> str``: optional projected continuation,
     embedded as one more segment of weight ``draft_weight`` (or pass
     ``draft_text`` to :meth:`prefetch`). ``base_priority``: hint
-    priority of the best hit (rank r gets ``base_priority - r``).
+    priority of the best hit (rank r gets ``base_priority - r``; an int32
+    of at least ``-2**31 + top_k - 1``, so that every rank is one).
     ``min_score``: predictions scoring below are dropped.
     ``chunk_agent``: kvh agent the chunk sequences are charged to.
     ``filter_agents``: searches keep chunks added with that ``agent`` or
@@ -824,7 +833,8 @@ class SpeculativeRetriever(Closable):
         segment_chars = _int("segment_chars", segment_chars, -(1 << 63), 1 << 63)
         decay = _real("decay", decay, 0.0, 1.0)
         draft_weight = _real("draft_weight", draft_weight)
-        base_priority = _int("base_priority", base_priority, -(1 << 31), (1 << 31) - 1)
+        # rank r is hinted at base_priority - r: every rank of top_k must stay an int32
+        base_priority = _int("base_priority", base_priority, _PRIORITY_MIN + top_k - 1, _PRIORITY_MAX)
         chunk_agent = _index("chunk_agent", chunk_agent, maximum=_U32)
         if min_score is not None:
             min_score = _real("min_score", min_score)
@@ -1327,7 +1337,18 @@ class SpeculativeRetriever(Closable):
     ) -> List[Prediction]:
         """The chunks most likely needed next after ``context``, best first
         (no hints, no accounting)."""
+        agent, k = self._check_query(context, agent, k, draft_text)
         return self._predict(self.query_vector(context, draft_text), agent, k)
+
+    def _check_query(self, context: Any, agent: Any, k: Any, draft_text: Any) -> Tuple[Optional[int], Optional[int]]:
+        """(agent, k) checked, before anything is counted or queued."""
+        if not isinstance(context, str):
+            raise TypeError(f"context must be str, not {type(context).__name__}")
+        if draft_text is not None and not isinstance(draft_text, str):
+            raise TypeError(f"draft_text must be str or None, not {type(draft_text).__name__}")
+        agent = _agent_arg(agent)
+        k = None if k is None else _int("k", k, 1, _U32)
+        return agent, k
 
     def _predict(self, vec: np.ndarray, agent: Optional[int], k: Optional[int]) -> List[Prediction]:
         self._check_open()
@@ -1381,7 +1402,8 @@ class SpeculativeRetriever(Closable):
                     resident.append(p.chunk_id)
                     continue
                 n = self.record(p.chunk_id).n_tokens
-                fences.append(self.engine.prefetch(seq, 0, n, priority=self.base_priority - p.rank))
+                priority = max(self.base_priority - p.rank, _PRIORITY_MIN)  # a k past top_k may reach the bottom
+                fences.append(self.engine.prefetch(seq, 0, n, priority=priority))
                 hinted.append(p.chunk_id)
             except Exception as exc:  # noqa: BLE001 - a hint that cannot be issued is not fatal
                 from . import errors
@@ -1408,7 +1430,10 @@ class SpeculativeRetriever(Closable):
         the caller already has (e.g. from its own draft model), used
         instead of calling ``draft``. Opens the agent's next accounting
         window. Returns at once; the promotions run on kvh's migration
-        threads."""
+        threads. Arguments are checked before the window opens: a rejected
+        call leaves the accounting as it was."""
+        self._check_open()
+        agent, k = self._check_query(context, agent, k, draft_text)
         window = self._open_window(agent)
         return self._run_prefetch(context, draft_text, agent, k, window)
 
@@ -1420,6 +1445,7 @@ class SpeculativeRetriever(Closable):
         thread, so the agent's next acquires count against this prediction
         even if it is still running."""
         self._check_open()
+        agent, k = self._check_query(context, agent, k, draft_text)
         window = self._open_window(agent)
         with self._lock:
             self._check_open()  # a close since would not shut an executor made now down
@@ -1444,6 +1470,7 @@ class SpeculativeRetriever(Closable):
     # ---- use ----
     def note_use(self, chunk_ids: Union[int, Iterable[int]], *, agent: Optional[int] = None) -> None:
         """Records that ``agent`` used chunks (for precision / recall)."""
+        agent = _agent_arg(agent)
         if isinstance(chunk_ids, (int, np.integer)):
             chunk_ids = [chunk_ids]
         ids = [_index("chunk_ids", c) for c in chunk_ids]

@@ -848,6 +848,46 @@ def test_a_chunk_shorter_than_a_block_survives_a_new_block_size(tmp_path, corpus
         assert r.predict("short heading")[0].chunk_id == cid
 
 
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"k": 0},
+        {"context": b"bytes"},
+        {"draft_text": 5},
+        {"agent": 1.5},
+        {"agent": "z"},
+    ],
+)
+def test_a_rejected_prefetch_leaves_the_accounting_alone(corpus, bad):
+    with _engine() as eng, SpeculativeRetriever(eng, index="numpy", top_k=2) as r:
+        r.add_chunks(_items(corpus))
+        res = r.prefetch(corpus.chunks[0].text, agent=1)
+        kw = {key: v for key, v in bad.items() if key != "context"}
+        for call in (r.prefetch, r.prefetch_async, r.predict):
+            with pytest.raises((TypeError, ValueError)):
+                call(bad.get("context", "some words"), **{"agent": 1, **kw})
+        r.note_use(res.chunk_ids[0], agent=1)
+        r.end_windows()
+        m = r.metrics()
+        assert (m.windows, m.predicted, m.used, m.hits, m.predictions) == (1, 2, 1, 1, 1)
+        with pytest.raises(TypeError, match="agent"):
+            r.note_use(res.chunk_ids[0], agent="z")
+
+
+def test_base_priority_must_leave_room_for_every_rank(corpus):
+    with _engine() as eng:
+        with pytest.raises(ValueError, match="base_priority"):
+            SpeculativeRetriever(eng, index="numpy", top_k=4, base_priority=-(2**31))
+        low = -(2**31) + 3
+        with SpeculativeRetriever(eng, index="numpy", top_k=4, base_priority=low) as r:
+            r.add_chunks(_items(corpus))
+            for cid in r.chunk_ids:
+                r.sequence(cid).migrate(Tier.HOST)
+            assert len(r.prefetch(corpus.chunks[0].text).hinted) == 4
+            res = r.prefetch(corpus.chunks[1].text, k=6)  # past top_k: the lowest priority
+            assert len(res.hinted) + len(res.resident) == 6
+
+
 def test_concurrent_adds_of_one_chunk_get_one_record(corpus):
     with _engine() as eng:
         kv, started = SyntheticKV(eng), threading.Event()
