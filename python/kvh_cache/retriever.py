@@ -61,7 +61,7 @@ import statistics
 import tempfile
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait as futures_wait
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence as Seq, Set, Tuple, Union
 
@@ -1457,15 +1457,19 @@ class SpeculativeRetriever(Closable):
             self._pending.append(fut)
         return fut
 
-    def drain(self, timeout: Optional[float] = None) -> None:
-        """Waits for the background predictions submitted so far."""
+    def drain(self, timeout: Optional[float] = None) -> bool:
+        """Waits for the background predictions submitted so far, at most
+        ``timeout`` seconds in all (None: until they are done). True when
+        all are done."""
+        if timeout is not None:
+            timeout = _real("timeout", timeout, 0.0)
         with self._lock:
             pending = list(self._pending)
-        for f in pending:
-            try:
-                f.result(timeout)
-            except Exception as exc:  # noqa: BLE001 - reported by the future's owner
-                log.debug("kvh_cache.retriever: background prefetch failed: %s", exc)
+        done, not_done = futures_wait(pending, timeout)
+        for f in done:
+            if not f.cancelled() and f.exception() is not None:  # reported by the future's owner
+                log.debug("kvh_cache.retriever: background prefetch failed: %s", f.exception())
+        return not not_done
 
     # ---- use ----
     def note_use(self, chunk_ids: Union[int, Iterable[int]], *, agent: Optional[int] = None) -> None:

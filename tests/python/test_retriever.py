@@ -888,6 +888,34 @@ def test_base_priority_must_leave_room_for_every_rank(corpus):
             assert len(res.hinted) + len(res.resident) == 6
 
 
+def _slow_embedder(pause):
+    inner = embed.HashedNgramEmbedder(256)
+
+    def fn(texts):
+        time.sleep(pause[0])
+        return inner.embed(texts)
+
+    return embed.CallableEmbedder(fn, 256, name="slow")
+
+
+def test_drain_timeout_is_one_deadline(corpus):
+    pause = [0.0]
+    with _engine() as eng, SpeculativeRetriever(eng, index="numpy", embedder=_slow_embedder(pause)) as r:
+        r.add_chunks(_items(corpus)[:4])
+        pause[0] = 0.3
+        futs = [r.prefetch_async("abc def", agent=1) for _ in range(5)]
+        t0 = time.monotonic()
+        assert r.drain(timeout=0.05) is False
+        assert time.monotonic() - t0 < 0.25  # not 0.05 s per queued prediction
+        for bad, error in (("x", TypeError), (-1, ValueError), (float("nan"), ValueError)):
+            with pytest.raises(error, match="timeout"):
+                r.drain(bad)
+        pause[0] = 0.0
+        for f in futs[1:]:
+            f.cancel()
+        assert r.drain() is True
+
+
 def test_concurrent_adds_of_one_chunk_get_one_record(corpus):
     with _engine() as eng:
         kv, started = SyntheticKV(eng), threading.Event()
