@@ -911,16 +911,18 @@ class SpeculativeRetriever(Closable):
 
     # ---- lifetime ----
     def close(self) -> None:
-        """Waits for background predictions, frees the chunk sequences
-        (their full blocks stay cached in kvh's prefix index) and closes
-        the index when the retriever opened it. Idempotent."""
+        """Cancels the background predictions that have not started (their
+        futures are cancelled), waits for the one running, frees the chunk
+        sequences (their full blocks stay cached in kvh's prefix index)
+        and closes the index when the retriever opened it. Idempotent."""
         with self._lock:  # prefetch_async checks and starts its executor under it
             if self._is_closed:
                 return
             self._is_closed = True
             ex, self._executor = self._executor, None
         if ex is not None:
-            ex.shutdown(wait=True)
+            # queued predictions would only run their embedding to fail with ClosedError
+            ex.shutdown(wait=True, cancel_futures=True)
         with self._attach_lock, self._lock:  # no chunk is being attached now, nor later
             seqs = list(self._seqs.values())
             self._seqs.clear()

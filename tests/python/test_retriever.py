@@ -916,6 +916,27 @@ def test_drain_timeout_is_one_deadline(corpus):
         assert r.drain() is True
 
 
+def test_close_cancels_queued_predictions_and_waits_for_the_running_one(corpus):
+    from concurrent.futures import CancelledError
+
+    pause = [0.0]
+    with _engine() as eng:
+        r = SpeculativeRetriever(eng, index="numpy", embedder=_slow_embedder(pause))
+        r.add_chunks(_items(corpus)[:4])
+        pause[0] = 0.25
+        futs = [r.prefetch_async(corpus.chunks[i].text, agent=1) for i in range(6)]
+        deadline = time.monotonic() + 5
+        while not futs[0].running() and time.monotonic() < deadline:  # the first is running
+            time.sleep(0.005)
+        t0 = time.monotonic()
+        r.close()
+        assert time.monotonic() - t0 < 0.8  # not 6 x 0.25 s
+        assert futs[0].done() and not futs[0].cancelled()
+        for f in futs[1:]:
+            with pytest.raises(CancelledError):
+                f.result(0)
+
+
 def test_concurrent_adds_of_one_chunk_get_one_record(corpus):
     with _engine() as eng:
         kv, started = SyntheticKV(eng), threading.Event()
