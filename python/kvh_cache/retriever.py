@@ -1274,11 +1274,21 @@ class SpeculativeRetriever(Closable):
             return list(self._blocks[int(chunk_id)])
 
     def resident(self, chunk_id: int) -> bool:
-        """True when every block of the chunk is in the device tier (and not
-        being copied)."""
+        """True when the chunk is attached (added, predicted or acquired
+        since the retriever opened) and every block of its sequence is in
+        the device tier (and not being copied). A query only: a chunk
+        known from :meth:`load` and not attached yet is False, and asking
+        attaches nothing and computes nothing. KeyError for an unknown
+        chunk."""
         from .types import Tier
 
-        for b in self.blocks(chunk_id):  # stops at the first block that is not (the usual case: the first)
+        self._check_open()
+        self.record(chunk_id)  # KeyError when unknown
+        with self._lock:
+            blocks = list(self._blocks.get(int(chunk_id), ()))
+        if not blocks:
+            return False
+        for b in blocks:  # stops at the first block that is not (the usual case: the first)
             info = b.info()
             if info.tier != Tier.DEVICE or info.in_flight:
                 return False

@@ -937,6 +937,28 @@ def test_close_cancels_queued_predictions_and_waits_for_the_running_one(corpus):
                 f.result(0)
 
 
+@needs_qdrant
+def test_resident_is_a_query(tmp_path, corpus):
+    q = str(tmp_path / "q")
+    with _engine() as eng, SpeculativeRetriever(eng, qdrant_path=q) as r:
+        ids = [x.chunk_id for x in r.add_chunks(_items(corpus)[:4])]
+    with _engine() as eng:  # a restart: the KV is gone (no disk tier)
+        kv, calls = SyntheticKV(eng), [0]
+
+        def counting_kv(seq, tokens):
+            calls[0] += 1
+            kv(seq, tokens)
+
+        with SpeculativeRetriever(eng, qdrant_path=q, kv_fn=counting_kv) as r:
+            assert r.load() == 4
+            assert [r.resident(c) for c in ids] == [False] * 4
+            assert calls[0] == 0 and r.computed_tokens == 0 and eng.tier_info(Tier.DEVICE).used_blocks == 0
+            with pytest.raises(KeyError):
+                r.resident(12345)
+            r.sequence(ids[0])
+            assert r.resident(ids[0]) and calls[0] == 1
+
+
 def test_concurrent_adds_of_one_chunk_get_one_record(corpus):
     with _engine() as eng:
         kv, started = SyntheticKV(eng), threading.Event()
