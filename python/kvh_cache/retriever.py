@@ -20,7 +20,8 @@ How it fits together::
   a partial tail block), so the same tokens always get the same id.
 * **Index.** Each chunk's embedding goes into a Qdrant collection, with the
   chunk record in the point payload (id, token ids, token count, doc id,
-  position, text, block hashes, model salt). :class:`QdrantChunkIndex` uses
+  position, text, block hashes, model salt, embedder, agents, and the
+  caller's ``meta`` under a key of its own). :class:`QdrantChunkIndex` uses
   ``qdrant-client``: embedded local mode (a directory on disk, no server)
   by default, or a Qdrant server / cluster by URL through the same code.
   ``index="numpy"`` is the dependency-free fallback
@@ -565,7 +566,8 @@ class ChunkRecord:
         return int(len(self.tokens))
 
     def payload(self, *, model_salt: int, block_tokens: int, embedder: str) -> Dict[str, Any]:
-        p: Dict[str, Any] = dict(self.meta)
+        # meta stays apart: keys such as "doc" or "agent" must not be overwritten by the record's
+        p: Dict[str, Any] = {"meta": dict(self.meta)}
         p.update(
             {
                 "kvh": PAYLOAD_VERSION,
@@ -590,6 +592,7 @@ class ChunkRecord:
     @classmethod
     def from_payload(cls, chunk_id: int, payload: Mapping[str, Any]) -> "ChunkRecord":
         known = {
+            "meta",
             "kvh",
             "chunk_id",
             "doc",
@@ -605,6 +608,9 @@ class ChunkRecord:
         }
         agent = payload.get("agent")
         agents = [int(a) for a in agent] if isinstance(agent, list) else [] if agent is None else [int(agent)]
+        meta = payload.get("meta")
+        if not isinstance(meta, Mapping):  # payloads written before meta had a key of its own
+            meta = {k: v for k, v in payload.items() if k not in known}
         return cls(
             chunk_id=int(chunk_id),
             tokens=np.asarray(payload.get("tokens", []), np.int32),
@@ -614,7 +620,7 @@ class ChunkRecord:
             agent=agents[0] if agents else None,
             agents=agents,
             block_hashes=[int(h, 16) for h in payload.get("block_hashes", [])],
-            meta={k: v for k, v in payload.items() if k not in known},
+            meta=dict(meta),
         )
 
 

@@ -959,6 +959,26 @@ def test_resident_is_a_query(tmp_path, corpus):
             assert r.resident(ids[0]) and calls[0] == 1
 
 
+@needs_qdrant
+def test_meta_survives_a_restart_whatever_its_keys(tmp_path, corpus):
+    q = str(tmp_path / "q")
+    meta = {"doc": "upstream-42", "agent": "crawler", "text": "original HTML", "index": 17, "lang": "en"}
+    with _engine() as eng, SpeculativeRetriever(eng, qdrant_path=q) as r:
+        rec = r.add_chunk(corpus.tokens(0), corpus.chunks[0].text, doc="manual", agent=3, meta=meta)
+        old = dict(rec.payload(model_salt=r.model_salt, block_tokens=16, embedder=r.embedder.name), lang="de")
+        old.pop("meta")  # a payload written when meta was merged into the top level
+        r.index.add(
+            [r.content_id(corpus.tokens(1))],
+            r.embedder.embed(["x"]),
+            [dict(old, tokens=[int(t) for t in corpus.tokens(1)])],
+        )
+    with _engine() as eng, SpeculativeRetriever(eng, qdrant_path=q) as r:
+        assert r.load() == 2
+        back = r.record(rec.chunk_id)
+        assert back.meta == meta and back.doc == "manual" and back.agent == 3 and back.text == corpus.chunks[0].text
+        assert r.record(r.content_id(corpus.tokens(1))).meta == {"lang": "de"}
+
+
 def test_concurrent_adds_of_one_chunk_get_one_record(corpus):
     with _engine() as eng:
         kv, started = SyntheticKV(eng), threading.Event()
