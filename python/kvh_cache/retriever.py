@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -754,6 +755,30 @@ def _agent_arg(agent: Any) -> Optional[int]:
 _PRIORITY_MIN, _PRIORITY_MAX = -(1 << 31), (1 << 31) - 1
 
 
+def _plain(name: str, value: Any) -> Any:
+    """value with NumPy scalars and arrays made Python values, checked to
+    be JSON-able: a point payload must be (Qdrant refused np.int64 at the
+    upsert)."""
+
+    def conv(v: Any) -> Any:
+        if isinstance(v, np.generic):
+            return v.item()
+        if isinstance(v, np.ndarray):
+            return v.tolist()
+        if isinstance(v, Mapping):
+            return {str(k): conv(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [conv(x) for x in v]
+        return v
+
+    out = conv(value)
+    try:
+        json.dumps(out, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"{name} must be JSON-able (it goes into the point payload): {exc}") from None
+    return out
+
+
 def _share(rec: ChunkRecord, agent: Optional[int]) -> bool:
     """Widens who sees rec for an add of it by ``agent`` (None: everyone).
     True when that changed anything."""
@@ -1023,7 +1048,9 @@ class SpeculativeRetriever(Closable):
     def add_chunks(self, items: Iterable[Mapping[str, Any]]) -> List[ChunkRecord]:
         """Adds chunks: each item a mapping with ``tokens`` (token ids) and
         optionally ``text`` (what is embedded; default: the tokens as
-        text), ``doc``, ``index``, ``agent``, ``meta``. Computes the KV of
+        text), ``doc``, ``index``, ``agent``, ``meta`` (doc, index and meta
+        go into the point payload: JSON-able, NumPy values are made Python
+        ones, anything else is a TypeError). Computes the KV of
         new chunks (reusing whatever kvh has cached under their content
         hash), embeds them in one batch and upserts their points. Returns
         the records in order (an already known chunk returns its existing
@@ -1045,7 +1072,7 @@ class SpeculativeRetriever(Closable):
                 # cast, storing the chunk under other tokens.
                 tokens = _tokens(it["tokens"])
                 cid = self.content_id(tokens)
-                agent = it.get("agent")
+                agent = _agent_arg(it.get("agent"))
                 if cid in new:
                     _share(new[cid][0], agent)
                     out.append(new[cid][0])
@@ -1065,10 +1092,10 @@ class SpeculativeRetriever(Closable):
                     chunk_id=cid,
                     tokens=tokens,
                     text=str(text),
-                    doc=it.get("doc"),
-                    index=it.get("index"),
-                    agent=it.get("agent"),
-                    meta=dict(it.get("meta") or {}),
+                    doc=_plain("doc", it.get("doc")),
+                    index=_plain("index", it.get("index")),
+                    agent=agent,
+                    meta=_plain("meta", dict(it.get("meta") or {})),
                 )
                 with self._attach_lock:
                     self._check_open()

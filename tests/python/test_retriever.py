@@ -979,6 +979,22 @@ def test_meta_survives_a_restart_whatever_its_keys(tmp_path, corpus):
         assert r.record(r.content_id(corpus.tokens(1))).meta == {"lang": "de"}
 
 
+@pytest.mark.parametrize("kind", ["numpy", pytest.param("qdrant", marks=needs_qdrant)])
+def test_numpy_scalars_in_a_chunk_become_python_values(tmp_path, corpus, kind):
+    kw = {"index": "numpy"} if kind == "numpy" else {"qdrant_path": str(tmp_path / "q")}
+    with _engine() as eng, SpeculativeRetriever(eng, **kw) as r:
+        meta = {"page": np.int32(7), "score": np.float64(0.5), "span": np.arange(2)}
+        rec = r.add_chunk(corpus.tokens(0), "x", doc=np.str_("d"), index=np.int64(2), agent=np.int64(3), meta=meta)
+        assert (rec.index, rec.agent, rec.doc, rec.meta) == (2, 3, "d", {"page": 7, "score": 0.5, "span": [0, 1]})
+        assert type(rec.index) is int and type(rec.meta["page"]) is int
+        with pytest.raises(TypeError, match="meta must be JSON-able"):
+            r.add_chunk(corpus.tokens(1), "y", meta={"when": object()})
+        assert len(r) == 1
+    if kind == "qdrant":
+        with _engine() as eng, SpeculativeRetriever(eng, **kw) as r:
+            assert r.load() == 1 and r.record(rec.chunk_id).meta == rec.meta
+
+
 def test_concurrent_adds_of_one_chunk_get_one_record(corpus):
     with _engine() as eng:
         kv, started = SyntheticKV(eng), threading.Event()
