@@ -298,8 +298,13 @@ def open_embedder(spec: Any = "auto", *, dim: Optional[int] = None) -> Any:
 
 class WordTokenizer:
     """A dependency-free tokenizer: one token id per word (and per
-    punctuation mark), ids from a stable 31-bit hash, so the same text
-    always gives the same ids (and so the same kvh prefix hashes).
+    punctuation mark), ids from a stable hash (``offset`` + CRC-32 of the
+    word modulo ``vocab_size``), so the same text always gives the same
+    ids (and so the same kvh prefix hashes). Different words can share an
+    id (with the default 2**20 ids, "9989" and "90246" do; a vocab_size
+    up to 2**31 - offset makes it rarer): a chunk's id is the hash of its
+    token ids, so :meth:`SpeculativeRetriever.add_document` refuses a
+    chunk whose ids match a held chunk of other text.
 
     ``encode(text) -> list[int]``; ``split(text) -> list[str]`` gives the
     pieces the ids stand for (``" ".join`` of a slice of them is the text

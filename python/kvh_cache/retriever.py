@@ -779,6 +779,22 @@ def _plain(name: str, value: Any) -> Any:
     return out
 
 
+def _other_text(held: ChunkRecord, text: str, doc: Any, text_is_content: bool) -> None:
+    """A chunk is added again with other text than the one it is held with."""
+    if text_is_content:
+        raise ValueError(
+            f"chunk {held.chunk_id:#x} of document {doc!r} has the token ids of a chunk already held with other "
+            f"text ({held.text[:60]!r} of {held.doc!r}, now {text[:60]!r}): the tokenizer gives different text "
+            "the same ids (for WordTokenizer, a larger vocab_size); nothing of this document was added"
+        )
+    log.warning(
+        "kvh_cache.retriever: chunk %#x is held with text %r; adding it with other text %r keeps the held one",
+        held.chunk_id,
+        held.text[:60],
+        text[:60],
+    )
+
+
 def _share(rec: ChunkRecord, agent: Optional[int]) -> bool:
     """Widens who sees rec for an add of it by ``agent`` (None: everyone).
     True when that changed anything."""
@@ -1054,15 +1070,18 @@ class SpeculativeRetriever(Closable):
         new chunks (reusing whatever kvh has cached under their content
         hash), embeds them in one batch and upserts their points. Returns
         the records in order (an already known chunk returns its existing
-        record). All or nothing: when any step fails (kv_fn, the embedder,
+        record; given with other text, it keeps its own, with a warning
+        logged). All or nothing: when any step fails (kv_fn, the embedder,
         the index, no space), the new chunks of the call are dropped again
         and their sequences freed, so a retry adds them afresh. Adds are
         serialised: concurrent adds of one chunk get the same record."""
         self._check_open()
         with self._add_lock:
-            return self._add_chunks(items)
+            return self._add_chunks(items, text_is_content=False)
 
-    def _add_chunks(self, items: Iterable[Mapping[str, Any]]) -> List[ChunkRecord]:
+    def _add_chunks(self, items: Iterable[Mapping[str, Any]], *, text_is_content: bool) -> List[ChunkRecord]:
+        """text_is_content: each text is a function of its chunk's pieces (add_document), so
+        a known chunk with other text means the tokenizer gave different text the same ids."""
         out: List[ChunkRecord] = []
         new: Dict[int, Tuple[ChunkRecord, Any, List[Any]]] = {}
         shared: Dict[int, ChunkRecord] = {}  # known chunks more agents see now: their payload changes
@@ -1073,11 +1092,18 @@ class SpeculativeRetriever(Closable):
                 tokens = _tokens(it["tokens"])
                 cid = self.content_id(tokens)
                 agent = _agent_arg(it.get("agent"))
+                text = it.get("text")
+                if text is None:
+                    text = " ".join(map(str, tokens.tolist()))
+                text = str(text)
+                held = new[cid][0] if cid in new else self._known(cid)
+                if held is not None and held.text != text:
+                    _other_text(held, text, it.get("doc"), text_is_content)
                 if cid in new:
                     _share(new[cid][0], agent)
                     out.append(new[cid][0])
                     continue
-                known = self._known(cid)
+                known = held
                 if known is not None:
                     self.sequence(cid)  # attach a loaded chunk (kept on failure: it is indexed already)
                     wider = shared.get(cid) or dataclasses.replace(known, agents=list(known.agents))
@@ -1085,13 +1111,10 @@ class SpeculativeRetriever(Closable):
                         shared[cid] = wider
                     out.append(known)
                     continue
-                text = it.get("text")
-                if text is None:
-                    text = " ".join(map(str, tokens.tolist()))
                 rec = ChunkRecord(
                     chunk_id=cid,
                     tokens=tokens,
-                    text=str(text),
+                    text=text,
                     doc=_plain("doc", it.get("doc")),
                     index=_plain("index", it.get("index")),
                     agent=agent,
@@ -1148,7 +1171,10 @@ class SpeculativeRetriever(Closable):
         of the engine's block_tokens keeps every block durable and
         findable by content) and adds them. ``tokenizer``: an object with
         ``encode``/``decode`` (a model tokenizer) or a
-        :class:`kvh_cache.embed.WordTokenizer` (the default)."""
+        :class:`kvh_cache.embed.WordTokenizer` (the default). ValueError,
+        adding nothing, when a chunk gets the token ids of a chunk held
+        with other text (the tokenizer maps different words to one id):
+        returning the held chunk would drop this one silently."""
         chunk_tokens = _int("chunk_tokens", chunk_tokens, 1, 1 << 63)
         if not isinstance(text, str):
             raise TypeError(f"text must be str, not {type(text).__name__}")
@@ -1177,7 +1203,9 @@ class SpeculativeRetriever(Closable):
                 )
         else:
             raise TypeError("tokenizer must have encode() and decode(), or be a kvh_cache.embed.WordTokenizer")
-        return self.add_chunks(items)
+        self._check_open()
+        with self._add_lock:
+            return self._add_chunks(items, text_is_content=True)
 
     def _index_records(self, recs: List[ChunkRecord]) -> None:
         """Embeds and upserts recs (a point of the same id that is not a

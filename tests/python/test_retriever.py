@@ -995,6 +995,20 @@ def test_numpy_scalars_in_a_chunk_become_python_values(tmp_path, corpus, kind):
             assert r.load() == 1 and r.record(rec.chunk_id).meta == rec.meta
 
 
+def test_a_tokenizer_collision_does_not_drop_a_document(caplog):
+    w = embed.WordTokenizer()
+    assert w.token("9989") == w.token("90246")  # the default vocabulary has collisions
+    with _engine() as eng, SpeculativeRetriever(eng, index="numpy") as r:
+        first = r.add_document("invoice-2023", "Invoice total is 9989 dollars payable by wire", chunk_tokens=16)
+        with pytest.raises(ValueError, match="same ids"):
+            r.add_document("invoice-2024", "Invoice total is 90246 dollars payable by wire", chunk_tokens=16)
+        assert len(r) == 1 and r.record(first[0].chunk_id).doc == "invoice-2023"
+        assert r.add_document("invoice-2023", "Invoice total is 9989 dollars payable by wire", chunk_tokens=16) == first
+        with caplog.at_level("WARNING", logger="kvh.retriever"):
+            assert r.add_chunk(first[0].tokens, "another text") is first[0]
+        assert "other text" in caplog.text and first[0].text.startswith("Invoice total is 9989")
+
+
 def test_concurrent_adds_of_one_chunk_get_one_record(corpus):
     with _engine() as eng:
         kv, started = SyntheticKV(eng), threading.Event()
