@@ -271,7 +271,7 @@ def open_embedder(spec: Any = "auto", *, dim: Optional[int] = None) -> Any:
 
     * an object with ``embed`` and ``dim``: returned as is;
     * ``"hash"`` / ``"hash:DIM"``: :class:`HashedNgramEmbedder` (``dim``
-      keyword or DIM, default 1024);
+      keyword or DIM, default 1024; both given must agree);
     * ``"st:MODEL"`` / ``"sentence-transformers:MODEL"``:
       :class:`SentenceTransformerEmbedder`;
     * ``"auto"``: ``$KVH_EMBEDDER`` when set, else ``"hash"``.
@@ -286,10 +286,14 @@ def open_embedder(spec: Any = "auto", *, dim: Optional[int] = None) -> Any:
     kind, _, arg = s.partition(":")
     kind = kind.lower()
     if kind in ("hash", "hashed", "ngram"):
+        if dim is not None:
+            dim = _int("dim", dim, 1, 1 << 31)  # dim=0 used to mean the default
         try:
-            d = int(arg) if arg else (dim or DEFAULT_DIM)
+            d = int(arg) if arg else (DEFAULT_DIM if dim is None else dim)
         except ValueError:
             raise ValueError(f"embedder {spec!r}: the dimension after 'hash:' must be an int") from None
+        if dim is not None and d != dim:
+            raise ValueError(f"embedder {spec!r} makes {d}-dim vectors, but dim={dim} was asked for")
         return HashedNgramEmbedder(d)
     if kind in ("st", "sentence-transformers", "sentence_transformers", "sbert"):
         return SentenceTransformerEmbedder(arg or "all-MiniLM-L6-v2")

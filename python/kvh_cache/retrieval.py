@@ -59,8 +59,13 @@ class NumpyChunkIndex:
         self._pos: Dict[int, int] = {}
         self._agents: List[Optional[frozenset]] = []
         self._mat = np.zeros((0, dim), np.float32)
+        self._closed = False
 
     def add(self, ids: Seq[int], vectors: np.ndarray, payloads: Optional[Seq[Mapping[str, Any]]] = None) -> None:
+        from .engine import _index
+
+        self._check_open()
+        keys = [_index("id", cid) for cid in ids]  # unsigned 64-bit, as Qdrant point ids
         vecs = np.asarray(vectors, np.float32)
         if vecs.ndim != 2 or vecs.shape[1] != self.dim or vecs.shape[0] != len(ids):
             raise ValueError(f"vectors must be shaped ({len(ids)}, {self.dim}), got {vecs.shape}")
@@ -72,7 +77,6 @@ class NumpyChunkIndex:
         # Everything that can fail, before anything changes: a failed add
         # leaves the index as it was.
         agents = [_agent_set(p.get("agent")) for p in payloads] if payloads else [None] * len(ids)
-        keys = [int(cid) for cid in ids]
         norms = np.linalg.norm(vecs, axis=1, keepdims=True)
         vecs = vecs / np.maximum(norms, 1e-12)
         new_rows = []
@@ -99,10 +103,13 @@ class NumpyChunkIndex:
 
         # limit=-1 used to rank all but one point, garbled; 1.5 a NumPy error.
         limit = _index("limit", limit)
+        self._check_open()
         q = np.asarray(vector, np.float32).reshape(-1)
         if q.shape[0] != self.dim:
             raise ValueError(f"query must have {self.dim} elements, got {q.shape[0]}")
-        if not self._ids or limit == 0 or not np.all(np.isfinite(q)):
+        if not np.all(np.isfinite(q)):
+            raise ValueError("the query vector must be finite")
+        if not self._ids or limit == 0 or not np.any(q):  # a zero query is near nothing (as in Qdrant)
             return []
         q = q / max(float(np.linalg.norm(q)), 1e-12)
         scores = self._mat @ q
@@ -114,7 +121,12 @@ class NumpyChunkIndex:
         top = top[np.argsort(-scores[top])]
         return [(self._ids[i], float(scores[i])) for i in top if np.isfinite(scores[i])]
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the NumPy chunk index is closed")
+
     def close(self) -> None:
+        self._closed = True
         self._mat = np.zeros((0, self.dim), np.float32)
         self._ids.clear()
         self._pos.clear()

@@ -212,8 +212,10 @@ class QdrantChunkIndex(OwnedHandle):
                 self._tmp = tempfile.mkdtemp(prefix="kvh-qdrant-")
                 path = self._tmp
             self.location = os.fspath(path)
-            os.makedirs(self.location, exist_ok=True)
             try:
+                if not self.location:
+                    raise ValueError("the path is empty")
+                os.makedirs(self.location, exist_ok=True)  # a file there: FileExistsError, reported below
                 self._client = QdrantClient(path=self.location)
             except RuntimeError:
                 self._cleanup_tmp()
@@ -562,6 +564,14 @@ class ChunkRecord:
         if self.agent is not None and not self.agents:
             self.agents = [self.agent]
 
+    def __eq__(self, other: object) -> bool:
+        # the generated == compared the token arrays with ==, which raised ValueError
+        if not isinstance(other, ChunkRecord):
+            return NotImplemented
+        return all(
+            getattr(self, f.name) == getattr(other, f.name) for f in dataclasses.fields(self) if f.name != "tokens"
+        ) and bool(np.array_equal(self.tokens, other.tokens))
+
     @property
     def n_tokens(self) -> int:
         return int(len(self.tokens))
@@ -648,13 +658,19 @@ class PrefetchResult:
     resident: List[int]
     fences: List[Any]
     seconds: float
+    _fences_freed: bool = field(default=False, repr=False, compare=False)
 
     @property
     def chunk_ids(self) -> List[int]:
         return [p.chunk_id for p in self.predictions]
 
     def wait(self, timeout: Optional[float] = None) -> bool:
-        """Waits for the hinted promotions; True when all are done."""
+        """Waits for the hinted promotions; True when all are done.
+        ClosedError after :meth:`close` (freed fences cannot tell)."""
+        if self._fences_freed:
+            raise errors.ClosedError(
+                "the prefetch result is closed: its fences are freed", errors.STATUS_CODES["KVH_ERR_CLOSED"]
+            )
         deadline = None if timeout is None else time.monotonic() + timeout
         ok = True
         for f in self.fences:
@@ -664,6 +680,7 @@ class PrefetchResult:
 
     def close(self) -> None:
         """Frees the fences (the promotions go on)."""
+        self._fences_freed = True
         for f in self.fences:
             f.close()
 
@@ -896,6 +913,9 @@ class SpeculativeRetriever(Closable):
             raise TypeError("tokenizer must have encode() and decode(), or be a kvh_cache.embed.WordTokenizer")
         self.engine = engine
         self.embedder = open_embedder(embedder)
+        if not isinstance(getattr(self.embedder, "name", None), str):
+            # stored with every point: load() tells the vectors of other embedders apart by it
+            raise TypeError("an embedder object needs a name (str): it is stored with each point")
         self._own_index = isinstance(index, str)
         if isinstance(index, str):
             kind = index.strip().lower()
@@ -1095,7 +1115,12 @@ class SpeculativeRetriever(Closable):
                 text = it.get("text")
                 if text is None:
                     text = " ".join(map(str, tokens.tolist()))
-                text = str(text)
+                elif not isinstance(text, str):  # bytes were embedded as "b'...'"
+                    raise TypeError(f"text must be str or None, not {type(text).__name__}")
+                try:
+                    text.encode("utf-8")  # a lone surrogate failed in the embedder or the payload
+                except UnicodeEncodeError as exc:
+                    raise ValueError(f"text must be encodable as UTF-8: {exc}") from None
                 held = new[cid][0] if cid in new else self._known(cid)
                 if held is not None and held.text != text:
                     _other_text(held, text, it.get("doc"), text_is_content)

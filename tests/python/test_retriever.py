@@ -1009,6 +1009,70 @@ def test_a_tokenizer_collision_does_not_drop_a_document(caplog):
         assert "other text" in caplog.text and first[0].text.startswith("Invoice total is 9989")
 
 
+@needs_qdrant
+def test_a_qdrant_path_that_cannot_be_a_store_is_a_runtime_error(tmp_path):
+    (tmp_path / "file").write_text("")
+    with _engine() as eng:
+        for path in (str(tmp_path / "file"), ""):
+            with pytest.raises(RuntimeError, match="cannot open the embedded Qdrant store"):
+                SpeculativeRetriever(eng, qdrant_path=path)
+
+
+def test_chunk_arguments_and_records_are_checked(corpus):
+    class Nameless:
+        dim = 64
+
+        def embed(self, texts):
+            return embed.HashedNgramEmbedder(64).embed(texts)
+
+    with _engine() as eng:
+        with pytest.raises(TypeError, match="name"):
+            SpeculativeRetriever(eng, index="numpy", embedder=Nameless())
+        with SpeculativeRetriever(eng, index="numpy") as r:
+            with pytest.raises(TypeError, match="text must be str"):
+                r.add_chunk(corpus.tokens(0), b"bytes")
+            with pytest.raises(ValueError, match="UTF-8"):
+                r.add_chunk(corpus.tokens(0), "\ud800x")
+            assert len(r) == 0 and len(r.index) == 0
+            rec = r.add_chunk(corpus.tokens(0), "x", meta={"a": 1})
+            again = retriever.ChunkRecord.from_payload(
+                rec.chunk_id, rec.payload(model_salt=r.model_salt, block_tokens=16, embedder="e")
+            )
+            assert rec == again and again in [rec]
+            assert rec != retriever.ChunkRecord(rec.chunk_id, rec.tokens[:-1], "x", meta={"a": 1})
+            r.sequence(rec.chunk_id).migrate(Tier.HOST)
+            res = r.prefetch("x", k=1)
+            assert res.hinted == [rec.chunk_id]
+            res.close()
+            with pytest.raises(kvh.ClosedError):
+                res.wait(5)
+
+
+def test_open_embedder_dim_must_agree():
+    assert embed.open_embedder("hash:128").dim == 128 and embed.open_embedder("hash", dim=64).dim == 64
+    assert embed.open_embedder("hash:64", dim=64).dim == 64
+    with pytest.raises(ValueError, match="dim=64"):
+        embed.open_embedder("hash:128", dim=64)
+    with pytest.raises(ValueError, match="dim"):
+        embed.open_embedder("hash", dim=0)
+
+
+def test_numpy_index_checks_ids_queries_and_closing():
+    idx = retrieval.NumpyChunkIndex(4)
+    for bad in (-1, 1 << 64):
+        with pytest.raises(ValueError, match="id"):
+            idx.add([bad], np.ones((1, 4)))
+    idx.add([1], np.ones((1, 4)))
+    assert idx.search(np.zeros(4), 2) == []
+    with pytest.raises(ValueError, match="finite"):
+        idx.search(np.full(4, np.nan), 2)
+    idx.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        idx.add([2], np.ones((1, 4)))
+    with pytest.raises(RuntimeError, match="closed"):
+        idx.search(np.ones(4), 2)
+
+
 def test_concurrent_adds_of_one_chunk_get_one_record(corpus):
     with _engine() as eng:
         kv, started = SyntheticKV(eng), threading.Event()
