@@ -594,8 +594,8 @@ class ChunkRecord:
                 "embedder": embedder,
             }
         )
-        if self.agents:  # one agent as an int (as before), several as a list: filters match either
-            p["agent"] = int(self.agents[0]) if len(self.agents) == 1 else sorted(int(a) for a in self.agents)
+        if self.agents:  # one agent as an int (as before), several as a list (first adder first): filters match either
+            p["agent"] = int(self.agents[0]) if len(self.agents) == 1 else [int(a) for a in self.agents]
         else:
             p.pop("agent", None)
         return p

@@ -791,6 +791,10 @@ def test_a_chunk_added_by_two_agents_is_found_by_both(tmp_path, corpus, kind):
         cid = r.add_chunk(t, text, agent=1).chunk_id
         assert r.add_chunk(t, text, agent=2) is r.record(cid)
         assert r.record(cid).agents == [1, 2]
+        wider = retriever.ChunkRecord(cid, t, text, agent=2, agents=[2, 1])
+        assert (
+            retriever.ChunkRecord.from_payload(cid, wider.payload(model_salt=0, block_tokens=16, embedder="e")) == wider
+        )
         assert found(r, 1) and found(r, 2) and not found(r, 3)
         r.add_chunk(t, text)  # added for everyone
         assert r.record(cid).agents == [] and r.record(cid).agent is None and found(r, 3)
@@ -1094,6 +1098,7 @@ def test_concurrent_adds_of_one_chunk_get_one_record(corpus):
             add(1)
             first.join()
             assert out[0] is out[1] is r.record(out[0].chunk_id)
+            assert out[0].agent == 1 and out[0].agents == [1, 2]
             assert r.computed_tokens == CHUNK_TOKENS
 
 
