@@ -971,8 +971,7 @@ class SpeculativeRetriever(Closable):
         self._pending: List[Future] = []
         self.reused_tokens = 0
         self.computed_tokens = 0
-        #: Points of the index left out as not this model's, embedder's or payload version's, or malformed.
-        self.skipped_points = 0
+        self._skipped_ids: Set[int] = set()
         self._stats0 = engine.stats()
         self._is_closed = False
 
@@ -1017,6 +1016,14 @@ class SpeculativeRetriever(Closable):
 
     def __len__(self) -> int:
         return len(self._records)
+
+    @property
+    def skipped_points(self) -> int:
+        """How many distinct points of the index were left out (by :meth:`load`
+        or a search) as not of this model, embedder or payload version, or
+        malformed."""
+        with self._lock:
+            return len(self._skipped_ids)
 
     @property
     def chunk_ids(self) -> List[int]:
@@ -1295,7 +1302,7 @@ class SpeculativeRetriever(Closable):
                 why = f"a payload that does not parse ({exc})"
         if rec is None:
             with self._lock:
-                self.skipped_points += 1
+                self._skipped_ids.add(int(pid))
             log.debug("kvh_cache.retriever: point %#x left out: %s", pid, why)
         return rec
 

@@ -813,6 +813,7 @@ def test_load_leaves_out_points_of_another_embedder(tmp_path, corpus):
     with _engine() as eng, SpeculativeRetriever(eng, qdrant_path=q, embedder=other, top_k=1) as r:
         assert r.load() == 0 and r.skipped_points == len(ids)
         assert r.predict(corpus.chunks[0].text) == []
+        assert r.skipped_points == len(ids)  # distinct points, not meetings
         r.add_chunks(_items(corpus))  # re-embedded by this embedder
         assert r.index.get([ids[0]])[ids[0]]["embedder"] == other.name
         assert all(r.predict(c.text)[0].chunk_id == ids[i] for i, c in enumerate(corpus.chunks))
