@@ -847,7 +847,8 @@ class SpeculativeRetriever(Closable):
     ``chunk_agent``: kvh agent the chunk sequences are charged to.
     ``filter_agents``: searches keep chunks added with that ``agent`` or
     with none (default: every chunk is shared); a chunk several agents
-    add is kept for each of them, and for all once it is added without one. ``tokenizer``: for
+    add is kept for each of them, and for all once it is added without
+    one. ``tokenizer``: for
     :meth:`add_document` (default :class:`kvh_cache.embed.WordTokenizer`).
 
     The default ``kv_fn`` writes deterministic stand-in values (tests,
@@ -1129,7 +1130,7 @@ class SpeculativeRetriever(Closable):
                 except UnicodeEncodeError as exc:
                     raise ValueError(f"text must be encodable as UTF-8: {exc}") from None
                 held = new[cid][0] if cid in new else self._known(cid)
-                if held is not None and held.text != text:
+                if held is not None and it.get("text") is not None and held.text != text:
                     _other_text(held, text, it.get("doc"), text_is_content)
                 if cid in new:
                     _share(new[cid][0], agent)

@@ -1010,6 +1010,8 @@ def test_a_tokenizer_collision_does_not_drop_a_document(caplog):
         assert len(r) == 1 and r.record(first[0].chunk_id).doc == "invoice-2023"
         assert r.add_document("invoice-2023", "Invoice total is 9989 dollars payable by wire", chunk_tokens=16) == first
         with caplog.at_level("WARNING", logger="kvh.retriever"):
+            assert r.add_chunk(first[0].tokens) is first[0]  # no text given: nothing to tell
+            assert "other text" not in caplog.text
             assert r.add_chunk(first[0].tokens, "another text") is first[0]
         assert "other text" in caplog.text and first[0].text.startswith("Invoice total is 9989")
 
