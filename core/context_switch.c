@@ -129,14 +129,19 @@ static uint64_t move_context_kv(kvh_engine *e, kvhi_context *x, uint32_t tier)
 
 /* Takes room for r in the host tier from what is free now, waiting for
  * the incoming context to give back the host room it is leaving, unless
- * the arrivals are themselves waiting for this side. Lock held. */
+ * the arrivals are themselves stuck waiting for this side. Lock held. */
 static bool take_free_host_room(kvh_engine *e, kvhi_context *x, kvhi_region *r)
 {
     kvhi_contexts *c = e->contexts;
     while (e->tiers[KVH_TIER_HOST].present) {
         if (kvhi_charge_add(e, x, KVH_TIER_HOST, r->size, KVHI_CHARGE_FREE_ONLY) == KVH_OK)
             return true;
-        if (!c->arrivals_running || c->arrivals_waiting)
+        /* Arrivals waiting for device room with device slots free were
+         * woken by this side's last departure and have not run yet: they
+         * will give host room back. Only arrivals with no device room to
+         * take are stuck on this side. */
+        bool arrivals_stuck = c->arrivals_waiting && e->tiers[KVH_TIER_DEVICE].slots.free_count == 0;
+        if (!c->arrivals_running || arrivals_stuck)
             break;
         pthread_cond_wait(&c->cv, &e->lock);
     }
@@ -217,7 +222,11 @@ static kvh_status depart_region(kvh_engine *e, kvhi_context *x, kvhi_region *r)
         return KVH_OK;
     }
     /* Modified, or no source: its bytes must be kept: in the host tier
-     * (evicting KV by policy), else in the disk tier. */
+     * (room the incoming context gives back as it arrives first, else
+     * evicting KV by policy), else in the disk tier. Two contexts of
+     * memory only trade places that way, neither tier holding both. */
+    if (take_free_host_room(e, x, r))
+        return region_to_host(e, x, r, KVHI_CRC_RECORD);
     kvh_status st = kvhi_charge_add(e, x, KVH_TIER_HOST, r->size, KVHI_CHARGE_EVICT);
     if (st == KVH_OK)
         return region_to_host(e, x, r, KVHI_CRC_RECORD);

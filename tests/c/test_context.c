@@ -764,6 +764,54 @@ static void a_missing_region_is_named_as_asked(void **state)
     assert_ok(kvh_context_destroy(e, c));
 }
 
+/* Two contexts of memory only (regions from bytes: no file to read them
+ * again), each three quarters of a tier, trade places between the device
+ * and host tiers with no disk: neither tier can hold both, so each side
+ * must make room for the other as it goes. It failed with NOSPACE and
+ * left both half loaded. */
+static void memory_only_contexts_trade_places(void **state)
+{
+    enum { REGIONS = 3, REGION = 8192, SLOTS = 64 }; /* 16 slots of 512 bytes a region */
+    kvh_engine *e = open_engine(MODE(state), SLOTS, SLOTS, NULL);
+    static uint8_t src[2][REGIONS * REGION];
+    kvh_context ctx[2], none = {0};
+    for (int m = 0; m < 2; m++) {
+        kvh_context_params cp;
+        assert_ok(kvh_context_params_init(&cp, sizeof(cp)));
+        assert_ok(kvh_context_create(e, &cp, &ctx[m]));
+        for (size_t i = 0; i < sizeof(src[m]); i++)
+            src[m][i] = (uint8_t)(i * 131 + m * 7 + 1);
+        /* Bytes are copied into the host tier as they are registered:
+         * the first context moves out of the way first. */
+        for (uint32_t r = 0; r < REGIONS; r++) {
+            kvh_weight_region_params rp;
+            assert_ok(kvh_weight_region_params_init(&rp, sizeof(rp)));
+            rp.layer = r;
+            rp.bytes = src[m] + r * REGION;
+            rp.size = REGION;
+            uint32_t idx;
+            assert_ok(kvh_context_add_region(e, ctx[m], &rp, &idx));
+        }
+        if (m == 0)
+            assert_ok(kvh_context_switch(e, none, ctx[0], NULL));
+    }
+    for (int round = 0; round < 4; round++) {
+        int out = round % 2, in = 1 - out;
+        assert_ok(kvh_context_switch(e, ctx[out], ctx[in], NULL));
+        kvh_context_info ii = ct_context_info(e, ctx[in]), oi = ct_context_info(e, ctx[out]);
+        assert_int_equal(ii.bytes_device, REGIONS * REGION);
+        assert_int_equal(oi.bytes_host, REGIONS * REGION);
+        for (uint32_t r = 0; r < REGIONS; r++) {
+            void *p = NULL;
+            assert_ok(kvh_context_region_data(e, ctx[in], r, 0, &p, NULL));
+            assert_memory_equal(p, src[in] + r * REGION, REGION);
+        }
+    }
+    for (int m = 0; m < 2; m++)
+        assert_ok(kvh_context_destroy(e, ctx[m]));
+    assert_ok(tu_close(e));
+}
+
 #define MODES(fn)                                                                                                      \
     cmocka_unit_test_prestate_setup_teardown(fn, NULL, tu_teardown, &M_UNI0),                                          \
         cmocka_unit_test_prestate_setup_teardown(fn, NULL, tu_teardown, &M_UNI2),                                      \
@@ -784,6 +832,7 @@ int main(void)
         MODES(demote_counts_shared_blocks_once),
         MODES(tiny_regions_take_a_page_each),
         MODES(regions_beyond_the_pages_are_refused),
+        MODES(memory_only_contexts_trade_places),
         cmocka_unit_test_teardown(bad_arguments, tu_teardown),
         cmocka_unit_test_teardown(a_missing_region_is_named_as_asked, tu_teardown),
     };
