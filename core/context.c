@@ -367,8 +367,10 @@ kvh_status kvhi_context_add_region(kvh_engine *e, kvhi_context *x, const kvh_wei
         x->n_regions++;
         x->load_order[i] = i; /* placeholder until ordered below */
         x->holds++;           /* keeps switch and destroy away meanwhile */
+        x->adding = true;
         st = region_copy_in(e, x, &x->regions[i], p->bytes);
         kvhi_free_garbage(e); /* clean regions it displaced */
+        x->adding = false;
         x->holds--;
         pthread_cond_broadcast(&e->contexts->cv);
         x->n_regions--;

@@ -81,6 +81,8 @@ typedef struct kvhi_context {
     bool departing;         /* a switch is moving its unpinned regions out */
     uint32_t holds;         /* other calls using it with the lock dropped
                                (add_region, verify); a switch waits */
+    bool adding;            /* add_region is copying a region in (its
+                               regions are then not for a verify) */
     kvh_status load_status; /* of the last switch into it */
     char load_msg[192];
 } kvhi_context;

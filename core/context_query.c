@@ -81,9 +81,10 @@ kvh_status kvhi_context_verify(kvh_engine *e, kvh_context h, uint64_t *checked)
     kvh_status st = kvhi_context_resolve(e, h, &x);
     if (st != KVH_OK)
         return st;
-    if (x->switching || x->holds)
-        return kvhi_fail(KVH_ERR_BUSY, "context '%s' is being switched or used", x->name);
-    /* Keeps switches and destroy away while the lock is dropped. */
+    /* Other verifies may run beside this one: they only read. */
+    if (x->switching || x->adding)
+        return kvhi_fail(KVH_ERR_BUSY, "context '%s' is being switched or a region is being added to it", x->name);
+    /* Keeps switches, destroy and new regions away while the lock is dropped. */
     x->holds++;
     uint64_t n = 0;
     for (uint32_t i = 0; i < x->n_regions && st == KVH_OK; i++) {

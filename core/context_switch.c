@@ -487,8 +487,13 @@ kvh_status kvhi_context_switch(kvh_engine *e, kvh_context from_h, kvh_context to
     for (uint32_t i = 0; from && i < from->n_regions; i++)
         leaving += from->regions[i].tier == KVH_TIER_DEVICE && !from->regions[i].pinned;
     c->departures_left = leaving;
-    if (from)
+    if (from) {
         from->switching = from->departing = true;
+        /* The error of a load into it that failed earlier is over: its
+         * layers are now simply not loading (kvh_context_wait_layer). */
+        from->load_status = KVH_OK;
+        from->load_msg[0] = 0;
+    }
     if (to) {
         to->switching = true;
         to->loading = true;

@@ -6,6 +6,7 @@
  * memory (the CPU backend: moves are remaps) and with copies forced (the
  * path of a discrete GPU), with 0 and 2 migration threads. */
 #include <fcntl.h>
+#include <pthread.h>
 #include <ftw.h>
 #include <stdio.h>
 #include <sys/stat.h>
@@ -352,6 +353,10 @@ static void changed_source_is_corrupt(void **state)
     assert_ok(kvh_context_wait_layer(e, a->ctx, 1, UINT64_MAX));
     assert_kvh(KVH_ERR_CORRUPT, kvh_context_wait_layer(e, a->ctx, 2, UINT64_MAX));
     assert_int_equal(ct_context_info(e, a->ctx).loading, 0);
+    /* Once a switch has taken it out, that error is over: no switch loads
+     * its layers (it kept reporting the old error). */
+    assert_ok(kvh_context_switch(e, a->ctx, b->ctx, NULL));
+    assert_kvh(KVH_ERR_NOT_RESIDENT, kvh_context_wait_layer(e, a->ctx, 0, 0));
 }
 
 /* With a fence, early layers can be used before the switch completes. */
@@ -812,6 +817,47 @@ static void memory_only_contexts_trade_places(void **state)
     assert_ok(tu_close(e));
 }
 
+typedef struct verify_arg {
+    kvh_engine *e;
+    kvh_context ctx;
+    int busy, failed;
+} verify_arg;
+
+static void *verify_often(void *p)
+{
+    verify_arg *v = p;
+    for (int i = 0; i < 200; i++) {
+        kvh_status st = kvh_context_verify(v->e, v->ctx, NULL);
+        v->busy += st == KVH_ERR_BUSY;
+        v->failed += st != KVH_OK && st != KVH_ERR_BUSY;
+    }
+    return NULL;
+}
+
+/* Verifies of one idle context from two threads: each checks, none is
+ * refused (one thread got KVH_ERR_BUSY on every call: the header lists it
+ * only while a switch involves the context). */
+static void verifies_run_side_by_side(void **state)
+{
+    char pa[600];
+    uint8_t *fa = write_weights(scratch("va.bin", pa, sizeof(pa)), 91);
+    uint64_t slots = slots_per_model(tu_block_bytes_of(L, H, D, BT, KVH_DTYPE_F32));
+    kvh_engine *e = open_engine(MODE(state), slots + 4, slots + 4, NULL);
+    model *a = tu_alloc(sizeof(model));
+    make_model(e, a, pa, fa, KVH_CONTEXT_KV_KEEP, 9);
+    kvh_context none = {0};
+    assert_ok(kvh_context_switch(e, none, a->ctx, NULL));
+    verify_arg v[2] = {{e, a->ctx, 0, 0}, {e, a->ctx, 0, 0}};
+    pthread_t t[2];
+    for (int i = 0; i < 2; i++)
+        assert_int_equal(pthread_create(&t[i], NULL, verify_often, &v[i]), 0);
+    for (int i = 0; i < 2; i++)
+        assert_int_equal(pthread_join(t[i], NULL), 0);
+    for (int i = 0; i < 2; i++)
+        assert_int_equal(v[i].busy + v[i].failed, 0);
+    assert_ok(tu_close(e));
+}
+
 #define MODES(fn)                                                                                                      \
     cmocka_unit_test_prestate_setup_teardown(fn, NULL, tu_teardown, &M_UNI0),                                          \
         cmocka_unit_test_prestate_setup_teardown(fn, NULL, tu_teardown, &M_UNI2),                                      \
@@ -833,6 +879,7 @@ int main(void)
         MODES(tiny_regions_take_a_page_each),
         MODES(regions_beyond_the_pages_are_refused),
         MODES(memory_only_contexts_trade_places),
+        MODES(verifies_run_side_by_side),
         cmocka_unit_test_teardown(bad_arguments, tu_teardown),
         cmocka_unit_test_teardown(a_missing_region_is_named_as_asked, tu_teardown),
     };

@@ -1584,7 +1584,7 @@ KVH_API kvh_status kvh_weight_region_params_init(kvh_weight_region_params *param
  * file_offset + size; bytes that cannot be placed or written),
  * KVH_ERR_NOSPACE (size above the largest tier's bytes, checked before
  * anything is read, or no room now), KVH_ERR_NOMEM, KVH_ERR_BUSY (a
- * switch involving the context runs).
+ * switch involving the context runs, or a kvh_context_verify of it).
  * @threads handle */
 KVH_API kvh_status kvh_context_add_region(kvh_engine *engine, kvh_context ctx, const kvh_weight_region_params *params,
                                           uint32_t *region);
@@ -1646,7 +1646,8 @@ KVH_API kvh_status kvh_context_region_pin(kvh_engine *engine, kvh_context ctx, u
  * regions and compares it with the one recorded when the chunk was first
  * loaded. [out] *chunks_checked (may be NULL). Returns KVH_ERR_CORRUPT on
  * the first mismatch, KVH_ERR_IO (a region cannot be read back),
- * KVH_ERR_BUSY (a switch involving ctx runs), KVH_ERR_BAD_HANDLE.
+ * KVH_ERR_BUSY (a switch involving ctx runs, or a region is being added to
+ * it; verifies of one context may run at once), KVH_ERR_BAD_HANDLE.
  * @threads any */
 KVH_API kvh_status kvh_context_verify(kvh_engine *engine, kvh_context ctx, uint64_t *chunks_checked);
 
