@@ -19,6 +19,12 @@
 #define KVHI_TAG_CONTEXT 0xC7u
 #define KVHI_NAME_MAX 64
 
+/* Room for a context error's text: a switch passes the message of what
+ * stopped it (which quotes region and context names and the reason a
+ * tier had no room) to kvh_last_error whole. */
+#define KVHI_CONTEXT_MSG_BYTES 768
+#define KVHI_CONTEXT_WHY_BYTES 512
+
 typedef struct kvhi_region {
     char name[KVHI_NAME_MAX];
     uint32_t layer;
@@ -84,7 +90,7 @@ typedef struct kvhi_context {
     bool adding;            /* add_region is copying a region in (its
                                regions are then not for a verify) */
     kvh_status load_status; /* of the last switch into it */
-    char load_msg[192];
+    char load_msg[KVHI_CONTEXT_MSG_BYTES];
 } kvhi_context;
 
 typedef struct kvhi_admission {

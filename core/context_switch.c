@@ -39,7 +39,7 @@ struct kvhi_switch {
     uint32_t arrival_workers; /* threads taking regions from it */
     bool arrivals_failed;
     kvh_status status;
-    char msg[192];
+    char msg[KVHI_CONTEXT_MSG_BYTES];
 };
 
 static void switch_fail(kvhi_switch *sw, kvh_status st)
@@ -230,7 +230,7 @@ static kvh_status depart_region(kvh_engine *e, kvhi_context *x, kvhi_region *r)
     kvh_status st = kvhi_charge_add(e, x, KVH_TIER_HOST, r->size, KVHI_CHARGE_EVICT);
     if (st == KVH_OK)
         return region_to_host(e, x, r, KVHI_CRC_RECORD);
-    char why[160];
+    char why[KVHI_CONTEXT_WHY_BYTES];
     snprintf(why, sizeof(why), "%s", kvhi_last_error());
     if (st == KVH_ERR_NOSPACE && e->disk) {
         /* The checksums are recomputed from what is written. */
@@ -277,7 +277,7 @@ static kvh_status arrive_region(kvh_engine *e, kvhi_context *x, kvhi_region *r)
     kvh_status st = kvhi_charge_add(e, x, KVH_TIER_DEVICE, r->size, KVHI_CHARGE_EVICT);
     if (st != KVH_OK) {
         r->busy = false;
-        char why[160];
+        char why[KVHI_CONTEXT_WHY_BYTES];
         snprintf(why, sizeof(why), "%s", kvhi_last_error());
         return kvhi_fail(st, "no room in the device tier for weight region '%s' of context '%s': %s", r->name, x->name,
                          why);

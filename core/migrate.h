@@ -13,7 +13,7 @@ typedef struct kvhi_fence {
     uint32_t waiters; /* threads inside kvhi_fence_wait_idx */
     kvh_status status;
     bool user_freed;
-    char msg[192]; /* detail of the first failure, from the failing thread */
+    char msg[768]; /* detail of the first failure, from the failing thread (whole) */
 } kvhi_fence;
 
 /* What a queued move is for, which decides what a block pinned since it

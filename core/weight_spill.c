@@ -147,7 +147,7 @@ kvh_status kvhi_region_spill(kvh_engine *e, kvhi_context *x, kvhi_region *r, con
         if ((st = kvhi_reserve_slot(e, KVH_TIER_DISK, UINT32_MAX, &slots[got])) != KVH_OK)
             break;
     if (st != KVH_OK) {
-        char why[160];
+        char why[KVHI_CONTEXT_WHY_BYTES];
         snprintf(why, sizeof(why), "%s", kvhi_last_error());
         while (got)
             kvhi_release_slot(e, KVH_TIER_DISK, slots[--got]);

@@ -858,6 +858,34 @@ static void verifies_run_side_by_side(void **state)
     assert_ok(tu_close(e));
 }
 
+/* A switch's error keeps its whole text: region and context names as
+ * long as a model's, and the reason after them (it was cut at 191
+ * characters, mid-word). */
+static void long_names_keep_the_reason(void **state)
+{
+    kvh_engine *e = open_engine(MODE(state), 8, 64, NULL); /* device: 8 blocks of 512 bytes */
+    kvh_context_params cp;
+    assert_ok(kvh_context_params_init(&cp, sizeof(cp)));
+    cp.name = "mmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmm";
+    kvh_context c;
+    assert_ok(kvh_context_create(e, &cp, &c));
+    static uint8_t bytes[16384];
+    kvh_weight_region_params rp;
+    assert_ok(kvh_weight_region_params_init(&rp, sizeof(rp)));
+    rp.name = "model.layers.17.mlp.down_proj.weight";
+    rp.bytes = bytes;
+    rp.size = sizeof(bytes);
+    uint32_t idx;
+    assert_ok(kvh_context_add_region(e, c, &rp, &idx));
+    kvh_context none = {0};
+    assert_kvh(KVH_ERR_NOSPACE, kvh_context_switch(e, none, c, NULL));
+    const char *msg = kvh_last_error(), *tail = "more than the whole device tier";
+    assert_true(strlen(msg) > 191);
+    assert_string_equal(msg + strlen(msg) - strlen(tail), tail);
+    assert_ok(kvh_context_destroy(e, c));
+    assert_ok(tu_close(e));
+}
+
 #define MODES(fn)                                                                                                      \
     cmocka_unit_test_prestate_setup_teardown(fn, NULL, tu_teardown, &M_UNI0),                                          \
         cmocka_unit_test_prestate_setup_teardown(fn, NULL, tu_teardown, &M_UNI2),                                      \
@@ -880,6 +908,7 @@ int main(void)
         MODES(regions_beyond_the_pages_are_refused),
         MODES(memory_only_contexts_trade_places),
         MODES(verifies_run_side_by_side),
+        MODES(long_names_keep_the_reason),
         cmocka_unit_test_teardown(bad_arguments, tu_teardown),
         cmocka_unit_test_teardown(a_missing_region_is_named_as_asked, tu_teardown),
     };
