@@ -201,6 +201,9 @@ void kvhi_charge_free(kvhi_charge *ch);
 /* The most bytes one weight region can occupy: the largest tier's
  * (memory tiers by their slots, the disk tier by its blocks). Lock held. */
 uint64_t kvhi_weight_bytes_max(const kvh_engine *e);
+/* The device slots all of x's regions take together (each charged in
+ * whole pages), against the device tier's slots. Lock held. */
+uint64_t kvhi_context_device_slots(kvh_engine *e, const kvhi_context *x);
 /* Allocates / frees region memory with the allocator of `tier`. Call
  * without the lock (CUDA allocators synchronise the device). */
 uint8_t *kvhi_region_mem_alloc(kvh_engine *e, uint32_t tier, uint64_t bytes);

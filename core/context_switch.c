@@ -465,6 +465,18 @@ kvh_status kvhi_context_switch(kvh_engine *e, kvh_context from_h, kvh_context to
             break;
         pthread_cond_wait(&c->cv, &e->lock);
     }
+    /* A context that cannot fit the device tier as a whole is refused
+     * before anything moves: its regions one by one would each evict KV
+     * and then fail with part of it loaded. */
+    if (to) {
+        uint64_t need = kvhi_context_device_slots(e, to), have = e->tiers[KVH_TIER_DEVICE].slots.capacity;
+        if (need > have)
+            return kvhi_fail(KVH_ERR_NOSPACE,
+                             "context '%s' needs %llu bytes of the device tier for its weights (its %u regions, each "
+                             "in whole pages), more than the whole device tier (%llu bytes)",
+                             to->name, (unsigned long long)(need * e->tiers[KVH_TIER_DEVICE].slot_bytes), to->n_regions,
+                             (unsigned long long)(have * e->tiers[KVH_TIER_DEVICE].slot_bytes));
+    }
     if (!from && !to) {
         /* Nothing to move: no switch starts, and the fence is complete. */
         if (!fence)

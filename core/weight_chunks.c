@@ -86,6 +86,16 @@ static uint64_t region_pages(uint64_t bytes)
     return (bytes + page - 1) & ~(page - 1);
 }
 
+uint64_t kvhi_context_device_slots(kvh_engine *e, const kvhi_context *x)
+{
+    uint64_t bytes = 0;
+    for (uint32_t i = 0; i < x->n_regions; i++) {
+        uint64_t pages = region_pages(x->regions[i].size);
+        bytes = bytes > UINT64_MAX - pages ? UINT64_MAX : bytes + pages;
+    }
+    return slots_for(e, KVH_TIER_DEVICE, bytes);
+}
+
 /* Gives back slots beyond what ch->bytes needs. */
 static void trim(kvh_engine *e, kvhi_charge *ch, uint32_t tier)
 {

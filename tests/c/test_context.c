@@ -695,24 +695,18 @@ static void regions_beyond_the_pages_are_refused(void **state)
     assert_kvh(KVH_ERR_NOSPACE, kvh_context_add_region(e, c, &rp, &idx));
     assert_int_equal(ct_context_info(e, c).regions, HOST);
     expect_weights(e, 0, 0, HOST * ps, HOST);
+    /* More pages than the device tier has: refused before any moves. */
     assert_kvh(KVH_ERR_NOSPACE, kvh_context_switch(e, none, c, NULL));
-    expect_weights(e, DEV * ps, DEV, (HOST - DEV) * ps, HOST - DEV);
-    kvh_context_info ci = ct_context_info(e, c);
-    assert_int_equal(ci.bytes_device, DEV);
-    assert_int_equal(ci.layers_ready, DEV);
-    for (uint32_t i = 0; i < DEV; i++) {
-        void *p = NULL;
-        assert_ok(kvh_context_region_data(e, c, i, 0, &p, NULL));
-        assert_int_equal(*(uint8_t *)p, bytes[i]);
-    }
-    /* Back down: every region fits the host tier again. */
-    assert_ok(kvh_context_switch(e, c, none, NULL));
+    assert_non_null(strstr(kvh_last_error(), "more than the whole device tier"));
     expect_weights(e, 0, 0, HOST * ps, HOST);
+    kvh_context_info ci = ct_context_info(e, c);
+    assert_int_equal(ci.bytes_device, 0);
+    assert_int_equal(ci.layers_ready, 0);
     assert_ok(kvh_context_destroy(e, c));
     expect_weights(e, 0, 0, 0, 0);
 
-    /* From a file nothing is placed until the switch, which stops at the
-     * device tier's slots. */
+    /* From a file nothing is placed until the switch, which refuses a
+     * context of more pages than the device tier's slots. */
     char path[600];
     write_weights(scratch("budget.bin", path, sizeof(path)), 6);
     assert_ok(kvh_context_create(e, NULL, &c));
@@ -724,7 +718,7 @@ static void regions_beyond_the_pages_are_refused(void **state)
     }
     expect_weights(e, 0, 0, 0, 0);
     assert_kvh(KVH_ERR_NOSPACE, kvh_context_switch(e, none, c, NULL));
-    expect_weights(e, DEV * ps, DEV, 0, 0);
+    expect_weights(e, 0, 0, 0, 0);
     assert_ok(kvh_context_destroy(e, c));
     expect_weights(e, 0, 0, 0, 0);
 
@@ -860,16 +854,17 @@ static void verifies_run_side_by_side(void **state)
 
 /* A switch's error keeps its whole text: region and context names as
  * long as a model's, and the reason after them (it was cut at 191
- * characters, mid-word). */
+ * characters, mid-word). The device tier is full of pinned KV. */
 static void long_names_keep_the_reason(void **state)
 {
-    kvh_engine *e = open_engine(MODE(state), 8, 64, NULL); /* device: 8 blocks of 512 bytes */
+    enum { DEV_BLOCKS = 16 };
+    kvh_engine *e = open_engine(MODE(state), DEV_BLOCKS, 64, NULL);
     kvh_context_params cp;
     assert_ok(kvh_context_params_init(&cp, sizeof(cp)));
     cp.name = "mmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmm";
     kvh_context c;
     assert_ok(kvh_context_create(e, &cp, &c));
-    static uint8_t bytes[16384];
+    static uint8_t bytes[4096];
     kvh_weight_region_params rp;
     assert_ok(kvh_weight_region_params_init(&rp, sizeof(rp)));
     rp.name = "model.layers.17.mlp.down_proj.weight";
@@ -877,11 +872,57 @@ static void long_names_keep_the_reason(void **state)
     rp.size = sizeof(bytes);
     uint32_t idx;
     assert_ok(kvh_context_add_region(e, c, &rp, &idx));
+    kvh_seq s;
+    assert_ok(kvh_seq_create(e, 0, &s));
+    int32_t t[DEV_BLOCKS * BT];
+    tu_iota(t, DEV_BLOCKS * BT, 1);
+    assert_ok(kvh_seq_append(e, s, t, DEV_BLOCKS * BT));
+    assert_ok(kvh_seq_pin(e, s, 0, DEV_BLOCKS * BT, 1));
     kvh_context none = {0};
     assert_kvh(KVH_ERR_NOSPACE, kvh_context_switch(e, none, c, NULL));
-    const char *msg = kvh_last_error(), *tail = "more than the whole device tier";
+    const char *msg = kvh_last_error(), *reason = "every block is pinned, held or in flight";
     assert_true(strlen(msg) > 191);
-    assert_string_equal(msg + strlen(msg) - strlen(tail), tail);
+    assert_non_null(strstr(msg, rp.name));
+    assert_non_null(strstr(msg, reason));
+    assert_ok(kvh_seq_pin(e, s, 0, DEV_BLOCKS * BT, 0));
+    assert_ok(kvh_seq_free(e, s));
+    assert_ok(kvh_context_destroy(e, c));
+    assert_ok(tu_close(e));
+}
+
+/* A context whose regions together exceed the device tier, each fitting
+ * alone, is refused before anything moves: the switch used to evict
+ * every KV block, load part of it and report a full tier. */
+static void a_context_larger_than_the_device_tier_moves_nothing(void **state)
+{
+    enum { DEV_BLOCKS = 20, KV_BLOCKS = 8, REGION = 4096 }; /* 8 slots of 512 bytes a region */
+    kvh_engine *e = open_engine(MODE(state), DEV_BLOCKS, 64, NULL);
+    kvh_seq s;
+    assert_ok(kvh_seq_create(e, 0, &s));
+    int32_t t[KV_BLOCKS * BT];
+    tu_iota(t, KV_BLOCKS * BT, 1);
+    assert_ok(kvh_seq_append(e, s, t, KV_BLOCKS * BT));
+    uint64_t kv_device = tu_tier(e, KVH_TIER_DEVICE).used_blocks;
+    kvh_context_params cp;
+    assert_ok(kvh_context_params_init(&cp, sizeof(cp)));
+    kvh_context c;
+    assert_ok(kvh_context_create(e, &cp, &c));
+    static uint8_t bytes[3][REGION];
+    for (uint32_t r = 0; r < 3; r++) {
+        kvh_weight_region_params rp;
+        assert_ok(kvh_weight_region_params_init(&rp, sizeof(rp)));
+        rp.layer = r;
+        rp.bytes = bytes[r];
+        rp.size = REGION;
+        uint32_t idx;
+        assert_ok(kvh_context_add_region(e, c, &rp, &idx));
+    }
+    kvh_context none = {0};
+    assert_kvh(KVH_ERR_NOSPACE, kvh_context_switch(e, none, c, NULL));
+    assert_non_null(strstr(kvh_last_error(), "more than the whole device tier"));
+    assert_int_equal(tu_tier(e, KVH_TIER_DEVICE).used_blocks, kv_device);
+    assert_int_equal(ct_context_info(e, c).bytes_device, 0);
+    assert_ok(kvh_seq_free(e, s));
     assert_ok(kvh_context_destroy(e, c));
     assert_ok(tu_close(e));
 }
@@ -909,6 +950,7 @@ int main(void)
         MODES(memory_only_contexts_trade_places),
         MODES(verifies_run_side_by_side),
         MODES(long_names_keep_the_reason),
+        MODES(a_context_larger_than_the_device_tier_moves_nothing),
         cmocka_unit_test_teardown(bad_arguments, tu_teardown),
         cmocka_unit_test_teardown(a_missing_region_is_named_as_asked, tu_teardown),
     };

@@ -1611,7 +1611,9 @@ KVH_API kvh_status kvh_context_attach_seq(kvh_engine *engine, kvh_context ctx, k
  * memory: a region moving between them is re-accounted, never copied.
  * A switch waits for the previous one to end: the call itself, fence or
  * not, returns only once a switch already in flight has ended. Returns KVH_ERR_INVALID_ARG
- * (from == to, not null), KVH_ERR_BAD_HANDLE, KVH_ERR_NOMEM; the work (the call
+ * (from == to, not null), KVH_ERR_BAD_HANDLE, KVH_ERR_NOMEM, KVH_ERR_NOSPACE
+ * (to's regions together, each in whole pages, are more than the whole
+ * device tier: refused before anything moves); the work (the call
  * itself without a fence) reports KVH_ERR_NOSPACE, KVH_ERR_IO,
  * KVH_ERR_NOMEM, KVH_ERR_CORRUPT (a chunk read from its file no longer
  * matches its checksum). Pointers from
