@@ -320,9 +320,19 @@ kvh_status kvhi_context_add_region(kvh_engine *e, kvhi_context *x, const kvh_wei
     int fd = -1;
     kvh_status st = p->path ? open_source(p->path, p->file_offset, p->size, &fd) : KVH_OK;
     uint64_t most = kvhi_weight_bytes_max(e), n_chunks = kvhi_div_ceil(p->size, x->chunk_bytes);
+    const kvhi_tier *host = &e->tiers[KVH_TIER_HOST];
+    /* Bytes wait in the host tier (or on disk) until a switch: without a
+     * disk tier, the host tier is all they can have. */
+    uint64_t host_bytes = host->slots.capacity * host->slot_bytes;
     if (st == KVH_OK && p->size > most)
         st = kvhi_fail(KVH_ERR_NOSPACE, "weight region of %llu bytes is larger than any tier (the largest holds %llu)",
                        (unsigned long long)p->size, (unsigned long long)most);
+    else if (st == KVH_OK && !p->path && host->present && !e->disk && p->size > host_bytes)
+        st = kvhi_fail(KVH_ERR_NOSPACE,
+                       "weight region of %llu bytes from memory is larger than the host tier (%llu bytes), where "
+                       "regions from memory wait for a switch when there is no disk tier; register it from a file, "
+                       "or give the engine a disk tier",
+                       (unsigned long long)p->size, (unsigned long long)host_bytes);
     else if (st == KVH_OK && n_chunks > UINT32_MAX)
         st = kvhi_fail(KVH_ERR_INVALID_ARG,
                        "weight region of %llu bytes has more than 2^32 - 1 chunks of %llu bytes (the context's "

@@ -927,6 +927,27 @@ static void a_context_larger_than_the_device_tier_moves_nothing(void **state)
     assert_ok(tu_close(e));
 }
 
+/* Bytes wait in the host tier until a switch: without a disk tier, a
+ * region from memory larger than the host tier (but not the device tier)
+ * is refused as such, not as a tier with no room "now". */
+static void bytes_beyond_the_host_tier_say_why(void **state)
+{
+    kvh_engine *e = open_engine(MODE(state), 256, 32, NULL); /* host: 16 KiB */
+    kvh_context c;
+    assert_ok(kvh_context_create(e, NULL, &c));
+    static uint8_t bytes[32768];
+    kvh_weight_region_params rp;
+    assert_ok(kvh_weight_region_params_init(&rp, sizeof(rp)));
+    rp.bytes = bytes;
+    rp.size = sizeof(bytes);
+    uint32_t idx;
+    assert_kvh(KVH_ERR_NOSPACE, kvh_context_add_region(e, c, &rp, &idx));
+    assert_non_null(strstr(kvh_last_error(), "larger than the host tier"));
+    assert_int_equal(ct_context_info(e, c).regions, 0);
+    assert_ok(kvh_context_destroy(e, c));
+    assert_ok(tu_close(e));
+}
+
 #define MODES(fn)                                                                                                      \
     cmocka_unit_test_prestate_setup_teardown(fn, NULL, tu_teardown, &M_UNI0),                                          \
         cmocka_unit_test_prestate_setup_teardown(fn, NULL, tu_teardown, &M_UNI2),                                      \
@@ -951,6 +972,7 @@ int main(void)
         MODES(verifies_run_side_by_side),
         MODES(long_names_keep_the_reason),
         MODES(a_context_larger_than_the_device_tier_moves_nothing),
+        MODES(bytes_beyond_the_host_tier_say_why),
         cmocka_unit_test_teardown(bad_arguments, tu_teardown),
         cmocka_unit_test_teardown(a_missing_region_is_named_as_asked, tu_teardown),
     };

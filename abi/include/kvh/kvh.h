@@ -1582,8 +1582,9 @@ KVH_API kvh_status kvh_weight_region_params_init(kvh_weight_region_params *param
  * chunk_bytes), KVH_ERR_STRUCT_SIZE, KVH_ERR_BAD_HANDLE, KVH_ERR_IO (the
  * file cannot be opened, is not a regular file or is shorter than
  * file_offset + size; bytes that cannot be placed or written),
- * KVH_ERR_NOSPACE (size above the largest tier's bytes, checked before
- * anything is read, or no room now), KVH_ERR_NOMEM, KVH_ERR_BUSY (a
+ * KVH_ERR_NOSPACE (size above the largest tier's bytes, or bytes above
+ * the host tier's with a host tier and no disk tier, checked before
+ * anything is read; or no room now), KVH_ERR_NOMEM, KVH_ERR_BUSY (a
  * switch involving the context runs, or a kvh_context_verify of it).
  * @threads handle */
 KVH_API kvh_status kvh_context_add_region(kvh_engine *engine, kvh_context ctx, const kvh_weight_region_params *params,
