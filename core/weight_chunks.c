@@ -11,6 +11,7 @@
  * chunk-sized). On the CPU backend the pages of withheld slots are handed
  * back to the kernel, so resident memory stays within the budget. */
 #include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -186,6 +187,22 @@ kvh_status kvhi_charge_add(kvh_engine *e, kvhi_context *x, uint32_t tier, uint64
     /* Gives back what a failure leaves, or a slot the other thread took
      * for these bytes while take_slot had dropped the lock. */
     trim(e, ch, tier);
+    if (st == KVH_ERR_NOSPACE && mode == KVHI_CHARGE_EVICT) {
+        /* The victim search speaks of blocks; a tier full of weights
+         * needs saying so, or the message blames KV that is not there. */
+        uint64_t weight_slots = 0;
+        for (uint32_t i = 0; i < e->contexts->table.cap; i++) {
+            const kvhi_context *y = kvhi_handles_at(&e->contexts->table, i);
+            if (y)
+                weight_slots += y->charge[tier].n;
+        }
+        if (weight_slots) {
+            char why[KVHI_CONTEXT_WHY_BYTES];
+            snprintf(why, sizeof(why), "%s", kvhi_last_error());
+            st = kvhi_fail(st, "%s (%llu of the %s tier's %llu slots hold weights of contexts)", why,
+                           (unsigned long long)weight_slots, name, (unsigned long long)t->slots.capacity);
+        }
+    }
     return st;
 }
 

@@ -948,6 +948,41 @@ static void bytes_beyond_the_host_tier_say_why(void **state)
     assert_ok(tu_close(e));
 }
 
+static kvh_context bytes_context(kvh_engine *e, const uint8_t *bytes, uint32_t regions, uint64_t size)
+{
+    kvh_context c;
+    assert_ok(kvh_context_create(e, NULL, &c));
+    for (uint32_t r = 0; r < regions; r++) {
+        kvh_weight_region_params rp;
+        assert_ok(kvh_weight_region_params_init(&rp, sizeof(rp)));
+        rp.layer = r;
+        rp.bytes = bytes + r * size;
+        rp.size = size;
+        uint32_t idx;
+        assert_ok(kvh_context_add_region(e, c, &rp, &idx));
+    }
+    return c;
+}
+
+/* A device tier full of pinned weights: the error says weights fill it
+ * (it blamed blocks pinned, held or in flight, with no KV there). */
+static void a_tier_full_of_weights_says_so(void **state)
+{
+    enum { REGION = 4096 }; /* 8 slots of 512 bytes */
+    kvh_engine *e = open_engine(MODE(state), 20, 64, NULL);
+    static uint8_t bytes[4 * REGION];
+    kvh_context a = bytes_context(e, bytes, 2, REGION), none = {0};
+    assert_ok(kvh_context_switch(e, none, a, NULL));
+    for (uint32_t r = 0; r < 2; r++)
+        assert_ok(kvh_context_region_pin(e, a, r, 1));
+    kvh_context b = bytes_context(e, bytes + 2 * REGION, 2, REGION);
+    assert_kvh(KVH_ERR_NOSPACE, kvh_context_switch(e, a, b, NULL));
+    assert_non_null(strstr(kvh_last_error(), "16 of the device tier's 20 slots hold weights of contexts"));
+    for (uint32_t r = 0; r < 2; r++)
+        assert_ok(kvh_context_region_pin(e, a, r, 0));
+    assert_ok(tu_close(e));
+}
+
 #define MODES(fn)                                                                                                      \
     cmocka_unit_test_prestate_setup_teardown(fn, NULL, tu_teardown, &M_UNI0),                                          \
         cmocka_unit_test_prestate_setup_teardown(fn, NULL, tu_teardown, &M_UNI2),                                      \
@@ -973,6 +1008,7 @@ int main(void)
         MODES(long_names_keep_the_reason),
         MODES(a_context_larger_than_the_device_tier_moves_nothing),
         MODES(bytes_beyond_the_host_tier_say_why),
+        MODES(a_tier_full_of_weights_says_so),
         cmocka_unit_test_teardown(bad_arguments, tu_teardown),
         cmocka_unit_test_teardown(a_missing_region_is_named_as_asked, tu_teardown),
     };
