@@ -924,19 +924,21 @@ static void test_contexts(void **state)
     assert_kvh(KVH_ERR_STRUCT_SIZE, kvh_weight_stats_get(e, &ws));
     assert_kvh(KVH_ERR_INVALID_ARG, kvh_weight_stats_get(e, NULL));
 
-    /* Switches whose work fails: the call without a fence reports it, and
-     * so does kvh_context_wait_layer afterwards. */
+    /* A context larger than the device tier is refused before a switch
+     * starts: none loads it. A switch whose work fails: the call without
+     * a fence reports it, and so does kvh_context_wait_layer afterwards. */
     kvh_context too_big, shrunk;
     assert_ok(kvh_context_create(e, NULL, &too_big));
     rp = region_of(NULL, file, sizeof(bytes)); /* two pages: more than the whole device tier */
     assert_ok(kvh_context_add_region(e, too_big, &rp, &region));
     assert_kvh(KVH_ERR_NOSPACE, kvh_context_switch(e, ctx, too_big, NULL));
-    assert_kvh(KVH_ERR_NOSPACE, kvh_context_wait_layer(e, too_big, 0, 0));
+    assert_kvh(KVH_ERR_NOT_RESIDENT, kvh_context_wait_layer(e, too_big, 0, 0));
     assert_ok(kvh_context_create(e, NULL, &shrunk));
     rp = region_of(NULL, file, 256);
     assert_ok(kvh_context_add_region(e, shrunk, &rp, &region));
     assert_int_equal(truncate(file, 0), 0);
-    assert_kvh(KVH_ERR_IO, kvh_context_switch(e, (kvh_context){0}, shrunk, NULL));
+    assert_kvh(KVH_ERR_IO, kvh_context_switch(e, ctx, shrunk, NULL)); /* ctx makes room */
+    assert_kvh(KVH_ERR_IO, kvh_context_wait_layer(e, shrunk, 0, 0));
 }
 
 static void test_admission(void **state)
