@@ -82,14 +82,17 @@ typedef struct kvhi_context {
     kvhi_charge charge[2]; /* [KVH_TIER_DEVICE], [KVH_TIER_HOST] */
     uint64_t *seqs;        /* attached sequence handles */
     uint32_t n_seqs, cap_seqs;
-    bool loading;           /* a switch is bringing it in */
-    bool switching;         /* a switch (either direction) involves it */
-    bool departing;         /* a switch is moving its unpinned regions out */
-    uint32_t holds;         /* other calls using it with the lock dropped
-                               (add_region, verify); a switch waits */
-    bool adding;            /* add_region is copying a region in (its
-                               regions are then not for a verify) */
-    kvh_status load_status; /* of the last switch into it */
+    bool loading;              /* a switch is bringing it in */
+    bool switching;            /* a switch (either direction) involves it */
+    bool departing;            /* a switch is moving its unpinned regions out */
+    uint32_t holds;            /* other calls using it with the lock dropped
+                                  (add_region, verify); a switch waits */
+    bool adding;               /* add_region is copying a region in (its
+                                  regions are then not for a verify) */
+    uint32_t switches_waiting; /* switches waiting for holds to end: new
+                                  verifies keep off, or overlapping ones
+                                  would hold the switch off for good */
+    kvh_status load_status;    /* of the last switch into it */
     char load_msg[KVHI_CONTEXT_MSG_BYTES];
 } kvhi_context;
 

@@ -82,7 +82,7 @@ kvh_status kvhi_context_verify(kvh_engine *e, kvh_context h, uint64_t *checked)
     if (st != KVH_OK)
         return st;
     /* Other verifies may run beside this one: they only read. */
-    if (x->switching || x->adding)
+    if (x->switching || x->switches_waiting || x->adding)
         return kvhi_fail(KVH_ERR_BUSY, "context '%s' is being switched or a region is being added to it", x->name);
     /* Keeps switches, destroy and new regions away while the lock is dropped. */
     x->holds++;

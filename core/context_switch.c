@@ -130,20 +130,27 @@ static uint64_t move_context_kv(kvh_engine *e, kvhi_context *x, uint32_t tier)
 /* Takes room for r in the host tier from what is free now, waiting for
  * the incoming context to give back the host room it is leaving, unless
  * the arrivals are themselves stuck waiting for this side. Lock held. */
+#define HOST_ROOM_RECHECK_NS (10 * 1000 * 1000)
+
 static bool take_free_host_room(kvh_engine *e, kvhi_context *x, kvhi_region *r)
 {
     kvhi_contexts *c = e->contexts;
     while (e->tiers[KVH_TIER_HOST].present) {
         if (kvhi_charge_add(e, x, KVH_TIER_HOST, r->size, KVHI_CHARGE_FREE_ONLY) == KVH_OK)
             return true;
-        /* Arrivals waiting for device room with device slots free were
-         * woken by this side's last departure and have not run yet: they
-         * will give host room back. Only arrivals with no device room to
-         * take are stuck on this side. */
+        /* Arrivals waiting for device room while device slots are free
+         * will give host room back once they take them: they were woken by
+         * this side's last departure, or (a slot freed outside the switch,
+         * which signals nothing) are woken here. Only arrivals with no
+         * device room to take are stuck on this side. */
         bool arrivals_stuck = c->arrivals_waiting && e->tiers[KVH_TIER_DEVICE].slots.free_count == 0;
         if (!c->arrivals_running || arrivals_stuck)
             break;
-        pthread_cond_wait(&c->cv, &e->lock);
+        if (c->arrivals_waiting)
+            pthread_cond_broadcast(&c->cv);
+        /* Timed: device room can appear with no signal to this side. */
+        struct timespec ts = kvhi_realtime_in_ns(HOST_ROOM_RECHECK_NS);
+        pthread_cond_timedwait(&c->cv, &e->lock, &ts);
     }
     kvhi_clear_error();
     return false;
@@ -463,7 +470,19 @@ kvh_status kvhi_context_switch(kvh_engine *e, kvh_context from_h, kvh_context to
             return st;
         if (!(from && from->holds) && !(to && to->holds))
             break;
+        if (from)
+            from->switches_waiting++;
+        if (to)
+            to->switches_waiting++;
         pthread_cond_wait(&c->cv, &e->lock);
+        /* Only what still resolves is the context marked (a destroyed
+         * one's handle resolves no more). */
+        kvhi_context *x = NULL;
+        if (from_h.id && kvhi_context_resolve(e, from_h, &x) == KVH_OK)
+            x->switches_waiting--;
+        if (to_h.id && kvhi_context_resolve(e, to_h, &x) == KVH_OK)
+            x->switches_waiting--;
+        kvhi_clear_error();
     }
     /* A context that cannot fit the device tier as a whole is refused
      * before anything moves: its regions one by one would each evict KV

@@ -7,6 +7,8 @@
  * path of a discrete GPU), with 0 and 2 migration threads. */
 #include <fcntl.h>
 #include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <ftw.h>
 #include <stdio.h>
 #include <sys/stat.h>
@@ -983,6 +985,115 @@ static void a_tier_full_of_weights_says_so(void **state)
     assert_ok(tu_close(e));
 }
 
+typedef struct verify_loop {
+    kvh_engine *e;
+    kvh_context ctx;
+    atomic_int *stop;
+} verify_loop;
+
+static void *verify_until_stopped(void *p)
+{
+    verify_loop *v = p;
+    while (!atomic_load(v->stop))
+        (void)kvh_context_verify(v->e, v->ctx, NULL);
+    return NULL;
+}
+
+/* Verifies that overlap, one thread's starting before another's ends,
+ * never let a switch of their context start (six threads held it off
+ * for over a minute): a waiting switch keeps new ones off. */
+static void overlapping_verifies_let_a_switch_start(void **state)
+{
+    enum { THREADS = 6, REGION = 4 << 20 };
+    uint64_t slots = 2 * REGION / tu_block_bytes_of(L, H, D, BT, KVH_DTYPE_F32);
+    kvh_engine *e = open_engine(MODE(state), slots, slots, NULL);
+    uint8_t *bytes = tu_alloc(REGION);
+    kvh_context c = bytes_context(e, bytes, 1, REGION), none = {0};
+    assert_ok(kvh_context_switch(e, none, c, NULL));
+    atomic_int stop = 0;
+    verify_loop v = {e, c, &stop};
+    pthread_t t[THREADS];
+    for (int i = 0; i < THREADS; i++)
+        assert_int_equal(pthread_create(&t[i], NULL, verify_until_stopped, &v), 0);
+    usleep(100 * 1000); /* the verifies overlap */
+    double t0 = tu_now();
+    assert_ok(kvh_context_switch(e, c, none, NULL));
+    double took = tu_now() - t0;
+    atomic_store(&stop, 1);
+    for (int i = 0; i < THREADS; i++)
+        assert_int_equal(pthread_join(t[i], NULL), 0);
+    if (took > 20)
+        fail_msg("the switch waited %.1f s for verifies", took);
+    assert_ok(tu_close(e));
+}
+
+typedef struct churn {
+    kvh_engine *e;
+    atomic_int stop;
+} churn;
+
+static void *alloc_and_release(void *p)
+{
+    churn *ch = p;
+    while (!atomic_load(&ch->stop)) {
+        kvh_block b;
+        if (kvh_block_alloc(ch->e, 0, &b) == KVH_OK) {
+            sched_yield();
+            (void)kvh_block_release(ch->e, b);
+        }
+        sched_yield();
+    }
+    return NULL;
+}
+
+/* Two memory-only contexts trading tiers while another thread allocates
+ * and releases a KV block: a device slot freed by that thread signals
+ * nothing to the switch, whose two sides then waited on each other for
+ * good (in 10-92 rounds). Each switch must end, done or refused. */
+static void trading_contexts_beside_block_churn_never_hang(void **state)
+{
+    enum { REGIONS = 3, REGION = 16384, ROUNDS = 60 }; /* 32 slots of 512 bytes a region */
+    kvh_engine *e = open_engine(MODE(state), 128, 96, NULL);
+    static uint8_t bytes[2][REGIONS * REGION];
+    for (int m = 0; m < 2; m++)
+        for (size_t i = 0; i < sizeof(bytes[m]); i++)
+            bytes[m][i] = (uint8_t)(i * 29 + m + 3);
+    kvh_context ctx[2], none = {0};
+    ctx[0] = bytes_context(e, bytes[0], REGIONS, REGION);
+    assert_ok(kvh_context_switch(e, none, ctx[0], NULL));
+    ctx[1] = bytes_context(e, bytes[1], REGIONS, REGION);
+    churn ch = {.e = e};
+    pthread_t t;
+    assert_int_equal(pthread_create(&t, NULL, alloc_and_release, &ch), 0);
+    int done = 0;
+    for (int round = 0; round < ROUNDS; round++) {
+        int out = round % 2, in = 1 - out;
+        kvh_fence f;
+        assert_ok(kvh_context_switch(e, ctx[out], ctx[in], &f));
+        kvh_status st = kvh_fence_wait(e, f, 20ull * 1000 * 1000 * 1000);
+        if (st == KVH_ERR_TIMEOUT) {
+            atomic_store(&ch.stop, 1);
+            pthread_join(t, NULL);
+            fail_msg("round %d: the switch did not end in 20 s", round);
+        }
+        assert_ok(kvh_fence_free(e, f));
+        if (st != KVH_OK) {
+            assert_int_equal(st, KVH_ERR_NOSPACE); /* the other thread's block can take the last slot */
+            continue;
+        }
+        done++;
+        for (uint32_t r = 0; r < REGIONS; r++) {
+            void *p = NULL;
+            assert_ok(kvh_context_region_data(e, ctx[in], r, 0, &p, NULL));
+            assert_memory_equal(p, bytes[in] + r * REGION, REGION);
+        }
+    }
+    atomic_store(&ch.stop, 1);
+    assert_int_equal(pthread_join(t, NULL), 0);
+    assert_true(done > 0);
+    assert_ok(tu_close(e));
+}
+
 #define MODES(fn)                                                                                                      \
     cmocka_unit_test_prestate_setup_teardown(fn, NULL, tu_teardown, &M_UNI0),                                          \
         cmocka_unit_test_prestate_setup_teardown(fn, NULL, tu_teardown, &M_UNI2),                                      \
@@ -1009,6 +1120,8 @@ int main(void)
         MODES(a_context_larger_than_the_device_tier_moves_nothing),
         MODES(bytes_beyond_the_host_tier_say_why),
         MODES(a_tier_full_of_weights_says_so),
+        cmocka_unit_test_prestate_setup_teardown(overlapping_verifies_let_a_switch_start, NULL, tu_teardown, &M_COPY2),
+        MODES(trading_contexts_beside_block_churn_never_hang),
         cmocka_unit_test_teardown(bad_arguments, tu_teardown),
         cmocka_unit_test_teardown(a_missing_region_is_named_as_asked, tu_teardown),
     };
