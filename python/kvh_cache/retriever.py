@@ -990,6 +990,16 @@ class SpeculativeRetriever(Closable):
         if ex is not None:
             # queued predictions would only run their embedding to fail with ClosedError
             ex.shutdown(wait=True, cancel_futures=True)
+            # shutdown cancels without notifying: concurrent.futures.wait (drain) would
+            # never count them done. No worker is left to notify them instead.
+            with self._lock:
+                pending = list(self._pending)
+            for f in pending:
+                if f.cancelled():
+                    try:
+                        f.set_running_or_notify_cancel()
+                    except RuntimeError:  # notified already
+                        pass
         with self._attach_lock, self._lock:  # no chunk is being attached now, nor later
             seqs = list(self._seqs.values())
             self._seqs.clear()
@@ -1570,7 +1580,8 @@ class SpeculativeRetriever(Closable):
         if timeout is not None:
             timeout = _real("timeout", timeout, 0.0)
         with self._lock:
-            pending = list(self._pending)
+            # done() counts a cancelled future that wait() would not (never notified)
+            pending = [f for f in self._pending if not f.done()]
         done, not_done = futures_wait(pending, timeout)
         for f in done:
             if not f.cancelled() and f.exception() is not None:  # reported by the future's owner

@@ -942,6 +942,28 @@ def test_close_cancels_queued_predictions_and_waits_for_the_running_one(corpus):
                 f.result(0)
 
 
+def test_drain_and_metrics_return_after_close_cancelled_predictions(corpus):
+    pause = [0.0]
+    with _engine() as eng:
+        r = SpeculativeRetriever(eng, index="numpy", embedder=_slow_embedder(pause))
+        r.add_chunks(_items(corpus)[:4])
+        pause[0] = 0.2
+        futs = [r.prefetch_async(corpus.chunks[i].text, agent=1) for i in range(3)]
+        deadline = time.monotonic() + 5
+        while not futs[0].running() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        r.close()
+        assert futs[-1].cancelled()
+        t0 = time.monotonic()
+        assert r.drain(2.0) is True  # cancelled counts as done
+        assert time.monotonic() - t0 < 1.0
+        done = threading.Event()
+        t = threading.Thread(target=lambda: (r.metrics(), r.reset_metrics(), r.drain(), done.set()), daemon=True)
+        t.start()
+        t.join(5)
+        assert done.is_set()
+
+
 @needs_qdrant
 def test_resident_is_a_query(tmp_path, corpus):
     q = str(tmp_path / "q")
