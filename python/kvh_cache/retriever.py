@@ -57,6 +57,8 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
+import numbers
 import os
 import shutil
 import statistics
@@ -1575,10 +1577,17 @@ class SpeculativeRetriever(Closable):
 
     def drain(self, timeout: Optional[float] = None) -> bool:
         """Waits for the background predictions submitted so far, at most
-        ``timeout`` seconds in all (None: until they are done). True when
-        all are done."""
+        ``timeout`` seconds in all (None or inf: until they are done; 0 or
+        less: only looks, as :meth:`PrefetchResult.wait` does). True when
+        all are done. NaN is a ValueError, a non-number a TypeError."""
         if timeout is not None:
-            timeout = _real("timeout", timeout, 0.0)
+            if isinstance(timeout, (bool, np.bool_)) or not isinstance(timeout, numbers.Real):
+                raise TypeError(f"timeout must be a number or None, not {type(timeout).__name__}")
+            timeout = float(timeout)
+            if math.isnan(timeout):
+                raise ValueError("timeout must be a number of seconds or None, not NaN")
+            # inf overflows the condition wait; a negative wait is a poll
+            timeout = None if math.isinf(timeout) and timeout > 0 else max(0.0, timeout)
         with self._lock:
             # done() counts a cancelled future that wait() would not (never notified)
             pending = [f for f in self._pending if not f.done()]

@@ -6,6 +6,7 @@ accounting (precision / recall, kvh's prefetch counters)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -912,13 +913,17 @@ def test_drain_timeout_is_one_deadline(corpus):
         t0 = time.monotonic()
         assert r.drain(timeout=0.05) is False
         assert time.monotonic() - t0 < 0.25  # not 0.05 s per queued prediction
-        for bad, error in (("x", TypeError), (-1, ValueError), (float("nan"), ValueError)):
+        for bad, error in (("x", TypeError), (1j, TypeError), (float("nan"), ValueError)):
             with pytest.raises(error, match="timeout"):
                 r.drain(bad)
+        t0 = time.monotonic()
+        assert r.drain(-1) is False and r.drain(-math.inf) is False  # a poll, as PrefetchResult.wait(-1)
+        assert time.monotonic() - t0 < 0.2
         pause[0] = 0.0
         for f in futs[1:]:
             f.cancel()
-        assert r.drain() is True
+        assert r.drain(math.inf) is True  # no limit
+        assert r.drain(-1) is True and r.drain() is True
 
 
 def test_close_cancels_queued_predictions_and_waits_for_the_running_one(corpus):
