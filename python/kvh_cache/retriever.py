@@ -1126,6 +1126,7 @@ class SpeculativeRetriever(Closable):
         new: Dict[int, Tuple[ChunkRecord, Any, List[Any]]] = {}
         shared: Dict[int, ChunkRecord] = {}  # known chunks more agents see now: their payload changes
         try:
+            parsed = []
             for it in items:
                 # Checked like Sequence.append's: floats or ids past int32 were
                 # cast, storing the chunk under other tokens.
@@ -1141,7 +1142,12 @@ class SpeculativeRetriever(Closable):
                     text.encode("utf-8")  # a lone surrogate failed in the embedder or the payload
                 except UnicodeEncodeError as exc:
                     raise ValueError(f"text must be encodable as UTF-8: {exc}") from None
-                held = new[cid][0] if cid in new else self._known(cid)
+                parsed.append((it, tokens, cid, agent, text))
+            # one index round trip for the whole call, not one per new chunk
+            present: Optional[Set[int]] = set() if hasattr(self.index, "get") else None
+            found = self._known_many([p[2] for p in parsed], present)
+            for it, tokens, cid, agent, text in parsed:
+                held = new[cid][0] if cid in new else found.get(cid)
                 if held is not None and it.get("text") is not None and held.text != text:
                     _other_text(held, text, it.get("doc"), text_is_content)
                 if cid in new:
@@ -1171,7 +1177,7 @@ class SpeculativeRetriever(Closable):
                 new[cid] = (rec, seq, blocks)
                 out.append(rec)
             if new or shared:
-                self._index_records([rec for rec, _, _ in new.values()] + list(shared.values()))
+                self._index_records([rec for rec, _, _ in new.values()] + list(shared.values()), present)
             with self._attach_lock, self._lock:
                 self._check_open()  # a close meanwhile freed what it knew of: these are not known yet
                 for cid, wider in shared.items():
@@ -1252,13 +1258,17 @@ class SpeculativeRetriever(Closable):
         with self._add_lock:
             return self._add_chunks(items, text_is_content=True)
 
-    def _index_records(self, recs: List[ChunkRecord]) -> None:
+    def _index_records(self, recs: List[ChunkRecord], present: Optional[Set[int]] = None) -> None:
         """Embeds and upserts recs (a point of the same id that is not a
         record of this model and embedder is replaced). On failure the
-        points this call created are deleted again where the index can."""
+        points this call created are deleted again where the index can.
+        ``present``: the ids of recs the index held before, when known
+        (saves asking it)."""
         ids = [r.chunk_id for r in recs]
         has, delete = getattr(self.index, "has", None), getattr(self.index, "delete", None)
-        before = has(ids) if has is not None and delete is not None else None
+        before = None
+        if delete is not None:
+            before = present if present is not None else has(ids) if has is not None else None
         try:
             vecs = self.embedder.embed([r.text for r in recs])
             bt = self.engine.block_tokens
@@ -1336,19 +1346,31 @@ class SpeculativeRetriever(Closable):
 
     def _known(self, cid: int) -> Optional[ChunkRecord]:
         """Record of cid, fetched from the index when not loaded yet."""
+        return self._known_many([cid]).get(cid)
+
+    def _known_many(self, cids: Iterable[int], present: Optional[Set[int]] = None) -> Dict[int, ChunkRecord]:
+        """Records of those of cids that are known, fetching the ones not
+        loaded yet from the index in one request. ``present`` (when the
+        index has ``get``) gets the ids the index holds, ours or not."""
+        cids = list(cids)
         with self._lock:
-            rec = self._records.get(cid)
-        if rec is not None:
-            return rec
+            out = {c: self._records[c] for c in cids if c in self._records}
+            missing = list(dict.fromkeys(c for c in cids if c not in out))
+        if present is not None:
+            present.update(out)
         get = getattr(self.index, "get", None)
-        if get is None:
-            return None
-        payload = get([cid]).get(cid)
-        rec = self._record_from_payload(cid, payload) if payload else None
-        if rec is not None:
-            with self._lock:
-                rec = self._records.setdefault(cid, rec)
-        return rec
+        if not missing or get is None:
+            return out
+        payloads = get(missing)
+        if present is not None:
+            present.update(payloads)
+        for cid in missing:
+            payload = payloads.get(cid)
+            rec = self._record_from_payload(cid, payload) if payload else None
+            if rec is not None:
+                with self._lock:
+                    out[cid] = self._records.setdefault(cid, rec)
+        return out
 
     def sequence(self, chunk_id: int) -> Any:
         """The kvh sequence holding the chunk (attached on first use)."""

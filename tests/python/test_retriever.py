@@ -1107,6 +1107,22 @@ def test_numpy_index_checks_ids_queries_and_closing():
         idx.search(np.ones(4), 2)
 
 
+@needs_qdrant
+def test_add_chunks_asks_the_index_once_per_call():
+    c = bench_retriever.make_corpus(2, 2, 5, 32, seed=9)  # 20 chunks
+    its = [{"tokens": c.tokens(i), "text": ch.text} for i, ch in enumerate(c.chunks)]
+    with _engine(device_bytes=64 * 4096, host_bytes=128 * 4096) as eng, SpeculativeRetriever(eng, index="qdrant") as r:
+        calls = []
+        for name in ("get", "has"):
+            orig = getattr(r.index, name)
+            setattr(r.index, name, lambda ids, _o=orig, _n=name: (calls.append(_n), _o(ids))[1])
+        recs = r.add_chunks(its)
+        assert len(r) == len(its) and calls == ["get"]  # not one get per new chunk
+        calls.clear()
+        assert r.add_chunks(its + [dict(its[0], agent=3)]) == recs + [recs[0]]
+        assert len(calls) <= 1
+
+
 def test_concurrent_adds_of_one_chunk_get_one_record(corpus):
     with _engine() as eng:
         kv, started = SyntheticKV(eng), threading.Event()
