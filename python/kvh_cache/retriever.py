@@ -54,6 +54,7 @@ Environment: ``KVH_QDRANT_URL`` (a server used when neither ``url`` nor
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -798,9 +799,18 @@ def _plain(name: str, value: Any) -> Any:
     return out
 
 
-def _other_text(held: ChunkRecord, text: str, doc: Any, text_is_content: bool) -> None:
-    """A chunk is added again with other text than the one it is held with."""
-    if text_is_content:
+def _other_text(
+    held: ChunkRecord, text: str, doc: Any, same_words: Optional[Callable[[ChunkRecord, str], Any]]
+) -> None:
+    """A chunk is added again with other text than the one it is held with.
+    same_words(held, text) (add_document): True when both are the same words
+    (only their form differs: nothing to tell), False when they are other
+    words with the same ids (a tokenizer collision: refused), None when the
+    held text is not its tokens' words (default or a label: it is kept)."""
+    same = same_words(held, text) if same_words is not None else None
+    if same:
+        return
+    if same is not None:
         raise ValueError(
             f"chunk {held.chunk_id:#x} of document {doc!r} has the token ids of a chunk already held with other "
             f"text ({held.text[:60]!r} of {held.doc!r}, now {text[:60]!r}): the tokenizer gives different text "
@@ -812,6 +822,24 @@ def _other_text(held: ChunkRecord, text: str, doc: Any, text_is_content: bool) -
         held.text[:60],
         text[:60],
     )
+
+
+def _same_words(tok: Any, held: ChunkRecord, text: str) -> Optional[bool]:
+    """Whether held's text and text (a document's chunk of the same ids) are
+    the same words by tok; None when held's text is not its tokens' words
+    (the tokens as text, or a label): it cannot show a collision."""
+    held_ids = held.tokens.tolist()
+    if hasattr(tok, "split") and hasattr(tok, "token"):
+        pieces = tok.split(held.text)
+        if [int(tok.token(p)) for p in pieces] != held_ids:
+            return None
+        return pieces == tok.split(text)
+    try:
+        if [int(t) for t in tok.encode(held.text)] != held_ids:
+            return None
+    except Exception:  # noqa: BLE001 - a text the tokenizer refuses is not its tokens' words
+        return None
+    return "".join(held.text.split()) == "".join(text.split())  # decode may space words otherwise
 
 
 def _share(rec: ChunkRecord, agent: Optional[int]) -> bool:
@@ -1117,11 +1145,13 @@ class SpeculativeRetriever(Closable):
         serialised: concurrent adds of one chunk get the same record."""
         self._check_open()
         with self._add_lock:
-            return self._add_chunks(items, text_is_content=False)
+            return self._add_chunks(items)
 
-    def _add_chunks(self, items: Iterable[Mapping[str, Any]], *, text_is_content: bool) -> List[ChunkRecord]:
-        """text_is_content: each text is a function of its chunk's pieces (add_document), so
-        a known chunk with other text means the tokenizer gave different text the same ids."""
+    def _add_chunks(
+        self, items: Iterable[Mapping[str, Any]], *, same_words: Optional[Callable[[ChunkRecord, str], Any]] = None
+    ) -> List[ChunkRecord]:
+        """same_words (add_document): tells a known chunk whose text has other words from one
+        whose text only differs in form (see _other_text)."""
         out: List[ChunkRecord] = []
         new: Dict[int, Tuple[ChunkRecord, Any, List[Any]]] = {}
         shared: Dict[int, ChunkRecord] = {}  # known chunks more agents see now: their payload changes
@@ -1149,7 +1179,7 @@ class SpeculativeRetriever(Closable):
             for it, tokens, cid, agent, text in parsed:
                 held = new[cid][0] if cid in new else found.get(cid)
                 if held is not None and it.get("text") is not None and held.text != text:
-                    _other_text(held, text, it.get("doc"), text_is_content)
+                    _other_text(held, text, it.get("doc"), same_words)
                 if cid in new:
                     _share(new[cid][0], agent)
                     out.append(new[cid][0])
@@ -1224,8 +1254,10 @@ class SpeculativeRetriever(Closable):
         ``encode``/``decode`` (a model tokenizer) or a
         :class:`kvh_cache.embed.WordTokenizer` (the default). ValueError,
         adding nothing, when a chunk gets the token ids of a chunk held
-        with other text (the tokenizer maps different words to one id):
-        returning the held chunk would drop this one silently."""
+        with other words (the tokenizer maps different words to one id):
+        returning the held chunk would drop this one silently. A held
+        chunk whose text differs only in form (spacing), or whose text is
+        not its tokens' words (none given, or a label), is returned."""
         chunk_tokens = _int("chunk_tokens", chunk_tokens, 1, 1 << 63)
         if not isinstance(text, str):
             raise TypeError(f"text must be str, not {type(text).__name__}")
@@ -1256,7 +1288,7 @@ class SpeculativeRetriever(Closable):
             raise TypeError("tokenizer must have encode() and decode(), or be a kvh_cache.embed.WordTokenizer")
         self._check_open()
         with self._add_lock:
-            return self._add_chunks(items, text_is_content=True)
+            return self._add_chunks(items, same_words=functools.partial(_same_words, tok))
 
     def _index_records(self, recs: List[ChunkRecord], present: Optional[Set[int]] = None) -> None:
         """Embeds and upserts recs (a point of the same id that is not a

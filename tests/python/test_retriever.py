@@ -1043,6 +1043,32 @@ def test_a_tokenizer_collision_does_not_drop_a_document(caplog):
         assert "other text" in caplog.text and first[0].text.startswith("Invoice total is 9989")
 
 
+@pytest.mark.parametrize("held", ["original text", "no text", "a label", "read back"])
+def test_a_document_of_held_ids_in_another_form_is_no_collision(tmp_path, held):
+    if held == "read back" and not retriever.qdrant_available():
+        pytest.skip("qdrant-client is not installed")
+    tok = embed.WordTokenizer()
+    text = "Hello, world. The invoice total is 9989 dollars."
+    given = {"original text": text, "no text": None, "a label": "greeting", "read back": text}[held]
+    kw = {"qdrant_path": str(tmp_path / "q")} if held == "read back" else {"index": "numpy"}
+    with _engine() as eng:
+        r = SpeculativeRetriever(eng, **kw)
+        first = r.add_chunk(tok.encode(text), given, doc="d")  # e.g. from pre-tokenized data
+        if held == "read back":  # a record of the index, not loaded
+            r.close()
+            r = SpeculativeRetriever(eng, **kw)
+        with r:
+            # the same words: 'Hello, world.' is 'Hello , world .' as the document's chunk text
+            assert [x.chunk_id for x in r.add_document("d", text, chunk_tokens=64)] == [first.chunk_id]
+            other = text.replace("9989", "90246")  # other words of the same ids
+            if given == text:
+                with pytest.raises(ValueError, match="same ids"):
+                    r.add_document("e", other, chunk_tokens=64)
+            else:  # a held text that is not its tokens' words cannot tell
+                assert [x.chunk_id for x in r.add_document("e", other, chunk_tokens=64)] == [first.chunk_id]
+            assert len(r) == 1
+
+
 @needs_qdrant
 def test_a_qdrant_path_that_cannot_be_a_store_is_a_runtime_error(tmp_path):
     (tmp_path / "file").write_text("")
