@@ -1216,10 +1216,14 @@ class SpeculativeRetriever(Closable):
                     self._records[cid] = rec
                     self._seqs[cid] = seq
                     self._blocks[cid] = blocks
-        except BaseException:
+        except BaseException as exc:
             for _, seq, _ in new.values():
                 if not self.engine.closed:
                     seq.free()
+            if self._is_closed and isinstance(exc, Exception) and not isinstance(exc, errors.ClosedError):
+                # a close meanwhile closed the index (or the engine) under this add:
+                # that is the cause, not how the index failed on it
+                raise errors.ClosedError("the retriever is closed", errors.STATUS_CODES["KVH_ERR_CLOSED"]) from exc
             raise
         return out
 

@@ -1149,6 +1149,21 @@ def test_add_chunks_asks_the_index_once_per_call():
         assert len(calls) <= 1
 
 
+def test_an_add_that_a_close_overtakes_raises_closed_error(corpus):
+    with _engine() as eng:
+        r = SpeculativeRetriever(eng, index="numpy")
+        add = r.index.add
+
+        def closing_add(*a, **k):  # close() runs between the KV and the upsert
+            r.close()
+            return add(*a, **k)
+
+        r.index.add = closing_add
+        with pytest.raises(kvh.ClosedError, match="retriever is closed"):
+            r.add_chunks(_items(corpus)[:2])
+        assert len(r) == 0
+
+
 def test_concurrent_adds_of_one_chunk_get_one_record(corpus):
     with _engine() as eng:
         kv, started = SyntheticKV(eng), threading.Event()
