@@ -166,6 +166,33 @@ def test_a_worker_that_waited_on_a_removed_lock_file_does_not_share_the_path(tmp
         new.close()
 
 
+def test_a_forked_child_closing_its_copy_leaves_the_parent_serving(tmp_path):
+    # The child's close removed the lock file (a second server then took
+    # the live path) and shut the shared listening socket down.
+    path = channel.socket_path("engine-fork", 0, 0, str(tmp_path))
+    srv = channel.Server(path, lambda h, p: {"who": "parent"})
+    try:
+        pid = os.fork()
+        if pid == 0:
+            srv.close()
+            os._exit(0)
+        assert os.waitpid(pid, 0)[1] == 0
+        with pytest.raises(channel.ChannelError, match="another vLLM instance"):
+            channel.Server(path, lambda h, p: {"who": "second"})
+        assert channel.Client(path, timeout_s=5).call({"op": "x"}) == {"who": "parent"}
+    finally:
+        srv.close()
+
+
+def test_a_server_that_fails_to_start_leaves_no_lock_file(tmp_path):
+    base = tmp_path / ("d" * 90)  # a socket path too long to bind
+    base.mkdir()
+    path = channel.socket_path("engine-long", 0, 0, str(base))
+    with pytest.raises(OSError):
+        channel.Server(path, lambda h, p: {})
+    assert not os.path.exists(path + ".lock")
+
+
 def test_a_busy_worker_is_a_timeout_to_the_caller(tmp_path):
     # A Unix socket whose queue is full refuses a connect at once (EAGAIN):
     # the worker is alive and busy, and the scheduler backs off on timeouts.

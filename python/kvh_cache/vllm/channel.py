@@ -148,6 +148,13 @@ def _claim_path(path: str, wait_s: float = 2.0) -> int:
         os.close(fd)  # its holder closed and removed it meanwhile: take the new one
 
 
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
 def _same_file(fd: int, path: str) -> bool:
     try:
         on_path = os.stat(path, follow_symlinks=False)
@@ -168,6 +175,10 @@ class Server:
         self.path = path
         self._handler = handler
         self._closed = threading.Event()
+        self._close_lock = threading.Lock()
+        # Only the process that claimed the path removes its files: a
+        # forked child closing its copy must leave the parent's in place.
+        self._owner_pid = os.getpid()
         self._lock_fd = _claim_path(path)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -175,6 +186,7 @@ class Server:
             self._sock.listen(16)
         except BaseException:
             self._sock.close()
+            _unlink_quietly(path + ".lock")  # still held: no one else's
             os.close(self._lock_fd)
             raise
         self._thread = threading.Thread(target=self._accept_loop, name="kvh-vllm-lookup", daemon=True)
@@ -227,21 +239,22 @@ class Server:
                     return
 
     def close(self) -> None:
-        if self._closed.is_set():
-            return
-        self._closed.set()
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._sock.close()
-        # Both paths are still this server's: the lock is held until after.
-        for leftover in (self.path, self.path + ".lock"):
-            try:
-                os.unlink(leftover)
-            except OSError:
-                pass
-        os.close(self._lock_fd)  # a worker waiting on the removed file takes a new one
+        with self._close_lock:
+            if self._closed.is_set():
+                return
+            self._closed.set()
+            owner = os.getpid() == self._owner_pid
+            if owner:  # a shutdown would stop the parent's socket too
+                try:
+                    self._sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            self._sock.close()
+            if owner:
+                # Both paths are still this server's: the lock is held until after.
+                for leftover in (self.path, self.path + ".lock"):
+                    _unlink_quietly(leftover)
+            os.close(self._lock_fd)  # a worker waiting on the removed file takes a new one
 
 
 class Client:
