@@ -134,12 +134,15 @@ static bool read_one_direct(kvh_engine *e, kvhi_xfer *x)
         return false;
     uint32_t crc = 0;
     const uint8_t *header = NULL;
+    uint64_t t0 = kvhi_now_ns(); /* the submission's time, not the wait for a lane */
     int rc =
         kvhi_disk_read_into(e->disk, lane, x->src_slot, kvhi_slot_addr(e, x->dst_tier, x->dst_slot), &crc, &header);
     if (rc == 0)
         verify_read(e, x, header, crc);
     else if (rc < 0)
         x->err = rc;
+    if (rc != 1)
+        kvhi_latency_record_xfers(&e->latency, x, 1, kvhi_now_ns() - t0);
     kvhi_disk_lane_put(e->disk, lane);
     return rc != 1;
 }
@@ -251,11 +254,9 @@ void kvhi_xfer_batch(kvh_engine *e, kvhi_xfer *xs, uint32_t n)
 {
     kvhi_assert_unlocked(e);
     kvhi_disk *d = e->disk;
-    uint64_t t0 = kvhi_now_ns();
-    if (n == 1 && read_one_direct(e, &xs[0])) {
-        kvhi_latency_record_xfers(&e->latency, xs, 1, kvhi_now_ns() - t0);
+    uint64_t t0;
+    if (n == 1 && read_one_direct(e, &xs[0]))
         return;
-    }
     /* A slot being rewritten may have been freed by a DEL record that is
      * still in memory: the record goes to the file before the new data. */
     if (n && xs[0].dst_tier == KVH_TIER_DISK) {
