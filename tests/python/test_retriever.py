@@ -926,6 +926,15 @@ def test_drain_timeout_is_one_deadline(corpus):
         assert r.drain(-1) is True and r.drain() is True
 
 
+def _predictions_queued_behind_a_running_one(r, corpus, n):
+    """n background predictions, returned once the first is running."""
+    futs = [r.prefetch_async(corpus.chunks[i].text, agent=1) for i in range(n)]
+    deadline = time.monotonic() + 5
+    while not futs[0].running() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return futs
+
+
 def test_close_cancels_queued_predictions_and_waits_for_the_running_one(corpus):
     from concurrent.futures import CancelledError
 
@@ -934,10 +943,7 @@ def test_close_cancels_queued_predictions_and_waits_for_the_running_one(corpus):
         r = SpeculativeRetriever(eng, index="numpy", embedder=_slow_embedder(pause))
         r.add_chunks(_items(corpus)[:4])
         pause[0] = 0.25
-        futs = [r.prefetch_async(corpus.chunks[i].text, agent=1) for i in range(6)]
-        deadline = time.monotonic() + 5
-        while not futs[0].running() and time.monotonic() < deadline:  # the first is running
-            time.sleep(0.005)
+        futs = _predictions_queued_behind_a_running_one(r, corpus, 6)
         t0 = time.monotonic()
         r.close()
         assert time.monotonic() - t0 < 0.8  # not 6 x 0.25 s
@@ -953,10 +959,7 @@ def test_drain_and_metrics_return_after_close_cancelled_predictions(corpus):
         r = SpeculativeRetriever(eng, index="numpy", embedder=_slow_embedder(pause))
         r.add_chunks(_items(corpus)[:4])
         pause[0] = 0.2
-        futs = [r.prefetch_async(corpus.chunks[i].text, agent=1) for i in range(3)]
-        deadline = time.monotonic() + 5
-        while not futs[0].running() and time.monotonic() < deadline:
-            time.sleep(0.005)
+        futs = _predictions_queued_behind_a_running_one(r, corpus, 3)
         r.close()
         assert futs[-1].cancelled()
         t0 = time.monotonic()
