@@ -222,7 +222,9 @@ kvh_status kvhi_context_detach(kvh_engine *e, kvh_context h, kvhi_context **out)
     kvh_status st = kvhi_context_resolve(e, h, &x);
     if (st != KVH_OK)
         return st;
-    if (x->switching || x->holds)
+    /* A switch waiting to start counts as one running: it names the
+     * context, and would fail on a handle destroyed under it. */
+    if (x->switching || x->switches_waiting || x->holds)
         return kvhi_fail(KVH_ERR_BUSY, "context '%s' is being switched or used", x->name);
     for (uint32_t i = 0; i < x->n_regions; i++)
         kvhi_region_unaccount(e, x, &x->regions[i]);

@@ -1094,6 +1094,31 @@ static void trading_contexts_beside_block_churn_never_hang(void **state)
     assert_ok(tu_close(e));
 }
 
+/* A switch waiting to start (for verifies to end) holds a context as
+ * one running does: a verify and a destroy meanwhile are BUSY. The wait
+ * is set by hand here; overlapping_verifies_let_a_switch_start makes it
+ * with threads. */
+static void a_waiting_switch_keeps_verify_and_destroy_off(void **state)
+{
+    (void)state;
+    kvh_engine *e = open_engine(M_UNI0, 64, 64, NULL);
+    static uint8_t bytes[4096];
+    kvh_context c = bytes_context(e, bytes, 1, sizeof(bytes));
+    kvhi_context *x = NULL;
+    pthread_mutex_lock(&e->lock);
+    assert_ok(kvhi_context_resolve(e, c, &x));
+    x->switches_waiting++;
+    pthread_mutex_unlock(&e->lock);
+    assert_kvh(KVH_ERR_BUSY, kvh_context_verify(e, c, NULL));
+    assert_kvh(KVH_ERR_BUSY, kvh_context_destroy(e, c));
+    pthread_mutex_lock(&e->lock);
+    x->switches_waiting--;
+    pthread_mutex_unlock(&e->lock);
+    assert_ok(kvh_context_verify(e, c, NULL));
+    assert_ok(kvh_context_destroy(e, c));
+    assert_ok(tu_close(e));
+}
+
 #define MODES(fn)                                                                                                      \
     cmocka_unit_test_prestate_setup_teardown(fn, NULL, tu_teardown, &M_UNI0),                                          \
         cmocka_unit_test_prestate_setup_teardown(fn, NULL, tu_teardown, &M_UNI2),                                      \
@@ -1122,6 +1147,7 @@ int main(void)
         MODES(a_tier_full_of_weights_says_so),
         cmocka_unit_test_prestate_setup_teardown(overlapping_verifies_let_a_switch_start, NULL, tu_teardown, &M_COPY2),
         MODES(trading_contexts_beside_block_churn_never_hang),
+        cmocka_unit_test_teardown(a_waiting_switch_keeps_verify_and_destroy_off, tu_teardown),
         cmocka_unit_test_teardown(bad_arguments, tu_teardown),
         cmocka_unit_test_teardown(a_missing_region_is_named_as_asked, tu_teardown),
     };
