@@ -127,11 +127,11 @@ static uint64_t move_context_kv(kvh_engine *e, kvhi_context *x, uint32_t tier)
     return moved;
 }
 
+#define HOST_ROOM_RECHECK_NS (10 * 1000 * 1000)
+
 /* Takes room for r in the host tier from what is free now, waiting for
  * the incoming context to give back the host room it is leaving, unless
  * the arrivals are themselves stuck waiting for this side. Lock held. */
-#define HOST_ROOM_RECHECK_NS (10 * 1000 * 1000)
-
 static bool take_free_host_room(kvh_engine *e, kvhi_context *x, kvhi_region *r)
 {
     kvhi_contexts *c = e->contexts;

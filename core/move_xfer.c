@@ -254,7 +254,6 @@ void kvhi_xfer_batch(kvh_engine *e, kvhi_xfer *xs, uint32_t n)
 {
     kvhi_assert_unlocked(e);
     kvhi_disk *d = e->disk;
-    uint64_t t0;
     if (n == 1 && read_one_direct(e, &xs[0]))
         return;
     /* A slot being rewritten may have been freed by a DEL record that is
@@ -284,7 +283,7 @@ void kvhi_xfer_batch(kvh_engine *e, kvhi_xfer *xs, uint32_t n)
             slots[i] = write ? xs[done + i].dst_slot : xs[done + i].src_slot;
         /* Each block's sample is its own submission's time (kvh.h), not
          * the whole batch's, nor the wait for a lane. */
-        t0 = kvhi_now_ns();
+        uint64_t t0 = kvhi_now_ns();
         if (write ? write_batch_in_place(e, lane, xs + done, k, slots, res)
                   : read_batch_in_place(e, lane, xs + done, k, slots, res)) {
             kvhi_latency_record_xfers(&e->latency, xs + done, k, kvhi_now_ns() - t0);

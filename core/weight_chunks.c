@@ -190,12 +190,9 @@ kvh_status kvhi_charge_add(kvh_engine *e, kvhi_context *x, uint32_t tier, uint64
     if (st == KVH_ERR_NOSPACE && mode == KVHI_CHARGE_EVICT) {
         /* The victim search speaks of blocks; a tier full of weights
          * needs saying so, or the message blames KV that is not there. */
-        uint64_t weight_slots = 0;
-        for (uint32_t i = 0; i < e->contexts->table.cap; i++) {
-            const kvhi_context *y = kvhi_handles_at(&e->contexts->table, i);
-            if (y)
-                weight_slots += y->charge[tier].n;
-        }
+        kvh_weight_stats ws;
+        kvhi_weight_stats(e, &ws);
+        uint64_t weight_slots = tier == KVH_TIER_DEVICE ? ws.slots_device : ws.slots_host;
         if (weight_slots) {
             char why[KVHI_CONTEXT_WHY_BYTES];
             snprintf(why, sizeof(why), "%s", kvhi_last_error());
