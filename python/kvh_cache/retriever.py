@@ -1184,13 +1184,12 @@ class SpeculativeRetriever(Closable):
                     _share(new[cid][0], agent)
                     out.append(new[cid][0])
                     continue
-                known = held
-                if known is not None:
+                if held is not None:
                     self.sequence(cid)  # attach a loaded chunk (kept on failure: it is indexed already)
-                    wider = shared.get(cid) or dataclasses.replace(known, agents=list(known.agents))
+                    wider = shared.get(cid) or dataclasses.replace(held, agents=list(held.agents))
                     if _share(wider, agent):
                         shared[cid] = wider
-                    out.append(known)
+                    out.append(held)
                     continue
                 rec = ChunkRecord(
                     chunk_id=cid,
