@@ -251,7 +251,7 @@ static inline void block_place(kvh_engine *e, uint32_t b, uint32_t tier, uint32_
     if (tier == KVH_TIER_DEVICE)
         agent_count(e, blk->agent, +1);
     else if (tier == KVH_TIER_HOST) {
-        e->host_arrivals++;
+        kvhi_disk_clean_lead(e, b);
         /* Wake a worker to clean ahead when the host tier runs low. */
         if (e->disk && e->n_workers && kvhi_disk_host_runs_low(e))
             pthread_cond_signal(&e->work_ready);
@@ -628,6 +628,8 @@ void kvhi_block_pin(kvh_engine *e, uint32_t b, bool pin)
     } else if (blk->pins > 0 && --blk->pins == 0) {
         e->tiers[blk->tier].pinned--;
         kvhi_block_update_evictable(e, b);
+        if (blk->tier == KVH_TIER_HOST)
+            kvhi_disk_clean_lead(e, b);
     }
 }
 
@@ -740,6 +742,8 @@ bool kvhi_block_publish_unique(kvh_engine *e, uint32_t b)
         kvhi_prefix_insert(&e->prefix, blk->hash, b) != 0)
         return false;
     blk->flags |= KVHI_BF_PUBLISHED;
+    if (blk->tier == KVH_TIER_HOST)
+        kvhi_disk_clean_lead(e, b); /* cleanable where it lies */
     return true;
 }
 

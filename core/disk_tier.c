@@ -585,16 +585,39 @@ static kvh_status write_copies(kvh_engine *e, const uint32_t *blocks, uint32_t n
     return st;
 }
 
-/* Background cleaning: when the host tier runs low on free slots, the
- * coldest published blocks there get clean disk copies ahead of time, so
- * the eviction that follows costs no write and never makes an acquire wait
- * for one. A clock hand walks the block table; returns true if it wrote. */
+/* Background cleaning: when the host tier runs low on free slots,
+ * published host blocks get clean disk copies ahead of time, so the
+ * eviction that follows costs no write and never makes an acquire wait
+ * for one. Candidates come from the leads (core/disk_tier.h) and from a
+ * clock hand over the block table, paid for by the leads. */
+static bool clean_has_leads(const kvh_engine *e) { return e->clean_leads_len || e->clean_scan_credit; }
+
 uint64_t kvhi_disk_clean_resumes_ns(kvh_engine *e)
 {
     if (!e->disk || e->disk->fatal || !e->tiers[KVH_TIER_HOST].present || !disk_resting_full(e) ||
-        !kvhi_disk_host_runs_low(e) || e->clean_epoch_seen == e->host_arrivals)
+        !kvhi_disk_host_runs_low(e) || !clean_has_leads(e))
         return 0;
     return e->disk_full_until;
+}
+
+static bool cleanable(const kvh_engine *e, uint32_t b)
+{
+    const kvhi_block *blk = &e->blocks[b];
+    uint16_t need = KVHI_BF_LIVE | KVHI_BF_PUBLISHED | KVHI_BF_HASHED | KVHI_BF_KV_COMPLETE;
+    return b < e->block_cap && (blk->flags & need) == need && blk->tier == KVH_TIER_HOST && !kvhi_block_busy(blk) &&
+           !(blk->flags & (KVHI_BF_DISK_COPY | KVHI_BF_DEAD)) && !blk->pins;
+}
+
+/* Adds b to cand[0..*n) when cleanable and not there yet (a block may be
+ * a lead twice, and the hand may meet a lead). */
+static void clean_consider(const kvh_engine *e, uint32_t b, uint32_t *cand, uint32_t *n)
+{
+    if (!cleanable(e, b))
+        return;
+    for (uint32_t i = 0; i < *n; i++)
+        if (cand[i] == b)
+            return;
+    cand[(*n)++] = b;
 }
 
 bool kvhi_disk_clean_step(kvh_engine *e)
@@ -602,24 +625,22 @@ bool kvhi_disk_clean_step(kvh_engine *e)
     kvhi_tier *host = &e->tiers[KVH_TIER_HOST];
     if (!e->disk || e->disk->fatal || !host->present || e->tiers[KVH_TIER_DISK].slots.free_count == 0)
         return false;
-    if (!kvhi_disk_host_runs_low(e) || disk_resting_full(e))
+    if (!kvhi_disk_host_runs_low(e) || disk_resting_full(e) || !clean_has_leads(e))
         return false;
-    if (e->clean_epoch_seen == e->host_arrivals)
-        return false; /* nothing new arrived since the last empty sweep */
     uint32_t want = e->disk->lane_blocks < 64 ? e->disk->lane_blocks : 64, n = 0, cand[64];
-    for (uint32_t scanned = 0; scanned < e->block_cap && n < want; scanned++) {
+    while (e->clean_leads_len && n < want) {
+        uint32_t b = e->clean_leads[e->clean_leads_head];
+        e->clean_leads_head = (e->clean_leads_head + 1) % KVHI_CLEAN_LEADS;
+        e->clean_leads_len--;
+        clean_consider(e, b, cand, &n);
+    }
+    for (; e->clean_scan_credit && n < want; e->clean_scan_credit--) {
         uint32_t b = e->clean_hand;
         e->clean_hand = (e->clean_hand + 1) % e->block_cap;
-        kvhi_block *blk = &e->blocks[b];
-        uint16_t need = KVHI_BF_LIVE | KVHI_BF_PUBLISHED | KVHI_BF_HASHED | KVHI_BF_KV_COMPLETE;
-        if ((blk->flags & need) == need && blk->tier == KVH_TIER_HOST && !kvhi_block_busy(blk) &&
-            !(blk->flags & (KVHI_BF_DISK_COPY | KVHI_BF_DEAD)) && !blk->pins)
-            cand[n++] = b;
+        clean_consider(e, b, cand, &n);
     }
-    if (n == 0) {
-        e->clean_epoch_seen = e->host_arrivals;
+    if (n == 0)
         return false;
-    }
     kvhi_xfer *xs = malloc(sizeof(kvhi_xfer) * n);
     if (!xs)
         return false;

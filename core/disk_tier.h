@@ -39,8 +39,30 @@ kvh_status kvhi_disk_persist(kvh_engine *e, kvhi_seq *s);
 kvh_status kvhi_disk_persist_blocks(kvh_engine *e, const uint32_t *blocks, uint32_t n, const char *whose,
                                     uint32_t *twins);
 /* One round of background cleaning (lock held, may drop); true if work
- * was done. */
+ * was done. It looks at its leads, then lets its clock hand scan as many
+ * records as its credit allows: never the whole table for one arrival,
+ * which at 10^5 records held the engine lock for a millisecond each time
+ * a block reached a full host tier. */
 bool kvhi_disk_clean_step(kvh_engine *e);
+/* Records the clock hand may scan for each lead, and at most in all. */
+#define KVHI_CLEAN_SCAN_PER_LEAD 16u
+#define KVHI_CLEAN_SCAN_CREDIT_MAX 4096u
+/* Host block b may have become cleanable (it arrived in the host tier, or
+ * was published or unpinned there): a lead for the cleaner (lock held). */
+static inline void kvhi_disk_clean_lead(kvh_engine *e, uint32_t b)
+{
+    if (!e->disk)
+        return;
+    uint32_t at = (e->clean_leads_head + e->clean_leads_len) % KVHI_CLEAN_LEADS;
+    e->clean_leads[at] = b;
+    if (e->clean_leads_len < KVHI_CLEAN_LEADS)
+        e->clean_leads_len++;
+    else
+        e->clean_leads_head = (e->clean_leads_head + 1) % KVHI_CLEAN_LEADS; /* the oldest is the hand's now */
+    e->clean_scan_credit = e->clean_scan_credit + KVHI_CLEAN_SCAN_PER_LEAD < KVHI_CLEAN_SCAN_CREDIT_MAX
+                               ? e->clean_scan_credit + KVHI_CLEAN_SCAN_PER_LEAD
+                               : KVHI_CLEAN_SCAN_CREDIT_MAX;
+}
 /* When cleaning, resting after the filesystem refused a write, has
  * copies to try again (kvhi_now_ns); 0 when it does not rest or has
  * nothing to write. An idle worker sleeps until then, not for good:

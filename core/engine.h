@@ -45,6 +45,8 @@
  * scale's memory_read row), a release about 25: 8 left the last of it
  * exposed; 32 gave random frees 0.245 of the free list against 0.201. */
 #define KVHI_RELEASE_BACKLOG 32u
+/* Leads the background cleaner keeps (core/disk_tier.h). */
+#define KVHI_CLEAN_LEADS 256u
 
 /* Defined in the module headers that own them (core/block.h,
  * core/tier.h, core/migrate.h, core/seq.h). */
@@ -193,8 +195,14 @@ struct kvh_engine {
     uint32_t workers_waiting_room;  /* in kvhi_wait_queued_moves_out or waiting for a busy block */
     uint64_t queued_move_waits;     /* its waits */
     uint64_t queued_moves_run_here; /* moves it ran itself, no other worker being free */
-    uint64_t host_arrivals;         /* blocks placed in the host tier so far */
-    uint64_t clean_epoch_seen;      /* host_arrivals at the last empty sweep */
+    /* The background cleaner's leads (core/disk_tier.h): host blocks that
+     * may have become cleanable since it last looked (a ring, the oldest
+     * overwritten when full), and the records its clock hand may still
+     * scan for those that became so unseen. Both grow with each lead, so
+     * a sweep costs in proportion to what happened, not to the table. */
+    uint32_t clean_leads[KVHI_CLEAN_LEADS];
+    uint32_t clean_leads_head, clean_leads_len;
+    uint32_t clean_scan_credit;
     /* The filesystem under the disk tier refused a slab write (ENOSPC):
      * background cleaning rests until disk_full_until (kvhi_now_ns), the
      * rest doubling with each refusal (core/disk_tier.c). 0: no refusal

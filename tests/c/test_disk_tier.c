@@ -18,9 +18,10 @@
  *     as its clean copy (an unhashed one gives the slot back);
  *   - the cleaner (kvhi_disk_clean_step): nothing while the host tier
  *     has room, then clean copies of the published host blocks (pinned
- *     and unpublished ones skipped); after an empty sweep it looks again
- *     only once something new arrived in the host tier; the evictions
- *     that follow write nothing;
+ *     and unpublished ones skipped); blocks that arrive, or are
+ *     published, in the host tier are its leads, and each lead pays its
+ *     clock hand for a few records of the table, never a whole sweep;
+ *     the evictions that follow write nothing;
  *   - a journal past 4096 records and twice the used slots is folded
  *     into a new snapshot by the next persist;
  *   - verification in place: a damaged block is marked corrupt
@@ -556,24 +557,23 @@ static void test_cleaner(void **state)
     assert_int_equal(d.blocks_host_to_disk, a.blocks_host_to_disk);
     assert_int_equal(dt_tier(e, KVH_TIER_DISK).used_blocks, 14);
     assert_int_equal(dt_tier(e, KVH_TIER_HOST).used_blocks, 16);
-    /* The partial block is completed where it lies: publishable now, but
-     * nothing arrived in the host tier since the empty sweep, so the
-     * cleaner does not look again ... */
+    /* The partial block is completed where it lies: published there, it
+     * is a lead, and the next step cleans it ... */
     dt_assert_ok(dt_extend(e, s, G, ct, 16 * G.bt + G.bt / 2, G.bt / 2));
     assert_true(kvhi_blk(e, b[16])->flags & KVHI_BF_PUBLISHED);
     assert_int_equal(kvhi_blk(e, b[16])->tier, KVH_TIER_HOST);
     wb_lock(e);
+    assert_true(kvhi_disk_clean_step(e));
+    assert_true(kvhi_blk(e, b[16])->flags & KVHI_BF_DISK_COPY);
     assert_false(kvhi_disk_clean_step(e));
-    assert_false(kvhi_blk(e, b[16])->flags & KVHI_BF_DISK_COPY);
     wb_unlock(e);
-    /* ... until something does: block 15 comes down (block 1 leaving for
-     * its copy), and both are cleaned. */
+    /* ... and so is a block that arrives: block 15 comes down (block 1
+     * leaving for its copy). */
     dt_assert_ok(kvh_seq_migrate(e, s, 15 * G.bt, G.bt, KVH_TIER_HOST, NULL));
     assert_int_equal(kvhi_blk(e, b[1])->tier, KVH_TIER_DISK);
     wb_lock(e);
     assert_true(kvhi_disk_clean_step(e));
     assert_true(kvhi_blk(e, b[15])->flags & KVHI_BF_DISK_COPY);
-    assert_true(kvhi_blk(e, b[16])->flags & KVHI_BF_DISK_COPY);
     wb_unlock(e);
     d = dt_stats(e);
     assert_int_equal(d.disk_copies_written - a.disk_copies_written, 16);
@@ -683,6 +683,81 @@ static void test_cleaner_wakeup_counts_kept_copies(void **state)
     wb_unlock(e);
     assert_false(clean_demote_wakes_worker(e, b0));
     assert_int_equal(dt_tier(e, KVH_TIER_HOST).clean_copies, 3);
+    dt_assert_ok(kvh_seq_free(e, s));
+    dt_assert_ok(dt_close(e));
+}
+
+/* The hand's records scanned since h (it wraps at the table's end). */
+static uint32_t hand_moved(kvh_engine *e, uint32_t h) { return (e->clean_hand + e->block_cap - h) % e->block_cap; }
+
+/* A block reaching a full host tier with nothing to clean costs the
+ * cleaner its lead and what the lead pays the hand, not a sweep of the
+ * whole table under the lock; and a cleanable block that is no lead
+ * (pushed out of the ring) is still found as the hand goes round. */
+static void test_cleaner_sweeps_what_arrivals_pay_for(void **state)
+{
+    (void)state;
+    char dir[PATH_MAX];
+    dt_scratch("cleaner-bounded", dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 2, 16, 1024, 0);
+    kvh_engine *e = dt_open_a(&c);
+    kvh_seq s;
+    /* 40 published blocks, all sent to disk: each promotion back keeps
+     * its disk copy, so nothing it brings is cleanable. */
+    dt_assert_ok(dt_build(e, G, dt_plain(9), 40 * G.bt, 0, &s));
+    dt_assert_ok(kvh_seq_migrate(e, s, 0, 40 * G.bt, KVH_TIER_DISK, NULL));
+    dt_assert_ok(kvh_seq_migrate(e, s, 0, 16 * G.bt, KVH_TIER_HOST, NULL));
+    wb_lock(e);
+    assert_true(e->block_cap > 1000);
+    assert_int_equal(e->tiers[KVH_TIER_HOST].slots.free_count, 0);
+    while (kvhi_disk_clean_step(e))
+        ;
+    assert_int_equal(e->clean_leads_len, 0);
+    assert_int_equal(e->clean_scan_credit, 0);
+    wb_unlock(e);
+    for (uint64_t i = 16; i < 40; i++) {
+        wb_lock(e);
+        uint32_t h = e->clean_hand;
+        wb_unlock(e);
+        dt_assert_ok(kvh_seq_migrate(e, s, i * G.bt, G.bt, KVH_TIER_HOST, NULL));
+        wb_lock(e);
+        assert_false(kvhi_disk_clean_step(e));
+        /* The arrival paid for a few records, which the hand scanned. */
+        uint32_t moved = hand_moved(e, h);
+        if (moved == 0 || moved > KVHI_CLEAN_SCAN_PER_LEAD)
+            fail_msg("arrival %llu: the hand scanned %u records (table %u)", (unsigned long long)i, moved,
+                     e->block_cap);
+        wb_unlock(e);
+    }
+
+    /* A published host block with no copy, its lead pushed out by 300
+     * others while the tier had room; then arrivals to a full tier: the
+     * hand reaches it within a round of the table. */
+    kvh_seq u;
+    dt_assert_ok(dt_build(e, G, dt_plain(10), G.bt, 0, &u));
+    dt_assert_ok(kvh_seq_migrate(e, u, 0, G.bt, KVH_TIER_HOST, NULL));
+    uint32_t ub = wb_seq_block_index(e, u, 0);
+    wb_lock(e);
+    kvhi_block *ublk = kvhi_blk(e, ub);
+    assert_int_equal(ublk->tier, KVH_TIER_HOST);
+    assert_true(ublk->flags & KVHI_BF_PUBLISHED);
+    assert_false(ublk->flags & KVHI_BF_DISK_COPY);
+    for (int i = 0; i < 300; i++)
+        kvhi_disk_clean_lead(e, 0); /* record 0 is one of s's, never cleanable here */
+    e->clean_scan_credit = 0;
+    bool found = false;
+    for (uint32_t leads = 0; !found && leads <= e->block_cap / KVHI_CLEAN_SCAN_PER_LEAD + 1; leads++) {
+        kvhi_disk_clean_lead(e, 0);
+        while (kvhi_disk_clean_step(e))
+            ;
+        found = (ublk->flags & KVHI_BF_DISK_COPY) != 0;
+    }
+    assert_true(found);
+    wb_unlock(e);
+    char msg[256] = "";
+    if (dt_verify(e, s, G, dt_plain(9), 0, 40 * G.bt, msg, sizeof(msg)) != KVH_OK)
+        fail_msg("%s", msg);
+    dt_assert_ok(kvh_seq_free(e, u));
     dt_assert_ok(kvh_seq_free(e, s));
     dt_assert_ok(dt_close(e));
 }
@@ -822,6 +897,7 @@ int main(void)
         cmocka_unit_test_teardown(test_cleaner, teardown),
         cmocka_unit_test_teardown(test_victim_waits_for_cleaned_unreferenced_block, teardown),
         cmocka_unit_test_teardown(test_cleaner_wakeup_counts_kept_copies, teardown),
+        cmocka_unit_test_teardown(test_cleaner_sweeps_what_arrivals_pay_for, teardown),
         cmocka_unit_test_teardown(test_long_journal_folds, teardown),
         cmocka_unit_test_teardown(test_verify_in_place, teardown),
     };
