@@ -186,6 +186,23 @@ def _real(name: str, value: Any, lo: float = -math.inf, hi: float = math.inf) ->
     return v
 
 
+_FLT_MAX = 3.4028234663852886e38
+_FLT_TRUE_MIN = 1.401298464324817e-45
+
+
+def _c_float(name: str, value: Any, lo: float = -math.inf) -> float:
+    """A finite real argument bound for a C float: kvh reads 0 there as "the
+    default" and refuses infinity, so a nonzero value that would round to 0
+    stays the smallest float of its sign, and one past the float range the
+    largest, not infinity."""
+    v = _real(name, value, lo)
+    if v != 0.0 and abs(v) < _FLT_TRUE_MIN:
+        return math.copysign(_FLT_TRUE_MIN, v)
+    if abs(v) > _FLT_MAX:
+        return math.copysign(_FLT_MAX, v)
+    return v
+
+
 def _int(name: str, value: Any, lo: int, hi: int) -> int:
     if isinstance(value, bool):
         raise TypeError(f"{name} must be an int, not bool")
@@ -1178,7 +1195,7 @@ class Engine(OwnedHandle):
         with self._call():
             check(lib.kvh_attention_params_init(prm, ffi.sizeof("kvh_attention_params")))
         prm.num_q_heads = num_q_heads
-        prm.scale = _real("scale", scale)
+        prm.scale = _c_float("scale", scale)
         prm.io_dtype = int(io)
         prm.threads = _index("threads", threads, maximum=_U32)
         prm.stream_chunk_blocks = _index("stream_chunk_blocks", stream_blocks[0], maximum=_U32)
@@ -2083,7 +2100,7 @@ class Sequence(GatedHandle, OwnedHandle):
         (0 = 0.25). Needs ``kv_codec``."""
         with self._call() as p:
             f, cnt = self._span(p, first, n)
-            check(lib.kvh_seq_derive_tolerance(p, self._h[0], f, cnt, _real("max_rel_error", max_rel_error, 0.0)))
+            check(lib.kvh_seq_derive_tolerance(p, self._h[0], f, cnt, _c_float("max_rel_error", max_rel_error, 0.0)))
 
     def _pin(self, first: TokenSpan, n: Optional[int], pinned: int) -> None:
         with self._call() as p:

@@ -47,6 +47,13 @@ def test_decode_matches_reference(q_heads, dtype):
             seqs[0][1][1][0].astype(np.float32), seqs[0][1][1][1].astype(np.float32), q[0], scale=0.5
         )
         np.testing.assert_allclose(out2[0], want, atol=tol, rtol=tol)
+        # A scale too small for a C float is a scale near 0 (every token
+        # weighed alike), not 0 (the default 1/sqrt(head_dim)).
+        k0, v0 = (a.astype(np.float32) for a in seqs[0][1][1])
+        flat = reference_attention(k0, v0, q[0], scale=1e-30)
+        for tiny in (1e-46, 1e-300):
+            got = eng.attention_decode(1, [s for s, _ in seqs], q, scale=tiny)
+            np.testing.assert_allclose(got[0], flat, atol=tol, rtol=tol)
         for h in holds:
             h.release()
 

@@ -170,7 +170,14 @@ def test_derive_tolerance_from_codec_error():
             seq.write_kv(0, 16, spiky, spiky)
             seq.derive_tolerance()
             t0, t1 = (b.info().tolerance for b in seq.blocks())
-            assert t0 == 255 and t1 < t0
+            assert t0 == 255 and 0 < t1 < t0
+            # A bound too small for a C float is still the strictest, not
+            # 0 (the 0.25 default); one too large the most tolerant.
+            for tiny in (1e-45, 1e-46, 1e-300):
+                seq.derive_tolerance(max_rel_error=tiny)
+                assert [b.info().tolerance for b in seq.blocks()] == [255, 0], tiny
+            seq.derive_tolerance(max_rel_error=1e300)
+            assert [b.info().tolerance for b in seq.blocks()] == [255, 255]
     with kvh.Engine(num_layers=1, head_dim=64, dtype="f32", backend="cpu") as eng, eng.sequence() as seq:
         seq.append(range(4))
         with pytest.raises(kvh.UnsupportedError):
