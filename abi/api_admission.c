@@ -118,7 +118,8 @@ kvh_status kvh_seq_create_ex(kvh_engine *e, const kvh_seq_params *params, kvh_se
     if (st == KVH_OK)
         st = kvhi_seq_create(e, p.agent, &h);
     /* Bound: an admission record was filed (only a request in a pool). */
-    if (st == KVH_OK && (st = kvhi_admission_bind(e, pool, blocks, h.id)) == KVH_OK)
+    if (st == KVH_OK &&
+        (st = kvhi_admission_bind(e, pool, blocks, kvhi_handles_get(&e->seqs, h.id, NULL), h.id)) == KVH_OK)
         bound = pool >= 0;
     if (st == KVH_OK && x)
         st = kvhi_context_attach(e, x, h.id);

@@ -5,13 +5,16 @@
  * cannot take the room kept for short ones (most requests are short;
  * sizing one pool for the longest wastes most of it).
  *
- * A reservation ends when its sequence is freed. Rather than hook
+ * A sequence that grows past its budget reserves the blocks it passes it
+ * by, or is refused (kvhi_admission_grow): a budget is an estimate, the
+ * pool's quota is not. A reservation ends when its sequence is freed. Rather than hook
  * sequence destruction, the live reservations are swept for dead handles
  * (generation-checked, so never confused with a new sequence) whenever
  * the pools are consulted. */
 #include <stdlib.h>
 
 #include "core/context.h"
+#include "core/seq.h"
 
 void kvhi_admission_free(kvhi_admission *a)
 {
@@ -65,7 +68,7 @@ void kvhi_admission_cancel(kvh_engine *e, int pool, uint64_t blocks)
         e->contexts->admission.reserved_blocks[pool] -= blocks;
 }
 
-kvh_status kvhi_admission_bind(kvh_engine *e, int pool, uint64_t blocks, uint64_t seq)
+kvh_status kvhi_admission_bind(kvh_engine *e, int pool, uint64_t blocks, kvhi_seq *s, uint64_t seq)
 {
     kvhi_admission *a = &e->contexts->admission;
     if (pool < 0)
@@ -80,5 +83,64 @@ kvh_status kvhi_admission_bind(kvh_engine *e, int pool, uint64_t blocks, uint64_
     }
     a->live[a->n_live++] = (struct kvhi_admitted){.seq = seq, .blocks = blocks, .pool = (uint8_t)pool};
     a->admitted[pool]++;
+    s->admission_pool = (uint8_t)(pool + 1);
+    s->admission_blocks = blocks;
+    s->admission_handle = seq;
     return KVH_OK;
+}
+
+static struct kvhi_admitted *admitted_record(kvhi_admission *a, uint64_t seq)
+{
+    for (uint32_t i = 0; i < a->n_live; i++)
+        if (a->live[i].seq == seq)
+            return &a->live[i];
+    return NULL;
+}
+
+uint64_t kvhi_admission_room(kvh_engine *e, const kvhi_seq *s)
+{
+    if (!s->admission_pool || !e->contexts->admission.enabled)
+        return UINT64_MAX;
+    kvhi_admission *a = &e->contexts->admission;
+    int pool = s->admission_pool - 1;
+    uint64_t reserved = a->reserved_blocks[pool], quota = a->quota_blocks[pool];
+    return s->admission_blocks + (reserved < quota ? quota - reserved : 0);
+}
+
+kvh_status kvhi_admission_grow(kvh_engine *e, kvhi_seq *s, uint64_t blocks, uint64_t *grown)
+{
+    *grown = 0;
+    if (!s->admission_pool || blocks <= s->admission_blocks || !e->contexts->admission.enabled)
+        return KVH_OK;
+    kvhi_admission *a = &e->contexts->admission;
+    kvhi_admission_reclaim(e);
+    int pool = s->admission_pool - 1;
+    struct kvhi_admitted *r = admitted_record(a, s->admission_handle);
+    uint64_t more = blocks - s->admission_blocks;
+    if (!r)
+        return KVH_OK; /* not reachable: a live sequence keeps its record */
+    if (blocks > kvhi_admission_room(e, s))
+        return kvhi_fail(KVH_ERR_NOSPACE,
+                         "the sequence would pass its token budget by %llu blocks, and its %s-context pool has "
+                         "%llu of %llu blocks reserved",
+                         (unsigned long long)more, pool ? "long" : "short",
+                         (unsigned long long)a->reserved_blocks[pool], (unsigned long long)a->quota_blocks[pool]);
+    a->reserved_blocks[pool] += more;
+    r->blocks += more;
+    s->admission_blocks = blocks;
+    *grown = more;
+    return KVH_OK;
+}
+
+void kvhi_admission_shrink(kvh_engine *e, kvhi_seq *s, uint64_t grown)
+{
+    if (!grown || !s->admission_pool)
+        return;
+    kvhi_admission *a = &e->contexts->admission;
+    struct kvhi_admitted *r = admitted_record(a, s->admission_handle);
+    if (!r)
+        return;
+    a->reserved_blocks[r->pool] -= grown;
+    r->blocks -= grown;
+    s->admission_blocks -= grown;
 }

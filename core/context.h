@@ -247,12 +247,24 @@ int kvhi_region_read_disk(kvh_engine *e, kvhi_region *r, uint64_t chunk, uint8_t
 void kvhi_region_disk_release(kvh_engine *e, kvhi_region *r);
 
 /* ---- admission.c ---- */
+struct kvhi_seq;
 void kvhi_admission_free(kvhi_admission *a);
 /* Reserves the budget of a request, or fails with KVH_ERR_NOSPACE; no
  * sequence exists yet. *pool_out is the pool charged (-1: none). */
 kvh_status kvhi_admission_reserve(kvh_engine *e, uint64_t token_budget, int *pool_out, uint64_t *blocks_out);
-/* Ties a reservation to the sequence created for it. */
-kvh_status kvhi_admission_bind(kvh_engine *e, int pool, uint64_t blocks, uint64_t seq);
+/* Ties a reservation to the sequence created for it (s, handle seq). */
+kvh_status kvhi_admission_bind(kvh_engine *e, int pool, uint64_t blocks, struct kvhi_seq *s, uint64_t seq);
+/* Sequence s is to hold `blocks` blocks: past its reservation (its
+ * budget), the blocks it passes it by are reserved in its pool too, or
+ * the growth is refused with KVH_ERR_NOSPACE, so that a request that
+ * outgrows its estimate cannot take the room reserved for others.
+ * *grown: the blocks added, for kvhi_admission_shrink when the growth
+ * fails later. Sequences outside admission grow freely. */
+kvh_status kvhi_admission_grow(kvh_engine *e, struct kvhi_seq *s, uint64_t blocks, uint64_t *grown);
+void kvhi_admission_shrink(kvh_engine *e, struct kvhi_seq *s, uint64_t grown);
+/* The most blocks s may hold without a refusal from its pool
+ * (UINT64_MAX outside admission). */
+uint64_t kvhi_admission_room(kvh_engine *e, const struct kvhi_seq *s);
 void kvhi_admission_cancel(kvh_engine *e, int pool, uint64_t blocks);
 /* Releases reservations of sequences that were freed. */
 void kvhi_admission_reclaim(kvh_engine *e);

@@ -16,6 +16,7 @@
 #include "core/codec_tier.h"
 #include "core/remote_tier.h"
 #include "core/vmap.h"
+#include "core/context.h"
 
 kvh_status kvhi_seq_get(kvh_engine *e, kvh_seq h, kvhi_seq **out)
 {
@@ -277,6 +278,9 @@ static kvh_status make_private(kvh_engine *e, kvhi_seq *s, uint32_t i)
     }
 }
 
+static kvh_status append_blocks(kvh_engine *e, kvhi_seq *s, const int32_t *tokens, size_t n, uint64_t room,
+                                uint64_t need);
+
 kvh_status kvhi_seq_append(kvh_engine *e, kvhi_seq *s, const int32_t *tokens, size_t n)
 {
     if (n == 0)
@@ -293,6 +297,21 @@ kvh_status kvhi_seq_append(kvh_engine *e, kvhi_seq *s, const int32_t *tokens, si
     kvh_status st = ensure_cap(s, (uint64_t)s->n_blocks + need);
     if (st != KVH_OK)
         return st;
+    uint64_t grown;
+    if ((st = kvhi_admission_grow(e, s, (uint64_t)s->n_blocks + need, &grown)) != KVH_OK)
+        return st;
+    if ((st = append_blocks(e, s, tokens, n, room, need)) != KVH_OK)
+        kvhi_admission_shrink(e, s, grown);
+    return st;
+}
+
+/* kvhi_seq_append's work: `need` new blocks after `room` tokens left in
+ * the last one. */
+static kvh_status append_blocks(kvh_engine *e, kvhi_seq *s, const int32_t *tokens, size_t n, uint64_t room,
+                                uint64_t need)
+{
+    uint32_t bt = e->cfg.block_tokens;
+    kvh_status st = KVH_OK;
     /* Allocate everything first, then make the last block private (a copy
      * when it is shared), so that a failure of either leaves the sequence
      * as it was: the copy, which replaces the block, comes last. */
@@ -719,8 +738,14 @@ kvh_status kvhi_seq_match_prefix(kvh_engine *e, kvhi_seq *s, const int32_t *toke
     /* No match is longer than the engine has blocks: a longer prompt gets
      * a table that size, not one for every block it names. */
     size_t nb = n / bt < e->block_cap ? n / bt : e->block_cap;
+    /* An admitted sequence matches no further than its pool lets it grow
+     * (core/admission.c); the room is reserved now, as the lock may drop
+     * below, and what the match did not use is given back. */
+    uint64_t may = kvhi_admission_room(e, s), before = s->admission_blocks, grown = 0;
+    if (nb > may)
+        nb = (size_t)may;
     kvh_status st = ensure_cap(s, nb);
-    if (st != KVH_OK)
+    if (st != KVH_OK || (st = kvhi_admission_grow(e, s, nb, &grown)) != KVH_OK)
         return st;
     e->stats.prefix_queries++;
     uint64_t parent = 0;
@@ -751,6 +776,7 @@ kvh_status kvhi_seq_match_prefix(kvh_engine *e, kvhi_seq *s, const int32_t *toke
     if (!found_in) {
         for (size_t j = 0; j < found; j++)
             kvhi_block_unref(e, s->blocks[j]);
+        kvhi_admission_shrink(e, s, grown);
         return kvhi_fail(KVH_ERR_NOMEM, "out of memory matching a prefix");
     }
     for (size_t j = 0; j < found; j++)
@@ -787,6 +813,8 @@ kvh_status kvhi_seq_match_prefix(kvh_engine *e, kvhi_seq *s, const int32_t *toke
     free(found_in);
     if (e->remote && i == found)
         i = kvhi_remote_match(e, s, tokens, nb, i);
+    uint64_t used = i > before ? i - before : 0;
+    kvhi_admission_shrink(e, s, grown > used ? grown - used : 0);
     *matched = i * bt;
     return KVH_OK;
 }

@@ -39,6 +39,11 @@ typedef struct kvhi_seq {
      * it may be the sequence's own blocks (core/seq.c). */
     uint32_t n_views;
     uintptr_t view_lo, view_hi;
+    /* Admission (core/admission.c): 0, or its pool + 1, the blocks
+     * reserved for it there, and its handle (its reservation's key). */
+    uint8_t admission_pool;
+    uint64_t admission_blocks;
+    uint64_t admission_handle;
 } kvhi_seq;
 
 /* Keeps twins[i] (a reference each, or KVHI_NO_BLOCK: nothing new) as

@@ -778,7 +778,9 @@ class Engine(OwnedHandle):
     ) -> "Sequence":
         """A new empty sequence owned by ``agent`` (tokens, if given, are appended).
         ``token_budget`` (expected final length) subjects it to admission
-        (see :meth:`admission`; NoSpaceError when its pool is full);
+        (see :meth:`admission`; NoSpaceError when its pool is full, and
+        from an append that would grow it past its budget when the pool
+        cannot reserve those blocks too);
         ``context`` attaches it to a :class:`kvh.Context`; ``scope`` (an int
         or a :class:`kvh.Scope`) is its tenant scope (default: the engine's
         default scope 0)."""

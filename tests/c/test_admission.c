@@ -97,6 +97,75 @@ static void pools_short_cannot_be_starved(void **state)
     assert_ok(request(e, 33, &longs[1]));
 }
 
+/* A request that outgrows its budget reserves what it passes it by in its
+ * pool, or is refused: the long pool full of budgets, a long request
+ * appending past its own cannot take the short pool's room. */
+static void growth_past_a_budget_is_reserved(void **state)
+{
+    (void)state;
+    kvh_engine *e = open_pools();
+    kvh_seq lng, sht;
+    assert_ok(request(e, 36 * 4, &lng)); /* 36 of the long pool's 40 */
+    assert_ok(request(e, 16, &sht));     /* 4 of the short pool's 16 */
+    int32_t t[64 * 4];
+    tu_iota(t, 64 * 4, 0);
+    /* Up to its budget and then 4 blocks past it: the pool had them. */
+    assert_ok(kvh_seq_append(e, lng, t, 40 * 4));
+    assert_int_equal(ainfo(e).long_reserved_blocks, 40);
+    /* One token more needs a 41st block: refused, the sequence as it was. */
+    kvh_stats before = tu_stats(e);
+    assert_kvh(KVH_ERR_NOSPACE, kvh_seq_append(e, lng, t, 1));
+    assert_non_null(strstr(kvh_last_error(), "token budget"));
+    uint64_t len = 0;
+    assert_ok(kvh_seq_length(e, lng, &len));
+    assert_int_equal(len, 40 * 4);
+    assert_int_equal(tu_stats(e).blocks_allocated, before.blocks_allocated);
+    assert_int_equal(ainfo(e).long_reserved_blocks, 40);
+    /* The short request still grows to its budget, and the short pool
+     * still admits what its quota holds. */
+    assert_ok(kvh_seq_append(e, sht, t, 16));
+    kvh_seq more;
+    assert_ok(request(e, 32, &more)); /* 8 blocks */
+    assert_int_equal(ainfo(e).short_reserved_blocks, 12);
+    /* Freeing gives everything back, the blocks past the budget too. */
+    assert_ok(kvh_seq_free(e, lng));
+    assert_int_equal(ainfo(e).long_reserved_blocks, 0);
+    assert_ok(request(e, 40 * 4, &lng));
+}
+
+/* A prefix match into an admitted sequence goes no further than its pool
+ * lets it grow, and reserves only the blocks it matched past the budget. */
+static void prefix_match_stays_in_the_pool(void **state)
+{
+    (void)state;
+    kvh_engine *e = open_pools();
+    int32_t t[30 * 4];
+    tu_iota(t, 30 * 4, 5);
+    /* 30 published blocks, from a sequence outside admission. */
+    kvh_seq src = tu_seq_new(e, 0);
+    assert_ok(kvh_seq_append(e, src, t, 30 * 4));
+    tu_write_pattern(e, src, L, H * D * sizeof(float), 1, 0, 30 * 4);
+    kvh_seq a, b;
+    assert_ok(request(e, 16 * 4, &a));    /* 16 blocks; 24 left in the long pool */
+    assert_ok(request(e, 8 * 4 + 1, &b)); /* 9 blocks; 15 left */
+    size_t matched = 0;
+    /* a may grow to 16 + 15 = 31 blocks: the whole 30 match. */
+    assert_ok(kvh_seq_match_prefix(e, a, t, 30 * 4, &matched));
+    assert_int_equal(matched, 30 * 4);
+    assert_int_equal(ainfo(e).long_reserved_blocks, 16 + 9 + 14);
+    /* b may grow to 9 + 1 = 10 blocks. */
+    assert_ok(kvh_seq_match_prefix(e, b, t, 30 * 4, &matched));
+    assert_int_equal(matched, 10 * 4);
+    assert_int_equal(ainfo(e).long_reserved_blocks, 40);
+    /* A match shorter than the budget reserves nothing more. */
+    kvh_seq c;
+    assert_ok(kvh_seq_free(e, b));
+    assert_ok(request(e, 10 * 4, &c));
+    assert_ok(kvh_seq_match_prefix(e, c, t, 4 * 4, &matched));
+    assert_int_equal(matched, 4 * 4);
+    assert_int_equal(ainfo(e).long_reserved_blocks, 30 + 10);
+}
+
 static void budget_zero_and_disabled(void **state)
 {
     (void)state;
@@ -184,6 +253,8 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(pools_admit_and_refuse, tu_teardown),
         cmocka_unit_test_teardown(pools_short_cannot_be_starved, tu_teardown),
+        cmocka_unit_test_teardown(growth_past_a_budget_is_reserved, tu_teardown),
+        cmocka_unit_test_teardown(prefix_match_stays_in_the_pool, tu_teardown),
         cmocka_unit_test_teardown(budget_zero_and_disabled, tu_teardown),
         cmocka_unit_test_teardown(older_seq_params, tu_teardown),
         cmocka_unit_test_teardown(huge_budgets_are_refused, tu_teardown),

@@ -704,8 +704,10 @@ KVH_API kvh_status kvh_seq_fork(kvh_engine *engine, kvh_seq seq, uint32_t agent,
  * room (never on disk: a full memory tier evicts its victims there).
  * [borrowed] tokens. Returns KVH_ERR_NOSPACE when no memory tier can make
  * room, every block being pinned, held or in use (the sequence is
- * unchanged; also when a shared last block cannot be copied first),
- * KVH_ERR_INVALID_ARG (NULL tokens with n > 0), KVH_ERR_BAD_HANDLE,
+ * unchanged; also when a shared last block cannot be copied first, and
+ * when a sequence admitted with a token budget would pass it and its pool
+ * cannot reserve the blocks it passes it by: see "Admission by token
+ * budget"), KVH_ERR_INVALID_ARG (NULL tokens with n > 0), KVH_ERR_BAD_HANDLE,
  * KVH_ERR_NOMEM, and KVH_ERR_IO or KVH_ERR_CORRUPT when a shared last block
  * read back from disk to be copied fails. @threads handle */
 KVH_API kvh_status kvh_seq_append(kvh_engine *engine, kvh_seq seq, const int32_t *tokens, size_t n);
@@ -1718,7 +1720,13 @@ KVH_API kvh_status kvh_weight_stats_get(kvh_engine *engine, kvh_weight_stats *st
  * token budget is at most short_max_tokens goes to the short pool, others
  * to the long pool. A pool admits a request only while the blocks of the
  * budgets it has admitted (whose sequences are alive) fit in its quota,
- * so long requests cannot take the room reserved for short ones. */
+ * so long requests cannot take the room reserved for short ones. A budget
+ * is an estimate: a sequence that grows past it (kvh_seq_append,
+ * kvh_seq_match_prefix) reserves the blocks it passes it by in its pool
+ * too, while the pool's quota has room; an append that would pass the
+ * pool's quota fails with KVH_ERR_NOSPACE, and a prefix match stops where
+ * it would. Those blocks are given back with the sequence. A fork is not
+ * admitted, whatever its parent. */
 typedef struct kvh_admission_params {
     uint32_t struct_size;
     uint32_t reserved0;
