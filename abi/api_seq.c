@@ -297,9 +297,12 @@ kvh_status kvh_seq_hint_queued(kvh_engine *e, kvh_seq seq, uint64_t first, uint6
         return st;
     uint64_t step = e->qhint_step;
     uint64_t ahead = kind == KVH_HINT_POSITION ? place : place > step ? place - step : 0;
-    if (ahead >= KVHI_HINT_QUEUE_REACH || (kind == KVH_HINT_POSITION && place > UINT64_MAX - step))
+    if (ahead >= KVHI_HINT_QUEUE_REACH)
         st = kvhi_fail(KVH_ERR_RANGE, "request %llu places ahead: queue hints reach %u", (unsigned long long)ahead,
                        KVHI_HINT_QUEUE_REACH);
+    else if (kind == KVH_HINT_POSITION && place > UINT64_MAX - step)
+        st = kvhi_fail(KVH_ERR_RANGE, "request %llu places ahead of step %llu would be numbered past 2^64",
+                       (unsigned long long)place, (unsigned long long)step);
     else
         st = kvhi_hint_queue(e, s, first, n, kind == KVH_HINT_POSITION ? step + place : place);
     kvhi_leave(e);

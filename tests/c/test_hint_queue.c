@@ -305,6 +305,13 @@ static void test_misuse(void **state)
     assert_int_equal(step, 5);
     for (int i = 0; i < 4; i++)
         assert_false(hinted(&w, i, NULL));
+    /* Near the end of the step count, a place that would number its
+     * request past 2^64 says so, not that it lies beyond the reach. */
+    assert_ok(kvh_hint_advance(w.e, UINT64_MAX - 2 - step, &step));
+    assert_true(step == UINT64_MAX - 2);
+    assert_ok(kvh_seq_hint_queued(w.e, w.s[0], 0, BT, 2, KVH_HINT_POSITION));
+    assert_kvh(KVH_ERR_RANGE, kvh_seq_hint_queued(w.e, w.s[0], 0, BT, 3, KVH_HINT_POSITION));
+    assert_non_null(strstr(kvh_last_error(), "past 2^64"));
     assert_kvh(KVH_ERR_INVALID_ARG, kvh_hint_advance(NULL, 0, &step));
 }
 
