@@ -453,6 +453,8 @@ bool kvhi_disk_give_back_copy(kvh_engine *e)
             continue;
         kvhi_disk_forget(e, b);
         e->stats.disk_copies_given_back++;
+        if (blk->tier == KVH_TIER_HOST)
+            kvhi_disk_clean_lead(e, b); /* cleanable again once the disk has room */
         return true;
     }
     return false;
@@ -559,6 +561,8 @@ static kvh_status write_copies(kvh_engine *e, const uint32_t *blocks, uint32_t n
         if (x->err != 0) {
             kvhi_release_slot(e, KVH_TIER_DISK, x->dst_slot);
             refused |= kvhi_err_disk_full(x->err);
+            if (blk->tier == KVH_TIER_HOST)
+                kvhi_disk_clean_lead(e, x->block); /* tried again after the rest */
             if (st == KVH_OK)
                 st = kvhi_fail(kvhi_io_status(x->err), "writing a block to disk: %s", strerror(-x->err));
         } else {
@@ -627,7 +631,11 @@ bool kvhi_disk_clean_step(kvh_engine *e)
         return false;
     if (!kvhi_disk_host_runs_low(e) || disk_resting_full(e) || !clean_has_leads(e))
         return false;
+    /* No more than the disk has free slots for: a candidate taken
+     * without one would lose its lead. */
     uint32_t want = e->disk->lane_blocks < 64 ? e->disk->lane_blocks : 64, n = 0, cand[64];
+    if (want > e->tiers[KVH_TIER_DISK].slots.free_count)
+        want = (uint32_t)e->tiers[KVH_TIER_DISK].slots.free_count;
     while (e->clean_leads_len && n < want) {
         uint32_t b = e->clean_leads[e->clean_leads_head];
         e->clean_leads_head = (e->clean_leads_head + 1) % KVHI_CLEAN_LEADS;

@@ -762,6 +762,103 @@ static void test_cleaner_sweeps_what_arrivals_pay_for(void **state)
     dt_assert_ok(dt_close(e));
 }
 
+/* Of records b[0..n): how many are in the host tier (*in_host) and have
+ * a clean disk copy there (returned). Lock held. */
+static int host_copies(kvh_engine *e, const uint32_t *b, int n, int *in_host)
+{
+    int copies = 0;
+    *in_host = 0;
+    for (int i = 0; i < n; i++) {
+        kvhi_block *blk = kvhi_blk(e, b[i]);
+        *in_host += blk->tier == KVH_TIER_HOST;
+        copies += blk->tier == KVH_TIER_HOST && (blk->flags & KVHI_BF_DISK_COPY);
+    }
+    return copies;
+}
+
+static atomic_int refuse_writes;
+
+static int refusing_hook(enum kvhi_disk_op op, void *user)
+{
+    (void)user;
+    return op == KVHI_OP_WRITE && atomic_load(&refuse_writes) ? -ENOSPC : 0;
+}
+
+/* What the cleaner could not write it keeps: candidates past the disk's
+ * free slots wait for room, and blocks whose writes the filesystem
+ * refused are tried again after the rest, not forgotten. */
+static void test_cleaner_keeps_what_it_could_not_write(void **state)
+{
+    (void)state;
+    char dir[PATH_MAX];
+    dt_scratch("cleaner-keeps", dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 2, 16, 24, 0);
+    kvh_engine *e = dt_open_a(&c);
+    /* 20 blocks with no K/V written (never published) fill the disk but
+     * for 4 slots; then 16 published blocks fill the host tier. */
+    kvh_seq filler, s;
+    dt_assert_ok(kvh_seq_create(e, 0, &filler));
+    int32_t t[20 * 16]; /* G.bt is 16 */
+    for (int i = 0; i < 20 * 16; i++)
+        t[i] = 900000 + i;
+    dt_assert_ok(kvh_seq_append(e, filler, t, 20 * G.bt));
+    dt_assert_ok(kvh_seq_migrate(e, filler, 0, 20 * G.bt, KVH_TIER_DISK, NULL));
+    dt_assert_ok(dt_build(e, G, dt_plain(11), 16 * G.bt, 0, &s));
+    dt_assert_ok(kvh_seq_migrate(e, s, 0, 16 * G.bt, KVH_TIER_HOST, NULL));
+    uint32_t sb[16], ub[16];
+    for (int i = 0; i < 16; i++)
+        sb[i] = wb_seq_block_index(e, s, (uint64_t)i);
+    int in_host = 0;
+    wb_lock(e);
+    assert_int_equal(e->tiers[KVH_TIER_DISK].slots.free_count, 4);
+    while (kvhi_disk_clean_step(e))
+        ;
+    assert_int_equal(host_copies(e, sb, 16, &in_host), 4);
+    assert_true(in_host >= 14);
+    wb_unlock(e);
+    /* Room comes back: the rest are cleaned, with no new arrival. */
+    dt_assert_ok(kvh_seq_free(e, filler));
+    wb_lock(e);
+    while (kvhi_disk_clean_step(e))
+        ;
+    assert_int_equal(host_copies(e, sb, 16, &in_host), in_host);
+    wb_unlock(e);
+    dt_assert_ok(kvh_seq_free(e, s));
+    dt_assert_ok(dt_close(e));
+
+    /* The filesystem refuses the cleaner's writes: nothing is written,
+     * and once the rest is over the same blocks are written. */
+    dt_scratch("cleaner-refused", dir, sizeof(dir));
+    c = dt_cfg(G, dir, 2, 16, 64, 0);
+    e = dt_open_a(&c);
+    kvh_seq u;
+    dt_assert_ok(dt_build(e, G, dt_plain(12), 16 * G.bt, 0, &u));
+    atomic_store(&refuse_writes, 1);
+    kvhi_disk_set_fault_hook(refusing_hook, NULL);
+    dt_assert_ok(kvh_seq_migrate(e, u, 0, 16 * G.bt, KVH_TIER_HOST, NULL));
+    for (int i = 0; i < 16; i++)
+        ub[i] = wb_seq_block_index(e, u, (uint64_t)i);
+    wb_lock(e);
+    while (kvhi_disk_clean_step(e))
+        ;
+    assert_int_equal(host_copies(e, ub, 16, &in_host), 0);
+    assert_true(in_host >= 14);
+    assert_true(e->disk_full_until != 0);
+    atomic_store(&refuse_writes, 0);
+    kvhi_disk_set_fault_hook(NULL, NULL);
+    assert_true(kvhi_disk_clean_resumes_ns(e) != 0); /* an idle worker comes back for them */
+    e->disk_full_until = 0;                          /* the rest is over */
+    while (kvhi_disk_clean_step(e))
+        ;
+    assert_int_equal(host_copies(e, ub, 16, &in_host), in_host);
+    wb_unlock(e);
+    char msg[256] = "";
+    if (dt_verify(e, u, G, dt_plain(12), 0, 16 * G.bt, msg, sizeof(msg)) != KVH_OK)
+        fail_msg("%s", msg);
+    dt_assert_ok(kvh_seq_free(e, u));
+    dt_assert_ok(dt_close(e));
+}
+
 /* ---- a long journal ---- */
 
 static void test_long_journal_folds(void **state)
@@ -898,6 +995,7 @@ int main(void)
         cmocka_unit_test_teardown(test_victim_waits_for_cleaned_unreferenced_block, teardown),
         cmocka_unit_test_teardown(test_cleaner_wakeup_counts_kept_copies, teardown),
         cmocka_unit_test_teardown(test_cleaner_sweeps_what_arrivals_pay_for, teardown),
+        cmocka_unit_test_teardown(test_cleaner_keeps_what_it_could_not_write, teardown),
         cmocka_unit_test_teardown(test_long_journal_folds, teardown),
         cmocka_unit_test_teardown(test_verify_in_place, teardown),
     };
