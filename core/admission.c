@@ -102,6 +102,7 @@ uint64_t kvhi_admission_room(kvh_engine *e, const kvhi_seq *s)
     if (!s->admission_pool || !e->contexts->admission.enabled)
         return UINT64_MAX;
     kvhi_admission *a = &e->contexts->admission;
+    kvhi_admission_reclaim(e); /* freed sequences' blocks are room */
     int pool = s->admission_pool - 1;
     uint64_t reserved = a->reserved_blocks[pool], quota = a->quota_blocks[pool];
     return s->admission_blocks + (reserved < quota ? quota - reserved : 0);
@@ -113,18 +114,18 @@ kvh_status kvhi_admission_grow(kvh_engine *e, kvhi_seq *s, uint64_t blocks, uint
     if (!s->admission_pool || blocks <= s->admission_blocks || !e->contexts->admission.enabled)
         return KVH_OK;
     kvhi_admission *a = &e->contexts->admission;
-    kvhi_admission_reclaim(e);
     int pool = s->admission_pool - 1;
-    struct kvhi_admitted *r = admitted_record(a, s->admission_handle);
     uint64_t more = blocks - s->admission_blocks;
-    if (!r)
-        return KVH_OK; /* not reachable: a live sequence keeps its record */
+    /* The room first: it reclaims, which moves records. */
     if (blocks > kvhi_admission_room(e, s))
         return kvhi_fail(KVH_ERR_NOSPACE,
-                         "the sequence would pass its token budget by %llu blocks, and its %s-context pool has "
-                         "%llu of %llu blocks reserved",
-                         (unsigned long long)more, pool ? "long" : "short",
+                         "the sequence, past its token budget, would hold %llu blocks, %llu more than its "
+                         "%s-context pool reserved for it, and the pool has %llu of %llu blocks reserved",
+                         (unsigned long long)blocks, (unsigned long long)more, pool ? "long" : "short",
                          (unsigned long long)a->reserved_blocks[pool], (unsigned long long)a->quota_blocks[pool]);
+    struct kvhi_admitted *r = admitted_record(a, s->admission_handle);
+    if (!r)
+        return KVH_OK; /* not reachable: a live sequence keeps its record */
     a->reserved_blocks[pool] += more;
     r->blocks += more;
     s->admission_blocks = blocks;

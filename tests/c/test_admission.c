@@ -164,6 +164,16 @@ static void prefix_match_stays_in_the_pool(void **state)
     assert_ok(kvh_seq_match_prefix(e, c, t, 4 * 4, &matched));
     assert_int_equal(matched, 4 * 4);
     assert_int_equal(ainfo(e).long_reserved_blocks, 30 + 10);
+    /* A freed sequence's blocks are room for the next match at once. */
+    kvh_seq x, y;
+    assert_ok(kvh_seq_free(e, a));
+    assert_ok(kvh_seq_free(e, c));
+    assert_ok(request(e, 31 * 4, &x));
+    assert_ok(request(e, 9 * 4, &y)); /* the long pool full: 31 + 9 */
+    assert_ok(kvh_seq_free(e, x));
+    assert_ok(kvh_seq_match_prefix(e, y, t, 30 * 4, &matched));
+    assert_int_equal(matched, 30 * 4);
+    assert_int_equal(ainfo(e).long_reserved_blocks, 30);
 }
 
 static void budget_zero_and_disabled(void **state)
