@@ -194,13 +194,26 @@ def _c_float(name: str, value: Any, lo: float = -math.inf) -> float:
     """A finite real argument bound for a C float: kvh reads 0 there as "the
     default" and refuses infinity, so a nonzero value that would round to 0
     stays the smallest float of its sign, and one past the float range the
-    largest, not infinity."""
-    v = _real(name, value, lo)
-    if v != 0.0 and abs(v) < _FLT_TRUE_MIN:
-        return math.copysign(_FLT_TRUE_MIN, v)
-    if abs(v) > _FLT_MAX:
-        return math.copysign(_FLT_MAX, v)
-    return v
+    largest, not infinity. Compared in its own type (an int, a Fraction or a
+    long double may lie past a double's range too)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, not {type(value).__name__}")
+    if isinstance(value, numbers.Rational):
+        finite = True
+    elif isinstance(value, np.generic):
+        finite = bool(np.isfinite(value))
+    else:
+        try:
+            finite = math.isfinite(value)
+        except OverflowError:
+            finite = True
+    if not finite or value < lo:
+        raise ValueError(f"{name} must be a finite number in [{lo}, inf], got {value}")
+    if value > _FLT_MAX or value < -_FLT_MAX:
+        return _FLT_MAX if value > 0 else -_FLT_MAX
+    if value != 0 and -_FLT_TRUE_MIN < value < _FLT_TRUE_MIN:
+        return _FLT_TRUE_MIN if value > 0 else -_FLT_TRUE_MIN
+    return float(value)
 
 
 def _int(name: str, value: Any, lo: int, hi: int) -> int:

@@ -3,6 +3,8 @@ bounds, and an engine whose host tier holds quantised blocks."""
 
 from __future__ import annotations
 
+import fractions
+
 import numpy as np
 import pytest
 
@@ -173,11 +175,15 @@ def test_derive_tolerance_from_codec_error():
             assert t0 == 255 and 0 < t1 < t0
             # A bound too small for a C float is still the strictest, not
             # 0 (the 0.25 default); one too large the most tolerant.
-            for tiny in (1e-45, 1e-46, 1e-300):
+            for tiny in (1e-45, 1e-46, 1e-300, np.longdouble("1e-4000"), fractions.Fraction(1, 10**400)):
                 seq.derive_tolerance(max_rel_error=tiny)
                 assert [b.info().tolerance for b in seq.blocks()] == [255, 0], tiny
-            seq.derive_tolerance(max_rel_error=1e300)
-            assert [b.info().tolerance for b in seq.blocks()] == [255, 255]
+            for huge in (1e300, np.longdouble("1e4000"), 10**400, fractions.Fraction(10**400)):
+                seq.derive_tolerance(max_rel_error=huge)
+                assert [b.info().tolerance for b in seq.blocks()] == [255, 255], huge
+            for bad in (np.longdouble("inf"), float("nan")):
+                with pytest.raises(ValueError, match="max_rel_error"):
+                    seq.derive_tolerance(max_rel_error=bad)
     with kvh.Engine(num_layers=1, head_dim=64, dtype="f32", backend="cpu") as eng, eng.sequence() as seq:
         seq.append(range(4))
         with pytest.raises(kvh.UnsupportedError):
