@@ -105,6 +105,21 @@ static void offload_undo(kvh_engine *e, kvhi_pool_work *w, uint32_t k)
     }
 }
 
+/* The block an earlier item of this batch is gathering for item k's
+ * prefix (same hash, parent and tokens), or KVHI_PREFIX_MISS: it is not
+ * published until its gather ends, so the prefix index cannot say. */
+static uint32_t earlier_copy(kvh_engine *e, const kvhi_pool_work *w, uint32_t k)
+{
+    const kvhi_pool_item *it = &w->items[k];
+    for (uint32_t j = 0; j < k; j++) {
+        const kvhi_pool_item *o = &w->items[j];
+        if (o->copy && o->hash == it->hash && o->parent == it->parent &&
+            memcmp(o->tokens, it->tokens, sizeof(int32_t) * e->cfg.block_tokens) == 0)
+            return o->block;
+    }
+    return KVHI_PREFIX_MISS;
+}
+
 kvh_status kvh_pool_offload_batch(kvh_engine *e, kvh_pool pool, kvh_pool_xfer *xfers, size_t n, uint32_t agent,
                                   kvh_fence *fence)
 {
@@ -144,6 +159,8 @@ kvh_status kvh_pool_offload_batch(kvh_engine *e, kvh_pool pool, kvh_pool_xfer *x
         it->status = &x->status;
         uint64_t salt = kvhi_scope_salt(e->cfg.model_salt, x->scope);
         uint32_t b = kvhi_pool_find_cached(e, salt, x->parent_hash, tokens, &it->hash);
+        if (b == KVHI_PREFIX_MISS && (b = earlier_copy(e, w, k)) != KVHI_PREFIX_MISS)
+            kvhi_block_ref(e, b); /* the handle's, as a cached block's */
         if (b != KVHI_PREFIX_MISS) {
             it->block = b;
             continue;

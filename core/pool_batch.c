@@ -159,6 +159,16 @@ static kvh_status run_offload(kvh_engine *e, kvhi_pool_work *w)
         if (it->copy && it->st == KVH_OK)
             kvhi_pool_seal(e, it->block, it->hash, it->parent, it->tokens);
     }
+    /* An item that shares an earlier item's copy (one prefix twice in the
+     * batch) ends as that copy did. */
+    for (uint32_t i = 0; i < w->n; i++) {
+        kvhi_pool_item *it = &w->items[i];
+        for (uint32_t j = 0; j < i && !it->copy; j++)
+            if (w->items[j].copy && w->items[j].block == it->block) {
+                it->st = w->items[j].st;
+                break;
+            }
+    }
     return work_end(e, w, 0, first, msg);
 }
 

@@ -142,6 +142,52 @@ static void round_trip(uint32_t threads)
     pt_pool_free(&p);
 }
 
+/* One prefix in two slots of one batch: one copy, both handles naming
+ * it, published once its gather ends; a lookup finds that block. */
+static void one_prefix_twice(uint32_t threads)
+{
+    kvh_engine *e = open_engine("pb-twice", 32, 0, threads);
+    pt_pool p;
+    pool_of(&p, 0x7a1ce + threads);
+    kvh_pool pool;
+    assert_ok(kvh_pool_register(e, &p.layout, &pool));
+    kvh_pool_xfer x[3];
+    int32_t tok[3][BT];
+    uint32_t slots[3] = {2, 5, 9};
+    chain_xfers(e, x, tok, 1, &slots[0], 11, 0);
+    chain_xfers(e, &x[1], &tok[1], 1, &slots[1], 11, 0); /* the same first block */
+    chain_xfers(e, &x[2], &tok[2], 1, &slots[2], 12, 0); /* another */
+    kvh_stats s0 = tu_stats(e);
+    kvh_fence f = {0};
+    assert_ok(kvh_pool_offload_batch(e, pool, x, 3, 0, &f));
+    wait_free(e, f, KVH_OK);
+    assert_int_equal(tu_stats(e).blocks_allocated - s0.blocks_allocated, 2);
+    assert_int_equal(x[0].block.id, x[1].block.id);
+    assert_true(x[2].block.id != x[0].block.id);
+    for (int i = 0; i < 3; i++) {
+        assert_ok(x[i].status);
+        assert_int_equal(tu_binfo(e, x[i].block).published, 1);
+    }
+    assert_int_equal(tu_binfo(e, x[0].block).refs, 2); /* the two handles */
+    kvh_block found;
+    size_t nf = 0;
+    assert_ok(kvh_prefix_lookup(e, tok[0], BT, &found, 1, &nf));
+    assert_int_equal(nf, 1);
+    assert_int_equal(found.id, x[0].block.id);
+    assert_ok(kvh_block_release(e, found));
+    release_all(e, x, 3);
+    assert_ok(kvh_pool_unregister(e, pool));
+    assert_ok(dt_close(e));
+    pt_pool_free(&p);
+}
+
+static void test_one_prefix_twice_in_a_batch(void **state)
+{
+    (void)state;
+    one_prefix_twice(0);
+    one_prefix_twice(2);
+}
+
 static void test_round_trip_inline(void **state)
 {
     (void)state;
@@ -484,6 +530,7 @@ static int teardown(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test_teardown(test_one_prefix_twice_in_a_batch, teardown),
         cmocka_unit_test_teardown(test_round_trip_inline, teardown),
         cmocka_unit_test_teardown(test_round_trip_workers, teardown),
         cmocka_unit_test_teardown(test_misuse, teardown),

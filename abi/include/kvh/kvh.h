@@ -1172,7 +1172,11 @@ typedef struct kvh_pool_xfer {
 
 /* Offloads n full blocks from pool slots, as kvh_pool_offload_scoped does
  * for each item (dedupe against cached blocks of the item's scope; a
- * block found cached is not copied). Each item's block handle is returned
+ * block found cached is not copied; items of the batch with one prefix
+ * share the first one's copy, and its outcome; an item whose prefix
+ * another call is still gathering is copied again, and the copy whose
+ * gather ends first is published, each handle keeping its own block).
+ * Each item's block handle is returned
  * at once; the block is published when its gather is done, and until then
  * kvh_pool_restore* of it fails with KVH_ERR_INVALID_ARG while
  * kvh_blocks_persist and kvh_migrate wait for it. [borrowed] xfers until *fence
