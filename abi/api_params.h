@@ -22,8 +22,11 @@ static inline kvh_status kvhi_struct_size_check(size_t size, size_t min_size, si
 {
     if (size == ours || (size % 8 == 0 && size >= min_size && size < ours))
         return KVH_OK;
-    return kvhi_fail(KVH_ERR_STRUCT_SIZE, "%s struct_size %zu, this library knows %zu or a multiple of 8 from %zu",
-                     what, size, ours, min_size);
+    if (min_size >= ours)
+        return kvhi_fail(KVH_ERR_STRUCT_SIZE, "%s struct_size %zu, this library takes only %zu", what, size, ours);
+    return kvhi_fail(KVH_ERR_STRUCT_SIZE,
+                     "%s struct_size %zu, this library knows %zu, or a multiple of 8 from %zu up to it", what, size,
+                     ours, min_size);
 }
 
 /* *_init(): p gets the first size bytes of the defaults (a struct of

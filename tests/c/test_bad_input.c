@@ -522,6 +522,13 @@ static void test_wrong_struct_sizes(void **state)
     kvh_pool p = {0x44};
     lay.struct_size = sizeof(lay) + 8;
     assert_kvh(KVH_ERR_STRUCT_SIZE, kvh_pool_register(e, &lay, &p));
+    /* The message names the one size taken, not a range it is in. */
+    char want[64];
+    snprintf(want, sizeof(want), "takes only %zu", sizeof(lay));
+    assert_non_null(strstr(kvh_last_error(), want));
+    bi.struct_size = sizeof(bi) + 8;
+    assert_kvh(KVH_ERR_STRUCT_SIZE, kvh_block_info_get(e, x->b, &bi));
+    assert_non_null(strstr(kvh_last_error(), "up to it"));
     lay.struct_size = 0;
     assert_kvh(KVH_ERR_STRUCT_SIZE, kvh_pool_register(e, &lay, &p));
     assert_int_equal(p.id, 0x44);
