@@ -186,7 +186,9 @@ impl Engine {
     /// A sequence admitted with a token budget (0: no estimate, not subject
     /// to admission) and attached to `context`. Fails with
     /// [`Status::NoSpace`](crate::Status::NoSpace), before anything is
-    /// allocated, when its pool is full.
+    /// allocated, when its pool is full. Growing past its budget reserves
+    /// the blocks it passes it by in the pool too; an append the pool
+    /// cannot hold fails with `NoSpace`.
     pub fn create_sequence_with(
         &self,
         agent: u32,
