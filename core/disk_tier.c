@@ -561,8 +561,10 @@ static kvh_status write_copies(kvh_engine *e, const uint32_t *blocks, uint32_t n
         if (x->err != 0) {
             kvhi_release_slot(e, KVH_TIER_DISK, x->dst_slot);
             refused |= kvhi_err_disk_full(x->err);
-            if (blk->tier == KVH_TIER_HOST)
-                kvhi_disk_clean_lead(e, x->block); /* tried again after the rest */
+            /* Refused for space: tried again after the rest. Not after an
+             * I/O error, which would be retried at once, for good. */
+            if (kvhi_err_disk_full(x->err) && blk->tier == KVH_TIER_HOST)
+                kvhi_disk_clean_lead(e, x->block);
             if (st == KVH_OK)
                 st = kvhi_fail(kvhi_io_status(x->err), "writing a block to disk: %s", strerror(-x->err));
         } else {

@@ -776,12 +776,12 @@ static int host_copies(kvh_engine *e, const uint32_t *b, int n, int *in_host)
     return copies;
 }
 
-static atomic_int refuse_writes;
+static atomic_int refuse_writes; /* the errno writes fail with; 0: none */
 
 static int refusing_hook(enum kvhi_disk_op op, void *user)
 {
     (void)user;
-    return op == KVHI_OP_WRITE && atomic_load(&refuse_writes) ? -ENOSPC : 0;
+    return op == KVHI_OP_WRITE ? -atomic_load(&refuse_writes) : 0;
 }
 
 /* What the cleaner could not write it keeps: candidates past the disk's
@@ -833,7 +833,7 @@ static void test_cleaner_keeps_what_it_could_not_write(void **state)
     e = dt_open_a(&c);
     kvh_seq u;
     dt_assert_ok(dt_build(e, G, dt_plain(12), 16 * G.bt, 0, &u));
-    atomic_store(&refuse_writes, 1);
+    atomic_store(&refuse_writes, ENOSPC);
     kvhi_disk_set_fault_hook(refusing_hook, NULL);
     dt_assert_ok(kvh_seq_migrate(e, u, 0, 16 * G.bt, KVH_TIER_HOST, NULL));
     for (int i = 0; i < 16; i++)
@@ -855,6 +855,27 @@ static void test_cleaner_keeps_what_it_could_not_write(void **state)
     char msg[256] = "";
     if (dt_verify(e, u, G, dt_plain(12), 0, 16 * G.bt, msg, sizeof(msg)) != KVH_OK)
         fail_msg("%s", msg);
+    dt_assert_ok(kvh_seq_free(e, u));
+    dt_assert_ok(dt_close(e));
+
+    /* A write that fails with an I/O error is not retried at once: a
+     * worker would loop on it for good. */
+    dt_scratch("cleaner-eio", dir, sizeof(dir));
+    c = dt_cfg(G, dir, 2, 16, 64, 0);
+    e = dt_open_a(&c);
+    dt_assert_ok(dt_build(e, G, dt_plain(13), 16 * G.bt, 0, &u));
+    atomic_store(&refuse_writes, EIO);
+    kvhi_disk_set_fault_hook(refusing_hook, NULL);
+    dt_assert_ok(kvh_seq_migrate(e, u, 0, 16 * G.bt, KVH_TIER_HOST, NULL));
+    wb_lock(e);
+    int steps = 0;
+    while (steps < 100 && kvhi_disk_clean_step(e))
+        steps++;
+    assert_true(steps < 100);
+    assert_false(kvhi_disk_clean_step(e));
+    wb_unlock(e);
+    atomic_store(&refuse_writes, 0);
+    kvhi_disk_set_fault_hook(NULL, NULL);
     dt_assert_ok(kvh_seq_free(e, u));
     dt_assert_ok(dt_close(e));
 }
