@@ -105,19 +105,48 @@ static void offload_undo(kvh_engine *e, kvhi_pool_work *w, uint32_t k)
     }
 }
 
-/* The block an earlier item of this batch is gathering for item k's
- * prefix (same hash, parent and tokens), or KVHI_PREFIX_MISS: it is not
- * published until its gather ends, so the prefix index cannot say. */
-static uint32_t earlier_copy(kvh_engine *e, const kvhi_pool_work *w, uint32_t k)
+/* The items of a batch that copy a block, by prefix hash: an open
+ * addressing table of 1 + item index (0: empty), twice the batch or more,
+ * so that finding an earlier copy of a prefix costs O(1) (a batch may
+ * carry tens of thousands of items, under the engine lock). */
+typedef struct copy_table {
+    uint32_t *slot;
+    uint64_t mask;
+} copy_table;
+
+static int copy_table_init(copy_table *t, size_t n)
+{
+    uint64_t cap = 16;
+    while (cap < 2 * (uint64_t)n)
+        cap *= 2;
+    t->slot = calloc(cap, sizeof(uint32_t));
+    t->mask = cap - 1;
+    return t->slot ? 0 : -1;
+}
+
+/* The block an earlier item of w is gathering for item k's prefix (same
+ * hash, parent and tokens), or KVHI_PREFIX_MISS, with *index its item: it
+ * is not published until its gather ends, so the prefix index cannot say. */
+static uint32_t earlier_copy(kvh_engine *e, const kvhi_pool_work *w, const copy_table *t, uint32_t k, uint32_t *index)
 {
     const kvhi_pool_item *it = &w->items[k];
-    for (uint32_t j = 0; j < k; j++) {
-        const kvhi_pool_item *o = &w->items[j];
-        if (o->copy && o->hash == it->hash && o->parent == it->parent &&
-            memcmp(o->tokens, it->tokens, sizeof(int32_t) * e->cfg.block_tokens) == 0)
+    for (uint64_t at = it->hash & t->mask; t->slot[at]; at = (at + 1) & t->mask) {
+        const kvhi_pool_item *o = &w->items[t->slot[at] - 1];
+        if (o->hash == it->hash && o->parent == it->parent &&
+            memcmp(o->tokens, it->tokens, sizeof(int32_t) * e->cfg.block_tokens) == 0) {
+            *index = t->slot[at] - 1;
             return o->block;
+        }
     }
     return KVHI_PREFIX_MISS;
+}
+
+static void copy_table_add(copy_table *t, const kvhi_pool_work *w, uint32_t k)
+{
+    uint64_t at = w->items[k].hash & t->mask;
+    while (t->slot[at])
+        at = (at + 1) & t->mask;
+    t->slot[at] = k + 1;
 }
 
 kvh_status kvh_pool_offload_batch(kvh_engine *e, kvh_pool pool, kvh_pool_xfer *xfers, size_t n, uint32_t agent,
@@ -132,11 +161,14 @@ kvh_status kvh_pool_offload_batch(kvh_engine *e, kvh_pool pool, kvh_pool_xfer *x
     if (st != KVH_OK)
         return st;
     kvh_fence f;
+    copy_table copies;
     kvhi_pool_work *w = kvhi_pool_work_new(e, KVHI_PW_OFFLOAD, (uint32_t)n, 1, &f);
-    if (!w) {
+    if (!w || copy_table_init(&copies, n) != 0) {
+        if (w)
+            kvhi_pool_work_discard(e, w);
         free(slots);
         kvhi_leave(e);
-        return KVH_ERR_NOMEM;
+        return kvhi_fail(KVH_ERR_NOMEM, "out of memory for an offload batch of %zu items", n);
     }
     w->pool = p;
     p->batches++; /* block allocations may drop the lock: unregister waits */
@@ -158,9 +190,11 @@ kvh_status kvh_pool_offload_batch(kvh_engine *e, kvh_pool pool, kvh_pool_xfer *x
         it->parent = x->parent_hash;
         it->status = &x->status;
         uint64_t salt = kvhi_scope_salt(e->cfg.model_salt, x->scope);
-        uint32_t b = kvhi_pool_find_cached(e, salt, x->parent_hash, tokens, &it->hash);
-        if (b == KVHI_PREFIX_MISS && (b = earlier_copy(e, w, k)) != KVHI_PREFIX_MISS)
+        uint32_t b = kvhi_pool_find_cached(e, salt, x->parent_hash, tokens, &it->hash), first;
+        if (b == KVHI_PREFIX_MISS && (b = earlier_copy(e, w, &copies, k, &first)) != KVHI_PREFIX_MISS) {
             kvhi_block_ref(e, b); /* the handle's, as a cached block's */
+            it->shares = first + 1;
+        }
         if (b != KVHI_PREFIX_MISS) {
             it->block = b;
             continue;
@@ -169,11 +203,13 @@ kvh_status kvh_pool_offload_batch(kvh_engine *e, kvh_pool pool, kvh_pool_xfer *x
             break;
         it->block = b;
         it->copy = true;
+        copy_table_add(&copies, w, k);
         kvhi_block_ref(e, b); /* the work's, beside the handle's */
         kvhi_block_hold_reading(e, b);
         e->blocks[b].flags |= KVHI_BF_POOL_FILL;
     }
     p->batches--;
+    free(copies.slot);
     if (st == KVH_OK && p->unregistered)
         st = kvhi_fail(KVH_ERR_BAD_HANDLE, "the pool was unregistered during the call");
     /* Making room may have dropped the lock: a restore may have taken a

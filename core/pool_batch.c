@@ -119,6 +119,15 @@ static void item_fail(kvhi_pool_item *it, kvh_status st, const char *why, kvh_st
     }
 }
 
+/* An item that shares an earlier item's copy (one prefix twice in the
+ * batch) ends as that copy did. */
+static void shared_outcomes(kvhi_pool_work *w)
+{
+    for (uint32_t i = 0; i < w->n; i++)
+        if (w->items[i].shares)
+            w->items[i].st = w->items[w->items[i].shares - 1].st;
+}
+
 static kvh_status run_offload(kvh_engine *e, kvhi_pool_work *w)
 {
     kvhi_ext_pool *p = w->pool;
@@ -159,16 +168,7 @@ static kvh_status run_offload(kvh_engine *e, kvhi_pool_work *w)
         if (it->copy && it->st == KVH_OK)
             kvhi_pool_seal(e, it->block, it->hash, it->parent, it->tokens);
     }
-    /* An item that shares an earlier item's copy (one prefix twice in the
-     * batch) ends as that copy did. */
-    for (uint32_t i = 0; i < w->n; i++) {
-        kvhi_pool_item *it = &w->items[i];
-        for (uint32_t j = 0; j < i && !it->copy; j++)
-            if (w->items[j].copy && w->items[j].block == it->block) {
-                it->st = w->items[j].st;
-                break;
-            }
-    }
+    shared_outcomes(w);
     return work_end(e, w, 0, first, msg);
 }
 
@@ -379,6 +379,8 @@ void kvhi_pool_work_cancel_all(kvh_engine *e)
         for (uint32_t i = 0; i < w->n; i++)
             if (!(w->kind == KVHI_PW_OFFLOAD && !w->items[i].copy))
                 w->items[i].st = KVH_ERR_CLOSED;
+        if (w->kind == KVHI_PW_OFFLOAD)
+            shared_outcomes(w);
         (void)work_end(e, w, 0, KVH_ERR_CLOSED, "the engine was closed before the batch ran");
     }
 }

@@ -15,6 +15,8 @@ typedef struct kvhi_pool_item {
     uint32_t slot;
     uint32_t block;
     bool copy;          /* offload: a new block to gather (else a cached one) */
+    uint32_t shares;    /* offload: 1 + the item whose copy it shares (the
+                           same prefix earlier in the batch); 0: none */
     kvh_status st;      /* this item's outcome so far */
     kvh_status *status; /* the caller's, written before the fences complete */
     uint64_t hash, parent;

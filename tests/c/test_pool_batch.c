@@ -4,10 +4,13 @@
  * status lists (nothing taken on a refused call), a pool unregistered and
  * an engine closed with batches queued. Run with no worker (the batch
  * runs in the call) and with workers. */
+#include <stdatomic.h>
+
 #include "test_util.h"
 #include "disk_test_util.h"
 #include "pool_test_util.h"
 #include "uffd_gate.h"
+#include "core/disk_io.h"
 
 static const dt_geo G = {2, 2, 64, 16, KVH_DTYPE_F16};
 #define BT 16u
@@ -186,6 +189,96 @@ static void test_one_prefix_twice_in_a_batch(void **state)
     (void)state;
     one_prefix_twice(0);
     one_prefix_twice(2);
+}
+
+/* Eight prefixes, each in two slots of one batch: eight copies. */
+static void test_many_prefixes_twice_in_a_batch(void **state)
+{
+    (void)state;
+    kvh_engine *e = open_engine("pb-twice8", 32, 0, 0);
+    pt_pool p;
+    pool_of(&p, 0x8888);
+    kvh_pool pool;
+    assert_ok(kvh_pool_register(e, &p.layout, &pool));
+    enum { N = 16 };
+    kvh_pool_xfer x[N];
+    int32_t tok[N][BT];
+    for (uint32_t i = 0; i < N; i++) {
+        uint32_t slot = i;
+        chain_xfers(e, &x[i], &tok[i], 1, &slot, 30 + i % 8, 0);
+    }
+    kvh_stats s0 = tu_stats(e);
+    kvh_fence f = {0};
+    assert_ok(kvh_pool_offload_batch(e, pool, x, N, 0, &f));
+    wait_free(e, f, KVH_OK);
+    assert_int_equal(tu_stats(e).blocks_allocated - s0.blocks_allocated, 8);
+    for (uint32_t i = 0; i < N; i++) {
+        assert_ok(x[i].status);
+        assert_int_equal(x[i].block.id, x[i % 8].block.id);
+        assert_int_equal(tu_binfo(e, x[i].block).published, 1);
+    }
+    release_all(e, x, N);
+    assert_ok(kvh_pool_unregister(e, pool));
+    assert_ok(dt_close(e));
+    pt_pool_free(&p);
+}
+
+static atomic_int writes_held, write_waiting;
+
+static int holding_writes(enum kvhi_disk_op op, void *user)
+{
+    (void)user;
+    if (op == KVHI_OP_WRITE) {
+        atomic_store(&write_waiting, 1);
+        while (atomic_load(&writes_held))
+            usleep(1000);
+    }
+    return 0;
+}
+
+static void *release_writes_soon(void *arg)
+{
+    (void)arg;
+    usleep(200000);
+    atomic_store(&writes_held, 0);
+    return NULL;
+}
+
+/* Closed with the batch still queued (its only worker held in a disk
+ * write): the item sharing a copy ends as the copy does, closed. */
+static void test_close_ends_a_shared_item_as_its_copy(void **state)
+{
+    (void)state;
+    kvh_engine *e = open_engine("pb-close-shared", 32, 64, 1);
+    pt_pool p;
+    pool_of(&p, 0xc105e);
+    kvh_pool pool;
+    assert_ok(kvh_pool_register(e, &p.layout, &pool));
+    kvh_seq s;
+    dt_assert_ok(dt_build(e, G, dt_plain(3), BT, 0, &s));
+    atomic_store(&writes_held, 1);
+    atomic_store(&write_waiting, 0);
+    kvhi_disk_set_fault_hook(holding_writes, NULL);
+    kvh_fence mf;
+    assert_ok(kvh_seq_migrate(e, s, 0, BT, KVH_TIER_DISK, &mf));
+    while (!atomic_load(&write_waiting))
+        usleep(1000);
+    kvh_pool_xfer x[2];
+    int32_t tok[2][BT];
+    uint32_t slots[2] = {3, 4};
+    chain_xfers(e, x, tok, 1, &slots[0], 50, 0);
+    chain_xfers(e, &x[1], &tok[1], 1, &slots[1], 50, 0);
+    kvh_fence f;
+    assert_ok(kvh_pool_offload_batch(e, pool, x, 2, 0, &f));
+    assert_int_equal(x[0].block.id, x[1].block.id);
+    pthread_t t;
+    assert_int_equal(pthread_create(&t, NULL, release_writes_soon, NULL), 0);
+    assert_ok(dt_close(e));
+    assert_int_equal(pthread_join(t, NULL), 0);
+    kvhi_disk_set_fault_hook(NULL, NULL);
+    assert_kvh(KVH_ERR_CLOSED, x[0].status);
+    assert_kvh(KVH_ERR_CLOSED, x[1].status);
+    pt_pool_free(&p);
 }
 
 static void test_round_trip_inline(void **state)
@@ -531,6 +624,8 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_one_prefix_twice_in_a_batch, teardown),
+        cmocka_unit_test_teardown(test_many_prefixes_twice_in_a_batch, teardown),
+        cmocka_unit_test_teardown(test_close_ends_a_shared_item_as_its_copy, teardown),
         cmocka_unit_test_teardown(test_round_trip_inline, teardown),
         cmocka_unit_test_teardown(test_round_trip_workers, teardown),
         cmocka_unit_test_teardown(test_misuse, teardown),
