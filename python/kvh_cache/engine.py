@@ -198,6 +198,8 @@ def _c_float(name: str, value: Any, lo: float = -math.inf) -> float:
     long double may lie past a double's range too)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number, not {type(value).__name__}")
+    if isinstance(value, np.generic) and value.dtype.itemsize <= 8:
+        value = value.item()  # exact; comparing a float16 to the float bounds would overflow it
     if isinstance(value, numbers.Rational):
         finite = True
     elif isinstance(value, np.generic):

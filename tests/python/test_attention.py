@@ -54,6 +54,10 @@ def test_decode_matches_reference(q_heads, dtype):
         for tiny in (1e-46, 1e-300):
             got = eng.attention_decode(1, [s for s, _ in seqs], q, scale=tiny)
             np.testing.assert_allclose(got[0], flat, atol=tol, rtol=tol)
+        # A NumPy half is taken as its value, with no overflow on the way.
+        with np.errstate(all="raise"):
+            half = eng.attention_decode(1, [s for s, _ in seqs], q, scale=np.float16(0.5))
+        np.testing.assert_array_equal(half, out2)
         for h in holds:
             h.release()
 
