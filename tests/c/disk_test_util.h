@@ -207,6 +207,13 @@ kvh_status dt_build(kvh_engine *e, dt_geo g, dt_content c, size_t n, uint32_t ag
  * data is never an ordinary status. */
 kvh_status dt_verify(kvh_engine *e, kvh_seq s, dt_geo g, dt_content c, uint64_t pos, size_t n, char *msg,
                      size_t msg_len);
+/* Fails the test, saying where, unless dt_verify finds every byte. */
+#define dt_assert_verified(e, s, g, c, pos, n)                                                                         \
+    do {                                                                                                               \
+        char dt_msg_[256] = "";                                                                                        \
+        if (dt_verify(e, s, g, c, pos, n, dt_msg_, sizeof(dt_msg_)) != KVH_OK)                                         \
+            fail_msg("%s", dt_msg_);                                                                                   \
+    } while (0)
 
 /* New sequence; match_prefix over tokens [0, n) of c. [out] *seq, *matched. */
 kvh_status dt_match(kvh_engine *e, dt_content c, size_t n, kvh_seq *seq, size_t *matched);

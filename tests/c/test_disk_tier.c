@@ -366,9 +366,7 @@ static void test_records_follow_the_blocks(void **state)
     assert_int_equal(j.n, 3);
     assert_int_equal(find_rec(&j, KVHI_REC_ADD, written[0]), 2);
     assert_int_equal(find_rec(&j, KVHI_REC_ADD, written[1]), -1);
-    char msg[256] = "";
-    if (dt_verify(e, r, G, rc, 0, G.bt + G.bt / 2, msg, sizeof(msg)) != KVH_OK)
-        fail_msg("%s", msg);
+    dt_assert_verified(e, r, G, rc, 0, G.bt + G.bt / 2);
     dt_assert_ok(kvh_block_release(e, h[0]));
     dt_assert_ok(kvh_block_release(e, h[1]));
     dt_assert_ok(kvh_seq_free(e, p));
@@ -493,9 +491,7 @@ static void test_victim_waits_for_cleaned_unreferenced_block(void **state)
     assert_null(e->disk_copy_batches);
     wb_unlock(e);
     assert_true(waits > 0);
-    char msg[256] = "";
-    if (dt_verify(e, s, G, dt_plain(6), 0, 17 * G.bt, msg, sizeof(msg)) != KVH_OK)
-        fail_msg("%s", msg);
+    dt_assert_verified(e, s, G, dt_plain(6), 0, 17 * G.bt);
     dt_assert_ok(kvh_seq_free(e, s));
     dt_assert_ok(dt_close(e));
 }
@@ -596,9 +592,7 @@ static void test_cleaner(void **state)
     assert_int_equal(on_disk, 1 + 2);
     assert_int_equal(kvhi_blk(e, b[0])->tier, KVH_TIER_HOST); /* pinned */
     kvhi_disk_set_fault_hook(NULL, NULL);
-    char msg[256] = "";
-    if (dt_verify(e, s, G, ct, 0, 17 * G.bt, msg, sizeof(msg)) != KVH_OK)
-        fail_msg("%s", msg);
+    dt_assert_verified(e, s, G, ct, 0, 17 * G.bt);
     dt_assert_ok(kvh_block_pin(e, h0, 0));
     dt_assert_ok(kvh_seq_free(e, t));
     dt_assert_ok(kvh_seq_free(e, s));
@@ -687,6 +681,16 @@ static void test_cleaner_wakeup_counts_kept_copies(void **state)
     dt_assert_ok(dt_close(e));
 }
 
+/* A fresh store named name: a 2-block device tier, host and disk as
+ * given, no migration workers (the tests call the cleaner themselves). */
+static kvh_engine *open_store(const char *name, uint64_t host_blocks, uint64_t disk_slots)
+{
+    char dir[PATH_MAX];
+    dt_scratch(name, dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 2, host_blocks, disk_slots, 0);
+    return dt_open_a(&c);
+}
+
 /* The hand's records scanned since h (it wraps at the table's end). */
 static uint32_t hand_moved(kvh_engine *e, uint32_t h) { return (e->clean_hand + e->block_cap - h) % e->block_cap; }
 
@@ -697,10 +701,7 @@ static uint32_t hand_moved(kvh_engine *e, uint32_t h) { return (e->clean_hand + 
 static void test_cleaner_sweeps_what_arrivals_pay_for(void **state)
 {
     (void)state;
-    char dir[PATH_MAX];
-    dt_scratch("cleaner-bounded", dir, sizeof(dir));
-    kvh_config c = dt_cfg(G, dir, 2, 16, 1024, 0);
-    kvh_engine *e = dt_open_a(&c);
+    kvh_engine *e = open_store("cleaner-bounded", 16, 1024);
     kvh_seq s;
     /* 40 published blocks, all sent to disk: each promotion back keeps
      * its disk copy, so nothing it brings is cleanable. */
@@ -754,9 +755,7 @@ static void test_cleaner_sweeps_what_arrivals_pay_for(void **state)
     }
     assert_true(found);
     wb_unlock(e);
-    char msg[256] = "";
-    if (dt_verify(e, s, G, dt_plain(9), 0, 40 * G.bt, msg, sizeof(msg)) != KVH_OK)
-        fail_msg("%s", msg);
+    dt_assert_verified(e, s, G, dt_plain(9), 0, 40 * G.bt);
     dt_assert_ok(kvh_seq_free(e, u));
     dt_assert_ok(kvh_seq_free(e, s));
     dt_assert_ok(dt_close(e));
@@ -790,10 +789,7 @@ static int refusing_hook(enum kvhi_disk_op op, void *user)
 static void test_cleaner_keeps_what_it_could_not_write(void **state)
 {
     (void)state;
-    char dir[PATH_MAX];
-    dt_scratch("cleaner-keeps", dir, sizeof(dir));
-    kvh_config c = dt_cfg(G, dir, 2, 16, 24, 0);
-    kvh_engine *e = dt_open_a(&c);
+    kvh_engine *e = open_store("cleaner-keeps", 16, 24);
     /* 20 blocks with no K/V written (never published) fill the disk but
      * for 4 slots; then 16 published blocks fill the host tier. */
     kvh_seq filler, s;
@@ -828,9 +824,7 @@ static void test_cleaner_keeps_what_it_could_not_write(void **state)
 
     /* The filesystem refuses the cleaner's writes: nothing is written,
      * and once the rest is over the same blocks are written. */
-    dt_scratch("cleaner-refused", dir, sizeof(dir));
-    c = dt_cfg(G, dir, 2, 16, 64, 0);
-    e = dt_open_a(&c);
+    e = open_store("cleaner-refused", 16, 64);
     kvh_seq u;
     dt_assert_ok(dt_build(e, G, dt_plain(12), 16 * G.bt, 0, &u));
     atomic_store(&refuse_writes, ENOSPC);
@@ -852,17 +846,13 @@ static void test_cleaner_keeps_what_it_could_not_write(void **state)
         ;
     assert_int_equal(host_copies(e, ub, 16, &in_host), in_host);
     wb_unlock(e);
-    char msg[256] = "";
-    if (dt_verify(e, u, G, dt_plain(12), 0, 16 * G.bt, msg, sizeof(msg)) != KVH_OK)
-        fail_msg("%s", msg);
+    dt_assert_verified(e, u, G, dt_plain(12), 0, 16 * G.bt);
     dt_assert_ok(kvh_seq_free(e, u));
     dt_assert_ok(dt_close(e));
 
     /* A write that fails with an I/O error is not retried at once: a
      * worker would loop on it for good. */
-    dt_scratch("cleaner-eio", dir, sizeof(dir));
-    c = dt_cfg(G, dir, 2, 16, 64, 0);
-    e = dt_open_a(&c);
+    e = open_store("cleaner-eio", 16, 64);
     dt_assert_ok(dt_build(e, G, dt_plain(13), 16 * G.bt, 0, &u));
     atomic_store(&refuse_writes, EIO);
     kvhi_disk_set_fault_hook(refusing_hook, NULL);

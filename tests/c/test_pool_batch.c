@@ -26,6 +26,16 @@ static kvh_engine *open_engine(const char *name, uint64_t host_blocks, uint64_t 
 
 static void pool_of(pt_pool *p, uint64_t seed) { pt_pool_init(p, G.layers, SLOTS, BT, G.heads, G.dim, 2, seed); }
 
+/* An engine as open_engine makes, with pool p (seeded) registered. */
+static kvh_engine *open_with_pool(const char *name, uint64_t host_blocks, uint64_t disk_slots, uint32_t threads,
+                                  uint64_t seed, pt_pool *p, kvh_pool *pool)
+{
+    kvh_engine *e = open_engine(name, host_blocks, disk_slots, threads);
+    pool_of(p, seed);
+    assert_ok(kvh_pool_register(e, &p->layout, pool));
+    return e;
+}
+
 /* Items for blocks [0, n) of request tag in slots[0, n), chained in scope. */
 static void chain_xfers(kvh_engine *e, kvh_pool_xfer *x, int32_t (*tok)[BT], uint32_t n, const uint32_t *slots,
                         uint32_t tag, uint64_t scope)
@@ -149,11 +159,9 @@ static void round_trip(uint32_t threads)
  * it, published once its gather ends; a lookup finds that block. */
 static void one_prefix_twice(uint32_t threads)
 {
-    kvh_engine *e = open_engine("pb-twice", 32, 0, threads);
     pt_pool p;
-    pool_of(&p, 0x7a1ce + threads);
     kvh_pool pool;
-    assert_ok(kvh_pool_register(e, &p.layout, &pool));
+    kvh_engine *e = open_with_pool("pb-twice", 32, 0, threads, 0x7a1ce + threads, &p, &pool);
     kvh_pool_xfer x[3];
     int32_t tok[3][BT];
     uint32_t slots[3] = {2, 5, 9};
@@ -195,11 +203,9 @@ static void test_one_prefix_twice_in_a_batch(void **state)
 static void test_many_prefixes_twice_in_a_batch(void **state)
 {
     (void)state;
-    kvh_engine *e = open_engine("pb-twice8", 32, 0, 0);
     pt_pool p;
-    pool_of(&p, 0x8888);
     kvh_pool pool;
-    assert_ok(kvh_pool_register(e, &p.layout, &pool));
+    kvh_engine *e = open_with_pool("pb-twice8", 32, 0, 0, 0x8888, &p, &pool);
     enum { N = 16 };
     kvh_pool_xfer x[N];
     int32_t tok[N][BT];
@@ -249,11 +255,9 @@ static void *release_writes_soon(void *arg)
 static void test_close_ends_a_shared_item_as_its_copy(void **state)
 {
     (void)state;
-    kvh_engine *e = open_engine("pb-close-shared", 32, 64, 1);
     pt_pool p;
-    pool_of(&p, 0xc105e);
     kvh_pool pool;
-    assert_ok(kvh_pool_register(e, &p.layout, &pool));
+    kvh_engine *e = open_with_pool("pb-close-shared", 32, 64, 1, 0xc105e, &p, &pool);
     kvh_seq s;
     dt_assert_ok(dt_build(e, G, dt_plain(3), BT, 0, &s));
     atomic_store(&writes_held, 1);
