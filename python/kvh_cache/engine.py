@@ -196,7 +196,7 @@ def _c_float(name: str, value: Any, lo: float = -math.inf) -> float:
     stays the smallest float of its sign, and one past the float range the
     largest, not infinity. Compared in its own type (an int, a Fraction or a
     long double may lie past a double's range too)."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+    if isinstance(value, (bool, np.bool_, np.timedelta64)) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number, not {type(value).__name__}")
     if isinstance(value, np.generic) and value.dtype.itemsize <= 8:
         value = value.item()  # exact; comparing a float16 to the float bounds would overflow it

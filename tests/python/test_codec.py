@@ -184,6 +184,9 @@ def test_derive_tolerance_from_codec_error():
             for bad in (np.longdouble("inf"), float("nan")):
                 with pytest.raises(ValueError, match="max_rel_error"):
                     seq.derive_tolerance(max_rel_error=bad)
+            for bad in (np.timedelta64(1, "ns"), np.timedelta64(1, "s"), np.timedelta64("NaT")):
+                with pytest.raises(TypeError, match="max_rel_error"):
+                    seq.derive_tolerance(max_rel_error=bad)
     with kvh.Engine(num_layers=1, head_dim=64, dtype="f32", backend="cpu") as eng, eng.sequence() as seq:
         seq.append(range(4))
         with pytest.raises(kvh.UnsupportedError):
