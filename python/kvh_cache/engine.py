@@ -6,7 +6,9 @@ Lifetime rules
   context manager or an explicit ``close()``/``free()``/``release()``, and
   from ``__del__`` as a fallback. Double frees are no-ops.
 * After ``Engine.close()`` every call on the engine or on one of its
-  sequences, blocks, holds or fences raises :class:`kvh.ClosedError`; after
+  sequences, blocks, holds or fences raises :class:`kvh.ClosedError` (a
+  fence already seen complete keeps answering with its outcome, as a
+  finished future does: it no longer needs the engine); after
   ``Sequence.free()`` calls on it raise :class:`kvh.BadHandleError`. Nothing
   reaches C with a dangling handle or pointer.
 * ``close()`` waits for calls in flight on other threads (e.g. a fence
@@ -1553,7 +1555,9 @@ class Block(GatedHandle, OwnedHandle):
         )
 
     def pin(self, pinned: bool = True) -> None:
-        """Pins (or unpins) the block in its current tier."""
+        """Pins (or unpins) the block in its current tier. A block pinned on
+        disk that a call must read or change in memory (``read_kv``,
+        ``write_kv``, a copy on write) is still brought up, its pins with it."""
         with self._call_any() as p:
             check(lib.kvh_block_pin(p, self._h(), _flag("pinned", pinned)))
 
@@ -2095,7 +2099,10 @@ class Sequence(GatedHandle, OwnedHandle):
         return Hold(self, f, cnt, Fence(self._engine, fp) if not wait else None)
 
     def pin(self, first: TokenSpan = None, n: Optional[int] = None) -> None:
-        """Pins the blocks of a token range in their current tier (nests)."""
+        """Pins the blocks of a token range in their current tier (nests). A
+        block pinned on disk that a call must read or change in memory
+        (``read_kv``, ``write_kv``, a copy on write) is still brought up, its
+        pins with it."""
         self._pin(first, n, 1)
 
     def unpin(self, first: TokenSpan = None, n: Optional[int] = None) -> None:
@@ -2197,8 +2204,11 @@ class Sequence(GatedHandle, OwnedHandle):
         ``(2, num_kv_heads, block_tokens, head_dim)`` (K then V; the block's
         layout). Writes through a writable view are the block's memory.
 
-        The view is read-only when the block is shared (forked, CoW) or
-        published in the prefix index. Blocks move between tiers, so the view
+        The view is read-only when the block is shared (forked, CoW),
+        published in the prefix index, or full with every cell of every
+        layer written (kvh keeps such a block immutable: a write goes to a
+        copy, and copies of it kept in other tiers stay valid; taking the
+        view then reads each layer once). Blocks move between tiers, so the view
         holds the block's tokens itself (also when ``hold``, a caller's hold
         covering them, is given: that one may end first) until the last array
         derived from it is collected. When the sequence gives the block up
@@ -2275,7 +2285,7 @@ class Sequence(GatedHandle, OwnedHandle):
                         f"tier {info.tier.name.lower()} has no memory", lib.KVH_ERR_NOT_RESIDENT
                     )
                 addr = tinfo.base + info.slot * eng.block_bytes + layer * eng.layer_bytes
-                readonly = info.shared
+                readonly = info.shared or self._complete(index, info)
                 shape = (2, eng.num_kv_heads, bt, eng.head_dim)
                 self._clear_unwritten_cells(index, layer, block, addr, shape, shared=readonly)
                 owner = _ViewOwner(eng, hold, private, addr, shape, eng.np_dtype, readonly)
@@ -2302,6 +2312,23 @@ class Sequence(GatedHandle, OwnedHandle):
                 self._views = [(r, i) for r, i in self._views if r() is not None]
                 self._views.append((weakref.ref(view), index))
         return view
+
+    def _complete(self, index: int, info: BlockInfo) -> bool:
+        """Whether block ``index`` is full with every cell of every layer
+        written: kvh then keeps it immutable (a write goes to a copy, and
+        its copies kept in other tiers stay valid), so a view of it must
+        not write it in place. One read a layer."""
+        eng = self._engine
+        bt = eng.block_tokens
+        if info.tokens != bt:
+            return False
+        k = np.empty((bt, eng.num_kv_heads, eng.head_dim), eng.np_dtype)
+        v = np.empty_like(k)
+        with self._call() as p:
+            for layer in range(eng.num_layers):
+                if lib.kvh_seq_read_kv(p, self._h[0], layer, index * bt, bt, _ptr(k), _ptr(v)) != lib.KVH_OK:
+                    return False
+        return True
 
     def _clear_unwritten_cells(
         self, index: int, layer: int, block: Block, addr: int, shape: Tuple[int, ...], *, shared: bool

@@ -422,6 +422,49 @@ def test_block_view_read_only_for_shared_blocks(engine):
         del w, r, full
 
 
+@pytest.mark.parametrize("codec", [None, "int8"])
+def test_block_view_read_only_for_complete_unpublished_blocks(codec):
+    # Full with every cell written, the block is immutable to kvh even when
+    # another sequence published its prefix first (so it is not published):
+    # a promotion keeps its host slot as a copy, and a demotion back went
+    # to that copy, losing what a writable view wrote in between.
+    L, H, D, bt = 2, 1, 64, 4
+    with kvh.Engine(
+        num_layers=L,
+        num_kv_heads=H,
+        head_dim=D,
+        block_tokens=bt,
+        dtype="f32",
+        backend="cpu",
+        device_bytes=4 * 2 * L * H * D * bt * 4,
+        host_bytes=8 * 2 * L * H * D * bt * 4,
+        kv_codec=codec,
+    ) as eng:
+        one = np.ones((bt, H, D), np.float32)
+        x = eng.sequence(0, range(bt))
+        y = eng.sequence(0, range(bt))
+        for layer in range(L):
+            x.write_kv(layer, 0, one, one)
+            y.write_kv(layer, 0, one * 2, one * 2)
+        assert x.block_info(0).published and not y.block_info(0).published
+        y.migrate("host")
+        view = y.block_view(0, 0)
+        assert not view.flags.writeable
+        with pytest.raises(ValueError):
+            view[0, 0, 0, :] = 5.0
+        del view
+        gc.collect()
+        y.migrate("host")
+        assert np.all(y.read_kv(0, 0, bt)[0] == 2.0)
+        # One layer short of complete: still the sequence's to write in place.
+        z = eng.sequence(0, range(100, 100 + bt))
+        z.write_kv(0, 0, one, one)
+        view = z.block_view(0, 0)
+        assert view.flags.writeable
+        view[0, 0, 0, :] = 5.0
+        assert np.all(z.read_kv(0, 0, 1)[0] == 5.0)
+
+
 def test_block_view_with_explicit_hold(engine):
     seq, _ = filled_seq(engine, 40)
     with seq, seq.acquire() as hold:

@@ -537,7 +537,10 @@ typedef struct kvh_tier_info {
                    through a vmap view). [owned by engine] until close.
                    When device and host tiers are one arena
                    (kvh_config.copy_moves) both report its base, and their
-                   slot numbers run across it. */
+                   slot numbers run across it. A block full with every
+                   cell written is immutable to kvh (copies of it kept
+                   in other tiers stay valid): its bytes are not to be
+                   changed through base; kvh_seq_write_kv copies it. */
     /* Host tier: slots kept as clean copies of blocks promoted to the
      * device tier (kvh_stats.clean_copies_kept). Not in used_blocks: the
      * first block that needs a slot takes one back.
