@@ -628,8 +628,7 @@ void kvhi_block_pin(kvh_engine *e, uint32_t b, bool pin)
     } else if (blk->pins > 0 && --blk->pins == 0) {
         e->tiers[blk->tier].pinned--;
         kvhi_block_update_evictable(e, b);
-        if (blk->tier == KVH_TIER_HOST)
-            kvhi_disk_clean_lead(e, b);
+        kvhi_disk_clean_lead(e, b);
     }
 }
 
@@ -742,8 +741,7 @@ bool kvhi_block_publish_unique(kvh_engine *e, uint32_t b)
         kvhi_prefix_insert(&e->prefix, blk->hash, b) != 0)
         return false;
     blk->flags |= KVHI_BF_PUBLISHED;
-    if (blk->tier == KVH_TIER_HOST)
-        kvhi_disk_clean_lead(e, b); /* cleanable where it lies */
+    kvhi_disk_clean_lead(e, b); /* cleanable where it lies */
     return true;
 }
 

@@ -453,8 +453,7 @@ bool kvhi_disk_give_back_copy(kvh_engine *e)
             continue;
         kvhi_disk_forget(e, b);
         e->stats.disk_copies_given_back++;
-        if (blk->tier == KVH_TIER_HOST)
-            kvhi_disk_clean_lead(e, b); /* cleanable again once the disk has room */
+        kvhi_disk_clean_lead(e, b); /* cleanable again once the disk has room */
         return true;
     }
     return false;
@@ -563,7 +562,7 @@ static kvh_status write_copies(kvh_engine *e, const uint32_t *blocks, uint32_t n
             refused |= kvhi_err_disk_full(x->err);
             /* Refused for space: tried again after the rest. Not after an
              * I/O error, which would be retried at once, for good. */
-            if (kvhi_err_disk_full(x->err) && blk->tier == KVH_TIER_HOST)
+            if (kvhi_err_disk_full(x->err))
                 kvhi_disk_clean_lead(e, x->block);
             if (st == KVH_OK)
                 st = kvhi_fail(kvhi_io_status(x->err), "writing a block to disk: %s", strerror(-x->err));
@@ -610,8 +609,8 @@ static bool cleanable(const kvh_engine *e, uint32_t b)
 {
     const kvhi_block *blk = &e->blocks[b];
     uint16_t need = KVHI_BF_LIVE | KVHI_BF_PUBLISHED | KVHI_BF_HASHED | KVHI_BF_KV_COMPLETE;
-    return b < e->block_cap && (blk->flags & need) == need && blk->tier == KVH_TIER_HOST && !kvhi_block_busy(blk) &&
-           !(blk->flags & (KVHI_BF_DISK_COPY | KVHI_BF_DEAD)) && !blk->pins;
+    return b < e->block_cap && (blk->flags & need) == need && blk->tier == KVH_TIER_HOST && wants_copy(blk) &&
+           !blk->pins;
 }
 
 /* Adds b to cand[0..*n) when cleanable and not there yet (a block may be

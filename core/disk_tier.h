@@ -47,11 +47,12 @@ bool kvhi_disk_clean_step(kvh_engine *e);
 /* Records the clock hand may scan for each lead, and at most in all. */
 #define KVHI_CLEAN_SCAN_PER_LEAD 16u
 #define KVHI_CLEAN_SCAN_CREDIT_MAX 4096u
-/* Host block b may have become cleanable (it arrived in the host tier, or
- * was published or unpinned there): a lead for the cleaner (lock held). */
+/* Block b may have become cleanable (it arrived in the host tier, or
+ * was published or unpinned there): a lead for the cleaner when it is in
+ * the host tier (lock held). */
 static inline void kvhi_disk_clean_lead(kvh_engine *e, uint32_t b)
 {
-    if (!e->disk)
+    if (!e->disk || e->blocks[b].tier != KVH_TIER_HOST)
         return;
     uint32_t at = (e->clean_leads_head + e->clean_leads_len) % KVHI_CLEAN_LEADS;
     e->clean_leads[at] = b;

@@ -734,6 +734,7 @@ static void test_cleaner_sweeps_what_arrivals_pay_for(void **state)
     /* A published host block with no copy, its lead pushed out by 300
      * others while the tier had room; then arrivals to a full tier: the
      * hand reaches it within a round of the table. */
+    uint32_t sb_last = wb_seq_block_index(e, s, 39);
     kvh_seq u;
     dt_assert_ok(dt_build(e, G, dt_plain(10), G.bt, 0, &u));
     dt_assert_ok(kvh_seq_migrate(e, u, 0, G.bt, KVH_TIER_HOST, NULL));
@@ -743,12 +744,15 @@ static void test_cleaner_sweeps_what_arrivals_pay_for(void **state)
     assert_int_equal(ublk->tier, KVH_TIER_HOST);
     assert_true(ublk->flags & KVHI_BF_PUBLISHED);
     assert_false(ublk->flags & KVHI_BF_DISK_COPY);
+    /* s's last block: in the host tier with its disk copy, no candidate. */
+    uint32_t other = sb_last;
+    assert_int_equal(kvhi_blk(e, other)->tier, KVH_TIER_HOST);
     for (int i = 0; i < 300; i++)
-        kvhi_disk_clean_lead(e, 0); /* record 0 is one of s's, never cleanable here */
+        kvhi_disk_clean_lead(e, other);
     e->clean_scan_credit = 0;
     bool found = false;
     for (uint32_t leads = 0; !found && leads <= e->block_cap / KVHI_CLEAN_SCAN_PER_LEAD + 1; leads++) {
-        kvhi_disk_clean_lead(e, 0);
+        kvhi_disk_clean_lead(e, other);
         while (kvhi_disk_clean_step(e))
             ;
         found = (ublk->flags & KVHI_BF_DISK_COPY) != 0;
