@@ -2285,9 +2285,11 @@ class Sequence(GatedHandle, OwnedHandle):
                         f"tier {info.tier.name.lower()} has no memory", lib.KVH_ERR_NOT_RESIDENT
                     )
                 addr = tinfo.base + info.slot * eng.block_bytes + layer * eng.layer_bytes
-                readonly = info.shared or self._complete(index, info)
+                complete = not info.shared and self._complete(index, info)
+                readonly = info.shared or complete
                 shape = (2, eng.num_kv_heads, bt, eng.head_dim)
-                self._clear_unwritten_cells(index, layer, block, addr, shape, shared=readonly)
+                if not complete:  # else every cell is written: nothing to clear
+                    self._clear_unwritten_cells(index, layer, block, addr, shape, shared=readonly)
                 owner = _ViewOwner(eng, hold, private, addr, shape, eng.np_dtype, readonly)
                 owner.block = block
                 owner.layer = layer
