@@ -935,14 +935,20 @@ def _predictions_queued_behind_a_running_one(r, corpus, n):
     return futs
 
 
+def _slow_retriever(eng, corpus, seconds):
+    """A retriever holding 4 chunks whose embedder then takes `seconds` a call."""
+    pause = [0.0]
+    r = SpeculativeRetriever(eng, index="numpy", embedder=_slow_embedder(pause))
+    r.add_chunks(_items(corpus)[:4])
+    pause[0] = seconds
+    return r
+
+
 def test_close_cancels_queued_predictions_and_waits_for_the_running_one(corpus):
     from concurrent.futures import CancelledError
 
-    pause = [0.0]
     with _engine() as eng:
-        r = SpeculativeRetriever(eng, index="numpy", embedder=_slow_embedder(pause))
-        r.add_chunks(_items(corpus)[:4])
-        pause[0] = 0.25
+        r = _slow_retriever(eng, corpus, 0.25)
         futs = _predictions_queued_behind_a_running_one(r, corpus, 6)
         t0 = time.monotonic()
         r.close()
@@ -954,11 +960,8 @@ def test_close_cancels_queued_predictions_and_waits_for_the_running_one(corpus):
 
 
 def test_drain_and_metrics_return_after_close_cancelled_predictions(corpus):
-    pause = [0.0]
     with _engine() as eng:
-        r = SpeculativeRetriever(eng, index="numpy", embedder=_slow_embedder(pause))
-        r.add_chunks(_items(corpus)[:4])
-        pause[0] = 0.2
+        r = _slow_retriever(eng, corpus, 0.2)
         futs = _predictions_queued_behind_a_running_one(r, corpus, 3)
         r.close()
         assert futs[-1].cancelled()

@@ -152,6 +152,13 @@ def test_a_closed_worker_leaves_neither_socket_nor_lock_file(tmp_path):
     assert set(os.listdir(os.path.dirname(path))) == before
 
 
+def _assert_served_only_by(path, who):
+    """Another server for path is refused, and a client reaches `who`."""
+    with pytest.raises(channel.ChannelError, match="another vLLM instance"):
+        channel.Server(path, lambda h, p: {"who": "another"})
+    assert channel.Client(path, timeout_s=5).call({"op": "x"}) == {"who": who}
+
+
 def test_a_worker_that_waited_on_a_removed_lock_file_does_not_share_the_path(tmp_path):
     # The new worker waited on the old lock file, which the old worker's
     # close removed: it must own the path alone, so a third worker with
@@ -159,9 +166,7 @@ def test_a_worker_that_waited_on_a_removed_lock_file_does_not_share_the_path(tmp
     path = channel.socket_path("engine-relock", 0, 0, str(tmp_path))
     new = _started_as_the_old_one_closes(path)
     try:
-        with pytest.raises(channel.ChannelError, match="another vLLM instance"):
-            channel.Server(path, lambda h, p: {"who": "third"})
-        assert channel.Client(path, timeout_s=5).call({"op": "x"}) == {"who": "new"}
+        _assert_served_only_by(path, "new")
     finally:
         new.close()
 
@@ -177,9 +182,7 @@ def test_a_forked_child_closing_its_copy_leaves_the_parent_serving(tmp_path):
             srv.close()
             os._exit(0)
         assert os.waitpid(pid, 0)[1] == 0
-        with pytest.raises(channel.ChannelError, match="another vLLM instance"):
-            channel.Server(path, lambda h, p: {"who": "second"})
-        assert channel.Client(path, timeout_s=5).call({"op": "x"}) == {"who": "parent"}
+        _assert_served_only_by(path, "parent")
     finally:
         srv.close()
 
