@@ -45,6 +45,9 @@ class SignalUnwind:
         self._installed = False
         self._in_hook = 0
         self._again: Optional[SignalAgain] = None  # a dropped signal on its way back
+        # The signal whose exception was last raised: a library that catches
+        # everything may hand it on as its own error.
+        self.raised: Optional[int] = None
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if self._in_hook:  # raised here it would be dropped once more
@@ -54,10 +57,12 @@ class SignalUnwind:
             self._again.cancel()
             self._again = None
         if signum == signal.SIGINT:
+            self.raised = signum
             raise KeyboardInterrupt
         if self._fired:  # once: a second signal would cut the clean-up short
             return
         self._fired.append(signum)
+        self.raised = signum
         raise Stopped(signum)
 
     def _send_again(self, signum: int) -> None:
@@ -92,6 +97,7 @@ class SignalUnwind:
             return
         if again.cancel():
             self._again = None
+            self.raised = again.signum
             raise _exception_for(again.signum)
         deadline = time.monotonic() + 1.0
         while self._again is again and time.monotonic() < deadline:

@@ -977,15 +977,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         rc = _main(argv)
         unwind.raise_pending()
-        return rc
     except KeyboardInterrupt:
-        _err("interrupted")
-        return 130
+        return _ended_by(signal.SIGINT)
     except Stopped as exc:
-        _err(f"stopped by {_signal_name(exc.signum)}")
-        return 128 + exc.signum
+        return _ended_by(exc.signum)
+    except Exception:
+        # A library that catches every exception (pydantic, building its
+        # validators while Qdrant's client is imported) hands the signal's
+        # on as an error of its own.
+        if unwind.raised is None:
+            raise
+        return _ended_by(unwind.raised)
     finally:
         unwind.restore()
+    if rc != 0 and unwind.raised is not None:  # such an error, reported as a failure
+        return _ended_by(unwind.raised)
+    return rc
+
+
+def _ended_by(signum: int) -> int:
+    if signum == signal.SIGINT:
+        _err("interrupted")
+        return 130
+    _err(f"stopped by {_signal_name(signum)}")
+    return 128 + signum
 
 
 def _main(argv: Optional[Sequence[str]]) -> int:

@@ -55,12 +55,13 @@ def _env():
     return env
 
 
-def _run(sig: str, after: str) -> subprocess.CompletedProcess:
-    def default_signals():
-        # A runner in the background ignores SIGINT; its children inherit that.
-        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(s, signal.SIG_DFL)
+def _default_signals():
+    # A runner in the background ignores SIGINT; its children inherit that.
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, signal.SIG_DFL)
 
+
+def _run(sig: str, after: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(_SCRIPT.format(sig=sig, after=_AFTER[after]))],
         capture_output=True,
@@ -68,7 +69,7 @@ def _run(sig: str, after: str) -> subprocess.CompletedProcess:
         timeout=60,
         cwd=str(REPO),
         env=_env(),
-        preexec_fn=default_signals,
+        preexec_fn=_default_signals,
     )
 
 
@@ -116,3 +117,64 @@ def test_other_exceptions_in_finalizers_are_still_reported():
     )
     assert res.returncode == 0 and res.stdout == "ran on\n", res.stdout + res.stderr
     assert "Exception ignored" in res.stderr and "reported as before" in res.stderr, res.stderr
+
+
+# A library that catches every exception and raises its own in its place,
+# without a cause, as pydantic does when a signal lands while it builds a
+# validator (Qdrant's client is imported that way during the demo).
+_WRAPPING_SCRIPT = """
+import signal, sys
+from kvh_cache import cli
+
+def library_call():
+    try:
+        signal.raise_signal(signal.{sig})
+    except BaseException as exc:
+        raise {wrapper}(f"building a validator: {{exc!r}}") from None
+
+def work(args):
+    library_call()
+    print("ran on")
+    return 0
+
+cli.cmd_doctor = work
+sys.exit(cli.main(["doctor"]))
+"""
+
+
+@pytest.mark.parametrize(
+    "sig, rc, message",
+    [
+        ("SIGINT", 130, "kvh: interrupted"),
+        ("SIGTERM", 143, "kvh: stopped by signal 15 (SIGTERM)"),
+        ("SIGHUP", 129, "kvh: stopped by signal 1 (SIGHUP)"),
+    ],
+)
+@pytest.mark.parametrize("wrapper", ["RuntimeError", "ValueError"])  # escapes; reported as a usage error
+def test_a_signal_wrapped_by_a_library_still_ends_the_command_as_that_signal(sig, rc, message, wrapper):
+    res = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_WRAPPING_SCRIPT.format(sig=sig, wrapper=wrapper))],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=str(REPO),
+        env=_env(),
+        preexec_fn=_default_signals,
+    )
+    assert res.returncode == rc and res.stdout == "", res.stdout + res.stderr
+    assert "Traceback" not in res.stderr and res.stderr.strip().splitlines()[-1] == message, res.stderr
+
+
+def test_an_error_raised_without_a_signal_is_still_a_traceback():
+    script = _WRAPPING_SCRIPT.replace("signal.raise_signal(signal.{sig})", "raise OSError('not a signal')")
+    res = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script.format(wrapper="RuntimeError"))],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=str(REPO),
+        env=_env(),
+        preexec_fn=_default_signals,
+    )
+    assert res.returncode == 1 and "Traceback" in res.stderr, res.stdout + res.stderr
+    assert "RuntimeError: building a validator: OSError('not a signal')" in res.stderr, res.stderr
