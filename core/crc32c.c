@@ -1,12 +1,28 @@
 #include "core/crc32c.h"
 
 #include <pthread.h>
+#include <stdlib.h>
+#include <stdbool.h>
 #include <string.h>
 
-#define POLY 0x82f63b78u /* reflected Castagnoli polynomial */
+#include "core/crc32c_fold.h"
+
+#define POLY 0x82f63b78u         /* reflected Castagnoli polynomial */
+#define POLY_NORMAL 0x11edc6f41u /* the same, x^32 included, highest power first */
 
 static uint32_t table[8][256];
 static int have_sse42;
+static int best_impl;
+static int active_impl; /* KVHI_CRC32C_AUTO until init or a test sets one */
+
+/* Inputs this long and longer go through the 512-bit fold, which leaves
+ * KVHI_CRC32C_FOLD_BYTES to a single crc32 chain (8 bytes in 3 cycles):
+ * from two rounds on it does that chain's work at about ten times its
+ * speed. */
+#define FOLD_MIN (2u * KVHI_CRC32C_FOLD_BYTES)
+/* x^(D+31) and x^(D-33) modulo the polynomial, bit-reflected, for a fold
+ * distance of D = 8 * KVHI_CRC32C_FOLD_BYTES bits: see fold_constant. */
+static uint64_t fold_k[2];
 
 /* Three independent crc32 chains hide the instruction's 3-cycle latency.
  * Chains over neighbouring STRIDE-byte lanes are merged by "shifting" a
@@ -14,6 +30,26 @@ static int have_sse42;
 #define STRIDE 4096u
 static uint32_t shift_tab[4][256];
 static pthread_once_t init_once = PTHREAD_ONCE_INIT;
+
+/* x^e modulo the polynomial, bit-reflected into 32 bits. The carry-less
+ * product of a lane's 64-bit half (reflected: its lowest bit the highest
+ * power) with such a constant stands for half * x^(e+33), one power for
+ * the product's spare top bit and 32 for the constant's place; folding a
+ * half forward by D bits needs x^(D+64) for the high powers' half and x^D
+ * for the other, hence e = D+31 and D-33. */
+static uint64_t fold_constant(unsigned e)
+{
+    uint64_t r = 1;
+    while (e--) {
+        r <<= 1;
+        if (r >> 32)
+            r ^= POLY_NORMAL;
+    }
+    uint32_t reflected = 0;
+    for (int bit = 0; bit < 32; bit++)
+        reflected |= (uint32_t)((r >> bit) & 1) << (31 - bit);
+    return reflected;
+}
 
 static void init(void)
 {
@@ -30,6 +66,16 @@ static void init(void)
     __builtin_cpu_init();
     have_sse42 = __builtin_cpu_supports("sse4.2");
 #endif
+    best_impl = kvhi_crc32c_fold_supported() ? KVHI_CRC32C_FOLD : have_sse42 ? KVHI_CRC32C_SSE42 : KVHI_CRC32C_TABLE;
+    const char *env = secure_getenv("KVH_CRC32C_IMPL"); /* A/B runs of one build */
+    if (env)
+        for (int impl = KVHI_CRC32C_TABLE; impl <= KVHI_CRC32C_FOLD; impl++)
+            if (strcmp(env, kvhi_crc32c_impl_name(impl)) == 0 && impl <= best_impl)
+                best_impl = impl;
+    int expected = KVHI_CRC32C_AUTO;
+    __atomic_compare_exchange_n(&active_impl, &expected, best_impl, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+    fold_k[0] = fold_constant(8 * KVHI_CRC32C_FOLD_BYTES + 31);
+    fold_k[1] = fold_constant(8 * KVHI_CRC32C_FOLD_BYTES - 33);
     /* shift(c) = state after feeding STRIDE zero bytes from raw state c;
      * linear in c, so tabulate it per byte of c. */
     static const uint8_t zeros[STRIDE];
@@ -150,24 +196,79 @@ __attribute__((target("sse4.2"))) static uint32_t crc_copy_hw(uint32_t crc, uint
 }
 #endif
 
-uint32_t kvhi_crc32c_copy(uint32_t crc, void *dst, const void *src, size_t n)
+#if defined(__x86_64__)
+/* The fold, then the bytes it leaves and the tail by the crc32
+ * instruction from state 0: the running state went in with the input. */
+static uint32_t crc_fold(uint32_t crc, uint8_t *d, const uint8_t *p, size_t n)
+{
+    uint8_t residue[KVHI_CRC32C_FOLD_BYTES];
+    size_t used =
+        d ? kvhi_crc32c_fold_copy(crc, d, p, n, fold_k, residue) : kvhi_crc32c_fold(crc, p, n, fold_k, residue);
+    crc = crc_hw(0, residue, sizeof(residue));
+    return d ? crc_copy_hw(crc, d + used, p + used, n - used) : crc_hw(crc, p + used, n - used);
+}
+#endif
+
+static int impl_now(void)
 {
     pthread_once(&init_once, init);
+    return __atomic_load_n(&active_impl, __ATOMIC_RELAXED);
+}
+
+uint32_t kvhi_crc32c_copy(uint32_t crc, void *dst, const void *src, size_t n)
+{
+    int impl = impl_now();
 #if defined(__x86_64__)
-    if (have_sse42)
+    if (impl == KVHI_CRC32C_FOLD && n >= FOLD_MIN)
+        return ~crc_fold(~crc, dst, src, n);
+    if (impl >= KVHI_CRC32C_SSE42)
         return ~crc_copy_hw(~crc, dst, src, n);
 #endif
+    (void)impl;
     memcpy(dst, src, n);
-    return kvhi_crc32c(crc, dst, n);
+    return ~crc_sw(~crc, dst, n);
 }
 
 uint32_t kvhi_crc32c(uint32_t crc, const void *data, size_t n)
 {
-    pthread_once(&init_once, init);
-    crc = ~crc;
+    int impl = impl_now();
 #if defined(__x86_64__)
-    if (have_sse42)
-        return ~crc_hw(crc, data, n);
+    if (impl == KVHI_CRC32C_FOLD && n >= FOLD_MIN)
+        return ~crc_fold(~crc, NULL, data, n);
+    if (impl >= KVHI_CRC32C_SSE42)
+        return ~crc_hw(~crc, data, n);
 #endif
-    return ~crc_sw(crc, data, n);
+    (void)impl;
+    return ~crc_sw(~crc, data, n);
+}
+
+int kvhi_crc32c_supported(int impl)
+{
+    pthread_once(&init_once, init);
+    switch (impl) {
+    case KVHI_CRC32C_AUTO:
+    case KVHI_CRC32C_TABLE:
+        return 1;
+    case KVHI_CRC32C_SSE42:
+        return have_sse42;
+    case KVHI_CRC32C_FOLD:
+        return have_sse42 && kvhi_crc32c_fold_supported();
+    default:
+        return 0;
+    }
+}
+
+int kvhi_crc32c_set_impl(int impl)
+{
+    if (!kvhi_crc32c_supported(impl))
+        return -1;
+    __atomic_store_n(&active_impl, impl == KVHI_CRC32C_AUTO ? best_impl : impl, __ATOMIC_RELAXED);
+    return 0;
+}
+
+int kvhi_crc32c_impl(void) { return impl_now(); }
+
+const char *kvhi_crc32c_impl_name(int impl)
+{
+    return impl == KVHI_CRC32C_FOLD ? "avx512" : impl == KVHI_CRC32C_SSE42 ? "sse42" : "table";
 }
