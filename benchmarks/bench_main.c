@@ -27,6 +27,7 @@ static const struct {
     {"switch", "weight-context switch (135M model) vs reloading it from its file; first layer vs full", bench_switch},
     {"vmap", "virtual contiguity: view map/refresh/release cost, decode over views vs paged", bench_vmap},
     {"codec", "KV codecs: encode/decode GB/s of raw bytes vs memcpy of them", bench_codec},
+    {"checksum", "CRC32C of a block (disk tier writes and reads) vs ISA-L's crc32_iscsi", bench_checksum},
 #ifndef KVH_BENCH_NO_REMOTE /* a libkvh built without hiredis's headers */
     {"remote", "remote tier (loopback Redis): put/get MB/s vs raw pipelined hiredis, 32k-token lookup", bench_remote},
 #endif

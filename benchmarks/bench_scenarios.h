@@ -21,6 +21,7 @@ int bench_switch(int argc, char **argv, const bench_ctx *ctx);
 int bench_vmap(int argc, char **argv, const bench_ctx *ctx);
 int bench_codec(int argc, char **argv, const bench_ctx *ctx);
 int bench_remote(int argc, char **argv, const bench_ctx *ctx);
+int bench_checksum(int argc, char **argv, const bench_ctx *ctx);
 
 /* bench_parse() result -> scenario return code. */
 static inline int bench_parse_rc(int rc) { return rc == 1 ? BENCH_HELP : 2; }

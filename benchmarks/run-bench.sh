@@ -73,7 +73,7 @@ step() {
 
 q=()
 [[ $quick == 1 ]] && q=(--quick)
-for s in alloc migrate disk attention scale switch vmap codec remote; do
+for s in alloc migrate disk attention scale switch vmap codec checksum remote; do
     extra=()
     # every instruction set of the codecs, the one before AVX-512 included;
     # more rounds, as their medians move with the load of a shared machine

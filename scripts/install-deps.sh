@@ -27,6 +27,7 @@ APT_PACKAGES=(
     redis-server       # remote tier tests: a local Redis Cluster
     redis-tools        # redis-cli: cluster creation in the tests
     fio                # kvh-bench disk: the disk's own ceiling beside the raw baseline
+    libisal-dev        # kvh-bench checksum: ISA-L's CRC32C as the baseline
 )
 
 # PyPI distribution names (as `pip install` takes them).
