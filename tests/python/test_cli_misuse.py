@@ -146,7 +146,7 @@ def test_bench_help_of_every_mode():
     res = run_bench("list")
     assert res.returncode == 0
     modes = res.stdout.split()
-    assert "codec" in modes
+    assert "codec" in modes and "checksum" in modes
     for args in (["--help"], ["-h"], ["help"], ["all", "--help"]):
         res = run_bench(*args)
         assert res.returncode == 0 and res.stdout.startswith("usage: kvh-bench") and res.stderr == "", args
@@ -723,6 +723,8 @@ def test_bench_sigint(tmp_path):
         (["switch", "--mode", "sideways"], "--mode"),
         (["vmap", "--contexts", "0"], "contexts"),
         (["remote", "--mib", "0"], "--mib"),
+        (["checksum", "--region-mb", "3"], "--region-mb"),
+        (["checksum", "--region-mb", "x"], "--region-mb"),
         (["trace", "--agents", "0"], "--agents"),
         (["trace", "--device-pct", "101"], "--device-pct"),
         (["trace", "--trace", "/nonexistent/kvh.trace"], "/nonexistent/kvh.trace"),
