@@ -1,6 +1,10 @@
 /* Hostile input: NULL pointers, random / stale / forged handles, wrong
  * struct sizes. Every call answers with its documented status and the
  * engine stays usable. */
+#include <ftw.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <unistd.h>
 
 #include "forged_calls.h"
@@ -238,6 +242,12 @@ static void test_null_pointers(void **state)
 
 /* Entry points whose subsystems may not be built yet: checked when they
  * answer a valid call. */
+static int remove_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw)
+{
+    (void)st, (void)flag, (void)ftw;
+    return remove(path);
+}
+
 static void test_null_pointers_optional_api(void **state)
 {
     (void)state;
@@ -263,10 +273,15 @@ static void test_null_pointers_optional_api(void **state)
         assert_kvh(KVH_ERR_STRUCT_SIZE, kvh_attention_decode(x->e, 0, &x->s, 1, q, out, &ap));
         check_fixture(x);
     }
-    /* kvh_seq_persist: only with a disk tier. */
+    /* kvh_seq_persist: only with a disk tier. Its store goes in the
+     * test's scratch directory, or, run on its own, in a directory of
+     * its own under /tmp that is removed afterwards. */
     const char *dir = getenv("KVH_TEST_TMPDIR");
-    char path[512];
-    snprintf(path, sizeof(path), "%s/bad_input_disk", dir && *dir ? dir : "/tmp");
+    char own[64] = "/tmp/kvh-bad-input-XXXXXX", path[512];
+    bool made = !(dir && *dir);
+    if (made)
+        assert_non_null(dir = mkdtemp(own));
+    snprintf(path, sizeof(path), "%s/bad_input_disk", dir);
     kvh_config c = tu_cfg(L, H, D, BT, KVH_DTYPE_F32, 4, 4, 0);
     c.disk_path = path;
     c.disk_bytes = 1 << 20;
@@ -279,7 +294,10 @@ static void test_null_pointers_optional_api(void **state)
         assert_kvh(KVH_ERR_BAD_HANDLE, kvh_seq_persist(e, (kvh_seq){0x5A00000100000000ull | 999}));
         assert_ok(kvh_seq_free(e, s));
         assert_kvh(KVH_ERR_BAD_HANDLE, kvh_seq_persist(e, s));
+        assert_ok(tu_close(e));
     }
+    if (made)
+        assert_int_equal(nftw(own, remove_entry, 16, FTW_DEPTH | FTW_PHYS), 0);
     if (!checked)
         skip();
 }
