@@ -233,8 +233,19 @@ static void agent_count(kvh_engine *e, uint32_t agent, int delta)
         a->device_blocks += (uint64_t)(int64_t)delta;
 }
 
-/* Records that b now occupies (tier, slot). */
-static inline void block_place(kvh_engine *e, uint32_t b, uint32_t tier, uint32_t slot)
+/* b has arrived in the host tier: a lead for the cleaner, and a worker
+ * woken to clean ahead when the host tier runs low. */
+static inline void host_arrival(kvh_engine *e, uint32_t b)
+{
+    kvhi_disk_clean_lead(e, b);
+    if (e->disk && e->n_workers && kvhi_disk_host_runs_low(e))
+        pthread_cond_signal(&e->work_ready);
+}
+
+/* Records that b now occupies (tier, slot); lead: whether a host arrival
+ * is a lead for the cleaner (not for a block read back from disk, which
+ * keeps its disk copy: the caller decides once it knows). */
+static inline void block_place_led(kvh_engine *e, uint32_t b, uint32_t tier, uint32_t slot, bool lead)
 {
     kvhi_block *blk = kvhi_blk(e, b);
     if (blk->tier == KVH_TIER_DEVICE)
@@ -250,15 +261,27 @@ static inline void block_place(kvh_engine *e, uint32_t b, uint32_t tier, uint32_
     blk->hits = 0;
     if (tier == KVH_TIER_DEVICE)
         agent_count(e, blk->agent, +1);
-    else if (tier == KVH_TIER_HOST) {
-        kvhi_disk_clean_lead(e, b);
-        /* Wake a worker to clean ahead when the host tier runs low. */
-        if (e->disk && e->n_workers && kvhi_disk_host_runs_low(e))
-            pthread_cond_signal(&e->work_ready);
-    }
+    else if (tier == KVH_TIER_HOST && lead)
+        host_arrival(e, b);
+}
+
+static inline void block_place(kvh_engine *e, uint32_t b, uint32_t tier, uint32_t slot)
+{
+    block_place_led(e, b, tier, slot, true);
 }
 
 void kvhi_block_place(kvh_engine *e, uint32_t b, uint32_t tier, uint32_t slot) { block_place(e, b, tier, slot); }
+
+void kvhi_block_place_unled(kvh_engine *e, uint32_t b, uint32_t tier, uint32_t slot)
+{
+    block_place_led(e, b, tier, slot, false);
+}
+
+void kvhi_block_host_arrived(kvh_engine *e, uint32_t b)
+{
+    if (e->blocks[b].tier == KVH_TIER_HOST)
+        host_arrival(e, b);
+}
 
 /* How many allocations ahead a record is prefetched: a miss to memory
  * lasts several calls (scale's memory_read row, 170-290 ns here, against

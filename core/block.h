@@ -199,6 +199,11 @@ kvh_status kvhi_block_new(kvh_engine *e, uint32_t agent, uint32_t min_tier, uint
  * is inlined where the cheapest public call needs it). */
 kvh_status kvhi_block_new_handle(kvh_engine *e, uint32_t agent, uint64_t *id);
 void kvhi_block_place(kvh_engine *e, uint32_t b, uint32_t tier, uint32_t slot);
+/* The same without a host arrival's lead for the cleaner and its wake-up;
+ * the caller gives it with kvhi_block_host_arrived if b turns out to want
+ * a disk copy (a block read back from disk keeps the one it has). */
+void kvhi_block_place_unled(kvh_engine *e, uint32_t b, uint32_t tier, uint32_t slot);
+void kvhi_block_host_arrived(kvh_engine *e, uint32_t b);
 /* Frees now, or marks DEAD for the mover to reap when in flight. */
 void kvhi_block_free_now(kvh_engine *e, uint32_t b);
 /* Destroys an idle block but hands its slot to the caller. */

@@ -49,7 +49,16 @@ bool kvhi_disk_clean_step(kvh_engine *e);
 #define KVHI_CLEAN_SCAN_CREDIT_MAX 4096u
 /* Block b may have become cleanable (it arrived in the host tier, or
  * was published or unpinned there): a lead for the cleaner when it is in
- * the host tier (lock held). */
+ * the host tier (lock held). Every arrival pays the hand its records,
+ * kvhi_disk_clean_pay alone for a block read back from disk (it keeps
+ * its copy there), so that the hand still goes round while only restores
+ * come, and is run when a worker next looks. */
+static inline void kvhi_disk_clean_pay(kvh_engine *e)
+{
+    e->clean_scan_credit = e->clean_scan_credit + KVHI_CLEAN_SCAN_PER_LEAD < KVHI_CLEAN_SCAN_CREDIT_MAX
+                               ? e->clean_scan_credit + KVHI_CLEAN_SCAN_PER_LEAD
+                               : KVHI_CLEAN_SCAN_CREDIT_MAX;
+}
 static inline void kvhi_disk_clean_lead(kvh_engine *e, uint32_t b)
 {
     if (!e->disk || e->blocks[b].tier != KVH_TIER_HOST)
@@ -60,9 +69,7 @@ static inline void kvhi_disk_clean_lead(kvh_engine *e, uint32_t b)
         e->clean_leads_len++;
     else
         e->clean_leads_head = (e->clean_leads_head + 1) % KVHI_CLEAN_LEADS; /* the oldest is the hand's now */
-    e->clean_scan_credit = e->clean_scan_credit + KVHI_CLEAN_SCAN_PER_LEAD < KVHI_CLEAN_SCAN_CREDIT_MAX
-                               ? e->clean_scan_credit + KVHI_CLEAN_SCAN_PER_LEAD
-                               : KVHI_CLEAN_SCAN_CREDIT_MAX;
+    kvhi_disk_clean_pay(e);
 }
 /* When cleaning, resting after the filesystem refused a write, has
  * copies to try again (kvhi_now_ns); 0 when it does not rest or has

@@ -332,7 +332,14 @@ kvh_status kvhi_move_end(kvh_engine *e, kvhi_xfer *x, uint32_t *src_slot_out)
     }
     if (tier == KVH_TIER_DISK)
         kvhi_disk_note_write(e, 0);
-    kvhi_block_place(e, b, tier, x->dst_slot);
+    /* Read back from disk, a block usually keeps its slot there as a
+     * clean copy: nothing for the cleaner, and no worker to wake for it
+     * on every restore into a full host tier. */
+    bool restored = src_tier == KVH_TIER_DISK && tier == KVH_TIER_HOST;
+    if (restored)
+        kvhi_block_place_unled(e, b, tier, x->dst_slot);
+    else
+        kvhi_block_place(e, b, tier, x->dst_slot);
     if (x->in_place)
         e->stats.blocks_moved_in_place++;
     else
@@ -340,6 +347,10 @@ kvh_status kvhi_move_end(kvh_engine *e, kvhi_xfer *x, uint32_t *src_slot_out)
     bool keep_src = false;
     if (e->disk && (tier == KVH_TIER_DISK || src_tier == KVH_TIER_DISK))
         kvhi_disk_after_move(e, b, x, &keep_src);
+    if (restored && !keep_src)
+        kvhi_block_host_arrived(e, b);
+    else if (restored)
+        kvhi_disk_clean_pay(e);
     if (keep_src)
         ; /* the old disk slot is now b's clean copy */
     else if (src_slot_out)

@@ -694,8 +694,8 @@ static kvh_engine *open_store(const char *name, uint64_t host_blocks, uint64_t d
 /* The hand's records scanned since h (it wraps at the table's end). */
 static uint32_t hand_moved(kvh_engine *e, uint32_t h) { return (e->clean_hand + e->block_cap - h) % e->block_cap; }
 
-/* A block reaching a full host tier with nothing to clean costs the
- * cleaner its lead and what the lead pays the hand, not a sweep of the
+/* A block read back into a full host tier, with nothing to clean, costs
+ * the cleaner what it pays the hand, not a lead, nor a sweep of the
  * whole table under the lock; and a cleanable block that is no lead
  * (pushed out of the ring) is still found as the hand goes round. */
 static void test_cleaner_sweeps_what_arrivals_pay_for(void **state)
@@ -722,6 +722,10 @@ static void test_cleaner_sweeps_what_arrivals_pay_for(void **state)
         wb_unlock(e);
         dt_assert_ok(kvh_seq_migrate(e, s, i * G.bt, G.bt, KVH_TIER_HOST, NULL));
         wb_lock(e);
+        /* Read back, it keeps its disk copy: no lead (nor a worker woken
+         * for one), only the hand's pay. */
+        assert_int_equal(e->clean_leads_len, 0);
+        assert_int_equal(e->clean_scan_credit, KVHI_CLEAN_SCAN_PER_LEAD);
         assert_false(kvhi_disk_clean_step(e));
         /* The arrival paid for a few records, which the hand scanned. */
         uint32_t moved = hand_moved(e, h);
