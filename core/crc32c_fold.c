@@ -5,29 +5,34 @@
  * Instruction" (Intel, 2009). What is left is that many bytes congruent,
  * modulo the polynomial, to all the input they stand for; core/crc32c.c
  * finishes them and the tail with the crc32 instruction.
- * Compiled for AVX-512 with a pragma and called only where the CPU has it. */
+ * Compiled for AVX-512 with target attributes and called only where the
+ * CPU has it. */
 #include "core/crc32c_fold.h"
 
 #if defined(__x86_64__)
 #include <stdbool.h>
 
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,vpclmulqdq,pclmul,sse4.2")
 #include <immintrin.h>
+
+/* A target attribute on each function, not a pragma: clang ignores
+ * GCC's target pragma. */
+#define FOLD_TARGET __attribute__((target("avx512f,avx512vl,vpclmulqdq,pclmul,sse4.2")))
 
 /* Each 128-bit lane holds 16 input bytes, its low qword the higher powers
  * of x. Its halves times the two constants k (fold_constant in
  * core/crc32c.c), added to the lane KVHI_CRC32C_FOLD_BYTES on, leave the
  * CRC of the whole unchanged. */
-static inline __attribute__((always_inline)) __m512i fold(__m512i acc, __m512i k, __m512i next)
+static inline __attribute__((always_inline)) FOLD_TARGET __m512i fold(__m512i acc, __m512i k, __m512i next)
 {
     return _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(acc, k, 0x00), _mm512_clmulepi64_epi128(acc, k, 0x11),
                                      next, 0x96 /* a ^ b ^ c */);
 }
 
-static inline __attribute__((always_inline)) size_t fold_all(uint32_t state, uint8_t *dst, const uint8_t *src, size_t n,
-                                                             const uint64_t k[2],
-                                                             uint8_t residue[KVHI_CRC32C_FOLD_BYTES], bool copy)
+static inline __attribute__((always_inline)) FOLD_TARGET size_t fold_all(uint32_t state, uint8_t *dst,
+                                                                         const uint8_t *src, size_t n,
+                                                                         const uint64_t k[2],
+                                                                         uint8_t residue[KVHI_CRC32C_FOLD_BYTES],
+                                                                         bool copy)
 {
     __m512i x[KVHI_CRC32C_FOLD_LANES];
     for (int i = 0; i < KVHI_CRC32C_FOLD_LANES; i++) {
@@ -52,19 +57,17 @@ static inline __attribute__((always_inline)) size_t fold_all(uint32_t state, uin
     return off;
 }
 
-size_t kvhi_crc32c_fold(uint32_t state, const void *src, size_t n, const uint64_t k[2],
-                        uint8_t residue[KVHI_CRC32C_FOLD_BYTES])
+FOLD_TARGET size_t kvhi_crc32c_fold(uint32_t state, const void *src, size_t n, const uint64_t k[2],
+                                    uint8_t residue[KVHI_CRC32C_FOLD_BYTES])
 {
     return fold_all(state, NULL, src, n, k, residue, false);
 }
 
-size_t kvhi_crc32c_fold_copy(uint32_t state, void *dst, const void *src, size_t n, const uint64_t k[2],
-                             uint8_t residue[KVHI_CRC32C_FOLD_BYTES])
+FOLD_TARGET size_t kvhi_crc32c_fold_copy(uint32_t state, void *dst, const void *src, size_t n, const uint64_t k[2],
+                                         uint8_t residue[KVHI_CRC32C_FOLD_BYTES])
 {
     return fold_all(state, dst, src, n, k, residue, true);
 }
-
-#pragma GCC pop_options
 
 int kvhi_crc32c_fold_supported(void)
 {
