@@ -981,18 +981,33 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _ended_by(signal.SIGINT)
     except Stopped as exc:
         return _ended_by(exc.signum)
-    except Exception:
+    except BaseException as exc:
         # A library that catches every exception (pydantic, building its
         # validators while Qdrant's client is imported) hands the signal's
-        # on as an error of its own.
+        # on as one of its own, often without a cause: after a signal,
+        # the command ends as that signal, with the error it ended on.
         if unwind.raised is None:
             raise
+        if not _caused_by_signal(exc) and not isinstance(exc, SystemExit):
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            _err(f"{type(exc).__name__}: {first}" if first else type(exc).__name__)
         return _ended_by(unwind.raised)
     finally:
         unwind.restore()
     if rc != 0 and unwind.raised is not None:  # such an error, reported as a failure
         return _ended_by(unwind.raised)
     return rc
+
+
+def _caused_by_signal(exc: BaseException) -> bool:
+    seen = set()
+    e: Optional[BaseException] = exc
+    while e is not None and id(e) not in seen:
+        if isinstance(e, (KeyboardInterrupt, Stopped)):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def _ended_by(signum: int) -> int:

@@ -123,7 +123,7 @@ def test_other_exceptions_in_finalizers_are_still_reported():
 # without a cause, as pydantic does when a signal lands while it builds a
 # validator (Qdrant's client is imported that way during the demo).
 _WRAPPING_SCRIPT = """
-import signal, sys
+import asyncio, signal, sys
 from kvh_cache import cli
 
 def library_call():
@@ -150,7 +150,9 @@ sys.exit(cli.main(["doctor"]))
         ("SIGHUP", 129, "kvh: stopped by signal 1 (SIGHUP)"),
     ],
 )
-@pytest.mark.parametrize("wrapper", ["RuntimeError", "ValueError"])  # escapes; reported as a usage error
+# RuntimeError escapes; ValueError is reported as a usage error; the other
+# two are no Exception (asyncio's cancellation, a library's own exit).
+@pytest.mark.parametrize("wrapper", ["RuntimeError", "ValueError", "asyncio.CancelledError", "SystemExit"])
 def test_a_signal_wrapped_by_a_library_still_ends_the_command_as_that_signal(sig, rc, message, wrapper):
     res = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(_WRAPPING_SCRIPT.format(sig=sig, wrapper=wrapper))],
@@ -178,3 +180,26 @@ def test_an_error_raised_without_a_signal_is_still_a_traceback():
     )
     assert res.returncode == 1 and "Traceback" in res.stderr, res.stdout + res.stderr
     assert "RuntimeError: building a validator: OSError('not a signal')" in res.stderr, res.stderr
+
+
+def test_an_error_after_a_caught_interrupt_is_shown_and_ends_as_the_interrupt():
+    # Something caught the Ctrl-C and went on, then failed: the failure is
+    # shown (one line, no traceback) and the command ends as interrupted,
+    # which is what its caller asked for.
+    script = _WRAPPING_SCRIPT.replace(
+        "def work(args):\n    library_call()",
+        "def work(args):\n    try:\n        signal.raise_signal(signal.SIGINT)\n    except KeyboardInterrupt:\n"
+        "        pass\n    raise RuntimeError('a failure of its own')",
+    )
+    assert "a failure of its own" in script
+    res = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script.format(sig="SIGINT", wrapper="RuntimeError"))],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=str(REPO),
+        env=_env(),
+        preexec_fn=_default_signals,
+    )
+    assert res.returncode == 130 and "Traceback" not in res.stderr, res.stdout + res.stderr
+    assert res.stderr.splitlines() == ["kvh: RuntimeError: a failure of its own", "kvh: interrupted"], res.stderr
