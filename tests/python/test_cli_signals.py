@@ -61,9 +61,9 @@ def _default_signals():
         signal.signal(s, signal.SIG_DFL)
 
 
-def _run(sig: str, after: str) -> subprocess.CompletedProcess:
+def _run_script(script: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(_SCRIPT.format(sig=sig, after=_AFTER[after]))],
+        [sys.executable, "-c", textwrap.dedent(script)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -71,6 +71,10 @@ def _run(sig: str, after: str) -> subprocess.CompletedProcess:
         env=_env(),
         preexec_fn=_default_signals,
     )
+
+
+def _run(sig: str, after: str) -> subprocess.CompletedProcess:
+    return _run_script(_SCRIPT.format(sig=sig, after=_AFTER[after]))
 
 
 @pytest.mark.parametrize(
@@ -108,13 +112,7 @@ def test_other_exceptions_in_finalizers_are_still_reported():
     cli.cmd_doctor = work
     sys.exit(cli.main(["doctor"]))
     """
-    res = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(script)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=_env(),
-    )
+    res = _run_script(script)
     assert res.returncode == 0 and res.stdout == "ran on\n", res.stdout + res.stderr
     assert "Exception ignored" in res.stderr and "reported as before" in res.stderr, res.stderr
 
@@ -154,30 +152,14 @@ sys.exit(cli.main(["doctor"]))
 # two are no Exception (asyncio's cancellation, a library's own exit).
 @pytest.mark.parametrize("wrapper", ["RuntimeError", "ValueError", "asyncio.CancelledError", "SystemExit"])
 def test_a_signal_wrapped_by_a_library_still_ends_the_command_as_that_signal(sig, rc, message, wrapper):
-    res = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(_WRAPPING_SCRIPT.format(sig=sig, wrapper=wrapper))],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=str(REPO),
-        env=_env(),
-        preexec_fn=_default_signals,
-    )
+    res = _run_script(_WRAPPING_SCRIPT.format(sig=sig, wrapper=wrapper))
     assert res.returncode == rc and res.stdout == "", res.stdout + res.stderr
     assert "Traceback" not in res.stderr and res.stderr.strip().splitlines()[-1] == message, res.stderr
 
 
 def test_an_error_raised_without_a_signal_is_still_a_traceback():
     script = _WRAPPING_SCRIPT.replace("signal.raise_signal(signal.{sig})", "raise OSError('not a signal')")
-    res = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(script.format(wrapper="RuntimeError"))],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=str(REPO),
-        env=_env(),
-        preexec_fn=_default_signals,
-    )
+    res = _run_script(script.format(wrapper="RuntimeError"))
     assert res.returncode == 1 and "Traceback" in res.stderr, res.stdout + res.stderr
     assert "RuntimeError: building a validator: OSError('not a signal')" in res.stderr, res.stderr
 
@@ -192,14 +174,6 @@ def test_an_error_after_a_caught_interrupt_is_shown_and_ends_as_the_interrupt():
         "        pass\n    raise RuntimeError('a failure of its own')",
     )
     assert "a failure of its own" in script
-    res = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(script.format(sig="SIGINT", wrapper="RuntimeError"))],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=str(REPO),
-        env=_env(),
-        preexec_fn=_default_signals,
-    )
+    res = _run_script(script.format(sig="SIGINT", wrapper="RuntimeError"))
     assert res.returncode == 130 and "Traceback" not in res.stderr, res.stdout + res.stderr
     assert res.stderr.splitlines() == ["kvh: RuntimeError: a failure of its own", "kvh: interrupted"], res.stderr
