@@ -12,6 +12,7 @@
 
 #include "core/attention_call.h"
 #include "core/engine.h"
+#include "core/isa_overrides.h"
 #include "core/process_fork.h"
 #include "core/hint_queue.h"
 #include "core/huge_alloc.h"
@@ -481,6 +482,7 @@ kvh_status kvhi_engine_open(const kvh_config *config, kvh_engine **out)
     if (st == KVH_OK)
         st = select_backend(e);
     if (st == KVH_OK) {
+        kvhi_warn_isa_overrides(e);
         note_memory_model(e);
         e->moves_in_place = can_move_in_place(e);
         st = tier_init(e, KVH_TIER_DEVICE, e->cfg.device_bytes);

@@ -72,19 +72,26 @@ kvhi_attn_cpu *kvhi_attn_cpu_create(void)
     st->ncpu = kvhi_cpu_count();
     st->impl = KVHI_ATTN_AUTO;
     const char *env = secure_getenv("KVH_ATTN_ISA");
-    if (env) {
-        static const struct {
-            const char *name;
-            int impl;
-        } names[] = {{"reference", KVHI_ATTN_REFERENCE},
-                     {"generic", KVHI_ATTN_GENERIC},
-                     {"avx2", KVHI_ATTN_AVX2},
-                     {"avx512", KVHI_ATTN_AVX512}};
-        for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
-            if (strcmp(env, names[i].name) == 0 && kvhi_attn_cpu_supported(names[i].impl))
-                st->impl = names[i].impl;
-    }
+    int impl = env ? kvhi_attn_isa_by_name(env) : -1;
+    if (impl > 0 && kvhi_attn_cpu_supported(impl))
+        st->impl = impl;
     return st;
+}
+
+static const struct {
+    const char *name;
+    int impl;
+} isa_names[] = {{"reference", KVHI_ATTN_REFERENCE},
+                 {"generic", KVHI_ATTN_GENERIC},
+                 {"avx2", KVHI_ATTN_AVX2},
+                 {"avx512", KVHI_ATTN_AVX512}};
+
+int kvhi_attn_isa_by_name(const char *name)
+{
+    for (size_t i = 0; i < sizeof(isa_names) / sizeof(isa_names[0]); i++)
+        if (strcmp(name, isa_names[i].name) == 0)
+            return isa_names[i].impl;
+    return -1;
 }
 
 void kvhi_attn_cpu_destroy(void *state)

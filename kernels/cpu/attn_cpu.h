@@ -81,6 +81,9 @@ int kvhi_attn_cpu_run_range(kvhi_attn_cpu *st, const kvhi_attn_plan *p, uint32_t
 void kvhi_attn_cpu_destroy(void *state);
 /* 1 when this CPU (and OS) runs the implementation. */
 int kvhi_attn_cpu_supported(int impl);
+/* The implementation KVH_ATTN_ISA names (reference, generic, avx2,
+ * avx512), or -1. */
+int kvhi_attn_isa_by_name(const char *name);
 /* The implementation an AUTO run uses on this machine. */
 int kvhi_attn_cpu_best(void);
 
