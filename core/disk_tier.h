@@ -47,6 +47,8 @@ bool kvhi_disk_clean_step(kvh_engine *e);
 /* Records the clock hand may scan for each lead, and at most in all. */
 #define KVHI_CLEAN_SCAN_PER_LEAD 16u
 #define KVHI_CLEAN_SCAN_CREDIT_MAX 4096u
+/* Promotions from disk between two wakes of a worker to spend their pay. */
+#define KVHI_CLEAN_PAYS_PER_WAKE 16u
 /* Block b may have become cleanable (it arrived in the host tier, or
  * was published or unpinned there): a lead for the cleaner when it is in
  * the host tier (lock held). Every arrival pays the hand its records,

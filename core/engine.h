@@ -203,6 +203,9 @@ struct kvh_engine {
     uint32_t clean_leads[KVHI_CLEAN_LEADS];
     uint32_t clean_leads_head, clean_leads_len;
     uint32_t clean_scan_credit;
+    /* Promotions from disk paid into the credit since a worker was last
+     * woken for it (core/move.c): one wake per KVHI_CLEAN_PAYS_PER_WAKE. */
+    uint32_t clean_pays_unwoken;
     /* The filesystem under the disk tier refused a slab write (ENOSPC):
      * background cleaning rests until disk_full_until (kvhi_now_ns), the
      * rest doubling with each refusal (core/disk_tier.c). 0: no refusal

@@ -347,10 +347,17 @@ kvh_status kvhi_move_end(kvh_engine *e, kvhi_xfer *x, uint32_t *src_slot_out)
     bool keep_src = false;
     if (e->disk && (tier == KVH_TIER_DISK || src_tier == KVH_TIER_DISK))
         kvhi_disk_after_move(e, b, x, &keep_src);
-    if (restored && !keep_src)
+    if (restored && !keep_src) {
         kvhi_block_host_arrived(e, b);
-    else if (restored)
+    } else if (restored) {
+        /* Its pay to the hand is spent when a worker looks: one is woken
+         * every few promotions, not for each. */
         kvhi_disk_clean_pay(e);
+        if (++e->clean_pays_unwoken >= KVHI_CLEAN_PAYS_PER_WAKE && e->n_workers && kvhi_disk_host_runs_low(e)) {
+            e->clean_pays_unwoken = 0;
+            pthread_cond_signal(&e->work_ready);
+        }
+    }
     if (keep_src)
         ; /* the old disk slot is now b's clean copy */
     else if (src_slot_out)

@@ -769,6 +769,46 @@ static void test_cleaner_sweeps_what_arrivals_pay_for(void **state)
     dt_assert_ok(dt_close(e));
 }
 
+/* A published host block without a disk copy whose lead was lost (to the
+ * ring's overflow), and then only promotions from disk on the caller's
+ * thread, with a worker: they pay the hand and wake the worker now and
+ * then to spend it, so the block is cleaned ahead of its eviction. */
+static void test_restores_alone_still_move_the_hand(void **state)
+{
+    (void)state;
+    char dir[PATH_MAX];
+    dt_scratch("cleaner-restores-only", dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 2, 16, 1024, 1);
+    kvh_engine *e = dt_open_a(&c);
+    kvh_seq s, u;
+    dt_assert_ok(dt_build(e, G, dt_plain(9), 200 * G.bt, 0, &s));
+    dt_assert_ok(kvh_seq_migrate(e, s, 0, 200 * G.bt, KVH_TIER_DISK, NULL));
+    dt_assert_ok(dt_build(e, G, dt_plain(10), G.bt, 0, &u));
+    dt_assert_ok(kvh_seq_migrate(e, u, 0, G.bt, KVH_TIER_HOST, NULL));
+    uint32_t ub = wb_seq_block_index(e, u, 0);
+    wb_lock(e);
+    kvhi_block *ublk = kvhi_blk(e, ub);
+    assert_int_equal(ublk->tier, KVH_TIER_HOST);
+    assert_false(ublk->flags & KVHI_BF_DISK_COPY);
+    e->clean_leads_len = 0; /* its lead lost */
+    e->clean_scan_credit = 0;
+    wb_unlock(e);
+    bool cleaned = false;
+    for (uint64_t i = 0; i < 200 && !cleaned; i++) {
+        dt_assert_ok(kvh_seq_migrate(e, s, i * G.bt, G.bt, KVH_TIER_HOST, NULL));
+        usleep(2000); /* the worker's turn */
+        wb_lock(e);
+        assert_int_equal(ublk->tier, KVH_TIER_HOST); /* still there: cleaned ahead, not at its eviction */
+        cleaned = (ublk->flags & KVHI_BF_DISK_COPY) != 0;
+        wb_unlock(e);
+    }
+    assert_true(cleaned);
+    dt_assert_verified(e, u, G, dt_plain(10), 0, G.bt);
+    dt_assert_ok(kvh_seq_free(e, u));
+    dt_assert_ok(kvh_seq_free(e, s));
+    dt_assert_ok(dt_close(e));
+}
+
 /* Of records b[0..n): how many are in the host tier (*in_host) and have
  * a clean disk copy there (returned). Lock held. */
 static int host_copies(kvh_engine *e, const uint32_t *b, int n, int *in_host)
@@ -1014,6 +1054,7 @@ int main(void)
         cmocka_unit_test_teardown(test_victim_waits_for_cleaned_unreferenced_block, teardown),
         cmocka_unit_test_teardown(test_cleaner_wakeup_counts_kept_copies, teardown),
         cmocka_unit_test_teardown(test_cleaner_sweeps_what_arrivals_pay_for, teardown),
+        cmocka_unit_test_teardown(test_restores_alone_still_move_the_hand, teardown),
         cmocka_unit_test_teardown(test_cleaner_keeps_what_it_could_not_write, teardown),
         cmocka_unit_test_teardown(test_long_journal_folds, teardown),
         cmocka_unit_test_teardown(test_verify_in_place, teardown),
