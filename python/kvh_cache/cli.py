@@ -988,15 +988,35 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # the command ends as that signal, with the error it ended on.
         if unwind.raised is None:
             raise
-        if not _caused_by_signal(exc) and not isinstance(exc, SystemExit):
-            first = str(exc).splitlines()[0] if str(exc) else ""
-            _err(f"{type(exc).__name__}: {first}" if first else type(exc).__name__)
+        if isinstance(exc, SystemExit) and exc.code in (0, None):
+            return 0  # as a return of 0: the command did its work
+        try:
+            if not _caused_by_signal(exc):
+                _err(_one_line(exc))
+        except BaseException:  # a second signal, or a __str__ that fails: the first signal ends it
+            pass
         return _ended_by(unwind.raised)
     finally:
         unwind.restore()
     if rc != 0 and unwind.raised is not None:  # such an error, reported as a failure
         return _ended_by(unwind.raised)
     return rc
+
+
+def _one_line(exc: BaseException) -> str:
+    """The first line of what exc says, at most 500 characters: a
+    SystemExit's message as it is, any other with its type."""
+    if isinstance(exc, SystemExit):
+        text = "" if isinstance(exc.code, int) else str(exc.code)
+    else:
+        try:
+            text = str(exc)
+        except Exception:
+            text = ""
+    first = next((line for line in text.splitlines() if line.strip()), "")[:500]
+    if isinstance(exc, SystemExit):
+        return first or f"exit status {exc.code}"
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
 def _caused_by_signal(exc: BaseException) -> bool:

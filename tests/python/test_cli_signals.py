@@ -164,16 +164,38 @@ def test_an_error_raised_without_a_signal_is_still_a_traceback():
     assert "RuntimeError: building a validator: OSError('not a signal')" in res.stderr, res.stderr
 
 
-def test_an_error_after_a_caught_interrupt_is_shown_and_ends_as_the_interrupt():
-    # Something caught the Ctrl-C and went on, then failed: the failure is
-    # shown (one line, no traceback) and the command ends as interrupted,
-    # which is what its caller asked for.
+# How a command that caught its own Ctrl-C and went on then ends: the code
+# after the caught interrupt, the exit status, and standard error's lines.
+_AFTER_CAUGHT = {
+    "error": ("raise RuntimeError('a failure of its own')", 130, ["RuntimeError: a failure of its own", "interrupted"]),
+    "exit 0": ("sys.exit(0)", 0, []),
+    "exit None": ("sys.exit()", 0, []),
+    "exit message": ("sys.exit('config broken')", 130, ["config broken", "interrupted"]),
+    "exit 3": ("sys.exit(3)", 130, ["exit status 3", "interrupted"]),
+    "str fails": (
+        "class Bad(Exception):\n        def __str__(self):\n            raise ValueError('no str')\n    raise Bad()",
+        130,
+        ["Bad", "interrupted"],
+    ),
+    "long message": (
+        "raise RuntimeError('\\n' + 'x' * 200000 + '\\nmore')",
+        130,
+        ["RuntimeError: " + "x" * 500, "interrupted"],
+    ),
+}
+
+
+@pytest.mark.parametrize("ending", sorted(_AFTER_CAUGHT))
+def test_how_a_command_ends_after_it_caught_an_interrupt(ending):
+    # The failure is shown (one line, no traceback) and the command ends
+    # as interrupted, which is what its caller asked for; a clean exit is
+    # a clean exit.
+    code, rc, lines = _AFTER_CAUGHT[ending]
     script = _WRAPPING_SCRIPT.replace(
         "def work(args):\n    library_call()",
         "def work(args):\n    try:\n        signal.raise_signal(signal.SIGINT)\n    except KeyboardInterrupt:\n"
-        "        pass\n    raise RuntimeError('a failure of its own')",
+        "        pass\n    " + code,
     )
-    assert "a failure of its own" in script
     res = _run_script(script.format(sig="SIGINT", wrapper="RuntimeError"))
-    assert res.returncode == 130 and "Traceback" not in res.stderr, res.stdout + res.stderr
-    assert res.stderr.splitlines() == ["kvh: RuntimeError: a failure of its own", "kvh: interrupted"], res.stderr
+    assert res.returncode == rc and "Traceback" not in res.stderr, res.stdout + res.stderr[:2000]
+    assert res.stderr.splitlines() == ["kvh: " + line for line in lines], res.stderr[:2000]
