@@ -683,12 +683,33 @@ static void test_cleaner_wakeup_counts_kept_copies(void **state)
 
 /* A fresh store named name: a 2-block device tier, host and disk as
  * given, no migration workers (the tests call the cleaner themselves). */
-static kvh_engine *open_store(const char *name, uint64_t host_blocks, uint64_t disk_slots)
+static kvh_engine *open_store_with(const char *name, uint64_t host_blocks, uint64_t disk_slots, uint32_t workers)
 {
     char dir[PATH_MAX];
     dt_scratch(name, dir, sizeof(dir));
-    kvh_config c = dt_cfg(G, dir, 2, host_blocks, disk_slots, 0);
+    kvh_config c = dt_cfg(G, dir, 2, host_blocks, disk_slots, workers);
     return dt_open_a(&c);
+}
+
+static kvh_engine *open_store(const char *name, uint64_t host_blocks, uint64_t disk_slots)
+{
+    return open_store_with(name, host_blocks, disk_slots, 0);
+}
+
+/* A new sequence *u of one published block, in the host tier without a
+ * disk copy (dt_plain(10)); its record. */
+static uint32_t uncleaned_host_block(kvh_engine *e, kvh_seq *u)
+{
+    dt_assert_ok(dt_build(e, G, dt_plain(10), G.bt, 0, u));
+    dt_assert_ok(kvh_seq_migrate(e, *u, 0, G.bt, KVH_TIER_HOST, NULL));
+    uint32_t ub = wb_seq_block_index(e, *u, 0);
+    wb_lock(e);
+    const kvhi_block *blk = kvhi_blk(e, ub);
+    assert_int_equal(blk->tier, KVH_TIER_HOST);
+    assert_true(blk->flags & KVHI_BF_PUBLISHED);
+    assert_false(blk->flags & KVHI_BF_DISK_COPY);
+    wb_unlock(e);
+    return ub;
 }
 
 /* The hand's records scanned since h (it wraps at the table's end). */
@@ -740,14 +761,9 @@ static void test_cleaner_sweeps_what_arrivals_pay_for(void **state)
      * hand reaches it within a round of the table. */
     uint32_t sb_last = wb_seq_block_index(e, s, 39);
     kvh_seq u;
-    dt_assert_ok(dt_build(e, G, dt_plain(10), G.bt, 0, &u));
-    dt_assert_ok(kvh_seq_migrate(e, u, 0, G.bt, KVH_TIER_HOST, NULL));
-    uint32_t ub = wb_seq_block_index(e, u, 0);
+    uint32_t ub = uncleaned_host_block(e, &u);
     wb_lock(e);
     kvhi_block *ublk = kvhi_blk(e, ub);
-    assert_int_equal(ublk->tier, KVH_TIER_HOST);
-    assert_true(ublk->flags & KVHI_BF_PUBLISHED);
-    assert_false(ublk->flags & KVHI_BF_DISK_COPY);
     /* s's last block: in the host tier with its disk copy, no candidate. */
     uint32_t other = sb_last;
     assert_int_equal(kvhi_blk(e, other)->tier, KVH_TIER_HOST);
@@ -776,20 +792,13 @@ static void test_cleaner_sweeps_what_arrivals_pay_for(void **state)
 static void test_restores_alone_still_move_the_hand(void **state)
 {
     (void)state;
-    char dir[PATH_MAX];
-    dt_scratch("cleaner-restores-only", dir, sizeof(dir));
-    kvh_config c = dt_cfg(G, dir, 2, 16, 1024, 1);
-    kvh_engine *e = dt_open_a(&c);
+    kvh_engine *e = open_store_with("cleaner-restores-only", 16, 1024, 1);
     kvh_seq s, u;
     dt_assert_ok(dt_build(e, G, dt_plain(9), 200 * G.bt, 0, &s));
     dt_assert_ok(kvh_seq_migrate(e, s, 0, 200 * G.bt, KVH_TIER_DISK, NULL));
-    dt_assert_ok(dt_build(e, G, dt_plain(10), G.bt, 0, &u));
-    dt_assert_ok(kvh_seq_migrate(e, u, 0, G.bt, KVH_TIER_HOST, NULL));
-    uint32_t ub = wb_seq_block_index(e, u, 0);
+    uint32_t ub = uncleaned_host_block(e, &u);
     wb_lock(e);
     kvhi_block *ublk = kvhi_blk(e, ub);
-    assert_int_equal(ublk->tier, KVH_TIER_HOST);
-    assert_false(ublk->flags & KVHI_BF_DISK_COPY);
     e->clean_leads_len = 0; /* its lead lost */
     e->clean_scan_credit = 0;
     wb_unlock(e);
