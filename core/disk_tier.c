@@ -540,6 +540,7 @@ static kvh_status write_copies(kvh_engine *e, const uint32_t *blocks, uint32_t n
         kvhi_block_move_event(blk, KVHI_EV_COPY_BEGIN);
         kvhi_block_update_evictable(e, b);
         kvhi_xfer_prepare(e, b, KVH_TIER_DISK, slot, &xs[k++]);
+        e->disk_copies_writing++;
     }
     if (k) {
         struct kvhi_disk_copy_batch listed = {xs, k, e->disk_copy_batches};
@@ -557,6 +558,7 @@ static kvh_status write_copies(kvh_engine *e, const uint32_t *blocks, uint32_t n
         kvhi_xfer *x = &xs[j];
         kvhi_block *blk = &e->blocks[x->block];
         kvhi_block_writing_done(e, x->block);
+        e->disk_copies_writing--;
         if (x->err != 0) {
             kvhi_release_slot(e, KVH_TIER_DISK, x->dst_slot);
             refused |= kvhi_err_disk_full(x->err);

@@ -607,7 +607,9 @@ void kvhi_tier_info(kvh_engine *e, uint32_t tier, kvh_tier_info *info)
             r.used_blocks -= e->clean.count;
             r.clean_copies = e->clean.count;
         } else if (tier == KVH_TIER_DISK) {
-            r.clean_copies = e->disk_copy_count; /* in used_blocks: most cannot be given back */
+            /* in used_blocks: most cannot be given back. Those being
+             * written hold their slots too. */
+            r.clean_copies = e->disk_copy_count + e->disk_copies_writing;
         }
         r.used_bytes = r.used_blocks * t->slot_bytes;
         r.pinned_blocks = t->pinned;

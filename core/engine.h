@@ -192,6 +192,7 @@ struct kvh_engine {
     uint32_t clean_hand;            /* background cleaner's clock hand */
     uint32_t copy_give_back_hand;   /* kvhi_disk_give_back_copy's clock hand */
     uint64_t disk_copy_count;       /* blocks with KVHI_BF_DISK_COPY (kvh_tier_info) */
+    uint64_t disk_copies_writing;   /* disk slots of copies being written, counted with them there */
     uint32_t workers_waiting_room;  /* in kvhi_wait_queued_moves_out or waiting for a busy block */
     uint64_t queued_move_waits;     /* its waits */
     uint64_t queued_moves_run_here; /* moves it ran itself, no other worker being free */

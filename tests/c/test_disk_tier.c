@@ -818,6 +818,57 @@ static void test_restores_alone_still_move_the_hand(void **state)
     dt_assert_ok(dt_close(e));
 }
 
+static atomic_int write_entered;
+
+static int entering_hook(enum kvhi_disk_op op, void *user)
+{
+    if (op == KVHI_OP_WRITE)
+        atomic_store(&write_entered, 1);
+    return holding_hook(op, user);
+}
+
+static void *run_persist(void *arg)
+{
+    clean_run *r = arg;
+    r->st = kvh_seq_persist(r->e, r->s);
+    atomic_store(&r->done, 1);
+    return NULL;
+}
+
+/* kvh.h: used_blocks - clean_copies of the disk tier are the blocks on
+ * disk alone, also while a copy is being written (its slot is taken,
+ * outside the engine lock): a persist held in its write does not make
+ * the copy look like a block on disk. */
+static void test_tier_info_counts_copies_being_written(void **state)
+{
+    (void)state;
+    kvh_engine *e = open_store("copies-writing", 16, 64);
+    kvh_seq u;
+    (void)uncleaned_host_block(e, &u);
+    kvh_tier_info before = dt_tier(e, KVH_TIER_DISK);
+    atomic_store(&write_entered, 0);
+    atomic_store(&hold_writes, 1);
+    kvhi_disk_set_fault_hook(entering_hook, NULL);
+    clean_run r = {.e = e, .s = u};
+    pthread_t t;
+    assert_int_equal(pthread_create(&t, NULL, run_persist, &r), 0);
+    for (int i = 0; i < 5000 && !atomic_load(&write_entered); i++)
+        usleep(1000);
+    assert_true(atomic_load(&write_entered));
+    kvh_tier_info mid = dt_tier(e, KVH_TIER_DISK);
+    atomic_store(&hold_writes, 0);
+    assert_int_equal(pthread_join(t, NULL), 0);
+    kvhi_disk_set_fault_hook(NULL, NULL);
+    dt_assert_ok(r.st);
+    assert_int_equal(mid.used_blocks, before.used_blocks + 1);
+    assert_int_equal(mid.used_blocks - mid.clean_copies, before.used_blocks - before.clean_copies);
+    kvh_tier_info after = dt_tier(e, KVH_TIER_DISK);
+    assert_int_equal(after.used_blocks, before.used_blocks + 1);
+    assert_int_equal(after.clean_copies, before.clean_copies + 1);
+    dt_assert_ok(kvh_seq_free(e, u));
+    dt_assert_ok(dt_close(e));
+}
+
 /* Of records b[0..n): how many are in the host tier (*in_host) and have
  * a clean disk copy there (returned). Lock held. */
 static int host_copies(kvh_engine *e, const uint32_t *b, int n, int *in_host)
@@ -1064,6 +1115,7 @@ int main(void)
         cmocka_unit_test_teardown(test_cleaner_wakeup_counts_kept_copies, teardown),
         cmocka_unit_test_teardown(test_cleaner_sweeps_what_arrivals_pay_for, teardown),
         cmocka_unit_test_teardown(test_restores_alone_still_move_the_hand, teardown),
+        cmocka_unit_test_teardown(test_tier_info_counts_copies_being_written, teardown),
         cmocka_unit_test_teardown(test_cleaner_keeps_what_it_could_not_write, teardown),
         cmocka_unit_test_teardown(test_long_journal_folds, teardown),
         cmocka_unit_test_teardown(test_verify_in_place, teardown),

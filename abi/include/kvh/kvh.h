@@ -545,7 +545,8 @@ typedef struct kvh_tier_info {
      * device tier (kvh_stats.clean_copies_kept). Not in used_blocks: the
      * first block that needs a slot takes one back.
      * Disk tier: slots holding a copy of a block that lives in a memory
-     * tier (persisted, or written ahead by background cleaning). Counted
+     * tier (persisted, or written ahead by background cleaning), or being
+     * written as one. Counted
      * in used_blocks, so used_blocks - clean_copies blocks are on disk
      * alone; a full disk takes back those no sequence or handle refers
      * to (kvh_stats.disk_copies_given_back). 0 for the device tier. */
