@@ -68,10 +68,9 @@ static void init(void)
 #endif
     best_impl = kvhi_crc32c_fold_supported() ? KVHI_CRC32C_FOLD : have_sse42 ? KVHI_CRC32C_SSE42 : KVHI_CRC32C_TABLE;
     const char *env = secure_getenv("KVH_CRC32C_IMPL"); /* A/B runs of one build */
-    if (env)
-        for (int impl = KVHI_CRC32C_TABLE; impl <= KVHI_CRC32C_FOLD; impl++)
-            if (strcmp(env, kvhi_crc32c_impl_name(impl)) == 0 && impl <= best_impl)
-                best_impl = impl;
+    int named = env ? kvhi_crc32c_impl_by_name(env) : -1;
+    if (named > 0 && named <= best_impl)
+        best_impl = named;
     int expected = KVHI_CRC32C_AUTO;
     __atomic_compare_exchange_n(&active_impl, &expected, best_impl, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
     fold_k[0] = fold_constant(8 * KVHI_CRC32C_FOLD_BYTES + 31);
@@ -271,4 +270,12 @@ int kvhi_crc32c_impl(void) { return impl_now(); }
 const char *kvhi_crc32c_impl_name(int impl)
 {
     return impl == KVHI_CRC32C_FOLD ? "avx512" : impl == KVHI_CRC32C_SSE42 ? "sse42" : "table";
+}
+
+int kvhi_crc32c_impl_by_name(const char *name)
+{
+    for (int impl = KVHI_CRC32C_TABLE; impl <= KVHI_CRC32C_FOLD; impl++)
+        if (strcmp(name, kvhi_crc32c_impl_name(impl)) == 0)
+            return impl;
+    return -1;
 }

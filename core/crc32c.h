@@ -29,5 +29,7 @@ int kvhi_crc32c_set_impl(int impl);
 /* The one in use. */
 int kvhi_crc32c_impl(void);
 const char *kvhi_crc32c_impl_name(int impl);
+/* The implementation KVH_CRC32C_IMPL names (table, sse42, avx512), or -1. */
+int kvhi_crc32c_impl_by_name(const char *name);
 
 #endif

@@ -5,27 +5,10 @@
 #include "core/isa_overrides.h"
 
 #include <stdlib.h>
-#include <string.h>
 
 #include "core/crc32c.h"
 #include "kernels/cpu/attn_cpu.h"
 #include "kernels/cpu/kv_codec.h"
-
-static int crc_by_name(const char *name)
-{
-    for (int impl = KVHI_CRC32C_TABLE; impl <= KVHI_CRC32C_FOLD; impl++)
-        if (strcmp(name, kvhi_crc32c_impl_name(impl)) == 0)
-            return impl;
-    return -1;
-}
-
-static int codec_by_name(const char *name)
-{
-    for (int isa = KVHI_CODEC_SCALAR; isa <= KVHI_CODEC_AVX512; isa++)
-        if (strcmp(name, kvhi_codec_isa_name(isa)) == 0)
-            return isa;
-    return -1;
-}
 
 static const struct override {
     const char *var, *names;
@@ -33,8 +16,8 @@ static const struct override {
     int (*supported)(int impl);
 } overrides[] = {
     {"KVH_ATTN_ISA", "reference, generic, avx2, avx512", kvhi_attn_isa_by_name, kvhi_attn_cpu_supported},
-    {"KVH_CODEC_ISA", "scalar, avx2, avx512", codec_by_name, kvhi_codec_isa_supported},
-    {"KVH_CRC32C_IMPL", "table, sse42, avx512", crc_by_name, kvhi_crc32c_supported},
+    {"KVH_CODEC_ISA", "scalar, avx2, avx512", kvhi_codec_isa_by_name, kvhi_codec_isa_supported},
+    {"KVH_CRC32C_IMPL", "table, sse42, avx512", kvhi_crc32c_impl_by_name, kvhi_crc32c_supported},
 };
 
 void kvhi_warn_isa_overrides(kvh_engine *e)

@@ -79,5 +79,7 @@ int kvhi_codec_set_isa(int isa);
 int kvhi_codec_active_isa(void);
 /* "scalar", "avx2" or "avx512". */
 const char *kvhi_codec_isa_name(int isa);
+/* The set KVH_CODEC_ISA names (scalar, avx2, avx512), or -1. */
+int kvhi_codec_isa_by_name(const char *name);
 
 #endif

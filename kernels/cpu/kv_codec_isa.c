@@ -27,13 +27,20 @@ const char *kvhi_codec_isa_name(int isa)
     return isa == KVHI_CODEC_AVX512 ? "avx512" : isa == KVHI_CODEC_AVX2 ? "avx2" : "scalar";
 }
 
+int kvhi_codec_isa_by_name(const char *name)
+{
+    for (int isa = KVHI_CODEC_SCALAR; isa <= KVHI_CODEC_AVX512; isa++)
+        if (strcmp(name, kvhi_codec_isa_name(isa)) == 0)
+            return isa;
+    return -1;
+}
+
 static int best_isa(void)
 {
     const char *env = secure_getenv("KVH_CODEC_ISA");
-    if (env)
-        for (int isa = KVHI_CODEC_SCALAR; isa <= KVHI_CODEC_AVX512; isa++)
-            if (strcmp(env, kvhi_codec_isa_name(isa)) == 0 && kvhi_codec_isa_supported(isa))
-                return isa;
+    int named = env ? kvhi_codec_isa_by_name(env) : -1;
+    if (named > 0 && kvhi_codec_isa_supported(named))
+        return named;
     if (kvhi_codec_isa_supported(KVHI_CODEC_AVX512))
         return KVHI_CODEC_AVX512;
     if (kvhi_codec_isa_supported(KVHI_CODEC_AVX2))
