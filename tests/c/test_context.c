@@ -929,6 +929,58 @@ static void a_context_larger_than_the_device_tier_moves_nothing(void **state)
     assert_ok(tu_close(e));
 }
 
+/* A switch whose work runs out of room (the KV that would have to leave
+ * is pinned) keeps the regions that arrived, leaves the rest where they
+ * were, and the same call again completes it once room is free (kvh.h). */
+static void a_failed_switch_keeps_what_arrived_and_a_retry_ends_it(void **state)
+{
+    enum { DEV_BLOCKS = 20, KV_BLOCKS = 8, REGION = 4096 }; /* 8 slots of 512 bytes a region */
+    kvh_engine *e = open_engine(MODE(state), DEV_BLOCKS, 64, NULL);
+    kvh_seq s;
+    assert_ok(kvh_seq_create(e, 0, &s));
+    int32_t t[KV_BLOCKS * BT];
+    tu_iota(t, KV_BLOCKS * BT, 1);
+    assert_ok(kvh_seq_append(e, s, t, KV_BLOCKS * BT));
+    assert_ok(kvh_seq_pin(e, s, 0, KV_BLOCKS * BT, 1)); /* 12 slots left: one region, not two */
+    kvh_context_params cp;
+    assert_ok(kvh_context_params_init(&cp, sizeof(cp)));
+    kvh_context c;
+    assert_ok(kvh_context_create(e, &cp, &c));
+    static uint8_t bytes[2][REGION];
+    for (uint32_t r = 0; r < 2; r++) {
+        for (uint32_t i = 0; i < REGION; i++)
+            bytes[r][i] = (uint8_t)(i * 7u + r * 131u + 1u);
+        kvh_weight_region_params rp;
+        assert_ok(kvh_weight_region_params_init(&rp, sizeof(rp)));
+        rp.layer = r;
+        rp.bytes = bytes[r];
+        rp.size = REGION;
+        uint32_t idx;
+        assert_ok(kvh_context_add_region(e, c, &rp, &idx));
+    }
+    kvh_context none = {0};
+    assert_kvh(KVH_ERR_NOSPACE, kvh_context_switch(e, none, c, NULL));
+    assert_non_null(strstr(kvh_last_error(), "pinned, held or in flight"));
+    assert_int_equal(ct_context_info(e, c).bytes_device, REGION); /* layer 0 arrived */
+    void *p = NULL;
+    size_t n = 0;
+    assert_ok(kvh_context_region_data(e, c, 0, 0, &p, &n));
+    assert_int_equal(n, REGION);
+    assert_memory_equal(p, bytes[0], REGION);
+    assert_kvh(KVH_ERR_NOT_RESIDENT, kvh_context_region_data(e, c, 1, 0, &p, &n));
+
+    assert_ok(kvh_seq_pin(e, s, 0, KV_BLOCKS * BT, 0));
+    assert_ok(kvh_context_switch(e, none, c, NULL));
+    assert_int_equal(ct_context_info(e, c).bytes_device, 2 * REGION);
+    for (uint32_t r = 0; r < 2; r++) {
+        assert_ok(kvh_context_region_data(e, c, r, 0, &p, &n));
+        assert_memory_equal(p, bytes[r], REGION);
+    }
+    assert_ok(kvh_seq_free(e, s));
+    assert_ok(kvh_context_destroy(e, c));
+    assert_ok(tu_close(e));
+}
+
 /* Bytes wait in the host tier until a switch: without a disk tier, a
  * region from memory larger than the host tier (but not the device tier)
  * is refused as such, not as a tier with no room "now". */
@@ -1152,6 +1204,7 @@ int main(void)
         MODES(verifies_run_side_by_side),
         MODES(long_names_keep_the_reason),
         MODES(a_context_larger_than_the_device_tier_moves_nothing),
+        MODES(a_failed_switch_keeps_what_arrived_and_a_retry_ends_it),
         MODES(bytes_beyond_the_host_tier_say_why),
         MODES(a_tier_full_of_weights_says_so),
         cmocka_unit_test_prestate_setup_teardown(overlapping_verifies_let_a_switch_start, NULL, tu_teardown, &M_COPY2),

@@ -1625,9 +1625,14 @@ KVH_API kvh_status kvh_context_attach_seq(kvh_engine *engine, kvh_context ctx, k
  * (from == to, not null), KVH_ERR_BAD_HANDLE, KVH_ERR_NOMEM, KVH_ERR_NOSPACE
  * (to's regions together, each in whole pages, are more than the whole
  * device tier: refused before anything moves); the work (the call
- * itself without a fence) reports KVH_ERR_NOSPACE, KVH_ERR_IO,
- * KVH_ERR_NOMEM, KVH_ERR_CORRUPT (a chunk read from its file no longer
- * matches its checksum). Pointers from
+ * itself without a fence) reports KVH_ERR_NOSPACE (the KV that would
+ * have to leave the device tier for a region is pinned, held by
+ * kvh_seq_acquire, or in a call or a move at that moment: the switch
+ * does not wait for it), KVH_ERR_IO, KVH_ERR_NOMEM, KVH_ERR_CORRUPT (a
+ * chunk read from its file no longer matches its checksum). A switch
+ * whose work fails has moved from's weights out as above and leaves
+ * to's regions that arrived resident and the others where they were;
+ * the same call again, once room is free, loads the rest. Pointers from
  * kvh_context_region_data for from become invalid. @threads any */
 KVH_API kvh_status kvh_context_switch(kvh_engine *engine, kvh_context from, kvh_context to, kvh_fence *fence);
 
