@@ -459,6 +459,27 @@ static void test_pin_after_queueing_is_skipped(void **state)
     check_stats(e);
 }
 
+/* kvh.h, kvh_migrate: a move down of a block kvh_seq_acquire holds is
+ * skipped (the caller reads it where it is), its fence still OK; once
+ * released the same move runs. */
+static void test_held_blocks_are_not_moved_down(void **state)
+{
+    kvh_engine *e = open_small(THREADS(state), 16, 16);
+    kvh_seq s = make_seq(e, 0, 4, 410);
+    assert_ok(kvh_seq_acquire(e, s, 0, 4 * BT, NULL));
+    for (int round = 0; round < 2; round++) {
+        kvh_fence f;
+        assert_ok(kvh_seq_migrate(e, s, 0, 4 * BT, KVH_TIER_HOST, &f));
+        assert_ok(kvh_fence_wait(e, f, UINT64_MAX));
+        assert_ok(kvh_fence_free(e, f));
+        assert_int_equal(count_in(e, s, 4, KVH_TIER_DEVICE), round == 0 ? 4 : 0);
+        if (round == 0)
+            assert_ok(kvh_seq_release(e, s, 0, 4 * BT));
+    }
+    assert_true(tu_check_pattern(e, s, L, TOK, 410, 0, 4 * BT));
+    check_stats(e);
+}
+
 /* ---- both tiers full ---- */
 
 static void test_swap_when_both_full(void **state)
@@ -1025,6 +1046,7 @@ int main(void)
         BOTH(test_pinning),
         BOTH(test_seq_pins_end_with_the_sequence),
         BOTH(test_pin_after_queueing_is_skipped),
+        BOTH(test_held_blocks_are_not_moved_down),
         BOTH(test_swap_when_both_full),
         BOTH(test_nospace_changes_nothing),
         BOTH(test_nospace_all_pinned),

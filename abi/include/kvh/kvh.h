@@ -554,6 +554,9 @@ typedef struct kvh_tier_info {
 } kvh_tier_info;
 
 /* Occupancy of one tier. [out] *info (set info->struct_size first).
+ * Each call is one consistent view of its tier; calls for several tiers
+ * are separate views, so while moves run a block between tiers may be
+ * counted in neither or both.
  * Returns KVH_ERR_INVALID_ARG for a NULL info or an unknown tier,
  * KVH_ERR_STRUCT_SIZE. @threads any */
 KVH_API kvh_status kvh_tier_info_get(kvh_engine *engine, uint32_t tier, kvh_tier_info *info);
@@ -933,8 +936,12 @@ KVH_API kvh_status kvh_block_pin(kvh_engine *engine, kvh_block block, int32_t pi
  * says KVH_OK. kvh_seq_acquire holds what it brings up.
  * [borrowed] blocks (n). fence as in kvh_seq_acquire. Pinned blocks are
  * skipped, also those pinned after the call while their move waits in
- * the queue. Returns KVH_ERR_INVALID_ARG (NULL blocks with n > 0, a tier
- * the engine does not have), KVH_ERR_BAD_HANDLE (nothing is moved),
+ * the queue, and so are moves down of blocks a kvh_seq_acquire holds
+ * (the caller reads them where they are). Moves of one block asked by
+ * calls still in flight together run in no set order: where the block
+ * ends is known once their fences complete (kvh_block_info). Returns
+ * KVH_ERR_INVALID_ARG (NULL blocks with n > 0, a tier the engine does not
+ * have), KVH_ERR_BAD_HANDLE (nothing is moved),
  * KVH_ERR_NOMEM; the moves (the call itself without a fence) report
  * KVH_ERR_NOSPACE (no room in tier), KVH_ERR_IO, KVH_ERR_CORRUPT,
  * KVH_ERR_NOMEM (no memory to queue or run a move: the block stays where
