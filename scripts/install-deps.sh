@@ -28,6 +28,7 @@ APT_PACKAGES=(
     redis-tools        # redis-cli: cluster creation in the tests
     fio                # kvh-bench disk: the disk's own ceiling beside the raw baseline
     libisal-dev        # kvh-bench checksum: ISA-L's CRC32C as the baseline
+    gdb                # test_ops_fuzz_mt: every thread's stack when a run stalls
 )
 
 # PyPI distribution names (as `pip install` takes them).

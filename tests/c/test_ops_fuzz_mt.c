@@ -18,6 +18,7 @@
  * longer than that is a stall (fences waiting seconds on work nothing
  * runs: a lone worker waiting for a block whose move waits for it). */
 #include <kvh/kvh.h>
+#include <errno.h>
 #include <math.h>
 #include <stdbool.h>
 #include <pthread.h>
@@ -1458,6 +1459,17 @@ static const fuzz_run runs[] = {
     {3055, 6, 1, 0, 1, 1, 1}, {7, 4, 3, 2, 1, 0, 1}, {8, 5, 1, 1, 0, 1, 1},   {9, 4, 1, 0, 1, 1, 0},
 };
 
+/* Every thread's stack of a running child, to stderr (gdb, where
+ * installed; ptrace of one's own child is allowed). */
+static void dump_threads(pid_t pid, uint64_t seed, double wall)
+{
+    fprintf(stderr, "seed %llu still running after %.1f s: its threads:\n", (unsigned long long)seed, wall);
+    char cmd[160];
+    snprintf(cmd, sizeof cmd, "gdb -batch -p %d -ex 'thread apply all bt' 2>&1 | grep -v '^\\[New LWP' >&2", (int)pid);
+    if (system(cmd) != 0)
+        fprintf(stderr, "(no stacks: gdb failed or is not installed)\n");
+}
+
 /* Runs one configuration in a child process; 1 when it failed or stalled. */
 static int run_in_child(const fuzz_run *fr, double secs, double stall_slack, const char *scratch)
 {
@@ -1473,10 +1485,22 @@ static int run_in_child(const fuzz_run *fr, double secs, double stall_slack, con
     if (pid == 0)
         _exit(run_one(fr, secs, scratch));
     int ws = 0;
-    while (waitpid(pid, &ws, 0) < 0)
-        ;
-    clock_gettime(CLOCK_MONOTONIC, &t1);
-    double wall = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) / 1e9;
+    double wall = 0;
+    bool dumped = false;
+    for (;;) {
+        pid_t got = waitpid(pid, &ws, WNOHANG);
+        clock_gettime(CLOCK_MONOTONIC, &t1);
+        wall = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) / 1e9;
+        if (got == pid || (got < 0 && errno != EINTR))
+            break;
+        /* A stall (below) ends by itself after a timed round: what every
+         * thread waits on is shown while it still waits. */
+        if (!dumped && wall > secs + stall_slack) {
+            dumped = true;
+            dump_threads(pid, fr->seed, wall);
+        }
+        usleep(20000);
+    }
     bool ok = WIFEXITED(ws) && WEXITSTATUS(ws) == 0;
     /* A run takes about a second here (its threads, then the final
      * checks and a reopen), a few under a sanitizer; a stall takes
