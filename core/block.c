@@ -272,6 +272,19 @@ static inline void block_place(kvh_engine *e, uint32_t b, uint32_t tier, uint32_
 
 void kvhi_block_place(kvh_engine *e, uint32_t b, uint32_t tier, uint32_t slot) { block_place(e, b, tier, slot); }
 
+/* A new record's first place (block_place with no tier to leave and no
+ * pins to carry), inline on the allocation path. */
+static inline void block_place_new(kvh_engine *e, uint32_t b, uint32_t tier, uint32_t slot)
+{
+    kvhi_block *blk = kvhi_blk(e, b);
+    blk->tier = (uint8_t)tier;
+    blk->slot = slot;
+    if (tier == KVH_TIER_DEVICE)
+        agent_count(e, blk->agent, +1);
+    else if (tier == KVH_TIER_HOST)
+        host_arrival(e, b);
+}
+
 void kvhi_block_place_unled(kvh_engine *e, uint32_t b, uint32_t tier, uint32_t slot)
 {
     block_place_led(e, b, tier, slot, false);
@@ -360,9 +373,8 @@ __attribute__((always_inline)) static inline kvh_status block_new(kvh_engine *e,
     blk->flags = KVHI_BF_LIVE;
     blk->heap_pos = KVHI_HEAP_NONE;
     blk->quota_heap_pos = KVHI_HEAP_NONE;
-    blk->tier = KVHI_NO_TIER;
     blk->disk_copy = KVHI_NO_BLOCK;
-    block_place(e, b, tier, slot);
+    block_place_new(e, b, tier, slot);
     kvhi_adapt_access(e, &e->adapt, b);
     /* Live, idle and unheld, in no order yet: it joins its tier's pending
      * (block_update_evictable's first step), unless an agent's quota or a
