@@ -892,6 +892,37 @@ static void long_names_keep_the_reason(void **state)
     assert_ok(tu_close(e));
 }
 
+/* A sequence of n full blocks of KV-less tokens 1, 2, ... */
+static kvh_seq seq_of_blocks(kvh_engine *e, uint32_t n)
+{
+    kvh_seq s;
+    assert_ok(kvh_seq_create(e, 0, &s));
+    int32_t *t = tu_alloc(sizeof(int32_t) * n * BT);
+    tu_iota(t, n * BT, 1);
+    assert_ok(kvh_seq_append(e, s, t, n * BT));
+    tu_free(t);
+    return s;
+}
+
+/* A context of n regions from memory, region r of layer r at bytes + r * size. */
+static kvh_context context_of_layers(kvh_engine *e, uint8_t *bytes, uint32_t n, size_t size)
+{
+    kvh_context_params cp;
+    assert_ok(kvh_context_params_init(&cp, sizeof(cp)));
+    kvh_context c;
+    assert_ok(kvh_context_create(e, &cp, &c));
+    for (uint32_t r = 0; r < n; r++) {
+        kvh_weight_region_params rp;
+        assert_ok(kvh_weight_region_params_init(&rp, sizeof(rp)));
+        rp.layer = r;
+        rp.bytes = bytes + (size_t)r * size;
+        rp.size = size;
+        uint32_t idx;
+        assert_ok(kvh_context_add_region(e, c, &rp, &idx));
+    }
+    return c;
+}
+
 /* A context whose regions together exceed the device tier, each fitting
  * alone, is refused before anything moves: the switch used to evict
  * every KV block, load part of it and report a full tier. */
@@ -899,26 +930,10 @@ static void a_context_larger_than_the_device_tier_moves_nothing(void **state)
 {
     enum { DEV_BLOCKS = 20, KV_BLOCKS = 8, REGION = 4096 }; /* 8 slots of 512 bytes a region */
     kvh_engine *e = open_engine(MODE(state), DEV_BLOCKS, 64, NULL);
-    kvh_seq s;
-    assert_ok(kvh_seq_create(e, 0, &s));
-    int32_t t[KV_BLOCKS * BT];
-    tu_iota(t, KV_BLOCKS * BT, 1);
-    assert_ok(kvh_seq_append(e, s, t, KV_BLOCKS * BT));
+    kvh_seq s = seq_of_blocks(e, KV_BLOCKS);
     uint64_t kv_device = tu_tier(e, KVH_TIER_DEVICE).used_blocks;
-    kvh_context_params cp;
-    assert_ok(kvh_context_params_init(&cp, sizeof(cp)));
-    kvh_context c;
-    assert_ok(kvh_context_create(e, &cp, &c));
     static uint8_t bytes[3][REGION];
-    for (uint32_t r = 0; r < 3; r++) {
-        kvh_weight_region_params rp;
-        assert_ok(kvh_weight_region_params_init(&rp, sizeof(rp)));
-        rp.layer = r;
-        rp.bytes = bytes[r];
-        rp.size = REGION;
-        uint32_t idx;
-        assert_ok(kvh_context_add_region(e, c, &rp, &idx));
-    }
+    kvh_context c = context_of_layers(e, &bytes[0][0], 3, REGION);
     kvh_context none = {0};
     assert_kvh(KVH_ERR_NOSPACE, kvh_context_switch(e, none, c, NULL));
     assert_non_null(strstr(kvh_last_error(), "more than the whole device tier"));
@@ -936,28 +951,13 @@ static void a_failed_switch_keeps_what_arrived_and_a_retry_ends_it(void **state)
 {
     enum { DEV_BLOCKS = 20, KV_BLOCKS = 8, REGION = 4096 }; /* 8 slots of 512 bytes a region */
     kvh_engine *e = open_engine(MODE(state), DEV_BLOCKS, 64, NULL);
-    kvh_seq s;
-    assert_ok(kvh_seq_create(e, 0, &s));
-    int32_t t[KV_BLOCKS * BT];
-    tu_iota(t, KV_BLOCKS * BT, 1);
-    assert_ok(kvh_seq_append(e, s, t, KV_BLOCKS * BT));
+    kvh_seq s = seq_of_blocks(e, KV_BLOCKS);
     assert_ok(kvh_seq_pin(e, s, 0, KV_BLOCKS * BT, 1)); /* 12 slots left: one region, not two */
-    kvh_context_params cp;
-    assert_ok(kvh_context_params_init(&cp, sizeof(cp)));
-    kvh_context c;
-    assert_ok(kvh_context_create(e, &cp, &c));
     static uint8_t bytes[2][REGION];
-    for (uint32_t r = 0; r < 2; r++) {
+    for (uint32_t r = 0; r < 2; r++)
         for (uint32_t i = 0; i < REGION; i++)
             bytes[r][i] = (uint8_t)(i * 7u + r * 131u + 1u);
-        kvh_weight_region_params rp;
-        assert_ok(kvh_weight_region_params_init(&rp, sizeof(rp)));
-        rp.layer = r;
-        rp.bytes = bytes[r];
-        rp.size = REGION;
-        uint32_t idx;
-        assert_ok(kvh_context_add_region(e, c, &rp, &idx));
-    }
+    kvh_context c = context_of_layers(e, &bytes[0][0], 2, REGION);
     kvh_context none = {0};
     assert_kvh(KVH_ERR_NOSPACE, kvh_context_switch(e, none, c, NULL));
     assert_non_null(strstr(kvh_last_error(), "pinned, held or in flight"));
