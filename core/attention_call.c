@@ -420,15 +420,51 @@ static void unprepare(kvhi_attn_call *c)
     c->n_held = c->n_stage = 0;
 }
 
+/* Takes the window sparing the batch's own blocks in the device tier:
+ * held meanwhile, they are no victims, for a block evicted to make the
+ * window would only come back through it (re-encoded on the way where
+ * the tier below is encoded). Only when the window cannot be made
+ * otherwise may they leave for it. */
+static kvh_status take_window_sparing_batch(kvh_engine *e, kvhi_attn_call *c, const kvh_seq *seqs, size_t n_seqs,
+                                            uint32_t want)
+{
+    uint64_t n_blocks = 0;
+    for (size_t i = 0; i < n_seqs; i++) {
+        kvhi_seq *s;
+        if (kvhi_seq_get(e, seqs[i], &s) == KVH_OK)
+            n_blocks += s->n_blocks;
+    }
+    uint32_t *spared = malloc(sizeof(uint32_t) * (n_blocks ? n_blocks : 1)), n_spared = 0;
+    for (size_t i = 0; spared && i < n_seqs; i++) {
+        kvhi_seq *s;
+        if (kvhi_seq_get(e, seqs[i], &s) != KVH_OK)
+            continue;
+        for (uint32_t j = 0; j < s->n_blocks; j++)
+            if (e->blocks[s->blocks[j]].tier == KVH_TIER_DEVICE) {
+                kvhi_block_hold(e, s->blocks[j]);
+                spared[n_spared++] = s->blocks[j];
+            }
+    }
+    kvh_status st = take_window(e, c, want);
+    /* Holds keep a freed block's record until this unhold reaps it. */
+    for (uint32_t k = 0; k < n_spared; k++)
+        kvhi_block_unhold(e, spared[k]);
+    free(spared);
+    if (st == KVH_ERR_NOSPACE && n_spared)
+        st = take_window(e, c, want);
+    return st;
+}
+
 kvh_status kvhi_attn_call_prepare(kvh_engine *e, uint32_t layer, const kvh_seq *seqs, const uint32_t *q_lens,
                                   size_t n_seqs, bool prefill, const kvh_attention_params *params, uint64_t total_rows,
                                   kvhi_attn_call *c)
 {
     c->stream_chunk_blocks = params->stream_chunk_blocks;
-    /* The window is taken before anything is held, so that making room
-     * for it may move this batch's own blocks out of the device tier. */
+    /* The window is taken before the batch is held for the call, so
+     * that, where nothing else can leave, making room for it may move
+     * this batch's own blocks out of the device tier. */
     if (c->stream_chunk_blocks && batch_needs_staging(e, seqs, n_seqs)) {
-        kvh_status st = take_window(e, c, params->stream_window_blocks);
+        kvh_status st = take_window_sparing_batch(e, c, seqs, n_seqs, params->stream_window_blocks);
         if (st != KVH_OK)
             return st;
     }
@@ -444,7 +480,7 @@ kvh_status kvhi_attn_call_prepare(kvh_engine *e, uint32_t layer, const kvh_seq *
         }
         /* A block left the device tier since the check: take the window. */
         unprepare(c);
-        if ((st = take_window(e, c, params->stream_window_blocks)) != KVH_OK)
+        if ((st = take_window_sparing_batch(e, c, seqs, n_seqs, params->stream_window_blocks)) != KVH_OK)
             return st;
     }
 }

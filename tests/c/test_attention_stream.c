@@ -437,6 +437,48 @@ static void test_a_refused_window_evicts_nothing(void **state)
     dt_assert_ok(dt_close(e));
 }
 
+/* The window comes from blocks outside the batch where there are any:
+ * the batch's own blocks in the device tier stay there and keep their
+ * bytes (evicted for the window, they would only come back through it,
+ * re-encoded by an int8 host tier on the way). */
+static void test_the_window_spares_the_batchs_device_blocks(void **state)
+{
+    (void)state;
+    kvh_engine *e = open_tiers("stream-spare", DEV_BLOCKS, 64, 0, KVH_CODEC_INT8);
+    kvh_seq batch, other;
+    dt_assert_ok(build(e, 301, 8 * G.bt, &batch)); /* blocks 6 and 7 stay up */
+    dt_assert_ok(build(e, 302, 2 * G.bt, &other)); /* newer than the batch's */
+    size_t per = (size_t)G.heads * G.dim * G.bt;
+    uint16_t *k0 = malloc(2 * per * 2), *v0 = malloc(2 * per * 2), *k1 = malloc(2 * per * 2), *v1 = malloc(2 * per * 2);
+    assert_true(k0 && v0 && k1 && v1);
+    for (uint64_t b = 6; b < 8; b++)
+        assert_int_equal(dt_binfo(e, batch, b).tier, KVH_TIER_DEVICE);
+    dt_assert_ok(kvh_seq_read_kv(e, batch, 0, 6 * G.bt, 2 * G.bt, k0, v0));
+    /* The other sequence read last: by recency alone, the batch's blocks
+     * would be the victims. */
+    dt_assert_ok(kvh_seq_read_kv(e, other, 0, 0, 2 * G.bt, k1, v1));
+    dt_assert_ok(kvh_seq_read_kv(e, other, 1, 0, 2 * G.bt, k1, v1));
+    float *q = queries(1, 11), *out = calloc(HQ * G.dim, sizeof(float));
+    kvh_attention_params p = params(1, 2);
+    dt_assert_ok(kvh_attention_decode(e, 0, &batch, 1, q, out, &p));
+    for (uint64_t b = 6; b < 8; b++)
+        assert_int_equal(dt_binfo(e, batch, b).tier, KVH_TIER_DEVICE);
+    for (uint64_t b = 0; b < 2; b++)
+        assert_int_equal(dt_binfo(e, other, b).tier, KVH_TIER_HOST);
+    dt_assert_ok(kvh_seq_read_kv(e, batch, 0, 6 * G.bt, 2 * G.bt, k1, v1));
+    assert_memory_equal(k0, k1, 2 * per * 2);
+    assert_memory_equal(v0, v1, 2 * per * 2);
+    free(q);
+    free(out);
+    free(k0);
+    free(v0);
+    free(k1);
+    free(v1);
+    dt_assert_ok(kvh_seq_free(e, batch));
+    dt_assert_ok(kvh_seq_free(e, other));
+    dt_assert_ok(dt_close(e));
+}
+
 /* The tiers below share their room: a referenced host block moved to
  * disk to make room for a device block takes a disk slot that device
  * block could have taken itself. Host full of referenced blocks, disk
@@ -492,6 +534,7 @@ int main(void)
         cmocka_unit_test_teardown(test_argument_rules, dt_teardown),
         cmocka_unit_test_teardown(test_a_refused_window_evicts_nothing, dt_teardown),
         cmocka_unit_test_teardown(test_lower_tiers_room_is_counted_once, dt_teardown),
+        cmocka_unit_test_teardown(test_the_window_spares_the_batchs_device_blocks, dt_teardown),
     };
     if (getenv("KVH_TEST_FILTER"))
         cmocka_set_test_filter(getenv("KVH_TEST_FILTER"));

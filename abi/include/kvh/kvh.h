@@ -1369,10 +1369,14 @@ typedef struct kvh_attention_params {
      * tier). A sequence's KV is attended stream_chunk_blocks blocks at a
      * time; chunks with blocks outside the device tier are staged into a
      * window of stream_window_blocks device-tier slots, taken for the call
-     * (it may evict to make room) and given back after it. The window must
-     * hold at least one chunk; two or more let the next chunk be staged
-     * while one is attended. Blocks that pass through are not promoted
-     * (kvh_stats.blocks_streamed_*); kvh_prefetch of a sequence's first
+     * (it may evict to make room: other blocks first, the batch's own
+     * device-tier blocks only when nothing else can leave) and given back
+     * after it. No window is taken, nor refused, when no block needs
+     * staging: all in the device tier, or read where they lie in a host
+     * tier that is one arena with the device tier (kvh_config.copy_moves).
+     * The window must hold at least one chunk; two or more let the next
+     * chunk be staged while one is attended. Blocks that pass through are
+     * not promoted (kvh_stats.blocks_streamed_*); kvh_prefetch of a sequence's first
      * chunks brings them into the device tier ahead of its call. Every
      * block of the batch stays held where it lies for the whole call, so
      * the memory blocks it reads make no room meanwhile: with the memory
