@@ -341,7 +341,7 @@ static uint64_t window_room(kvh_engine *e, uint64_t want)
 
 /* Takes the streaming window: stream_window_blocks device-tier slots
  * (may evict, dropping the lock). */
-static kvh_status take_window(kvh_engine *e, kvhi_attn_call *c, uint32_t want)
+static kvh_status take_window(kvh_engine *e, kvhi_attn_call *c, uint32_t want, bool wait_for_copies)
 {
     free(c->window);
     c->window = NULL;
@@ -361,7 +361,8 @@ static kvh_status take_window(kvh_engine *e, kvhi_attn_call *c, uint32_t want)
     struct timespec until = kvhi_realtime_in_ns(200 * 1000000ull); /* far longer than a block's copy */
     uint64_t could;
     while ((could = window_room(e, want)) < want) {
-        if (!e->copies_in_progress || pthread_cond_timedwait(&e->changed, &e->lock, &until) == ETIMEDOUT)
+        if (!wait_for_copies || !e->copies_in_progress ||
+            pthread_cond_timedwait(&e->changed, &e->lock, &until) == ETIMEDOUT)
             return kvhi_fail(KVH_ERR_NOSPACE,
                              "no room for a streaming window of %u blocks: the device tier can make %llu (free slots, "
                              "and blocks that may leave: not pinned, held or in use, and with room below when "
@@ -445,13 +446,15 @@ static kvh_status take_window_sparing_batch(kvh_engine *e, kvhi_attn_call *c, co
                 spared[n_spared++] = s->blocks[j];
             }
     }
-    kvh_status st = take_window(e, c, want);
+    /* Without waiting for copies: where the window needs the spared
+     * blocks, the attempt below without them waits if it must. */
+    kvh_status st = take_window(e, c, want, n_spared == 0);
     /* Holds keep a freed block's record until this unhold reaps it. */
     for (uint32_t k = 0; k < n_spared; k++)
         kvhi_block_unhold(e, spared[k]);
     free(spared);
     if (st == KVH_ERR_NOSPACE && n_spared)
-        st = take_window(e, c, want);
+        st = take_window(e, c, want, true);
     return st;
 }
 

@@ -970,8 +970,14 @@ static void a_failed_switch_keeps_what_arrived_and_a_retry_ends_it(void **state)
     assert_kvh(KVH_ERR_NOT_RESIDENT, kvh_context_region_data(e, c, 1, 0, &p, &n));
 
     assert_ok(kvh_seq_pin(e, s, 0, KV_BLOCKS * BT, 0));
+    kvh_weight_stats before = ct_weight_stats(e);
     assert_ok(kvh_context_switch(e, none, c, NULL));
+    kvh_weight_stats after = ct_weight_stats(e);
     assert_int_equal(ct_context_info(e, c).bytes_device, 2 * REGION);
+    /* The retry brought the missing region alone. */
+    assert_int_equal(after.bytes_host_to_device + after.bytes_remapped -
+                         (before.bytes_host_to_device + before.bytes_remapped),
+                     REGION);
     for (uint32_t r = 0; r < 2; r++) {
         assert_ok(kvh_context_region_data(e, c, r, 0, &p, &n));
         assert_memory_equal(p, bytes[r], REGION);

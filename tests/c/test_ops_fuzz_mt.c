@@ -22,12 +22,14 @@
 #include <math.h>
 #include <stdbool.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <sys/wait.h>
@@ -1464,8 +1466,9 @@ static const fuzz_run runs[] = {
 static void dump_threads(pid_t pid, uint64_t seed, double wall)
 {
     fprintf(stderr, "seed %llu still running after %.1f s: its threads:\n", (unsigned long long)seed, wall);
-    char cmd[160];
-    snprintf(cmd, sizeof cmd, "gdb -batch -p %d -ex 'thread apply all bt' 2>&1 | grep -v '^\\[New LWP' >&2", (int)pid);
+    char cmd[200];
+    snprintf(cmd, sizeof cmd, "gdb -batch -iex 'set debuginfod enabled off' -p %d -ex 'thread apply all bt' 1>&2",
+             (int)pid);
     if (system(cmd) != 0)
         fprintf(stderr, "(no stacks: gdb failed or is not installed)\n");
 }
@@ -1482,8 +1485,12 @@ static int run_in_child(const fuzz_run *fr, double secs, double stall_slack, con
         perror("fork");
         exit(1);
     }
-    if (pid == 0)
+    if (pid == 0) {
+        /* gdb, started by the parent, may attach where ptrace is limited
+         * to descendants (Yama). */
+        (void)prctl(PR_SET_PTRACER, (unsigned long)getppid(), 0, 0, 0);
         _exit(run_one(fr, secs, scratch));
+    }
     int ws = 0;
     double wall = 0;
     bool dumped = false;
@@ -1491,8 +1498,13 @@ static int run_in_child(const fuzz_run *fr, double secs, double stall_slack, con
         pid_t got = waitpid(pid, &ws, WNOHANG);
         clock_gettime(CLOCK_MONOTONIC, &t1);
         wall = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) / 1e9;
-        if (got == pid || (got < 0 && errno != EINTR))
+        if (got == pid)
             break;
+        if (got < 0 && errno != EINTR) {
+            perror("waitpid");
+            ws = -1; /* read below as a failure, never as a clean exit */
+            break;
+        }
         /* A stall (below) ends by itself after a timed round: what every
          * thread waits on is shown while it still waits. */
         if (!dumped && wall > secs + stall_slack) {
@@ -1501,7 +1513,7 @@ static int run_in_child(const fuzz_run *fr, double secs, double stall_slack, con
         }
         usleep(20000);
     }
-    bool ok = WIFEXITED(ws) && WEXITSTATUS(ws) == 0;
+    bool ok = ws != -1 && WIFEXITED(ws) && WEXITSTATUS(ws) == 0;
     /* A run takes about a second here (its threads, then the final
      * checks and a reopen), a few under a sanitizer; a stall takes
      * five and more (fences waiting out a 5 s round, chained). */
@@ -1538,6 +1550,9 @@ static fuzz_run drawn_run(uint64_t seed)
  * skips the fixed set. */
 int main(void)
 {
+    /* An ignored SIGCHLD, inherited from whoever started the test, would
+     * reap the children before waitpid could read how they ended. */
+    signal(SIGCHLD, SIG_DFL);
     const char *s = getenv("KVH_OPS_FUZZ_SECONDS");
     double secs = s && *s ? atof(s) : 0.4;
     const char *sl = getenv("KVH_OPS_FUZZ_STALL_SECONDS");

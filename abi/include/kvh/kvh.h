@@ -936,8 +936,9 @@ KVH_API kvh_status kvh_block_pin(kvh_engine *engine, kvh_block block, int32_t pi
  * says KVH_OK. kvh_seq_acquire holds what it brings up.
  * [borrowed] blocks (n). fence as in kvh_seq_acquire. Pinned blocks are
  * skipped, also those pinned after the call while their move waits in
- * the queue, and so are moves down of blocks a kvh_seq_acquire holds
- * (the caller reads them where they are). Moves of one block asked by
+ * the queue, and so are moves down of held blocks: those a
+ * kvh_seq_acquire holds, or a call running on them (an attention call's
+ * batch), which reads them where they are. Moves of one block asked by
  * calls still in flight together run in no set order: where the block
  * ends is known once their fences complete (kvh_block_info). Returns
  * KVH_ERR_INVALID_ARG (NULL blocks with n > 0, a tier the engine does not
