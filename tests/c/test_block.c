@@ -289,8 +289,6 @@ static void test_new_blocks_enter_the_order_pending(void **state)
 /* ---- kvh_block_release's backlog (core/block.h) ---- */
 
 /* Under the lock as the engine's own threads take it: the backlog stays. */
-static void raw_lock(kvh_engine *e) { pthread_mutex_lock(&e->lock); }
-static void raw_unlock(kvh_engine *e) { pthread_mutex_unlock(&e->lock); }
 
 /* A release the key vouches for returns at once and leaves its record as
  * it was; the next call of any other kind sees it done. */
@@ -304,26 +302,26 @@ static void test_release_waits_in_the_backlog(void **state)
     uint32_t ia = wb_block_index(e, a);
     kvh_stats before = tu_stats(e);
     assert_ok(kvh_block_release(e, a));
-    raw_lock(e);
+    wb_lock_as_is(e);
     assert_int_equal(e->release_backlog_len, 1);
     assert_int_equal(e->release_backlog[e->release_backlog_head], a.id);
     assert_true(kvhi_blk(e, ia)->flags & KVHI_BF_LIVE); /* not yet touched */
     assert_int_equal(kvhi_blk(e, ia)->ext_refs, 1);
     assert_int_equal(e->block_release_keys[ia] >> KVHI_RELEASE_COUNT_SHIFT, 0);
-    raw_unlock(e);
+    wb_unlock(e);
     /* Any other call applies it before its own work. */
     kvh_stats after = tu_stats(e);
     assert_int_equal(after.blocks_freed, before.blocks_freed + 1);
-    raw_lock(e);
+    wb_lock_as_is(e);
     assert_int_equal(e->release_backlog_len, 0);
     assert_false(kvhi_blk(e, ia)->flags & KVHI_BF_LIVE);
     assert_int_equal(e->block_release_keys[ia], 0);
-    raw_unlock(e);
+    wb_unlock(e);
     /* The newest block's release is applied at once (its record is hot). */
     assert_ok(kvh_block_release(e, b));
-    raw_lock(e);
+    wb_lock_as_is(e);
     assert_int_equal(e->release_backlog_len, 0);
-    raw_unlock(e);
+    wb_unlock(e);
     assert_int_equal(tu_tier(e, KVH_TIER_DEVICE).used_blocks, 0);
 }
 
@@ -342,13 +340,13 @@ static void test_release_backlog_is_bounded(void **state)
     }
     for (int i = 0; i < N; i++)
         assert_ok(kvh_block_release(e, h[i]));
-    raw_lock(e);
+    wb_lock_as_is(e);
     assert_int_equal(e->release_backlog_len, KVHI_RELEASE_BACKLOG);
     for (int i = 0; i < N; i++) {
         bool applied = i < N - (int)KVHI_RELEASE_BACKLOG;
         assert_int_equal((kvhi_blk(e, idx[i])->flags & KVHI_BF_LIVE) == 0, applied);
     }
-    raw_unlock(e);
+    wb_unlock(e);
     assert_int_equal(tu_tier(e, KVH_TIER_DEVICE).used_blocks, 1);
     assert_ok(kvh_block_release(e, h[N]));
 }
@@ -419,18 +417,18 @@ static void test_release_key_does_not_alias_generations(void **state)
     uint32_t ia = wb_block_index(e, a);
     unsigned gen_bits = KVHI_HANDLE_TAG_SHIFT - e->block_index_bits;
     assert_true(gen_bits > KVHI_RELEASE_COUNT_SHIFT); /* there are bits above the key's */
-    raw_lock(e);
+    wb_lock_as_is(e);
     assert_int_equal(e->block_release_keys[ia] >> KVHI_RELEASE_COUNT_SHIFT, 1);
-    raw_unlock(e);
+    wb_unlock(e);
     for (unsigned bit = KVHI_RELEASE_COUNT_SHIFT; bit < gen_bits; bit += 3) {
         kvh_block alias = {a.id ^ (1ull << (e->block_index_bits + bit))};
         assert_kvh(KVH_ERR_BAD_HANDLE, kvh_block_release(e, alias));
     }
     /* Nothing was taken: a's one reference is still there to release. */
-    raw_lock(e);
+    wb_lock_as_is(e);
     assert_int_equal(e->release_backlog_len, 0);
     assert_int_equal(kvhi_blk(e, ia)->ext_refs, 1);
-    raw_unlock(e);
+    wb_unlock(e);
     assert_ok(kvh_block_release(e, a));
     assert_kvh(KVH_ERR_BAD_HANDLE, kvh_block_release(e, a));
     assert_ok(kvh_block_release(e, newest));
@@ -448,21 +446,21 @@ static void test_release_of_a_much_reused_record(void **state)
     for (int i = 0; i < 2; i++) {
         /* Every free record jumps to that many reuses past gen_start. */
         uint64_t gen = e->gen_start + reuses[i];
-        raw_lock(e);
+        wb_lock_as_is(e);
         for (uint32_t f = 0; f < e->block_free_top; f++) {
             kvhi_block *blk = kvhi_blk(e, e->block_free[f]);
             blk->gen = (uint32_t)gen;
             blk->gen_hi = (uint32_t)(gen >> 32);
         }
-        raw_unlock(e);
+        wb_unlock(e);
         kvh_block a, newest;
         assert_ok(kvh_block_alloc(e, 0, &a));
         assert_ok(kvh_block_retain(e, a));
         assert_ok(kvh_block_alloc(e, 0, &newest));
         uint32_t ia = wb_block_index(e, a);
-        raw_lock(e);
+        wb_lock_as_is(e);
         uint32_t key = e->block_release_keys[ia];
-        raw_unlock(e);
+        wb_unlock(e);
         if (reuses[i] < limit) {
             assert_int_equal(key, 2u << KVHI_RELEASE_COUNT_SHIFT | (uint32_t)reuses[i]);
         } else {
@@ -475,9 +473,9 @@ static void test_release_of_a_much_reused_record(void **state)
         assert_kvh(KVH_ERR_BAD_HANDLE, kvh_block_release(e, stale));
         assert_kvh(KVH_ERR_BAD_HANDLE, kvh_block_release(e, aliased));
         assert_ok(kvh_block_release(e, a));
-        raw_lock(e);
+        wb_lock_as_is(e);
         assert_int_equal(e->release_backlog_len, reuses[i] < limit ? 1 : 0); /* taken on trust or not */
-        raw_unlock(e);
+        wb_unlock(e);
         assert_ok(kvh_block_release(e, a));
         assert_kvh(KVH_ERR_BAD_HANDLE, kvh_block_release(e, a));
         assert_ok(kvh_block_release(e, newest));

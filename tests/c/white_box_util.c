@@ -26,6 +26,12 @@ void wb_lock(kvh_engine *e)
         kvhi_block_releases_apply(e);
 }
 
+void wb_lock_as_is(kvh_engine *e)
+{
+    pthread_mutex_lock(&e->lock);
+    held = e;
+}
+
 void wb_settle(kvh_engine *e)
 {
     wb_lock(e);

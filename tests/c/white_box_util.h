@@ -16,6 +16,8 @@
  * teardown can close the engine instead of hanging on it. */
 void wb_lock(kvh_engine *e);
 void wb_unlock(kvh_engine *e);
+/* wb_lock without applying the backlog: for tests of the backlog itself. */
+void wb_lock_as_is(kvh_engine *e);
 /* Applies that backlog, for a test that reads the engine without the lock. */
 void wb_settle(kvh_engine *e);
 void wb_release_held_lock(void);
