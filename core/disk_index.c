@@ -392,10 +392,34 @@ static int vote_store_id(kvhi_disk *d, const live_map *m, const found_slot *foun
     return 0;
 }
 
+/* Whether the slots that check out are all of another geometry or
+ * model_salt (none of this one's): with no index or journal header left
+ * to say, they are the only word on whose store this is, and a store of
+ * another model is refused, never taken over empty. */
+static bool slots_all_foreign(const kvhi_disk *d, const found_slot *found, size_t n, size_t *n_foreign)
+{
+    size_t ours = 0, foreign = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (found[i].hash == 0 || !found[i].geo_tag)
+            continue; /* an empty slot, or a header older than the tag */
+        if (found[i].geo_tag == d->geo_tag)
+            ours++;
+        else
+            foreign++;
+    }
+    *n_foreign = foreign;
+    return ours == 0 && foreign > 0;
+}
+
+/* rebuild_from_slots found only another model's slots. */
+#define REBUILD_FOREIGN 1
+
 /* Replaces the entries in m by the slots of the store that check out and
  * are vouched for (slot_vouched). Counts in out the entries dropped and
- * the blocks taken back from their headers alone. 0 or -errno. */
-static int rebuild_from_slots(kvhi_disk *d, live_map *m, bool id_known, kvhi_index_list *out)
+ * the blocks taken back from their headers alone. 0, REBUILD_FOREIGN
+ * (*n_foreign slots of another geometry or model_salt and none of this
+ * one's, with no header naming the store) or -errno. */
+static int rebuild_from_slots(kvhi_disk *d, live_map *m, bool id_known, kvhi_index_list *out, size_t *n_foreign)
 {
     uint32_t bt = d->geo.block_tokens;
     size_t cap = d->n_slots ? d->n_slots : 1;
@@ -404,6 +428,8 @@ static int rebuild_from_slots(kvhi_disk *d, live_map *m, bool id_known, kvhi_ind
     uint32_t *pick = malloc(sizeof(uint32_t) * cap);
     size_t n = 0;
     int rc = found && tokens && pick ? scan_slots(d, found, tokens, &n) : -ENOMEM;
+    if (rc == 0 && !id_known && slots_all_foreign(d, found, n, n_foreign))
+        rc = REBUILD_FOREIGN;
     if (rc == 0 && !id_known)
         rc = vote_store_id(d, m, found, n);
     if (rc != 0) {
@@ -606,8 +632,15 @@ int kvhi_index_load(kvhi_disk *d, bool reset, kvhi_index_list *out, char *msg, s
     if (dm.found)
         snprintf(out->damage, sizeof(out->damage), "%s", dm.what);
     if (dm.found || (dm.torn_tail && !d->strict_index)) {
-        size_t named = m.n;
-        rc = rebuild_from_slots(d, &m, id_known, out);
+        size_t named = m.n, n_foreign = 0;
+        rc = rebuild_from_slots(d, &m, id_known, out, &n_foreign);
+        if (rc == REBUILD_FOREIGN) {
+            free(m.at), free(m.items), free(m.tokens);
+            snprintf(msg, msg_len,
+                     "%s: %s, and its %zu intact slots were all written with a different geometry or model_salt",
+                     d->path, dm.what, n_foreign);
+            return KVHI_INDEX_MISMATCH;
+        }
         if (rc != 0) {
             free(m.at), free(m.items), free(m.tokens);
             snprintf(msg, msg_len, "%s: %s, and reading the slots to rebuild it failed: %s", d->path, dm.what,

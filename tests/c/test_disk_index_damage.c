@@ -605,6 +605,44 @@ static void test_an_older_index_put_back(void **state)
         fail_msg("an older index put back: rebuilt again");
 }
 
+/* With both index files gone, the slots are the only word on whose store
+ * this is: an open under another model_salt is refused as a mismatch
+ * (it took the store over, empty, and the rightful model then found
+ * nothing), the reset flag still starts it empty, and the model that
+ * wrote it finds every block. Zeroed headers say no more than missing
+ * files. */
+static void test_another_models_slots_are_refused_not_taken(void **state)
+{
+    (void)state;
+    build_pristine();
+    kvh_config cfg = cfg_for(P.dir), other = cfg;
+    other.model_salt = cfg.model_salt ^ 0x5a17u;
+    for (int zeroed = 0; zeroed < 2; zeroed++) {
+        restore();
+        if (zeroed) {
+            zero_file("index");
+            zero_file("journal");
+        } else {
+            assert_int_equal(unlink(file_path("index")), 0);
+            assert_int_equal(unlink(file_path("journal")), 0);
+        }
+        const char *what = zeroed ? "both headers zeroed, another salt" : "both files missing, another salt";
+        open_and_match(&other, KVH_ERR_MISMATCH, what);
+        assert_non_null(strstr(kvh_last_error(), "model_salt"));
+        /* Zeroed: each header and every index record count (as above). */
+        const dt_saved_file *ix = dt_store_file(&P.saved, "index");
+        uint64_t corrupt = zeroed ? 2 + (ix->len - 4096) / P.rec_bytes : 0;
+        if (expect_store(&cfg, NULL, corrupt, what) == 0)
+            fail_msg("%s: no warning says the index was rebuilt", what);
+        kvh_config reset = other;
+        reset.disk_flags |= KVH_DISK_RESET_ON_MISMATCH;
+        restore();
+        assert_int_equal(unlink(file_path("index")), 0);
+        assert_int_equal(unlink(file_path("journal")), 0);
+        assert_int_equal(open_and_match(&reset, KVH_OK, "reset under another salt"), 0);
+    }
+}
+
 static int group_teardown(void **state)
 {
     (void)state;
@@ -624,6 +662,7 @@ int main(void)
         cmocka_unit_test_teardown(test_unpublished_slot_is_not_taken, dt_teardown),
         cmocka_unit_test_teardown(test_journal_of_a_store_never_folded, dt_teardown),
         cmocka_unit_test_teardown(test_an_older_index_put_back, dt_teardown),
+        cmocka_unit_test_teardown(test_another_models_slots_are_refused_not_taken, dt_teardown),
     };
     return cmocka_run_group_tests_name("disk_index_damage", tests, NULL, group_teardown);
 }

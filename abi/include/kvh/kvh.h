@@ -324,11 +324,14 @@ typedef struct kvh_config {
      * record ever taken), is a store whose creation was cut short, which
      * starts empty. Default 0: the open rebuilds the index from the
      * slot headers, each slot checked in full (data included), in all of
-     * these cases: every block whose slot verifies is kept, the ones
-     * dropped and the damaged records are counted in kvh_stats
-     * corrupt_blocks, and a warning is logged. The store's identity is
-     * then the index header's, else the journal header's, else the one
-     * most of the verified slots carry. */
+     * these cases, and where both files are missing beside slab files:
+     * every block whose slot verifies is kept, the ones dropped and the
+     * damaged records are counted in kvh_stats corrupt_blocks, and a
+     * warning is logged. The store's identity is then the index header's,
+     * else the journal header's, else the one most of the verified slots
+     * carry; with neither header readable and every verified slot written
+     * with another geometry or model_salt, the open returns
+     * KVH_ERR_MISMATCH as for a header that says so. */
     uint32_t disk_strict_index;
     /* ---- remote tier: a Redis Cluster (or Valkey) shared by several
      * engines; see kvh_remote_upload and the README's "Remote tier". ---- */
