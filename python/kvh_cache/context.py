@@ -148,7 +148,7 @@ class _RegionView(Finalized, Uncopyable):
             "strides": None,
         }
         native = ctx._engine._native
-        native.add_view()  # the engine's close leaves its memory to us
+        native.add_view(self)  # the engine's close leaves its memory to us
         self._native = native
         self._index = index
         self._ctx = ctx  # set last: a view that was never made drops nothing
@@ -160,7 +160,7 @@ class _RegionView(Finalized, Uncopyable):
         try:
             ctx._view_gone(self._index)
         finally:
-            self._native.drop_view()
+            self._native.drop_view(self)
 
 
 class Context(GatedHandle, Closable, Uncopyable):

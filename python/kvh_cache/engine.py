@@ -282,7 +282,11 @@ class _Native:
         )
         # Views and release; re-entrant: finalizers may run anywhere.
         self.lock = ForkSafeLock(reentrant=True)
-        self.views = 0
+        # The objects that keep the engine's memory, by id, held weakly: one
+        # collected without its finaliser's drop_view (a Ctrl-C met as the
+        # finaliser began, before any of its code ran) counts as dropped,
+        # or the C close would wait for it for good.
+        self.view_owners: Dict[int, "weakref.ref[Any]"] = {}
         self.release_deferred = False
         self.released = False
         self.close_status = 0
@@ -359,12 +363,23 @@ class _Native:
                 lib.KVH_ERR_BUSY,
             )
 
+    @property
+    def views(self) -> int:
+        """Views alive now (their owners not collected)."""
+        with self.lock:
+            dead = [k for k, ref in self.view_owners.items() if ref() is None]
+            for k in dead:
+                del self.view_owners[k]
+            return len(self.view_owners)
+
     def _end(self) -> int:
         views = 0
         with self.lock:
             if self.views:
                 views = self.views
                 self.release_deferred = True
+                with _orphans_lock:
+                    _closes_waiting_for_views.add(self)
             else:
                 st = self._release()
         if views:
@@ -388,20 +403,42 @@ class _Native:
             self.ptr, self.released = ptr, False
             return st
         self.close_status = st
+        with _orphans_lock:
+            _closes_waiting_for_views.discard(self)
         return st
 
-    def add_view(self) -> None:
-        """Keeps the engine's memory until ``drop_view``; ClosedError once
-        that memory is gone."""
+    def add_view(self, owner: Any) -> None:
+        """Keeps the engine's memory until ``drop_view(owner)`` or the
+        owner's collection; ClosedError once that memory is gone."""
         with self.lock:
             if self.released:
                 raise errors.ClosedError("the engine is closed", lib.KVH_ERR_CLOSED)
-            self.views += 1
+            self.view_owners[id(owner)] = weakref.ref(owner)
 
-    def drop_view(self) -> None:
+    def drop_view(self, owner: Any) -> None:
         with self.lock:
-            self.views -= 1
-            if self.views == 0 and self.release_deferred:
+            self.view_owners.pop(id(owner), None)
+            self.release_if_unviewed()
+
+    def _any_view_alive(self) -> bool:
+        # Stops at the first live owner, forgetting the dead met before
+        # it: amortised O(1) a drop, also with many views outstanding.
+        with self.lock:
+            dead = []
+            alive = False
+            for k, ref in self.view_owners.items():
+                if ref() is not None:
+                    alive = True
+                    break
+                dead.append(k)
+            for k in dead:
+                del self.view_owners[k]
+            return alive
+
+    def release_if_unviewed(self) -> None:
+        """Ends a close that waited for views, once none is alive."""
+        with self.lock:
+            if self.release_deferred and not self._any_view_alive():
                 self._release()
 
 
@@ -413,6 +450,9 @@ _log_tokens = itertools.count(1)  # each engine's log sink user value
 # own log sink on a kvh thread): closed by the next engine opened, or at exit.
 _orphans: List["_Native"] = []
 _orphans_lock = ForkSafeLock()
+# Engines closed while views of their memory lived: the C close waits
+# for the last view; at exit, for views whose finalisers never ran.
+_closes_waiting_for_views: "set[_Native]" = set()
 
 
 def _close_orphans() -> None:
@@ -442,6 +482,14 @@ def _close_all_at_exit() -> None:  # stop worker threads before interpreter tear
                 continue
             except Exception:
                 break
+    # Closes that waited for views whose finalisers never ran.
+    with _orphans_lock:
+        waiting = list(_closes_waiting_for_views)
+    for native in waiting:
+        try:
+            native.release_if_unviewed()
+        except Exception:
+            pass
     _close_orphans()
 
 
@@ -1713,7 +1761,7 @@ class _ViewOwner(Finalized, Uncopyable):
         self.layer = 0  # the layer it maps
         self.kept: Optional[Block] = None  # a reference and pin once its sequence let it go
         self._native: Optional[_Native] = None
-        engine._native.add_view()  # type: ignore[union-attr]
+        engine._native.add_view(self)  # type: ignore[union-attr]
         self._native = engine._native  # counted: the collection drops it
 
     def make_read_only(self) -> None:
@@ -1769,7 +1817,7 @@ class _ViewOwner(Finalized, Uncopyable):
     def _drop_view(self) -> None:
         native, self._native = self._native, None
         if native is not None:
-            native.drop_view()
+            native.drop_view(self)
 
     def _close_at_gc(self) -> None:
         _end_at_gc(self, self._let_go, self._native)

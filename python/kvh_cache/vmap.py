@@ -56,12 +56,12 @@ class VMap(GatedHandle, OwnedHandle):
         self._ptr = None  # the kvh_vmap *, until unmapped
         out = ffi.new("kvh_vmap **")
         native = self._engine._native
-        native.add_view()  # type: ignore[union-attr]  # the engine's close leaves its memory to us
+        native.add_view(self)  # type: ignore[union-attr]  # the engine's close leaves its memory to us
         try:
             with self._engine._call(seq._gate.exclusive()) as p:
                 check(lib.kvh_seq_vmap(p, seq._h[0], int(layer), int(capacity_tokens), out))
         except BaseException:
-            native.drop_view()  # type: ignore[union-attr]
+            native.drop_view(self)  # type: ignore[union-attr]
             raise
         self._ptr = out[0]
 
@@ -168,7 +168,7 @@ class VMap(GatedHandle, OwnedHandle):
             pass  # the engine's close releases it
         finally:
             if not refused:
-                native.drop_view()  # type: ignore[union-attr]
+                native.drop_view(self)  # type: ignore[union-attr]
 
     def release(self) -> None:
         """Unmaps the view (once no array taken from it is alive) and drops

@@ -228,6 +228,44 @@ def test_ctrl_c_in_a_finalizer_finishes_the_close_and_is_sent_again():
     assert "Exception ignored" not in res.stderr, res.stderr
 
 
+@pytest.mark.parametrize("kind", ["block view", "region view", "vmap"])
+def test_a_view_whose_finalizer_never_ran_does_not_keep_the_engine(kind, tmp_path, monkeypatch):
+    """A Ctrl-C pending as a finaliser begins is raised before its first
+    line: the view's drop was skipped, its count stayed, and the engine's
+    close waited for it for good (the store stayed locked). A view whose
+    owner is gone counts as dropped, before the close and after it."""
+    from kvh_testutil import make_engine as make_disk_engine
+
+    skipped = {"block view": engine_mod._ViewOwner, "region view": context_mod._RegionView, "vmap": vmap_mod.VMap}
+    store = str(tmp_path / "store")
+    for collected_after_close in (False, True):
+        vmap_geometry = {"vmap": True, "head_dim": 64, "device_bytes": 16 << 20} if kind == "vmap" else {}
+        e = make_disk_engine(disk_path=store, disk_bytes=4 << 20, **vmap_geometry)
+        s = e.sequence(tokens=range(40))
+        if kind == "block view":
+            view = s.block_view(0, 0)
+        elif kind == "region view":
+            ctx = e.context("weights")
+            ctx.add_region("w", data=b"w" * 4096)
+            ctx.switch_to()
+            view = ctx.region(0)
+        else:
+            view = s.vmap(1)
+        with monkeypatch.context() as m:
+            m.setattr(skipped[kind], "_close_at_gc", lambda self: None)
+            if not collected_after_close:
+                del view
+                gc.collect()
+            e.close()
+            if collected_after_close:
+                assert not e._native.released  # a live view keeps the memory
+                del view
+                gc.collect()
+                engine_mod._close_all_at_exit()  # what the end of the process runs
+        assert e._native.released, (kind, collected_after_close)
+        make_disk_engine(disk_path=store, disk_bytes=4 << 20, **vmap_geometry).close()  # not BusyError
+
+
 def test_a_signal_handlers_exception_in_a_finalizer_reaches_the_hook(monkeypatch):
     # SystemExit from a SIGTERM handler, say: the close is finished and
     # the application's sys.unraisablehook sees the exception.
