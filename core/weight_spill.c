@@ -3,7 +3,9 @@
  * goes to disk when memory has no room for it, rather than failing the
  * switch that pushes it out.
  *
- * It takes ordinary disk slots, one per block_bytes of the region, so the
+ * It takes ordinary disk slots, each filled with as much of the region as
+ * the slot's data area holds (more than a block's stored form under a KV
+ * codec, which rounds up to whole pages), so the
  * disk budget and its eviction (dropping the least valuable clean KV
  * copies) cover weights and KV alike. The slots are scratch: never
  * journaled (a context does not outlive its engine), written with a zeroed
@@ -55,20 +57,23 @@ static void stream_feed(chunk_stream *s, const uint8_t *p, uint64_t n)
     }
 }
 
+/* Region bytes one slot holds: its whole data area. */
+static uint64_t piece_bytes(const kvhi_disk *d) { return d->slot_bytes - KVHI_SLOT_HEADER_BYTES; }
+
 static uint32_t slots_needed(const kvhi_disk *d, uint64_t bytes)
 {
     /* Regions are at most the largest tier (kvhi_weight_bytes_max), so
      * the count fits. */
-    uint64_t n = kvhi_div_ceil(bytes, d->block_bytes);
+    uint64_t n = kvhi_div_ceil(bytes, piece_bytes(d));
     return n > UINT32_MAX ? UINT32_MAX : (uint32_t)n;
 }
 
 /* The part of r that disk slot number i of its run holds: *off and the
- * length (block_bytes, less in the last slot). */
+ * length (piece_bytes, less in the last slot). */
 static uint64_t slot_piece(const kvhi_disk *d, const kvhi_region *r, uint32_t i, uint64_t *off)
 {
-    *off = (uint64_t)i * d->block_bytes;
-    return r->size - *off < d->block_bytes ? r->size - *off : d->block_bytes;
+    *off = (uint64_t)i * piece_bytes(d);
+    return r->size - *off < piece_bytes(d) ? r->size - *off : piece_bytes(d);
 }
 
 void kvhi_region_disk_release(kvh_engine *e, kvhi_region *r)
