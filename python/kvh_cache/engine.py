@@ -1904,7 +1904,13 @@ class Sequence(GatedHandle, OwnedHandle):
             pass  # the engine's close freed it
 
     close = free
-    _check_usable = _check_alive  # ``with seq:`` on a freed sequence raises BadHandleError
+
+    def _check_usable(self) -> None:
+        """``with seq:`` on a freed sequence raises BadHandleError, and on
+        one whose engine is closed ClosedError (as every call in it would)."""
+        self._check_alive()
+        if self._engine.closed:
+            raise errors.ClosedError("the engine is closed", lib.KVH_ERR_CLOSED)
 
     def _close_at_gc(self) -> None:
         _end_at_gc(self, self.free)

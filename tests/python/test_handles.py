@@ -172,9 +172,13 @@ def test_with_refuses_an_ended_handle(eng):
         with s:
             pass
     e = make_engine()
+    live = e.sequence(tokens=range(20))
     e.close()
     with pytest.raises(kvh.ClosedError):
         with e:
+            pass
+    with pytest.raises(kvh.ClosedError):  # a sequence not freed, of a closed engine
+        with live:
             pass
 
 
