@@ -158,6 +158,10 @@ kvh_status kvhi_disk_tier_open(kvh_engine *e, const kvh_config *cfg, const char 
     kvhi_tier *t = &e->tiers[KVH_TIER_DISK];
     if (kvhi_slot_pool_init(&t->slots, d->n_slots) != 0)
         return kvhi_fail(KVH_ERR_NOMEM, "out of memory for disk slot lists");
+    e->disk_copy_list = malloc(sizeof(uint32_t) * d->n_slots);
+    e->disk_copy_at = malloc(sizeof(uint32_t) * d->n_slots);
+    if (!e->disk_copy_list || !e->disk_copy_at)
+        return kvhi_fail(KVH_ERR_NOMEM, "out of memory for disk slot lists");
     t->present = true;
     return KVH_OK;
 }
@@ -279,6 +283,9 @@ kvh_status kvhi_disk_tier_close(kvh_engine *e, bool flush)
     kvhi_index_list_free(&e->disk_recovery);
     disk_free(e->disk);
     e->disk = NULL;
+    free(e->disk_copy_list);
+    free(e->disk_copy_at);
+    e->disk_copy_list = e->disk_copy_at = NULL;
     return st;
 }
 
@@ -363,7 +370,8 @@ void kvhi_disk_copy_set(kvh_engine *e, uint32_t b, uint32_t slot)
     kvhi_block *blk = &e->blocks[b];
     blk->disk_copy = slot;
     blk->flags |= KVHI_BF_DISK_COPY;
-    e->disk_copy_count++;
+    e->disk_copy_at[slot] = (uint32_t)e->disk_copy_count;
+    e->disk_copy_list[e->disk_copy_count++] = b;
 }
 
 uint32_t kvhi_disk_copy_clear(kvh_engine *e, uint32_t b)
@@ -372,7 +380,11 @@ uint32_t kvhi_disk_copy_clear(kvh_engine *e, uint32_t b)
     uint32_t slot = blk->disk_copy;
     blk->disk_copy = KVHI_NO_BLOCK;
     blk->flags &= (uint16_t)~KVHI_BF_DISK_COPY;
-    e->disk_copy_count--;
+    /* The last copy of the list takes its place. */
+    uint32_t at = e->disk_copy_at[slot], last = e->disk_copy_list[--e->disk_copy_count];
+    e->disk_copy_list[at] = last;
+    if (last != b)
+        e->disk_copy_at[e->blocks[last].disk_copy] = at;
     return slot;
 }
 
@@ -440,12 +452,12 @@ size_t kvhi_disk_verify(kvh_engine *e, const uint32_t *blocks, size_t n)
 
 bool kvhi_disk_give_back_copy(kvh_engine *e)
 {
-    /* A clock hand: a full disk asks again and again, and each call
-     * starts where the last one stopped. */
-    for (uint32_t k = 0; k < e->block_cap; k++) {
-        uint32_t b = e->copy_give_back_hand++;
-        if (e->copy_give_back_hand >= e->block_cap)
+    /* A clock hand over the blocks with copies: a full disk asks again and
+     * again, and each call starts where the last one stopped. */
+    for (uint64_t k = 0; k < e->disk_copy_count; k++) {
+        if (e->copy_give_back_hand >= e->disk_copy_count)
             e->copy_give_back_hand = 0;
+        uint32_t b = e->disk_copy_list[e->copy_give_back_hand++];
         const kvhi_block *blk = &e->blocks[b];
         /* Any reference keeps it: a caller's, a persist's or an upload's. */
         if ((blk->flags & (KVHI_BF_LIVE | KVHI_BF_DISK_COPY | KVHI_BF_DEAD)) != (KVHI_BF_LIVE | KVHI_BF_DISK_COPY) ||

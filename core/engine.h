@@ -187,11 +187,17 @@ struct kvh_engine {
 
     kvhi_adapt adapt; /* KVH_EVICT_ADAPTIVE's shadows (core/adaptive.c) */
 
-    struct kvhi_disk *disk;         /* NULL without a disk tier */
-    struct kvhi_remote *remote;     /* NULL without a remote tier (core/remote_tier.h) */
-    uint32_t clean_hand;            /* background cleaner's clock hand */
-    uint32_t copy_give_back_hand;   /* kvhi_disk_give_back_copy's clock hand */
-    uint64_t disk_copy_count;       /* blocks with KVHI_BF_DISK_COPY (kvh_tier_info) */
+    struct kvhi_disk *disk;       /* NULL without a disk tier */
+    struct kvhi_remote *remote;   /* NULL without a remote tier (core/remote_tier.h) */
+    uint32_t clean_hand;          /* background cleaner's clock hand */
+    uint32_t copy_give_back_hand; /* kvhi_disk_give_back_copy's clock hand */
+    uint64_t disk_copy_count;     /* blocks with KVHI_BF_DISK_COPY (kvh_tier_info) */
+    /* Those blocks, densely ([disk_copy_count]), and per disk slot its
+     * copy's place in that list: the searches for a copy to give back or
+     * a victim that can leave onto its copy walk the copies, not every
+     * block record (core/disk_tier.c). */
+    uint32_t *disk_copy_list;
+    uint32_t *disk_copy_at;
     uint64_t disk_copies_writing;   /* disk slots of copies being written, counted with them there */
     uint32_t workers_waiting_room;  /* in kvhi_wait_queued_moves_out or waiting for a busy block */
     uint64_t queued_move_waits;     /* its waits */

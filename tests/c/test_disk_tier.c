@@ -593,6 +593,7 @@ static void test_cleaner(void **state)
     assert_int_equal(kvhi_blk(e, b[0])->tier, KVH_TIER_HOST); /* pinned */
     kvhi_disk_set_fault_hook(NULL, NULL);
     dt_assert_verified(e, s, G, ct, 0, 17 * G.bt);
+    wb_check_disk_copies(e);
     dt_assert_ok(kvh_block_pin(e, h0, 0));
     dt_assert_ok(kvh_seq_free(e, t));
     dt_assert_ok(kvh_seq_free(e, s));

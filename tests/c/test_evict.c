@@ -309,6 +309,7 @@ static void test_full_disk_takes_back_unreferenced_copies(void **state)
     assert_int_equal(b.drops, a.drops); /* nothing was lost from the cache */
     assert_int_equal(b.disk_copies_given_back - a.disk_copies_given_back, 2);
     assert_int_equal(dt_tier(e, KVH_TIER_DISK).used_blocks, 4);
+    wb_check_disk_copies(e);
     /* u's blocks are still cached, intact. */
     size_t m = 0;
     kvh_seq t;

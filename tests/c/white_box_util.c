@@ -50,6 +50,26 @@ void wb_release_held_lock(void)
         wb_unlock(held);
 }
 
+void wb_check_disk_copies(kvh_engine *e)
+{
+    wb_lock(e);
+    uint64_t n = 0;
+    for (uint32_t b = 0; b < e->block_cap; b++) {
+        const kvhi_block *blk = &e->blocks[b];
+        if (!(blk->flags & KVHI_BF_DISK_COPY))
+            continue;
+        n++;
+        uint32_t at = e->disk_copy_at[blk->disk_copy];
+        if (at >= e->disk_copy_count || e->disk_copy_list[at] != b) {
+            wb_unlock(e);
+            fail_msg("block %u has a disk copy in slot %u that the list does not name", b, blk->disk_copy);
+        }
+    }
+    uint64_t listed = e->disk_copy_count;
+    wb_unlock(e);
+    assert_int_equal(n, listed);
+}
+
 uint32_t wb_block_index(kvh_engine *e, kvh_block h)
 {
     uint32_t b = KVHI_NO_BLOCK;

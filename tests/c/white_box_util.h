@@ -22,6 +22,10 @@ void wb_lock_as_is(kvh_engine *e);
 void wb_settle(kvh_engine *e);
 void wb_release_held_lock(void);
 
+/* Fails the test unless the engine's list of blocks with disk copies
+ * names exactly the blocks whose records say they have one. */
+void wb_check_disk_copies(kvh_engine *e);
+
 /* The record index of block handle h, and of logical block i of s. */
 uint32_t wb_block_index(kvh_engine *e, kvh_block h);
 uint32_t wb_seq_block_index(kvh_engine *e, kvh_seq s, uint64_t i);
