@@ -77,6 +77,10 @@ typedef struct kvhi_disk {
     uint32_t rec_bytes;
 } kvhi_disk;
 
+/* Bytes a slot holds after its header: the block's stored form rounded
+ * up to whole pages. */
+static inline uint64_t kvhi_disk_slot_data_bytes(const kvhi_disk *d) { return d->slot_bytes - KVHI_SLOT_HEADER_BYTES; }
+
 /* Opens (creating) the slab files of a store with n_slots slots under an
  * already locked directory, as they are. Returns 0 or -errno. */
 int kvhi_disk_open_slabs(kvhi_disk *d, bool allow_direct);

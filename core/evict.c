@@ -130,8 +130,7 @@ static uint32_t victim_with_disk_copy(kvh_engine *e, uint32_t t, uint32_t agent)
     for (uint64_t i = 0; i < e->disk_copy_count; i++) {
         uint32_t b = e->disk_copy_list[i];
         const kvhi_block *blk = &e->blocks[b];
-        if (!(blk->flags & KVHI_BF_DISK_COPY) || blk->tier != t || !free_to_leave(blk) ||
-            (agent != KVHI_NO_BLOCK && blk->agent != agent))
+        if (blk->tier != t || !free_to_leave(blk) || (agent != KVHI_NO_BLOCK && blk->agent != agent))
             continue;
         kvhi_lruk_key key = kvhi_block_current_key(e, b);
         if (best == KVHI_HEAP_NONE || kvhi_lruk_less(&key, &best_key)) {

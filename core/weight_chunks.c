@@ -20,7 +20,7 @@
 #include "core/context.h"
 #include "core/move.h"
 #include "core/crc32c.h"
-#include "core/disk_format.h"
+#include "core/disk_io.h"
 #include "core/tier.h"
 
 /* Slots of `tier` that hold `bytes` (a tier under a KV codec has smaller
@@ -38,8 +38,7 @@ uint64_t kvhi_weight_bytes_max(const kvh_engine *e)
         const kvhi_tier *tier = &e->tiers[t];
         if (!tier->present)
             continue;
-        uint64_t per_slot =
-            t == KVH_TIER_DISK ? (e->disk ? e->disk->slot_bytes - KVHI_SLOT_HEADER_BYTES : 0) : tier->slot_bytes;
+        uint64_t per_slot = t == KVH_TIER_DISK ? (e->disk ? kvhi_disk_slot_data_bytes(e->disk) : 0) : tier->slot_bytes;
         uint64_t cap = tier->slots.capacity;
         uint64_t bytes = per_slot && cap > UINT64_MAX / per_slot ? UINT64_MAX : cap * per_slot;
         if (bytes > most)

@@ -57,23 +57,21 @@ static void stream_feed(chunk_stream *s, const uint8_t *p, uint64_t n)
     }
 }
 
-/* Region bytes one slot holds: its whole data area. */
-static uint64_t piece_bytes(const kvhi_disk *d) { return d->slot_bytes - KVHI_SLOT_HEADER_BYTES; }
-
 static uint32_t slots_needed(const kvhi_disk *d, uint64_t bytes)
 {
     /* Regions are at most the largest tier (kvhi_weight_bytes_max), so
      * the count fits. */
-    uint64_t n = kvhi_div_ceil(bytes, piece_bytes(d));
+    uint64_t n = kvhi_div_ceil(bytes, kvhi_disk_slot_data_bytes(d));
     return n > UINT32_MAX ? UINT32_MAX : (uint32_t)n;
 }
 
 /* The part of r that disk slot number i of its run holds: *off and the
- * length (piece_bytes, less in the last slot). */
+ * length (a slot's data area, less in the last slot). */
 static uint64_t slot_piece(const kvhi_disk *d, const kvhi_region *r, uint32_t i, uint64_t *off)
 {
-    *off = (uint64_t)i * piece_bytes(d);
-    return r->size - *off < piece_bytes(d) ? r->size - *off : piece_bytes(d);
+    uint64_t piece = kvhi_disk_slot_data_bytes(d);
+    *off = (uint64_t)i * piece;
+    return r->size - *off < piece ? r->size - *off : piece;
 }
 
 void kvhi_region_disk_release(kvh_engine *e, kvhi_region *r)
@@ -116,7 +114,7 @@ static int write_slots(kvh_engine *e, kvhi_region *r, uint64_t chunk, const uint
             memset(staged, 0, KVHI_SLOT_HEADER_BYTES);
             if (kvhi_copy_bytes(e, KVH_TIER_HOST, data, src_tier, src + off, len) != 0)
                 rc = -EIO;
-            memset(data + len, 0, d->slot_bytes - KVHI_SLOT_HEADER_BYTES - len);
+            memset(data + len, 0, kvhi_disk_slot_data_bytes(d) - len);
             stream_feed(&s, data, len);
         }
         if (rc == 0) {
