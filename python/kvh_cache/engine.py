@@ -373,10 +373,9 @@ class _Native:
             return len(self.view_owners)
 
     def _end(self) -> int:
-        views = 0
         with self.lock:
-            if self.views:
-                views = self.views
+            views = self.views
+            if views:
                 self.release_deferred = True
                 with _orphans_lock:
                     _closes_waiting_for_views.add(self)
