@@ -2,6 +2,8 @@
 
 #include <errno.h>
 #include <limits.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
@@ -36,6 +38,8 @@
 #define SHORT_ROUND_TENTHS 9u
 /* Refreshes of the slot map at most this often while the map is whole. */
 #define REFRESH_GAP_NS 100000000ull
+/* A node's error replies are logged at most this often. */
+#define REFUSALS_QUIET_NS 10000000000ull
 
 /* A node's circuit breaker (kvhi_breakers): `open` is read without the
  * lock on the way to every answer, so it is accessed atomically. */
@@ -62,6 +66,10 @@ typedef struct node {
     /* Counts its connections: a command written to one that was dropped
      * has no answer on the next (kvhi_cluster_cmd.conn). */
     uint32_t conn;
+    /* Error replies (a user without a command's rights, a full server)
+     * are logged at most once every REFUSALS_QUIET_NS a node. */
+    uint64_t refusals_quiet_until;
+    uint32_t refusals_unsaid;
 } node;
 
 /* Where a round's bulk strings go (kvhi_cluster_run_strings). Every
@@ -99,6 +107,10 @@ struct kvhi_cluster {
      * timeout left (the rest went waiting for a client): a node that
      * misses its deadline then is not left alone for it. */
     bool short_round;
+    /* Breakers this client opened outside a batch (at open, in a scan or
+     * a health check), for the next batch's report
+     * (kvhi_cluster_take_breaker_opens). */
+    uint32_t breaker_opens_unreported;
     char rbuf[64 << 10]; /* what a read takes off a socket (under lock) */
 };
 
@@ -211,7 +223,33 @@ static uint32_t node_of(kvhi_cluster *c, const char *host, size_t host_len, int 
     return c->n_nodes++;
 }
 
-/* Parses "host:port" (the last ':' splits, so bare IPv6 works). */
+/* Whether host (not NUL-terminated) can name a node: a DNS name or IPv4
+ * address (letters, digits, '.', '-', '_'), or an IPv6 address. A URL or
+ * "host:port:more" would pass the open and never resolve. */
+static bool host_is_valid(const char *host, size_t len)
+{
+    if (len == 0 || len >= 256)
+        return false;
+    if (memchr(host, ':', len)) {
+        char text[INET6_ADDRSTRLEN + 1];
+        struct in6_addr a;
+        if (len >= sizeof(text))
+            return false;
+        memcpy(text, host, len);
+        text[len] = '\0';
+        return inet_pton(AF_INET6, text, &a) == 1;
+    }
+    for (size_t i = 0; i < len; i++) {
+        char ch = host[i];
+        if (!((ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') || ch == '.' ||
+              ch == '-' || ch == '_'))
+            return false;
+    }
+    return true;
+}
+
+/* Parses "host:port" (the last ':' splits, so bare IPv6 works; so does
+ * "[IPv6]:port", its brackets dropped). */
 static uint32_t node_of_addr(kvhi_cluster *c, const char *addr, size_t len)
 {
     const char *colon = NULL;
@@ -219,6 +257,18 @@ static uint32_t node_of_addr(kvhi_cluster *c, const char *addr, size_t len)
         if (addr[i] == ':')
             colon = addr + i;
     if (!colon || colon == addr)
+        return NO_NODE;
+    const char *host = addr;
+    size_t host_len = (size_t)(colon - addr);
+    if (host[0] == '[') {
+        if (host_len < 3 || host[host_len - 1] != ']')
+            return NO_NODE;
+        host++;
+        host_len -= 2;
+        if (!memchr(host, ':', host_len))
+            return NO_NODE; /* brackets are for IPv6 only */
+    }
+    if (!host_is_valid(host, host_len))
         return NO_NODE;
     char port_text[8];
     size_t plen = len - (size_t)(colon + 1 - addr);
@@ -230,7 +280,7 @@ static uint32_t node_of_addr(kvhi_cluster *c, const char *addr, size_t len)
     long port = strtol(port_text, &end, 10);
     if (*end || port <= 0 || port > 65535)
         return NO_NODE;
-    return node_of(c, addr, (size_t)(colon - addr), (int)port);
+    return node_of(c, host, host_len, (int)port);
 }
 
 static void drop_connection(kvhi_cluster *c, node *nd)
@@ -274,6 +324,8 @@ static void node_failed(kvhi_cluster *c, node *nd, const char *what, kvhi_cluste
     if (opened) {
         if (rep)
             rep->breaker_opens++;
+        else
+            c->breaker_opens_unreported++;
         say(c, 1, "remote tier: %s:%d %s; not asked again for %u ms", nd->host, nd->port, text, c->opts.breaker_ms);
     }
 }
@@ -417,14 +469,21 @@ static int write_all(kvhi_cluster *c, redisContext *ctx, uint64_t deadline, char
  * bound each read() only, so a reply that trickles in or never ends would
  * hold the client past any deadline: this waits on the socket itself.
  * What already arrived when the deadline passes is still taken. 0 with
- * the reply in *out; -1 (a broken connection or a reply that is not RESP)
- * or -3 (no whole reply in time), err saying which. After -1 or -3 the
- * connection must be dropped: the rest of a reply may still come. */
-static int read_reply(kvhi_cluster *c, redisContext *ctx, uint64_t deadline, void **out, char *err, size_t err_len)
+ * the reply in *out; -1 (a broken connection or a reply that is not RESP),
+ * -3 (no whole reply in time) or -4 (a reply longer than max_bytes, not
+ * read to its end), err saying which. After -1, -3 or -4 the connection
+ * must be dropped: the rest of a reply may still come. */
+static int read_reply(kvhi_cluster *c, redisContext *ctx, uint64_t deadline, size_t max_bytes, void **out, char *err,
+                      size_t err_len)
 {
     uint64_t started = now_ns();
     bool late = false;
     size_t late_bytes = 0; /* past the deadline: what had arrived by then */
+    /* Fed while no reply is whole: all of it belongs to the reply being
+     * read (the bytes of the next come after its end), so more than
+     * max_bytes is a reply longer than that, found without the reader's
+     * internals and before hiredis holds a value as long as it claims. */
+    size_t fed = 0;
     *out = NULL;
     for (;;) {
         if (c->h->reader_get_reply(ctx->reader, out) != REDIS_OK) {
@@ -434,6 +493,10 @@ static int read_reply(kvhi_cluster *c, redisContext *ctx, uint64_t deadline, voi
         }
         if (*out)
             return 0;
+        if (max_bytes && fed > max_bytes) {
+            snprintf(err, err_len, "a reply longer than %zu bytes", max_bytes);
+            return -4;
+        }
         uint64_t now = now_ns();
         int wait_ms = 0;
         if (now < deadline) {
@@ -482,6 +545,7 @@ static int read_reply(kvhi_cluster *c, redisContext *ctx, uint64_t deadline, voi
         }
         if (late)
             late_bytes -= (size_t)got < late_bytes ? (size_t)got : late_bytes;
+        fed += (size_t)got;
         if (c->h->reader_feed(ctx->reader, c->rbuf, (size_t)got) != REDIS_OK) {
             snprintf(err, err_len, "out of memory");
             return -1;
@@ -497,14 +561,14 @@ static int read_reply_no_value(kvhi_cluster *c, redisContext *ctx, uint64_t dead
 {
     kvhi_cluster_string_fn on_string = c->sink.on_string;
     c->sink.on_string = NULL;
-    int rc = read_reply(c, ctx, deadline, out, err, err_len);
+    int rc = read_reply(c, ctx, deadline, KVHI_CLUSTER_MAX_OTHER_REPLY, out, err, err_len);
     c->sink.on_string = on_string;
     return rc;
 }
 
 /* One command on ctx, answered by deadline: its reply, or NULL with *rc
- * -1 or -3 (no answer in time) and err saying why; the connection must
- * then be dropped. */
+ * -1, -3 (no answer in time) or -4 (a reply too long) and err saying why;
+ * the connection must then be dropped. */
 static redisReply *ctx_command(kvhi_cluster *c, redisContext *ctx, int argc, const char **argv, const size_t *lens,
                                uint64_t deadline, char *err, size_t err_len, int *rc)
 {
@@ -602,9 +666,22 @@ static void refresh_later(kvhi_cluster *c)
     c->refresh_after = now_ns() + refresh_retry_ns(c);
 }
 
+/* A node that failed (-1, -2, -4) or ran out of time (-3) as a client
+ * outside a batch's commands asked it something (rep: NULL outside a
+ * batch). */
+static void node_missed(kvhi_cluster *c, node *nd, int rc, const char *why, kvhi_cluster_report *rep)
+{
+    if (rc == -3)
+        node_timed_out(c, nd, why, rep);
+    else
+        node_failed(c, nd, why, rep);
+}
+
 /* Loads the slot map from the first node that answers CLUSTER SLOTS,
- * within budget_ns in all. */
-static void refresh_map(kvhi_cluster *c, uint64_t budget_ns)
+ * within budget_ns in all. A node that fails to answer, or answers with
+ * bytes that are not RESP, is left alone as in a batch (and counted in
+ * rep, or for the next batch's). */
+static void refresh_map(kvhi_cluster *c, uint64_t budget_ns, kvhi_cluster_report *rep)
 {
     uint64_t now = now_ns();
     if (now < c->refresh_after)
@@ -618,13 +695,18 @@ static void refresh_map(kvhi_cluster *c, uint64_t budget_ns)
         now = now_ns();
         if (now >= deadline)
             break;
-        if (node_left_alone(c, nd, now) || ensure_connected(c, nd, deadline - now, err, sizeof(err)))
+        if (node_left_alone(c, nd, now))
             continue;
+        int rc = ensure_connected(c, nd, deadline - now, err, sizeof(err));
+        if (rc != 0) {
+            node_missed(c, nd, rc, err, rep);
+            continue;
+        }
         const char *argv[2] = {"CLUSTER", "SLOTS"};
         size_t lens[2] = {7, 5};
-        redisReply *r = ctx_command(c, nd->ctx, 2, argv, lens, deadline, err, sizeof(err), NULL);
+        redisReply *r = ctx_command(c, nd->ctx, 2, argv, lens, deadline, err, sizeof(err), &rc);
         if (!r) {
-            drop_connection(c, nd);
+            node_missed(c, nd, rc, err, rep);
             continue;
         }
         node_answered(c, nd); /* whatever it said: a probe that found it back */
@@ -760,7 +842,8 @@ int kvhi_cluster_open(const kvhi_cluster_opts *opts, kvhi_cluster **out, char *e
         const char *argv[1] = {"PING"};
         size_t lens[1] = {4};
         char why_text[160];
-        redisReply *r = ctx_command(c, nd->ctx, 1, argv, lens, now_ns() + budget, why_text, sizeof(why_text), NULL);
+        int ping_rc = 0;
+        redisReply *r = ctx_command(c, nd->ctx, 1, argv, lens, now_ns() + budget, why_text, sizeof(why_text), &ping_rc);
         bool refused = r && r->type == REDIS_REPLY_ERROR && strncmp(r->str, "NOAUTH", 6) == 0;
         if (r)
             c->h->free_reply(r);
@@ -771,7 +854,7 @@ int kvhi_cluster_open(const kvhi_cluster_opts *opts, kvhi_cluster **out, char *e
         }
         if (r) {
             c->seed_answered = (int32_t)(nd - c->nodes);
-            refresh_map(c, budget);
+            refresh_map(c, budget, NULL);
             bool any = false;
             for (uint32_t sl = 0; sl < KVHI_CLUSTER_SLOTS && !any; sl++)
                 any = c->slot_node[sl] != NO_NODE;
@@ -783,9 +866,11 @@ int kvhi_cluster_open(const kvhi_cluster_opts *opts, kvhi_cluster **out, char *e
                 return KVHI_CLUSTER_AUTH_REFUSED;
             }
         } else {
-            /* No answer: its late one must not be taken for a later
-             * command's; the map is asked for once the node answers. */
-            drop_connection(c, nd);
+            /* No answer, or one that is not RESP: left alone as a node
+             * that fails in a batch (its late answer must not be taken
+             * for a later command's); the map is asked for once the
+             * node answers. */
+            node_missed(c, nd, ping_rc, why_text, NULL);
             refresh_later(c);
         }
     } else
@@ -795,6 +880,15 @@ int kvhi_cluster_open(const kvhi_cluster_opts *opts, kvhi_cluster **out, char *e
 }
 
 int32_t kvhi_cluster_seed_answered(const kvhi_cluster *c) { return c->seed_answered; }
+
+uint32_t kvhi_cluster_take_breaker_opens(kvhi_cluster *c)
+{
+    pthread_mutex_lock(&c->lock);
+    uint32_t n = c->breaker_opens_unreported;
+    c->breaker_opens_unreported = 0;
+    pthread_mutex_unlock(&c->lock);
+    return n;
+}
 
 void kvhi_cluster_close(kvhi_cluster *c)
 {
@@ -873,6 +967,27 @@ static bool redirect(kvhi_cluster *c, kvhi_cluster_cmd *cmd, const redisReply *r
     }
     rep->redirects++;
     return true;
+}
+
+/* An error reply to cmd (NOPERM for a user without its rights, OOM from
+ * a full server, ...): the caller treats it as a miss or a dropped
+ * upload; the log says why, a line a node every REFUSALS_QUIET_NS at
+ * most. */
+static void note_refusal(kvhi_cluster *c, node *nd, const kvhi_cluster_cmd *cmd, const redisReply *r)
+{
+    uint64_t now = now_ns();
+    if (now < nd->refusals_quiet_until) {
+        nd->refusals_unsaid++;
+        return;
+    }
+    char more[64] = "";
+    if (nd->refusals_unsaid)
+        snprintf(more, sizeof(more), " (%u more since the last such line)", nd->refusals_unsaid);
+    say(c, 1, "remote tier: %s:%d answered %.*s with %.*s%s", nd->host, nd->port,
+        (int)(cmd->argvlen[0] < 16 ? cmd->argvlen[0] : 16), cmd->argv[0], (int)(r->len < 120 ? r->len : 120), r->str,
+        more);
+    nd->refusals_quiet_until = now + REFUSALS_QUIET_NS;
+    nd->refusals_unsaid = 0;
 }
 
 /* Writes what nd has waiting by deadline; false (the node failed) when it
@@ -989,8 +1104,17 @@ static void run_round(kvhi_cluster *c, kvhi_cluster_cmd *cmds, size_t n, uint64_
         }
         /* Each read waits only for the time left in the round. */
         if (rc == 0)
-            rc = read_reply(c, nd->ctx, deadline, &got, why, sizeof(why));
+            rc = read_reply(c, nd->ctx, deadline, c->opts.max_reply_bytes, &got, why, sizeof(why));
         redisReply *r = got;
+        if (rc == -4) {
+            /* The node answers; its value is not one this client wrote.
+             * The rest of the reply is not read: its connection goes, and
+             * its later commands of the round with it. */
+            drop_connection(c, nd);
+            nd->in_batch = false;
+            cmd->result = KVHI_CMD_TOO_LARGE;
+            continue;
+        }
         if (rc != 0) {
             bool slow = rc == -3;
             if (slow && started_late)
@@ -1013,6 +1137,8 @@ static void run_round(kvhi_cluster *c, kvhi_cluster_cmd *cmds, size_t n, uint64_
             c->h->free_reply(r); /* pending again, for the next round */
             continue;
         }
+        if (r->type == REDIS_REPLY_ERROR)
+            note_refusal(c, nd, cmd, r);
         cmd->result = KVHI_CMD_OK;
         cmd->reply = r;
     }
@@ -1040,10 +1166,12 @@ void kvhi_cluster_run_strings(kvhi_cluster *c, kvhi_cluster_cmd *cmds, size_t n,
 {
     memset(rep, 0, sizeof(*rep));
     pthread_mutex_lock(&c->lock);
+    rep->breaker_opens = c->breaker_opens_unreported;
+    c->breaker_opens_unreported = 0;
     uint64_t now = now_ns(), timeout = (uint64_t)c->opts.timeout_ms * 1000000ull;
     c->short_round = now >= deadline || (deadline - now) * 10 < timeout * SHORT_ROUND_TENTHS;
     if (c->refresh_wanted && now < deadline) /* half the round at most, and never past its deadline */
-        refresh_map(c, deadline - now < timeout / 2 ? deadline - now : timeout / 2);
+        refresh_map(c, deadline - now < timeout / 2 ? deadline - now : timeout / 2, rep);
     for (size_t k = 0; k < n; k++) {
         cmds[k].result = KVHI_CMD_PENDING;
         cmds[k].reply = NULL;
@@ -1074,7 +1202,7 @@ int kvhi_cluster_scan(kvhi_cluster *c, const char *prefix, kvhi_cluster_key_fn f
 {
     pthread_mutex_lock(&c->lock);
     uint64_t budget = (uint64_t)c->opts.timeout_ms * 1000000ull;
-    refresh_map(c, budget);
+    refresh_map(c, budget, NULL);
     char pattern[300];
     snprintf(pattern, sizeof(pattern), "%s*", prefix);
     int rc = 0;
@@ -1143,7 +1271,7 @@ void kvhi_cluster_health(kvhi_cluster *c, uint32_t *answering, uint32_t *known)
 {
     pthread_mutex_lock(&c->lock);
     uint64_t budget = (uint64_t)c->opts.timeout_ms * 1000000ull;
-    refresh_map(c, budget);
+    refresh_map(c, budget, NULL);
     *answering = *known = 0;
     /* The nodes that own slots; with no map (nothing answered yet), the
      * seeds the caller named, so that none answering reads "0 of N". */

@@ -46,17 +46,27 @@ typedef struct kvhi_cluster_opts {
      * (they are tried on first use). For the clients opened after one
      * that found which seed answers, or that none does. */
     int32_t first_seed;
+    /* The largest reply a batch's command may get, in bytes (its value
+     * and RESP framing); 0: no bound. A reply found longer is not read to
+     * its end (hiredis would hold it whole, however long it claims to be):
+     * its command gets KVHI_CMD_TOO_LARGE and the connection is dropped,
+     * the node left in use. Replies outside batches (CLUSTER SLOTS, SCAN
+     * pages, AUTH) are bounded by KVHI_CLUSTER_MAX_OTHER_REPLY. */
+    size_t max_reply_bytes;
 } kvhi_cluster_opts;
+
+#define KVHI_CLUSTER_MAX_OTHER_REPLY ((size_t)64 << 20)
 
 #define KVHI_CLUSTER_SEEDS_LATER (-1)
 
 /* Result of one command of a batch. */
 enum kvhi_cmd_result {
     KVHI_CMD_PENDING = 0,
-    KVHI_CMD_OK,      /* reply holds the server's answer (maybe an error reply) */
-    KVHI_CMD_DOWN,    /* its node is down, unreachable or left alone */
-    KVHI_CMD_TIMEOUT, /* the deadline passed first */
-    KVHI_CMD_FAILED   /* redirected too often, cluster down, no memory */
+    KVHI_CMD_OK,       /* reply holds the server's answer (maybe an error reply) */
+    KVHI_CMD_DOWN,     /* its node is down, unreachable or left alone */
+    KVHI_CMD_TIMEOUT,  /* the deadline passed first */
+    KVHI_CMD_FAILED,   /* redirected too often, cluster down, no memory */
+    KVHI_CMD_TOO_LARGE /* its reply passed opts.max_reply_bytes */
 };
 
 #define KVHI_CMD_MAX_ARGS 8
@@ -146,6 +156,11 @@ int kvhi_cluster_scan(kvhi_cluster *c, const char *prefix, kvhi_cluster_key_fn f
 /* The seed that answered the open's PING, or -1 (none did, or none was
  * tried). */
 int32_t kvhi_cluster_seed_answered(const kvhi_cluster *c);
+
+/* Breakers c opened outside batches since the last batch or call (at
+ * open, in a scan or a health check; a batch adds them to its report),
+ * now taken: for the caller's counters. */
+uint32_t kvhi_cluster_take_breaker_opens(kvhi_cluster *c);
 
 /* Masters that answer / are known (for `kvh doctor`). */
 void kvhi_cluster_health(kvhi_cluster *c, uint32_t *answering, uint32_t *known);

@@ -226,6 +226,13 @@ static size_t fetch_window(kvh_engine *e, kvhi_seq *s, match_bufs *m, const int3
             m->verdict[k] = -100;
             m->why[w0 + k] = "the key holds another type than a string";
         }
+        /* A value longer than a block's, not read to its end: damaged or
+         * another writer's, and it would cost every match of the prefix
+         * that much reading. */
+        if (m->verdict[k] == VALUE_ABSENT && m->cmds[k].result == KVHI_CMD_TOO_LARGE) {
+            m->verdict[k] = -101;
+            m->why[w0 + k] = "a value longer than a block's";
+        }
     }
     kvhi_cluster_cmds_clear(r->cluster, m->cmds, n);
     size_t good = 0;

@@ -66,7 +66,9 @@ static kvh_status open_remote(const kvh_config *cfg, kvh_engine *log_to, const k
                            .breaker_ms = cfg->remote_breaker_ms,
                            .log = log_to ? cluster_log : NULL,
                            .log_user = log_to,
-                           .breakers = r->breakers};
+                           .breakers = r->breakers,
+                           /* a value and its RESP framing ($<length>\r\n...\r\n) */
+                           .max_reply_bytes = (size_t)kvhi_remote_value_bytes(id) + 64};
     char err[320];
     bool background = cfg->remote_upload & (KVH_REMOTE_UPLOAD_DEMOTE | KVH_REMOTE_UPLOAD_WRITE_THROUGH);
     /* An engine's threads get several clients; background uploads one of
@@ -100,6 +102,12 @@ static kvh_status open_remote(const kvh_config *cfg, kvh_engine *log_to, const k
                                                               : KVH_ERR_INVALID_ARG;
         return kvhi_fail(code, "%s", err);
     }
+    /* Seeds that failed at open opened their breakers: counted as any. */
+    uint32_t opened = r->upload_cluster ? kvhi_cluster_take_breaker_opens(r->upload_cluster) : 0;
+    for (uint32_t i = 0; i < r->n_clients; i++)
+        opened += kvhi_cluster_take_breaker_opens(r->clients[i]);
+    if (log_to)
+        log_to->stats.remote_breaker_opens += opened;
     r->cluster = r->clients[0];
     r->clients_free = (1u << r->n_clients) - 1;
     pthread_mutex_init(&r->client_lock, NULL);

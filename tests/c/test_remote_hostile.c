@@ -1416,6 +1416,167 @@ static void test_bad_addresses_are_invalid_whatever_they_say(void **state)
     }
 }
 
+/* ---- what the log and the counters say ---- */
+
+/* The engine's log lines, for the tests that check what it says. */
+static struct {
+    pthread_mutex_t mu;
+    char text[8192];
+} seen_log = {PTHREAD_MUTEX_INITIALIZER, ""};
+
+static void capture_log(void *user, int32_t level, const char *message)
+{
+    (void)user, (void)level;
+    pthread_mutex_lock(&seen_log.mu);
+    size_t n = strlen(seen_log.text);
+    snprintf(seen_log.text + n, sizeof(seen_log.text) - n, "%s\n", message);
+    pthread_mutex_unlock(&seen_log.mu);
+}
+
+static bool log_says(const char *what)
+{
+    pthread_mutex_lock(&seen_log.mu);
+    bool found = strstr(seen_log.text, what) != NULL;
+    pthread_mutex_unlock(&seen_log.mu);
+    return found;
+}
+
+static kvh_engine *open_reader_logged(uint32_t timeout_ms)
+{
+    SRV_SET(seen_log.text[0] = '\0');
+    kvh_config c = cfg_for(srv.addrs, HEADS, DIM, SALT);
+    c.remote_timeout_ms = timeout_ms;
+    c.log_fn = capture_log;
+    return open_remote(&c);
+}
+
+/* A stored value far longer than a block's (a bulk that claims a
+ * gigabyte and streams): not held whole until the deadline ends it (which
+ * left the node alone and the value in place for the next match), but
+ * found too long once a block's worth has come, counted as a value that
+ * failed verification and deleted; the node stays in use. */
+static void test_an_oversized_value_is_corrupt_and_deleted(void **state)
+{
+    (void)state;
+    write_usual();
+    SRV_SET(srv.tw_get = TW_ENDLESS);
+    kvh_engine *e = open_reader_logged(5000);
+    double secs;
+    assert_int_equal(match_usual(e, &secs), 0);
+    kvh_stats st = tu_stats(e);
+    print_message("oversized value: a miss in %.3f s; %llu corrupt, %llu timeouts, %llu breaker opens\n", secs,
+                  (unsigned long long)st.remote_corrupt, (unsigned long long)st.remote_timeouts,
+                  (unsigned long long)st.remote_breaker_opens);
+    assert_true(secs < 2.0);
+    assert_int_equal(st.remote_corrupt, 1);
+    assert_int_equal(st.remote_timeouts, 0);
+    assert_int_equal(st.remote_breaker_opens, 0);
+    int deleted;
+    SRV_SET(deleted = srv.n_del);
+    assert_int_equal(deleted, 1);
+    assert_true(log_says("a value longer than a block's"));
+    /* The same engine, no breaker to wait for, reads a good store back. */
+    srv_reset_twists();
+    write_usual();
+    assert_int_equal(match_usual(e, &secs), NB);
+    assert_ok(tu_close(e));
+}
+
+/* A seed that accepts connections and never answers, or answers bytes
+ * that are not RESP, is a node that failed: logged, counted in
+ * remote_breaker_opens (the open's own included) and left alone, so the
+ * calls after it do not each wait on it again. */
+static void test_a_seed_that_fails_at_open_is_counted_and_logged(void **state)
+{
+    (void)state;
+    for (int garbage = 0; garbage < 2; garbage++) {
+        srv_reset_twists();
+        write_usual();
+        if (garbage)
+            SRV_SET(srv.greeting = "\x01\x02not RESP\r\n");
+        else
+            SRV_SET(srv.silent = true);
+        kvh_engine *e = open_reader_logged(TIMEOUT_MS);
+        assert_int_equal(tu_stats(e).remote_breaker_opens, 1);
+        assert_true(log_says("not asked again"));
+        double secs;
+        assert_int_equal(match_usual(e, &secs), 0);
+        double left_alone = secs;
+        assert_int_equal(match_usual(e, &secs), 0);
+        left_alone = secs > left_alone ? secs : left_alone;
+        print_message("%s seed: matches while it is left alone took at most %.1f ms\n", garbage ? "garbage" : "silent",
+                      left_alone * 1e3);
+        assert_true(left_alone < TIMEOUT_MS / 2000.0);
+        assert_ok(tu_close(e));
+    }
+}
+
+/* A user without a command's rights gets error replies: misses and
+ * dropped uploads, as before, and now a log line that says why. */
+static void test_refusals_are_logged(void **state)
+{
+    (void)state;
+    SRV_SET(srv.tw_set = TW_RAW;
+            snprintf(srv.raw, sizeof(srv.raw), "-NOPERM this user has no permissions to run the 'set' command\r\n"));
+    SRV_SET(seen_log.text[0] = '\0');
+    kvh_config c = cfg_for(srv.addrs, HEADS, DIM, SALT);
+    c.log_fn = capture_log;
+    kvh_engine *e = open_remote(&c);
+    kvh_seq s = tu_seq_new(e, 0);
+    int32_t tokens[NB * BT];
+    tu_iota(tokens, NB * BT, 1000);
+    assert_ok(kvh_seq_append(e, s, tokens, NB * BT));
+    tu_write_pattern(e, s, LAYERS, TOK_BYTES, TAG, 0, NB * BT);
+    assert_ok(kvh_seq_persist(e, s));
+    kvh_stats st = tu_stats(e);
+    assert_ok(tu_close(e));
+    assert_int_equal(st.remote_uploads_dropped, NB);
+    assert_true(log_says("answered SET with NOPERM"));
+}
+
+/* "[IPv6]:port" names the address inside the brackets (it was taken as
+ * a host name with its brackets and never resolved); URLs, ports with
+ * more after them and brackets around what is not IPv6 are refused at
+ * open instead of failing every call after it. */
+static void test_addresses_with_brackets_and_extras(void **state)
+{
+    (void)state;
+    kvh_engine *e = open_reader(); /* skips without a remote tier */
+    assert_ok(tu_close(e));
+    int fd = socket(AF_INET6, SOCK_STREAM, 0);
+    struct sockaddr_in6 a = {.sin6_family = AF_INET6, .sin6_addr = in6addr_loopback};
+    if (fd < 0 || bind(fd, (struct sockaddr *)&a, sizeof(a)) != 0 || listen(fd, 8) != 0) {
+        if (fd >= 0)
+            close(fd);
+        skip(); /* no IPv6 loopback here */
+    }
+    socklen_t al = sizeof(a);
+    assert_int_equal(getsockname(fd, (struct sockaddr *)&a, &al), 0);
+    char addr[64];
+    snprintf(addr, sizeof(addr), "[::1]:%d", ntohs(a.sin6_port));
+    /* A listener that never accepts: a node reached that does not answer
+     * (not one whose name does not resolve). */
+    SRV_SET(seen_log.text[0] = '\0');
+    kvh_config c = cfg_for(addr, HEADS, DIM, SALT);
+    c.log_fn = capture_log;
+    assert_ok(kvh_engine_open(&c, &e));
+    assert_ok(kvh_engine_close(e));
+    close(fd);
+    if (!log_says("waiting for a reply"))
+        fail_msg("[::1] was not reached; the log said:\n%s", seen_log.text);
+    static const char *const bad[] = {"127.0.0.1:6379:7000", "redis://127.0.0.1:6379",
+                                      "[127.0.0.1]:6379",    "[::1:6379",
+                                      "::1]:6379",           "[]:6379",
+                                      "host name:6379",      "h\x01st:6379"};
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        c = cfg_for(bad[i], HEADS, DIM, SALT);
+        e = NULL;
+        if (kvh_engine_open(&c, &e) != KVH_ERR_INVALID_ARG)
+            fail_msg("'%s' was not refused", bad[i]);
+        assert_null(e);
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1446,6 +1607,10 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_writes_to_a_closed_connection_raise_no_sigpipe, test_setup, tu_teardown),
         cmocka_unit_test_setup_teardown(test_one_slow_master_leaves_only_itself_alone, test_setup, tu_teardown),
         cmocka_unit_test_setup_teardown(test_bad_addresses_are_invalid_whatever_they_say, test_setup, tu_teardown),
+        cmocka_unit_test_setup_teardown(test_an_oversized_value_is_corrupt_and_deleted, test_setup, tu_teardown),
+        cmocka_unit_test_setup_teardown(test_a_seed_that_fails_at_open_is_counted_and_logged, test_setup, tu_teardown),
+        cmocka_unit_test_setup_teardown(test_refusals_are_logged, test_setup, tu_teardown),
+        cmocka_unit_test_setup_teardown(test_addresses_with_brackets_and_extras, test_setup, tu_teardown),
     };
     return cmocka_run_group_tests(tests, group_setup, group_teardown);
 }

@@ -337,8 +337,11 @@ typedef struct kvh_config {
      * engines; see kvh_remote_upload and the README's "Remote tier". ---- */
     /* [borrowed] during open. "host:port[,host:port...]": seed nodes of
      * the cluster (any one suffices; a server without cluster support is
-     * used as one node). NULL or empty: no remote tier (the default;
-     * nothing is contacted unless an address is given). */
+     * used as one node). host is a DNS name, an IPv4 address or an IPv6
+     * one, bare or in brackets ("::1:7000", "[::1]:7000"); anything else
+     * (a URL, "host:port:more") is KVH_ERR_INVALID_ARG at open. NULL or
+     * empty: no remote tier (the default; nothing is contacted unless an
+     * address is given). */
     const char *remote_addrs;
     /* [borrowed] during open. AUTH password, and user (Redis 6 ACL; NULL:
      * the default user). NULL: no AUTH. A refused AUTH fails the open, as
@@ -476,9 +479,9 @@ KVH_API kvh_status kvh_config_from_env(kvh_config *config, size_t struct_size, c
  * does a slab write past the process's file size limit, RLIMIT_FSIZE:
  * "File too large", where the process ignores SIGXFSZ); see
  * KVH_DISK_RESET_ON_MISMATCH. With a remote tier also KVH_ERR_INVALID_ARG
- * (an address that is not host:port, remote settings out of range),
- * KVH_ERR_UNSUPPORTED (remote_tls, an upload policy not implemented, no
- * libhiredis), KVH_ERR_IO (AUTH refused); a cluster that does not answer
+ * (an address that is not host:port, remote settings out of range,
+ * remote_upload bits this library does not know), KVH_ERR_UNSUPPORTED
+ * (remote_tls, no libhiredis), KVH_ERR_IO (AUTH refused); a cluster that does not answer
  * is not an error (its blocks are misses until it does). @threads any */
 KVH_API kvh_status kvh_engine_open(const kvh_config *config, kvh_engine **engine);
 
