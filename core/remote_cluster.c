@@ -70,6 +70,9 @@ typedef struct node {
      * are logged at most once every REFUSALS_QUIET_NS a node. */
     uint64_t refusals_quiet_until;
     uint32_t refusals_unsaid;
+    /* Its connection was dropped in this round after a reply too long:
+     * its later commands are sent again in the next round. */
+    bool resend;
 } node;
 
 /* Where a round's bulk strings go (kvhi_cluster_run_strings). Every
@@ -1013,7 +1016,7 @@ static bool flush_node(kvhi_cluster *c, node *nd, uint64_t deadline, kvhi_cluste
 static void run_round(kvhi_cluster *c, kvhi_cluster_cmd *cmds, size_t n, uint64_t deadline, kvhi_cluster_report *rep)
 {
     for (uint32_t i = 0; i < c->n_nodes; i++)
-        c->nodes[i].in_batch = false;
+        c->nodes[i].in_batch = c->nodes[i].resend = false;
     for (size_t k = 0; k < n; k++) {
         kvhi_cluster_cmd *cmd = &cmds[k];
         if (cmd->result != KVHI_CMD_PENDING)
@@ -1080,6 +1083,8 @@ static void run_round(kvhi_cluster *c, kvhi_cluster_cmd *cmds, size_t n, uint64_
         if (cmd->result != KVHI_CMD_PENDING || cmd->node >= c->n_nodes)
             continue;
         node *nd = &c->nodes[cmd->node];
+        if (nd->resend)
+            continue; /* pending: the next round sends it again */
         if (!nd->in_batch || !nd->ctx || cmd->conn != nd->conn) {
             /* Its node failed in this round: not sent, or no answer (or
              * written to a connection dropped since, whose answers the
@@ -1101,6 +1106,8 @@ static void run_round(kvhi_cluster *c, kvhi_cluster_cmd *cmds, size_t n, uint64_
             if (got)
                 c->h->free_reply(got);
             got = NULL;
+            if (rc == -4)
+                rc = -1; /* ASKING's answer is no value: a node that sends MiB for it is broken */
         }
         /* Each read waits only for the time left in the round. */
         if (rc == 0)
@@ -1109,9 +1116,10 @@ static void run_round(kvhi_cluster *c, kvhi_cluster_cmd *cmds, size_t n, uint64_
         if (rc == -4) {
             /* The node answers; its value is not one this client wrote.
              * The rest of the reply is not read: its connection goes, and
-             * its later commands of the round with it. */
+             * its later commands of the round are sent again. */
             drop_connection(c, nd);
             nd->in_batch = false;
+            nd->resend = true;
             cmd->result = KVHI_CMD_TOO_LARGE;
             continue;
         }
@@ -1139,6 +1147,12 @@ static void run_round(kvhi_cluster *c, kvhi_cluster_cmd *cmds, size_t n, uint64_
         }
         if (r->type == REDIS_REPLY_ERROR)
             note_refusal(c, nd, cmd, r);
+        if (c->opts.max_reply_bytes && r->type == REDIS_REPLY_STRING && r->len > c->opts.max_reply_bytes) {
+            /* Whole, as it came in one read with the reply before it. */
+            c->h->free_reply(r);
+            cmd->result = KVHI_CMD_TOO_LARGE;
+            continue;
+        }
         cmd->result = KVHI_CMD_OK;
         cmd->reply = r;
     }

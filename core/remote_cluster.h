@@ -47,10 +47,11 @@ typedef struct kvhi_cluster_opts {
      * that found which seed answers, or that none does. */
     int32_t first_seed;
     /* The largest reply a batch's command may get, in bytes (its value
-     * and RESP framing); 0: no bound. A reply found longer is not read to
-     * its end (hiredis would hold it whole, however long it claims to be):
-     * its command gets KVHI_CMD_TOO_LARGE and the connection is dropped,
-     * the node left in use. Replies outside batches (CLUSTER SLOTS, SCAN
+     * and RESP framing); 0: no bound. Its command gets KVHI_CMD_TOO_LARGE.
+     * One still arriving is not read to its end (hiredis would hold it
+     * whole, however long it claims to be; at most max_reply_bytes and
+     * one read, 64 KiB, are taken): the connection is dropped, the node
+     * left in use, and the round's later commands to it sent again. Replies outside batches (CLUSTER SLOTS, SCAN
      * pages, AUTH) are bounded by KVHI_CLUSTER_MAX_OTHER_REPLY. */
     size_t max_reply_bytes;
 } kvhi_cluster_opts;

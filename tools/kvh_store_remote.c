@@ -179,6 +179,8 @@ int kvh_store_remote_main(int argc, char **argv)
                 int kind = kvhi_cluster_reply(&cmds[j], &val, &len, NULL);
                 if (kind == KVHI_REPLY_NIL)
                     continue; /* expired or evicted since the scan */
+                if (cmds[j].result == KVHI_CMD_TOO_LARGE)
+                    why = "a value longer than a block's";
                 if (kind != KVHI_REPLY_STRING || kvhi_remote_value_check_alone(val, len, &r->id, NULL, &why) != 0) {
                     bad++;
                     if (!json)

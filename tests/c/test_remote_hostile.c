@@ -1416,6 +1416,54 @@ static void test_bad_addresses_are_invalid_whatever_they_say(void **state)
     }
 }
 
+/* A reply longer than max_reply_bytes fails its command alone: the
+ * connection it came on is dropped, and the commands of the round behind
+ * it on that node are sent again on a new one, not reported down. */
+static void test_a_reply_too_long_fails_only_its_command(void **state)
+{
+    (void)state;
+    kvhi_cluster_opts o = {
+        .addrs = srv.addrs, .timeout_ms = TIMEOUT_MS, .breaker_ms = BREAKER_MS, .max_reply_bytes = 100};
+    kvhi_cluster *cl = NULL;
+    char err[256] = "";
+    int rc = kvhi_cluster_open(&o, &cl, err, sizeof(err));
+    if (rc == KVHI_CLUSTER_NO_CLIENT)
+        skip();
+    if (rc != 0)
+        fail_msg("cluster open: %s", err);
+    static char big[200 << 10], small[10]; /* big: longer than one read */
+    memset(big, 0x41, sizeof(big));
+    memset(small, 0x42, sizeof(small));
+    kvhi_cluster_report rep;
+    assert_int_equal(run_one(cl, command("SET", "big", big, sizeof(big)), &rep), KVHI_CMD_OK);
+    assert_int_equal(run_one(cl, command("SET", "small1", small, sizeof(small)), &rep), KVHI_CMD_OK);
+    assert_int_equal(run_one(cl, command("SET", "small2", small, sizeof(small)), &rep), KVHI_CMD_OK);
+    kvhi_cluster_cmd cmds[3] = {command("GETEX", "small1", NULL, 0), command("GETEX", "big", NULL, 0),
+                                command("GETEX", "small2", NULL, 0)};
+    kvhi_cluster_run(cl, cmds, 3, &rep);
+    assert_int_equal(cmds[0].result, KVHI_CMD_OK);
+    assert_int_equal(cmds[1].result, KVHI_CMD_TOO_LARGE);
+    assert_int_equal(cmds[2].result, KVHI_CMD_OK);
+    const char *str = NULL;
+    size_t len = 0;
+    assert_int_equal(kvhi_cluster_reply(&cmds[2], &str, &len, NULL), KVHI_REPLY_STRING);
+    assert_int_equal(len, sizeof(small));
+    assert_memory_equal(str, small, sizeof(small));
+    assert_int_equal(rep.breaker_opens, 0);
+    assert_int_equal(rep.down, 0);
+    kvhi_cluster_cmds_clear(cl, cmds, 3);
+    /* One that came whole with the reply before it is too long as well. */
+    static char medium[1000];
+    memset(medium, 0x43, sizeof(medium));
+    assert_int_equal(run_one(cl, command("SET", "medium", medium, sizeof(medium)), &rep), KVHI_CMD_OK);
+    kvhi_cluster_cmd two[2] = {command("GETEX", "small1", NULL, 0), command("GETEX", "medium", NULL, 0)};
+    kvhi_cluster_run(cl, two, 2, &rep);
+    assert_int_equal(two[0].result, KVHI_CMD_OK);
+    assert_int_equal(two[1].result, KVHI_CMD_TOO_LARGE);
+    kvhi_cluster_cmds_clear(cl, two, 2);
+    kvhi_cluster_close(cl);
+}
+
 /* ---- what the log and the counters say ---- */
 
 /* The engine's log lines, for the tests that check what it says. */
@@ -1607,6 +1655,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_writes_to_a_closed_connection_raise_no_sigpipe, test_setup, tu_teardown),
         cmocka_unit_test_setup_teardown(test_one_slow_master_leaves_only_itself_alone, test_setup, tu_teardown),
         cmocka_unit_test_setup_teardown(test_bad_addresses_are_invalid_whatever_they_say, test_setup, tu_teardown),
+        cmocka_unit_test_setup_teardown(test_a_reply_too_long_fails_only_its_command, test_setup, tu_teardown),
         cmocka_unit_test_setup_teardown(test_an_oversized_value_is_corrupt_and_deleted, test_setup, tu_teardown),
         cmocka_unit_test_setup_teardown(test_a_seed_that_fails_at_open_is_counted_and_logged, test_setup, tu_teardown),
         cmocka_unit_test_setup_teardown(test_refusals_are_logged, test_setup, tu_teardown),
