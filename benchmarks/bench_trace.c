@@ -55,6 +55,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "bench_scenarios.h"
 #include "policy_sim.h"
@@ -407,6 +408,14 @@ int bench_trace(int argc, char **argv, const bench_ctx *ctx)
     }
     if (!*o.disk_dir) {
         fprintf(stderr, "kvh-bench trace: --disk-dir is empty (the replay's store would go to the root directory)\n");
+        return 2;
+    }
+    /* Checked now, not once the simulations ran (the replay makes its
+     * store there last). */
+    struct stat dir_st;
+    if (stat(o.disk_dir, &dir_st) != 0 || !S_ISDIR(dir_st.st_mode)) {
+        fprintf(stderr, "kvh-bench trace: --disk-dir %s: %s\n", o.disk_dir,
+                stat(o.disk_dir, &dir_st) != 0 ? strerror(errno) : "not a directory");
         return 2;
     }
     if (o.lru_k > 4 || o.device_pct.n == 0) {

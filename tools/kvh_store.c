@@ -369,7 +369,12 @@ static int run_main(int argc, char **argv)
                 pm.level == PERM_EXPOSED ? "\n              other users can read cached prompts' KV: " : "", pm.exposed,
                 pm.dir_writable ? "\n              the directory is writable by other users: an engine refuses it" : "",
                 pm.foreign ? "\n              owned by another user than this one" : "");
-        if (pm.level == PERM_EXPOSED)
+        if (pm.dir_writable)
+            fprintf(stderr,
+                    "kvh-store: %s is writable by other users: an engine refuses it (another user could plant or "
+                    "swap its files); chmod 700 %s && chmod 600 %s/* before opening it\n",
+                    d.path, d.path, d.path);
+        else if (pm.level == PERM_EXPOSED)
             fprintf(stderr,
                     "kvh-store: %s is readable by other users; an engine narrows it to 0700/0600 on its next open, "
                     "or: chmod 700 %s && chmod 600 %s/*\n",
@@ -437,6 +442,12 @@ static int run_main(int argc, char **argv)
                (unsigned long long)bad);
     free(buf);
     uint64_t bad_records = list.bad_records;
+    /* The verdict on stderr as well: the lines above may be JSON, and a
+     * wrapper (kvh store verify) reports a tool that fails without a word. */
+    if (bad || bad_records || damaged)
+        fprintf(stderr, "kvh-store verify: %s: %llu of %llu block(s) bad, %llu bad index record(s)%s\n", d.path,
+                (unsigned long long)bad, (unsigned long long)(list.n + list.bad_slots), (unsigned long long)bad_records,
+                damaged ? ", index or journal damaged" : "");
     kvhi_index_list_free(&list);
     kvhi_disk_close(&d);
     return bad || bad_records || damaged ? 1 : 0;

@@ -140,6 +140,8 @@ int kvh_store_remote_main(int argc, char **argv)
         uint32_t up = 0, known = 0;
         kvhi_cluster_health(r->cluster, &up, &known);
         rc = known && up == known ? 0 : 1;
+        if (rc) /* why it failed, where a wrapper looks for it (stdout may be JSON) */
+            fprintf(stderr, "kvh-store remote ping: %u of %u node(s) answer\n", up, known);
         if (json)
             printf("{\"nodes\": %u, \"answering\": %u}\n", known, up);
         else
@@ -189,8 +191,10 @@ int kvh_store_remote_main(int argc, char **argv)
             }
             kvhi_cluster_cmds_clear(r->cluster, cmds, n);
         }
-        if (bad)
+        if (bad) {
             rc = rc ? rc : 1;
+            fprintf(stderr, "kvh-store remote verify: %zu of %zu sampled value(s) bad\n", bad, k.n);
+        }
     } else if (!strcmp(action, "purge")) {
         for (size_t i = 0; i < k.n; i += BATCH) {
             size_t n = k.n - i < BATCH ? k.n - i : BATCH;

@@ -398,9 +398,12 @@ def test_verify_lists_every_damaged_block(how, bad_slots, store):
     # info still reads the index; neither tool touched a byte
     assert info_json(store)["blocks"] == CHAINS * 3
     assert digest(store) == before
-    # kvh store verify passes the verdict on
+    # kvh store verify passes the verdict on, with kvh-store's reason (it
+    # was once called a failure that "gave no reason")
     res = run_kvh("store", "verify", store)
     assert res.returncode == 1 and "BAD slot" in res.stdout, res.stdout + res.stderr
+    assert f"{len(bad_slots)} of {CHAINS * 3} block(s) bad" in res.stderr, res.stderr
+    assert "gave no reason" not in res.stderr, res.stderr
 
 
 def test_verify_damaged_block_is_never_served(store):
@@ -936,3 +939,16 @@ def test_stats_of_a_store_named_with_a_leading_dash(pristine, tmp_path):
     assert out["path"] == "-store" and out["disk"]["used_blocks"] == CHAINS * TOKENS // 16
     res = run_kvh("stats", "--", "-nostore", cwd=tmp_path)
     assert_one_line_error(res, 1, "-nostore")
+
+
+def test_info_on_a_store_others_may_write_says_an_engine_refuses_it(store):
+    # stdout said an engine refuses the store while stderr advised that an
+    # engine "narrows it to 0700/0600 on its next open".
+    store.chmod(0o777)
+    try:
+        res = run_store("info", store)
+    finally:
+        store.chmod(0o700)
+    assert res.returncode == 0, res.stderr
+    assert "writable by other users: an engine refuses it" in res.stdout
+    assert "writable by other users: an engine refuses it" in res.stderr and "narrows" not in res.stderr, res.stderr

@@ -1455,3 +1455,11 @@ def test_model_that_is_not_a_usable_gguf_fails_with_1(args, what, tmp_path, capf
     res = run_in_process([a.replace("{model}", str(path)).replace("{tmp}", str(tmp_path)) for a in args], capfd)
     assert_one_line_error(res, 1, str(path))
     assert "--model" in res.stderr.strip().splitlines()[-1]
+
+
+def test_bench_trace_checks_its_disk_dir_first(tmp_path):
+    # A --disk-dir that does not exist was found only once every simulation
+    # had run, as "mkdtemp: No such file or directory" with no path named.
+    missing = tmp_path / "missing"
+    res = run_bench("trace", "--disk-dir", missing, "--quick")
+    assert res.returncode == 2 and f"--disk-dir {missing}" in res.stderr and res.stdout == "", (res.stdout, res.stderr)
