@@ -134,6 +134,24 @@ _MODEL_DEMO_ONLY = (
 )
 
 
+def _demo_ignores_engine_settings() -> None:
+    """The demo runs configurations of its own (its flags set geometry and
+    budgets, its baselines are fixed): engine settings from the environment
+    or $KVH_CONFIG would change what it compares, so they are not applied,
+    and a user who set some is told so rather than left to believe them in
+    effect."""
+    from .config import ENV_FILE, ENV_VARS
+
+    names = sorted({var for var in ENV_VARS.values() if os.environ.get(var, "").strip()})
+    if os.environ.get(ENV_FILE, "").strip():
+        names.append(ENV_FILE)
+    if names:
+        _err(
+            f"{', '.join(names)} set: kvh demo runs its own configurations (set by its flags) and does not "
+            "apply engine settings from the environment or a file"
+        )
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import synthetic
 
@@ -141,6 +159,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         from .demo import vllm_engine
 
         return vllm_engine.run(args)
+    _demo_ignores_engine_settings()
 
     if args.models:
         from .demo import two_models
@@ -413,7 +432,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
                 disk_share_group=_group_shared(d),
                 # A damaged index or journal is an error, not rebuilt.
                 disk_strict_index=True,
-                defaults={"backend": "cpu", "device_bytes": 1 << 20, "host_bytes": 4 << 20, "log_level": "error"},
+                # The engine's log follows -v / -vv (warnings by default),
+                # unless KVH_LOG_LEVEL or the file says otherwise.
+                defaults={"backend": "cpu", "device_bytes": 1 << 20, "host_bytes": 4 << 20},
             )
         )
     except errors.UnsupportedError as exc:
@@ -837,8 +858,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="open a disk store with an engine and print its tiers and counters",
         description="Opens the disk store DIR with an engine (geometry from kvh-store info, or "
         "the flags) and prints the disk tier's occupancy and the engine counters. "
-        "The store must not be open in another process. It is checked with kvh-store first: "
-        "a damaged store is refused (exit 1), never repaired (kvh store verify lists the damage). "
+        "The store must not be open in another process. Its index, journal and slab files are checked "
+        "with kvh-store first: a store damaged there is refused (exit 1), never repaired. Blocks are not "
+        "read: damage inside a block's slot (its header or data) shows when the block is read, as "
+        "corrupt_blocks, or in kvh store verify, which reads them all. "
         "A store a crashed process left is recovered as any open recovers it: the records its journal "
         "holds are folded into its index, and its blocks stay as they were.",
     )

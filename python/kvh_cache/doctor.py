@@ -672,7 +672,28 @@ def check_config(resolved) -> Check:
                 {"field": field},
             )
         return Check(name, FAIL, f"the engine refuses it: {exc.message}", [], data)
-    return Check(name, OK, "the engine accepts it (geometry, policies, budgets)", [], data)
+    # The probe opened capped budgets: the ones set are judged here
+    # against the machine's memory, which the open does not check unless
+    # prefault_memory asks it to.
+    from .types import Backend
+
+    in_memory = cfg.host_bytes if cfg.host_bytes is not None else 1 << 30  # kvh_config_init's defaults
+    if cfg.backend is not None and Backend.parse(cfg.backend) == Backend.CPU:
+        # the CPU backend's device tier is host memory too (AUTO may pick
+        # a GPU, whose memory is not judged here)
+        in_memory += cfg.device_bytes if cfg.device_bytes is not None else 256 << 20
+    total = _meminfo().get("MemTotal", 0)
+    if total and in_memory > total:
+        return Check(
+            name,
+            WARN,
+            f"the engine accepts its geometry and policies, but its memory tiers ({human_bytes(in_memory)}) "
+            f"exceed this machine's memory ({human_bytes(total)}): an engine opened with them fails with "
+            "KVH_ERR_NOMEM, or is killed as they fill",
+            ["# lower KVH_DEVICE_BYTES / KVH_HOST_BYTES"],
+            dict(data, memory_tier_bytes=in_memory, memory_total=total),
+        )
+    return Check(name, OK, "the engine accepts it (geometry, policies; budgets within this machine's memory)", [], data)
 
 
 def run_checks(

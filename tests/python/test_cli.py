@@ -449,6 +449,33 @@ def test_stats(store):
     assert doc["disk"]["used_blocks"] > 0 and doc["stats"]["corrupt_blocks"] == 0
 
 
+def test_stats_passes_the_engines_warnings_on(store):
+    # kvh stats opened its engine at log level "error", so a setting the
+    # library ignores with a warning (README) was ignored without a word,
+    # with or without -v.
+    if find_tool("kvh-store") is None:
+        pytest.skip("kvh-store is not built")
+    for flags in ([], ["-v"]):
+        res = run_kvh(*flags, "stats", str(store), env_extra={"KVH_CRC32C_IMPL": "bogus"})
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert "KVH_CRC32C_IMPL=bogus" in res.stderr, (flags, res.stderr)
+    res = run_kvh("stats", str(store), env_extra={"KVH_CRC32C_IMPL": "bogus", "KVH_LOG_LEVEL": "error"})
+    assert "KVH_CRC32C_IMPL" not in res.stderr, res.stderr
+
+
+def test_demo_says_it_does_not_apply_engine_variables(tmp_path):
+    # kvh demo ran with KVH_LRU_K=9 or KVH_CONFIG=/nonexistent set and no
+    # word that they were not applied.
+    res = run_kvh(
+        "demo",
+        *SMALL_DEMO,
+        "--no-progress",
+        env_extra={"KVH_LRU_K": "9", "KVH_CONFIG": str(tmp_path / "missing.toml")},
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "KVH_LRU_K, KVH_CONFIG set: kvh demo runs its own configurations" in res.stderr, res.stderr
+
+
 def test_stats_not_a_store(tmp_path):
     res = run_kvh("stats", str(tmp_path))
     assert res.returncode == 1 and "not a kvh store" in res.stderr

@@ -150,10 +150,30 @@ BIG_BLOCKS = {  # blocks of 80 MiB: 80 layers x 8 KV heads x 128 x 256 tokens, f
 }
 
 
+def test_budgets_beyond_the_machines_memory_are_not_called_accepted(monkeypatch):
+    # The probe opens capped budgets, so 16383P passed as "the engine
+    # accepts it (... budgets)" where an engine opened with it fails.
+    for k in [k for k in os.environ if k.startswith("KVH_") and k not in ("KVH_BUILD_DIR",)]:
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("KVH_BACKEND", "cpu")
+    monkeypatch.setenv("KVH_DEVICE_BYTES", "16383P")
+    from kvh_cache.config import resolve
+
+    (check,) = doctor.run_check("configuration", lambda: doctor.check_config(resolve()))
+    assert check.status == doctor.WARN and "exceed this machine's memory" in check.summary, check
+    monkeypatch.setenv("KVH_DEVICE_BYTES", "64M")
+    monkeypatch.setenv("KVH_HOST_BYTES", "16383P")
+    (check,) = doctor.run_check("configuration", lambda: doctor.check_config(resolve()))
+    assert check.status == doctor.WARN, check
+    monkeypatch.setenv("KVH_HOST_BYTES", "64M")
+    (check,) = doctor.run_check("configuration", lambda: doctor.check_config(resolve()))
+    assert check.status == doctor.OK, check
+
+
 @pytest.mark.parametrize(
     "budgets, status, word",
     [
-        ({"KVH_DEVICE_BYTES": "80G", "KVH_HOST_BYTES": "256G"}, doctor.OK, None),
+        ({"KVH_DEVICE_BYTES": "80G", "KVH_HOST_BYTES": "2G"}, doctor.OK, None),
         ({"KVH_DEVICE_BYTES": "1M", "KVH_HOST_BYTES": "256G"}, doctor.FAIL, "device_bytes 1048576 holds no block"),
     ],
     ids=["fits", "too-small"],

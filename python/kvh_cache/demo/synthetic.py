@@ -449,7 +449,7 @@ def run(args: argparse.Namespace, out=None) -> int:
             tmp = tempfile.mkdtemp(prefix="kvh-demo-")
             data_dir = Path(tmp) / "store"
         else:
-            problem = _make_data_dir(Path(args.data_dir))
+            problem = make_data_dir(Path(args.data_dir))
             if problem:
                 print(f"kvh demo: --data-dir {args.data_dir}: {problem}", file=sys.stderr)
                 return 1
@@ -483,7 +483,7 @@ def run(args: argparse.Namespace, out=None) -> int:
     return 0 if result.ok else 1
 
 
-def _make_data_dir(path: Path) -> Optional[str]:
+def make_data_dir(path: Path) -> Optional[str]:
     """Creates the data directory (the store goes in it); why not, if not."""
     if path.exists() and not path.is_dir():
         return "Not a directory"

@@ -65,7 +65,12 @@ def run(args: argparse.Namespace, out: Optional[IO[str]] = None) -> int:
     data_dir = Path(args.data_dir)
     if args.fresh and not empty_for_fresh(data_dir / "store", "kvh demo"):
         return 1
-    data_dir.mkdir(parents=True, exist_ok=True)
+    from ..synthetic import make_data_dir
+
+    why = make_data_dir(data_dir)
+    if why:
+        print(f"kvh demo: --data-dir {data_dir}: {why}", file=sys.stderr)
+        return 1
     corpus = load_corpus()
     try:
         work = Workload(args, runner, corpus, notes, data_dir)
