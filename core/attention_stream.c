@@ -233,6 +233,14 @@ kvh_status kvhi_attn_stream_run(kvh_engine *e, kvhi_attn_call *c, const void *q,
     }
     if (st == KVH_OK && c->n_stage && r.parts == 0)
         st = kvhi_fail(KVH_ERR_INTERNAL, "a streamed call without a window");
+    /* Out over q, whole or in part: a wave's rows written would be
+     * queries of the waves after it. */
+    bool no_copy = false;
+    void *q_kept = st == KVH_OK ? kvhi_attn_cpu_q_kept(p, q, out, &no_copy) : NULL;
+    if (no_copy)
+        st = kvhi_fail(KVH_ERR_NOMEM, "out of memory for a copy of q (out overlaps it)");
+    if (q_kept)
+        q = q_kept;
     if (st == KVH_OK) {
         pthread_mutex_init(&r.mu, NULL);
         pthread_cond_init(&r.cv, NULL);
@@ -254,6 +262,7 @@ kvh_status kvhi_attn_stream_run(kvh_engine *e, kvhi_attn_call *c, const void *q,
         if (st != KVH_OK)
             st = kvhi_fail(st, "streamed attention: %s", r.why ? r.why : "failed");
     }
+    free(q_kept);
     free(po);
     free(r.waves);
     kvhi_attn_call_release_window(e, c);

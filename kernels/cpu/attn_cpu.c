@@ -308,6 +308,20 @@ static int run_locked(kvhi_attn_cpu *st, const kvhi_attn_plan *p, uint32_t u0, u
     return 0;
 }
 
+void *kvhi_attn_cpu_q_kept(const kvhi_attn_plan *p, const void *q, const void *out, bool *failed)
+{
+    size_t bytes = (size_t)p->total_rows * p->num_q_heads * p->head_dim * (p->io_dtype == KVH_DTYPE_F32 ? 4 : 2);
+    *failed = false;
+    if (!bytes ||
+        !((const uint8_t *)q < (const uint8_t *)out + bytes && (const uint8_t *)out < (const uint8_t *)q + bytes))
+        return NULL;
+    void *kept = malloc(bytes);
+    if (kept)
+        memcpy(kept, q, bytes);
+    *failed = !kept;
+    return kept;
+}
+
 static int run_call(const kvhi_attn_plan *p, const void *q, void *out, void (*done)(void *), void *done_arg, char *msg,
                     size_t msg_len)
 {
@@ -316,9 +330,20 @@ static int run_call(const kvhi_attn_plan *p, const void *q, void *out, void (*do
         snprintf(msg, msg_len, "CPU attention state missing");
         return KVH_ERR_INTERNAL;
     }
+    /* Out over q, whole or in part: every pass reads a copy, since a row
+     * written may be queries another row has yet to read. */
+    bool failed = false;
+    void *q_kept = kvhi_attn_cpu_q_kept(p, q, out, &failed);
+    if (failed) {
+        snprintf(msg, msg_len, "out of memory for a copy of q (out overlaps it)");
+        return KVH_ERR_NOMEM;
+    }
+    if (q_kept)
+        q = q_kept;
     pthread_mutex_lock(&st->run_lock);
     if (st->impl == KVHI_ATTN_REFERENCE) {
         int rc = kvhi_attn_reference(p, q, out);
+        free(q_kept);
         pthread_mutex_unlock(&st->run_lock);
         if (rc != 0) {
             snprintf(msg, msg_len, "out of memory for the reference kernel");
@@ -328,24 +353,13 @@ static int run_call(const kvhi_attn_plan *p, const void *q, void *out, void (*do
         return 0;
     }
     if (grow(&st->partial, &st->partial_cap, (size_t)p->n_partial_rows * (p->head_dim + 2)) != 0) {
+        free(q_kept);
         pthread_mutex_unlock(&st->run_lock);
         snprintf(msg, msg_len, "out of memory for attention scratch");
         return KVH_ERR_NOMEM;
     }
     /* no split-K partials: no buffer (NULL + 0 is undefined) */
     float *pml = st->partial ? st->partial + (size_t)p->n_partial_rows * p->head_dim : NULL;
-    /* In place (out over q): rows computed again below read q, which this
-     * pass overwrites first; they read a copy. */
-    size_t bytes = (size_t)p->total_rows * p->num_q_heads * p->head_dim * (p->io_dtype == KVH_DTYPE_F32 ? 4 : 2);
-    void *q_kept = NULL;
-    if ((const uint8_t *)q < (const uint8_t *)out + bytes && (const uint8_t *)out < (const uint8_t *)q + bytes) {
-        if (!(q_kept = malloc(bytes ? bytes : 1))) {
-            pthread_mutex_unlock(&st->run_lock);
-            snprintf(msg, msg_len, "out of memory for a copy of q (out overlaps it)");
-            return KVH_ERR_NOMEM;
-        }
-        memcpy(q_kept, q, bytes);
-    }
     __atomic_store_n(&st->score_overflow, 0, __ATOMIC_RELAXED);
     rows_past_prepare(st, p);
     int rc = run_locked(st, p, 0, p->n_units, true, q, out, st->partial, pml, msg, msg_len);
@@ -353,8 +367,7 @@ static int run_call(const kvhi_attn_plan *p, const void *q, void *out, void (*do
      * weighted values above 3.4e38): from finite inputs they came out
      * inf or NaN where the answer is finite. They are computed again in
      * double, as the reference kernel does. */
-    if (rc == 0 && __atomic_load_n(&st->score_overflow, __ATOMIC_RELAXED) &&
-        redo_rows_past(st, p, q_kept ? q_kept : q, out) != 0) {
+    if (rc == 0 && __atomic_load_n(&st->score_overflow, __ATOMIC_RELAXED) && redo_rows_past(st, p, q, out) != 0) {
         snprintf(msg, msg_len, "out of memory for attention scores past the float range");
         rc = KVH_ERR_NOMEM;
     }

@@ -704,6 +704,31 @@ def test_attention_with_out_aliasing_q_is_exact(engine, resident):
     assert np.array_equal(samep, refp)
 
 
+@pytest.mark.parametrize("shift", [1, -1])
+def test_attention_with_out_overlapping_q_in_part_is_exact(engine, resident, shift):
+    """out one row past q (or before it) in the same buffer: a row written
+    was queries of the next row still to be read, so decode, plans and
+    streamed decode returned other values than with an out of its own."""
+    seqs, _ = resident
+    for label, call in (
+        ("decode", lambda q, out: engine.attention_decode(0, seqs, q, out=out)),
+        (
+            "streamed",
+            lambda q, out: engine.attention_decode(0, seqs, q, out=out, stream_chunk_blocks=1, stream_window_blocks=2),
+        ),
+        ("plan", lambda q, out: engine.attention_plan(0, seqs, num_q_heads=4).run(q, out=out)),
+    ):
+        buf = _q(4, seed=11)
+        q, out = (buf[:3], buf[1:]) if shift > 0 else (buf[1:], buf[:3])
+        ref = call(q.copy(), None)
+        got = call(q, out)
+        assert np.array_equal(got, ref), label
+    qp = _q(9 + 1, seed=12)
+    q, out = (qp[:9], qp[1:]) if shift > 0 else (qp[1:], qp[:9])
+    refp = engine.attention_prefill(0, seqs, [2, 3, 4], q.copy())
+    assert np.array_equal(engine.attention_prefill(0, seqs, [2, 3, 4], q, out=out), refp)
+
+
 def test_attention_with_np_int_q_lens_and_layer(engine, resident):
     seqs, _ = resident
     qp = _q(6)

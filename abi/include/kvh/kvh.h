@@ -1408,7 +1408,9 @@ KVH_API kvh_status kvh_attention_params_init(kvh_attention_params *params, size_
  * q[i][num_q_heads][head_dim] over all of its tokens (the newest token's
  * K/V must already be written) and writes out[i][num_q_heads][head_dim].
  * q and out are [borrowed] host memory on the CPU backend and device
- * memory on the CUDA backend. Every block must be resident in the device
+ * memory on the CUDA backend. On the CPU, out may overlap q, whole or in
+ * part (the call then reads a copy of q); on CUDA they must not overlap.
+ * Every block must be resident in the device
  * tier (kvh_seq_acquire first; KVH_ERR_NOT_RESIDENT otherwise) unless the
  * params stream (stream_chunk_blocks, CPU backend): blocks elsewhere are
  * then read chunk by chunk through a window of device-tier slots and stay
