@@ -310,7 +310,11 @@ class Context(GatedHandle, Closable, Uncopyable):
             # A string is a container of its substrings: "output" would pin
             # every tensor whose name is part of it.
             raise TypeError("pinned must be a collection of tensor names, not a string")
-        with GGUFFile(os.fspath(path)) as g:
+        try:
+            g = GGUFFile(os.fspath(path))
+        except OSError as exc:  # as add_region reports a file it cannot open
+            raise errors.KvhIOError(f"{os.fspath(path)}: {exc.strerror or exc}", lib.KVH_ERR_IO) from None
+        with g:
             tensors = list(g.tensors.values())
         nblk = 1 + max((int(m.group(1)) for t in tensors if (m := _BLK.match(t.name))), default=-1)
         for t in tensors:

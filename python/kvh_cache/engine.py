@@ -1700,6 +1700,8 @@ class Hold(OwnedHandle):
             self.fence.result(timeout)
 
     def covers_block(self, block_index: int) -> bool:
+        """Whether the held tokens include any of block ``block_index``."""
+        block_index = _index("block_index", block_index)
         bt = self._seq._engine.block_tokens
         if self.released or self.n == 0:
             return False

@@ -745,3 +745,17 @@ def test_a_child_forked_during_another_threads_call_exits():
         """
     )
     assert out == "[0, 0, 0, 0, 0, 0]", out
+
+
+def test_hold_covers_block_takes_block_indices_only(filled):
+    # covers_block(0.0) was True and covers_block(0.5) False, where every
+    # other index argument refuses floats and bools.
+    seq, _ = filled
+    hold = seq.acquire(0, 16)
+    try:
+        assert hold.covers_block(0) and not hold.covers_block(1)
+        for bad, error in ((0.0, TypeError), (0.5, TypeError), (True, TypeError), (None, TypeError), (-1, ValueError)):
+            with pytest.raises(error):
+                hold.covers_block(bad)
+    finally:
+        hold.release()

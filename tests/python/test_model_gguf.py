@@ -96,9 +96,86 @@ def test_cut_or_damaged_gguf_is_a_value_error_naming_the_file(cut, tiny_path, tm
     data = open(tiny_path, "rb").read()
     rng = np.random.default_rng(abs(cut))
     p.write_bytes(data[:cut] if cut > 0 else b"GGUF" + rng.integers(0, 256, 300, dtype=np.uint8).tobytes())
-    with pytest.raises(ValueError, match="not a valid or complete GGUF file") as info:
+    # (random bytes after the magic mostly make a version other than 2 or 3)
+    with pytest.raises(ValueError, match="not a valid or complete GGUF file|GGUF version .* is not supported") as info:
         km.GGUFFile(str(p))
     assert str(p) in str(info.value)
+
+
+def _hostile_gguf(tensors, kvs=b"", nkv=0, version=3):
+    """A GGUF file of the given tensor table and metadata entries."""
+    import struct
+
+    body = b"GGUF" + struct.pack("<IQQ", version, len(tensors), nkv) + kvs + b"".join(tensors)
+    return body + b"\0" * ((-len(body)) % 32) + b"\0" * 4096
+
+
+def _gguf_str(text):
+    import struct
+
+    raw = text.encode()
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _gguf_tensor(name, dims, ttype=0, offset=0):
+    import struct
+
+    head = _gguf_str(name) + struct.pack("<I", len(dims))
+    return head + b"".join(struct.pack("<Q", d) for d in dims) + struct.pack("<IQ", ttype, offset)
+
+
+def _hostile_gguf_cases():
+    import struct
+
+    alignment = _gguf_str("general.alignment")
+    return {
+        # u32 0 and f32 0.5: a division by zero
+        "alignment 0": (_hostile_gguf([_gguf_tensor("a", [4])], alignment + struct.pack("<II", 4, 0), 1), "alignment"),
+        "alignment 0.5": (
+            _hostile_gguf([_gguf_tensor("a", [4])], alignment + struct.pack("<If", 6, 0.5), 1),
+            "alignment",
+        ),
+        # i32 -32: the data offset fell inside the tensor table
+        "alignment -32": (
+            _hostile_gguf([_gguf_tensor("a", [4])], alignment + struct.pack("<Ii", 5, -32), 1),
+            "alignment",
+        ),
+        # arrays nested 5,000 deep: RecursionError
+        "nested": (
+            _hostile_gguf(
+                [_gguf_tensor("a", [4])],
+                _gguf_str("x") + struct.pack("<I", 9) + struct.pack("<IQ", 9, 1) * 5000 + struct.pack("<IQ", 4, 0),
+                1,
+            ),
+            "nested",
+        ),
+        # f32 [2**62 + 1, 4]: 2**66 + 16 bytes, which wrapped to 16
+        "size wrap": (_hostile_gguf([_gguf_tensor("token_embd.weight", [2**62 + 1, 4])]), "past the end"),
+        "same name twice": (_hostile_gguf([_gguf_tensor("a", [4]), _gguf_tensor("a", [4], offset=32)]), "twice"),
+        "version 99": (_hostile_gguf([_gguf_tensor("a", [4])], version=99), "version 99"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_hostile_gguf_cases()))
+def test_hostile_gguf_headers_are_value_errors(case, tmp_path):
+    """Headers that raised ZeroDivisionError or RecursionError, or were
+    taken with a wrapped tensor size, a data offset inside the header, a
+    tensor dropped for its namesake or an unknown version."""
+    data, word = _hostile_gguf_cases()[case]
+    p = tmp_path / "hostile.gguf"
+    p.write_bytes(data)
+    with pytest.raises(ValueError, match=word) as info:
+        km.GGUFFile(str(p))
+    assert str(p) in str(info.value)
+
+
+def test_add_gguf_of_a_missing_file_is_a_kvh_io_error(tmp_path):
+    import kvh_cache as kvh
+
+    with kvh.Engine(num_layers=1, num_kv_heads=1, head_dim=64, dtype="f32", device_bytes=1 << 22) as eng:
+        ctx = eng.context("weights")
+        with pytest.raises(kvh.KvhIOError, match="No such file"):
+            ctx.add_gguf(tmp_path / "missing.gguf")
 
 
 def test_model_path_that_is_not_a_regular_file(tmp_path):

@@ -20,6 +20,7 @@ pairs) RoPE, which is the RoPE :mod:`kvh_cache.model.llama` applies.
 from __future__ import annotations
 
 import dataclasses
+import math
 import mmap
 import os
 import struct
@@ -34,6 +35,9 @@ __all__ = ["GGUFFile", "ModelConfig", "TensorInfo", "load_config", "dequantize",
 DEFAULT_MODEL_HINT = "python -m kvh_cache.model fetch"
 
 GGUF_MAGIC = b"GGUF"
+# Metadata arrays of arrays: real files nest one level at most; a hostile
+# one nested thousands deep would end in RecursionError.
+_MAX_ARRAY_DEPTH = 16
 
 # GGUF metadata value types
 _UINT8, _INT8, _UINT16, _INT16, _UINT32, _INT32, _FLOAT32, _BOOL, _STRING, _ARRAY, _UINT64, _INT64, _FLOAT64 = range(13)
@@ -130,7 +134,7 @@ class GGUFFile(Closable):
         if mm[:4] != GGUF_MAGIC:
             raise ValueError(f"{self.path}: not a GGUF file (magic {bytes(mm[:4])!r})")
         (self.version,) = struct.unpack_from("<I", mm, 4)
-        if self.version < 2:
+        if self.version not in (2, 3):
             raise ValueError(f"{self.path}: GGUF version {self.version} is not supported (need 2 or 3)")
         n_tensors, n_kv = struct.unpack_from("<QQ", mm, 8)
         off = 24
@@ -158,7 +162,14 @@ class GGUFFile(Closable):
             ttype, toff = struct.unpack_from("<IQ", mm, off)
             off += 12
             infos.append((name, tuple(int(d) for d in dims), int(ttype), int(toff)))
-        align = int(meta.get("general.alignment", 32))
+        align = meta.get("general.alignment", 32)
+        # An integer power of two, as llama.cpp requires: 0 would divide by
+        # zero, a negative one put the data inside the header.
+        if isinstance(align, (bool, float, np.floating)) or not isinstance(align, (int, np.integer)):
+            raise ValueError(f"{self.path}: general.alignment {align!r} is not an integer")
+        align = int(align)
+        if align <= 0 or align & (align - 1):
+            raise ValueError(f"{self.path}: general.alignment {align} is not a power of two")
         data_start = (off + align - 1) // align * align
         self.data_offset = data_start
         self.tensors: Dict[str, TensorInfo] = {}
@@ -168,7 +179,9 @@ class GGUFFile(Closable):
                 blk, tsz = qsizes[qtype(ttype)]
             except (ValueError, KeyError):
                 raise ValueError(f"{self.path}: tensor {name} has unknown ggml type {ttype}") from None
-            n = int(np.prod(dims)) if dims else 1
+            if name in self.tensors:
+                raise ValueError(f"{self.path}: tensor {name} is listed twice")
+            n = math.prod(dims)  # Python integers: no 64-bit wrap of a hostile shape
             if dims[0] % blk:
                 raise ValueError(f"{self.path}: tensor {name}: row of {dims[0]} is not a multiple of {blk}")
             nbytes = n // blk * tsz
@@ -182,8 +195,10 @@ class GGUFFile(Closable):
         off += 8
         return self._mm[off : off + n].decode("utf-8", "surrogateescape"), off + n
 
-    def _value(self, vtype: int, off: int) -> Tuple[Any, int]:
+    def _value(self, vtype: int, off: int, depth: int = 0) -> Tuple[Any, int]:
         mm = self._mm
+        if depth > _MAX_ARRAY_DEPTH:
+            raise ValueError(f"arrays nested more than {_MAX_ARRAY_DEPTH} deep at offset {off}")
         if vtype in _SCALAR:
             fmt, size = _SCALAR[vtype]
             return struct.unpack_from(fmt, mm, off)[0], off + size
@@ -207,7 +222,7 @@ class GGUFFile(Closable):
                 return out, off
             items = []
             for _ in range(count):
-                v, off = self._value(etype, off)
+                v, off = self._value(etype, off, depth + 1)
                 items.append(v)
             return items, off
         raise ValueError(f"{self.path}: unknown GGUF value type {vtype} at offset {off}")
