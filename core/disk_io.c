@@ -11,6 +11,7 @@
 #include <string.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
@@ -336,6 +337,19 @@ int kvhi_disk_open_slabs(kvhi_disk *d, bool allow_direct)
     return d->lanes ? 0 : -ENOMEM;
 }
 
+static off_t slab_want(const kvhi_disk *d, uint32_t i)
+{
+    uint32_t slots = i + 1 < d->n_slabs ? d->slots_per_slab : d->n_slots - i * d->slots_per_slab;
+    return (off_t)slots * (off_t)d->slot_bytes;
+}
+
+/* Makes slab i sparse again past `was` bytes (what it held before this
+ * open) at its full size. */
+static int slab_sparse(kvhi_disk *d, uint32_t i, off_t was)
+{
+    return ftruncate(d->slab_fds[i], was) != 0 || ftruncate(d->slab_fds[i], slab_want(d, i)) != 0 ? -errno : 0;
+}
+
 int kvhi_disk_size_slabs(kvhi_disk *d)
 {
     for (uint32_t i = 0; i < d->n_slabs; i++) {
@@ -346,21 +360,56 @@ int kvhi_disk_size_slabs(kvhi_disk *d)
             d->slab_fds[i] = fd;
         }
     }
+    off_t *was = malloc(sizeof(off_t) * d->n_slabs);
+    if (!was)
+        return -ENOMEM;
+    uint64_t need = 0;
     for (uint32_t i = 0; i < d->n_slabs; i++) {
-        uint32_t slots = i + 1 < d->n_slabs ? d->slots_per_slab : d->n_slots - i * d->slots_per_slab;
-        off_t want = (off_t)slots * (off_t)d->slot_bytes;
         struct stat st;
-        if (fstat(d->slab_fds[i], &st) != 0 || st.st_size >= want)
-            continue;
-        /* Preallocate so a later write does not find the disk full; where
-         * that is refused, the file grows on demand. A file system that
-         * runs out of room midway (ext4) keeps what it allocated so far:
-         * that goes back first, or the store would hold the whole disk and
-         * find no room for its index. */
-        if (posix_fallocate(d->slab_fds[i], 0, want) != 0 &&
-            (ftruncate(d->slab_fds[i], st.st_size) != 0 || ftruncate(d->slab_fds[i], want) != 0))
-            return -errno;
+        was[i] = fstat(d->slab_fds[i], &st) == 0 ? st.st_size : slab_want(d, i);
+        if (was[i] < slab_want(d, i))
+            need += (uint64_t)(slab_want(d, i) - was[i]);
     }
+    /* Preallocated, a later write does not find the disk full. But slabs
+     * that would take the file system's last free bytes (a disk_bytes
+     * larger than the disk) leave every other writer on it without room:
+     * then they grow on demand instead, and so they do where the file
+     * system refuses to preallocate. */
+    bool prealloc = need > 0;
+    struct statvfs fs;
+    if (prealloc && fstatvfs(d->slab_fds[0], &fs) == 0 && fs.f_frsize) {
+        uint64_t avail = (uint64_t)fs.f_bavail * fs.f_frsize, size = (uint64_t)fs.f_blocks * fs.f_frsize;
+        uint64_t keep = size / 20 < (1ull << 30) ? size / 20 : (1ull << 30);
+        if (need > avail || avail - need < keep) {
+            prealloc = false;
+            snprintf(d->space_warning, sizeof(d->space_warning),
+                     "disk tier: %s has %llu MiB free and the store needs %llu MiB more: its slab files are sparse "
+                     "and grow as blocks are written (a write that finds the disk full then fails, for want of room)",
+                     d->path, (unsigned long long)(avail >> 20), (unsigned long long)(need >> 20));
+        }
+    }
+    int rc = 0;
+    for (uint32_t i = 0; i < d->n_slabs && rc == 0; i++) {
+        if (was[i] >= slab_want(d, i))
+            continue;
+        if (prealloc && posix_fallocate(d->slab_fds[i], 0, slab_want(d, i)) == 0)
+            continue;
+        if (prealloc) {
+            /* Out of room midway (others wrote meanwhile): what this open
+             * allocated goes back (ext4 keeps a failed call's part too),
+             * or the store would hold the whole disk and find no room for
+             * its index. */
+            prealloc = false;
+            for (uint32_t j = 0; j < i && rc == 0; j++)
+                if (was[j] < slab_want(d, j))
+                    rc = slab_sparse(d, j, was[j]);
+        }
+        if (rc == 0)
+            rc = slab_sparse(d, i, was[i]);
+    }
+    free(was);
+    if (rc != 0)
+        return rc;
     probe_direct(d);
     return 0;
 }

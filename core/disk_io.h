@@ -61,6 +61,9 @@ typedef struct kvhi_disk {
     uint32_t n_lanes, max_lanes;
 
     char warning[256]; /* set at open when O_DIRECT or io_uring is missing */
+    /* Set when the slab files were left sparse: the file system had too
+     * little room to preallocate them (kvhi_disk_size_slabs). */
+    char space_warning[256];
 
     /* index: snapshot + journal (disk_index.c) */
     /* Records are appended to `pending` under the engine lock (a memcpy)
@@ -84,8 +87,10 @@ static inline uint64_t kvhi_disk_slot_data_bytes(const kvhi_disk *d) { return d-
 /* Opens (creating) the slab files of a store with n_slots slots under an
  * already locked directory, as they are. Returns 0 or -errno. */
 int kvhi_disk_open_slabs(kvhi_disk *d, bool allow_direct);
-/* Grows each slab file to its slots (preallocated where the file system
- * can), once the store's index is this engine's. Returns 0 or -errno. */
+/* Grows each slab file to its slots, once the store's index is this
+ * engine's: preallocated where the file system can hold them all and
+ * keep some room free (a twentieth of its size, up to 1 GiB), else sparse
+ * (space_warning says so). Returns 0 or -errno. */
 int kvhi_disk_size_slabs(kvhi_disk *d);
 void kvhi_disk_close(kvhi_disk *d);
 

@@ -155,6 +155,8 @@ kvh_status kvhi_disk_tier_open(kvh_engine *e, const kvh_config *cfg, const char 
         return kvhi_fail(kvhi_io_status(rc), "cannot size slab files in %s: %s", path, strerror(-rc));
     if (d->warning[0])
         kvhi_log(e, KVH_LOG_WARN, "%s", d->warning);
+    if (d->space_warning[0])
+        kvhi_log(e, KVH_LOG_WARN, "%s", d->space_warning);
     kvhi_tier *t = &e->tiers[KVH_TIER_DISK];
     if (kvhi_slot_pool_init(&t->slots, d->n_slots) != 0)
         return kvhi_fail(KVH_ERR_NOMEM, "out of memory for disk slot lists");

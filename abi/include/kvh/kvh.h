@@ -473,8 +473,10 @@ KVH_API kvh_status kvh_config_from_env(kvh_config *config, size_t struct_size, c
  * store of another geometry or model_salt), KVH_ERR_CORRUPT (a damaged
  * index or journal with disk_strict_index set; otherwise they are rebuilt
  * from the slot headers), KVH_ERR_NOSPACE (its slab files cannot even be
- * sized: where the filesystem refuses to preallocate them they are opened
- * sparse and grow on demand, and a disk that fills up later shows as
+ * sized: where the filesystem refuses to preallocate them, or has too
+ * little room to hold them and keep a twentieth of its size (up to 1 GiB)
+ * free, they are opened sparse and grow on demand, with a warning in the
+ * log, and a disk that fills up later shows as
  * KVH_ERR_NOSPACE from the demotions and persists that need room, as
  * does a slab write past the process's file size limit, RLIMIT_FSIZE:
  * "File too large", where the process ignores SIGXFSZ); see
