@@ -1270,9 +1270,10 @@ class Engine(OwnedHandle):
             handle = stream if isinstance(stream, int) else getattr(stream, "cuda_stream", None)
             if handle is None:
                 handle = getattr(stream, "handle", None)
-            if not isinstance(handle, int):
+            if not isinstance(handle, int) or isinstance(handle, bool):
                 raise TypeError("stream must be an int (cudaStream_t) or have .cuda_stream / .handle")
-            prm.stream = ffi.cast("void *", handle)
+            # a pointer: not negative, not past 64 bits (cast, either wrapped)
+            prm.stream = ffi.cast("void *", _index("stream", handle))
         return prm
 
     def attention_decode(
@@ -1500,6 +1501,9 @@ class Fence(GatedHandle, OwnedHandle):
 
     def add_done_callback(self, fn: Callable[["Fence"], Any]) -> None:
         """Calls ``fn(fence)`` once done (from a helper thread, or now)."""
+        if not callable(fn):
+            # found now, not logged from a helper thread once the fence ends
+            raise TypeError(f"fn must be callable, not {type(fn).__name__}")
         with self._lock:
             if self._outcome is None:
                 self._callbacks.append(fn)

@@ -729,6 +729,17 @@ def test_attention_with_out_overlapping_q_in_part_is_exact(engine, resident, shi
     assert np.array_equal(engine.attention_prefill(0, seqs, [2, 3, 4], q, out=out), refp)
 
 
+def test_attention_stream_handle_is_checked_on_the_cpu_too(engine, resident):
+    # stream=-1, 2**64 and True were cast to a pointer without a word (the
+    # CPU backend ignores the stream, a CUDA one would have used it).
+    seqs, _ = resident
+    q = _q(3)
+    for bad, error in ((-1, ValueError), (2**64, ValueError), (True, TypeError), ("0", TypeError)):
+        with pytest.raises(error):
+            engine.attention_decode(0, seqs, q, stream=bad)
+    assert engine.attention_decode(0, seqs, q, stream=0).shape == q.shape
+
+
 def test_attention_with_np_int_q_lens_and_layer(engine, resident):
     seqs, _ = resident
     qp = _q(6)

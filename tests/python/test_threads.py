@@ -120,6 +120,11 @@ def test_fence_is_future_like(engine):
         ev = threading.Event()
         f2.add_done_callback(lambda fut: ev.set())
         assert ev.wait(10)
+        # a callback that is not callable is refused at once, done or not
+        # (a pending fence only logged the TypeError once it ended)
+        for fence in (f, seq.migrate("host", wait=False)):
+            with pytest.raises(TypeError, match="callable"):
+                fence.add_done_callback(42)
         # concurrent.futures interop: a fence can be waited from an executor
         with cf.ThreadPoolExecutor(2) as ex:
             futs = [ex.submit(engine.prefetch(seq).result, 10) for _ in range(4)]
