@@ -123,7 +123,10 @@ def error_figures(x: Any, codec: CodecLike) -> dict:
     # Decoded to f32: the bound is stated before rounding to the dtype.
     # Without a codec a record is the input's own bytes, decoded as such.
     y = decode(encode(a, c), c, d, dt if c == Codec.NONE else np.float32)
-    xf, yf = _as_f32(a, dt), _as_f32(y, dt if c == Codec.NONE else DType.F32)
+    # In double: the subtraction and the bound in f32 rounded by up to half
+    # an ulp each, which read as errors past the bound (1.000002).
+    xf = _as_f32(a, dt).astype(np.float64)
+    yf = _as_f32(y, dt if c == Codec.NONE else DType.F32).astype(np.float64)
     if c == Codec.NONE:
         bound = np.zeros_like(xf)  # stored as it is: no error to bound
     elif c == Codec.INT8:
@@ -132,8 +135,15 @@ def error_figures(x: Any, codec: CodecLike) -> dict:
         g = 32 if c == Codec.Q4_G32 else 64
         xs = xf.reshape(xf.shape[:-1] + (d // g, g))
         bound = np.repeat((xs.max(-1) - xs.min(-1)) / 30.0, g, axis=-1).reshape(xf.shape)
+    bound = bound * (1 + 2.0**-23)  # kvh.h: the rounding of the scale stored as an f32
     err = np.abs(xf - yf)
-    ratio = np.where(bound > 0, err / np.where(bound > 0, bound, 1), 0)
+    past_rounding = err
+    if c != Codec.NONE:
+        # The bound holds before the decoded value is rounded (to f32 here):
+        # that rounding, half an f32 ulp at most, is not the codec's error.
+        rounding = np.abs(np.spacing(yf.astype(np.float32))).astype(np.float64) / 2
+        past_rounding = np.maximum(err - rounding, 0.0)
+    ratio = np.where(bound > 0, past_rounding / np.where(bound > 0, bound, 1), 0)
     return {
         "codec": c.name.lower(),
         "rel_rms_error": float(np.sqrt(np.mean(err**2)) / np.sqrt(np.mean(xf**2))),

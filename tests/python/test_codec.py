@@ -191,3 +191,17 @@ def test_derive_tolerance_from_codec_error():
         seq.append(range(4))
         with pytest.raises(kvh.UnsupportedError):
             seq.derive_tolerance()
+
+
+def test_error_figures_stay_within_the_bound_kvh_h_states():
+    # The figure was computed in f32 against a bound without kvh.h's
+    # (1 + 2^-23) and counted the decoded value's own rounding: 1.000002
+    # for results the C side keeps within the bound.
+    rng = np.random.default_rng(0)
+    worst = 0.0
+    for scale in (1.0, 1e3, 1e-3, 1e4, 7.0):
+        for dtype in (np.float32, np.float16):
+            x = (rng.standard_normal((2000, 128)) * scale).astype(dtype)
+            for codec in ("int8", "q4_g32", "q4_g64"):
+                worst = max(worst, kc.error_figures(x, codec)["max_error_over_bound"])
+    assert 0.5 < worst <= 1.0, worst
