@@ -21,24 +21,22 @@ static uint64_t window(kvh_engine *e)
     return e->cfg.lctru_window ? e->cfg.lctru_window : e->tiers[KVH_TIER_DEVICE].slots.capacity;
 }
 
-/* t moved back by shift, without reaching 0 (which means "fewer than K
- * accesses" in the primary key) from a real access time. */
-static uint64_t age(uint64_t t, uint64_t shift)
-{
-    if (t == 0)
-        return 0;
-    return t > shift ? t - shift : 1;
-}
+/* t moved back by shift. Every key is raised by the window, the largest
+ * shift, first: times earlier than the window (an engine's first
+ * accesses) would otherwise all stop at the same floor and tie, losing
+ * the tolerance order; 0 ("fewer than K accesses" in the primary key)
+ * stays 0. */
+static uint64_t age(uint64_t t, uint64_t window, uint64_t shift) { return t == 0 ? 0 : t + window - shift; }
 
 kvhi_lruk_key kvhi_evict_key(kvh_engine *e, const kvhi_block *blk, kvhi_lruk_key k)
 {
-    if (e->cfg.eviction_policy != KVH_EVICT_LCTRU || blk->tolerance == 0)
+    if (e->cfg.eviction_policy != KVH_EVICT_LCTRU)
         return k;
-    uint64_t shift = window(e) * blk->tolerance / KVH_TOLERANCE_MAX;
+    uint64_t w = window(e), shift = w * blk->tolerance / KVH_TOLERANCE_MAX;
     const uint64_t class_bit = 1ull << 63;
     uint64_t cls = k.primary & class_bit;
-    k.primary = cls | age(k.primary & ~class_bit, shift);
-    k.secondary = age(k.secondary, shift);
+    k.primary = cls | age(k.primary & ~class_bit, w, shift);
+    k.secondary = age(k.secondary, w, shift);
     return k;
 }
 

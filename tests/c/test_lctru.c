@@ -87,6 +87,11 @@ static void test_tolerant_block_leaves_first(void **state)
     /* Partial tolerance: ordered by how far it moves the block back. */
     const uint32_t graded[4] = {0, 255, 40, 0};
     assert_int_equal(victim(open_policy(KVH_EVICT_LCTRU, 1000, 0), graded), 1);
+    /* In an engine's first window of accesses too: both tolerant blocks'
+     * shifts reach past its first access, and they tied there, so the
+     * less tolerant (and older) one could leave first. */
+    const uint32_t early[4] = {0, 100, 255, 0};
+    assert_int_equal(victim(open_policy(KVH_EVICT_LCTRU, 1000, 0), early), 2);
 }
 
 /* With a codec, leaving the device tier is compression: the tolerant block
