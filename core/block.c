@@ -35,12 +35,46 @@ void kvhi_block_resolve_fail(kvh_engine *e, kvh_block h)
         kvhi_fail(KVH_ERR_BAD_HANDLE, "stale block handle: 0x%llx", (unsigned long long)h.id);
 }
 
+static uint32_t agent_hash(uint32_t id, uint32_t mask) { return (id * 0x9E3779B1u >> 7) & mask; }
+
+/* The index entry of agent id: its own, or the empty one it would take. */
+static uint32_t *agent_slot(const kvh_engine *e, uint32_t id)
+{
+    uint32_t mask = e->agent_index_cap - 1;
+    for (uint32_t h = agent_hash(id, mask);; h = (h + 1) & mask) {
+        uint32_t *slot = &e->agent_index[h];
+        if (*slot == 0 || e->agents[*slot - 1].id == id)
+            return slot;
+    }
+}
+
+/* Room in the index for one more agent (at most half full). */
+static bool agent_index_reserve(kvh_engine *e)
+{
+    if (2 * (e->n_agents + 1) <= e->agent_index_cap)
+        return true;
+    uint32_t cap = e->agent_index_cap ? 2 * e->agent_index_cap : 16;
+    uint32_t *index = calloc(cap, sizeof(uint32_t));
+    if (!index)
+        return false;
+    free(e->agent_index);
+    e->agent_index = index;
+    e->agent_index_cap = cap;
+    for (uint32_t i = 0; i < e->n_agents; i++)
+        *agent_slot(e, e->agents[i].id) = i + 1;
+    return true;
+}
+
+/* By id through the index: every device-tier move asks, and an engine
+ * may know tens of thousands of agents. */
 kvhi_agent *kvhi_agent_get(kvh_engine *e, uint32_t id, bool create)
 {
-    for (uint32_t i = 0; i < e->n_agents; i++)
-        if (e->agents[i].id == id)
-            return &e->agents[i];
-    if (!create)
+    if (e->n_agents) {
+        uint32_t at = *agent_slot(e, id);
+        if (at)
+            return &e->agents[at - 1];
+    }
+    if (!create || !agent_index_reserve(e))
         return NULL;
     if (e->n_agents == e->cap_agents) {
         /* Agents hold heaps whose entries point into e->blocks, not into
@@ -53,12 +87,10 @@ kvhi_agent *kvhi_agent_get(kvh_engine *e, uint32_t id, bool create)
         e->cap_agents = ncap;
     }
     kvhi_agent *a = &e->agents[e->n_agents];
-    memset(a, 0, sizeof(*a));
+    memset(a, 0, sizeof(*a)); /* no heap until it gets a quota */
     a->id = id;
-    if (kvhi_lruk_init(&a->heap, e->tiers[KVH_TIER_DEVICE].slots.capacity, &e->blocks[0].quota_heap_pos,
-                       sizeof(kvhi_block)) != 0)
-        return NULL;
     e->n_agents++;
+    *agent_slot(e, id) = e->n_agents;
     return a;
 }
 

@@ -344,6 +344,7 @@ static void engine_free_state(kvh_engine *e)
     for (uint32_t i = 0; i < e->n_agents; i++)
         kvhi_lruk_destroy(&e->agents[i].heap);
     free(e->agents);
+    free(e->agent_index);
     for (uint32_t t = 0; t < KVH_TIER_COUNT; t++) {
         kvhi_tier *tier = &e->tiers[t];
         if (tier->base && !tier->shares_arena)
@@ -622,9 +623,17 @@ void kvhi_tier_info(kvh_engine *e, uint32_t tier, kvh_tier_info *info)
 
 kvh_status kvhi_agent_set_quota(kvh_engine *e, uint32_t agent, uint64_t device_bytes)
 {
+    /* No quota is every agent's default: an agent never given one needs
+     * no record for it. */
+    if (device_bytes == 0 && !kvhi_agent_get(e, agent, false))
+        return KVH_OK;
     kvhi_agent *a = kvhi_agent_get(e, agent, true);
     if (!a)
         return kvhi_fail(KVH_ERR_NOMEM, "out of memory for agent %u", agent);
+    if (device_bytes && !a->heap.cap &&
+        kvhi_lruk_init(&a->heap, e->tiers[KVH_TIER_DEVICE].slots.capacity, &e->blocks[0].quota_heap_pos,
+                       sizeof(kvhi_block)) != 0)
+        return kvhi_fail(KVH_ERR_NOMEM, "out of memory for agent %u's quota", agent);
     a->quota_blocks = device_bytes / e->block_bytes;
     if (device_bytes && a->quota_blocks == 0)
         a->quota_blocks = 1;

@@ -151,6 +151,10 @@ struct kvh_engine {
 
     kvhi_agent *agents;
     uint32_t n_agents, cap_agents;
+    /* agents by id: open addressing, 1 + the index into agents, 0 empty;
+     * at most half full (kvhi_agent_get) */
+    uint32_t *agent_index;
+    uint32_t agent_index_cap;
 
     /* migration workers */
     pthread_t *workers;

@@ -17,7 +17,9 @@ typedef struct kvhi_agent {
      * ended: counted against the quota, which moves running in parallel
      * would otherwise pass together. */
     uint64_t device_incoming;
-    kvhi_lruk_heap heap; /* its evictable device blocks (quota agents) */
+    /* Its evictable device blocks, made when it first gets a quota (one
+     * the size of the device tier: agents without quotas have none). */
+    kvhi_lruk_heap heap;
 } kvhi_agent;
 
 kvhi_agent *kvhi_agent_get(kvh_engine *e, uint32_t id, bool create);

@@ -728,6 +728,33 @@ static void test_quota(void **state)
     check_stats(e);
 }
 
+/* Quotas among many agents: each agent is found by id among thousands
+ * (and those given quota 0, the default, need no record at all). */
+static void test_quotas_among_many_agents(void **state)
+{
+    kvh_engine *e = open_small(THREADS(state), 8, 32);
+    uint64_t bb = tu_block_bytes(e);
+    for (uint32_t agent = 100000; agent < 200000; agent++)
+        assert_ok(kvh_agent_set_quota(e, agent, 0));
+    for (uint32_t agent = 1000; agent < 4000; agent++)
+        assert_ok(kvh_agent_set_quota(e, agent, agent % 2 ? bb : 2 * bb));
+    kvh_seq odd = make_seq(e, 3001, 3, 21);  /* quota 1 block */
+    kvh_seq even = make_seq(e, 2000, 3, 22); /* quota 2 blocks */
+    kvh_seq free_agent = make_seq(e, 5, 3, 23);
+    assert_int_equal(count_in(e, odd, 3, KVH_TIER_DEVICE), 1);
+    assert_int_equal(count_in(e, even, 3, KVH_TIER_DEVICE), 2);
+    assert_int_equal(count_in(e, free_agent, 3, KVH_TIER_DEVICE), 3);
+    /* A quota lifted among them is lifted for that agent only. */
+    assert_ok(kvh_agent_set_quota(e, 3001, 0));
+    kvh_seq more = make_seq(e, 3001, 2, 24);
+    assert_true(count_in(e, more, 2, KVH_TIER_DEVICE) + count_in(e, odd, 3, KVH_TIER_DEVICE) >= 2);
+    kvh_seq still = make_seq(e, 3003, 2, 25);
+    assert_int_equal(count_in(e, still, 2, KVH_TIER_DEVICE), 1);
+    assert_true(tu_check_pattern(e, odd, L, TOK, 21, 0, 3 * BT));
+    assert_true(tu_check_pattern(e, even, L, TOK, 22, 0, 3 * BT));
+    check_stats(e);
+}
+
 /* When both tiers are full, an agent at its quota that brings a block up
  * must trade places with one of its own blocks, not another agent's. */
 static void test_quota_swap_evicts_own(void **state)
@@ -1053,6 +1080,7 @@ int main(void)
         BOTH(test_write_kv_nospace_leaves_seq_unchanged),
         BOTH(test_fence_timeout),
         BOTH(test_quota),
+        BOTH(test_quotas_among_many_agents),
         BOTH(test_quota_swap_evicts_own),
         BOTH(test_migrate_fences),
         BOTH(test_prefetch_hysteresis),
