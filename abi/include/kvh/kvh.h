@@ -986,7 +986,9 @@ KVH_API kvh_status kvh_fence_free(kvh_engine *engine, kvh_fence fence);
 /* ------------------------------------------------------------------ */
 
 /* Hint: tokens [first, first + n) of seq will be needed soon. Blocks with
- * at least promote_min_hits recent accesses (this hint counts as one) are
+ * at least promote_min_hits accesses since they entered the tier they are
+ * in (this hint counts as one; a move between tiers starts the count
+ * again) are
  * promoted toward the device tier in priority order (higher first), each
  * only into a free device slot or in place of a block of a lower class
  * (unhinted, or hinted at a lower priority). The hint also protects the

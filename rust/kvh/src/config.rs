@@ -455,8 +455,8 @@ impl Config {
         self
     }
 
-    /// Hysteresis: recent accesses a block needs before a prefetch hint
-    /// promotes it (default 1).
+    /// Hysteresis: accesses a block needs since it entered its tier
+    /// before a prefetch hint promotes it (default 1).
     pub fn promote_min_hits(mut self, n: u32) -> Self {
         self.raw.promote_min_hits = n;
         self

@@ -680,8 +680,9 @@ impl<'e> Sequence<'e> {
     }
 
     /// Hint that a token range will be needed soon: blocks with at least
-    /// `promote_min_hits` recent accesses are promoted toward the device
-    /// tier, higher `priority` first. Holds nothing.
+    /// `promote_min_hits` accesses since they entered their tier are
+    /// promoted toward the device tier, higher `priority` first. Holds
+    /// nothing.
     pub fn prefetch(&self, range: impl RangeBounds<u64>, priority: i32) -> Result<()> {
         self.shared().prefetch(range, priority)
     }
