@@ -250,9 +250,8 @@ static bool write_batch_in_place(kvh_engine *e, kvhi_disk_lane *lane, kvhi_xfer 
     return true;
 }
 
-void kvhi_xfer_batch(kvh_engine *e, kvhi_xfer *xs, uint32_t n)
+static void xfer_batch(kvh_engine *e, kvhi_xfer *xs, uint32_t n)
 {
-    kvhi_assert_unlocked(e);
     kvhi_disk *d = e->disk;
     if (n == 1 && read_one_direct(e, &xs[0]))
         return;
@@ -314,6 +313,21 @@ void kvhi_xfer_batch(kvh_engine *e, kvhi_xfer *xs, uint32_t n)
         kvhi_disk_lane_put(d, lane);
         done += k;
     }
+}
+
+void kvhi_xfer_batch(kvh_engine *e, kvhi_xfer *xs, uint32_t n)
+{
+    kvhi_assert_unlocked(e);
+    xfer_batch(e, xs, n);
+    /* A read that met the end of its slab file (cut while the engine ran)
+     * is damage, not an I/O error that may pass: handled as a failed
+     * check, the block is dropped, rather than kept and failing every
+     * read of it until the next open's scan. */
+    for (uint32_t i = 0; i < n; i++)
+        if (xs[i].err == -ENODATA && xs[i].src_tier == KVH_TIER_DISK) {
+            xs[i].err = 1;
+            xs[i].why = "its slab file ends before the slot (truncated)";
+        }
 }
 
 void kvhi_xfer_run(kvh_engine *e, kvhi_xfer *x)

@@ -578,6 +578,47 @@ static void test_live_damage_is_never_served(void **state)
     live_damage(KVH_DISK_BUFFERED, "live-buffered");
 }
 
+/* A slab file cut short under a running engine: a block past the cut is
+ * damage, dropped on its first read (it was an I/O error each time, the
+ * block kept and matched, until the next open's scan), and the prefix
+ * before it is still served. */
+static void test_a_slab_cut_while_running_drops_what_it_lost(void **state)
+{
+    (void)state;
+    char dir[512], slab[600];
+    dt_scratch("live-cut", dir, sizeof(dir));
+    dt_path(slab, sizeof(slab), dir, "slab-0000.kvh");
+    kvh_config cfg = dt_cfg(G, dir, 4, 4, 64, 2);
+    cfg.migration_threads = 0;
+    kvh_engine *e = dt_open_a(&cfg);
+    dt_content ca = dt_plain(63);
+    kvh_seq a;
+    dt_assert_ok(dt_build(e, G, ca, 4 * G.bt, 0, &a));
+    dt_assert_ok(kvh_seq_persist(e, a));
+    dt_assert_ok(kvh_seq_migrate(e, a, 0, 4 * G.bt, KVH_TIER_DISK, NULL));
+    uint32_t cut_slot = dt_binfo(e, a, 2).slot;
+    for (int k = 0; k < 4; k++)
+        assert_int_equal(dt_binfo(e, a, (uint64_t)k).tier, KVH_TIER_DISK);
+    assert_int_equal(truncate(slab, (off_t)cut_slot * SLOT_BYTES + 4096 + 100), 0);
+    bool past[4];
+    int lost = 0;
+    for (int k = 0; k < 4; k++)
+        lost += past[k] = dt_binfo(e, a, (uint64_t)k).slot >= cut_slot;
+    char msg[256] = "";
+    for (int k = 0; k < 4; k++) {
+        kvh_status st = dt_verify(e, a, G, ca, (uint64_t)k * G.bt, G.bt, msg, sizeof(msg));
+        if (past[k] ? st != KVH_ERR_CORRUPT : st != KVH_OK)
+            fail_msg("block %d (%s the cut): %s (%s)", k, past[k] ? "past" : "before", kvh_status_name(st), msg);
+    }
+    assert_int_equal(dt_stats(e).corrupt_blocks, (uint64_t)lost);
+    dt_assert_ok(kvh_seq_free(e, a));
+    size_t m = 0;
+    if (dt_match_verify(e, G, ca, 4 * G.bt, &m, msg, sizeof(msg)) != KVH_OK)
+        fail_msg("match after the cut: %s", msg);
+    assert_true(m <= (size_t)(4 - lost) * G.bt);
+    dt_assert_ok(dt_close(e));
+}
+
 /* ------------------------------------------------------------------ */
 /* kvh-store verify                                                    */
 /* ------------------------------------------------------------------ */
@@ -665,6 +706,7 @@ int main(void)
         cmocka_unit_test_teardown(test_truncated_index_and_journal, dt_teardown),
         cmocka_unit_test_teardown(test_short_snapshot_is_reported, dt_teardown),
         cmocka_unit_test_teardown(test_live_damage_is_never_served, dt_teardown),
+        cmocka_unit_test_teardown(test_a_slab_cut_while_running_drops_what_it_lost, dt_teardown),
         cmocka_unit_test_teardown(test_kvh_store_verify, dt_teardown),
     };
     return cmocka_run_group_tests_name("disk_corruption", tests, group_setup, group_teardown);
