@@ -79,3 +79,23 @@ def test_usable_engine_values_are_kept():
     )
     assert (s.log_level, s.remote_timeout_ms, s.remote_ttl_s, s.tail_min_tokens) == ("info", 80, 600, 8)
     assert settings.load({}, environ={"KVH_VLLM_LOG_LEVEL": "debug"}).log_level == "debug"
+
+
+@pytest.mark.parametrize(
+    "key, meant",
+    [("tail_min_token", "tail_min_tokens"), ("hostbytes", "host_bytes"), ("Disk-Bytes", "disk_bytes")],
+)
+def test_a_misspelt_key_is_refused_naming_the_key_it_resembles(key, meant):
+    # Only unknown "kvh."-prefixed keys were refused; "tail_min_token": 8
+    # was dropped without a word, and the setting stayed at its default.
+    with pytest.raises(ValueError, match=f"{key!r}; did you mean {meant!r}"):
+        settings.load({key: 8})
+    with pytest.raises(ValueError, match="did you mean"):
+        settings.load({f"kvh.{key}": 8})
+
+
+def test_another_connectors_key_is_logged_and_ignored(caplog):
+    with caplog.at_level("WARNING", logger="kvh.vllm"):
+        s = settings.load({"backends": ["UCX"], "host_bytes": "64M"})
+    assert s.host_bytes == 64 << 20
+    assert "'backends' is not a kvh setting: ignored" in caplog.text

@@ -848,3 +848,17 @@ def test_token_ids_must_be_int32_integers(tmp_path):
                 st.lookup("r", bad)
     finally:
         st.close()
+
+
+def test_a_store_of_another_geometry_is_refused_with_advice_the_connector_can_follow(tmp_path, monkeypatch):
+    # The refusal passed on the library's advice, "pass
+    # disk_reset_on_mismatch=True", which is no connector setting.
+    from kvh_cache.vllm import store as store_mod
+
+    monkeypatch.setattr(store_mod, "store_dir_name", lambda salt, keyed: "one-dir")
+    _store(tmp_path, disk_bytes=8 << 20, host_bytes=1 << 20).close()
+    s = settings.Settings(disk_path=str(tmp_path / "store"), disk_bytes=8 << 20, host_bytes=1 << 20)
+    with pytest.raises(StoreUnavailable) as info:
+        KvStore(s, num_layers=L, num_kv_heads=H, head_dim=D, block_tokens=2 * B, dtype="bf16", identity={"m": "t"})
+    text = str(info.value)
+    assert "disk_reset_on_mismatch" not in text and "move or remove that directory" in text, text

@@ -52,6 +52,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from .. import errors
 from ..types import Scope
 from . import settings as _settings
 from .channel import ChannelError, Client, Server, socket_path
@@ -631,7 +632,12 @@ class KvhConnector(KVConnectorBase_V1):
         if self._store is not None:
             store, self._store = self._store, None
             logger.info("kvh: closing; %s", {k: v for k, v in store.stats().items() if k != "kvh"})
-            store.close()
+            try:
+                store.close()
+            except errors.Error as exc:
+                # A store whose directory went while vLLM ran (its index
+                # cannot be written): said, and the rest still closes.
+                logger.error("kvh: closing the store failed: %s", exc)
         if self._clients:
             for c in self._clients:
                 c.close()

@@ -76,9 +76,13 @@ Nothing here imports torch or vLLM.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import logging
 import math
 import os
-from typing import Any, Mapping, Optional
+from typing import Any, List, Mapping, Optional
+
+_log = logging.getLogger("kvh.vllm")
 
 _SUFFIX = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -269,13 +273,27 @@ def _parse(key: str, value: Any, source: str) -> Any:
         raise ValueError(f"kvh: {source}={shown}: {exc}") from None
 
 
+def _close_keys(key: str) -> List[str]:
+    """Known keys that key is likely a misspelling of (letters and digits
+    alike, case and separators aside)."""
+
+    def bare(text: str) -> str:
+        return "".join(ch for ch in text.lower() if ch.isalnum())
+
+    known = {bare(k): k for k in _KEYS}
+    return [known[m] for m in difflib.get_close_matches(bare(key), list(known), n=1, cutoff=0.85)]
+
+
 def load(extra: Optional[Mapping[str, Any]] = None, environ: Optional[Mapping[str, str]] = None) -> Settings:
     """Settings from ``kv_connector_extra_config`` (keys may carry a
     ``kvh.`` prefix) and the environment. Unknown ``kvh.`` keys are an
-    error, so that a misspelt setting is not silently ignored, and so is
-    a value that cannot be used (a ValueError naming the key or the
-    environment variable, and the value): the scheduler and every worker
-    load the same settings, so each refuses them before it starts."""
+    error, so that a misspelt setting is not silently ignored, and so are
+    unknown keys close to a known one (``tail_min_token``,
+    ``hostbytes``); other unknown keys, which another connector sharing
+    the dict may read, are logged as ignored. A value that cannot be used
+    is an error too (a ValueError naming the key or the environment
+    variable, and the value): the scheduler and every worker load the
+    same settings, so each refuses them before it starts."""
     extra = dict(extra or {})
     env = os.environ if environ is None else environ
     values: dict = {}
@@ -285,8 +303,12 @@ def load(extra: Optional[Mapping[str, Any]] = None, environ: Optional[Mapping[st
             if v is None:
                 continue  # JSON null: unset, not the text "None"
             values[key] = _parse(key, v, f"kv_connector_extra_config {raw_key!r}")
-        elif raw_key.startswith("kvh."):
-            raise ValueError(f"kvh: unknown kv_connector_extra_config key {raw_key!r}; known: {sorted(_KEYS)}")
+            continue
+        close = _close_keys(key)
+        if raw_key.startswith("kvh.") or close:
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"kvh: unknown kv_connector_extra_config key {raw_key!r}{hint} (known: {sorted(_KEYS)})")
+        _log.warning("kvh: kv_connector_extra_config key %r is not a kvh setting: ignored", raw_key)
     for key, (var, _) in _KEYS.items():
         if var in env:
             values[key] = _parse(key, env[var], var)

@@ -74,7 +74,13 @@ def _open_instance_store(fields: Dict[str, Any], base: str, disk_bytes: int) -> 
             engine = Engine(**fields, disk_path=path, disk_bytes=disk_bytes)
         except errors.BusyError:
             continue  # another instance has it open
-        except (errors.KvhIOError, errors.NoSpaceError, errors.MismatchError) as exc:
+        except errors.MismatchError as exc:
+            # The library's advice (the reset flag) is no connector setting.
+            raise StoreUnavailable(
+                f"kvh: disk tier at {path} unusable: {errors.without_reset_advice(str(exc))}; "
+                "move or remove that directory to start it empty, or set disk_path elsewhere"
+            ) from None
+        except (errors.KvhIOError, errors.NoSpaceError) as exc:
             raise StoreUnavailable(f"kvh: disk tier at {path} unusable: {exc}") from None
         except _ENGINE_REFUSALS as exc:
             raise StoreUnavailable(f"kvh: cannot open an engine for this model: {exc}") from None

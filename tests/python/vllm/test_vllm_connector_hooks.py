@@ -313,3 +313,29 @@ def test_ranks_share_their_failed_loads_through_a_process_group():
         assert got == {0: [5, 3, 7, none], 1: [5, 3, 7, none]}
         """
     )
+
+
+def test_shutdown_closes_everything_when_the_store_cannot_close():
+    # A store directory removed while vLLM ran made store.close() raise
+    # (its index cannot be written): shutdown stopped there and left its
+    # lookup clients open.
+    run_in_vllm(
+        """
+        from kvh_cache import errors
+
+        class Store:
+            def stats(self):
+                return {}
+            def close(self):
+                raise errors.KvhIOError("KVH_ERR_IO: cannot write the disk index: No such file or directory")
+
+        class Client:
+            closed = 0
+            def close(self):
+                Client.closed += 1
+
+        k = bare(_server=None, _store=Store(), _clients=[Client(), Client()])
+        k.shutdown()
+        assert Client.closed == 2 and k._store is None and k._clients is None
+        """
+    )
