@@ -809,7 +809,8 @@ KVH_API kvh_status kvh_seq_read_kv(kvh_engine *engine, kvh_seq seq, uint32_t lay
 KVH_API kvh_status kvh_seq_persist(kvh_engine *engine, kvh_seq seq);
 
 /* Shortens the sequence to n_tokens (<= its length; KVH_ERR_RANGE
- * otherwise). A shared last block that keeps some tokens is copied first:
+ * otherwise). A last block that keeps some tokens and is shared, or full
+ * with every cell written (immutable), is copied first:
  * KVH_ERR_NOSPACE, KVH_ERR_NOMEM, KVH_ERR_IO, KVH_ERR_CORRUPT as for
  * kvh_seq_write_kv (the sequence is then unchanged). Returns
  * KVH_ERR_BAD_HANDLE. @threads handle */
@@ -1942,7 +1943,8 @@ typedef struct kvh_vmap_view {
 } kvh_vmap_view;
 
 /* Maps layer of seq (its current tokens) into a new view able to grow to
- * capacity_tokens (rounded up to a power of two; 0 = the current length).
+ * capacity_tokens (rounded up to a power of two of at least one block;
+ * 0 = the current length).
  * Every block must be in the device tier (KVH_ERR_NOT_RESIDENT: acquire
  * first). [out] *vmap, owned by the caller until kvh_vmap_release.
  * Returns KVH_ERR_UNSUPPORTED (see the constraints), KVH_ERR_RANGE (layer,
