@@ -625,11 +625,13 @@ kvh_status kvhi_agent_set_quota(kvh_engine *e, uint32_t agent, uint64_t device_b
 {
     /* No quota is every agent's default: an agent never given one needs
      * no record for it. */
-    if (device_bytes == 0 && !kvhi_agent_get(e, agent, false))
+    bool counted = kvhi_agent_get(e, agent, false) != NULL;
+    if (device_bytes == 0 && !counted)
         return KVH_OK;
     kvhi_agent *a = kvhi_agent_get(e, agent, true);
     if (!a)
         return kvhi_fail(KVH_ERR_NOMEM, "out of memory for agent %u", agent);
+    uint64_t before = a->quota_blocks;
     if (device_bytes && !a->heap.cap &&
         kvhi_lruk_init(&a->heap, e->tiers[KVH_TIER_DEVICE].slots.capacity, &e->blocks[0].quota_heap_pos,
                        sizeof(kvhi_block)) != 0)
@@ -637,6 +639,11 @@ kvh_status kvhi_agent_set_quota(kvh_engine *e, uint32_t agent, uint64_t device_b
     a->quota_blocks = device_bytes / e->block_bytes;
     if (device_bytes && a->quota_blocks == 0)
         a->quota_blocks = 1;
+    /* Every move counts an agent's device blocks once it has a record,
+     * and its heap holds them while it has a quota: a quota changed, not
+     * set or lifted, needs no walk of the records. */
+    if (counted && (before != 0) == (a->quota_blocks != 0))
+        return KVH_OK;
     /* Recount and re-index its device blocks: the heap tracks only
      * agents with a quota. */
     a->device_blocks = 0;

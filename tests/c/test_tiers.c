@@ -750,6 +750,10 @@ static void test_quotas_among_many_agents(void **state)
     assert_true(count_in(e, more, 2, KVH_TIER_DEVICE) + count_in(e, odd, 3, KVH_TIER_DEVICE) >= 2);
     kvh_seq still = make_seq(e, 3003, 2, 25);
     assert_int_equal(count_in(e, still, 2, KVH_TIER_DEVICE), 1);
+    /* A quota lowered (not lifted): its next allocation brings it under. */
+    assert_ok(kvh_agent_set_quota(e, 2000, bb));
+    kvh_seq lowered = make_seq(e, 2000, 1, 26);
+    assert_true(count_in(e, lowered, 1, KVH_TIER_DEVICE) + count_in(e, even, 3, KVH_TIER_DEVICE) <= 1);
     assert_true(tu_check_pattern(e, odd, L, TOK, 21, 0, 3 * BT));
     assert_true(tu_check_pattern(e, even, L, TOK, 22, 0, 3 * BT));
     check_stats(e);
