@@ -862,3 +862,12 @@ def test_a_store_of_another_geometry_is_refused_with_advice_the_connector_can_fo
         KvStore(s, num_layers=L, num_kv_heads=H, head_dim=D, block_tokens=2 * B, dtype="bf16", identity={"m": "t"})
     text = str(info.value)
     assert "disk_reset_on_mismatch" not in text and "move or remove that directory" in text, text
+
+
+def test_settings_the_store_cannot_use_as_given_are_said(tmp_path, caplog):
+    # host_bytes under two blocks was raised to two, and a tail_min_tokens
+    # of a block or more kept no tail, both without a word.
+    with caplog.at_level(logging.WARNING, logger="kvh.vllm"):
+        _store(tmp_path, host_bytes=1024, tail_min_tokens=B).close()
+    assert "host_bytes 1024 is less than two blocks" in caplog.text
+    assert f"tail_min_tokens {B} is not below the block size" in caplog.text

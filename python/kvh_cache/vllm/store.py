@@ -204,7 +204,7 @@ class Counters:
     tokens_loaded: int = 0
     tokens_loaded_disk: int = 0  # of tokens_loaded: blocks kvh held on its disk tier
     load_errors: int = 0
-    blocks_saved: int = 0
+    blocks_saved: int = 0  # offered to kvh, including blocks it already held
     save_errors: int = 0
     requests_persisted: int = 0
     persist_errors: int = 0
@@ -406,6 +406,19 @@ class KvStore:
         self._persist_warned = False
         self._persist = bool((self.disk_path or settings.remote_addrs) and settings.persist)
         self.tail_min_tokens = settings.tail_min_tokens
+        # Settings the store cannot use as given: said, not changed silently.
+        if settings.host_bytes < 2 * row:
+            log.warning(
+                "kvh: host_bytes %d is less than two blocks of this model (%d bytes): the host tier holds two",
+                settings.host_bytes,
+                2 * row,
+            )
+        if settings.tail_min_tokens >= block_tokens:
+            log.warning(
+                "kvh: tail_min_tokens %d is not below the block size (%d): no partial block is ever kept",
+                settings.tail_min_tokens,
+                block_tokens,
+            )
         self.restore_threads = max(1, int(self.engine.config.migration_threads or 1))
 
     # ---- the inference engine's memory ----
