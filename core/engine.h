@@ -164,6 +164,10 @@ struct kvh_engine {
     pthread_cond_t work_ready;
     kvhi_job *jobs; /* binary heap by (priority desc, order asc) */
     uint32_t n_jobs, cap_jobs;
+    /* Queued jobs that are no prefetch, by target tier: a search for a
+     * queued move out of a tier (core/migrate.c) ends at once when no job
+     * targets a tier above it. */
+    uint32_t jobs_to_tier[KVH_TIER_COUNT];
     uint64_t job_order;
     uint32_t jobs_running;
     /* Copies running with the lock dropped; a tier that finds no victim

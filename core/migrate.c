@@ -138,6 +138,8 @@ static kvh_status job_push(kvh_engine *e, kvhi_job j)
         e->cap_jobs = ncap;
     }
     j.order = e->job_order++;
+    if (j.kind != KVHI_JOB_PREFETCH && j.target_tier < KVH_TIER_COUNT)
+        e->jobs_to_tier[j.target_tier]++;
     uint32_t i = e->n_jobs++;
     while (i > 0) {
         uint32_t p = (i - 1) / 2;
@@ -154,6 +156,8 @@ static kvh_status job_push(kvh_engine *e, kvhi_job j)
 static kvhi_job job_take(kvh_engine *e, uint32_t i)
 {
     kvhi_job taken = e->jobs[i];
+    if (taken.kind != KVHI_JOB_PREFETCH && taken.target_tier < KVH_TIER_COUNT)
+        e->jobs_to_tier[taken.target_tier]--;
     kvhi_job last = e->jobs[--e->n_jobs];
     if (i == e->n_jobs)
         return taken;
@@ -426,6 +430,11 @@ static bool other_free_worker(const kvh_engine *e)
  * itself. */
 static bool find_move_out(const kvh_engine *e, uint32_t tier, bool idle_only, uint32_t *at)
 {
+    uint32_t up = 0;
+    for (uint32_t t = 0; t < tier && t < KVH_TIER_COUNT; t++)
+        up += e->jobs_to_tier[t];
+    if (up == 0)
+        return false; /* a full disk's queue of demotions is not walked on every reservation */
     for (uint32_t i = 0; i < e->n_jobs; i++) {
         const kvhi_job *j = &e->jobs[i];
         const kvhi_block *blk = &e->blocks[j->block];
