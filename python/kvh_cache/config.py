@@ -142,7 +142,19 @@ def _read_c(c, names) -> Dict[str, Any]:
         if name in _STRINGS:
             out[name] = os.fsdecode(ffi.string(v)) if v != ffi.NULL else None
         elif name in _ENUMS:
-            out[name] = _ENUMS[name](int(v))
+            try:
+                out[name] = _ENUMS[name](int(v))
+            except ValueError:
+                # kvh_config_from_env takes any number for an enum field
+                # (the engine's open refuses it): refused here as any other
+                # bad value, naming the variable.
+                from . import errors
+
+                known = ", ".join(m.name.lower() for m in _ENUMS[name])
+                raise errors.InvalidArgumentError(
+                    f"{ENV_VARS[name]}={int(v)}: no {name} has that number (one of: {known})",
+                    int(lib.KVH_ERR_INVALID_ARG),
+                ) from None
         elif name in _BOOLS:
             out[name] = bool(v)
         else:
