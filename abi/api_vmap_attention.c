@@ -94,6 +94,15 @@ static kvh_status attention_vmap(kvh_engine *e, kvh_vmap *const *views, const ui
     pthread_mutex_unlock(&e->lock);
 
     uint64_t row_bytes = (uint64_t)pr.num_q_heads * c->head_dim * kvhi_dtype_bytes(pr.io_dtype), row = 0;
+    /* Out over q, whole or in part: a view's rows written would be queries
+     * of the views after it, so every run reads a copy (CPU runs end
+     * before the call returns; on CUDA they must not overlap). */
+    bool no_copy = false;
+    void *q_kept = e->cpu_kernels ? kvhi_attn_q_kept(q, out, rows * row_bytes, &no_copy) : NULL;
+    if (no_copy)
+        st = kvhi_fail(KVH_ERR_NOMEM, "out of memory for a copy of q (out overlaps it)");
+    if (q_kept)
+        q = q_kept;
     size_t i = 0;
     for (; i < n_views && st == KVH_OK; i++) {
         kvhi_vmap *v = vs[i];
@@ -132,6 +141,7 @@ static kvh_status attention_vmap(kvh_engine *e, kvh_vmap *const *views, const ui
             break; /* view i did not start */
         }
     }
+    free(q_kept);
     pthread_mutex_lock(&e->lock);
     /* Runs that never started: no callback will end them. */
     for (; i < n_views; i++)

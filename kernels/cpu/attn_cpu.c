@@ -311,6 +311,11 @@ static int run_locked(kvhi_attn_cpu *st, const kvhi_attn_plan *p, uint32_t u0, u
 void *kvhi_attn_cpu_q_kept(const kvhi_attn_plan *p, const void *q, const void *out, bool *failed)
 {
     size_t bytes = (size_t)p->total_rows * p->num_q_heads * p->head_dim * (p->io_dtype == KVH_DTYPE_F32 ? 4 : 2);
+    return kvhi_attn_q_kept(q, out, bytes, failed);
+}
+
+void *kvhi_attn_q_kept(const void *q, const void *out, size_t bytes, bool *failed)
+{
     *failed = false;
     if (!bytes ||
         !((const uint8_t *)q < (const uint8_t *)out + bytes && (const uint8_t *)out < (const uint8_t *)q + bytes))

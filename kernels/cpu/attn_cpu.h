@@ -78,9 +78,11 @@ kvhi_attn_cpu *kvhi_attn_cpu_create(void);
  * Returns 0, or KVH_ERR_NOMEM with msg. */
 int kvhi_attn_cpu_run_range(kvhi_attn_cpu *st, const kvhi_attn_plan *p, uint32_t u0, uint32_t u1, bool merges,
                             const void *q, void *out, float *po, float *pml, char *msg, size_t msg_len);
-/* A copy of q (malloc'd) when out overlaps it, which a run writes while
- * other rows still read q; NULL when they do not overlap (*failed false)
- * or without memory (*failed true). */
+/* A copy of the bytes of q (malloc'd) when out overlaps them, which a
+ * run writes while other rows still read q; NULL when they do not overlap
+ * (*failed false) or without memory (*failed true). */
+void *kvhi_attn_q_kept(const void *q, const void *out, size_t bytes, bool *failed);
+/* kvhi_attn_q_kept for the rows of plan p. */
 void *kvhi_attn_cpu_q_kept(const kvhi_attn_plan *p, const void *q, const void *out, bool *failed);
 void kvhi_attn_cpu_destroy(void *state);
 /* 1 when this CPU (and OS) runs the implementation. */

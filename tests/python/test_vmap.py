@@ -132,3 +132,29 @@ def test_block_view_of_a_vmap_engine_is_refused():
         assert eng.tier_info(kvh.Tier.DEVICE).base == 0
         with pytest.raises(kvh.UnsupportedError, match="through Sequence.vmap$"):
             seq.block_view(0, 0)
+
+
+@pytest.mark.parametrize("shift", [1, -1])
+def test_attention_over_views_with_out_overlapping_q_in_part(shift):
+    # Views run one after another: with out one row past q, the first
+    # view's output was written over the next view's queries before they
+    # were read.
+    with make() as eng:
+        seqs = [eng.sequence() for _ in range(3)]
+        views = []
+        for i, s in enumerate(seqs):
+            s.append(range(20 + 7 * i))
+            fill(s, 20 + 7 * i, seed=i)
+            views.append(s.vmap(0))
+        buf = np.random.default_rng(11).standard_normal((4, 4, 64)).astype(np.float32)
+        q, out = (buf[:3], buf[1:]) if shift > 0 else (buf[1:], buf[:3])
+        ref = eng.attention_decode_vmap(views, q.copy())
+        assert np.array_equal(eng.attention_decode_vmap(views, q, out=out), ref)
+        pbuf = np.random.default_rng(12).standard_normal((10, 4, 64)).astype(np.float32)
+        q, out = (pbuf[:9], pbuf[1:]) if shift > 0 else (pbuf[1:], pbuf[:9])
+        pref = eng.attention_prefill_vmap(views, [2, 3, 4], q.copy())
+        assert np.array_equal(eng.attention_prefill_vmap(views, [2, 3, 4], q, out=out), pref)
+        for vm in views:
+            vm.release()
+        for s in seqs:
+            s.free()
