@@ -3,6 +3,8 @@ environment give, and what they refuse (before any worker starts)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from kvh_cache.vllm import settings
@@ -39,6 +41,12 @@ def test_json_null_leaves_the_environment_variable_in_force(tmp_path):
         ("tail_min_tokens", [8]),
         ("lookup_timeout_s", "fast"),
         ("lookup_timeout_s", [1]),
+        ("disk_path", 5),
+        ("disk_path", ["/a", "/b"]),
+        ("runtime_dir", True),
+        ("remote_addrs", {"host": "a"}),
+        ("remote_user", 7),
+        ("disk_path", "/a\0b"),
     ],
 )
 def test_a_value_that_cannot_be_used_is_refused_naming_key_and_value(key, value):
@@ -79,6 +87,13 @@ def test_usable_engine_values_are_kept():
     )
     assert (s.log_level, s.remote_timeout_ms, s.remote_ttl_s, s.tail_min_tokens) == ("info", 80, 600, 8)
     assert settings.load({}, environ={"KVH_VLLM_LOG_LEVEL": "debug"}).log_level == "debug"
+
+
+def test_paths_are_text_or_path_objects(tmp_path):
+    # A number was taken as the text it prints as: disk_path=5 made ./5.
+    assert settings.load({"disk_path": tmp_path / "s"}, environ={}).disk_path == str(tmp_path / "s")
+    assert settings.load({"disk_path": "~/s"}, environ={}).disk_path == os.path.expanduser("~/s")
+    assert settings.load({"disk_path": ""}, environ={}).disk_path == ""
 
 
 @pytest.mark.parametrize(

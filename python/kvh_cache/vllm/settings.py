@@ -113,6 +113,24 @@ def parse_size(value: Any) -> int:
     return int(n * _SUFFIX[unit])
 
 
+def _text(value: Any) -> str:
+    """Text as given; a number, list or mapping in the JSON is refused
+    rather than read as the text it prints as (``disk_path=5`` is not
+    the directory ``./5``)."""
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str):
+        raise TypeError(f"must be text, not {type(value).__name__}")
+    if "\0" in value:
+        raise ValueError("must not contain NUL characters")
+    return value
+
+
+def _parse_path(value: Any) -> str:
+    s = _text(value)
+    return os.path.expanduser(s) if s else ""
+
+
 def _parse_bool(value: Any) -> bool:
     if isinstance(value, bool):
         return value
@@ -241,10 +259,10 @@ class Settings:
 _KEYS = {
     # key: (environment variable, parser)
     "host_bytes": ("KVH_VLLM_HOST_BYTES", parse_size),
-    "disk_path": ("KVH_VLLM_DISK_PATH", lambda v: os.path.expanduser(str(v)) if str(v) else ""),
+    "disk_path": ("KVH_VLLM_DISK_PATH", _parse_path),
     "disk_bytes": ("KVH_VLLM_DISK_BYTES", parse_size),
     "device_bytes": ("KVH_VLLM_DEVICE_BYTES", parse_size),
-    "runtime_dir": ("KVH_VLLM_RUNTIME_DIR", lambda v: os.path.expanduser(str(v))),
+    "runtime_dir": ("KVH_VLLM_RUNTIME_DIR", _parse_path),
     "persist": ("KVH_VLLM_PERSIST", _parse_bool),
     "lookup_timeout_s": ("KVH_VLLM_LOOKUP_TIMEOUT", _parse_seconds),
     "log_level": ("KVH_VLLM_LOG_LEVEL", _parse_log_level),
@@ -252,12 +270,12 @@ _KEYS = {
     "migration_cpus": ("KVH_VLLM_MIGRATION_CPUS", lambda v: _parse_cpus(v)),
     "prefetch": ("KVH_VLLM_PREFETCH", _parse_bool),
     "prefault_memory": ("KVH_VLLM_PREFAULT_MEMORY", _parse_bool),
-    "remote_addrs": ("KVH_VLLM_REMOTE_ADDRS", lambda v: str(v).strip() or None),
-    "remote_user": ("KVH_VLLM_REMOTE_USER", lambda v: str(v) or None),
-    "remote_password": ("KVH_VLLM_REMOTE_PASSWORD", lambda v: str(v) or None),
+    "remote_addrs": ("KVH_VLLM_REMOTE_ADDRS", lambda v: _text(v).strip() or None),
+    "remote_user": ("KVH_VLLM_REMOTE_USER", lambda v: _text(v) or None),
+    "remote_password": ("KVH_VLLM_REMOTE_PASSWORD", lambda v: _text(v) or None),
     "remote_timeout_ms": ("KVH_VLLM_REMOTE_TIMEOUT_MS", _parse_u32),
     "remote_ttl_s": ("KVH_VLLM_REMOTE_TTL_S", _parse_u32),
-    "hash_secret": ("KVH_VLLM_HASH_SECRET", lambda v: str(v) or None),
+    "hash_secret": ("KVH_VLLM_HASH_SECRET", lambda v: _text(v) or None),
 }
 # Never shown in an error message.
 _SECRET_KEYS = ("remote_password", "hash_secret")
