@@ -1110,7 +1110,10 @@ enum kvh_memory { KVH_MEMORY_HOST = 0, KVH_MEMORY_CUDA = 1 };
 /* Layout of KV memory owned by an inference engine: for layer l, K of
  * (slot s, token t, head h) starts at
  *   k_base[l] + s * slot_stride + t * token_stride + h * head_stride
- * and holds head_dim elements of the engine dtype (V alike with v_base). */
+ * and holds head_dim elements of the engine dtype (V alike with v_base).
+ * Slots may share memory (a slot_stride of 0 gives every slot the same
+ * bytes): each transfer then reads or writes what that memory holds, and
+ * the KVH_ERR_BUSY checks below compare slot numbers, not addresses. */
 typedef struct kvh_pool_layout {
     uint32_t struct_size;
     uint32_t memory; /* kvh_memory of the pointers */
