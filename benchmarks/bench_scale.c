@@ -17,11 +17,15 @@
  *                     the device tier full: each call chooses a victim and
  *                     swaps two 32-byte blocks
  *        hint         kvh_seq_hint of a random block, at a rising priority
+ *        set_quota    kvh_agent_set_quota of the sequences' agent, moved
+ *                     between two values above its use (after a first
+ *                     quota, untimed)
  *      The baseline of each row is a logarithmic reference: the cost at
  *      the smallest N times log2(N) / log2(smallest N); ratio = reference /
  *      cost (1 = exactly logarithmic growth, > 1 flatter). Target: ratio
  *      >= 0.5 (at most twice a logarithmic curve) for the operations issue
- *      8 names: alloc, lookup, prefix match, eviction choice. touch and
+ *      8 names: alloc, lookup, prefix match, eviction choice, and for
+ *      set_quota. touch and
  *      hint have none: each is a fixed number of dependent memory reads
  *      (block table, record, then data or heap entry), whose latency grows
  *      from L1 to DRAM with N whatever the code; memory_read shows by how
@@ -113,7 +117,7 @@ static int write_all(kvh_engine *e, kvh_seq s, uint64_t n)
     return 0;
 }
 
-#define N_OPS 6
+#define N_OPS 7
 
 typedef struct scale_point {
     double ns[N_OPS];
@@ -167,7 +171,7 @@ static double memory_read_ns(uint64_t bytes, uint64_t seed)
     return ns;
 }
 
-static const char *const op_names[N_OPS] = {"alloc", "lookup", "touch", "prefix_match", "evict", "hint"};
+static const char *const op_names[N_OPS] = {"alloc", "lookup", "touch", "prefix_match", "evict", "hint", "set_quota"};
 
 static int measure_n(const bench_ctx *ctx, uint64_t n, uint64_t calls, scale_point *pt)
 {
@@ -280,6 +284,28 @@ static int measure_n(const bench_ctx *ctx, uint64_t n, uint64_t calls, scale_poi
         }
     }
     pt->ns[5] = (double)(bench_ns() - t0) / (double)calls;
+
+    /* set_quota: the quota of the sequences' agent moved between two
+     * values above what it holds; the first quota (untimed) is the one
+     * that indexes the agent's blocks. */
+    uint64_t block_bytes = 0;
+    kvh_status qst = kvh_engine_block_bytes(e, &block_bytes);
+    uint64_t quota = (2 * n + 16) * block_bytes;
+    if (qst == KVH_OK)
+        qst = kvh_agent_set_quota(e, 0, quota);
+    if (qst != KVH_OK) {
+        rc = bench_kvh_fail("kvh_agent_set_quota (first)", qst);
+        goto out_h;
+    }
+    t0 = bench_ns();
+    for (uint64_t i = 0; i < calls; i++) {
+        kvh_status st = kvh_agent_set_quota(e, 0, quota + (i & 1) * block_bytes);
+        if (st != KVH_OK) {
+            rc = bench_kvh_fail("kvh_agent_set_quota", st);
+            goto out_h;
+        }
+    }
+    pt->ns[6] = (double)(bench_ns() - t0) / (double)calls;
     kvh_stats stats = {.struct_size = sizeof(stats)};
     kvh_engine_stats(e, &stats);
     bench_info(ctx, "scale n=%llu: %llu evictions during the run", (unsigned long long)n,

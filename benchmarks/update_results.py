@@ -143,7 +143,7 @@ def scale_table(d: Path) -> Optional[str]:
     rows = rows_of(d / "scale.jsonl")
     if not rows:
         return None
-    ops = ["alloc", "lookup", "touch", "prefix_match", "evict", "hint"]
+    ops = ["alloc", "lookup", "touch", "prefix_match", "evict", "hint", "set_quota"]
     blocks = sorted({r["blocks"] for r in rows if "blocks" in r})
     body = []
     for n in blocks:
@@ -161,7 +161,8 @@ def scale_table(d: Path) -> Optional[str]:
     out = table(["live blocks"] + [f"{op} ns" for op in ops] + ["memory read ns"], body)
     out += (
         "\nIn brackets: the logarithmic reference / measured (>= 0.5 is the target of alloc, lookup, "
-        "prefix_match and evict, the operations issue 8 names; touch and hint have none, see below; **bold** missed). "
+        "prefix_match and evict, the operations issue 8 names, and of set_quota; touch and hint have none, "
+        "see below; **bold** missed). "
         "Memory read: one random dependent read in a buffer the size of the block records (128 bytes "
         "per block).\n\n"
     )
