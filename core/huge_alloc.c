@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 void *kvhi_map_anon(size_t bytes)
 {
@@ -23,9 +24,14 @@ void *kvhi_map_anon(size_t bytes)
         p = (uint8_t *)(((uintptr_t)raw + KVHI_HUGE_PAGE_BYTES - 1) & ~(uintptr_t)(KVHI_HUGE_PAGE_BYTES - 1));
         if (p > raw)
             munmap(raw, (size_t)(p - raw));
-        size_t tail = (size_t)(raw + bytes + slack - (p + bytes));
-        if (tail)
-            munmap(p + bytes, tail);
+        /* The tail starts at the page after the last byte: munmap takes
+         * page-aligned addresses only, and a free unmaps [p, p + bytes)
+         * rounded up to whole pages, so anything past that stays mapped
+         * for good. */
+        size_t page = (size_t)sysconf(_SC_PAGESIZE);
+        uint8_t *end = (uint8_t *)(((uintptr_t)p + bytes + page - 1) & ~(uintptr_t)(page - 1));
+        if (raw + bytes + slack > end)
+            munmap(end, (size_t)(raw + bytes + slack - end));
 #ifdef MADV_HUGEPAGE
         madvise(p, bytes, MADV_HUGEPAGE);
 #endif

@@ -725,6 +725,34 @@ static void log_sink(void *user, int32_t level, const char *message)
     snprintf(c->msg, sizeof(c->msg), "%s", message);
 }
 
+/* Tiers and arrays whose sizes are not whole pages (80-wide heads) kept
+ * up to 2 MiB of address space each after close, so that a process
+ * opening engines in a loop met RLIMIT_AS after about 500 opens. */
+static void test_open_close_gives_address_space_back(void **state)
+{
+    (void)state;
+    kvh_config c;
+    kvh_config_init(&c, sizeof(c));
+    c.backend = KVH_BACKEND_CPU;
+    c.num_layers = 1;
+    c.num_kv_heads = 1;
+    c.head_dim = 80;
+    c.block_tokens = 16;
+    c.device_bytes = 3u << 20;
+    c.host_bytes = 5u << 20;
+    c.migration_threads = 0;
+    long warm = 0;
+    for (int i = 0; i < 40; i++) {
+        if (i == 8)
+            warm = tu_vm_size_kb();
+        kvh_engine *e = NULL;
+        assert_ok(kvh_engine_open(&c, &e));
+        assert_ok(kvh_engine_close(e));
+    }
+    /* 32 opens each kept 4 MiB before (device and host tiers). */
+    assert_true(tu_vm_size_kb() - warm < 8192);
+}
+
 static void test_log_sink(void **state)
 {
     (void)state;
@@ -786,6 +814,7 @@ int main(void)
         cmocka_unit_test_teardown(test_stats_struct_size, tu_teardown),
         cmocka_unit_test_teardown(test_tier_base_layout, tu_teardown),
         cmocka_unit_test_teardown(test_log_sink, tu_teardown),
+        cmocka_unit_test(test_open_close_gives_address_space_back),
         cmocka_unit_test_teardown(test_last_error_thread_local_cleared, tu_teardown),
     };
     return cmocka_run_group_tests_name("engine", tests, NULL, NULL);

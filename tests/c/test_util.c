@@ -3,7 +3,9 @@
  * engines and buffers are this file's: one set per test program. */
 #include "test_util.h"
 
+#include <fcntl.h>
 #include <math.h>
+#include <unistd.h>
 
 /* ---- status assertions ---- */
 
@@ -365,4 +367,18 @@ float tu_bf16_to_f32(uint16_t b)
     float f;
     memcpy(&f, &x, 4);
     return f;
+}
+
+long tu_vm_size_kb(void)
+{
+    char text[4096];
+    int fd = open("/proc/self/status", O_RDONLY);
+    ssize_t n = fd >= 0 ? read(fd, text, sizeof(text) - 1) : -1;
+    if (fd >= 0)
+        close(fd);
+    assert_true(n > 0);
+    text[n] = '\0';
+    const char *at = strstr(text, "VmSize:");
+    assert_non_null(at);
+    return strtol(at + 7, NULL, 10);
 }

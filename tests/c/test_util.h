@@ -177,6 +177,11 @@ int tu_check_pattern(kvh_engine *e, kvh_seq s, uint32_t layers, size_t tok_bytes
 #define tu_vmap_view(e, m) tu_vmap_view_at(__FILE__, __LINE__, e, m)
 kvh_vmap_view tu_vmap_view_at(const char *file, int line, kvh_engine *e, kvh_vmap *m);
 
+/* This process's VmSize in kB (/proc/self/status), read without
+ * allocating: address space a library keeps shows there even when no
+ * page of it is ever touched. */
+long tu_vm_size_kb(void);
+
 /* f32 <-> f16 / bf16 bit patterns, rounding to nearest even (NaN stays
  * NaN, quiet). */
 uint16_t tu_f32_to_f16(float f);
