@@ -560,7 +560,11 @@ class Engine(OwnedHandle):
 
     def __init__(self, config: Optional[Config] = None, /, **fields: Any) -> None:
         self._native: Optional[_Native] = None
-        self._current_context: Any = None  # the kvh.Context last switched in
+        # The kvh.Context last switched in, weakly: a Context refers to its
+        # engine, and a strong reference back made a cycle that kept an
+        # engine dropped by its caller open (threads, store lock) until the
+        # cycle collector ran.
+        self._current_context_ref: Optional[weakref.ref] = None
         if config is None:
             config = Config(**fields)
         elif not isinstance(config, Config):
@@ -908,8 +912,18 @@ class Engine(OwnedHandle):
 
     @property
     def current_context(self) -> Any:
-        """The :class:`kvh.Context` last switched in (None if none)."""
+        """The :class:`kvh.Context` last switched in (None if none, or if
+        the program no longer refers to it)."""
         return self._current_context
+
+    @property
+    def _current_context(self) -> Any:
+        ref = self._current_context_ref
+        return ref() if ref is not None else None
+
+    @_current_context.setter
+    def _current_context(self, context: Any) -> None:
+        self._current_context_ref = weakref.ref(context) if context is not None else None
 
     def _switch(self, prev: Any, to: Any, wait: bool) -> Optional["Fence"]:
         f = ffi.new("kvh_fence *") if not wait else NULL

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import numpy as np
 import pytest
 
@@ -324,6 +327,41 @@ def test_flag_arguments_take_bools_and_0_1(weights, on, off):
         fence = a.unload(wait=off)
         fence.wait()
         assert eng.current_context is None
+
+
+def test_an_engine_with_a_context_switched_in_closes_when_dropped(weights, tmp_path):
+    """The engine referred to the context switched in and the context to
+    its engine: an engine its caller dropped stayed open, with its
+    threads and its store's lock, until the cycle collector ran."""
+    (pa, _), _ = weights
+    store = dict(disk_path=str(tmp_path / "store"), disk_bytes=1 << 20, migration_threads=1)
+    gc.disable()
+    try:
+        eng = make_engine(**store)
+        ctx = eng.context("a")
+        register(ctx, pa)
+        ctx.switch_to()
+        assert eng.current_context is ctx
+        gone = weakref.ref(eng)
+        del eng, ctx
+        assert gone() is None
+        make_engine(**store).close()  # the store's lock was given back
+    finally:
+        gc.enable()
+
+
+def test_current_context_is_none_once_the_program_drops_it(weights):
+    (pa, _), _ = weights
+    with make_engine() as eng:
+        ctx = eng.context("a")
+        register(ctx, pa)
+        ctx.switch_to()
+        del ctx
+        gc.collect()
+        assert eng.current_context is None
+        b = eng.context("b")
+        b.switch_to()  # from the context the program dropped
+        assert eng.current_context is b
 
 
 def test_unknown_region_name_raises_a_typed_key_error(weights):
