@@ -489,10 +489,10 @@ KVH_API kvh_status kvh_engine_open(const kvh_config *config, kvh_engine **engine
 
 /* Waits for migrations in flight, stops the workers and frees everything.
  * Every handle of the engine becomes invalid. NULL is accepted (KVH_OK).
- * Calls racing with close on other threads get KVH_ERR_CLOSED: for them
- * the engine's struct itself (about 5 KiB) stays allocated until 16 more
- * engines have closed, and is not freed when the library is unloaded
- * (dlclose). Returns
+ * Calls racing with close on other threads get KVH_ERR_CLOSED: so that
+ * they can, the struct of every closed engine (about 5 KiB) stays
+ * allocated until 16 more engines have closed, and the last 16 are not
+ * freed when the library is unloaded (dlclose). Returns
  * KVH_ERR_IO or KVH_ERR_NOMEM when the disk tier's index cannot be
  * written (the engine is freed all the same). Close an engine once: a
  * second close that starts while the first is still waiting gets
