@@ -236,10 +236,38 @@ static bool keep_replaced_durable(kvh_engine *e, kvhi_seq *s, uint32_t i, uint32
     return true;
 }
 
+/* Moves the holds and pins s keeps on its logical block i from block
+ * from to block to. */
+static void move_holds_and_pins(kvh_engine *e, const kvhi_seq *s, uint32_t i, uint32_t from, uint32_t to)
+{
+    for (uint32_t h = 0; h < s->held[i]; h++) {
+        kvhi_block_unhold(e, from);
+        kvhi_block_hold(e, to);
+    }
+    for (uint32_t p = 0; p < s->pins[i]; p++) {
+        kvhi_block_pin(e, from, false);
+        kvhi_block_pin(e, to, true);
+    }
+}
+
+/* Gives the holds and pins of logical block i of s back to b from its
+ * copy nb, and frees nb: a copy of an acquired or pinned block that
+ * cannot be brought to the device tier. b goes back up if it left it
+ * meanwhile (best effort: it is held again). */
+static void undo_private_copy(kvh_engine *e, kvhi_seq *s, uint32_t i, uint32_t b, uint32_t nb)
+{
+    move_holds_and_pins(e, s, i, nb, b);
+    kvhi_block_unref(e, nb);
+    if (!kvhi_block_in_device(e, b))
+        (void)kvhi_move_block(e, b, KVH_TIER_DEVICE, s->agent);
+}
+
 /* Replaces logical block i of s by a private copy if it is shared or
  * published (immutable); moves this sequence's holds to the copy. A
- * persisted block replaced is kept as the sequence's durable twin. */
-static kvh_status make_private(kvh_engine *e, kvhi_seq *s, uint32_t i)
+ * persisted block replaced is kept as the sequence's durable twin.
+ * call_holds: holds of s->held[i] the caller took for the call itself,
+ * which promise no device residency as an acquire's do. */
+static kvh_status make_private(kvh_engine *e, kvhi_seq *s, uint32_t i, uint32_t call_holds)
 {
     for (;;) {
         uint32_t b = s->blocks[i];
@@ -252,6 +280,9 @@ static kvh_status make_private(kvh_engine *e, kvhi_seq *s, uint32_t i)
             kvhi_block_wait_idle(e, b); /* then check again */
             continue;
         }
+        /* An acquired range resident in the device tier stays there, and
+         * so does a block this sequence pinned there. */
+        bool keep_in_device = (s->held[i] > call_holds || s->pins[i]) && kvhi_block_in_device(e, b);
         /* Keep b alive and unmovable while the copy is made. */
         kvhi_block_ref(e, b);
         kvhi_block_hold(e, b);
@@ -264,13 +295,17 @@ static kvh_status make_private(kvh_engine *e, kvhi_seq *s, uint32_t i)
             kvhi_block_unref(e, b);
             return st;
         }
-        for (uint32_t h = 0; h < s->held[i]; h++) {
-            kvhi_block_unhold(e, b);
-            kvhi_block_hold(e, nb);
-        }
-        for (uint32_t p = 0; p < s->pins[i]; p++) {
-            kvhi_block_pin(e, b, false);
-            kvhi_block_pin(e, nb, true);
+        move_holds_and_pins(e, s, i, b, nb);
+        if (keep_in_device && !kvhi_block_in_device(e, nb)) {
+            /* The copy, made where there was room, goes up, in place of b
+             * if need be (b is no longer held by this sequence). */
+            st = kvhi_move_block(e, nb, KVH_TIER_DEVICE, s->agent);
+            if (st == KVH_OK && !kvhi_block_in_device(e, nb))
+                st = kvhi_fail(KVH_ERR_NOSPACE, "no room in the device tier for a copy of an acquired or pinned block");
+            if (st != KVH_OK) {
+                undo_private_copy(e, s, i, b, nb);
+                return st;
+            }
         }
         s->blocks[i] = nb;
         if (!keep_replaced_durable(e, s, i, b))
@@ -328,7 +363,7 @@ static kvh_status append_blocks(kvh_engine *e, kvhi_seq *s, const int32_t *token
         s->held[first_new + i] = 0;
         s->pins[first_new + i] = 0;
     }
-    if (room && (st = make_private(e, s, s->n_blocks - 1)) != KVH_OK) {
+    if (room && (st = make_private(e, s, s->n_blocks - 1, 0)) != KVH_OK) {
         for (uint32_t j = first_new; j < first_new + need; j++)
             kvhi_block_unref(e, s->blocks[j]);
         return st;
@@ -468,7 +503,7 @@ static kvh_status make_writable(kvh_engine *e, kvhi_seq *s, uint32_t i)
             return st;
         if (writable_now(e, s, i))
             break;
-        if ((st = make_private(e, s, i)) != KVH_OK)
+        if ((st = make_private(e, s, i, 1)) != KVH_OK) /* write_part's own hold */
             return st;
     }
     return KVH_OK;
@@ -708,7 +743,7 @@ kvh_status kvhi_seq_truncate(kvh_engine *e, kvhi_seq *s, uint64_t n_tokens)
          * at once. */
         uint32_t li = keep_blocks - 1;
         for (;;) {
-            if ((st = make_private(e, s, li)) != KVH_OK)
+            if ((st = make_private(e, s, li, 0)) != KVH_OK)
                 return st;
             kvhi_block *blk = &e->blocks[s->blocks[li]];
             if (blk->tier != KVH_TIER_DISK && !kvhi_block_busy(blk))

@@ -436,6 +436,93 @@ static void test_failed_append_keeps_a_shared_last_block(void **state)
     assert_ok(kvh_seq_free(e, b));
 }
 
+/* kvh_seq_acquire keeps a range in the device tier until its release. A
+ * write, append or truncate into an acquired block that is shared makes
+ * a private copy; with the device tier full (the block itself held, the
+ * other slot pinned), the copy went to the host tier and took the hold
+ * there, so the acquired range was no longer resident. A block pinned in
+ * the device tier likewise had its pin moved to a copy in the host. */
+static void cow_of_held_block(int how, int pin_instead)
+{
+    kvh_engine *e = tu_open(1, 1, 2, 2, KVH_DTYPE_F32, 2, 4, 0); /* 2 device, 4 host blocks */
+    float k[2] = {1, 2}, v[2] = {3, 4}, k2[2] = {5, 6}, got_k[2], got_v[2];
+    int32_t tok[3] = {10, 11, 12};
+    kvh_seq a = tu_seq_new(e, 0), child, p = tu_seq_new(e, 0);
+    assert_ok(kvh_seq_append(e, a, tok, how == 2 ? 2 : 1));
+    assert_ok(kvh_seq_write_kv(e, a, 0, 0, how == 2 ? 2 : 1, how == 2 ? (float[]){1, 2, 7, 8} : k,
+                               how == 2 ? (float[]){3, 4, 9, 9} : v));
+    assert_ok(kvh_seq_fork(e, a, 0, &child));
+    if (pin_instead)
+        assert_ok(kvh_seq_pin(e, a, 0, how == 2 ? 2 : 1, 1));
+    else
+        assert_ok(kvh_seq_acquire(e, a, 0, how == 2 ? 2 : 1, NULL));
+    assert_ok(kvh_seq_append(e, p, tok, 1));
+    assert_ok(kvh_seq_pin(e, p, 0, 1, 1));
+    if (how == 0)
+        assert_ok(kvh_seq_write_kv(e, a, 0, 0, 1, k2, v));
+    else if (how == 1)
+        assert_ok(kvh_seq_append(e, a, tok + 1, 1));
+    else
+        assert_ok(kvh_seq_truncate(e, a, 1));
+    kvh_block_info bi = tu_seq_binfo(e, a, 0);
+    assert_int_equal(bi.tier, KVH_TIER_DEVICE);
+    assert_int_equal(pin_instead ? bi.pins : bi.holds, 1);
+    assert_int_equal(bi.refs, 1); /* a private copy */
+    int32_t indptr[2], idx[2], lpl[1];
+    assert_ok(kvh_block_table(e, &a, 1, indptr, idx, 2, lpl));
+    assert_ok(kvh_seq_read_kv(e, a, 0, 0, 1, got_k, got_v));
+    assert_memory_equal(got_k, how == 0 ? k2 : k, sizeof(got_k));
+    assert_ok(kvh_seq_read_kv(e, child, 0, 0, 1, got_k, got_v)); /* the child's is as it was */
+    assert_memory_equal(got_k, k, sizeof(got_k));
+    assert_memory_equal(got_v, v, sizeof(got_v));
+    if (pin_instead)
+        assert_ok(kvh_seq_pin(e, a, 0, 1, 0));
+    else
+        assert_ok(kvh_seq_release(e, a, 0, 1));
+}
+
+static void test_cow_of_a_held_block_stays_in_the_device_tier(void **state)
+{
+    (void)state;
+    for (int how = 0; how < 3; how++) {
+        cow_of_held_block(how, 0);
+        cow_of_held_block(how, 1);
+    }
+}
+
+/* With the source also held by another sequence there is no room for
+ * the copy in the device tier: the write fails and changes nothing. */
+static void test_cow_of_a_held_block_without_room_changes_nothing(void **state)
+{
+    (void)state;
+    kvh_engine *e = tu_open(1, 1, 2, 2, KVH_DTYPE_F32, 2, 4, 0);
+    float k[2] = {1, 2}, v[2] = {3, 4}, k2[2] = {5, 6}, got_k[2], got_v[2];
+    int32_t tok[2] = {10, 11};
+    kvh_seq a = tu_seq_new(e, 0), child, p = tu_seq_new(e, 0);
+    assert_ok(kvh_seq_append(e, a, tok, 1));
+    assert_ok(kvh_seq_write_kv(e, a, 0, 0, 1, k, v));
+    assert_ok(kvh_seq_fork(e, a, 0, &child));
+    assert_ok(kvh_seq_acquire(e, a, 0, 1, NULL));
+    assert_ok(kvh_seq_acquire(e, child, 0, 1, NULL));
+    assert_ok(kvh_seq_append(e, p, tok, 1));
+    assert_ok(kvh_seq_pin(e, p, 0, 1, 1));
+    kvh_block before, after;
+    assert_ok(kvh_seq_blocks(e, a, 0, 1, &before));
+    assert_kvh(KVH_ERR_NOSPACE, kvh_seq_write_kv(e, a, 0, 0, 1, k2, v));
+    assert_ok(kvh_seq_blocks(e, a, 0, 1, &after));
+    assert_int_equal(after.id, before.id);
+    kvh_block_info bi = tu_seq_binfo(e, a, 0);
+    assert_int_equal(bi.tier, KVH_TIER_DEVICE);
+    assert_int_equal(bi.holds, 2);
+    assert_int_equal(bi.refs, 2);
+    assert_ok(kvh_seq_read_kv(e, a, 0, 0, 1, got_k, got_v));
+    assert_memory_equal(got_k, k, sizeof(got_k));
+    assert_int_equal(tu_tier(e, KVH_TIER_DEVICE).used_blocks + tu_tier(e, KVH_TIER_HOST).used_blocks, 2);
+    assert_ok(kvh_seq_release(e, child, 0, 1));
+    assert_ok(kvh_seq_write_kv(e, a, 0, 0, 1, k2, v)); /* room once the child lets go */
+    assert_int_equal(tu_seq_binfo(e, a, 0).tier, KVH_TIER_DEVICE);
+}
+
 /* A prompt longer than the engine has blocks is matched as far as the
  * cache goes, with no error and no table sized for the whole prompt (the
  * match stops at the first miss, so only the tokens it compares are read);
@@ -832,6 +919,8 @@ int main(void)
         cmocka_unit_test_teardown(test_prefix_hash_salt, tu_teardown),
         cmocka_unit_test_teardown(test_block_table, tu_teardown),
         cmocka_unit_test_teardown(test_failed_append_keeps_a_shared_last_block, tu_teardown),
+        cmocka_unit_test_teardown(test_cow_of_a_held_block_stays_in_the_device_tier, tu_teardown),
+        cmocka_unit_test_teardown(test_cow_of_a_held_block_without_room_changes_nothing, tu_teardown),
         cmocka_unit_test_teardown(test_match_of_a_prompt_longer_than_the_engine, tu_teardown),
         cmocka_unit_test_teardown(test_tokens_and_blocks, tu_teardown),
         cmocka_unit_test_teardown(test_long_sequence, tu_teardown),

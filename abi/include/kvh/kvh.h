@@ -741,12 +741,15 @@ KVH_API kvh_status kvh_seq_tokens(kvh_engine *engine, kvh_seq seq, uint64_t firs
 
 /* Writes K and V of tokens [pos, pos + n) for one layer. k and v are
  * [borrowed] arrays shaped [n][num_kv_heads][head_dim] of the engine's
- * dtype. Shared blocks are copied first (CoW). Tokens must have been
+ * dtype. Shared blocks are copied first (CoW); the copy of a block this
+ * sequence holds (kvh_seq_acquire) or pinned in the device tier is made
+ * there too, taking the place of the block it copies if need be. Tokens must have been
  * appended (KVH_ERR_RANGE otherwise, and for a layer out of range).
  * Every block of the range is brought into a memory tier (and copied if
  * shared) before any is written: they must fit there together, beside
  * what is pinned or held. Returns KVH_ERR_NOSPACE (no room for a copy, or
- * for the range in memory), KVH_ERR_IO or KVH_ERR_CORRUPT (a block read
+ * for the range in memory, or in the device tier for the copy of a block
+ * held or pinned there), KVH_ERR_IO or KVH_ERR_CORRUPT (a block read
  * back from disk failed), with nothing written; KVH_ERR_INVALID_ARG (NULL
  * k or v with n > 0), KVH_ERR_BAD_HANDLE, KVH_ERR_NOMEM. A range of more
  * blocks than the memory tiers hold in all is written a block at a time
