@@ -755,8 +755,10 @@ KVH_API kvh_status kvh_seq_tokens(kvh_engine *engine, kvh_seq seq, uint64_t firs
  * blocks than the memory tiers hold in all is written a block at a time
  * instead: a failure then leaves the blocks before it written, and a
  * retry of the same write completes it. A block that is full and fully
- * written is immutable (it may be shared): a write into it goes to a
- * copy, as for a shared block. Writing tokens that an attention call
+ * written is published in the prefix cache and immutable (it may be
+ * shared): a write into it goes to a copy, as for a shared block. One
+ * whose prefix another block already published stays this sequence's own
+ * and is written in place. Writing tokens that an attention call
  * running on another thread reads is the caller's data race, as with any
  * memory: order the two. k and v may lie in the engine's own memory (a
  * block's bytes through kvh_tier_info.base, a vmap view of this
@@ -812,8 +814,8 @@ KVH_API kvh_status kvh_seq_read_kv(kvh_engine *engine, kvh_seq seq, uint32_t lay
 KVH_API kvh_status kvh_seq_persist(kvh_engine *engine, kvh_seq seq);
 
 /* Shortens the sequence to n_tokens (<= its length; KVH_ERR_RANGE
- * otherwise). A last block that keeps some tokens and is shared, or full
- * with every cell written (immutable), is copied first:
+ * otherwise). A last block that keeps some tokens and is shared, or
+ * published (immutable, see kvh_seq_write_kv), is copied first:
  * KVH_ERR_NOSPACE, KVH_ERR_NOMEM, KVH_ERR_IO, KVH_ERR_CORRUPT as for
  * kvh_seq_write_kv (the sequence is then unchanged). Returns
  * KVH_ERR_BAD_HANDLE. @threads handle */
