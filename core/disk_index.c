@@ -484,10 +484,6 @@ int kvhi_index_load(kvhi_disk *d, bool reset, kvhi_index_list *out, char *msg, s
     uint8_t *snap = NULL, *jr = NULL;
     size_t snap_len = 0, jr_len = 0;
     int rc = read_file(d, "index", &snap, &snap_len);
-    if (rc == -ENOENT && d->read_only) {
-        snprintf(msg, msg_len, "%s holds no kvh store (no index file)", d->path);
-        return KVHI_INDEX_IO;
-    }
     if (rc != 0 && rc != -ENOENT) {
         snprintf(msg, msg_len, "cannot read %s/index: %s", d->path, strerror(-rc));
         return KVHI_INDEX_IO;
@@ -502,11 +498,24 @@ int kvhi_index_load(kvhi_disk *d, bool reset, kvhi_index_list *out, char *msg, s
         return KVHI_INDEX_IO;
     }
     bool have_journal = rc == 0;
+    /* A reader (kvh-store) takes a store whose index is missing beside a
+     * journal, as an engine does: rebuilt in memory, reported as damage. */
+    if (!have_index && !have_journal && d->read_only) {
+        snprintf(msg, msg_len, "%s holds no kvh store (no index file)", d->path);
+        return KVHI_INDEX_IO;
+    }
     /* Neither file: a new store, or one whose creation a crash cut short
      * (slabs made, index not yet). Strict keeps that reading even beside
      * slab files; otherwise their slots are scanned below. */
-    if (!have_index && !have_journal && (d->slab_bytes_found == 0 || d->strict_index))
+    if (!have_index && !have_journal && (d->slab_bytes_found == 0 || d->strict_index)) {
+        if (d->slab_bytes_found)
+            snprintf(out->note, sizeof(out->note),
+                     "disk tier: %s: neither index nor journal beside %" PRIu64
+                     " bytes of slab files: disk_strict_index=1 starts the store empty (with 0 an open "
+                     "rebuilds the index from the slot headers)",
+                     d->path, (uint64_t)d->slab_bytes_found);
         return create_store(d, msg, msg_len);
+    }
 
     kvhi_index_header sh, jh;
     bool snap_ok = have_index && kvhi_index_header_decode(snap, snap_len, &sh) == 0 && sh.kind == KIND_SNAPSHOT;
@@ -515,6 +524,10 @@ int kvhi_index_load(kvhi_disk *d, bool reset, kvhi_index_list *out, char *msg, s
      * is 1): made by a creation cut short, before the index. */
     if (!have_index && journal_ok && jh.seq <= 1 && jr_len == KVHI_DISK_ALIGN) {
         free(jr);
+        if (d->read_only) {
+            snprintf(msg, msg_len, "%s holds no kvh store (no index file, an empty journal)", d->path);
+            return KVHI_INDEX_IO;
+        }
         return create_store(d, msg, msg_len);
     }
     /* The journal header names the same geometry and store when the index
@@ -631,6 +644,11 @@ int kvhi_index_load(kvhi_disk *d, bool reset, kvhi_index_list *out, char *msg, s
     }
     if (dm.found)
         snprintf(out->damage, sizeof(out->damage), "%s", dm.what);
+    if (dm.torn_tail && !dm.found && d->strict_index)
+        snprintf(out->note, sizeof(out->note),
+                 "disk tier: %s: %s: disk_strict_index=1 cuts it there (the records past it are dropped; with 0 "
+                 "an open rebuilds the index from the slot headers)",
+                 d->path, dm.what);
     if (dm.found || (dm.torn_tail && !d->strict_index)) {
         size_t named = m.n, n_foreign = 0;
         rc = rebuild_from_slots(d, &m, id_known, out, &n_foreign);

@@ -224,7 +224,7 @@ kvh_status kvhi_disk_tier_recover(kvh_engine *e)
             p->free_stack[p->free_count++] = s;
     free(used);
     bool rewrite = l->rewrite;
-    if (rewrite)
+    if (l->note[0]) /* a rebuild, or what a strict open gave up */
         kvhi_log(e, KVH_LOG_WARN, "%s", l->note);
     kvhi_index_list_free(l);
     /* The damaged files are replaced at once, so the next open reads a

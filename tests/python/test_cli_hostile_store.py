@@ -781,6 +781,36 @@ def test_verify_fails_on_a_journal_a_strict_open_refuses(journal, store, tmp_pat
     assert digest(store) == before
 
 
+def test_verify_takes_the_geometry_from_the_journal_when_the_index_is_gone(store, tmp_path):
+    """With the index removed and the journal beside the slabs, an engine
+    rebuilds every block, but verify said "not a kvh store" (exit 2) and
+    checked nothing."""
+    (store / "index").unlink()
+    strict = tmp_path / "strict"
+    shutil.copytree(store, strict, symlinks=True)
+    import kvh_cache as kvh
+
+    with pytest.raises(kvh.CorruptionError, match="the index file is missing"):
+        make_engine(disk_path=str(strict), disk_bytes=DISK, disk_strict_index=True)
+    before = digest(store)
+    res = run_store("verify", store)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert re.search(r"^BAD the index file is missing \(.*disk_strict_index", res.stdout, re.M), res.stdout
+    assert _summary(res.stdout) == (CHAINS * 3, 0), res.stdout
+    assert info_json(store)["blocks"] == CHAINS * 3
+    assert digest(store) == before  # a reader writes no index
+    with make_engine(disk_path=str(store), disk_bytes=DISK) as eng:
+        assert eng.tier_info("disk").used_blocks == CHAINS * 3
+
+
+def test_verify_without_index_or_journal_says_why_it_stops(store):
+    (store / "index").unlink()
+    (store / "journal").unlink()
+    res = run_store("verify", store)
+    assert_one_line_error(res, 2, str(store))
+    assert "geometry" in res.stderr and "rebuilds" in res.stderr, res.stderr
+
+
 def _int8_store(tmp_path):
     """A store of one persisted chain under the int8 codec."""
     d = tmp_path / "store"
@@ -893,7 +923,9 @@ def test_stats_on_a_slab_smaller_than_a_slot(damage, store):
 def test_unknown_dtype_or_codec_is_a_damaged_header(forged, store):
     # The index header's dtype field (offset 56) packs the dtype (low 16
     # bits) and the KV codec (above); checksums recomputed. One that no
-    # engine has passed verify and printed as "?".
+    # engine has passed verify and printed as "?". The tools take the
+    # geometry from the journal's header then, and count the index's as
+    # damaged.
     idx = store / "index"
     b = bytearray(idx.read_bytes())
     dtype = struct.unpack_from("<I", b, 56)[0]
@@ -901,9 +933,16 @@ def test_unknown_dtype_or_codec_is_a_damaged_header(forged, store):
     struct.pack_into("<I", b, 80, _crc32c(bytes(b[:80])))
     idx.write_bytes(bytes(b))
     before = digest(store)
+    res = run_store("info", store)
+    assert res.returncode == 0 and re.search(r"^bad records   1$", res.stdout, re.M), res.stdout + res.stderr
+    res = run_store("verify", store)
+    assert res.returncode == 1 and re.search(r"^BAD the index header is damaged", res.stdout, re.M), res.stdout
+    assert _summary(res.stdout) == (CHAINS * 3, 0), res.stdout
+    (store / "journal").unlink()  # no header left to go by
+    before = digest(store)
     for action in ("info", "verify"):
         res = run_store(action, store)
-        assert_one_line_error(res, 2, "header is damaged")
+        assert_one_line_error(res, 2, "no readable index or journal header")
         assert res.stdout == "", res.stdout
     res = run_kvh("stats", store, *GEOMETRY, "--json")
     assert_one_line_error(res, 1)
@@ -952,3 +991,21 @@ def test_info_on_a_store_others_may_write_says_an_engine_refuses_it(store):
     assert res.returncode == 0, res.stderr
     assert "writable by other users: an engine refuses it" in res.stdout
     assert "writable by other users: an engine refuses it" in res.stderr and "narrows" not in res.stderr, res.stderr
+
+
+def test_verify_of_a_codec_slab_cut_inside_a_slot_padding(tmp_path):
+    """An encoded block fills its slot only in part: a slab cut past the
+    block's bytes loses nothing and an engine serves the block, but
+    verify called it a short read (BAD)."""
+    d = _int8_store(tmp_path)
+    info = info_json(d)
+    slot = 4096 + -(-info["block_bytes"] // 4096) * 4096
+    assert info["block_bytes"] % 4096, "the geometry must leave padding in a slot"
+    slab = d / "slab-0000.kvh"
+    last = info["blocks"] - 1
+    os.truncate(slab, last * slot + 4096 + info["block_bytes"])  # the last slot's padding gone
+    res = run_store("verify", d)
+    assert res.returncode == 0 and _summary(res.stdout) == (info["blocks"], 0), res.stdout + res.stderr
+    os.truncate(slab, last * slot + 4096 + info["block_bytes"] - 1)  # one byte of the block gone
+    res = run_store("verify", d)
+    assert res.returncode == 1 and _summary(res.stdout) == (info["blocks"], 1), res.stdout + res.stderr
