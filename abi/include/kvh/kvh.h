@@ -1063,7 +1063,9 @@ typedef enum kvh_hint_place {
  * kvh_seq_hint priority at or above INT32_MAX - (step - base) is
  * redeemed so too). On one block, priorities from kvh_seq_hint and
  * kvh_prefetch keep their own rules beside queue priorities: they lapse,
- * and the first access after their hint redeems the sooner of them.
+ * and the first access after their hint redeems the sooner of them. All
+ * of them share the block's two places: it keeps its two highest
+ * priorities of any kind, so one below two others is dropped.
  * Hinting by position
  * before every step, by request number, or once when a request enters
  * the queue gives every block the same priority, as long as the caller
