@@ -25,11 +25,10 @@
  *      cost (1 = exactly logarithmic growth, > 1 flatter). Target: ratio
  *      >= 0.5 (at most twice a logarithmic curve) for the operations issue
  *      8 names: alloc, lookup, prefix match, eviction choice, and for
- *      set_quota. touch and
- *      hint have none: each is a fixed number of dependent memory reads
- *      (block table, record, then data or heap entry), whose latency grows
- *      from L1 to DRAM with N whatever the code; memory_read shows by how
- *      much.
+ *      set_quota. touch and hint have none: each is a fixed number of
+ *      dependent memory reads (block table, record, then data or heap
+ *      entry), whose latency grows from L1 to DRAM with N whatever the
+ *      code; memory_read shows by how much.
  *        memory_read  (no target) one dependent read of a random cache
  *                     line in a buffer the size of N block records (128
  *                     bytes each), on huge pages as the engine's: what one

@@ -88,9 +88,9 @@ static int open_store(const char *path, kvhi_disk *d)
     uint8_t hdr[KVHI_DISK_ALIGN];
     kvhi_index_header h;
     bool have_header = false;
-    const char *header_files[2] = {"index", "journal"};
+    const char *const files[2] = {"index", "journal"};
     for (int f = 0; f < 2 && !have_header; f++) {
-        int fd = open_store_file(d, header_files[f]);
+        int fd = open_store_file(d, files[f]);
         have_header =
             fd >= 0 && read(fd, hdr, sizeof(hdr)) >= 84 && kvhi_index_header_decode(hdr, sizeof(hdr), &h) == 0;
         if (fd >= 0)
@@ -120,7 +120,6 @@ static int open_store(const char *path, kvhi_disk *d)
     /* Slabs may be truncated or missing: size the slot space from the
      * index records as well, so every indexed block is checked. */
     uint64_t max_slot = 0;
-    const char *files[2] = {"index", "journal"};
     size_t rb = kvhi_index_rec_bytes(h.geo.block_tokens);
     int32_t *tk = malloc(sizeof(int32_t) * h.geo.block_tokens);
     for (int f = 0; f < 2 && tk; f++) {
