@@ -17,6 +17,7 @@
 #include "core/remote_tier.h"
 #include "core/vmap.h"
 #include "core/context.h"
+#include "core/tier.h"
 
 kvh_status kvhi_seq_get(kvh_engine *e, kvh_seq h, kvhi_seq **out)
 {
@@ -253,13 +254,17 @@ static void move_holds_and_pins(kvh_engine *e, const kvhi_seq *s, uint32_t i, ui
 /* Gives the holds and pins of logical block i of s back to b from its
  * copy nb, and frees nb: a copy of an acquired or pinned block that
  * cannot be brought to the device tier. b goes back up if it left it
- * meanwhile (best effort: it is held again). */
+ * meanwhile (best effort: it is held again), its agent's quota aside: it
+ * was there before the call, and its eviction made room for the copy. */
 static void undo_private_copy(kvh_engine *e, kvhi_seq *s, uint32_t i, uint32_t b, uint32_t nb)
 {
     move_holds_and_pins(e, s, i, nb, b);
     kvhi_block_unref(e, nb);
-    if (!kvhi_block_in_device(e, b))
+    if (!kvhi_block_in_device(e, b)) {
+        bool was = kvhi_quota_exempt_set(true);
         (void)kvhi_move_block(e, b, KVH_TIER_DEVICE, s->agent);
+        kvhi_quota_exempt_set(was);
+    }
 }
 
 /* Replaces logical block i of s by a private copy if it is shared or

@@ -638,6 +638,55 @@ static void test_victim_with_a_disk_copy_follows_the_order(void **state)
     dt_assert_ok(dt_close(e));
 }
 
+/* A write that needs a copy of a block its sequence acquired (or pinned)
+ * in the device tier, by an agent over its quota with every block of its
+ * own held. On one arena the copy trades places with the original. On
+ * two, the copy cannot go up and the call fails having changed nothing:
+ * the original, sent down to make room for the copy, comes back (its
+ * agent's quota aside) rather than stay on disk with its holds. */
+static void test_a_copy_of_an_acquired_block_under_a_quota(void **state)
+{
+    (void)state;
+    for (int run = 0; run < 4; run++) {
+        int pin = run & 1, copies = run >> 1;
+        char dir[PATH_MAX];
+        dt_scratch(pin ? "quota-cow-pin" : "quota-cow-hold", dir, sizeof(dir));
+        kvh_config c = dt_cfg(G, dir, 2, 1, 8, 0);
+        c.copy_moves = (uint32_t)copies;
+        kvh_engine *e = dt_open_a(&c);
+        kvh_seq s;
+        dt_assert_ok(dt_build(e, G, dt_plain(60), 2 * G.bt, 7, &s)); /* two published blocks */
+        if (pin)
+            dt_assert_ok(kvh_seq_pin(e, s, 0, 2 * G.bt, 1));
+        else
+            dt_assert_ok(kvh_seq_acquire(e, s, 0, 2 * G.bt, NULL));
+        dt_assert_ok(kvh_agent_set_quota(e, 7, dt_block_bytes(G)));
+        kvh_block before, after;
+        dt_assert_ok(kvh_seq_blocks(e, s, 0, 1, &before));
+        uint16_t k[32] = {1}, v[32] = {2}; /* one token of one layer: 1 head x 32 f16 */
+        assert_int_equal(kvh_seq_write_kv(e, s, 0, 1, 1, k, v), copies ? KVH_ERR_NOSPACE : KVH_OK);
+        dt_assert_ok(kvh_seq_blocks(e, s, 0, 1, &after));
+        assert_true(copies ? after.id == before.id : after.id != before.id);
+        for (uint64_t i = 0; i < 2; i++) {
+            kvh_block_info bi = dt_binfo(e, s, i);
+            assert_int_equal(bi.tier, KVH_TIER_DEVICE);
+            assert_int_equal(pin ? bi.pins : bi.holds, 1);
+        }
+        int32_t indptr[2], idx[2], lpl[1];
+        if (!pin)
+            dt_assert_ok(kvh_block_table(e, &s, 1, indptr, idx, 2, lpl));
+        char msg[256] = "";
+        if (dt_verify(e, s, G, dt_plain(60), copies ? 0 : G.bt, copies ? 2 * G.bt : G.bt, msg, sizeof(msg)) != KVH_OK)
+            fail_msg("%s", msg);
+        if (pin)
+            dt_assert_ok(kvh_seq_pin(e, s, 0, 2 * G.bt, 0));
+        else
+            dt_assert_ok(kvh_seq_release(e, s, 0, 2 * G.bt));
+        dt_assert_ok(kvh_seq_free(e, s));
+        dt_assert_ok(dt_close(e));
+    }
+}
+
 static void test_quota_makes_room_among_own(void **state)
 {
     (void)state;
@@ -711,6 +760,7 @@ int main(void)
         cmocka_unit_test_teardown(test_victim_passes_a_pinned_host_tier, teardown),
         cmocka_unit_test_teardown(test_victim_with_a_disk_copy_follows_the_order, teardown),
         cmocka_unit_test_teardown(test_quota_makes_room_among_own, teardown),
+        cmocka_unit_test_teardown(test_a_copy_of_an_acquired_block_under_a_quota, teardown),
     };
     return cmocka_run_group_tests_name("evict", tests, NULL, NULL);
 }
