@@ -1002,7 +1002,10 @@ KVH_API kvh_status kvh_fence_free(kvh_engine *engine, kvh_fence fence);
  * promoted toward the device tier in priority order (higher first), each
  * only into a free device slot or in place of a block of a lower class
  * (unhinted, or hinted at a lower priority). The hint also protects the
- * blocks as kvh_seq_hint does. Never holds anything. fence may be NULL.
+ * blocks as kvh_seq_hint does. Never holds anything. fence may be NULL;
+ * it completes once the promotions this call queued have ended: a block
+ * an earlier prefetch already queued or is bringing up is that call's,
+ * and may still be on its way (kvh_seq_acquire waits for it).
  * Returns KVH_ERR_RANGE, KVH_ERR_BAD_HANDLE, KVH_ERR_NOMEM (for the
  * fence); a promotion that cannot be made is skipped, not an error.
  * @threads any */
@@ -1109,8 +1112,10 @@ KVH_API kvh_status kvh_prefix_hash(kvh_engine *engine, uint64_t parent, const in
 
 /* Longest cached prefix of tokens in the default scope (see "Tenant
  * scopes") as retained block handles (release each with kvh_block_release). [borrowed] tokens, out (cap entries);
- * [out] *n_blocks. With a remote tier the lookup continues there as
- * kvh_seq_match_prefix does (verified blocks copied in and published).
+ * [out] *n_blocks: at most cap, where the lookup stops (a longer cached
+ * prefix is found with a larger out). With a remote tier the lookup
+ * continues there as kvh_seq_match_prefix does (verified blocks copied in
+ * and published).
  * Returns KVH_ERR_INVALID_ARG (NULL tokens with n > 0,
  * NULL out with cap > 0, NULL n_blocks). @threads any */
 KVH_API kvh_status kvh_prefix_lookup(kvh_engine *engine, const int32_t *tokens, size_t n, kvh_block *out, size_t cap,
