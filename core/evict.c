@@ -72,8 +72,9 @@ static kvh_status leave_to(kvh_engine *e, uint32_t v, uint32_t from, uint32_t to
         e->stats.evictions++;
         return KVH_OK;
     }
-    /* A disk that fails writes is treated like a full one. */
-    if (st == KVH_ERR_IO)
+    /* A disk that fails writes is treated like a full one; a victim
+     * another call started moving is looked at afresh (*still_here). */
+    if (st == KVH_ERR_IO || st == KVH_ERR_BUSY)
         st = KVH_ERR_NOSPACE;
     *still_here = free_to_leave(blk) && blk->tier == from;
     return st;

@@ -236,6 +236,12 @@ int kvhi_move_begin(kvh_engine *e, uint32_t b, uint32_t tier, kvhi_xfer *x, bool
         return 1;
     if (blk->flags & KVHI_BF_CORRUPT)
         return kvhi_fail(KVH_ERR_CORRUPT, "block data on disk failed verification");
+    /* Another call's move owns the block (its copy runs with the lock
+     * dropped): a second move would release or hand over the same source
+     * slot twice, and two blocks would share it. Callers wait first
+     * (kvhi_block_wait_movable); this refuses rather than corrupt. */
+    if (kvhi_move_next(kvhi_move_state(blk), KVHI_EV_MOVE_BEGIN) == KVHI_MS_COUNT)
+        return kvhi_fail(KVH_ERR_BUSY, "the block is being moved by another call");
     if (tier == KVH_TIER_DISK && (blk->flags & KVHI_BF_DISK_COPY)) {
         demote_to_copy(e, b, NULL);
         return 1;
@@ -383,6 +389,8 @@ kvh_status kvhi_move_handing_over(kvh_engine *e, uint32_t b, uint32_t tier, uint
 {
     kvhi_assert_locked(e);
     kvhi_block *blk = &e->blocks[b];
+    if (src_slot_out && kvhi_block_busy(blk))
+        return kvhi_fail(KVH_ERR_BUSY, "a victim is being moved or copied by another call");
     if (src_slot_out && tier == KVH_TIER_DISK && (blk->flags & KVHI_BF_DISK_COPY))
         return demote_to_copy(e, b, src_slot_out);
     if (src_slot_out && demotes_to_clean_copy(e, b, tier)) {

@@ -255,16 +255,19 @@ static void move_holds_and_pins(kvh_engine *e, const kvhi_seq *s, uint32_t i, ui
  * copy nb, and frees nb: a copy of an acquired or pinned block that
  * cannot be brought to the device tier. b goes back up if it left it
  * meanwhile (best effort: it is held again), its agent's quota aside: it
- * was there before the call, and its eviction made room for the copy. */
+ * was there before the call, and its eviction made room for the copy.
+ * Unheld while the copy went up, b may still be on its way down in
+ * another call's move: that move ends first. */
 static void undo_private_copy(kvh_engine *e, kvhi_seq *s, uint32_t i, uint32_t b, uint32_t nb)
 {
     move_holds_and_pins(e, s, i, nb, b);
     kvhi_block_unref(e, nb);
-    if (!kvhi_block_in_device(e, b)) {
-        bool was = kvhi_quota_exempt_set(true);
-        (void)kvhi_move_block(e, b, KVH_TIER_DEVICE, s->agent);
-        kvhi_quota_exempt_set(was);
-    }
+    if (kvhi_block_in_device(e, b) || !kvhi_block_wait_movable(e, b, e->blocks[b].gen, KVH_TIER_DEVICE) ||
+        e->blocks[b].tier == KVH_TIER_DEVICE)
+        return;
+    bool was = kvhi_quota_exempt_set(true);
+    (void)kvhi_move_block(e, b, KVH_TIER_DEVICE, s->agent);
+    kvhi_quota_exempt_set(was);
 }
 
 /* Replaces logical block i of s by a private copy if it is shared or

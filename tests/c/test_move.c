@@ -9,6 +9,8 @@
  *     transfer is undone (destination released, block where it was,
  *     KVH_ERR_IO or KVH_ERR_NOSPACE); a move to the tier a block is in is
  *     nothing; a handing-over move gives the source slot to the caller;
+ *   - a second move of a block in flight is refused (KVH_ERR_BUSY) and
+ *     changes nothing;
  *   - each leg's counters: device <-> host, host <-> disk, and device <->
  *     disk, which counts both legs through the host, on two arenas and on
  *     one (where device <-> host moves are counted in place);
@@ -189,6 +191,49 @@ static void test_begin_end(void **state)
     assert_int_equal(used(e, KVH_TIER_HOST), host0);
     kvhi_release_slot(e, KVH_TIER_HOST, handed);
     assert_int_equal(used(e, KVH_TIER_HOST), host0 - 1);
+    wb_unlock(e);
+    verify_a(e, s, ct, G.bt);
+    dt_assert_ok(kvh_seq_free(e, s));
+}
+
+/* A block in flight belongs to its move until the move ends: a second
+ * move begun meanwhile (by another call while the first copies without
+ * the lock) would release or hand over the same source slot twice, and
+ * two blocks would then share a slot. It is refused and changes
+ * nothing; the first move ends as usual. */
+static void test_a_second_move_of_a_block_in_flight_is_refused(void **state)
+{
+    (void)state;
+    kvh_config c = dt_cfg(G, NULL, 4, 4, 0, 0);
+    c.copy_moves = 1;
+    kvh_engine *e = dt_open_a(&c);
+    kvh_seq s;
+    dt_content ct = dt_plain(3);
+    dt_assert_ok(dt_build(e, G, ct, G.bt, 0, &s));
+    uint32_t b = wb_seq_block_index(e, s, 0);
+    kvhi_block *blk = kvhi_blk(e, b);
+    wb_lock(e);
+    uint32_t slot0 = blk->slot, dev0 = used(e, KVH_TIER_DEVICE), host0 = used(e, KVH_TIER_HOST);
+    kvhi_xfer x, y;
+    assert_int_equal(kvhi_move_begin(e, b, KVH_TIER_HOST, &x, false), 0);
+    assert_int_equal(used(e, KVH_TIER_HOST), host0 + 1);
+    assert_int_equal(kvhi_move_begin(e, b, KVH_TIER_HOST, &y, false), KVH_ERR_BUSY);
+    assert_string_equal(kvh_last_error(), "the block is being moved by another call");
+    assert_int_equal(kvhi_move_block(e, b, KVH_TIER_HOST, 0), KVH_ERR_BUSY);
+    uint32_t handed = UINT32_MAX;
+    assert_int_equal(kvhi_move_handing_over(e, b, KVH_TIER_HOST, &handed), KVH_ERR_BUSY);
+    assert_int_equal(handed, UINT32_MAX);
+    assert_int_equal(kvhi_move_state(blk), KVHI_MS_MOVING);
+    assert_int_equal(blk->tier, KVH_TIER_DEVICE);
+    assert_int_equal(blk->slot, slot0);
+    assert_int_equal(used(e, KVH_TIER_DEVICE), dev0);
+    assert_int_equal(used(e, KVH_TIER_HOST), host0 + 1);
+    run_xfer(e, &x);
+    dt_assert_ok(kvhi_move_end(e, &x, NULL));
+    assert_int_equal(blk->tier, KVH_TIER_HOST);
+    assert_int_equal(kvhi_move_state(blk), KVHI_MS_IDLE);
+    assert_int_equal(used(e, KVH_TIER_DEVICE), dev0 - 1);
+    assert_int_equal(used(e, KVH_TIER_HOST), host0 + 1);
     wb_unlock(e);
     verify_a(e, s, ct, G.bt);
     dt_assert_ok(kvh_seq_free(e, s));
@@ -815,6 +860,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_begin_end, teardown),
+        cmocka_unit_test_teardown(test_a_second_move_of_a_block_in_flight_is_refused, teardown),
         cmocka_unit_test_teardown(test_counters_of_each_leg, teardown),
         cmocka_unit_test_teardown(test_demotion_to_clean_copy, teardown),
         cmocka_unit_test_teardown(test_swap_when_both_full, teardown),

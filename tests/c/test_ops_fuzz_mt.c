@@ -1232,6 +1232,8 @@ static int run_one(const fuzz_run *fr, double secs, const char *scratch)
         g_memcap = mc;
     }
     if (g_verbose) {
+        fprintf(stderr, "copy_moves %u, policy %u, lru_k %u, disk_flags %u\n", c.copy_moves, c.eviction_policy, c.lru_k,
+                c.disk_flags);
         for (uint32_t tier = 0; tier < 3; tier++) {
             kvh_tier_info ti;
             ti.struct_size = sizeof ti;
