@@ -376,9 +376,15 @@ __attribute__((always_inline)) static inline kvh_status block_new(kvh_engine *e,
         if (st != KVH_ERR_NOSPACE)
             return st;
     }
-    if (st != KVH_OK)
+    if (st != KVH_OK) {
+        /* Referenced blocks leave memory only for the disk tier: say so
+         * when it is the full one. */
+        const kvhi_tier *disk = &e->tiers[KVH_TIER_DISK];
+        bool disk_full = disk->present && disk->slots.free_count == 0;
         return kvhi_fail(KVH_ERR_NOSPACE,
-                         "no memory tier can make room for a new block (all pinned, held or referenced)");
+                         "no memory tier can make room for a new block (all pinned, held or referenced%s)",
+                         disk_full ? ", and the disk tier is full" : "");
+    }
     if (e->block_free_top == 0) { /* taken while the lock was dropped */
         kvhi_release_slot(e, tier, slot);
         return kvhi_fail(KVH_ERR_NOSPACE, "no free block metadata");

@@ -744,6 +744,23 @@ static void test_quota_makes_room_among_own(void **state)
     dt_assert_ok(kvh_block_release(f, y));
     dt_assert_ok(kvh_seq_free(e, s));
     dt_assert_ok(kvh_seq_free(e, z));
+
+    /* With a disk tier, referenced blocks go there; once it is full too,
+     * the message names it. */
+    char dir[PATH_MAX];
+    dt_scratch("full-disk-message", dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 1, 1, 2, 0);
+    kvh_engine *g = dt_open_a(&c);
+    kvh_block held[4], more;
+    for (int i = 0; i < 4; i++)
+        dt_assert_ok(kvh_block_alloc(g, 0, &held[i]));
+    assert_int_equal(dt_tier(g, KVH_TIER_DISK).used_blocks, 2);
+    assert_int_equal(kvh_block_alloc(g, 0, &more), KVH_ERR_NOSPACE);
+    assert_string_equal(kvh_last_error(), "no memory tier can make room for a new block (all pinned, held or "
+                                          "referenced, and the disk tier is full)");
+    for (int i = 0; i < 4; i++)
+        dt_assert_ok(kvh_block_release(g, held[i]));
+    dt_assert_ok(dt_close(g));
 }
 
 int main(void)
