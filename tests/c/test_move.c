@@ -99,16 +99,25 @@ static int teardown(void **state)
 
 /* ---- a begin / end pair ---- */
 
-static void test_begin_end(void **state)
+/* Two arenas (copy_moves), 4 device and 4 host slots, and one sequence of
+ * one block of content ct in the device tier: its record in *b. */
+static kvh_engine *one_block_engine(dt_content ct, kvh_seq *s, uint32_t *b)
 {
-    (void)state;
     kvh_config c = dt_cfg(G, NULL, 4, 4, 0, 0);
     c.copy_moves = 1;
     kvh_engine *e = dt_open_a(&c);
+    dt_assert_ok(dt_build(e, G, ct, G.bt, 0, s));
+    *b = wb_seq_block_index(e, *s, 0);
+    return e;
+}
+
+static void test_begin_end(void **state)
+{
+    (void)state;
     kvh_seq s;
+    uint32_t b;
     dt_content ct = dt_plain(1);
-    dt_assert_ok(dt_build(e, G, ct, G.bt, 0, &s));
-    uint32_t b = wb_seq_block_index(e, s, 0);
+    kvh_engine *e = one_block_engine(ct, &s, &b);
     kvhi_block *blk = kvhi_blk(e, b);
     kvh_stats s0 = dt_stats(e);
 
@@ -204,13 +213,10 @@ static void test_begin_end(void **state)
 static void test_a_second_move_of_a_block_in_flight_is_refused(void **state)
 {
     (void)state;
-    kvh_config c = dt_cfg(G, NULL, 4, 4, 0, 0);
-    c.copy_moves = 1;
-    kvh_engine *e = dt_open_a(&c);
     kvh_seq s;
+    uint32_t b;
     dt_content ct = dt_plain(3);
-    dt_assert_ok(dt_build(e, G, ct, G.bt, 0, &s));
-    uint32_t b = wb_seq_block_index(e, s, 0);
+    kvh_engine *e = one_block_engine(ct, &s, &b);
     kvhi_block *blk = kvhi_blk(e, b);
     wb_lock(e);
     uint32_t slot0 = blk->slot, dev0 = used(e, KVH_TIER_DEVICE), host0 = used(e, KVH_TIER_HOST);
