@@ -51,6 +51,31 @@ static uint32_t pick_victim(kvh_engine *e, uint32_t t, kvhi_agent *quota_agent)
     return v;
 }
 
+bool kvhi_promotion_pushes_out_a_third(kvh_engine *e, uint32_t b, uint32_t tier)
+{
+    const kvhi_block *blk = &e->blocks[b];
+    uint32_t from = blk->tier;
+    /* With two arenas the slot b leaves stays its clean copy (core/
+     * clean_copy.h), worth more than the block pushed out for it, and a
+     * swap would cost a third copy; on one arena nothing is copied. */
+    if (!e->moves_in_place || from == KVH_TIER_DISK || tier >= from || tier_below(e, tier) != (int)from)
+        return false;
+    if (e->release_backlog_len)
+        kvhi_block_releases_apply(e);
+    kvhi_agent *qa = tier == KVH_TIER_DEVICE && e->n_agents ? kvhi_agent_at_quota(e, blk->agent) : NULL;
+    if ((!qa && e->tiers[tier].slots.free_count) || e->tiers[from].slots.free_count ||
+        (from == KVH_TIER_HOST && e->clean.count))
+        return false;
+    uint32_t v = pick_victim(e, tier, qa);
+    if (v == KVHI_HEAP_NONE || v == b || !kvhi_victim_under_ceiling(e, tier, v))
+        return false;
+    /* kvhi_reserve_slot waits for such a copy rather than send v down. */
+    uint32_t of = qa ? blk->agent : KVHI_NO_BLOCK;
+    return !(kvhi_block_referenced(e, &e->blocks[v], v) &&
+             ((e->disk_copy_batches && kvhi_disk_copying_unreferenced(e, tier, of)) ||
+              (e->upload_busy && kvhi_remote_busy_unreferenced(e, tier, of))));
+}
+
 /* Whether blk is a live block no thread is moving, copying, pinning or
  * holding: one that may leave its tier now. */
 static bool free_to_leave(const kvhi_block *blk)

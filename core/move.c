@@ -255,9 +255,12 @@ int kvhi_move_begin(kvh_engine *e, uint32_t b, uint32_t tier, kvhi_xfer *x, bool
     uint32_t src_tier = blk->tier;
     kvhi_block_move_event(blk, KVHI_EV_MOVE_BEGIN);
     kvhi_block_update_evictable(e, b);
+    /* Room made by eviction would push a third block out of b's tier,
+     * which b's own move then leaves with a free slot: trade places. */
+    bool trade = !keep_src_for_caller && kvhi_promotion_pushes_out_a_third(e, b, tier);
     uint32_t dslot;
-    kvh_status st = kvhi_reserve_slot(e, tier, blk->agent, &dslot);
-    if (st == KVH_OK) {
+    kvh_status st = trade ? swap_up(e, b, tier) : kvhi_reserve_slot(e, tier, blk->agent, &dslot);
+    if (st == KVH_OK && !trade) {
         kvhi_xfer_prepare(e, b, tier, dslot, x);
         kvhi_agent *a = tier == KVH_TIER_DEVICE && e->n_agents ? kvhi_agent_get(e, blk->agent, false) : NULL;
         x->incoming = a != NULL;
@@ -280,7 +283,7 @@ int kvhi_move_begin(kvh_engine *e, uint32_t b, uint32_t tier, kvhi_xfer *x, bool
     }
     kvhi_block_move_event(blk, KVHI_EV_MOVE_END);
     pthread_cond_broadcast(&e->changed);
-    if (st == KVH_ERR_NOSPACE && tier < src_tier && !keep_src_for_caller && !(blk->flags & KVHI_BF_DEAD)) {
+    if (st == KVH_ERR_NOSPACE && !trade && tier < src_tier && !keep_src_for_caller && !(blk->flags & KVHI_BF_DEAD)) {
         kvhi_block_move_event(blk, KVHI_EV_MOVE_BEGIN);
         st = swap_up(e, b, tier);
         kvhi_block_move_event(blk, KVHI_EV_MOVE_END);

@@ -44,5 +44,11 @@ uint32_t kvhi_victim_ceiling_set(uint32_t b); /* returns the one it replaces */
 bool kvhi_ranks_below(kvh_engine *e, uint32_t v, uint32_t b);
 /* Whether v may leave tier `tier` under this thread's ceiling (lock held). */
 bool kvhi_victim_under_ceiling(kvh_engine *e, uint32_t tier, uint32_t v);
+/* Whether room for b in `tier`, the memory tier just above its own on one
+ * arena, would push a third block out of b's tier: `tier` is full (for
+ * b's agent), its victim can go only into b's tier, and that is full with
+ * no clean copy to give back. A swap then uses the slot b leaves instead
+ * (lock held). */
+bool kvhi_promotion_pushes_out_a_third(kvh_engine *e, uint32_t b, uint32_t tier);
 
 #endif

@@ -416,10 +416,10 @@ static void *acquire_thread(void *arg)
 
 /* kvh_prefetch moves a block up only into a free device slot or in place
  * of a block of a lower class. Device: V (unhinted) and H (hinted at
- * 100); host full of W and Z; a prefetch of Z at 50 may take only V. V's
- * way down needs a host slot, so W is written to disk; an acquire holds V
- * while that write stalls, and the write fails. The eviction looks for
- * another victim, and it must not be H. */
+ * 100); host full of W and X; Z on disk; a prefetch of Z at 50 may take
+ * only V. V's way down needs a host slot, so W or X is written to disk;
+ * an acquire holds V while that write stalls, and the write fails. The
+ * eviction looks for another victim, and it must not be H. */
 static void test_a_prefetch_takes_no_victim_hinted_above_it(void **state)
 {
     (void)state;
@@ -429,11 +429,13 @@ static void test_a_prefetch_takes_no_victim_hinted_above_it(void **state)
     c.eviction_policy = KVH_EVICT_LRU_K;
     kvh_engine *e = dt_open_a(&c);
     const size_t n = G.bt - 1; /* partial blocks: no clean disk copies */
-    kvh_seq v, h, w, z;
+    kvh_seq v, h, w, x, z;
     dt_assert_ok(dt_build(e, G, dt_plain(80), n, 0, &w));
     dt_assert_ok(dt_build(e, G, dt_plain(81), n, 0, &z));
+    dt_assert_ok(kvh_seq_migrate(e, z, 0, n, KVH_TIER_DISK, NULL));
+    dt_assert_ok(dt_build(e, G, dt_plain(84), n, 0, &x));
     dt_assert_ok(kvh_seq_migrate(e, w, 0, n, KVH_TIER_HOST, NULL));
-    dt_assert_ok(kvh_seq_migrate(e, z, 0, n, KVH_TIER_HOST, NULL));
+    dt_assert_ok(kvh_seq_migrate(e, x, 0, n, KVH_TIER_HOST, NULL));
     dt_assert_ok(dt_build(e, G, dt_plain(82), n, 0, &v));
     dt_assert_ok(dt_build(e, G, dt_plain(83), n, 0, &h));
     dt_assert_ok(kvh_seq_hint(e, h, 0, n, 100));
@@ -461,9 +463,9 @@ static void test_a_prefetch_takes_no_victim_hinted_above_it(void **state)
     assert_int_equal(dt_binfo(e, v, 0).tier, KVH_TIER_DEVICE);
     assert_int_not_equal(dt_binfo(e, z, 0).tier, KVH_TIER_DEVICE);
     dt_assert_ok(kvh_seq_release(e, v, 0, n));
-    const dt_content want[4] = {dt_plain(82), dt_plain(83), dt_plain(80), dt_plain(81)};
-    const kvh_seq seqs[4] = {v, h, w, z};
-    for (int i = 0; i < 4; i++) {
+    const dt_content want[5] = {dt_plain(82), dt_plain(83), dt_plain(80), dt_plain(81), dt_plain(84)};
+    const kvh_seq seqs[5] = {v, h, w, z, x};
+    for (int i = 0; i < 5; i++) {
         char msg[256] = "";
         if (dt_verify(e, seqs[i], G, want[i], 0, n, msg, sizeof(msg)) != KVH_OK)
             fail_msg("sequence %d: %s", i, msg);

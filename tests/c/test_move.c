@@ -521,6 +521,68 @@ static void test_swap_when_both_full(void **state)
     }
 }
 
+/* A promotion out of a full host tier into a full device tier. On one
+ * arena it trades places with the device tier's victim: the host slot
+ * the promotion frees is the victim's room, so no third block is pushed
+ * out of the host tier (to disk, or dropped) to make it. On two arenas
+ * the slot the promoted block leaves stays its clean copy, and the third
+ * block goes down to make the victim's room. */
+static void test_promotion_between_full_tiers_pushes_out_no_third_block(void **state)
+{
+    (void)state;
+    for (int copies = 1; copies >= 0; copies--) {
+        for (int with_disk = 1; with_disk >= 0; with_disk--) {
+            char dir[PATH_MAX];
+            dt_scratch(copies ? "swap-copy" : "swap-in-place", dir, sizeof(dir));
+            kvh_config c = dt_cfg(G, with_disk ? dir : NULL, 2, 2, with_disk ? 8 : 0, 0);
+            c.copy_moves = (uint32_t)copies;
+            kvh_engine *e = dt_open_a(&c);
+            kvh_seq s;
+            dt_content ct = dt_plain(5);
+            dt_assert_ok(dt_build(e, G, ct, 4 * G.bt, 0, &s)); /* both tiers full */
+            uint64_t up = 4, stays = 4, dev[2], nd = 0;
+            for (uint64_t i = 0; i < 4; i++) {
+                if (dt_binfo(e, s, i).tier == KVH_TIER_DEVICE)
+                    dev[nd++] = i;
+                else if (up == 4)
+                    up = i;
+                else
+                    stays = i;
+            }
+            assert_int_equal(nd, 2);
+            assert_true(up < 4 && stays < 4);
+            kvh_stats a = dt_stats(e);
+            kvh_block hb;
+            dt_assert_ok(kvh_seq_blocks(e, s, up * G.bt, 1, &hb));
+            dt_assert_ok(kvh_migrate(e, &hb, 1, KVH_TIER_DEVICE, NULL));
+            kvh_stats b = dt_stats(e);
+            assert_int_equal(dt_binfo(e, s, up).tier, KVH_TIER_DEVICE);
+            assert_int_equal(
+                (dt_binfo(e, s, dev[0]).tier == KVH_TIER_HOST) + (dt_binfo(e, s, dev[1]).tier == KVH_TIER_HOST), 1);
+            legs l = legs_of(&a, &b);
+            assert_int_equal(used(e, KVH_TIER_HOST), 2);
+            assert_int_equal(used(e, KVH_TIER_DEVICE), 2);
+            if (copies) {
+                /* Without a disk the referenced third block has nowhere
+                 * to go, and the two trade places through a bounce buffer. */
+                assert_int_equal(dt_binfo(e, s, stays).tier, with_disk ? KVH_TIER_DISK : KVH_TIER_HOST);
+                assert_int_equal(dt_tier(e, KVH_TIER_HOST).clean_copies, with_disk ? 1 : 0);
+                assert_int_equal(l.d2h + l.h2d, 2);
+                assert_int_equal(l.h2k, with_disk ? 1 : 0);
+            } else {
+                assert_int_equal(dt_binfo(e, s, stays).tier, KVH_TIER_HOST);
+                assert_int_equal(l.in_place, 2);
+                assert_int_equal(l.h2k + l.d2h + l.h2d, 0);
+                assert_int_equal(b.drops, a.drops);
+                assert_int_equal(b.evictions - a.evictions, 1);
+            }
+            verify_a(e, s, ct, 4 * G.bt);
+            dt_assert_ok(kvh_seq_free(e, s));
+            dt_assert_ok(dt_close(e));
+        }
+    }
+}
+
 /* ---- device copies that fail (a CUDA error) ---- */
 
 /* The backend's copies of one kind fail `fail` times after `skip` good
@@ -870,6 +932,7 @@ int main(void)
         cmocka_unit_test_teardown(test_counters_of_each_leg, teardown),
         cmocka_unit_test_teardown(test_demotion_to_clean_copy, teardown),
         cmocka_unit_test_teardown(test_swap_when_both_full, teardown),
+        cmocka_unit_test_teardown(test_promotion_between_full_tiers_pushes_out_no_third_block, teardown),
         cmocka_unit_test_teardown(test_a_failed_staging_copy_writes_nothing, teardown),
         cmocka_unit_test_teardown(test_a_failed_swap_is_undone_and_reaps_a_freed_victim, teardown),
         cmocka_unit_test_teardown(test_read_block_keeps_its_source, teardown),

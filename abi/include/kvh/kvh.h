@@ -312,7 +312,11 @@ typedef struct kvh_config {
      * where both are the same memory. Default 0: where they are (the CPU
      * backend; CUDA on an integrated GPU), without vmap, kv_codec or
      * numa_node, both tiers are one arena and such a move re-accounts the
-     * block where it lies (kvh_stats blocks_moved_in_place). */
+     * block where it lies (kvh_stats blocks_moved_in_place); a block
+     * brought up from a full host tier into a full device tier then trades
+     * tiers with the device tier's victim, and no third block leaves the
+     * host tier. With copies, the host slot the block came from stays its
+     * clean copy, and the victim's room is made in the host tier. */
     uint32_t copy_moves;
     /* 1: a damaged disk index fails kvh_engine_open with KVH_ERR_CORRUPT
      * (with KVH_DISK_RESET_ON_MISMATCH the store starts empty instead).
