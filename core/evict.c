@@ -51,6 +51,16 @@ static uint32_t pick_victim(kvh_engine *e, uint32_t t, kvhi_agent *quota_agent)
     return v;
 }
 
+/* Whether victim v of tier t is referenced while an unreferenced block of
+ * t (of agent `of`, or any) is busy in a disk copy or an upload only until
+ * it ends: that block is the better victim, worth waiting for. */
+static bool waits_for_a_copy(kvh_engine *e, uint32_t t, uint32_t v, uint32_t of)
+{
+    return kvhi_block_referenced(e, &e->blocks[v], v) &&
+           ((e->disk_copy_batches && kvhi_disk_copying_unreferenced(e, t, of)) ||
+            (e->upload_busy && kvhi_remote_busy_unreferenced(e, t, of)));
+}
+
 bool kvhi_promotion_pushes_out_a_third(kvh_engine *e, uint32_t b, uint32_t tier)
 {
     const kvhi_block *blk = &e->blocks[b];
@@ -70,10 +80,7 @@ bool kvhi_promotion_pushes_out_a_third(kvh_engine *e, uint32_t b, uint32_t tier)
     if (v == KVHI_HEAP_NONE || v == b || !kvhi_victim_under_ceiling(e, tier, v))
         return false;
     /* kvhi_reserve_slot waits for such a copy rather than send v down. */
-    uint32_t of = qa ? blk->agent : KVHI_NO_BLOCK;
-    return !(kvhi_block_referenced(e, &e->blocks[v], v) &&
-             ((e->disk_copy_batches && kvhi_disk_copying_unreferenced(e, tier, of)) ||
-              (e->upload_busy && kvhi_remote_busy_unreferenced(e, tier, of))));
+    return !waits_for_a_copy(e, tier, v, qa ? blk->agent : KVHI_NO_BLOCK);
 }
 
 /* Whether blk is a live block no thread is moving, copying, pinning or
@@ -210,9 +217,7 @@ kvh_status kvhi_reserve_slot(kvh_engine *e, uint32_t tier, uint32_t for_agent, u
          * it, is out of the order only until the copy ends: wait for it
          * rather than send a referenced block down in its place. */
         uint32_t of = qa ? for_agent : KVHI_NO_BLOCK;
-        if (v != KVHI_HEAP_NONE && kvhi_block_referenced(e, &e->blocks[v], v) &&
-            ((e->disk_copy_batches && kvhi_disk_copying_unreferenced(e, tier, of)) ||
-             (e->upload_busy && kvhi_remote_busy_unreferenced(e, tier, of)))) {
+        if (v != KVHI_HEAP_NONE && waits_for_a_copy(e, tier, v, of)) {
             e->victim_copy_waits++;
             pthread_cond_wait(&e->changed, &e->lock);
             continue;
