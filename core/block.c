@@ -286,6 +286,27 @@ static inline void host_arrival(kvh_engine *e, uint32_t b)
 /* Records that b now occupies (tier, slot); lead: whether a host arrival
  * is a lead for the cleaner (not for a block read back from disk, which
  * keeps its disk copy: the caller decides once it knows). */
+/* KVH_CHECK_SLOTS (core/slot_pool.h): the slot b is given is in use, and
+ * no other live block's record names it in the same arena. */
+static inline void check_slot_given(kvh_engine *e, uint32_t b, uint32_t tier, uint32_t slot)
+{
+#ifdef KVH_CHECK_SLOTS
+    kvhi_slot_pool *p = &e->tiers[tier].slots;
+    kvhi_slot_check_in_use(p, slot);
+    uint32_t o = p->owner[slot];
+    if (o != KVHI_NO_BLOCK && o != b && o < e->block_cap) {
+        const kvhi_block *ob = &e->blocks[o];
+        bool one_arena = e->tiers[KVH_TIER_HOST].shares_arena && ob->tier <= KVH_TIER_HOST && tier <= KVH_TIER_HOST;
+        if ((ob->flags & (KVHI_BF_LIVE | KVHI_BF_DEAD)) == KVHI_BF_LIVE && ob->slot == slot &&
+            (ob->tier == tier || one_arena))
+            kvhi_slot_check_failed("given to a second block", slot);
+    }
+    p->owner[slot] = b;
+#else
+    (void)e, (void)b, (void)tier, (void)slot;
+#endif
+}
+
 static inline void block_place_led(kvh_engine *e, uint32_t b, uint32_t tier, uint32_t slot, bool lead)
 {
     kvhi_block *blk = kvhi_blk(e, b);
@@ -297,6 +318,8 @@ static inline void block_place_led(kvh_engine *e, uint32_t b, uint32_t tier, uin
         e->tiers[blk->tier].pinned--;
         e->tiers[tier].pinned++;
     }
+    if (tier < KVH_TIER_COUNT)
+        check_slot_given(e, b, tier, slot);
     blk->tier = (uint8_t)tier;
     blk->slot = slot;
     blk->hits = 0;
@@ -318,6 +341,7 @@ void kvhi_block_place(kvh_engine *e, uint32_t b, uint32_t tier, uint32_t slot) {
 static inline void block_place_new(kvh_engine *e, uint32_t b, uint32_t tier, uint32_t slot)
 {
     kvhi_block *blk = kvhi_blk(e, b);
+    check_slot_given(e, b, tier, slot);
     blk->tier = (uint8_t)tier;
     blk->slot = slot;
     if (tier == KVH_TIER_DEVICE)

@@ -218,10 +218,10 @@ kvh_status kvhi_disk_tier_recover(kvh_engine *e)
     }
     /* Rebuild the free list without the recovered slots, lowest first. */
     kvhi_slot_pool *p = &t->slots;
-    p->free_count = 0;
+    kvhi_slot_pool_take_all(p);
     for (uint32_t s = p->capacity; s-- > 0;)
         if (!used[s])
-            p->free_stack[p->free_count++] = s;
+            kvhi_slot_pool_free(p, s);
     free(used);
     bool rewrite = l->rewrite;
     if (l->note[0]) /* a rebuild, or what a strict open gave up */

@@ -216,7 +216,8 @@ static kvh_status tier_init(kvh_engine *e, uint32_t t, uint64_t budget)
         tier->base = dev->base;
         tier->bytes_mapped = 0;
         tier->shares_arena = true;
-        if (kvhi_slot_pool_init_range(&tier->slots, dev->slots.capacity, (uint32_t)slots) != 0)
+        if (kvhi_slot_pool_init_range(&tier->slots, dev->slots.capacity, (uint32_t)slots) != 0 ||
+            kvhi_slot_pool_join(&dev->slots, &tier->slots) != 0)
             return kvhi_fail(KVH_ERR_NOMEM, "out of memory for slot lists");
         tier->present = true;
         return KVH_OK;

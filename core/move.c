@@ -157,6 +157,8 @@ static kvh_status swap_up(kvh_engine *e, uint32_t b, uint32_t tier)
         e->stats.prefetch_wasted++;
         vb->flags &= (uint16_t)~KVHI_BF_PREFETCHED;
     }
+    kvhi_slot_check_vacate(&e->tiers[lo_tier].slots, lo_slot);
+    kvhi_slot_check_vacate(&e->tiers[tier].slots, hi_slot);
     kvhi_block_place(e, v, lo_tier, v_slot);
     kvhi_block_place(e, b, tier, b_slot);
     if (e->moves_in_place) {

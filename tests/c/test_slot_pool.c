@@ -129,6 +129,95 @@ static void test_constant_time(void **state)
     kvhi_slot_pool_destroy(&p);
 }
 
+#ifdef KVH_CHECK_SLOTS
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+/* Runs misuse(p) on a pool of 4 slots (all handed out) in a child and
+ * asserts that the slot checks abort it. */
+static void assert_check_aborts(void (*misuse)(kvhi_slot_pool *p))
+{
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        kvhi_slot_pool p;
+        uint32_t s;
+        if (kvhi_slot_pool_init(&p, 4) != 0)
+            _exit(3);
+        for (int i = 0; i < 4; i++)
+            (void)kvhi_slot_pool_alloc(&p, &s);
+        misuse(&p);
+        _exit(0);
+    }
+    int status = 0;
+    assert_int_equal(waitpid(pid, &status, 0), pid);
+    assert_true(WIFSIGNALED(status));
+    assert_int_equal(WTERMSIG(status), SIGABRT);
+}
+
+static void free_twice(kvhi_slot_pool *p)
+{
+    kvhi_slot_pool_free(p, 2);
+    kvhi_slot_pool_free(p, 2);
+}
+
+static void place_in_free_slot(kvhi_slot_pool *p)
+{
+    kvhi_slot_pool_free(p, 1);
+    kvhi_slot_check_in_use(p, 1);
+}
+
+static void free_outside_arena(kvhi_slot_pool *p) { kvhi_slot_pool_free(p, 4); }
+
+static void test_checks_abort_on_misuse(void **state)
+{
+    (void)state;
+    assert_check_aborts(free_twice);
+    assert_check_aborts(place_in_free_slot);
+    assert_check_aborts(free_outside_arena);
+}
+
+/* Two tiers on one arena: a slot freed into one pool and then into the
+ * other is a double release too. */
+static void free_into_both_pools(kvhi_slot_pool *upper)
+{
+    kvhi_slot_pool lower;
+    uint32_t s;
+    if (kvhi_slot_pool_init_range(&lower, 4, 4) != 0 || kvhi_slot_pool_join(upper, &lower) != 0)
+        _exit(3);
+    kvhi_slot_check_in_use(upper, 3); /* upper's marks survive the join */
+    if (kvhi_slot_pool_alloc(&lower, &s) != 0 || s != 4)
+        _exit(4);
+    kvhi_slot_pool_free(upper, 4); /* a trade: legal */
+    kvhi_slot_pool_free(&lower, 4);
+}
+
+static void test_joined_pools_share_marks(void **state)
+{
+    (void)state;
+    assert_check_aborts(free_into_both_pools);
+}
+
+/* take_all then freeing the known free slots (a reopened disk tier). */
+static void test_take_all_then_free(void **state)
+{
+    (void)state;
+    kvhi_slot_pool p;
+    uint32_t s;
+    assert_int_equal(kvhi_slot_pool_init(&p, 6), 0);
+    kvhi_slot_pool_take_all(&p);
+    assert_int_equal(kvhi_slot_pool_used(&p), 6);
+    kvhi_slot_check_in_use(&p, 5);
+    kvhi_slot_pool_free(&p, 5);
+    kvhi_slot_pool_free(&p, 0);
+    assert_int_equal(kvhi_slot_pool_alloc(&p, &s), 0);
+    assert_int_equal(s, 0);
+    kvhi_slot_check_in_use(&p, 0);
+    kvhi_slot_pool_destroy(&p);
+}
+#endif
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -138,6 +227,11 @@ int main(void)
         cmocka_unit_test_teardown(test_one_slot, tu_teardown),
         cmocka_unit_test_teardown(test_random_no_double_allocation, tu_teardown),
         cmocka_unit_test_teardown(test_constant_time, tu_teardown),
+#ifdef KVH_CHECK_SLOTS
+        cmocka_unit_test_teardown(test_checks_abort_on_misuse, tu_teardown),
+        cmocka_unit_test_teardown(test_joined_pools_share_marks, tu_teardown),
+        cmocka_unit_test_teardown(test_take_all_then_free, tu_teardown),
+#endif
     };
     return cmocka_run_group_tests_name("slot_pool", tests, NULL, NULL);
 }
