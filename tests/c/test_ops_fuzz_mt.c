@@ -124,8 +124,9 @@ static int check_st(kvh_status st, uint32_t allowed, const char *what, int line)
     if (st <= 0 && st >= -15)
         atomic_fetch_add(&g_hist[-st], 1);
     if (g_verbose && st == KVH_ERR_NOSPACE) {
-        static _Atomic unsigned long ns[1000];
-        if ((atomic_fetch_add(&ns[line], 1) & 4095) == 0)
+        /* One counter a source line (the file has over 1,000). */
+        static _Atomic unsigned long ns[4096];
+        if (line >= 0 && line < (int)(sizeof ns / sizeof ns[0]) && (atomic_fetch_add(&ns[line], 1) & 4095) == 0)
             fprintf(stderr, "nospace %s line %d x%lu\n", what, line, (unsigned long)ns[line]);
     }
     if (st == KVH_OK)
