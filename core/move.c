@@ -285,7 +285,11 @@ int kvhi_move_begin(kvh_engine *e, uint32_t b, uint32_t tier, kvhi_xfer *x, bool
     }
     kvhi_block_move_event(blk, KVHI_EV_MOVE_END);
     pthread_cond_broadcast(&e->changed);
-    if (st == KVH_ERR_NOSPACE && !trade && tier < src_tier && !keep_src_for_caller && !(blk->flags & KVHI_BF_DEAD)) {
+    /* A trade with a block on disk would need a bounce buffer for the
+     * block whose slot is written first: not made, so reserve_slot's
+     * reason stands. */
+    if (st == KVH_ERR_NOSPACE && !trade && tier < src_tier && src_tier != KVH_TIER_DISK && !keep_src_for_caller &&
+        !(blk->flags & KVHI_BF_DEAD)) {
         kvhi_block_move_event(blk, KVHI_EV_MOVE_BEGIN);
         st = swap_up(e, b, tier);
         kvhi_block_move_event(blk, KVHI_EV_MOVE_END);

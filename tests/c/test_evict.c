@@ -764,6 +764,49 @@ static void test_quota_makes_room_among_own(void **state)
     dt_assert_ok(dt_close(g));
 }
 
+/* Every tier full of a sequence's blocks: a block on disk cannot come up
+ * (a trade with disk is not made), the call says why and changes
+ * nothing, and once a block is freed the same call succeeds. */
+static void test_full_store_keeps_a_disk_block_where_it_is(void **state)
+{
+    (void)state;
+    for (uint32_t config = 0; config < 4; config++) {
+        uint32_t threads = config & 1 ? 2 : 0, copy_moves = config >> 1;
+        char dir[PATH_MAX], name[64];
+        snprintf(name, sizeof name, "full-store-%u", config);
+        dt_scratch(name, dir, sizeof(dir));
+        kvh_config c = dt_cfg(G, dir, 2, 2, 4, threads);
+        c.copy_moves = copy_moves;
+        kvh_engine *e = dt_open_a(&c);
+        kvh_seq s;
+        dt_content ct = dt_plain(60 + config);
+        /* The last block is written while it is new, in the device tier:
+         * written later, it would have to come up from disk itself. */
+        dt_assert_ok(dt_build(e, G, ct, 7 * G.bt, 0, &s));
+        dt_assert_ok(dt_extend(e, s, G, ct, 7 * G.bt, G.bt));
+        assert_int_equal(dt_binfo(e, s, 0).tier, KVH_TIER_DISK);
+        kvh_tier_info before[3];
+        for (uint32_t t = 0; t < 3; t++)
+            before[t] = dt_tier(e, t);
+        assert_int_equal(before[KVH_TIER_DISK].used_blocks, 4);
+        for (uint32_t to = KVH_TIER_DEVICE; to <= KVH_TIER_HOST; to++) {
+            assert_int_equal(kvh_seq_migrate(e, s, 0, G.bt, to, NULL), KVH_ERR_NOSPACE);
+            assert_non_null(strstr(kvh_last_error(), "the disk tier is full, of blocks still referenced"));
+        }
+        for (uint32_t t = 0; t < 3; t++)
+            assert_int_equal(dt_tier(e, t).used_blocks, before[t].used_blocks);
+        assert_int_equal(dt_binfo(e, s, 0).tier, KVH_TIER_DISK);
+        /* Reading needs the block in memory: refused the same way, and
+         * every byte of the sequence is still there once there is room. */
+        dt_assert_ok(kvh_seq_truncate(e, s, 7 * G.bt));
+        dt_assert_ok(kvh_seq_migrate(e, s, 0, G.bt, KVH_TIER_DEVICE, NULL));
+        assert_int_equal(dt_binfo(e, s, 0).tier, KVH_TIER_DEVICE);
+        dt_assert_verified(e, s, G, ct, 0, 7 * G.bt);
+        dt_assert_ok(kvh_seq_free(e, s));
+        dt_assert_ok(dt_close(e));
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -778,6 +821,7 @@ int main(void)
         cmocka_unit_test_teardown(test_victim_with_a_disk_copy_follows_the_order, teardown),
         cmocka_unit_test_teardown(test_quota_makes_room_among_own, teardown),
         cmocka_unit_test_teardown(test_a_copy_of_an_acquired_block_under_a_quota, teardown),
+        cmocka_unit_test_teardown(test_full_store_keeps_a_disk_block_where_it_is, teardown),
     };
     return cmocka_run_group_tests_name("evict", tests, NULL, NULL);
 }
