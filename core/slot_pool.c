@@ -83,7 +83,7 @@ void kvhi_slot_pool_destroy(kvhi_slot_pool *p)
 #ifdef KVH_CHECK_SLOTS
 void kvhi_slot_check_failed(const char *what, uint32_t slot)
 {
-    fprintf(stderr, "kvh: KVH_CHECK_SLOTS: slot %u %s\n", slot, what);
+    fprintf(stderr, "kvh: slot check: slot %u %s\n", slot, what);
     abort();
 }
 #endif
