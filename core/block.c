@@ -283,9 +283,6 @@ static inline void host_arrival(kvh_engine *e, uint32_t b)
         pthread_cond_signal(&e->work_ready);
 }
 
-/* Records that b now occupies (tier, slot); lead: whether a host arrival
- * is a lead for the cleaner (not for a block read back from disk, which
- * keeps its disk copy: the caller decides once it knows). */
 /* KVH_CHECK_SLOTS (core/slot_pool.h): the slot b is given is in use, and
  * no other live block's record names it in the same arena. */
 static inline void check_slot_given(kvh_engine *e, uint32_t b, uint32_t tier, uint32_t slot)
@@ -307,6 +304,9 @@ static inline void check_slot_given(kvh_engine *e, uint32_t b, uint32_t tier, ui
 #endif
 }
 
+/* Records that b now occupies (tier, slot); lead: whether a host arrival
+ * is a lead for the cleaner (not for a block read back from disk, which
+ * keeps its disk copy: the caller decides once it knows). */
 static inline void block_place_led(kvh_engine *e, uint32_t b, uint32_t tier, uint32_t slot, bool lead)
 {
     kvhi_block *blk = kvhi_blk(e, b);
@@ -403,11 +403,9 @@ __attribute__((always_inline)) static inline kvh_status block_new(kvh_engine *e,
     if (st != KVH_OK) {
         /* Referenced blocks leave memory only for the disk tier: say so
          * when it is the full one. */
-        const kvhi_tier *disk = &e->tiers[KVH_TIER_DISK];
-        bool disk_full = disk->present && disk->slots.free_count == 0;
         return kvhi_fail(KVH_ERR_NOSPACE,
                          "no memory tier can make room for a new block (all pinned, held or referenced%s)",
-                         disk_full ? ", and the disk tier is full" : "");
+                         kvhi_disk_tier_full(e) ? ", and the disk tier is full" : "");
     }
     if (e->block_free_top == 0) { /* taken while the lock was dropped */
         kvhi_release_slot(e, tier, slot);

@@ -90,6 +90,13 @@ static inline bool kvhi_disk_host_runs_low(const kvh_engine *e)
     const kvhi_tier *h = &e->tiers[KVH_TIER_HOST];
     return ((uint64_t)h->slots.free_count + e->clean.count) * 8 < h->slots.capacity;
 }
+/* Whether the disk tier is present with no free slot: referenced blocks
+ * then have nowhere to leave memory for (said in NOSPACE reasons). */
+static inline bool kvhi_disk_tier_full(const kvh_engine *e)
+{
+    const kvhi_tier *d = &e->tiers[KVH_TIER_DISK];
+    return d->present && d->slots.free_count == 0;
+}
 /* Whether a disk copy is being written from an unreferenced block of tier
  * (of agent, where agent is not KVHI_NO_BLOCK): such a block is busy only
  * until the copy ends, and is then a better victim than any referenced one. */

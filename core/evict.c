@@ -271,13 +271,11 @@ kvh_status kvhi_reserve_slot(kvh_engine *e, uint32_t tier, uint32_t for_agent, u
         }
         /* The victim could not leave (everything below is referenced and
          * full): nothing else in this tier can either. */
-        const kvhi_tier *disk = &e->tiers[KVH_TIER_DISK];
         return kvhi_fail(KVH_ERR_NOSPACE, "no room below the %s tier for its least valuable block%s",
                          tier == KVH_TIER_DEVICE ? "device" : "host",
-                         disk->present && disk->slots.free_count == 0
-                             ? " (the disk tier is full, of blocks still referenced: release blocks, or give it "
-                               "more room)"
-                             : "");
+                         kvhi_disk_tier_full(e) ? " (the disk tier is full, of blocks still referenced: release "
+                                                  "blocks, or give it more room)"
+                                                : "");
     }
     return kvhi_fail(KVH_ERR_NOSPACE, "could not make room");
 }
