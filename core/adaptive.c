@@ -39,6 +39,7 @@
 #include <stdlib.h>
 
 #include "core/engine.h"
+#include "core/host_spare.h"
 #include "core/block.h"
 #include "core/tier.h"
 
@@ -120,11 +121,11 @@ int kvhi_adapt_init(kvh_engine *e)
     a->on = e->cfg.eviction_policy == KVH_EVICT_ADAPTIVE;
     if (!a->on)
         return 0;
-    uint64_t dev = e->tiers[KVH_TIER_DEVICE].present ? e->tiers[KVH_TIER_DEVICE].slots.capacity : 0;
+    uint64_t dev = e->tiers[KVH_TIER_DEVICE].present ? kvhi_tier_slots(e, KVH_TIER_DEVICE) : 0;
     uint64_t mem = 0;
     for (uint32_t t = 0; t < KVH_TIER_DISK; t++)
         if (e->tiers[t].present)
-            mem += e->tiers[t].slots.capacity;
+            mem += kvhi_tier_slots(e, t);
     a->shift = 0;
     while (a->shift < 16 && (dev >> a->shift) > SHADOW_BLOCKS)
         a->shift++;

@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "core/context.h"
+#include "core/host_spare.h"
 
 bool kvhi_unified_memory(kvh_engine *e)
 {
@@ -325,7 +326,7 @@ kvh_status kvhi_context_add_region(kvh_engine *e, kvhi_context *x, const kvh_wei
     const kvhi_tier *host = &e->tiers[KVH_TIER_HOST];
     /* Bytes wait in the host tier (or on disk) until a switch: without a
      * disk tier, the host tier is all they can have. */
-    uint64_t host_bytes = host->slots.capacity * host->slot_bytes;
+    uint64_t host_bytes = kvhi_tier_slots(e, KVH_TIER_HOST) * host->slot_bytes;
     if (st == KVH_OK && p->size > most)
         st = kvhi_fail(KVH_ERR_NOSPACE, "weight region of %llu bytes is larger than any tier (the largest holds %llu)",
                        (unsigned long long)p->size, (unsigned long long)most);

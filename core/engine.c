@@ -12,6 +12,7 @@
 
 #include "core/attention_call.h"
 #include "core/engine.h"
+#include "core/host_spare.h"
 #include "core/isa_overrides.h"
 #include "core/process_fork.h"
 #include "core/hint_queue.h"
@@ -196,6 +197,8 @@ static kvh_status tier_init(kvh_engine *e, uint32_t t, uint64_t budget)
 {
     kvhi_tier *tier = &e->tiers[t];
     uint64_t slots = budget / tier->slot_bytes;
+    if (t == KVH_TIER_HOST && slots && e->host_spare_wanted)
+        slots++; /* the spare, beyond the budget (core/host_spare.h) */
     const bool capped = slots > UINT32_MAX - 1;
     if (capped)
         slots = UINT32_MAX - 1;
@@ -224,6 +227,7 @@ static kvh_status tier_init(kvh_engine *e, uint32_t t, uint64_t budget)
     } else {
         if (t == KVH_TIER_DEVICE && e->moves_in_place) {
             uint64_t host = e->cfg.host_bytes / e->tiers[KVH_TIER_HOST].slot_bytes;
+            host += host && e->host_spare_wanted;          /* and its spare */
             tier->bytes_mapped += host * tier->slot_bytes; /* the host tier's slots follow */
         }
         tier->base = t == KVH_TIER_DEVICE ? e->backend->device_alloc(e->backend_ctx, tier->bytes_mapped)
@@ -455,6 +459,8 @@ kvh_status kvhi_engine_open(const kvh_config *config, kvh_engine **out)
     e->fork_generation = kvhi_fork_generation();
     e->cfg = *config;
     e->cfg.disk_path = NULL; /* borrowed: never kept */
+    e->host_spare = KVHI_NO_BLOCK;
+    e->host_spare_wanted = kvhi_host_spare_wanted(config);
     e->cfg.remote_addrs = e->cfg.remote_user = e->cfg.remote_password = e->cfg.remote_tls_ca = NULL;
     pthread_mutex_init(&e->lock, NULL);
     pthread_cond_init(&e->changed, NULL);
@@ -494,6 +500,8 @@ kvh_status kvhi_engine_open(const kvh_config *config, kvh_engine **out)
                        (unsigned long long)e->cfg.device_bytes, (unsigned long long)e->block_bytes);
     if (st == KVH_OK)
         st = tier_init(e, KVH_TIER_HOST, e->cfg.host_bytes);
+    if (st == KVH_OK && e->host_spare_wanted && e->tiers[KVH_TIER_HOST].present)
+        kvhi_host_spare_init(e);
     if (st == KVH_OK && config->disk_path && config->disk_bytes)
         st = kvhi_disk_tier_open(e, &e->cfg, config->disk_path);
     if (st != KVH_OK) {
@@ -603,6 +611,11 @@ void kvhi_tier_info(kvh_engine *e, uint32_t tier, kvh_tier_info *info)
     if (t->present) {
         r.capacity_blocks = t->slots.capacity;
         r.used_blocks = kvhi_slot_pool_used(&t->slots);
+        if (tier == KVH_TIER_HOST && e->host_spare != KVHI_NO_BLOCK) {
+            /* The spare held back is no block's room (core/host_spare.h). */
+            r.capacity_blocks--;
+            r.used_blocks--;
+        }
         /* Kept clean copies give their slots to the first block that
          * needs one: free, as far as a caller can tell. */
         if (tier == KVH_TIER_HOST) {

@@ -95,6 +95,11 @@ struct kvh_engine {
      * moving between them keeps its bytes and slot and changes tier, the
      * destination tier giving a free slot back in exchange (evict.c). */
     bool moves_in_place;
+    /* The host tier's spare slot (core/host_spare.h): KVHI_NO_BLOCK when
+     * there is none or it is lent (host_spare_lent). */
+    bool host_spare_wanted;
+    bool host_spare_lent;
+    uint32_t host_spare;
     void *backend_dl;
 
     /* The engine lock guards all metadata and is the outermost lock:

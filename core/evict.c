@@ -1,6 +1,8 @@
 /* Making room: slot reservation, victim choice, and what happens to the
  * victim (a demotion through core/move.c, or a drop). Runs with the
  * engine lock held; a demotion drops it while the victim is in flight. */
+#include <string.h>
+
 #include "core/block_state.h"
 #include "core/engine.h"
 #include "core/move.h"
@@ -19,6 +21,8 @@ uint32_t kvhi_victim_ceiling_set(uint32_t b)
     victim_ceiling = b;
     return was;
 }
+
+bool kvhi_victim_ceiling_active(void) { return victim_ceiling != KVHI_NO_BLOCK; }
 
 bool kvhi_ranks_below(kvh_engine *e, uint32_t v, uint32_t b)
 {
@@ -188,12 +192,34 @@ static bool gave_back_over_quota(kvh_engine *e, uint32_t tier, uint32_t for_agen
     return true;
 }
 
+/* Set while this thread makes room to pay the host tier's spare back. */
+static _Thread_local bool repaying_spare;
+
+void kvhi_host_spare_pay_back(kvh_engine *e, uint32_t for_agent)
+{
+    if (!e->host_spare_lent || repaying_spare)
+        return;
+    /* The caller's own reason for a failure stays its last error. */
+    char why[sizeof kvhi_error_detail];
+    memcpy(why, kvhi_error_detail, sizeof why);
+    uint32_t spare;
+    repaying_spare = true;
+    if (kvhi_reserve_slot(e, KVH_TIER_HOST, for_agent, &spare) == KVH_OK)
+        kvhi_release_slot(e, KVH_TIER_HOST, spare); /* the spare, unless paid back meanwhile */
+    repaying_spare = false;
+    memcpy(kvhi_error_detail, why, sizeof why);
+}
+
 kvh_status kvhi_reserve_slot(kvh_engine *e, uint32_t tier, uint32_t for_agent, uint32_t *slot)
 {
     kvhi_assert_locked(e);
     kvhi_tier *t = &e->tiers[tier];
     if (!t->present)
         return kvhi_fail(KVH_ERR_NOSPACE, "tier %u is not configured", tier);
+    /* The spare lent to a block that kept its disk copy is paid back by
+     * the next room the host tier makes (core/host_spare.h). */
+    if (tier == KVH_TIER_HOST)
+        kvhi_host_spare_pay_back(e, for_agent);
     struct timespec queued_deadline = {0, 0};
     for (int attempt = 0; attempt < 1000000; attempt++) {
         /* Releases that returned while the lock was dropped, not yet
@@ -217,7 +243,7 @@ kvh_status kvhi_reserve_slot(kvh_engine *e, uint32_t tier, uint32_t for_agent, u
          * it, is out of the order only until the copy ends: wait for it
          * rather than send a referenced block down in its place. */
         uint32_t of = qa ? for_agent : KVHI_NO_BLOCK;
-        if (v != KVHI_HEAP_NONE && waits_for_a_copy(e, tier, v, of)) {
+        if (v != KVHI_HEAP_NONE && waits_for_a_copy(e, tier, v, of) && !repaying_spare) {
             e->victim_copy_waits++;
             pthread_cond_wait(&e->changed, &e->lock);
             continue;
@@ -226,6 +252,10 @@ kvh_status kvhi_reserve_slot(kvh_engine *e, uint32_t tier, uint32_t for_agent, u
          * unreferenced blocks are room, like unreferenced disk blocks. */
         if (v == KVHI_HEAP_NONE && tier == KVH_TIER_DISK && kvhi_disk_give_back_copy(e))
             continue;
+        /* Paying the spare back is done with the room there is now: it
+         * never waits for room to appear. */
+        if (repaying_spare && v == KVHI_HEAP_NONE)
+            return kvhi_fail(KVH_ERR_NOSPACE, "no room now to pay the host tier's spare back");
         /* Moves of its blocks up to memory, queued, free slots when a
          * worker runs them: not yet "no space" either (bounded). */
         if (v == KVHI_HEAP_NONE && tier == KVH_TIER_DISK && e->n_jobs &&

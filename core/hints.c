@@ -37,6 +37,7 @@
 #include <stdlib.h>
 
 #include "core/engine.h"
+#include "core/host_spare.h"
 #include "core/block.h"
 #include "core/hint_queue.h"
 
@@ -63,7 +64,7 @@ static uint64_t hint_horizon(const kvh_engine *e)
     uint64_t n = 0;
     for (uint32_t t = 0; t < KVH_TIER_DISK; t++)
         if (e->tiers[t].present)
-            n += e->tiers[t].slots.capacity;
+            n += kvhi_tier_slots(e, t);
     return n < 64 ? 64 : n;
 }
 

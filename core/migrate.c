@@ -357,7 +357,7 @@ static void run_batch(kvh_engine *e, kvhi_job first)
             job_abandon(e, &jobs[i], kvhi_fail(KVH_ERR_NOMEM, "out of memory for a batch"));
         return;
     }
-    uint32_t k = 0, idx[MAX];
+    uint32_t k = 0, idx[MAX], n_alone = 0, alone[MAX];
     for (uint32_t i = 0; i < n; i++) {
         /* Earlier moves of this batch may have dropped the lock: a job no
          * longer batchable (its block started moving elsewhere) goes back. */
@@ -382,6 +382,13 @@ static void run_batch(kvh_engine *e, kvhi_job first)
             idx[k++] = i;
             continue;
         }
+        /* With every tier full, one block of a batch at a time comes up
+         * through the host tier's spare: the others go alone once the
+         * batch has ended and given it back (core/host_spare.h). */
+        if (rc == KVH_ERR_NOSPACE && !prefetch && e->host_spare_wanted) {
+            alone[n_alone++] = i;
+            continue;
+        }
         if (jobs[i].kind == KVHI_JOB_PREFETCH)
             e->blocks[jobs[i].block].flags &= (uint16_t)~KVHI_BF_PREFETCHING;
         kvhi_fence_done(e, jobs[i].fence, rc == 1 || jobs[i].kind == KVHI_JOB_PREFETCH ? KVH_OK : rc);
@@ -403,6 +410,12 @@ static void run_batch(kvh_engine *e, kvhi_job first)
         kvhi_fence_done(e, j->fence, st);
     }
     free(xs);
+    for (uint32_t i = 0; i < n_alone; i++) {
+        e->jobs_running++;
+        kvh_status st = run_job(e, &jobs[alone[i]]);
+        e->jobs_running--;
+        kvhi_fence_done(e, jobs[alone[i]].fence, st);
+    }
 }
 
 /* Set while this thread runs a queued move in kvhi_wait_queued_moves_out:

@@ -262,8 +262,18 @@ int kvhi_move_begin(kvh_engine *e, uint32_t b, uint32_t tier, kvhi_xfer *x, bool
     bool trade = !keep_src_for_caller && kvhi_promotion_pushes_out_a_third(e, b, tier);
     uint32_t dslot;
     kvh_status st = trade ? swap_up(e, b, tier) : kvhi_reserve_slot(e, tier, blk->agent, &dslot);
+    /* Every tier full: a trade with the disk through the host tier's
+     * spare (core/host_spare.h). The lock may have been dropped: b is
+     * looked at afresh. */
+    bool into_spare = st == KVH_ERR_NOSPACE && !trade && tier == KVH_TIER_HOST && !keep_src_for_caller &&
+                      !(blk->flags & KVHI_BF_DEAD) && kvhi_host_spare_take(e, b, &dslot);
+    if (into_spare) {
+        st = KVH_OK;
+        kvhi_clear_error(); /* reserve_slot's reason no longer holds */
+    }
     if (st == KVH_OK && !trade) {
         kvhi_xfer_prepare(e, b, tier, dslot, x);
+        x->into_spare = into_spare;
         kvhi_agent *a = tier == KVH_TIER_DEVICE && e->n_agents ? kvhi_agent_get(e, blk->agent, false) : NULL;
         x->incoming = a != NULL;
         x->agent = blk->agent;
@@ -387,6 +397,9 @@ kvh_status kvhi_move_end(kvh_engine *e, kvhi_xfer *x, uint32_t *src_slot_out)
         ; /* the old host slot is now b's clean copy */
     else
         kvhi_block_release_source(e, b, src_tier, src_slot); /* a holder may still read it */
+    /* Its disk slot is free now: the host tier's victim goes there. */
+    if (x->into_spare && !(blk->flags & KVHI_BF_DEAD))
+        kvhi_host_spare_repay(e, b);
     if (blk->flags & KVHI_BF_DEAD)
         kvhi_block_free_now(e, b);
     else
@@ -419,7 +432,20 @@ kvh_status kvhi_move_handing_over(kvh_engine *e, uint32_t b, uint32_t tier, uint
 kvh_status kvhi_move_block(kvh_engine *e, uint32_t b, uint32_t tier, uint32_t for_agent)
 {
     (void)for_agent; /* b's own agent is charged */
-    return kvhi_move_handing_over(e, b, tier, NULL);
+    kvhi_block *blk = &e->blocks[b];
+    uint32_t gen = blk->gen;
+    kvh_status st = kvhi_move_handing_over(e, b, tier, NULL);
+    /* Every tier full: a block on disk comes up through the host tier's
+     * spare (core/host_spare.h), then trades places with a device block.
+     * The lock was dropped: b is looked at afresh. */
+    if (st == KVH_ERR_NOSPACE && tier == KVH_TIER_DEVICE && e->host_spare != KVHI_NO_BLOCK && blk->gen == gen &&
+        (blk->flags & (KVHI_BF_LIVE | KVHI_BF_DEAD)) == KVHI_BF_LIVE && blk->tier == KVH_TIER_DISK &&
+        !kvhi_block_busy(blk) && !blk->pins && kvhi_move_handing_over(e, b, KVH_TIER_HOST, NULL) == KVH_OK &&
+        blk->gen == gen && (blk->flags & (KVHI_BF_LIVE | KVHI_BF_DEAD)) == KVHI_BF_LIVE && blk->tier == KVH_TIER_HOST &&
+        !kvhi_block_busy(blk))
+        if ((st = kvhi_move_handing_over(e, b, KVH_TIER_DEVICE, NULL)) == KVH_OK)
+            kvhi_clear_error(); /* the first try's reason no longer holds */
+    return st;
 }
 
 /* Brings a block that lives on disk into a memory tier and waits until it

@@ -6,6 +6,7 @@
 #define KVH_CORE_MOVE_H
 
 #include "core/engine.h"
+#include "core/host_spare.h"
 
 /* Block data transfer between any two tiers, run without the lock; the
  * descriptor is filled under the lock by kvhi_xfer_prepare. */
@@ -25,6 +26,9 @@ typedef struct kvhi_xfer {
     /* Counted in its agent's device_incoming until kvhi_move_end. */
     bool incoming;
     uint32_t agent;
+    /* Read into the host tier's spare (core/host_spare.h): repaid at the
+     * move's end. */
+    bool into_spare;
 } kvhi_xfer;
 
 /* The bracket around a copy made without the lock: copies_in_progress
@@ -82,6 +86,8 @@ kvh_status kvhi_pool_copy(kvh_engine *e, struct kvhi_ext_pool *p, uint32_t slot,
 kvh_status kvhi_mark_corrupt(kvh_engine *e, uint32_t b, const char *why);
 static inline void kvhi_release_slot(kvh_engine *e, uint32_t tier, uint32_t slot)
 {
+    if (tier == KVH_TIER_HOST && kvhi_host_spare_refill(e, slot))
+        return;
     kvhi_slot_pool_free(&e->tiers[tier].slots, slot);
 }
 /* Copies n bytes between two tiers' memory with the backend's copy kind

@@ -42,6 +42,7 @@ void kvhi_xfer_prepare(kvh_engine *e, uint32_t b, uint32_t dst_tier, uint32_t ds
     x->err = 0;
     x->why = NULL;
     x->in_place = false;
+    x->into_spare = false;
 }
 
 /* The header of a slot written for x (x->data_crc already set). */

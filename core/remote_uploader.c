@@ -8,6 +8,7 @@
 #include <stdlib.h>
 
 #include "core/block.h"
+#include "core/host_spare.h"
 #include "core/remote_tier.h"
 
 /* Queued blocks, as bytes of values: a few rounds' worth. */
@@ -94,7 +95,7 @@ kvh_status kvhi_remote_uploader_start(kvh_engine *e)
      * from it hold half of that tier at most, so that a store that stops
      * answering cannot fill it and make allocations fail; what does not
      * fit is dropped and counted. */
-    uint64_t half = e->tiers[e->upload_refs_tier_end].slots.capacity / 2;
+    uint64_t half = kvhi_tier_slots(e, e->upload_refs_tier_end) / 2;
     r->hold_max = half ? (size_t)half : 1;
     if (cap > r->hold_max)
         cap = r->hold_max;

@@ -7,6 +7,7 @@
 
 #include "core/block_state.h"
 #include "core/engine.h"
+#include "core/host_spare.h"
 #include "core/move.h"
 #include "core/huge_alloc.h"
 #include "core/block.h"
@@ -652,7 +653,7 @@ static kvh_status write_kv(kvh_engine *e, kvhi_seq *s, uint32_t layer, uint64_t 
     uint64_t memory_blocks = 0;
     for (uint32_t t = 0; t < KVH_TIER_DISK; t++)
         if (e->tiers[t].present)
-            memory_blocks += e->tiers[t].slots.capacity;
+            memory_blocks += kvhi_tier_slots(e, t);
     if (b1 - b0 <= memory_blocks)
         return write_part(e, s, layer, pos, n, k, v, b0, b1);
     size_t tok_bytes = (size_t)e->cfg.num_kv_heads * e->cfg.head_dim * e->elem_bytes;

@@ -38,6 +38,8 @@ uint8_t *kvhi_slot_addr(kvh_engine *e, uint32_t tier, uint32_t slot);
  * kvh_prefetch promises: checked on every victim, also one picked again
  * after the lock was dropped, and on a tier swap. */
 uint32_t kvhi_victim_ceiling_set(uint32_t b); /* returns the one it replaces */
+/* Whether this thread is moving a block up for a prefetch. */
+bool kvhi_victim_ceiling_active(void);
 /* Whether v comes before b in the victim order's primary key (class,
  * hint priority or K-th access time), not by recency: two blocks hinted
  * alike do not displace each other (lock held). */

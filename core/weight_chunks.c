@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include "core/context.h"
+#include "core/host_spare.h"
 #include "core/move.h"
 #include "core/crc32c.h"
 #include "core/disk_io.h"
@@ -39,7 +40,7 @@ uint64_t kvhi_weight_bytes_max(const kvh_engine *e)
         if (!tier->present)
             continue;
         uint64_t per_slot = t == KVH_TIER_DISK ? (e->disk ? kvhi_disk_slot_data_bytes(e->disk) : 0) : tier->slot_bytes;
-        uint64_t cap = tier->slots.capacity;
+        uint64_t cap = kvhi_tier_slots(e, t);
         uint64_t bytes = per_slot && cap > UINT64_MAX / per_slot ? UINT64_MAX : cap * per_slot;
         if (bytes > most)
             most = bytes;
@@ -154,7 +155,8 @@ kvh_status kvhi_charge_add(kvh_engine *e, kvhi_context *x, uint32_t tier, uint64
     if (!t->present)
         return kvhi_fail(KVH_ERR_NOSPACE, "the %s tier is not configured", name);
     /* Raw bytes first: a size near 2^64 would wrap when rounded. */
-    if (slots_for(e, tier, bytes) > t->slots.capacity || slots_for(e, tier, region_pages(bytes)) > t->slots.capacity)
+    if (slots_for(e, tier, bytes) > kvhi_tier_slots(e, tier) ||
+        slots_for(e, tier, region_pages(bytes)) > kvhi_tier_slots(e, tier))
         return kvhi_fail(KVH_ERR_NOSPACE, "%llu bytes of weights are more than the whole %s tier",
                          (unsigned long long)bytes, name);
     uint64_t charge = region_pages(bytes);
@@ -198,7 +200,7 @@ kvh_status kvhi_charge_add(kvh_engine *e, kvhi_context *x, uint32_t tier, uint64
             char why[KVHI_CONTEXT_WHY_BYTES];
             snprintf(why, sizeof(why), "%s", kvhi_last_error());
             st = kvhi_fail(st, "%s (%llu of the %s tier's %llu slots hold weights of contexts)", why,
-                           (unsigned long long)weight_slots, name, (unsigned long long)t->slots.capacity);
+                           (unsigned long long)weight_slots, name, (unsigned long long)kvhi_tier_slots(e, tier));
         }
     }
     return st;

@@ -53,7 +53,8 @@ static void verify_a(kvh_engine *e, kvh_seq s, dt_content c, size_t n)
 static uint32_t host_slots_taken(kvh_engine *e)
 {
     wb_lock(e);
-    uint32_t n = kvhi_slot_pool_used(&e->tiers[KVH_TIER_HOST].slots);
+    /* The spare held back (core/host_spare.h) is no block's. */
+    uint32_t n = kvhi_slot_pool_used(&e->tiers[KVH_TIER_HOST].slots) - (e->host_spare != KVHI_NO_BLOCK);
     wb_unlock(e);
     return n;
 }

@@ -764,12 +764,15 @@ static void test_quota_makes_room_among_own(void **state)
     dt_assert_ok(dt_close(g));
 }
 
-/* Every tier full of a sequence's blocks: a block on disk cannot come up
- * (a trade with disk is not made), the call says why and changes
- * nothing, and once a block is freed the same call succeeds. */
-static void test_full_store_keeps_a_disk_block_where_it_is(void **state)
+/* Every tier full of referenced blocks: a block on disk still comes up,
+ * to either memory tier, trading places with a memory block through the
+ * host tier's spare slot. The blocks here are not published (one partial
+ * block a sequence), so none is durable on disk and each trade gives the
+ * spare back: no tier holds more than it did, and every byte reads back. */
+static void test_full_store_trades_a_disk_block_up(void **state)
 {
     (void)state;
+    enum { SEQS = 8 };
     for (uint32_t config = 0; config < 4; config++) {
         uint32_t threads = config & 1 ? 2 : 0, copy_moves = config >> 1;
         char dir[PATH_MAX], name[64];
@@ -778,31 +781,89 @@ static void test_full_store_keeps_a_disk_block_where_it_is(void **state)
         kvh_config c = dt_cfg(G, dir, 2, 2, 4, threads);
         c.copy_moves = copy_moves;
         kvh_engine *e = dt_open_a(&c);
+        kvh_seq s[SEQS];
+        for (uint32_t i = 0; i < SEQS; i++)
+            dt_assert_ok(dt_build(e, G, dt_plain(60 + i), G.bt - 1, 0, &s[i]));
+        for (uint32_t i = 0; i < 4; i++)
+            assert_int_equal(dt_binfo(e, s[i], 0).tier, KVH_TIER_DISK);
+        kvh_tier_info before[3];
+        for (uint32_t t = 0; t < 3; t++)
+            before[t] = dt_tier(e, t);
+        assert_int_equal(before[KVH_TIER_HOST].capacity_blocks, 2);
+        assert_int_equal(before[KVH_TIER_HOST].used_blocks, 2);
+        assert_int_equal(before[KVH_TIER_DISK].used_blocks, 4);
+        dt_assert_ok(kvh_seq_migrate(e, s[0], 0, G.bt - 1, KVH_TIER_HOST, NULL));
+        assert_string_equal(kvh_last_error(), ""); /* no reason left from the first try */
+        assert_int_equal(dt_binfo(e, s[0], 0).tier, KVH_TIER_HOST);
+        dt_assert_ok(kvh_seq_migrate(e, s[1], 0, G.bt - 1, KVH_TIER_DEVICE, NULL));
+        assert_string_equal(kvh_last_error(), "");
+        assert_int_equal(dt_binfo(e, s[1], 0).tier, KVH_TIER_DEVICE);
+        /* Two in one call: one batch with workers, each block in turn
+         * (the second may push the first out again, as the victim). */
+        kvh_block two[2];
+        dt_assert_ok(kvh_seq_blocks(e, s[2], 0, 1, &two[0]));
+        dt_assert_ok(kvh_seq_blocks(e, s[3], 0, 1, &two[1]));
+        uint64_t read_before = dt_stats(e).blocks_disk_to_host;
+        dt_assert_ok(kvh_migrate(e, two, 2, KVH_TIER_HOST, NULL));
+        assert_true(dt_stats(e).blocks_disk_to_host >= read_before + 2);
+        assert_int_equal(dt_binfo(e, s[3], 0).tier, KVH_TIER_HOST);
+        for (uint32_t t = 0; t < 3; t++) {
+            kvh_tier_info now = dt_tier(e, t);
+            assert_int_equal(now.capacity_blocks, before[t].capacity_blocks);
+            assert_int_equal(now.used_blocks, before[t].used_blocks);
+        }
+        for (uint32_t i = 0; i < SEQS; i++)
+            dt_assert_verified(e, s[i], G, dt_plain(60 + i), 0, G.bt - 1);
+        for (uint32_t i = 0; i < SEQS; i++)
+            dt_assert_ok(kvh_seq_free(e, s[i]));
+        for (uint32_t t = 0; t < 3; t++)
+            assert_int_equal(dt_tier(e, t).used_blocks, 0);
+        assert_int_equal(dt_tier(e, KVH_TIER_HOST).capacity_blocks, 2);
+        dt_assert_ok(dt_close(e));
+    }
+}
+
+/* A block durable on disk keeps its disk slot when it comes up, so with
+ * every tier full it takes the spare and keeps it: the host tier holds a
+ * block more than its budget (counted in capacity_blocks) until a host
+ * slot is released. Blocks that came up keep clean disk copies, so a
+ * whole sequence still reads back a block at a time. */
+static void test_full_store_lends_the_spare_to_a_durable_block(void **state)
+{
+    (void)state;
+    for (uint32_t threads = 0; threads <= 2; threads += 2) {
+        char dir[PATH_MAX], name[64];
+        snprintf(name, sizeof name, "full-store-durable-%u", threads);
+        dt_scratch(name, dir, sizeof(dir));
+        kvh_config c = dt_cfg(G, dir, 2, 2, 4, threads);
+        kvh_engine *e = dt_open_a(&c);
         kvh_seq s;
-        dt_content ct = dt_plain(60 + config);
+        dt_content ct = dt_plain(70 + threads);
         /* The last block is written while it is new, in the device tier:
          * written later, it would have to come up from disk itself. */
         dt_assert_ok(dt_build(e, G, ct, 7 * G.bt, 0, &s));
         dt_assert_ok(dt_extend(e, s, G, ct, 7 * G.bt, G.bt));
         assert_int_equal(dt_binfo(e, s, 0).tier, KVH_TIER_DISK);
-        kvh_tier_info before[3];
-        for (uint32_t t = 0; t < 3; t++)
-            before[t] = dt_tier(e, t);
-        assert_int_equal(before[KVH_TIER_DISK].used_blocks, 4);
-        for (uint32_t to = KVH_TIER_DEVICE; to <= KVH_TIER_HOST; to++) {
-            assert_int_equal(kvh_seq_migrate(e, s, 0, G.bt, to, NULL), KVH_ERR_NOSPACE);
-            assert_non_null(strstr(kvh_last_error(), "the disk tier is full, of blocks still referenced"));
-        }
-        for (uint32_t t = 0; t < 3; t++)
-            assert_int_equal(dt_tier(e, t).used_blocks, before[t].used_blocks);
-        assert_int_equal(dt_binfo(e, s, 0).tier, KVH_TIER_DISK);
-        /* Reading needs the block in memory: refused the same way, and
-         * every byte of the sequence is still there once there is room. */
-        dt_assert_ok(kvh_seq_truncate(e, s, 7 * G.bt));
-        dt_assert_ok(kvh_seq_migrate(e, s, 0, G.bt, KVH_TIER_DEVICE, NULL));
-        assert_int_equal(dt_binfo(e, s, 0).tier, KVH_TIER_DEVICE);
-        dt_assert_verified(e, s, G, ct, 0, 7 * G.bt);
+        assert_int_equal(dt_tier(e, KVH_TIER_DISK).used_blocks, 4);
+        assert_int_equal(dt_tier(e, KVH_TIER_HOST).used_blocks, 2);
+        dt_assert_ok(kvh_seq_migrate(e, s, 0, G.bt, KVH_TIER_HOST, NULL));
+        assert_int_equal(dt_binfo(e, s, 0).tier, KVH_TIER_HOST);
+        kvh_tier_info host = dt_tier(e, KVH_TIER_HOST);
+        assert_int_equal(host.capacity_blocks, 3);
+        assert_int_equal(host.used_blocks, 3);
+        assert_int_equal(dt_tier(e, KVH_TIER_DISK).used_blocks, 4);
+        dt_assert_verified(e, s, G, ct, 0, 8 * G.bt);
+        /* Freed, the sequence's blocks stay cached (published), and the
+         * next room the host tier makes pays the spare back first. */
         dt_assert_ok(kvh_seq_free(e, s));
+        assert_int_equal(dt_tier(e, KVH_TIER_HOST).capacity_blocks, 3);
+        kvh_seq s2;
+        dt_assert_ok(dt_build(e, G, dt_plain(90 + threads), 2 * G.bt, 0, &s2));
+        host = dt_tier(e, KVH_TIER_HOST);
+        assert_int_equal(host.capacity_blocks, 2);
+        assert_true(host.used_blocks <= 2);
+        dt_assert_verified(e, s2, G, dt_plain(90 + threads), 0, 2 * G.bt);
+        dt_assert_ok(kvh_seq_free(e, s2));
         dt_assert_ok(dt_close(e));
     }
 }
@@ -821,7 +882,8 @@ int main(void)
         cmocka_unit_test_teardown(test_victim_with_a_disk_copy_follows_the_order, teardown),
         cmocka_unit_test_teardown(test_quota_makes_room_among_own, teardown),
         cmocka_unit_test_teardown(test_a_copy_of_an_acquired_block_under_a_quota, teardown),
-        cmocka_unit_test_teardown(test_full_store_keeps_a_disk_block_where_it_is, teardown),
+        cmocka_unit_test_teardown(test_full_store_trades_a_disk_block_up, teardown),
+        cmocka_unit_test_teardown(test_full_store_lends_the_spare_to_a_durable_block, teardown),
     };
     return cmocka_run_group_tests_name("evict", tests, NULL, NULL);
 }

@@ -268,7 +268,10 @@ typedef struct kvh_config {
      * block takes a slot: its stored form (encoded under a kv_codec)
      * rounded up to 4 KiB, plus a 4 KiB header; disk_bytes counts slots. */
     uint64_t device_bytes; /* default 256 MiB */
-    uint64_t host_bytes;   /* default 1 GiB */
+    /* With a disk tier, the host tier keeps one slot beyond host_bytes: a
+     * spare through which a block on disk comes up when every tier is full
+     * of referenced blocks (it trades places with a memory block). */
+    uint64_t host_bytes; /* default 1 GiB */
     /* Both or neither: one without the other is KVH_ERR_INVALID_ARG. */
     uint64_t disk_bytes; /* default 0: no disk tier */
     /* [borrowed] during open; NULL: no disk tier. The store is its user's
@@ -535,12 +538,16 @@ enum kvh_tier {
 
 typedef struct kvh_tier_info {
     uint32_t struct_size;
-    uint32_t tier;            /* kvh_tier */
-    uint64_t capacity_blocks; /* 0 when the tier is absent */
-    uint64_t used_blocks;     /* slots holding a block or in flight */
-    uint64_t used_bytes;      /* == used_blocks * block_bytes, always */
-    uint64_t block_bytes;     /* a block's form in this tier (disk: the stored
-                                 form, without its slot's padding and header) */
+    uint32_t tier; /* kvh_tier */
+    /* 0 when the tier is absent. The host tier's is one more while its
+     * spare holds a block (kvh_config.host_bytes): one that came up from a
+     * full disk and kept its durable disk copy, until the host tier next
+     * releases or makes room. */
+    uint64_t capacity_blocks;
+    uint64_t used_blocks; /* slots holding a block or in flight */
+    uint64_t used_bytes;  /* == used_blocks * block_bytes, always */
+    uint64_t block_bytes; /* a block's form in this tier (disk: the stored
+                             form, without its slot's padding and header) */
     uint64_t pinned_blocks;
     void *base; /* memory tiers: address of slot 0 (device pointer on
                    CUDA); slot i is at base + i * block_bytes. NULL for
