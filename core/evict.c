@@ -217,9 +217,17 @@ kvh_status kvhi_reserve_slot(kvh_engine *e, uint32_t tier, uint32_t for_agent, u
     if (!t->present)
         return kvhi_fail(KVH_ERR_NOSPACE, "tier %u is not configured", tier);
     /* The spare lent to a block that kept its disk copy is paid back by
-     * the next room the host tier makes (core/host_spare.h). */
-    if (tier == KVH_TIER_HOST)
-        kvhi_host_spare_pay_back(e, for_agent);
+     * the next room the host tier makes (core/host_spare.h): from its
+     * free slots when the caller still finds one (no eviction, so the
+     * lock stays held as it would have), else by an eviction beside the
+     * caller's own. */
+    if (tier == KVH_TIER_HOST && e->host_spare_lent && !repaying_spare) {
+        uint32_t spare;
+        if (t->slots.free_count >= 2 && kvhi_slot_pool_alloc(&t->slots, &spare) == 0)
+            kvhi_release_slot(e, tier, spare);
+        else if (t->slots.free_count == 0)
+            kvhi_host_spare_pay_back(e, for_agent);
+    }
     struct timespec queued_deadline = {0, 0};
     for (int attempt = 0; attempt < 1000000; attempt++) {
         /* Releases that returned while the lock was dropped, not yet

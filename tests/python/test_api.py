@@ -704,6 +704,29 @@ def test_persist_and_reopen(tmp_path):
                 np.testing.assert_array_equal(v, ref[layer][1])
 
 
+def test_a_sequence_as_large_as_every_tier_writes_and_reads_back(tmp_path):
+    # 2 device, 2 host and 4 disk slots, and a sequence of 8 blocks: every
+    # tier full of its blocks. Writing and reading its K/V needs each block
+    # in memory in turn, which a disk block reaches by trading places with
+    # a memory block through the host tier's spare slot.
+    kw = dict(device_bytes=2 * 4096, host_bytes=2 * 4096, disk_path=str(tmp_path / "store"), disk_bytes=4 * 8192)
+    with make_engine(**kw) as eng:
+        seq, ref = filled_seq(eng, 128, seed=3)
+        for layer in range(2):
+            k, v = seq.read_kv(layer)
+            np.testing.assert_array_equal(k, ref[layer][0])
+            np.testing.assert_array_equal(v, ref[layer][1])
+        assert eng.tier_info("device").used_blocks == 2
+        assert eng.tier_info("disk").used_blocks == 4
+        host = eng.tier_info("host")
+        # one block more while a block durable on disk holds the spare
+        assert host.capacity_blocks in (2, 3) and host.used_blocks == host.capacity_blocks
+        seq.migrate("device", 0, 16)
+        assert seq.block_info(0).tier == kvh.Tier.DEVICE
+        k, v = seq.read_kv(0)
+        np.testing.assert_array_equal(k, ref[0][0])
+
+
 def test_full_disk_gives_back_clean_copies(tmp_path):
     # Four disk slots (a 4 KiB header and a 4 KiB block each): two hold r's
     # blocks, two the clean copies persist wrote of u's, which stay in memory.
