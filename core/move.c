@@ -429,6 +429,13 @@ kvh_status kvhi_move_handing_over(kvh_engine *e, uint32_t b, uint32_t tier, uint
     return kvhi_move_end(e, &x, src_slot_out);
 }
 
+/* Whether b is still the live, idle block of generation gen in tier. */
+static bool idle_in(const kvhi_block *blk, uint32_t gen, uint32_t tier)
+{
+    return blk->gen == gen && (blk->flags & (KVHI_BF_LIVE | KVHI_BF_DEAD)) == KVHI_BF_LIVE && blk->tier == tier &&
+           !kvhi_block_busy(blk) && !blk->pins;
+}
+
 kvh_status kvhi_move_block(kvh_engine *e, uint32_t b, uint32_t tier, uint32_t for_agent)
 {
     (void)for_agent; /* b's own agent is charged */
@@ -438,13 +445,20 @@ kvh_status kvhi_move_block(kvh_engine *e, uint32_t b, uint32_t tier, uint32_t fo
     /* Every tier full: a block on disk comes up through the host tier's
      * spare (core/host_spare.h), then trades places with a device block.
      * The lock was dropped: b is looked at afresh. */
-    if (st == KVH_ERR_NOSPACE && tier == KVH_TIER_DEVICE && e->host_spare != KVHI_NO_BLOCK && blk->gen == gen &&
-        (blk->flags & (KVHI_BF_LIVE | KVHI_BF_DEAD)) == KVHI_BF_LIVE && blk->tier == KVH_TIER_DISK &&
-        !kvhi_block_busy(blk) && !blk->pins && kvhi_move_handing_over(e, b, KVH_TIER_HOST, NULL) == KVH_OK &&
-        blk->gen == gen && (blk->flags & (KVHI_BF_LIVE | KVHI_BF_DEAD)) == KVHI_BF_LIVE && blk->tier == KVH_TIER_HOST &&
-        !kvhi_block_busy(blk))
+    if (st != KVH_ERR_NOSPACE || tier != KVH_TIER_DEVICE || e->host_spare == KVHI_NO_BLOCK ||
+        !idle_in(blk, gen, KVH_TIER_DISK))
+        return st;
+    char why[sizeof kvhi_error_detail];
+    memcpy(why, kvhi_error_detail, sizeof why);
+    kvh_status up = kvhi_move_handing_over(e, b, KVH_TIER_HOST, NULL);
+    if (up != KVH_OK && up != KVH_ERR_NOSPACE)
+        return up; /* the read failed: its reason is the one to give */
+    if (up == KVH_OK && idle_in(blk, gen, KVH_TIER_HOST)) {
         if ((st = kvhi_move_handing_over(e, b, KVH_TIER_DEVICE, NULL)) == KVH_OK)
             kvhi_clear_error(); /* the first try's reason no longer holds */
+        return st;
+    }
+    memcpy(kvhi_error_detail, why, sizeof why); /* the first try's reason stands */
     return st;
 }
 
