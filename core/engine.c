@@ -609,13 +609,9 @@ void kvhi_tier_info(kvh_engine *e, uint32_t tier, kvh_tier_info *info)
     /* Under a KV codec the host and disk tiers hold encoded blocks. */
     kvh_tier_info r = {.struct_size = sizeof(r), .tier = tier, .block_bytes = t->slot_bytes};
     if (t->present) {
-        r.capacity_blocks = t->slots.capacity;
-        r.used_blocks = kvhi_slot_pool_used(&t->slots);
-        if (tier == KVH_TIER_HOST && e->host_spare != KVHI_NO_BLOCK) {
-            /* The spare held back is no block's room (core/host_spare.h). */
-            r.capacity_blocks--;
-            r.used_blocks--;
-        }
+        /* The host tier's spare held back is no block's room. */
+        r.capacity_blocks = kvhi_tier_slots(e, tier);
+        r.used_blocks = kvhi_slot_pool_used(&t->slots) - (t->slots.capacity - r.capacity_blocks);
         /* Kept clean copies give their slots to the first block that
          * needs one: free, as far as a caller can tell. */
         if (tier == KVH_TIER_HOST) {

@@ -26,11 +26,15 @@ static inline bool kvhi_host_spare_wanted(const kvh_config *c)
  * larger for it (engine open). */
 void kvhi_host_spare_init(kvh_engine *e);
 
+/* 1 while the spare is held back (taken in the host pool, no block's
+ * room), else 0. */
+static inline uint32_t kvhi_host_spare_held(const kvh_engine *e) { return e->host_spare != KVHI_NO_BLOCK; }
+
 /* Tier t's slots as its budget counts them: the host tier's spare, while
  * it is held back, is not one of them. */
 static inline uint64_t kvhi_tier_slots(const kvh_engine *e, uint32_t t)
 {
-    return e->tiers[t].slots.capacity - (t == KVH_TIER_HOST && e->host_spare != KVHI_NO_BLOCK);
+    return e->tiers[t].slots.capacity - (t == KVH_TIER_HOST ? kvhi_host_spare_held(e) : 0);
 }
 
 /* The spare for block b, on disk, coming up to the host tier after room

@@ -54,7 +54,7 @@ static uint32_t host_slots_taken(kvh_engine *e)
 {
     wb_lock(e);
     /* The spare held back (core/host_spare.h) is no block's. */
-    uint32_t n = kvhi_slot_pool_used(&e->tiers[KVH_TIER_HOST].slots) - (e->host_spare != KVHI_NO_BLOCK);
+    uint32_t n = kvhi_slot_pool_used(&e->tiers[KVH_TIER_HOST].slots) - kvhi_host_spare_held(e);
     wb_unlock(e);
     return n;
 }

@@ -19,6 +19,7 @@
 #include "pool_test_util.h"
 
 #include "core/engine.h"
+#include "core/host_spare.h"
 #include "white_box_util.h"
 #include "core/block.h"
 
@@ -373,7 +374,7 @@ static void check_slots_accounted(kvh_engine *e)
     assert_int_equal(kvhi_slot_pool_used(&e->tiers[KVH_TIER_DEVICE].slots), in_tier[KVH_TIER_DEVICE]);
     /* and the host tier's spare, while it is held back */
     assert_int_equal(kvhi_slot_pool_used(&e->tiers[KVH_TIER_HOST].slots),
-                     in_tier[KVH_TIER_HOST] + kept + (e->host_spare != KVHI_NO_BLOCK));
+                     in_tier[KVH_TIER_HOST] + kept + kvhi_host_spare_held(e));
     wb_unlock(e);
     assert_int_equal(host.clean_copies, kept);
     assert_int_equal(host.used_blocks, in_tier[KVH_TIER_HOST]);

@@ -49,7 +49,7 @@ static const dt_geo G = {2, 1, 32, 16, KVH_DTYPE_F16}; /* block = 4096 bytes */
 /* Slots taken in tier's pool, less the host tier's spare held back. */
 static uint32_t used(kvh_engine *e, uint32_t tier)
 {
-    return kvhi_slot_pool_used(&e->tiers[tier].slots) - (tier == KVH_TIER_HOST && e->host_spare != KVHI_NO_BLOCK);
+    return kvhi_slot_pool_used(&e->tiers[tier].slots) - (tier == KVH_TIER_HOST ? kvhi_host_spare_held(e) : 0);
 }
 
 static void verify_a(kvh_engine *e, kvh_seq s, dt_content c, size_t n)
