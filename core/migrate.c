@@ -384,8 +384,9 @@ static void run_batch(kvh_engine *e, kvhi_job first)
         }
         /* With every tier full, one block of a batch at a time comes up
          * through the host tier's spare: the others go alone once the
-         * batch has ended and given it back (core/host_spare.h). */
-        if (rc == KVH_ERR_NOSPACE && !prefetch && e->host_spare_wanted) {
+         * batch has ended and given it back (core/host_spare.h). A write
+         * to a full disk would only fail, or wait, again. */
+        if (rc == KVH_ERR_NOSPACE && !to_disk && !prefetch && e->host_spare_wanted) {
             alone[n_alone++] = i;
             continue;
         }
