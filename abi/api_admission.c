@@ -58,8 +58,7 @@ kvh_status kvh_admission_configure(kvh_engine *e, const kvh_admission_params *pa
     a->short_max_tokens = p.short_max_tokens;
     a->quota_blocks[0] = qs;
     a->quota_blocks[1] = ql;
-    kvhi_leave(e);
-    return KVH_OK;
+    return kvhi_api_leave(e, KVH_OK);
 }
 
 kvh_status kvh_admission_info_get(kvh_engine *e, kvh_admission_info *info)
@@ -88,7 +87,7 @@ kvh_status kvh_admission_info_get(kvh_engine *e, kvh_admission_info *info)
         .short_rejected = a->rejected[0],
         .long_rejected = a->rejected[1],
     };
-    kvhi_leave(e);
+    kvhi_api_leave(e, KVH_OK);
     kvhi_write_info(info, size, &r);
     return KVH_OK;
 }
@@ -107,8 +106,7 @@ kvh_status kvh_seq_create_ex(kvh_engine *e, const kvh_seq_params *params, kvh_se
         return st;
     kvhi_context *x = NULL;
     if (p.context.id && (st = kvhi_context_resolve(e, p.context, &x)) != KVH_OK) {
-        kvhi_leave(e);
-        return st;
+        return kvhi_api_leave(e, st);
     }
     int pool;
     uint64_t blocks;
@@ -136,7 +134,7 @@ kvh_status kvh_seq_create_ex(kvh_engine *e, const kvh_seq_params *params, kvh_se
         } else
             kvhi_admission_cancel(e, pool, blocks);
     }
-    kvhi_leave(e);
+    kvhi_api_leave(e, st);
     if (st == KVH_OK)
         *seq = h;
     return st;

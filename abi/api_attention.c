@@ -113,10 +113,13 @@ static kvh_status attention(kvh_engine *e, uint32_t layer, const kvh_seq *seqs, 
     st = kvhi_attn_call_prepare(e, layer, seqs, q_lens, n_seqs, prefill, &pr, total_rows, c);
     if (st != KVH_OK || total_rows == 0) {
         kvhi_attn_call_free(c);
-        kvhi_leave(e);
-        return st;
+        return kvhi_api_leave(e, st);
     }
-    return kvhi_attn_call_run(e, c, q, out, pr.stream);
+    /* The call leaves the engine itself (its runs end on workers). */
+    st = kvhi_attn_call_run(e, c, q, out, pr.stream);
+    if (st == KVH_OK)
+        kvhi_clear_error(); /* a streamed window may have met a full tier, then found room */
+    return st;
 }
 
 kvh_status kvh_attention_decode(kvh_engine *e, uint32_t layer, const kvh_seq *seqs, size_t n_seqs, const void *q,

@@ -31,7 +31,7 @@ kvh_status kvh_attention_plan_create(kvh_engine *e, uint32_t layer, const kvh_se
         return st;
     uint64_t id = 0;
     st = kvhi_attn_plan_create(e, layer, seqs, q_lens, n_seqs, &pr, rows, &id);
-    kvhi_leave(e);
+    kvhi_api_leave(e, st);
     if (st == KVH_OK)
         *out = kvhi_handle_to_ptr(id);
     return st;
@@ -47,8 +47,7 @@ kvh_status kvh_attention_run(kvh_engine *e, const kvh_attention_plan *plan, cons
     if (st != KVH_OK)
         return st;
     st = kvhi_attn_plan_run(e, kvhi_handle_from_ptr(plan), q, out, stream);
-    kvhi_leave(e);
-    return st;
+    return kvhi_api_leave(e, st);
 }
 
 kvh_status kvh_attention_plan_destroy(kvh_engine *e, kvh_attention_plan *plan)
@@ -60,6 +59,5 @@ kvh_status kvh_attention_plan_destroy(kvh_engine *e, kvh_attention_plan *plan)
     if (st != KVH_OK)
         return st;
     st = kvhi_attn_plan_destroy(e, kvhi_handle_from_ptr(plan));
-    kvhi_leave(e);
-    return st;
+    return kvhi_api_leave(e, st);
 }

@@ -38,8 +38,7 @@ kvh_status kvh_block_info_get(kvh_engine *e, kvh_block block, kvh_block_info *in
                             .tolerance = blk->tolerance};
         kvhi_write_info(info, size, &r);
     }
-    kvhi_leave(e);
-    return st;
+    return kvhi_api_leave(e, st);
 }
 
 kvh_status kvh_block_alloc(kvh_engine *e, uint32_t agent, kvh_block *block)
@@ -49,8 +48,7 @@ kvh_status kvh_block_alloc(kvh_engine *e, uint32_t agent, kvh_block *block)
     if (st != KVH_OK)
         return st;
     st = kvhi_block_new_handle(e, agent, &block->id);
-    kvhi_leave(e);
-    return st;
+    return kvhi_api_leave(e, st);
 }
 
 kvh_status kvh_block_retain(kvh_engine *e, kvh_block block)
@@ -66,8 +64,7 @@ kvh_status kvh_block_retain(kvh_engine *e, kvh_block block)
             kvhi_block_ref_handle(e, b);
         }
     }
-    kvhi_leave(e);
-    return st;
+    return kvhi_api_leave(e, st);
 }
 
 kvh_status kvh_block_release(kvh_engine *e, kvh_block block)
@@ -90,8 +87,7 @@ kvh_status kvh_block_release(kvh_engine *e, kvh_block block)
     /* The newest block's record is still in the cache (an alloc and
      * release in turn): the backlog would only add to its cost. */
     if (b != e->block_newest && kvhi_block_release_trusted(e, block, b)) {
-        kvhi_leave(e);
-        return KVH_OK;
+        return kvhi_api_leave(e, KVH_OK);
     }
     if (e->release_backlog_len)
         kvhi_block_releases_apply(e);
@@ -107,8 +103,7 @@ kvh_status kvh_block_release(kvh_engine *e, kvh_block block)
             kvhi_block_unref(e, b);
         }
     }
-    kvhi_leave(e);
-    return st;
+    return kvhi_api_leave(e, st);
 }
 
 kvh_status kvh_block_pin(kvh_engine *e, kvh_block block, int32_t pinned)
@@ -123,8 +118,7 @@ kvh_status kvh_block_pin(kvh_engine *e, kvh_block block, int32_t pinned)
     }
     if (st == KVH_OK)
         st = kvhi_block_pin_handle(e, b, pinned != 0);
-    kvhi_leave(e);
-    return st;
+    return kvhi_api_leave(e, st);
 }
 
 kvh_status kvh_migrate(kvh_engine *e, const kvh_block *blocks, size_t n, uint32_t tier, kvh_fence *fence)
@@ -143,7 +137,7 @@ kvh_status kvh_migrate(kvh_engine *e, const kvh_block *blocks, size_t n, uint32_
     kvh_fence f;
     if (st == KVH_OK)
         st = kvhi_migrate_blocks(e, idx, n, tier, fence ? &f : NULL);
-    kvhi_leave(e);
+    kvhi_api_leave(e, st);
     free(idx);
     if (st == KVH_OK && fence)
         *fence = f;
@@ -166,8 +160,7 @@ kvh_status kvh_fence_wait(kvh_engine *e, kvh_fence fence, uint64_t timeout_ns)
     uint32_t idx;
     if ((st = fence_resolve(e, fence, &idx)) == KVH_OK)
         st = kvhi_fence_wait_idx(e, idx, timeout_ns);
-    kvhi_leave(e);
-    return st;
+    return kvhi_api_leave(e, st);
 }
 
 kvh_status kvh_fence_poll(kvh_engine *e, kvh_fence fence, int32_t *done)
@@ -179,8 +172,7 @@ kvh_status kvh_fence_poll(kvh_engine *e, kvh_fence fence, int32_t *done)
     uint32_t idx;
     if ((st = fence_resolve(e, fence, &idx)) == KVH_OK)
         st = kvhi_fence_poll_idx(e, idx, done);
-    kvhi_leave(e);
-    return st;
+    return kvhi_api_leave(e, st);
 }
 
 kvh_status kvh_fence_free(kvh_engine *e, kvh_fence fence)
@@ -195,8 +187,7 @@ kvh_status kvh_fence_free(kvh_engine *e, kvh_fence fence)
     uint32_t idx;
     if ((st = fence_resolve(e, fence, &idx)) == KVH_OK)
         kvhi_fence_drop(e, idx);
-    kvhi_leave(e);
-    return st;
+    return kvhi_api_leave(e, st);
 }
 
 static kvh_status prefix_hash(kvh_engine *e, uint64_t salt, uint64_t parent, const int32_t *tokens, size_t n,
@@ -232,7 +223,7 @@ static kvh_status prefix_lookup(kvh_engine *e, const kvhi_scope *sc, const int32
         return st;
     size_t found;
     kvhi_prefix_lookup(e, sc, tokens, n, out, cap, &found);
-    kvhi_leave(e);
+    kvhi_api_leave(e, KVH_OK);
     *n_blocks = found;
     return KVH_OK;
 }
@@ -297,8 +288,7 @@ kvh_status kvh_pool_register(kvh_engine *e, const kvh_pool_layout *layout, kvh_p
     kvh_pool p;
     if (st == KVH_OK && (st = kvhi_pool_register(e, layout, &p)) == KVH_OK)
         *pool = p;
-    kvhi_leave(e);
-    return st;
+    return kvhi_api_leave(e, st);
 }
 
 kvh_status kvh_pool_unregister(kvh_engine *e, kvh_pool pool)
@@ -316,8 +306,7 @@ kvh_status kvh_pool_unregister(kvh_engine *e, kvh_pool pool)
         st = kvhi_fail(KVH_ERR_BAD_HANDLE, "stale or unknown pool 0x%llx", (unsigned long long)pool.id);
     else
         kvhi_pool_unregister(e, p, idx);
-    kvhi_leave(e);
-    return st;
+    return kvhi_api_leave(e, st);
 }
 
 /* A call's use of its slot: every layer, read or written. */
@@ -341,8 +330,7 @@ static kvh_status enter_pool(kvh_engine *e, kvh_pool pool, uint32_t slot, bool w
     else
         st = kvhi_pool_slot_check(p, slot, slot_use_of(e, write), 0);
     if (st != KVH_OK) {
-        kvhi_leave(e);
-        return st;
+        return kvhi_api_leave(e, st);
     }
     p->calls++; /* the call may drop the lock: unregister waits (leave_pool) */
     kvhi_pool_slot_enter(p, slot, slot_use_of(e, write));
@@ -350,13 +338,13 @@ static kvh_status enter_pool(kvh_engine *e, kvh_pool pool, uint32_t slot, bool w
     return KVH_OK;
 }
 
-/* Gives back what enter_pool took and leaves e. */
-static void leave_pool(kvh_engine *e, kvhi_ext_pool *p, uint32_t slot, bool write)
+/* Gives back what enter_pool took and leaves e with the call's status. */
+static kvh_status leave_pool(kvh_engine *e, kvhi_ext_pool *p, uint32_t slot, bool write, kvh_status st)
 {
     kvhi_pool_slot_leave(p, slot, slot_use_of(e, write));
     if (--p->calls == 0 && p->unregistered)
         pthread_cond_broadcast(&e->changed);
-    kvhi_leave(e);
+    return kvhi_api_leave(e, st);
 }
 
 static kvh_status pool_offload(kvh_engine *e, kvh_pool pool, uint32_t slot, uint64_t scope, uint64_t parent_hash,
@@ -375,8 +363,7 @@ static kvh_status pool_offload(kvh_engine *e, kvh_pool pool, uint32_t slot, uint
         e->blocks[b].ext_refs++;
         block->id = kvhi_block_handle(e, b);
     }
-    leave_pool(e, p, slot, false);
-    return st;
+    return leave_pool(e, p, slot, false, st);
 }
 
 kvh_status kvh_pool_offload(kvh_engine *e, kvh_pool pool, uint32_t slot, uint64_t parent_hash, const int32_t *tokens,
@@ -400,6 +387,5 @@ kvh_status kvh_pool_restore(kvh_engine *e, kvh_pool pool, kvh_block block, uint3
     uint32_t b;
     if ((st = kvhi_block_resolve(e, block, &b)) == KVH_OK)
         st = kvhi_pool_restore(e, p, b, slot);
-    leave_pool(e, p, slot, true);
-    return st;
+    return leave_pool(e, p, slot, true, st);
 }

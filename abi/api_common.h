@@ -21,6 +21,17 @@ static inline kvh_status kvhi_api_enter(kvh_engine *e)
     return kvhi_enter(e);
 }
 
+/* Leaves e at the end of a call that returns st. A call that succeeds
+ * leaves kvh_last_error() empty (kvh.h), even where it met a failure on
+ * the way and went on (a tier without room, then the next one). */
+static inline kvh_status kvhi_api_leave(kvh_engine *e, kvh_status st)
+{
+    kvhi_leave(e);
+    if (st == KVH_OK)
+        kvhi_clear_error();
+    return st;
+}
+
 /* Enters e and resolves seq; on failure the engine is left again. */
 static inline kvh_status kvhi_api_enter_seq(kvh_engine *e, kvh_seq h, kvhi_seq **s)
 {
@@ -53,11 +64,11 @@ static inline kvh_status kvhi_api_enter_seq_owner(kvh_engine *e, kvh_seq h, kvhi
     return KVH_OK;
 }
 
-/* Ends what kvhi_api_enter_seq_owner began. */
-static inline void kvhi_api_leave_seq_owner(kvh_engine *e, kvhi_seq *s)
+/* Ends what kvhi_api_enter_seq_owner began, as kvhi_api_leave. */
+static inline kvh_status kvhi_api_leave_seq_owner(kvh_engine *e, kvhi_seq *s, kvh_status st)
 {
     s->owner_in_call = false;
-    kvhi_leave(e);
+    return kvhi_api_leave(e, st);
 }
 
 #endif

@@ -65,7 +65,7 @@ kvh_status kvh_context_create(kvh_engine *e, const kvh_context_params *params, k
         return st;
     kvh_context h;
     st = kvhi_context_create(e, &p, &h);
-    kvhi_leave(e);
+    kvhi_api_leave(e, st);
     if (st == KVH_OK)
         *ctx = h;
     return st;
@@ -82,7 +82,7 @@ kvh_status kvh_context_destroy(kvh_engine *e, kvh_context ctx)
         return st;
     kvhi_context *x = NULL;
     st = kvhi_context_detach(e, ctx, &x);
-    kvhi_leave(e);
+    kvhi_api_leave(e, st);
     /* Device memory is freed without the lock (CUDA frees synchronise). */
     if (x)
         kvhi_context_free_detached(e, x);
@@ -108,7 +108,7 @@ kvh_status kvh_context_add_region(kvh_engine *e, kvh_context ctx, const kvh_weig
         return st;
     uint32_t r;
     st = kvhi_context_add_region(e, x, &p, &r);
-    kvhi_leave(e);
+    kvhi_api_leave(e, st);
     if (st == KVH_OK)
         *region = r;
     return st;
@@ -124,8 +124,7 @@ kvh_status kvh_context_attach_seq(kvh_engine *e, kvh_context ctx, kvh_seq seq)
     st = kvhi_seq_get(e, seq, &s);
     if (st == KVH_OK)
         st = kvhi_context_attach(e, x, seq.id);
-    kvhi_leave(e);
-    return st;
+    return kvhi_api_leave(e, st);
 }
 
 kvh_status kvh_context_switch(kvh_engine *e, kvh_context from, kvh_context to, kvh_fence *fence)
@@ -137,7 +136,7 @@ kvh_status kvh_context_switch(kvh_engine *e, kvh_context from, kvh_context to, k
         return st;
     kvh_fence f;
     st = kvhi_context_switch(e, from, to, fence ? &f : NULL);
-    kvhi_leave(e);
+    kvhi_api_leave(e, st);
     if (st == KVH_OK && fence)
         *fence = f;
     return st;
@@ -149,8 +148,7 @@ kvh_status kvh_context_wait_layer(kvh_engine *e, kvh_context ctx, uint32_t layer
     if (st != KVH_OK)
         return st;
     st = kvhi_context_wait_layer(e, ctx, layer, timeout_ns);
-    kvhi_leave(e);
-    return st;
+    return kvhi_api_leave(e, st);
 }
 
 kvh_status kvh_context_region_data(kvh_engine *e, kvh_context ctx, uint32_t region, int32_t writable, void **data,
@@ -165,7 +163,7 @@ kvh_status kvh_context_region_data(kvh_engine *e, kvh_context ctx, uint32_t regi
     void *d = NULL;
     uint64_t n = 0;
     st = kvhi_context_region_data(e, x, region, writable != 0, &d, &n);
-    kvhi_leave(e);
+    kvhi_api_leave(e, st);
     if (st == KVH_OK) {
         *data = d;
         if (size)
@@ -181,8 +179,7 @@ kvh_status kvh_context_region_pin(kvh_engine *e, kvh_context ctx, uint32_t regio
     if (st != KVH_OK)
         return st;
     st = kvhi_context_region_pin(e, x, region, pinned != 0);
-    kvhi_leave(e);
-    return st;
+    return kvhi_api_leave(e, st);
 }
 
 kvh_status kvh_context_verify(kvh_engine *e, kvh_context ctx, uint64_t *chunks_checked)
@@ -192,7 +189,7 @@ kvh_status kvh_context_verify(kvh_engine *e, kvh_context ctx, uint64_t *chunks_c
         return st;
     uint64_t n = 0;
     st = kvhi_context_verify(e, ctx, &n);
-    kvhi_leave(e);
+    kvhi_api_leave(e, st);
     if (st == KVH_OK && chunks_checked)
         *chunks_checked = n;
     return st;
@@ -212,7 +209,7 @@ kvh_status kvh_context_info_get(kvh_engine *e, kvh_context ctx, kvh_context_info
         return st;
     kvh_context_info r;
     st = kvhi_context_info(e, x, &r);
-    kvhi_leave(e);
+    kvhi_api_leave(e, st);
     if (st == KVH_OK)
         kvhi_write_info(info, size, &r);
     return st;
@@ -231,7 +228,7 @@ kvh_status kvh_weight_stats_get(kvh_engine *e, kvh_weight_stats *stats)
         return st;
     kvh_weight_stats s;
     kvhi_weight_stats(e, &s);
-    kvhi_leave(e);
+    kvhi_api_leave(e, KVH_OK);
     kvhi_write_info(stats, size, &s);
     return KVH_OK;
 }

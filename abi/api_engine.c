@@ -84,7 +84,7 @@ kvh_status kvh_tier_info_get(kvh_engine *e, uint32_t tier, kvh_tier_info *info)
         return st;
     kvh_tier_info r;
     kvhi_tier_info(e, tier, &r);
-    kvhi_leave(e);
+    kvhi_api_leave(e, KVH_OK);
     kvhi_write_info(info, size, &r);
     return KVH_OK;
 }
@@ -102,7 +102,7 @@ kvh_status kvh_engine_stats(kvh_engine *e, kvh_stats *stats)
     if (st != KVH_OK)
         return st;
     kvh_stats copy = e->stats;
-    kvhi_leave(e);
+    kvhi_api_leave(e, KVH_OK);
     kvhi_write_info(stats, size, &copy);
     return KVH_OK;
 }
@@ -113,6 +113,5 @@ kvh_status kvh_agent_set_quota(kvh_engine *e, uint32_t agent, uint64_t device_by
     if (st != KVH_OK)
         return st;
     st = kvhi_agent_set_quota(e, agent, device_bytes);
-    kvhi_leave(e);
-    return st;
+    return kvhi_api_leave(e, st);
 }

@@ -17,7 +17,7 @@ kvh_status kvh_latency_histogram_get(kvh_engine *e, kvh_latency_kind kind, kvh_l
         return st;
     kvh_latency_histogram copy;
     kvhi_latency_read(&e->latency, kind, &copy);
-    kvhi_leave(e);
+    kvhi_api_leave(e, KVH_OK);
     kvhi_write_info(histogram, size, &copy);
     return KVH_OK;
 }

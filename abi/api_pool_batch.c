@@ -82,8 +82,7 @@ static kvh_status enter_batch(kvh_engine *e, kvh_pool pool, const kvh_pool_xfer 
     free(seen);
     if (st != KVH_OK) {
         free(slots);
-        kvhi_leave(e);
-        return st;
+        return kvhi_api_leave(e, st);
     }
     *stride_out = stride;
     *out = p;
@@ -222,8 +221,7 @@ kvh_status kvh_pool_offload_batch(kvh_engine *e, kvh_pool pool, kvh_pool_xfer *x
         kvhi_pool_work_discard(e, w);
         if (p->batches == 0)
             pthread_cond_broadcast(&e->changed);
-        kvhi_leave(e);
-        return st;
+        return kvhi_api_leave(e, st);
     }
     for (size_t i = 0; i < n; i++) {
         kvh_pool_xfer *x = (kvh_pool_xfer *)xfer_at(xfers, stride, i);
@@ -234,8 +232,7 @@ kvh_status kvh_pool_offload_batch(kvh_engine *e, kvh_pool pool, kvh_pool_xfer *x
     }
     *fence = f;
     kvhi_pool_work_submit(e, w);
-    kvhi_leave(e);
-    return KVH_OK;
+    return kvhi_api_leave(e, KVH_OK);
 }
 
 kvh_status kvh_pool_restore_batch(kvh_engine *e, kvh_pool pool, kvh_pool_xfer *xfers, size_t n, uint32_t first_layer,
@@ -269,8 +266,7 @@ kvh_status kvh_pool_restore_batch(kvh_engine *e, kvh_pool pool, kvh_pool_xfer *x
     if (st != KVH_OK) {
         free(blocks);
         free(slots);
-        kvhi_leave(e);
-        return st;
+        return kvhi_api_leave(e, st);
     }
     w->pool = p;
     w->first_layer = first_layer;
@@ -289,8 +285,7 @@ kvh_status kvh_pool_restore_batch(kvh_engine *e, kvh_pool pool, kvh_pool_xfer *x
     free(blocks);
     free(slots);
     kvhi_pool_work_submit(e, w);
-    kvhi_leave(e);
-    return KVH_OK;
+    return kvhi_api_leave(e, KVH_OK);
 }
 
 kvh_status kvh_blocks_persist(kvh_engine *e, const kvh_block *blocks, size_t n, kvh_fence *fence)
@@ -324,8 +319,7 @@ kvh_status kvh_blocks_persist(kvh_engine *e, const kvh_block *blocks, size_t n, 
         st = KVH_ERR_NOMEM;
     if (st != KVH_OK) {
         free(idx);
-        kvhi_leave(e);
-        return st;
+        return kvhi_api_leave(e, st);
     }
     for (size_t i = 0; i < n; i++) {
         w->items[i].block = idx[i];
@@ -335,11 +329,9 @@ kvh_status kvh_blocks_persist(kvh_engine *e, const kvh_block *blocks, size_t n, 
     if (fence) {
         *fence = f;
         kvhi_pool_work_submit(e, w);
-        kvhi_leave(e);
-        return KVH_OK;
+        return kvhi_api_leave(e, KVH_OK);
     }
     /* In the call: run it here and report what it found. */
     st = kvhi_pool_work_run_now(e, w);
-    kvhi_leave(e);
-    return st;
+    return kvhi_api_leave(e, st);
 }

@@ -18,7 +18,7 @@ kvh_status kvh_seq_create(kvh_engine *e, uint32_t agent, kvh_seq *seq)
     }
     kvh_seq h;
     st = kvhi_seq_create(e, agent, &h);
-    kvhi_leave(e);
+    kvhi_api_leave(e, st);
     if (st == KVH_OK)
         *seq = h;
     return st;
@@ -36,8 +36,7 @@ kvh_status kvh_seq_free(kvh_engine *e, kvh_seq seq)
         return st;
     kvhi_handles_remove(&e->seqs, kvhi_handle_index(seq.id));
     kvhi_seq_destroy(e, s);
-    kvhi_leave(e);
-    return KVH_OK;
+    return kvhi_api_leave(e, KVH_OK);
 }
 
 kvh_status kvh_seq_fork(kvh_engine *e, kvh_seq seq, uint32_t agent, kvh_seq *child)
@@ -49,7 +48,7 @@ kvh_status kvh_seq_fork(kvh_engine *e, kvh_seq seq, uint32_t agent, kvh_seq *chi
         return st;
     kvh_seq h;
     st = kvhi_seq_fork(e, s, agent, &h);
-    kvhi_api_leave_seq_owner(e, s);
+    kvhi_api_leave_seq_owner(e, s, st);
     if (st == KVH_OK)
         *child = h;
     return st;
@@ -63,8 +62,7 @@ kvh_status kvh_seq_append(kvh_engine *e, kvh_seq seq, const int32_t *tokens, siz
     if (st != KVH_OK)
         return st;
     st = kvhi_seq_append(e, s, tokens, n);
-    kvhi_api_leave_seq_owner(e, s);
-    return st;
+    return kvhi_api_leave_seq_owner(e, s, st);
 }
 
 kvh_status kvh_seq_length(kvh_engine *e, kvh_seq seq, uint64_t *n_tokens)
@@ -75,8 +73,7 @@ kvh_status kvh_seq_length(kvh_engine *e, kvh_seq seq, uint64_t *n_tokens)
     if (st != KVH_OK)
         return st;
     *n_tokens = s->n_tokens;
-    kvhi_leave(e);
-    return KVH_OK;
+    return kvhi_api_leave(e, KVH_OK);
 }
 
 kvh_status kvh_seq_tokens(kvh_engine *e, kvh_seq seq, uint64_t first, size_t n, int32_t *out)
@@ -87,8 +84,7 @@ kvh_status kvh_seq_tokens(kvh_engine *e, kvh_seq seq, uint64_t first, size_t n, 
     if (st != KVH_OK)
         return st;
     st = kvhi_seq_tokens(e, s, first, n, out);
-    kvhi_api_leave_seq_owner(e, s);
-    return st;
+    return kvhi_api_leave_seq_owner(e, s, st);
 }
 
 kvh_status kvh_seq_write_kv(kvh_engine *e, kvh_seq seq, uint32_t layer, uint64_t pos, size_t n, const void *k,
@@ -100,8 +96,7 @@ kvh_status kvh_seq_write_kv(kvh_engine *e, kvh_seq seq, uint32_t layer, uint64_t
     if (st != KVH_OK)
         return st;
     st = kvhi_seq_write_kv(e, s, layer, pos, n, k, v);
-    kvhi_api_leave_seq_owner(e, s);
-    return st;
+    return kvhi_api_leave_seq_owner(e, s, st);
 }
 
 kvh_status kvh_seq_read_kv(kvh_engine *e, kvh_seq seq, uint32_t layer, uint64_t pos, size_t n, void *k, void *v)
@@ -111,8 +106,7 @@ kvh_status kvh_seq_read_kv(kvh_engine *e, kvh_seq seq, uint32_t layer, uint64_t 
     if (st != KVH_OK)
         return st;
     st = kvhi_seq_read_kv(e, s, layer, pos, n, k, v);
-    kvhi_api_leave_seq_owner(e, s);
-    return st;
+    return kvhi_api_leave_seq_owner(e, s, st);
 }
 
 kvh_status kvh_seq_persist(kvh_engine *e, kvh_seq seq)
@@ -132,8 +126,7 @@ kvh_status kvh_seq_persist(kvh_engine *e, kvh_seq seq)
         st = e->disk || !e->remote ? kvhi_disk_persist(e, s) : KVH_OK;
     if (st == KVH_OK && e->remote)
         kvhi_remote_persist(e, s);
-    kvhi_api_leave_seq_owner(e, s);
-    return st;
+    return kvhi_api_leave_seq_owner(e, s, st);
 }
 
 kvh_status kvh_seq_truncate(kvh_engine *e, kvh_seq seq, uint64_t n_tokens)
@@ -143,8 +136,7 @@ kvh_status kvh_seq_truncate(kvh_engine *e, kvh_seq seq, uint64_t n_tokens)
     if (st != KVH_OK)
         return st;
     st = kvhi_seq_truncate(e, s, n_tokens);
-    kvhi_api_leave_seq_owner(e, s);
-    return st;
+    return kvhi_api_leave_seq_owner(e, s, st);
 }
 
 kvh_status kvh_seq_match_prefix(kvh_engine *e, kvh_seq seq, const int32_t *tokens, size_t n, size_t *matched_tokens)
@@ -157,7 +149,7 @@ kvh_status kvh_seq_match_prefix(kvh_engine *e, kvh_seq seq, const int32_t *token
         return st;
     size_t m = 0;
     st = kvhi_seq_match_prefix(e, s, tokens, n, &m);
-    kvhi_api_leave_seq_owner(e, s);
+    kvhi_api_leave_seq_owner(e, s, st);
     if (st == KVH_OK)
         *matched_tokens = m;
     return st;
@@ -171,7 +163,7 @@ kvh_status kvh_seq_acquire(kvh_engine *e, kvh_seq seq, uint64_t first, uint64_t 
         return st;
     kvh_fence f;
     st = kvhi_seq_acquire(e, s, first, n, fence ? &f : NULL);
-    kvhi_api_leave_seq_owner(e, s);
+    kvhi_api_leave_seq_owner(e, s, st);
     if (st == KVH_OK && fence)
         *fence = f;
     return st;
@@ -184,8 +176,7 @@ kvh_status kvh_seq_release(kvh_engine *e, kvh_seq seq, uint64_t first, uint64_t 
     if (st != KVH_OK)
         return st;
     st = kvhi_seq_release(e, s, first, n);
-    kvhi_api_leave_seq_owner(e, s);
-    return st;
+    return kvhi_api_leave_seq_owner(e, s, st);
 }
 
 kvh_status kvh_seq_pin(kvh_engine *e, kvh_seq seq, uint64_t first, uint64_t n, int32_t pinned)
@@ -195,8 +186,7 @@ kvh_status kvh_seq_pin(kvh_engine *e, kvh_seq seq, uint64_t first, uint64_t n, i
     if (st != KVH_OK)
         return st;
     st = kvhi_seq_pin(e, s, first, n, pinned != 0);
-    kvhi_api_leave_seq_owner(e, s);
-    return st;
+    return kvhi_api_leave_seq_owner(e, s, st);
 }
 
 kvh_status kvh_seq_blocks(kvh_engine *e, kvh_seq seq, uint64_t first_block, size_t n, kvh_block *out)
@@ -212,8 +202,7 @@ kvh_status kvh_seq_blocks(kvh_engine *e, kvh_seq seq, uint64_t first_block, size
     else
         for (size_t i = 0; i < n; i++)
             out[i].id = kvhi_block_handle(e, s->blocks[first_block + i]);
-    kvhi_api_leave_seq_owner(e, s);
-    return st;
+    return kvhi_api_leave_seq_owner(e, s, st);
 }
 
 kvh_status kvh_block_table(kvh_engine *e, const kvh_seq *seqs, size_t n_seqs, int32_t *indptr, int32_t *indices,
@@ -253,8 +242,7 @@ kvh_status kvh_block_table(kvh_engine *e, const kvh_seq *seqs, size_t n_seqs, in
             last_page_len[i] = s->n_blocks ? e->blocks[s->blocks[s->n_blocks - 1]].n_tokens : 0;
         }
     }
-    kvhi_leave(e);
-    return st;
+    return kvhi_api_leave(e, st);
 }
 
 kvh_status kvh_seq_migrate(kvh_engine *e, kvh_seq seq, uint64_t first, uint64_t n, uint32_t tier, kvh_fence *fence)
@@ -272,8 +260,7 @@ kvh_status kvh_seq_migrate(kvh_engine *e, kvh_seq seq, uint64_t first, uint64_t 
         if (st == KVH_OK && fence)
             *fence = f;
     }
-    kvhi_leave(e);
-    return st;
+    return kvhi_api_leave(e, st);
 }
 
 kvh_status kvh_seq_hint(kvh_engine *e, kvh_seq seq, uint64_t first, uint64_t n, int32_t priority)
@@ -283,8 +270,7 @@ kvh_status kvh_seq_hint(kvh_engine *e, kvh_seq seq, uint64_t first, uint64_t n, 
     if (st != KVH_OK)
         return st;
     st = kvhi_seq_hint(e, s, first, n, priority);
-    kvhi_leave(e);
-    return st;
+    return kvhi_api_leave(e, st);
 }
 
 kvh_status kvh_seq_hint_queued(kvh_engine *e, kvh_seq seq, uint64_t first, uint64_t n, uint64_t place,
@@ -305,8 +291,7 @@ kvh_status kvh_seq_hint_queued(kvh_engine *e, kvh_seq seq, uint64_t first, uint6
                        (unsigned long long)place, (unsigned long long)step);
     else
         st = kvhi_hint_queue(e, s, first, n, kind == KVH_HINT_POSITION ? step + place : place);
-    kvhi_leave(e);
-    return st;
+    return kvhi_api_leave(e, st);
 }
 
 kvh_status kvh_hint_advance(kvh_engine *e, uint64_t steps, uint64_t *step)
@@ -317,7 +302,7 @@ kvh_status kvh_hint_advance(kvh_engine *e, uint64_t steps, uint64_t *step)
         return st;
     uint64_t now = 0;
     st = kvhi_hint_advance(e, steps, &now);
-    kvhi_leave(e);
+    kvhi_api_leave(e, st);
     if (st == KVH_OK)
         *step = now;
     return st;
@@ -331,7 +316,7 @@ kvh_status kvh_prefetch(kvh_engine *e, kvh_seq seq, uint64_t first, uint64_t n, 
         return st;
     kvh_fence f;
     st = kvhi_prefetch(e, s, first, n, priority, fence ? &f : NULL);
-    kvhi_leave(e);
+    kvhi_api_leave(e, st);
     if (st == KVH_OK && fence)
         *fence = f;
     return st;
@@ -345,8 +330,7 @@ kvh_status kvh_seq_set_scope(kvh_engine *e, kvh_seq seq, uint64_t scope, uint64_
         return st;
     kvhi_scope sc = {.scope = scope, .shared_scope = shared_scope, .shared_tokens = shared_tokens};
     st = kvhi_seq_set_scope(e, s, &sc);
-    kvhi_api_leave_seq_owner(e, s);
-    return st;
+    return kvhi_api_leave_seq_owner(e, s, st);
 }
 
 kvh_status kvh_seq_get_scope(kvh_engine *e, kvh_seq seq, uint64_t *scope, uint64_t *shared_scope,
@@ -357,7 +341,7 @@ kvh_status kvh_seq_get_scope(kvh_engine *e, kvh_seq seq, uint64_t *scope, uint64
     if (st != KVH_OK)
         return st;
     kvhi_scope sc = s->scope;
-    kvhi_leave(e);
+    kvhi_api_leave(e, KVH_OK);
     if (scope)
         *scope = sc.scope;
     if (shared_scope)

@@ -14,8 +14,7 @@ kvh_status kvh_seq_set_tolerance(kvh_engine *e, kvh_seq seq, uint64_t first, uin
     if (st != KVH_OK)
         return st;
     st = kvhi_seq_set_tolerance(e, s, first, n, tolerance);
-    kvhi_api_leave_seq_owner(e, s);
-    return st;
+    return kvhi_api_leave_seq_owner(e, s, st);
 }
 
 kvh_status kvh_block_set_tolerance(kvh_engine *e, kvh_block block, uint32_t tolerance)
@@ -26,8 +25,7 @@ kvh_status kvh_block_set_tolerance(kvh_engine *e, kvh_block block, uint32_t tole
     if (st != KVH_OK)
         return st;
     st = kvhi_block_set_tolerance(e, block, tolerance);
-    kvhi_leave(e);
-    return st;
+    return kvhi_api_leave(e, st);
 }
 
 kvh_status kvh_seq_derive_tolerance(kvh_engine *e, kvh_seq seq, uint64_t first, uint64_t n, float max_rel_error)
@@ -39,6 +37,5 @@ kvh_status kvh_seq_derive_tolerance(kvh_engine *e, kvh_seq seq, uint64_t first, 
     if (st != KVH_OK)
         return st;
     st = kvhi_seq_derive_tolerance(e, s, first, n, max_rel_error);
-    kvhi_api_leave_seq_owner(e, s);
-    return st;
+    return kvhi_api_leave_seq_owner(e, s, st);
 }

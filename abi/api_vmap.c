@@ -14,8 +14,7 @@ kvh_status kvh_seq_vmap(kvh_engine *e, kvh_seq seq, uint32_t layer, uint64_t cap
     if (st != KVH_OK)
         return st;
     st = kvhi_vmap_create(e, s, seq, layer, capacity_tokens, out);
-    kvhi_api_leave_seq_owner(e, s);
-    return st;
+    return kvhi_api_leave_seq_owner(e, s, st);
 }
 
 kvh_status kvh_vmap_refresh(kvh_engine *e, kvh_vmap *vmap, int32_t *changed)
@@ -27,7 +26,7 @@ kvh_status kvh_vmap_refresh(kvh_engine *e, kvh_vmap *vmap, int32_t *changed)
         return st;
     bool any = false;
     st = kvhi_vmap_refresh(e, vmap, &any);
-    kvhi_leave(e);
+    kvhi_api_leave(e, st);
     if (changed && st == KVH_OK)
         *changed = any;
     return st;
@@ -46,7 +45,7 @@ kvh_status kvh_vmap_get(kvh_engine *e, const kvh_vmap *vmap, kvh_vmap_view *view
         return st;
     kvh_vmap_view r;
     st = kvhi_vmap_view_get(e, vmap, &r);
-    kvhi_leave(e);
+    kvhi_api_leave(e, st);
     if (st == KVH_OK)
         kvhi_write_info(view, size, &r);
     return st;
@@ -61,6 +60,5 @@ kvh_status kvh_vmap_release(kvh_engine *e, kvh_vmap *vmap)
     if (st != KVH_OK)
         return st;
     st = kvhi_vmap_release(e, vmap);
-    kvhi_leave(e);
-    return st;
+    return kvhi_api_leave(e, st);
 }

@@ -73,7 +73,7 @@ static kvh_status attention_vmap(kvh_engine *e, kvh_vmap *const *views, const ui
     if (st == KVH_OK && e->cpu_kernels && !e->attn_state)
         st = kvhi_fail(KVH_ERR_NOMEM, "out of memory for the attention state");
     if (st != KVH_OK) {
-        kvhi_leave(e);
+        kvhi_api_leave(e, st);
         if (vs != few)
             free(vs);
         return st;
@@ -150,7 +150,7 @@ static kvh_status attention_vmap(kvh_engine *e, kvh_vmap *const *views, const ui
             e->active_calls--;
         }
     pthread_cond_broadcast(&e->changed);
-    kvhi_leave(e);
+    kvhi_api_leave(e, st);
     if (vs != few)
         free(vs);
     return st;

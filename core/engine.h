@@ -283,6 +283,14 @@ extern _Thread_local char kvhi_error_detail[1024] __attribute__((visibility("hid
 /* Inline: every call clears it on entry, and a shared library reaches a
  * thread-local through a call to the C library each time. */
 static inline void kvhi_clear_error(void) { kvhi_error_detail[0] = '\0'; }
+/* This thread's error detail, kept across an inner attempt whose own
+ * reason is not the caller's to report: a clean-up after a failure, or a
+ * first try that a second way then makes good. */
+typedef struct {
+    char text[sizeof(kvhi_error_detail)];
+} kvhi_error_kept;
+void kvhi_error_keep(kvhi_error_kept *k);
+void kvhi_error_put_back(const kvhi_error_kept *k);
 /* A log sink's calls back into its engine: the sink runs user code, which
  * may call kvh. Marks the calling thread as one kvh started for e (a
  * migration worker, a context switch's, the uploader). */

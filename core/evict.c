@@ -200,14 +200,14 @@ void kvhi_host_spare_pay_back(kvh_engine *e, uint32_t for_agent)
     if (!e->host_spare_lent || repaying_spare)
         return;
     /* The caller's own reason for a failure stays its last error. */
-    char why[sizeof kvhi_error_detail];
-    memcpy(why, kvhi_error_detail, sizeof why);
+    kvhi_error_kept why;
+    kvhi_error_keep(&why);
     uint32_t spare;
     repaying_spare = true;
     if (kvhi_reserve_slot(e, KVH_TIER_HOST, for_agent, &spare) == KVH_OK)
         kvhi_release_slot(e, KVH_TIER_HOST, spare); /* the spare, unless paid back meanwhile */
     repaying_spare = false;
-    memcpy(kvhi_error_detail, why, sizeof why);
+    kvhi_error_put_back(&why);
 }
 
 kvh_status kvhi_reserve_slot(kvh_engine *e, uint32_t tier, uint32_t for_agent, uint32_t *slot)

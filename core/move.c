@@ -261,15 +261,21 @@ int kvhi_move_begin(kvh_engine *e, uint32_t b, uint32_t tier, kvhi_xfer *x, bool
      * which b's own move then leaves with a free slot: trade places. */
     bool trade = !keep_src_for_caller && kvhi_promotion_pushes_out_a_third(e, b, tier);
     uint32_t dslot;
+    /* Only a read into the host tier's spare can follow a failed
+     * reservation (core/host_spare.h). */
+    bool may_take_spare =
+        !trade && tier == KVH_TIER_HOST && src_tier == KVH_TIER_DISK && !keep_src_for_caller && e->host_spare_wanted;
+    kvhi_error_kept before;
+    if (may_take_spare)
+        kvhi_error_keep(&before);
     kvh_status st = trade ? swap_up(e, b, tier) : kvhi_reserve_slot(e, tier, blk->agent, &dslot);
-    /* Every tier full: a trade with the disk through the host tier's
-     * spare (core/host_spare.h). The lock may have been dropped: b is
-     * looked at afresh. */
-    bool into_spare = st == KVH_ERR_NOSPACE && !trade && tier == KVH_TIER_HOST && !keep_src_for_caller &&
-                      !(blk->flags & KVHI_BF_DEAD) && kvhi_host_spare_take(e, b, &dslot);
+    /* Every tier full: a trade with the disk through the spare. The lock
+     * may have been dropped: b is looked at afresh. */
+    bool into_spare =
+        st == KVH_ERR_NOSPACE && may_take_spare && !(blk->flags & KVHI_BF_DEAD) && kvhi_host_spare_take(e, b, &dslot);
     if (into_spare) {
         st = KVH_OK;
-        kvhi_clear_error(); /* reserve_slot's reason no longer holds */
+        kvhi_error_put_back(&before); /* reserve_slot's reason no longer holds */
     }
     if (st == KVH_OK && !trade) {
         kvhi_xfer_prepare(e, b, tier, dslot, x);
@@ -441,24 +447,28 @@ kvh_status kvhi_move_block(kvh_engine *e, uint32_t b, uint32_t tier, uint32_t fo
     (void)for_agent; /* b's own agent is charged */
     kvhi_block *blk = &e->blocks[b];
     uint32_t gen = blk->gen;
+    /* Only a trade through the spare can follow a failed first try. */
+    bool may_trade = tier == KVH_TIER_DEVICE && e->host_spare != KVHI_NO_BLOCK && blk->tier == KVH_TIER_DISK;
+    kvhi_error_kept before;
+    if (may_trade)
+        kvhi_error_keep(&before);
     kvh_status st = kvhi_move_handing_over(e, b, tier, NULL);
     /* Every tier full: a block on disk comes up through the host tier's
      * spare (core/host_spare.h), then trades places with a device block.
      * The lock was dropped: b is looked at afresh. */
-    if (st != KVH_ERR_NOSPACE || tier != KVH_TIER_DEVICE || e->host_spare == KVHI_NO_BLOCK ||
-        !idle_in(blk, gen, KVH_TIER_DISK))
+    if (!may_trade || st != KVH_ERR_NOSPACE || e->host_spare == KVHI_NO_BLOCK || !idle_in(blk, gen, KVH_TIER_DISK))
         return st;
-    char why[sizeof kvhi_error_detail];
-    memcpy(why, kvhi_error_detail, sizeof why);
+    kvhi_error_kept why;
+    kvhi_error_keep(&why);
     kvh_status up = kvhi_move_handing_over(e, b, KVH_TIER_HOST, NULL);
     if (up != KVH_OK && up != KVH_ERR_NOSPACE)
         return up; /* the read failed: its reason is the one to give */
     if (up == KVH_OK && idle_in(blk, gen, KVH_TIER_HOST)) {
         if ((st = kvhi_move_handing_over(e, b, KVH_TIER_DEVICE, NULL)) == KVH_OK)
-            kvhi_clear_error(); /* the first try's reason no longer holds */
+            kvhi_error_put_back(&before); /* the first try's reason no longer holds */
         return st;
     }
-    memcpy(kvhi_error_detail, why, sizeof why); /* the first try's reason stands */
+    kvhi_error_put_back(&why); /* the first try's reason stands */
     return st;
 }
 

@@ -267,7 +267,10 @@ static void undo_private_copy(kvh_engine *e, kvhi_seq *s, uint32_t i, uint32_t b
         e->blocks[b].tier == KVH_TIER_DEVICE)
         return;
     bool was = kvhi_quota_exempt_set(true);
+    kvhi_error_kept why; /* the failure being undone is the one to report */
+    kvhi_error_keep(&why);
     (void)kvhi_move_block(e, b, KVH_TIER_DEVICE, s->agent);
+    kvhi_error_put_back(&why);
     kvhi_quota_exempt_set(was);
 }
 

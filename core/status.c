@@ -18,6 +18,16 @@ kvh_status kvhi_fail(kvh_status status, const char *fmt, ...)
     return status;
 }
 
+void kvhi_error_keep(kvhi_error_kept *k)
+{
+    memcpy(k->text, kvhi_error_detail, strnlen(kvhi_error_detail, sizeof(kvhi_error_detail) - 1) + 1);
+}
+
+void kvhi_error_put_back(const kvhi_error_kept *k)
+{
+    memcpy(kvhi_error_detail, k->text, strnlen(k->text, sizeof(k->text) - 1) + 1);
+}
+
 /* Where this thread stands for a sink's calls: the engine whose sink it
  * is inside, and the engine it was started for (NULL: a caller's). */
 static _Thread_local struct {
@@ -38,12 +48,12 @@ void kvhi_sink_call(kvh_engine *e, int level, const char *message)
     const kvh_engine *outer = here.sink_of;
     /* A sink may call kvh, which clears this thread's error detail: the
      * failed call whose messages are flushed here must keep its own. */
-    char saved[sizeof(kvhi_error_detail)];
-    memcpy(saved, kvhi_error_detail, strnlen(kvhi_error_detail, sizeof(kvhi_error_detail) - 1) + 1);
+    kvhi_error_kept saved;
+    kvhi_error_keep(&saved);
     here.sink_of = e;
     e->cfg.log_fn(e->cfg.log_user, level, message);
     here.sink_of = outer;
-    memcpy(kvhi_error_detail, saved, strnlen(saved, sizeof(saved) - 1) + 1);
+    kvhi_error_put_back(&saved);
 }
 
 bool kvhi_in_sink_of(const kvh_engine *e) { return here.sink_of == e; }

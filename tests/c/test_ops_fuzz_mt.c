@@ -129,8 +129,12 @@ static int check_st(kvh_status st, uint32_t allowed, const char *what, int line)
         if (line >= 0 && line < (int)(sizeof ns / sizeof ns[0]) && (atomic_fetch_add(&ns[line], 1) & 4095) == 0)
             fprintf(stderr, "nospace %s line %d x%lu\n", what, line, (unsigned long)ns[line]);
     }
-    if (st == KVH_OK)
+    if (st == KVH_OK) {
+        const char *e = kvh_last_error();
+        if (e && *e)
+            failf("%s (line %d): success with a stale kvh_last_error: %s", what, line, e);
         return 0;
+    }
     if (g_intrude)
         allowed |= S(KVH_ERR_BUSY);
     if (st == KVH_ERR_CLOSED || st > 0 || st < -15 || !(allowed & S(st))) {
