@@ -48,7 +48,11 @@ kvh_status kvh_block_alloc(kvh_engine *e, uint32_t agent, kvh_block *block)
     if (st != KVH_OK)
         return st;
     st = kvhi_block_new_handle(e, agent, &block->id);
-    return kvhi_api_leave(e, st);
+    /* The detail stays as the entry cleared it: a tier without room
+     * before one with puts back what it found (core/block.c). Not
+     * cleared again on this hot path. */
+    kvhi_leave(e);
+    return st;
 }
 
 kvh_status kvh_block_retain(kvh_engine *e, kvh_block block)
@@ -87,7 +91,8 @@ kvh_status kvh_block_release(kvh_engine *e, kvh_block block)
     /* The newest block's record is still in the cache (an alloc and
      * release in turn): the backlog would only add to its cost. */
     if (b != e->block_newest && kvhi_block_release_trusted(e, block, b)) {
-        return kvhi_api_leave(e, KVH_OK);
+        kvhi_leave(e); /* nothing here can fail: the entry's clear stands */
+        return KVH_OK;
     }
     if (e->release_backlog_len)
         kvhi_block_releases_apply(e);

@@ -388,6 +388,11 @@ __attribute__((always_inline)) static inline kvh_status block_new(kvh_engine *e,
             if (t != min_tier)
                 order[n_order++] = t;
     }
+    /* A tier without room, then one with: the first one's reason is not
+     * the caller's (its call may succeed, or fail for its own reason). */
+    kvhi_error_kept before;
+    if (n_order)
+        kvhi_error_keep(&before);
     for (uint32_t i = 0; i < n_order; i++) {
         uint32_t t = order[i];
         if (t >= KVH_TIER_DISK || !e->tiers[t].present)
@@ -395,6 +400,7 @@ __attribute__((always_inline)) static inline kvh_status block_new(kvh_engine *e,
         st = kvhi_reserve_slot(e, t, agent, &slot);
         if (st == KVH_OK) {
             tier = t;
+            kvhi_error_put_back(&before);
             break;
         }
         if (st != KVH_ERR_NOSPACE)
