@@ -1,9 +1,9 @@
 /* KV codecs (see kv_codec.h for the formats and error bounds), run on
  * every copy between a raw and an encoded tier. The scalar form here is
  * the format's definition: values are converted through the dtype helpers
- * shared with the attention kernels, a slice at a time. On x86 the AVX2 +
- * F16C set has vector forms of the hot loops here, and AVX-512 has whole
- * codecs of its own (kv_codec_avx512.c); all give the same bytes
+ * shared with the attention kernels, a slice at a time. On x86, AVX2 +
+ * FMA + F16C and AVX-512 have whole codecs of their own
+ * (kv_codec_avx2.c, kv_codec_avx512.c); all give the same bytes
  * (tests/c/test_codec.c checks them against the format,
  * tests/c/test_codec_isa.c against each other). */
 #include "kernels/cpu/kv_codec.h"
@@ -100,211 +100,8 @@ static void minmax_finite_scalar(const float *x, uint32_t n, float *lo, float *h
         }
 }
 
-#ifdef KVH_CODEC_X86_VECTOR
-#include <immintrin.h>
-/* f16 <-> f32 eight at a time with the F16C instructions: both directions
- * are exact or correctly rounded to nearest-even, the same results as the
- * scalar helpers (NaNs quieted with their top payload bits kept). */
-__attribute__((target("f16c,avx"))) static void f16_to_f32_f16c(const u16_any *h, uint32_t n, float *x)
-{
-    uint32_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(x + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
-    for (; i < n; i++)
-        x[i] = kvhi_f16_to_f32(h[i]);
-}
-
-__attribute__((target("f16c,avx"))) static void f32_to_f16_f16c(const float *x, uint32_t n, u16_any *h)
-{
-    uint32_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        _mm_storeu_si128((__m128i *)(h + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
-    for (; i < n; i++)
-        h[i] = kvhi_f32_to_f16(x[i]);
-}
-
-/* bf16 <-> f32 eight at a time: widening is exact; narrowing rounds to
- * nearest-even and quiets NaNs exactly as kvhi_f32_to_bf16. */
-__attribute__((target("avx2"))) static void bf16_to_f32_avx2(const u16_any *h, uint32_t n, float *x)
-{
-    uint32_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(h + i)));
-        _mm256_storeu_si256((__m256i *)(x + i), _mm256_slli_epi32(w, 16));
-    }
-    for (; i < n; i++)
-        x[i] = kvhi_bf16_to_f32(h[i]);
-}
-
-__attribute__((target("avx2"))) static void f32_to_bf16_avx2(const float *x, uint32_t n, u16_any *h)
-{
-    const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7fff);
-    const __m256i magnitude = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
-    const __m256i quiet = _mm256_set1_epi32(0x40);
-    uint32_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m256i b = _mm256_loadu_si256((const __m256i *)(x + i));
-        __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(b, magnitude), inf);
-        __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), one);
-        __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(half, odd)), 16);
-        __m256i q = _mm256_or_si256(_mm256_srli_epi32(b, 16), quiet);
-        r = _mm256_blendv_epi8(r, q, nan);
-        /* 16-bit values: the unsigned pack is exact; it interleaves the
-         * two 128-bit lanes, which the permute puts back in order. */
-        __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xd8);
-        _mm_storeu_si128((__m128i *)(h + i), _mm256_castsi256_si128(p));
-    }
-    for (; i < n; i++)
-        h[i] = kvhi_f32_to_bf16(x[i]);
-}
-
-/* The AVX2 forms below run when that set is chosen (kv_codec_isa.c). */
-static int have_vector_paths(void) { return kvhi_codec_active_isa() == KVHI_CODEC_AVX2; }
-
-/* quantise() four elements at a time in double, with the same steps:
- * NaN -> 0, at or beyond an end -> that end, else rounded in the current
- * rounding mode (as the scalar shift trick). n a multiple of 4. */
-__attribute__((target("avx2"))) static void quantise_avx2(const float *x, uint32_t n, double offset, double inv, int lo,
-                                                          int hi, int32_t *out)
-{
-    const __m256d vinv = _mm256_set1_pd(inv), voff = _mm256_set1_pd(offset);
-    const __m256d vhi = _mm256_set1_pd(hi), vlo = _mm256_set1_pd(lo);
-    for (uint32_t i = 0; i < n; i += 4) {
-        __m256d q = _mm256_mul_pd(_mm256_sub_pd(_mm256_cvtps_pd(_mm_loadu_ps(x + i)), voff), vinv);
-        __m256d ordered = _mm256_cmp_pd(q, q, _CMP_ORD_Q);
-        __m256d r = _mm256_round_pd(q, _MM_FROUND_CUR_DIRECTION);
-        r = _mm256_min_pd(_mm256_max_pd(r, vlo), vhi);
-        r = _mm256_and_pd(r, ordered); /* NaN -> +0 */
-        _mm_storeu_si128((__m128i *)(out + i), _mm256_cvttpd_epi32(r));
-    }
-}
-
-__attribute__((target("avx2"))) static void quantise_int8_avx2(const float *x, uint32_t n, double inv, int8_t *codes)
-{
-    int32_t t[SLICE];
-    uint32_t m = n & ~7u;
-    quantise_avx2(x, m, 0.0, inv, -127, 127, t);
-    /* Codes are within [-127, 127]: the saturating packs are exact. */
-    for (uint32_t i = 0; i < m; i += 8) {
-        __m256i v = _mm256_loadu_si256((const __m256i *)(t + i));
-        __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-        _mm_storel_epi64((__m128i *)(codes + i), _mm_packs_epi16(w, w));
-    }
-    for (uint32_t i = m; i < n; i++)
-        codes[i] = (int8_t)quantise(x[i], 0.0, inv, -127, 127, 0);
-}
-
-/* max |x[i]| over the finite elements (0 when none), eight at a time. */
-__attribute__((target("avx2"))) static float amax_finite_avx2(const float *x, uint32_t n)
-{
-    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    const __m256 inf = _mm256_set1_ps(INFINITY);
-    __m256 m = _mm256_setzero_ps();
-    uint32_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m256 a = _mm256_and_ps(_mm256_loadu_ps(x + i), magnitude);
-        /* below infinity: false for inf and NaN, which then count as 0 */
-        m = _mm256_max_ps(m, _mm256_and_ps(a, _mm256_cmp_ps(a, inf, _CMP_LT_OQ)));
-    }
-    float lanes[8];
-    _mm256_storeu_ps(lanes, m);
-    return amax_finite_scalar(x + i, n - i, amax_finite_scalar(lanes, 8, 0.0f));
-}
-
-/* The least and greatest finite element (lo > hi when there is none), as
- * the scalar loop finds them: SIMD minimum and maximum, then, when an
- * extreme is a zero, the sign the scalar loop leaves there: the first
- * zero's in element order (a SIMD min or max may return either zero). */
-__attribute__((target("avx2"))) static void minmax_finite_avx2(const float *x, uint32_t n, float *lo_out, float *hi_out)
-{
-    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    const __m256 inf = _mm256_set1_ps(INFINITY), ninf = _mm256_set1_ps(-INFINITY);
-    __m256 vlo = inf, vhi = ninf;
-    uint32_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m256 v = _mm256_loadu_ps(x + i);
-        __m256 finite = _mm256_cmp_ps(_mm256_and_ps(v, magnitude), inf, _CMP_LT_OQ);
-        vlo = _mm256_min_ps(vlo, _mm256_blendv_ps(inf, v, finite));
-        vhi = _mm256_max_ps(vhi, _mm256_blendv_ps(ninf, v, finite));
-    }
-    float l[8], h[8], lo = INFINITY, hi = -INFINITY;
-    _mm256_storeu_ps(l, vlo);
-    _mm256_storeu_ps(h, vhi);
-    for (int k = 0; k < 8; k++) {
-        lo = l[k] < lo ? l[k] : lo;
-        hi = h[k] > hi ? h[k] : hi;
-    }
-    minmax_finite_scalar(x + i, n - i, &lo, &hi);
-    if (lo == 0.0f || hi == 0.0f)
-        for (uint32_t j = 0; j < n; j++)
-            if (x[j] == 0.0f) {
-                lo = lo == 0.0f ? x[j] : lo;
-                hi = hi == 0.0f ? x[j] : hi;
-                break;
-            }
-    *lo_out = lo;
-    *hi_out = hi;
-}
-
-/* lo + q * scale for the g (a multiple of 8) 4-bit codes of one group, as
- * the scalar loop: the product is exact in double, the sum rounds once in
- * double and once to float. */
-__attribute__((target("avx2"))) static void dequantise_q4_avx2(const uint8_t *gc, uint32_t g, float scale, float lo,
-                                                               f32_any *y)
-{
-    const __m256d vs = _mm256_set1_pd(scale), vlo = _mm256_set1_pd(lo);
-    const __m256i shifts = _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4), nibble = _mm256_set1_epi32(0xf);
-    for (uint32_t i = 0; i < g; i += 8) {
-        int32_t four;
-        memcpy(&four, gc + i / 2, sizeof(four));
-        __m128i b = _mm_cvtsi32_si128(four);
-        /* each byte twice, then its low nibble and its high one */
-        __m256i q = _mm256_cvtepu8_epi32(_mm_unpacklo_epi8(b, b));
-        q = _mm256_and_si256(_mm256_srlv_epi32(q, shifts), nibble);
-        __m256d r0 = _mm256_add_pd(_mm256_mul_pd(_mm256_cvtepi32_pd(_mm256_castsi256_si128(q)), vs), vlo);
-        __m256d r1 = _mm256_add_pd(_mm256_mul_pd(_mm256_cvtepi32_pd(_mm256_extracti128_si256(q, 1)), vs), vlo);
-        _mm_storeu_ps((float *)(y + i), _mm256_cvtpd_ps(r0));
-        _mm_storeu_ps((float *)(y + i + 4), _mm256_cvtpd_ps(r1));
-    }
-}
-
-/* code * scale for n codes, to f32 or (F16C, nearest-even) f16: a float
- * multiply, as the scalar loop. */
-__attribute__((target("avx2,f16c"))) static void dequantise_int8_avx2(const int8_t *codes, uint32_t n, float scale,
-                                                                      uint32_t dtype, void *dst)
-{
-    const __m256 vs = _mm256_set1_ps(scale);
-    uint32_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m256i c = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(codes + i)));
-        __m256 y = _mm256_mul_ps(_mm256_cvtepi32_ps(c), vs);
-        if (dtype == KVH_DTYPE_F16)
-            _mm_storeu_si128((__m128i *)((uint16_t *)dst + i), _mm256_cvtps_ph(y, _MM_FROUND_TO_NEAREST_INT));
-        else
-            _mm256_storeu_ps((float *)dst + i, y);
-    }
-    for (; i < n; i++) {
-        float y = (float)codes[i] * scale;
-        if (dtype == KVH_DTYPE_F16)
-            ((u16_any *)dst)[i] = kvhi_f32_to_f16(y);
-        else
-            ((f32_any *)dst)[i] = y;
-    }
-}
-#endif
-
 static void load_slice(uint32_t dtype, const void *src, uint32_t from, uint32_t n, float *x)
 {
-#ifdef KVH_CODEC_X86_VECTOR
-    if (dtype == KVH_DTYPE_F16 && have_vector_paths()) {
-        f16_to_f32_f16c((const u16_any *)src + from, n, x);
-        return;
-    }
-    if (dtype == KVH_DTYPE_BF16 && have_vector_paths()) {
-        bf16_to_f32_avx2((const u16_any *)src + from, n, x);
-        return;
-    }
-#endif
     if (dtype == KVH_DTYPE_F16) {
         const u16_any *h = (const u16_any *)src + from;
         for (uint32_t i = 0; i < n; i++)
@@ -320,16 +117,6 @@ static void load_slice(uint32_t dtype, const void *src, uint32_t from, uint32_t 
 
 static void store_slice(uint32_t dtype, void *dst, uint32_t from, uint32_t n, const float *x)
 {
-#ifdef KVH_CODEC_X86_VECTOR
-    if (dtype == KVH_DTYPE_F16 && have_vector_paths()) {
-        f32_to_f16_f16c(x, n, (u16_any *)dst + from);
-        return;
-    }
-    if (dtype == KVH_DTYPE_BF16 && have_vector_paths()) {
-        f32_to_bf16_avx2(x, n, (u16_any *)dst + from);
-        return;
-    }
-#endif
     if (dtype == KVH_DTYPE_F16) {
         u16_any *h = (u16_any *)dst + from;
         for (uint32_t i = 0; i < n; i++)
@@ -368,14 +155,7 @@ static inline int quantise(float x, double offset, double inv, int lo, int hi, i
     return (int)round_in_mode(q);
 }
 
-static float amax_finite(const float *x, uint32_t n)
-{
-#ifdef KVH_CODEC_X86_VECTOR
-    if (have_vector_paths())
-        return amax_finite_avx2(x, n);
-#endif
-    return amax_finite_scalar(x, n, 0.0f);
-}
+static float amax_finite(const float *x, uint32_t n) { return amax_finite_scalar(x, n, 0.0f); }
 
 static void encode_int8(uint32_t dtype, uint32_t d, const void *src, uint8_t *rec)
 {
@@ -395,12 +175,6 @@ static void encode_int8(uint32_t dtype, uint32_t d, const void *src, uint8_t *re
         uint32_t n = d - at < SLICE ? d - at : SLICE;
         if (d > SLICE) /* one slice is still loaded from the first pass */
             load_slice(dtype, src, at, n, x);
-#ifdef KVH_CODEC_X86_VECTOR
-        if (inv > 0.0 && have_vector_paths()) {
-            quantise_int8_avx2(x, n, inv, codes + at);
-            continue;
-        }
-#endif
         for (uint32_t i = 0; i < n; i++)
             /* A zero vector (inv 0) still saturates infinities to +-127. */
             codes[at + i] = (int8_t)(inv > 0.0 ? quantise(x[i], 0.0, inv, -127, 127, 0)
@@ -412,12 +186,6 @@ static void decode_int8(uint32_t dtype, uint32_t d, const uint8_t *rec, void *ds
 {
     float scale = get_f32(rec), x[SLICE];
     const int8_t *codes = (const int8_t *)(rec + sizeof(float));
-#ifdef KVH_CODEC_X86_VECTOR
-    if (dtype != KVH_DTYPE_BF16 && have_vector_paths()) {
-        dequantise_int8_avx2(codes, d, scale, dtype, dst);
-        return;
-    }
-#endif
     for (uint32_t at = 0; at < d; at += SLICE) {
         uint32_t n = d - at < SLICE ? d - at : SLICE;
         /* f32 is written in place; other dtypes go through the slice. */
@@ -440,12 +208,7 @@ static void encode_q4(uint32_t dtype, uint32_t d, uint32_t g, const void *src, u
     for (uint32_t gi = 0; gi < groups; gi++) {
         load_slice(dtype, src, gi * g, g, x);
         float lo = INFINITY, hi = -INFINITY;
-#ifdef KVH_CODEC_X86_VECTOR
-        if (have_vector_paths())
-            minmax_finite_avx2(x, g, &lo, &hi);
-        else
-#endif
-            minmax_finite_scalar(x, g, &lo, &hi);
+        minmax_finite_scalar(x, g, &lo, &hi);
         if (lo > hi) /* no finite element */
             lo = hi = 0.0f;
         /* hi - lo may exceed FLT_MAX; the scale (a 15th of it) does not */
@@ -454,15 +217,6 @@ static void encode_q4(uint32_t dtype, uint32_t d, uint32_t g, const void *src, u
         put_f32(rec + (size_t)gi * 2 * sizeof(float), scale);
         put_f32(rec + (size_t)gi * 2 * sizeof(float) + sizeof(float), lo);
         uint8_t *gc = codes + (size_t)gi * g / 2;
-#ifdef KVH_CODEC_X86_VECTOR
-        if (inv > 0.0 && have_vector_paths()) {
-            int32_t q[64];
-            quantise_avx2(x, g, lo, inv, 0, 15, q);
-            for (uint32_t i = 0; i < g; i += 2)
-                gc[i / 2] = (uint8_t)(q[i] | q[i + 1] << 4);
-            continue;
-        }
-#endif
         for (uint32_t i = 0; i < g; i++) {
             int q = inv > 0.0 ? quantise(x[i], lo, inv, 0, 15, 0) : (x[i] == INFINITY ? 15 : 0);
             gc[i / 2] |= (uint8_t)(q << ((i & 1u) * 4));
@@ -480,15 +234,10 @@ static void decode_q4(uint32_t dtype, uint32_t d, uint32_t g, const uint8_t *rec
         float lo = get_f32(rec + (size_t)gi * 2 * sizeof(float) + sizeof(float));
         const uint8_t *gc = codes + (size_t)gi * g / 2;
         f32_any *y = dtype == KVH_DTYPE_F32 ? (f32_any *)dst + gi * g : x;
-#ifdef KVH_CODEC_X86_VECTOR
-        if (g % 8 == 0 && have_vector_paths())
-            dequantise_q4_avx2(gc, g, scale, lo, y);
-        else
-#endif
-            for (uint32_t i = 0; i < g; i++) {
-                uint32_t q = (gc[i / 2] >> ((i & 1u) * 4)) & 0xfu;
-                y[i] = (float)(lo + (double)q * scale);
-            }
+        for (uint32_t i = 0; i < g; i++) {
+            uint32_t q = (gc[i / 2] >> ((i & 1u) * 4)) & 0xfu;
+            y[i] = (float)(lo + (double)q * scale);
+        }
         if (y == x)
             store_slice(dtype, dst, gi * g, g, x);
     }
@@ -497,8 +246,13 @@ static void decode_q4(uint32_t dtype, uint32_t d, uint32_t g, const uint8_t *rec
 static void encode_vectors(uint32_t codec, uint32_t dtype, uint32_t d, const void *src, size_t n, void *dst)
 {
 #ifdef KVH_CODEC_X86_VECTOR
-    if (codec != KVH_CODEC_NONE && kvhi_codec_active_isa() == KVHI_CODEC_AVX512) {
+    int isa = codec != KVH_CODEC_NONE ? kvhi_codec_active_isa() : KVHI_CODEC_SCALAR;
+    if (isa == KVHI_CODEC_AVX512) {
         kvhi_codec_encode_avx512(codec, dtype, d, kvhi_codec_group(codec, d), src, n, dst);
+        return;
+    }
+    if (isa == KVHI_CODEC_AVX2) {
+        kvhi_codec_encode_avx2(codec, dtype, d, kvhi_codec_group(codec, d), src, n, dst);
         return;
     }
 #endif
@@ -524,8 +278,13 @@ static void encode_vectors(uint32_t codec, uint32_t dtype, uint32_t d, const voi
 static void decode_vectors(uint32_t codec, uint32_t dtype, uint32_t d, const void *src, size_t n, void *dst)
 {
 #ifdef KVH_CODEC_X86_VECTOR
-    if (codec != KVH_CODEC_NONE && kvhi_codec_active_isa() == KVHI_CODEC_AVX512) {
+    int isa = codec != KVH_CODEC_NONE ? kvhi_codec_active_isa() : KVHI_CODEC_SCALAR;
+    if (isa == KVHI_CODEC_AVX512) {
         kvhi_codec_decode_avx512(codec, dtype, d, kvhi_codec_group(codec, d), src, n, dst);
+        return;
+    }
+    if (isa == KVHI_CODEC_AVX2) {
+        kvhi_codec_decode_avx2(codec, dtype, d, kvhi_codec_group(codec, d), src, n, dst);
         return;
     }
 #endif

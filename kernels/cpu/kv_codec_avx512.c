@@ -530,37 +530,5 @@ CODEC_LOOPS(f32, KVH_DTYPE_F32, 4)
 CODEC_LOOPS(f16, KVH_DTYPE_F16, 2)
 CODEC_LOOPS(bf16, KVH_DTYPE_BF16, 2)
 
-void kvhi_codec_encode_avx512(uint32_t codec, uint32_t dtype, uint32_t d, uint32_t g, const void *src, size_t n,
-                              void *dst)
-{
-    bool int8 = codec == KVH_CODEC_INT8;
-    switch (dtype) {
-    case KVH_DTYPE_F16:
-        int8 ? encode_int8_f16(d, src, n, dst) : encode_q4_f16(d, g, src, n, dst);
-        break;
-    case KVH_DTYPE_BF16:
-        int8 ? encode_int8_bf16(d, src, n, dst) : encode_q4_bf16(d, g, src, n, dst);
-        break;
-    default:
-        int8 ? encode_int8_f32(d, src, n, dst) : encode_q4_f32(d, g, src, n, dst);
-        break;
-    }
-}
-
-void kvhi_codec_decode_avx512(uint32_t codec, uint32_t dtype, uint32_t d, uint32_t g, const void *src, size_t n,
-                              void *dst)
-{
-    bool int8 = codec == KVH_CODEC_INT8;
-    switch (dtype) {
-    case KVH_DTYPE_F16:
-        int8 ? decode_int8_f16(d, src, n, dst) : decode_q4_f16(d, g, src, n, dst);
-        break;
-    case KVH_DTYPE_BF16:
-        int8 ? decode_int8_bf16(d, src, n, dst) : decode_q4_bf16(d, g, src, n, dst);
-        break;
-    default:
-        int8 ? decode_int8_f32(d, src, n, dst) : decode_q4_f32(d, g, src, n, dst);
-        break;
-    }
-}
+KVHI_CODEC_ENTRIES(avx512)
 #endif

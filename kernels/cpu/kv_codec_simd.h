@@ -15,6 +15,39 @@ void kvhi_codec_encode_avx512(uint32_t codec, uint32_t dtype, uint32_t d, uint32
                               void *dst);
 void kvhi_codec_decode_avx512(uint32_t codec, uint32_t dtype, uint32_t d, uint32_t g, const void *src, size_t n,
                               void *dst);
+/* The same on AVX2 + FMA + F16C (kv_codec_avx2.c). */
+void kvhi_codec_encode_avx2(uint32_t codec, uint32_t dtype, uint32_t d, uint32_t g, const void *src, size_t n,
+                            void *dst);
+void kvhi_codec_decode_avx2(uint32_t codec, uint32_t dtype, uint32_t d, uint32_t g, const void *src, size_t n,
+                            void *dst);
+
+/* Defines kvhi_codec_encode_<isa> and kvhi_codec_decode_<isa> over a
+ * set's per-dtype functions, named {encode,decode}_{int8,q4}_{f32,f16,bf16}
+ * and taking (d, [g,] src, n, dst). */
+#define KVHI_CODEC_BY_DTYPE(op)                                                                                        \
+    bool int8 = codec == KVH_CODEC_INT8;                                                                               \
+    switch (dtype) {                                                                                                   \
+    case KVH_DTYPE_F16:                                                                                                \
+        int8 ? op##_int8_f16(d, src, n, dst) : op##_q4_f16(d, g, src, n, dst);                                         \
+        break;                                                                                                         \
+    case KVH_DTYPE_BF16:                                                                                               \
+        int8 ? op##_int8_bf16(d, src, n, dst) : op##_q4_bf16(d, g, src, n, dst);                                       \
+        break;                                                                                                         \
+    default:                                                                                                           \
+        int8 ? op##_int8_f32(d, src, n, dst) : op##_q4_f32(d, g, src, n, dst);                                         \
+        break;                                                                                                         \
+    }
+#define KVHI_CODEC_ENTRIES(isa)                                                                                        \
+    void kvhi_codec_encode_##isa(uint32_t codec, uint32_t dtype, uint32_t d, uint32_t g, const void *src, size_t n,    \
+                                 void *dst)                                                                            \
+    {                                                                                                                  \
+        KVHI_CODEC_BY_DTYPE(encode)                                                                                    \
+    }                                                                                                                  \
+    void kvhi_codec_decode_##isa(uint32_t codec, uint32_t dtype, uint32_t d, uint32_t g, const void *src, size_t n,    \
+                                 void *dst)                                                                            \
+    {                                                                                                                  \
+        KVHI_CODEC_BY_DTYPE(decode)                                                                                    \
+    }
 #endif
 
 #endif
