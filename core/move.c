@@ -447,8 +447,9 @@ kvh_status kvhi_move_block(kvh_engine *e, uint32_t b, uint32_t tier, uint32_t fo
     (void)for_agent; /* b's own agent is charged */
     kvhi_block *blk = &e->blocks[b];
     uint32_t gen = blk->gen;
-    /* Only a trade through the spare can follow a failed first try. */
-    bool may_trade = tier == KVH_TIER_DEVICE && e->host_spare != KVHI_NO_BLOCK && blk->tier == KVH_TIER_DISK;
+    /* Only a trade through the spare can follow a failed first try (the
+     * spare may be lent now and paid back by the time it fails). */
+    bool may_trade = tier == KVH_TIER_DEVICE && e->host_spare_wanted && blk->tier == KVH_TIER_DISK;
     kvhi_error_kept before;
     if (may_trade)
         kvhi_error_keep(&before);
