@@ -63,14 +63,6 @@ size_t kvhi_codec_vector_bytes(uint32_t codec, uint32_t dtype, uint32_t head_dim
     }
 }
 
-static void put_f32(uint8_t *p, float v) { memcpy(p, &v, sizeof(v)); }
-static float get_f32(const uint8_t *p)
-{
-    float v;
-    memcpy(&v, p, sizeof(v));
-    return v;
-}
-
 /* Vectors are converted to and from f32 a slice at a time, with the dtype
  * chosen once per slice rather than per element, so the loops stay tight;
  * head_dim has no upper bound here (the public kvh_codec_* calls). */
@@ -169,7 +161,7 @@ static void encode_int8(uint32_t dtype, uint32_t d, const void *src, uint8_t *re
     }
     float scale = kvhi_codec_int8_scale_fit(amax / 127.0f);
     double inv = scale > 0.0f ? 1.0 / scale : 0.0; /* of the scale as stored */
-    put_f32(rec, scale);
+    kvhi_codec_put_f32(rec, scale);
     int8_t *codes = (int8_t *)(rec + sizeof(float));
     for (uint32_t at = 0; at < d; at += SLICE) {
         uint32_t n = d - at < SLICE ? d - at : SLICE;
@@ -184,7 +176,7 @@ static void encode_int8(uint32_t dtype, uint32_t d, const void *src, uint8_t *re
 
 static void decode_int8(uint32_t dtype, uint32_t d, const uint8_t *rec, void *dst)
 {
-    float scale = get_f32(rec), x[SLICE];
+    float scale = kvhi_codec_get_f32(rec), x[SLICE];
     const int8_t *codes = (const int8_t *)(rec + sizeof(float));
     for (uint32_t at = 0; at < d; at += SLICE) {
         uint32_t n = d - at < SLICE ? d - at : SLICE;
@@ -214,8 +206,8 @@ static void encode_q4(uint32_t dtype, uint32_t d, uint32_t g, const void *src, u
         /* hi - lo may exceed FLT_MAX; the scale (a 15th of it) does not */
         float scale = kvhi_codec_q4_scale_fit((float)(((double)hi - lo) / 15.0), lo);
         double inv = scale > 0.0f ? 1.0 / scale : 0.0;
-        put_f32(rec + (size_t)gi * 2 * sizeof(float), scale);
-        put_f32(rec + (size_t)gi * 2 * sizeof(float) + sizeof(float), lo);
+        kvhi_codec_put_f32(rec + (size_t)gi * 2 * sizeof(float), scale);
+        kvhi_codec_put_f32(rec + (size_t)gi * 2 * sizeof(float) + sizeof(float), lo);
         uint8_t *gc = codes + (size_t)gi * g / 2;
         for (uint32_t i = 0; i < g; i++) {
             int q = inv > 0.0 ? quantise(x[i], lo, inv, 0, 15, 0) : (x[i] == INFINITY ? 15 : 0);
@@ -230,8 +222,8 @@ static void decode_q4(uint32_t dtype, uint32_t d, uint32_t g, const uint8_t *rec
     const uint8_t *codes = rec + (size_t)groups * 2 * sizeof(float);
     float x[64];
     for (uint32_t gi = 0; gi < groups; gi++) {
-        float scale = get_f32(rec + (size_t)gi * 2 * sizeof(float));
-        float lo = get_f32(rec + (size_t)gi * 2 * sizeof(float) + sizeof(float));
+        float scale = kvhi_codec_get_f32(rec + (size_t)gi * 2 * sizeof(float));
+        float lo = kvhi_codec_get_f32(rec + (size_t)gi * 2 * sizeof(float) + sizeof(float));
         const uint8_t *gc = codes + (size_t)gi * g / 2;
         f32_any *y = dtype == KVH_DTYPE_F32 ? (f32_any *)dst + gi * g : x;
         for (uint32_t i = 0; i < g; i++) {

@@ -23,6 +23,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 /* Bytes of one encoded vector; 0 when the codec is unknown or head_dim does
  * not fit it (Q4 needs head_dim to be a multiple of its group). NONE gives
@@ -54,6 +55,15 @@ static inline float kvhi_codec_int8_scale_fit(float scale)
 static inline float kvhi_codec_q4_scale_fit(float scale, float lo)
 {
     return __builtin_isinf((float)(lo + 15.0 * (double)scale)) ? __builtin_nextafterf(scale, 0.0f) : scale;
+}
+
+/* A record's f32 fields (scales, minima) sit at any alignment. */
+static inline void kvhi_codec_put_f32(uint8_t *p, float v) { memcpy(p, &v, sizeof(v)); }
+static inline float kvhi_codec_get_f32(const uint8_t *p)
+{
+    float v;
+    memcpy(&v, p, sizeof(v));
+    return v;
 }
 
 /* Elements per quantisation group (head_dim for INT8, 0 for NONE). */

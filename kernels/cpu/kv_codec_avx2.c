@@ -32,14 +32,6 @@
 #define NEAR_HALF (0.5f - 0x1p-12f)
 #define ROUND_NEAREST (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 
-static void put_f32(uint8_t *p, float v) { memcpy(p, &v, sizeof(v)); }
-static float get_f32(const uint8_t *p)
-{
-    float v;
-    memcpy(&v, p, sizeof(v));
-    return v;
-}
-
 /* Runs body for each chunk of 8 of n elements, with i its first element
  * and `left` the elements it has (8 but in the tail). */
 #define FOR_CHUNKS(n, body)                                                                                            \
@@ -309,7 +301,7 @@ AVX2_INLINE void encode_int8(uint32_t dtype, uint32_t d, const uint8_t *src, uin
     float amax = int8_amax(dtype, d, src, &finite);
     float scale = kvhi_codec_int8_scale_fit(amax / 127.0f);
     float inv_f = 1.0f / scale; /* within 2^-24 of 1 / scale */
-    put_f32(rec, scale);
+    kvhi_codec_put_f32(rec, scale);
     int8_t *codes = (int8_t *)(rec + sizeof(float));
     if (finite && scale >= FLT_MIN)
         int8_codes_finite(dtype, d, src, scale, inv_f, codes);
@@ -319,12 +311,12 @@ AVX2_INLINE void encode_int8(uint32_t dtype, uint32_t d, const uint8_t *src, uin
 
 AVX2_INLINE void decode_int8(uint32_t dtype, uint32_t d, const uint8_t *rec, void *dst)
 {
-    const __m256 scale = _mm256_set1_ps(get_f32(rec));
+    const __m256 scale = _mm256_set1_ps(kvhi_codec_get_f32(rec));
     const int8_t *codes = (const int8_t *)(rec + sizeof(float));
     uint32_t at = 0;
     /* A finite scale times a code is never a NaN: bf16 needs no NaN
      * test then, and goes 16 at a time. */
-    if (dtype == KVH_DTYPE_BF16 && isfinite(get_f32(rec)))
+    if (dtype == KVH_DTYPE_BF16 && isfinite(kvhi_codec_get_f32(rec)))
         for (; at + 16 <= d; at += 16) {
             __m128i b = _mm_loadu_si128((const __m128i *)(codes + at));
             __m256 y0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), scale);
@@ -550,8 +542,8 @@ AVX2_INLINE void encode_q4_batch(uint32_t dtype, uint32_t d, uint32_t g, const u
             scale[k] = fitted;
             inv[k] = 1.0f / fitted;
         }
-        put_f32(head, scale[k]);
-        put_f32(head + sizeof(float), lo[k]);
+        kvhi_codec_put_f32(head, scale[k]);
+        kvhi_codec_put_f32(head + sizeof(float), lo[k]);
         bool in_float = ((in_range >> k) & 1) && scale[k] >= FLT_MIN;
         if (in_float && finite[k])
             q4_codes_finite(dtype, g, x, lo[k], scale[k], inv[k], gc);
@@ -623,7 +615,7 @@ AVX2_INLINE void decode_q4(uint32_t dtype, uint32_t d, uint32_t g, const uint8_t
     for (uint32_t gi = 0; gi < groups; gi++) {
         const uint8_t *head = rec + (size_t)gi * 2 * sizeof(float), *gc = codes + (size_t)gi * g / 2;
         __m256 v0, v8;
-        q4_values(get_f32(head), get_f32(head + sizeof(float)), &v0, &v8);
+        q4_values(kvhi_codec_get_f32(head), kvhi_codec_get_f32(head + sizeof(float)), &v0, &v8);
         if (dtype == KVH_DTYPE_F32)
             lookup_q4_f32(g, gc, v0, v8, (float *)dst + (size_t)gi * g);
         else
@@ -639,23 +631,7 @@ AVX2_INLINE void decode_q4(uint32_t dtype, uint32_t d, uint32_t g, const uint8_t
         for (size_t v = 0; v < n; v++)                                                                                 \
             encode_int8(dtype, d, s + v * d * (eb), o + v * (sizeof(float) + d));                                      \
     }                                                                                                                  \
-    static AVX2 void decode_int8_##suffix(uint32_t d, const uint8_t *s, size_t n, uint8_t *o)                          \
-    {                                                                                                                  \
-        for (size_t v = 0; v < n; v++)                                                                                 \
-            decode_int8(dtype, d, s + v * (sizeof(float) + d), o + v * d * (eb));                                      \
-    }                                                                                                                  \
-    static AVX2 void encode_q4_##suffix(uint32_t d, uint32_t g, const uint8_t *s, size_t n, uint8_t *o)                \
-    {                                                                                                                  \
-        size_t groups = n * (d / g);                                                                                   \
-        for (size_t k = 0; k < groups; k += BATCH)                                                                     \
-            encode_q4_batch(dtype, d, g, s, k, groups - k < BATCH ? (uint32_t)(groups - k) : BATCH, o);                \
-    }                                                                                                                  \
-    static AVX2 void decode_q4_##suffix(uint32_t d, uint32_t g, const uint8_t *s, size_t n, uint8_t *o)                \
-    {                                                                                                                  \
-        size_t rec = (size_t)(d / g) * 2 * sizeof(float) + d / 2;                                                      \
-        for (size_t v = 0; v < n; v++)                                                                                 \
-            decode_q4(dtype, d, g, s + v * rec, o + v * d * (eb));                                                     \
-    }
+    KVHI_CODEC_SHARED_LOOPS(AVX2, suffix, dtype, eb)
 
 CODEC_LOOPS(f32, KVH_DTYPE_F32, 4)
 CODEC_LOOPS(f16, KVH_DTYPE_F16, 2)

@@ -38,14 +38,6 @@
 #define NEAR_HALF (0.5f - 0x1p-12f)
 #define ROUND_NEAREST (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 
-static void put_f32(uint8_t *p, float v) { memcpy(p, &v, sizeof(v)); }
-static float get_f32(const uint8_t *p)
-{
-    float v;
-    memcpy(&v, p, sizeof(v));
-    return v;
-}
-
 /* Lanes of a chunk starting `left` elements before the end. */
 static inline __mmask16 lanes(uint32_t left) { return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1); }
 
@@ -276,7 +268,7 @@ AVX512_INLINE void encode_int8_batch(uint32_t dtype, uint32_t d, const uint8_t *
             scale[v] = fitted;
             inv[v] = 1.0f / fitted;
         }
-        put_f32(r, scale[v]);
+        kvhi_codec_put_f32(r, scale[v]);
         if (finite[v] && scale[v] >= FLT_MIN)
             int8_codes_finite(dtype, d, x, scale[v], inv[v], codes);
         else
@@ -286,7 +278,7 @@ AVX512_INLINE void encode_int8_batch(uint32_t dtype, uint32_t d, const uint8_t *
 
 AVX512_INLINE void decode_int8(uint32_t dtype, uint32_t d, const uint8_t *rec, void *dst)
 {
-    const __m512 scale = _mm512_set1_ps(get_f32(rec));
+    const __m512 scale = _mm512_set1_ps(kvhi_codec_get_f32(rec));
     const int8_t *codes = (const int8_t *)(rec + sizeof(float));
     FOR_CHUNKS(d, {
         __m512i c = _mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(k, codes + i));
@@ -447,8 +439,8 @@ AVX512_INLINE void encode_q4_batch(uint32_t dtype, uint32_t d, uint32_t g, const
             scale[k] = fitted;
             inv[k] = 1.0f / fitted;
         }
-        put_f32(head, scale[k]);
-        put_f32(head + sizeof(float), lo[k]);
+        kvhi_codec_put_f32(head, scale[k]);
+        kvhi_codec_put_f32(head + sizeof(float), lo[k]);
         bool fast = (in_float >> k) & 1;
         if (fast && ((finite >> k) & 1))
             q4_codes_finite(dtype, g, x, lo[k], scale[k], inv[k], gc);
@@ -475,7 +467,7 @@ AVX512_INLINE void decode_q4(uint32_t dtype, uint32_t d, uint32_t g, const uint8
     const uint8_t *codes = rec + (size_t)groups * 2 * sizeof(float);
     for (uint32_t gi = 0; gi < groups; gi++) {
         const uint8_t *head = rec + (size_t)gi * 2 * sizeof(float), *gc = codes + (size_t)gi * g / 2;
-        __m512 values = q4_values(get_f32(head), get_f32(head + sizeof(float)));
+        __m512 values = q4_values(kvhi_codec_get_f32(head), kvhi_codec_get_f32(head + sizeof(float)));
         uint32_t at = gi * g;
         if (dtype == KVH_DTYPE_F32) {
             for (uint32_t i = 0; i < g; i += 16) {
@@ -508,23 +500,7 @@ AVX512_INLINE void decode_q4(uint32_t dtype, uint32_t d, uint32_t g, const uint8
         for (size_t v = 0; v < n; v += BATCH)                                                                          \
             encode_int8_batch(dtype, d, s + v * in, n - v < BATCH ? (uint32_t)(n - v) : BATCH, in, o + v * out, out);  \
     }                                                                                                                  \
-    static AVX512 void decode_int8_##suffix(uint32_t d, const uint8_t *s, size_t n, uint8_t *o)                        \
-    {                                                                                                                  \
-        for (size_t v = 0; v < n; v++)                                                                                 \
-            decode_int8(dtype, d, s + v * (sizeof(float) + d), o + v * d * (eb));                                      \
-    }                                                                                                                  \
-    static AVX512 void encode_q4_##suffix(uint32_t d, uint32_t g, const uint8_t *s, size_t n, uint8_t *o)              \
-    {                                                                                                                  \
-        size_t groups = n * (d / g);                                                                                   \
-        for (size_t k = 0; k < groups; k += BATCH)                                                                     \
-            encode_q4_batch(dtype, d, g, s, k, groups - k < BATCH ? (uint32_t)(groups - k) : BATCH, o);                \
-    }                                                                                                                  \
-    static AVX512 void decode_q4_##suffix(uint32_t d, uint32_t g, const uint8_t *s, size_t n, uint8_t *o)              \
-    {                                                                                                                  \
-        size_t rec = (size_t)(d / g) * 2 * sizeof(float) + d / 2;                                                      \
-        for (size_t v = 0; v < n; v++)                                                                                 \
-            decode_q4(dtype, d, g, s + v * rec, o + v * d * (eb));                                                     \
-    }
+    KVHI_CODEC_SHARED_LOOPS(AVX512, suffix, dtype, eb)
 
 CODEC_LOOPS(f32, KVH_DTYPE_F32, 4)
 CODEC_LOOPS(f16, KVH_DTYPE_F16, 2)

@@ -21,6 +21,29 @@ void kvhi_codec_encode_avx2(uint32_t codec, uint32_t dtype, uint32_t d, uint32_t
 void kvhi_codec_decode_avx2(uint32_t codec, uint32_t dtype, uint32_t d, uint32_t g, const void *src, size_t n,
                             void *dst);
 
+/* Three of a set's per-dtype loops, the same on every set, with its
+ * target attribute: over n records for decoding, over the flat sequence
+ * of 4-bit groups, BATCH at a time, for encoding. The set defines
+ * decode_int8, decode_q4, encode_q4_batch and BATCH. */
+#define KVHI_CODEC_SHARED_LOOPS(attr, suffix, dtype, eb)                                                               \
+    static attr void decode_int8_##suffix(uint32_t d, const uint8_t *s, size_t n, uint8_t *o)                          \
+    {                                                                                                                  \
+        for (size_t v = 0; v < n; v++)                                                                                 \
+            decode_int8(dtype, d, s + v * (sizeof(float) + d), o + v * d * (eb));                                      \
+    }                                                                                                                  \
+    static attr void encode_q4_##suffix(uint32_t d, uint32_t g, const uint8_t *s, size_t n, uint8_t *o)                \
+    {                                                                                                                  \
+        size_t groups = n * (d / g);                                                                                   \
+        for (size_t k = 0; k < groups; k += BATCH)                                                                     \
+            encode_q4_batch(dtype, d, g, s, k, groups - k < BATCH ? (uint32_t)(groups - k) : BATCH, o);                \
+    }                                                                                                                  \
+    static attr void decode_q4_##suffix(uint32_t d, uint32_t g, const uint8_t *s, size_t n, uint8_t *o)                \
+    {                                                                                                                  \
+        size_t rec = (size_t)(d / g) * 2 * sizeof(float) + d / 2;                                                      \
+        for (size_t v = 0; v < n; v++)                                                                                 \
+            decode_q4(dtype, d, g, s + v * rec, o + v * d * (eb));                                                     \
+    }
+
 /* Defines kvhi_codec_encode_<isa> and kvhi_codec_decode_<isa> over a
  * set's per-dtype functions, named {encode,decode}_{int8,q4}_{f32,f16,bf16}
  * and taking (d, [g,] src, n, dst). */
