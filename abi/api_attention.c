@@ -115,11 +115,9 @@ static kvh_status attention(kvh_engine *e, uint32_t layer, const kvh_seq *seqs, 
         kvhi_attn_call_free(c);
         return kvhi_api_leave(e, st);
     }
-    /* The call leaves the engine itself (its runs end on workers). */
-    st = kvhi_attn_call_run(e, c, q, out, pr.stream);
-    if (st == KVH_OK)
-        kvhi_clear_error(); /* a streamed window may have met a full tier, then found room */
-    return st;
+    /* The call leaves the engine itself (its runs end on workers); a
+     * streamed window may have met a full tier, then found room. */
+    return kvhi_api_result(kvhi_attn_call_run(e, c, q, out, pr.stream));
 }
 
 kvh_status kvh_attention_decode(kvh_engine *e, uint32_t layer, const kvh_seq *seqs, size_t n_seqs, const void *q,

@@ -21,15 +21,21 @@ static inline kvh_status kvhi_api_enter(kvh_engine *e)
     return kvhi_enter(e);
 }
 
-/* Leaves e at the end of a call that returns st. A call that succeeds
- * leaves kvh_last_error() empty (kvh.h), even where it met a failure on
- * the way and went on (a tier without room, then the next one). */
-static inline kvh_status kvhi_api_leave(kvh_engine *e, kvh_status st)
+/* A call's status as it returns it: one that succeeds leaves
+ * kvh_last_error() empty (kvh.h), even where it met a failure on the way
+ * and went on (a tier without room, then the next one). */
+static inline kvh_status kvhi_api_result(kvh_status st)
 {
-    kvhi_leave(e);
     if (st == KVH_OK)
         kvhi_clear_error();
     return st;
+}
+
+/* Leaves e at the end of a call that returns st (kvhi_api_result). */
+static inline kvh_status kvhi_api_leave(kvh_engine *e, kvh_status st)
+{
+    kvhi_leave(e);
+    return kvhi_api_result(st);
 }
 
 /* Enters e and resolves seq; on failure the engine is left again. */
