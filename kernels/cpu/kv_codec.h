@@ -57,6 +57,19 @@ static inline float kvhi_codec_q4_scale_fit(float scale, float lo)
     return __builtin_isinf((float)(lo + 15.0 * (double)scale)) ? __builtin_nextafterf(scale, 0.0f) : scale;
 }
 
+/* Whether an int8 scale (normal, as the finite-vector path requires) is
+ * a power of two. Its reciprocal is then exact in float, and so is every
+ * product x / scale of an input that is not lost below 2^-126 (where the
+ * code is 0 either way): the float product is the format's double one,
+ * ties included, which it otherwise is not trusted near. Such scales are
+ * common: a largest magnitude of 127 * 2^k (254/64 in bf16) gives one. */
+static inline int kvhi_codec_scale_is_pow2(float scale)
+{
+    uint32_t bits;
+    memcpy(&bits, &scale, sizeof(bits));
+    return (bits & 0x007fffffu) == 0 && scale >= 0x1p-126f;
+}
+
 /* A record's f32 fields (scales, minima) sit at any alignment. */
 static inline void kvhi_codec_put_f32(uint8_t *p, float v) { memcpy(p, &v, sizeof(v)); }
 static inline float kvhi_codec_get_f32(const uint8_t *p)

@@ -181,11 +181,13 @@ AVX2_INLINE void store_int8_16(int8_t *out, __m256i c0, __m256i c1)
  * product is trusted (scale normal): |q| stays within 127.0001 and no
  * NaN occurs. The largest distance from q to its code over 16 elements
  * (over the tail: the whole tail) tells whether any was near a
- * half-integer: those are then done again in double. */
+ * half-integer: those are then done again in double, unless the scale
+ * is a power of two. */
 AVX2_INLINE void int8_codes_finite(uint32_t dtype, uint32_t d, const void *src, float s, float inv_f, int8_t *codes)
 {
     const __m256 vinv = _mm256_set1_ps(inv_f), magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    const __m256 near_half = _mm256_set1_ps(NEAR_HALF);
+    /* a power-of-two scale: the float product is exact, ties included */
+    const __m256 near_half = _mm256_set1_ps(kvhi_codec_scale_is_pow2(s) ? INFINITY : NEAR_HALF);
     double inv = 1.0 / s;
     uint32_t at = 0;
     for (; at + 16 <= d; at += 16) {
@@ -295,18 +297,49 @@ AVX2_INLINE float int8_amax(uint32_t dtype, uint32_t d, const void *src, bool *f
     return amax;
 }
 
-AVX2_INLINE void encode_int8(uint32_t dtype, uint32_t d, const uint8_t *src, uint8_t *rec)
+/* Vectors (int8) or 4-bit groups encoded together: their scales are
+ * computed with vector divisions, the format's operations and so the same
+ * values, which takes the divisions' latency off each one's path. */
+enum { BATCH = 8 };
+
+/* The next batch's input, fetched while this one is coded: the range
+ * pass reads a whole batch before any coding, which on its own leaves
+ * the loads' latency with nothing to overlap (prefetches do not fault,
+ * past the input's end included). */
+AVX2_INLINE void prefetch_next(const uint8_t *p, size_t bytes)
 {
-    bool finite;
-    float amax = int8_amax(dtype, d, src, &finite);
-    float scale = kvhi_codec_int8_scale_fit(amax / 127.0f);
-    float inv_f = 1.0f / scale; /* within 2^-24 of 1 / scale */
-    kvhi_codec_put_f32(rec, scale);
-    int8_t *codes = (int8_t *)(rec + sizeof(float));
-    if (finite && scale >= FLT_MIN)
-        int8_codes_finite(dtype, d, src, scale, inv_f, codes);
-    else
-        int8_codes(dtype, d, src, scale, inv_f, codes);
+    for (size_t at = 0; at < bytes; at += 64)
+        _mm_prefetch((const char *)p + at, _MM_HINT_T0);
+}
+
+/* nv <= BATCH vectors of d elements, raw stride `in` bytes, records of
+ * `out` bytes. */
+AVX2_INLINE void encode_int8_batch(uint32_t dtype, uint32_t d, const uint8_t *src, uint32_t nv, size_t in, uint8_t *rec,
+                                   size_t out)
+{
+    float amax[BATCH] = {0}, scale[BATCH], inv[BATCH];
+    bool finite[BATCH];
+    for (uint32_t v = 0; v < nv; v++)
+        amax[v] = int8_amax(dtype, d, src + v * in, &finite[v]);
+    __m256 vs = _mm256_div_ps(_mm256_loadu_ps(amax), _mm256_set1_ps(127.0f));
+    _mm256_storeu_ps(scale, vs);
+    _mm256_storeu_ps(inv, _mm256_div_ps(_mm256_set1_ps(1.0f), vs)); /* within 2^-24 of 1 / scale */
+    for (uint32_t v = 0; v < nv; v++) {
+        const uint8_t *x = src + v * in;
+        uint8_t *r = rec + v * out;
+        int8_t *codes = (int8_t *)(r + sizeof(float));
+        prefetch_next(x + (size_t)nv * in, in);
+        float fitted = kvhi_codec_int8_scale_fit(scale[v]);
+        if (fitted != scale[v]) {
+            scale[v] = fitted;
+            inv[v] = 1.0f / fitted;
+        }
+        kvhi_codec_put_f32(r, scale[v]);
+        if (finite[v] && scale[v] >= FLT_MIN)
+            int8_codes_finite(dtype, d, x, scale[v], inv[v], codes);
+        else
+            int8_codes(dtype, d, x, scale[v], inv[v], codes);
+    }
 }
 
 AVX2_INLINE void decode_int8(uint32_t dtype, uint32_t d, const uint8_t *rec, void *dst)
@@ -503,12 +536,7 @@ AVX2_INLINE void q4_codes(uint32_t dtype, uint32_t g, const void *src, float lo,
     }
 }
 
-/* ---- 4-bit encoding, BATCH groups at a time ----
- * The scales of BATCH groups (in the flat sequence of groups of every
- * vector) are computed together with vector divisions, the format's
- * operations and so the same values: the divisions' latency is then off
- * each group's path. */
-enum { BATCH = 8 };
+/* ---- 4-bit encoding, BATCH groups at a time (see BATCH) ---- */
 
 AVX2_INLINE void encode_q4_batch(uint32_t dtype, uint32_t d, uint32_t g, const uint8_t *src, size_t first, uint32_t ng,
                                  uint8_t *dst)
@@ -625,17 +653,9 @@ AVX2_INLINE void decode_q4(uint32_t dtype, uint32_t d, uint32_t g, const uint8_t
 
 /* ---- per-dtype loops over n vectors ---- */
 
-#define CODEC_LOOPS(suffix, dtype, eb)                                                                                 \
-    static AVX2 void encode_int8_##suffix(uint32_t d, const uint8_t *s, size_t n, uint8_t *o)                          \
-    {                                                                                                                  \
-        for (size_t v = 0; v < n; v++)                                                                                 \
-            encode_int8(dtype, d, s + v * d * (eb), o + v * (sizeof(float) + d));                                      \
-    }                                                                                                                  \
-    KVHI_CODEC_SHARED_LOOPS(AVX2, suffix, dtype, eb)
-
-CODEC_LOOPS(f32, KVH_DTYPE_F32, 4)
-CODEC_LOOPS(f16, KVH_DTYPE_F16, 2)
-CODEC_LOOPS(bf16, KVH_DTYPE_BF16, 2)
+KVHI_CODEC_SHARED_LOOPS(AVX2, f32, KVH_DTYPE_F32, 4)
+KVHI_CODEC_SHARED_LOOPS(AVX2, f16, KVH_DTYPE_F16, 2)
+KVHI_CODEC_SHARED_LOOPS(AVX2, bf16, KVH_DTYPE_BF16, 2)
 
 KVHI_CODEC_ENTRIES(avx2)
 #endif

@@ -148,7 +148,7 @@ enum { BATCH = 16 };
  * any element was near a half-integer: the group is then done again in
  * double (such groups tend to have many: a largest magnitude whose
  * mantissa is a multiple of 127 makes every other step a tie). */
-#define ENCODE_FINITE_CHUNKS(n, q_of_x, offset, inv, store)                                                            \
+#define ENCODE_FINITE_CHUNKS(n, q_of_x, offset, inv, near, store)                                                      \
     __m512 worst = _mm512_setzero_ps();                                                                                \
     FOR_CHUNKS(n, {                                                                                                    \
         __m512 x = load16(dtype, src, i, k);                                                                           \
@@ -158,7 +158,7 @@ enum { BATCH = 16 };
         __m512i c = _mm512_cvt_roundps_epi32(q, ROUND_NEAREST);                                                        \
         store;                                                                                                         \
     });                                                                                                                \
-    if (_mm512_cmp_ps_mask(worst, _mm512_set1_ps(NEAR_HALF), _CMP_GE_OQ)) {                                            \
+    if (_mm512_cmp_ps_mask(worst, _mm512_set1_ps(near), _CMP_GE_OQ)) {                                                 \
         FOR_CHUNKS(n, {                                                                                                \
             __m512i c = quantise_exact_finite(load16(dtype, src, i, k), offset, inv);                                  \
             store;                                                                                                     \
@@ -168,7 +168,8 @@ enum { BATCH = 16 };
 AVX512_INLINE void int8_codes_finite(uint32_t dtype, uint32_t d, const void *src, float s, float inv_f, int8_t *codes)
 {
     const __m512 vinv = _mm512_set1_ps(inv_f);
-    ENCODE_FINITE_CHUNKS(d, _mm512_mul_ps(x, vinv), 0.0, 1.0 / s,
+    /* a power-of-two scale: the float product is exact, ties included */
+    ENCODE_FINITE_CHUNKS(d, _mm512_mul_ps(x, vinv), 0.0, 1.0 / s, kvhi_codec_scale_is_pow2(s) ? INFINITY : NEAR_HALF,
                          _mm_mask_storeu_epi8(codes + i, k, _mm512_cvtepi32_epi8(c)));
 }
 
@@ -383,7 +384,8 @@ AVX512_INLINE void q4_codes_finite(uint32_t dtype, uint32_t g, const void *src, 
                                    uint8_t *gc)
 {
     const __m512 vmin = _mm512_set1_ps(lo), vinv = _mm512_set1_ps(inv_f);
-    ENCODE_FINITE_CHUNKS(g, _mm512_mul_ps(_mm512_sub_ps(x, vmin), vinv), lo, 1.0 / s, pack_nibbles(c, gc + i / 2));
+    ENCODE_FINITE_CHUNKS(g, _mm512_mul_ps(_mm512_sub_ps(x, vmin), vinv), lo, 1.0 / s, NEAR_HALF,
+                         pack_nibbles(c, gc + i / 2));
 }
 
 /* Codes of any group, as the format; in_float: the float product is
@@ -493,18 +495,9 @@ AVX512_INLINE void decode_q4(uint32_t dtype, uint32_t d, uint32_t g, const uint8
 
 /* ---- per-dtype loops over n vectors ---- */
 
-#define CODEC_LOOPS(suffix, dtype, eb)                                                                                 \
-    static AVX512 void encode_int8_##suffix(uint32_t d, const uint8_t *s, size_t n, uint8_t *o)                        \
-    {                                                                                                                  \
-        size_t in = (size_t)d * (eb), out = sizeof(float) + d;                                                         \
-        for (size_t v = 0; v < n; v += BATCH)                                                                          \
-            encode_int8_batch(dtype, d, s + v * in, n - v < BATCH ? (uint32_t)(n - v) : BATCH, in, o + v * out, out);  \
-    }                                                                                                                  \
-    KVHI_CODEC_SHARED_LOOPS(AVX512, suffix, dtype, eb)
-
-CODEC_LOOPS(f32, KVH_DTYPE_F32, 4)
-CODEC_LOOPS(f16, KVH_DTYPE_F16, 2)
-CODEC_LOOPS(bf16, KVH_DTYPE_BF16, 2)
+KVHI_CODEC_SHARED_LOOPS(AVX512, f32, KVH_DTYPE_F32, 4)
+KVHI_CODEC_SHARED_LOOPS(AVX512, f16, KVH_DTYPE_F16, 2)
+KVHI_CODEC_SHARED_LOOPS(AVX512, bf16, KVH_DTYPE_BF16, 2)
 
 KVHI_CODEC_ENTRIES(avx512)
 #endif

@@ -21,11 +21,18 @@ void kvhi_codec_encode_avx2(uint32_t codec, uint32_t dtype, uint32_t d, uint32_t
 void kvhi_codec_decode_avx2(uint32_t codec, uint32_t dtype, uint32_t d, uint32_t g, const void *src, size_t n,
                             void *dst);
 
-/* Three of a set's per-dtype loops, the same on every set, with its
- * target attribute: over n records for decoding, over the flat sequence
- * of 4-bit groups, BATCH at a time, for encoding. The set defines
- * decode_int8, decode_q4, encode_q4_batch and BATCH. */
+/* A set's per-dtype loops, the same on every set, with its target
+ * attribute: over n records for decoding, BATCH vectors at a time for
+ * int8 encoding, over the flat sequence of 4-bit groups, BATCH at a
+ * time, for 4-bit encoding. The set defines encode_int8_batch,
+ * decode_int8, encode_q4_batch, decode_q4 and BATCH. */
 #define KVHI_CODEC_SHARED_LOOPS(attr, suffix, dtype, eb)                                                               \
+    static attr void encode_int8_##suffix(uint32_t d, const uint8_t *s, size_t n, uint8_t *o)                          \
+    {                                                                                                                  \
+        size_t in = (size_t)d * (eb), out = sizeof(float) + d;                                                         \
+        for (size_t v = 0; v < n; v += BATCH)                                                                          \
+            encode_int8_batch(dtype, d, s + v * in, n - v < BATCH ? (uint32_t)(n - v) : BATCH, in, o + v * out, out);  \
+    }                                                                                                                  \
     static attr void decode_int8_##suffix(uint32_t d, const uint8_t *s, size_t n, uint8_t *o)                          \
     {                                                                                                                  \
         for (size_t v = 0; v < n; v++)                                                                                 \

@@ -24,7 +24,7 @@ static const uint32_t codecs[] = {KVH_CODEC_INT8, KVH_CODEC_Q4_G32, KVH_CODEC_Q4
 static const uint32_t dtypes[] = {KVH_DTYPE_F32, KVH_DTYPE_F16, KVH_DTYPE_BF16};
 static const int vector_isas[] = {KVHI_CODEC_AVX2, KVHI_CODEC_AVX512};
 
-enum { KINDS = 10, VECTORS = 2 * KINDS };
+enum { KINDS = 11, VECTORS = 2 * KINDS };
 
 static uint32_t elem_size(uint32_t dt) { return dt == KVH_DTYPE_F32 ? 4 : 2; }
 
@@ -72,6 +72,13 @@ static float element(tu_rng *r, int kind, uint32_t i, uint32_t g, float c)
         return gauss(r) * 1e-44f;
     case 8: /* huge */
         return gauss(r) * 1e37f;
+    case 9: /* int8 scale a power of two (c): ties of either sign, and
+             * products lost below 2^-126 */
+        if (i % 16 == 0)
+            return (tu_below(r, 2) ? 127.0f : -127.0f) * c;
+        if (i % 16 == 1)
+            return tu_below(r, 2) ? 1e-45f : -0x1p-126f;
+        return ((float)step + (tu_below(r, 4) ? 0.5f : 0.25f)) * (tu_below(r, 2) ? c : -c);
     default: /* any bits (NaN payloads, signalling NaNs) */
         return bits_f32((uint32_t)tu_next(r));
     }
@@ -86,6 +93,8 @@ static void fill(tu_rng *r, uint32_t dt, uint32_t d, uint32_t g, uint8_t *raw)
         float c = constants[tu_below(r, 8)];
         if (kind == 4 || kind == 5) /* a step of the format */
             c = ldexpf(1.0f + (float)tu_below(r, 1u << 20) / (float)(1u << 20), (int)tu_below(r, 40) - 20);
+        if (kind == 9)
+            c = ldexpf(1.0f, (int)tu_below(r, 40) - 20);
         for (uint32_t i = 0; i < d; i++) {
             float f = element(r, kind, i, g, c);
             size_t at = (size_t)v * d + i;
