@@ -653,12 +653,33 @@ AVX2_INLINE void lookup_q4_f32(uint32_t g, const uint8_t *gc, __m256 v0, __m256 
     }
 }
 
-/* 16-bit values (f16 or bf16): the low and the high bytes of the 16
- * values are two 16-entry byte tables, looked up by each code. */
-AVX2_INLINE void lookup_q4_16(uint32_t dtype, uint32_t g, const uint8_t *gc, __m256 v0, __m256 v8, uint16_t *y)
+/* A group's 16 values as 16-bit (f16 or bf16), 0-7 in *h0 and 8-15 in
+ * *h8. Values of a finite scale and minimum are never NaN, and bf16 then
+ * rounds them without the NaN test. */
+AVX2_INLINE void q4_values16(uint32_t dtype, __m256 v0, __m256 v8, bool finite, __m128i *h0, __m128i *h8)
 {
-    __m128i h0 = dtype == KVH_DTYPE_F16 ? _mm256_cvtps_ph(v0, _MM_FROUND_TO_NEAREST_INT) : to_bf16(v0);
-    __m128i h8 = dtype == KVH_DTYPE_F16 ? _mm256_cvtps_ph(v8, _MM_FROUND_TO_NEAREST_INT) : to_bf16(v8);
+    if (dtype == KVH_DTYPE_F16) {
+        *h0 = _mm256_cvtps_ph(v0, _MM_FROUND_TO_NEAREST_INT);
+        *h8 = _mm256_cvtps_ph(v8, _MM_FROUND_TO_NEAREST_INT);
+    } else if (!finite) {
+        *h0 = to_bf16(v0);
+        *h8 = to_bf16(v8);
+    } else {
+        const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7fff);
+        __m256i b0 = _mm256_castps_si256(v0), b8 = _mm256_castps_si256(v8);
+        __m256i r0 = _mm256_add_epi32(b0, _mm256_add_epi32(half, _mm256_and_si256(_mm256_srli_epi32(b0, 16), one)));
+        __m256i r8 = _mm256_add_epi32(b8, _mm256_add_epi32(half, _mm256_and_si256(_mm256_srli_epi32(b8, 16), one)));
+        __m256i w =
+            _mm256_permute4x64_epi64(_mm256_packus_epi32(_mm256_srli_epi32(r0, 16), _mm256_srli_epi32(r8, 16)), 0xd8);
+        *h0 = _mm256_castsi256_si128(w);
+        *h8 = _mm256_extracti128_si256(w, 1);
+    }
+}
+
+/* 16-bit values: the low and the high bytes of the group's 16 values
+ * (h0, h8) are two 16-entry byte tables, looked up by each code. */
+AVX2_INLINE void lookup_q4_16(uint32_t g, const uint8_t *gc, __m128i h0, __m128i h8, uint16_t *y)
+{
     const __m128i split = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
     __m128i s0 = _mm_shuffle_epi8(h0, split), s8 = _mm_shuffle_epi8(h8, split);
     /* low bytes of values 0..15, then their high bytes, each in both lanes */
@@ -684,11 +705,15 @@ AVX2_INLINE void decode_q4(uint32_t dtype, uint32_t d, uint32_t g, const uint8_t
     for (uint32_t gi = 0; gi < groups; gi++) {
         const uint8_t *head = rec + (size_t)gi * 2 * sizeof(float), *gc = codes + (size_t)gi * g / 2;
         __m256 v0, v8;
-        q4_values(kvhi_codec_get_f32(head), kvhi_codec_get_f32(head + sizeof(float)), &v0, &v8);
+        float scale = kvhi_codec_get_f32(head), lo = kvhi_codec_get_f32(head + sizeof(float));
+        q4_values(scale, lo, &v0, &v8);
         if (dtype == KVH_DTYPE_F32)
             lookup_q4_f32(g, gc, v0, v8, (float *)dst + (size_t)gi * g);
-        else
-            lookup_q4_16(dtype, g, gc, v0, v8, (uint16_t *)dst + (size_t)gi * g);
+        else {
+            __m128i h0, h8;
+            q4_values16(dtype, v0, v8, isfinite(scale) && isfinite(lo), &h0, &h8);
+            lookup_q4_16(g, gc, h0, h8, (uint16_t *)dst + (size_t)gi * g);
+        }
     }
 }
 
