@@ -305,10 +305,12 @@ enum { BATCH = 8 };
 /* The next batch's input, fetched while this one is coded: the range
  * pass reads a whole batch before any coding, which on its own leaves
  * the loads' latency with nothing to overlap (prefetches do not fault,
- * past the input's end included). */
+ * past the input's end included). Vectors above 4 KiB (head_dim over
+ * 1024 in f32) are long enough for the hardware's own prefetch, and
+ * fetching all of one would only push the current one out. */
 AVX2_INLINE void prefetch_next(const uint8_t *p, size_t bytes)
 {
-    for (size_t at = 0; at < bytes; at += 64)
+    for (size_t at = 0; at < bytes && at < 4096; at += 64)
         _mm_prefetch((const char *)p + at, _MM_HINT_T0);
 }
 

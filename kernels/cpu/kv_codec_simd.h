@@ -21,6 +21,11 @@ void kvhi_codec_encode_avx2(uint32_t codec, uint32_t dtype, uint32_t d, uint32_t
 void kvhi_codec_decode_avx2(uint32_t codec, uint32_t dtype, uint32_t d, uint32_t g, const void *src, size_t n,
                             void *dst);
 
+/* The most input bytes an int8 batch reads before coding them: its
+ * vectors' range pass is read again by the code pass, from the cache only
+ * while the batch fits in it (larger vectors go one at a time). */
+#define KVHI_CODEC_BATCH_BYTES (256u * 1024u)
+
 /* A set's per-dtype loops, the same on every set, with its target
  * attribute: over n records for decoding, BATCH vectors at a time for
  * int8 encoding, over the flat sequence of 4-bit groups, BATCH at a
@@ -30,8 +35,10 @@ void kvhi_codec_decode_avx2(uint32_t codec, uint32_t dtype, uint32_t d, uint32_t
     static attr void encode_int8_##suffix(uint32_t d, const uint8_t *s, size_t n, uint8_t *o)                          \
     {                                                                                                                  \
         size_t in = (size_t)d * (eb), out = sizeof(float) + d;                                                         \
-        for (size_t v = 0; v < n; v += BATCH)                                                                          \
-            encode_int8_batch(dtype, d, s + v * in, n - v < BATCH ? (uint32_t)(n - v) : BATCH, in, o + v * out, out);  \
+        size_t step = in * BATCH <= KVHI_CODEC_BATCH_BYTES ? BATCH : 1;                                                \
+        for (size_t v = 0; v < n; v += step)                                                                           \
+            encode_int8_batch(dtype, d, s + v * in, n - v < step ? (uint32_t)(n - v) : (uint32_t)step, in,             \
+                              o + v * out, out);                                                                       \
     }                                                                                                                  \
     static attr void decode_int8_##suffix(uint32_t d, const uint8_t *s, size_t n, uint8_t *o)                          \
     {                                                                                                                  \

@@ -196,6 +196,21 @@ static void test_q4_every_isa_matches_scalar(void **state)
                         compare_isas(&r, codecs[ci], dtypes[ti], dims[di]);
 }
 
+/* Vectors too long for a batch to stay in the cache (KVHI_CODEC_BATCH_BYTES)
+ * are encoded one at a time: the same bytes. */
+static void test_long_vectors_match_scalar(void **state)
+{
+    (void)state;
+    tu_rng r = {tu_seed(94)};
+    static const uint32_t dims[] = {8193, 20000, 40960};
+    for (size_t di = 0; di < sizeof(dims) / sizeof(dims[0]); di++)
+        for (size_t ti = 0; ti < 3; ti++) {
+            compare_isas(&r, KVH_CODEC_INT8, dtypes[ti], dims[di]);
+            if (kvhi_codec_vector_bytes(KVH_CODEC_Q4_G64, dtypes[ti], dims[di]))
+                compare_isas(&r, KVH_CODEC_Q4_G64, dtypes[ti], dims[di]);
+        }
+}
+
 /* Many vectors in one call: the AVX-512 codecs work in batches of 16
  * vectors (int8) or groups (4-bit), so counts around those cross every
  * batch boundary; every vector set runs them. */
@@ -474,6 +489,7 @@ int main(void)
         cmocka_unit_test_teardown(test_int8_every_isa_matches_scalar, tu_teardown),
         cmocka_unit_test_teardown(test_q4_every_isa_matches_scalar, tu_teardown),
         cmocka_unit_test_teardown(test_batches_match_scalar, tu_teardown),
+        cmocka_unit_test_teardown(test_long_vectors_match_scalar, tu_teardown),
         cmocka_unit_test_teardown(test_q4_decode_rounds_twice, tu_teardown),
         cmocka_unit_test_teardown(test_every_isa_ignores_the_callers_fp_env, tu_teardown),
         cmocka_unit_test_teardown(test_every_isa_takes_unaligned_buffers, tu_teardown),
