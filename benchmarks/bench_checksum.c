@@ -192,7 +192,7 @@ int bench_checksum(int argc, char **argv, const bench_ctx *ctx)
         fprintf(stderr, "kvh-bench checksum: --region-mb must be in 4..65536\n");
         return 2;
     }
-    int impls[3], n_impls = 0;
+    int impls[KVHI_CRC32C_FOLD], n_impls = 0;
     for (int impl = KVHI_CRC32C_TABLE; impl <= KVHI_CRC32C_FOLD; impl++)
         if (kvhi_crc32c_supported(impl))
             impls[n_impls++] = impl;

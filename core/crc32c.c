@@ -11,11 +11,11 @@
 #define POLY_NORMAL 0x11edc6f41u /* the same, x^32 included, highest power first */
 
 static uint32_t table[8][256];
-static int have_sse42;
+static int have_sse42, have_fold256, have_fold512;
 static int best_impl;
 static int active_impl; /* KVHI_CRC32C_AUTO until init or a test sets one */
 
-/* Inputs this long and longer go through the 512-bit fold, which leaves
+/* Inputs this long and longer go through a fold, which leaves
  * KVHI_CRC32C_FOLD_BYTES to a single crc32 chain (8 bytes in 3 cycles):
  * from two rounds on it does that chain's work at about ten times its
  * speed. */
@@ -51,6 +51,24 @@ static uint64_t fold_constant(unsigned e)
     return reflected;
 }
 
+/* Whether this CPU runs impl (the flags set, in init). */
+static int runs(int impl)
+{
+    switch (impl) {
+    case KVHI_CRC32C_AUTO:
+    case KVHI_CRC32C_TABLE:
+        return 1;
+    case KVHI_CRC32C_SSE42:
+        return have_sse42;
+    case KVHI_CRC32C_FOLD256:
+        return have_fold256;
+    case KVHI_CRC32C_FOLD:
+        return have_fold512;
+    default:
+        return 0;
+    }
+}
+
 static void init(void)
 {
     for (uint32_t i = 0; i < 256; i++) {
@@ -66,10 +84,15 @@ static void init(void)
     __builtin_cpu_init();
     have_sse42 = __builtin_cpu_supports("sse4.2");
 #endif
-    best_impl = kvhi_crc32c_fold_supported() ? KVHI_CRC32C_FOLD : have_sse42 ? KVHI_CRC32C_SSE42 : KVHI_CRC32C_TABLE;
+    have_fold256 = have_sse42 && kvhi_crc32c_fold256_supported();
+    have_fold512 = have_sse42 && kvhi_crc32c_fold_supported();
+    best_impl = have_fold512   ? KVHI_CRC32C_FOLD
+                : have_fold256 ? KVHI_CRC32C_FOLD256
+                : have_sse42   ? KVHI_CRC32C_SSE42
+                               : KVHI_CRC32C_TABLE;
     const char *env = secure_getenv("KVH_CRC32C_IMPL"); /* A/B runs of one build */
     int named = env ? kvhi_crc32c_impl_by_name(env) : -1;
-    if (named > 0 && named <= best_impl)
+    if (named > 0 && runs(named))
         best_impl = named;
     int expected = KVHI_CRC32C_AUTO;
     __atomic_compare_exchange_n(&active_impl, &expected, best_impl, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
@@ -196,13 +219,16 @@ __attribute__((target("sse4.2"))) static uint32_t crc_copy_hw(uint32_t crc, uint
 #endif
 
 #if defined(__x86_64__)
-/* The fold, then the bytes it leaves and the tail by the crc32
- * instruction from state 0: the running state went in with the input. */
-static uint32_t crc_fold(uint32_t crc, uint8_t *d, const uint8_t *p, size_t n)
+/* The fold (512-bit, or 256-bit where wide is false), then the bytes it
+ * leaves and the tail by the crc32 instruction from state 0: the running
+ * state went in with the input. */
+static uint32_t crc_fold(bool wide, uint32_t crc, uint8_t *d, const uint8_t *p, size_t n)
 {
     uint8_t residue[KVHI_CRC32C_FOLD_BYTES];
     size_t used =
-        d ? kvhi_crc32c_fold_copy(crc, d, p, n, fold_k, residue) : kvhi_crc32c_fold(crc, p, n, fold_k, residue);
+        wide ? (d ? kvhi_crc32c_fold_copy(crc, d, p, n, fold_k, residue) : kvhi_crc32c_fold(crc, p, n, fold_k, residue))
+             : (d ? kvhi_crc32c_fold256_copy(crc, d, p, n, fold_k, residue)
+                  : kvhi_crc32c_fold256(crc, p, n, fold_k, residue));
     crc = crc_hw(0, residue, sizeof(residue));
     return d ? crc_copy_hw(crc, d + used, p + used, n - used) : crc_hw(crc, p + used, n - used);
 }
@@ -218,8 +244,8 @@ uint32_t kvhi_crc32c_copy(uint32_t crc, void *dst, const void *src, size_t n)
 {
     int impl = impl_now();
 #if defined(__x86_64__)
-    if (impl == KVHI_CRC32C_FOLD && n >= FOLD_MIN)
-        return ~crc_fold(~crc, dst, src, n);
+    if (impl >= KVHI_CRC32C_FOLD256 && n >= FOLD_MIN)
+        return ~crc_fold(impl == KVHI_CRC32C_FOLD, ~crc, dst, src, n);
     if (impl >= KVHI_CRC32C_SSE42)
         return ~crc_copy_hw(~crc, dst, src, n);
 #endif
@@ -232,8 +258,8 @@ uint32_t kvhi_crc32c(uint32_t crc, const void *data, size_t n)
 {
     int impl = impl_now();
 #if defined(__x86_64__)
-    if (impl == KVHI_CRC32C_FOLD && n >= FOLD_MIN)
-        return ~crc_fold(~crc, NULL, data, n);
+    if (impl >= KVHI_CRC32C_FOLD256 && n >= FOLD_MIN)
+        return ~crc_fold(impl == KVHI_CRC32C_FOLD, ~crc, NULL, data, n);
     if (impl >= KVHI_CRC32C_SSE42)
         return ~crc_hw(~crc, data, n);
 #endif
@@ -244,17 +270,7 @@ uint32_t kvhi_crc32c(uint32_t crc, const void *data, size_t n)
 int kvhi_crc32c_supported(int impl)
 {
     pthread_once(&init_once, init);
-    switch (impl) {
-    case KVHI_CRC32C_AUTO:
-    case KVHI_CRC32C_TABLE:
-        return 1;
-    case KVHI_CRC32C_SSE42:
-        return have_sse42;
-    case KVHI_CRC32C_FOLD:
-        return have_sse42 && kvhi_crc32c_fold_supported();
-    default:
-        return 0;
-    }
+    return runs(impl);
 }
 
 int kvhi_crc32c_set_impl(int impl)
@@ -269,7 +285,10 @@ int kvhi_crc32c_impl(void) { return impl_now(); }
 
 const char *kvhi_crc32c_impl_name(int impl)
 {
-    return impl == KVHI_CRC32C_FOLD ? "avx512" : impl == KVHI_CRC32C_SSE42 ? "sse42" : "table";
+    return impl == KVHI_CRC32C_FOLD      ? "avx512"
+           : impl == KVHI_CRC32C_FOLD256 ? "avx2"
+           : impl == KVHI_CRC32C_SSE42   ? "sse42"
+                                         : "table";
 }
 
 int kvhi_crc32c_impl_by_name(const char *name)

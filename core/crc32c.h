@@ -1,7 +1,8 @@
 /* CRC32C (Castagnoli), the checksum of everything kvh writes to disk.
  * Long inputs are folded with 512-bit carry-less multiplies where the CPU
- * has AVX-512 and VPCLMULQDQ (core/crc32c_fold.c); the rest uses the SSE4.2
- * crc32 instruction when the CPU has it, a table otherwise. */
+ * has AVX-512 and VPCLMULQDQ, 256-bit ones where it has AVX2 and
+ * VPCLMULQDQ (core/crc32c_fold.c); the rest uses the SSE4.2 crc32
+ * instruction when the CPU has it, a table otherwise. */
 #ifndef KVH_CORE_CRC32C_H
 #define KVH_CORE_CRC32C_H
 
@@ -19,6 +20,7 @@ enum kvhi_crc32c_impl {
     KVHI_CRC32C_AUTO = 0, /* the fastest this CPU runs */
     KVHI_CRC32C_TABLE,    /* slicing-by-8 tables */
     KVHI_CRC32C_SSE42,    /* the crc32 instruction, three chains */
+    KVHI_CRC32C_FOLD256,  /* 256-bit carry-less fold, then SSE4.2 */
     KVHI_CRC32C_FOLD,     /* 512-bit carry-less fold, then SSE4.2 */
 };
 /* 1 when this CPU runs impl. */
@@ -29,7 +31,8 @@ int kvhi_crc32c_set_impl(int impl);
 /* The one in use. */
 int kvhi_crc32c_impl(void);
 const char *kvhi_crc32c_impl_name(int impl);
-/* The implementation KVH_CRC32C_IMPL names (table, sse42, avx512), or -1. */
+/* The implementation KVH_CRC32C_IMPL names (table, sse42, avx2, avx512),
+ * or -1. */
 int kvhi_crc32c_impl_by_name(const char *name);
 
 #endif

@@ -1,4 +1,4 @@
-/* The AVX-512 carry-less-multiply part of CRC32C (core/crc32c.c calls it;
+/* The carry-less-multiply part of CRC32C (core/crc32c.c calls it;
  * nothing else should). */
 #ifndef KVH_CORE_CRC32C_FOLD_H
 #define KVH_CORE_CRC32C_FOLD_H
@@ -10,7 +10,7 @@
 #define KVHI_CRC32C_FOLD_LANES 4
 #define KVHI_CRC32C_FOLD_BYTES (64 * KVHI_CRC32C_FOLD_LANES)
 
-/* 1 when this CPU and OS run kvhi_crc32c_fold. */
+/* 1 when this CPU and OS run kvhi_crc32c_fold (AVX-512). */
 int kvhi_crc32c_fold_supported(void);
 
 /* Folds src (n >= KVHI_CRC32C_FOLD_BYTES; state: the raw crc32 register
@@ -23,5 +23,13 @@ size_t kvhi_crc32c_fold(uint32_t state, const void *src, size_t n, const uint64_
                         uint8_t residue[KVHI_CRC32C_FOLD_BYTES]);
 size_t kvhi_crc32c_fold_copy(uint32_t state, void *dst, const void *src, size_t n, const uint64_t k[2],
                              uint8_t residue[KVHI_CRC32C_FOLD_BYTES]);
+
+/* The same on 256-bit registers (AVX2 and VPCLMULQDQ): the same constants,
+ * the same residue. */
+int kvhi_crc32c_fold256_supported(void);
+size_t kvhi_crc32c_fold256(uint32_t state, const void *src, size_t n, const uint64_t k[2],
+                           uint8_t residue[KVHI_CRC32C_FOLD_BYTES]);
+size_t kvhi_crc32c_fold256_copy(uint32_t state, void *dst, const void *src, size_t n, const uint64_t k[2],
+                                uint8_t residue[KVHI_CRC32C_FOLD_BYTES]);
 
 #endif

@@ -17,7 +17,7 @@ static const struct override {
 } overrides[] = {
     {"KVH_ATTN_ISA", "reference, generic, avx2, avx512", kvhi_attn_isa_by_name, kvhi_attn_cpu_supported},
     {"KVH_CODEC_ISA", "scalar, avx2, avx512", kvhi_codec_isa_by_name, kvhi_codec_isa_supported},
-    {"KVH_CRC32C_IMPL", "table, sse42, avx512", kvhi_crc32c_impl_by_name, kvhi_crc32c_supported},
+    {"KVH_CRC32C_IMPL", "table, sse42, avx2, avx512", kvhi_crc32c_impl_by_name, kvhi_crc32c_supported},
 };
 
 void kvhi_warn_isa_overrides(kvh_engine *e)

@@ -23,7 +23,7 @@ static uint32_t reference(uint32_t crc, const uint8_t *p, size_t n)
     return ~crc;
 }
 
-static const int impls[] = {KVHI_CRC32C_TABLE, KVHI_CRC32C_SSE42, KVHI_CRC32C_FOLD};
+static const int impls[] = {KVHI_CRC32C_TABLE, KVHI_CRC32C_SSE42, KVHI_CRC32C_FOLD256, KVHI_CRC32C_FOLD};
 
 /* Lengths at and around each path's edges: the 8-byte words, the three
  * 4096-byte chains (12288), the fold's threshold and its rounds, and a
@@ -69,7 +69,7 @@ static void test_every_impl_matches_the_reference(void **state)
     (void)state;
     const size_t max = 69632 + 64;
     uint8_t *buf = random_bytes(max, 7);
-    int ran_fold = 0;
+    int ran_fold = 0, ran_fold256 = 0;
     for (size_t i = 0; i < sizeof(impls) / sizeof(impls[0]); i++) {
         if (kvhi_crc32c_set_impl(impls[i]) != 0) {
             assert_false(kvhi_crc32c_supported(impls[i]));
@@ -77,6 +77,7 @@ static void test_every_impl_matches_the_reference(void **state)
         }
         assert_int_equal(kvhi_crc32c_impl(), impls[i]);
         ran_fold |= impls[i] == KVHI_CRC32C_FOLD;
+        ran_fold256 |= impls[i] == KVHI_CRC32C_FOLD256;
         for (size_t l = 0; l < sizeof(lengths) / sizeof(lengths[0]); l++)
             for (size_t align = 0; align < 64; align += (lengths[l] > 4096 ? 13 : 1)) {
                 const uint8_t *p = buf + align;
@@ -85,7 +86,8 @@ static void test_every_impl_matches_the_reference(void **state)
                 assert_int_equal(kvhi_crc32c(seed, p, n), reference(seed, p, n));
             }
     }
-    print_message("    fold path %s on this CPU\n", ran_fold ? "tested" : "not run (no AVX-512 VPCLMULQDQ)");
+    print_message("    512-bit fold %s on this CPU\n", ran_fold ? "tested" : "not run (no AVX-512 VPCLMULQDQ)");
+    print_message("    256-bit fold %s on this CPU\n", ran_fold256 ? "tested" : "not run (no AVX2 VPCLMULQDQ)");
     restore_auto();
     free(buf);
 }
@@ -159,6 +161,7 @@ static void test_an_unknown_impl_is_refused(void **state)
     assert_int_equal(kvhi_crc32c_impl(), before);
     assert_true(kvhi_crc32c_supported(KVHI_CRC32C_TABLE));
     assert_string_equal(kvhi_crc32c_impl_name(KVHI_CRC32C_FOLD), "avx512");
+    assert_string_equal(kvhi_crc32c_impl_name(KVHI_CRC32C_FOLD256), "avx2");
 }
 
 /* The implementation a fresh process of this program picks under
@@ -202,7 +205,10 @@ static void test_the_environment_picks_one_the_cpu_runs(void **state)
     assert_string_equal(name, "table");
     impl_under_env("sse42", name, sizeof(name));
     assert_string_equal(name, kvhi_crc32c_impl_name(best >= KVHI_CRC32C_SSE42 ? KVHI_CRC32C_SSE42 : best));
-    impl_under_env("avx512", name, sizeof(name)); /* only where the CPU has it */
+    impl_under_env("avx2", name, sizeof(name)); /* only where the CPU has it */
+    assert_string_equal(name,
+                        kvhi_crc32c_impl_name(kvhi_crc32c_supported(KVHI_CRC32C_FOLD256) ? KVHI_CRC32C_FOLD256 : best));
+    impl_under_env("avx512", name, sizeof(name));
     assert_string_equal(name, kvhi_crc32c_impl_name(best));
     impl_under_env("crc64", name, sizeof(name)); /* unknown: ignored */
     assert_string_equal(name, kvhi_crc32c_impl_name(best));

@@ -45,7 +45,7 @@ static void test_names_that_name_nothing_are_reported(void **state)
 {
     (void)state;
     assert_string_equal(warnings_under("KVH_CRC32C_IMPL", "AVX512"),
-                        "KVH_CRC32C_IMPL=AVX512 is none of table, sse42, avx512: ignored\n");
+                        "KVH_CRC32C_IMPL=AVX512 is none of table, sse42, avx2, avx512: ignored\n");
     assert_string_equal(warnings_under("KVH_CODEC_ISA", "sse9"),
                         "KVH_CODEC_ISA=sse9 is none of scalar, avx2, avx512: ignored\n");
     assert_string_equal(warnings_under("KVH_ATTN_ISA", ""),
@@ -59,6 +59,9 @@ static void test_good_names_are_quiet_or_say_the_cpu_lacks_them(void **state)
     assert_string_equal(warnings_under("KVH_CRC32C_IMPL", "table"), "");
     assert_string_equal(warnings_under("KVH_CODEC_ISA", "scalar"), "");
     assert_string_equal(warnings_under("KVH_ATTN_ISA", "reference"), "");
+    assert_string_equal(
+        warnings_under("KVH_CRC32C_IMPL", "avx2"),
+        kvhi_crc32c_supported(KVHI_CRC32C_FOLD256) ? "" : "KVH_CRC32C_IMPL=avx2: this CPU does not run it: ignored\n");
     assert_string_equal(
         warnings_under("KVH_CRC32C_IMPL", "avx512"),
         kvhi_crc32c_supported(KVHI_CRC32C_FOLD) ? "" : "KVH_CRC32C_IMPL=avx512: this CPU does not run it: ignored\n");
