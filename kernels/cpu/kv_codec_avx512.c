@@ -260,21 +260,7 @@ AVX512_INLINE void encode_int8_batch(uint32_t dtype, uint32_t d, const uint8_t *
     __m512 vs = _mm512_div_ps(_mm512_maskz_loadu_ps(lanes(nv), amax), _mm512_set1_ps(127.0f));
     _mm512_storeu_ps(scale, vs);
     _mm512_storeu_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), vs)); /* within 2^-24 of 1 / scale */
-    for (uint32_t v = 0; v < nv; v++) {
-        const uint8_t *x = src + v * in;
-        uint8_t *r = rec + v * out;
-        int8_t *codes = (int8_t *)(r + sizeof(float));
-        float fitted = kvhi_codec_int8_scale_fit(scale[v]);
-        if (fitted != scale[v]) {
-            scale[v] = fitted;
-            inv[v] = 1.0f / fitted;
-        }
-        kvhi_codec_put_f32(r, scale[v]);
-        if (finite[v] && scale[v] >= FLT_MIN)
-            int8_codes_finite(dtype, d, x, scale[v], inv[v], codes);
-        else
-            int8_codes(dtype, d, x, scale[v], inv[v], codes);
-    }
+    KVHI_CODEC_INT8_RECORDS(dtype, d, src, nv, in, rec, out, scale, inv, finite, (void)x)
 }
 
 AVX512_INLINE void decode_int8(uint32_t dtype, uint32_t d, const uint8_t *rec, void *dst)

@@ -21,6 +21,29 @@ void kvhi_codec_encode_avx2(uint32_t codec, uint32_t dtype, uint32_t d, uint32_t
 void kvhi_codec_decode_avx2(uint32_t codec, uint32_t dtype, uint32_t d, uint32_t g, const void *src, size_t n,
                             void *dst);
 
+/* The records of an int8 batch once its scales and reciprocals are
+ * computed (scale, inv and finite: arrays of nv): each scale fitted
+ * (kvhi_codec_int8_scale_fit), stored, and the codes written by the set's
+ * int8_codes_finite or int8_codes. each_vector runs first for every
+ * vector, with x its input. */
+#define KVHI_CODEC_INT8_RECORDS(dtype, d, src, nv, in, rec, out, scale, inv, finite, each_vector)                      \
+    for (uint32_t v = 0; v < (nv); v++) {                                                                              \
+        const uint8_t *x = (src) + v * (in);                                                                           \
+        uint8_t *r = (rec) + v * (out);                                                                                \
+        int8_t *codes = (int8_t *)(r + sizeof(float));                                                                 \
+        each_vector;                                                                                                   \
+        float fitted = kvhi_codec_int8_scale_fit((scale)[v]);                                                          \
+        if (fitted != (scale)[v]) {                                                                                    \
+            (scale)[v] = fitted;                                                                                       \
+            (inv)[v] = 1.0f / fitted;                                                                                  \
+        }                                                                                                              \
+        kvhi_codec_put_f32(r, (scale)[v]);                                                                             \
+        if ((finite)[v] && (scale)[v] >= FLT_MIN)                                                                      \
+            int8_codes_finite(dtype, d, x, (scale)[v], (inv)[v], codes);                                               \
+        else                                                                                                           \
+            int8_codes(dtype, d, x, (scale)[v], (inv)[v], codes);                                                      \
+    }
+
 /* The most input bytes an int8 batch reads before coding them: its
  * vectors' range pass is read again by the code pass, from the cache only
  * while the batch fits in it (larger vectors go one at a time). */
