@@ -85,15 +85,16 @@ AVX2_INLINE __m128i to_bf16(__m256 y)
     return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xd8));
 }
 
-/* Sixteen f32 values, none a NaN, as bf16 (nearest-even) at p. */
-AVX2_INLINE void store_bf16_16_no_nan(uint16_t *p, __m256 y0, __m256 y1)
+/* Sixteen f32 values, none a NaN, as bf16 (nearest-even): y0's in the
+ * low half, y1's in the high one. */
+AVX2_INLINE __m256i bf16_16_no_nan(__m256 y0, __m256 y1)
 {
     const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7fff);
     __m256i b0 = _mm256_castps_si256(y0), b1 = _mm256_castps_si256(y1);
     __m256i r0 = _mm256_add_epi32(b0, _mm256_add_epi32(half, _mm256_and_si256(_mm256_srli_epi32(b0, 16), one)));
     __m256i r1 = _mm256_add_epi32(b1, _mm256_add_epi32(half, _mm256_and_si256(_mm256_srli_epi32(b1, 16), one)));
     __m256i w = _mm256_packus_epi32(_mm256_srli_epi32(r0, 16), _mm256_srli_epi32(r1, 16));
-    _mm256_storeu_si256((__m256i *)p, _mm256_permute4x64_epi64(w, 0xd8));
+    return _mm256_permute4x64_epi64(w, 0xd8);
 }
 
 /* Eight f32 values as dtype at p (f16 by F16C: nearest-even, as the
@@ -341,7 +342,7 @@ AVX2_INLINE void decode_int8(uint32_t dtype, uint32_t d, const uint8_t *rec, voi
             __m128i b = _mm_loadu_si128((const __m128i *)(codes + at));
             __m256 y0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), scale);
             __m256 y1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8))), scale);
-            store_bf16_16_no_nan((uint16_t *)dst + at, y0, y1);
+            _mm256_storeu_si256((__m256i *)((uint16_t *)dst + at), bf16_16_no_nan(y0, y1));
         }
     codes += at;
     dst = (uint16_t *)dst + (dtype == KVH_DTYPE_F32 ? 2 * at : at);
@@ -652,12 +653,7 @@ AVX2_INLINE void q4_values16(uint32_t dtype, __m256 v0, __m256 v8, bool finite, 
         *h0 = to_bf16(v0);
         *h8 = to_bf16(v8);
     } else {
-        const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7fff);
-        __m256i b0 = _mm256_castps_si256(v0), b8 = _mm256_castps_si256(v8);
-        __m256i r0 = _mm256_add_epi32(b0, _mm256_add_epi32(half, _mm256_and_si256(_mm256_srli_epi32(b0, 16), one)));
-        __m256i r8 = _mm256_add_epi32(b8, _mm256_add_epi32(half, _mm256_and_si256(_mm256_srli_epi32(b8, 16), one)));
-        __m256i w =
-            _mm256_permute4x64_epi64(_mm256_packus_epi32(_mm256_srli_epi32(r0, 16), _mm256_srli_epi32(r8, 16)), 0xd8);
+        __m256i w = bf16_16_no_nan(v0, v8);
         *h0 = _mm256_castsi256_si128(w);
         *h8 = _mm256_extracti128_si256(w, 1);
     }
