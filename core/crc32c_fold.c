@@ -142,36 +142,9 @@ int kvhi_crc32c_fold256_supported(void)
 
 #else
 
-size_t kvhi_crc32c_fold(uint32_t state, const void *src, size_t n, const uint64_t k[2],
-                        uint8_t residue[KVHI_CRC32C_FOLD_BYTES])
-{
-    (void)state, (void)src, (void)n, (void)k, (void)residue;
-    return 0;
-}
-
-size_t kvhi_crc32c_fold_copy(uint32_t state, void *dst, const void *src, size_t n, const uint64_t k[2],
-                             uint8_t residue[KVHI_CRC32C_FOLD_BYTES])
-{
-    (void)state, (void)dst, (void)src, (void)n, (void)k, (void)residue;
-    return 0;
-}
-
+/* Elsewhere only the checks are called (core/crc32c.c folds on x86-64
+ * alone). */
 int kvhi_crc32c_fold_supported(void) { return 0; }
-
-size_t kvhi_crc32c_fold256(uint32_t state, const void *src, size_t n, const uint64_t k[2],
-                           uint8_t residue[KVHI_CRC32C_FOLD_BYTES])
-{
-    (void)state, (void)src, (void)n, (void)k, (void)residue;
-    return 0;
-}
-
-size_t kvhi_crc32c_fold256_copy(uint32_t state, void *dst, const void *src, size_t n, const uint64_t k[2],
-                                uint8_t residue[KVHI_CRC32C_FOLD_BYTES])
-{
-    (void)state, (void)dst, (void)src, (void)n, (void)k, (void)residue;
-    return 0;
-}
-
 int kvhi_crc32c_fold256_supported(void) { return 0; }
 
 #endif

@@ -1,5 +1,6 @@
 /* The carry-less-multiply part of CRC32C (core/crc32c.c calls it;
- * nothing else should). */
+ * nothing else should). The folds exist on x86-64 only; the checks
+ * everywhere. */
 #ifndef KVH_CORE_CRC32C_FOLD_H
 #define KVH_CORE_CRC32C_FOLD_H
 
