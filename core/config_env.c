@@ -225,14 +225,13 @@ static const char *expected(const field *f)
     switch (f->kind) {
     case K_U32:
         return "a decimal count from 0 to 4294967295";
-    case K_I32:
-        return "a decimal integer from -2147483648 to 2147483647";
     case K_U64:
         return "an unsigned 64-bit number, decimal or 0x hex";
     case K_SIZE:
         return "a size in bytes, e.g. 4096, 512M or 4G";
     case K_BOOL:
         return "1/0, true/false, yes/no or on/off";
+    case K_I32:   /* set_field names the field's own least value */
     case K_FLAGS: /* set_field lists the field's own names */
     case K_ENUM:
     case K_PATH:
@@ -265,7 +264,8 @@ static kvh_status set_field(kvh_config *c, const field *f, const char *s)
     case K_I32: {
         const char *d = s[0] == '-' ? s + 1 : s;
         ok = parse_u64(d, 10, &v, &e) && !*e && v <= (d == s ? (uint64_t)INT32_MAX : (uint64_t)INT32_MAX + 1);
-        if (ok && d != s && -(int64_t)v < f->lowest)
+        /* Out of range either way names the field's own least value. */
+        if (!ok || (d != s && -(int64_t)v < f->lowest))
             return kvhi_fail(KVH_ERR_INVALID_ARG, "%s=\"%s\": expected a decimal integer from %d to 2147483647", f->var,
                              s, (int)f->lowest);
         if (ok) {
@@ -296,7 +296,10 @@ static kvh_status set_field(kvh_config *c, const field *f, const char *s)
     case K_ENUM: {
         uint32_t n;
         if (isdigit((unsigned char)s[0])) {
-            ok = parse_u64(s, 10, &v, &e) && !*e && v <= UINT32_MAX;
+            /* Only the numbers of its names: any other would pass here
+             * and be refused by kvh_engine_open, which cannot name the
+             * variable. */
+            ok = parse_u64(s, 10, &v, &e) && !*e && v <= UINT32_MAX && name_of(f->names, (uint32_t)v);
         } else if (parse_name(f->names, s, strlen(s), &n)) {
             v = n;
             ok = 1;

@@ -279,6 +279,9 @@ static uint32_t node_of_addr(kvhi_cluster *c, const char *addr, size_t len)
         return NO_NODE;
     memcpy(port_text, colon + 1, plen);
     port_text[plen] = '\0';
+    /* Digits only: strtol would also take a sign or leading blanks. */
+    if (strspn(port_text, "0123456789") != plen)
+        return NO_NODE;
     char *end;
     long port = strtol(port_text, &end, 10);
     if (*end || port <= 0 || port > 65535)

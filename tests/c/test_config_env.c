@@ -205,6 +205,13 @@ static void test_bad_values(void **state)
     check_bad("KVH_DISK_FLAGS=0xffffffff");
     check_bad("KVH_REMOTE_UPLOAD=0x10");
     check_bad("KVH_DTYPE=f64");
+    /* Numbers no name stands for (kvh_engine_open would refuse them
+     * without naming the variable). */
+    check_bad("KVH_DTYPE=3");
+    check_bad("KVH_BACKEND=3");
+    check_bad("KVH_LOG_LEVEL=4");
+    check_bad("KVH_KV_CODEC=4");
+    check_bad("KVH_EVICTION_POLICY=3");
     check_bad("KVH_BACKEND=gpu");
     check_bad("KVH_LOG_LEVEL=loud");
     check_bad("KVH_KV_CODEC=int4");
@@ -215,6 +222,23 @@ static void test_bad_values(void **state)
     check_bad("KVH_DISK_FLAGS=buffered,fast");
     check_bad("KVH_DISK_FLAGS=buffered,");
     check_bad("KVH_MODEL_SALT=salt");
+}
+
+/* A signed field refused on either side says what it takes: its own
+ * least value, not the type's. */
+static void test_signed_range_in_message(void **state)
+{
+    (void)state;
+    static const char *const numa[] = {"KVH_NUMA_NODE=2147483648", "KVH_NUMA_NODE=-2147483649",
+                                       "KVH_NUMA_NODE=-2147483648", "KVH_NUMA_NODE=-2"};
+    for (size_t i = 0; i < sizeof(numa) / sizeof(numa[0]); i++) {
+        check_bad(numa[i]);
+        if (!strstr(kvh_last_error(), "from -1 to 2147483647"))
+            fail_msg("%s: \"%s\" does not give -1 as the least value", numa[i], kvh_last_error());
+    }
+    check_bad("KVH_CUDA_DEVICE=99999999999");
+    if (!strstr(kvh_last_error(), "from 0 to 2147483647"))
+        fail_msg("\"%s\" does not give 0 as the least value", kvh_last_error());
 }
 
 static void test_numbers_for_names(void **state)
@@ -290,10 +314,11 @@ static void test_process_environment(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_every_field),   cmocka_unit_test(test_keeps_what_is_unset),
-        cmocka_unit_test(test_size_suffixes), cmocka_unit_test(test_log_level_spellings),
-        cmocka_unit_test(test_bad_values),    cmocka_unit_test(test_numbers_for_names),
-        cmocka_unit_test(test_struct_size),   cmocka_unit_test(test_process_environment),
+        cmocka_unit_test(test_every_field),         cmocka_unit_test(test_keeps_what_is_unset),
+        cmocka_unit_test(test_size_suffixes),       cmocka_unit_test(test_log_level_spellings),
+        cmocka_unit_test(test_bad_values),          cmocka_unit_test(test_signed_range_in_message),
+        cmocka_unit_test(test_numbers_for_names),   cmocka_unit_test(test_struct_size),
+        cmocka_unit_test(test_process_environment),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

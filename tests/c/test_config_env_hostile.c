@@ -568,7 +568,7 @@ static void test_struct_sizes(void **state)
         assert_int_equal(u.raw[j], 0x5a);
 }
 
-/* ---- ranges past the type are left to kvh_engine_open ---- */
+/* ---- ranges within the type are left to kvh_engine_open ---- */
 
 static kvh_config small_valid(void)
 {
@@ -580,9 +580,8 @@ static void test_open_refuses_what_parsing_let_through(void **state)
 {
     (void)state;
     static const char *const vars[] = {
-        "KVH_DTYPE=99",         "KVH_BACKEND=9",      "KVH_LRU_K=0",           "KVH_LRU_K=5",     "KVH_BLOCK_TOKENS=3",
-        "KVH_BLOCK_TOKENS=512", "KVH_BLOCK_TOKENS=0", "KVH_EVICTION_POLICY=7", "KVH_KV_CODEC=42", "KVH_HEAD_DIM=0",
-        "KVH_NUM_LAYERS=0",     "KVH_DISK_BYTES=1M",  "KVH_NUM_KV_HEADS=0",
+        "KVH_LRU_K=0",    "KVH_LRU_K=5",      "KVH_BLOCK_TOKENS=3", "KVH_BLOCK_TOKENS=512", "KVH_BLOCK_TOKENS=0",
+        "KVH_HEAD_DIM=0", "KVH_NUM_LAYERS=0", "KVH_DISK_BYTES=1M",  "KVH_NUM_KV_HEADS=0",
     };
     for (size_t i = 0; i < ARRAY_LEN(vars); i++) {
         const char *env[] = {vars[i], NULL};
@@ -597,6 +596,27 @@ static void test_open_refuses_what_parsing_let_through(void **state)
         }
         assert_null(e);
         assert_true(kvh_last_error()[0] != '\0');
+    }
+    /* Numbers that no name of an enumerated field stands for are refused
+     * while the variable can still be named; kvh_engine_open refuses the
+     * same values set in the struct. */
+    static const char *const numbers[] = {"KVH_DTYPE=99", "KVH_BACKEND=9", "KVH_EVICTION_POLICY=7", "KVH_KV_CODEC=42",
+                                          "KVH_LOG_LEVEL=4"};
+    for (size_t i = 0; i < ARRAY_LEN(numbers); i++)
+        check_refused(numbers[i]);
+    for (int field = 0; field < 4; field++) {
+        kvh_config c = small_valid();
+        if (field == 0)
+            c.dtype = 99;
+        else if (field == 1)
+            c.backend = 9;
+        else if (field == 2)
+            c.eviction_policy = 7;
+        else
+            c.kv_codec = 42;
+        kvh_engine *e = NULL;
+        assert_kvh(KVH_ERR_INVALID_ARG, kvh_engine_open(&c, &e));
+        assert_null(e);
     }
     /* A disk path far longer than any the system takes: an I/O error at
      * open, not a crash. */

@@ -778,6 +778,11 @@ static void test_open_errors(void **state)
     assert_kvh(KVH_ERR_INVALID_ARG, kvh_engine_open(&c, &e));
     c.remote_addrs = "127.0.0.1:99999";
     assert_kvh(KVH_ERR_INVALID_ARG, kvh_engine_open(&c, &e));
+    /* A port is digits alone: no sign, no blank before it. */
+    c.remote_addrs = "127.0.0.1:+6379";
+    assert_kvh(KVH_ERR_INVALID_ARG, kvh_engine_open(&c, &e));
+    c.remote_addrs = "127.0.0.1: 6379";
+    assert_kvh(KVH_ERR_INVALID_ARG, kvh_engine_open(&c, &e));
     c = remote_cfg(test_salt());
     c.remote_timeout_ms = 0;
     assert_kvh(KVH_ERR_INVALID_ARG, kvh_engine_open(&c, &e));
