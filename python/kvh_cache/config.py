@@ -145,9 +145,9 @@ def _read_c(c, names) -> Dict[str, Any]:
             try:
                 out[name] = _ENUMS[name](int(v))
             except ValueError:
-                # kvh_config_from_env takes any number for an enum field
-                # (the engine's open refuses it): refused here as any other
-                # bad value, naming the variable.
+                # kvh_config_from_env takes only the numbers of an enum's
+                # names; a field this module knows fewer of is refused
+                # here, naming the variable.
                 from . import errors
 
                 known = ", ".join(m.name.lower() for m in _ENUMS[name])
