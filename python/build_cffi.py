@@ -28,8 +28,23 @@ HERE = Path(__file__).resolve().parent
 PACKAGE = HERE / "kvh_cache"
 CDEF = PACKAGE / "_cdef.h"
 
-# Declared here, not in the header: the Python side of the log sink.
-EXTRA_CDEF = 'extern "Python" void _kvh_py_log(void *user, int32_t level, const char *message);\n'
+# Declared here, not in the header: the Python side of the log sink, and
+# calls whose status must outlive an exception raised as they return.
+EXTRA_CDEF = (
+    'extern "Python" void _kvh_py_log(void *user, int32_t level, const char *message);\n'
+    "void kvhpy_seq_acquire(kvh_engine *engine, kvh_seq seq, uint64_t first, uint64_t n, kvh_fence *fence,\n"
+    "                       kvh_status *status);\n"
+)
+# Python runs a signal's handler (Ctrl-C's KeyboardInterrupt) as a call
+# returns, before its result is stored: a status returned there is lost,
+# and the hold it took with it. Written through a pointer, it is not.
+EXTRA_SOURCE = """
+static void kvhpy_seq_acquire(kvh_engine *engine, kvh_seq seq, uint64_t first, uint64_t n, kvh_fence *fence,
+                              kvh_status *status)
+{
+    *status = kvh_seq_acquire(engine, seq, first, n, fence);
+}
+"""
 
 
 def repo_root() -> Path:
@@ -55,7 +70,7 @@ def make_ffibuilder(include_dir: Path | str, lib_dir: Path | str, rpaths: list[s
     rpaths = list(rpaths or [])
     ffibuilder.set_source(
         "kvh_cache._kvh_cffi",
-        "#include <kvh/kvh.h>\n",
+        "#include <kvh/kvh.h>\n" + EXTRA_SOURCE,
         include_dirs=[str(include_dir)],
         library_dirs=[str(lib_dir)],
         libraries=["kvh"],

@@ -1126,9 +1126,14 @@ class Engine(OwnedHandle):
         """A standalone empty block with one reference owned by the result."""
         agent = _index("agent", agent, maximum=_U32)
         out = ffi.new("kvh_block *")
-        with self._call() as p:
-            check(lib.kvh_block_alloc(p, agent, out))
-        return Block(self, int(out.id), owned=True)
+        block = None
+        try:
+            with self._call() as p:
+                check(lib.kvh_block_alloc(p, agent, out))
+        finally:
+            if out.id:  # owned even when a Ctrl-C is raised as the call returns
+                block = Block(self, int(out.id), owned=True)
+        return block
 
     def prefix_hash(self, tokens: ArrayLike, parent: int = 0, *, scope: int = 0) -> int:
         """Chained hash of one full block of tokens (n == block_tokens) in
@@ -1156,13 +1161,19 @@ class Engine(OwnedHandle):
         cap = tk.size // self.block_tokens
         out = ffi.new("kvh_block[]", max(1, cap))
         nb = ffi.new("size_t *")
-        with self._call() as p:
-            check(
-                lib.kvh_prefix_lookup_scoped(
-                    p, sc.scope, sc.shared_scope, sc.shared_tokens, _iptr(tk), tk.size, out, cap, nb
+        blocks: List[Block] = []
+        try:
+            with self._call() as p:
+                check(
+                    lib.kvh_prefix_lookup_scoped(
+                        p, sc.scope, sc.shared_scope, sc.shared_tokens, _iptr(tk), tk.size, out, cap, nb
+                    )
                 )
-            )
-        return [Block(self, int(out[i].id), owned=True) for i in range(int(nb[0]))]
+        finally:
+            # The references it took are owned even when a Ctrl-C is
+            # raised as the call returns (nb stays 0 when it failed).
+            blocks = [Block(self, int(out[i].id), owned=True) for i in range(int(nb[0]))]
+        return blocks
 
     def block_table(self, seqs: Seq["Sequence"]) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
         """FlashInfer-style CSR block table of device-tier slots:
@@ -2099,11 +2110,18 @@ class Sequence(GatedHandle, OwnedHandle):
         """Copy-on-write child sharing every block (agent: default the parent's)."""
         agent = self._agent if agent is None else _index("agent", agent, maximum=_U32)
         h = ffi.new("kvh_seq *")
-        with self._call() as p:
-            self._detach_views(p)
-            check(lib.kvh_seq_fork(p, self._h[0], agent, h))
-            self._refresh_views()
-        return Sequence(self._engine, h, agent)
+        child = None
+        try:
+            with self._call() as p:
+                self._detach_views(p)
+                check(lib.kvh_seq_fork(p, self._h[0], agent, h))
+                self._refresh_views()
+        finally:
+            # Owned even when a Ctrl-C is raised as the call returns: it
+            # is freed with the exception then.
+            if h.id:
+                child = Sequence(self._engine, h, agent)
+        return child
 
     # ---- K/V ----
     def write_kv(self, layer: int, pos: int, k: np.ndarray, v: np.ndarray) -> None:
@@ -2166,10 +2184,20 @@ class Sequence(GatedHandle, OwnedHandle):
         ``fence`` completes when the data is resident."""
         wait = bool(_flag("wait", wait))
         fp = ffi.new("kvh_fence *") if not wait else NULL
-        with self._call() as p:
-            f, cnt = self._span(p, first, n)
-            check(lib.kvh_seq_acquire(p, self._h[0], f, cnt, fp))
-        return Hold(self, f, cnt, Fence(self._engine, fp) if not wait else None)
+        status = ffi.new("kvh_status *", -1)
+        hold = None
+        try:
+            with self._call() as p:
+                f, cnt = self._span(p, first, n)
+                lib.kvhpy_seq_acquire(p, self._h[0], f, cnt, fp, status)
+        finally:
+            # Owned even when a Ctrl-C is raised as the call returns (a
+            # blocking acquire is where it mostly lands): the Hold then
+            # goes with the exception, and its collection releases it.
+            if status[0] == 0:
+                hold = Hold(self, f, cnt, Fence(self._engine, fp) if not wait else None)
+        check(status[0])
+        return hold
 
     def pin(self, first: TokenSpan = None, n: Optional[int] = None) -> None:
         """Pins the blocks of a token range in their current tier (nests). A

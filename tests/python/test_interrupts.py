@@ -128,6 +128,61 @@ def test_ctrl_c_during_truncate_still_cuts_the_holds(lib_with_ctrl_c):
     eng.close()
 
 
+@pytest.mark.parametrize("wait", [True, False])
+def test_ctrl_c_as_acquire_returns_leaves_no_hold(lib_with_ctrl_c, wait):
+    """The hold the call took was never owned (no Hold came back to release
+    it): the blocks stayed held for the sequence's life, and a spill moved
+    none of them."""
+    eng = make_engine()
+    seq = eng.sequence(tokens=range(48))
+    wrapped = lib_with_ctrl_c("kvhpy_seq_acquire")
+    with pytest.raises(KeyboardInterrupt):
+        seq.acquire(wait=wait)
+    wrapped.armed = False
+    gc.collect()
+    assert [seq.block_info(i).holds for i in range(3)] == [0, 0, 0]
+    with seq.acquire(range(16, 32)):
+        assert [seq.block_info(i).holds for i in range(3)] == [0, 1, 0]
+    eng.close()
+
+
+def test_ctrl_c_as_fork_returns_leaves_no_child(lib_with_ctrl_c):
+    """The child sequence was never owned: its references kept every shared
+    block alive (and copied on write) for the engine's life."""
+    eng = make_engine()
+    seq = eng.sequence(tokens=range(48))
+    wrapped = lib_with_ctrl_c("kvh_seq_fork")
+    with pytest.raises(KeyboardInterrupt):
+        seq.fork()
+    wrapped.armed = False
+    gc.collect()
+    assert [seq.block_info(i).refs for i in range(3)] == [1, 1, 1]
+    eng.close()
+
+
+def test_ctrl_c_as_block_calls_return_leaves_no_reference(lib_with_ctrl_c):
+    """kvh_block_alloc's new block and kvh_prefix_lookup's retained blocks
+    were never owned: each call leaked references until the tier was full."""
+    eng = make_engine()
+    seq, _ = filled_seq(eng, 48)  # written blocks are published: a lookup finds them
+    used = eng.tier_info("device").used_blocks
+    wrapped = lib_with_ctrl_c("kvh_block_alloc")
+    with pytest.raises(KeyboardInterrupt):
+        eng.block_alloc()
+    wrapped.armed = False
+    gc.collect()
+    assert eng.tier_info("device").used_blocks == used
+    refs = [seq.block_info(i).refs for i in range(3)]
+    wrapped = lib_with_ctrl_c("kvh_prefix_lookup_scoped")
+    with pytest.raises(KeyboardInterrupt):
+        eng.prefix_lookup(np.arange(48))
+    wrapped.armed = False
+    gc.collect()
+    assert [seq.block_info(i).refs for i in range(3)] == refs
+    assert len(eng.prefix_lookup(np.arange(48))) == 3  # the lookup found them
+    eng.close()
+
+
 def test_ctrl_c_during_open_leaves_no_engine_behind(lib_with_ctrl_c, tmp_path):
     """The opened engine was never owned: its store stayed locked for the
     rest of the process (BusyError on every reopen)."""
