@@ -182,7 +182,7 @@ int bench_checksum(int argc, char **argv, const bench_ctx *ctx)
         region_mb = mem_mb / 4;
     const bench_opt opts[] = {
         {"--region-mb", BENCH_OPT_U64, &region_mb,
-         "MiB walked for the cold rows (default: 4x the last-level cache, at least 512; --quick 64, no cold rows)"},
+         "MiB walked for the cold rows (4x the last-level cache, at least 512; --quick 64, no cold rows)"},
         {NULL, BENCH_OPT_U64, NULL, NULL},
     };
     int prc = bench_parse(argc, argv, opts, SCEN, "kvh-bench checksum [--region-mb N]");

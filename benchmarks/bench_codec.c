@@ -157,8 +157,8 @@ int bench_codec(int argc, char **argv, const bench_ctx *ctx)
     uint64_t vectors = ctx->quick ? 4096 : 65536;
     const char *isa_arg = "auto";
     const bench_opt opts[] = {
-        {"--vectors", BENCH_OPT_U64, &vectors, "vectors of head_dim 128 per call (default 65536; --quick 4096)"},
-        {"--isa", BENCH_OPT_STR, &isa_arg, "auto (default), all, or some of scalar,avx2,avx512"},
+        {"--vectors", BENCH_OPT_U64, &vectors, "vectors of head_dim 128 per call (--quick 4096)"},
+        {"--isa", BENCH_OPT_STR, &isa_arg, "auto, all, or some of scalar,avx2,avx512"},
         {NULL, BENCH_OPT_U64, NULL, NULL},
     };
     int prc = bench_parse(argc, argv, opts, SCEN, "kvh-bench codec [--vectors N] [--isa LIST]");

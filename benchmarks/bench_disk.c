@@ -548,7 +548,7 @@ int bench_disk(int argc, char **argv, const bench_ctx *ctx)
         {"--dir", BENCH_OPT_STR, &dir,
          "directory on the drive to measure, where a scratch directory of its own is made and removed (default /var/tmp)"},
         {"--total-mb", BENCH_OPT_U64, &total_mb, "bytes moved per measurement, MiB"},
-        {"--block-bytes", BENCH_OPT_LIST, &sizes, "block sizes (default 64K,256K,1M)"},
+        {"--block-bytes", BENCH_OPT_LIST, &sizes, "block sizes (64K, 256K and 1M)"},
         {"--qd", BENCH_OPT_U64, &qd,
          "queue depth of kvh's disk rings (two migration threads); the raw baseline and fio run at twice it"},
         {"--context", BENCH_OPT_U64, &context, "tokens in the store whose recovery is timed"},

@@ -300,8 +300,8 @@ int bench_remote(int argc, char **argv, const bench_ctx *ctx)
 {
     uint64_t mib = ctx->quick ? 4 : 32, prefix = 32768;
     const bench_opt opts[] = {
-        {"--mib", BENCH_OPT_U64, &mib, "value MiB moved per round and block size (default 32; --quick 4)"},
-        {"--prefix-tokens", BENCH_OPT_U64, &prefix, "tokens of the lookup prefix (default 32768)"},
+        {"--mib", BENCH_OPT_U64, &mib, "value MiB moved per round and block size (--quick 4)"},
+        {"--prefix-tokens", BENCH_OPT_U64, &prefix, "tokens of the lookup prefix"},
         {NULL, BENCH_OPT_U64, NULL, NULL},
     };
     int prc = bench_parse(argc, argv, opts, SCEN, "kvh-bench remote [--mib N] [--prefix-tokens N]");

@@ -173,8 +173,8 @@ int bench_switch(int argc, char **argv, const bench_ctx *ctx)
     const bench_opt opts[] = {
         {"--mode", BENCH_OPT_STR, &only, "only this mode: unified, discrete or file (default all three)"},
         {"--model", BENCH_OPT_STR, &model, "GGUF (or any) weight file; default $KVH_MODEL, else synthetic"},
-        {"--dir", BENCH_OPT_STR, &dir, "where the synthetic weight file goes (default /tmp)"},
-        {"--layers", BENCH_OPT_U64, &layers, "regions (layers) the file is cut into (default 32)"},
+        {"--dir", BENCH_OPT_STR, &dir, "where the synthetic weight file goes"},
+        {"--layers", BENCH_OPT_U64, &layers, "regions (layers) the file is cut into"},
         {NULL},
     };
     int prc =

@@ -155,6 +155,10 @@ def test_bench_help_of_every_mode():
         assert res.returncode == 0, (mode, res.stderr)
         assert res.stdout.startswith(f"usage: kvh-bench {mode}") and "options" in res.stdout, mode
         assert res.stderr == "", (mode, res.stderr)
+        # The option table adds each default: a help text that gives it
+        # too printed it twice ("(default /tmp) (default /tmp)").
+        twice = [line for line in res.stdout.splitlines() if line.count("(default") > 1]
+        assert not twice, (mode, twice)
 
 
 def test_bench_attention_stream_help_names_its_directory():
