@@ -239,6 +239,9 @@ def _tokens(tokens: ArrayLike) -> np.ndarray:
         raise TypeError(
             f"tokens must be a sequence of ints or an integer array shaped (n,), not {type(tokens).__name__}"
         )
+    if isinstance(tokens, np.ma.MaskedArray):
+        # Its mask would be ignored: masked ids taken as whatever lies under them.
+        raise TypeError("tokens is a numpy.ma.MaskedArray, whose mask kvh cannot honour: pass tokens.filled(...)")
     arr = tokens if isinstance(tokens, np.ndarray) else np.asarray(tokens)
     if arr.dtype.kind not in "iu":
         if arr.size == 0 and not isinstance(tokens, np.ndarray):

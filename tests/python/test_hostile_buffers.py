@@ -541,6 +541,8 @@ def test_odd_token_arrays_append_their_values(engine, tokens):
         (None, TypeError),
         (b"", TypeError),
         (np.int32(5), ValueError),
+        # its mask would be ignored: the masked id appended as it lies
+        (np.ma.array([1, 2, 3], mask=[0, 1, 0]), TypeError),
     ],
     ids=[
         "2d",
@@ -556,6 +558,7 @@ def test_odd_token_arrays_append_their_values(engine, tokens):
         "none",
         "empty-bytes",
         "scalar",
+        "masked",
     ],
 )
 def test_bad_token_arrays_are_refused(filled, tokens, error):
