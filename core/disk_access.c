@@ -27,9 +27,16 @@ static const char *foreign_store_file(int dir_fd)
         return NULL;
     static const char *const names[] = {"index", "journal"};
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
-        int fd = openat(dir_fd, names[i], O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+        /* Non-blocking: a FIFO in its place would block the open until a
+         * writer came (for ever). */
+        int fd = openat(dir_fd, names[i], O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
         if (fd < 0)
             continue;
+        struct stat st;
+        if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+            close(fd);
+            return names[i]; /* a FIFO, a directory, a device: no file kvh writes */
+        }
         uint8_t first[8];
         ssize_t n = pread(fd, first, sizeof(first), 0);
         close(fd);
@@ -153,6 +160,8 @@ static int store_openat(const kvhi_disk *d, const char *name, int flags, bool se
     int rc = 0;
     if (fstat(fd, &st) != 0)
         rc = -errno;
+    else if (S_ISDIR(st.st_mode))
+        rc = -EISDIR; /* read-only opens take a directory: say what it is */
     else if (!S_ISREG(st.st_mode) || (st.st_uid != geteuid() && !d->read_only))
         rc = -EPERM; /* inspection (read_only) may read another user's store it can open */
     else if (set_mode && (st.st_mode & 0777) != want && !d->read_only && fchmod(fd, want) != 0)

@@ -270,8 +270,8 @@ static int open_slab(kvhi_disk *d, uint32_t i, bool create)
     int flags = O_RDWR | (create ? O_CREAT : 0);
     bool tried_direct = d->direct;
     int fd = tried_direct ? kvhi_store_openat(d, name, flags | O_DIRECT) : -ENOENT;
-    if (fd == -ELOOP || fd == -EPERM || (fd == -ENOENT && tried_direct && !create))
-        return fd; /* a link or a file not ours stands in its place, or none is there */
+    if (fd == -ELOOP || fd == -EPERM || fd == -EISDIR || (fd == -ENOENT && tried_direct && !create))
+        return fd; /* a link, a directory or a file not ours stands in its place, or none is there */
     if (fd < 0 && tried_direct) {
         /* tmpfs and some overlays refuse O_DIRECT: buffered I/O instead. */
         d->direct = false;

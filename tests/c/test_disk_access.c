@@ -356,6 +356,34 @@ static void test_directory_with_a_foreign_index_is_refused(void **state)
     dt_assert_ok(dt_close(e));
 }
 
+/* A FIFO named `index` or `journal` where no store is: the check for a
+ * foreign file opened it for reading and waited for a writer for ever.
+ * Refused as another program's file, as a directory of that name is. */
+static void test_fifo_or_directory_named_like_the_index_is_refused(void **state)
+{
+    (void)state;
+    static const char *const names[] = {"index", "journal"};
+    for (size_t f = 0; f < 2; f++)
+        for (int as_dir = 0; as_dir < 2; as_dir++) {
+            char dir[PATH_MAX], path[PATH_MAX];
+            dt_scratch(as_dir ? "dir_as_index" : "fifo_as_index", dir, sizeof(dir));
+            dt_path(path, sizeof(path), dir, names[f]);
+            assert_int_equal(as_dir ? mkdir(path, 0700) : mkfifo(path, 0600), 0);
+            alarm(20); /* a hang fails the test instead of the whole run */
+            kvh_engine *e = NULL;
+            dt_assert_kvh(KVH_ERR_IO, open_store(dir, &e));
+            alarm(0);
+            assert_null(e);
+            if (!strstr(kvh_last_error(), names[f]) || !strstr(kvh_last_error(), "not a kvh store"))
+                fail_msg("%s: %s", names[f], kvh_last_error());
+            struct stat st;
+            assert_int_equal(lstat(path, &st), 0);
+            assert_true(as_dir ? S_ISDIR(st.st_mode) : S_ISFIFO(st.st_mode));
+            char lock_path[PATH_MAX];
+            assert_int_equal(access(dt_path(lock_path, sizeof(lock_path), dir, "LOCK"), F_OK), -1);
+        }
+}
+
 /* An open refused because another engine holds the store changes
  * nothing of it: not the modes the holder's KVH_DISK_SHARE_GROUP asked
  * for (its group readers would lose the store), nor those of an
@@ -402,6 +430,7 @@ int main(void)
         cmocka_unit_test_teardown(test_planted_links_are_not_followed, dt_teardown),
         cmocka_unit_test_teardown(test_store_path_through_a_link_is_refused, dt_teardown),
         cmocka_unit_test_teardown(test_directory_with_a_foreign_index_is_refused, dt_teardown),
+        cmocka_unit_test_teardown(test_fifo_or_directory_named_like_the_index_is_refused, dt_teardown),
         cmocka_unit_test_teardown(test_another_users_store_is_refused, dt_teardown),
         cmocka_unit_test_teardown(test_a_refused_open_changes_no_modes, dt_teardown),
     };
