@@ -30,7 +30,7 @@ import stat
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ._cli_signals import SignalUnwind, Stopped
 
@@ -321,23 +321,57 @@ def _group_shared(d: Path) -> bool:
     return bool(modes) and all(stat.S_ISREG(m) and stat.S_IMODE(m) == 0o640 for m in modes)
 
 
-def _store_damage(d: Path, info: Dict[str, Any]) -> Optional[str]:
-    """What kvh-store info's figures say is damaged in the store, if
-    anything: index records that fail their checksum, or records naming
-    slots past the end of the slab files (a truncated or missing slab),
-    which an engine would drop. Slots are laid out as kvh-store and the
-    engine lay them out: a 4 KiB header and the block, 4 KiB aligned."""
-    bad = int(info.get("bad_records") or 0)
-    if bad:
-        return f"{bad} index record{'s' if bad != 1 else ''} fail their checksum"
+# The engine's slab files hold at most this many bytes of slots each
+# (core/disk_io.c); a slot larger than that is a slab of its own.
+_SLAB_BYTES_MAX = 1 << 30
+
+
+def _slot_bytes(info: Dict[str, Any]) -> int:
+    """A slot as kvh-store and the engine lay it out: a 4 KiB header and
+    the block, 4 KiB aligned."""
     align = 4096
-    slot_bytes = align + -(-int(info["block_bytes"]) // align) * align
-    slots = 0
+    return align + -(-int(info["block_bytes"]) // align) * align
+
+
+def _slab_layout(d: Path, slot_bytes: int) -> Tuple[int, Optional[str]]:
+    """The bytes of the store's slab files as an engine lays them out
+    (slab-0000.kvh on, every one full but the last), which is what an
+    engine opened at that size leaves as they are, and what in them no
+    engine makes (None: nothing). Files past the last are not the store's
+    (an engine opened smaller leaves them, or they were put there): they
+    are neither counted, which would have the engine grow the last slab
+    to their size, nor read."""
+    per = max(1, _SLAB_BYTES_MAX // slot_bytes)
+    full = per * slot_bytes
+    total = 0
     for i in range(1 << 20):
         try:
-            slots += os.stat(d / f"slab-{i:04d}.kvh").st_size // slot_bytes
+            size = os.stat(d / f"slab-{i:04d}.kvh").st_size
         except OSError:
             break
+        if size > full:
+            return total, f"slab-{i:04d}.kvh holds {size} bytes, more than an engine's slab ({full})"
+        total += size
+        if size < full:
+            break
+    return total, None
+
+
+def _store_damage(d: Path, info: Dict[str, Any]) -> Optional[str]:
+    """What kvh-store info's figures say is damaged in the store, if
+    anything: index records that fail their checksum, records naming
+    slots past the end of the slab files (a truncated or missing slab),
+    which an engine would drop, or slab files no engine makes."""
+    bad = int(info.get("bad_records") or 0)
+    if bad:
+        if bad == 1:
+            return "one index or journal record (or header) fails its checksum"
+        return f"{bad} index or journal records (or headers) fail their checksums"
+    slot_bytes = _slot_bytes(info)
+    total, odd = _slab_layout(d, slot_bytes)
+    if odd:
+        return odd
+    slots = total // slot_bytes
     indexed = int(info.get("slots") or 0)
     if indexed > slots:
         return f"its index names slot {indexed - 1}, its slab files hold {slots} slots"
@@ -398,7 +432,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     if odd is not None:
         _err(f"{odd}: not a regular file: a damaged store (run `kvh store verify {d}`)")
         return EXIT_FAIL
-    slab_bytes = sum(p.stat().st_size for p in slabs)
+    slab_bytes, _ = _slab_layout(d, _slot_bytes(info))
     if not slab_bytes:
         _err(f"{d} has no slab files: kvh stats would create a store there, not read one")
         return EXIT_FAIL

@@ -481,6 +481,8 @@ def test_unreadable_index_is_refused_then_rebuilt_by_an_engine(how, store):
         if res.returncode == 2:  # no geometry to go by: refused, one line
             assert_one_line_error(res, 2, str(store))
             assert res.stdout == ""
+            if how == "directory":  # said as it is, not "Operation not permitted"
+                assert "index: Is a directory" in res.stderr, res.stderr
         elif action == "info":  # a header that reads: the damage is counted
             assert res.returncode == 0 and re.search(r"^bad records   [1-9]", res.stdout, re.M), res.stdout
         else:
@@ -900,6 +902,31 @@ def test_stats_never_rewrites_the_store(damage, store):
     res = run_kvh("stats", store, *GEOMETRY, "--json")
     assert_one_line_error(res, 1, "damaged")
     assert digest(store) == before
+
+
+@pytest.mark.parametrize("stray", ["slab-0001.kvh", "slab-0007.kvh"])
+def test_stats_leaves_slab_files_past_the_store_alone(stray, store):
+    """A slab file after one that is not full (a copy put there, or one an
+    engine opened smaller left behind) was counted into the store's size:
+    each kvh stats grew slab-0000.kvh by its size, and reported the slots
+    of a store it had just resized."""
+    shutil.copy(store / "slab-0000.kvh", store / stray)
+    before = digest(store, skip=("LOCK",))
+    for _ in range(2):
+        res = run_kvh("stats", store, "--json")
+        assert res.returncode == 0, res.stderr
+        assert digest(store, skip=("LOCK",)) == before
+    assert info_json(store)["slots"] == (store / "slab-0000.kvh").stat().st_size // SLOT_BYTES
+
+
+def test_stats_refuses_a_slab_larger_than_an_engine_makes(store):
+    slab = store / "slab-0000.kvh"
+    with open(slab, "r+b") as f:
+        f.truncate((1 << 30) + SLOT_BYTES)  # sparse: no disk space used
+    before = digest(store, skip=("LOCK",))
+    res = run_kvh("stats", store)
+    assert_one_line_error(res, 1, "slab-0000.kvh holds")
+    assert digest(store, skip=("LOCK",)) == before
 
 
 @pytest.mark.parametrize("damage", ["truncated", "directory"])
