@@ -568,6 +568,9 @@ int kvhi_index_load(kvhi_disk *d, bool reset, kvhi_index_list *out, char *msg, s
         out->bad_records += sh.n_records - body / d->rec_bytes; /* a cut snapshot */
         damaged(&dm, "the index is shorter than its header says");
     }
+    /* Blocks the records keep in slots past the ones disk_bytes now gives
+     * (the store opened smaller than it was made): dropped, and said. */
+    int64_t past_end = 0;
     for (size_t i = 0; i < body / d->rec_bytes; i++) {
         if (kvhi_index_rec_decode(snap + KVHI_DISK_ALIGN + i * d->rec_bytes, &r, bt) != 0) {
             out->bad_records++;
@@ -578,6 +581,8 @@ int kvhi_index_load(kvhi_disk *d, bool reset, kvhi_index_list *out, char *msg, s
             snap_seq = r.seq;
         if (r.kind == KVHI_REC_ADD && r.slot < d->n_slots)
             live_put(&m, &r, bt);
+        else if (r.kind == KVHI_REC_ADD)
+            past_end++;
     }
     free(snap);
     d->next_seq = snap_seq + 1;
@@ -624,7 +629,8 @@ int kvhi_index_load(kvhi_disk *d, bool reset, kvhi_index_list *out, char *msg, s
                     live_put(&m, &r, bt);
                 else
                     live_del(&m, &r, bt);
-            }
+            } else
+                past_end += r.kind == KVHI_REC_ADD ? 1 : -1;
             d->next_seq = r.seq + 1;
             d->journal_records++;
         }
@@ -644,6 +650,8 @@ int kvhi_index_load(kvhi_disk *d, bool reset, kvhi_index_list *out, char *msg, s
     }
     if (dm.found)
         snprintf(out->damage, sizeof(out->damage), "%s", dm.what);
+    if (past_end > 0)
+        out->past_end = (uint64_t)past_end;
     if (dm.torn_tail && !dm.found && d->strict_index)
         snprintf(out->note, sizeof(out->note),
                  "disk tier: %s: %s: disk_strict_index=1 cuts it there (the records past it are dropped; with 0 "

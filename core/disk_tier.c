@@ -6,6 +6,7 @@
 #include <signal.h>
 #include <fcntl.h>
 #include <stdio.h>
+#include <inttypes.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
@@ -40,7 +41,10 @@ static kvh_status store_busy(kvhi_disk *d)
     char *end = NULL;
     long owner = strtol(pid, &end, 10);
     if (!pid[0] || *end || owner <= 0 || (kill((pid_t)owner, 0) != 0 && errno == ESRCH))
-        return kvhi_fail(KVH_ERR_BUSY, "store %s is open in another process (a reader such as kvh-store)", d->path);
+        return kvhi_fail(KVH_ERR_BUSY,
+                         "store %s is open elsewhere: a reader such as kvh-store, or an engine (in this process or "
+                         "another) whose LOCK file was replaced",
+                         d->path);
     return kvhi_fail(KVH_ERR_BUSY, "store %s is open in process %s", d->path, pid);
 }
 
@@ -226,6 +230,11 @@ kvh_status kvhi_disk_tier_recover(kvh_engine *e)
     bool rewrite = l->rewrite;
     if (l->note[0]) /* a rebuild, or what a strict open gave up */
         kvhi_log(e, KVH_LOG_WARN, "%s", l->note);
+    if (l->past_end)
+        kvhi_log(e, KVH_LOG_WARN,
+                 "disk tier: %s: %" PRIu64 " blocks lay in slots past the %u that disk_bytes gives now (the store "
+                 "was larger): they are dropped (open it with its earlier disk_bytes to keep them)",
+                 e->disk->path, l->past_end, t->slots.capacity);
     kvhi_index_list_free(l);
     /* The damaged files are replaced at once, so the next open reads a
      * sound index instead of scanning again. */

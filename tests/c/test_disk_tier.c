@@ -243,6 +243,46 @@ static void test_persist_journal_snapshot_reopen(void **state)
     dt_assert_ok(dt_close(e));
 }
 
+/* A store opened with fewer slots than it was made with: the blocks past
+ * them were dropped without a word (a persist's promise broken silently).
+ * Now a warning says how many; the same size or a larger one says
+ * nothing. */
+static void test_opened_smaller_says_what_it_drops(void **state)
+{
+    (void)state;
+    char dir[PATH_MAX];
+    dt_scratch("shrunk", dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 8, 8, 32, 0);
+    kvh_engine *e = dt_open_a(&c);
+    kvh_seq s;
+    dt_assert_ok(dt_build(e, G, dt_plain(3), 20 * G.bt, 0, &s));
+    dt_assert_ok(kvh_seq_persist(e, s));
+    dt_assert_ok(kvh_seq_free(e, s));
+    dt_assert_ok(dt_close(e));
+    recs x;
+    read_recs(dir, "index", &x);
+    assert_int_equal(x.n, 20);
+    int past = 0;
+    for (int i = 0; i < x.n; i++)
+        past += x.r[i].slot >= 8;
+    assert_true(past > 0);
+    for (int round = 0; round < 3; round++) {
+        uint64_t slots = round == 0 ? 32 : round == 1 ? 64 : 8;
+        kvh_config o = dt_cfg(G, dir, 8, 8, slots, 0);
+        dt_log log;
+        dt_log_init(&log);
+        dt_log_attach(&o, &log);
+        e = dt_open_a(&o);
+        char want[64];
+        snprintf(want, sizeof(want), "%d blocks lay in slots past the 8", past);
+        assert_int_equal(dt_log_count(&log, KVH_LOG_WARN, "dropped", NULL), round == 2);
+        if (round == 2 && dt_log_count(&log, KVH_LOG_WARN, want, dir, NULL) != 1)
+            fail_msg("no warning \"%s\": %s", want, log.n ? log.line[0] : "(none)");
+        assert_int_equal(live_on_disk(e), round == 2 ? 20 - past : 20);
+        dt_assert_ok(dt_close(e));
+    }
+}
+
 /* ---- records follow the blocks ---- */
 
 static void test_records_follow_the_blocks(void **state)
@@ -1110,6 +1150,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_persist_journal_snapshot_reopen, teardown),
+        cmocka_unit_test_teardown(test_opened_smaller_says_what_it_drops, teardown),
         cmocka_unit_test_teardown(test_records_follow_the_blocks, teardown),
         cmocka_unit_test_teardown(test_cleaner, teardown),
         cmocka_unit_test_teardown(test_victim_waits_for_cleaned_unreferenced_block, teardown),

@@ -174,6 +174,31 @@ static void test_other_spellings_are_the_same_store(void **state)
     dt_rmrf(dir);
 }
 
+/* LOCK deleted under an open engine (a cleaner of old files): the
+ * directory's own lock still keeps a second engine out, which was told
+ * the store was open in another process, a reader such as kvh-store,
+ * while the holder was an engine in this one. */
+static void test_a_replaced_lock_file_is_named_as_such(void **state)
+{
+    (void)state;
+    char dir[512], lock[600];
+    dt_scratch("lock-deleted", dir, sizeof(dir));
+    kvh_config c = lock_cfg(dir);
+    kvh_engine *e = dt_open_a(&c);
+    snprintf(lock, sizeof(lock), "%s/LOCK", dir);
+    assert_int_equal(unlink(lock), 0);
+    kvh_engine *x = NULL;
+    kvh_status st = kvh_engine_open(&c, &x);
+    if (st != KVH_ERR_BUSY) {
+        kvh_engine_close(x);
+        fail_msg("%s (%s), expected KVH_ERR_BUSY", kvh_status_name(st), kvh_last_error());
+    }
+    if (!strstr(kvh_last_error(), "LOCK file was replaced") || !strstr(kvh_last_error(), "this process"))
+        fail_msg("%s", kvh_last_error());
+    dt_assert_ok(dt_close(dt_untrack(e)));
+    dt_rmrf(dir);
+}
+
 /* ---- a process forked while the engine was open ---- */
 
 static void test_forked_process_does_not_keep_the_store(void **state)
@@ -381,6 +406,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_racing_opens_one_engine_at_a_time, dt_teardown),
         cmocka_unit_test_teardown(test_other_spellings_are_the_same_store, dt_teardown),
+        cmocka_unit_test_teardown(test_a_replaced_lock_file_is_named_as_such, dt_teardown),
         cmocka_unit_test_teardown(test_forked_process_does_not_keep_the_store, dt_teardown),
         cmocka_unit_test_teardown(test_forked_worker_outliving_its_killed_parent, dt_teardown),
         cmocka_unit_test_teardown(test_no_fork_inherits_a_store_being_opened_or_closed, dt_teardown),

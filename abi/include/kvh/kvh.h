@@ -272,7 +272,9 @@ typedef struct kvh_config {
      * spare through which a block on disk comes up when every tier is full
      * of referenced blocks (it trades places with a memory block). */
     uint64_t host_bytes; /* default 1 GiB */
-    /* Both or neither: one without the other is KVH_ERR_INVALID_ARG. */
+    /* Both or neither: one without the other is KVH_ERR_INVALID_ARG. A
+     * store opened with fewer slots than it was made with drops the blocks
+     * in the slots past them, with a KVH_LOG_WARN message saying how many. */
     uint64_t disk_bytes; /* default 0: no disk tier */
     /* [borrowed] during open; NULL: no disk tier. The store is its user's
      * alone: the directory is created 0700 and its files 0600 whatever the
