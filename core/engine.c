@@ -306,6 +306,19 @@ static kvh_status select_backend(kvh_engine *e)
     return KVH_OK;
 }
 
+/* A numa_node this machine lacks binds nothing (memory nor workers): the
+ * setting is taken, as it may come from another machine's configuration,
+ * and said. */
+static void warn_absent_numa_node(kvh_engine *e)
+{
+    cpu_set_t cpus;
+    if (e->cfg.numa_node >= 0 && !kvhi_numa_node_cpus(e->cfg.numa_node, &cpus))
+        kvhi_log(e, KVH_LOG_WARN,
+                 "numa_node %d: this machine has no such node (no /sys/devices/system/node/node%d): neither the "
+                 "host tier nor the migration workers are bound",
+                 e->cfg.numa_node, e->cfg.numa_node);
+}
+
 /* What the CPU may do with the chosen backend's device-tier memory
  * (engine.h: device_host_addressable, device_is_host_ram). */
 static void note_memory_model(kvh_engine *e)
@@ -491,6 +504,7 @@ kvh_status kvhi_engine_open(const kvh_config *config, kvh_engine **out)
         st = select_backend(e);
     if (st == KVH_OK) {
         kvhi_warn_isa_overrides(e);
+        warn_absent_numa_node(e);
         note_memory_model(e);
         e->moves_in_place = can_move_in_place(e);
         st = tier_init(e, KVH_TIER_DEVICE, e->cfg.device_bytes);

@@ -779,6 +779,28 @@ static void test_log_sink(void **state)
     assert_ok(tu_close(e));
 }
 
+/* A NUMA node the machine lacks was taken and bound nothing, silently. */
+static void test_absent_numa_node_is_said(void **state)
+{
+    (void)state;
+    log_capture cap = {0};
+    kvh_config c = small_cfg();
+    c.log_fn = log_sink;
+    c.log_user = &cap;
+    c.log_level = KVH_LOG_WARN;
+    c.numa_node = 999;
+    kvh_engine *e = tu_open_cfg(&c);
+    assert_int_equal(cap.calls, 1);
+    assert_int_equal(cap.level, KVH_LOG_WARN);
+    assert_non_null(strstr(cap.msg, "numa_node 999: this machine has no such node"));
+    assert_ok(tu_close(e));
+    memset(&cap, 0, sizeof(cap));
+    c.numa_node = -1;
+    e = tu_open_cfg(&c);
+    assert_int_equal(cap.calls, 0);
+    assert_ok(tu_close(e));
+}
+
 static void test_last_error_thread_local_cleared(void **state)
 {
     (void)state;
@@ -795,6 +817,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_version, tu_teardown),
+        cmocka_unit_test_teardown(test_absent_numa_node_is_said, tu_teardown),
         cmocka_unit_test_teardown(test_status_text, tu_teardown),
         cmocka_unit_test_teardown(test_config_init_defaults, tu_teardown),
         cmocka_unit_test_teardown(test_config_init_bad_args, tu_teardown),

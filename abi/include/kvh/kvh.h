@@ -285,7 +285,8 @@ typedef struct kvh_config {
     const char *disk_path;
     uint64_t model_salt;         /* namespace of prefix hashes (model identity); secret
                                     where tenants choose tokens ("Tenant scopes") */
-    int32_t numa_node;           /* host tier + workers bound here; -1: none */
+    int32_t numa_node;           /* host tier + workers bound here; -1: none; a node
+                                    the machine lacks binds nothing (a warning) */
     uint32_t migration_threads;  /* default 2, at most 64; 0 = migrate in caller */
     uint64_t migration_cpu_mask; /* bit i = CPU i for workers; 0 = any */
     uint32_t lru_k;              /* LRU-K history depth, 1..4; default 2 */
