@@ -650,6 +650,7 @@ int kvhi_index_load(kvhi_disk *d, bool reset, kvhi_index_list *out, char *msg, s
     }
     if (dm.found)
         snprintf(out->damage, sizeof(out->damage), "%s", dm.what);
+    out->torn_tail = dm.torn_tail;
     if (past_end > 0)
         out->past_end = (uint64_t)past_end;
     if (dm.torn_tail && !dm.found && d->strict_index)

@@ -21,6 +21,7 @@ typedef struct kvhi_index_list {
     int32_t *token_store;
     uint64_t bad_records; /* records and headers that failed their checksum */
     uint64_t past_end;    /* blocks named in slots past the store's size now */
+    bool torn_tail;       /* the journal ends in a torn or damaged record */
     uint64_t bad_slots;   /* entries dropped by a rebuild: their slot failed its check */
     uint64_t rescued;     /* blocks a rebuild took from their slot headers alone */
     bool rewrite;         /* the index was rebuilt: write a snapshot right away */

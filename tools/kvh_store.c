@@ -446,6 +446,12 @@ static int run_main(int argc, char **argv)
         printf("BAD %s (an engine with disk_strict_index=1 refuses the store; with 0 it rebuilds the index "
                "from the slot headers)\n",
                list.damage);
+    /* A crash leaves a torn tail, bit rot can too: not damage, but the
+     * two settings then keep different blocks. */
+    bool torn = list.torn_tail && !damaged;
+    if (torn && !json)
+        printf("NOTE the journal ends in a torn or damaged record: an engine with disk_strict_index=1 cuts it "
+               "there and drops the records past it; with 0 it rebuilds them from the slot headers\n");
     if (json) {
         printf("{\"blocks\": %llu, \"bad\": %llu, \"bad_records\": %llu", (unsigned long long)(list.n + list.bad_slots),
                (unsigned long long)bad, (unsigned long long)list.bad_records);
@@ -454,6 +460,8 @@ static int run_main(int argc, char **argv)
             print_json_text(list.damage);
             printf("\"");
         }
+        if (torn)
+            printf(", \"torn_tail\": true");
         printf("}\n");
     } else
         printf("%llu blocks checked, %llu bad\n", (unsigned long long)(list.n + list.bad_slots),

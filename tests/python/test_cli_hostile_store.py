@@ -458,6 +458,18 @@ def test_verify_accepts_a_torn_journal_tail(store):
         f.write(os.urandom(10))
     res = run_store("verify", store)
     assert res.returncode == 0 and _summary(res.stdout) == (CHAINS * 3, 0), res.stdout + res.stderr
+    # Said, though: a strict open cuts the journal there, a lenient one
+    # rebuilds from the slots, and the two can keep different blocks.
+    assert re.search(r"^NOTE the journal ends in a torn or damaged record", res.stdout, re.M), res.stdout
+    res = run_store("verify", "--json", store)
+    assert res.returncode == 0 and json.loads(res.stdout.splitlines()[-1]).get("torn_tail") is True, res.stdout
+
+
+def test_verify_of_a_sound_store_notes_nothing(store):
+    res = run_store("verify", store)
+    assert res.returncode == 0 and "NOTE" not in res.stdout, res.stdout
+    res = run_store("verify", "--json", store)
+    assert "torn_tail" not in res.stdout, res.stdout
 
 
 @pytest.mark.parametrize("how", ["empty", "zeroed", "directory", "journal-copy", "other-format"])
