@@ -1339,17 +1339,23 @@ KVH_API kvh_status kvh_blocks_persist(kvh_engine *engine, const kvh_block *block
  * another's K/V. Within one scope a hit is faster than a miss by design.
  *
  * H is not a cryptographic hash: whoever knows model_salt can choose the
- * last tokens of a block so that its hash in one scope equals a given
- * block's hash in another. Every tier keeps blocks of equal hash and
- * different (parent, tokens) side by side (memory and disk by prefix, the
- * remote store under keys that also carry a second chain over the parent
- * and tokens), so such a block keeps nothing out and its owner's hits do
- * not depend on the other block. The hash is still not a secret-keyed
- * one: a caller whose tenants choose tokens also sets model_salt to a
- * secret (e.g. 64 random bits kept with its configuration, the same on
- * every engine that shares a store or a remote tier) and never shows a
- * tenant a hash (kvh_prefix_hash*, the remote tier's key names, store
- * files), so that no tenant can compute any hash at all. */
+ * last tokens of a block so that its hash (in its own scope, a shared one
+ * or another) equals a given block's. Every tier keeps blocks of equal
+ * hash and different (parent, tokens) side by side (memory and disk by
+ * prefix, the remote store under keys that also carry a second chain over
+ * the parent and tokens), so such a block keeps the one it imitates
+ * neither out nor in. The blocks after it do not fare so: a parent is
+ * named by its hash alone, so the block that follows a forged one has,
+ * with equal tokens, the key of the block that follows the one imitated,
+ * and whichever is cached first is the hit of both prefixes, its K/V
+ * computed after the other parent. Knowing the salt, a tenant can thus
+ * change what another reads past a block they share a scope for (a
+ * shared system prompt). The salt is what keeps that out of reach: a
+ * caller whose tenants choose tokens sets model_salt to a secret (e.g.
+ * 64 random bits kept with its configuration, the same on every engine
+ * that shares a store or a remote tier) and never shows a tenant a hash
+ * (kvh_prefix_hash*, the remote tier's key names, store files), so that
+ * no tenant can compute any hash at all. */
 
 /* Sets the scope of an empty sequence (new, or truncated to 0): its
  * publishes and kvh_seq_match_prefix hash in it from now on, as above;

@@ -707,8 +707,9 @@ class KvhConnector(KVConnectorBase_V1):
             self._secret_warned = True
             logger.warning(
                 "kvh: requests carry cache_salt but hash_secret is not set: a tenant who knows the model can "
-                "choose tokens whose block hash equals another tenant's and so keep it out of the cache or "
-                "learn that it was cached; set kv_connector_extra_config hash_secret (or KVH_VLLM_HASH_SECRET)"
+                "choose tokens whose block hash equals a block of a prompt it shares with others (in its scope "
+                "or a shared one), so that the blocks after it are served with K/V computed after its own "
+                "tokens; set kv_connector_extra_config hash_secret (or KVH_VLLM_HASH_SECRET)"
             )
         lookup_id = next(self._lookup_ids)
         matched, held = self._lookup(request.request_id, np.asarray(tokens[:n], dtype=np.int32), scope, lookup_id)
