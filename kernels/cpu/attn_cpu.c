@@ -8,7 +8,10 @@
  * reference (read when the engine's state is made) or
  * kvhi_attention_set_impl() force one, for tests and benchmarks. */
 #include <errno.h>
+#include <float.h>
+#include <math.h>
 #include <stdatomic.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -173,9 +176,11 @@ static void merge_row(const kvhi_attn_plan *p, const kvhi_attn_merge *mg, const 
         for (uint32_t d = 0; d < D; d++)
             tmp[d] = 0;
         float wsum = 0;
+        bool chunk_past = false;
         for (uint32_t c = 0; c < nc; c++) {
             float m = pml[2 * (idx0 + c * step)], l = pml[2 * (idx0 + c * step) + 1];
-            if (l == 0) /* no token of the chunk seen */
+            chunk_past |= l != l; /* its unit marked the row already */
+            if (l == 0)           /* no token of the chunk seen */
                 continue;
             float w = l * expf(m - mx);
             const float *o = po + (idx0 + c * step) * D;
@@ -183,8 +188,23 @@ static void merge_row(const kvhi_attn_plan *p, const kvhi_attn_merge *mg, const 
             for (uint32_t d = 0; d < D; d++)
                 tmp[d] += w * o[d];
         }
+        /* Chunks each in range can pass it together: the weighted sum of
+         * their outputs (w up to a chunk's tokens) above FLT_MAX. Such a
+         * row is past the float range as a unit's would be: computed again
+         * in double, or NaN in a streamed call (kvh.h). */
+        bool past = false;
+        for (uint32_t d = 0; d < D && !chunk_past && !past; d++)
+            past = !(fabsf(tmp[d]) <= FLT_MAX);
+        if (past) {
+            kvhi_attn_cpu *st = p->cpu_state;
+            __atomic_store_n(&st->score_overflow, 1, __ATOMIC_RELAXED);
+            if (st->rows_past)
+                __atomic_store_n(&st->rows_past[(uint64_t)(s->q_row0 + mg->row) * Hq + qh], 1, __ATOMIC_RELAXED);
+        }
         kvhi_attn_store_out(p->io_dtype, out, ((uint64_t)(s->q_row0 + mg->row) * Hq + qh) * D, D, tmp,
-                            wsum > 0 ? 1.0f / wsum : 0.0f);
+                            past       ? NAN
+                            : wsum > 0 ? 1.0f / wsum
+                                       : 0.0f);
     }
 }
 

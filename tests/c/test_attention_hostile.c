@@ -876,6 +876,81 @@ static void test_finite_inputs_past_the_float_range_on_every_kernel(void **state
     }
 }
 
+/* Chunks each in range whose merge passes it: a long context split across
+ * threads (split-K), V of 3e38 at two tokens and equal scores, so that a
+ * chunk's normalised output is finite but the merge's weighted sum of
+ * chunk outputs (weights up to a chunk's tokens) is not. The row came
+ * back inf on two threads, where one gave 2 x 3e38 / n: now it is
+ * computed again in double, as a unit's would be. */
+static void test_a_merge_past_the_float_range_is_computed_again(void **state)
+{
+    (void)state;
+    enum { MD = 8, MN = 1000 };
+    static const char *const isas[] = {"", "generic", "avx2", "avx512"};
+    static float k[MN * MD], v[MN * MD];
+    memset(v, 0, sizeof(v));
+    for (int d = 0; d < MD; d++)
+        v[1 * MD + d] = v[(MN - 2) * MD + d] = 3e38f;
+    const double want = 2 * 3e38 / MN;
+    for (size_t ii = 0; ii < sizeof(isas) / sizeof(isas[0]); ii++) {
+        if (isas[ii][0])
+            setenv("KVH_ATTN_ISA", isas[ii], 1);
+        kvh_config c = tu_cfg(1, 1, MD, BT, KVH_DTYPE_F32, 128, 16, 0);
+        kvh_engine *e = tu_open_cfg(&c);
+        unsetenv("KVH_ATTN_ISA");
+        kvh_seq s = tu_seq_new(e, 0);
+        static int32_t t[MN];
+        for (int i = 0; i < MN; i++)
+            t[i] = i + 1;
+        assert_ok(kvh_seq_append(e, s, t, MN));
+        assert_ok(kvh_seq_write_kv(e, s, 0, 0, MN, k, v));
+        for (uint32_t threads = 0; threads <= 4; threads++) {
+            kvh_attention_params p = params(1, 1.0f, KVH_DTYPE_F32);
+            p.threads = threads;
+            float q[MD] = {1}, out[MD];
+            assert_ok(kvh_attention_decode(e, 0, &s, 1, q, out, &p));
+            for (int d = 0; d < MD; d++)
+                if (!(fabs(out[d] - want) <= 1e-5 * want))
+                    fail_msg("isa '%s', %u threads, decode: %g, want %g", isas[ii], threads, (double)out[d], want);
+            uint32_t ql = 1;
+            assert_ok(kvh_attention_prefill(e, 0, &s, &ql, 1, q, out, &p));
+            if (!(fabs(out[0] - want) <= 1e-5 * want))
+                fail_msg("isa '%s', %u threads, prefill: %g, want %g", isas[ii], threads, (double)out[0], want);
+        }
+        assert_ok(tu_close(e));
+    }
+}
+
+/* The same in a streamed call, whose rows past the float range are NaN
+ * (kvh.h): two chunks of one block each, V of 3e38 in both, came back
+ * inf. */
+static void test_a_streamed_merge_past_the_float_range_is_nan(void **state)
+{
+    (void)state;
+    kvh_config c = tu_cfg(1, 1, 4, 4, KVH_DTYPE_F32, 16, 16, 0);
+    c.copy_moves = 1; /* the host tier apart: its blocks are streamed */
+    kvh_engine *e = tu_open_cfg(&c);
+    kvh_seq s = tu_seq_new(e, 0);
+    int32_t t[5] = {1, 2, 3, 4, 5};
+    assert_ok(kvh_seq_append(e, s, t, 5));
+    float k[5 * 4] = {0}, v[5 * 4] = {0};
+    for (int d = 0; d < 4; d++)
+        v[1 * 4 + d] = v[4 * 4 + d] = 3e38f;
+    assert_ok(kvh_seq_write_kv(e, s, 0, 0, 5, k, v));
+    kvh_attention_params p = params(1, 1.0f, KVH_DTYPE_F32);
+    float q[4] = {1, 1, 1, 1}, out[4];
+    assert_ok(kvh_attention_decode(e, 0, &s, 1, q, out, &p));
+    assert_true(fabs(out[0] - 1.2e38) <= 1e-5 * 1.2e38); /* resident: computed again in double */
+    assert_ok(kvh_seq_migrate(e, s, 0, 5, KVH_TIER_HOST, NULL));
+    p.stream_chunk_blocks = 1;
+    p.stream_window_blocks = 2;
+    assert_ok(kvh_attention_decode(e, 0, &s, 1, q, out, &p));
+    for (int d = 0; d < 4; d++)
+        if (!isnan(out[d]))
+            fail_msg("streamed row past the float range: %g, kvh.h says NaN", (double)out[d]);
+    assert_ok(tu_close(e));
+}
+
 /* A prefill of two sequences (3 and 2 query rows, 4 query heads over 2 KV
  * heads, contexts long enough for split chunks, 4 threads) with one
  * (row, head) pushed past the float range: that row is computed again,
@@ -2165,6 +2240,8 @@ int main(void)
         cmocka_unit_test_teardown(test_prefill_matches_reference, teardown),
         cmocka_unit_test_teardown(test_prefill_masked_non_finite_values_stay_masked, teardown),
         cmocka_unit_test_teardown(test_finite_inputs_past_the_float_range_on_every_kernel, teardown),
+        cmocka_unit_test_teardown(test_a_merge_past_the_float_range_is_computed_again, teardown),
+        cmocka_unit_test_teardown(test_a_streamed_merge_past_the_float_range_is_nan, teardown),
         cmocka_unit_test_teardown(test_only_rows_past_the_float_range_are_redone, teardown),
         cmocka_unit_test_teardown(test_streamed_rows_past_the_float_range_are_nan, teardown),
 #if defined(__x86_64__) || defined(__i386__)
