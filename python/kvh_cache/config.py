@@ -173,6 +173,14 @@ def _parse_c(assignments: Mapping[str, str]) -> Dict[str, Any]:
 
     if not assignments:
         return {}
+    for k, v in assignments.items():
+        if "\x00" in str(v):
+            # C would read the value up to it: "4G\0junk" taken as 4G.
+            from . import errors
+
+            raise errors.InvalidArgumentError(
+                f"{k}={str(v)!r}: a value holds no NUL character", int(lib.KVH_ERR_INVALID_ARG)
+            )
     strings = [ffi.new("char[]", os.fsencode(f"{k}={v}")) for k, v in assignments.items()]
     envp = ffi.new("char *[]", strings + [ffi.NULL])
     c = ffi.new("kvh_config *")

@@ -220,3 +220,11 @@ def test_prefault_memory(tmp_path):
         assert eng.config.prefault_memory is False
     with pytest.raises(kvh.InvalidArgumentError, match="KVH_PREFAULT_MEMORY"):
         kc.load(environ={"KVH_PREFAULT_MEMORY": "sometimes"})
+
+
+def test_a_value_with_a_nul_is_refused(tmp_path):
+    # The C parser read up to the NUL: "4G\0junk" was taken as 4G.
+    with pytest.raises(kvh.InvalidArgumentError, match="KVH_HOST_BYTES.*NUL"):
+        kc.load(environ={"KVH_HOST_BYTES": "4G\x00junk"})
+    with pytest.raises(ValueError, match="host_bytes.*NUL"):
+        kc.load(environ={}, file=_toml(tmp_path, 'host_bytes = "4G\\u0000junk"\n'))
