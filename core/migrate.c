@@ -57,7 +57,8 @@ void kvhi_fence_done(kvh_engine *e, uint32_t idx, kvh_status st)
         return;
     if (st != KVH_OK && f->status == KVH_OK) {
         f->status = st;
-        snprintf(f->msg, sizeof(f->msg), "%s", kvhi_last_error());
+        const char *why = kvhi_last_error();
+        snprintf(f->msg, sizeof(f->msg), "%s", why[0] ? why : kvhi_status_text(st));
     }
     if (--f->pending == 0) {
         if (f->user_freed && !f->waiters) {
@@ -80,7 +81,7 @@ void kvhi_fence_record_failure(kvh_engine *e, uint32_t idx, kvh_status st, const
     kvhi_fence *f = kvhi_handles_at(&e->fences, idx);
     if (f && st != KVH_OK && f->status == KVH_OK) {
         f->status = st;
-        snprintf(f->msg, sizeof(f->msg), "%s", msg);
+        snprintf(f->msg, sizeof(f->msg), "%s", msg && msg[0] ? msg : kvhi_status_text(st));
     }
 }
 
@@ -89,7 +90,7 @@ kvh_status kvhi_fence_poll_idx(kvh_engine *e, uint32_t idx, int32_t *done)
     kvhi_fence *f = kvhi_handles_at(&e->fences, idx);
     *done = f->pending == 0;
     if (f->pending == 0 && f->status != KVH_OK)
-        return kvhi_fail(f->status, "%s", f->msg);
+        return kvhi_fail(f->status, "%s", f->msg[0] ? f->msg : kvhi_status_text(f->status));
     return KVH_OK;
 }
 

@@ -434,6 +434,34 @@ static void test_full_disk_pinned_queued_move_frees_nothing(void **state)
     dt_assert_ok(dt_close(e));
 }
 
+/* A failure recorded on a fence without a detail (the failing step set
+ * none): kvh_fence_wait and kvh_fence_poll said nothing but the status
+ * (kvh_last_error empty). They now give the status's text at least. */
+static void test_a_fence_failure_without_detail_still_says_why(void **state)
+{
+    (void)state;
+    char dir[PATH_MAX];
+    dt_scratch("fence-detail", dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 8, 8, 4, 0);
+    kvh_engine *e = dt_open_a(&c);
+    kvh_fence f = {0};
+    uint32_t fi = 0;
+    wb_lock(e);
+    dt_assert_ok(kvhi_fence_new(e, &fi, &f));
+    kvhi_fence_expect(e, fi, 1);
+    kvhi_clear_error();
+    kvhi_fence_done(e, fi, KVH_ERR_NOSPACE);
+    wb_unlock(e);
+    int32_t done = 0;
+    dt_assert_kvh(KVH_ERR_NOSPACE, kvh_fence_poll(e, f, &done));
+    assert_int_equal(done, 1);
+    assert_string_equal(kvh_last_error(), kvhi_status_text(KVH_ERR_NOSPACE));
+    dt_assert_kvh(KVH_ERR_NOSPACE, kvh_fence_wait(e, f, UINT64_MAX));
+    assert_string_equal(kvh_last_error(), kvhi_status_text(KVH_ERR_NOSPACE));
+    dt_assert_ok(kvh_fence_free(e, f));
+    dt_assert_ok(dt_close(e));
+}
+
 /* ---- a victim that cannot go down ---- */
 
 static struct {
@@ -884,6 +912,7 @@ int main(void)
         cmocka_unit_test_teardown(test_a_copy_of_an_acquired_block_under_a_quota, teardown),
         cmocka_unit_test_teardown(test_full_store_trades_a_disk_block_up, teardown),
         cmocka_unit_test_teardown(test_full_store_lends_the_spare_to_a_durable_block, teardown),
+        cmocka_unit_test_teardown(test_a_fence_failure_without_detail_still_says_why, teardown),
     };
     return cmocka_run_group_tests_name("evict", tests, NULL, NULL);
 }
