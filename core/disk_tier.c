@@ -305,16 +305,28 @@ static bool immutable(const kvhi_block *blk)
     return (blk->flags & (KVHI_BF_HASHED | KVHI_BF_KV_COMPLETE)) == (KVHI_BF_HASHED | KVHI_BF_KV_COMPLETE);
 }
 
-/* Records that slot holds b. False when the record could not be taken:
- * then b is not durable, and a persist must say so. */
-static bool journal_add(kvh_engine *e, uint32_t b, uint32_t slot)
+/* Records that slot holds b: 0, or -errno when the record could not be
+ * taken (then b is not durable, and a persist must say so). */
+static int journal_add(kvh_engine *e, uint32_t b, uint32_t slot)
 {
     kvhi_block *blk = &e->blocks[b];
-    if (kvhi_index_append(e->disk, KVHI_REC_ADD, slot, blk->hash, blk->parent_hash, blk->n_tokens, blk->data_crc,
-                          kvhi_block_tokens(e, b)) != 0)
-        return false;
-    blk->flags |= KVHI_BF_JOURNALED;
-    return true;
+    int rc = kvhi_index_append(e->disk, KVHI_REC_ADD, slot, blk->hash, blk->parent_hash, blk->n_tokens, blk->data_crc,
+                               kvhi_block_tokens(e, b));
+    if (rc == 0)
+        blk->flags |= KVHI_BF_JOURNALED;
+    return rc;
+}
+
+/* A persist's failure to record a block, as kvh.h names it: no memory for
+ * the record, or a store that takes no records any more (KVH_ERR_IO). */
+static kvh_status journal_add_failed(int rc)
+{
+    if (rc == -ENOMEM)
+        return kvhi_fail(KVH_ERR_NOMEM, "out of memory recording a block in the disk index");
+    return kvhi_fail(KVH_ERR_IO,
+                     "the disk index takes no more records (an earlier write or sync of the store failed, or its "
+                     "journal or directory was removed while open): %s",
+                     strerror(-rc));
 }
 
 void kvhi_disk_after_move(kvh_engine *e, uint32_t b, const kvhi_xfer *x, bool *keep_src_slot)
@@ -598,8 +610,9 @@ static kvh_status write_copies(kvh_engine *e, const uint32_t *blocks, uint32_t n
             blk->flags |= KVHI_BF_DISK_HASHED;
             e->stats.disk_copies_written++;
             e->stats.bytes_disk_copies_written += e->disk->block_bytes;
-            if (!journal_add(e, x->block, x->dst_slot) && st == KVH_OK)
-                st = kvhi_fail(KVH_ERR_NOMEM, "out of memory recording a block in the disk index");
+            int rc = journal_add(e, x->block, x->dst_slot);
+            if (rc != 0 && st == KVH_OK)
+                st = journal_add_failed(rc);
         }
         if (blk->flags & KVHI_BF_DEAD)
             kvhi_block_free_now(e, x->block);
@@ -753,8 +766,9 @@ kvh_status kvhi_disk_persist_blocks(kvh_engine *e, const uint32_t *blocks, uint3
                     continue;
                 bool on_disk = blk->tier == KVH_TIER_DISK || (blk->flags & KVHI_BF_DISK_COPY);
                 if (on_disk && (blk->flags & KVHI_BF_DISK_HASHED)) {
-                    if (!journal_add(e, b, blk->tier == KVH_TIER_DISK ? blk->slot : blk->disk_copy))
-                        st = kvhi_fail(KVH_ERR_NOMEM, "out of memory recording a block in the disk index");
+                    int rc = journal_add(e, b, blk->tier == KVH_TIER_DISK ? blk->slot : blk->disk_copy);
+                    if (rc != 0)
+                        st = journal_add_failed(rc);
                     continue;
                 }
                 /* Spilled before it had its hash: rewrite it with one. */

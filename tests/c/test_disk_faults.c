@@ -34,6 +34,7 @@
 #include <sys/resource.h>
 
 #include "core/disk_io.h"
+#include "core/engine.h"
 
 static const dt_geo G = {1, 1, 64, 16, KVH_DTYPE_F16}; /* block = 4096 bytes, slot = 8192 */
 
@@ -461,6 +462,41 @@ static void fsync_fatal(int nth, const char *which)
     dt_assert_ok(dt_close(e));
 }
 
+/* The index turned fatal (another thread's failed sync) between a
+ * persist's slab write and its record: the persist said "out of memory
+ * recording a block" (KVH_ERR_NOMEM), where kvh.h promises KVH_ERR_IO,
+ * and a caller retrying on NOMEM would retry for ever. */
+static kvh_engine *fatal_on_write_engine;
+
+static int fatal_on_write(enum kvhi_disk_op op, void *user)
+{
+    (void)user;
+    if (op == KVHI_OP_WRITE && fatal_on_write_engine)
+        fatal_on_write_engine->disk->fatal = true; /* the write itself goes through */
+    return 0;
+}
+
+static void test_index_fatal_during_a_persist_is_an_io_error(void **state)
+{
+    (void)state;
+    char dir[512];
+    dt_scratch("fatal-mid-persist", dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 4, 8, 64, 0);
+    kvh_engine *e = dt_open_a(&c);
+    kvh_seq s;
+    dt_assert_ok(dt_build(e, G, dt_plain(21), 2 * G.bt, 0, &s));
+    fatal_on_write_engine = e;
+    kvhi_disk_set_fault_hook(fatal_on_write, NULL);
+    kvh_status st = kvh_seq_persist(e, s);
+    kvhi_disk_set_fault_hook(fault_hook, NULL);
+    fatal_on_write_engine = NULL;
+    if (st != KVH_ERR_IO)
+        fail_msg("%s (%s), expected KVH_ERR_IO", kvh_status_name(st), kvh_last_error());
+    assert_non_null(strstr(kvh_last_error(), "takes no more records"));
+    dt_assert_ok(kvh_seq_free(e, s));
+    (void)dt_close(e);
+}
+
 static void test_fsync_failure_is_fatal(void **state)
 {
     (void)state;
@@ -877,6 +913,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_nospace_injected_filesystem_full, setup, teardown),
         cmocka_unit_test_setup_teardown(test_nospace_injected_quota_full, setup, teardown),
         cmocka_unit_test_setup_teardown(test_fsync_failure_is_fatal, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_index_fatal_during_a_persist_is_an_io_error, setup, teardown),
         cmocka_unit_test_setup_teardown(test_fault_sweep, setup, teardown),
         cmocka_unit_test_setup_teardown(test_transient_read_error_keeps_durable_blocks, setup, teardown),
         cmocka_unit_test_setup_teardown(test_a_failed_fold_does_not_fail_the_persist, setup, teardown),
