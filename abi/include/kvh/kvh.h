@@ -1097,8 +1097,9 @@ typedef enum kvh_hint_place {
  * it once its turn has gone). Queue hints do not lapse with engine
  * accesses as kvh_seq_hint's do. A request before the step (already
  * taken) is ignored. Returns KVH_ERR_INVALID_ARG (an unknown kind),
- * KVH_ERR_RANGE (the range is outside seq, or the request is 2^24 or
- * more past the step), KVH_ERR_BAD_HANDLE. @threads any */
+ * KVH_ERR_RANGE (the range is outside seq, the request is 2^24 or
+ * more past the step, or a place would number it past 2^64 - 1),
+ * KVH_ERR_BAD_HANDLE. @threads any */
 KVH_API kvh_status kvh_seq_hint_queued(kvh_engine *engine, kvh_seq seq, uint64_t first, uint64_t n, uint64_t place,
                                        kvh_hint_place kind);
 
