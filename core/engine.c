@@ -233,10 +233,18 @@ static kvh_status tier_init(kvh_engine *e, uint32_t t, uint64_t budget)
         tier->base = t == KVH_TIER_DEVICE ? e->backend->device_alloc(e->backend_ctx, tier->bytes_mapped)
                                           : e->backend->host_alloc(e->backend_ctx, tier->bytes_mapped);
     }
-    if (!tier->base)
-        return kvhi_fail(KVH_ERR_NOMEM, "cannot allocate %llu bytes for the %s tier%s",
-                         (unsigned long long)tier->bytes_mapped, t == KVH_TIER_DEVICE ? "device" : "host",
+    if (!tier->base) {
+        /* Moves in place: one arena holds both tiers, and host_bytes may
+         * be the part that did not fit. */
+        bool both =
+            t == KVH_TIER_DEVICE && e->moves_in_place && e->cfg.host_bytes >= e->tiers[KVH_TIER_HOST].slot_bytes;
+        return kvhi_fail(KVH_ERR_NOMEM, "cannot allocate %llu bytes for the %s%s",
+                         (unsigned long long)tier->bytes_mapped,
+                         both                   ? "device and host tiers (one arena: device_bytes + host_bytes)"
+                         : t == KVH_TIER_DEVICE ? "device tier"
+                                                : "host tier",
                          capped ? " (its budget cut to the most blocks a tier holds, 4294967294)" : "");
+    }
     if (t == KVH_TIER_HOST)
         bind_to_node(e, tier->base, tier->bytes_mapped);
     /* After the binding, so that the pages come from its node. The CPU

@@ -592,6 +592,31 @@ static void *worker_main(void *arg)
     return NULL;
 }
 
+static int first_cpu(const cpu_set_t *set)
+{
+    for (int c = 0; c < CPU_SETSIZE; c++)
+        if (CPU_ISSET(c, set))
+            return c;
+    return -1;
+}
+
+/* A migration_cpu_mask none of whose CPUs this process may run on (CPUs
+ * the machine lacks) binds nothing: the workers' affinity call fails and
+ * they run anywhere. Said, as the mask came from a user. */
+static void warn_unusable_cpu_mask(kvh_engine *e)
+{
+    cpu_set_t allowed;
+    if (!e->cfg.migration_cpu_mask || sched_getaffinity(0, sizeof(allowed), &allowed) != 0)
+        return;
+    for (int c = 0; c < 64; c++)
+        if ((e->cfg.migration_cpu_mask >> c & 1) && CPU_ISSET(c, &allowed))
+            return;
+    kvhi_log(e, KVH_LOG_WARN,
+             "migration_cpu_mask 0x%llx names no CPU this process may run on (it may use %d CPUs, from CPU %d): "
+             "the migration workers are not bound",
+             (unsigned long long)e->cfg.migration_cpu_mask, CPU_COUNT(&allowed), first_cpu(&allowed));
+}
+
 kvh_status kvhi_workers_start(kvh_engine *e)
 {
     if (pthread_cond_init(&e->work_ready, NULL) != 0)
@@ -600,6 +625,7 @@ kvh_status kvhi_workers_start(kvh_engine *e)
     if (e->cfg.migration_threads == 0)
         return KVH_OK;
     e->numa_cpus_known = e->cfg.numa_node >= 0 && kvhi_numa_node_cpus(e->cfg.numa_node, &e->numa_cpus);
+    warn_unusable_cpu_mask(e);
     e->workers = calloc(e->cfg.migration_threads, sizeof(pthread_t));
     if (!e->workers)
         return kvhi_fail(KVH_ERR_NOMEM, "out of memory for workers");

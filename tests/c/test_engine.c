@@ -1,5 +1,6 @@
 /* Public API: configuration, engine lifetime, tier info, stats, status
  * text, version. */
+#include <sched.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -801,6 +802,60 @@ static void test_absent_numa_node_is_said(void **state)
     assert_ok(tu_close(e));
 }
 
+/* A migration_cpu_mask naming only CPUs this process cannot run on (ones
+ * the machine lacks) bound nothing, silently. */
+static void test_a_cpu_mask_of_absent_cpus_is_said(void **state)
+{
+    (void)state;
+    cpu_set_t allowed;
+    assert_int_equal(sched_getaffinity(0, sizeof(allowed), &allowed), 0);
+    int absent = 63;
+    while (absent >= 0 && CPU_ISSET(absent, &allowed))
+        absent--;
+    if (absent < 0)
+        skip(); /* 64 CPUs, all ours */
+    log_capture cap = {0};
+    kvh_config c = small_cfg();
+    c.log_fn = log_sink;
+    c.log_user = &cap;
+    c.log_level = KVH_LOG_WARN;
+    c.migration_threads = 1;
+    c.migration_cpu_mask = 1ull << absent;
+    kvh_engine *e = tu_open_cfg(&c);
+    assert_int_equal(cap.calls, 1);
+    assert_non_null(strstr(cap.msg, "names no CPU this process may run on"));
+    assert_ok(tu_close(e));
+    /* One CPU of ours in the mask: nothing to say. */
+    memset(&cap, 0, sizeof(cap));
+    int ours = 0;
+    while (!CPU_ISSET(ours, &allowed))
+        ours++;
+    c.migration_cpu_mask = 1ull << absent | 1ull << ours;
+    e = tu_open_cfg(&c);
+    assert_int_equal(cap.calls, 0);
+    assert_ok(tu_close(e));
+}
+
+/* Moves in place put the host tier in the device tier's arena: a host
+ * budget too large to allocate was reported as the device tier's, which
+ * sent a user who never set device_bytes to the wrong setting. */
+static void test_an_arena_too_large_names_both_tiers(void **state)
+{
+    (void)state;
+    kvh_config c = small_cfg();
+    c.backend = KVH_BACKEND_CPU;
+    c.host_bytes = 1ull << 40;
+    kvh_engine *e = NULL;
+    kvh_status st = kvh_engine_open(&c, &e);
+    if (st == KVH_OK) { /* overcommit without limit: nothing to report */
+        assert_ok(kvh_engine_close(e));
+        skip();
+    }
+    assert_kvh(KVH_ERR_NOMEM, st);
+    assert_non_null(strstr(kvh_last_error(), "device and host tiers"));
+    assert_non_null(strstr(kvh_last_error(), "host_bytes"));
+}
+
 static void test_last_error_thread_local_cleared(void **state)
 {
     (void)state;
@@ -818,6 +873,8 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_version, tu_teardown),
         cmocka_unit_test_teardown(test_absent_numa_node_is_said, tu_teardown),
+        cmocka_unit_test_teardown(test_an_arena_too_large_names_both_tiers, tu_teardown),
+        cmocka_unit_test_teardown(test_a_cpu_mask_of_absent_cpus_is_said, tu_teardown),
         cmocka_unit_test_teardown(test_status_text, tu_teardown),
         cmocka_unit_test_teardown(test_config_init_defaults, tu_teardown),
         cmocka_unit_test_teardown(test_config_init_bad_args, tu_teardown),
