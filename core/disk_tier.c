@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -97,8 +98,50 @@ static void disk_free(kvhi_disk *d)
     free(d);
 }
 
+/* Every slab file stays open while the engine is: a disk_bytes that needs
+ * more of them than the process may open failed midway ("Too many open
+ * files"), leaving thousands of empty slab files behind. Where the hard
+ * limit allows, the soft one is raised to what the slabs need; past it,
+ * the open is refused before the store's directory is touched. */
+static kvh_status check_slab_files(kvh_engine *e, const kvh_config *cfg)
+{
+    uint64_t slot_bytes = KVHI_SLOT_HEADER_BYTES + kvhi_round_up(e->tiers[KVH_TIER_DISK].slot_bytes, KVHI_DISK_ALIGN);
+    uint64_t slots = cfg->disk_bytes / slot_bytes, per = (1ull << 30) / slot_bytes;
+    if (slots > UINT32_MAX / 2)
+        slots = UINT32_MAX / 2;
+    if (per == 0)
+        per = 1;
+    /* Beside the slabs: the index, journal, lock and directory, a ring per
+     * disk lane, and a margin for whatever else the process holds. */
+    uint64_t need = (slots + per - 1) / per + 64;
+    struct rlimit lim;
+    if (getrlimit(RLIMIT_NOFILE, &lim) != 0 || lim.rlim_cur == RLIM_INFINITY || need <= lim.rlim_cur)
+        return KVH_OK;
+    if (lim.rlim_max == RLIM_INFINITY || need <= lim.rlim_max) {
+        rlim_t was = lim.rlim_cur;
+        lim.rlim_cur = (rlim_t)need;
+        if (setrlimit(RLIMIT_NOFILE, &lim) == 0) {
+            kvhi_log(e, KVH_LOG_INFO,
+                     "disk tier: disk_bytes %llu keeps %llu slab files open: the open-file limit (RLIMIT_NOFILE) "
+                     "is raised from %llu to %llu",
+                     (unsigned long long)cfg->disk_bytes, (unsigned long long)(need - 64), (unsigned long long)was,
+                     (unsigned long long)need);
+            return KVH_OK;
+        }
+    }
+    return kvhi_fail(KVH_ERR_INVALID_ARG,
+                     "disk_bytes %llu needs %llu slab files (of at most 1 GiB each, all kept open), more than this "
+                     "process may open (RLIMIT_NOFILE %llu, hard limit %llu, less 64 for the rest): give a smaller "
+                     "disk_bytes or raise the hard limit",
+                     (unsigned long long)cfg->disk_bytes, (unsigned long long)(need - 64),
+                     (unsigned long long)lim.rlim_cur, (unsigned long long)lim.rlim_max);
+}
+
 kvh_status kvhi_disk_tier_open(kvh_engine *e, const kvh_config *cfg, const char *path)
 {
+    kvh_status cst = check_slab_files(e, cfg);
+    if (cst != KVH_OK)
+        return cst;
     kvhi_disk *d = calloc(1, sizeof(*d));
     if (!d)
         return kvhi_fail(KVH_ERR_NOMEM, "out of memory for the disk tier");

@@ -497,6 +497,64 @@ static void test_index_fatal_during_a_persist_is_an_io_error(void **state)
     (void)dt_close(e);
 }
 
+/* A disk_bytes needing more slab files than the process may open: the
+ * open failed midway with "Too many open files" and left every slab it
+ * had made (20,000 were seen) in the store. Past the hard limit it is
+ * refused first now, with the limit named and nothing made; under it the
+ * soft limit is raised to what the slabs need. */
+static void test_more_slabs_than_open_files(void **state)
+{
+    (void)state;
+    char dir[512], store[600];
+    dt_scratch("too-many-slabs", dir, sizeof(dir));
+    snprintf(store, sizeof(store), "%s/store", dir);
+    struct rlimit was;
+    assert_int_equal(getrlimit(RLIMIT_NOFILE, &was), 0);
+    if (was.rlim_max != RLIM_INFINITY && was.rlim_max < 400)
+        skip();
+    /* Soft 100, hard unchanged: 120 slabs (sparse) open, the soft limit raised. */
+    struct rlimit low = {.rlim_cur = 100, .rlim_max = was.rlim_max};
+    assert_int_equal(setrlimit(RLIMIT_NOFILE, &low), 0);
+    kvh_config c = dt_cfg(G, store, 4, 8, 64, 0);
+    c.disk_bytes = 120ull << 30;
+    kvh_engine *e = NULL;
+    kvh_status st = kvh_engine_open(&c, &e);
+    char why[512];
+    snprintf(why, sizeof(why), "%s", kvh_last_error());
+    struct rlimit now;
+    assert_int_equal(getrlimit(RLIMIT_NOFILE, &now), 0);
+    if (st == KVH_OK)
+        assert_int_equal(kvh_engine_close(e), KVH_OK);
+    if (st != KVH_OK)
+        fail_msg("120 slabs under a soft limit of 100: %s (%s)", kvh_status_name(st), why);
+    assert_true(now.rlim_cur >= 120 + 64);
+    dt_rmrf(store);
+    /* Hard 300: 400 slabs cannot be had; refused before anything is made
+     * (the hard limit cannot be raised again: a child process). */
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        struct rlimit hard = {.rlim_cur = 300, .rlim_max = 300};
+        if (setrlimit(RLIMIT_NOFILE, &hard) != 0)
+            _exit(10);
+        kvh_config h = dt_cfg(G, store, 4, 8, 64, 0);
+        h.disk_bytes = 400ull << 30;
+        kvh_engine *x = NULL;
+        kvh_status hs = kvh_engine_open(&h, &x);
+        if (hs == KVH_OK)
+            _exit(11);
+        if (hs != KVH_ERR_INVALID_ARG || !strstr(kvh_last_error(), "RLIMIT_NOFILE"))
+            _exit(12);
+        _exit(access(store, F_OK) == -1 ? 0 : 13); /* nothing made */
+    }
+    int status = 0;
+    assert_int_equal(waitpid(pid, &status, 0), pid);
+    assert_true(WIFEXITED(status));
+    assert_int_equal(WEXITSTATUS(status), 0);
+    assert_int_equal(setrlimit(RLIMIT_NOFILE, &was), 0);
+    dt_rmrf(dir);
+}
+
 static void test_fsync_failure_is_fatal(void **state)
 {
     (void)state;
@@ -914,6 +972,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_nospace_injected_quota_full, setup, teardown),
         cmocka_unit_test_setup_teardown(test_fsync_failure_is_fatal, setup, teardown),
         cmocka_unit_test_setup_teardown(test_index_fatal_during_a_persist_is_an_io_error, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_more_slabs_than_open_files, setup, teardown),
         cmocka_unit_test_setup_teardown(test_fault_sweep, setup, teardown),
         cmocka_unit_test_setup_teardown(test_transient_read_error_keeps_durable_blocks, setup, teardown),
         cmocka_unit_test_setup_teardown(test_a_failed_fold_does_not_fail_the_persist, setup, teardown),
