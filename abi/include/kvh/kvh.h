@@ -274,7 +274,10 @@ typedef struct kvh_config {
     uint64_t host_bytes; /* default 1 GiB */
     /* Both or neither: one without the other is KVH_ERR_INVALID_ARG. A
      * store opened with fewer slots than it was made with drops the blocks
-     * in the slots past them, with a KVH_LOG_WARN message saying how many. */
+     * in the slots past them, with a KVH_LOG_WARN message saying how many.
+     * Each GiB of slots is a slab file kept open: the open raises the
+     * soft RLIMIT_NOFILE to what they need (up to the hard limit; past it,
+     * KVH_ERR_INVALID_ARG before anything is made). */
     uint64_t disk_bytes; /* default 0: no disk tier */
     /* [borrowed] during open; NULL: no disk tier. The store is its user's
      * alone: the directory is created 0700 and its files 0600 whatever the
