@@ -41,6 +41,9 @@ def test_json_null_leaves_the_environment_variable_in_force(tmp_path):
         ("tail_min_tokens", [8]),
         ("lookup_timeout_s", "fast"),
         ("lookup_timeout_s", [1]),
+        ("lookup_timeout_s", True),  # float(True) is 1.0
+        ("migration_cpus", "0-"),  # a range without its end was CPU 0
+        ("migration_cpus", "2-,3"),
         ("disk_path", 5),
         ("disk_path", ["/a", "/b"]),
         ("runtime_dir", True),

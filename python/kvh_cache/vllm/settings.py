@@ -174,6 +174,8 @@ def _parse_log_level(value: Any) -> str:
 
 def _parse_seconds(value: Any) -> float:
     """A timeout in seconds: finite and above 0 (a socket takes no other)."""
+    if isinstance(value, bool):  # float(True) is 1.0: no timeout is meant by it
+        raise ValueError(f"a timeout must be a number of seconds, got {value!r}")
     try:
         s = float(value)
     except (TypeError, ValueError):
@@ -194,7 +196,9 @@ def _cpu_mask(value: Any) -> int:
     mask = 0
     try:
         for part in s.split(","):
-            lo, _, hi = part.strip().partition("-")
+            lo, dash, hi = part.strip().partition("-")
+            if dash and not hi.strip():  # "0-": a range without its end
+                raise ValueError
             for c in range(int(lo), int(hi or lo) + 1):
                 if not 0 <= c < 64:
                     raise ValueError
