@@ -780,15 +780,22 @@ static void test_log_sink(void **state)
     assert_ok(tu_close(e));
 }
 
+/* A small engine's configuration whose warnings go to cap. */
+static kvh_config warnings_into(log_capture *cap)
+{
+    kvh_config c = small_cfg();
+    c.log_fn = log_sink;
+    c.log_user = cap;
+    c.log_level = KVH_LOG_WARN;
+    return c;
+}
+
 /* A NUMA node the machine lacks was taken and bound nothing, silently. */
 static void test_absent_numa_node_is_said(void **state)
 {
     (void)state;
     log_capture cap = {0};
-    kvh_config c = small_cfg();
-    c.log_fn = log_sink;
-    c.log_user = &cap;
-    c.log_level = KVH_LOG_WARN;
+    kvh_config c = warnings_into(&cap);
     c.numa_node = 999;
     kvh_engine *e = tu_open_cfg(&c);
     assert_int_equal(cap.calls, 1);
@@ -815,10 +822,7 @@ static void test_a_cpu_mask_of_absent_cpus_is_said(void **state)
     if (absent < 0)
         skip(); /* 64 CPUs, all ours */
     log_capture cap = {0};
-    kvh_config c = small_cfg();
-    c.log_fn = log_sink;
-    c.log_user = &cap;
-    c.log_level = KVH_LOG_WARN;
+    kvh_config c = warnings_into(&cap);
     c.migration_threads = 1;
     c.migration_cpu_mask = 1ull << absent;
     kvh_engine *e = tu_open_cfg(&c);
