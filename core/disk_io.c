@@ -302,8 +302,8 @@ static int open_slab(kvhi_disk *d, uint32_t i, bool create)
 int kvhi_disk_open_slabs(kvhi_disk *d, bool allow_direct)
 {
     d->slot_bytes = KVHI_SLOT_HEADER_BYTES + kvhi_round_up(d->block_bytes, KVHI_DISK_ALIGN);
-    uint64_t per = (1ull << 30) / d->slot_bytes;
-    d->slots_per_slab = per ? (uint32_t)(per > d->n_slots ? d->n_slots : per) : 1;
+    uint64_t per = kvhi_disk_slab_slots(d->slot_bytes);
+    d->slots_per_slab = (uint32_t)(per > d->n_slots ? d->n_slots : per);
     if (d->slots_per_slab == 0)
         d->slots_per_slab = 1;
     d->n_slabs = (d->n_slots + d->slots_per_slab - 1) / d->slots_per_slab;

@@ -83,6 +83,13 @@ typedef struct kvhi_disk {
 /* Bytes a slot holds after its header: the block's stored form rounded
  * up to whole pages. */
 static inline uint64_t kvhi_disk_slot_data_bytes(const kvhi_disk *d) { return d->slot_bytes - KVHI_SLOT_HEADER_BYTES; }
+/* The most slots of slot_bytes one slab file holds: 1 GiB of them, or one
+ * where a slot is larger. */
+static inline uint64_t kvhi_disk_slab_slots(uint64_t slot_bytes)
+{
+    uint64_t per = (1ull << 30) / slot_bytes;
+    return per ? per : 1;
+}
 
 /* Opens (creating) the slab files of a store with n_slots slots under an
  * already locked directory, as they are. Returns 0 or -errno. */

@@ -103,14 +103,9 @@ static void disk_free(kvhi_disk *d)
  * files"), leaving thousands of empty slab files behind. Where the hard
  * limit allows, the soft one is raised to what the slabs need; past it,
  * the open is refused before the store's directory is touched. */
-static kvh_status check_slab_files(kvh_engine *e, const kvh_config *cfg)
+static kvh_status check_slab_files(kvh_engine *e, const kvh_config *cfg, uint64_t slots, uint64_t slot_bytes)
 {
-    uint64_t slot_bytes = KVHI_SLOT_HEADER_BYTES + kvhi_round_up(e->tiers[KVH_TIER_DISK].slot_bytes, KVHI_DISK_ALIGN);
-    uint64_t slots = cfg->disk_bytes / slot_bytes, per = (1ull << 30) / slot_bytes;
-    if (slots > UINT32_MAX / 2)
-        slots = UINT32_MAX / 2;
-    if (per == 0)
-        per = 1;
+    uint64_t per = kvhi_disk_slab_slots(slot_bytes);
     /* Beside the slabs: the index, journal, lock and directory, a ring per
      * disk lane, and a margin for whatever else the process holds. */
     uint64_t need = (slots + per - 1) / per + 64;
@@ -139,7 +134,13 @@ static kvh_status check_slab_files(kvh_engine *e, const kvh_config *cfg)
 
 kvh_status kvhi_disk_tier_open(kvh_engine *e, const kvh_config *cfg, const char *path)
 {
-    kvh_status cst = check_slab_files(e, cfg);
+    /* Slots hold the tier's (encoded) form. */
+    uint64_t data_bytes = e->tiers[KVH_TIER_DISK].slot_bytes;
+    uint64_t slot_bytes = KVHI_SLOT_HEADER_BYTES + kvhi_round_up(data_bytes, KVHI_DISK_ALIGN);
+    uint64_t slots = cfg->disk_bytes / slot_bytes;
+    if (slots > UINT32_MAX / 2)
+        slots = UINT32_MAX / 2;
+    kvh_status cst = check_slab_files(e, cfg, slots, slot_bytes);
     if (cst != KVH_OK)
         return cst;
     kvhi_disk *d = calloc(1, sizeof(*d));
@@ -161,8 +162,7 @@ kvh_status kvhi_disk_tier_open(kvh_engine *e, const kvh_config *cfg, const char 
     if (st != KVH_OK)
         return st;
     /* The KV codec is part of the stored form: a store written with another
-     * codec is a geometry mismatch. Slots hold the tier's (encoded) form. */
-    uint64_t data_bytes = e->tiers[KVH_TIER_DISK].slot_bytes;
+     * codec is a geometry mismatch. */
     d->geo = (kvhi_disk_geometry){
         cfg->num_layers, cfg->num_kv_heads, cfg->head_dim, cfg->block_tokens, cfg->dtype | cfg->kv_codec << 16,
         cfg->model_salt, data_bytes};
@@ -170,13 +170,9 @@ kvh_status kvhi_disk_tier_open(kvh_engine *e, const kvh_config *cfg, const char 
     d->queue_depth = cfg->disk_queue_depth;
     d->strict_index = cfg->disk_strict_index != 0;
     d->max_lanes = cfg->migration_threads + 4;
-    uint64_t slot_bytes = KVHI_SLOT_HEADER_BYTES + kvhi_round_up(data_bytes, KVHI_DISK_ALIGN);
-    uint64_t slots = cfg->disk_bytes / slot_bytes;
     if (slots == 0)
         return kvhi_fail(KVH_ERR_INVALID_ARG, "disk_bytes %llu holds no block slot of %llu bytes",
                          (unsigned long long)cfg->disk_bytes, (unsigned long long)slot_bytes);
-    if (slots > UINT32_MAX / 2)
-        slots = UINT32_MAX / 2;
     d->n_slots = (uint32_t)slots;
     int rc = kvhi_disk_open_slabs(d, !(cfg->disk_flags & KVH_DISK_BUFFERED));
     if (rc != 0)

@@ -108,7 +108,6 @@ static int open_store(const char *path, kvhi_disk *d)
     d->block_bytes = h.geo.block_bytes;
     d->slot_bytes = KVHI_SLOT_HEADER_BYTES + kvhi_round_up(d->block_bytes, KVHI_DISK_ALIGN);
     uint64_t total = 0;
-    uint64_t per = (1ull << 30) / d->slot_bytes;
     for (uint32_t i = 0;; i++) {
         char name[64];
         struct stat st;
@@ -120,7 +119,7 @@ static int open_store(const char *path, kvhi_disk *d)
         /* As the engine lays slabs out, every one is full but the last: a
          * file after one that is not is none of the store's (an engine
          * opened smaller left it, or it was put there), and is not read. */
-        if ((uint64_t)st.st_size < (per ? per : 1) * d->slot_bytes)
+        if ((uint64_t)st.st_size < kvhi_disk_slab_slots(d->slot_bytes) * d->slot_bytes)
             break;
     }
     /* Slabs may be truncated or missing: size the slot space from the
@@ -149,6 +148,7 @@ static int open_store(const char *path, kvhi_disk *d)
         total = UINT32_MAX / 2;
     /* As the engine lays them out (core/disk_io.c): a slot over 1 GiB is a
      * slab file of its own. */
+    uint64_t per = (1ull << 30) / d->slot_bytes;
     d->slots_per_slab = !per ? 1 : d->n_slabs > 1 ? (uint32_t)per : (uint32_t)(total ? total : 1);
     d->n_slots = (uint32_t)total;
     d->queue_depth = 8;
