@@ -46,8 +46,7 @@ static void switch_fail(kvhi_switch *sw, kvh_status st)
 {
     if (st != KVH_OK && sw->status == KVH_OK) {
         sw->status = st;
-        const char *why = kvhi_last_error();
-        snprintf(sw->msg, sizeof(sw->msg), "%s", why[0] ? why : kvhi_status_text(st));
+        snprintf(sw->msg, sizeof(sw->msg), "%s", kvhi_failure_text(st));
     }
 }
 

@@ -322,6 +322,13 @@ const char *kvhi_last_error(void);
 /* The text and the name of a status (KVH_STATUS_LIST). */
 const char *kvhi_status_text(kvh_status status);
 const char *kvhi_status_name(kvh_status status);
+/* Why st failed, for work that reports it later (a fence, a context
+ * switch): this thread's detail, or st's text where the step set none. */
+static inline const char *kvhi_failure_text(kvh_status st)
+{
+    const char *why = kvhi_last_error();
+    return why[0] ? why : kvhi_status_text(st);
+}
 void kvhi_log(kvh_engine *e, int level, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 /* Queues a log line while the lock is held (emitted after unlocking). */
 void kvhi_log_later(kvh_engine *e, int level, const char *fmt, ...) __attribute__((format(printf, 3, 4)));

@@ -57,8 +57,7 @@ void kvhi_fence_done(kvh_engine *e, uint32_t idx, kvh_status st)
         return;
     if (st != KVH_OK && f->status == KVH_OK) {
         f->status = st;
-        const char *why = kvhi_last_error();
-        snprintf(f->msg, sizeof(f->msg), "%s", why[0] ? why : kvhi_status_text(st));
+        snprintf(f->msg, sizeof(f->msg), "%s", kvhi_failure_text(st));
     }
     if (--f->pending == 0) {
         if (f->user_freed && !f->waiters) {
