@@ -117,3 +117,23 @@ def test_another_connectors_key_is_logged_and_ignored(caplog):
         s = settings.load({"backends": ["UCX"], "host_bytes": "64M"})
     assert s.host_bytes == 64 << 20
     assert "'backends' is not a kvh setting: ignored" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "var, meant",
+    [("KVH_VLLM_HOSTBYTES", "KVH_VLLM_HOST_BYTES"), ("KVH_VLLM_LOOKUP_TIMEOUT_S", "KVH_VLLM_LOOKUP_TIMEOUT")],
+)
+def test_a_misspelt_variable_is_refused_naming_the_one_it_resembles(var, meant):
+    # A misspelt variable was ignored without a word and the setting kept
+    # its default.
+    with pytest.raises(ValueError, match=f"{var}; did you mean {meant}\\?"):
+        settings.load({}, environ={var: "64M"})
+
+
+def test_other_kvh_vllm_variables_are_logged_and_ignored(caplog):
+    env = {"KVH_VLLM_SOMETHING_ELSE": "1", "KVH_VLLM_PYTHON": "/x/python", "KVH_VLLM_HOST_BYTES": "64M"}
+    with caplog.at_level("WARNING", logger="kvh.vllm"):
+        s = settings.load({}, environ=env)
+    assert s.host_bytes == 64 << 20
+    assert "KVH_VLLM_SOMETHING_ELSE is not a kvh setting: ignored" in caplog.text
+    assert "KVH_VLLM_PYTHON" not in caplog.text

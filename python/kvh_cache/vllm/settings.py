@@ -6,7 +6,9 @@ can change a setting without editing the command line).
 extra_config key       environment variable      default
 =====================  ========================  ==============================
 ``host_bytes``         ``KVH_VLLM_HOST_BYTES``   1 GiB (host RAM tier)
-``disk_path``          ``KVH_VLLM_DISK_PATH``    ``~/.cache/kvh/vllm-store``
+``disk_path``          ``KVH_VLLM_DISK_PATH``    ``~/.cache/kvh/vllm-store``;
+                                                 an empty path turns the disk
+                                                 off
 ``disk_bytes``         ``KVH_VLLM_DISK_BYTES``   8 GiB; 0 turns the disk off
 ``device_bytes``       ``KVH_VLLM_DEVICE_BYTES`` two blocks (kvh's own device
                                                  tier; vLLM's memory is the hot
@@ -306,6 +308,25 @@ def _close_keys(key: str) -> List[str]:
     return [known[m] for m in difflib.get_close_matches(bare(key), list(known), n=1, cutoff=0.85)]
 
 
+# KVH_VLLM_ variables that are not settings: read by ``kvh bench vllm`` and
+# the vLLM tests.
+_TOOL_VARIABLES = ("KVH_VLLM_PYTHON", "KVH_VLLM_MODEL", "KVH_VLLM_TRACE")
+
+
+def _check_variable_names(env: Mapping[str, str]) -> None:
+    """A ``KVH_VLLM_`` variable that is no setting would otherwise be
+    ignored without a word: one close to a setting's variable is refused
+    (``KVH_VLLM_HOSTBYTES``), any other is logged as ignored."""
+    known = [var for var, _ in _KEYS.values()]
+    for name in sorted(env):
+        if not name.startswith("KVH_VLLM_") or name in known or name in _TOOL_VARIABLES:
+            continue
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.85)
+        if close:
+            raise ValueError(f"kvh: unknown environment variable {name}; did you mean {close[0]}?")
+        _log.warning("kvh: environment variable %s is not a kvh setting: ignored", name)
+
+
 def load(extra: Optional[Mapping[str, Any]] = None, environ: Optional[Mapping[str, str]] = None) -> Settings:
     """Settings from ``kv_connector_extra_config`` (keys may carry a
     ``kvh.`` prefix) and the environment. Unknown ``kvh.`` keys are an
@@ -314,7 +335,8 @@ def load(extra: Optional[Mapping[str, Any]] = None, environ: Optional[Mapping[st
     ``hostbytes``); other unknown keys, which another connector sharing
     the dict may read, are logged as ignored. A value that cannot be used
     is an error too (a ValueError naming the key or the environment
-    variable, and the value): the scheduler and every worker load the
+    variable, and the value), and so is a ``KVH_VLLM_`` variable close to
+    a setting's (other unknown ones are logged as ignored): the scheduler and every worker load the
     same settings, so each refuses them before it starts."""
     extra = dict(extra or {})
     env = os.environ if environ is None else environ
@@ -331,6 +353,7 @@ def load(extra: Optional[Mapping[str, Any]] = None, environ: Optional[Mapping[st
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ValueError(f"kvh: unknown kv_connector_extra_config key {raw_key!r}{hint} (known: {sorted(_KEYS)})")
         _log.warning("kvh: kv_connector_extra_config key %r is not a kvh setting: ignored", raw_key)
+    _check_variable_names(env)
     for key, (var, _) in _KEYS.items():
         if var in env:
             values[key] = _parse(key, env[var], var)
