@@ -239,7 +239,6 @@ static size_t fetch_window(kvh_engine *e, kvhi_seq *s, match_bufs *m, const int3
     while (good < n && m->verdict[good] == VALUE_OK)
         good++;
     if (good < n) {
-        t->misses++;
         if (m->verdict[good] < 0) {
             t->corrupt++;
             char refused[160];
@@ -300,8 +299,6 @@ static size_t continue_match(kvh_engine *e, kvhi_seq *s, const kvhi_scope *sc, c
     size_t run = 0;
     while (run < want && m.present[run] == 1)
         run++;
-    if (run < want)
-        t.misses++; /* where the prefix stops */
     pthread_mutex_lock(&e->lock);
     size_t done = 0;
     for (size_t w0 = 0; w0 < run;) {
@@ -312,6 +309,9 @@ static size_t continue_match(kvh_engine *e, kvhi_seq *s, const kvhi_scope *sc, c
         if (got < n)
             break;
     }
+    /* Every block sought and not brought: absent, after an absent one,
+     * failing verification, late, or without room to land in. */
+    t.misses += want - done;
     kvhi_remote_tally_add(e, &t);
     bufs_free(&m);
     return matched + done;

@@ -661,7 +661,8 @@ typedef struct kvh_stats {
     uint64_t blocks_streamed_disk;
     /* Remote tier: blocks a prefix match found there (verified, copied
      * into a local tier; also in prefix_hit_blocks), blocks it looked for
-     * and did not find (absent, evicted, node down or late), values that
+     * and did not bring (absent, evicted, node down or late, after one of
+     * these, or without room in a local tier), values that
      * failed verification (each deleted from the store and counted as a
      * miss too), blocks uploaded, uploads dropped (node down, late, no
      * memory), commands that missed remote_timeout_ms, and nodes the
