@@ -539,7 +539,12 @@ int kvhi_index_load(kvhi_disk *d, bool reset, kvhi_index_list *out, char *msg, s
         snprintf(msg, msg_len, "store %s was made with a different %s", d->path, diff);
         return KVHI_INDEX_MISMATCH;
     }
-    bool id_known = snap_ok || journal_ok;
+    /* create_store writes the journal before the index and compaction
+     * keeps the id, so no crash leaves the two headers naming different
+     * stores: one of them was put there from another store, and neither
+     * can say which blocks are this store's. */
+    bool ids_differ = snap_ok && journal_ok && jh.store_id != sh.store_id;
+    bool id_known = (snap_ok || journal_ok) && !ids_differ;
     d->store_id = snap_ok ? sh.store_id : journal_ok ? jh.store_id : 0;
     damage dm = {0};
     if (!have_index)
@@ -547,7 +552,8 @@ int kvhi_index_load(kvhi_disk *d, bool reset, kvhi_index_list *out, char *msg, s
     else if (!snap_ok) {
         out->bad_records++;
         damaged(&dm, "the index header is damaged");
-    }
+    } else if (ids_differ)
+        damaged(&dm, "the index and the journal belong to different stores");
 
     size_t cap = d->n_slots ? d->n_slots : 1;
     live_map m = {.at = malloc(sizeof(uint32_t) * cap),
@@ -589,10 +595,10 @@ int kvhi_index_load(kvhi_disk *d, bool reset, kvhi_index_list *out, char *msg, s
     if (!snap_ok && journal_ok && jh.seq > d->next_seq)
         d->next_seq = jh.seq;
     /* Journal: replay records newer than the snapshot up to the first bad
-     * one (a torn tail), then cut the file there. A journal of another
-     * store (a crash while a reset replaced the files) is left out. */
+     * one (a torn tail), then cut the file there. One of another store
+     * than the index is left out: the rebuild below takes the slots. */
     size_t good = KVHI_DISK_ALIGN;
-    bool replay = have_journal && (!journal_ok || !snap_ok || jh.store_id == sh.store_id);
+    bool replay = have_journal && !ids_differ;
     if (have_journal && !journal_ok) {
         /* The records carry their own checksums: replay them past it. */
         out->bad_records++;

@@ -27,8 +27,9 @@
  *     counted;
  *   - a block that went to disk before its KV was complete (so never
  *     published) is not taken back from its slot header;
- *   - the index of an earlier close put back (older than its journal):
- *     damage, every chain found from the slot headers;
+ *   - the index of an earlier close put back (older than its journal),
+ *     or another store's index put in place: damage, every chain found
+ *     from the slot headers;
  *   - a store whose index was never folded (every record in its journal)
  *     and whose journal is missing: damage, not a new store; a new
  *     store's empty journal alone (a crash while it was made) starts empty.
@@ -615,6 +616,45 @@ static void test_an_older_index_put_back(void **state)
         fail_msg("an older index put back: rebuilt again");
 }
 
+static dt_content other_chain(int c) { return dt_plain(0x2e0 + (uint64_t)c); }
+
+/* The index of another store (same geometry and model_salt) put in place
+ * of this one's: the two headers name different stores, which no crash
+ * leaves. Taken as it is, it named none of this store's blocks, its
+ * journal was left out as another store's, and every chain was lost
+ * without a word (and their slots reused). It is damage: the store id
+ * most slots carry wins, every chain is found, and the other store's
+ * records, whose slots are not theirs, are counted. */
+static void test_another_stores_index_put_in_place(void **state)
+{
+    (void)state;
+    build_pristine();
+    char other_dir[600];
+    snprintf(other_dir, sizeof(other_dir), "%s.other", P.dir);
+    dt_rmrf(other_dir);
+    kvh_config oc = cfg_for(other_dir);
+    dt_chains other = {G, other_chain, 2, NB, 2};
+    kvh_engine *e = dt_open_a(&oc);
+    assert_int_equal(dt_chains_persist(e, &other, 0, other.n - 1), 0);
+    dt_assert_ok(dt_close(e));
+    char other_index[700];
+    size_t len = 0;
+    uint8_t *index = dt_read_file(dt_path(other_index, sizeof(other_index), other_dir, "index"), &len);
+    assert_non_null(index);
+    dt_rmrf(other_dir);
+
+    restore();
+    assert_int_equal(dt_write_file(file_path("index"), index, len), 0);
+    free(index);
+    const char *what = "another store's index";
+    expect_strict_refusal(what);
+    kvh_config cfg = cfg_for(P.dir);
+    if (expect_store_saying(&cfg, NULL, (uint64_t)other.n * NB, what, "different stores") == 0)
+        fail_msg("%s: no warning says the index and journal are of different stores", what);
+    if (expect_store(&cfg, NULL, 0, "another store's index, reopened") != 0)
+        fail_msg("%s: rebuilt again", what);
+}
+
 /* With both index files gone, the slots are the only word on whose store
  * this is: an open under another model_salt is refused as a mismatch
  * (it took the store over, empty, and the rightful model then found
@@ -672,6 +712,7 @@ int main(void)
         cmocka_unit_test_teardown(test_unpublished_slot_is_not_taken, dt_teardown),
         cmocka_unit_test_teardown(test_journal_of_a_store_never_folded, dt_teardown),
         cmocka_unit_test_teardown(test_an_older_index_put_back, dt_teardown),
+        cmocka_unit_test_teardown(test_another_stores_index_put_in_place, dt_teardown),
         cmocka_unit_test_teardown(test_another_models_slots_are_refused_not_taken, dt_teardown),
     };
     return cmocka_run_group_tests_name("disk_index_damage", tests, NULL, group_teardown);

@@ -331,7 +331,9 @@ typedef struct kvh_config {
      * (with KVH_DISK_RESET_ON_MISMATCH the store starts empty instead).
      * Damage is a header or record of the `index` snapshot or the
      * `journal` failing its checksum, a snapshot shorter than its header
-     * says, or one of the two files missing while the other is there. A
+     * says, one of the two files missing while the other is there, or
+     * their headers naming different stores (a file put back from another
+     * store). A
      * journal ending in a torn record, as a crash can leave it, is cut
      * there; both files missing, or a new store's journal alone (no
      * record ever taken), is a store whose creation was cut short, which
@@ -341,8 +343,9 @@ typedef struct kvh_config {
      * every block whose slot verifies is kept, the ones dropped and the
      * damaged records are counted in kvh_stats corrupt_blocks, and a
      * warning is logged. The store's identity is then the index header's,
-     * else the journal header's, else the one most of the verified slots
-     * carry; with neither header readable and every verified slot written
+     * else the journal header's, else (neither readable, or the two of
+     * different stores) the one most of the verified slots carry; with
+     * neither header readable and every verified slot written
      * with another geometry or model_salt, the open returns
      * KVH_ERR_MISMATCH as for a header that says so. */
     uint32_t disk_strict_index;
