@@ -28,6 +28,7 @@ typedef struct kvhi_disk {
     int dir_fd;
     int lock_fd;
     kvhi_store_lock held; /* dir_fd and lock_fd, while they hold the store's lock */
+    bool pid_in_lock;     /* LOCK names this process: emptied at close */
     uint64_t store_id;
     kvhi_disk_geometry geo;
     uint32_t geo_tag; /* kvhi_disk_geometry_tag(&geo), for slot headers */

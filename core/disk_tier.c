@@ -69,6 +69,7 @@ static kvh_status lock_store(kvhi_disk *d)
     int len = snprintf(pid, sizeof(pid), "%ld\n", (long)getpid());
     if (ftruncate(d->lock_fd, 0) != 0 || pwrite(d->lock_fd, pid, (size_t)len, 0) != len)
         return kvhi_fail(KVH_ERR_IO, "cannot write %s/LOCK: %s", d->path, strerror(errno));
+    d->pid_in_lock = true;
     return KVH_OK;
 }
 
@@ -81,6 +82,12 @@ static void disk_free(kvhi_disk *d)
         kvhi_index_close(d);
     kvhi_store_locks_hold();
     if (d->lock_fd >= 0) {
+        /* A pid left in LOCK outlives the hold: while a reader (kvh-store)
+         * holds the store later, a refused open would name this process,
+         * still running, as the store's holder. */
+        if (d->pid_in_lock && ftruncate(d->lock_fd, 0) != 0) {
+            /* left as it is: the pid then only misleads a message */
+        }
         /* A process forked while the engine was open shares this open file
          * and its flock: unlock it for both, not only close ours. */
         flock(d->lock_fd, LOCK_UN);

@@ -19,6 +19,7 @@
  *     descriptor.
  */
 #include <stdatomic.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 
 #include "disk_test_util.h"
@@ -196,6 +197,35 @@ static void test_a_replaced_lock_file_is_named_as_such(void **state)
     if (!strstr(kvh_last_error(), "LOCK file was replaced") || !strstr(kvh_last_error(), "this process"))
         fail_msg("%s", kvh_last_error());
     dt_assert_ok(dt_close(dt_untrack(e)));
+    dt_rmrf(dir);
+}
+
+/* An engine closed cleanly leaves no pid in LOCK: while a reader (kvh-store)
+ * holds the store later, a refused open named the process that had closed
+ * its engine, still running, as the store's holder. */
+static void test_a_closed_engine_is_not_named_as_the_holder(void **state)
+{
+    (void)state;
+    char dir[512], lock[600];
+    dt_scratch("lock-closed", dir, sizeof(dir));
+    kvh_config c = lock_cfg(dir);
+    dt_assert_ok(dt_close(dt_open_a(&c)));
+    /* A reader's hold: shared, on the directory and LOCK, no pid written. */
+    snprintf(lock, sizeof(lock), "%s/LOCK", dir);
+    int dir_fd = open(dir, O_RDONLY | O_DIRECTORY), lock_fd = open(lock, O_RDONLY);
+    assert_true(dir_fd >= 0 && lock_fd >= 0);
+    assert_int_equal(flock(dir_fd, LOCK_SH | LOCK_NB), 0);
+    assert_int_equal(flock(lock_fd, LOCK_SH | LOCK_NB), 0);
+    kvh_engine *x = NULL;
+    kvh_status st = kvh_engine_open(&c, &x);
+    if (st != KVH_ERR_BUSY) {
+        kvh_engine_close(x);
+        fail_msg("%s (%s), expected KVH_ERR_BUSY", kvh_status_name(st), kvh_last_error());
+    }
+    if (strstr(kvh_last_error(), "open in process") || !strstr(kvh_last_error(), "a reader such as kvh-store"))
+        fail_msg("%s", kvh_last_error());
+    close(lock_fd), close(dir_fd);
+    dt_assert_ok(dt_close(dt_open_a(&c)));
     dt_rmrf(dir);
 }
 
@@ -407,6 +437,7 @@ int main(void)
         cmocka_unit_test_teardown(test_racing_opens_one_engine_at_a_time, dt_teardown),
         cmocka_unit_test_teardown(test_other_spellings_are_the_same_store, dt_teardown),
         cmocka_unit_test_teardown(test_a_replaced_lock_file_is_named_as_such, dt_teardown),
+        cmocka_unit_test_teardown(test_a_closed_engine_is_not_named_as_the_holder, dt_teardown),
         cmocka_unit_test_teardown(test_forked_process_does_not_keep_the_store, dt_teardown),
         cmocka_unit_test_teardown(test_forked_worker_outliving_its_killed_parent, dt_teardown),
         cmocka_unit_test_teardown(test_no_fork_inherits_a_store_being_opened_or_closed, dt_teardown),
