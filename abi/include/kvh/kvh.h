@@ -281,7 +281,9 @@ typedef struct kvh_config {
     uint64_t disk_bytes; /* default 0: no disk tier */
     /* [borrowed] during open; NULL: no disk tier. The store is its user's
      * alone: the directory is created 0700 and its files 0600 whatever the
-     * umask (wider modes of an existing store are narrowed; see
+     * umask (an existing store gets these exact modes at every open:
+     * wider ones are narrowed and an owner's bits taken away are given
+     * back, so a store chmod-ed read-only is written again; see
      * KVH_DISK_SHARE_GROUP), a directory of another user or one that group
      * or others can write is refused (KVH_ERR_IO), and no store file is
      * opened through a symbolic link. */
