@@ -120,8 +120,12 @@ static kvh_status swap_up(kvh_engine *e, uint32_t b, uint32_t tier)
     if (a)
         heap = &a->heap;
     uint32_t v = kvhi_lruk_top_current(heap, kvhi_block_current_key, e);
-    if (v == KVHI_HEAP_NONE || v == b || bb->tier == KVH_TIER_DISK || !kvhi_victim_under_ceiling(e, tier, v))
+    if (v == KVHI_HEAP_NONE || v == b || bb->tier == KVH_TIER_DISK || !kvhi_victim_under_ceiling(e, tier, v)) {
+        if (a) /* the tier may have free slots: the quota is what is full */
+            return kvhi_fail(KVH_ERR_NOSPACE, "agent %u is at its device quota and none of its blocks can leave",
+                             bb->agent);
         return kvhi_fail(KVH_ERR_NOSPACE, "no block in the target tier can make room");
+    }
     /* Trading contents would overwrite b's slot under its reader, or
      * under the clean disk copy being written from it (the copy would
      * take the other block's bytes, with a CRC that vouches for them). */

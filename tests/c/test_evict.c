@@ -759,6 +759,10 @@ static void test_quota_makes_room_among_own(void **state)
     assert_int_equal(dt_binfo(e, s, 2).tier, KVH_TIER_HOST);
     assert_int_equal(dt_binfo(e, z, 0).tier, KVH_TIER_DEVICE);
     assert_int_equal(dt_binfo(e, z, 1).tier, KVH_TIER_DEVICE);
+    /* Acquiring it finds agent 1's blocks all held: the refusal names the
+     * quota, not a full tier (the device tier has free slots). */
+    assert_int_equal(kvh_seq_acquire(e, s, 2 * G.bt, G.bt, NULL), KVH_ERR_NOSPACE);
+    assert_string_equal(kvh_last_error(), "agent 1 is at its device quota and none of its blocks can leave");
     dt_assert_ok(kvh_seq_release(e, s, 0, 2 * G.bt));
 
     /* Nothing anywhere can make room: what the public call says. */
