@@ -810,6 +810,17 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_size(text: str) -> int:
+    """A size read as the KVH_*_BYTES variables are (64M, 4GiB, 4096), at
+    least one byte."""
+    from ._progress import parse_size
+
+    value = parse_size(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 byte: {text!r}")
+    return value
+
+
 def _int_in(low: int, high: int, power_of_two: bool = False):
     """An argparse type: an integer in [low, high] (a power of two)."""
 
@@ -915,9 +926,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sp.add_argument(
         "--disk-bytes",
-        type=_positive_int,
+        type=_positive_size,
         default=None,
-        help="the store's size in bytes, checked against its slab files (it is never resized)",
+        help="the store's size (bytes, or with K, M, G, T or P: 64M), checked against its slab files "
+        "(it is never resized)",
     )
     sp.set_defaults(func=cmd_stats)
 

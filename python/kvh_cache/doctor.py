@@ -18,6 +18,7 @@ import fcntl
 import json
 import mmap
 import os
+import re
 import resource
 import shlex
 import shutil
@@ -26,7 +27,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ._progress import human_bytes, parse_size, table
 
@@ -307,16 +308,48 @@ def _perm_level(mode: int, is_dir: bool) -> str:
     return "exposed" if mode & (0o027 if is_dir else 0o037) else "group"
 
 
+# The files an engine opens in a store directory: one of another user
+# there makes the open fail.
+_STORE_FILE = re.compile(r"LOCK|index|journal|slab-[0-9]+\.kvh")
+
+
+def _refusals(d: Path, st: os.stat_result) -> Tuple[List[str], List[str]]:
+    """Why the engine refuses the existing directory d (as
+    kvhi_store_open_dir does: another user's, or one group or others can
+    write), and what to run about it."""
+    q = shlex.quote(str(d))
+    problems: List[str] = []
+    fix: List[str] = []
+    if st.st_uid != os.geteuid():
+        problems.append(f"the directory belongs to user {st.st_uid}, not to this user ({os.geteuid()}): kvh refuses it")
+        fix.append(f'sudo chown -R "$(id -u)" {q}   # or give --data-dir a directory of your own')
+    mode = st.st_mode & 0o7777
+    if mode & 0o022:
+        problems.append(f"the directory is writable by other users (mode {mode:04o}): kvh refuses to open it")
+        fix.append(f"chmod go-w {q}")
+    return problems, fix
+
+
 def check_store_permissions(data_dir: Path) -> Check:
     """Who can read the store: kvh creates its directory 0700 and its files
     0600 (0750/0640 with KVH_DISK_SHARE_GROUP) whatever the umask, refuses a
-    directory other users can write to, and narrows wider modes when it
-    opens a store; an older store may still be readable by others."""
+    directory of another user or one other users can write to (a failed
+    check), and narrows wider modes when it opens a store; an older store
+    may still be readable by others."""
     name = "store permissions"
     d = Path(data_dir)
     problem = _not_creatable(d)
     if problem:
         return Check(name, INFO, f"not checked: {problem}", [], {"path": str(d)})
+    if d.is_symlink():
+        # The engine opens the store directory without following a link.
+        return Check(
+            name,
+            FAIL,
+            f"{d} is a symbolic link: kvh refuses it",
+            [f"# give the directory's own path: --data-dir {shlex.quote(os.path.realpath(d))}"],
+            {"path": str(d)},
+        )
     if not d.exists():
         summary = f"{d} does not exist yet: kvh creates it 0700 (files 0600) whatever the umask"
         return Check(name, OK, summary, [], {"path": str(d)})
@@ -326,15 +359,20 @@ def check_store_permissions(data_dir: Path) -> Check:
         return Check(name, WARN, f"cannot stat {d}: {exc}", [], {"path": str(d)})
     if not d.is_dir():
         return Check(name, FAIL, f"{d} is not a directory", [], {"path": str(d)})
+    mode = st.st_mode & 0o7777
+    refused, fix = _refusals(d, st)
     if not any((d / n).exists() for n in ("LOCK", "index", "journal", "slab-0000.kvh")):
         # Another program's directory: its files are not kvh's to judge.
+        data = {"path": str(d), "dir_mode": f"{mode:04o}"}
+        if refused:
+            return Check(name, FAIL, f"{d} holds no kvh store yet; " + "; ".join(refused), fix, data)
         summary = f"{d} holds no kvh store yet: kvh narrows it to 0700 and creates its files 0600 when it opens one"
-        return Check(name, OK, summary, [], {"path": str(d)})
-    mode = st.st_mode & 0o7777
+        return Check(name, OK, summary, [], data)
     levels = [_perm_level(mode, True)]
     exposed = [f"(directory) {mode:04o}"] if levels[0] == "exposed" else []
     files: Dict[str, str] = {}
     foreign = st.st_uid != os.geteuid()
+    foreign_files: List[str] = []
     try:
         entries = sorted(os.scandir(d), key=lambda e: e.name)
     except OSError:
@@ -351,33 +389,35 @@ def check_store_permissions(data_dir: Path) -> Check:
         lv = _perm_level(fmode, False)
         levels.append(lv)
         foreign |= fst.st_uid != os.geteuid()
+        if fst.st_uid != os.geteuid() and _STORE_FILE.fullmatch(ent.name):
+            foreign_files.append(ent.name)
         if lv == "exposed":
             exposed.append(f"{ent.name} {fmode:04o}")
     order = ["owner-only", "group", "exposed"]
     level = max(levels, key=order.index)
-    writable = bool(mode & 0o022)
     data = {
         "path": str(d),
         "permissions": level,
         "dir_mode": f"{mode:04o}",
         "files": files,
-        "dir_writable_by_others": writable,
+        "dir_writable_by_others": bool(mode & 0o022),
         "other_owner": foreign,
     }
     q = shlex.quote(str(d))
-    fix = []
-    problems = []
-    if writable:
-        problems.append(f"the directory is writable by other users (mode {mode:04o}): kvh refuses to open it")
+    if foreign_files and st.st_uid == os.geteuid():
+        refused.append(f"{', '.join(foreign_files)} belong to another user: kvh refuses to open them")
+        fix.append(f'sudo chown "$(id -u)" {" ".join(shlex.quote(str(d / n)) for n in foreign_files)}')
+    problems = list(refused)
     if level == "exposed":
         problems.append("other users can read cached prompts' KV: " + ", ".join(exposed))
-    if foreign:
-        problems.append("owned by another user: kvh opens only a store of its own user")
+        if not refused:  # a refused open narrows nothing: its fix comes first
+            fix += [
+                "# kvh narrows the modes itself on its next open; or now:",
+                f"chmod 700 {q} && find {q} -maxdepth 1 -type f -exec chmod 600 {{}} +",
+            ]
+    if refused:
+        return Check(name, FAIL, "; ".join(problems), fix, data)
     if problems:
-        fix = [
-            "# kvh narrows the modes itself on its next open (not a directory others can write to); or now:",
-            f"chmod 700 {q} && find {q} -maxdepth 1 -type f -exec chmod 600 {{}} +",
-        ]
         return Check(name, WARN, "; ".join(problems), fix, data)
     if level == "group":
         return Check(name, INFO, f"group-readable (KVH_DISK_SHARE_GROUP): directory {mode:04o}", [], data)
@@ -618,6 +658,24 @@ def _where(resolved, name: str) -> str:
     return f"{name} ({source})"
 
 
+def _setting(resolved, name: str) -> str:
+    """Where to change a field, as the user set it: its variable, or its
+    key in the configuration file."""
+    from .config import ENV_VARS
+
+    source = resolved.sources.get(name, "default")
+    if source.startswith("env "):
+        return source[4:]
+    if source.startswith("file "):
+        return f"{name} in {source[5:]}"
+    return f"{ENV_VARS[name]} (or {name} in {resolved.file or '$KVH_CONFIG'})"
+
+
+def _unset(resolved, name: str) -> str:
+    verb = "remove" if resolved.sources.get(name, "").startswith("file ") else "unset"
+    return f"{verb} {_setting(resolved, name)}"
+
+
 def check_config(resolved) -> Check:
     """The resolved configuration as the engine judges it: a tiny engine
     is opened with it (no disk tier, which would create the store, and no
@@ -638,7 +696,7 @@ def check_config(resolved) -> Check:
             name,
             FAIL,
             f"{_where(resolved, have)} is set without {lack}: the engine refuses a disk tier with only one of them",
-            [f"# set {ENV_VARS[lack]} too, or unset {ENV_VARS[have]}"],
+            [f"# set {_setting(resolved, lack)} too, or {_unset(resolved, have)}"],
             {"field": have},
         )
     # The budgets are capped, but never below a few blocks of this
@@ -668,7 +726,7 @@ def check_config(resolved) -> Check:
                 name,
                 FAIL,
                 f"the engine refuses {where}: {message}",
-                [f"# change or unset {ENV_VARS[field]}"],
+                [f"# change or {_unset(resolved, field)}"],
                 {"field": field},
             )
         return Check(name, FAIL, f"the engine refuses it: {exc.message}", [], data)
@@ -690,7 +748,7 @@ def check_config(resolved) -> Check:
             f"the engine accepts its geometry and policies, but its memory tiers ({human_bytes(in_memory)}) "
             f"exceed this machine's memory ({human_bytes(total)}): an engine opened with them fails with "
             "KVH_ERR_NOMEM, or is killed as they fill",
-            ["# lower KVH_DEVICE_BYTES / KVH_HOST_BYTES"],
+            [f"# lower {' / '.join(_setting(resolved, n) for n in ('device_bytes', 'host_bytes'))}"],
             dict(data, memory_tier_bytes=in_memory, memory_total=total),
         )
     return Check(name, OK, "the engine accepts it (geometry, policies; budgets within this machine's memory)", [], data)

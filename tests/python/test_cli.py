@@ -357,7 +357,7 @@ def test_doctor_reports_store_permissions(tmp_path):
     assert c.status == doctor.INFO and c.data["permissions"] == "group"
     d.chmod(0o777)
     c = doctor.check_store_permissions(d)
-    assert c.status == doctor.WARN and "refuses" in c.summary
+    assert c.status == doctor.FAIL and "refuses" in c.summary
     d.chmod(0o700)
     res = run_kvh("doctor", "--json", "--data-dir", str(d))
     assert res.returncode == 0, res.stderr
@@ -663,3 +663,28 @@ def test_size_options_take_petabytes():
     assert res.returncode == 2 and "too large" in res.stderr.strip().splitlines()[-1], res.stderr
     res = run_kvh("doctor", "--disk-budget", "1.5G")
     assert res.returncode == 2 and "--disk-budget" in res.stderr, res.stderr
+
+
+def _size_options():
+    """(command, option, action) of every kvh option that takes a size."""
+    parser = cli.build_parser()
+
+    def walk(p, path):
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    yield from walk(sub, path + [name])
+            elif any(o.endswith(("-bytes", "-budget")) for o in action.option_strings):
+                yield " ".join(path), action.option_strings[-1], action
+
+    return list(walk(parser, []))
+
+
+def test_every_size_option_reads_sizes_as_the_variables_do():
+    """kvh stats --disk-bytes 64M was refused ("not an integer") while the
+    other size options take K, M, G, T and P as KVH_*_BYTES does."""
+    options = _size_options()
+    assert ("stats", "--disk-bytes") in [(c, o) for c, o, _ in options]
+    for command, option, action in options:
+        assert action.type("64M") == 64 << 20, (command, option)
+        assert action.type("4096") == 4096, (command, option)

@@ -191,7 +191,9 @@ def test_bench_help_has_no_null_default(mode):
         (["stats", "{store}", "--dtype", "f64"], 2, "--dtype"),
         (["stats", "{store}", "--model-salt", "zz"], 2, "--model-salt"),
         (["stats", "{store}", "--layers", "-1"], 2, "--layers"),
-        (["stats", "{store}", "--disk-bytes", "99999999999999999999999"], 2, "never resizes it"),
+        (["stats", "{store}", "--disk-bytes", "99999999999999999999999"], 2, "--disk-bytes"),
+        (["stats", "{store}", "--disk-bytes", "0"], 2, "--disk-bytes"),
+        (["stats", "{store}", "--disk-bytes", "1.5G"], 2, "--disk-bytes"),
         (["doctor", "--host-budget", "-1"], 2, "--host-budget"),
         (["doctor", "--disk-budget", "nan"], 2, "--disk-budget"),
         (["demo", "--synthetic", "--device-budget", "inf"], 2, "--device-budget"),
@@ -261,6 +263,12 @@ def test_stats_other_geometry_leaves_store_alone(store, capfd):
     assert _tree_digest(store) == before
     res = run_in_process(["stats", store, "--disk-bytes", str(slab_bytes)], capfd)
     assert res.returncode == 0, res.stderr
+    # the size syntax of the KVH_*_BYTES variables, as the README says
+    kib = f"{slab_bytes >> 10}K" if slab_bytes % 1024 == 0 else str(slab_bytes)
+    res = run_in_process(["stats", store, "--disk-bytes", kib], capfd)
+    assert res.returncode == 0, res.stderr
+    res = run_in_process(["stats", store, "--disk-bytes", f"{(slab_bytes >> 10) + 4}KiB"], capfd)
+    assert_one_line_error(res, 2, "never resizes it")
 
 
 def test_stats_never_resets_whatever_the_environment_says(store, capfd, monkeypatch):

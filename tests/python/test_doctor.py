@@ -194,3 +194,109 @@ def test_configuration_of_blocks_larger_than_the_probe_cap(budgets, status, word
     assert str(64 << 20) not in check.summary, check
     if word:
         assert word in check.summary, check
+
+
+def _engine_refuses(d) -> bool:
+    """Whether an engine refuses d as its store directory (what kvh doctor
+    must predict)."""
+    import kvh_cache as kvh
+
+    try:
+        kvh.Engine(
+            num_layers=1,
+            num_kv_heads=1,
+            head_dim=8,
+            block_tokens=8,
+            backend="cpu",
+            device_bytes=1 << 20,
+            host_bytes=1 << 20,
+            disk_path=str(d),
+            disk_bytes=1 << 20,
+            log_level="error",
+        ).close()
+    except kvh.UnsupportedError:
+        pytest.skip("this build has no disk tier")
+    except kvh.KvhIOError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize("with_store", [False, True], ids=["empty", "store"])
+@pytest.mark.parametrize("mode", [0o700, 0o750, 0o755, 0o500, 0o770, 0o720, 0o702, 0o777, 0o1777], ids=oct)
+def test_store_directory_fails_exactly_where_the_engine_refuses_it(mode, with_store, tmp_path):
+    """A directory group or others can write passed kvh doctor (ok when
+    empty, a warning over a store) while the engine refuses to open it."""
+    d = tmp_path / "kvh-data"
+    d.mkdir()
+    if with_store:
+        assert not _engine_refuses(d)
+    d.chmod(mode)
+    check = doctor.check_store_permissions(d)
+    refused = _engine_refuses(d)  # after the check: an open narrows the modes it accepts
+    assert (check.status == doctor.FAIL) == refused, (oct(mode), check)
+    if refused:
+        assert "writable by other users" in check.summary and f"chmod go-w {d}" in check.fix, check
+        assert not any("narrows the modes itself" in line for line in check.fix), check
+    elif not with_store:
+        assert check.status == doctor.OK, check
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a directory to another user")
+def test_store_directory_of_another_user_fails(tmp_path):
+    d = tmp_path / "kvh-data"
+    d.mkdir(mode=0o700)
+    os.chown(d, 65534, 65534)
+    check = doctor.check_store_permissions(d)
+    assert check.status == doctor.FAIL and "belongs to user 65534" in check.summary, check
+    assert _engine_refuses(d)
+    os.chown(d, os.geteuid(), os.getegid())
+    assert not _engine_refuses(d)
+    os.chown(d / "index", 65534, 65534)
+    check = doctor.check_store_permissions(d)
+    assert check.status == doctor.FAIL and "index belong to another user" in check.summary, check
+    assert _engine_refuses(d)
+
+
+def test_a_symbolic_link_as_the_store_directory_fails(tmp_path):
+    (tmp_path / "real").mkdir(mode=0o700)
+    for name, target in (("link", tmp_path / "real"), ("dangling", tmp_path / "nowhere")):
+        (tmp_path / name).symlink_to(target)
+        check = doctor.check_store_permissions(tmp_path / name)
+        assert check.status == doctor.FAIL and "symbolic link" in check.summary, check
+        assert _engine_refuses(tmp_path / name)
+
+
+def test_doctor_exits_1_for_a_store_directory_others_can_write(tmp_path, capsys):
+    from kvh_cache import cli
+
+    d = tmp_path / "kvh-data"
+    d.mkdir()
+    d.chmod(0o777)
+    assert cli.main(["doctor", "--json", "--data-dir", str(d)]) == 1
+    out = json.loads(capsys.readouterr().out)
+    (check,) = [c for c in out["checks"] if c["name"] == "store permissions"]
+    assert check["status"] == doctor.FAIL, check
+
+
+def _clear_kvh_environment(monkeypatch):
+    for k in [k for k in os.environ if k.startswith("KVH_") and k not in ("KVH_BUILD_DIR",)]:
+        monkeypatch.delenv(k)
+
+
+def test_config_advice_names_where_the_value_was_set(tmp_path, monkeypatch):
+    """The advice said `change or unset KVH_LRU_K` for a value the
+    configuration file set."""
+    from kvh_cache.config import resolve
+
+    _clear_kvh_environment(monkeypatch)
+    f = tmp_path / "kvh.toml"
+    f.write_text("lru_k = 9\n")
+    (check,) = doctor.run_check("configuration", lambda: doctor.check_config(resolve(file=f)))
+    assert check.status == doctor.FAIL and check.fix == [f"# change or remove lru_k in {f}"], check
+    monkeypatch.setenv("KVH_LRU_K", "9")
+    (check,) = doctor.run_check("configuration", lambda: doctor.check_config(resolve(file=f)))
+    assert check.status == doctor.FAIL and check.fix == ["# change or unset KVH_LRU_K"], check
+    monkeypatch.delenv("KVH_LRU_K")
+    f.write_text('disk_bytes = "64M"\n')
+    (check,) = doctor.run_check("configuration", lambda: doctor.check_config(resolve(file=f)))
+    assert check.fix == [f"# set KVH_DISK_PATH (or disk_path in {f}) too, or remove disk_bytes in {f}"], check
