@@ -208,12 +208,17 @@ CONFIG_FILE_MAX = 1 << 20  # bytes of a configuration file read at most
 def from_file(path: Union[str, os.PathLike]) -> Dict[str, Any]:
     """The Config fields of a TOML file (top-level keys). ValueError names
     the file and key of an unknown field or a bad value."""
+    p = Path(path)
     try:
         import tomllib
     except ModuleNotFoundError:  # Python < 3.11
-        import tomli as tomllib  # type: ignore[no-redef]
-
-    p = Path(path)
+        try:
+            import tomli as tomllib  # type: ignore[no-redef]
+        except ModuleNotFoundError:
+            # kvh-cache depends on it there; an install without it (--no-deps) gets told which
+            raise ModuleNotFoundError(
+                f"reading {p} needs the tomli package on Python < 3.11: pip install tomli", name="tomli"
+            ) from None
     with open(p, "rb") as f:
         # Read at most a bound: a path such as /dev/zero must not fill the
         # memory (a pipe, `--config <(...)`, still works).

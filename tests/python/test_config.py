@@ -228,3 +228,46 @@ def test_a_value_with_a_nul_is_refused(tmp_path):
         kc.load(environ={"KVH_HOST_BYTES": "4G\x00junk"})
     with pytest.raises(ValueError, match="host_bytes.*NUL"):
         kc.load(environ={}, file=_toml(tmp_path, 'host_bytes = "4G\\u0000junk"\n'))
+
+
+def test_the_package_depends_on_tomli_where_tomllib_is_missing():
+    """from_file falls back to tomli before Python 3.11, which the package
+    did not declare: `kvh doctor` on 3.9 or 3.10 failed to read the file."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python < 3.11: the package this test asks for
+        tomllib = pytest.importorskip("tomli")
+    deps = tomllib.loads((REPO / "python" / "pyproject.toml").read_text())["project"]["dependencies"]
+    plain = [d.replace(" ", "").replace("'", '"') for d in deps]
+    assert any(d.split(";")[0] == "tomli" and d.endswith('python_version<"3.11"') for d in plain), deps
+
+
+@pytest.fixture
+def without_a_toml_reader(monkeypatch):
+    # None in sys.modules makes the import fail as a missing module would.
+    monkeypatch.setitem(sys.modules, "tomllib", None)
+    monkeypatch.setitem(sys.modules, "tomli", None)
+
+
+def test_a_missing_toml_reader_is_named(tmp_path, without_a_toml_reader, monkeypatch, capsys):
+    f = _toml(tmp_path, "head_dim = 32\n")
+    with pytest.raises(ModuleNotFoundError, match=r"needs the tomli package .*pip install tomli"):
+        kc.from_file(f)
+    store = tmp_path / "store"
+    with kvh.Engine(
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=8,
+        block_tokens=8,
+        disk_path=str(store),
+        disk_bytes=1 << 20,
+        backend="cpu",
+    ):
+        pass
+    from kvh_cache import cli
+
+    monkeypatch.setenv("KVH_CONFIG", str(f))
+    assert cli.main(["stats", str(store)]) == 3
+    assert "pip install tomli" in capsys.readouterr().err
+    assert cli.main(["doctor", "--json", "--data-dir", str(tmp_path / "d")]) == 1
+    assert "pip install tomli" in json.loads(capsys.readouterr().out)["config_error"]
