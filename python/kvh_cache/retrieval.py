@@ -123,7 +123,9 @@ class NumpyChunkIndex:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError("the NumPy chunk index is closed")
+            from . import errors
+
+            raise errors.ClosedError("the NumPy chunk index is closed", errors.STATUS_CODES["KVH_ERR_CLOSED"])
 
     def close(self) -> None:
         self._closed = True

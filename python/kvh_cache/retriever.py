@@ -284,7 +284,7 @@ class QdrantChunkIndex(OwnedHandle):
 
     def _c(self):
         if self._client is None:
-            raise RuntimeError("the Qdrant chunk index is closed")
+            raise errors.ClosedError("the Qdrant chunk index is closed", errors.STATUS_CODES["KVH_ERR_CLOSED"])
         return self._client
 
     def _ensure_collection(self, recreate: bool) -> None:
@@ -773,6 +773,7 @@ def _agent_arg(agent: Any) -> Optional[int]:
 
 
 _PRIORITY_MIN, _PRIORITY_MAX = -(1 << 31), (1 << 31) - 1
+_RETRIEVER_CLOSED = "the retriever is closed"
 
 
 def _plain(name: str, value: Any) -> Any:
@@ -929,7 +930,13 @@ class SpeculativeRetriever(Closable):
         decay = _real("decay", decay, 0.0, 1.0)
         draft_weight = _real("draft_weight", draft_weight)
         # rank r is hinted at base_priority - r: every rank of top_k must stay an int32
-        base_priority = _int("base_priority", base_priority, _PRIORITY_MIN + top_k - 1, _PRIORITY_MAX)
+        base_priority = _int("base_priority", base_priority, _PRIORITY_MIN, _PRIORITY_MAX)
+        if base_priority - (top_k - 1) < _PRIORITY_MIN:
+            raise ValueError(
+                f"top_k {top_k} with base_priority {base_priority} hints ranks below the int32 minimum: "
+                f"top_k must be at most {base_priority - _PRIORITY_MIN + 1} "
+                f"(or base_priority at least {_PRIORITY_MIN + top_k - 1})"
+            )
         chunk_agent = _index("chunk_agent", chunk_agent, maximum=_U32)
         if min_score is not None:
             min_score = _real("min_score", min_score)
@@ -1051,9 +1058,16 @@ class SpeculativeRetriever(Closable):
 
     def _check_open(self) -> None:
         if self._is_closed:
-            raise errors.ClosedError("the retriever is closed", errors.STATUS_CODES["KVH_ERR_CLOSED"])
+            raise errors.ClosedError(_RETRIEVER_CLOSED, errors.STATUS_CODES["KVH_ERR_CLOSED"])
 
     _check_usable = _check_open  # ``with retriever:`` after close raises ClosedError
+
+    def _check_live(self) -> None:
+        """The retriever and its engine are open: a prediction over chunks
+        whose KV is gone would name chunks no one can acquire."""
+        self._check_open()
+        if self.engine.closed:
+            raise errors.ClosedError("the engine is closed", errors.STATUS_CODES["KVH_ERR_CLOSED"])
 
     def __len__(self) -> int:
         return len(self._records)
@@ -1219,10 +1233,10 @@ class SpeculativeRetriever(Closable):
             for _, seq, _ in new.values():
                 if not self.engine.closed:
                     seq.free()
-            if self._is_closed and isinstance(exc, Exception) and not isinstance(exc, errors.ClosedError):
+            if self._is_closed and isinstance(exc, Exception) and getattr(exc, "message", None) != _RETRIEVER_CLOSED:
                 # a close meanwhile closed the index (or the engine) under this add:
                 # that is the cause, not how the index failed on it
-                raise errors.ClosedError("the retriever is closed", errors.STATUS_CODES["KVH_ERR_CLOSED"]) from exc
+                raise errors.ClosedError(_RETRIEVER_CLOSED, errors.STATUS_CODES["KVH_ERR_CLOSED"]) from exc
             raise
         return out
 
@@ -1512,6 +1526,7 @@ class SpeculativeRetriever(Closable):
     ) -> List[Prediction]:
         """The chunks most likely needed next after ``context``, best first
         (no hints, no accounting)."""
+        self._check_live()  # before the embedding, which may be a model call
         agent, k = self._check_query(context, agent, k, draft_text)
         return self._predict(self.query_vector(context, draft_text), agent, k)
 
@@ -1526,7 +1541,7 @@ class SpeculativeRetriever(Closable):
         return agent, k
 
     def _predict(self, vec: np.ndarray, agent: Optional[int], k: Optional[int]) -> List[Prediction]:
-        self._check_open()
+        self._check_live()
         k = self.top_k if k is None else _int("k", k, 1, _U32)
         if not np.any(vec):
             return []
@@ -1657,6 +1672,7 @@ class SpeculativeRetriever(Closable):
     # ---- use ----
     def note_use(self, chunk_ids: Union[int, Iterable[int]], *, agent: Optional[int] = None) -> None:
         """Records that ``agent`` used chunks (for precision / recall)."""
+        self._check_open()
         agent = _agent_arg(agent)
         if isinstance(chunk_ids, (int, np.integer)):
             chunk_ids = [chunk_ids]

@@ -1133,9 +1133,9 @@ def test_numpy_index_checks_ids_queries_and_closing():
     with pytest.raises(ValueError, match="finite"):
         idx.search(np.full(4, np.nan), 2)
     idx.close()
-    with pytest.raises(RuntimeError, match="closed"):
+    with pytest.raises(kvh.ClosedError, match="closed"):
         idx.add([2], np.ones((1, 4)))
-    with pytest.raises(RuntimeError, match="closed"):
+    with pytest.raises(kvh.ClosedError, match="closed"):
         idx.search(np.ones(4), 2)
 
 
@@ -1264,3 +1264,63 @@ def test_bench_quick_json_subprocess():
         counters["prefetch_useful"] + counters["prefetch_wasted"] + counters["prefetch_late"]
         <= counters["prefetch_issued"]
     )
+
+
+def test_a_closed_engine_refuses_predict_and_prefetch(corpus):
+    """predict went on answering after the engine closed, naming chunks
+    whose KV no one could acquire any more, while prefetch and acquire
+    raised ClosedError."""
+    eng = _engine()
+    with SpeculativeRetriever(eng, index="numpy") as r:
+        r.add_chunks(_items(corpus)[:4])
+        assert r.predict(corpus.chunks[0].text)
+        eng.close()
+        for call in (lambda: r.predict(corpus.chunks[0].text), lambda: r.prefetch(corpus.chunks[0].text)):
+            with pytest.raises(kvh.ClosedError, match="engine is closed"):
+                call()
+
+
+def test_note_use_on_a_closed_retriever_raises_closed_error(corpus):
+    with _engine() as eng:
+        r = SpeculativeRetriever(eng, index="numpy")
+        cid = r.add_chunks(_items(corpus)[:1])[0].chunk_id
+        r.close()
+        with pytest.raises(kvh.ClosedError, match="retriever is closed"):
+            r.note_use(cid)
+
+
+def test_a_closed_caller_index_raises_closed_error(corpus):
+    """A NumpyChunkIndex the caller closed raised a plain RuntimeError from
+    the retriever's calls, unlike every other closed object of kvh."""
+    with _engine() as eng:
+        index = retrieval.NumpyChunkIndex(embed.open_embedder("auto").dim)
+        with SpeculativeRetriever(eng, index=index) as r:
+            r.add_chunks(_items(corpus)[:2])
+            index.close()
+            calls = [
+                lambda: r.predict(corpus.chunks[0].text),
+                lambda: r.prefetch(corpus.chunks[0].text),
+                lambda: r.add_document("doc", corpus.chunks[3].text),
+            ]
+            for call in calls:
+                with pytest.raises(kvh.ClosedError, match="NumPy chunk index is closed"):
+                    call()
+
+
+@needs_qdrant
+def test_a_closed_qdrant_index_raises_closed_error():
+    index = retriever.open_chunk_index("qdrant", 8)
+    index.close()
+    with pytest.raises(kvh.ClosedError, match="Qdrant chunk index is closed"):
+        index.search(np.ones(8, np.float32), 2)
+
+
+def test_a_top_k_past_the_default_priority_names_top_k():
+    """top_k=2**32-1 was refused as "base_priority must be in [2147483646,
+    ...], got 1000": a parameter the caller never set, and no word of
+    top_k."""
+    with _engine() as eng:
+        with pytest.raises(ValueError, match=r"top_k must be at most 2147484649\b"):
+            SpeculativeRetriever(eng, index="numpy", top_k=2**32 - 1)
+        with SpeculativeRetriever(eng, index="numpy", top_k=2**31 + 1000) as r:  # the largest the default allows
+            assert r.top_k == 2**31 + 1000
