@@ -84,6 +84,12 @@ def _records(records: Any, rec: int) -> np.ndarray:
         records = np.frombuffer(records, dtype=np.uint8)
         if records.size > rec and records.size % rec == 0:
             records = records.reshape(-1, rec)
+    if isinstance(records, np.generic):
+        # One byte is no record: encode returns records along a last axis.
+        raise TypeError(
+            f"records must be an array with a record axis (as encode returns them) or bytes, "
+            f"not a {records.dtype} scalar"
+        )
     if not isinstance(records, np.ndarray) or records.dtype != np.uint8:
         dt = getattr(records, "dtype", type(records).__name__)
         raise TypeError(f"records must be uint8 (as encode returns them) or bytes, not {dt}")

@@ -205,3 +205,14 @@ def test_error_figures_stay_within_the_bound_kvh_h_states():
             for codec in ("int8", "q4_g32", "q4_g64"):
                 worst = max(worst, kc.error_figures(x, codec)["max_error_over_bound"])
     assert 0.5 < worst <= 1.0, worst
+
+
+def test_decode_of_one_byte_asks_for_a_record_axis():
+    """A uint8 scalar (one byte of encode's output) was refused with "records
+    must be uint8 ..., not uint8"."""
+    rec = kc.encode(np.ones((2, 64), np.float32), "int8")
+    for scalar in (np.uint8(7), rec[0, 0]):
+        with pytest.raises(TypeError, match="an array with a record axis") as info:
+            kc.decode(scalar, "int8", 64)
+        assert "not a uint8 scalar" in str(info.value)
+    assert kc.decode(rec[0], "int8", 64).shape == (64,)
