@@ -801,15 +801,20 @@ int kvhi_cluster_open(const kvhi_cluster_opts *opts, kvhi_cluster **out, char *e
         return KVHI_CLUSTER_NO_MEMORY;
     }
     memset(c->slot_node, 0xff, sizeof(c->slot_node));
+    /* Entries split at commas, blanks around each ignored: one quoted in an
+     * error is the whole entry the user wrote ("host: 7000", "a:1 b:2"). */
     for (const char *p = opts->addrs; *p;) {
-        size_t len = strcspn(p, ", ");
+        p += strspn(p, " \t");
+        size_t len = strcspn(p, ",");
+        while (len && (p[len - 1] == ' ' || p[len - 1] == '\t'))
+            len--;
         if (len && node_of_addr(c, p, len) == NO_NODE) {
             snprintf(err, err_len, "remote address '%.*s' is not host:port", (int)(len > 200 ? 200 : len), p);
             kvhi_cluster_close(c);
             return KVHI_CLUSTER_BAD_ADDR;
         }
         p += len;
-        p += strspn(p, ", ");
+        p += strspn(p, " \t,");
     }
     if (c->n_nodes == 0) {
         snprintf(err, err_len, "no remote address given (remote_addrs is empty)");

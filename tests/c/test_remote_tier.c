@@ -785,6 +785,18 @@ static void test_open_errors(void **state)
     assert_kvh(KVH_ERR_INVALID_ARG, kvh_engine_open(&c, &e));
     c.remote_addrs = "127.0.0.1: 6379";
     assert_kvh(KVH_ERR_INVALID_ARG, kvh_engine_open(&c, &e));
+    /* The entry is quoted whole, not cut at the blank. */
+    assert_non_null(strstr(kvh_last_error(), "'127.0.0.1: 6379'"));
+    /* Two addresses need a comma between them; blanks around one are fine. */
+    c.remote_addrs = "127.0.0.1:6379 127.0.0.1:6380";
+    assert_kvh(KVH_ERR_INVALID_ARG, kvh_engine_open(&c, &e));
+    assert_non_null(strstr(kvh_last_error(), "'127.0.0.1:6379 127.0.0.1:6380'"));
+    char spaced[512];
+    snprintf(spaced, sizeof(spaced), " \t%s , ", rt_addrs(&cluster));
+    c.remote_addrs = spaced;
+    assert_kvh(KVH_OK, kvh_engine_open(&c, &e));
+    assert_ok(kvh_engine_close(e));
+    e = NULL;
     c = remote_cfg(test_salt());
     c.remote_timeout_ms = 0;
     assert_kvh(KVH_ERR_INVALID_ARG, kvh_engine_open(&c, &e));

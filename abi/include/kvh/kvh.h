@@ -353,11 +353,13 @@ typedef struct kvh_config {
     uint32_t disk_strict_index;
     /* ---- remote tier: a Redis Cluster (or Valkey) shared by several
      * engines; see kvh_remote_upload and the README's "Remote tier". ---- */
-    /* [borrowed] during open. "host:port[,host:port...]": seed nodes of
-     * the cluster (any one suffices; a server without cluster support is
-     * used as one node). host is a DNS name, an IPv4 address or an IPv6
-     * one, bare or in brackets ("::1:7000", "[::1]:7000"); anything else
-     * (a URL, "host:port:more") is KVH_ERR_INVALID_ARG at open. NULL or
+    /* [borrowed] during open. "host:port[,host:port...]" (blanks around
+     * a comma allowed): seed nodes of the cluster (any one suffices; a
+     * server without cluster support is used as one node). host is a DNS
+     * name, an IPv4 address or an IPv6 one, bare or in brackets
+     * ("::1:7000", "[::1]:7000"); anything else (a URL, "host:port:more",
+     * "host: port", two addresses without a comma) is
+     * KVH_ERR_INVALID_ARG at open. NULL or
      * empty: no remote tier (the default; nothing is contacted unless an
      * address is given). */
     const char *remote_addrs;
