@@ -1049,9 +1049,13 @@ class Engine(OwnedHandle):
         ``priority`` the sooner. Until then their blocks are evicted after
         every unhinted block, lowest priority first. A block keeps its two
         highest priorities; the first access after a hint redeems the
-        higher (the rest of that use redeems nothing). Hint a scheduler's
-        queue before each request, each request at a priority falling with
-        its place, and eviction follows the queue. Any thread."""
+        higher (the rest of that use redeems nothing). A priority is a rank
+        among every hinted block, whenever hinted: give a scheduler's
+        requests their absolute number in run order (e.g. ``2**31 - 1 - n``
+        for the n-th request), not their place in the queue, which goes
+        stale as the queue advances (kvh.h ``kvh_seq_hint``); or hint by
+        place with :meth:`hint_queued`, which maps places to numbers. Any
+        thread."""
         if not isinstance(seq, Sequence):
             raise TypeError(f"seq must be a kvh.Sequence, not {type(seq).__name__}")
         priority = _int("priority", priority, -(1 << 31), (1 << 31) - 1)

@@ -691,8 +691,13 @@ impl<'e> Sequence<'e> {
     /// `priority` the sooner. Until then its blocks are evicted after every
     /// unhinted block, lowest priority first. A block keeps its two highest
     /// priorities; the first access after a hint redeems the higher.
-    /// Hinting a scheduler's queue before each request makes eviction
-    /// follow it.
+    /// A priority is a rank among every hinted block, whenever hinted:
+    /// give a scheduler's requests their absolute number in run order
+    /// (e.g. `i32::MAX - n` for the n-th request), not their place in the
+    /// queue, which goes stale as the queue advances (kvh.h
+    /// `kvh_seq_hint`); or hint by place with
+    /// [`hint_at_position`](Self::hint_at_position), which
+    /// maps places to numbers.
     pub fn hint(&self, range: impl RangeBounds<u64>, priority: i32) -> Result<()> {
         self.shared().hint(range, priority)
     }
