@@ -2,7 +2,9 @@
 # table starts with "kvh_" (ABI rule 5), and kvh_version is among them.
 # With HEADER and MAP also: every KVH_API function of kvh.h is exported,
 # and named in exactly one version node of the linker map (stable KVH_0
-# or KVH_0_EXPERIMENTAL), so a new call cannot be left out or doubled.
+# or KVH_0_EXPERIMENTAL), so a new call cannot be left out or doubled,
+# and that node is KVH_0_EXPERIMENTAL exactly for the calls declared in a
+# section of kvh.h whose banner title ends in "(experimental)".
 #   cmake -DNM=/usr/bin/nm -DLIB=build/libkvh.so [-DHEADER=kvh.h -DMAP=libkvh.map] -P check_exports.cmake
 # Version nodes from the linker map (KVH_0, type A) are not symbols and are
 # skipped; "name@@KVH_0" is read as "name".
@@ -75,6 +77,39 @@ if(HEADER AND MAP)
     list(LENGTH hits n)
     if(NOT n EQUAL 1)
       list(APPEND problems "${name} is named ${n} times in the linker map (want 1)")
+    endif()
+  endforeach()
+  # kvh.h: "every call declared in [a section whose banner title ends in
+  # (experimental)] is exported under the version node KVH_0_EXPERIMENTAL
+  # ... Every call of any other section is stable (node KVH_0)". The
+  # header's lines, each a list item (";" spelled "," as above, and
+  # brackets as parentheses: an unmatched "[" would join list items).
+  string(REGEX MATCH "KVH_0_EXPERIMENTAL[ \t\n]*{[^}]*}" experimental_node "${map}")
+  if(NOT experimental_node)
+    message(FATAL_ERROR "${MAP} has no KVH_0_EXPERIMENTAL node")
+  endif()
+  string(REPLACE ";" "," header_lines "${header}")
+  string(REPLACE "[" "(" header_lines "${header_lines}")
+  string(REPLACE "]" ")" header_lines "${header_lines}")
+  string(REPLACE "\n" ";" header_lines "${header_lines}")
+  set(section "")
+  set(after_rule OFF)
+  foreach(line IN LISTS header_lines)
+    if(after_rule AND line MATCHES "^/\\* (.*[^ ]) *\\*/$")
+      set(section "${CMAKE_MATCH_1}")
+    endif()
+    set(after_rule OFF)
+    if(line MATCHES "^/\\* -+ \\*/$")
+      set(after_rule ON)
+    endif()
+    if(line MATCHES "KVH_API[^(]*[ *](kvh_[a-z0-9_]+)[ \t]*\\(")
+      set(name "${CMAKE_MATCH_1}")
+      string(REGEX MATCH "[ \t\n]${name}," in_experimental "${experimental_node}")
+      if(section MATCHES "\\(experimental\\)$" AND NOT in_experimental)
+        list(APPEND problems "${name} is in the experimental section '${section}' but not in KVH_0_EXPERIMENTAL")
+      elseif(NOT section MATCHES "\\(experimental\\)$" AND in_experimental)
+        list(APPEND problems "${name} is exported as experimental but declared in the stable section '${section}'")
+      endif()
     endif()
   endforeach()
   list(LENGTH declared n_declared)

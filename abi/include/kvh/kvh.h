@@ -7,8 +7,8 @@
  *   Status codes; Version and errors; Handles; Configuration; Engine (open,
  *   close, info, stats, quotas); Sequences; Blocks; Migration between tiers
  *   and fences; Hints and prefetch; Queue hints (experimental); Prefix
- *   index and external pools; Tenant
- *   scopes (experimental); Paged attention; Attention plans (experimental);
+ *   index and external pools; Batched pool transfers and persist
+ *   (experimental); Tenant scopes (experimental); Paged attention; Attention plans (experimental);
  *   Weight contexts (experimental); Admission by token budget
  *   (experimental); KV codecs; Virtual contiguity (experimental); LCTRU
  *   tolerance (experimental); Latency histograms (experimental).
@@ -1198,8 +1198,12 @@ KVH_API kvh_status kvh_pool_offload(kvh_engine *engine, kvh_pool pool, uint32_t 
  * @threads any */
 KVH_API kvh_status kvh_pool_restore(kvh_engine *engine, kvh_pool pool, kvh_block block, uint32_t slot);
 
-/* Batched, asynchronous pool transfers (experimental: version node
- * KVH_0_EXPERIMENTAL of abi/libkvh.map).
+/* ------------------------------------------------------------------ */
+/* Batched pool transfers and persist (experimental)                  */
+/* ------------------------------------------------------------------ */
+
+/* Experimental (version node KVH_0_EXPERIMENTAL of abi/libkvh.map): a
+ * release may change these calls.
  *
  * Many slots in one call and one fence: the call checks everything and
  * takes what the batch needs under the engine lock (no copy), queues it
