@@ -84,8 +84,8 @@ void kvhi_slot_header_encode(void *buf, const kvhi_slot_meta *m, uint64_t block_
  * NULL (a slot checked on its own). The data's CRC32C is data_crc, or
  * computed from data when that is set, once the header has passed. */
 static int check_slot(const uint8_t *p, const void *data, uint32_t data_crc, uint64_t block_bytes,
-                      const uint64_t *store_id, uint64_t slot, uint64_t offset, const uint64_t *expect_hash,
-                      uint32_t max_tokens, int32_t *tokens_out, const char **why)
+                      const uint64_t *store_id, uint32_t geo_tag, uint64_t slot, uint64_t offset,
+                      const uint64_t *expect_hash, uint32_t max_tokens, int32_t *tokens_out, const char **why)
 {
 #define FAIL(code, text)                                                                                               \
     do {                                                                                                               \
@@ -107,6 +107,9 @@ static int check_slot(const uint8_t *p, const void *data, uint32_t data_crc, uin
         FAIL(-6, "block holds a different prefix hash");
     if (get64(p + 56) != block_bytes)
         FAIL(-7, "block size differs");
+    /* Headers older than the tag carry 0 there. */
+    if (geo_tag && get32(p + SH_GEO) && get32(p + SH_GEO) != geo_tag)
+        FAIL(-10, "block was written with another geometry or model_salt");
     uint32_t n = get32(p + 12);
     if (n > max_tokens || SH_TOKENS + 4ull * n > SH_FLAGS)
         FAIL(-8, "token count out of range");
@@ -121,25 +124,26 @@ static int check_slot(const uint8_t *p, const void *data, uint32_t data_crc, uin
     return 0;
 }
 
-int kvhi_slot_verify_crc(const void *header, uint32_t data_crc, uint64_t block_bytes, uint64_t store_id, uint64_t slot,
-                         uint64_t offset, uint64_t expect_hash, uint32_t max_tokens, int32_t *tokens_out,
-                         const char **why)
+int kvhi_slot_verify_crc(const void *header, uint32_t data_crc, uint64_t block_bytes, uint64_t store_id,
+                         uint32_t geo_tag, uint64_t slot, uint64_t offset, uint64_t expect_hash, uint32_t max_tokens,
+                         int32_t *tokens_out, const char **why)
 {
-    return check_slot(header, NULL, data_crc, block_bytes, &store_id, slot, offset, &expect_hash, max_tokens,
+    return check_slot(header, NULL, data_crc, block_bytes, &store_id, geo_tag, slot, offset, &expect_hash, max_tokens,
                       tokens_out, why);
 }
 
-int kvhi_slot_verify(const void *header, const void *data, uint64_t block_bytes, uint64_t store_id, uint64_t slot,
-                     uint64_t offset, uint64_t expect_hash, uint32_t max_tokens, int32_t *tokens_out, const char **why)
+int kvhi_slot_verify(const void *header, const void *data, uint64_t block_bytes, uint64_t store_id, uint32_t geo_tag,
+                     uint64_t slot, uint64_t offset, uint64_t expect_hash, uint32_t max_tokens, int32_t *tokens_out,
+                     const char **why)
 {
-    return kvhi_slot_verify_crc(header, kvhi_crc32c(0, data, block_bytes), block_bytes, store_id, slot, offset,
+    return kvhi_slot_verify_crc(header, kvhi_crc32c(0, data, block_bytes), block_bytes, store_id, geo_tag, slot, offset,
                                 expect_hash, max_tokens, tokens_out, why);
 }
 
 static int check_alone(const uint8_t *p, const void *data, uint32_t data_crc, uint64_t block_bytes, uint64_t slot,
                        uint64_t offset, uint32_t max_tokens, kvhi_slot_meta *m, int32_t *tokens_out, const char **why)
 {
-    int rc = check_slot(p, data, data_crc, block_bytes, NULL, slot, offset, NULL, max_tokens, tokens_out, why);
+    int rc = check_slot(p, data, data_crc, block_bytes, NULL, 0, slot, offset, NULL, max_tokens, tokens_out, why);
     if (rc != 0)
         return rc;
     *m = (kvhi_slot_meta){.store_id = get64(p + 16),

@@ -66,17 +66,20 @@ static inline uint64_t kvhi_round_up(uint64_t x, uint64_t a) { return (x + a - 1
 void kvhi_slot_header_encode(void *buf, const kvhi_slot_meta *m, uint64_t block_bytes);
 
 /* Checks a header read from `slot` at `offset` of store `store_id` against
- * what the index expects (hash) and the data that followed it. Returns 0
- * when everything matches, or a negative reason code (see .c) and a short
- * reason text. tokens_out (block_tokens entries) receives the tokens. */
-int kvhi_slot_verify(const void *header, const void *data, uint64_t block_bytes, uint64_t store_id, uint64_t slot,
-                     uint64_t offset, uint64_t expect_hash, uint32_t max_tokens, int32_t *tokens_out, const char **why);
+ * what the index expects (hash) and the data that followed it; geo_tag
+ * (kvhi_disk_geometry_tag of the store's geometry; 0: not checked) must
+ * be the header's, where it carries one. Returns 0 when everything
+ * matches, or a negative reason code (see .c) and a short reason text.
+ * tokens_out (block_tokens entries) receives the tokens. */
+int kvhi_slot_verify(const void *header, const void *data, uint64_t block_bytes, uint64_t store_id, uint32_t geo_tag,
+                     uint64_t slot, uint64_t offset, uint64_t expect_hash, uint32_t max_tokens, int32_t *tokens_out,
+                     const char **why);
 
 /* The same, with the CRC32C of the data already computed (e.g. while it
  * was copied out of the staging buffer). */
-int kvhi_slot_verify_crc(const void *header, uint32_t data_crc, uint64_t block_bytes, uint64_t store_id, uint64_t slot,
-                         uint64_t offset, uint64_t expect_hash, uint32_t max_tokens, int32_t *tokens_out,
-                         const char **why);
+int kvhi_slot_verify_crc(const void *header, uint32_t data_crc, uint64_t block_bytes, uint64_t store_id,
+                         uint32_t geo_tag, uint64_t slot, uint64_t offset, uint64_t expect_hash, uint32_t max_tokens,
+                         int32_t *tokens_out, const char **why);
 
 /* Checks a slot on its own, with no index entry to compare against: what
  * kvhi_slot_verify checks except the store id and the hash, which it

@@ -96,7 +96,7 @@ static bool reads_into_host(const kvh_engine *e, const kvhi_xfer *x)
 static void verify_read(kvh_engine *e, kvhi_xfer *x, const uint8_t *header, uint32_t crc)
 {
     kvhi_disk *d = e->disk;
-    if (kvhi_slot_verify_crc(header, crc, d->block_bytes, d->store_id, x->src_slot,
+    if (kvhi_slot_verify_crc(header, crc, d->block_bytes, d->store_id, d->geo_tag, x->src_slot,
                              kvhi_disk_slot_offset(d, x->src_slot), x->hash, e->cfg.block_tokens, NULL, &x->why) != 0)
         x->err = 1;
     else if (crc != x->data_crc) {

@@ -90,8 +90,8 @@ static bool read_from_disk(kvh_engine *e, uint32_t b, uint8_t *dst, uint32_t *cr
     if (res == 0) {
         const uint8_t *p = kvhi_disk_lane_slot(lane, 0);
         *crc = kvhi_crc32c_copy(0, dst, p + KVHI_SLOT_HEADER_BYTES, d->block_bytes);
-        ok = kvhi_slot_verify_crc(p, *crc, d->block_bytes, d->store_id, slot, kvhi_disk_slot_offset(d, slot), hash,
-                                  e->cfg.block_tokens, NULL, NULL) == 0;
+        ok = kvhi_slot_verify_crc(p, *crc, d->block_bytes, d->store_id, d->geo_tag, slot,
+                                  kvhi_disk_slot_offset(d, slot), hash, e->cfg.block_tokens, NULL, NULL) == 0;
     }
     kvhi_disk_lane_put(d, lane);
     kvhi_relock_after_copy(e);

@@ -60,7 +60,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         put32(hdr + KVHI_SLOT_HEADER_BYTES - 4, kvhi_crc32c(0, hdr, KVHI_SLOT_HEADER_BYTES - 4));
 
     const char *why = NULL;
-    int rc = kvhi_slot_verify(hdr, blk, bb, store_id, slot, offset, expect_hash, max_tokens, tokens, &why);
+    int rc = kvhi_slot_verify(hdr, blk, bb, store_id, 0, slot, offset, expect_hash, max_tokens, tokens, &why);
     if (rc == 0) {
         uint32_t n = (uint32_t)hdr[12] | (uint32_t)hdr[13] << 8 | (uint32_t)hdr[14] << 16 | (uint32_t)hdr[15] << 24;
         FZ_CHECK(n <= max_tokens, "a header with %u tokens verified (max %u)", n, max_tokens);
@@ -82,26 +82,26 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     kvhi_slot_header_encode(hdr, &m, bb);
     int32_t *back = malloc(sizeof(int32_t) * max_tokens);
     if (back) {
-        rc = kvhi_slot_verify(hdr, blk, bb, store_id, slot, offset, expect_hash, max_tokens, back, &why);
+        rc = kvhi_slot_verify(hdr, blk, bb, store_id, 0, slot, offset, expect_hash, max_tokens, back, &why);
         FZ_CHECK(rc == 0, "a freshly encoded header does not verify: %s", why);
         FZ_CHECK(!memcmp(back, tokens, sizeof(int32_t) * n_tokens), "tokens do not round-trip");
         free(back);
     }
     uint64_t bit = fz_u64(&in) % ((uint64_t)KVHI_SLOT_HEADER_BYTES * 8);
     hdr[bit / 8] ^= (uint8_t)(1u << (bit % 8));
-    rc = kvhi_slot_verify(hdr, blk, bb, store_id, slot, offset, expect_hash, max_tokens, NULL, &why);
+    rc = kvhi_slot_verify(hdr, blk, bb, store_id, 0, slot, offset, expect_hash, max_tokens, NULL, &why);
     FZ_CHECK(rc != 0, "a header with bit %llu flipped still verifies", (unsigned long long)bit);
     hdr[bit / 8] ^= (uint8_t)(1u << (bit % 8));
     uint64_t at = fz_u64(&in) % bb;
     uint8_t delta = (uint8_t)(1 + fz_u8(&in) % 255);
     blk[at] ^= delta;
-    rc = kvhi_slot_verify(hdr, blk, bb, store_id, slot, offset, expect_hash, max_tokens, NULL, &why);
+    rc = kvhi_slot_verify(hdr, blk, bb, store_id, 0, slot, offset, expect_hash, max_tokens, NULL, &why);
     FZ_CHECK(rc != 0, "changed data (byte %llu) still verifies", (unsigned long long)at);
     blk[at] ^= delta;
     /* the same block read from another slot, store or with another hash */
-    FZ_CHECK(kvhi_slot_verify(hdr, blk, bb, store_id, slot + 1, offset, expect_hash, max_tokens, NULL, &why) != 0,
+    FZ_CHECK(kvhi_slot_verify(hdr, blk, bb, store_id, 0, slot + 1, offset, expect_hash, max_tokens, NULL, &why) != 0,
              "misplaced block verifies");
-    FZ_CHECK(kvhi_slot_verify(hdr, blk, bb, store_id ^ 1, slot, offset, expect_hash, max_tokens, NULL, &why) != 0,
+    FZ_CHECK(kvhi_slot_verify(hdr, blk, bb, store_id ^ 1, 0, slot, offset, expect_hash, max_tokens, NULL, &why) != 0,
              "foreign block verifies");
     free(hdr);
     free(blk);

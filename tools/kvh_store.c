@@ -416,8 +416,8 @@ static int run_main(int argc, char **argv)
         /* The slot's padding past the block's bytes is never read back:
          * a slab cut inside it loses nothing. */
         int rc = n >= (ssize_t)(KVHI_SLOT_HEADER_BYTES + d.block_bytes)
-                     ? kvhi_slot_verify(buf, buf + KVHI_SLOT_HEADER_BYTES, d.block_bytes, d.store_id, ent->slot,
-                                        (uint64_t)off, ent->hash, d.geo.block_tokens, NULL, &why)
+                     ? kvhi_slot_verify(buf, buf + KVHI_SLOT_HEADER_BYTES, d.block_bytes, d.store_id, d.geo_tag,
+                                        ent->slot, (uint64_t)off, ent->hash, d.geo.block_tokens, NULL, &why)
                      : -100;
         if (rc != 0) {
             bad++;
