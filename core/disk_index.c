@@ -571,8 +571,13 @@ int kvhi_index_load(kvhi_disk *d, bool reset, kvhi_index_list *out, char *msg, s
     uint64_t snap_seq = snap_ok ? sh.seq : 0;
     size_t body = snap_len > KVHI_DISK_ALIGN ? snap_len - KVHI_DISK_ALIGN : 0;
     if (snap_ok && body / d->rec_bytes < sh.n_records) {
-        out->bad_records += sh.n_records - body / d->rec_bytes; /* a cut snapshot */
-        damaged(&dm, "the index is shorter than its header says");
+        /* A cut snapshot loses the records past the cut; a count no
+         * snapshot can hold (slot numbers are 32-bit) is the header's own
+         * damage, one bad header rather than 2^64 lost records. */
+        bool impossible = sh.n_records > UINT32_MAX;
+        out->bad_records += impossible ? 1 : sh.n_records - body / d->rec_bytes;
+        damaged(&dm, impossible ? "the index header names more records than a store can hold"
+                                : "the index is shorter than its header says");
     }
     /* Blocks the records keep in slots past the ones disk_bytes now gives
      * (the store opened smaller than it was made): dropped, and said. */

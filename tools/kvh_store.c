@@ -37,11 +37,13 @@ static void usage(FILE *f)
                "       kvh-store remote ping|count|verify|purge [--sample N] [--json]\n"
                "           the remote tier's keys of the model the KVH_* environment\n"
                "           names (KVH_REMOTE_ADDRS, KVH_MODEL_SALT, geometry)\n"
-               "Exit status: 0 all good; 1 bad blocks or index records found, or\n"
-               "index files a strict open refuses (a missing journal, a journal cut\n"
-               "inside its header, an index older than its journal), even with 0 bad\n"
-               "blocks and records; 2 bad arguments, or the store cannot be read\n"
-               "(missing, damaged, in use).\n");
+               "Exit status: 0 all good; 1 bad blocks or index records found (blocks\n"
+               "of another geometry, records naming slots past the slab files or in\n"
+               "a cycle of parents included), or index files a strict open refuses\n"
+               "(a missing journal, a journal cut inside its header, an index older\n"
+               "than its journal or of another store), even with 0 bad blocks and\n"
+               "records; 2 bad arguments, or the store cannot be read (missing,\n"
+               "damaged, in use).\n");
 }
 
 /* A store file for reading, as the engine opens it: a regular file only
@@ -263,6 +265,68 @@ static void print_json_text(const char *text)
     }
 }
 
+/* The prefix chains the records form: a record whose parent is not
+ * indexed starts one (a root); depth by walking parents, memoised, so this
+ * stays linear. Records whose parents lead into a cycle (which chained
+ * hashes never make: forged or damaged records) are on no chain. */
+typedef struct chain_shape {
+    uint64_t roots, longest, in_cycles;
+    bool failed; /* out of memory: nothing counted */
+} chain_shape;
+
+#define ON_NO_CHAIN UINT32_MAX
+
+static chain_shape chain_shape_of(const kvhi_index_list *list)
+{
+    chain_shape c = {0};
+    size_t n = list->n ? list->n : 1;
+    kvhi_prefix_index ix;
+    uint32_t *depth = calloc(n, sizeof(uint32_t));
+    uint32_t *stack = malloc(sizeof(uint32_t) * n);
+    uint8_t *state = calloc(n, 1); /* 0 new, 1 on the walk now, 2 done */
+    if (!depth || !stack || !state || kvhi_prefix_init(&ix, list->n) != 0) {
+        free(depth), free(stack), free(state);
+        c.failed = true;
+        return c;
+    }
+    for (size_t i = 0; i < list->n; i++)
+        kvhi_prefix_insert(&ix, list->items[i].hash, (uint32_t)i);
+    for (size_t i = 0; i < list->n; i++) {
+        uint32_t top = 0, cur = (uint32_t)i, base;
+        for (;;) {
+            if (state[cur] == 2) {
+                base = depth[cur];
+                break;
+            }
+            if (state[cur] == 1) { /* back to a record of this walk */
+                base = ON_NO_CHAIN;
+                break;
+            }
+            state[cur] = 1;
+            stack[top++] = cur;
+            uint32_t p = list->items[cur].parent ? kvhi_prefix_find(&ix, list->items[cur].parent) : KVHI_PREFIX_MISS;
+            if (p == KVHI_PREFIX_MISS) {
+                base = 0;
+                c.roots++;
+                break;
+            }
+            cur = p;
+        }
+        while (top) {
+            uint32_t r = stack[--top];
+            depth[r] = base == ON_NO_CHAIN ? ON_NO_CHAIN : ++base;
+            state[r] = 2;
+            if (base == ON_NO_CHAIN)
+                c.in_cycles++;
+            else if (base > c.longest)
+                c.longest = base;
+        }
+    }
+    kvhi_prefix_destroy(&ix);
+    free(depth), free(stack), free(state);
+    return c;
+}
+
 static bool is_help(const char *a) { return !strcmp(a, "--help") || !strcmp(a, "-h"); }
 
 static int run_main(int argc, char **argv)
@@ -312,40 +376,8 @@ static int run_main(int argc, char **argv)
         return 2;
     }
     if (!strcmp(argv[1], "info")) {
-        /* Chains: a block whose parent is not indexed starts one; depth by
-         * walking parents with memoisation, so this stays linear. */
-        uint64_t roots = 0, longest = 0;
-        kvhi_prefix_index ix;
-        uint32_t *depth = calloc(list.n ? list.n : 1, sizeof(uint32_t));
-        uint32_t *stack = malloc(sizeof(uint32_t) * (list.n ? list.n : 1));
-        if (!depth || !stack || kvhi_prefix_init(&ix, list.n) != 0)
-            return 2;
-        for (size_t i = 0; i < list.n; i++)
-            kvhi_prefix_insert(&ix, list.items[i].hash, (uint32_t)i);
-        for (size_t i = 0; i < list.n; i++) {
-            uint32_t top = 0, cur = (uint32_t)i;
-            while (!depth[cur]) {
-                if (top == list.n) { /* parents in a cycle: forged records */
-                    roots++;
-                    break;
-                }
-                stack[top++] = cur;
-                uint32_t p = list.items[cur].parent ? kvhi_prefix_find(&ix, list.items[cur].parent) : KVHI_PREFIX_MISS;
-                if (p == KVHI_PREFIX_MISS) {
-                    roots++;
-                    break;
-                }
-                cur = p;
-            }
-            uint32_t dd = depth[cur];
-            while (top)
-                depth[stack[--top]] = ++dd;
-            if (depth[i] > longest)
-                longest = depth[i];
-        }
-        kvhi_prefix_destroy(&ix);
-        free(depth);
-        free(stack);
+        chain_shape chains = chain_shape_of(&list);
+        uint64_t roots = chains.roots, longest = chains.longest;
         uint64_t bytes = (uint64_t)list.n * d.block_bytes;
         store_perms pm;
         store_perms_of(&d, &pm);
@@ -401,8 +433,13 @@ static int run_main(int argc, char **argv)
     }
     /* verify */
     uint8_t *buf;
-    if (posix_memalign((void **)&buf, KVHI_DISK_ALIGN, d.slot_bytes) != 0)
+    if (posix_memalign((void **)&buf, KVHI_DISK_ALIGN, d.slot_bytes) != 0) {
+        fprintf(stderr,
+                "kvh-store: cannot allocate a slot's %llu bytes to read it (the index header's block size is "
+                "%llu bytes)\n",
+                (unsigned long long)d.slot_bytes, (unsigned long long)d.block_bytes);
         return 2;
+    }
     /* Blocks and index records are counted apart: an engine rebuilds a
      * damaged record from its slot's header, so it loses no block. */
     uint64_t bad = 0;
@@ -411,8 +448,10 @@ static int run_main(int argc, char **argv)
         uint32_t slab = ent->slot / d.slots_per_slab;
         int fd = slab < d.n_slabs ? d.slab_fds[slab] : -1;
         off_t off = (off_t)kvhi_disk_slot_offset(&d, ent->slot);
-        ssize_t n = pread(fd, buf, d.slot_bytes, off);
-        const char *why = "short read (truncated slab)";
+        ssize_t n = fd < 0 ? -1 : pread(fd, buf, d.slot_bytes, off);
+        const char *why = fd < 0  ? "its slab file is missing or not a readable regular file"
+                          : n < 0 ? "its slab file cannot be read"
+                                  : "short read (truncated slab)";
         /* The slot's padding past the block's bytes is never read back:
          * a slab cut inside it loses nothing. */
         int rc = n >= (ssize_t)(KVHI_SLOT_HEADER_BYTES + d.block_bytes)
@@ -436,7 +475,18 @@ static int run_main(int argc, char **argv)
         printf("BAD %llu blocks failed their checks while the index was rebuilt from the slots\n",
                (unsigned long long)list.bad_slots);
     if (list.bad_records && !json)
-        printf("BAD %llu index records failed their checksum\n", (unsigned long long)list.bad_records);
+        printf("BAD %llu index records or headers damaged or missing (failed their checksum, or cut off)\n",
+               (unsigned long long)list.bad_records);
+    /* Records naming slots past the slab files: an engine drops them (a
+     * store opened smaller than it was made), a warning saying how many. */
+    if (list.past_end && !json)
+        printf("BAD %llu index records name slots past the store's slab files (an engine drops their blocks)\n",
+               (unsigned long long)list.past_end);
+    chain_shape chains = chain_shape_of(&list);
+    if (chains.in_cycles && !json)
+        printf("BAD %llu index records are in, or descend from, a cycle of parents, which no chain of hashes "
+               "makes (forged or damaged records)\n",
+               (unsigned long long)chains.in_cycles);
     /* Damage to the index files that no record count shows (the journal
      * missing beside the index, or cut inside its header page): the load
      * rebuilt the index from the slots, as an engine does, but one with
@@ -462,12 +512,16 @@ static int run_main(int argc, char **argv)
         }
         if (torn)
             printf(", \"torn_tail\": true");
+        if (list.past_end)
+            printf(", \"records_past_end\": %llu", (unsigned long long)list.past_end);
+        if (chains.in_cycles)
+            printf(", \"records_in_parent_cycles\": %llu", (unsigned long long)chains.in_cycles);
         printf("}\n");
     } else
         printf("%llu blocks checked, %llu bad\n", (unsigned long long)(list.n + list.bad_slots),
                (unsigned long long)bad);
     free(buf);
-    uint64_t bad_records = list.bad_records;
+    uint64_t bad_records = list.bad_records + list.past_end + chains.in_cycles;
     /* The verdict on stderr as well: the lines above may be JSON, and a
      * wrapper (kvh store verify) reports a tool that fails without a word. */
     if (bad || bad_records || damaged)

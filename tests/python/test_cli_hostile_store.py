@@ -445,7 +445,7 @@ def test_verify_counts_blocks_and_index_records_apart(how, store):
         (store / "journal").write_bytes(os.urandom(4096))
     res = run_store("verify", store)
     assert res.returncode == 1, res.stdout + res.stderr  # a damaged index is still a failed verification
-    assert re.search(r"^BAD \d+ index records failed their checksum$", res.stdout, re.M), res.stdout
+    assert re.search(r"^BAD \d+ index records or headers damaged or missing", res.stdout, re.M), res.stdout
     listed = re.findall(r"^BAD slot ", res.stdout, re.M)
     checked, bad = _summary(res.stdout)
     assert checked == CHAINS * 3
@@ -616,9 +616,14 @@ def test_live_writer_is_named_and_its_store_left_alone(pristine, tmp_path):
 
 def test_engine_refused_while_a_reader_holds_the_store(store):
     # kvh-store holds LOCK shared while it reads; an engine opened meanwhile
-    # must be refused, naming a holder that exists. LOCK still names the
-    # writer that made the store, which has exited.
-    stale = int((store / "LOCK").read_text().strip())
+    # must be refused, naming a holder that exists. The writer that made the
+    # store closed it, which empties LOCK; one killed instead leaves its pid
+    # there, as this one of a process that has exited.
+    assert (store / "LOCK").read_text() == ""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    stale = gone.pid
+    (store / "LOCK").write_text(f"{stale}\n")
     fd = os.open(store / "LOCK", os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -749,6 +754,76 @@ def test_info_on_forged_parent_cycles_ends(parents, tmp_path):
     if res.returncode == 0:
         info = json.loads(res.stdout.strip().splitlines()[-1])
         assert info["blocks"] == len(parents), info
+        # a chain longer than the store had blocks was reported
+        assert info["longest_chain_blocks"] == 0, info
+    # verify passed such records: no chain of hashes makes a cycle
+    res = run_store("verify", d)
+    assert res.returncode == 1
+    assert re.search(rf"^BAD {len(parents)} index records are in, or descend from, a cycle", res.stdout, re.M), (
+        res.stdout
+    )
+
+
+REC_BYTES = 48 + 4 * 16 + 4  # an index record of 16-token blocks (core/disk_format.c)
+
+
+def _rewrite_header(path: Path, offset: int, fmt: str, *values) -> None:
+    """Sets fields of an index or journal header, its checksum made anew."""
+    h = bytearray(path.read_bytes())
+    struct.pack_into(fmt, h, offset, *values)
+    struct.pack_into("<I", h, 80, _crc32c(bytes(h[:80])))
+    path.write_bytes(bytes(h))
+
+
+def test_verify_reports_a_record_naming_a_slot_past_the_slabs(store):
+    # A record (valid checksum) naming slot 2^32: the load drops it as past
+    # the store's end, and verify said "8 blocks checked, 0 bad", exit 0.
+    ix = bytearray((store / "index").read_bytes())
+    at = 4096 + 2 * REC_BYTES
+    struct.pack_into("<Q", ix, at + 16, 1 << 32)
+    struct.pack_into("<I", ix, at + REC_BYTES - 4, _crc32c(bytes(ix[at : at + REC_BYTES - 4])))
+    (store / "index").write_bytes(bytes(ix))
+    res = run_store("verify", store)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert re.search(r"^BAD 1 index records name slots past the store's slab files", res.stdout, re.M), res.stdout
+    res = run_store("verify", "--json", store)
+    assert json.loads(res.stdout.splitlines()[-1])["records_past_end"] == 1, res.stdout
+
+
+def test_an_impossible_record_count_is_one_bad_header(store):
+    # n_records 2^64 - 1 in a header whose checksum holds: reported as
+    # 18446744073709551603 bad records.
+    _rewrite_header(store / "index", 32, "<Q", (1 << 64) - 1)
+    res = run_store("verify", "--json", store)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert json.loads(res.stdout.splitlines()[-1])["bad_records"] == 1, res.stdout
+    assert info_json(store)["bad_records"] == 1
+
+
+def test_slots_of_another_geometry_are_bad_and_never_served(store):
+    # Both headers rewritten (checksums valid) from 2 layers x 8 dim to
+    # 1 layer x 16 dim, the same block size: every slot's header still
+    # carries the geometry that wrote it. verify passed, and an engine of
+    # the new geometry served the blocks, their bytes read as another
+    # layout.
+    for name in ("index", "journal"):
+        _rewrite_header(store / name, 40, "<III", 1, 2, 16)
+    res = run_store("verify", store)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert len(re.findall(r"^BAD slot \d+ .*another geometry", res.stdout, re.M)) == CHAINS * 3, res.stdout
+    with make_engine(num_layers=1, head_dim=16, disk_path=str(store), disk_bytes=DISK) as eng:
+        with eng.sequence() as s:
+            assert s.match_prefix(chain_tokens(0)) == 0
+        assert eng.stats().corrupt_blocks >= 1
+
+
+def test_verify_says_why_it_cannot_read_a_slot(store):
+    # A header block size of 2^40 bytes (checksum valid): verify exited 2
+    # with no word at all.
+    _rewrite_header(store / "index", 72, "<Q", 1 << 40)
+    res = run_store("verify", store)
+    assert res.returncode == 2
+    assert "cannot allocate" in res.stderr and str(1 << 40) in res.stderr, res.stderr
 
 
 @pytest.mark.parametrize("index_damage", ["journal removed", "torn journal tail"])
