@@ -34,6 +34,8 @@ EXTRA_CDEF = (
     'extern "Python" void _kvh_py_log(void *user, int32_t level, const char *message);\n'
     "void kvhpy_seq_acquire(kvh_engine *engine, kvh_seq seq, uint64_t first, uint64_t n, kvh_fence *fence,\n"
     "                       kvh_status *status);\n"
+    "void kvhpy_block_keep(kvh_engine *engine, kvh_block block, int *retained, kvh_status *status);\n"
+    "void kvhpy_block_let_go(kvh_engine *engine, kvh_block block, kvh_status *status);\n"
 )
 # Python runs a signal's handler (Ctrl-C's KeyboardInterrupt) as a call
 # returns, before its result is stored: a status returned there is lost,
@@ -43,6 +45,30 @@ static void kvhpy_seq_acquire(kvh_engine *engine, kvh_seq seq, uint64_t first, u
                               kvh_status *status)
 {
     *status = kvh_seq_acquire(engine, seq, first, n, fence);
+}
+
+/* A block view's own reference and pin, taken in one call and given back
+ * in one: an exception raised between two calls left a pin no one owned
+ * (its slot then never reusable). A pin that fails leaves the reference
+ * taken (*retained) for the caller to release. */
+static void kvhpy_block_keep(kvh_engine *engine, kvh_block block, int *retained, kvh_status *status)
+{
+    kvh_status st = kvh_block_retain(engine, block);
+    *retained = st == KVH_OK;
+    if (st == KVH_OK)
+        st = kvh_block_pin(engine, block, 1);
+    *status = st;
+}
+
+static void kvhpy_block_let_go(kvh_engine *engine, kvh_block block, kvh_status *status)
+{
+    kvh_status unpinned = kvh_block_pin(engine, block, 0);
+    if (unpinned == KVH_ERR_BUSY) { /* refused (a call from the log sink): nothing done, retried later */
+        *status = unpinned;
+        return;
+    }
+    kvh_status released = kvh_block_release(engine, block);
+    *status = unpinned != KVH_OK ? unpinned : released;
 }
 """
 

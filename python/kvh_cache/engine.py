@@ -1673,6 +1673,23 @@ class Block(GatedHandle, OwnedHandle):
         except errors.ClosedError:
             pass  # the engine's close dropped every reference
 
+    def _unpin_and_release(self) -> None:
+        """Unpins the block and drops this object's reference in one native
+        call (a view's kept block): a Ctrl-C raised between two calls left
+        the pin, and the slot, for good."""
+        if self._owned:
+            self._engine._native.refuse_in_own_sink()
+            self._gate.close(self._unpin_and_release_native)
+
+    def _unpin_and_release_native(self) -> None:
+        status = ffi.new("kvh_status *", -1)
+        try:
+            with self._engine._call() as p:
+                lib.kvhpy_block_let_go(p, self._h(), status)
+        except errors.ClosedError:
+            return  # the engine's close dropped every pin and reference
+        check(status[0])
+
     def close(self) -> None:
         """``release()`` unless the engine is closed (which dropped every
         reference already)."""
@@ -1812,27 +1829,35 @@ class _ViewOwner(Finalized, Uncopyable):
         """Undoes keep_block."""
         kept, self.kept = self.kept, None
         if kept is not None:
-            try:
-                kept.unpin()
-            finally:
-                kept.release()
+            kept._unpin_and_release()
 
     def keep_block(self) -> None:
         """Takes a reference and a pin on the mapped block before its
         sequence releases it (truncate, free): its slot is then neither
-        reused nor moved while the view can read it."""
+        reused nor moved while the view can read it. One native call takes
+        both, and what it took is owned even when a Ctrl-C is raised as it
+        returns."""
         if self.kept is not None or self.block is None:
             return
+        block = self.block
+        retained = ffi.new("int *", 0)
+        status = ffi.new("kvh_status *", -1)
+        taken = None
         try:
-            kept = self.block.retain()
-        except errors.BadHandleError:
+            with block._call_any() as p:
+                lib.kvhpy_block_keep(p, block._h(), retained, status)
+        finally:
+            if retained[0]:
+                taken = Block(block._engine, block._id, owned=True)
+                if status[0] == lib.KVH_OK:
+                    self.kept = taken
+        if status[0] == lib.KVH_ERR_BAD_HANDLE and not retained[0]:
             return  # already gone (copied on write, then freed elsewhere)
         try:
-            kept.pin()
-        except BaseException:
-            kept.release()
-            raise
-        self.kept = kept
+            check(status[0])
+        finally:
+            if taken is not None and self.kept is not taken:
+                taken.release()  # the pin failed: the reference goes too
 
     def _let_go(self) -> None:
         """Ends the view's own hold and the block it kept, then lets the
@@ -1841,8 +1866,7 @@ class _ViewOwner(Finalized, Uncopyable):
             if self.private_hold:
                 self.hold.release()
             if self.kept is not None and not self.engine.closed:
-                self.kept.unpin()
-                self.kept.release()
+                self.kept._unpin_and_release()
                 self.kept = None
         except errors.BusyError:
             raise  # refused here (the engine's log sink): retried later, memory kept meanwhile

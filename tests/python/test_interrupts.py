@@ -183,6 +183,33 @@ def test_ctrl_c_as_block_calls_return_leaves_no_reference(lib_with_ctrl_c):
     eng.close()
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("call", ["kvhpy_block_keep", "kvhpy_block_let_go"])
+def test_ctrl_c_around_a_read_only_view_leaves_no_pin(lib_with_ctrl_c, call):
+    """A read-only view takes its own reference and pin on the block, and
+    gives both back when collected. The two were separate calls: a Ctrl-C
+    after the pin (or between unpin and release) left a pin no one owned,
+    and that slot was never usable again."""
+    eng = make_engine()
+    seq, _ = filled_seq(eng, 48)  # written in full: its views are read-only
+    wrapped = lib_with_ctrl_c(call)
+    interrupted = False
+    try:
+        view = seq.block_view(1, 0)
+        assert not view.flags.writeable
+        del view
+        gc.collect()  # a finaliser's Ctrl-C goes to sys.unraisablehook
+    except KeyboardInterrupt:
+        interrupted = True
+    assert interrupted or call != "kvhpy_block_keep"
+    wrapped.armed = False
+    gc.collect()
+    assert eng.tier_info("device").pinned_blocks == 0
+    assert [seq.block_info(i).pins for i in range(3)] == [0, 0, 0]
+    assert [seq.block_info(i).refs for i in range(3)] == [1, 1, 1]
+    eng.close()
+
+
 def test_ctrl_c_during_open_leaves_no_engine_behind(lib_with_ctrl_c, tmp_path):
     """The opened engine was never owned: its store stayed locked for the
     rest of the process (BusyError on every reopen)."""
