@@ -183,13 +183,17 @@ static bool bufs_alloc(match_bufs *m, size_t want, size_t per)
 /* Fetches the values of blocks [w0, w0 + n) of the run into claimed
  * blocks and attaches the leading ones that verified to s as blocks
  * matched + w0 + ... (lock held on entry and return; dropped for the
- * network). Returns how many it attached. */
+ * network). Returns how many it attached; *ended when the match ends
+ * here (no room for one block, or one that failed), not merely fewer
+ * blocks claimed than asked: memory tiers that held fewer now make room
+ * for the next window by sending the ones attached down to disk. */
 static size_t fetch_window(kvh_engine *e, kvhi_seq *s, match_bufs *m, const int32_t *tokens, size_t matched, size_t w0,
-                           size_t n, kvhi_remote_tally *t)
+                           size_t n, kvhi_remote_tally *t, bool *ended)
 {
     kvhi_remote *r = e->remote;
     uint32_t bt = e->cfg.block_tokens;
     n = claim(e, s->agent, n, m->blocks);
+    *ended = n == 0;
     if (n == 0)
         return 0;
     window w = {.e = e,
@@ -259,6 +263,7 @@ static size_t fetch_window(kvh_engine *e, kvhi_seq *s, match_bufs *m, const int3
             unclaim(e, m->blocks[k]);
     }
     t->hits += good;
+    *ended = good < n;
     return good;
 }
 
@@ -303,10 +308,11 @@ static size_t continue_match(kvh_engine *e, kvhi_seq *s, const kvhi_scope *sc, c
     size_t done = 0;
     for (size_t w0 = 0; w0 < run;) {
         size_t n = run - w0 < per ? run - w0 : per;
-        size_t got = fetch_window(e, s, &m, tokens, matched, w0, n, &t);
+        bool ended = false;
+        size_t got = fetch_window(e, s, &m, tokens, matched, w0, n, &t, &ended);
         done += got;
         w0 += got;
-        if (got < n)
+        if (ended)
             break;
     }
     /* Every block sought and not brought: absent, after an absent one,

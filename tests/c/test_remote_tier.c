@@ -185,6 +185,33 @@ static void test_shared_across_processes(void **state)
     assert_int_equal(tu_stats(e2).remote_misses, N_BLOCKS);
 }
 
+/* Memory tiers of a few blocks beside a disk tier with room: a match from
+ * the store brings the whole prefix, the blocks it attached first going
+ * down to disk to make room. It stopped where the memory tiers were full
+ * (4 of 32 blocks here), counting the rest as misses. */
+static void test_match_past_the_memory_tiers(void **state)
+{
+    (void)state;
+    NEED_CLUSTER();
+    uint64_t salt = test_salt();
+    persist_in_child(salt, 1000, 88);
+    char dir[512];
+    dt_scratch("remote-small-memory", dir, sizeof(dir));
+    kvh_config c = remote_cfg(salt);
+    c.device_bytes = 2 * tu_block_bytes_of(LAYERS, HEADS, DIM, BT, KVH_DTYPE_F16);
+    c.host_bytes = c.device_bytes;
+    c.disk_path = dir;
+    c.disk_bytes = 2 * N_BLOCKS * tu_block_bytes_of(LAYERS, HEADS, DIM, BT, KVH_DTYPE_F16);
+    kvh_engine *e = tu_open_cfg(&c);
+    kvh_seq s;
+    assert_int_equal(match(e, &s, 1000), N_BLOCKS * BT);
+    assert_true(tu_check_pattern(e, s, LAYERS, TOK_BYTES, 88, 0, N_BLOCKS * BT));
+    kvh_stats st = tu_stats(e);
+    assert_int_equal(st.remote_hits, N_BLOCKS);
+    assert_int_equal(st.remote_misses, 0);
+    assert_true(tu_tier(e, KVH_TIER_DISK).used_blocks >= N_BLOCKS - 4);
+}
+
 /* kvh_blocks_persist (the vLLM connector's persist of pool blocks) uploads
  * like kvh_seq_persist, synchronously and through a fence, also on an
  * engine whose only lower tier is the remote one. */
@@ -1004,6 +1031,7 @@ int main(int argc, char **argv)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_shared_across_processes, tu_teardown),
         cmocka_unit_test_teardown(test_blocks_persist_uploads, tu_teardown),
+        cmocka_unit_test_teardown(test_match_past_the_memory_tiers, tu_teardown),
         cmocka_unit_test_teardown(test_tampered_value_is_deleted, tu_teardown),
         cmocka_unit_test_teardown(test_codec_into_either_tier, tu_teardown),
         cmocka_unit_test_teardown(test_write_through, tu_teardown),
