@@ -563,7 +563,12 @@ typedef struct kvh_tier_info {
                              form, without its slot's padding and header) */
     uint64_t pinned_blocks;
     void *base; /* memory tiers: address of slot 0 (device pointer on
-                   CUDA); slot i is at base + i * block_bytes. NULL for
+                   CUDA); slot i is at base + i * block_bytes. With a
+                   disk tier the host tier's memory has one slot more
+                   than host_bytes gives (its spare), and the free one
+                   may be any of them: a block's slot runs up to that
+                   count, so memory registered from base (for DMA, say)
+                   takes (host_bytes / block_bytes + 1) slots. NULL for
                    disk, and for the device tier with kvh_config.vmap = 1
                    (laid out by head, see kvh_seq_vmap: read its blocks
                    through a vmap view). [owned by engine] until close.
