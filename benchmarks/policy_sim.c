@@ -171,6 +171,7 @@ typedef struct sim {
      * that named it: what a caller prefetching ahead knows (prefetch_ahead). */
     uint8_t *named;
     int32_t *named_prio;
+    trace_position *by_pos; /* lru-k+hints: the blocks a hint range names */
     sim_result *r;
     /* reuse and adaptive (core/adaptive.c): the reuse order's period, and
      * the adaptive order's shadows of a device tier, one per order
@@ -399,23 +400,27 @@ static void promote_block(sim *s, uint32_t b)
 static void apply_hint(sim *s, const trace_hint *h)
 {
     int promote = s->cfg.prefetch_ahead == 0;
-    uint32_t n = h->block != UINT32_MAX ? 1 : h->n;
+    /* The blocks it names that the trace has, in index order: a demo-form
+     * hint's one block, or a run of by_pos (however large N is, no more
+     * work than the blocks there are). */
+    size_t lo = 0, hi = 1, nb = s->t->n_blocks;
+    if (h->block == UINT32_MAX) {
+        lo = trace_position_at(s->by_pos, nb, h->seq, h->first);
+        hi = trace_position_at(s->by_pos, nb, h->seq, (uint64_t)h->first + h->n);
+    }
     /* As kvh_prefetch: the whole range is hinted before any of it is
      * promoted, so that no promotion takes the place of a block of it. */
-    for (uint32_t i = 0; i < n; i++) {
-        int64_t b = h->block != UINT32_MAX ? (int64_t)h->block : trace_find(s->t, h->seq, h->first + i);
-        if (b < 0 || s->where[b] == IN_NONE)
+    for (size_t i = lo; i < hi; i++) {
+        uint32_t b = h->block != UINT32_MAX ? h->block : s->by_pos[i].block;
+        if (s->where[b] == IN_NONE)
             continue;
-        hint_block(s, (uint32_t)b, h->priority, 0);
+        hint_block(s, b, h->priority, 0);
         if (!s->named[b] || h->priority > s->named_prio[b])
             s->named_prio[b] = h->priority;
         s->named[b] = 1;
     }
-    for (uint32_t i = 0; i < n && promote; i++) {
-        int64_t b = h->block != UINT32_MAX ? (int64_t)h->block : trace_find(s->t, h->seq, h->first + i);
-        if (b >= 0)
-            promote_block(s, (uint32_t)b);
-    }
+    for (size_t i = lo; i < hi && promote; i++)
+        promote_block(s, h->block != UINT32_MAX ? h->block : s->by_pos[i].block);
 }
 
 static void reheap(sim *s, heap *h)
@@ -573,8 +578,10 @@ int sim_run(const trace *t, sim_policy p, const sim_config *c, sim_result *out)
     s.named = calloc(nb, 1);
     s.named_prio = calloc(nb, sizeof(*s.named_prio));
     int rc = -1;
+    if (p == SIM_LRU_K_HINTS && t->n_hints > 0)
+        s.by_pos = trace_blocks_by_position(t);
     if (!s.where || !s.hist || !s.pos || !s.scratch || !s.hinted || !s.fresh || !s.hint_prio || !s.hint_next ||
-        !s.hint_epoch_of || !s.named || !s.named_prio)
+        !s.hint_epoch_of || !s.named || !s.named_prio || (p == SIM_LRU_K_HINTS && t->n_hints > 0 && !s.by_pos))
         goto out;
     memset(s.pos, 0xff, nb * sizeof(*s.pos));
     if (heap_init(&s.dev, s.cfg.device_blocks, s.pos) != 0 || heap_init(&s.host, s.cfg.host_blocks, s.pos) != 0)
@@ -630,6 +637,7 @@ out:
     free(s.ring);
     free(s.hint_prio);
     free(s.hint_next);
+    free(s.by_pos);
     return rc;
 }
 

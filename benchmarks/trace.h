@@ -11,8 +11,11 @@
  *     # comment
  *     SEQ BLOCK [AGENT [TOLERANCE]]
  *
- * SEQ and BLOCK are non-negative integers; (SEQ, BLOCK) names the block.
- * AGENT defaults to 0, TOLERANCE to 0.5.
+ * SEQ, BLOCK and AGENT are decimal integers in 0 .. 2^32 - 1, TOLERANCE a
+ * number in [0, 1]; (SEQ, BLOCK) names the block. AGENT defaults to 0,
+ * TOLERANCE to 0.5. Fields are separated by blanks, and nothing but blanks
+ * may follow the last. No line (comments included) may be longer than
+ * TRACE_LINE_MAX bytes.
  *
  * `kvh demo --record-trace FILE` writes another form, also read here:
  * tab-separated `t_s agent seq block_id block_hash tier kind` with handles
@@ -24,7 +27,9 @@
  *
  * A trace may also carry prefetch hints, what a scheduler knows of its
  * queue (kvh_prefetch): a line `hint SEQ FIRST N PRIORITY` says blocks
- * FIRST .. FIRST+N-1 of SEQ will be read, higher priorities sooner. A hint
+ * FIRST .. FIRST+N-1 of SEQ will be read, higher priorities sooner (FIRST
+ * and N as SEQ above, PRIORITY a decimal integer in -2^31 .. 2^31 - 1; the
+ * range ends at index 2^32 - 1, it does not wrap). A hint
  * is not an access; it takes effect before the access on the next line.
  * Blocks a hint names that do not exist yet (never accessed so far) are
  * skipped by the simulator and the replay alike. */
@@ -34,11 +39,15 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#define TRACE_LINE_MAX (1u << 20)
+
 typedef struct trace_access {
     uint32_t block; /* dense id, 0 .. n_blocks-1, in order of first use */
     uint32_t seq;   /* sequence id as in the source */
     uint32_t index; /* logical block index within seq */
     uint32_t agent;
+    uint32_t seq_id; /* dense sequence id, 0 .. n_seqs-1, in order of first
+                        use: source ids may be sparse (any 32-bit value) */
 } trace_access;
 
 typedef struct trace_hint {
@@ -49,19 +58,33 @@ typedef struct trace_hint {
                        names; UINT32_MAX: find (seq, first + i) */
 } trace_hint;
 
+/* 64-bit keys -> dense 32-bit ids: open addressing, grown on demand. A
+ * slot is empty when its value is TRACE_MAP_EMPTY, an id no trace reaches,
+ * so that every 64-bit key (a handle of all ones included) can be stored. */
+#define TRACE_MAP_EMPTY UINT32_MAX
+typedef struct trace_map {
+    uint64_t *keys;
+    uint32_t *vals;
+    size_t cap, used;
+} trace_map;
+
 typedef struct trace {
     trace_access *acc;
     size_t n, cap;
     trace_hint *hints; /* in order of `at` */
     size_t n_hints, hint_cap;
     uint32_t n_blocks;
+    uint32_t n_seqs;
     float *tolerance; /* per dense block id */
     uint32_t tol_cap;
-    /* (seq, index) -> dense id: open addressing, grown on demand. */
-    uint64_t *map_keys;
-    uint32_t *map_vals;
-    size_t map_cap, map_used;
+    trace_map blocks; /* (seq << 32 | index), or the handle -> dense block id */
+    trace_map seqs;   /* source sequence id -> dense sequence id */
 } trace;
+
+/* A block and where it is: trace_blocks_by_position's entries. */
+typedef struct trace_position {
+    uint32_t seq, index, block;
+} trace_position;
 
 void trace_init(trace *t);
 void trace_free(trace *t);
@@ -76,12 +99,23 @@ int trace_add_handle(trace *t, uint64_t handle, uint32_t agent, float tolerance)
 int trace_add_hint(trace *t, uint32_t seq, uint32_t first, uint32_t n, int32_t priority);
 /* Dense id of block (seq, index), or -1 if the trace never accesses it. */
 int64_t trace_find(const trace *t, uint32_t seq, uint32_t index);
+/* Dense id of sequence seq (as in the source), or -1 if the trace never
+ * accesses it. */
+int64_t trace_find_seq(const trace *t, uint32_t seq);
+/* Every block of t once, ordered by (seq, index): the blocks a hint names
+ * are a run of it, found in time bounded by the blocks that exist, however
+ * large the hint's N. n_blocks entries (at least one allocated), to free();
+ * NULL when out of memory. */
+trace_position *trace_blocks_by_position(const trace *t);
+/* The first of the n entries of a by-position array at or after (seq,
+ * index); index may be 2^32, past every index of seq. */
+size_t trace_position_at(const trace_position *p, size_t n, uint32_t seq, uint64_t index);
 /* Reads either file form into an empty trace. Returns 0, or -1 with a message
  * in err. */
 int trace_load(trace *t, const char *path, char *err, size_t err_len);
 /* Writes the file form. Returns 0 or -1 (errno set). */
 int trace_save(const trace *t, const char *path);
-/* Distinct sequences in the trace. */
+/* Distinct sequences in the trace (n_seqs). */
 uint32_t trace_count_seqs(const trace *t);
 
 #endif

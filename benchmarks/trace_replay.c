@@ -58,10 +58,9 @@ int trace_replay(const trace *t, const replay_config *c, replay_result *out)
     memset(out, 0, sizeof(*out));
     int rc = 1;
     kvh_engine *e = NULL;
-    uint32_t n_seqs = 0;
-    for (size_t i = 0; i < t->n; i++)
-        if (t->acc[i].seq + 1 > n_seqs)
-            n_seqs = t->acc[i].seq + 1;
+    /* Per sequence by dense id (trace_access.seq_id): source ids may be
+     * any 32-bit values. */
+    uint32_t n_seqs = t->n_seqs;
     kvh_seq *seqs = calloc(n_seqs ? n_seqs : 1, sizeof(*seqs));
     uint8_t *created = calloc(n_seqs ? n_seqs : 1, 1);
     uint8_t *seen = calloc(t->n_blocks ? t->n_blocks : 1, 1);
@@ -72,11 +71,12 @@ int trace_replay(const trace *t, const replay_config *c, replay_result *out)
     int window = c->hints == 2 && c->prefetch_ahead > 0;
     uint8_t *named = calloc(t->n_blocks ? t->n_blocks : 1, 1);
     int32_t *named_prio = calloc(t->n_blocks ? t->n_blocks : 1, sizeof(*named_prio));
+    trace_position *by_pos = window ? trace_blocks_by_position(t) : NULL;
     uint16_t kv[BLOCK_TOKENS * HEAD_DIM];
     int32_t tokens[BLOCK_TOKENS];
     char store[4096];
     int made_store = 0, scratch_slot = -1;
-    if (!seqs || !created || !seen || !len || !first_batch || !named || !named_prio) {
+    if (!seqs || !created || !seen || !len || !first_batch || !named || !named_prio || (window && !by_pos)) {
         fprintf(stderr, "trace replay: out of memory\n");
         goto out;
     }
@@ -109,8 +109,24 @@ int trace_replay(const trace *t, const replay_config *c, replay_result *out)
     uint64_t block_bytes = 2ull * BLOCK_TOKENS * HEAD_DIM * 2; /* K and V, f16, 1 layer, 1 head */
     cfg.device_bytes = (uint64_t)c->device_blocks * block_bytes;
     cfg.host_bytes = (uint64_t)c->host_blocks * block_bytes;
-    /* Room for every block on disk, whatever the per-block overhead. */
-    cfg.disk_bytes = ((uint64_t)t->n_blocks + 64) * (block_bytes + 8192);
+    /* Room on disk for every block appended, whatever the per-block
+     * overhead: a first access appends the blocks of its sequence below it
+     * too, so a sequence takes its highest index + 1 blocks, however few
+     * of them the trace names. */
+    uint64_t appended = 0;
+    for (size_t i = 0; i < t->n; i++)
+        if (len[t->acc[i].seq_id] < (uint64_t)t->acc[i].index + 1)
+            len[t->acc[i].seq_id] = (uint64_t)t->acc[i].index + 1;
+    for (uint32_t q = 0; q < n_seqs; q++) {
+        appended += len[q];
+        len[q] = 0;
+    }
+    if (appended > UINT64_MAX / (block_bytes + 8192) - 64) {
+        fprintf(stderr, "trace replay: the trace's sequences take %llu blocks, too many for a disk tier\n",
+                (unsigned long long)appended);
+        goto out;
+    }
+    cfg.disk_bytes = (appended + 64) * (block_bytes + 8192);
     cfg.disk_path = store;
     cfg.disk_flags = KVH_DISK_RESET_ON_MISMATCH;
     CHECK(kvh_engine_open(&cfg, &e));
@@ -132,47 +148,48 @@ int trace_replay(const trace *t, const replay_config *c, replay_result *out)
         }
         for (; h < t->n_hints && t->hints[h].at <= i; h++) {
             const trace_hint *th = &t->hints[h];
-            if (!c->hints || th->seq >= n_seqs || !created[th->seq])
+            int64_t sid = c->hints ? trace_find_seq(t, th->seq) : -1;
+            if (sid < 0 || !created[sid])
                 continue;
             /* Only blocks the sequence has (the rest are not made yet). */
-            uint64_t have = len[th->seq] / BLOCK_TOKENS;
+            uint64_t have = len[sid] / BLOCK_TOKENS;
             uint64_t end = (uint64_t)th->first + th->n < have ? (uint64_t)th->first + th->n : have;
             if (th->first >= end)
                 continue;
             uint64_t tok0 = (uint64_t)th->first * BLOCK_TOKENS, ntok = (end - th->first) * BLOCK_TOKENS;
-            uint64_t turn = (uint64_t)(INT32_MAX - th->priority);
+            /* In 64 bits: INT32_MAX - INT32_MIN overflows an int. */
+            uint64_t turn = (uint64_t)((int64_t)INT32_MAX - th->priority);
             if (window)
-                for (uint64_t k = th->first; k < end; k++) {
-                    int64_t b = trace_find(t, th->seq, (uint32_t)k);
-                    if (b < 0)
-                        continue;
+                for (size_t k = trace_position_at(by_pos, t->n_blocks, th->seq, th->first);
+                     k < t->n_blocks && by_pos[k].seq == th->seq && by_pos[k].index < end; k++) {
+                    uint32_t b = by_pos[k].block;
                     if (!named[b] || th->priority > named_prio[b])
                         named_prio[b] = th->priority;
                     named[b] = 1;
                 }
             if (c->hints == 1 || window)
-                CHECK(kvh_seq_hint(e, seqs[th->seq], tok0, ntok, th->priority));
+                CHECK(kvh_seq_hint(e, seqs[sid], tok0, ntok, th->priority));
             else if (c->hints == 2)
-                CHECK(kvh_prefetch(e, seqs[th->seq], tok0, ntok, th->priority, NULL));
+                CHECK(kvh_prefetch(e, seqs[sid], tok0, ntok, th->priority, NULL));
             else if (c->hints == REPLAY_QUEUE_POSITION)
-                CHECK(kvh_seq_hint_queued(e, seqs[th->seq], tok0, ntok, turn - step, KVH_HINT_POSITION));
+                CHECK(kvh_seq_hint_queued(e, seqs[sid], tok0, ntok, turn - step, KVH_HINT_POSITION));
             else if (c->hints == REPLAY_QUEUE_REQUEST || entered_in(first_batch, t->n_hints, turn, batch))
-                CHECK(kvh_seq_hint_queued(e, seqs[th->seq], tok0, ntok, turn, KVH_HINT_REQUEST));
+                CHECK(kvh_seq_hint_queued(e, seqs[sid], tok0, ntok, turn, KVH_HINT_REQUEST));
         }
         /* The window's far end: prefetched if the queue names it. */
         if (window && i + c->prefetch_ahead < t->n) {
             const trace_access *far = &t->acc[i + c->prefetch_ahead];
-            if (named[far->block] && seen[far->block] && created[far->seq])
-                CHECK(kvh_prefetch(e, seqs[far->seq], (uint64_t)far->index * BLOCK_TOKENS, BLOCK_TOKENS,
+            if (named[far->block] && seen[far->block] && created[far->seq_id])
+                CHECK(kvh_prefetch(e, seqs[far->seq_id], (uint64_t)far->index * BLOCK_TOKENS, BLOCK_TOKENS,
                                    named_prio[far->block], NULL));
         }
         const trace_access *a = &t->acc[i];
         named[a->block] = 0;
-        if (!created[a->seq]) {
-            CHECK(kvh_seq_create(e, a->agent, &seqs[a->seq]));
-            created[a->seq] = 1;
+        if (!created[a->seq_id]) {
+            CHECK(kvh_seq_create(e, a->agent, &seqs[a->seq_id]));
+            created[a->seq_id] = 1;
         }
-        kvh_seq s = seqs[a->seq];
+        kvh_seq s = seqs[a->seq_id];
         r->accesses++;
         uint64_t first = (uint64_t)a->index * BLOCK_TOKENS;
         if (!seen[a->block]) {
@@ -182,13 +199,13 @@ int trace_replay(const trace *t, const replay_config *c, replay_result *out)
             seen[a->block] = 1;
             r->misses++;
             r->first_accesses++;
-            while (len[a->seq] <= first) {
+            while (len[a->seq_id] <= first) {
                 for (uint32_t k = 0; k < BLOCK_TOKENS; k++)
-                    tokens[k] = token_of(a->seq, len[a->seq] + k);
+                    tokens[k] = token_of(a->seq, len[a->seq_id] + k);
                 CHECK(kvh_seq_append(e, s, tokens, BLOCK_TOKENS));
                 if (!c->skip_kv_write)
-                    CHECK(kvh_seq_write_kv(e, s, 0, len[a->seq], BLOCK_TOKENS, kv, kv));
-                len[a->seq] += BLOCK_TOKENS;
+                    CHECK(kvh_seq_write_kv(e, s, 0, len[a->seq_id], BLOCK_TOKENS, kv, kv));
+                len[a->seq_id] += BLOCK_TOKENS;
             }
             continue;
         }
@@ -233,5 +250,6 @@ out:
     free(len);
     free(named);
     free(named_prio);
+    free(by_pos);
     return rc;
 }

@@ -4,6 +4,8 @@
  * policy on larger random ones. */
 #include "test_util.h"
 
+#include <unistd.h>
+
 #include "benchmarks/policy_sim.h"
 #include "benchmarks/trace.h"
 #include "benchmarks/trace_gen.h"
@@ -477,6 +479,61 @@ static void test_prefetch_window_spares_a_block_hinted_sooner(void **state)
     trace_free(&t);
 }
 
+/* A hint's range is what exists of it: one of 2^32 - 1 blocks costs no
+ * more than the blocks of its sequence (it took minutes a hint), and
+ * advises, prefetches and fills the window as a hint of just them does. */
+static void test_a_hint_of_any_length_costs_only_its_blocks(void **state)
+{
+    (void)state;
+    trace huge, exact;
+    trace_init(&huge);
+    trace_init(&exact);
+    for (int round = 0; round < 50; round++)
+        for (uint32_t i = 0; i < 4; i++) {
+            assert_int_equal(trace_add_hint(&huge, 0, 0, UINT32_MAX, 100 - (int32_t)i), 0);
+            assert_int_equal(trace_add_hint(&exact, 0, 0, 4, 100 - (int32_t)i), 0);
+            assert_int_equal(trace_add(&huge, 0, 3 - i, 0, 0.5f), 0);
+            assert_int_equal(trace_add(&exact, 0, 3 - i, 0, 0.5f), 0);
+        }
+    sim_config c;
+    sim_config_defaults(&c, 1, 1);
+    alarm(60); /* the whole test takes milliseconds; without the bound, hours */
+    for (int promote = 0; promote < 3; promote++) {
+        c.hint_promote = promote > 0;
+        c.prefetch_ahead = promote == 2 ? 1 : 0;
+        sim_result a, b;
+        assert_int_equal(sim_run(&huge, SIM_LRU_K_HINTS, &c, &a), 0);
+        assert_int_equal(sim_run(&exact, SIM_LRU_K_HINTS, &c, &b), 0);
+        assert_memory_equal(&a, &b, sizeof(a));
+    }
+    alarm(0);
+    trace_free(&huge);
+    trace_free(&exact);
+}
+
+/* A range that reaches index 2^32 - 1 ends there: it does not wrap to
+ * name index 0. b = (0, 2^32 - 1) is hinted, a = (0, 0) is not, so a
+ * new block takes a's device slot and b is hit. */
+static void test_a_hint_range_does_not_wrap(void **state)
+{
+    (void)state;
+    for (uint32_t n = 1; n <= 2; n++) {
+        trace t;
+        trace_init(&t);
+        assert_int_equal(trace_add(&t, 0, UINT32_MAX, 0, 0.5f), 0); /* b */
+        assert_int_equal(trace_add(&t, 0, 0, 0, 0.5f), 0);          /* a */
+        assert_int_equal(trace_add_hint(&t, 0, UINT32_MAX, n, 10), 0);
+        assert_int_equal(trace_add(&t, 1, 0, 0, 0.5f), 0);
+        assert_int_equal(trace_add(&t, 0, UINT32_MAX, 0, 0.5f), 0);
+        sim_config c;
+        sim_config_defaults(&c, 2, 0);
+        sim_result r;
+        assert_int_equal(sim_run(&t, SIM_LRU_K_HINTS, &c, &r), 0);
+        assert_int_equal(r.hits_device, 1);
+        trace_free(&t);
+    }
+}
+
 /* On a causal-queue trace at small device budgets, prefetching every
  * hinted block at once (four requests ahead) displaces what demand
  * fetching keeps; a window of two reads keeps advice's hits. */
@@ -806,6 +863,8 @@ int main(void)
         cmocka_unit_test(test_prefetch_window_moves_nothing_unnamed),
         cmocka_unit_test(test_prefetch_window_spares_a_block_hinted_sooner),
         cmocka_unit_test(test_prefetch_window_keeps_advice_hits),
+        cmocka_unit_test(test_a_hint_of_any_length_costs_only_its_blocks),
+        cmocka_unit_test(test_a_hint_range_does_not_wrap),
         cmocka_unit_test(test_trace_ids_and_file_round_trip),
         cmocka_unit_test(test_demo_trace_format),
         cmocka_unit_test(test_generator_is_deterministic),

@@ -90,12 +90,74 @@ static void test_window_beyond_the_trace_prefetches_nothing(void **state)
     trace_free(&t);
 }
 
+/* Sequence ids are any 32-bit values, hints to them included: the
+ * replay's per-sequence state goes by dense ids, not by the ids' values
+ * (2^32 - 1 wrapped its count to 0). */
+static void test_any_sequence_id_replays(void **state)
+{
+    (void)state;
+    static const uint32_t seqs[3] = {UINT32_MAX, 4000000000u, 0};
+    trace t;
+    trace_init(&t);
+    for (int round = 0; round < 3; round++)
+        for (int s = 0; s < 3; s++) {
+            assert_int_equal(trace_add_hint(&t, seqs[(s + 1) % 3], 0, 2, 5 - s), 0);
+            assert_int_equal(trace_add(&t, seqs[s], (uint32_t)round % 2, 0, 0.5f), 0);
+        }
+    for (int hints = 0; hints <= 2; hints++) {
+        replay_result r = replay(&t, 4, hints, hints == 2 ? 1 : 0);
+        assert_int_equal(r.sim.accesses, t.n);
+        assert_int_equal(r.sim.first_accesses, 6);
+        assert_int_equal(r.sim.hits_device + r.sim.hits_host + r.sim.misses, t.n);
+    }
+    trace_free(&t);
+}
+
+/* A first access appends the blocks below it that the trace never names:
+ * the disk tier has room for all of them, not only for the blocks named
+ * (two here, of the 301 appended). */
+static void test_a_sparse_index_fits_the_disk_tier(void **state)
+{
+    (void)state;
+    trace t;
+    trace_init(&t);
+    for (int i = 0; i < 4; i++)
+        assert_int_equal(trace_add(&t, 0, i % 2 ? 300 : 0, 0, 0.5f), 0);
+    replay_result r = replay(&t, 4, 0, 0);
+    assert_int_equal(r.sim.accesses, 4);
+    assert_int_equal(r.sim.first_accesses, 2);
+    trace_free(&t);
+}
+
+/* Hint priorities span int32_t: INT32_MIN's queue turn (INT32_MAX minus
+ * the priority, computed for every hint) is 2^32 - 1, without overflow.
+ * The modes a recorded trace is replayed in: queue hints are the
+ * generated traces' alone (trace_replay.h). */
+static void test_the_lowest_hint_priority_replays(void **state)
+{
+    (void)state;
+    trace t;
+    trace_init(&t);
+    assert_int_equal(trace_add(&t, 1, 0, 0, 0.5f), 0);
+    assert_int_equal(trace_add_hint(&t, 1, 0, 1, INT32_MIN), 0);
+    assert_int_equal(trace_add_hint(&t, 1, 0, 1, INT32_MAX), 0);
+    assert_int_equal(trace_add(&t, 1, 0, 0, 0.5f), 0);
+    for (int hints = 0; hints <= 2; hints++) {
+        replay_result r = replay(&t, 4, hints, 0);
+        assert_int_equal(r.sim.accesses, 2);
+    }
+    trace_free(&t);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_window_matches_the_simulator),
         cmocka_unit_test(test_window_spares_the_acquires_their_waits),
         cmocka_unit_test(test_window_beyond_the_trace_prefetches_nothing),
+        cmocka_unit_test(test_any_sequence_id_replays),
+        cmocka_unit_test(test_a_sparse_index_fits_the_disk_tier),
+        cmocka_unit_test(test_the_lowest_hint_priority_replays),
     };
     return cmocka_run_group_tests_name("trace_replay", tests, NULL, NULL);
 }
