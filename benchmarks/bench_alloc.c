@@ -623,12 +623,17 @@ int bench_alloc(int argc, char **argv, const bench_ctx *ctx)
         return bench_parse_rc(prc);
     /* Upper bounds: block handles index at most 2^31 blocks, and a count
      * past them would only end in an allocation failure naming bytes. */
-    if (o.blocks < 2 || o.blocks > (1ull << 31) || o.fork_blocks < 1 || o.fork_blocks > (1ull << 31) ||
-        o.head_dim < 1 || o.head_dim > 512 || o.block_tokens < 1 || o.block_tokens > 256 ||
-        (o.block_tokens & (o.block_tokens - 1)) != 0 || /* kvh_config.block_tokens: a power of two */
-        o.prompt_tokens < o.block_tokens || o.admit_tokens < o.block_tokens || o.pairs < 1 || o.forks < 1 ||
-        o.matches < 1 || o.touches < 1) {
-        fprintf(stderr, "kvh-bench alloc: option out of range (try --help)\n");
+    if (bench_check_u64(SCEN, "--blocks", o.blocks, 2, 1ull << 31) ||
+        bench_check_u64(SCEN, "--fork-blocks", o.fork_blocks, 1, 1ull << 31) ||
+        bench_check_u64(SCEN, "--head-dim", o.head_dim, 1, 512) ||
+        bench_check_u64(SCEN, "--block-tokens", o.block_tokens, 1, 256) ||
+        bench_check_u64(SCEN, "--pairs", o.pairs, 1, UINT64_MAX) ||
+        bench_check_u64(SCEN, "--forks", o.forks, 1, UINT64_MAX) ||
+        bench_check_u64(SCEN, "--touches", o.touches, 1, UINT64_MAX))
+        return 2;
+    if ((o.block_tokens & (o.block_tokens - 1)) != 0) { /* kvh_config.block_tokens: a power of two */
+        fprintf(stderr, "kvh-bench alloc: --block-tokens must be a power of two, got %llu\n",
+                (unsigned long long)o.block_tokens);
         return 2;
     }
     /* The touch part's sequences take --blocks' bound and the prompts as

@@ -377,13 +377,12 @@ int bench_attention(int argc, char **argv, const bench_ctx *ctx)
         bench_check_u64(SCEN, "--q-heads", o.q_heads, 1, KVHI_ATTN_MAX_Q_HEADS) ||
         bench_check_u64(SCEN, "--total-tokens", o.total_tokens, 1, UINT32_MAX))
         return 2;
-    if (o.q_heads % o.kv_heads || !o.dim || o.dim > 1024 || o.bw_mb < 16) {
-        fprintf(stderr, "kvh-bench attention: bad geometry or sizes\n");
-        return 2;
-    }
     /* bw_mb << 20 must fit a size_t; the thread count goes to a uint32_t. */
-    if (o.bw_mb > (1u << 20)) {
-        fprintf(stderr, "kvh-bench attention: --bw-mb must be in 16..%u\n", 1u << 20);
+    if (bench_check_u64(SCEN, "--dim", o.dim, 1, 1024) || bench_check_u64(SCEN, "--bw-mb", o.bw_mb, 16, 1u << 20))
+        return 2;
+    if (o.q_heads % o.kv_heads) {
+        fprintf(stderr, "kvh-bench attention: --q-heads must be a multiple of --kv-heads, got %llu and %llu\n",
+                (unsigned long long)o.q_heads, (unsigned long long)o.kv_heads);
         return 2;
     }
     if (o.threads > 1024) {

@@ -285,10 +285,19 @@ int bench_attention_stream(int argc, char **argv, const bench_ctx *ctx)
                     (unsigned long long)o.times.v[i], (unsigned long long)o.device_blocks, STREAM_MAX_BLOCKS);
             return 2;
         }
-    if (o.q_heads % o.kv_heads || !o.dim || o.dim > 1024 || o.window_blocks < o.chunk_blocks ||
-        o.window_blocks >= o.device_blocks) {
-        fprintf(stderr, "kvh-bench attention --stream: bad geometry, or a window not between one chunk and the "
-                        "device tier\n");
+    if (bench_check_u64(SCEN " --stream", "--dim", o.dim, 1, 1024))
+        return 2;
+    if (o.window_blocks < o.chunk_blocks || o.window_blocks >= o.device_blocks) {
+        fprintf(stderr,
+                "kvh-bench attention --stream: --window-blocks must be at least --chunk-blocks (%llu) and below "
+                "--device-blocks (%llu), got %llu\n",
+                (unsigned long long)o.chunk_blocks, (unsigned long long)o.device_blocks,
+                (unsigned long long)o.window_blocks);
+        return 2;
+    }
+    if (o.q_heads % o.kv_heads) {
+        fprintf(stderr, "kvh-bench attention --stream: --q-heads must be a multiple of --kv-heads, got %llu and %llu\n",
+                (unsigned long long)o.q_heads, (unsigned long long)o.kv_heads);
         return 2;
     }
     /* A new directory of its own under that directory: the files it
@@ -297,7 +306,9 @@ int bench_attention_stream(int argc, char **argv, const bench_ctx *ctx)
     int scratch = bench_scratch_dir_make(dir, "kvh-bench-stream", o.dir, sizeof(o.dir), why, sizeof(why));
     if (scratch < -1) {
         fprintf(stderr, "kvh-bench attention --stream: %s: %s\n", dir_name, why);
-        return 1;
+        /* A wrong --dir or $KVH_BENCH_DIR is a usage error; the current
+         * directory, which no one named, is not. */
+        return scratch == BENCH_DIR_UNFIT && (dir_opt || getenv("KVH_BENCH_DIR")) ? 2 : 1;
     }
     int reps = ctx->reps ? ctx->reps : 5;
     int rc = 0;

@@ -582,7 +582,7 @@ int bench_disk(int argc, char **argv, const bench_ctx *ctx)
     int scratch = bench_scratch_dir_make(dir, "kvh-bench-disk", base, sizeof(base), why, sizeof(why));
     if (scratch < -1) {
         fprintf(stderr, "kvh-bench disk: --dir: %s\n", why);
-        return 1;
+        return scratch == BENCH_DIR_UNFIT ? 2 : 1; /* a wrong --dir is a usage error */
     }
     rc = 0;
     char store[4200], raw[4200], rec[4200];

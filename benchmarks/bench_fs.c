@@ -164,15 +164,15 @@ int bench_dir_check(const char *dir, char *why, size_t why_len)
 int bench_scratch_dir_make(const char *parent, const char *prefix, char *out, size_t out_len, char *why, size_t why_len)
 {
     if (bench_dir_check(parent, why, why_len) != 0)
-        return -2;
+        return BENCH_DIR_UNFIT;
     /* Cut short, the path would name another directory than parent. */
     if (snprintf(out, out_len, "%s/%s-XXXXXX", parent, prefix) >= (int)out_len) {
         snprintf(why, why_len, "%s is too long", parent);
-        return -2;
+        return BENCH_DIR_UNFIT;
     }
     if (!mkdtemp(out)) {
         snprintf(why, why_len, "cannot make a scratch directory in %s (%s)", parent, strerror(errno));
-        return -2;
+        return BENCH_DIR_FAILED;
     }
     return bench_scratch_add(out);
 }

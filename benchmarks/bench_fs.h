@@ -32,7 +32,11 @@ int bench_dir_check(const char *dir, char *why, size_t why_len);
 
 /* A new scratch directory of its own under parent (checked as above),
  * named prefix-XXXXXX, in out; removed if a signal ends the program.
- * Returns its scratch slot (>= -1), or -2 with why. */
+ * Returns its scratch slot (>= -1), or with why: BENCH_DIR_UNFIT when
+ * parent is not fit for it (missing, not a directory, unsafe, a path too
+ * long: the caller's argument is wrong), BENCH_DIR_FAILED when it could
+ * not be made there. */
+enum { BENCH_DIR_UNFIT = -2, BENCH_DIR_FAILED = -3 };
 int bench_scratch_dir_make(const char *parent, const char *prefix, char *out, size_t out_len, char *why,
                            size_t why_len);
 /* Removes it and forgets it: 0 when it is gone. */

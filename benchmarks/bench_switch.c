@@ -198,13 +198,16 @@ int bench_switch(int argc, char **argv, const bench_ctx *ctx)
     uint64_t bytes;
     if (model && model[0]) {
         struct stat sb;
+        /* A wrong --model (or $KVH_MODEL, its default) is a usage error, as
+         * every wrong argument. */
+        const char *model_name = model == getenv("KVH_MODEL") ? "$KVH_MODEL" : "--model";
         if (stat(model, &sb) != 0) {
-            fprintf(stderr, "kvh-bench switch: cannot stat %s\n", model);
-            return 1;
+            fprintf(stderr, "kvh-bench switch: %s %s: %s\n", model_name, model, strerror(errno));
+            return 2;
         }
         if (!S_ISREG(sb.st_mode)) { /* a directory would "reload" in no time and fail later */
-            fprintf(stderr, "kvh-bench switch: --model %s: not a regular file\n", model);
-            return 1;
+            fprintf(stderr, "kvh-bench switch: %s %s: not a regular file\n", model_name, model);
+            return 2;
         }
         bytes = (uint64_t)sb.st_size;
     } else {
@@ -217,7 +220,7 @@ int bench_switch(int argc, char **argv, const bench_ctx *ctx)
         char why[4300];
         if (bench_dir_check(dir, why, sizeof(why)) != 0) {
             fprintf(stderr, "kvh-bench switch: --dir: %s\n", why);
-            return 1;
+            return 2;
         }
         /* A name of its own (mkstemp: created here, never a link), removed
          * also if a signal ends the run. */

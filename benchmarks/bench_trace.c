@@ -326,7 +326,13 @@ static int generated_trace(const bench_ctx *ctx, const trace_opts *o, const trac
         return 1;
     if (o->save_dir && *o->save_dir) {
         char path[4096];
-        snprintf(path, sizeof(path), "%s/%s.trace", o->save_dir, f->name);
+        /* Cut short, the path would name another file. */
+        if (snprintf(path, sizeof(path), "%s/%s.trace", o->save_dir, f->name) >= (int)sizeof(path)) {
+            fprintf(stderr, "kvh-bench trace: cannot save %s/%s.trace: %s\n", o->save_dir, f->name,
+                    strerror(ENAMETOOLONG));
+            trace_free(&t);
+            return 1;
+        }
         if (trace_save(&t, path) != 0) {
             fprintf(stderr, "kvh-bench trace: cannot save %s: %s\n", path, strerror(errno));
             trace_free(&t);
@@ -411,14 +417,19 @@ int bench_trace(int argc, char **argv, const bench_ctx *ctx)
         return 2;
     }
     /* Checked now, not once the simulations ran (the replay makes its
-     * store there last). */
-    struct stat dir_st;
-    if (stat(o.disk_dir, &dir_st) != 0 || !S_ISDIR(dir_st.st_mode)) {
-        fprintf(stderr, "kvh-bench trace: --disk-dir %s: %s\n", o.disk_dir,
-                stat(o.disk_dir, &dir_st) != 0 ? strerror(errno) : "not a directory");
-        return 2;
+     * store there last, the first trace is saved after the checks). */
+    const char *dir_flags[2] = {"--disk-dir", "--save-traces"}, *dirs[2] = {o.disk_dir, o.save_dir};
+    for (int i = 0; i < 2; i++) {
+        struct stat dir_st;
+        if (!dirs[i] || !*dirs[i])
+            continue; /* no traces saved (an empty --disk-dir is refused above) */
+        if (stat(dirs[i], &dir_st) != 0 || !S_ISDIR(dir_st.st_mode)) {
+            fprintf(stderr, "kvh-bench trace: %s %s: %s\n", dir_flags[i], dirs[i],
+                    stat(dirs[i], &dir_st) != 0 ? strerror(errno) : strerror(ENOTDIR));
+            return 2;
+        }
     }
-    if (o.lru_k > 4 || o.device_pct.n == 0) {
+    if (o.lru_k > 4) {
         fprintf(stderr, "kvh-bench trace: --lru-k is 0..4\n");
         return 2;
     }
@@ -454,7 +465,7 @@ int bench_trace(int argc, char **argv, const bench_ctx *ctx)
     trace_init(&recorded);
     bool have_recorded = o.trace_file && *o.trace_file;
     if (have_recorded) {
-        char err[512];
+        char err[8192];
         if (trace_load(&recorded, o.trace_file, err, sizeof(err)) != 0) {
             fprintf(stderr, "kvh-bench trace: %s\n", err);
             trace_free(&recorded);
@@ -466,9 +477,13 @@ int bench_trace(int argc, char **argv, const bench_ctx *ctx)
         rc = generated_trace(ctx, &o, &families[i]);
     if (rc == 0 && have_recorded) {
         const char *base = strrchr(o.trace_file, '/');
-        char name[256];
-        snprintf(name, sizeof(name), "recorded:%s", base ? base + 1 : o.trace_file);
+        base = base ? base + 1 : o.trace_file;
+        /* Whole, however long: the rows name the trace by it. */
+        char *name = bench_xmalloc(strlen("recorded:") + strlen(base) + 1);
+        strcpy(name, "recorded:");
+        strcat(name, base);
         rc = evaluate(ctx, &o, name, &recorded, 0, 0, 0);
+        free(name);
     }
     trace_free(&recorded);
     return rc;

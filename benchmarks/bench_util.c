@@ -144,24 +144,26 @@ void bench_shuffle_u64(bench_rng *r, uint64_t *v, size_t n)
 /* result rows                                                          */
 /* ------------------------------------------------------------------ */
 
-#define ROW_MAX_PARAMS 12
+/* Every string of a row is kept whole (a note, a trace's file name): a
+ * JSON value cut short would no longer parse. */
+typedef struct row_param {
+    char *key;
+    char *json; /* JSON literal of a number; NULL: text is a string */
+    char *text; /* table text */
+} row_param;
 
 struct bench_row {
-    char scenario[32];
-    char metric[64];
+    char *scenario;
+    char *metric;
     double value;
-    char unit[16];
-    int n_params;
-    struct {
-        char key[32];
-        char json[64]; /* JSON literal */
-        char text[64]; /* table text */
-    } params[ROW_MAX_PARAMS];
+    char *unit;
+    int n_params, cap_params;
+    row_param *params;
     int has_baseline;
     double baseline, ratio;
     int has_target, target_on_ratio, target_higher, met;
     double target;
-    char note[160];
+    char *note;
     struct bench_row *next;
 };
 
@@ -170,26 +172,122 @@ static int missed_targets;
 
 int bench_missed_targets(void) { return missed_targets; }
 
-static void copy_str(char *dst, size_t cap, const char *src) { snprintf(dst, cap, "%s", src ? src : ""); }
+static char *xstrdup(const char *s)
+{
+    size_t n = strlen(s ? s : "") + 1;
+    char *d = bench_xmalloc(n);
+    memcpy(d, s ? s : "", n);
+    return d;
+}
+
+static char *xprintf(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static char *xprintf(const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(NULL, 0, fmt, ap);
+    va_end(ap);
+    char *s = bench_xmalloc(n > 0 ? (size_t)n + 1 : 1);
+    va_start(ap, fmt);
+    vsnprintf(s, n > 0 ? (size_t)n + 1 : 1, fmt, ap);
+    va_end(ap);
+    return s;
+}
+
+static void row_free(bench_row *r)
+{
+    for (int i = 0; i < r->n_params; i++) {
+        free(r->params[i].key);
+        free(r->params[i].json);
+        free(r->params[i].text);
+    }
+    free(r->params);
+    free(r->scenario);
+    free(r->metric);
+    free(r->unit);
+    free(r->note);
+    free(r);
+}
+
+/* The length of the well-formed UTF-8 sequence at s (RFC 3629: no
+ * overlong forms, no surrogates, nothing above U+10FFFF), or 0. */
+static size_t utf8_length(const unsigned char *s)
+{
+    unsigned char c = s[0];
+    if (c >= 0xc2 && c <= 0xdf)
+        return (s[1] & 0xc0) == 0x80 ? 2 : 0;
+    if (c >= 0xe0 && c <= 0xef) {
+        unsigned char lo = c == 0xe0 ? 0xa0 : 0x80, hi = c == 0xed ? 0x9f : 0xbf;
+        return s[1] >= lo && s[1] <= hi && (s[2] & 0xc0) == 0x80 ? 3 : 0;
+    }
+    if (c >= 0xf0 && c <= 0xf4) {
+        unsigned char lo = c == 0xf0 ? 0x90 : 0x80, hi = c == 0xf4 ? 0x8f : 0xbf;
+        return s[1] >= lo && s[1] <= hi && (s[2] & 0xc0) == 0x80 && (s[3] & 0xc0) == 0x80 ? 4 : 0;
+    }
+    return 0;
+}
+
+/* s as a JSON string: quotes, backslashes and control characters escaped;
+ * a byte that is not part of well-formed UTF-8 (a file name's Latin-1, say)
+ * becomes U+FFFD, so that any JSON parser takes the line. */
+static void print_json_string(const char *str)
+{
+    const unsigned char *s = (const unsigned char *)(str ? str : "");
+    putchar('"');
+    while (*s) {
+        unsigned char c = *s;
+        if (c == '"' || c == '\\') {
+            putchar('\\');
+            putchar(c);
+            s++;
+        } else if (c == '\n') {
+            fputs("\\n", stdout);
+            s++;
+        } else if (c == '\t') {
+            fputs("\\t", stdout);
+            s++;
+        } else if (c < 0x20 || c == 0x7f) {
+            printf("\\u%04x", c);
+            s++;
+        } else if (c < 0x80) {
+            putchar(c);
+            s++;
+        } else {
+            size_t n = utf8_length(s);
+            if (n) {
+                fwrite(s, 1, n, stdout);
+                s += n;
+            } else {
+                fputs("\\ufffd", stdout);
+                s++;
+            }
+        }
+    }
+    putchar('"');
+}
 
 bench_row *bench_row_new(const char *scenario, const char *metric, double value, const char *unit)
 {
     bench_row *r = bench_xcalloc(1, sizeof(*r));
-    copy_str(r->scenario, sizeof(r->scenario), scenario);
-    copy_str(r->metric, sizeof(r->metric), metric);
-    copy_str(r->unit, sizeof(r->unit), unit);
+    r->scenario = xstrdup(scenario);
+    r->metric = xstrdup(metric);
+    r->unit = xstrdup(unit);
     r->value = value;
     return r;
 }
 
+/* json NULL: a string parameter, whose text is the value. */
 static void add_param(bench_row *r, const char *key, const char *json, const char *text)
 {
-    if (r->n_params == ROW_MAX_PARAMS)
-        return;
-    copy_str(r->params[r->n_params].key, sizeof(r->params[0].key), key);
-    copy_str(r->params[r->n_params].json, sizeof(r->params[0].json), json);
-    copy_str(r->params[r->n_params].text, sizeof(r->params[0].text), text);
-    r->n_params++;
+    if (r->n_params == r->cap_params) {
+        int cap = r->cap_params ? 2 * r->cap_params : 8;
+        row_param *p = realloc(r->params, (size_t)cap * sizeof(*p));
+        if (!p)
+            out_of_memory((size_t)cap, sizeof(*p));
+        r->params = p;
+        r->cap_params = cap;
+    }
+    r->params[r->n_params++] = (row_param){xstrdup(key), json ? xstrdup(json) : NULL, xstrdup(text)};
 }
 
 void bench_row_int(bench_row *r, const char *key, int64_t v)
@@ -215,12 +313,7 @@ void bench_row_num(bench_row *r, const char *key, double v)
     add_param(r, key, j, t);
 }
 
-void bench_row_str(bench_row *r, const char *key, const char *v)
-{
-    char j[64];
-    snprintf(j, sizeof(j), "\"%s\"", v); /* keys/values are plain ASCII here */
-    add_param(r, key, j, v);
-}
+void bench_row_str(bench_row *r, const char *key, const char *v) { add_param(r, key, NULL, v ? v : ""); }
 
 void bench_row_baseline(bench_row *r, double baseline, double ratio)
 {
@@ -237,7 +330,11 @@ void bench_row_target(bench_row *r, int on_ratio, int higher, double bound)
     r->target = bound;
 }
 
-void bench_row_note(bench_row *r, const char *note) { copy_str(r->note, sizeof(r->note), note); }
+void bench_row_note(bench_row *r, const char *note)
+{
+    free(r->note);
+    r->note = note && *note ? xstrdup(note) : NULL;
+}
 
 static void target_text(const bench_row *r, char *b, size_t cap)
 {
@@ -261,11 +358,22 @@ void bench_emit(const bench_ctx *ctx, bench_row *r)
         return;
     }
     char num[32];
+    fputs("{\"scenario\": ", stdout);
+    print_json_string(r->scenario);
+    fputs(", \"metric\": ", stdout);
+    print_json_string(r->metric);
     fmt_num(num, sizeof(num), r->value, 6);
-    printf("{\"scenario\": \"%s\", \"metric\": \"%s\", \"value\": %s, \"unit\": \"%s\"", r->scenario, r->metric, num,
-           r->unit);
-    for (int i = 0; i < r->n_params; i++)
-        printf(", \"%s\": %s", r->params[i].key, r->params[i].json);
+    printf(", \"value\": %s, \"unit\": ", num);
+    print_json_string(r->unit);
+    for (int i = 0; i < r->n_params; i++) {
+        fputs(", ", stdout);
+        print_json_string(r->params[i].key);
+        fputs(": ", stdout);
+        if (r->params[i].json)
+            fputs(r->params[i].json, stdout);
+        else
+            print_json_string(r->params[i].text);
+    }
     if (r->has_baseline) {
         fmt_num(num, sizeof(num), r->baseline, 6);
         printf(", \"baseline\": %s", num);
@@ -275,13 +383,17 @@ void bench_emit(const bench_ctx *ctx, bench_row *r)
     if (r->has_target) {
         char t[64];
         target_text(r, t, sizeof(t));
-        printf(", \"target\": \"%s\", \"met\": %s", t, r->met ? "true" : "false");
+        fputs(", \"target\": ", stdout);
+        print_json_string(t);
+        printf(", \"met\": %s", r->met ? "true" : "false");
     }
-    if (r->note[0])
-        printf(", \"note\": \"%s\"", r->note);
+    if (r->note) {
+        fputs(", \"note\": ", stdout);
+        print_json_string(r->note);
+    }
     printf("}\n");
     fflush(stdout);
-    free(r);
+    row_free(r);
 }
 
 void bench_flush_table(const bench_ctx *ctx, const char *title)
@@ -297,32 +409,36 @@ void bench_flush_table(const bench_ctx *ctx, const char *title)
     int n = 0;
     for (bench_row *r = table_head; r; r = r->next)
         n++;
-    char(*cells)[NC][200] = bench_xcalloc((size_t)n, sizeof(*cells));
+    char *(*cells)[NC] = bench_xcalloc((size_t)n, sizeof(*cells));
     int i = 0;
     for (bench_row *r = table_head; r; r = r->next, i++) {
-        snprintf(cells[i][0], 200, "%s", r->metric);
-        size_t off = 0;
-        cells[i][1][0] = 0;
-        for (int p = 0; p < r->n_params && off < 190; p++)
-            off += (size_t)snprintf(cells[i][1] + off, 200 - off, "%s%s=%s", p ? " " : "", r->params[p].key,
-                                    r->params[p].text);
+        cells[i][0] = xstrdup(r->metric);
+        cells[i][1] = xstrdup("");
+        for (int p = 0; p < r->n_params; p++) {
+            char *joined = xprintf("%s%s%s=%s", cells[i][1], p ? " " : "", r->params[p].key, r->params[p].text);
+            free(cells[i][1]);
+            cells[i][1] = joined;
+        }
         char v[32];
         fmt_num(v, sizeof(v), r->value, 4);
-        snprintf(cells[i][2], 200, "%s %s", v, r->unit);
+        cells[i][2] = xprintf("%s %s", v, r->unit);
         if (r->has_baseline) {
             fmt_num(v, sizeof(v), r->baseline, 4);
-            snprintf(cells[i][3], 200, "%s %s", v, r->unit);
+            cells[i][3] = xprintf("%s %s", v, r->unit);
             fmt_num(v, sizeof(v), r->ratio, 3);
-            snprintf(cells[i][4], 200, "%s", v);
+            cells[i][4] = xstrdup(v);
         }
         if (r->has_target) {
             char t[64];
             target_text(r, t, sizeof(t));
-            snprintf(cells[i][5], 200, "%s %s", t, r->met ? "(met)" : "(MISSED)");
+            cells[i][5] = xprintf("%s %s", t, r->met ? "(met)" : "(MISSED)");
         }
-        for (int c = 0; c < NC; c++)
+        for (int c = 0; c < NC; c++) {
+            if (!cells[i][c])
+                cells[i][c] = xstrdup("");
             if (strlen(cells[i][c]) > w[c])
                 w[c] = strlen(cells[i][c]);
+        }
     }
     if (title)
         printf("\n== %s ==\n", title);
@@ -341,11 +457,12 @@ void bench_flush_table(const bench_ctx *ctx, const char *title)
                 printf("%*s%s", (int)w[c], cells[i][c], c + 1 < NC ? "  " : "\n");
             else
                 printf("%-*s%s", (int)w[c], cells[i][c], c + 1 < NC ? "  " : "\n");
+            free(cells[i][c]);
         }
-        if (r->note[0])
+        if (r->note)
             printf("    note: %s\n", r->note);
         bench_row *next = r->next;
-        free(r);
+        row_free(r);
         r = next;
     }
     free(cells);
@@ -372,11 +489,12 @@ void bench_info(const bench_ctx *ctx, const char *fmt, ...)
 static int parse_u64(const char *s, uint64_t *out)
 {
     char *end;
-    /* Digits first: strtoull would skip blanks and take " -1" as 2^64 - 1. */
+    /* Digits first: strtoull would skip blanks and take " -1" as 2^64 - 1.
+     * Decimal only: "010" is ten, as a reader expects, not octal eight. */
     if (!isdigit((unsigned char)*s))
         return -1;
     errno = 0;
-    unsigned long long v = strtoull(s, &end, 0);
+    unsigned long long v = strtoull(s, &end, 10);
     if (errno || end == s)
         return -1;
     int shift = 0;
@@ -409,17 +527,26 @@ static int parse_u64(const char *s, uint64_t *out)
     return 0;
 }
 
+/* A comma-separated list, whatever its length: 0, or -1 (a bad or empty
+ * item, or more than BENCH_LIST_MAX of them). */
 static int parse_list(const char *s, bench_list *l)
 {
     l->n = 0;
-    char buf[256];
-    snprintf(buf, sizeof(buf), "%s", s);
-    for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
-        if (l->n == BENCH_LIST_MAX || parse_u64(tok, &l->v[l->n]) != 0)
+    for (;;) {
+        size_t len = strcspn(s, ",");
+        if (l->n == BENCH_LIST_MAX || len == 0)
+            return -1;
+        char *item = xstrdup(s);
+        item[len] = '\0';
+        int rc = parse_u64(item, &l->v[l->n]);
+        free(item);
+        if (rc != 0)
             return -1;
         l->n++;
+        if (!s[len])
+            return 0;
+        s += len + 1;
     }
-    return l->n ? 0 : -1;
 }
 
 void bench_print_opts(const bench_opt *opts)
@@ -476,7 +603,11 @@ int bench_parse(int argc, char **argv, const bench_opt *opts, const char *scenar
         else
             rc = o->type == BENCH_OPT_U64 ? parse_u64(val, o->dst) : parse_list(val, o->dst);
         if (rc != 0) {
-            fprintf(stderr, "kvh-bench %s: bad value '%s' for %s\n", scenario, val, o->name);
+            if (o->type == BENCH_OPT_LIST)
+                fprintf(stderr, "kvh-bench %s: bad value '%s' for %s (at most %d comma-separated decimal numbers)\n",
+                        scenario, val, o->name, BENCH_LIST_MAX);
+            else
+                fprintf(stderr, "kvh-bench %s: bad value '%s' for %s (a decimal number)\n", scenario, val, o->name);
             return -1;
         }
     }
@@ -487,8 +618,12 @@ int bench_check_u64(const char *scenario, const char *flag, uint64_t v, uint64_t
 {
     if (v >= lo && v <= hi)
         return 0;
-    fprintf(stderr, "kvh-bench %s: %s must be in %llu..%llu, got %llu\n", scenario, flag, (unsigned long long)lo,
-            (unsigned long long)hi, (unsigned long long)v);
+    if (hi == UINT64_MAX)
+        fprintf(stderr, "kvh-bench %s: %s must be at least %llu, got %llu\n", scenario, flag, (unsigned long long)lo,
+                (unsigned long long)v);
+    else
+        fprintf(stderr, "kvh-bench %s: %s must be in %llu..%llu, got %llu\n", scenario, flag, (unsigned long long)lo,
+                (unsigned long long)hi, (unsigned long long)v);
     return -1;
 }
 

@@ -16,7 +16,7 @@
 /* ---- common options, parsed by main before the scenario runs ---- */
 typedef struct bench_ctx {
     int json;   /* --json: one JSON object per line on stdout */
-    int quick;  /* --quick: a few seconds, for CI smoke runs */
+    int quick;  /* --quick: smaller sizes, for CI smoke runs */
     int strict; /* --strict: exit 3 when a target is missed */
     int reps;   /* --reps N: rounds per measurement (0 = scenario default) */
     int verbose;

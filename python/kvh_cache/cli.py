@@ -679,6 +679,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     with Progress(len(scenarios), "kvh bench", enabled=None if not args.json else False, unit="scenario") as bar:
         for name in scenarios:
             bar.update(0, name)
+            bad: List[str] = []
             cmd = [tool, name] + common + extra
             # Its own process group, so that stopping it stops what it
             # started too (fio).
@@ -691,15 +692,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
                         line = line.strip()
                         if not line:
                             continue
-                        if args.json:
-                            print(line, flush=True)
                         try:
                             obj = json.loads(line)
                         except ValueError:
+                            obj = None
+                        if not isinstance(obj, dict):
+                            # A result that cannot be read is a result lost:
+                            # kept out of --json's output, and the run fails.
+                            bad.append(line)
                             continue
-                        if isinstance(obj, dict):
-                            rows.append(obj)
-                            bar.update(0, f"{name}: {obj.get('metric', '')}")
+                        if args.json:
+                            print(line, flush=True)
+                        rows.append(obj)
+                        bar.update(0, f"{name}: {obj.get('metric', '')}")
                     err = proc.stderr.read() if proc.stderr else ""
                     code = proc.wait()
                 except BaseException:  # Ctrl-C or a closed stdout included: no benchmark left running
@@ -718,6 +723,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 what = f"was killed by {_signal_name(-code)}" if code < 0 else f"exited with {code}"
                 rc = (128 - code if code < 0 else code) if rc == EXIT_OK else rc
                 _err(f"kvh-bench {name} {what}" + (f":\n{err.strip()}" if err.strip() else ""))
+            if bad:
+                rc = EXIT_FAIL if rc == EXIT_OK else rc
+                shown = bad[0] if len(bad[0]) <= 200 else bad[0][:200] + "..."
+                _err(f"kvh-bench {name}: {len(bad)} output line(s) are not JSON objects, the first: {shown}")
             bar.update(1, name)
     if not args.json:
         if rows:
@@ -988,7 +997,7 @@ def build_parser() -> argparse.ArgumentParser:
         "first token for a prefix node A uploaded to the remote tier vs recomputing it (needs redis-server)",
     )
     sp.add_argument("--list", action="store_true", help="list the scenarios")
-    sp.add_argument("--quick", action="store_true", help="a few seconds per scenario")
+    sp.add_argument("--quick", action="store_true", help="smaller sizes, for smoke tests")
     sp.add_argument("--reps", type=_int_in(1, 1000), default=None, help="rounds per measurement (1..1000)")
     sp.add_argument(
         "--seed",

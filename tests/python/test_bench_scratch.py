@@ -191,7 +191,7 @@ def test_a_directory_others_may_tamper_with_is_refused(tmp_path, mode, refused):
         stdin=subprocess.DEVNULL,
     )
     if refused:
-        assert res.returncode == 1 and "writable by other users and not sticky" in res.stderr, res.stderr
+        assert res.returncode == 2 and "writable by other users and not sticky" in res.stderr, res.stderr
     else:
         assert res.returncode in (0, 3), res.stderr[-2000:]
     assert list(shared.iterdir()) == []

@@ -723,13 +723,13 @@ def test_bench_sigint(tmp_path):
         (["codec", "--vectors", "99999999999999999999999"], "--vectors"),
         (["codec", "--isa", "sse9"], "--isa"),
         (["all", "--bogus"], "--bogus"),
-        (["alloc", "--blocks", "0"], "range"),
-        (["alloc", "--block-tokens", "3"], "range"),  # not a power of two: a usage error, not a failed run
+        (["alloc", "--blocks", "0"], "--blocks"),
+        (["alloc", "--block-tokens", "3"], "--block-tokens"),  # not a power of two: a usage error, not a failed run
         (["alloc", "--parts", "nope"], "--parts"),
         (["migrate", "--sizes", ","], "--sizes"),
         (["migrate", "--pool-mb", "0"], "--pool-mb"),
         (["attention", "--contexts", "0"], "contexts"),
-        (["attention", "--dim", "0"], "geometry"),
+        (["attention", "--dim", "0"], "--dim"),
         (["scale", "--threads", "0"], "--threads"),
         (["switch", "--layers", "0"], "--layers"),
         (["switch", "--mode", "sideways"], "--mode"),
@@ -745,7 +745,7 @@ def test_bench_sigint(tmp_path):
         (["alloc", "--parts", ""], "--parts"),
         (["alloc", "--parts", ",,,"], "--parts"),
         (["alloc", "--blocks", " -1"], "--blocks"),
-        (["alloc", "--blocks", "99999999999"], "range"),
+        (["alloc", "--blocks", "99999999999"], "--blocks"),
         (["disk", "--dir", ""], "--dir"),
         # values that wrapped or were truncated in the arithmetic after parsing
         (["migrate", "--pool-mb", "17592186044417"], "--pool-mb"),
@@ -856,18 +856,19 @@ def test_bench_out_of_memory_says_so(args):
 def test_bench_bad_paths_and_environment(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
+    # A path that cannot be used is a wrong argument: exit 2, as for usage.
     res = run_bench("disk", "--quick", "--dir", blocker, "--total-mb", "4", "--block-bytes", "64K")
-    assert res.returncode == 1 and "Not a directory" in res.stderr, res.stderr
+    assert res.returncode == 2 and "Not a directory" in res.stderr, res.stderr
     assert blocker.read_text() == "x"
     res = run_bench("trace", "--quick", "--replay", "0", "--save-traces", blocker)
-    assert res.returncode == 1 and "cannot save" in res.stderr, res.stderr
+    assert res.returncode == 2 and "--save-traces" in res.stderr and "Not a directory" in res.stderr, res.stderr
     # A directory "reloaded" in no time: a bogus reload_ms row before the failure.
     res = run_bench("switch", "--quick", "--json", "--model", tmp_path)
-    assert res.returncode == 1 and "not a regular file" in res.stderr and res.stdout == "", res.stdout + res.stderr
+    assert res.returncode == 2 and "not a regular file" in res.stderr and res.stdout == "", res.stdout + res.stderr
     res = run_bench("switch", "--quick", "--model", tmp_path / "missing.gguf")
-    assert res.returncode == 1 and "missing.gguf" in res.stderr, res.stderr
+    assert res.returncode == 2 and "missing.gguf" in res.stderr, res.stderr
     res = run_bench("switch", "--quick", "--json", env_extra={"KVH_MODEL": str(tmp_path / "missing.gguf")})
-    assert res.returncode == 1 and "missing.gguf" in res.stderr, res.stderr
+    assert res.returncode == 2 and "missing.gguf" in res.stderr, res.stderr
     res = run_bench("vmap", "--quick", "--json", env_extra={"KVH_VMAP_BACKING": "bogus"})
     assert res.returncode == 1 and "bogus" in res.stderr, res.stderr
 
