@@ -267,8 +267,9 @@ static size_t split_fields(const char *p, field *f, size_t max)
     }
 }
 
-/* A decimal integer in 0 .. UINT32_MAX (digits only: no sign, no blanks). */
-static int field_u32(field f, uint32_t *out)
+/* The digits of f, a decimal integer of at most max (digits only: no
+ * sign, no blanks). */
+static int field_digits(field f, uint64_t max, uint64_t *out)
 {
     uint64_t v = 0;
     if (f.len == 0)
@@ -277,9 +278,19 @@ static int field_u32(field f, uint32_t *out)
         if (f.s[i] < '0' || f.s[i] > '9')
             return -1;
         v = v * 10 + (uint64_t)(f.s[i] - '0');
-        if (v > UINT32_MAX)
+        if (v > max)
             return -1;
     }
+    *out = v;
+    return 0;
+}
+
+/* A decimal integer in 0 .. UINT32_MAX. */
+static int field_u32(field f, uint32_t *out)
+{
+    uint64_t v;
+    if (field_digits(f, UINT32_MAX, &v) != 0)
+        return -1;
     *out = (uint32_t)v;
     return 0;
 }
@@ -290,17 +301,8 @@ static int field_i32(field f, int32_t *out)
     int negative = f.len > 0 && f.s[0] == '-';
     if (f.len > 0 && (f.s[0] == '-' || f.s[0] == '+'))
         f.s++, f.len--;
-    uint64_t v = 0;
-    if (f.len == 0)
-        return -1;
-    for (size_t i = 0; i < f.len; i++) {
-        if (f.s[i] < '0' || f.s[i] > '9')
-            return -1;
-        v = v * 10 + (uint64_t)(f.s[i] - '0');
-        if (v > (uint64_t)INT32_MAX + 1)
-            return -1;
-    }
-    if (!negative && v > INT32_MAX)
+    uint64_t v;
+    if (field_digits(f, negative ? (uint64_t)INT32_MAX + 1 : INT32_MAX, &v) != 0)
         return -1;
     *out = negative ? (int32_t)(-(int64_t)v) : (int32_t)v;
     return 0;

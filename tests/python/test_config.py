@@ -132,8 +132,8 @@ def test_file_values_of_every_kind_are_read(tmp_path):
     assert (cfg.lru_k, cfg.vmap, cfg.copy_moves, cfg.dtype, cfg.disk_buffered) == (3, True, True, DType.F16, True)
 
 
-def test_stats_with_a_bad_value_in_the_config_file(tmp_path):
-    f = _toml(tmp_path, "lru_k = true\n")
+def _empty_store(tmp_path):
+    """A store made by an engine and closed with nothing in it."""
     store = tmp_path / "store"
     with kvh.Engine(
         num_layers=1,
@@ -145,6 +145,12 @@ def test_stats_with_a_bad_value_in_the_config_file(tmp_path):
         backend="cpu",
     ):
         pass
+    return store
+
+
+def test_stats_with_a_bad_value_in_the_config_file(tmp_path):
+    f = _toml(tmp_path, "lru_k = true\n")
+    store = _empty_store(tmp_path)
     env = dict(__import__("os").environ, KVH_CONFIG=str(f), PYTHONPATH=str(REPO / "python"))
     res = subprocess.run(
         [sys.executable, "-m", "kvh_cache", "stats", str(store)], capture_output=True, text=True, env=env
@@ -253,17 +259,7 @@ def test_a_missing_toml_reader_is_named(tmp_path, without_a_toml_reader, monkeyp
     f = _toml(tmp_path, "head_dim = 32\n")
     with pytest.raises(ModuleNotFoundError, match=r"needs the tomli package .*pip install tomli"):
         kc.from_file(f)
-    store = tmp_path / "store"
-    with kvh.Engine(
-        num_layers=1,
-        num_kv_heads=1,
-        head_dim=8,
-        block_tokens=8,
-        disk_path=str(store),
-        disk_bytes=1 << 20,
-        backend="cpu",
-    ):
-        pass
+    store = _empty_store(tmp_path)
     from kvh_cache import cli
 
     monkeypatch.setenv("KVH_CONFIG", str(f))
