@@ -320,9 +320,15 @@ static uint64_t room_of(const kvh_engine *e, const room_counts *n)
     for (int t = KVH_TIER_COUNT - 1; t > KVH_TIER_DEVICE; t--) {
         if (!e->tiers[t].present)
             continue;
-        below += e->tiers[t].slots.free_count + n->unref[t];
-        if (t == KVH_TIER_HOST)
-            below += e->clean.count + (e->disk ? n->ref_copied[t] : 0);
+        uint64_t tier_room = e->tiers[t].slots.free_count + n->unref[t];
+        if (t == KVH_TIER_HOST) {
+            tier_room += e->clean.count + (e->disk ? n->ref_copied[t] : 0);
+            /* A lent spare takes the first host slot that frees up (its
+             * block going back onto its disk copy only pays it back). */
+            if (e->host_spare_lent)
+                tier_room = tier_room ? tier_room - 1 : 0;
+        }
+        below += tier_room;
     }
     uint64_t copied = e->disk ? n->ref_copied[KVH_TIER_DEVICE] : 0;
     uint64_t referenced = n->ref[KVH_TIER_DEVICE] + n->ref_copied[KVH_TIER_DEVICE];

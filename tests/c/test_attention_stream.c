@@ -523,6 +523,42 @@ static void test_lower_tiers_room_is_counted_once(void **state)
     dt_assert_ok(dt_close(e));
 }
 
+/* Every tier full of one sequence's referenced blocks, one of them up in
+ * the host tier's lent spare (read back from a full disk, its disk copy
+ * kept): that block going back onto its copy only pays the spare back,
+ * so it is no room for a device block. Counted as room, a window of 1 was
+ * let through, the block went down to disk, and the window then failed:
+ * a refusal after an eviction, where kvh.h promises one before. */
+static void test_a_lent_spare_is_no_room(void **state)
+{
+    (void)state;
+    kvh_engine *e = open_tiers("stream-lent-spare", 4, 2, 12, KVH_CODEC_NONE);
+    kvh_seq s;
+    size_t n = 18 * G.bt, per = (size_t)G.heads * G.dim;
+    dt_assert_ok(build(e, 301, n, &s));
+    uint16_t *k = malloc(n * per * 2), *v = malloc(n * per * 2);
+    assert_true(k && v);
+    dt_assert_ok(kvh_seq_read_kv(e, s, 0, 0, n, k, v));
+    if (dt_tier(e, KVH_TIER_HOST).capacity_blocks != 3)
+        fail_msg("the read back left the host spare unlent: the case is not made");
+    uint32_t tiers[18];
+    for (uint64_t b = 0; b < 18; b++)
+        tiers[b] = dt_binfo(e, s, b).tier;
+    kvh_stats before = {.struct_size = sizeof(before)}, after = {.struct_size = sizeof(after)};
+    dt_assert_ok(kvh_engine_stats(e, &before));
+    float *q = queries(1, 13), *out = calloc(HQ * G.dim, sizeof(float));
+    kvh_attention_params p = params(1, 1);
+    assert_int_equal(kvh_attention_decode(e, 0, &s, 1, q, out, &p), KVH_ERR_NOSPACE);
+    assert_non_null(strstr(kvh_last_error(), "can make 0"));
+    dt_assert_ok(kvh_engine_stats(e, &after));
+    assert_int_equal(after.evictions, before.evictions);
+    for (uint64_t b = 0; b < 18; b++)
+        assert_int_equal(dt_binfo(e, s, b).tier, tiers[b]);
+    free(q), free(out), free(k), free(v);
+    dt_assert_ok(kvh_seq_free(e, s));
+    dt_assert_ok(dt_close(e));
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -534,6 +570,7 @@ int main(void)
         cmocka_unit_test_teardown(test_argument_rules, dt_teardown),
         cmocka_unit_test_teardown(test_a_refused_window_evicts_nothing, dt_teardown),
         cmocka_unit_test_teardown(test_lower_tiers_room_is_counted_once, dt_teardown),
+        cmocka_unit_test_teardown(test_a_lent_spare_is_no_room, dt_teardown),
         cmocka_unit_test_teardown(test_the_window_spares_the_batchs_device_blocks, dt_teardown),
     };
     if (getenv("KVH_TEST_FILTER"))
