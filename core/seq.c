@@ -925,6 +925,14 @@ kvh_status kvhi_seq_acquire(kvh_engine *e, kvhi_seq *s, uint64_t first, uint64_t
             s->held[i]--;
             kvhi_block_unhold(e, s->blocks[i]);
         }
+        /* The eviction's own text blames blocks pinned or held elsewhere;
+         * a range the tier could never hold at once is the cause. */
+        uint64_t device_slots = kvhi_tier_slots(e, KVH_TIER_DEVICE);
+        if (st == KVH_ERR_NOSPACE && b1 - b0 > device_slots)
+            return kvhi_fail(KVH_ERR_NOSPACE,
+                             "the range's %u blocks are more than the device tier holds (%llu slots): acquire at "
+                             "most that many at once, or attend by streaming (kvh_attention_params.stream_*)",
+                             b1 - b0, (unsigned long long)device_slots);
     }
     return st;
 }

@@ -501,8 +501,10 @@ static void test_swap_when_both_full(void **state)
     assert_int_equal(tu_tier(e, KVH_TIER_HOST).used_blocks, 4);
     assert_int_equal(count_in(e, a, 8, KVH_TIER_HOST), 4);
     assert_true(tu_check_pattern(e, a, L, TOK, 13, 0, 32));
-    /* More than the device holds: NOSPACE, and nothing stays held. */
+    /* More than the device holds: NOSPACE, and nothing stays held. The
+     * message names the range's size, not blocks held elsewhere. */
     assert_kvh(KVH_ERR_NOSPACE, kvh_seq_acquire(e, a, 0, 32, NULL));
+    assert_non_null(strstr(kvh_last_error(), "the range's 8 blocks are more than the device tier holds (4 slots)"));
     for (uint64_t i = 0; i < 8; i++)
         assert_int_equal(tu_seq_binfo(e, a, i).holds, i == hi ? 1 : 0);
     assert_ok(kvh_seq_release(e, a, hi * BT, BT));
