@@ -131,9 +131,17 @@ def test_a_misspelt_variable_is_refused_naming_the_one_it_resembles(var, meant):
 
 
 def test_other_kvh_vllm_variables_are_logged_and_ignored(caplog):
-    env = {"KVH_VLLM_SOMETHING_ELSE": "1", "KVH_VLLM_PYTHON": "/x/python", "KVH_VLLM_HOST_BYTES": "64M"}
+    # Names alike only in the prefix they share are no misspellings.
+    env = {
+        "KVH_VLLM_SOMETHING_ELSE": "1",
+        "KVH_VLLM_REMOTE_PORT": "7000",
+        "KVH_VLLM_LOG_FILE": "/tmp/x",
+        "KVH_VLLM_PYTHON": "/x/python",
+        "KVH_VLLM_HOST_BYTES": "64M",
+    }
     with caplog.at_level("WARNING", logger="kvh.vllm"):
         s = settings.load({}, environ=env)
     assert s.host_bytes == 64 << 20
-    assert "KVH_VLLM_SOMETHING_ELSE is not a kvh setting: ignored" in caplog.text
+    for name in ("KVH_VLLM_SOMETHING_ELSE", "KVH_VLLM_REMOTE_PORT", "KVH_VLLM_LOG_FILE"):
+        assert f"{name} is not a kvh setting: ignored" in caplog.text
     assert "KVH_VLLM_PYTHON" not in caplog.text

@@ -317,13 +317,17 @@ def _check_variable_names(env: Mapping[str, str]) -> None:
     """A ``KVH_VLLM_`` variable that is no setting would otherwise be
     ignored without a word: one close to a setting's variable is refused
     (``KVH_VLLM_HOSTBYTES``), any other is logged as ignored."""
+    prefix = "KVH_VLLM_"
     known = [var for var, _ in _KEYS.values()]
+    # Compared without the prefix they all share, which would make any two
+    # look alike (REMOTE_PORT is no misspelt REMOTE_PASSWORD).
+    bare = {var[len(prefix) :]: var for var in known}
     for name in sorted(env):
-        if not name.startswith("KVH_VLLM_") or name in known or name in _TOOL_VARIABLES:
+        if not name.startswith(prefix) or name in known or name in _TOOL_VARIABLES:
             continue
-        close = difflib.get_close_matches(name, known, n=1, cutoff=0.85)
+        close = difflib.get_close_matches(name[len(prefix) :], list(bare), n=1, cutoff=0.85)
         if close:
-            raise ValueError(f"kvh: unknown environment variable {name}; did you mean {close[0]}?")
+            raise ValueError(f"kvh: unknown environment variable {name}; did you mean {bare[close[0]]}?")
         _log.warning("kvh: environment variable %s is not a kvh setting: ignored", name)
 
 
