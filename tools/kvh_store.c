@@ -5,8 +5,11 @@
  *                          files; exit 0 only if all pass and a strict open
  *                          (disk_strict_index) takes the store: a missing
  *                          journal, a journal cut inside its header or an
- *                          index older than its journal fail it too, even
- *                          with no bad block or record; what is bad is listed
+ *                          index older than its journal or of another store
+ *                          fail it too, even with no bad block or record, as
+ *                          do blocks of another geometry and records past
+ *                          the slabs or in a cycle of parents; what is bad
+ *                          is listed
  *   kvh-store remote ...   the remote tier (tools/kvh_store_remote.c) */
 #include <dirent.h>
 #include <errno.h>
@@ -377,6 +380,10 @@ static int run_main(int argc, char **argv)
     }
     if (!strcmp(argv[1], "info")) {
         chain_shape chains = chain_shape_of(&list);
+        if (chains.failed) {
+            fprintf(stderr, "kvh-store: out of memory walking the prefix chains\n");
+            return 2;
+        }
         uint64_t roots = chains.roots, longest = chains.longest;
         uint64_t bytes = (uint64_t)list.n * d.block_bytes;
         store_perms pm;
@@ -477,12 +484,16 @@ static int run_main(int argc, char **argv)
     if (list.bad_records && !json)
         printf("BAD %llu index records or headers damaged or missing (failed their checksum, or cut off)\n",
                (unsigned long long)list.bad_records);
-    /* Records naming slots past the slab files: an engine drops them (a
-     * store opened smaller than it was made), a warning saying how many. */
+    /* Records naming slots past any slab file (2^30 or more here, where
+     * the slot space follows the records too: forged or damaged ones). */
     if (list.past_end && !json)
         printf("BAD %llu index records name slots past the store's slab files (an engine drops their blocks)\n",
                (unsigned long long)list.past_end);
     chain_shape chains = chain_shape_of(&list);
+    if (chains.failed) {
+        fprintf(stderr, "kvh-store: out of memory walking the prefix chains\n");
+        return 2;
+    }
     if (chains.in_cycles && !json)
         printf("BAD %llu index records are in, or descend from, a cycle of parents, which no chain of hashes "
                "makes (forged or damaged records)\n",

@@ -358,7 +358,8 @@ class Stats:
     blocks_streamed_host: int = 0
     blocks_streamed_disk: int = 0
     #: Remote tier: blocks a prefix match found there (verified, copied into
-    #: a local tier), blocks looked for and not found, values that failed
+    #: a local tier), blocks looked for and not brought (one per block:
+    #: absent, after an absent one, late, or without room), values that failed
     #: verification (deleted), blocks uploaded, uploads dropped, commands
     #: past the deadline, nodes the circuit breaker left alone.
     remote_hits: int = 0

@@ -283,7 +283,7 @@ typedef struct kvh_config {
      * alone: the directory is created 0700 and its files 0600 whatever the
      * umask (an existing store gets these exact modes at every open:
      * wider ones are narrowed and an owner's bits taken away are given
-     * back, so a store chmod-ed read-only is written again; see
+     * back, so a store directory chmod-ed 500 is written again; see
      * KVH_DISK_SHARE_GROUP), a directory of another user or one that group
      * or others can write is refused (KVH_ERR_IO), and no store file is
      * opened through a symbolic link. */
@@ -347,7 +347,7 @@ typedef struct kvh_config {
      * warning is logged. The store's identity is then the index header's,
      * else the journal header's, else (neither readable, or the two of
      * different stores) the one most of the verified slots carry; with
-     * neither header readable and every verified slot written
+     * no header to go by in this way and every verified slot written
      * with another geometry or model_salt, the open returns
      * KVH_ERR_MISMATCH as for a header that says so. */
     uint32_t disk_strict_index;
@@ -566,9 +566,10 @@ typedef struct kvh_tier_info {
                    CUDA); slot i is at base + i * block_bytes. With a
                    disk tier the host tier's memory has one slot more
                    than host_bytes gives (its spare), and the free one
-                   may be any of them: a block's slot runs up to that
-                   count, so memory registered from base (for DMA, say)
-                   takes (host_bytes / block_bytes + 1) slots. NULL for
+                   may be any of them: in its own arena a host block's
+                   slot runs up to that count, so memory registered from
+                   base (for DMA, say) takes (host_bytes / block_bytes +
+                   1) slots. NULL for
                    disk, and for the device tier with kvh_config.vmap = 1
                    (laid out by head, see kvh_seq_vmap: read its blocks
                    through a vmap view). [owned by engine] until close.

@@ -265,8 +265,9 @@ pub struct Stats {
     /// Remote tier: blocks a prefix match found there (verified, copied
     /// into a local tier; also in `prefix_hit_blocks`).
     pub remote_hits: u64,
-    /// Remote tier: blocks looked for and not found (absent, evicted, node
-    /// down or late).
+    /// Remote tier: blocks looked for and not brought (absent, evicted,
+    /// node down or late, after one of these, or without room in a local
+    /// tier); one per block, not per match.
     pub remote_misses: u64,
     /// Remote tier: values that failed verification (each deleted).
     pub remote_corrupt: u64,
