@@ -931,7 +931,7 @@ kvh_status kvhi_seq_acquire(kvh_engine *e, kvhi_seq *s, uint64_t first, uint64_t
         if (st == KVH_ERR_NOSPACE && b1 - b0 > device_slots)
             return kvhi_fail(KVH_ERR_NOSPACE,
                              "the range's %u blocks are more than the device tier holds (%llu slots): acquire at "
-                             "most that many at once, or attend by streaming (kvh_attention_params.stream_*)",
+                             "most that many at once, or stream the attention over it (stream_window_blocks)",
                              b1 - b0, (unsigned long long)device_slots);
     }
     return st;
