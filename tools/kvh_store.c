@@ -151,10 +151,10 @@ static int open_store(const char *path, kvhi_disk *d)
         total = max_slot;
     if (total > UINT32_MAX / 2) /* as the engine: slot numbers are 32-bit */
         total = UINT32_MAX / 2;
-    /* As the engine lays them out (core/disk_io.c): a slot over 1 GiB is a
-     * slab file of its own. */
-    uint64_t per = (1ull << 30) / d->slot_bytes;
-    d->slots_per_slab = !per ? 1 : d->n_slabs > 1 ? (uint32_t)per : (uint32_t)(total ? total : 1);
+    /* As the engine lays them out (kvhi_disk_open_slabs): a slot over 1 GiB
+     * is a slab file of its own. */
+    uint64_t per = kvhi_disk_slab_slots(d->slot_bytes);
+    d->slots_per_slab = (uint32_t)(per < total ? per : total ? total : 1);
     d->n_slots = (uint32_t)total;
     d->queue_depth = 8;
     d->max_lanes = 1;
