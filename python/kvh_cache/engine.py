@@ -1826,10 +1826,11 @@ class _ViewOwner(Finalized, Uncopyable):
         self.__array_interface__ = iface
 
     def let_block_go(self) -> None:
-        """Undoes keep_block."""
-        kept, self.kept = self.kept, None
-        if kept is not None:
-            kept._unpin_and_release()
+        """Undoes keep_block. The block stays kept when the library refuses
+        (BusyError), so a later call can still give it back."""
+        if self.kept is not None:
+            self.kept._unpin_and_release()
+            self.kept = None
 
     def keep_block(self) -> None:
         """Takes a reference and a pin on the mapped block before its

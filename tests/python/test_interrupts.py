@@ -210,6 +210,36 @@ def test_ctrl_c_around_a_read_only_view_leaves_no_pin(lib_with_ctrl_c, call):
     eng.close()
 
 
+def test_a_refused_let_go_keeps_the_views_block_for_a_retry(monkeypatch):
+    """A view forgot its kept block before giving it back: when the library
+    refused (BusyError), the pin and reference stayed with no one to drop
+    them, and the slot was never usable again."""
+    eng = make_engine()
+    seq, _ = filled_seq(eng, 48)
+    view = seq.block_view(1, 0)  # written in full: read-only, the block kept
+    owner = view.base
+    while not isinstance(owner, em._ViewOwner):
+        owner = owner.base
+    assert owner.kept is not None
+    real = em.Block._unpin_and_release
+
+    def refused(self):
+        raise kvh.BusyError("refused", em.lib.KVH_ERR_BUSY)
+
+    monkeypatch.setattr(em.Block, "_unpin_and_release", refused)
+    with pytest.raises(kvh.BusyError):
+        owner.let_block_go()
+    assert owner.kept is not None
+    monkeypatch.setattr(em.Block, "_unpin_and_release", real)
+    owner.let_block_go()
+    assert owner.kept is None
+    assert seq.block_info(1).pins == 0
+    del view, owner
+    gc.collect()
+    assert eng.tier_info("device").pinned_blocks == 0
+    eng.close()
+
+
 def test_ctrl_c_during_open_leaves_no_engine_behind(lib_with_ctrl_c, tmp_path):
     """The opened engine was never owned: its store stayed locked for the
     rest of the process (BusyError on every reopen)."""
