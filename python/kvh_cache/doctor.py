@@ -63,6 +63,16 @@ class Check:
 def _data_dir(text: str) -> Path:
     if not text:  # Path("") would be the working directory
         raise argparse.ArgumentTypeError("DIR must not be empty")
+    return _as_the_engine_opens(text)
+
+
+def _as_the_engine_opens(text: str) -> Path:
+    """The directory the engine opens for text. It refuses a symbolic link
+    as the last component, but a trailing slash makes the system follow
+    it; Path drops that slash, so such a link is resolved here."""
+    bare = text.rstrip("/")
+    if bare and bare != text and os.path.islink(bare):
+        return Path(os.path.realpath(text))
     return Path(text)
 
 
@@ -77,7 +87,7 @@ def add_arguments(p) -> None:
         "--data-dir",
         type=_data_dir,
         # An empty variable counts as unset, as for every KVH_* variable.
-        default=Path(os.environ.get("KVH_DATA_DIR") or "kvh-data"),
+        default=_as_the_engine_opens(os.environ.get("KVH_DATA_DIR") or "kvh-data"),
         help="the disk tier directory to check (default $KVH_DATA_DIR or ./kvh-data)",
     )
     p.add_argument(
