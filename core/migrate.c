@@ -48,6 +48,20 @@ void kvhi_fence_drop(kvh_engine *e, uint32_t idx)
     kvhi_handles_remove(&e->fences, idx);
 }
 
+/* The first failure's status and text; an acquire larger than the device
+ * tier says so instead of what the eviction found. */
+static void fence_set_failure(kvhi_fence *f, kvh_status st, const char *msg)
+{
+    f->status = st;
+    if (st == KVH_ERR_NOSPACE && f->range_blocks)
+        snprintf(f->msg, sizeof(f->msg),
+                 "the range's %u blocks are more than the device tier holds (%llu slots): acquire at most that "
+                 "many at once, or stream the attention over it (stream_window_blocks)",
+                 f->range_blocks, (unsigned long long)f->device_slots);
+    else
+        snprintf(f->msg, sizeof(f->msg), "%s", msg);
+}
+
 void kvhi_fence_done(kvh_engine *e, uint32_t idx, kvh_status st)
 {
     if (idx == KVHI_NO_BLOCK)
@@ -55,10 +69,8 @@ void kvhi_fence_done(kvh_engine *e, uint32_t idx, kvh_status st)
     kvhi_fence *f = kvhi_handles_at(&e->fences, idx);
     if (!f)
         return;
-    if (st != KVH_OK && f->status == KVH_OK) {
-        f->status = st;
-        snprintf(f->msg, sizeof(f->msg), "%s", kvhi_failure_text(st));
-    }
+    if (st != KVH_OK && f->status == KVH_OK)
+        fence_set_failure(f, st, kvhi_failure_text(st));
     if (--f->pending == 0) {
         if (f->user_freed && !f->waiters) {
             free(f);
@@ -78,10 +90,8 @@ void kvhi_fence_expect(kvh_engine *e, uint32_t idx, uint32_t n)
 void kvhi_fence_record_failure(kvh_engine *e, uint32_t idx, kvh_status st, const char *msg)
 {
     kvhi_fence *f = kvhi_handles_at(&e->fences, idx);
-    if (f && st != KVH_OK && f->status == KVH_OK) {
-        f->status = st;
-        snprintf(f->msg, sizeof(f->msg), "%s", msg && msg[0] ? msg : kvhi_status_text(st));
-    }
+    if (f && st != KVH_OK && f->status == KVH_OK)
+        fence_set_failure(f, st, msg && msg[0] ? msg : kvhi_status_text(st));
 }
 
 kvh_status kvhi_fence_poll_idx(kvh_engine *e, uint32_t idx, int32_t *done)

@@ -14,6 +14,10 @@ typedef struct kvhi_fence {
     kvh_status status;
     bool user_freed;
     char msg[768]; /* detail of the first failure, from the failing thread (whole) */
+    /* An acquire of more blocks than the device tier holds: its NOSPACE
+     * names the range, not the blocks the eviction found pinned. */
+    uint32_t range_blocks;
+    uint64_t device_slots;
 } kvhi_fence;
 
 /* What a queued move is for, which decides what a block pinned since it

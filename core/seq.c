@@ -880,6 +880,12 @@ kvh_status kvhi_seq_acquire(kvh_engine *e, kvhi_seq *s, uint64_t first, uint64_t
     kvh_fence fh;
     if ((st = kvhi_fence_new(e, &fidx, &fh)) != KVH_OK)
         return st;
+    uint64_t device_slots = kvhi_tier_slots(e, KVH_TIER_DEVICE);
+    if (b1 - b0 > device_slots) {
+        kvhi_fence *f = kvhi_handles_at(&e->fences, fidx);
+        f->range_blocks = b1 - b0;
+        f->device_slots = device_slots;
+    }
     uint64_t t0 = kvhi_now_ns();
     /* Hold first so nothing in the range is chosen as a victim while the
      * missing blocks are promoted. */
@@ -925,14 +931,6 @@ kvh_status kvhi_seq_acquire(kvh_engine *e, kvhi_seq *s, uint64_t first, uint64_t
             s->held[i]--;
             kvhi_block_unhold(e, s->blocks[i]);
         }
-        /* The eviction's own text blames blocks pinned or held elsewhere;
-         * a range the tier could never hold at once is the cause. */
-        uint64_t device_slots = kvhi_tier_slots(e, KVH_TIER_DEVICE);
-        if (st == KVH_ERR_NOSPACE && b1 - b0 > device_slots)
-            return kvhi_fail(KVH_ERR_NOSPACE,
-                             "the range's %u blocks are more than the device tier holds (%llu slots): acquire at "
-                             "most that many at once, or stream the attention over it (stream_window_blocks)",
-                             b1 - b0, (unsigned long long)device_slots);
     }
     return st;
 }

@@ -507,6 +507,16 @@ static void test_swap_when_both_full(void **state)
     assert_non_null(strstr(kvh_last_error(), "the range's 8 blocks are more than the device tier holds (4 slots)"));
     for (uint64_t i = 0; i < 8; i++)
         assert_int_equal(tu_seq_binfo(e, a, i).holds, i == hi ? 1 : 0);
+    /* With a fence the wait reports the same, and the holds stay until
+     * the release. */
+    kvh_fence f;
+    assert_ok(kvh_seq_acquire(e, a, 0, 32, &f));
+    assert_kvh(KVH_ERR_NOSPACE, kvh_fence_wait(e, f, UINT64_MAX));
+    assert_non_null(strstr(kvh_last_error(), "the range's 8 blocks are more than the device tier holds (4 slots)"));
+    assert_ok(kvh_fence_free(e, f));
+    for (uint64_t i = 0; i < 8; i++)
+        assert_int_equal(tu_seq_binfo(e, a, i).holds, i == hi ? 2 : 1);
+    assert_ok(kvh_seq_release(e, a, 0, 32));
     assert_ok(kvh_seq_release(e, a, hi * BT, BT));
     /* Each host block in turn. */
     for (uint64_t i = 0; i < 8; i++) {
