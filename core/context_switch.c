@@ -127,6 +127,31 @@ static uint64_t move_context_kv(kvh_engine *e, kvhi_context *x, uint32_t tier)
     return moved;
 }
 
+/* KVH_CONTEXT_KV_DEMOTE's departure: the KV goes to the host tier, and
+ * what the host tier cannot take (absent, or full of weights) to the disk
+ * tier. What still stays (no room below, held, pinned) is logged: the
+ * switch itself succeeds. Lock held, dropped while moving. */
+static void demote_context_kv(kvh_engine *e, kvhi_context *x)
+{
+    kvhi_contexts *c = e->contexts;
+    uint64_t moved = move_context_kv(e, x, KVH_TIER_HOST);
+    moved += move_context_kv(e, x, KVH_TIER_DISK);
+    c->stats.kv_blocks_demoted += moved;
+    uint64_t stayed = 0;
+    for (uint32_t i = 0; i < x->n_seqs; i++) {
+        kvhi_seq *s = kvhi_handles_get(&e->seqs, x->seqs[i], NULL);
+        for (uint32_t j = 0; s && j < s->n_blocks; j++) {
+            const kvhi_block *b = &e->blocks[s->blocks[j]];
+            stayed += (b->flags & (KVHI_BF_LIVE | KVHI_BF_DEAD)) == KVHI_BF_LIVE && b->tier == KVH_TIER_DEVICE;
+        }
+    }
+    if (stayed)
+        kvhi_log(e, KVH_LOG_WARN,
+                 "context '%s': %llu KV blocks stay in the device tier after the switch away (held, pinned, or no "
+                 "room in the host or disk tier)",
+                 x->name, (unsigned long long)stayed);
+}
+
 #define HOST_ROOM_RECHECK_NS (10 * 1000 * 1000)
 
 /* Takes room for r in the host tier from what is free now, waiting for
@@ -272,7 +297,7 @@ static void run_departures(kvhi_switch *sw)
     x->departing = false;
     pthread_cond_broadcast(&c->cv);
     if (x->kv_policy == KVH_CONTEXT_KV_DEMOTE)
-        c->stats.kv_blocks_demoted += move_context_kv(e, x, KVH_TIER_HOST);
+        demote_context_kv(e, x);
 }
 
 /* One arriving region (lock held, may drop). */

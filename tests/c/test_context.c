@@ -585,6 +585,53 @@ static void demote_counts_shared_blocks_once(void **state)
     assert_ok(kvh_context_destroy(e, b));
 }
 
+/* KVH_CONTEXT_KV_DEMOTE moves the KV out of the device tier: to the disk
+ * tier where there is no host tier, or the host tier is full of weights
+ * (the switch said OK and left it all on the device). */
+static void demote_goes_to_disk_where_the_host_cannot_take_it(void **state)
+{
+    mode md = MODE(state);
+    enum { NB = 3 };
+    for (int host_full = 0; host_full < 2; host_full++) {
+        char dir[600];
+        scratch(host_full ? "demote-full" : "demote-none", dir, sizeof(dir));
+        uint64_t bb = tu_block_bytes_of(L, H, D, BT, KVH_DTYPE_F32);
+        static uint8_t weights[64 << 10];
+        uint64_t host_blocks = host_full ? region_slots(sizeof(weights), bb) : 0;
+        kvh_engine *e = open_engine(md, 64, host_blocks, dir);
+        kvh_context_params cp;
+        assert_ok(kvh_context_params_init(&cp, sizeof(cp)));
+        cp.kv_policy = KVH_CONTEXT_KV_DEMOTE;
+        kvh_context a, w, none = {0};
+        assert_ok(kvh_context_create(e, &cp, &a));
+        assert_ok(kvh_context_create(e, NULL, &w));
+        if (host_full) {
+            kvh_weight_region_params rp;
+            assert_ok(kvh_weight_region_params_init(&rp, sizeof(rp)));
+            rp.size = sizeof(weights);
+            rp.bytes = weights;
+            uint32_t idx;
+            assert_ok(kvh_context_add_region(e, w, &rp, &idx));
+            assert_int_equal(tu_tier(e, KVH_TIER_HOST).used_blocks, host_blocks);
+        }
+        assert_ok(kvh_context_switch(e, none, a, NULL));
+        kvh_seq s = kv_seq(e, a, NB, 5);
+        kvh_weight_stats w0 = ct_weight_stats(e);
+        assert_ok(kvh_context_switch(e, a, none, NULL));
+        kvh_block blocks[NB];
+        assert_ok(kvh_seq_blocks(e, s, 0, NB, blocks));
+        for (int i = 0; i < NB; i++)
+            assert_int_equal(tu_binfo(e, blocks[i]).tier, KVH_TIER_DISK);
+        assert_int_equal(ct_weight_stats(e).kv_blocks_demoted - w0.kv_blocks_demoted, NB);
+        assert_ok(kvh_context_switch(e, none, a, NULL));
+        for (int i = 0; i < NB; i++)
+            assert_int_equal(tu_binfo(e, blocks[i]).tier, KVH_TIER_DEVICE);
+        assert_true(tu_check_pattern(e, s, L, TOK, 5, 0, NB * BT));
+        assert_ok(kvh_seq_free(e, s));
+        assert_ok(tu_close(e));
+    }
+}
+
 /* The weight slots of each memory tier, in kvh_weight_stats and in the
  * tier's used_blocks alike (no KV here), and the weight bytes resident. */
 static void expect_weights(kvh_engine *e, uint64_t dev_slots, uint64_t dev_bytes, uint64_t host_slots,
@@ -1204,6 +1251,7 @@ int main(void)
         MODES(switch_under_pressure),
         MODES(close_with_contexts),
         MODES(demote_counts_shared_blocks_once),
+        MODES(demote_goes_to_disk_where_the_host_cannot_take_it),
         MODES(tiny_regions_take_a_page_each),
         MODES(regions_beyond_the_pages_are_refused),
         MODES(memory_only_contexts_trade_places),

@@ -1616,8 +1616,11 @@ typedef struct kvh_context {
 enum kvh_context_kv_policy {
     /* A switch leaves the agents' KV where it is (the default). */
     KVH_CONTEXT_KV_KEEP = 0,
-    /* Switching away moves the context's KV out of the device tier;
-     * switching back brings it up again after the weights. */
+    /* Switching away moves the context's KV out of the device tier: to
+     * the host tier, and to the disk tier what the host tier cannot take
+     * (none, or full of weights); KV held, pinned, or with room in
+     * neither stays, logged as a warning (the switch still succeeds).
+     * Switching back brings it up again after the weights. */
     KVH_CONTEXT_KV_DEMOTE = 1
 };
 
@@ -1713,7 +1716,9 @@ KVH_API kvh_status kvh_context_attach_seq(kvh_engine *engine, kvh_context ctx, k
  * itself without a fence) reports KVH_ERR_NOSPACE (the KV that would
  * have to leave the device tier for a region is pinned, held by
  * kvh_seq_acquire, or in a call or a move at that moment: the switch
- * does not wait for it), KVH_ERR_IO, KVH_ERR_NOMEM, KVH_ERR_CORRUPT (a
+ * does not wait for it; or one of from's regions that must be kept,
+ * modified or from bytes, has room in neither the host nor the disk
+ * tier: it stays in the device tier), KVH_ERR_IO, KVH_ERR_NOMEM, KVH_ERR_CORRUPT (a
  * chunk read from its file no longer matches its checksum). A switch
  * whose work fails has moved from's weights out as above and leaves
  * to's regions that arrived resident and the others where they were;
