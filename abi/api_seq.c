@@ -273,10 +273,9 @@ kvh_status kvh_seq_hint(kvh_engine *e, kvh_seq seq, uint64_t first, uint64_t n, 
     return kvhi_api_leave(e, st);
 }
 
-kvh_status kvh_seq_hint_queued(kvh_engine *e, kvh_seq seq, uint64_t first, uint64_t n, uint64_t place,
-                               kvh_hint_place kind)
+kvh_status kvh_seq_hint_queued(kvh_engine *e, kvh_seq seq, uint64_t first, uint64_t n, uint64_t place, uint32_t kind)
 {
-    KVHI_REQUIRE(kind == KVH_HINT_POSITION || kind == KVH_HINT_REQUEST, "unknown hint place kind %d", (int)kind);
+    KVHI_REQUIRE(kind == KVH_HINT_POSITION || kind == KVH_HINT_REQUEST, "unknown hint place kind %u", (unsigned)kind);
     kvhi_seq *s;
     kvh_status st = kvhi_api_enter_seq(e, seq, &s);
     if (st != KVH_OK)

@@ -251,7 +251,7 @@ typedef enum kvh_hint_place {
     KVH_HINT_POSITION = 0,
     KVH_HINT_REQUEST = 1
 } kvh_hint_place;
-kvh_status kvh_seq_hint_queued(kvh_engine *engine, kvh_seq seq, uint64_t first, uint64_t n, uint64_t place, kvh_hint_place kind);
+kvh_status kvh_seq_hint_queued(kvh_engine *engine, kvh_seq seq, uint64_t first, uint64_t n, uint64_t place, uint32_t kind);
 kvh_status kvh_hint_advance(kvh_engine *engine, uint64_t steps, uint64_t *step);
 kvh_status kvh_prefix_hash(kvh_engine *engine, uint64_t parent, const int32_t *tokens, size_t n, uint64_t *hash);
 kvh_status kvh_prefix_lookup(kvh_engine *engine, const int32_t *tokens, size_t n, kvh_block *out, size_t cap, size_t *n_blocks);
@@ -450,4 +450,4 @@ typedef struct kvh_latency_histogram {
     uint64_t sum_ns;
     uint64_t counts[24u];
 } kvh_latency_histogram;
-kvh_status kvh_latency_histogram_get(kvh_engine *engine, kvh_latency_kind kind, kvh_latency_histogram *histogram);
+kvh_status kvh_latency_histogram_get(kvh_engine *engine, uint32_t kind, kvh_latency_histogram *histogram);

@@ -61,7 +61,7 @@ def _kind(kind: Union[str, int]) -> Tuple[str, int]:
     if isinstance(kind, bool) or not isinstance(kind, numbers.Integral):
         raise TypeError(f"kind must be a latency kind name {sorted(KINDS)} or its int, not {type(kind).__name__}")
     value = int(kind)
-    if not 0 <= value < 1 << 32:  # the C enum's range; the library checks the rest
+    if not 0 <= value < 1 << 32:  # the C parameter is a uint32_t; the library checks the rest
         raise errors.InvalidArgumentError(f"latency kind {value} is out of range")
     names = {v: k for k, v in KINDS.items()}
     return names.get(value, str(value)), value

@@ -1118,7 +1118,7 @@ typedef enum kvh_hint_place {
  * more past the step, or a place would number it past 2^64 - 1),
  * KVH_ERR_BAD_HANDLE. @threads any */
 KVH_API kvh_status kvh_seq_hint_queued(kvh_engine *engine, kvh_seq seq, uint64_t first, uint64_t n, uint64_t place,
-                                       kvh_hint_place kind);
+                                       uint32_t kind /* kvh_hint_place */);
 
 /* Advances the step count by steps (0: only reads it): call it once per
  * request taken from the queue, after the request has read its blocks.
@@ -2171,7 +2171,7 @@ typedef struct kvh_latency_histogram {
  * histogram->struct_size first; a smaller, older struct is filled up to
  * its size). Returns KVH_ERR_INVALID_ARG (NULL histogram, kind out of
  * range), KVH_ERR_STRUCT_SIZE. @threads any */
-KVH_API kvh_status kvh_latency_histogram_get(kvh_engine *engine, kvh_latency_kind kind,
+KVH_API kvh_status kvh_latency_histogram_get(kvh_engine *engine, uint32_t kind /* kvh_latency_kind */,
                                              kvh_latency_histogram *histogram);
 
 #ifdef __cplusplus

@@ -2572,7 +2572,7 @@ extern "C" {
         first: u64,
         n: u64,
         place: u64,
-        kind: kvh_hint_place,
+        kind: u32,
     ) -> kvh_status;
 }
 extern "C" {
@@ -5173,7 +5173,7 @@ fn bindgen_test_layout_kvh_latency_histogram() {
 extern "C" {
     pub fn kvh_latency_histogram_get(
         engine: *mut kvh_engine,
-        kind: kvh_latency_kind,
+        kind: u32,
         histogram: *mut kvh_latency_histogram,
     ) -> kvh_status;
 }
