@@ -505,32 +505,89 @@ class ForkSafeLock:
 class WeakBag:
     """The live ones of the objects added, held weakly. Unlike a
     weakref.WeakSet it runs no Python code when one of them dies: a
-    Ctrl-C met there would be dropped by the interpreter."""
+    Ctrl-C met there would be dropped by the interpreter.
 
-    __slots__ = ("_refs", "_prune_at", "_lock")
+    A call made while the same thread is inside another (a signal handler
+    run between two of its steps) neither waits for that thread nor
+    changes the dict under it: adds and discards are queued and applied
+    by the next call, and ``live()`` sees them at once."""
+
+    __slots__ = ("_refs", "_prune_at", "_lock", "_depth", "_forks", "_queued")
 
     def __init__(self) -> None:
         self._refs: Dict[int, "weakref.ref[Any]"] = {}
         self._prune_at = 16
-        self._lock = ForkSafeLock()
+        self._lock = ForkSafeLock(reentrant=True)
+        self._depth = 0  # calls of this bag on the thread holding the lock
+        self._forks = _forks
+        self._queued: List[Tuple[bool, int, "weakref.ref[Any]"]] = []  # (add?, id, ref), in order
+
+    def _enter(self) -> bool:
+        """Takes the lock; True for the outermost call (which may change
+        the dict), False for one inside it on the same thread."""
+        self._lock.acquire()
+        if self._forks != _forks:  # a thread of the parent was inside at the fork
+            self._depth, self._forks = 0, _forks
+        self._depth += 1
+        if self._depth > 1:
+            return False
+        self._apply_queued()
+        return True
+
+    def _leave(self) -> None:
+        self._depth -= 1
+        self._lock.release()
+
+    def _apply_queued(self) -> None:
+        while self._queued:
+            add, key, ref = self._queued.pop(0)
+            if add:
+                self._refs[key] = ref
+            else:
+                current = self._refs.get(key)
+                if current is not None and current() is not None and current() is ref():
+                    del self._refs[key]
 
     def add(self, obj: Any) -> None:
-        with self._lock:
-            self._refs[id(obj)] = weakref.ref(obj)  # a dead one's id may be reused
+        ref = weakref.ref(obj)
+        if not self._enter():
+            self._queued.append((True, id(obj), ref))
+            return self._leave()
+        try:
+            self._refs[id(obj)] = ref  # a dead one's id may be reused
             if len(self._refs) >= self._prune_at:
                 self._refs = {k: r for k, r in self._refs.items() if r() is not None}
                 self._prune_at = max(16, 2 * len(self._refs))
+        finally:
+            self._leave()
 
     def discard(self, obj: Any) -> None:
-        with self._lock:
+        if not self._enter():
+            try:
+                self._queued.append((False, id(obj), weakref.ref(obj)))
+            except TypeError:
+                pass  # no weak reference to it: it was never added
+            return self._leave()
+        try:
             ref = self._refs.get(id(obj))
             if ref is not None and ref() is obj:
                 del self._refs[id(obj)]
+        finally:
+            self._leave()
 
     def live(self) -> List[Any]:
-        with self._lock:
-            refs = list(self._refs.values())
-        return [obj for obj in (r() for r in refs) if obj is not None]
+        outermost = self._enter()
+        try:
+            refs = dict(self._refs)  # one C call: whole even amid the outer call's steps
+            if not outermost:
+                for add, key, ref in list(self._queued):
+                    if add:
+                        refs[key] = ref
+                    elif key in refs and refs[key]() is ref():
+                        del refs[key]
+        finally:
+            self._leave()
+        return [obj for obj in (r() for r in refs.values()) if obj is not None]
 
 
 class Uncopyable:

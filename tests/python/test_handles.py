@@ -307,6 +307,60 @@ def test_weak_bag_holds_the_live_ones_only():
     assert len(bag.live()) == 49 and items[0] not in bag.live()
 
 
+def test_a_weak_bag_called_inside_its_own_call_neither_waits_nor_loses():
+    """A signal handler calling into a bag while its thread was inside
+    another call of it (Sequence.truncate's views during acquire's new
+    hold) waited for that thread, itself, for good."""
+    bag = kvh._handle.WeakBag()
+    kept, gone, new = _Item(), _Item(), _Item()
+    bag.add(kept)
+    bag.add(gone)
+    assert bag._enter()  # as the interrupted outer call
+    try:
+        bag.add(new)  # the handler's calls
+        bag.discard(gone)
+        assert sorted(map(id, bag.live())) == sorted(map(id, [kept, new]))
+    finally:
+        bag._leave()
+    assert sorted(map(id, bag.live())) == sorted(map(id, [kept, new]))
+    bag.discard(new)
+    assert bag.live() == [kept]
+
+
+def test_a_signal_handler_truncating_during_acquire_does_not_hang():
+    run_child(
+        """
+        import signal, time
+        import numpy as np
+        import kvh_cache as kvh
+
+        eng = kvh.Engine(num_layers=1, num_kv_heads=1, head_dim=16, block_tokens=16, dtype="f32",
+                         device_bytes=1 << 20, host_bytes=1 << 20)
+        seq = eng.sequence()
+        seq.append(np.arange(64))
+        fired = [0]
+
+        def handler(signum, frame):
+            fired[0] += 1
+            seq.truncate(64)
+
+        signal.signal(signal.SIGALRM, handler)
+        end, n = time.monotonic() + 3, 0
+        while time.monotonic() < end:
+            before = fired[0]
+            signal.setitimer(signal.ITIMER_REAL, 0.0002 + (n % 50) * 0.00002)
+            while fired[0] == before:
+                seq.acquire(0, 16).release()
+                n += 1
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        assert fired[0] > 100, fired
+        assert seq.length == 64
+        eng.close()
+        """,
+        timeout=60,
+    )
+
+
 def test_weak_bag_runs_no_python_code_when_an_item_dies():
     # A Ctrl-C met in such code would be dropped by the interpreter.
     bag = kvh._handle.WeakBag()
