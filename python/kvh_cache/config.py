@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
+from .errors import shown
 from .types import Backend, Codec, Config, DType, Eviction
 
 __all__ = ["ENV_FILE", "ENV_VARS", "Resolved", "resolve", "load", "from_env", "from_file"]
@@ -248,7 +249,7 @@ def _file_value(p: Path, key: str, value: Any) -> Any:
 
     if key in _FLAG_FIELDS:
         if not isinstance(value, bool):
-            raise ValueError(f"{p}: {key} must be true or false, not {value!r}")
+            raise ValueError(f"{p}: {key} must be true or false, not {shown(value)}")
         return value
     if key in _STRINGS:
         if not isinstance(value, str):
@@ -258,13 +259,13 @@ def _file_value(p: Path, key: str, value: Any) -> Any:
         return value
     if isinstance(value, bool) or not isinstance(value, (str, int)):
         kind = "true, false or a string" if key in _BOOLS else "an integer or a string"
-        raise ValueError(f"{p}: {key} must be {kind}, not {value!r}")
+        raise ValueError(f"{p}: {key} must be {kind}, not {shown(value)}")
     try:
         return _parse_c({ENV_VARS[key]: str(value)})[key]
     except Error as exc:
-        raise ValueError(f"{p}: {key} = {value!r}: {exc.message}") from None
+        raise ValueError(f"{p}: {key} = {shown(value)}: {exc.message}") from None
     except ValueError as exc:  # a number no member of the field's enum has
-        raise ValueError(f"{p}: {key} = {value!r}: {exc}") from None
+        raise ValueError(f"{p}: {key} = {shown(value)}: {exc}") from None
 
 
 def resolve(

@@ -640,7 +640,7 @@ class Engine(OwnedHandle):
         elif isinstance(cfg.log_level, str):
             key = cfg.log_level.strip().lower()
             if key not in _LOG_NAMES:
-                raise ValueError(f"log_level must be one of {sorted(_LOG_NAMES)}, got {cfg.log_level!r}")
+                raise ValueError(f"log_level must be one of {sorted(_LOG_NAMES)}, got {errors.shown(cfg.log_level)}")
             c.log_level = _LOG_NAMES[key]
         else:
             c.log_level = _int("log_level", cfg.log_level, 0, 3)
@@ -900,7 +900,7 @@ class Engine(OwnedHandle):
         name = _name("name", name)
         # Not hashed unless a str: a list would raise "unhashable type".
         if not isinstance(kv_policy, str) or kv_policy not in KV_POLICIES:
-            raise ValueError(f"kv_policy must be one of {sorted(KV_POLICIES)}, got {kv_policy!r}")
+            raise ValueError(f"kv_policy must be one of {sorted(KV_POLICIES)}, got {errors.shown(kv_policy)}")
         cp = ffi.new("kvh_context_params *")
         check(lib.kvh_context_params_init(cp, ffi.sizeof("kvh_context_params")))
         cp.kv_policy = KV_POLICIES[kv_policy]

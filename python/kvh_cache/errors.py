@@ -40,6 +40,14 @@ __all__ = [
 # Also public, by name: STATUS_CODES, error_class, python_hints. __all__
 # names the exception classes alone, which the package re-exports.
 
+
+def shown(value: object, limit: int = 80) -> str:
+    """repr(value) for a message, cut to about limit characters: a bad
+    argument may be a megabyte string or a large array."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 3]}... ({len(text)} characters)"
+
+
 # Fixed by the ABI (KVH_STATUS_LIST); checked against the header at import.
 STATUS_CODES: Dict[str, int] = {
     "KVH_OK": 0,

@@ -56,7 +56,7 @@ class LatencyHistogram:
 def _kind(kind: Union[str, int]) -> Tuple[str, int]:
     if isinstance(kind, str):
         if kind not in KINDS:
-            raise errors.InvalidArgumentError(f"latency kind {kind!r} is not one of {sorted(KINDS)}")
+            raise errors.InvalidArgumentError(f"latency kind {errors.shown(kind)} is not one of {sorted(KINDS)}")
         return kind, KINDS[kind]
     if isinstance(kind, bool) or not isinstance(kind, numbers.Integral):
         raise TypeError(f"kind must be a latency kind name {sorted(KINDS)} or its int, not {type(kind).__name__}")

@@ -11,6 +11,8 @@ from typing import Any, Dict, Optional, Union
 
 import numpy as np
 
+from .errors import shown
+
 __all__ = [
     "Tier",
     "DType",
@@ -40,13 +42,13 @@ class Tier(enum.IntEnum):
             try:
                 return cls[value.strip().upper()]
             except KeyError:
-                raise ValueError(f"unknown tier {value!r}: expected 'device', 'host' or 'disk'") from None
+                raise ValueError(f"unknown tier {shown(value)}: expected 'device', 'host' or 'disk'") from None
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
             raise TypeError(f"tier must be a kvh.Tier, int or str, not {type(value).__name__}")
         try:
             return cls(int(value))
         except ValueError:
-            raise ValueError(f"unknown tier {value!r}: expected 0 (device), 1 (host) or 2 (disk)") from None
+            raise ValueError(f"unknown tier {shown(value)}: expected 0 (device), 1 (host) or 2 (disk)") from None
 
 
 class DType(enum.IntEnum):
@@ -76,18 +78,18 @@ class DType(enum.IntEnum):
             }
             if key in names:
                 return names[key]
-            raise ValueError(f"unknown dtype {value!r}: expected 'f32', 'f16' or 'bf16'")
+            raise ValueError(f"unknown dtype {shown(value)}: expected 'f32', 'f16' or 'bf16'")
         if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
             try:
                 return cls(int(value))
             except ValueError:
-                raise ValueError(f"unknown dtype {value!r}: expected 0 (f32), 1 (f16) or 2 (bf16)") from None
+                raise ValueError(f"unknown dtype {shown(value)}: expected 0 (f32), 1 (f16) or 2 (bf16)") from None
         if value is None:  # np.dtype(None) would be float64
             raise TypeError("dtype must be 'f32', 'f16', 'bf16' or a NumPy dtype, not None")
         try:
             npd = np.dtype(value)
         except TypeError:
-            raise TypeError(f"dtype must be 'f32', 'f16', 'bf16' or a NumPy dtype, not {value!r}") from None
+            raise TypeError(f"dtype must be 'f32', 'f16', 'bf16' or a NumPy dtype, not {shown(value)}") from None
         if npd == np.float32:
             return cls.F32
         if npd == np.float16:
@@ -114,10 +116,10 @@ class Backend(enum.IntEnum):
             try:
                 return cls[value.strip().upper()]
             except KeyError:
-                raise ValueError(f"unknown backend {value!r}: expected 'auto', 'cpu' or 'cuda'") from None
+                raise ValueError(f"unknown backend {shown(value)}: expected 'auto', 'cpu' or 'cuda'") from None
         if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
             return cls(int(value))
-        raise TypeError(f"backend must be 'auto', 'cpu' or 'cuda', not {value!r}")
+        raise TypeError(f"backend must be 'auto', 'cpu' or 'cuda', not {shown(value)}")
 
 
 _NP = {DType.F32: np.dtype(np.float32), DType.F16: np.dtype(np.float16), DType.BF16: np.dtype(np.uint16)}
@@ -263,12 +265,12 @@ class Eviction(enum.IntEnum):
             }
             if key in names:
                 return names[key]
-            raise ValueError(f"unknown eviction policy {value!r}: expected 'lru_k', 'lctru' or 'adaptive'")
+            raise ValueError(f"unknown eviction policy {shown(value)}: expected 'lru_k', 'lctru' or 'adaptive'")
         if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
             try:
                 return cls(int(value))
             except ValueError:
-                raise ValueError(f"unknown eviction policy {value!r}: expected 0, 1 or 2") from None
+                raise ValueError(f"unknown eviction policy {shown(value)}: expected 0, 1 or 2") from None
         raise TypeError(f"eviction_policy must be a name or an int, not {type(value).__name__}")
 
 
@@ -299,12 +301,12 @@ class Codec(enum.IntEnum):
             }
             if key in names:
                 return names[key]
-            raise ValueError(f"unknown codec {value!r}: expected 'none', 'int8', 'q4_g32' or 'q4_g64'")
+            raise ValueError(f"unknown codec {shown(value)}: expected 'none', 'int8', 'q4_g32' or 'q4_g64'")
         if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
             try:
                 return cls(int(value))
             except ValueError:
-                raise ValueError(f"unknown codec {value!r}: expected 0..3") from None
+                raise ValueError(f"unknown codec {shown(value)}: expected 0..3") from None
         raise TypeError(f"codec must be a name or an int, not {type(value).__name__}")
 
 

@@ -353,3 +353,13 @@ def test_a_tier_budget_past_the_block_limit_says_it_was_cut():
     with pytest.raises(kvh.OutOfMemoryError) as info:
         kvh.Engine(device_bytes=2**63)
     assert "most blocks a tier holds" in str(info.value)
+
+
+@pytest.mark.parametrize("field", ["dtype", "backend", "eviction_policy", "kv_codec", "log_level"])
+def test_a_huge_bad_value_is_cut_in_the_message(field):
+    """The message repeated the whole value: a 100,000-character string
+    made a 100,000-character error."""
+    with pytest.raises(ValueError) as info:
+        kvh.Engine(**{field: "x" * 100_000})
+    text = str(info.value)
+    assert len(text) < 400 and "(100002 characters)" in text, text
