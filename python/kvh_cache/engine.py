@@ -97,6 +97,16 @@ _U32 = (1 << 32) - 1
 # ---------------------------------------------------------------------------------
 # argument checks (before anything reaches C)
 # ---------------------------------------------------------------------------------
+def _q_lens(q_lens: Any, n: int, per: str) -> List[int]:
+    """q_lens as n row counts; reads at most n + 1 entries, so an endless
+    iterable is refused, not consumed."""
+    lens = [_index(f"q_lens[{i}]", x, maximum=_U32) for i, x in enumerate(itertools.islice(q_lens, n + 1))]
+    if len(lens) != n:
+        has = f"more than {n}" if len(lens) > n else str(len(lens))
+        raise ValueError(f"q_lens has {has} entries, expected one per {per} ({n})")
+    return lens
+
+
 def _index(name: str, value: Any, *, maximum: int = U64_MAX) -> int:
     """A non-negative integer argument; TypeError/ValueError naming it."""
     if isinstance(value, bool):
@@ -1362,9 +1372,7 @@ class Engine(OwnedHandle):
         layer = _index("layer", layer, maximum=_U32)
         hs, uses = self._seq_array(seqs)
         n = len(uses)  # seqs may have been an iterator, now used up
-        lens = [_index(f"q_lens[{i}]", x, maximum=_U32) for i, x in enumerate(q_lens)]
-        if len(lens) != n:
-            raise ValueError(f"q_lens has {len(lens)} entries, expected one per sequence ({n})")
+        lens = _q_lens(q_lens, n, "sequence")
         ql = ffi.new("uint32_t[]", lens or [0])
         qp, op, out, hq, io = self._attention_arrays("attention_prefill", q, sum(lens), out, io_dtype)
         prm = self._attention_params(hq, scale, io, threads, stream, (stream_chunk_blocks, stream_window_blocks))
@@ -1390,12 +1398,10 @@ class Engine(OwnedHandle):
         from .attention_plan import AttentionPlan
 
         seqs = list(seqs)
-        lens = None if q_lens is None else [_index(f"q_lens[{i}]", x, maximum=_U32) for i, x in enumerate(q_lens)]
-        if lens is not None and len(lens) != len(seqs):
-            # The library reads one entry per sequence: a shorter list was
-            # read past its end (a plan of garbage row counts, or q and out
-            # arrays sized for other rows than the kernels use).
-            raise ValueError(f"q_lens has {len(lens)} entries, expected one per sequence ({len(seqs)})")
+        # The library reads one entry per sequence: a shorter list was read
+        # past its end (a plan of garbage row counts, or q and out arrays
+        # sized for other rows than the kernels use).
+        lens = None if q_lens is None else _q_lens(q_lens, len(seqs), "sequence")
         hq = self.num_kv_heads if num_q_heads is None else _index("num_q_heads", num_q_heads, maximum=_U32)
         hq = hq or self.num_kv_heads  # 0 is the library's default, as in attention_decode
         io = DType.F32 if io_dtype is None else DType.parse(io_dtype)

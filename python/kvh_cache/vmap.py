@@ -216,12 +216,10 @@ def attention_prefill_vmap(
     """Chunked causal prefill over views (``kvh_attention_prefill_vmap``): q
     is ``(sum(q_lens), num_q_heads, head_dim)``; equals
     :meth:`Engine.attention_prefill` bit for bit."""
-    from .engine import _U32, _index
+    from .engine import _q_lens
 
     views = _views(views)
-    lens = [_index(f"q_lens[{i}]", x, maximum=_U32) for i, x in enumerate(q_lens)]
-    if len(lens) != len(views):
-        raise ValueError(f"q_lens has {len(lens)} entries, expected one per view ({len(views)})")
+    lens = _q_lens(q_lens, len(views), "view")
     qp, op, out, hq, io = engine._attention_arrays("attention_prefill_vmap", q, sum(lens), out, None)
     prm = engine._attention_params(hq, scale, io, threads, None)
     ql = ffi.new("uint32_t[]", lens or [0])

@@ -3,6 +3,8 @@ then the result must match a NumPy reference."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -142,6 +144,14 @@ def test_plan_q_lens_must_match_the_sequences():
             eng.attention_plan(0, seqs, scale="x")
         with pytest.raises(ValueError, match="scale"):
             eng.attention_decode(0, seqs, np.ones((4, 2, 16), np.float32), scale=float("nan"))
+        # An endless q_lens is refused after one entry too many, not read
+        # for ever.
+        with pytest.raises(ValueError, match=r"q_lens has more than 4 entries"):
+            eng.attention_plan(0, seqs, itertools.repeat(1))
+        with pytest.raises(ValueError, match=r"q_lens has more than 4 entries"):
+            eng.attention_prefill(0, seqs, itertools.repeat(1), np.ones((4, 2, 16), np.float32))
+        with pytest.raises(ValueError, match=r"q_lens has more than 4 entries"):
+            eng.attention_prefill(0, seqs, range(1 << 62), np.ones((4, 2, 16), np.float32))
         plan = eng.attention_plan(0, seqs, [1, 2, 1, 1])
         out = plan.run(np.ones((5, 2, 16), np.float32))
         assert out.shape == (5, 2, 16) and np.isfinite(out).all()

@@ -119,6 +119,8 @@ def test_attention_over_views_checks_its_arguments():
                 eng.attention_prefill_vmap([vm], [1.5], q)
             with pytest.raises(ValueError, match=r"q_lens\[0\]"):
                 eng.attention_prefill_vmap([vm], [-1], q)
+            with pytest.raises(ValueError, match=r"q_lens has more than 1 entries"):
+                eng.attention_prefill_vmap([vm], range(1 << 62), q)  # refused, not read for ever
             assert eng.attention_prefill_vmap([vm], [1], q).shape == (1, 2, 64)
 
 
