@@ -504,17 +504,20 @@ int kvhi_index_load(kvhi_disk *d, bool reset, kvhi_index_list *out, char *msg, s
         snprintf(msg, msg_len, "%s holds no kvh store (no index file)", d->path);
         return KVHI_INDEX_IO;
     }
-    /* Neither file: a new store, or one whose creation a crash cut short
-     * (slabs made, index not yet). Strict keeps that reading even beside
-     * slab files; otherwise their slots are scanned below. */
-    if (!have_index && !have_journal && (d->slab_bytes_found == 0 || d->strict_index)) {
-        if (d->slab_bytes_found)
-            snprintf(out->note, sizeof(out->note),
-                     "disk tier: %s: neither index nor journal beside %" PRIu64
-                     " bytes of slab files: disk_strict_index=1 starts the store empty (with 0 an open "
-                     "rebuilds the index from the slot headers)",
-                     d->path, (uint64_t)d->slab_bytes_found);
+    /* Neither file and no slab file: a new store. Beside slab files it is
+     * a creation a crash cut short (slabs made, index not yet) or a store
+     * whose two files were lost: their slots are scanned below, and
+     * strict, which scans nothing, refuses rather than start empty over
+     * blocks a scan would have kept. */
+    if (!have_index && !have_journal && d->slab_bytes_found == 0)
         return create_store(d, msg, msg_len);
+    if (!have_index && !have_journal && d->strict_index) {
+        snprintf(msg, msg_len,
+                 "%s: neither index nor journal beside %" PRIu64
+                 " bytes of slab files (the two files were lost, or a crash cut the store's creation short; "
+                 "disk_strict_index is set; 0 rebuilds the index from the slot headers)",
+                 d->path, (uint64_t)d->slab_bytes_found);
+        return KVHI_INDEX_CORRUPT;
     }
 
     kvhi_index_header sh, jh;

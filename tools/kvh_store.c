@@ -105,7 +105,7 @@ static int open_store(const char *path, kvhi_disk *d)
         fprintf(stderr,
                 "kvh-store: %s has no readable index or journal header (not a kvh store, or both are missing "
                 "or damaged): its geometry is unknown here; an engine opened with it rebuilds the index from "
-                "the slab files (disk_strict_index=1 starts the store empty)\n",
+                "the slab files (disk_strict_index=1 refuses it)\n",
                 path);
         return -1;
     }

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import kvh_cache as kvh
-from kvh_testutil import kv_data, make_engine
+from kvh_testutil import filled_seq, kv_data, make_engine
 
 HERE = Path(__file__).resolve().parent
 CHAINS = 12
@@ -148,3 +148,21 @@ def test_forked_worker_does_not_keep_the_store(tmp_path):
     finally:
         os.close(w)
         os.waitpid(pid, 0)
+
+
+def test_strict_refuses_a_store_whose_index_and_journal_are_gone(tmp_path):
+    """Strict took a store with neither index nor journal beside full slab
+    files for a creation cut short and started it empty, writing a fresh
+    index over blocks a default open would have rebuilt: `kvh stats`, which
+    opens strict, lost them all that way."""
+    store = str(tmp_path / "store")
+    with make_engine(disk_path=store, disk_bytes=1 << 20) as eng:
+        seq, _ = filled_seq(eng, 48)
+        seq.persist()
+    os.unlink(os.path.join(store, "index"))
+    os.unlink(os.path.join(store, "journal"))
+    with pytest.raises(kvh.CorruptionError, match="neither index nor journal"):
+        make_engine(disk_path=store, disk_bytes=1 << 20, disk_strict_index=True)
+    assert not os.path.exists(os.path.join(store, "index"))
+    with make_engine(disk_path=store, disk_bytes=1 << 20) as eng:
+        assert len(eng.prefix_lookup(np.arange(48))) == 3

@@ -335,11 +335,12 @@ typedef struct kvh_config {
      * `journal` failing its checksum, a snapshot shorter than its header
      * says, one of the two files missing while the other is there, or
      * their headers naming different stores (a file put back from another
-     * store). A
+     * store), or both missing beside slab files (lost, or a creation cut
+     * short: either way only a scan of the slots can tell). A
      * journal ending in a torn record, as a crash can leave it, is cut
-     * there; both files missing, or a new store's journal alone (no
-     * record ever taken), is a store whose creation was cut short, which
-     * starts empty. Default 0: the open rebuilds the index from the
+     * there; a new store's journal alone (no record ever taken) is a
+     * store whose creation was cut short, which starts empty. Default 0:
+     * the open rebuilds the index from the
      * slot headers, each slot checked in full (data included), in all of
      * these cases, and where both files are missing beside slab files:
      * every block whose slot verifies is kept, the ones dropped and the
