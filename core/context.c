@@ -212,6 +212,8 @@ kvh_status kvhi_context_create(kvh_engine *e, const kvh_context_params *p, kvh_c
         free(x);
         return kvhi_fail(KVH_ERR_NOMEM, "out of memory for a context");
     }
+    if (!x->name[0]) /* unnamed: messages name it by its handle */
+        snprintf(x->name, sizeof(x->name), "0x%llx", (unsigned long long)out->id);
     return KVH_OK;
 }
 
@@ -365,7 +367,11 @@ kvh_status kvhi_context_add_region(kvh_engine *e, kvhi_context *x, const kvh_wei
                      .pinned = p->pinned != 0,
                      .tier = KVHI_NO_TIER,
                      .alloc_tier = KVHI_NO_TIER};
-    snprintf(r.name, sizeof(r.name), "%s", p->name ? p->name : "");
+    /* Unnamed: messages name it by the index it gets. */
+    if (p->name && p->name[0])
+        snprintf(r.name, sizeof(r.name), "%s", p->name);
+    else
+        snprintf(r.name, sizeof(r.name), "#%u", x->n_regions);
     r.n_chunks = (uint32_t)n_chunks;
     r.chunk_crc = calloc(r.n_chunks, sizeof(uint32_t));
     if (!r.chunk_crc) {

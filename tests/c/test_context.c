@@ -632,6 +632,34 @@ static void demote_goes_to_disk_where_the_host_cannot_take_it(void **state)
     }
 }
 
+/* Unnamed contexts and regions are named in messages by handle and index
+ * ("weight region '' of context ''" said nothing). A region from bytes
+ * with neither host nor disk tier to go to cannot leave the device tier. */
+static void unnamed_ones_are_named_by_handle_and_index(void **state)
+{
+    mode md = MODE(state);
+    kvh_engine *e = open_engine(md, 64, 0, NULL);
+    kvh_context w, none = {0};
+    assert_ok(kvh_context_create(e, NULL, &w));
+    static uint8_t weights[2][4096];
+    for (int i = 0; i < 2; i++) {
+        kvh_weight_region_params rp;
+        assert_ok(kvh_weight_region_params_init(&rp, sizeof(rp)));
+        rp.size = sizeof(weights[i]);
+        rp.bytes = weights[i];
+        uint32_t idx;
+        assert_ok(kvh_context_add_region(e, w, &rp, &idx));
+        assert_int_equal(idx, i);
+    }
+    assert_ok(kvh_context_switch(e, none, w, NULL));
+    assert_kvh(KVH_ERR_NOSPACE, kvh_context_switch(e, w, none, NULL));
+    char want[96];
+    snprintf(want, sizeof(want), "of context '0x%llx'", (unsigned long long)w.id);
+    assert_non_null(strstr(kvh_last_error(), want));
+    assert_true(strstr(kvh_last_error(), "weight region '#1'") || strstr(kvh_last_error(), "weight region '#0'"));
+    assert_ok(tu_close(e));
+}
+
 /* The weight slots of each memory tier, in kvh_weight_stats and in the
  * tier's used_blocks alike (no KV here), and the weight bytes resident. */
 static void expect_weights(kvh_engine *e, uint64_t dev_slots, uint64_t dev_bytes, uint64_t host_slots,
@@ -1252,6 +1280,7 @@ int main(void)
         MODES(close_with_contexts),
         MODES(demote_counts_shared_blocks_once),
         MODES(demote_goes_to_disk_where_the_host_cannot_take_it),
+        MODES(unnamed_ones_are_named_by_handle_and_index),
         MODES(tiny_regions_take_a_page_each),
         MODES(regions_beyond_the_pages_are_refused),
         MODES(memory_only_contexts_trade_places),

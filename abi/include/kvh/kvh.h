@@ -1629,7 +1629,9 @@ typedef struct kvh_context_params {
     uint32_t struct_size;
     uint32_t kv_policy;   /* kvh_context_kv_policy; default KEEP */
     uint64_t chunk_bytes; /* checksum and I/O unit; default 2 MiB */
-    const char *name;     /* [borrowed] a NUL-terminated string, copied (its first 63 bytes kept); may be NULL */
+    /* [borrowed] a NUL-terminated string, copied (its first 63 bytes
+     * kept); NULL or empty: messages name the context by its handle. */
+    const char *name;
 } kvh_context_params;
 
 /* Defaults for a struct of struct_size bytes. [borrowed] params.
@@ -1650,10 +1652,12 @@ KVH_API kvh_status kvh_context_destroy(kvh_engine *engine, kvh_context ctx);
 
 typedef struct kvh_weight_region_params {
     uint32_t struct_size;
-    uint32_t layer;   /* load order: a switch brings regions in ascending
-                         layer order; default 0 */
-    const char *name; /* [borrowed] a NUL-terminated string, copied (its first 63 bytes kept); may be NULL */
-    uint64_t size;    /* bytes, > 0 */
+    uint32_t layer; /* load order: a switch brings regions in ascending
+                       layer order; default 0 */
+    /* [borrowed] a NUL-terminated string, copied (its first 63 bytes
+     * kept); NULL or empty: messages name the region "#index". */
+    const char *name;
+    uint64_t size; /* bytes, > 0 */
     /* Source, one of the two:
      * bytes: [borrowed] size bytes copied in by the call; the engine's copy
      *   is then the only one, so it is written (not dropped) on demotion.
