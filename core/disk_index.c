@@ -217,7 +217,7 @@ static void new_store_id(kvhi_disk *d)
 }
 
 /* A new (or reset) store: random id, empty snapshot, empty journal. */
-static int create_store(kvhi_disk *d, char *msg, size_t msg_len)
+static int create_store(kvhi_disk *d, kvhi_index_list *out, char *msg, size_t msg_len)
 {
     new_store_id(d);
     d->next_seq = 1;
@@ -240,6 +240,7 @@ static int create_store(kvhi_disk *d, char *msg, size_t msg_len)
         rc = replace_file(d, "index", hdr, NULL, 0, NULL);
     if (rc != 0) {
         snprintf(msg, msg_len, "cannot create the index in %s: %s", d->path, strerror(-rc));
+        out->io_err = rc;
         return KVHI_INDEX_IO;
     }
     return KVHI_INDEX_OK;
@@ -480,12 +481,13 @@ int kvhi_index_load(kvhi_disk *d, bool reset, kvhi_index_list *out, char *msg, s
     d->pending_len = d->pending_cap = d->flushing_cap = 0;
     memset(out, 0, sizeof(*out));
     if (reset)
-        return create_store(d, msg, msg_len);
+        return create_store(d, out, msg, msg_len);
     uint8_t *snap = NULL, *jr = NULL;
     size_t snap_len = 0, jr_len = 0;
     int rc = read_file(d, "index", &snap, &snap_len);
     if (rc != 0 && rc != -ENOENT) {
         snprintf(msg, msg_len, "cannot read %s/index: %s", d->path, strerror(-rc));
+        out->io_err = rc;
         return KVHI_INDEX_IO;
     }
     bool have_index = rc == 0;
@@ -495,6 +497,7 @@ int kvhi_index_load(kvhi_disk *d, bool reset, kvhi_index_list *out, char *msg, s
          * replace it; the open fails and can be retried. */
         free(snap);
         snprintf(msg, msg_len, "cannot read %s/journal: %s", d->path, strerror(-rc));
+        out->io_err = rc;
         return KVHI_INDEX_IO;
     }
     bool have_journal = rc == 0;
@@ -510,7 +513,7 @@ int kvhi_index_load(kvhi_disk *d, bool reset, kvhi_index_list *out, char *msg, s
      * strict, which scans nothing, refuses rather than start empty over
      * blocks a scan would have kept. */
     if (!have_index && !have_journal && d->slab_bytes_found == 0)
-        return create_store(d, msg, msg_len);
+        return create_store(d, out, msg, msg_len);
     if (!have_index && !have_journal && d->strict_index) {
         snprintf(msg, msg_len,
                  "%s: neither index nor journal beside %" PRIu64
@@ -531,7 +534,7 @@ int kvhi_index_load(kvhi_disk *d, bool reset, kvhi_index_list *out, char *msg, s
             snprintf(msg, msg_len, "%s holds no kvh store (no index file, an empty journal)", d->path);
             return KVHI_INDEX_IO;
         }
-        return create_store(d, msg, msg_len);
+        return create_store(d, out, msg, msg_len);
     }
     /* The journal header names the same geometry and store when the index
      * header cannot be read. */
@@ -566,6 +569,7 @@ int kvhi_index_load(kvhi_disk *d, bool reset, kvhi_index_list *out, char *msg, s
     if (!m.at || !m.items || !m.tokens || !tk) {
         free(m.at), free(m.items), free(m.tokens), free(tk), free(snap), free(jr);
         snprintf(msg, msg_len, "out of memory loading the index");
+        out->io_err = -ENOMEM;
         return KVHI_INDEX_IO;
     }
     memset(m.at, 0xFF, sizeof(uint32_t) * cap);
@@ -686,6 +690,7 @@ int kvhi_index_load(kvhi_disk *d, bool reset, kvhi_index_list *out, char *msg, s
             free(m.at), free(m.items), free(m.tokens);
             snprintf(msg, msg_len, "%s: %s, and reading the slots to rebuild it failed: %s", d->path, dm.what,
                      strerror(-rc));
+            out->io_err = rc;
             return KVHI_INDEX_IO;
         }
         out->rewrite = !d->read_only;
@@ -716,6 +721,7 @@ int kvhi_index_load(kvhi_disk *d, bool reset, kvhi_index_list *out, char *msg, s
         free(m.items), free(m.tokens);
         snprintf(msg, msg_len, "cannot %s %s/%s: %s", out->rewrite ? "write the rebuilt index to" : "open", d->path,
                  out->rewrite ? "index" : "journal", strerror(-rc));
+        out->io_err = rc;
         return KVHI_INDEX_IO;
     }
     out->items = m.items;

@@ -28,6 +28,8 @@ typedef struct kvhi_index_list {
     char note[512];       /* what was damaged and rebuilt, for the log */
     char damage[96];      /* the first damage that d->strict_index refuses
                              (KVHI_INDEX_CORRUPT), when not set; "" when none */
+    int io_err;           /* with KVHI_INDEX_IO: the -errno behind it (-ENOMEM, a
+                             full disk), 0 when there is none */
 } kvhi_index_list;
 
 enum kvhi_index_result {

@@ -194,8 +194,8 @@ kvh_status kvhi_disk_tier_open(kvh_engine *e, const kvh_config *cfg, const char 
         kvhi_index_close(d);
         ir = kvhi_index_load(d, true, &e->disk_recovery, msg, sizeof(msg));
     }
-    if (ir != KVHI_INDEX_OK)
-        return kvhi_fail(KVH_ERR_IO, "%s", msg);
+    if (ir != KVHI_INDEX_OK) /* out of memory, a full disk: said as such */
+        return kvhi_fail(e->disk_recovery.io_err ? kvhi_io_status(e->disk_recovery.io_err) : KVH_ERR_IO, "%s", msg);
     /* Only once the store is known to be this engine's: an open refused
      * above (another geometry, damage under strict) leaves the slab files
      * it found as they were and makes none. The O_DIRECT probe runs again
@@ -313,7 +313,7 @@ static kvh_status snapshot(kvh_engine *e)
     if (rc == 0)
         rc = kvhi_index_compact(e->disk, ents, k);
     free(ents);
-    return rc == 0 ? KVH_OK : kvhi_fail(KVH_ERR_IO, "cannot write the disk index: %s", strerror(-rc));
+    return rc == 0 ? KVH_OK : kvhi_fail(kvhi_io_status(rc), "cannot write the disk index: %s", strerror(-rc));
 }
 
 kvh_status kvhi_disk_tier_close(kvh_engine *e, bool flush)

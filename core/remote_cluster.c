@@ -89,6 +89,7 @@ typedef struct reply_sink {
 } reply_sink;
 
 struct kvhi_cluster {
+    bool node_no_memory; /* the last NO_NODE from node_of was out of memory */
     pthread_mutex_t lock;
     reply_sink sink;
     const kvhi_hiredis *h;
@@ -199,9 +200,10 @@ static breaker *breaker_of(kvhi_breakers *b, const char *host, int port)
 }
 
 /* The node at host:port, added when new; NO_NODE when the table is full
- * (or no memory). */
+ * (or no memory: node_no_memory says which). */
 static uint32_t node_of(kvhi_cluster *c, const char *host, size_t host_len, int port)
 {
+    c->node_no_memory = false;
     if (host_len >= sizeof(c->nodes[0].host))
         return NO_NODE;
     for (uint32_t i = 0; i < c->n_nodes; i++)
@@ -212,8 +214,10 @@ static uint32_t node_of(kvhi_cluster *c, const char *host, size_t host_len, int 
         return NO_NODE;
     if ((c->n_nodes & (c->n_nodes - 1)) == 0) { /* grow at powers of two */
         node *more = realloc(c->nodes, sizeof(node) * (c->n_nodes ? 2 * c->n_nodes : 4));
-        if (!more)
+        if (!more) {
+            c->node_no_memory = true;
             return NO_NODE;
+        }
         c->nodes = more;
     }
     node *nd = &c->nodes[c->n_nodes];
@@ -221,8 +225,10 @@ static uint32_t node_of(kvhi_cluster *c, const char *host, size_t host_len, int 
     memcpy(nd->host, host, host_len);
     nd->host[host_len] = '\0';
     nd->port = port;
-    if (!(nd->breaker = breaker_of(c->breakers, nd->host, port)))
+    if (!(nd->breaker = breaker_of(c->breakers, nd->host, port))) {
+        c->node_no_memory = true;
         return NO_NODE;
+    }
     return c->n_nodes++;
 }
 
@@ -808,10 +814,17 @@ int kvhi_cluster_open(const kvhi_cluster_opts *opts, kvhi_cluster **out, char *e
         size_t len = strcspn(p, ",");
         while (len && (p[len - 1] == ' ' || p[len - 1] == '\t'))
             len--;
+        c->node_no_memory = false;
         if (len && node_of_addr(c, p, len) == NO_NODE) {
-            snprintf(err, err_len, "remote address '%.*s' is not host:port", (int)(len > 200 ? 200 : len), p);
+            bool no_memory = c->node_no_memory;
+            if (no_memory)
+                snprintf(err, err_len, "out of memory for the remote tier's node table");
+            else if (c->n_nodes >= MAX_NODES)
+                snprintf(err, err_len, "more than %u remote addresses", (unsigned)MAX_NODES);
+            else
+                snprintf(err, err_len, "remote address '%.*s' is not host:port", (int)(len > 200 ? 200 : len), p);
             kvhi_cluster_close(c);
-            return KVHI_CLUSTER_BAD_ADDR;
+            return no_memory ? KVHI_CLUSTER_NO_MEMORY : KVHI_CLUSTER_BAD_ADDR;
         }
         p += len;
         p += strspn(p, " \t,");

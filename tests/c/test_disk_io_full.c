@@ -159,7 +159,7 @@ static int full_child(void *p, int ready_fd)
     }
     if (a->close_at_end) {
         st = kvh_engine_close(e);
-        if (st != KVH_OK && st != KVH_ERR_IO && st != KVH_ERR_NOMEM) {
+        if (st != KVH_OK && st != KVH_ERR_IO && st != KVH_ERR_NOMEM && st != KVH_ERR_NOSPACE) {
             fprintf(stderr, "child: close: %s\n", kvh_status_name(st));
             return 8;
         }

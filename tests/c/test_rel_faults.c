@@ -827,6 +827,96 @@ static void test_prefetch_alloc_failures(void **state)
     assert_true(skipped_runs > 0);
 }
 
+/* Opening a store with the n-th allocation failing, its index loaded or
+ * (both index and journal gone) rebuilt from the slot headers: the open
+ * fails with KVH_ERR_NOMEM or succeeds (it said KVH_ERR_IO, "cannot read
+ * .../index: Cannot allocate memory"), and a later open finds every
+ * persisted block. */
+static void test_index_load_alloc_failures(void **state)
+{
+    (void)state;
+    char dir[PATH_MAX], path[PATH_MAX + 16];
+    dt_scratch("index-nomem", dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 16, 16, 32, 0);
+    const dt_content a = dt_plain(5);
+    const size_t len = 4 * G.bt;
+    for (int rebuild = 0; rebuild < 2; rebuild++) {
+        long failed = 0;
+        for (long n = 1;; n++) {
+            dt_rmrf(dir);
+            kvh_engine *e = dt_open_a(&c);
+            kvh_seq s;
+            assert_int_equal(dt_build(e, G, a, len, 0, &s), KVH_OK);
+            assert_int_equal(kvh_seq_persist(e, s), KVH_OK);
+            assert_int_equal(dt_close(e), KVH_OK);
+            for (int f = 0; rebuild && f < 2; f++) {
+                snprintf(path, sizeof(path), "%s/%s", dir, f ? "journal" : "index");
+                assert_int_equal(unlink(path), 0);
+            }
+            kvh_engine *opened = NULL;
+            rl_alloc_arm(n, false, true);
+            kvh_status st = kvh_engine_open(&c, &opened);
+            long fired = rl_alloc_fired();
+            rl_alloc_disarm();
+            if (st == KVH_OK)
+                assert_int_equal(dt_close(opened), KVH_OK);
+            else if (st != KVH_ERR_NOMEM)
+                fail_msg("%s, allocation %ld failing: the open returned %s (%s)", rebuild ? "rebuild" : "load", n,
+                         kvh_status_name(st), kvh_last_error());
+            failed += fired > 0;
+            e = dt_open_a(&c);
+            int32_t tok[4 * 16];
+            dt_tokens(a, 0, len, tok);
+            kvh_seq m;
+            size_t matched = 0;
+            assert_int_equal(kvh_seq_create(e, 0, &m), KVH_OK);
+            assert_int_equal(kvh_seq_match_prefix(e, m, tok, len, &matched), KVH_OK);
+            if (matched != len)
+                fail_msg("allocation %ld failed in the open: a later one found %zu of %zu tokens", n, matched, len);
+            char msg[256] = "";
+            if (dt_verify(e, m, G, a, 0, len, msg, sizeof(msg)) != KVH_OK)
+                fail_msg("allocation %ld failed in the open: %s", n, msg);
+            assert_int_equal(dt_close(e), KVH_OK);
+            if (!fired)
+                break;
+        }
+        assert_true(failed > 0);
+    }
+}
+
+/* An engine open with a remote tier of several addresses (none
+ * listening) and the n-th allocation failing: KVH_ERR_NOMEM or KVH_OK,
+ * never KVH_ERR_INVALID_ARG "remote address ... is not host:port" for a
+ * node table that could not grow. */
+static void test_remote_open_alloc_failures(void **state)
+{
+    (void)state;
+    kvh_config c = dt_cfg(G, NULL, 16, 16, 0, 0);
+    c.remote_addrs = "127.0.0.1:1, localhost:1, [::1]:1, 127.0.0.2:1, 127.0.0.3:1";
+    c.remote_timeout_ms = 20;
+    kvh_engine *e = NULL;
+    kvh_status st = kvh_engine_open(&c, &e);
+    if (st == KVH_ERR_UNSUPPORTED)
+        skip(); /* built without the remote tier */
+    assert_int_equal(st, KVH_OK);
+    assert_int_equal(dt_close(e), KVH_OK);
+    long failed = 0;
+    for (long n = 1;; n++) {
+        rl_alloc_arm(n, false, true);
+        st = kvh_engine_open(&c, &e);
+        long fired = rl_alloc_fired();
+        rl_alloc_disarm();
+        if (st == KVH_OK)
+            assert_int_equal(dt_close(e), KVH_OK);
+        else if (st != KVH_ERR_NOMEM)
+            fail_msg("allocation %ld failing: the open returned %s (%s)", n, kvh_status_name(st), kvh_last_error());
+        failed += fired > 0;
+        if (!fired)
+            break;
+    }
+    assert_true(failed > 0);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -836,6 +926,8 @@ int main(void)
         cmocka_unit_test(test_admission_alloc_failures),
         cmocka_unit_test_teardown(test_match_prefix_alloc_failures, rl_teardown),
         cmocka_unit_test_teardown(test_prefetch_alloc_failures, rl_teardown),
+        cmocka_unit_test_teardown(test_index_load_alloc_failures, rl_teardown),
+        cmocka_unit_test_teardown(test_remote_open_alloc_failures, rl_teardown),
     };
     return cmocka_run_group_tests_name("rel_faults", tests, group_setup, group_teardown);
 }

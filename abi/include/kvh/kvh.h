@@ -493,7 +493,8 @@ KVH_API kvh_status kvh_config_from_env(kvh_config *config, size_t struct_size, c
  * KVH_ERR_BUSY (another engine has the store open), KVH_ERR_MISMATCH (a
  * store of another geometry or model_salt), KVH_ERR_CORRUPT (a damaged
  * index or journal with disk_strict_index set; otherwise they are rebuilt
- * from the slot headers), KVH_ERR_NOSPACE (its slab files cannot even be
+ * from the slot headers), KVH_ERR_NOSPACE (no room left on the disk to
+ * write its index or journal; or its slab files cannot even be
  * sized: where the filesystem refuses to preallocate them, or has too
  * little room to hold them and keep a twentieth of its size (up to 1 GiB)
  * free, they are opened sparse and grow on demand, with a warning in the
@@ -514,8 +515,8 @@ KVH_API kvh_status kvh_engine_open(const kvh_config *config, kvh_engine **engine
  * they can, the struct of every closed engine (about 5 KiB) stays
  * allocated until 16 more engines have closed, and the last 16 are not
  * freed when the library is unloaded (dlclose). Returns
- * KVH_ERR_IO or KVH_ERR_NOMEM when the disk tier's index cannot be
- * written (the engine is freed all the same). Close an engine once: a
+ * KVH_ERR_IO, KVH_ERR_NOMEM or KVH_ERR_NOSPACE (a full disk) when the
+ * disk tier's index cannot be written (the engine is freed all the same). Close an engine once: a
  * second close that starts while the first is still waiting gets
  * KVH_ERR_CLOSED and frees nothing, but one that starts after the first
  * returned uses freed memory, as any call would. In a child process made
