@@ -9,6 +9,7 @@
 #include <inttypes.h>
 #include <stdlib.h>
 #include <string.h>
+#include <dirent.h>
 #include <sys/file.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -105,6 +106,19 @@ static void disk_free(kvhi_disk *d)
     free(d);
 }
 
+/* Descriptors the process has open now; 64 when /proc cannot say. */
+static uint64_t descriptors_open(void)
+{
+    DIR *dir = opendir("/proc/self/fd");
+    if (!dir)
+        return 64;
+    uint64_t n = 0;
+    for (struct dirent *ent; (ent = readdir(dir));)
+        n += ent->d_name[0] != '.';
+    closedir(dir);
+    return n > 0 ? n - 1 : 0; /* less the directory's own */
+}
+
 /* Every slab file stays open while the engine is: a disk_bytes that needs
  * more of them than the process may open failed midway ("Too many open
  * files"), leaving thousands of empty slab files behind. Where the hard
@@ -113,9 +127,12 @@ static void disk_free(kvhi_disk *d)
 static kvh_status check_slab_files(kvh_engine *e, const kvh_config *cfg, uint64_t slots, uint64_t slot_bytes)
 {
     uint64_t per = kvhi_disk_slab_slots(slot_bytes);
+    uint64_t slabs = (slots + per - 1) / per;
     /* Beside the slabs: the index, journal, lock and directory, a ring per
-     * disk lane, and a margin for whatever else the process holds. */
-    uint64_t need = (slots + per - 1) / per + 64;
+     * disk lane, what the process holds already, and a margin for the
+     * rest (remote connections, files the caller opens meanwhile). */
+    uint64_t own = 8 + cfg->migration_threads + 4, in_use = descriptors_open(), margin = 16;
+    uint64_t need = slabs + own + in_use + margin;
     struct rlimit lim;
     if (getrlimit(RLIMIT_NOFILE, &lim) != 0 || lim.rlim_cur == RLIM_INFINITY || need <= lim.rlim_cur)
         return KVH_OK;
@@ -126,17 +143,19 @@ static kvh_status check_slab_files(kvh_engine *e, const kvh_config *cfg, uint64_
             kvhi_log(e, KVH_LOG_INFO,
                      "disk tier: disk_bytes %llu keeps %llu slab files open: the open-file limit (RLIMIT_NOFILE) "
                      "is raised from %llu to %llu",
-                     (unsigned long long)cfg->disk_bytes, (unsigned long long)(need - 64), (unsigned long long)was,
+                     (unsigned long long)cfg->disk_bytes, (unsigned long long)slabs, (unsigned long long)was,
                      (unsigned long long)need);
             return KVH_OK;
         }
     }
     return kvhi_fail(KVH_ERR_INVALID_ARG,
                      "disk_bytes %llu needs %llu slab files (of at most 1 GiB each, all kept open), more than this "
-                     "process may open (RLIMIT_NOFILE %llu, hard limit %llu, less 64 for the rest): give a smaller "
-                     "disk_bytes or raise the hard limit",
-                     (unsigned long long)cfg->disk_bytes, (unsigned long long)(need - 64),
-                     (unsigned long long)lim.rlim_cur, (unsigned long long)lim.rlim_max);
+                     "process may open (RLIMIT_NOFILE %llu, hard limit %llu, with %llu descriptors open already, "
+                     "%llu more for the disk tier's own files and %llu spare): give a smaller disk_bytes or raise "
+                     "the hard limit",
+                     (unsigned long long)cfg->disk_bytes, (unsigned long long)slabs, (unsigned long long)lim.rlim_cur,
+                     (unsigned long long)lim.rlim_max, (unsigned long long)in_use, (unsigned long long)own,
+                     (unsigned long long)margin);
 }
 
 kvh_status kvhi_disk_tier_open(kvh_engine *e, const kvh_config *cfg, const char *path)
