@@ -460,9 +460,31 @@ static kvhi_disk_lane *lane_create(kvhi_disk *d)
         else
             io_uring_queue_exit(&l->ring);
     }
-    if (!l->has_ring && !d->warning[0])
-        snprintf(d->warning, sizeof(d->warning), "disk tier: io_uring unavailable; using pread/pwrite");
     return l;
+}
+
+const char *kvhi_disk_ring_unavailable(const kvhi_disk *d, char *why, size_t len)
+{
+    struct io_uring ring;
+    int rc = io_uring_queue_init(d->queue_depth, &ring, 0);
+    if (rc < 0) {
+        snprintf(why, len, "disk tier: io_uring unavailable (io_uring_setup: %s); using pread and pwrite",
+                 strerror(-rc));
+        return why;
+    }
+    void *page = NULL;
+    if (posix_memalign(&page, KVHI_DISK_ALIGN, KVHI_DISK_ALIGN) == 0) {
+        struct iovec iov = {.iov_base = page, .iov_len = KVHI_DISK_ALIGN};
+        rc = io_uring_register_buffers(&ring, &iov, 1);
+        if (rc < 0)
+            snprintf(why, len, "disk tier: io_uring buffers cannot be registered (%s); using pread and pwrite",
+                     strerror(-rc));
+        else
+            io_uring_unregister_buffers(&ring);
+        free(page);
+    }
+    io_uring_queue_exit(&ring);
+    return rc < 0 ? why : NULL;
 }
 
 kvhi_disk_lane *kvhi_disk_lane_get(kvhi_disk *d)
@@ -601,13 +623,8 @@ static void do_runs(kvhi_disk *d, kvhi_disk_lane *l, io_run *runs, uint32_t nr, 
             io_uring_submit(&l->ring);
             for (uint32_t k = 0; k < pending; k++) {
                 struct io_uring_cqe *cqe;
-                int rc = lane_wait_cqe(l, &cqe, pending - k);
-                if (rc < 0) {
-                    for (uint32_t r = 0; r < nr; r++)
-                        if (!run_err[r])
-                            run_err[r] = rc;
-                    break;
-                }
+                if (lane_wait_cqe(l, &cqe, pending - k) < 0)
+                    break; /* the ring is unusable: pread and pwrite below redo what it left (the same bytes) */
                 uint32_t r = (uint32_t)io_uring_cqe_get_data64(cqe);
                 if (cqe->res < 0)
                     run_err[r] = cqe->res; /* io_redo ones are done below */
@@ -622,6 +639,8 @@ static void do_runs(kvhi_disk *d, kvhi_disk_lane *l, io_run *runs, uint32_t nr, 
                     sink->fn(sink->ctx, runs[r].first, runs[r].count);
                 }
             }
+            if (!l->has_ring)
+                break;
         }
         for (uint32_t r = 0; r < nr; r++)
             if (io_redo(run_err[r]))
@@ -813,8 +832,8 @@ int kvhi_disk_read_into(kvhi_disk *d, kvhi_disk_lane *l, uint32_t slot, uint8_t 
         }
     }
     lane_settle(l);
-    if (err)
-        return err;
+    if (err) /* a ring that failed under it leaves the read to the plain path */
+        return l->has_ring ? err : 1;
     *crc_out = crc;
     *header_out = l->arena;
     return 0;
@@ -908,19 +927,28 @@ static int vector_io(kvhi_disk *d, kvhi_disk_lane *l, uint32_t n, const uint32_t
             io_uring_submit(&l->ring);
     }
     /* The first wait submits what is still queued, in the same call. */
+    bool reaped[64] = {false};
     while (pending) {
         struct io_uring_cqe *cqe;
-        int rc = lane_wait_cqe(l, &cqe, pending);
-        if (rc < 0) {
-            /* The ring is unusable; nothing more will arrive. */
-            for (uint32_t r = 0; r < nr; r++)
-                if (!run_err[r])
-                    run_err[r] = rc;
+        if (lane_wait_cqe(l, &cqe, pending) < 0) {
+            /* The ring is unusable (io_uring_enter refused, say): the runs
+             * it left are moved by preadv and pwritev (the same bytes). */
+            for (uint32_t r = 0; r < nr; r++) {
+                if (run_err[r] || reaped[r])
+                    continue;
+                run_err[r] = sync_iov(runs[r].fd, iov + first_iov[r], n_iov[r], runs[r].offset, write);
+                if (!run_err[r] && on_run && !write) {
+                    for (uint32_t k = 0; k < runs[r].count; k++)
+                        results[runs[r].first + k] = 0;
+                    on_run(ctx, runs[r].first, runs[r].count);
+                }
+            }
             break;
         }
         uint32_t r = (uint32_t)io_uring_cqe_get_data64(cqe);
         int res = cqe->res;
         io_uring_cqe_seen(&l->ring, cqe);
+        reaped[r] = true;
         pending--;
         uint64_t want = (uint64_t)runs[r].count * sb, moved = res > 0 ? (uint64_t)res : 0;
         if (io_redo(res)) {

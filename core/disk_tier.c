@@ -224,6 +224,9 @@ kvh_status kvhi_disk_tier_open(kvh_engine *e, const kvh_config *cfg, const char 
         return kvhi_fail(kvhi_io_status(rc), "cannot size slab files in %s: %s", path, strerror(-rc));
     if (d->warning[0])
         kvhi_log(e, KVH_LOG_WARN, "%s", d->warning);
+    char no_ring[256];
+    if (kvhi_disk_ring_unavailable(d, no_ring, sizeof(no_ring)))
+        kvhi_log(e, KVH_LOG_WARN, "%s", no_ring);
     if (d->space_warning[0])
         kvhi_log(e, KVH_LOG_WARN, "%s", d->space_warning);
     kvhi_tier *t = &e->tiers[KVH_TIER_DISK];
