@@ -450,6 +450,13 @@ static int rebuild_from_slots(kvhi_disk *d, live_map *m, bool id_known, kvhi_ind
         if (p != UINT32_MAX && (m->at[s] == UINT32_MAX || m->items[m->at[s]].hash != found[p].hash))
             out->rescued++;
     }
+    /* Slots that check out but that nothing vouches for (never published,
+     * named by no intact record): said in the warning, so that a rebuild
+     * keeping none of a store's slots does not read as an empty store. */
+    for (size_t i = 0; i < n; i++)
+        out->unvouched += pick[found[i].slot] != (uint32_t)i && found[i].store_id == d->store_id &&
+                          found[i].hash != 0 && found[i].n_tokens == bt &&
+                          (!found[i].geo_tag || found[i].geo_tag == d->geo_tag);
     m->n = 0;
     memset(m->at, 0xFF, sizeof(uint32_t) * cap);
     for (uint32_t s = 0; s < d->n_slots; s++) {
@@ -697,8 +704,9 @@ int kvhi_index_load(kvhi_disk *d, bool reset, kvhi_index_list *out, char *msg, s
         snprintf(out->note, sizeof(out->note),
                  "disk tier: %s: %s; rebuilt the index from the slot headers: %zu blocks (%" PRIu64
                  " of them named by no intact record), %" PRIu64 " of the %zu named dropped (their slots failed "
-                 "their checks), %" PRIu64 " damaged records or headers",
-                 d->path, dm.what, m.n, out->rescued, out->bad_slots, named, out->bad_records);
+                 "their checks), %" PRIu64 " damaged records or headers, %" PRIu64
+                 " intact slots left out (never persisted, or written by a kvh whose slots carry no publish mark)",
+                 d->path, dm.what, m.n, out->rescued, out->bad_slots, named, out->bad_records, out->unvouched);
     }
     free(m.at);
     if (d->read_only)

@@ -24,6 +24,7 @@ typedef struct kvhi_index_list {
     bool torn_tail;       /* the journal ends in a torn or damaged record */
     uint64_t bad_slots;   /* entries dropped by a rebuild: their slot failed its check */
     uint64_t rescued;     /* blocks a rebuild took from their slot headers alone */
+    uint64_t unvouched;   /* intact slots a rebuild left out: nothing vouched for them */
     bool rewrite;         /* the index was rebuilt: write a snapshot right away */
     char note[512];       /* what was damaged and rebuilt, for the log */
     char damage[96];      /* the first damage that d->strict_index refuses

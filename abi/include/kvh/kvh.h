@@ -343,9 +343,11 @@ typedef struct kvh_config {
      * the open rebuilds the index from the
      * slot headers, each slot checked in full (data included), in all of
      * these cases, and where both files are missing beside slab files:
-     * every block whose slot verifies is kept, the ones dropped and the
-     * damaged records are counted in kvh_stats corrupt_blocks, and a
-     * warning is logged. The store's identity is then the index header's,
+     * every block whose slot verifies is kept when a persist published it
+     * or an intact record names it, the ones dropped and the damaged
+     * records are counted in kvh_stats corrupt_blocks, and a warning is
+     * logged (it also counts the intact slots left out as never
+     * published). The store's identity is then the index header's,
      * else the journal header's, else (neither readable, or the two of
      * different stores) the one most of the verified slots carry; with
      * no header to go by in this way and every verified slot written
