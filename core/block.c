@@ -409,9 +409,14 @@ __attribute__((always_inline)) static inline kvh_status block_new(kvh_engine *e,
     if (st != KVH_OK) {
         /* Referenced blocks leave memory only for the disk tier: say so
          * when it is the full one. */
+        /* A full file system shows only as refused writes (the slabs
+         * grow on demand): the last one refused, none written since. */
         return kvhi_fail(KVH_ERR_NOSPACE,
                          "no memory tier can make room for a new block (all pinned, held or referenced%s)",
-                         kvhi_disk_tier_full(e) ? ", and the disk tier is full" : "");
+                         kvhi_disk_tier_full(e) ? ", and the disk tier is full"
+                         : e->disk_full_rest_ms ? ", and the disk tier's file system is full (its last write was "
+                                                  "refused for space)"
+                                                : "");
     }
     if (e->block_free_top == 0) { /* taken while the lock was dropped */
         kvhi_release_slot(e, tier, slot);

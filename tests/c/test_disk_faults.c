@@ -497,6 +497,33 @@ static void test_index_fatal_during_a_persist_is_an_io_error(void **state)
     (void)dt_close(e);
 }
 
+/* Memory full of referenced blocks and the disk tier's file system full
+ * (its last write refused for space, slots still free in the pool): a new
+ * block's refusal said only "all pinned, held or referenced", naming no
+ * full disk. */
+static void test_no_room_names_a_full_file_system(void **state)
+{
+    (void)state;
+    char dir[512];
+    dt_scratch("fs-full-message", dir, sizeof(dir));
+    dt_rmrf(dir);
+    kvh_config c = dt_cfg(G, dir, 2, 2, 64, 0);
+    kvh_engine *e = dt_open_a(&c);
+    kvh_seq s;
+    dt_assert_ok(dt_build(e, G, dt_plain(4), 4 * G.bt, 0, &s));
+    arm(KVHI_OP_WRITE, 1, -ENOSPC, true); /* every write refused for space */
+    int32_t t[16];
+    dt_tokens(dt_plain(4), 4 * G.bt, G.bt, t);
+    kvh_status st = kvh_seq_append(e, s, t, G.bt);
+    disarm();
+    assert_int_equal(st, KVH_ERR_NOSPACE);
+    if (!strstr(kvh_last_error(), "file system is full"))
+        fail_msg("the refusal names no full file system: %s", kvh_last_error());
+    dt_assert_ok(kvh_seq_free(e, s));
+    dt_assert_ok(dt_close(e));
+    dt_rmrf(dir);
+}
+
 /* A disk_bytes needing more slab files than the process may open: the
  * open failed midway with "Too many open files" and left every slab it
  * had made (20,000 were seen) in the store. Past the hard limit it is
@@ -1016,6 +1043,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_fsync_failure_is_fatal, setup, teardown),
         cmocka_unit_test_setup_teardown(test_index_fatal_during_a_persist_is_an_io_error, setup, teardown),
         cmocka_unit_test_setup_teardown(test_more_slabs_than_open_files, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_no_room_names_a_full_file_system, setup, teardown),
         cmocka_unit_test_setup_teardown(test_fault_sweep, setup, teardown),
         cmocka_unit_test_setup_teardown(test_transient_read_error_keeps_durable_blocks, setup, teardown),
         cmocka_unit_test_setup_teardown(test_a_failed_fold_does_not_fail_the_persist, setup, teardown),
