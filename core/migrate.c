@@ -639,9 +639,13 @@ kvh_status kvhi_workers_start(kvh_engine *e)
     if (!e->workers)
         return kvhi_fail(KVH_ERR_NOMEM, "out of memory for workers");
     for (uint32_t i = 0; i < e->cfg.migration_threads; i++) {
-        if (pthread_create(&e->workers[i], NULL, worker_main, e) != 0) {
+        int rc = pthread_create(&e->workers[i], NULL, worker_main, e);
+        if (rc != 0) {
             kvhi_workers_stop(e);
-            return kvhi_fail(KVH_ERR_NOMEM, "cannot start migration worker %u", i);
+            return kvhi_fail(KVH_ERR_NOMEM, "cannot start migration worker %u: %s%s", i, strerror(rc),
+                             rc == EAGAIN ? " (the process's thread limit, RLIMIT_NPROC, or memory: fewer "
+                                            "migration_threads, or 0, need fewer)"
+                                          : "");
         }
         e->n_workers++;
     }

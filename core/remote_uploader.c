@@ -6,6 +6,7 @@
  * reads and the network without the lock). A full queue drops the block
  * and counts it in remote_uploads_dropped; close uploads what is queued. */
 #include <stdlib.h>
+#include <string.h>
 
 #include "core/block.h"
 #include "core/host_spare.h"
@@ -104,11 +105,12 @@ kvh_status kvhi_remote_uploader_start(kvh_engine *e)
         return kvhi_fail(KVH_ERR_NOMEM, "out of memory for the remote upload queue");
     r->q_cap = (size_t)cap;
     pthread_cond_init(&r->q_cv, NULL);
-    if (pthread_create(&r->uploader, NULL, uploader_main, e) != 0) {
+    int rc = pthread_create(&r->uploader, NULL, uploader_main, e);
+    if (rc != 0) {
         pthread_cond_destroy(&r->q_cv);
         free(r->queue);
         r->queue = NULL;
-        return kvhi_fail(KVH_ERR_NOMEM, "cannot start the remote uploader thread");
+        return kvhi_fail(KVH_ERR_NOMEM, "cannot start the remote uploader thread: %s", strerror(rc));
     }
     r->uploader_running = true;
     return KVH_OK;

@@ -1,7 +1,9 @@
 /* Public API: configuration, engine lifetime, tier info, stats, status
  * text, version. */
 #include <sched.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "test_util.h"
@@ -860,6 +862,39 @@ static void test_an_arena_too_large_names_both_tiers(void **state)
     assert_non_null(strstr(kvh_last_error(), "host_bytes"));
 }
 
+/* Workers that cannot start (the thread limit, RLIMIT_NPROC, counts for a
+ * user other than root): the open said "cannot start migration worker 0"
+ * and no why. A child process as user nobody, limited to its own one. */
+static void test_a_worker_that_cannot_start_says_why(void **state)
+{
+    (void)state;
+    if (geteuid() != 0)
+        skip(); /* becoming another user needs root */
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        struct rlimit one = {1, 1};
+        if (setgid(65534) != 0 || setuid(65534) != 0 || setrlimit(RLIMIT_NPROC, &one) != 0)
+            _exit(10);
+        kvh_config c = tu_cfg(1, 1, 8, 4, KVH_DTYPE_F32, 4, 4, 2);
+        kvh_engine *e = NULL;
+        kvh_status st = kvh_engine_open(&c, &e);
+        if (st == KVH_OK)
+            _exit(kvh_engine_close(e) == KVH_OK ? 11 : 12); /* the limit did not bite here */
+        if (st != KVH_ERR_NOMEM || !strstr(kvh_last_error(), "RLIMIT_NPROC")) {
+            fprintf(stderr, "%s: %s\n", kvh_status_name(st), kvh_last_error());
+            _exit(13);
+        }
+        _exit(0);
+    }
+    int status = 0;
+    assert_int_equal(waitpid(pid, &status, 0), pid);
+    assert_true(WIFEXITED(status));
+    if (WEXITSTATUS(status) == 11)
+        skip();
+    assert_int_equal(WEXITSTATUS(status), 0);
+}
+
 static void test_last_error_thread_local_cleared(void **state)
 {
     (void)state;
@@ -876,6 +911,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_version, tu_teardown),
+        cmocka_unit_test_teardown(test_a_worker_that_cannot_start_says_why, tu_teardown),
         cmocka_unit_test_teardown(test_absent_numa_node_is_said, tu_teardown),
         cmocka_unit_test_teardown(test_an_arena_too_large_names_both_tiers, tu_teardown),
         cmocka_unit_test_teardown(test_a_cpu_mask_of_absent_cpus_is_said, tu_teardown),
