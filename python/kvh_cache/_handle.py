@@ -494,6 +494,10 @@ class ForkSafeLock:
     def release(self) -> None:
         self._lock.release()
 
+    def held_here(self) -> bool:
+        """Whether this thread holds it (a re-entrant lock only)."""
+        return bool(self._reentrant and self._current()._is_owned())
+
     def __enter__(self) -> "ForkSafeLock":
         self._current().acquire()
         return self
@@ -512,54 +516,52 @@ class WeakBag:
     changes the dict under it: adds and discards are queued and applied
     by the next call, and ``live()`` sees them at once."""
 
-    __slots__ = ("_refs", "_prune_at", "_lock", "_depth", "_forks", "_queued")
+    __slots__ = ("_refs", "_prune_at", "_lock", "_queued")
 
     def __init__(self) -> None:
         self._refs: Dict[int, "weakref.ref[Any]"] = {}
         self._prune_at = 16
         self._lock = ForkSafeLock(reentrant=True)
-        self._depth = 0  # calls of this bag on the thread holding the lock
-        self._forks = _forks
         self._queued: List[Tuple[bool, int, "weakref.ref[Any]"]] = []  # (add?, id, ref), in order
 
     def _enter(self) -> bool:
-        """Takes the lock; True for the outermost call (which may change
-        the dict), False for one inside it on the same thread."""
-        self._lock.acquire()
-        if self._forks != _forks:  # a thread of the parent was inside at the fork
-            self._depth, self._forks = 0, _forks
-        self._depth += 1
-        if self._depth > 1:
+        """Takes the lock and applies what was queued: True. False, taking
+        nothing, inside another call of this bag on the same thread."""
+        if self._lock.held_here():
             return False
-        self._apply_queued()
+        self._lock.acquire()
+        try:
+            self._apply_queued()
+        except BaseException:  # a Ctrl-C: the lock is not left taken
+            self._lock.release()
+            raise
         return True
 
-    def _leave(self) -> None:
-        self._depth -= 1
-        self._lock.release()
-
     def _apply_queued(self) -> None:
+        # Each change is applied before it leaves the queue: one cut short
+        # by a Ctrl-C is applied again (both kinds can be) by the next call.
         while self._queued:
-            add, key, ref = self._queued.pop(0)
+            add, key, ref = self._queued[0]
             if add:
                 self._refs[key] = ref
             else:
                 current = self._refs.get(key)
                 if current is not None and current() is not None and current() is ref():
                     del self._refs[key]
+            self._queued.pop(0)
 
     def add(self, obj: Any) -> None:
         ref = weakref.ref(obj)
         if not self._enter():
             self._queued.append((True, id(obj), ref))
-            return self._leave()
+            return
         try:
             self._refs[id(obj)] = ref  # a dead one's id may be reused
             if len(self._refs) >= self._prune_at:
                 self._refs = {k: r for k, r in self._refs.items() if r() is not None}
                 self._prune_at = max(16, 2 * len(self._refs))
         finally:
-            self._leave()
+            self._lock.release()
 
     def discard(self, obj: Any) -> None:
         if not self._enter():
@@ -567,26 +569,27 @@ class WeakBag:
                 self._queued.append((False, id(obj), weakref.ref(obj)))
             except TypeError:
                 pass  # no weak reference to it: it was never added
-            return self._leave()
+            return
         try:
             ref = self._refs.get(id(obj))
             if ref is not None and ref() is obj:
                 del self._refs[id(obj)]
         finally:
-            self._leave()
+            self._lock.release()
 
     def live(self) -> List[Any]:
-        outermost = self._enter()
-        try:
+        if self._enter():
+            try:
+                refs = dict(self._refs)
+            finally:
+                self._lock.release()
+        else:
             refs = dict(self._refs)  # one C call: whole even amid the outer call's steps
-            if not outermost:
-                for add, key, ref in list(self._queued):
-                    if add:
-                        refs[key] = ref
-                    elif key in refs and refs[key]() is ref():
-                        del refs[key]
-        finally:
-            self._leave()
+            for add, key, ref in list(self._queued):
+                if add:
+                    refs[key] = ref
+                elif key in refs and refs[key]() is ref():
+                    del refs[key]
         return [obj for obj in (r() for r in refs.values()) if obj is not None]
 
 

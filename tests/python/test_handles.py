@@ -321,10 +321,38 @@ def test_a_weak_bag_called_inside_its_own_call_neither_waits_nor_loses():
         bag.discard(gone)
         assert sorted(map(id, bag.live())) == sorted(map(id, [kept, new]))
     finally:
-        bag._leave()
+        bag._lock.release()
     assert sorted(map(id, bag.live())) == sorted(map(id, [kept, new]))
     bag.discard(new)
     assert bag.live() == [kept]
+
+
+def test_a_ctrl_c_while_a_weak_bag_applies_its_queue_leaves_it_usable():
+    """A Ctrl-C raised while queued changes were applied left the bag's
+    lock taken: another thread's live() then waited for good."""
+    import threading
+
+    bag = kvh._handle.WeakBag()
+    kept, new = _Item(), _Item()
+    bag.add(kept)
+    assert bag._enter()
+    bag.add(new)  # queued: inside the call above
+    bag._lock.release()
+
+    class Interrupting(list):
+        def __getitem__(self, i):
+            raise KeyboardInterrupt
+
+    queued, bag._queued = bag._queued, Interrupting(bag._queued)
+    with pytest.raises(KeyboardInterrupt):
+        bag.live()
+    bag._queued = queued
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(bag.live()))
+    t.start()
+    t.join(5)
+    assert not t.is_alive(), "another thread's live() waits for a lock left taken"
+    assert sorted(map(id, seen[0])) == sorted(map(id, [kept, new]))
 
 
 def test_a_signal_handler_truncating_during_acquire_does_not_hang():
