@@ -10,13 +10,26 @@ from typing import NoReturn
 
 from . import errors
 
+
+def _older_library(text: str) -> str:
+    """What a loader error says when the libkvh found lacks a call or a
+    symbol version this binding uses: an older build earlier on the path."""
+    if "undefined symbol: kvh_" not in text and "version `KVH_" not in text:
+        return ""
+    return (
+        " The libkvh the dynamic loader found is older than this binding: LD_LIBRARY_PATH, "
+        "KVH_BUILD_DIR or the system's library path names an older build; point them at the "
+        "libkvh this package was built with, or rebuild it."
+    )
+
+
 try:
     from ._kvh_cffi import ffi, lib  # type: ignore[import-not-found]
 except ImportError as exc:  # pragma: no cover - depends on the install
     raise ImportError(
         "kvh: the compiled binding kvh_cache._kvh_cffi could not be loaded "
-        f"({exc}). Installed package: reinstall it (pip install --force-reinstall kvh-cache). "
-        "Development tree: build libkvh (cmake --build build) and run "
+        f"({exc}).{_older_library(str(exc))} Installed package: reinstall it (pip install --force-reinstall "
+        "kvh-cache). Development tree: build libkvh (cmake --build build) and run "
         "`python3 python/build_cffi.py` (tests/python/conftest.py does it)."
     ) from exc
 

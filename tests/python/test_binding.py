@@ -325,3 +325,16 @@ def test_the_package_loads_its_names_and_submodules_on_first_use():
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2] / "python"))
     res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=60)
     assert res.returncode == 0, res.stderr
+
+
+def test_an_older_library_on_the_path_is_named_as_the_cause():
+    """Against an older libkvh the import failed with the loader's text and
+    advice to reinstall, not saying the library found was the older one."""
+    from kvh_cache._ffi import _older_library
+
+    for text in (
+        "undefined symbol: kvh_engine_owns_thread, version KVH_0",
+        "version `KVH_0_EXPERIMENTAL' not found (required by _kvh_cffi.so)",
+    ):
+        assert "older than this binding" in _older_library(text) and "LD_LIBRARY_PATH" in _older_library(text)
+    assert _older_library("libkvh.so.0: cannot open shared object file") == ""
