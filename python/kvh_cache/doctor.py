@@ -71,9 +71,9 @@ def _as_the_engine_opens(text: str) -> Path:
     as the last component, but a trailing slash makes the system follow
     it; Path drops that slash, so such a link is resolved here."""
     bare = text.rstrip("/")
-    if bare and bare != text and os.path.islink(bare):
+    if bare and bare != text and os.path.islink(bare) and os.path.isdir(text):
         return Path(os.path.realpath(text))
-    return Path(text)
+    return Path(text)  # a dangling link stays one: the engine cannot open it
 
 
 def _config_file(text: str) -> Path:

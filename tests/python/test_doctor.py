@@ -283,6 +283,14 @@ def test_a_link_given_with_a_trailing_slash_is_checked_as_followed(tmp_path, cap
     out = json.loads(capsys.readouterr().out)
     (check,) = [c for c in out["checks"] if c["name"] == "store permissions"]
     assert check["status"] == doctor.FAIL and "symbolic link" in check["summary"], check
+    # A dangling link the engine cannot open, slash or not, fails.
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    given = str(tmp_path / "dangling") + "/"
+    assert _engine_refuses(given)
+    cli.main(["doctor", "--json", "--data-dir", given])
+    out = json.loads(capsys.readouterr().out)
+    (check,) = [c for c in out["checks"] if c["name"] == "store permissions"]
+    assert check["status"] == doctor.FAIL, check
 
 
 def test_doctor_exits_1_for_a_store_directory_others_can_write(tmp_path, capsys):
