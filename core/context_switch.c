@@ -127,6 +127,12 @@ static uint64_t move_context_kv(kvh_engine *e, kvhi_context *x, uint32_t tier)
     return moved;
 }
 
+static int u32_cmp(const void *a, const void *b)
+{
+    uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
+    return x < y ? -1 : x > y;
+}
+
 /* KVH_CONTEXT_KV_DEMOTE's departure: the KV goes to the host tier, and
  * what the host tier cannot take (absent, or full of weights) to the disk
  * tier. What still stays (no room below, held, pinned) is logged: the
@@ -137,14 +143,26 @@ static void demote_context_kv(kvh_engine *e, kvhi_context *x)
     uint64_t moved = move_context_kv(e, x, KVH_TIER_HOST);
     moved += move_context_kv(e, x, KVH_TIER_DISK);
     c->stats.kv_blocks_demoted += moved;
-    uint64_t stayed = 0;
+    /* Blocks the attached sequences share count once. */
+    uint64_t cap = 0, stayed = 0, n = 0;
     for (uint32_t i = 0; i < x->n_seqs; i++) {
+        kvhi_seq *s = kvhi_handles_get(&e->seqs, x->seqs[i], NULL);
+        cap += s ? s->n_blocks : 0;
+    }
+    uint32_t *left = cap ? malloc(sizeof(*left) * cap) : NULL;
+    for (uint32_t i = 0; left && i < x->n_seqs; i++) {
         kvhi_seq *s = kvhi_handles_get(&e->seqs, x->seqs[i], NULL);
         for (uint32_t j = 0; s && j < s->n_blocks; j++) {
             const kvhi_block *b = &e->blocks[s->blocks[j]];
-            stayed += (b->flags & (KVHI_BF_LIVE | KVHI_BF_DEAD)) == KVHI_BF_LIVE && b->tier == KVH_TIER_DEVICE;
+            if ((b->flags & (KVHI_BF_LIVE | KVHI_BF_DEAD)) == KVHI_BF_LIVE && b->tier == KVH_TIER_DEVICE)
+                left[n++] = s->blocks[j];
         }
     }
+    if (n)
+        qsort(left, (size_t)n, sizeof(*left), u32_cmp);
+    for (uint64_t i = 0; i < n; i++)
+        stayed += i == 0 || left[i] != left[i - 1];
+    free(left);
     if (stayed)
         kvhi_log(e, KVH_LOG_WARN,
                  "context '%s': %llu KV blocks stay in the device tier after the switch away (held, pinned, or no "

@@ -168,9 +168,12 @@ class Context(GatedHandle, Closable, Uncopyable):
     :meth:`destroy`, a ``with`` block, or when the engine closes."""
 
     def __init__(self, engine: Any, handle: int, name: str) -> None:
+        # Messages name an unnamed context by its handle, as the library's do.
+        label = repr(name) if name else f"0x{handle:x}"
+        self._label = label
         # A destroy refused (BusyError: a switch runs) leaves the context usable.
         self._gate = HandleGate(
-            lambda: errors.BadHandleError(f"context {name!r} was destroyed", lib.KVH_ERR_BAD_HANDLE),
+            lambda: errors.BadHandleError(f"context {label} was destroyed", lib.KVH_ERR_BAD_HANDLE),
             reopen_if_end_fails=True,
         )
         self._engine = engine
@@ -219,7 +222,7 @@ class Context(GatedHandle, Closable, Uncopyable):
             shown = ", ".join(map(repr, names[:_NAMES_SHOWN]))
             known = f"its regions: {shown} and {len(names) - _NAMES_SHOWN} more"
         raise errors.KvhKeyError(
-            f"context {self._name!r} has no region named {name!r} ({known})", lib.KVH_ERR_INVALID_ARG
+            f"context {self._label} has no region named {name!r} ({known})", lib.KVH_ERR_INVALID_ARG
         )
 
     @property
@@ -228,7 +231,7 @@ class Context(GatedHandle, Closable, Uncopyable):
 
     def _check(self) -> None:
         if self._gate.closed:
-            raise errors.BadHandleError(f"context {self._name!r} was destroyed", lib.KVH_ERR_BAD_HANDLE)
+            raise errors.BadHandleError(f"context {self._label} was destroyed", lib.KVH_ERR_BAD_HANDLE)
 
     _check_usable = _check
 
@@ -384,7 +387,7 @@ class Context(GatedHandle, Closable, Uncopyable):
 
         if not _interruptible(ns, wait_ns):
             raise errors.KvhTimeoutError(
-                f"context {self._name!r}: layer {layer} not resident after {timeout} s", lib.KVH_ERR_TIMEOUT
+                f"context {self._label}: layer {layer} not resident after {timeout} s", lib.KVH_ERR_TIMEOUT
             )
 
     # ---- access ----
@@ -526,7 +529,7 @@ class Context(GatedHandle, Closable, Uncopyable):
             with self._engine._call() as e:
                 st = lib.kvh_context_destroy(e, self._h[0])
             if st:
-                log.debug("kvh: context %r: deferred destroy: status %d; the engine's close frees it", self._name, st)
+                log.debug("kvh: context %s: deferred destroy: status %d; the engine's close frees it", self._label, st)
         except errors.ClosedError:
             pass  # the engine's close freed it
 
@@ -535,7 +538,7 @@ class Context(GatedHandle, Closable, Uncopyable):
     close = destroy
 
     def __repr__(self) -> str:
-        return f"<kvh.Context {self._name!r} regions={len(self._regions)}{' destroyed' if self.destroyed else ''}>"
+        return f"<kvh.Context {self._label} regions={len(self._regions)}{' destroyed' if self.destroyed else ''}>"
 
 
 def weight_stats(engine: Any) -> WeightStats:

@@ -450,3 +450,48 @@ def test_a_child_forked_while_a_thread_pins_gets_unsupported_not_a_hang():
         timeout=120,
     )
     assert res.stdout.strip() == str([0] * 10), res.stdout + res.stderr
+
+
+def test_demote_without_a_host_tier_and_its_warning(tmp_path, caplog):
+    """KV of a demoting context went nowhere without a host tier (it now
+    goes to disk); what stays is counted once however many attached
+    sequences share it (a fork's blocks were counted twice)."""
+    eng = kvh.Engine(
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=16,
+        block_tokens=16,
+        dtype="f32",
+        device_bytes=1 << 20,
+        host_bytes=0,
+        disk_path=str(tmp_path / "store"),
+        disk_bytes=16 << 20,
+    )
+    with eng:
+        a = eng.context("a", kv_policy="demote")
+        b = eng.context("b", kv_policy="demote")
+        a.switch_to()
+        s1 = eng.sequence()
+        s1.append(np.arange(40))
+        k = np.ones((40, 1, 16), np.float32)
+        s1.write_kv(0, 0, k, k)
+        s2 = s1.fork()
+        a.attach(s1)
+        a.attach(s2)
+        s1.pin(0, 16)  # block 0, shared with the fork, cannot leave
+        with caplog.at_level("WARNING", logger="kvh"):
+            b.switch_to(a)
+        assert [s1.block_info(i).tier for i in range(3)] == [kvh.Tier.DEVICE, kvh.Tier.DISK, kvh.Tier.DISK]
+        said = [r.getMessage() for r in caplog.records if "stay in the device tier" in r.getMessage()]
+        assert len(said) == 1 and "1 KV blocks stay" in said[0], said
+        s1.unpin(0, 16)
+
+
+def test_unnamed_contexts_are_told_apart_in_messages():
+    with kvh.Engine(num_layers=1, num_kv_heads=1, head_dim=16, block_tokens=16, dtype="f32") as eng:
+        x, y = eng.context(""), eng.context("")
+        assert repr(x) != repr(y) and "''" not in repr(x), (repr(x), repr(y))
+        x.destroy()
+        with pytest.raises(kvh.BadHandleError) as info:
+            x.info()
+        assert "''" not in str(info.value) and "0x" in str(info.value), str(info.value)
