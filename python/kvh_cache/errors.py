@@ -44,7 +44,10 @@ __all__ = [
 def shown(value: object, limit: int = 80) -> str:
     """repr(value) for a message, cut to about limit characters: a bad
     argument may be a megabyte string or a large array."""
-    text = repr(value)
+    try:
+        text = repr(value)
+    except ValueError:  # an int past Python's digit limit for str()
+        return f"an int of {value.bit_length()} bits" if isinstance(value, int) else f"a {type(value).__name__}"
     return text if len(text) <= limit else f"{text[: limit - 3]}... ({len(text)} characters)"
 
 

@@ -363,3 +363,10 @@ def test_a_huge_bad_value_is_cut_in_the_message(field):
         kvh.Engine(**{field: "x" * 100_000})
     text = str(info.value)
     assert len(text) < 400 and "(100002 characters)" in text, text
+
+
+def test_an_int_past_the_digit_limit_is_named_not_printed():
+    """repr() of an int past Python's 4300-digit limit raises: the message
+    was that ValueError, naming neither the argument nor what it takes."""
+    with pytest.raises(ValueError, match="int of .* bits.*expected"):
+        kvh.Engine(dtype=10**5000)
