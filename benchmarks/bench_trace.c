@@ -471,6 +471,16 @@ int bench_trace(int argc, char **argv, const bench_ctx *ctx)
             trace_free(&recorded);
             return 2;
         }
+        uint64_t blocks = trace_replay_blocks(&recorded);
+        if (o.replay && !trace_replay_fits(&recorded, blocks)) {
+            fprintf(stderr,
+                    "kvh-bench trace: %s: block indices reach %llu blocks for %zu accesses, and the engine "
+                    "replay appends every block below an index read: number each sequence's blocks from 0, "
+                    "or pass --replay 0\n",
+                    o.trace_file, (unsigned long long)blocks, recorded.n);
+            trace_free(&recorded);
+            return 2;
+        }
     }
     int rc = check_budgets(ctx, &o, have_recorded ? &recorded : NULL);
     for (size_t i = 0; rc == 0 && i < sizeof(families) / sizeof(families[0]); i++)

@@ -53,6 +53,22 @@ static int entered_in(uint64_t *first_batch, size_t n, uint64_t turn, uint64_t b
     return first_batch[turn] == batch;
 }
 
+uint64_t trace_replay_blocks(const trace *t)
+{
+    uint64_t *len = calloc(t->n_seqs ? t->n_seqs : 1, sizeof(*len)), total = 0;
+    if (!len)
+        return UINT64_MAX;
+    for (size_t i = 0; i < t->n; i++)
+        if (len[t->acc[i].seq_id] < (uint64_t)t->acc[i].index + 1)
+            len[t->acc[i].seq_id] = (uint64_t)t->acc[i].index + 1;
+    for (uint32_t q = 0; q < t->n_seqs; q++)
+        total += len[q];
+    free(len);
+    return total;
+}
+
+bool trace_replay_fits(const trace *t, uint64_t blocks) { return blocks <= 16 * (uint64_t)t->n + 65536; }
+
 int trace_replay(const trace *t, const replay_config *c, replay_result *out)
 {
     memset(out, 0, sizeof(*out));
@@ -124,6 +140,10 @@ int trace_replay(const trace *t, const replay_config *c, replay_result *out)
     if (appended > UINT64_MAX / (block_bytes + 8192) - 64) {
         fprintf(stderr, "trace replay: the trace's sequences take %llu blocks, too many for a disk tier\n",
                 (unsigned long long)appended);
+        goto out;
+    }
+    if (!trace_replay_fits(t, appended)) {
+        fprintf(stderr, "trace replay: %llu blocks to append for %zu accesses\n", (unsigned long long)appended, t->n);
         goto out;
     }
     cfg.disk_bytes = (appended + 64) * (block_bytes + 8192);

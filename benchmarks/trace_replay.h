@@ -14,6 +14,9 @@
 #ifndef KVH_BENCH_TRACE_REPLAY_H
 #define KVH_BENCH_TRACE_REPLAY_H
 
+#include <stdbool.h>
+#include <stdint.h>
+
 #include "policy_sim.h"
 #include "trace.h"
 
@@ -64,5 +67,13 @@ typedef struct replay_result {
 
 /* Returns 0, or 1 after printing why on stderr. */
 int trace_replay(const trace *t, const replay_config *c, replay_result *out);
+
+/* Blocks the replay appends: each sequence up to its highest index read,
+ * since a sequence is contiguous (UINT64_MAX without memory). */
+uint64_t trace_replay_blocks(const trace *t);
+/* Whether that many are a sane replay of t: block indices far past what
+ * the trace reads ("0 4000000000") would append billions of blocks no
+ * access names, for hours. */
+bool trace_replay_fits(const trace *t, uint64_t blocks);
 
 #endif

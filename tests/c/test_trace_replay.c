@@ -129,6 +129,29 @@ static void test_a_sparse_index_fits_the_disk_tier(void **state)
     trace_free(&t);
 }
 
+/* An index far past what the trace reads ("0 4000000000") would append
+ * billions of blocks no access names, for hours: refused up front. */
+static void test_an_index_far_past_the_accesses_is_refused(void **state)
+{
+    (void)state;
+    trace t;
+    trace_init(&t);
+    for (int i = 0; i < 3; i++)
+        assert_int_equal(trace_add(&t, 0, i == 1 ? 4000000000u : 0, 0, 0.5f), 0);
+    assert_int_equal(trace_replay_blocks(&t), 4000000001ull);
+    assert_false(trace_replay_fits(&t, trace_replay_blocks(&t)));
+    replay_config c = {.device_blocks = 4, .host_blocks = 8, .disk_dir = scratch()};
+    replay_result r;
+    assert_int_equal(trace_replay(&t, &c, &r), 1);
+    trace_free(&t);
+    /* The sparse trace above (301 blocks for 4 accesses) still fits. */
+    trace_init(&t);
+    for (int i = 0; i < 4; i++)
+        assert_int_equal(trace_add(&t, 0, i % 2 ? 300 : 0, 0, 0.5f), 0);
+    assert_true(trace_replay_fits(&t, trace_replay_blocks(&t)));
+    trace_free(&t);
+}
+
 /* Hint priorities span int32_t: INT32_MIN's queue turn (INT32_MAX minus
  * the priority, computed for every hint) is 2^32 - 1, without overflow.
  * The modes a recorded trace is replayed in: queue hints are the
@@ -157,6 +180,7 @@ int main(void)
         cmocka_unit_test(test_window_beyond_the_trace_prefetches_nothing),
         cmocka_unit_test(test_any_sequence_id_replays),
         cmocka_unit_test(test_a_sparse_index_fits_the_disk_tier),
+        cmocka_unit_test(test_an_index_far_past_the_accesses_is_refused),
         cmocka_unit_test(test_the_lowest_hint_priority_replays),
     };
     return cmocka_run_group_tests_name("trace_replay", tests, NULL, NULL);

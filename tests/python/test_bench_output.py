@@ -226,3 +226,16 @@ def test_kvh_bench_takes_well_formed_rows(tmp_path):
     res = run_kvh_bench(tmp_path, f"{GOOD}\n\n{GOOD}", "--json")
     assert res.returncode == 0, res.stderr
     assert [json.loads(line) for line in res.stdout.splitlines()] == [json.loads(GOOD)] * 2
+
+
+def test_a_trace_index_far_past_its_accesses_is_refused_up_front(tmp_path):
+    """`0 4000000000` made the engine replay append four billion blocks no
+    access names, for hours; it is refused before any work, exit 2."""
+    path = tmp_path / "sparse.trace"
+    path.write_text("0 0\n0 4000000000\n0 0\n")
+    res = run_bench("trace", "--quick", "--json", "--trace", str(path))
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert b"number each sequence's blocks from 0" in res.stderr
+    assert res.stdout.strip() == b""
+    res = run_bench("trace", *SMALL_TRACE, "--trace", str(path))  # no replay: the simulator takes it
+    assert res.returncode in (0, 3), res.stderr[-2000:]
