@@ -19,6 +19,7 @@ it prefetches the sequences of the top hits, highest score first.
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import Any, Dict, List, Mapping, Optional, Protocol, Sequence as Seq, Tuple, runtime_checkable
 
 import numpy as np
@@ -103,6 +104,7 @@ class NumpyChunkIndex:
 
         # limit=-1 used to rank all but one point, garbled; 1.5 a NumPy error.
         limit = _index("limit", limit)
+        agent = None if agent is None else _index("agent", agent)
         self._check_open()
         q = np.asarray(vector, np.float32).reshape(-1)
         if q.shape[0] != self.dim:
@@ -181,8 +183,14 @@ def open_chunk_index(kind: str = "auto", dim: int = 64, **options: Any) -> Chunk
         )
     try:
         return mod.open_chunk_index(kind=kind, dim=dim, **options)
-    except (ImportError, RuntimeError, OSError):
+    except (ImportError, RuntimeError, OSError) as exc:
         if kind == "auto":
+            # Said: a path given for a store that persists is not one now.
+            logging.getLogger("kvh").warning(
+                "kvh_cache.retrieval: the Qdrant chunk index could not be opened (%s); using an in-memory "
+                "NumPy index instead, which keeps nothing across restarts",
+                exc,
+            )
             return NumpyChunkIndex(dim)
         raise
 

@@ -16,7 +16,8 @@ How it fits together::
   kvh sequence. Its full blocks are content-addressed by kvh's prefix index
   (the chained block hash over the token ids and the model salt), so
   ``Sequence.match_prefix(tokens)`` finds them again in any tier, including
-  on disk after a restart. The chunk id is that chain hash (continued over
+  on disk after a restart once :meth:`SpeculativeRetriever.persist` made
+  them durable (close does not). The chunk id is that chain hash (continued over
   a partial tail block), so the same tokens always get the same id.
 * **Index.** Each chunk's embedding goes into a Qdrant collection, with the
   chunk record in the point payload (id, token ids, token count, doc id,
@@ -355,10 +356,15 @@ class QdrantChunkIndex(OwnedHandle):
         self, vector: np.ndarray, limit: int = 4, *, agent: Optional[int] = None, with_payload: bool = True
     ) -> List[Tuple[int, float, Optional[Dict[str, Any]]]]:
         with_payload = bool(_flag("with_payload", with_payload))
+        # Checked as NumpyChunkIndex checks them: the two are interchangeable.
+        limit = _index("limit", limit)
+        agent = None if agent is None else _index("agent", agent)
         q = np.asarray(vector, np.float32).reshape(-1)
         if q.shape[0] != self.dim:
             raise ValueError(f"query must have {self.dim} elements, got {q.shape[0]}")
-        if limit <= 0 or not np.any(q):
+        if not np.all(np.isfinite(q)):
+            raise ValueError("the query vector must be finite")
+        if limit == 0 or not np.any(q):
             return []
         with self._lock:
             c = self._c()
@@ -1006,6 +1012,7 @@ class SpeculativeRetriever(Closable):
         self._resident = 0
         self._latencies: List[float] = []
         self._executor: Optional[ThreadPoolExecutor] = None
+        self._worker: Optional[int] = None  # ident of the executor's one thread, once it ran
         self._pending: List[Future] = []
         self.reused_tokens = 0
         self.computed_tokens = 0
@@ -1025,8 +1032,10 @@ class SpeculativeRetriever(Closable):
             self._is_closed = True
             ex, self._executor = self._executor, None
         if ex is not None:
-            # queued predictions would only run their embedding to fail with ClosedError
-            ex.shutdown(wait=True, cancel_futures=True)
+            # queued predictions would only run their embedding to fail with
+            # ClosedError. From a future's done callback (the worker itself,
+            # no prediction running) there is no thread to wait for.
+            ex.shutdown(wait=not self._on_worker(), cancel_futures=True)
             # shutdown cancels without notifying: concurrent.futures.wait (drain) would
             # never count them done. No worker is left to notify them instead.
             with self._lock:
@@ -1422,7 +1431,9 @@ class SpeculativeRetriever(Closable):
         return out
 
     def sequence(self, chunk_id: int) -> Any:
-        """The kvh sequence holding the chunk (attached on first use)."""
+        """The kvh sequence holding the chunk (attached on first use). It is
+        the retriever's own, served to every caller of the chunk: read it
+        and acquire from it, but do not write, truncate or free it."""
         self._check_open()
         cid = _index("chunk_id", chunk_id)
         with self._lock:
@@ -1536,6 +1547,12 @@ class SpeculativeRetriever(Closable):
             raise TypeError(f"context must be str, not {type(context).__name__}")
         if draft_text is not None and not isinstance(draft_text, str):
             raise TypeError(f"draft_text must be str or None, not {type(draft_text).__name__}")
+        for name, text in (("context", context), ("draft_text", draft_text)):
+            try:  # the embedder would fail later, after the window opened
+                if text is not None:
+                    text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ValueError(f"{name} is not valid text: {exc.reason} at position {exc.start}") from None
         agent = _agent_arg(agent)
         k = None if k is None else _int("k", k, 1, _U32)
         return agent, k
@@ -1576,6 +1593,8 @@ class SpeculativeRetriever(Closable):
         self, context: str, draft_text: Optional[str], agent: Optional[int], k: Optional[int], window: Optional[_Window]
     ) -> PrefetchResult:
         t0 = time.perf_counter()
+        if threading.current_thread().name.startswith("kvh-retriever"):
+            self._worker = threading.get_ident()
         try:
             preds = self._predict(self.query_vector(context, draft_text), agent, k)
         except BaseException:
@@ -1647,11 +1666,19 @@ class SpeculativeRetriever(Closable):
             self._pending.append(fut)
         return fut
 
+    def _on_worker(self) -> bool:
+        """Whether this is the background predictions' thread (a future's
+        done callback runs there)."""
+        return self._worker is not None and threading.get_ident() == self._worker
+
     def drain(self, timeout: Optional[float] = None) -> bool:
         """Waits for the background predictions submitted so far, at most
         ``timeout`` seconds in all (None or inf: until they are done; 0 or
         less: only looks, as :meth:`PrefetchResult.wait` does). True when
-        all are done. NaN is a ValueError, a non-number a TypeError."""
+        all are done. NaN is a ValueError, a non-number a TypeError. From a
+        future's done callback it does not wait (the predictions still
+        queued run after the callback, on its thread); so neither do
+        :meth:`metrics` and :meth:`reset_metrics` there."""
         if timeout is not None:
             if isinstance(timeout, (bool, np.bool_)) or not isinstance(timeout, numbers.Real):
                 raise TypeError(f"timeout must be a number or None, not {type(timeout).__name__}")
@@ -1663,6 +1690,10 @@ class SpeculativeRetriever(Closable):
         with self._lock:
             # done() counts a cancelled future that wait() would not (never notified)
             pending = [f for f in self._pending if not f.done()]
+        if self._on_worker():
+            # A future's done callback: the predictions still queued run on
+            # this thread after it, so waiting for them would never end.
+            return not pending
         done, not_done = futures_wait(pending, timeout)
         for f in done:
             if not f.cancelled() and f.exception() is not None:  # reported by the future's owner
@@ -1676,6 +1707,8 @@ class SpeculativeRetriever(Closable):
         agent = _agent_arg(agent)
         if isinstance(chunk_ids, (int, np.integer)):
             chunk_ids = [chunk_ids]
+        if isinstance(chunk_ids, (str, bytes)) or not isinstance(chunk_ids, Iterable):
+            raise TypeError(f"chunk_ids must be a chunk id or an iterable of them, not {type(chunk_ids).__name__}")
         ids = [_index("chunk_ids", c) for c in chunk_ids]
         with self._lock:
             w = self._windows.get(agent)

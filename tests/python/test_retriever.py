@@ -1324,3 +1324,88 @@ def test_a_top_k_past_the_default_priority_names_top_k():
             SpeculativeRetriever(eng, index="numpy", top_k=2**32 - 1)
         with SpeculativeRetriever(eng, index="numpy", top_k=2**31 + 1000) as r:  # the largest the default allows
             assert r.top_k == 2**31 + 1000
+
+
+# ---------------------------------------------------------------------------------
+# calls from a prediction's done callback, rejected queries, index checks
+# ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("call", ["metrics", "close"])
+def test_calls_from_a_done_callback_neither_hang_nor_half_close(corpus, call):
+    """A done callback runs on the retriever's one worker: metrics() (via
+    drain) waited there for a queued prediction only that thread could
+    run, for good, and close() raised "cannot join current thread" with
+    the retriever marked closed and its sequences never freed."""
+    import threading
+
+    with _engine() as eng:
+        r = SpeculativeRetriever(eng, index="numpy", top_k=2)
+        r.add_chunks(_items(corpus))
+        gate, outcome, called = threading.Event(), [], threading.Event()
+
+        def on_done(_):
+            try:
+                getattr(r, call)()
+                outcome.append("ok")
+            except Exception as exc:  # noqa: BLE001 - the test reports it
+                outcome.append(f"{type(exc).__name__}: {exc}")
+            called.set()
+
+        r.draft = lambda text: (gate.wait(10), "")[1]  # the first prediction runs until both are queued
+        first = r.prefetch_async(corpus.chunks[0].text, agent=1)
+        first.add_done_callback(on_done)
+        r.prefetch_async(corpus.chunks[1].text, agent=2)
+        gate.set()
+        assert called.wait(20), "the callback never returned"
+        assert outcome == ["ok"], outcome
+        closer = threading.Thread(target=r.close)
+        closer.start()
+        closer.join(20)
+        assert not closer.is_alive(), "close() from another thread hangs"
+        assert not r._seqs
+
+
+def test_a_rejected_query_leaves_the_accounting_as_it_was(corpus):
+    with _engine() as eng, SpeculativeRetriever(eng, index="numpy", top_k=2) as r:
+        recs = r.add_chunks(_items(corpus))
+        res = r.prefetch(corpus.chunks[2].text, agent=1)
+        # A lone surrogate failed in the embedder, after the next window had
+        # opened: the agent's use below landed in an empty window.
+        with pytest.raises(ValueError, match="not valid text"):
+            r.prefetch("next \ud800", agent=1)
+        with pytest.raises(ValueError, match="not valid text"):
+            r.prefetch("ok", agent=1, draft_text="\udfff")
+        r.note_use([recs[2].chunk_id], agent=1)
+        r.end_windows()
+        m = r.metrics()
+        assert m.windows == 1 and m.hits == 1 and recs[2].chunk_id in res.chunk_ids, m
+        with pytest.raises(TypeError, match="chunk_ids must be"):
+            r.note_use(5.0, agent=1)
+
+
+@pytest.mark.parametrize("kind", ["numpy", "qdrant"])
+def test_both_indexes_check_a_search_alike(kind):
+    index = retrieval.NumpyChunkIndex(4) if kind == "numpy" else retriever.open_chunk_index("qdrant", 4)
+    try:
+        index.add([1, 2], np.eye(4, dtype=np.float32)[:2], [{"agent": 1}, {}])
+        with pytest.raises(ValueError, match="finite"):
+            index.search(np.array([np.inf, 0, 0, 0], np.float32), 2)
+        for bad_limit, exc in ((1.5, TypeError), (True, TypeError), (-1, ValueError), ("2", TypeError)):
+            with pytest.raises(exc):
+                index.search(np.eye(4, dtype=np.float32)[0], bad_limit)
+        with pytest.raises(TypeError):
+            index.search(np.eye(4, dtype=np.float32)[0], 2, agent=1.5)
+        assert [pid for pid, _ in index.search(np.eye(4, dtype=np.float32)[0], 2, agent=1)][0] == 1
+    finally:
+        index.close()
+
+
+def test_auto_index_fallback_is_said(tmp_path, caplog):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    with caplog.at_level("WARNING", logger="kvh"):
+        index = retrieval.open_chunk_index("auto", 8, path=str(not_a_dir))
+    try:
+        assert isinstance(index, retrieval.NumpyChunkIndex)
+        assert any("keeps nothing across restarts" in r.getMessage() for r in caplog.records)
+    finally:
+        index.close()
