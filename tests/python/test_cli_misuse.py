@@ -208,6 +208,11 @@ def test_bench_help_has_no_null_default(mode):
         (["bench", "--seed", "-1"], 2, "argument --seed"),
         (["bench", "--seed", str(1 << 64)], 2, "argument --seed"),
         (["bench", "retriever", "--reps", "0"], 2, "argument --reps"),  # was dropped: `if args.reps`
+        # NaN and inf passed the range checks: an abort, a traceback, "think nan ms"
+        (["bench", "retriever", "--", "--switch-interval-ms", "nan"], 2, "--switch-interval-ms"),
+        (["bench", "retriever", "--", "--think-ms", "inf"], 2, "--think-ms"),
+        (["bench", "retriever", "--", "--think-ms", "nan"], 2, "--think-ms"),
+        (["bench", "retriever", "--", "--settle-ms", "nan"], 2, "--settle-ms"),
         (["bench", "offload", "--reps", "0"], 2, "argument --reps"),
         (["bench", "codec", "--quick", "--", "--vectors", "abc"], 2, "--vectors"),
     ],

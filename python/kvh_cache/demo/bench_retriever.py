@@ -621,6 +621,12 @@ def _check(args: argparse.Namespace) -> Optional[str]:
     ):
         if getattr(args, name) <= 0:
             return f"--{name.replace('_', '-')} must be > 0"
+    for name in ("think_ms", "settle_ms", "switch_interval_ms"):
+        # NaN and inf pass the range checks below and broke the run later
+        # (an abort in the switching thread, timestamps out of range).
+        value = getattr(args, name)
+        if value is not None and not math.isfinite(value):
+            return f"--{name.replace('_', '-')} must be a finite number of milliseconds, not {value}"
     if (
         args.think_ms < 0
         or args.verify_every < 0
