@@ -463,10 +463,10 @@ static kvhi_disk_lane *lane_create(kvhi_disk *d)
     return l;
 }
 
-const char *kvhi_disk_ring_unavailable(const kvhi_disk *d, char *why, size_t len)
+static const char *ring_probe_depth(uint32_t depth, char *why, size_t len)
 {
     struct io_uring ring;
-    int rc = io_uring_queue_init(d->queue_depth, &ring, 0);
+    int rc = io_uring_queue_init(depth, &ring, 0);
     if (rc < 0) {
         snprintf(why, len, "disk tier: io_uring unavailable (io_uring_setup: %s); using pread and pwrite",
                  strerror(-rc));
@@ -485,6 +485,33 @@ const char *kvhi_disk_ring_unavailable(const kvhi_disk *d, char *why, size_t len
     }
     io_uring_queue_exit(&ring);
     return rc < 0 ? why : NULL;
+}
+
+const char *kvhi_disk_ring_probe(const kvhi_disk *d, char *why, size_t len)
+{
+    return ring_probe_depth(d->queue_depth, why, len);
+}
+
+/* The open's probe, once per process: a ring made and torn down at every
+ * open cost the kernel's deferred ring teardown each time (opens racing
+ * forks ran more than 15 times slower), and what the kernel allows a
+ * process does not change between its opens. */
+static pthread_once_t ring_probe_once = PTHREAD_ONCE_INIT;
+static char ring_probe_why[256];
+
+static void ring_probe_at_first_open(void)
+{
+    if (!ring_probe_depth(4, ring_probe_why, sizeof(ring_probe_why)))
+        ring_probe_why[0] = '\0';
+}
+
+const char *kvhi_disk_ring_unavailable(char *why, size_t len)
+{
+    pthread_once(&ring_probe_once, ring_probe_at_first_open);
+    if (!ring_probe_why[0])
+        return NULL;
+    snprintf(why, len, "%s", ring_probe_why);
+    return why;
 }
 
 kvhi_disk_lane *kvhi_disk_lane_get(kvhi_disk *d)

@@ -95,8 +95,10 @@ static inline uint64_t kvhi_disk_slab_slots(uint64_t slot_bytes)
 /* Why the disk lanes would run without io_uring (its setup refused, as a
  * seccomp filter or kernel.io_uring_disabled does, or its buffers not
  * registrable), written into why; NULL when a ring works. Lanes are made
- * on first use, so this is asked at open, where it can be logged. */
-const char *kvhi_disk_ring_unavailable(const kvhi_disk *d, char *why, size_t len);
+ * on first use, so this is asked at open, where it can be logged; the
+ * answer is the process's first (kvhi_disk_ring_probe asks anew). */
+const char *kvhi_disk_ring_unavailable(char *why, size_t len);
+const char *kvhi_disk_ring_probe(const kvhi_disk *d, char *why, size_t len);
 /* Opens (creating) the slab files of a store with n_slots slots under an
  * already locked directory, as they are. Returns 0 or -errno. */
 int kvhi_disk_open_slabs(kvhi_disk *d, bool allow_direct);

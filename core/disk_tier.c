@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <dirent.h>
+#include <sys/syscall.h>
 #include <sys/file.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -106,17 +107,32 @@ static void disk_free(kvhi_disk *d)
     free(d);
 }
 
-/* Descriptors the process has open now; 64 when /proc cannot say. */
+/* Descriptors the process has open now; 64 when /proc cannot say. Read
+ * with getdents64 into the stack: no allocation, since opendir's buffer,
+ * taken while another thread forks, can leave an allocator lock held in
+ * the child (ASan's does). */
 static uint64_t descriptors_open(void)
 {
-    DIR *dir = opendir("/proc/self/fd");
-    if (!dir)
+    int fd = open("/proc/self/fd", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0)
         return 64;
     uint64_t n = 0;
-    for (struct dirent *ent; (ent = readdir(dir));)
-        n += ent->d_name[0] != '.';
-    closedir(dir);
-    return n > 0 ? n - 1 : 0; /* less the directory's own */
+    char buf[4096] __attribute__((aligned(8)));
+    for (;;) {
+        long got = syscall(SYS_getdents64, fd, buf, sizeof(buf));
+        if (got <= 0) {
+            if (got < 0)
+                n = 64;
+            break;
+        }
+        for (long at = 0; at < got;) {
+            const struct dirent64 *ent = (const struct dirent64 *)(buf + at);
+            n += ent->d_name[0] != '.';
+            at += ent->d_reclen;
+        }
+    }
+    close(fd);
+    return n > 0 ? n - 1 : 0; /* less the one just opened */
 }
 
 /* Every slab file stays open while the engine is: a disk_bytes that needs
@@ -225,7 +241,7 @@ kvh_status kvhi_disk_tier_open(kvh_engine *e, const kvh_config *cfg, const char 
     if (d->warning[0])
         kvhi_log(e, KVH_LOG_WARN, "%s", d->warning);
     char no_ring[256];
-    if (kvhi_disk_ring_unavailable(d, no_ring, sizeof(no_ring)))
+    if (kvhi_disk_ring_unavailable(no_ring, sizeof(no_ring)))
         kvhi_log(e, KVH_LOG_WARN, "%s", no_ring);
     if (d->space_warning[0])
         kvhi_log(e, KVH_LOG_WARN, "%s", d->space_warning);

@@ -468,7 +468,7 @@ static void test_lanes(void **state)
     assert_non_null(p);
     assert_false(kvhi_disk_lane_vectored(p));
     char why[256];
-    assert_non_null(kvhi_disk_ring_unavailable(d, why, sizeof(why)));
+    assert_non_null(kvhi_disk_ring_probe(d, why, sizeof(why)));
     assert_non_null(strstr(why, "io_uring unavailable"));
     kvhi_disk_lane_put(d, p);
     disk_close(d);
