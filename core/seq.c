@@ -344,8 +344,11 @@ kvh_status kvhi_seq_append(kvh_engine *e, kvhi_seq *s, const int32_t *tokens, si
     kvh_status st = ensure_cap(s, (uint64_t)s->n_blocks + need);
     if (st != KVH_OK)
         return st;
-    uint64_t grown;
-    if ((st = kvhi_admission_grow(e, s, (uint64_t)s->n_blocks + need, &grown)) != KVH_OK)
+    /* Only an append that adds blocks grows the reservation: one into the
+     * last block's room takes none, even from a sequence that grew past
+     * its reservation while admission was off. */
+    uint64_t grown = 0;
+    if (need && (st = kvhi_admission_grow(e, s, (uint64_t)s->n_blocks + need, &grown)) != KVH_OK)
         return st;
     if ((st = append_blocks(e, s, tokens, n, room, need)) != KVH_OK)
         kvhi_admission_shrink(e, s, grown);

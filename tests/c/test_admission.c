@@ -133,6 +133,40 @@ static void growth_past_a_budget_is_reserved(void **state)
     assert_ok(request(e, 40 * 4, &lng));
 }
 
+/* A sequence that grew past its reservation while admission was off, its
+ * last block partly filled: an append into that block takes no block, so
+ * a full pool does not refuse it (it did, "would hold N blocks, M more
+ * than ... reserved"); one that needs a block still is. */
+static void an_append_into_the_last_block_takes_no_reservation(void **state)
+{
+    (void)state;
+    kvh_engine *e = open_pools();
+    uint64_t bb = tu_block_bytes(e);
+    kvh_seq s, filler;
+    assert_ok(request(e, 8, &s)); /* 2 blocks of the short pool's 16 */
+    kvh_admission_params off;
+    assert_ok(kvh_admission_params_init(&off, sizeof(off)));
+    assert_ok(kvh_admission_configure(e, &off));
+    int32_t t[16];
+    tu_iota(t, 16, 0);
+    assert_ok(kvh_seq_append(e, s, t, 14)); /* 4 blocks, the last holding 2 tokens */
+    kvh_admission_params on;
+    assert_ok(kvh_admission_params_init(&on, sizeof(on)));
+    on.short_max_tokens = 32;
+    on.short_device_bytes = 16 * bb;
+    on.long_device_bytes = 40 * bb;
+    assert_ok(kvh_admission_configure(e, &on));
+    assert_ok(request(e, 8 * BT, &filler)); /* the short pool full: 2 + 8 + 6 of 16 */
+    assert_ok(request(e, 6 * BT, &filler));
+    assert_int_equal(ainfo(e).short_reserved_blocks, 16);
+    assert_ok(kvh_seq_append(e, s, t, 2));                   /* into the last block's room */
+    assert_kvh(KVH_ERR_NOSPACE, kvh_seq_append(e, s, t, 1)); /* a fifth block: no room */
+    uint64_t len = 0;
+    assert_ok(kvh_seq_length(e, s, &len));
+    assert_int_equal(len, 16);
+    assert_int_equal(ainfo(e).short_reserved_blocks, 16);
+}
+
 /* A prefix match into an admitted sequence goes no further than its pool
  * lets it grow, and reserves only the blocks it matched past the budget. */
 static void prefix_match_stays_in_the_pool(void **state)
@@ -264,6 +298,7 @@ int main(void)
         cmocka_unit_test_teardown(pools_admit_and_refuse, tu_teardown),
         cmocka_unit_test_teardown(pools_short_cannot_be_starved, tu_teardown),
         cmocka_unit_test_teardown(growth_past_a_budget_is_reserved, tu_teardown),
+        cmocka_unit_test_teardown(an_append_into_the_last_block_takes_no_reservation, tu_teardown),
         cmocka_unit_test_teardown(prefix_match_stays_in_the_pool, tu_teardown),
         cmocka_unit_test_teardown(budget_zero_and_disabled, tu_teardown),
         cmocka_unit_test_teardown(older_seq_params, tu_teardown),
