@@ -116,9 +116,9 @@ def _index(name: str, value: Any, *, maximum: int = U64_MAX) -> int:
     except TypeError:
         raise TypeError(f"{name} must be an int, not {type(value).__name__}") from None
     if v < 0:
-        raise ValueError(f"{name} must be >= 0, got {v}")
+        raise ValueError(f"{name} must be >= 0, got {errors.shown(v)}")
     if v > maximum:
-        raise ValueError(f"{name} must be <= {maximum}, got {v}")
+        raise ValueError(f"{name} must be <= {maximum}, got {errors.shown(v)}")
     return v
 
 
@@ -133,7 +133,7 @@ def _flag(name: str, value: Any) -> int:
     except TypeError:
         raise TypeError(f"{name} must be a bool, not {type(value).__name__}") from None
     if v not in (0, 1):
-        raise ValueError(f"{name} must be a bool (or 0 or 1), got {v}")
+        raise ValueError(f"{name} must be a bool (or 0 or 1), got {errors.shown(v)}")
     return v
 
 
@@ -192,7 +192,10 @@ def _real(name: str, value: Any, lo: float = -math.inf, hi: float = math.inf) ->
     """A finite real argument in [lo, hi]; TypeError/ValueError naming it."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number, not {type(value).__name__}")
-    v = float(value)
+    try:
+        v = float(value)
+    except OverflowError:  # an int past a double
+        raise ValueError(f"{name} must be a finite number in [{lo}, {hi}], got {errors.shown(value)}") from None
     if not (math.isfinite(v) and lo <= v <= hi):
         raise ValueError(f"{name} must be a finite number in [{lo}, {hi}], got {v}")
     return v
@@ -222,7 +225,7 @@ def _c_float(name: str, value: Any, lo: float = -math.inf) -> float:
         except OverflowError:
             finite = True
     if not finite or value < lo:
-        raise ValueError(f"{name} must be a finite number in [{lo}, inf], got {value}")
+        raise ValueError(f"{name} must be a finite number in [{lo}, inf], got {errors.shown(value)}")
     if value > _FLT_MAX or value < -_FLT_MAX:
         return _FLT_MAX if value > 0 else -_FLT_MAX
     if value != 0 and -_FLT_TRUE_MIN < value < _FLT_TRUE_MIN:
@@ -238,7 +241,7 @@ def _int(name: str, value: Any, lo: int, hi: int) -> int:
     except TypeError:
         raise TypeError(f"{name} must be an int, not {type(value).__name__}") from None
     if not lo <= v <= hi:
-        raise ValueError(f"{name} must be in [{lo}, {hi}], got {v}")
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {errors.shown(v)}")
     return v
 
 

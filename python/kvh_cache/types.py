@@ -498,7 +498,7 @@ class Scope:
             if isinstance(v, bool) or not isinstance(v, int):
                 raise TypeError(f"Scope.{name} must be an int, not {type(v).__name__}")
             if not 0 <= v < 1 << 64:
-                raise ValueError(f"Scope.{name} must be in [0, 2**64), got {v}")
+                raise ValueError(f"Scope.{name} must be in [0, 2**64), got {shown(v)}")
 
 
 @dataclass(frozen=True)

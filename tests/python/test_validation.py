@@ -370,3 +370,7 @@ def test_an_int_past_the_digit_limit_is_named_not_printed():
     was that ValueError, naming neither the argument nor what it takes."""
     with pytest.raises(ValueError, match="int of .* bits.*expected"):
         kvh.Engine(dtype=10**5000)
+    # The shared integer checks name the argument and its range too.
+    for kw in (dict(block_tokens=10**5000), dict(device_bytes=10**5000), dict(block_tokens=-(10**5000))):
+        with pytest.raises(ValueError, match=f"{next(iter(kw))} must .*int of .* bits"):
+            kvh.Engine(**kw)
