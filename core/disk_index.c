@@ -453,8 +453,10 @@ static int rebuild_from_slots(kvhi_disk *d, live_map *m, bool id_known, kvhi_ind
     /* Slots that check out but that nothing vouches for (never published,
      * named by no intact record): said in the warning, so that a rebuild
      * keeping none of a store's slots does not read as an empty store. */
+    /* With no header left and none vouched for, the store got a new id
+     * that no slot carries: every intact slot of this geometry counts. */
     for (size_t i = 0; i < n; i++)
-        out->unvouched += pick[found[i].slot] != (uint32_t)i && found[i].store_id == d->store_id &&
+        out->unvouched += pick[found[i].slot] != (uint32_t)i && (!id_known || found[i].store_id == d->store_id) &&
                           found[i].hash != 0 && found[i].n_tokens == bt &&
                           (!found[i].geo_tag || found[i].geo_tag == d->geo_tag);
     m->n = 0;

@@ -485,6 +485,20 @@ static void test_unvouched_slots_are_counted(void **state)
         want[i] = i == 1 ? 2 : NB;
     if (expect_store_saying(&cfg, want, 0, "one slot without its publish mark", "1 intact slots left out") != 1)
         fail_msg("no warning counts the slot left out");
+    /* Every slot unmarked (a store of before the mark): none is kept, the
+     * store gets a new id, and the warning still counts them all. */
+    restore();
+    for (int c = 0; c < NC; c++)
+        for (int k = 0; k < NB; k++)
+            rewrite_slot(c, k, 0, 0);
+    assert_int_equal(unlink(file_path("index")), 0);
+    assert_int_equal(unlink(file_path("journal")), 0);
+    for (int i = 0; i < NC; i++)
+        want[i] = 0;
+    char all[64];
+    snprintf(all, sizeof(all), "%d intact slots left out", NC * NB);
+    if (expect_store_saying(&cfg, want, 0, "no slot with its publish mark", all) != 1)
+        fail_msg("no warning counts the %d slots left out", NC * NB);
 }
 
 static void test_store_id_and_dropped_slots(void **state)
