@@ -1593,8 +1593,6 @@ class SpeculativeRetriever(Closable):
         self, context: str, draft_text: Optional[str], agent: Optional[int], k: Optional[int], window: Optional[_Window]
     ) -> PrefetchResult:
         t0 = time.perf_counter()
-        if threading.current_thread().name.startswith("kvh-retriever"):
-            self._worker = threading.get_ident()
         try:
             preds = self._predict(self.query_vector(context, draft_text), agent, k)
         except BaseException:
@@ -1659,12 +1657,19 @@ class SpeculativeRetriever(Closable):
         with self._lock:
             self._check_open()  # a close since would not shut an executor made now down
             if self._executor is None:
-                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvh-retriever")
+                # Its one thread says who it is: calls from a done callback
+                # (run there) must not wait for the predictions queued behind.
+                self._executor = ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix="kvh-retriever", initializer=self._note_worker
+                )
             # the draft runs on the worker too (it may be a model call)
             fut = self._executor.submit(self._run_prefetch, context, draft_text, agent, k, window)
             self._pending = [f for f in self._pending if not f.done()]
             self._pending.append(fut)
         return fut
+
+    def _note_worker(self) -> None:
+        self._worker = threading.get_ident()
 
     def _on_worker(self) -> bool:
         """Whether this is the background predictions' thread (a future's

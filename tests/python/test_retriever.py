@@ -1409,3 +1409,28 @@ def test_auto_index_fallback_is_said(tmp_path, caplog):
         assert any("keeps nothing across restarts" in r.getMessage() for r in caplog.records)
     finally:
         index.close()
+
+
+def test_another_retrievers_worker_is_not_taken_for_its_own(corpus):
+    """A retriever took any thread named like a retriever worker for its
+    own: after a synchronous prefetch run on another retriever's worker,
+    its drain() there would not wait for its own queued predictions."""
+    import threading
+
+    with _engine() as eng:
+        a = SpeculativeRetriever(eng, index="numpy", top_k=2)
+        b = SpeculativeRetriever(eng, index="numpy", top_k=2)
+        a.add_chunks(_items(corpus))
+        b.add_chunks(_items(corpus))
+        seen, called = [], threading.Event()
+
+        def on_done(_):
+            b.prefetch(corpus.chunks[0].text, agent=1)  # b's sync call, on a's worker
+            seen.append((a._on_worker(), b._on_worker()))
+            called.set()
+
+        a.prefetch_async(corpus.chunks[2].text, agent=0).add_done_callback(on_done)
+        assert called.wait(30)
+        assert seen == [(True, False)], seen
+        a.close()
+        b.close()
