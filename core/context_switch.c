@@ -162,6 +162,14 @@ static void demote_context_kv(kvh_engine *e, kvhi_context *x)
         qsort(left, (size_t)n, sizeof(*left), u32_cmp);
     for (uint64_t i = 0; i < n; i++)
         stayed += i == 0 || left[i] != left[i - 1];
+    if (!left && cap) /* no memory to tell shared blocks apart: all are counted */
+        for (uint32_t i = 0; i < x->n_seqs; i++) {
+            kvhi_seq *s = kvhi_handles_get(&e->seqs, x->seqs[i], NULL);
+            for (uint32_t j = 0; s && j < s->n_blocks; j++) {
+                const kvhi_block *b = &e->blocks[s->blocks[j]];
+                stayed += (b->flags & (KVHI_BF_LIVE | KVHI_BF_DEAD)) == KVHI_BF_LIVE && b->tier == KVH_TIER_DEVICE;
+            }
+        }
     free(left);
     if (stayed)
         kvhi_log(e, KVH_LOG_WARN,
