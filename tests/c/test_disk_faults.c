@@ -524,6 +524,38 @@ static void test_no_room_names_a_full_file_system(void **state)
     dt_rmrf(dir);
 }
 
+/* An open under a hard RLIMIT_NOFILE of `limit` with `busy` more
+ * descriptors taken first, in a child process (a hard limit is not raised
+ * again): 0 when it opens (refusal NULL) or is refused as INVALID_ARG
+ * naming `refusal` with nothing made. */
+typedef struct nofile_case {
+    const char *store;
+    rlim_t limit;
+    int busy;
+    uint64_t disk_bytes;
+    const char *refusal;
+} nofile_case;
+
+static int open_under_nofile(void *p)
+{
+    const nofile_case *nc = p;
+    struct rlimit hard = {.rlim_cur = nc->limit, .rlim_max = nc->limit};
+    if (setrlimit(RLIMIT_NOFILE, &hard) != 0)
+        return 10;
+    for (int i = 0; i < nc->busy; i++)
+        if (open("/dev/null", O_RDONLY) < 0)
+            return 11;
+    kvh_config h = dt_cfg(G, nc->store, 4, 8, 64, 0);
+    h.disk_bytes = nc->disk_bytes;
+    kvh_engine *x = NULL;
+    kvh_status st = kvh_engine_open(&h, &x);
+    if (!nc->refusal)
+        return st != KVH_OK ? 12 : kvh_engine_close(x) != KVH_OK ? 13 : 0;
+    if (st != KVH_ERR_INVALID_ARG || !strstr(kvh_last_error(), nc->refusal))
+        return 14;
+    return access(nc->store, F_OK) == -1 ? 0 : 15; /* nothing made */
+}
+
 /* A disk_bytes needing more slab files than the process may open: the
  * open failed midway with "Too many open files" and left every slab it
  * had made (20,000 were seen) in the store. Past the hard limit it is
@@ -558,69 +590,17 @@ static void test_more_slabs_than_open_files(void **state)
     dt_rmrf(store);
     /* Hard 300: 400 slabs cannot be had; refused before anything is made
      * (the hard limit cannot be raised again: a child process). */
-    pid_t pid = fork();
-    assert_true(pid >= 0);
-    if (pid == 0) {
-        struct rlimit hard = {.rlim_cur = 300, .rlim_max = 300};
-        if (setrlimit(RLIMIT_NOFILE, &hard) != 0)
-            _exit(10);
-        kvh_config h = dt_cfg(G, store, 4, 8, 64, 0);
-        h.disk_bytes = 400ull << 30;
-        kvh_engine *x = NULL;
-        kvh_status hs = kvh_engine_open(&h, &x);
-        if (hs == KVH_OK)
-            _exit(11);
-        if (hs != KVH_ERR_INVALID_ARG || !strstr(kvh_last_error(), "RLIMIT_NOFILE"))
-            _exit(12);
-        _exit(access(store, F_OK) == -1 ? 0 : 13); /* nothing made */
-    }
-    int status = 0;
-    assert_int_equal(waitpid(pid, &status, 0), pid);
-    assert_true(WIFEXITED(status));
-    assert_int_equal(WEXITSTATUS(status), 0);
+    nofile_case refused = {store, 300, 0, 400ull << 30, "RLIMIT_NOFILE"};
+    assert_int_equal(dt_in_child(open_under_nofile, &refused), 0);
     /* The check counts what the process holds, not a fixed 64: a hard
      * limit of 64 takes a one-slab store (it was refused), and 30 slabs
      * beside 80 descriptors in use under 100 are refused up front (they
      * passed, and the open failed midway, "Too many open files"). */
-    pid = fork();
-    assert_true(pid >= 0);
-    if (pid == 0) {
-        struct rlimit hard = {.rlim_cur = 64, .rlim_max = 64};
-        if (setrlimit(RLIMIT_NOFILE, &hard) != 0)
-            _exit(10);
-        kvh_config h = dt_cfg(G, store, 4, 8, 64, 0);
-        h.disk_bytes = 1ull << 30;
-        kvh_engine *x = NULL;
-        if (kvh_engine_open(&h, &x) != KVH_OK)
-            _exit(11);
-        if (kvh_engine_close(x) != KVH_OK)
-            _exit(12);
-        _exit(0);
-    }
-    assert_int_equal(waitpid(pid, &status, 0), pid);
-    assert_true(WIFEXITED(status));
-    assert_int_equal(WEXITSTATUS(status), 0);
+    nofile_case one_slab = {store, 64, 0, 1ull << 30, NULL};
+    assert_int_equal(dt_in_child(open_under_nofile, &one_slab), 0);
     dt_rmrf(store);
-    pid = fork();
-    assert_true(pid >= 0);
-    if (pid == 0) {
-        struct rlimit hard = {.rlim_cur = 100, .rlim_max = 100};
-        if (setrlimit(RLIMIT_NOFILE, &hard) != 0)
-            _exit(13);
-        kvh_config h = dt_cfg(G, store, 4, 8, 64, 0);
-        kvh_engine *x = NULL;
-        for (int i = 0; i < 80; i++)
-            if (open("/dev/null", O_RDONLY) < 0)
-                _exit(14);
-        h.disk_bytes = 30ull << 30;
-        kvh_status hs = kvh_engine_open(&h, &x);
-        if (hs != KVH_ERR_INVALID_ARG || !strstr(kvh_last_error(), "descriptors open already"))
-            _exit(15);
-        _exit(access(store, F_OK) == -1 ? 0 : 16); /* nothing made */
-    }
-    assert_int_equal(waitpid(pid, &status, 0), pid);
-    assert_true(WIFEXITED(status));
-    assert_int_equal(WEXITSTATUS(status), 0);
+    nofile_case crowded = {store, 100, 80, 30ull << 30, "descriptors open already"};
+    assert_int_equal(dt_in_child(open_under_nofile, &crowded), 0);
     assert_int_equal(setrlimit(RLIMIT_NOFILE, &was), 0);
     dt_rmrf(dir);
 }
