@@ -873,9 +873,9 @@ class SpeculativeRetriever(Closable):
     ``kv_fn(seq, tokens)``: appends ``tokens`` to ``seq`` and writes their
     K/V (default :class:`SyntheticKV`; :func:`model_kv_fn` for a model).
     ``top_k``: chunks predicted per call. ``context_chars``: how much of
-    the end of the context is embedded, in ``segment_chars`` segments
-    weighted 1, ``decay``, ``decay``², ... from the most recent (0: one
-    segment). ``draft(text) -> str``: optional projected continuation,
+    the end of the context is embedded (0: all of it), in
+    ``segment_chars`` segments weighted 1, ``decay``, ``decay``², ...
+    from the most recent (0: one segment). ``draft(text) -> str``: optional projected continuation,
     embedded as one more segment of weight ``draft_weight`` (or pass
     ``draft_text`` to :meth:`prefetch`). ``base_priority``: hint
     priority of the best hit (rank r gets ``base_priority - r``; an int32
@@ -931,8 +931,9 @@ class SpeculativeRetriever(Closable):
         recreate = bool(_flag("recreate", recreate))
         filter_agents = bool(_flag("filter_agents", filter_agents))
         top_k = _int("top_k", top_k, 1, _U32)
-        context_chars = _int("context_chars", context_chars, -(1 << 63), 1 << 63)
-        segment_chars = _int("segment_chars", segment_chars, -(1 << 63), 1 << 63)
+        # 0 means the whole context / one segment; a negative count has no meaning
+        context_chars = _int("context_chars", context_chars, 0, 1 << 63)
+        segment_chars = _int("segment_chars", segment_chars, 0, 1 << 63)
         decay = _real("decay", decay, 0.0, 1.0)
         draft_weight = _real("draft_weight", draft_weight)
         # rank r is hinted at base_priority - r: every rank of top_k must stay an int32
@@ -1715,6 +1716,12 @@ class SpeculativeRetriever(Closable):
         if isinstance(chunk_ids, (str, bytes)) or not isinstance(chunk_ids, Iterable):
             raise TypeError(f"chunk_ids must be a chunk id or an iterable of them, not {type(chunk_ids).__name__}")
         ids = [_index("chunk_ids", c) for c in chunk_ids]
+        # an id the retriever never stored would count as a use no prediction could hit
+        known = self._known_many(ids)
+        unknown = [c for c in dict.fromkeys(ids) if c not in known]
+        if unknown:
+            more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
+            raise KeyError(f"unknown chunk {unknown[0]:#x}{more}: nothing was recorded")
         with self._lock:
             w = self._windows.get(agent)
             if w is None:
@@ -1739,17 +1746,19 @@ class SpeculativeRetriever(Closable):
     def reset_metrics(self) -> None:
         """Starts counting afresh (windows, latencies, kvh counter base)."""
         self.drain()
+        stats0 = self.engine.stats()  # a closed engine raises here, before anything is cleared
         with self._lock:
             self._windows.clear()
             self._closed.clear()
             self._unwindowed = self._n_predictions = self._hinted = self._resident = 0
             self._latencies.clear()
-        self._stats0 = self.engine.stats()
+        self._stats0 = stats0
 
     def metrics(self) -> RetrieverMetrics:
         """Precision / recall over the closed windows (call
         :meth:`end_windows` first to include the open ones) and kvh's
-        counters since the retriever was created (or reset)."""
+        counters since the retriever was created (or reset); ``kvh`` is
+        empty once the engine is closed, the rest is still counted."""
         self.drain()
         with self._lock:
             m = RetrieverMetrics()
@@ -1768,6 +1777,9 @@ class SpeculativeRetriever(Closable):
             m.predict_seconds_total = float(sum(lat))
             m.predict_seconds_p50 = float(statistics.median(lat))
             m.predict_seconds_p99 = float(lat[min(len(lat) - 1, int(round(0.99 * (len(lat) - 1))))])
-        d = (self.engine.stats() - self._stats0).to_dict()
+        try:
+            d = (self.engine.stats() - self._stats0).to_dict()
+        except errors.ClosedError:
+            return m
         m.kvh = {k: int(d.get(k, 0)) for k in _KVH_COUNTERS}
         return m

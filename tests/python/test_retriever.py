@@ -1434,3 +1434,53 @@ def test_another_retrievers_worker_is_not_taken_for_its_own(corpus):
         assert seen == [(True, False)], seen
         a.close()
         b.close()
+
+
+def test_note_use_of_an_unknown_chunk_raises_and_records_nothing(corpus):
+    """An id the retriever never stored was counted as a use, lowering
+    recall by a chunk no prediction could have named."""
+    with _engine() as eng, SpeculativeRetriever(eng, index="numpy") as r:
+        recs = r.add_chunks(_items(corpus)[:3])
+        r.prefetch(corpus.chunks[0].text, agent=1)
+        with pytest.raises(KeyError, match="unknown chunk 0x5 .and 1 more"):
+            r.note_use([recs[0].chunk_id, 5, 6], agent=1)
+        with pytest.raises(KeyError, match="unknown chunk"):
+            r.note_use(7)  # no window: would have counted as unwindowed
+        r.end_windows()
+        m = r.metrics()
+        assert m.used == 0 and m.unwindowed_uses == 0, m
+
+
+def test_negative_context_and_segment_lengths_are_refused():
+    """A negative context_chars embedded the whole context (what 0 means)."""
+    with _engine() as eng:
+        for name in ("context_chars", "segment_chars"):
+            with pytest.raises(ValueError, match=name):
+                SpeculativeRetriever(eng, index="numpy", **{name: -1})
+        with SpeculativeRetriever(eng, index="numpy", context_chars=0, segment_chars=0) as r:
+            texts, weights = r.query_parts("one two three")
+            assert texts == ["one two three"] and weights == [1.0]
+
+
+def test_metrics_after_the_engine_closed_keep_precision_and_recall(corpus):
+    """metrics() raised ClosedError once the engine was closed, losing the
+    quality figures the retriever itself had counted."""
+    eng = _engine()
+    r = SpeculativeRetriever(eng, index="numpy")
+    try:
+        recs = r.add_chunks(_items(corpus)[:3])
+        res = r.prefetch(corpus.chunks[1].text, agent=1)
+        r.note_use([recs[1].chunk_id], agent=1)
+        r.end_windows()
+        before = r.metrics()
+        assert before.kvh and before.windows == 1
+        eng.close()
+        after = r.metrics()
+        assert (after.windows, after.used, after.hits) == (before.windows, before.used, before.hits)
+        assert after.kvh == {} and recs[1].chunk_id in res.chunk_ids
+        with pytest.raises(kvh.ClosedError):
+            r.reset_metrics()
+        assert r.metrics().windows == 1  # the refused reset cleared nothing
+    finally:
+        r.close()
+        eng.close()
