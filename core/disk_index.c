@@ -260,6 +260,29 @@ static void damaged(damage *dm, const char *what)
     dm->found = true;
 }
 
+/* A record naming a slot in a slab file that was not there at open (an
+ * existing slab is opened before the load; missing ones are made after
+ * it): its block is gone, which is damage like a record that fails. */
+static void missing_slab_damage(const kvhi_disk *d, const live_map *m, damage *dm)
+{
+    uint32_t first = UINT32_MAX;
+    size_t named = 0;
+    for (size_t i = 0; i < m->n; i++) {
+        uint32_t slab = m->items[i].slot / d->slots_per_slab;
+        if (slab < d->n_slabs && d->slab_fds[slab] < 0) {
+            named++;
+            if (slab < first)
+                first = slab;
+        }
+    }
+    if (named) {
+        char what[96];
+        snprintf(what, sizeof(what), "slab-%04u.kvh is missing (%zu records name slots in missing slabs)", first,
+                 named);
+        damaged(dm, what);
+    }
+}
+
 /* A slot that checks out on its own (kvhi_slot_check_alone). */
 typedef struct found_slot {
     uint64_t store_id, hash, parent;
@@ -669,6 +692,7 @@ int kvhi_index_load(kvhi_disk *d, bool reset, kvhi_index_list *out, char *msg, s
     }
     free(jr);
     free(tk);
+    missing_slab_damage(d, &m, &dm);
     if (dm.found && d->strict_index) {
         free(m.at), free(m.items), free(m.tokens);
         snprintf(msg, msg_len, "%s: %s (disk_strict_index is set; 0 rebuilds the index from the slot headers)", d->path,

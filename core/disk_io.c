@@ -735,6 +735,22 @@ int kvhi_disk_sync_fd(int fd, bool data_only)
     }
 }
 
+/* Whether slab i is still the file its name leads to: one removed or
+ * renamed under the engine takes every block synced into it where no
+ * later open looks (that open makes an empty slab in its place). */
+static bool slab_in_place(const kvhi_disk *d, uint32_t i)
+{
+    struct stat held, named;
+    char name[64];
+    snprintf(name, sizeof(name), "slab-%04u.kvh", i);
+    if (fstat(d->slab_fds[i], &held) != 0 || held.st_nlink == 0)
+        return false;
+    if (d->dir_fd < 0)
+        return true;
+    return fstatat(d->dir_fd, name, &named, AT_SYMLINK_NOFOLLOW) == 0 && named.st_ino == held.st_ino &&
+           named.st_dev == held.st_dev;
+}
+
 int kvhi_disk_sync_slabs(kvhi_disk *d)
 {
     if (d->fatal)
@@ -748,6 +764,11 @@ int kvhi_disk_sync_slabs(kvhi_disk *d)
             d->slabs_untrusted = true;
             d->fatal = true;
             return rc;
+        }
+        if (!inj && !slab_in_place(d, i)) {
+            d->slabs_untrusted = true; /* an index naming its slots would name nothing */
+            d->fatal = true;
+            return -ENOENT;
         }
     }
     return 0;

@@ -364,7 +364,9 @@ kvh_status kvhi_disk_tier_close(kvh_engine *e, bool flush)
         /* The index stays as it was: a new one would name slots whose
          * data a failed fsync may have lost. */
         kvhi_index_flush(e->disk);
-        st = kvhi_fail(KVH_ERR_IO, "the disk index was not rewritten: a slab file failed to sync");
+        st = kvhi_fail(KVH_ERR_IO,
+                       "the disk index was not rewritten: a slab file failed to sync, or was removed or replaced "
+                       "while open");
     } else if (snapshot_due) {
         /* After a fatal journal failure (the journal removed, a write that
          * failed half way) the engine's own state is still whole: a new
@@ -409,7 +411,7 @@ static kvh_status journal_add_failed(int rc)
         return kvhi_fail(KVH_ERR_NOMEM, "out of memory recording a block in the disk index");
     return kvhi_fail(KVH_ERR_IO,
                      "the disk index takes no more records (an earlier write or sync of the store failed, or its "
-                     "journal or directory was removed while open): %s",
+                     "journal, directory or a slab file was removed while open): %s",
                      strerror(-rc));
 }
 
@@ -885,10 +887,11 @@ kvh_status kvhi_disk_persist_blocks(kvh_engine *e, const uint32_t *blocks, uint3
                            "no room for the index records of the persisted blocks (%s): they stay pending",
                            strerror(-rc));
         else if (rc == -ENOENT)
-            st = kvhi_fail(KVH_ERR_IO,
-                           "the store's directory or journal in %s was removed while open: nothing "
-                           "persisted now would be found; the store accepts no more writes",
-                           e->disk->path);
+            st = kvhi_fail(
+                KVH_ERR_IO,
+                "the store's directory, journal or a slab file in %s was removed or replaced while open: nothing "
+                "persisted now would be found; the store accepts no more writes",
+                e->disk->path);
         else if (rc != 0)
             st = kvhi_fail(KVH_ERR_IO, "fsync of the disk tier failed (%s); the store accepts no more writes",
                            strerror(-rc));

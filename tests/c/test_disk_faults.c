@@ -916,6 +916,45 @@ static void test_close_after_the_journal_was_removed(void **state)
     pthread_mutex_destroy(&log.mu);
 }
 
+/* A slab file removed or renamed under a running engine: a persist into
+ * it said OK, and the reopen made an empty slab in its place and found
+ * none of those blocks. The persist fails now and so does every later
+ * one; the reopen names the missing slab. */
+static void test_persist_after_a_slab_was_removed_or_renamed(void **state)
+{
+    (void)state;
+    for (int renamed = 0; renamed <= 1; renamed++) {
+        char dir[512], path[600], moved[600];
+        dt_scratch(renamed ? "slab-renamed" : "slab-removed", dir, sizeof(dir));
+        kvh_config c = dt_cfg(G, dir, 16, 8, 64, 0);
+        kvh_engine *e = dt_open_a(&c);
+        kvh_seq s;
+        dt_assert_ok(dt_build(e, G, dt_plain(911), 2 * G.bt, 0, &s));
+        dt_assert_ok(kvh_seq_persist(e, s));
+        dt_path(path, sizeof(path), dir, "slab-0000.kvh");
+        if (renamed)
+            assert_int_equal(rename(path, dt_path(moved, sizeof(moved), dir, "slab-moved")), 0);
+        else
+            assert_int_equal(unlink(path), 0);
+        dt_assert_ok(dt_build(e, G, dt_plain(912), 2 * G.bt, 0, &s));
+        assert_int_equal(kvh_seq_persist(e, s), KVH_ERR_IO);
+        if (!strstr(kvh_last_error(), "slab file"))
+            fail_msg("persist after the slab went: %s", kvh_last_error());
+        dt_assert_ok(dt_build(e, G, dt_plain(913), 2 * G.bt, 0, &s));
+        assert_int_equal(kvh_seq_persist(e, s), KVH_ERR_IO);
+        assert_int_equal(kvh_engine_close(dt_untrack(e)), KVH_ERR_IO);
+        dt_log log;
+        dt_log_init(&log);
+        kvh_config logged = c;
+        dt_log_attach(&logged, &log);
+        e = dt_open_a(&logged);
+        assert_int_equal(dt_log_count(&log, KVH_LOG_WARN, "slab-0000.kvh is missing", NULL), 1);
+        assert_true(dt_stats(e).corrupt_blocks > 0);
+        dt_assert_ok(dt_close(dt_untrack(e)));
+        pthread_mutex_destroy(&log.mu);
+    }
+}
+
 /* A store directory kvh makes is durable only once its parent's entry
  * for it is: that fsync comes first, and its failure fails the open. */
 static void test_a_new_store_syncs_the_directory_holding_it(void **state)
@@ -1029,6 +1068,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_a_failed_fold_does_not_fail_the_persist, setup, teardown),
         cmocka_unit_test_setup_teardown(test_a_file_size_limit_is_said_as_such, setup, teardown),
         cmocka_unit_test_setup_teardown(test_close_after_the_journal_was_removed, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_persist_after_a_slab_was_removed_or_renamed, setup, teardown),
         cmocka_unit_test_setup_teardown(test_a_new_store_syncs_the_directory_holding_it, setup, teardown),
         cmocka_unit_test_setup_teardown(test_close_after_a_failed_slab_sync_writes_no_index, setup, teardown),
         cmocka_unit_test_setup_teardown(test_a_reset_cut_short_serves_nothing_of_the_old_store, setup, teardown),

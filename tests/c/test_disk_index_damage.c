@@ -358,6 +358,25 @@ static void test_truncated_zeroed_missing(void **state)
     }
 }
 
+/* A slab file lost at rest: the index names blocks in it that no open
+ * can find. A strict open refused nothing and a default one said nothing,
+ * recreating the slab empty. */
+static void test_a_missing_slab_is_damage(void **state)
+{
+    (void)state;
+    build_pristine();
+    kvh_config cfg = cfg_for(P.dir);
+    restore();
+    assert_int_equal(unlink(file_path("slab-0000.kvh")), 0);
+    expect_strict_refusal("slab-0000.kvh missing");
+    int none[NC] = {0};
+    /* every record names a lost block: each is counted once */
+    if (expect_store_saying(&cfg, none, NC * NB, "slab-0000.kvh missing", "slab-0000.kvh is missing") == 0)
+        fail_msg("no warning names the missing slab");
+    if (expect_store(&cfg, none, 0, "slab-0000.kvh missing, reopened") != 0)
+        fail_msg("the reopened store was rebuilt again");
+}
+
 /* A new store that a process persisted into and left without closing:
  * its index is still the header creation wrote, every record is in the
  * journal. */
@@ -737,6 +756,7 @@ int main(void)
         cmocka_unit_test_teardown(test_another_stores_index_put_in_place, dt_teardown),
         cmocka_unit_test_teardown(test_another_models_slots_are_refused_not_taken, dt_teardown),
         cmocka_unit_test_teardown(test_unvouched_slots_are_counted, dt_teardown),
+        cmocka_unit_test_teardown(test_a_missing_slab_is_damage, dt_teardown),
     };
     return cmocka_run_group_tests_name("disk_index_damage", tests, NULL, group_teardown);
 }

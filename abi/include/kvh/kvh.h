@@ -841,8 +841,8 @@ KVH_API kvh_status kvh_seq_read_kv(kvh_engine *engine, kvh_seq seq, uint32_t lay
  * uploads that fail are dropped and counted (kvh_stats), never an error.
  * KVH_ERR_UNSUPPORTED without a disk or remote tier; KVH_ERR_INVALID_ARG when a full
  * block has K/V that was never written; KVH_ERR_IO (after a failed fsync,
- * or once the store's directory or journal was removed while open, every
- * later persist fails too), KVH_ERR_NOSPACE (the disk is full),
+ * or once the store's directory, its journal or a slab file was removed
+ * or replaced while open, every later persist fails too), KVH_ERR_NOSPACE (the disk is full),
  * KVH_ERR_CORRUPT (a block to rewrite failed its checksum), KVH_ERR_BUSY
  * (blocks kept moving; retry), KVH_ERR_BAD_HANDLE, KVH_ERR_NOMEM.
  * @threads handle */
