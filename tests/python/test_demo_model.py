@@ -335,6 +335,31 @@ def test_fresh_needs_a_store_s_own_magic_not_its_file_names(tmp_path):
     assert remove_store(real) is None and not real.exists()
 
 
+def test_fresh_refuses_a_store_another_process_has_open(tmp_path):
+    """`--fresh` removed the files of a store an engine in another process
+    held: what it persisted next was lost and the new LOCK locked nothing."""
+    from kvh_cache.demo.store_files import remove_store
+
+    store = tmp_path / "held"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, kvh_cache as kvh\n"
+         "e = kvh.Engine(backend='cpu', num_layers=1, num_kv_heads=1, head_dim=8, block_tokens=16, dtype='f16',\n"
+         "               device_bytes=1 << 20, host_bytes=1 << 20, disk_path=sys.argv[1], disk_bytes=1 << 20)\n"
+         "print('open', flush=True); sys.stdin.read(); e.close()", str(store)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "open"
+        before = sorted((p.name, p.stat().st_ino) for p in store.iterdir())
+        problem = remove_store(store)
+        assert problem and f"open in process {holder.pid}" in problem and "not removed" in problem, problem
+        assert sorted((p.name, p.stat().st_ino) for p in store.iterdir()) == before
+    finally:
+        holder.communicate("", timeout=60)
+    assert holder.returncode == 0
+    assert remove_store(store) is None and not store.exists()  # closed: it goes
+
+
 def test_the_capacity_probe_uses_a_directory_of_its_own(tmp_path, monkeypatch):
     """The probe's store went to data_dir/probe-store and was removed with
     whatever was there: it now gets a new directory, removed after."""

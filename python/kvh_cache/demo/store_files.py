@@ -3,6 +3,7 @@ nothing else."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import stat
@@ -43,10 +44,33 @@ def remove_store(store: Path) -> Optional[str]:
     for n in ("index", "journal"):
         if n in names and not _starts_with_kvh_magic(store / n):
             return f"{store / n} was not written by kvh: not a kvh store; not removed"
-    for n in names:
-        (store / n).unlink()
+    # An engine or reader holding the store locks its directory (and LOCK):
+    # removing its files under it would lose what it persists from then on
+    # and let a second engine lock a new LOCK beside it.
+    try:
+        dir_fd = os.open(store, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as exc:
+        return f"cannot open {store}: {exc.strerror}; not removed"
+    try:
+        try:
+            fcntl.flock(dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return f"{store} is open in {_holder(store)}; not removed"
+        for n in names:
+            (store / n).unlink()
+    finally:
+        os.close(dir_fd)  # the lock goes with it
     store.rmdir()
     return None
+
+
+def _holder(store: Path) -> str:
+    """Who holds the store, as its LOCK file says (a reader writes no pid)."""
+    try:
+        pid = (store / "LOCK").read_text(errors="replace").strip()
+    except OSError:
+        pid = ""
+    return f"process {pid}" if pid.isdigit() else "another engine or a reader such as kvh-store"
 
 
 # The first bytes of a kvh index or journal file (core/disk_format.c).
