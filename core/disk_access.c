@@ -1,9 +1,12 @@
 /* Owner-only store directories and files (core/disk_access.h). */
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include "core/disk_access.h"
@@ -16,36 +19,110 @@ mode_t kvhi_store_dir_mode(uint32_t disk_flags) { return disk_flags & KVH_DISK_S
 
 mode_t kvhi_store_file_mode(uint32_t disk_flags) { return disk_flags & KVH_DISK_SHARE_GROUP ? 0640 : 0600; }
 
-/* The name of an index or journal file in dir that another program wrote
- * (not kvh's magic), where no slab or lock says a store lives there; NULL
- * otherwise. Such a directory is refused before anything in it changes
- * (its mode narrowed, a LOCK written, its `index` replaced). */
-static const char *foreign_store_file(int dir_fd)
+/* Whether name is one kvh makes in a store (or a file system's own
+ * lost+found, which a store at a mount's root sits beside). */
+static bool store_own_name(const char *name)
 {
-    if (faccessat(dir_fd, "LOCK", F_OK, AT_SYMLINK_NOFOLLOW) == 0 ||
-        faccessat(dir_fd, "slab-0000.kvh", F_OK, AT_SYMLINK_NOFOLLOW) == 0)
-        return NULL;
+    static const char *const own[] = {".", "..", "LOCK", "index", "journal", "index.tmp", "journal.tmp", "lost+found"};
+    for (size_t i = 0; i < sizeof(own) / sizeof(own[0]); i++)
+        if (strcmp(name, own[i]) == 0)
+            return true;
+    unsigned n = 0;
+    int end = 0;
+    return sscanf(name, "slab-%u.kvh%n", &n, &end) == 1 && name[end] == '\0' && strncmp(name, "slab-", 5) == 0;
+}
+
+/* The first entry of dir that is not a store's own, into out; false when
+ * there is none (or the listing fails: the checks after it still stand).
+ * Read from dir_fd itself (its offset is used for nothing else), with
+ * getdents64 into the stack: no other descriptor of the store's directory
+ * for a fork to inherit, and no allocation where another thread may fork. */
+static bool other_entry(int dir_fd, char *out, size_t out_len)
+{
+    if (lseek(dir_fd, 0, SEEK_SET) != 0)
+        return false;
+    bool found = false;
+    char buf[4096] __attribute__((aligned(8)));
+    while (!found) {
+        long got = syscall(SYS_getdents64, dir_fd, buf, sizeof(buf));
+        if (got <= 0)
+            break;
+        for (long at = 0; at < got && !found;) {
+            const struct dirent64 *ent = (const struct dirent64 *)(buf + at);
+            if (!store_own_name(ent->d_name)) {
+                snprintf(out, out_len, "%s", ent->d_name);
+                found = true;
+            }
+            at += ent->d_reclen;
+        }
+    }
+    lseek(dir_fd, 0, SEEK_SET);
+    return found;
+}
+
+typedef enum { FILE_ABSENT, FILE_KVH, FILE_OTHER } store_file_kind;
+
+/* An index or journal file: absent, kvh's (its magic, or empty: a store
+ * whose creation was cut short), or another program's (a FIFO, a
+ * directory, a device, or other bytes). */
+static store_file_kind index_file_kind(int dir_fd, const char *name)
+{
+    /* Non-blocking: a FIFO in its place would block the open until a
+     * writer came (for ever). */
+    int fd = openat(dir_fd, name, O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
+    if (fd < 0)
+        return errno == ENOENT ? FILE_ABSENT : FILE_OTHER;
+    struct stat st;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+        close(fd);
+        return FILE_OTHER;
+    }
+    uint8_t first[8];
+    ssize_t n = pread(fd, first, sizeof(first), 0);
+    close(fd);
+    if (n == 0)
+        return FILE_KVH;
+    return n == (ssize_t)sizeof(first) && kvhi_index_magic_is_kvh(first) ? FILE_KVH : FILE_OTHER;
+}
+
+/* Why dir is no place for a store, into why; false when it may be one.
+ * Refused before anything in it changes (its mode narrowed, a LOCK
+ * written, its `index` replaced): an index or journal another program
+ * wrote where no slab says a store lives (a LOCK says nothing: LevelDB
+ * and others make one too). */
+static bool not_a_store_dir(int dir_fd, char *why, size_t why_len)
+{
+    bool slab = faccessat(dir_fd, "slab-0000.kvh", F_OK, AT_SYMLINK_NOFOLLOW) == 0;
     static const char *const names[] = {"index", "journal"};
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
-        /* Non-blocking: a FIFO in its place would block the open until a
-         * writer came (for ever). */
-        int fd = openat(dir_fd, names[i], O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
-        if (fd < 0)
-            continue;
-        struct stat st;
-        if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-            close(fd);
-            return names[i]; /* a FIFO, a directory, a device: no file kvh writes */
+        if (!slab && index_file_kind(dir_fd, names[i]) == FILE_OTHER) {
+            snprintf(why, why_len, "holds a file named '%s' that kvh did not write, and no store", names[i]);
+            return true;
         }
-        uint8_t first[8];
-        ssize_t n = pread(fd, first, sizeof(first), 0);
-        close(fd);
-        /* Shorter than kvh's magic but not empty is not kvh's either (a
-         * store that has one always has its slabs or LOCK, seen above). */
-        if (n > 0 && (n < (ssize_t)sizeof(first) || !kvhi_index_magic_is_kvh(first)))
-            return names[i];
     }
-    return NULL;
+    return false;
+}
+
+/* path without trailing slashes or "/." components: with them, O_NOFOLLOW
+ * does not stop a symbolic link in the last real component ("link/"
+ * resolves through it). NULL without memory. */
+static char *store_path_trimmed(const char *path)
+{
+    size_t n = strlen(path);
+    char *p = malloc(n + 1);
+    if (!p)
+        return NULL;
+    memcpy(p, path, n + 1);
+    for (;;) {
+        if (n > 1 && p[n - 1] == '/')
+            p[--n] = '\0';
+        else if (n > 2 && p[n - 1] == '.' && p[n - 2] == '/')
+            p[n -= 2] = '\0';
+        else if (n == 2 && p[0] == '/' && p[1] == '.')
+            p[n = 1] = '\0';
+        else
+            return p;
+    }
 }
 
 /* fsync of the directory holding path: a directory just made is on
@@ -76,7 +153,19 @@ static int sync_parent_dir(const char *path)
     return rc == -EINVAL ? 0 : rc; /* a file system that syncs no directories */
 }
 
-kvh_status kvhi_store_open_dir(kvhi_disk *d, const char *path)
+static kvh_status open_dir_trimmed(kvhi_disk *d, const char *path);
+
+kvh_status kvhi_store_open_dir(kvhi_disk *d, const char *given)
+{
+    char *path = store_path_trimmed(given);
+    if (!path)
+        return kvhi_fail(KVH_ERR_NOMEM, "out of memory opening the disk tier");
+    kvh_status st = open_dir_trimmed(d, path);
+    free(path);
+    return st;
+}
+
+static kvh_status open_dir_trimmed(kvhi_disk *d, const char *path)
 {
     mode_t want = kvhi_store_dir_mode(d->disk_flags);
     bool made = mkdir(path, want) == 0;
@@ -111,12 +200,10 @@ kvh_status kvhi_store_open_dir(kvhi_disk *d, const char *path)
                          "store %s is writable by other users (mode %04o): another user could replace its "
                          "files; make it %04o",
                          path, (unsigned)(st.st_mode & 07777), (unsigned)want);
-    const char *foreign = d->read_only ? NULL : foreign_store_file(d->dir_fd);
-    if (foreign)
-        return kvhi_fail(KVH_ERR_IO,
-                         "%s holds a file named '%s' that kvh did not write, and no store: not a kvh store "
-                         "directory (give disk_path a directory of its own)",
-                         path, foreign);
+    char why[320];
+    if (!made && !d->read_only && not_a_store_dir(d->dir_fd, why, sizeof(why)))
+        return kvhi_fail(KVH_ERR_IO, "%s %s: not a kvh store directory (give disk_path a directory of its own)", path,
+                         why);
     /* The owner's access only, before the store is locked, and only
      * where no engine can hold it (no LOCK yet): LOCK cannot be made in a
      * directory mkdir's umask left at 0500. The exact mode waits for the
@@ -140,6 +227,13 @@ kvh_status kvhi_store_set_modes(kvhi_disk *d)
     if (fstat(d->dir_fd, &st) != 0)
         return kvhi_fail(KVH_ERR_IO, "cannot stat %s: %s", d->path, strerror(errno));
     mode_t keep = st.st_mode & S_ISGID;
+    /* A directory that holds other files too (a home, a project, a mount's
+     * root given as disk_path) keeps its mode: narrowing it would lock
+     * other users out of what is not kvh's. kvh's own files still get
+     * theirs, and no one else may write to it (checked at open). */
+    char other[256];
+    if (other_entry(d->dir_fd, other, sizeof(other)))
+        want = st.st_mode & 0777;
     if ((st.st_mode & 07777) != (keep | want) && fchmod(d->dir_fd, keep | want) != 0)
         return kvhi_fail(KVH_ERR_IO, "cannot set %s to mode %04o: %s", d->path, (unsigned)want, strerror(errno));
     mode_t file_want = kvhi_store_file_mode(d->disk_flags);
@@ -150,7 +244,7 @@ kvh_status kvhi_store_set_modes(kvhi_disk *d)
     return KVH_OK;
 }
 
-static int store_openat(const kvhi_disk *d, const char *name, int flags, bool set_mode)
+static int store_openat_once(const kvhi_disk *d, const char *name, int flags, bool set_mode)
 {
     mode_t want = kvhi_store_file_mode(d->disk_flags);
     int fd = openat(d->dir_fd, name, flags | O_NOFOLLOW | O_CLOEXEC, want);
@@ -164,6 +258,8 @@ static int store_openat(const kvhi_disk *d, const char *name, int flags, bool se
         rc = -EISDIR; /* read-only opens take a directory: say what it is */
     else if (!S_ISREG(st.st_mode) || (st.st_uid != geteuid() && !d->read_only))
         rc = -EPERM; /* inspection (read_only) may read another user's store it can open */
+    else if (st.st_nlink > 1 && !d->read_only)
+        rc = -EMLINK; /* written in place, it would change the file another link names */
     else if (set_mode && (st.st_mode & 0777) != want && !d->read_only && fchmod(fd, want) != 0)
         rc = -errno;
     if (rc != 0) {
@@ -171,6 +267,35 @@ static int store_openat(const kvhi_disk *d, const char *name, int flags, bool se
         return rc;
     }
     return fd;
+}
+
+static int store_openat(const kvhi_disk *d, const char *name, int flags, bool set_mode)
+{
+    int fd = store_openat_once(d, name, flags, set_mode);
+    if (fd != -EACCES || d->read_only)
+        return fd;
+    /* The owner's read and write bits taken away (chmod -R a-w): given back
+     * as kvh.h says, for a regular file of this user only, and never
+     * through a link. */
+    struct stat st;
+    if (fstatat(d->dir_fd, name, &st, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISREG(st.st_mode) || st.st_uid != geteuid() ||
+        fchmodat(d->dir_fd, name, (st.st_mode & 0777) | S_IRUSR | S_IWUSR, AT_SYMLINK_NOFOLLOW) != 0)
+        return fd;
+    return store_openat_once(d, name, flags, set_mode);
+}
+
+const char *kvhi_store_file_error(int rc)
+{
+    switch (rc) {
+    case -EPERM:
+        return "not a regular file of this process's user";
+    case -EMLINK:
+        return "other hard links lead to it, and kvh writes its files in place";
+    case -ELOOP:
+        return "a symbolic link stands in its place";
+    default:
+        return strerror(-rc);
+    }
 }
 
 int kvhi_store_openat(const kvhi_disk *d, const char *name, int flags) { return store_openat(d, name, flags, true); }

@@ -27,9 +27,13 @@ kvh_status kvhi_store_open_dir(kvhi_disk *d, const char *path);
 kvh_status kvhi_store_set_modes(kvhi_disk *d);
 /* openat(d->dir_fd, name, flags) for a store file: never follows a link,
  * only a regular file of this user, created (with O_CREAT) or narrowed to
- * the store's file mode. Returns the fd or -errno (-ELOOP for a link,
- * -EPERM for another user's or a non-regular file). */
+ * the store's file mode (the owner's read and write bits given back when
+ * they were taken away). Returns the fd or -errno (-ELOOP for a link,
+ * -EPERM for another user's or a non-regular file, -EMLINK for a file
+ * with other hard links). */
 int kvhi_store_openat(const kvhi_disk *d, const char *name, int flags);
+/* What a -errno of kvhi_store_openat means, for a message. */
+const char *kvhi_store_file_error(int rc);
 /* The same, leaving the mode of a file that exists as it is (LOCK,
  * opened before the store is known to be this engine's). */
 int kvhi_store_openat_as_found(const kvhi_disk *d, const char *name, int flags);

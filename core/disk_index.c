@@ -518,7 +518,7 @@ int kvhi_index_load(kvhi_disk *d, bool reset, kvhi_index_list *out, char *msg, s
     size_t snap_len = 0, jr_len = 0;
     int rc = read_file(d, "index", &snap, &snap_len);
     if (rc != 0 && rc != -ENOENT) {
-        snprintf(msg, msg_len, "cannot read %s/index: %s", d->path, strerror(-rc));
+        snprintf(msg, msg_len, "cannot read %s/index: %s", d->path, kvhi_store_file_error(rc));
         out->io_err = rc;
         return KVHI_INDEX_IO;
     }
@@ -528,7 +528,7 @@ int kvhi_index_load(kvhi_disk *d, bool reset, kvhi_index_list *out, char *msg, s
         /* An unreadable journal may hold acknowledged records: never
          * replace it; the open fails and can be retried. */
         free(snap);
-        snprintf(msg, msg_len, "cannot read %s/journal: %s", d->path, strerror(-rc));
+        snprintf(msg, msg_len, "cannot read %s/journal: %s", d->path, kvhi_store_file_error(rc));
         out->io_err = rc;
         return KVHI_INDEX_IO;
     }
@@ -692,7 +692,8 @@ int kvhi_index_load(kvhi_disk *d, bool reset, kvhi_index_list *out, char *msg, s
     }
     free(jr);
     free(tk);
-    missing_slab_damage(d, &m, &dm);
+    if (!d->read_only) /* inspection (kvh-store verify) names each of their blocks instead */
+        missing_slab_damage(d, &m, &dm);
     if (dm.found && d->strict_index) {
         free(m.at), free(m.items), free(m.tokens);
         snprintf(msg, msg_len, "%s: %s (disk_strict_index is set; 0 rebuilds the index from the slot headers)", d->path,

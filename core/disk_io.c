@@ -317,6 +317,7 @@ int kvhi_disk_open_slabs(kvhi_disk *d, bool allow_direct)
         int fd = open_slab(d, i, false);
         if (fd == -ENOENT)
             continue;
+        d->failed_slab = i;
         if (fd < 0)
             return fd;
         d->slab_fds[i] = fd;
@@ -355,6 +356,7 @@ int kvhi_disk_size_slabs(kvhi_disk *d)
     for (uint32_t i = 0; i < d->n_slabs; i++) {
         if (d->slab_fds[i] < 0) {
             int fd = open_slab(d, i, true);
+            d->failed_slab = i;
             if (fd < 0)
                 return fd;
             d->slab_fds[i] = fd;
@@ -392,8 +394,16 @@ int kvhi_disk_size_slabs(kvhi_disk *d)
     for (uint32_t i = 0; i < d->n_slabs && rc == 0; i++) {
         if (was[i] >= slab_want(d, i))
             continue;
-        if (prealloc && posix_fallocate(d->slab_fds[i], 0, slab_want(d, i)) == 0)
+        /* fallocate, not posix_fallocate: where the file system cannot
+         * preallocate, glibc's stand-in writes every block (or fails on
+         * an O_DIRECT descriptor) instead of saying so. */
+        if (prealloc && fallocate(d->slab_fds[i], 0, 0, slab_want(d, i)) == 0)
             continue;
+        if (prealloc && !d->space_warning[0])
+            snprintf(d->space_warning, sizeof(d->space_warning),
+                     "disk tier: %s: preallocating the slab files failed (%s): they are sparse and grow as blocks "
+                     "are written (a write that finds the disk full then fails, for want of room)",
+                     d->path, strerror(errno));
         if (prealloc) {
             /* Out of room midway (others wrote meanwhile): what this open
              * allocated goes back (ext4 keeps a failed call's part too),

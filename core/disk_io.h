@@ -53,6 +53,7 @@ typedef struct kvhi_disk {
     /* Bytes the slab files held before this open: 0 for a new store, where
      * a missing index is no loss and needs no scan. */
     uint64_t slab_bytes_found;
+    uint32_t failed_slab; /* the slab whose open or sizing failed, for the message */
     uint32_t queue_depth;
     uint32_t lane_blocks; /* blocks one lane can stage at once */
 

@@ -57,7 +57,7 @@ static kvh_status lock_store(kvhi_disk *d)
     d->lock_fd = kvhi_store_openat_as_found(d, "LOCK", O_RDWR | O_CREAT);
     kvhi_store_locks_let_go();
     if (d->lock_fd < 0)
-        return kvhi_fail(KVH_ERR_IO, "cannot create %s/LOCK: %s", d->path, strerror(-d->lock_fd));
+        return kvhi_fail(KVH_ERR_IO, "cannot create %s/LOCK: %s", d->path, kvhi_store_file_error(d->lock_fd));
     /* The directory is locked as well as LOCK: a LOCK file deleted under
      * a running engine (a cleaner of old files) would let the next one
      * create and lock a new file, and two engines would write one store. */
@@ -218,7 +218,9 @@ kvh_status kvhi_disk_tier_open(kvh_engine *e, const kvh_config *cfg, const char 
     d->n_slots = (uint32_t)slots;
     int rc = kvhi_disk_open_slabs(d, !(cfg->disk_flags & KVH_DISK_BUFFERED));
     if (rc != 0)
-        return kvhi_fail(kvhi_io_status(rc), "cannot open slab files in %s: %s", path, strerror(-rc));
+        return rc == -ENOMEM ? kvhi_fail(KVH_ERR_NOMEM, "out of memory opening the slab files in %s", path)
+                             : kvhi_fail(kvhi_io_status(rc), "cannot open slab file %s/slab-%04u.kvh: %s", path,
+                                         d->failed_slab, kvhi_store_file_error(rc));
     char msg[256];
     int ir = kvhi_index_load(d, false, &e->disk_recovery, msg, sizeof(msg));
     if (ir == KVHI_INDEX_MISMATCH || ir == KVHI_INDEX_CORRUPT) {

@@ -418,6 +418,162 @@ static void test_a_refused_open_changes_no_modes(void **state)
     }
 }
 
+/* disk_path a link with "/", "//", "/." or "/./" after it: O_NOFOLLOW
+ * stops no link a trailing slash resolves, so the open narrowed the
+ * directory it names to 0700 and wrote its store there. */
+static void test_a_link_with_a_trailing_slash_is_refused(void **state)
+{
+    (void)state;
+    static const char *const tails[] = {"/", "//", "/.", "/./"};
+    char victim[PATH_MAX], link_path[PATH_MAX + 8], given[PATH_MAX + 16], page[PATH_MAX];
+    dt_scratch("slash_victim", victim, sizeof(victim));
+    snprintf(link_path, sizeof(link_path), "%s.link", victim);
+    unlink(link_path);
+    assert_int_equal(chmod(victim, 0755), 0);
+    assert_int_equal(dt_write_file(dt_path(page, sizeof(page), victim, "index.html"), "hi", 2), 0);
+    assert_int_equal(symlink(victim, link_path), 0);
+    for (size_t i = 0; i < sizeof(tails) / sizeof(tails[0]); i++) {
+        snprintf(given, sizeof(given), "%s%s", link_path, tails[i]);
+        kvh_engine *e;
+        kvh_status st = open_store(given, &e);
+        if (st != KVH_ERR_IO || !strstr(kvh_last_error(), "symbolic link"))
+            fail_msg("%s: %s (%s)", given, kvh_status_name(st), kvh_last_error());
+        assert_int_equal(mode_of(victim, NULL), 0755);
+        char lock_path[PATH_MAX];
+        assert_int_equal(access(dt_path(lock_path, sizeof(lock_path), victim, "LOCK"), F_OK), -1);
+    }
+    unlink(link_path);
+    /* the store's own path with a trailing slash still opens */
+    char dir[PATH_MAX];
+    dt_scratch("slash_own", dir, sizeof(dir));
+    snprintf(given, sizeof(given), "%s/./", dir);
+    kvh_engine *e;
+    dt_assert_ok(open_store(given, &e));
+    dt_assert_ok(dt_close(e));
+}
+
+/* A LOCK file (LevelDB and others make one too) passed for a store: the
+ * other program's `index` beside it was rebuilt over. */
+static void test_a_lock_file_does_not_vouch_for_a_foreign_index(void **state)
+{
+    (void)state;
+    char dir[PATH_MAX], index_path[PATH_MAX], lock_path[PATH_MAX];
+    dt_scratch("lock_foreign", dir, sizeof(dir));
+    static const char theirs[] = "MANIFEST-000001 of another program";
+    plant_foreign_dir(dir, index_path, sizeof(index_path), theirs, sizeof(theirs));
+    assert_int_equal(dt_write_file(dt_path(lock_path, sizeof(lock_path), dir, "LOCK"), "", 0), 0);
+    kvh_engine *e;
+    dt_assert_kvh(KVH_ERR_IO, open_store(dir, &e));
+    if (!strstr(kvh_last_error(), "not a kvh store"))
+        fail_msg("%s", kvh_last_error());
+    size_t len = 0;
+    uint8_t *bytes = dt_read_file(index_path, &len);
+    assert_non_null(bytes);
+    assert_int_equal(len, sizeof(theirs));
+    assert_memory_equal(bytes, theirs, sizeof(theirs));
+    free(bytes);
+    assert_int_equal(mode_of(dir, NULL), 0755);
+}
+
+/* A directory that also holds the user's files keeps its mode (narrowed
+ * to 0700, other users lost what was theirs to read there); kvh's files
+ * still get 0600, and an empty directory is narrowed as before. */
+static void test_a_directory_with_other_files_keeps_its_mode(void **state)
+{
+    (void)state;
+    char dir[PATH_MAX], readme[PATH_MAX];
+    dt_scratch("shared_dir", dir, sizeof(dir));
+    assert_int_equal(chmod(dir, 0755), 0);
+    assert_int_equal(dt_write_file(dt_path(readme, sizeof(readme), dir, "README"), "mine", 4), 0);
+    for (int round = 0; round < 2; round++) {
+        make_store(dir, 0);
+        assert_int_equal(mode_of(dir, NULL), 0755);
+        for (size_t i = 0; i < sizeof(FILES) / sizeof(FILES[0]); i++)
+            if (mode_of(dir, FILES[i]) != 0600)
+                fail_msg("%s has mode %04o, want 0600", FILES[i], mode_of(dir, FILES[i]));
+    }
+    assert_int_equal(unlink(readme), 0);
+    make_store(dir, 0);
+    assert_int_equal(mode_of(dir, NULL), 0700);
+}
+
+/* A store file with a second hard link (LOCK linked to a file outside):
+ * the open truncated that file through it. Refused, the file kept. */
+static void test_a_store_file_with_another_hard_link_is_refused(void **state)
+{
+    (void)state;
+    char dir[PATH_MAX], outside[PATH_MAX + 8], inside[PATH_MAX];
+    dt_scratch("hard_link", dir, sizeof(dir));
+    make_store(dir, 0);
+    snprintf(outside, sizeof(outside), "%s.keep", dir);
+    static const char *const names[] = {"LOCK", "journal", "slab-0000.kvh"};
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
+        dt_path(inside, sizeof(inside), dir, names[i]);
+        unlink(outside);
+        assert_int_equal(link(inside, outside), 0);
+        struct stat before, after;
+        assert_int_equal(stat(outside, &before), 0);
+        kvh_engine *e;
+        kvh_status st = open_store(dir, &e);
+        if (st != KVH_ERR_IO || !strstr(kvh_last_error(), "hard links"))
+            fail_msg("%s linked: %s (%s)", names[i], kvh_status_name(st), kvh_last_error());
+        assert_int_equal(stat(outside, &after), 0);
+        assert_int_equal(after.st_size, before.st_size);
+        assert_int_equal(unlink(outside), 0);
+        dt_assert_ok(open_store(dir, &e));
+        dt_assert_ok(dt_close(e));
+    }
+}
+
+/* LOCK and a slab file chmod-ed 0400 by their owner (chmod -R a-w): the
+ * open failed with EACCES, though kvh.h says an owner's bits taken away
+ * are given back. Run as another user: root reads and writes past modes. */
+static void test_owner_bits_taken_from_lock_and_slab_are_given_back(void **state)
+{
+    (void)state;
+    if (geteuid() != 0)
+        skip(); /* only root can become another user here */
+    const uid_t nobody = 65534;
+    char parent[PATH_MAX], dir[PATH_MAX];
+    dt_scratch("owner_bits", parent, sizeof(parent));
+    assert_int_equal(chown(parent, nobody, nobody), 0);
+    dt_path(dir, sizeof(dir), parent, "store");
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        if (setgroups(0, NULL) != 0 || setgid(nobody) != 0 || setuid(nobody) != 0)
+            _exit(100);
+        if (access(parent, W_OK | X_OK) != 0)
+            _exit(77);
+        make_store(dir, 0);
+        char path[PATH_MAX];
+        static const char *const names[] = {"LOCK", "slab-0000.kvh", "journal", "index"};
+        for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
+            if (chmod(dt_path(path, sizeof(path), dir, names[i]), 0400) != 0)
+                _exit(103);
+        if (chmod(dir, 0500) != 0)
+            _exit(104);
+        kvh_config c = dt_cfg(G, dir, 4, 4, 16, 0);
+        kvh_engine *e = NULL;
+        kvh_status st = kvh_engine_open(&c, &e);
+        if (st != KVH_OK) {
+            fprintf(stderr, "open after chmod a-w: %s: %s\n", kvh_status_name(st), kvh_last_error());
+            _exit(101);
+        }
+        _exit(kvh_engine_close(e) == KVH_OK ? 0 : 102);
+    }
+    int status = 0;
+    assert_int_equal(waitpid(pid, &status, 0), pid);
+    if (WIFEXITED(status) && WEXITSTATUS(status) == 77)
+        skip();
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
+        fail_msg("the store did not open after its owner took the write bits away (status %#x)", status);
+    assert_int_equal(mode_of(dir, NULL), 0700);
+    for (size_t i = 0; i < sizeof(FILES) / sizeof(FILES[0]); i++)
+        if (mode_of(dir, FILES[i]) != 0600)
+            fail_msg("%s has mode %04o, want 0600", FILES[i], mode_of(dir, FILES[i]));
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -433,6 +589,11 @@ int main(void)
         cmocka_unit_test_teardown(test_fifo_or_directory_named_like_the_index_is_refused, dt_teardown),
         cmocka_unit_test_teardown(test_another_users_store_is_refused, dt_teardown),
         cmocka_unit_test_teardown(test_a_refused_open_changes_no_modes, dt_teardown),
+        cmocka_unit_test_teardown(test_a_link_with_a_trailing_slash_is_refused, dt_teardown),
+        cmocka_unit_test_teardown(test_a_lock_file_does_not_vouch_for_a_foreign_index, dt_teardown),
+        cmocka_unit_test_teardown(test_a_directory_with_other_files_keeps_its_mode, dt_teardown),
+        cmocka_unit_test_teardown(test_a_store_file_with_another_hard_link_is_refused, dt_teardown),
+        cmocka_unit_test_teardown(test_owner_bits_taken_from_lock_and_slab_are_given_back, dt_teardown),
     };
     return cmocka_run_group_tests_name("disk_access", tests, NULL, NULL);
 }

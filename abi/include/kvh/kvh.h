@@ -283,10 +283,14 @@ typedef struct kvh_config {
      * alone: the directory is created 0700 and its files 0600 whatever the
      * umask (an existing store gets these exact modes at every open:
      * wider ones are narrowed and an owner's bits taken away are given
-     * back, so a store directory chmod-ed 500 is written again; see
-     * KVH_DISK_SHARE_GROUP), a directory of another user or one that group
-     * or others can write is refused (KVH_ERR_IO), and no store file is
-     * opened through a symbolic link. */
+     * back, so a store directory chmod-ed 500 is written again; a
+     * directory that also holds files not kvh's keeps its own mode; see
+     * KVH_DISK_SHARE_GROUP), a directory
+     * of another user or one that group or others can write is refused
+     * (KVH_ERR_IO), as is one holding an index or journal file another
+     * program wrote and no slab file; no store file is opened through a
+     * symbolic link (a trailing "/" included) or written through another
+     * hard link to it (KVH_ERR_IO). */
     const char *disk_path;
     uint64_t model_salt;         /* namespace of prefix hashes (model identity); secret
                                     where tenants choose tokens ("Tenant scopes") */
