@@ -599,8 +599,16 @@ class Engine(OwnedHandle):
             # Owned even when a Ctrl-C comes right after the call returned
             # (its status then unread): the engine closes with this object.
             if out[0] != NULL:
-                self._native = _Native(out[0])
-                self._native.log_token = token
+                try:
+                    self._native = _Native(out[0])
+                    self._native.log_token = token
+                except BaseException:
+                    # A Ctrl-C while the owner was being made: nothing owns
+                    # the engine yet, and its threads and store lock would
+                    # outlive every reference to it.
+                    if self._native is None:
+                        lib.kvh_engine_close(out[0])
+                    raise
         if st != 0:
             raise_status(st)
         del keep

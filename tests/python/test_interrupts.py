@@ -252,6 +252,23 @@ def test_ctrl_c_during_open_leaves_no_engine_behind(lib_with_ctrl_c, tmp_path):
     make_engine(disk_path=store, disk_bytes=8 << 20).close()
 
 
+def test_ctrl_c_while_the_engines_owner_is_made_leaves_no_engine_behind(monkeypatch, tmp_path):
+    """A Ctrl-C landing inside the owner's constructor (right after open
+    returned) dropped the only pointer to the opened engine: its threads
+    ran on and its store stayed locked (BusyError on every reopen)."""
+    store = str(tmp_path / "store")
+    real = em.HandleGate
+
+    def interrupted(*args, **kw):
+        monkeypatch.setattr(em, "HandleGate", real)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(em, "HandleGate", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        make_engine(disk_path=store, disk_bytes=8 << 20)
+    make_engine(disk_path=store, disk_bytes=8 << 20).close()
+
+
 def _store_with_corrupt_blocks(tmp_path, n_tokens=64):
     """Each block's bytes flipped on disk: moving one makes kvh log."""
     store = str(tmp_path / "store")
