@@ -172,6 +172,16 @@ static int evaluate(const bench_ctx *ctx, const trace_opts *o, const char *trace
     bench_row_str(info, "trace", trace_name);
     bench_row_int(info, "blocks", t->n_blocks);
     bench_row_int(info, "sequences", trace_count_seqs(t));
+    uint64_t padded = o->replay ? trace_replay_padded(t) : 0;
+    if (o->replay && padded != UINT64_MAX) {
+        bench_row_int(info, "engine_padded_blocks", (long long)padded);
+        if (padded)
+            bench_info(ctx,
+                       "trace %s: the engine replay appends %llu blocks before the trace first reads them (read out "
+                       "of index order, or never): they take device and host room the simulators do not give them, "
+                       "so the kvh-engine rows differ from the simulated ones",
+                       trace_name, (unsigned long long)padded);
+    }
     bench_emit(ctx, info);
     for (size_t bi = 0; bi < o->device_pct.n; bi++) {
         uint64_t pct = o->device_pct.v[bi];
@@ -442,6 +452,7 @@ int bench_trace(int argc, char **argv, const bench_ctx *ctx)
         bench_check_u64(SCEN, "--turns", o.turns, 1, TRACE_MAX_TURNS / 2) ||
         bench_check_u64(SCEN, "--hint-turns", o.hint_turns, 0, UINT32_MAX) ||
         bench_check_u64(SCEN, "--host-mult", o.host_mult, 0, UINT32_MAX / 4 - 1) ||
+        bench_check_u64(SCEN, "--replay", o.replay, 0, 1) ||
         bench_check_u64(SCEN, "--replay-skip-kv-write", o.skip_kv_write, 0, 1))
         return 2;
     if ((o.agents + 1) * o.turns > TRACE_MAX_TURNS) {

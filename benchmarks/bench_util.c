@@ -301,6 +301,8 @@ static void fmt_num(char *b, size_t cap, double v, int digits)
 {
     if (!isfinite(v))
         snprintf(b, cap, "null");
+    else if (v == floor(v) && fabs(v) < 9007199254740992.0)
+        snprintf(b, cap, "%.0f", v); /* a count, exactly: 1234567, not 1.23457e+06 */
     else
         snprintf(b, cap, "%.*g", digits, v);
 }

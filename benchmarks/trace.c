@@ -1,6 +1,7 @@
 #include "trace.h"
 
 #include <errno.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -207,40 +208,6 @@ int trace_add_handle(trace *t, uint64_t handle, uint32_t agent, float tolerance)
     return push(t, (trace_access){.block = (uint32_t)id, .seq = (uint32_t)id, .index = 0, .agent = agent});
 }
 
-/* A line of the demo's format: t_s agent seq block_id block_hash tier kind
- * (tab-separated, handles in hex). Returns 1 when it is one (and was
- * added or skipped), 0 when it is not, -1 when out of memory. */
-static int demo_line(trace *t, const char *p)
-{
-    double ts;
-    unsigned long long agent, seq, handle, hash;
-    long long priority = 0;
-    char tier[16], kind[16];
-    if (!strchr(p, '\t'))
-        return 0;
-    int got =
-        sscanf(p, "%lf %llu %llx %llx %llx %15s %15s %lld", &ts, &agent, &seq, &handle, &hash, tier, kind, &priority);
-    if (got < 7)
-        return 0;
-    /* Prefetches are not demand accesses. */
-    if (!strcmp(kind, "prefetch"))
-        return 1;
-    if (!strcmp(kind, "hint")) {
-        /* The scheduler's queue (kvh_seq_hint): a hint for the block's own
-         * one-block sequence, if it has been made yet. */
-        if (got < 8 || priority < INT32_MIN || priority > INT32_MAX)
-            return 0;
-        int64_t b = handle_id(t, handle);
-        if (b < 0)
-            return 1;
-        if (trace_add_hint(t, (uint32_t)b, 0, 1, (int32_t)priority) != 0)
-            return -1;
-        t->hints[t->n_hints - 1].block = (uint32_t)b;
-        return 1;
-    }
-    return trace_add_handle(t, handle, (uint32_t)agent, 0.5f) == 0 ? 1 : -1;
-}
-
 static int is_blank(char c) { return c == ' ' || c == '\t' || c == '\r' || c == '\n'; }
 
 /* The fields of a plain-form line, blank-separated: at most max of them
@@ -326,6 +293,109 @@ static int field_tolerance(field f, float *out)
     return 0;
 }
 
+/* The fields of a demo-form line, tab-separated: at most max of them (a
+ * line with more gives max + 1); trailing blanks (a CR) end the last. */
+static size_t split_tabs(const char *p, field *f, size_t max)
+{
+    size_t n = 0;
+    for (;;) {
+        const char *start = p;
+        while (*p && *p != '\t')
+            p++;
+        size_t len = (size_t)(p - start);
+        if (!*p)
+            while (len > 0 && is_blank(start[len - 1]))
+                len--;
+        if (n < max)
+            f[n] = (field){start, len};
+        n++;
+        if (!*p || n > max)
+            return n;
+        p++;
+    }
+}
+
+/* A 64-bit handle in hex, with or without 0x: at most 16 digits (a wider
+ * one would be cut to another block's). */
+static int field_hex64(field f, uint64_t *out)
+{
+    if (f.len > 2 && f.s[0] == '0' && (f.s[1] == 'x' || f.s[1] == 'X'))
+        f.s += 2, f.len -= 2;
+    while (f.len > 16 && f.s[0] == '0')
+        f.s++, f.len--;
+    if (f.len == 0 || f.len > 16)
+        return -1;
+    uint64_t v = 0;
+    for (size_t i = 0; i < f.len; i++) {
+        char c = f.s[i];
+        int d = c >= '0' && c <= '9'   ? c - '0'
+                : c >= 'a' && c <= 'f' ? c - 'a' + 10
+                : c >= 'A' && c <= 'F' ? c - 'A' + 10
+                                       : -1;
+        if (d < 0)
+            return -1;
+        v = v << 4 | (uint64_t)d;
+    }
+    *out = v;
+    return 0;
+}
+
+static int field_is(field f, const char *word) { return f.len == strlen(word) && !memcmp(f.s, word, f.len); }
+
+#define DEMO_FORM "T_S<tab>AGENT<tab>SEQ<tab>BLOCK<tab>HASH<tab>TIER<tab>KIND[<tab>PRIORITY] (handles in hex)"
+
+/* A line of the demo's format: t_s agent seq block_id block_hash tier kind
+ * (tab-separated, handles in hex; a hint line has the priority too).
+ * Returns 1 when it is one and was added or skipped, 0 when it is not
+ * (fewer than 6 tab-separated fields: the plain form), 2 when malformed
+ * (*expected: the form), -1 when out of memory. */
+static int demo_line(trace *t, const char *p, const char **expected)
+{
+    field f[8];
+    size_t n = split_tabs(p, f, 8);
+    if (n < 6)
+        return 0;
+    *expected = DEMO_FORM;
+    uint32_t agent;
+    uint64_t seq, handle, hash;
+    char ts[64];
+    char *end;
+    if (n < 7 || n > 8 || f[0].len == 0 || f[0].len >= sizeof(ts) || field_u32(f[1], &agent) ||
+        field_hex64(f[2], &seq) || field_hex64(f[3], &handle) || field_hex64(f[4], &hash) || f[5].len == 0)
+        return 2;
+    memcpy(ts, f[0].s, f[0].len);
+    ts[f[0].len] = '\0';
+    double when = strtod(ts, &end);
+    if (*end || !isfinite(when))
+        return 2;
+    field kind = f[6];
+    if (field_is(kind, "hint")) {
+        /* The scheduler's queue (kvh_seq_hint): a hint for the block's own
+         * one-block sequence, if it has been made yet. */
+        int32_t priority;
+        if (n != 8 || field_i32(f[7], &priority)) {
+            *expected = DEMO_FORM ", PRIORITY in -2^31 .. 2^31 - 1";
+            return 2;
+        }
+        int64_t b = handle_id(t, handle);
+        if (b < 0)
+            return 1;
+        if (trace_add_hint(t, (uint32_t)b, 0, 1, priority) != 0)
+            return -1;
+        t->hints[t->n_hints - 1].block = (uint32_t)b;
+        return 1;
+    }
+    if (n != 7 || !(field_is(kind, "match") || field_is(kind, "prefill") || field_is(kind, "decode") ||
+                    field_is(kind, "ingest") || field_is(kind, "prefetch"))) {
+        *expected = DEMO_FORM ", KIND one of match, prefill, decode, ingest, prefetch, hint";
+        return 2;
+    }
+    /* Prefetches are not demand accesses. */
+    if (field_is(kind, "prefetch"))
+        return 1;
+    return trace_add_handle(t, handle, agent, 0.5f) == 0 ? 1 : -1;
+}
+
 /* A line of the plain form: an access or a hint. Returns 0, -1 when out of
  * memory, or 1 when malformed (*expected: the form it should have). */
 static int plain_line(trace *t, const char *p, const char **expected)
@@ -405,7 +475,8 @@ int trace_load(trace *t, const char *path, char *err, size_t err_len)
     }
     size_t cap = 256;
     char *line = malloc(cap);
-    size_t lineno = 0;
+    size_t lineno = 0, first_line = 0;
+    int first_form = 0; /* 1 plain, 2 the demo's */
     int rc = line ? 0 : -1;
     if (!line)
         snprintf(err, err_len, "out of memory reading %s", path);
@@ -432,14 +503,25 @@ int trace_load(trace *t, const char *path, char *err, size_t err_len)
         if (*p == '#' || *p == '\0')
             continue;
         const char *expected = NULL;
-        int demo = demo_line(t, p);
-        got = demo ? (demo < 0 ? -1 : 0) : plain_line(t, p, &expected);
-        if (got != 0) {
+        int demo = demo_line(t, p, &expected);
+        int form = demo ? 2 : 1;
+        got = demo == 1 ? 0 : demo == 2 ? 1 : demo < 0 ? -1 : plain_line(t, p, &expected);
+        if (got == 0 && first_form && form != first_form) {
+            /* The two forms name blocks in one key space: a handle and a
+             * (SEQ, BLOCK) pair could be taken for one block. */
+            snprintf(err, err_len,
+                     "%s:%zu: the %s form, after lines of the %s form at line %zu: a trace holds one form", path,
+                     lineno, form == 2 ? "demo's tab-separated" : "plain", form == 2 ? "plain" : "demo's", first_line);
+            rc = -1;
+        } else if (got != 0) {
             if (got < 0)
                 snprintf(err, err_len, "out of memory reading %s", path);
             else
                 snprintf(err, err_len, "%s:%zu: expected '%s'", path, lineno, expected);
             rc = -1;
+        } else if (!first_form) {
+            first_form = form;
+            first_line = lineno;
         }
     }
     free(line);
@@ -462,7 +544,8 @@ int trace_save(const trace *t, const char *path)
         for (; h < t->n_hints && t->hints[h].at <= i; h++)
             fprintf(f, "hint %u %u %u %d\n", t->hints[h].seq, t->hints[h].first, t->hints[h].n, t->hints[h].priority);
         const trace_access *a = &t->acc[i];
-        fprintf(f, "%u %u %u %.3f\n", a->seq, a->index, a->agent, (double)t->tolerance[a->block]);
+        /* %.9g: a float's every digit, so that a saved trace replays as it was made */
+        fprintf(f, "%u %u %u %.9g\n", a->seq, a->index, a->agent, (double)t->tolerance[a->block]);
     }
     return fclose(f) == 0 ? 0 : -1;
 }

@@ -24,6 +24,10 @@
  * of its own, `prefetch` lines (not accesses) are skipped, `hint` lines
  * (an eighth field: the priority) become hints of blocks already named,
  * and the tolerance is 0.5 for every block (the demo does not measure it).
+ * Handles have at most 16 hex digits, AGENT is as above, KIND is one of
+ * match, prefill, decode, ingest, prefetch and hint; a line of 6 or more
+ * tab-separated fields is read as this form, and one file holds one form
+ * (a handle and a (SEQ, BLOCK) pair share no key space).
  *
  * A trace may also carry prefetch hints, what a scheduler knows of its
  * queue (kvh_prefetch): a line `hint SEQ FIRST N PRIORITY` says blocks

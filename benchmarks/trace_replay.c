@@ -67,6 +67,22 @@ uint64_t trace_replay_blocks(const trace *t)
     return total;
 }
 
+uint64_t trace_replay_padded(const trace *t)
+{
+    uint64_t *len = calloc(t->n_seqs ? t->n_seqs : 1, sizeof(*len)), padded = 0;
+    if (!len)
+        return UINT64_MAX;
+    for (size_t i = 0; i < t->n; i++) {
+        uint64_t *l = &len[t->acc[i].seq_id], index = t->acc[i].index;
+        if (index >= *l) {
+            padded += index - *l; /* appended now, not read now */
+            *l = index + 1;
+        }
+    }
+    free(len);
+    return padded;
+}
+
 bool trace_replay_fits(const trace *t, uint64_t blocks) { return blocks <= 16 * (uint64_t)t->n + 65536; }
 
 int trace_replay(const trace *t, const replay_config *c, replay_result *out)
@@ -214,11 +230,18 @@ int trace_replay(const trace *t, const replay_config *c, replay_result *out)
         uint64_t first = (uint64_t)a->index * BLOCK_TOKENS;
         if (!seen[a->block]) {
             /* First access: the block is computed. Earlier logical blocks
-             * the trace never named are appended too (the engine needs a
-             * contiguous sequence); they are never accessed again. */
+             * the trace has not named yet are appended too (the engine
+             * needs a contiguous sequence); one of them read later is
+             * acquired at its first read, which then places it as the
+             * simulators place a block they first meet. */
             seen[a->block] = 1;
             r->misses++;
             r->first_accesses++;
+            if (len[a->seq_id] > first) {
+                CHECK(kvh_seq_acquire(e, s, first, BLOCK_TOKENS, NULL));
+                CHECK(kvh_seq_release(e, s, first, BLOCK_TOKENS));
+                continue;
+            }
             while (len[a->seq_id] <= first) {
                 for (uint32_t k = 0; k < BLOCK_TOKENS; k++)
                     tokens[k] = token_of(a->seq, len[a->seq_id] + k);

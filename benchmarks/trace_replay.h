@@ -71,6 +71,12 @@ int trace_replay(const trace *t, const replay_config *c, replay_result *out);
 /* Blocks the replay appends: each sequence up to its highest index read,
  * since a sequence is contiguous (UINT64_MAX without memory). */
 uint64_t trace_replay_blocks(const trace *t);
+/* Of those, the blocks appended before the trace first reads them (read
+ * out of index order, or never): they take tier space in the engine
+ * replay that the simulators never give them, so kvh-engine rows replay
+ * a different workload (0 for every generated and recorded trace;
+ * UINT64_MAX without memory). */
+uint64_t trace_replay_padded(const trace *t);
 /* Whether that many are a sane replay of t: block indices far past what
  * the trace reads ("0 4000000000") would append billions of blocks no
  * access names, for hours. */

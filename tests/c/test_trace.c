@@ -214,6 +214,93 @@ static void test_malformed_fields_are_refused(void **state)
     trace_free(&t);
 }
 
+/* The demo's tab-separated form, checked field by field as the plain one
+ * is: a handle wider than 64 bits was cut to all ones (two blocks taken
+ * for one), and signs, unknown kinds and extra fields passed. */
+static void test_malformed_demo_lines_are_refused(void **state)
+{
+    (void)state;
+    static const char *const bad[] = {
+        "0.1\t0\t0x1\t0x10000000000000000\t0\tdevice\tmatch",
+        "0.1\t0\t0x1\t0x1ffffffffffffffff\t0\tdevice\tmatch",
+        "0.1\t0\t0x1\t-0x5\t0\tdevice\tmatch",
+        "0.1\t-1\t0x1\t0x5\t0\tdevice\tmatch",
+        "0.1\t99999999999999999999\t0x1\t0x5\t0\tdevice\tmatch",
+        "0.1\t0\t0x1\t0x5\t0\tdevice\tbogus",
+        "0.1\t0\t0x1\t0x5\t0\tdevice\tmatch\textra",
+        "nan\t0\t0x1\t0x5\t0\tdevice\tmatch",
+        "0.1\t0\t0x1\t0x5\t0\t\tmatch",
+        "0.1\t0\t0x1\t0x5\t0\t-\thint",
+        "0.1\t0\t0x1\t0x5\t0\t-\thint\t2147483648",
+        "0.1\t0\t0x1\t0xzz\t0\tdevice\tmatch",
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        char text[256], err[512];
+        snprintf(text, sizeof(text), "# first\n0.0\t0\t0x1\t0x0\t0\tdevice\tmatch\n%s\n", bad[i]);
+        trace t;
+        int rc = load_text(&t, text, err, sizeof(err));
+        if (rc != -1 || !strstr(err, "edge.trace:3: expected 'T_S"))
+            fail_msg("'%s' was taken (rc %d, err '%s')", bad[i], rc, err);
+        trace_free(&t);
+    }
+    /* 16 digits with or without 0x, leading zeros, CRLF */
+    trace t;
+    char err[512];
+    assert_int_equal(load_text(&t,
+                               "0.1\t4294967295\tffffffffffffffff\t0x00000000000000000000ffffffffffffffff\t0\tdevice\t"
+                               "decode\r\n"
+                               "0.2\t0\t0x1\tFFFFFFFFFFFFFFFF\t0\thost\tprefill\n",
+                               err, sizeof(err)),
+                     0);
+    assert_int_equal(t.n, 2);
+    assert_int_equal(t.n_blocks, 1);
+    assert_int_equal(t.acc[0].agent, UINT32_MAX);
+    trace_free(&t);
+}
+
+/* A file mixing the two forms named blocks of both in one key space:
+ * handle 0x100000005 and the plain pair (1, 5) were one block. */
+static void test_a_file_of_both_forms_is_refused(void **state)
+{
+    (void)state;
+    static const char *const mixed[] = {
+        "0.1\t0\t0x1\t0x100000005\t0\tdevice\tmatch\n1 5\n",
+        "1 5\n0.1\t0\t0x1\t0x100000005\t0\tdevice\tmatch\n",
+    };
+    for (size_t i = 0; i < 2; i++) {
+        trace t;
+        char err[512];
+        assert_int_equal(load_text(&t, mixed[i], err, sizeof(err)), -1);
+        if (!strstr(err, "edge.trace:2:") || !strstr(err, "one form"))
+            fail_msg("%s", err);
+        trace_free(&t);
+    }
+}
+
+/* A saved trace replays as it was made: tolerances were written with
+ * three decimals, so 0.4412 and 0.4409 both came back as 0.441. */
+static void test_a_saved_trace_keeps_every_tolerance(void **state)
+{
+    (void)state;
+    static const float tol[] = {0.4412f, 0.4409f, 1e-7f, 0.999999f, 0.0f, 1.0f, 0.1f};
+    trace t;
+    trace_init(&t);
+    for (uint32_t i = 0; i < sizeof(tol) / sizeof(tol[0]); i++)
+        assert_int_equal(trace_add(&t, 1, i, 0, tol[i]), 0);
+    const char *path = scratch_path("saved.trace");
+    assert_int_equal(trace_save(&t, path), 0);
+    trace back;
+    trace_init(&back);
+    char err[512];
+    assert_int_equal(trace_load(&back, path, err, sizeof(err)), 0);
+    assert_int_equal(back.n_blocks, t.n_blocks);
+    for (uint32_t b = 0; b < t.n_blocks; b++)
+        if (back.tolerance[b] != t.tolerance[b])
+            fail_msg("block %u: tolerance %.9g saved, %.9g read back", b, t.tolerance[b], back.tolerance[b]);
+    trace_free(&t);
+    trace_free(&back);
+}
+
 /* A NUL byte anywhere in a line, not only at its start, is refused. */
 static void test_a_nul_byte_is_refused(void **state)
 {
@@ -271,6 +358,9 @@ int main(void)
         cmocka_unit_test(test_a_line_too_long_is_named),
         cmocka_unit_test(test_malformed_fields_are_refused),
         cmocka_unit_test(test_a_nul_byte_is_refused),
+        cmocka_unit_test(test_malformed_demo_lines_are_refused),
+        cmocka_unit_test(test_a_file_of_both_forms_is_refused),
+        cmocka_unit_test(test_a_saved_trace_keeps_every_tolerance),
         cmocka_unit_test(test_blocks_by_position),
     };
     return cmocka_run_group_tests_name("trace", tests, NULL, NULL);
