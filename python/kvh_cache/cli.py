@@ -20,6 +20,7 @@ output went away (| head).
 from __future__ import annotations
 
 import argparse
+import codecs
 import json
 import logging
 import os
@@ -30,7 +31,7 @@ import stat
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NoReturn, Optional, Sequence, Tuple, Union
 
 from ._cli_signals import SignalUnwind, Stopped
 
@@ -797,6 +798,41 @@ class _Parser(argparse.ArgumentParser):
             out.write(message)
             out.flush()
 
+    def error(self, message: str) -> NoReturn:
+        # A usage error exits 2 even where stderr cannot take its text (a
+        # full disk): it was reported as stdout's write error, exit 1.
+        try:
+            self.print_usage(sys.stderr)
+            self._print_message(f"{self.prog}: error: {message}\n", sys.stderr)
+        except (OSError, ValueError):
+            pass
+        raise SystemExit(EXIT_USAGE)
+
+
+def _shown_as_given(exc: UnicodeError) -> Tuple[Union[str, bytes], int]:
+    """An encoding error handler for the CLI's output: a path's undecodable
+    bytes (surrogate escapes) are written back as they were, as ls does;
+    a character the terminal's encoding lacks (an em dash under Latin-1)
+    as a backslash escape, instead of a traceback."""
+    if not isinstance(exc, UnicodeEncodeError):
+        raise exc
+    part = exc.object[exc.start : exc.end]
+    if all(0xDC80 <= ord(c) <= 0xDCFF for c in part):
+        return bytes(ord(c) - 0xDC00 for c in part), exc.end
+    return codecs.backslashreplace_errors(exc)
+
+
+codecs.register_error("kvh_shown_as_given", _shown_as_given)
+
+
+def _output_never_fails_to_encode() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        if getattr(stream, "errors", None) == "strict" and hasattr(stream, "reconfigure"):
+            try:
+                stream.reconfigure(errors="kvh_shown_as_given")
+            except (OSError, ValueError):
+                pass
+
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):
     """Descriptions as written (docstrings keep their layout) and every
@@ -1124,6 +1160,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         if sys.stderr is not None:
             _err("standard output is closed")
         return EXIT_FAIL
+    _output_never_fails_to_encode()
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     extra: List[str] = []

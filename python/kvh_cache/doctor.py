@@ -1,9 +1,9 @@
-"""``kvh doctor``: checks of what an operator tunes by hand for kvh — huge
+"""``kvh doctor``: checks of what an operator tunes by hand for kvh: huge
 pages, the memlock limit for pinned memory, ``vm.max_map_count`` and the
 other sysctls, O_DIRECT support and free space on the data directory, who
 can read the store in it, io_uring, NUMA layout, the CUDA device and driver,
 the effective configuration as the engine judges it (a tiny engine, no disk
-or remote tier) — and what to change, printed as commands and sysctl lines. It changes
+or remote tier), and what to change, printed as commands and sysctl lines. It changes
 nothing; its O_DIRECT probe writes a temporary file in the data directory
 (or its nearest existing parent) and removes it. Exit status 1 when a check
 failed (with --strict, also when one warns)."""

@@ -330,6 +330,49 @@ def test_stats_never_widens_an_owner_only_store(dir_mode, tmp_path, capfd):
     assert stat.S_IMODE(d.stat().st_mode) & ~dir_mode == 0, oct(d.stat().st_mode)
 
 
+def test_stats_text_of_a_path_that_is_not_utf8_shows_its_bytes(store, tmp_path):
+    """Under a UTF-8 locale the text report failed to print the path's
+    undecodable byte: nothing on stdout and exit 2 (usage) for a sound
+    store. Its bytes are written as given, as ls does."""
+    d = tmp_path / os.fsdecode(b"bad\xff") / "store"
+    shutil.copytree(store, d)
+    for args in (["stats", os.fsencode(d)], ["doctor", "--data-dir", os.fsencode(d.parent)]):
+        res = subprocess.run(
+            [sys.executable, "-m", "kvh_cache", *args],
+            capture_output=True,
+            timeout=120,
+            env=_env({"LC_ALL": "C.UTF-8", "PYTHONIOENCODING": "utf-8"}),
+            stdin=subprocess.DEVNULL,
+        )
+        assert res.returncode in (0, 1), (args[0], res.returncode, res.stderr)
+        assert b"Traceback" not in res.stderr and b"surrogates not allowed" not in res.stderr, res.stderr
+        assert b"bad\xff" in res.stdout, res.stdout[:300]
+
+
+def test_help_in_a_terminal_that_cannot_show_every_character():
+    """kvh doctor --help under a Latin-1 locale ended in a traceback (an em
+    dash in its text); nothing the CLI prints may fail to encode."""
+    for cmd in (["doctor", "--help"], ["-h"], ["demo", "-h"], ["store", "-h"]):
+        res = run_kvh(*cmd, env_extra={"PYTHONIOENCODING": "latin-1"})
+        assert res.returncode == 0 and "Traceback" not in res.stderr, (cmd, res.stderr[-500:])
+    res = run_kvh("doctor", "--help", env_extra={"PYTHONIOENCODING": "ascii"})
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr[-500:]
+
+
+def test_a_usage_error_exits_2_when_stderr_is_full():
+    """The usage text that could not be written to a full stderr was
+    reported as a write error on stdout, with exit 1."""
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+    for args in (["stats"], ["bogus"], ["demo", "--steps", "x"]):
+        with open("/dev/full", "w") as full:
+            res = subprocess.run(
+                [sys.executable, "-m", "kvh_cache", *args], stdout=subprocess.PIPE, stderr=full,
+                timeout=TIMEOUT, env=_env(), stdin=subprocess.DEVNULL, cwd=str(REPO),
+            )  # fmt: skip
+        assert res.returncode == 2, (args, res.returncode)
+
+
 def test_stats_json_of_a_path_that_is_not_utf8_is_strict_json(store, tmp_path):
     # The path was written as a lone surrogate escape ("bad\\udcff"),
     # which strict JSON parsers reject.
