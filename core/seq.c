@@ -807,6 +807,11 @@ kvh_status kvhi_seq_match_prefix(kvh_engine *e, kvhi_seq *s, const int32_t *toke
         if (b == KVHI_PREFIX_MISS)
             break;
         kvhi_block *blk = &e->blocks[b];
+        /* Found on disk by the open and never touched since (no access in
+         * its history): no agent here computed it, so the one taking it is
+         * charged for it (kvh.h, kvh_agent_set_quota), before it moves up. */
+        if (blk->hist[0] == 0 && blk->refs == 0 && blk->tier != KVH_TIER_DEVICE && !kvhi_block_busy(blk))
+            blk->agent = s->agent;
         blk->refs++;            /* not kvhi_block_ref: the touch re-keys it */
         kvhi_block_touch(e, b); /* also re-keys it: referenced now */
         s->blocks[i] = b;

@@ -166,3 +166,35 @@ def test_strict_refuses_a_store_whose_index_and_journal_are_gone(tmp_path):
     assert not os.path.exists(os.path.join(store, "index"))
     with make_engine(disk_path=store, disk_bytes=1 << 20) as eng:
         assert len(eng.prefix_lookup(np.arange(48))) == 3
+
+
+def test_blocks_found_on_disk_are_charged_to_the_agent_that_matches_them(tmp_path):
+    """After a reopen, the blocks a prefix match read back were charged to
+    agent 0, whoever matched them: an agent under a one-block quota held
+    three device blocks, and a real agent 0 was refused for them."""
+    bt, layers, heads, dim = 16, 2, 1, 64
+    block = layers * 2 * heads * bt * dim * 2
+
+    def engine():
+        return kvh.Engine(num_layers=layers, num_kv_heads=heads, head_dim=dim, dtype="f16", block_tokens=bt,
+                          device_bytes=8 * block, host_bytes=8 * block, disk_path=str(tmp_path / "store"),
+                          disk_bytes=64 * (block + 4096), migration_threads=0)  # fmt: skip
+
+    tokens = np.arange(10, 10 + 3 * bt, dtype=np.int32)
+    with engine() as e:
+        s = e.sequence(agent=2, tokens=tokens)
+        ones = np.ones((3 * bt, heads, dim), np.float16)
+        for layer in range(layers):
+            s.write_kv(layer, 0, ones, ones)
+        s.persist()
+    for quota_agents in ((1,), (0, 1)):
+        with engine() as e:
+            for agent in quota_agents:
+                e.set_agent_quota(agent, block)
+            c = e.sequence(agent=1)
+            assert c.match_prefix(tokens) == 3 * bt
+            assert [b.info().agent for b in c.blocks()] == [1, 1, 1]
+            with pytest.raises(kvh.NoSpaceError, match="agent 1 is at its device quota"):
+                c.acquire(0, 3 * bt)
+            with c.acquire(0, bt):  # within its quota
+                pass

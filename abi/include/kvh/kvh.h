@@ -722,7 +722,10 @@ KVH_API kvh_status kvh_engine_stats(kvh_engine *engine, kvh_stats *stats);
  * for as long as they live: a prefix shared with other agents' sequences
  * (a fork, a prefix match) keeps counting against the agent that computed
  * it, also while only other agents hold it, and their promotions of it
- * evict that agent's blocks. An agent at its quota evicts its own blocks
+ * evict that agent's blocks. A block an open found on disk (computed by
+ * an earlier process) is charged to the agent whose prefix match first
+ * takes it, before that match reads it up (agent 0 when something else
+ * moves it first). An agent at its quota evicts its own blocks
  * first. Lowering a quota
  * below what the agent holds moves nothing by itself: each of the agent's
  * next device-tier allocations (and promotions of its blocks) evicts its
