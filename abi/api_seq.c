@@ -221,8 +221,16 @@ kvh_status kvh_block_table(kvh_engine *e, const kvh_seq *seqs, size_t n_seqs, in
         kvhi_seq *s;
         if ((st = kvhi_seq_get(e, seqs[i], &s)) != KVH_OK)
             break;
-        if (used + s->n_blocks > indices_cap || used + s->n_blocks > INT32_MAX) {
-            st = kvhi_fail(KVH_ERR_RANGE, "indices_cap %zu is too small", indices_cap);
+        if (used + s->n_blocks > INT32_MAX) {
+            st = kvhi_fail(KVH_ERR_RANGE,
+                           "the table holds more than 2^31 - 1 blocks (through sequence %zu): indptr is int32_t; "
+                           "ask for fewer sequences at once",
+                           i);
+            break;
+        }
+        if (used + s->n_blocks > indices_cap) {
+            st = kvhi_fail(KVH_ERR_RANGE, "indices_cap %zu is too small: the table needs at least %zu", indices_cap,
+                           used + s->n_blocks);
             break;
         }
         for (uint32_t j = 0; j < s->n_blocks && st == KVH_OK; j++)

@@ -183,6 +183,8 @@ kvh_status kvhi_disk_tier_open(kvh_engine *e, const kvh_config *cfg, const char 
     if (slots > UINT32_MAX / 2)
         slots = UINT32_MAX / 2;
     kvh_status cst = check_slab_files(e, cfg, slots, slot_bytes);
+    if (cst == KVH_OK)
+        cst = kvhi_check_record_memory(e, slots, "give a smaller disk_bytes, or a larger block_tokens");
     if (cst != KVH_OK)
         return cst;
     kvhi_disk *d = calloc(1, sizeof(*d));

@@ -193,6 +193,33 @@ static uint64_t block_metadata_bytes(const kvh_engine *e)
            sizeof(kvhi_clean_link);
 }
 
+kvh_status kvhi_check_record_memory(const kvh_engine *e, uint64_t more_blocks, const char *advice)
+{
+    /* From the budgets, before the tiers' memory is taken (mapping and
+     * touching it first took a minute for a refusal). */
+    uint64_t blocks = more_blocks;
+    const uint64_t budget[2] = {e->cfg.device_bytes, e->cfg.host_bytes};
+    for (uint32_t t = KVH_TIER_DEVICE; t <= KVH_TIER_HOST; t++) {
+        uint64_t slots = e->tiers[t].slot_bytes ? budget[t] / e->tiers[t].slot_bytes : 0;
+        blocks += slots > UINT32_MAX - 1 ? UINT32_MAX - 1 : slots;
+    }
+    long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+    if (pages <= 0 || page <= 0)
+        return KVH_OK;
+    uint64_t memory = (uint64_t)pages * (uint64_t)page, per = block_metadata_bytes(e);
+    if (blocks <= memory / per)
+        return KVH_OK;
+    /* More than the machine has would end in the OOM killer, or in a
+     * refusal only after minutes of work (and, for a disk tier, thousands
+     * of slab files made). */
+    return kvhi_fail(KVH_ERR_NOMEM,
+                     "the records of %llu blocks (about %llu bytes each: the record, its tokens, its places in the "
+                     "eviction orders) would take %llu MiB, more than this machine's %llu MiB of memory: %s",
+                     (unsigned long long)blocks, (unsigned long long)per,
+                     (unsigned long long)(blocks > UINT64_MAX / per ? UINT64_MAX >> 20 : blocks * per >> 20),
+                     (unsigned long long)(memory >> 20), advice);
+}
+
 static kvh_status tier_init(kvh_engine *e, uint32_t t, uint64_t budget)
 {
     kvhi_tier *tier = &e->tiers[t];
@@ -515,8 +542,10 @@ kvh_status kvhi_engine_open(const kvh_config *config, kvh_engine **out)
         warn_absent_numa_node(e);
         note_memory_model(e);
         e->moves_in_place = can_move_in_place(e);
-        st = tier_init(e, KVH_TIER_DEVICE, e->cfg.device_bytes);
+        st = kvhi_check_record_memory(e, 0, "give smaller device_bytes or host_bytes, or a larger block_tokens");
     }
+    if (st == KVH_OK)
+        st = tier_init(e, KVH_TIER_DEVICE, e->cfg.device_bytes);
     if (st == KVH_OK && !e->tiers[KVH_TIER_DEVICE].present)
         st = kvhi_fail(KVH_ERR_INVALID_ARG, "device_bytes %llu holds no block of %llu bytes",
                        (unsigned long long)e->cfg.device_bytes, (unsigned long long)e->block_bytes);

@@ -362,6 +362,10 @@ kvh_status kvhi_config_check_geometry(const kvh_config *c, const char **field);
 kvh_status kvhi_config_from_env(kvh_config *c, size_t size, const char *const *envp);
 /* Validates config (of the current size) and opens an engine on it. */
 kvh_status kvhi_engine_open(const kvh_config *config, kvh_engine **out);
+/* KVH_ERR_NOMEM (with advice in the message) when the records of the
+ * device and host tiers' blocks and more_blocks others would take more
+ * than the machine's memory; checked before anything is made. */
+kvh_status kvhi_check_record_memory(const kvh_engine *e, uint64_t more_blocks, const char *advice);
 /* Waits for the calls inside e to leave, stops the workers, closes the
  * disk tier and frees e (lock not held). */
 kvh_status kvhi_engine_close(kvh_engine *e);

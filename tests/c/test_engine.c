@@ -4,6 +4,7 @@
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "test_util.h"
@@ -850,6 +851,8 @@ static void test_an_arena_too_large_names_both_tiers(void **state)
     (void)state;
     kvh_config c = small_cfg();
     c.backend = KVH_BACKEND_CPU;
+    c.head_dim = 128, c.block_tokens = 64; /* 256 KiB blocks: their records fit in memory, the arena not */
+    c.device_bytes = 1u << 20;
     c.host_bytes = 1ull << 40;
     kvh_engine *e = NULL;
     kvh_status st = kvh_engine_open(&c, &e);
@@ -860,6 +863,29 @@ static void test_an_arena_too_large_names_both_tiers(void **state)
     assert_kvh(KVH_ERR_NOMEM, st);
     assert_non_null(strstr(kvh_last_error(), "device and host tiers"));
     assert_non_null(strstr(kvh_last_error(), "host_bytes"));
+}
+
+/* Budgets whose block records alone pass the machine's memory (1 KiB
+ * blocks, a 1 TiB host tier: 2^30 records): the open mapped and touched
+ * the tiers first and took a minute to fail, or met the OOM killer. */
+static void test_records_larger_than_memory_are_refused_at_once(void **state)
+{
+    (void)state;
+    long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+    if (pages <= 0 || page <= 0 || (uint64_t)pages * (uint64_t)page > (64ull << 30))
+        skip(); /* 2^30 records of a few hundred bytes fit a machine this large */
+    kvh_config c = small_cfg();
+    c.backend = KVH_BACKEND_CPU;
+    c.host_bytes = 1ull << 40;
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    kvh_engine *e = NULL;
+    assert_kvh(KVH_ERR_NOMEM, kvh_engine_open(&c, &e));
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    assert_null(e);
+    assert_non_null(strstr(kvh_last_error(), "more than this machine's"));
+    assert_non_null(strstr(kvh_last_error(), "block_tokens"));
+    assert_true(t1.tv_sec - t0.tv_sec < 5);
 }
 
 /* Workers that cannot start (the thread limit, RLIMIT_NPROC, counts for a
@@ -914,6 +940,7 @@ int main(void)
         cmocka_unit_test_teardown(test_a_worker_that_cannot_start_says_why, tu_teardown),
         cmocka_unit_test_teardown(test_absent_numa_node_is_said, tu_teardown),
         cmocka_unit_test_teardown(test_an_arena_too_large_names_both_tiers, tu_teardown),
+        cmocka_unit_test_teardown(test_records_larger_than_memory_are_refused_at_once, tu_teardown),
         cmocka_unit_test_teardown(test_a_cpu_mask_of_absent_cpus_is_said, tu_teardown),
         cmocka_unit_test_teardown(test_status_text, tu_teardown),
         cmocka_unit_test_teardown(test_config_init_defaults, tu_teardown),

@@ -277,7 +277,11 @@ typedef struct kvh_config {
      * in the slots past them, with a KVH_LOG_WARN message saying how many.
      * Each GiB of slots is a slab file kept open: the open raises the
      * soft RLIMIT_NOFILE to what they need (up to the hard limit; past it,
-     * KVH_ERR_INVALID_ARG before anything is made). */
+     * KVH_ERR_INVALID_ARG before anything is made). Every slot of every
+     * tier, disk included, takes a record in host memory, a few hundred
+     * bytes (more with a larger block_tokens): an open whose records
+     * would take more than the machine's memory is KVH_ERR_NOMEM before
+     * anything is made. */
     uint64_t disk_bytes; /* default 0: no disk tier */
     /* [borrowed] during open; NULL: no disk tier. The store is its user's
      * alone: the directory is created 0700 and its files 0600 whatever the
@@ -929,7 +933,8 @@ KVH_API kvh_status kvh_seq_blocks(kvh_engine *engine, kvh_seq seq, uint64_t firs
  * block holds last_page_len[i] tokens. [borrowed] seqs (n_seqs), indptr
  * (n_seqs + 1), indices (indices_cap), last_page_len (n_seqs).
  * KVH_ERR_NOT_RESIDENT if a block is not in the device tier (acquire the
- * range first); KVH_ERR_RANGE if indices_cap is too small;
+ * range first); KVH_ERR_RANGE if indices_cap is too small, or the
+ * table would hold more than 2^31 - 1 blocks (indptr is int32_t);
  * KVH_ERR_INVALID_ARG (NULL seqs, indptr, last_page_len, or indices with
  * indices_cap > 0), KVH_ERR_BAD_HANDLE. @threads any */
 KVH_API kvh_status kvh_block_table(kvh_engine *engine, const kvh_seq *seqs, size_t n_seqs, int32_t *indptr,
