@@ -37,6 +37,8 @@ static void usage(FILE *f)
                "           the index files; exits 0 only when all pass and a strict\n"
                "           open (disk_strict_index) takes the store, and lists what\n"
                "           is bad\n"
+               "  --json   JSON Lines: one object per line (verify: one for each bad\n"
+               "           block, then the summary, which is always the last line)\n"
                "       kvh-store remote ping|count|verify|purge [--sample N] [--json]\n"
                "           the remote tier's keys of the model the KVH_* environment\n"
                "           names (KVH_REMOTE_ADDRS, KVH_MODEL_SALT, geometry)\n"

@@ -998,7 +998,11 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         ap = ssub.add_parser(action, help=text, description=text, formatter_class=_Formatter)
         ap.add_argument("dir", metavar="DIR", type=_store_dir, help="the disk tier directory")
-        ap.add_argument("--json", action="store_true", help="JSON output")
+        ap.add_argument(
+            "--json",
+            action="store_true",
+            help="JSON Lines: one object a line (verify: one for each bad block, then the summary, always last)",
+        )
         ap.set_defaults(func=cmd_store)
     text = (
         "the remote tier's keys of the configured model (KVH_REMOTE_ADDRS, KVH_MODEL_SALT and the geometry, "
