@@ -95,7 +95,9 @@ static int replace_file(kvhi_disk *d, const char *name, const void *header, cons
 {
     char tmp[64];
     snprintf(tmp, sizeof(tmp), "%s.tmp", name);
-    unlinkat(d->dir_fd, tmp, 0); /* whatever stands there, a link included */
+    /* whatever stands there, a link included, or an empty directory */
+    if (unlinkat(d->dir_fd, tmp, 0) != 0 && errno == EISDIR)
+        unlinkat(d->dir_fd, tmp, AT_REMOVEDIR);
     int fd = kvhi_store_openat(d, tmp, O_WRONLY | O_CREAT | O_EXCL);
     if (fd < 0)
         return fd;

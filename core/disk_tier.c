@@ -897,7 +897,8 @@ kvh_status kvhi_disk_persist_blocks(kvh_engine *e, const uint32_t *blocks, uint3
                 "persisted now would be found; the store accepts no more writes",
                 e->disk->path);
         else if (rc != 0)
-            st = kvhi_fail(KVH_ERR_IO, "fsync of the disk tier failed (%s); the store accepts no more writes",
+            st = kvhi_fail(KVH_ERR_IO,
+                           "writing or syncing the disk tier's files failed (%s); the store accepts no more writes",
                            strerror(-rc));
     }
     /* Keep replay time bounded: fold a long journal into a new snapshot.

@@ -96,12 +96,22 @@ static int open_store(const char *path, kvhi_disk *d)
     kvhi_index_header h;
     bool have_header = false;
     const char *const files[2] = {"index", "journal"};
+    int denied = -1; /* a file this user may not read: no verdict on the store from here */
     for (int f = 0; f < 2 && !have_header; f++) {
         int fd = open_store_file(d, files[f]);
+        if (fd < 0 && errno == EACCES && denied < 0)
+            denied = f;
         have_header =
             fd >= 0 && read(fd, hdr, sizeof(hdr)) >= 84 && kvhi_index_header_decode(hdr, sizeof(hdr), &h) == 0;
         if (fd >= 0)
             close(fd);
+    }
+    if (!have_header && denied >= 0) {
+        fprintf(stderr,
+                "kvh-store: cannot read %s/%s: %s (run as the store's owner, or a member of its group "
+                "when it was made with share_group)\n",
+                path, files[denied], strerror(EACCES));
+        return -1;
     }
     if (!have_header) {
         fprintf(stderr,

@@ -525,6 +525,25 @@ static void test_a_store_file_with_another_hard_link_is_refused(void **state)
     }
 }
 
+/* An empty directory named index.tmp (or journal.tmp) in the store made
+ * every close fail: "cannot write the disk index: File exists". */
+static void test_an_empty_directory_in_place_of_a_temporary_file(void **state)
+{
+    (void)state;
+    static const char *const names[] = {"index.tmp", "journal.tmp"};
+    for (size_t i = 0; i < 2; i++) {
+        char dir[PATH_MAX], tmp[PATH_MAX];
+        dt_scratch(i ? "journal_tmp_dir" : "index_tmp_dir", dir, sizeof(dir));
+        make_store(dir, 0);
+        kvh_engine *e;
+        dt_assert_ok(open_store(dir, &e));
+        assert_int_equal(mkdir(dt_path(tmp, sizeof(tmp), dir, names[i]), 0700), 0);
+        dt_assert_ok(dt_close(e));
+        dt_assert_ok(open_store(dir, &e));
+        dt_assert_ok(dt_close(e));
+    }
+}
+
 /* LOCK and a slab file chmod-ed 0400 by their owner (chmod -R a-w): the
  * open failed with EACCES, though kvh.h says an owner's bits taken away
  * are given back. Run as another user: root reads and writes past modes. */
@@ -594,6 +613,7 @@ int main(void)
         cmocka_unit_test_teardown(test_a_directory_with_other_files_keeps_its_mode, dt_teardown),
         cmocka_unit_test_teardown(test_a_store_file_with_another_hard_link_is_refused, dt_teardown),
         cmocka_unit_test_teardown(test_owner_bits_taken_from_lock_and_slab_are_given_back, dt_teardown),
+        cmocka_unit_test_teardown(test_an_empty_directory_in_place_of_a_temporary_file, dt_teardown),
     };
     return cmocka_run_group_tests_name("disk_access", tests, NULL, NULL);
 }

@@ -26,6 +26,7 @@ import signal
 import struct
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -1123,3 +1124,32 @@ def test_verify_of_a_codec_slab_cut_inside_a_slot_padding(tmp_path):
     os.truncate(slab, last * slot + 4096 + info["block_bytes"] - 1)  # one byte of the block gone
     res = run_store("verify", d)
     assert res.returncode == 1 and _summary(res.stdout) == (info["blocks"], 1), res.stdout + res.stderr
+
+
+def test_info_as_a_user_who_cannot_read_the_store_says_so(pristine):
+    """kvh-store info run by another user on a store whose directory it may
+    search but whose 0600 files it may not read said the store had no
+    readable header and that an engine would rebuild its index: the cause
+    is a permission, and nothing is wrong with the store."""
+    if os.geteuid() != 0:
+        pytest.skip("only root can run the tool as another user here")
+    tool = _store_tool()
+    if not os.access(tool, os.X_OK) or any(
+        not (os.stat(p).st_mode & 0o001) for p in Path(tool).resolve().parents if str(p) != "/"
+    ):
+        pytest.skip("the build tree is out of another user's reach")
+    base = Path(tempfile.mkdtemp(prefix="kvh-store-perm-", dir="/tmp"))
+    try:
+        os.chmod(base, 0o755)
+        d = base / "store"
+        shutil.copytree(pristine, d, symlinks=True)
+        os.chmod(d, 0o755)  # searchable; its files stay 0600
+        res = subprocess.run(
+            [tool, "info", str(d)], capture_output=True, text=True, timeout=TIMEOUT, env=_env(),
+            stdin=subprocess.DEVNULL, user=65534, group=65534, extra_groups=[],
+        )  # fmt: skip
+        assert res.returncode == 2, res
+        assert "Permission denied" in res.stderr and "rebuilds" not in res.stderr, res.stderr
+        assert f"{d}/index" in res.stderr, res.stderr
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
