@@ -600,6 +600,10 @@ int bench_parse(int argc, char **argv, const bench_opt *opts, const char *scenar
         }
         const char *val = argv[++i];
         int rc = 0;
+        if (o->type == BENCH_OPT_STR && !*val) {
+            fprintf(stderr, "kvh-bench %s: %s is empty: it needs a value\n", scenario, o->name);
+            return -1;
+        }
         if (o->type == BENCH_OPT_STR)
             *(const char **)o->dst = val;
         else

@@ -790,6 +790,8 @@ def test_bench_sigint(tmp_path):
         (["trace", "--trace", "/nonexistent/kvh.trace"], "/nonexistent/kvh.trace"),
         (["trace", "--trace", "/dev/zero"], "not a regular file"),  # endless empty lines
         (["trace", "--trace", "/"], "is a directory"),
+        (["trace", "--trace", ""], "--trace is empty"),  # ran with no recorded trace, exit 0
+        (["trace", "--replay", "2"], "--replay"),  # any number ran as 1
         (["alloc", "--parts", ""], "--parts"),
         (["alloc", "--parts", ",,,"], "--parts"),
         (["alloc", "--blocks", " -1"], "--blocks"),
