@@ -514,6 +514,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
         "store": info,
         "geometry": geometry,
         "block_bytes": eng.block_bytes,
+        "kv_codec": codec,
         "disk": {
             "capacity_blocks": disk.capacity_blocks,
             "used_blocks": disk.used_blocks,
@@ -532,10 +533,14 @@ def cmd_stats(args: argparse.Namespace) -> int:
         [
             "geometry",
             f"{g['layers']} layers x {g['kv_heads']} kv heads x {g['head_dim']} dim, "
-            f"{g['block_tokens']} tokens/block, {g['dtype']}",
+            f"{g['block_tokens']} tokens/block, {g['dtype']}, kv codec {codec}",
         ],
         ["model salt", f"0x{int(g['model_salt']):016x}"],
-        ["block bytes", human_bytes(eng.block_bytes)],
+        [
+            "block bytes",
+            human_bytes(eng.block_bytes)
+            + (f" ({human_bytes(disk.block_bytes)} stored)" if disk.block_bytes != eng.block_bytes else ""),
+        ],
         ["disk slots", f"{disk.capacity_blocks:,} ({disk.used_blocks:,} used, {human_bytes(disk.used_bytes)})"],
         ["cached tokens", f"{disk.used_blocks * int(g['block_tokens']):,}"],
         ["corrupt blocks at open", f"{st.corrupt_blocks}"],

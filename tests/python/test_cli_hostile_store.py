@@ -917,6 +917,11 @@ def test_info_and_stats_read_a_codec_store(tmp_path):
     assert info["kv_codec"] == "int8" and info["dtype"] in ("f32", "f16", "bf16")
     res = run_kvh("stats", d)
     assert res.returncode == 0, res.stdout + res.stderr
+    # The codec is part of the geometry, and a block is stored smaller:
+    # the text said neither.
+    assert "kv codec int8" in res.stdout and "stored)" in res.stdout, res.stdout
+    res = run_kvh("stats", d, "--json")
+    assert res.returncode == 0 and json.loads(res.stdout)["kv_codec"] == "int8", res.stdout
 
 
 def test_a_store_named_by_bytes_that_are_not_utf8(tmp_path):
