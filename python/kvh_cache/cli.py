@@ -998,7 +998,8 @@ def build_parser() -> argparse.ArgumentParser:
             "re-read every stored block and check its checksums and the index files (exit 1 if a block or index "
             "record is bad, a block of another geometry, records naming slots past the slab files or in a cycle of "
             "parents included, or if a strict open would refuse the store: a missing journal, a journal cut inside "
-            "its header, an index older than its journal or of another store)",
+            "its header, an index older than its journal or of another store; 1 also when the store cannot be read: "
+            "missing, in use or without a readable header, which the message says)",
         ),
     ):
         ap = ssub.add_parser(action, help=text, description=text, formatter_class=_Formatter)
