@@ -661,6 +661,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         _err(f"kvh-bench list failed: {res.stderr.strip()}")
         return EXIT_FAIL
     known = [s.strip() for s in res.stdout.split() if s.strip()]
+    if not known:  # KVH_BENCH naming another program: the tool is at fault, not the scenario asked for
+        _err(f"{tool} list named no scenario: is it kvh-bench? (KVH_BENCH, or the build's own)")
+        return EXIT_FAIL
     if not scenarios or scenarios == ["all"]:
         scenarios = known
     unknown = [s for s in scenarios if s not in known]

@@ -391,6 +391,14 @@ def test_stats_json_of_a_path_that_is_not_utf8_is_strict_json(store, tmp_path):
     assert json.loads(text)["path"] == os.fsencode(d).decode("utf-8", "replace")
 
 
+def test_bench_with_a_tool_that_lists_no_scenario_blames_the_tool():
+    """KVH_BENCH naming a program that prints nothing (/bin/true) blamed the
+    user's scenario: "unknown scenario 'checksum'", exit 2."""
+    res = run_kvh("bench", "checksum", "--quick", env_extra={"KVH_BENCH": "/bin/true"})
+    assert_one_line_error(res, 1, "named no scenario")
+    assert "unknown scenario" not in res.stderr, res.stderr
+
+
 def test_demo_data_dir_is_a_file(tmp_path):
     # The disk tier was silently dropped (a note on stdout, exit 0), or the
     # run failed with "the tiers are too small" when it needed the disk.
