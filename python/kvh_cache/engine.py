@@ -310,6 +310,9 @@ class _Native:
         # engine's log sink on a kvh thread): made by the next call that may.
         self.deferred: List[Callable[[], Any]] = []
         self.log_token = 0  # the log sink's user value (_ffi.in_sink_of)
+        # Pool batches not yet seen complete, whose arrays kvh may still
+        # write (kvh_cache.pool: held here, so that they go with the engine).
+        self.batches: List[Any] = []
 
     @property
     def closed(self) -> bool:

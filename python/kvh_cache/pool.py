@@ -202,44 +202,51 @@ def describe(obj: Any) -> ArrayDesc:
     raise TypeError(f"cannot describe a {type(obj).__name__}: no __array_interface__, data_ptr/stride or __dlpack__")
 
 
-# Batches whose fences have not been seen complete, per engine: kvh writes
-# their items' statuses into the xfer arrays, which must live until then
-# even if the caller drops the batch object.
-_inflight: "weakref.WeakKeyDictionary[Engine, List[Any]]" = weakref.WeakKeyDictionary()
+# Batches whose fences have not been seen complete: kvh writes their items'
+# statuses into the xfer arrays, which must live until then even if the
+# caller drops the batch object. Their engine's native object holds them,
+# not a module-level table: an engine the caller dropped with a batch still
+# running is then garbage together with it, and its close, which ends the
+# batch, runs before the arrays go (collected objects' finalisers all run
+# before any of them is cleared). Held by a table, it stayed open, its
+# store locked, until a collection after the batch had ended.
+_engines_with_batches: "weakref.WeakSet[Engine]" = weakref.WeakSet()
 _inflight_lock = ForkSafeLock()
+
+
+def _batches(engine: Engine) -> List[Any]:
+    return engine._native.batches
 
 
 def _track(engine: Engine, batch: Any) -> None:
     # The looks run outside the lock: a fence seen done runs its
     # callbacks, which may offload or restore again.
     with _inflight_lock:
-        seen = list(_inflight.get(engine, ()))
+        seen = list(_batches(engine))
     settled = {id(b) for b in seen if b._settled()}
     with _inflight_lock:
-        live = _inflight.setdefault(engine, [])
+        live = _batches(engine)
         live[:] = [b for b in live if id(b) not in settled]
         live.append(batch)
+        _engines_with_batches.add(engine)
 
 
 def _untrack(engine: Engine, batch: Any) -> None:
-    """A batch seen complete: its arrays are kvh's no more. A settled batch
-    left here would keep its engine (through its fence and blocks) alive
-    after the caller dropped both."""
+    """A batch seen complete: its arrays are kvh's no more."""
     with _inflight_lock:
-        live = _inflight.get(engine)
-        if live is not None:
-            live[:] = [b for b in live if b is not batch]
-            if not live:
-                del _inflight[engine]
+        live = _batches(engine)
+        live[:] = [b for b in live if b is not batch]
+        if not live:
+            _engines_with_batches.discard(engine)
 
 
 def _prune_after_gc(phase: str, info: Any) -> None:
-    """Batches that ended unseen keep their engines until something looks:
-    every collection does, so that a dropped engine goes at the next one."""
-    if phase != "stop" or not _inflight or not _inflight_lock.acquire(blocking=False):
+    """Batches that ended unseen are let go when something looks: every
+    collection does."""
+    if phase != "stop" or not _engines_with_batches or not _inflight_lock.acquire(blocking=False):
         return
     try:
-        seen = {engine: list(batches) for engine, batches in _inflight.items()}
+        seen = {engine: list(_batches(engine)) for engine in list(_engines_with_batches)}
     finally:
         _inflight_lock.release()
     try:
@@ -249,11 +256,10 @@ def _prune_after_gc(phase: str, info: Any) -> None:
             return
         try:
             for engine in seen:
-                live = [b for b in _inflight.get(engine, []) if id(b) not in settled]
-                if live:
-                    _inflight[engine] = live
-                else:
-                    _inflight.pop(engine, None)
+                live = _batches(engine)
+                live[:] = [b for b in live if id(b) not in settled]
+                if not live:
+                    _engines_with_batches.discard(engine)
         finally:
             _inflight_lock.release()
     except KeyboardInterrupt:  # the interpreter would drop it here
