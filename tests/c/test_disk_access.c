@@ -137,39 +137,55 @@ static void test_exact_modes_under_narrow_umasks(void **state)
 /* As a user without root's override of the directory's mode, under a
  * umask of 0277: the store opens (it could not create its LOCK in the
  * dr-x------ directory mkdir left) and is 0700 / 0600. */
-static void test_unprivileged_open_under_umask_0277(void **state)
+/* Runs body(dir) in a child process as user nobody, dir being "store" in a
+ * scratch directory of that user's; skips the test where that cannot be
+ * done (not root, a build tree out of that user's reach). Returns what
+ * body returned (0: passed); dir gets the store's path. */
+static int as_nobody(const char *name, int (*body)(const char *dir), char *dir, size_t dir_len)
 {
-    (void)state;
     if (geteuid() != 0)
-        skip(); /* the other test covers a non-root run; only root can become another user here */
+        skip(); /* only root can become another user here */
     const uid_t nobody = 65534;
-    char parent[PATH_MAX], dir[PATH_MAX];
-    dt_scratch("umask_user", parent, sizeof(parent));
+    char parent[PATH_MAX];
+    dt_scratch(name, parent, sizeof(parent));
     assert_int_equal(chown(parent, nobody, nobody), 0);
-    dt_path(dir, sizeof(dir), parent, "store");
+    dt_path(dir, dir_len, parent, "store");
     pid_t pid = fork();
     assert_true(pid >= 0);
     if (pid == 0) {
         if (setgroups(0, NULL) != 0 || setgid(nobody) != 0 || setuid(nobody) != 0)
             _exit(100);
         if (access(parent, W_OK | X_OK) != 0)
-            _exit(77); /* the build tree is out of that user's reach */
-        umask(0277);
-        kvh_config c = dt_cfg(G, dir, 4, 4, 16, 0);
-        kvh_engine *e = NULL;
-        kvh_status st = kvh_engine_open(&c, &e);
-        if (st != KVH_OK) {
-            fprintf(stderr, "open as uid %u: %s: %s\n", (unsigned)nobody, kvh_status_name(st), kvh_last_error());
-            _exit(101);
-        }
-        _exit(kvh_engine_close(e) == KVH_OK ? 0 : 102);
+            _exit(77);
+        _exit(body(dir));
     }
     int status = 0;
     assert_int_equal(waitpid(pid, &status, 0), pid);
     if (WIFEXITED(status) && WEXITSTATUS(status) == 77)
         skip();
-    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
-        fail_msg("the store did not open as uid %u under umask 0277 (status %#x)", (unsigned)nobody, status);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+static int open_under_umask_0277(const char *dir)
+{
+    umask(0277);
+    kvh_config c = dt_cfg(G, dir, 4, 4, 16, 0);
+    kvh_engine *e = NULL;
+    kvh_status st = kvh_engine_open(&c, &e);
+    if (st != KVH_OK) {
+        fprintf(stderr, "open as nobody: %s: %s\n", kvh_status_name(st), kvh_last_error());
+        return 101;
+    }
+    return kvh_engine_close(e) == KVH_OK ? 0 : 102;
+}
+
+static void test_unprivileged_open_under_umask_0277(void **state)
+{
+    (void)state;
+    char dir[PATH_MAX];
+    int rc = as_nobody("umask_user", open_under_umask_0277, dir, sizeof(dir));
+    if (rc != 0)
+        fail_msg("the store did not open as user nobody under umask 0277 (%d)", rc);
     assert_int_equal(mode_of(dir, NULL), 0700);
     assert_int_equal(mode_of(dir, "LOCK"), 0600);
     assert_int_equal(mode_of(dir, "index"), 0600);
@@ -547,46 +563,33 @@ static void test_an_empty_directory_in_place_of_a_temporary_file(void **state)
 /* LOCK and a slab file chmod-ed 0400 by their owner (chmod -R a-w): the
  * open failed with EACCES, though kvh.h says an owner's bits taken away
  * are given back. Run as another user: root reads and writes past modes. */
+static int open_after_chmod_a_minus_w(const char *dir)
+{
+    make_store(dir, 0);
+    char path[PATH_MAX];
+    static const char *const names[] = {"LOCK", "slab-0000.kvh", "journal", "index"};
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
+        if (chmod(dt_path(path, sizeof(path), dir, names[i]), 0400) != 0)
+            return 103;
+    if (chmod(dir, 0500) != 0)
+        return 104;
+    kvh_config c = dt_cfg(G, dir, 4, 4, 16, 0);
+    kvh_engine *e = NULL;
+    kvh_status st = kvh_engine_open(&c, &e);
+    if (st != KVH_OK) {
+        fprintf(stderr, "open after chmod a-w: %s: %s\n", kvh_status_name(st), kvh_last_error());
+        return 101;
+    }
+    return kvh_engine_close(e) == KVH_OK ? 0 : 102;
+}
+
 static void test_owner_bits_taken_from_lock_and_slab_are_given_back(void **state)
 {
     (void)state;
-    if (geteuid() != 0)
-        skip(); /* only root can become another user here */
-    const uid_t nobody = 65534;
-    char parent[PATH_MAX], dir[PATH_MAX];
-    dt_scratch("owner_bits", parent, sizeof(parent));
-    assert_int_equal(chown(parent, nobody, nobody), 0);
-    dt_path(dir, sizeof(dir), parent, "store");
-    pid_t pid = fork();
-    assert_true(pid >= 0);
-    if (pid == 0) {
-        if (setgroups(0, NULL) != 0 || setgid(nobody) != 0 || setuid(nobody) != 0)
-            _exit(100);
-        if (access(parent, W_OK | X_OK) != 0)
-            _exit(77);
-        make_store(dir, 0);
-        char path[PATH_MAX];
-        static const char *const names[] = {"LOCK", "slab-0000.kvh", "journal", "index"};
-        for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
-            if (chmod(dt_path(path, sizeof(path), dir, names[i]), 0400) != 0)
-                _exit(103);
-        if (chmod(dir, 0500) != 0)
-            _exit(104);
-        kvh_config c = dt_cfg(G, dir, 4, 4, 16, 0);
-        kvh_engine *e = NULL;
-        kvh_status st = kvh_engine_open(&c, &e);
-        if (st != KVH_OK) {
-            fprintf(stderr, "open after chmod a-w: %s: %s\n", kvh_status_name(st), kvh_last_error());
-            _exit(101);
-        }
-        _exit(kvh_engine_close(e) == KVH_OK ? 0 : 102);
-    }
-    int status = 0;
-    assert_int_equal(waitpid(pid, &status, 0), pid);
-    if (WIFEXITED(status) && WEXITSTATUS(status) == 77)
-        skip();
-    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
-        fail_msg("the store did not open after its owner took the write bits away (status %#x)", status);
+    char dir[PATH_MAX];
+    int rc = as_nobody("owner_bits", open_after_chmod_a_minus_w, dir, sizeof(dir));
+    if (rc != 0)
+        fail_msg("the store did not open after its owner took the write bits away (%d)", rc);
     assert_int_equal(mode_of(dir, NULL), 0700);
     for (size_t i = 0; i < sizeof(FILES) / sizeof(FILES[0]); i++)
         if (mode_of(dir, FILES[i]) != 0600)
