@@ -11,10 +11,28 @@ _Thread_local char kvhi_error_detail[1024];
 
 kvh_status kvhi_fail(kvh_status status, const char *fmt, ...)
 {
+    /* A detail longer than the buffer loses its middle, not its end: a
+     * message names a path first and its cause last, and a path of 4,000
+     * characters cut the cause ("File name too long") off. */
+    char full[4096];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(kvhi_error_detail, sizeof(kvhi_error_detail), fmt, ap);
+    int n = vsnprintf(full, sizeof(full), fmt, ap);
     va_end(ap);
+    size_t cap = sizeof(kvhi_error_detail), len = n < 0 ? 0 : (size_t)n < sizeof(full) ? (size_t)n : sizeof(full) - 1;
+    if (len < cap) {
+        memcpy(kvhi_error_detail, full, len + 1);
+        return status;
+    }
+    static const char cut[] = " ... ";
+    size_t tail = cap / 3, head = cap - 1 - tail - (sizeof(cut) - 1);
+    while (head > 0 && ((unsigned char)full[head] & 0xC0) == 0x80)
+        head--; /* no UTF-8 sequence cut in two */
+    while (tail > 0 && ((unsigned char)full[len - tail] & 0xC0) == 0x80)
+        tail--;
+    memcpy(kvhi_error_detail, full, head);
+    memcpy(kvhi_error_detail + head, cut, sizeof(cut) - 1);
+    memcpy(kvhi_error_detail + head + sizeof(cut) - 1, full + len - tail, tail + 1);
     return status;
 }
 

@@ -5,6 +5,9 @@
  * thread's next call. */
 #include "test_util.h"
 
+#include <errno.h>
+#include <string.h>
+
 /* f32, 2 heads of 4, 4 tokens a block. */
 enum { L = 1, H = 2, D = 4, BT = 4 };
 
@@ -77,12 +80,34 @@ static void test_a_failure_keeps_its_detail_until_the_next_call(void **state)
     assert_ok(tu_close(e));
 }
 
+/* A detail longer than the buffer kept its start and lost its end: with a
+ * disk_path of 3,000 characters, the cause ("No such file or directory")
+ * after the path was cut off. Its middle goes now. */
+static void test_a_long_detail_keeps_its_cause(void **state)
+{
+    (void)state;
+    char path[3100] = "/nonexistent-kvh-dir/";
+    size_t n = strlen(path);
+    memset(path + n, 'p', 3000);
+    path[n + 3000] = '\0';
+    kvh_config c = tu_cfg(L, H, D, BT, KVH_DTYPE_F32, 4, 4, 0);
+    c.disk_path = path;
+    c.disk_bytes = 1 << 20;
+    kvh_engine *e = NULL;
+    assert_int_equal(kvh_engine_open(&c, &e), KVH_ERR_IO);
+    const char *why = kvh_last_error();
+    assert_true(strlen(why) < 1024);
+    if (!strstr(why, " ... ") || !strstr(why, strerror(ENOENT)) || strncmp(why, "cannot create /nonexistent-kvh", 30))
+        fail_msg("%s", why);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_an_allocation_that_falls_back_leaves_no_error, tu_teardown),
         cmocka_unit_test_teardown(test_an_append_that_falls_back_leaves_no_error, tu_teardown),
         cmocka_unit_test_teardown(test_a_failure_keeps_its_detail_until_the_next_call, tu_teardown),
+        cmocka_unit_test_teardown(test_a_long_detail_keeps_its_cause, tu_teardown),
     };
     return cmocka_run_group_tests_name("last_error", tests, NULL, NULL);
 }
