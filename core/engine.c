@@ -199,8 +199,10 @@ kvh_status kvhi_check_record_memory(const kvh_engine *e, uint64_t more_blocks, c
      * touching it first took a minute for a refusal). */
     uint64_t blocks = more_blocks;
     const uint64_t budget[2] = {e->cfg.device_bytes, e->cfg.host_bytes};
+    bool capped = false;
     for (uint32_t t = KVH_TIER_DEVICE; t <= KVH_TIER_HOST; t++) {
         uint64_t slots = e->tiers[t].slot_bytes ? budget[t] / e->tiers[t].slot_bytes : 0;
+        capped |= slots > UINT32_MAX - 1;
         blocks += slots > UINT32_MAX - 1 ? UINT32_MAX - 1 : slots;
     }
     long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
@@ -213,9 +215,11 @@ kvh_status kvhi_check_record_memory(const kvh_engine *e, uint64_t more_blocks, c
      * refusal only after minutes of work (and, for a disk tier, thousands
      * of slab files made). */
     return kvhi_fail(KVH_ERR_NOMEM,
-                     "the records of %llu blocks (about %llu bytes each: the record, its tokens, its places in the "
+                     "the records of %llu blocks%s (about %llu bytes each: the record, its tokens, its places in the "
                      "eviction orders) would take %llu MiB, more than this machine's %llu MiB of memory: %s",
-                     (unsigned long long)blocks, (unsigned long long)per,
+                     (unsigned long long)blocks,
+                     capped ? " (a tier's budget cut to the most blocks a tier holds, 4294967294)" : "",
+                     (unsigned long long)per,
                      (unsigned long long)(blocks > UINT64_MAX / per ? UINT64_MAX >> 20 : blocks * per >> 20),
                      (unsigned long long)(memory >> 20), advice);
 }

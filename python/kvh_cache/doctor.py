@@ -67,13 +67,11 @@ def _data_dir(text: str) -> Path:
 
 
 def _as_the_engine_opens(text: str) -> Path:
-    """The directory the engine opens for text. It refuses a symbolic link
-    as the last component, but a trailing slash makes the system follow
-    it; Path drops that slash, so such a link is resolved here."""
-    bare = text.rstrip("/")
-    if bare and bare != text and os.path.islink(bare) and os.path.isdir(text):
-        return Path(os.path.realpath(text))
-    return Path(text)  # a dangling link stays one: the engine cannot open it
+    """The directory the engine opens for text: it refuses a symbolic link
+    as the last component however it is spelt ("link", "link/", "link/."),
+    and Path drops those trailing parts alike, so the check below sees the
+    link the engine refuses."""
+    return Path(text)
 
 
 def _config_file(text: str) -> Path:
