@@ -19,70 +19,66 @@ mode_t kvhi_store_dir_mode(uint32_t disk_flags) { return disk_flags & KVH_DISK_S
 
 mode_t kvhi_store_file_mode(uint32_t disk_flags) { return disk_flags & KVH_DISK_SHARE_GROUP ? 0640 : 0600; }
 
-/* Whether name is one kvh makes in a store (or a file system's own
- * lost+found, which a store at a mount's root sits beside). */
-static bool store_own_name(const char *name)
+int kvhi_dir_find(int fd, bool (*visit)(const char *name, void *ctx), void *ctx)
 {
-    static const char *const own[] = {".", "..", "LOCK", "index", "journal", "index.tmp", "journal.tmp", "lost+found"};
-    for (size_t i = 0; i < sizeof(own) / sizeof(own[0]); i++)
-        if (strcmp(name, own[i]) == 0)
-            return true;
-    unsigned n = 0;
-    int end = 0;
-    return sscanf(name, "slab-%u.kvh%n", &n, &end) == 1 && name[end] == '\0' && strncmp(name, "slab-", 5) == 0;
-}
-
-/* The first entry of dir that is not a store's own, into out; false when
- * there is none (or the listing fails: the checks after it still stand).
- * Read from dir_fd itself (its offset is used for nothing else), with
- * getdents64 into the stack: no other descriptor of the store's directory
- * for a fork to inherit, and no allocation where another thread may fork. */
-static bool other_entry(int dir_fd, char *out, size_t out_len)
-{
-    if (lseek(dir_fd, 0, SEEK_SET) != 0)
-        return false;
-    bool found = false;
     char buf[4096] __attribute__((aligned(8)));
-    while (!found) {
-        long got = syscall(SYS_getdents64, dir_fd, buf, sizeof(buf));
+    for (;;) {
+        long got = syscall(SYS_getdents64, fd, buf, sizeof(buf));
         if (got <= 0)
-            break;
-        for (long at = 0; at < got && !found;) {
+            return got < 0 ? -1 : 0;
+        for (long at = 0; at < got;) {
             const struct dirent64 *ent = (const struct dirent64 *)(buf + at);
-            if (!store_own_name(ent->d_name)) {
-                snprintf(out, out_len, "%s", ent->d_name);
-                found = true;
-            }
+            if (visit(ent->d_name, ctx))
+                return 1;
             at += ent->d_reclen;
         }
     }
+}
+
+/* Whether name is not one kvh makes in a store (nor a file system's own
+ * lost+found, which a store at a mount's root sits beside). */
+static bool not_store_own(const char *name, void *ctx)
+{
+    (void)ctx;
+    static const char *const own[] = {".", "..", "LOCK", "index", "journal", "index.tmp", "journal.tmp", "lost+found"};
+    for (size_t i = 0; i < sizeof(own) / sizeof(own[0]); i++)
+        if (strcmp(name, own[i]) == 0)
+            return false;
+    unsigned n = 0;
+    int end = 0;
+    return !(sscanf(name, "slab-%u.kvh%n", &n, &end) == 1 && name[end] == '\0');
+}
+
+/* Whether dir holds an entry that is not a store's own (false too when
+ * the listing fails). Read from dir_fd itself (its offset is used for
+ * nothing else): no other descriptor of the store's directory for a fork
+ * to inherit. */
+static bool has_other_entry(int dir_fd)
+{
+    bool found = lseek(dir_fd, 0, SEEK_SET) == 0 && kvhi_dir_find(dir_fd, not_store_own, NULL) > 0;
     lseek(dir_fd, 0, SEEK_SET);
     return found;
 }
 
-typedef enum { FILE_ABSENT, FILE_KVH, FILE_OTHER } store_file_kind;
-
-/* An index or journal file: absent, kvh's (its magic, or empty: a store
- * whose creation was cut short), or another program's (a FIFO, a
- * directory, a device, or other bytes). */
-static store_file_kind index_file_kind(int dir_fd, const char *name)
+/* Whether an index or journal file is another program's (a FIFO, a
+ * directory, a device, or bytes other than kvh's magic; an empty file is
+ * a store whose creation was cut short). */
+static bool index_file_foreign(int dir_fd, const char *name)
 {
     /* Non-blocking: a FIFO in its place would block the open until a
      * writer came (for ever). */
     int fd = openat(dir_fd, name, O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0)
-        return errno == ENOENT ? FILE_ABSENT : FILE_OTHER;
+        return errno != ENOENT;
     struct stat st;
     if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
         close(fd);
-        return FILE_OTHER;
+        return true;
     }
     uint8_t first[8];
     ssize_t n = pread(fd, first, sizeof(first), 0);
     close(fd);
-    if (n == 0)
-        return FILE_KVH;
-    return n == (ssize_t)sizeof(first) && kvhi_index_magic_is_kvh(first) ? FILE_KVH : FILE_OTHER;
+    return n != 0 && !(n == (ssize_t)sizeof(first) && kvhi_index_magic_is_kvh(first));
 }
 
 /* Why dir is no place for a store, into why; false when it may be one.
@@ -92,10 +88,11 @@ static store_file_kind index_file_kind(int dir_fd, const char *name)
  * and others make one too). */
 static bool not_a_store_dir(int dir_fd, char *why, size_t why_len)
 {
-    bool slab = faccessat(dir_fd, "slab-0000.kvh", F_OK, AT_SYMLINK_NOFOLLOW) == 0;
+    if (faccessat(dir_fd, "slab-0000.kvh", F_OK, AT_SYMLINK_NOFOLLOW) == 0)
+        return false;
     static const char *const names[] = {"index", "journal"};
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
-        if (!slab && index_file_kind(dir_fd, names[i]) == FILE_OTHER) {
+        if (index_file_foreign(dir_fd, names[i])) {
             snprintf(why, why_len, "holds a file named '%s' that kvh did not write, and no store", names[i]);
             return true;
         }
@@ -231,8 +228,7 @@ kvh_status kvhi_store_set_modes(kvhi_disk *d)
      * root given as disk_path) keeps its mode: narrowing it would lock
      * other users out of what is not kvh's. kvh's own files still get
      * theirs, and no one else may write to it (checked at open). */
-    char other[256];
-    if (other_entry(d->dir_fd, other, sizeof(other)))
+    if (has_other_entry(d->dir_fd))
         want = st.st_mode & 0777;
     if ((st.st_mode & 07777) != (keep | want) && fchmod(d->dir_fd, keep | want) != 0)
         return kvhi_fail(KVH_ERR_IO, "cannot set %s to mode %04o: %s", d->path, (unsigned)want, strerror(errno));

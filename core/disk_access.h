@@ -32,6 +32,12 @@ kvh_status kvhi_store_set_modes(kvhi_disk *d);
  * -EPERM for another user's or a non-regular file, -EMLINK for a file
  * with other hard links). */
 int kvhi_store_openat(const kvhi_disk *d, const char *name, int flags);
+/* Calls visit(name, ctx) for each entry fd's directory lists from its
+ * offset on, until one returns true: 1 then, 0 at the end, -1 when the
+ * listing fails. Read with getdents64 into the stack: no allocation,
+ * since opendir's buffer, taken while another thread forks, can leave an
+ * allocator lock held in the child (ASan's does). */
+int kvhi_dir_find(int fd, bool (*visit)(const char *name, void *ctx), void *ctx);
 /* What a -errno of kvhi_store_openat means, for a message. */
 const char *kvhi_store_file_error(int rc);
 /* The same, leaving the mode of a file that exists as it is (LOCK,

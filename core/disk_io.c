@@ -317,9 +317,10 @@ int kvhi_disk_open_slabs(kvhi_disk *d, bool allow_direct)
         int fd = open_slab(d, i, false);
         if (fd == -ENOENT)
             continue;
-        d->failed_slab = i;
-        if (fd < 0)
+        if (fd < 0) {
+            d->failed_slab = i;
             return fd;
+        }
         d->slab_fds[i] = fd;
         struct stat st;
         if (fstat(fd, &st) == 0)
@@ -356,9 +357,10 @@ int kvhi_disk_size_slabs(kvhi_disk *d)
     for (uint32_t i = 0; i < d->n_slabs; i++) {
         if (d->slab_fds[i] < 0) {
             int fd = open_slab(d, i, true);
-            d->failed_slab = i;
-            if (fd < 0)
+            if (fd < 0) {
+                d->failed_slab = i;
                 return fd;
+            }
             d->slab_fds[i] = fd;
         }
     }

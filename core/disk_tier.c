@@ -9,8 +9,6 @@
 #include <inttypes.h>
 #include <stdlib.h>
 #include <string.h>
-#include <dirent.h>
-#include <sys/syscall.h>
 #include <sys/file.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -107,30 +105,22 @@ static void disk_free(kvhi_disk *d)
     free(d);
 }
 
-/* Descriptors the process has open now; 64 when /proc cannot say. Read
- * with getdents64 into the stack: no allocation, since opendir's buffer,
- * taken while another thread forks, can leave an allocator lock held in
- * the child (ASan's does). */
+static bool count_descriptor(const char *name, void *ctx)
+{
+    *(uint64_t *)ctx += name[0] != '.';
+    return false;
+}
+
+/* Descriptors the process has open now; 64 when /proc cannot say
+ * (listed without allocating: kvhi_dir_find). */
 static uint64_t descriptors_open(void)
 {
     int fd = open("/proc/self/fd", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (fd < 0)
         return 64;
     uint64_t n = 0;
-    char buf[4096] __attribute__((aligned(8)));
-    for (;;) {
-        long got = syscall(SYS_getdents64, fd, buf, sizeof(buf));
-        if (got <= 0) {
-            if (got < 0)
-                n = 64;
-            break;
-        }
-        for (long at = 0; at < got;) {
-            const struct dirent64 *ent = (const struct dirent64 *)(buf + at);
-            n += ent->d_name[0] != '.';
-            at += ent->d_reclen;
-        }
-    }
+    if (kvhi_dir_find(fd, count_descriptor, &n) < 0)
+        n = 64;
     close(fd);
     return n > 0 ? n - 1 : 0; /* less the one just opened */
 }
