@@ -145,6 +145,7 @@ static int fresh_journal(kvhi_disk *d)
     if (rc == 0)
         rc = open_journal(d, false, 0);
     d->journal_records = 0;
+    d->journal_generation++;
     return rc;
 }
 
@@ -870,22 +871,49 @@ int kvhi_index_flush(kvhi_disk *d)
     return rc;
 }
 
+/* fdatasync of the journal through fd, and the check that the journal
+ * and the directory still stand. */
+static int sync_journal_fd(kvhi_disk *d, int fd)
+{
+    int inj = kvhi_disk_fault(KVHI_OP_FSYNC);
+    int rc = inj ? inj : kvhi_disk_sync_fd(fd, true);
+    /* Records synced into a journal (or a directory) someone removed
+     * are durable nowhere a later open looks: say so, once and for all. */
+    struct stat js, ds;
+    if (rc == 0 && ((fstat(fd, &js) == 0 && js.st_nlink == 0) ||
+                    (d->dir_fd >= 0 && fstat(d->dir_fd, &ds) == 0 && ds.st_nlink == 0)))
+        rc = -ENOENT;
+    return rc;
+}
+
 int kvhi_index_sync(kvhi_disk *d)
 {
     pthread_mutex_lock(&d->journal_lock);
     int rc = flush_locked(d);
-    if (rc == 0) {
-        int inj = kvhi_disk_fault(KVHI_OP_FSYNC);
-        rc = inj ? inj : kvhi_disk_sync_fd(d->journal_fd, true);
-        /* Records synced into a journal (or a directory) someone removed
-         * are durable nowhere a later open looks: say so, once and for all. */
-        struct stat js, ds;
-        if (rc == 0 && ((fstat(d->journal_fd, &js) == 0 && js.st_nlink == 0) ||
-                        (d->dir_fd >= 0 && fstat(d->dir_fd, &ds) == 0 && ds.st_nlink == 0)))
-            rc = -ENOENT;
-        if (rc != 0)
-            d->fatal = true;
+    if (rc != 0) { /* flush_locked decided what its failure means */
+        pthread_mutex_unlock(&d->journal_lock);
+        return rc;
     }
+    /* The sync runs on a second descriptor of the journal, outside
+     * journal_lock: a flush that an eviction needs (a few records
+     * written) does not wait for another thread's sync of a slow disk.
+     * Without a descriptor to spare it runs under the lock. */
+    int fd = fcntl(d->journal_fd, F_DUPFD_CLOEXEC, 0);
+    if (fd < 0) {
+        rc = sync_journal_fd(d, d->journal_fd);
+    } else {
+        uint64_t generation = d->journal_generation;
+        pthread_mutex_unlock(&d->journal_lock);
+        rc = sync_journal_fd(d, fd);
+        close(fd);
+        pthread_mutex_lock(&d->journal_lock);
+        /* A fold that replaced the journal meanwhile wrote and synced a
+         * snapshot holding these records: the old file no longer matters. */
+        if (rc != 0 && d->journal_generation != generation && !d->fatal)
+            rc = 0;
+    }
+    if (rc != 0)
+        d->fatal = true;
     pthread_mutex_unlock(&d->journal_lock);
     return rc;
 }

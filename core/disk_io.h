@@ -79,6 +79,7 @@ typedef struct kvhi_disk {
     int journal_fd;
     uint64_t next_seq;
     uint64_t journal_records;
+    uint64_t journal_generation; /* advanced each time a fold replaces the journal */
     uint32_t rec_bytes;
 } kvhi_disk;
 
