@@ -157,6 +157,9 @@ def _timeout_ns(name: str, value: Any) -> int:
 # The longest one C wait may hold the main thread: Python runs signal
 # handlers (Ctrl-C's KeyboardInterrupt) only between calls.
 _WAIT_SLICE_NS = 100_000_000
+# The longest an executor thread waits on after its ``await fence`` was
+# given up.
+_AWAIT_SLICE_NS = 20_000_000
 
 
 def _interruptible(ns: int, wait_ns: Callable[[int], bool]) -> bool:
@@ -175,6 +178,13 @@ def _interruptible(ns: int, wait_ns: Callable[[int], bool]) -> bool:
             step = min(step, left)
         if wait_ns(step):
             return True
+
+
+def _wait_through_fence(wait: bool) -> bool:
+    """Whether a call asked to wait should take a fence and wait on it in
+    slices: on the main thread, where a Ctrl-C must not be held back until
+    a slow disk is done, as it would in one C call."""
+    return wait and threading.current_thread() is threading.main_thread()
 
 
 def _path(name: str, value: Any) -> bytes:
@@ -1147,9 +1157,12 @@ class Engine(OwnedHandle):
         arr = ffi.new("kvh_block[]", max(1, len(blist)))
         for i, b in enumerate(blist):
             arr[i].id = b.handle
-        f = ffi.new("kvh_fence *") if not wait else NULL
+        sliced = _wait_through_fence(wait)
+        f = ffi.new("kvh_fence *") if not wait or sliced else NULL
         with self._call(*(b._gate.shared() for b in blist)) as p:
             check(lib.kvh_migrate(p, arr, len(blist), int(t), f))
+        if sliced:
+            Fence(self, f).result()
         return None if wait else Fence(self, f)
 
     # ---- blocks and the prefix index ----
@@ -1574,8 +1587,25 @@ class Fence(GatedHandle, OwnedHandle):
             self._finish(exc.status, exc.message)
 
     def __await__(self):
-        loop = asyncio.get_running_loop()
-        return loop.run_in_executor(None, self.result).__await__()
+        return self._awaited().__await__()
+
+    async def _awaited(self) -> None:
+        # The wait runs on an executor thread in slices, so that an await
+        # given up (a cancelled task, asyncio.wait_for's timeout) frees
+        # its thread within one slice instead of when the work ends.
+        given_up = threading.Event()
+
+        def wait_in_slices() -> None:
+            while not given_up.is_set():
+                if self._wait_ns(_AWAIT_SLICE_NS):
+                    return
+
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, wait_in_slices)
+        except BaseException:
+            given_up.set()
+            raise
+        self.result(0)
 
     def close(self) -> None:
         """Frees the C fence (pending work continues)."""
@@ -1790,7 +1820,8 @@ class Hold(OwnedHandle):
             return
         try:
             if self.fence is not None:
-                self.fence.wait()
+                # The library ends a hold whose promotion is still on its
+                # way: a release (or a collection) does not wait for it.
                 self.fence.close()
             with seq._call() as p:
                 check(lib.kvh_seq_release(p, seq._h[0], self.first, self.n))
@@ -2235,7 +2266,8 @@ class Sequence(GatedHandle, OwnedHandle):
         :class:`Hold` is released. ``wait=False`` returns at once; the hold's
         ``fence`` completes when the data is resident."""
         wait = bool(_flag("wait", wait))
-        fp = ffi.new("kvh_fence *") if not wait else NULL
+        sliced = _wait_through_fence(wait)
+        fp = ffi.new("kvh_fence *") if not wait or sliced else NULL
         status = ffi.new("kvh_status *", -1)
         hold = None
         try:
@@ -2247,8 +2279,14 @@ class Sequence(GatedHandle, OwnedHandle):
             # blocking acquire is where it mostly lands): the Hold then
             # goes with the exception, and its collection releases it.
             if status[0] == 0:
-                hold = Hold(self, f, cnt, Fence(self._engine, fp) if not wait else None)
+                hold = Hold(self, f, cnt, Fence(self._engine, fp) if not wait or sliced else None)
         check(status[0])
+        if sliced:
+            try:
+                hold.wait()
+            except errors.Error:
+                hold.release()  # as a wait in one call: a failure leaves nothing held
+                raise
         return hold
 
     def pin(self, first: TokenSpan = None, n: Optional[int] = None) -> None:
@@ -2290,10 +2328,13 @@ class Sequence(GatedHandle, OwnedHandle):
         """Moves the blocks of a token range to a tier."""
         wait = bool(_flag("wait", wait))
         t = Tier.parse(tier)
-        fp = ffi.new("kvh_fence *") if not wait else NULL
+        sliced = _wait_through_fence(wait)
+        fp = ffi.new("kvh_fence *") if not wait or sliced else NULL
         with self._call_any() as p:
             f, cnt = self._span(p, first, n)
             check(lib.kvh_seq_migrate(p, self._h[0], f, cnt, int(t), fp))
+        if sliced:
+            Fence(self._engine, fp).result()
         return None if wait else Fence(self._engine, fp)
 
     def prefetch(self, first: TokenSpan = None, n: Optional[int] = None, *, priority: int = 0) -> Fence:

@@ -10,6 +10,7 @@ import collections
 import contextlib
 import concurrent.futures as cf
 import ctypes
+import gc
 import logging
 import os
 import random
@@ -557,6 +558,71 @@ def ctrl_c_raises():
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
     signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_interrupts_calls_that_wait_for_moves(engine, monkeypatch, ctrl_c_raises):
+    """migrate() and acquire() asked to wait did so in one C call: a
+    Ctrl-C on a slow disk landed only when the disk was done (3 s behind
+    a 3 s stall). On the main thread they now wait on a fence in slices;
+    a failure still leaves nothing held."""
+    seq, _ = filled_seq(engine, 32)
+    stuck = StuckWaits(engine_mod.lib)
+    monkeypatch.setattr(engine_mod, "lib", stuck)
+    assert _interrupted_after(0.3, lambda: seq.migrate("host"), stuck) < 2.0
+    assert _interrupted_after(0.3, lambda: engine.migrate(seq.blocks(), "host"), stuck) < 2.0
+    assert _interrupted_after(0.3, seq.acquire, stuck) < 2.0
+    hold = seq.acquire(wait=False)
+    t0 = time.monotonic()
+    hold.release()  # ends the hold without waiting for its promotion
+    assert time.monotonic() - t0 < 1.0
+    monkeypatch.undo()
+    gc.collect()  # the hold given up with the interrupt goes with it
+    seq.migrate("host")
+    engine.migrate(seq.blocks(), "device")
+    with seq.acquire() as hold:
+        assert hold.fence is None or hold.fence.done()
+    seq.free()
+
+
+def test_an_await_given_up_frees_its_thread(engine, monkeypatch):
+    """``await fence`` waited in one executor call for as long as the
+    work ran: each await given up (asyncio.wait_for's timeout) kept one
+    thread of the loop's default executor until the work ended, so other
+    executor jobs queued behind it and asyncio.run could not return."""
+    seq, _ = filled_seq(engine, 32)
+    fence = engine.prefetch(seq)
+    stuck = StuckWaits(engine_mod.lib)
+    monkeypatch.setattr(engine_mod, "lib", stuck)
+    rescue = threading.Timer(10.0, stuck.release)
+    rescue.start()
+    took = {}
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(cf.ThreadPoolExecutor(max_workers=2))
+        for _ in range(4):
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(fence, 0.05)
+        t0 = time.monotonic()
+        await loop.run_in_executor(None, lambda: None)
+        took["job"] = time.monotonic() - t0
+
+    t0 = time.monotonic()
+    try:
+        asyncio.run(main())
+    finally:
+        rescue.cancel()
+    took["run"] = time.monotonic() - t0
+    assert took["job"] < 1.0, took
+    assert took["run"] < 2.0, took
+    stuck.release()
+
+    async def finish():
+        await fence
+
+    asyncio.run(finish())  # released: the await returns
+    monkeypatch.undo()
+    seq.free()
 
 
 def test_ctrl_c_interrupts_waits_without_a_timeout(engine, monkeypatch, ctrl_c_raises):
