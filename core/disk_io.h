@@ -80,6 +80,7 @@ typedef struct kvhi_disk {
     uint64_t next_seq;
     uint64_t journal_records;
     uint64_t journal_generation; /* advanced each time a fold replaces the journal */
+    uint64_t fold_retry_at;      /* journal records before a failed fold is tried again */
     uint32_t rec_bytes;
 } kvhi_disk;
 

@@ -251,6 +251,8 @@ kvh_status kvhi_disk_tier_open(kvh_engine *e, const kvh_config *cfg, const char 
 }
 
 static kvh_status snapshot(kvh_engine *e);
+static bool journal_long(const kvh_engine *e);
+static void fold_journal(kvh_engine *e, const char *when);
 
 /* Turns the recovered index entries into cached, unreferenced blocks on
  * disk (called once the block table exists). */
@@ -316,7 +318,13 @@ kvh_status kvhi_disk_tier_recover(kvh_engine *e)
     kvhi_index_list_free(l);
     /* The damaged files are replaced at once, so the next open reads a
      * sound index instead of scanning again. */
-    return rewrite ? snapshot(e) : KVH_OK;
+    if (rewrite)
+        return snapshot(e);
+    /* A journal grown long before a crash (blocks passing through the
+     * disk tier, no close to fold it) is folded now, not carried on. */
+    if (journal_long(e))
+        fold_journal(e, "open");
+    return KVH_OK;
 }
 
 /* Every block whose index record names a disk slot, for a snapshot. */
@@ -346,6 +354,55 @@ static kvh_status snapshot(kvh_engine *e)
         rc = kvhi_index_compact(e->disk, ents, k);
     free(ents);
     return rc == 0 ? KVH_OK : kvhi_fail(kvhi_io_status(rc), "cannot write the disk index: %s", strerror(-rc));
+}
+
+/* Keeps replay time and the journal's size bounded: a journal past 4096
+ * records and twice the blocks on disk is folded into a new snapshot,
+ * whether the records came from persists or from blocks passing through
+ * the disk tier. A fold that failed is tried again once the journal has
+ * grown by as much again. */
+static bool journal_long(const kvh_engine *e)
+{
+    const kvhi_disk *d = e->disk;
+    return d && !d->fatal && !d->read_only && d->journal_records > 4096 &&
+           d->journal_records > 2 * (uint64_t)kvhi_slot_pool_used(&e->tiers[KVH_TIER_DISK].slots);
+}
+
+/* A persist tries again at once (its records are synced, the moment is
+ * its own); other calls after the journal has grown by as much again. */
+static bool journal_fold_due(const kvh_engine *e)
+{
+    return journal_long(e) && e->disk->journal_records >= e->disk->fold_retry_at;
+}
+
+static void note_journal_growth(kvh_engine *e)
+{
+    if (journal_fold_due(e))
+        e->disk_fold_due = true;
+}
+
+/* Folds a journal due for it (the lock held); the caller's own failure
+ * detail is kept. The blocks are durable without it: a fold that fails
+ * fails nothing. */
+static void fold_journal(kvh_engine *e, const char *when)
+{
+    kvhi_error_kept kept;
+    kvhi_error_keep(&kept);
+    if (snapshot(e) == KVH_OK) {
+        e->disk->fold_retry_at = 0;
+    } else {
+        e->disk->fold_retry_at = 2 * e->disk->journal_records;
+        kvhi_log_later(e, KVH_LOG_WARN, "%s: the journal could not be folded into a new index (%s); kept as it is",
+                       when, kvhi_last_error());
+    }
+    kvhi_error_put_back(&kept);
+}
+
+void kvhi_disk_fold_journal(kvh_engine *e)
+{
+    e->disk_fold_due = false;
+    if (!e->closing && journal_fold_due(e))
+        fold_journal(e, "disk tier");
 }
 
 kvh_status kvhi_disk_tier_close(kvh_engine *e, bool flush)
@@ -394,6 +451,7 @@ static int journal_add(kvh_engine *e, uint32_t b, uint32_t slot)
                                kvhi_block_tokens(e, b));
     if (rc == 0)
         blk->flags |= KVHI_BF_JOURNALED;
+    note_journal_growth(e);
     return rc;
 }
 
@@ -433,6 +491,7 @@ void kvhi_disk_after_move(kvh_engine *e, uint32_t b, const kvhi_xfer *x, bool *k
             kvhi_index_append(e->disk, KVHI_REC_DEL, x->src_slot, blk->hash, blk->parent_hash, blk->n_tokens,
                               blk->data_crc, kvhi_block_tokens(e, b));
             blk->flags &= (uint16_t)~KVHI_BF_JOURNALED;
+            note_journal_growth(e);
         }
     }
 }
@@ -463,6 +522,7 @@ void kvhi_disk_forget(kvh_engine *e, uint32_t b)
         kvhi_index_append(e->disk, KVHI_REC_DEL, slot, blk->hash, blk->parent_hash, blk->n_tokens, blk->data_crc,
                           kvhi_block_tokens(e, b));
         blk->flags &= (uint16_t)~KVHI_BF_JOURNALED;
+        note_journal_growth(e);
     }
     if (blk->flags & KVHI_BF_DISK_COPY)
         kvhi_release_slot(e, KVH_TIER_DISK, kvhi_disk_copy_clear(e, b));
@@ -891,16 +951,8 @@ kvh_status kvhi_disk_persist_blocks(kvh_engine *e, const uint32_t *blocks, uint3
                            "writing or syncing the disk tier's files failed (%s); the store accepts no more writes",
                            strerror(-rc));
     }
-    /* Keep replay time bounded: fold a long journal into a new snapshot.
-     * The blocks are durable already (their records synced): a fold that
-     * fails is tried again by the next persist, and fails none. */
-    if (st == KVH_OK && e->disk->journal_records > 4096 &&
-        e->disk->journal_records > 2 * (uint64_t)kvhi_slot_pool_used(&e->tiers[KVH_TIER_DISK].slots) &&
-        snapshot(e) != KVH_OK) {
-        kvhi_log_later(e, KVH_LOG_WARN, "persist: the journal could not be folded into a new index (%s); kept as it is",
-                       kvhi_last_error());
-        kvhi_clear_error();
-    }
+    if (st == KVH_OK && journal_long(e))
+        fold_journal(e, "persist");
     for (uint32_t i = 0; i < n_todo; i++) {
         /* A twin made durable: its reference goes to the caller. */
         if (twins && todo[i] != blocks[i] && (e->blocks[todo[i]].flags & KVHI_BF_JOURNALED)) {

@@ -233,6 +233,9 @@ struct kvh_engine {
     uint64_t disk_full_until;
     uint32_t disk_full_rest_ms;
     kvhi_index_list disk_recovery; /* index entries found at open */
+    /* The journal has grown past its bound: the next call to leave folds
+     * it into a new snapshot (kvhi_disk_fold_journal). */
+    bool disk_fold_due;
     /* Log lines produced under the lock, emitted by kvhi_leave. */
     char pending_log[4][256];
     int pending_log_level[4];
@@ -439,8 +442,12 @@ static inline kvh_status kvhi_enter(kvh_engine *e)
     return st;
 }
 
+void kvhi_disk_fold_journal(kvh_engine *e);
+
 static inline void kvhi_leave(kvh_engine *e)
 {
+    if (e->disk_fold_due)
+        kvhi_disk_fold_journal(e);
     if (--e->active_calls == 0 && e->closing)
         pthread_cond_broadcast(&e->changed);
     if (e->n_pending_log)

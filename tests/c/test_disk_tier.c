@@ -1069,6 +1069,88 @@ static void test_long_journal_folds(void **state)
     dt_assert_ok(dt_close(e));
 }
 
+static long file_bytes(const char *dir, const char *name)
+{
+    char p[PATH_MAX + 16];
+    struct stat st;
+    return stat(dt_path(p, sizeof(p), dir, name), &st) == 0 ? (long)st.st_size : -1;
+}
+
+/* Blocks that only pass through the disk tier (evicted, then dropped
+ * from a full disk; no persist) each left an ADD and a DEL record: the
+ * journal, folded only by a persist or a close, grew by 232 bytes a
+ * block for good, and an open after a crash replayed all of it. */
+static void test_journal_stays_bounded_without_persists(void **state)
+{
+    (void)state;
+    char dir[PATH_MAX];
+    dt_scratch("fold-pass", dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 8, 8, 32, 0);
+    kvh_engine *e = dt_open_a(&c);
+    dt_content kept = dt_plain(0x900);
+    kvh_seq s;
+    dt_assert_ok(dt_build(e, G, kept, 2 * G.bt, 0, &s));
+    dt_assert_ok(kvh_seq_persist(e, s));
+    long rec_bytes = e->disk->rec_bytes, most = 0;
+    for (int i = 0; i < 12000; i++) {
+        kvh_seq t;
+        dt_assert_ok(dt_build(e, G, dt_plain(0x1000 + (uint64_t)i), G.bt, 0, &t));
+        dt_assert_ok(kvh_seq_free(e, t));
+        if (i % 500 == 499) {
+            flush(e);
+            long j = file_bytes(dir, "journal");
+            most = j > most ? j : most;
+        }
+    }
+    /* one fold's worth: 4096 records past the header, and the last cycles' */
+    long bound = 4096 + (4096 + 2 * 32 + 1000) * rec_bytes;
+    if (most > bound)
+        fail_msg("12,000 blocks through the disk tier: the journal reached %ld bytes (bound %ld)", most, bound);
+    /* Killed now: the store opens with the persisted prefix. */
+    dt_saved_store saved;
+    assert_int_equal(dt_store_save(dir, &saved), 0);
+    dt_assert_ok(kvh_seq_free(e, s));
+    dt_assert_ok(dt_close(e));
+    assert_int_equal(dt_store_restore(dir, &saved), 0);
+    dt_store_free(&saved);
+    e = dt_open_a(&c);
+    match_a(e, kept, 2 * G.bt, 2 * G.bt);
+    dt_assert_ok(dt_close(e));
+    print_message("journal at most %ld bytes over 12,000 blocks through the disk tier\n", most);
+}
+
+/* A long journal a crash left behind is folded by the open, not carried
+ * on to the next one. */
+static void test_open_folds_a_long_journal(void **state)
+{
+    (void)state;
+    char dir[PATH_MAX];
+    dt_scratch("fold-open", dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 8, 8, 32, 0);
+    kvh_engine *e = dt_open_a(&c);
+    dt_content ct = dt_plain(0x901);
+    kvh_seq s;
+    dt_assert_ok(dt_build(e, G, ct, 2 * G.bt, 0, &s));
+    dt_assert_ok(kvh_seq_persist(e, s));
+    int32_t tk[16] = {0};
+    for (int i = 0; i < 4100; i++)
+        assert_int_equal(kvhi_index_append(e->disk, KVHI_REC_DEL, 31, 0x5678 + (uint64_t)i, 0, G.bt, 0, tk), 0);
+    flush(e);
+    dt_saved_store saved;
+    assert_int_equal(dt_store_save(dir, &saved), 0);
+    dt_assert_ok(kvh_seq_free(e, s));
+    dt_assert_ok(dt_close(e));
+    assert_int_equal(dt_store_restore(dir, &saved), 0);
+    dt_store_free(&saved);
+    assert_true(file_bytes(dir, "journal") > 4096 * (long)G.bt);
+    e = dt_open_a(&c);
+    recs j;
+    read_recs(dir, "journal", &j);
+    assert_int_equal(j.n, 0);
+    match_a(e, ct, 2 * G.bt, 2 * G.bt);
+    dt_assert_ok(dt_close(e));
+}
+
 /* ---- verification in place ---- */
 
 static void test_verify_in_place(void **state)
@@ -1160,6 +1242,8 @@ int main(void)
         cmocka_unit_test_teardown(test_tier_info_counts_copies_being_written, teardown),
         cmocka_unit_test_teardown(test_cleaner_keeps_what_it_could_not_write, teardown),
         cmocka_unit_test_teardown(test_long_journal_folds, teardown),
+        cmocka_unit_test_teardown(test_journal_stays_bounded_without_persists, teardown),
+        cmocka_unit_test_teardown(test_open_folds_a_long_journal, teardown),
         cmocka_unit_test_teardown(test_verify_in_place, teardown),
     };
     return cmocka_run_group_tests_name("disk_tier", tests, NULL, NULL);
