@@ -33,6 +33,7 @@ scope, as in vLLM.
 from __future__ import annotations
 
 import itertools
+import os
 import logging
 import platform
 import socket
@@ -253,6 +254,10 @@ class KvhConnector(KVConnectorBase_V1):
         self._settings = _settings.load(extra)
         self._block_size = int(vllm_config.cache_config.block_size)
         self._engine_id = str(self._kv_transfer_config.engine_id)
+        # Which vLLM instance this is: a worker answers lookups of its own
+        # scheduler only (another instance given the same engine_id would
+        # otherwise be told of blocks its workers never load).
+        self._instance = str(getattr(vllm_config, "instance_id", "") or "")
         par = vllm_config.parallel_config
         self._tp_size = int(par.tensor_parallel_size)
         self._dp_rank = int(par.data_parallel_rank)
@@ -394,6 +399,8 @@ class KvhConnector(KVConnectorBase_V1):
             return {"tokens": 0}
         op = header.get("op")
         if op == "lookup":
+            if not self._own_scheduler(header):
+                return {"tokens": 0, "foreign": True}
             tokens = np.frombuffer(payload, dtype=np.int32)
             lookup_id = header.get("lookup")
             if lookup_id is not None and not isinstance(lookup_id, int):
@@ -402,6 +409,17 @@ class KvhConnector(KVConnectorBase_V1):
         if op == "stats":
             return store.stats()
         raise ValueError(f"unknown op {op!r}")
+
+    def _own_scheduler(self, header: Dict[str, Any]) -> bool:
+        """Whether a lookup comes from this instance's scheduler: the same
+        vLLM instance id, or the scheduler's process is this worker's or
+        its parent (vLLM's executors in one process or forked from it)."""
+        instance, pid = header.get("instance"), header.get("pid")
+        if instance is None and pid is None:
+            return True  # a client that names no instance (kvh's own tools)
+        if instance and instance == getattr(self, "_instance", ""):
+            return True
+        return pid in (os.getpid(), os.getppid())
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         # Called before the step touches any block: the last step's
@@ -662,8 +680,25 @@ class KvhConnector(KVConnectorBase_V1):
                     )
                     for r in range(self._tp_size)
                 ]
-            header = {"op": "lookup", "req": req_id, "scope": scope, "lookup": lookup_id}
-            found = [int(c.call(header, payload)["tokens"]) for c in self._clients]
+            header = {
+                "op": "lookup",
+                "req": req_id,
+                "scope": scope,
+                "lookup": lookup_id,
+                "instance": getattr(self, "_instance", ""),
+                "pid": os.getpid(),
+            }
+            replies = [c.call(header, payload) for c in self._clients]
+            if any(r.get("foreign") for r in replies):
+                if not self._channel_warned:
+                    self._channel_warned = True
+                    logger.warning(
+                        "kvh: the lookup channel of engine_id %r belongs to another vLLM instance; requests are "
+                        "computed without kvh (give each instance its own engine_id)",
+                        self._engine_id,
+                    )
+                return 0, False
+            found = [int(r["tokens"]) for r in replies]
             self._lookup_backoff_s = LOOKUP_BACKOFF_S
             return min(found), max(found) > 0
         except socket.timeout:

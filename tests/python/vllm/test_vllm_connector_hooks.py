@@ -84,6 +84,41 @@ def test_unusable_runtime_directory_is_a_miss(tmp_path):
     )
 
 
+def test_a_worker_answers_only_its_own_instances_lookups():
+    # A second vLLM instance given the same engine_id found the first
+    # one's socket (its own worker refused to start): the first worker
+    # answered its lookups with hits, and the second decoded 256 tokens
+    # of KV that nothing had loaded.
+    run_in_vllm(
+        """
+        import os
+        class Store:
+            asked = 0
+            def lookup(self, req, tokens, scope, lookup_id):
+                Store.asked += 1
+                return 64
+        w = bare(_store=Store(), _instance="1111")
+        tokens = np.arange(64, dtype=np.int32).tobytes()
+        other = {"op": "lookup", "req": "r", "lookup": 1, "instance": "2222", "pid": 1}
+        assert w._handle(other, tokens) == {"tokens": 0, "foreign": True}
+        assert Store.asked == 0
+        assert w._handle(dict(other, instance="1111"), tokens) == {"tokens": 64}
+        assert w._handle(dict(other, pid=os.getppid()), tokens) == {"tokens": 64}
+        assert w._handle(dict(other, pid=os.getpid()), tokens) == {"tokens": 64}
+        assert Store.asked == 3
+
+        class Foreign:
+            def call(self, header, payload):
+                assert header["instance"] == "3333" and header["pid"] == os.getpid()
+                return {"tokens": 0, "foreign": True}
+        k = bare(_clients=[Foreign()], _engine_id="e", _instance="3333", _channel_warned=False,
+                 _lookups_paused_until=0.0, _lookup_backoff_s=0.1)
+        assert k._lookup("r1", np.arange(64, dtype=np.int32), 0, 1) == (0, False)
+        assert k._channel_warned
+        """
+    )
+
+
 def test_requests_not_keyed_by_their_tokens_are_not_cached():
     run_in_vllm(
         """
