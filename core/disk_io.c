@@ -312,6 +312,13 @@ int kvhi_disk_open_slabs(kvhi_disk *d, bool allow_direct)
         return -ENOMEM;
     for (uint32_t i = 0; i < d->n_slabs; i++)
         d->slab_fds[i] = -1;
+    d->slab_sync = calloc(d->n_slabs ? d->n_slabs : 1, sizeof(*d->slab_sync));
+    if (!d->slab_sync)
+        return -ENOMEM;
+    for (uint32_t i = 0; i < d->n_slabs; i++) {
+        atomic_init(&d->slab_sync[i].written, 1);
+        atomic_init(&d->slab_sync[i].synced, 0);
+    }
     d->direct = allow_direct;
     for (uint32_t i = 0; i < d->n_slabs; i++) {
         int fd = open_slab(d, i, false);
@@ -451,6 +458,8 @@ void kvhi_disk_close(kvhi_disk *d)
             close(d->slab_fds[i]);
     free(d->slab_fds);
     d->slab_fds = NULL;
+    free(d->slab_sync);
+    d->slab_sync = NULL;
 }
 
 static kvhi_disk_lane *lane_create(kvhi_disk *d)
@@ -570,6 +579,7 @@ uint8_t *kvhi_disk_lane_slot(kvhi_disk_lane *lane, uint32_t i) { return lane->ar
 typedef struct io_run {
     uint32_t first; /* batch index of the run's first block */
     uint32_t count;
+    uint32_t slab;
     int fd;
     uint64_t offset;
     uint64_t done; /* bytes transferred so far */
@@ -601,10 +611,21 @@ static uint32_t make_runs(const kvhi_disk *d, uint32_t n, const uint32_t *slots,
             runs[nr - 1].count++;
             continue;
         }
-        runs[nr++] =
-            (io_run){.first = i, .count = 1, .fd = slab_fd(d, slots[i]), .offset = kvhi_disk_slot_offset(d, slots[i])};
+        runs[nr++] = (io_run){.first = i,
+                              .count = 1,
+                              .slab = slots[i] / d->slots_per_slab,
+                              .fd = slab_fd(d, slots[i]),
+                              .offset = kvhi_disk_slot_offset(d, slots[i])};
     }
     return nr;
+}
+
+/* The slabs of runs [0, nr) of a write are due for a sync: called once
+ * the write is done or failed (a failed one may have written part). */
+static void note_written(kvhi_disk *d, const io_run *runs, uint32_t nr)
+{
+    for (uint32_t r = 0; r < nr; r++)
+        atomic_fetch_add_explicit(&d->slab_sync[runs[r].slab].written, 1, memory_order_release);
 }
 
 typedef struct run_sink {
@@ -696,8 +717,10 @@ static void do_runs(kvhi_disk *d, kvhi_disk_lane *l, io_run *runs, uint32_t nr, 
         if (!run_err[r])
             runs[r].done = total;
     }
-    if (write)
+    if (write) {
+        note_written(d, runs, nr);
         explain_write_errors(runs, nr, run_err, sb);
+    }
     for (uint32_t r = 0; r < nr; r++)
         for (uint32_t k = 0; k < runs[r].count; k++)
             results[runs[r].first + k] = run_err[r];
@@ -768,8 +791,19 @@ int kvhi_disk_sync_slabs(kvhi_disk *d)
     if (d->fatal)
         return -EIO;
     for (uint32_t i = 0; i < d->n_slabs; i++) {
-        int inj = kvhi_disk_fault(KVHI_OP_FSYNC);
-        int rc = inj ? (inj < 0 ? inj : -EIO) : kvhi_disk_sync_fd(d->slab_fds[i], true);
+        /* Writes done by now are what this sync must cover; one that
+         * another thread's sync covers only once that sync has finished. */
+        struct kvhi_slab_sync *ss = &d->slab_sync[i];
+        uint64_t written = atomic_load_explicit(&ss->written, memory_order_acquire);
+        bool due = atomic_load_explicit(&ss->synced, memory_order_acquire) < written;
+        int inj = due ? kvhi_disk_fault(KVHI_OP_FSYNC) : 0;
+        int rc = inj ? (inj < 0 ? inj : -EIO) : due ? kvhi_disk_sync_fd(d->slab_fds[i], true) : 0;
+        if (due && rc == 0) {
+            uint64_t had = atomic_load_explicit(&ss->synced, memory_order_relaxed);
+            while (had < written && !atomic_compare_exchange_weak_explicit(&ss->synced, &had, written,
+                                                                           memory_order_release, memory_order_relaxed))
+                ;
+        }
         if (rc != 0) {
             /* After a failed fsync the page cache state is unknown: never
              * retry and trust it. */
@@ -1028,8 +1062,10 @@ static int vector_io(kvhi_disk *d, kvhi_disk_lane *l, uint32_t n, const uint32_t
         }
     }
     lane_settle(l);
-    if (write)
+    if (write) {
+        note_written(d, runs, nr);
         explain_write_errors(runs, nr, run_err, sb);
+    }
     for (uint32_t r = 0; r < nr; r++)
         for (uint32_t k = 0; k < runs[r].count; k++)
             results[runs[r].first + k] = run_err[r];

@@ -38,6 +38,13 @@ typedef struct kvhi_disk {
     uint32_t slots_per_slab;
     uint32_t n_slabs;
     int *slab_fds;
+    /* Per slab: writes done (counted once each is in) and the count a
+     * finished fdatasync covered. A persist syncs only slabs written past
+     * their last sync: its cost follows what was written, not the
+     * store's size. Every slab starts with one write to sync. */
+    struct kvhi_slab_sync {
+        _Atomic uint64_t written, synced;
+    } * slab_sync;
     bool direct;
     /* An fsync or journal write failed: nothing written since is trusted.
      * Atomic: set by writers outside the engine lock, read under it. */
@@ -165,7 +172,8 @@ int kvhi_disk_read_into(kvhi_disk *d, kvhi_disk_lane *lane, uint32_t slot, uint8
                         const uint8_t **header_out);
 
 uint64_t kvhi_disk_slot_offset(const kvhi_disk *d, uint32_t slot);
-/* fdatasync every slab file; -errno on failure (the store turns fatal). */
+/* fdatasync every slab file written since its last sync, after checking
+ * each slab is still in place; -errno on failure (the store turns fatal). */
 int kvhi_disk_sync_slabs(kvhi_disk *d);
 /* fsync of fd (data_only: fdatasync), again while a signal interrupts
  * it: EINTR says nothing about the data (it consumes no write error),

@@ -849,6 +849,47 @@ static void test_interrupted_sync(void **state)
     disk_close(d);
 }
 
+/* A sync made an fdatasync of every slab file, written or not: a
+ * persist of one block on a store of 400 GiB made 400 of them (96 ms).
+ * Only slabs written since their last sync are synced now. */
+static void test_sync_covers_the_slabs_written(void **state)
+{
+    (void)state;
+    char dir[PATH_MAX];
+    dt_scratch("sync-written", dir, sizeof(dir));
+    uint64_t per = kvhi_disk_slab_slots(4096 + 8192);
+    kvhi_disk *d = disk_open(dir, 8192, (uint32_t)per + 8, 4, 1, false); /* two slab files */
+    assert_int_equal(d->n_slabs, 2);
+    kvhi_disk_lane *l = kvhi_disk_lane_get(d);
+    int res[1];
+    hook_on(-1, 0, 0);
+    assert_int_equal(kvhi_disk_sync_slabs(d), 0);
+    assert_int_equal(calls(KVHI_OP_FSYNC), 2); /* a new store: both */
+    hook_on(-1, 0, 0);
+    assert_int_equal(kvhi_disk_sync_slabs(d), 0);
+    assert_int_equal(calls(KVHI_OP_FSYNC), 0); /* nothing written since */
+    const uint32_t in_second = (uint32_t)per + 3, in_first = 5;
+    write_round(d, l, 1, &in_second, 1, res);
+    assert_int_equal(res[0], 0);
+    hook_on(-1, 0, 0);
+    assert_int_equal(kvhi_disk_sync_slabs(d), 0);
+    assert_int_equal(calls(KVHI_OP_FSYNC), 1);
+    write_round(d, l, 1, &in_first, 2, res);
+    write_round(d, l, 1, &in_second, 3, res);
+    hook_on(-1, 0, 0);
+    assert_int_equal(kvhi_disk_sync_slabs(d), 0);
+    assert_int_equal(calls(KVHI_OP_FSYNC), 2);
+    /* A failed write may have written part: its slab is synced too. */
+    hook_on(KVHI_OP_WRITE, 1, -EIO);
+    write_round(d, l, 1, &in_first, 4, res);
+    assert_int_equal(res[0], -EIO);
+    hook_on(-1, 0, 0);
+    assert_int_equal(kvhi_disk_sync_slabs(d), 0);
+    assert_int_equal(calls(KVHI_OP_FSYNC), 1);
+    kvhi_disk_lane_put(d, l);
+    disk_close(d);
+}
+
 static void test_fatal_store(void **state)
 {
     (void)state;
@@ -863,7 +904,9 @@ static void test_fatal_store(void **state)
         write_round(d, l, 2, slots, 7, res);
         assert_int_equal(res[0] + res[1], 0);
         assert_int_equal(kvhi_disk_sync_slabs(d), 0);
-        /* A failed fsync: the store is fatal from then on. */
+        /* A failed fsync (of a slab written since): the store is fatal
+         * from then on. */
+        write_round(d, l, 2, slots, 9, res);
         hook_on(KVHI_OP_FSYNC, 1, -EIO);
         assert_int_equal(kvhi_disk_sync_slabs(d), -EIO);
         assert_true(d->fatal);
@@ -886,7 +929,8 @@ static void test_fatal_store(void **state)
         kvhi_disk_read_staged(d, l, 2, slots, res, NULL, NULL);
         for (uint32_t k = 0; k < 2; k++) {
             assert_int_equal(res[k], 0);
-            assert_int_equal(differs(kvhi_disk_lane_slot(l, k), d->slot_bytes, slots[k], 7), -1);
+            assert_int_equal(differs(kvhi_disk_lane_slot(l, k), d->slot_bytes, slots[k], 9),
+                             -1); /* the last write before the failed sync */
         }
         kvhi_disk_lane_put(d, l);
         disk_close(d);
@@ -1281,6 +1325,7 @@ int main(void)
         cmocka_unit_test_teardown(test_vectored_paths, teardown),
         cmocka_unit_test_teardown(test_prepared_gather, teardown),
         cmocka_unit_test_teardown(test_interrupted_sync, teardown),
+        cmocka_unit_test_teardown(test_sync_covers_the_slabs_written, teardown),
         cmocka_unit_test_teardown(test_fatal_store, teardown),
         cmocka_unit_test_teardown(test_ring_under_pressure, teardown),
         cmocka_unit_test_teardown(test_ring_that_never_takes, teardown),
