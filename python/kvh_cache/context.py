@@ -237,7 +237,7 @@ class Context(GatedHandle, Closable, Uncopyable):
 
     def _check_engine(self, engine: Any) -> None:
         if self._engine is not engine:
-            raise ValueError("the context belongs to another engine")
+            raise errors.ForeignHandleError.of("context")
 
     # ---- registration ----
     def add_region(

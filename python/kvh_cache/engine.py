@@ -1184,8 +1184,12 @@ class Engine(OwnedHandle):
         ``scope`` (a plain scope value; 0, the default scope, is
         ``kvh_prefix_hash``)."""
         tk = _tokens(tokens)
-        if tk.size != self.block_tokens:
-            raise ValueError(f"tokens must hold exactly block_tokens={self.block_tokens} ids, got {tk.size}")
+        if tk.size != self.block_tokens:  # as the library says it (KVH_ERR_INVALID_ARG)
+            raise errors.InvalidArgumentError(
+                f"a block hash covers block_tokens={self.block_tokens} tokens, got {tk.size}",
+                lib.KVH_ERR_INVALID_ARG,
+                status_name(lib.KVH_ERR_INVALID_ARG),
+            )
         parent = _index("parent", parent)
         scope = _index("scope", scope)
         out = ffi.new("uint64_t *")
@@ -1222,7 +1226,8 @@ class Engine(OwnedHandle):
     def block_table(self, seqs: Seq["Sequence"]) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
         """FlashInfer-style CSR block table of device-tier slots:
         ``(indptr[n+1], indices[nnz], last_page_len[n])`` as int32 arrays.
-        Raises NotResidentError unless every block is acquired."""
+        Raises NotResidentError if a block is not in the device tier; only
+        acquired blocks are held there (acquire the range first)."""
         if not isinstance(seqs, Sequence):
             seqs = list(seqs)  # read twice below
         hs, uses = self._seq_array(seqs)
@@ -1660,7 +1665,7 @@ class Block(GatedHandle, OwnedHandle):
 
     def _check_engine(self, engine: Engine) -> None:
         if self._engine is not engine:
-            raise ValueError("the block belongs to another engine")
+            raise errors.ForeignHandleError.of("block")
 
     def _h(self):
         h = ffi.new("kvh_block *")
@@ -1984,7 +1989,7 @@ class Sequence(GatedHandle, OwnedHandle):
 
     def _check_engine(self, engine: Engine) -> None:
         if self._engine is not engine:
-            raise ValueError("the sequence belongs to another engine")
+            raise errors.ForeignHandleError.of("sequence")
 
     def free(self) -> None:
         """Releases the sequence's blocks (cached full blocks stay in the
@@ -2142,8 +2147,10 @@ class Sequence(GatedHandle, OwnedHandle):
         with self._call() as p:
             # the block holding the cut may be copied; the ones after it go
             self._keep_viewed_blocks(n_tokens // self._engine.block_tokens)
+            detail = ""
             try:
                 st = lib.kvh_seq_truncate(p, self._h[0], n_tokens)
+                detail = last_error() if st else ""  # before the length call replaces it
             finally:
                 # The holds follow the cut the library made, even when a
                 # Ctrl-C comes right after the call (its status then unread).
@@ -2151,7 +2158,8 @@ class Sequence(GatedHandle, OwnedHandle):
                 if lib.kvh_seq_length(p, self._h[0], now) == 0 and now[0] <= n_tokens:
                     for hold in self._holds.live():
                         hold._truncated(n_tokens)
-            check(st)
+            if st:
+                raise_status(st, detail)
             self._refresh_views()
 
     def match_prefix(self, tokens: ArrayLike) -> int:

@@ -24,6 +24,7 @@ __all__ = [
     "KvhKeyError",
     "StructSizeError",
     "BadHandleError",
+    "ForeignHandleError",
     "OutOfMemoryError",
     "NoSpaceError",
     "KvhIOError",
@@ -125,6 +126,16 @@ class StructSizeError(InvalidArgumentError):
 
 class BadHandleError(Error):
     """KVH_ERR_BAD_HANDLE: a stale, freed or forged handle."""
+
+
+class ForeignHandleError(BadHandleError, ValueError):
+    """KVH_ERR_BAD_HANDLE for a handle of another engine, found before any
+    C call (the library reports such a handle so, with near certainty);
+    also a ValueError, as it was raised before."""
+
+    @classmethod
+    def of(cls, what: str) -> "ForeignHandleError":
+        return cls(f"the {what} belongs to another engine")
 
 
 class OutOfMemoryError(Error, MemoryError):

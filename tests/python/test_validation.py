@@ -220,6 +220,24 @@ def test_cross_engine_objects(engine):
                 engine.prefetch(s)
             with pytest.raises(ValueError, match="another engine"):
                 engine.migrate(s.blocks(), "host")
+            # as the library and the other bindings report it
+            for call in (lambda: engine.hint(s), lambda: engine.migrate(s.blocks(), "host")):
+                with pytest.raises(kvh.BadHandleError) as info:
+                    call()
+                assert info.value.name == "KVH_ERR_BAD_HANDLE"
+
+
+def test_failures_carry_the_library_detail(engine):
+    """truncate() read the sequence's length after a failure, which
+    replaced the library's detail with a generic text; prefix_hash() of a
+    wrong token count raised a plain ValueError where the library and
+    the other bindings give KVH_ERR_INVALID_ARG."""
+    with engine.sequence(tokens=range(3)) as s:
+        with pytest.raises(kvh.RangeError, match="truncate to 4 > length 3"):
+            s.truncate(4)
+    with pytest.raises(kvh.InvalidArgumentError, match="block_tokens") as info:
+        engine.prefix_hash(np.arange(engine.block_tokens - 1))
+    assert info.value.name == "KVH_ERR_INVALID_ARG"
 
 
 def test_closed_engine_raises_everywhere():

@@ -11,7 +11,7 @@ use std::time::Duration;
 use kvh_sys as sys;
 
 use crate::engine::Engine;
-use crate::error::{check, invalid, Result};
+use crate::error::{check, foreign, invalid, Result};
 use crate::fence::Fence;
 use crate::seq::Sequence;
 
@@ -109,7 +109,7 @@ impl Engine {
     ) -> Result<()> {
         for c in [from, to].into_iter().flatten() {
             if !std::ptr::eq(c.engine, self) {
-                return Err(invalid("a context of another engine"));
+                return Err(foreign("context"));
             }
         }
         let f = from.map(|c| c.raw).unwrap_or_default();
@@ -202,7 +202,7 @@ impl Engine {
         p.token_budget = token_budget;
         if let Some(c) = context {
             if !std::ptr::eq(c.engine, self) {
-                return Err(invalid("a context of another engine"));
+                return Err(foreign("context"));
             }
             p.context = c.raw;
         }

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use kvh_sys as sys;
 
 use crate::config::{Config, LogFn};
-use crate::error::{check, invalid, Error, Result, Status};
+use crate::error::{check, foreign, invalid, Error, Result, Status};
 use crate::fence::Fence;
 use crate::seq::Sequence;
 use crate::types::{
@@ -254,7 +254,7 @@ impl Engine {
                 if ptr::eq(s.engine(), self) {
                     Ok(s.raw())
                 } else {
-                    Err(invalid("a sequence of another engine"))
+                    Err(foreign("sequence"))
                 }
             })
             .collect()

@@ -268,6 +268,12 @@ pub(crate) fn invalid(message: impl Into<String>) -> Error {
     Error::new(Status::InvalidArg, message)
 }
 
+/// A handle of another engine, found before any C call: `BadHandle`, as
+/// the library reports such a handle.
+pub(crate) fn foreign(what: &str) -> Error {
+    Error::new(Status::BadHandle, format!("a {what} of another engine"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

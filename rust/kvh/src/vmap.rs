@@ -10,7 +10,7 @@ use kvh_sys as sys;
 use crate::attention::{check_io_len, AttentionParams};
 use crate::element::Element;
 use crate::engine::Engine;
-use crate::error::{check, invalid, Result};
+use crate::error::{check, foreign, invalid, Result};
 use crate::seq::{Sequence, ViewMark};
 
 /// A view (`kvh_vmap`). It holds its blocks in the device tier until it
@@ -160,7 +160,7 @@ impl Engine {
     /// The raw handles of views of this engine.
     fn raw_views(&self, views: &[&VMap<'_>]) -> Result<Vec<*mut sys::kvh_vmap>> {
         if views.iter().any(|v| !ptr::eq(v.engine, self)) {
-            return Err(invalid("a view of another engine"));
+            return Err(foreign("view"));
         }
         Ok(views.iter().map(|v| v.raw).collect())
     }

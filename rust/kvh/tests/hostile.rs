@@ -471,6 +471,13 @@ fn attention_with_bad_shapes_is_refused() {
     let so = other.create_sequence(0).unwrap();
     assert!(e.attention_decode(0, &[&so], &q, &mut out, None).is_err());
     assert!(e.attention_plan::<f32>(0, &[&so], None, None).is_err());
+    // As the library reports such a handle (Python and C agree).
+    assert_eq!(
+        e.attention_decode(0, &[&so], &q, &mut out, None)
+            .unwrap_err()
+            .status(),
+        kvh::Status::BadHandle
+    );
 }
 
 #[test]
