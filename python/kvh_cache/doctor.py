@@ -622,7 +622,23 @@ def check_remote(config) -> Check:
         v = getattr(config, name, None)
         if v is not None:
             env["KVH_" + name.upper()] = str(int(v) if isinstance(v, bool) else v)
-    res = subprocess.run([tool, "remote", "ping", "--json"], env=env, capture_output=True, text=True, timeout=60)
+    # A node that does not answer costs the ping about two remote
+    # timeouts (connect, then the command): the doctor waits for that.
+    timeout_ms = int(getattr(config, "remote_timeout_ms", 0) or 0)
+    nodes = max(1, len(str(addrs).split(",")))
+    wait_s = 30 + nodes * 3 * timeout_ms / 1000
+    try:
+        res = subprocess.run(
+            [tool, "remote", "ping", "--json"], env=env, capture_output=True, text=True, timeout=wait_s
+        )
+    except subprocess.TimeoutExpired:
+        return Check(
+            "remote tier",
+            FAIL,
+            f"{addrs}: no answer from kvh-store remote ping in {wait_s:.0f} s",
+            ["check remote_addrs and that the nodes run"],
+            {"addrs": addrs},
+        )
     data: Dict[str, Any] = {"addrs": addrs, "tls": "not available in this build (hiredis 0.14)"}
     try:
         data.update(json.loads(res.stdout))

@@ -320,3 +320,29 @@ def test_config_advice_names_where_the_value_was_set(tmp_path, monkeypatch):
     f.write_text('disk_bytes = "64M"\n')
     (check,) = doctor.run_check("configuration", lambda: doctor.check_config(resolve(file=f)))
     assert check.fix == [f"# set KVH_DISK_PATH (or disk_path in {f}) too, or remove disk_bytes in {f}"], check
+
+
+def test_remote_check_waits_for_a_long_remote_timeout(monkeypatch):
+    """A node that does not answer costs `kvh-store remote ping` about two
+    remote timeouts; the doctor killed it after a fixed 60 s and blamed
+    itself for any valid remote_timeout_ms of 30000 or more. Its wait now
+    follows the setting, and a ping that outlasts it is the node's FAIL."""
+    import subprocess
+    import types
+
+    from kvh_cache import tools
+
+    monkeypatch.setattr(tools, "find_tool", lambda name: "/bin/kvh-store-stand-in")
+    waits = []
+
+    def run(cmd, **kw):
+        waits.append(kw["timeout"])
+        raise subprocess.TimeoutExpired(cmd, kw["timeout"])
+
+    monkeypatch.setattr(doctor.subprocess, "run", run)
+    config = types.SimpleNamespace(remote_addrs="127.0.0.1:1", remote_timeout_ms=60000)
+    check = doctor.check_remote(config)
+    assert waits and waits[0] > 2 * 60
+    assert check.status == doctor.FAIL
+    assert "no answer from kvh-store remote ping" in check.summary
+    assert "check itself" not in check.summary

@@ -50,6 +50,11 @@ def test_json_null_leaves_the_environment_variable_in_force(tmp_path):
         ("remote_addrs", {"host": "a"}),
         ("remote_user", 7),
         ("disk_path", "/a\0b"),
+        # past a 64-bit byte count: the worker's engine refused it, and
+        # vLLM then ran without kvh instead of failing to start
+        ("host_bytes", "99999999T"),
+        ("disk_bytes", 1 << 64),
+        ("device_bytes", "17179869184G"),
     ],
 )
 def test_a_value_that_cannot_be_used_is_refused_naming_key_and_value(key, value):

@@ -96,7 +96,7 @@ def parse_size(value: Any) -> int:
     if isinstance(value, int):
         if value < 0:
             raise ValueError(f"a size must be >= 0, got {value}")
-        return value
+        return _fits(value, value)
     s = str(value).strip().lower().replace("_", "")
     for tail in ("ib", "b"):
         if s.endswith(tail) and len(s) > len(tail):
@@ -112,7 +112,18 @@ def parse_size(value: Any) -> int:
         raise ValueError(f"a size must be a finite number >= 0, got {value!r}")
     if not unit and not n.is_integer():  # "1.5" bytes would be 1
         raise ValueError(f"a size in bytes must be a whole number, got {value!r}")
-    return int(n * _SUFFIX[unit])
+    return _fits(int(n * _SUFFIX[unit]), value)
+
+
+_SIZE_MAX = (1 << 64) - 1
+
+
+def _fits(n: int, given: Any) -> int:
+    """A size kvh can take (a 64-bit byte count), found here rather than by
+    the worker, which would then run vLLM without kvh."""
+    if n > _SIZE_MAX:
+        raise ValueError(f"a size must be at most 2^64 - 1 bytes (16 EiB), got {given!r}")
+    return n
 
 
 def _text(value: Any) -> str:
