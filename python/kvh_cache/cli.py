@@ -433,17 +433,23 @@ def cmd_stats(args: argparse.Namespace) -> int:
     if odd is not None:
         _err(f"{odd}: not a regular file: a damaged store (run `kvh store verify {d}`)")
         return EXIT_FAIL
-    slab_bytes, _ = _slab_layout(d, _slot_bytes(info))
+    slot_bytes = _slot_bytes(info)
+    slab_bytes, _ = _slab_layout(d, slot_bytes)
     if not slab_bytes:
         _err(f"{d} has no slab files: kvh stats would create a store there, not read one")
         return EXIT_FAIL
-    if args.disk_bytes is not None and args.disk_bytes != slab_bytes:
+    # disk_bytes counts whole slots, rounded down: the size a store was
+    # made with (64M) names the slab files it holds (a few KiB less).
+    if args.disk_bytes is not None and args.disk_bytes // slot_bytes * slot_bytes != slab_bytes:
         _err(
             f"kvh stats reads a store as it is and never resizes it: {d} holds {slab_bytes} bytes of slab files; "
             f"leave --disk-bytes out or give {slab_bytes}"
         )
         return EXIT_USAGE
     disk_bytes = slab_bytes
+    raw_block = 2 * (4 if geometry["dtype"] == "f32" else 2)
+    for dim in ("layers", "kv_heads", "head_dim", "block_tokens"):
+        raw_block *= int(geometry[dim])
     try:
         from .config import load
 
@@ -469,7 +475,13 @@ def cmd_stats(args: argparse.Namespace) -> int:
                 disk_strict_index=True,
                 # The engine's log follows -v / -vv (warnings by default),
                 # unless KVH_LOG_LEVEL or the file says otherwise.
-                defaults={"backend": "cpu", "device_bytes": 1 << 20, "host_bytes": 4 << 20},
+                # The memory tiers hold a few blocks whatever their size
+                # (a vLLM store's block is several MiB).
+                defaults={
+                    "backend": "cpu",
+                    "device_bytes": max(1 << 20, 2 * raw_block),
+                    "host_bytes": max(4 << 20, 4 * raw_block),
+                },
             )
         )
     except errors.UnsupportedError as exc:
@@ -649,7 +661,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             _err(f"cannot run {tool}: {exc}")
         if rc == EXIT_UNAVAILABLE:
             _err("kvh-bench was not run: only the Python scenarios are listed")
-        names += ["retriever", "offload", "remote-ttft"]
+        names += ["retriever", "offload", "remote-ttft", "vllm"]
         print(json.dumps(names) if args.json else "\n".join(names))
         return EXIT_OK if rc == 0 else rc
     if not tool:

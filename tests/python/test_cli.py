@@ -14,6 +14,9 @@ from pathlib import Path
 
 import pytest
 
+import numpy as np
+
+import kvh_cache as kvh
 from kvh_cache import _progress, cli, doctor
 from kvh_cache.tools import find_tool
 
@@ -688,3 +691,37 @@ def test_every_size_option_reads_sizes_as_the_variables_do():
     for command, option, action in options:
         assert action.type("64M") == 64 << 20, (command, option)
         assert action.type("4096") == 4096, (command, option)
+
+
+@pytest.mark.skipif(find_tool("kvh-store") is None, reason="kvh stats reads the geometry with kvh-store")
+def test_stats_opens_a_store_of_large_blocks_at_the_size_it_was_made(tmp_path):
+    """kvh stats opened every store with a 1 MiB device tier, which holds
+    no block of a vLLM model's store (30 layers x 3 heads x 128 x 128
+    tokens, bf16: 5.6 MiB), and refused the size a store was made with
+    (64M) for the few KiB its slots round it down by."""
+    d = tmp_path / "big"
+    with kvh.Engine(
+        num_layers=30,
+        num_kv_heads=3,
+        head_dim=128,
+        block_tokens=128,
+        dtype="bf16",
+        device_bytes=16 << 20,
+        host_bytes=32 << 20,
+        backend="cpu",
+        disk_path=str(d),
+        disk_bytes=64 << 20,
+    ) as eng:
+        with eng.sequence(tokens=range(256)) as s:
+            k = np.full((256, 3, 128), 0x3F80, np.uint16)  # bf16 1.0
+            for layer in range(30):
+                s.write_kv(layer, 0, k, k)
+            s.persist()
+    res = run_kvh("stats", str(d), "--json", timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert json.loads(res.stdout)["disk"]["used_blocks"] == 2
+    for size in ("64M", "64MiB", str(64 << 20)):
+        res = run_kvh("stats", str(d), "--disk-bytes", size, timeout=120)
+        assert res.returncode == 0, size + res.stdout + res.stderr
+    res = run_kvh("stats", str(d), "--disk-bytes", "32M", timeout=120)
+    assert res.returncode == 2 and "never resizes" in res.stderr
