@@ -289,7 +289,8 @@ static kvh_status set_field(kvh_config *c, const field *f, const char *s)
         if (!ok) {
             char list[128];
             names_of(f, list, sizeof(list));
-            return kvhi_fail(KVH_ERR_INVALID_ARG, "%s=\"%s\": expected a number, or names joined by commas: %s", f->var,
+            return kvhi_fail(KVH_ERR_INVALID_ARG,
+                             "%s=\"%s\": expected a number of named bits only, or names joined by commas: %s", f->var,
                              s, list);
         }
         break;
