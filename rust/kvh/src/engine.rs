@@ -345,6 +345,15 @@ impl Engine {
         Ok(BlockInfo::from_raw(&info))
     }
 
+    /// Sets one block's tolerance to lossy handling
+    /// (`kvh_block_set_tolerance`, as [`Sequence::set_tolerance`] for a
+    /// range); [`Status::InvalidArg`] past `KVH_TOLERANCE_MAX`,
+    /// [`Status::BadHandle`] for a stale handle.
+    pub fn set_block_tolerance(&self, block: Block, tolerance: u32) -> Result<()> {
+        // SAFETY: valid engine; the library checks the handle.
+        check(unsafe { sys::kvh_block_set_tolerance(self.as_ptr(), block.raw(), tolerance) })
+    }
+
     /// A standalone empty block in the fastest tier with room, with one
     /// reference held until the returned value drops.
     pub fn alloc_block(&self, agent: u32) -> Result<OwnedBlock<'_>> {

@@ -59,6 +59,21 @@ fn tolerance_is_set_per_range() {
     assert_eq!(engine.block_info(blocks[0]).unwrap().tolerance, 128);
     assert_eq!(engine.block_info(blocks[1]).unwrap().tolerance, 200);
     assert!(seq.set_tolerance(.., 256).is_err());
+    // One block by its handle, as Python's Block.set_tolerance.
+    engine.set_block_tolerance(blocks[0], 7).unwrap();
+    assert_eq!(engine.block_info(blocks[0]).unwrap().tolerance, 7);
+    assert_eq!(
+        engine
+            .set_block_tolerance(blocks[0], 256)
+            .unwrap_err()
+            .status(),
+        kvh::Status::InvalidArg
+    );
+    let stale = kvh::Block::from_raw(kvh::sys::kvh_block { id: 0 });
+    assert_eq!(
+        engine.set_block_tolerance(stale, 1).unwrap_err().status(),
+        kvh::Status::BadHandle
+    );
 }
 
 #[test]
