@@ -908,8 +908,11 @@ int kvhi_index_sync(kvhi_disk *d)
         close(fd);
         pthread_mutex_lock(&d->journal_lock);
         /* A fold that replaced the journal meanwhile wrote and synced a
-         * snapshot holding these records: the old file no longer matters. */
-        if (rc != 0 && d->journal_generation != generation && !d->fatal)
+         * snapshot holding these records: the old file no longer matters.
+         * A directory removed still does. */
+        struct stat ds;
+        if (rc != 0 && d->journal_generation != generation && !d->fatal &&
+            !(d->dir_fd >= 0 && fstat(d->dir_fd, &ds) == 0 && ds.st_nlink == 0))
             rc = 0;
     }
     if (rc != 0)

@@ -33,6 +33,7 @@
 #include <stdatomic.h>
 #include <sys/resource.h>
 
+#include "core/disk_index.h"
 #include "core/disk_io.h"
 #include "core/engine.h"
 
@@ -877,6 +878,80 @@ static void test_a_failed_fold_does_not_fail_the_persist(void **state)
     dt_assert_ok(dt_close(e));
 }
 
+/* A persist's journal sync runs outside the journal's lock; a fold that
+ * replaced the journal meanwhile excuses a failure on the old file (the
+ * snapshot holds its records), but not a store directory removed: that
+ * persist must not say its blocks are durable. */
+static struct {
+    pthread_t thread;
+    atomic_int armed, fsyncs, held, go;
+} J;
+
+static int hold_journal_sync(enum kvhi_disk_op op, void *user)
+{
+    (void)user;
+    if (!atomic_load(&J.armed) || op != KVHI_OP_FSYNC || !pthread_equal(pthread_self(), J.thread))
+        return 0;
+    if (atomic_fetch_add(&J.fsyncs, 1) == 0)
+        return 0; /* the slab's sync; the journal's is held */
+    atomic_store(&J.held, 1);
+    while (!atomic_load(&J.go))
+        dt_sleep_ms(2);
+    return 0;
+}
+
+typedef struct persist_call {
+    kvh_engine *e;
+    kvh_seq s;
+    kvh_status st;
+} persist_call;
+
+static void *persist_in_thread(void *p)
+{
+    persist_call *a = p;
+    a->st = kvh_seq_persist(a->e, a->s);
+    return NULL;
+}
+
+static void test_a_fold_during_a_journal_sync_keeps_a_removed_store_failed(void **state)
+{
+    (void)state;
+    char dir[512], cmd[600];
+    dt_scratch("fold-rm", dir, sizeof(dir));
+    kvh_config c = dt_cfg(G, dir, 8, 8, 32, 0);
+    kvh_engine *e = dt_open_a(&c);
+    persist_call a = {.e = e};
+    kvh_seq folder;
+    dt_assert_ok(dt_build(e, G, dt_plain(0x501), 2 * G.bt, 0, &a.s));
+    dt_assert_ok(dt_build(e, G, dt_plain(0x601), 2 * G.bt, 0, &folder));
+    atomic_store(&J.fsyncs, 0);
+    atomic_store(&J.held, 0);
+    atomic_store(&J.go, 0);
+    kvhi_disk_set_fault_hook(hold_journal_sync, NULL);
+    atomic_store(&J.armed, 1);
+    assert_int_equal(pthread_create(&J.thread, NULL, persist_in_thread, &a), 0);
+    while (!atomic_load(&J.held))
+        dt_sleep_ms(2);
+    /* A long journal, folded by this thread's persist. */
+    int32_t tk[16] = {0};
+    for (int i = 0; i < 4100; i++)
+        assert_int_equal(kvhi_index_append(e->disk, KVHI_REC_DEL, 31, 0x5678 + (uint64_t)i, 0, G.bt, 0, tk), 0);
+    uint64_t generation = e->disk->journal_generation;
+    dt_assert_ok(kvh_seq_persist(e, folder));
+    assert_true(e->disk->journal_generation != generation);
+    snprintf(cmd, sizeof(cmd), "rm -rf '%s'", dir);
+    assert_int_equal(system(cmd), 0);
+    atomic_store(&J.go, 1);
+    pthread_join(J.thread, NULL);
+    atomic_store(&J.armed, 0);
+    kvhi_disk_set_fault_hook(NULL, NULL);
+    if (a.st == KVH_OK)
+        fail_msg("a persist whose journal sync ran as the store's directory was removed said OK once a fold had "
+                 "replaced the journal");
+    assert_true(e->disk->fatal);
+    kvh_engine_close(dt_untrack(e));
+}
+
 /* The journal removed under a running engine: the persists after it
  * fail, and close writes an index from the engine's state, so what was
  * durable before stays durable. With the whole directory removed, close
@@ -1066,6 +1141,8 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_fault_sweep, setup, teardown),
         cmocka_unit_test_setup_teardown(test_transient_read_error_keeps_durable_blocks, setup, teardown),
         cmocka_unit_test_setup_teardown(test_a_failed_fold_does_not_fail_the_persist, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_a_fold_during_a_journal_sync_keeps_a_removed_store_failed, setup,
+                                        teardown),
         cmocka_unit_test_setup_teardown(test_a_file_size_limit_is_said_as_such, setup, teardown),
         cmocka_unit_test_setup_teardown(test_close_after_the_journal_was_removed, setup, teardown),
         cmocka_unit_test_setup_teardown(test_persist_after_a_slab_was_removed_or_renamed, setup, teardown),
