@@ -333,6 +333,10 @@ int kvhi_disk_open_slabs(kvhi_disk *d, bool allow_direct)
         if (fstat(fd, &st) == 0)
             d->slab_bytes_found += (uint64_t)st.st_size;
     }
+    /* Slab files past the last are not counted: a stray copy is not the
+     * store's, and is left alone. */
+    if (d->slab_bytes_found > (uint64_t)d->n_slots * d->slot_bytes)
+        d->made_larger = true;
     probe_direct(d);
     uint64_t lb = LANE_ARENA_MAX / d->slot_bytes;
     if (lb < 1)
@@ -784,6 +788,29 @@ static bool slab_in_place(const kvhi_disk *d, uint32_t i)
         return true;
     return fstatat(d->dir_fd, name, &named, AT_SYMLINK_NOFOLLOW) == 0 && named.st_ino == held.st_ino &&
            named.st_dev == held.st_dev;
+}
+
+int kvhi_disk_trim_slabs(kvhi_disk *d)
+{
+    if (!d->made_larger || d->read_only || d->fatal || d->n_slabs == 0)
+        return 0;
+    /* The last slab to its slots, then the slab files an earlier, larger
+     * store left past it (regular files of this user only). */
+    uint32_t last = d->n_slabs - 1;
+    struct stat st;
+    int rc = 0;
+    if (d->slab_fds[last] >= 0 && fstat(d->slab_fds[last], &st) == 0 && st.st_size > slab_want(d, last) &&
+        ftruncate(d->slab_fds[last], slab_want(d, last)) != 0)
+        rc = -errno;
+    for (uint32_t i = d->n_slabs; i < UINT32_MAX; i++) {
+        char name[32];
+        snprintf(name, sizeof(name), "slab-%04u.kvh", i);
+        if (fstatat(d->dir_fd, name, &st, AT_SYMLINK_NOFOLLOW) != 0)
+            break;
+        if (!S_ISREG(st.st_mode) || st.st_uid != geteuid() || unlinkat(d->dir_fd, name, 0) != 0)
+            break;
+    }
+    return rc;
 }
 
 int kvhi_disk_sync_slabs(kvhi_disk *d)

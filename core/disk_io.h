@@ -60,6 +60,9 @@ typedef struct kvhi_disk {
     /* Bytes the slab files held before this open: 0 for a new store, where
      * a missing index is no loss and needs no scan. */
     uint64_t slab_bytes_found;
+    /* The store was made larger than disk_bytes gives now (its slab files
+     * hold more, or blocks lay past the slots): a clean close trims it. */
+    bool made_larger;
     uint32_t failed_slab; /* the slab whose open or sizing failed, for the message */
     uint32_t queue_depth;
     uint32_t lane_blocks; /* blocks one lane can stage at once */
@@ -172,6 +175,11 @@ int kvhi_disk_read_into(kvhi_disk *d, kvhi_disk_lane *lane, uint32_t slot, uint8
                         const uint8_t **header_out);
 
 uint64_t kvhi_disk_slot_offset(const kvhi_disk *d, uint32_t slot);
+/* Gives back what a store made larger (made_larger) holds past disk_bytes
+ * now: the last slab cut to its slots, slab files past it removed. Only
+ * once an index naming no slot past them stands (a clean close). 0 or
+ * -errno. */
+int kvhi_disk_trim_slabs(kvhi_disk *d);
 /* fdatasync every slab file written since its last sync, after checking
  * each slab is still in place; -errno on failure (the store turns fatal). */
 int kvhi_disk_sync_slabs(kvhi_disk *d);

@@ -310,11 +310,14 @@ kvh_status kvhi_disk_tier_recover(kvh_engine *e)
     bool rewrite = l->rewrite;
     if (l->note[0]) /* a rebuild, or what a strict open gave up */
         kvhi_log(e, KVH_LOG_WARN, "%s", l->note);
-    if (l->past_end)
+    if (l->past_end) {
+        e->disk->made_larger = true;
         kvhi_log(e, KVH_LOG_WARN,
                  "disk tier: %s: %" PRIu64 " blocks lay in slots past the %u that disk_bytes gives now (the store "
-                 "was larger): they are dropped (open it with its earlier disk_bytes to keep them)",
+                 "was larger): they are dropped (open it with its earlier disk_bytes before this engine closes to keep "
+                 "them; a clean close cuts the slab files to disk_bytes)",
                  e->disk->path, l->past_end, t->slots.capacity);
+    }
     kvhi_index_list_free(l);
     /* The damaged files are replaced at once, so the next open reads a
      * sound index instead of scanning again. */
@@ -426,6 +429,10 @@ kvh_status kvhi_disk_tier_close(kvh_engine *e, bool flush)
          * cannot be written (the directory gone), close says so. */
         e->disk->fatal = false;
         st = snapshot(e);
+        /* The index names no slot past disk_bytes now: a store opened
+         * smaller than it was made gives the rest of its files back. */
+        if (st == KVH_OK)
+            kvhi_disk_trim_slabs(e->disk);
     } else if (e->disk->rec_bytes)
         kvhi_index_flush(e->disk); /* best effort: what was recorded so far */
     kvhi_index_list_free(&e->disk_recovery);

@@ -1151,6 +1151,35 @@ static void test_open_folds_a_long_journal(void **state)
     dt_assert_ok(dt_close(e));
 }
 
+/* A store reopened with a smaller disk_bytes kept its slab files at the
+ * size it was made with (256 MiB of files at a 1 MiB budget; both 1 GiB
+ * slabs of a 2 GiB store at 1 MiB): a clean close now cuts them. */
+static void test_a_smaller_store_gives_its_files_back_at_close(void **state)
+{
+    (void)state;
+    char dir[PATH_MAX];
+    dt_scratch("shrink", dir, sizeof(dir));
+    uint64_t slot = dt_slot_bytes(G), per = kvhi_disk_slab_slots(slot);
+    kvh_config c = dt_cfg(G, dir, 8, 8, per + 8, 0); /* two slab files */
+    kvh_engine *e = dt_open_a(&c);
+    dt_content ct = dt_plain(0x902);
+    kvh_seq s;
+    dt_assert_ok(dt_build(e, G, ct, 2 * G.bt, 0, &s));
+    dt_assert_ok(kvh_seq_persist(e, s));
+    dt_assert_ok(kvh_seq_free(e, s));
+    dt_assert_ok(dt_close(e));
+    assert_true(file_bytes(dir, "slab-0001.kvh") > 0);
+    c = dt_cfg(G, dir, 8, 8, 16, 0);
+    e = dt_open_a(&c);
+    match_a(e, ct, 2 * G.bt, 2 * G.bt); /* its blocks lay in the first 16 slots */
+    dt_assert_ok(dt_close(e));
+    assert_int_equal(file_bytes(dir, "slab-0000.kvh"), (long)(16 * slot));
+    assert_int_equal(file_bytes(dir, "slab-0001.kvh"), -1);
+    e = dt_open_a(&c);
+    match_a(e, ct, 2 * G.bt, 2 * G.bt);
+    dt_assert_ok(dt_close(e));
+}
+
 /* ---- verification in place ---- */
 
 static void test_verify_in_place(void **state)
@@ -1244,6 +1273,7 @@ int main(void)
         cmocka_unit_test_teardown(test_long_journal_folds, teardown),
         cmocka_unit_test_teardown(test_journal_stays_bounded_without_persists, teardown),
         cmocka_unit_test_teardown(test_open_folds_a_long_journal, teardown),
+        cmocka_unit_test_teardown(test_a_smaller_store_gives_its_files_back_at_close, teardown),
         cmocka_unit_test_teardown(test_verify_in_place, teardown),
     };
     return cmocka_run_group_tests_name("disk_tier", tests, NULL, NULL);
