@@ -180,13 +180,6 @@ def _interruptible(ns: int, wait_ns: Callable[[int], bool]) -> bool:
             return True
 
 
-def _wait_through_fence(wait: bool) -> bool:
-    """Whether a call asked to wait should take a fence and wait on it in
-    slices: on the main thread, where a Ctrl-C must not be held back until
-    a slow disk is done, as it would in one C call."""
-    return wait and threading.current_thread() is threading.main_thread()
-
-
 def _path(name: str, value: Any) -> bytes:
     """A path or text argument as the C library's bytes, without NUL."""
     try:
@@ -1157,12 +1150,9 @@ class Engine(OwnedHandle):
         arr = ffi.new("kvh_block[]", max(1, len(blist)))
         for i, b in enumerate(blist):
             arr[i].id = b.handle
-        sliced = _wait_through_fence(wait)
-        f = ffi.new("kvh_fence *") if not wait or sliced else NULL
+        f = ffi.new("kvh_fence *") if not wait else NULL
         with self._call(*(b._gate.shared() for b in blist)) as p:
             check(lib.kvh_migrate(p, arr, len(blist), int(t), f))
-        if sliced:
-            Fence(self, f).result()
         return None if wait else Fence(self, f)
 
     # ---- blocks and the prefix index ----
@@ -2274,8 +2264,7 @@ class Sequence(GatedHandle, OwnedHandle):
         :class:`Hold` is released. ``wait=False`` returns at once; the hold's
         ``fence`` completes when the data is resident."""
         wait = bool(_flag("wait", wait))
-        sliced = _wait_through_fence(wait)
-        fp = ffi.new("kvh_fence *") if not wait or sliced else NULL
+        fp = ffi.new("kvh_fence *") if not wait else NULL
         status = ffi.new("kvh_status *", -1)
         hold = None
         try:
@@ -2287,14 +2276,8 @@ class Sequence(GatedHandle, OwnedHandle):
             # blocking acquire is where it mostly lands): the Hold then
             # goes with the exception, and its collection releases it.
             if status[0] == 0:
-                hold = Hold(self, f, cnt, Fence(self._engine, fp) if not wait or sliced else None)
+                hold = Hold(self, f, cnt, Fence(self._engine, fp) if not wait else None)
         check(status[0])
-        if sliced:
-            try:
-                hold.wait()
-            except errors.Error:
-                hold.release()  # as a wait in one call: a failure leaves nothing held
-                raise
         return hold
 
     def pin(self, first: TokenSpan = None, n: Optional[int] = None) -> None:
@@ -2336,13 +2319,10 @@ class Sequence(GatedHandle, OwnedHandle):
         """Moves the blocks of a token range to a tier."""
         wait = bool(_flag("wait", wait))
         t = Tier.parse(tier)
-        sliced = _wait_through_fence(wait)
-        fp = ffi.new("kvh_fence *") if not wait or sliced else NULL
+        fp = ffi.new("kvh_fence *") if not wait else NULL
         with self._call_any() as p:
             f, cnt = self._span(p, first, n)
             check(lib.kvh_seq_migrate(p, self._h[0], f, cnt, int(t), fp))
-        if sliced:
-            Fence(self._engine, fp).result()
         return None if wait else Fence(self._engine, fp)
 
     def prefetch(self, first: TokenSpan = None, n: Optional[int] = None, *, priority: int = 0) -> Fence:

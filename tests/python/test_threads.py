@@ -560,27 +560,25 @@ def ctrl_c_raises():
     signal.signal(signal.SIGINT, previous)
 
 
-def test_ctrl_c_interrupts_calls_that_wait_for_moves(engine, monkeypatch, ctrl_c_raises):
-    """migrate() and acquire() asked to wait did so in one C call: a
-    Ctrl-C on a slow disk landed only when the disk was done (3 s behind
-    a 3 s stall). On the main thread they now wait on a fence in slices;
-    a failure still leaves nothing held."""
+def test_releasing_a_hold_does_not_wait_for_its_promotion(engine, monkeypatch):
+    """A hold taken with wait=False and released (or collected) while its
+    promotion was still on its way waited for the promotion first: on a
+    stuck disk, for good. The library ends such a hold itself."""
     seq, _ = filled_seq(engine, 32)
     stuck = StuckWaits(engine_mod.lib)
     monkeypatch.setattr(engine_mod, "lib", stuck)
-    assert _interrupted_after(0.3, lambda: seq.migrate("host"), stuck) < 2.0
-    assert _interrupted_after(0.3, lambda: engine.migrate(seq.blocks(), "host"), stuck) < 2.0
-    assert _interrupted_after(0.3, seq.acquire, stuck) < 2.0
-    hold = seq.acquire(wait=False)
-    t0 = time.monotonic()
-    hold.release()  # ends the hold without waiting for its promotion
-    assert time.monotonic() - t0 < 1.0
+    rescue = threading.Timer(10.0, stuck.release)
+    rescue.start()
+    try:
+        hold = seq.acquire(wait=False)
+        t0 = time.monotonic()
+        hold.release()
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        rescue.cancel()
     monkeypatch.undo()
-    gc.collect()  # the hold given up with the interrupt goes with it
-    seq.migrate("host")
-    engine.migrate(seq.blocks(), "device")
     with seq.acquire() as hold:
-        assert hold.fence is None or hold.fence.done()
+        assert hold.fence is None
     seq.free()
 
 
@@ -725,7 +723,6 @@ def test_frees_refused_inside_a_worker_log_handler_are_not_lost(tmp_path, how):
     """A free the library refuses (inside the log sink, on its worker) leaves
     the sequence usable and freeable later; sequences the garbage collector
     takes there are freed by the next call that may."""
-    import gc
 
     eng, blocks = _engine_whose_worker_logs(tmp_path)
 
@@ -953,7 +950,6 @@ def test_holds_and_views_collected_in_a_worker_log_handler_are_released(tmp_path
     """A hold and a block view whose last references go inside the log
     handler on a kvh worker (where kvh refuses their release): the next
     call that may releases them."""
-    import gc
 
     eng, blocks = _engine_whose_worker_logs(tmp_path)
     seq, _ = filled_seq(eng, 32, first_token=7000)
