@@ -697,7 +697,8 @@ class KvhConnector(KVConnectorBase_V1):
                         "computed without kvh (give each instance its own engine_id)",
                         self._engine_id,
                     )
-                return 0, False
+                # A rank of this instance that answered holds what it found.
+                return 0, any(not r.get("foreign") and int(r.get("tokens", 0)) > 0 for r in replies)
             found = [int(r["tokens"]) for r in replies]
             self._lookup_backoff_s = LOOKUP_BACKOFF_S
             return min(found), max(found) > 0

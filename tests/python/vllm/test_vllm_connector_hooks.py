@@ -115,6 +115,15 @@ def test_a_worker_answers_only_its_own_instances_lookups():
                  _lookups_paused_until=0.0, _lookup_backoff_s=0.1)
         assert k._lookup("r1", np.arange(64, dtype=np.int32), 0, 1) == (0, False)
         assert k._channel_warned
+
+        class Own:
+            def call(self, header, payload):
+                return {"tokens": 64}
+        # One rank is another instance's, one this instance's: that one
+        # holds blocks for the lookup, to be let go of.
+        k = bare(_clients=[Foreign(), Own()], _engine_id="e", _instance="3333", _channel_warned=True,
+                 _lookups_paused_until=0.0, _lookup_backoff_s=0.1)
+        assert k._lookup("r2", np.arange(64, dtype=np.int32), 0, 2) == (0, True)
         """
     )
 
