@@ -404,7 +404,21 @@ static void fold_journal(kvh_engine *e, const char *when)
 void kvhi_disk_fold_journal(kvh_engine *e)
 {
     e->disk_fold_due = false;
-    if (!e->closing && journal_fold_due(e))
+    if (e->closing || !journal_fold_due(e))
+        return;
+    /* The slabs' fdatasyncs, most of a fold's time, run without the lock
+     * (this call still counts as active: close waits for it); the
+     * snapshot then syncs only what was written meanwhile. Writing the
+     * index and the new journal stays under the lock, as a persist's
+     * fold does. */
+    kvhi_disk *d = e->disk;
+    pthread_mutex_unlock(&e->lock);
+    int rc = kvhi_disk_sync_slabs(d);
+    pthread_mutex_lock(&e->lock);
+    if (rc != 0)
+        kvhi_log_later(e, KVH_LOG_WARN, "disk tier: syncing the slab files to fold the journal failed (%s)",
+                       strerror(-rc));
+    else if (!e->closing && journal_fold_due(e))
         fold_journal(e, "disk tier");
 }
 
