@@ -1117,3 +1117,10 @@ void dt_chains_build_a(const kvh_config *cfg, const dt_chains *ch, dt_saved_stor
     assert_int_equal(dt_store_save(cfg->disk_path, saved), 0);
     dt_chains_map_a(saved, ch, loc, journal_records);
 }
+
+void *dt_persist_in_thread(void *call)
+{
+    dt_persist_call *a = call;
+    a->st = kvh_seq_persist(a->e, a->s);
+    return NULL;
+}

@@ -201,6 +201,15 @@ kvh_status dt_extend(kvh_engine *e, kvh_seq s, dt_geo g, dt_content c, uint64_t 
  * written. */
 kvh_status dt_build(kvh_engine *e, dt_geo g, dt_content c, size_t n, uint32_t agent, kvh_seq *out);
 
+/* kvh_seq_persist(e, s) on a thread of its own (pthread_create's start
+ * routine): its status lands in st. */
+typedef struct dt_persist_call {
+    kvh_engine *e;
+    kvh_seq s;
+    kvh_status st;
+} dt_persist_call;
+void *dt_persist_in_thread(void *call);
+
 /* Reads tokens [pos, pos + n) of seq in every layer and compares every
  * byte (and every token id) with c. Returns KVH_OK, the read's error, or
  * KVH_ERR_INTERNAL when a byte differs (msg, if given, says where): wrong

@@ -900,19 +900,6 @@ static int hold_journal_sync(enum kvhi_disk_op op, void *user)
     return 0;
 }
 
-typedef struct persist_call {
-    kvh_engine *e;
-    kvh_seq s;
-    kvh_status st;
-} persist_call;
-
-static void *persist_in_thread(void *p)
-{
-    persist_call *a = p;
-    a->st = kvh_seq_persist(a->e, a->s);
-    return NULL;
-}
-
 static void test_a_fold_during_a_journal_sync_keeps_a_removed_store_failed(void **state)
 {
     (void)state;
@@ -920,7 +907,7 @@ static void test_a_fold_during_a_journal_sync_keeps_a_removed_store_failed(void 
     dt_scratch("fold-rm", dir, sizeof(dir));
     kvh_config c = dt_cfg(G, dir, 8, 8, 32, 0);
     kvh_engine *e = dt_open_a(&c);
-    persist_call a = {.e = e};
+    dt_persist_call a = {.e = e};
     kvh_seq folder;
     dt_assert_ok(dt_build(e, G, dt_plain(0x501), 2 * G.bt, 0, &a.s));
     dt_assert_ok(dt_build(e, G, dt_plain(0x601), 2 * G.bt, 0, &folder));
@@ -929,7 +916,7 @@ static void test_a_fold_during_a_journal_sync_keeps_a_removed_store_failed(void 
     atomic_store(&J.go, 0);
     kvhi_disk_set_fault_hook(hold_journal_sync, NULL);
     atomic_store(&J.armed, 1);
-    assert_int_equal(pthread_create(&J.thread, NULL, persist_in_thread, &a), 0);
+    assert_int_equal(pthread_create(&J.thread, NULL, dt_persist_in_thread, &a), 0);
     while (!atomic_load(&J.held))
         dt_sleep_ms(2);
     /* A long journal, folded by this thread's persist. */

@@ -1021,6 +1021,19 @@ static void test_cleaner_keeps_what_it_could_not_write(void **state)
 
 /* ---- a long journal ---- */
 
+/* The store in dir as a kill -9 would leave it now: its files are kept,
+ * s freed and e closed (which writes its own files), then the kept files
+ * are put back. */
+static void close_as_killed(kvh_engine *e, kvh_seq s, const char *dir)
+{
+    dt_saved_store saved;
+    assert_int_equal(dt_store_save(dir, &saved), 0);
+    dt_assert_ok(kvh_seq_free(e, s));
+    dt_assert_ok(dt_close(e));
+    assert_int_equal(dt_store_restore(dir, &saved), 0);
+    dt_store_free(&saved);
+}
+
 static void test_long_journal_folds(void **state)
 {
     (void)state;
@@ -1058,12 +1071,7 @@ static void test_long_journal_folds(void **state)
     }
     wb_unlock(e);
     /* Killed now: the folded files alone give everything back. */
-    dt_saved_store saved;
-    assert_int_equal(dt_store_save(dir, &saved), 0);
-    dt_assert_ok(kvh_seq_free(e, s));
-    dt_assert_ok(dt_close(e));
-    assert_int_equal(dt_store_restore(dir, &saved), 0);
-    dt_store_free(&saved);
+    close_as_killed(e, s, dir);
     e = dt_open_a(&c);
     match_a(e, ct, 3 * G.bt, 3 * G.bt);
     dt_assert_ok(dt_close(e));
@@ -1107,12 +1115,7 @@ static void test_journal_stays_bounded_without_persists(void **state)
     if (most > bound)
         fail_msg("12,000 blocks through the disk tier: the journal reached %ld bytes (bound %ld)", most, bound);
     /* Killed now: the store opens with the persisted prefix. */
-    dt_saved_store saved;
-    assert_int_equal(dt_store_save(dir, &saved), 0);
-    dt_assert_ok(kvh_seq_free(e, s));
-    dt_assert_ok(dt_close(e));
-    assert_int_equal(dt_store_restore(dir, &saved), 0);
-    dt_store_free(&saved);
+    close_as_killed(e, s, dir);
     e = dt_open_a(&c);
     match_a(e, kept, 2 * G.bt, 2 * G.bt);
     dt_assert_ok(dt_close(e));
@@ -1136,12 +1139,7 @@ static void test_open_folds_a_long_journal(void **state)
     for (int i = 0; i < 4100; i++)
         assert_int_equal(kvhi_index_append(e->disk, KVHI_REC_DEL, 31, 0x5678 + (uint64_t)i, 0, G.bt, 0, tk), 0);
     flush(e);
-    dt_saved_store saved;
-    assert_int_equal(dt_store_save(dir, &saved), 0);
-    dt_assert_ok(kvh_seq_free(e, s));
-    dt_assert_ok(dt_close(e));
-    assert_int_equal(dt_store_restore(dir, &saved), 0);
-    dt_store_free(&saved);
+    close_as_killed(e, s, dir);
     assert_true(file_bytes(dir, "journal") > 4096 * (long)G.bt);
     e = dt_open_a(&c);
     recs j;

@@ -333,19 +333,6 @@ DT_UNUSED static void test_close_with_queued_work(void **state)
                   nq, took, calls, CLOSE_CALLS);
 }
 
-typedef struct persist_arg {
-    kvh_engine *e;
-    kvh_seq s;
-    kvh_status st;
-} persist_arg;
-
-static void *persist_thread(void *p)
-{
-    persist_arg *a = p;
-    a->st = kvh_seq_persist(a->e, a->s);
-    return NULL;
-}
-
 typedef struct build_arg {
     kvh_engine *e;
     atomic_int done;
@@ -382,13 +369,13 @@ DT_UNUSED static void test_appends_beside_a_stuck_journal_sync(void **state)
     kvh_engine *e = dt_open_a(&cfg);
     kvh_seq fill[8];
     fresh_seqs(e, fill, 8, 0x7400); /* memory full of blocks never written to disk */
-    persist_arg pa = {.e = e};
+    dt_persist_call pa = {.e = e};
     dt_assert_ok(dt_build(e, G, dt_plain(0x74ff), 4 * G.bt, 0, &pa.s));
     atomic_store(&D.delayed, 0);
     atomic_store(&D.fsyncs_let_through, 1); /* the slab's sync; the journal's hangs */
     disk_stuck(1 << KVHI_OP_FSYNC);
     pthread_t pt, bt;
-    assert_int_equal(pthread_create(&pt, NULL, persist_thread, &pa), 0);
+    assert_int_equal(pthread_create(&pt, NULL, dt_persist_in_thread, &pa), 0);
     for (int i = 0; i < 2000 && atomic_load(&D.delayed) == 0; i++)
         dt_sleep_ms(5);
     assert_true(atomic_load(&D.delayed) > 0);
