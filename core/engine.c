@@ -714,13 +714,20 @@ kvh_status kvhi_agent_set_quota(kvh_engine *e, uint32_t agent, uint64_t device_b
     a->device_blocks = 0;
     for (uint32_t b = 0; b < e->block_cap; b++) {
         kvhi_block *blk = &e->blocks[b];
-        if ((blk->flags & KVHI_BF_LIVE) && blk->agent == agent && blk->tier == KVH_TIER_DEVICE) {
+        if (!(blk->flags & KVHI_BF_LIVE) || blk->agent != agent)
+            continue;
+        if (!a->quota_blocks && blk->quota_heap_pos != KVHI_HEAP_NONE)
+            kvhi_lruk_remove(&a->heap, b);
+        if (blk->tier == KVH_TIER_DEVICE) {
             a->device_blocks++;
             if (a->quota_blocks)
                 kvhi_block_update_evictable(e, b);
-            else if (blk->quota_heap_pos != KVHI_HEAP_NONE)
-                kvhi_lruk_remove(&a->heap, b);
         }
     }
+    /* A quota lifted gives its eviction order's memory back (a server
+     * that gives each request or tenant a quota would otherwise keep
+     * one per agent it ever saw); the next quota makes it again. */
+    if (!a->quota_blocks && kvhi_lruk_count(&a->heap) == 0)
+        kvhi_lruk_destroy(&a->heap);
     return KVH_OK;
 }

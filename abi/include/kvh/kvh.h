@@ -735,8 +735,9 @@ KVH_API kvh_status kvh_engine_stats(kvh_engine *engine, kvh_stats *stats);
  * next device-tier allocations (and promotions of its blocks) evicts its
  * own blocks until it is under the quota. An agent given a quota other
  * than 0 takes memory for an eviction order of its own, about 60 bytes a
- * device-tier slot, until the engine closes; agents without one take
- * none, however many. Returns KVH_ERR_NOMEM.
+ * device-tier slot, until its quota is set back to 0; agents without one
+ * take none, however many (an agent once given one keeps a record of a
+ * few dozen bytes). Returns KVH_ERR_NOMEM.
  * @threads any */
 KVH_API kvh_status kvh_agent_set_quota(kvh_engine *engine, uint32_t agent, uint64_t device_bytes);
 
