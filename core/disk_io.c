@@ -335,7 +335,7 @@ int kvhi_disk_open_slabs(kvhi_disk *d, bool allow_direct)
     }
     /* Slab files past the last are not counted: a stray copy is not the
      * store's, and is left alone. */
-    if (d->slab_bytes_found > (uint64_t)d->n_slots * d->slot_bytes)
+    if (d->slab_bytes_found >= ((uint64_t)d->n_slots + 1) * d->slot_bytes) /* whole slots more, not a cut tail */
         d->made_larger = true;
     probe_direct(d);
     uint64_t lb = LANE_ARENA_MAX / d->slot_bytes;
@@ -802,12 +802,19 @@ int kvhi_disk_trim_slabs(kvhi_disk *d)
     if (d->slab_fds[last] >= 0 && fstat(d->slab_fds[last], &st) == 0 && st.st_size > slab_want(d, last) &&
         ftruncate(d->slab_fds[last], slab_want(d, last)) != 0)
         rc = -errno;
-    for (uint32_t i = d->n_slabs; i < UINT32_MAX; i++) {
-        char name[32];
-        snprintf(name, sizeof(name), "slab-%04u.kvh", i);
-        if (fstatat(d->dir_fd, name, &st, AT_SYMLINK_NOFOLLOW) != 0)
+    /* The highest first: a removal cut short leaves the files next to the
+     * store, which the next trim still reaches. */
+    char name[32];
+    uint32_t end = d->n_slabs;
+    while (end < UINT32_MAX) {
+        snprintf(name, sizeof(name), "slab-%04u.kvh", end);
+        if (fstatat(d->dir_fd, name, &st, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISREG(st.st_mode) || st.st_uid != geteuid())
             break;
-        if (!S_ISREG(st.st_mode) || st.st_uid != geteuid() || unlinkat(d->dir_fd, name, 0) != 0)
+        end++;
+    }
+    while (end-- > d->n_slabs) {
+        snprintf(name, sizeof(name), "slab-%04u.kvh", end);
+        if (unlinkat(d->dir_fd, name, 0) != 0)
             break;
     }
     return rc;

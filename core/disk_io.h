@@ -61,7 +61,8 @@ typedef struct kvhi_disk {
      * a missing index is no loss and needs no scan. */
     uint64_t slab_bytes_found;
     /* The store was made larger than disk_bytes gives now (its slab files
-     * hold more, or blocks lay past the slots): a clean close trims it. */
+     * hold whole slots more): a clean close trims it. A cut last slot, or a
+     * stray slab file past the store, is not that. */
     bool made_larger;
     uint32_t failed_slab; /* the slab whose open or sizing failed, for the message */
     uint32_t queue_depth;

@@ -310,14 +310,12 @@ kvh_status kvhi_disk_tier_recover(kvh_engine *e)
     bool rewrite = l->rewrite;
     if (l->note[0]) /* a rebuild, or what a strict open gave up */
         kvhi_log(e, KVH_LOG_WARN, "%s", l->note);
-    if (l->past_end) {
-        e->disk->made_larger = true;
+    if (l->past_end)
         kvhi_log(e, KVH_LOG_WARN,
                  "disk tier: %s: %" PRIu64 " blocks lay in slots past the %u that disk_bytes gives now (the store "
                  "was larger): they are dropped (open it with its earlier disk_bytes before this engine closes to keep "
                  "them; a clean close cuts the slab files to disk_bytes)",
                  e->disk->path, l->past_end, t->slots.capacity);
-    }
     kvhi_index_list_free(l);
     /* The damaged files are replaced at once, so the next open reads a
      * sound index instead of scanning again. */

@@ -1176,6 +1176,19 @@ static void test_a_smaller_store_gives_its_files_back_at_close(void **state)
     e = dt_open_a(&c);
     match_a(e, ct, 2 * G.bt, 2 * G.bt);
     dt_assert_ok(dt_close(e));
+    /* A slab cut inside its last slot, and a stray slab file past it, are
+     * not a store made larger: opened at what the files hold (as kvh
+     * stats opens a store), nothing is cut or removed. */
+    char path[PATH_MAX + 32];
+    assert_int_equal(truncate(dt_path(path, sizeof(path), dir, "slab-0000.kvh"), (off_t)(15 * slot + slot / 2)), 0);
+    FILE *stray = fopen(dt_path(path, sizeof(path), dir, "slab-0001.kvh"), "w");
+    assert_non_null(stray);
+    fclose(stray);
+    c.disk_bytes = 15 * slot + slot / 2;
+    e = dt_open_a(&c);
+    dt_assert_ok(dt_close(e));
+    assert_int_equal(file_bytes(dir, "slab-0000.kvh"), (long)(15 * slot + slot / 2));
+    assert_int_equal(file_bytes(dir, "slab-0001.kvh"), 0);
 }
 
 /* ---- verification in place ---- */
