@@ -262,17 +262,21 @@ def test_stats_other_geometry_leaves_store_alone(store, capfd):
     # Neither a smaller size (dropping blocks) nor a larger one (growing the
     # slab files, up to filling the disk): the store is read as it is.
     slab_bytes = sum(p.stat().st_size for p in Path(store).glob("slab-*.kvh"))
-    for size in (1, slab_bytes // 2, slab_bytes + 4096, 1 << 40):
+    slot = cli._slot_bytes(cli._store_info(Path(store)))
+    for size in (1, slab_bytes // 2, slab_bytes - slot, slab_bytes + slot, 1 << 40):
         res = run_in_process(["stats", store, "--disk-bytes", str(size)], capfd)
         assert_one_line_error(res, 2, "never resizes it")
     assert _tree_digest(store) == before
-    res = run_in_process(["stats", store, "--disk-bytes", str(slab_bytes)], capfd)
-    assert res.returncode == 0, res.stderr
+    # disk_bytes counts whole slots, rounded down: a size short of one more
+    # slot names the same store
+    for size in (slab_bytes, slab_bytes + 4096, slab_bytes + slot - 1):
+        res = run_in_process(["stats", store, "--disk-bytes", str(size)], capfd)
+        assert res.returncode == 0, res.stderr
     # the size syntax of the KVH_*_BYTES variables, as the README says
     kib = f"{slab_bytes >> 10}K" if slab_bytes % 1024 == 0 else str(slab_bytes)
     res = run_in_process(["stats", store, "--disk-bytes", kib], capfd)
     assert res.returncode == 0, res.stderr
-    res = run_in_process(["stats", store, "--disk-bytes", f"{(slab_bytes >> 10) + 4}KiB"], capfd)
+    res = run_in_process(["stats", store, "--disk-bytes", f"{(slab_bytes + slot) >> 10}KiB"], capfd)
     assert_one_line_error(res, 2, "never resizes it")
 
 
