@@ -496,7 +496,7 @@ fn handles_of_another_engine_are_refused_everywhere() {
     // Sequences of both in one batch.
     assert_eq!(
         a.block_table(&[&sa, &sb]).unwrap_err().status(),
-        Status::InvalidArg
+        Status::BadHandle
     );
     // Forged handles.
     for raw in [
@@ -659,7 +659,7 @@ fn contexts_race_switches_on_other_threads_with_their_fences() {
     let c = other.create_context("c", KvPolicy::Keep).unwrap();
     assert_eq!(
         e.switch_context(None, Some(&c)).unwrap_err().status(),
-        Status::InvalidArg
+        Status::BadHandle
     );
     assert!(e.create_sequence_with(0, 0, Some(&c)).is_err());
 }
