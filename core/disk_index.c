@@ -871,6 +871,12 @@ int kvhi_index_flush(kvhi_disk *d)
     return rc;
 }
 
+static bool dir_removed(const kvhi_disk *d)
+{
+    struct stat ds;
+    return d->dir_fd >= 0 && fstat(d->dir_fd, &ds) == 0 && ds.st_nlink == 0;
+}
+
 /* fdatasync of the journal through fd, and the check that the journal
  * and the directory still stand. */
 static int sync_journal_fd(kvhi_disk *d, int fd)
@@ -879,9 +885,8 @@ static int sync_journal_fd(kvhi_disk *d, int fd)
     int rc = inj ? inj : kvhi_disk_sync_fd(fd, true);
     /* Records synced into a journal (or a directory) someone removed
      * are durable nowhere a later open looks: say so, once and for all. */
-    struct stat js, ds;
-    if (rc == 0 && ((fstat(fd, &js) == 0 && js.st_nlink == 0) ||
-                    (d->dir_fd >= 0 && fstat(d->dir_fd, &ds) == 0 && ds.st_nlink == 0)))
+    struct stat js;
+    if (rc == 0 && ((fstat(fd, &js) == 0 && js.st_nlink == 0) || dir_removed(d)))
         rc = -ENOENT;
     return rc;
 }
@@ -910,9 +915,7 @@ int kvhi_index_sync(kvhi_disk *d)
         /* A fold that replaced the journal meanwhile wrote and synced a
          * snapshot holding these records: the old file no longer matters.
          * A directory removed still does. */
-        struct stat ds;
-        if (rc != 0 && d->journal_generation != generation && !d->fatal &&
-            !(d->dir_fd >= 0 && fstat(d->dir_fd, &ds) == 0 && ds.st_nlink == 0))
+        if (rc != 0 && d->journal_generation != generation && !d->fatal && !dir_removed(d))
             rc = 0;
     }
     if (rc != 0)

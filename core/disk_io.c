@@ -261,12 +261,15 @@ static void probe_direct(kvhi_disk *d)
     }
 }
 
+/* The name of slab file i in the store's directory. */
+static void slab_name(char *buf, size_t len, uint32_t i) { snprintf(buf, len, "slab-%04u.kvh", i); }
+
 /* Opens slab file i, or makes it when create: its descriptor, or -errno
  * (-ENOENT for a missing file not to be made). */
 static int open_slab(kvhi_disk *d, uint32_t i, bool create)
 {
     char name[64];
-    snprintf(name, sizeof(name), "slab-%04u.kvh", i);
+    slab_name(name, sizeof(name), i);
     int flags = O_RDWR | (create ? O_CREAT : 0);
     bool tried_direct = d->direct;
     int fd = tried_direct ? kvhi_store_openat(d, name, flags | O_DIRECT) : -ENOENT;
@@ -781,7 +784,7 @@ static bool slab_in_place(const kvhi_disk *d, uint32_t i)
 {
     struct stat held, named;
     char name[64];
-    snprintf(name, sizeof(name), "slab-%04u.kvh", i);
+    slab_name(name, sizeof(name), i);
     if (fstat(d->slab_fds[i], &held) != 0 || held.st_nlink == 0)
         return false;
     if (d->dir_fd < 0)
@@ -807,13 +810,13 @@ int kvhi_disk_trim_slabs(kvhi_disk *d)
     char name[32];
     uint32_t end = d->n_slabs;
     while (end < UINT32_MAX) {
-        snprintf(name, sizeof(name), "slab-%04u.kvh", end);
+        slab_name(name, sizeof(name), end);
         if (fstatat(d->dir_fd, name, &st, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISREG(st.st_mode) || st.st_uid != geteuid())
             break;
         end++;
     }
     while (end-- > d->n_slabs) {
-        snprintf(name, sizeof(name), "slab-%04u.kvh", end);
+        slab_name(name, sizeof(name), end);
         if (unlinkat(d->dir_fd, name, 0) != 0)
             break;
     }
